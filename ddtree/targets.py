@@ -79,10 +79,46 @@ def builtin_target_folder(name: str) -> Path:
     return folder
 
 
+# A tiny random-weight Llama with SmolLM2's tokenizer, for tests and smoke runs (recipe `tiny`).
+TINY_TARGET = "tiny-random"
+TINY_TARGET_ARCH = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=True,
+)
+
+
+def tiny_target_folder() -> Path:
+    """Build (once, seeded) the tiny random target beside the converted SmolLM2 and return its folder."""
+    folder = cache_dir() / "targets" / TINY_TARGET
+    if (folder / "config.json").exists() and (folder / "model.safetensors").exists():
+        return folder
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(builtin_target_folder("smollm2-135m"))
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, **TINY_TARGET_ARCH,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    staging = Path(tempfile.mkdtemp(prefix=f".{TINY_TARGET}-", dir=folder.parent))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        if folder.exists():
+            shutil.rmtree(folder)
+        staging.rename(folder)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
 def resolve_target(name_or_path: str) -> str:
     """Map a target name to something `from_pretrained` can load, or raise a DDTreeError."""
     if name_or_path in BUILTIN_TARGETS:
         return str(builtin_target_folder(name_or_path))
+    if name_or_path == TINY_TARGET:
+        return str(tiny_target_folder())
     path = Path(name_or_path)
     if path.is_dir():
         if not (path / "config.json").exists():
@@ -91,7 +127,7 @@ def resolve_target(name_or_path: str) -> str:
     looks_like_hub_id = name_or_path.count("/") == 1 and not name_or_path.startswith((".", "/"))
     if not looks_like_hub_id:
         raise DDTreeError(
-            f"unknown target {name_or_path!r}: not a built-in target ({', '.join(BUILTIN_TARGETS)}), "
+            f"unknown target {name_or_path!r}: not a built-in target ({', '.join([*BUILTIN_TARGETS, TINY_TARGET])}), "
             "not a local folder, and not a Hub id of the form owner/name"
         )
     return name_or_path
@@ -99,7 +135,7 @@ def resolve_target(name_or_path: str) -> str:
 
 def mask_token_id_for(name_or_path: str, tokenizer: PreTrainedTokenizerBase) -> int | None:
     """The MASK id a built-in target's definition names, else None (the drafter config decides)."""
-    spec = BUILTIN_TARGETS.get(name_or_path)
+    spec = BUILTIN_TARGETS.get("smollm2-135m" if name_or_path == TINY_TARGET else name_or_path)
     return None if spec is None else tokenizer.convert_tokens_to_ids(spec.mask_token)
 
 
@@ -127,3 +163,90 @@ def stop_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -
             continue
         ids.update([source] if isinstance(source, int) else source)
     return sorted(ids)
+
+
+def choose_mask_token_id(
+    name_or_path: str, tokenizer: PreTrainedTokenizerBase, embedding_rows: int, configured: int | None = None
+) -> int:
+    """MASK id: a configured id, else the target definition's, else a spare embedding row, else an error."""
+    if configured is None:
+        configured = mask_token_id_for(name_or_path, tokenizer)
+    if configured is not None:
+        if not 0 <= configured < embedding_rows:
+            raise DDTreeError(
+                f"mask_token_id {configured} is outside the target's embedding (0..{embedding_rows - 1})"
+            )
+        return configured
+    if embedding_rows > len(tokenizer):
+        return len(tokenizer)  # first spare row past the tokenizer's last token
+    raise DDTreeError(
+        f"target {name_or_path!r} has no spare embedding row past its {len(tokenizer)}-token vocabulary: "
+        "set mask_token_id to a rarely used special token of the target"
+    )
+
+
+def build_drafter_config(
+    target: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    name_or_path: str,
+    num_layers: int = 5,
+    block_size: int = 16,
+    target_layer_ids: list[int] | None = None,
+    mask_token_id: int | None = None,
+):
+    """A drafter config shaped after the target: same hidden size, attention layout and RoPE."""
+    from .configuration_dflash import DFlashDrafterConfig, default_target_layer_ids
+
+    tc = target.config.get_text_config()
+    embedding_rows = target.get_input_embeddings().weight.shape[0]
+    head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+    config = DFlashDrafterConfig(
+        block_size=block_size,
+        num_target_layers=tc.num_hidden_layers,
+        dflash_config={
+            "mask_token_id": choose_mask_token_id(name_or_path, tokenizer, embedding_rows, mask_token_id),
+            "target_layer_ids": list(target_layer_ids or default_target_layer_ids(tc.num_hidden_layers, 5)),
+        },
+        target_name_or_path=name_or_path,
+        vocab_size=embedding_rows,
+        hidden_size=tc.hidden_size,
+        intermediate_size=tc.intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=tc.num_attention_heads,
+        num_key_value_heads=getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads,
+        head_dim=head_dim,
+        rms_norm_eps=tc.rms_norm_eps,
+        max_position_embeddings=tc.max_position_embeddings,
+        rope_parameters=dict(getattr(tc, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}),
+    )
+    check_drafter_fits(config, target, name_or_path)
+    return config
+
+
+def check_drafter_fits(config, target: PreTrainedModel, source: str) -> None:
+    """Raise a DDTreeError naming the first field of a drafter config that does not fit the target."""
+    tc = target.config.get_text_config()
+    embedding_rows = target.get_input_embeddings().weight.shape[0]
+    if config.hidden_size != tc.hidden_size:
+        raise DDTreeError(
+            f"drafter {source}: hidden_size {config.hidden_size} != the target's {tc.hidden_size}; "
+            "this drafter was built for another target"
+        )
+    bad_ids = [i for i in config.target_layer_ids if not 0 <= i < tc.num_hidden_layers]
+    if not config.target_layer_ids or bad_ids:
+        raise DDTreeError(
+            f"drafter {source}: target_layer_ids {config.target_layer_ids} must be non-empty and within "
+            f"0..{tc.num_hidden_layers - 1} (the target has {tc.num_hidden_layers} layers)"
+        )
+    if config.vocab_size != embedding_rows:
+        raise DDTreeError(
+            f"drafter {source}: vocab_size {config.vocab_size} != the target's {embedding_rows} embedding rows; "
+            "this drafter was built for another target"
+        )
+    if config.mask_token_id is None or not 0 <= config.mask_token_id < embedding_rows:
+        raise DDTreeError(
+            f"drafter {source}: dflash_config.mask_token_id {config.mask_token_id} is not a row of the target's "
+            f"embedding (0..{embedding_rows - 1})"
+        )
+    if config.block_size < 2:
+        raise DDTreeError(f"drafter {source}: block_size {config.block_size} must be at least 2")

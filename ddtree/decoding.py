@@ -1,0 +1,280 @@
+"""Decoding loops over one target and its KV cache, batch size 1: `ar`, `dflash` and `ddtree`.
+
+    result = generate(target, prompt_ids, method="ddtree", drafter=DrafterRunner(drafter, target),
+                      budget=32, max_new_tokens=256, stop_ids=[2])
+    result.new_tokens, result.tau, result.rounds
+
+Every method is lossless: each committed token is the target's own choice (its argmax at T=0,
+a sample from its processed distribution at T>0), drafts only decide how many of those choices
+one target forward can confirm. A round of `dflash`/`ddtree`:
+  1. the drafter proposes per-depth logits for the block after the root (the last bonus token);
+  2. `dflash` keeps the argmax chain, `ddtree` the best-first tree under the node budget;
+  3. one target forward over [root, nodes...] with an ancestor-only mask;
+  4. the walk accepts nodes while the target's token is a child; the target's token after the
+     last accepted node is the next bonus;
+  5. the target KV cache keeps the root and the accepted rows only (compacted to be contiguous),
+     and the drafter context grows by the target features of exactly those rows.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from .modeling_dflash import DFlashDraftModel, fuse_target_features
+from .targets import DDTreeError
+from .tree import DraftTree, build_tree, chain_tree, tree_attention_mask, tree_positions, walk
+
+METHODS = ("ar", "dflash", "ddtree")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k cut
+
+    def __post_init__(self):
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise DDTreeError(
+                f"bad sampling settings: temperature {self.temperature} must be >= 0, top_p {self.top_p} in "
+                f"(0, 1], top_k {self.top_k} >= 0"
+            )
+
+    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+        """The target's sampling distribution for one row of logits (V,), after temperature, top-k, top-p."""
+        scores = logits.float() / self.temperature
+        if 0 < self.top_k < scores.shape[-1]:
+            kth_best = scores.topk(self.top_k).values[-1]
+            scores = scores.masked_fill(scores < kth_best, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        if self.top_p < 1.0:
+            sorted_probs, order = probs.sort(descending=True)
+            # keep the smallest set of most likely tokens whose mass reaches top_p
+            drop = sorted_probs.cumsum(-1) - sorted_probs >= self.top_p
+            probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
+            probs = probs / probs.sum()
+        return probs
+
+    def choose(self, logits: torch.Tensor, generator: torch.Generator | None) -> int:
+        """The target's own decoding rule on one row of logits (V,)."""
+        if self.temperature == 0:
+            return int(logits.argmax())
+        return int(torch.multinomial(self.probabilities(logits), 1, generator=generator))
+
+
+@dataclass
+class Round:
+    committed: int  # tokens this round added (accepted nodes + the bonus), after stop/length cuts
+    tree_size: int  # draft nodes verified (0 for ar)
+    draft_s: float = 0.0  # drafter forward and its logits
+    verify_s: float = 0.0  # the target forward
+    other_s: float = 0.0  # tree build, mask, walk, cache compaction, bookkeeping
+    expected: float = 1.0  # the drafter's own predicted acceptance for this tree (1 + sum of path probs)
+    accepted_depth: int = 0  # accepted draft nodes (committed - 1 unless the round was cut)
+
+
+@dataclass
+class GenerationResult:
+    prompt_ids: list[int]
+    new_tokens: list[int]
+    rounds: list[Round] = field(default_factory=list)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    stopped: bool = False  # ended on a stop token (else on max_new_tokens or the context limit)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per verification round (accepted drafts + the bonus)."""
+        return sum(r.committed for r in self.rounds) / len(self.rounds) if self.rounds else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        total = self.prefill_s + self.decode_s
+        return len(self.new_tokens) / total if total > 0 else 0.0
+
+
+class DrafterRunner:
+    """Runs a DFlash drafter with the target's frozen embedding and LM head, caching its context.
+
+    `propose` is the only call the decoding loop makes; tests substitute rigged drafters with the same
+    interface (reset, propose).
+    """
+
+    def __init__(self, drafter: DFlashDraftModel, target: PreTrainedModel):
+        self.drafter = drafter.eval()
+        self.embedding = target.get_input_embeddings()
+        self.lm_head = target.get_output_embeddings()
+        self.layer_ids = drafter.target_layer_ids
+        self.block_size = drafter.block_size
+        self.mask_token_id = drafter.mask_token_id
+        self.cache = DynamicCache()
+        self.context_end = 0  # positions [0, context_end) are in the drafter's cache
+
+    def reset(self) -> None:
+        self.cache = DynamicCache()
+        self.context_end = 0
+
+    def features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return fuse_target_features(hidden_states, self.layer_ids)  # (1, T, K*H)
+
+    @torch.no_grad()
+    def propose(self, root_token: int, start: int, new_context: torch.Tensor, depth: int) -> torch.Tensor:
+        """Draft logits (depth, V) for positions start+1 .. start+depth.
+
+        new_context: (1, T, K*H) target features of positions [start - T, start), the rows committed
+        since the last call; they join the cached context. The root sits at `start`.
+        """
+        device = new_context.device
+        context_start = start - new_context.shape[1]
+        if context_start != self.context_end:
+            raise RuntimeError(f"drafter context gap: cached up to {self.context_end}, new rows from {context_start}")
+        block = torch.full((1, self.block_size), self.mask_token_id, dtype=torch.long, device=device)
+        block[0, 0] = root_token
+        positions = torch.arange(context_start, start + self.block_size, device=device)[None]
+        hidden = self.drafter(
+            noise_embedding=self.embedding(block).to(self.drafter.dtype),
+            target_hidden=new_context.to(self.drafter.dtype),
+            position_ids=positions,
+            past_key_values=self.cache,
+        )  # (1, B, H)
+        self.context_end = start
+        return self.drafter.compute_logits(hidden[0, 1 : 1 + depth].to(self.lm_head.weight.dtype), self.lm_head)
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":  # time what the GPU did, not when the launch returned
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _keep_rows(cache: DynamicCache, prefix_length: int, rows: list[int]) -> None:
+    """Compact the cache to the prefix plus the given rows (offsets past the prefix), in that order."""
+    tail = torch.tensor(rows, dtype=torch.long, device=cache.layers[0].keys.device) + prefix_length
+    for layer in cache.layers:
+        layer.keys = torch.cat([layer.keys[..., :prefix_length, :], layer.keys.index_select(-2, tail)], dim=-2)
+        layer.values = torch.cat([layer.values[..., :prefix_length, :], layer.values.index_select(-2, tail)], dim=-2)
+
+
+def context_limit(target: PreTrainedModel) -> int:
+    return int(getattr(target.config.get_text_config(), "max_position_embeddings", 1 << 30))
+
+
+@torch.no_grad()
+def generate(
+    target: PreTrainedModel,
+    prompt_ids: list[int] | torch.Tensor,
+    method: str = "ddtree",
+    drafter: DrafterRunner | None = None,
+    budget: int = 32,
+    max_new_tokens: int = 256,
+    stop_ids: list[int] | tuple[int, ...] = (),
+    sampling: Sampling = Sampling(),
+    generator: torch.Generator | None = None,
+) -> GenerationResult:
+    """Generate up to `max_new_tokens` tokens after `prompt_ids` with one of METHODS. Batch size 1."""
+    if method not in METHODS:
+        raise DDTreeError(f"unknown method {method!r}: choose from {', '.join(METHODS)}")
+    if method != "ar" and drafter is None:
+        raise DDTreeError(f"method {method!r} needs a drafter")
+    if method == "ddtree" and budget < 1:
+        raise DDTreeError(f"budget {budget} must be at least 1")
+    device = target.device
+    prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1).tolist()
+    limit = context_limit(target)
+    if len(prompt) >= limit:
+        raise DDTreeError(f"prompt of {len(prompt)} tokens does not fit the target's context of {limit} tokens")
+    max_new_tokens = min(max_new_tokens, limit - len(prompt))
+    result = GenerationResult(prompt_ids=prompt, new_tokens=[])
+    if max_new_tokens <= 0:
+        return result
+    stop = set(stop_ids)
+    cache = DynamicCache(config=target.config)
+    use_drafter = method != "ar"
+
+    t0 = _now(device)
+    out = target(
+        torch.tensor([prompt], device=device),
+        past_key_values=cache,
+        use_cache=True,
+        output_hidden_states=use_drafter,
+        logits_to_keep=1,
+    )
+    root = sampling.choose(out.logits[0, -1], generator)
+    result.new_tokens.append(root)
+    new_context = drafter.features(out.hidden_states) if use_drafter else None
+    if use_drafter:
+        drafter.reset()
+    result.prefill_s = _now(device) - t0
+    result.stopped = root in stop
+
+    start = len(prompt)  # position of the root: committed, not yet in the target's cache
+    t_decode = _now(device)
+    while not result.stopped and len(result.new_tokens) < max_new_tokens:
+        t_round = _now(device)
+        room = max_new_tokens - len(result.new_tokens)  # tokens this round may still commit
+        depth = min(room - 1, limit - 1 - start)  # deeper nodes could never be committed
+        draft_s = 0.0
+        expected = 1.0
+        if use_drafter and depth > 0:
+            depth = min(depth, drafter.block_size - 1)
+            draft_logits = drafter.propose(root, start, new_context, depth)  # (depth, V)
+            t_drafted = _now(device)
+            draft_s = t_drafted - t_round
+            if method == "ddtree":
+                tree = build_tree(draft_logits, budget)
+                expected = tree.expected_acceptance
+            else:
+                tree = chain_tree(draft_logits.argmax(-1).tolist())
+        else:
+            t_drafted = t_round
+            tree = chain_tree([])
+        rows = [root] + tree.tokens
+        mask = tree_attention_mask(tree, start, target.dtype, device)
+        positions = tree_positions(tree, start).to(device)[None]
+
+        t_verify = _now(device)
+        out = target(
+            torch.tensor([rows], device=device),
+            position_ids=positions,
+            attention_mask=mask,
+            past_key_values=cache,
+            use_cache=True,
+            output_hidden_states=use_drafter,
+        )
+        t_verified = _now(device)
+        logits = out.logits[0]  # (1 + n, V)
+
+        accepted, bonus = walk(tree, lambda row: sampling.choose(logits[row], generator))
+        committed = [tree.tokens[row - 1] for row in accepted] + [bonus]
+        committed = committed[:room]
+        for i, token in enumerate(committed):
+            if token in stop:
+                committed = committed[: i + 1]
+                result.stopped = True
+                break
+        result.new_tokens.extend(committed)
+        kept_rows = [0] + accepted  # the root and the accepted nodes enter the cache
+        if not result.stopped and len(result.new_tokens) < max_new_tokens:
+            _keep_rows(cache, start, kept_rows)
+            if use_drafter:
+                new_context = drafter.features(out.hidden_states)[:, kept_rows]
+            start += len(kept_rows)
+            root = bonus
+        t_end = _now(device)
+        result.rounds.append(
+            Round(
+                committed=len(committed),
+                tree_size=len(tree),
+                draft_s=draft_s,
+                verify_s=t_verified - t_verify,
+                other_s=(t_end - t_round) - draft_s - (t_verified - t_verify),
+                expected=expected,
+                accepted_depth=len(accepted),
+            )
+        )
+    result.decode_s = _now(device) - t_decode
+    return result

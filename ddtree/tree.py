@@ -1,0 +1,133 @@
+"""Draft trees (DDTree): build the best tree under a node budget, flatten it, mask it, walk it.
+
+The drafter's per-depth distributions are factorised, Q(y_1..L) = prod_i q_i(y_i), so the
+expected accepted depth of a prefix-closed tree is the sum of its nodes' path probabilities,
+and the best tree under a budget of B nodes is the B most probable prefixes. A best-first
+heap finds them in O(B log B) using only the top-B tokens of each depth.
+
+Flattened layout fed to the target in one forward: row 0 is the root (the bonus token already
+committed but not yet in the KV cache), rows 1..n are the nodes in pop order, which is
+topological (parents before children). Each row sees the committed prefix, the root, its
+ancestors and itself; siblings share a position (start + depth).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+@dataclass
+class DraftTree:
+    tokens: list[int]  # (n,) token of each node, in pop (topological) order
+    parents: list[int]  # (n,) row of each node's parent in the flattened tree (0 = the root)
+    depths: list[int]  # (n,) 1-based depth of each node
+    log_probs: list[float]  # (n,) log of the path probability of each node under the drafter
+    children: list[dict[int, int]] = field(default_factory=list)  # per row (0..n): token -> child row
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def expected_acceptance(self) -> float:
+        """The drafter's own estimate of tau for this tree: 1 + sum of path probabilities (DDTree Prop. 1)."""
+        return 1.0 + float(np.exp(np.asarray(self.log_probs, dtype=np.float64)).sum()) if self.tokens else 1.0
+
+
+def _empty_tree() -> DraftTree:
+    return DraftTree([], [], [], [], [{}])
+
+
+def build_tree(draft_logits: torch.Tensor, budget: int) -> DraftTree:
+    """Best-first tree of the `budget` most probable prefixes. draft_logits: (L, V), one row per depth."""
+    depth_count = draft_logits.shape[0]
+    if budget < 1 or depth_count == 0:
+        return _empty_tree()
+    top = min(budget, draft_logits.shape[-1])
+    top_log_probs, top_tokens = torch.log_softmax(draft_logits.float(), dim=-1).topk(top, dim=-1)  # (L, top)
+    top_log_probs, top_tokens = top_log_probs.cpu().tolist(), top_tokens.cpu().tolist()
+
+    tree = _empty_tree()
+    # Heap entries: (-path score, depth index, rank at that depth, parent row). Scores are exact
+    # sums of log-probs, so a popped node's score is never above its parent's: pops are topological.
+    heap = [(-top_log_probs[0][0], 0, 0, 0)]
+    while heap and len(tree.tokens) < budget:
+        neg_score, depth, rank, parent = heapq.heappop(heap)
+        score = -neg_score
+        token = top_tokens[depth][rank]
+        row = len(tree.tokens) + 1
+        tree.tokens.append(token)
+        tree.parents.append(parent)
+        tree.depths.append(depth + 1)
+        tree.log_probs.append(score)
+        tree.children.append({})
+        tree.children[parent][token] = row
+        if rank + 1 < top:  # next sibling: same parent, next-best token at this depth
+            sibling = score - top_log_probs[depth][rank] + top_log_probs[depth][rank + 1]
+            heapq.heappush(heap, (-sibling, depth, rank + 1, parent))
+        if depth + 1 < depth_count:  # first child: best token at the next depth
+            heapq.heappush(heap, (-(score + top_log_probs[depth + 1][0]), depth + 1, 0, row))
+    return tree
+
+
+def chain_tree(tokens: list[int]) -> DraftTree:
+    """A single chain (DFlash verification) expressed as a tree: node i's parent is node i-1."""
+    tree = _empty_tree()
+    for i, token in enumerate(tokens):
+        tree.tokens.append(token)
+        tree.parents.append(i)
+        tree.depths.append(i + 1)
+        tree.log_probs.append(0.0)
+        tree.children.append({})
+        tree.children[i][token] = i + 1
+    return tree
+
+
+def tree_positions(tree: DraftTree, start: int) -> torch.LongTensor:
+    """Positions of the flattened rows: the root at `start`, each node at start + depth. (1 + n,)"""
+    return torch.tensor([start] + [start + d for d in tree.depths], dtype=torch.long)
+
+
+def ancestor_matrix(tree: DraftTree) -> np.ndarray:
+    """(1 + n, 1 + n) bool: row i sees column j iff j is i itself or one of i's ancestors (the root included)."""
+    rows = len(tree) + 1
+    visible = np.zeros((rows, rows), dtype=bool)
+    visible[0, 0] = True
+    for row, parent in enumerate(tree.parents, start=1):
+        visible[row] = visible[parent]  # parents come first, so their row is complete
+        visible[row, row] = True
+    return visible
+
+
+def tree_attention_mask(tree: DraftTree, prefix_length: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Additive 4-D mask (1, 1, 1 + n, prefix_length + 1 + n): 0 where visible, dtype-min elsewhere.
+
+    Every row sees the whole committed prefix (the KV cache) and only its ancestors in the tree.
+    Additive rather than boolean so that both SDPA and eager attention read it the same way.
+    """
+    rows = len(tree) + 1
+    visible = np.ones((rows, prefix_length + rows), dtype=bool)
+    visible[:, prefix_length:] = ancestor_matrix(tree)
+    mask = torch.zeros(visible.shape, dtype=dtype)
+    mask.masked_fill_(torch.from_numpy(~visible), torch.finfo(dtype).min)
+    return mask.to(device)[None, None]
+
+
+def walk(tree: DraftTree, next_token_at) -> tuple[list[int], int]:
+    """Follow the target's own choices from the root while they are children in the tree.
+
+    next_token_at(row) -> the target's token after that row (argmax at T=0, a sample at T>0); it is
+    called only on the rows of the walk, in order, so sampling draws exactly one token per step.
+    Returns (accepted node rows in path order, the bonus token after the last accepted row).
+    """
+    accepted, row = [], 0
+    while True:
+        token = next_token_at(row)
+        child = tree.children[row].get(token)
+        if child is None:
+            return accepted, token
+        accepted.append(child)
+        row = child

@@ -1,0 +1,331 @@
+"""Tests of the training system: loss, anchors and masks, target features, DistillModule, export.
+
+    .venv/bin/pytest -q tests/training/test_module.py
+
+Everything runs on the tiny random target (6 layers, hidden 64) on CPU in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import lightning as L
+import pytest
+import torch
+from torch.nn import functional as F
+from torch.utils.data import DataLoader
+
+from ddtree.modeling_dflash import DFlashDraftModel, fuse_target_features
+from training.export import drafter_from_checkpoint, export_drafter
+from training.loss import (
+    block_position_weights,
+    chain_acceptance,
+    decayed_cross_entropy,
+    position_hit_counts,
+)
+from training.masks import (
+    IGNORE_INDEX,
+    anchor_candidates,
+    block_input_ids,
+    block_labels,
+    block_mask_mod,
+    block_position_ids,
+    dense_block_mask,
+    flex_block_mask,
+    sample_anchors,
+)
+from training.module import DistillModule, NonFiniteError, target_layer_features
+
+BLOCK = 4
+
+
+def tiny_module(**overrides) -> DistillModule:
+    settings = dict(
+        target="tiny-random", num_layers=2, block_size=BLOCK, target_layer_ids=[0, 2, 4], num_anchors=6,
+        gamma=4.0, lr=3e-3, warmup_ratio=0.0, target_dtype="float32",
+    )
+    settings.update(overrides)
+    module = DistillModule(**settings)
+    module.configure_model()
+    return module
+
+
+@pytest.fixture(scope="module")
+def module() -> DistillModule:
+    torch.manual_seed(0)
+    return tiny_module()
+
+
+def synthetic_batch(num_sequences=2, length=24, prompt=6, seed=0) -> dict:
+    """Right-padded batch: a prompt, then a reply (supervised), then padding in the second row."""
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(100, 40000, (num_sequences, length), generator=generator)
+    loss_mask = torch.zeros(num_sequences, length, dtype=torch.bool)
+    loss_mask[:, prompt:] = True
+    attention_mask = torch.ones(num_sequences, length, dtype=torch.bool)
+    if num_sequences > 1:
+        loss_mask[1, length - 5 :] = False
+        attention_mask[1, length - 5 :] = False
+        input_ids[1, length - 5 :] = 2  # pad
+    return {"input_ids": input_ids, "loss_mask": loss_mask, "attention_mask": attention_mask}
+
+
+# ----------------------------------------------------------------------------- loss
+
+
+def test_position_weights_skip_the_anchor_and_decay():
+    weights = block_position_weights(16, gamma=7.0)
+    assert weights[0] == 0 and weights[1] == 1
+    assert torch.allclose(weights[2:], torch.exp(-torch.arange(1, 15) / 7.0))
+
+
+def test_decayed_cross_entropy_is_the_weighted_mean_of_token_losses():
+    torch.manual_seed(0)
+    logits, labels = torch.randn(6, 11), torch.randint(0, 11, (6,))
+    positions = torch.tensor([1, 2, 3, 1, 5, 7])
+    loss = decayed_cross_entropy(logits, labels, positions, block_size=8, gamma=5.0)
+    token = F.cross_entropy(logits, labels, reduction="none")
+    weights = torch.tensor([math.exp(-(k - 1) / 5.0) for k in positions.tolist()])
+    assert torch.allclose(loss, (token * weights).sum() / weights.sum())
+
+
+def test_hits_per_position_and_implied_chain_acceptance():
+    logits = torch.zeros(4, 5)
+    logits[torch.arange(4), torch.tensor([1, 2, 3, 0])] = 1.0  # predictions 1, 2, 3, 0
+    labels = torch.tensor([1, 2, 4, 0])
+    hits, tokens = position_hit_counts(logits, labels, torch.tensor([1, 1, 2, 2]), block_size=3)
+    assert hits.tolist() == [0, 2, 1] and tokens.tolist() == [0, 2, 2]
+    assert chain_acceptance(torch.ones(15)) == 16  # a perfect block of 16 accepts everything
+    assert torch.isclose(chain_acceptance(torch.tensor([0.5, 0.5, 0.0])), torch.tensor(1.75))
+
+
+# ----------------------------------------------------------------------------- anchors and labels
+
+
+def test_anchors_are_distinct_sorted_reply_tokens_redrawn_per_seed():
+    loss_mask = torch.zeros(2, 30, dtype=torch.bool)
+    loss_mask[0, 10:30] = True
+    loss_mask[1, 5:9] = True  # only 3 candidates (5, 6, 7): 8 has no supervised successor
+    anchors, valid = sample_anchors(loss_mask, num_anchors=8, generator=torch.Generator().manual_seed(1))
+    assert anchors.shape == (2, 8)
+    assert valid[0].all() and valid[1].tolist() == [True] * 3 + [False] * 5
+    assert anchors[1, :3].tolist() == [5, 6, 7]
+    first = anchors[0]
+    assert len(set(first.tolist())) == 8 and torch.all(first[1:] > first[:-1])
+    assert anchor_candidates(loss_mask)[0, first].all()
+    again, _ = sample_anchors(loss_mask, 8, torch.Generator().manual_seed(1))
+    other, _ = sample_anchors(loss_mask, 8, torch.Generator().manual_seed(2))
+    assert torch.equal(again, anchors) and not torch.equal(other, anchors)
+    # never more anchors than the batch's largest candidate count
+    few, _ = sample_anchors(loss_mask, 500, torch.Generator().manual_seed(0))
+    assert few.shape[1] == 19  # candidates 10..28 in row 0 (29 is last: no successor)
+
+
+def test_block_labels_stop_at_the_end_of_the_reply_and_skip_the_anchor():
+    input_ids = torch.arange(100, 112)[None]  # token at position p is 100 + p
+    loss_mask = torch.zeros(1, 12, dtype=torch.bool)
+    loss_mask[0, 3:8] = True  # reply = positions 3..7, then a user turn
+    loss_mask[0, 10:12] = True  # a later reply the first block must not reach across to
+    anchors, valid = torch.tensor([[6, 10, 0]]), torch.tensor([[True, True, False]])
+    labels = block_labels(input_ids, loss_mask, anchors, valid, block_size=5)
+    assert labels[0, 0].tolist() == [IGNORE_INDEX, 107, IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX]
+    assert labels[0, 1].tolist() == [IGNORE_INDEX, 111, IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX]  # past the end
+    assert (labels[0, 2] == IGNORE_INDEX).all()  # invalid slot
+
+
+# ----------------------------------------------------------------------------- the sparse mask
+
+
+def test_dense_mask_sees_the_context_before_its_anchor_and_its_own_block_only():
+    anchors, context_len, block = torch.tensor([[2, 5, 6]]), 8, 3
+    mask = dense_block_mask(anchors, context_len, block)[0, 0]  # (9, 17)
+    for q in range(9):
+        own, anchor = q // block, anchors[0, q // block].item()
+        for kv in range(context_len + 9):
+            if kv < context_len:
+                expected = kv < anchor  # strictly before the anchor: the anchor itself is the block's input
+            else:
+                expected = (kv - context_len) // block == own  # bidirectional inside its block, no other block
+            assert mask[q, kv].item() == expected, (q, kv)
+    positions = block_position_ids(context_len, anchors, block)[0]
+    assert positions[:context_len].tolist() == list(range(8))
+    assert positions[context_len:].tolist() == [2, 3, 4, 5, 6, 7, 6, 7, 8]
+
+
+def test_flex_mask_mod_on_index_grids_equals_the_dense_mask():
+    anchors = torch.tensor([[3, 10, 11, 30], [5, 6, 0, 0]])
+    context_len, block = 40, 8
+    mask_mod = block_mask_mod(anchors, context_len, block)
+    b = torch.arange(2)[:, None, None, None]
+    q = torch.arange(4 * block)[None, None, :, None]
+    kv = torch.arange(context_len + 4 * block)[None, None, None, :]
+    grid = mask_mod(b, torch.zeros(1, 1, 1, 1, dtype=torch.long), q, kv)
+    assert torch.equal(grid, dense_block_mask(anchors, context_len, block))
+
+
+def test_drafter_under_the_flex_block_mask_matches_the_dense_mask(module):
+    """flex_attention runs eagerly on CPU (slow but exact), so the CUDA path's mask is checked end to end."""
+    batch = synthetic_batch()
+    features = target_layer_features(module.target, batch["input_ids"], module._target.layer_ids)
+    anchors = torch.tensor([[6, 7, 15], [8, 12, 0]])
+    with torch.no_grad(), warnings.catch_warnings():  # flex attention has no CPU backward
+        dense = module.block_hidden_states(features, batch["input_ids"], anchors)
+        warnings.simplefilter("ignore")
+        mask_id = module.drafter.config.mask_token_id
+        noise = module.target.get_input_embeddings()(block_input_ids(batch["input_ids"], anchors, BLOCK, mask_id))
+        positions = block_position_ids(24, anchors, BLOCK)
+        flex = module.drafter(noise, features, positions, attention_mask=flex_block_mask(anchors, 24, BLOCK))
+    assert torch.allclose(flex, dense, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- target features
+
+
+def test_target_features_match_inference_and_skip_the_deeper_layers(module):
+    batch = synthetic_batch()
+    calls = []
+    handles = [layer.register_forward_hook(lambda m, a, o, i=i: calls.append(i)) for i, layer in enumerate(module.target.model.layers)]
+    try:
+        features = target_layer_features(module.target, batch["input_ids"], [4, 0, 2])
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert calls == [0, 1, 2, 3, 4]  # layer 5 and the LM head never ran
+    with torch.no_grad():
+        hidden_states = module.target(batch["input_ids"], output_hidden_states=True).hidden_states
+    assert torch.allclose(features, fuse_target_features(hidden_states, [4, 0, 2]), atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- the module
+
+
+def test_target_is_frozen_and_never_in_parameters_or_checkpoints(module, tmp_path):
+    names = [name for name, _ in module.named_parameters()]
+    assert names and all(name.startswith("drafter.") for name in names)
+    assert all(key.startswith("drafter.") for key in module.state_dict())
+    assert not any(p.requires_grad for p in module.target.parameters())
+    drafter_numel = sum(p.numel() for p in module.drafter.parameters())
+    assert sum(p.numel() for p in module.parameters()) == drafter_numel
+    checkpoint = {"state_dict": module.state_dict()}
+    module.on_save_checkpoint(checkpoint)
+    assert checkpoint["drafter_config"]["block_size"] == BLOCK
+
+
+def test_training_steps_lower_the_loss_and_log_metrics(tmp_path):
+    torch.manual_seed(0)
+    module = tiny_module(lr=1e-2)
+    with torch.no_grad():  # the random target's tied embedding (std 0.02) gives near-uniform logits; sharpen it
+        module.target.get_input_embeddings().weight.mul_(50)
+    batch = synthetic_batch(length=32)
+    loader = DataLoader([batch] * 12, batch_size=None)  # batch_size=None: items are whole batches
+    trainer = L.Trainer(
+        max_steps=12, logger=L.pytorch.loggers.CSVLogger(tmp_path), enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=1.0, log_every_n_steps=1,
+    )
+    with torch.no_grad():
+        before = module._shared_step(batch, 0, "train").loss
+    trainer.fit(module, train_dataloaders=loader)
+    with torch.no_grad():
+        after = module._shared_step(batch, 0, "train").loss
+    assert after < before - 1.0, (before, after)
+    logged = trainer.logged_metrics
+    for key in ["train/loss", "train/tau_chain", "train/acc_1", f"train/acc_{BLOCK - 1}", "train/lr", "perf/target_tok_s"]:
+        assert key in logged, key
+    assert logged["perf/target_tok_s"] > 0
+    # the optimizer holds the drafter's parameters and nothing else
+    optimized = {id(p) for group in trainer.optimizers[0].param_groups for p in group["params"]}
+    assert optimized == {id(p) for p in module.drafter.parameters()}
+
+
+def test_cosine_schedule_with_warmup():
+    module = tiny_module(warmup_ratio=0.1, lr=1.0, min_lr_ratio=0.0)
+    module.trainer = type("T", (), {"estimated_stepping_batches": 100})()
+    config = module.configure_optimizers()
+    optimizer, scheduler = config["optimizer"], config["lr_scheduler"]["scheduler"]
+    seen = []
+    for _ in range(100):
+        seen.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert seen[0] == pytest.approx(0.1) and seen[9] == pytest.approx(1.0)
+    assert seen[55] == pytest.approx(0.5, abs=0.02) and seen[-1] < 0.01
+
+
+def test_non_finite_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(tmp_path):
+    module = tiny_module()
+    batch = synthetic_batch()
+
+    class PoisonAtStep3(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 3:
+                with torch.no_grad():
+                    pl_module.drafter.fc.weight.fill_(float("nan"))
+
+    checkpoints = L.pytorch.callbacks.ModelCheckpoint(tmp_path, every_n_train_steps=2, save_top_k=-1, filename="{step}")
+    trainer = L.Trainer(
+        max_steps=10, logger=False, callbacks=[checkpoints, PoisonAtStep3()], enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with pytest.raises(NonFiniteError, match="step 3: the loss is nan"):
+        trainer.fit(module, train_dataloaders=DataLoader([batch] * 10, batch_size=None))
+    assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == ["step=2.ckpt"]
+
+
+def test_export_from_module_and_checkpoint_loads_with_from_pretrained(module, tmp_path):
+    out = export_drafter(module, tmp_path / "drafter")
+    loaded = DFlashDraftModel.from_pretrained(out)
+    for (name, mine), (_, theirs) in zip(module.drafter.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(mine, theirs), name
+    checkpoint = {"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}
+    module.on_save_checkpoint(checkpoint)
+    torch.save(checkpoint, tmp_path / "x.ckpt")
+    rebuilt = drafter_from_checkpoint(tmp_path / "x.ckpt")
+    assert all(torch.equal(a, b) for a, b in zip(rebuilt.state_dict().values(), loaded.state_dict().values()))
+    assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no staging folder left behind
+
+
+def test_warm_start_with_lora_trains_adapters_only_and_exports_merged(module, tmp_path):
+    folder = export_drafter(module, tmp_path / "base")
+    lora = tiny_module(init_from=str(folder), target_layer_ids=None, num_layers=None, block_size=None, lora_rank=4)
+    trainable = [name for name, p in lora.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in name for name in trainable)
+    with torch.no_grad():  # move the adapters off zero so merging has something to fold in
+        for name, p in lora.drafter.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    batch = synthetic_batch()
+    features = target_layer_features(lora.target, batch["input_ids"], lora._target.layer_ids)
+    anchors = torch.tensor([[6, 9], [7, 10]])
+    with torch.no_grad():
+        wrapped = lora.block_hidden_states(features, batch["input_ids"], anchors)
+        base = module.block_hidden_states(features, batch["input_ids"], anchors)
+    assert not torch.allclose(wrapped, base, atol=1e-4)  # the adapters do change the drafter
+    merged = DFlashDraftModel.from_pretrained(export_drafter(lora, tmp_path / "merged"))
+    lora.drafter = merged
+    with torch.no_grad():
+        assert torch.allclose(lora.block_hidden_states(features, batch["input_ids"], anchors), wrapped, atol=1e-5)
+
+
+def test_warm_start_refuses_a_conflicting_setting(module, tmp_path):
+    from ddtree.targets import DDTreeError
+
+    folder = export_drafter(module, tmp_path / "base")
+    with pytest.raises(DDTreeError, match="model.block_size=8 but init_from"):
+        tiny_module(init_from=str(folder), target_layer_ids=None, num_layers=None, block_size=8)
+
+
+def test_target_adapter_is_merged_at_load(tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    from ddtree.targets import load_target
+
+    base, _ = load_target("tiny-random")
+    adapter = get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj", "down_proj"], init_lora_weights=False))
+    adapter.save_pretrained(tmp_path / "adapter")
+    expected = adapter.merge_and_unload().model.layers[0].self_attn.q_proj.weight.clone()
+    module = tiny_module(target_adapter=str(tmp_path / "adapter"))
+    merged = module.target.model.layers[0].self_attn.q_proj.weight
+    fresh, _ = load_target("tiny-random")
+    assert torch.allclose(merged, expected) and not torch.allclose(merged, fresh.model.layers[0].self_attn.q_proj.weight)
+    assert not any("lora" in name for name, _ in module.target.named_parameters())

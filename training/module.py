@@ -1,0 +1,397 @@
+"""The training system: distil a frozen target LLM into a block-diffusion (DFlash) drafter.
+
+    module = DistillModule(target="tiny-random", num_layers=1, num_anchors=8)
+    trainer = lightning.Trainer(max_steps=10); trainer.fit(module, datamodule)
+
+One step (online features):
+  1. the frozen target (eval mode, no grad) runs only up to its deepest chosen layer and returns
+     those layers' hidden states, concatenated: (S, T, K*H);
+  2. up to `num_anchors` anchors per sequence are drawn among reply tokens (fresh each step, from a
+     generator seeded by (seed, epoch, batch, rank) so a resumed run draws the same ones);
+  3. ONE drafter forward runs every block of every sequence under the sparse block mask
+     (training/masks.py);
+  4. the target's frozen LM head turns the counted block outputs into logits and the
+     position-decayed cross-entropy (training/loss.py) trains the drafter.
+
+The target lives outside the module tree: it is never in `parameters()`, the optimizer or a
+checkpoint, and `configure_model` reloads it from its source (name or folder, plus an optional
+PEFT adapter merged at load). The drafter is the only nn.Module attribute that trains.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import lightning as L
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from ddtree.modeling_dflash import DFlashDraftModel
+from ddtree.targets import DDTreeError, build_drafter_config, check_drafter_fits, load_target
+
+from .loss import block_position_weights, chain_acceptance, decayed_cross_entropy_sums, position_hit_counts
+from .masks import (
+    IGNORE_INDEX,
+    block_input_ids,
+    block_labels,
+    block_position_ids,
+    dense_block_mask,
+    flex_block_mask,
+    sample_anchors,
+)
+from .peft_utils import add_drafter_lora, merge_target_adapter
+
+DEFAULT_LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or the gradient norm stopped being finite; train.py prints it as one line."""
+
+
+@dataclass
+class FrozenTarget:
+    """The target model kept OUT of the module tree (a plain object, not an nn.Module attribute)."""
+
+    model: PreTrainedModel
+    layer_ids: list[int]
+
+
+class StepResult(NamedTuple):
+    loss: torch.Tensor  # scalar, the decayed cross-entropy of the batch
+    weighted_ce: torch.Tensor  # its numerator and denominator, for exact sums over many batches
+    weight_total: torch.Tensor
+    hits: torch.Tensor  # (B,) top-1 hits per block position
+    tokens: torch.Tensor  # (B,) counted tokens per block position
+    target_seconds: float  # wall time of the frozen target's forward
+
+
+class _EnoughLayers(Exception):
+    """Raised by a forward hook once the deepest needed layer has run: the rest of the target is skipped."""
+
+
+@torch.no_grad()
+def target_layer_features(target: PreTrainedModel, input_ids: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
+    """Hidden states of the chosen target layers, concatenated: (S, T) -> (S, T, K*H).
+
+    Layer id l is the output of decoder layer l (hidden_states[l + 1] of a full forward), the same
+    features `fuse_target_features` builds at inference. Layers past max(layer_ids) and the LM head
+    never run. No attention mask is passed: batches are right-padded and attention is causal, so no
+    real token ever sees padding (and SDPA keeps its causal fast path).
+    """
+    decoder = target.get_decoder()
+    captured: dict[int, torch.Tensor] = {}
+    deepest = max(layer_ids)
+
+    def capture(layer_id: int):
+        def hook(module, args, output):
+            captured[layer_id] = output[0] if isinstance(output, tuple) else output
+            if layer_id == deepest:
+                raise _EnoughLayers
+
+        return hook
+
+    handles = [decoder.layers[i].register_forward_hook(capture(i)) for i in sorted(set(layer_ids))]
+    try:
+        decoder(input_ids=input_ids, use_cache=False)
+    except _EnoughLayers:
+        pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    return torch.cat([captured[i] for i in layer_ids], dim=-1)
+
+
+def _dtype_for_precision(precision: str | None) -> torch.dtype:
+    """The frozen target's weight dtype: whatever the drafter computes in (no fp32 copy of a frozen model)."""
+    precision = str(precision or "32")
+    if "bf16" in precision:
+        return torch.bfloat16
+    if precision.startswith("16"):
+        return torch.float16
+    return torch.float32
+
+
+class DistillModule(L.LightningModule):
+    def __init__(
+        self,
+        # --- target
+        target: str = "smollm2-135m",  # built-in name, local HF folder or Hub id of the frozen target
+        target_adapter: str | None = None,  # PEFT adapter folder merged into the target at load
+        target_dtype: str = "auto",  # "auto" follows the Trainer precision (bf16-mixed -> bfloat16)
+        # --- drafter (None = 5 layers / block 16 / published layer ids / target's MASK, or init_from's)
+        num_layers: int | None = None,
+        block_size: int | None = None,
+        target_layer_ids: list[int] | None = None,
+        mask_token_id: int | None = None,
+        init_from: str | None = None,  # warm start from a drafter folder (save_pretrained format)
+        lora_rank: int = 0,  # > 0: train LoRA adapters on the drafter's layers instead of all weights
+        lora_alpha: float = 16.0,
+        lora_dropout: float = 0.0,
+        lora_target_modules: list[str] | None = None,  # default: every attention and MLP projection
+        gradient_checkpointing: bool = False,  # recompute drafter layers in backward (long sequences)
+        # --- objective
+        num_anchors: int = 512,  # blocks per sequence (published: up to 512)
+        gamma: float = 7.0,  # loss decay over block positions (published: 7 for B=16, 5 for B=10)
+        loss_chunk_size: int | None = None,  # LM head + loss over this many block tokens at a time
+        seed: int = 0,  # seeds the anchor draws
+        # --- optimisation (AdamW + linear warmup + cosine decay, stepped every optimizer step)
+        lr: float = 6e-4,
+        weight_decay: float = 0.0,  # not published; 0 keeps the recipe's stated settings
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_ratio: float = 0.04,
+        min_lr_ratio: float = 0.0,  # cosine floor as a fraction of lr
+    ):
+        super().__init__()
+        self.save_hyperparameters()
+        self.drafter: nn.Module | None = None  # built in configure_model
+        self._target: FrozenTarget | None = None
+        self._step_started_at: float | None = None
+        self._batch_tokens = 0
+        self._val_sums: dict[str, torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ setup
+
+    def configure_model(self) -> None:
+        """Load the frozen target and build (or warm-start) the drafter; runs once per process."""
+        if self.drafter is not None:
+            return
+        hp = self.hparams
+        dtype = _dtype_for_precision(self._trainer.precision if self._trainer else None)
+        if hp.target_dtype != "auto":
+            dtype = getattr(torch, hp.target_dtype)
+        model, tokenizer = load_target(hp.target, dtype=dtype)
+        if hp.target_adapter:
+            model = merge_target_adapter(model, hp.target_adapter)
+        model.eval().requires_grad_(False)
+
+        if hp.init_from:
+            drafter = DFlashDraftModel.from_pretrained(hp.init_from, dtype=torch.float32)
+            self._check_matches_folder(drafter.config)
+            check_drafter_fits(drafter.config, model, hp.init_from)
+        else:
+            config = build_drafter_config(
+                model, tokenizer, hp.target,
+                num_layers=hp.num_layers or 5,
+                block_size=hp.block_size or 16,
+                target_layer_ids=hp.target_layer_ids,
+                mask_token_id=hp.mask_token_id,
+            )
+            drafter = DFlashDraftModel(config)
+        if hp.gradient_checkpointing:
+            drafter.gradient_checkpointing = True
+        if hp.lora_rank > 0:
+            drafter = add_drafter_lora(
+                drafter, hp.lora_rank, hp.lora_alpha, hp.lora_dropout, hp.lora_target_modules or DEFAULT_LORA_MODULES
+            )
+        self.drafter = drafter
+        self._target = FrozenTarget(model, list(self.drafter_config.target_layer_ids))
+
+    def _check_matches_folder(self, config) -> None:
+        """A warm start takes its shape from the folder; an explicit, different setting is a user error."""
+        hp = self.hparams
+        for field, wanted, found in [
+            ("num_layers", hp.num_layers, config.num_hidden_layers),
+            ("block_size", hp.block_size, config.block_size),
+            ("target_layer_ids", hp.target_layer_ids, config.target_layer_ids),
+            ("mask_token_id", hp.mask_token_id, config.mask_token_id),
+        ]:
+            if wanted is not None and list(wanted if isinstance(wanted, list) else [wanted]) != list(
+                found if isinstance(found, list) else [found]
+            ):
+                raise DDTreeError(
+                    f"model.{field}={wanted} but init_from {hp.init_from} has {found}; "
+                    f"drop model.{field} or set it to {found}"
+                )
+
+    @property
+    def drafter_config(self):
+        return self.drafter.config
+
+    @property
+    def block_size(self) -> int:
+        return self.drafter_config.block_size
+
+    @property
+    def target(self) -> PreTrainedModel:
+        """The frozen target, moved lazily to this module's device (it is not a submodule, so Lightning won't)."""
+        model = self._target.model
+        if model.get_input_embeddings().weight.device != self.device:
+            model.to(self.device)
+        return model
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        trainable = [p for p in self.drafter.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trainable, lr=hp.lr, betas=tuple(hp.betas), weight_decay=hp.weight_decay)
+        total_steps = max(1, int(self.trainer.estimated_stepping_batches))
+        warmup_steps = math.ceil(hp.warmup_ratio * total_steps)
+
+        def lr_factor(step: int) -> float:
+            if step < warmup_steps:
+                return (step + 1) / warmup_steps
+            progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+            return hp.min_lr_ratio + (1 - hp.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # ------------------------------------------------------------------ the forward
+
+    def block_hidden_states(
+        self,
+        features: torch.Tensor,  # (S, T, K*H) target features of the whole sequence
+        input_ids: torch.Tensor,  # (S, T)
+        anchors: torch.Tensor,  # (S, n)
+    ) -> torch.Tensor:
+        """Drafter outputs for every block of every sequence in one forward: (S, n*B, H)."""
+        context_len = input_ids.shape[1]
+        block_ids = block_input_ids(input_ids, anchors, self.block_size, self.drafter_config.mask_token_id)
+        with torch.no_grad():  # the target's embedding is frozen; no gradient needed at the input
+            noise_embedding = self.target.get_input_embeddings()(block_ids)  # (S, n*B, H)
+        position_ids = block_position_ids(context_len, anchors, self.block_size)  # (S, T + n*B)
+        if features.is_cuda:
+            mask = flex_block_mask(anchors, context_len, self.block_size)
+        else:
+            mask = dense_block_mask(anchors, context_len, self.block_size)  # (S, 1, n*B, T + n*B)
+        return self.drafter(
+            noise_embedding=noise_embedding, target_hidden=features, position_ids=position_ids, attention_mask=mask
+        )
+
+    def _loss_and_hits(self, hidden: torch.Tensor, labels: torch.Tensor):
+        """Decayed CE and per-position hits over the counted block tokens only.
+
+        hidden (S, n*B, H), labels (S, n, B). Returns (sum of w*CE, sum of w, hits (B,), tokens (B,)).
+        The LM head runs on the M counted rows, in chunks of
+        `loss_chunk_size` rows recomputed in backward (so only one chunk's logits live at a time).
+        """
+        block_size = self.block_size
+        flat_labels = labels.flatten()  # (S*n*B,)
+        counted = (flat_labels != IGNORE_INDEX).nonzero().squeeze(1)  # (M,)
+        rows = hidden.flatten(0, 1)[counted]  # (M, H)
+        targets = flat_labels[counted]  # (M,)
+        positions = counted % block_size  # (M,) block position k of each row
+        weights = block_position_weights(block_size, self.hparams.gamma, device=hidden.device)
+        lm_head = self.target.get_output_embeddings()
+
+        def chunk_terms(chunk_rows, chunk_targets, chunk_positions):
+            logits = lm_head(chunk_rows)  # (m, V)
+            weighted, weight_total = decayed_cross_entropy_sums(logits, chunk_targets, chunk_positions, weights)
+            hits, tokens = position_hit_counts(logits.detach(), chunk_targets, chunk_positions, block_size)
+            return weighted, weight_total, hits, tokens
+
+        chunk = self.hparams.loss_chunk_size or max(1, rows.shape[0])
+        totals = None
+        for start in range(0, rows.shape[0], chunk):
+            args = (rows[start : start + chunk], targets[start : start + chunk], positions[start : start + chunk])
+            if self.hparams.loss_chunk_size and torch.is_grad_enabled():
+                terms = torch.utils.checkpoint.checkpoint(chunk_terms, *args, use_reentrant=False)
+            else:
+                terms = chunk_terms(*args)
+            totals = terms if totals is None else tuple(a + b for a, b in zip(totals, terms))
+        weighted, weight_total, hits, tokens = totals
+        return weighted, weight_total, hits, tokens
+
+    def _anchor_generator(self, batch_idx: int, stage: str) -> torch.Generator:
+        # Validation reuses one draw per batch so its numbers compare across evaluations.
+        # (hash of a tuple of ints is the same in every process; a str in it would not be.)
+        epoch = self.current_epoch if stage == "train" else -1
+        key = hash((self.hparams.seed, epoch, batch_idx, self.global_rank)) & 0x7FFF_FFFF_FFFF
+        return torch.Generator().manual_seed(key)
+
+    def _shared_step(self, batch: dict, batch_idx: int, stage: str):
+        input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
+        started = time.perf_counter()
+        features = target_layer_features(self.target, input_ids, self._target.layer_ids)  # (S, T, K*H)
+        if features.is_cuda:
+            torch.cuda.synchronize()
+        target_seconds = time.perf_counter() - started
+        anchors, valid = sample_anchors(loss_mask, self.hparams.num_anchors, self._anchor_generator(batch_idx, stage))
+        if anchors.shape[1] == 0:
+            return None  # no reply token with a successor anywhere in the batch: nothing to learn
+        labels = block_labels(input_ids, loss_mask, anchors, valid, self.block_size)  # (S, n, B)
+        hidden = self.block_hidden_states(features, input_ids, anchors)  # (S, n*B, H)
+        weighted, weight_total, hits, tokens = self._loss_and_hits(hidden, labels)
+        return StepResult(weighted / weight_total.clamp_min(1e-8), weighted, weight_total, hits, tokens, target_seconds)
+
+    # ------------------------------------------------------------------ training
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self._step_started_at = time.perf_counter()
+        mask = batch.get("attention_mask")
+        self._batch_tokens = int(mask.sum()) if mask is not None else batch["input_ids"].numel()
+
+    def training_step(self, batch: dict, batch_idx: int):
+        result = self._shared_step(batch, batch_idx, "train")
+        if result is None:
+            return None
+        loss, hits, tokens = result.loss, result.hits, result.tokens
+        if not torch.isfinite(loss):
+            raise NonFiniteError(
+                f"training stopped at step {self.global_step}: the loss is {loss.item()}; "
+                "the last checkpoint written before this step is the last good one"
+            )
+        accuracy = hits[1:].float() / tokens[1:].clamp_min(1).float()  # (B-1,)
+        size = batch["input_ids"].shape[0]
+        self.log("train/loss", loss, prog_bar=True, batch_size=size)
+        self.log("train/tau_chain", chain_acceptance(accuracy), prog_bar=True, batch_size=size)
+        self.log_dict({f"train/acc_{k}": accuracy[k - 1] for k in range(1, self.block_size)}, batch_size=size)
+        self.log("perf/target_forward_s", result.target_seconds, batch_size=size)
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        # Step time spans forward, backward and (on the last micro-batch) the optimizer step.
+        seconds = time.perf_counter() - self._step_started_at
+        self.log("perf/step_s", seconds)
+        self.log("perf/target_tok_s", self._batch_tokens / seconds, prog_bar=True)
+        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], prog_bar=True)
+
+    def on_before_optimizer_step(self, optimizer):
+        # Lightning clips after this hook; a non-finite norm here would be clipped into NaN weights.
+        norm = torch.linalg.vector_norm(
+            torch.stack([p.grad.detach().float().norm() for p in self.drafter.parameters() if p.grad is not None])
+        )
+        if not torch.isfinite(norm):
+            raise NonFiniteError(
+                f"training stopped at step {self.global_step}: the gradient norm is {norm.item()}; "
+                "the last checkpoint written before this step is the last good one"
+            )
+        self.log("train/grad_norm", norm)
+
+    # ------------------------------------------------------------------ validation
+
+    def on_validation_epoch_start(self):
+        self._val_sums = {}
+
+    def validation_step(self, batch: dict, batch_idx: int):
+        result = self._shared_step(batch, batch_idx, "val")
+        if result is None:
+            return
+        for name in ("weighted_ce", "weight_total", "hits", "tokens"):
+            self._val_sums[name] = self._val_sums.get(name, 0) + getattr(result, name).detach()
+
+    def on_validation_epoch_end(self):
+        if not self._val_sums:
+            return
+        sums = {name: self.trainer.strategy.reduce(value.float(), reduce_op="sum") for name, value in self._val_sums.items()}
+        accuracy = sums["hits"][1:] / sums["tokens"][1:].clamp_min(1)
+        self.log("val/loss", sums["weighted_ce"] / sums["weight_total"].clamp_min(1e-8), prog_bar=True)
+        self.log("val/tau_chain", chain_acceptance(accuracy), prog_bar=True)
+        self.log_dict({f"val/acc_{k}": accuracy[k - 1] for k in range(1, self.block_size)})
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        # The target never goes into a checkpoint (it is not a submodule; this guards against regressions),
+        # and the drafter config travels with it so export needs no target.
+        leaked = [key for key in checkpoint["state_dict"] if not key.startswith("drafter.")]
+        for key in leaked:
+            del checkpoint["state_dict"][key]
+        checkpoint["drafter_config"] = self._base_drafter().config.to_dict()
+
+    def _base_drafter(self) -> DFlashDraftModel:
+        """The DFlashDraftModel under a LoRA wrapper, or the drafter itself."""
+        return self.drafter.get_base_model() if hasattr(self.drafter, "get_base_model") else self.drafter

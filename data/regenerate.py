@@ -1,0 +1,381 @@
+"""Regenerate responses with the target itself: prompts JSONL -> a `datasets` folder of conversations.
+
+    python data/regenerate.py --target smollm2-135m --prompts data/prompts/train_prompts.jsonl \
+        --out data/smollm2-135m --limit 1600 --max-new-tokens 320 --batch-size 16 --dtype bfloat16
+
+    # the same job split over 2 processes (each writes its own chunks; the last one to finish merges):
+    python data/regenerate.py ... --shard-index 0 --num-shards 2 &
+    python data/regenerate.py ... --shard-index 1 --num-shards 2 &
+    python data/regenerate.py ... --merge-only        # (re)build the dataset from finished chunks
+
+A drafter learns to predict the target's own continuations, so the training responses are written
+by the target (greedy by default: evaluation decodes at temperature 0).
+
+How the work is laid out, so it survives interruption:
+  - the first --limit prompts are cut into chunks of --chunk-size; chunk k belongs to shard k % n;
+  - each finished chunk is written to <out>.parts/chunk-<k>.jsonl (temp file + rename), and a rerun
+    skips chunks that exist, so an interrupted job resumes where it stopped;
+  - <out>.parts/settings.json records everything that changes the responses; a rerun with
+    different settings is refused instead of mixing two kinds of data;
+  - once every chunk exists, the chunks are concatenated in prompt order into a `datasets` dataset
+    (save_to_disk) at <out> with columns id, messages (prompt + assistant turn), finish_reason
+    ("stop" | "length"), response_tokens; <out>/regeneration.json records settings and counts.
+
+Backends: transformers (batched generate, left padding, KV cache) everywhere; vLLM when it is
+importable and a GPU is present (or --backend vllm). Special tokens are dropped from the response
+text so a stray template token cannot break the conversation structure when it is re-rendered.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+from transformers import DynamicCache
+
+from ddtree.targets import DDTreeError, load_target, resolve_target, stop_token_ids
+from training.data import read_messages_jsonl
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def prompt_messages(messages: list[dict]) -> list[dict]:
+    """The conversation up to its last non-assistant turn (a conversation file's answers get rewritten)."""
+    end = len(messages)
+    while end and messages[end - 1]["role"] == "assistant":
+        end -= 1
+    return messages[:end]
+
+
+def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of the chat-template prompt ending with the assistant header."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    # The template writes its own BOS/role tokens; do not let the tokenizer add another BOS.
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def cut_at_stop(token_ids: list[int], stop_ids: set[int]) -> tuple[list[int], str]:
+    """Response tokens before the first stop token, and why generation ended."""
+    for i, token in enumerate(token_ids):
+        if token in stop_ids:
+            return token_ids[:i], "stop"
+    return token_ids, "length"
+
+
+def pick_next(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """Greedy at temperature 0, else a sample from the temperature-scaled, top-p-truncated softmax."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)  # (B, V)
+    if top_p < 1.0:
+        sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True)
+        # Keep the smallest set of tokens whose mass reaches top_p (the first token always stays).
+        outside = sorted_probs.cumsum(-1) - sorted_probs > top_p
+        sorted_probs[outside] = 0
+        probs = torch.zeros_like(probs).scatter_(-1, sorted_ids, sorted_probs)
+    return torch.multinomial(probs, 1).squeeze(-1)
+
+
+@torch.inference_mode()
+def generate_batch(model, prompts: list[list[int]], pad_id: int, stop_ids: list[int], max_new_tokens: int,
+                   temperature: float, top_p: float) -> list[list[int]]:
+    """New tokens of each prompt (ending with its stop token, or max_new_tokens long).
+
+    A plain decoding loop over the model's forward with a KV cache, rather than `generate`, so
+    that rows that have stopped leave the batch: with `generate` every row pays for the longest
+    answer of its batch, which on CPU made a third of the work padding.
+    """
+    width = max(len(p) for p in prompts)
+    # Left padding: every prompt ends at the same column, so new tokens append in lockstep.
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)  # (B, T)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)  # (B, T)
+    for row, ids in enumerate(prompts):
+        input_ids[row, width - len(ids):] = torch.tensor(ids)
+        attention_mask[row, width - len(ids):] = 1
+    input_ids, attention_mask = input_ids.to(model.device), attention_mask.to(model.device)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # real tokens count from 0 despite padding
+    next_position = attention_mask.sum(-1)  # (B,)
+    stops = torch.tensor(stop_ids, device=model.device)
+    cache = DynamicCache(config=model.config)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                past_key_values=cache, use_cache=True, logits_to_keep=1)
+    rows = torch.arange(len(prompts), device=model.device)  # original index of each live row
+    outputs: list[list[int]] = [[] for _ in prompts]
+    for step in range(max_new_tokens):
+        tokens = pick_next(out.logits[:, -1], temperature, top_p)  # (b,)
+        for row, token in zip(rows.tolist(), tokens.tolist()):
+            outputs[row].append(token)
+        if step == max_new_tokens - 1:
+            break
+        alive = ~torch.isin(tokens, stops)
+        if not alive.all():
+            if not alive.any():
+                break
+            keep = alive.nonzero().squeeze(-1)
+            cache.batch_select_indices(keep)
+            rows, tokens, attention_mask, next_position = rows[keep], tokens[keep], attention_mask[keep], next_position[keep]
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(rows), 1)], dim=-1)  # (b, T+1)
+        out = model(input_ids=tokens[:, None], attention_mask=attention_mask, position_ids=next_position[:, None],
+                    past_key_values=cache, use_cache=True)
+        next_position = next_position + 1
+    return outputs
+
+
+def generate_transformers(model, prompts: list[list[int]], pad_id: int, stop_ids: list[int], batch_size: int,
+                          max_new_tokens: int, temperature: float, top_p: float, progress=None) -> list[list[int]]:
+    """Batched generation over all prompts; results in the input order."""
+    # Sort by length so a batch wastes little on padding.
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]), reverse=True)
+    outputs: list[list[int]] = [[] for _ in prompts]
+    for start in range(0, len(order), batch_size):
+        indices = order[start:start + batch_size]
+        batch_out = generate_batch(model, [prompts[i] for i in indices], pad_id, stop_ids, max_new_tokens, temperature, top_p)
+        for index, tokens in zip(indices, batch_out):
+            outputs[index] = tokens
+        if progress is not None:
+            progress.update(len(indices))
+    return outputs
+
+
+class VLLMGenerator:
+    """vLLM backend (for GPU machines; this code path is reviewed, not run on the CPU-only dev box)."""
+
+    def __init__(self, target: str, dtype: str, seed: int):
+        from vllm import LLM  # imported here: vLLM is optional
+
+        self.llm = LLM(model=resolve_target(target), dtype=dtype, seed=seed)
+
+    def generate(self, prompts: list[list[int]], stop_ids: list[int], max_new_tokens: int, temperature: float,
+                 top_p: float, seed: int, progress=None) -> list[list[int]]:
+        from vllm import SamplingParams
+
+        params = SamplingParams(
+            temperature=temperature, top_p=top_p if temperature > 0 else 1.0, max_tokens=max_new_tokens,
+            stop_token_ids=stop_ids, seed=seed,
+        )
+        results = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        if progress is not None:
+            progress.update(len(prompts))
+        # vLLM keeps the prompts' order; token_ids may end with the stop token, cut_at_stop handles both.
+        return [list(r.outputs[0].token_ids) for r in results]
+
+
+def vllm_usable() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+# ----------------------------------------------------------------------------- files
+
+def write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def chunk_path(parts: Path, index: int) -> Path:
+    return parts / f"chunk-{index:05d}.jsonl"
+
+
+def check_settings(parts: Path, settings: dict) -> None:
+    """Record the settings on first use; refuse to continue a job made with different ones."""
+    path = parts / "settings.json"
+    if path.exists():
+        old = json.loads(path.read_text())
+        changed = [f"{k}: {old.get(k)!r} -> {v!r}" for k, v in settings.items() if old.get(k) != v]
+        if changed:
+            raise DDTreeError(
+                f"{parts} holds chunks made with other settings ({'; '.join(changed)}); "
+                f"delete {parts} to start over or choose another --out"
+            )
+        return
+    write_atomic(path, json.dumps(settings, indent=2) + "\n")
+
+
+def chunk_sizes(num_prompts: int, chunk_size: int) -> list[int]:
+    """Number of prompts in each chunk: chunk k holds prompts [k * chunk_size, (k + 1) * chunk_size)."""
+    return [min(chunk_size, num_prompts - start) for start in range(0, num_prompts, chunk_size)]
+
+
+def read_chunk(parts: Path, index: int, expected: int) -> list[dict] | None:
+    """The first `expected` rows of a finished chunk, or None if it is missing or shorter.
+
+    A chunk can be longer than expected: it was finished under a larger --limit, and its prefix
+    is exactly what this limit needs (chunks do not depend on --limit otherwise).
+    """
+    path = chunk_path(parts, index)
+    if not path.exists():
+        return None
+    with path.open(encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return rows[:expected] if len(rows) >= expected else None
+
+
+def merge(parts: Path, out: Path, sizes: list[int], settings: dict) -> dict:
+    """Concatenate every chunk in order into a `datasets` folder at `out`; return the summary."""
+    from datasets import Dataset  # heavy import, only needed here
+
+    chunks = [read_chunk(parts, k, n) for k, n in enumerate(sizes)]
+    missing = [k for k, rows in enumerate(chunks) if rows is None]
+    if missing:
+        raise DDTreeError(
+            f"{parts}: {len(missing)} of {len(sizes)} chunks are not finished (first: {missing[0]}); "
+            "run the remaining shards first, or merge fewer prompts with a smaller --limit"
+        )
+    rows = [row for chunk in chunks for row in chunk]
+    summary = {
+        **settings,
+        "num_prompts": len(rows),
+        "num_conversations": len(rows),
+        "num_stopped": sum(r["finish_reason"] == "stop" for r in rows),
+        "num_hit_max_new_tokens": sum(r["finish_reason"] == "length" for r in rows),
+        "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
+        "response_tokens": sum(r["response_tokens"] for r in rows),
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        Dataset.from_list(rows).save_to_disk(str(staging))
+        (staging / "regeneration.json").write_text(json.dumps(summary, indent=2) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        staging.rename(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return summary
+
+
+# ----------------------------------------------------------------------------- main
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", default="smollm2-135m", help="built-in target name, local HF folder or Hub id")
+    p.add_argument("--prompts", type=Path, default=Path("data/prompts/train_prompts.jsonl"))
+    p.add_argument("--out", type=Path, required=True, help="output `datasets` folder (chunks go to <out>.parts)")
+    p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
+    p.add_argument("--max-new-tokens", type=int, default=320)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (evaluation decodes at T=0)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (per chunk: seed, chunk index)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--chunk-size", type=int, default=64, help="prompts per resumable unit of work")
+    p.add_argument("--shard-index", type=int, default=0)
+    p.add_argument("--num-shards", type=int, default=1)
+    p.add_argument("--backend", choices=["auto", "transformers", "vllm"], default="auto")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (the machine is shared)")
+    p.add_argument("--merge-only", action="store_true", help="only build <out> from finished chunks")
+    return p.parse_args(argv)
+
+
+def report(summary: dict, out: Path) -> dict:
+    print(f"[regenerate] wrote {summary['num_conversations']} conversations to {out} "
+          f"({summary['response_tokens']} response tokens, {summary['num_hit_max_new_tokens']} hit max_new_tokens)")
+    return summary
+
+
+def run(args: argparse.Namespace) -> dict | None:
+    if not 0 <= args.shard_index < args.num_shards:
+        raise DDTreeError(f"--shard-index {args.shard_index} must be in 0..{args.num_shards - 1}")
+    if args.chunk_size < 1 or args.batch_size < 1 or args.max_new_tokens < 1:
+        raise DDTreeError("--chunk-size, --batch-size and --max-new-tokens must be positive")
+    torch.set_num_threads(args.threads)
+
+    records = read_messages_jsonl(args.prompts)
+    if args.limit is not None:
+        records = records[: args.limit]
+    for record in records:
+        record["messages"] = prompt_messages(record["messages"])
+        if not record["messages"]:
+            raise DDTreeError(f"{args.prompts}: record {record['id']!r} has only assistant turns; it needs a prompt")
+    sizes = chunk_sizes(len(records), args.chunk_size)
+    # Everything that changes a chunk's contents; --limit does not (it only says how many chunks).
+    settings = {
+        "target": args.target,
+        "prompts": str(args.prompts),
+        "prompts_sha256": hashlib.sha256(args.prompts.read_bytes()).hexdigest(),
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p if args.temperature > 0 else 1.0,
+        "seed": args.seed,
+        "dtype": args.dtype,
+        "chunk_size": args.chunk_size,
+    }
+    parts = Path(f"{args.out}.parts")
+    parts.mkdir(parents=True, exist_ok=True)
+    check_settings(parts, settings)
+    if args.merge_only:
+        return report(merge(parts, args.out, sizes, settings), args.out)
+
+    mine = [k for k in range(len(sizes)) if k % args.num_shards == args.shard_index]
+    todo = [k for k in mine if read_chunk(parts, k, sizes[k]) is None]
+    print(f"[regenerate] {len(records)} prompts, {len(sizes)} chunks; shard {args.shard_index}/{args.num_shards}: "
+          f"{len(mine)} chunks, {len(mine) - len(todo)} already done", flush=True)
+
+    if todo:
+        use_vllm = args.backend == "vllm" or (args.backend == "auto" and vllm_usable())
+        model, tokenizer = load_target(args.target, dtype=DTYPES[args.dtype], device=args.device)
+        stops = sorted(set(stop_token_ids(model, tokenizer)))
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
+        vllm_generator = VLLMGenerator(args.target, args.dtype, args.seed) if use_vllm else None
+        total = sum(len(records[k * args.chunk_size:(k + 1) * args.chunk_size]) for k in todo)
+        started = time.time()
+        with tqdm(total=total, desc=f"shard {args.shard_index}", unit="prompt", file=sys.stdout) as progress:
+            for k in todo:
+                chunk = records[k * args.chunk_size:(k + 1) * args.chunk_size]
+                prompts = [render_prompt(tokenizer, r["messages"]) for r in chunk]
+                torch.manual_seed(args.seed * 100_003 + k)  # sampling is reproducible per chunk, whatever the shard
+                if vllm_generator is not None:
+                    new_tokens = vllm_generator.generate(prompts, stops, args.max_new_tokens, args.temperature,
+                                                         args.top_p, args.seed * 100_003 + k, progress)
+                else:
+                    new_tokens = generate_transformers(model, prompts, pad_id, stops, args.batch_size,
+                                                       args.max_new_tokens, args.temperature, args.top_p, progress)
+                lines = []
+                for record, prompt, tokens in zip(chunk, prompts, new_tokens):
+                    response, finish = cut_at_stop(tokens, set(stops))
+                    text = tokenizer.decode(response, skip_special_tokens=True)
+                    lines.append(json.dumps({
+                        "id": record["id"],
+                        "messages": record["messages"] + [{"role": "assistant", "content": text}],
+                        "finish_reason": finish,
+                        "prompt_tokens": len(prompt),
+                        "response_tokens": len(response),
+                    }, ensure_ascii=False))
+                write_atomic(chunk_path(parts, k), "\n".join(lines) + "\n")
+        print(f"[regenerate] shard {args.shard_index}: {total} prompts in {time.time() - started:.0f} s", flush=True)
+
+    if all(read_chunk(parts, k, n) is not None for k, n in enumerate(sizes)):
+        return report(merge(parts, args.out, sizes, settings), args.out)
+    print(f"[regenerate] other shards still running; the last one merges (or run with --merge-only)")
+    return None
+
+
+def main(argv=None) -> None:
+    try:
+        run(parse_args(argv))
+    except DDTreeError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

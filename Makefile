@@ -20,10 +20,10 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 
+# make train [RECIPE=smollm2-135m|tiny|qwen3-8b|...] [RESUME=last|path/to/x.ckpt]
+# Writes outputs/$(RECIPE)/<run>/ (config, checkpoints, logs, drafter/); RESUME continues a run exactly.
 train: $(STAMP)
-	$(VENV)/bin/ddtree bench --target smollm2-135m --drafter random --prompts data/eval_prompts.jsonl \
-		--methods ar,dflash,ddtree --budgets 16,32 --max-new-tokens 64 --limit 4 --dtype bfloat16 \
-		--out outputs/bench-random.json
+	$(PY) -m training.train --recipe $(RECIPE) $(if $(RESUME),--resume $(RESUME))
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -278,7 +278,7 @@ class DistillModule(L.LightningModule):
         lm_head = self.target.get_output_embeddings()
 
         def chunk_terms(chunk_rows, chunk_targets, chunk_positions):
-            logits = lm_head(chunk_rows)  # (m, V)
+            logits = lm_head(chunk_rows).float()  # (m, V); one fp32 copy serves the loss and the argmax
             weighted, weight_total = decayed_cross_entropy_sums(logits, chunk_targets, chunk_positions, weights)
             hits, tokens = position_hit_counts(logits.detach(), chunk_targets, chunk_positions, block_size)
             return weighted, weight_total, hits, tokens

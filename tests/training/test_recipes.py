@@ -1,0 +1,169 @@
+"""Recipes and the training CLI: every recipe parses; big recipes wire up on shrunken targets; resume is exact.
+
+    .venv/bin/pytest -q tests/training/test_recipes.py
+
+The big recipes name 8B targets that cannot be downloaded here. Each is checked against a SHRUNKEN
+copy of its target's architecture: same family, layer count and embedding rows, tiny widths, random
+weights. That is all the wiring depends on (layer ids in range, MASK id inside the embedding).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+import lightning as L
+
+import training.module
+import training.train
+from training.train import RECIPES_DIR, DistillCLI, build_cli, known_recipes, main
+from training.module import DistillModule
+
+TINY_WIDTHS = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+
+# The real targets' layout (from their published config.json files), widths shrunk.
+SHRUNKEN_TARGETS = {
+    "Qwen/Qwen3-8B": Qwen3Config(vocab_size=151936, num_hidden_layers=36, tie_word_embeddings=False, **TINY_WIDTHS),
+    "Qwen/Qwen3-4B": Qwen3Config(vocab_size=151936, num_hidden_layers=36, tie_word_embeddings=True, **TINY_WIDTHS),
+    "meta-llama/Llama-3.1-8B-Instruct": LlamaConfig(
+        vocab_size=128256, num_hidden_layers=32, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        **TINY_WIDTHS,
+    ),
+}
+BIG_RECIPES = ["qwen3-8b", "qwen3-4b", "llama3.1-8b"]
+
+
+class ParseOnlyCLI(DistillCLI):
+    """Parse and type-check a recipe against the classes' signatures without building anything."""
+
+    def instantiate_classes(self) -> None:
+        pass
+
+
+def parse_recipe(name: str, *overrides: str):
+    cli = ParseOnlyCLI(
+        DistillModule, training.train.DistillDataModule, save_config_callback=None,
+        parser_kwargs={"exit_on_error": False}, run=False,
+        args=["--config", str(RECIPES_DIR / f"{name}.yaml"), *overrides],
+    )
+    return cli.config
+
+
+def test_every_recipe_parses_and_says_how_to_launch_it():
+    names = known_recipes()
+    assert {"smollm2-135m", "tiny", *BIG_RECIPES} <= set(names)
+    for name in names:
+        config = parse_recipe(name)
+        assert config.model.target and config.data.target == config.model.target  # linked, never set twice
+        header = (RECIPES_DIR / f"{name}.yaml").read_text().split("\n\n")[0]
+        for field in ("Launch:", "Hardware:", "Acceptance:"):
+            assert field in header, f"recipes/{name}.yaml header lacks {field}"
+
+
+def test_a_bad_field_is_rejected_by_the_parser():
+    with pytest.raises(Exception, match="no_such_field"):
+        parse_recipe("tiny", "--model.no_such_field=3")
+
+
+@pytest.mark.parametrize("name", BIG_RECIPES)
+def test_big_recipe_wires_up_on_a_shrunken_target(name, monkeypatch):
+    config = parse_recipe(name)
+    assert config.trainer.precision == "bf16-mixed" and config.model.lr == 6e-4 and config.model.num_anchors == 512
+    assert config.data.max_length == 3072 and config.trainer.max_epochs == 6 and config.model.warmup_ratio == 0.04
+    shrunken = SHRUNKEN_TARGETS[config.model.target]
+
+    def load_shrunken(name_or_path, dtype=torch.float32, device="cpu"):
+        assert name_or_path == config.model.target
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(shrunken).eval().requires_grad_(False)
+        return model, None  # the recipe names its MASK id, so no tokenizer is consulted
+
+    monkeypatch.setattr(training.module, "load_target", load_shrunken)
+    settings = config.model.as_dict()
+    settings.update(target_dtype="float32", num_anchors=2)  # a 2-block step is enough to exercise the wiring
+    module = DistillModule(**settings)
+    module.configure_model()  # raises if a layer id or the MASK id does not fit the target
+    drafter_config = module.drafter.config
+    assert drafter_config.num_target_layers == shrunken.num_hidden_layers
+    assert drafter_config.vocab_size == shrunken.vocab_size
+    assert max(drafter_config.target_layer_ids) <= shrunken.num_hidden_layers - 3
+    input_ids = torch.randint(0, 1000, (1, 24))
+    loss_mask = torch.zeros(1, 24, dtype=torch.bool)
+    loss_mask[0, 6:] = True
+    result = module._shared_step({"input_ids": input_ids, "loss_mask": loss_mask}, 0, "train")
+    assert torch.isfinite(result.loss) and result.tokens.sum() > 0
+
+
+def test_unknown_recipe_prints_one_line_listing_the_known_ones(capsys):
+    assert main(["--recipe", "nope"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "nope" in err and "smollm2-135m" in err and "tiny" in err
+
+
+# ----------------------------------------------------------------------------- end to end: tiny recipe
+
+
+def write_conversations(path, count=24, seed=0):
+    words = "the a drafter proposes tokens target verifies block tree python list sort value returns".split()
+    rng = random.Random(seed)
+    with path.open("w") as f:
+        for i in range(count):
+            answer = " ".join(rng.choice(words) for _ in range(rng.randint(30, 60)))
+            messages = [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": answer}]
+            f.write(json.dumps({"id": str(i), "messages": messages}) + "\n")
+
+
+def drafter_weights(run_dir):
+    from safetensors.torch import load_file
+
+    return load_file(run_dir / "drafter" / "model.safetensors")
+
+
+def test_tiny_recipe_runs_and_resumes_exactly(tmp_path, monkeypatch):
+    data = tmp_path / "conversations.jsonl"
+    write_conversations(data)
+    common = [
+        "--recipe", "tiny", "--output-root", str(tmp_path / "out"),
+        f"--data.data_path={data}", f"--data.cache_dir={tmp_path / 'cache'}", "--data.batch_size=2",
+        "--data.val_fraction=0.1", "--trainer.val_check_interval=null", "--checkpoint.every_n_train_steps=3",
+        "--trainer.max_steps=6", "--trainer.enable_progress_bar=false", "--trainer.log_every_n_steps=1",
+    ]
+    # one straight run of 6 steps
+    assert main([*common, "--run", "straight"]) == 0
+    straight = tmp_path / "out" / "tiny" / "straight"
+    for produced in ("config.yaml", "checkpoints/last.ckpt", "drafter/config.json", "csv/version_0/metrics.csv"):
+        assert (straight / produced).exists(), produced
+    assert list((straight / "tensorboard" / "version_0").glob("events.out.tfevents.*"))
+    checkpoint = torch.load(straight / "checkpoints" / "last.ckpt", weights_only=False)
+    assert all(key.startswith("drafter.") for key in checkpoint["state_dict"])  # never the target
+    assert checkpoint["global_step"] == 6 and checkpoint["optimizer_states"] and checkpoint["lr_schedulers"]
+
+    # the same run stopped after step 3 (mid-epoch: 11 batches per epoch), then resumed to 6. It is
+    # stopped by a callback, not by max_steps, which would change the length of the cosine schedule.
+    class StopAfterStep3(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            trainer.should_stop = trainer.global_step >= 3
+
+    def build_with_stop(*args):
+        cli = build_cli(*args)
+        cli.trainer.callbacks.insert(0, StopAfterStep3())
+        return cli
+
+    monkeypatch.setattr(training.train, "build_cli", build_with_stop)
+    assert main([*common, "--run", "split"]) == 0
+    monkeypatch.setattr(training.train, "build_cli", build_cli)
+    split = tmp_path / "out" / "tiny" / "split"
+    assert torch.load(split / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 3
+    assert main([*common, "--resume", "last"]) == 0  # the newest run of the recipe: `split`
+    resumed = torch.load(split / "checkpoints" / "last.ckpt", weights_only=False)
+    assert resumed["global_step"] == 6
+    assert (split / "csv" / "version_1").exists()  # the resumed launch logs beside the first one
+    first, second = drafter_weights(straight), drafter_weights(split)
+    for key in first:
+        torch.testing.assert_close(first[key], second[key], rtol=0, atol=0, msg=key)

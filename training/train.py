@@ -1,0 +1,149 @@
+"""Train a drafter from a recipe (recipes/<name>.yaml) with LightningCLI.
+
+    python -m training.train --recipe smollm2-135m                    # the CPU default
+    python -m training.train --recipe tiny --trainer.max_steps=20     # any field can be overridden
+    python -m training.train --recipe smollm2-135m --resume last      # or --resume path/to/x.ckpt
+    make train RECIPE=tiny [RESUME=last]
+
+Every run writes outputs/<recipe>/<run>/:
+    config.yaml            the fully resolved configuration (resuming reads it back)
+    checkpoints/           last.ckpt + the latest step-N checkpoint: drafter, optimizer, scheduler,
+                           loop and data-loader state; never the target
+    tensorboard/, csv/     logs (one version_k per launch: a resumed run appends version_k+1)
+    drafter/               the trained drafter as a HF folder, for `ddtree bench --drafter`
+
+`--resume last` continues the newest run of the recipe that has a last.ckpt, in its own folder and
+with its own config.yaml: step, optimizer, scheduler and data position all continue exactly.
+Bad input (unknown recipe, bad field, bad target) prints one line and exits with status 2 or 1.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from jsonargparse import ArgumentError
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import LightningCLI
+
+from ddtree.targets import DDTreeError
+from training.data import DistillDataModule
+from training.export import export_drafter
+from training.module import DistillModule, NonFiniteError
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES_DIR = REPO / "recipes"
+
+
+def known_recipes() -> list[str]:
+    return sorted(path.stem for path in RECIPES_DIR.glob("*.yaml"))
+
+
+def find_resume(resume: str, recipe_root: Path) -> tuple[Path, Path]:
+    """(checkpoint, run folder) for --resume: 'last' = newest run of this recipe with a last.ckpt."""
+    if resume == "last":
+        runs = sorted(recipe_root.glob("*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
+        if not runs:
+            raise DDTreeError(f"--resume last: no run with checkpoints/last.ckpt under {recipe_root}; start one first")
+        checkpoint = runs[-1]
+    else:
+        checkpoint = Path(resume)
+        if not checkpoint.is_file():
+            raise DDTreeError(f"--resume {resume}: no such checkpoint file; give a .ckpt path or 'last'")
+    run_dir = checkpoint.resolve().parent.parent
+    if not (run_dir / "config.yaml").is_file():
+        raise DDTreeError(f"--resume {resume}: {run_dir}/config.yaml is missing, so the run cannot be resumed exactly")
+    return checkpoint, run_dir
+
+
+class DistillCLI(LightningCLI):
+    def add_arguments_to_parser(self, parser):
+        # Checkpointing is part of every recipe; recipes may change how often (checkpoint.every_n_train_steps).
+        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.set_defaults(
+            {
+                "checkpoint.filename": "step-{step}",
+                "checkpoint.save_last": True,
+                "checkpoint.save_top_k": 1,  # monitor=None: keeps only the newest step-N file
+                "checkpoint.every_n_train_steps": 200,
+            }
+        )
+        # One target per recipe: the data's tokenizer and the model's target can never disagree.
+        parser.link_arguments("model.target", "data.target", apply_on="parse")
+
+
+def build_cli(config: Path, run_dir: Path, overrides: list[str]) -> DistillCLI:
+    """Parse config + overrides into (model, datamodule, trainer) without running anything."""
+    logger = [
+        {"class_path": "lightning.pytorch.loggers.TensorBoardLogger", "init_args": {"save_dir": str(run_dir), "name": "tensorboard"}},
+        {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(run_dir), "name": "csv"}},
+    ]
+    return DistillCLI(
+        DistillModule,
+        DistillDataModule,
+        save_config_callback=None,  # written by hand below, to the run folder, atomically
+        trainer_defaults={"default_root_dir": str(run_dir), "logger": logger},
+        seed_everything_default=0,
+        parser_kwargs={"exit_on_error": False},
+        args=["--config", str(config), "--checkpoint.dirpath", str(run_dir / "checkpoints"), *overrides],
+        run=False,
+    )
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, staging = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(staging, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Train a drafter from a recipe.", add_help=True)
+    parser.add_argument("--recipe", default="smollm2-135m", help="one of recipes/*.yaml")
+    parser.add_argument("--resume", default=None, help="'last' or a .ckpt path: continue that run exactly")
+    parser.add_argument("--run", default=None, help="run folder name (default: a timestamp)")
+    parser.add_argument("--output-root", default="outputs", help="runs go to <output-root>/<recipe>/<run>/")
+    args, overrides = parser.parse_known_args(argv)
+    if args.recipe not in known_recipes():
+        print(f"error: unknown recipe {args.recipe!r}; known recipes: {', '.join(known_recipes())}", file=sys.stderr)
+        return 2
+    try:
+        config = RECIPES_DIR / f"{args.recipe}.yaml"
+        recipe_root = Path(args.output_root) / args.recipe
+        checkpoint = None
+        if args.resume:
+            checkpoint, run_dir = find_resume(args.resume, recipe_root)
+            config = run_dir / "config.yaml"
+        else:
+            run_dir = recipe_root / (args.run or time.strftime("%Y%m%d-%H%M%S"))
+            if (run_dir / "config.yaml").exists():
+                raise DDTreeError(f"run folder {run_dir} already holds a run; pick another --run or use --resume")
+        cli = build_cli(config, run_dir, overrides)
+        write_text_atomic(run_dir / "config.yaml", cli.parser.dump(cli.config, skip_none=False))
+        print(f"[train] recipe {args.recipe} -> {run_dir}" + (f" (resuming {checkpoint})" if checkpoint else ""), flush=True)
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=str(checkpoint) if checkpoint else None)
+        if cli.trainer.interrupted:
+            print(f"[train] interrupted; resume with --resume {run_dir / 'checkpoints' / 'last.ckpt'}", file=sys.stderr)
+            return 130
+        drafter_dir = export_drafter(cli.model, run_dir / "drafter")
+        print(f"[train] drafter written to {drafter_dir} (ddtree bench --drafter {drafter_dir})", flush=True)
+        return 0
+    except ArgumentError as error:
+        print(f"error: {args.recipe} config: {str(error).splitlines()[0]}", file=sys.stderr)
+        return 2
+    except DDTreeError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    except NonFiniteError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

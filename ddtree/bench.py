@@ -1,0 +1,173 @@
+"""Benchmark runner behind `ddtree bench` (and the training-time evaluation, which calls it as is).
+
+    prompts = load_prompts("data/eval_prompts.jsonl", tokenizer)
+    results = run_benchmark(target, drafter, prompts, methods=["ar", "ddtree"], budgets=[32],
+                            max_new_tokens=128, stop_ids=[2])
+    print(format_summary(results["summary"]))
+
+Prompts file: one JSON object per line, {"prompt": "..."} (raw text, tokenized as is) or
+{"messages": [{"role": ..., "content": ...}]} (the target's chat template with the generation
+prompt); optional "id".
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from .decoding import METHODS, DrafterRunner, GenerationResult, Sampling, context_limit, generate
+from .targets import DDTreeError
+
+
+def load_prompts(path: str | Path, tokenizer: PreTrainedTokenizerBase, limit: int | None = None) -> list[dict]:
+    """Read and tokenize a prompts file. Returns [{"id", "prompt_ids"}]; errors name file and line."""
+    path = Path(path)
+    if not path.is_file():
+        raise DDTreeError(f"prompts file {path} does not exist")
+    prompts = []
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise DDTreeError(f"{where}: not valid JSON ({error.msg}); each line must be one JSON object") from None
+            if not isinstance(record, dict) or ("prompt" in record) == ("messages" in record):
+                raise DDTreeError(f'{where}: expected an object with exactly one of "prompt" or "messages"')
+            if "prompt" in record:
+                if not isinstance(record["prompt"], str):
+                    raise DDTreeError(f'{where}: "prompt" must be a string')
+                ids = tokenizer(record["prompt"], add_special_tokens=False)["input_ids"]
+            else:
+                messages = record["messages"]
+                if not (
+                    isinstance(messages, list)
+                    and messages
+                    and all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in messages)
+                ):
+                    raise DDTreeError(f'{where}: "messages" must be a non-empty list of {{"role", "content"}} objects')
+                ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+                ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+            if not ids:
+                raise DDTreeError(f"{where}: the prompt is empty")
+            prompts.append({"id": str(record.get("id", number)), "prompt_ids": list(ids)})
+            if limit is not None and len(prompts) >= limit:
+                break
+    if not prompts:
+        raise DDTreeError(f"prompts file {path} holds no prompts")
+    return prompts
+
+
+def method_keys(methods: list[str], budgets: list[int]) -> list[tuple[str, str, int]]:
+    """[(key, method, budget)]: "ar", "dflash", and one "ddtree@B" per budget."""
+    keys = []
+    for method in methods:
+        if method not in METHODS:
+            raise DDTreeError(f"unknown method {method!r}: choose from {', '.join(METHODS)}")
+        if method == "ddtree":
+            for budget in budgets:
+                if budget < 1:
+                    raise DDTreeError(f"budget {budget} must be at least 1")
+                keys.append((f"ddtree@{budget}", method, budget))
+        else:
+            keys.append((method, method, 0))
+    return keys
+
+
+def _summarize(runs: list[GenerationResult]) -> dict:
+    rounds = [r for run in runs for r in run.rounds]
+    new_tokens = sum(len(run.new_tokens) for run in runs)
+    seconds = sum(run.prefill_s + run.decode_s for run in runs)
+    per_round = lambda attr: 1000 * sum(getattr(r, attr) for r in rounds) / max(len(rounds), 1)  # noqa: E731
+    depth_counts: dict[int, int] = {}
+    for r in rounds:
+        depth_counts[r.accepted_depth] = depth_counts.get(r.accepted_depth, 0) + 1
+    return {
+        "tau": sum(r.committed for r in rounds) / max(len(rounds), 1),
+        "expected_tau": sum(r.expected for r in rounds) / max(len(rounds), 1),
+        "rounds": len(rounds),
+        "new_tokens": new_tokens,
+        "seconds": seconds,
+        "tokens_per_s": new_tokens / seconds if seconds > 0 else 0.0,
+        "round_ms": per_round("draft_s") + per_round("verify_s") + per_round("other_s"),
+        "draft_ms": per_round("draft_s"),
+        "verify_ms": per_round("verify_s"),
+        "other_ms": per_round("other_s"),
+        "accepted_depth_counts": dict(sorted(depth_counts.items())),
+    }
+
+
+def run_benchmark(
+    target: PreTrainedModel,
+    drafter: DrafterRunner | None,
+    prompts: list[dict],
+    methods: list[str],
+    budgets: list[int],
+    max_new_tokens: int,
+    stop_ids: list[int],
+    sampling: Sampling = Sampling(),
+    seed: int = 0,
+    progress: bool = True,
+) -> dict:
+    """Run every method on every prompt. Returns {"settings", "summary": {key: ...}, "prompts": [...]}."""
+    keys = method_keys(methods, budgets)
+    if drafter is None and any(method != "ar" for _, method, _ in keys):
+        raise DDTreeError("methods dflash and ddtree need a drafter")
+    limit = context_limit(target)
+    for prompt in prompts:
+        if len(prompt["prompt_ids"]) >= limit:
+            raise DDTreeError(
+                f"prompt {prompt['id']!r} has {len(prompt['prompt_ids'])} tokens; the target's context is {limit}"
+            )
+    # One short untimed run per method so one-off costs (allocations, kernel selection) stay out of the figures.
+    for _, method, budget in keys:
+        generate(target, prompts[0]["prompt_ids"], method, drafter, budget or 1, 4, stop_ids, sampling)
+
+    runs: dict[str, list[GenerationResult]] = {key: [] for key, _, _ in keys}
+    per_prompt = []
+    bar = tqdm(total=len(prompts) * len(keys), desc="bench", disable=not progress, unit="run")
+    for prompt in prompts:
+        row = {"id": prompt["id"], "prompt_tokens": len(prompt["prompt_ids"]), "methods": {}}
+        for key, method, budget in keys:
+            generator = torch.Generator(device=target.device).manual_seed(seed)
+            result = generate(
+                target, prompt["prompt_ids"], method, drafter, budget or 1, max_new_tokens, stop_ids, sampling, generator
+            )
+            runs[key].append(result)
+            row["methods"][key] = {
+                "tau": result.tau,
+                "new_tokens": result.new_tokens,
+                "seconds": result.prefill_s + result.decode_s,
+                "rounds": [asdict(r) for r in result.rounds],
+            }
+            bar.set_postfix_str(f"{key} tau={result.tau:.2f}")
+            bar.update()
+        per_prompt.append(row)
+    bar.close()
+
+    summary = {key: _summarize(results) for key, results in runs.items()}
+    if "ar" in summary:
+        baseline = summary["ar"]["tokens_per_s"]
+        for stats in summary.values():
+            stats["speedup"] = stats["tokens_per_s"] / baseline if baseline > 0 else 0.0
+    return {"summary": summary, "prompts": per_prompt}
+
+
+def format_summary(summary: dict) -> str:
+    header = f"{'method':<12} {'tau':>6} {'exp.tau':>7} {'tokens':>7} {'tok/s':>8} {'speedup':>7} " \
+             f"{'round ms':>9} {'draft':>7} {'verify':>7} {'other':>7}"
+    lines = [header, "-" * len(header)]
+    for key, s in summary.items():
+        speedup = f"{s['speedup']:.2f}x" if "speedup" in s else "-"
+        lines.append(
+            f"{key:<12} {s['tau']:>6.2f} {s['expected_tau']:>7.2f} {s['new_tokens']:>7d} {s['tokens_per_s']:>8.1f} "
+            f"{speedup:>7} {s['round_ms']:>9.1f} {s['draft_ms']:>7.1f} {s['verify_ms']:>7.1f} {s['other_ms']:>7.2f}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,163 @@
+"""The `ddtree` command: generate text or benchmark decoding methods with a target and a drafter.
+
+    ddtree generate --target smollm2-135m --drafter random --prompt "Hello"
+    ddtree bench --target smollm2-135m --drafter outputs/.../drafter --prompts data/eval_prompts.jsonl \
+        --methods ar,dflash,ddtree --budgets 16,32,64 --max-new-tokens 128 --out results.json
+
+`--drafter random` builds an untrained drafter for the target (smoke tests); otherwise it is a
+drafter folder (config.json + safetensors, the published DFlash format). Bad input prints one
+line and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from .bench import format_summary, load_prompts, run_benchmark
+from .configuration_dflash import DFlashDrafterConfig
+from .decoding import DrafterRunner, Sampling, generate
+from .modeling_dflash import DFlashDraftModel
+from .targets import DDTreeError, build_drafter_config, check_drafter_fits, load_target, stop_token_ids
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_drafter(
+    spec: str, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, target_name: str, seed: int = 0
+) -> DFlashDraftModel:
+    """`random` (an untrained drafter shaped for the target) or a drafter folder, checked against the target."""
+    if spec == "random":
+        torch.manual_seed(seed)
+        drafter = DFlashDraftModel(build_drafter_config(target, tokenizer, target_name))
+        return drafter.to(device=target.device, dtype=target.dtype).eval()
+    folder = Path(spec)
+    if not (folder / "config.json").is_file():
+        raise DDTreeError(f"drafter {spec!r} is neither 'random' nor a folder with a config.json")
+    try:
+        config = DFlashDrafterConfig.from_pretrained(folder)
+    except (OSError, ValueError, TypeError) as error:
+        raise DDTreeError(f"drafter {folder}/config.json could not be read: {str(error).splitlines()[0]}") from None
+    check_drafter_fits(config, target, str(folder))
+    drafter = DFlashDraftModel.from_pretrained(folder, config=config, dtype=target.dtype)
+    return drafter.to(target.device).eval()
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default="smollm2-135m", help="built-in name, local HF folder or Hub id")
+    parser.add_argument("--drafter", default="random", help="'random' or a drafter folder")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ddtree", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    gen = commands.add_parser("generate", help="generate text for one prompt")
+    _add_common(gen)
+    gen.add_argument("--prompt", required=True, help="user message (the chat template is applied)")
+    gen.add_argument("--raw", action="store_true", help="use the prompt as raw text, without the chat template")
+    gen.add_argument("--method", choices=["ar", "dflash", "ddtree"], default="ddtree")
+    gen.add_argument("--budget", type=int, default=32, help="tree node budget for ddtree")
+
+    bench = commands.add_parser("bench", help="run methods over a prompts file and summarise")
+    _add_common(bench)
+    bench.add_argument("--prompts", required=True, help="JSONL of {prompt} or {messages} objects")
+    bench.add_argument("--methods", default="ar,dflash,ddtree")
+    bench.add_argument("--budgets", type=_int_list, default=[16, 32, 64])
+    bench.add_argument("--limit", type=int, default=None, help="use the first N prompts")
+    bench.add_argument("--out", default=None, help="write results JSON here")
+    return parser
+
+
+def _setup(args):
+    sampling = Sampling(args.temperature, args.top_p, args.top_k)
+    if args.max_new_tokens < 1:
+        raise DDTreeError(f"--max-new-tokens {args.max_new_tokens} must be at least 1")
+    for budget in getattr(args, "budgets", None) or [getattr(args, "budget", 1)]:
+        if budget < 1:
+            raise DDTreeError(f"budget {budget} must be at least 1")
+    target, tokenizer = load_target(args.target, DTYPES[args.dtype], args.device)
+    return sampling, target, tokenizer
+
+
+def cmd_generate(args) -> None:
+    sampling, target, tokenizer = _setup(args)
+    drafter = None
+    if args.method != "ar":
+        drafter = DrafterRunner(load_drafter(args.drafter, target, tokenizer, args.target, args.seed), target)
+    if args.raw:
+        prompt_ids = tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
+    else:
+        encoded = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+        prompt_ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
+    generator = torch.Generator(device=target.device).manual_seed(args.seed)
+    result = generate(
+        target, prompt_ids, args.method, drafter, args.budget, args.max_new_tokens,
+        stop_token_ids(target, tokenizer), sampling, generator,
+    )
+    print(tokenizer.decode(result.new_tokens, skip_special_tokens=True))
+    print(
+        f"[{args.method}] {len(result.new_tokens)} tokens, tau {result.tau:.2f}, "
+        f"{result.tokens_per_second:.1f} tok/s",
+        file=sys.stderr,
+    )
+
+
+def cmd_bench(args) -> None:
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if args.out and Path(args.out).is_dir():
+        raise DDTreeError(f"--out {args.out} is a folder; give a file path for the results JSON")
+    sampling, target, tokenizer = _setup(args)
+    prompts = load_prompts(args.prompts, tokenizer, args.limit)
+    drafter = None
+    if any(m != "ar" for m in methods):
+        drafter = DrafterRunner(load_drafter(args.drafter, target, tokenizer, args.target, args.seed), target)
+    results = run_benchmark(
+        target, drafter, prompts, methods, args.budgets, args.max_new_tokens,
+        stop_token_ids(target, tokenizer), sampling, seed=args.seed,
+    )
+    settings = {k: v for k, v in vars(args).items() if k != "func"}
+    results = {"settings": settings, **results}
+    print(format_summary(results["summary"]))
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=out.parent, delete=False, suffix=".tmp") as tmp:
+            json.dump(results, tmp, indent=1)
+        os.replace(tmp.name, out)
+        print(f"results written to {out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        {"generate": cmd_generate, "bench": cmd_bench}[args.command](args)
+    except DDTreeError as error:
+        print(f"ddtree: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""Losslessness at T=0 in fp32 on the built-in target: every method reproduces greedy decoding.
+
+Drafters: an untrained random one (nearly nothing accepted) and an oracle rigged from the
+reference continuation, so that long paths, non-first branches and mid-path rejections are all
+accepted or refused and the walk and the KV-cache compaction are exercised.
+"""
+
+import pytest
+import torch
+
+from ddtree.cli import load_drafter
+from ddtree.decoding import DrafterRunner, generate
+from ddtree.targets import stop_token_ids
+
+PROMPTS = [
+    [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number."}],
+    [{"role": "user", "content": "Give three tips for writing clear emails."}],
+    [{"role": "user", "content": "What is a hash table? Answer briefly."}],
+]
+MAX_NEW = 40
+
+
+class RiggedDrafter:
+    """Knows the reference continuation and drafts it in a chosen pattern.
+
+    At position p (depth d after the root at `start`, p = start + d):
+      p % 5 == 0 -> the true token is the 2nd choice behind a decoy (a non-first branch);
+      p % 7 == 3 -> the true token is missing (the walk must stop there);
+      otherwise  -> the true token is the confident first choice.
+    """
+
+    def __init__(self, reference: list[int], vocab: int, block_size: int = 16):
+        self.reference, self.vocab, self.block_size = reference, vocab, block_size
+        self.calls = []  # (start, depth) of each propose
+
+    def reset(self):
+        pass
+
+    def features(self, hidden_states):
+        return hidden_states[-1][:, :, :1]  # unused by this drafter
+
+    def propose(self, root_token, start, new_context, depth):
+        self.calls.append((start, depth))
+        logits = torch.zeros(depth, self.vocab)
+        for d in range(1, depth + 1):
+            p = start + d
+            true = self.reference[p] if p < len(self.reference) else 0
+            decoy = (true + 1 + p) % self.vocab
+            if p % 7 == 3:
+                logits[d - 1, decoy] = 12.0
+                logits[d - 1, (decoy + 1) % self.vocab] = 11.0
+                logits[d - 1, true] = -10.0
+            elif p % 5 == 0:
+                logits[d - 1, decoy] = 14.0
+                logits[d - 1, true] = 13.5
+            else:
+                logits[d - 1, true] = 16.0
+        return logits
+
+    def non_first_branch_accepted(self, start, accepted_depth):
+        return any((start + d) % 5 == 0 and (start + d) % 7 != 3 for d in range(1, accepted_depth + 1))
+
+
+def _prompt_ids(tokenizer, messages):
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+@pytest.fixture(scope="module")
+def references(smollm2):
+    model, tokenizer = smollm2
+    out = []
+    for messages in PROMPTS:
+        prompt = _prompt_ids(tokenizer, messages)
+        greedy = model.generate(
+            torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=stop_token_ids(model, tokenizer)
+        )[0, len(prompt):].tolist()
+        out.append((prompt, greedy))
+    return out
+
+
+@pytest.fixture(scope="module")
+def random_drafter(smollm2):
+    model, tokenizer = smollm2
+    return DrafterRunner(load_drafter("random", model, tokenizer, "smollm2-135m"), model)
+
+
+def test_ar_matches_greedy(smollm2, references):
+    model, tokenizer = smollm2
+    for prompt, greedy in references:
+        result = generate(model, prompt, "ar", max_new_tokens=MAX_NEW, stop_ids=stop_token_ids(model, tokenizer))
+        assert result.new_tokens == greedy
+
+
+@pytest.mark.parametrize("method,budget", [("dflash", 0), ("ddtree", 1), ("ddtree", 8), ("ddtree", 64)])
+def test_random_drafter_is_lossless(smollm2, references, random_drafter, method, budget):
+    model, tokenizer = smollm2
+    for prompt, greedy in references:
+        result = generate(
+            model, prompt, method, random_drafter, budget, MAX_NEW, stop_token_ids(model, tokenizer)
+        )
+        assert result.new_tokens == greedy
+
+
+@pytest.mark.parametrize("method,budget", [("dflash", 0), ("ddtree", 1), ("ddtree", 8), ("ddtree", 64)])
+def test_rigged_drafter_is_lossless_and_exercises_the_walk(smollm2, references, method, budget):
+    model, tokenizer = smollm2
+    long_paths = non_first = 0
+    for prompt, greedy in references:
+        rigged = RiggedDrafter(prompt + greedy, model.config.vocab_size)
+        result = generate(model, prompt, method, rigged, budget, MAX_NEW, stop_token_ids(model, tokenizer))
+        assert result.new_tokens == greedy
+        drafted_rounds = [r for r in result.rounds if r.tree_size > 0]
+        assert len(drafted_rounds) == len(rigged.calls)
+        for (start, _), round_ in zip(rigged.calls, drafted_rounds):
+            long_paths += round_.accepted_depth >= 4
+            non_first += rigged.non_first_branch_accepted(start, round_.accepted_depth)
+    if budget >= 8 or method == "dflash":
+        assert long_paths > 0, "no round accepted a long path: the walk was not exercised"
+    if budget >= 8:
+        # budget 1 and the single chain hold only first choices; wider trees must take the decoy's sibling
+        assert non_first > 0, "no accepted path went through a non-first branch"
+    else:
+        assert non_first == 0
+
+
+def test_stop_and_length_limits(smollm2, references):
+    model, tokenizer = smollm2
+    prompt, greedy = references[1]
+    rigged = RiggedDrafter(prompt + greedy, model.config.vocab_size)
+    short = generate(model, prompt, "ddtree", rigged, 16, 7, stop_token_ids(model, tokenizer))
+    assert short.new_tokens == greedy[:7]
+    stop_at = greedy[5]  # pretend the 6th greedy token is a stop token
+    stopped = generate(model, prompt, "ddtree", RiggedDrafter(prompt + greedy, model.config.vocab_size), 16, MAX_NEW, [stop_at])
+    assert stopped.stopped and stopped.new_tokens == greedy[: greedy.index(stop_at) + 1]

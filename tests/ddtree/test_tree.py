@@ -1,0 +1,92 @@
+"""The draft tree: heap = brute-force top-B prefixes; the tree mask matches running each path alone."""
+
+import itertools
+import math
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from ddtree.tree import ancestor_matrix, build_tree, tree_attention_mask, tree_positions, walk
+
+
+def brute_force_top_prefixes(log_probs: torch.Tensor, budget: int) -> set[tuple[int, ...]]:
+    depth_count, vocab = log_probs.shape
+    scored = []
+    for depth in range(1, depth_count + 1):
+        for prefix in itertools.product(range(vocab), repeat=depth):
+            scored.append((sum(log_probs[d, t].item() for d, t in enumerate(prefix)), prefix))
+    scored.sort(reverse=True)
+    return {prefix for _, prefix in scored[:budget]}
+
+
+def node_paths(tree) -> list[tuple[int, ...]]:
+    paths = []
+    for i, (token, parent) in enumerate(zip(tree.tokens, tree.parents)):
+        paths.append((paths[parent - 1] if parent else ()) + (token,))
+    return paths
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("budget", [1, 3, 7, 20])
+def test_heap_builds_the_top_budget_prefixes(seed, budget):
+    generator = torch.Generator().manual_seed(seed)
+    depth_count, vocab = 3, 4
+    logits = torch.randn(depth_count, vocab, generator=generator) * 2
+    log_probs = torch.log_softmax(logits, -1)
+    tree = build_tree(logits, budget)
+    paths = node_paths(tree)
+
+    assert len(tree) == min(budget, sum(vocab**d for d in range(1, depth_count + 1)))
+    assert set(paths) == brute_force_top_prefixes(log_probs, budget)
+    assert len(set(paths)) == len(paths)
+    for row, (parent, depth, path) in enumerate(zip(tree.parents, tree.depths, paths), start=1):
+        assert parent < row  # parents before children
+        assert depth == len(path)
+        if len(path) > 1:  # prefix-closed: the parent's path is this path minus its last token
+            assert paths[parent - 1] == path[:-1]
+        else:
+            assert parent == 0
+        expected = sum(log_probs[d, t].item() for d, t in enumerate(path))
+        assert math.isclose(tree.log_probs[row - 1], expected, abs_tol=1e-5)
+    assert all(a >= b - 1e-6 for a, b in zip(tree.log_probs, tree.log_probs[1:]))  # pops non-increasing
+
+
+def test_ancestor_matrix_and_walk():
+    # depth-1 tokens 5 (p .6) and 6 (p .4); depth 2 token 7 then 8
+    logits = torch.log(torch.tensor([[0.0, 0, 0, 0, 0, 0.6, 0.4, 0, 0], [0, 0, 0, 0, 0, 0, 0, 0.7, 0.3]]) + 1e-9)
+    tree = build_tree(logits, 4)  # 5, 5->7, 6, 5->8 or 6->7
+    visible = ancestor_matrix(tree)
+    for row in range(1, len(tree) + 1):
+        chain, node = {0, row}, row
+        while node:
+            node = tree.parents[node - 1]
+            chain.add(node)
+        assert {j for j in range(len(tree) + 1) if visible[row, j]} == chain
+    # a walk that takes the non-first branch at depth 1 (token 6) then stops
+    target_choice = {0: 6}
+    accepted, bonus = walk(tree, lambda row: target_choice.get(row, 99))
+    assert [tree.tokens[r - 1] for r in accepted] == [6] and bonus == 99
+
+
+def test_tree_forward_matches_each_path_alone(smollm2):
+    model, tokenizer = smollm2
+    prompt = tokenizer("def fibonacci(n):\n    ", add_special_tokens=False)["input_ids"]
+    generator = torch.Generator().manual_seed(0)
+    tree = build_tree(torch.randn(4, model.config.vocab_size, generator=generator) * 3, 12)
+    root = 1000
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        model(torch.tensor([prompt]), past_key_values=cache, use_cache=True)
+        start = len(prompt)
+        tree_logits = model(
+            torch.tensor([[root] + tree.tokens]),
+            position_ids=tree_positions(tree, start)[None],
+            attention_mask=tree_attention_mask(tree, start, model.dtype, "cpu"),
+            past_key_values=cache,
+            use_cache=True,
+        ).logits[0]
+        assert tree_logits.shape[0] == len(tree) + 1
+        for row, path in enumerate([()] + node_paths(tree)):
+            alone = model(torch.tensor([prompt + [root, *path]])).logits[0, -1]
+            torch.testing.assert_close(tree_logits[row], alone, atol=1e-4, rtol=0)

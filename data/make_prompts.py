@@ -134,6 +134,9 @@ def stdlib_objects(module_name: str) -> list[dict]:
             signature = f"{name}{inspect.signature(obj)}"
         except (TypeError, ValueError):
             signature = f"{name}(...)"
+        # Defaults such as <function IS_CHARACTER_JUNK at 0x7f...> would make the output differ per run.
+        signature = re.sub(r"<(?:function|built-in function|class) ([\w.]+)(?: at 0x[0-9a-f]+)?>", r"\1", signature)
+        signature = re.sub(r" at 0x[0-9a-f]+", "", signature)
         found.append({
             "module": module_name, "name": name, "qual": f"{module_name}.{name}",
             "summary": summary, "signature": signature, "kind": "class" if is_class else "function",

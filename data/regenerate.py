@@ -29,7 +29,6 @@ text so a stray template token cannot break the conversation structure when it i
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -209,30 +208,33 @@ def check_settings(parts: Path, settings: dict) -> None:
     write_atomic(path, json.dumps(settings, indent=2) + "\n")
 
 
-def chunk_sizes(num_prompts: int, chunk_size: int) -> list[int]:
-    """Number of prompts in each chunk: chunk k holds prompts [k * chunk_size, (k + 1) * chunk_size)."""
-    return [min(chunk_size, num_prompts - start) for start in range(0, num_prompts, chunk_size)]
+def read_chunk(parts: Path, index: int, records: list[dict]) -> list[dict] | None:
+    """The finished rows of chunk `index` for these prompt records, or None if it must be (re)made.
 
-
-def read_chunk(parts: Path, index: int, expected: int) -> list[dict] | None:
-    """The first `expected` rows of a finished chunk, or None if it is missing or shorter.
-
-    A chunk can be longer than expected: it was finished under a larger --limit, and its prefix
-    is exactly what this limit needs (chunks do not depend on --limit otherwise).
+    A chunk counts as finished only if its rows answer exactly these prompts (same ids, same
+    messages), so an edited prompt file redoes just the chunks whose prompts changed. A chunk
+    can hold more rows than asked for: it was finished under a larger --limit, and its prefix
+    is exactly what this limit needs.
     """
     path = chunk_path(parts, index)
     if not path.exists():
         return None
     with path.open(encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    return rows[:expected] if len(rows) >= expected else None
+        rows = [json.loads(line) for line in f if line.strip()][: len(records)]
+    if len(rows) < len(records):
+        return None
+    for row, record in zip(rows, records):
+        if row["id"] != record["id"] or row["messages"][:-1] != record["messages"]:
+            return None
+    return rows
 
 
-def merge(parts: Path, out: Path, sizes: list[int], settings: dict) -> dict:
+def merge(parts: Path, out: Path, chunks_of_records: list[list[dict]], settings: dict) -> dict:
     """Concatenate every chunk in order into a `datasets` folder at `out`; return the summary."""
     from datasets import Dataset  # heavy import, only needed here
 
-    chunks = [read_chunk(parts, k, n) for k, n in enumerate(sizes)]
+    sizes = [len(c) for c in chunks_of_records]
+    chunks = [read_chunk(parts, k, records) for k, records in enumerate(chunks_of_records)]
     missing = [k for k, rows in enumerate(chunks) if rows is None]
     if missing:
         raise DDTreeError(
@@ -306,12 +308,11 @@ def run(args: argparse.Namespace) -> dict | None:
         record["messages"] = prompt_messages(record["messages"])
         if not record["messages"]:
             raise DDTreeError(f"{args.prompts}: record {record['id']!r} has only assistant turns; it needs a prompt")
-    sizes = chunk_sizes(len(records), args.chunk_size)
+    chunks = [records[start:start + args.chunk_size] for start in range(0, len(records), args.chunk_size)]
     # Everything that changes a chunk's contents; --limit does not (it only says how many chunks).
     settings = {
         "target": args.target,
         "prompts": str(args.prompts),
-        "prompts_sha256": hashlib.sha256(args.prompts.read_bytes()).hexdigest(),
         "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature,
         "top_p": args.top_p if args.temperature > 0 else 1.0,
@@ -323,11 +324,11 @@ def run(args: argparse.Namespace) -> dict | None:
     parts.mkdir(parents=True, exist_ok=True)
     check_settings(parts, settings)
     if args.merge_only:
-        return report(merge(parts, args.out, sizes, settings), args.out)
+        return report(merge(parts, args.out, chunks, settings), args.out)
 
-    mine = [k for k in range(len(sizes)) if k % args.num_shards == args.shard_index]
-    todo = [k for k in mine if read_chunk(parts, k, sizes[k]) is None]
-    print(f"[regenerate] {len(records)} prompts, {len(sizes)} chunks; shard {args.shard_index}/{args.num_shards}: "
+    mine = [k for k in range(len(chunks)) if k % args.num_shards == args.shard_index]
+    todo = [k for k in mine if read_chunk(parts, k, chunks[k]) is None]
+    print(f"[regenerate] {len(records)} prompts, {len(chunks)} chunks; shard {args.shard_index}/{args.num_shards}: "
           f"{len(mine)} chunks, {len(mine) - len(todo)} already done", flush=True)
 
     if todo:
@@ -336,11 +337,11 @@ def run(args: argparse.Namespace) -> dict | None:
         stops = sorted(set(stop_token_ids(model, tokenizer)))
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
         vllm_generator = VLLMGenerator(args.target, args.dtype, args.seed) if use_vllm else None
-        total = sum(len(records[k * args.chunk_size:(k + 1) * args.chunk_size]) for k in todo)
+        total = sum(len(chunks[k]) for k in todo)
         started = time.time()
         with tqdm(total=total, desc=f"shard {args.shard_index}", unit="prompt", file=sys.stdout) as progress:
             for k in todo:
-                chunk = records[k * args.chunk_size:(k + 1) * args.chunk_size]
+                chunk = chunks[k]
                 prompts = [render_prompt(tokenizer, r["messages"]) for r in chunk]
                 torch.manual_seed(args.seed * 100_003 + k)  # sampling is reproducible per chunk, whatever the shard
                 if vllm_generator is not None:
@@ -363,8 +364,8 @@ def run(args: argparse.Namespace) -> dict | None:
                 write_atomic(chunk_path(parts, k), "\n".join(lines) + "\n")
         print(f"[regenerate] shard {args.shard_index}: {total} prompts in {time.time() - started:.0f} s", flush=True)
 
-    if all(read_chunk(parts, k, n) is not None for k, n in enumerate(sizes)):
-        return report(merge(parts, args.out, sizes, settings), args.out)
+    if all(read_chunk(parts, k, chunk) is not None for k, chunk in enumerate(chunks)):
+        return report(merge(parts, args.out, chunks, settings), args.out)
     print(f"[regenerate] other shards still running; the last one merges (or run with --merge-only)")
     return None
 

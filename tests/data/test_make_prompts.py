@@ -1,0 +1,49 @@
+"""Tests of data/make_prompts.py: deterministic, held-out eval prompts, shipped files reproducible.
+
+    .venv/bin/pytest -q tests/data/test_make_prompts.py
+"""
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "data"))
+import make_prompts  # noqa: E402
+
+
+def contents(records):
+    return [r["messages"][0]["content"] for r in records]
+
+
+def test_build_is_deterministic_and_eval_is_held_out():
+    train, evaluation = make_prompts.build(seed=0, num_coding=300, num_chat=300, num_eval=40)
+    again_train, again_eval = make_prompts.build(seed=0, num_coding=300, num_chat=300, num_eval=40)
+    assert (train, evaluation) == (again_train, again_eval)
+    assert contents(make_prompts.build(seed=1, num_coding=300, num_chat=300, num_eval=40)[0]) != contents(train)
+
+    assert len(train) == 600 and len({r["id"] for r in train}) == 600
+    assert len(evaluation) == 40 and sum(r["id"].startswith("eval-code/") for r in evaluation) == 20
+    assert not set(contents(train)) & set(contents(evaluation))
+    # Coding eval prompts come only from held-out modules.
+    for record in evaluation:
+        if record["id"].startswith("eval-code/"):
+            qual = record["id"].split("/")[1]
+            assert any(qual == m or qual.startswith(m + ".") for m in make_prompts.EVAL_MODULES), record
+    train_modules = {r["id"].split("/")[1] for r in train if r["id"].startswith("code/")}
+    assert not {m for m in make_prompts.EVAL_MODULES if any(t == m or t.startswith(m + ".") for t in train_modules)}
+
+
+def test_first_sentence_drops_signature_lines():
+    doc = "getopt(args, options[, long_options]) -> opts, args\n\nParse command line options.  More text."
+    assert make_prompts.first_sentence(doc, "gnu_getopt") == "Parse command line options."
+    assert make_prompts.first_sentence("make an iterator\nthat groups.\n\nDetails.", "groupby") == "Make an iterator that groups."
+
+
+def test_shipped_prompt_files_are_what_the_script_writes(tmp_path):
+    make_prompts.main(["--train-out", str(tmp_path / "train.jsonl"), "--eval-out", str(tmp_path / "eval.jsonl")])
+    assert (tmp_path / "eval.jsonl").read_text() == (ROOT / "data/eval_prompts.jsonl").read_text()
+    assert (tmp_path / "train.jsonl").read_text() == (ROOT / "data/prompts/train_prompts.jsonl").read_text()
+    for line in (ROOT / "data/eval_prompts.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        assert set(record) == {"id", "messages"} and record["messages"][0]["role"] == "user"

@@ -1,0 +1,112 @@
+"""Tests of data/regenerate.py on the tiny random target: decoding loop, shards, resume, errors.
+
+    .venv/bin/pytest -q tests/data/test_regenerate.py
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "data"))
+import regenerate  # noqa: E402
+
+from ddtree.targets import DDTreeError  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from ddtree.targets import load_target
+
+    return load_target("tiny-random", torch.float32)
+
+
+def reference(model, prompt, stop, max_new_tokens):
+    ids = torch.tensor([prompt])
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         do_sample=False, eos_token_id=[stop], pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_batched_loop_matches_generate_and_drops_finished_rows(tiny):
+    model, _ = tiny
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(100, 5000, (n,), generator=generator).tolist() for n in (5, 14, 9)]
+    never = model.config.vocab_size - 1
+    unstopped = [reference(model, p, never, 8) for p in prompts[:1]]
+    # Stop on a token that prompt 0 produces at step 3, so that row leaves the (one) batch early.
+    stop = unstopped[0][3]
+    expected = [reference(model, p, stop, 8) for p in prompts]
+    assert len(expected[0]) <= 4 and max(len(e) for e in expected) == 8
+    got = regenerate.generate_transformers(model, prompts, pad_id=0, stop_ids=[stop], batch_size=3,
+                                           max_new_tokens=8, temperature=0.0, top_p=1.0)
+    assert got == expected
+    assert regenerate.cut_at_stop(got[0], {stop}) == (expected[0][:-1], "stop")
+
+
+def test_sampling_is_seeded_and_top_p_keeps_the_head():
+    logits = torch.tensor([[0.0, 5.0, 1.0, 0.5]])
+    assert regenerate.pick_next(logits, 0.0, 1.0).item() == 1
+    # top_p below the top token's mass leaves only that token.
+    assert all(regenerate.pick_next(logits, 1.0, 0.5).item() == 1 for _ in range(20))
+    torch.manual_seed(3)
+    first = [regenerate.pick_next(logits, 2.0, 1.0).item() for _ in range(30)]
+    torch.manual_seed(3)
+    assert first == [regenerate.pick_next(logits, 2.0, 1.0).item() for _ in range(30)] and len(set(first)) > 1
+
+
+def prompt_file(path, count):
+    lines = [json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": f"Say something about {i}."}]})
+             for i in range(count)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def args_for(tmp_path, *extra):
+    return regenerate.parse_args([
+        "--target", "tiny-random", "--prompts", str(tmp_path / "prompts.jsonl"), "--out", str(tmp_path / "out"),
+        "--chunk-size", "2", "--batch-size", "2", "--max-new-tokens", "6", "--dtype", "float32", *extra,
+    ])
+
+
+def test_shards_merge_resume_and_settings_guard(tmp_path):
+    from datasets import load_from_disk
+
+    prompt_file(tmp_path / "prompts.jsonl", 5)  # 3 chunks: 2 + 2 + 1
+    assert regenerate.run(args_for(tmp_path, "--num-shards", "2", "--shard-index", "0")) is None  # chunk 1 missing
+    summary = regenerate.run(args_for(tmp_path, "--num-shards", "2", "--shard-index", "1"))
+    assert summary["num_conversations"] == 5
+    data = load_from_disk(str(tmp_path / "out"))
+    assert data["id"] == [f"p{i}" for i in range(5)]
+    for i, row in enumerate(data):
+        assert row["messages"][0]["content"] == f"Say something about {i}."
+        assert row["messages"][-1]["role"] == "assistant" and 0 <= row["response_tokens"] <= 6
+    assert summary["response_tokens"] == sum(data["response_tokens"])
+
+    # Resume: only the missing chunk is generated again, and it comes out the same (greedy).
+    parts = tmp_path / "out.parts"
+    chunk0_mtime = (parts / "chunk-00000.jsonl").stat().st_mtime_ns
+    chunk1 = (parts / "chunk-00001.jsonl").read_text()
+    (parts / "chunk-00001.jsonl").unlink()
+    regenerate.run(args_for(tmp_path))
+    assert (parts / "chunk-00001.jsonl").read_text() == chunk1
+    assert (parts / "chunk-00000.jsonl").stat().st_mtime_ns == chunk0_mtime
+
+    with pytest.raises(DDTreeError, match="max_new_tokens: 6 -> 7"):
+        regenerate.run(args_for(tmp_path, "--max-new-tokens", "7"))
+    # A smaller --limit merges a prefix of the finished work.
+    assert regenerate.run(args_for(tmp_path, "--merge-only", "--limit", "3"))["num_conversations"] == 3
+    assert load_from_disk(str(tmp_path / "out"))["id"] == ["p0", "p1", "p2"]
+
+
+def test_cli_reports_bad_prompt_file_with_line(tmp_path, capsys):
+    bad = tmp_path / "prompts.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "ok"}]}\n{"messages": "nope"}\n')
+    with pytest.raises(SystemExit) as exit_info:
+        regenerate.main(["--target", "tiny-random", "--prompts", str(bad), "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and f"{bad}:2:" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "out").exists()

@@ -171,3 +171,82 @@ def format_summary(summary: dict) -> str:
             f"{speedup:>7} {s['round_ms']:>9.1f} {s['draft_ms']:>7.1f} {s['verify_ms']:>7.1f} {s['other_ms']:>7.2f}"
         )
     return "\n".join(lines)
+
+
+@torch.no_grad()
+def measure_verify_cost(
+    target: PreTrainedModel, sizes: list[int], context: int = 300, repeats: int = 5, seed: int = 0
+) -> list[dict]:
+    """Cost of verifying a draft tree of n nodes against a `context`-token cache, relative to one AR step.
+
+    For each size: the target forward over [root + n nodes] under the tree mask, and the tree's own
+    overhead (best-first build from random per-depth logits, mask, a walk, cache compaction), each the
+    median of `repeats` runs. Returns rows {nodes, verify_ms, ar_step_ms, ratio, overhead_ms}.
+    """
+    import statistics
+    import time
+
+    from transformers import DynamicCache
+
+    from .decoding import _keep_rows
+    from .tree import build_tree, tree_attention_mask, tree_positions, walk
+
+    device = target.device
+    generator = torch.Generator().manual_seed(seed)
+    vocab = target.get_output_embeddings().weight.shape[0]
+    prefix = torch.randint(100, vocab, (1, context), generator=generator).to(device)
+    cache = DynamicCache(config=target.config)
+    target(prefix, past_key_values=cache, use_cache=True)
+
+    def clock() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    def verify(tree) -> float:
+        tokens = torch.tensor([[7] + tree.tokens], device=device)
+        mask = tree_attention_mask(tree, context, target.dtype, device)
+        start = clock()
+        target(tokens, position_ids=tree_positions(tree, context).to(device)[None], attention_mask=mask,
+               past_key_values=cache, use_cache=True)
+        elapsed = clock() - start
+        cache.crop(-(len(tree) + 1))
+        return elapsed
+
+    empty = build_tree(torch.zeros(0, vocab), 1)
+    verify(empty)  # warm-up
+    ar_step = statistics.median(verify(empty) for _ in range(repeats))
+    rows = []
+    for size in sizes:
+        logits = torch.randn(15, vocab, generator=generator).to(device) * 4  # (depth, V), block size 16
+        tree = build_tree(logits, size)
+        verify(tree)  # warm-up for this shape
+        verify_s = statistics.median(verify(tree) for _ in range(repeats))
+        overheads = []
+        for _ in range(repeats):
+            start = clock()
+            tree = build_tree(logits, size)
+            mask = tree_attention_mask(tree, context, target.dtype, device)
+            positions = tree_positions(tree, context).to(device)[None]
+            first_child = {}
+            for row, parent in enumerate(tree.parents, start=1):
+                first_child.setdefault(parent, tree.tokens[row - 1])
+            accepted, _ = walk(tree, lambda row: first_child.get(row, -1))  # the most likely path, all accepted
+            built = clock() - start
+            target(torch.tensor([[7] + tree.tokens], device=device), position_ids=positions,
+                   attention_mask=mask, past_key_values=cache, use_cache=True)  # untimed: fills rows to compact
+            start = clock()
+            _keep_rows(cache, context, [0] + accepted)
+            compacted = clock() - start
+            cache.crop(-(cache.get_seq_length() - context))
+            overheads.append(built + compacted)
+        rows.append(
+            {
+                "nodes": len(tree),
+                "verify_ms": 1000 * verify_s,
+                "ar_step_ms": 1000 * ar_step,
+                "ratio": verify_s / ar_step,
+                "overhead_ms": 1000 * statistics.median(overheads),
+            }
+        )
+    return rows

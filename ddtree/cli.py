@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from .bench import format_summary, load_prompts, run_benchmark
+from .bench import format_summary, load_prompts, measure_verify_cost, run_benchmark
 from .configuration_dflash import DFlashDrafterConfig
 from .decoding import DrafterRunner, Sampling, generate
 from .modeling_dflash import DFlashDraftModel
@@ -87,6 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--budgets", type=_int_list, default=[16, 32, 64])
     bench.add_argument("--limit", type=int, default=None, help="use the first N prompts")
     bench.add_argument("--out", default=None, help="write results JSON here")
+
+    cost = commands.add_parser("verify-cost", help="time tree verification vs one AR step (a benchmark)")
+    cost.add_argument("--target", default="smollm2-135m")
+    cost.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    cost.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    cost.add_argument("--sizes", type=_int_list, default=[16, 32, 64, 128])
+    cost.add_argument("--context", type=int, default=300, help="tokens already in the KV cache")
+    cost.add_argument("--repeats", type=int, default=7)
     return parser
 
 
@@ -149,10 +157,19 @@ def cmd_bench(args) -> None:
         print(f"results written to {out}")
 
 
+def cmd_verify_cost(args) -> None:
+    target, _ = load_target(args.target, DTYPES[args.dtype], args.device)
+    rows = measure_verify_cost(target, args.sizes, args.context, args.repeats)
+    print(f"target {args.target}, {args.dtype}, {args.context}-token cache; one AR step {rows[0]['ar_step_ms']:.1f} ms")
+    print(f"{'nodes':>6} {'verify ms':>10} {'x AR step':>10} {'tree overhead ms':>17}")
+    for row in rows:
+        print(f"{row['nodes']:>6} {row['verify_ms']:>10.1f} {row['ratio']:>10.2f} {row['overhead_ms']:>17.2f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        {"generate": cmd_generate, "bench": cmd_bench}[args.command](args)
+        {"generate": cmd_generate, "bench": cmd_bench, "verify-cost": cmd_verify_cost}[args.command](args)
     except DDTreeError as error:
         print(f"ddtree: error: {error}", file=sys.stderr)
         return 2

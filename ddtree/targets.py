@@ -14,6 +14,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +44,27 @@ def cache_dir() -> Path:
     return Path(os.environ.get("DDTREE_CACHE", Path.home() / ".cache" / "ddtree"))
 
 
+@contextmanager
+def staged_folder(destination: Path, replace: bool = True):
+    """Yield a temporary folder beside `destination`; on success rename it into place.
+
+    An interruption or an error leaves `destination` as it was and removes the partial folder,
+    so nothing half-written is ever visible under the final name.
+    """
+    destination = Path(destination)
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}-", dir=destination.parent))
+    try:
+        yield staging
+        if destination.exists():
+            if not replace:
+                raise DDTreeError(f"{destination} already exists; refusing to overwrite it")
+            shutil.rmtree(destination)
+        staging.rename(destination)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 def builtin_target_folder(name: str) -> Path:
     """Return the converted safetensors folder of a built-in target, converting it on first use."""
     spec = BUILTIN_TARGETS[name]
@@ -65,17 +87,9 @@ def builtin_target_folder(name: str) -> Path:
     del model.config.quantization_config
     model.hf_quantizer = None
     model.generation_config.max_length = None
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    # Write beside the destination and rename, so an interrupted conversion leaves nothing half-written.
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=folder.parent))
-    try:
+    with staged_folder(folder) as staging:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        if folder.exists():
-            shutil.rmtree(folder)
-        staging.rename(folder)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return folder
 
 
@@ -101,15 +115,9 @@ def tiny_target_folder() -> Path:
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
-    staging = Path(tempfile.mkdtemp(prefix=f".{TINY_TARGET}-", dir=folder.parent))
-    try:
+    with staged_folder(folder) as staging:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        if folder.exists():
-            shutil.rmtree(folder)
-        staging.rename(folder)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return folder
 
 

@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 RECIPE ?= smollm2-135m
 
-.PHONY: setup train test test-all bench clean
+.PHONY: setup train eval test test-all bench clean
 
 setup: $(STAMP)
 
@@ -24,6 +24,11 @@ $(STAMP): requirements.txt pyproject.toml
 # Writes outputs/$(RECIPE)/<run>/ (config, checkpoints, logs, drafter/); RESUME continues a run exactly.
 train: $(STAMP)
 	$(PY) -m training.train --recipe $(RECIPE) $(if $(RESUME),--resume $(RESUME))
+
+# make eval [RECIPE=smollm2-135m] [CKPT=best|last|path/to/x.ckpt]  (default: best of the newest run)
+# Measures a saved checkpoint's DDTree acceptance exactly as training's evaluation did (recipe's eval: section).
+eval: $(STAMP)
+	$(PY) -m training.evaluate --recipe $(RECIPE) --ckpt $(or $(CKPT),best)
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -7,8 +7,10 @@
 
 Every run writes outputs/<recipe>/<run>/:
     config.yaml            the fully resolved configuration (resuming reads it back)
-    checkpoints/           last.ckpt + the latest step-N checkpoint: drafter, optimizer, scheduler,
-                           loop and data-loader state; never the target
+    checkpoints/           step-N checkpoints at the evaluation steps (the top checkpoint.save_top_k by
+                           val/tau_ddtree@<eval.primary_budget>), best.ckpt -> the best, last.ckpt:
+                           drafter, optimizer, scheduler, loop and data-loader state; never the target
+    report.md, tau.png     measured acceptance at every evaluation (training/callbacks.py), eval/ the details
     tensorboard/, csv/     logs (one version_k per launch: a resumed run appends version_k+1)
     drafter/               the trained drafter as a HF folder, for `ddtree bench --drafter`
 
@@ -25,11 +27,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import yaml
 from jsonargparse import ArgumentError
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 
 from ddtree.targets import DDTreeError
+from training.callbacks import AcceptanceEvaluation, BestCheckpoint, monitor_metric
 from training.data import DistillDataModule
 from training.export import export_drafter
 from training.module import DistillModule, NonFiniteError
@@ -59,16 +62,28 @@ def find_resume(resume: str, recipe_root: Path) -> tuple[Path, Path]:
     return checkpoint, run_dir
 
 
+def check_checkpoint_settings(config: Path) -> None:
+    """The eval section sets checkpoint.every_n_train_steps and checkpoint.monitor; a config value would be dropped silently."""
+    settings = yaml.safe_load(config.read_text()) or {}
+    for field, source in (("every_n_train_steps", "eval.every_n_train_steps"), ("monitor", "eval.primary_budget")):
+        if field in (settings.get("checkpoint") or {}):
+            raise DDTreeError(f"{config}: checkpoint.{field} follows {source}; remove it from the checkpoint section")
+
+
 class DistillCLI(LightningCLI):
     def add_arguments_to_parser(self, parser):
-        # Checkpointing is part of every recipe; recipes may change how often (checkpoint.every_n_train_steps).
-        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        # Every run measures DDTree acceptance (eval.*) and checkpoints at exactly those steps, ranked by
+        # the primary budget's tau: both checkpoint settings follow the eval section.
+        parser.add_lightning_class_args(AcceptanceEvaluation, "eval")
+        parser.add_lightning_class_args(BestCheckpoint, "checkpoint")
+        parser.link_arguments("eval.every_n_train_steps", "checkpoint.every_n_train_steps", apply_on="parse")
+        parser.link_arguments("eval.primary_budget", "checkpoint.monitor", compute_fn=monitor_metric, apply_on="parse")
         parser.set_defaults(
             {
                 "checkpoint.filename": "step-{step}",
                 "checkpoint.save_last": True,
-                "checkpoint.save_top_k": 1,  # monitor=None: keeps only the newest step-N file
-                "checkpoint.every_n_train_steps": 200,
+                "checkpoint.save_top_k": 1,  # the best by measured tau (plus last.ckpt)
+                "checkpoint.mode": "max",
             }
         )
         # One target per recipe: the data's tokenizer and the model's target can never disagree.
@@ -77,6 +92,7 @@ class DistillCLI(LightningCLI):
 
 def build_cli(config: Path, run_dir: Path, overrides: list[str]) -> DistillCLI:
     """Parse config + overrides into (model, datamodule, trainer) without running anything."""
+    check_checkpoint_settings(config)
     logger = [
         {"class_path": "lightning.pytorch.loggers.TensorBoardLogger", "init_args": {"save_dir": str(run_dir), "name": "tensorboard"}},
         {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(run_dir), "name": "csv"}},

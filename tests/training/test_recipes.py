@@ -131,7 +131,7 @@ def test_tiny_recipe_runs_and_resumes_exactly(tmp_path, monkeypatch):
     common = [
         "--recipe", "tiny", "--output-root", str(tmp_path / "out"),
         f"--data.data_path={data}", f"--data.cache_dir={tmp_path / 'cache'}", "--data.batch_size=2",
-        "--data.val_fraction=0.1", "--trainer.val_check_interval=null", "--checkpoint.every_n_train_steps=3",
+        "--data.val_fraction=0.1", "--trainer.val_check_interval=null", "--eval.every_n_train_steps=3",
         "--trainer.max_steps=6", "--trainer.enable_progress_bar=false", "--trainer.log_every_n_steps=1",
     ]
     # one straight run of 6 steps

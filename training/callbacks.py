@@ -1,0 +1,415 @@
+"""Acceptance during training: real DDTree decoding on held-out prompts, and checkpoints ranked by it.
+
+    # recipes/<name>.yaml (training/train.py adds both callbacks to every run)
+    eval:
+      prompts: data/eval_prompts.jsonl   # held-out prompts, the `ddtree bench --prompts` format
+      every_n_train_steps: 100           # checkpoints are saved at exactly these steps
+      budgets: [16, 32, 64]
+      primary_budget: 32                 # checkpoints are ranked by val/tau_ddtree@32
+      max_new_tokens: 64
+      limit: 8                           # the first 8 prompts of the file
+
+Every `every_n_train_steps` optimizer steps, and at the last step, `AcceptanceEvaluation` runs
+`ddtree.bench.run_benchmark` (the code behind `ddtree bench`, not a copy) with the frozen target and
+the live drafter at temperature 0, and logs
+    val/tau_ddtree@B           measured tokens per verification round (accepted drafts + 1 bonus)
+    val/tau_dflash             the same for the single chain
+    val/expected_tau_ddtree@B  what the drafter predicts for its own trees (1 + sum of path probs),
+                               beside the measurement: the gap is the drafter's over-confidence
+    val/eval_seconds           wall time of the evaluation
+plus the accepted-depth histogram (TensorBoard), the per-prompt results (eval/step-N.json) and,
+in the run folder, report.md, tau.png and eval/accepted_depths.csv (training/report.py).
+
+`BestCheckpoint` is Lightning's ModelCheckpoint with monitor=val/tau_ddtree@<primary>, mode max
+(train.py links both settings to the `eval:` section): it keeps the top k, last.ckpt and a
+checkpoints/best.ckpt symlink naming the best. Lightning runs ModelCheckpoint callbacks after all
+others, so the metric of a step is always logged before the checkpoint of that step is ranked.
+
+Distributed (DDP, DeepSpeed): every rank decodes its share of the prompts (prompt i on rank
+i % world_size), all ranks gather every result and log the same numbers (each rank's checkpoint
+callback must see the metric), rank 0 writes the files. Under DeepSpeed ZeRO-3 the parameters
+are sharded, so evaluation decodes with a consolidated copy gathered once per evaluation.
+Training state is left as it was: train/eval mode of every module, the python/numpy/torch RNG
+states, gradients (decoding runs under no_grad) and autocast (disabled while decoding, so the
+numbers do not depend on the training precision plugin).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from transformers import AutoTokenizer, PreTrainedModel
+
+from ddtree.bench import load_prompts, run_benchmark
+from ddtree.decoding import DrafterRunner, Sampling
+from ddtree.modeling_dflash import DFlashDraftModel
+from ddtree.targets import DDTreeError, resolve_target, stop_token_ids
+
+from . import report
+from .report import CHAIN
+
+EVAL_STEP_METRIC = "val/eval_step"  # the step of the newest evaluation (for BestCheckpoint, not the loggers)
+
+
+def monitor_metric(primary_budget: int) -> str:
+    """The metric checkpoints are ranked by."""
+    return f"val/tau_ddtree@{primary_budget}"
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+def summarize(rows: list[dict], key: str) -> dict:
+    """Acceptance of one method over per-prompt bench rows, with the same arithmetic as `ddtree bench`."""
+    rounds = [r for row in rows for r in row["methods"][key]["rounds"]]
+    depth_counts = Counter(r["accepted_depth"] for r in rounds)
+    return {
+        "tau": sum(r["committed"] for r in rounds) / max(len(rounds), 1),
+        "expected_tau": sum(r["expected"] for r in rounds) / max(len(rounds), 1),
+        "rounds": len(rounds),
+        "new_tokens": sum(len(row["methods"][key]["new_tokens"]) for row in rows),
+        "accepted_depth_counts": dict(sorted(depth_counts.items())),
+    }
+
+
+def measure_acceptance(
+    target: PreTrainedModel,
+    drafter: DrafterRunner,
+    prompts: list[dict],
+    budgets: list[int],
+    max_new_tokens: int,
+    stop_ids: list[int],
+    rank: int = 0,
+    world_size: int = 1,
+) -> dict:
+    """Decode this rank's share of `prompts` with the chain and DDTree at every budget; gather all ranks.
+
+    Returns {"summary": {"dflash" | "ddtree@B": {tau, expected_tau, rounds, new_tokens,
+    accepted_depth_counts}}, "prompts": [per-prompt bench rows, in file order]}, identical on every rank.
+    """
+    share = list(range(rank, len(prompts), world_size))
+    rows = []
+    if share:  # a rank with no prompt (fewer prompts than ranks) still joins the gather
+        results = run_benchmark(
+            target, drafter, [prompts[i] for i in share], [CHAIN, "ddtree"], budgets, max_new_tokens, stop_ids,
+            Sampling(temperature=0.0), seed=0, progress=False,
+        )
+        rows = [dict(row, index=i) for i, row in zip(share, results["prompts"])]
+    if world_size > 1:
+        gathered: list[list[dict] | None] = [None] * world_size
+        torch.distributed.all_gather_object(gathered, rows)
+        rows = [row for part in gathered for row in part]
+    rows.sort(key=lambda row: row["index"])  # file order, whatever the number of ranks
+    keys = [CHAIN] + [f"ddtree@{budget}" for budget in budgets]
+    return {"summary": {key: summarize(rows, key) for key in keys}, "prompts": rows}
+
+
+def metrics_of(summary: dict, seconds: float) -> dict[str, float]:
+    """The scalars logged for one evaluation."""
+    metrics = {}
+    for key, stats in summary.items():
+        metrics[f"val/tau_{key}"] = stats["tau"]
+        if key != CHAIN:  # the chain's rounds carry no prediction (decoding records 1.0)
+            metrics[f"val/expected_tau_{key}"] = stats["expected_tau"]
+    metrics["val/eval_seconds"] = seconds
+    return metrics
+
+
+class TrainingStateGuard:
+    """Puts back what decoding could disturb: module train/eval flags and the python/numpy/torch RNGs."""
+
+    def __init__(self, *modules: nn.Module):
+        self.modules = modules
+
+    def __enter__(self):
+        self.flags = [(m, m.training) for module in self.modules for m in module.modules()]
+        self.rng = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        return self
+
+    def __exit__(self, *exc):
+        for m, training in self.flags:
+            m.training = training  # per module: .train() would also flip modules deliberately left in eval
+        random.setstate(self.rng[0])
+        np.random.set_state(self.rng[1])
+        torch.set_rng_state(self.rng[2])
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+        return False
+
+
+def consolidated_copy(drafter: nn.Module) -> DFlashDraftModel:
+    """A plain copy of a ZeRO-3-sharded drafter on this rank (every rank must call this together).
+
+    Decoding runs a different number of drafter forwards on each rank, and ZeRO-3 gathers the shards
+    at every forward in lockstep, so the sharded module itself cannot decode. Not exercised by the
+    CPU tests (DeepSpeed needs CUDA).
+    """
+    import deepspeed
+
+    if hasattr(drafter, "peft_config") or any("lora_" in name for name, _ in drafter.named_parameters()):
+        raise DDTreeError(
+            "evaluation under DeepSpeed ZeRO-3 does not support a LoRA drafter; use ZeRO-2 or DDP, "
+            "or evaluate saved checkpoints with `make eval`"
+        )
+    params = dict(drafter.named_parameters())
+    device = next(iter(params.values())).device
+    copy = DFlashDraftModel(drafter.config)
+    with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):
+        full = {name: p.detach().clone() for name, p in params.items()}  # (whole tensors inside the context)
+    missing = set(dict(copy.named_parameters())) - set(full)
+    if missing:
+        raise RuntimeError(f"consolidating the ZeRO-3 drafter: parameters {sorted(missing)[:3]} were not gathered")
+    copy.load_state_dict(full, strict=False)
+    return copy.to(device=device, dtype=full[next(iter(full))].dtype).eval()
+
+
+# ----------------------------------------------------------------------------- the callback
+
+
+class AcceptanceEvaluation(L.Callback):
+    def __init__(
+        self,
+        prompts: str = "data/eval_prompts.jsonl",  # held-out prompts in the `ddtree bench --prompts` format
+        every_n_train_steps: int = 200,  # evaluate (and checkpoint) every N optimizer steps, and at the end
+        budgets: list[int] = [16, 32, 64],  # DDTree node budgets; the single chain always runs too
+        primary_budget: int = 32,  # checkpoints are ranked by val/tau_ddtree@<this>; must be in budgets
+        max_new_tokens: int = 64,  # per prompt
+        limit: int | None = 8,  # the first N prompts of the file (None = all)
+    ):
+        if every_n_train_steps < 1:
+            raise DDTreeError(f"eval.every_n_train_steps={every_n_train_steps}: must be at least 1")
+        if not budgets or min(budgets) < 1:
+            raise DDTreeError(f"eval.budgets={budgets}: give one or more node budgets, each at least 1")
+        if primary_budget not in budgets:
+            raise DDTreeError(f"eval.primary_budget={primary_budget} is not one of eval.budgets={budgets}; add it")
+        if max_new_tokens < 2:
+            raise DDTreeError(f"eval.max_new_tokens={max_new_tokens}: must be at least 2 (the first comes from prefill)")
+        if limit is not None and limit < 1:
+            raise DDTreeError(f"eval.limit={limit}: must be at least 1, or null for every prompt")
+        self.prompts_path = prompts
+        self.every_n_train_steps = every_n_train_steps
+        self.budgets = sorted(set(budgets))
+        self.primary_budget = primary_budget
+        self.max_new_tokens = max_new_tokens
+        self.limit = limit
+        self.history: list[dict] = []  # one record per evaluation; kept in checkpoints for the report
+        self.prompts: list[dict] | None = None  # read in setup (needs the target's tokenizer)
+        self.tokenizer = None
+        self.stop_ids: list[int] | None = None  # needs the target's generation config: set at the first evaluation
+        self.last_step = -1
+        self.launch_started = time.perf_counter()
+        self.launch_eval_seconds = 0.0
+
+    @property
+    def monitor(self) -> str:
+        return monitor_metric(self.primary_budget)
+
+    # -------------------------------------------------------------- one evaluation, usable without a Trainer
+
+    def load_prompts(self, tokenizer) -> list[dict]:
+        path = Path(self.prompts_path)
+        if not path.is_file():
+            raise DDTreeError(f"eval.prompts={self.prompts_path}: no such file; give a JSONL of held-out prompts")
+        return load_prompts(path, tokenizer, self.limit)
+
+    def drafter_runner(self, drafter: nn.Module, target: PreTrainedModel) -> DrafterRunner:
+        """The runner decoding uses; tests override it with rigged drafters."""
+        return DrafterRunner(drafter, target)
+
+    def measure(
+        self, target: PreTrainedModel, drafter: nn.Module, prompts: list[dict], stop_ids: list[int],
+        rank: int = 0, world_size: int = 1,
+    ) -> dict:
+        """Decode `prompts` with `drafter` and return measure_acceptance's result; training state is untouched."""
+        with TrainingStateGuard(drafter, target), torch.no_grad(), torch.autocast(target.device.type, enabled=False):
+            runner = self.drafter_runner(drafter, target)
+            return measure_acceptance(
+                target, runner, prompts, self.budgets, self.max_new_tokens, stop_ids, rank, world_size
+            )
+
+    # -------------------------------------------------------------- Lightning hooks
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if stage != "fit" or self.prompts is not None:
+            return
+        # Read the prompts now, so a bad file stops the run before training, not after the first N steps.
+        tokenizer = AutoTokenizer.from_pretrained(resolve_target(pl_module.hparams.target))
+        self.prompts = self.load_prompts(tokenizer)
+        self.tokenizer = tokenizer
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.launch_started = time.perf_counter()
+        self.launch_eval_seconds = 0.0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if step == 0 or step == self.last_step:  # no optimizer step since the last evaluation (accumulation)
+            return
+        if step % self.every_n_train_steps == 0 or self._is_last_step(trainer):
+            self._evaluate(trainer, pl_module, checkpointed=True)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        # A run stopped off schedule (max_time, a stopping callback) still gets its final weights measured;
+        # Lightning allows no logging to the module here, so this one is in the files and loggers only.
+        if trainer.global_step > 0 and trainer.global_step != self.last_step:
+            self._evaluate(trainer, pl_module, checkpointed=False)
+
+    @staticmethod
+    def _is_last_step(trainer) -> bool:
+        """The planned end of training (identical on every rank, unlike should_stop)."""
+        if trainer.max_steps is not None and 0 < trainer.max_steps <= trainer.global_step:
+            return True
+        max_epochs = trainer.max_epochs
+        return bool(trainer.is_last_batch) and max_epochs not in (None, -1) and trainer.current_epoch + 1 >= max_epochs
+
+    def state_dict(self) -> dict:
+        return {"history": self.history, "last_step": self.last_step}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.history = list(state_dict.get("history", []))
+        self.last_step = state_dict.get("last_step", -1)
+
+    # -------------------------------------------------------------- the evaluation inside training
+
+    def eval_drafter(self, trainer, pl_module) -> nn.Module:
+        """The live drafter (LoRA layers included), or a consolidated copy under ZeRO-3."""
+        drafter = pl_module._base_drafter()
+        if getattr(trainer.strategy, "zero_stage_3", False):
+            return consolidated_copy(drafter)
+        return drafter
+
+    def _evaluate(self, trainer, pl_module, checkpointed: bool) -> None:
+        step = trainer.global_step
+        started = time.perf_counter()
+        target = pl_module.target
+        if self.stop_ids is None:
+            self.stop_ids = stop_token_ids(target, self.tokenizer)
+        result = self.measure(
+            target, self.eval_drafter(trainer, pl_module), self.prompts, self.stop_ids,
+            trainer.global_rank, trainer.world_size,
+        )
+        seconds = time.perf_counter() - started  # includes waiting for the slowest rank in the gather
+        self.last_step = step
+        self.launch_eval_seconds += seconds
+        metrics = metrics_of(result["summary"], seconds)
+
+        if checkpointed:  # into callback_metrics on every rank, for BestCheckpoint and the progress bar
+            for name, value in metrics.items():
+                pl_module.log(name, value, logger=False, prog_bar=name == self.monitor, batch_size=1)
+            pl_module.log(EVAL_STEP_METRIC, float(step), logger=False, batch_size=1)
+
+        scalar = lambda name: float(trainer.callback_metrics[name]) if name in trainer.callback_metrics else None  # noqa: E731
+        self.history.append(
+            {
+                "step": step,
+                "train_loss": scalar("train/loss"),
+                "val_loss": scalar("val/loss"),
+                "seconds": seconds,
+                "checkpointed": checkpointed,
+                "summary": result["summary"],
+            }
+        )
+        if trainer.is_global_zero:
+            self._write(trainer, metrics, result)
+
+    def _write(self, trainer, metrics: dict, result: dict) -> None:
+        step = trainer.global_step
+        # Straight to the loggers: metrics logged through the module reach them only on
+        # log_every_n_steps boundaries, which evaluation steps need not be.
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
+            if hasattr(logger.experiment, "add_histogram"):  # TensorBoard
+                for key, stats in result["summary"].items():
+                    counts = stats["accepted_depth_counts"]
+                    if counts:
+                        depths = np.repeat(np.array(list(counts), dtype=np.int64), list(counts.values()))
+                        edges = np.arange(-0.5, max(counts) + 1.5)  # one bin per depth
+                        logger.experiment.add_histogram(f"val/accepted_depth/{key}", depths, step, bins=edges)
+            logger.save()
+
+        run_dir = Path(trainer.default_root_dir)
+        settings = {
+            "prompts": self.prompts_path, "num_prompts": len(self.prompts), "max_new_tokens": self.max_new_tokens,
+            "budgets": self.budgets, "primary_budget": self.primary_budget,
+            "block_size": int(trainer.lightning_module.block_size),
+        }
+        write_json_atomic(run_dir / "eval" / f"step-{step:06d}.json", {"step": step, "settings": settings, **result})
+        launch_seconds = time.perf_counter() - self.launch_started
+        report.write_all(run_dir, self.history, settings, self.launch_eval_seconds, launch_seconds)
+
+        primary = result["summary"][f"ddtree@{self.primary_budget}"]
+        print(
+            f"[eval] step {step}: tau@{self.primary_budget} {primary['tau']:.2f} "
+            f"(drafter expected {primary['expected_tau']:.2f}), chain {result['summary'][CHAIN]['tau']:.2f}, "
+            f"{metrics['val/eval_seconds']:.1f} s ({100 * self.launch_eval_seconds / max(launch_seconds, 1e-9):.1f}% "
+            "of this launch so far)",
+            flush=True,
+        )
+
+
+def write_json_atomic(path: Path, payload) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, staging = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump(payload, f, indent=1)
+    os.replace(staging, path)
+
+
+# ----------------------------------------------------------------------------- checkpoint selection
+
+
+class BestCheckpoint(ModelCheckpoint):
+    """ModelCheckpoint ranked by the evaluation, with checkpoints/best.ckpt -> the best file.
+
+    Two additions to the stock callback: an evaluation off the every-n grid (the last step of a
+    run whose length is not a multiple of N) is ranked and saved too, and after every save the
+    symlink best.ckpt is pointed at `best_model_path` (rank 0, replaced atomically).
+    """
+
+    BEST_NAME = "best.ckpt"
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        candidates = self._monitor_candidates(trainer)
+        fresh = candidates.get(EVAL_STEP_METRIC)
+        if (
+            self.monitor in candidates
+            and fresh is not None
+            and int(fresh) == trainer.global_step
+            and not self._should_skip_saving_checkpoint(trainer)  # skips if saved at this step already
+        ):
+            self._save_topk_checkpoint(trainer, candidates)
+            self._save_last_checkpoint(trainer, candidates)
+        self._link_best(trainer)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        super().on_validation_end(trainer, pl_module)
+        self._link_best(trainer)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        super().on_train_end(trainer, pl_module)
+        self._link_best(trainer)
+
+    def _link_best(self, trainer) -> None:
+        if not (trainer.is_global_zero and self.monitor and self.best_model_path):
+            return
+        best = Path(self.best_model_path)
+        link = best.parent / self.BEST_NAME
+        if link.is_symlink() and os.readlink(link) == best.name:
+            return
+        staging = best.parent / f".{self.BEST_NAME}.tmp"
+        staging.unlink(missing_ok=True)
+        staging.symlink_to(best.name)  # relative: the run folder can be moved
+        os.replace(staging, link)

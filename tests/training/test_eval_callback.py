@@ -1,0 +1,385 @@
+"""Acceptance during training: the evaluation callback, checkpoint selection by measured tau, make eval.
+
+    .venv/bin/pytest -q tests/training/test_eval_callback.py
+
+Everything runs on the tiny random target (recipe `tiny`, block size 8) on CPU. Its drafter learns
+nothing in a few steps, so the selection and the extremes of tau are checked with rigged drafters
+that read the target's own greedy continuation (perfect) or avoid every token it picks (bad).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import random
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import ddtree.cli
+import training.evaluate
+import training.train
+from ddtree.bench import load_prompts, run_benchmark
+from ddtree.decoding import DrafterRunner, generate
+from ddtree.targets import DDTreeError, load_target, stop_token_ids
+from training.callbacks import AcceptanceEvaluation, BestCheckpoint, measure_acceptance, monitor_metric
+from training.export import drafter_from_checkpoint, export_drafter
+from training.module import DistillModule
+from training.train import main as train_main
+
+PROMPTS = "data/eval_prompts.jsonl"
+BLOCK = 8  # the tiny recipe's block size
+BUDGETS = [4, 8, 16]  # the tiny recipe's budgets; 4 < BLOCK - 1 caps a round at 5 tokens
+PRIMARY = 8
+
+
+def write_conversations(path: Path, count: int = 16, seed: int = 0) -> Path:
+    words = "the a drafter proposes tokens target verifies block tree python list sort value returns".split()
+    rng = random.Random(seed)
+    with path.open("w") as f:
+        for i in range(count):
+            answer = " ".join(rng.choice(words) for _ in range(rng.randint(30, 50)))
+            messages = [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": answer}]
+            f.write(json.dumps({"messages": messages}) + "\n")
+    return path
+
+
+def logged_rows(run_dir: Path) -> dict[int, dict]:
+    """Rows of the CSV logger that carry evaluation metrics, by step."""
+    rows = {}
+    for path in sorted(run_dir.glob("**/metrics.csv")):
+        for row in csv.DictReader(path.open()):
+            if row.get(monitor_metric(PRIMARY)):
+                rows[int(row["step"])] = {k: float(v) for k, v in row.items() if k.startswith("val/") and v}
+    return rows
+
+
+# ----------------------------------------------------------------------------- end to end: the tiny recipe
+
+
+def test_training_logs_what_bench_measures_and_marks_the_best_checkpoint(tmp_path):
+    """Evaluations at 2, 4 and the last step 5; each logged tau equals run_benchmark, `ddtree bench` and `make eval`."""
+    data = write_conversations(tmp_path / "conversations.jsonl")
+    args = [
+        "--recipe", "tiny", "--output-root", str(tmp_path / "out"), "--run", "run",
+        f"--data.data_path={data}", f"--data.cache_dir={tmp_path / 'cache'}", "--data.batch_size=2",
+        "--data.val_fraction=0.1", "--trainer.val_check_interval=null", "--trainer.enable_progress_bar=false",
+        "--trainer.max_steps=5", "--trainer.precision=32-true",  # fp32: `ddtree bench --dtype float32` is the same
+        "--eval.every_n_train_steps=2", "--eval.limit=2", "--eval.max_new_tokens=8",
+        "--checkpoint.save_top_k=-1",  # keep every evaluated checkpoint, to re-measure each below
+    ]
+    assert train_main(args) == 0
+    run_dir = tmp_path / "out" / "tiny" / "run"
+    logged = logged_rows(run_dir)
+    assert sorted(logged) == [2, 4, 5]  # every 2 steps, and the last step off that grid
+    for name in ["val/tau_dflash", "val/eval_seconds", *[f"val/tau_ddtree@{b}" for b in BUDGETS],
+                 *[f"val/expected_tau_ddtree@{b}" for b in BUDGETS]]:
+        assert all(name in row for row in logged.values()), name
+
+    # every evaluation step has its checkpoint, and best.ckpt names the highest primary tau (earliest on ties)
+    checkpoints = {step: run_dir / "checkpoints" / f"step-step={step}.ckpt" for step in logged}
+    assert all(path.is_file() for path in checkpoints.values())
+    best_step = max(sorted(logged), key=lambda step: logged[step][monitor_metric(PRIMARY)])
+    assert (run_dir / "checkpoints" / "best.ckpt").resolve() == checkpoints[best_step].resolve()
+
+    # the same checkpoints and prompts through run_benchmark: the very same numbers
+    target, tokenizer = load_target("tiny-random", torch.float32)
+    prompts = load_prompts(PROMPTS, tokenizer, limit=2)
+    for step, path in checkpoints.items():
+        drafter = DrafterRunner(drafter_from_checkpoint(path), target)
+        summary = run_benchmark(target, drafter, prompts, ["dflash", "ddtree"], BUDGETS, 8,
+                                stop_token_ids(target, tokenizer), progress=False)["summary"]
+        for key, stats in summary.items():
+            assert logged[step][f"val/tau_{key}"] == stats["tau"], (step, key)
+            if key != "dflash":
+                assert logged[step][f"val/expected_tau_{key}"] == pytest.approx(stats["expected_tau"], rel=1e-12)
+
+    # `ddtree bench` on the exported best checkpoint
+    exported = export_drafter(checkpoints[best_step], tmp_path / "best-drafter")
+    bench_json = tmp_path / "bench.json"
+    assert ddtree.cli.main([
+        "bench", "--target", "tiny-random", "--drafter", str(exported), "--prompts", PROMPTS, "--limit", "2",
+        "--methods", "dflash,ddtree", "--budgets", ",".join(map(str, BUDGETS)), "--max-new-tokens", "8",
+        "--dtype", "float32", "--device", "cpu", "--out", str(bench_json),
+    ]) == 0
+    for key, stats in json.loads(bench_json.read_text())["summary"].items():
+        assert logged[best_step][f"val/tau_{key}"] == stats["tau"], key
+
+    # `make eval CKPT=best` reads the run's settings and measures the same
+    assert training.evaluate.main(["--recipe", "tiny", "--output-root", str(tmp_path / "out"), "--ckpt", "best"]) == 0
+    measured = json.loads((run_dir / "eval" / f"checkpoint-step-step={best_step}.json").read_text())
+    assert measured["step"] == best_step
+    for key, stats in measured["summary"].items():
+        assert logged[best_step][f"val/tau_{key}"] == stats["tau"], key
+
+    # the files a person reads
+    report = (run_dir / "report.md").read_text()
+    assert f"| **{best_step}** (best) |" in report
+    assert all(f"| {s} |" in report for s in logged if s != best_step)  # one row per evaluation
+    assert (run_dir / "tau.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    depth_rows = list(csv.DictReader((run_dir / "eval" / "accepted_depths.csv").open()))
+    assert {int(r["step"]) for r in depth_rows} == {2, 4, 5}
+    assert list((run_dir / "tensorboard").glob("version_0/events.out.tfevents.*"))
+
+
+# ----------------------------------------------------------------------------- rigged drafters
+
+
+class RiggedRunner:
+    """Drafts from the target's own greedy continuations instead of a network.
+
+    perfect: the next tokens of the continuation, all probability on each (the target accepts all).
+    bad: every token the target ever picks gets no probability. Putting all mass on ONE never-picked
+    token is not enough for DDTree: the tree also takes the ranks below the top one at every depth,
+    and those could be anything, including the target's choice.
+    """
+
+    def __init__(self, continuations: dict[tuple[int, int], list[int]], vocab_size: int, perfect: bool):
+        self.continuations = continuations
+        self.never = sorted({t for tokens in continuations.values() for t in tokens})
+        self.vocab_size = vocab_size
+        self.perfect = perfect
+        self.block_size = BLOCK
+        self.continuation = None
+
+    def reset(self):
+        self.continuation = None
+
+    def features(self, hidden_states):
+        return hidden_states[0][..., :1]  # (1, T, 1): the rigged drafter needs no target features
+
+    def propose(self, root_token, start, new_context, depth):
+        if self.continuation is None:  # first round of a prompt: the root is the target's first token
+            self.prompt_length = start
+            self.continuation = self.continuations[(start, root_token)]
+        logits = torch.zeros(depth, self.vocab_size)
+        logits[:, self.never] = -1e4
+        if self.perfect:
+            offset = start - self.prompt_length  # the root is continuation[offset]
+            for d, token in enumerate(self.continuation[offset + 1 : offset + 1 + depth]):
+                logits[d] = -1e4
+                logits[d, token] = 0.0
+        return logits
+
+
+class RiggedEvaluation(AcceptanceEvaluation):
+    """Evaluates with a rigged drafter; `schedule` says which one at each successive evaluation."""
+
+    def __init__(self, schedule: list[str], **settings):
+        super().__init__(**settings)
+        self.schedule = list(schedule)
+        self.continuations = None
+
+    def drafter_runner(self, drafter, target):
+        if self.continuations is None:
+            self.continuations = {}
+            for prompt in self.prompts:
+                tokens = generate(target, prompt["prompt_ids"], "ar", None, 1, self.max_new_tokens, self.stop_ids).new_tokens
+                self.continuations[(len(prompt["prompt_ids"]), tokens[0])] = tokens
+            assert len(self.continuations) == len(self.prompts), "two prompts share (length, first token)"
+        return RiggedRunner(self.continuations, target.get_output_embeddings().weight.shape[0], self.schedule.pop(0) == "perfect")
+
+
+def tiny_module(**overrides) -> DistillModule:
+    settings = dict(target="tiny-random", num_layers=1, block_size=BLOCK, target_layer_ids=[1, 3, 4], num_anchors=4,
+                    gamma=4.0, lr=3e-3, warmup_ratio=0.0, target_dtype="float32")
+    settings.update(overrides)
+    return DistillModule(**settings)
+
+
+def synthetic_loader(steps: int) -> DataLoader:
+    generator = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(steps):
+        input_ids = torch.randint(100, 40000, (2, 24), generator=generator)
+        loss_mask = torch.zeros(2, 24, dtype=torch.bool)
+        loss_mask[:, 6:] = True
+        batches.append({"input_ids": input_ids, "loss_mask": loss_mask, "attention_mask": torch.ones(2, 24, dtype=torch.bool)})
+    return DataLoader(batches, batch_size=None)  # items are whole batches
+
+
+def fit(tmp_path: Path, steps: int, callbacks: list) -> tuple[DistillModule, L.Trainer]:
+    torch.manual_seed(0)
+    module = tiny_module()
+    trainer = L.Trainer(
+        max_steps=steps, accelerator="cpu", default_root_dir=tmp_path, logger=L.pytorch.loggers.CSVLogger(tmp_path),
+        callbacks=callbacks, enable_checkpointing=any(isinstance(c, BestCheckpoint) for c in callbacks),
+        enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1, gradient_clip_val=1.0,
+    )
+    trainer.fit(module, train_dataloaders=synthetic_loader(steps))
+    return module, trainer
+
+
+def max_tau(lengths: list[int], cap: int) -> float:
+    """The best a drafter can do: after the prefill's token, each round commits at most `cap` tokens."""
+    return sum(n - 1 for n in lengths) / sum(math.ceil((n - 1) / cap) for n in lengths)
+
+
+def test_bad_drafter_logs_one_perfect_drafter_logs_the_maximum_and_the_best_is_kept(tmp_path):
+    new_tokens = 12
+    evaluation = RiggedEvaluation(["bad", "perfect", "bad"], prompts=PROMPTS, every_n_train_steps=2, budgets=BUDGETS,
+                                  primary_budget=PRIMARY, max_new_tokens=new_tokens, limit=2)
+    checkpoints = BestCheckpoint(dirpath=tmp_path / "checkpoints", filename="step-{step}", monitor=monitor_metric(PRIMARY),
+                                 mode="max", every_n_train_steps=2, save_top_k=1, save_last=True)
+    fit(tmp_path, 6, [evaluation, checkpoints])
+
+    logged = logged_rows(tmp_path)
+    assert sorted(logged) == [2, 4, 6]
+    lengths = [len(tokens) for tokens in evaluation.continuations.values()]
+    for step in (2, 6):  # bad: nothing is ever accepted, every round commits the bonus token only
+        for key in ["dflash", *[f"ddtree@{b}" for b in BUDGETS]]:
+            assert logged[step][f"val/tau_{key}"] == 1.0, (step, key)
+    # perfect: a round commits min(tree depth, budget) drafts + the bonus, the tree is at most BLOCK-1 deep
+    assert logged[4]["val/tau_dflash"] == max_tau(lengths, BLOCK)
+    for budget in BUDGETS:
+        assert logged[4][f"val/tau_ddtree@{budget}"] == max_tau(lengths, min(BLOCK - 1, budget) + 1), budget
+        # all its probability sits on the accepted path: the drafter's expectation is exact
+        assert logged[4][f"val/expected_tau_ddtree@{budget}"] == pytest.approx(logged[4][f"val/tau_ddtree@{budget}"])
+    assert max_tau(lengths, BLOCK) > 5  # the bound is far from the bad drafter's 1.0 (12 tokens, block 8)
+
+    # the best checkpoint is the perfect drafter's step, not the last; top-1 keeps it and last.ckpt only
+    assert (tmp_path / "checkpoints" / "best.ckpt").resolve().name == "step-step=4.ckpt"
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("*.ckpt")) == ["best.ckpt", "last.ckpt", "step-step=4.ckpt"]
+    assert torch.load(tmp_path / "checkpoints" / "best.ckpt", weights_only=False)["global_step"] == 4
+    assert "**4** (best)" in (tmp_path / "report.md").read_text()
+
+
+# ----------------------------------------------------------------------------- training state
+
+
+def test_evaluation_leaves_training_bit_for_bit_unchanged(tmp_path):
+    settings = dict(prompts=PROMPTS, every_n_train_steps=2, budgets=[4], primary_budget=4, max_new_tokens=6, limit=1)
+    evaluation = AcceptanceEvaluation(**settings)
+    with_eval, _ = fit(tmp_path / "with", 5, [evaluation])
+    assert [r["step"] for r in evaluation.history] == [2, 4, 5]  # it did evaluate, mid-run and at the end
+    without_eval, _ = fit(tmp_path / "without", 5, [])
+    for (name, a), (_, b) in zip(with_eval.drafter.state_dict().items(), without_eval.drafter.state_dict().items()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+class RandomDrawingRunner(DrafterRunner):
+    """A real drafter runner that also draws from every global RNG, as a sampling drafter might."""
+
+    def propose(self, *args):
+        random.random(), np.random.rand(), torch.rand(1)
+        return super().propose(*args)
+
+
+def test_evaluation_restores_modes_rng_and_gradients():
+    torch.manual_seed(0)
+    module = tiny_module()
+    module.configure_model()
+    drafter = module.drafter.train()
+    module.target.get_input_embeddings().train()  # a flag decoding must not keep either
+    for p in drafter.parameters():
+        p.grad = torch.randn_like(p)
+    grads = [p.grad.clone() for p in drafter.parameters()]
+    evaluation = AcceptanceEvaluation(prompts=PROMPTS, budgets=[4], primary_budget=4, max_new_tokens=5, limit=1)
+    evaluation.drafter_runner = RandomDrawingRunner
+    _, tokenizer = load_target("tiny-random")
+    prompts = evaluation.load_prompts(tokenizer)
+    states = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state())
+
+    result = evaluation.measure(module.target, drafter, prompts, stop_token_ids(module.target, tokenizer))
+
+    assert result["summary"]["ddtree@4"]["rounds"] > 0
+    assert random.getstate() == states[0] and np.array_equal(np.random.get_state()[1], states[1])
+    assert torch.equal(torch.get_rng_state(), states[2])
+    assert all(m.training for m in drafter.modules()) and module.target.get_input_embeddings().training
+    assert not module.target.training  # the target stays in eval mode
+    assert all(torch.equal(p.grad, g) for p, g in zip(drafter.parameters(), grads))
+    assert torch.is_grad_enabled()
+    DrafterRunner(drafter, module.target)  # without the guard the runner's eval() would stick:
+    assert not drafter.training
+
+
+# ----------------------------------------------------------------------------- distributed
+
+
+def _measure_on_rank(rank: int, world_size: int, port: int, out: str) -> None:
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    torch.set_num_threads(1)
+    try:
+        target, tokenizer = load_target("tiny-random", torch.float32)
+        torch.manual_seed(0)
+        drafter = ddtree.cli.load_drafter("random", target, tokenizer, "tiny-random")
+        prompts = load_prompts(PROMPTS, tokenizer, limit=3)
+        result = measure_acceptance(target, DrafterRunner(drafter, target), prompts, [4, 16], 6,
+                                    stop_token_ids(target, tokenizer), rank, world_size)
+        Path(f"{out}.{rank}").write_text(json.dumps(result))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow  # two processes start torch and transformers: ~40 s on the shared 2-core machine
+def test_prompts_split_across_ranks_gather_to_the_single_process_result(tmp_path):
+    out = str(tmp_path / "result")
+    port = 29500 + random.Random().randrange(2000)
+    torch.multiprocessing.spawn(_measure_on_rank, args=(2, port, out), nprocs=2)
+    target, tokenizer = load_target("tiny-random", torch.float32)
+    torch.manual_seed(0)
+    drafter = ddtree.cli.load_drafter("random", target, tokenizer, "tiny-random")
+    single = measure_acceptance(target, DrafterRunner(drafter, target), load_prompts(PROMPTS, tokenizer, limit=3),
+                                [4, 16], 6, stop_token_ids(target, tokenizer))
+    single = json.loads(json.dumps(single))  # the ranks' results went through JSON too (int keys -> str)
+    for rank in range(2):
+        gathered = json.loads(Path(f"{out}.{rank}").read_text())
+        assert gathered["summary"] == single["summary"]  # every rank holds every prompt's result, in file order
+        assert [row["index"] for row in gathered["prompts"]] == [0, 1, 2]
+        assert [row["methods"]["ddtree@16"]["new_tokens"] for row in gathered["prompts"]] == \
+               [row["methods"]["ddtree@16"]["new_tokens"] for row in single["prompts"]]
+
+
+@pytest.mark.slow
+def test_under_ddp_every_rank_logs_what_one_process_measures_on_the_saved_checkpoint(tmp_path):
+    """Two CPU ranks (gloo) train and evaluate 3 prompts split 2+1; rank 0's logs equal a one-process re-measure."""
+    evaluation = AcceptanceEvaluation(prompts=PROMPTS, every_n_train_steps=2, budgets=[4, 8], primary_budget=8,
+                                      max_new_tokens=6, limit=3)
+    checkpoints = BestCheckpoint(dirpath=tmp_path / "checkpoints", filename="step-{step}", monitor=monitor_metric(8),
+                                 mode="max", every_n_train_steps=2, save_top_k=-1)
+    torch.manual_seed(0)
+    trainer = L.Trainer(
+        max_steps=2, accelerator="cpu", devices=2, strategy="ddp_spawn", default_root_dir=tmp_path,
+        logger=L.pytorch.loggers.CSVLogger(tmp_path), callbacks=[evaluation, checkpoints],
+        enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
+    )
+    trainer.fit(tiny_module(), train_dataloaders=synthetic_loader(4))
+    logged = logged_rows(tmp_path)
+    assert sorted(logged) == [2]
+    target, tokenizer = load_target("tiny-random", torch.float32)
+    prompts = load_prompts(PROMPTS, tokenizer, limit=3)
+    drafter = DrafterRunner(drafter_from_checkpoint(tmp_path / "checkpoints" / "step-step=2.ckpt"), target)
+    summary = run_benchmark(target, drafter, prompts, ["dflash", "ddtree"], [4, 8], 6, stop_token_ids(target, tokenizer),
+                            progress=False)["summary"]
+    for key, stats in summary.items():
+        assert logged[2][f"val/tau_{key}"] == stats["tau"], key
+    written = json.loads((tmp_path / "eval" / "step-000002.json").read_text())
+    assert [row["index"] for row in written["prompts"]] == [0, 1, 2]  # rank 0 holds rank 1's prompt too
+
+
+# ----------------------------------------------------------------------------- bad settings
+
+
+def test_bad_settings_are_one_line_errors(tmp_path, capsys):
+    with pytest.raises(DDTreeError, match=r"eval.primary_budget=32 is not one of eval.budgets=\[4, 8\]"):
+        AcceptanceEvaluation(budgets=[4, 8], primary_budget=32)
+    with pytest.raises(DDTreeError, match="eval.every_n_train_steps=0"):
+        AcceptanceEvaluation(every_n_train_steps=0)
+
+    data = write_conversations(tmp_path / "conversations.jsonl")
+    common = ["--recipe", "tiny", "--output-root", str(tmp_path / "out"), f"--data.data_path={data}",
+              f"--data.cache_dir={tmp_path / 'cache'}", "--trainer.max_steps=1"]
+    assert train_main([*common, "--run", "a", "--eval.prompts=no/such.jsonl"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "eval.prompts=no/such.jsonl" in err[0]
+    assert not list((tmp_path / "out" / "tiny" / "a").glob("checkpoints/*"))  # stopped before any training
+
+    recipe = tmp_path / "old.yaml"
+    recipe.write_text((Path("recipes") / "tiny.yaml").read_text() + "\n  every_n_train_steps: 5\n")
+    with pytest.raises(DDTreeError, match="checkpoint.every_n_train_steps follows eval.every_n_train_steps"):
+        training.train.build_cli(recipe, tmp_path / "run", [])

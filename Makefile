@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 RECIPE ?= smollm2-135m
 
-.PHONY: setup train eval test test-all bench clean
+.PHONY: setup train eval export test test-all bench clean
 
 setup: $(STAMP)
 
@@ -29,6 +29,13 @@ train: $(STAMP)
 # Measures a saved checkpoint's DDTree acceptance exactly as training's evaluation did (recipe's eval: section).
 eval: $(STAMP)
 	$(PY) -m training.evaluate --recipe $(RECIPE) --ckpt $(or $(CKPT),best)
+
+# make export RUN=outputs/<recipe>/<run> OUT=exports/<name> [CKPT=best|last|path] [SPECULATORS=1]
+#             [OVERWRITE=1] [REPO=user/name PUSH=1]   (push token: HF_TOKEN)
+# Writes a Hub-ready drafter folder (weights, config + remote code, model card); see training/publish.py.
+export: $(STAMP)
+	$(PY) -m training.publish $(RUN) --out $(OUT) $(if $(CKPT),--ckpt $(CKPT)) $(if $(SPECULATORS),--speculators) \
+		$(if $(OVERWRITE),--overwrite) $(if $(REPO),--repo $(REPO)) $(if $(PUSH),--push)
 
 test: $(STAMP)
 	$(PY) -m pytest -q

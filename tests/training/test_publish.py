@@ -1,0 +1,488 @@
+"""Tests of the Hub export (training/publish.py, training/model_card.py).
+
+    .venv/bin/pytest -q tests/training/test_publish.py
+    .venv/bin/pytest -q -m slow tests/training/test_publish.py     # + a real DeepSpeed ZeRO checkpoint
+
+One real run of the `tiny` recipe (tiny random target, 2 steps, fp32, acceptance evaluated at both
+steps by the training callback) is trained once for the module; every export test reads it. The
+push tests talk to a stand-in for the Hub API on 127.0.0.1 (the five endpoints huggingface_hub calls
+for whoami, create_repo and upload_folder), through HF_ENDPOINT.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModel
+
+import training.publish as publish
+from ddtree.cli import main as ddtree_main
+from ddtree.configuration_dflash import DFlashDrafterConfig
+from ddtree.modeling_dflash import DFlashDraftModel, fuse_target_features
+from ddtree.targets import DDTreeError
+from training.export import drafter_from_checkpoint, export_drafter
+from training.model_card import read_evaluation
+from training.module import DistillModule
+from training.train import main as train_main
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+EVAL_BUDGETS = [2, 4]
+EVAL_NEW_TOKENS = 8
+EVAL_PROMPTS = 2
+
+
+def top_level_mask_token_id_accepted() -> bool:
+    """vLLM's speculators format needs a top-level mask_token_id; ddtree's config must accept it."""
+    try:
+        return DFlashDrafterConfig(mask_token_id=5, dflash_config={}).mask_token_id == 5
+    except AttributeError:
+        return False
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    """A real 2-step run of the tiny recipe, evaluated (and checkpointed) at steps 1 and 2."""
+    root = tmp_path_factory.mktemp("run")
+    data = root / "conversations.jsonl"
+    words = "the a drafter proposes tokens target verifies block tree python list sort value returns".split()
+    rng = random.Random(0)
+    with data.open("w") as f:
+        for i in range(12):
+            answer = " ".join(rng.choice(words) for _ in range(rng.randint(30, 60)))
+            messages = [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": answer}]
+            f.write(json.dumps({"id": str(i), "messages": messages}) + "\n")
+    code = train_main([
+        "--recipe", "tiny", "--output-root", str(root / "out"), "--run", "r",
+        f"--data.data_path={data}", f"--data.cache_dir={root / 'cache'}", "--data.batch_size=2",
+        "--data.val_fraction=0.1", "--trainer.val_check_interval=null", "--trainer.limit_val_batches=0",
+        "--trainer.max_steps=2", "--trainer.precision=32", "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false", "--eval.every_n_train_steps=1", f"--eval.limit={EVAL_PROMPTS}",
+        f"--eval.budgets={EVAL_BUDGETS}", f"--eval.primary_budget={EVAL_BUDGETS[-1]}",
+        f"--eval.max_new_tokens={EVAL_NEW_TOKENS}", f"--eval.prompts={REPO_ROOT / 'data' / 'eval_prompts.jsonl'}",
+    ])
+    assert code == 0
+    run = root / "out" / "tiny" / "r"
+    assert (run / "checkpoints" / "best.ckpt").exists() and (run / "eval" / "step-000002.json").exists()
+    return run
+
+
+def export(run_dir: Path, out: Path, *extra: str) -> int:
+    return publish.main([str(run_dir), "--out", str(out), *extra])
+
+
+def one_error_line(capsys) -> str:
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(err) == 1, err
+    return err[0]
+
+
+def block_logits(drafter, target, tokenizer) -> torch.Tensor:
+    """Draft logits of one block after a short context, through the target's embedding and LM head."""
+    ids = torch.tensor([tokenizer("def add(a, b):\n    return a + b\n", add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        hidden = target(ids, output_hidden_states=True).hidden_states
+        context = fuse_target_features(hidden, list(drafter.target_layer_ids))  # (1, T, K*H)
+        block = torch.full((1, drafter.block_size), drafter.mask_token_id)
+        block[0, 0] = 42
+        noise = target.get_input_embeddings()(block)  # (1, B, H)
+        positions = torch.arange(ids.shape[1] + drafter.block_size)[None]
+        out = drafter(position_ids=positions, noise_embedding=noise, target_hidden=context)  # (1, B, H)
+        return target.get_output_embeddings()(out)  # (1, B, V)
+
+
+# ----------------------------------------------------------------------------- round trip
+
+
+def test_export_loads_with_automodel_and_reference_dflash_with_the_checkpoints_logits(run_dir, tmp_path, tiny_target):
+    from dflash import DFlashDraftModel as ReferenceDraftModel
+
+    target, tokenizer = tiny_target
+    out = tmp_path / "export"
+    assert export(run_dir, out, "--ckpt", "last") == 0
+    assert sorted(p.name for p in out.iterdir()) == sorted(publish.EXPORT_FILES)
+    for name in publish.REMOTE_CODE:  # the library's own files, unchanged
+        assert (out / name).read_bytes() == (REPO_ROOT / "ddtree" / name).read_bytes()
+
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == 8
+    assert config["num_target_layers"] == 6 and config["target_name_or_path"] == "tiny-random"
+    assert config["dflash_config"] == {"mask_token_id": config["dflash_config"]["mask_token_id"], "target_layer_ids": [1, 3, 4]}
+    assert config["auto_map"] == publish.AUTO_MAP
+    weights = load_file(out / "model.safetensors")
+    assert "fc.weight" in weights and not any("embed" in k or "lm_head" in k or "lora" in k for k in weights)
+
+    checkpoint_drafter = drafter_from_checkpoint(run_dir / "checkpoints" / "last.ckpt").eval()
+    auto = AutoModel.from_pretrained(out, trust_remote_code=True, local_files_only=True).eval()
+    assert type(auto).__module__.startswith("transformers_modules")  # the shipped code, not ddtree's
+    reference = ReferenceDraftModel.from_pretrained(out).eval()
+    expected = block_logits(checkpoint_drafter, target, tokenizer)
+    torch.testing.assert_close(block_logits(auto, target, tokenizer), expected, rtol=0, atol=0)
+    torch.testing.assert_close(block_logits(reference, target, tokenizer), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_bench_on_the_export_reproduces_the_evaluation_logged_for_that_checkpoint(run_dir, tmp_path):
+    out = tmp_path / "export"
+    assert export(run_dir, out, "--ckpt", "best") == 0
+    step = torch.load(run_dir / "checkpoints" / "best.ckpt", weights_only=False)["global_step"]
+    logged = read_evaluation(run_dir, step)
+    results = tmp_path / "bench.json"
+    assert ddtree_main([
+        "bench", "--target", "tiny-random", "--drafter", str(out), "--prompts", logged["settings"]["prompts"],
+        "--limit", str(EVAL_PROMPTS), "--methods", "dflash,ddtree", "--budgets", ",".join(map(str, EVAL_BUDGETS)),
+        "--max-new-tokens", str(EVAL_NEW_TOKENS), "--temperature", "0", "--dtype", "float32", "--out", str(results),
+    ]) == 0
+    measured = json.loads(results.read_text())["summary"]
+    assert set(measured) == set(logged["summary"]) == {"dflash", "ddtree@2", "ddtree@4"}
+    for key, stats in logged["summary"].items():
+        assert measured[key]["tau"] == stats["tau"], key
+        assert measured[key]["rounds"] == stats["rounds"], key
+        # the drafter's own expectation depends on every weight: a wrong export would move it
+        assert measured[key]["expected_tau"] == pytest.approx(stats["expected_tau"], rel=1e-6, abs=0), key
+    ranked = logged["summary"]["ddtree@4"]["expected_tau"]
+    assert ranked != 1.0  # the expectation is informative (not the trivial value of a chain)
+
+    card = (out / "README.md").read_text()
+    assert f"Measured at training step {step}" in card and "temperature 0" in card
+    assert f"{logged['summary']['ddtree@4']['tau']:.3f} | {ranked:.3f}" in card
+    assert "(checkpoints ranked by this)" in card and f"first {EVAL_PROMPTS} prompts" in card
+
+
+def test_card_numbers_come_from_the_evaluation_of_the_exported_step(run_dir, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run, symlinks=True)
+    # Mark each step's record with distinct numbers: the card must show the exported step's, as recorded.
+    for step, tau in [(1, 2.468), (2, 3.579)]:
+        path = run / "eval" / f"step-{step:06d}.json"
+        record = json.loads(path.read_text())
+        record["summary"]["ddtree@4"]["tau"] = tau
+        record["settings"]["temperature"] = 0.5 * step
+        path.write_text(json.dumps(record))
+    assert export(run, tmp_path / "last", "--ckpt", "last") == 0
+    card = (tmp_path / "last" / "README.md").read_text()
+    assert "| 3.579 |" in card and "2.468" not in card and "temperature 1." in card
+    assert card.startswith("---\n") and "library_name: transformers" in card and "license: apache-2.0" in card
+    assert "lr 0.003" in card and "max length 256 tokens" in card and "ddtree bench --target tiny-random" in card
+
+    (run / "eval" / "step-000002.json").unlink()
+    assert export(run, tmp_path / "unevaluated", "--ckpt", "last") == 0
+    card = (tmp_path / "unevaluated" / "README.md").read_text()
+    assert "was not evaluated during training" in card and "Steps the run evaluated: 1." in card
+    assert "| decoding | tau |" not in card
+
+
+# ----------------------------------------------------------------------------- refusals
+
+
+def test_a_non_empty_output_folder_is_refused_unless_overwrite(run_dir, tmp_path, capsys):
+    out = tmp_path / "export"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert export(run_dir, out, "--ckpt", "last") == 1
+    line = one_error_line(capsys)
+    assert "exists and is not empty" in line and "--overwrite" in line
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+    assert export(run_dir, out, "--ckpt", "last", "--overwrite") == 0
+    assert not (out / "keep.txt").exists() and (out / "model.safetensors").exists()
+
+
+def test_a_checkpoint_that_is_not_a_drafter_of_this_project_is_refused(run_dir, tmp_path, capsys):
+    text = tmp_path / "notes.ckpt"
+    text.write_text("not a checkpoint")
+    foreign = tmp_path / "foreign.ckpt"
+    torch.save({"state_dict": {"weight": torch.zeros(2)}, "global_step": 3}, foreign)
+    cases = [(text, "is not a PyTorch checkpoint"), (foreign, "not a drafter checkpoint of this project"),
+             (run_dir / "drafter", "exported drafter folder"), (tmp_path, "not a DeepSpeed checkpoint")]
+    for checkpoint, message in cases:
+        out = tmp_path / f"out-{checkpoint.name}"
+        assert export(run_dir, out, "--ckpt", str(checkpoint)) == 1
+        assert message in one_error_line(capsys), checkpoint
+        assert not out.exists()
+    assert export(run_dir, tmp_path / "x", "--ckpt", "nope.ckpt") == 1
+    assert "no such checkpoint" in one_error_line(capsys)
+
+
+@pytest.mark.parametrize("repo", ["no-namespace", "a/b/c", "bad name/x", "user/-bad-", ""])
+def test_an_invalid_repo_name_is_refused_before_anything(run_dir, tmp_path, capsys, repo):
+    out = tmp_path / "export"
+    assert export(run_dir, out, "--ckpt", "last", "--repo", repo, "--push") == 1
+    assert "REPO=" in one_error_line(capsys)
+    assert not out.exists()
+
+
+def test_a_failure_midway_leaves_nothing_behind(run_dir, tmp_path, monkeypatch):
+    def broken(facts):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(publish, "render_model_card", broken)
+    out = tmp_path / "exports" / "export"
+    with pytest.raises(RuntimeError, match="disk full"):
+        export(run_dir, out, "--ckpt", "last")
+    assert list((tmp_path / "exports").iterdir()) == []  # no OUT, no staging folder
+
+
+# ----------------------------------------------------------------------------- LoRA
+
+
+def test_a_lora_checkpoint_is_exported_merged(tmp_path, tiny_target):
+    target, tokenizer = tiny_target
+    settings = dict(target="tiny-random", num_layers=1, block_size=4, target_layer_ids=[0, 2, 4], target_dtype="float32")
+    torch.manual_seed(0)
+    base = DistillModule(**settings)
+    base.configure_model()
+    folder = export_drafter(base, tmp_path / "base")
+    lora = DistillModule(target="tiny-random", init_from=str(folder), lora_rank=4, target_dtype="float32")
+    lora.configure_model()
+    with torch.no_grad():  # move the adapters off zero so merging has something to fold in
+        for name, p in lora.drafter.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    checkpoint = {"state_dict": lora.state_dict(), "hyper_parameters": dict(lora.hparams), "global_step": 5}
+    lora.on_save_checkpoint(checkpoint)
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    torch.save(checkpoint, run / "checkpoints" / "last.ckpt")
+
+    assert export(run, tmp_path / "export", "--ckpt", "last") == 0
+    weights = load_file(tmp_path / "export" / "model.safetensors")
+    assert not any("lora" in key or "base_layer" in key for key in weights)
+    exported = AutoModel.from_pretrained(tmp_path / "export", trust_remote_code=True, local_files_only=True).eval()
+    wrapped = lora.drafter.eval()  # the PeftModel, LoRA branches live
+    torch.testing.assert_close(block_logits(exported, target, tokenizer), block_logits(wrapped, target, tokenizer),
+                               rtol=1e-5, atol=1e-5)
+    unmerged = block_logits(base.drafter.eval(), target, tokenizer)
+    assert not torch.allclose(block_logits(exported, target, tokenizer), unmerged, atol=1e-4)
+    assert "rank 4 (merged into these weights)" in (tmp_path / "export" / "README.md").read_text()
+
+
+# ----------------------------------------------------------------------------- config for the engines
+
+
+def test_rope_settings_are_written_for_transformers_4_readers_too():
+    saved = {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}, "hidden_size": 8}
+    config = publish.hub_config(saved)
+    assert config["rope_theta"] == 500000.0 and config["rope_scaling"] == {"rope_type": "llama3", "factor": 8.0}
+    assert publish.hub_config({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}})["rope_scaling"] is None
+
+
+def test_speculators_fields_follow_vllms_dflash_layout(run_dir):
+    saved = json.loads((run_dir / "drafter" / "config.json").read_text())
+    config = publish.hub_config(saved, ("HuggingFaceTB/SmolLM2-135M-Instruct", ["LlamaForCausalLM"]))
+    assert "model_type" not in config  # vLLM reads a config.json without model_type as speculators format
+    spec = config["speculators_config"]
+    assert config["speculators_model_type"] == spec["algorithm"] == "dflash"
+    assert spec["proposal_methods"][0]["speculative_tokens"] == saved["block_size"] - 1 == 7
+    assert spec["default_proposal_method"] == spec["proposal_methods"][0]["proposal_type"] == "greedy"
+    assert spec["verifier"] == {"name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct", "architectures": ["LlamaForCausalLM"]}
+    assert config["mask_token_id"] == saved["dflash_config"]["mask_token_id"] and config["sliding_window_non_causal"]
+    assert config["draft_vocab_size"] == saved["vocab_size"] and config["target_hidden_size"] == saved["hidden_size"]
+    # vLLM's reader rebuilds the draft config from transformer_layer_config and maps the aux ids back with -1.
+    layer = config["transformer_layer_config"]
+    assert layer["model_type"] == "qwen3" and not {"dflash_config", "auto_map", "architectures"} & set(layer)
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "intermediate_size", "rms_norm_eps", "vocab_size", "rope_parameters", "rope_theta"):
+        assert layer[key] == config[key], key
+    assert [i - 1 for i in config["aux_hidden_state_layer_ids"]] == saved["dflash_config"]["target_layer_ids"]
+    # the DFlash fields the z-lab format and ddtree read are all still there
+    assert config["dflash_config"] == saved["dflash_config"] and config["auto_map"] == publish.AUTO_MAP
+
+    saved_last = dict(saved, dflash_config=dict(saved["dflash_config"], target_layer_ids=[1, 5]))
+    with pytest.raises(DDTreeError, match="last layer"):
+        publish.hub_config(saved_last, ("x/y", []))
+
+
+def test_speculators_export_loads_everywhere_or_is_refused_whole(run_dir, tmp_path, tiny_target, capsys):
+    """Until ddtree's config accepts the top-level mask_token_id vLLM needs, the export is refused (and
+    nothing is written); once it does, the folder loads with AutoModel and the reference package alike."""
+    from dflash import DFlashDraftModel as ReferenceDraftModel
+
+    out = tmp_path / "export"
+    code = export(run_dir, out, "--ckpt", "last", "--speculators")
+    if not top_level_mask_token_id_accepted():
+        assert code == 1 and "mask_token_id" in one_error_line(capsys) and not out.exists()
+        return
+    assert code == 0
+    target, tokenizer = tiny_target
+    expected = block_logits(drafter_from_checkpoint(run_dir / "checkpoints" / "last.ckpt").eval(), target, tokenizer)
+    auto = AutoModel.from_pretrained(out, trust_remote_code=True, local_files_only=True).eval()
+    torch.testing.assert_close(block_logits(auto, target, tokenizer), expected, rtol=0, atol=0)
+    reference = ReferenceDraftModel.from_pretrained(out).eval()
+    torch.testing.assert_close(block_logits(reference, target, tokenizer), expected, rtol=1e-5, atol=1e-5)
+    card = (out / "README.md").read_text()
+    assert "vllm serve" in card and '"num_speculative_tokens": 7' in card and "- speculators" in card
+
+
+# ----------------------------------------------------------------------------- pushing
+
+
+class StandInHub(BaseHTTPRequestHandler):
+    """The Hub API endpoints huggingface_hub's whoami, create_repo and upload_folder call."""
+
+    token = "hf_standin"
+    repos: dict[str, dict[str, bytes]] = {}
+    fail_commits = False
+
+    def log_message(self, *args):  # keep pytest output clean
+        pass
+
+    def _reply(self, status: int, payload: dict) -> None:
+        body = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _authorized(self) -> bool:
+        if self.headers.get("Authorization") == f"Bearer {self.token}":
+            return True
+        self._reply(401, {"error": "Invalid credentials"})
+        return False
+
+    def _body(self) -> bytes:
+        return self.rfile.read(int(self.headers.get("Content-Length", 0)))
+
+    def do_GET(self):
+        if self.path == "/api/whoami-v2" and self._authorized():
+            self._reply(200, {"type": "user", "name": "tester", "auth": {"accessToken": {"role": "write"}}})
+        elif self.path != "/api/whoami-v2":
+            self._reply(404, {"error": f"not in the stand-in: GET {self.path}"})
+
+    def do_POST(self):
+        body = self._body()
+        if not self._authorized():
+            return
+        parts = self.path.split("?")[0].strip("/").split("/")
+        if parts == ["api", "repos", "create"]:
+            request = json.loads(body)
+            repo = f"{request.get('organization') or 'tester'}/{request['name']}"
+            self.repos.setdefault(repo, {})
+            self._reply(200, {"url": f"http://{self.headers['Host']}/{repo}"})
+        elif parts == ["api", "validate-yaml"]:
+            self._reply(200, {"errors": [], "warnings": []})
+        elif parts[:2] == ["api", "models"] and parts[4:5] == ["preupload"]:
+            files = json.loads(body)["files"]
+            self._reply(200, {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files]})
+        elif parts[:2] == ["api", "models"] and parts[4:5] == ["commit"]:
+            if self.fail_commits:
+                self._reply(500, {"error": "stand-in commit failure"})
+                return
+            repo = "/".join(parts[2:4])
+            for line in body.splitlines():
+                item = json.loads(line)
+                if item["key"] == "file":
+                    self.repos[repo][item["value"]["path"]] = base64.b64decode(item["value"]["content"])
+            self._reply(200, {"commitUrl": f"http://{self.headers['Host']}/{repo}/commit/1", "commitOid": "1" * 40,
+                              "pullRequestUrl": None})
+        else:
+            self._reply(404, {"error": f"not in the stand-in: POST {self.path}"})
+
+
+@pytest.fixture
+def hub(monkeypatch):
+    StandInHub.repos, StandInHub.fail_commits = {}, False
+    server = ThreadingHTTPServer(("127.0.0.1", 0), StandInHub)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    monkeypatch.setenv("HF_TOKEN", StandInHub.token)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    yield endpoint
+    server.shutdown()
+    server.server_close()
+
+
+def test_push_uploads_the_exported_folder_and_prints_its_url(run_dir, tmp_path, hub, capsys):
+    out = tmp_path / "export"
+    assert export(run_dir, out, "--ckpt", "best", "--repo", "tester/tiny-drafter", "--push") == 0
+    assert f"pushed to {hub}/tester/tiny-drafter" in capsys.readouterr().out
+    uploaded = StandInHub.repos["tester/tiny-drafter"]
+    assert uploaded == {p.name: p.read_bytes() for p in out.iterdir()}  # every file, byte for byte
+    assert "hf download tester/tiny-drafter" in uploaded["README.md"].decode()
+
+
+def test_a_failed_upload_keeps_the_export_for_push_only(run_dir, tmp_path, hub, capsys):
+    out = tmp_path / "export"
+    StandInHub.fail_commits = True
+    assert export(run_dir, out, "--ckpt", "last", "--repo", "tester/tiny-drafter", "--push") == 1
+    assert "the export in" in one_error_line(capsys) and (out / "model.safetensors").exists()
+    StandInHub.fail_commits = False
+    assert publish.main(["--push-only", str(out), "--repo", "tester/tiny-drafter"]) == 0
+    assert StandInHub.repos["tester/tiny-drafter"]["config.json"] == (out / "config.json").read_bytes()
+
+
+def test_push_without_token_or_network_fails_before_doing_anything(run_dir, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "export"
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(publish, "get_token", lambda: None)  # no saved login either
+    assert export(run_dir, out, "--ckpt", "last", "--repo", "tester/x", "--push") == 1
+    assert "HF_TOKEN" in one_error_line(capsys) and not out.exists()
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        closed = probe.getsockname()[1]
+    monkeypatch.setenv("HF_TOKEN", "hf_whatever")
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{closed}")
+    assert export(run_dir, out, "--ckpt", "last", "--repo", "tester/x", "--push") == 1
+    assert "cannot use the Hub" in one_error_line(capsys) and not out.exists()
+
+
+# ----------------------------------------------------------------------------- DeepSpeed
+
+
+DEEPSPEED_SAVE = textwrap.dedent("""
+    # Save a drafter checkpoint the way Lightning's DeepSpeedStrategy does: a ZeRO-2 engine around the
+    # LightningModule (parameters named _forward_module.drafter.*), everything else as client state.
+    import os, sys, torch, deepspeed
+    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[3], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0").items():
+        os.environ[key] = value
+    checkpoint = torch.load(sys.argv[1], weights_only=False)
+    from training.export import drafter_from_checkpoint
+    wrapper = torch.nn.Module()
+    wrapper._forward_module = torch.nn.Module()
+    wrapper._forward_module.drafter = drafter_from_checkpoint(sys.argv[1])
+    deepspeed.init_distributed(dist_backend="gloo")
+    config = {"train_batch_size": 1, "zero_optimization": {"stage": 2},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+    engine, *_ = deepspeed.initialize(model=wrapper, model_parameters=wrapper.parameters(), config=config)
+    client = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+    engine.save_checkpoint(sys.argv[2], client_state=client, tag="checkpoint")
+""")
+
+
+@pytest.mark.slow
+def test_a_deepspeed_checkpoint_folder_is_consolidated(run_dir, tmp_path, tiny_target):
+    folder = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    folder.parent.mkdir(parents=True)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
+           "PYTHONPATH": str(REPO_ROOT), "HOME": str(Path.home())}
+    subprocess.run([sys.executable, "-c", DEEPSPEED_SAVE, str(run_dir / "checkpoints" / "last.ckpt"), str(folder),
+                    str(port)], check=True, env=env, cwd=REPO_ROOT, timeout=900, capture_output=True)
+    assert (folder / "latest").is_file()
+
+    assert export(tmp_path / "run", tmp_path / "export", "--ckpt", "last") == 0
+    target, tokenizer = tiny_target
+    expected = block_logits(drafter_from_checkpoint(run_dir / "checkpoints" / "last.ckpt").eval(), target, tokenizer)
+    exported = DFlashDraftModel.from_pretrained(tmp_path / "export").eval()
+    torch.testing.assert_close(block_logits(exported, target, tokenizer), expected, rtol=0, atol=0)
+    assert "steps trained | 2 " in (tmp_path / "export" / "README.md").read_text()

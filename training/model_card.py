@@ -1,0 +1,277 @@
+"""The model card (README.md) of an exported drafter, built only from what the run folder recorded.
+
+    evaluation = read_evaluation(run_dir, step)      # <run>/eval/step-000200.json, or None
+    card = render_model_card(CardFacts(...))         # Hub metadata + evaluation + recipe + usage
+
+Every number in the card is read, never typed: the acceptance table comes from the evaluation the
+training-time callback (training/callbacks.py, AcceptanceEvaluation) wrote for the exported
+checkpoint's step, the recipe from the checkpoint's hyper-parameters and the run's config.yaml.
+
+The evaluation file read here, one per evaluated step (written by AcceptanceEvaluation._write):
+    <run>/eval/step-<step, 6 digits>.json = {
+        "step": int,
+        "settings": {"prompts": str, "num_prompts": int, "max_new_tokens": int, "budgets": [int],
+                     "primary_budget": int, "block_size": int, "temperature": float (optional)},
+        "summary": {"dflash" | "ddtree@<B>": {"tau": float, "expected_tau": float, "rounds": int,
+                                              "new_tokens": int, ...}},
+        "prompts": [per-prompt rows]}
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+from huggingface_hub import ModelCardData
+
+from ddtree.targets import DDTreeError
+
+CHAIN = "dflash"  # the single-chain method's key in ddtree.bench summaries (same as training/report.py)
+TAGS = ["dflash", "ddtree", "speculative-decoding", "draft-model", "block-diffusion"]
+
+
+# ----------------------------------------------------------------------------- reading the run folder
+
+
+def evaluation_path(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / "eval" / f"step-{step:06d}.json"
+
+
+def evaluated_steps(run_dir: Path) -> list[int]:
+    """Steps that have an evaluation file, ascending."""
+    steps = []
+    for path in (Path(run_dir) / "eval").glob("step-*.json"):
+        suffix = path.stem.removeprefix("step-")
+        if suffix.isdigit():
+            steps.append(int(suffix))
+    return sorted(steps)
+
+
+def read_evaluation(run_dir: Path, step: int) -> dict | None:
+    """The evaluation of `step`, checked field by field; None if that step was not evaluated."""
+    path = evaluation_path(run_dir, step)
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise DDTreeError(f"{path}: not valid JSON ({error.msg}); re-run the evaluation of step {step}") from None
+    if not isinstance(record, dict) or record.get("step") != step:
+        raise DDTreeError(f"{path}: expected an object with \"step\": {step}")
+    settings, summary = record.get("settings"), record.get("summary")
+    for name in ("prompts", "num_prompts", "max_new_tokens"):
+        if not isinstance(settings, dict) or name not in settings:
+            raise DDTreeError(f"{path}: settings.{name} is missing")
+    if not isinstance(summary, dict) or CHAIN not in summary:
+        raise DDTreeError(f"{path}: summary.{CHAIN} (the chain's acceptance) is missing")
+    for key, stats in summary.items():
+        if not isinstance(stats, dict) or not isinstance(stats.get("tau"), (int, float)):
+            raise DDTreeError(f"{path}: summary.{key}.tau is missing or not a number")
+    return record
+
+
+def read_run_config(run_dir: Path) -> dict:
+    """The run's resolved configuration (config.yaml written by training/train.py), or {} if absent."""
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        return {}
+    try:
+        config = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        raise DDTreeError(f"{path}: not valid YAML ({str(error).splitlines()[0]})") from None
+    return config if isinstance(config, dict) else {}
+
+
+# ----------------------------------------------------------------------------- the card
+
+
+@dataclass
+class CardFacts:
+    """Everything the card says, gathered by training/publish.py from the checkpoint and the run folder."""
+
+    name: str  # the card's title: the repo's or the folder's name
+    repo: str | None  # the Hub repo id, if it is to be pushed (the usage snippets name it)
+    target: str  # the target as the run named it (built-in name, folder or Hub id)
+    base_model: str | None  # the target's Hub id (card metadata); None when it has none
+    license: str
+    drafter_config: dict  # the exported config.json (DFlash fields + Qwen3 fields)
+    num_parameters: int
+    dtype: str  # dtype of the exported weights
+    step: int  # global step of the exported checkpoint
+    checkpoint: str  # which checkpoint, as chosen ("best -> step-step=200.ckpt", a path, ...)
+    hyper_parameters: dict  # DistillModule hyper-parameters stored in the checkpoint
+    run_config: dict  # the run's config.yaml ({} if absent)
+    evaluation: dict | None  # read_evaluation(run_dir, step)
+    other_evaluated_steps: list[int] = field(default_factory=list)
+    speculators: bool = False  # the config also carries vLLM's speculators fields
+
+
+def _format_tau(value: float) -> str:
+    return f"{value:.3f}"
+
+
+def evaluation_section(facts: CardFacts) -> list[str]:
+    record = facts.evaluation
+    lines = ["## Acceptance (measured during training)", ""]
+    if record is None:
+        others = ", ".join(str(s) for s in facts.other_evaluated_steps) or "none"
+        return lines + [
+            f"This checkpoint (step {facts.step}) was not evaluated during training, so no acceptance is reported "
+            f"here. Steps the run evaluated: {others}. Export one of those (`--ckpt best` picks the best) or "
+            "measure this one with `ddtree bench` (see Usage).",
+            "",
+        ]
+    settings, summary = record["settings"], record["summary"]
+    # AcceptanceEvaluation decodes greedily (Sampling(temperature=0.0)); records written before it stored
+    # the temperature in settings have no field for it.
+    temperature = settings.get("temperature", 0.0)
+    block = facts.drafter_config["block_size"]
+    lines += [
+        f"Measured at training step {record['step']} (the step of this checkpoint) by the training-time "
+        "evaluation, which runs the same code as `ddtree bench`: lossless decoding with the frozen target on "
+        f"the first {settings['num_prompts']} prompts of `{settings['prompts']}` (held-out prompts, not in the "
+        f"training data), up to {settings['max_new_tokens']} new tokens each, temperature {temperature:g}.",
+        "",
+        "tau = tokens committed per target verification (accepted draft tokens + 1 bonus token), averaged over "
+        f"all decoding rounds; at most {block} (the block size). The expected tau is the drafter's own "
+        "prediction for the trees it built (1 + the sum of their path probabilities).",
+        "",
+        "| decoding | tau | expected tau | rounds | new tokens |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    chain = summary[CHAIN]
+    lines.append(
+        f"| chain (one DFlash block, {block - 1} drafted tokens) | {_format_tau(chain['tau'])} | - "
+        f"| {chain.get('rounds', '-')} | {chain.get('new_tokens', '-')} |"
+    )
+    budgets = sorted(int(key.split("@")[1]) for key in summary if key.startswith("ddtree@"))
+    for budget in budgets:
+        stats = summary[f"ddtree@{budget}"]
+        label = f"DDTree, node budget {budget}"
+        if settings.get("primary_budget") == budget:
+            label += " (checkpoints ranked by this)"
+        expected = f"{stats['expected_tau']:.3f}" if "expected_tau" in stats else "-"
+        lines.append(
+            f"| {label} | {_format_tau(stats['tau'])} | {expected} | {stats.get('rounds', '-')} "
+            f"| {stats.get('new_tokens', '-')} |"
+        )
+    precision = facts.run_config.get("trainer", {}).get("precision")
+    if precision is not None:
+        lines += ["", f"The target ran in the training precision (`{precision}`) during this evaluation."]
+    return lines + [""]
+
+
+def recipe_section(facts: CardFacts) -> list[str]:
+    hp, cfg = facts.hyper_parameters, facts.drafter_config
+    trainer = facts.run_config.get("trainer", {}) or {}
+    data = facts.run_config.get("data", {}) or {}
+    rows = [
+        ("target (frozen)", f"`{facts.target}`" + (f" (`{facts.base_model}`)" if facts.base_model else "")),
+        ("drafter", f"Qwen3-style decoder layers: {cfg['num_hidden_layers']}, hidden size {cfg['hidden_size']}, "
+                    f"{facts.num_parameters:,} parameters ({facts.dtype})"),
+        ("block size", cfg["block_size"]),
+        ("target layers read", cfg["dflash_config"]["target_layer_ids"]),
+        ("MASK token id", cfg["dflash_config"]["mask_token_id"]),
+        ("anchors per sequence", hp.get("num_anchors")),
+        ("loss decay gamma", hp.get("gamma")),
+        ("optimizer", f"AdamW, lr {hp.get('lr')}, betas {hp.get('betas')}, weight decay {hp.get('weight_decay')}, "
+                      f"warmup {hp.get('warmup_ratio')}, cosine to {hp.get('min_lr_ratio')} x lr"),
+        ("LoRA", f"rank {hp['lora_rank']} (merged into these weights)" if hp.get("lora_rank") else "no"),
+        ("warm start", hp.get("init_from") or "no"),
+        ("steps trained", f"{facts.step} (checkpoint: {facts.checkpoint})"),
+    ]
+    if trainer:
+        rows += [
+            ("precision", trainer.get("precision")),
+            ("hardware", f"{trainer.get('devices')} x {trainer.get('accelerator')}, {trainer.get('num_nodes')} "
+                         f"node(s), strategy {trainer.get('strategy')}"),
+            ("batch", f"{data.get('batch_size')} sequences x {trainer.get('accumulate_grad_batches', 1)} "
+                      "accumulation steps per device"),
+            ("planned length", f"max_steps {trainer.get('max_steps')}, max_epochs {trainer.get('max_epochs')}"),
+        ]
+    lines = ["## Training recipe", "", "| setting | value |", "|---|---|"]
+    lines += [f"| {name} | {value} |" for name, value in rows]
+    lines += ["", "### Data", ""]
+    if data:
+        lines += [
+            f"- conversations: `{data.get('data_path')}`; responses written by the target itself "
+            "(the DFlash recipe distils the target's own outputs)",
+            f"- max length {data.get('max_length')} tokens, loss on assistant tokens only, "
+            f"{data.get('val_fraction')} held out for validation",
+        ]
+    else:
+        lines.append("- the run folder has no config.yaml, so the data settings are not known")
+    return lines + [""]
+
+
+def usage_section(facts: CardFacts) -> list[str]:
+    cfg = facts.drafter_config
+    target = facts.base_model or facts.target
+    where = facts.repo or "path/to/this/folder"
+    lines = [
+        "## Usage",
+        "",
+        "The drafter owns no embedding and no LM head: it embeds its block with the target's input embedding "
+        "and reads logits through the target's LM head. It reads the target's hidden states at layers "
+        f"{cfg['dflash_config']['target_layer_ids']} (id l = the output of decoder layer l).",
+        "",
+        "With `ddtree` (the training repository's decoding CLI):",
+        "",
+        "```bash",
+        *([f"hf download {facts.repo} --local-dir drafter"] if facts.repo else []),
+        f"ddtree generate --target {target} --drafter {'drafter' if facts.repo else where} --method ddtree "
+        "--budget 32 --prompt \"Hello\"",
+        f"ddtree bench --target {target} --drafter {'drafter' if facts.repo else where} --prompts prompts.jsonl "
+        "--methods ar,dflash,ddtree --budgets 16,32,64",
+        "```",
+        "",
+        "With transformers (the model code ships beside the weights):",
+        "",
+        "```python",
+        "from transformers import AutoModel",
+        f"drafter = AutoModel.from_pretrained(\"{where}\", trust_remote_code=True)",
+        "# drafter(noise_embedding, target_hidden, position_ids) -> hidden states; see modeling_dflash.py",
+        "```",
+        "",
+        "The reference `dflash` package (`dflash.DFlashDraftModel.from_pretrained`) loads the same folder.",
+        "",
+    ]
+    if facts.speculators:
+        spec = cfg["speculators_config"]
+        lines += [
+            "With vLLM (speculators format: `speculators_config` names the verifier and the number of "
+            "speculative tokens; the exporter checks the fields but cannot run vLLM):",
+            "",
+            "```bash",
+            f"vllm serve {where}",
+            "# or explicitly:",
+            f"vllm serve {spec['verifier']['name_or_path']} --speculative-config "
+            f"'{{\"method\": \"dflash\", \"model\": \"{where}\", "
+            f"\"num_speculative_tokens\": {spec['proposal_methods'][0]['speculative_tokens']}}}'",
+            "```",
+            "",
+        ]
+    return lines
+
+
+def render_model_card(facts: CardFacts) -> str:
+    """README.md text: YAML metadata for the Hub, then the evaluation, the recipe and usage."""
+    tags = TAGS + (["speculators"] if facts.speculators else [])
+    metadata = ModelCardData(
+        base_model=facts.base_model, library_name="transformers", license=facts.license, tags=tags
+    ).to_yaml()
+    cfg = facts.drafter_config
+    intro = [
+        f"# {facts.name.split('/')[-1]}",
+        "",
+        f"A block-diffusion (DFlash) drafter for speculative decoding with `{facts.base_model or facts.target}`. "
+        f"One forward pass drafts a block of {cfg['block_size'] - 1} tokens after an anchor; the target verifies "
+        "them losslessly, either as one chain or as a draft tree under a node budget (DDTree), so the output is "
+        "exactly the target's. Trained by distilling the frozen target into the drafter.",
+        "",
+    ]
+    lines = ["---", metadata.strip(), "---", "", *intro, *evaluation_section(facts), *recipe_section(facts),
+             *usage_section(facts)]
+    return "\n".join(lines)

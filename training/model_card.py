@@ -7,7 +7,9 @@ Every number in the card is read, never typed: the acceptance table comes from t
 training-time callback (training/callbacks.py, AcceptanceEvaluation) wrote for the exported
 checkpoint's step, the recipe from the checkpoint's hyper-parameters and the run's config.yaml.
 
-The evaluation file read here, one per evaluated step (written by AcceptanceEvaluation._write):
+The evaluation file read here, one per evaluated step (written by AcceptanceEvaluation._write),
+or for a checkpoint measured after training, <run>/eval/checkpoint-<name>.json (training/evaluate.py,
+`make eval`, same fields plus "checkpoint"):
     <run>/eval/step-<step, 6 digits>.json = {
         "step": int,
         "settings": {"prompts": str, "num_prompts": int, "max_new_tokens": int, "budgets": [int],
@@ -49,15 +51,24 @@ def evaluated_steps(run_dir: Path) -> list[int]:
     return sorted(steps)
 
 
-def read_evaluation(run_dir: Path, step: int) -> dict | None:
-    """The evaluation of `step`, checked field by field; None if that step was not evaluated."""
+def read_evaluation(run_dir: Path, step: int, checkpoint_name: str | None = None) -> dict | None:
+    """The evaluation of `step`, checked field by field; None if that step was not evaluated.
+
+    The training-time evaluation of the step first; else `make eval`'s measurement of the checkpoint
+    file named `checkpoint_name` (its stem), if it is of the same step.
+    """
     path = evaluation_path(run_dir, step)
+    after_training = not path.is_file() and checkpoint_name is not None
+    if after_training:
+        path = Path(run_dir) / "eval" / f"checkpoint-{checkpoint_name}.json"
     if not path.is_file():
         return None
     try:
         record = json.loads(path.read_text())
     except json.JSONDecodeError as error:
         raise DDTreeError(f"{path}: not valid JSON ({error.msg}); re-run the evaluation of step {step}") from None
+    if after_training and isinstance(record, dict) and record.get("step") != step:
+        return None  # a measurement of an earlier file under the same name (last.ckpt moves on)
     if not isinstance(record, dict) or record.get("step") != step:
         raise DDTreeError(f"{path}: expected an object with \"step\": {step}")
     settings, summary = record.get("settings"), record.get("summary")
@@ -128,9 +139,11 @@ def evaluation_section(facts: CardFacts) -> list[str]:
     # the temperature in settings have no field for it.
     temperature = settings.get("temperature", 0.0)
     block = facts.drafter_config["block_size"]
+    when = ("after training by `make eval` (training/evaluate.py, the training-time evaluation's code and "
+            "settings)" if "checkpoint" in record else "by the training-time evaluation")
     lines += [
-        f"Measured at training step {record['step']} (the step of this checkpoint) by the training-time "
-        "evaluation, which runs the same code as `ddtree bench`: lossless decoding with the frozen target on "
+        f"Measured at training step {record['step']} (the step of this checkpoint) {when}, which runs the same "
+        "code as `ddtree bench`: lossless decoding with the frozen target on "
         f"the first {settings['num_prompts']} prompts of `{settings['prompts']}` (held-out prompts, not in the "
         f"training data), up to {settings['max_new_tokens']} new tokens each, temperature {temperature:g}.",
         "",

@@ -300,7 +300,7 @@ def export_folder(
     drafter = drafter.to(DTYPES[dtype]).eval()
     target = drafter.config.target_name_or_path or source.hyper_parameters.get("target")
     base_model = base_model or BUILTIN_HUB_IDS.get(target) or (target if _looks_like_hub_id(target) else None)
-    evaluation = read_evaluation(run_dir, source.step)
+    evaluation = read_evaluation(run_dir, source.step, path.stem)
 
     with staged_folder(out) as staging:
         export_drafter(drafter, staging)  # save_pretrained: model.safetensors + config.json

@@ -179,11 +179,17 @@ def test_card_numbers_come_from_the_evaluation_of_the_exported_step(run_dir, tmp
     assert card.startswith("---\n") and "library_name: transformers" in card and "license: apache-2.0" in card
     assert "lr 0.003" in card and "max length 256 tokens" in card and "ddtree bench --target tiny-random" in card
 
+    # Without the step's record: `make eval`'s measurement of that checkpoint file, if it is of that step.
+    record = json.loads((run / "eval" / "step-000002.json").read_text())
     (run / "eval" / "step-000002.json").unlink()
-    assert export(run, tmp_path / "unevaluated", "--ckpt", "last") == 0
-    card = (tmp_path / "unevaluated" / "README.md").read_text()
-    assert "was not evaluated during training" in card and "Steps the run evaluated: 1." in card
-    assert "| decoding | tau |" not in card
+    for step, expected in [(1, "was not evaluated during training"), (2, "after training by `make eval`")]:
+        record.update(step=step, checkpoint=str(run / "checkpoints" / "last.ckpt"))
+        (run / "eval" / "checkpoint-last.json").write_text(json.dumps(record))
+        assert export(run, tmp_path / f"after-{step}", "--ckpt", "last") == 0
+        card = (tmp_path / f"after-{step}" / "README.md").read_text()
+        assert expected in card, step
+        assert ("| 3.579 |" in card) == (step == 2) and ("| decoding | tau |" in card) == (step == 2)
+    assert "Steps the run evaluated: 1." in (tmp_path / "after-1" / "README.md").read_text()
 
 
 # ----------------------------------------------------------------------------- refusals

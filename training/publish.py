@@ -107,7 +107,9 @@ def preflight_hub(repo: str) -> tuple[HfApi, str]:
         user = api.whoami()
     except Exception as error:  # noqa: BLE001 - network and HTTP errors alike end here, as one line
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise DDTreeError(f"--push: cannot use the Hub at {endpoint} ({reason}); check the network and HF_TOKEN") from None
+        raise DDTreeError(
+            f"--push: cannot use the Hub at {endpoint} ({reason}); check the network and HF_TOKEN"
+        ) from None
     role = ((user.get("auth") or {}).get("accessToken") or {}).get("role")
     if role == "read":
         raise DDTreeError(f"--push: HF_TOKEN is a read-only token of {user.get('name')}; use a write token for {repo}")
@@ -176,7 +178,9 @@ def load_source(path: Path, label: str, workdir: Path) -> tuple[DFlashDraftModel
         # mmap: only the few fields read here are paged in; drafter_from_checkpoint reads the weights.
         checkpoint = torch.load(file, map_location="cpu", weights_only=False, mmap=True)
     except Exception as error:  # noqa: BLE001 - anything torch.load cannot read is not a checkpoint
-        raise DDTreeError(f"CKPT {path} is not a PyTorch checkpoint ({type(error).__name__}); give a .ckpt from the run") from None
+        raise DDTreeError(
+            f"CKPT {path} is not a PyTorch checkpoint ({type(error).__name__}); give a .ckpt from the run"
+        ) from None
     if not isinstance(checkpoint, dict) or "drafter_config" not in checkpoint or "global_step" not in checkpoint:
         raise DDTreeError(
             f"CKPT {path} is not a drafter checkpoint of this project (no drafter_config/global_step): "
@@ -185,7 +189,8 @@ def load_source(path: Path, label: str, workdir: Path) -> tuple[DFlashDraftModel
     try:
         drafter = drafter_from_checkpoint(file)
     except RuntimeError as error:  # load_state_dict(strict=True): weights do not fit the stored config
-        raise DDTreeError(f"CKPT {path}: its weights do not match its drafter_config ({str(error).splitlines()[0]})") from None
+        reason = str(error).splitlines()[0]
+        raise DDTreeError(f"CKPT {path}: its weights do not match its drafter_config ({reason})") from None
     source = Source(path, label, int(checkpoint["global_step"]), dict(checkpoint.get("hyper_parameters", {})))
     return drafter, source
 
@@ -203,21 +208,20 @@ def rope_keys_for_transformers_v4(config: dict) -> dict:
     if "rope_theta" not in rope:
         return {}
     scaling = {key: value for key, value in rope.items() if key != "rope_theta"}
-    return {"rope_theta": rope["rope_theta"], "rope_scaling": None if scaling.get("rope_type", "default") == "default" else scaling}
+    if scaling.get("rope_type", "default") == "default":
+        scaling = None
+    return {"rope_theta": rope["rope_theta"], "rope_scaling": scaling}
 
 
 def verifier_for(target: str, base_model: str | None) -> tuple[str, list[str]]:
-    """(name_or_path, architectures) of the target, as vLLM's speculators format names the verifier."""
-    name = base_model or BUILTIN_HUB_IDS.get(target)
-    folder = None
-    if name is None:  # no Hub id: the target's local folder (only meaningful on this machine)
-        folder = Path(resolve_target(target))
-        name = str(folder)
-    elif Path(name).is_dir():
-        folder = Path(name)
-    architectures = []
-    if folder is not None and (folder / "config.json").is_file():
-        architectures = list(json.loads((folder / "config.json").read_text()).get("architectures") or [])
+    """(name_or_path, architectures) of the target, as vLLM's speculators format names the verifier.
+
+    The Hub id when there is one (what another machine can load), else the target's local folder.
+    """
+    local = Path(resolve_target(target))  # a built-in's converted folder, a folder, or (a Hub id) nothing local
+    name = base_model or BUILTIN_HUB_IDS.get(target) or str(local)
+    config = local / "config.json"
+    architectures = list(json.loads(config.read_text()).get("architectures") or []) if config.is_file() else []
     return name, architectures
 
 
@@ -310,10 +314,11 @@ def export_folder(
         for name in REMOTE_CODE:
             shutil.copyfile(LIBRARY_DIR / name, staging / name)
         facts = CardFacts(
-            name=(repo or out.name).split("/")[-1], repo=repo, target=target, base_model=base_model, license=license_id, drafter_config=config,
-            num_parameters=sum(p.numel() for p in drafter.parameters()), dtype=dtype, step=source.step,
-            checkpoint=source.label, hyper_parameters=source.hyper_parameters, run_config=run_config,
-            evaluation=evaluation, other_evaluated_steps=evaluated_steps(run_dir), speculators=speculators,
+            name=(repo or out.name).split("/")[-1], repo=repo, target=target, base_model=base_model,
+            license=license_id, drafter_config=config, num_parameters=sum(p.numel() for p in drafter.parameters()),
+            dtype=dtype, step=source.step, checkpoint=source.label, hyper_parameters=source.hyper_parameters,
+            run_config=run_config, evaluation=evaluation, other_evaluated_steps=evaluated_steps(run_dir),
+            speculators=speculators,
         )
         (staging / "README.md").write_text(render_model_card(facts))
         check_loads_back(staging, drafter)
@@ -321,11 +326,14 @@ def export_folder(
     if evaluation is None:
         print(f"[export] note: step {source.step} has no evaluation in {run_dir / 'eval'}; the card says so",
               file=sys.stderr)
+    if base_model is None:
+        print(f"[export] note: target {target!r} has no Hub id; give --base-model owner/name so the card links it"
+              + (" and vLLM can find the verifier" if speculators else ""), file=sys.stderr)
     return out
 
 
 def readable_by_all(folder: Path) -> None:
-    """Ordinary permissions (temp folders are created owner-only): rwx/rw for the owner, as umask allows."""
+    """The permissions a plain mkdir/open would give (temp folders and files are created owner-only)."""
     umask = os.umask(0)
     os.umask(umask)
     folder.chmod(0o777 & ~umask)
@@ -340,14 +348,18 @@ def _looks_like_hub_id(name: str | None) -> bool:
 def check_export_folder(folder: Path) -> None:
     missing = [name for name in EXPORT_FILES if not (folder / name).is_file()]
     if missing:
-        raise DDTreeError(f"--push-only {folder}: not a finished export (missing {', '.join(missing)}); export it first")
+        raise DDTreeError(
+            f"--push-only {folder}: not a finished export (missing {', '.join(missing)}); export it first"
+        )
 
 
 def push(api: HfApi, endpoint: str, folder: Path, repo: str, private: bool) -> str:
     """Upload the folder as one commit; return the repo URL."""
     try:
         api.create_repo(repo, private=private, exist_ok=True)
-        api.upload_folder(folder_path=folder, repo_id=repo, commit_message="Upload DFlash drafter (training/publish.py)")
+        api.upload_folder(
+            folder_path=folder, repo_id=repo, commit_message="Upload DFlash drafter (training/publish.py)"
+        )
     except Exception as error:  # noqa: BLE001 - any upload failure: the export stays for --push-only
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise DDTreeError(

@@ -122,7 +122,8 @@ def test_export_loads_with_automodel_and_reference_dflash_with_the_checkpoints_l
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == 8
     assert config["num_target_layers"] == 6 and config["target_name_or_path"] == "tiny-random"
-    assert config["dflash_config"] == {"mask_token_id": config["dflash_config"]["mask_token_id"], "target_layer_ids": [1, 3, 4]}
+    assert config["dflash_config"]["target_layer_ids"] == [1, 3, 4] and set(config["dflash_config"]) == {
+        "mask_token_id", "target_layer_ids"}
     assert config["auto_map"] == publish.AUTO_MAP
     weights = load_file(out / "model.safetensors")
     assert "fc.weight" in weights and not any("embed" in k or "lm_head" in k or "lora" in k for k in weights)
@@ -247,7 +248,8 @@ def test_a_failure_midway_leaves_nothing_behind(run_dir, tmp_path, monkeypatch):
 
 def test_a_lora_checkpoint_is_exported_merged(tmp_path, tiny_target):
     target, tokenizer = tiny_target
-    settings = dict(target="tiny-random", num_layers=1, block_size=4, target_layer_ids=[0, 2, 4], target_dtype="float32")
+    settings = dict(target="tiny-random", num_layers=1, block_size=4, target_layer_ids=[0, 2, 4],
+                    target_dtype="float32")
     torch.manual_seed(0)
     base = DistillModule(**settings)
     base.configure_model()
@@ -294,7 +296,8 @@ def test_speculators_fields_follow_vllms_dflash_layout(run_dir):
     assert config["speculators_model_type"] == spec["algorithm"] == "dflash"
     assert spec["proposal_methods"][0]["speculative_tokens"] == saved["block_size"] - 1 == 7
     assert spec["default_proposal_method"] == spec["proposal_methods"][0]["proposal_type"] == "greedy"
-    assert spec["verifier"] == {"name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct", "architectures": ["LlamaForCausalLM"]}
+    assert spec["verifier"] == {
+        "name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct", "architectures": ["LlamaForCausalLM"]}
     assert config["mask_token_id"] == saved["dflash_config"]["mask_token_id"] and config["sliding_window_non_causal"]
     assert config["draft_vocab_size"] == saved["vocab_size"] and config["target_hidden_size"] == saved["hidden_size"]
     # vLLM's reader rebuilds the draft config from transformer_layer_config and maps the aux ids back with -1.
@@ -383,7 +386,8 @@ class StandInHub(BaseHTTPRequestHandler):
             self._reply(200, {"errors": [], "warnings": []})
         elif parts[:2] == ["api", "models"] and parts[4:5] == ["preupload"]:
             files = json.loads(body)["files"]
-            self._reply(200, {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files]})
+            modes = [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files]
+            self._reply(200, {"files": modes})
         elif parts[:2] == ["api", "models"] and parts[4:5] == ["commit"]:
             if self.fail_commits:
                 self._reply(500, {"error": "stand-in commit failure"})
@@ -457,8 +461,7 @@ DEEPSPEED_SAVE = textwrap.dedent("""
     # Save a drafter checkpoint the way Lightning's DeepSpeedStrategy does: a ZeRO-2 engine around the
     # LightningModule (parameters named _forward_module.drafter.*), everything else as client state.
     import os, sys, torch, deepspeed
-    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[3], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0").items():
-        os.environ[key] = value
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[3], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     checkpoint = torch.load(sys.argv[1], weights_only=False)
     from training.export import drafter_from_checkpoint
     wrapper = torch.nn.Module()

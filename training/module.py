@@ -199,9 +199,7 @@ class DistillModule(L.LightningModule):
             ("target_layer_ids", hp.target_layer_ids, config.target_layer_ids),
             ("mask_token_id", hp.mask_token_id, config.mask_token_id),
         ]:
-            if wanted is not None and list(wanted if isinstance(wanted, list) else [wanted]) != list(
-                found if isinstance(found, list) else [found]
-            ):
+            if wanted is not None and (list(wanted) if field == "target_layer_ids" else wanted) != found:
                 raise DDTreeError(
                     f"model.{field}={wanted} but init_from {hp.init_from} has {found}; "
                     f"drop model.{field} or set it to {found}"

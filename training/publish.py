@@ -44,6 +44,7 @@ from huggingface_hub import HfApi, constants, get_token
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 from transformers import AutoModel
+from transformers.utils import HF_MODULES_CACHE
 
 from ddtree.modeling_dflash import DFlashDraftModel
 from ddtree.targets import DDTreeError, resolve_target, staged_folder
@@ -286,6 +287,11 @@ def check_loads_back(folder: Path, drafter: DFlashDraftModel) -> None:
     except Exception as error:  # noqa: BLE001 - any failure means the folder is not usable as shipped
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise DDTreeError(f"the export does not load with AutoModel(trust_remote_code=True): {reason}") from None
+    finally:
+        # transformers copied the remote code into its modules cache, under the (random) staging folder's
+        # name, sanitised as in transformers.dynamic_module_utils: no later load can reuse that copy.
+        copy = folder.name.replace(".", "_dot_").replace("-", "_hyphen_")
+        shutil.rmtree(Path(HF_MODULES_CACHE) / "transformers_modules" / copy, ignore_errors=True)
     expected, found = drafter.state_dict(), loaded.state_dict()
     if expected.keys() != found.keys() or any(not torch.equal(expected[k], found[k]) for k in expected):
         raise DDTreeError("the export loads with AutoModel but its weights differ from the checkpoint's")

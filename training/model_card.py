@@ -30,7 +30,7 @@ from huggingface_hub import ModelCardData
 
 from ddtree.targets import DDTreeError
 
-CHAIN = "dflash"  # the single-chain method's key in ddtree.bench summaries (same as training/report.py)
+from .report import CHAIN  # the single chain's key in the evaluation summaries
 TAGS = ["dflash", "ddtree", "speculative-decoding", "draft-model", "block-diffusion"]
 
 
@@ -125,13 +125,13 @@ def _format_tau(value: float) -> str:
 
 def evaluation_section(facts: CardFacts) -> list[str]:
     record = facts.evaluation
-    lines = ["## Acceptance (measured during training)", ""]
+    lines = ["## Measured acceptance", ""]
     if record is None:
         others = ", ".join(str(s) for s in facts.other_evaluated_steps) or "none"
         return lines + [
             f"This checkpoint (step {facts.step}) was not evaluated during training, so no acceptance is reported "
-            f"here. Steps the run evaluated: {others}. Export one of those (`--ckpt best` picks the best) or "
-            "measure this one with `ddtree bench` (see Usage).",
+            f"here. Steps the run evaluated: {others}. Export one of those (`--ckpt best` picks the best), or "
+            "measure this checkpoint with `make eval` and export it again.",
             "",
         ]
     settings, summary = record["settings"], record["summary"]

@@ -1,7 +1,7 @@
 """Build this project's own training and evaluation prompts, deterministically from a seed.
 
     python data/make_prompts.py                     # writes the two default files below
-    python data/make_prompts.py --seed 0 --num-coding 2400 --num-chat 2400 \
+    python data/make_prompts.py --seed 0 --num-coding 2400 --num-chat 1600 \
         --train-out data/prompts/train_prompts.jsonl --eval-out data/eval_prompts.jsonl
 
 Every prompt is written here, from two sources and nothing else (no public evaluation set's

@@ -53,6 +53,12 @@ def check_messages(messages, where: str) -> list[dict]:
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
+def finish_reason_of(row) -> dict:
+    """{"finish_reason": ...} when the row says why its last answer ended (regenerated data does)."""
+    reason = row.get("finish_reason")
+    return {"finish_reason": reason} if reason else {}
+
+
 def read_messages_jsonl(path: str | Path) -> list[dict]:
     """Read a JSONL file of {"id"?, "messages": [...]} records (prompts or whole conversations).
 
@@ -78,7 +84,7 @@ def read_messages_jsonl(path: str | Path) -> list[dict]:
             if record_id in seen_ids:
                 raise DDTreeError(f"{where}: duplicate id {record_id!r}; ids must be unique")
             seen_ids.add(record_id)
-            records.append({"id": record_id, "messages": messages})
+            records.append({"id": record_id, "messages": messages, **finish_reason_of(record)})
     if not records:
         raise DDTreeError(f"{path}: the file is empty; it needs one JSON object per line")
     return records
@@ -91,7 +97,7 @@ def rows_to_records(rows, source: str) -> list[dict]:
         if "messages" not in row:
             raise DDTreeError(f"{source}: row {i} has no 'messages' column (columns: {', '.join(row)})")
         messages = check_messages(row["messages"], f"{source} row {i}")
-        records.append({"id": str(row.get("id") or f"row-{i}"), "messages": messages})
+        records.append({"id": str(row.get("id") or f"row-{i}"), "messages": messages, **finish_reason_of(row)})
     return records
 
 
@@ -229,7 +235,12 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_length: int) -> d
 
 def tokenize_conversations(tokenizer, records: list[dict], max_length: int, min_supervised_tokens: int,
                            source: str = "the data") -> tuple[list[dict], dict]:
-    """Tokenize many conversations; skip (and count) those without enough supervised tokens."""
+    """Tokenize many conversations; skip (and count) those without enough supervised tokens.
+
+    A record with finish_reason "length" has a last answer that the target did not finish (it
+    hit max_new_tokens): the end-of-turn token the template writes after it was never the
+    target's choice, so that token and everything after it are cut instead of supervised.
+    """
     eot = end_of_turn_text(tokenizer)
     kept, counts = [], {"conversations": len(records), "no_assistant": 0, "too_few_supervised": 0, "truncated": 0}
     for record in records:
@@ -237,6 +248,9 @@ def tokenize_conversations(tokenizer, records: list[dict], max_length: int, min_
         if not any(loss_mask):
             counts["no_assistant"] += 1
             continue
+        if record.get("finish_reason") == "length":
+            last = len(loss_mask) - 1 - loss_mask[::-1].index(1)  # the last answer's end-of-turn token
+            input_ids, loss_mask = input_ids[:last], loss_mask[:last]
         if len(input_ids) > max_length:
             counts["truncated"] += 1
             input_ids, loss_mask = input_ids[:max_length], loss_mask[:max_length]
@@ -375,7 +389,7 @@ class ResumableDataLoader(DataLoader):
 
 
 # ----------------------------------------------------------------------------- the DataModule
-TOKENIZATION_VERSION = 1  # bump when render_with_loss_mask changes, to invalidate cached tokenizations
+TOKENIZATION_VERSION = 2  # bump when render_with_loss_mask changes, to invalidate cached tokenizations
 
 
 def source_fingerprint(source: str) -> str:

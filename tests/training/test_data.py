@@ -200,6 +200,16 @@ def test_tokenize_conversations_counts_and_skips(smol_tokenizer, caplog):
         tokenize_conversations(smol_tokenizer, [records[1], records[1]], 120, 4)
 
 
+def test_unfinished_answer_does_not_supervise_an_end_of_turn(smol_tokenizer):
+    finished = {"messages": CONVERSATION[:2]}
+    unfinished = {"messages": CONVERSATION[:2], "finish_reason": "length"}
+    (done, cut), _ = tokenize_conversations(smol_tokenizer, [finished, unfinished], max_length=500, min_supervised_tokens=1)
+    im_end = smol_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert done["input_ids"][-2] == im_end and done["loss_mask"][-2] == 1  # "...<|im_end|>" then "\n"
+    assert cut["input_ids"] == done["input_ids"][:-2] and cut["loss_mask"] == done["loss_mask"][:-2]
+    assert smol_tokenizer.decode([i for i, m in zip(cut["input_ids"], cut["loss_mask"]) if m]) == "2+2 is 4."
+
+
 # ----------------------------------------------------------------------------- files
 
 def write_lines(path, lines):

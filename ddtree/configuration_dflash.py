@@ -35,6 +35,10 @@ class DFlashDrafterConfig(Qwen3Config):
         self.block_size = block_size
         self.num_target_layers = num_target_layers
         self.dflash_config = dict(dflash_config or {})
+        # vLLM's speculators format repeats the MASK id at the top level: the same field, kept in dflash_config.
+        top_level_mask_token_id = kwargs.pop("mask_token_id", None)
+        if top_level_mask_token_id is not None:
+            self.dflash_config.setdefault("mask_token_id", top_level_mask_token_id)
         self.target_name_or_path = target_name_or_path
         kwargs.setdefault("architectures", ["DFlashDraftModel"])
         super().__init__(**kwargs)

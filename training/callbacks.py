@@ -179,6 +179,8 @@ def consolidated_copy(drafter: nn.Module) -> DFlashDraftModel:
 
 
 class AcceptanceEvaluation(L.Callback):
+    """Measures the live drafter's real acceptance every `every_n_train_steps` steps and at the end (see the top)."""
+
     def __init__(
         self,
         prompts: str = "data/eval_prompts.jsonl",  # held-out prompts in the `ddtree bench --prompts` format

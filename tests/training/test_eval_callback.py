@@ -249,6 +249,27 @@ def test_bad_drafter_logs_one_perfect_drafter_logs_the_maximum_and_the_best_is_k
     assert "**4** (best)" in (tmp_path / "report.md").read_text()
 
 
+class StopAtStep3(L.Callback):
+    """Stands in for max_time: the run ends off the evaluation grid."""
+
+    def on_train_batch_end(self, trainer, *args):
+        trainer.should_stop = trainer.should_stop or trainer.global_step >= 3
+
+
+def test_a_run_stopped_off_schedule_is_measured_at_the_end_without_a_checkpoint(tmp_path):
+    evaluation = RiggedEvaluation(["bad", "perfect"], prompts=PROMPTS, every_n_train_steps=2, budgets=[8],
+                                  primary_budget=8, max_new_tokens=6, limit=1)
+    checkpoints = BestCheckpoint(dirpath=tmp_path / "checkpoints", filename="step-{step}", monitor=monitor_metric(8),
+                                 mode="max", every_n_train_steps=2, save_top_k=1, save_last=True)
+    fit(tmp_path, 10, [StopAtStep3(), evaluation, checkpoints])
+    assert [(r["step"], r["checkpointed"]) for r in evaluation.history] == [(2, True), (3, False)]
+    assert logged_rows(tmp_path)[3]["val/tau_ddtree@8"] > 1.0  # the loggers have it...
+    # ...but only checkpointed evaluations compete for best.ckpt
+    assert (tmp_path / "checkpoints" / "best.ckpt").resolve().name == "step-step=2.ckpt"
+    report = (tmp_path / "report.md").read_text()
+    assert "| **2** (best) |" in report and "| 3 (no checkpoint) |" in report
+
+
 # ----------------------------------------------------------------------------- training state
 
 

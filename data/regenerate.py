@@ -8,6 +8,8 @@
     python data/regenerate.py ... --shard-index 1 --num-shards 2 &
     python data/regenerate.py ... --merge-only        # (re)build the dataset from finished chunks
 
+    python data/regenerate.py --recipe recipes/smollm2-135m.yaml   # target and --out from the recipe
+
 A drafter learns to predict the target's own continuations, so the training responses are written
 by the target (greedy by default: evaluation decodes at temperature 0).
 
@@ -268,9 +270,11 @@ def merge(parts: Path, out: Path, chunks_of_records: list[list[dict]], settings:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--target", default="smollm2-135m", help="built-in target name, local HF folder or Hub id")
+    p.add_argument("--recipe", type=Path, default=None,
+                   help="a training recipe YAML: --target defaults to its model.target, --out to its data.data_path")
+    p.add_argument("--target", default=None, help="built-in target name, local HF folder or Hub id (default smollm2-135m)")
     p.add_argument("--prompts", type=Path, default=Path("data/prompts/train_prompts.jsonl"))
-    p.add_argument("--out", type=Path, required=True, help="output `datasets` folder (chunks go to <out>.parts)")
+    p.add_argument("--out", type=Path, default=None, help="output `datasets` folder (chunks go to <out>.parts)")
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=320)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (evaluation decodes at T=0)")
@@ -288,6 +292,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def apply_recipe(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill --target and --out from a recipe (explicit flags win), so `make data RECIPE=x` needs no more."""
+    if args.recipe is not None:
+        import yaml
+
+        if not args.recipe.is_file():
+            raise DDTreeError(f"recipe {args.recipe} does not exist; give a file under recipes/")
+        recipe = yaml.safe_load(args.recipe.read_text()) or {}
+        target = (recipe.get("model") or {}).get("target")
+        data_path = (recipe.get("data") or {}).get("data_path")
+        if args.target is None:
+            args.target = target
+        if args.out is None and data_path is not None:
+            args.out = Path(data_path)
+    if args.target is None:
+        args.target = "smollm2-135m"
+    if args.out is None:
+        raise DDTreeError("no output folder: give --out, or --recipe with a data.data_path")
+    return args
+
+
 def report(summary: dict, out: Path) -> dict:
     print(f"[regenerate] wrote {summary['num_conversations']} conversations to {out} "
           f"({summary['response_tokens']} response tokens, {summary['num_hit_max_new_tokens']} hit max_new_tokens)")
@@ -295,6 +320,7 @@ def report(summary: dict, out: Path) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict | None:
+    args = apply_recipe(args)
     if not 0 <= args.shard_index < args.num_shards:
         raise DDTreeError(f"--shard-index {args.shard_index} must be in 0..{args.num_shards - 1}")
     if args.chunk_size < 1 or args.batch_size < 1 or args.max_new_tokens < 1:

@@ -110,3 +110,14 @@ def test_cli_reports_bad_prompt_file_with_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and f"{bad}:2:" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_recipe_supplies_target_and_output(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model:\n  target: tiny-random\ndata:\n  data_path: %s\n" % (tmp_path / "from-recipe"))
+    args = regenerate.apply_recipe(regenerate.parse_args(["--recipe", str(recipe)]))
+    assert (args.target, args.out) == ("tiny-random", tmp_path / "from-recipe")
+    args = regenerate.apply_recipe(regenerate.parse_args(["--recipe", str(recipe), "--out", "elsewhere"]))
+    assert args.out == Path("elsewhere")
+    with pytest.raises(DDTreeError, match="no output folder"):
+        regenerate.apply_recipe(regenerate.parse_args([]))

@@ -1,7 +1,7 @@
 """Regenerate responses with the target itself: prompts JSONL -> a `datasets` folder of conversations.
 
     python data/regenerate.py --target smollm2-135m --prompts data/prompts/train_prompts.jsonl \
-        --out data/smollm2-135m --limit 1600 --max-new-tokens 320 --batch-size 16 --dtype bfloat16
+        --out data/smollm2-135m --limit 2048 --max-new-tokens 256 --batch-size 64 --dtype bfloat16
 
     # the same job split over 2 processes (each writes its own chunks; the last one to finish merges):
     python data/regenerate.py ... --shard-index 0 --num-shards 2 &
@@ -44,7 +44,7 @@ from tqdm import tqdm
 from transformers import DynamicCache
 
 from ddtree.targets import DDTreeError, load_target, resolve_target, stop_token_ids
-from training.data import read_messages_jsonl
+from training.data import read_messages_jsonl, render_prompt_ids
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -55,13 +55,6 @@ def prompt_messages(messages: list[dict]) -> list[dict]:
     while end and messages[end - 1]["role"] == "assistant":
         end -= 1
     return messages[:end]
-
-
-def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of the chat-template prompt ending with the assistant header."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    # The template writes its own BOS/role tokens; do not let the tokenizer add another BOS.
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def cut_at_stop(token_ids: list[int], stop_ids: set[int]) -> tuple[list[int], str]:
@@ -170,6 +163,22 @@ class VLLMGenerator:
         return [list(r.outputs[0].token_ids) for r in results]
 
 
+def tokenizer_and_stops(target: str):
+    """The target's tokenizer and end-of-turn ids without loading its weights (for the vLLM path)."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    source = resolve_target(target)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    try:
+        generation_config = GenerationConfig.from_pretrained(source)
+    except OSError:  # no generation_config.json: the model config's eos id is all there is
+        generation_config = GenerationConfig()
+    stand_in = SimpleNamespace(generation_config=generation_config, config=AutoConfig.from_pretrained(source))
+    return tokenizer, sorted(set(stop_token_ids(stand_in, tokenizer)))
+
+
 def vllm_usable() -> bool:
     try:
         import vllm  # noqa: F401
@@ -276,13 +285,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompts", type=Path, default=Path("data/prompts/train_prompts.jsonl"))
     p.add_argument("--out", type=Path, default=None, help="output `datasets` folder (chunks go to <out>.parts)")
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
-    p.add_argument("--max-new-tokens", type=int, default=320)
+    p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (evaluation decodes at T=0)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (per chunk: seed, chunk index)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--chunk-size", type=int, default=64, help="prompts per resumable unit of work")
     p.add_argument("--shard-index", type=int, default=0)
     p.add_argument("--num-shards", type=int, default=1)
@@ -359,16 +368,20 @@ def run(args: argparse.Namespace) -> dict | None:
 
     if todo:
         use_vllm = args.backend == "vllm" or (args.backend == "auto" and vllm_usable())
-        model, tokenizer = load_target(args.target, dtype=DTYPES[args.dtype], device=args.device)
-        stops = sorted(set(stop_token_ids(model, tokenizer)))
+        if use_vllm:  # vLLM holds the weights; here only the tokenizer and the stop ids are needed
+            vllm_generator, model = VLLMGenerator(args.target, args.dtype, args.seed), None
+            tokenizer, stops = tokenizer_and_stops(args.target)
+        else:
+            vllm_generator = None
+            model, tokenizer = load_target(args.target, dtype=DTYPES[args.dtype], device=args.device)
+            stops = sorted(set(stop_token_ids(model, tokenizer)))
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
-        vllm_generator = VLLMGenerator(args.target, args.dtype, args.seed) if use_vllm else None
         total = sum(len(chunks[k]) for k in todo)
         started = time.time()
         with tqdm(total=total, desc=f"shard {args.shard_index}", unit="prompt", file=sys.stdout) as progress:
             for k in todo:
                 chunk = chunks[k]
-                prompts = [render_prompt(tokenizer, r["messages"]) for r in chunk]
+                prompts = [render_prompt_ids(tokenizer, r["messages"]) for r in chunk]
                 torch.manual_seed(args.seed * 100_003 + k)  # sampling is reproducible per chunk, whatever the shard
                 if vllm_generator is not None:
                     new_tokens = vllm_generator.generate(prompts, stops, args.max_new_tokens, args.temperature,

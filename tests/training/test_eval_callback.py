@@ -383,6 +383,42 @@ def test_under_ddp_every_rank_logs_what_one_process_measures_on_the_saved_checkp
     assert [row["index"] for row in written["prompts"]] == [0, 1, 2]  # rank 0 holds rank 1's prompt too
 
 
+def _consolidate_under_zero3(rank: int, port: int, out: str) -> None:
+    import os
+
+    import deepspeed
+
+    from ddtree.modeling_dflash import DFlashDraftModel
+    from ddtree.targets import build_drafter_config
+    from training.callbacks import consolidated_copy
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    deepspeed.init_distributed(dist_backend="gloo")
+    target, tokenizer = load_target("tiny-random")
+    config = build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=BLOCK, target_layer_ids=[1, 3, 4])
+    torch.manual_seed(0)
+    reference = DFlashDraftModel(config)
+    with deepspeed.zero.Init(config_dict_or_path={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}):
+        sharded = DFlashDraftModel(config)
+    with deepspeed.zero.GatheredParameters(list(sharded.parameters()), modifier_rank=0):
+        sharded.load_state_dict(reference.state_dict())
+    copy = consolidated_copy(sharded)
+    Path(out).write_text(json.dumps({
+        "sharded_numel": sum(p.numel() for p in sharded.parameters()),
+        "equal": list(copy.state_dict()) == list(reference.state_dict())
+        and all(torch.equal(a, b) for a, b in zip(copy.state_dict().values(), reference.state_dict().values())),
+    }))
+
+
+@pytest.mark.slow  # builds DeepSpeed's CPU communication op on first use
+def test_zero3_sharded_drafter_is_consolidated_into_a_full_copy(tmp_path):
+    out = tmp_path / "zero3.json"
+    torch.multiprocessing.spawn(_consolidate_under_zero3, args=(29500 + random.Random().randrange(2000), str(out)), nprocs=1)
+    result = json.loads(out.read_text())
+    assert result["sharded_numel"] == 0  # ZeRO-3 left nothing whole on the module itself
+    assert result["equal"]
+
+
 # ----------------------------------------------------------------------------- bad settings
 
 

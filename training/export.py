@@ -33,6 +33,11 @@ def drafter_from_checkpoint(checkpoint_path: str | Path) -> DFlashDraftModel:
     checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     if "drafter_config" not in checkpoint:
         raise DDTreeError(f"checkpoint {path} has no drafter_config: it was not written by training.module.DistillModule")
+    return drafter_from_state(checkpoint)
+
+
+def drafter_from_state(checkpoint: dict) -> DFlashDraftModel:
+    """The (LoRA-merged) drafter of a loaded checkpoint dict: drafter_config, hyper_parameters, state_dict."""
     drafter = DFlashDraftModel(DFlashDrafterConfig.from_dict(checkpoint["drafter_config"]))
     hp = checkpoint.get("hyper_parameters", {})
     if hp.get("lora_rank", 0) > 0:

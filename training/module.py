@@ -44,6 +44,7 @@ from .masks import (
     sample_anchors,
 )
 from .peft_utils import add_drafter_lora, merge_target_adapter
+from .strategies import is_deepspeed
 
 DEFAULT_LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -346,12 +347,24 @@ class DistillModule(L.LightningModule):
         self.log("perf/step_s", seconds)
         self.log("perf/target_tok_s", self._batch_tokens / seconds, prog_bar=True)
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], prog_bar=True)
+        if is_deepspeed(self.trainer.strategy):
+            self._check_deepspeed_grad_norm()
 
     def on_before_optimizer_step(self, optimizer):
         # Lightning clips after this hook; a non-finite norm here would be clipped into NaN weights.
-        norm = torch.linalg.vector_norm(
-            torch.stack([p.grad.detach().float().norm() for p in self.drafter.parameters() if p.grad is not None])
-        )
+        grads = [p.grad.detach().float().norm() for p in self.drafter.parameters() if p.grad is not None]
+        if not grads:  # DeepSpeed keeps gradients in its own partitions: see _check_deepspeed_grad_norm
+            return
+        self._check_grad_norm(torch.linalg.vector_norm(torch.stack(grads)))
+
+    def _check_deepspeed_grad_norm(self) -> None:
+        # DeepSpeed measures the norm in its step and skips a step whose gradient is not finite
+        # (bf16 check_grad_overflow), so the weights are still good; training stops here all the same.
+        norm = self.trainer.strategy.deepspeed_engine.get_global_grad_norm()  # None before the first step
+        if norm is not None:
+            self._check_grad_norm(torch.as_tensor(norm, dtype=torch.float32))
+
+    def _check_grad_norm(self, norm: torch.Tensor) -> None:
         if not torch.isfinite(norm):
             raise NonFiniteError(
                 f"training stopped at step {self.global_step}: the gradient norm is {norm.item()}; "

@@ -1,0 +1,239 @@
+"""How a training run spreads over processes and nodes: DeepSpeed ZeRO strategies and launch checks.
+
+A recipe chooses its strategy in `trainer.strategy` (like any field, it can be overridden on the
+command line, e.g. --trainer.strategy=zero3):
+
+    strategy: auto            # one device (devices: 1)
+    strategy: ddp             # one replica of the drafter per process, gradients all-reduced
+    strategy: zero2           # DeepSpeed ZeRO-2: optimizer state and gradients sharded across processes
+    strategy: zero2_offload   #   ... optimizer state and step on the CPU
+    strategy: zero3           # DeepSpeed ZeRO-3: the drafter's weights sharded too
+    strategy: zero3_offload   #   ... weights and optimizer state on the CPU
+
+with `trainer.devices` processes per node on `trainer.num_nodes` nodes. Jobs of several nodes start
+from recipes/launch_torchrun.sh or recipes/slurm.sbatch (`make train RECIPE=qwen3-8b NODES=2`);
+`check_launch` stops a run at once when the recipe and the launcher disagree on the process count.
+
+What ZeRO shards, and what it does not: only the drafter is a submodule of DistillModule, so only
+the drafter is in DeepSpeed's engine, optimizer and checkpoints. The frozen target is a plain
+attribute outside the module tree (training/module.py), so ZeRO never sees it: every process
+loads one full copy of it, once, in the training precision (bf16), and no checkpoint holds it.
+Under ZeRO-3 that is deliberate: the target is never partitioned, so its forward needs no
+all-gather per layer (a bf16 copy of an 8B target is 16 GB, which fits beside the drafter on one
+80 GB GPU; a target that does not fit on one GPU needs another design, see the report). For the
+same reason `DrafterDeepSpeed` does not build modules inside deepspeed.zero.Init as Lightning's
+strategy does under ZeRO-3 (that would partition the target as it loads): it builds the drafter
+whole on every process and lets deepspeed.initialize partition it (fp32, 4 GB for a 1B drafter,
+briefly, once per process).
+
+Weights: with `precision: bf16-mixed`, DeepSpeed holds the drafter's weights in bf16 and the fp32
+master copy in the sharded optimizer. `drafter_for_export` gathers that fp32 copy from the live
+engine at the end of training; a ZeRO checkpoint folder (step-N.ckpt/ or last.ckpt/, one file
+per rank) is consolidated to the same fp32 weights by training/publish.py (`consolidate_deepspeed`),
+which `make eval` and `make export` use.
+
+DeepSpeed on CPU, for tests only: Lightning's DeepSpeed strategy refuses a non-CUDA accelerator,
+yet DeepSpeed itself runs ZeRO on CPU processes over gloo (DS_ACCELERATOR=cpu). `zero2_cpu` and
+`zero3_cpu` are DrafterDeepSpeed with only the CUDA-specific checks skipped, so the CPU test suite
+runs the code that runs on GPUs (tests/training/test_deepspeed.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from contextlib import contextmanager
+
+import torch
+from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, StrategyRegistry
+from torch import nn
+
+from ddtree.targets import DDTreeError
+
+
+class DrafterDeepSpeed(DeepSpeedStrategy):
+    """Lightning's DeepSpeedStrategy, with the drafter built outside deepspeed.zero.Init (see above).
+
+    With an offloaded optimizer state, DeepSpeed steps the module's own torch AdamW on the CPU
+    partitions rather than requiring its compiled CPU Adam: slower per step, but nothing has to
+    be compiled on the training nodes and the update is the one every other strategy computes.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if (self.config.get("zero_optimization") or {}).get("offload_optimizer"):
+            self.config.setdefault("zero_force_ds_cpu_optimizer", False)
+
+    @contextmanager
+    def model_sharded_context(self):
+        # Lightning's strategy enters deepspeed.zero.Init here under ZeRO-3, which would partition
+        # the frozen target that configure_model loads; deepspeed.initialize partitions the drafter.
+        self._init_config_if_needed()
+        yield
+
+
+class CPUDeepSpeed(DrafterDeepSpeed):
+    """DrafterDeepSpeed on CPU processes over gloo, for tests. Needs DS_ACCELERATOR=cpu.
+
+    The only differences: the checks that the accelerator is CUDA and that device indices match
+    local ranks are skipped, DeepSpeed is given the local rank directly (CPU devices have no index,
+    which is where the stock strategy reads it), and under ZeRO-3 every parameter is partitioned,
+    however small (DeepSpeed otherwise keeps parameters under 100K elements whole, i.e. all of a
+    tiny test drafter's).
+    """
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("process_group_backend", "gloo")
+        super().__init__(*args, **kwargs)
+        from deepspeed.accelerator import get_accelerator
+
+        if get_accelerator().device_name() != "cpu":
+            raise DDTreeError("the zero*_cpu strategies need DeepSpeed's CPU accelerator: run with DS_ACCELERATOR=cpu")
+        if self.zero_stage_3:
+            self.config["zero_optimization"].setdefault("stage3_param_persistence_threshold", 0)
+
+    def setup_environment(self) -> None:
+        DDPStrategy.setup_environment(self)  # skips DeepSpeedStrategy's "only supported on CUDA GPUs"
+
+    def setup_distributed(self) -> None:
+        reset_seed()  # DeepSpeedStrategy.setup_distributed without its device-index check
+        self.set_world_ranks()
+        self._init_deepspeed_distributed()
+
+    def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
+        import deepspeed
+
+        engine, deepspeed_optimizer, _, _ = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=self.local_rank),  # the stock strategy passes root_device.index
+            config=self.config,
+            model=model,
+            model_parameters=[p for p in model.parameters() if p.requires_grad],
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            dist_init_required=False,
+        )
+        return engine, deepspeed_optimizer
+
+
+# name -> (class, ZeRO stage, offload the optimizer state, offload the parameters)
+STRATEGIES = {
+    "zero2": (DrafterDeepSpeed, 2, False, False),
+    "zero2_offload": (DrafterDeepSpeed, 2, True, False),
+    "zero3": (DrafterDeepSpeed, 3, False, False),
+    "zero3_offload": (DrafterDeepSpeed, 3, True, True),
+    "zero2_cpu": (CPUDeepSpeed, 2, False, False),
+    "zero3_cpu": (CPUDeepSpeed, 3, False, False),
+}
+for _name, (_cls, _stage, _offload_optimizer, _offload_parameters) in STRATEGIES.items():
+    StrategyRegistry.register(
+        _name, _cls, description=f"DeepSpeed ZeRO-{_stage} for drafter training (training/strategies.py)",
+        override=True, stage=_stage, offload_optimizer=_offload_optimizer, offload_parameters=_offload_parameters,
+    )
+
+
+def is_deepspeed(strategy) -> bool:
+    return isinstance(strategy, DeepSpeedStrategy)
+
+
+# ----------------------------------------------------------------------------- launching
+
+
+def launcher_world() -> tuple[str, int, int] | None:
+    """(launcher, processes, nodes) when torchrun or SLURM started this process, else None.
+
+    Detected as Lightning detects them (SLURM first), so this check and the Trainer agree.
+    """
+    if SLURMEnvironment.detect():
+        return "SLURM", int(os.environ["SLURM_NTASKS"]), int(os.environ.get("SLURM_NNODES", 1))
+    if TorchElasticEnvironment.detect():
+        world, per_node = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
+        return "torchrun", world, max(1, world // per_node)
+    return None
+
+
+def count_devices(devices) -> int | None:
+    """trainer.devices as a process count per node; None for 'auto'/-1 (Lightning takes every device)."""
+    if isinstance(devices, (list, tuple)):
+        return len(devices)
+    text = str(devices).strip()
+    if "," in text:
+        return len([d for d in text.split(",") if d.strip()])
+    if text.lstrip("-").isdigit() and int(text) >= 0:
+        return int(text)
+    return None
+
+
+def check_launch(devices, num_nodes) -> None:
+    """Stop with one line if the recipe's devices x num_nodes is not the number of processes launched."""
+    world = launcher_world()
+    per_node = count_devices(devices)
+    if world is None or per_node is None:
+        return
+    launcher, processes, nodes = world
+    num_nodes = int(num_nodes or 1)
+    if per_node * num_nodes != processes:
+        raise DDTreeError(
+            f"trainer.devices={devices} x trainer.num_nodes={num_nodes} = {per_node * num_nodes} processes, but "
+            f"{launcher} started {processes} (WORLD_SIZE) on {nodes} node(s): set --trainer.devices={processes // nodes} "
+            f"--trainer.num_nodes={nodes}, or launch {per_node} processes on each of {num_nodes} node(s)"
+        )
+
+
+def is_first_process() -> bool:
+    """Global rank 0 of the launch, read from the launcher's environment (before any process group exists).
+
+    Covers torchrun (RANK), SLURM (SLURM_PROCID) and the processes Lightning starts itself for
+    devices > 1 (LOCAL_RANK, NODE_RANK).
+    """
+    names = ["RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK"] + (["SLURM_PROCID"] if SLURMEnvironment.detect() else [])
+    return all(os.environ.get(name, "0") == "0" for name in names)
+
+
+# ----------------------------------------------------------------------------- the trained weights
+
+
+def full_fp32_state(drafter: nn.Module) -> dict[str, torch.Tensor]:
+    """Every entry of drafter.state_dict() as a whole fp32 CPU tensor, from a DeepSpeed engine's drafter.
+
+    Trainable parameters come from the optimizer's fp32 master copy, frozen ones (LoRA base
+    weights) from the module. A collective: every rank must call it, in the same order.
+    """
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    parameters = dict(drafter.named_parameters())
+    buffers = dict(drafter.named_buffers())
+    state = {}
+    for name in drafter.state_dict():
+        if name in parameters:
+            param = parameters[name]
+            full = safe_get_full_fp32_param(param) if param.requires_grad else None
+            if full is None:  # frozen: DeepSpeed keeps it in the training dtype only
+                with deepspeed.zero.GatheredParameters([param], enabled=hasattr(param, "ds_id")):
+                    full = param.detach().float().clone()
+            state[name] = full.detach().float().cpu()
+        else:
+            state[name] = buffers[name].detach().cpu()
+    return state
+
+
+def drafter_for_export(module, trainer) -> nn.Module:
+    """The trained drafter with full fp32 weights, as training/export.py writes it.
+
+    Under DDP or one device that is the module's own drafter. Under DeepSpeed the module holds bf16
+    (ZeRO-2) or partitioned (ZeRO-3) weights, so the fp32 master weights are gathered into a fresh
+    copy; every rank must call this, and only rank 0 needs to write the result.
+    """
+    if not is_deepspeed(trainer.strategy):
+        return module.drafter
+    from .export import drafter_from_state
+
+    state = full_fp32_state(module.drafter)
+    checkpoint = {
+        "drafter_config": module._base_drafter().config.to_dict(),
+        "hyper_parameters": dict(module.hparams),
+        "state_dict": {f"drafter.{name}": value for name, value in state.items()},
+    }
+    return drafter_from_state(checkpoint)

@@ -4,6 +4,7 @@
     python -m training.train --recipe tiny --trainer.max_steps=20     # any field can be overridden
     python -m training.train --recipe smollm2-135m --resume last      # or --resume path/to/x.ckpt
     make train RECIPE=tiny [RESUME=last]
+    make train RECIPE=qwen3-8b NODES=2                                # several nodes: see training/strategies.py
 
 Every run writes outputs/<recipe>/<run>/:
     config.yaml            the fully resolved configuration (resuming reads it back)
@@ -16,6 +17,10 @@ Every run writes outputs/<recipe>/<run>/:
 
 `--resume last` continues the newest run of the recipe that has a last.ckpt, in its own folder and
 with its own config.yaml: step, optimizer, scheduler and data position all continue exactly.
+`--resume <run folder>` continues from its newest checkpoint (last.ckpt or a SLURM requeue's
+hpc_ckpt_N.ckpt). Under DeepSpeed every checkpoint is a folder of per-rank shards under the same name.
+Several processes (devices > 1, torchrun, SLURM) share one run folder; rank 0 writes config.yaml
+and drafter/, and a launch whose process count differs from devices x num_nodes stops at once.
 Bad input (unknown recipe, bad field, bad target) prints one line and exits with status 2 or 1.
 """
 
@@ -36,6 +41,7 @@ from training.callbacks import AcceptanceEvaluation, BestCheckpoint, monitor_met
 from training.data import DistillDataModule
 from training.export import export_drafter
 from training.module import DistillModule, NonFiniteError
+from training.strategies import check_launch, drafter_for_export, is_first_process, launcher_world
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES_DIR = REPO / "recipes"
@@ -45,18 +51,39 @@ def known_recipes() -> list[str]:
     return sorted(path.stem for path in RECIPES_DIR.glob("*.yaml"))
 
 
+def saved_at(checkpoint: Path) -> float:
+    """When a checkpoint was last written: a file's mtime, or a DeepSpeed folder's `latest` tag file's."""
+    return (checkpoint / "latest" if checkpoint.is_dir() else checkpoint).stat().st_mtime
+
+
+def newest_checkpoint(run_dir: Path) -> Path:
+    """The newest of a run's checkpoints/last.ckpt and the hpc_ckpt_N.ckpt Lightning saves on SLURM's requeue signal."""
+    saved = [p for p in [run_dir / "checkpoints" / "last.ckpt", *run_dir.glob("hpc_ckpt_*.ckpt")]
+             if (p / "latest").is_file() or p.is_file()]
+    if not saved:
+        raise DDTreeError(f"--resume {run_dir}: the run has no checkpoint yet (no checkpoints/last.ckpt or hpc_ckpt_*.ckpt)")
+    return max(saved, key=saved_at)
+
+
 def find_resume(resume: str, recipe_root: Path) -> tuple[Path, Path]:
-    """(checkpoint, run folder) for --resume: 'last' = newest run of this recipe with a last.ckpt."""
+    """(checkpoint, run folder) for --resume: 'last' = newest run of this recipe with a last.ckpt.
+
+    Also a run folder (its newest checkpoint) or a checkpoint path: a .ckpt file, or the folder a
+    DeepSpeed strategy writes under that name.
+    """
     if resume == "last":
-        runs = sorted(recipe_root.glob("*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
+        runs = sorted(recipe_root.glob("*/checkpoints/last.ckpt"), key=saved_at)
         if not runs:
             raise DDTreeError(f"--resume last: no run with checkpoints/last.ckpt under {recipe_root}; start one first")
         checkpoint = runs[-1]
+    elif (Path(resume) / "config.yaml").is_file():
+        checkpoint = newest_checkpoint(Path(resume))
     else:
         checkpoint = Path(resume)
-        if not checkpoint.is_file():
-            raise DDTreeError(f"--resume {resume}: no such checkpoint file; give a .ckpt path or 'last'")
-    run_dir = checkpoint.resolve().parent.parent
+        if not (checkpoint.is_file() or (checkpoint / "latest").is_file()):
+            raise DDTreeError(f"--resume {resume}: no such checkpoint; give a .ckpt path, a run folder or 'last'")
+    # The run folder is the nearest one above the checkpoint with a config.yaml (checkpoints/x.ckpt, or hpc_ckpt_N.ckpt).
+    run_dir = next((p for p in checkpoint.resolve().parents if (p / "config.yaml").is_file()), checkpoint.resolve().parent.parent)
     if not (run_dir / "config.yaml").is_file():
         raise DDTreeError(f"--resume {resume}: {run_dir}/config.yaml is missing, so the run cannot be resumed exactly")
     return checkpoint, run_dir
@@ -89,6 +116,10 @@ class DistillCLI(LightningCLI):
         # One target per recipe: the data's tokenizer and the model's target can never disagree.
         parser.link_arguments("model.target", "data.target", apply_on="parse")
 
+    def before_instantiate_classes(self) -> None:
+        # Before anything is built: a recipe sized for other hardware than was launched stops here.
+        check_launch(self.config.trainer.devices, self.config.trainer.num_nodes)
+
 
 def build_cli(config: Path, run_dir: Path, overrides: list[str]) -> DistillCLI:
     """Parse config + overrides into (model, datamodule, trainer) without running anything."""
@@ -109,6 +140,25 @@ def build_cli(config: Path, run_dir: Path, overrides: list[str]) -> DistillCLI:
     )
 
 
+RUN_NAME_ENV = "DDTREE_RUN_NAME"  # the run folder name, handed to the processes Lightning starts
+
+
+def run_name(requested: str | None) -> str:
+    """The run folder's name, the same in every process of a launch."""
+    if requested:
+        return requested
+    if os.environ.get(RUN_NAME_ENV):  # a process Lightning started for devices > 1
+        return os.environ[RUN_NAME_ENV]
+    world = launcher_world()
+    if world and world[0] == "SLURM":  # the job id survives a requeue
+        job, task = os.environ.get("SLURM_ARRAY_JOB_ID", os.environ["SLURM_JOB_ID"]), os.environ.get("SLURM_ARRAY_TASK_ID")
+        return f"slurm-{job}" + (f"-{task}" if task else "")
+    if world and world[1] > 1:  # torchrun: each process would pick its own timestamp
+        raise DDTreeError("started by torchrun without --run-name: give the same --run-name on every node "
+                          "(recipes/launch_torchrun.sh does)")
+    return time.strftime("%Y%m%d-%H%M%S")
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, staging = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
@@ -123,7 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Train a drafter from a recipe.", add_help=True)
     parser.add_argument("--recipe", default="smollm2-135m", help="one of recipes/*.yaml")
     parser.add_argument("--resume", default=None, help="'last' or a .ckpt path: continue that run exactly")
-    parser.add_argument("--run", default=None, help="run folder name (default: a timestamp)")
+    # --run-name too: torchrun rejects any option spelled --run (an abbreviation of its --run-path)
+    parser.add_argument("--run", "--run-name", dest="run", default=None,
+                        help="run folder name, the same on every node (default: a timestamp, or slurm-<job id>)")
     parser.add_argument("--output-root", default="outputs", help="runs go to <output-root>/<recipe>/<run>/")
     args, overrides = parser.parse_known_args(argv)
     if args.recipe not in known_recipes():
@@ -137,18 +189,26 @@ def main(argv: list[str] | None = None) -> int:
             checkpoint, run_dir = find_resume(args.resume, recipe_root)
             config = run_dir / "config.yaml"
         else:
-            run_dir = recipe_root / (args.run or time.strftime("%Y%m%d-%H%M%S"))
-            if (run_dir / "config.yaml").exists():
+            run_dir = recipe_root / run_name(args.run)
+            if is_first_process() and (run_dir / "config.yaml").exists():
                 raise DDTreeError(f"run folder {run_dir} already holds a run; pick another --run or use --resume")
         cli = build_cli(config, run_dir, overrides)
-        write_text_atomic(run_dir / "config.yaml", cli.parser.dump(cli.config, skip_none=False))
-        print(f"[train] recipe {args.recipe} -> {run_dir}" + (f" (resuming {checkpoint})" if checkpoint else ""), flush=True)
-        cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=str(checkpoint) if checkpoint else None)
+        if is_first_process():
+            write_text_atomic(run_dir / "config.yaml", cli.parser.dump(cli.config, skip_none=False))
+            print(f"[train] recipe {args.recipe} -> {run_dir}" + (f" (resuming {checkpoint})" if checkpoint else ""), flush=True)
+        # For devices > 1 Lightning starts the other processes by re-running this command: same folder.
+        os.environ[RUN_NAME_ENV] = run_dir.name
+        try:
+            cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=str(checkpoint) if checkpoint else None)
+        finally:
+            os.environ.pop(RUN_NAME_ENV, None)
         if cli.trainer.interrupted:
             print(f"[train] interrupted; resume with --resume {run_dir / 'checkpoints' / 'last.ckpt'}", file=sys.stderr)
             return 130
-        drafter_dir = export_drafter(cli.model, run_dir / "drafter")
-        print(f"[train] drafter written to {drafter_dir} (ddtree bench --drafter {drafter_dir})", flush=True)
+        drafter = drafter_for_export(cli.model, cli.trainer)  # every rank: DeepSpeed gathers the fp32 weights
+        if cli.trainer.is_global_zero:
+            drafter_dir = export_drafter(drafter, run_dir / "drafter")
+            print(f"[train] drafter written to {drafter_dir} (ddtree bench --drafter {drafter_dir})", flush=True)
         return 0
     except ArgumentError as error:
         print(f"error: {args.recipe} config: {str(error).splitlines()[0]}", file=sys.stderr)

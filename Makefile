@@ -25,10 +25,16 @@ $(STAMP): requirements.txt pyproject.toml
 data: $(STAMP)
 	$(PY) data/regenerate.py --recipe recipes/$(RECIPE).yaml
 
-# make train [RECIPE=smollm2-135m|tiny|qwen3-8b|...] [RESUME=last|path/to/x.ckpt]
+# make train [RECIPE=smollm2-135m|tiny|qwen3-8b|...] [RESUME=last|path/to/x.ckpt] [NODES=n]
 # Writes outputs/$(RECIPE)/<run>/ (config, checkpoints, logs, drafter/); RESUME continues a run exactly.
+# NODES=n: this node's share of an n-node torchrun job (recipes/launch_torchrun.sh; it prints what to
+# run on each node when MASTER_ADDR, NODE_RANK or RUN_NAME is unset). SLURM: recipes/slurm.sbatch.
 train: $(STAMP)
+ifeq ($(NODES),)
 	$(PY) -m training.train --recipe $(RECIPE) $(if $(RESUME),--resume $(RESUME))
+else
+	PYTHON=$(PY) recipes/launch_torchrun.sh $(RECIPE) $(NODES) $(if $(RESUME),--resume $(RESUME))
+endif
 
 # make eval [RECIPE=smollm2-135m] [CKPT=best|last|path/to/x.ckpt]  (default: best of the newest run)
 # Measures a saved checkpoint's DDTree acceptance exactly as training's evaluation did (recipe's eval: section).

@@ -18,7 +18,9 @@ prints one line and exits with status 1 (2 for an unknown recipe).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -30,6 +32,7 @@ from .callbacks import AcceptanceEvaluation, metrics_of, write_json_atomic
 from .export import drafter_from_checkpoint
 from .module import _dtype_for_precision
 from .peft_utils import merge_target_adapter
+from .publish import consolidate_deepspeed, is_deepspeed_checkpoint
 from .train import RECIPES_DIR, known_recipes
 
 
@@ -42,8 +45,8 @@ def find_checkpoint(spec: str, recipe_root: Path) -> Path:
         newest = max(runs, key=lambda d: (d / "last.ckpt").stat().st_mtime if (d / "last.ckpt").exists() else 0.0)
         return newest / f"{spec}.ckpt"
     path = Path(spec)
-    if not path.is_file():
-        raise DDTreeError(f"CKPT={spec}: no such checkpoint file; give a .ckpt path, 'best' or 'last'")
+    if not (path.is_file() or is_deepspeed_checkpoint(path)):
+        raise DDTreeError(f"CKPT={spec}: no such checkpoint file; give a .ckpt path (or DeepSpeed folder), 'best' or 'last'")
     return path
 
 
@@ -79,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.recipe not in known_recipes():
         print(f"error: unknown recipe {args.recipe!r}; known recipes: {', '.join(known_recipes())}", file=sys.stderr)
         return 2
+    stack = contextlib.ExitStack()
     try:
         path = find_checkpoint(args.ckpt, Path(args.output_root) / args.recipe)
         config, source = read_config(path, args.recipe)
@@ -90,7 +94,11 @@ def main(argv: list[str] | None = None) -> int:
         except TypeError as error:
             raise DDTreeError(f"{source}: bad eval section ({error})") from None
 
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        if is_deepspeed_checkpoint(path):  # a ZeRO folder of per-rank shards: one fp32 file first
+            path_to_load = consolidate_deepspeed(path, Path(stack.enter_context(tempfile.TemporaryDirectory())))
+        else:
+            path_to_load = path
+        checkpoint = torch.load(path_to_load, map_location="cpu", weights_only=False)
         hp = checkpoint.get("hyper_parameters", {})
         if "target" not in hp:
             raise DDTreeError(f"checkpoint {path} names no target: it was not written by training.module.DistillModule")
@@ -102,13 +110,15 @@ def main(argv: list[str] | None = None) -> int:
         target, tokenizer = load_target(hp["target"], dtype=dtype, device=args.device)
         if hp.get("target_adapter"):
             target = merge_target_adapter(target, hp["target_adapter"])
-        drafter = drafter_from_checkpoint(path).to(args.device)
+        drafter = drafter_from_checkpoint(path_to_load).to(args.device)
 
         prompts = evaluation.load_prompts(tokenizer)
         result = evaluation.measure(target, drafter, prompts, stop_token_ids(target, tokenizer))
     except DDTreeError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
+    finally:
+        stack.close()
 
     step = int(checkpoint.get("global_step", -1))
     logged = logged_metrics(checkpoint, step) if args.limit is None else None

@@ -140,16 +140,20 @@ def is_deepspeed(strategy) -> bool:
 # ----------------------------------------------------------------------------- launching
 
 
-def launcher_world() -> tuple[str, int, int] | None:
-    """(launcher, processes, nodes) when torchrun or SLURM started this process, else None.
+def launcher_world() -> tuple[str, int, int | None] | None:
+    """(launcher, processes, nodes or None if unknown) when a launcher started this process, else None.
 
-    Detected as Lightning detects them (SLURM first), so this check and the Trainer agree.
+    SLURM and torchrun are detected as Lightning detects them (SLURM first), so this check and the
+    Trainer agree; any other launcher that sets WORLD_SIZE (mpirun wrappers, the processes Lightning
+    itself starts for devices > 1) is checked on WORLD_SIZE alone.
     """
     if SLURMEnvironment.detect():
         return "SLURM", int(os.environ["SLURM_NTASKS"]), int(os.environ.get("SLURM_NNODES", 1))
     if TorchElasticEnvironment.detect():
-        world, per_node = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
+        world, per_node = int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
         return "torchrun", world, max(1, world // per_node)
+    if os.environ.get("WORLD_SIZE", "").isdigit():
+        return "the launcher", int(os.environ["WORLD_SIZE"]), None
     return None
 
 
@@ -174,10 +178,12 @@ def check_launch(devices, num_nodes) -> None:
     launcher, processes, nodes = world
     num_nodes = int(num_nodes or 1)
     if per_node * num_nodes != processes:
+        where = f" on {nodes} node(s)" if nodes else ""
+        fix = f"set --trainer.devices={processes // nodes} --trainer.num_nodes={nodes}" if nodes else "set trainer.devices"
         raise DDTreeError(
             f"trainer.devices={devices} x trainer.num_nodes={num_nodes} = {per_node * num_nodes} processes, but "
-            f"{launcher} started {processes} (WORLD_SIZE) on {nodes} node(s): set --trainer.devices={processes // nodes} "
-            f"--trainer.num_nodes={nodes}, or launch {per_node} processes on each of {num_nodes} node(s)"
+            f"{launcher} started {processes} (WORLD_SIZE={processes}){where}: {fix}, "
+            f"or launch {per_node} processes on each of {num_nodes} node(s)"
         )
 
 

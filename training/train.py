@@ -30,6 +30,7 @@ import os
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import yaml
@@ -128,16 +129,19 @@ def build_cli(config: Path, run_dir: Path, overrides: list[str]) -> DistillCLI:
         {"class_path": "lightning.pytorch.loggers.TensorBoardLogger", "init_args": {"save_dir": str(run_dir), "name": "tensorboard"}},
         {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(run_dir), "name": "csv"}},
     ]
-    return DistillCLI(
-        DistillModule,
-        DistillDataModule,
-        save_config_callback=None,  # written by hand below, to the run folder, atomically
-        trainer_defaults={"default_root_dir": str(run_dir), "logger": logger},
-        seed_everything_default=0,
-        parser_kwargs={"exit_on_error": False},
-        args=["--config", str(config), "--checkpoint.dirpath", str(run_dir / "checkpoints"), *overrides],
-        run=False,
-    )
+    with warnings.catch_warnings():
+        # LightningCLI is handed its arguments here, so its warning that sys.argv holds some too is noise.
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+        return DistillCLI(
+            DistillModule,
+            DistillDataModule,
+            save_config_callback=None,  # written by hand below, to the run folder, atomically
+            trainer_defaults={"default_root_dir": str(run_dir), "logger": logger},
+            seed_everything_default=0,
+            parser_kwargs={"exit_on_error": False},
+            args=["--config", str(config), "--checkpoint.dirpath", str(run_dir / "checkpoints"), *overrides],
+            run=False,
+        )
 
 
 RUN_NAME_ENV = "DDTREE_RUN_NAME"  # the run folder name, handed to the processes Lightning starts

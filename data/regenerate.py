@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -43,7 +42,7 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from ddtree.targets import DDTreeError, load_target, resolve_target, stop_token_ids
+from ddtree.targets import DDTreeError, load_target, resolve_target, staged_folder, stop_token_ids
 from training.data import read_messages_jsonl, render_prompt_ids
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -262,16 +261,9 @@ def merge(parts: Path, out: Path, chunks_of_records: list[list[dict]], settings:
         "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
         "response_tokens": sum(r["response_tokens"] for r in rows),
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
+    with staged_folder(out) as staging:
         Dataset.from_list(rows).save_to_disk(str(staging))
         (staging / "regeneration.json").write_text(json.dumps(summary, indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        staging.rename(out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return summary
 
 

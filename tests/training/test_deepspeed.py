@@ -1,0 +1,562 @@
+"""Scale-out on CPU: the real DeepSpeed ZeRO path in two processes, multi-node launch scripts, requeue.
+
+    .venv/bin/pytest -q tests/training/test_deepspeed.py               # default share: one 2-process ZeRO-2 run
+    .venv/bin/pytest -q -m "slow or not slow" tests/training/test_deepspeed.py   # + 1-process twin, kill/resume, ZeRO-3, ...
+
+Lightning's DeepSpeed strategy only accepts CUDA. training/strategies.py registers `zero2_cpu` and
+`zero3_cpu`: the strategy the GPU recipes use with only its CUDA checks skipped, over gloo
+(DS_ACCELERATOR=cpu). Runs start as they would on a cluster node: recipes/launch_torchrun.sh ->
+torchrun -> training.train on the `tiny` recipe. A `Probe` callback, added on the command line,
+reports from inside every process what only that process can see (the target's dtype and
+whether ZeRO touched it, the optimizer's partition) and can freeze the job at a given step so the
+test kills it from outside, like a lost node.
+
+The data are 24 conversations whose replies have the same token count, and every reply token is an
+anchor (num_anchors above the count): each rank then carries the same loss weight, so the mean of
+two ranks' gradients is exactly the gradient of their union, and a 2-process run can be compared
+with a 1-process run on the same global batch (4 sequences) with no other difference than float
+summation order.
+
+DeepSpeed's CPU accelerator compiles a small C++ communication op on first use (a minute or two,
+once; cached in ~/.cache/torch_extensions): the `deepspeed_cpu_op` fixture builds it before any run.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import training.train
+from ddtree.targets import DDTreeError
+from training.strategies import check_launch, count_devices
+
+REPO = Path(__file__).resolve().parents[2]
+LAUNCHER = REPO / "recipes" / "launch_torchrun.sh"
+SBATCH = REPO / "recipes" / "slurm.sbatch"
+TORCHRUN_ENV = ("TORCHELASTIC_RUN_ID", "RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE")
+SLURM_ENV = ("SLURM_NTASKS", "SLURM_NNODES", "SLURM_NTASKS_PER_NODE", "SLURM_JOB_NAME", "SLURM_JOB_ID",
+             "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NODELIST")
+STEPS = 4
+# Tolerances, with what they cover (measured values are in the assertion messages):
+SAME_MATH_ATOL = 0.0  # resumed vs uninterrupted, consolidated vs live: bit-for-bit
+# 2 processes vs 1 on the same global batch (and ZeRO-3 vs ZeRO-2): the same sums in bf16, split and
+# ordered differently. AdamW's first steps move every weight by about lr whatever the gradient's size,
+# so a gradient near zero whose sign flips on rounding moves that weight the other way: a few weights
+# differ by up to 2 lr, the rest by rounding. Measured (4 steps, lr 3e-3, 49,440 weights): median
+# 3.6e-6, 266 weights (0.54%) above 1e-4, 15 above 1e-3, max 3.2e-3. Weights move ~3e-3 per step.
+TWIN_MEDIAN_ATOL = 2e-5
+TWIN_FRACTION_ABOVE_1E_4 = 0.02
+TWIN_MAX_ATOL = 2 * 3e-3  # two lr: one flipped AdamW step
+
+
+# ----------------------------------------------------------------------------- inside the training processes
+
+
+class Probe(L.Callback):
+    """Added with --trainer.callbacks+=...: records per rank what the test cannot see from outside.
+
+    Writes <out_dir>/rank<r>.json at the start of training. With DDTREE_TEST_FREEZE_AT=<step> in
+    the environment it writes <out_dir>/frozen<r> after that step and sleeps until killed.
+    """
+
+    def __init__(self, out_dir: str):
+        self.out_dir = Path(out_dir)
+
+    def on_train_start(self, trainer, pl_module):
+        target = pl_module._target.model
+        module_params = {id(p) for p in pl_module.parameters()}
+        record = {
+            "pid": os.getpid(),
+            "rank": trainer.global_rank,
+            "world_size": trainer.world_size,
+            "strategy": type(trainer.strategy).__name__,
+            "target_dtypes": sorted({str(p.dtype) for p in target.parameters()}),
+            "target_numel": sum(p.numel() for p in target.parameters()),
+            "target_zero_params": sum(hasattr(p, "ds_id") for p in target.parameters()),
+            "target_in_module": sum(id(p) in module_params for p in target.parameters()),
+            "target_trainable": sum(p.requires_grad for p in target.parameters()),
+            "drafter_numel": sum(getattr(p, "ds_numel", p.numel()) for p in pl_module.drafter.parameters()),
+            "drafter_local_numel": sum(p.numel() for p in pl_module.drafter.parameters()),
+        }
+        # The fp32 master weights this rank's optimizer steps: ZeRO-1/2 and ZeRO-3 name their partitions differently.
+        optimizer = trainer.strategy.optimizers[0]
+        masters = (getattr(optimizer, "single_partition_of_fp32_groups", None)
+                   or getattr(optimizer, "fp32_partitioned_groups_flat", None)
+                   or [p for group in optimizer.param_groups for p in group["params"]])
+        target_ids = {id(p) for p in target.parameters()}
+        record["optimizer_numel"] = sum(p.numel() for p in masters)
+        record["optimizer_holds_target"] = any(id(p) in target_ids for p in masters)
+        self._target_id = id(target)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        assert id(pl_module._target.model) == self._target_id  # loaded once, never replaced
+        freeze_at = int(os.environ.get("DDTREE_TEST_FREEZE_AT", "0"))
+        if freeze_at and trainer.global_step >= freeze_at:
+            (self.out_dir / f"frozen{trainer.global_rank}").write_text(str(trainer.global_step))
+            time.sleep(600)  # until the test kills the job
+
+
+# ----------------------------------------------------------------------------- running the tiny recipe
+
+
+def write_equal_conversations(path: Path, count: int = 24, words: int = 40) -> Path:
+    """Conversations whose replies all have `words` tokens (single-token words, one prompt)."""
+    vocabulary = "the a to of and in is it on for that with as at by from".split()
+    rng = random.Random(0)
+    with path.open("w") as f:
+        for i in range(count):
+            reply = " ".join(rng.choice(vocabulary) for _ in range(words))
+            messages = [{"role": "user", "content": "Say something."}, {"role": "assistant", "content": reply}]
+            f.write(json.dumps({"id": f"c{i}", "messages": messages}) + "\n")
+    return path
+
+
+def launch_environment(tmp: Path, processes: int, run: str) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", GPUS_PER_NODE=str(processes), RUN_NAME=run)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])  # for the Probe
+    for name in (*TORCHRUN_ENV, *SLURM_ENV, "MASTER_ADDR", "NODE_RANK", "DDTREE_TEST_FREEZE_AT"):
+        env.pop(name, None)
+    return env
+
+
+def launch_args(tmp: Path, strategy: str, batch_size: int, probe_dir: Path, *extra: str) -> list[str]:
+    probe = json.dumps({"class_path": "test_deepspeed.Probe", "init_args": {"out_dir": str(probe_dir)}})
+    return [
+        "--output-root", str(tmp / "out"), f"--data.data_path={tmp / 'conversations.jsonl'}",
+        f"--data.cache_dir={tmp / 'cache'}", f"--data.batch_size={batch_size}", "--data.val_fraction=0.1",
+        f"--trainer.strategy={strategy}", f"--trainer.max_steps={STEPS}", "--trainer.val_check_interval=null",
+        "--trainer.enable_progress_bar=false", "--trainer.log_every_n_steps=1", "--model.num_anchors=64",
+        "--eval.every_n_train_steps=2", "--eval.limit=1", "--eval.max_new_tokens=2", "--eval.budgets=[4]",
+        "--eval.primary_budget=4", f"--trainer.callbacks+={probe}", *extra,
+    ]
+
+
+def launch(tmp: Path, run: str, processes: int, strategy: str, batch_size: int, *extra: str) -> dict:
+    """Train `tiny` with recipes/launch_torchrun.sh; return the run folder and what each rank's Probe saw."""
+    probe_dir = tmp / f"probe-{run}-{len(list(tmp.glob(f'probe-{run}*')))}"
+    result = subprocess.run(
+        ["bash", str(LAUNCHER), "tiny", "1", *launch_args(tmp, strategy, batch_size, probe_dir, *extra)],
+        cwd=REPO, env=launch_environment(tmp, processes, run), capture_output=True, text=True, timeout=1200,
+    )
+    assert result.returncode == 0, f"{run} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    probes = [json.loads((probe_dir / f"rank{r}.json").read_text()) for r in range(processes)]
+    return {"dir": tmp / "out" / "tiny" / run, "probes": probes, "log": result.stdout + result.stderr}
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    losses = {}
+    for metrics in sorted(run_dir.glob("csv/version_*/metrics.csv")):
+        for row in csv.DictReader(metrics.open()):
+            if row.get("train/loss"):
+                losses[int(row["step"])] = float(row["train/loss"])
+    return losses
+
+
+def exported(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(run_dir / "drafter" / "model.safetensors")
+
+
+def consolidated(checkpoint: Path) -> dict[str, torch.Tensor]:
+    from training.export import drafter_from_checkpoint
+    from training.publish import consolidate_deepspeed
+
+    with tempfile.TemporaryDirectory() as workdir:
+        return drafter_from_checkpoint(consolidate_deepspeed(checkpoint, Path(workdir))).state_dict()
+
+
+def assert_twins(a: dict, b: dict, earlier: dict, what: str) -> None:
+    """Two runs that compute the same sums in another order agree weight by weight (see TWIN_* above)."""
+    gap = torch.cat([(a[k].float() - b[k].float()).abs().flatten() for k in b])
+    moved = torch.cat([(b[k].float() - earlier[k].float()).abs().flatten() for k in b])
+    stats = (f"{what}: median gap {gap.median():.2e}, {(gap > 1e-4).float().mean():.2%} above 1e-4, max {gap.max():.2e}; "
+             f"median move over the last 2 steps {moved.median():.2e}")
+    assert moved.median() > 50 * TWIN_MEDIAN_ATOL, stats  # training moved the weights far more than the gap
+    assert gap.median() < TWIN_MEDIAN_ATOL and (gap > 1e-4).float().mean() < TWIN_FRACTION_ABOVE_1E_4, stats
+    assert gap.max() <= TWIN_MAX_ATOL, stats
+
+
+@pytest.fixture(scope="session")
+def deepspeed_cpu_op():
+    """Build (or load from the cache) DeepSpeed's CPU communication op once, outside any timed run."""
+    code = ("from deepspeed.accelerator import get_accelerator; "
+            "get_accelerator().create_op_builder('ShareMemCommBuilder').load()")
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, f"building DeepSpeed's CPU op failed:\n{result.stderr[-3000:]}"
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("deepspeed")
+    write_equal_conversations(tmp / "conversations.jsonl")
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def zero2_two_processes(workspace, deepspeed_cpu_op):
+    """The tiny recipe, ZeRO-2, 2 processes x 2 sequences, 4 steps, checkpoints at steps 2 and 4."""
+    return launch(workspace, "zero2-x2", 2, "zero2_cpu", 2)
+
+
+# ----------------------------------------------------------------------------- ZeRO-2, two processes (default run)
+
+
+def test_data_gives_every_rank_the_same_loss_weight(workspace):
+    from training.data import DistillDataModule, render_with_loss_mask, read_messages_jsonl
+
+    tokenizer = DistillDataModule(target="tiny-random").load_tokenizer()
+    shapes = {tuple(map(len, (ids, [m for m in mask if m])))
+              for ids, mask in (render_with_loss_mask(tokenizer, r["messages"])
+                                for r in read_messages_jsonl(workspace / "conversations.jsonl"))}
+    assert len(shapes) == 1  # one sequence length, one count of supervised tokens
+    (length, supervised), = shapes
+    assert supervised < 64  # < --model.num_anchors: every candidate is an anchor, whatever the generator
+
+
+def test_zero2_two_processes_train_with_the_target_outside_zero(zero2_two_processes):
+    run, probes = zero2_two_processes["dir"], zero2_two_processes["probes"]
+    assert [p["rank"] for p in probes] == [0, 1] and {p["world_size"] for p in probes} == {2}
+    assert {p["strategy"] for p in probes} == {"CPUDeepSpeed"}
+    assert len({p["pid"] for p in probes}) == 2
+    for p in probes:
+        # the frozen target: whole (not a ZeRO parameter), bf16, outside the module and the optimizer
+        assert p["target_dtypes"] == ["torch.bfloat16"] and p["target_zero_params"] == 0
+        assert p["target_in_module"] == 0 and p["target_trainable"] == 0 and not p["optimizer_holds_target"]
+        # ZeRO-2: each rank's optimizer holds its half of the drafter's fp32 master weights
+        assert p["drafter_numel"] / 2 <= p["optimizer_numel"] < p["drafter_numel"] / 2 + 64, p
+
+    losses = train_losses(run)
+    assert sorted(losses) == list(range(STEPS)) and losses[STEPS - 1] < losses[0], losses
+
+    # checkpoints are DeepSpeed folders: one optimizer shard per rank, drafter weights only
+    last = run / "checkpoints" / "last.ckpt"
+    shards = sorted(p.name for p in (last / "checkpoint").glob("*optim_states.pt"))
+    assert shards == ["bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    model_states = torch.load(last / "checkpoint" / "mp_rank_00_model_states.pt", weights_only=False, map_location="cpu")
+    assert model_states["module"] and all(key.startswith("drafter.") for key in model_states["module"])
+    assert model_states["global_step"] == STEPS
+    # one run folder for both processes; rank 0 alone wrote the config and the drafter
+    assert (run / "config.yaml").is_file()
+    assert zero2_two_processes["log"].count("[train] drafter written to") == 1
+
+
+def test_zero_checkpoint_consolidates_to_the_live_fp32_weights(zero2_two_processes):
+    run = zero2_two_processes["dir"]
+    live = exported(run)  # gathered from the running engine's fp32 master copy at the end of training
+    assert {t.dtype for t in live.values()} == {torch.float32}
+    merged = consolidated(run / "checkpoints" / "last.ckpt")  # zero_to_fp32 on the saved shards
+    assert set(merged) == set(live)
+    for key in live:
+        torch.testing.assert_close(merged[key], live[key], rtol=0, atol=SAME_MATH_ATOL, msg=key)
+    # and the checkpoint of step 2 holds other weights (the comparison is not vacuous)
+    earlier = consolidated(run / "checkpoints" / "step-step=2.ckpt")
+    assert any(not torch.equal(earlier[k], live[k]) for k in live)
+
+
+# ----------------------------------------------------------------------------- slow: twins, kill/resume, ZeRO-3
+
+
+@pytest.mark.slow  # one more run (~1 min on the shared 2-core machine)
+def test_two_processes_match_one_process_on_the_same_global_batch(workspace, zero2_two_processes):
+    single = launch(workspace, "zero2-x1", 1, "zero2_cpu", 4)
+    earlier = consolidated(single["dir"] / "checkpoints" / "step-step=2.ckpt")
+    assert_twins(exported(zero2_two_processes["dir"]), exported(single["dir"]), earlier, "2 vs 1 process")
+    assert single["probes"][0]["optimizer_numel"] >= single["probes"][0]["drafter_numel"]  # 1 rank holds it all
+    losses_two, losses_one = train_losses(zero2_two_processes["dir"]), train_losses(single["dir"])
+    # the logged loss is rank 0's half of the batch under 2 processes: close to, not equal to, the whole batch's
+    assert abs(losses_two[0] - losses_one[0]) < 0.05, (losses_two, losses_one)
+
+
+@pytest.mark.slow  # two more runs
+def test_killed_two_process_run_resumes_to_the_same_weights(workspace, zero2_two_processes):
+    run = "zero2-killed"
+    probe_dir = workspace / "probe-killed"
+    env = launch_environment(workspace, 2, run) | {"DDTREE_TEST_FREEZE_AT": "3"}
+    job = subprocess.Popen(
+        ["bash", str(LAUNCHER), "tiny", "1", *launch_args(workspace, "zero2_cpu", 2, probe_dir)],
+        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    try:
+        deadline = time.time() + 900
+        while not all((probe_dir / f"frozen{r}").exists() for r in (0, 1)):
+            assert job.poll() is None, f"the job ended early with status {job.returncode}"
+            assert time.time() < deadline, "the job never reached step 3"
+            time.sleep(1)
+    finally:  # SIGKILL: no handler runs, nothing is flushed or saved
+        workers = [json.loads(p.read_text())["pid"] for p in probe_dir.glob("rank*.json")]
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait(timeout=60)
+    run_dir = workspace / "out" / "tiny" / run
+    assert not (run_dir / "drafter").exists()  # it really died mid-run
+    saved = torch.load(run_dir / "checkpoints" / "last.ckpt" / "checkpoint" / "mp_rank_00_model_states.pt",
+                       weights_only=False, map_location="cpu")
+    assert saved["global_step"] == 2
+
+    launch(workspace, run, 2, "zero2_cpu", 2, "--resume", str(run_dir))  # the run folder: its newest checkpoint
+    resumed, straight = exported(run_dir), exported(zero2_two_processes["dir"])
+    for key in straight:
+        torch.testing.assert_close(resumed[key], straight[key], rtol=0, atol=SAME_MATH_ATOL, msg=key)
+    assert train_losses(run_dir)[STEPS - 1] == train_losses(zero2_two_processes["dir"])[STEPS - 1]
+
+
+@pytest.mark.slow  # one more run
+def test_zero3_two_processes_shard_the_drafter_not_the_target(workspace, zero2_two_processes):
+    zero3 = launch(workspace, "zero3-x2", 2, "zero3_cpu", 2)
+    for p in zero3["probes"]:
+        assert p["target_dtypes"] == ["torch.bfloat16"] and p["target_zero_params"] == 0  # a full copy per process
+        assert p["target_in_module"] == 0 and not p["optimizer_holds_target"]
+        assert p["drafter_local_numel"] == 0  # every drafter weight partitioned away from the module
+        assert p["drafter_numel"] / 2 <= p["optimizer_numel"] < p["drafter_numel"] / 2 + 64, p
+    live = exported(zero3["dir"])
+    merged = consolidated(zero3["dir"] / "checkpoints" / "last.ckpt")
+    for key in live:
+        torch.testing.assert_close(merged[key], live[key], rtol=0, atol=SAME_MATH_ATOL, msg=key)
+    earlier = consolidated(zero2_two_processes["dir"] / "checkpoints" / "step-step=2.ckpt")
+    assert_twins(live, exported(zero2_two_processes["dir"]), earlier, "ZeRO-3 vs ZeRO-2")
+
+
+# ----------------------------------------------------------------------------- launch checks (fast, in-process)
+
+
+def torchrun_env(monkeypatch, world: int, per_node: int) -> None:
+    for name in SLURM_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("GROUP_RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(per_node))
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+
+
+def slurm_env(monkeypatch, nodes: int, per_node: int, job: str = "4242") -> None:
+    for name in TORCHRUN_ENV:
+        monkeypatch.delenv(name, raising=False)
+    values = dict(SLURM_NTASKS=nodes * per_node, SLURM_NNODES=nodes, SLURM_NTASKS_PER_NODE=per_node,
+                  SLURM_JOB_NAME="ddtree", SLURM_JOB_ID=job, SLURM_PROCID=0, SLURM_LOCALID=0, SLURM_NODEID=0,
+                  SLURM_NODELIST="node1")
+    for name, value in values.items():
+        monkeypatch.setenv(name, str(value))
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "SLURM"])
+def test_a_recipe_sized_for_other_hardware_stops_at_once_with_one_line(launcher, tmp_path, monkeypatch, capsys):
+    if launcher == "torchrun":
+        torchrun_env(monkeypatch, world=2, per_node=2)  # 2 processes; the tiny recipe says devices: 1
+        argv = ["--recipe", "tiny", "--run-name", "r"]
+    else:
+        slurm_env(monkeypatch, nodes=2, per_node=8)  # 16 tasks; qwen3-8b says 8 devices on 1 node
+        argv = ["--recipe", "qwen3-8b"]
+    started = time.perf_counter()
+    assert training.train.main([*argv, "--output-root", str(tmp_path)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    if launcher == "torchrun":
+        assert "trainer.devices=1 x trainer.num_nodes=1 = 1 processes, but torchrun started 2" in err[0]
+        assert "--trainer.devices=2 --trainer.num_nodes=1" in err[0]
+    else:
+        assert "trainer.devices=8 x trainer.num_nodes=1 = 8 processes, but SLURM started 16" in err[0]
+        assert "--trainer.devices=8 --trainer.num_nodes=2" in err[0]
+    assert not any(tmp_path.rglob("*"))  # nothing written
+    assert time.perf_counter() - started < 30  # before any model, data or process group
+
+
+def test_launch_check_accepts_matching_counts_and_unlaunched_runs(monkeypatch):
+    torchrun_env(monkeypatch, world=16, per_node=8)
+    check_launch(8, 2)
+    check_launch("auto", 1)  # Lightning takes every device; nothing to compare
+    with pytest.raises(DDTreeError, match="= 8 processes, but torchrun started 16"):
+        check_launch(8, 1)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    with pytest.raises(DDTreeError, match=r"but the launcher started 16 \(WORLD_SIZE=16\): set trainer.devices"):
+        check_launch(8, 1)  # another launcher: WORLD_SIZE alone
+    for name in TORCHRUN_ENV:
+        monkeypatch.delenv(name, raising=False)
+    check_launch(8, 4)  # no launcher: Lightning starts the processes itself
+    assert [count_devices(d) for d in (2, "2", [0, 1, 2], "0,1", "auto", -1)] == [2, 2, 3, 2, None, None]
+
+
+def test_every_process_of_a_launch_gets_the_same_run_folder(monkeypatch):
+    slurm_env(monkeypatch, nodes=2, per_node=8, job="777")
+    assert training.train.run_name(None) == "slurm-777"  # the job id survives a requeue
+    assert training.train.run_name("mine") == "mine"
+    for name in SLURM_ENV:
+        monkeypatch.delenv(name)
+    torchrun_env(monkeypatch, world=2, per_node=2)
+    with pytest.raises(DDTreeError, match="same --run-name on every node"):
+        training.train.run_name(None)  # each process would pick its own timestamp
+    monkeypatch.setenv(training.train.RUN_NAME_ENV, "20250101-000000")  # handed to Lightning's own processes
+    assert training.train.run_name(None) == "20250101-000000"
+
+
+# ----------------------------------------------------------------------------- launch scripts
+
+
+def test_make_train_nodes_prints_each_nodes_launch(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "NODE_RANK", "RUN_NAME", "GPUS_PER_NODE")}
+    planned = subprocess.run(["make", "-n", "train", "RECIPE=qwen3-8b", "NODES=2"], cwd=REPO, env=env,
+                             capture_output=True, text=True)
+    assert "recipes/launch_torchrun.sh qwen3-8b 2" in planned.stdout.splitlines()[-1]
+    printed = subprocess.run(["bash", str(LAUNCHER), "qwen3-8b", "2"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert printed.returncode == 0, printed.stderr
+    assert "2 nodes x 8 processes = 16 processes" in printed.stdout  # qwen3-8b's trainer.devices: 8
+    assert "NODE_RANK=<i> make train RECIPE=qwen3-8b NODES=2" in printed.stdout
+    assert "sbatch --nodes=2 --ntasks-per-node=8 --gpus-per-node=8 recipes/slurm.sbatch qwen3-8b" in printed.stdout
+
+    # with the per-node settings it runs torchrun, telling the trainer the counts torchrun uses
+    fake_python = tmp_path / "python"
+    fake_python.write_text("#!/usr/bin/env bash\necho \"$@\"\n")
+    fake_python.chmod(0o755)
+    node_env = env | {"PYTHON": str(fake_python), "GPUS_PER_NODE": "8", "MASTER_ADDR": "node0", "NODE_RANK": "1",
+                      "RUN_NAME": "r1"}
+    ran = subprocess.run(["bash", str(LAUNCHER), "qwen3-8b", "2", "--trainer.max_steps=3"], cwd=REPO, env=node_env,
+                         capture_output=True, text=True)
+    assert ran.stdout.split() == [
+        "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "8", "--node-rank", "1",
+        "--master-addr", "node0", "--master-port", "29500", "-m", "training.train", "--recipe", "qwen3-8b",
+        "--run-name", "r1", "--trainer.num_nodes=2", "--trainer.devices=8", "--trainer.max_steps=3",
+    ]
+    bad = subprocess.run(["bash", str(LAUNCHER), "nope", "2"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "nope" in bad.stderr
+
+
+def test_slurm_script_passes_its_task_counts_and_resumes_a_requeued_job(tmp_path):
+    header = [line.split()[1] for line in SBATCH.read_text().splitlines() if line.startswith("#SBATCH")]
+    per_node = next(int(h.split("=")[1]) for h in header if h.startswith("--ntasks-per-node="))
+    assert f"--gpus-per-node={per_node}" in header  # one task per GPU
+    assert any(h.startswith("--signal=SIGUSR1@") for h in header) and "--requeue" in header
+    import yaml
+
+    assert yaml.safe_load((REPO / "recipes" / "qwen3-8b.yaml").read_text())["trainer"]["devices"] == per_node
+
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "srun").write_text("#!/usr/bin/env bash\necho \"srun $*\"\n")
+    (fake_bin / "srun").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")} | {
+        "PATH": f"{fake_bin}:{os.environ['PATH']}", "SLURM_SUBMIT_DIR": str(REPO), "SLURM_JOB_ID": "31",
+        "SLURM_NNODES": "2", "SLURM_NTASKS": "16", "SLURM_NTASKS_PER_NODE": "8", "OUTPUT_ROOT": str(tmp_path / "out"),
+    }
+
+    def submitted(*args, **extra) -> list[str]:
+        result = subprocess.run(["bash", str(SBATCH), *args], cwd=tmp_path, env=env | extra, capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+        return result.stdout.strip().splitlines()[-1].split()
+
+    first = submitted("qwen3-8b")
+    assert first[:3] == ["srun", "--kill-on-bad-exit=1", ".venv/bin/python"]
+    assert "--trainer.num_nodes=2" in first and "--trainer.devices=8" in first
+    assert first[first.index("--run-name") + 1] == "slurm-31"
+    run = tmp_path / "out" / "qwen3-8b" / "slurm-31"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text("{}")
+    (run / "hpc_ckpt_1.ckpt").write_text("")  # what Lightning saved on SIGUSR1
+    requeued = submitted("qwen3-8b", SLURM_RESTART_COUNT="1")
+    assert requeued[requeued.index("--resume") + 1] == str(run) and "--run-name" not in requeued
+
+    regenerate = subprocess.run(["bash", str(SBATCH), "--regenerate", "--out", "x"], cwd=tmp_path, env=env,
+                                capture_output=True, text=True).stdout
+    assert '--shard-index "$SLURM_PROCID" --num-shards "$SLURM_NTASKS"' in regenerate
+
+
+def test_regeneration_launch_shards_across_nodes_and_gpus(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": f"Tell me {i}."}]}) + "\n"
+                               for i in range(6)))  # 3 chunks of 2
+    out = tmp_path / "data"
+    options = ["--target", "tiny-random", "--prompts", str(prompts), "--out", str(out), "--chunk-size", "2",
+               "--batch-size", "2", "--max-new-tokens", "3", "--dtype", "float32", "--device", "cpu"]
+    env = {k: v for k, v in os.environ.items() if k not in ("NODE_RANK", "CUDA_VISIBLE_DEVICES")} | {
+        "OMP_NUM_THREADS": "1", "GPUS_PER_NODE": "2", "PYTHON": sys.executable}
+    # 2 nodes x 2 GPUs = 4 shards; chunk k belongs to shard k % 4. Node 0 (shards 0, 1) writes chunks 0 and 1.
+    node0 = subprocess.run(["bash", str(LAUNCHER), "--regenerate", "2", *options], cwd=REPO, env=env | {"NODE_RANK": "0"},
+                           capture_output=True, text=True, timeout=600)
+    assert node0.returncode == 0, node0.stderr[-3000:]
+    assert sorted(p.name for p in Path(f"{out}.parts").glob("chunk-*.jsonl")) == ["chunk-00000.jsonl", "chunk-00001.jsonl"]
+    assert not out.exists()
+    # Node 1: shard 2 writes chunk 2 and, finding every chunk done, merges; shard 3 has none.
+    node1 = subprocess.run(["bash", str(LAUNCHER), "--regenerate", "2", *options], cwd=REPO, env=env | {"NODE_RANK": "1"},
+                           capture_output=True, text=True, timeout=600)
+    assert node1.returncode == 0, node1.stderr[-3000:]
+    assert "shard 3/4: 0 chunks" in node1.stdout
+    summary = json.loads((out / "regeneration.json").read_text())
+    assert summary["num_conversations"] == 6
+
+
+# ----------------------------------------------------------------------------- SLURM requeue (one process, in-process)
+
+
+class Preempted(Exception):
+    pass
+
+
+class SignalAtStep(L.Callback):
+    """Sends this process SIGUSR1 (what SLURM sends before preemption) after `step`, then dies as SLURM kills it."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGUSR1)  # Lightning's handler: hpc checkpoint + scontrol requeue
+            raise Preempted  # SLURM then stops the job: nothing else is saved
+
+
+@pytest.mark.slow  # three single-process runs
+def test_sigusr1_requeue_saves_an_hpc_checkpoint_and_the_requeued_job_resumes_exactly(tmp_path, monkeypatch):
+    write_equal_conversations(tmp_path / "conversations.jsonl")
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "scontrol").write_text(f"#!/usr/bin/env bash\necho \"$@\" >> {tmp_path / 'scontrol.log'}\n")
+    (fake_bin / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake_bin}:{os.environ['PATH']}")
+    common = launch_args(tmp_path, "auto", 4, tmp_path / "probe")
+    common = [arg for arg in common if not arg.startswith("--trainer.callbacks")]
+    common += ["--eval.every_n_train_steps=3"]  # first regular checkpoint after the signal at step 2
+    for name in TORCHRUN_ENV:
+        monkeypatch.delenv(name, raising=False)
+
+    assert training.train.main(["--recipe", "tiny", "--run-name", "straight", *common]) == 0
+
+    slurm_env(monkeypatch, nodes=1, per_node=1, job="99")
+    real_build_cli = training.train.build_cli
+
+    def build_with_signal(*args):
+        cli = real_build_cli(*args)
+        cli.trainer.callbacks.insert(0, SignalAtStep(2))
+        return cli
+
+    monkeypatch.setattr(training.train, "build_cli", build_with_signal)
+    with pytest.raises(Preempted):
+        training.train.main(["--recipe", "tiny", *common])  # the SLURM job's own run folder: slurm-99
+    monkeypatch.setattr(training.train, "build_cli", real_build_cli)
+    run = tmp_path / "out" / "tiny" / "slurm-99"
+    assert (run / "hpc_ckpt_1.ckpt").is_file() and not (run / "checkpoints" / "last.ckpt").exists()
+    assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "99"]
+
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    assert training.train.main(["--recipe", "tiny", *common, "--resume", str(run)]) == 0  # as slurm.sbatch does
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == STEPS
+    resumed, straight = exported(run), exported(tmp_path / "out" / "tiny" / "straight")
+    for key in straight:
+        torch.testing.assert_close(resumed[key], straight[key], rtol=0, atol=0, msg=key)

@@ -414,7 +414,9 @@ def test_every_process_of_a_launch_gets_the_same_run_folder(monkeypatch):
 
 def test_make_train_nodes_prints_each_nodes_launch(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "NODE_RANK", "RUN_NAME", "GPUS_PER_NODE")}
-    planned = subprocess.run(["make", "-n", "train", "RECIPE=qwen3-8b", "NODES=2"], cwd=REPO, env=env,
+    # under `make test` the parent make's MAKELEVEL/MAKEFLAGS would add "Entering/Leaving directory" lines
+    make_env = {k: v for k, v in env.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
+    planned = subprocess.run(["make", "-n", "--no-print-directory", "train", "RECIPE=qwen3-8b", "NODES=2"], cwd=REPO, env=make_env,
                              capture_output=True, text=True)
     assert "recipes/launch_torchrun.sh qwen3-8b 2" in planned.stdout.splitlines()[-1]
     printed = subprocess.run(["bash", str(LAUNCHER), "qwen3-8b", "2"], cwd=REPO, env=env, capture_output=True, text=True)

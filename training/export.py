@@ -4,7 +4,7 @@
     export_drafter(module_or_checkpoint_path, out_dir)
 
 A checkpoint holds the drafter only (never the target) plus its config, so exporting needs no
-target. LoRA adapters, if the run used them, are merged into the weights first. The folder is
+target. LoRA adapters and the fc feature scale (training/feature_scale.py), if the run used them, are folded into the weights first. The folder is
 written beside its destination and renamed into place, so a failed export leaves nothing behind.
 """
 
@@ -22,6 +22,7 @@ from ddtree.configuration_dflash import DFlashDrafterConfig
 from ddtree.modeling_dflash import DFlashDraftModel
 from ddtree.targets import DDTreeError
 
+from .feature_scale import add_feature_scale
 from .peft_utils import add_drafter_lora, merged_drafter
 
 
@@ -48,6 +49,8 @@ def drafter_from_state(checkpoint: dict) -> DFlashDraftModel:
         )
     prefix = "drafter."
     state = {key[len(prefix) :]: value for key, value in checkpoint["state_dict"].items() if key.startswith(prefix)}
+    if "fc.parametrizations.weight.original" in state:  # trained with precondition_features: folded below
+        add_feature_scale(drafter)
     drafter.load_state_dict(state, strict=True)
     return merged_drafter(drafter)
 

@@ -50,6 +50,24 @@ def decayed_cross_entropy_sums(
     return (token_ce * token_weight).sum(), token_weight.sum()
 
 
+def decayed_soft_cross_entropy_sums(
+    logits: torch.Tensor,  # (M, V) drafter logits of the counted block tokens
+    teacher_logits: torch.Tensor,  # (M, V) the target's logits for the same next tokens (no grad)
+    block_positions: torch.Tensor,  # (M,) long, k in 1..B-1
+    weights: torch.Tensor,  # (B,)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Like decayed_cross_entropy_sums, against the target's whole next-token distribution.
+
+    -sum_v p_target(v) log q(v) = KL(p_target || q) + H(p_target): the same gradient as the KL, one
+    number per token instead of one hit or miss, and it teaches the runner-up tokens a draft tree
+    branches on. Not part of the published recipe (it uses data-token CE only); see `distill_weight`.
+    """
+    teacher = F.softmax(teacher_logits.float(), dim=-1)
+    token_ce = -(teacher * F.log_softmax(logits.float(), dim=-1)).sum(dim=-1)  # (M,)
+    token_weight = weights[block_positions]
+    return (token_ce * token_weight).sum(), token_weight.sum()
+
+
 def decayed_cross_entropy(
     logits: torch.Tensor, labels: torch.Tensor, block_positions: torch.Tensor, block_size: int, gamma: float
 ) -> torch.Tensor:

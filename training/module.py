@@ -13,6 +13,12 @@ One step (online features):
   4. the target's frozen LM head turns the counted block outputs into logits and the
      position-decayed cross-entropy (training/loss.py) trains the drafter.
 
+Two options beyond the published recipe, both off by default:
+  - distill_weight > 0: the target runs to the end and its LM head gives, for every label, the
+    distribution it predicted that token from; the loss mixes in cross-entropy against it;
+  - precondition_features: fc trains on unit-scale features (training/feature_scale.py).
+Neither changes the exported drafter's format.
+
 The target lives outside the module tree: it is never in `parameters()`, the optimizer or a
 checkpoint, and `configure_model` reloads it from its source (name or folder, plus an optional
 PEFT adapter merged at load). The drafter is the only nn.Module attribute that trains.
@@ -33,7 +39,14 @@ from transformers import PreTrainedModel
 from ddtree.modeling_dflash import DFlashDraftModel
 from ddtree.targets import DDTreeError, build_drafter_config, check_drafter_fits, load_target
 
-from .loss import block_position_weights, chain_acceptance, decayed_cross_entropy_sums, position_hit_counts
+from .feature_scale import add_feature_scale, calibrate_feature_scale, has_feature_scale, scale_of
+from .loss import (
+    block_position_weights,
+    chain_acceptance,
+    decayed_cross_entropy_sums,
+    decayed_soft_cross_entropy_sums,
+    position_hit_counts,
+)
 from .masks import (
     IGNORE_INDEX,
     block_input_ids,
@@ -75,13 +88,17 @@ class _EnoughLayers(Exception):
 
 
 @torch.no_grad()
-def target_layer_features(target: PreTrainedModel, input_ids: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
+def target_layer_features(
+    target: PreTrainedModel, input_ids: torch.Tensor, layer_ids: list[int], final_hidden: bool = False
+):
     """Hidden states of the chosen target layers, concatenated: (S, T) -> (S, T, K*H).
 
     Layer id l is the output of decoder layer l (hidden_states[l + 1] of a full forward), the same
     features `fuse_target_features` builds at inference. Layers past max(layer_ids) and the LM head
-    never run. No attention mask is passed: batches are right-padded and attention is causal, so no
-    real token ever sees padding (and SDPA keeps its causal fast path).
+    never run, unless final_hidden=True: then the whole decoder runs and its final (normed) hidden
+    states (S, T, H) come back too, as (features, final), for soft targets through the LM head.
+    No attention mask is passed: batches are right-padded and attention is causal, so no real token
+    ever sees padding (and SDPA keeps its causal fast path).
     """
     decoder = target.get_decoder()
     captured: dict[int, torch.Tensor] = {}
@@ -90,20 +107,31 @@ def target_layer_features(target: PreTrainedModel, input_ids: torch.Tensor, laye
     def capture(layer_id: int):
         def hook(module, args, output):
             captured[layer_id] = output[0] if isinstance(output, tuple) else output
-            if layer_id == deepest:
+            if layer_id == deepest and not final_hidden:
                 raise _EnoughLayers
 
         return hook
 
     handles = [decoder.layers[i].register_forward_hook(capture(i)) for i in sorted(set(layer_ids))]
     try:
-        decoder(input_ids=input_ids, use_cache=False)
+        output = decoder(input_ids=input_ids, use_cache=False)
     except _EnoughLayers:
-        pass
+        output = None
     finally:
         for handle in handles:
             handle.remove()
-    return torch.cat([captured[i] for i in layer_ids], dim=-1)
+    features = torch.cat([captured[i] for i in layer_ids], dim=-1)
+    return (features, output.last_hidden_state) if final_hidden else features
+
+
+def teacher_states(final_hidden: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The target's final hidden state where it predicted each block token's label: (S, n*B, H).
+
+    Block token k of anchor a is labelled with the token at a + k, which the target predicted at
+    position a + k - 1. Positions past the sequence are clamped (their labels are ignored anyway).
+    """
+    before_label = (block_position_ids(0, anchors, block_size) - 1).clamp(0, final_hidden.shape[1] - 1)  # (S, n*B)
+    return final_hidden.gather(1, before_label[:, :, None].expand(-1, -1, final_hidden.shape[-1]))
 
 
 def _dtype_for_precision(precision: str | None) -> torch.dtype:
@@ -134,9 +162,11 @@ class DistillModule(L.LightningModule):
         lora_dropout: float = 0.0,
         lora_target_modules: list[str] | None = None,  # default: every attention and MLP projection
         gradient_checkpointing: bool = False,  # recompute drafter layers in backward (long sequences)
+        precondition_features: bool = False,  # train fc on unit-scale target features (training/feature_scale.py)
         # --- objective
         num_anchors: int = 512,  # blocks per sequence (published: up to 512)
         gamma: float = 7.0,  # loss decay over block positions (published: 7 for B=16, 5 for B=10)
+        distill_weight: float = 0.0,  # > 0: mix in cross-entropy against the target's full distribution
         loss_chunk_size: int | None = None,  # LM head + loss over this many block tokens at a time
         seed: int = 0,  # seeds the anchor draws
         # --- optimisation (AdamW + linear warmup + cosine decay, stepped every optimizer step)
@@ -184,6 +214,8 @@ class DistillModule(L.LightningModule):
             drafter = DFlashDraftModel(config)
         if hp.gradient_checkpointing:
             drafter.gradient_checkpointing = True
+        if hp.precondition_features and hp.lora_rank == 0:  # under LoRA, fc is frozen: nothing to precondition
+            add_feature_scale(drafter)
         if hp.lora_rank > 0:
             drafter = add_drafter_lora(
                 drafter, hp.lora_rank, hp.lora_alpha, hp.lora_dropout, hp.lora_target_modules or DEFAULT_LORA_MODULES
@@ -260,39 +292,46 @@ class DistillModule(L.LightningModule):
             noise_embedding=noise_embedding, target_hidden=features, position_ids=position_ids, attention_mask=mask
         )
 
-    def _loss_and_hits(self, hidden: torch.Tensor, labels: torch.Tensor):
+    def _loss_and_hits(self, hidden: torch.Tensor, labels: torch.Tensor, teacher_hidden: torch.Tensor | None = None):
         """Decayed CE and per-position hits over the counted block tokens only.
 
-        hidden (S, n*B, H), labels (S, n, B). Returns (sum of w*CE, sum of w, hits (B,), tokens (B,)).
-        The LM head runs on the M counted rows, in chunks of
-        `loss_chunk_size` rows recomputed in backward (so only one chunk's logits live at a time).
+        hidden (S, n*B, H), labels (S, n, B); teacher_hidden (S, n*B, H): the target's final hidden
+        state at the position before each block token's label (only with distill_weight > 0).
+        Returns (sum of w*loss, sum of w, hits (B,), tokens (B,)). The LM head runs on the M counted
+        rows, in chunks of `loss_chunk_size` rows recomputed in backward (one chunk's logits at a time).
         """
-        block_size = self.block_size
+        block_size, alpha = self.block_size, self.hparams.distill_weight
         flat_labels = labels.flatten()  # (S*n*B,)
         counted = (flat_labels != IGNORE_INDEX).nonzero().squeeze(1)  # (M,)
         rows = hidden.flatten(0, 1)[counted]  # (M, H)
+        teacher_rows = teacher_hidden.flatten(0, 1)[counted] if teacher_hidden is not None else rows[:, :0]
         targets = flat_labels[counted]  # (M,)
         positions = counted % block_size  # (M,) block position k of each row
         weights = block_position_weights(block_size, self.hparams.gamma, device=hidden.device)
         lm_head = self.target.get_output_embeddings()
 
-        def chunk_terms(chunk_rows, chunk_targets, chunk_positions):
+        def chunk_terms(chunk_rows, chunk_teacher, chunk_targets, chunk_positions):
             logits = lm_head(chunk_rows).float()  # (m, V); one fp32 copy serves the loss and the argmax
             weighted, weight_total = decayed_cross_entropy_sums(logits, chunk_targets, chunk_positions, weights)
+            if alpha > 0:
+                with torch.no_grad():
+                    teacher_logits = lm_head(chunk_teacher)  # (m, V)
+                soft, _ = decayed_soft_cross_entropy_sums(logits, teacher_logits, chunk_positions, weights)
+                weighted = (1 - alpha) * weighted + alpha * soft
             hits, tokens = position_hit_counts(logits.detach(), chunk_targets, chunk_positions, block_size)
             return weighted, weight_total, hits, tokens
 
         chunk = self.hparams.loss_chunk_size or max(1, rows.shape[0])
         totals = None
         for start in range(0, rows.shape[0], chunk):
-            args = (rows[start : start + chunk], targets[start : start + chunk], positions[start : start + chunk])
+            part = slice(start, start + chunk)
+            args = (rows[part], teacher_rows[part], targets[part], positions[part])
             if self.hparams.loss_chunk_size and torch.is_grad_enabled():
                 terms = torch.utils.checkpoint.checkpoint(chunk_terms, *args, use_reentrant=False)
             else:
                 terms = chunk_terms(*args)
             totals = terms if totals is None else tuple(a + b for a, b in zip(totals, terms))
-        weighted, weight_total, hits, tokens = totals
-        return weighted, weight_total, hits, tokens
+        return totals
 
     def _anchor_generator(self, batch_idx: int, stage: str) -> torch.Generator:
         # Validation reuses one draw per batch so its numbers compare across evaluations.
@@ -304,17 +343,32 @@ class DistillModule(L.LightningModule):
     def _shared_step(self, batch: dict, batch_idx: int, stage: str):
         input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
         started = time.perf_counter()
-        features = target_layer_features(self.target, input_ids, self._target.layer_ids)  # (S, T, K*H)
+        distill = self.hparams.distill_weight > 0
+        features = target_layer_features(self.target, input_ids, self._target.layer_ids, final_hidden=distill)
+        features, final = features if distill else (features, None)  # (S, T, K*H), (S, T, H)
         if features.is_cuda:
             torch.cuda.synchronize()
         target_seconds = time.perf_counter() - started
+        if stage == "train" and has_feature_scale(self.drafter) and not scale_of(self.drafter).calibrated:
+            self._calibrate_feature_scale(features, batch.get("attention_mask"))
         anchors, valid = sample_anchors(loss_mask, self.hparams.num_anchors, self._anchor_generator(batch_idx, stage))
         if anchors.shape[1] == 0:
             return None  # no reply token with a successor anywhere in the batch: nothing to learn
         labels = block_labels(input_ids, loss_mask, anchors, valid, self.block_size)  # (S, n, B)
         hidden = self.block_hidden_states(features, input_ids, anchors)  # (S, n*B, H)
-        weighted, weight_total, hits, tokens = self._loss_and_hits(hidden, labels)
+        teacher_hidden = teacher_states(final, anchors, self.block_size) if distill else None  # (S, n*B, H)
+        weighted, weight_total, hits, tokens = self._loss_and_hits(hidden, labels, teacher_hidden)
         return StepResult(weighted / weight_total.clamp_min(1e-8), weighted, weight_total, hits, tokens, target_seconds)
+
+    def _calibrate_feature_scale(self, features: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+        """Measure each feature dimension's RMS on the first training batch (all ranks pooled)."""
+        real = attention_mask.bool() if attention_mask is not None else torch.ones(features.shape[:2], dtype=torch.bool)
+        rows = features[real.to(features.device)].float()  # (tokens, K*H)
+        sum_squares, num_tokens = rows.pow(2).sum(dim=0), torch.tensor(float(rows.shape[0]), device=rows.device)
+        if self._trainer is not None and self.trainer.world_size > 1:
+            sum_squares = self.trainer.strategy.reduce(sum_squares, reduce_op="sum")
+            num_tokens = self.trainer.strategy.reduce(num_tokens, reduce_op="sum")
+        calibrate_feature_scale(self.drafter, sum_squares, num_tokens, keep_function=bool(self.hparams.init_from))
 
     # ------------------------------------------------------------------ training
 

@@ -44,7 +44,11 @@ def add_drafter_lora(
 
 
 def merged_drafter(drafter: nn.Module) -> PreTrainedModel:
-    """A plain DFlashDraftModel: a merged copy of a LoRA-wrapped drafter, or the drafter itself."""
-    if not hasattr(drafter, "merge_and_unload"):
-        return drafter
-    return copy.deepcopy(drafter).merge_and_unload()
+    """A plain DFlashDraftModel: a copy with LoRA merged or fc's feature scale folded, else the drafter itself."""
+    from .feature_scale import folded_copy, has_feature_scale
+
+    if hasattr(drafter, "merge_and_unload"):  # LoRA (fc is frozen then, never feature-scaled)
+        return copy.deepcopy(drafter).merge_and_unload()
+    if has_feature_scale(drafter):
+        return folded_copy(drafter)
+    return drafter

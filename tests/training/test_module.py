@@ -22,6 +22,8 @@ from training.loss import (
     block_position_weights,
     chain_acceptance,
     decayed_cross_entropy,
+    decayed_cross_entropy_sums,
+    decayed_soft_cross_entropy_sums,
     position_hit_counts,
 )
 from training.masks import (
@@ -88,6 +90,20 @@ def test_decayed_cross_entropy_is_the_weighted_mean_of_token_losses():
     token = F.cross_entropy(logits, labels, reduction="none")
     weights = torch.tensor([math.exp(-(k - 1) / 5.0) for k in positions.tolist()])
     assert torch.allclose(loss, (token * weights).sum() / weights.sum())
+
+
+def test_soft_cross_entropy_is_kl_plus_teacher_entropy_and_hard_ce_for_a_sure_teacher():
+    torch.manual_seed(0)
+    logits, teacher = torch.randn(5, 9), torch.randn(5, 9)
+    positions, weights = torch.tensor([1, 2, 3, 1, 2]), block_position_weights(4, gamma=4.0)
+    soft, total = decayed_soft_cross_entropy_sums(logits, teacher, positions, weights)
+    p, log_q = teacher.softmax(-1), logits.log_softmax(-1)
+    kl_plus_entropy = (p * (p.log() - log_q)).sum(-1) - (p * p.log()).sum(-1)
+    assert torch.allclose(soft, (kl_plus_entropy * weights[positions]).sum(), atol=1e-5)
+    labels = torch.tensor([0, 3, 8, 2, 5])
+    sure = F.one_hot(labels, 9).float() * 1e4  # a teacher that is certain of the label
+    hard, _ = decayed_cross_entropy_sums(logits, labels, positions, weights)
+    assert torch.allclose(decayed_soft_cross_entropy_sums(logits, sure, positions, weights)[0], hard, atol=1e-4)
 
 
 def test_hits_per_position_and_implied_chain_acceptance():
@@ -329,3 +345,67 @@ def test_target_adapter_is_merged_at_load(tmp_path):
     fresh, _ = load_target("tiny-random")
     assert torch.allclose(merged, expected) and not torch.allclose(merged, fresh.model.layers[0].self_attn.q_proj.weight)
     assert not any("lora" in name for name, _ in module.target.named_parameters())
+
+
+def test_preconditioned_fc_is_calibrated_once_and_exports_as_a_plain_drafter(tmp_path):
+    from training.feature_scale import has_feature_scale, scale_of
+
+    torch.manual_seed(0)
+    module = tiny_module(precondition_features=True)
+    assert has_feature_scale(module.drafter) and not scale_of(module.drafter).calibrated
+    batch = synthetic_batch()
+    features = target_layer_features(module.target, batch["input_ids"], module._target.layer_ids)
+    module._shared_step(batch, 0, "train")  # the first training batch calibrates
+    scale = scale_of(module.drafter)
+    real = features[batch["attention_mask"]]  # (tokens, K*H)
+    assert scale.calibrated and torch.allclose(scale.inv_rms, 1 / real.pow(2).mean(0).sqrt(), rtol=1e-4)
+    trained = module.drafter.fc.parametrizations.weight.original
+    assert torch.allclose(module.drafter.fc.weight, trained * scale.inv_rms)
+    inv_before = scale.inv_rms.clone()
+    module._shared_step(synthetic_batch(seed=1), 1, "train")
+    assert torch.equal(scale.inv_rms, inv_before)  # measured once, then fixed
+    # export folds the scale into a plain fc.weight with the same function
+    anchors = torch.tensor([[6, 9], [7, 10]])
+    with torch.no_grad():
+        live = module.block_hidden_states(features, batch["input_ids"], anchors)
+    loaded = DFlashDraftModel.from_pretrained(export_drafter(module, tmp_path / "drafter"))
+    assert not has_feature_scale(loaded) and has_feature_scale(module.drafter)  # the live drafter is untouched
+    checkpoint = {"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}
+    module.on_save_checkpoint(checkpoint)
+    torch.save(checkpoint, tmp_path / "x.ckpt")
+    for plain in (loaded, drafter_from_checkpoint(tmp_path / "x.ckpt")):
+        module_copy = tiny_module()
+        module_copy.drafter = plain
+        with torch.no_grad():
+            assert torch.allclose(module_copy.block_hidden_states(features, batch["input_ids"], anchors), live, atol=1e-5)
+
+
+def test_preconditioning_a_warm_start_keeps_its_function(module, tmp_path):
+    folder = export_drafter(module, tmp_path / "base")
+    warm = tiny_module(init_from=str(folder), target_layer_ids=None, num_layers=None, block_size=None, precondition_features=True)
+    before = warm.drafter.fc.weight.detach().clone()
+    warm._shared_step(synthetic_batch(), 0, "train")
+    assert torch.allclose(warm.drafter.fc.weight, before, rtol=1e-5, atol=1e-7)
+
+
+def test_soft_targets_come_from_the_target_prediction_of_each_label():
+    """On the target's own greedy text, the teacher row of every label argmaxes to that label."""
+    from training.module import teacher_states
+
+    module = tiny_module(distill_weight=0.5)
+    with torch.no_grad():
+        input_ids = torch.randint(100, 40000, (1, 8), generator=torch.Generator().manual_seed(0))
+        for _ in range(24):  # greedy continuation by the target itself
+            next_id = module.target(input_ids).logits[:, -1].argmax(-1, keepdim=True)
+            input_ids = torch.cat([input_ids, next_id], dim=1)
+        loss_mask = torch.zeros_like(input_ids, dtype=torch.bool)
+        loss_mask[:, 8:] = True
+        features, final = target_layer_features(module.target, input_ids, module._target.layer_ids, final_hidden=True)
+        assert torch.allclose(features, target_layer_features(module.target, input_ids, module._target.layer_ids))
+        anchors, valid = sample_anchors(loss_mask, 6, torch.Generator().manual_seed(0))
+        labels = block_labels(input_ids, loss_mask, anchors, valid, BLOCK).flatten()
+        teacher = module.target.get_output_embeddings()(teacher_states(final, anchors, BLOCK)).argmax(-1).flatten()
+    counted = labels != IGNORE_INDEX
+    assert counted.sum() > 10 and torch.equal(teacher[counted], labels[counted])
+    result = module._shared_step({"input_ids": input_ids, "loss_mask": loss_mask}, 0, "train")
+    assert torch.isfinite(result.loss)

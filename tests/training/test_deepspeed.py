@@ -481,6 +481,24 @@ def test_slurm_script_passes_its_task_counts_and_resumes_a_requeued_job(tmp_path
     assert '--shard-index "$SLURM_PROCID" --num-shards "$SLURM_NTASKS"' in regenerate
 
 
+def test_regeneration_launch_numbers_shards_across_nodes_and_gpus(tmp_path):
+    fake_python = tmp_path / "python"
+    fake_python.write_text("#!/usr/bin/env bash\necho \"gpu=$CUDA_VISIBLE_DEVICES $*\"\n")
+    fake_python.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"} | {
+        "PYTHON": str(fake_python), "GPUS_PER_NODE": "4", "NODE_RANK": "1"}
+    ran = subprocess.run(["bash", str(LAUNCHER), "--regenerate", "3", "--out", "x"], cwd=REPO, env=env,
+                         capture_output=True, text=True)
+    assert ran.returncode == 0, ran.stderr
+    assert sorted(ran.stdout.splitlines()) == [  # node 1 of 3 x 4 GPUs: shards 4..7 of 12, one per GPU
+        f"gpu={i} data/regenerate.py --shard-index {4 + i} --num-shards 12 --out x" for i in range(4)]
+    env.pop("NODE_RANK")
+    plan = subprocess.run(["bash", str(LAUNCHER), "--regenerate", "3", "--out", "x"], cwd=REPO, env=env,
+                          capture_output=True, text=True)
+    assert "Not started" in plan.stdout and "NODE_RANK=<i>" in plan.stdout  # a multi-node launch needs NODE_RANK
+
+
+@pytest.mark.slow  # two launches of two real regeneration processes (~30-50 s)
 def test_regeneration_launch_shards_across_nodes_and_gpus(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": f"Tell me {i}."}]}) + "\n"

@@ -335,6 +335,20 @@ def test_zero3_two_processes_shard_the_drafter_not_the_target(workspace, zero2_t
     assert_twins(live, exported(zero2_two_processes["dir"]), earlier, "ZeRO-3 vs ZeRO-2")
 
 
+@pytest.mark.slow  # one more run
+def test_zero2_with_the_optimizer_offloaded_trains_the_same_weights(workspace, zero2_two_processes):
+    # zero2_offload's setting on the CPU strategy: the fp32 master weights and AdamW state live in host
+    # memory and the module's own torch AdamW steps them there (DeepSpeed would otherwise demand its
+    # compiled CPU Adam).
+    offload = launch(workspace, "zero2-offload-x2", 2, "training.strategies.CPUDeepSpeed", 2,
+                     "--trainer.strategy.stage=2", "--trainer.strategy.offload_optimizer=true")
+    earlier = consolidated(zero2_two_processes["dir"] / "checkpoints" / "step-step=2.ckpt")
+    assert_twins(exported(offload["dir"]), exported(zero2_two_processes["dir"]), earlier, "offloaded vs not")
+    config = torch.load(offload["dir"] / "checkpoints" / "last.ckpt" / "checkpoint" / "mp_rank_00_model_states.pt",
+                        weights_only=False, map_location="cpu")["ds_config"]
+    assert config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+
+
 # ----------------------------------------------------------------------------- launch checks (fast, in-process)
 
 

@@ -20,8 +20,9 @@ attribute outside the module tree (training/module.py), so ZeRO never sees it: e
 loads one full copy of it, once, in the training precision (bf16), and no checkpoint holds it.
 Under ZeRO-3 that is deliberate: the target is never partitioned, so its forward needs no
 all-gather per layer (a bf16 copy of an 8B target is 16 GB, which fits beside the drafter on one
-80 GB GPU; a target that does not fit on one GPU needs another design, see the report). For the
-same reason `DrafterDeepSpeed` does not build modules inside deepspeed.zero.Init as Lightning's
+80 GB GPU). A target too large for one GPU would need its own sharding (tensor-parallel feature
+extraction, or stored features with only the embedding and LM head replicated); that is not
+built here. For the same reason `DrafterDeepSpeed` does not build modules inside deepspeed.zero.Init as Lightning's
 strategy does under ZeRO-3 (that would partition the target as it loads): it builds the drafter
 whole on every process and lets deepspeed.initialize partition it (fp32, 4 GB for a 1B drafter,
 briefly, once per process).

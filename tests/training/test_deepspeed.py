@@ -349,6 +349,25 @@ def test_zero2_with_the_optimizer_offloaded_trains_the_same_weights(workspace, z
     assert config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
 
 
+@pytest.mark.slow  # one more run
+def test_processes_lightning_starts_itself_share_one_run_folder(workspace):
+    # devices=2 without a launcher: Lightning re-runs the command for rank 1, which must not pick a
+    # timestamp of its own (it gets rank 0's folder name through the environment).
+    root = workspace / "lightning-ddp"
+    args = launch_args(workspace, "ddp", 2, workspace / "probe-lightning-ddp", "--trainer.devices=2")
+    args[args.index("--output-root") + 1] = str(root)
+    env = launch_environment(workspace, 2, "unused")
+    env.pop("RUN_NAME")
+    result = subprocess.run([sys.executable, "-m", "training.train", "--recipe", "tiny", *args], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, result.stderr[-4000:]
+    (run,) = (root / "tiny").iterdir()
+    assert (run / "drafter" / "model.safetensors").is_file() and (run / "checkpoints" / "last.ckpt").is_file()
+    probes = [json.loads(p.read_text()) for p in sorted((workspace / "probe-lightning-ddp").glob("rank*.json"))]
+    assert [p["rank"] for p in probes] == [0, 1] and {p["strategy"] for p in probes} == {"DDPStrategy"}
+    assert (result.stdout + result.stderr).count("[train] drafter written to") == 1
+
+
 # ----------------------------------------------------------------------------- launch checks (fast, in-process)
 
 

@@ -38,6 +38,16 @@ def fuse_target_features(hidden_states: tuple[torch.Tensor, ...], layer_ids: lis
     return torch.cat([hidden_states[layer_id + 1] for layer_id in layer_ids], dim=-1)
 
 
+_COMPILED_FLEX = None
+
+
+def _compiled_flex_attention():
+    global _COMPILED_FLEX
+    if _COMPILED_FLEX is None:
+        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
+    return _COMPILED_FLEX
+
+
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x: (B, heads, T, D); cos/sin: (B, T, D)
     return x * cos[:, None] + rotate_half(x) * sin[:, None]
@@ -46,7 +56,9 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 def _attention(q, k, v, mask, scaling):
     """q: (B, Hq, Tq, D); k, v: (B, Hkv, Tk, D); mask: None, bool (B|1, 1, Tq, Tk) or a flex BlockMask."""
     if BlockMask is not None and isinstance(mask, BlockMask):
-        return flex_attention(q, k, v, block_mask=mask, scale=scaling, enable_gqa=True)
+        # Uncompiled flex attention materialises the full score matrix; compiled, it runs the sparse kernel.
+        kernel = _compiled_flex_attention() if q.is_cuda else flex_attention
+        return kernel(q, k, v, block_mask=mask, scale=scaling, enable_gqa=True)
     if k.shape[1] != q.shape[1]:  # grouped-query attention: share each kv head across its query heads
         repeat = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)

@@ -24,42 +24,48 @@ from .decoding import METHODS, DrafterRunner, GenerationResult, Sampling, contex
 from .targets import DDTreeError
 
 
+def iter_json_lines(path: Path):
+    """Yield (line number, "file:line", object) for each non-blank line of a JSONL file; errors name the line."""
+    with Path(path).open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                yield number, where, json.loads(line)
+            except json.JSONDecodeError as error:
+                raise DDTreeError(f"{where}: not valid JSON ({error.msg} at column {error.colno}); "
+                                  "each line must be one JSON object") from None
+
+
 def load_prompts(path: str | Path, tokenizer: PreTrainedTokenizerBase, limit: int | None = None) -> list[dict]:
     """Read and tokenize a prompts file. Returns [{"id", "prompt_ids"}]; errors name file and line."""
     path = Path(path)
     if not path.is_file():
         raise DDTreeError(f"prompts file {path} does not exist")
     prompts = []
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise DDTreeError(f"{where}: not valid JSON ({error.msg}); each line must be one JSON object") from None
-            if not isinstance(record, dict) or ("prompt" in record) == ("messages" in record):
-                raise DDTreeError(f'{where}: expected an object with exactly one of "prompt" or "messages"')
-            if "prompt" in record:
-                if not isinstance(record["prompt"], str):
-                    raise DDTreeError(f'{where}: "prompt" must be a string')
-                ids = tokenizer(record["prompt"], add_special_tokens=False)["input_ids"]
-            else:
-                messages = record["messages"]
-                if not (
-                    isinstance(messages, list)
-                    and messages
-                    and all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in messages)
-                ):
-                    raise DDTreeError(f'{where}: "messages" must be a non-empty list of {{"role", "content"}} objects')
-                ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-                ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-            if not ids:
-                raise DDTreeError(f"{where}: the prompt is empty")
-            prompts.append({"id": str(record.get("id", number)), "prompt_ids": list(ids)})
-            if limit is not None and len(prompts) >= limit:
-                break
+    for number, where, record in iter_json_lines(path):
+        if not isinstance(record, dict) or ("prompt" in record) == ("messages" in record):
+            raise DDTreeError(f'{where}: expected an object with exactly one of "prompt" or "messages"')
+        if "prompt" in record:
+            if not isinstance(record["prompt"], str):
+                raise DDTreeError(f'{where}: "prompt" must be a string')
+            ids = tokenizer(record["prompt"], add_special_tokens=False)["input_ids"]
+        else:
+            messages = record["messages"]
+            if not (
+                isinstance(messages, list)
+                and messages
+                and all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in messages)
+            ):
+                raise DDTreeError(f'{where}: "messages" must be a non-empty list of {{"role", "content"}} objects')
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        if not ids:
+            raise DDTreeError(f"{where}: the prompt is empty")
+        prompts.append({"id": str(record.get("id", number)), "prompt_ids": list(ids)})
+        if limit is not None and len(prompts) >= limit:
+            break
     if not prompts:
         raise DDTreeError(f"prompts file {path} holds no prompts")
     return prompts

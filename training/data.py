@@ -30,6 +30,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
+from ddtree.bench import iter_json_lines
 from ddtree.targets import DDTreeError
 
 log = logging.getLogger(__name__)
@@ -68,23 +69,15 @@ def read_messages_jsonl(path: str | Path) -> list[dict]:
     if not path.is_file():
         raise DDTreeError(f"{path}: no such file; give a JSONL file of {{\"id\", \"messages\"}} records")
     records, seen_ids = [], set()
-    with path.open(encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{line_number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise DDTreeError(f"{where}: not valid JSON ({error.msg} at column {error.colno})") from None
-            if not isinstance(record, dict) or "messages" not in record:
-                raise DDTreeError(f"{where}: each line must be an object with a 'messages' list")
-            messages = check_messages(record["messages"], where)
-            record_id = str(record.get("id", f"{path.stem}-{line_number}"))
-            if record_id in seen_ids:
-                raise DDTreeError(f"{where}: duplicate id {record_id!r}; ids must be unique")
-            seen_ids.add(record_id)
-            records.append({"id": record_id, "messages": messages, **finish_reason_of(record)})
+    for line_number, where, record in iter_json_lines(path):
+        if not isinstance(record, dict) or "messages" not in record:
+            raise DDTreeError(f"{where}: each line must be an object with a 'messages' list")
+        messages = check_messages(record["messages"], where)
+        record_id = str(record.get("id", f"{path.stem}-{line_number}"))
+        if record_id in seen_ids:
+            raise DDTreeError(f"{where}: duplicate id {record_id!r}; ids must be unique")
+        seen_ids.add(record_id)
+        records.append({"id": record_id, "messages": messages, **finish_reason_of(record)})
     if not records:
         raise DDTreeError(f"{path}: the file is empty; it needs one JSON object per line")
     return records

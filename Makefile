@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 RECIPE ?= smollm2-135m
 
-.PHONY: setup data train eval export test test-all bench clean
+.PHONY: setup data features train eval export test test-all bench clean
 
 setup: $(STAMP)
 
@@ -24,6 +24,12 @@ $(STAMP): requirements.txt pyproject.toml
 # data.data_path (data/regenerate.py; resumable: chunks already written are skipped).
 data: $(STAMP)
 	$(PY) data/regenerate.py --recipe recipes/$(RECIPE).yaml
+
+# make features [RECIPE=smollm2-135m] [OUT=dir] [FORCE=1]: the frozen target's layer features of the recipe's
+# data, written once (bf16, sharded; size printed first; resumable) for `--data.feature_store <dir>`
+# (training/features.py). OUT defaults to the recipe's data.feature_store, else a folder under $DDTREE_CACHE.
+features: $(STAMP)
+	$(PY) -m training.features --recipe $(RECIPE) $(if $(OUT),--out $(OUT)) $(if $(FORCE),--force)
 
 # make train [RECIPE=smollm2-135m|tiny|qwen3-8b|...] [RESUME=last|path/to/x.ckpt] [NODES=n]
 # Writes outputs/$(RECIPE)/<run>/ (config, checkpoints, logs, drafter/); RESUME continues a run exactly.

@@ -34,7 +34,7 @@ import warnings
 from pathlib import Path
 
 import yaml
-from jsonargparse import ArgumentError
+from jsonargparse import ArgumentError, Namespace
 from lightning.pytorch.cli import LightningCLI
 
 from ddtree.targets import DDTreeError
@@ -120,6 +120,26 @@ class DistillCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         # Before anything is built: a recipe sized for other hardware than was launched stops here.
         check_launch(self.config.trainer.devices, self.config.trainer.num_nodes)
+
+
+class RecipeReader(DistillCLI):
+    """Parses and type-checks a recipe, links applied, and builds nothing (for tools that only read it)."""
+
+    def before_instantiate_classes(self) -> None:
+        pass  # no launch to check: nothing will train
+
+    def instantiate_classes(self) -> None:
+        pass
+
+
+def read_recipe(config: Path, overrides: list[str]) -> Namespace:
+    """A recipe's settings as training would resolve them (config.model, config.data, ...), overrides applied."""
+    check_checkpoint_settings(config)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+        return RecipeReader(DistillModule, DistillDataModule, save_config_callback=None,
+                            parser_kwargs={"exit_on_error": False}, run=False,
+                            args=["--config", str(config), *overrides]).config
 
 
 def build_cli(config: Path, run_dir: Path, overrides: list[str]) -> DistillCLI:

@@ -13,6 +13,10 @@ One step (online features):
   4. the target's frozen LM head turns the counted block outputs into logits and the
      position-decayed cross-entropy (training/loss.py) trains the drafter.
 
+Offline features: when the batch carries `features` (the data module's feature store, built by
+training/features.py with this same target_layer_features), step 1 is skipped; the target is
+still loaded, for its embedding and LM head.
+
 Two options beyond the published recipe, both off by default:
   - distill_weight > 0: the target runs to the end and its LM head gives, for every label, the
     distribution it predicted that token from; the loss mixes in cross-entropy against it;
@@ -80,7 +84,7 @@ class StepResult(NamedTuple):
     weight_total: torch.Tensor
     hits: torch.Tensor  # (B,) top-1 hits per block position
     tokens: torch.Tensor  # (B,) counted tokens per block position
-    target_seconds: float  # wall time of the frozen target's forward
+    target_seconds: float  # wall time of the frozen target's forward (0 with offline features)
 
 
 class _EnoughLayers(Exception):
@@ -342,13 +346,16 @@ class DistillModule(L.LightningModule):
 
     def _shared_step(self, batch: dict, batch_idx: int, stage: str):
         input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
-        started = time.perf_counter()
         distill = self.hparams.distill_weight > 0
-        features = target_layer_features(self.target, input_ids, self._target.layer_ids, final_hidden=distill)
-        features, final = features if distill else (features, None)  # (S, T, K*H), (S, T, H)
-        if features.is_cuda:
-            torch.cuda.synchronize()
-        target_seconds = time.perf_counter() - started
+        if "features" in batch:  # offline store: the dtype the target's own forward gives
+            features, final, target_seconds = batch["features"].to(self.device, self.target.dtype), None, 0.0
+        else:
+            started = time.perf_counter()
+            features = target_layer_features(self.target, input_ids, self._target.layer_ids, final_hidden=distill)
+            features, final = features if distill else (features, None)  # (S, T, K*H), (S, T, H)
+            if features.is_cuda:
+                torch.cuda.synchronize()
+            target_seconds = time.perf_counter() - started
         if stage == "train" and has_feature_scale(self.drafter) and not scale_of(self.drafter).calibrated:
             self._calibrate_feature_scale(features, batch.get("attention_mask"))
         anchors, valid = sample_anchors(loss_mask, self.hparams.num_anchors, self._anchor_generator(batch_idx, stage))
@@ -369,6 +376,28 @@ class DistillModule(L.LightningModule):
             sum_squares = self.trainer.strategy.reduce(sum_squares, reduce_op="sum")
             num_tokens = self.trainer.strategy.reduce(num_tokens, reduce_op="sum")
         calibrate_feature_scale(self.drafter, sum_squares, num_tokens, keep_function=bool(self.hparams.init_from))
+
+    def on_fit_start(self) -> None:
+        store = getattr(self.trainer.datamodule, "store", None)
+        if store is not None:
+            self.check_feature_store(store)
+
+    def check_feature_store(self, store) -> None:
+        """Offline features must be what this drafter reads online; a mismatch would train on the wrong layers."""
+        hp = self.hparams
+        if hp.distill_weight > 0:
+            raise DDTreeError(f"model.distill_weight={hp.distill_weight} needs the target's final hidden states, which "
+                              f"feature store {store.path} does not hold: set it to 0 or train online (no data.feature_store)")
+        if (store.target, store.target_adapter) != (hp.target, hp.target_adapter):
+            raise DDTreeError(f"feature store {store.path} holds features of target {store.target} (adapter "
+                              f"{store.target_adapter}), this run's is {hp.target} (adapter {hp.target_adapter}): "
+                              "rebuild it with `make features RECIPE=<recipe>` and --force (FORCE=1)")
+        layer_ids = list(self.drafter_config.target_layer_ids)
+        width = len(layer_ids) * self.target.config.get_text_config().hidden_size
+        if store.layer_ids != layer_ids or store.width != width:
+            raise DDTreeError(f"feature store {store.path} holds target layers {store.layer_ids} ({store.width} features "
+                              f"per token), the drafter reads layers {layer_ids} ({width}): set model.target_layer_ids="
+                              f"{store.layer_ids} or rebuild the store with `make features RECIPE=<recipe>` and --force (FORCE=1)")
 
     # ------------------------------------------------------------------ training
 

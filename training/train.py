@@ -19,6 +19,8 @@ Every run writes outputs/<recipe>/<run>/:
 with its own config.yaml: step, optimizer, scheduler and data position all continue exactly.
 `--resume <run folder>` continues from its newest checkpoint (last.ckpt or a SLURM requeue's
 hpc_ckpt_N.ckpt). Under DeepSpeed every checkpoint is a folder of per-rank shards under the same name.
+With data.feature_store set (offline target features, training/features.py) a missing store is
+built first, in a single-process run; a multi-process launch asks for `make features` instead.
 Several processes (devices > 1, torchrun, SLURM) share one run folder; rank 0 writes config.yaml
 and drafter/, and a launch whose process count differs from devices x num_nodes stops at once.
 Bad input (unknown recipe, bad field, bad target) prints one line and exits with status 2 or 1.
@@ -41,6 +43,7 @@ from ddtree.targets import DDTreeError
 from training.callbacks import AcceptanceEvaluation, BestCheckpoint, monitor_metric
 from training.data import DistillDataModule
 from training.export import export_drafter
+from training.features import build_feature_store, drafter_layer_ids, is_complete
 from training.module import DistillModule, NonFiniteError
 from training.strategies import check_launch, drafter_for_export, is_first_process, launcher_world
 
@@ -164,6 +167,23 @@ def build_cli(config: Path, run_dir: Path, overrides: list[str]) -> DistillCLI:
         )
 
 
+def build_missing_feature_store(cli: DistillCLI, recipe: str) -> None:
+    """Build data.feature_store before fitting when it names a store that does not exist yet.
+
+    Only a single-process run builds it: the processes of a larger launch would each start the
+    same build, so they stop and ask for `make features` first.
+    """
+    store = cli.datamodule.feature_store
+    if not store or is_complete(store):
+        return
+    if cli.trainer.world_size > 1:
+        raise DDTreeError(f"data.feature_store {store} is not built and this launch runs {cli.trainer.world_size} "
+                          f"processes: build it first with `make features RECIPE={recipe} OUT={store}`")
+    hp = cli.model.hparams
+    build_feature_store(cli.datamodule, Path(store), layer_ids=drafter_layer_ids(hp.target_layer_ids, hp.init_from),
+                        target_adapter=hp.target_adapter)
+
+
 RUN_NAME_ENV = "DDTREE_RUN_NAME"  # the run folder name, handed to the processes Lightning starts
 
 
@@ -217,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
             if is_first_process() and (run_dir / "config.yaml").exists():
                 raise DDTreeError(f"run folder {run_dir} already holds a run; pick another --run or use --resume")
         cli = build_cli(config, run_dir, overrides)
+        build_missing_feature_store(cli, args.recipe)
         if is_first_process():
             write_text_atomic(run_dir / "config.yaml", cli.parser.dump(cli.config, skip_none=False))
             print(f"[train] recipe {args.recipe} -> {run_dir}" + (f" (resuming {checkpoint})" if checkpoint else ""), flush=True)

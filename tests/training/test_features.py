@@ -1,0 +1,343 @@
+"""Tests of training/features.py: the offline feature store, training from it, its CLI and train.py's auto-build.
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/training/test_features.py -x -q
+
+Everything runs on the tiny random target (6 layers, hidden 64) on CPU, on a dozen short conversations.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import lightning as L
+import pytest
+import torch
+
+import training.features
+import training.module
+from ddtree.targets import DDTreeError, load_target
+from training.data import DistillDataModule
+from training.features import FeatureStore, build_feature_store, main, partial_path
+from training.module import DistillModule, target_layer_features
+from training.train import main as train_main
+
+LAYER_IDS = [1, 3, 4]
+HIDDEN = 64  # the tiny target's hidden size
+
+
+def write_conversations(path, count=12, seed=0):
+    """Replies of 10 to 40 words, so the sequences have many different lengths."""
+    words = "the a drafter proposes tokens target verifies block tree python list sort value returns".split()
+    rng = random.Random(seed)
+    with path.open("w") as f:
+        for i in range(count):
+            answer = " ".join(rng.choice(words) for _ in range(rng.randint(10, 40)))
+            messages = [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": answer}]
+            f.write(json.dumps({"id": str(i), "messages": messages}) + "\n")
+    return path
+
+
+def make_datamodule(tmp_path, **overrides) -> DistillDataModule:
+    path = tmp_path / "conversations.jsonl"
+    if not path.exists():  # rewriting it would change the tokenization key
+        write_conversations(path)
+    settings = dict(target="tiny-random", data_path=str(path), max_length=128, batch_size=2, val_fraction=0.25,
+                    seed=1, min_supervised_tokens=8, cache_dir=str(tmp_path / "cache"))
+    settings.update(overrides)
+    return DistillDataModule(**settings)
+
+
+def shard_bytes(sequences: int, dtype: torch.dtype = torch.bfloat16) -> int:
+    """A shard limit that fits about `sequences` of these sequences (~70 tokens each), to get several shards."""
+    return sequences * 70 * len(LAYER_IDS) * HIDDEN * dtype.itemsize
+
+
+def tiny_module(**overrides) -> DistillModule:
+    settings = dict(target="tiny-random", num_layers=1, block_size=4, target_layer_ids=LAYER_IDS, num_anchors=4,
+                    gamma=4.0, lr=3e-3, warmup_ratio=0.0, target_dtype="float32")
+    settings.update(overrides)
+    torch.manual_seed(0)
+    module = DistillModule(**settings)
+    module.configure_model()
+    return module
+
+
+def one_line(error: Exception) -> str:
+    message = str(error)
+    assert len(message.splitlines()) == 1, message
+    return message
+
+
+# ----------------------------------------------------------------------------- the store's content
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_holds_exactly_the_online_features_of_every_sequence(tmp_path, dtype):
+    dm = make_datamodule(tmp_path)
+    out = build_feature_store(dm, tmp_path / "store", layer_ids=LAYER_IDS, dtype=dtype, sequences_per_batch=1,
+                              max_shard_bytes=shard_bytes(3, dtype))
+    store = FeatureStore(out)
+    data, _, key = dm.load_tokenized()
+    assert len(store.shards) > 2 and len(store) == len(data) == 12  # several shards, all sequences
+    assert (store.layer_ids, store.hidden_size, store.width, store.dtype) == (LAYER_IDS, HIDDEN, 3 * HIDDEN, dtype)
+    assert store.tokenization_key == key and store.lengths == data.lengths()
+    target, _ = load_target("tiny-random", dtype)
+    for i in range(len(data)):
+        online = target_layer_features(target, data[i]["input_ids"][None], LAYER_IDS)[0]  # (T_i, K*H)
+        assert store[i].dtype == dtype and torch.equal(store[i], online), f"sequence {i}"
+    with pytest.raises(IndexError):
+        store[len(data)]
+
+
+def test_length_sorted_batches_give_the_per_sequence_features(tmp_path):
+    # Padding changes the float rounding a little (a different matmul shape), not the values.
+    dm = make_datamodule(tmp_path)
+    store = FeatureStore(build_feature_store(dm, tmp_path / "store", layer_ids=LAYER_IDS, dtype=torch.float32,
+                                             sequences_per_batch=5))
+    data, _, _ = dm.load_tokenized()
+    target, _ = load_target("tiny-random", torch.float32)
+    lengths = data.lengths()
+    assert len(set(lengths)) > 3  # the batches really mix lengths, so padding happens
+    for i in range(len(data)):
+        online = target_layer_features(target, data[i]["input_ids"][None], LAYER_IDS)[0]
+        torch.testing.assert_close(store[i], online, rtol=0, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- training from it
+
+
+class LossRecorder(L.Callback):
+    def __init__(self):
+        self.losses = []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.losses.append(outputs["loss"].item())
+
+
+def fit(module: DistillModule, dm: DistillDataModule, steps: int = 4):
+    recorder = LossRecorder()
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, precision="32", logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        use_distributed_sampler=False, limit_val_batches=0, num_sanity_val_steps=0,
+                        callbacks=[recorder], log_every_n_steps=1)
+    trainer.fit(module, datamodule=dm)
+    return recorder.losses, trainer
+
+
+@pytest.mark.parametrize("batch_size, sequences_per_batch, lr, tolerance", [
+    (1, 1, 3e-3, 0.0),  # every target forward sees one unpadded sequence, online and offline: bit for bit
+    # Padded batches round differently (~1e-8 on the features); Adam divides near-zero gradients by
+    # their own size, so a large lr turns that noise into 1e-6-sized steps on a few weights.
+    # The tolerance is relative for the losses (~11 in fp32), absolute for the weights.
+    (2, 8, 1e-4, 1e-6),
+])
+def test_training_from_the_store_equals_online_training(tmp_path, monkeypatch, batch_size, sequences_per_batch, lr, tolerance):
+    store = build_feature_store(make_datamodule(tmp_path), tmp_path / "store", layer_ids=LAYER_IDS,
+                                dtype=torch.float32, sequences_per_batch=sequences_per_batch)
+    online_module = tiny_module(lr=lr)
+    online_losses, _ = fit(online_module, make_datamodule(tmp_path, batch_size=batch_size))
+
+    def target_must_not_run(*args, **kwargs):
+        raise AssertionError("the target ran although the batch carried features")
+
+    monkeypatch.setattr(training.module, "target_layer_features", target_must_not_run)
+    offline_module = tiny_module(lr=lr)
+    offline_dm = make_datamodule(tmp_path, batch_size=batch_size, feature_store=str(store))
+    offline_losses, trainer = fit(offline_module, offline_dm)
+    assert offline_dm.store is not None and len(offline_losses) == len(online_losses) == 4
+    torch.testing.assert_close(torch.tensor(offline_losses), torch.tensor(online_losses), rtol=tolerance, atol=0)
+    online_weights, offline_weights = online_module.drafter.state_dict(), offline_module.drafter.state_dict()
+    initial = tiny_module().drafter.state_dict()
+    assert any((online_weights[name] - initial[name]).abs().max() > 1e-4 for name in initial)  # training moved them
+    for name, weight in online_weights.items():
+        torch.testing.assert_close(offline_weights[name], weight, rtol=0, atol=tolerance, msg=name)
+    assert trainer.callback_metrics["perf/target_forward_s"] == 0
+
+
+def test_batches_carry_right_padded_features_from_the_store(tmp_path):
+    store = build_feature_store(make_datamodule(tmp_path), tmp_path / "store", layer_ids=LAYER_IDS)
+    dm = make_datamodule(tmp_path, feature_store=str(store))
+    dm.setup("fit")
+    batch = next(iter(dm.train_dataloader()))
+    features, mask = batch["features"], batch["attention_mask"]
+    assert features.shape == (*batch["input_ids"].shape, 3 * HIDDEN) and features.dtype == torch.bfloat16
+    for row, position in enumerate(list(dm.train_dataloader().sampler)[:2]):
+        n = int(mask[row].sum())
+        index = dm.train_set.indices[position]  # the sampler walks the train split; the store is indexed like the data
+        assert torch.equal(features[row, :n], dm.store[index]) and not features[row, n:].any()
+
+
+def test_store_of_other_data_is_refused_in_one_line(tmp_path):
+    store = build_feature_store(make_datamodule(tmp_path), tmp_path / "store", layer_ids=LAYER_IDS)
+    with pytest.raises(DDTreeError) as error:
+        make_datamodule(tmp_path, max_length=100, feature_store=str(store)).setup("fit")
+    message = one_line(error.value)
+    assert str(store) in message and "make features" in message and "tokenization key" in message
+
+
+def test_store_of_other_layers_or_with_soft_targets_stops_the_fit(tmp_path):
+    store = build_feature_store(make_datamodule(tmp_path), tmp_path / "store", layer_ids=[0, 2])
+    with pytest.raises(DDTreeError) as error:
+        fit(tiny_module(), make_datamodule(tmp_path, feature_store=str(store)))
+    message = one_line(error.value)
+    assert "[0, 2]" in message and str(LAYER_IDS) in message and str(store) in message
+    with pytest.raises(DDTreeError) as error:
+        fit(tiny_module(target_layer_ids=[0, 2], distill_weight=0.5), make_datamodule(tmp_path, feature_store=str(store)))
+    assert "distill_weight" in one_line(error.value)
+
+
+def test_a_missing_or_unfinished_store_says_how_to_build_it(tmp_path):
+    with pytest.raises(DDTreeError) as error:
+        FeatureStore(tmp_path / "nowhere")
+    assert "does not exist" in one_line(error.value) and "make features RECIPE=" in str(error.value)
+    partial_path(tmp_path / "nowhere").mkdir()
+    with pytest.raises(DDTreeError) as error:
+        FeatureStore(tmp_path / "nowhere")
+    assert "incomplete" in one_line(error.value) and "make features RECIPE=" in str(error.value)
+
+
+# ----------------------------------------------------------------------------- building: atomic, resumable, safe
+
+
+class Interrupt(Exception):
+    pass
+
+
+def test_interrupted_build_resumes_and_ends_equal_to_an_uninterrupted_one(tmp_path, monkeypatch):
+    dm = make_datamodule(tmp_path)
+    settings = dict(layer_ids=LAYER_IDS, max_shard_bytes=shard_bytes(3))
+    straight = build_feature_store(dm, tmp_path / "straight", **settings)
+
+    real_save, saved = training.features.save_file, []
+
+    def save_then_stop(tensors, filename):
+        if saved:
+            raise Interrupt  # the second shard never gets written
+        saved.append(filename)
+        real_save(tensors, filename)
+
+    monkeypatch.setattr(training.features, "save_file", save_then_stop)
+    out = tmp_path / "resumed"
+    with pytest.raises(Interrupt):
+        build_feature_store(dm, out, **settings)
+    assert not out.exists()
+    assert sorted(p.name for p in partial_path(out).iterdir()) == ["shard-00000.safetensors", "store.json"]
+    first_shard = os.stat(partial_path(out) / "shard-00000.safetensors")
+
+    def save_counting(tensors, filename):
+        saved.append(filename)
+        real_save(tensors, filename)
+
+    saved.clear()
+    monkeypatch.setattr(training.features, "save_file", save_counting)
+    build_feature_store(dm, out, **settings)
+    manifest = json.loads((out / "store.json").read_text())
+    assert len(saved) == len(manifest["shards"]) - 1 > 1  # every shard but the finished one
+    kept = os.stat(out / "shard-00000.safetensors")
+    assert (kept.st_ino, kept.st_mtime_ns) == (first_shard.st_ino, first_shard.st_mtime_ns)
+    assert not partial_path(out).exists()
+    assert manifest == json.loads((straight / "store.json").read_text())
+    for shard in manifest["shards"]:
+        assert (out / shard["file"]).read_bytes() == (straight / shard["file"]).read_bytes(), shard["file"]
+
+
+def test_a_complete_store_is_replaced_only_with_force_and_only_once_the_new_one_is_complete(tmp_path, monkeypatch, capsys):
+    dm = make_datamodule(tmp_path)
+    out = build_feature_store(dm, tmp_path / "store", layer_ids=LAYER_IDS)
+    written = os.stat(out / "shard-00000.safetensors").st_mtime_ns
+    build_feature_store(dm, out, layer_ids=LAYER_IDS)  # the same build: nothing to do
+    assert "already holds these features" in capsys.readouterr().out
+    assert os.stat(out / "shard-00000.safetensors").st_mtime_ns == written
+
+    with pytest.raises(DDTreeError) as error:
+        build_feature_store(dm, out, layer_ids=[0, 2])
+    assert "target_layer_ids" in one_line(error.value) and "--force" in str(error.value)
+    assert FeatureStore(out).layer_ids == LAYER_IDS
+
+    def fail(tensors, filename):
+        raise Interrupt
+
+    monkeypatch.setattr(training.features, "save_file", fail)
+    with pytest.raises(Interrupt):
+        build_feature_store(dm, out, layer_ids=[0, 2], force=True)
+    assert FeatureStore(out).layer_ids == LAYER_IDS  # the old store stays until the new one is complete
+    monkeypatch.undo()
+    build_feature_store(dm, out, layer_ids=[0, 2], force=True)
+    assert FeatureStore(out).layer_ids == [0, 2]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "conversations.jsonl", "store"]  # no leftovers
+
+
+def test_size_estimate_is_printed_before_anything_is_written_and_a_full_disk_refuses(tmp_path, monkeypatch, capsys):
+    dm = make_datamodule(tmp_path)
+    data, _, _ = dm.load_tokenized()
+    tokens = len(data.input_ids)
+    expected = f"{tokens * 3 * HIDDEN * 2 / 1e6:.1f} MB ({tokens:,} tokens x 3 layers x {HIDDEN} x 2 bytes)"
+    out = tmp_path / "store"
+    printed_before_first_write = []
+    real_write = training.features.write_json_atomic
+
+    def first_write(path, payload):
+        printed_before_first_write.append(capsys.readouterr().out)
+        real_write(path, payload)
+
+    monkeypatch.setattr(training.features, "write_json_atomic", first_write)
+    monkeypatch.setattr(training.features, "free_bytes", lambda path: 1000)
+    with pytest.raises(DDTreeError) as error:
+        build_feature_store(dm, out, layer_ids=LAYER_IDS)
+    assert "free" in one_line(error.value) and str(partial_path(out).parent) in str(error.value)
+    assert expected in capsys.readouterr().out
+    assert not out.exists() and not partial_path(out).exists() and not printed_before_first_write
+
+    monkeypatch.undo()
+    monkeypatch.setattr(training.features, "write_json_atomic", first_write)
+    build_feature_store(dm, out, layer_ids=LAYER_IDS)
+    assert len(printed_before_first_write) == 1 and expected in printed_before_first_write[0]
+
+
+# ----------------------------------------------------------------------------- the CLIs
+
+
+def test_cli_bad_input_exits_2_with_one_line(capsys):
+    assert main(["--recipe", "nope"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "nope" in err and "tiny" in err
+    assert main(["--recipe", "tiny", "--data.no_such_field=3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no_such_field" in err
+
+
+def test_cli_builds_the_recipe_store(tmp_path):
+    data = write_conversations(tmp_path / "conversations.jsonl")
+    out = tmp_path / "store"
+    assert main(["--recipe", "tiny", "--out", str(out), f"--data.data_path={data}", "--data.max_length=128",
+                 f"--data.cache_dir={tmp_path / 'cache'}"]) == 0
+    store = FeatureStore(out)
+    assert store.layer_ids == [1, 3, 4] and store.dtype == torch.bfloat16 and store.target == "tiny-random"  # the recipe's
+    recipe_data = DistillDataModule(target="tiny-random", data_path=str(data), max_length=128,
+                                    cache_dir=str(tmp_path / "cache"), feature_store=str(out))
+    recipe_data.setup("fit")  # matches the data it was built from (recipe defaults for the rest)
+
+
+def test_train_builds_a_missing_store_in_a_single_process_and_refuses_in_many(tmp_path, monkeypatch, capsys):
+    data = write_conversations(tmp_path / "conversations.jsonl", count=16)
+    store = tmp_path / "store"
+    common = [
+        "--recipe", "tiny", "--output-root", str(tmp_path / "out"), f"--data.data_path={data}",
+        f"--data.cache_dir={tmp_path / 'cache'}", f"--data.feature_store={store}", "--data.batch_size=2",
+        "--trainer.val_check_interval=null", "--eval.every_n_train_steps=2", "--eval.limit=1",
+        "--trainer.max_steps=2", "--trainer.enable_progress_bar=false",
+    ]
+    assert train_main([*common, "--trainer.devices=2", "--trainer.strategy=ddp", "--run", "two"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "make features RECIPE=tiny" in err and str(store) in err
+    assert not store.exists() and not partial_path(store).exists()
+
+    def target_must_not_run(*args, **kwargs):
+        raise AssertionError("training ran the target although a feature store was given")
+
+    monkeypatch.setattr(training.module, "target_layer_features", target_must_not_run)
+    assert train_main([*common, "--run", "one"]) == 0
+    assert FeatureStore(store).layer_ids == [1, 3, 4]
+    assert (tmp_path / "out" / "tiny" / "one" / "drafter" / "config.json").exists()

@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
 from ddtree.bench import iter_json_lines
 from ddtree.targets import DDTreeError
-from training.features import FeatureStore
+from training.features import AUTO_STORE, FeatureStore
 
 log = logging.getLogger(__name__)
 
@@ -437,7 +437,8 @@ class DistillDataModule(L.LightningDataModule):
         seed: int = 0,  # split and per-epoch shuffle
         min_supervised_tokens: int = 16,  # fewer assistant tokens than this after truncation: dropped
         cache_dir: str | None = None,  # tokenized cache; default <ddtree cache>/tokenized
-        feature_store: str | None = None,  # offline target features of this data (make features); None: online
+        feature_store: str | None = None,  # offline target features (make features): a folder, or "auto" =
+        # the recipe's folder under the ddtree cache (resolved by training.train / training.features); None: online
     ):
         super().__init__()
         if not 0 <= val_fraction < 1:
@@ -511,6 +512,9 @@ class DistillDataModule(L.LightningDataModule):
         if self.train_set is not None:
             return
         data, self.pad_id, key = self.load_tokenized()
+        if self.feature_store == AUTO_STORE:
+            raise DDTreeError('data.feature_store "auto" names the recipe\'s store: train through training.train, '
+                              "or give the store's folder")
         if self.feature_store:
             self.store = FeatureStore(self.feature_store)
             self.store.check_matches(key, data.lengths())

@@ -55,6 +55,7 @@ FORMAT_VERSION = 1  # bump when the layout changes: older stores are then refuse
 MANIFEST = "store.json"
 MAX_SHARD_BYTES = 256 * 2**20
 REBUILD = "make features RECIPE=<recipe>"  # how a user (re)builds a store, named in every error
+AUTO_STORE = "auto"  # data.feature_store value: the recipe's default folder (default_store_path)
 
 
 def partial_path(out: Path) -> Path:
@@ -295,6 +296,13 @@ def default_store_path(recipe: str, datamodule: DistillDataModule) -> Path:
     return cache_dir() / "features" / f"{recipe}-{datamodule.tokenization_key()}"
 
 
+def resolve_store_path(feature_store: str | None, recipe: str, datamodule: DistillDataModule) -> Path | None:
+    """data.feature_store as a folder: None stays None (online features), "auto" is the recipe's default folder."""
+    if not feature_store:
+        return None
+    return default_store_path(recipe, datamodule) if feature_store == AUTO_STORE else Path(feature_store)
+
+
 def main(argv: list[str] | None = None) -> int:
     # training.train imports the data module, which imports this file: import it only when run as a CLI.
     from jsonargparse import ArgumentError
@@ -304,8 +312,8 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description="Build a recipe's offline feature store.")
     parser.add_argument("--recipe", default="smollm2-135m", help="one of recipes/*.yaml; its model.* and data.* define the store")
-    parser.add_argument("--out", default=None, help="store folder (default: the recipe's data.feature_store, "
-                        "else <ddtree cache>/features/<recipe>-<tokenization key>)")
+    parser.add_argument("--out", default=None, help="store folder (default: the recipe's data.feature_store; "
+                        "when that is auto or unset, <ddtree cache>/features/<recipe>-<tokenization key>)")
     parser.add_argument("--force", action="store_true", help="replace an existing store of another build")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="the target's and the store's dtype")
     args, overrides = parser.parse_known_args(argv)  # the rest overrides recipe fields, as in training.train
@@ -315,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = read_recipe(RECIPES_DIR / f"{args.recipe}.yaml", overrides)
         datamodule = DistillDataModule(**config.data.as_dict())
-        out = Path(args.out or config.data.feature_store or default_store_path(args.recipe, datamodule))
+        out = Path(args.out or resolve_store_path(config.data.feature_store, args.recipe, datamodule)
+                   or default_store_path(args.recipe, datamodule))
         print(f"[features] recipe {args.recipe} -> {out}", flush=True)
         build_feature_store(
             datamodule, out, layer_ids=drafter_layer_ids(config.model.target_layer_ids, config.model.init_from),

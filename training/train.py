@@ -43,7 +43,7 @@ from ddtree.targets import DDTreeError
 from training.callbacks import AcceptanceEvaluation, BestCheckpoint, monitor_metric
 from training.data import DistillDataModule
 from training.export import export_drafter
-from training.features import build_feature_store, drafter_layer_ids, is_complete
+from training.features import build_feature_store, drafter_layer_ids, is_complete, resolve_store_path
 from training.module import DistillModule, NonFiniteError
 from training.strategies import check_launch, drafter_for_export, is_first_process, launcher_world
 
@@ -173,8 +173,11 @@ def build_missing_feature_store(cli: DistillCLI, recipe: str) -> None:
     Only a single-process run builds it: the processes of a larger launch would each start the
     same build, so they stop and ask for `make features` first.
     """
-    store = cli.datamodule.feature_store
-    if not store or is_complete(store):
+    store = resolve_store_path(cli.datamodule.feature_store, recipe, cli.datamodule)
+    if store is None:
+        return
+    cli.datamodule.feature_store = str(store)  # "auto" resolved; config.yaml keeps "auto", so a resume resolves it again
+    if is_complete(store):
         return
     if cli.trainer.world_size > 1:
         raise DDTreeError(f"data.feature_store {store} is not built and this launch runs {cli.trainer.world_size} "

@@ -6,7 +6,8 @@
 Each setting is ANCHORSxLAYERSxBLOCK. For each, the script times (median of --repeats, after one
 warm-up) the target's plain forward over the batch (all layers, no LM head) and one training step
 of DistillModule (target features, drafter forward + backward, AdamW step) under bf16 autocast,
-and prints the ratio and the target tokens per second. The batch is random tokens with the first
+and prints the ratio and the target tokens per second; then the same step from precomputed features
+(offline mode, training/features.py: no target forward), and its tokens per second. The batch is random tokens with the first
 60 positions of each sequence marked as prompt, the rest as reply.
 """
 
@@ -18,7 +19,7 @@ import time
 
 import torch
 
-from .module import DistillModule
+from .module import DistillModule, target_layer_features
 
 
 def time_call(fn, repeats: int) -> float:
@@ -69,11 +70,24 @@ def main(argv: list[str] | None = None) -> None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
+        with torch.no_grad():
+            features = target_layer_features(module.target, input_ids, module._target.layer_ids)
+        offline_batch = {**batch, "features": features}
+
+        def offline_step():
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = module._shared_step(offline_batch, 0, "train").loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
         target_seconds = time_call(target_forward, args.repeats)
         step_seconds = time_call(training_step, args.repeats)
+        offline_seconds = time_call(offline_step, args.repeats)
         print(
             f"{setting:>10}: target forward {target_seconds:.2f} s, training step {step_seconds:.2f} s, "
-            f"ratio {step_seconds / target_seconds:.2f}, {tokens / step_seconds:.0f} target tokens/s",
+            f"ratio {step_seconds / target_seconds:.2f}, {tokens / step_seconds:.0f} target tokens/s; "
+            f"offline step {offline_seconds:.2f} s, {tokens / offline_seconds:.0f} tokens/s",
             flush=True,
         )
 

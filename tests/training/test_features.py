@@ -341,3 +341,21 @@ def test_train_builds_a_missing_store_in_a_single_process_and_refuses_in_many(tm
     assert train_main([*common, "--run", "one"]) == 0
     assert FeatureStore(store).layer_ids == [1, 3, 4]
     assert (tmp_path / "out" / "tiny" / "one" / "drafter" / "config.json").exists()
+
+
+def test_auto_store_is_the_recipes_cache_folder_built_on_first_use(tmp_path, monkeypatch):
+    monkeypatch.setattr(training.features, "cache_dir", lambda: tmp_path / "ddtree-cache")  # targets stay cached
+    data = write_conversations(tmp_path / "conversations.jsonl", count=16)
+    args = [
+        "--recipe", "tiny", "--output-root", str(tmp_path / "out"), f"--data.data_path={data}",
+        f"--data.cache_dir={tmp_path / 'cache'}", "--data.feature_store=auto", "--data.batch_size=2",
+        "--trainer.val_check_interval=null", "--eval.every_n_train_steps=2", "--eval.limit=1",
+        "--trainer.max_steps=2", "--trainer.enable_progress_bar=false",
+    ]
+    assert train_main([*args, "--run", "one"]) == 0
+    datamodule = DistillDataModule(target="tiny-random", data_path=str(data), max_length=256, cache_dir=str(tmp_path / "cache"))
+    expected = tmp_path / "ddtree-cache" / "features" / f"tiny-{datamodule.tokenization_key()}"
+    assert FeatureStore(expected).layer_ids == [1, 3, 4]
+    assert "feature_store: auto" in (tmp_path / "out" / "tiny" / "one" / "config.yaml").read_text()  # a resume resolves it again
+    with pytest.raises(DDTreeError, match="auto"):  # outside training.train there is no recipe to resolve it with
+        DistillDataModule(target="tiny-random", data_path=str(data), feature_store="auto").setup()

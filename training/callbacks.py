@@ -283,6 +283,16 @@ class AcceptanceEvaluation(L.Callback):
         self.history = list(state_dict.get("history", []))
         self.last_step = state_dict.get("last_step", -1)
 
+    def on_validation_end(self, trainer, pl_module) -> None:
+        # Lightning validates after the train-batch hooks of the same step, so the evaluation recorded
+        # there saw the previous validation's loss: this step's row takes the fresh one.
+        if trainer.sanity_checking or not self.history or self.history[-1]["step"] != trainer.global_step:
+            return
+        if "val/loss" in trainer.callback_metrics:
+            self.history[-1]["val_loss"] = float(trainer.callback_metrics["val/loss"])
+            if trainer.is_global_zero:
+                self._write_report(trainer)
+
     # -------------------------------------------------------------- the evaluation inside training
 
     def eval_drafter(self, trainer, pl_module) -> nn.Module:
@@ -326,6 +336,20 @@ class AcceptanceEvaluation(L.Callback):
         if trainer.is_global_zero:
             self._write(trainer, metrics, result)
 
+    def _settings(self, trainer) -> dict:
+        return {
+            "prompts": self.prompts_path, "num_prompts": len(self.prompts), "max_new_tokens": self.max_new_tokens,
+            "budgets": self.budgets, "primary_budget": self.primary_budget,
+            "block_size": int(trainer.lightning_module.block_size),
+        }
+
+    def _write_report(self, trainer) -> float:
+        """Rewrite report.md and tau.png from the history; returns this launch's wall time so far."""
+        launch_seconds = time.perf_counter() - self.launch_started
+        report.write_all(Path(trainer.default_root_dir), self.history, self._settings(trainer),
+                         self.launch_eval_seconds, launch_seconds)
+        return launch_seconds
+
     def _write(self, trainer, metrics: dict, result: dict) -> None:
         step = trainer.global_step
         # Straight to the loggers: metrics logged through the module reach them only on
@@ -342,14 +366,8 @@ class AcceptanceEvaluation(L.Callback):
             logger.save()
 
         run_dir = Path(trainer.default_root_dir)
-        settings = {
-            "prompts": self.prompts_path, "num_prompts": len(self.prompts), "max_new_tokens": self.max_new_tokens,
-            "budgets": self.budgets, "primary_budget": self.primary_budget,
-            "block_size": int(trainer.lightning_module.block_size),
-        }
-        write_json_atomic(run_dir / "eval" / f"step-{step:06d}.json", {"step": step, "settings": settings, **result})
-        launch_seconds = time.perf_counter() - self.launch_started
-        report.write_all(run_dir, self.history, settings, self.launch_eval_seconds, launch_seconds)
+        write_json_atomic(run_dir / "eval" / f"step-{step:06d}.json", {"step": step, "settings": self._settings(trainer), **result})
+        launch_seconds = self._write_report(trainer)
 
         primary = result["summary"][f"ddtree@{self.primary_budget}"]
         print(

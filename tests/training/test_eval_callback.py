@@ -10,6 +10,7 @@ that read the target's own greedy continuation (perfect) or avoid every token it
 from __future__ import annotations
 
 import csv
+import re
 import json
 import math
 import random
@@ -125,6 +126,26 @@ def test_training_logs_what_bench_measures_and_marks_the_best_checkpoint(tmp_pat
     depth_rows = list(csv.DictReader((run_dir / "eval" / "accepted_depths.csv").open()))
     assert {int(r["step"]) for r in depth_rows} == {2, 4, 5}
     assert list((run_dir / "tensorboard").glob("version_0/events.out.tfevents.*"))
+
+
+def test_each_report_row_shows_the_validation_loss_of_its_own_step(tmp_path):
+    """Lightning validates after the evaluation's hook at the same step; the row must not show the previous loss."""
+    data = write_conversations(tmp_path / "conversations.jsonl")
+    args = [
+        "--recipe", "tiny", "--output-root", str(tmp_path / "out"), "--run", "run",
+        f"--data.data_path={data}", f"--data.cache_dir={tmp_path / 'cache'}", "--data.batch_size=2",
+        "--data.val_fraction=0.1", "--trainer.val_check_interval=2", "--trainer.check_val_every_n_epoch=null",
+        "--trainer.enable_progress_bar=false", "--trainer.max_steps=4",
+        "--eval.every_n_train_steps=2", "--eval.limit=1", "--eval.max_new_tokens=4",
+    ]
+    assert train_main(args) == 0
+    run_dir = tmp_path / "out" / "tiny" / "run"
+    validations = [float(row["val/loss"]) for path in sorted(run_dir.glob("**/metrics.csv"))
+                   for row in csv.DictReader(path.open()) if row.get("val/loss")]
+    assert len(validations) == 2 and validations[0] != validations[1]
+    cells = [line.split("|") for line in (run_dir / "report.md").read_text().splitlines() if line.startswith("| ")]
+    rows = {re.sub(r"\D", "", c[1].replace("(best)", "")): c[3].strip() for c in cells if re.search(r"\d", c[1])}
+    assert rows == {"2": f"{validations[0]:.3f}", "4": f"{validations[1]:.3f}"}
 
 
 # ----------------------------------------------------------------------------- rigged drafters

@@ -22,6 +22,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+import toy_data  # tests/training/toy_data.py
 import ddtree.cli
 import training.evaluate
 import training.train
@@ -40,14 +41,7 @@ PRIMARY = 8
 
 
 def write_conversations(path: Path, count: int = 16, seed: int = 0) -> Path:
-    words = "the a drafter proposes tokens target verifies block tree python list sort value returns".split()
-    rng = random.Random(seed)
-    with path.open("w") as f:
-        for i in range(count):
-            answer = " ".join(rng.choice(words) for _ in range(rng.randint(30, 50)))
-            messages = [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": answer}]
-            f.write(json.dumps({"messages": messages}) + "\n")
-    return path
+    return toy_data.write_conversations(path, count, 30, 50, seed, with_ids=False)
 
 
 def logged_rows(run_dir: Path) -> dict[int, dict]:

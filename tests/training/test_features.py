@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import random
 
 import lightning as L
 import pytest
 import torch
 
+import toy_data  # tests/training/toy_data.py
 import training.features
 import training.module
 from ddtree.targets import DDTreeError, load_target
@@ -29,14 +29,7 @@ HIDDEN = 64  # the tiny target's hidden size
 
 def write_conversations(path, count=12, seed=0):
     """Replies of 10 to 40 words, so the sequences have many different lengths."""
-    words = "the a drafter proposes tokens target verifies block tree python list sort value returns".split()
-    rng = random.Random(seed)
-    with path.open("w") as f:
-        for i in range(count):
-            answer = " ".join(rng.choice(words) for _ in range(rng.randint(10, 40)))
-            messages = [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": answer}]
-            f.write(json.dumps({"id": str(i), "messages": messages}) + "\n")
-    return path
+    return toy_data.write_conversations(path, count, 10, 40, seed)
 
 
 def make_datamodule(tmp_path, **overrides) -> DistillDataModule:

@@ -9,8 +9,6 @@ weights. That is all the wiring depends on (layer ids in range, MASK id inside t
 
 from __future__ import annotations
 
-import json
-import random
 
 import pytest
 import torch
@@ -18,6 +16,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 import lightning as L
 
+import toy_data  # tests/training/toy_data.py
 import training.module
 import training.train
 from training.train import RECIPES_DIR, DistillCLI, build_cli, known_recipes, main
@@ -110,13 +109,7 @@ def test_unknown_recipe_prints_one_line_listing_the_known_ones(capsys):
 
 
 def write_conversations(path, count=24, seed=0):
-    words = "the a drafter proposes tokens target verifies block tree python list sort value returns".split()
-    rng = random.Random(seed)
-    with path.open("w") as f:
-        for i in range(count):
-            answer = " ".join(rng.choice(words) for _ in range(rng.randint(30, 60)))
-            messages = [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": answer}]
-            f.write(json.dumps({"id": str(i), "messages": messages}) + "\n")
+    return toy_data.write_conversations(path, count, 30, 60, seed)
 
 
 def drafter_weights(run_dir):

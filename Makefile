@@ -29,17 +29,18 @@ data: $(STAMP)
 # data, written once (bf16, sharded; size printed first; resumable) for `--data.feature_store <dir>`
 # (training/features.py). OUT defaults to the recipe's data.feature_store, else a folder under $DDTREE_CACHE.
 features: $(STAMP)
-	$(PY) -m training.features --recipe $(RECIPE) $(if $(OUT),--out $(OUT)) $(if $(FORCE),--force)
+	$(PY) -m training.features --recipe $(RECIPE) $(if $(OUT),--out $(OUT)) $(if $(FORCE),--force) $(ARGS)
 
-# make train [RECIPE=smollm2-135m|tiny|qwen3-8b|...] [RESUME=last|path/to/x.ckpt] [NODES=n]
+# make train [RECIPE=smollm2-135m|tiny|qwen3-8b|...] [RESUME=last|path/to/x.ckpt|run folder] [NODES=n] [ARGS="..."]
 # Writes outputs/$(RECIPE)/<run>/ (config, checkpoints, logs, drafter/); RESUME continues a run exactly.
+# ARGS passes recipe overrides and train options through, e.g. ARGS="--trainer.max_steps=100 --run-name try1".
 # NODES=n: this node's share of an n-node torchrun job (recipes/launch_torchrun.sh; it prints what to
 # run on each node when MASTER_ADDR, NODE_RANK or RUN_NAME is unset). SLURM: recipes/slurm.sbatch.
 train: $(STAMP)
 ifeq ($(NODES),)
-	$(PY) -m training.train --recipe $(RECIPE) $(if $(RESUME),--resume $(RESUME))
+	$(PY) -m training.train --recipe $(RECIPE) $(if $(RESUME),--resume $(RESUME)) $(ARGS)
 else
-	PYTHON=$(PY) recipes/launch_torchrun.sh $(RECIPE) $(NODES) $(if $(RESUME),--resume $(RESUME))
+	PYTHON=$(PY) recipes/launch_torchrun.sh $(RECIPE) $(NODES) $(if $(RESUME),--resume $(RESUME)) $(ARGS)
 endif
 
 # make eval [RECIPE=smollm2-135m] [CKPT=best|last|path/to/x.ckpt]  (default: best of the newest run)
@@ -51,6 +52,8 @@ eval: $(STAMP)
 #             [OVERWRITE=1] [REPO=user/name PUSH=1]   (push token: HF_TOKEN)
 # Writes a Hub-ready drafter folder (weights, config + remote code, model card); see training/publish.py.
 export: $(STAMP)
+	$(if $(RUN),,$(error make export needs RUN=outputs/<recipe>/<run> (a training run folder) and OUT=exports/<name>))
+	$(if $(OUT),,$(error make export needs OUT=exports/<name> (the folder to write); RUN=$(RUN) is the run))
 	$(PY) -m training.publish $(RUN) --out $(OUT) $(if $(CKPT),--ckpt $(CKPT)) $(if $(SPECULATORS),--speculators) \
 		$(if $(OVERWRITE),--overwrite) $(if $(REPO),--repo $(REPO)) $(if $(PUSH),--push)
 

@@ -27,12 +27,13 @@ import argparse
 import importlib
 import inspect
 import json
-import os
 import random
 import re
 import sys
-import tempfile
 from pathlib import Path
+
+from ddtree.errors import command
+from ddtree.files import atomic_file
 
 # ----------------------------------------------------------------------------- stdlib sources
 
@@ -456,20 +457,14 @@ def build(seed: int, num_coding: int, num_chat: int, num_eval: int) -> tuple[lis
 
 
 def write_jsonl(records: list[dict], path: Path) -> None:
-    """Write atomically: a temp file beside the destination, renamed when complete."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for record in records:
-                f.write(json.dumps(record, ensure_ascii=False) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """One JSON object per line, written atomically (a reader never sees half a file)."""
+    with atomic_file(path) as handle:
+        for record in records:
+            handle.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
-def main(argv: list[str] | None = None) -> None:
+@command
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-coding", type=int, default=2400, help="training coding prompts")
@@ -485,7 +480,8 @@ def main(argv: list[str] | None = None) -> None:
     num_code = sum(r["id"].startswith("code/") for r in train)
     print(f"wrote {len(train)} training prompts ({num_code} coding, {len(train) - num_code} chat) to {args.train_out}")
     print(f"wrote {len(evaluation)} evaluation prompts to {args.eval_out} (python {sys.version.split()[0]}, seed {args.seed})")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -23,18 +23,20 @@ How the work is laid out, so it survives interruption:
     (save_to_disk) at <out> with columns id, messages (prompt + assistant turn), finish_reason
     ("stop" | "length"), response_tokens; <out>/regeneration.json records settings and counts.
 
-Backends: transformers (batched generate, left padding, KV cache) everywhere; vLLM when it is
+Backends: transformers (a batched decoding loop, left padding, KV cache) everywhere; vLLM when it is
 importable and a GPU is present (or --backend vllm). Special tokens are dropped from the response
 text so a stray template token cannot break the conversation structure when it is re-rendered.
+Sampling (--temperature > 0) cuts with serving's top-p rule (ddtree.decoding.top_p_filter; vLLM has its own).
+Bad input (a malformed prompt file, settings that differ from the finished chunks) prints one
+`error:` line and exits with status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -42,10 +44,11 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from ddtree.targets import DDTreeError, load_target, resolve_target, staged_folder, stop_token_ids
-from training.data import read_messages_jsonl, render_prompt_ids
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from ddtree.decoding import top_p_filter
+from ddtree.errors import DDTreeError, command
+from ddtree.files import staged_folder, write_text_atomic
+from ddtree.targets import DTYPES, load_target, resolve_target, stop_token_ids
+from training.conversations import read_messages_jsonl, render_prompt_ids
 
 
 def prompt_messages(messages: list[dict]) -> list[dict]:
@@ -65,17 +68,15 @@ def cut_at_stop(token_ids: list[int], stop_ids: set[int]) -> tuple[list[int], st
 
 
 def pick_next(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """Greedy at temperature 0, else a sample from the temperature-scaled, top-p-truncated softmax."""
+    """Greedy at temperature 0, else a sample from the temperature-scaled, top-p-truncated softmax.
+
+    The top-p cut is serving's (ddtree.decoding.top_p_filter), so sampled training answers come
+    from the distribution the drafter will be served under.
+    """
     if temperature <= 0:
         return logits.argmax(-1)
     probs = torch.softmax(logits.float() / temperature, dim=-1)  # (B, V)
-    if top_p < 1.0:
-        sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True)
-        # Keep the smallest set of tokens whose mass reaches top_p (the first token always stays).
-        outside = sorted_probs.cumsum(-1) - sorted_probs > top_p
-        sorted_probs[outside] = 0
-        probs = torch.zeros_like(probs).scatter_(-1, sorted_ids, sorted_probs)
-    return torch.multinomial(probs, 1).squeeze(-1)
+    return torch.multinomial(top_p_filter(probs, top_p), 1).squeeze(-1)  # (B,)
 
 
 @torch.inference_mode()
@@ -180,24 +181,13 @@ def tokenizer_and_stops(target: str):
 
 def vllm_usable() -> bool:
     try:
-        import vllm  # noqa: F401
+        importlib.import_module("vllm")  # optional: only whether it imports matters here
     except ImportError:
         return False
     return torch.cuda.is_available()
 
 
 # ----------------------------------------------------------------------------- files
-
-def write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
 
 def chunk_path(parts: Path, index: int) -> Path:
     return parts / f"chunk-{index:05d}.jsonl"
@@ -215,7 +205,7 @@ def check_settings(parts: Path, settings: dict) -> None:
                 f"delete {parts} to start over or choose another --out"
             )
         return
-    write_atomic(path, json.dumps(settings, indent=2) + "\n")
+    write_text_atomic(path, json.dumps(settings, indent=2) + "\n")
 
 
 def read_chunk(parts: Path, index: int, records: list[dict]) -> list[dict] | None:
@@ -392,22 +382,20 @@ def run(args: argparse.Namespace) -> dict | None:
                         "prompt_tokens": len(prompt),
                         "response_tokens": len(response),
                     }, ensure_ascii=False))
-                write_atomic(chunk_path(parts, k), "\n".join(lines) + "\n")
+                write_text_atomic(chunk_path(parts, k), "\n".join(lines) + "\n")
         print(f"[regenerate] shard {args.shard_index}: {total} prompts in {time.time() - started:.0f} s", flush=True)
 
     if all(read_chunk(parts, k, chunk) is not None for k, chunk in enumerate(chunks)):
         return report(merge(parts, args.out, chunks, settings), args.out)
-    print(f"[regenerate] other shards still running; the last one merges (or run with --merge-only)")
+    print("[regenerate] other shards still running; the last one merges (or run with --merge-only)")
     return None
 
 
-def main(argv=None) -> None:
-    try:
-        run(parse_args(argv))
-    except DDTreeError as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+@command
+def main(argv: list[str] | None = None) -> int:
+    run(parse_args(argv))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

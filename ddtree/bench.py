@@ -4,6 +4,12 @@
     results = run_benchmark(target, drafter, prompts, methods=["ar", "ddtree"], budgets=[32],
                             max_new_tokens=128, stop_ids=[2])
     print(format_summary(results["summary"]))
+    acceptance_summary(results["prompts"], tree_key(32))   # tau etc. over any subset of the rows
+
+Method keys, the same in results.json, the training-time evaluation and every report: "ar", CHAIN
+("dflash", the single chain) and tree_key(B) ("ddtree@B"); format and parse them only through
+CHAIN, tree_key and budget_of. A summary is always computed from the per-prompt rows, so the
+evaluation of a training run (which gathers rows from every rank) and `ddtree bench` agree exactly.
 
 Prompts file: one JSON object per line, {"prompt": "..."} (raw text, tokenized as is) or
 {"messages": [{"role": ..., "content": ...}]} (the target's chat template with the generation
@@ -13,6 +19,7 @@ prompt); optional "id".
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
@@ -20,8 +27,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from .decoding import METHODS, DrafterRunner, GenerationResult, Sampling, context_limit, generate
-from .targets import DDTreeError
+from .decoding import METHODS, DrafterRunner, Sampling, context_limit, generate
+from .errors import DDTreeError
 
 
 def iter_json_lines(path: Path):
@@ -71,6 +78,19 @@ def load_prompts(path: str | Path, tokenizer: PreTrainedTokenizerBase, limit: in
     return prompts
 
 
+CHAIN = "dflash"  # the single-chain method's key in results; a tree at budget B is tree_key(B)
+
+
+def tree_key(budget: int) -> str:
+    """The results key of DDTree at a node budget: "ddtree@32"."""
+    return f"ddtree@{budget}"
+
+
+def budget_of(key: str) -> int | None:
+    """The node budget of a tree key ("ddtree@32" -> 32); None for "ar" and the chain."""
+    return int(key.split("@", 1)[1]) if key.startswith("ddtree@") else None
+
+
 def method_keys(methods: list[str], budgets: list[int]) -> list[tuple[str, str, int]]:
     """[(key, method, budget)]: "ar", "dflash", and one "ddtree@B" per budget."""
     keys = []
@@ -81,33 +101,46 @@ def method_keys(methods: list[str], budgets: list[int]) -> list[tuple[str, str, 
             for budget in budgets:
                 if budget < 1:
                     raise DDTreeError(f"budget {budget} must be at least 1")
-                keys.append((f"ddtree@{budget}", method, budget))
+                keys.append((tree_key(budget), method, budget))
         else:
             keys.append((method, method, 0))
     return keys
 
 
-def _summarize(runs: list[GenerationResult]) -> dict:
-    rounds = [r for run in runs for r in run.rounds]
-    new_tokens = sum(len(run.new_tokens) for run in runs)
-    seconds = sum(run.prefill_s + run.decode_s for run in runs)
-    per_round = lambda attr: 1000 * sum(getattr(r, attr) for r in rounds) / max(len(rounds), 1)  # noqa: E731
-    depth_counts: dict[int, int] = {}
-    for r in rounds:
-        depth_counts[r.accepted_depth] = depth_counts.get(r.accepted_depth, 0) + 1
+def acceptance_summary(rows: list[dict], key: str) -> dict:
+    """How far method `key` got per verification round, over per-prompt rows (run_benchmark's "prompts").
+
+    tau = tokens committed per round (accepted drafts + the bonus token), expected_tau = what the
+    drafter predicted for its own trees (1.0 for rounds without a tree), rounds, new_tokens, and
+    accepted_depth_counts {depth: rounds}. The training-time evaluation logs exactly these.
+    """
+    rounds = [r for row in rows for r in row["methods"][key]["rounds"]]
+    depth_counts = Counter(r["accepted_depth"] for r in rounds)
     return {
-        "tau": sum(r.committed for r in rounds) / max(len(rounds), 1),
-        "expected_tau": sum(r.expected for r in rounds) / max(len(rounds), 1),
+        "tau": sum(r["committed"] for r in rounds) / max(len(rounds), 1),
+        "expected_tau": sum(r["expected"] for r in rounds) / max(len(rounds), 1),
         "rounds": len(rounds),
-        "new_tokens": new_tokens,
+        "new_tokens": sum(len(row["methods"][key]["new_tokens"]) for row in rows),
+        "accepted_depth_counts": dict(sorted(depth_counts.items())),
+    }
+
+
+def summarize(rows: list[dict], key: str) -> dict:
+    """acceptance_summary plus wall time: seconds, tokens_per_s, and per-round draft/verify/other ms."""
+    acceptance = acceptance_summary(rows, key)
+    rounds = [r for row in rows for r in row["methods"][key]["rounds"]]
+    seconds = sum(row["methods"][key]["seconds"] for row in rows)
+    per_round = lambda name: 1000 * sum(r[name] for r in rounds) / max(len(rounds), 1)  # noqa: E731
+    timing = {
         "seconds": seconds,
-        "tokens_per_s": new_tokens / seconds if seconds > 0 else 0.0,
+        "tokens_per_s": acceptance["new_tokens"] / seconds if seconds > 0 else 0.0,
         "round_ms": per_round("draft_s") + per_round("verify_s") + per_round("other_s"),
         "draft_ms": per_round("draft_s"),
         "verify_ms": per_round("verify_s"),
         "other_ms": per_round("other_s"),
-        "accepted_depth_counts": dict(sorted(depth_counts.items())),
     }
+    depth_counts = acceptance.pop("accepted_depth_counts")  # kept last, as results.json has always listed it
+    return {**acceptance, **timing, "accepted_depth_counts": depth_counts}
 
 
 def run_benchmark(
@@ -122,7 +155,10 @@ def run_benchmark(
     seed: int = 0,
     progress: bool = True,
 ) -> dict:
-    """Run every method on every prompt. Returns {"settings", "summary": {key: ...}, "prompts": [...]}."""
+    """Run every method on every prompt. Returns {"summary": {key: summarize(...)}, "prompts": [per-prompt rows]}.
+
+    A row is {"id", "prompt_tokens", "methods": {key: {"tau", "new_tokens", "seconds", "rounds": [Round as a dict]}}}.
+    """
     keys = method_keys(methods, budgets)
     if drafter is None and any(method != "ar" for _, method, _ in keys):
         raise DDTreeError("methods dflash and ddtree need a drafter")
@@ -136,7 +172,6 @@ def run_benchmark(
     for _, method, budget in keys:
         generate(target, prompts[0]["prompt_ids"], method, drafter, budget or 1, 4, stop_ids, sampling)
 
-    runs: dict[str, list[GenerationResult]] = {key: [] for key, _, _ in keys}
     per_prompt = []
     bar = tqdm(total=len(prompts) * len(keys), desc="bench", disable=not progress, unit="run")
     for prompt in prompts:
@@ -146,7 +181,6 @@ def run_benchmark(
             result = generate(
                 target, prompt["prompt_ids"], method, drafter, budget or 1, max_new_tokens, stop_ids, sampling, generator
             )
-            runs[key].append(result)
             row["methods"][key] = {
                 "tau": result.tau,
                 "new_tokens": result.new_tokens,
@@ -158,7 +192,7 @@ def run_benchmark(
         per_prompt.append(row)
     bar.close()
 
-    summary = {key: _summarize(results) for key, results in runs.items()}
+    summary = {key: summarize(per_prompt, key) for key, _, _ in keys}
     if "ar" in summary:
         baseline = summary["ar"]["tokens_per_s"]
         for stats in summary.values():

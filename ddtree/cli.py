@@ -6,16 +6,13 @@
 
 `--drafter random` builds an untrained drafter for the target (smoke tests); otherwise it is a
 drafter folder (config.json + safetensors, the published DFlash format). Bad input prints one
-line and exits with status 2.
+line, `error: ...`, and exits with status 2 (ddtree/errors.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -23,11 +20,11 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .bench import format_summary, load_prompts, measure_verify_cost, run_benchmark
 from .configuration_dflash import DFlashDrafterConfig
-from .decoding import DrafterRunner, Sampling, generate
+from .decoding import METHODS, DrafterRunner, Sampling, generate
+from .errors import DDTreeError, command
+from .files import write_json_atomic
 from .modeling_dflash import DFlashDraftModel
-from .targets import DDTreeError, build_drafter_config, check_drafter_fits, load_target, stop_token_ids
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from .targets import DTYPES, build_drafter_config, check_drafter_fits, load_target, stop_token_ids
 
 
 def load_drafter(
@@ -77,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(gen)
     gen.add_argument("--prompt", required=True, help="user message (the chat template is applied)")
     gen.add_argument("--raw", action="store_true", help="use the prompt as raw text, without the chat template")
-    gen.add_argument("--method", choices=["ar", "dflash", "ddtree"], default="ddtree")
+    gen.add_argument("--method", choices=METHODS, default="ddtree")
     gen.add_argument("--budget", type=int, default=32, help="tree node budget for ddtree")
 
     bench = commands.add_parser("bench", help="run methods over a prompts file and summarise")
@@ -149,12 +146,8 @@ def cmd_bench(args) -> None:
     results = {"settings": settings, **results}
     print(format_summary(results["summary"]))
     if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=out.parent, delete=False, suffix=".tmp") as tmp:
-            json.dump(results, tmp, indent=1)
-        os.replace(tmp.name, out)
-        print(f"results written to {out}")
+        write_json_atomic(args.out, results)
+        print(f"results written to {args.out}")
 
 
 def cmd_verify_cost(args) -> None:
@@ -166,13 +159,10 @@ def cmd_verify_cost(args) -> None:
         print(f"{row['nodes']:>6} {row['verify_ms']:>10.1f} {row['ratio']:>10.2f} {row['overhead_ms']:>17.2f}")
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        {"generate": cmd_generate, "bench": cmd_bench, "verify-cost": cmd_verify_cost}[args.command](args)
-    except DDTreeError as error:
-        print(f"ddtree: error: {error}", file=sys.stderr)
-        return 2
+    {"generate": cmd_generate, "bench": cmd_bench, "verify-cost": cmd_verify_cost}[args.command](args)
     return 0
 
 

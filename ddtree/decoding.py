@@ -19,6 +19,7 @@ one target forward can confirm. A round of `dflash`/`ddtree`:
 from __future__ import annotations
 
 import time
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -26,9 +27,22 @@ from transformers import DynamicCache, PreTrainedModel
 
 from .modeling_dflash import DFlashDraftModel, fuse_target_features
 from .targets import DDTreeError
-from .tree import DraftTree, build_tree, chain_tree, tree_attention_mask, tree_positions, walk
+from .tree import build_tree, chain_tree, tree_attention_mask, tree_positions, walk
 
 METHODS = ("ar", "dflash", "ddtree")
+
+
+def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Nucleus cut over the last axis (..., V): keep the smallest set of most likely tokens whose mass
+    reaches top_p (the most likely token always stays), renormalised. The one top-p rule of the
+    project: serving (Sampling) and data regeneration (data/regenerate.py) both use it.
+    """
+    if top_p >= 1.0:
+        return probs
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    drop = sorted_probs.cumsum(-1) - sorted_probs >= top_p  # the mass before a token already reaches top_p
+    probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
+    return probs / probs.sum(dim=-1, keepdim=True)
 
 
 @dataclass(frozen=True)
@@ -38,9 +52,10 @@ class Sampling:
     top_k: int = 0  # 0 = no top-k cut
 
     def __post_init__(self):
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+        # written so that NaN fails every test (NaN compares False with everything)
+        if not (0 <= self.temperature < math.inf and 0 < self.top_p <= 1 and self.top_k >= 0):
             raise DDTreeError(
-                f"bad sampling settings: temperature {self.temperature} must be >= 0, top_p {self.top_p} in "
+                f"bad sampling settings: temperature {self.temperature} must be a finite number >= 0, top_p {self.top_p} in "
                 f"(0, 1], top_k {self.top_k} >= 0"
             )
 
@@ -51,13 +66,7 @@ class Sampling:
             kth_best = scores.topk(self.top_k).values[-1]
             scores = scores.masked_fill(scores < kth_best, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
-        if self.top_p < 1.0:
-            sorted_probs, order = probs.sort(descending=True)
-            # keep the smallest set of most likely tokens whose mass reaches top_p
-            drop = sorted_probs.cumsum(-1) - sorted_probs >= self.top_p
-            probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
-            probs = probs / probs.sum()
-        return probs
+        return top_p_filter(probs, self.top_p)
 
     def choose(self, logits: torch.Tensor, generator: torch.Generator | None) -> int:
         """The target's own decoding rule on one row of logits (V,)."""

@@ -12,18 +12,31 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
-import tempfile
-from contextlib import contextmanager
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from .errors import DDTreeError
+from .files import staged_folder
 
-class DDTreeError(ValueError):
-    """Bad input a user can fix; the CLI prints its message as one line and exits non-zero."""
+# The dtypes a user can name on any command line or recipe field of this project.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str, where: str = "dtype") -> torch.dtype:
+    """A dtype by name ("bfloat16", or "torch.bfloat16"); `where` names the flag or field in the error."""
+    dtype = DTYPES.get(str(name).removeprefix("torch."))
+    if dtype is None:
+        raise DDTreeError(f"{where}={name!r}: choose one of {', '.join(DTYPES)}")
+    return dtype
+
+
+def is_hub_id(name: str | None) -> bool:
+    """Looks like a Hub model id (owner/name) rather than a local path; a path that exists is never one."""
+    return bool(name) and name.count("/") == 1 and not name.startswith((".", "/", "~")) and not Path(name).exists()
 
 
 @dataclass(frozen=True)
@@ -42,27 +55,6 @@ BUILTIN_TARGETS = {
 
 def cache_dir() -> Path:
     return Path(os.environ.get("DDTREE_CACHE", Path.home() / ".cache" / "ddtree"))
-
-
-@contextmanager
-def staged_folder(destination: Path, replace: bool = True):
-    """Yield a temporary folder beside `destination`; on success rename it into place.
-
-    An interruption or an error leaves `destination` as it was and removes the partial folder,
-    so nothing half-written is ever visible under the final name.
-    """
-    destination = Path(destination)
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}-", dir=destination.parent))
-    try:
-        yield staging
-        if destination.exists():
-            if not replace:
-                raise DDTreeError(f"{destination} already exists; refusing to overwrite it")
-            shutil.rmtree(destination)
-        staging.rename(destination)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def builtin_target_folder(name: str) -> Path:
@@ -132,13 +124,41 @@ def resolve_target(name_or_path: str) -> str:
         if not (path / "config.json").exists():
             raise DDTreeError(f"target folder {path} has no config.json; give a Hugging Face model folder")
         return str(path)
-    looks_like_hub_id = name_or_path.count("/") == 1 and not name_or_path.startswith((".", "/"))
-    if not looks_like_hub_id:
+    if not is_hub_id(name_or_path):
         raise DDTreeError(
             f"unknown target {name_or_path!r}: not a built-in target ({', '.join([*BUILTIN_TARGETS, TINY_TARGET])}), "
             "not a local folder, and not a Hub id of the form owner/name"
         )
+    check_hub_reachable(name_or_path)
     return name_or_path
+
+
+def hub_is_reachable(timeout_s: float = 3.0) -> bool:
+    """One TCP connection to the Hub's host (HF_ENDPOINT): the Hub client would otherwise retry for about a minute."""
+    from urllib.parse import urlparse
+
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    try:
+        socket.create_connection((endpoint.hostname, port), timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False
+
+
+def check_hub_reachable(repo_id: str) -> None:
+    """A Hub target not in the local cache fails at once when the Hub is off (HF_HUB_OFFLINE) or unreachable."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+        return  # cached: transformers loads it without the network
+    if constants.HF_HUB_OFFLINE:
+        raise DDTreeError(f"target {repo_id!r} is a Hub id that is not in the local cache and HF_HUB_OFFLINE is set: "
+                          "download it where there is internet, or give a local folder")
+    if not hub_is_reachable():
+        raise DDTreeError(f"target {repo_id!r} is a Hub id that is not in the local cache and the Hub "
+                          f"({os.environ.get('HF_ENDPOINT') or 'https://huggingface.co'}) cannot be reached: "
+                          "give a local folder, or run where there is internet")
 
 
 def mask_token_id_for(name_or_path: str, tokenizer: PreTrainedTokenizerBase) -> int | None:

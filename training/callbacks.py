@@ -20,10 +20,11 @@ the live drafter at temperature 0, and logs
 plus the accepted-depth histogram (TensorBoard), the per-prompt results (eval/step-N.json) and,
 in the run folder, report.md, tau.png and eval/accepted_depths.csv (training/report.py).
 
-`BestCheckpoint` is Lightning's ModelCheckpoint with monitor=val/tau_ddtree@<primary>, mode max
-(train.py links both settings to the `eval:` section): it keeps the top k, last.ckpt and a
-checkpoints/best.ckpt symlink naming the best. Lightning runs ModelCheckpoint callbacks after all
-others, so the metric of a step is always logged before the checkpoint of that step is ranked.
+`BestCheckpoint` saves the run at the same steps (training/recipe.py links its every_n_train_steps and
+its monitor, val/tau_ddtree@<primary>, to the `eval:` section) and keeps the top k by that metric,
+last.ckpt and a checkpoints/best.ckpt symlink naming the best. The two callbacks never call each
+other: both follow `is_evaluation_step`, and Lightning runs checkpoint callbacks after all others,
+so the metric a checkpoint is ranked by is always the one AcceptanceEvaluation logged at its step.
 
 Distributed (DDP, DeepSpeed): every rank decodes its share of the prompts (prompt i on rank
 i % world_size), all ranks gather every result and log the same numbers (each rank's checkpoint
@@ -36,51 +37,53 @@ numbers do not depend on the training precision plugin).
 
 from __future__ import annotations
 
-import json
+import math
 import os
 import random
-import tempfile
+import re
 import time
-from collections import Counter
 from pathlib import Path
 
 import lightning as L
 import numpy as np
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Checkpoint
 from torch import nn
 from transformers import AutoTokenizer, PreTrainedModel
 
-from ddtree.bench import load_prompts, run_benchmark
+from ddtree.bench import CHAIN, acceptance_summary, load_prompts, run_benchmark, tree_key
 from ddtree.decoding import DrafterRunner, Sampling
-from ddtree.modeling_dflash import DFlashDraftModel
-from ddtree.targets import DDTreeError, resolve_target, stop_token_ids
+from ddtree.errors import DDTreeError
+from ddtree.files import write_json_atomic
+from ddtree.targets import resolve_target, stop_token_ids
 
 from . import report
-from .report import CHAIN
-
-EVAL_STEP_METRIC = "val/eval_step"  # the step of the newest evaluation (for BestCheckpoint, not the loggers)
+from .strategies import consolidated_copy
 
 
 def monitor_metric(primary_budget: int) -> str:
-    """The metric checkpoints are ranked by."""
-    return f"val/tau_ddtree@{primary_budget}"
+    """The metric checkpoints are ranked by: val/tau_ddtree@<primary_budget>."""
+    return f"val/tau_{tree_key(primary_budget)}"
+
+
+def is_evaluation_step(trainer: L.Trainer, every_n_train_steps: int) -> bool:
+    """Whether this optimizer step is evaluated and checkpointed: every N steps, and the planned last step.
+
+    The planned end (max_steps, or the last batch of the last epoch) is the same on every rank,
+    unlike should_stop; a run stopped early is measured at its end but not checkpointed there.
+    """
+    step = trainer.global_step
+    if step == 0:
+        return False
+    if step % every_n_train_steps == 0:
+        return True
+    if trainer.max_steps is not None and 0 < trainer.max_steps <= step:
+        return True
+    max_epochs = trainer.max_epochs
+    return bool(trainer.is_last_batch) and max_epochs not in (None, -1) and trainer.current_epoch + 1 >= max_epochs
 
 
 # ----------------------------------------------------------------------------- measuring
-
-
-def summarize(rows: list[dict], key: str) -> dict:
-    """Acceptance of one method over per-prompt bench rows, with the same arithmetic as `ddtree bench`."""
-    rounds = [r for row in rows for r in row["methods"][key]["rounds"]]
-    depth_counts = Counter(r["accepted_depth"] for r in rounds)
-    return {
-        "tau": sum(r["committed"] for r in rounds) / max(len(rounds), 1),
-        "expected_tau": sum(r["expected"] for r in rounds) / max(len(rounds), 1),
-        "rounds": len(rounds),
-        "new_tokens": sum(len(row["methods"][key]["new_tokens"]) for row in rows),
-        "accepted_depth_counts": dict(sorted(depth_counts.items())),
-    }
 
 
 def measure_acceptance(
@@ -95,8 +98,8 @@ def measure_acceptance(
 ) -> dict:
     """Decode this rank's share of `prompts` with the chain and DDTree at every budget; gather all ranks.
 
-    Returns {"summary": {"dflash" | "ddtree@B": {tau, expected_tau, rounds, new_tokens,
-    accepted_depth_counts}}, "prompts": [per-prompt bench rows, in file order]}, identical on every rank.
+    Returns {"summary": {CHAIN | tree_key(B): acceptance_summary}, "prompts": [per-prompt bench rows,
+    in file order]}, identical on every rank.
     """
     share = list(range(rank, len(prompts), world_size))
     rows = []
@@ -111,8 +114,8 @@ def measure_acceptance(
         torch.distributed.all_gather_object(gathered, rows)
         rows = [row for part in gathered for row in part]
     rows.sort(key=lambda row: row["index"])  # file order, whatever the number of ranks
-    keys = [CHAIN] + [f"ddtree@{budget}" for budget in budgets]
-    return {"summary": {key: summarize(rows, key) for key in keys}, "prompts": rows}
+    keys = [CHAIN] + [tree_key(budget) for budget in budgets]
+    return {"summary": {key: acceptance_summary(rows, key) for key in keys}, "prompts": rows}
 
 
 def metrics_of(summary: dict, seconds: float) -> dict[str, float]:
@@ -147,32 +150,6 @@ class TrainingStateGuard:
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)
         return False
-
-
-def consolidated_copy(drafter: nn.Module) -> DFlashDraftModel:
-    """A plain copy of a ZeRO-3-sharded drafter on this rank (every rank must call this together).
-
-    Decoding runs a different number of drafter forwards on each rank, and ZeRO-3 gathers the shards
-    at every forward in lockstep, so the sharded module itself cannot decode. Not exercised by the
-    CPU tests (DeepSpeed needs CUDA).
-    """
-    import deepspeed
-
-    if hasattr(drafter, "peft_config") or any("lora_" in name for name, _ in drafter.named_parameters()):
-        raise DDTreeError(
-            "evaluation under DeepSpeed ZeRO-3 does not support a LoRA drafter; use ZeRO-2 or DDP, "
-            "or evaluate saved checkpoints with `make eval`"
-        )
-    params = dict(drafter.named_parameters())
-    device = next(iter(params.values())).device
-    copy = DFlashDraftModel(drafter.config)
-    with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):
-        full = {name: p.detach().clone() for name, p in params.items()}  # (whole tensors inside the context)
-    missing = set(dict(copy.named_parameters())) - set(full)
-    if missing:
-        raise RuntimeError(f"consolidating the ZeRO-3 drafter: parameters {sorted(missing)[:3]} were not gathered")
-    copy.load_state_dict(full, strict=False)
-    return copy.to(device=device, dtype=full[next(iter(full))].dtype).eval()
 
 
 # ----------------------------------------------------------------------------- the callback
@@ -256,10 +233,8 @@ class AcceptanceEvaluation(L.Callback):
         self.launch_eval_seconds = 0.0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        step = trainer.global_step
-        if step == 0 or step == self.last_step:  # no optimizer step since the last evaluation (accumulation)
-            return
-        if step % self.every_n_train_steps == 0 or self._is_last_step(trainer):
+        # Under gradient accumulation this runs once per micro-batch: evaluate a step once.
+        if trainer.global_step != self.last_step and is_evaluation_step(trainer, self.every_n_train_steps):
             self._evaluate(trainer, pl_module, checkpointed=True)
 
     def on_train_end(self, trainer, pl_module) -> None:
@@ -267,14 +242,6 @@ class AcceptanceEvaluation(L.Callback):
         # Lightning allows no logging to the module here, so this one is in the files and loggers only.
         if trainer.global_step > 0 and trainer.global_step != self.last_step:
             self._evaluate(trainer, pl_module, checkpointed=False)
-
-    @staticmethod
-    def _is_last_step(trainer) -> bool:
-        """The planned end of training (identical on every rank, unlike should_stop)."""
-        if trainer.max_steps is not None and 0 < trainer.max_steps <= trainer.global_step:
-            return True
-        max_epochs = trainer.max_epochs
-        return bool(trainer.is_last_batch) and max_epochs not in (None, -1) and trainer.current_epoch + 1 >= max_epochs
 
     def state_dict(self) -> dict:
         return {"history": self.history, "last_step": self.last_step}
@@ -297,7 +264,7 @@ class AcceptanceEvaluation(L.Callback):
 
     def eval_drafter(self, trainer, pl_module) -> nn.Module:
         """The live drafter (LoRA layers included), or a consolidated copy under ZeRO-3."""
-        drafter = pl_module._base_drafter()
+        drafter = pl_module.base_drafter()
         if getattr(trainer.strategy, "zero_stage_3", False):
             return consolidated_copy(drafter)
         return drafter
@@ -317,10 +284,9 @@ class AcceptanceEvaluation(L.Callback):
         self.launch_eval_seconds += seconds
         metrics = metrics_of(result["summary"], seconds)
 
-        if checkpointed:  # into callback_metrics on every rank, for BestCheckpoint and the progress bar
+        if checkpointed:  # into callback_metrics on every rank, where BestCheckpoint ranks by it, and the progress bar
             for name, value in metrics.items():
                 pl_module.log(name, value, logger=False, prog_bar=name == self.monitor, batch_size=1)
-            pl_module.log(EVAL_STEP_METRIC, float(step), logger=False, batch_size=1)
 
         scalar = lambda name: float(trainer.callback_metrics[name]) if name in trainer.callback_metrics else None  # noqa: E731
         self.history.append(
@@ -369,7 +335,7 @@ class AcceptanceEvaluation(L.Callback):
         write_json_atomic(run_dir / "eval" / f"step-{step:06d}.json", {"step": step, "settings": self._settings(trainer), **result})
         launch_seconds = self._write_report(trainer)
 
-        primary = result["summary"][f"ddtree@{self.primary_budget}"]
+        primary = result["summary"][tree_key(self.primary_budget)]
         print(
             f"[eval] step {step}: tau@{self.primary_budget} {primary['tau']:.2f} "
             f"(drafter expected {primary['expected_tau']:.2f}), chain {result['summary'][CHAIN]['tau']:.2f}, "
@@ -379,52 +345,143 @@ class AcceptanceEvaluation(L.Callback):
         )
 
 
-def write_json_atomic(path: Path, payload) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, staging = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(payload, f, indent=1)
-    os.replace(staging, path)
-
-
 # ----------------------------------------------------------------------------- checkpoint selection
 
 
-class BestCheckpoint(ModelCheckpoint):
-    """ModelCheckpoint ranked by the evaluation, with checkpoints/best.ckpt -> the best file.
+class BestCheckpoint(Checkpoint):
+    """Saves the run at the evaluation steps; keeps the top k by the measured tau, last.ckpt and best.ckpt.
 
-    Two additions to the stock callback: an evaluation off the every-n grid (the last step of a
-    run whose length is not a multiple of N) is ranked and saved too, and after every save the
-    symlink best.ckpt is pointed at `best_model_path` (rank 0, replaced atomically).
+    At every step `is_evaluation_step` picks (the same schedule as AcceptanceEvaluation: recipe.py
+    links every_n_train_steps), the checkpoint <filename>.ckpt competes by `monitor`, the value
+    AcceptanceEvaluation logged at that step; the earliest wins ties. last.ckpt is saved at the same
+    steps (and at the end of a launch that saved nothing), so a resume continues exactly from it.
+    checkpoints/best.ckpt is a relative symlink to the best file, replaced atomically on rank 0.
     """
 
+    LAST_NAME = "last.ckpt"
     BEST_NAME = "best.ckpt"
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        candidates = self._monitor_candidates(trainer)
-        fresh = candidates.get(EVAL_STEP_METRIC)
-        if (
-            self.monitor in candidates
-            and fresh is not None
-            and int(fresh) == trainer.global_step
-            and not self._should_skip_saving_checkpoint(trainer)  # skips if saved at this step already
-        ):
-            self._save_topk_checkpoint(trainer, candidates)
-            self._save_last_checkpoint(trainer, candidates)
-        self._link_best(trainer)
+    def __init__(
+        self,
+        dirpath: str | None = None,  # default: <trainer.default_root_dir>/checkpoints
+        filename: str = "step-{step}",  # Lightning's pattern: {step} and {epoch} become step=N, epoch=N
+        monitor: str = monitor_metric(32),  # set from eval.primary_budget by training/recipe.py
+        mode: str = "max",  # "max": a higher monitor value is better
+        every_n_train_steps: int = 200,  # set from eval.every_n_train_steps by training/recipe.py
+        save_top_k: int = 1,  # how many evaluated checkpoints to keep (-1: all, 0: only last.ckpt)
+        save_last: bool = True,  # also write last.ckpt at every save, for --resume
+    ):
+        if mode not in ("max", "min"):
+            raise DDTreeError(f"checkpoint.mode={mode!r}: choose max or min")
+        if save_top_k < -1:
+            raise DDTreeError(f"checkpoint.save_top_k={save_top_k}: give -1 (keep all), 0 or more")
+        if every_n_train_steps < 1:
+            raise DDTreeError(f"checkpoint.every_n_train_steps={every_n_train_steps}: must be at least 1")
+        try:
+            self.file_name(filename, step=0, epoch=0)
+        except (KeyError, IndexError, ValueError):
+            raise DDTreeError(f"checkpoint.filename={filename!r}: only {{step}} and {{epoch}} can be filled in") from None
+        self.dirpath = str(dirpath) if dirpath is not None else None
+        self.filename = filename
+        self.monitor = monitor
+        self.mode = mode
+        self.every_n_train_steps = every_n_train_steps
+        self.save_top_k = save_top_k
+        self.save_last = save_last
+        self.best_k_models: dict[str, float] = {}  # file name -> monitor value, in the order they were saved
+        self.best_model_path = ""  # the best kept file (Lightning's launchers and loggers read this name)
+        self.last_saved_step = -1
+        self.saved_this_launch = False
 
-    def on_validation_end(self, trainer, pl_module) -> None:
-        super().on_validation_end(trainer, pl_module)
-        self._link_best(trainer)
+    @staticmethod
+    def file_name(filename: str, step: int, epoch: int) -> str:
+        """"step-{step}" -> "step-step=200.ckpt", the names ModelCheckpoint gave (existing runs hold them)."""
+        return re.sub(r"\{(\w+)", r"\1={\1", filename).format(step=step, epoch=epoch) + ".ckpt"
+
+    def update_best(self) -> None:
+        """Point best_model_path at the best kept file, the earliest of equals (as ModelCheckpoint picks it)."""
+        if not self.best_k_models or self.dirpath is None:
+            self.best_model_path = ""
+            return
+        pick = max if self.mode == "max" else min
+        self.best_model_path = os.path.join(self.dirpath, pick(self.best_k_models, key=self.best_k_models.get))
+
+    # -------------------------------------------------------------- Lightning hooks
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if self.dirpath is None:
+            self.dirpath = os.path.join(trainer.default_root_dir, "checkpoints")
+        self.update_best()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if trainer.fast_dev_run or step == self.last_saved_step or not is_evaluation_step(trainer, self.every_n_train_steps):
+            return
+        if self.monitor not in trainer.callback_metrics:
+            raise DDTreeError(
+                f"checkpoint.monitor={self.monitor} was not logged at step {step}: it is logged by AcceptanceEvaluation "
+                "(the eval: section) at the same steps; keep eval.every_n_train_steps and checkpoint's equal"
+            )
+        score = float(trainer.callback_metrics[self.monitor])
+        if math.isnan(score):  # ranks last, as ModelCheckpoint ranks it
+            score = -math.inf if self.mode == "max" else math.inf
+        self.save(trainer, step, score)
 
     def on_train_end(self, trainer, pl_module) -> None:
-        super().on_train_end(trainer, pl_module)
-        self._link_best(trainer)
+        # A launch that reached no evaluation step (stopped early) still leaves last.ckpt to resume from.
+        if self.save_last and not self.saved_this_launch and not trainer.fast_dev_run:
+            self.last_saved_step = trainer.global_step
+            trainer.save_checkpoint(os.path.join(self.dirpath, self.LAST_NAME))
 
-    def _link_best(self, trainer) -> None:
-        if not (trainer.is_global_zero and self.monitor and self.best_model_path):
+    def state_dict(self) -> dict:
+        return {"best_k_models": dict(self.best_k_models), "last_saved_step": self.last_saved_step}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.best_k_models = dict(state_dict.get("best_k_models", {}))
+        self.last_saved_step = state_dict.get("last_saved_step", -1)
+        self.update_best()
+
+    # -------------------------------------------------------------- saving
+
+    def save(self, trainer, step: int, score: float) -> None:
+        """Save this step's checkpoint if it enters the top k (dropping the one it displaces), then last.ckpt."""
+        name = self.file_name(self.filename, step=step, epoch=trainer.current_epoch)
+        self.best_k_models.pop(name, None)  # a step saved again (a resume from an earlier checkpoint) competes anew
+        better = (lambda a, b: a > b) if self.mode == "max" else (lambda a, b: a < b)  # noqa: E731
+        worst = min if self.mode == "max" else max
+        displaced = None
+        if self.save_top_k == -1 or len(self.best_k_models) < self.save_top_k:
+            enters = self.save_top_k != 0
+        else:
+            displaced = worst(self.best_k_models, key=self.best_k_models.get)  # the earliest of equals goes
+            enters = better(score, self.best_k_models[displaced])
+        enters = trainer.strategy.broadcast(enters)  # the same decision on every rank, whatever the float noise
+
+        # The state is updated before saving: each file holds the ranking it is part of, for an exact resume.
+        self.last_saved_step = step
+        self.saved_this_launch = True
+        if enters:
+            self.best_k_models.pop(displaced, None)
+            self.best_k_models[name] = score
+        self.update_best()
+        if enters:
+            trainer.save_checkpoint(os.path.join(self.dirpath, name))  # every rank: the strategy may shard it
+            if displaced is not None:
+                self.remove(trainer, os.path.join(self.dirpath, displaced))
+        if self.save_last:
+            trainer.save_checkpoint(os.path.join(self.dirpath, self.LAST_NAME))
+        if trainer.is_global_zero and self.best_model_path:
+            self.link_best()
+
+    @staticmethod
+    def remove(trainer, path: str) -> None:
+        """Delete a displaced checkpoint (rank 0), unless this launch resumed from it."""
+        if trainer.ckpt_path is not None and Path(trainer.ckpt_path).resolve() == Path(path).resolve():
             return
+        if os.path.lexists(path):
+            trainer.strategy.remove_checkpoint(path)
+
+    def link_best(self) -> None:
         best = Path(self.best_model_path)
         link = best.parent / self.BEST_NAME
         if link.is_symlink() and os.readlink(link) == best.name:

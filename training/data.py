@@ -1,20 +1,20 @@
-"""Training data: conversations -> chat-template tokens with an assistant-only loss mask -> batches.
+"""Training batches: tokenized conversations -> a cached flat tensor -> right-padded, resumable batches.
 
     from training.data import DistillDataModule
     dm = DistillDataModule(target="smollm2-135m", data_path="data/smollm2-135m", max_length=2048, batch_size=4)
     trainer.fit(module, datamodule=dm)   # Trainer(use_distributed_sampler=False): see ResumableDataLoader
 
-Pieces, top to bottom:
-  - read_messages_jsonl / load_conversations: JSONL or Parquet files, saved `datasets` folders or
-    Hub names -> a list of {"id", "messages"} records, with errors naming the file and line.
-  - tokenize_conversation: render with the tokenizer's chat template; loss_mask = 1 on each
-    assistant turn's content and its end-of-turn token (not the role header, not what the template
-    adds after the end-of-turn token). Spans are found by rendering growing prefixes of the
-    conversation (the prompt up to each assistant turn, with the generation prompt) and diffing
-    against the full render; the render is then tokenized span by span.
-  - DistillDataModule: tokenizes once into a cache (prepare_data), loads it on every rank (setup),
-    serves right-padded batches {input_ids (B,T) long, loss_mask (B,T) bool, attention_mask (B,T) bool},
-    plus features (B,T,K*H) read from an offline feature store when one is given (training/features.py).
+This module owns the torch side of the data; reading files and the chat-template loss mask are
+training/conversations.py. Pieces, top to bottom:
+  - TokenizedConversations: every sequence in one flat tensor plus offsets (the cache's layout);
+    collate / Collator: right-padded batches {input_ids (B,T) long, loss_mask (B,T) bool,
+    attention_mask (B,T) bool}, plus features (B,T,K*H) read from an offline feature store when
+    one is given (training/feature_store.py).
+  - EpochShuffleSampler / ResumableDataLoader: the train loader that resumes exactly mid-epoch.
+    They stay here rather than in a module of their own: they serve only this DataModule's train
+    loader, and their contract (Lightning saves the loader's state) reads best next to it.
+  - DistillDataModule: tokenizes once into a cache file named by the data, tokenizer and settings
+    (prepare_data), loads it on every rank (setup), splits train/val with the seed.
 """
 
 from __future__ import annotations
@@ -23,247 +23,18 @@ import hashlib
 import json
 import logging
 import math
-import os
-import tempfile
 from pathlib import Path
 
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
-from ddtree.bench import iter_json_lines
-from ddtree.targets import DDTreeError
-from training.features import AUTO_STORE, FeatureStore
+from ddtree.errors import DDTreeError
+from ddtree.files import atomic_file
+from training.conversations import TOKENIZATION_VERSION, load_conversations, tokenize_conversations
+from training.feature_store import AUTO_STORE, FeatureStore
 
 log = logging.getLogger(__name__)
-
-ROLES = ("system", "user", "assistant", "tool")
-
-
-# ----------------------------------------------------------------------------- reading files
-
-def check_messages(messages, where: str) -> list[dict]:
-    """Raise a DDTreeError naming `where` unless messages is a non-empty list of {role, content: str}."""
-    if not isinstance(messages, list) or not messages:
-        raise DDTreeError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or "role" not in message or "content" not in message:
-            raise DDTreeError(f"{where}: messages[{i}] must be an object with 'role' and 'content'")
-        if message["role"] not in ROLES:
-            raise DDTreeError(f"{where}: messages[{i}].role is {message['role']!r}; expected one of {', '.join(ROLES)}")
-        if not isinstance(message["content"], str):
-            raise DDTreeError(f"{where}: messages[{i}].content must be a string, got {type(message['content']).__name__}")
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
-
-
-def finish_reason_of(row) -> dict:
-    """{"finish_reason": ...} when the row says why its last answer ended (regenerated data does)."""
-    reason = row.get("finish_reason")
-    return {"finish_reason": reason} if reason else {}
-
-
-def read_messages_jsonl(path: str | Path) -> list[dict]:
-    """Read a JSONL file of {"id"?, "messages": [...]} records (prompts or whole conversations).
-
-    Records without an id get "<file stem>-<line number>". Errors name the file and line.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise DDTreeError(f"{path}: no such file; give a JSONL file of {{\"id\", \"messages\"}} records")
-    records, seen_ids = [], set()
-    for line_number, where, record in iter_json_lines(path):
-        if not isinstance(record, dict) or "messages" not in record:
-            raise DDTreeError(f"{where}: each line must be an object with a 'messages' list")
-        messages = check_messages(record["messages"], where)
-        record_id = str(record.get("id", f"{path.stem}-{line_number}"))
-        if record_id in seen_ids:
-            raise DDTreeError(f"{where}: duplicate id {record_id!r}; ids must be unique")
-        seen_ids.add(record_id)
-        records.append({"id": record_id, "messages": messages, **finish_reason_of(record)})
-    if not records:
-        raise DDTreeError(f"{path}: the file is empty; it needs one JSON object per line")
-    return records
-
-
-def rows_to_records(rows, source: str) -> list[dict]:
-    """Validate rows of a datasets/Parquet table ({"messages", "id"?}) into records."""
-    records = []
-    for i, row in enumerate(rows):
-        if "messages" not in row:
-            raise DDTreeError(f"{source}: row {i} has no 'messages' column (columns: {', '.join(row)})")
-        messages = check_messages(row["messages"], f"{source} row {i}")
-        records.append({"id": str(row.get("id") or f"row-{i}"), "messages": messages, **finish_reason_of(row)})
-    return records
-
-
-def load_conversations(source: str | Path) -> list[dict]:
-    """Load {"id", "messages"} records from a JSONL/Parquet file, a saved `datasets` folder or a Hub name.
-
-    Prompt files load too (no assistant turn): tokenizing them then says that responses are
-    missing. Hub names need internet; everything else is local.
-    """
-    path = Path(source)
-    if path.is_file():
-        if path.suffix in (".jsonl", ".json"):
-            records = read_messages_jsonl(path)
-        elif path.suffix == ".parquet":
-            from datasets import Dataset
-
-            records = rows_to_records(Dataset.from_parquet(str(path)), str(path))
-        else:
-            raise DDTreeError(f"{path}: unknown file type {path.suffix!r}; give a .jsonl or .parquet file or a saved datasets folder")
-    elif path.is_dir():
-        from datasets import DatasetDict, load_from_disk
-
-        if not ((path / "state.json").exists() or (path / "dataset_dict.json").exists()):
-            raise DDTreeError(f"{path}: not a saved `datasets` folder (no state.json or dataset_dict.json)")
-        loaded = load_from_disk(str(path))
-        if isinstance(loaded, DatasetDict):
-            split = "train" if "train" in loaded else next(iter(loaded))
-            loaded = loaded[split]
-        records = rows_to_records(loaded, str(path))
-    elif str(source).count("/") == 1 and not str(source).startswith((".", "/")):
-        from datasets import load_dataset
-
-        try:
-            records = rows_to_records(load_dataset(str(source), split="train"), str(source))
-        except DDTreeError:
-            raise
-        except Exception as error:  # network, auth or format problems all end up here
-            first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
-            raise DDTreeError(f"could not load Hub dataset {source!r}: {first_line}; without internet give a local file") from error
-    else:
-        raise DDTreeError(f"{source}: no such file or folder (and not a Hub dataset name owner/name)")
-    if not records:
-        raise DDTreeError(f"{source}: no conversations in it")
-    return records
-
-
-# ----------------------------------------------------------------------------- chat template + loss mask
-
-def render_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of a prompt ending with the assistant header, as decoding feeds it to the target."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    # The template writes its own BOS/role tokens; the tokenizer must not add another BOS.
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def end_of_turn_text(tokenizer) -> str:
-    """The special token the chat template writes right after an assistant's content.
-
-    Found by rendering a probe conversation: SmolLM2 and Qwen3 close a turn with "<|im_end|>\\n",
-    Llama-3 with "<|eot_id|>"; only the special token itself is supervised (the model stops there;
-    what the template writes after it is never generated).
-    """
-    probe = "PROBE-ANSWER-7f3a"
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "probe"}, {"role": "assistant", "content": probe}], tokenize=False
-    )
-    suffix = text[text.rindex(probe) + len(probe):]
-    special = sorted(
-        (t for t in tokenizer.all_special_tokens + list(tokenizer.get_added_vocab()) if t and suffix.startswith(t)),
-        key=len, reverse=True,
-    )
-    if not special:
-        raise DDTreeError(
-            f"the chat template of {tokenizer.name_or_path!r} ends an assistant turn with {suffix[:30]!r}, "
-            "not with a special token; the loss mask needs an end-of-turn token"
-        )
-    return special[0]
-
-
-def render_with_loss_mask(tokenizer, messages: list[dict], eot: str | None = None) -> tuple[list[int], list[int]]:
-    """Chat-template token ids of a whole conversation and the 0/1 mask of assistant tokens (untruncated).
-
-    For assistant turn i the render of messages[:i] with the generation prompt is a prefix of the
-    full render; the turn's content is the first occurrence of that content after this prefix (so
-    a template's own additions such as Qwen3's empty <think></think> block stay unmasked) and
-    ends at the next end-of-turn token, which is included.
-    """
-    eot = eot or end_of_turn_text(tokenizer)
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
-    spans, cursor = [], 0  # character spans [start, end) to supervise
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        try:
-            prefix = tokenizer.apply_chat_template(messages[:i], add_generation_prompt=True, tokenize=False) if i else ""
-        except Exception:  # some templates reject a conversation that does not start with a user turn
-            prefix = ""
-        search_from = max(cursor, len(prefix) if text.startswith(prefix) else cursor)
-        content = message["content"].strip()  # templates such as Llama-3's trim the content
-        start = text.find(content, search_from) if content else -1
-        content_end = start + len(content) if start >= 0 else search_from
-        eot_at = text.find(eot, content_end)
-        if (content and start < 0) or eot_at < 0 or text[content_end:eot_at].strip():
-            raise DDTreeError(
-                f"assistant turn {i} ({content[:40]!r}...) is not followed by {eot!r} in the chat template's "
-                "render; this template rewrites message content in a way the loss mask cannot follow"
-            )
-        spans.append((start if content else eot_at, eot_at + len(eot)))
-        cursor = eot_at + len(eot)
-    # Tokenize piece by piece (unsupervised text, supervised span, ...): the prompt part then has
-    # exactly the ids decoding feeds the target, and the answer the ids of its own text, with no
-    # BPE merge across the boundary (which tokenizing the whole render at once can produce).
-    input_ids, loss_mask, cursor = [], [], 0
-    for start, end in spans + [(len(text), len(text))]:
-        for piece, bit in ((text[cursor:start], 0), (text[start:end], 1)):
-            if piece:
-                piece_ids = tokenizer(piece, add_special_tokens=False)["input_ids"]
-                input_ids += piece_ids
-                loss_mask += [bit] * len(piece_ids)
-        cursor = end
-    return input_ids, loss_mask
-
-
-def tokenize_conversation(tokenizer, messages: list[dict], max_length: int) -> dict[str, list[int]]:
-    """{"input_ids", "loss_mask"} of one conversation, truncated to max_length tokens.
-
-    loss_mask is 1 on each assistant turn's content and end-of-turn token, 0 elsewhere. A
-    conversation without assistant tokens is an error (it is a prompt, not training data).
-    """
-    input_ids, loss_mask = render_with_loss_mask(tokenizer, messages)
-    if not any(loss_mask):
-        raise DDTreeError("the conversation has no assistant tokens to train on; generate responses first (make data)")
-    return {"input_ids": input_ids[:max_length], "loss_mask": loss_mask[:max_length]}
-
-
-def tokenize_conversations(tokenizer, records: list[dict], max_length: int, min_supervised_tokens: int,
-                           source: str = "the data") -> tuple[list[dict], dict]:
-    """Tokenize many conversations; skip (and count) those without enough supervised tokens.
-
-    A record with finish_reason "length" has a last answer that the target did not finish (it
-    hit max_new_tokens): the end-of-turn token the template writes after it was never the
-    target's choice, so that token and everything after it are cut instead of supervised.
-    """
-    eot = end_of_turn_text(tokenizer)
-    kept, counts = [], {"conversations": len(records), "no_assistant": 0, "too_few_supervised": 0, "truncated": 0}
-    for record in records:
-        input_ids, loss_mask = render_with_loss_mask(tokenizer, record["messages"], eot)
-        if not any(loss_mask):
-            counts["no_assistant"] += 1
-            continue
-        if record.get("finish_reason") == "length":
-            last = len(loss_mask) - 1 - loss_mask[::-1].index(1)  # the last answer's end-of-turn token
-            input_ids, loss_mask = input_ids[:last], loss_mask[:last]
-        if len(input_ids) > max_length:
-            counts["truncated"] += 1
-            input_ids, loss_mask = input_ids[:max_length], loss_mask[:max_length]
-        if sum(loss_mask) < min_supervised_tokens:
-            counts["too_few_supervised"] += 1
-            continue
-        kept.append({"input_ids": input_ids, "loss_mask": loss_mask})
-    counts["kept"] = len(kept)
-    log.info("tokenized %s: %s", source, counts)
-    if not kept:
-        hint = (" (no assistant turns at all: this looks like a prompt file; generate responses with "
-                "data/regenerate.py first)") if counts["no_assistant"] == len(records) else ""
-        raise DDTreeError(
-            f"{source}: none of {len(records)} conversations is usable: {counts['no_assistant']} have no assistant "
-            f"tokens, {counts['too_few_supervised']} have fewer than {min_supervised_tokens} supervised tokens "
-            f"within max_length {max_length}{hint}"
-        )
-    return kept, counts
 
 
 # ----------------------------------------------------------------------------- batches
@@ -403,7 +174,6 @@ class ResumableDataLoader(DataLoader):
 
 
 # ----------------------------------------------------------------------------- the DataModule
-TOKENIZATION_VERSION = 2  # bump when render_with_loss_mask changes, to invalidate cached tokenizations
 
 
 def source_fingerprint(source: str) -> str:
@@ -485,15 +255,9 @@ class DistillDataModule(L.LightningDataModule):
                         counts["truncated"], counts["conversations"], self.max_length)
         data = TokenizedConversations.from_examples(examples)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        os.close(fd)
-        try:
+        with atomic_file(path, "wb") as handle:  # other ranks/processes never see a half-written cache
             torch.save({"input_ids": data.input_ids, "loss_mask": data.loss_mask, "offsets": data.offsets,
-                        "pad_id": pad_id, "counts": counts, "source": self.data_path}, tmp)
-            os.replace(tmp, path)  # other ranks/processes never see a half-written cache
-        finally:
-            Path(tmp).unlink(missing_ok=True)
+                        "pad_id": pad_id, "counts": counts, "source": self.data_path}, handle)
 
     def tokenization_key(self) -> str:
         """Names this data + tokenizer + max_length (the tokenized cache's file name); feature stores record it."""

@@ -12,57 +12,42 @@ drafter is the checkpoint's (LoRA adapters merged in, as exported). When the che
 value logged at its step, it is printed beside the new measurement.
 
 Prints one row per method and writes <run>/eval/checkpoint-<name>.json (or --out). Bad input
-prints one line and exits with status 1 (2 for an unknown recipe).
+prints one line and exits with status 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 import yaml
 
-from ddtree.targets import DDTreeError, load_target, stop_token_ids
+from ddtree.bench import budget_of
+from ddtree.errors import DDTreeError, command
+from ddtree.files import write_json_atomic
+from ddtree.targets import stop_token_ids
 
-from .callbacks import AcceptanceEvaluation, metrics_of, write_json_atomic
-from .export import drafter_from_checkpoint
-from .module import _dtype_for_precision
-from .peft_utils import merge_target_adapter
-from .publish import consolidate_deepspeed, is_deepspeed_checkpoint
-from .train import RECIPES_DIR, known_recipes
-
-
-def find_checkpoint(spec: str, recipe_root: Path) -> Path:
-    """A .ckpt path, or 'best'/'last' of the newest run (by its last.ckpt) under recipe_root."""
-    if spec in ("best", "last"):
-        runs = [d for d in recipe_root.glob("*/checkpoints") if (d / f"{spec}.ckpt").exists()]
-        if not runs:
-            raise DDTreeError(f"CKPT={spec}: no run under {recipe_root} has checkpoints/{spec}.ckpt; train one first")
-        newest = max(runs, key=lambda d: (d / "last.ckpt").stat().st_mtime if (d / "last.ckpt").exists() else 0.0)
-        return newest / f"{spec}.ckpt"
-    path = Path(spec)
-    if not (path.is_file() or is_deepspeed_checkpoint(path)):
-        raise DDTreeError(f"CKPT={spec}: no such checkpoint file; give a .ckpt path (or DeepSpeed folder), 'best' or 'last'")
-    return path
+from .callbacks import AcceptanceEvaluation, metrics_of
+from .checkpoints import find_checkpoint, load_checkpoint, run_folder_of
+from .recipe import check_recipe_name, recipe_path
+from .target import dtype_for_precision, load_frozen_target
 
 
 def read_config(checkpoint: Path, recipe: str) -> tuple[dict, Path]:
-    """The run's resolved config.yaml beside the checkpoint folder, else the recipe."""
-    run_config = checkpoint.resolve().parent.parent / "config.yaml"
-    source = run_config if run_config.is_file() else RECIPES_DIR / f"{recipe}.yaml"
+    """The run's resolved config.yaml, else the recipe (for a checkpoint outside a run folder)."""
+    run_dir = run_folder_of(checkpoint)
+    source = run_dir / "config.yaml" if run_dir else recipe_path(recipe)
     try:
         return yaml.safe_load(source.read_text()) or {}, source
     except yaml.YAMLError as error:
         raise DDTreeError(f"{source}: not valid YAML ({str(error).splitlines()[0]})") from None
 
 
-def logged_metrics(checkpoint: dict, step: int) -> dict | None:
-    """What the training-time evaluation logged at the checkpoint's step, if the checkpoint carries it."""
-    for key, state in checkpoint.get("callbacks", {}).items():
+def logged_metrics(callbacks: dict, step: int) -> dict | None:
+    """What the training-time evaluation logged at `step`, from a checkpoint's saved callback states."""
+    for key, state in callbacks.items():
         if "AcceptanceEvaluation" in str(key):
             for record in state.get("history", []):
                 if record["step"] == step:
@@ -70,6 +55,7 @@ def logged_metrics(checkpoint: dict, step: int) -> dict | None:
     return None
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default="smollm2-135m", help="one of recipes/*.yaml")
@@ -79,49 +65,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=None, help="results JSON (default: <run>/eval/checkpoint-<name>.json)")
     args = parser.parse_args(argv)
-    if args.recipe not in known_recipes():
-        print(f"error: unknown recipe {args.recipe!r}; known recipes: {', '.join(known_recipes())}", file=sys.stderr)
-        return 2
-    stack = contextlib.ExitStack()
+    check_recipe_name(args.recipe)
+    path = find_checkpoint(args.ckpt, Path(args.output_root) / args.recipe)
+    config, source = read_config(path, args.recipe)
+    settings = dict(config.get("eval") or {})
+    if args.limit is not None:
+        settings["limit"] = args.limit
     try:
-        path = find_checkpoint(args.ckpt, Path(args.output_root) / args.recipe)
-        config, source = read_config(path, args.recipe)
-        settings = dict(config.get("eval") or {})
-        if args.limit is not None:
-            settings["limit"] = args.limit
-        try:
-            evaluation = AcceptanceEvaluation(**settings)
-        except TypeError as error:
-            raise DDTreeError(f"{source}: bad eval section ({error})") from None
+        evaluation = AcceptanceEvaluation(**settings)
+    except TypeError as error:
+        raise DDTreeError(f"{source}: bad eval section ({error})") from None
 
-        if is_deepspeed_checkpoint(path):  # a ZeRO folder of per-rank shards: one fp32 file first
-            path_to_load = consolidate_deepspeed(path, Path(stack.enter_context(tempfile.TemporaryDirectory())))
-        else:
-            path_to_load = path
-        checkpoint = torch.load(path_to_load, map_location="cpu", weights_only=False)
-        hp = checkpoint.get("hyper_parameters", {})
-        if "target" not in hp:
-            raise DDTreeError(f"checkpoint {path} names no target: it was not written by training.module.DistillModule")
-        target_dtype = hp.get("target_dtype", "auto")
-        if target_dtype == "auto":  # what DistillModule.configure_model picks under that trainer precision
-            dtype = _dtype_for_precision((config.get("trainer") or {}).get("precision"))
-        else:
-            dtype = getattr(torch, target_dtype)
-        target, tokenizer = load_target(hp["target"], dtype=dtype, device=args.device)
-        if hp.get("target_adapter"):
-            target = merge_target_adapter(target, hp["target_adapter"])
-        drafter = drafter_from_checkpoint(path_to_load).to(args.device)
+    checkpoint = load_checkpoint(path)
+    hp = checkpoint.hyper_parameters
+    if "target" not in hp:
+        raise DDTreeError(f"CKPT {path} names no target: it was not written by training.module.DistillModule")
+    # The dtype DistillModule.configure_model picked under that trainer precision.
+    dtype = dtype_for_precision((config.get("trainer") or {}).get("precision"), hp.get("target_dtype", "auto"))
+    target, tokenizer = load_frozen_target(hp["target"], dtype, hp.get("target_adapter"), device=args.device)
+    drafter = checkpoint.drafter.to(args.device)
+    prompts = evaluation.load_prompts(tokenizer)
+    result = evaluation.measure(target, drafter, prompts, stop_token_ids(target, tokenizer))
 
-        prompts = evaluation.load_prompts(tokenizer)
-        result = evaluation.measure(target, drafter, prompts, stop_token_ids(target, tokenizer))
-    except DDTreeError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    finally:
-        stack.close()
-
-    step = int(checkpoint.get("global_step", -1))
-    logged = logged_metrics(checkpoint, step) if args.limit is None else None
+    step = checkpoint.step
+    logged = logged_metrics(checkpoint.callbacks, step) if args.limit is None else None
     print(
         f"[eval] {path} (step {step}, settings from {source}): {len(prompts)} prompts of {evaluation.prompts_path}, "
         f"up to {evaluation.max_new_tokens} new tokens, T=0, target {hp['target']} in {str(dtype).split('.')[-1]}"
@@ -129,13 +96,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'method':<12} {'tau':>7} {'logged':>7} {'expected':>8} {'rounds':>7}  accepted depth: rounds")
     for key, stats in result["summary"].items():
         was = logged.get(f"val/tau_{key}") if logged else None
-        expected = f"{stats['expected_tau']:.3f}" if key.startswith("ddtree") else "-"
+        expected = f"{stats['expected_tau']:.3f}" if budget_of(key) is not None else "-"
         depths = " ".join(f"{d}:{n}" for d, n in stats["accepted_depth_counts"].items())
         print(
             f"{key:<12} {stats['tau']:>7.3f} {'-' if was is None else f'{was:.3f}':>7} {expected:>8} "
             f"{stats['rounds']:>7}  {depths}"
         )
-    out = Path(args.out) if args.out else path.resolve().parent.parent / "eval" / f"checkpoint-{path.resolve().stem}.json"
+    run_dir = run_folder_of(path) or path.resolve().parent.parent
+    out = Path(args.out) if args.out else run_dir / "eval" / f"checkpoint-{path.resolve().stem}.json"
     used = {
         "prompts": evaluation.prompts_path, "num_prompts": len(prompts), "budgets": evaluation.budgets,
         "max_new_tokens": evaluation.max_new_tokens, "limit": evaluation.limit, "target": hp["target"], "dtype": str(dtype),

@@ -28,9 +28,9 @@ from pathlib import Path
 import yaml
 from huggingface_hub import ModelCardData
 
-from ddtree.targets import DDTreeError
+from ddtree.bench import CHAIN, budget_of, tree_key
+from ddtree.errors import DDTreeError
 
-from .report import CHAIN  # the single chain's key in the evaluation summaries
 TAGS = ["dflash", "ddtree", "speculative-decoding", "draft-model", "block-diffusion"]
 
 
@@ -159,9 +159,9 @@ def evaluation_section(facts: CardFacts) -> list[str]:
         f"| chain (one DFlash block, {block - 1} drafted tokens) | {_format_tau(chain['tau'])} | - "
         f"| {chain.get('rounds', '-')} | {chain.get('new_tokens', '-')} |"
     )
-    budgets = sorted(int(key.split("@")[1]) for key in summary if key.startswith("ddtree@"))
+    budgets = sorted(budget for budget in map(budget_of, summary) if budget is not None)
     for budget in budgets:
-        stats = summary[f"ddtree@{budget}"]
+        stats = summary[tree_key(budget)]
         label = f"DDTree, node budget {budget}"
         if settings.get("primary_budget") == budget:
             label += " (checkpoints ranked by this)"

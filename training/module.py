@@ -11,21 +11,21 @@ One step (online features):
   3. ONE drafter forward runs every block of every sequence under the sparse block mask
      (training/masks.py);
   4. the target's frozen LM head turns the counted block outputs into logits and the
-     position-decayed cross-entropy (training/loss.py) trains the drafter.
+     position-decayed cross-entropy trains the drafter (training/loss.py, block_loss_sums).
 
 Offline features: when the batch carries `features` (the data module's feature store, built by
 training/features.py with this same target_layer_features), step 1 is skipped; the target is
 still loaded, for its embedding and LM head.
 
-Two options beyond the published recipe, both off by default:
-  - distill_weight > 0: the target runs to the end and its LM head gives, for every label, the
-    distribution it predicted that token from; the loss mixes in cross-entropy against it;
-  - precondition_features: fc trains on unit-scale features (training/feature_scale.py).
-Neither changes the exported drafter's format.
+One option beyond the published recipe, off by default: distill_weight > 0 runs the target to the
+end, and its LM head gives, for every label, the distribution it predicted that token from; the
+loss mixes in cross-entropy against it (training/loss.py). It does not change the exported drafter.
 
 The target lives outside the module tree: it is never in `parameters()`, the optimizer or a
 checkpoint, and `configure_model` reloads it from its source (name or folder, plus an optional
 PEFT adapter merged at load). The drafter is the only nn.Module attribute that trains.
+
+The class reads in the order of a run: setup, the step, training, validation, checkpoints.
 """
 
 from __future__ import annotations
@@ -41,29 +41,14 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ddtree.modeling_dflash import DFlashDraftModel
-from ddtree.targets import DDTreeError, build_drafter_config, check_drafter_fits, load_target
+from ddtree.errors import DDTreeError
+from ddtree.targets import build_drafter_config, check_drafter_fits
 
-from .feature_scale import add_feature_scale, calibrate_feature_scale, has_feature_scale, scale_of
-from .loss import (
-    block_position_weights,
-    chain_acceptance,
-    decayed_cross_entropy_sums,
-    decayed_soft_cross_entropy_sums,
-    position_hit_counts,
-)
-from .masks import (
-    IGNORE_INDEX,
-    block_input_ids,
-    block_labels,
-    block_position_ids,
-    dense_block_mask,
-    flex_block_mask,
-    sample_anchors,
-)
-from .peft_utils import add_drafter_lora, merge_target_adapter
+from .loss import block_loss_sums, block_position_weights, chain_acceptance, teacher_states
+from .masks import block_input_ids, block_labels, block_position_ids, dense_block_mask, flex_block_mask, sample_anchors
+from .peft_utils import DEFAULT_LORA_MODULES, add_drafter_lora
 from .strategies import is_deepspeed
-
-DEFAULT_LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+from .target import dtype_for_precision, load_frozen_target, target_layer_features
 
 
 class NonFiniteError(RuntimeError):
@@ -87,67 +72,6 @@ class StepResult(NamedTuple):
     target_seconds: float  # wall time of the frozen target's forward (0 with offline features)
 
 
-class _EnoughLayers(Exception):
-    """Raised by a forward hook once the deepest needed layer has run: the rest of the target is skipped."""
-
-
-@torch.no_grad()
-def target_layer_features(
-    target: PreTrainedModel, input_ids: torch.Tensor, layer_ids: list[int], final_hidden: bool = False
-):
-    """Hidden states of the chosen target layers, concatenated: (S, T) -> (S, T, K*H).
-
-    Layer id l is the output of decoder layer l (hidden_states[l + 1] of a full forward), the same
-    features `fuse_target_features` builds at inference. Layers past max(layer_ids) and the LM head
-    never run, unless final_hidden=True: then the whole decoder runs and its final (normed) hidden
-    states (S, T, H) come back too, as (features, final), for soft targets through the LM head.
-    No attention mask is passed: batches are right-padded and attention is causal, so no real token
-    ever sees padding (and SDPA keeps its causal fast path).
-    """
-    decoder = target.get_decoder()
-    captured: dict[int, torch.Tensor] = {}
-    deepest = max(layer_ids)
-
-    def capture(layer_id: int):
-        def hook(module, args, output):
-            captured[layer_id] = output[0] if isinstance(output, tuple) else output
-            if layer_id == deepest and not final_hidden:
-                raise _EnoughLayers
-
-        return hook
-
-    handles = [decoder.layers[i].register_forward_hook(capture(i)) for i in sorted(set(layer_ids))]
-    try:
-        output = decoder(input_ids=input_ids, use_cache=False)
-    except _EnoughLayers:
-        output = None
-    finally:
-        for handle in handles:
-            handle.remove()
-    features = torch.cat([captured[i] for i in layer_ids], dim=-1)
-    return (features, output.last_hidden_state) if final_hidden else features
-
-
-def teacher_states(final_hidden: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
-    """The target's final hidden state where it predicted each block token's label: (S, n*B, H).
-
-    Block token k of anchor a is labelled with the token at a + k, which the target predicted at
-    position a + k - 1. Positions past the sequence are clamped (their labels are ignored anyway).
-    """
-    before_label = (block_position_ids(0, anchors, block_size) - 1).clamp(0, final_hidden.shape[1] - 1)  # (S, n*B)
-    return final_hidden.gather(1, before_label[:, :, None].expand(-1, -1, final_hidden.shape[-1]))
-
-
-def _dtype_for_precision(precision: str | None) -> torch.dtype:
-    """The frozen target's weight dtype: whatever the drafter computes in (no fp32 copy of a frozen model)."""
-    precision = str(precision or "32")
-    if "bf16" in precision:
-        return torch.bfloat16
-    if precision.startswith("16"):
-        return torch.float16
-    return torch.float32
-
-
 class DistillModule(L.LightningModule):
     def __init__(
         self,
@@ -166,11 +90,10 @@ class DistillModule(L.LightningModule):
         lora_dropout: float = 0.0,
         lora_target_modules: list[str] | None = None,  # default: every attention and MLP projection
         gradient_checkpointing: bool = False,  # recompute drafter layers in backward (long sequences)
-        precondition_features: bool = False,  # train fc on unit-scale target features (training/feature_scale.py)
         # --- objective
         num_anchors: int = 512,  # blocks per sequence (published: up to 512)
         gamma: float = 7.0,  # loss decay over block positions (published: 7 for B=16, 5 for B=10)
-        distill_weight: float = 0.0,  # > 0: mix in cross-entropy against the target's full distribution
+        distill_weight: float = 0.0,  # > 0: mix in cross-entropy against the target's full distribution (loss.py)
         loss_chunk_size: int | None = None,  # LM head + loss over this many block tokens at a time
         seed: int = 0,  # seeds the anchor draws
         # --- optimisation (AdamW + linear warmup + cosine decay, stepped every optimizer step)
@@ -195,13 +118,8 @@ class DistillModule(L.LightningModule):
         if self.drafter is not None:
             return
         hp = self.hparams
-        dtype = _dtype_for_precision(self._trainer.precision if self._trainer else None)
-        if hp.target_dtype != "auto":
-            dtype = getattr(torch, hp.target_dtype)
-        model, tokenizer = load_target(hp.target, dtype=dtype)
-        if hp.target_adapter:
-            model = merge_target_adapter(model, hp.target_adapter)
-        model.eval().requires_grad_(False)
+        dtype = dtype_for_precision(self._trainer.precision if self._trainer else None, hp.target_dtype)
+        model, tokenizer = load_frozen_target(hp.target, dtype, hp.target_adapter)
 
         if hp.init_from:
             drafter = DFlashDraftModel.from_pretrained(hp.init_from, dtype=torch.float32)
@@ -218,8 +136,6 @@ class DistillModule(L.LightningModule):
             drafter = DFlashDraftModel(config)
         if hp.gradient_checkpointing:
             drafter.gradient_checkpointing = True
-        if hp.precondition_features and hp.lora_rank == 0:  # under LoRA, fc is frozen: nothing to precondition
-            add_feature_scale(drafter)
         if hp.lora_rank > 0:
             drafter = add_drafter_lora(
                 drafter, hp.lora_rank, hp.lora_alpha, hp.lora_dropout, hp.lora_target_modules or DEFAULT_LORA_MODULES
@@ -245,6 +161,15 @@ class DistillModule(L.LightningModule):
     @property
     def drafter_config(self):
         return self.drafter.config
+
+    def base_drafter(self) -> DFlashDraftModel:
+        """The DFlashDraftModel under a LoRA wrapper, or the drafter itself."""
+        return self.drafter.get_base_model() if hasattr(self.drafter, "get_base_model") else self.drafter
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        """The target layers whose features the drafter reads (its config's target_layer_ids)."""
+        return self._target.layer_ids
 
     @property
     def block_size(self) -> int:
@@ -274,109 +199,6 @@ class DistillModule(L.LightningModule):
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
-    # ------------------------------------------------------------------ the forward
-
-    def block_hidden_states(
-        self,
-        features: torch.Tensor,  # (S, T, K*H) target features of the whole sequence
-        input_ids: torch.Tensor,  # (S, T)
-        anchors: torch.Tensor,  # (S, n)
-    ) -> torch.Tensor:
-        """Drafter outputs for every block of every sequence in one forward: (S, n*B, H)."""
-        context_len = input_ids.shape[1]
-        block_ids = block_input_ids(input_ids, anchors, self.block_size, self.drafter_config.mask_token_id)
-        with torch.no_grad():  # the target's embedding is frozen; no gradient needed at the input
-            noise_embedding = self.target.get_input_embeddings()(block_ids)  # (S, n*B, H)
-        position_ids = block_position_ids(context_len, anchors, self.block_size)  # (S, T + n*B)
-        if features.is_cuda:
-            mask = flex_block_mask(anchors, context_len, self.block_size)
-        else:
-            mask = dense_block_mask(anchors, context_len, self.block_size)  # (S, 1, n*B, T + n*B)
-        return self.drafter(
-            noise_embedding=noise_embedding, target_hidden=features, position_ids=position_ids, attention_mask=mask
-        )
-
-    def _loss_and_hits(self, hidden: torch.Tensor, labels: torch.Tensor, teacher_hidden: torch.Tensor | None = None):
-        """Decayed CE and per-position hits over the counted block tokens only.
-
-        hidden (S, n*B, H), labels (S, n, B); teacher_hidden (S, n*B, H): the target's final hidden
-        state at the position before each block token's label (only with distill_weight > 0).
-        Returns (sum of w*loss, sum of w, hits (B,), tokens (B,)). The LM head runs on the M counted
-        rows, in chunks of `loss_chunk_size` rows recomputed in backward (one chunk's logits at a time).
-        """
-        block_size, alpha = self.block_size, self.hparams.distill_weight
-        flat_labels = labels.flatten()  # (S*n*B,)
-        counted = (flat_labels != IGNORE_INDEX).nonzero().squeeze(1)  # (M,)
-        rows = hidden.flatten(0, 1)[counted]  # (M, H)
-        teacher_rows = teacher_hidden.flatten(0, 1)[counted] if teacher_hidden is not None else rows[:, :0]
-        targets = flat_labels[counted]  # (M,)
-        positions = counted % block_size  # (M,) block position k of each row
-        weights = block_position_weights(block_size, self.hparams.gamma, device=hidden.device)
-        lm_head = self.target.get_output_embeddings()
-
-        def chunk_terms(chunk_rows, chunk_teacher, chunk_targets, chunk_positions):
-            logits = lm_head(chunk_rows).float()  # (m, V); one fp32 copy serves the loss and the argmax
-            weighted, weight_total = decayed_cross_entropy_sums(logits, chunk_targets, chunk_positions, weights)
-            if alpha > 0:
-                with torch.no_grad():
-                    teacher_logits = lm_head(chunk_teacher)  # (m, V)
-                soft, _ = decayed_soft_cross_entropy_sums(logits, teacher_logits, chunk_positions, weights)
-                weighted = (1 - alpha) * weighted + alpha * soft
-            hits, tokens = position_hit_counts(logits.detach(), chunk_targets, chunk_positions, block_size)
-            return weighted, weight_total, hits, tokens
-
-        chunk = self.hparams.loss_chunk_size or max(1, rows.shape[0])
-        totals = None
-        for start in range(0, rows.shape[0], chunk):
-            part = slice(start, start + chunk)
-            args = (rows[part], teacher_rows[part], targets[part], positions[part])
-            if self.hparams.loss_chunk_size and torch.is_grad_enabled():
-                terms = torch.utils.checkpoint.checkpoint(chunk_terms, *args, use_reentrant=False)
-            else:
-                terms = chunk_terms(*args)
-            totals = terms if totals is None else tuple(a + b for a, b in zip(totals, terms))
-        return totals
-
-    def _anchor_generator(self, batch_idx: int, stage: str) -> torch.Generator:
-        # Validation reuses one draw per batch so its numbers compare across evaluations.
-        # (hash of a tuple of ints is the same in every process; a str in it would not be.)
-        epoch = self.current_epoch if stage == "train" else -1
-        key = hash((self.hparams.seed, epoch, batch_idx, self.global_rank)) & 0x7FFF_FFFF_FFFF
-        return torch.Generator().manual_seed(key)
-
-    def _shared_step(self, batch: dict, batch_idx: int, stage: str):
-        input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
-        distill = self.hparams.distill_weight > 0
-        if "features" in batch:  # offline store: the dtype the target's own forward gives
-            features, final, target_seconds = batch["features"].to(self.device, self.target.dtype), None, 0.0
-        else:
-            started = time.perf_counter()
-            features = target_layer_features(self.target, input_ids, self._target.layer_ids, final_hidden=distill)
-            features, final = features if distill else (features, None)  # (S, T, K*H), (S, T, H)
-            if features.is_cuda:
-                torch.cuda.synchronize()
-            target_seconds = time.perf_counter() - started
-        if stage == "train" and has_feature_scale(self.drafter) and not scale_of(self.drafter).calibrated:
-            self._calibrate_feature_scale(features, batch.get("attention_mask"))
-        anchors, valid = sample_anchors(loss_mask, self.hparams.num_anchors, self._anchor_generator(batch_idx, stage))
-        if anchors.shape[1] == 0:
-            return None  # no reply token with a successor anywhere in the batch: nothing to learn
-        labels = block_labels(input_ids, loss_mask, anchors, valid, self.block_size)  # (S, n, B)
-        hidden = self.block_hidden_states(features, input_ids, anchors)  # (S, n*B, H)
-        teacher_hidden = teacher_states(final, anchors, self.block_size) if distill else None  # (S, n*B, H)
-        weighted, weight_total, hits, tokens = self._loss_and_hits(hidden, labels, teacher_hidden)
-        return StepResult(weighted / weight_total.clamp_min(1e-8), weighted, weight_total, hits, tokens, target_seconds)
-
-    def _calibrate_feature_scale(self, features: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
-        """Measure each feature dimension's RMS on the first training batch (all ranks pooled)."""
-        real = attention_mask.bool() if attention_mask is not None else torch.ones(features.shape[:2], dtype=torch.bool)
-        rows = features[real.to(features.device)].float()  # (tokens, K*H)
-        sum_squares, num_tokens = rows.pow(2).sum(dim=0), torch.tensor(float(rows.shape[0]), device=rows.device)
-        if self._trainer is not None and self.trainer.world_size > 1:
-            sum_squares = self.trainer.strategy.reduce(sum_squares, reduce_op="sum")
-            num_tokens = self.trainer.strategy.reduce(num_tokens, reduce_op="sum")
-        calibrate_feature_scale(self.drafter, sum_squares, num_tokens, keep_function=bool(self.hparams.init_from))
-
     def on_fit_start(self) -> None:
         store = getattr(self.trainer.datamodule, "store", None)
         if store is not None:
@@ -399,6 +221,61 @@ class DistillModule(L.LightningModule):
                               f"per token), the drafter reads layers {layer_ids} ({width}): set model.target_layer_ids="
                               f"{store.layer_ids} or rebuild the store with `make features RECIPE=<recipe>` and --force (FORCE=1)")
 
+    # ------------------------------------------------------------------ the step
+
+    def block_hidden_states(
+        self,
+        features: torch.Tensor,  # (S, T, K*H) target features of the whole sequence
+        input_ids: torch.Tensor,  # (S, T)
+        anchors: torch.Tensor,  # (S, n)
+    ) -> torch.Tensor:
+        """Drafter outputs for every block of every sequence in one forward: (S, n*B, H)."""
+        context_len = input_ids.shape[1]
+        block_ids = block_input_ids(input_ids, anchors, self.block_size, self.drafter_config.mask_token_id)
+        with torch.no_grad():  # the target's embedding is frozen; no gradient needed at the input
+            noise_embedding = self.target.get_input_embeddings()(block_ids)  # (S, n*B, H)
+        position_ids = block_position_ids(context_len, anchors, self.block_size)  # (S, T + n*B)
+        if features.is_cuda:
+            mask = flex_block_mask(anchors, context_len, self.block_size)
+        else:
+            mask = dense_block_mask(anchors, context_len, self.block_size)  # (S, 1, n*B, T + n*B)
+        return self.drafter(
+            noise_embedding=noise_embedding, target_hidden=features, position_ids=position_ids, attention_mask=mask
+        )
+
+    def _anchor_generator(self, batch_idx: int, stage: str) -> torch.Generator:
+        # Validation reuses one draw per batch so its numbers compare across evaluations.
+        # (hash of a tuple of ints is the same in every process; a str in it would not be.)
+        epoch = self.current_epoch if stage == "train" else -1
+        key = hash((self.hparams.seed, epoch, batch_idx, self.global_rank)) & 0x7FFF_FFFF_FFFF
+        return torch.Generator().manual_seed(key)
+
+    def shared_step(self, batch: dict, batch_idx: int, stage: str) -> StepResult | None:
+        """Loss and counts of one batch (stage "train" or "val"); None if the batch has no block to learn from."""
+        input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
+        distill = self.hparams.distill_weight > 0
+        if "features" in batch:  # offline store: the dtype the target's own forward gives
+            features, final, target_seconds = batch["features"].to(self.device, self.target.dtype), None, 0.0
+        else:
+            started = time.perf_counter()
+            features = target_layer_features(self.target, input_ids, self.target_layer_ids, final_hidden=distill)
+            features, final = features if distill else (features, None)  # (S, T, K*H), (S, T, H)
+            if features.is_cuda:
+                torch.cuda.synchronize()
+            target_seconds = time.perf_counter() - started
+        anchors, valid = sample_anchors(loss_mask, self.hparams.num_anchors, self._anchor_generator(batch_idx, stage))
+        if anchors.shape[1] == 0:
+            return None  # no reply token with a successor anywhere in the batch: nothing to learn
+        labels = block_labels(input_ids, loss_mask, anchors, valid, self.block_size)  # (S, n, B)
+        hidden = self.block_hidden_states(features, input_ids, anchors)  # (S, n*B, H)
+        teacher_hidden = teacher_states(final, anchors, self.block_size) if distill else None  # (S, n*B, H)
+        weights = block_position_weights(self.block_size, self.hparams.gamma, device=hidden.device)  # (B,)
+        weighted, weight_total, hits, tokens = block_loss_sums(
+            hidden, labels, self.target.get_output_embeddings(), weights, self.hparams.loss_chunk_size,
+            teacher_hidden, self.hparams.distill_weight,
+        )
+        return StepResult(weighted / weight_total.clamp_min(1e-8), weighted, weight_total, hits, tokens, target_seconds)
+
     # ------------------------------------------------------------------ training
 
     def on_train_batch_start(self, batch, batch_idx):
@@ -407,7 +284,7 @@ class DistillModule(L.LightningModule):
         self._batch_tokens = int(mask.sum()) if mask is not None else batch["input_ids"].numel()
 
     def training_step(self, batch: dict, batch_idx: int):
-        result = self._shared_step(batch, batch_idx, "train")
+        result = self.shared_step(batch, batch_idx, "train")
         if result is None:
             return None
         loss, hits, tokens = result.loss, result.hits, result.tokens
@@ -461,7 +338,7 @@ class DistillModule(L.LightningModule):
         self._val_sums = {}
 
     def validation_step(self, batch: dict, batch_idx: int):
-        result = self._shared_step(batch, batch_idx, "val")
+        result = self.shared_step(batch, batch_idx, "val")
         if result is None:
             return
         for name in ("weighted_ce", "weight_total", "hits", "tokens"):
@@ -484,8 +361,4 @@ class DistillModule(L.LightningModule):
         leaked = [key for key in checkpoint["state_dict"] if not key.startswith("drafter.")]
         for key in leaked:
             del checkpoint["state_dict"][key]
-        checkpoint["drafter_config"] = self._base_drafter().config.to_dict()
-
-    def _base_drafter(self) -> DFlashDraftModel:
-        """The DFlashDraftModel under a LoRA wrapper, or the drafter itself."""
-        return self.drafter.get_base_model() if hasattr(self.drafter, "get_base_model") else self.drafter
+        checkpoint["drafter_config"] = self.base_drafter().config.to_dict()

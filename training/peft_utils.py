@@ -19,6 +19,9 @@ from transformers import PreTrainedModel
 
 from ddtree.targets import DDTreeError
 
+# LoRA on every attention and MLP projection of the drafter's layers, unless model.lora_target_modules says otherwise.
+DEFAULT_LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
 
 def merge_target_adapter(target: PreTrainedModel, adapter: str) -> PreTrainedModel:
     """Load a PEFT adapter onto the frozen target and fold it into the weights."""
@@ -44,11 +47,7 @@ def add_drafter_lora(
 
 
 def merged_drafter(drafter: nn.Module) -> PreTrainedModel:
-    """A plain DFlashDraftModel: a copy with LoRA merged or fc's feature scale folded, else the drafter itself."""
-    from .feature_scale import folded_copy, has_feature_scale
-
-    if hasattr(drafter, "merge_and_unload"):  # LoRA (fc is frozen then, never feature-scaled)
+    """A plain DFlashDraftModel: a copy with LoRA merged (the live drafter keeps training), else the drafter itself."""
+    if hasattr(drafter, "merge_and_unload"):
         return copy.deepcopy(drafter).merge_and_unload()
-    if has_feature_scale(drafter):
-        return folded_copy(drafter)
     return drafter

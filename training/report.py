@@ -9,30 +9,30 @@ writes into the run folder, each file replaced atomically after every evaluation
     eval/accepted_depths.csv   step,method,depth,count: how deep each verification round got
 
 `history` is AcceptanceEvaluation.history: [{"step", "train_loss", "val_loss", "seconds",
-"checkpointed", "summary": {"dflash" | "ddtree@B": {"tau", "expected_tau", "accepted_depth_counts", ...}}}].
+"checkpointed", "summary": {CHAIN | tree_key(B): {"tau", "expected_tau", "accepted_depth_counts", ...}}}]
+(ddtree.bench.acceptance_summary per method key).
 """
 
 from __future__ import annotations
 
 import csv
 import io
-import os
-import tempfile
 from pathlib import Path
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-CHAIN = "dflash"  # the single-chain method's key in ddtree.bench results
+from ddtree.bench import CHAIN, tree_key
+from ddtree.files import atomic_file, write_text_atomic
 
 
 def best_record(history: list[dict], primary_budget: int) -> dict | None:
-    """The checkpointed evaluation with the highest primary tau; the earliest on ties, as ModelCheckpoint keeps it."""
+    """The checkpointed evaluation with the highest primary tau; the earliest on ties, as BestCheckpoint keeps it."""
     best = None
     for record in history:
         if record["checkpointed"]:
-            tau = record["summary"][f"ddtree@{primary_budget}"]["tau"]
-            if best is None or tau > best["summary"][f"ddtree@{primary_budget}"]["tau"]:
+            tau = record["summary"][tree_key(primary_budget)]["tau"]
+            if best is None or tau > best["summary"][tree_key(primary_budget)]["tau"]:
                 best = record
     return best
 
@@ -57,7 +57,7 @@ def markdown_report(run_name: str, history: list[dict], settings: dict, eval_sec
     if best is not None:
         lines += [
             f"**Best checkpoint by tau@{primary}: step {best['step']}** "
-            f"(tau {best['summary'][f'ddtree@{primary}']['tau']:.3f}; `checkpoints/best.ckpt` links to it).",
+            f"(tau {best['summary'][tree_key(primary)]['tau']:.3f}; `checkpoints/best.ckpt` links to it).",
             "",
         ]
     header = ["step", "train loss", "val loss", *[f"tau@{b} (expected)" for b in budgets], "chain tau", "eval s"]
@@ -71,7 +71,7 @@ def markdown_report(run_name: str, history: list[dict], settings: dict, eval_sec
             step = f"{step} (no checkpoint)"
         cells = [step, _number(record["train_loss"]), _number(record["val_loss"])]
         for b in budgets:
-            stats = summary[f"ddtree@{b}"]
+            stats = summary[tree_key(b)]
             cells.append(f"{stats['tau']:.3f} ({stats['expected_tau']:.2f})")
         cells += [f"{summary[CHAIN]['tau']:.3f}", f"{record['seconds']:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
@@ -95,7 +95,7 @@ def plot_tau(history: list[dict], settings: dict) -> Figure:
     steps = [record["step"] for record in history]
     values = []
     for i, budget in enumerate(budgets):
-        key = f"ddtree@{budget}"
+        key = tree_key(budget)
         measured = [r["summary"][key]["tau"] for r in history]
         expected = [r["summary"][key]["expected_tau"] for r in history]
         axes.plot(steps, measured, "o-", color=f"C{i}", label=f"DDTree, budget {budget}")
@@ -106,7 +106,7 @@ def plot_tau(history: list[dict], settings: dict) -> Figure:
     axes.plot([], [], ":", color="grey", label="dotted: expected by the drafter")
     best = best_record(history, primary)
     if best is not None:
-        axes.plot([best["step"]], [best["summary"][f"ddtree@{primary}"]["tau"]], "*", color="gold", markersize=16,
+        axes.plot([best["step"]], [best["summary"][tree_key(primary)]["tau"]], "*", color="gold", markersize=16,
                   markeredgecolor="black", label=f"best checkpoint (budget {primary})", zorder=5)
     values += chain
     axes.set_ylim(0.9, max(2.0, max(values) * 1.08))  # tau >= 1 always; keep a flat start readable
@@ -132,24 +132,9 @@ def depth_counts_csv(history: list[dict]) -> str:
     return out.getvalue()
 
 
-def _replace(path: Path, write) -> None:
-    """Write through `write(file_object)` to a temp file beside `path`, then rename it into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, staging = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(staging, path)
-    except BaseException:
-        Path(staging).unlink(missing_ok=True)
-        raise
-
-
 def write_all(run_dir: Path, history: list[dict], settings: dict, eval_seconds: float, launch_seconds: float) -> None:
     run_dir = Path(run_dir)
-    text = markdown_report(run_dir.name, history, settings, eval_seconds, launch_seconds)
-    _replace(run_dir / "report.md", lambda f: f.write(text.encode()))
-    figure = plot_tau(history, settings)
-    _replace(run_dir / "tau.png", lambda f: figure.savefig(f, format="png"))
-    counts = depth_counts_csv(history)
-    _replace(run_dir / "eval" / "accepted_depths.csv", lambda f: f.write(counts.encode()))
+    write_text_atomic(run_dir / "report.md", markdown_report(run_dir.name, history, settings, eval_seconds, launch_seconds))
+    with atomic_file(run_dir / "tau.png", "wb") as f:
+        plot_tau(history, settings).savefig(f, format="png")
+    write_text_atomic(run_dir / "eval" / "accepted_depths.csv", depth_counts_csv(history))

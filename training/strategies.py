@@ -30,8 +30,8 @@ briefly, once per process).
 Weights: with `precision: bf16-mixed`, DeepSpeed holds the drafter's weights in bf16 and the fp32
 master copy in the sharded optimizer. `drafter_for_export` gathers that fp32 copy from the live
 engine at the end of training; a ZeRO checkpoint folder (step-N.ckpt/ or last.ckpt/, one file
-per rank) is consolidated to the same fp32 weights by training/publish.py (`consolidate_deepspeed`),
-which `make eval` and `make export` use.
+per rank) is consolidated to the same fp32 weights when it is read (training/checkpoints.py,
+`load_checkpoint`), which `make eval` and `make export` use.
 
 DeepSpeed on CPU, for tests only: Lightning's DeepSpeed strategy refuses a non-CUDA accelerator,
 yet DeepSpeed itself runs ZeRO on CPU processes over gloo (DS_ACCELERATOR=cpu). `zero2_cpu` and
@@ -51,7 +51,10 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, StrategyRegistry
 from torch import nn
 
-from ddtree.targets import DDTreeError
+from ddtree.errors import DDTreeError
+from ddtree.modeling_dflash import DFlashDraftModel
+
+from .checkpoints import drafter_from_weights
 
 
 class DrafterDeepSpeed(DeepSpeedStrategy):
@@ -226,6 +229,32 @@ def full_fp32_state(drafter: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
+def consolidated_copy(drafter: nn.Module) -> DFlashDraftModel:
+    """A plain copy of a ZeRO-3-sharded drafter on this rank (every rank must call this together).
+
+    Decoding runs a different number of drafter forwards on each rank, and ZeRO-3 gathers the shards
+    at every forward in lockstep, so the sharded module itself cannot decode. Not exercised by the
+    CPU tests (DeepSpeed needs CUDA).
+    """
+    import deepspeed
+
+    if hasattr(drafter, "peft_config") or any("lora_" in name for name, _ in drafter.named_parameters()):
+        raise DDTreeError(
+            "evaluation under DeepSpeed ZeRO-3 does not support a LoRA drafter; use ZeRO-2 or DDP, "
+            "or evaluate saved checkpoints with `make eval`"
+        )
+    params = dict(drafter.named_parameters())
+    device = next(iter(params.values())).device
+    copy = DFlashDraftModel(drafter.config)
+    with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):
+        full = {name: p.detach().clone() for name, p in params.items()}  # (whole tensors inside the context)
+    missing = set(dict(copy.named_parameters())) - set(full)
+    if missing:
+        raise RuntimeError(f"consolidating the ZeRO-3 drafter: parameters {sorted(missing)[:3]} were not gathered")
+    copy.load_state_dict(full, strict=False)
+    return copy.to(device=device, dtype=full[next(iter(full))].dtype).eval()
+
+
 def drafter_for_export(module, trainer) -> nn.Module:
     """The trained drafter with full fp32 weights, as training/export.py writes it.
 
@@ -235,12 +264,5 @@ def drafter_for_export(module, trainer) -> nn.Module:
     """
     if not is_deepspeed(trainer.strategy):
         return module.drafter
-    from .export import drafter_from_state
-
-    state = full_fp32_state(module.drafter)
-    checkpoint = {
-        "drafter_config": module._base_drafter().config.to_dict(),
-        "hyper_parameters": dict(module.hparams),
-        "state_dict": {f"drafter.{name}": value for name, value in state.items()},
-    }
-    return drafter_from_state(checkpoint)
+    config = module.base_drafter().config.to_dict()
+    return drafter_from_weights(config, dict(module.hparams), full_fp32_state(module.drafter))

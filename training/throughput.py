@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 import torch
 
-from .module import DistillModule, target_layer_features
+from ddtree.errors import command
+
+from .module import DistillModule
+from .target import target_layer_features
 
 
 def time_call(fn, repeats: int) -> float:
@@ -32,7 +36,8 @@ def time_call(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def main(argv: list[str] | None = None) -> None:
+@command
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="smollm2-135m")
     parser.add_argument("--batch-size", type=int, default=2)
@@ -65,13 +70,13 @@ def main(argv: list[str] | None = None) -> None:
 
         def training_step(step_batch: dict):
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = module._shared_step(step_batch, 0, "train").loss
+                loss = module.shared_step(step_batch, 0, "train").loss
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
         with torch.no_grad():
-            features = target_layer_features(module.target, input_ids, module._target.layer_ids)
+            features = target_layer_features(module.target, input_ids, module.target_layer_ids)
         offline_batch = {**batch, "features": features}  # the step then skips the target, as from a store
 
         target_seconds = time_call(target_forward, args.repeats)
@@ -83,7 +88,8 @@ def main(argv: list[str] | None = None) -> None:
             f"offline step {offline_seconds:.2f} s, {tokens / offline_seconds:.0f} tokens/s",
             flush=True,
         )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -23,146 +23,60 @@ With data.feature_store set (offline target features, training/features.py) a mi
 built first, in a single-process run; a multi-process launch asks for `make features` instead.
 Several processes (devices > 1, torchrun, SLURM) share one run folder; rank 0 writes config.yaml
 and drafter/, and a launch whose process count differs from devices x num_nodes stops at once.
-Bad input (unknown recipe, bad field, bad target) prints one line and exits with status 2 or 1.
+Bad input (unknown recipe, bad field, bad target) prints one line and exits with status 2 (ddtree/errors.py).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import signal
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
 
-import yaml
-from jsonargparse import ArgumentError, Namespace
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from ddtree.targets import DDTreeError
-from training.callbacks import AcceptanceEvaluation, BestCheckpoint, monitor_metric
+from ddtree.errors import DDTreeError, command
+from ddtree.files import write_text_atomic
+from training.checkpoints import find_resume, newest_checkpoint
 from training.data import DistillDataModule
 from training.export import export_drafter
-from training.features import build_feature_store, drafter_layer_ids, is_complete, resolve_store_path
+from training.feature_store import build_feature_store, drafter_layer_ids, is_complete, resolve_store_path
 from training.module import DistillModule, NonFiniteError
-from training.strategies import check_launch, drafter_for_export, is_first_process, launcher_world
+from training.recipe import DistillCLI, check_checkpoint_settings, check_recipe_name, config_arg, recipe_errors, recipe_path
+from training.strategies import drafter_for_export, is_first_process, launcher_world
+from training.target import dtype_for_precision
 
-REPO = Path(__file__).resolve().parents[1]
-RECIPES_DIR = REPO / "recipes"
+def run_location_args(run_dir: Path) -> list[str]:
+    """Where this launch writes: always the run folder as it is now, never the one a config.yaml recorded.
 
-
-def known_recipes() -> list[str]:
-    return sorted(path.stem for path in RECIPES_DIR.glob("*.yaml"))
-
-
-def saved_at(checkpoint: Path) -> float:
-    """When a checkpoint was last written: a file's mtime, or a DeepSpeed folder's `latest` tag file's."""
-    return (checkpoint / "latest" if checkpoint.is_dir() else checkpoint).stat().st_mtime
-
-
-def newest_checkpoint(run_dir: Path) -> Path:
-    """The newest of a run's checkpoints/last.ckpt and the hpc_ckpt_N.ckpt Lightning saves on SLURM's requeue signal."""
-    saved = [p for p in [run_dir / "checkpoints" / "last.ckpt", *run_dir.glob("hpc_ckpt_*.ckpt")]
-             if (p / "latest").is_file() or p.is_file()]
-    if not saved:
-        raise DDTreeError(f"--resume {run_dir}: the run has no checkpoint yet (no checkpoints/last.ckpt or hpc_ckpt_*.ckpt)")
-    return max(saved, key=saved_at)
-
-
-def find_resume(resume: str, recipe_root: Path) -> tuple[Path, Path]:
-    """(checkpoint, run folder) for --resume: 'last' = newest run of this recipe with a last.ckpt.
-
-    Also a run folder (its newest checkpoint) or a checkpoint path: a .ckpt file, or the folder a
-    DeepSpeed strategy writes under that name.
+    Given after --config, these win over config.yaml's own values, so a run that was moved or copied
+    and then resumed (under another --output-root too) logs and checkpoints into its new folder.
     """
-    if resume == "last":
-        runs = sorted(recipe_root.glob("*/checkpoints/last.ckpt"), key=saved_at)
-        if not runs:
-            raise DDTreeError(f"--resume last: no run with checkpoints/last.ckpt under {recipe_root}; start one first")
-        checkpoint = runs[-1]
-    elif (Path(resume) / "config.yaml").is_file():
-        checkpoint = newest_checkpoint(Path(resume))
-    else:
-        checkpoint = Path(resume)
-        if not (checkpoint.is_file() or (checkpoint / "latest").is_file()):
-            raise DDTreeError(f"--resume {resume}: no such checkpoint; give a .ckpt path, a run folder or 'last'")
-    # The run folder is the nearest one above the checkpoint with a config.yaml (checkpoints/x.ckpt, or hpc_ckpt_N.ckpt).
-    run_dir = next((p for p in checkpoint.resolve().parents if (p / "config.yaml").is_file()), checkpoint.resolve().parent.parent)
-    if not (run_dir / "config.yaml").is_file():
-        raise DDTreeError(f"--resume {resume}: {run_dir}/config.yaml is missing, so the run cannot be resumed exactly")
-    return checkpoint, run_dir
-
-
-def check_checkpoint_settings(config: Path) -> None:
-    """The eval section sets checkpoint.every_n_train_steps and checkpoint.monitor; a config value would be dropped silently."""
-    settings = yaml.safe_load(config.read_text()) or {}
-    for field, source in (("every_n_train_steps", "eval.every_n_train_steps"), ("monitor", "eval.primary_budget")):
-        if field in (settings.get("checkpoint") or {}):
-            raise DDTreeError(f"{config}: checkpoint.{field} follows {source}; remove it from the checkpoint section")
-
-
-class DistillCLI(LightningCLI):
-    def add_arguments_to_parser(self, parser):
-        # Every run measures DDTree acceptance (eval.*) and checkpoints at exactly those steps, ranked by
-        # the primary budget's tau: both checkpoint settings follow the eval section.
-        parser.add_lightning_class_args(AcceptanceEvaluation, "eval")
-        parser.add_lightning_class_args(BestCheckpoint, "checkpoint")
-        parser.link_arguments("eval.every_n_train_steps", "checkpoint.every_n_train_steps", apply_on="parse")
-        parser.link_arguments("eval.primary_budget", "checkpoint.monitor", compute_fn=monitor_metric, apply_on="parse")
-        parser.set_defaults(
-            {
-                "checkpoint.filename": "step-{step}",
-                "checkpoint.save_last": True,
-                "checkpoint.save_top_k": 1,  # the best by measured tau (plus last.ckpt)
-                "checkpoint.mode": "max",
-            }
-        )
-        # One target per recipe: the data's tokenizer and the model's target can never disagree.
-        parser.link_arguments("model.target", "data.target", apply_on="parse")
-
-    def before_instantiate_classes(self) -> None:
-        # Before anything is built: a recipe sized for other hardware than was launched stops here.
-        check_launch(self.config.trainer.devices, self.config.trainer.num_nodes)
-
-
-class RecipeReader(DistillCLI):
-    """Parses and type-checks a recipe, links applied, and builds nothing (for tools that only read it)."""
-
-    def before_instantiate_classes(self) -> None:
-        pass  # no launch to check: nothing will train
-
-    def instantiate_classes(self) -> None:
-        pass
-
-
-def read_recipe(config: Path, overrides: list[str]) -> Namespace:
-    """A recipe's settings as training would resolve them (config.model, config.data, ...), overrides applied."""
-    check_checkpoint_settings(config)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
-        return RecipeReader(DistillModule, DistillDataModule, save_config_callback=None,
-                            parser_kwargs={"exit_on_error": False}, run=False,
-                            args=["--config", str(config), *overrides]).config
+    logger = [
+        {"class_path": "lightning.pytorch.loggers.TensorBoardLogger", "init_args": {"save_dir": str(run_dir), "name": "tensorboard"}},
+        {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(run_dir), "name": "csv"}},
+    ]
+    return [f"--trainer.default_root_dir={run_dir}", f"--trainer.logger={json.dumps(logger)}",
+            f"--checkpoint.dirpath={run_dir / 'checkpoints'}"]
 
 
 def build_cli(config: Path, run_dir: Path, overrides: list[str]) -> DistillCLI:
     """Parse config + overrides into (model, datamodule, trainer) without running anything."""
     check_checkpoint_settings(config)
-    logger = [
-        {"class_path": "lightning.pytorch.loggers.TensorBoardLogger", "init_args": {"save_dir": str(run_dir), "name": "tensorboard"}},
-        {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(run_dir), "name": "csv"}},
-    ]
-    with warnings.catch_warnings():
+    with recipe_errors(config), warnings.catch_warnings():
         # LightningCLI is handed its arguments here, so its warning that sys.argv holds some too is noise.
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
         return DistillCLI(
             DistillModule,
             DistillDataModule,
             save_config_callback=None,  # written by hand below, to the run folder, atomically
-            trainer_defaults={"default_root_dir": str(run_dir), "logger": logger},
             seed_everything_default=0,
             parser_kwargs={"exit_on_error": False},
-            args=["--config", str(config), "--checkpoint.dirpath", str(run_dir / "checkpoints"), *overrides],
+            args=["--config", config_arg(config, overrides), *run_location_args(run_dir), *overrides],
             run=False,
         )
 
@@ -183,8 +97,10 @@ def build_missing_feature_store(cli: DistillCLI, recipe: str) -> None:
         raise DDTreeError(f"data.feature_store {store} is not built and this launch runs {cli.trainer.world_size} "
                           f"processes: build it first with `make features RECIPE={recipe} OUT={store}`")
     hp = cli.model.hparams
+    # The store is written in the dtype the target runs in during training: the same rule as DistillModule.
+    dtype = dtype_for_precision(cli.config.trainer.precision, hp.target_dtype)
     build_feature_store(cli.datamodule, Path(store), layer_ids=drafter_layer_ids(hp.target_layer_ids, hp.init_from),
-                        target_adapter=hp.target_adapter)
+                        target_adapter=hp.target_adapter, dtype=dtype)
 
 
 RUN_NAME_ENV = "DDTREE_RUN_NAME"  # the run folder name, handed to the processes Lightning starts
@@ -206,14 +122,31 @@ def run_name(requested: str | None) -> str:
     return time.strftime("%Y%m%d-%H%M%S")
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, staging = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(staging, path)
+def stopped(run_dir: Path, recipe: str, why: str, status: int, step: int) -> int:
+    """Say that the run did not finish, and how to resume it if a checkpoint exists; return the exit status.
+
+    A killed or failed run must never look finished: non-zero status, one line saying what
+    happened, and the exact command that continues it.
+    """
+    if is_first_process():
+        try:
+            resume = f"resume with: make train RECIPE={recipe} RESUME={newest_checkpoint(run_dir)}"
+        except DDTreeError:
+            resume = "no checkpoint was written yet, so nothing can be resumed; start it again"
+        print(f"[train] {why} at step {step}; no drafter written; {resume}", file=sys.stderr, flush=True)
+    return status
 
 
+def remove_unstarted_run(run_dir: Path, step: int) -> None:
+    """A fresh run that failed before its first step leaves no folder behind (it would hold only config.yaml)."""
+    if step > 0 or not is_first_process() or not run_dir.is_dir():
+        return
+    if any(path.is_file() for path in (run_dir / "checkpoints").rglob("*")):
+        return
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@command
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -225,11 +158,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="run folder name, the same on every node (default: a timestamp, or slurm-<job id>)")
     parser.add_argument("--output-root", default="outputs", help="runs go to <output-root>/<recipe>/<run>/")
     args, overrides = parser.parse_known_args(argv)
-    if args.recipe not in known_recipes():
-        print(f"error: unknown recipe {args.recipe!r}; known recipes: {', '.join(known_recipes())}", file=sys.stderr)
-        return 2
+    check_recipe_name(args.recipe)
     try:
-        config = RECIPES_DIR / f"{args.recipe}.yaml"
+        config = recipe_path(args.recipe)
         recipe_root = Path(args.output_root) / args.recipe
         checkpoint = None
         if args.resume:
@@ -248,23 +179,26 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[RUN_NAME_ENV] = run_dir.name
         try:
             cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=str(checkpoint) if checkpoint else None)
+        except SIGTERMException:  # a SystemExit with no code: without this, a killed run would exit 0
+            return stopped(run_dir, args.recipe, "stopped by SIGTERM", 128 + signal.SIGTERM, cli.trainer.global_step)
+        except SystemExit:  # Lightning turns Ctrl-C into sys.exit(1) after its graceful shutdown
+            if cli.trainer.interrupted:
+                return stopped(run_dir, args.recipe, "interrupted (SIGINT)", 128 + signal.SIGINT, cli.trainer.global_step)
+            raise
+        except BaseException:
+            if not checkpoint:
+                remove_unstarted_run(run_dir, cli.trainer.global_step)
+            raise
         finally:
             os.environ.pop(RUN_NAME_ENV, None)
-        if cli.trainer.interrupted:
-            print(f"[train] interrupted; resume with --resume {run_dir / 'checkpoints' / 'last.ckpt'}", file=sys.stderr)
-            return 130
+        if cli.trainer.interrupted:  # stopped by a callback or an exception Lightning swallowed
+            return stopped(run_dir, args.recipe, "interrupted", 1, cli.trainer.global_step)
         drafter = drafter_for_export(cli.model, cli.trainer)  # every rank: DeepSpeed gathers the fp32 weights
         if cli.trainer.is_global_zero:
             drafter_dir = export_drafter(drafter, run_dir / "drafter")
             print(f"[train] drafter written to {drafter_dir} (ddtree bench --drafter {drafter_dir})", flush=True)
         return 0
-    except ArgumentError as error:
-        print(f"error: {args.recipe} config: {str(error).splitlines()[0]}", file=sys.stderr)
-        return 2
-    except DDTreeError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    except NonFiniteError as error:
+    except NonFiniteError as error:  # not bad input: the run itself failed
         print(f"error: {error}", file=sys.stderr)
         return 1
 

@@ -4,6 +4,8 @@
 """
 
 import json
+import os
+import stat
 import sys
 from pathlib import Path
 
@@ -41,9 +43,21 @@ def test_first_sentence_drops_signature_lines():
 
 
 def test_shipped_prompt_files_are_what_the_script_writes(tmp_path):
-    make_prompts.main(["--train-out", str(tmp_path / "train.jsonl"), "--eval-out", str(tmp_path / "eval.jsonl")])
+    assert make_prompts.main(["--train-out", str(tmp_path / "train.jsonl"), "--eval-out", str(tmp_path / "eval.jsonl")]) == 0
     assert (tmp_path / "eval.jsonl").read_text() == (ROOT / "data/eval_prompts.jsonl").read_text()
     assert (tmp_path / "train.jsonl").read_text() == (ROOT / "data/prompts/train_prompts.jsonl").read_text()
     for line in (ROOT / "data/eval_prompts.jsonl").read_text().splitlines():
         record = json.loads(line)
         assert set(record) == {"id", "messages"} and record["messages"][0]["role"] == "user"
+
+
+def test_written_files_follow_the_umask(tmp_path):
+    # Written through a temp file (0600 as created): the final file must be readable as the umask allows.
+    previous = os.umask(0o022)
+    try:
+        make_prompts.write_jsonl([{"id": "a", "messages": []}], tmp_path / "sub" / "out.jsonl")
+    finally:
+        os.umask(previous)
+    assert [p.name for p in (tmp_path / "sub").iterdir()] == ["out.jsonl"]  # no temp file left behind
+    assert stat.S_IMODE((tmp_path / "sub" / "out.jsonl").stat().st_mode) == 0o644
+    assert (tmp_path / "sub" / "out.jsonl").read_text() == '{"id": "a", "messages": []}\n'

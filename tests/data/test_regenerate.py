@@ -4,6 +4,8 @@
 """
 
 import json
+import os
+import stat
 import sys
 from pathlib import Path
 
@@ -13,7 +15,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "data"))
 import regenerate  # noqa: E402
 
-from ddtree.targets import DDTreeError  # noqa: E402
+from ddtree.decoding import Sampling  # noqa: E402
+from ddtree.errors import DDTreeError  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +58,44 @@ def test_sampling_is_seeded_and_top_p_keeps_the_head():
     first = [regenerate.pick_next(logits, 2.0, 1.0).item() for _ in range(30)]
     torch.manual_seed(3)
     assert first == [regenerate.pick_next(logits, 2.0, 1.0).item() for _ in range(30)] and len(set(first)) > 1
+
+
+def kept_by_pick_next(monkeypatch, logits, temperature, top_p) -> torch.Tensor:
+    """The tokens regeneration may sample, (B, V) bool: the support of what pick_next hands to multinomial."""
+    real_multinomial, seen = torch.multinomial, []
+
+    def recording(probs, num_samples):
+        seen.append(probs.clone())
+        return real_multinomial(probs, num_samples)
+
+    monkeypatch.setattr(torch, "multinomial", recording)
+    regenerate.pick_next(logits, temperature, top_p)
+    monkeypatch.undo()
+    return seen[0] > 0
+
+
+@pytest.mark.parametrize("top_p", [0.05, 0.3, 0.5, 0.75, 0.9, 0.99, 1.0])
+def test_regeneration_samples_from_the_set_serving_samples_from(monkeypatch, top_p):
+    generator = torch.Generator().manual_seed(int(top_p * 100))
+    logits = torch.randn(16, 50, generator=generator) * torch.linspace(0.5, 4, 16)[:, None]  # flat to peaked rows
+    for temperature in (1.0, 0.7):
+        kept = kept_by_pick_next(monkeypatch, logits, temperature, top_p)
+        serving = torch.stack([Sampling(temperature=temperature, top_p=top_p).probabilities(row) > 0 for row in logits])
+        assert torch.equal(kept, serving), f"top_p {top_p}, temperature {temperature}"
+
+
+@pytest.mark.parametrize("probs, top_p, expected", [
+    ([0.5, 0.25, 0.25], 0.5, [True, False, False]),  # the head alone reaches top_p exactly: it is enough
+    ([0.5, 0.25, 0.25], 0.75, [True, True, False]),
+    ([0.25, 0.25, 0.25, 0.25], 0.5, [True, True, False, False]),
+])
+def test_a_cumulative_mass_equal_to_top_p_stops_the_set(monkeypatch, probs, top_p, expected):
+    # Where a cumulative sum hits top_p exactly, a `>` cut would keep one token more than serving's `>=`.
+    logits = torch.tensor([probs]).log()
+    assert torch.equal(torch.softmax(logits, -1), torch.tensor([probs]))  # the sums really are exact in float32
+    kept = kept_by_pick_next(monkeypatch, logits, 1.0, top_p)
+    assert kept[0].tolist() == expected
+    assert (Sampling(temperature=1.0, top_p=top_p).probabilities(logits[0]) > 0).tolist() == expected
 
 
 def prompt_file(path, count):
@@ -101,12 +142,21 @@ def test_shards_merge_resume_and_settings_guard(tmp_path):
     assert load_from_disk(str(tmp_path / "out"))["id"] == ["p0", "p1", "p2"]
 
 
+def test_work_files_follow_the_umask(tmp_path):
+    # Chunks and settings go through a temp file (0600 as created); shards of other users must read them.
+    previous = os.umask(0o022)
+    try:
+        regenerate.check_settings(tmp_path, {"target": "tiny-random"})
+    finally:
+        os.umask(previous)
+    assert [p.name for p in tmp_path.iterdir()] == ["settings.json"]
+    assert stat.S_IMODE((tmp_path / "settings.json").stat().st_mode) == 0o644
+
+
 def test_cli_reports_bad_prompt_file_with_line(tmp_path, capsys):
     bad = tmp_path / "prompts.jsonl"
     bad.write_text('{"messages": [{"role": "user", "content": "ok"}]}\n{"messages": "nope"}\n')
-    with pytest.raises(SystemExit) as exit_info:
-        regenerate.main(["--target", "tiny-random", "--prompts", str(bad), "--out", str(tmp_path / "out")])
-    assert exit_info.value.code == 2
+    assert regenerate.main(["--target", "tiny-random", "--prompts", str(bad), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and f"{bad}:2:" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "out").exists()

@@ -53,7 +53,7 @@ def test_bench_writes_results(capsys, tmp_path, prompts_file):
 
 def _bad(capsys, *args):
     code, _, err = run_cli(capsys, *args)
-    lines = [line for line in err.strip().splitlines() if line.startswith("ddtree: error")]
+    lines = [line for line in err.strip().splitlines() if line.startswith("error: ")]
     assert code == 2 and len(lines) == 1, err
     return lines[0]
 
@@ -113,8 +113,16 @@ def test_console_script_exit_code(tmp_path):
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1] == f"ddtree: error: prompts file {missing} does not exist"
+    assert proc.stderr.strip().splitlines()[-1] == f"error: prompts file {missing} does not exist"
     assert "Traceback" not in proc.stderr
+
+
+def test_main_without_arguments_reads_the_command_line(capsys, monkeypatch, tmp_path):
+    """The console script `ddtree` calls main() with no argument."""
+    missing = tmp_path / "missing.jsonl"
+    monkeypatch.setattr(sys, "argv", ["ddtree", "bench", "--target", TARGET, "--prompts", str(missing), "--methods", "ar"])
+    assert main() == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"error: prompts file {missing} does not exist"
 
 
 def test_generate_reports_its_tokens(capsys):

@@ -10,10 +10,11 @@ that read the target's own greedy continuation (perfect) or avoid every token it
 from __future__ import annotations
 
 import csv
-import re
 import json
 import math
+import os
 import random
+import re
 from pathlib import Path
 
 import lightning as L
@@ -26,11 +27,12 @@ import toy_data  # tests/training/toy_data.py
 import ddtree.cli
 import training.evaluate
 import training.train
-from ddtree.bench import load_prompts, run_benchmark
+from ddtree.bench import CHAIN, acceptance_summary, load_prompts, run_benchmark, tree_key
 from ddtree.decoding import DrafterRunner, generate
 from ddtree.targets import DDTreeError, load_target, stop_token_ids
 from training.callbacks import AcceptanceEvaluation, BestCheckpoint, measure_acceptance, monitor_metric
-from training.export import drafter_from_checkpoint, export_drafter
+from training.checkpoints import drafter_from_checkpoint
+from training.export import export_drafter
 from training.module import DistillModule
 from training.train import main as train_main
 
@@ -264,6 +266,47 @@ def test_bad_drafter_logs_one_perfect_drafter_logs_the_maximum_and_the_best_is_k
     assert "**4** (best)" in (tmp_path / "report.md").read_text()
 
 
+def test_top_k_drops_the_earliest_of_equals_and_a_resume_keeps_the_ranking(tmp_path):
+    """Top 2 of three evaluations (bad, bad, perfect): the first bad goes; resumed, a fourth (bad) does not enter."""
+    def callbacks(schedule):
+        evaluation = RiggedEvaluation(schedule, prompts=PROMPTS, every_n_train_steps=2, budgets=[8], primary_budget=8,
+                                      max_new_tokens=6, limit=1)
+        checkpoints = BestCheckpoint(dirpath=tmp_path / "checkpoints", monitor=monitor_metric(8), every_n_train_steps=2,
+                                     save_top_k=2)
+        return [evaluation, checkpoints]
+
+    def trainer(steps, callbacks):
+        return L.Trainer(max_steps=steps, accelerator="cpu", default_root_dir=tmp_path, logger=False, callbacks=callbacks,
+                         enable_progress_bar=False, enable_model_summary=False)
+
+    torch.manual_seed(0)
+    first = callbacks(["bad", "bad", "perfect"])
+    trainer(6, first).fit(tiny_module(), train_dataloaders=synthetic_loader(6))
+    folder = tmp_path / "checkpoints"
+    assert sorted(p.name for p in folder.glob("*.ckpt")) == ["best.ckpt", "last.ckpt", "step-step=4.ckpt", "step-step=6.ckpt"]
+    assert os.readlink(folder / "best.ckpt") == "step-step=6.ckpt"  # relative: the run folder can move
+    assert list(first[1].best_k_models) == ["step-step=4.ckpt", "step-step=6.ckpt"]
+
+    resumed = callbacks(["bad"])
+    trainer(8, resumed).fit(tiny_module(), train_dataloaders=synthetic_loader(8), ckpt_path=folder / "last.ckpt")
+    assert [r["step"] for r in resumed[0].history] == [2, 4, 6, 8]  # the evaluation history came back too
+    assert list(resumed[1].best_k_models) == ["step-step=4.ckpt", "step-step=6.ckpt"]  # step 8 (bad) did not enter
+    assert sorted(p.name for p in folder.glob("*.ckpt")) == ["best.ckpt", "last.ckpt", "step-step=4.ckpt", "step-step=6.ckpt"]
+    assert torch.load(folder / "last.ckpt", weights_only=False)["global_step"] == 8
+    assert (folder / "best.ckpt").resolve().name == "step-step=6.ckpt"
+
+
+def test_checkpoint_settings_that_cannot_work_are_one_line_errors(tmp_path):
+    with pytest.raises(DDTreeError, match=r"checkpoint.filename='\{val/loss\}'"):
+        BestCheckpoint(filename="{val/loss}")
+    with pytest.raises(DDTreeError, match="checkpoint.save_top_k=-2"):
+        BestCheckpoint(save_top_k=-2)
+    assert BestCheckpoint.file_name("step-{step}", step=200, epoch=3) == "step-step=200.ckpt"  # the names runs hold
+    # ranking needs the evaluation's metric at the same steps
+    with pytest.raises(DDTreeError, match=r"checkpoint.monitor=val/tau_ddtree@8 was not logged at step 2"):
+        fit(tmp_path, 2, [BestCheckpoint(dirpath=tmp_path / "checkpoints", monitor=monitor_metric(8), every_n_train_steps=2)])
+
+
 class StopAtStep3(L.Callback):
     """Stands in for max_time: the run ends off the evaluation grid."""
 
@@ -352,6 +395,21 @@ def _measure_on_rank(rank: int, world_size: int, port: int, out: str) -> None:
         torch.distributed.destroy_process_group()
 
 
+def test_the_evaluation_summary_is_bench_arithmetic_over_the_same_rows():
+    target, tokenizer = load_target("tiny-random", torch.float32)
+    torch.manual_seed(0)
+    drafter = DrafterRunner(ddtree.cli.load_drafter("random", target, tokenizer, "tiny-random"), target)
+    prompts = load_prompts(PROMPTS, tokenizer, limit=2)
+    stop_ids = stop_token_ids(target, tokenizer)
+    measured = measure_acceptance(target, drafter, prompts, [4, 8], 6, stop_ids)
+    bench = run_benchmark(target, drafter, prompts, ["dflash", "ddtree"], [4, 8], 6, stop_ids, progress=False)
+    assert list(measured["summary"]) == [CHAIN, tree_key(4), tree_key(8)]
+    for key, stats in measured["summary"].items():
+        assert stats == acceptance_summary(bench["prompts"], key)
+        assert stats == {name: bench["summary"][key][name] for name in stats}  # the figures `ddtree bench` prints
+    assert [row["index"] for row in measured["prompts"]] == [0, 1]
+
+
 @pytest.mark.slow  # two processes start torch and transformers: ~40 s on the shared 2-core machine
 def test_prompts_split_across_ranks_gather_to_the_single_process_result(tmp_path):
     out = str(tmp_path / "result")
@@ -405,7 +463,7 @@ def _consolidate_under_zero3(rank: int, port: int, out: str) -> None:
 
     from ddtree.modeling_dflash import DFlashDraftModel
     from ddtree.targets import build_drafter_config
-    from training.callbacks import consolidated_copy
+    from training.strategies import consolidated_copy
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     deepspeed.init_distributed(dist_backend="gloo")
@@ -446,7 +504,7 @@ def test_bad_settings_are_one_line_errors(tmp_path, capsys):
     data = write_conversations(tmp_path / "conversations.jsonl")
     common = ["--recipe", "tiny", "--output-root", str(tmp_path / "out"), f"--data.data_path={data}",
               f"--data.cache_dir={tmp_path / 'cache'}", "--trainer.max_steps=1"]
-    assert train_main([*common, "--run", "a", "--eval.prompts=no/such.jsonl"]) == 1
+    assert train_main([*common, "--run", "a", "--eval.prompts=no/such.jsonl"]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]  # (not warnings)
     assert errors == ["error: eval.prompts=no/such.jsonl: no such file; give a JSONL of held-out prompts"]
     assert not list((tmp_path / "out" / "tiny" / "a").glob("checkpoints/*"))  # stopped before any training

@@ -15,12 +15,14 @@ import pytest
 import torch
 
 import toy_data  # tests/training/toy_data.py
-import training.features
+import training.feature_store
 import training.module
 from ddtree.targets import DDTreeError, load_target
 from training.data import DistillDataModule
-from training.features import FeatureStore, build_feature_store, main, partial_path
-from training.module import DistillModule, target_layer_features
+from training.feature_store import FeatureStore, build_feature_store, partial_path
+from training.features import main
+from training.module import DistillModule
+from training.target import target_layer_features
 from training.train import main as train_main
 
 LAYER_IDS = [1, 3, 4]
@@ -203,7 +205,7 @@ def test_interrupted_build_resumes_and_ends_equal_to_an_uninterrupted_one(tmp_pa
     settings = dict(layer_ids=LAYER_IDS, max_shard_bytes=shard_bytes(3))
     straight = build_feature_store(dm, tmp_path / "straight", **settings)
 
-    real_save, saved = training.features.save_file, []
+    real_save, saved = training.feature_store.save_file, []
 
     def save_then_stop(tensors, filename):
         if saved:
@@ -211,7 +213,7 @@ def test_interrupted_build_resumes_and_ends_equal_to_an_uninterrupted_one(tmp_pa
         saved.append(filename)
         real_save(tensors, filename)
 
-    monkeypatch.setattr(training.features, "save_file", save_then_stop)
+    monkeypatch.setattr(training.feature_store, "save_file", save_then_stop)
     out = tmp_path / "resumed"
     with pytest.raises(Interrupt):
         build_feature_store(dm, out, **settings)
@@ -224,7 +226,7 @@ def test_interrupted_build_resumes_and_ends_equal_to_an_uninterrupted_one(tmp_pa
         real_save(tensors, filename)
 
     saved.clear()
-    monkeypatch.setattr(training.features, "save_file", save_counting)
+    monkeypatch.setattr(training.feature_store, "save_file", save_counting)
     build_feature_store(dm, out, **settings)
     manifest = json.loads((out / "store.json").read_text())
     assert len(saved) == len(manifest["shards"]) - 1 > 1  # every shard but the finished one
@@ -234,6 +236,34 @@ def test_interrupted_build_resumes_and_ends_equal_to_an_uninterrupted_one(tmp_pa
     assert manifest == json.loads((straight / "store.json").read_text())
     for shard in manifest["shards"]:
         assert (out / shard["file"]).read_bytes() == (straight / shard["file"]).read_bytes(), shard["file"]
+
+
+def test_a_resumed_build_in_another_dtype_refuses_to_mix_them(tmp_path, monkeypatch, capsys):
+    dm = make_datamodule(tmp_path)
+    settings = dict(layer_ids=LAYER_IDS, max_shard_bytes=shard_bytes(3))
+    real_save, saved = training.feature_store.save_file, []
+
+    def save_one_then_stop(tensors, filename):
+        if saved:
+            raise Interrupt  # the second shard never gets written
+        saved.append(filename)
+        real_save(tensors, filename)
+
+    monkeypatch.setattr(training.feature_store, "save_file", save_one_then_stop)
+    out = tmp_path / "store"
+    with pytest.raises(Interrupt):
+        build_feature_store(dm, out, dtype=torch.bfloat16, **settings)
+    monkeypatch.setattr(training.feature_store, "save_file", real_save)
+    with pytest.raises(DDTreeError) as refused:  # a machine whose auto precision is fp32 picks the build up
+        build_feature_store(dm, out, dtype=torch.float32, **settings)
+    message = str(refused.value)
+    assert len(message.splitlines()) == 1 and "bfloat16" in message and "float32" in message and "--force" in message
+    assert (partial_path(out) / "shard-00000.safetensors").is_file()  # nothing was dropped
+    capsys.readouterr()
+    build_feature_store(dm, out, dtype=torch.float32, force=True, **settings)  # asked for: start over in fp32
+    assert FeatureStore(out).dtype == torch.float32 and not partial_path(out).exists()
+    size_line = next(line for line in capsys.readouterr().out.splitlines() if "estimated size" in line)
+    assert "x 4 bytes, float32)" in size_line
 
 
 def test_a_complete_store_is_replaced_only_with_force_and_only_once_the_new_one_is_complete(tmp_path, monkeypatch, capsys):
@@ -252,7 +282,7 @@ def test_a_complete_store_is_replaced_only_with_force_and_only_once_the_new_one_
     def fail(tensors, filename):
         raise Interrupt
 
-    monkeypatch.setattr(training.features, "save_file", fail)
+    monkeypatch.setattr(training.feature_store, "save_file", fail)
     with pytest.raises(Interrupt):
         build_feature_store(dm, out, layer_ids=[0, 2], force=True)
     assert FeatureStore(out).layer_ids == LAYER_IDS  # the old store stays until the new one is complete
@@ -266,17 +296,17 @@ def test_size_estimate_is_printed_before_anything_is_written_and_a_full_disk_ref
     dm = make_datamodule(tmp_path)
     data, _, _ = dm.load_tokenized()
     tokens = len(data.input_ids)
-    expected = f"{tokens * 3 * HIDDEN * 2 / 1e6:.1f} MB ({tokens:,} tokens x 3 layers x {HIDDEN} x 2 bytes)"
+    expected = f"{tokens * 3 * HIDDEN * 2 / 1e6:.1f} MB ({tokens:,} tokens x 3 layers x {HIDDEN} x 2 bytes, bfloat16)"
     out = tmp_path / "store"
     printed_before_first_write = []
-    real_write = training.features.write_json_atomic
+    real_write = training.feature_store.write_json_atomic
 
     def first_write(path, payload):
         printed_before_first_write.append(capsys.readouterr().out)
         real_write(path, payload)
 
-    monkeypatch.setattr(training.features, "write_json_atomic", first_write)
-    monkeypatch.setattr(training.features, "free_bytes", lambda path: 1000)
+    monkeypatch.setattr(training.feature_store, "write_json_atomic", first_write)
+    monkeypatch.setattr(training.feature_store, "free_bytes", lambda path: 1000)
     with pytest.raises(DDTreeError) as error:
         build_feature_store(dm, out, layer_ids=LAYER_IDS)
     assert "free" in one_line(error.value) and str(partial_path(out).parent) in str(error.value)
@@ -284,7 +314,7 @@ def test_size_estimate_is_printed_before_anything_is_written_and_a_full_disk_ref
     assert not out.exists() and not partial_path(out).exists() and not printed_before_first_write
 
     monkeypatch.undo()
-    monkeypatch.setattr(training.features, "write_json_atomic", first_write)
+    monkeypatch.setattr(training.feature_store, "write_json_atomic", first_write)
     build_feature_store(dm, out, layer_ids=LAYER_IDS)
     assert len(printed_before_first_write) == 1 and expected in printed_before_first_write[0]
 
@@ -299,6 +329,15 @@ def test_cli_bad_input_exits_2_with_one_line(capsys):
     assert main(["--recipe", "tiny", "--data.no_such_field=3"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "no_such_field" in err
+    assert main(["--recipe", "tiny", "--dtype", "float8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--dtype='float8'" in err and "bfloat16" in err
+    assert main(["--recipe", "tiny", "--data.max_length=many"]) == 2  # a field of the wrong type
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "max_length" in err
+    assert main(["--recipe", "tiny", "--data.val_fraction=2"]) == 2  # a value the DataModule refuses
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "val_fraction" in err
 
 
 def test_cli_builds_the_recipe_store(tmp_path):
@@ -322,7 +361,7 @@ def test_train_builds_a_missing_store_in_a_single_process_and_refuses_in_many(tm
         "--trainer.val_check_interval=null", "--eval.every_n_train_steps=2", "--eval.limit=1",
         "--trainer.max_steps=2", "--trainer.enable_progress_bar=false",
     ]
-    assert train_main([*common, "--trainer.devices=2", "--trainer.strategy=ddp", "--run", "two"]) == 1
+    assert train_main([*common, "--trainer.devices=2", "--trainer.strategy=ddp", "--run", "two"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "make features RECIPE=tiny" in err and str(store) in err
     assert not store.exists() and not partial_path(store).exists()
@@ -337,7 +376,7 @@ def test_train_builds_a_missing_store_in_a_single_process_and_refuses_in_many(tm
 
 
 def test_auto_store_is_the_recipes_cache_folder_built_on_first_use(tmp_path, monkeypatch):
-    monkeypatch.setattr(training.features, "cache_dir", lambda: tmp_path / "ddtree-cache")  # targets stay cached
+    monkeypatch.setattr(training.feature_store, "cache_dir", lambda: tmp_path / "ddtree-cache")  # targets stay cached
     data = write_conversations(tmp_path / "conversations.jsonl", count=16)
     args = [
         "--recipe", "tiny", "--output-root", str(tmp_path / "out"), f"--data.data_path={data}",

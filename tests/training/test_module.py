@@ -17,14 +17,16 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
 from ddtree.modeling_dflash import DFlashDraftModel, fuse_target_features
-from training.export import drafter_from_checkpoint, export_drafter
+from training.checkpoints import drafter_from_checkpoint
+from training.export import export_drafter
 from training.loss import (
+    block_loss_sums,
     block_position_weights,
     chain_acceptance,
-    decayed_cross_entropy,
     decayed_cross_entropy_sums,
     decayed_soft_cross_entropy_sums,
     position_hit_counts,
+    teacher_states,
 )
 from training.masks import (
     IGNORE_INDEX,
@@ -37,7 +39,8 @@ from training.masks import (
     flex_block_mask,
     sample_anchors,
 )
-from training.module import DistillModule, NonFiniteError, target_layer_features
+from training.module import DistillModule, NonFiniteError
+from training.target import target_layer_features
 
 BLOCK = 4
 
@@ -86,10 +89,63 @@ def test_decayed_cross_entropy_is_the_weighted_mean_of_token_losses():
     torch.manual_seed(0)
     logits, labels = torch.randn(6, 11), torch.randint(0, 11, (6,))
     positions = torch.tensor([1, 2, 3, 1, 5, 7])
-    loss = decayed_cross_entropy(logits, labels, positions, block_size=8, gamma=5.0)
+    weighted, total = decayed_cross_entropy_sums(logits, labels, positions, block_position_weights(8, gamma=5.0))
     token = F.cross_entropy(logits, labels, reduction="none")
     weights = torch.tensor([math.exp(-(k - 1) / 5.0) for k in positions.tolist()])
-    assert torch.allclose(loss, (token * weights).sum() / weights.sum())
+    assert torch.allclose(weighted / total, (token * weights).sum() / weights.sum())
+
+
+def block_loss_case(seed: int = 0, block: int = 4, hidden_size: int = 8, vocab: int = 13):
+    """hidden (2, 3*B, H) with gradients, labels (2, 3, B) with the anchors and a few more tokens ignored, an LM head."""
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(2, 3 * block, hidden_size, generator=generator).requires_grad_()
+    labels = torch.randint(0, vocab, (2, 3, block), generator=generator)
+    labels[:, :, 0] = IGNORE_INDEX  # the anchor
+    labels[1, 2, 2:] = IGNORE_INDEX  # a block cut by the end of the reply
+    lm_head = torch.nn.Linear(hidden_size, vocab, bias=False)
+    with torch.no_grad():
+        lm_head.weight.copy_(torch.randn(vocab, hidden_size, generator=generator))
+    return hidden, labels, lm_head
+
+
+def test_block_loss_runs_the_lm_head_on_counted_rows_and_chunks_change_nothing():
+    hidden, labels, lm_head = block_loss_case()
+    weights = block_position_weights(4, gamma=4.0)
+    weighted, total, hits, tokens = block_loss_sums(hidden, labels, lm_head, weights)
+    # the same sums from the LM head over every row, ignored ones masked out
+    logits = lm_head(hidden.flatten(0, 1))  # (S*n*B, V)
+    flat = labels.flatten()
+    counted = flat != IGNORE_INDEX
+    positions = torch.arange(flat.numel()) % 4
+    token_ce = F.cross_entropy(logits[counted], flat[counted], reduction="none")
+    assert torch.allclose(weighted, (token_ce * weights[positions[counted]]).sum())
+    assert torch.allclose(total, weights[positions[counted]].sum())
+    assert tokens.tolist() == [0, 6, 5, 5] and hits.sum() <= tokens.sum()
+    (grad,) = torch.autograd.grad(weighted / total, hidden)
+    assert grad[labels.flatten(1)[..., None].expand_as(grad) == IGNORE_INDEX].abs().max() == 0  # ignored rows get none
+
+    for chunk in (1, 5):  # recomputed in backward chunk by chunk: same sums, same gradient
+        chunked = block_loss_sums(hidden, labels, lm_head, weights, chunk_size=chunk)
+        for a, b in zip(chunked, (weighted, total, hits, tokens)):
+            assert torch.allclose(a, b, atol=1e-6)
+        (chunked_grad,) = torch.autograd.grad(chunked[0] / chunked[1], hidden)
+        assert torch.allclose(chunked_grad, grad, atol=1e-6)
+
+
+def test_distill_weight_mixes_the_two_cross_entropies_and_zero_is_the_plain_loss():
+    hidden, labels, lm_head = block_loss_case()
+    teacher = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(1))
+    weights = block_position_weights(4, gamma=4.0)
+    plain = block_loss_sums(hidden, labels, lm_head, weights)
+    assert torch.equal(block_loss_sums(hidden, labels, lm_head, weights, teacher_hidden=teacher)[0], plain[0])
+    mixed = block_loss_sums(hidden, labels, lm_head, weights, teacher_hidden=teacher, distill_weight=0.25)
+    counted = labels.flatten() != IGNORE_INDEX
+    positions = (torch.arange(labels.numel()) % 4)[counted]
+    soft, _ = decayed_soft_cross_entropy_sums(
+        lm_head(hidden.flatten(0, 1)[counted]), lm_head(teacher.flatten(0, 1)[counted]), positions, weights
+    )
+    assert torch.allclose(mixed[0], 0.75 * plain[0] + 0.25 * soft)
+    assert torch.equal(mixed[1], plain[1]) and torch.equal(mixed[2], plain[2])  # same weights, same hits
 
 
 def test_soft_cross_entropy_is_kl_plus_teacher_entropy_and_hard_ce_for_a_sure_teacher():
@@ -183,7 +239,7 @@ def test_flex_mask_mod_on_index_grids_equals_the_dense_mask():
 def test_drafter_under_the_flex_block_mask_matches_the_dense_mask(module):
     """flex_attention runs eagerly on CPU (slow but exact), so the CUDA path's mask is checked end to end."""
     batch = synthetic_batch()
-    features = target_layer_features(module.target, batch["input_ids"], module._target.layer_ids)
+    features = target_layer_features(module.target, batch["input_ids"], module.target_layer_ids)
     anchors = torch.tensor([[6, 7, 15], [8, 12, 0]])
     with torch.no_grad(), warnings.catch_warnings():  # flex attention has no CPU backward
         dense = module.block_hidden_states(features, batch["input_ids"], anchors)
@@ -240,10 +296,10 @@ def test_training_steps_lower_the_loss_and_log_metrics(tmp_path):
         enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=1.0, log_every_n_steps=1,
     )
     with torch.no_grad():
-        before = module._shared_step(batch, 0, "train").loss
+        before = module.shared_step(batch, 0, "train").loss
     trainer.fit(module, train_dataloaders=loader)
     with torch.no_grad():
-        after = module._shared_step(batch, 0, "train").loss
+        after = module.shared_step(batch, 0, "train").loss
     assert after < before - 1.0, (before, after)
     logged = trainer.logged_metrics
     for key in ["train/loss", "train/tau_chain", "train/acc_1", f"train/acc_{BLOCK - 1}", "train/lr", "perf/target_tok_s"]:
@@ -293,7 +349,7 @@ def test_export_from_module_and_checkpoint_loads_with_from_pretrained(module, tm
     loaded = DFlashDraftModel.from_pretrained(out)
     for (name, mine), (_, theirs) in zip(module.drafter.state_dict().items(), loaded.state_dict().items()):
         assert torch.equal(mine, theirs), name
-    checkpoint = {"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}
+    checkpoint = {"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams), "global_step": 0}
     module.on_save_checkpoint(checkpoint)
     torch.save(checkpoint, tmp_path / "x.ckpt")
     rebuilt = drafter_from_checkpoint(tmp_path / "x.ckpt")
@@ -311,7 +367,7 @@ def test_warm_start_with_lora_trains_adapters_only_and_exports_merged(module, tm
             if "lora_B" in name:
                 p.normal_(0, 0.05)
     batch = synthetic_batch()
-    features = target_layer_features(lora.target, batch["input_ids"], lora._target.layer_ids)
+    features = target_layer_features(lora.target, batch["input_ids"], lora.target_layer_ids)
     anchors = torch.tensor([[6, 9], [7, 10]])
     with torch.no_grad():
         wrapped = lora.block_hidden_states(features, batch["input_ids"], anchors)
@@ -347,51 +403,20 @@ def test_target_adapter_is_merged_at_load(tmp_path):
     assert not any("lora" in name for name, _ in module.target.named_parameters())
 
 
-def test_preconditioned_fc_is_calibrated_once_and_exports_as_a_plain_drafter(tmp_path):
-    from training.feature_scale import has_feature_scale, scale_of
-
+def test_the_step_is_the_same_with_the_loss_in_chunks():
     torch.manual_seed(0)
-    module = tiny_module(precondition_features=True)
-    assert has_feature_scale(module.drafter) and not scale_of(module.drafter).calibrated
+    whole, chunked = tiny_module(), tiny_module(loss_chunk_size=5)
+    chunked.drafter.load_state_dict(whole.drafter.state_dict())
     batch = synthetic_batch()
-    features = target_layer_features(module.target, batch["input_ids"], module._target.layer_ids)
-    module._shared_step(batch, 0, "train")  # the first training batch calibrates
-    scale = scale_of(module.drafter)
-    real = features[batch["attention_mask"]]  # (tokens, K*H)
-    assert scale.calibrated and torch.allclose(scale.inv_rms, 1 / real.pow(2).mean(0).sqrt(), rtol=1e-4)
-    trained = module.drafter.fc.parametrizations.weight.original
-    assert torch.allclose(module.drafter.fc.weight, trained * scale.inv_rms)
-    inv_before = scale.inv_rms.clone()
-    module._shared_step(synthetic_batch(seed=1), 1, "train")
-    assert torch.equal(scale.inv_rms, inv_before)  # measured once, then fixed
-    # export folds the scale into a plain fc.weight with the same function
-    anchors = torch.tensor([[6, 9], [7, 10]])
-    with torch.no_grad():
-        live = module.block_hidden_states(features, batch["input_ids"], anchors)
-    loaded = DFlashDraftModel.from_pretrained(export_drafter(module, tmp_path / "drafter"))
-    assert not has_feature_scale(loaded) and has_feature_scale(module.drafter)  # the live drafter is untouched
-    checkpoint = {"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}
-    module.on_save_checkpoint(checkpoint)
-    torch.save(checkpoint, tmp_path / "x.ckpt")
-    for plain in (loaded, drafter_from_checkpoint(tmp_path / "x.ckpt")):
-        module_copy = tiny_module()
-        module_copy.drafter = plain
-        with torch.no_grad():
-            assert torch.allclose(module_copy.block_hidden_states(features, batch["input_ids"], anchors), live, atol=1e-5)
-
-
-def test_preconditioning_a_warm_start_keeps_its_function(module, tmp_path):
-    folder = export_drafter(module, tmp_path / "base")
-    warm = tiny_module(init_from=str(folder), target_layer_ids=None, num_layers=None, block_size=None, precondition_features=True)
-    before = warm.drafter.fc.weight.detach().clone()
-    warm._shared_step(synthetic_batch(), 0, "train")
-    assert torch.allclose(warm.drafter.fc.weight, before, rtol=1e-5, atol=1e-7)
+    a, b = whole.shared_step(batch, 0, "train"), chunked.shared_step(batch, 0, "train")
+    assert torch.allclose(a.loss, b.loss, atol=1e-6) and torch.equal(a.hits, b.hits) and torch.equal(a.tokens, b.tokens)
+    a.loss.backward(), b.loss.backward()
+    for (name, p), q in zip(whole.drafter.named_parameters(), chunked.drafter.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-6), name
 
 
 def test_soft_targets_come_from_the_target_prediction_of_each_label():
     """On the target's own greedy text, the teacher row of every label argmaxes to that label."""
-    from training.module import teacher_states
-
     module = tiny_module(distill_weight=0.5)
     with torch.no_grad():
         input_ids = torch.randint(100, 40000, (1, 8), generator=torch.Generator().manual_seed(0))
@@ -400,12 +425,12 @@ def test_soft_targets_come_from_the_target_prediction_of_each_label():
             input_ids = torch.cat([input_ids, next_id], dim=1)
         loss_mask = torch.zeros_like(input_ids, dtype=torch.bool)
         loss_mask[:, 8:] = True
-        features, final = target_layer_features(module.target, input_ids, module._target.layer_ids, final_hidden=True)
-        assert torch.allclose(features, target_layer_features(module.target, input_ids, module._target.layer_ids))
+        features, final = target_layer_features(module.target, input_ids, module.target_layer_ids, final_hidden=True)
+        assert torch.allclose(features, target_layer_features(module.target, input_ids, module.target_layer_ids))
         anchors, valid = sample_anchors(loss_mask, 6, torch.Generator().manual_seed(0))
         labels = block_labels(input_ids, loss_mask, anchors, valid, BLOCK).flatten()
         teacher = module.target.get_output_embeddings()(teacher_states(final, anchors, BLOCK)).argmax(-1).flatten()
     counted = labels != IGNORE_INDEX
     assert counted.sum() > 10 and torch.equal(teacher[counted], labels[counted])
-    result = module._shared_step({"input_ids": input_ids, "loss_mask": loss_mask}, 0, "train")
+    result = module.shared_step({"input_ids": input_ids, "loss_mask": loss_mask}, 0, "train")
     assert torch.isfinite(result.loss)

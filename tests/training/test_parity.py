@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from training.masks import sample_anchors
-from training.module import DistillModule, target_layer_features
+from training.module import DistillModule
+from training.target import target_layer_features
 
 BLOCK = 8
 
@@ -53,7 +54,7 @@ def test_every_block_of_the_training_forward_equals_its_inference_call(module):
     input_ids = torch.randint(100, 40000, (1, length), generator=generator)
     loss_mask = torch.zeros(1, length, dtype=torch.bool)
     loss_mask[0, 5:] = True
-    features = target_layer_features(module.target, input_ids, module._target.layer_ids)  # (1, T, K*H)
+    features = target_layer_features(module.target, input_ids, module.target_layer_ids)  # (1, T, K*H)
     # adjacent anchors, random ones, and one whose block runs past the end of the sequence
     drawn, _ = sample_anchors(loss_mask, 4, generator)
     anchors = torch.cat([torch.tensor([[5, 6, 20, 46]]), drawn], dim=1).sort(dim=1).values
@@ -69,7 +70,7 @@ def test_every_block_of_the_training_forward_equals_its_inference_call(module):
 def test_parity_check_would_catch_an_off_by_one_context(module):
     """The tolerance is meaningful: one extra context row (the anchor's own features) moves the logits far."""
     input_ids = torch.randint(100, 40000, (1, 32), generator=torch.Generator().manual_seed(1))
-    features = target_layer_features(module.target, input_ids, module._target.layer_ids)
+    features = target_layer_features(module.target, input_ids, module.target_layer_ids)
     anchor, mask_id = 17, module.drafter.config.mask_token_id
     hidden = module.block_hidden_states(features, input_ids, torch.tensor([[anchor]]))
     training = module.target.get_output_embeddings()(hidden)[0]

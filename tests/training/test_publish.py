@@ -1,4 +1,4 @@
-"""Tests of the Hub export (training/publish.py, training/model_card.py).
+"""Tests of the Hub export (training/publish.py, hub.py, hub_config.py, model_card.py).
 
     .venv/bin/pytest -q tests/training/test_publish.py
     .venv/bin/pytest -q -m slow tests/training/test_publish.py     # + a real DeepSpeed ZeRO checkpoint
@@ -28,12 +28,15 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModel
 
+import training.hub
 import training.publish as publish
 from ddtree.cli import main as ddtree_main
 from ddtree.configuration_dflash import DFlashDrafterConfig
 from ddtree.modeling_dflash import DFlashDraftModel, fuse_target_features
 from ddtree.targets import DDTreeError
-from training.export import drafter_from_checkpoint, export_drafter
+from training.checkpoints import drafter_from_checkpoint
+from training.export import export_drafter
+from training.hub_config import AUTO_MAP, EXPORT_FILES, REMOTE_CODE, hub_config
 from training.model_card import read_evaluation
 from training.module import DistillModule
 from training.train import main as train_main
@@ -83,6 +86,7 @@ def run_dir(tmp_path_factory) -> Path:
 
 
 def export(run_dir: Path, out: Path, *extra: str) -> int:
+    """`make export RUN=run_dir OUT=out ...`: the exit status (2 for bad input)."""
     return publish.main([str(run_dir), "--out", str(out), *extra])
 
 
@@ -115,8 +119,8 @@ def test_export_loads_with_automodel_and_reference_dflash_with_the_checkpoints_l
     target, tokenizer = tiny_target
     out = tmp_path / "export"
     assert export(run_dir, out, "--ckpt", "last") == 0
-    assert sorted(p.name for p in out.iterdir()) == sorted(publish.EXPORT_FILES)
-    for name in publish.REMOTE_CODE:  # the library's own files, unchanged
+    assert sorted(p.name for p in out.iterdir()) == sorted(EXPORT_FILES)
+    for name in REMOTE_CODE:  # the library's own files, unchanged
         assert (out / name).read_bytes() == (REPO_ROOT / "ddtree" / name).read_bytes()
 
     config = json.loads((out / "config.json").read_text())
@@ -124,7 +128,7 @@ def test_export_loads_with_automodel_and_reference_dflash_with_the_checkpoints_l
     assert config["num_target_layers"] == 6 and config["target_name_or_path"] == "tiny-random"
     assert config["dflash_config"]["target_layer_ids"] == [1, 3, 4] and set(config["dflash_config"]) == {
         "mask_token_id", "target_layer_ids"}
-    assert config["auto_map"] == publish.AUTO_MAP
+    assert config["auto_map"] == AUTO_MAP
     weights = load_file(out / "model.safetensors")
     assert "fc.weight" in weights and not any("embed" in k or "lm_head" in k or "lora" in k for k in weights)
 
@@ -200,7 +204,7 @@ def test_a_non_empty_output_folder_is_refused_unless_overwrite(run_dir, tmp_path
     out = tmp_path / "export"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    assert export(run_dir, out, "--ckpt", "last") == 1
+    assert export(run_dir, out, "--ckpt", "last") == 2
     line = one_error_line(capsys)
     assert "exists and is not empty" in line and "--overwrite" in line
     assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
@@ -217,17 +221,17 @@ def test_a_checkpoint_that_is_not_a_drafter_of_this_project_is_refused(run_dir, 
              (run_dir / "drafter", "exported drafter folder"), (tmp_path, "not a DeepSpeed checkpoint")]
     for checkpoint, message in cases:
         out = tmp_path / f"out-{checkpoint.name}"
-        assert export(run_dir, out, "--ckpt", str(checkpoint)) == 1
+        assert export(run_dir, out, "--ckpt", str(checkpoint)) == 2
         assert message in one_error_line(capsys), checkpoint
         assert not out.exists()
-    assert export(run_dir, tmp_path / "x", "--ckpt", "nope.ckpt") == 1
+    assert export(run_dir, tmp_path / "x", "--ckpt", "nope.ckpt") == 2
     assert "no such checkpoint" in one_error_line(capsys)
 
 
 @pytest.mark.parametrize("repo", ["no-namespace", "a/b/c", "bad name/x", "user/-bad-", ""])
 def test_an_invalid_repo_name_is_refused_before_anything(run_dir, tmp_path, capsys, repo):
     out = tmp_path / "export"
-    assert export(run_dir, out, "--ckpt", "last", "--repo", repo, "--push") == 1
+    assert export(run_dir, out, "--ckpt", "last", "--repo", repo, "--push") == 2
     assert "REPO=" in one_error_line(capsys)
     assert not out.exists()
 
@@ -283,14 +287,14 @@ def test_a_lora_checkpoint_is_exported_merged(tmp_path, tiny_target):
 
 def test_rope_settings_are_written_for_transformers_4_readers_too():
     saved = {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}, "hidden_size": 8}
-    config = publish.hub_config(saved)
+    config = hub_config(saved)
     assert config["rope_theta"] == 500000.0 and config["rope_scaling"] == {"rope_type": "llama3", "factor": 8.0}
-    assert publish.hub_config({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}})["rope_scaling"] is None
+    assert hub_config({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}})["rope_scaling"] is None
 
 
 def test_speculators_fields_follow_vllms_dflash_layout(run_dir):
     saved = json.loads((run_dir / "drafter" / "config.json").read_text())
-    config = publish.hub_config(saved, ("HuggingFaceTB/SmolLM2-135M-Instruct", ["LlamaForCausalLM"]))
+    config = hub_config(saved, ("HuggingFaceTB/SmolLM2-135M-Instruct", ["LlamaForCausalLM"]))
     assert "model_type" not in config  # vLLM reads a config.json without model_type as speculators format
     spec = config["speculators_config"]
     assert config["speculators_model_type"] == spec["algorithm"] == "dflash"
@@ -308,11 +312,11 @@ def test_speculators_fields_follow_vllms_dflash_layout(run_dir):
         assert layer[key] == config[key], key
     assert [i - 1 for i in config["aux_hidden_state_layer_ids"]] == saved["dflash_config"]["target_layer_ids"]
     # the DFlash fields the z-lab format and ddtree read are all still there
-    assert config["dflash_config"] == saved["dflash_config"] and config["auto_map"] == publish.AUTO_MAP
+    assert config["dflash_config"] == saved["dflash_config"] and config["auto_map"] == AUTO_MAP
 
     saved_last = dict(saved, dflash_config=dict(saved["dflash_config"], target_layer_ids=[1, 5]))
     with pytest.raises(DDTreeError, match="last layer"):
-        publish.hub_config(saved_last, ("x/y", []))
+        hub_config(saved_last, ("x/y", []))
 
 
 def test_speculators_export_loads_everywhere_or_is_refused_whole(run_dir, tmp_path, tiny_target, capsys):
@@ -323,7 +327,7 @@ def test_speculators_export_loads_everywhere_or_is_refused_whole(run_dir, tmp_pa
     out = tmp_path / "export"
     code = export(run_dir, out, "--ckpt", "last", "--speculators")
     if not top_level_mask_token_id_accepted():
-        assert code == 1 and "mask_token_id" in one_error_line(capsys) and not out.exists()
+        assert code == 2 and "mask_token_id" in one_error_line(capsys) and not out.exists()
         return
     assert code == 0
     target, tokenizer = tiny_target
@@ -430,7 +434,7 @@ def test_push_uploads_the_exported_folder_and_prints_its_url(run_dir, tmp_path, 
 def test_a_failed_upload_keeps_the_export_for_push_only(run_dir, tmp_path, hub, capsys):
     out = tmp_path / "export"
     StandInHub.fail_commits = True
-    assert export(run_dir, out, "--ckpt", "last", "--repo", "tester/tiny-drafter", "--push") == 1
+    assert export(run_dir, out, "--ckpt", "last", "--repo", "tester/tiny-drafter", "--push") == 2
     assert "the export in" in one_error_line(capsys) and (out / "model.safetensors").exists()
     StandInHub.fail_commits = False
     assert publish.main(["--push-only", str(out), "--repo", "tester/tiny-drafter"]) == 0
@@ -441,8 +445,8 @@ def test_push_without_token_or_network_fails_before_doing_anything(run_dir, tmp_
     out = tmp_path / "export"
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr(publish, "get_token", lambda: None)  # no saved login either
-    assert export(run_dir, out, "--ckpt", "last", "--repo", "tester/x", "--push") == 1
+    monkeypatch.setattr(training.hub, "get_token", lambda: None)  # no saved login either
+    assert export(run_dir, out, "--ckpt", "last", "--repo", "tester/x", "--push") == 2
     assert "HF_TOKEN" in one_error_line(capsys) and not out.exists()
 
     with socket.socket() as probe:  # a port nothing listens on
@@ -450,7 +454,7 @@ def test_push_without_token_or_network_fails_before_doing_anything(run_dir, tmp_
         closed = probe.getsockname()[1]
     monkeypatch.setenv("HF_TOKEN", "hf_whatever")
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{closed}")
-    assert export(run_dir, out, "--ckpt", "last", "--repo", "tester/x", "--push") == 1
+    assert export(run_dir, out, "--ckpt", "last", "--repo", "tester/x", "--push") == 2
     assert "cannot use the Hub" in one_error_line(capsys) and not out.exists()
 
 
@@ -463,7 +467,7 @@ DEEPSPEED_SAVE = textwrap.dedent("""
     import os, sys, torch, deepspeed
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[3], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     checkpoint = torch.load(sys.argv[1], weights_only=False)
-    from training.export import drafter_from_checkpoint
+    from training.checkpoints import drafter_from_checkpoint
     wrapper = torch.nn.Module()
     wrapper._forward_module = torch.nn.Module()
     wrapper._forward_module.drafter = drafter_from_checkpoint(sys.argv[1])

@@ -17,10 +17,12 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 import lightning as L
 
 import toy_data  # tests/training/toy_data.py
-import training.module
+import training.target
 import training.train
-from training.train import RECIPES_DIR, DistillCLI, build_cli, known_recipes, main
+from training.recipe import RECIPES_DIR, known_recipes, read_recipe
+from training.train import build_cli, main
 from training.module import DistillModule
+from ddtree.errors import DDTreeError
 
 TINY_WIDTHS = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=16)
 
@@ -38,20 +40,8 @@ SHRUNKEN_TARGETS = {
 BIG_RECIPES = ["qwen3-8b", "qwen3-4b", "llama3.1-8b"]
 
 
-class ParseOnlyCLI(DistillCLI):
-    """Parse and type-check a recipe against the classes' signatures without building anything."""
-
-    def instantiate_classes(self) -> None:
-        pass
-
-
 def parse_recipe(name: str, *overrides: str):
-    cli = ParseOnlyCLI(
-        DistillModule, training.train.DistillDataModule, save_config_callback=None,
-        parser_kwargs={"exit_on_error": False}, run=False,
-        args=["--config", str(RECIPES_DIR / f"{name}.yaml"), *overrides],
-    )
-    return cli.config
+    return read_recipe(RECIPES_DIR / f"{name}.yaml", list(overrides))
 
 
 def test_every_recipe_parses_and_says_how_to_launch_it():
@@ -66,7 +56,7 @@ def test_every_recipe_parses_and_says_how_to_launch_it():
 
 
 def test_a_bad_field_is_rejected_by_the_parser():
-    with pytest.raises(Exception, match="no_such_field"):
+    with pytest.raises(DDTreeError, match="no_such_field"):
         parse_recipe("tiny", "--model.no_such_field=3")
 
 
@@ -83,7 +73,7 @@ def test_big_recipe_wires_up_on_a_shrunken_target(name, monkeypatch):
         model = AutoModelForCausalLM.from_config(shrunken).eval().requires_grad_(False)
         return model, None  # the recipe names its MASK id, so no tokenizer is consulted
 
-    monkeypatch.setattr(training.module, "load_target", load_shrunken)
+    monkeypatch.setattr(training.target, "load_target", load_shrunken)
     settings = config.model.as_dict()
     settings.update(target_dtype="float32", num_anchors=2)  # a 2-block step is enough to exercise the wiring
     module = DistillModule(**settings)
@@ -95,7 +85,7 @@ def test_big_recipe_wires_up_on_a_shrunken_target(name, monkeypatch):
     input_ids = torch.randint(0, 1000, (1, 24))
     loss_mask = torch.zeros(1, 24, dtype=torch.bool)
     loss_mask[0, 6:] = True
-    result = module._shared_step({"input_ids": input_ids, "loss_mask": loss_mask}, 0, "train")
+    result = module.shared_step({"input_ids": input_ids, "loss_mask": loss_mask}, 0, "train")
     assert torch.isfinite(result.loss) and result.tokens.sum() > 0
 
 

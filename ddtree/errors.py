@@ -1,0 +1,54 @@
+"""User errors and the one exit-code rule every command of this project follows.
+
+    @command
+    def main(argv: list[str] | None = None) -> int: ...    # raises DDTreeError on bad input
+
+    if __name__ == "__main__":
+        sys.exit(main())                                   # main(argv) returns the exit status
+
+A `DDTreeError` is bad input a user can fix (a value, a file, a setting): the command prints its
+message as one line, `error: ...`, and exits with status 2, like argparse does for a bad flag.
+An interrupted command (Ctrl-C) exits with 130, the shell's code for SIGINT.
+Anything else is a bug and keeps its traceback (status 1).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Callable
+
+USAGE_ERROR = 2  # bad input: what argparse uses for a bad flag
+INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
+
+
+class DDTreeError(ValueError):
+    """Bad input a user can fix; `run_cli` prints its message as one line and exits with status 2."""
+
+
+def error_line(error: BaseException) -> str:
+    """The one line printed for a user error: its message's first line (multi-line messages are cut)."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def run_cli(main: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> int:
+    """Run a command's main(argv) under the exit-code rule above and return the status for sys.exit."""
+    try:
+        return int(main(argv) or 0)
+    except DDTreeError as error:
+        print(f"error: {error_line(error)}", file=sys.stderr)
+        return USAGE_ERROR
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return INTERRUPTED
+
+
+def command(main: Callable[[list[str] | None], int | None]) -> Callable[[list[str] | None], int]:
+    """Decorate a command's main(argv) so that calling it applies `run_cli` and returns the exit status."""
+
+    @functools.wraps(main)
+    def wrapped(argv: list[str] | None = None) -> int:
+        return run_cli(main, argv)
+
+    return wrapped

@@ -1,0 +1,85 @@
+"""Writing files so that a reader never sees half of one, with the permissions the user's umask asks for.
+
+    write_json_atomic(run_dir / "eval" / "step-100.json", result)
+    with atomic_file(path, "wb") as f: figure.savefig(f)
+    with staged_folder(out) as staging: model.save_pretrained(staging)
+
+Temporary files and folders (tempfile.mkstemp/mkdtemp) are created owner-only (0600/0700) for
+safety; once renamed into place they would stay so and nobody else on shared storage could read
+a run or the cache. Every writer here gives them the modes a plain open()/mkdir() would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+from .errors import DDTreeError
+
+
+def current_umask() -> int:
+    umask = os.umask(0)  # the only way to read it; set straight back
+    os.umask(umask)
+    return umask
+
+
+def follow_umask(path: Path, recursive: bool = False) -> None:
+    """Give `path` (and, if recursive, everything below it) the mode open()/mkdir() would have given."""
+    umask = current_umask()
+    paths = [Path(path), *(Path(path).rglob("*") if recursive and Path(path).is_dir() else [])]
+    for p in paths:
+        if p.is_symlink():
+            continue
+        p.chmod((0o777 if p.is_dir() else 0o666) & ~umask)
+
+
+@contextmanager
+def atomic_file(path: str | Path, mode: str = "w"):
+    """Yield a file object beside `path`; on success it replaces `path` in one rename, else it is removed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, staging = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+    try:
+        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as handle:
+            yield handle
+        follow_umask(Path(staging))
+        os.replace(staging, path)
+    finally:
+        if os.path.exists(staging):
+            os.unlink(staging)
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    with atomic_file(path) as handle:
+        handle.write(text)
+
+
+def write_json_atomic(path: str | Path, payload, indent: int | None = 1) -> None:
+    with atomic_file(path) as handle:
+        json.dump(payload, handle, indent=indent)
+
+
+@contextmanager
+def staged_folder(destination: str | Path, replace: bool = True):
+    """Yield a temporary folder beside `destination`; on success rename it into place.
+
+    An interruption or an error leaves `destination` as it was and removes the partial folder,
+    so nothing half-written is ever visible under the final name.
+    """
+    destination = Path(destination)
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}-", dir=destination.parent))
+    try:
+        yield staging
+        if destination.exists():
+            if not replace:
+                raise DDTreeError(f"{destination} already exists; refusing to overwrite it")
+            shutil.rmtree(destination)
+        follow_umask(staging, recursive=True)
+        staging.rename(destination)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

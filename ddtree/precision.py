@@ -1,0 +1,103 @@
+"""Which precision is fast on this machine: bf16 where the hardware computes it natively, else fp32.
+
+    choice = fast_precision("cpu")        # Choice(dtype=torch.bfloat16, reason="...") on an AMX Xeon
+    choice.dtype, choice.lightning        # torch.bfloat16, "bf16-mixed"
+
+On a GPU with bf16 support the answer is bf16. On a CPU it depends on the chip: a Xeon with AMX
+(or AVX512-BF16) runs a bf16 forward faster than fp32, an AVX2-only CPU (most laptops, many AMD
+EPYCs) emulates bf16 and runs it several times slower (6.7x, measured on a SmolLM2-135M forward on
+an AVX2 EPYC). So the choice is measured, not assumed: a linear layer shaped like a small target's
+MLP (512 tokens x 576 -> 1536) is timed in both dtypes, best of a few alternating calls after a
+warm-up, about a tenth of a second in all. A target's forward is dominated by such matmuls, and the gap between
+the two outcomes is wide (2x one way, 3-7x the other), so this proxy picks what a forward on the
+real target would, without loading one. `torch.backends.cpu.get_cpu_capability()` alone cannot
+tell: it reports "AVX512" for an AVX-512 chip with and without bf16 support.
+
+Everything that runs the target uses this one rule: training (recipe `trainer.precision: auto`),
+the feature store, the training-time evaluation (which decodes in the training dtype) and the
+decoding CLI (`--dtype auto`). An explicit precision or dtype is never changed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+AUTO = "auto"
+
+# Lightning's precision name for each dtype the choice can make.
+LIGHTNING_PRECISION = {torch.bfloat16: "bf16-mixed", torch.float32: "32-true"}
+# bf16 must beat fp32 by this factor to be chosen: on a tie, fp32 is exact and needs no casts.
+BF16_MARGIN = 0.9
+
+
+@dataclass(frozen=True)
+class Choice:
+    dtype: torch.dtype
+    reason: str  # one line: what was measured or known
+
+    @property
+    def name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
+    def lightning(self) -> str:
+        return LIGHTNING_PRECISION[self.dtype]
+
+
+def time_linear(tokens: int = 512, features: int = 576, hidden: int = 1536, repeats: int = 8) -> dict[torch.dtype, float]:
+    """Best wall time of one (tokens x features) @ (features x hidden) matmul in fp32 and in bf16, on the CPU.
+
+    The two dtypes alternate call by call, so a burst of load from elsewhere hits both alike.
+    """
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, features, generator=generator)
+    w = torch.randn(hidden, features, generator=generator)
+    inputs = {dtype: (x.to(dtype), w.to(dtype)) for dtype in (torch.float32, torch.bfloat16)}
+    best = {dtype: float("inf") for dtype in inputs}
+    for call in range(repeats + 1):
+        for dtype, (xd, wd) in inputs.items():
+            started = time.perf_counter()
+            torch.nn.functional.linear(xd, wd)
+            if call > 0:  # call 0 warms up: kernels picked, memory allocated
+                best[dtype] = min(best[dtype], time.perf_counter() - started)
+    return best
+
+
+_cpu_choice: Choice | None = None  # measured once per process
+
+
+def fast_precision(device: str | torch.device = "cpu", measure: Callable[[], dict[torch.dtype, float]] | None = None) -> Choice:
+    """The precision that is fast on `device`; `measure() -> {dtype: seconds}` replaces the timing (tests)."""
+    global _cpu_choice
+    device = torch.device(device)
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return Choice(torch.bfloat16, f"{torch.cuda.get_device_name(device)} computes bf16 natively")
+        return Choice(torch.float32, f"{torch.cuda.get_device_name(device)} has no bf16 support")
+    if device.type != "cpu":
+        return Choice(torch.float32, f"no measurement for device {device.type}; fp32 is always exact")
+    if measure is None and _cpu_choice is not None:
+        return _cpu_choice
+    seconds = (measure or time_linear)()
+    ratio = seconds[torch.bfloat16] / seconds[torch.float32]
+    dtype = torch.bfloat16 if ratio < BF16_MARGIN else torch.float32
+    verdict = "faster" if ratio < 1 else "slower"
+    choice = Choice(dtype, f"on this CPU a bf16 matmul is {ratio:.2f}x the time of fp32 ({verdict}; "
+                           f"{torch.backends.cpu.get_cpu_capability()})")
+    if measure is None:
+        _cpu_choice = choice
+    return choice
+
+
+def resolve_dtype(name: str, device: str | torch.device = "cpu", where: str = "--dtype") -> tuple[torch.dtype, str | None]:
+    """A dtype by name, or the fast one for "auto"; returns (dtype, the one-line reason when it was chosen)."""
+    from .targets import parse_dtype
+
+    if name == AUTO:
+        choice = fast_precision(device)
+        return choice.dtype, f"{where} auto -> {choice.name}: {choice.reason}"
+    return parse_dtype(name, where), None

@@ -1,0 +1,177 @@
+"""Tests of finding and reading training checkpoints (training/checkpoints.py).
+
+    .venv/bin/pytest -q tests/training/test_checkpoints.py
+
+The resolution rules run on run folders laid out as training/train.py writes them (empty .ckpt
+files, a DeepSpeed folder with its `latest` tag, best.ckpt as a link), with their save times set
+by hand. The reading tests save one real checkpoint of a tiny DistillModule, as Lightning would.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import training.evaluate
+import training.publish
+from ddtree.errors import DDTreeError
+from training.checkpoints import find_checkpoint, find_resume, find_run_checkpoint, load_checkpoint
+from training.module import DistillModule
+
+
+def make_run(root: Path, name: str, saved: dict[str, float], best: str | None = None) -> Path:
+    """A run folder with config.yaml and checkpoints/<file> saved at the given times (seconds since the epoch)."""
+    run = root / name
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text("{}\n")
+    for file, when in saved.items():
+        path = run / file
+        if file.endswith("/"):  # a DeepSpeed checkpoint: a folder of shards named by its `latest` tag
+            path.mkdir(parents=True)
+            path = path / "latest"
+        path.write_text("tag")
+        os.utime(path, (when, when))
+    if best:
+        (run / "checkpoints" / "best.ckpt").symlink_to(best)
+    return run
+
+
+def one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+# ----------------------------------------------------------------------------- finding
+
+
+def test_make_eval_takes_best_or_last_of_the_newest_run_that_has_it_or_a_path(tmp_path):
+    root = tmp_path / "tiny"
+    old = make_run(root, "old", {"checkpoints/step-step=2.ckpt": 100, "checkpoints/last.ckpt": 100},
+                   best="step-step=2.ckpt")
+    new = make_run(root, "new", {"checkpoints/last.ckpt/": 200})  # newer, DeepSpeed, no evaluation yet: no best
+    assert find_checkpoint("last", root) == new / "checkpoints" / "last.ckpt"
+    assert find_checkpoint("best", root) == old / "checkpoints" / "best.ckpt"
+    assert find_checkpoint(str(new / "checkpoints" / "last.ckpt"), root) == new / "checkpoints" / "last.ckpt"
+
+    with pytest.raises(DDTreeError, match=r"CKPT=best: no run under .* has checkpoints/best.ckpt; train one first"):
+        find_checkpoint("best", tmp_path / "untrained")
+    with pytest.raises(DDTreeError, match="CKPT=nope.ckpt: no such checkpoint file"):
+        find_checkpoint("nope.ckpt", root)
+    with pytest.raises(DDTreeError, match="no such checkpoint file"):  # a folder that is not a DeepSpeed checkpoint
+        find_checkpoint(str(old / "checkpoints"), root)
+
+
+def test_make_export_takes_best_last_or_a_path_of_one_run_and_says_which(tmp_path, monkeypatch):
+    run = make_run(tmp_path, "r", {"checkpoints/step-step=2.ckpt": 100, "checkpoints/last.ckpt": 200},
+                   best="step-step=2.ckpt")
+    assert find_run_checkpoint(run, "best") == (run / "checkpoints" / "step-step=2.ckpt", "best -> step-step=2.ckpt")
+    assert find_run_checkpoint(run, "last") == (run / "checkpoints" / "last.ckpt", "last")
+    # a path relative to <run>/checkpoints, or to here
+    assert find_run_checkpoint(run, "step-step=2.ckpt") == (run / "checkpoints" / "step-step=2.ckpt", "step-step=2.ckpt")
+    monkeypatch.chdir(run)
+    assert find_run_checkpoint(run, "checkpoints/last.ckpt")[0] == run / "checkpoints" / "last.ckpt"
+
+    (run / "checkpoints" / "best.ckpt").unlink()
+    with pytest.raises(DDTreeError, match=r"CKPT=best: .* does not exist \(runs trained before .*; use CKPT=last"):
+        find_run_checkpoint(run, "best")
+    with pytest.raises(DDTreeError, match="CKPT=nope.ckpt: no such checkpoint"):
+        find_run_checkpoint(run, "nope.ckpt")
+
+
+def test_resume_takes_last_a_run_folder_or_a_path_and_finds_its_run(tmp_path):
+    root = tmp_path / "tiny"
+    make_run(root, "old", {"checkpoints/last.ckpt": 100})
+    requeued = make_run(root, "slurm-7", {"checkpoints/last.ckpt/": 200, "hpc_ckpt_1.ckpt": 300})
+    assert find_resume("last", root) == (requeued / "checkpoints" / "last.ckpt", requeued.resolve())
+    # a run folder: its newest checkpoint, here the one Lightning saved on SLURM's requeue signal
+    assert find_resume(str(requeued), root) == (requeued / "hpc_ckpt_1.ckpt", requeued.resolve())
+    path = root / "old" / "checkpoints" / "last.ckpt"
+    assert find_resume(str(path), root) == (path, (root / "old").resolve())
+
+    with pytest.raises(DDTreeError, match="--resume last: no run with checkpoints/last.ckpt"):
+        find_resume("last", tmp_path / "untrained")
+    with pytest.raises(DDTreeError, match="--resume nope.ckpt: no such checkpoint; give a .ckpt path, a run folder"):
+        find_resume("nope.ckpt", root)
+    empty = make_run(root, "empty", {})
+    with pytest.raises(DDTreeError, match="the run has no checkpoint yet"):
+        find_resume(str(empty), root)
+    stray = tmp_path / "elsewhere" / "x.ckpt"
+    stray.parent.mkdir()
+    stray.write_text("")
+    with pytest.raises(DDTreeError, match="config.yaml is missing, so the run cannot be resumed exactly"):
+        find_resume(str(stray), root)
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """(path, module): a real checkpoint of a tiny DistillModule at step 7, in a run folder."""
+    torch.manual_seed(0)
+    module = DistillModule(target="tiny-random", num_layers=1, block_size=4, target_layer_ids=[0, 2, 4],
+                           target_dtype="float32")
+    module.configure_model()
+    history = [{"step": 7, "summary": {}, "seconds": 1.0}]
+    checkpoint = {"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams), "global_step": 7,
+                  "callbacks": {"AcceptanceEvaluation": {"history": history}}}
+    module.on_save_checkpoint(checkpoint)
+    run = tmp_path_factory.mktemp("run")
+    (run / "checkpoints").mkdir()
+    path = run / "checkpoints" / "last.ckpt"
+    torch.save(checkpoint, path)
+    return path, module
+
+
+@pytest.fixture
+def loads(monkeypatch):
+    """The paths torch.load is called with, in order."""
+    calls = []
+    real_load = torch.load
+
+    def counting_load(f, *args, **kwargs):
+        calls.append(Path(f) if isinstance(f, (str, Path)) else f)
+        return real_load(f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", counting_load)
+    return calls
+
+
+def test_a_checkpoint_is_read_once_into_its_drafter_step_and_settings(saved, loads):
+    path, module = saved
+    checkpoint = load_checkpoint(path)
+    assert loads == [path]
+    assert checkpoint.step == 7 and checkpoint.hyper_parameters["target"] == "tiny-random"
+    assert checkpoint.callbacks["AcceptanceEvaluation"]["history"][0]["step"] == 7
+    expected = module.drafter.state_dict()
+    found = checkpoint.drafter.state_dict()
+    assert found.keys() == expected.keys()
+    assert all(torch.equal(found[key], expected[key]) for key in expected)
+
+
+def test_make_export_reads_the_checkpoint_once(saved, loads, tmp_path):
+    path, _ = saved
+    assert training.publish.main([str(path.parent.parent), "--out", str(tmp_path / "export"), "--ckpt", "last"]) == 0
+    assert loads.count(path) == 1
+    assert (tmp_path / "export" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("command", ["eval", "export"])
+def test_a_truncated_checkpoint_is_one_error_line_and_status_2(saved, tmp_path, capsys, command):
+    path, _ = saved
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    truncated = run / "checkpoints" / "last.ckpt"
+    truncated.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # a copy cut off mid-write
+    if command == "eval":
+        status = training.evaluate.main(["--recipe", "tiny", "--ckpt", str(truncated)])
+    else:
+        status = training.publish.main([str(run), "--out", str(tmp_path / "export"), "--ckpt", "last"])
+    assert status == 2
+    line = one_error_line(capsys)
+    assert f"CKPT {truncated} is not a PyTorch checkpoint" in line and "give a .ckpt from the run" in line
+    assert not (tmp_path / "export").exists()

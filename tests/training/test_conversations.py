@@ -1,0 +1,250 @@
+"""Tests of training/conversations.py: file loading and chat-template loss masks (golden).
+
+    .venv/bin/pytest -q tests/training/test_conversations.py
+
+Loss-mask goldens cover three template families: SmolLM2's real tokenizer and chat template, and
+Qwen3- and Llama-3-format templates written here (their tokenizers are not downloadable offline)
+on top of SmolLM2's tokenizer with those families' special tokens added.
+"""
+
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+from ddtree.errors import DDTreeError
+from ddtree.targets import builtin_target_folder
+from training.conversations import (
+    load_conversations,
+    read_messages_jsonl,
+    render_prompt_ids,
+    render_with_loss_mask,
+    tokenize_conversation,
+    tokenize_conversations,
+)
+
+SMOL_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+
+# Qwen3's format: <|im_start|>role\n...<|im_end|>\n; assistant turns after the last user turn
+# carry a (here empty) <think> block, earlier ones have it stripped; non-thinking generation
+# prompt ends with the empty think block.
+QWEN3_TEMPLATE = (
+    "{%- set ns = namespace(last_user=-1) -%}"
+    "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' -%}"
+    "{%- set content = m.content -%}"
+    "{%- if '</think>' in content -%}{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}{%- endif -%}"
+    "{%- if loop.index0 > ns.last_user and loop.last -%}"
+    "{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + content + '<|im_end|>\\n' -}}"
+    "{%- else -%}"
+    "{{- '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}"
+)
+
+# Llama-3's format: BOS, <|start_header_id|>role<|end_header_id|>\n\n + trimmed content + <|eot_id|>.
+LLAMA3_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- for m in messages -%}"
+    "{{- '<|start_header_id|>' + m.role + '<|end_header_id|>\\n\\n' + m.content | trim + '<|eot_id|>' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}{%- endif -%}"
+)
+
+CONVERSATION = [
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "content": "2+2 is 4."},
+    {"role": "user", "content": "And the assistant says?"},
+    {"role": "assistant", "content": "assistant"},  # same text as the role header: must not match it
+]
+
+
+@pytest.fixture(scope="module")
+def smol_folder():
+    return builtin_target_folder("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def smol_tokenizer(smol_folder):
+    return AutoTokenizer.from_pretrained(smol_folder)
+
+
+@pytest.fixture(scope="module")
+def qwen3_tokenizer(smol_folder):
+    tokenizer = AutoTokenizer.from_pretrained(smol_folder)
+    tokenizer.add_tokens(["<think>", "</think>"])  # Qwen3: added, not special
+    tokenizer.chat_template = QWEN3_TEMPLATE
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def llama3_tokenizer(smol_folder):
+    tokenizer = AutoTokenizer.from_pretrained(smol_folder)
+    tokenizer.add_tokens(["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"], special_tokens=True)
+    tokenizer.bos_token = "<|begin_of_text|>"
+    tokenizer.chat_template = LLAMA3_TEMPLATE
+    return tokenizer
+
+
+def masked_runs(tokenizer, ids, mask):
+    """Decoded text of each maximal run of masked tokens."""
+    runs, current = [], []
+    for token, bit in zip(ids + [None], mask + [0]):
+        if bit:
+            current.append(token)
+        elif current:
+            runs.append(tokenizer.decode(current))
+            current = []
+    return runs
+
+
+def assert_golden(tokenizer, messages, expected_text, expected_runs):
+    ids, mask = render_with_loss_mask(tokenizer, messages)
+    assert len(ids) == len(mask)
+    assert tokenizer.decode(ids) == expected_text
+    assert masked_runs(tokenizer, ids, mask) == expected_runs
+    # Exactly the tokens of each supervised run, id for id, and nothing else is masked.
+    expected_ids = [i for run in expected_runs for i in tokenizer(run, add_special_tokens=False)["input_ids"]]
+    assert [i for i, bit in zip(ids, mask) if bit] == expected_ids
+
+
+# ----------------------------------------------------------------------------- goldens
+
+def test_smollm2_mask_covers_content_and_im_end_only(smol_tokenizer):
+    expected = (
+        SMOL_SYSTEM
+        + "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n2+2 is 4.<|im_end|>\n"
+        + "<|im_start|>user\nAnd the assistant says?<|im_end|>\n<|im_start|>assistant\nassistant<|im_end|>\n"
+    )
+    assert_golden(smol_tokenizer, CONVERSATION, expected, ["2+2 is 4.<|im_end|>", "assistant<|im_end|>"])
+
+
+def test_smollm2_with_system_prompt_and_empty_answer(smol_tokenizer):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": ""}, {"role": "user", "content": "Hello?"},
+                {"role": "assistant", "content": "Hello!"}]
+    expected = ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+                "<|im_end|>\n<|im_start|>user\nHello?<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>\n")
+    # The empty answer still teaches "stop here": only its end-of-turn token is supervised.
+    assert_golden(smol_tokenizer, messages, expected, ["<|im_end|>", "Hello!<|im_end|>"])
+
+
+def test_qwen3_mask_skips_the_think_block_and_history_form(qwen3_tokenizer):
+    expected = (
+        "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n2+2 is 4.<|im_end|>\n"
+        "<|im_start|>user\nAnd the assistant says?<|im_end|>\n"
+        "<|im_start|>assistant\n<think>\n\n</think>\n\nassistant<|im_end|>\n"
+    )
+    assert_golden(qwen3_tokenizer, CONVERSATION, expected, ["2+2 is 4.<|im_end|>", "assistant<|im_end|>"])
+
+
+def test_llama3_mask_with_trimmed_content(llama3_tokenizer):
+    messages = [{"role": "system", "content": "You are terse."}] + CONVERSATION
+    messages[2] = {"role": "assistant", "content": "  2+2 is 4.\n"}  # the template trims it
+    expected = (
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nYou are terse.<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nWhat is 2+2?<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n2+2 is 4.<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nAnd the assistant says?<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\nassistant<|eot_id|>"
+    )
+    assert_golden(llama3_tokenizer, messages, expected, ["2+2 is 4.<|eot_id|>", "assistant<|eot_id|>"])
+
+
+def test_prompt_render_is_a_prefix_of_the_conversation_render(smol_tokenizer, qwen3_tokenizer, llama3_tokenizer):
+    # Training sees the same tokens decoding will feed the target before the first answer token.
+    for tokenizer in (smol_tokenizer, llama3_tokenizer):
+        ids, mask = render_with_loss_mask(tokenizer, CONVERSATION[:2])
+        prompt = render_prompt_ids(tokenizer, CONVERSATION[:1])
+        assert ids[: len(prompt)] == prompt and mask.index(1) == len(prompt)
+    # Qwen3's non-thinking prompt ends with the empty think block, which sits before the answer.
+    ids, mask = render_with_loss_mask(qwen3_tokenizer, CONVERSATION[:2])
+    prompt = render_prompt_ids(qwen3_tokenizer, CONVERSATION[:1])
+    assert ids[: len(prompt)] == prompt and mask.index(1) == len(prompt)
+
+
+# ----------------------------------------------------------------------------- tokenize
+
+def test_tokenize_conversation_truncates_and_rejects_prompts(smol_tokenizer):
+    full = tokenize_conversation(smol_tokenizer, CONVERSATION, max_length=10_000)
+    cut = tokenize_conversation(smol_tokenizer, CONVERSATION, max_length=40)
+    assert len(full["input_ids"]) > 40 and len(cut["input_ids"]) == 40 == len(cut["loss_mask"])
+    assert cut["input_ids"] == full["input_ids"][:40] and cut["loss_mask"] == full["loss_mask"][:40]
+    with pytest.raises(DDTreeError, match="no assistant tokens"):
+        tokenize_conversation(smol_tokenizer, CONVERSATION[:1], max_length=100)
+
+
+def test_tokenize_conversations_counts_and_skips(smol_tokenizer, caplog):
+    long_answer = {"role": "assistant", "content": "word " * 200}
+    records = [
+        {"messages": CONVERSATION},  # kept
+        {"messages": CONVERSATION[:1]},  # prompt only: skipped
+        {"messages": [CONVERSATION[0], long_answer]},  # truncated, kept
+        {"messages": [CONVERSATION[0], {"role": "assistant", "content": "ok"}]},  # 2 supervised tokens: dropped
+    ]
+    with caplog.at_level("INFO"):
+        kept, counts = tokenize_conversations(smol_tokenizer, records, max_length=120, min_supervised_tokens=4)
+    assert counts == {"conversations": 4, "no_assistant": 1, "too_few_supervised": 1, "truncated": 1, "kept": 2}
+    assert [len(k["input_ids"]) for k in kept][1] == 120
+    assert "'truncated': 1" in caplog.text
+    with pytest.raises(DDTreeError, match="looks like a prompt file"):
+        tokenize_conversations(smol_tokenizer, [records[1], records[1]], 120, 4)
+
+
+def test_unfinished_answer_does_not_supervise_an_end_of_turn(smol_tokenizer):
+    finished = {"messages": CONVERSATION[:2]}
+    unfinished = {"messages": CONVERSATION[:2], "finish_reason": "length"}
+    (done, cut), _ = tokenize_conversations(smol_tokenizer, [finished, unfinished], max_length=500, min_supervised_tokens=1)
+    im_end = smol_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert done["input_ids"][-2] == im_end and done["loss_mask"][-2] == 1  # "...<|im_end|>" then "\n"
+    assert cut["input_ids"] == done["input_ids"][:-2] and cut["loss_mask"] == done["loss_mask"][:-2]
+    assert smol_tokenizer.decode([i for i, m in zip(cut["input_ids"], cut["loss_mask"]) if m]) == "2+2 is 4."
+
+
+# ----------------------------------------------------------------------------- files
+
+def write_lines(path, lines):
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def test_read_messages_jsonl_errors_name_file_and_line(tmp_path):
+    good = json.dumps({"id": "a", "messages": [{"role": "user", "content": "hi"}]})
+    with pytest.raises(DDTreeError, match=r"bad\.jsonl:2: not valid JSON"):
+        read_messages_jsonl(write_lines(tmp_path / "bad.jsonl", [good, "{oops"]))
+    with pytest.raises(DDTreeError, match=r"nomsg\.jsonl:1: .*'messages'"):
+        read_messages_jsonl(write_lines(tmp_path / "nomsg.jsonl", ['{"id": 1}']))
+    with pytest.raises(DDTreeError, match=r"role\.jsonl:1: messages\[0\]\.role is 'robot'"):
+        read_messages_jsonl(write_lines(tmp_path / "role.jsonl", ['{"messages": [{"role": "robot", "content": "x"}]}']))
+    with pytest.raises(DDTreeError, match=r"dup\.jsonl:2: duplicate id 'a'"):
+        read_messages_jsonl(write_lines(tmp_path / "dup.jsonl", [good, good]))
+    with pytest.raises(DDTreeError, match="empty"):
+        read_messages_jsonl(write_lines(tmp_path / "empty.jsonl", ["", "  "]))
+    with pytest.raises(DDTreeError, match="no such file"):
+        read_messages_jsonl(tmp_path / "missing.jsonl")
+    records = read_messages_jsonl(write_lines(tmp_path / "ok.jsonl", [good, '{"messages": [{"role": "user", "content": "x"}]}']))
+    assert [r["id"] for r in records] == ["a", "ok-2"]
+
+
+def test_load_conversations_from_jsonl_parquet_and_saved_dataset(tmp_path):
+    from datasets import Dataset
+
+    rows = [{"id": f"c{i}", "messages": [CONVERSATION[0], {"role": "assistant", "content": f"answer {i}"}]} for i in range(3)]
+    jsonl = write_lines(tmp_path / "c.jsonl", [json.dumps(r) for r in rows])
+    Dataset.from_list(rows).to_parquet(str(tmp_path / "c.parquet"))
+    Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    for source in (jsonl, tmp_path / "c.parquet", tmp_path / "saved"):
+        assert load_conversations(source) == rows, source
+    with pytest.raises(DDTreeError, match="no such file or folder"):
+        load_conversations(tmp_path / "nothing-here")
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(DDTreeError, match="not a saved `datasets` folder"):
+        load_conversations(tmp_path / "plain")
+    Dataset.from_list([{"text": "x"}]).save_to_disk(str(tmp_path / "nomessages"))
+    with pytest.raises(DDTreeError, match="no 'messages' column"):
+        load_conversations(tmp_path / "nomessages")

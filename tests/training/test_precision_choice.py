@@ -1,0 +1,91 @@
+"""The precision is chosen per machine (ddtree/precision.py), and never over a user's explicit choice.
+
+The measurement is stubbed: one stub where bf16 is fast (an AMX Xeon), one where it is slow (an
+AVX2-only CPU), plus the user overrides, in a recipe and on the command line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import ddtree.precision
+import training.recipe
+from ddtree.precision import Choice, fast_precision, resolve_dtype
+from training.recipe import RECIPES_DIR, read_recipe
+
+BF16_FAST = lambda: {torch.float32: 0.010, torch.bfloat16: 0.003}  # noqa: E731 - AMX: bf16 ~3x faster
+BF16_SLOW = lambda: {torch.float32: 0.010, torch.bfloat16: 0.067}  # noqa: E731 - AVX2: bf16 6.7x slower
+BF16_TIED = lambda: {torch.float32: 0.010, torch.bfloat16: 0.0095}  # noqa: E731 - within the margin
+
+
+@pytest.mark.parametrize("measure, expected", [(BF16_FAST, torch.bfloat16), (BF16_SLOW, torch.float32),
+                                               (BF16_TIED, torch.float32)])
+def test_the_cpu_choice_follows_the_measurement(measure, expected):
+    choice = fast_precision("cpu", measure=measure)
+    assert choice.dtype == expected
+    assert choice.lightning == {torch.bfloat16: "bf16-mixed", torch.float32: "32-true"}[expected]
+    assert "x the time of fp32" in choice.reason
+
+
+def test_the_real_measurement_returns_a_usable_choice():
+    choice = fast_precision("cpu")
+    assert choice.dtype in (torch.bfloat16, torch.float32) and choice.reason
+
+
+def stub_choice(monkeypatch, measure):
+    chosen = fast_precision("cpu", measure=measure)
+    calls = []
+
+    def stubbed(device="cpu", measure=None):
+        calls.append(device)
+        return chosen
+
+    monkeypatch.setattr(training.recipe, "fast_precision", stubbed)
+    monkeypatch.setattr(ddtree.precision, "fast_precision", stubbed)
+    return calls
+
+
+def auto_recipe(tmp_path: Path) -> Path:
+    text = (RECIPES_DIR / "tiny.yaml").read_text().replace("precision: bf16-mixed", "precision: auto")
+    assert "precision: auto" in text
+    (tmp_path / "auto.yaml").write_text(text)
+    return tmp_path / "auto.yaml"
+
+
+@pytest.mark.parametrize("measure, expected", [(BF16_FAST, "bf16-mixed"), (BF16_SLOW, "32-true")])
+def test_a_recipe_with_precision_auto_gets_the_measured_choice_and_says_so(tmp_path, monkeypatch, capsys, measure, expected):
+    calls = stub_choice(monkeypatch, measure)
+    config = read_recipe(auto_recipe(tmp_path), [])
+    assert config.trainer.precision == expected and calls == ["cpu"]
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[precision]")]
+    assert len(printed) == 1 and expected in printed[0]
+
+
+def test_an_explicit_precision_is_never_changed(tmp_path, monkeypatch):
+    calls = stub_choice(monkeypatch, BF16_SLOW)
+    # in the recipe: tiny says bf16-mixed, which an AVX2 machine would not have chosen
+    assert read_recipe(RECIPES_DIR / "tiny.yaml", []).trainer.precision == "bf16-mixed"
+    # on the command line, over a recipe that says auto: no measurement at all
+    assert read_recipe(auto_recipe(tmp_path), ["--trainer.precision=bf16-mixed"]).trainer.precision == "bf16-mixed"
+    assert calls == []
+
+
+def test_the_default_recipe_chooses_its_precision():
+    text = (RECIPES_DIR / "smollm2-135m.yaml").read_text()
+    assert "\n  precision: auto" in text
+
+
+def test_the_decoding_cli_dtype_auto_follows_the_same_rule(monkeypatch):
+    stub_choice(monkeypatch, BF16_SLOW)
+    dtype, reason = resolve_dtype("auto", "cpu")
+    assert dtype == torch.float32 and "auto -> float32" in reason
+    stub_choice(monkeypatch, BF16_FAST)
+    assert resolve_dtype("auto", "cpu")[0] == torch.bfloat16
+    assert resolve_dtype("float32", "cpu") == (torch.float32, None)  # explicit: no choice, no line
+
+
+def test_a_choice_names_its_dtype():
+    assert Choice(torch.bfloat16, "x").name == "bfloat16" and Choice(torch.float32, "x").lightning == "32-true"

@@ -1,0 +1,168 @@
+"""Runs that fail say so: signals, resuming a moved run, failed starts, file modes, one-line errors.
+
+Each signal test starts a real short `tiny` training as a subprocess, waits for its first
+checkpoint, sends the signal, and checks the exit status, the message and that the printed
+command resumes the run to its end.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import toy_data  # tests/training/toy_data.py
+from training.train import main as train_main
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def tiny_args(tmp_path: Path, run: str, max_steps: int, every: int = 2) -> list[str]:
+    data = tmp_path / "conversations.jsonl"
+    if not data.exists():
+        toy_data.write_conversations(data, 24, 30, 60)
+    return [
+        "--recipe", "tiny", "--output-root", str(tmp_path / "out"), "--run", run,
+        f"--data.data_path={data}", f"--data.cache_dir={tmp_path / 'cache'}", "--data.batch_size=2",
+        "--data.val_fraction=0.1", "--trainer.val_check_interval=null", f"--eval.every_n_train_steps={every}",
+        "--eval.limit=1", "--eval.max_new_tokens=4", f"--trainer.max_steps={max_steps}",
+        "--trainer.enable_progress_bar=false", "--trainer.log_every_n_steps=1",
+    ]
+
+
+def train_process(args: list[str]) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, "-m", "training.train", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(path: Path, process: subprocess.Popen, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if process.poll() is not None:
+            raise AssertionError(f"training ended ({process.returncode}) before {path} appeared:\n{process.stderr.read()}")
+        if time.monotonic() > deadline:
+            process.kill()
+            raise AssertionError(f"{path} did not appear within {timeout_s} s")
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("sent, status, why", [
+    (signal.SIGTERM, 128 + signal.SIGTERM, "stopped by SIGTERM"),
+    (signal.SIGINT, 128 + signal.SIGINT, "interrupted (SIGINT)"),
+])
+def test_a_signal_stops_the_run_with_a_non_zero_status_and_the_command_that_resumes_it(tmp_path, sent, status, why):
+    args = tiny_args(tmp_path, "killed", max_steps=400)
+    run_dir = tmp_path / "out" / "tiny" / "killed"
+    process = train_process(args)
+    wait_for(run_dir / "checkpoints" / "last.ckpt", process)
+    time.sleep(1.0)  # let the checkpoint finish writing (it is renamed into place, but give the loop time to move on)
+    process.send_signal(sent)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == status, err[-2000:]
+    lines = [line for line in err.splitlines() if line.startswith("[train]")]
+    assert len(lines) == 1 and why in lines[0] and "no drafter written" in lines[0], err[-2000:]
+    assert not (run_dir / "drafter").exists()  # nothing that looks finished
+
+    resume = re.search(r"RESUME=(\S+)", lines[0]).group(1)
+    assert Path(resume).name == "last.ckpt" and Path(resume).exists()
+    # The printed command continues the run to its end (a shorter one here, so the test stays short).
+    assert train_main(["--recipe", "tiny", "--resume", resume, "--output-root", str(tmp_path / "out"),
+                       "--trainer.max_steps=6", "--trainer.enable_progress_bar=false"]) == 0
+    assert (run_dir / "drafter" / "model.safetensors").is_file()
+
+
+def test_a_moved_run_resumes_into_its_new_folder(tmp_path):
+    assert train_main(tiny_args(tmp_path, "first", max_steps=2)) == 0
+    original = tmp_path / "out" / "tiny" / "first"
+    moved_root = tmp_path / "elsewhere"
+    shutil.copytree(original, moved_root / "tiny" / "first", symlinks=True)
+    before = sorted(p.relative_to(original) for p in original.rglob("*"))
+
+    assert train_main(["--recipe", "tiny", "--resume", str(moved_root / "tiny" / "first"), "--output-root",
+                       str(moved_root), "--trainer.max_steps=4", "--trainer.enable_progress_bar=false"]) == 0
+    moved = moved_root / "tiny" / "first"
+    assert (moved / "csv" / "version_1").is_dir() and (moved / "tensorboard" / "version_1").is_dir()
+    assert sorted(p.relative_to(original) for p in original.rglob("*")) == before  # the original is untouched
+    assert str(moved) in (moved / "config.yaml").read_text()
+
+
+def test_a_start_that_fails_on_its_data_leaves_no_run_folder(tmp_path, capsys):
+    args = tiny_args(tmp_path, "bad", max_steps=2)
+    args[args.index(next(a for a in args if a.startswith("--data.data_path")))] = "--data.data_path=no/such/file.jsonl"
+    assert train_main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no/such/file.jsonl" in err[0], err
+    assert not (tmp_path / "out" / "tiny" / "bad").exists()
+
+
+def test_run_files_follow_the_umask(tmp_path):
+    old = os.umask(0o022)
+    try:
+        assert train_main(tiny_args(tmp_path, "modes", max_steps=2)) == 0
+    finally:
+        os.umask(old)
+    run_dir = tmp_path / "out" / "tiny" / "modes"
+    paths = [run_dir / name for name in ("config.yaml", "report.md", "tau.png", "eval", "drafter",
+                                         "drafter/config.json", "drafter/model.safetensors", "checkpoints/last.ckpt")]
+    paths += list((run_dir / "eval").iterdir())
+    paths += list((tmp_path / "cache").rglob("*"))  # the tokenized cache
+    for path in paths:
+        expected = 0o755 if path.is_dir() else 0o644
+        assert stat.S_IMODE(path.stat().st_mode) == expected, f"{path}: {oct(stat.S_IMODE(path.stat().st_mode))}"
+
+
+def test_a_hub_target_fails_at_once_when_the_hub_is_off(monkeypatch):
+    from ddtree.errors import DDTreeError
+    from ddtree.targets import resolve_target
+
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    started = time.monotonic()
+    with pytest.raises(DDTreeError, match="HF_HUB_OFFLINE"):
+        resolve_target("someone/not-cached")
+    assert time.monotonic() - started < 5
+
+
+def test_a_hub_target_fails_at_once_when_the_hub_cannot_be_reached(monkeypatch):
+    from ddtree.errors import DDTreeError
+    from ddtree.targets import resolve_target
+
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens there
+    with pytest.raises(DDTreeError, match="cannot be reached"):
+        resolve_target("someone/not-cached")
+
+
+def test_a_nan_temperature_is_refused():
+    from ddtree.decoding import Sampling
+    from ddtree.errors import DDTreeError
+
+    with pytest.raises(DDTreeError, match="temperature nan"):
+        Sampling(temperature=float("nan"))
+    with pytest.raises(DDTreeError, match="temperature inf"):
+        Sampling(temperature=float("inf"))
+
+
+def test_export_of_a_folder_that_is_not_a_run_says_so(tmp_path, capsys):
+    from training.publish import main as publish_main
+
+    (tmp_path / "notes").mkdir()
+    assert publish_main([str(tmp_path / "notes"), "--out", str(tmp_path / "export")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not a training run" in err[0] and "best.ckpt" not in err[0], err
+    assert not (tmp_path / "export").exists()
+
+
+def test_make_export_without_arguments_says_what_it_needs():
+    result = subprocess.run(["make", "-s", "export", "STAMP="], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "make export needs RUN=" in lines[0] and "OUT=" in lines[0], result.stderr

@@ -1,0 +1,213 @@
+"""Training checkpoints: finding one (best, last, a path, a run folder), and reading it once.
+
+    path = find_checkpoint("best", Path("outputs/smollm2-135m"))      # make eval CKPT=best
+    path, label = find_run_checkpoint(run_dir, "best")                # make export RUN=... CKPT=best
+    checkpoint, run_dir = find_resume("last", Path("outputs/smollm2-135m"))   # make train RESUME=last
+    checkpoint = load_checkpoint(path)      # .drafter, .step, .hyper_parameters, .callbacks
+
+A checkpoint is a Lightning .ckpt file written by training/train.py (drafter, optimizer, loop and
+data state, the drafter config; never the target), or, under a DeepSpeed strategy, a folder of
+per-rank shards under the same name (it holds a `latest` tag file). A run folder holds
+checkpoints/{step-step=N,last,best}.ckpt (best.ckpt links to the step with the highest measured
+tau), hpc_ckpt_N.ckpt after a SLURM requeue signal, and the config.yaml the run was trained with.
+
+`load_checkpoint` reads a checkpoint once (a DeepSpeed folder is consolidated to fp32 weights
+first) and rebuilds the drafter as it is exported, LoRA adapters merged. Anything that is not a drafter checkpoint of this project is a DDTreeError of one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ddtree.configuration_dflash import DFlashDrafterConfig
+from ddtree.errors import DDTreeError, error_line
+from ddtree.modeling_dflash import DFlashDraftModel
+
+from .peft_utils import DEFAULT_LORA_MODULES, add_drafter_lora, merged_drafter
+
+# ----------------------------------------------------------------------------- finding a checkpoint
+
+
+def is_deepspeed_checkpoint(path: Path) -> bool:
+    return path.is_dir() and (path / "latest").is_file()
+
+
+def is_checkpoint(path: Path) -> bool:
+    """A .ckpt file or a DeepSpeed checkpoint folder (through a best.ckpt link too)."""
+    return path.is_file() or is_deepspeed_checkpoint(path)
+
+
+def saved_at(checkpoint: Path) -> float:
+    """When a checkpoint was last written: a file's mtime, or a DeepSpeed folder's `latest` tag file's."""
+    return (checkpoint / "latest" if checkpoint.is_dir() else checkpoint).stat().st_mtime
+
+
+def run_folder_of(checkpoint: Path) -> Path | None:
+    """The run a checkpoint belongs to: the folder with the config.yaml above checkpoints/x.ckpt or hpc_ckpt_N.ckpt."""
+    resolved = checkpoint.resolve()
+    return next((folder for folder in resolved.parents[:2] if (folder / "config.yaml").is_file()), None)
+
+
+def newest_run(recipe_root: Path, name: str) -> Path | None:
+    """The newest run under recipe_root (by when its last.ckpt was saved) that has checkpoints/<name>."""
+    runs = [found.parent.parent for found in recipe_root.glob(f"*/checkpoints/{name}") if is_checkpoint(found)]
+
+    def last_saved(run: Path) -> float:
+        last = run / "checkpoints" / "last.ckpt"
+        return saved_at(last) if is_checkpoint(last) else 0.0
+
+    return max(runs, key=last_saved, default=None)
+
+
+def find_checkpoint(spec: str, recipe_root: Path) -> Path:
+    """CKPT for `make eval`: 'best' or 'last' of the newest run under recipe_root, or a checkpoint path."""
+    if spec in ("best", "last"):
+        run = newest_run(recipe_root, f"{spec}.ckpt")
+        if run is None:
+            raise DDTreeError(f"CKPT={spec}: no run under {recipe_root} has checkpoints/{spec}.ckpt; train one first")
+        return run / "checkpoints" / f"{spec}.ckpt"
+    path = Path(spec)
+    if not is_checkpoint(path):
+        raise DDTreeError(f"CKPT={spec}: no such checkpoint file; give a .ckpt path (or DeepSpeed folder), 'best' or 'last'")
+    return path
+
+
+def find_run_checkpoint(run_dir: Path, spec: str) -> tuple[Path, str]:
+    """CKPT for `make export`: best | last | a path (absolute, relative to here or to <run>/checkpoints).
+
+    Returns the resolved path and a label saying how it was chosen, for the model card
+    ("best -> step-step=200.ckpt").
+    """
+    checkpoints = run_dir / "checkpoints"
+    if spec in ("best", "last"):
+        named = checkpoints / f"{spec}.ckpt"
+        if not named.exists():
+            hint = "CKPT=last or a path" if spec == "best" else "a path to a checkpoint"
+            why = " (runs trained before the acceptance evaluation have no best.ckpt)" if spec == "best" else ""
+            raise DDTreeError(f"CKPT={spec}: {named} does not exist{why}; use {hint}")
+        resolved = named.resolve()  # best.ckpt is a symlink to the chosen step-N checkpoint
+        return resolved, spec if resolved.name == named.name else f"{spec} -> {resolved.name}"
+    for candidate in (Path(spec), checkpoints / spec):
+        if candidate.exists():
+            return candidate.resolve(), candidate.name
+    raise DDTreeError(f"CKPT={spec}: no such checkpoint (looked in . and {checkpoints}); give best, last or a path")
+
+
+def newest_checkpoint(run_dir: Path) -> Path:
+    """The newest of a run's checkpoints/last.ckpt and the hpc_ckpt_N.ckpt Lightning saves on SLURM's requeue signal."""
+    saved = [p for p in [run_dir / "checkpoints" / "last.ckpt", *run_dir.glob("hpc_ckpt_*.ckpt")] if is_checkpoint(p)]
+    if not saved:
+        raise DDTreeError(f"--resume {run_dir}: the run has no checkpoint yet (no checkpoints/last.ckpt or hpc_ckpt_*.ckpt)")
+    return max(saved, key=saved_at)
+
+
+def find_resume(resume: str, recipe_root: Path) -> tuple[Path, Path]:
+    """(checkpoint, run folder) for --resume: 'last' = newest run of this recipe with a last.ckpt.
+
+    Also a run folder (its newest checkpoint) or a checkpoint path: a .ckpt file, or the folder a
+    DeepSpeed strategy writes under that name.
+    """
+    if resume == "last":
+        run = newest_run(recipe_root, "last.ckpt")
+        if run is None:
+            raise DDTreeError(f"--resume last: no run with checkpoints/last.ckpt under {recipe_root}; start one first")
+        checkpoint = run / "checkpoints" / "last.ckpt"
+    elif (Path(resume) / "config.yaml").is_file():
+        checkpoint = newest_checkpoint(Path(resume))
+    else:
+        checkpoint = Path(resume)
+        if not is_checkpoint(checkpoint):
+            raise DDTreeError(f"--resume {resume}: no such checkpoint; give a .ckpt path, a run folder or 'last'")
+    run_dir = run_folder_of(checkpoint)
+    if run_dir is None:
+        raise DDTreeError(f"--resume {resume}: {checkpoint.resolve().parent.parent}/config.yaml is missing, "
+                          "so the run cannot be resumed exactly")
+    return checkpoint, run_dir
+
+
+# ----------------------------------------------------------------------------- reading a checkpoint
+
+
+@dataclass
+class Checkpoint:
+    """A training checkpoint, read once."""
+
+    path: Path  # the .ckpt file or DeepSpeed folder it was read from
+    drafter: DFlashDraftModel  # as exported: LoRA merged, in the dtype it was saved in
+    step: int  # the global step it was saved at
+    hyper_parameters: dict  # DistillModule's arguments: target, target_dtype, lora_rank, lr, ...
+    callbacks: dict  # each callback's saved state, e.g. AcceptanceEvaluation's history of measurements
+
+
+def drafter_from_weights(drafter_config: dict, hyper_parameters: dict, weights: dict[str, torch.Tensor]) -> DFlashDraftModel:
+    """The drafter as exported (LoRA adapters merged) from its config and its weights.
+
+    `weights` are named as the training drafter's state_dict() names them (under a LoRA wrapper
+    when hyper_parameters has lora_rank > 0). Raises RuntimeError if they do not fit the config.
+    """
+    drafter = DFlashDraftModel(DFlashDrafterConfig.from_dict(drafter_config))
+    if hyper_parameters.get("lora_rank", 0) > 0:
+        drafter = add_drafter_lora(
+            drafter, hyper_parameters["lora_rank"], hyper_parameters["lora_alpha"], hyper_parameters["lora_dropout"],
+            hyper_parameters.get("lora_target_modules") or DEFAULT_LORA_MODULES,
+        )
+    drafter.load_state_dict(weights, strict=True)
+    return merged_drafter(drafter)
+
+
+def consolidate_deepspeed(folder: Path) -> dict:
+    """A DeepSpeed (ZeRO) checkpoint folder as a single-file checkpoint's dict, with every rank's shards gathered to fp32."""
+    from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
+
+    # Lightning's converter also saves what it returns to a file (and prints that it does); only the dict is used.
+    with tempfile.TemporaryDirectory(prefix="ddtree-consolidate-") as workdir, contextlib.redirect_stdout(io.StringIO()):
+        try:
+            return convert_zero_checkpoint_to_fp32_state_dict(folder, Path(workdir) / "consolidated.ckpt")
+        except (OSError, ValueError, KeyError, IndexError, RuntimeError) as error:
+            raise DDTreeError(f"CKPT {folder}: could not consolidate the DeepSpeed checkpoint ({error_line(error)})") from None
+
+
+def load_checkpoint(path: Path) -> Checkpoint:
+    """Read a .ckpt file or a DeepSpeed checkpoint folder once, or raise a DDTreeError naming what is wrong."""
+    path = Path(path)
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            raise DDTreeError(f"CKPT {path} is an exported drafter folder, not a training checkpoint; give a .ckpt from the run")
+        if not is_deepspeed_checkpoint(path):
+            raise DDTreeError(f"CKPT {path} is a folder but not a DeepSpeed checkpoint (no 'latest' file in it)")
+        saved = consolidate_deepspeed(path)
+    elif not path.is_file():
+        raise DDTreeError(f"CKPT {path}: no such checkpoint; give a .ckpt file from outputs/<recipe>/<run>/checkpoints")
+    else:
+        try:
+            # mmap: the optimizer state a checkpoint also holds is never read into memory.
+            saved = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        except Exception as error:  # noqa: BLE001 - anything torch.load cannot read is not a checkpoint
+            raise DDTreeError(
+                f"CKPT {path} is not a PyTorch checkpoint ({type(error).__name__}: {error_line(error)}); "
+                "give a .ckpt from the run"
+            ) from None
+    if not isinstance(saved, dict) or "drafter_config" not in saved or "global_step" not in saved:
+        raise DDTreeError(
+            f"CKPT {path} is not a drafter checkpoint of this project (no drafter_config/global_step): "
+            "give a checkpoint written by training/train.py"
+        )
+    hyper_parameters = dict(saved.get("hyper_parameters") or {})
+    prefix = "drafter."  # DistillModule's state_dict: the drafter's weights only (never the target's)
+    weights = {key[len(prefix):]: value for key, value in (saved.get("state_dict") or {}).items() if key.startswith(prefix)}
+    try:
+        drafter = drafter_from_weights(saved["drafter_config"], hyper_parameters, weights)
+    except RuntimeError as error:  # load_state_dict(strict=True): the weights do not fit the stored config
+        raise DDTreeError(f"CKPT {path}: its weights do not match its drafter_config ({error_line(error)})") from None
+    return Checkpoint(path, drafter, int(saved["global_step"]), hyper_parameters, dict(saved.get("callbacks") or {}))
+
+
+def drafter_from_checkpoint(path: str | Path) -> DFlashDraftModel:
+    """load_checkpoint(path).drafter: the exported form of a checkpoint's drafter."""
+    return load_checkpoint(Path(path)).drafter

@@ -1,0 +1,310 @@
+"""The offline feature store: the frozen target's layer features of a recipe's data, written once, read lazily.
+
+    store = build_feature_store(datamodule, out, layer_ids=[1, 9, 17])   # training/features.py is its CLI
+    FeatureStore(out)[i]                                                  # sequence i's features, (T_i, K*H)
+
+Online training runs the target up to its deepest chosen layer at every step. A store holds those
+features, computed by the very same function (training.target.target_layer_features), for every
+sequence of the recipe's tokenized data (train and val, in the tokenized cache's order, each at its
+own length): training from it skips the target forward. It costs disk, about
+tokens x K layers x hidden size x 2 bytes in bf16, which is printed (with the free space) before
+anything is written; a build that would not fit stops there.
+
+Layout of a store folder:
+    store.json                   the manifest: format version, target (and adapter), layer ids, hidden size,
+                                 dtype, the tokenization key of the data, every sequence's length, the shards
+    shard-00000.safetensors ...  consecutive sequences, up to ~256 MB each: `features` (tokens, K*H) and
+                                 `offsets` (n + 1,), sequence j of the shard = features[offsets[j]:offsets[j + 1]]
+
+The build is atomic and resumable: it writes into <out>.partial/ (each shard under a temporary name,
+renamed when complete), a rerun of the same build keeps the finished shards, and the folder is renamed
+to <out> at the end. An existing complete store is only replaced with --force, and only once the new
+one is complete.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+from transformers import AutoConfig
+
+from ddtree.configuration_dflash import DFlashDrafterConfig, default_target_layer_ids
+from ddtree.errors import DDTreeError
+from ddtree.files import write_json_atomic
+from ddtree.targets import cache_dir, parse_dtype, resolve_target
+
+from .target import load_frozen_target, target_layer_features
+
+if TYPE_CHECKING:
+    from .data import DistillDataModule, TokenizedConversations
+
+FORMAT_VERSION = 1  # bump when the layout changes: older stores are then refused, not misread
+MANIFEST = "store.json"
+MAX_SHARD_BYTES = 256 * 2**20
+REBUILD = "make features RECIPE=<recipe>"  # how a user (re)builds a store, named in every error
+PRECISION_OF_DTYPE = {"bfloat16": "bf16-mixed", "float16": "16-mixed", "float32": "32-true"}  # Lightning's names
+AUTO_STORE = "auto"  # data.feature_store value: the recipe's default folder (default_store_path)
+
+
+def partial_path(out: Path) -> Path:
+    return out.with_name(out.name + ".partial")
+
+
+def is_complete(path: str | Path) -> bool:
+    """A finished store: its manifest exists only once the whole folder has been renamed into place."""
+    return (Path(path) / MANIFEST).is_file()
+
+
+def format_bytes(size: float) -> str:
+    return f"{size / 1e9:.2f} GB" if size >= 1e9 else f"{size / 1e6:.1f} MB"
+
+
+def drafter_layer_ids(target_layer_ids: list[int] | None, init_from: str | None) -> list[int] | None:
+    """The target layers a recipe's drafter reads: model.target_layer_ids, else a warm start's, else None (the default)."""
+    if target_layer_ids:
+        return [int(i) for i in target_layer_ids]
+    if init_from:
+        return list(DFlashDrafterConfig.from_pretrained(init_from).target_layer_ids)
+    return None
+
+
+def plan_shards(lengths: list[int], bytes_per_token: int, max_shard_bytes: int) -> list[dict]:
+    """Consecutive sequences per shard, up to max_shard_bytes (a longer sequence gets a shard of its own).
+
+    The plan depends only on its arguments, so a rerun of the same build finds the same shards.
+    """
+    starts, tokens = [0], 0
+    for index, length in enumerate(lengths):
+        if index > starts[-1] and (tokens + length) * bytes_per_token > max_shard_bytes:
+            starts.append(index)
+            tokens = 0
+        tokens += length
+    bounds = list(zip(starts, starts[1:] + [len(lengths)]))
+    return [{"file": f"shard-{k:05d}.safetensors", "first_sequence": start, "num_sequences": end - start,
+             "num_tokens": sum(lengths[start:end])} for k, (start, end) in enumerate(bounds)]
+
+
+class FeatureStore:
+    """A finished store, read lazily: store[i] is sequence i's features, (T_i, K*H) in the store's dtype.
+
+    Shards are memory-mapped (safetensors.safe_open) and only sequence i's rows are read. Attributes
+    come from the manifest: layer_ids, hidden_size, width (K*H), dtype, lengths, tokenization_key,
+    target, target_adapter.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not is_complete(self.path):
+            if partial_path(self.path).exists():
+                raise DDTreeError(f"feature store {self.path} is incomplete (its build stopped; finished shards are in "
+                                  f"{partial_path(self.path)}): rerun `{REBUILD}` to finish it")
+            raise DDTreeError(f"feature store {self.path} does not exist (no {MANIFEST}): build it with `{REBUILD}`")
+        manifest = json.loads((self.path / MANIFEST).read_text())
+        if manifest.get("format_version") != FORMAT_VERSION:
+            raise DDTreeError(f"feature store {self.path} has format version {manifest.get('format_version')}, this "
+                              f"code reads {FORMAT_VERSION}: rebuild it with `{REBUILD}` and --force (FORCE=1)")
+        self.manifest = manifest
+        self.target, self.target_adapter = manifest["target"], manifest["target_adapter"]
+        self.layer_ids, self.hidden_size = manifest["target_layer_ids"], manifest["hidden_size"]
+        self.width = len(self.layer_ids) * self.hidden_size
+        self.dtype = parse_dtype(manifest["dtype"], f"{self.path / MANIFEST} dtype")
+        self.lengths, self.tokenization_key = manifest["lengths"], manifest["tokenization_key"]
+        self.shards = manifest["shards"]
+        self._first_sequences = [shard["first_sequence"] for shard in self.shards]
+        self._open_shards: dict[int, tuple] = {}  # shard index -> (safe_open handle, offsets)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if not 0 <= index < len(self):
+            raise IndexError(f"sequence {index} is outside feature store {self.path} (0..{len(self) - 1})")
+        shard = bisect.bisect_right(self._first_sequences, index) - 1
+        handle, offsets = self._open(shard)
+        local = index - self._first_sequences[shard]
+        return handle.get_slice("features")[offsets[local]:offsets[local + 1]]  # (T_i, K*H)
+
+    def _open(self, shard: int) -> tuple:
+        if shard not in self._open_shards:
+            file = self.path / self.shards[shard]["file"]
+            if not file.is_file():
+                raise DDTreeError(f"feature store {self.path} lacks {file.name}: rebuild it with `{REBUILD}` and --force (FORCE=1)")
+            handle = safe_open(str(file), framework="pt")
+            self._open_shards[shard] = (handle, handle.get_tensor("offsets").tolist())
+        return self._open_shards[shard]
+
+    def __getstate__(self) -> dict:
+        # DataLoader workers get their own memory maps: open file handles do not pickle.
+        return {**self.__dict__, "_open_shards": {}}
+
+    def check_matches(self, tokenization_key: str, lengths: list[int]) -> None:
+        """Raise unless the store was built from exactly this tokenized data (same key, same sequence lengths)."""
+        if self.tokenization_key != tokenization_key:
+            raise DDTreeError(f"feature store {self.path} was built from other data or another tokenizer/max_length "
+                              f"(tokenization key {self.tokenization_key}, this data's is {tokenization_key}): "
+                              f"rebuild it with `{REBUILD}` and --force (FORCE=1)")
+        if self.lengths != lengths:
+            differs = next((i for i, (a, b) in enumerate(zip(self.lengths, lengths)) if a != b), min(len(self), len(lengths)))
+            raise DDTreeError(f"feature store {self.path} does not match the data: {len(self)} sequences vs {len(lengths)}, "
+                              f"first different length at sequence {differs}: rebuild it with `{REBUILD}` and --force (FORCE=1)")
+
+
+# ----------------------------------------------------------------------------- building
+
+
+def shard_tensors(target, data: TokenizedConversations, shard: dict, layer_ids: list[int], width: int,
+                  pad_id: int, dtype: torch.dtype, sequences_per_batch: int, progress: tqdm) -> dict[str, torch.Tensor]:
+    """One shard's {"features": (tokens, K*H), "offsets": (n + 1,)}, computed in length-sorted batches."""
+    first, count = shard["first_sequence"], shard["num_sequences"]
+    lengths = (data.offsets[first + 1:first + count + 1] - data.offsets[first:first + count]).tolist()
+    offsets = torch.tensor([0] + lengths).cumsum(0)  # (n + 1,)
+    features = torch.empty(int(offsets[-1]), width, dtype=dtype)
+    device = target.get_input_embeddings().weight.device
+    longest_first = sorted(range(count), key=lambda j: -lengths[j])  # neighbours in length: little padding
+    for start in range(0, count, sequences_per_batch):
+        rows = longest_first[start:start + sequences_per_batch]
+        input_ids = torch.full((len(rows), lengths[rows[0]]), pad_id, dtype=torch.long)  # right-padded, as in training
+        for row, j in enumerate(rows):
+            input_ids[row, :lengths[j]] = data[first + j]["input_ids"]
+        batch = target_layer_features(target, input_ids.to(device), layer_ids).to("cpu", dtype)  # (b, T, K*H)
+        for row, j in enumerate(rows):
+            features[offsets[j]:offsets[j + 1]] = batch[row, :lengths[j]]
+        progress.update(sum(lengths[j] for j in rows))
+    return {"features": features, "offsets": offsets}
+
+
+def finished_shards(partial: Path, shards: list[dict], width: int) -> set[str]:
+    """Shards a previous run of the same build completed (renamed into place, with the planned shape)."""
+    done = set()
+    for shard in shards:
+        file = partial / shard["file"]
+        if file.is_file():
+            with safe_open(str(file), framework="pt") as handle:
+                if handle.get_slice("features").get_shape() == [shard["num_tokens"], width]:
+                    done.add(shard["file"])
+    return done
+
+
+def free_bytes(path: Path) -> int:
+    existing = next(p for p in [path, *path.parents] if p.exists())
+    return shutil.disk_usage(existing).free
+
+
+def build_feature_store(
+    datamodule: DistillDataModule,
+    out: str | Path,
+    layer_ids: list[int] | None = None,  # None: the 5 default ids build_drafter_config picks for the target
+    target_adapter: str | None = None,  # PEFT adapter merged into the target, as DistillModule does
+    dtype: torch.dtype = torch.bfloat16,  # the target runs and the features are stored in this dtype
+    force: bool = False,  # replace a complete store of another build (once the new one is complete)
+    sequences_per_batch: int = 8,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+) -> Path:
+    """Run the datamodule's target over all its tokenized sequences and write their layer features to `out`.
+
+    Returns `out`. A complete store of the same build is left as it is; of another build, it is an
+    error unless force. See the module docstring for the layout, atomicity and resuming.
+    """
+    out = Path(out)
+    data, pad_id, tokenization_key = datamodule.load_tokenized()
+    text_config = AutoConfig.from_pretrained(resolve_target(datamodule.target)).get_text_config()
+    num_layers, hidden_size = text_config.num_hidden_layers, text_config.hidden_size
+    layer_ids = list(layer_ids or default_target_layer_ids(num_layers, 5))
+    if not all(0 <= i < num_layers for i in layer_ids):
+        raise DDTreeError(f"target_layer_ids {layer_ids} must be within 0..{num_layers - 1} "
+                          f"(target {datamodule.target} has {num_layers} layers)")
+    width, itemsize, lengths = len(layer_ids) * hidden_size, dtype.itemsize, data.lengths()
+    manifest = {
+        "format_version": FORMAT_VERSION, "target": datamodule.target, "target_adapter": target_adapter,
+        "target_layer_ids": layer_ids, "hidden_size": hidden_size, "dtype": str(dtype).removeprefix("torch."),
+        "data_path": datamodule.data_path, "tokenization_key": tokenization_key,
+        "num_sequences": len(lengths), "total_tokens": sum(lengths),
+        "shards": plan_shards(lengths, width * itemsize, max_shard_bytes),
+        "lengths": lengths,  # last: the long list, below what a reader looks for
+    }
+    if is_complete(out) and not force:
+        existing = json.loads((out / MANIFEST).read_text())
+        if existing == manifest:
+            print(f"[features] {out} already holds these features; nothing to do", flush=True)
+            return out
+        differing = sorted(key for key in manifest if existing.get(key) != manifest[key])
+        raise DDTreeError(f"{out} holds a feature store of another build (differs in {', '.join(differing)}); "
+                          "pass --force (FORCE=1) to replace it, or give another --out")
+
+    partial = partial_path(out)
+    done: set[str] = set()
+    if partial.exists():
+        previous = partial / MANIFEST
+        previous_manifest = json.loads(previous.read_text()) if previous.is_file() else {}
+        if previous_manifest == manifest:
+            done = finished_shards(partial, manifest["shards"], width)
+        elif previous_manifest.get("dtype") not in (None, manifest["dtype"]) and not force:
+            # The precision can change without the user asking (trainer.precision: auto on another machine):
+            # say so rather than silently dropping finished shards.
+            raise DDTreeError(f"{partial} holds an unfinished build in {previous_manifest['dtype']}, this build is in "
+                              f"{manifest['dtype']}: finish it in {previous_manifest['dtype']} (make features: --dtype "
+                              f"{previous_manifest['dtype']}; training: --trainer.precision="
+                              f"{PRECISION_OF_DTYPE.get(previous_manifest['dtype'], '?')}), or pass --force (FORCE=1) "
+                              f"to start over in {manifest['dtype']}")
+        else:
+            print(f"[features] {partial} holds an unfinished build of other settings; starting over", flush=True)
+            shutil.rmtree(partial)
+    written = sum(s["num_tokens"] for s in manifest["shards"] if s["file"] in done)
+    total_bytes = manifest["total_tokens"] * width * itemsize
+    remaining = (manifest["total_tokens"] - written) * width * itemsize
+    free = free_bytes(partial)
+    print(f"[features] estimated size {format_bytes(total_bytes)} ({manifest['total_tokens']:,} tokens x "
+          f"{len(layer_ids)} layers x {hidden_size} x {itemsize} bytes, {manifest['dtype']})"
+          + (f", {format_bytes(total_bytes - remaining)} already written" if done else "")
+          + f"; {format_bytes(free)} free under {partial.parent}", flush=True)
+    if remaining > free:
+        raise DDTreeError(f"the feature store needs {format_bytes(remaining)} more but only {format_bytes(free)} is free "
+                          f"under {partial.parent}: free some space or give another --out")
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    target, _ = load_frozen_target(datamodule.target, dtype, target_adapter, device=device)
+    partial.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(partial / MANIFEST, manifest)
+    with tqdm(total=manifest["total_tokens"], initial=written, unit="tok", desc="features") as progress:
+        for shard in manifest["shards"]:
+            if shard["file"] in done:
+                continue
+            tensors = shard_tensors(target, data, shard, layer_ids, width, pad_id, dtype, sequences_per_batch, progress)
+            # Not ddtree.files.atomic_file: save_file streams to a path, a file object would need the
+            # whole shard serialized in memory first. A plainly created file already follows the umask.
+            staging = partial / f".{shard['file']}.tmp"
+            save_file(tensors, str(staging))
+            os.replace(staging, partial / shard["file"])  # only a complete shard ever has its final name
+
+    if out.exists():  # --force: the old store goes only now that the new one is complete
+        replaced = out.with_name(f".{out.name}.replaced")
+        shutil.rmtree(replaced, ignore_errors=True)
+        out.rename(replaced)
+        partial.rename(out)
+        shutil.rmtree(replaced)
+    else:
+        partial.rename(out)
+    print(f"[features] wrote {out}: {len(lengths)} sequences, {format_bytes(total_bytes)}; "
+          f"train from it with --data.feature_store {out}", flush=True)
+    return out
+
+
+def default_store_path(recipe: str, datamodule: DistillDataModule) -> Path:
+    """<ddtree cache>/features/<recipe>-<tokenization key>: another data, tokenizer or max_length is another folder."""
+    return cache_dir() / "features" / f"{recipe}-{datamodule.tokenization_key()}"
+
+
+def resolve_store_path(feature_store: str | None, recipe: str, datamodule: DistillDataModule) -> Path | None:
+    """data.feature_store as a folder: None stays None (online features), "auto" is the recipe's default folder."""
+    if not feature_store:
+        return None
+    return default_store_path(recipe, datamodule) if feature_store == AUTO_STORE else Path(feature_store)

@@ -1,0 +1,87 @@
+"""Pushing an exported drafter folder to the Hugging Face Hub, and the checks that come before it.
+
+    check_repo_id("you/smollm2-135m-dflash")       # before any work: a bad name costs nothing
+    api, endpoint = preflight_hub(repo)            # token and network, before exporting
+    url = push(api, endpoint, folder, repo, private=False)
+
+The token is HF_TOKEN, else the one `hf auth login` saved; the endpoint is HF_ENDPOINT, read at
+call time. Every failure is one DDTreeError line; a failed upload leaves the export folder
+intact, for `python -m training.publish --push-only FOLDER --repo REPO`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from huggingface_hub import HfApi, constants, get_token
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
+
+from ddtree.errors import DDTreeError, error_line
+from ddtree.targets import is_hub_id
+
+from .hub_config import EXPORT_FILES
+
+
+def check_repo_id(repo: str) -> None:
+    """A Hub model id of the form user/name (or org/name): the Hub's character rules, then ddtree's owner/name shape."""
+    try:
+        validate_repo_id(repo)
+    except HFValidationError as error:
+        raise DDTreeError(f"REPO={repo!r} is not a valid Hub repo id ({error_line(error)})") from None
+    if not is_hub_id(repo):
+        raise DDTreeError(f"REPO={repo!r} must be user/name or org/name (not a local path), "
+                          "so the drafter lands in your namespace")
+
+
+def check_export_folder(folder: Path) -> None:
+    """--push-only: the folder must be a finished export (training/publish.py writes every file or none)."""
+    missing = [name for name in EXPORT_FILES if not (folder / name).is_file()]
+    if missing:
+        raise DDTreeError(
+            f"--push-only {folder}: not a finished export (missing {', '.join(missing)}); export it first"
+        )
+
+
+def hub_endpoint() -> str:
+    # Read at call time (huggingface_hub reads HF_ENDPOINT once, at import).
+    return os.environ.get("HF_ENDPOINT", constants.ENDPOINT).rstrip("/")
+
+
+def preflight_hub(repo: str) -> tuple[HfApi, str]:
+    """Token and network checked before any work, so a push that cannot happen costs nothing."""
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
+        raise DDTreeError("--push: HF_HUB_OFFLINE is set; unset it to push to the Hub")
+    token = os.environ.get("HF_TOKEN") or get_token()
+    if not token:
+        raise DDTreeError(
+            "--push: no Hugging Face token; set HF_TOKEN to a write token (https://huggingface.co/settings/tokens)"
+        )
+    endpoint = hub_endpoint()
+    api = HfApi(endpoint=endpoint, token=token)
+    try:
+        user = api.whoami()
+    except Exception as error:  # noqa: BLE001 - network and HTTP errors alike end here, as one line
+        raise DDTreeError(
+            f"--push: cannot use the Hub at {endpoint} ({error_line(error)}); check the network and HF_TOKEN"
+        ) from None
+    role = ((user.get("auth") or {}).get("accessToken") or {}).get("role")
+    if role == "read":
+        raise DDTreeError(f"--push: HF_TOKEN is a read-only token of {user.get('name')}; use a write token for {repo}")
+    return api, endpoint
+
+
+def push(api: HfApi, endpoint: str, folder: Path, repo: str, private: bool) -> str:
+    """Upload the folder as one commit; return the repo URL."""
+    try:
+        api.create_repo(repo, private=private, exist_ok=True)
+        api.upload_folder(
+            folder_path=folder, repo_id=repo, commit_message="Upload DFlash drafter (training/publish.py)"
+        )
+    except Exception as error:  # noqa: BLE001 - any upload failure: the export stays for --push-only
+        raise DDTreeError(
+            f"upload to {repo} failed ({error_line(error)}); the export in {folder} is intact: "
+            f"retry with python -m training.publish --push-only {folder} --repo {repo}"
+        ) from None
+    return f"{endpoint}/{repo}"

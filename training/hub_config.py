@@ -1,0 +1,117 @@
+"""What an exported drafter folder holds for the Hub and the serving engines: its files and its config.json.
+
+    config = hub_config(saved)                                  # the DFlash fields + auto_map + rope keys
+    config = hub_config(saved, verifier_for(target, base_model))   # + vLLM's speculators fields
+
+`saved` is the config.json save_pretrained wrote for the drafter. The folder ships ddtree's model
+files as remote code (AutoModel.from_pretrained(folder, trust_remote_code=True) loads the drafter
+through auto_map), and config.json keeps every DFlash field the reference `dflash` package and
+ddtree read. With a verifier, it also carries the fields of vLLM's speculators format.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+
+from ddtree.errors import DDTreeError
+from ddtree.modeling_dflash import DFlashDraftModel
+from ddtree.targets import is_hub_id, resolve_target
+
+# The Hub ids of the built-in targets (their local names mean nothing on the Hub).
+BUILTIN_HUB_IDS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+
+REMOTE_CODE = ("configuration_dflash.py", "modeling_dflash.py")  # flat, with a relative import between them
+LIBRARY_DIR = Path(inspect.getfile(DFlashDraftModel)).parent  # where ddtree's model files live
+AUTO_MAP = {
+    "AutoConfig": "configuration_dflash.DFlashDrafterConfig",
+    "AutoModel": "modeling_dflash.DFlashDraftModel",
+}
+EXPORT_FILES = ("config.json", "model.safetensors", "README.md", *REMOTE_CODE)
+# config.json keys that are DFlash's, not the Qwen3 layer config vLLM builds the draft layers from.
+NON_LAYER_KEYS = {"architectures", "auto_map", "block_size", "dflash_config", "num_target_layers",
+                  "target_name_or_path", "transformers_version"}
+
+
+def target_hub_id(target: str | None, base_model: str | None = None) -> str | None:
+    """The target's Hub id: --base-model if given, a built-in's, or the target itself if it is one; else None."""
+    return base_model or BUILTIN_HUB_IDS.get(target) or (target if is_hub_id(target) else None)
+
+
+def rope_keys_for_transformers_v4(config: dict) -> dict:
+    """rope_theta / rope_scaling as transformers 4 reads them (v5 writes only rope_parameters).
+
+    Serving engines pinned to transformers 4 would otherwise build the drafter's RoPE with their
+    default theta, silently (the drafter's positions must rotate exactly as the target's).
+    """
+    rope = dict(config.get("rope_parameters") or {})
+    if "rope_theta" not in rope:
+        return {}
+    scaling = {key: value for key, value in rope.items() if key != "rope_theta"}
+    if scaling.get("rope_type", "default") == "default":
+        scaling = None
+    return {"rope_theta": rope["rope_theta"], "rope_scaling": scaling}
+
+
+def verifier_for(target: str, base_model: str | None) -> tuple[str, list[str]]:
+    """(name_or_path, architectures) of the target, as vLLM's speculators format names the verifier.
+
+    The Hub id when there is one (what another machine can load), else the target's local folder.
+    """
+    local = Path(resolve_target(target))  # a built-in's converted folder, a folder, or (a Hub id) nothing local
+    name = target_hub_id(target, base_model) or str(local)
+    config = local / "config.json"
+    architectures = list(json.loads(config.read_text()).get("architectures") or []) if config.is_file() else []
+    return name, architectures
+
+
+def speculators_fields(config: dict, verifier: str, verifier_architectures: list[str]) -> dict:
+    """The fields of vLLM's speculators format for a DFlash drafter.
+
+    Layout as the `speculators` package's DFlash config and vLLM's reader (vllm/transformers_utils/
+    configs/speculators) use it: the draft layers' Qwen3 config in transformer_layer_config, and
+    aux_hidden_state_layer_ids counting the residual stream ENTERING a target layer, so the output
+    of layer l (DFlash's id l) is aux id l + 1; vLLM maps it back to dflash_config.target_layer_ids.
+    """
+    layer_ids = list(config["dflash_config"]["target_layer_ids"])
+    if max(layer_ids) >= config["num_target_layers"] - 1:
+        raise DDTreeError(
+            f"--speculators: target layer {max(layer_ids)} is the target's last layer; vLLM taps hidden states "
+            "entering a layer, so it cannot read the last layer's output. Train with earlier target_layer_ids"
+        )
+    layer_config = {key: value for key, value in config.items() if key not in NON_LAYER_KEYS}
+    layer_config["model_type"] = "qwen3"
+    return {
+        "speculators_model_type": "dflash",
+        "transformer_layer_config": layer_config,
+        "draft_vocab_size": config["vocab_size"],  # no vocabulary pruning: the target's own LM head
+        "target_hidden_size": config["hidden_size"],
+        "aux_hidden_state_layer_ids": [layer + 1 for layer in layer_ids],
+        "mask_token_id": config["dflash_config"]["mask_token_id"],
+        "block_size": config["block_size"],
+        "sliding_window_non_causal": True,  # the block attends bidirectionally within itself
+        "speculators_config": {
+            "algorithm": "dflash",
+            "proposal_methods": [
+                # The anchor is the bonus token, so one block drafts block_size - 1 tokens.
+                {"proposal_type": "greedy", "speculative_tokens": config["block_size"] - 1,
+                 "verifier_accept_k": 1, "accept_tolerance": 0.0}
+            ],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": verifier_architectures},
+        },
+    }
+
+
+def hub_config(saved: dict, verifier: tuple[str, list[str]] | None = None) -> dict:
+    """config.json for the Hub from the one save_pretrained wrote; with a verifier, the speculators variant."""
+    config = dict(saved)
+    config["auto_map"] = dict(AUTO_MAP)
+    config.update(rope_keys_for_transformers_v4(config))
+    if verifier is not None:
+        config.update(speculators_fields(config, *verifier))
+        # vLLM takes the speculators path only when config.json names no model_type; transformers then
+        # finds the config class through auto_map.
+        config.pop("model_type", None)
+    return config

@@ -1,0 +1,84 @@
+"""The frozen target: loaded one way for training, evaluation and the feature store, and its layer features.
+
+    model, tokenizer = load_frozen_target("smollm2-135m", dtype=torch.bfloat16, adapter=None)
+    features = target_layer_features(model, input_ids, layer_ids=[1, 9, 17])   # (S, T) -> (S, T, K*H)
+
+Training (training/module.py), the offline feature store (training/feature_store.py) and
+`make eval` (training/evaluate.py) all load the target here, so the three see the same weights:
+the same dtype rule and the same PEFT adapter merged at load.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from ddtree.targets import load_target
+
+from .peft_utils import merge_target_adapter
+
+
+def dtype_for_precision(precision: str | None, target_dtype: str = "auto") -> torch.dtype:
+    """The frozen target's weight dtype: model.target_dtype if set, else what the Trainer computes in.
+
+    No fp32 copy of a frozen model under bf16-mixed: the target runs in the training precision.
+    """
+    if target_dtype and target_dtype != "auto":
+        return getattr(torch, str(target_dtype).removeprefix("torch."))
+    precision = str(precision or "32")
+    if "bf16" in precision:
+        return torch.bfloat16
+    if precision.startswith("16"):
+        return torch.float16
+    return torch.float32
+
+
+def load_frozen_target(
+    name_or_path: str, dtype: torch.dtype, adapter: str | None = None, device: str | torch.device = "cpu"
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The target in eval mode with no gradients, an optional PEFT adapter folded into its weights."""
+    model, tokenizer = load_target(name_or_path, dtype=dtype, device=device)
+    if adapter:
+        model = merge_target_adapter(model, adapter)
+    return model.eval().requires_grad_(False), tokenizer
+
+
+class _EnoughLayers(Exception):
+    """Raised by a forward hook once the deepest needed layer has run: the rest of the target is skipped."""
+
+
+@torch.no_grad()
+def target_layer_features(
+    target: PreTrainedModel, input_ids: torch.Tensor, layer_ids: list[int], final_hidden: bool = False
+):
+    """Hidden states of the chosen target layers, concatenated: (S, T) -> (S, T, K*H).
+
+    Layer id l is the output of decoder layer l (hidden_states[l + 1] of a full forward), the same
+    features `fuse_target_features` builds at inference. Layers past max(layer_ids) and the LM head
+    never run, unless final_hidden=True: then the whole decoder runs and its final (normed) hidden
+    states (S, T, H) come back too, as (features, final), for soft targets through the LM head.
+    No attention mask is passed: batches are right-padded and attention is causal, so no real token
+    ever sees padding (and SDPA keeps its causal fast path).
+    """
+    decoder = target.get_decoder()
+    captured: dict[int, torch.Tensor] = {}
+    deepest = max(layer_ids)
+
+    def capture(layer_id: int):
+        def hook(module, args, output):
+            captured[layer_id] = output[0] if isinstance(output, tuple) else output
+            if layer_id == deepest and not final_hidden:
+                raise _EnoughLayers
+
+        return hook
+
+    handles = [decoder.layers[i].register_forward_hook(capture(i)) for i in sorted(set(layer_ids))]
+    try:
+        output = decoder(input_ids=input_ids, use_cache=False)
+    except _EnoughLayers:
+        output = None
+    finally:
+        for handle in handles:
+            handle.remove()
+    features = torch.cat([captured[i] for i in layer_ids], dim=-1)
+    return (features, output.last_hidden_state) if final_hidden else features

@@ -40,7 +40,6 @@ from __future__ import annotations
 import math
 import os
 import random
-import re
 import time
 from pathlib import Path
 
@@ -364,7 +363,7 @@ class BestCheckpoint(Checkpoint):
     def __init__(
         self,
         dirpath: str | None = None,  # default: <trainer.default_root_dir>/checkpoints
-        filename: str = "step-{step}",  # Lightning's pattern: {step} and {epoch} become step=N, epoch=N
+        filename: str = "step-{step}",  # {step} and {epoch} are filled in: step-200.ckpt
         monitor: str = monitor_metric(32),  # set from eval.primary_budget by training/recipe.py
         mode: str = "max",  # "max": a higher monitor value is better
         every_n_train_steps: int = 200,  # set from eval.every_n_train_steps by training/recipe.py
@@ -395,8 +394,9 @@ class BestCheckpoint(Checkpoint):
 
     @staticmethod
     def file_name(filename: str, step: int, epoch: int) -> str:
-        """"step-{step}" -> "step-step=200.ckpt", the names ModelCheckpoint gave (existing runs hold them)."""
-        return re.sub(r"\{(\w+)", r"\1={\1", filename).format(step=step, epoch=epoch) + ".ckpt"
+        """"step-{step}" -> "step-200.ckpt". (Runs saved before this change hold ModelCheckpoint's
+        "step-step=200.ckpt"; they resume and export as they are.)"""
+        return filename.format(step=step, epoch=epoch) + ".ckpt"
 
     def update_best(self) -> None:
         """Point best_model_path at the best kept file, the earliest of equals (as ModelCheckpoint picks it)."""

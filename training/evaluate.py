@@ -2,7 +2,7 @@
 
     make eval RECIPE=smollm2-135m CKPT=best     # best.ckpt of the newest run of the recipe (the default)
     make eval RECIPE=tiny CKPT=last
-    python -m training.evaluate --recipe tiny --ckpt outputs/tiny/<run>/checkpoints/step-step=20.ckpt
+    python -m training.evaluate --recipe tiny --ckpt outputs/tiny/<run>/checkpoints/step-20.ckpt
 
 Same code, same settings as the training-time evaluation (training/callbacks.py): the eval section
 (prompts, budgets, max_new_tokens, limit) and the target's dtype (model.target_dtype, or the one

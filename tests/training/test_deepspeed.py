@@ -262,7 +262,7 @@ def test_zero_checkpoint_consolidates_to_the_live_fp32_weights(zero2_two_process
     for key in live:
         torch.testing.assert_close(merged[key], live[key], rtol=0, atol=SAME_MATH_ATOL, msg=key)
     # and the checkpoint of step 2 holds other weights (the comparison is not vacuous)
-    earlier = consolidated(run / "checkpoints" / "step-step=2.ckpt")
+    earlier = consolidated(run / "checkpoints" / "step-2.ckpt")
     assert any(not torch.equal(earlier[k], live[k]) for k in live)
 
 
@@ -272,7 +272,7 @@ def test_zero_checkpoint_consolidates_to_the_live_fp32_weights(zero2_two_process
 @pytest.mark.slow  # one more run (~1 min on the shared 2-core machine)
 def test_two_processes_match_one_process_on_the_same_global_batch(workspace, zero2_two_processes):
     single = launch(workspace, "zero2-x1", 1, "zero2_cpu", 4)
-    earlier = consolidated(single["dir"] / "checkpoints" / "step-step=2.ckpt")
+    earlier = consolidated(single["dir"] / "checkpoints" / "step-2.ckpt")
     assert_twins(exported(zero2_two_processes["dir"]), exported(single["dir"]), earlier, "2 vs 1 process")
     assert single["probes"][0]["optimizer_numel"] >= single["probes"][0]["drafter_numel"]  # 1 rank holds it all
     losses_two, losses_one = train_losses(zero2_two_processes["dir"]), train_losses(single["dir"])
@@ -329,7 +329,7 @@ def test_zero3_two_processes_shard_the_drafter_not_the_target(workspace, zero2_t
     merged = consolidated(zero3["dir"] / "checkpoints" / "last.ckpt")
     for key in live:
         torch.testing.assert_close(merged[key], live[key], rtol=0, atol=SAME_MATH_ATOL, msg=key)
-    earlier = consolidated(zero2_two_processes["dir"] / "checkpoints" / "step-step=2.ckpt")
+    earlier = consolidated(zero2_two_processes["dir"] / "checkpoints" / "step-2.ckpt")
     assert_twins(live, exported(zero2_two_processes["dir"]), earlier, "ZeRO-3 vs ZeRO-2")
 
 
@@ -340,7 +340,7 @@ def test_zero2_with_the_optimizer_offloaded_trains_the_same_weights(workspace, z
     # compiled CPU Adam).
     offload = launch(workspace, "zero2-offload-x2", 2, "training.strategies.CPUDeepSpeed", 2,
                      "--trainer.strategy.stage=2", "--trainer.strategy.offload_optimizer=true")
-    earlier = consolidated(zero2_two_processes["dir"] / "checkpoints" / "step-step=2.ckpt")
+    earlier = consolidated(zero2_two_processes["dir"] / "checkpoints" / "step-2.ckpt")
     assert_twins(exported(offload["dir"]), exported(zero2_two_processes["dir"]), earlier, "offloaded vs not")
     config = torch.load(offload["dir"] / "checkpoints" / "last.ckpt" / "checkpoint" / "mp_rank_00_model_states.pt",
                         weights_only=False, map_location="cpu")["ds_config"]

@@ -79,7 +79,7 @@ def test_training_logs_what_bench_measures_and_marks_the_best_checkpoint(tmp_pat
         assert all(name in row for row in logged.values()), name
 
     # every evaluation step has its checkpoint, and best.ckpt names the highest primary tau (earliest on ties)
-    checkpoints = {step: run_dir / "checkpoints" / f"step-step={step}.ckpt" for step in logged}
+    checkpoints = {step: run_dir / "checkpoints" / f"step-{step}.ckpt" for step in logged}
     assert all(path.is_file() for path in checkpoints.values())
     best_step = max(sorted(logged), key=lambda step: logged[step][monitor_metric(PRIMARY)])
     assert (run_dir / "checkpoints" / "best.ckpt").resolve() == checkpoints[best_step].resolve()
@@ -109,7 +109,7 @@ def test_training_logs_what_bench_measures_and_marks_the_best_checkpoint(tmp_pat
 
     # `make eval CKPT=best` reads the run's settings and measures the same
     assert training.evaluate.main(["--recipe", "tiny", "--output-root", str(tmp_path / "out"), "--ckpt", "best"]) == 0
-    measured = json.loads((run_dir / "eval" / f"checkpoint-step-step={best_step}.json").read_text())
+    measured = json.loads((run_dir / "eval" / f"checkpoint-step-{best_step}.json").read_text())
     assert measured["step"] == best_step
     for key, stats in measured["summary"].items():
         assert logged[best_step][f"val/tau_{key}"] == stats["tau"], key
@@ -260,8 +260,8 @@ def test_bad_drafter_logs_one_perfect_drafter_logs_the_maximum_and_the_best_is_k
     assert max_tau(lengths, BLOCK) > 5  # the bound is far from the bad drafter's 1.0 (12 tokens, block 8)
 
     # the best checkpoint is the perfect drafter's step, not the last; top-1 keeps it and last.ckpt only
-    assert (tmp_path / "checkpoints" / "best.ckpt").resolve().name == "step-step=4.ckpt"
-    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("*.ckpt")) == ["best.ckpt", "last.ckpt", "step-step=4.ckpt"]
+    assert (tmp_path / "checkpoints" / "best.ckpt").resolve().name == "step-4.ckpt"
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("*.ckpt")) == ["best.ckpt", "last.ckpt", "step-4.ckpt"]
     assert torch.load(tmp_path / "checkpoints" / "best.ckpt", weights_only=False)["global_step"] == 4
     assert "**4** (best)" in (tmp_path / "report.md").read_text()
 
@@ -283,17 +283,17 @@ def test_top_k_drops_the_earliest_of_equals_and_a_resume_keeps_the_ranking(tmp_p
     first = callbacks(["bad", "bad", "perfect"])
     trainer(6, first).fit(tiny_module(), train_dataloaders=synthetic_loader(6))
     folder = tmp_path / "checkpoints"
-    assert sorted(p.name for p in folder.glob("*.ckpt")) == ["best.ckpt", "last.ckpt", "step-step=4.ckpt", "step-step=6.ckpt"]
-    assert os.readlink(folder / "best.ckpt") == "step-step=6.ckpt"  # relative: the run folder can move
-    assert list(first[1].best_k_models) == ["step-step=4.ckpt", "step-step=6.ckpt"]
+    assert sorted(p.name for p in folder.glob("*.ckpt")) == ["best.ckpt", "last.ckpt", "step-4.ckpt", "step-6.ckpt"]
+    assert os.readlink(folder / "best.ckpt") == "step-6.ckpt"  # relative: the run folder can move
+    assert list(first[1].best_k_models) == ["step-4.ckpt", "step-6.ckpt"]
 
     resumed = callbacks(["bad"])
     trainer(8, resumed).fit(tiny_module(), train_dataloaders=synthetic_loader(8), ckpt_path=folder / "last.ckpt")
     assert [r["step"] for r in resumed[0].history] == [2, 4, 6, 8]  # the evaluation history came back too
-    assert list(resumed[1].best_k_models) == ["step-step=4.ckpt", "step-step=6.ckpt"]  # step 8 (bad) did not enter
-    assert sorted(p.name for p in folder.glob("*.ckpt")) == ["best.ckpt", "last.ckpt", "step-step=4.ckpt", "step-step=6.ckpt"]
+    assert list(resumed[1].best_k_models) == ["step-4.ckpt", "step-6.ckpt"]  # step 8 (bad) did not enter
+    assert sorted(p.name for p in folder.glob("*.ckpt")) == ["best.ckpt", "last.ckpt", "step-4.ckpt", "step-6.ckpt"]
     assert torch.load(folder / "last.ckpt", weights_only=False)["global_step"] == 8
-    assert (folder / "best.ckpt").resolve().name == "step-step=6.ckpt"
+    assert (folder / "best.ckpt").resolve().name == "step-6.ckpt"
 
 
 def test_checkpoint_settings_that_cannot_work_are_one_line_errors(tmp_path):
@@ -301,7 +301,7 @@ def test_checkpoint_settings_that_cannot_work_are_one_line_errors(tmp_path):
         BestCheckpoint(filename="{val/loss}")
     with pytest.raises(DDTreeError, match="checkpoint.save_top_k=-2"):
         BestCheckpoint(save_top_k=-2)
-    assert BestCheckpoint.file_name("step-{step}", step=200, epoch=3) == "step-step=200.ckpt"  # the names runs hold
+    assert BestCheckpoint.file_name("step-{step}", step=200, epoch=3) == "step-200.ckpt"  # the names runs hold
     # ranking needs the evaluation's metric at the same steps
     with pytest.raises(DDTreeError, match=r"checkpoint.monitor=val/tau_ddtree@8 was not logged at step 2"):
         fit(tmp_path, 2, [BestCheckpoint(dirpath=tmp_path / "checkpoints", monitor=monitor_metric(8), every_n_train_steps=2)])
@@ -323,7 +323,7 @@ def test_a_run_stopped_off_schedule_is_measured_at_the_end_without_a_checkpoint(
     assert [(r["step"], r["checkpointed"]) for r in evaluation.history] == [(2, True), (3, False)]
     assert logged_rows(tmp_path)[3]["val/tau_ddtree@8"] > 1.0  # the loggers have it...
     # ...but only checkpointed evaluations compete for best.ckpt
-    assert (tmp_path / "checkpoints" / "best.ckpt").resolve().name == "step-step=2.ckpt"
+    assert (tmp_path / "checkpoints" / "best.ckpt").resolve().name == "step-2.ckpt"
     report = (tmp_path / "report.md").read_text()
     assert "| **2** (best) |" in report and "| 3 (no checkpoint) |" in report
 
@@ -447,7 +447,7 @@ def test_under_ddp_every_rank_logs_what_one_process_measures_on_the_saved_checkp
     assert sorted(logged) == [2]
     target, tokenizer = load_target("tiny-random", torch.float32)
     prompts = load_prompts(PROMPTS, tokenizer, limit=3)
-    drafter = DrafterRunner(drafter_from_checkpoint(tmp_path / "checkpoints" / "step-step=2.ckpt"), target)
+    drafter = DrafterRunner(drafter_from_checkpoint(tmp_path / "checkpoints" / "step-2.ckpt"), target)
     summary = run_benchmark(target, drafter, prompts, ["dflash", "ddtree"], [4, 8], 6, stop_token_ids(target, tokenizer),
                             progress=False)["summary"]
     for key, stats in summary.items():

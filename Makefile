@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 RECIPE ?= smollm2-135m
 
-.PHONY: setup data features train eval export test test-all bench clean
+.PHONY: setup data features train ablate eval export test test-all bench clean
 
 setup: $(STAMP)
 
@@ -42,6 +42,12 @@ ifeq ($(NODES),)
 else
 	PYTHON=$(PY) recipes/launch_torchrun.sh $(RECIPE) $(NODES) $(if $(RESUME),--resume $(RESUME)) $(ARGS)
 endif
+
+# make ablate [RECIPE=smollm2-135m] ARGS="--steps 800 [--variant name=overrides ...]"
+# Trains variants of a recipe on one budget (default: the three training objectives), measures each with
+# the same tree-decoding evaluation, and writes a table and a plot (training/ablate.py).
+ablate: $(STAMP)
+	$(PY) -m training.ablate --recipe $(RECIPE) $(ARGS)
 
 # make eval [RECIPE=smollm2-135m] [CKPT=best|last|path/to/x.ckpt]  (default: best of the newest run)
 # Measures a saved checkpoint's DDTree acceptance exactly as training's evaluation did (recipe's eval: section).

@@ -1,7 +1,7 @@
 """Training loss and metrics of the block-diffusion drafter, as small standalone functions.
 
     weights = block_position_weights(block_size, gamma)                       # (B,)
-    weighted, total, hits, tokens = block_loss_sums(hidden, labels, lm_head, weights)
+    weighted, total, hits, tokens, top_hits = block_loss_sums(hidden, labels, lm_head, weights, objective="tree")
     loss = weighted / total                                                   # what DistillModule trains
 
 A block is [anchor, MASK x (B-1)]; its output at block position k (k = 1..B-1) predicts the data
@@ -20,7 +20,11 @@ decayed weights beat uniform ones.
 
 Distillation (model.distill_weight, off in every recipe): the data-token cross-entropy is mixed
 with a cross-entropy against the target's whole next-token distribution at the same position
-(`teacher_states`, `decayed_soft_cross_entropy_sums`). At distill_weight 0 none of it runs.
+(`teacher_states`): -sum_v p_target(v) log q(v) = KL(p_target || q) + H(p_target), the KL's gradient,
+which also teaches the runner-up tokens a draft tree branches on. At distill_weight 0 none of it runs.
+
+Objectives (model.objective, `block_loss_sums`): the published decayed cross-entropy, D-PACE's
+expected-length weights, and `tree`, the same weights with a draft tree's survival rule.
 """
 
 from __future__ import annotations
@@ -43,41 +47,6 @@ def block_position_weights(block_size: int, gamma: float, device=None) -> torch.
     weights = torch.exp(-(k - 1) / gamma)
     weights[0] = 0.0
     return weights
-
-
-def decayed_cross_entropy_sums(
-    logits: torch.Tensor,  # (M, V) counted block tokens
-    labels: torch.Tensor,  # (M,) the data token each one predicts
-    block_positions: torch.Tensor,  # (M,) long, k in 1..B-1
-    weights: torch.Tensor,  # (B,) from block_position_weights
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum_i w_{k_i} * CE_i, sum_i w_{k_i}): the decayed loss is their ratio.
-
-    Two sums instead of a mean so chunks of one batch can be added up and normalised once.
-    The cross-entropy is taken in fp32 whatever the logits' dtype (bf16 log-softmax over a large
-    vocabulary loses the small probabilities the loss is made of).
-    """
-    token_ce = F.cross_entropy(logits.float(), labels, reduction="none")  # (M,)
-    token_weight = weights[block_positions]  # (M,)
-    return (token_ce * token_weight).sum(), token_weight.sum()
-
-
-def decayed_soft_cross_entropy_sums(
-    logits: torch.Tensor,  # (M, V) drafter logits of the counted block tokens
-    teacher_logits: torch.Tensor,  # (M, V) the target's logits for the same next tokens (no grad)
-    block_positions: torch.Tensor,  # (M,) long, k in 1..B-1
-    weights: torch.Tensor,  # (B,)
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Like decayed_cross_entropy_sums, against the target's whole next-token distribution.
-
-    -sum_v p_target(v) log q(v) = KL(p_target || q) + H(p_target): the same gradient as the KL, one
-    number per token instead of one hit or miss, and it teaches the runner-up tokens a draft tree
-    branches on. Not part of the published recipe (it uses data-token CE only); see `distill_weight`.
-    """
-    teacher = F.softmax(teacher_logits.float(), dim=-1)
-    token_ce = -(teacher * F.log_softmax(logits.float(), dim=-1)).sum(dim=-1)  # (M,)
-    token_weight = weights[block_positions]
-    return (token_ce * token_weight).sum(), token_weight.sum()
 
 
 def position_hit_counts(
@@ -117,6 +86,30 @@ def teacher_states(final_hidden: torch.Tensor, anchors: torch.Tensor, block_size
     return final_hidden.gather(1, before_label[:, :, None].expand(-1, -1, final_hidden.shape[-1]))
 
 
+OBJECTIVES = ("decayed_ce", "dpace", "tree")
+RECALL_K = 4  # the k of the top-k recall metric (and the default tree survival width)
+
+
+def expected_length_weights(
+    survival: torch.Tensor,  # (N, B) detached per-position survival in [0, 1]; position 0 (anchor) ignored
+    counted: torch.Tensor,  # (N, B) bool, the positions with a label
+    smoothing: float,
+) -> torch.Tensor:
+    """(N, B) weights sum_{j >= k} prod_{i <= j} s_i with s = (1 - a) * survival + a, 0 where not counted.
+
+    sum_j prod_{i<=j} s_i is a block's expected accepted length when position i survives with s_i;
+    its derivative with respect to log s_k is the suffix sum from k, so weighting position k's loss by
+    it spends the gradient where accepted length is won (D-PACE, arXiv 2605.18810). A position
+    without a label ends the chain: nothing after it can be accepted.
+    """
+    s = torch.where(counted, (1 - smoothing) * survival + smoothing, torch.zeros_like(survival))
+    s[:, 0] = 1.0  # the anchor is given, not drafted
+    prefix = torch.cumprod(s, dim=1)
+    prefix[:, 0] = 0.0  # the anchor is not an accepted draft token
+    suffix = prefix.flip(1).cumsum(1).flip(1)  # (N, B): sum over j >= k
+    return torch.where(counted, suffix, torch.zeros_like(suffix))
+
+
 def block_loss_sums(
     hidden: torch.Tensor,  # (S, n*B, H) drafter outputs for every block token
     labels: torch.Tensor,  # (S, n, B) the data token each one predicts, IGNORE_INDEX where none is counted
@@ -125,14 +118,28 @@ def block_loss_sums(
     chunk_size: int | None = None,
     teacher_hidden: torch.Tensor | None = None,  # (S, n*B, H) from teacher_states; only with distill_weight > 0
     distill_weight: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(sum of w * loss, sum of w, hits (B,), tokens (B,)) over the M counted block tokens of a batch.
+    objective: str = "decayed_ce",
+    smoothing: float = 0.5,
+    top_k: int = RECALL_K,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sum of w * loss, sum of w, hits (B,), tokens (B,), top-k hits (B,)) over the M counted block tokens.
 
     Only the M counted rows of `hidden` go through the LM head. With `chunk_size`, at most that many
     rows at a time, each chunk recomputed in backward (activation checkpointing), so only one chunk's
     (m, V) logits are alive at once: (M, V) logits over a 150K vocabulary would not fit.
     With distill_weight a > 0 the loss per token is (1 - a) * CE(label) + a * CE(target's distribution).
+
+    The objective sets the weight w of each token's loss (detached, so it only decides where the
+    gradient goes):
+      decayed_ce  w = exp(-(k - 1) / gamma), normalised by the sum of w (DFlash, the published recipe);
+      dpace       w = expected_length_weights(exp(-CE)), the drafter's own confidence in the label as
+                  survival, normalised by the number of blocks (D-PACE): the chain's expected length;
+      tree        the same weights with survival = 1 if the label is within the drafter's top `top_k`
+                  at that position, else 0: a draft tree keeps a path alive while the target's token is
+                  among the few candidates it expands at each depth, not only while it is the argmax.
     """
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective {objective!r}: choose one of {', '.join(OBJECTIVES)}")
     block_size = weights.shape[0]
     flat_labels = labels.flatten()  # (S*n*B,)
     counted = (flat_labels != IGNORE_INDEX).nonzero().squeeze(1)  # (M,)
@@ -143,24 +150,45 @@ def block_loss_sums(
     positions = counted % block_size  # (M,) block position k of each row
 
     def chunk_terms(chunk_rows, chunk_teacher, chunk_targets, chunk_positions):
-        logits = lm_head(chunk_rows).float()  # (m, V); one fp32 copy serves the loss and the argmax
-        weighted, weight_total = decayed_cross_entropy_sums(logits, chunk_targets, chunk_positions, weights)
+        logits = lm_head(chunk_rows).float()  # (m, V); one fp32 copy serves the loss and the metrics
+        token_loss = F.cross_entropy(logits, chunk_targets, reduction="none")  # (m,)
         if distill_weight > 0:
             with torch.no_grad():
-                teacher_logits = lm_head(chunk_teacher)  # (m, V)
-            soft, _ = decayed_soft_cross_entropy_sums(logits, teacher_logits, chunk_positions, weights)
-            weighted = (1 - distill_weight) * weighted + distill_weight * soft
-        hits, tokens = position_hit_counts(logits.detach(), chunk_targets, chunk_positions, block_size)
-        return weighted, weight_total, hits, tokens
+                teacher = F.softmax(lm_head(chunk_teacher).float(), dim=-1)  # (m, V)
+            soft = -(teacher * F.log_softmax(logits, dim=-1)).sum(dim=-1)  # (m,)
+            token_loss = (1 - distill_weight) * token_loss + distill_weight * soft
+        detached = logits.detach()
+        label_logit = detached.gather(1, chunk_targets[:, None])  # (m, 1)
+        rank = (detached > label_logit).sum(dim=1)  # (m,) 0 = the label is the argmax
+        hits, tokens = position_hit_counts(detached, chunk_targets, chunk_positions, block_size)
+        top_hits = torch.zeros(block_size, dtype=torch.long, device=chunk_targets.device)
+        top_hits.index_add_(0, chunk_positions, (rank < top_k).long())
+        return token_loss, rank, hits, tokens, top_hits
 
     chunk = chunk_size or max(1, rows.shape[0])
-    totals = None
+    parts = []
     for start in range(0, rows.shape[0], chunk):
         part = slice(start, start + chunk)
         args = (rows[part], teacher_rows[part], targets[part], positions[part])
         if chunk_size and torch.is_grad_enabled():
-            terms = checkpoint(chunk_terms, *args, use_reentrant=False)
+            parts.append(checkpoint(chunk_terms, *args, use_reentrant=False))
         else:
-            terms = chunk_terms(*args)
-        totals = terms if totals is None else tuple(a + b for a, b in zip(totals, terms))
-    return totals
+            parts.append(chunk_terms(*args))
+    token_loss = torch.cat([p[0] for p in parts])  # (M,)
+    rank = torch.cat([p[1] for p in parts])  # (M,)
+    hits, tokens, top_hits = (sum(p[i] for p in parts) for i in (2, 3, 4))
+
+    if objective == "decayed_ce":
+        token_weight = weights[positions]  # (M,)
+        total = token_weight.sum()
+    else:
+        survival = torch.exp(-token_loss.detach()) if objective == "dpace" else (rank < top_k).float()
+        grid = torch.zeros(flat_labels.shape[0], device=hidden.device)
+        grid[counted] = survival
+        mask = torch.zeros(flat_labels.shape[0], dtype=torch.bool, device=hidden.device)
+        mask[counted] = True
+        grid_weights = expected_length_weights(grid.view(-1, block_size), mask.view(-1, block_size), smoothing)
+        token_weight = grid_weights.flatten()[counted]  # (M,)
+        # Normalised by the blocks that have a label (not by the weights' sum, which would undo the weighting).
+        total = mask.view(-1, block_size).any(dim=1).sum().float()
+    return (token_loss * token_weight).sum(), total, hits, tokens, top_hits

@@ -44,7 +44,7 @@ from ddtree.modeling_dflash import DFlashDraftModel
 from ddtree.errors import DDTreeError
 from ddtree.targets import build_drafter_config, check_drafter_fits
 
-from .loss import block_loss_sums, block_position_weights, chain_acceptance, teacher_states
+from .loss import OBJECTIVES, RECALL_K, block_loss_sums, block_position_weights, chain_acceptance, teacher_states
 from .masks import block_input_ids, block_labels, block_position_ids, dense_block_mask, flex_block_mask, sample_anchors
 from .peft_utils import DEFAULT_LORA_MODULES, add_drafter_lora
 from .strategies import is_deepspeed
@@ -69,6 +69,7 @@ class StepResult(NamedTuple):
     weight_total: torch.Tensor
     hits: torch.Tensor  # (B,) top-1 hits per block position
     tokens: torch.Tensor  # (B,) counted tokens per block position
+    top_hits: torch.Tensor  # (B,) labels within the drafter's top RECALL_K per block position
     target_seconds: float  # wall time of the frozen target's forward (0 with offline features)
 
 
@@ -94,6 +95,9 @@ class DistillModule(L.LightningModule):
         num_anchors: int = 512,  # blocks per sequence (published: up to 512)
         gamma: float = 7.0,  # loss decay over block positions (published: 7 for B=16, 5 for B=10)
         distill_weight: float = 0.0,  # > 0: mix in cross-entropy against the target's full distribution (loss.py)
+        objective: str = "decayed_ce",  # training loss weights: decayed_ce (published), dpace or tree (loss.py)
+        objective_smoothing: float = 0.5,  # dpace/tree: survival s -> (1 - a) s + a (D-PACE's a)
+        objective_top_k: int = 4,  # tree: a label within the drafter's top k at a depth keeps the path alive
         loss_chunk_size: int | None = None,  # LM head + loss over this many block tokens at a time
         seed: int = 0,  # seeds the anchor draws
         # --- optimisation (AdamW + linear warmup + cosine decay, stepped every optimizer step)
@@ -105,6 +109,11 @@ class DistillModule(L.LightningModule):
     ):
         super().__init__()
         self.save_hyperparameters()
+        if objective not in OBJECTIVES:
+            raise DDTreeError(f"model.objective={objective!r}: choose one of {', '.join(OBJECTIVES)}")
+        if not 0 <= objective_smoothing <= 1 or objective_top_k < 1:
+            raise DDTreeError(f"model.objective_smoothing={objective_smoothing} must be in [0, 1] and "
+                              f"model.objective_top_k={objective_top_k} at least 1")
         self.drafter: nn.Module | None = None  # built in configure_model
         self._target: FrozenTarget | None = None
         self._step_started_at: float | None = None
@@ -270,11 +279,15 @@ class DistillModule(L.LightningModule):
         hidden = self.block_hidden_states(features, input_ids, anchors)  # (S, n*B, H)
         teacher_hidden = teacher_states(final, anchors, self.block_size) if distill else None  # (S, n*B, H)
         weights = block_position_weights(self.block_size, self.hparams.gamma, device=hidden.device)  # (B,)
-        weighted, weight_total, hits, tokens = block_loss_sums(
-            hidden, labels, self.target.get_output_embeddings(), weights, self.hparams.loss_chunk_size,
-            teacher_hidden, self.hparams.distill_weight,
+        hp = self.hparams
+        # Validation always measures the published decayed CE, so runs of different objectives compare.
+        objective = hp.objective if stage == "train" else "decayed_ce"
+        weighted, weight_total, hits, tokens, top_hits = block_loss_sums(
+            hidden, labels, self.target.get_output_embeddings(), weights, hp.loss_chunk_size,
+            teacher_hidden, hp.distill_weight, objective, hp.objective_smoothing, hp.objective_top_k,
         )
-        return StepResult(weighted / weight_total.clamp_min(1e-8), weighted, weight_total, hits, tokens, target_seconds)
+        return StepResult(weighted / weight_total.clamp_min(1e-8), weighted, weight_total, hits, tokens, top_hits,
+                          target_seconds)
 
     # ------------------------------------------------------------------ training
 
@@ -341,7 +354,7 @@ class DistillModule(L.LightningModule):
         result = self.shared_step(batch, batch_idx, "val")
         if result is None:
             return
-        for name in ("weighted_ce", "weight_total", "hits", "tokens"):
+        for name in ("weighted_ce", "weight_total", "hits", "tokens", "top_hits"):
             self._val_sums[name] = self._val_sums.get(name, 0) + getattr(result, name).detach()
 
     def on_validation_epoch_end(self):
@@ -352,6 +365,8 @@ class DistillModule(L.LightningModule):
         self.log("val/loss", sums["weighted_ce"] / sums["weight_total"].clamp_min(1e-8), prog_bar=True)
         self.log("val/tau_chain", chain_acceptance(accuracy), prog_bar=True)
         self.log_dict({f"val/acc_{k}": accuracy[k - 1] for k in range(1, self.block_size)})
+        recall = sums["top_hits"][1:] / sums["tokens"][1:].clamp_min(1)
+        self.log_dict({f"val/recall{RECALL_K}_{k}": recall[k - 1] for k in range(1, self.block_size)})
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -17,14 +17,14 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
 from ddtree.modeling_dflash import DFlashDraftModel, fuse_target_features
+from ddtree.errors import DDTreeError
 from training.checkpoints import drafter_from_checkpoint
 from training.export import export_drafter
 from training.loss import (
     block_loss_sums,
     block_position_weights,
     chain_acceptance,
-    decayed_cross_entropy_sums,
-    decayed_soft_cross_entropy_sums,
+    expected_length_weights,
     position_hit_counts,
     teacher_states,
 )
@@ -85,16 +85,6 @@ def test_position_weights_skip_the_anchor_and_decay():
     assert torch.allclose(weights[2:], torch.exp(-torch.arange(1, 15) / 7.0))
 
 
-def test_decayed_cross_entropy_is_the_weighted_mean_of_token_losses():
-    torch.manual_seed(0)
-    logits, labels = torch.randn(6, 11), torch.randint(0, 11, (6,))
-    positions = torch.tensor([1, 2, 3, 1, 5, 7])
-    weighted, total = decayed_cross_entropy_sums(logits, labels, positions, block_position_weights(8, gamma=5.0))
-    token = F.cross_entropy(logits, labels, reduction="none")
-    weights = torch.tensor([math.exp(-(k - 1) / 5.0) for k in positions.tolist()])
-    assert torch.allclose(weighted / total, (token * weights).sum() / weights.sum())
-
-
 def block_loss_case(seed: int = 0, block: int = 4, hidden_size: int = 8, vocab: int = 13):
     """hidden (2, 3*B, H) with gradients, labels (2, 3, B) with the anchors and a few more tokens ignored, an LM head."""
     generator = torch.Generator().manual_seed(seed)
@@ -111,7 +101,7 @@ def block_loss_case(seed: int = 0, block: int = 4, hidden_size: int = 8, vocab: 
 def test_block_loss_runs_the_lm_head_on_counted_rows_and_chunks_change_nothing():
     hidden, labels, lm_head = block_loss_case()
     weights = block_position_weights(4, gamma=4.0)
-    weighted, total, hits, tokens = block_loss_sums(hidden, labels, lm_head, weights)
+    weighted, total, hits, tokens, top_hits = block_loss_sums(hidden, labels, lm_head, weights)
     # the same sums from the LM head over every row, ignored ones masked out
     logits = lm_head(hidden.flatten(0, 1))  # (S*n*B, V)
     flat = labels.flatten()
@@ -126,7 +116,7 @@ def test_block_loss_runs_the_lm_head_on_counted_rows_and_chunks_change_nothing()
 
     for chunk in (1, 5):  # recomputed in backward chunk by chunk: same sums, same gradient
         chunked = block_loss_sums(hidden, labels, lm_head, weights, chunk_size=chunk)
-        for a, b in zip(chunked, (weighted, total, hits, tokens)):
+        for a, b in zip(chunked, (weighted, total, hits, tokens, top_hits)):
             assert torch.allclose(a, b, atol=1e-6)
         (chunked_grad,) = torch.autograd.grad(chunked[0] / chunked[1], hidden)
         assert torch.allclose(chunked_grad, grad, atol=1e-6)
@@ -141,25 +131,11 @@ def test_distill_weight_mixes_the_two_cross_entropies_and_zero_is_the_plain_loss
     mixed = block_loss_sums(hidden, labels, lm_head, weights, teacher_hidden=teacher, distill_weight=0.25)
     counted = labels.flatten() != IGNORE_INDEX
     positions = (torch.arange(labels.numel()) % 4)[counted]
-    soft, _ = decayed_soft_cross_entropy_sums(
-        lm_head(hidden.flatten(0, 1)[counted]), lm_head(teacher.flatten(0, 1)[counted]), positions, weights
-    )
+    teacher_p = lm_head(teacher.flatten(0, 1)[counted]).softmax(-1)
+    log_q = lm_head(hidden.flatten(0, 1)[counted]).log_softmax(-1)
+    soft = (-(teacher_p * log_q).sum(-1) * weights[positions]).sum()  # KL(p || q) + H(p), weighted
     assert torch.allclose(mixed[0], 0.75 * plain[0] + 0.25 * soft)
     assert torch.equal(mixed[1], plain[1]) and torch.equal(mixed[2], plain[2])  # same weights, same hits
-
-
-def test_soft_cross_entropy_is_kl_plus_teacher_entropy_and_hard_ce_for_a_sure_teacher():
-    torch.manual_seed(0)
-    logits, teacher = torch.randn(5, 9), torch.randn(5, 9)
-    positions, weights = torch.tensor([1, 2, 3, 1, 2]), block_position_weights(4, gamma=4.0)
-    soft, total = decayed_soft_cross_entropy_sums(logits, teacher, positions, weights)
-    p, log_q = teacher.softmax(-1), logits.log_softmax(-1)
-    kl_plus_entropy = (p * (p.log() - log_q)).sum(-1) - (p * p.log()).sum(-1)
-    assert torch.allclose(soft, (kl_plus_entropy * weights[positions]).sum(), atol=1e-5)
-    labels = torch.tensor([0, 3, 8, 2, 5])
-    sure = F.one_hot(labels, 9).float() * 1e4  # a teacher that is certain of the label
-    hard, _ = decayed_cross_entropy_sums(logits, labels, positions, weights)
-    assert torch.allclose(decayed_soft_cross_entropy_sums(logits, sure, positions, weights)[0], hard, atol=1e-4)
 
 
 def test_hits_per_position_and_implied_chain_acceptance():
@@ -434,3 +410,47 @@ def test_soft_targets_come_from_the_target_prediction_of_each_label():
     assert counted.sum() > 10 and torch.equal(teacher[counted], labels[counted])
     result = module.shared_step({"input_ids": input_ids, "loss_mask": loss_mask}, 0, "train")
     assert torch.isfinite(result.loss)
+
+
+def test_expected_length_weights_are_suffix_sums_of_prefix_products():
+    survival = torch.tensor([[0.0, 1.0, 0.0, 1.0], [0.0, 0.5, 0.5, 0.5]])
+    counted = torch.tensor([[False, True, True, True], [False, True, True, False]])
+    weights = expected_length_weights(survival, counted, smoothing=0.0)
+    # block 0: s = 1, 0, 1 -> prefix products 1, 0, 0 -> suffix sums 1, 0, 0
+    assert torch.allclose(weights[0], torch.tensor([0.0, 1.0, 0.0, 0.0]))
+    # block 1: s = .5, .5, (not counted: the chain ends) -> prefix .5, .25, 0 -> suffix .75, .25, 0
+    assert torch.allclose(weights[1], torch.tensor([0.0, 0.75, 0.25, 0.0]))
+    smoothed = expected_length_weights(survival, counted, smoothing=0.5)  # s -> .5 s + .5
+    assert torch.allclose(smoothed[0], torch.tensor([0.0, 1.0 + 0.5 + 0.5, 0.5 + 0.5, 0.5]))
+
+
+@pytest.mark.parametrize("objective", ["dpace", "tree"])
+def test_acceptance_objectives_weight_tokens_by_expected_length_and_normalise_by_blocks(objective):
+    hidden, labels, lm_head = block_loss_case()
+    weights = block_position_weights(4, gamma=4.0)
+    weighted, total, hits, tokens, top_hits = block_loss_sums(hidden, labels, lm_head, weights, objective=objective,
+                                                              smoothing=0.5, top_k=2)
+    logits = lm_head(hidden.flatten(0, 1)).detach()  # (S*n*B, V)
+    flat = labels.flatten()
+    counted = flat != IGNORE_INDEX
+    token_ce = torch.zeros(flat.shape)
+    token_ce[counted] = F.cross_entropy(logits[counted], flat[counted], reduction="none")
+    if objective == "dpace":
+        survival = torch.exp(-token_ce)
+    else:
+        label_logit = logits.gather(1, flat.clamp_min(0)[:, None])
+        survival = ((logits > label_logit).sum(1) < 2).float()
+    expected = expected_length_weights(survival.view(-1, 4), counted.view(-1, 4), 0.5).flatten()
+    assert torch.allclose(weighted, (token_ce * expected).sum(), atol=1e-5)
+    assert total == 6  # blocks with a label: every block of the case
+    assert (top_hits >= hits).all() and top_hits.sum() <= tokens.sum()
+    (grad,) = torch.autograd.grad(weighted / total, hidden)
+    assert torch.isfinite(grad).all() and grad.abs().sum() > 0
+    plain = block_loss_sums(hidden, labels, lm_head, weights, top_k=2)
+    assert not torch.allclose(weighted / total, plain[0] / plain[1])  # a different loss, same metrics
+    assert torch.equal(plain[2], hits) and torch.equal(plain[4], top_hits)
+
+
+def test_an_unknown_objective_is_one_line():
+    with pytest.raises(DDTreeError, match="model.objective='nope'"):
+        DistillModule(target="tiny-random", objective="nope")

@@ -1,0 +1,46 @@
+"""The ablation harness trains every variant on one budget and tabulates what the evaluation measured."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import toy_data  # tests/training/toy_data.py
+from training.ablate import main, parse_variant
+
+
+def test_two_variants_of_the_tiny_recipe_are_trained_measured_and_compared(tmp_path, capsys):
+    data = toy_data.write_conversations(tmp_path / "conversations.jsonl", 24, 30, 60)
+    status = main([
+        "--recipe", "tiny", "--steps", "3", "--eval-limit", "1", "--eval-max-new-tokens", "4",
+        "--output-root", str(tmp_path / "out"), "--variant", "plain=", "--variant", "tree=--model.objective=tree",
+        f"--data.data_path={data}", f"--data.cache_dir={tmp_path / 'cache'}", "--data.batch_size=2",
+        "--data.val_fraction=0.2", "--trainer.enable_progress_bar=false",
+    ])
+    assert status == 0
+    out = capsys.readouterr().out
+    table = [line for line in out.splitlines() if line.startswith("| plain") or line.startswith("| tree")]
+    assert len(table) == 2
+    results = json.loads(next((tmp_path / "out" / "tiny").glob("ablate-*.json")).read_text())
+    assert [r["variant"] for r in results] == ["plain", "tree"]
+    for r in results:
+        assert r["step"] == 3 and r["val_loss"] is not None and len(r["recall"]) == 7  # block 8: depths 1..7
+        assert set(r["tau"]) == {"4", "8", "16"} and all(tau >= 1 for tau in r["tau"].values())
+    runs = {p.name.rsplit("-", 1)[1]: p for p in (tmp_path / "out" / "tiny").iterdir() if p.is_dir()}
+    configs = {name: (run / "config.yaml").read_text() for name, run in runs.items()}
+    assert "objective: tree" in configs["tree"] and "objective: decayed_ce" in configs["plain"]
+    assert next((tmp_path / "out" / "tiny").glob("ablate-*.png")).stat().st_size > 0
+
+
+def test_a_bad_variant_or_no_budget_is_one_line(capsys):
+    assert main(["--recipe", "tiny", "--variant", "no equals sign at all", "--steps", "2"]) == 2
+    assert main(["--recipe", "tiny"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "--variant" in err[0] and "--steps" in err[1]
+
+
+@pytest.mark.parametrize("text, expected", [("a=", ("a", [])), ("dp=--model.objective=dpace --model.lr=1e-3",
+                                             ("dp", ["--model.objective=dpace", "--model.lr=1e-3"]))])
+def test_variants_parse(text, expected):
+    assert parse_variant(text) == expected

@@ -1,0 +1,182 @@
+"""Ablations: train variants of one recipe on the same budget, measure them the same way, compare.
+
+    python -m training.ablate --recipe smollm2-135m --steps 600 \
+        --variant decayed_ce= --variant dpace=--model.objective=dpace --variant tree=--model.objective=tree
+    make ablate RECIPE=smollm2-135m ARGS="--steps 600"        # the three objectives above, by default
+
+Each variant is one ordinary training run (training/train.py) of the recipe with its overrides,
+under <output-root>/<recipe>/ablate-<stamp>-<variant>/, all with the same step budget (or the same
+--minutes of wall time), the same data order, the same seed and the same in-training acceptance
+evaluation at the end: real tree decoding of the recipe's held-out prompts (`eval:` section,
+--eval-limit and --eval-max-new-tokens apply to every variant alike). Variants run one after the
+other, so each has the machine to itself and their wall times compare.
+
+The table (printed, and written with a plot to <output-root>/<recipe>/ablate-<stamp>.{md,png}):
+validation loss (the published decayed cross-entropy, whatever the variant trains on), per-depth
+top-1 accuracy and top-4 recall of the target's token on the validation split, tau at every
+budget and for the chain, and the drafter's expected tau beside the measured one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from ddtree.bench import CHAIN, budget_of
+from ddtree.errors import DDTreeError, command
+from ddtree.files import atomic_file, write_text_atomic
+
+from .loss import RECALL_K
+from .recipe import check_recipe_name
+from .train import main as train_main
+
+DEFAULT_VARIANTS = ["decayed_ce=", "dpace=--model.objective=dpace", "tree=--model.objective=tree"]
+
+
+def parse_variant(text: str) -> tuple[str, list[str]]:
+    """"name=--a=1 --b=2" -> ("name", ["--a=1", "--b=2"])."""
+    name, _, overrides = text.partition("=")
+    if not name or not name.replace("-", "").replace("_", "").isalnum():
+        raise DDTreeError(f"--variant {text!r}: give name=overrides, e.g. dpace=--model.objective=dpace")
+    return name, shlex.split(overrides)
+
+
+def last_validation(run_dir: Path) -> dict[str, float]:
+    """The newest row of the run's CSV logs that has val/loss."""
+    rows = []
+    for metrics in sorted((run_dir / "csv").glob("version_*/metrics.csv")):
+        with metrics.open() as f:
+            rows += [row for row in csv.DictReader(f) if row.get("val/loss")]
+    if not rows:
+        return {}
+    return {key: float(value) for key, value in rows[-1].items() if key.startswith("val/") and value}
+
+
+def last_evaluation(run_dir: Path) -> dict:
+    """The newest acceptance evaluation of the run (eval/step-N.json)."""
+    files = sorted((run_dir / "eval").glob("step-*.json"), key=lambda p: int(p.stem.split("-")[1]))
+    if not files:
+        raise DDTreeError(f"{run_dir}: no acceptance evaluation was written; did the run reach a step?")
+    return json.loads(files[-1].read_text())
+
+
+def summarize_variant(name: str, run_dir: Path, seconds: float) -> dict:
+    evaluation, validation = last_evaluation(run_dir), last_validation(run_dir)
+    summary = evaluation["summary"]
+    budgets = sorted(budget_of(key) for key in summary if budget_of(key) is not None)
+    depth = sorted(int(key.rsplit("_", 1)[1]) for key in validation if key.startswith("val/acc_"))
+    return {
+        "variant": name, "run": str(run_dir), "step": evaluation["step"], "run_minutes": seconds / 60,
+        "val_loss": validation.get("val/loss"),
+        "accuracy": [validation[f"val/acc_{k}"] for k in depth],
+        "recall": [validation.get(f"val/recall{RECALL_K}_{k}") for k in depth],
+        "tau": {budget: summary[f"ddtree@{budget}"]["tau"] for budget in budgets},
+        "expected_tau": {budget: summary[f"ddtree@{budget}"]["expected_tau"] for budget in budgets},
+        "chain_tau": summary[CHAIN]["tau"],
+        "chain_expected_tau": summary[CHAIN]["expected_tau"],
+    }
+
+
+def markdown_table(results: list[dict]) -> str:
+    budgets = sorted(results[0]["tau"])
+    head = ["variant", "steps", "run min", "val loss", "acc@1..", f"recall{RECALL_K}@1..",
+            *[f"tau@{b} (expected)" for b in budgets], "chain tau (expected)", "tree / chain"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    fmt = lambda values: " ".join("-" if v is None else f"{v:.2f}" for v in values)  # noqa: E731
+    for r in results:
+        top = max(budgets)
+        cells = [r["variant"], str(r["step"]), f"{r['run_minutes']:.1f}",
+                 "-" if r["val_loss"] is None else f"{r['val_loss']:.3f}", fmt(r["accuracy"]), fmt(r["recall"]),
+                 *[f"{r['tau'][b]:.2f} ({r['expected_tau'][b]:.2f})" for b in budgets],
+                 f"{r['chain_tau']:.2f} ({r['chain_expected_tau']:.2f})", f"{r['tau'][top] / r['chain_tau']:.2f}x"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict]) -> Figure:
+    figure = Figure(figsize=(11, 4))
+    FigureCanvasAgg(figure)
+    bars, depth = figure.add_subplot(1, 2, 1), figure.add_subplot(1, 2, 2)
+    budgets = sorted(results[0]["tau"])
+    width = 0.8 / (len(budgets) + 1)
+    for i, r in enumerate(results):
+        values = [r["chain_tau"]] + [r["tau"][b] for b in budgets]
+        for j, value in enumerate(values):
+            bars.bar(i + j * width, value, width, color=f"C{j}", label=(["chain"] + [f"tree@{b}" for b in budgets])[j] if i == 0 else None)
+        depth.plot(range(1, len(r["recall"]) + 1), r["recall"], "o-", color=f"C{i}", label=f"{r['variant']} recall{RECALL_K}")
+        depth.plot(range(1, len(r["accuracy"]) + 1), r["accuracy"], "x--", color=f"C{i}", label=f"{r['variant']} top-1")
+    bars.set_xticks([i + width * len(budgets) / 2 for i in range(len(results))], [r["variant"] for r in results])
+    bars.set_ylabel("measured tau (tokens per round)")
+    bars.legend(fontsize=8)
+    depth.set_xlabel("block position (depth)")
+    depth.set_ylabel("validation accuracy / recall")
+    depth.legend(fontsize=7)
+    figure.tight_layout()
+    return figure
+
+
+@command
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Train variants of a recipe on one budget and compare them.")
+    parser.add_argument("--recipe", default="smollm2-135m")
+    parser.add_argument("--variant", action="append", default=None,
+                        help="name=overrides (repeatable); default: the three training objectives")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per variant (the schedule's length)")
+    parser.add_argument("--minutes", type=float, default=None, help="wall-time budget per variant (trainer.max_time)")
+    parser.add_argument("--eval-limit", type=int, default=None, help="held-out prompts in the final evaluation")
+    parser.add_argument("--eval-max-new-tokens", type=int, default=None)
+    parser.add_argument("--output-root", default="outputs")
+    args, common = parser.parse_known_args(argv)
+    check_recipe_name(args.recipe)
+    if args.steps is None and args.minutes is None:
+        raise DDTreeError("give --steps N (the same schedule for every variant) and/or --minutes M (the same wall time)")
+    variants = [parse_variant(v) for v in (args.variant or DEFAULT_VARIANTS)]
+    if len({name for name, _ in variants}) != len(variants):
+        raise DDTreeError(f"--variant names must differ: {[name for name, _ in variants]}")
+    budget = []
+    if args.steps is not None:
+        # every evaluation, checkpoint and validation at the end only: the budget goes to training
+        budget += [f"--trainer.max_steps={args.steps}", f"--eval.every_n_train_steps={args.steps}",
+                   f"--trainer.val_check_interval={args.steps}"]
+    if args.minutes is not None:
+        seconds = round(args.minutes * 60)
+        budget.append(f"--trainer.max_time=00:{seconds // 3600:02d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}")
+    if args.eval_limit is not None:
+        budget.append(f"--eval.limit={args.eval_limit}")
+    if args.eval_max_new_tokens is not None:
+        budget.append(f"--eval.max_new_tokens={args.eval_max_new_tokens}")
+
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    root = Path(args.output_root) / args.recipe
+    results = []
+    for name, overrides in variants:
+        run = f"ablate-{stamp}-{name}"
+        print(f"[ablate] {name}: {' '.join(overrides) or '(the recipe as it is)'} -> {root / run}", flush=True)
+        started = time.perf_counter()
+        status = train_main(["--recipe", args.recipe, "--run-name", run, "--output-root", args.output_root,
+                             *budget, *common, *overrides])
+        if status != 0:
+            print(f"[ablate] {name} stopped with status {status}; the variants before it are in {root}", file=sys.stderr)
+            return status
+        results.append(summarize_variant(name, root / run, time.perf_counter() - started))
+
+    table = markdown_table(results)
+    print(table)
+    write_text_atomic(root / f"ablate-{stamp}.md", table + "\n")
+    write_text_atomic(root / f"ablate-{stamp}.json", json.dumps(results, indent=1))
+    with atomic_file(root / f"ablate-{stamp}.png", "wb") as handle:
+        plot(results).savefig(handle, format="png", dpi=110)
+    print(f"[ablate] table, results and plot: {root / f'ablate-{stamp}'}.{{md,json,png}}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -55,13 +55,13 @@ eval: $(STAMP)
 	$(PY) -m training.evaluate --recipe $(RECIPE) --ckpt $(or $(CKPT),best)
 
 # make export RUN=outputs/<recipe>/<run> OUT=exports/<name> [CKPT=best|last|path] [SPECULATORS=1]
-#             [OVERWRITE=1] [REPO=user/name PUSH=1]   (push token: HF_TOKEN)
+#             [OVERWRITE=1] [ALLOW_ENGINE_MISMATCH=1] [REPO=user/name PUSH=1]   (push token: HF_TOKEN)
 # Writes a Hub-ready drafter folder (weights, config + remote code, model card); see training/publish.py.
 export: $(STAMP)
 	$(if $(RUN),,$(error make export needs RUN=outputs/<recipe>/<run> (a training run folder) and OUT=exports/<name>))
 	$(if $(OUT),,$(error make export needs OUT=exports/<name> (the folder to write); RUN=$(RUN) is the run))
 	$(PY) -m training.publish $(RUN) --out $(OUT) $(if $(CKPT),--ckpt $(CKPT)) $(if $(SPECULATORS),--speculators) \
-		$(if $(OVERWRITE),--overwrite) $(if $(REPO),--repo $(REPO)) $(if $(PUSH),--push)
+		$(if $(OVERWRITE),--overwrite) $(if $(ALLOW_ENGINE_MISMATCH),--allow-engine-mismatch) $(if $(REPO),--repo $(REPO)) $(if $(PUSH),--push)
 
 test: $(STAMP)
 	$(PY) -m pytest -q

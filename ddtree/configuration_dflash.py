@@ -2,11 +2,17 @@
 
 A Qwen3 configuration plus the published DFlash fields that clients read:
 `block_size`, `num_target_layers` and `dflash_config = {mask_token_id, target_layer_ids}`.
-Because it is a Qwen3Config, the reference `dflash.DFlashDraftModel` loads the same folder.
-This file ships to the Hub as remote code: it imports transformers only.
+Its model_type is Qwen3's, as in the published DFlash drafters: the drafter's layers are Qwen3's,
+so `AutoConfig.from_pretrained(folder)` reads a saved drafter without remote code (a Qwen3Config
+that keeps every DFlash field), vLLM and SGLang read it as they read the published ones, and the
+reference `dflash.DFlashDraftModel` loads the same folder. This file ships to the Hub as remote
+code: it imports transformers only.
 """
 
 from transformers import Qwen3Config
+
+# model_type of drafters saved before it became Qwen3's; they still load, read as "qwen3".
+LEGACY_MODEL_TYPE = "dflash_drafter"
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> list[int]:
@@ -22,7 +28,7 @@ def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> l
 
 
 class DFlashDrafterConfig(Qwen3Config):
-    model_type = "dflash_drafter"
+    model_type = "qwen3"  # not a type of its own: what the engines and AutoConfig read without remote code
 
     def __init__(
         self,
@@ -40,8 +46,17 @@ class DFlashDrafterConfig(Qwen3Config):
         if top_level_mask_token_id is not None:
             self.dflash_config.setdefault("mask_token_id", top_level_mask_token_id)
         self.target_name_or_path = target_name_or_path
+        kwargs.pop("model_type", None)  # the class's; a saved one (LEGACY_MODEL_TYPE too) must not shadow it
         kwargs.setdefault("architectures", ["DFlashDraftModel"])
         super().__init__(**kwargs)
+
+    @classmethod
+    def get_config_dict(cls, pretrained_model_name_or_path, **kwargs) -> tuple[dict, dict]:
+        config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
+        if config_dict.get("model_type") == LEGACY_MODEL_TYPE:
+            # A drafter saved before model_type became Qwen3's: the same fields, so no "wrong type" warning.
+            config_dict = {**config_dict, "model_type": cls.model_type}
+        return config_dict, kwargs
 
     @property
     def mask_token_id(self) -> int | None:

@@ -239,7 +239,8 @@ class AcceptanceEvaluation(L.Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         # A run stopped off schedule (max_time, a stopping callback) still gets its final weights measured;
         # Lightning allows no logging to the module here, so this one is in the files and loggers only.
-        if trainer.global_step > 0 and trainer.global_step != self.last_step:
+        # Not after a SIGTERM: the sender (a scheduler, a preemption) gives seconds, not an evaluation's minute.
+        if trainer.global_step > 0 and trainer.global_step != self.last_step and not trainer.received_sigterm:
             self._evaluate(trainer, pl_module, checkpointed=False)
 
     def state_dict(self) -> dict:

@@ -3,10 +3,12 @@
     config = hub_config(saved)                                  # the DFlash fields + auto_map + rope keys
     config = hub_config(saved, verifier_for(target, base_model))   # + vLLM's speculators fields
 
-`saved` is the config.json save_pretrained wrote for the drafter. The folder ships ddtree's model
-files as remote code (AutoModel.from_pretrained(folder, trust_remote_code=True) loads the drafter
-through auto_map), and config.json keeps every DFlash field the reference `dflash` package and
-ddtree read. With a verifier, it also carries the fields of vLLM's speculators format.
+`saved` is the config.json save_pretrained wrote for the drafter: model_type "qwen3", as in the
+published DFlash drafters, so transformers' AutoConfig, vLLM and SGLang read it without remote code
+(training/engines.py checks what the engines read). The folder also ships ddtree's model files as
+remote code (AutoModel.from_pretrained(folder, trust_remote_code=True) loads the drafter through
+auto_map), and config.json keeps every DFlash field the reference `dflash` package and ddtree read.
+With a verifier, it also carries the fields of vLLM's speculators format (and names no model_type).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The model card (README.md) of an exported drafter, built only from what the run folder recorded.
 
     evaluation = read_evaluation(run_dir, step)      # <run>/eval/step-000200.json, or None
-    card = render_model_card(CardFacts(...))         # Hub metadata + evaluation + recipe + usage
+    card = render_model_card(CardFacts(...))         # Hub metadata + evaluation + recipe + usage + serving
 
 Every number in the card is read, never typed: the acceptance table comes from the evaluation the
 training-time callback (training/callbacks.py, AcceptanceEvaluation) wrote for the exported
@@ -30,6 +30,8 @@ from huggingface_hub import ModelCardData
 
 from ddtree.bench import CHAIN, budget_of, tree_key
 from ddtree.errors import DDTreeError
+
+from .engines import SGLANG, VLLM, serve_commands
 
 TAGS = ["dflash", "ddtree", "speculative-decoding", "draft-model", "block-diffusion"]
 
@@ -117,6 +119,8 @@ class CardFacts:
     evaluation: dict | None  # read_evaluation(run_dir, step)
     other_evaluated_steps: list[int] = field(default_factory=list)
     speculators: bool = False  # the config also carries vLLM's speculators fields
+    engine_problems: list[str] = field(default_factory=list)  # engine rules it breaks (--allow-engine-mismatch)
+    engine_target: str = "the target's config.json"  # what the engine rules compared the drafter with
 
 
 def _format_tau(value: float) -> str:
@@ -223,7 +227,7 @@ def usage_section(facts: CardFacts) -> list[str]:
     cfg = facts.drafter_config
     target = facts.base_model or facts.target
     where = facts.repo or "path/to/this/folder"
-    lines = [
+    return [
         "## Usage",
         "",
         "The drafter owns no embedding and no LM head: it embeds its block with the target's input embedding "
@@ -251,22 +255,53 @@ def usage_section(facts: CardFacts) -> list[str]:
         "The reference `dflash` package (`dflash.DFlashDraftModel.from_pretrained`) loads the same folder.",
         "",
     ]
-    if facts.speculators:
-        spec = cfg["speculators_config"]
-        lines += [
-            "With vLLM (speculators format: `speculators_config` names the verifier and the number of "
-            "speculative tokens; the exporter checks the fields but cannot run vLLM):",
-            "",
-            "```bash",
-            f"vllm serve {where}",
-            "# or explicitly:",
-            f"vllm serve {spec['verifier']['name_or_path']} --speculative-config "
-            f"'{{\"method\": \"dflash\", \"model\": \"{where}\", "
-            f"\"num_speculative_tokens\": {spec['proposal_methods'][0]['speculative_tokens']}}}'",
-            "```",
-            "",
-        ]
-    return lines
+
+
+def serving_section(facts: CardFacts) -> list[str]:
+    """The vLLM and SGLang commands, and what tau each engine gives: the chain's, measured above."""
+    cfg = facts.drafter_config
+    block = cfg["block_size"]
+    where = facts.repo or "path/to/this/folder"
+    commands = serve_commands(cfg, facts.base_model or facts.target, where)
+    lines = ["## Serving with vLLM and SGLang", ""]
+    if facts.engine_problems:
+        lines += ["**Exported with `--allow-engine-mismatch`: an engine would reject this drafter.**", "",
+                  *[f"- {problem}" for problem in facts.engine_problems], ""]
+    else:
+        lines += ["This folder meets the rules vLLM and SGLang apply when they load a DFlash drafter (checked at "
+                  "export, from their source; not run here): `architectures: [\"DFlashDraftModel\"]`, "
+                  f"`model_type: {cfg.get('model_type', 'none (speculators format)')}`, the DFlash fields, the "
+                  f"weight names and shapes, the MASK id and the target's hidden size and layers (read from "
+                  f"{facts.engine_target}).", ""]
+    lines += [
+        f"Block size {block}: vLLM drafts `num_speculative_tokens` = {block - 1} tokens after the anchor; SGLang "
+        f"counts the anchor, `--speculative-num-draft-tokens` = {block}.",
+        "",
+        "```bash",
+        "# vLLM",
+        commands[VLLM],
+        *(["# vLLM, speculators format (config.json names the verifier)", f"vllm serve {where}"]
+          if facts.speculators else []),
+        "# SGLang",
+        commands[SGLANG],
+        "```",
+        "",
+        "Both engines verify the DFlash block as one chain: neither verifies a draft tree on its main branch "
+        "(open pull requests: vLLM #42910 for DDTree, SGLang #31069 and #36196 for tree verification of DFlash). "
+        "DDTree's extra acceptance comes from the `ddtree` decoder, or from those branches once merged.",
+        "",
+    ]
+    if facts.evaluation is None:
+        return lines + ["No acceptance was measured for this checkpoint, so the tau an engine gives is not known.", ""]
+    summary = facts.evaluation["summary"]
+    # The chain row is what an engine gives: the same greedy chain verification, measured by ddtree.
+    lines += ["| what serves it | verification | measured tau |", "|---|---|---:|",
+              f"| vLLM, SGLang, `ddtree --method dflash` | chain of {block - 1} drafted tokens "
+              f"| {_format_tau(summary[CHAIN]['tau'])} |"]
+    for budget in sorted(budget for budget in map(budget_of, summary) if budget is not None):
+        lines.append(f"| `ddtree --method ddtree --budget {budget}` | draft tree of {budget} nodes "
+                     f"| {_format_tau(summary[tree_key(budget)]['tau'])} |")
+    return lines + ["", "Same prompts and settings as the acceptance table above.", ""]
 
 
 def render_model_card(facts: CardFacts) -> str:
@@ -286,5 +321,5 @@ def render_model_card(facts: CardFacts) -> str:
         "",
     ]
     lines = ["---", metadata.strip(), "---", "", *intro, *evaluation_section(facts), *recipe_section(facts),
-             *usage_section(facts)]
+             *usage_section(facts), *serving_section(facts)]
     return "\n".join(lines)

@@ -1,34 +1,37 @@
 """Export a trained drafter as a Hugging Face Hub folder, ready for the serving engines, and push it.
 
     make export RUN=outputs/smollm2-135m/<run> OUT=exports/smollm2-drafter [CKPT=best|last|path]
-                [SPECULATORS=1] [OVERWRITE=1] [REPO=user/name PUSH=1]
+                [SPECULATORS=1] [OVERWRITE=1] [ALLOW_ENGINE_MISMATCH=1] [REPO=user/name PUSH=1]
     python -m training.publish outputs/smollm2-135m/<run> --out exports/smollm2-drafter --ckpt best \
-        [--speculators] [--overwrite] [--repo user/name --push [--private]]
+        [--speculators] [--overwrite] [--allow-engine-mismatch] [--repo user/name --push [--private]]
     python -m training.publish --push-only exports/smollm2-drafter --repo user/name   # push a finished export
 
 The output folder (one flat folder, as the Hub serves it):
     model.safetensors        the drafter's weights only (never the target's); LoRA merged in
-    config.json              the published DFlash fields (architectures, block_size, num_target_layers,
-                             dflash_config.{mask_token_id,target_layer_ids}), the target it was trained
-                             for, auto_map -> the two files below; with --speculators also vLLM's
-                             speculators fields (speculators_config with the verifier and the number of
-                             speculative tokens)
+    config.json              model_type "qwen3" and the published DFlash fields (architectures,
+                             block_size, num_target_layers, dflash_config.{mask_token_id,target_layer_ids}),
+                             as the published DFlash drafters: AutoConfig, vLLM and SGLang read it without
+                             remote code; the target it was trained for, auto_map -> the two files below;
+                             with --speculators also vLLM's speculators fields (speculators_config with the
+                             verifier and the number of speculative tokens)
     configuration_dflash.py  ddtree's model files, copied as remote code:
     modeling_dflash.py       AutoModel.from_pretrained(folder, trust_remote_code=True) loads the drafter
     README.md                model card: Hub metadata, the acceptance measured for this checkpoint during
-                             training (read from <run>/eval/), the recipe and data, usage
+                             training (read from <run>/eval/), the recipe and data, usage, and the vLLM
+                             and SGLang commands with the chain tau those engines give
 
 Checkpoints: `best` is checkpoints/best.ckpt (the step with the highest measured tau), `last` is
 checkpoints/last.ckpt, anything else a path (a .ckpt file or a DeepSpeed checkpoint folder, which is
 consolidated to fp32 first). Bad input (a non-empty OUT without --overwrite, a checkpoint that is not
-a drafter of this project, an invalid repo name, no token or no network for --push) stops with one
-line (exit status 2) before anything is written. The folder is built beside OUT and renamed into
-place after it has been loaded back and checked, so a failure leaves nothing half-written; a failed
-push leaves the exported folder intact for --push-only.
+a drafter of this project, an invalid repo name, no token or no network for --push, a drafter that vLLM
+or SGLang would reject: training/engines.py) stops with one line (exit status 2) before anything is
+written; --allow-engine-mismatch exports a drafter the engines would reject anyway, and says so. The
+folder is built beside OUT and renamed into place after it has been loaded back and checked, so a
+failure leaves nothing half-written; a failed push leaves the exported folder intact for --push-only.
 
 This file is the command and the folder's assembly; training/checkpoints.py finds and reads the
-checkpoint, training/hub_config.py writes config.json, training/hub.py talks to the Hub and
-training/model_card.py writes README.md.
+checkpoint, training/hub_config.py writes config.json, training/engines.py holds the engines' rules
+and commands, training/hub.py talks to the Hub and training/model_card.py writes README.md.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from ddtree.modeling_dflash import DFlashDraftModel
 from ddtree.targets import DTYPES, parse_dtype
 
 from .checkpoints import find_run_checkpoint, load_checkpoint
+from .engines import Export, engine_problems, refusal, serve_commands, target_facts, weight_shapes
 from .hub import check_export_folder, check_repo_id, preflight_hub, push
 from .hub_config import LIBRARY_DIR, REMOTE_CODE, hub_config, target_hub_id, verifier_for
 from .model_card import CardFacts, evaluated_steps, read_evaluation, read_run_config, render_model_card
@@ -80,6 +84,7 @@ def check_loads_back(folder: Path, drafter: DFlashDraftModel) -> None:
 def export_folder(
     run_dir: Path, ckpt: str, out: Path, *, speculators: bool = False, base_model: str | None = None,
     license_id: str = "apache-2.0", dtype: str = "float32", repo: str | None = None,
+    allow_engine_mismatch: bool = False,
 ) -> Path:
     """Write the Hub folder for one checkpoint of a run to `out` (replacing it); return `out`."""
     path, label = find_run_checkpoint(run_dir, ckpt)
@@ -97,15 +102,26 @@ def export_folder(
         (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         for name in REMOTE_CODE:
             shutil.copyfile(LIBRARY_DIR / name, staging / name)
+        served_target = target_facts(target, config)
+        problems = engine_problems(Export(config, weight_shapes(staging / "model.safetensors"), served_target))
+        if problems and not allow_engine_mismatch:
+            raise DDTreeError(refusal(problems))
         facts = CardFacts(
             name=(repo or out.name).split("/")[-1], repo=repo, target=target, base_model=base_model,
             license=license_id, drafter_config=config, num_parameters=sum(p.numel() for p in drafter.parameters()),
             dtype=dtype, step=checkpoint.step, checkpoint=label, hyper_parameters=checkpoint.hyper_parameters,
             run_config=run_config, evaluation=evaluation, other_evaluated_steps=evaluated_steps(run_dir),
-            speculators=speculators,
+            speculators=speculators, engine_problems=[problem.line() for problem in problems],
+            engine_target=served_target.source,
         )
         (staging / "README.md").write_text(render_model_card(facts))
         check_loads_back(staging, drafter)
+    for problem in problems:
+        print(f"[export] warning (--allow-engine-mismatch): {problem.line()}", file=sys.stderr)
+    if served_target.hidden_size is None:
+        print(f"[export] note: the engine rules were checked against {served_target.source}", file=sys.stderr)
+    for engine, line in serve_commands(config, base_model or target, repo or str(out)).items():
+        print(f"[export] serve with {engine} (it verifies the chain): {line}")
     if evaluation is None:
         print(f"[export] note: step {checkpoint.step} has no evaluation in {run_dir / 'eval'}; the card says so",
               file=sys.stderr)
@@ -128,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--license", default="apache-2.0", help="card license; match the target's (e.g. llama3.1)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="dtype of the exported weights")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
+    parser.add_argument("--allow-engine-mismatch", action="store_true",
+                        help="export a drafter that vLLM or SGLang would reject (the card says which rule)")
     parser.add_argument("--repo", help="Hub repo id, user/name")
     parser.add_argument("--push", action="store_true", help="upload to --repo after exporting (token: HF_TOKEN)")
     parser.add_argument("--private", action="store_true", help="create the Hub repo private")
@@ -164,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     hub = preflight_hub(args.repo) if args.push else None
     export_folder(
         run_dir, args.ckpt, out, speculators=args.speculators, base_model=args.base_model,
-        license_id=args.license, dtype=args.dtype, repo=args.repo,
+        license_id=args.license, dtype=args.dtype, repo=args.repo, allow_engine_mismatch=args.allow_engine_mismatch,
     )
     print(f"[export] {out} written (load it with AutoModel.from_pretrained(..., trust_remote_code=True))")
     if hub is not None:

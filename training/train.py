@@ -191,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         finally:
             os.environ.pop(RUN_NAME_ENV, None)
+        if cli.trainer.received_sigterm:  # arrived where no loop raises (the final evaluation, say)
+            return stopped(run_dir, args.recipe, "stopped by SIGTERM", 128 + signal.SIGTERM, cli.trainer.global_step)
         if cli.trainer.interrupted:  # stopped by a callback or an exception Lightning swallowed
             return stopped(run_dir, args.recipe, "interrupted", 1, cli.trainer.global_step)
         drafter = drafter_for_export(cli.model, cli.trainer)  # every rank: DeepSpeed gathers the fp32 weights

@@ -30,6 +30,7 @@ from transformers import AutoModel
 
 import training.hub
 import training.publish as publish
+from ddtree.cli import load_drafter
 from ddtree.cli import main as ddtree_main
 from ddtree.configuration_dflash import DFlashDrafterConfig
 from ddtree.modeling_dflash import DFlashDraftModel, fuse_target_features
@@ -125,6 +126,7 @@ def test_export_loads_with_automodel_and_reference_dflash_with_the_checkpoints_l
 
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == 8
+    assert config["model_type"] == "qwen3"  # as the published drafters: engines read it without remote code
     assert config["num_target_layers"] == 6 and config["target_name_or_path"] == "tiny-random"
     assert config["dflash_config"]["target_layer_ids"] == [1, 3, 4] and set(config["dflash_config"]) == {
         "mask_token_id", "target_layer_ids"}
@@ -166,6 +168,48 @@ def test_bench_on_the_export_reproduces_the_evaluation_logged_for_that_checkpoin
     assert f"Measured at training step {step}" in card and "temperature 0" in card
     assert f"{logged['summary']['ddtree@4']['tau']:.3f} | {ranked:.3f}" in card
     assert "(checkpoints ranked by this)" in card and f"first {EVAL_PROMPTS} prompts" in card
+
+
+def test_card_gives_the_engine_commands_and_the_chain_tau_they_serve_beside_the_tree_taus(run_dir, tmp_path):
+    out = tmp_path / "export"
+    assert export(run_dir, out, "--ckpt", "last", "--repo", "tester/tiny-drafter") == 0
+    card = (out / "README.md").read_text()
+    serving = card[card.index("## Serving with vLLM and SGLang"):]
+    # the block size (8) filled in: vLLM drafts B - 1 tokens after the anchor, SGLang counts the anchor
+    assert ("vllm serve tiny-random --speculative-config "
+            '\'{"method": "dflash", "model": "tester/tiny-drafter", "num_speculative_tokens": 7}\'') in serving
+    assert ("python -m sglang.launch_server --model-path tiny-random --speculative-algorithm DFLASH "
+            "--speculative-draft-model-path tester/tiny-drafter --speculative-num-draft-tokens 8\n") in serving
+    assert "verify the DFlash block as one chain" in serving and "vLLM #42910" in serving
+    summary = read_evaluation(run_dir, 2)["summary"]
+    chain = summary["dflash"]["tau"]
+    assert f"| vLLM, SGLang, `ddtree --method dflash` | chain of 7 drafted tokens | {chain:.3f} |" in serving
+    for budget in EVAL_BUDGETS:
+        tau = summary[f"ddtree@{budget}"]["tau"]
+        assert f"| `ddtree --method ddtree --budget {budget}` | draft tree of {budget} nodes | {tau:.3f} |" in serving
+
+
+def test_drafters_saved_before_model_type_qwen3_still_load_and_export(run_dir, tmp_path, tiny_target, capfd):
+    """Exports and checkpoints written with model_type "dflash_drafter" load in ddtree as they did."""
+    target, tokenizer = tiny_target
+    drafter = drafter_from_checkpoint(run_dir / "checkpoints" / "last.ckpt").eval()
+    old = tmp_path / "old-export"
+    drafter.save_pretrained(old)
+    config = json.loads((old / "config.json").read_text())
+    (old / "config.json").write_text(json.dumps({**config, "model_type": "dflash_drafter"}))
+    capfd.readouterr()
+    loaded = load_drafter(str(old), target, tokenizer, "tiny-random")  # `ddtree bench --drafter old-export`
+    assert "to instantiate a model of type" not in capfd.readouterr().err  # no wrong-type warning either
+    assert loaded.config.model_type == "qwen3" and loaded.mask_token_id == drafter.mask_token_id
+    torch.testing.assert_close(block_logits(loaded, target, tokenizer), block_logits(drafter, target, tokenizer),
+                               rtol=0, atol=0)
+
+    checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
+    checkpoint["drafter_config"]["model_type"] = "dflash_drafter"
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    torch.save(checkpoint, tmp_path / "run" / "checkpoints" / "last.ckpt")
+    assert export(tmp_path / "run", tmp_path / "export", "--ckpt", "last") == 0
+    assert json.loads((tmp_path / "export" / "config.json").read_text())["model_type"] == "qwen3"
 
 
 def test_card_numbers_come_from_the_evaluation_of_the_exported_step(run_dir, tmp_path):
@@ -338,6 +382,8 @@ def test_speculators_export_loads_everywhere_or_is_refused_whole(run_dir, tmp_pa
     torch.testing.assert_close(block_logits(reference, target, tokenizer), expected, rtol=1e-5, atol=1e-5)
     card = (out / "README.md").read_text()
     assert "vllm serve" in card and '"num_speculative_tokens": 7' in card and "- speculators" in card
+    # no model_type transformers knows: SGLang reads this config.json through auto_map
+    assert "--speculative-num-draft-tokens 8 --trust-remote-code" in card
 
 
 # ----------------------------------------------------------------------------- pushing

@@ -1,0 +1,299 @@
+"""A fresh export against what vLLM and SGLang read (training/engines.py); `make export` refusing what they reject.
+
+    .venv/bin/pytest -q tests/training/test_engine_conformance.py
+
+No engine is imported (their GPU wheels do not install here). Each engine's rules, restated from its
+source in training/engines.py (every rule names its file), are applied to a fresh `make export` of an
+untrained tiny drafter (one checkpoint, no training), in the default and the speculators format; each
+rule is then shown to fail on a config or weights broken on purpose. The layer-id convention is
+checked against this project's own feature extraction and the engines' way of capturing hidden states.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, Qwen3Config
+
+import training.publish as publish
+from training.engines import (
+    RULES, SGLANG, VLLM, Export, TargetFacts, engine_problems, expected_weights, read_export, sglang_value,
+    target_facts, vllm_layer_config, vllm_mask_token_id, vllm_target_layer_ids, weight_shapes,
+)
+from training.module import DistillModule
+from training.target import target_layer_features
+
+BLOCK_SIZE = 8
+LAYER_IDS = [1, 3, 4]  # of the tiny target's 6 layers; 4 + 1 is the deepest layer vLLM can tap
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    """A run folder holding one checkpoint of an untrained tiny drafter, as training saves it."""
+    root = tmp_path_factory.mktemp("conformance") / "run"
+    torch.manual_seed(0)
+    module = DistillModule(target="tiny-random", num_layers=2, block_size=BLOCK_SIZE, target_layer_ids=LAYER_IDS,
+                           target_dtype="float32")
+    module.configure_model()
+    checkpoint = {"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams), "global_step": 3}
+    module.on_save_checkpoint(checkpoint)
+    (root / "checkpoints").mkdir(parents=True)
+    torch.save(checkpoint, root / "checkpoints" / "last.ckpt")
+    return root
+
+
+@pytest.fixture(scope="module")
+def exports(run, tmp_path_factory) -> dict[str, Path]:
+    """`make export` of that checkpoint: the default folder and the --speculators one."""
+    root = tmp_path_factory.mktemp("exports")
+    folders = {"default": root / "default", "speculators": root / "speculators"}
+    assert publish.main([str(run), "--out", str(folders["default"]), "--ckpt", "last"]) == 0
+    assert publish.main([str(run), "--out", str(folders["speculators"]), "--ckpt", "last", "--speculators"]) == 0
+    return folders
+
+
+def fresh(folder: Path) -> Export:
+    return read_export(folder, target_facts("tiny-random", json.loads((folder / "config.json").read_text())))
+
+
+def failing(export: Export) -> set[tuple[str, str]]:
+    return {(problem.rule.engine, problem.rule.field) for problem in engine_problems(export)}
+
+
+# ----------------------------------------------------------------------------- a fresh export meets both engines
+
+
+@pytest.mark.parametrize("variant", ["default", "speculators"])
+def test_a_fresh_export_breaks_no_rule_of_either_engine(exports, variant):
+    assert engine_problems(fresh(exports[variant])) == []
+
+
+def test_the_default_export_reads_as_qwen3_without_remote_code_as_the_published_drafters(exports):
+    # vLLM and SGLang read the draft config with AutoConfig; the published DFlash drafters set model_type qwen3.
+    config = AutoConfig.from_pretrained(exports["default"])  # no trust_remote_code
+    assert type(config) is Qwen3Config
+    assert config.architectures == ["DFlashDraftModel"] and config.block_size == BLOCK_SIZE
+    assert config.dflash_config["target_layer_ids"] == LAYER_IDS
+    assert isinstance(config.dflash_config["mask_token_id"], int)
+    assert config.layer_types == ["full_attention"] * config.num_hidden_layers  # non-causal in both engines
+
+
+def test_vllm_reads_what_the_drafter_was_trained_with(exports, tiny_target):
+    target, _ = tiny_target
+    export = fresh(exports["default"])
+    config, layer = export.config, vllm_layer_config(export.config)
+    hidden = target.config.hidden_size
+    assert config["model_type"] == "qwen3" and "DFlashDraftModel" in config["architectures"]
+    assert vllm_target_layer_ids(config) == LAYER_IDS and 0 <= vllm_mask_token_id(config) < target.config.vocab_size
+    assert layer["hidden_size"] == hidden and layer["head_dim"] == target.config.head_dim
+    # the fc input is len(ids) x (target_hidden_size or hidden_size); weight names carry no prefix
+    assert export.weights["fc.weight"] == (hidden, len(LAYER_IDS) * hidden)
+    assert not any(name.startswith("model.") or "embed_tokens" in name or "lm_head" in name for name in export.weights)
+    assert set(export.weights) == set(expected_weights(layer, len(LAYER_IDS) * hidden))
+
+    speculators = fresh(exports["speculators"]).config  # vLLM's speculators reader: aux ids are ids + 1
+    assert "model_type" not in speculators and speculators["speculators_model_type"] == "dflash"
+    assert speculators["aux_hidden_state_layer_ids"] == [k + 1 for k in LAYER_IDS]
+    assert vllm_target_layer_ids(speculators) == LAYER_IDS
+    assert vllm_mask_token_id(speculators) == vllm_mask_token_id(config)
+
+
+def test_sglang_reads_what_the_drafter_was_trained_with(exports, tiny_target):
+    target, _ = tiny_target
+    config = fresh(exports["default"]).config
+    assert sglang_value(config, "block_size") == BLOCK_SIZE and sglang_value(config, "target_layer_ids") == LAYER_IDS
+    assert 0 <= sglang_value(config, "mask_token_id") < target.config.vocab_size
+    assert config["num_hidden_layers"] == 2 and config["intermediate_size"] > 0 and config["hidden_act"] == "silu"
+    assert config["hidden_size"] == target.config.hidden_size  # fc: len(ids) * hidden_size -> hidden_size
+
+
+def test_layer_k_is_hidden_states_k_plus_1_as_the_engines_capture_it(exports, tiny_target):
+    """Id k is the output of layer k: this project's features are hidden_states[k + 1], and the engines,
+    which capture the residual stream ENTERING a layer, capture it entering layer k + 1."""
+    target, tokenizer = tiny_target
+    ids = torch.tensor([tokenizer("def add(a, b):\n    return a + b\n", add_special_tokens=False)["input_ids"]])
+    config = fresh(exports["default"]).config
+    layer_ids = config["dflash_config"]["target_layer_ids"]
+    hidden = target.config.hidden_size
+
+    features = target_layer_features(target, ids, layer_ids)  # (1, T, K*H), as training reads the target
+    with torch.no_grad():
+        states = target(ids, output_hidden_states=True).hidden_states
+    for i, k in enumerate(layer_ids):
+        torch.testing.assert_close(features[..., i * hidden:(i + 1) * hidden], states[k + 1], rtol=0, atol=0)
+
+    # The engines' capture, as vLLM's decoder loop does it: the hidden state entering layer `aux`.
+    captured: dict[int, torch.Tensor] = {}
+
+    def entering(aux: int):
+        def hook(module, args, kwargs):
+            captured[aux] = args[0] if args else kwargs["hidden_states"]
+        return hook
+
+    for aux_ids in ([k + 1 for k in layer_ids], fresh(exports["speculators"]).config["aux_hidden_state_layer_ids"]):
+        captured.clear()
+        assert max(aux_ids) < target.config.num_hidden_layers  # layer k + 1 exists for every id
+        layers = target.model.layers
+        handles = [layers[aux].register_forward_pre_hook(entering(aux), with_kwargs=True) for aux in aux_ids]
+        try:
+            with torch.no_grad():
+                target(ids)
+        finally:
+            for handle in handles:
+                handle.remove()
+        torch.testing.assert_close(torch.cat([captured[aux] for aux in aux_ids], dim=-1), features, rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------- every rule can fail
+
+
+def _config(change):
+    def breaking(export: Export) -> Export:
+        config = copy.deepcopy(export.config)
+        change(config)
+        return Export(config, dict(export.weights), export.target)
+    return breaking
+
+
+def _weights(change):
+    def breaking(export: Export) -> Export:
+        weights = dict(export.weights)
+        change(weights)
+        return Export(copy.deepcopy(export.config), weights, export.target)
+    return breaking
+
+
+def _target(**changes):
+    def breaking(export: Export) -> Export:
+        facts = {**export.target.__dict__, **changes}
+        return Export(copy.deepcopy(export.config), dict(export.weights), TargetFacts(**facts))
+    return breaking
+
+
+def _set(**values):
+    return lambda config: config.update(values)
+
+
+def _delete(*keys):
+    return lambda config: [config.pop(key) for key in keys]
+
+
+def _dflash(**values):
+    return lambda config: config["dflash_config"].update(values)
+
+
+# (name, variant, breakage, the (engine, rule) pairs that must fail, no more)
+BREAKAGES = [
+    ("another architecture", "default", _config(_set(architectures=["Qwen3ForCausalLM"])),
+     {(VLLM, "architectures"), (SGLANG, "architectures")}),
+    ("the old model_type", "default", _config(_set(model_type="dflash_drafter")), {(VLLM, "model_type")}),
+    ("a model_type in the speculators format", "speculators", _config(_set(model_type="qwen3")),
+     {(VLLM, "model_type")}),
+    ("no mask id", "default", _config(lambda c: c["dflash_config"].pop("mask_token_id")),
+     {(VLLM, "mask_token_id"), (SGLANG, "mask_token_id")}),
+    ("a mask id past the target's vocabulary", "default", _config(_dflash(mask_token_id=49152)),
+     {(VLLM, "mask_token_id"), (SGLANG, "mask_token_id")}),
+    ("the last layer's output, which vLLM cannot tap", "default", _config(_dflash(target_layer_ids=[1, 3, 5])),
+     {(VLLM, "target_layer_ids")}),
+    ("a layer the target lacks", "default", _config(_dflash(target_layer_ids=[1, 3, 6])),
+     {(VLLM, "target_layer_ids"), (SGLANG, "target_layer_ids")}),
+    ("aux ids that disagree with dflash_config", "speculators", _config(_set(aux_hidden_state_layer_ids=[1, 3, 5])),
+     {(VLLM, "target_layer_ids")}),
+    ("no head_dim", "default", _config(_delete("head_dim")), {(VLLM, "Qwen3 fields")}),
+    ("no rope theta", "default", _config(_delete("rope_parameters", "rope_theta", "rope_scaling")),
+     {(VLLM, "Qwen3 fields")}),
+    ("no layer count", "default", _config(_delete("num_hidden_layers", "layer_types")),
+     {(VLLM, "Qwen3 fields"), (SGLANG, "num_hidden_layers")}),
+    ("gelu", "default", _config(_set(hidden_act="gelu")), {(VLLM, "hidden_act"), (SGLANG, "hidden_act")}),
+    ("a sliding-window layer", "default", _config(_set(layer_types=["full_attention", "sliding_attention"])),
+     {(VLLM, "layer_types"), (SGLANG, "layer_types")}),
+    ("a target of another width", "default", _target(hidden_size=128),
+     {(VLLM, "hidden_size"), (SGLANG, "hidden_size")}),
+    ("a vocabulary that is not the target's", "default", _config(_set(vocab_size=1000)), {(VLLM, "vocab_size")}),
+    ("no block size", "default", _config(_delete("block_size")), {(SGLANG, "block_size")}),
+    ("no MLP width", "default", _config(_set(intermediate_size=0)),
+     {(SGLANG, "intermediate_size"), (VLLM, "weights"), (SGLANG, "weights")}),
+    ("a prefixed weight name", "default", _weights(lambda w: w.update({"model.norm.weight": w["norm.weight"]})),
+     {(VLLM, "weights")}),  # SGLang drops the names it does not know
+    ("a missing weight", "default", _weights(lambda w: w.pop("layers.1.mlp.down_proj.weight")),
+     {(VLLM, "weights"), (SGLANG, "weights")}),
+    ("an fc of the wrong width", "default", _weights(lambda w: w.update({"fc.weight": (64, 128)})),
+     {(VLLM, "weights"), (SGLANG, "weights")}),
+]
+
+
+@pytest.mark.parametrize("name, variant, breaking, expected", BREAKAGES, ids=[b[0] for b in BREAKAGES])
+def test_a_broken_export_fails_exactly_the_rules_it_breaks(exports, name, variant, breaking, expected):
+    assert failing(breaking(fresh(exports[variant]))) == expected
+
+
+def test_every_rule_of_each_engine_can_fail():
+    broken = set().union(*(expected for *_, expected in BREAKAGES))
+    assert {(rule.engine, rule.field) for rule in RULES} == broken
+    assert all(rule.source.startswith(("vllm/", "python/sglang/")) for rule in RULES)  # each names its engine file
+
+
+# ----------------------------------------------------------------------------- make export refuses what an engine would
+
+
+def tampered_run(run: Path, tmp_path: Path, change) -> Path:
+    """A copy of the run whose checkpoint's drafter config went through `change`."""
+    checkpoint = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
+    change(checkpoint["drafter_config"])
+    copy_of_run = tmp_path / "run"
+    (copy_of_run / "checkpoints").mkdir(parents=True)
+    torch.save(checkpoint, copy_of_run / "checkpoints" / "last.ckpt")
+    return copy_of_run
+
+
+def one_error_line(capsys) -> str:
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(err) == 1, err
+    return err[0]
+
+
+def test_an_export_for_a_target_of_another_width_is_refused_unless_allowed(run, tmp_path, capsys):
+    wider = tmp_path / "wider-target"
+    wider.mkdir()
+    (wider / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 128, "num_hidden_layers": 6,
+                                                   "vocab_size": 49152}))
+    tampered = tampered_run(run, tmp_path, lambda config: config.update(target_name_or_path=str(wider)))
+    out = tmp_path / "export"
+    assert publish.main([str(tampered), "--out", str(out), "--ckpt", "last"]) == 2
+    line = one_error_line(capsys)
+    assert line.startswith("error: vLLM would reject this drafter: hidden_size 64 != the target's 128")
+    assert "SGLang hidden_size" in line and "--allow-engine-mismatch" in line and "ALLOW_ENGINE_MISMATCH=1" in line
+    assert not out.exists() and not any(p.name.startswith(".export") for p in tmp_path.iterdir())
+
+    assert publish.main([str(tampered), "--out", str(out), "--ckpt", "last", "--allow-engine-mismatch"]) == 0
+    assert "warning (--allow-engine-mismatch): SGLang would reject" in capsys.readouterr().err
+    card = (out / "README.md").read_text()
+    assert "an engine would reject this drafter" in card and "hidden_size 64 != the target's 128" in card
+
+
+def test_an_export_with_a_mask_id_outside_the_targets_vocabulary_is_refused(run, tmp_path, capsys):
+    tampered = tampered_run(run, tmp_path, lambda config: config["dflash_config"].update(mask_token_id=10**6))
+    assert publish.main([str(tampered), "--out", str(tmp_path / "export"), "--ckpt", "last"]) == 2
+    line = one_error_line(capsys)
+    assert line.startswith("error: vLLM would reject this drafter: mask_token_id 1000000 is not a token")
+    assert "SGLang mask_token_id" in line and not (tmp_path / "export").exists()
+
+
+def test_a_target_that_cannot_be_read_is_stood_in_for_by_the_drafters_record(run, tmp_path, capsys):
+    unreadable = tmp_path / "moved-target"
+    unreadable.mkdir()  # a folder without config.json: the target the run named is gone
+    tampered = tampered_run(run, tmp_path, lambda config: config.update(target_name_or_path=str(unreadable)))
+    assert publish.main([str(tampered), "--out", str(tmp_path / "export"), "--ckpt", "last"]) == 0
+    assert "engine rules were checked against the drafter's own record" in capsys.readouterr().err
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    facts = target_facts(str(unreadable), config)
+    assert (facts.hidden_size, facts.num_hidden_layers, facts.vocab_size) == (None, 6, config["vocab_size"])
+    assert "the target's hidden size is not checked" in (tmp_path / "export" / "README.md").read_text()
+    # the rules that need only what the drafter recorded still apply
+    broken = Export({**config, "dflash_config": {**config["dflash_config"], "target_layer_ids": [1, 3, 6]}},
+                    weight_shapes(tmp_path / "export" / "model.safetensors"), facts)
+    assert failing(broken) == {(VLLM, "target_layer_ids"), (SGLANG, "target_layer_ids")}

@@ -32,22 +32,42 @@ from .errors import DDTreeError
 
 
 def iter_json_lines(path: Path):
-    """Yield (line number, "file:line", object) for each non-blank line of a JSONL file; errors name the line."""
-    with Path(path).open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
+    """Yield (line number, "file:line", object) for each non-blank line of a UTF-8 JSONL file; errors name the line.
+
+    Lines are decoded one by one, so a file in another encoding (latin-1, UTF-16) is reported at
+    the line and byte where it stops being UTF-8. A leading UTF-8 byte-order mark is allowed.
+    """
+    with Path(path).open("rb") as lines:
+        offset = 0  # bytes before this line
+        for number, raw in enumerate(lines, start=1):
+            where = f"{path}:{number}"
+            try:
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8").rstrip("\r\n")
+            except UnicodeDecodeError as error:
+                raise DDTreeError(f"{where}: not UTF-8 (byte 0x{raw[error.start]:02x} at byte offset {offset + error.start} "
+                                  "of the file); save it as UTF-8 JSONL, one JSON object per line") from None
+            offset += len(raw)
             if not line.strip():
                 continue
-            where = f"{path}:{number}"
             try:
                 yield number, where, json.loads(line)
             except json.JSONDecodeError as error:
-                raise DDTreeError(f"{where}: not valid JSON ({error.msg} at column {error.colno}); "
+                raise DDTreeError(f"{where}: not valid JSON ({json_problem(line, error)}); "
                                   "each line must be one JSON object") from None
 
 
+def json_problem(line: str, error: json.JSONDecodeError) -> str:
+    """What is wrong with one line of JSONL, in words: where json stopped, or that the line ends too early."""
+    if error.pos >= len(line.rstrip()) or error.msg.startswith("Unterminated string"):
+        return "the line ends before the JSON object is complete: was it cut off?"
+    return f"{error.msg.removesuffix(' at')} at column {error.colno}"  # some of json's messages end in "at"
+
+
 def load_prompts(path: str | Path, tokenizer: PreTrainedTokenizerBase, limit: int | None = None) -> list[dict]:
-    """Read and tokenize a prompts file. Returns [{"id", "prompt_ids"}]; errors name file and line."""
+    """Read and tokenize a prompts file (the first `limit` prompts, or all). Returns [{"id", "prompt_ids"}]; errors name file and line."""
     path = Path(path)
+    if limit is not None and limit < 1:
+        raise DDTreeError(f"limit {limit} must be at least 1, or None for every prompt")
     if not path.is_file():
         raise DDTreeError(f"prompts file {path} does not exist")
     prompts = []

@@ -5,8 +5,10 @@
         --methods ar,dflash,ddtree --budgets 16,32,64 --max-new-tokens 128 --out results.json
 
 `--drafter random` builds an untrained drafter for the target (smoke tests); otherwise it is a
-drafter folder (config.json + safetensors, the published DFlash format). Bad input prints one
-line, `error: ...`, and exits with status 2 (ddtree/errors.py).
+drafter folder (config.json + safetensors, the published DFlash format), checked against the target
+and its own weights before it loads. `--dtype auto` (the default) runs the target in bf16 where this
+machine computes it natively, else float32 (ddtree/precision.py), and says which on stderr. Bad input
+prints one line, `error: ...`, and exits with status 2 (ddtree/errors.py).
 """
 
 from __future__ import annotations
@@ -19,12 +21,13 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .bench import format_summary, load_prompts, measure_verify_cost, run_benchmark
-from .configuration_dflash import DFlashDrafterConfig
+from .drafters import load_drafter_folder
 from .decoding import METHODS, DrafterRunner, Sampling, generate
 from .errors import DDTreeError, command
 from .files import write_json_atomic
 from .modeling_dflash import DFlashDraftModel
-from .targets import DTYPES, build_drafter_config, check_drafter_fits, load_target, stop_token_ids
+from .precision import AUTO, resolve_dtype
+from .targets import build_drafter_config, load_target, stop_token_ids
 
 
 def load_drafter(
@@ -35,16 +38,11 @@ def load_drafter(
         torch.manual_seed(seed)
         drafter = DFlashDraftModel(build_drafter_config(target, tokenizer, target_name))
         return drafter.to(device=target.device, dtype=target.dtype).eval()
-    folder = Path(spec)
-    if not (folder / "config.json").is_file():
-        raise DDTreeError(f"drafter {spec!r} is neither 'random' nor a folder with a config.json")
-    try:
-        config = DFlashDrafterConfig.from_pretrained(folder)
-    except (OSError, ValueError, TypeError) as error:
-        raise DDTreeError(f"drafter {folder}/config.json could not be read: {str(error).splitlines()[0]}") from None
-    check_drafter_fits(config, target, str(folder))
-    drafter = DFlashDraftModel.from_pretrained(folder, config=config, dtype=target.dtype)
+    drafter = load_drafter_folder(Path(spec), target.dtype, target=target)
     return drafter.to(target.device).eval()
+
+
+DTYPE_HELP = "auto (bf16 where this machine computes it natively, else float32), float32, bfloat16 or float16"
 
 
 def _int_list(text: str) -> list[int]:
@@ -60,7 +58,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--dtype", default=AUTO, help=DTYPE_HELP)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
@@ -82,17 +80,39 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompts", required=True, help="JSONL of {prompt} or {messages} objects")
     bench.add_argument("--methods", default="ar,dflash,ddtree")
     bench.add_argument("--budgets", type=_int_list, default=[16, 32, 64])
-    bench.add_argument("--limit", type=int, default=None, help="use the first N prompts")
+    bench.add_argument("--limit", type=int, default=None, help="use the first N prompts (default: all)")
     bench.add_argument("--out", default=None, help="write results JSON here")
 
     cost = commands.add_parser("verify-cost", help="time tree verification vs one AR step (a benchmark)")
     cost.add_argument("--target", default="smollm2-135m")
-    cost.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    cost.add_argument("--dtype", default=AUTO, help=DTYPE_HELP)
     cost.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     cost.add_argument("--sizes", type=_int_list, default=[16, 32, 64, 128])
     cost.add_argument("--context", type=int, default=300, help="tokens already in the KV cache")
     cost.add_argument("--repeats", type=int, default=7)
     return parser
+
+
+def parse_device(name: str, where: str = "--device") -> torch.device:
+    """A torch device by name, one that exists on this machine; `where` names the flag in the error."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise DDTreeError(f"{where} {name!r} is not a device name; give cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise DDTreeError(f"{where} {name}: this machine has no CUDA GPU that torch can use; give {where} cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise DDTreeError(f"{where} {name}: this machine has {torch.cuda.device_count()} CUDA GPU(s), numbered from 0")
+    return device
+
+
+def _load_target(args):
+    """The target in --dtype on --device; `auto` resolved for this machine, with the reason printed to stderr."""
+    parse_device(args.device)
+    dtype, reason = resolve_dtype(args.dtype, args.device, "--dtype")
+    if reason:
+        print(reason, file=sys.stderr)
+    return load_target(args.target, dtype, args.device)
 
 
 def _setup(args):
@@ -102,7 +122,9 @@ def _setup(args):
     for budget in getattr(args, "budgets", None) or [getattr(args, "budget", 1)]:
         if budget < 1:
             raise DDTreeError(f"budget {budget} must be at least 1")
-    target, tokenizer = load_target(args.target, DTYPES[args.dtype], args.device)
+    if getattr(args, "limit", None) is not None and args.limit < 1:
+        raise DDTreeError(f"--limit {args.limit} must be at least 1; omit it to use every prompt")
+    target, tokenizer = _load_target(args)
     return sampling, target, tokenizer
 
 
@@ -143,6 +165,7 @@ def cmd_bench(args) -> None:
         stop_token_ids(target, tokenizer), sampling, seed=args.seed,
     )
     settings = {k: v for k, v in vars(args).items() if k != "func"}
+    settings["dtype_resolved"] = str(target.dtype).removeprefix("torch.")  # what `dtype` (maybe "auto") ran as
     results = {"settings": settings, **results}
     print(format_summary(results["summary"]))
     if args.out:
@@ -151,9 +174,10 @@ def cmd_bench(args) -> None:
 
 
 def cmd_verify_cost(args) -> None:
-    target, _ = load_target(args.target, DTYPES[args.dtype], args.device)
+    target, _ = _load_target(args)
     rows = measure_verify_cost(target, args.sizes, args.context, args.repeats)
-    print(f"target {args.target}, {args.dtype}, {args.context}-token cache; one AR step {rows[0]['ar_step_ms']:.1f} ms")
+    dtype = str(target.dtype).removeprefix("torch.")
+    print(f"target {args.target}, {dtype}, {args.context}-token cache; one AR step {rows[0]['ar_step_ms']:.1f} ms")
     print(f"{'nodes':>6} {'verify ms':>10} {'x AR step':>10} {'tree overhead ms':>17}")
     for row in rows:
         print(f"{row['nodes']:>6} {row['verify_ms']:>10.1f} {row['ratio']:>10.2f} {row['overhead_ms']:>17.2f}")

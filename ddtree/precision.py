@@ -95,9 +95,12 @@ def fast_precision(device: str | torch.device = "cpu", measure: Callable[[], dic
 
 def resolve_dtype(name: str, device: str | torch.device = "cpu", where: str = "--dtype") -> tuple[torch.dtype, str | None]:
     """A dtype by name, or the fast one for "auto"; returns (dtype, the one-line reason when it was chosen)."""
-    from .targets import parse_dtype
+    from .errors import DDTreeError
+    from .targets import DTYPES
 
     if name == AUTO:
         choice = fast_precision(device)
         return choice.dtype, f"{where} auto -> {choice.name}: {choice.reason}"
-    return parse_dtype(name, where), None
+    if str(name).removeprefix("torch.") not in DTYPES:
+        raise DDTreeError(f"{where}={name!r}: choose auto or one of {', '.join(DTYPES)}")
+    return DTYPES[str(name).removeprefix("torch.")], None

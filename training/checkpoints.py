@@ -8,7 +8,7 @@
 A checkpoint is a Lightning .ckpt file written by training/train.py (drafter, optimizer, loop and
 data state, the drafter config; never the target), or, under a DeepSpeed strategy, a folder of
 per-rank shards under the same name (it holds a `latest` tag file). A run folder holds
-checkpoints/{step-step=N,last,best}.ckpt (best.ckpt links to the step with the highest measured
+checkpoints/{step-N,last,best}.ckpt (best.ckpt links to the step with the highest measured
 tau), hpc_ckpt_N.ckpt after a SLURM requeue signal, and the config.yaml the run was trained with.
 
 `load_checkpoint` reads a checkpoint once (a DeepSpeed folder is consolidated to fp32 weights
@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import io
 import tempfile
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +42,21 @@ def is_deepspeed_checkpoint(path: Path) -> bool:
 def is_checkpoint(path: Path) -> bool:
     """A .ckpt file or a DeepSpeed checkpoint folder (through a best.ckpt link too)."""
     return path.is_file() or is_deepspeed_checkpoint(path)
+
+
+def is_readable(checkpoint: Path) -> bool:
+    """A .ckpt file whose zip directory reads (a DeepSpeed folder is left to DeepSpeed to judge).
+
+    torch.save writes a zip archive with its directory at the very end, so a file cut off mid-write
+    or mid-copy fails here in milliseconds, before a Lightning resume would load it.
+    """
+    if checkpoint.is_dir():
+        return True
+    try:
+        with zipfile.ZipFile(checkpoint) as archive:
+            return bool(archive.namelist())
+    except (zipfile.BadZipFile, OSError):
+        return False
 
 
 def saved_at(checkpoint: Path) -> float:
@@ -82,7 +98,7 @@ def find_run_checkpoint(run_dir: Path, spec: str) -> tuple[Path, str]:
     """CKPT for `make export`: best | last | a path (absolute, relative to here or to <run>/checkpoints).
 
     Returns the resolved path and a label saying how it was chosen, for the model card
-    ("best -> step-step=200.ckpt").
+    ("best -> step-200.ckpt").
     """
     checkpoints = run_dir / "checkpoints"
     if spec in ("best", "last"):
@@ -107,11 +123,18 @@ def newest_checkpoint(run_dir: Path) -> Path:
     return max(saved, key=saved_at)
 
 
+def run_checkpoints(run_dir: Path) -> list[Path]:
+    """Every checkpoint of a run, newest first: checkpoints/*.ckpt (best.ckpt, a link, counted once) and hpc_ckpt_N.ckpt."""
+    found = [*(run_dir / "checkpoints").glob("*.ckpt"), *run_dir.glob("hpc_ckpt_*.ckpt")]
+    return sorted((p for p in found if is_checkpoint(p) and not p.is_symlink()), key=saved_at, reverse=True)
+
+
 def find_resume(resume: str, recipe_root: Path) -> tuple[Path, Path]:
     """(checkpoint, run folder) for --resume: 'last' = newest run of this recipe with a last.ckpt.
 
     Also a run folder (its newest checkpoint) or a checkpoint path: a .ckpt file, or the folder a
-    DeepSpeed strategy writes under that name.
+    DeepSpeed strategy writes under that name. A .ckpt file that cannot be read (cut off when the
+    run was killed or the disk filled) is refused here, naming the run's readable checkpoints.
     """
     if resume == "last":
         run = newest_run(recipe_root, "last.ckpt")
@@ -128,6 +151,11 @@ def find_resume(resume: str, recipe_root: Path) -> tuple[Path, Path]:
     if run_dir is None:
         raise DDTreeError(f"--resume {resume}: {checkpoint.resolve().parent.parent}/config.yaml is missing, "
                           "so the run cannot be resumed exactly")
+    if not is_readable(checkpoint):
+        others = [str(p) for p in run_checkpoints(run_dir) if p.resolve() != checkpoint.resolve() and is_readable(p)]
+        fix = (f"resume from an earlier one: {', '.join(others)}" if others
+               else f"the run {run_dir} has no other readable checkpoint; start it again")
+        raise DDTreeError(f"--resume {resume}: checkpoint {checkpoint} is unreadable (truncated?); {fix}")
     return checkpoint, run_dir
 
 

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Callable
 
 from huggingface_hub import hf_hub_download
-from safetensors import safe_open
 
+from ddtree.drafters import weight_shapes as folder_weight_shapes
 from ddtree.errors import DDTreeError, error_line
 from ddtree.targets import resolve_target
 
@@ -70,15 +70,15 @@ class Problem:
 # ----------------------------------------------------------------------------- reading a folder and its target
 
 
-def weight_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    with safe_open(str(path), "pt") as weights:
-        return {name: tuple(weights.get_slice(name).get_shape()) for name in weights.keys()}
+def weight_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of a drafter folder's weights, from the safetensors headers (ddtree.drafters reads them)."""
+    return {name: tuple(shape) for name, (shape, _) in folder_weight_shapes(Path(folder)).items()}
 
 
 def read_export(folder: Path, target: TargetFacts) -> Export:
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text())
-    return Export(config, weight_shapes(folder / "model.safetensors"), target)
+    return Export(config, weight_shapes(folder), target)
 
 
 def target_facts(target: str | None, drafter_config: dict) -> TargetFacts:

@@ -25,6 +25,7 @@ import torch
 import yaml
 
 from ddtree.bench import budget_of
+from ddtree.cli import parse_device
 from ddtree.errors import DDTreeError, command
 from ddtree.files import write_json_atomic
 from ddtree.targets import stop_token_ids
@@ -66,10 +67,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="results JSON (default: <run>/eval/checkpoint-<name>.json)")
     args = parser.parse_args(argv)
     check_recipe_name(args.recipe)
+    parse_device(args.device)
     path = find_checkpoint(args.ckpt, Path(args.output_root) / args.recipe)
     config, source = read_config(path, args.recipe)
     settings = dict(config.get("eval") or {})
     if args.limit is not None:
+        if args.limit < 1:  # checked here: AcceptanceEvaluation's error would blame eval.limit of the config
+            raise DDTreeError(f"--limit {args.limit} must be at least 1; omit it to use eval.limit of {source}")
         settings["limit"] = args.limit
     try:
         evaluation = AcceptanceEvaluation(**settings)

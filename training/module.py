@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NamedTuple
 
 import lightning as L
@@ -40,9 +41,10 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from ddtree.drafters import load_drafter_folder
 from ddtree.modeling_dflash import DFlashDraftModel
 from ddtree.errors import DDTreeError
-from ddtree.targets import build_drafter_config, check_drafter_fits
+from ddtree.targets import build_drafter_config
 
 from .loss import OBJECTIVES, RECALL_K, block_loss_sums, block_position_weights, chain_acceptance, teacher_states
 from .masks import block_input_ids, block_labels, block_position_ids, dense_block_mask, flex_block_mask, sample_anchors
@@ -131,9 +133,8 @@ class DistillModule(L.LightningModule):
         model, tokenizer = load_frozen_target(hp.target, dtype, hp.target_adapter)
 
         if hp.init_from:
-            drafter = DFlashDraftModel.from_pretrained(hp.init_from, dtype=torch.float32)
+            drafter = load_drafter_folder(Path(hp.init_from), torch.float32, target=model)  # checked, one-line errors
             self._check_matches_folder(drafter.config)
-            check_drafter_fits(drafter.config, model, hp.init_from)
         else:
             config = build_drafter_config(
                 model, tokenizer, hp.target,

@@ -103,7 +103,7 @@ def export_folder(
         for name in REMOTE_CODE:
             shutil.copyfile(LIBRARY_DIR / name, staging / name)
         served_target = target_facts(target, config)
-        problems = engine_problems(Export(config, weight_shapes(staging / "model.safetensors"), served_target))
+        problems = engine_problems(Export(config, weight_shapes(staging), served_target))
         if problems and not allow_engine_mismatch:
             raise DDTreeError(refusal(problems))
         facts = CardFacts(

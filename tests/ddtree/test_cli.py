@@ -6,9 +6,13 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
+import ddtree.precision
 from ddtree.cli import load_drafter, main
-from ddtree.targets import load_target
+from ddtree.modeling_dflash import DFlashDraftModel
+from ddtree.precision import Choice
+from ddtree.targets import build_drafter_config, load_target
 
 TARGET = "tiny-random"
 
@@ -35,11 +39,13 @@ def test_bench_writes_results(capsys, tmp_path, prompts_file):
     code, stdout, _ = run_cli(
         capsys, "bench", "--target", TARGET, "--drafter", "random", "--prompts", str(prompts_file),
         "--methods", "ar,dflash,ddtree", "--budgets", "4,16", "--max-new-tokens", "12", "--out", str(out),
+        "--dtype", "float32",  # greedy decoding is exactly lossless in fp32
     )
     assert code == 0
     results = json.loads(out.read_text())
     assert set(results["summary"]) == {"ar", "dflash", "ddtree@4", "ddtree@16"}
     assert results["settings"]["target"] == TARGET
+    assert results["settings"]["dtype"] == results["settings"]["dtype_resolved"] == "float32"
     ar = results["prompts"][0]["methods"]["ar"]["new_tokens"]
     for prompt in results["prompts"]:
         assert prompt["id"] in {"chat", "2"}
@@ -129,3 +135,106 @@ def test_generate_reports_its_tokens(capsys):
     code, _, err = run_cli(capsys, "generate", "--target", TARGET, "--prompt", "Hi", "--max-new-tokens", "5")
     assert code == 0
     assert re.search(r"^\[ddtree\] 5 tokens, tau \d", err, re.M), err
+
+
+def tiny_drafter_folder(tiny_target, folder):
+    target, tokenizer = tiny_target
+    DFlashDraftModel(build_drafter_config(target, tokenizer, TARGET, num_layers=1)).save_pretrained(folder)
+    return folder
+
+
+def edit_config(folder, **changes):
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **changes}))
+
+
+@pytest.mark.parametrize("command", ["bench", "generate"])
+def test_a_config_that_does_not_match_its_weights(capsys, tmp_path, tiny_target, prompts_file, command):
+    folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
+    config = json.loads((folder / "config.json").read_text())
+    edit_config(folder, intermediate_size=config["intermediate_size"] + 8)
+    args = ["--prompts", str(prompts_file), "--methods", "dflash"] if command == "bench" else ["--prompt", "Hi"]
+    line = _bad(capsys, command, "--target", TARGET, "--drafter", str(folder), "--dtype", "float32", *args)
+    assert f"drafter {folder}: config.json makes weight layers.0.mlp" in line
+    assert "model.safetensors holds" in line and "restore it, or export the drafter again" in line
+
+
+def test_a_config_with_more_or_fewer_layers_than_its_weights(capsys, tmp_path, tiny_target, prompts_file):
+    folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
+    bench = ["bench", "--target", TARGET, "--drafter", str(folder), "--prompts", str(prompts_file), "--methods", "dflash"]
+    edit_config(folder, num_hidden_layers=2)  # transformers checks this one against layer_types
+    line = _bad(capsys, *bench)
+    assert f"drafter {folder}/config.json could not be read: `num_hidden_layers` (2) must be equal" in line
+    edit_config(folder, num_hidden_layers=2, layer_types=["full_attention"] * 2)  # layer 1 would start random
+    assert "config.json needs weight layers.1." in _bad(capsys, *bench)
+    edit_config(folder, num_hidden_layers=0, layer_types=[])  # ... or layer 0 be silently dropped
+    assert "model.safetensors holds weight layers.0." in _bad(capsys, *bench)
+
+
+def test_a_drafter_folder_without_weights(capsys, tmp_path, tiny_target, prompts_file):
+    folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
+    (folder / "model.safetensors").unlink()
+    line = _bad(capsys, "bench", "--target", TARGET, "--drafter", str(folder), "--prompts", str(prompts_file))
+    assert line == f"error: drafter {folder} has a config.json but no model.safetensors; " \
+                   "copy the weights in beside it, or export the drafter again"
+
+
+def test_truncated_drafter_weights(capsys, tmp_path, tiny_target):
+    folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # a copy cut off mid-way
+    line = _bad(capsys, "generate", "--target", TARGET, "--drafter", str(folder), "--prompt", "Hi")
+    assert f"drafter weights {weights} are unreadable, truncated or not safetensors" in line
+
+
+@pytest.mark.parametrize("limit", ["0", "-1"])
+def test_limit_below_one(capsys, prompts_file, limit):
+    line = _bad(capsys, "bench", "--target", TARGET, "--prompts", str(prompts_file), "--methods", "ar", "--limit", limit)
+    assert line == f"error: --limit {limit} must be at least 1; omit it to use every prompt"
+
+
+@pytest.mark.parametrize("temperature", ["nan", "inf", "-1.0"])
+def test_temperature_not_a_finite_number_at_least_zero(capsys, temperature):
+    line = _bad(capsys, "generate", "--target", TARGET, "--prompt", "Hi", "--temperature", temperature)
+    assert f"temperature {temperature} must be a finite number >= 0" in line
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "Hi"], ["verify-cost"]])
+def test_unknown_dtype_is_one_line(capsys, command):
+    line = _bad(capsys, command[0], "--target", TARGET, "--dtype", "fp16", *command[1:])
+    assert "--dtype='fp16'" in line and "bfloat16" in line
+
+
+@pytest.fixture
+def auto_picks_bf16(monkeypatch):
+    """`--dtype auto` resolves to bf16 whatever this machine measures."""
+    monkeypatch.setattr(ddtree.precision, "fast_precision", lambda device: Choice(torch.bfloat16, "stub measurement"))
+
+
+def test_bench_resolves_auto_dtype_and_records_both(capsys, tmp_path, prompts_file, auto_picks_bf16):
+    out = tmp_path / "results.json"
+    code, _, err = run_cli(capsys, "bench", "--target", TARGET, "--prompts", str(prompts_file), "--methods", "ar",
+                           "--limit", "1", "--max-new-tokens", "2", "--out", str(out))
+    assert code == 0, err
+    assert "--dtype auto -> bfloat16: stub measurement" in err.splitlines()
+    settings = json.loads(out.read_text())["settings"]
+    assert settings["dtype"] == "auto" and settings["dtype_resolved"] == "bfloat16"
+    assert settings["limit"] == 1 and settings["target"] == TARGET  # the other settings keep their keys
+
+
+def test_an_explicit_dtype_is_used_as_given(capsys, auto_picks_bf16):
+    code, out, err = run_cli(capsys, "verify-cost", "--target", TARGET, "--dtype", "float16", "--device", "cpu",
+                             "--sizes", "2", "--context", "8", "--repeats", "1")
+    assert code == 0, err
+    assert out.startswith(f"target {TARGET}, float16,") and "--dtype auto" not in err
+    code, out, err = run_cli(capsys, "verify-cost", "--target", TARGET, "--device", "cpu",
+                             "--sizes", "2", "--context", "8", "--repeats", "1")
+    assert code == 0 and out.startswith(f"target {TARGET}, bfloat16,") and "--dtype auto -> bfloat16" in err
+
+
+@pytest.mark.parametrize("device, message", [
+    ("gpu0", "--device 'gpu0' is not a device name; give cpu, cuda or cuda:N"),
+    ("cuda:99", "--device cuda:99: this machine has"),
+])
+def test_a_device_this_machine_does_not_have(capsys, device, message):
+    assert message in _bad(capsys, "generate", "--target", TARGET, "--prompt", "Hi", "--device", device)

@@ -2,8 +2,8 @@
 
     .venv/bin/pytest -q tests/training/test_checkpoints.py
 
-The resolution rules run on run folders laid out as training/train.py writes them (empty .ckpt
-files, a DeepSpeed folder with its `latest` tag, best.ckpt as a link), with their save times set
+The resolution rules run on run folders laid out as training/train.py writes them (.ckpt files
+holding a stub dict, a DeepSpeed folder with its `latest` tag, best.ckpt as a link), with their save times set
 by hand. The reading tests save one real checkpoint of a tiny DistillModule, as Lightning would.
 """
 
@@ -32,7 +32,9 @@ def make_run(root: Path, name: str, saved: dict[str, float], best: str | None = 
         if file.endswith("/"):  # a DeepSpeed checkpoint: a folder of shards named by its `latest` tag
             path.mkdir(parents=True)
             path = path / "latest"
-        path.write_text("tag")
+            path.write_text("tag")
+        else:
+            torch.save({"global_step": 0}, path)  # a zip archive like a real .ckpt, so it reads as one
         os.utime(path, (when, when))
     if best:
         (run / "checkpoints" / "best.ckpt").symlink_to(best)
@@ -106,6 +108,46 @@ def test_resume_takes_last_a_run_folder_or_a_path_and_finds_its_run(tmp_path):
         find_resume(str(stray), root)
 
 
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # cut off mid-write
+
+
+def test_resume_refuses_a_truncated_checkpoint_and_names_the_readable_ones_newest_first(tmp_path):
+    root = tmp_path / "tiny"
+    run = make_run(root, "r", {"checkpoints/step-2.ckpt": 100, "checkpoints/step-4.ckpt": 200,
+                               "checkpoints/step-6.ckpt": 300, "checkpoints/last.ckpt": 400}, best="step-4.ckpt")
+    last, checkpoints = run / "checkpoints" / "last.ckpt", run.resolve() / "checkpoints"
+    truncate(last)
+    truncate(run / "checkpoints" / "step-6.ckpt")  # unreadable too: not offered
+    for resume in ("last", str(run), str(last)):
+        with pytest.raises(DDTreeError) as error:
+            find_resume(resume, root)
+        assert str(error.value) == (
+            f"--resume {resume}: checkpoint {last} is unreadable (truncated?); "
+            f"resume from an earlier one: {checkpoints / 'step-4.ckpt'}, {checkpoints / 'step-2.ckpt'}"
+        )
+    alone = make_run(root, "alone", {"checkpoints/last.ckpt": 500})
+    truncate(alone / "checkpoints" / "last.ckpt")
+    with pytest.raises(DDTreeError, match=r"is unreadable \(truncated\?\); the run .*alone has no other readable checkpoint; start it again"):
+        find_resume(str(alone), root)
+
+
+def test_train_resume_from_a_truncated_last_ckpt_is_one_error_line_and_status_2(tmp_path, capsys):
+    from test_reliability import tiny_args
+
+    from training.train import main as train_main
+
+    assert train_main(tiny_args(tmp_path, "cut", max_steps=4)) == 0
+    checkpoints = tmp_path / "out" / "tiny" / "cut" / "checkpoints"
+    truncate(checkpoints / "last.ckpt")
+    capsys.readouterr()
+    resume = ["--recipe", "tiny", "--output-root", str(tmp_path / "out"), "--resume", str(checkpoints / "last.ckpt")]
+    assert train_main(resume) == 2
+    line = one_error_line(capsys)
+    assert line == (f"error: --resume {checkpoints / 'last.ckpt'}: checkpoint {checkpoints / 'last.ckpt'} is unreadable "
+                    f"(truncated?); resume from an earlier one: {checkpoints.resolve() / 'step-2.ckpt'}")
+
+
 # ----------------------------------------------------------------------------- reading
 
 
@@ -175,3 +217,11 @@ def test_a_truncated_checkpoint_is_one_error_line_and_status_2(saved, tmp_path, 
     line = one_error_line(capsys)
     assert f"CKPT {truncated} is not a PyTorch checkpoint" in line and "give a .ckpt from the run" in line
     assert not (tmp_path / "export").exists()
+
+
+@pytest.mark.parametrize("limit", ["0", "-3"])
+def test_make_eval_limit_below_one_names_the_flag_not_the_config(saved, capsys, limit):
+    path, _ = saved
+    assert training.evaluate.main(["--recipe", "tiny", "--ckpt", str(path), "--limit", limit]) == 2
+    line = one_error_line(capsys)
+    assert line.startswith(f"error: --limit {limit} must be at least 1; omit it to use eval.limit of ") and "tiny.yaml" in line

@@ -11,6 +11,7 @@ import lightning as L
 import pytest
 import torch
 
+from ddtree.errors import DDTreeError
 from training.data import DistillDataModule, EpochShuffleSampler
 
 
@@ -74,6 +75,23 @@ def test_datamodule_caches_tokenization(tmp_path, monkeypatch):
     assert len(dm.train_set) == 18
     with pytest.raises(AssertionError, match="tokenized again"):  # a different max_length is another cache entry
         make_datamodule(tmp_path, max_length=65).prepare_data()
+
+
+def test_a_saved_dataset_with_a_truncated_arrow_file_is_one_line_naming_the_folder(tmp_path):
+    import datasets
+
+    folder = tmp_path / "saved"
+    rows = [{"id": f"c{i}", "messages": [{"role": "user", "content": f"Question {i}?"},
+                                         {"role": "assistant", "content": "An answer. " * 20}]} for i in range(20)]
+    datasets.Dataset.from_list(rows).save_to_disk(str(folder))
+    [arrow] = folder.glob("*.arrow")
+    arrow.write_bytes(arrow.read_bytes()[: arrow.stat().st_size // 2])  # a copy cut off mid-way
+    with pytest.raises(DDTreeError) as error:
+        make_datamodule(tmp_path, data_path=str(folder)).prepare_data()
+    message = str(error.value)
+    assert len(message.splitlines()) == 1
+    assert message.startswith(f"data_path {folder}: a file of the saved `datasets` folder could not be read (")
+    assert message.endswith("truncated or damaged? save the dataset again (save_to_disk)")
 
 
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640)])

@@ -295,5 +295,5 @@ def test_a_target_that_cannot_be_read_is_stood_in_for_by_the_drafters_record(run
     assert "the target's hidden size is not checked" in (tmp_path / "export" / "README.md").read_text()
     # the rules that need only what the drafter recorded still apply
     broken = Export({**config, "dflash_config": {**config["dflash_config"], "target_layer_ids": [1, 3, 6]}},
-                    weight_shapes(tmp_path / "export" / "model.safetensors"), facts)
+                    weight_shapes(tmp_path / "export"), facts)
     assert failing(broken) == {(VLLM, "target_layer_ids"), (SGLANG, "target_layer_ids")}

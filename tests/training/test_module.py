@@ -7,7 +7,6 @@ Everything runs on the tiny random target (6 layers, hidden 64) on CPU in fp32.
 
 from __future__ import annotations
 
-import math
 import warnings
 
 import lightning as L

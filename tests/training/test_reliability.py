@@ -166,3 +166,20 @@ def test_make_export_without_arguments_says_what_it_needs():
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "make export needs RUN=" in lines[0] and "OUT=" in lines[0], result.stderr
+
+
+def test_a_warm_start_from_a_truncated_drafter_is_one_line(tmp_path, tiny_target):
+    from ddtree.errors import DDTreeError
+    from ddtree.modeling_dflash import DFlashDraftModel
+    from ddtree.targets import build_drafter_config
+    from training.module import DistillModule
+
+    target, tokenizer = tiny_target
+    folder = tmp_path / "drafter"
+    DFlashDraftModel(build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, target_layer_ids=[1, 3])).save_pretrained(folder)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    module = DistillModule(target="tiny-random", init_from=str(folder), target_dtype="float32")
+    with pytest.raises(DDTreeError) as error:
+        module.configure_model()
+    assert len(str(error.value).splitlines()) == 1 and "truncated" in str(error.value)

@@ -1,0 +1,99 @@
+"""Drafter folders (config.json + safetensors, the published DFlash format): read and checked before loading.
+
+    drafter = load_drafter_folder(Path("exports/my-drafter"), torch.bfloat16, target=target)
+
+Used by the `ddtree` CLI (--drafter) and by training's warm start (model.init_from), so a folder
+whose config.json was edited, whose weights are missing or cut off, or that was built for another
+target stops with one line naming what is wrong instead of a traceback (or, worse, a model whose
+missing weights transformers quietly started from random values).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from huggingface_hub.errors import StrictDataclassError
+from safetensors import SafetensorError, safe_open
+from transformers import PreTrainedModel
+
+from .configuration_dflash import DFlashDrafterConfig
+from .errors import DDTreeError, error_line
+from .modeling_dflash import DFlashDraftModel
+from .targets import check_drafter_fits
+
+
+def weight_shapes(folder: Path) -> dict[str, tuple[list[int], str]]:
+    """{name: (shape, file name)} of every tensor in a drafter folder's safetensors, read from the file headers only.
+
+    The weights are model.safetensors, or the shards model.safetensors.index.json names. A file
+    cut off mid-copy fails here: a safetensors header lists every tensor's byte range and the
+    file must cover them exactly.
+    """
+    index = folder / "model.safetensors.index.json"
+    if (folder / "model.safetensors").is_file():
+        files = [folder / "model.safetensors"]
+    elif index.is_file():
+        try:
+            files = sorted({folder / name for name in json.loads(index.read_text())["weight_map"].values()})
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise DDTreeError(f"drafter {index} could not be read ({error_line(error)}); export the drafter again") from None
+    else:
+        raise DDTreeError(f"drafter {folder} has a config.json but no model.safetensors; "
+                          "copy the weights in beside it, or export the drafter again")
+    shapes = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as weights:
+                shapes.update({name: (list(weights.get_slice(name).get_shape()), file.name) for name in weights.keys()})
+        except (OSError, SafetensorError) as error:
+            raise DDTreeError(f"drafter weights {file} are unreadable, truncated or not safetensors "
+                              f"({error_line(error)}); copy or export the drafter again") from None
+    return shapes
+
+
+def check_weights_match_config(folder: Path, config: DFlashDrafterConfig) -> None:
+    """The folder's weights are exactly the tensors its config.json builds, name for name and shape for shape.
+
+    transformers would otherwise stop with a size-mismatch traceback, or quietly start a weight
+    that is missing (or a layer config.json no longer has) from random values.
+    """
+    with torch.device("meta"):  # shapes only: no memory, no initialization
+        expected = {name: list(t.shape) for name, t in DFlashDraftModel(config).state_dict().items()}
+    found = weight_shapes(folder)
+    mismatch = "config.json does not match the weights (was it edited?): restore it, or export the drafter again"
+    missing = [name for name in expected if name not in found]
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise DDTreeError(f"drafter {folder}: config.json needs weight {missing[0]}{more}, absent from its safetensors; {mismatch}")
+    unused = [name for name in found if name not in expected]
+    if unused:
+        more = f" and {len(unused) - 1} more" if len(unused) > 1 else ""
+        raise DDTreeError(f"drafter {folder}: {found[unused[0]][1]} holds weight {unused[0]}{more}, "
+                          f"which config.json has no place for; {mismatch}")
+    for name, shape in expected.items():
+        saved, file = found[name]
+        if saved != shape:
+            raise DDTreeError(f"drafter {folder}: config.json makes weight {name} {shape} but {file} holds {saved}; {mismatch}")
+
+
+def read_drafter_config(folder: Path) -> DFlashDrafterConfig:
+    """A drafter folder's config.json, or one line saying why it cannot be read."""
+    if not (folder / "config.json").is_file():
+        raise DDTreeError(f"drafter {str(folder)!r} is not a folder with a config.json")
+    try:
+        return DFlashDrafterConfig.from_pretrained(folder)
+    except (OSError, ValueError, TypeError) as error:
+        raise DDTreeError(f"drafter {folder}/config.json could not be read: {error_line(error)}") from None
+    except StrictDataclassError as error:  # a field fails transformers' validation; its first line only names the validator
+        raise DDTreeError(f"drafter {folder}/config.json could not be read: {error_line(error.__cause__ or error)}") from None
+
+
+def load_drafter_folder(folder: Path, dtype: torch.dtype, target: PreTrainedModel | None = None) -> DFlashDraftModel:
+    """The drafter of a folder, its config and weights checked first (and against `target` when given)."""
+    config = read_drafter_config(folder)
+    if target is not None:
+        check_drafter_fits(config, target, str(folder))
+    check_weights_match_config(folder, config)
+    return DFlashDraftModel.from_pretrained(folder, config=config, dtype=dtype)

@@ -15,7 +15,11 @@ from transformers import Qwen3Config
 LEGACY_MODEL_TYPE = "dflash_drafter"
 
 
-def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> list[int]:
+# How many target layers a drafter reads when nothing says otherwise (published: 5; "5 target layers beat 3").
+DEFAULT_NUM_TARGET_FEATURES = 5
+
+
+def default_target_layer_ids(num_target_layers: int, num_features: int = DEFAULT_NUM_TARGET_FEATURES) -> list[int]:
     """`num_features` target layers spread uniformly from the 2nd to the 3rd-from-last.
 
     Layer id l is the output of decoder layer l (hidden_states[l + 1] in transformers' tuple).

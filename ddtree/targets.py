@@ -233,7 +233,7 @@ def build_drafter_config(
         num_target_layers=tc.num_hidden_layers,
         dflash_config={
             "mask_token_id": choose_mask_token_id(name_or_path, tokenizer, embedding_rows, mask_token_id),
-            "target_layer_ids": list(target_layer_ids or default_target_layer_ids(tc.num_hidden_layers, 5)),
+            "target_layer_ids": list(target_layer_ids or default_target_layer_ids(tc.num_hidden_layers)),
         },
         target_name_or_path=name_or_path,
         vocab_size=embedding_rows,

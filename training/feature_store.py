@@ -218,7 +218,7 @@ def build_feature_store(
     data, pad_id, tokenization_key = datamodule.load_tokenized()
     text_config = AutoConfig.from_pretrained(resolve_target(datamodule.target)).get_text_config()
     num_layers, hidden_size = text_config.num_hidden_layers, text_config.hidden_size
-    layer_ids = list(layer_ids or default_target_layer_ids(num_layers, 5))
+    layer_ids = list(layer_ids or default_target_layer_ids(num_layers))
     if not all(0 <= i < num_layers for i in layer_ids):
         raise DDTreeError(f"target_layer_ids {layer_ids} must be within 0..{num_layers - 1} "
                           f"(target {datamodule.target} has {num_layers} layers)")

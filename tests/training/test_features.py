@@ -200,11 +200,8 @@ class Interrupt(Exception):
     pass
 
 
-def test_interrupted_build_resumes_and_ends_equal_to_an_uninterrupted_one(tmp_path, monkeypatch):
-    dm = make_datamodule(tmp_path)
-    settings = dict(layer_ids=LAYER_IDS, max_shard_bytes=shard_bytes(3))
-    straight = build_feature_store(dm, tmp_path / "straight", **settings)
-
+def interrupted_build(monkeypatch, dm, out, **settings) -> list:
+    """Run a build that stops after its first shard (as a kill would); returns the list saves are appended to."""
     real_save, saved = training.feature_store.save_file, []
 
     def save_then_stop(tensors, filename):
@@ -214,9 +211,19 @@ def test_interrupted_build_resumes_and_ends_equal_to_an_uninterrupted_one(tmp_pa
         real_save(tensors, filename)
 
     monkeypatch.setattr(training.feature_store, "save_file", save_then_stop)
-    out = tmp_path / "resumed"
     with pytest.raises(Interrupt):
         build_feature_store(dm, out, **settings)
+    monkeypatch.setattr(training.feature_store, "save_file", real_save)
+    return saved
+
+
+def test_interrupted_build_resumes_and_ends_equal_to_an_uninterrupted_one(tmp_path, monkeypatch):
+    dm = make_datamodule(tmp_path)
+    settings = dict(layer_ids=LAYER_IDS, max_shard_bytes=shard_bytes(3))
+    straight = build_feature_store(dm, tmp_path / "straight", **settings)
+
+    out = tmp_path / "resumed"
+    real_save, saved = training.feature_store.save_file, interrupted_build(monkeypatch, dm, out, **settings)
     assert not out.exists()
     assert sorted(p.name for p in partial_path(out).iterdir()) == ["shard-00000.safetensors", "store.json"]
     first_shard = os.stat(partial_path(out) / "shard-00000.safetensors")
@@ -241,19 +248,8 @@ def test_interrupted_build_resumes_and_ends_equal_to_an_uninterrupted_one(tmp_pa
 def test_a_resumed_build_in_another_dtype_refuses_to_mix_them(tmp_path, monkeypatch, capsys):
     dm = make_datamodule(tmp_path)
     settings = dict(layer_ids=LAYER_IDS, max_shard_bytes=shard_bytes(3))
-    real_save, saved = training.feature_store.save_file, []
-
-    def save_one_then_stop(tensors, filename):
-        if saved:
-            raise Interrupt  # the second shard never gets written
-        saved.append(filename)
-        real_save(tensors, filename)
-
-    monkeypatch.setattr(training.feature_store, "save_file", save_one_then_stop)
     out = tmp_path / "store"
-    with pytest.raises(Interrupt):
-        build_feature_store(dm, out, dtype=torch.bfloat16, **settings)
-    monkeypatch.setattr(training.feature_store, "save_file", real_save)
+    interrupted_build(monkeypatch, dm, out, dtype=torch.bfloat16, **settings)
     with pytest.raises(DDTreeError) as refused:  # a machine whose auto precision is fp32 picks the build up
         build_feature_store(dm, out, dtype=torch.float32, **settings)
     message = str(refused.value)

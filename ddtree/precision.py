@@ -28,8 +28,8 @@ import torch
 
 AUTO = "auto"
 
-# Lightning's precision name for each dtype the choice can make.
-LIGHTNING_PRECISION = {torch.bfloat16: "bf16-mixed", torch.float32: "32-true"}
+# Lightning's precision name for each dtype (the choice makes bf16 or fp32; fp16 is named for messages).
+LIGHTNING_PRECISION = {torch.bfloat16: "bf16-mixed", torch.float32: "32-true", torch.float16: "16-mixed"}
 # bf16 must beat fp32 by this factor to be chosen: on a tie, fp32 is exact and needs no casts.
 BF16_MARGIN = 0.9
 
@@ -96,11 +96,12 @@ def fast_precision(device: str | torch.device = "cpu", measure: Callable[[], dic
 def resolve_dtype(name: str, device: str | torch.device = "cpu", where: str = "--dtype") -> tuple[torch.dtype, str | None]:
     """A dtype by name, or the fast one for "auto"; returns (dtype, the one-line reason when it was chosen)."""
     from .errors import DDTreeError
-    from .targets import DTYPES
+    from .targets import DTYPES, parse_dtype
 
     if name == AUTO:
         choice = fast_precision(device)
         return choice.dtype, f"{where} auto -> {choice.name}: {choice.reason}"
-    if str(name).removeprefix("torch.") not in DTYPES:
-        raise DDTreeError(f"{where}={name!r}: choose auto or one of {', '.join(DTYPES)}")
-    return DTYPES[str(name).removeprefix("torch.")], None
+    try:
+        return parse_dtype(name, where), None
+    except DDTreeError:  # the same refusal, naming auto too
+        raise DDTreeError(f"{where}={name!r}: choose auto or one of {', '.join(DTYPES)}") from None

@@ -71,15 +71,15 @@ def last_evaluation(run_dir: Path) -> dict:
 def summarize_variant(name: str, run_dir: Path, seconds: float) -> dict:
     evaluation, validation = last_evaluation(run_dir), last_validation(run_dir)
     summary = evaluation["summary"]
-    budgets = sorted(budget_of(key) for key in summary if budget_of(key) is not None)
+    trees = {budget_of(key): stats for key, stats in summary.items() if budget_of(key) is not None}
     depth = sorted(int(key.rsplit("_", 1)[1]) for key in validation if key.startswith("val/acc_"))
     return {
         "variant": name, "run": str(run_dir), "step": evaluation["step"], "run_minutes": seconds / 60,
         "val_loss": validation.get("val/loss"),
         "accuracy": [validation[f"val/acc_{k}"] for k in depth],
         "recall": [validation.get(f"val/recall{RECALL_K}_{k}") for k in depth],
-        "tau": {budget: summary[f"ddtree@{budget}"]["tau"] for budget in budgets},
-        "expected_tau": {budget: summary[f"ddtree@{budget}"]["expected_tau"] for budget in budgets},
+        "tau": {budget: stats["tau"] for budget, stats in sorted(trees.items())},
+        "expected_tau": {budget: stats["expected_tau"] for budget, stats in sorted(trees.items())},
         "chain_tau": summary[CHAIN]["tau"],  # (decoding records no expected tau for the chain)
     }
 

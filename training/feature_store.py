@@ -40,6 +40,7 @@ from transformers import AutoConfig
 from ddtree.configuration_dflash import DFlashDrafterConfig, default_target_layer_ids
 from ddtree.errors import DDTreeError
 from ddtree.files import write_json_atomic
+from ddtree.precision import LIGHTNING_PRECISION
 from ddtree.targets import cache_dir, parse_dtype, resolve_target
 
 from .target import load_frozen_target, target_layer_features
@@ -51,7 +52,6 @@ FORMAT_VERSION = 1  # bump when the layout changes: older stores are then refuse
 MANIFEST = "store.json"
 MAX_SHARD_BYTES = 256 * 2**20
 REBUILD = "make features RECIPE=<recipe>"  # how a user (re)builds a store, named in every error
-PRECISION_OF_DTYPE = {"bfloat16": "bf16-mixed", "float16": "16-mixed", "float32": "32-true"}  # Lightning's names
 AUTO_STORE = "auto"  # data.feature_store value: the recipe's default folder (default_store_path)
 
 
@@ -253,7 +253,7 @@ def build_feature_store(
             raise DDTreeError(f"{partial} holds an unfinished build in {previous_manifest['dtype']}, this build is in "
                               f"{manifest['dtype']}: finish it in {previous_manifest['dtype']} (make features: --dtype "
                               f"{previous_manifest['dtype']}; training: --trainer.precision="
-                              f"{PRECISION_OF_DTYPE.get(previous_manifest['dtype'], '?')}), or pass --force (FORCE=1) "
+                              f"{LIGHTNING_PRECISION[parse_dtype(previous_manifest['dtype'])]}), or pass --force (FORCE=1) "
                               f"to start over in {manifest['dtype']}")
         else:
             print(f"[features] {partial} holds an unfinished build of other settings; starting over", flush=True)

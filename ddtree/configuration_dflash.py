@@ -67,6 +67,23 @@ class DFlashDrafterConfig(Qwen3Config):
         return self.dflash_config.get("mask_token_id")
 
     @property
+    def draft_temperatures(self) -> list[float] | None:
+        """Per drafted position 1..B-1, the temperature its logits are divided by before a tree is built.
+
+        Fitted on held-out data so the drafter's probabilities are calibrated (training/module.py,
+        `calibrate`): the best-first tree ranks its nodes by them and its expected acceptance is their
+        sum. None (every drafter without calibration) means 1. Argmax, so the chain, is unchanged.
+        """
+        return self.dflash_config.get("draft_temperatures")
+
+    @draft_temperatures.setter
+    def draft_temperatures(self, temperatures: list[float] | None) -> None:
+        if temperatures is None:
+            self.dflash_config.pop("draft_temperatures", None)
+        else:
+            self.dflash_config["draft_temperatures"] = [float(t) for t in temperatures]
+
+    @property
     def target_layer_ids(self) -> list[int]:
         ids = self.dflash_config.get("target_layer_ids")
         if ids is None and self.num_target_layers is not None:

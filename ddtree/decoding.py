@@ -120,6 +120,11 @@ class DrafterRunner:
         self.layer_ids = drafter.target_layer_ids
         self.block_size = drafter.block_size
         self.mask_token_id = drafter.mask_token_id
+        temperatures = getattr(drafter.config, "draft_temperatures", None)  # calibrated drafters only
+        self.temperatures = (
+            None if not temperatures
+            else torch.tensor(temperatures, dtype=torch.float32, device=self.lm_head.weight.device)[:, None]
+        )  # (B-1, 1)
         self.cache = DynamicCache()
         self.context_end = 0  # positions [0, context_end) are in the drafter's cache
 
@@ -151,7 +156,10 @@ class DrafterRunner:
             past_key_values=self.cache,
         )  # (1, B, H)
         self.context_end = start
-        return self.drafter.compute_logits(hidden[0, 1 : 1 + depth].to(self.lm_head.weight.dtype), self.lm_head)
+        logits = self.drafter.compute_logits(hidden[0, 1 : 1 + depth].to(self.lm_head.weight.dtype), self.lm_head)
+        if self.temperatures is not None:
+            logits = logits.float() / self.temperatures[:depth]  # (depth, V), calibrated
+        return logits
 
 
 def _now(device: torch.device) -> float:

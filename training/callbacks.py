@@ -37,6 +37,7 @@ numbers do not depend on the training precision plugin).
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import random
@@ -269,9 +270,21 @@ class AcceptanceEvaluation(L.Callback):
             return consolidated_copy(drafter)
         return drafter
 
+    def calibrate(self, trainer, pl_module) -> list[float] | None:
+        """With model.calibrate, fit the drafter's draft temperatures on the validation batches first."""
+        if not pl_module.hparams.get("calibrate") or trainer.datamodule is None:
+            return None
+        limit = trainer.limit_val_batches
+        batches = trainer.datamodule.val_dataloader()
+        count = limit if isinstance(limit, int) else math.ceil(limit * len(batches))
+        with TrainingStateGuard(pl_module.drafter):
+            pl_module.drafter.eval()
+            return pl_module.calibrate_draft_temperatures(itertools.islice(batches, count))
+
     def _evaluate(self, trainer, pl_module, checkpointed: bool) -> None:
         step = trainer.global_step
         started = time.perf_counter()
+        temperatures = self.calibrate(trainer, pl_module)
         target = pl_module.target
         if self.stop_ids is None:
             self.stop_ids = stop_token_ids(target, self.tokenizer)
@@ -297,6 +310,7 @@ class AcceptanceEvaluation(L.Callback):
                 "seconds": seconds,
                 "checkpointed": checkpointed,
                 "summary": result["summary"],
+                **({"draft_temperatures": temperatures} if temperatures else {}),
             }
         )
         if trainer.is_global_zero:

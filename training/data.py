@@ -69,13 +69,16 @@ class TokenizedConversations(Dataset):
         item = {"input_ids": self.input_ids[start:end].long(), "loss_mask": self.loss_mask[start:end]}
         if self.features is not None:
             item["features"] = self.features[index]  # (T_i, K*H)
+            if self.features.final_hidden:
+                item["final_hidden"] = self.features.final(index)  # (T_i, H)
         return item
 
 
 def collate(examples: list[dict[str, torch.Tensor]], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-pad to the longest sequence: input_ids (B,T) long, loss_mask/attention_mask (B,T) bool.
 
-    Items with features (an offline store) give features (B,T,K*H) in the store's dtype, zero-padded.
+    Items with features (an offline store) give features (B,T,K*H) in the store's dtype, zero-padded,
+    and final_hidden (B,T,H) alike when the store holds it.
     """
     width = max(len(e["input_ids"]) for e in examples)
     batch = {
@@ -83,16 +86,17 @@ def collate(examples: list[dict[str, torch.Tensor]], pad_id: int) -> dict[str, t
         "loss_mask": torch.zeros((len(examples), width), dtype=torch.bool),
         "attention_mask": torch.zeros((len(examples), width), dtype=torch.bool),
     }
-    if "features" in examples[0]:
-        first = examples[0]["features"]
-        batch["features"] = torch.zeros((len(examples), width, first.shape[-1]), dtype=first.dtype)
+    stored = [name for name in ("features", "final_hidden") if name in examples[0]]
+    for name in stored:
+        first = examples[0][name]
+        batch[name] = torch.zeros((len(examples), width, first.shape[-1]), dtype=first.dtype)
     for row, example in enumerate(examples):
         n = len(example["input_ids"])
         batch["input_ids"][row, :n] = example["input_ids"]
         batch["loss_mask"][row, :n] = example["loss_mask"]
         batch["attention_mask"][row, :n] = True
-        if "features" in batch:
-            batch["features"][row, :n] = example["features"]
+        for name in stored:
+            batch[name][row, :n] = example[name]
     return batch
 
 

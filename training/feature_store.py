@@ -2,6 +2,7 @@
 
     store = build_feature_store(datamodule, out, layer_ids=[1, 9, 17])   # training/features.py is its CLI
     FeatureStore(out)[i]                                                  # sequence i's features, (T_i, K*H)
+    FeatureStore(out).final(i)                                            # with final_hidden=True: (T_i, H)
 
 Online training runs the target up to its deepest chosen layer at every step. A store holds those
 features, computed by the very same function (training.target.target_layer_features), for every
@@ -10,11 +11,17 @@ own length): training from it skips the target forward. It costs disk, about
 tokens x K layers x hidden size x 2 bytes in bf16, which is printed (with the free space) before
 anything is written; a build that would not fit stops there.
 
+With final_hidden=True (what a recipe with model.distill_weight > 0 builds) the store also holds the
+target's final, normed hidden state of every token: one more hidden size per token, from which the
+target's LM head gives its whole next-token distribution, the soft targets of distillation
+(training/loss.py). The whole decoder then runs during the build, not only up to the deepest layer.
+
 Layout of a store folder:
     store.json                   the manifest: format version, target (and adapter), layer ids, hidden size,
                                  dtype, the tokenization key of the data, every sequence's length, the shards
     shard-00000.safetensors ...  consecutive sequences, up to ~256 MB each: `features` (tokens, K*H) and
-                                 `offsets` (n + 1,), sequence j of the shard = features[offsets[j]:offsets[j + 1]]
+                                 `offsets` (n + 1,), sequence j of the shard = features[offsets[j]:offsets[j + 1]];
+                                 with final_hidden also `final` (tokens, H), indexed alike
 
 The build is atomic and resumable: it writes into <out>.partial/ (each shard under a temporary name,
 renamed when complete), a rerun of the same build keeps the finished shards, and the folder is renamed
@@ -49,6 +56,8 @@ if TYPE_CHECKING:
     from .data import DistillDataModule, TokenizedConversations
 
 FORMAT_VERSION = 1  # bump when the layout changes: older stores are then refused, not misread
+# Added to format 1 later, absent (= False) in the manifests of stores built before: those stay valid.
+OPTIONAL_MANIFEST_FIELDS = {"final_hidden": False}
 MANIFEST = "store.json"
 MAX_SHARD_BYTES = 256 * 2**20
 REBUILD = "make features RECIPE=<recipe>"  # how a user (re)builds a store, named in every error
@@ -57,6 +66,11 @@ AUTO_STORE = "auto"  # data.feature_store value: the recipe's default folder (de
 
 def partial_path(out: Path) -> Path:
     return out.with_name(out.name + ".partial")
+
+
+def read_manifest(path: Path) -> dict:
+    """A manifest with the fields that later builds added filled in with what they meant before."""
+    return {**OPTIONAL_MANIFEST_FIELDS, **json.loads(path.read_text())}
 
 
 def is_complete(path: str | Path) -> bool:
@@ -98,7 +112,8 @@ class FeatureStore:
 
     Shards are memory-mapped (safetensors.safe_open) and only sequence i's rows are read. Attributes
     come from the manifest: layer_ids, hidden_size, width (K*H), dtype, lengths, tokenization_key,
-    target, target_adapter.
+    target, target_adapter, final_hidden (whether store.final(i), the target's final hidden states
+    (T_i, H), exists).
     """
 
     def __init__(self, path: str | Path):
@@ -108,7 +123,7 @@ class FeatureStore:
                 raise DDTreeError(f"feature store {self.path} is incomplete (its build stopped; finished shards are in "
                                   f"{partial_path(self.path)}): rerun `{REBUILD}` to finish it")
             raise DDTreeError(f"feature store {self.path} does not exist (no {MANIFEST}): build it with `{REBUILD}`")
-        manifest = json.loads((self.path / MANIFEST).read_text())
+        manifest = read_manifest(self.path / MANIFEST)
         if manifest.get("format_version") != FORMAT_VERSION:
             raise DDTreeError(f"feature store {self.path} has format version {manifest.get('format_version')}, this "
                               f"code reads {FORMAT_VERSION}: rebuild it with `{REBUILD}` and --force (FORCE=1)")
@@ -118,6 +133,7 @@ class FeatureStore:
         self.width = len(self.layer_ids) * self.hidden_size
         self.dtype = parse_dtype(manifest["dtype"], f"{self.path / MANIFEST} dtype")
         self.lengths, self.tokenization_key = manifest["lengths"], manifest["tokenization_key"]
+        self.final_hidden = bool(manifest["final_hidden"])
         self.shards = manifest["shards"]
         self._first_sequences = [shard["first_sequence"] for shard in self.shards]
         self._open_shards: dict[int, tuple] = {}  # shard index -> (safe_open handle, offsets)
@@ -126,12 +142,22 @@ class FeatureStore:
         return len(self.lengths)
 
     def __getitem__(self, index: int) -> torch.Tensor:
+        return self._rows("features", index)  # (T_i, K*H)
+
+    def final(self, index: int) -> torch.Tensor:
+        """Sequence `index`'s final hidden states (T_i, H); only in a store built with final_hidden."""
+        if not self.final_hidden:
+            raise DDTreeError(f"feature store {self.path} holds no final hidden states: rebuild it with "
+                              f"`{REBUILD}` for a recipe with model.distill_weight > 0, and --force (FORCE=1)")
+        return self._rows("final", index)
+
+    def _rows(self, name: str, index: int) -> torch.Tensor:
         if not 0 <= index < len(self):
             raise IndexError(f"sequence {index} is outside feature store {self.path} (0..{len(self) - 1})")
         shard = bisect.bisect_right(self._first_sequences, index) - 1
         handle, offsets = self._open(shard)
         local = index - self._first_sequences[shard]
-        return handle.get_slice("features")[offsets[local]:offsets[local + 1]]  # (T_i, K*H)
+        return handle.get_slice(name)[offsets[local]:offsets[local + 1]]
 
     def _open(self, shard: int) -> tuple:
         if shard not in self._open_shards:
@@ -162,12 +188,15 @@ class FeatureStore:
 
 
 def shard_tensors(target, data: TokenizedConversations, shard: dict, layer_ids: list[int], width: int,
-                  pad_id: int, dtype: torch.dtype, sequences_per_batch: int, progress: tqdm) -> dict[str, torch.Tensor]:
-    """One shard's {"features": (tokens, K*H), "offsets": (n + 1,)}, computed in length-sorted batches."""
+                  pad_id: int, dtype: torch.dtype, sequences_per_batch: int, progress: tqdm,
+                  final_hidden: bool = False) -> dict[str, torch.Tensor]:
+    """One shard's {"features": (tokens, K*H), "offsets": (n + 1,)[, "final": (tokens, H)]}, in length-sorted batches."""
     first, count = shard["first_sequence"], shard["num_sequences"]
     lengths = (data.offsets[first + 1:first + count + 1] - data.offsets[first:first + count]).tolist()
     offsets = torch.tensor([0] + lengths).cumsum(0)  # (n + 1,)
     features = torch.empty(int(offsets[-1]), width, dtype=dtype)
+    hidden_size = target.config.get_text_config().hidden_size
+    final = torch.empty(int(offsets[-1]), hidden_size, dtype=dtype) if final_hidden else None
     device = target.get_input_embeddings().weight.device
     longest_first = sorted(range(count), key=lambda j: -lengths[j])  # neighbours in length: little padding
     for start in range(0, count, sequences_per_batch):
@@ -175,11 +204,15 @@ def shard_tensors(target, data: TokenizedConversations, shard: dict, layer_ids: 
         input_ids = torch.full((len(rows), lengths[rows[0]]), pad_id, dtype=torch.long)  # right-padded, as in training
         for row, j in enumerate(rows):
             input_ids[row, :lengths[j]] = data[first + j]["input_ids"]
-        batch = target_layer_features(target, input_ids.to(device), layer_ids).to("cpu", dtype)  # (b, T, K*H)
+        batch = target_layer_features(target, input_ids.to(device), layer_ids, final_hidden=final_hidden)
+        batch, batch_final = batch if final_hidden else (batch, None)  # (b, T, K*H), (b, T, H)
+        batch = batch.to("cpu", dtype)
         for row, j in enumerate(rows):
             features[offsets[j]:offsets[j + 1]] = batch[row, :lengths[j]]
+            if final_hidden:
+                final[offsets[j]:offsets[j + 1]] = batch_final[row, :lengths[j]].to("cpu", dtype)
         progress.update(sum(lengths[j] for j in rows))
-    return {"features": features, "offsets": offsets}
+    return {"features": features, "offsets": offsets, **({"final": final} if final_hidden else {})}
 
 
 def finished_shards(partial: Path, shards: list[dict], width: int) -> set[str]:
@@ -206,6 +239,7 @@ def build_feature_store(
     target_adapter: str | None = None,  # PEFT adapter merged into the target, as DistillModule does
     dtype: torch.dtype = torch.bfloat16,  # the target runs and the features are stored in this dtype
     force: bool = False,  # replace a complete store of another build (once the new one is complete)
+    final_hidden: bool = False,  # also keep the target's final hidden states (distillation's soft targets)
     sequences_per_batch: int = 8,
     max_shard_bytes: int = MAX_SHARD_BYTES,
 ) -> Path:
@@ -223,16 +257,18 @@ def build_feature_store(
         raise DDTreeError(f"target_layer_ids {layer_ids} must be within 0..{num_layers - 1} "
                           f"(target {datamodule.target} has {num_layers} layers)")
     width, itemsize, lengths = len(layer_ids) * hidden_size, dtype.itemsize, data.lengths()
+    row_width = width + (hidden_size if final_hidden else 0)  # values stored per token
     manifest = {
         "format_version": FORMAT_VERSION, "target": datamodule.target, "target_adapter": target_adapter,
         "target_layer_ids": layer_ids, "hidden_size": hidden_size, "dtype": str(dtype).removeprefix("torch."),
         "data_path": datamodule.data_path, "tokenization_key": tokenization_key,
         "num_sequences": len(lengths), "total_tokens": sum(lengths),
-        "shards": plan_shards(lengths, width * itemsize, max_shard_bytes),
+        "final_hidden": final_hidden,
+        "shards": plan_shards(lengths, row_width * itemsize, max_shard_bytes),
         "lengths": lengths,  # last: the long list, below what a reader looks for
     }
     if is_complete(out) and not force:
-        existing = json.loads((out / MANIFEST).read_text())
+        existing = read_manifest(out / MANIFEST)
         if existing == manifest:
             print(f"[features] {out} already holds these features; nothing to do", flush=True)
             return out
@@ -244,7 +280,7 @@ def build_feature_store(
     done: set[str] = set()
     if partial.exists():
         previous = partial / MANIFEST
-        previous_manifest = json.loads(previous.read_text()) if previous.is_file() else {}
+        previous_manifest = read_manifest(previous) if previous.is_file() else {}
         if previous_manifest == manifest:
             done = finished_shards(partial, manifest["shards"], width)
         elif previous_manifest.get("dtype") not in (None, manifest["dtype"]) and not force:
@@ -259,11 +295,12 @@ def build_feature_store(
             print(f"[features] {partial} holds an unfinished build of other settings; starting over", flush=True)
             shutil.rmtree(partial)
     written = sum(s["num_tokens"] for s in manifest["shards"] if s["file"] in done)
-    total_bytes = manifest["total_tokens"] * width * itemsize
-    remaining = (manifest["total_tokens"] - written) * width * itemsize
+    total_bytes = manifest["total_tokens"] * row_width * itemsize
+    remaining = (manifest["total_tokens"] - written) * row_width * itemsize
     free = free_bytes(partial)
     print(f"[features] estimated size {format_bytes(total_bytes)} ({manifest['total_tokens']:,} tokens x "
-          f"{len(layer_ids)} layers x {hidden_size} x {itemsize} bytes, {manifest['dtype']})"
+          f"{len(layer_ids)} layers{' + the final hidden state' if final_hidden else ''} x {hidden_size} x "
+          f"{itemsize} bytes, {manifest['dtype']})"
           + (f", {format_bytes(total_bytes - remaining)} already written" if done else "")
           + f"; {format_bytes(free)} free under {partial.parent}", flush=True)
     if remaining > free:
@@ -278,7 +315,8 @@ def build_feature_store(
         for shard in manifest["shards"]:
             if shard["file"] in done:
                 continue
-            tensors = shard_tensors(target, data, shard, layer_ids, width, pad_id, dtype, sequences_per_batch, progress)
+            tensors = shard_tensors(target, data, shard, layer_ids, width, pad_id, dtype, sequences_per_batch, progress,
+                                    final_hidden)
             # Not ddtree.files.atomic_file: save_file streams to a path, a file object would need the
             # whole shard serialized in memory first. A plainly created file already follows the umask.
             staging = partial / f".{shard['file']}.tmp"
@@ -298,13 +336,25 @@ def build_feature_store(
     return out
 
 
-def default_store_path(recipe: str, datamodule: DistillDataModule) -> Path:
-    """<ddtree cache>/features/<recipe>-<tokenization key>: another data, tokenizer or max_length is another folder."""
-    return cache_dir() / "features" / f"{recipe}-{datamodule.tokenization_key()}"
+def default_store_path(recipe: str, datamodule: DistillDataModule, final_hidden: bool = False) -> Path:
+    """<ddtree cache>/features/<recipe>-<tokenization key>[-final]: another data, tokenizer or max_length is
+    another folder, and so is a store with final hidden states (a run without distillation keeps the smaller one)."""
+    return cache_dir() / "features" / f"{recipe}-{datamodule.tokenization_key()}{'-final' if final_hidden else ''}"
 
 
-def resolve_store_path(feature_store: str | None, recipe: str, datamodule: DistillDataModule) -> Path | None:
-    """data.feature_store as a folder: None stays None (online features), "auto" is the recipe's default folder."""
+def resolve_store_path(feature_store: str | None, recipe: str, datamodule: DistillDataModule,
+                       final_hidden: bool = False) -> Path | None:
+    """data.feature_store as a folder: None stays None (online features), "auto" is the recipe's default folder.
+
+    A run that needs no final hidden states also takes the recipe's store that has them, when that one
+    is built and the smaller one is not: the features are the same, and nothing is built twice.
+    """
     if not feature_store:
         return None
-    return default_store_path(recipe, datamodule) if feature_store == AUTO_STORE else Path(feature_store)
+    if feature_store != AUTO_STORE:
+        return Path(feature_store)
+    store = default_store_path(recipe, datamodule, final_hidden)
+    with_final = default_store_path(recipe, datamodule, final_hidden=True)
+    if not final_hidden and not is_complete(store) and is_complete(with_final):
+        return with_final
+    return store

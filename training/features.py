@@ -5,7 +5,9 @@
     python -m training.train --recipe smollm2-135m --data.feature_store <the folder it printed>
 
 Recipe fields can be overridden as for training (--model.target_layer_ids '[1, 3]', ...). The store
-folder defaults to the recipe's data.feature_store, else <ddtree cache>/features/<recipe>-<tokenization key>.
+folder defaults to the recipe's data.feature_store, else <ddtree cache>/features/<recipe>-<tokenization key>
+(with -final appended when the recipe distils, model.distill_weight > 0: that store also holds the target's
+final hidden states).
 Bad input prints one line and exits with status 2.
 """
 
@@ -41,12 +43,13 @@ def main(argv: list[str] | None = None) -> int:
     if dtype is None:  # the same rule as training: a store in another dtype than training's would be cast every step
         dtype = dtype_for_precision(config.trainer.precision, config.model.target_dtype)
     datamodule = DistillDataModule(**config.data.as_dict())
-    out = Path(args.out or resolve_store_path(config.data.feature_store, args.recipe, datamodule)
-               or default_store_path(args.recipe, datamodule))
+    final_hidden = config.model.distill_weight > 0  # distillation reads the target's final hidden states too
+    out = Path(args.out or resolve_store_path(config.data.feature_store, args.recipe, datamodule, final_hidden)
+               or default_store_path(args.recipe, datamodule, final_hidden))
     print(f"[features] recipe {args.recipe} -> {out}", flush=True)
     build_feature_store(
         datamodule, out, layer_ids=drafter_layer_ids(config.model.target_layer_ids, config.model.init_from),
-        target_adapter=config.model.target_adapter, dtype=dtype, force=args.force,
+        target_adapter=config.model.target_adapter, dtype=dtype, force=args.force, final_hidden=final_hidden,
     )
     return 0
 

@@ -18,13 +18,21 @@ Reference: DFlash (arXiv 2602.06036), training appendix: cross-entropy on block 
 k = 1..B-1 weighted w_k = exp(-(k - 1) / gamma), gamma = 7 for B = 16 (5 for B = 10, 4 for B = 8);
 decayed weights beat uniform ones.
 
-Distillation (model.distill_weight, off in every recipe): the data-token cross-entropy is mixed
-with a cross-entropy against the target's whole next-token distribution at the same position
-(`teacher_states`): -sum_v p_target(v) log q(v) = KL(p_target || q) + H(p_target), the KL's gradient,
-which also teaches the runner-up tokens a draft tree branches on. At distill_weight 0 none of it runs.
+Distillation (model.distill_weight): the data-token cross-entropy is mixed with a loss against the
+target's whole next-token distribution p at the same position (`teacher_states`), model.distill_loss:
+  kl  -sum_v p(v) log q(v) = KL(p || q) + H(p), the KL's gradient, which also teaches the runner-up
+      tokens a draft tree branches on;
+  lk  -log sum_v min(p(v), q(v)), minus the log of the acceptance rate of a draft sampled from q
+      against p (the LK losses, arXiv 2602.23881): it optimises acceptance itself.
+At distill_weight 0 none of it runs.
 
 Objectives (model.objective, `block_loss_sums`): the published decayed cross-entropy, D-PACE's
 expected-length weights, and `tree`, the same weights with a draft tree's survival rule.
+
+Calibration (model.calibrate, `temperature_nll_sums`): one temperature per block position, the one of
+CALIBRATION_TEMPERATURES with the least label NLL on validation blocks (temperature scaling, Guo et
+al. 2017), so the probabilities a draft tree ranks its nodes by, and sums into its expected
+acceptance, are calibrated. It changes no weight and no argmax.
 """
 
 from __future__ import annotations
@@ -87,6 +95,7 @@ def teacher_states(final_hidden: torch.Tensor, anchors: torch.Tensor, block_size
 
 
 OBJECTIVES = ("decayed_ce", "dpace", "tree")
+DISTILL_LOSSES = ("kl", "lk")
 RECALL_K = 4  # the k of the top-k recall metric (and the default tree survival width)
 
 
@@ -110,6 +119,44 @@ def expected_length_weights(
     return torch.where(counted, suffix, torch.zeros_like(suffix))
 
 
+CALIBRATION_TEMPERATURES = torch.logspace(-1, 2, 49, base=2.0).tolist()  # 0.5 .. 4, steps of 2^(1/16) (~4%)
+
+
+def counted_rows(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The M counted block tokens: (rows (M, H), their labels (M,), their block positions (M,)).
+
+    hidden (S, n*B, H) and labels (S, n, B) as in block_loss_sums.
+    """
+    flat_labels = labels.flatten()
+    counted = (flat_labels != IGNORE_INDEX).nonzero().squeeze(1)  # (M,)
+    return hidden.flatten(0, 1)[counted], flat_labels[counted], counted % labels.shape[-1]
+
+
+@torch.no_grad()
+def temperature_nll_sums(
+    hidden: torch.Tensor,  # (S, n*B, H)
+    labels: torch.Tensor,  # (S, n, B)
+    lm_head: nn.Module,
+    temperatures: list[float],
+    chunk_size: int = 256,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(label NLL summed per temperature and block position (len(temperatures), B), counted tokens (B,)).
+
+    Summed over batches (and ranks), argmin over the first axis gives each position's calibrated temperature.
+    """
+    rows, targets, positions = counted_rows(hidden, labels)
+    block_size = labels.shape[-1]
+    nll = torch.zeros(len(temperatures), block_size, device=hidden.device)
+    for start in range(0, rows.shape[0], chunk_size):
+        part = slice(start, start + chunk_size)
+        logits = lm_head(rows[part]).float()  # (m, V)
+        label_logit = logits.gather(1, targets[part][:, None])[:, 0]  # (m,)
+        for i, temperature in enumerate(temperatures):  # one (m, V) at a time: T copies would not fit
+            nll[i].index_add_(0, positions[part], (torch.logsumexp(logits / temperature, dim=1) - label_logit / temperature))
+    counts = torch.zeros(block_size, device=hidden.device).index_add_(0, positions, torch.ones_like(positions, dtype=torch.float32))
+    return nll, counts
+
+
 def block_loss_sums(
     hidden: torch.Tensor,  # (S, n*B, H) drafter outputs for every block token
     labels: torch.Tensor,  # (S, n, B) the data token each one predicts, IGNORE_INDEX where none is counted
@@ -121,13 +168,15 @@ def block_loss_sums(
     objective: str = "decayed_ce",
     smoothing: float = 0.5,
     top_k: int = RECALL_K,
+    distill_loss: str = "kl",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sum of w * loss, sum of w, hits (B,), tokens (B,), top-k hits (B,)) over the M counted block tokens.
 
     Only the M counted rows of `hidden` go through the LM head. With `chunk_size`, at most that many
     rows at a time, each chunk recomputed in backward (activation checkpointing), so only one chunk's
     (m, V) logits are alive at once: (M, V) logits over a 150K vocabulary would not fit.
-    With distill_weight a > 0 the loss per token is (1 - a) * CE(label) + a * CE(target's distribution).
+    With distill_weight a > 0 the loss per token is (1 - a) * CE(label) + a * soft, soft the distill_loss
+    against the target's distribution (the module docstring).
 
     The objective sets the weight w of each token's loss (detached, so it only decides where the
     gradient goes):
@@ -140,14 +189,14 @@ def block_loss_sums(
     """
     if objective not in OBJECTIVES:
         raise ValueError(f"objective {objective!r}: choose one of {', '.join(OBJECTIVES)}")
+    if distill_loss not in DISTILL_LOSSES:
+        raise ValueError(f"distill_loss {distill_loss!r}: choose one of {', '.join(DISTILL_LOSSES)}")
     block_size = weights.shape[0]
     flat_labels = labels.flatten()  # (S*n*B,)
     counted = (flat_labels != IGNORE_INDEX).nonzero().squeeze(1)  # (M,)
-    rows = hidden.flatten(0, 1)[counted]  # (M, H)
+    rows, targets, positions = counted_rows(hidden, labels)  # (M, H), (M,), (M,) block position k of each row
     # (M, H), or (M, 0): checkpoint() takes tensors only, and an empty one costs nothing
     teacher_rows = teacher_hidden.flatten(0, 1)[counted] if distill_weight > 0 else rows[:, :0]
-    targets = flat_labels[counted]  # (M,)
-    positions = counted % block_size  # (M,) block position k of each row
 
     def chunk_terms(chunk_rows, chunk_teacher, chunk_targets, chunk_positions):
         logits = lm_head(chunk_rows).float()  # (m, V); one fp32 copy serves the loss and the metrics
@@ -155,7 +204,11 @@ def block_loss_sums(
         if distill_weight > 0:
             with torch.no_grad():
                 teacher = F.softmax(lm_head(chunk_teacher).float(), dim=-1)  # (m, V)
-            soft = -(teacher * F.log_softmax(logits, dim=-1)).sum(dim=-1)  # (m,)
+            log_q = F.log_softmax(logits, dim=-1)  # (m, V)
+            if distill_loss == "kl":
+                soft = -(teacher * log_q).sum(dim=-1)  # (m,)
+            else:  # the acceptance rate is at least exp(-CE) > 0 in exact arithmetic; the clamp guards fp32 underflow
+                soft = -torch.minimum(teacher, log_q.exp()).sum(dim=-1).clamp_min(1e-12).log()  # (m,)
             token_loss = (1 - distill_weight) * token_loss + distill_weight * soft
         detached = logits.detach()
         label_logit = detached.gather(1, chunk_targets[:, None])  # (m, 1)

@@ -18,8 +18,9 @@ training/features.py with this same target_layer_features), step 1 is skipped; t
 still loaded, for its embedding and LM head.
 
 One option beyond the published recipe, off by default: distill_weight > 0 runs the target to the
-end, and its LM head gives, for every label, the distribution it predicted that token from; the
-loss mixes in cross-entropy against it (training/loss.py). It does not change the exported drafter.
+end (or reads its final hidden states from the store), and its LM head gives, for every label, the
+distribution it predicted that token from; the loss mixes in a loss against it (distill_loss: kl or
+lk, training/loss.py). It does not change the exported drafter.
 
 The target lives outside the module tree: it is never in `parameters()`, the optimizer or a
 checkpoint, and `configure_model` reloads it from its source (name or folder, plus an optional
@@ -46,7 +47,10 @@ from ddtree.modeling_dflash import DFlashDraftModel
 from ddtree.errors import DDTreeError
 from ddtree.targets import build_drafter_config
 
-from .loss import OBJECTIVES, RECALL_K, block_loss_sums, block_position_weights, chain_acceptance, teacher_states
+from .loss import (
+    CALIBRATION_TEMPERATURES, DISTILL_LOSSES, OBJECTIVES, RECALL_K, block_loss_sums, block_position_weights,
+    chain_acceptance, teacher_states, temperature_nll_sums,
+)
 from .masks import block_input_ids, block_labels, block_position_ids, dense_block_mask, flex_block_mask, sample_anchors
 from .peft_utils import DEFAULT_LORA_MODULES, add_drafter_lora
 from .strategies import is_deepspeed
@@ -96,11 +100,13 @@ class DistillModule(L.LightningModule):
         # --- objective
         num_anchors: int = 512,  # blocks per sequence (published: up to 512)
         gamma: float = 7.0,  # loss decay over block positions (published: 7 for B=16, 5 for B=10)
-        distill_weight: float = 0.0,  # > 0: mix in cross-entropy against the target's full distribution (loss.py)
+        distill_weight: float = 0.0,  # > 0: mix in a loss against the target's full distribution (loss.py)
+        distill_loss: str = "kl",  # that loss: kl (cross-entropy to the target's softmax) or lk (-log acceptance rate)
         objective: str = "decayed_ce",  # training loss weights: decayed_ce (published), dpace or tree (loss.py)
         objective_smoothing: float = 0.5,  # dpace/tree: survival s -> (1 - a) s + a (D-PACE's a)
         objective_top_k: int = 4,  # tree: a label within the drafter's top k at a depth keeps the path alive
         loss_chunk_size: int | None = None,  # LM head + loss over this many block tokens at a time
+        calibrate: bool = False,  # fit per-position draft temperatures on validation data before each evaluation
         seed: int = 0,  # seeds the anchor draws
         # --- optimisation (AdamW + linear warmup + cosine decay, stepped every optimizer step)
         lr: float = 6e-4,
@@ -113,6 +119,9 @@ class DistillModule(L.LightningModule):
         self.save_hyperparameters()
         if objective not in OBJECTIVES:
             raise DDTreeError(f"model.objective={objective!r}: choose one of {', '.join(OBJECTIVES)}")
+        if distill_loss not in DISTILL_LOSSES or not 0 <= distill_weight <= 1:
+            raise DDTreeError(f"model.distill_loss={distill_loss!r} must be one of {', '.join(DISTILL_LOSSES)} and "
+                              f"model.distill_weight={distill_weight} in [0, 1]")
         if not 0 <= objective_smoothing <= 1 or objective_top_k < 1:
             raise DDTreeError(f"model.objective_smoothing={objective_smoothing} must be in [0, 1] and "
                               f"model.objective_top_k={objective_top_k} at least 1")
@@ -217,9 +226,10 @@ class DistillModule(L.LightningModule):
     def check_feature_store(self, store) -> None:
         """Offline features must be what this drafter reads online; a mismatch would train on the wrong layers."""
         hp = self.hparams
-        if hp.distill_weight > 0:
+        if hp.distill_weight > 0 and not store.final_hidden:
             raise DDTreeError(f"model.distill_weight={hp.distill_weight} needs the target's final hidden states, which "
-                              f"feature store {store.path} does not hold: set it to 0 or train online (no data.feature_store)")
+                              f"feature store {store.path} does not hold: rebuild it with `make features RECIPE=<recipe>` "
+                              "(a recipe that distils builds them) and --force (FORCE=1), or train online (no data.feature_store)")
         if (store.target, store.target_adapter) != (hp.target, hp.target_adapter):
             raise DDTreeError(f"feature store {store.path} holds features of target {store.target} (adapter "
                               f"{store.target_adapter}), this run's is {hp.target} (adapter {hp.target_adapter}): "
@@ -260,12 +270,15 @@ class DistillModule(L.LightningModule):
         key = hash((self.hparams.seed, epoch, batch_idx, self.global_rank)) & 0x7FFF_FFFF_FFFF
         return torch.Generator().manual_seed(key)
 
-    def shared_step(self, batch: dict, batch_idx: int, stage: str) -> StepResult | None:
-        """Loss and counts of one batch (stage "train" or "val"); None if the batch has no block to learn from."""
+    def block_predictions(self, batch: dict, batch_idx: int, stage: str, distill: bool = False):
+        """(drafter outputs (S, n*B, H), labels (S, n, B), teacher states (S, n*B, H) or None, target seconds).
+
+        None if the batch has no block to learn from. The anchors are drawn as for `stage`.
+        """
         input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
-        distill = self.hparams.distill_weight > 0
         if "features" in batch:  # offline store: the dtype the target's own forward gives
-            features, final, target_seconds = batch["features"].to(self.device, self.target.dtype), None, 0.0
+            features, target_seconds = batch["features"].to(self.device, self.target.dtype), 0.0
+            final = batch["final_hidden"].to(self.device, self.target.dtype) if distill else None  # (S, T, H)
         else:
             started = time.perf_counter()
             features = target_layer_features(self.target, input_ids, self.target_layer_ids, final_hidden=distill)
@@ -279,13 +292,24 @@ class DistillModule(L.LightningModule):
         labels = block_labels(input_ids, loss_mask, anchors, valid, self.block_size)  # (S, n, B)
         hidden = self.block_hidden_states(features, input_ids, anchors)  # (S, n*B, H)
         teacher_hidden = teacher_states(final, anchors, self.block_size) if distill else None  # (S, n*B, H)
+        return hidden, labels, teacher_hidden, target_seconds
+
+    def shared_step(self, batch: dict, batch_idx: int, stage: str) -> StepResult | None:
+        """Loss and counts of one batch (stage "train" or "val"); None if the batch has no block to learn from."""
+        # Validation measures the label cross-entropy alone, so runs with and without distillation compare.
+        distill = self.hparams.distill_weight > 0 and stage == "train"
+        predictions = self.block_predictions(batch, batch_idx, stage, distill)
+        if predictions is None:
+            return None
+        hidden, labels, teacher_hidden, target_seconds = predictions
         weights = block_position_weights(self.block_size, self.hparams.gamma, device=hidden.device)  # (B,)
         hp = self.hparams
         # Validation always measures the published decayed CE, so runs of different objectives compare.
         objective = hp.objective if stage == "train" else "decayed_ce"
         weighted, weight_total, hits, tokens, top_hits = block_loss_sums(
             hidden, labels, self.target.get_output_embeddings(), weights, hp.loss_chunk_size,
-            teacher_hidden, hp.distill_weight, objective, hp.objective_smoothing, hp.objective_top_k,
+            teacher_hidden, hp.distill_weight if distill else 0.0, objective, hp.objective_smoothing,
+            hp.objective_top_k, hp.distill_loss,
         )
         return StepResult(weighted / weight_total.clamp_min(1e-8), weighted, weight_total, hits, tokens, top_hits,
                           target_seconds)
@@ -368,6 +392,36 @@ class DistillModule(L.LightningModule):
         self.log_dict({f"val/acc_{k}": accuracy[k - 1] for k in range(1, self.block_size)})
         recall = sums["top_hits"][1:] / sums["tokens"][1:].clamp_min(1)
         self.log_dict({f"val/recall{RECALL_K}_{k}": recall[k - 1] for k in range(1, self.block_size)})
+
+    @torch.no_grad()
+    def calibrate_draft_temperatures(self, batches) -> list[float]:
+        """Fit and set the drafter's per-position temperatures (config.draft_temperatures) on `batches`.
+
+        Each block position 1..B-1 gets the temperature of CALIBRATION_TEMPERATURES with the least summed
+        label NLL over the validation anchors (the same draws as validation), summed over ranks; a
+        position without any label keeps 1. Returns them. Weights and argmaxes are unchanged.
+        """
+        nll, counts = 0, 0
+        for batch_idx, batch in enumerate(batches):
+            batch = {name: value.to(self.device) for name, value in batch.items()}
+            with self.trainer.precision_plugin.forward_context():  # the numerics of validation
+                predictions = self.block_predictions(batch, batch_idx, "val")
+            if predictions is None:
+                continue
+            hidden, labels = predictions[:2]
+            batch_nll, batch_counts = temperature_nll_sums(
+                hidden, labels, self.target.get_output_embeddings(), CALIBRATION_TEMPERATURES
+            )
+            nll, counts = nll + batch_nll, counts + batch_counts
+        if isinstance(nll, int):
+            nll = torch.zeros(len(CALIBRATION_TEMPERATURES), self.block_size, device=self.device)
+            counts = torch.zeros(self.block_size, device=self.device)
+        nll = self.trainer.strategy.reduce(nll, reduce_op="sum")
+        counts = self.trainer.strategy.reduce(counts, reduce_op="sum")
+        best = torch.tensor(CALIBRATION_TEMPERATURES, device=nll.device)[nll.argmin(dim=0)]  # (B,)
+        temperatures = torch.where(counts > 0, best, torch.ones_like(best))[1:].tolist()  # positions 1..B-1
+        self.base_drafter().config.draft_temperatures = temperatures
+        return temperatures
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -87,7 +87,9 @@ def build_missing_feature_store(cli: DistillCLI, recipe: str) -> None:
     Only a single-process run builds it: the processes of a larger launch would each start the
     same build, so they stop and ask for `make features` first.
     """
-    store = resolve_store_path(cli.datamodule.feature_store, recipe, cli.datamodule)
+    hp = cli.model.hparams
+    final_hidden = hp.distill_weight > 0  # distillation's soft targets come from the target's final hidden states
+    store = resolve_store_path(cli.datamodule.feature_store, recipe, cli.datamodule, final_hidden)
     if store is None:
         return
     cli.datamodule.feature_store = str(store)  # "auto" resolved; config.yaml keeps "auto", so a resume resolves it again
@@ -96,11 +98,10 @@ def build_missing_feature_store(cli: DistillCLI, recipe: str) -> None:
     if cli.trainer.world_size > 1:
         raise DDTreeError(f"data.feature_store {store} is not built and this launch runs {cli.trainer.world_size} "
                           f"processes: build it first with `make features RECIPE={recipe} OUT={store}`")
-    hp = cli.model.hparams
     # The store is written in the dtype the target runs in during training: the same rule as DistillModule.
     dtype = dtype_for_precision(cli.config.trainer.precision, hp.target_dtype)
     build_feature_store(cli.datamodule, Path(store), layer_ids=drafter_layer_ids(hp.target_layer_ids, hp.init_from),
-                        target_adapter=hp.target_adapter, dtype=dtype)
+                        target_adapter=hp.target_adapter, dtype=dtype, final_hidden=final_hidden)
 
 
 RUN_NAME_ENV = "DDTREE_RUN_NAME"  # the run folder name, handed to the processes Lightning starts

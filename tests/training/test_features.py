@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import lightning as L
 import pytest
@@ -86,6 +87,29 @@ def test_store_holds_exactly_the_online_features_of_every_sequence(tmp_path, dty
         store[len(data)]
 
 
+def test_final_hidden_states_are_the_targets_and_older_manifests_still_read(tmp_path):
+    dm = make_datamodule(tmp_path)
+    out = build_feature_store(dm, tmp_path / "store", layer_ids=LAYER_IDS, dtype=torch.float32, sequences_per_batch=1,
+                              final_hidden=True, max_shard_bytes=shard_bytes(3, torch.float32))
+    store = FeatureStore(out)
+    data, _, _ = dm.load_tokenized()
+    target, _ = load_target("tiny-random", torch.float32)
+    assert store.final_hidden and len(store.shards) > 2
+    for i in range(len(data)):
+        features, final = target_layer_features(target, data[i]["input_ids"][None], LAYER_IDS, final_hidden=True)
+        assert torch.equal(store[i], features[0]) and torch.equal(store.final(i), final[0]), f"sequence {i}"
+    # A store built before final_hidden existed has no such field: it is read as one without them.
+    plain = build_feature_store(dm, tmp_path / "plain", layer_ids=LAYER_IDS)
+    manifest = json.loads((plain / "store.json").read_text())
+    del manifest["final_hidden"]
+    (plain / "store.json").write_text(json.dumps(manifest))
+    assert not FeatureStore(plain).final_hidden
+    assert build_feature_store(dm, plain, layer_ids=LAYER_IDS) == plain  # the same build: nothing to do, no error
+    with pytest.raises(DDTreeError) as error:
+        FeatureStore(plain).final(0)
+    assert "distill_weight" in one_line(error.value)
+
+
 def test_length_sorted_batches_give_the_per_sequence_features(tmp_path):
     # Padding changes the float rounding a little (a different matmul shape), not the values.
     dm = make_datamodule(tmp_path)
@@ -121,24 +145,30 @@ def fit(module: DistillModule, dm: DistillDataModule, steps: int = 4):
     return recorder.losses, trainer
 
 
-@pytest.mark.parametrize("batch_size, sequences_per_batch, lr, tolerance", [
-    (1, 1, 3e-3, 0.0),  # every target forward sees one unpadded sequence, online and offline: bit for bit
+@pytest.mark.parametrize("batch_size, sequences_per_batch, lr, tolerance, distill", [
+    (1, 1, 3e-3, 0.0, {}),  # every target forward sees one unpadded sequence, online and offline: bit for bit
     # Padded batches round differently (~1e-8 on the features); Adam divides near-zero gradients by
     # their own size, so a large lr turns that noise into 1e-6-sized steps on a few weights.
     # The tolerance is relative for the losses (~11 in fp32), absolute for the weights.
-    (2, 8, 1e-4, 1e-6),
+    (2, 8, 1e-4, 1e-6, {}),
+    # Distillation's soft targets from the store's final hidden states, as online from the full forward.
+    (1, 1, 3e-3, 0.0, {"distill_weight": 0.5}),
+    (1, 1, 3e-3, 0.0, {"distill_weight": 0.5, "distill_loss": "lk"}),
 ])
-def test_training_from_the_store_equals_online_training(tmp_path, monkeypatch, batch_size, sequences_per_batch, lr, tolerance):
+def test_training_from_the_store_equals_online_training(tmp_path, monkeypatch, batch_size, sequences_per_batch, lr,
+                                                        tolerance, distill):
     store = build_feature_store(make_datamodule(tmp_path), tmp_path / "store", layer_ids=LAYER_IDS,
-                                dtype=torch.float32, sequences_per_batch=sequences_per_batch)
-    online_module = tiny_module(lr=lr)
+                                dtype=torch.float32, sequences_per_batch=sequences_per_batch,
+                                final_hidden=bool(distill))
+    assert FeatureStore(store).final_hidden == bool(distill)
+    online_module = tiny_module(lr=lr, **distill)
     online_losses, _ = fit(online_module, make_datamodule(tmp_path, batch_size=batch_size))
 
     def target_must_not_run(*args, **kwargs):
         raise AssertionError("the target ran although the batch carried features")
 
     monkeypatch.setattr(training.module, "target_layer_features", target_must_not_run)
-    offline_module = tiny_module(lr=lr)
+    offline_module = tiny_module(lr=lr, **distill)
     offline_dm = make_datamodule(tmp_path, batch_size=batch_size, feature_store=str(store))
     offline_losses, trainer = fit(offline_module, offline_dm)
     assert offline_dm.store is not None and len(offline_losses) == len(online_losses) == 4
@@ -383,7 +413,14 @@ def test_auto_store_is_the_recipes_cache_folder_built_on_first_use(tmp_path, mon
     assert train_main([*args, "--run", "one"]) == 0
     datamodule = DistillDataModule(target="tiny-random", data_path=str(data), max_length=256, cache_dir=str(tmp_path / "cache"))
     expected = tmp_path / "ddtree-cache" / "features" / f"tiny-{datamodule.tokenization_key()}"
-    assert FeatureStore(expected).layer_ids == [1, 3, 4]
+    assert FeatureStore(expected).layer_ids == [1, 3, 4] and not FeatureStore(expected).final_hidden
     assert "feature_store: auto" in (tmp_path / "out" / "tiny" / "one" / "config.yaml").read_text()  # a resume resolves it again
+    # A distilling run needs the final hidden states: its own store, beside the first.
+    assert train_main([*args, "--run", "two", "--model.distill_weight=0.5"]) == 0
+    assert FeatureStore(expected.with_name(expected.name + "-final")).final_hidden
+    # Without the smaller store, a run that does not distil takes the one with final hidden states: no second build.
+    shutil.rmtree(expected)
+    assert train_main([*args, "--run", "three"]) == 0
+    assert not expected.exists()
     with pytest.raises(DDTreeError, match="auto"):  # outside training.train there is no recipe to resolve it with
         DistillDataModule(target="tiny-random", data_path=str(data), feature_store="auto").setup()

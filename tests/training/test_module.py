@@ -137,6 +137,31 @@ def test_distill_weight_mixes_the_two_cross_entropies_and_zero_is_the_plain_loss
     assert torch.equal(mixed[1], plain[1]) and torch.equal(mixed[2], plain[2])  # same weights, same hits
 
 
+def test_lk_distillation_is_minus_the_log_acceptance_rate_and_its_gradient_raises_it():
+    hidden, labels, lm_head = block_loss_case()
+    teacher = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(1))
+    weights = block_position_weights(4, gamma=4.0)
+    plain = block_loss_sums(hidden, labels, lm_head, weights)
+    mixed = block_loss_sums(hidden, labels, lm_head, weights, teacher_hidden=teacher, distill_weight=0.25,
+                            distill_loss="lk")
+    counted = labels.flatten() != IGNORE_INDEX
+    positions = (torch.arange(labels.numel()) % 4)[counted]
+    p = lm_head(teacher.flatten(0, 1)[counted]).softmax(-1)
+
+    def acceptance(h):  # (M,) sum_v min(p, q): the chance a token drawn from q is accepted against p
+        return torch.minimum(p, lm_head(h.flatten(0, 1)[counted]).softmax(-1)).sum(-1)
+
+    soft = (-acceptance(hidden).log() * weights[positions]).sum()
+    assert torch.allclose(mixed[0], 0.75 * plain[0] + 0.25 * soft)
+    only_lk = block_loss_sums(hidden, labels, lm_head, weights, teacher_hidden=teacher, distill_weight=1.0,
+                              distill_loss="lk")
+    (grad,) = torch.autograd.grad(only_lk[0], hidden)
+    stepped = (hidden - 0.5 * grad).detach()  # a small gradient step raises the acceptance rate
+    assert acceptance(stepped).mean() > acceptance(hidden).mean()
+    with pytest.raises(ValueError, match="distill_loss"):
+        block_loss_sums(hidden, labels, lm_head, weights, teacher_hidden=teacher, distill_weight=0.5, distill_loss="js")
+
+
 def test_hits_per_position_and_implied_chain_acceptance():
     logits = torch.zeros(4, 5)
     logits[torch.arange(4), torch.tensor([1, 2, 3, 0])] = 1.0  # predictions 1, 2, 3, 0

@@ -1,0 +1,101 @@
+"""Calibration: per-position draft temperatures fitted on validation data, carried to decoding and export.
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/training/test_calibration.py -q
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import toy_data  # tests/training/toy_data.py
+from ddtree.bench import load_prompts, run_benchmark
+from ddtree.decoding import DrafterRunner, generate
+from ddtree.modeling_dflash import DFlashDraftModel
+from ddtree.targets import build_drafter_config, load_target, stop_token_ids
+from ddtree.tree import build_tree
+from training.checkpoints import drafter_from_checkpoint
+from training.export import export_drafter
+from training.loss import CALIBRATION_TEMPERATURES, IGNORE_INDEX, temperature_nll_sums
+from training.train import main as train_main
+
+
+def test_the_fitted_temperature_is_the_one_the_labels_were_drawn_with():
+    """Labels drawn from softmax(z / t_k) at block position k: the NLL is least at t_k, position by position."""
+    generator = torch.Generator().manual_seed(0)
+    block, vocab, blocks = 3, 50, 4000
+    lm_head = torch.nn.Linear(vocab, vocab, bias=False)
+    with torch.no_grad():
+        lm_head.weight.copy_(torch.eye(vocab))  # logits = hidden
+    hidden = 3 * torch.randn(1, blocks * block, vocab, generator=generator)  # (S, n*B, V)
+    true_temperature = torch.tensor([1.0, 0.6, 2.0])  # position 0 (the anchor) is never counted
+    probs = torch.softmax(hidden.view(blocks, block, vocab) / true_temperature[None, :, None], dim=-1)
+    labels = torch.multinomial(probs.view(-1, vocab), 1, generator=generator).view(1, blocks, block)
+    labels[:, :, 0] = IGNORE_INDEX
+    nll, counts = temperature_nll_sums(hidden, labels, lm_head, CALIBRATION_TEMPERATURES)
+    assert counts.tolist() == [0, blocks, blocks]
+    fitted = torch.tensor(CALIBRATION_TEMPERATURES)[nll.argmin(dim=0)]
+    assert fitted[1] == pytest.approx(0.6, rel=0.1) and fitted[2] == pytest.approx(2.0, rel=0.1)
+    # the sums are the plain cross-entropy of the scaled logits
+    one = CALIBRATION_TEMPERATURES.index(1.0)
+    counted = labels.flatten() != IGNORE_INDEX
+    expected = torch.nn.functional.cross_entropy(hidden[0][counted], labels.flatten()[counted], reduction="sum")
+    assert nll[one].sum() == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_decoding_divides_the_draft_logits_by_the_temperatures_and_stays_lossless():
+    target, tokenizer = load_target("tiny-random", torch.float32)
+    torch.manual_seed(0)
+    config = build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4)
+    drafter = DFlashDraftModel(config).eval()
+    prompt = tokenizer("def add(a, b):")["input_ids"]
+    plain = DrafterRunner(drafter, target)
+    greedy = generate(target, prompt, "ar", max_new_tokens=12).new_tokens
+
+    out = target(torch.tensor([prompt]), output_hidden_states=True)
+    context = plain.features(out.hidden_states)
+    root = int(out.logits[0, -1].argmax())
+    logits = plain.propose(root, len(prompt), context, 3)  # (3, V)
+
+    drafter.config.draft_temperatures = [2.0, 0.5, 1.0]
+    calibrated = DrafterRunner(drafter, target)
+    scaled = calibrated.propose(root, len(prompt), context, 3)
+    torch.testing.assert_close(scaled, logits / torch.tensor([[2.0], [0.5], [1.0]]))
+    assert torch.equal(scaled.argmax(-1), logits.argmax(-1))  # the chain is unchanged
+    assert build_tree(scaled, 8).expected_acceptance != build_tree(logits, 8).expected_acceptance
+    for method in ("dflash", "ddtree"):  # whatever the temperatures, the target's own tokens
+        result = generate(target, prompt, method, drafter=DrafterRunner(drafter, target), budget=8, max_new_tokens=12)
+        assert result.new_tokens == greedy, method
+    drafter.config.draft_temperatures = None
+    assert "draft_temperatures" not in drafter.config.dflash_config
+
+
+def test_a_calibrated_run_evaluates_saves_and_exports_its_temperatures(tmp_path):
+    data = toy_data.write_conversations(tmp_path / "conversations.jsonl", 16, 30, 50, 0, with_ids=False)
+    args = [
+        "--recipe", "tiny", "--output-root", str(tmp_path / "out"), "--run", "run",
+        f"--data.data_path={data}", f"--data.cache_dir={tmp_path / 'cache'}", "--data.batch_size=2",
+        "--data.val_fraction=0.25", "--trainer.val_check_interval=null", "--trainer.enable_progress_bar=false",
+        "--trainer.max_steps=4", "--trainer.precision=32-true", "--model.calibrate=true",
+        "--eval.every_n_train_steps=2", "--eval.limit=2", "--eval.max_new_tokens=8", "--checkpoint.save_top_k=-1",
+    ]
+    assert train_main(args) == 0
+    run_dir = tmp_path / "out" / "tiny" / "run"
+    target, tokenizer = load_target("tiny-random", torch.float32)
+    prompts = load_prompts("data/eval_prompts.jsonl", tokenizer, limit=2)
+    for step in (2, 4):
+        evaluation = json.loads((run_dir / "eval" / f"step-{step:06d}.json").read_text())
+        drafter = drafter_from_checkpoint(run_dir / "checkpoints" / f"step-{step}.ckpt")
+        temperatures = drafter.config.draft_temperatures
+        assert len(temperatures) == drafter.config.block_size - 1
+        assert all(t in CALIBRATION_TEMPERATURES for t in temperatures)
+        # the checkpoint holds the temperatures the evaluation decoded with: the same expected tau again
+        summary = run_benchmark(target, DrafterRunner(drafter, target), prompts, ["ddtree"], [4, 8, 16], 8,
+                                stop_token_ids(target, tokenizer), progress=False)["summary"]
+        for key, stats in summary.items():
+            assert evaluation["summary"][key]["expected_tau"] == pytest.approx(stats["expected_tau"], rel=1e-9), key
+    exported = export_drafter(run_dir / "checkpoints" / "step-4.ckpt", tmp_path / "drafter")
+    config = json.loads((exported / "config.json").read_text())
+    assert config["dflash_config"]["draft_temperatures"] == temperatures

@@ -163,6 +163,30 @@ def summarize(rows: list[dict], key: str) -> dict:
     return {**acceptance, **timing, "accepted_depth_counts": depth_counts}
 
 
+WARMUP_TOKENS = 32  # per method before timing: holds a full-depth round of a 16-token block (and its full tree)
+
+
+def warm_up(
+    target: PreTrainedModel,
+    drafter: DrafterRunner | None,
+    prompt_ids: list[int],
+    keys: list[tuple[str, str, int]],
+    max_new_tokens: int,
+    stop_ids: list[int],
+    sampling: Sampling,
+    seed: int,
+) -> None:
+    """One untimed generation per method, so that no method's figures absorb one-off costs.
+
+    The first calls at a new shape pay for allocations, kernel selection (and, on a GPU, clock
+    ramp-up); without this, whichever method is timed first (the chain) reports them as its own.
+    A 4-token warm-up was too short: it never drafted a full block nor verified a full-size tree.
+    """
+    for _, method, budget in keys:
+        generator = torch.Generator(device=target.device).manual_seed(seed)
+        generate(target, prompt_ids, method, drafter, budget or 1, max_new_tokens, stop_ids, sampling, generator)
+
+
 def run_benchmark(
     target: PreTrainedModel,
     drafter: DrafterRunner | None,
@@ -178,6 +202,7 @@ def run_benchmark(
     """Run every method on every prompt. Returns {"summary": {key: summarize(...)}, "prompts": [per-prompt rows]}.
 
     A row is {"id", "prompt_tokens", "methods": {key: {"tau", "new_tokens", "seconds", "rounds": [Round as a dict]}}}.
+    Every method is warmed up first (warm_up, on the first prompt, untimed); only the runs after that are timed.
     """
     keys = method_keys(methods, budgets)
     if drafter is None and any(method != "ar" for _, method, _ in keys):
@@ -188,9 +213,7 @@ def run_benchmark(
             raise DDTreeError(
                 f"prompt {prompt['id']!r} has {len(prompt['prompt_ids'])} tokens; the target's context is {limit}"
             )
-    # One short untimed run per method so one-off costs (allocations, kernel selection) stay out of the figures.
-    for _, method, budget in keys:
-        generate(target, prompts[0]["prompt_ids"], method, drafter, budget or 1, 4, stop_ids, sampling)
+    warm_up(target, drafter, prompts[0]["prompt_ids"], keys, min(max_new_tokens, WARMUP_TOKENS), stop_ids, sampling, seed)
 
     per_prompt = []
     bar = tqdm(total=len(prompts) * len(keys), desc="bench", disable=not progress, unit="run")

@@ -82,7 +82,7 @@ class Round:
     draft_s: float = 0.0  # drafter forward and its logits
     verify_s: float = 0.0  # the target forward
     other_s: float = 0.0  # tree build, mask, walk, cache compaction, bookkeeping
-    expected: float = 1.0  # the drafter's own predicted acceptance for this tree (1 + sum of path probs)
+    expected: float = 1.0  # the drafter's own predicted acceptance for this tree or chain (1 + sum of path probs)
     accepted_depth: int = 0  # accepted draft nodes (committed - 1 unless the round was cut)
 
 
@@ -170,6 +170,11 @@ def _now(device: torch.device) -> float:
 
 def _keep_rows(cache: DynamicCache, prefix_length: int, rows: list[int]) -> None:
     """Compact the cache to the prefix plus the given rows (offsets past the prefix), in that order."""
+    if rows == list(range(len(rows))):  # already in place (every ar step, every chain, a tree's first-choice path)
+        for layer in cache.layers:  # views, no copy: the rows after them are dropped
+            layer.keys = layer.keys[..., : prefix_length + len(rows), :]
+            layer.values = layer.values[..., : prefix_length + len(rows), :]
+        return
     tail = torch.tensor(rows, dtype=torch.long, device=cache.layers[0].keys.device) + prefix_length
     for layer in cache.layers:
         layer.keys = torch.cat([layer.keys[..., :prefix_length, :], layer.keys.index_select(-2, tail)], dim=-2)
@@ -243,9 +248,11 @@ def generate(
             draft_s = t_drafted - t_round
             if method == "ddtree":
                 tree = build_tree(draft_logits, budget)
-                expected = tree.expected_acceptance
             else:
-                tree = chain_tree(draft_logits.argmax(-1).tolist())
+                log_probs, tokens = torch.log_softmax(draft_logits.float(), dim=-1).max(dim=-1)  # (depth,) the argmax chain
+                tree = chain_tree(tokens.tolist())
+                tree.log_probs = log_probs.cumsum(0).tolist()  # each node's path probability, as build_tree records it
+            expected = tree.expected_acceptance
         else:
             t_drafted = t_round
             tree = chain_tree([])

@@ -42,6 +42,16 @@ _COMPILED_FLEX = None
 
 
 def _compiled_flex_attention():
+    """flex_attention compiled once per input shape; callers keep the shapes fixed across batches.
+
+    Why static shapes: uncompiled, flex attention materialises the whole score matrix, and dynamo
+    compiles a new kernel for each new shape until its recompile limit (8), then runs uncompiled. A
+    shape-generic compile (dynamic=True) did not build with torch 2.13's CPU inductor (C++ compile
+    errors in the code generated for flex_attention and for create_block_mask; CUDA not tried),
+    whereas padded to fixed shapes it compiled once (about 6 s on a loaded 2-core CPU) and ran every
+    later batch without recompiling, the same code on every device. Training pads its batches
+    (training/masks.py, `pad_for_flex`).
+    """
     global _COMPILED_FLEX
     if _COMPILED_FLEX is None:
         _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
@@ -56,9 +66,8 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 def _attention(q, k, v, mask, scaling):
     """q: (B, Hq, Tq, D); k, v: (B, Hkv, Tk, D); mask: None, bool (B|1, 1, Tq, Tk) or a flex BlockMask."""
     if BlockMask is not None and isinstance(mask, BlockMask):
-        # Uncompiled flex attention materialises the full score matrix; compiled, it runs the sparse kernel.
-        kernel = _compiled_flex_attention() if q.is_cuda else flex_attention
-        return kernel(q, k, v, block_mask=mask, scale=scaling, enable_gqa=True)
+        # Compiled, flex attention runs the sparse kernel (forward only on CPU: it has no CPU backward).
+        return _compiled_flex_attention()(q, k, v, block_mask=mask, scale=scaling, enable_gqa=True)
     if k.shape[1] != q.shape[1]:  # grouped-query attention: share each kv head across its query heads
         repeat = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)

@@ -2,7 +2,7 @@
 
     python -m training.ablate --recipe smollm2-135m --steps 600 \
         --variant decayed_ce= --variant dpace=--model.objective=dpace --variant tree=--model.objective=tree
-    make ablate RECIPE=smollm2-135m ARGS="--steps 600"        # the three objectives above, by default
+    make ablate RECIPE=smollm2-135m ARGS="--steps 600"        # the DEFAULT_VARIANTS below
 
 Each variant is one ordinary training run (training/train.py) of the recipe with its overrides,
 under <output-root>/<recipe>/ablate-<stamp>-<variant>/, all with the same step budget (or the same
@@ -38,7 +38,10 @@ from .loss import RECALL_K
 from .recipe import check_recipe_name
 from .train import main as train_main
 
-DEFAULT_VARIANTS = ["decayed_ce=", "dpace=--model.objective=dpace", "tree=--model.objective=tree"]
+DEFAULT_VARIANTS = [  # the published loss, the two acceptance-weighted objectives, the two distillation losses
+    "decayed_ce=", "dpace=--model.objective=dpace", "tree=--model.objective=tree",
+    "kl=--model.distill_weight=0.5", "lk=--model.distill_weight=0.5 --model.distill_loss=lk",
+]
 
 
 def parse_variant(text: str) -> tuple[str, list[str]]:
@@ -80,14 +83,15 @@ def summarize_variant(name: str, run_dir: Path, seconds: float) -> dict:
         "recall": [validation.get(f"val/recall{RECALL_K}_{k}") for k in depth],
         "tau": {budget: stats["tau"] for budget, stats in sorted(trees.items())},
         "expected_tau": {budget: stats["expected_tau"] for budget, stats in sorted(trees.items())},
-        "chain_tau": summary[CHAIN]["tau"],  # (decoding records no expected tau for the chain)
+        "chain_tau": summary[CHAIN]["tau"],
+        "chain_expected_tau": summary[CHAIN].get("expected_tau"),  # absent in evaluations made before decoding recorded it
     }
 
 
 def markdown_table(results: list[dict]) -> str:
     budgets = sorted(results[0]["tau"])
     head = ["variant", "steps", "run min", "val loss", "acc@1..", f"recall{RECALL_K}@1..",
-            *[f"tau@{b} (expected)" for b in budgets], "chain tau", "tree / chain"]
+            *[f"tau@{b} (expected)" for b in budgets], "chain tau (expected)", "tree / chain"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     fmt = lambda values: " ".join("-" if v is None else f"{v:.2f}" for v in values)  # noqa: E731
     for r in results:
@@ -95,7 +99,8 @@ def markdown_table(results: list[dict]) -> str:
         cells = [r["variant"], str(r["step"]), f"{r['run_minutes']:.1f}",
                  "-" if r["val_loss"] is None else f"{r['val_loss']:.3f}", fmt(r["accuracy"]), fmt(r["recall"]),
                  *[f"{r['tau'][b]:.2f} ({r['expected_tau'][b]:.2f})" for b in budgets],
-                 f"{r['chain_tau']:.2f}", f"{r['tau'][top] / r['chain_tau']:.2f}x"]
+                 f"{r['chain_tau']:.2f} ({'-' if r.get('chain_expected_tau') is None else format(r['chain_expected_tau'], '.2f')})",
+                 f"{r['tau'][top] / r['chain_tau']:.2f}x"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

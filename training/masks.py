@@ -11,7 +11,8 @@ features of every committed token except the newest (the anchor, fed as the bloc
 Positions (for RoPE): context j at j; block token k of anchor a at a + k.
 
 On CPU the mask is a dense bool tensor for SDPA; on CUDA it is a flex-attention BlockMask built
-from `block_mask_mod`, which the tests check against the dense mask on CPU index grids.
+from `block_mask_mod`, which the tests check against the dense mask on CPU index grids. The flex
+path runs at fixed shapes (`pad_for_flex`), so one compiled kernel serves every batch.
 
 Reference: DFlash (arXiv 2602.06036), training appendix (random anchors among response tokens,
 all blocks of a sequence in one forward under a sparse mask).
@@ -20,6 +21,7 @@ all blocks of a sequence in one forward under a sparse mask).
 from __future__ import annotations
 
 import torch
+from torch.nn import functional as F
 
 # Label of a block position with nothing to predict (anchor, past the end, outside the reply).
 IGNORE_INDEX = -100
@@ -137,12 +139,53 @@ def dense_block_mask(anchors: torch.Tensor, context_len: int, block_size: int) -
     return torch.cat([sees_context, same_block], dim=2)[:, None]
 
 
+# The compiled flex kernel and its mask are built for fixed shapes (see ddtree/modeling_dflash.py,
+# `_compiled_flex_attention`, for why): the context is padded to a power of two of at least this many
+# positions, so a recipe's max_length 3072 gives three widths (1024, 2048, 4096). Padded context rows
+# cost only their fc and key/value projections, at most ~2% of the drafter's matmul FLOPs at the
+# qwen3-8b recipe's shapes (2047 padded rows next to 512 x 16 block rows; arithmetic, not measured):
+# no block attends them, and flex attention skips the tiles they fill. Each width compiles once with
+# gradients (training) and once without (validation): 6 kernels at most for max_length 3072, under
+# dynamo's limit of 8 per function, plus one per smaller last batch (never at batch size 1).
+FLEX_MIN_CONTEXT = 1024
+
+
+def pad_for_flex(
+    features: torch.Tensor,  # (S, T, K*H)
+    anchors: torch.Tensor,  # (S, n), n <= num_anchors
+    num_anchors: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Features (S, W, K*H), zero-padded to the flex context width W, and anchors (S, num_anchors).
+
+    The extra anchors are 0: such a block sees no context, only itself, so the real blocks' outputs
+    do not change; the caller keeps the first n blocks of the drafter's output.
+    """
+    length = features.shape[1]
+    width = max(FLEX_MIN_CONTEXT, 1 << (length - 1).bit_length())
+    features = F.pad(features, (0, 0, 0, width - length))
+    anchors = F.pad(anchors, (0, num_anchors - anchors.shape[1]))
+    return features, anchors
+
+
+_COMPILED_CREATE_BLOCK_MASK = None
+
+
 def flex_block_mask(anchors: torch.Tensor, context_len: int, block_size: int):
-    """A flex-attention BlockMask of the same rule, for CUDA: tiles no block touches are skipped."""
+    """A flex-attention BlockMask of the same rule: tiles no block touches are skipped.
+
+    On CUDA it is built by a compiled create_block_mask, which never holds the dense
+    (S, n*B, T + n*B) mask the eager one materialises; like the kernel, it compiles once per shape.
+    On CPU (tests only: flex attention has no CPU backward) it is built eagerly, as torch 2.13's
+    CPU inductor fails to compile it for some shapes (a C++ error, e.g. 12 queries x 36 keys).
+    """
+    global _COMPILED_CREATE_BLOCK_MASK
     from torch.nn.attention.flex_attention import create_block_mask
 
+    if _COMPILED_CREATE_BLOCK_MASK is None:
+        _COMPILED_CREATE_BLOCK_MASK = torch.compile(create_block_mask, dynamic=False)
     num_sequences, num_blocks = anchors.shape
-    return create_block_mask(
+    create = _COMPILED_CREATE_BLOCK_MASK if anchors.is_cuda else create_block_mask
+    return create(
         block_mask_mod(anchors, context_len, block_size),
         B=num_sequences,
         H=None,  # same mask for every head

@@ -51,7 +51,9 @@ from .loss import (
     CALIBRATION_TEMPERATURES, DISTILL_LOSSES, OBJECTIVES, RECALL_K, block_loss_sums, block_position_weights,
     chain_acceptance, teacher_states, temperature_nll_sums,
 )
-from .masks import block_input_ids, block_labels, block_position_ids, dense_block_mask, flex_block_mask, sample_anchors
+from .masks import (
+    block_input_ids, block_labels, block_position_ids, dense_block_mask, flex_block_mask, pad_for_flex, sample_anchors,
+)
 from .peft_utils import DEFAULT_LORA_MODULES, add_drafter_lora
 from .strategies import is_deepspeed
 from .target import dtype_for_precision, load_frozen_target, target_layer_features
@@ -250,18 +252,22 @@ class DistillModule(L.LightningModule):
         anchors: torch.Tensor,  # (S, n)
     ) -> torch.Tensor:
         """Drafter outputs for every block of every sequence in one forward: (S, n*B, H)."""
-        context_len = input_ids.shape[1]
+        context_len, num_blocks = input_ids.shape[1], anchors.shape[1]
+        if features.is_cuda:
+            # Fixed shapes, so one compiled flex kernel serves every batch: (S, W, K*H), (S, num_anchors).
+            features, anchors = pad_for_flex(features, anchors, self.hparams.num_anchors)
+            context_len = features.shape[1]
+            mask = flex_block_mask(anchors, context_len, self.block_size)
+        else:
+            mask = dense_block_mask(anchors, context_len, self.block_size)  # (S, 1, n*B, T + n*B)
         block_ids = block_input_ids(input_ids, anchors, self.block_size, self.drafter_config.mask_token_id)
         with torch.no_grad():  # the target's embedding is frozen; no gradient needed at the input
             noise_embedding = self.target.get_input_embeddings()(block_ids)  # (S, n*B, H)
         position_ids = block_position_ids(context_len, anchors, self.block_size)  # (S, T + n*B)
-        if features.is_cuda:
-            mask = flex_block_mask(anchors, context_len, self.block_size)
-        else:
-            mask = dense_block_mask(anchors, context_len, self.block_size)  # (S, 1, n*B, T + n*B)
-        return self.drafter(
+        hidden = self.drafter(
             noise_embedding=noise_embedding, target_hidden=features, position_ids=position_ids, attention_mask=mask
         )
+        return hidden[:, : num_blocks * self.block_size]  # the padding blocks, if any, cut off
 
     def _anchor_generator(self, batch_idx: int, stage: str) -> torch.Generator:
         # Validation reuses one draw per batch so its numbers compare across evaluations.

@@ -6,7 +6,7 @@
 Training (training/train.py) builds its run from `DistillCLI`; tools that only read a recipe
 (the feature store's CLI, `make eval`, the recipe tests) use `read_recipe`, which parses and
 type-checks the same way and builds nothing. A bad field or value raises a DDTreeError naming
-the recipe and the field.
+the recipe and the field; so does a launch this machine cannot run (a GPU recipe without a GPU).
 """
 
 from __future__ import annotations
@@ -30,6 +30,11 @@ from .strategies import check_launch
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES_DIR = REPO / "recipes"
+GPU_ACCELERATORS = ("gpu", "cuda")  # the trainer.accelerator values that need a CUDA GPU
+
+
+class RecipeSettingError(DDTreeError):
+    """A recipe setting this launch cannot run with; `recipe_errors` puts the recipe's path in front."""
 
 
 def known_recipes() -> list[str]:
@@ -60,7 +65,8 @@ def config_arg(config: Path, overrides: list[str]) -> str:
     override = next((o.split("=", 1)[1] for o in overrides if o.startswith("--trainer.precision=")), None)
     if override is None:
         accelerator = str(trainer.get("accelerator", "auto"))
-        device = "cuda" if accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available()) else "cpu"
+        # A GPU recipe read on a machine without one resolves for the CPU (training stops at check_accelerator).
+        device = "cuda" if accelerator in (*GPU_ACCELERATORS, "auto") and torch.cuda.is_available() else "cpu"
         choice = fast_precision(device)
         print(f"[precision] trainer.precision auto -> {choice.lightning} ({choice.reason}); "
               "set trainer.precision to override", flush=True)
@@ -75,6 +81,8 @@ def recipe_errors(config: Path):
         yield
     except ArgumentError as error:
         raise DDTreeError(f"{config}: {argument_error_line(error)}") from None
+    except RecipeSettingError as error:
+        raise DDTreeError(f"{config}: {error}") from None
 
 
 def argument_error_line(error: ArgumentError) -> str:
@@ -84,6 +92,14 @@ def argument_error_line(error: ArgumentError) -> str:
     expected = next((line.lstrip("- ") for line in lines[1:] if line.lstrip("- ").startswith(("Expected", "Does not"))), None)
     parts = [lines[0].rstrip(":") if lines else type(error).__name__] + [p for p in (given, expected) if p]
     return "; ".join(parts)[:400]
+
+
+def check_accelerator(accelerator, devices) -> None:
+    """A recipe that asks for a GPU stops before anything is built when torch sees none."""
+    if str(accelerator) in GPU_ACCELERATORS and not torch.cuda.is_available():
+        fix = "--trainer.accelerator=cpu" + ("" if str(devices) in ("1", "auto") else " --trainer.devices=1")
+        raise RecipeSettingError(f"trainer.accelerator={accelerator} needs a CUDA GPU and this machine has none "
+                                 f"(torch.cuda.is_available() is False): run it on a GPU machine, or add {fix}")
 
 
 def check_checkpoint_settings(config: Path) -> None:
@@ -115,6 +131,7 @@ class DistillCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         # Before anything is built: a recipe sized for other hardware than was launched stops here.
+        check_accelerator(self.config.trainer.accelerator, self.config.trainer.devices)
         check_launch(self.config.trainer.devices, self.config.trainer.num_nodes)
 
 

@@ -2,13 +2,21 @@
 
     python -m training.throughput --target smollm2-135m --batch-size 2 --length 320 \
         --settings 16x5x16,32x5x8 --threads 2
+    python -m training.throughput --recipe qwen3-8b --random-target          # on a CUDA GPU
 
-Each setting is ANCHORSxLAYERSxBLOCK. For each, the script times (median of --repeats, after one
-warm-up) the target's plain forward over the batch (all layers, no LM head) and one training step
-of DistillModule (target features, drafter forward + backward, AdamW step) under bf16 autocast,
-and prints the ratio and the target tokens per second; then the same step from precomputed features
-(offline mode, training/features.py: no target forward), and its tokens per second. The batch is random tokens with the first
-60 positions of each sequence marked as prompt, the rest as reply.
+Each setting is ANCHORSxLAYERSxBLOCK. For each, the script times (median of --repeats, after
+--warmup calls, which also compile flex attention on CUDA) the target's plain forward over the batch
+(all layers, no LM head) and one training step of DistillModule (target features, drafter forward +
+backward, AdamW step) under bf16 autocast, and prints the ratio and the target tokens per second;
+then the same step from precomputed features (offline mode, training/features.py: no target
+forward), and its tokens per second. On CUDA the times come from CUDA events and each line adds the
+peak GPU memory of the step. The batch is random tokens with the first 60 positions of each
+sequence marked as prompt, the rest as reply.
+
+--recipe takes the drafter settings (anchors, layers, block, target layers, MASK id, loss chunk),
+max_length (the batch length) and the per-GPU batch size from a recipe. With --random-target the
+target is not downloaded: it is built with random weights from its published configuration
+(RANDOM_TARGETS), which is all its speed depends on.
 """
 
 from __future__ import annotations
@@ -17,59 +25,147 @@ import argparse
 import statistics
 import sys
 import time
+from unittest import mock
 
 import torch
+from transformers import AutoModelForCausalLM, Qwen3Config
 
-from ddtree.errors import command
+from ddtree.errors import DDTreeError, command
 
+from . import target as target_loading
 from .module import DistillModule
+from .recipe import check_recipe_name, read_recipe, recipe_path
 from .target import target_layer_features
 
+PROMPT_TOKENS = 60
 
-def time_call(fn, repeats: int) -> float:
-    fn()  # warm-up: first calls allocate and pick kernels
+# Targets built from their published config.json (architecture only; the weights are random).
+RANDOM_TARGETS = {
+    "Qwen/Qwen3-8B": Qwen3Config(
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=False,
+    ),
+}
+
+
+def time_call(fn, repeats: int, warmup: int, device: torch.device) -> tuple[float, int | None]:
+    """Median seconds of `fn` after `warmup` calls, and the peak GPU bytes of the timed calls (None on CPU)."""
+    for _ in range(warmup):  # first calls allocate, pick kernels and compile
+        fn()
+    if device.type != "cuda":
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - started)
+        return statistics.median(times), None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
     times = []
     for _ in range(repeats):
-        started = time.perf_counter()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    return statistics.median(times), torch.cuda.max_memory_allocated(device)
+
+
+def random_target_loader(name: str, build_on: torch.device):
+    """A stand-in for ddtree.targets.load_target: the named target's architecture with random weights."""
+
+    def load(name_or_path, dtype=torch.float32, device="cpu"):
+        with torch.device(build_on):  # built where it runs: an 8B model is slow to initialise on a CPU
+            model = AutoModelForCausalLM.from_config(RANDOM_TARGETS[name], dtype=dtype, attn_implementation="sdpa")
+        return model.eval().requires_grad_(False), None  # the recipe names its MASK id: no tokenizer needed
+
+    return load
+
+
+def recipe_settings(name: str) -> tuple[dict, int, int]:
+    """DistillModule settings, max_length and per-GPU batch size of a recipe."""
+    check_recipe_name(name)
+    config = read_recipe(recipe_path(name), [])
+    model = config.model.as_dict()
+    model.pop("target_dtype", None)
+    return model, config.data.max_length, config.data.batch_size
+
+
+def build_module(settings: dict, random_target: bool, device: torch.device) -> DistillModule:
+    module = DistillModule(**settings, target_dtype="bfloat16")
+    if random_target:
+        # configure_model loads the target by name; here the loader builds it from its configuration, so the
+        # drafter, layer ids and MASK id are wired exactly as training wires them.
+        with mock.patch.object(target_loading, "load_target", random_target_loader(settings["target"], device)):
+            module.configure_model()
+    else:
+        module.configure_model()
+    return module.to(device)
+
+
+def gigabytes(size: int | None) -> str:
+    return "" if size is None else f", peak {size / 2**30:.1f} GiB"
 
 
 @command
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="smollm2-135m")
-    parser.add_argument("--batch-size", type=int, default=2)
-    parser.add_argument("--length", type=int, default=320)
-    parser.add_argument("--settings", default="16x5x16", help="comma-separated ANCHORSxLAYERSxBLOCK")
+    parser.add_argument("--recipe", default=None, help="take the settings, length and batch size from recipes/<name>.yaml")
+    parser.add_argument("--random-target", action="store_true", help="build the target with random weights (RANDOM_TARGETS)")
+    parser.add_argument("--batch-size", type=int, default=None, help="default: the recipe's, else 2")
+    parser.add_argument("--length", type=int, default=None, help="default: the recipe's max_length, else 320")
+    parser.add_argument("--settings", default="16x5x16", help="comma-separated ANCHORSxLAYERSxBLOCK (without --recipe)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise DDTreeError(f"--device {args.device}: this machine has no CUDA GPU; use --device cpu")
+    if args.recipe:
+        recipe, max_length, recipe_batch = recipe_settings(args.recipe)
+        if args.random_target and recipe["target"] not in RANDOM_TARGETS:
+            raise DDTreeError(f"--random-target: no configuration for {args.recipe}'s target {recipe['target']!r}; "
+                              f"known: {', '.join(RANDOM_TARGETS)}")
+        cases = [(args.recipe, recipe)]
+    else:
+        if args.random_target:
+            raise DDTreeError("--random-target needs --recipe (the target and its drafter settings come from it)")
+        max_length, recipe_batch = 320, 2
+        cases = []
+        for setting in args.settings.split(","):
+            anchors, layers, block = (int(x) for x in setting.split("x"))
+            cases.append((setting, dict(target=args.target, num_anchors=anchors, num_layers=layers, block_size=block,
+                                        gamma=7.0 if block >= 16 else 4.0)))
+    batch_size, length = args.batch_size or recipe_batch, args.length or max_length
+    if length <= PROMPT_TOKENS + 2:
+        raise DDTreeError(f"--length {length} leaves no reply after the {PROMPT_TOKENS}-token prompt; give more than "
+                          f"{PROMPT_TOKENS + 2}")
+
     generator = torch.Generator().manual_seed(0)
-    input_ids = torch.randint(100, 40000, (args.batch_size, args.length), generator=generator)
+    input_ids = torch.randint(100, 40000, (batch_size, length), generator=generator).to(device)
     loss_mask = torch.ones_like(input_ids, dtype=torch.bool)
-    loss_mask[:, :60] = False
+    loss_mask[:, :PROMPT_TOKENS] = False
     batch = {"input_ids": input_ids, "loss_mask": loss_mask}
     tokens = input_ids.numel()
-    print(f"target {args.target}, batch {args.batch_size} x {args.length}, {torch.get_num_threads()} threads, bf16")
-    for setting in args.settings.split(","):
-        anchors, layers, block = (int(x) for x in setting.split("x"))
-        module = DistillModule(
-            target=args.target, target_dtype="bfloat16", num_anchors=anchors, num_layers=layers, block_size=block,
-            gamma=7.0 if block >= 16 else 4.0,
-        )
-        module.configure_model()
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} CPU threads"
+    print(f"batch {batch_size} x {length}, {where}, bf16" + (", random-weight target" if args.random_target else ""))
+    for label, settings in cases:
+        module = build_module(settings, args.random_target, device)
         optimizer = torch.optim.AdamW(module.drafter.parameters(), lr=1e-4)
 
         def target_forward():
-            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
                 module.target.get_decoder()(input_ids=input_ids, use_cache=False)
 
         def training_step(step_batch: dict):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast(device.type, dtype=torch.bfloat16):
                 loss = module.shared_step(step_batch, 0, "train").loss
             loss.backward()
             optimizer.step()
@@ -79,13 +175,14 @@ def main(argv: list[str] | None = None) -> int:
             features = target_layer_features(module.target, input_ids, module.target_layer_ids)
         offline_batch = {**batch, "features": features}  # the step then skips the target, as from a store
 
-        target_seconds = time_call(target_forward, args.repeats)
-        step_seconds = time_call(lambda: training_step(batch), args.repeats)
-        offline_seconds = time_call(lambda: training_step(offline_batch), args.repeats)
+        target_seconds, _ = time_call(target_forward, args.repeats, args.warmup, device)
+        step_seconds, step_peak = time_call(lambda: training_step(batch), args.repeats, args.warmup, device)
+        offline_seconds, offline_peak = time_call(lambda: training_step(offline_batch), args.repeats, args.warmup, device)
         print(
-            f"{setting:>10}: target forward {target_seconds:.2f} s, training step {step_seconds:.2f} s, "
-            f"ratio {step_seconds / target_seconds:.2f}, {tokens / step_seconds:.0f} target tokens/s; "
-            f"offline step {offline_seconds:.2f} s, {tokens / offline_seconds:.0f} tokens/s",
+            f"{label:>10}: target forward {target_seconds:.3f} s, training step {step_seconds:.3f} s"
+            f"{gigabytes(step_peak)}, ratio {step_seconds / target_seconds:.2f}, {tokens / step_seconds:.0f} target "
+            f"tokens/s; offline step {offline_seconds:.3f} s{gigabytes(offline_peak)}, "
+            f"{tokens / offline_seconds:.0f} tokens/s",
             flush=True,
         )
     return 0

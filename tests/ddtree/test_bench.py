@@ -4,9 +4,14 @@ share), and how it reads a prompts file.
     .venv/bin/pytest -q tests/ddtree/test_bench.py
 """
 
-import pytest
+import math
 
-from ddtree.bench import CHAIN, acceptance_summary, budget_of, iter_json_lines, load_prompts, method_keys, summarize, tree_key
+import pytest
+import torch
+
+from ddtree.bench import (CHAIN, acceptance_summary, budget_of, iter_json_lines, load_prompts, method_keys, run_benchmark,
+                          summarize, tree_key)
+from ddtree.decoding import generate
 from ddtree.errors import DDTreeError
 
 
@@ -40,6 +45,57 @@ def test_summaries_are_computed_from_the_per_prompt_rows():
     assert full["draft_ms"] == pytest.approx(50 / 3) and full["verify_ms"] == pytest.approx(80 / 3)
     assert full["round_ms"] == pytest.approx(full["draft_ms"] + full["verify_ms"] + full["other_ms"])
     assert list(full)[-1] == "accepted_depth_counts"  # results.json keeps its field order
+
+
+# ----------------------------------------------------------------------------- warm-up and the chain's expected tau
+
+
+class CountingDrafter:
+    """A stub drafter that records the depth of every proposal, per generation (generate resets it once per run).
+
+    Its logits put `confidence` on token 7 at every depth, so the argmax chain is known and so is
+    the drafter's probability of each of its tokens: softmax(confidence, 0, ..., 0)[7].
+    """
+
+    block_size = 16
+
+    def __init__(self, vocab: int, confidence: float = 3.0):
+        self.vocab, self.confidence = vocab, confidence
+        self.generations = []  # [[depth of each proposal]] per generate() call
+
+    def reset(self):
+        self.generations.append([])
+
+    def features(self, hidden_states):
+        return hidden_states[-1]
+
+    def propose(self, root_token, start, new_context, depth):
+        self.generations[-1].append(depth)
+        logits = torch.zeros(depth, self.vocab)
+        logits[:, 7] = self.confidence
+        return logits
+
+
+def test_every_method_is_warmed_up_at_full_depth_before_anything_is_timed(tiny_target):
+    target, _ = tiny_target
+    drafter = CountingDrafter(target.config.vocab_size)
+    prompts = [{"id": "a", "prompt_ids": [5, 6, 7, 8]}, {"id": "b", "prompt_ids": [9, 10, 11]}]
+    run_benchmark(target, drafter, prompts, [CHAIN, "ddtree"], [4], max_new_tokens=40, stop_ids=[], progress=False)
+    # two untimed runs (chain, tree) on the first prompt, then the timed runs: 2 prompts x 2 methods
+    assert len(drafter.generations) == 2 + 4
+    full_depth = drafter.block_size - 1
+    for warm_up in drafter.generations[:2]:
+        assert full_depth in warm_up, "a warm-up that never drafts a full block leaves that shape's first call to the timed runs"
+
+
+def test_the_chain_reports_its_expected_tau_from_its_own_probabilities(tiny_target):
+    target, _ = tiny_target
+    vocab = target.config.vocab_size
+    drafter = CountingDrafter(vocab, confidence=math.log(vocab - 1))  # token 7 has probability 1/2 at each depth
+    result = generate(target, [5, 6, 7, 8], CHAIN, drafter, max_new_tokens=40)
+    assert drafter.generations[0][0] == 15 and len(result.rounds) >= 2
+    for depth, round_ in zip(drafter.generations[0], result.rounds):
+        assert round_.expected == pytest.approx(1 + sum(0.5**d for d in range(1, depth + 1)), rel=1e-4)  # fp32 softmax over V
 
 
 # ----------------------------------------------------------------------------- reading a prompts file

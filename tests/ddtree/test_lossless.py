@@ -133,3 +133,45 @@ def test_stop_and_length_limits(smollm2, references):
     stop_at = greedy[5]  # pretend the 6th greedy token is a stop token
     stopped = generate(model, prompt, "ddtree", RiggedDrafter(prompt + greedy, model.config.vocab_size), 16, MAX_NEW, [stop_at])
     assert stopped.stopped and stopped.new_tokens == greedy[: greedy.index(stop_at) + 1]
+
+
+@pytest.mark.parametrize("rows", [[0], [0, 1, 2], [0, 2, 5], [0, 1, 3]])
+def test_cache_compaction_keeps_exactly_the_prefix_and_the_rows(tiny_target, rows):
+    """Rows already in place (ar, the chain) are kept by slicing, the others by copying: both must give the same cache."""
+    from transformers import DynamicCache
+
+    from ddtree.decoding import _keep_rows
+
+    model, _ = tiny_target
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(torch.arange(10, 20)[None], past_key_values=cache, use_cache=True)  # a 4-token prefix + 6 tree rows
+    expected = [(layer.keys[..., :4, :].clone(), layer.keys[..., [4 + r for r in rows], :].clone()) for layer in cache.layers]
+    _keep_rows(cache, 4, rows)
+    assert cache.get_seq_length() == 4 + len(rows)
+    for layer, (prefix, kept) in zip(cache.layers, expected):
+        assert torch.equal(layer.keys, torch.cat([prefix, kept], dim=-2))
+
+
+@pytest.fixture(scope="module")
+def cuda_target(smollm2):
+    import copy
+
+    model, tokenizer = smollm2
+    return copy.deepcopy(model).to("cuda"), tokenizer
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("method,budget", [("ar", 0), ("dflash", 0), ("ddtree", 32)])
+def test_decoding_on_cuda_matches_greedy_in_fp32(cuda_target, method, budget):
+    """The same loops on a GPU, against the target's own greedy decoding there (the reference for any CUDA fast path)."""
+    model, tokenizer = cuda_target
+    stop_ids = stop_token_ids(model, tokenizer)
+    for messages in PROMPTS:
+        prompt = _prompt_ids(tokenizer, messages)
+        greedy = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=MAX_NEW, do_sample=False,
+                                eos_token_id=stop_ids)[0, len(prompt):].tolist()
+        rigged = RiggedDrafter(prompt + greedy, model.config.vocab_size)
+        result = generate(model, prompt, method, rigged, budget, MAX_NEW, stop_ids)
+        assert result.new_tokens == greedy

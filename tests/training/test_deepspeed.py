@@ -397,6 +397,7 @@ def test_a_recipe_sized_for_other_hardware_stops_at_once_with_one_line(launcher,
         argv = ["--recipe", "tiny", "--run-name", "r"]
     else:
         slurm_env(monkeypatch, nodes=2, per_node=8)  # 16 tasks; qwen3-8b says 8 devices on 1 node
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on its GPU nodes: the launch check is next
         argv = ["--recipe", "qwen3-8b"]
     started = time.perf_counter()
     assert training.train.main([*argv, "--output-root", str(tmp_path)]) == 2

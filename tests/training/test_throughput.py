@@ -1,0 +1,67 @@
+"""GPU training: the throughput benchmark (CPU and CUDA) and a GPU recipe launched where there is no GPU.
+
+    OMP_NUM_THREADS=1 .venv/bin/pytest -q tests/training/test_throughput.py
+
+The CUDA case skips without a GPU. The qwen3-8b case (b) itself (an 8B random-weight target) is run
+by hand on a GPU: `python -m training.throughput --recipe qwen3-8b --random-target`.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import training.train
+from training.throughput import RANDOM_TARGETS, main, recipe_settings
+
+TINY = ["--target", "tiny-random", "--settings", "4x1x4", "--length", "80", "--repeats", "1", "--threads", "1"]
+
+
+def measured_line(output: str) -> str:
+    return next(line for line in output.splitlines() if "training step" in line)
+
+
+def test_cpu_run_reports_both_steps_and_their_ratio(capsys):
+    assert main([*TINY, "--device", "cpu"]) == 0
+    line = measured_line(capsys.readouterr().out)
+    target, step = (float(x) for x in re.search(r"target forward ([\d.]+) s, training step ([\d.]+) s", line).groups())
+    ratio = float(re.search(r"ratio ([\d.]+)", line).group(1))
+    assert target > 0 and step > 0 and ratio == pytest.approx(step / target, rel=0.2)  # (times printed to the ms)
+    assert "target tokens/s" in line and "offline step" in line and "peak" not in line  # no GPU memory on a CPU
+
+
+def test_case_b_is_qwen3_8b_at_the_recipe_settings():
+    config = RANDOM_TARGETS["Qwen/Qwen3-8B"]
+    assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+            config.head_dim, config.intermediate_size, config.vocab_size) == (36, 4096, 32, 8, 128, 12288, 151936)
+    settings, max_length, batch_size = recipe_settings("qwen3-8b")
+    assert settings["target"] == "Qwen/Qwen3-8B" and settings["num_anchors"] == 512 and settings["block_size"] == 16
+    assert (max_length, batch_size) == (3072, 1)
+
+
+def test_a_random_target_without_a_configuration_is_one_line(capsys):
+    assert main(["--random-target"]) == 2
+    assert main(["--recipe", "tiny", "--random-target"]) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert errors[0].startswith("error: --random-target needs --recipe")
+    assert errors[1].startswith("error: --random-target: no configuration for tiny's target")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_run_times_with_events_and_reports_peak_memory(capsys):
+    assert main([*TINY, "--device", "cuda"]) == 0
+    line = measured_line(capsys.readouterr().out)
+    assert re.search(r"training step [\d.]+ s, peak [\d.]+ GiB", line)
+
+
+def test_a_gpu_recipe_on_a_machine_without_a_gpu_stops_with_one_line(tmp_path, monkeypatch, capsys):
+    """Before anything is loaded; the line names the recipe and the overrides that run it on the CPU."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert training.train.main(["--recipe", "qwen3-8b", "--output-root", str(tmp_path)]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
+    assert len(errors) == 1
+    assert "recipes/qwen3-8b.yaml: trainer.accelerator=gpu needs a CUDA GPU" in errors[0]
+    assert errors[0].endswith("add --trainer.accelerator=cpu --trainer.devices=1")
+    assert not any(tmp_path.iterdir())  # no run folder left behind

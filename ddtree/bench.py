@@ -269,17 +269,15 @@ def measure_verify_cost(
     import statistics
     import time
 
-    from transformers import DynamicCache
-
-    from .decoding import _keep_rows
-    from .tree import build_tree, tree_attention_mask, tree_positions, walk
+    from .target_runner import DynamicTarget
+    from .tree import ancestor_matrix, build_tree, tree_positions, walk
 
     device = target.device
     generator = torch.Generator().manual_seed(seed)
     vocab = target.get_output_embeddings().weight.shape[0]
-    prefix = torch.randint(100, vocab, (1, context), generator=generator).to(device)
-    cache = DynamicCache(config=target.config)
-    target(prefix, past_key_values=cache, use_cache=True)
+    runner = DynamicTarget(target, hidden_states=False)  # the decoding loop's own forwards
+    runner.prefill(torch.randint(100, vocab, (context,), generator=generator).tolist())
+    cache = runner.cache
 
     def clock() -> float:
         if device.type == "cuda":
@@ -287,11 +285,8 @@ def measure_verify_cost(
         return time.perf_counter()
 
     def verify(tree) -> float:
-        tokens = torch.tensor([[7] + tree.tokens], device=device)
-        mask = tree_attention_mask(tree, context, target.dtype, device)
         start = clock()
-        target(tokens, position_ids=tree_positions(tree, context).to(device)[None], attention_mask=mask,
-               past_key_values=cache, use_cache=True)
+        runner.verify([7] + tree.tokens, tree_positions(tree, context), ancestor_matrix(tree), context)
         elapsed = clock() - start
         cache.crop(-(len(tree) + 1))
         return elapsed
@@ -309,17 +304,15 @@ def measure_verify_cost(
         for _ in range(repeats):
             start = clock()
             tree = build_tree(logits, size)
-            mask = tree_attention_mask(tree, context, target.dtype, device)
-            positions = tree_positions(tree, context).to(device)[None]
+            positions, visible = tree_positions(tree, context), ancestor_matrix(tree)
             first_child = {}
             for row, parent in enumerate(tree.parents, start=1):
                 first_child.setdefault(parent, tree.tokens[row - 1])
             accepted, _ = walk(tree, lambda row: first_child.get(row, -1))  # the most likely path, all accepted
             built = clock() - start
-            target(torch.tensor([[7] + tree.tokens], device=device), position_ids=positions,
-                   attention_mask=mask, past_key_values=cache, use_cache=True)  # untimed: fills rows to compact
+            runner.verify([7] + tree.tokens, positions, visible, context)  # untimed: fills rows to compact
             start = clock()
-            _keep_rows(cache, context, [0] + accepted)
+            runner.keep(context, [0] + accepted)
             compacted = clock() - start
             cache.crop(-(cache.get_seq_length() - context))
             overheads.append(built + compacted)

@@ -26,8 +26,9 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from .modeling_dflash import DFlashDraftModel, fuse_target_features
+from .target_runner import DynamicTarget, StaticTarget
 from .targets import DDTreeError
-from .tree import build_tree, chain_tree, tree_attention_mask, tree_positions, walk
+from .tree import ancestor_matrix, build_tree, chain_tree, tree_positions, walk
 
 METHODS = ("ar", "dflash", "ddtree")
 
@@ -168,19 +169,6 @@ def _now(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def _keep_rows(cache: DynamicCache, prefix_length: int, rows: list[int]) -> None:
-    """Compact the cache to the prefix plus the given rows (offsets past the prefix), in that order."""
-    if rows == list(range(len(rows))):  # already in place (every ar step, every chain, a tree's first-choice path)
-        for layer in cache.layers:  # views, no copy: the rows after them are dropped
-            layer.keys = layer.keys[..., : prefix_length + len(rows), :]
-            layer.values = layer.values[..., : prefix_length + len(rows), :]
-        return
-    tail = torch.tensor(rows, dtype=torch.long, device=cache.layers[0].keys.device) + prefix_length
-    for layer in cache.layers:
-        layer.keys = torch.cat([layer.keys[..., :prefix_length, :], layer.keys.index_select(-2, tail)], dim=-2)
-        layer.values = torch.cat([layer.values[..., :prefix_length, :], layer.values.index_select(-2, tail)], dim=-2)
-
-
 def context_limit(target: PreTrainedModel) -> int:
     return int(getattr(target.config.get_text_config(), "max_position_embeddings", 1 << 30))
 
@@ -196,8 +184,13 @@ def generate(
     stop_ids: list[int] | tuple[int, ...] = (),
     sampling: Sampling = Sampling(),
     generator: torch.Generator | None = None,
+    static: bool | None = None,
 ) -> GenerationResult:
-    """Generate up to `max_new_tokens` tokens after `prompt_ids` with one of METHODS. Batch size 1."""
+    """Generate up to `max_new_tokens` tokens after `prompt_ids` with one of METHODS. Batch size 1.
+
+    static: run the target over a preallocated cache at one verify shape (ddtree/target_runner.py),
+    captured as a CUDA graph on a GPU; None = on CUDA only (on the CPUs measured it was slower, README).
+    """
     if method not in METHODS:
         raise DDTreeError(f"unknown method {method!r}: choose from {', '.join(METHODS)}")
     if method != "ar" and drafter is None:
@@ -214,20 +207,20 @@ def generate(
     if max_new_tokens <= 0:
         return result
     stop = set(stop_ids)
-    cache = DynamicCache(config=target.config)
     use_drafter = method != "ar"
+    if static is None:
+        static = device.type == "cuda"
+    if static:
+        verify_rows = 1 + (budget if method == "ddtree" else drafter.block_size - 1 if use_drafter else 0)
+        runner = StaticTarget(target, use_drafter, verify_rows, capacity=len(prompt) + max_new_tokens + verify_rows)
+    else:
+        runner = DynamicTarget(target, use_drafter)
 
     t0 = _now(device)
-    out = target(
-        torch.tensor([prompt], device=device),
-        past_key_values=cache,
-        use_cache=True,
-        output_hidden_states=use_drafter,
-        logits_to_keep=1,
-    )
-    root = sampling.choose(out.logits[0, -1], generator)
+    last_logits, hidden = runner.prefill(prompt)
+    root = sampling.choose(last_logits, generator)
     result.new_tokens.append(root)
-    new_context = drafter.features(out.hidden_states) if use_drafter else None
+    new_context = drafter.features(hidden) if use_drafter else None
     if use_drafter:
         drafter.reset()
     result.prefill_s = _now(device) - t0
@@ -256,21 +249,9 @@ def generate(
         else:
             t_drafted = t_round
             tree = chain_tree([])
-        rows = [root] + tree.tokens
-        mask = tree_attention_mask(tree, start, target.dtype, device)
-        positions = tree_positions(tree, start).to(device)[None]
-
         t_verify = _now(device)
-        out = target(
-            torch.tensor([rows], device=device),
-            position_ids=positions,
-            attention_mask=mask,
-            past_key_values=cache,
-            use_cache=True,
-            output_hidden_states=use_drafter,
-        )
-        t_verified = _now(device)
-        logits = out.logits[0]  # (1 + n, V)
+        logits, hidden = runner.verify([root] + tree.tokens, tree_positions(tree, start), ancestor_matrix(tree), start)
+        t_verified = _now(device)  # logits (1 + n, V)
 
         accepted, bonus = walk(tree, lambda row: sampling.choose(logits[row], generator))
         committed = [tree.tokens[row - 1] for row in accepted] + [bonus]
@@ -283,9 +264,9 @@ def generate(
         result.new_tokens.extend(committed)
         kept_rows = [0] + accepted  # the root and the accepted nodes enter the cache
         if not result.stopped and len(result.new_tokens) < max_new_tokens:
-            _keep_rows(cache, start, kept_rows)
+            runner.keep(start, kept_rows)
             if use_drafter:
-                new_context = drafter.features(out.hidden_states)[:, kept_rows]
+                new_context = drafter.features(hidden)[:, kept_rows]
             start += len(kept_rows)
             root = bonus
         t_end = _now(device)

@@ -102,20 +102,6 @@ def ancestor_matrix(tree: DraftTree) -> np.ndarray:
     return visible
 
 
-def tree_attention_mask(tree: DraftTree, prefix_length: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """Additive 4-D mask (1, 1, 1 + n, prefix_length + 1 + n): 0 where visible, dtype-min elsewhere.
-
-    Every row sees the whole committed prefix (the KV cache) and only its ancestors in the tree.
-    Additive rather than boolean so that both SDPA and eager attention read it the same way.
-    """
-    rows = len(tree) + 1
-    visible = np.ones((rows, prefix_length + rows), dtype=bool)
-    visible[:, prefix_length:] = ancestor_matrix(tree)
-    mask = torch.zeros(visible.shape, dtype=dtype)
-    mask.masked_fill_(torch.from_numpy(~visible), torch.finfo(dtype).min)
-    return mask.to(device)[None, None]
-
-
 def walk(tree: DraftTree, next_token_at) -> tuple[list[int], int]:
     """Follow the target's own choices from the root while they are children in the tree.
 

@@ -85,10 +85,12 @@ def random_drafter(smollm2):
     return DrafterRunner(load_drafter("random", model, tokenizer, "smollm2-135m"), model)
 
 
-def test_ar_matches_greedy(smollm2, references):
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic-cache", "static-cache"])
+def test_ar_matches_greedy(smollm2, references, static):
     model, tokenizer = smollm2
     for prompt, greedy in references:
-        result = generate(model, prompt, "ar", max_new_tokens=MAX_NEW, stop_ids=stop_token_ids(model, tokenizer))
+        result = generate(model, prompt, "ar", max_new_tokens=MAX_NEW, stop_ids=stop_token_ids(model, tokenizer),
+                          static=static)
         assert result.new_tokens == greedy
 
 
@@ -102,13 +104,15 @@ def test_random_drafter_is_lossless(smollm2, references, random_drafter, method,
         assert result.new_tokens == greedy
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic-cache", "static-cache"])
 @pytest.mark.parametrize("method,budget", [("dflash", 0), ("ddtree", 1), ("ddtree", 8), ("ddtree", 64)])
-def test_rigged_drafter_is_lossless_and_exercises_the_walk(smollm2, references, method, budget):
+def test_rigged_drafter_is_lossless_and_exercises_the_walk(smollm2, references, method, budget, static):
+    """The static cache (padded verifies, in-place compaction) is held to the same walk as the dynamic one."""
     model, tokenizer = smollm2
     long_paths = non_first = 0
     for prompt, greedy in references:
         rigged = RiggedDrafter(prompt + greedy, model.config.vocab_size)
-        result = generate(model, prompt, method, rigged, budget, MAX_NEW, stop_token_ids(model, tokenizer))
+        result = generate(model, prompt, method, rigged, budget, MAX_NEW, stop_token_ids(model, tokenizer), static=static)
         assert result.new_tokens == greedy
         drafted_rounds = [r for r in result.rounds if r.tree_size > 0]
         assert len(drafted_rounds) == len(rigged.calls)
@@ -135,22 +139,30 @@ def test_stop_and_length_limits(smollm2, references):
     assert stopped.stopped and stopped.new_tokens == greedy[: greedy.index(stop_at) + 1]
 
 
+@pytest.mark.parametrize("runner_kind", ["dynamic", "static"])
 @pytest.mark.parametrize("rows", [[0], [0, 1, 2], [0, 2, 5], [0, 1, 3]])
-def test_cache_compaction_keeps_exactly_the_prefix_and_the_rows(tiny_target, rows):
-    """Rows already in place (ar, the chain) are kept by slicing, the others by copying: both must give the same cache."""
-    from transformers import DynamicCache
+def test_cache_compaction_keeps_exactly_the_prefix_and_the_rows(tiny_target, rows, runner_kind):
+    """Rows already in place (ar, the chain) are kept as they lie, the others are copied: both give the same cache."""
+    import numpy as np
 
-    from ddtree.decoding import _keep_rows
+    from ddtree.target_runner import DynamicTarget, StaticTarget
 
     model, _ = tiny_target
-    cache = DynamicCache(config=model.config)
-    with torch.no_grad():
-        model(torch.arange(10, 20)[None], past_key_values=cache, use_cache=True)  # a 4-token prefix + 6 tree rows
-    expected = [(layer.keys[..., :4, :].clone(), layer.keys[..., [4 + r for r in rows], :].clone()) for layer in cache.layers]
-    _keep_rows(cache, 4, rows)
-    assert cache.get_seq_length() == 4 + len(rows)
-    for layer, (prefix, kept) in zip(cache.layers, expected):
-        assert torch.equal(layer.keys, torch.cat([prefix, kept], dim=-2))
+    if runner_kind == "dynamic":
+        runner = DynamicTarget(model, hidden_states=False)
+    else:
+        runner = StaticTarget(model, hidden_states=False, max_rows=8, capacity=16, cuda_graph=False)
+    with torch.no_grad():  # a 4-token prefix, then 6 tree rows (a chain) verified after it
+        runner.prefill(list(range(10, 14)))
+        runner.verify(list(range(14, 20)), torch.arange(4, 10), np.tril(np.ones((6, 6), dtype=bool)), 4)
+    keys = lambda layer: layer.keys[..., : 4 + 6, :]  # noqa: E731 (the static buffer runs past the rows written)
+    expected = [(keys(layer)[..., :4, :].clone(), keys(layer)[..., [4 + r for r in rows], :].clone())
+                for layer in runner.cache.layers]
+    runner.keep(4, rows)
+    for layer, (prefix, kept) in zip(runner.cache.layers, expected):
+        assert torch.equal(layer.keys[..., : 4 + len(rows), :], torch.cat([prefix, kept], dim=-2))
+    if runner_kind == "dynamic":
+        assert runner.cache.get_seq_length() == 4 + len(rows)
 
 
 @pytest.fixture(scope="module")
@@ -163,9 +175,10 @@ def cuda_target(smollm2):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic-cache", "static-cache-cuda-graph"])
 @pytest.mark.parametrize("method,budget", [("ar", 0), ("dflash", 0), ("ddtree", 32)])
-def test_decoding_on_cuda_matches_greedy_in_fp32(cuda_target, method, budget):
-    """The same loops on a GPU, against the target's own greedy decoding there (the reference for any CUDA fast path)."""
+def test_decoding_on_cuda_matches_greedy_in_fp32(cuda_target, method, budget, static):
+    """The same loops on a GPU, against the target's own greedy decoding there; static=True is the CUDA-graph path."""
     model, tokenizer = cuda_target
     stop_ids = stop_token_ids(model, tokenizer)
     for messages in PROMPTS:
@@ -173,5 +186,5 @@ def test_decoding_on_cuda_matches_greedy_in_fp32(cuda_target, method, budget):
         greedy = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=MAX_NEW, do_sample=False,
                                 eos_token_id=stop_ids)[0, len(prompt):].tolist()
         rigged = RiggedDrafter(prompt + greedy, model.config.vocab_size)
-        result = generate(model, prompt, method, rigged, budget, MAX_NEW, stop_ids)
+        result = generate(model, prompt, method, rigged, budget, MAX_NEW, stop_ids, static=static)
         assert result.new_tokens == greedy

@@ -5,9 +5,9 @@ import math
 
 import pytest
 import torch
-from transformers import DynamicCache
 
-from ddtree.tree import ancestor_matrix, build_tree, tree_attention_mask, tree_positions, walk
+from ddtree.target_runner import DynamicTarget, StaticTarget
+from ddtree.tree import ancestor_matrix, build_tree, tree_positions, walk
 
 
 def brute_force_top_prefixes(log_probs: torch.Tensor, budget: int) -> set[tuple[int, ...]]:
@@ -69,23 +69,22 @@ def test_ancestor_matrix_and_walk():
     assert [tree.tokens[r - 1] for r in accepted] == [6] and bonus == 99
 
 
-def test_tree_forward_matches_each_path_alone(smollm2):
+@pytest.mark.parametrize("runner_kind", ["dynamic", "static"])
+def test_tree_forward_matches_each_path_alone(smollm2, runner_kind):
+    """Both target runners (ddtree/target_runner.py): the static one pads the tree to a fixed row count."""
     model, tokenizer = smollm2
     prompt = tokenizer("def fibonacci(n):\n    ", add_special_tokens=False)["input_ids"]
     generator = torch.Generator().manual_seed(0)
     tree = build_tree(torch.randn(4, model.config.vocab_size, generator=generator) * 3, 12)
     root = 1000
+    if runner_kind == "dynamic":
+        runner = DynamicTarget(model, hidden_states=False)
+    else:
+        runner = StaticTarget(model, hidden_states=False, max_rows=20, capacity=len(prompt) + 40, cuda_graph=False)
     with torch.no_grad():
-        cache = DynamicCache(config=model.config)
-        model(torch.tensor([prompt]), past_key_values=cache, use_cache=True)
+        runner.prefill(prompt)
         start = len(prompt)
-        tree_logits = model(
-            torch.tensor([[root] + tree.tokens]),
-            position_ids=tree_positions(tree, start)[None],
-            attention_mask=tree_attention_mask(tree, start, model.dtype, "cpu"),
-            past_key_values=cache,
-            use_cache=True,
-        ).logits[0]
+        tree_logits, _ = runner.verify([root] + tree.tokens, tree_positions(tree, start), ancestor_matrix(tree), start)
         assert tree_logits.shape[0] == len(tree) + 1
         for row, path in enumerate([()] + node_paths(tree)):
             alone = model(torch.tensor([prompt + [root, *path]])).logits[0, -1]

@@ -175,6 +175,7 @@ def warm_up(
     stop_ids: list[int],
     sampling: Sampling,
     seed: int,
+    static: bool | None = None,
 ) -> None:
     """One untimed generation per method, so that no method's figures absorb one-off costs.
 
@@ -184,7 +185,7 @@ def warm_up(
     """
     for _, method, budget in keys:
         generator = torch.Generator(device=target.device).manual_seed(seed)
-        generate(target, prompt_ids, method, drafter, budget or 1, max_new_tokens, stop_ids, sampling, generator)
+        generate(target, prompt_ids, method, drafter, budget or 1, max_new_tokens, stop_ids, sampling, generator, static)
 
 
 def run_benchmark(
@@ -198,11 +199,13 @@ def run_benchmark(
     sampling: Sampling = Sampling(),
     seed: int = 0,
     progress: bool = True,
+    static: bool | None = None,
 ) -> dict:
     """Run every method on every prompt. Returns {"summary": {key: summarize(...)}, "prompts": [per-prompt rows]}.
 
     A row is {"id", "prompt_tokens", "methods": {key: {"tau", "new_tokens", "seconds", "rounds": [Round as a dict]}}}.
     Every method is warmed up first (warm_up, on the first prompt, untimed); only the runs after that are timed.
+    static: the target's cache (ddtree.decoding.generate; None = static with CUDA graphs on a GPU only).
     """
     keys = method_keys(methods, budgets)
     if drafter is None and any(method != "ar" for _, method, _ in keys):
@@ -213,7 +216,8 @@ def run_benchmark(
             raise DDTreeError(
                 f"prompt {prompt['id']!r} has {len(prompt['prompt_ids'])} tokens; the target's context is {limit}"
             )
-    warm_up(target, drafter, prompts[0]["prompt_ids"], keys, min(max_new_tokens, WARMUP_TOKENS), stop_ids, sampling, seed)
+    warm_up(target, drafter, prompts[0]["prompt_ids"], keys, min(max_new_tokens, WARMUP_TOKENS), stop_ids, sampling, seed,
+            static)
 
     per_prompt = []
     bar = tqdm(total=len(prompts) * len(keys), desc="bench", disable=not progress, unit="run")
@@ -222,7 +226,8 @@ def run_benchmark(
         for key, method, budget in keys:
             generator = torch.Generator(device=target.device).manual_seed(seed)
             result = generate(
-                target, prompt["prompt_ids"], method, drafter, budget or 1, max_new_tokens, stop_ids, sampling, generator
+                target, prompt["prompt_ids"], method, drafter, budget or 1, max_new_tokens, stop_ids, sampling, generator,
+                static,
             )
             row["methods"][key] = {
                 "tau": result.tau,

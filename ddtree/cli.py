@@ -52,6 +52,9 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+STATIC_CACHE = {"auto": None, "on": True, "off": False}  # --static-cache -> generate(static=...)
+
+
 def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="smollm2-135m", help="built-in name, local HF folder or Hub id")
     parser.add_argument("--drafter", default="random", help="'random' or a drafter folder")
@@ -62,6 +65,10 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--static-cache", choices=STATIC_CACHE, default="auto",
+                        help="the target's KV cache: static (one verify shape, a CUDA graph on a GPU) or dynamic; "
+                             "auto = static on CUDA only")
+
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,7 +148,7 @@ def cmd_generate(args) -> None:
     generator = torch.Generator(device=target.device).manual_seed(args.seed)
     result = generate(
         target, prompt_ids, args.method, drafter, args.budget, args.max_new_tokens,
-        stop_token_ids(target, tokenizer), sampling, generator,
+        stop_token_ids(target, tokenizer), sampling, generator, STATIC_CACHE[args.static_cache],
     )
     print(tokenizer.decode(result.new_tokens, skip_special_tokens=True))
     print(
@@ -162,7 +169,7 @@ def cmd_bench(args) -> None:
         drafter = DrafterRunner(load_drafter(args.drafter, target, tokenizer, args.target, args.seed), target)
     results = run_benchmark(
         target, drafter, prompts, methods, args.budgets, args.max_new_tokens,
-        stop_token_ids(target, tokenizer), sampling, seed=args.seed,
+        stop_token_ids(target, tokenizer), sampling, seed=args.seed, static=STATIC_CACHE[args.static_cache],
     )
     settings = {k: v for k, v in vars(args).items() if k != "func"}
     settings["dtype_resolved"] = str(target.dtype).removeprefix("torch.")  # what `dtype` (maybe "auto") ran as

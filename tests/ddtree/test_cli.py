@@ -57,6 +57,23 @@ def test_bench_writes_results(capsys, tmp_path, prompts_file):
     assert "ddtree@16" in stdout
 
 
+def test_bench_static_cache_commits_the_dynamic_caches_tokens(capsys, tmp_path, prompts_file):
+    """--static-cache on (padded verifies over a preallocated cache) and off decode the same tokens, every method."""
+    tokens = {}
+    for choice in ("off", "on"):
+        out = tmp_path / f"{choice}.json"
+        code, _, _ = run_cli(
+            capsys, "bench", "--target", TARGET, "--drafter", "random", "--prompts", str(prompts_file), "--methods",
+            "ar,dflash,ddtree", "--budgets", "4", "--max-new-tokens", "12", "--dtype", "float32", "--static-cache", choice,
+            "--out", str(out),
+        )
+        assert code == 0
+        results = json.loads(out.read_text())
+        assert results["settings"]["static_cache"] == choice
+        tokens[choice] = [run["new_tokens"] for prompt in results["prompts"] for run in prompt["methods"].values()]
+    assert tokens["on"] == tokens["off"] and len(tokens["on"]) == 6
+
+
 def _bad(capsys, *args):
     code, _, err = run_cli(capsys, *args)
     lines = [line for line in err.strip().splitlines() if line.startswith("error: ")]

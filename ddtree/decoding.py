@@ -189,7 +189,8 @@ def generate(
     """Generate up to `max_new_tokens` tokens after `prompt_ids` with one of METHODS. Batch size 1.
 
     static: run the target over a preallocated cache at one verify shape (ddtree/target_runner.py),
-    captured as a CUDA graph on a GPU; None = on CUDA only (on the CPUs measured it was slower, README).
+    captured as a CUDA graph on a GPU; None = on CUDA only: on a CPU there is no launch overhead to
+    save, and attention over every slot of the cache made rounds 10-19% slower (README, Benchmarks).
     """
     if method not in METHODS:
         raise DDTreeError(f"unknown method {method!r}: choose from {', '.join(METHODS)}")

@@ -410,14 +410,16 @@ class DistillModule(L.LightningModule):
         nll, counts = 0, 0
         for batch_idx, batch in enumerate(batches):
             batch = {name: value.to(self.device) for name, value in batch.items()}
-            with self.trainer.precision_plugin.forward_context():  # the numerics of validation
+            # The numerics of validation, the LM head included: under bf16-mixed the drafter's outputs are
+            # fp32 and the target's head bf16, which only autocast multiplies together.
+            with self.trainer.precision_plugin.forward_context():
                 predictions = self.block_predictions(batch, batch_idx, "val")
-            if predictions is None:
-                continue
-            hidden, labels = predictions[:2]
-            batch_nll, batch_counts = temperature_nll_sums(
-                hidden, labels, self.target.get_output_embeddings(), CALIBRATION_TEMPERATURES
-            )
+                if predictions is None:
+                    continue
+                hidden, labels = predictions[:2]
+                batch_nll, batch_counts = temperature_nll_sums(
+                    hidden, labels, self.target.get_output_embeddings(), CALIBRATION_TEMPERATURES
+                )
             nll, counts = nll + batch_nll, counts + batch_counts
         if isinstance(nll, int):
             nll = torch.zeros(len(CALIBRATION_TEMPERATURES), self.block_size, device=self.device)

@@ -99,3 +99,21 @@ def test_a_calibrated_run_evaluates_saves_and_exports_its_temperatures(tmp_path)
     exported = export_drafter(run_dir / "checkpoints" / "step-4.ckpt", tmp_path / "drafter")
     config = json.loads((exported / "config.json").read_text())
     assert config["dflash_config"]["draft_temperatures"] == temperatures
+
+
+def test_calibration_runs_under_bf16_mixed(tmp_path):
+    """bf16-mixed, as the CPU default recipe trains where bf16 is fast: the fit multiplies the drafter's fp32
+    outputs by the bf16 target's LM head, which must happen under autocast (it crashed at the first evaluation)."""
+    data = toy_data.write_conversations(tmp_path / "conversations.jsonl", 8, 30, 50, 0, with_ids=False)
+    args = [
+        "--recipe", "tiny", "--output-root", str(tmp_path / "out"), "--run", "run",
+        f"--data.data_path={data}", f"--data.cache_dir={tmp_path / 'cache'}", "--data.batch_size=2",
+        "--data.val_fraction=0.25", "--trainer.val_check_interval=null", "--trainer.enable_progress_bar=false",
+        "--trainer.max_steps=2", "--trainer.precision=bf16-mixed", "--model.calibrate=true",
+        "--eval.every_n_train_steps=2", "--eval.limit=1", "--eval.max_new_tokens=4",
+    ]
+    assert train_main(args) == 0
+    drafter = drafter_from_checkpoint(tmp_path / "out" / "tiny" / "run" / "checkpoints" / "last.ckpt")
+    temperatures = drafter.config.draft_temperatures
+    assert len(temperatures) == drafter.config.block_size - 1 and all(t in CALIBRATION_TEMPERATURES for t in temperatures)
+

@@ -72,15 +72,20 @@ def test_decoding_divides_the_draft_logits_by_the_temperatures_and_stays_lossles
     assert "draft_temperatures" not in drafter.config.dflash_config
 
 
-def test_a_calibrated_run_evaluates_saves_and_exports_its_temperatures(tmp_path):
-    data = toy_data.write_conversations(tmp_path / "conversations.jsonl", 16, 30, 50, 0, with_ids=False)
-    args = [
+def calibrated_tiny_run(tmp_path, conversations: int, *settings: str) -> list[str]:
+    """train.main arguments of a `tiny` run on toy conversations that calibrates before its evaluation every 2 steps."""
+    data = toy_data.write_conversations(tmp_path / "conversations.jsonl", conversations, 30, 50, 0, with_ids=False)
+    return [
         "--recipe", "tiny", "--output-root", str(tmp_path / "out"), "--run", "run",
         f"--data.data_path={data}", f"--data.cache_dir={tmp_path / 'cache'}", "--data.batch_size=2",
         "--data.val_fraction=0.25", "--trainer.val_check_interval=null", "--trainer.enable_progress_bar=false",
-        "--trainer.max_steps=4", "--trainer.precision=32-true", "--model.calibrate=true",
-        "--eval.every_n_train_steps=2", "--eval.limit=2", "--eval.max_new_tokens=8", "--checkpoint.save_top_k=-1",
+        "--model.calibrate=true", "--eval.every_n_train_steps=2", *settings,
     ]
+
+
+def test_a_calibrated_run_evaluates_saves_and_exports_its_temperatures(tmp_path):
+    args = calibrated_tiny_run(tmp_path, 16, "--trainer.max_steps=4", "--trainer.precision=32-true", "--eval.limit=2",
+                               "--eval.max_new_tokens=8", "--checkpoint.save_top_k=-1")
     assert train_main(args) == 0
     run_dir = tmp_path / "out" / "tiny" / "run"
     target, tokenizer = load_target("tiny-random", torch.float32)
@@ -104,14 +109,8 @@ def test_a_calibrated_run_evaluates_saves_and_exports_its_temperatures(tmp_path)
 def test_calibration_runs_under_bf16_mixed(tmp_path):
     """bf16-mixed, as the CPU default recipe trains where bf16 is fast: the fit multiplies the drafter's fp32
     outputs by the bf16 target's LM head, which must happen under autocast (it crashed at the first evaluation)."""
-    data = toy_data.write_conversations(tmp_path / "conversations.jsonl", 8, 30, 50, 0, with_ids=False)
-    args = [
-        "--recipe", "tiny", "--output-root", str(tmp_path / "out"), "--run", "run",
-        f"--data.data_path={data}", f"--data.cache_dir={tmp_path / 'cache'}", "--data.batch_size=2",
-        "--data.val_fraction=0.25", "--trainer.val_check_interval=null", "--trainer.enable_progress_bar=false",
-        "--trainer.max_steps=2", "--trainer.precision=bf16-mixed", "--model.calibrate=true",
-        "--eval.every_n_train_steps=2", "--eval.limit=1", "--eval.max_new_tokens=4",
-    ]
+    args = calibrated_tiny_run(tmp_path, 8, "--trainer.max_steps=2", "--trainer.precision=bf16-mixed", "--eval.limit=1",
+                               "--eval.max_new_tokens=4")
     assert train_main(args) == 0
     drafter = drafter_from_checkpoint(tmp_path / "out" / "tiny" / "run" / "checkpoints" / "last.ckpt")
     temperatures = drafter.config.draft_temperatures

@@ -133,8 +133,7 @@ class StaticTarget:
         self.tokens.copy_(torch.tensor([tokens + [tokens[0]] * (self.max_rows - rows)]), non_blocking=True)
         self.positions.copy_(torch.cat([positions, positions[:1].expand(self.max_rows - rows)])[None], non_blocking=True)
         self.mask.copy_(additive_mask(padded, self.mask.dtype)[None, None], non_blocking=True)
-        for layer in self.cache.layers:
-            layer.cumulative_length.fill_(start)  # this forward writes its rows at [start, start + max_rows)
+        self._reset_lengths(start)  # this forward writes its rows at [start, start + max_rows)
         if self.graph is not None:
             self.graph.replay()
             out = self.graph_output

@@ -19,6 +19,8 @@ How the work is laid out, so it survives interruption:
     skips chunks that exist, so an interrupted job resumes where it stopped;
   - <out>.parts/settings.json records everything that changes the responses; a rerun with
     different settings is refused instead of mixing two kinds of data;
+  - a dataset already merged at <out> with the same settings (its regeneration.json) gives back its
+    chunks, so a larger --limit on a fresh clone only generates the prompts the shipped data lacks;
   - once every chunk exists, the chunks are concatenated in prompt order into a `datasets` dataset
     (save_to_disk) at <out> with columns id, messages (prompt + assistant turn), finish_reason
     ("stop" | "length"), response_tokens; <out>/regeneration.json records settings and counts.
@@ -229,6 +231,36 @@ def read_chunk(parts: Path, index: int, records: list[dict]) -> list[dict] | Non
     return rows
 
 
+def reuse_merged(out: Path, parts: Path, chunks_of_records: list[list[dict]], settings: dict) -> int:
+    """Write back into `parts` the chunks that the merged dataset at `out` already answers; return how many.
+
+    `parts` is a work folder and is not shipped, so without this a larger --limit on a fresh clone would
+    generate the shipped answers again. Only a dataset made with exactly these settings is reused, and
+    only chunks whose rows answer exactly their prompts, in order.
+    """
+    summary_path = out / "regeneration.json"
+    if not summary_path.is_file():
+        return 0
+    made_with = json.loads(summary_path.read_text())
+    if any(made_with.get(key) != value for key, value in settings.items()):
+        return 0
+    from datasets import load_from_disk  # heavy import, only needed here
+
+    rows = load_from_disk(str(out)).to_list()
+    reused, start = 0, 0
+    for k, records in enumerate(chunks_of_records):
+        chunk_rows, start = rows[start:start + len(records)], start + len(records)
+        answered = len(chunk_rows) == len(records) and all(
+            row["id"] == record["id"] and row["messages"][:-1] == record["messages"]
+            for row, record in zip(chunk_rows, records))
+        if not answered:
+            break  # the dataset is a prefix of the prompts: nothing after the first mismatch is reused
+        if read_chunk(parts, k, records) is None:
+            write_text_atomic(chunk_path(parts, k), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in chunk_rows))
+            reused += 1
+    return reused
+
+
 def merge(parts: Path, out: Path, chunks_of_records: list[list[dict]], settings: dict) -> dict:
     """Concatenate every chunk in order into a `datasets` folder at `out`; return the summary."""
     from datasets import Dataset  # heavy import, only needed here
@@ -340,6 +372,9 @@ def run(args: argparse.Namespace) -> dict | None:
     parts = Path(f"{args.out}.parts")
     parts.mkdir(parents=True, exist_ok=True)
     check_settings(parts, settings)
+    reused = reuse_merged(args.out, parts, chunks, settings)
+    if reused:
+        print(f"[regenerate] {reused} chunks taken from the dataset already at {args.out}", flush=True)
     if args.merge_only:
         return report(merge(parts, args.out, chunks, settings), args.out)
 

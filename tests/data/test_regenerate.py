@@ -142,6 +142,36 @@ def test_shards_merge_resume_and_settings_guard(tmp_path):
     assert load_from_disk(str(tmp_path / "out"))["id"] == ["p0", "p1", "p2"]
 
 
+def test_a_larger_limit_on_a_fresh_clone_reuses_the_merged_answers(tmp_path, monkeypatch):
+    """The shipped dataset comes without its .parts folder: extending it generates only the new prompts."""
+    import shutil
+
+    from datasets import load_from_disk
+
+    prompt_file(tmp_path / "prompts.jsonl", 5)  # 3 chunks: 2 + 2 + 1
+    regenerate.run(args_for(tmp_path, "--limit", "4"))
+    shipped = load_from_disk(str(tmp_path / "out")).to_list()
+    shutil.rmtree(tmp_path / "out.parts")
+
+    generated = []
+    real = regenerate.generate_transformers
+
+    def counting(model, prompts, *args, **kwargs):
+        generated.extend(prompts)
+        return real(model, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(regenerate, "generate_transformers", counting)
+    summary = regenerate.run(args_for(tmp_path))
+    assert len(generated) == 1 and summary["num_conversations"] == 5
+    assert load_from_disk(str(tmp_path / "out")).to_list()[:4] == shipped
+
+    # Other settings: nothing is reused (the work folder refuses them too, so start a new one).
+    shutil.rmtree(tmp_path / "out.parts")
+    generated.clear()
+    regenerate.run(args_for(tmp_path, "--max-new-tokens", "5"))
+    assert len(generated) == 5
+
+
 def test_work_files_follow_the_umask(tmp_path):
     # Chunks and settings go through a temp file (0600 as created); shards of other users must read them.
     previous = os.umask(0o022)

@@ -9,6 +9,8 @@
     python data/regenerate.py ... --merge-only        # (re)build the dataset from finished chunks
 
     python data/regenerate.py --recipe recipes/smollm2-135m.yaml   # target and --out from the recipe
+    python data/regenerate.py --recipe recipes/smollm2-135m-gpu.yaml   # and its data.regenerate options; data_path
+                                                                       # auto: <ddtree cache>/data/<recipe>
 
 A drafter learns to predict the target's own continuations, so the training responses are written
 by the target (greedy by default: evaluation decodes at temperature 0).
@@ -51,6 +53,7 @@ from ddtree.errors import DDTreeError, command
 from ddtree.files import staged_folder, write_text_atomic
 from ddtree.targets import DTYPES, load_target, resolve_target, stop_token_ids
 from training.conversations import read_messages_jsonl, render_prompt_ids
+from training.recipe_data import AUTO_DATA, check_regenerate_settings, default_data_path
 
 
 def prompt_messages(messages: list[dict]) -> list[dict]:
@@ -291,10 +294,11 @@ def merge(parts: Path, out: Path, chunks_of_records: list[list[dict]], settings:
 
 # ----------------------------------------------------------------------------- main
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipe", type=Path, default=None,
-                   help="a training recipe YAML: --target defaults to its model.target, --out to its data.data_path")
+                   help="a training recipe YAML: --target defaults to its model.target, --out to its data.data_path, "
+                   "the other options to its data.regenerate section")
     p.add_argument("--target", default=None, help="built-in target name, local HF folder or Hub id (default smollm2-135m)")
     p.add_argument("--prompts", type=Path, default=Path("data/prompts/train_prompts.jsonl"))
     p.add_argument("--out", type=Path, default=None, help="output `datasets` folder (chunks go to <out>.parts)")
@@ -312,23 +316,40 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--backend", choices=["auto", "transformers", "vllm"], default="auto")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (the machine is shared)")
     p.add_argument("--merge-only", action="store_true", help="only build <out> from finished chunks")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.recipe is not None:  # the recipe's settings become the defaults, and the flags given are parsed again over them
+        p.set_defaults(**recipe_defaults(args.recipe))
+        args = p.parse_args(argv)
+    return args
+
+
+def recipe_defaults(recipe_file: Path) -> dict[str, str]:
+    """A recipe's model.target, data.data_path (auto: <ddtree cache>/data/<recipe>) and data.regenerate options."""
+    import yaml
+
+    if not recipe_file.is_file():
+        raise DDTreeError(f"recipe {recipe_file} does not exist; give a file under recipes/")
+    recipe = yaml.safe_load(recipe_file.read_text()) or {}
+    data = recipe.get("data") or {}
+    settings = data.get("regenerate") or {}
+    check_regenerate_settings(settings)
+    defaults = {field: str(value) for field, value in settings.items()}  # strings: argparse converts them by type
+    if (recipe.get("model") or {}).get("target") is not None:
+        defaults["target"] = str(recipe["model"]["target"])
+    if data.get("data_path") == AUTO_DATA:
+        defaults["out"] = str(default_data_path(recipe_file.stem))
+    elif data.get("data_path") is not None:
+        defaults["out"] = str(data["data_path"])
+    return defaults
 
 
 def apply_recipe(args: argparse.Namespace) -> argparse.Namespace:
-    """Fill --target and --out from a recipe (explicit flags win), so `make data RECIPE=x` needs no more."""
-    if args.recipe is not None:
-        import yaml
-
-        if not args.recipe.is_file():
-            raise DDTreeError(f"recipe {args.recipe} does not exist; give a file under recipes/")
-        recipe = yaml.safe_load(args.recipe.read_text()) or {}
-        target = (recipe.get("model") or {}).get("target")
-        data_path = (recipe.get("data") or {}).get("data_path")
-        if args.target is None:
-            args.target = target
-        if args.out is None and data_path is not None:
-            args.out = Path(data_path)
+    """The target's default, and a clear error when nothing names the output folder."""
     if args.target is None:
         args.target = "smollm2-135m"
     if args.out is None:

@@ -33,6 +33,7 @@ from ddtree.errors import DDTreeError, error_line
 from ddtree.files import atomic_file
 from training.conversations import TOKENIZATION_VERSION, load_conversations, tokenize_conversations
 from training.feature_store import AUTO_STORE, FeatureStore
+from training.recipe_data import AUTO_DATA, check_regenerate_settings
 
 log = logging.getLogger(__name__)
 
@@ -228,6 +229,8 @@ class DistillDataModule(L.LightningDataModule):
         cache_dir: str | None = None,  # tokenized cache; default <ddtree cache>/tokenized
         feature_store: str | None = None,  # offline target features (make features): a folder, or "auto" =
         # the recipe's folder under the ddtree cache (resolved by training.train / training.features); None: online
+        regenerate: dict | None = None,  # data/regenerate.py's options: the target writes data_path on first use
+        # (training/recipe_data.py); data_path "auto" then means <ddtree cache>/data/<recipe>
     ):
         super().__init__()
         if not 0 <= val_fraction < 1:
@@ -244,6 +247,8 @@ class DistillDataModule(L.LightningDataModule):
             cache_dir = str(ddtree_cache_dir() / "tokenized")
         self.cache_dir = Path(cache_dir)
         self.feature_store = feature_store
+        check_regenerate_settings(regenerate)
+        self.regenerate = dict(regenerate or {})
         self.store: FeatureStore | None = None  # opened in setup
         self.train_set: TokenizedConversations | None = None
         self.val_set: TokenizedConversations | None = None
@@ -257,6 +262,9 @@ class DistillDataModule(L.LightningDataModule):
         return AutoTokenizer.from_pretrained(resolve_target(self.target))
 
     def cache_path(self, tokenizer) -> Path:
+        if self.data_path == AUTO_DATA:
+            raise DDTreeError('data.data_path "auto" names the recipe\'s generated data: train through '
+                              "training.train, or give the data's folder")
         key = json.dumps([TOKENIZATION_VERSION, source_fingerprint(self.data_path), tokenizer.name_or_path,
                           tokenizer.chat_template, len(tokenizer), self.max_length, self.min_supervised_tokens])
         return self.cache_dir / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.pt"

@@ -23,6 +23,7 @@ from ddtree.targets import DTYPES, parse_dtype
 from .data import DistillDataModule
 from .feature_store import build_feature_store, default_store_path, drafter_layer_ids, resolve_store_path
 from .recipe import check_recipe_name, read_recipe, recipe_path
+from .recipe_data import prepare_recipe_data
 from .target import dtype_for_precision
 
 
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     if dtype is None:  # the same rule as training: a store in another dtype than training's would be cast every step
         dtype = dtype_for_precision(config.trainer.precision, config.model.target_dtype)
     datamodule = DistillDataModule(**config.data.as_dict())
+    prepare_recipe_data(datamodule, args.recipe)
     final_hidden = config.model.distill_weight > 0  # distillation reads the target's final hidden states too
     out = Path(args.out or resolve_store_path(config.data.feature_store, args.recipe, datamodule, final_hidden)
                or default_store_path(args.recipe, datamodule, final_hidden))

@@ -47,6 +47,7 @@ from training.export import export_drafter
 from training.feature_store import build_feature_store, drafter_layer_ids, is_complete, resolve_store_path
 from training.module import DistillModule, NonFiniteError
 from training.recipe import DistillCLI, check_checkpoint_settings, check_recipe_name, config_arg, recipe_errors, recipe_path
+from training.recipe_data import prepare_recipe_data
 from training.strategies import drafter_for_export, is_first_process, launcher_world
 from training.target import dtype_for_precision
 
@@ -172,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             if is_first_process() and (run_dir / "config.yaml").exists():
                 raise DDTreeError(f"run folder {run_dir} already holds a run; pick another --run or use --resume")
         cli = build_cli(config, run_dir, overrides)
+        prepare_recipe_data(cli.datamodule, args.recipe, cli.trainer.world_size)
         build_missing_feature_store(cli, args.recipe)
         if is_first_process():
             write_text_atomic(run_dir / "config.yaml", cli.parser.dump(cli.config, skip_none=False))

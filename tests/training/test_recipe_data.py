@@ -1,0 +1,111 @@
+"""A recipe's data written by its target on first use (training/recipe_data.py, data.regenerate).
+
+    .venv/bin/pytest -q tests/training/test_recipe_data.py
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import training.train
+from ddtree.errors import DDTreeError
+from training.data import DistillDataModule
+from training.recipe import RECIPES_DIR, read_recipe
+from training.recipe_data import AUTO_DATA, REGENERATE_FIELDS, default_data_path, prepare_recipe_data
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "data"))
+import regenerate  # noqa: E402  (data/regenerate.py)
+
+
+def prompt_file(path: Path, count: int) -> Path:
+    lines = [json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": f"Tell me about {i}."}]})
+             for i in range(count)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def tiny_settings(prompts: Path) -> dict:
+    return {"prompts": str(prompts), "limit": 3, "max_new_tokens": 4, "dtype": "float32", "batch_size": 2,
+            "chunk_size": 2}
+
+
+def test_auto_data_is_generated_once_into_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("DDTREE_CACHE", str(tmp_path / "cache"))
+    settings = tiny_settings(prompt_file(tmp_path / "prompts.jsonl", 5))
+    datamodule = DistillDataModule(target="tiny-random", data_path=AUTO_DATA, regenerate=settings)
+    prepare_recipe_data(datamodule, "my-recipe")
+    out = tmp_path / "cache" / "data" / "my-recipe"
+    assert datamodule.data_path == str(out) == str(default_data_path("my-recipe"))
+    from datasets import load_from_disk
+
+    data = load_from_disk(str(out))
+    assert data["id"] == ["p0", "p1", "p2"] and all(0 <= n <= 4 for n in data["response_tokens"])
+
+    # Present now: a second launch reads it and generates nothing.
+    stamp = (out / "regeneration.json").stat().st_mtime_ns
+    again = DistillDataModule(target="tiny-random", data_path=AUTO_DATA, regenerate=settings)
+    prepare_recipe_data(again, "my-recipe", world_size=4)  # would refuse to generate with 4 processes
+    assert (out / "regeneration.json").stat().st_mtime_ns == stamp
+
+
+def test_missing_data_with_several_processes_asks_for_make_data(tmp_path, monkeypatch):
+    monkeypatch.setenv("DDTREE_CACHE", str(tmp_path / "cache"))
+    datamodule = DistillDataModule(target="tiny-random", data_path=AUTO_DATA,
+                                   regenerate=tiny_settings(tmp_path / "prompts.jsonl"))
+    with pytest.raises(DDTreeError, match="make data RECIPE=my-recipe"):
+        prepare_recipe_data(datamodule, "my-recipe", world_size=2)
+    assert not (tmp_path / "cache" / "data").exists()
+
+
+def test_bad_regenerate_settings_are_named(tmp_path):
+    with pytest.raises(DDTreeError, match=r"data\.regenerate\.max_tokens is not an option"):
+        DistillDataModule(target="tiny-random", data_path=AUTO_DATA, regenerate={"max_tokens": 10})
+    with pytest.raises(DDTreeError, match="data.regenerate is not set"):
+        prepare_recipe_data(DistillDataModule(target="tiny-random", data_path=AUTO_DATA), "my-recipe")
+    # A failed generation is one error, and nothing is left at the data path.
+    datamodule = DistillDataModule(target="tiny-random", data_path=str(tmp_path / "data"),
+                                   regenerate={"prompts": str(tmp_path / "missing.jsonl")})
+    with pytest.raises(DDTreeError, match="generating the training data into"):
+        prepare_recipe_data(datamodule, "my-recipe")
+    assert not (tmp_path / "data").exists()
+
+
+def test_a_recipe_without_regenerate_reads_its_data_path_unchanged(tmp_path):
+    datamodule = DistillDataModule(target="tiny-random", data_path=str(tmp_path / "absent"))
+    prepare_recipe_data(datamodule, "my-recipe")  # nothing to do: reading it fails later, as before
+    assert datamodule.data_path == str(tmp_path / "absent") and not (tmp_path / "absent").exists()
+
+
+def test_regenerate_fields_are_the_scripts_options():
+    options = {action.dest for action in regenerate.build_parser()._actions}
+    assert set(REGENERATE_FIELDS) <= options
+    # The ones left out come from the recipe itself or split one job into shards.
+    assert options - set(REGENERATE_FIELDS) == {"help", "recipe", "target", "out", "shard_index", "num_shards",
+                                                "merge_only"}
+
+
+def test_make_data_takes_the_recipes_regenerate_section(tmp_path, monkeypatch):
+    monkeypatch.setenv("DDTREE_CACHE", str(tmp_path / "cache"))
+    args = regenerate.apply_recipe(regenerate.parse_args(["--recipe", str(RECIPES_DIR / "smollm2-135m-gpu.yaml")]))
+    assert args.out == tmp_path / "cache" / "data" / "smollm2-135m-gpu" and args.target == "smollm2-135m"
+    assert (args.limit, args.max_new_tokens, args.dtype) == (4000, 256, "bfloat16")
+    assert args.prompts == Path("data/prompts/train_prompts.jsonl")
+    args = regenerate.parse_args(["--recipe", str(RECIPES_DIR / "smollm2-135m-gpu.yaml"), "--limit", "12"])
+    assert args.limit == 12  # a flag given wins over the recipe
+
+
+def test_gpu_recipe_stops_with_one_line_before_generating_anything(tmp_path, monkeypatch, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the recipe would run")
+    monkeypatch.setenv("DDTREE_CACHE", str(tmp_path / "cache"))
+    config = read_recipe(RECIPES_DIR / "smollm2-135m-gpu.yaml", [])
+    assert config.data.data_path == AUTO_DATA and config.data.regenerate["limit"] == 4000
+    assert training.train.main(["--recipe", "smollm2-135m-gpu", "--output-root", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "accelerator=gpu needs a CUDA GPU" in err
+    assert not (tmp_path / "cache" / "data").exists()

@@ -1,0 +1,75 @@
+"""A recipe's training data, written by its target on first use (data.regenerate) when it is not there yet.
+
+    data:
+      data_path: auto                   # <ddtree cache>/data/<recipe>: generated data stays out of the repository
+      regenerate:                       # how: data/regenerate.py's options, by their names
+        prompts: data/prompts/train_prompts.jsonl
+        limit: 4000
+
+`training.train` and `training.features` call `prepare_recipe_data` before anything reads the data:
+it resolves data_path "auto" and, when the folder is missing and the recipe has a regenerate
+section, runs `data/regenerate.py` in a child process (so the target it loads is freed when it ends,
+before training loads its own). A recipe without a regenerate section reads its data_path as before.
+`make data RECIPE=x` runs the same generation by hand (data/regenerate.py --recipe).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from ddtree.errors import DDTreeError
+from ddtree.targets import cache_dir
+
+AUTO_DATA = "auto"  # data.data_path value: <ddtree cache>/data/<recipe>
+REGENERATE_SCRIPT = Path(__file__).resolve().parents[1] / "data" / "regenerate.py"
+# data/regenerate.py's options a recipe may set (the target and the output folder come from the recipe itself).
+REGENERATE_FIELDS = ("prompts", "limit", "max_new_tokens", "temperature", "top_p", "seed", "dtype", "device",
+                     "batch_size", "chunk_size", "backend", "threads")
+
+
+def default_data_path(recipe: str) -> Path:
+    return cache_dir() / "data" / recipe
+
+
+def check_regenerate_settings(settings: dict | None) -> None:
+    """data.regenerate holds only regenerate.py's option names; anything else is a typo that would be ignored."""
+    unknown = sorted(set(settings or {}) - set(REGENERATE_FIELDS))
+    if unknown:
+        raise DDTreeError(f"data.regenerate.{unknown[0]} is not an option of data/regenerate.py; "
+                          f"use one of {', '.join(REGENERATE_FIELDS)}")
+
+
+def regenerate_arguments(target: str, out: Path, settings: dict) -> list[str]:
+    """{"max_new_tokens": 256, ...} -> regenerate.py's command line for this target and output folder."""
+    check_regenerate_settings(settings)
+    arguments = ["--target", str(target), "--out", str(out)]
+    for field, value in settings.items():
+        arguments += [f"--{field.replace('_', '-')}", str(value)]
+    return arguments
+
+
+def prepare_recipe_data(datamodule, recipe: str, world_size: int = 1) -> None:
+    """Resolve data_path "auto" on the datamodule; generate the data first if the recipe says how and it is missing.
+
+    Only a single-process launch generates: the processes of a larger one would each start the same
+    job, so they stop and ask for `make data` first.
+    """
+    if datamodule.data_path == AUTO_DATA:
+        if not datamodule.regenerate:
+            raise DDTreeError(f"recipe {recipe}: data.data_path is auto but data.regenerate is not set, so nothing "
+                              "says how to make the data; give a data_path, or a regenerate section")
+        datamodule.data_path = str(default_data_path(recipe))  # config.yaml keeps "auto": a resume resolves it again
+    path = Path(datamodule.data_path)
+    if path.exists() or not datamodule.regenerate:
+        return
+    if world_size > 1:
+        raise DDTreeError(f"data {path} does not exist yet and this launch runs {world_size} processes: "
+                          f"generate it first with `make data RECIPE={recipe}`")
+    command = [sys.executable, str(REGENERATE_SCRIPT),
+               *regenerate_arguments(datamodule.target, path, datamodule.regenerate)]
+    print(f"[data] {path} is missing: the target writes it first ({' '.join(command[1:])})", flush=True)
+    if subprocess.run(command).returncode != 0:
+        raise DDTreeError(f"generating the training data into {path} failed (its error is above); rerun: "
+                          f"`make data RECIPE={recipe}` resumes from the chunks already written")

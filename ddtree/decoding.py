@@ -28,7 +28,7 @@ from transformers import DynamicCache, PreTrainedModel
 from .modeling_dflash import DFlashDraftModel, fuse_target_features
 from .target_runner import DynamicTarget, StaticTarget
 from .targets import DDTreeError
-from .tree import ancestor_matrix, build_tree, chain_tree, tree_positions, walk
+from .tree import DraftTree, ancestor_matrix, build_tree, chain_tree, tree_positions, walk
 
 METHODS = ("ar", "dflash", "ddtree")
 
@@ -114,7 +114,8 @@ class DrafterRunner:
     interface (reset, propose).
     """
 
-    def __init__(self, drafter: DFlashDraftModel, target: PreTrainedModel):
+    def __init__(self, drafter: DFlashDraftModel, target: PreTrainedModel, calibrated: bool = True):
+        # calibrated=False ignores the config's draft temperatures: the raw logits, to fit new ones from
         self.drafter = drafter.eval()
         self.embedding = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
@@ -123,7 +124,7 @@ class DrafterRunner:
         self.mask_token_id = drafter.mask_token_id
         temperatures = getattr(drafter.config, "draft_temperatures", None)  # calibrated drafters only
         self.temperatures = (
-            None if not temperatures
+            None if not temperatures or not calibrated
             else torch.tensor(temperatures, dtype=torch.float32, device=self.lm_head.weight.device)[:, None]
         )  # (B-1, 1)
         self.cache = DynamicCache()
@@ -161,6 +162,17 @@ class DrafterRunner:
         if self.temperatures is not None:
             logits = logits.float() / self.temperatures[:depth]  # (depth, V), calibrated
         return logits
+
+
+def draft_tree(draft_logits: torch.Tensor, budget: int | None) -> DraftTree:
+    """What a round verifies, from the drafter's (depth, V) logits: the best-first tree of `budget` nodes
+    (`ddtree`), or with budget None the argmax chain (`dflash`), its path probabilities recorded as build_tree does."""
+    if budget is not None:
+        return build_tree(draft_logits, budget)
+    log_probs, tokens = torch.log_softmax(draft_logits.float(), dim=-1).max(dim=-1)  # (depth,) the argmax chain
+    tree = chain_tree(tokens.tolist())
+    tree.log_probs = log_probs.cumsum(0).tolist()
+    return tree
 
 
 def _now(device: torch.device) -> float:
@@ -240,12 +252,7 @@ def generate(
             draft_logits = drafter.propose(root, start, new_context, depth)  # (depth, V)
             t_drafted = _now(device)
             draft_s = t_drafted - t_round
-            if method == "ddtree":
-                tree = build_tree(draft_logits, budget)
-            else:
-                log_probs, tokens = torch.log_softmax(draft_logits.float(), dim=-1).max(dim=-1)  # (depth,) the argmax chain
-                tree = chain_tree(tokens.tolist())
-                tree.log_probs = log_probs.cumsum(0).tolist()  # each node's path probability, as build_tree records it
+            tree = draft_tree(draft_logits, budget if method == "ddtree" else None)
             expected = tree.expected_acceptance
         else:
             t_drafted = t_round

@@ -279,7 +279,8 @@ class AcceptanceEvaluation(L.Callback):
         count = limit if isinstance(limit, int) else math.ceil(limit * len(batches))
         with TrainingStateGuard(pl_module.drafter):
             pl_module.drafter.eval()
-            return pl_module.calibrate_draft_temperatures(itertools.islice(batches, count))
+            return pl_module.calibrate_draft_temperatures(itertools.islice(batches, count), self.primary_budget,
+                                                          self.max_new_tokens)
 
     def _evaluate(self, trainer, pl_module, checkpointed: bool) -> None:
         step = trainer.global_step

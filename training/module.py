@@ -42,19 +42,20 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from ddtree.decoding import DrafterRunner
 from ddtree.drafters import load_drafter_folder
 from ddtree.modeling_dflash import DFlashDraftModel
 from ddtree.errors import DDTreeError
 from ddtree.targets import build_drafter_config
 
 from .loss import (
-    CALIBRATION_TEMPERATURES, DISTILL_LOSSES, OBJECTIVES, RECALL_K, block_loss_sums, block_position_weights,
-    chain_acceptance, teacher_states, temperature_nll_sums,
+    DISTILL_LOSSES, OBJECTIVES, RECALL_K, block_loss_sums, block_position_weights, chain_acceptance, teacher_states,
 )
 from .masks import (
     block_input_ids, block_labels, block_position_ids, dense_block_mask, flex_block_mask, pad_for_flex, sample_anchors,
 )
 from .peft_utils import DEFAULT_LORA_MODULES, add_drafter_lora
+from .replay import RoundNLL, replay_reply, reply_span
 from .strategies import is_deepspeed
 from .target import dtype_for_precision, load_frozen_target, target_layer_features
 
@@ -276,22 +277,29 @@ class DistillModule(L.LightningModule):
         key = hash((self.hparams.seed, epoch, batch_idx, self.global_rank)) & 0x7FFF_FFFF_FFFF
         return torch.Generator().manual_seed(key)
 
+    def sequence_features(self, batch: dict, final_hidden: bool = False):
+        """(target features (S, T, K*H), final hidden states (S, T, H) or None, seconds the target's forward took).
+
+        From the batch when a feature store serves it (0 seconds), else from the frozen target's forward.
+        """
+        if "features" in batch:  # offline store: the dtype the target's own forward gives
+            features = batch["features"].to(self.device, self.target.dtype)
+            final = batch["final_hidden"].to(self.device, self.target.dtype) if final_hidden else None
+            return features, final, 0.0
+        started = time.perf_counter()
+        features = target_layer_features(self.target, batch["input_ids"], self.target_layer_ids, final_hidden=final_hidden)
+        features, final = features if final_hidden else (features, None)
+        if features.is_cuda:
+            torch.cuda.synchronize()
+        return features, final, time.perf_counter() - started
+
     def block_predictions(self, batch: dict, batch_idx: int, stage: str, distill: bool = False):
         """(drafter outputs (S, n*B, H), labels (S, n, B), teacher states (S, n*B, H) or None, target seconds).
 
         None if the batch has no block to learn from. The anchors are drawn as for `stage`.
         """
         input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
-        if "features" in batch:  # offline store: the dtype the target's own forward gives
-            features, target_seconds = batch["features"].to(self.device, self.target.dtype), 0.0
-            final = batch["final_hidden"].to(self.device, self.target.dtype) if distill else None  # (S, T, H)
-        else:
-            started = time.perf_counter()
-            features = target_layer_features(self.target, input_ids, self.target_layer_ids, final_hidden=distill)
-            features, final = features if distill else (features, None)  # (S, T, K*H), (S, T, H)
-            if features.is_cuda:
-                torch.cuda.synchronize()
-            target_seconds = time.perf_counter() - started
+        features, final, target_seconds = self.sequence_features(batch, distill)
         anchors, valid = sample_anchors(loss_mask, self.hparams.num_anchors, self._anchor_generator(batch_idx, stage))
         if anchors.shape[1] == 0:
             return None  # no reply token with a successor anywhere in the batch: nothing to learn
@@ -400,35 +408,31 @@ class DistillModule(L.LightningModule):
         self.log_dict({f"val/recall{RECALL_K}_{k}": recall[k - 1] for k in range(1, self.block_size)})
 
     @torch.no_grad()
-    def calibrate_draft_temperatures(self, batches) -> list[float]:
+    def calibrate_draft_temperatures(self, batches, budget: int, max_new_tokens: int) -> list[float]:
         """Fit and set the drafter's per-position temperatures (config.draft_temperatures) on `batches`.
 
-        Each block position 1..B-1 gets the temperature of CALIBRATION_TEMPERATURES with the least summed
-        label NLL over the validation anchors (the same draws as validation), summed over ranks; a
-        position without any label keeps 1. Returns them. Weights and argmaxes are unchanged.
+        Tree decoding with `budget` nodes and `max_new_tokens` is replayed over each validation reply
+        (training/replay.py), and each block position 1..B-1 gets the temperature of CALIBRATION_TEMPERATURES
+        with the least label NLL over the rounds that reached it, summed over ranks; a position no round
+        reached keeps 1. Rounds start after a rejection, where decoding measures acceptance, not at uniform
+        anchors. Returns them. Weights and argmaxes are unchanged.
         """
-        nll, counts = 0, 0
-        for batch_idx, batch in enumerate(batches):
-            batch = {name: value.to(self.device) for name, value in batch.items()}
-            # The numerics of validation, the LM head included: under bf16-mixed the drafter's outputs are
-            # fp32 and the target's head bf16, which only autocast multiplies together.
-            with self.trainer.precision_plugin.forward_context():
-                predictions = self.block_predictions(batch, batch_idx, "val")
-                if predictions is None:
-                    continue
-                hidden, labels = predictions[:2]
-                batch_nll, batch_counts = temperature_nll_sums(
-                    hidden, labels, self.target.get_output_embeddings(), CALIBRATION_TEMPERATURES
-                )
-            nll, counts = nll + batch_nll, counts + batch_counts
-        if isinstance(nll, int):
-            nll = torch.zeros(len(CALIBRATION_TEMPERATURES), self.block_size, device=self.device)
-            counts = torch.zeros(self.block_size, device=self.device)
-        nll = self.trainer.strategy.reduce(nll, reduce_op="sum")
-        counts = self.trainer.strategy.reduce(counts, reduce_op="sum")
-        best = torch.tensor(CALIBRATION_TEMPERATURES, device=nll.device)[nll.argmin(dim=0)]  # (B,)
-        temperatures = torch.where(counts > 0, best, torch.ones_like(best))[1:].tolist()  # positions 1..B-1
-        self.base_drafter().config.draft_temperatures = temperatures
+        drafter = self.base_drafter()
+        fit = RoundNLL(self.block_size)
+        runner = DrafterRunner(drafter, self.target, calibrated=False)
+        # Decoding's numerics: no autocast (the runner casts the bf16 features and head itself).
+        with torch.autocast(self.device.type, enabled=False):
+            for batch in batches:
+                batch = {name: value.to(self.device) for name, value in batch.items()}
+                features = self.sequence_features(batch)[0]  # (S, T, K*H)
+                for row in range(features.shape[0]):
+                    span = reply_span(batch["loss_mask"][row])
+                    if span is not None:
+                        replay_reply(runner, features[row], batch["input_ids"][row], *span, budget, max_new_tokens, fit)
+        fit.nll = self.trainer.strategy.reduce(fit.nll.to(self.device), reduce_op="sum").cpu()
+        fit.counts = self.trainer.strategy.reduce(fit.counts.to(self.device), reduce_op="sum").cpu()
+        temperatures = fit.best()
+        drafter.config.draft_temperatures = temperatures
         return temperatures
 
     # ------------------------------------------------------------------ checkpoints

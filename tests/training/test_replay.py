@@ -1,0 +1,147 @@
+"""Replayed decoding (training/replay.py) runs exactly the rounds real decoding runs on the target's own reply.
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/training/test_replay.py -q
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddtree.decoding import DrafterRunner, generate
+from ddtree.modeling_dflash import DFlashDraftModel
+from ddtree.targets import build_drafter_config, load_target
+from training.replay import RoundNLL, replay_reply, replay_summary, reply_span
+from training.target import target_layer_features
+
+
+class Recording:
+    """Wraps a drafter runner and records every proposal: (start, depth, logits)."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+        self.block_size = inner.block_size
+
+    def reset(self):
+        self.inner.reset()
+
+    def features(self, hidden_states):
+        return self.inner.features(hidden_states)
+
+    def propose(self, root_token, start, new_context, depth):
+        logits = self.inner.propose(root_token, start, new_context, depth)
+        self.calls.append((start, depth, logits))
+        return logits
+
+
+class Oracle:
+    """Drafts a known continuation: the true token first at most depths, second behind a decoy at some,
+    missing at others, so rounds accept long paths, side branches and nothing (positions decide which)."""
+
+    block_size = 6
+
+    def __init__(self, reference: list[int], vocab: int):
+        self.reference, self.vocab = reference, vocab
+
+    def reset(self):
+        pass
+
+    def features(self, hidden_states):
+        return hidden_states[-1]
+
+    def propose(self, root_token, start, new_context, depth):
+        logits = torch.zeros(depth, self.vocab)
+        for d in range(1, depth + 1):
+            p = start + d
+            true = self.reference[p] if p < len(self.reference) else 0
+            decoy = (true + 1 + p) % self.vocab
+            if p % 7 == 3:
+                logits[d - 1, decoy] = 8.0
+            elif p % 5 == 0:
+                logits[d - 1, decoy], logits[d - 1, true] = 6.0, 5.5
+            else:
+                logits[d - 1, true] = 8.0
+        return logits
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    target, tokenizer = load_target("tiny-random", torch.float32)
+    return target.eval(), tokenizer
+
+
+def reply_of(target, prompt: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """The target's greedy reply to `prompt`, as a training sequence (prompt + reply) and its loss mask."""
+    reply = generate(target, prompt, "ar", max_new_tokens=max_new_tokens).new_tokens
+    mask = torch.zeros(len(prompt) + len(reply), dtype=torch.bool)
+    mask[len(prompt):] = True
+    return prompt + reply, mask
+
+
+@pytest.mark.parametrize("budget", [None, 1, 4, 16])
+def test_replay_runs_the_rounds_of_decoding(tiny, budget):
+    """Same roots, depths, accepted lengths and expected acceptance as generate() on the same reply."""
+    target, tokenizer = tiny
+    prompt = tokenizer("def fibonacci(n):")["input_ids"]
+    max_new = 40
+    sequence, mask = reply_of(target, prompt, max_new)
+    oracle = Oracle(sequence, target.config.vocab_size)
+
+    decoded_runner = Recording(oracle)
+    decoded = generate(target, prompt, "ddtree" if budget else "dflash", drafter=decoded_runner, budget=budget or 1,
+                       max_new_tokens=max_new)
+    assert prompt + decoded.new_tokens == sequence  # lossless, so the reply is the target's
+
+    replay_runner = Recording(oracle)
+    start, end = reply_span(mask)
+    assert (start, end) == (len(prompt), len(sequence))
+    features = torch.zeros(len(sequence), 3)  # unused by the oracle
+    rounds = replay_reply(replay_runner, features, torch.tensor(sequence), start, end, budget, max_new)
+
+    assert [(s, d) for s, d, _ in replay_runner.calls] == [(s, d) for s, d, _ in decoded_runner.calls]
+    assert [r.accepted for r in rounds] == [r.accepted_depth for r in decoded.rounds]
+    assert [r.expected for r in rounds] == pytest.approx([r.expected for r in decoded.rounds], rel=1e-6)
+    assert replay_summary(rounds)["tau"] == pytest.approx(decoded.tau)
+    accepted = {r.accepted for r in rounds}
+    assert 0 in accepted and max(accepted) >= min(budget or 3, 3)  # rejections and long paths both happened
+
+
+def test_replay_feeds_the_drafter_the_context_decoding_feeds_it(tiny):
+    """A real DFlash drafter: each replayed round's draft logits equal decoding's (features of the committed rows)."""
+    target, tokenizer = tiny
+    torch.manual_seed(0)
+    config = build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4)
+    drafter = DFlashDraftModel(config).eval()
+    prompt = tokenizer("import os\n")["input_ids"]
+    sequence, mask = reply_of(target, prompt, 24)
+    decoded_runner = Recording(DrafterRunner(drafter, target))
+    generate(target, prompt, "ddtree", drafter=decoded_runner, budget=8, max_new_tokens=24)
+    features = target_layer_features(target, torch.tensor([sequence]), list(config.target_layer_ids))[0]
+    replay_runner = Recording(DrafterRunner(drafter, target))
+    replay_reply(replay_runner, features, torch.tensor(sequence), *reply_span(mask), 8, 24)
+    assert len(replay_runner.calls) == len(decoded_runner.calls)
+    for (s1, d1, replayed), (s2, d2, decoded) in zip(replay_runner.calls, decoded_runner.calls):
+        assert (s1, d1) == (s2, d2)
+        torch.testing.assert_close(replayed, decoded, rtol=1e-4, atol=1e-4)
+
+
+def test_reply_span_is_the_first_supervised_run():
+    assert reply_span(torch.tensor([0, 0, 1, 1, 1, 0, 1, 1])) == (2, 5)
+    assert reply_span(torch.tensor([0, 0, 1, 1, 1])) == (2, 5)
+    assert reply_span(torch.tensor([1, 1, 1])) is None  # no prompt before it: decoding never starts there
+    assert reply_span(torch.tensor([0, 0, 0])) is None
+
+
+def test_round_nll_counts_depths_under_an_accepted_prefix_and_finds_the_drawing_temperature():
+    """Labels drawn from softmax(z / t_k): the fitted temperature at depth k is t_k; a depth counts only
+    when every depth before it was accepted."""
+    generator = torch.Generator().manual_seed(0)
+    vocab, depths, rounds = 40, 3, 3000
+    true_temperature = torch.tensor([0.6, 1.0, 2.0])[:, None]
+    fit = RoundNLL(block_size=depths + 1)
+    for i in range(rounds):
+        logits = 3 * torch.randn(depths, vocab, generator=generator)
+        truth = torch.multinomial(torch.softmax(logits / true_temperature, dim=-1), 1, generator=generator)[:, 0]
+        fit(logits, truth.tolist(), accepted=i % 3)  # depth k counts in the rounds that accepted k - 1 or more
+    assert fit.counts.tolist() == [0, rounds, 2 * rounds / 3, rounds / 3]
+    assert fit.best() == pytest.approx([0.6, 1.0, 2.0], rel=0.12)

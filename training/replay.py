@@ -1,0 +1,124 @@
+"""Tree decoding replayed on the training data's replies: the rounds DDTree would run, without the target.
+
+    runner = DrafterRunner(drafter, target)
+    rounds = replay_reply(runner, features, input_ids, *reply_span(loss_mask), budget=32, max_new_tokens=64)
+    replay_summary(rounds)   # {"tau": ..., "expected_tau": ..., "rounds": ...}
+
+The replies are the target's own greedy continuations (data/regenerate.py), so at T=0 the target's
+choice after every reply position is known: the next reply token. A round of `generate` can then be
+replayed from the sequence's target features alone: the drafter proposes a block at the root (the
+last bonus token) through the same `DrafterRunner.propose` decoding uses, `draft_tree` builds the
+same tree, and `walk` follows the reply instead of a target forward. The next round starts where the
+walk stopped, exactly as in decoding. Rounds therefore start where decoding starts them, after a
+rejection, and not at uniformly drawn anchors as the training loss and validation do; decoding
+acceptance is measured at those places, so this is where the drafter's probabilities must be
+calibrated (`fit_round_temperatures`).
+
+Greedy decoding in another batch shape or precision can differ from the stored reply at a few
+positions; the replay follows the reply. It is a validation measurement, never a lossless decoder.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ddtree.decoding import DrafterRunner, draft_tree
+from ddtree.tree import walk
+
+from .loss import CALIBRATION_TEMPERATURES
+
+
+@dataclass
+class ReplayRound:
+    accepted: int  # accepted draft nodes; the round commits accepted + 1 tokens (the bonus)
+    expected: float  # the tree's expected acceptance under the drafter's (temperature-scaled) probabilities
+
+
+def reply_span(loss_mask: torch.Tensor) -> tuple[int, int] | None:
+    """[start, end) of the first supervised run of one sequence's (T,) loss mask: the target's reply, or None."""
+    supervised = loss_mask.bool().nonzero().flatten()
+    if supervised.numel() < 2 or int(supervised[0]) == 0:  # a reply needs a prompt before it and a token after its first
+        return None
+    start = int(supervised[0])
+    gaps = (supervised[1:] - supervised[:-1] != 1).nonzero().flatten()
+    end = int(supervised[gaps[0]]) + 1 if gaps.numel() else int(supervised[-1]) + 1
+    return start, end
+
+
+@torch.no_grad()
+def replay_reply(
+    runner: DrafterRunner,
+    features: torch.Tensor,  # (T, K*H) target features of the whole sequence
+    input_ids: torch.Tensor,  # (T,)
+    start: int,  # the reply's first token: decoding's first bonus, from the prefill
+    end: int,  # one past the reply's last token
+    budget: int | None,  # tree node budget, or None for the chain (dflash)
+    max_new_tokens: int,
+    on_round: Callable[[torch.Tensor, list[int], int], None] | None = None,
+) -> list[ReplayRound]:
+    """The rounds `generate` would run on this reply. on_round(draft logits (depth, V), the reply's tokens at
+    depths 1..depth, accepted nodes) sees each round, e.g. to fit temperatures on exactly these blocks."""
+    ids = input_ids.tolist()
+    runner.reset()
+    root, new_context, committed = start, features[None, :start], 1
+    rounds = []
+    while committed < max_new_tokens and root < end - 1:
+        depth = min(max_new_tokens - committed - 1, runner.block_size - 1, end - 1 - root)
+        if depth == 0:  # the last token allowed: a round that only commits the bonus
+            rounds.append(ReplayRound(0, 1.0))
+            break
+        logits = runner.propose(ids[root], root, new_context, depth)  # (depth, V)
+        tree = draft_tree(logits, budget)
+        truth = ids[root + 1:root + 1 + depth]
+        depth_of = [0] + tree.depths
+        # The reply's token after a row at depth d is ids[root + 1 + d]; past the reply nothing matches.
+        accepted, _ = walk(tree, lambda row: ids[root + 1 + depth_of[row]] if root + 1 + depth_of[row] < end else -1)
+        rounds.append(ReplayRound(len(accepted), tree.expected_acceptance))
+        if on_round is not None:
+            on_round(logits, truth, len(accepted))
+        step = len(accepted) + 1
+        new_context = features[None, root:root + step]  # the root and the accepted rows join the context
+        root, committed = root + step, committed + step
+    return rounds
+
+
+def replay_summary(rounds: list[ReplayRound]) -> dict:
+    """tau and expected tau over rounds, as `ddtree bench` counts them (committed tokens per round)."""
+    count = max(len(rounds), 1)
+    return {
+        "tau": sum(r.accepted + 1 for r in rounds) / count,
+        "expected_tau": sum(r.expected for r in rounds) / count,
+        "rounds": len(rounds),
+    }
+
+
+class RoundNLL:
+    """Label NLL per (temperature, depth) over replayed rounds, for `fit_round_temperatures`.
+
+    Depth k of a round counts only where the reply's first k - 1 tokens were accepted: the drafter's
+    probabilities at depth k enter a tree's ranking and its expected acceptance (a sum of path
+    probabilities) through the nodes under an accepted prefix, so they are calibrated on those rows.
+    """
+
+    def __init__(self, block_size: int, temperatures: list[float] = CALIBRATION_TEMPERATURES):
+        self.temperatures = torch.tensor(temperatures)[:, None]  # (N, 1)
+        self.nll = torch.zeros(len(temperatures), block_size)  # (N, B); depth 0 (the root) stays 0
+        self.counts = torch.zeros(block_size)
+
+    def __call__(self, logits: torch.Tensor, truth: list[int], accepted: int) -> None:
+        depths = min(accepted + 1, len(truth))
+        rows = logits[:depths].float().cpu()  # (d, V)
+        labels = torch.tensor(truth[:depths])
+        label_logit = rows.gather(1, labels[:, None])[:, 0]  # (d,)
+        for k in range(depths):
+            scaled = rows[k][None] / self.temperatures  # (N, V)
+            self.nll[:, k + 1] += torch.logsumexp(scaled, dim=1) - label_logit[k] / self.temperatures[:, 0]
+            self.counts[k + 1] += 1
+
+    def best(self) -> list[float]:
+        """Per depth 1..B-1, the temperature with the least NLL (1 where no round reached that depth)."""
+        best = self.temperatures[:, 0][self.nll.argmin(dim=0)]  # (B,)
+        return torch.where(self.counts > 0, best, torch.ones_like(best))[1:].tolist()

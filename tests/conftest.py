@@ -1,7 +1,12 @@
 """Shared fixtures: the built-in SmolLM2 target (fp32, converted once into the cache) and tiny models."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))  # shared helpers such as tests/rigged.py
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,7 @@ from ddtree.modeling_dflash import DFlashDraftModel
 from ddtree.targets import build_drafter_config, load_target
 from training.replay import RoundNLL, replay_reply, replay_summary, reply_span
 from training.target import target_layer_features
+from rigged import RiggedDrafter  # tests/rigged.py
 
 
 class Recording:
@@ -31,36 +32,6 @@ class Recording:
     def propose(self, root_token, start, new_context, depth):
         logits = self.inner.propose(root_token, start, new_context, depth)
         self.calls.append((start, depth, logits))
-        return logits
-
-
-class Oracle:
-    """Drafts a known continuation: the true token first at most depths, second behind a decoy at some,
-    missing at others, so rounds accept long paths, side branches and nothing (positions decide which)."""
-
-    block_size = 6
-
-    def __init__(self, reference: list[int], vocab: int):
-        self.reference, self.vocab = reference, vocab
-
-    def reset(self):
-        pass
-
-    def features(self, hidden_states):
-        return hidden_states[-1]
-
-    def propose(self, root_token, start, new_context, depth):
-        logits = torch.zeros(depth, self.vocab)
-        for d in range(1, depth + 1):
-            p = start + d
-            true = self.reference[p] if p < len(self.reference) else 0
-            decoy = (true + 1 + p) % self.vocab
-            if p % 7 == 3:
-                logits[d - 1, decoy] = 8.0
-            elif p % 5 == 0:
-                logits[d - 1, decoy], logits[d - 1, true] = 6.0, 5.5
-            else:
-                logits[d - 1, true] = 8.0
         return logits
 
 
@@ -85,7 +56,7 @@ def test_replay_runs_the_rounds_of_decoding(tiny, budget):
     prompt = tokenizer("def fibonacci(n):")["input_ids"]
     max_new = 40
     sequence, mask = reply_of(target, prompt, max_new)
-    oracle = Oracle(sequence, target.config.vocab_size)
+    oracle = RiggedDrafter(sequence, target.config.vocab_size, block_size=6)
 
     decoded_runner = Recording(oracle)
     decoded = generate(target, prompt, "ddtree" if budget else "dflash", drafter=decoded_runner, budget=budget or 1,

@@ -29,10 +29,7 @@ At distill_weight 0 none of it runs.
 Objectives (model.objective, `block_loss_sums`): the published decayed cross-entropy, D-PACE's
 expected-length weights, and `tree`, the same weights with a draft tree's survival rule.
 
-Calibration (model.calibrate, `temperature_nll_sums`): one temperature per block position, the one of
-CALIBRATION_TEMPERATURES with the least label NLL on validation blocks (temperature scaling, Guo et
-al. 2017), so the probabilities a draft tree ranks its nodes by, and sums into its expected
-acceptance, are calibrated. It changes no weight and no argmax.
+Calibration (model.calibrate) fits draft temperatures on replayed decoding rounds: training/replay.py.
 """
 
 from __future__ import annotations
@@ -119,7 +116,6 @@ def expected_length_weights(
     return torch.where(counted, suffix, torch.zeros_like(suffix))
 
 
-CALIBRATION_TEMPERATURES = torch.logspace(-1, 2, 49, base=2.0).tolist()  # 0.5 .. 4, steps of 2^(1/16) (~4%)
 
 
 def counted_rows(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -130,31 +126,6 @@ def counted_rows(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tens
     flat_labels = labels.flatten()
     counted = (flat_labels != IGNORE_INDEX).nonzero().squeeze(1)  # (M,)
     return hidden.flatten(0, 1)[counted], flat_labels[counted], counted % labels.shape[-1]
-
-
-@torch.no_grad()
-def temperature_nll_sums(
-    hidden: torch.Tensor,  # (S, n*B, H)
-    labels: torch.Tensor,  # (S, n, B)
-    lm_head: nn.Module,
-    temperatures: list[float],
-    chunk_size: int = 256,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(label NLL summed per temperature and block position (len(temperatures), B), counted tokens (B,)).
-
-    Summed over batches (and ranks), argmin over the first axis gives each position's calibrated temperature.
-    """
-    rows, targets, positions = counted_rows(hidden, labels)
-    block_size = labels.shape[-1]
-    nll = torch.zeros(len(temperatures), block_size, device=hidden.device)
-    for start in range(0, rows.shape[0], chunk_size):
-        part = slice(start, start + chunk_size)
-        logits = lm_head(rows[part]).float()  # (m, V)
-        label_logit = logits.gather(1, targets[part][:, None])[:, 0]  # (m,)
-        for i, temperature in enumerate(temperatures):  # one (m, V) at a time: T copies would not fit
-            nll[i].index_add_(0, positions[part], (torch.logsumexp(logits / temperature, dim=1) - label_logit / temperature))
-    counts = torch.zeros(block_size, device=hidden.device).index_add_(0, positions, torch.ones_like(positions, dtype=torch.float32))
-    return nll, counts
 
 
 def block_loss_sums(

@@ -109,7 +109,7 @@ class DistillModule(L.LightningModule):
         objective_smoothing: float = 0.5,  # dpace/tree: survival s -> (1 - a) s + a (D-PACE's a)
         objective_top_k: int = 4,  # tree: a label within the drafter's top k at a depth keeps the path alive
         loss_chunk_size: int | None = None,  # LM head + loss over this many block tokens at a time
-        calibrate: bool = False,  # fit per-position draft temperatures on validation data before each evaluation
+        calibrate: bool = False,  # fit per-position draft temperatures on replayed validation decoding (replay.py)
         seed: int = 0,  # seeds the anchor draws
         # --- optimisation (AdamW + linear warmup + cosine decay, stepped every optimizer step)
         lr: float = 6e-4,

@@ -12,7 +12,7 @@ same tree, and `walk` follows the reply instead of a target forward. The next ro
 walk stopped, exactly as in decoding. Rounds therefore start where decoding starts them, after a
 rejection, and not at uniformly drawn anchors as the training loss and validation do; decoding
 acceptance is measured at those places, so this is where the drafter's probabilities must be
-calibrated (`fit_round_temperatures`).
+calibrated (`RoundNLL`, used by model.calibrate).
 
 Greedy decoding in another batch shape or precision can differ from the stored reply at a few
 positions; the replay follows the reply. It is a validation measurement, never a lossless decoder.
@@ -28,7 +28,8 @@ import torch
 from ddtree.decoding import DrafterRunner, draft_tree
 from ddtree.tree import walk
 
-from .loss import CALIBRATION_TEMPERATURES
+
+CALIBRATION_TEMPERATURES = torch.logspace(-1, 2, 49, base=2.0).tolist()  # 0.5 .. 4, steps of 2^(1/16) (~4%)
 
 
 @dataclass
@@ -96,7 +97,7 @@ def replay_summary(rounds: list[ReplayRound]) -> dict:
 
 
 class RoundNLL:
-    """Label NLL per (temperature, depth) over replayed rounds, for `fit_round_temperatures`.
+    """Label NLL per (temperature, depth) over replayed rounds: temperature scaling (Guo et al. 2017) per depth.
 
     Depth k of a round counts only where the reply's first k - 1 tokens were accepted: the drafter's
     probabilities at depth k enter a tree's ranking and its expected acceptance (a sum of path

@@ -1,4 +1,6 @@
-"""Calibration: per-position draft temperatures fitted on validation data, carried to decoding and export.
+"""Calibration: per-position draft temperatures fitted on replayed validation rounds, carried to decoding and export.
+
+The fit itself (the temperature the labels were drawn with is found) is tested in test_replay.py.
 
     OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/training/test_calibration.py -q
 """
@@ -18,31 +20,8 @@ from ddtree.targets import build_drafter_config, load_target, stop_token_ids
 from ddtree.tree import build_tree
 from training.checkpoints import drafter_from_checkpoint
 from training.export import export_drafter
-from training.loss import CALIBRATION_TEMPERATURES, IGNORE_INDEX, temperature_nll_sums
+from training.replay import CALIBRATION_TEMPERATURES
 from training.train import main as train_main
-
-
-def test_the_fitted_temperature_is_the_one_the_labels_were_drawn_with():
-    """Labels drawn from softmax(z / t_k) at block position k: the NLL is least at t_k, position by position."""
-    generator = torch.Generator().manual_seed(0)
-    block, vocab, blocks = 3, 50, 4000
-    lm_head = torch.nn.Linear(vocab, vocab, bias=False)
-    with torch.no_grad():
-        lm_head.weight.copy_(torch.eye(vocab))  # logits = hidden
-    hidden = 3 * torch.randn(1, blocks * block, vocab, generator=generator)  # (S, n*B, V)
-    true_temperature = torch.tensor([1.0, 0.6, 2.0])  # position 0 (the anchor) is never counted
-    probs = torch.softmax(hidden.view(blocks, block, vocab) / true_temperature[None, :, None], dim=-1)
-    labels = torch.multinomial(probs.view(-1, vocab), 1, generator=generator).view(1, blocks, block)
-    labels[:, :, 0] = IGNORE_INDEX
-    nll, counts = temperature_nll_sums(hidden, labels, lm_head, CALIBRATION_TEMPERATURES)
-    assert counts.tolist() == [0, blocks, blocks]
-    fitted = torch.tensor(CALIBRATION_TEMPERATURES)[nll.argmin(dim=0)]
-    assert fitted[1] == pytest.approx(0.6, rel=0.1) and fitted[2] == pytest.approx(2.0, rel=0.1)
-    # the sums are the plain cross-entropy of the scaled logits
-    one = CALIBRATION_TEMPERATURES.index(1.0)
-    counted = labels.flatten() != IGNORE_INDEX
-    expected = torch.nn.functional.cross_entropy(hidden[0][counted], labels.flatten()[counted], reduction="sum")
-    assert nll[one].sum() == pytest.approx(expected.item(), rel=1e-5)
 
 
 def test_decoding_divides_the_draft_logits_by_the_temperatures_and_stays_lossless():

@@ -116,8 +116,6 @@ def expected_length_weights(
     return torch.where(counted, suffix, torch.zeros_like(suffix))
 
 
-
-
 def counted_rows(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The M counted block tokens: (rows (M, H), their labels (M,), their block positions (M,)).
 

@@ -84,6 +84,24 @@ class DFlashDrafterConfig(Qwen3Config):
             self.dflash_config["draft_temperatures"] = [float(t) for t in temperatures]
 
     @property
+    def draft_vocab(self) -> list[int] | None:
+        """The token ids the drafter may propose, ascending, or None (every row of the target's LM head).
+
+        Chosen at training as the reply tokens seen most often (training/module.py, draft_vocab_size):
+        the LM head over a 49K-150K vocabulary is the drafter's largest matmul, and a few thousand
+        tokens carry almost every reply token. Other tokens get probability 0 (`compute_logits`);
+        decoding stays lossless, since the target verifies every draft.
+        """
+        return self.dflash_config.get("draft_vocab")
+
+    @draft_vocab.setter
+    def draft_vocab(self, token_ids: list[int] | None) -> None:
+        if token_ids is None:
+            self.dflash_config.pop("draft_vocab", None)
+        else:
+            self.dflash_config["draft_vocab"] = sorted(int(t) for t in token_ids)
+
+    @property
     def target_layer_ids(self) -> list[int]:
         ids = self.dflash_config.get("target_layer_ids")
         if ids is None and self.num_target_layers is not None:

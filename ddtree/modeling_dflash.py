@@ -186,7 +186,29 @@ class DFlashDraftModel(PreTrainedModel):
                 hidden = layer(hidden, context, cos, sin, attention_mask, past_key_values)
         return self.norm(hidden)  # (B, Tq, H)
 
-    @staticmethod
-    def compute_logits(hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
-        """Draft logits through the target's (frozen) LM head: (B, T, H) -> (B, T, V)."""
-        return lm_head(hidden)
+    def draft_head(self, lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(config.draft_vocab as a (V',) tensor, those rows of the target's LM head (V', H)), or None without one.
+
+        Gathered once per head weight (the head is frozen) and reused.
+        """
+        if self.config.draft_vocab is None:
+            return None
+        weight = lm_head.weight
+        key = (weight.data_ptr(), weight.device, weight.dtype, weight._version)
+        if getattr(self, "_draft_head_key", None) != key:
+            ids = torch.tensor(self.config.draft_vocab, device=weight.device)
+            self._draft_head, self._draft_head_key = (ids, weight.detach()[ids]), key
+        return self._draft_head
+
+    def compute_logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """Draft logits through the target's (frozen) LM head: (..., H) -> (..., V).
+
+        With a draft vocabulary only its rows are computed; every other token gets -inf (probability 0).
+        """
+        head = self.draft_head(lm_head)
+        if head is None:
+            return lm_head(hidden)
+        ids, rows = head
+        logits = hidden.new_full((*hidden.shape[:-1], lm_head.weight.shape[0]), float("-inf"))  # (..., V)
+        logits[..., ids] = F.linear(hidden, rows)
+        return logits

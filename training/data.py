@@ -75,6 +75,23 @@ class TokenizedConversations(Dataset):
         return item
 
 
+def reply_vocabulary(split: Subset, size: int, vocab_size: int) -> list[int]:
+    """The `size` token ids most frequent among the supervised (reply) tokens of `split`, ascending; ties go
+    to the lower id, and tokens never seen are left out (so fewer than `size` may come back).
+
+    split: a Subset of TokenizedConversations (a DistillDataModule's train_set). The drafter's draft
+    vocabulary (model.draft_vocab_size): every label the drafter learns from is a reply token.
+    """
+    data = split.dataset
+    tokens = torch.cat([
+        data.input_ids[data.offsets[i]:data.offsets[i + 1]][data.loss_mask[data.offsets[i]:data.offsets[i + 1]]]
+        for i in split.indices
+    ])
+    counts = torch.bincount(tokens.long(), minlength=vocab_size)  # (V,)
+    order = torch.sort(-counts, stable=True).indices[:size]  # most frequent first, lower id first among equals
+    return sorted(order[counts[order] > 0].tolist())
+
+
 def collate(examples: list[dict[str, torch.Tensor]], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-pad to the longest sequence: input_ids (B,T) long, loss_mask/attention_mask (B,T) bool.
 

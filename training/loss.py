@@ -91,6 +91,17 @@ def teacher_states(final_hidden: torch.Tensor, anchors: torch.Tensor, block_size
     return final_hidden.gather(1, before_label[:, :, None].expand(-1, -1, final_hidden.shape[-1]))
 
 
+def draft_vocab_labels(labels: torch.Tensor, token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Labels as indices into a draft vocabulary (token_ids (V',) of a vocab_size vocabulary): same shape as labels.
+
+    A label outside the draft vocabulary becomes IGNORE_INDEX: the drafter can never propose it, so it
+    is left out of the loss and the metrics, and (for dpace and tree) ends its block's chain.
+    """
+    lookup = torch.full((vocab_size,), IGNORE_INDEX, dtype=labels.dtype, device=labels.device)
+    lookup[token_ids] = torch.arange(token_ids.shape[0], dtype=labels.dtype, device=labels.device)
+    return torch.where(labels == IGNORE_INDEX, labels, lookup[labels.clamp_min(0)])
+
+
 OBJECTIVES = ("decayed_ce", "dpace", "tree")
 DISTILL_LOSSES = ("kl", "lk")
 RECALL_K = 4  # the k of the top-k recall metric (and the default tree survival width)

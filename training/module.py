@@ -34,12 +34,14 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
 import lightning as L
 import torch
 from torch import nn
+from torch.nn import functional as F
 from transformers import PreTrainedModel
 
 from ddtree.decoding import DrafterRunner
@@ -48,8 +50,10 @@ from ddtree.modeling_dflash import DFlashDraftModel
 from ddtree.errors import DDTreeError
 from ddtree.targets import build_drafter_config
 
+from .data import reply_vocabulary
 from .loss import (
-    DISTILL_LOSSES, OBJECTIVES, RECALL_K, block_loss_sums, block_position_weights, chain_acceptance, teacher_states,
+    DISTILL_LOSSES, OBJECTIVES, RECALL_K, block_loss_sums, block_position_weights, chain_acceptance, draft_vocab_labels,
+    teacher_states,
 )
 from .masks import (
     block_input_ids, block_labels, block_position_ids, dense_block_mask, flex_block_mask, pad_for_flex, sample_anchors,
@@ -94,6 +98,7 @@ class DistillModule(L.LightningModule):
         block_size: int | None = None,
         target_layer_ids: list[int] | None = None,
         mask_token_id: int | None = None,
+        draft_vocab_size: int | None = None,  # the drafter proposes only the N reply tokens seen most in training
         init_from: str | None = None,  # warm start from a drafter folder (save_pretrained format)
         lora_rank: int = 0,  # > 0: train LoRA adapters on the drafter's layers instead of all weights
         lora_alpha: float = 16.0,
@@ -155,6 +160,8 @@ class DistillModule(L.LightningModule):
                 target_layer_ids=hp.target_layer_ids,
                 mask_token_id=hp.mask_token_id,
             )
+            if hp.draft_vocab_size:
+                config.draft_vocab = self._training_reply_vocabulary(config.vocab_size)
             drafter = DFlashDraftModel(config)
         if hp.gradient_checkpointing:
             drafter.gradient_checkpointing = True
@@ -179,6 +186,17 @@ class DistillModule(L.LightningModule):
                     f"model.{field}={wanted} but init_from {hp.init_from} has {found}; "
                     f"drop model.{field} or set it to {found}"
                 )
+        if hp.draft_vocab_size and not config.draft_vocab:
+            raise DDTreeError(f"model.draft_vocab_size={hp.draft_vocab_size} but init_from {hp.init_from} drafts from the "
+                              "whole vocabulary (its own vocabulary is kept when it has one): drop model.draft_vocab_size")
+
+    def _training_reply_vocabulary(self, vocab_size: int) -> list[int]:
+        """model.draft_vocab_size's vocabulary, from the training split (the same on every rank and on resume)."""
+        datamodule = self._trainer.datamodule if self._trainer else None
+        if getattr(datamodule, "train_set", None) is None:
+            raise DDTreeError(f"model.draft_vocab_size={self.hparams.draft_vocab_size} is chosen from the training data: "
+                              "fit with a DistillDataModule (training.train does), or leave it unset")
+        return reply_vocabulary(datamodule.train_set, self.hparams.draft_vocab_size, vocab_size)
 
     @property
     def drafter_config(self):
@@ -320,8 +338,14 @@ class DistillModule(L.LightningModule):
         hp = self.hparams
         # Validation always measures the published decayed CE, so runs of different objectives compare.
         objective = hp.objective if stage == "train" else "decayed_ce"
+        lm_head = self.target.get_output_embeddings()
+        draft_head = self.base_drafter().draft_head(lm_head)
+        if draft_head is not None:  # logits over the draft vocabulary only; labels outside it are not counted
+            token_ids, rows = draft_head
+            labels = draft_vocab_labels(labels, token_ids, lm_head.weight.shape[0])
+            lm_head = partial(F.linear, weight=rows)
         weighted, weight_total, hits, tokens, top_hits = block_loss_sums(
-            hidden, labels, self.target.get_output_embeddings(), weights, hp.loss_chunk_size,
+            hidden, labels, lm_head, weights, hp.loss_chunk_size,
             teacher_hidden, hp.distill_weight if distill else 0.0, objective, hp.objective_smoothing,
             hp.objective_top_k, hp.distill_loss,
         )

@@ -115,6 +115,8 @@ class RoundNLL:
         labels = torch.tensor(truth[:depths])
         label_logit = rows.gather(1, labels[:, None])[:, 0]  # (d,)
         for k in range(depths):
+            if not torch.isfinite(label_logit[k]):  # outside the draft vocabulary: no temperature drafts it
+                continue
             scaled = rows[k][None] / self.temperatures  # (N, V)
             self.nll[:, k + 1] += torch.logsumexp(scaled, dim=1) - label_logit[k] / self.temperatures[:, 0]
             self.counts[k + 1] += 1

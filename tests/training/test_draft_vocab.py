@@ -1,0 +1,161 @@
+"""The draft vocabulary (model.draft_vocab_size): the drafter proposes only the reply tokens seen most in training.
+
+    .venv/bin/pytest -q tests/training/test_draft_vocab.py
+
+Its choice from the data, the training loss over its rows of the LM head, decoding's logits (-inf
+elsewhere), the fit that records it in the exported drafter, and lossless decoding with it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import lightning as L
+import pytest
+import torch
+from torch.nn import functional as F
+from torch.utils.data import Subset
+
+from ddtree.cli import load_drafter
+from ddtree.decoding import DrafterRunner, generate
+from ddtree.errors import DDTreeError
+from ddtree.targets import stop_token_ids
+from training.data import DistillDataModule, TokenizedConversations, reply_vocabulary
+from training.export import export_drafter
+from training.loss import block_loss_sums, block_position_weights, draft_vocab_labels
+from training.masks import IGNORE_INDEX
+from training.module import DistillModule
+from toy_data import write_conversations
+
+BLOCK = 4
+
+
+def test_reply_vocabulary_counts_reply_tokens_of_the_split_only():
+    # sequence 0: prompt [9, 9, 9] then reply [5, 5, 7]; sequence 1: reply [7, 3]; sequence 2 (not in the split): [8, 8, 8]
+    data = TokenizedConversations.from_examples([
+        {"input_ids": [9, 9, 9, 5, 5, 7], "loss_mask": [0, 0, 0, 1, 1, 1]},
+        {"input_ids": [9, 7, 3], "loss_mask": [0, 1, 1]},
+        {"input_ids": [8, 8, 8], "loss_mask": [1, 1, 1]},
+    ])
+    split = Subset(data, [0, 1])
+    assert reply_vocabulary(split, 2, vocab_size=12) == [5, 7]  # counts 5:2, 7:2, 3:1; the prompt's 9s do not count
+    assert reply_vocabulary(split, 1, vocab_size=12) == [5]  # a tie goes to the lower id
+    assert reply_vocabulary(split, 10, vocab_size=12) == [3, 5, 7]  # never-seen tokens are left out
+
+
+def test_labels_outside_the_draft_vocabulary_are_ignored():
+    labels = torch.tensor([[IGNORE_INDEX, 7, 3, 11]])
+    assert draft_vocab_labels(labels, torch.tensor([3, 7, 9]), 12).tolist() == [[IGNORE_INDEX, 1, 0, IGNORE_INDEX]]
+
+
+def tiny_drafter_module(**overrides) -> DistillModule:
+    settings = dict(target="tiny-random", num_layers=1, block_size=BLOCK, target_layer_ids=[0, 2, 4], num_anchors=6,
+                    gamma=4.0, lr=3e-3, warmup_ratio=0.0, target_dtype="float32")
+    settings.update(overrides)
+    torch.manual_seed(0)
+    module = DistillModule(**settings)
+    module.configure_model()
+    return module
+
+
+def test_decoding_logits_are_the_head_rows_of_the_vocabulary_and_minus_inf_elsewhere():
+    module = tiny_drafter_module()
+    drafter, lm_head = module.drafter, module.target.get_output_embeddings()
+    hidden = torch.randn(3, lm_head.weight.shape[1])
+    assert torch.equal(drafter.compute_logits(hidden, lm_head), lm_head(hidden))  # no vocabulary: the whole head
+    drafter.config.draft_vocab = [40, 2, 17]  # stored ascending
+    assert drafter.config.draft_vocab == [2, 17, 40]
+    logits = drafter.compute_logits(hidden, lm_head)  # (3, V)
+    full = lm_head(hidden)
+    assert torch.allclose(logits[:, [2, 17, 40]], full[:, [2, 17, 40]], atol=1e-6)
+    outside = torch.ones(full.shape[1], dtype=torch.bool)
+    outside[[2, 17, 40]] = False
+    assert torch.isneginf(logits[:, outside]).all()
+    assert set(logits.argmax(-1).tolist()) <= {2, 17, 40}
+
+
+def test_the_training_loss_is_the_cross_entropy_of_the_decoding_logits_on_labels_in_the_vocabulary():
+    """Trained on the vocabulary's rows, the loss is exactly what decoding's masked logits give, labels outside left out."""
+    module = tiny_drafter_module()
+    drafter, lm_head = module.drafter, module.target.get_output_embeddings()
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 3 * BLOCK, lm_head.weight.shape[1], generator=generator)  # (S, n*B, H)
+    vocab = torch.randperm(lm_head.weight.shape[0], generator=generator)[:50].sort().values
+    drafter.config.draft_vocab = vocab.tolist()
+    labels = vocab[torch.randint(0, 50, (2, 3, BLOCK), generator=generator)]  # (S, n, B)
+    labels[0, 0, 2] = int(torch.isin(torch.arange(vocab.max() + 2), vocab, invert=True).nonzero()[0])  # outside
+    labels[..., 0] = IGNORE_INDEX  # the anchor
+    weights = block_position_weights(BLOCK, 4.0)
+    ids, rows = drafter.draft_head(lm_head)
+    weighted, total, hits, tokens, _ = block_loss_sums(
+        hidden, draft_vocab_labels(labels, ids, lm_head.weight.shape[0]), lambda h: F.linear(h, rows), weights)
+    logits = drafter.compute_logits(hidden, lm_head).view(2, 3, BLOCK, -1)  # (S, n, B, V)
+    inside = (labels != IGNORE_INDEX) & torch.isin(labels, vocab)
+    ce = F.cross_entropy(logits[inside], labels[inside], reduction="none")
+    position_weights = weights.expand_as(labels)[inside]
+    assert torch.allclose(weighted / total, (ce * position_weights).sum() / position_weights.sum(), atol=1e-5)
+    assert int(tokens.sum()) == int(inside.sum()) == 2 * 3 * (BLOCK - 1) - 1
+
+
+def fitted_module(tmp_path, **overrides):
+    data = write_conversations(tmp_path / "conversations.jsonl", count=24, min_words=8, max_words=16)
+    datamodule = DistillDataModule(target="tiny-random", data_path=str(data), max_length=128, batch_size=2,
+                                   val_fraction=0.25, seed=1, min_supervised_tokens=8, cache_dir=str(tmp_path / "cache"))
+    torch.manual_seed(0)
+    module = DistillModule(target="tiny-random", num_layers=1, block_size=BLOCK, target_layer_ids=[0, 2, 4],
+                           num_anchors=6, gamma=4.0, lr=3e-3, warmup_ratio=0.0, target_dtype="float32", **overrides)
+    trainer = L.Trainer(max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(module, datamodule=datamodule)
+    return module, datamodule
+
+
+def test_a_fit_chooses_the_vocabulary_from_its_training_replies_and_exports_it(tmp_path):
+    module, datamodule = fitted_module(tmp_path, draft_vocab_size=1000)
+    vocab = module.drafter.config.draft_vocab
+    expected = reply_vocabulary(datamodule.train_set, 1000, module.target.get_output_embeddings().weight.shape[0])
+    assert vocab == expected and 0 < len(vocab) < 1000  # the toy replies use a few dozen distinct tokens
+    out = export_drafter(module, tmp_path / "drafter")
+    assert json.loads((out / "config.json").read_text())["dflash_config"]["draft_vocab"] == vocab
+
+
+def test_draft_vocab_size_needs_training_data():
+    with pytest.raises(DDTreeError, match="model.draft_vocab_size=100 is chosen from the training data"):
+        tiny_drafter_module(draft_vocab_size=100)
+
+
+def test_decoding_with_a_draft_vocabulary_is_lossless(smollm2):
+    """A random drafter limited to 300 tokens proposes only those, and the committed tokens are the target's greedy ones."""
+    model, tokenizer = smollm2
+    torch.manual_seed(0)
+    drafter = load_drafter("random", model, tokenizer, "smollm2-135m")
+    prompt = list(tokenizer.apply_chat_template([{"role": "user", "content": "Name three prime numbers."}],
+                                                add_generation_prompt=True, return_dict=True)["input_ids"])
+    stops = stop_token_ids(model, tokenizer)
+    greedy = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=stops)[0, len(prompt):]
+    # the reply's own tokens are in the vocabulary, so some drafts can be accepted
+    drafter.config.draft_vocab = sorted(set(greedy.tolist()) | set(range(1000, 1300)))
+    runner = DrafterRunner(drafter, model)
+    proposed = []
+    propose = runner.propose
+
+    def recording(*args):
+        logits = propose(*args)
+        proposed.append(logits.argmax(-1))
+        return logits
+
+    runner.propose = recording
+    for budget in (0, 16):
+        result = generate(model, prompt, "ddtree" if budget else "dflash", runner, budget, 24, stops)
+        assert result.new_tokens == greedy.tolist()
+    assert proposed and set(torch.cat(proposed).tolist()) <= set(drafter.config.draft_vocab)
+
+
+def test_a_warm_start_keeps_the_folder_vocabulary_and_refuses_one_it_cannot_have(tmp_path):
+    module = tiny_drafter_module()
+    plain = export_drafter(module, tmp_path / "plain")
+    with pytest.raises(DDTreeError, match=r"model.draft_vocab_size=100 but init_from .*plain drafts from the whole vocabulary"):
+        tiny_drafter_module(init_from=str(plain), draft_vocab_size=100)
+    module.drafter.config.draft_vocab = [5, 6, 7]
+    limited = export_drafter(module, tmp_path / "limited")
+    assert tiny_drafter_module(init_from=str(limited)).drafter.config.draft_vocab == [5, 6, 7]

@@ -76,11 +76,14 @@ class TokenizedConversations(Dataset):
 
 
 def reply_vocabulary(split: Subset, size: int, vocab_size: int) -> list[int]:
-    """The `size` token ids most frequent among the supervised (reply) tokens of `split`, ascending; ties go
-    to the lower id, and tokens never seen are left out (so fewer than `size` may come back).
+    """`size` token ids, ascending: the supervised (reply) tokens of `split` by frequency (a tie goes to the
+    lower id), then, if fewer were seen, the lowest ids not yet in.
 
     split: a Subset of TokenizedConversations (a DistillDataModule's train_set). The drafter's draft
-    vocabulary (model.draft_vocab_size): every label the drafter learns from is a reply token.
+    vocabulary (model.draft_vocab_size): every label it learns from is a reply token. Held-out replies
+    use tokens the training replies never did (on the default data's 40 evaluation prompts, 7.5% of
+    the reply tokens), and a BPE tokenizer numbers its tokens in merge order, so low ids are the
+    pieces frequent in its own corpus: they fill the rest (there, 16384 tokens cover 96.7%).
     """
     data = split.dataset
     tokens = torch.cat([
@@ -88,8 +91,10 @@ def reply_vocabulary(split: Subset, size: int, vocab_size: int) -> list[int]:
         for i in split.indices
     ])
     counts = torch.bincount(tokens.long(), minlength=vocab_size)  # (V,)
-    order = torch.sort(-counts, stable=True).indices[:size]  # most frequent first, lower id first among equals
-    return sorted(order[counts[order] > 0].tolist())
+    by_count = torch.sort(-counts, stable=True).indices  # most frequent first, lower id first among equals
+    seen = by_count[counts[by_count] > 0][:size]
+    unseen = (counts == 0).nonzero().flatten()[: size - seen.shape[0]]  # ascending ids
+    return sorted(torch.cat([seen, unseen]).tolist())
 
 
 def collate(examples: list[dict[str, torch.Tensor]], pad_id: int) -> dict[str, torch.Tensor]:

@@ -40,7 +40,8 @@ def test_reply_vocabulary_counts_reply_tokens_of_the_split_only():
     split = Subset(data, [0, 1])
     assert reply_vocabulary(split, 2, vocab_size=12) == [5, 7]  # counts 5:2, 7:2, 3:1; the prompt's 9s do not count
     assert reply_vocabulary(split, 1, vocab_size=12) == [5]  # a tie goes to the lower id
-    assert reply_vocabulary(split, 10, vocab_size=12) == [3, 5, 7]  # never-seen tokens are left out
+    assert reply_vocabulary(split, 5, vocab_size=12) == [0, 1, 3, 5, 7]  # then the lowest ids never seen
+    assert reply_vocabulary(split, 20, vocab_size=12) == list(range(12))  # at most the whole vocabulary
 
 
 def test_labels_outside_the_draft_vocabulary_are_ignored():
@@ -114,7 +115,10 @@ def test_a_fit_chooses_the_vocabulary_from_its_training_replies_and_exports_it(t
     module, datamodule = fitted_module(tmp_path, draft_vocab_size=1000)
     vocab = module.drafter.config.draft_vocab
     expected = reply_vocabulary(datamodule.train_set, 1000, module.target.get_output_embeddings().weight.shape[0])
-    assert vocab == expected and 0 < len(vocab) < 1000  # the toy replies use a few dozen distinct tokens
+    assert vocab == expected and len(vocab) == 1000
+    replies = {int(t) for i in range(len(datamodule.train_set))
+               for t in datamodule.train_set[i]["input_ids"][datamodule.train_set[i]["loss_mask"]]}
+    assert replies <= set(vocab) and len(replies) < 100  # every training reply token, and low ids to fill
     out = export_drafter(module, tmp_path / "drafter")
     assert json.loads((out / "config.json").read_text())["dflash_config"]["draft_vocab"] == vocab
 

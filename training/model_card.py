@@ -191,8 +191,8 @@ def recipe_section(facts: CardFacts) -> list[str]:
         ("block size", cfg["block_size"]),
         ("target layers read", cfg["dflash_config"]["target_layer_ids"]),
         ("MASK token id", cfg["dflash_config"]["mask_token_id"]),
-        ("draft vocabulary", f"the {len(cfg['dflash_config']['draft_vocab']):,} reply tokens seen most in training "
-                             "(dflash_config.draft_vocab; engines that ignore it draft from the whole vocabulary)"
+        ("draft vocabulary", f"{len(cfg['dflash_config']['draft_vocab']):,} tokens: the training replies' by frequency, then the "
+                             "lowest ids (dflash_config.draft_vocab; engines that ignore it draft from the whole vocabulary)"
          if cfg["dflash_config"].get("draft_vocab") else "the target's whole vocabulary"),
         ("anchors per sequence", hp.get("num_anchors")),
         ("loss decay gamma", hp.get("gamma")),

@@ -25,6 +25,7 @@ from training.export import export_drafter
 from training.loss import block_loss_sums, block_position_weights, draft_vocab_labels
 from training.masks import IGNORE_INDEX
 from training.module import DistillModule
+from test_module import tiny_module  # tests/training is on the path, as for toy_data
 from toy_data import write_conversations
 
 BLOCK = 4
@@ -49,18 +50,8 @@ def test_labels_outside_the_draft_vocabulary_are_ignored():
     assert draft_vocab_labels(labels, torch.tensor([3, 7, 9]), 12).tolist() == [[IGNORE_INDEX, 1, 0, IGNORE_INDEX]]
 
 
-def tiny_drafter_module(**overrides) -> DistillModule:
-    settings = dict(target="tiny-random", num_layers=1, block_size=BLOCK, target_layer_ids=[0, 2, 4], num_anchors=6,
-                    gamma=4.0, lr=3e-3, warmup_ratio=0.0, target_dtype="float32")
-    settings.update(overrides)
-    torch.manual_seed(0)
-    module = DistillModule(**settings)
-    module.configure_model()
-    return module
-
-
 def test_decoding_logits_are_the_head_rows_of_the_vocabulary_and_minus_inf_elsewhere():
-    module = tiny_drafter_module()
+    module = tiny_module()
     drafter, lm_head = module.drafter, module.target.get_output_embeddings()
     hidden = torch.randn(3, lm_head.weight.shape[1])
     assert torch.equal(drafter.compute_logits(hidden, lm_head), lm_head(hidden))  # no vocabulary: the whole head
@@ -77,7 +68,7 @@ def test_decoding_logits_are_the_head_rows_of_the_vocabulary_and_minus_inf_elsew
 
 def test_the_training_loss_is_the_cross_entropy_of_the_decoding_logits_on_labels_in_the_vocabulary():
     """Trained on the vocabulary's rows, the loss is exactly what decoding's masked logits give, labels outside left out."""
-    module = tiny_drafter_module()
+    module = tiny_module()
     drafter, lm_head = module.drafter, module.target.get_output_embeddings()
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(2, 3 * BLOCK, lm_head.weight.shape[1], generator=generator)  # (S, n*B, H)
@@ -125,7 +116,7 @@ def test_a_fit_chooses_the_vocabulary_from_its_training_replies_and_exports_it(t
 
 def test_draft_vocab_size_needs_training_data():
     with pytest.raises(DDTreeError, match="model.draft_vocab_size=100 is chosen from the training data"):
-        tiny_drafter_module(draft_vocab_size=100)
+        tiny_module(draft_vocab_size=100)
 
 
 def test_decoding_with_a_draft_vocabulary_is_lossless(smollm2):
@@ -156,10 +147,10 @@ def test_decoding_with_a_draft_vocabulary_is_lossless(smollm2):
 
 
 def test_a_warm_start_keeps_the_folder_vocabulary_and_refuses_one_it_cannot_have(tmp_path):
-    module = tiny_drafter_module()
+    module = tiny_module()
     plain = export_drafter(module, tmp_path / "plain")
     with pytest.raises(DDTreeError, match=r"model.draft_vocab_size=100 but init_from .*plain drafts from the whole vocabulary"):
-        tiny_drafter_module(init_from=str(plain), draft_vocab_size=100)
+        tiny_module(init_from=str(plain), draft_vocab_size=100)
     module.drafter.config.draft_vocab = [5, 6, 7]
     limited = export_drafter(module, tmp_path / "limited")
-    assert tiny_drafter_module(init_from=str(limited)).drafter.config.draft_vocab == [5, 6, 7]
+    assert tiny_module(init_from=str(limited)).drafter.config.draft_vocab == [5, 6, 7]

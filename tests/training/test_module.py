@@ -310,9 +310,31 @@ def test_training_steps_lower_the_loss_and_log_metrics(tmp_path):
     assert optimized == {id(p) for p in module.drafter.parameters()}
 
 
+def test_bf16_training_fuses_the_optimizer_and_still_clips_gradients(tmp_path):
+    torch.manual_seed(0)
+    module = tiny_module()
+    loader = DataLoader([synthetic_batch()] * 2, batch_size=None)
+    trainer = L.Trainer(  # Lightning's own clipping raises for a fused optimizer under bf16-mixed
+        max_steps=2, precision="bf16-mixed", gradient_clip_val=1.0, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(module, train_dataloaders=loader)
+    optimizer = trainer.optimizers[0]
+    assert optimizer.param_groups[0]["fused"] is True
+    parameters = list(module.drafter.parameters())
+    for parameter in parameters:
+        parameter.grad = torch.full_like(parameter, 5.0)
+    module.configure_gradient_clipping(optimizer, 1e-3, "norm")
+    assert torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in parameters])) == pytest.approx(1e-3, rel=1e-3)
+    for parameter in parameters:
+        parameter.grad = torch.full_like(parameter, 5.0)
+    module.configure_gradient_clipping(optimizer, 0.5, "value")
+    assert all(torch.equal(p.grad, torch.full_like(p, 0.5)) for p in parameters)
+
+
 def test_cosine_schedule_with_warmup():
     module = tiny_module(warmup_ratio=0.1, lr=1.0, min_lr_ratio=0.0)
-    module.trainer = type("T", (), {"estimated_stepping_batches": 100})()
+    module.trainer = type("T", (), {"estimated_stepping_batches": 100, "strategy": None, "precision_plugin": None})()
     config = module.configure_optimizers()
     optimizer, scheduler = config["optimizer"], config["lr_scheduler"]["scheduler"]
     seen = []

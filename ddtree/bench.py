@@ -27,7 +27,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from .decoding import METHODS, DrafterRunner, Sampling, context_limit, generate
+from .decoding import METHODS, DrafterRunner, OnlineCalibration, Sampling, context_limit, generate
 from .errors import DDTreeError
 
 
@@ -200,12 +200,14 @@ def run_benchmark(
     seed: int = 0,
     progress: bool = True,
     static: bool | None = None,
+    online: bool = False,
 ) -> dict:
     """Run every method on every prompt. Returns {"summary": {key: summarize(...)}, "prompts": [per-prompt rows]}.
 
     A row is {"id", "prompt_tokens", "methods": {key: {"tau", "new_tokens", "seconds", "rounds": [Round as a dict]}}}.
     Every method is warmed up first (warm_up, on the first prompt, untimed); only the runs after that are timed.
     static: the target's cache (ddtree.decoding.generate; None = static with CUDA graphs on a GPU only).
+    online: learn draft temperatures from the timed rounds, prompt after prompt (OnlineCalibration).
     """
     keys = method_keys(methods, budgets)
     if drafter is None and any(method != "ar" for _, method, _ in keys):
@@ -219,6 +221,7 @@ def run_benchmark(
     warm_up(target, drafter, prompts[0]["prompt_ids"], keys, min(max_new_tokens, WARMUP_TOKENS), stop_ids, sampling, seed,
             static)
 
+    calibration = OnlineCalibration() if online else None
     per_prompt = []
     bar = tqdm(total=len(prompts) * len(keys), desc="bench", disable=not progress, unit="run")
     for prompt in prompts:
@@ -227,7 +230,7 @@ def run_benchmark(
             generator = torch.Generator(device=target.device).manual_seed(seed)
             result = generate(
                 target, prompt["prompt_ids"], method, drafter, budget or 1, max_new_tokens, stop_ids, sampling, generator,
-                static,
+                static, calibration,
             )
             row["methods"][key] = {
                 "tau": result.tau,
@@ -241,6 +244,11 @@ def run_benchmark(
     bar.close()
 
     summary = {key: summarize(per_prompt, key) for key, _, _ in keys}
+    if calibration is not None:
+        for key, method, budget in keys:
+            if method != "ar":
+                shape = budget if method == "ddtree" else None
+                summary[key]["online_temperature"] = calibration.temperature(shape)
     if "ar" in summary:
         baseline = summary["ar"]["tokens_per_s"]
         for stats in summary.values():
@@ -258,6 +266,10 @@ def format_summary(summary: dict) -> str:
             f"{key:<12} {s['tau']:>6.2f} {s['expected_tau']:>7.2f} {s['new_tokens']:>7d} {s['tokens_per_s']:>8.1f} "
             f"{speedup:>7} {s['round_ms']:>9.1f} {s['draft_ms']:>7.1f} {s['verify_ms']:>7.1f} {s['other_ms']:>7.2f}"
         )
+    learned = {key: s["online_temperature"] for key, s in summary.items() if "online_temperature" in s}
+    if learned:
+        lines.append("online calibration's draft temperature at the end: "
+                     + ", ".join(f"{key} {t:.2f}" for key, t in learned.items()))
     return "\n".join(lines)
 
 

@@ -22,7 +22,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .bench import format_summary, load_prompts, measure_verify_cost, run_benchmark
 from .drafters import load_drafter_folder
-from .decoding import METHODS, DrafterRunner, Sampling, generate
+from .decoding import METHODS, DrafterRunner, OnlineCalibration, Sampling, generate
 from .errors import DDTreeError, command
 from .files import write_json_atomic
 from .modeling_dflash import DFlashDraftModel
@@ -68,6 +68,9 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--static-cache", choices=STATIC_CACHE, default="auto",
                         help="the target's KV cache: static (one verify shape, a CUDA graph on a GPU) or dynamic; "
                              "auto = static on CUDA only")
+    parser.add_argument("--online-calibration", action="store_true",
+                        help="learn the draft temperature from the verified rounds, so the drafter's expected "
+                             "tau tracks the measured one (changes the tree's shape, never the output)")
 
 
 
@@ -149,6 +152,7 @@ def cmd_generate(args) -> None:
     result = generate(
         target, prompt_ids, args.method, drafter, args.budget, args.max_new_tokens,
         stop_token_ids(target, tokenizer), sampling, generator, STATIC_CACHE[args.static_cache],
+        OnlineCalibration() if args.online_calibration else None,
     )
     print(tokenizer.decode(result.new_tokens, skip_special_tokens=True))
     print(
@@ -170,6 +174,7 @@ def cmd_bench(args) -> None:
     results = run_benchmark(
         target, drafter, prompts, methods, args.budgets, args.max_new_tokens,
         stop_token_ids(target, tokenizer), sampling, seed=args.seed, static=STATIC_CACHE[args.static_cache],
+        online=args.online_calibration,
     )
     settings = {k: v for k, v in vars(args).items() if k != "func"}
     settings["dtype_resolved"] = str(target.dtype).removeprefix("torch.")  # what `dtype` (maybe "auto") ran as

@@ -164,6 +164,31 @@ class DrafterRunner:
         return logits
 
 
+class OnlineCalibration:
+    """A draft temperature per tree shape (a ddtree budget, or the chain), learned from verified rounds.
+
+    Temperatures fitted on training data (`draft_temperatures`) cannot see how much less accurate the
+    drafter is on the text it serves (README, Calibration). Each verified round tells: after it, the log
+    temperature moves by RATE x (expected - accepted length), a stochastic-approximation step, so an
+    over-confident drafter is warmed and an under-confident one cooled until the expected acceptance
+    tracks the measured one. It reorders the best-first tree, never what is committed (the target decides).
+    """
+
+    RATE = 0.01
+    LOG_LIMIT = 2.0  # temperatures stay within e^-2 .. e^2
+
+    def __init__(self):
+        self.log_temperatures: dict[int | None, float] = {}  # ddtree budget (None = the chain) -> log T
+
+    def temperature(self, shape: int | None) -> float:
+        return math.exp(self.log_temperatures.get(shape, 0.0))
+
+    def observe(self, shape: int | None, expected: float, accepted_length: int) -> None:
+        step = self.RATE * (expected - accepted_length)
+        log_t = self.log_temperatures.get(shape, 0.0) + step
+        self.log_temperatures[shape] = min(self.LOG_LIMIT, max(-self.LOG_LIMIT, log_t))
+
+
 def draft_tree(draft_logits: torch.Tensor, budget: int | None) -> DraftTree:
     """What a round verifies, from the drafter's (depth, V) logits: the best-first tree of `budget` nodes
     (`ddtree`), or with budget None the argmax chain (`dflash`), its path probabilities recorded as build_tree does."""
@@ -197,8 +222,11 @@ def generate(
     sampling: Sampling = Sampling(),
     generator: torch.Generator | None = None,
     static: bool | None = None,
+    online: OnlineCalibration | None = None,
 ) -> GenerationResult:
     """Generate up to `max_new_tokens` tokens after `prompt_ids` with one of METHODS. Batch size 1.
+
+    online: temperatures learned from this call's rounds and kept for the next calls (OnlineCalibration).
 
     static: run the target over a preallocated cache at one verify shape (ddtree/target_runner.py),
     captured as a CUDA graph on a GPU; None = on CUDA only: on a CPU there is no launch overhead to
@@ -240,6 +268,7 @@ def generate(
     result.stopped = root in stop
 
     start = len(prompt)  # position of the root: committed, not yet in the target's cache
+    shape = budget if method == "ddtree" else None  # the chain for dflash
     t_decode = _now(device)
     while not result.stopped and len(result.new_tokens) < max_new_tokens:
         t_round = _now(device)
@@ -250,9 +279,11 @@ def generate(
         if use_drafter and depth > 0:
             depth = min(depth, drafter.block_size - 1)
             draft_logits = drafter.propose(root, start, new_context, depth)  # (depth, V)
+            if online is not None:
+                draft_logits = draft_logits.float() / online.temperature(shape)
             t_drafted = _now(device)
             draft_s = t_drafted - t_round
-            tree = draft_tree(draft_logits, budget if method == "ddtree" else None)
+            tree = draft_tree(draft_logits, shape)
             expected = tree.expected_acceptance
         else:
             t_drafted = t_round
@@ -262,6 +293,8 @@ def generate(
         t_verified = _now(device)  # logits (1 + n, V)
 
         accepted, bonus = walk(tree, lambda row: sampling.choose(logits[row], generator))
+        if online is not None and len(tree):
+            online.observe(shape, expected, 1 + len(accepted))
         committed = [tree.tokens[row - 1] for row in accepted] + [bonus]
         committed = committed[:room]
         for i, token in enumerate(committed):

@@ -74,6 +74,26 @@ def test_bench_static_cache_commits_the_dynamic_caches_tokens(capsys, tmp_path, 
     assert tokens["on"] == tokens["off"] and len(tokens["on"]) == 6
 
 
+def test_bench_online_calibration_learns_a_temperature_per_method_and_commits_the_same_tokens(capsys, tmp_path,
+                                                                                             prompts_file):
+    tokens, summaries = {}, {}
+    for online in (False, True):
+        out = tmp_path / f"{online}.json"
+        code, stdout, _ = run_cli(
+            capsys, "bench", "--target", TARGET, "--drafter", "random", "--prompts", str(prompts_file), "--methods",
+            "ar,dflash,ddtree", "--budgets", "4", "--max-new-tokens", "12", "--dtype", "float32", "--out", str(out),
+            *(["--online-calibration"] if online else []),
+        )
+        assert code == 0
+        results = json.loads(out.read_text())
+        tokens[online] = [run["new_tokens"] for prompt in results["prompts"] for run in prompt["methods"].values()]
+        summaries[online] = results["summary"]
+    assert tokens[True] == tokens[False]
+    learned = {key: s["online_temperature"] for key, s in summaries[True].items() if "online_temperature" in s}
+    assert set(learned) == {"dflash", "ddtree@4"} and all(t != 1.0 for t in learned.values())  # the random drafter
+    assert "online calibration's draft temperature" in stdout and "online_temperature" not in summaries[False]["dflash"]
+
+
 def _bad(capsys, *args):
     code, _, err = run_cli(capsys, *args)
     lines = [line for line in err.strip().splitlines() if line.startswith("error: ")]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ddtree.cli import load_drafter
-from ddtree.decoding import DrafterRunner, generate
+from ddtree.decoding import DrafterRunner, OnlineCalibration, generate
 from ddtree.targets import stop_token_ids
 from rigged import RiggedDrafter  # tests/rigged.py
 
@@ -86,6 +86,23 @@ def test_rigged_drafter_is_lossless_and_exercises_the_walk(smollm2, references, 
         assert non_first > 0, "no accepted path went through a non-first branch"
     else:
         assert non_first == 0
+
+
+@pytest.mark.parametrize("method,budget", [("dflash", 0), ("ddtree", 8)])
+def test_online_calibration_learns_a_temperature_and_stays_lossless(smollm2, references, method, budget):
+    """The rigged drafter is sure of a wrong token every 7th position: online calibration warms it, and
+    the warmer trees of the later prompts still commit exactly the greedy tokens."""
+    model, tokenizer = smollm2
+    online = OnlineCalibration()
+    shape = budget if method == "ddtree" else None
+    temperatures = []
+    for prompt, greedy in references * 2:
+        rigged = RiggedDrafter(prompt + greedy, model.config.vocab_size)
+        result = generate(model, prompt, method, rigged, budget, MAX_NEW, stop_token_ids(model, tokenizer), online=online)
+        assert result.new_tokens == greedy
+        temperatures.append(online.temperature(shape))
+    assert temperatures[0] > 1.0 and temperatures[-1] > temperatures[0]  # over-confident, so warmed
+    assert list(online.log_temperatures) == [shape]
 
 
 def test_stop_and_length_limits(smollm2, references):

@@ -247,8 +247,7 @@ def run_benchmark(
     if calibration is not None:
         for key, method, budget in keys:
             if method != "ar":
-                shape = budget if method == "ddtree" else None
-                summary[key]["online_temperature"] = calibration.temperature(shape)
+                summary[key]["online_temperature"] = calibration.temperature(OnlineCalibration.shape(method, budget))
     if "ar" in summary:
         baseline = summary["ar"]["tokens_per_s"]
         for stats in summary.values():

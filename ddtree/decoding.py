@@ -180,6 +180,11 @@ class OnlineCalibration:
     def __init__(self):
         self.log_temperatures: dict[int | None, float] = {}  # ddtree budget (None = the chain) -> log T
 
+    @staticmethod
+    def shape(method: str, budget: int) -> int | None:
+        """What a temperature is kept for: the ddtree budget, or None for the chain."""
+        return budget if method == "ddtree" else None
+
     def temperature(self, shape: int | None) -> float:
         return math.exp(self.log_temperatures.get(shape, 0.0))
 
@@ -268,7 +273,7 @@ def generate(
     result.stopped = root in stop
 
     start = len(prompt)  # position of the root: committed, not yet in the target's cache
-    shape = budget if method == "ddtree" else None  # the chain for dflash
+    shape = OnlineCalibration.shape(method, budget)  # draft_tree's budget: None builds the chain
     t_decode = _now(device)
     while not result.stopped and len(result.new_tokens) < max_new_tokens:
         t_round = _now(device)

@@ -94,7 +94,7 @@ def test_online_calibration_learns_a_temperature_and_stays_lossless(smollm2, ref
     the warmer trees of the later prompts still commit exactly the greedy tokens."""
     model, tokenizer = smollm2
     online = OnlineCalibration()
-    shape = budget if method == "ddtree" else None
+    shape = OnlineCalibration.shape(method, budget)
     temperatures = []
     for prompt, greedy in references * 2:
         rigged = RiggedDrafter(prompt + greedy, model.config.vocab_size)

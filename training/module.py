@@ -39,6 +39,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 import lightning as L
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -400,12 +402,10 @@ class DistillModule(L.LightningModule):
         if not (gradient_clip_val and optimizer.param_groups[0].get("fused")):
             return super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
         # Lightning's mixed-precision plugin refuses to clip for any fused optimizer, guarding against a
-        # GradScaler; the optimizer is fused only where there is none (configure_optimizers), so clip here.
-        parameters = [p for group in optimizer.param_groups for p in group["params"]]
-        if gradient_clip_algorithm == "value":
-            torch.nn.utils.clip_grad_value_(parameters, gradient_clip_val)
-        else:
-            torch.nn.utils.clip_grad_norm_(parameters, gradient_clip_val)
+        # GradScaler; the optimizer is fused only where there is none (configure_optimizers), so clip with
+        # the plain precision plugin's clipping, which that guard wraps.
+        algorithm = GradClipAlgorithmType(gradient_clip_algorithm or GradClipAlgorithmType.NORM)
+        Precision.clip_gradients(self.trainer.precision_plugin, optimizer, gradient_clip_val, algorithm)
 
     def on_before_optimizer_step(self, optimizer):
         # Lightning clips after this hook; a non-finite norm here would be clipped into NaN weights.

@@ -27,7 +27,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from .decoding import METHODS, DrafterRunner, OnlineCalibration, Sampling, context_limit, generate
+from .decoding import METHODS, DrafterRunner, OnlineCalibration, Sampling, check_lookup, context_limit, generate
 from .errors import DDTreeError
 
 
@@ -201,6 +201,7 @@ def run_benchmark(
     progress: bool = True,
     static: bool | None = None,
     online: bool = False,
+    lookup: int = 0,
 ) -> dict:
     """Run every method on every prompt. Returns {"summary": {key: summarize(...)}, "prompts": [per-prompt rows]}.
 
@@ -208,10 +209,12 @@ def run_benchmark(
     Every method is warmed up first (warm_up, on the first prompt, untimed); only the runs after that are timed.
     static: the target's cache (ddtree.decoding.generate; None = static with CUDA graphs on a GPU only).
     online: learn draft temperatures from the timed rounds, prompt after prompt (OnlineCalibration).
+    lookup: graft that many tokens of context lookup into every ddtree tree (generate); the chain stays the drafter's.
     """
     keys = method_keys(methods, budgets)
     if drafter is None and any(method != "ar" for _, method, _ in keys):
         raise DDTreeError("methods dflash and ddtree need a drafter")
+    check_lookup("ddtree", lookup, online)
     limit = context_limit(target)
     for prompt in prompts:
         if len(prompt["prompt_ids"]) >= limit:
@@ -230,7 +233,7 @@ def run_benchmark(
             generator = torch.Generator(device=target.device).manual_seed(seed)
             result = generate(
                 target, prompt["prompt_ids"], method, drafter, budget or 1, max_new_tokens, stop_ids, sampling, generator,
-                static, calibration,
+                static, calibration, lookup if method == "ddtree" else 0,
             )
             row["methods"][key] = {
                 "tau": result.tau,

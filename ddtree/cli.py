@@ -71,6 +71,9 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--online-calibration", action="store_true",
                         help="learn the draft temperature from the verified rounds, so the drafter's expected "
                              "tau tracks the measured one (changes the tree's shape, never the output)")
+    parser.add_argument("--lookup", type=int, default=0, metavar="N",
+                        help="graft into every ddtree tree up to N tokens that followed the last recurrence of the "
+                             "context's latest tokens, within the budget (README, Context lookup; 0 = off)")
 
 
 
@@ -152,7 +155,7 @@ def cmd_generate(args) -> None:
     result = generate(
         target, prompt_ids, args.method, drafter, args.budget, args.max_new_tokens,
         stop_token_ids(target, tokenizer), sampling, generator, STATIC_CACHE[args.static_cache],
-        OnlineCalibration() if args.online_calibration else None,
+        OnlineCalibration() if args.online_calibration else None, args.lookup,
     )
     print(tokenizer.decode(result.new_tokens, skip_special_tokens=True))
     print(
@@ -174,7 +177,7 @@ def cmd_bench(args) -> None:
     results = run_benchmark(
         target, drafter, prompts, methods, args.budgets, args.max_new_tokens,
         stop_token_ids(target, tokenizer), sampling, seed=args.seed, static=STATIC_CACHE[args.static_cache],
-        online=args.online_calibration,
+        online=args.online_calibration, lookup=args.lookup,
     )
     settings = {k: v for k, v in vars(args).items() if k != "func"}
     settings["dtype_resolved"] = str(target.dtype).removeprefix("torch.")  # what `dtype` (maybe "auto") ran as

@@ -28,7 +28,7 @@ from transformers import DynamicCache, PreTrainedModel
 from .modeling_dflash import DFlashDraftModel, fuse_target_features
 from .target_runner import DynamicTarget, StaticTarget
 from .targets import DDTreeError
-from .tree import DraftTree, ancestor_matrix, build_tree, chain_tree, tree_positions, walk
+from .tree import DraftTree, ancestor_matrix, build_tree, chain_tree, context_lookup, graft_path, tree_positions, walk
 
 METHODS = ("ar", "dflash", "ddtree")
 
@@ -194,15 +194,35 @@ class OnlineCalibration:
         self.log_temperatures[shape] = min(self.LOG_LIMIT, max(-self.LOG_LIMIT, log_t))
 
 
-def draft_tree(draft_logits: torch.Tensor, budget: int | None) -> DraftTree:
+def draft_tree(draft_logits: torch.Tensor, budget: int | None, lookup: list[int] = ()) -> DraftTree:
     """What a round verifies, from the drafter's (depth, V) logits: the best-first tree of `budget` nodes
-    (`ddtree`), or with budget None the argmax chain (`dflash`), its path probabilities recorded as build_tree does."""
-    if budget is not None:
-        return build_tree(draft_logits, budget)
-    log_probs, tokens = torch.log_softmax(draft_logits.float(), dim=-1).max(dim=-1)  # (depth,) the argmax chain
-    tree = chain_tree(tokens.tolist())
-    tree.log_probs = log_probs.cumsum(0).tolist()
+    (`ddtree`), or with budget None the argmax chain (`dflash`), its path probabilities recorded as build_tree does.
+
+    lookup (ddtree only): a continuation grafted into the tree as one more path (context_lookup); it takes
+    len(lookup) of the budget, so the tree never holds more than `budget` nodes.
+    """
+    if budget is None:
+        log_probs, tokens = torch.log_softmax(draft_logits.float(), dim=-1).max(dim=-1)  # (depth,) the argmax chain
+        tree = chain_tree(tokens.tolist())
+        tree.log_probs = log_probs.cumsum(0).tolist()
+        return tree
+    lookup = list(lookup)[: min(budget, draft_logits.shape[0])]
+    tree = build_tree(draft_logits, budget - len(lookup))
+    if lookup:
+        rows = torch.log_softmax(draft_logits[: len(lookup)].float(), dim=-1)  # (len, V)
+        graft_path(tree, lookup, rows.gather(1, torch.tensor(lookup, device=rows.device)[:, None])[:, 0].tolist())
     return tree
+
+
+def check_lookup(method: str, lookup: int, online: OnlineCalibration | bool | None) -> None:
+    """A lookup length fits only ddtree, and not with online calibration."""
+    if lookup < 0:
+        raise DDTreeError(f"lookup {lookup} must be >= 0 (0 = no context lookup)")
+    if lookup and method != "ddtree":
+        raise DDTreeError(f"lookup {lookup} grafts into ddtree trees; method {method!r} has none: give lookup 0")
+    if lookup and online:
+        raise DDTreeError("lookup and online calibration do not mix: the calibration reads accepted lengths as the "
+                          "drafter's, and grafted paths are accepted beyond what the drafter expects; drop one")
 
 
 def _now(device: torch.device) -> float:
@@ -228,10 +248,13 @@ def generate(
     generator: torch.Generator | None = None,
     static: bool | None = None,
     online: OnlineCalibration | None = None,
+    lookup: int = 0,
 ) -> GenerationResult:
     """Generate up to `max_new_tokens` tokens after `prompt_ids` with one of METHODS. Batch size 1.
 
     online: temperatures learned from this call's rounds and kept for the next calls (OnlineCalibration).
+    lookup (ddtree): graft up to this many tokens that followed the last recurrence of the context's
+    latest tokens (`context_lookup`) into every tree, within the budget; 0 = the drafter's tree alone.
 
     static: run the target over a preallocated cache at one verify shape (ddtree/target_runner.py),
     captured as a CUDA graph on a GPU; None = on CUDA only: on a CPU there is no launch overhead to
@@ -243,6 +266,7 @@ def generate(
         raise DDTreeError(f"method {method!r} needs a drafter")
     if method == "ddtree" and budget < 1:
         raise DDTreeError(f"budget {budget} must be at least 1")
+    check_lookup(method, lookup, online)
     device = target.device
     prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1).tolist()
     limit = context_limit(target)
@@ -288,7 +312,8 @@ def generate(
                 draft_logits = draft_logits.float() / online.temperature(shape)
             t_drafted = _now(device)
             draft_s = t_drafted - t_round
-            tree = draft_tree(draft_logits, shape)
+            grafted = context_lookup(prompt + result.new_tokens, min(lookup, depth)) if lookup else []
+            tree = draft_tree(draft_logits, shape, grafted)
             expected = tree.expected_acceptance
         else:
             t_drafted = t_round

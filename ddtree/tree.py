@@ -73,6 +73,46 @@ def build_tree(draft_logits: torch.Tensor, budget: int) -> DraftTree:
     return tree
 
 
+def context_lookup(tokens: list[int], length: int, max_ngram: int = 3) -> list[int]:
+    """What followed the most recent earlier occurrence of the context's last n tokens, n = max_ngram down to 1.
+
+    Up to `length` tokens, or [] when not even the last token occurred before. Small targets repeat
+    themselves and answers quote their prompts, where a drafter that cannot copy misses (README, Context lookup).
+    """
+    seq = np.asarray(tokens)
+    for n in range(min(max_ngram, len(seq) - 1), 0, -1):
+        # match[j]: seq[j:j + n] equals the last n tokens; j < len - n, so a token follows every match
+        match = np.ones(len(seq) - n, dtype=bool)
+        for k in range(n):
+            match &= seq[k:len(seq) - n + k] == seq[len(seq) - n + k]
+        starts = np.flatnonzero(match)
+        if starts.size:
+            follow = int(starts[-1]) + n
+            return seq[follow:follow + length].tolist() if length > 0 else []
+    return []
+
+
+def graft_path(tree: DraftTree, tokens: list[int], log_probs: list[float]) -> None:
+    """Add the path `tokens` below the root, reusing the nodes the tree already holds (it stays prefix-closed).
+
+    log_probs[d]: the drafter's log-probability of tokens[d] at depth d + 1, so every path score (and the
+    expected acceptance) stays the drafter's own. New nodes come after their parents: pop order stays topological.
+    """
+    row, score = 0, 0.0
+    for depth, (token, log_prob) in enumerate(zip(tokens, log_probs), start=1):
+        score += log_prob
+        child = tree.children[row].get(token)
+        if child is None:
+            tree.tokens.append(token)
+            tree.parents.append(row)
+            tree.depths.append(depth)
+            tree.log_probs.append(score)
+            tree.children.append({})
+            child = len(tree.tokens)
+            tree.children[row][token] = child
+        row = child
+
+
 def chain_tree(tokens: list[int]) -> DraftTree:
     """A single chain (DFlash verification) expressed as a tree: node i's parent is node i-1."""
     tree = _empty_tree()

@@ -10,6 +10,7 @@ import torch
 
 from ddtree.cli import load_drafter
 from ddtree.decoding import DrafterRunner, OnlineCalibration, generate
+from ddtree.errors import DDTreeError
 from ddtree.targets import stop_token_ids
 from rigged import RiggedDrafter  # tests/rigged.py
 
@@ -103,6 +104,34 @@ def test_online_calibration_learns_a_temperature_and_stays_lossless(smollm2, ref
         temperatures.append(online.temperature(shape))
     assert temperatures[0] > 1.0 and temperatures[-1] > temperatures[0]  # over-confident, so warmed
     assert list(online.log_temperatures) == [shape]
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic-cache", "static-cache"])
+@pytest.mark.parametrize("budget", [4, 32])
+def test_context_lookup_is_lossless_and_accepts_what_the_drafter_misses(smollm2, references, random_drafter, budget,
+                                                                        static):
+    """An untrained drafter accepts almost nothing; the grafted lookup paths must be accepted where the reply repeats
+    itself, and the output stays greedy decoding's."""
+    model, tokenizer = smollm2
+    drafted = grafted = 0
+    for prompt, greedy in references:
+        plain = generate(model, prompt, "ddtree", random_drafter, budget, MAX_NEW, stop_token_ids(model, tokenizer))
+        result = generate(model, prompt, "ddtree", random_drafter, budget, MAX_NEW, stop_token_ids(model, tokenizer),
+                          static=static, lookup=7)
+        assert result.new_tokens == greedy
+        assert all(r.tree_size <= budget for r in result.rounds)
+        drafted += sum(r.accepted_depth for r in plain.rounds)
+        grafted += sum(r.accepted_depth for r in result.rounds)
+    assert grafted > drafted + 5, f"lookup accepted {grafted} nodes against the drafter's {drafted}"
+
+
+def test_lookup_refuses_the_chain_and_online_calibration(smollm2, references, random_drafter):
+    model, _ = smollm2
+    prompt, _ = references[0]
+    with pytest.raises(DDTreeError, match="grafts into ddtree trees"):
+        generate(model, prompt, "dflash", random_drafter, 8, 4, lookup=7)
+    with pytest.raises(DDTreeError, match="do not mix"):
+        generate(model, prompt, "ddtree", random_drafter, 8, 4, online=OnlineCalibration(), lookup=7)
 
 
 def test_stop_and_length_limits(smollm2, references):

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from ddtree.target_runner import DynamicTarget, StaticTarget
-from ddtree.tree import ancestor_matrix, build_tree, tree_positions, walk
+from ddtree.decoding import draft_tree
+from ddtree.tree import ancestor_matrix, build_tree, context_lookup, tree_positions, walk
 
 
 def brute_force_top_prefixes(log_probs: torch.Tensor, budget: int) -> set[tuple[int, ...]]:
@@ -50,6 +51,36 @@ def test_heap_builds_the_top_budget_prefixes(seed, budget):
         expected = sum(log_probs[d, t].item() for d, t in enumerate(path))
         assert math.isclose(tree.log_probs[row - 1], expected, abs_tol=1e-5)
     assert all(a >= b - 1e-6 for a, b in zip(tree.log_probs, tree.log_probs[1:]))  # pops non-increasing
+
+
+@pytest.mark.parametrize("tokens,length,expected", [
+    ([1, 2, 3, 4, 9, 2, 3], 3, [4, 9, 2]),  # the last 2 tokens recur: what followed them
+    ([2, 3, 5, 2, 3, 6, 3], 2, [6, 3]),  # only the last token recurs: its most recent occurrence wins
+    ([1, 2, 3, 1, 2, 3, 1, 2, 3], 5, [1, 2, 3]),  # the longest match (3) runs up to the end of the context
+    ([1, 2, 3], 4, []),  # nothing recurs
+    ([7], 4, []),
+    ([4, 4], 5, [4]),
+])
+def test_context_lookup_continues_the_latest_recurrence_of_the_longest_suffix(tokens, length, expected):
+    assert context_lookup(tokens, length) == expected
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("budget,lookup", [(8, [3, 1, 2]), (4, [0, 0, 0, 0, 0]), (2, [1, 2, 3])])
+def test_a_grafted_path_stays_within_the_budget_and_keeps_the_drafter_scores(seed, budget, lookup):
+    logits = torch.randn(5, 4, generator=torch.Generator().manual_seed(seed)) * 2
+    log_probs = torch.log_softmax(logits, -1)
+    tree = draft_tree(logits, budget, lookup)
+    paths = node_paths(tree)
+    kept = lookup[:budget]
+    assert len(tree) <= budget
+    assert all(tuple(kept[:d]) in paths for d in range(1, len(kept) + 1))  # the whole path, from the root
+    drafted = build_tree(logits, budget - len(kept))  # the drafter's own tree comes first, as built
+    assert (tree.tokens[: len(drafted)], tree.parents[: len(drafted)]) == (drafted.tokens, drafted.parents)
+    assert all(parent < row for row, parent in enumerate(tree.parents, start=1))  # parents first: the mask holds
+    assert len(set(paths)) == len(paths)
+    for path, score in zip(paths, tree.log_probs):
+        assert score == pytest.approx(sum(log_probs[d, t].item() for d, t in enumerate(path)), abs=1e-5)
 
 
 def test_ancestor_matrix_and_walk():

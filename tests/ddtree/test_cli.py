@@ -120,6 +120,17 @@ def test_budget_below_one(capsys, prompts_file):
     assert "budget 0" in line
 
 
+@pytest.mark.parametrize("args, message", [
+    (["bench", "--lookup", "-1"], "lookup -1 must be >= 0"),
+    (["bench", "--lookup", "4", "--online-calibration"], "do not mix"),
+    (["generate", "--method", "dflash", "--lookup", "4"], "method 'dflash' has none"),
+])
+def test_a_lookup_that_cannot_run_is_one_line(capsys, prompts_file, args, message):
+    command, *rest = args
+    where = ["--prompts", str(prompts_file)] if command == "bench" else ["--prompt", "Hi"]
+    assert message in _bad(capsys, command, "--target", TARGET, *where, *rest)
+
+
 def test_prompt_longer_than_context(capsys, tmp_path):
     path = tmp_path / "long.jsonl"
     path.write_text(json.dumps({"id": "long", "prompt": "word " * 3000}) + "\n")

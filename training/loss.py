@@ -149,7 +149,6 @@ def block_loss_sums(
     smoothing: float = 0.5,
     top_k: int = RECALL_K,
     distill_loss: str = "kl",
-    label_scale: torch.Tensor | None = None,  # (S, n, B) multiplies each token's weight (model.lookup_weight)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sum of w * loss, sum of w, hits (B,), tokens (B,), top-k hits (B,)) over the M counted block tokens.
 
@@ -167,7 +166,6 @@ def block_loss_sums(
       tree        the same weights with survival = 1 if the label is within the drafter's top `top_k`
                   at that position, else 0: a draft tree keeps a path alive while the target's token is
                   among the few candidates it expands at each depth, not only while it is the argmax.
-    label_scale then multiplies each token's weight (decayed_ce normalises by the scaled sum).
     """
     if objective not in OBJECTIVES:
         raise ValueError(f"objective {objective!r}: choose one of {', '.join(OBJECTIVES)}")
@@ -213,9 +211,8 @@ def block_loss_sums(
     rank = torch.cat([p[1] for p in parts])  # (M,)
     hits, tokens, top_hits = (sum(p[i] for p in parts) for i in (2, 3, 4))
 
-    scale = label_scale.flatten()[counted] if label_scale is not None else 1.0  # (M,)
     if objective == "decayed_ce":
-        token_weight = weights[positions] * scale  # (M,)
+        token_weight = weights[positions]  # (M,)
         total = token_weight.sum()
     else:
         survival = torch.exp(-token_loss.detach()) if objective == "dpace" else (rank < top_k).float()
@@ -224,7 +221,7 @@ def block_loss_sums(
         mask = torch.zeros(flat_labels.shape[0], dtype=torch.bool, device=hidden.device)
         mask[counted] = True
         grid_weights = expected_length_weights(grid.view(-1, block_size), mask.view(-1, block_size), smoothing)
-        token_weight = grid_weights.flatten()[counted] * scale  # (M,)
+        token_weight = grid_weights.flatten()[counted]  # (M,)
         # Normalised by the blocks that have a label (not by the weights' sum, which would undo the weighting).
         total = mask.view(-1, block_size).any(dim=1).sum().float()
     return (token_loss * token_weight).sum(), total, hits, tokens, top_hits

@@ -20,11 +20,8 @@ all blocks of a sequence in one forward under a sparse mask).
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from torch.nn import functional as F
-
-from ddtree.tree import context_lookup
 
 # Label of a block position with nothing to predict (anchor, past the end, outside the reply).
 IGNORE_INDEX = -100
@@ -99,22 +96,6 @@ def block_labels(
     in_reply = torch.cumprod(supervised.long(), dim=2).bool() & valid[:, :, None]
     in_reply[:, :, 0] = False
     return torch.where(in_reply, tokens, IGNORE_INDEX)
-
-
-def lookup_covered(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
-    """(S, n, B) bool: block position k of anchor a is drafted by the context lookup that `ddtree --lookup`
-    grafts into every tree (ddtree.tree.context_lookup over the tokens up to the anchor): the lookup's
-    first k tokens are the data's a+1..a+k, so a tree with the lookup path accepts it without the drafter.
-    """
-    ids = input_ids.cpu().numpy()
-    covered = np.zeros((*anchors.shape, block_size), dtype=bool)
-    for s, row in enumerate(anchors.tolist()):
-        for i, anchor in enumerate(row):
-            continuation = context_lookup(ids[s, : anchor + 1], block_size - 1)
-            truth = ids[s, anchor + 1 : anchor + 1 + len(continuation)]
-            matched = np.cumprod(np.asarray(continuation[: len(truth)]) == truth).astype(bool)
-            covered[s, i, 1 : 1 + len(matched)] = matched
-    return torch.from_numpy(covered).to(anchors.device)
 
 
 def block_input_ids(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int) -> torch.Tensor:

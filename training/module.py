@@ -58,8 +58,7 @@ from .loss import (
     teacher_states,
 )
 from .masks import (
-    block_input_ids, block_labels, block_position_ids, dense_block_mask, flex_block_mask, lookup_covered, pad_for_flex,
-    sample_anchors,
+    block_input_ids, block_labels, block_position_ids, dense_block_mask, flex_block_mask, pad_for_flex, sample_anchors,
 )
 from .peft_utils import DEFAULT_LORA_MODULES, add_drafter_lora
 from .replay import RoundNLL, replay_reply, reply_span
@@ -121,7 +120,6 @@ class DistillModule(L.LightningModule):
         objective: str = "decayed_ce",  # training loss weights: decayed_ce (published), dpace or tree (loss.py)
         objective_smoothing: float = 0.5,  # dpace/tree: survival s -> (1 - a) s + a (D-PACE's a)
         objective_top_k: int = 4,  # tree: a label within the drafter's top k at a depth keeps the path alive
-        lookup_weight: float = 1.0,  # < 1: the weight of labels the context lookup (ddtree --lookup) already drafts
         loss_chunk_size: int | None = None,  # LM head + loss over this many block tokens at a time
         calibrate: bool = False,  # fit per-position draft temperatures on replayed validation decoding (replay.py)
         seed: int = 0,  # seeds the anchor draws
@@ -139,8 +137,6 @@ class DistillModule(L.LightningModule):
         if distill_loss not in DISTILL_LOSSES or not 0 <= distill_weight <= 1:
             raise DDTreeError(f"model.distill_loss={distill_loss!r} must be one of {', '.join(DISTILL_LOSSES)} and "
                               f"model.distill_weight={distill_weight} in [0, 1]")
-        if not 0 <= lookup_weight <= 1:
-            raise DDTreeError(f"model.lookup_weight={lookup_weight} must be in [0, 1] (1 = every label weighs the same)")
         if not 0 <= objective_smoothing <= 1 or objective_top_k < 1:
             raise DDTreeError(f"model.objective_smoothing={objective_smoothing} must be in [0, 1] and "
                               f"model.objective_top_k={objective_top_k} at least 1")
@@ -328,8 +324,7 @@ class DistillModule(L.LightningModule):
         return features, final, time.perf_counter() - started
 
     def block_predictions(self, batch: dict, batch_idx: int, stage: str, distill: bool = False):
-        """(drafter outputs (S, n*B, H), labels (S, n, B), teacher states (S, n*B, H) or None, target seconds,
-        label scale (S, n, B) or None: model.lookup_weight where the context lookup drafts the label, in training).
+        """(drafter outputs (S, n*B, H), labels (S, n, B), teacher states (S, n*B, H) or None, target seconds).
 
         None if the batch has no block to learn from. The anchors are drawn as for `stage`.
         """
@@ -341,11 +336,7 @@ class DistillModule(L.LightningModule):
         labels = block_labels(input_ids, loss_mask, anchors, valid, self.block_size)  # (S, n, B)
         hidden = self.block_hidden_states(features, input_ids, anchors)  # (S, n*B, H)
         teacher_hidden = teacher_states(final, anchors, self.block_size) if distill else None  # (S, n*B, H)
-        scale = None
-        if stage == "train" and self.hparams.lookup_weight < 1:  # validation weighs every label, so runs compare
-            covered = lookup_covered(input_ids, anchors, self.block_size)  # (S, n, B)
-            scale = torch.where(covered, self.hparams.lookup_weight, 1.0).to(hidden.device)
-        return hidden, labels, teacher_hidden, target_seconds, scale
+        return hidden, labels, teacher_hidden, target_seconds
 
     def shared_step(self, batch: dict, batch_idx: int, stage: str) -> StepResult | None:
         """Loss and counts of one batch (stage "train" or "val"); None if the batch has no block to learn from."""
@@ -354,7 +345,7 @@ class DistillModule(L.LightningModule):
         predictions = self.block_predictions(batch, batch_idx, stage, distill)
         if predictions is None:
             return None
-        hidden, labels, teacher_hidden, target_seconds, label_scale = predictions
+        hidden, labels, teacher_hidden, target_seconds = predictions
         weights = block_position_weights(self.block_size, self.hparams.gamma, device=hidden.device)  # (B,)
         hp = self.hparams
         # Validation always measures the published decayed CE, so runs of different objectives compare.
@@ -368,7 +359,7 @@ class DistillModule(L.LightningModule):
         weighted, weight_total, hits, tokens, top_hits = block_loss_sums(
             hidden, labels, lm_head, weights, hp.loss_chunk_size,
             teacher_hidden, hp.distill_weight if distill else 0.0, objective, hp.objective_smoothing,
-            hp.objective_top_k, hp.distill_loss, label_scale,
+            hp.objective_top_k, hp.distill_loss,
         )
         return StepResult(weighted / weight_total.clamp_min(1e-8), weighted, weight_total, hits, tokens, top_hits,
                           target_seconds)

@@ -36,7 +36,6 @@ from training.masks import (
     block_position_ids,
     dense_block_mask,
     flex_block_mask,
-    lookup_covered,
     sample_anchors,
 )
 from training.module import DistillModule, NonFiniteError
@@ -496,47 +495,6 @@ def test_acceptance_objectives_weight_tokens_by_expected_length_and_normalise_by
     plain = block_loss_sums(hidden, labels, lm_head, weights, top_k=2)
     assert not torch.allclose(weighted / total, plain[0] / plain[1])  # a different loss, same metrics
     assert torch.equal(plain[2], hits) and torch.equal(plain[4], top_hits)
-
-
-def test_lookup_covers_the_labels_the_context_lookup_drafts():
-    # The anchor 7 (position 5) recurs at position 1, followed by 8 9 4; the data goes on 8 9 5.
-    input_ids = torch.tensor([[3, 7, 8, 9, 4, 7, 8, 9, 5, 6, 2, 2]])
-    anchors = torch.tensor([[5, 8, 2]])
-    covered = lookup_covered(input_ids, anchors, block_size=4)  # (1, 3, 4)
-    assert covered[0, 0].tolist() == [False, True, True, False]  # 8, 9 drafted; 5 is not the 4 that followed
-    assert covered[0, 1].tolist() == [False] * 4  # the anchor 5 never occurred before
-    assert covered[0, 2].tolist() == [False] * 4  # 8 occurred only here
-
-
-@pytest.mark.parametrize("objective", ["decayed_ce", "dpace"])
-def test_label_scale_multiplies_each_token_weight(objective):
-    hidden, labels, lm_head = block_loss_case()
-    weights = block_position_weights(4, gamma=4.0)
-    scale = torch.ones(labels.shape)
-    scale[0, 0, 1:] = 0.0  # one block's labels drop out of the loss
-    plain = block_loss_sums(hidden, labels, lm_head, weights, objective=objective)
-    scaled = block_loss_sums(hidden, labels, lm_head, weights, objective=objective, label_scale=scale)
-    dropped = labels.clone()
-    dropped[0, 0, 1:] = IGNORE_INDEX
-    without = block_loss_sums(hidden, dropped, lm_head, weights, objective=objective)
-    assert torch.allclose(scaled[0], without[0], atol=1e-5) and not torch.allclose(scaled[0], plain[0])
-    if objective == "decayed_ce":  # normalised by the weights it keeps
-        assert torch.allclose(scaled[1], without[1])
-    assert all(torch.equal(a, b) for a, b in zip(scaled[2:], plain[2:]))  # the metrics count every label
-
-
-def test_lookup_weight_scales_training_labels_only():
-    batch = synthetic_batch(length=32)
-    batch["input_ids"][:, 16:24] = batch["input_ids"][:, 8:16]  # the reply repeats itself: the lookup drafts it
-    torch.manual_seed(0)
-    plain = tiny_module()
-    torch.manual_seed(0)
-    weighted = tiny_module(lookup_weight=0.0)
-    with torch.no_grad():
-        assert torch.equal(weighted.shared_step(batch, 0, "val").loss, plain.shared_step(batch, 0, "val").loss)
-        assert not torch.allclose(weighted.shared_step(batch, 0, "train").loss, plain.shared_step(batch, 0, "train").loss)
-    with pytest.raises(DDTreeError, match="model.lookup_weight=1.5"):
-        DistillModule(target="tiny-random", lookup_weight=1.5)
 
 
 def test_an_unknown_objective_is_one_line():

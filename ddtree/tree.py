@@ -79,6 +79,8 @@ def context_lookup(tokens: list[int], length: int, max_ngram: int = 3) -> list[i
     Up to `length` tokens, or [] when not even the last token occurred before. Small targets repeat
     themselves and answers quote their prompts, where a drafter that cannot copy misses (README, Context lookup).
     """
+    if length < 1:
+        return []
     seq = np.asarray(tokens)
     for n in range(min(max_ngram, len(seq) - 1), 0, -1):
         # match[j]: seq[j:j + n] equals the last n tokens; j < len - n, so a token follows every match
@@ -88,7 +90,7 @@ def context_lookup(tokens: list[int], length: int, max_ngram: int = 3) -> list[i
         starts = np.flatnonzero(match)
         if starts.size:
             follow = int(starts[-1]) + n
-            return seq[follow:follow + length].tolist() if length > 0 else []
+            return seq[follow:follow + length].tolist()
     return []
 
 

@@ -8,6 +8,7 @@
       primary_budget: 32                 # checkpoints are ranked by val/tau_ddtree@32
       max_new_tokens: 64
       limit: 8                           # the first 8 prompts of the file
+      lookup: 0                          # N > 0: graft N tokens of context lookup into every tree (`--lookup N`)
 
 Every `every_n_train_steps` optimizer steps, and at the last step, `AcceptanceEvaluation` runs
 `ddtree.bench.run_benchmark` (the code behind `ddtree bench`, not a copy) with the frozen target and
@@ -95,8 +96,11 @@ def measure_acceptance(
     stop_ids: list[int],
     rank: int = 0,
     world_size: int = 1,
+    lookup: int = 0,
 ) -> dict:
     """Decode this rank's share of `prompts` with the chain and DDTree at every budget; gather all ranks.
+
+    lookup > 0 grafts that many tokens of context lookup into every DDTree tree (the chain stays the drafter's).
 
     Returns {"summary": {CHAIN | tree_key(B): acceptance_summary}, "prompts": [per-prompt bench rows,
     in file order]}, identical on every rank.
@@ -106,7 +110,7 @@ def measure_acceptance(
     if share:  # a rank with no prompt (fewer prompts than ranks) still joins the gather
         results = run_benchmark(
             target, drafter, [prompts[i] for i in share], [CHAIN, "ddtree"], budgets, max_new_tokens, stop_ids,
-            Sampling(temperature=0.0), seed=0, progress=False,
+            Sampling(temperature=0.0), seed=0, progress=False, lookup=lookup,
         )
         rows = [dict(row, index=i) for i, row in zip(share, results["prompts"])]
     if world_size > 1:
@@ -166,6 +170,7 @@ class AcceptanceEvaluation(L.Callback):
         primary_budget: int = 32,  # checkpoints are ranked by val/tau_ddtree@<this>; must be in budgets
         max_new_tokens: int = 64,  # per prompt
         limit: int | None = 8,  # the first N prompts of the file (None = all)
+        lookup: int = 0,  # graft N tokens of context lookup into every DDTree tree (`ddtree bench --lookup`); 0 = off
     ):
         if every_n_train_steps < 1:
             raise DDTreeError(f"eval.every_n_train_steps={every_n_train_steps}: must be at least 1")
@@ -177,12 +182,15 @@ class AcceptanceEvaluation(L.Callback):
             raise DDTreeError(f"eval.max_new_tokens={max_new_tokens}: must be at least 2 (the first comes from prefill)")
         if limit is not None and limit < 1:
             raise DDTreeError(f"eval.limit={limit}: must be at least 1, or null for every prompt")
+        if lookup < 0:
+            raise DDTreeError(f"eval.lookup={lookup}: must be at least 0 (0 = the drafter's trees alone)")
         self.prompts_path = prompts
         self.every_n_train_steps = every_n_train_steps
         self.budgets = sorted(set(budgets))
         self.primary_budget = primary_budget
         self.max_new_tokens = max_new_tokens
         self.limit = limit
+        self.lookup = lookup
         self.history: list[dict] = []  # one record per evaluation; kept in checkpoints for the report
         self.prompts: list[dict] | None = None  # read in setup (needs the target's tokenizer)
         self.tokenizer = None
@@ -215,7 +223,7 @@ class AcceptanceEvaluation(L.Callback):
         with TrainingStateGuard(drafter, target), torch.no_grad(), torch.autocast(target.device.type, enabled=False):
             runner = self.drafter_runner(drafter, target)
             return measure_acceptance(
-                target, runner, prompts, self.budgets, self.max_new_tokens, stop_ids, rank, world_size
+                target, runner, prompts, self.budgets, self.max_new_tokens, stop_ids, rank, world_size, self.lookup
             )
 
     # -------------------------------------------------------------- Lightning hooks
@@ -320,7 +328,7 @@ class AcceptanceEvaluation(L.Callback):
     def _settings(self, trainer) -> dict:
         return {
             "prompts": self.prompts_path, "num_prompts": len(self.prompts), "max_new_tokens": self.max_new_tokens,
-            "budgets": self.budgets, "primary_budget": self.primary_budget,
+            "budgets": self.budgets, "primary_budget": self.primary_budget, "lookup": self.lookup,
             "block_size": int(trainer.lightning_module.block_size),
         }
 

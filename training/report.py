@@ -54,6 +54,9 @@ def markdown_report(run_name: str, history: list[dict], settings: dict, eval_sec
         "built (1 + sum of their path probabilities); far above the measurement means an over-confident drafter.",
         "",
     ]
+    if settings.get("lookup"):
+        lines += [f"Every tree carries {settings['lookup']} tokens of context lookup (`eval.lookup`, `ddtree bench "
+                  "--lookup`): its tau is the decoder's, not the drafter's alone; the chain is the drafter's.", ""]
     if best is not None:
         lines += [
             f"**Best checkpoint by tau@{primary}: step {best['step']}** "

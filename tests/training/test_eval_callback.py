@@ -513,3 +513,30 @@ def test_bad_settings_are_one_line_errors(tmp_path, capsys):
     recipe.write_text((Path("recipes") / "tiny.yaml").read_text() + "\n  every_n_train_steps: 5\n")
     with pytest.raises(DDTreeError, match="checkpoint.every_n_train_steps follows eval.every_n_train_steps"):
         training.train.build_cli(recipe, tmp_path / "run", [])
+
+
+# ----------------------------------------------------------------------------- context lookup
+
+
+def test_lookup_grafts_into_the_trees_and_commits_the_same_tokens():
+    """eval.lookup decodes as `ddtree bench --lookup`: the same greedy tokens, more of them accepted per round
+    (a random target repeats itself, which the lookup drafts and the random drafter does not)."""
+    torch.manual_seed(0)
+    module = tiny_module()
+    module.configure_model()
+    _, tokenizer = load_target("tiny-random")
+    results = {}
+    for lookup in (0, 4):
+        evaluation = AcceptanceEvaluation(prompts=PROMPTS, budgets=[8], primary_budget=8, max_new_tokens=24, limit=2,
+                                          lookup=lookup)
+        prompts = evaluation.load_prompts(tokenizer)
+        results[lookup] = evaluation.measure(module.target, module.drafter, prompts, stop_token_ids(module.target, tokenizer))
+    tokens = {lookup: [row["methods"]["ddtree@8"]["new_tokens"] for row in result["prompts"]]
+              for lookup, result in results.items()}
+    assert tokens[0] == tokens[4]
+    assert [row["methods"]["dflash"]["new_tokens"] for row in results[4]["prompts"]] == tokens[0]
+    taus = {lookup: result["summary"]["ddtree@8"]["tau"] for lookup, result in results.items()}
+    assert taus[4] > taus[0] + 0.5, taus
+    assert results[4]["summary"]["dflash"]["tau"] == results[0]["summary"]["dflash"]["tau"]  # the chain has no lookup
+    with pytest.raises(DDTreeError, match=r"eval.lookup=-1"):
+        AcceptanceEvaluation(lookup=-1)

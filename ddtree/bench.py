@@ -27,8 +27,11 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from .decoding import METHODS, DrafterRunner, OnlineCalibration, Sampling, check_lookup, context_limit, generate
+from .decoding import (
+    METHODS, DrafterRunner, OnlineCalibration, Sampling, check_lookup, check_sizer, context_limit, generate,
+)
 from .errors import DDTreeError
+from .sizing import TreeSizer
 
 
 def iter_json_lines(path: Path):
@@ -140,6 +143,7 @@ def acceptance_summary(rows: list[dict], key: str) -> dict:
         "tau": sum(r["committed"] for r in rounds) / max(len(rounds), 1),
         "expected_tau": sum(r["expected"] for r in rounds) / max(len(rounds), 1),
         "rounds": len(rounds),
+        "tree_nodes": sum(r["tree_size"] for r in rounds) / max(len(rounds), 1),  # verified per round
         "new_tokens": sum(len(row["methods"][key]["new_tokens"]) for row in rows),
         "accepted_depth_counts": dict(sorted(depth_counts.items())),
     }
@@ -202,6 +206,7 @@ def run_benchmark(
     static: bool | None = None,
     online: bool = False,
     lookup: int = 0,
+    sizer: TreeSizer | None = None,
 ) -> dict:
     """Run every method on every prompt. Returns {"summary": {key: summarize(...)}, "prompts": [per-prompt rows]}.
 
@@ -210,11 +215,13 @@ def run_benchmark(
     static: the target's cache (ddtree.decoding.generate; None = static with CUDA graphs on a GPU only).
     online: learn draft temperatures from the timed rounds, prompt after prompt (OnlineCalibration).
     lookup: graft that many tokens of context lookup into every ddtree tree (generate); the chain stays the drafter's.
+    sizer: size every ddtree round's tree to this machine's verify cost (ddtree/sizing.py); the chain stays whole.
     """
     keys = method_keys(methods, budgets)
     if drafter is None and any(method != "ar" for _, method, _ in keys):
         raise DDTreeError("methods dflash and ddtree need a drafter")
     check_lookup("ddtree", lookup, online)
+    check_sizer("ddtree", sizer is not None, target.device.type == "cuda" if static is None else static)
     limit = context_limit(target)
     for prompt in prompts:
         if len(prompt["prompt_ids"]) >= limit:
@@ -233,7 +240,7 @@ def run_benchmark(
             generator = torch.Generator(device=target.device).manual_seed(seed)
             result = generate(
                 target, prompt["prompt_ids"], method, drafter, budget or 1, max_new_tokens, stop_ids, sampling, generator,
-                static, calibration, lookup if method == "ddtree" else 0,
+                static, calibration, lookup if method == "ddtree" else 0, sizer if method == "ddtree" else None,
             )
             row["methods"][key] = {
                 "tau": result.tau,
@@ -260,13 +267,14 @@ def run_benchmark(
 
 def format_summary(summary: dict) -> str:
     header = f"{'method':<12} {'tau':>6} {'exp.tau':>7} {'tokens':>7} {'tok/s':>8} {'speedup':>7} " \
-             f"{'round ms':>9} {'draft':>7} {'verify':>7} {'other':>7}"
+             f"{'round ms':>9} {'draft':>7} {'verify':>7} {'other':>7} {'nodes':>6}"
     lines = [header, "-" * len(header)]
     for key, s in summary.items():
         speedup = f"{s['speedup']:.2f}x" if "speedup" in s else "-"
         lines.append(
             f"{key:<12} {s['tau']:>6.2f} {s['expected_tau']:>7.2f} {s['new_tokens']:>7d} {s['tokens_per_s']:>8.1f} "
-            f"{speedup:>7} {s['round_ms']:>9.1f} {s['draft_ms']:>7.1f} {s['verify_ms']:>7.1f} {s['other_ms']:>7.2f}"
+            f"{speedup:>7} {s['round_ms']:>9.1f} {s['draft_ms']:>7.1f} {s['verify_ms']:>7.1f} {s['other_ms']:>7.2f} "
+            f"{s['tree_nodes']:>6.1f}"
         )
     learned = {key: s["online_temperature"] for key, s in summary.items() if "online_temperature" in s}
     if learned:
@@ -288,14 +296,13 @@ def measure_verify_cost(
     import statistics
     import time
 
-    from .target_runner import DynamicTarget
+    from .sizing import probe_runner, verify_seconds
     from .tree import ancestor_matrix, build_tree, tree_positions, walk
 
     device = target.device
     generator = torch.Generator().manual_seed(seed)
     vocab = target.get_output_embeddings().weight.shape[0]
-    runner = DynamicTarget(target, hidden_states=False)  # the decoding loop's own forwards
-    runner.prefill(torch.randint(100, vocab, (context,), generator=generator).tolist())
+    runner = probe_runner(target, context, seed)  # the decoding loop's own forwards, over a random context
     cache = runner.cache
 
     def clock() -> float:
@@ -303,22 +310,12 @@ def measure_verify_cost(
             torch.cuda.synchronize(device)
         return time.perf_counter()
 
-    def verify(tree) -> float:
-        start = clock()
-        runner.verify([7] + tree.tokens, tree_positions(tree, context), ancestor_matrix(tree), context)
-        elapsed = clock() - start
-        cache.crop(-(len(tree) + 1))
-        return elapsed
-
-    empty = build_tree(torch.zeros(0, vocab), 1)
-    verify(empty)  # warm-up
-    ar_step = statistics.median(verify(empty) for _ in range(repeats))
+    ar_step = verify_seconds(runner, build_tree(torch.zeros(0, vocab), 1), context, repeats)
     rows = []
     for size in sizes:
         logits = torch.randn(15, vocab, generator=generator).to(device) * 4  # (depth, V), block size 16
         tree = build_tree(logits, size)
-        verify(tree)  # warm-up for this shape
-        verify_s = statistics.median(verify(tree) for _ in range(repeats))
+        verify_s = verify_seconds(runner, tree, context, repeats)
         overheads = []
         for _ in range(repeats):
             start = clock()

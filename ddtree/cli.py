@@ -22,11 +22,12 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .bench import format_summary, load_prompts, measure_verify_cost, run_benchmark
 from .drafters import load_drafter_folder
-from .decoding import METHODS, DrafterRunner, OnlineCalibration, Sampling, generate
+from .decoding import METHODS, DrafterRunner, OnlineCalibration, Sampling, check_sizer, generate
 from .errors import DDTreeError, command
 from .files import write_json_atomic
 from .modeling_dflash import DFlashDraftModel
 from .precision import AUTO, resolve_dtype
+from .sizing import TreeSizer
 from .targets import build_drafter_config, load_target, stop_token_ids
 
 
@@ -71,6 +72,10 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--online-calibration", action="store_true",
                         help="learn the draft temperature from the verified rounds, so the drafter's expected "
                              "tau tracks the measured one (changes the tree's shape, never the output)")
+    parser.add_argument("--adaptive-size", action="store_true",
+                        help="per round, verify only the leading nodes of the budget's ddtree tree that pay for their "
+                             "rows, under this machine's verify cost measured at start (README, Which budget; "
+                             "dynamic cache only)")
     parser.add_argument("--lookup", type=int, default=0, metavar="N",
                         help="graft into every ddtree tree up to N tokens that followed the last recurrence of the "
                              "context's latest tokens, within the budget (README, Context lookup; 0 = off)")
@@ -142,8 +147,20 @@ def _setup(args):
     return sampling, target, tokenizer
 
 
+def _sizer(args, target, budgets: list[int], method: str = "ddtree") -> TreeSizer | None:
+    """With --adaptive-size, the verify cost measured on this machine (printed to stderr); else None."""
+    if not args.adaptive_size:
+        return None
+    static = STATIC_CACHE[args.static_cache]
+    check_sizer(method, True, target.device.type == "cuda" if static is None else static)
+    sizer = TreeSizer.measure(target, max_rows=max(budgets) + 1)
+    print(f"[adaptive size] {sizer.describe()} (measured up to {max(budgets) + 1} rows)", file=sys.stderr)
+    return sizer
+
+
 def cmd_generate(args) -> None:
     sampling, target, tokenizer = _setup(args)
+    sizer = _sizer(args, target, [args.budget], args.method)
     drafter = None
     if args.method != "ar":
         drafter = DrafterRunner(load_drafter(args.drafter, target, tokenizer, args.target, args.seed), target)
@@ -156,7 +173,7 @@ def cmd_generate(args) -> None:
     result = generate(
         target, prompt_ids, args.method, drafter, args.budget, args.max_new_tokens,
         stop_token_ids(target, tokenizer), sampling, generator, STATIC_CACHE[args.static_cache],
-        OnlineCalibration() if args.online_calibration else None, args.lookup,
+        OnlineCalibration() if args.online_calibration else None, args.lookup, sizer,
     )
     print(tokenizer.decode(result.new_tokens, skip_special_tokens=True))
     print(
@@ -175,13 +192,16 @@ def cmd_bench(args) -> None:
     drafter = None
     if any(m != "ar" for m in methods):
         drafter = DrafterRunner(load_drafter(args.drafter, target, tokenizer, args.target, args.seed), target)
+    sizer = _sizer(args, target, args.budgets)
     results = run_benchmark(
         target, drafter, prompts, methods, args.budgets, args.max_new_tokens,
         stop_token_ids(target, tokenizer), sampling, seed=args.seed, static=STATIC_CACHE[args.static_cache],
-        online=args.online_calibration, lookup=args.lookup,
+        online=args.online_calibration, lookup=args.lookup, sizer=sizer,
     )
     settings = {k: v for k, v in vars(args).items() if k != "func"}
     settings["dtype_resolved"] = str(target.dtype).removeprefix("torch.")  # what `dtype` (maybe "auto") ran as
+    if sizer is not None:
+        settings["verify_cost_ms"] = {"fixed": sizer.fixed_ms, "per_row": sizer.row_ms}  # what --adaptive-size used
     results = {"settings": settings, **results}
     print(format_summary(results["summary"]))
     if args.out:

@@ -28,7 +28,10 @@ from transformers import DynamicCache, PreTrainedModel
 from .modeling_dflash import DFlashDraftModel, fuse_target_features
 from .target_runner import DynamicTarget, StaticTarget
 from .targets import DDTreeError
-from .tree import DraftTree, ancestor_matrix, build_tree, chain_tree, context_lookup, graft_path, tree_positions, walk
+from .sizing import TreeSizer
+from .tree import (
+    DraftTree, ancestor_matrix, build_tree, chain_tree, context_lookup, graft_path, tree_positions, truncated, walk,
+)
 
 METHODS = ("ar", "dflash", "ddtree")
 
@@ -194,12 +197,15 @@ class OnlineCalibration:
         self.log_temperatures[shape] = min(self.LOG_LIMIT, max(-self.LOG_LIMIT, log_t))
 
 
-def draft_tree(draft_logits: torch.Tensor, budget: int | None, lookup: list[int] = ()) -> DraftTree:
+def draft_tree(
+    draft_logits: torch.Tensor, budget: int | None, lookup: list[int] = (), sizer: TreeSizer | None = None
+) -> DraftTree:
     """What a round verifies, from the drafter's (depth, V) logits: the best-first tree of `budget` nodes
     (`ddtree`), or with budget None the argmax chain (`dflash`), its path probabilities recorded as build_tree does.
 
     lookup (ddtree only): a continuation grafted into the tree as one more path (context_lookup); it takes
     len(lookup) of the budget, so the tree never holds more than `budget` nodes.
+    sizer (ddtree only): keep only the leading nodes that pay for their verify rows on this machine (ddtree/sizing.py).
     """
     if budget is None:
         log_probs, tokens = torch.log_softmax(draft_logits.float(), dim=-1).max(dim=-1)  # (depth,) the argmax chain
@@ -208,6 +214,8 @@ def draft_tree(draft_logits: torch.Tensor, budget: int | None, lookup: list[int]
         return tree
     lookup = list(lookup)[: min(budget, draft_logits.shape[0])]
     tree = build_tree(draft_logits, budget - len(lookup))
+    if sizer is not None:
+        tree = truncated(tree, sizer.size(tree.log_probs, extra_rows=len(lookup)))
     if lookup:
         rows = torch.log_softmax(draft_logits[: len(lookup)].float(), dim=-1)  # (len, V)
         graft_path(tree, lookup, rows.gather(1, torch.tensor(lookup, device=rows.device)[:, None])[:, 0].tolist())
@@ -223,6 +231,17 @@ def check_lookup(method: str, lookup: int, online: OnlineCalibration | bool | No
     if lookup and online:
         raise DDTreeError("lookup and online calibration do not mix: the calibration reads accepted lengths as the "
                           "drafter's, and grafted paths are accepted beyond what the drafter expects; drop one")
+
+
+def check_sizer(method: str, adaptive: bool, static: bool) -> None:
+    """Adaptive sizing fits only ddtree, and only a cache whose verify cost follows the rows (the dynamic one)."""
+    if not adaptive:
+        return
+    if method != "ddtree":
+        raise DDTreeError(f"adaptive tree size sizes ddtree trees; method {method!r} has none: drop it")
+    if static:
+        raise DDTreeError("adaptive tree size saves nothing with the static cache (every verify runs budget + 1 "
+                          "rows): give --static-cache off, or drop adaptive sizing")
 
 
 def _now(device: torch.device) -> float:
@@ -249,12 +268,15 @@ def generate(
     static: bool | None = None,
     online: OnlineCalibration | None = None,
     lookup: int = 0,
+    sizer: TreeSizer | None = None,
 ) -> GenerationResult:
     """Generate up to `max_new_tokens` tokens after `prompt_ids` with one of METHODS. Batch size 1.
 
     online: temperatures learned from this call's rounds and kept for the next calls (OnlineCalibration).
     lookup (ddtree): graft up to this many tokens that followed the last recurrence of the context's
     latest tokens (`context_lookup`) into every tree, within the budget; 0 = the drafter's tree alone.
+    sizer (ddtree, dynamic cache): each round verifies only the leading nodes of the budget's tree that pay
+    for their rows under this machine's verify cost (ddtree/sizing.py); None = always the whole budget.
 
     static: run the target over a preallocated cache at one verify shape (ddtree/target_runner.py),
     captured as a CUDA graph on a GPU; None = on CUDA only: on a CPU there is no launch overhead to
@@ -268,6 +290,9 @@ def generate(
         raise DDTreeError(f"budget {budget} must be at least 1")
     check_lookup(method, lookup, online)
     device = target.device
+    if static is None:
+        static = device.type == "cuda"
+    check_sizer(method, sizer is not None, static)
     prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1).tolist()
     limit = context_limit(target)
     if len(prompt) >= limit:
@@ -278,8 +303,6 @@ def generate(
         return result
     stop = set(stop_ids)
     use_drafter = method != "ar"
-    if static is None:
-        static = device.type == "cuda"
     if static:
         verify_rows = 1 + (budget if method == "ddtree" else drafter.block_size - 1 if use_drafter else 0)
         runner = StaticTarget(target, use_drafter, verify_rows, capacity=len(prompt) + max_new_tokens + verify_rows)
@@ -313,7 +336,7 @@ def generate(
             t_drafted = _now(device)
             draft_s = t_drafted - t_round
             grafted = context_lookup(prompt + result.new_tokens, min(lookup, depth)) if lookup else []
-            tree = draft_tree(draft_logits, shape, grafted)
+            tree = draft_tree(draft_logits, shape, grafted, sizer)
             expected = tree.expected_acceptance
         else:
             t_drafted = t_round

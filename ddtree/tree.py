@@ -73,6 +73,12 @@ def build_tree(draft_logits: torch.Tensor, budget: int) -> DraftTree:
     return tree
 
 
+def truncated(tree: DraftTree, nodes: int) -> DraftTree:
+    """The first `nodes` nodes of a best-first tree: exactly build_tree's tree at that budget (its pops are in order)."""
+    children = [{token: row for token, row in rows.items() if row <= nodes} for rows in tree.children[: nodes + 1]]
+    return DraftTree(tree.tokens[:nodes], tree.parents[:nodes], tree.depths[:nodes], tree.log_probs[:nodes], children)
+
+
 def context_lookup(tokens: list[int], length: int, max_ngram: int = 3) -> list[int]:
     """What followed the most recent earlier occurrence of the context's last n tokens, n = max_ngram down to 1.
 

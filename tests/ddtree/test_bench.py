@@ -37,7 +37,7 @@ ROWS = [  # two prompts, one method
 
 def test_summaries_are_computed_from_the_per_prompt_rows():
     acceptance = acceptance_summary(ROWS, "ddtree@4")
-    assert acceptance == {"tau": 2.0, "expected_tau": pytest.approx(5.25 / 3), "rounds": 3, "new_tokens": 7,
+    assert acceptance == {"tau": 2.0, "expected_tau": pytest.approx(5.25 / 3), "rounds": 3, "tree_nodes": 4.0, "new_tokens": 7,
                           "accepted_depth_counts": {0: 1, 1: 1, 2: 1}}
     full = summarize(ROWS, "ddtree@4")
     assert {name: full[name] for name in acceptance} == acceptance  # the evaluation's figures are bench's

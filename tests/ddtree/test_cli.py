@@ -131,6 +131,30 @@ def test_a_lookup_that_cannot_run_is_one_line(capsys, prompts_file, args, messag
     assert message in _bad(capsys, command, "--target", TARGET, *where, *rest)
 
 
+@pytest.mark.parametrize("args, message", [
+    (["bench", "--adaptive-size", "--static-cache", "on"], "saves nothing with the static cache"),
+    (["generate", "--method", "dflash", "--adaptive-size"], "method 'dflash' has none"),
+])
+def test_adaptive_size_that_cannot_run_is_one_line(capsys, prompts_file, args, message):
+    command, *rest = args
+    where = ["--prompts", str(prompts_file)] if command == "bench" else ["--prompt", "Hi"]
+    assert message in _bad(capsys, command, "--target", TARGET, *where, *rest)
+
+
+def test_bench_adaptive_size_records_its_cost_and_sizes_within_the_budget(capsys, tmp_path, prompts_file):
+    out = tmp_path / "adaptive.json"
+    code, _, err = run_cli(
+        capsys, "bench", "--target", TARGET, "--drafter", "random", "--prompts", str(prompts_file), "--methods",
+        "ar,ddtree", "--budgets", "16", "--max-new-tokens", "12", "--dtype", "float32", "--adaptive-size", "--out", str(out),
+    )
+    assert code == 0 and "[adaptive size] verify cost" in err
+    results = json.loads(out.read_text())
+    assert set(results["settings"]["verify_cost_ms"]) == {"fixed", "per_row"}
+    assert 0 < results["summary"]["ddtree@16"]["tree_nodes"] <= 16
+    ar = [prompt["methods"]["ar"]["new_tokens"] for prompt in results["prompts"]]
+    assert [prompt["methods"]["ddtree@16"]["new_tokens"] for prompt in results["prompts"]] == ar
+
+
 def test_prompt_longer_than_context(capsys, tmp_path):
     path = tmp_path / "long.jsonl"
     path.write_text(json.dumps({"id": "long", "prompt": "word " * 3000}) + "\n")

@@ -11,6 +11,7 @@ import torch
 from ddtree.cli import load_drafter
 from ddtree.decoding import DrafterRunner, OnlineCalibration, generate
 from ddtree.errors import DDTreeError
+from ddtree.sizing import TreeSizer
 from ddtree.targets import stop_token_ids
 from rigged import RiggedDrafter  # tests/rigged.py
 
@@ -193,3 +194,24 @@ def test_decoding_on_cuda_matches_greedy_in_fp32(cuda_target, method, budget, st
         rigged = RiggedDrafter(prompt + greedy, model.config.vocab_size)
         result = generate(model, prompt, method, rigged, budget, MAX_NEW, stop_ids, static=static)
         assert result.new_tokens == greedy
+
+
+def test_adaptive_tree_size_is_lossless_and_cuts_the_unlikely_nodes(smollm2, references, random_drafter):
+    """A verify cost like the 2-core CPU's (40 ms + 1.1 ms a row): the rigged drafter's trees keep their likely
+    branches and lose the improbable tail, rounds differ in size, and the tokens stay greedy decoding's."""
+    model, tokenizer = smollm2
+    sizer = TreeSizer(fixed_ms=40.0, row_ms=1.1)
+    sizes = []
+    for prompt, greedy in references:
+        rigged = RiggedDrafter(prompt + greedy, model.config.vocab_size)
+        result = generate(model, prompt, "ddtree", rigged, 32, MAX_NEW, stop_token_ids(model, tokenizer), sizer=sizer)
+        assert result.new_tokens == greedy
+        sizes += [r.tree_size for r in result.rounds if r.tree_size]
+        with_lookup = generate(model, prompt, "ddtree", random_drafter, 32, MAX_NEW, stop_token_ids(model, tokenizer),
+                               sizer=sizer, lookup=7)
+        assert with_lookup.new_tokens == greedy
+    assert max(sizes) < 32 and len(set(sizes)) > 2, sizes
+    with pytest.raises(DDTreeError, match="static cache"):
+        generate(model, references[0][0], "ddtree", random_drafter, 8, 4, static=True, sizer=sizer)
+    with pytest.raises(DDTreeError, match="method 'dflash'"):
+        generate(model, references[0][0], "dflash", random_drafter, 8, 4, sizer=sizer)

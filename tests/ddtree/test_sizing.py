@@ -1,0 +1,36 @@
+"""Adaptive tree size (ddtree/sizing.py): the rule that picks how many of a best-first tree's nodes to verify,
+the truncation it relies on, and the cost measurement."""
+
+import math
+
+import pytest
+import torch
+
+from ddtree.sizing import TreeSizer
+from ddtree.targets import load_target
+from ddtree.tree import build_tree, truncated
+
+
+def test_the_first_nodes_of_a_best_first_tree_are_the_best_tree_of_that_size():
+    logits = torch.randn(7, 50, generator=torch.Generator().manual_seed(0)) * 3
+    full = build_tree(logits, 40)
+    for nodes in range(0, 41):
+        assert truncated(full, nodes) == build_tree(logits, nodes), nodes
+
+
+def test_the_rule_maximises_expected_tokens_per_millisecond():
+    log_probs = [math.log(p) for p in (0.6, 0.3, 0.2, 0.05, 0.01)]
+    assert TreeSizer(fixed_ms=40.0, row_ms=0.0).size(log_probs) == 5  # free rows: the whole budget
+    assert TreeSizer(fixed_ms=1.0, row_ms=100.0).size(log_probs) == 1  # rows dearer than anything they bring
+    # by hand, 10 ms + 2 ms a row (the root is a row): n=1 1.6/14 = 0.1143, n=2 1.9/16 = 0.1188, n=3 2.1/18 = 0.1167
+    assert TreeSizer(fixed_ms=10.0, row_ms=2.0).size(log_probs) == 2
+    # 50 more rows whatever n is: n=3 2.1/118 = 0.01780, n=4 2.15/120 = 0.01792, n=5 2.16/122 = 0.01770
+    assert TreeSizer(fixed_ms=10.0, row_ms=2.0).size(log_probs, extra_rows=50) == 4
+    assert TreeSizer(fixed_ms=10.0, row_ms=2.0).size([]) == 0
+
+
+def test_measure_fits_a_cost_line_on_the_machine():
+    target, _ = load_target("tiny-random")
+    sizer = TreeSizer.measure(target, max_rows=17, context=32, repeats=2)
+    assert sizer.fixed_ms > 0 and sizer.row_ms >= 0
+    assert "ms per row" in sizer.describe()

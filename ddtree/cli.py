@@ -54,6 +54,7 @@ def _int_list(text: str) -> list[int]:
 
 
 STATIC_CACHE = {"auto": None, "on": True, "off": False}  # --static-cache -> generate(static=...)
+ADAPTIVE_SIZE = ("auto", "on", "off")
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
@@ -72,10 +73,11 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--online-calibration", action="store_true",
                         help="learn the draft temperature from the verified rounds, so the drafter's expected "
                              "tau tracks the measured one (changes the tree's shape, never the output)")
-    parser.add_argument("--adaptive-size", action="store_true",
+    parser.add_argument("--adaptive-size", choices=ADAPTIVE_SIZE, default="off",
                         help="per round, verify only the leading nodes of the budget's ddtree tree that pay for their "
-                             "rows, under this machine's verify cost measured at start (README, Which budget; "
-                             "dynamic cache only)")
+                             "rows, under this machine's verify cost measured at start (README, Which budget); auto = "
+                             "on with the dynamic cache (a CPU), off with the static one (generate: auto, bench: off, "
+                             "so that budgets compare as published)")
     parser.add_argument("--lookup", type=int, default=0, metavar="N",
                         help="graft into every ddtree tree up to N tokens that followed the last recurrence of the "
                              "context's latest tokens, within the budget (README, Context lookup; 0 = off)")
@@ -92,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="use the prompt as raw text, without the chat template")
     gen.add_argument("--method", choices=METHODS, default="ddtree")
     gen.add_argument("--budget", type=int, default=32, help="tree node budget for ddtree (published: 32; on a CPU, "
-                     "where each node adds to the verify's cost, 4-16 decode faster: README, Benchmarks)")
+                     "where each node adds to the verify's cost, --adaptive-size verifies fewer: README, Which budget)")
+    gen.set_defaults(adaptive_size="auto")
 
     bench = commands.add_parser("bench", help="run methods over a prompts file and summarise")
     _add_common(bench)
@@ -148,11 +151,12 @@ def _setup(args):
 
 
 def _sizer(args, target, budgets: list[int], method: str = "ddtree") -> TreeSizer | None:
-    """With --adaptive-size, the verify cost measured on this machine (printed to stderr); else None."""
-    if not args.adaptive_size:
-        return None
+    """With --adaptive-size on (auto: the dynamic cache), the verify cost measured here (printed to stderr); else None."""
     static = STATIC_CACHE[args.static_cache]
-    check_sizer(method, True, target.device.type == "cuda" if static is None else static)
+    static = target.device.type == "cuda" if static is None else static
+    if args.adaptive_size == "off" or (args.adaptive_size == "auto" and (static or method != "ddtree")):
+        return None
+    check_sizer(method, True, static)
     sizer = TreeSizer.measure(target, max_rows=max(budgets) + 1)
     print(f"[adaptive size] {sizer.describe()} (measured up to {max(budgets) + 1} rows)", file=sys.stderr)
     return sizer

@@ -132,8 +132,8 @@ def test_a_lookup_that_cannot_run_is_one_line(capsys, prompts_file, args, messag
 
 
 @pytest.mark.parametrize("args, message", [
-    (["bench", "--adaptive-size", "--static-cache", "on"], "saves nothing with the static cache"),
-    (["generate", "--method", "dflash", "--adaptive-size"], "method 'dflash' has none"),
+    (["bench", "--adaptive-size", "on", "--static-cache", "on"], "saves nothing with the static cache"),
+    (["generate", "--method", "dflash", "--adaptive-size", "on"], "method 'dflash' has none"),
 ])
 def test_adaptive_size_that_cannot_run_is_one_line(capsys, prompts_file, args, message):
     command, *rest = args
@@ -145,7 +145,8 @@ def test_bench_adaptive_size_records_its_cost_and_sizes_within_the_budget(capsys
     out = tmp_path / "adaptive.json"
     code, _, err = run_cli(
         capsys, "bench", "--target", TARGET, "--drafter", "random", "--prompts", str(prompts_file), "--methods",
-        "ar,ddtree", "--budgets", "16", "--max-new-tokens", "12", "--dtype", "float32", "--adaptive-size", "--out", str(out),
+        "ar,ddtree", "--budgets", "16", "--max-new-tokens", "12", "--dtype", "float32", "--adaptive-size", "on",
+        "--out", str(out),
     )
     assert code == 0 and "[adaptive size] verify cost" in err
     results = json.loads(out.read_text())
@@ -207,6 +208,10 @@ def test_generate_reports_its_tokens(capsys):
     code, _, err = run_cli(capsys, "generate", "--target", TARGET, "--prompt", "Hi", "--max-new-tokens", "5")
     assert code == 0
     assert re.search(r"^\[ddtree\] 5 tokens, tau \d", err, re.M), err
+    assert "[adaptive size] verify cost" in err  # generate sizes its trees by default on a CPU (the dynamic cache)
+    code, _, err = run_cli(capsys, "generate", "--target", TARGET, "--prompt", "Hi", "--max-new-tokens", "5",
+                           "--static-cache", "on")
+    assert code == 0 and "[adaptive size]" not in err  # ...and not on the static cache, where rows cost the same
 
 
 def tiny_drafter_folder(tiny_target, folder):

@@ -29,6 +29,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .decoding import (
     METHODS, DrafterRunner, OnlineCalibration, Sampling, check_lookup, check_sizer, context_limit, generate,
+    static_cache,
 )
 from .errors import DDTreeError
 from .sizing import TreeSizer
@@ -221,7 +222,7 @@ def run_benchmark(
     if drafter is None and any(method != "ar" for _, method, _ in keys):
         raise DDTreeError("methods dflash and ddtree need a drafter")
     check_lookup("ddtree", lookup, online)
-    check_sizer("ddtree", sizer is not None, target.device.type == "cuda" if static is None else static)
+    check_sizer("ddtree", sizer is not None, static_cache(static, target.device))
     limit = context_limit(target)
     for prompt in prompts:
         if len(prompt["prompt_ids"]) >= limit:

@@ -22,7 +22,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .bench import format_summary, load_prompts, measure_verify_cost, run_benchmark
 from .drafters import load_drafter_folder
-from .decoding import METHODS, DrafterRunner, OnlineCalibration, Sampling, check_sizer, generate
+from .decoding import METHODS, DrafterRunner, OnlineCalibration, Sampling, check_sizer, generate, static_cache
 from .errors import DDTreeError, command
 from .files import write_json_atomic
 from .modeling_dflash import DFlashDraftModel
@@ -152,8 +152,7 @@ def _setup(args):
 
 def _sizer(args, target, budgets: list[int], method: str = "ddtree") -> TreeSizer | None:
     """With --adaptive-size on (auto: the dynamic cache), the verify cost measured here (printed to stderr); else None."""
-    static = STATIC_CACHE[args.static_cache]
-    static = target.device.type == "cuda" if static is None else static
+    static = static_cache(STATIC_CACHE[args.static_cache], target.device)
     if args.adaptive_size == "off" or (args.adaptive_size == "auto" and (static or method != "ddtree")):
         return None
     check_sizer(method, True, static)

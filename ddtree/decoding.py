@@ -233,6 +233,11 @@ def check_lookup(method: str, lookup: int, online: OnlineCalibration | bool | No
                           "drafter's, and grafted paths are accepted beyond what the drafter expects; drop one")
 
 
+def static_cache(static: bool | None, device: torch.device) -> bool:
+    """generate's `static` resolved: None means the static cache on CUDA only (see generate)."""
+    return device.type == "cuda" if static is None else static
+
+
 def check_sizer(method: str, adaptive: bool, static: bool) -> None:
     """Adaptive sizing fits only ddtree, and only a cache whose verify cost follows the rows (the dynamic one)."""
     if not adaptive:
@@ -290,8 +295,7 @@ def generate(
         raise DDTreeError(f"budget {budget} must be at least 1")
     check_lookup(method, lookup, online)
     device = target.device
-    if static is None:
-        static = device.type == "cuda"
+    static = static_cache(static, device)
     check_sizer(method, sizer is not None, static)
     prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1).tolist()
     limit = context_limit(target)

@@ -221,7 +221,7 @@ def run_benchmark(
     keys = method_keys(methods, budgets)
     if drafter is None and any(method != "ar" for _, method, _ in keys):
         raise DDTreeError("methods dflash and ddtree need a drafter")
-    check_lookup("ddtree", lookup, online)
+    check_lookup("ddtree", lookup)
     check_sizer("ddtree", sizer is not None, static_cache(static, target.device))
     limit = context_limit(target)
     for prompt in prompts:

@@ -175,6 +175,11 @@ class OnlineCalibration:
     temperature moves by RATE x (expected - accepted length), a stochastic-approximation step, so an
     over-confident drafter is warmed and an under-confident one cooled until the expected acceptance
     tracks the measured one. It reorders the best-first tree, never what is committed (the target decides).
+
+    With a context lookup, the nodes the graft adds are not the drafter's guesses, and their drafter
+    probabilities say nothing of how often they are accepted. Instead each scores the learned chance
+    that a grafted node at its depth is accepted (rounds with one, Laplace-smoothed), so the expected
+    acceptance counts the lookup too and the temperature is left to the drafter's own nodes.
     """
 
     RATE = 0.01
@@ -182,6 +187,18 @@ class OnlineCalibration:
 
     def __init__(self):
         self.log_temperatures: dict[int | None, float] = {}  # ddtree budget (None = the chain) -> log T
+        self.lookup_rounds: dict[int, int] = {}  # depth -> rounds with a grafted node at that depth
+        self.lookup_accepted: dict[int, int] = {}  # depth -> of those, rounds that accepted it
+
+    def lookup_log_prob(self, depth: int) -> float:
+        """Log of the chance that a grafted node at `depth` is accepted, learned so far ((hits + 1) / (rounds + 2))."""
+        return math.log((self.lookup_accepted.get(depth, 0) + 1) / (self.lookup_rounds.get(depth, 0) + 2))
+
+    def observe_lookup(self, grafted_depths: list[int], matched: int) -> None:
+        """A verified round with grafted nodes at `grafted_depths`, whose lookup the target followed `matched` deep."""
+        for depth in grafted_depths:
+            self.lookup_rounds[depth] = self.lookup_rounds.get(depth, 0) + 1
+            self.lookup_accepted[depth] = self.lookup_accepted.get(depth, 0) + (matched >= depth)
 
     @staticmethod
     def shape(method: str, budget: int) -> int | None:
@@ -198,7 +215,8 @@ class OnlineCalibration:
 
 
 def draft_tree(
-    draft_logits: torch.Tensor, budget: int | None, lookup: list[int] = (), sizer: TreeSizer | None = None
+    draft_logits: torch.Tensor, budget: int | None, lookup: list[int] = (), sizer: TreeSizer | None = None,
+    online: OnlineCalibration | None = None,
 ) -> DraftTree:
     """What a round verifies, from the drafter's (depth, V) logits: the best-first tree of `budget` nodes
     (`ddtree`), or with budget None the argmax chain (`dflash`), its path probabilities recorded as build_tree does.
@@ -206,6 +224,7 @@ def draft_tree(
     lookup (ddtree only): a continuation grafted into the tree as one more path (context_lookup); it takes
     len(lookup) of the budget, so the tree never holds more than `budget` nodes.
     sizer (ddtree only): keep only the leading nodes that pay for their verify rows on this machine (ddtree/sizing.py).
+    online: grafted nodes score the lookup's learned acceptance (OnlineCalibration) instead of the drafter's probability.
     """
     if budget is None:
         log_probs, tokens = torch.log_softmax(draft_logits.float(), dim=-1).max(dim=-1)  # (depth,) the argmax chain
@@ -218,19 +237,17 @@ def draft_tree(
         tree = truncated(tree, sizer.size(tree.log_probs, extra_rows=len(lookup)))
     if lookup:
         rows = torch.log_softmax(draft_logits[: len(lookup)].float(), dim=-1)  # (len, V)
-        graft_path(tree, lookup, rows.gather(1, torch.tensor(lookup, device=rows.device)[:, None])[:, 0].tolist())
+        scores = [online.lookup_log_prob(depth) for depth in range(1, len(lookup) + 1)] if online else None
+        graft_path(tree, lookup, rows.gather(1, torch.tensor(lookup, device=rows.device)[:, None])[:, 0].tolist(), scores)
     return tree
 
 
-def check_lookup(method: str, lookup: int, online: OnlineCalibration | bool | None) -> None:
-    """A lookup length fits only ddtree, and not with online calibration."""
+def check_lookup(method: str, lookup: int) -> None:
+    """A lookup length fits only ddtree."""
     if lookup < 0:
         raise DDTreeError(f"lookup {lookup} must be >= 0 (0 = no context lookup)")
     if lookup and method != "ddtree":
         raise DDTreeError(f"lookup {lookup} grafts into ddtree trees; method {method!r} has none: give lookup 0")
-    if lookup and online:
-        raise DDTreeError("lookup and online calibration do not mix: the calibration reads accepted lengths as the "
-                          "drafter's, and grafted paths are accepted beyond what the drafter expects; drop one")
 
 
 def static_cache(static: bool | None, device: torch.device) -> bool:
@@ -293,7 +310,7 @@ def generate(
         raise DDTreeError(f"method {method!r} needs a drafter")
     if method == "ddtree" and budget < 1:
         raise DDTreeError(f"budget {budget} must be at least 1")
-    check_lookup(method, lookup, online)
+    check_lookup(method, lookup)
     device = target.device
     static = static_cache(static, device)
     check_sizer(method, sizer is not None, static)
@@ -340,7 +357,7 @@ def generate(
             t_drafted = _now(device)
             draft_s = t_drafted - t_round
             grafted = context_lookup(prompt + result.new_tokens, min(lookup, depth)) if lookup else []
-            tree = draft_tree(draft_logits, shape, grafted, sizer)
+            tree = draft_tree(draft_logits, shape, grafted, sizer, online)
             expected = tree.expected_acceptance
         else:
             t_drafted = t_round
@@ -352,6 +369,11 @@ def generate(
         accepted, bonus = walk(tree, lambda row: sampling.choose(logits[row], generator))
         if online is not None and len(tree):
             online.observe(shape, expected, 1 + len(accepted))
+            if tree.grafted:  # how deep the target followed the lookup: its grafted nodes' outcome
+                path, matched = [tree.tokens[row - 1] for row in accepted], 0
+                while matched < min(len(path), len(grafted)) and path[matched] == grafted[matched]:
+                    matched += 1
+                online.observe_lookup(tree.grafted, matched)
         committed = [tree.tokens[row - 1] for row in accepted] + [bonus]
         committed = committed[:room]
         for i, token in enumerate(committed):

@@ -27,6 +27,7 @@ class DraftTree:
     depths: list[int]  # (n,) 1-based depth of each node
     log_probs: list[float]  # (n,) log of the path probability of each node under the drafter
     children: list[dict[int, int]] = field(default_factory=list)  # per row (0..n): token -> child row
+    grafted: list[int] = field(default_factory=list)  # depths of the nodes graft_path added (not the drafter's own)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -100,11 +101,13 @@ def context_lookup(tokens: list[int], length: int, max_ngram: int = 3) -> list[i
     return []
 
 
-def graft_path(tree: DraftTree, tokens: list[int], log_probs: list[float]) -> None:
+def graft_path(tree: DraftTree, tokens: list[int], log_probs: list[float], new_scores: list[float] | None = None) -> None:
     """Add the path `tokens` below the root, reusing the nodes the tree already holds (it stays prefix-closed).
 
     log_probs[d]: the drafter's log-probability of tokens[d] at depth d + 1, so every path score (and the
-    expected acceptance) stays the drafter's own. New nodes come after their parents: pop order stays topological.
+    expected acceptance) stays the drafter's own; or, given new_scores[d], a node the graft adds at depth d + 1
+    scores that instead (a learned chance that the lookup is right that deep: OnlineCalibration). The added
+    nodes' depths go to tree.grafted. New nodes come after their parents: pop order stays topological.
     """
     row, score = 0, 0.0
     for depth, (token, log_prob) in enumerate(zip(tokens, log_probs), start=1):
@@ -114,7 +117,8 @@ def graft_path(tree: DraftTree, tokens: list[int], log_probs: list[float]) -> No
             tree.tokens.append(token)
             tree.parents.append(row)
             tree.depths.append(depth)
-            tree.log_probs.append(score)
+            tree.log_probs.append(score if new_scores is None else new_scores[depth - 1])
+            tree.grafted.append(depth)
             tree.children.append({})
             child = len(tree.tokens)
             tree.children[row][token] = child

@@ -122,7 +122,6 @@ def test_budget_below_one(capsys, prompts_file):
 
 @pytest.mark.parametrize("args, message", [
     (["bench", "--lookup", "-1"], "lookup -1 must be >= 0"),
-    (["bench", "--lookup", "4", "--online-calibration"], "do not mix"),
     (["generate", "--method", "dflash", "--lookup", "4"], "method 'dflash' has none"),
 ])
 def test_a_lookup_that_cannot_run_is_one_line(capsys, prompts_file, args, message):

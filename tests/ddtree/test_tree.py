@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ddtree.target_runner import DynamicTarget, StaticTarget
-from ddtree.decoding import draft_tree
+from ddtree.decoding import OnlineCalibration, draft_tree
 from ddtree.tree import ancestor_matrix, build_tree, context_lookup, tree_positions, walk
 
 
@@ -81,6 +81,22 @@ def test_a_grafted_path_stays_within_the_budget_and_keeps_the_drafter_scores(see
     assert len(set(paths)) == len(paths)
     for path, score in zip(paths, tree.log_probs):
         assert score == pytest.approx(sum(log_probs[d, t].item() for d, t in enumerate(path)), abs=1e-5)
+    assert tree.grafted == tree.depths[len(drafted):]  # the depths of exactly the nodes the graft added
+
+
+def test_online_calibration_scores_the_nodes_a_graft_adds_by_the_lookups_learned_acceptance():
+    online = OnlineCalibration()
+    online.observe_lookup([1, 2, 3], matched=2)  # a round that followed the lookup 2 deep
+    online.observe_lookup([2, 3], matched=0)
+    assert online.lookup_log_prob(1) == pytest.approx(math.log(2 / 3))  # (1 + 1) / (1 + 2)
+    assert online.lookup_log_prob(2) == pytest.approx(math.log(2 / 4))
+    assert online.lookup_log_prob(3) == pytest.approx(math.log(1 / 4))
+    assert online.lookup_log_prob(4) == pytest.approx(math.log(1 / 2))  # nothing seen yet
+    logits = torch.tensor([[4.0, 0, 0, 0], [0, 4.0, 0, 0], [0, 0, 4.0, 0]])  # the drafter's own path: 0, 1, 2
+    tree = draft_tree(logits, 5, [0, 3, 3], online=online)  # shares depth 1 with the drafter, then leaves it
+    assert tree.grafted == [2, 3]
+    added = {tree.depths[row]: tree.log_probs[row] for row in range(len(tree)) if row >= len(tree) - 2}
+    assert added == {2: pytest.approx(math.log(2 / 4)), 3: pytest.approx(math.log(1 / 4))}
 
 
 def test_ancestor_matrix_and_walk():

@@ -86,9 +86,8 @@ class TreeSizer:
         ms = [1000 * verify_seconds(runner, probe_tree(vocab, r - 1), context, repeats) for r in rows]
         if len(rows) == 1:
             return cls(fixed_ms=ms[0], row_ms=0.0)
-        slope, intercept = np.polyfit(rows, ms, 1)
-        slope = max(float(slope), 0.0)  # noise can tilt a flat line below zero: then rows are free
-        return cls(fixed_ms=max(float(np.mean(ms) - slope * np.mean(rows)), 1e-3), row_ms=slope)
+        slope = max(float(np.polyfit(rows, ms, 1)[0]), 0.0)  # noise can tilt a flat line below zero: rows are free
+        return cls(fixed_ms=max(float(np.mean(ms) - slope * np.mean(rows)), 1e-3), row_ms=slope)  # through the mean
 
     def size(self, log_probs: list[float], extra_rows: int = 0) -> int:
         """How many leading nodes of a best-first tree to verify: the n >= 1 maximising

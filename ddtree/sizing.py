@@ -72,10 +72,22 @@ def probe_tree(vocab: int, nodes: int, seed: int = 0) -> DraftTree:
 
 @dataclass
 class TreeSizer:
-    """A verify's cost, fixed_ms + row_ms x rows (the root is a row), and the tree size it makes best."""
+    """A round's cost, fixed_ms + overhead_ms + row_ms x rows (the root is a row), and the tree size it makes best.
+
+    fixed_ms and row_ms are the verify's, measured; overhead_ms is the rest of a round (drafting, building the
+    tree, bookkeeping), a running mean of the rounds decoding reports through observe_overhead.
+    """
 
     fixed_ms: float
     row_ms: float
+    overhead_ms: float = 0.0
+    rounds: int = 0
+
+    OVERHEAD_WINDOW = 50  # the running mean weighs the last ~50 rounds once it has seen that many
+
+    def observe_overhead(self, ms: float) -> None:
+        self.rounds += 1
+        self.overhead_ms += (ms - self.overhead_ms) / min(self.rounds, self.OVERHEAD_WINDOW)
 
     @classmethod
     def measure(cls, target: PreTrainedModel, max_rows: int, context: int = 300, repeats: int = 3) -> TreeSizer:
@@ -91,7 +103,7 @@ class TreeSizer:
 
     def size(self, log_probs: list[float], extra_rows: int = 0) -> int:
         """How many leading nodes of a best-first tree to verify: the n >= 1 maximising
-        (1 + sum of their path probabilities) / (fixed_ms + row_ms x (1 + n + extra_rows)); 0 for no nodes.
+        (1 + sum of their path probabilities) / (fixed_ms + overhead_ms + row_ms x (1 + n + extra_rows)); 0 for none.
 
         log_probs: the tree's path log-probabilities in pop order; extra_rows: rows verified whatever n is
         (a grafted lookup path).
@@ -99,7 +111,7 @@ class TreeSizer:
         if not log_probs:
             return 0
         gains = 1.0 + np.cumsum(np.exp(np.asarray(log_probs, dtype=np.float64)))
-        costs = self.fixed_ms + self.row_ms * (1 + extra_rows + np.arange(1, len(log_probs) + 1))
+        costs = self.fixed_ms + self.overhead_ms + self.row_ms * (1 + extra_rows + np.arange(1, len(log_probs) + 1))
         ratio = gains / costs
         return int(np.flatnonzero(ratio >= ratio.max() * (1 - 1e-12))[-1]) + 1  # ties go to the larger tree
 

@@ -29,6 +29,16 @@ def test_the_rule_maximises_expected_tokens_per_millisecond():
     assert TreeSizer(fixed_ms=10.0, row_ms=2.0).size([]) == 0
 
 
+def test_the_rounds_overhead_is_a_running_mean_and_favours_larger_trees():
+    sizer = TreeSizer(fixed_ms=10.0, row_ms=2.0)
+    for ms in (4.0, 8.0):
+        sizer.observe_overhead(ms)
+    assert sizer.overhead_ms == pytest.approx(6.0) and sizer.rounds == 2
+    log_probs = [math.log(p) for p in (0.6, 0.3, 0.2, 0.05, 0.01)]
+    # 16 ms fixed in all: n=2 1.9/22 = 0.0864, n=3 2.1/24 = 0.0875, n=4 2.15/26 = 0.0827 (without it, n=2 wins)
+    assert sizer.size(log_probs) == 3
+
+
 def test_measure_fits_a_cost_line_on_the_machine():
     target, _ = load_target("tiny-random")
     sizer = TreeSizer.measure(target, max_rows=17, context=32, repeats=2)

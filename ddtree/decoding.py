@@ -367,15 +367,15 @@ def generate(
         t_verified = _now(device)  # logits (1 + n, V)
 
         accepted, bonus = walk(tree, lambda row: sampling.choose(logits[row], generator))
+        path = [tree.tokens[row - 1] for row in accepted]  # the accepted draft tokens
         if online is not None and len(tree):
             online.observe(shape, expected, 1 + len(accepted))
             if tree.grafted:  # how deep the target followed the lookup: its grafted nodes' outcome
-                path, matched = [tree.tokens[row - 1] for row in accepted], 0
+                matched = 0
                 while matched < min(len(path), len(grafted)) and path[matched] == grafted[matched]:
                     matched += 1
                 online.observe_lookup(tree.grafted, matched)
-        committed = [tree.tokens[row - 1] for row in accepted] + [bonus]
-        committed = committed[:room]
+        committed = (path + [bonus])[:room]
         for i, token in enumerate(committed):
             if token in stop:
                 committed = committed[: i + 1]

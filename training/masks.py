@@ -98,11 +98,41 @@ def block_labels(
     return torch.where(in_reply, tokens, IGNORE_INDEX)
 
 
-def block_input_ids(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int) -> torch.Tensor:
-    """(S, n*B) long: every block is [token at its anchor, MASK x (B-1)]."""
-    blocks = torch.full((*anchors.shape, block_size), mask_token_id, dtype=input_ids.dtype, device=input_ids.device)
-    blocks[:, :, 0] = input_ids.gather(1, anchors)
+def block_input_ids(
+    input_ids: torch.Tensor,  # (S, T)
+    anchors: torch.Tensor,  # (S, n)
+    block_size: int,
+    mask_token_id: int,
+    given: torch.Tensor | None = None,  # (S, n) long: tokens after the anchor each block is given; None = 0
+) -> torch.Tensor:
+    """(S, n*B) long: every block is [token at its anchor, MASK x (B-1)], or with `given` g > 0,
+    [the tokens at anchor .. anchor + g, MASK x (B-1-g)]: the block the decoder re-drafts behind g draft
+    tokens it already holds (`--redraft`, ddtree/decoding.py). Given positions are not labelled (`given_labels`).
+    """
+    positions = anchors[:, :, None] + torch.arange(block_size, device=anchors.device)  # (S, n, B)
+    tokens = input_ids.gather(1, positions.clamp(max=input_ids.shape[1] - 1).flatten(1)).view_as(positions)
+    kept = 1 if given is None else 1 + given[:, :, None]  # block positions below this hold real tokens
+    blocks = torch.where(torch.arange(block_size, device=anchors.device) < kept, tokens, mask_token_id)
     return blocks.flatten(1)
+
+
+def given_labels(labels: torch.Tensor, given: torch.Tensor) -> torch.Tensor:
+    """labels (S, n, B) with the `given` (S, n) positions after each anchor ignored: the drafter reads them."""
+    block_size = labels.shape[-1]
+    read = torch.arange(block_size, device=labels.device) <= given[:, :, None]
+    return labels.masked_fill(read, IGNORE_INDEX)
+
+
+def sample_given(anchors: torch.Tensor, probability: float, generator: torch.Generator) -> torch.Tensor | None:
+    """(S, n) long: 1 for a random `probability` share of the blocks, else 0; None when probability is 0.
+
+    A block given its first draft token learns the rest of the block conditioned on it: what the decoder
+    asks when it re-drafts under each of its best depth-1 candidates (`--redraft`).
+    """
+    if probability <= 0:
+        return None
+    draw = torch.rand(anchors.shape, generator=generator).to(anchors.device)
+    return (draw < probability).long()
 
 
 def block_position_ids(context_len: int, anchors: torch.Tensor, block_size: int) -> torch.Tensor:

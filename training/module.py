@@ -58,7 +58,8 @@ from .loss import (
     teacher_states,
 )
 from .masks import (
-    block_input_ids, block_labels, block_position_ids, dense_block_mask, flex_block_mask, pad_for_flex, sample_anchors,
+    block_input_ids, block_labels, block_position_ids, dense_block_mask, flex_block_mask, given_labels, pad_for_flex,
+    sample_anchors, sample_given,
 )
 from .peft_utils import DEFAULT_LORA_MODULES, add_drafter_lora
 from .replay import RoundNLL, replay_reply, reply_span
@@ -120,6 +121,7 @@ class DistillModule(L.LightningModule):
         objective: str = "decayed_ce",  # training loss weights: decayed_ce (published), dpace or tree (loss.py)
         objective_smoothing: float = 0.5,  # dpace/tree: survival s -> (1 - a) s + a (D-PACE's a)
         objective_top_k: int = 4,  # tree: a label within the drafter's top k at a depth keeps the path alive
+        redraft_prob: float = 0.0,  # share of training blocks given their first draft token (for --redraft decoding)
         loss_chunk_size: int | None = None,  # LM head + loss over this many block tokens at a time
         calibrate: bool = False,  # fit per-position draft temperatures on replayed validation decoding (replay.py)
         seed: int = 0,  # seeds the anchor draws
@@ -137,6 +139,9 @@ class DistillModule(L.LightningModule):
         if distill_loss not in DISTILL_LOSSES or not 0 <= distill_weight <= 1:
             raise DDTreeError(f"model.distill_loss={distill_loss!r} must be one of {', '.join(DISTILL_LOSSES)} and "
                               f"model.distill_weight={distill_weight} in [0, 1]")
+        if not 0 <= redraft_prob < 1:
+            raise DDTreeError(f"model.redraft_prob={redraft_prob} must be in [0, 1): the share of training blocks "
+                              "given their first draft token (0 = the published training)")
         if not 0 <= objective_smoothing <= 1 or objective_top_k < 1:
             raise DDTreeError(f"model.objective_smoothing={objective_smoothing} must be in [0, 1] and "
                               f"model.objective_top_k={objective_top_k} at least 1")
@@ -281,17 +286,20 @@ class DistillModule(L.LightningModule):
         features: torch.Tensor,  # (S, T, K*H) target features of the whole sequence
         input_ids: torch.Tensor,  # (S, T)
         anchors: torch.Tensor,  # (S, n)
+        given: torch.Tensor | None = None,  # (S, n) draft tokens each block is given after its anchor (block_input_ids)
     ) -> torch.Tensor:
         """Drafter outputs for every block of every sequence in one forward: (S, n*B, H)."""
         context_len, num_blocks = input_ids.shape[1], anchors.shape[1]
         if features.is_cuda:
             # Fixed shapes, so one compiled flex kernel serves every batch: (S, W, K*H), (S, num_anchors).
             features, anchors = pad_for_flex(features, anchors, self.hparams.num_anchors)
+            if given is not None:  # the padding blocks are given nothing
+                given = F.pad(given, (0, anchors.shape[1] - given.shape[1]))
             context_len = features.shape[1]
             mask = flex_block_mask(anchors, context_len, self.block_size)
         else:
             mask = dense_block_mask(anchors, context_len, self.block_size)  # (S, 1, n*B, T + n*B)
-        block_ids = block_input_ids(input_ids, anchors, self.block_size, self.drafter_config.mask_token_id)
+        block_ids = block_input_ids(input_ids, anchors, self.block_size, self.drafter_config.mask_token_id, given)
         with torch.no_grad():  # the target's embedding is frozen; no gradient needed at the input
             noise_embedding = self.target.get_input_embeddings()(block_ids)  # (S, n*B, H)
         position_ids = block_position_ids(context_len, anchors, self.block_size)  # (S, T + n*B)
@@ -330,11 +338,16 @@ class DistillModule(L.LightningModule):
         """
         input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
         features, final, target_seconds = self.sequence_features(batch, distill)
-        anchors, valid = sample_anchors(loss_mask, self.hparams.num_anchors, self._anchor_generator(batch_idx, stage))
+        generator = self._anchor_generator(batch_idx, stage)
+        anchors, valid = sample_anchors(loss_mask, self.hparams.num_anchors, generator)
         if anchors.shape[1] == 0:
             return None  # no reply token with a successor anywhere in the batch: nothing to learn
         labels = block_labels(input_ids, loss_mask, anchors, valid, self.block_size)  # (S, n, B)
-        hidden = self.block_hidden_states(features, input_ids, anchors)  # (S, n*B, H)
+        # Validation measures the plain blocks alone, so runs with and without re-draft training compare.
+        given = sample_given(anchors, self.hparams.redraft_prob, generator) if stage == "train" else None
+        if given is not None:
+            labels = given_labels(labels, given)
+        hidden = self.block_hidden_states(features, input_ids, anchors, given)  # (S, n*B, H)
         teacher_hidden = teacher_states(final, anchors, self.block_size) if distill else None  # (S, n*B, H)
         return hidden, labels, teacher_hidden, target_seconds
 

@@ -36,7 +36,9 @@ from training.masks import (
     block_position_ids,
     dense_block_mask,
     flex_block_mask,
+    given_labels,
     sample_anchors,
+    sample_given,
 )
 from training.module import DistillModule, NonFiniteError
 from training.target import target_layer_features
@@ -204,6 +206,34 @@ def test_block_labels_stop_at_the_end_of_the_reply_and_skip_the_anchor():
     assert labels[0, 0].tolist() == [IGNORE_INDEX, 107, IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX]
     assert labels[0, 1].tolist() == [IGNORE_INDEX, 111, IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX]  # past the end
     assert (labels[0, 2] == IGNORE_INDEX).all()  # invalid slot
+
+
+def test_a_block_given_its_first_draft_token_reads_it_and_is_not_labelled_there():
+    input_ids = torch.arange(100, 112)[None]  # token at position p is 100 + p
+    loss_mask = torch.ones(1, 12, dtype=torch.bool)
+    anchors, valid = torch.tensor([[2, 6]]), torch.tensor([[True, True]])
+    given = torch.tensor([[1, 0]])
+    blocks = block_input_ids(input_ids, anchors, 4, mask_token_id=7, given=given).view(2, 4)
+    assert blocks.tolist() == [[102, 103, 7, 7], [106, 7, 7, 7]]
+    assert torch.equal(block_input_ids(input_ids, anchors, 4, 7, torch.zeros_like(given)), block_input_ids(input_ids, anchors, 4, 7))
+    labels = given_labels(block_labels(input_ids, loss_mask, anchors, valid, 4), given)
+    assert labels[0, 0].tolist() == [IGNORE_INDEX, IGNORE_INDEX, 104, 105]  # the given token is read, not predicted
+    assert labels[0, 1].tolist() == [IGNORE_INDEX, 107, 108, 109]
+    assert sample_given(anchors, 0.0, torch.Generator()) is None  # 0: no draw, so runs without it are unchanged
+    share = sample_given(torch.zeros(1, 4000, dtype=torch.long), 0.25, torch.Generator().manual_seed(0)).float().mean()
+    assert 0.22 < share < 0.28
+
+
+def test_redraft_training_changes_the_train_loss_only_and_validates_plain_blocks():
+    torch.manual_seed(0)
+    plain = tiny_module()
+    torch.manual_seed(0)
+    redraft = tiny_module(redraft_prob=0.5)
+    batch = synthetic_batch()
+    assert torch.equal(plain.shared_step(batch, 0, "val").loss, redraft.shared_step(batch, 0, "val").loss)
+    assert not torch.equal(plain.shared_step(batch, 0, "train").loss, redraft.shared_step(batch, 0, "train").loss)
+    with pytest.raises(DDTreeError, match="redraft_prob"):
+        tiny_module(redraft_prob=1.0)
 
 
 # ----------------------------------------------------------------------------- the sparse mask

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .decoding import (
-    METHODS, DrafterRunner, OnlineCalibration, Sampling, check_lookup, check_sizer, context_limit, generate,
+    METHODS, DrafterRunner, OnlineCalibration, Sampling, check_lookup, check_redraft, check_sizer, context_limit, generate,
     static_cache,
 )
 from .errors import DDTreeError
@@ -181,6 +181,7 @@ def warm_up(
     sampling: Sampling,
     seed: int,
     static: bool | None = None,
+    redraft: int = 0,
 ) -> None:
     """One untimed generation per method, so that no method's figures absorb one-off costs.
 
@@ -190,7 +191,8 @@ def warm_up(
     """
     for _, method, budget in keys:
         generator = torch.Generator(device=target.device).manual_seed(seed)
-        generate(target, prompt_ids, method, drafter, budget or 1, max_new_tokens, stop_ids, sampling, generator, static)
+        generate(target, prompt_ids, method, drafter, budget or 1, max_new_tokens, stop_ids, sampling, generator, static,
+                 redraft=redraft if method != "ar" else 0)
 
 
 def run_benchmark(
@@ -208,6 +210,7 @@ def run_benchmark(
     online: bool = False,
     lookup: int = 0,
     sizer: TreeSizer | None = None,
+    redraft: int = 0,
 ) -> dict:
     """Run every method on every prompt. Returns {"summary": {key: summarize(...)}, "prompts": [per-prompt rows]}.
 
@@ -217,11 +220,13 @@ def run_benchmark(
     online: learn draft temperatures from the timed rounds, prompt after prompt (OnlineCalibration).
     lookup: graft that many tokens of context lookup into every ddtree tree (generate); the chain stays the drafter's.
     sizer: size every ddtree round's tree to this machine's verify cost (ddtree/sizing.py); the chain stays whole.
+    redraft: re-draft behind that many depth-1 candidates in every ddtree round, behind its first in the chain (generate).
     """
     keys = method_keys(methods, budgets)
     if drafter is None and any(method != "ar" for _, method, _ in keys):
         raise DDTreeError("methods dflash and ddtree need a drafter")
     check_lookup("ddtree", lookup)
+    check_redraft("ddtree", redraft)
     check_sizer("ddtree", sizer is not None, static_cache(static, target.device))
     limit = context_limit(target)
     for prompt in prompts:
@@ -230,7 +235,7 @@ def run_benchmark(
                 f"prompt {prompt['id']!r} has {len(prompt['prompt_ids'])} tokens; the target's context is {limit}"
             )
     warm_up(target, drafter, prompts[0]["prompt_ids"], keys, min(max_new_tokens, WARMUP_TOKENS), stop_ids, sampling, seed,
-            static)
+            static, redraft)
 
     calibration = OnlineCalibration() if online else None
     per_prompt = []
@@ -242,6 +247,7 @@ def run_benchmark(
             result = generate(
                 target, prompt["prompt_ids"], method, drafter, budget or 1, max_new_tokens, stop_ids, sampling, generator,
                 static, calibration, lookup if method == "ddtree" else 0, sizer if method == "ddtree" else None,
+                redraft if method != "ar" else 0,
             )
             row["methods"][key] = {
                 "tau": result.tau,

@@ -81,6 +81,10 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lookup", type=int, default=0, metavar="N",
                         help="graft into every ddtree tree up to N tokens that followed the last recurrence of the "
                              "context's latest tokens, within the budget (README, Context lookup; 0 = off)")
+    parser.add_argument("--redraft", type=int, default=0, metavar="K",
+                        help="re-draft the block behind each of the K most likely first tokens (the chain: its first) "
+                             "in one more drafter forward, and grow the tree from those; for drafters trained with "
+                             "model.redraft_prob (README, Re-drafting; 0 = off)")
 
 
 
@@ -176,7 +180,7 @@ def cmd_generate(args) -> None:
     result = generate(
         target, prompt_ids, args.method, drafter, args.budget, args.max_new_tokens,
         stop_token_ids(target, tokenizer), sampling, generator, STATIC_CACHE[args.static_cache],
-        OnlineCalibration() if args.online_calibration else None, args.lookup, sizer,
+        OnlineCalibration() if args.online_calibration else None, args.lookup, sizer, args.redraft,
     )
     print(tokenizer.decode(result.new_tokens, skip_special_tokens=True))
     print(
@@ -199,7 +203,7 @@ def cmd_bench(args) -> None:
     results = run_benchmark(
         target, drafter, prompts, methods, args.budgets, args.max_new_tokens,
         stop_token_ids(target, tokenizer), sampling, seed=args.seed, static=STATIC_CACHE[args.static_cache],
-        online=args.online_calibration, lookup=args.lookup, sizer=sizer,
+        online=args.online_calibration, lookup=args.lookup, sizer=sizer, redraft=args.redraft,
     )
     settings = {k: v for k, v in vars(args).items() if k != "func"}
     settings["dtype_resolved"] = str(target.dtype).removeprefix("torch.")  # what `dtype` (maybe "auto") ran as

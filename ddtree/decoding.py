@@ -161,10 +161,39 @@ class DrafterRunner:
             past_key_values=self.cache,
         )  # (1, B, H)
         self.context_end = start
-        logits = self.drafter.compute_logits(hidden[0, 1 : 1 + depth].to(self.lm_head.weight.dtype), self.lm_head)
-        if self.temperatures is not None:
-            logits = logits.float() / self.temperatures[:depth]  # (depth, V), calibrated
+        return self._logits(hidden[0, 1 : 1 + depth], first_depth=1)
+
+    def _logits(self, hidden: torch.Tensor, first_depth: int) -> torch.Tensor:
+        """(..., n, V) draft logits of depths first_depth .. first_depth + n - 1 from drafter states (..., n, H)."""
+        logits = self.drafter.compute_logits(hidden.to(self.lm_head.weight.dtype), self.lm_head)
+        if self.temperatures is not None:  # calibrated
+            logits = logits.float() / self.temperatures[first_depth - 1 : first_depth - 1 + hidden.shape[-2]]
         return logits
+
+    @torch.no_grad()
+    def redraft(self, root_token: int, start: int, firsts: list[int], depth: int) -> torch.Tensor:
+        """Draft logits (len(firsts), depth - 1, V) for positions start+2 .. start+depth, one block per first token:
+        [root, first, MASK...], re-drafted behind that depth-1 token (a drafter trained with model.redraft_prob).
+
+        Called after `propose` for the same root: the context is already cached. All blocks run in one
+        forward, each seeing the context and its own tokens only (training's block mask).
+        """
+        if start != self.context_end:
+            raise RuntimeError(f"redraft at {start} without propose: the drafter's context ends at {self.context_end}")
+        device, count, size = self.lm_head.weight.device, len(firsts), self.block_size
+        blocks = torch.full((count, size), self.mask_token_id, dtype=torch.long, device=device)
+        blocks[:, 0] = root_token
+        blocks[:, 1] = torch.tensor(firsts, dtype=torch.long, device=device)
+        own = torch.arange(count, device=device).repeat_interleave(size)  # (count * size,) block of each query
+        mask = torch.cat([torch.ones(count * size, start, dtype=torch.bool, device=device), own[:, None] == own[None]], 1)
+        hidden = self.drafter(
+            noise_embedding=self.embedding(blocks.view(1, -1)).to(self.drafter.dtype),
+            target_hidden=self.drafter.fc.weight.new_zeros(1, 0, self.drafter.fc.in_features),  # nothing new to cache
+            position_ids=torch.arange(start, start + size, device=device).repeat(count)[None],
+            attention_mask=mask[None, None],
+            past_key_values=self.cache,
+        ).view(count, size, -1)
+        return self._logits(hidden[:, 2 : 1 + depth], first_depth=2)
 
 
 class OnlineCalibration:
@@ -216,7 +245,7 @@ class OnlineCalibration:
 
 def draft_tree(
     draft_logits: torch.Tensor, budget: int | None, lookup: list[int] = (), sizer: TreeSizer | None = None,
-    online: OnlineCalibration | None = None,
+    online: OnlineCalibration | None = None, branches: dict[int, torch.Tensor] | None = None,
 ) -> DraftTree:
     """What a round verifies, from the drafter's (depth, V) logits: the best-first tree of `budget` nodes
     (`ddtree`), or with budget None the argmax chain (`dflash`), its path probabilities recorded as build_tree does.
@@ -225,14 +254,19 @@ def draft_tree(
     len(lookup) of the budget, so the tree never holds more than `budget` nodes.
     sizer (ddtree only): keep only the leading nodes that pay for their verify rows on this machine (ddtree/sizing.py).
     online: grafted nodes score the lookup's learned acceptance (OnlineCalibration) instead of the drafter's probability.
+    branches: depth-1 token -> its re-drafted logits (depth - 1, V) for depths 2.. (`DrafterRunner.redraft`); the
+    tree (or the chain, behind its first token) continues from those below that token.
     """
     if budget is None:
+        first = int(draft_logits[0].argmax())
+        if branches and first in branches:  # the chain continues as re-drafted behind its first token
+            draft_logits = torch.cat([draft_logits[:1], branches[first].to(draft_logits.dtype)])
         log_probs, tokens = torch.log_softmax(draft_logits.float(), dim=-1).max(dim=-1)  # (depth,) the argmax chain
         tree = chain_tree(tokens.tolist())
         tree.log_probs = log_probs.cumsum(0).tolist()
         return tree
     lookup = list(lookup)[: min(budget, draft_logits.shape[0])]
-    tree = build_tree(draft_logits, budget - len(lookup))
+    tree = build_tree(draft_logits, budget - len(lookup), branches)
     if sizer is not None:
         tree = truncated(tree, sizer.size(tree.log_probs, extra_rows=len(lookup)))
     if lookup:
@@ -248,6 +282,14 @@ def check_lookup(method: str, lookup: int) -> None:
         raise DDTreeError(f"lookup {lookup} must be >= 0 (0 = no context lookup)")
     if lookup and method != "ddtree":
         raise DDTreeError(f"lookup {lookup} grafts into ddtree trees; method {method!r} has none: give lookup 0")
+
+
+def check_redraft(method: str, redraft: int) -> None:
+    """Re-drafting needs a drafter."""
+    if redraft < 0:
+        raise DDTreeError(f"redraft {redraft} must be >= 0 (0 = one draft per round)")
+    if redraft and method == "ar":
+        raise DDTreeError("redraft re-drafts a drafter's block; method 'ar' has none: give redraft 0")
 
 
 def static_cache(static: bool | None, device: torch.device) -> bool:
@@ -291,6 +333,7 @@ def generate(
     online: OnlineCalibration | None = None,
     lookup: int = 0,
     sizer: TreeSizer | None = None,
+    redraft: int = 0,
 ) -> GenerationResult:
     """Generate up to `max_new_tokens` tokens after `prompt_ids` with one of METHODS. Batch size 1.
 
@@ -299,6 +342,9 @@ def generate(
     latest tokens (`context_lookup`) into every tree, within the budget; 0 = the drafter's tree alone.
     sizer (ddtree, dynamic cache): each round verifies only the leading nodes of the budget's tree that pay
     for their rows under this machine's verify cost (ddtree/sizing.py); None = always the whole budget.
+    redraft: after the block's draft, re-draft the rest of the block behind each of its `redraft` most likely
+    depth-1 tokens (the chain: behind its first), in one more drafter forward, and build the tree from those
+    (DrafterRunner.redraft; for a drafter trained with model.redraft_prob). 0 = one draft per round.
 
     static: run the target over a preallocated cache at one verify shape (ddtree/target_runner.py),
     captured as a CUDA graph on a GPU; None = on CUDA only: on a CPU there is no launch overhead to
@@ -311,6 +357,7 @@ def generate(
     if method == "ddtree" and budget < 1:
         raise DDTreeError(f"budget {budget} must be at least 1")
     check_lookup(method, lookup)
+    check_redraft(method, redraft)
     device = target.device
     static = static_cache(static, device)
     check_sizer(method, sizer is not None, static)
@@ -352,12 +399,18 @@ def generate(
         if use_drafter and depth > 0:
             depth = min(depth, drafter.block_size - 1)
             draft_logits = drafter.propose(root, start, new_context, depth)  # (depth, V)
+            branches = None
+            if redraft and depth > 1:
+                firsts = draft_logits[0].topk(redraft if method == "ddtree" else 1).indices.tolist()
+                branches = dict(zip(firsts, drafter.redraft(root, start, firsts, depth)))  # token -> (depth - 1, V)
             if online is not None:
                 draft_logits = draft_logits.float() / online.temperature(shape)
+                if branches:
+                    branches = {token: rows.float() / online.temperature(shape) for token, rows in branches.items()}
             t_drafted = _now(device)
             draft_s = t_drafted - t_round
             grafted = context_lookup(prompt + result.new_tokens, min(lookup, depth)) if lookup else []
-            tree = draft_tree(draft_logits, shape, grafted, sizer, online)
+            tree = draft_tree(draft_logits, shape, grafted, sizer, online, branches)
             expected = tree.expected_acceptance
         else:
             t_drafted = t_round

@@ -42,23 +42,32 @@ def _empty_tree() -> DraftTree:
     return DraftTree([], [], [], [], [{}])
 
 
-def build_tree(draft_logits: torch.Tensor, budget: int) -> DraftTree:
-    """Best-first tree of the `budget` most probable prefixes. draft_logits: (L, V), one row per depth."""
+def build_tree(draft_logits: torch.Tensor, budget: int, branches: dict[int, torch.Tensor] | None = None) -> DraftTree:
+    """Best-first tree of the `budget` most probable prefixes. draft_logits: (L, V), one row per depth.
+
+    branches: depth-1 token -> (L - 1, V) logits for depths 2..L re-drafted behind that token (`--redraft`);
+    the subtree below such a token scores those instead of the block's own rows. Path probabilities stay
+    exact products of what the drafter said at each node, so pops stay topological.
+    """
     depth_count = draft_logits.shape[0]
     if budget < 1 or depth_count == 0:
         return _empty_tree()
     top = min(budget, draft_logits.shape[-1])
-    top_log_probs, top_tokens = torch.log_softmax(draft_logits.float(), dim=-1).topk(top, dim=-1)  # (L, top)
+    branches = branches if branches and depth_count > 1 else {}
+    # Table 0 is the block's own rows; table j > 0 the j-th branch's, its depth-1 row a copy of the block's.
+    tables = torch.stack([draft_logits] + [torch.cat([draft_logits[:1], rows]) for rows in branches.values()])
+    top_log_probs, top_tokens = torch.log_softmax(tables.float(), dim=-1).topk(top, dim=-1)  # (1 + k, L, top)
     top_log_probs, top_tokens = top_log_probs.cpu().tolist(), top_tokens.cpu().tolist()
+    branch_table = {token: j for j, token in enumerate(branches, start=1)}
 
     tree = _empty_tree()
-    # Heap entries: (-path score, depth index, rank at that depth, parent row). Scores are exact
+    # Heap entries: (-path score, depth index, rank at that depth, parent row, table). Scores are exact
     # sums of log-probs, so a popped node's score is never above its parent's: pops are topological.
-    heap = [(-top_log_probs[0][0], 0, 0, 0)]
+    heap = [(-top_log_probs[0][0][0], 0, 0, 0, 0)]
     while heap and len(tree.tokens) < budget:
-        neg_score, depth, rank, parent = heapq.heappop(heap)
+        neg_score, depth, rank, parent, table = heapq.heappop(heap)
         score = -neg_score
-        token = top_tokens[depth][rank]
+        token = top_tokens[table][depth][rank]
         row = len(tree.tokens) + 1
         tree.tokens.append(token)
         tree.parents.append(parent)
@@ -66,11 +75,12 @@ def build_tree(draft_logits: torch.Tensor, budget: int) -> DraftTree:
         tree.log_probs.append(score)
         tree.children.append({})
         tree.children[parent][token] = row
+        log_probs = top_log_probs[table][depth]
         if rank + 1 < top:  # next sibling: same parent, next-best token at this depth
-            sibling = score - top_log_probs[depth][rank] + top_log_probs[depth][rank + 1]
-            heapq.heappush(heap, (-sibling, depth, rank + 1, parent))
-        if depth + 1 < depth_count:  # first child: best token at the next depth
-            heapq.heappush(heap, (-(score + top_log_probs[depth + 1][0]), depth + 1, 0, row))
+            heapq.heappush(heap, (-(score - log_probs[rank] + log_probs[rank + 1]), depth, rank + 1, parent, table))
+        if depth + 1 < depth_count:  # first child: best token at the next depth, from the branch below it if any
+            below = branch_table.get(token, 0) if depth == 0 else table
+            heapq.heappush(heap, (-(score + top_log_probs[below][depth + 1][0]), depth + 1, 0, row, below))
     return tree
 
 

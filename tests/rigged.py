@@ -24,6 +24,10 @@ class RiggedDrafter:
 
     def propose(self, root_token, start, new_context, depth):
         self.calls.append((start, depth))
+        return self.rows(start, depth)
+
+    def rows(self, start, depth):
+        """The rigged logits (depth, V) of depths 1..depth after the root at `start`."""
         logits = torch.zeros(depth, self.vocab)
         for d in range(1, depth + 1):
             p = start + d
@@ -42,3 +46,31 @@ class RiggedDrafter:
 
     def non_first_branch_accepted(self, start, accepted_depth):
         return any((start + d) % 5 == 0 and (start + d) % 7 != 3 for d in range(1, accepted_depth + 1))
+
+
+class RedraftRigged(RiggedDrafter):
+    """Drafts depth 1 as RiggedDrafter but misses every deeper token; re-drafted behind the true depth-1 token, it
+    drafts the rest as RiggedDrafter, behind any other token it misses again. Long paths need the re-draft."""
+
+    def __init__(self, reference: list[int], vocab: int, block_size: int = 16):
+        super().__init__(reference, vocab, block_size)
+        self.redrafts = []  # (start, firsts) of each redraft
+
+    def missing(self, start, depth):  # (depth - 1, V) rows of depths 2..depth where no true token is drafted
+        rows = torch.zeros(depth - 1, self.vocab)
+        for d in range(2, depth + 1):
+            p = start + d
+            true = self.reference[p] if p < len(self.reference) else 0
+            rows[d - 2, (true + 1 + p) % self.vocab] = 12.0
+            rows[d - 2, true] = -10.0
+        return rows
+
+    def propose(self, root_token, start, new_context, depth):
+        logits = super().propose(root_token, start, new_context, depth)
+        logits[1:] = self.missing(start, depth)
+        return logits
+
+    def redraft(self, root_token, start, firsts, depth):
+        self.redrafts.append((start, list(firsts)))
+        true = self.reference[start + 1] if start + 1 < len(self.reference) else 0
+        return torch.stack([self.rows(start, depth)[1:] if first == true else self.missing(start, depth) for first in firsts])

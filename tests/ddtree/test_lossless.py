@@ -13,7 +13,7 @@ from ddtree.decoding import DrafterRunner, OnlineCalibration, generate
 from ddtree.errors import DDTreeError
 from ddtree.sizing import TreeSizer
 from ddtree.targets import stop_token_ids
-from rigged import RiggedDrafter  # tests/rigged.py
+from rigged import RedraftRigged, RiggedDrafter  # tests/rigged.py
 
 PROMPTS = [
     [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number."}],
@@ -88,6 +88,55 @@ def test_rigged_drafter_is_lossless_and_exercises_the_walk(smollm2, references, 
         assert non_first > 0, "no accepted path went through a non-first branch"
     else:
         assert non_first == 0
+
+
+@pytest.mark.parametrize("method,budget,redraft", [("dflash", 0, 1), ("ddtree", 8, 3)])
+def test_redrafted_branches_are_lossless_and_carry_the_paths_the_block_misses(smollm2, references, method, budget,
+                                                                              redraft):
+    """The rigged block misses every token past depth 1; re-drafted behind the true depth-1 token it drafts the
+    rest. Long paths are accepted only through the re-drafted branches, in the tree also below a depth-1 token that
+    was not the block's first choice, and the output stays greedy decoding's."""
+    model, tokenizer = smollm2
+    deepest = {}
+    non_first = 0
+    for k in (0, redraft):
+        deepest[k] = 0
+        for prompt, greedy in references:
+            rigged = RedraftRigged(prompt + greedy, model.config.vocab_size)
+            result = generate(model, prompt, method, rigged, budget, MAX_NEW, stop_token_ids(model, tokenizer),
+                              redraft=k)
+            assert result.new_tokens == greedy
+            assert all(len(firsts) == (min(k, 1) if method == "dflash" else k) for _, firsts in rigged.redrafts)
+            drafted = [r for r in result.rounds if r.tree_size > 0]
+            deepest[k] = max([deepest[k]] + [r.accepted_depth for r in drafted])
+            non_first += k > 0 and sum(rigged.non_first_branch_accepted(start, r.accepted_depth) and r.accepted_depth > 1
+                                       for (start, _), r in zip(rigged.calls, drafted))
+    assert deepest[0] == 1 and deepest[redraft] >= 4, deepest  # the block alone never gets past depth 1
+    assert method == "dflash" or non_first > 0, "no accepted path went deeper below a non-first depth-1 token"
+
+
+def test_redraft_runs_every_block_as_if_drafted_alone(smollm2, references, random_drafter):
+    """One forward of several re-drafted blocks over the cached context equals each block's own uncached forward."""
+    model, _ = smollm2
+    prompt, _ = references[0]
+    with torch.no_grad():
+        hidden = model(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+    context, root, start, depth = random_drafter.features(hidden), 11, len(prompt), random_drafter.block_size - 1
+    random_drafter.reset()
+    random_drafter.propose(root, start, context, depth)
+    firsts = [5, 900, 31]
+    rows = random_drafter.redraft(root, start, firsts, depth)
+    drafter = random_drafter.drafter
+    for first, got in zip(firsts, rows):
+        block = torch.tensor([[root, first] + [drafter.mask_token_id] * (drafter.block_size - 2)])
+        with torch.no_grad():
+            alone = drafter(random_drafter.embedding(block), context, torch.arange(start + drafter.block_size)[None])
+        want = drafter.compute_logits(alone[0, 2:1 + depth], random_drafter.lm_head)
+        assert torch.allclose(got, want, atol=1e-4)
+    with pytest.raises(RuntimeError, match="without propose"):
+        random_drafter.redraft(root, start + 3, firsts, depth)
+    with pytest.raises(DDTreeError, match="redraft"):
+        generate(model, prompt, "ar", None, 8, 4, redraft=2)
 
 
 @pytest.mark.parametrize("method,budget", [("dflash", 0), ("ddtree", 8)])

@@ -53,6 +53,33 @@ def test_heap_builds_the_top_budget_prefixes(seed, budget):
     assert all(a >= b - 1e-6 for a, b in zip(tree.log_probs, tree.log_probs[1:]))  # pops non-increasing
 
 
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("budget", [2, 9, 30])
+def test_heap_with_redrafted_branches_builds_the_top_prefixes_under_each_branchs_rows(seed, budget):
+    """Below a re-drafted depth-1 token the paths score that branch's rows; below the others, the block's own."""
+    generator = torch.Generator().manual_seed(seed)
+    depth_count, vocab = 3, 4
+    logits = torch.randn(depth_count, vocab, generator=generator) * 2
+    branches = {token: torch.randn(depth_count - 1, vocab, generator=generator) * 2 for token in (2, 0)}
+    log_probs = torch.log_softmax(logits, -1)
+    branch_log_probs = {token: torch.log_softmax(rows, -1) for token, rows in branches.items()}
+
+    def score(prefix):
+        rows = branch_log_probs.get(prefix[0], log_probs[1:])
+        return log_probs[0, prefix[0]].item() + sum(rows[d, t].item() for d, t in enumerate(prefix[1:]))
+
+    every = [p for depth in range(1, depth_count + 1) for p in itertools.product(range(vocab), repeat=depth)]
+    best = set(sorted(every, key=score, reverse=True)[:budget])
+    tree = build_tree(logits, budget, branches)
+    paths = node_paths(tree)
+    assert set(paths) == best and len(paths) == budget
+    for row, (parent, path) in enumerate(zip(tree.parents, paths), start=1):
+        assert parent < row and math.isclose(tree.log_probs[row - 1], score(path), abs_tol=1e-5)
+    assert build_tree(logits, budget, {}).tokens == build_tree(logits, budget).tokens  # no branch: the plain tree
+    first, rows = int(logits[0].argmax()), branches[2]  # the chain continues as re-drafted behind its first token
+    assert draft_tree(logits, None, branches={first: rows}).tokens == [first] + rows.argmax(-1).tolist()
+
+
 @pytest.mark.parametrize("tokens,length,expected", [
     ([1, 2, 3, 4, 9, 2, 3], 3, [4, 9, 2]),  # the last 2 tokens recur: what followed them
     ([2, 3, 5, 2, 3, 6, 3], 2, [6, 3]),  # only the last token recurs: its most recent occurrence wins

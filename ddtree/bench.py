@@ -181,7 +181,7 @@ def warm_up(
     sampling: Sampling,
     seed: int,
     static: bool | None = None,
-    redraft: int = 0,
+    redraft: int | None = None,
 ) -> None:
     """One untimed generation per method, so that no method's figures absorb one-off costs.
 
@@ -210,7 +210,7 @@ def run_benchmark(
     online: bool = False,
     lookup: int = 0,
     sizer: TreeSizer | None = None,
-    redraft: int = 0,
+    redraft: int | None = None,
 ) -> dict:
     """Run every method on every prompt. Returns {"summary": {key: summarize(...)}, "prompts": [per-prompt rows]}.
 
@@ -220,13 +220,15 @@ def run_benchmark(
     online: learn draft temperatures from the timed rounds, prompt after prompt (OnlineCalibration).
     lookup: graft that many tokens of context lookup into every ddtree tree (generate); the chain stays the drafter's.
     sizer: size every ddtree round's tree to this machine's verify cost (ddtree/sizing.py); the chain stays whole.
-    redraft: re-draft behind that many depth-1 candidates in every ddtree round, behind its first in the chain (generate).
+    redraft: re-draft behind that many depth-1 candidates in every ddtree round, behind its first in the chain (generate;
+    None = the drafter's default).
     """
     keys = method_keys(methods, budgets)
     if drafter is None and any(method != "ar" for _, method, _ in keys):
         raise DDTreeError("methods dflash and ddtree need a drafter")
     check_lookup("ddtree", lookup)
-    check_redraft("ddtree", redraft)
+    if redraft is not None:
+        check_redraft("ddtree", redraft)
     check_sizer("ddtree", sizer is not None, static_cache(static, target.device))
     limit = context_limit(target)
     for prompt in prompts:

@@ -81,10 +81,10 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lookup", type=int, default=0, metavar="N",
                         help="graft into every ddtree tree up to N tokens that followed the last recurrence of the "
                              "context's latest tokens, within the budget (README, Context lookup; 0 = off)")
-    parser.add_argument("--redraft", type=int, default=0, metavar="K",
+    parser.add_argument("--redraft", type=int, default=None, metavar="K",
                         help="re-draft the block behind each of the K most likely first tokens (the chain: its first) "
-                             "in one more drafter forward, and grow the tree from those; for drafters trained with "
-                             "model.redraft_prob (README, Re-drafting; 0 = off)")
+                             "in one more drafter forward, and grow the tree from those (README, Re-drafting); 0 = off; "
+                             "default: the drafter's own (4 if trained with model.redraft_prob, else 0)")
 
 
 

@@ -102,6 +102,22 @@ class DFlashDrafterConfig(Qwen3Config):
             self.dflash_config["draft_vocab"] = sorted(int(t) for t in token_ids)
 
     @property
+    def redraft(self) -> int:
+        """How many depth-1 tokens decoders re-draft behind by default (`--redraft`; ddtree/decoding.py).
+
+        Set for drafters trained with model.redraft_prob, which learned to continue a block behind a given first
+        token; 0 (every other drafter) means one draft per round.
+        """
+        return int(self.dflash_config.get("redraft", 0))
+
+    @redraft.setter
+    def redraft(self, width: int) -> None:
+        if width:
+            self.dflash_config["redraft"] = int(width)
+        else:
+            self.dflash_config.pop("redraft", None)
+
+    @property
     def target_layer_ids(self) -> list[int]:
         ids = self.dflash_config.get("target_layer_ids")
         if ids is None and self.num_target_layers is not None:

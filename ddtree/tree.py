@@ -42,21 +42,30 @@ def _empty_tree() -> DraftTree:
     return DraftTree([], [], [], [], [{}])
 
 
-def build_tree(draft_logits: torch.Tensor, budget: int, branches: dict[int, torch.Tensor] | None = None) -> DraftTree:
+def build_tree(
+    draft_logits: torch.Tensor, budget: int, branches: dict[int, torch.Tensor] | None = None,
+    vocab: torch.Tensor | None = None,
+) -> DraftTree:
     """Best-first tree of the `budget` most probable prefixes. draft_logits: (L, V), one row per depth.
 
     branches: depth-1 token -> (L - 1, V) logits for depths 2..L re-drafted behind that token (`--redraft`);
     the subtree below such a token scores those instead of the block's own rows. Path probabilities stay
     exact products of what the drafter said at each node, so pops stay topological.
+    vocab: the only token ids whose logits can be finite (a draft vocabulary), or None; the same tree, built
+    over those columns alone (the normalisation over all 49K columns was most of a re-drafted round's tree cost).
     """
     depth_count = draft_logits.shape[0]
     if budget < 1 or depth_count == 0:
         return _empty_tree()
-    top = min(budget, draft_logits.shape[-1])
     branches = branches if branches and depth_count > 1 else {}
     # Table 0 is the block's own rows; table j > 0 the j-th branch's, its depth-1 row a copy of the block's.
     tables = torch.stack([draft_logits] + [torch.cat([draft_logits[:1], rows]) for rows in branches.values()])
-    top_log_probs, top_tokens = torch.log_softmax(tables.float(), dim=-1).topk(top, dim=-1)  # (1 + k, L, top)
+    tables = (tables if vocab is None else tables[..., vocab]).float()
+    top = min(budget, tables.shape[-1])
+    top_logits, top_tokens = tables.topk(top, dim=-1)  # (1 + k, L, top)
+    if vocab is not None:
+        top_tokens = vocab[top_tokens]
+    top_log_probs = top_logits - torch.logsumexp(tables, dim=-1, keepdim=True)  # log-softmax of the top only
     top_log_probs, top_tokens = top_log_probs.cpu().tolist(), top_tokens.cpu().tolist()
     branch_table = {token: j for j, token in enumerate(branches, start=1)}
 

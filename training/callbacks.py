@@ -9,6 +9,7 @@
       max_new_tokens: 64
       limit: 8                           # the first 8 prompts of the file
       lookup: 0                          # N > 0: graft N tokens of context lookup into every tree (`--lookup N`)
+      redraft: null                      # re-draft behind the K best depth-1 tokens (`--redraft K`); null = the drafter's
 
 Every `every_n_train_steps` optimizer steps, and at the last step, `AcceptanceEvaluation` runs
 `ddtree.bench.run_benchmark` (the code behind `ddtree bench`, not a copy) with the frozen target and
@@ -97,10 +98,13 @@ def measure_acceptance(
     rank: int = 0,
     world_size: int = 1,
     lookup: int = 0,
+    redraft: int | None = None,
 ) -> dict:
     """Decode this rank's share of `prompts` with the chain and DDTree at every budget; gather all ranks.
 
     lookup > 0 grafts that many tokens of context lookup into every DDTree tree (the chain stays the drafter's).
+    redraft > 0 re-drafts behind that many depth-1 tokens in every tree, behind the first in the chain (generate;
+    None = the drafter's default, its config's `redraft`).
 
     Returns {"summary": {CHAIN | tree_key(B): acceptance_summary}, "prompts": [per-prompt bench rows,
     in file order]}, identical on every rank.
@@ -110,7 +114,7 @@ def measure_acceptance(
     if share:  # a rank with no prompt (fewer prompts than ranks) still joins the gather
         results = run_benchmark(
             target, drafter, [prompts[i] for i in share], [CHAIN, "ddtree"], budgets, max_new_tokens, stop_ids,
-            Sampling(temperature=0.0), seed=0, progress=False, lookup=lookup,
+            Sampling(temperature=0.0), seed=0, progress=False, lookup=lookup, redraft=redraft,
         )
         rows = [dict(row, index=i) for i, row in zip(share, results["prompts"])]
     if world_size > 1:
@@ -171,6 +175,7 @@ class AcceptanceEvaluation(L.Callback):
         max_new_tokens: int = 64,  # per prompt
         limit: int | None = 8,  # the first N prompts of the file (None = all)
         lookup: int = 0,  # graft N tokens of context lookup into every DDTree tree (`ddtree bench --lookup`); 0 = off
+        redraft: int | None = None,  # re-draft behind K depth-1 tokens (`ddtree bench --redraft`); None = the drafter's
     ):
         if every_n_train_steps < 1:
             raise DDTreeError(f"eval.every_n_train_steps={every_n_train_steps}: must be at least 1")
@@ -184,6 +189,8 @@ class AcceptanceEvaluation(L.Callback):
             raise DDTreeError(f"eval.limit={limit}: must be at least 1, or null for every prompt")
         if lookup < 0:
             raise DDTreeError(f"eval.lookup={lookup}: must be at least 0 (0 = the drafter's trees alone)")
+        if redraft is not None and redraft < 0:
+            raise DDTreeError(f"eval.redraft={redraft}: must be at least 0 (0 = one draft per round)")
         self.prompts_path = prompts
         self.every_n_train_steps = every_n_train_steps
         self.budgets = sorted(set(budgets))
@@ -191,6 +198,7 @@ class AcceptanceEvaluation(L.Callback):
         self.max_new_tokens = max_new_tokens
         self.limit = limit
         self.lookup = lookup
+        self.redraft = redraft
         self.history: list[dict] = []  # one record per evaluation; kept in checkpoints for the report
         self.prompts: list[dict] | None = None  # read in setup (needs the target's tokenizer)
         self.tokenizer = None
@@ -223,7 +231,8 @@ class AcceptanceEvaluation(L.Callback):
         with TrainingStateGuard(drafter, target), torch.no_grad(), torch.autocast(target.device.type, enabled=False):
             runner = self.drafter_runner(drafter, target)
             return measure_acceptance(
-                target, runner, prompts, self.budgets, self.max_new_tokens, stop_ids, rank, world_size, self.lookup
+                target, runner, prompts, self.budgets, self.max_new_tokens, stop_ids, rank, world_size, self.lookup,
+                self.redraft,
             )
 
     # -------------------------------------------------------------- Lightning hooks
@@ -329,6 +338,7 @@ class AcceptanceEvaluation(L.Callback):
         return {
             "prompts": self.prompts_path, "num_prompts": len(self.prompts), "max_new_tokens": self.max_new_tokens,
             "budgets": self.budgets, "primary_budget": self.primary_budget, "lookup": self.lookup,
+            "redraft": self.redraft if self.redraft is not None else trainer.lightning_module.drafter_config.redraft,
             "block_size": int(trainer.lightning_module.block_size),
         }
 

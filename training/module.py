@@ -46,7 +46,7 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import PreTrainedModel
 
-from ddtree.decoding import DrafterRunner
+from ddtree.decoding import DEFAULT_REDRAFT, DrafterRunner
 from ddtree.drafters import load_drafter_folder
 from ddtree.modeling_dflash import DFlashDraftModel
 from ddtree.errors import DDTreeError
@@ -175,6 +175,8 @@ class DistillModule(L.LightningModule):
             if hp.draft_vocab_size:
                 config.draft_vocab = self._training_reply_vocabulary(config.vocab_size)
             drafter = DFlashDraftModel(config)
+        if hp.redraft_prob > 0 and not drafter.config.redraft:  # decoders re-draft behind that many by default
+            drafter.config.redraft = DEFAULT_REDRAFT
         if hp.gradient_checkpointing:
             drafter.gradient_checkpointing = True
         if hp.lora_rank > 0:

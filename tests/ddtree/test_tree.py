@@ -76,6 +76,14 @@ def test_heap_with_redrafted_branches_builds_the_top_prefixes_under_each_branchs
     for row, (parent, path) in enumerate(zip(tree.parents, paths), start=1):
         assert parent < row and math.isclose(tree.log_probs[row - 1], score(path), abs_tol=1e-5)
     assert build_tree(logits, budget, {}).tokens == build_tree(logits, budget).tokens  # no branch: the plain tree
+    # A draft vocabulary: the columns outside it are -inf; built over its columns alone, the same tree.
+    vocab, wide = torch.tensor([1, 4, 6, 7]), torch.full((depth_count, 9), float("-inf"))
+    wide[:, [1, 4, 6, 7]] = logits
+    wide_branches = {[1, 4, 6, 7][token]: torch.full((depth_count - 1, 9), float("-inf")).index_copy(
+        1, vocab, rows) for token, rows in branches.items()}
+    full, narrow = build_tree(wide, budget, wide_branches), build_tree(wide, budget, wide_branches, vocab)
+    assert full.tokens == narrow.tokens == [[1, 4, 6, 7][t] for t in tree.tokens] and full.parents == narrow.parents
+    assert all(math.isclose(a, b, abs_tol=1e-5) for a, b in zip(full.log_probs, narrow.log_probs))
     first, rows = int(logits[0].argmax()), branches[2]  # the chain continues as re-drafted behind its first token
     assert draft_tree(logits, None, branches={first: rows}).tokens == [first] + rows.argmax(-1).tolist()
 

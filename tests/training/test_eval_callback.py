@@ -540,3 +540,38 @@ def test_lookup_grafts_into_the_trees_and_commits_the_same_tokens():
     assert results[4]["summary"]["dflash"]["tau"] == results[0]["summary"]["dflash"]["tau"]  # the chain has no lookup
     with pytest.raises(DDTreeError, match=r"eval.lookup=-1"):
         AcceptanceEvaluation(lookup=-1)
+
+
+def test_redraft_decodes_the_same_tokens_and_re_drafts_every_round():
+    """eval.redraft decodes as `ddtree bench --redraft`: the same greedy tokens, one re-draft per drafted round."""
+    torch.manual_seed(0)
+    module = tiny_module()
+    module.configure_model()
+    _, tokenizer = load_target("tiny-random")
+
+    class Counting(AcceptanceEvaluation):
+        def drafter_runner(self, drafter, target):
+            runner = DrafterRunner(drafter, target)
+            original = runner.redraft
+            def redraft(root, start, firsts, depth):
+                self.redrafted.append(len(firsts))
+                return original(root, start, firsts, depth)
+            runner.redraft = redraft
+            return runner
+
+    results = {}
+    for redraft in (0, 3):
+        evaluation = Counting(prompts=PROMPTS, budgets=[8], primary_budget=8, max_new_tokens=24, limit=2,
+                              redraft=redraft)
+        evaluation.redrafted = []
+        prompts = evaluation.load_prompts(tokenizer)
+        results[redraft] = evaluation.measure(module.target, module.drafter, prompts, stop_token_ids(module.target, tokenizer))
+        rounds = sum(len(row["methods"][key]["rounds"]) for row in results[redraft]["prompts"] for key in ("dflash", "ddtree@8"))
+        # every round re-drafts but those too near max_new_tokens to draft two tokens deep
+        assert (len(evaluation.redrafted) >= rounds / 2) if redraft else not evaluation.redrafted
+        assert set(evaluation.redrafted) <= ({1, 3} if redraft else set())  # the chain re-drafts behind its first only
+    for key in ("dflash", "ddtree@8"):
+        assert ([row["methods"][key]["new_tokens"] for row in results[0]["prompts"]]
+                == [row["methods"][key]["new_tokens"] for row in results[3]["prompts"]])
+    with pytest.raises(DDTreeError, match=r"eval.redraft=-2"):
+        AcceptanceEvaluation(redraft=-2)

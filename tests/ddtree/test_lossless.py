@@ -115,6 +115,17 @@ def test_redrafted_branches_are_lossless_and_carry_the_paths_the_block_misses(sm
     assert method == "dflash" or non_first > 0, "no accepted path went deeper below a non-first depth-1 token"
 
 
+def test_redraft_follows_the_drafters_default_unless_sized_for_speed(smollm2, references):
+    model, tokenizer = smollm2
+    prompt, greedy = references[0]
+    for sizer, calls in ((None, True), (TreeSizer(fixed_ms=40.0, row_ms=1.1), False)):
+        rigged = RedraftRigged(prompt + greedy, model.config.vocab_size)
+        rigged.default_redraft = 3  # as a DrafterRunner over a drafter trained with model.redraft_prob
+        result = generate(model, prompt, "ddtree", rigged, 16, 12, stop_token_ids(model, tokenizer), sizer=sizer)
+        assert result.new_tokens == greedy[:12]
+        assert bool(rigged.redrafts) == calls and all(len(firsts) == 3 for _, firsts in rigged.redrafts)
+
+
 def test_redraft_runs_every_block_as_if_drafted_alone(smollm2, references, random_drafter):
     """One forward of several re-drafted blocks over the cached context equals each block's own uncached forward."""
     model, _ = smollm2

@@ -171,8 +171,9 @@ class DrafterRunner:
 
     def _logits(self, hidden: torch.Tensor, first_depth: int) -> torch.Tensor:
         """(..., n, V) draft logits of depths first_depth .. first_depth + n - 1 from drafter states (..., n, H)."""
-        rows = hidden.reshape(-1, hidden.shape[-1]).to(self.lm_head.weight.dtype)  # 2-D: a batched slice made the
-        logits = self.drafter.compute_logits(rows, self.lm_head).view(*hidden.shape[:-1], -1)  # head a copying bmm
+        # The head runs on 2-D rows: on a strided 3-D slice it became a bmm that copied the head's weight per block.
+        rows = hidden.reshape(-1, hidden.shape[-1]).to(self.lm_head.weight.dtype)
+        logits = self.drafter.compute_logits(rows, self.lm_head).view(*hidden.shape[:-1], -1)
         if self.temperatures is not None:  # calibrated
             logits = logits.float() / self.temperatures[first_depth - 1 : first_depth - 1 + hidden.shape[-2]]
         return logits

@@ -60,7 +60,8 @@ def wait_for(path: Path, process: subprocess.Popen, timeout_s: float = 300) -> N
     (signal.SIGINT, 128 + signal.SIGINT, "interrupted (SIGINT)"),
 ])
 def test_a_signal_stops_the_run_with_a_non_zero_status_and_the_command_that_resumes_it(tmp_path, sent, status, why):
-    args = tiny_args(tmp_path, "killed", max_steps=400)
+    args = tiny_args(tmp_path, "killed", max_steps=4000)  # far more than fit before the signal, even when the suite
+    # loads the machine (at 400, one full-suite run on 2 cores reached the end before the signal landed)
     run_dir = tmp_path / "out" / "tiny" / "killed"
     process = train_process(args)
     wait_for(run_dir / "checkpoints" / "last.ckpt", process)

@@ -71,7 +71,7 @@ def build_cli(config: Path, run_dir: Path, overrides: list[str]) -> DistillCLI:
     with recipe_errors(config), warnings.catch_warnings():
         # LightningCLI is handed its arguments here, so its warning that sys.argv holds some too is noise.
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
-        return DistillCLI(
+        cli = DistillCLI(
             DistillModule,
             DistillDataModule,
             save_config_callback=None,  # written by hand below, to the run folder, atomically
@@ -80,6 +80,10 @@ def build_cli(config: Path, run_dir: Path, overrides: list[str]) -> DistillCLI:
             args=["--config", config_arg(config, overrides), *run_location_args(run_dir), *overrides],
             run=False,
         )
+    if cli.model.hparams.seed != cli.datamodule.seed:  # else Lightning stops at fit with a traceback
+        raise DDTreeError(f"model.seed={cli.model.hparams.seed} and data.seed={cli.datamodule.seed} differ: Lightning "
+                          "keeps one `seed` hyperparameter for both; give them the same value")
+    return cli
 
 
 def build_missing_feature_store(cli: DistillCLI, recipe: str) -> None:

@@ -509,6 +509,9 @@ def test_bad_settings_are_one_line_errors(tmp_path, capsys):
     assert errors == ["error: eval.prompts=no/such.jsonl: no such file; give a JSONL of held-out prompts"]
     assert not list((tmp_path / "out" / "tiny" / "a").glob("checkpoints/*"))  # stopped before any training
 
+    with pytest.raises(DDTreeError, match=r"model.seed=1 and data.seed=0 differ"):
+        training.train.build_cli(Path("recipes") / "tiny.yaml", tmp_path / "run", ["--model.seed=1"])
+
     recipe = tmp_path / "old.yaml"
     recipe.write_text((Path("recipes") / "tiny.yaml").read_text() + "\n  every_n_train_steps: 5\n")
     with pytest.raises(DDTreeError, match="checkpoint.every_n_train_steps follows eval.every_n_train_steps"):

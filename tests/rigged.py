@@ -26,14 +26,15 @@ class RiggedDrafter:
         self.calls.append((start, depth))
         return self.rows(start, depth)
 
-    def rows(self, start, depth):
-        """The rigged logits (depth, V) of depths 1..depth after the root at `start`."""
+    def rows(self, start, depth, miss_from=None):
+        """The rigged logits (depth, V) of depths 1..depth after the root at `start`; from depth `miss_from` on,
+        every true token is missing, as at the positions p % 7 == 3."""
         logits = torch.zeros(depth, self.vocab)
         for d in range(1, depth + 1):
             p = start + d
             true = self.reference[p] if p < len(self.reference) else 0
             decoy = (true + 1 + p) % self.vocab
-            if p % 7 == 3:
+            if p % 7 == 3 or (miss_from is not None and d >= miss_from):
                 logits[d - 1, decoy] = 12.0
                 logits[d - 1, (decoy + 1) % self.vocab] = 11.0
                 logits[d - 1, true] = -10.0
@@ -57,18 +58,11 @@ class RedraftRigged(RiggedDrafter):
         self.redrafts = []  # (start, firsts) of each redraft
 
     def missing(self, start, depth):  # (depth - 1, V) rows of depths 2..depth where no true token is drafted
-        rows = torch.zeros(depth - 1, self.vocab)
-        for d in range(2, depth + 1):
-            p = start + d
-            true = self.reference[p] if p < len(self.reference) else 0
-            rows[d - 2, (true + 1 + p) % self.vocab] = 12.0
-            rows[d - 2, true] = -10.0
-        return rows
+        return self.rows(start, depth, miss_from=2)[1:]
 
     def propose(self, root_token, start, new_context, depth):
-        logits = super().propose(root_token, start, new_context, depth)
-        logits[1:] = self.missing(start, depth)
-        return logits
+        self.calls.append((start, depth))
+        return self.rows(start, depth, miss_from=2)
 
     def redraft(self, root_token, start, firsts, depth):
         self.redrafts.append((start, list(firsts)))

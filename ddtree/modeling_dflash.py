@@ -15,6 +15,8 @@ This file ships to the Hub as remote code: it imports torch and transformers onl
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -28,6 +30,19 @@ try:  # flex attention serves the sparse training mask on CUDA; SDPA with a dens
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 except ImportError:  # pragma: no cover - torch < 2.5
     BlockMask, flex_attention = None, None
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# SDPA's backends on CUDA, cuDNN's left out. Seen on an H200 (torch 2.11, 2026-11-26), with cuDNN's kernel
+# chosen: a decoding round cost tens of milliseconds more at lengths the process had not yet met (re-drafted
+# ddtree rounds drafted in 74 ms a round on a first pass over one prompt's lengths, 4.8 ms on a second pass
+# over the same lengths; `ddtree bench`, always at new lengths, 30 ms), and decoding meets a new key length
+# every round. cuDNN builds its attention graph per shape, the likely cause; the gain is not yet measured.
+_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def sdpa_backends(device: torch.device):
+    """Context for attention calls whose shapes change call after call: SDPA without cuDNN on CUDA, as is elsewhere."""
+    return sdpa_kernel(_SDPA_BACKENDS) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def fuse_target_features(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:
@@ -71,7 +86,8 @@ def _attention(q, k, v, mask, scaling):
     if k.shape[1] != q.shape[1]:  # grouped-query attention: share each kv head across its query heads
         repeat = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+    with sdpa_backends(q.device):  # the drafter's context grows every decoding round
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
 
 
 class DFlashAttention(nn.Module):

@@ -35,6 +35,15 @@ import numpy as np
 import torch
 from transformers import DynamicCache, PreTrainedModel, StaticCache
 
+from .modeling_dflash import sdpa_backends
+
+
+def _run(target: PreTrainedModel, *args, **kwargs):
+    """One forward of the target; on CUDA its attention skips cuDNN, whose per-shape set-up decoding's
+    ever-new key lengths would pay every round (ddtree/modeling_dflash.py, sdpa_backends)."""
+    with sdpa_backends(target.device):
+        return target(*args, **kwargs)
+
 
 class DynamicTarget:
     """Forwards over a growing DynamicCache, each at its own shape."""
@@ -45,7 +54,8 @@ class DynamicTarget:
         self.cache = DynamicCache(config=target.config)
 
     def prefill(self, prompt_ids: list[int]):
-        out = self.target(
+        out = _run(
+            self.target,
             torch.tensor([prompt_ids], device=self.target.device), past_key_values=self.cache, use_cache=True,
             output_hidden_states=self.hidden_states, logits_to_keep=1,
         )
@@ -60,7 +70,8 @@ class DynamicTarget:
         rows = len(tokens)
         allowed = np.ones((rows, start + rows), dtype=bool)
         allowed[:, start:] = visible
-        out = self.target(
+        out = _run(
+            self.target,
             torch.tensor([tokens], device=device),
             position_ids=positions.to(device)[None],
             attention_mask=additive_mask(allowed, self.target.dtype).to(device)[None, None],
@@ -109,7 +120,8 @@ class StaticTarget:
         allowed = np.zeros((length, self.capacity), dtype=bool)
         allowed[:, :length] = np.tril(np.ones((length, length), dtype=bool))  # causal over the prompt
         device = self.target.device
-        out = self.target(
+        out = _run(
+            self.target,
             torch.tensor([prompt_ids], device=device),
             position_ids=torch.arange(length, device=device)[None],
             attention_mask=additive_mask(allowed, self.target.dtype).to(device)[None, None],
@@ -152,7 +164,8 @@ class StaticTarget:
             layer.values.index_copy_(2, target, layer.values.index_select(2, source))
 
     def _forward(self):
-        return self.target(
+        return _run(
+            self.target,
             self.tokens, position_ids=self.positions, attention_mask=self.mask, past_key_values=self.cache,
             use_cache=True, output_hidden_states=self.hidden_states,
         )

@@ -274,6 +274,31 @@ def test_decoding_on_cuda_matches_greedy_in_fp32(cuda_target, method, budget, st
         assert result.new_tokens == greedy
 
 
+def attention_kernels(target, tokenizer, device: str, static: bool) -> set[str]:
+    """The attention operators a short bf16 ddtree generation (re-drafting on) runs, by the profiler's names."""
+    import copy
+
+    from torch.profiler import ProfilerActivity, profile
+
+    target = copy.deepcopy(target).to(device, torch.bfloat16)
+    drafter = DrafterRunner(load_drafter("random", target, tokenizer, "smollm2-135m"), target)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as profiler:
+        generate(target, _prompt_ids(tokenizer, PROMPTS[0]), "ddtree", drafter, 8, 6, static=static, redraft=2)
+    return {event.key for event in profiler.key_averages() if "attention" in event.key}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic-cache", "static-cache-cuda-graph"])
+def test_bf16_decoding_on_cuda_never_runs_cudnn_attention(smollm2, static):
+    """cuDNN's attention sets itself up per shape, and decoding meets new key lengths every round
+    (ddtree/modeling_dflash.py, sdpa_backends): the target's and the drafter's attention run other kernels."""
+    kernels = attention_kernels(*smollm2, "cuda", static)
+    assert kernels  # the profiler saw the attention calls
+    assert not [name for name in kernels if "cudnn" in name], kernels
+
+
 def test_adaptive_tree_size_is_lossless_and_cuts_the_unlikely_nodes(smollm2, references, random_drafter):
     """A verify cost like the 2-core CPU's (40 ms + 1.1 ms a row): the rigged drafter's trees keep their likely
     branches and lose some of the improbable tail, rounds differ in size, and the tokens stay greedy decoding's."""

@@ -157,7 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} CPU threads"
     print(f"batch {batch_size} x {length}, {where}, bf16" + (", random-weight target" if args.random_target else ""))
     for label, settings in cases:
+        started = time.perf_counter()  # progress lines: where a slow or stopped run spent its time
         module = build_module(settings, args.random_target, device)
+        print(f"{label:>10}: target and drafter built in {time.perf_counter() - started:.0f} s", flush=True)
         optimizer = torch.optim.AdamW(module.drafter.parameters(), lr=1e-4)
 
         def target_forward():
@@ -176,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         offline_batch = {**batch, "features": features}  # the step then skips the target, as from a store
 
         target_seconds, _ = time_call(target_forward, args.repeats, args.warmup, device)
+        print(f"{label:>10}: target forward timed; the full step next (its warm-up compiles)", flush=True)
         step_seconds, step_peak = time_call(lambda: training_step(batch), args.repeats, args.warmup, device)
         offline_seconds, offline_peak = time_call(lambda: training_step(offline_batch), args.repeats, args.warmup, device)
         print(

@@ -29,6 +29,7 @@ from .modeling_dflash import DFlashDraftModel, fuse_target_features
 from .target_runner import DynamicTarget, StaticTarget
 from .targets import DDTreeError
 from .sizing import TreeSizer
+from .static_drafter import StaticDrafter
 from .tree import (
     DraftTree, ancestor_matrix, build_tree, chain_tree, context_lookup, graft_path, tree_positions, truncated, walk,
 )
@@ -136,12 +137,18 @@ class DrafterRunner:
         self.draft_vocab = None if drafter.config.draft_vocab is None else torch.tensor(
             drafter.config.draft_vocab, device=self.lm_head.weight.device)  # the only tokens with finite logits
         self.default_redraft = drafter.config.redraft  # generate's redraft=None: what the drafter was trained for
-        self.cache = DynamicCache()
-        self.context_end = 0  # positions [0, context_end) are in the drafter's cache
+        self.reset()
 
     def reset(self) -> None:
+        """A new generation: an empty context, in a growing cache until `fix_shapes`."""
         self.cache = DynamicCache()
-        self.context_end = 0
+        self.context_end = 0  # positions [0, context_end) are in the drafter's cache
+        self.static: StaticDrafter | None = None
+
+    def fix_shapes(self, capacity: int, cuda_graph: bool | None = None) -> None:
+        """Run this generation's forwards at fixed shapes over `capacity` context positions, replayed as CUDA
+        graphs on a GPU (cuda_graph None) (ddtree/static_drafter.py); generate does this with the static cache."""
+        self.static = StaticDrafter(self, capacity, cuda_graph)
 
     def features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
         return fuse_target_features(hidden_states, self.layer_ids)  # (1, T, K*H)
@@ -157,6 +164,10 @@ class DrafterRunner:
         context_start = start - new_context.shape[1]
         if context_start != self.context_end:
             raise RuntimeError(f"drafter context gap: cached up to {self.context_end}, new rows from {context_start}")
+        if self.static is not None:
+            logits = self.static.propose(root_token, start, new_context, depth)
+            self.context_end = start
+            return logits
         block = torch.full((1, self.block_size), self.mask_token_id, dtype=torch.long, device=device)
         block[0, 0] = root_token
         positions = torch.arange(context_start, start + self.block_size, device=device)[None]
@@ -188,6 +199,8 @@ class DrafterRunner:
         """
         if start != self.context_end:
             raise RuntimeError(f"redraft at {start} without propose: the drafter's context ends at {self.context_end}")
+        if self.static is not None:
+            return self.static.redraft(root_token, start, firsts, depth)
         device, count, size = self.lm_head.weight.device, len(firsts), self.block_size
         blocks = torch.full((count, size), self.mask_token_id, dtype=torch.long, device=device)
         blocks[:, 0] = root_token
@@ -359,8 +372,9 @@ def generate(
     except with a sizer: sizing for tokens per second on a CPU, one more drafter forward a round cost more than it
     gained (README, Re-drafting: 1.25x over ar against 1.32x on the 2-core EPYC).
 
-    static: run the target over a preallocated cache at one verify shape (ddtree/target_runner.py),
-    captured as a CUDA graph on a GPU; None = on CUDA only: on a CPU there is no launch overhead to
+    static: run the target over a preallocated cache at one verify shape (ddtree/target_runner.py), and a
+    DrafterRunner's forwards at fixed shapes too (ddtree/static_drafter.py), each captured as a CUDA graph
+    on a GPU; None = on CUDA only: on a CPU there is no launch overhead to
     save, and attention over every slot of the cache made rounds 10-19% slower (README, Benchmarks).
     """
     if method not in METHODS:
@@ -399,6 +413,8 @@ def generate(
     new_context = drafter.features(hidden) if use_drafter else None
     if use_drafter:
         drafter.reset()
+        if static and isinstance(drafter, DrafterRunner):  # the drafter's forwards at fixed shapes too
+            drafter.fix_shapes(capacity=len(prompt) + max_new_tokens)
     result.prefill_s = _now(device) - t0
     result.stopped = root in stop
 

@@ -66,6 +66,17 @@ def test_random_drafter_is_lossless(smollm2, references, random_drafter, method,
         assert result.new_tokens == greedy
 
 
+@pytest.mark.parametrize("method,budget", [("dflash", 0), ("ddtree", 8)])
+def test_drafter_at_fixed_shapes_is_lossless(smollm2, references, random_drafter, method, budget):
+    """With the static cache the drafter runs at fixed shapes too (ddtree/static_drafter.py), re-drafting included."""
+    model, tokenizer = smollm2
+    for prompt, greedy in references:
+        result = generate(model, prompt, method, random_drafter, budget, MAX_NEW, stop_token_ids(model, tokenizer),
+                          static=True, redraft=2)
+        assert random_drafter.static is not None
+        assert result.new_tokens == greedy
+
+
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic-cache", "static-cache"])
 @pytest.mark.parametrize("method,budget", [("dflash", 0), ("ddtree", 1), ("ddtree", 8), ("ddtree", 64)])
 def test_rigged_drafter_is_lossless_and_exercises_the_walk(smollm2, references, method, budget, static):

@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import lightning as L
 from lightning.pytorch.plugins.precision import Precision
@@ -79,6 +79,32 @@ class FrozenTarget:
     layer_ids: list[int]
 
 
+class ForwardClock:
+    """Times a forward without waiting for it: CUDA events on a GPU, read by the function `stop` returns (call it
+    after the step, when the events are long done); the host's clock elsewhere."""
+
+    def __init__(self, device: torch.device):
+        self.events = device.type == "cuda"
+        if self.events:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.started = time.perf_counter()
+
+    def stop(self) -> Callable[[], float]:
+        if not self.events:
+            seconds = time.perf_counter() - self.started
+            return lambda: seconds
+        start, end = self.start, torch.cuda.Event(enable_timing=True)
+        end.record()
+
+        def seconds() -> float:
+            end.synchronize()
+            return start.elapsed_time(end) / 1000
+
+        return seconds
+
+
 class StepResult(NamedTuple):
     loss: torch.Tensor  # scalar, the decayed cross-entropy of the batch
     weighted_ce: torch.Tensor  # its numerator and denominator, for exact sums over many batches
@@ -86,7 +112,7 @@ class StepResult(NamedTuple):
     hits: torch.Tensor  # (B,) top-1 hits per block position
     tokens: torch.Tensor  # (B,) counted tokens per block position
     top_hits: torch.Tensor  # (B,) labels within the drafter's top RECALL_K per block position
-    target_seconds: float  # wall time of the frozen target's forward (0 with offline features)
+    target_seconds: Callable[[], float]  # the frozen target's forward time (0 with offline features), read after the step
 
 
 def _grad_scaler(trainer):
@@ -148,6 +174,8 @@ class DistillModule(L.LightningModule):
         self.drafter: nn.Module | None = None  # built in configure_model
         self._target: FrozenTarget | None = None
         self._step_started_at: float | None = None
+        self._step_loss: torch.Tensor | None = None  # the last training step's loss, checked before the optimizer
+        self._target_seconds: Callable[[], float] | None = None  # its target forward's time
         self._batch_tokens = 0
         self._val_sums: dict[str, torch.Tensor] = {}
 
@@ -325,13 +353,11 @@ class DistillModule(L.LightningModule):
         if "features" in batch:  # offline store: the dtype the target's own forward gives
             features = batch["features"].to(self.device, self.target.dtype)
             final = batch["final_hidden"].to(self.device, self.target.dtype) if final_hidden else None
-            return features, final, 0.0
-        started = time.perf_counter()
+            return features, final, lambda: 0.0
+        clock = ForwardClock(batch["input_ids"].device)
         features = target_layer_features(self.target, batch["input_ids"], self.target_layer_ids, final_hidden=final_hidden)
         features, final = features if final_hidden else (features, None)
-        if features.is_cuda:
-            torch.cuda.synchronize()
-        return features, final, time.perf_counter() - started
+        return features, final, clock.stop()
 
     def block_predictions(self, batch: dict, batch_idx: int, stage: str, distill: bool = False):
         """(drafter outputs (S, n*B, H), labels (S, n, B), teacher states (S, n*B, H) or None, target seconds).
@@ -339,11 +365,13 @@ class DistillModule(L.LightningModule):
         None if the batch has no block to learn from. The anchors are drawn as for `stage`.
         """
         input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
-        features, final, target_seconds = self.sequence_features(batch, distill)
         generator = self._anchor_generator(batch_idx, stage)
+        # Anchors first: drawing them waits on the device once (their count), and after that nothing in the step
+        # does until the optimizer, so on a GPU the drafter's launches queue up behind the target's forward.
         anchors, valid = sample_anchors(loss_mask, self.hparams.num_anchors, generator)
         if anchors.shape[1] == 0:
             return None  # no reply token with a successor anywhere in the batch: nothing to learn
+        features, final, target_seconds = self.sequence_features(batch, distill)
         labels = block_labels(input_ids, loss_mask, anchors, valid, self.block_size)  # (S, n, B)
         # Validation measures the plain blocks alone, so runs with and without re-draft training compare.
         given = sample_given(anchors, self.hparams.redraft_prob, generator) if stage == "train" else None
@@ -383,6 +411,7 @@ class DistillModule(L.LightningModule):
 
     def on_train_batch_start(self, batch, batch_idx):
         self._step_started_at = time.perf_counter()
+        self._step_loss = self._target_seconds = None  # set by training_step (not when a batch has no block)
         mask = batch.get("attention_mask")
         self._batch_tokens = int(mask.sum()) if mask is not None else batch["input_ids"].numel()
 
@@ -391,22 +420,19 @@ class DistillModule(L.LightningModule):
         if result is None:
             return None
         loss, hits, tokens = result.loss, result.hits, result.tokens
-        if not torch.isfinite(loss):
-            raise NonFiniteError(
-                f"training stopped at step {self.global_step}: the loss is {loss.item()}; "
-                "the last checkpoint written before this step is the last good one"
-            )
+        self._step_loss, self._target_seconds = loss.detach(), result.target_seconds  # checked, logged after backward
         accuracy = hits[1:].float() / tokens[1:].clamp_min(1).float()  # (B-1,)
         size = batch["input_ids"].shape[0]
         self.log("train/loss", loss, prog_bar=True, batch_size=size)
         self.log("train/tau_chain", chain_acceptance(accuracy), prog_bar=True, batch_size=size)
         self.log_dict({f"train/acc_{k}": accuracy[k - 1] for k in range(1, self.block_size)}, batch_size=size)
-        self.log("perf/target_forward_s", result.target_seconds, batch_size=size)
         return loss
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         # Step time spans forward, backward and (on the last micro-batch) the optimizer step.
         seconds = time.perf_counter() - self._step_started_at
+        if self._target_seconds is not None:
+            self.log("perf/target_forward_s", self._target_seconds())
         self.log("perf/step_s", seconds)
         self.log("perf/target_tok_s", self._batch_tokens / seconds, prog_bar=True)
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], prog_bar=True)
@@ -423,6 +449,12 @@ class DistillModule(L.LightningModule):
         Precision.clip_gradients(self.trainer.precision_plugin, optimizer, gradient_clip_val, algorithm)
 
     def on_before_optimizer_step(self, optimizer):
+        # Checked here, after backward was queued, not in training_step: reading the loss waits for the GPU.
+        if self._step_loss is not None and not torch.isfinite(self._step_loss):
+            raise NonFiniteError(
+                f"training stopped at step {self.global_step}: the loss is {self._step_loss.item()}; "
+                "the last checkpoint written before this step is the last good one"
+            )
         # Lightning clips after this hook; a non-finite norm here would be clipped into NaN weights.
         grads = [p.grad.detach().float().norm() for p in self.drafter.parameters() if p.grad is not None]
         if not grads:  # DeepSpeed keeps gradients in its own partitions: see _check_deepspeed_grad_norm

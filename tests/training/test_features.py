@@ -162,7 +162,8 @@ def test_training_from_the_store_equals_online_training(tmp_path, monkeypatch, b
                                 final_hidden=bool(distill))
     assert FeatureStore(store).final_hidden == bool(distill)
     online_module = tiny_module(lr=lr, **distill)
-    online_losses, _ = fit(online_module, make_datamodule(tmp_path, batch_size=batch_size))
+    online_losses, online_trainer = fit(online_module, make_datamodule(tmp_path, batch_size=batch_size))
+    assert online_trainer.callback_metrics["perf/target_forward_s"] > 0  # timed, and logged after the step
 
     def target_must_not_run(*args, **kwargs):
         raise AssertionError("the target ran although the batch carried features")

@@ -159,6 +159,7 @@ class StaticDrafter:
                 forward()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread_local for the reason StaticTarget._capture gives (ddtree/target_runner.py)
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             output = forward()
         return graph, output

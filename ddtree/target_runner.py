@@ -186,7 +186,9 @@ class StaticTarget:
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             self._reset_lengths(start)
-            with torch.cuda.graph(graph):
+            # thread_local: another thread's CUDA call (a DataLoader's pin-memory thread beside training's
+            # evaluation) must not break this capture, as it would under the default "global" mode.
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 self.graph_output = self._forward()
             self.graph = graph
         except RuntimeError as error:  # a model whose forward syncs with the host cannot be captured

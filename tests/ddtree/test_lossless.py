@@ -235,9 +235,10 @@ def test_stop_and_length_limits(smollm2, references):
 
 
 @pytest.mark.parametrize("runner_kind", ["dynamic", "static"])
-@pytest.mark.parametrize("rows", [[0], [0, 1, 2], [0, 2, 5], [0, 1, 3]])
+@pytest.mark.parametrize("rows", [[0], [0, 1, 2], [0, 2, 5], [0, 1, 3], [0, 3, 7]])
 def test_cache_compaction_keeps_exactly_the_prefix_and_the_rows(tiny_target, rows, runner_kind):
-    """Rows already in place (ar, the chain) are kept as they lie, the others are copied: both give the same cache."""
+    """Rows already in place (ar, the chain) are kept as they lie, the others are copied: both give the same cache.
+    Row 7 is the static runner's last verify slot, onto which its padded copy pairs write (StaticTarget.keep)."""
     import numpy as np
 
     from ddtree.target_runner import DynamicTarget, StaticTarget
@@ -247,10 +248,10 @@ def test_cache_compaction_keeps_exactly_the_prefix_and_the_rows(tiny_target, row
         runner = DynamicTarget(model, hidden_states=False)
     else:
         runner = StaticTarget(model, hidden_states=False, max_rows=8, capacity=16, cuda_graph=False)
-    with torch.no_grad():  # a 4-token prefix, then 6 tree rows (a chain) verified after it
+    with torch.no_grad():  # a 4-token prefix, then 8 tree rows (a chain) verified after it
         runner.prefill(list(range(10, 14)))
-        runner.verify(list(range(14, 20)), torch.arange(4, 10), np.tril(np.ones((6, 6), dtype=bool)), 4)
-    keys = lambda layer: layer.keys[..., : 4 + 6, :]  # noqa: E731 (the static buffer runs past the rows written)
+        runner.verify(list(range(14, 22)), torch.arange(4, 12), np.tril(np.ones((8, 8), dtype=bool)), 4)
+    keys = lambda layer: layer.keys[..., : 4 + 8, :]  # noqa: E731 (the static buffer runs past the rows written)
     expected = [(keys(layer)[..., :4, :].clone(), keys(layer)[..., [4 + r for r in rows], :].clone())
                 for layer in runner.cache.layers]
     runner.keep(4, rows)

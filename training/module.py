@@ -458,10 +458,11 @@ class DistillModule(L.LightningModule):
                 "the last checkpoint written before this step is the last good one"
             )
         # Lightning clips after this hook; a non-finite norm here would be clipped into NaN weights.
-        grads = [p.grad.detach().float().norm() for p in self.drafter.parameters() if p.grad is not None]
+        grads = [p.grad for p in self.drafter.parameters() if p.grad is not None]
         if not grads:  # DeepSpeed keeps gradients in its own partitions: see _check_deepspeed_grad_norm
             return
-        self._check_grad_norm(torch.linalg.vector_norm(torch.stack(grads)))
+        # One foreach kernel over all gradients, not two launches per parameter (a GPU step is launch-bound).
+        self._check_grad_norm(torch.nn.utils.get_total_norm(grads).float())
 
     def _check_deepspeed_grad_norm(self) -> None:
         # DeepSpeed measures the norm in its step and skips a step whose gradient is not finite

@@ -396,6 +396,25 @@ def test_non_finite_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(
     assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == ["step=2.ckpt"]
 
 
+def test_a_non_finite_gradient_stops_before_the_optimizer_moves_a_weight():
+    """A finite loss whose backward overflows: caught by the gradient norm, before clipping and the step."""
+    module = tiny_module()
+
+    class PoisonGradientAtStep2(L.Callback):
+        def on_after_backward(self, trainer, pl_module):
+            if trainer.global_step == 2:
+                pl_module.drafter.fc.weight.grad[0, 0] = float("inf")
+                self.weights = {name: p.detach().clone() for name, p in pl_module.drafter.named_parameters()}
+
+    poison = PoisonGradientAtStep2()
+    trainer = L.Trainer(max_steps=10, logger=False, callbacks=[poison], enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, gradient_clip_val=1.0)
+    with pytest.raises(NonFiniteError, match="step 2: the gradient norm is inf"):
+        trainer.fit(module, train_dataloaders=DataLoader([synthetic_batch()] * 10, batch_size=None))
+    for name, weight in module.drafter.named_parameters():
+        assert torch.equal(weight, poison.weights[name]), name
+
+
 def test_export_from_module_and_checkpoint_loads_with_from_pretrained(module, tmp_path):
     out = export_drafter(module, tmp_path / "drafter")
     loaded = DFlashDraftModel.from_pretrained(out)

@@ -427,15 +427,24 @@ class DistillModule(L.LightningModule):
         size = batch["input_ids"].shape[0]
         self.log("train/loss", loss, prog_bar=True, batch_size=size)
         self.log("train/tau_chain", chain_acceptance(accuracy), prog_bar=True, batch_size=size)
-        self.log_dict({f"train/acc_{k}": accuracy[k - 1] for k in range(1, self.block_size)}, batch_size=size)
+        if self._logs_written():
+            self.log_dict({f"train/acc_{k}": accuracy[k - 1] for k in range(1, self.block_size)}, batch_size=size)
         return loss
+
+    def _logs_written(self) -> bool:
+        """Whether this step's logs are written (every trainer.log_every_n_steps steps). The values a step logs
+        are that step's own, so the details no progress bar shows are logged on those steps only: a self.log
+        call costs about 0.27 ms of host time (2-core EPYC), and 17 of them were 4 ms of every step."""
+        connector = getattr(self.trainer, "_logger_connector", None)  # Lightning's own test (2.6)
+        return True if connector is None else connector.should_update_logs
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         # Step time spans forward, backward and (on the last micro-batch) the optimizer step.
         seconds = time.perf_counter() - self._step_started_at
-        if self._target_seconds is not None:
-            self.log("perf/target_forward_s", self._target_seconds())
-        self.log("perf/step_s", seconds)
+        if self._logs_written():
+            if self._target_seconds is not None:
+                self.log("perf/target_forward_s", self._target_seconds())
+            self.log("perf/step_s", seconds)
         self.log("perf/target_tok_s", self._batch_tokens / seconds, prog_bar=True)
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], prog_bar=True)
         if is_deepspeed(self.trainer.strategy):

@@ -396,6 +396,25 @@ def test_non_finite_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(
     assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == ["step=2.ckpt"]
 
 
+def test_details_logged_only_on_written_steps_are_what_every_step_logging_writes(tmp_path, monkeypatch):
+    """The per-depth accuracies and timings are logged only on the steps whose logs are written: the same rows."""
+    import csv
+
+    def fit(folder):
+        torch.manual_seed(0)
+        trainer = L.Trainer(max_steps=9, logger=L.pytorch.loggers.CSVLogger(folder, name="", version=""),
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            log_every_n_steps=3)
+        trainer.fit(tiny_module(), train_dataloaders=DataLoader([synthetic_batch()] * 9, batch_size=None))
+        with open(folder / "metrics.csv") as file:
+            return [{key: value for key, value in row.items() if key.startswith("train/acc_")}
+                    for row in csv.DictReader(file)]
+
+    gated = fit(tmp_path / "gated")
+    monkeypatch.setattr(DistillModule, "_logs_written", lambda self: True)
+    assert gated == fit(tmp_path / "every") and len(gated) == 3 and gated[0]["train/acc_1"] != ""
+
+
 def test_a_non_finite_gradient_stops_before_the_optimizer_moves_a_weight():
     """A finite loss whose backward overflows: caught by the gradient norm, before clipping and the step."""
     module = tiny_module()

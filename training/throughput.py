@@ -122,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--compile", action="store_true", help="the drafter's training forward through torch.compile "
+                        "(model.compile)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -155,10 +157,11 @@ def main(argv: list[str] | None = None) -> int:
     batch = {"input_ids": input_ids, "loss_mask": loss_mask}
     tokens = input_ids.numel()
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} CPU threads"
-    print(f"batch {batch_size} x {length}, {where}, bf16" + (", random-weight target" if args.random_target else ""))
+    print(f"batch {batch_size} x {length}, {where}, bf16" + (", random-weight target" if args.random_target else "")
+          + (", compiled drafter forward" if args.compile else ""))
     for label, settings in cases:
         started = time.perf_counter()  # progress lines: where a slow or stopped run spent its time
-        module = build_module(settings, args.random_target, device)
+        module = build_module({**settings, "compile": args.compile}, args.random_target, device)
         print(f"{label:>10}: target and drafter built in {time.perf_counter() - started:.0f} s", flush=True)
         optimizer = torch.optim.AdamW(module.drafter.parameters(), lr=1e-4)
 

@@ -396,6 +396,25 @@ def test_non_finite_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(
     assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == ["step=2.ckpt"]
 
 
+@pytest.mark.slow
+def test_compiled_training_forward_gives_the_eager_loss_and_gradients():
+    """model.compile: the same loss and gradients (CPU inductor, about 20 s to compile), and checkpoints keep
+    the drafter's own keys (the compiled wrapper sits outside the module tree)."""
+    batch, results = synthetic_batch(), []
+    for compiled in (False, True):
+        torch.manual_seed(0)  # the same drafter weights
+        module = tiny_module(compile=compiled)
+        loss = module.shared_step(batch, 0, "train").loss
+        loss.backward()
+        results.append((loss.detach(), {name: p.grad for name, p in module.drafter.named_parameters()}, module))
+    (eager_loss, eager_grads, eager), (loss, grads, compiled) = results
+    assert compiled.training_drafter() is not compiled.drafter and eager.training_drafter() is eager.drafter
+    torch.testing.assert_close(loss, eager_loss)
+    for name, grad in eager_grads.items():
+        torch.testing.assert_close(grads[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+    assert list(compiled.state_dict()) == list(eager.state_dict())
+
+
 def test_details_logged_only_on_written_steps_are_what_every_step_logging_writes(tmp_path, monkeypatch):
     """The per-depth accuracies and timings are logged only on the steps whose logs are written: the same rows."""
     import csv

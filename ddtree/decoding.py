@@ -29,7 +29,7 @@ from .modeling_dflash import DFlashDraftModel, fuse_target_features
 from .target_runner import DynamicTarget, StaticTarget
 from .targets import DDTreeError
 from .sizing import TreeSizer
-from .static_drafter import StaticDrafter
+from .static_drafter import StaticDrafter, redraft_layout
 from .tree import (
     DraftTree, ancestor_matrix, build_tree, chain_tree, context_lookup, graft_path, tree_positions, truncated, walk,
 )
@@ -202,15 +202,12 @@ class DrafterRunner:
         if self.static is not None:
             return self.static.redraft(root_token, start, firsts, depth)
         device, count, size = self.lm_head.weight.device, len(firsts), self.block_size
-        blocks = torch.full((count, size), self.mask_token_id, dtype=torch.long, device=device)
-        blocks[:, 0] = root_token
-        blocks[:, 1] = torch.tensor(firsts, dtype=torch.long, device=device)
-        own = torch.arange(count, device=device).repeat_interleave(size)  # (count * size,) block of each query
-        mask = torch.cat([torch.ones(count * size, start, dtype=torch.bool, device=device), own[:, None] == own[None]], 1)
+        blocks, positions, same_block = redraft_layout(root_token, start, firsts, size, self.mask_token_id, device)
+        mask = torch.cat([torch.ones(count * size, start, dtype=torch.bool, device=device), same_block], 1)
         hidden = self.drafter(
             noise_embedding=self.embedding(blocks.view(1, -1)).to(self.drafter.dtype),
             target_hidden=self.drafter.fc.weight.new_zeros(1, 0, self.drafter.fc.in_features),  # nothing new to cache
-            position_ids=torch.arange(start, start + size, device=device).repeat(count)[None],
+            position_ids=positions,
             attention_mask=mask[None, None],
             past_key_values=self.cache,
         ).view(count, size, -1)

@@ -24,6 +24,19 @@ import torch
 from .modeling_dflash import DFlashDraftModel
 
 
+def redraft_layout(root_token: int, start: int, firsts: list[int], block_size: int, mask_token_id: int,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The re-draft forward's inputs, for both paths (DrafterRunner.redraft): blocks (count, B) [root, first, MASK...],
+    their positions (1, count * B), and which query sees which block key (count * B, count * B): its own only."""
+    count = len(firsts)
+    blocks = torch.full((count, block_size), mask_token_id, dtype=torch.long, device=device)
+    blocks[:, 0] = root_token
+    blocks[:, 1] = torch.tensor(firsts, dtype=torch.long, device=device)
+    positions = torch.arange(start, start + block_size, device=device).repeat(count)[None]
+    own = torch.arange(count, device=device).repeat_interleave(block_size)  # the block of each query
+    return blocks, positions, own[:, None] == own[None]
+
+
 class StaticContextCache:
     """What DFlashAttention asks of a cache (`update`), over fixed per-layer buffers (1, Hkv, slots, D)."""
 
@@ -101,23 +114,24 @@ class StaticDrafter:
     @torch.no_grad()
     def redraft(self, root_token: int, start: int, firsts: list[int], depth: int) -> torch.Tensor:
         """DrafterRunner.redraft: logits (len(firsts), depth - 1, V) for positions start+2 .. start+depth."""
-        count, block = len(firsts), self.block_size
-        inputs = self.redrafts.get(count) or self._redraft_inputs(count)
-        inputs["blocks"][:, 0] = root_token
-        inputs["blocks"][:, 1] = torch.tensor(firsts, dtype=torch.long, device=self.device)
-        inputs["positions"].copy_(torch.arange(start, start + block, device=self.device).repeat(count)[None])
-        inputs["mask"][..., : self.slots] = self.slot_ids < start
+        count = len(firsts)
+        blocks, positions, same_block = redraft_layout(
+            root_token, start, firsts, self.block_size, self.runner.mask_token_id, self.device)
+        inputs = self.redrafts.get(count) or self._redraft_inputs(same_block)
+        inputs["blocks"].copy_(blocks)
+        inputs["positions"].copy_(positions)
+        inputs["mask"][..., : self.slots] = self.mask[..., : self.slots]  # propose's, for this same start
         logits = self._replay(count, lambda: self._redraft(inputs))
         return logits[:, : depth - 1]
 
-    def _redraft_inputs(self, count: int) -> dict:
-        block = self.block_size
-        own = torch.arange(count, device=self.device).repeat_interleave(block)  # the block of each query
-        mask = torch.zeros(1, 1, count * block, self.slots + count * block, dtype=torch.bool, device=self.device)
-        mask[0, 0, :, self.slots :] = own[:, None] == own[None]  # each block sees itself; the context is set per call
+    def _redraft_inputs(self, same_block: torch.Tensor) -> dict:
+        """Fixed buffers for re-drafts of one block count; the context part of the mask is set per call."""
+        queries, count = same_block.shape[0], same_block.shape[0] // self.block_size
+        mask = torch.zeros(1, 1, queries, self.slots + queries, dtype=torch.bool, device=self.device)
+        mask[0, 0, :, self.slots :] = same_block
         inputs = {
-            "blocks": torch.full((count, block), self.runner.mask_token_id, dtype=torch.long, device=self.device),
-            "positions": torch.zeros(1, count * block, dtype=torch.long, device=self.device),
+            "blocks": torch.zeros(count, self.block_size, dtype=torch.long, device=self.device),
+            "positions": torch.zeros(1, queries, dtype=torch.long, device=self.device),
             "mask": mask,
             "no_context": self.context.new_zeros(1, 0, self.context.shape[-1]),
         }

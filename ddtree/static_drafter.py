@@ -57,14 +57,17 @@ class StaticContextCache:
 class StaticDrafter:
     """`propose` and `redraft` of a DrafterRunner (same arguments, same logits) at fixed shapes; on CUDA, replayed.
 
-    Returned logits are views of buffers that the next call of the same kind overwrites.
+    Returned logits are views of buffers that the next call of the same kind overwrites. Reusable for a new
+    generation as it is: the slots a call sees are those below its `start`, all written by this generation.
     """
 
     def __init__(self, runner, capacity: int, cuda_graph: bool | None = None):
         self.runner = runner
         drafter = runner.drafter
         self.device = runner.lm_head.weight.device
+        self.requested = cuda_graph
         self.cuda_graph = self.device.type == "cuda" if cuda_graph is None else cuda_graph
+        self.capacity = capacity
         block = self.block_size = drafter.block_size
         self.slots = capacity + block  # the context of every committed position, then one padded block
         self.cache = StaticContextCache(drafter, self.slots, self.device)

@@ -331,3 +331,25 @@ def test_adaptive_tree_size_is_lossless_and_cuts_the_unlikely_nodes(smollm2, ref
         generate(model, references[0][0], "ddtree", random_drafter, 8, 4, static=True, sizer=sizer)
     with pytest.raises(DDTreeError, match="method 'dflash'"):
         generate(model, references[0][0], "dflash", random_drafter, 8, 4, sizer=sizer)
+
+
+def test_static_runners_outlive_their_generation(smollm2, references, random_drafter):
+    """A generation reuses the static target and drafter the one before it used (their graphs captured once), over
+    slots that one left stale, and stays lossless; a generation that needs more slots gets larger ones."""
+    from ddtree.target_runner import padded_capacity, static_target
+
+    model, tokenizer = smollm2
+    stop = stop_token_ids(model, tokenizer)
+    longer, shorter = sorted(references[:2], key=lambda reference: -len(reference[0]))  # stale slots past the 2nd
+    budget = 8
+    results, runners = [], []
+    for prompt, _ in (longer, shorter):
+        results.append(generate(model, prompt, "ddtree", random_drafter, budget, MAX_NEW, stop, static=True, redraft=2))
+        runners.append((static_target(model, True, budget + 1, needed=1), random_drafter.static))
+    assert [result.new_tokens for result in results] == [longer[1], shorter[1]]
+    assert runners[0][0] is runners[1][0] and runners[0][1] is runners[1][1]
+    target_runner = runners[1][0]
+    assert target_runner.capacity == padded_capacity(len(longer[0]) + MAX_NEW + budget + 1)
+    bigger = static_target(model, True, budget + 1, needed=target_runner.capacity + 1)
+    assert bigger is not target_runner and bigger.capacity > target_runner.capacity
+    assert static_target(model, True, budget + 1, needed=1) is bigger  # it replaced the smaller one

@@ -54,6 +54,12 @@ def fuse_target_features(hidden_states: tuple[torch.Tensor, ...], layer_ids: lis
 
 
 _COMPILED_FLEX = None
+# The main flex kernel always. Without gradients and under 128 queries inductor picks its flex-decoding kernel
+# instead, and on an H200 (torch 2.11, bf16 autocast) that one missed the dense mask's output by 2.0, as large
+# as the output itself, in every block of a 6 x 4-query batch, while the same call with gradients, or in fp32,
+# matched it to 0.02 and 0.000 (2026-11-26). Training's own batches have 64 blocks of 16 queries; validation with few
+# anchors or small blocks would have met it.
+FLEX_KERNEL_OPTIONS = {"FORCE_USE_FLEX_ATTENTION": True}
 
 
 def _compiled_flex_attention():
@@ -82,7 +88,8 @@ def _attention(q, k, v, mask, scaling):
     """q: (B, Hq, Tq, D); k, v: (B, Hkv, Tk, D); mask: None, bool (B|1, 1, Tq, Tk) or a flex BlockMask."""
     if BlockMask is not None and isinstance(mask, BlockMask):
         # Compiled, flex attention runs the sparse kernel (forward only on CPU: it has no CPU backward).
-        return _compiled_flex_attention()(q, k, v, block_mask=mask, scale=scaling, enable_gqa=True)
+        return _compiled_flex_attention()(q, k, v, block_mask=mask, scale=scaling, enable_gqa=True,
+                                          kernel_options=FLEX_KERNEL_OPTIONS)
     if k.shape[1] != q.shape[1]:  # grouped-query attention: share each kv head across its query heads
         repeat = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)

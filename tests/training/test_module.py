@@ -236,6 +236,23 @@ def test_redraft_training_changes_the_train_loss_only_and_validates_plain_blocks
         tiny_module(redraft_prob=1.0)
 
 
+def test_dropout_acts_in_training_mode_only_and_is_not_saved():
+    torch.manual_seed(0)
+    plain = tiny_module()
+    torch.manual_seed(0)
+    dropped = tiny_module(dropout=0.5)
+    batch = synthetic_batch()
+    torch.manual_seed(1)
+    first = dropped.shared_step(batch, 0, "train").loss
+    assert not torch.equal(first, dropped.shared_step(batch, 0, "train").loss)  # a new draw each step
+    assert not torch.equal(first, plain.shared_step(batch, 0, "train").loss)
+    plain.eval(), dropped.eval()
+    assert torch.equal(plain.shared_step(batch, 0, "val").loss, dropped.shared_step(batch, 0, "val").loss)
+    assert "dropout" not in dropped.drafter.config.to_dict()  # decoding never drops: nothing to export
+    with pytest.raises(DDTreeError, match="model.dropout=1.0"):
+        tiny_module(dropout=1.0)
+
+
 # ----------------------------------------------------------------------------- the sparse mask
 
 

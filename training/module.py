@@ -361,8 +361,7 @@ class DistillModule(L.LightningModule):
         if not self.hparams.get("compile"):
             return self.drafter
         if self._compiled_drafter is None:
-            dynamic = self.device.type != "cuda"
-            self.__dict__["_compiled_drafter"] = torch.compile(self.drafter, dynamic=dynamic)
+            self.__dict__["_compiled_drafter"] = torch.compile(self.drafter, dynamic=self.device.type != "cuda")
         return self._compiled_drafter
 
     def _anchor_generator(self, batch_idx: int, stage: str) -> torch.Generator:

@@ -246,7 +246,8 @@ def test_dropout_acts_in_training_mode_only_and_is_not_saved():
     first = dropped.shared_step(batch, 0, "train").loss
     assert not torch.equal(first, dropped.shared_step(batch, 0, "train").loss)  # a new draw each step
     assert not torch.equal(first, plain.shared_step(batch, 0, "train").loss)
-    plain.eval(), dropped.eval()
+    plain.eval()
+    dropped.eval()
     assert torch.equal(plain.shared_step(batch, 0, "val").loss, dropped.shared_step(batch, 0, "val").loss)
     assert "dropout" not in dropped.drafter.config.to_dict()  # decoding never drops: nothing to export
     with pytest.raises(DDTreeError, match="model.dropout=1.0"):

@@ -224,11 +224,16 @@ def test_a_block_given_its_first_draft_token_reads_it_and_is_not_labelled_there(
     assert 0.22 < share < 0.28
 
 
-def test_redraft_training_changes_the_train_loss_only_and_validates_plain_blocks():
+def plain_and_variant(**overrides) -> tuple[DistillModule, DistillModule]:
+    """Two tiny modules with the same drafter weights: the default, and one with `overrides`."""
     torch.manual_seed(0)
     plain = tiny_module()
     torch.manual_seed(0)
-    redraft = tiny_module(redraft_prob=0.5)
+    return plain, tiny_module(**overrides)
+
+
+def test_redraft_training_changes_the_train_loss_only_and_validates_plain_blocks():
+    plain, redraft = plain_and_variant(redraft_prob=0.5)
     batch = synthetic_batch()
     assert torch.equal(plain.shared_step(batch, 0, "val").loss, redraft.shared_step(batch, 0, "val").loss)
     assert not torch.equal(plain.shared_step(batch, 0, "train").loss, redraft.shared_step(batch, 0, "train").loss)
@@ -237,10 +242,7 @@ def test_redraft_training_changes_the_train_loss_only_and_validates_plain_blocks
 
 
 def test_dropout_acts_in_training_mode_only_and_is_not_saved():
-    torch.manual_seed(0)
-    plain = tiny_module()
-    torch.manual_seed(0)
-    dropped = tiny_module(dropout=0.5)
+    plain, dropped = plain_and_variant(dropout=0.5)
     batch = synthetic_batch()
     torch.manual_seed(1)
     first = dropped.shared_step(batch, 0, "train").loss

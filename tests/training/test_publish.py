@@ -477,7 +477,10 @@ def test_push_uploads_the_exported_folder_and_prints_its_url(run_dir, tmp_path, 
     assert "hf download tester/tiny-drafter" in uploaded["README.md"].decode()
 
 
-def test_a_failed_upload_keeps_the_export_for_push_only(run_dir, tmp_path, hub, capsys):
+def test_a_failed_upload_keeps_the_export_for_push_only(run_dir, tmp_path, hub, capsys, monkeypatch):
+    import huggingface_hub.utils._http as hub_http
+
+    monkeypatch.setattr(hub_http.time, "sleep", lambda seconds: None)  # its 5 retries of a 500 would wait 23 s
     out = tmp_path / "export"
     StandInHub.fail_commits = True
     assert export(run_dir, out, "--ckpt", "last", "--repo", "tester/tiny-drafter", "--push") == 2

@@ -208,7 +208,7 @@ def run_benchmark(
     progress: bool = True,
     static: bool | None = None,
     online: bool = False,
-    lookup: int = 0,
+    lookup: int | None = None,
     sizer: TreeSizer | None = None,
     redraft: int | None = None,
 ) -> dict:
@@ -218,7 +218,8 @@ def run_benchmark(
     Every method is warmed up first (warm_up, on the first prompt, untimed); only the runs after that are timed.
     static: the target's cache (ddtree.decoding.generate; None = static with CUDA graphs on a GPU only).
     online: learn draft temperatures from the timed rounds, prompt after prompt (OnlineCalibration).
-    lookup: graft that many tokens of context lookup into every ddtree tree (generate); the chain stays the drafter's.
+    lookup: graft that many tokens of context lookup into every ddtree tree (generate; None = the drafter's default);
+    the chain stays the drafter's.
     sizer: size every ddtree round's tree to this machine's verify cost (ddtree/sizing.py); the chain stays whole.
     redraft: re-draft behind that many depth-1 candidates in every ddtree round, behind its first in the chain (generate;
     None = the drafter's default).
@@ -226,7 +227,8 @@ def run_benchmark(
     keys = method_keys(methods, budgets)
     if drafter is None and any(method != "ar" for _, method, _ in keys):
         raise DDTreeError("methods dflash and ddtree need a drafter")
-    check_lookup("ddtree", lookup)
+    if lookup is not None:
+        check_lookup("ddtree", lookup)
     if redraft is not None:
         check_redraft("ddtree", redraft)
     check_sizer("ddtree", sizer is not None, static_cache(static, target.device))

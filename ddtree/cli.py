@@ -22,7 +22,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .bench import format_summary, load_prompts, measure_verify_cost, run_benchmark
 from .drafters import load_drafter_folder
-from .decoding import METHODS, DrafterRunner, OnlineCalibration, Sampling, check_sizer, generate, static_cache
+from .decoding import (
+    METHODS, DrafterRunner, OnlineCalibration, Sampling, check_sizer, drafter_defaults, generate, static_cache,
+)
 from .errors import DDTreeError, command
 from .files import write_json_atomic
 from .modeling_dflash import DFlashDraftModel
@@ -78,9 +80,10 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
                              "rows, under this machine's verify cost measured at start (README, Which budget); auto = "
                              "on with the dynamic cache (a CPU), off with the static one (generate: auto, bench: off, "
                              "so that budgets compare as published)")
-    parser.add_argument("--lookup", type=int, default=0, metavar="N",
+    parser.add_argument("--lookup", type=int, default=None, metavar="N",
                         help="graft into every ddtree tree up to N tokens that followed the last recurrence of the "
-                             "context's latest tokens, within the budget (README, Context lookup; 0 = off)")
+                             "context's latest tokens, within the budget (README, Context lookup); 0 = off; "
+                             "default: the drafter's own (7 for the smollm2-135m recipe's drafter, else 0)")
     parser.add_argument("--redraft", type=int, default=None, metavar="K",
                         help="re-draft the block behind each of the K most likely first tokens (the chain: its first) "
                              "in one more drafter forward, and grow the tree from those (README, Re-drafting); 0 = off; "
@@ -207,6 +210,9 @@ def cmd_bench(args) -> None:
     )
     settings = {k: v for k, v in vars(args).items() if k != "func"}
     settings["dtype_resolved"] = str(target.dtype).removeprefix("torch.")  # what `dtype` (maybe "auto") ran as
+    if drafter is not None:  # what ddtree ran with where --lookup and --redraft were left to the drafter
+        lookup, redraft = drafter_defaults("ddtree", drafter, args.lookup, args.redraft, sizer is not None)
+        settings["ddtree_resolved"] = {"lookup": lookup, "redraft": redraft}
     if sizer is not None:
         settings["verify_cost_ms"] = {"fixed": sizer.fixed_ms, "per_row": sizer.row_ms}  # what --adaptive-size used
     results = {"settings": settings, **results}

@@ -118,6 +118,22 @@ class DFlashDrafterConfig(Qwen3Config):
             self.dflash_config.pop("redraft", None)
 
     @property
+    def lookup(self) -> int:
+        """How many tokens of context lookup decoders graft into every tree by default (`--lookup`; ddtree/tree.py).
+
+        Set by a recipe's model.lookup where it was measured to pay (README, Context lookup); 0 = the drafter's
+        trees alone.
+        """
+        return int(self.dflash_config.get("lookup", 0))
+
+    @lookup.setter
+    def lookup(self, length: int) -> None:
+        if length:
+            self.dflash_config["lookup"] = int(length)
+        else:
+            self.dflash_config.pop("lookup", None)
+
+    @property
     def target_layer_ids(self) -> list[int]:
         ids = self.dflash_config.get("target_layer_ids")
         if ids is None and self.num_target_layers is not None:

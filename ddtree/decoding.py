@@ -146,6 +146,7 @@ class DrafterRunner:
         self.draft_vocab = None if drafter.config.draft_vocab is None else torch.tensor(
             drafter.config.draft_vocab, device=self.lm_head.weight.device)  # the only tokens with finite logits
         self.default_redraft = drafter.config.redraft  # generate's redraft=None: what the drafter was trained for
+        self.default_lookup = drafter.config.lookup  # generate's lookup=None: what its recipe measured to pay
         self._fixed: StaticDrafter | None = None  # the last fix_shapes' drafter, for the next generation that fits
         self.reset()
 
@@ -319,6 +320,22 @@ def check_lookup(method: str, lookup: int) -> None:
         raise DDTreeError(f"lookup {lookup} grafts into ddtree trees; method {method!r} has none: give lookup 0")
 
 
+def drafter_defaults(
+    method: str, drafter: DrafterRunner | None, lookup: int | None, redraft: int | None, sized: bool
+) -> tuple[int, int]:
+    """generate's lookup and redraft, where None means the drafter's own (its config's `lookup` and `redraft`).
+
+    The lookup grafts into ddtree trees only. Re-drafting needs a drafter, and sizing for tokens per second on a CPU
+    leaves it off: one more drafter forward a round cost more than it gained (README, Re-drafting: 1.25x over ar
+    against 1.32x on the 2-core EPYC).
+    """
+    if lookup is None:
+        lookup = getattr(drafter, "default_lookup", 0) if method == "ddtree" else 0
+    if redraft is None:
+        redraft = getattr(drafter, "default_redraft", 0) if method != "ar" and not sized else 0
+    return lookup, redraft
+
+
 def check_redraft(method: str, redraft: int) -> None:
     """Re-drafting needs a drafter."""
     if redraft < 0:
@@ -366,7 +383,7 @@ def generate(
     generator: torch.Generator | None = None,
     static: bool | None = None,
     online: OnlineCalibration | None = None,
-    lookup: int = 0,
+    lookup: int | None = None,
     sizer: TreeSizer | None = None,
     redraft: int | None = None,
 ) -> GenerationResult:
@@ -374,15 +391,15 @@ def generate(
 
     online: temperatures learned from this call's rounds and kept for the next calls (OnlineCalibration).
     lookup (ddtree): graft up to this many tokens that followed the last recurrence of the context's
-    latest tokens (`context_lookup`) into every tree, within the budget; 0 = the drafter's tree alone.
+    latest tokens (`context_lookup`) into every tree, within the budget; 0 = the drafter's tree alone; None = the
+    drafter's default (DrafterRunner.default_lookup: its config's `lookup`, 0 unless its recipe set model.lookup).
     sizer (ddtree, dynamic cache): each round verifies only the leading nodes of the budget's tree that pay
     for their rows under this machine's verify cost (ddtree/sizing.py); None = always the whole budget.
     redraft: after the block's draft, re-draft the rest of the block behind each of its `redraft` most likely
     depth-1 tokens (the chain: behind its first), in one more drafter forward, and build the tree from those
     (DrafterRunner.redraft; for a drafter trained with model.redraft_prob). 0 = one draft per round; None = the
     drafter's default (DrafterRunner.default_redraft: its config's `redraft`, 0 for drafters not trained for it),
-    except with a sizer: sizing for tokens per second on a CPU, one more drafter forward a round cost more than it
-    gained (README, Re-drafting: 1.25x over ar against 1.32x on the 2-core EPYC).
+    except with a sizer (drafter_defaults).
 
     static: run the target over a preallocated cache at one verify shape (ddtree/target_runner.py), and a
     DrafterRunner's forwards at fixed shapes too (ddtree/static_drafter.py), each captured as a CUDA graph
@@ -395,9 +412,8 @@ def generate(
         raise DDTreeError(f"method {method!r} needs a drafter")
     if method == "ddtree" and budget < 1:
         raise DDTreeError(f"budget {budget} must be at least 1")
+    lookup, redraft = drafter_defaults(method, drafter, lookup, redraft, sizer is not None)
     check_lookup(method, lookup)
-    if redraft is None:
-        redraft = getattr(drafter, "default_redraft", 0) if method != "ar" and sizer is None else 0
     check_redraft(method, redraft)
     device = target.device
     static = static_cache(static, device)

@@ -8,7 +8,7 @@
       primary_budget: 32                 # checkpoints are ranked by val/tau_ddtree@32
       max_new_tokens: 64
       limit: 8                           # the first 8 prompts of the file
-      lookup: 0                          # N > 0: graft N tokens of context lookup into every tree (`--lookup N`)
+      lookup: null                       # graft N tokens of context lookup into every tree (`--lookup N`); null = the drafter's
       redraft: null                      # re-draft behind the K best depth-1 tokens (`--redraft K`); null = the drafter's
 
 Every `every_n_train_steps` optimizer steps, and at the last step, `AcceptanceEvaluation` runs
@@ -97,14 +97,14 @@ def measure_acceptance(
     stop_ids: list[int],
     rank: int = 0,
     world_size: int = 1,
-    lookup: int = 0,
+    lookup: int | None = None,
     redraft: int | None = None,
 ) -> dict:
     """Decode this rank's share of `prompts` with the chain and DDTree at every budget; gather all ranks.
 
     lookup > 0 grafts that many tokens of context lookup into every DDTree tree (the chain stays the drafter's).
-    redraft > 0 re-drafts behind that many depth-1 tokens in every tree, behind the first in the chain (generate;
-    None = the drafter's default, its config's `redraft`).
+    redraft > 0 re-drafts behind that many depth-1 tokens in every tree, behind the first in the chain. None, for
+    either: the drafter's default, its config's `lookup` or `redraft` (generate).
 
     Returns {"summary": {CHAIN | tree_key(B): acceptance_summary}, "prompts": [per-prompt bench rows,
     in file order]}, identical on every rank.
@@ -174,7 +174,8 @@ class AcceptanceEvaluation(L.Callback):
         primary_budget: int = 32,  # checkpoints are ranked by val/tau_ddtree@<this>; must be in budgets
         max_new_tokens: int = 64,  # per prompt
         limit: int | None = 8,  # the first N prompts of the file (None = all)
-        lookup: int = 0,  # graft N tokens of context lookup into every DDTree tree (`ddtree bench --lookup`); 0 = off
+        lookup: int | None = None,  # graft N tokens of context lookup into every DDTree tree (`ddtree bench --lookup`);
+        # 0 = off; None = the drafter's
         redraft: int | None = None,  # re-draft behind K depth-1 tokens (`ddtree bench --redraft`); None = the drafter's
     ):
         if every_n_train_steps < 1:
@@ -187,7 +188,7 @@ class AcceptanceEvaluation(L.Callback):
             raise DDTreeError(f"eval.max_new_tokens={max_new_tokens}: must be at least 2 (the first comes from prefill)")
         if limit is not None and limit < 1:
             raise DDTreeError(f"eval.limit={limit}: must be at least 1, or null for every prompt")
-        if lookup < 0:
+        if lookup is not None and lookup < 0:
             raise DDTreeError(f"eval.lookup={lookup}: must be at least 0 (0 = the drafter's trees alone)")
         if redraft is not None and redraft < 0:
             raise DDTreeError(f"eval.redraft={redraft}: must be at least 0 (0 = one draft per round)")
@@ -337,7 +338,8 @@ class AcceptanceEvaluation(L.Callback):
     def _settings(self, trainer) -> dict:
         return {
             "prompts": self.prompts_path, "num_prompts": len(self.prompts), "max_new_tokens": self.max_new_tokens,
-            "budgets": self.budgets, "primary_budget": self.primary_budget, "lookup": self.lookup,
+            "budgets": self.budgets, "primary_budget": self.primary_budget,
+            "lookup": self.lookup if self.lookup is not None else trainer.lightning_module.drafter_config.lookup,
             "redraft": self.redraft if self.redraft is not None else trainer.lightning_module.drafter_config.redraft,
             "block_size": int(trainer.lightning_module.block_size),
         }

@@ -150,6 +150,7 @@ class DistillModule(L.LightningModule):
         objective_smoothing: float = 0.5,  # dpace/tree: survival s -> (1 - a) s + a (D-PACE's a)
         objective_top_k: int = 4,  # tree: a label within the drafter's top k at a depth keeps the path alive
         redraft_prob: float = 0.0,  # share of training blocks given their first draft token (for --redraft decoding)
+        lookup: int = 0,  # decoders graft this many context-lookup tokens into every tree by default (`--lookup`)
         loss_chunk_size: int | None = None,  # LM head + loss over this many block tokens at a time
         calibrate: bool = False,  # fit per-position draft temperatures on replayed validation decoding (replay.py)
         seed: int = 0,  # seeds the anchor draws
@@ -170,6 +171,9 @@ class DistillModule(L.LightningModule):
         if not 0 <= redraft_prob < 1:
             raise DDTreeError(f"model.redraft_prob={redraft_prob} must be in [0, 1): the share of training blocks "
                               "given their first draft token (0 = the published training)")
+        if lookup < 0:
+            raise DDTreeError(f"model.lookup={lookup} must be at least 0: the context-lookup tokens decoders graft "
+                              "into every tree by default (0 = none)")
         if not 0 <= dropout < 1:
             raise DDTreeError(f"model.dropout={dropout} must be in [0, 1): the share of the drafter's activations "
                               "zeroed in training (0 = none)")
@@ -211,6 +215,8 @@ class DistillModule(L.LightningModule):
             drafter = DFlashDraftModel(config)
         if hp.redraft_prob > 0 and not drafter.config.redraft:  # decoders re-draft behind that many by default
             drafter.config.redraft = DEFAULT_REDRAFT
+        if hp.lookup:  # a decoding default only: training never reads it (README, Context lookup)
+            drafter.config.lookup = hp.lookup
         if hp.gradient_checkpointing:
             drafter.gradient_checkpointing = True
         drafter.dropout = hp.dropout

@@ -204,6 +204,28 @@ def test_lookup_refuses_the_chain(smollm2, references, random_drafter):
         generate(model, prompt, "dflash", random_drafter, 8, 4, lookup=7)
 
 
+def test_lookup_follows_the_drafters_default_and_a_given_length_overrides_it(tiny_target, tmp_path):
+    """A drafter folder whose config records `lookup` (a recipe's model.lookup) grafts that much by default, exactly as
+    the same length given; lookup=0 turns it off; the chain never looks up."""
+    model, tokenizer = tiny_target
+    prompt = [5, 6, 7, 8, 9, 5, 6, 7]  # a tiny random target soon repeats itself, which the lookup drafts
+
+    def decode(runner, method="ddtree", **kwargs):
+        result = generate(model, prompt, method, runner, 16, 40, (), **kwargs)
+        return result.new_tokens, [(r.tree_size, r.accepted_depth) for r in result.rounds]
+
+    drafter = load_drafter("random", model, tokenizer, "tiny-random")
+    plain_runner = DrafterRunner(drafter, model)
+    plain, given = decode(plain_runner), decode(plain_runner, lookup=7)
+    assert plain[0] == given[0] and sum(d for _, d in given[1]) > sum(d for _, d in plain[1])  # the graft was used
+    drafter.config.lookup = 7
+    drafter.save_pretrained(tmp_path / "drafter")
+    runner = DrafterRunner(load_drafter(str(tmp_path / "drafter"), model, tokenizer, "tiny-random"), model)
+    assert runner.default_lookup == 7
+    assert decode(runner) == given and decode(runner, lookup=0) == plain
+    assert decode(runner, "dflash") == decode(plain_runner, "dflash")
+
+
 def test_online_calibration_runs_beside_the_lookup_and_stays_lossless(smollm2, references, random_drafter):
     """The random drafter is over-confident and the grafted paths are accepted where the reply repeats itself:
     calibrated online (a temperature for the drafter's nodes, a learned acceptance for the graft's), the expected

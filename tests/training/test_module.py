@@ -232,6 +232,17 @@ def plain_and_variant(**overrides) -> tuple[DistillModule, DistillModule]:
     return plain, tiny_module(**overrides)
 
 
+def test_lookup_is_recorded_for_decoders_and_changes_no_loss():
+    plain, lookup = plain_and_variant(lookup=7)
+    assert lookup.drafter.config.lookup == 7 and plain.drafter.config.lookup == 0
+    assert "lookup" not in plain.drafter.config.to_dict()["dflash_config"]  # earlier exports read the same
+    batch = synthetic_batch()
+    for stage in ("train", "val"):
+        assert torch.equal(plain.shared_step(batch, 0, stage).loss, lookup.shared_step(batch, 0, stage).loss)
+    with pytest.raises(DDTreeError, match="model.lookup=-1"):
+        tiny_module(lookup=-1)
+
+
 def test_redraft_training_changes_the_train_loss_only_and_validates_plain_blocks():
     plain, redraft = plain_and_variant(redraft_prob=0.5)
     batch = synthetic_batch()

@@ -13,7 +13,8 @@ or for a checkpoint measured after training, <run>/eval/checkpoint-<name>.json (
     <run>/eval/step-<step, 6 digits>.json = {
         "step": int,
         "settings": {"prompts": str, "num_prompts": int, "max_new_tokens": int, "budgets": [int],
-                     "primary_budget": int, "block_size": int, "temperature": float (optional)},
+                     "primary_budget": int, "block_size": int, "temperature": float (optional),
+                     "redraft": int, "lookup": int (optional: what the decoder ran with)},
         "summary": {"dflash" | "ddtree@<B>": {"tau": float, "expected_tau": float, "rounds": int,
                                               "new_tokens": int, ...}},
         "prompts": [per-prompt rows]}
@@ -127,6 +128,17 @@ def _format_tau(value: float) -> str:
     return f"{value:.3f}"
 
 
+def decoded_with(settings: dict) -> list[str]:
+    """What the evaluation's decoder added to the published chain and tree (the drafter's `ddtree` defaults)."""
+    extras = []
+    if settings.get("redraft"):
+        extras.append(f"re-drafting behind the {settings['redraft']} most likely first tokens, the chain behind its "
+                      "first (`--redraft`)")
+    if settings.get("lookup"):
+        extras.append(f"{settings['lookup']} tokens of context lookup grafted into every tree (`--lookup`)")
+    return extras
+
+
 def evaluation_section(facts: CardFacts) -> list[str]:
     record = facts.evaluation
     lines = ["## Measured acceptance", ""]
@@ -174,6 +186,9 @@ def evaluation_section(facts: CardFacts) -> list[str]:
             f"| {label} | {_format_tau(stats['tau'])} | {expected} | {stats.get('rounds', '-')} "
             f"| {stats.get('new_tokens', '-')} |"
         )
+    extras = decoded_with(settings)
+    if extras:
+        lines += ["", f"Decoded as `ddtree` decodes this drafter unless told otherwise (its config): {'; '.join(extras)}."]
     precision = facts.run_config.get("trainer", {}).get("precision")
     if precision is not None:
         lines += ["", f"The target ran in the training precision (`{precision}`) during this evaluation."]
@@ -297,14 +312,20 @@ def serving_section(facts: CardFacts) -> list[str]:
     if facts.evaluation is None:
         return lines + ["No acceptance was measured for this checkpoint, so the tau an engine gives is not known.", ""]
     summary = facts.evaluation["summary"]
-    # The chain row is what an engine gives: the same greedy chain verification, measured by ddtree.
+    # The chain row is what an engine gives: the same greedy chain verification, measured by ddtree, unless the
+    # chain was re-drafted behind its first token, which no engine does.
+    redrafted = bool(facts.evaluation["settings"].get("redraft"))
     lines += ["| what serves it | verification | measured tau |", "|---|---|---:|",
-              f"| vLLM, SGLang, `ddtree --method dflash` | chain of {block - 1} drafted tokens "
+              f"| {'' if redrafted else 'vLLM, SGLang, '}`ddtree --method dflash` | chain of {block - 1} drafted tokens "
               f"| {_format_tau(summary[CHAIN]['tau'])} |"]
     for budget in sorted(budget for budget in map(budget_of, summary) if budget is not None):
         lines.append(f"| `ddtree --method ddtree --budget {budget}` | draft tree of {budget} nodes "
                      f"| {_format_tau(summary[tree_key(budget)]['tau'])} |")
-    return lines + ["", "Same prompts and settings as the acceptance table above.", ""]
+    lines += ["", "Same prompts and settings as the acceptance table above."]
+    if redrafted:
+        lines += ["", "That chain was re-drafted behind its first token, which the engines do not do: they verify the "
+                  "block's own chain, which accepts less. Measure it with `ddtree bench --methods dflash --redraft 0`."]
+    return lines + [""]
 
 
 def render_model_card(facts: CardFacts) -> str:

@@ -241,6 +241,25 @@ def test_card_numbers_come_from_the_evaluation_of_the_exported_step(run_dir, tmp
     assert "Steps the run evaluated: 1." in (tmp_path / "after-1" / "README.md").read_text()
 
 
+def test_card_says_what_the_decoder_added_and_that_engines_do_not_re_draft(run_dir, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run, symlinks=True)
+    path = run / "eval" / "step-000002.json"
+    record = json.loads(path.read_text())
+    record["settings"].update(redraft=4, lookup=7)  # as a drafter of the CPU recipe is evaluated
+    path.write_text(json.dumps(record))
+    assert export(run, tmp_path / "out", "--ckpt", "last") == 0
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert ("re-drafting behind the 4 most likely first tokens" in card
+            and "7 tokens of context lookup grafted into every tree" in card)
+    serving = card[card.index("## Serving with vLLM and SGLang"):]
+    chain = record["summary"]["dflash"]["tau"]
+    assert f"| `ddtree --method dflash` | chain of 7 drafted tokens | {chain:.3f} |" in serving
+    assert "vLLM, SGLang, `ddtree" not in serving and "--redraft 0" in serving
+    assert export(run_dir, tmp_path / "plain", "--ckpt", "last") == 0  # the tiny recipe's decoder adds nothing
+    assert "Decoded as `ddtree` decodes" not in (tmp_path / "plain" / "README.md").read_text()
+
+
 # ----------------------------------------------------------------------------- refusals
 
 

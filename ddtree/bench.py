@@ -28,9 +28,10 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .decoding import (
-    METHODS, DrafterRunner, OnlineCalibration, Sampling, check_lookup, check_redraft, check_sizer, context_limit, generate,
-    static_cache,
+    METHODS, DrafterRunner, OnlineCalibration, Sampling, check_corpus, check_lookup, check_redraft, check_sizer,
+    context_limit, generate, static_cache,
 )
+from .corpus import CorpusLookup
 from .errors import DDTreeError
 from .sizing import TreeSizer
 
@@ -211,6 +212,7 @@ def run_benchmark(
     lookup: int | None = None,
     sizer: TreeSizer | None = None,
     redraft: int | None = None,
+    corpus: CorpusLookup | None = None,
 ) -> dict:
     """Run every method on every prompt. Returns {"summary": {key: summarize(...)}, "prompts": [per-prompt rows]}.
 
@@ -223,6 +225,7 @@ def run_benchmark(
     sizer: size every ddtree round's tree to this machine's verify cost (ddtree/sizing.py); the chain stays whole.
     redraft: re-draft behind that many depth-1 candidates in every ddtree round, behind its first in the chain (generate;
     None = the drafter's default).
+    corpus: graft the corpus's continuation into every ddtree tree (generate, ddtree/corpus.py); the chain has none.
     """
     keys = method_keys(methods, budgets)
     if drafter is None and any(method != "ar" for _, method, _ in keys):
@@ -232,6 +235,7 @@ def run_benchmark(
     if redraft is not None:
         check_redraft("ddtree", redraft)
     check_sizer("ddtree", sizer is not None, static_cache(static, target.device))
+    check_corpus("ddtree", corpus, online)
     limit = context_limit(target)
     for prompt in prompts:
         if len(prompt["prompt_ids"]) >= limit:
@@ -251,7 +255,7 @@ def run_benchmark(
             result = generate(
                 target, prompt["prompt_ids"], method, drafter, budget or 1, max_new_tokens, stop_ids, sampling, generator,
                 static, calibration, lookup if method == "ddtree" else 0, sizer if method == "ddtree" else None,
-                redraft if method != "ar" else 0,
+                redraft if method != "ar" else 0, corpus if method == "ddtree" else None,
             )
             row["methods"][key] = {
                 "tau": result.tau,

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .bench import format_summary, load_prompts, measure_verify_cost, run_benchmark
+from .corpus import CorpusLookup
 from .drafters import load_drafter_folder
 from .decoding import (
     METHODS, DrafterRunner, OnlineCalibration, Sampling, check_sizer, drafter_defaults, generate, static_cache,
@@ -84,6 +86,10 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
                         help="graft into every ddtree tree up to N tokens that followed the last recurrence of the "
                              "context's latest tokens, within the budget (README, Context lookup); 0 = off; "
                              "default: the drafter's own (7 for the smollm2-135m recipe's drafter, else 0)")
+    parser.add_argument("--corpus", default=None, metavar="FOLDER",
+                        help="graft into every ddtree tree what the target's replies in this datasets folder of "
+                             "conversations (such as data/smollm2-135m, the drafter's training data) most often said "
+                             "after the context's last 3 tokens, within the budget (README, Corpus lookup)")
     parser.add_argument("--redraft", type=int, default=None, metavar="K",
                         help="re-draft the block behind each of the K most likely first tokens (the chain: its first) "
                              "in one more drafter forward, and grow the tree from those (README, Re-drafting); 0 = off; "
@@ -184,6 +190,7 @@ def cmd_generate(args) -> None:
         target, prompt_ids, args.method, drafter, args.budget, args.max_new_tokens,
         stop_token_ids(target, tokenizer), sampling, generator, STATIC_CACHE[args.static_cache],
         OnlineCalibration() if args.online_calibration else None, args.lookup, sizer, args.redraft,
+        _corpus(args, tokenizer),
     )
     print(tokenizer.decode(result.new_tokens, skip_special_tokens=True))
     print(
@@ -191,6 +198,17 @@ def cmd_generate(args) -> None:
         f"{result.tokens_per_second:.1f} tok/s",
         file=sys.stderr,
     )
+
+
+def _corpus(args, tokenizer) -> CorpusLookup | None:
+    """--corpus: the index of the folder's replies, built once here (a few seconds for 2048 replies)."""
+    if args.corpus is None:
+        return None
+    started = time.perf_counter()
+    corpus = CorpusLookup.from_conversations(args.corpus, tokenizer)
+    print(f"[corpus] {len(corpus)} runs of {corpus.ngram} tokens from {args.corpus} in "
+          f"{time.perf_counter() - started:.1f} s", file=sys.stderr)
+    return corpus
 
 
 def cmd_bench(args) -> None:
@@ -207,6 +225,7 @@ def cmd_bench(args) -> None:
         target, drafter, prompts, methods, args.budgets, args.max_new_tokens,
         stop_token_ids(target, tokenizer), sampling, seed=args.seed, static=STATIC_CACHE[args.static_cache],
         online=args.online_calibration, lookup=args.lookup, sizer=sizer, redraft=args.redraft,
+        corpus=_corpus(args, tokenizer),
     )
     settings = {k: v for k, v in vars(args).items() if k != "func"}
     settings["dtype_resolved"] = str(target.dtype).removeprefix("torch.")  # what `dtype` (maybe "auto") ran as

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from .corpus import CorpusLookup
 from .modeling_dflash import DFlashDraftModel, fuse_target_features
 from .target_runner import DynamicTarget, padded_capacity, static_target
 from .targets import DDTreeError
@@ -281,6 +282,7 @@ def draft_tree(
     draft_logits: torch.Tensor, budget: int | None, lookup: list[int] = (), sizer: TreeSizer | None = None,
     online: OnlineCalibration | None = None, branches: dict[int, torch.Tensor] | None = None,
     vocab: torch.Tensor | None = None,
+    quoted: list[int] = (),
 ) -> DraftTree:
     """What a round verifies, from the drafter's (depth, V) logits: the best-first tree of `budget` nodes
     (`ddtree`), or with budget None the argmax chain (`dflash`), its path probabilities recorded as build_tree does.
@@ -292,6 +294,8 @@ def draft_tree(
     branches: depth-1 token -> its re-drafted logits (depth - 1, V) for depths 2.. (`DrafterRunner.redraft`); the
     tree (or the chain, behind its first token) continues from those below that token.
     vocab: the drafter's draft vocabulary (DrafterRunner.draft_vocab), where the tree is built; None = every token.
+    quoted (ddtree only): one more grafted path, the corpus's continuation (ddtree/corpus.py); it takes its length of
+    the budget too, leaving the drafter at least one node. Its nodes keep the drafter's own path probabilities.
     """
     if budget is None:
         first = int(draft_logits[0].argmax())
@@ -302,14 +306,32 @@ def draft_tree(
         tree.log_probs = log_probs.cumsum(0).tolist()
         return tree
     lookup = list(lookup)[: min(budget, draft_logits.shape[0])]
-    tree = build_tree(draft_logits, budget - len(lookup), branches, vocab)
+    quoted = list(quoted)[: max(0, min(budget - len(lookup) - 1, draft_logits.shape[0]))]
+    tree = build_tree(draft_logits, budget - len(lookup) - len(quoted), branches, vocab)
     if sizer is not None:
-        tree = truncated(tree, sizer.size(tree.log_probs, extra_rows=len(lookup)))
+        tree = truncated(tree, sizer.size(tree.log_probs, extra_rows=len(lookup) + len(quoted)))
+    if lookup or quoted:
+        rows = torch.log_softmax(draft_logits[: max(len(lookup), len(quoted))].float(), dim=-1)  # (depth, V)
     if lookup:
-        rows = torch.log_softmax(draft_logits[: len(lookup)].float(), dim=-1)  # (len, V)
         scores = [online.lookup_log_prob(depth) for depth in range(1, len(lookup) + 1)] if online else None
-        graft_path(tree, lookup, rows.gather(1, torch.tensor(lookup, device=rows.device)[:, None])[:, 0].tolist(), scores)
+        graft_path(tree, lookup, _path_log_probs(rows, lookup), scores)
+    if quoted:
+        graft_path(tree, quoted, _path_log_probs(rows, quoted))
     return tree
+
+
+def _path_log_probs(rows: torch.Tensor, path: list[int]) -> list[float]:
+    """The drafter's log-probability of path[d] at depth d + 1, from its (depth, V) log-softmax rows."""
+    return rows[: len(path)].gather(1, torch.tensor(path, device=rows.device)[:, None])[:, 0].tolist()
+
+
+def check_corpus(method: str, corpus: CorpusLookup | None, online: bool) -> None:
+    """A corpus lookup grafts into ddtree trees, and its nodes are not calibrated online."""
+    if corpus is not None and method != "ddtree":
+        raise DDTreeError(f"--corpus grafts into ddtree trees; method {method!r} has none: leave --corpus out")
+    if corpus is not None and online:
+        raise DDTreeError("--corpus with --online-calibration is not supported: the calibration learns one "
+                          "acceptance for the context lookup's grafted nodes; leave one of them out")
 
 
 def check_lookup(method: str, lookup: int) -> None:
@@ -386,6 +408,7 @@ def generate(
     lookup: int | None = None,
     sizer: TreeSizer | None = None,
     redraft: int | None = None,
+    corpus: CorpusLookup | None = None,
 ) -> GenerationResult:
     """Generate up to `max_new_tokens` tokens after `prompt_ids` with one of METHODS. Batch size 1.
 
@@ -400,6 +423,8 @@ def generate(
     (DrafterRunner.redraft; for a drafter trained with model.redraft_prob). 0 = one draft per round; None = the
     drafter's default (DrafterRunner.default_redraft: its config's `redraft`, 0 for drafters not trained for it),
     except with a sizer (drafter_defaults).
+    corpus (ddtree): graft what the target's replies most often said after the context's last tokens into every tree
+    as one more path, within the budget (ddtree/corpus.py); None = none.
 
     static: run the target over a preallocated cache at one verify shape (ddtree/target_runner.py), and a
     DrafterRunner's forwards at fixed shapes too (ddtree/static_drafter.py), each captured as a CUDA graph
@@ -415,6 +440,7 @@ def generate(
     lookup, redraft = drafter_defaults(method, drafter, lookup, redraft, sizer is not None)
     check_lookup(method, lookup)
     check_redraft(method, redraft)
+    check_corpus(method, corpus, online is not None)
     device = target.device
     static = static_cache(static, device)
     check_sizer(method, sizer is not None, static)
@@ -469,7 +495,9 @@ def generate(
             t_drafted = _now(device)
             draft_s = t_drafted - t_round
             grafted = context_lookup(prompt + result.new_tokens, min(lookup, depth)) if lookup else []
-            tree = draft_tree(draft_logits, shape, grafted, sizer, online, branches, getattr(drafter, "draft_vocab", None))
+            quoted = corpus.continuation(prompt + result.new_tokens, depth) if corpus is not None else []
+            tree = draft_tree(draft_logits, shape, grafted, sizer, online, branches, getattr(drafter, "draft_vocab", None),
+                              quoted)
             expected = tree.expected_acceptance
         else:
             t_drafted = t_round

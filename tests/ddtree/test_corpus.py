@@ -1,0 +1,63 @@
+"""Corpus lookup (ddtree/corpus.py): the index, its graft into the tree within the budget, and losslessness."""
+
+import pytest
+import torch
+from datasets import Dataset
+
+from ddtree.cli import load_drafter
+from ddtree.corpus import CorpusLookup
+from ddtree.decoding import DrafterRunner, OnlineCalibration, draft_tree, generate
+from ddtree.errors import DDTreeError
+
+
+def test_the_most_frequent_continuation_of_the_last_tokens_is_looked_up():
+    corpus = CorpusLookup([[1, 2, 3, 4, 5], [6, 1, 2, 3, 9, 8], [1, 2, 3, 9, 8, 7]], ngram=3, length=2)
+    assert corpus.continuation([0, 1, 2, 3], 7) == [9, 8]  # seen twice, against [4, 5] once
+    assert corpus.continuation([0, 1, 2, 3], 1) == [9]
+    assert corpus.continuation([2, 3, 9], 7) == [8]  # [8] (where a reply ended) and [8, 7] tie: the first seen
+    assert corpus.continuation([5, 5, 5], 7) == [] and corpus.continuation([2, 3], 7) == []
+
+
+def test_the_quoted_path_takes_its_share_of_the_budget_and_leaves_the_drafter_a_node():
+    logits = torch.randn(7, 50, generator=torch.Generator().manual_seed(0))
+    tree = draft_tree(logits, 6, lookup=[1, 2], quoted=[3, 4, 5, 6, 7])
+    assert len(tree.tokens) <= 6
+    row = 0
+    for token in (3, 4, 5):  # quoted [3, 4, 5]: 6 nodes - 2 for the lookup - 1 left to the drafter
+        row = tree.children[row][token]
+    assert tree.children[row] == {}
+    assert len(draft_tree(logits, 2, lookup=[1, 2], quoted=[3]).tokens) <= 2  # no room left: nothing quoted
+
+
+def test_conversations_give_their_assistant_turns(tmp_path, tiny_target):
+    _, tokenizer = tiny_target
+    reply, question = "the cat sat on the mat and the cat sat down", "where did the dog sit"
+    Dataset.from_dict({"messages": [[{"role": "user", "content": question},
+                                     {"role": "assistant", "content": reply}]]}).save_to_disk(tmp_path / "data")
+    corpus = CorpusLookup.from_conversations(tmp_path / "data", tokenizer)
+    ids = tokenizer(reply, add_special_tokens=False)["input_ids"]
+    assert corpus.table == CorpusLookup([ids]).table and len(corpus) > 0
+    with pytest.raises(DDTreeError, match=r"--corpus .*not a datasets folder"):
+        CorpusLookup.from_conversations(tmp_path / "missing", tokenizer)
+    Dataset.from_dict({"text": [reply]}).save_to_disk(tmp_path / "text")
+    with pytest.raises(DDTreeError, match="no `messages` column"):
+        CorpusLookup.from_conversations(tmp_path / "text", tokenizer)
+
+
+def test_a_corpus_of_the_reply_is_accepted_and_a_wrong_one_changes_no_token(tiny_target):
+    model, tokenizer = tiny_target
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    greedy = generate(model, prompt, "ar", max_new_tokens=40).new_tokens
+    runner = DrafterRunner(load_drafter("random", model, tokenizer, "tiny-random"), model)
+    accepted = {}
+    for name, corpus in [("none", None), ("the reply", CorpusLookup([prompt + greedy])),
+                         ("wrong", CorpusLookup([prompt + [t + 1 for t in greedy]]))]:
+        result = generate(model, prompt, "ddtree", runner, 16, 40, (), lookup=0, corpus=corpus)
+        assert result.new_tokens == greedy, name
+        assert all(r.tree_size <= 16 for r in result.rounds)
+        accepted[name] = sum(r.accepted_depth for r in result.rounds)
+    assert accepted["the reply"] > accepted["none"] + 10, accepted
+    with pytest.raises(DDTreeError, match="method 'dflash' has none"):
+        generate(model, prompt, "dflash", runner, 16, 4, (), corpus=CorpusLookup([greedy]))
+    with pytest.raises(DDTreeError, match="--online-calibration is not supported"):
+        generate(model, prompt, "ddtree", runner, 16, 4, (), online=OnlineCalibration(), corpus=CorpusLookup([greedy]))

@@ -86,10 +86,10 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
                         help="graft into every ddtree tree up to N tokens that followed the last recurrence of the "
                              "context's latest tokens, within the budget (README, Context lookup); 0 = off; "
                              "default: the drafter's own (7 for the smollm2-135m recipe's drafter, else 0)")
-    parser.add_argument("--corpus", default=None, metavar="FOLDER",
-                        help="graft into every ddtree tree what the target's replies in this datasets folder of "
-                             "conversations (such as data/smollm2-135m, the drafter's training data) most often said "
-                             "after the context's last 3 tokens, within the budget (README, Corpus lookup)")
+    parser.add_argument("--corpus", default=None, metavar="FILE",
+                        help="graft into every ddtree tree what the target's replies in this JSONL file of "
+                             "conversations (the drafter's training data, say) most often said after the context's "
+                             "last 3 tokens, within the budget (README, Corpus lookup)")
     parser.add_argument("--redraft", type=int, default=None, metavar="K",
                         help="re-draft the block behind each of the K most likely first tokens (the chain: its first) "
                              "in one more drafter forward, and grow the tree from those (README, Re-drafting); 0 = off; "
@@ -201,7 +201,7 @@ def cmd_generate(args) -> None:
 
 
 def _corpus(args, tokenizer) -> CorpusLookup | None:
-    """--corpus: the index of the folder's replies, built once here (a few seconds for 2048 replies)."""
+    """--corpus: the index of the file's replies, built once here (a few seconds for 2048 replies)."""
     if args.corpus is None:
         return None
     started = time.perf_counter()

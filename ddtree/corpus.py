@@ -1,7 +1,7 @@
 """Corpus lookup: what the target's own replies most often said next, grafted into each tree beside the drafter's.
 
-    corpus = CorpusLookup.from_conversations("data/smollm2-135m", tokenizer)   # the replies a drafter trained on
-    generate(target, prompt, "ddtree", drafter, corpus=corpus)                 # `ddtree bench --corpus FOLDER`
+    corpus = CorpusLookup.from_conversations("replies.jsonl", tokenizer)   # the replies a drafter trained on
+    generate(target, prompt, "ddtree", drafter, corpus=corpus)             # `ddtree bench --corpus replies.jsonl`
 
 A target repeats its own phrasing from answer to answer ("Here's an example of how you can use ..."). The index
 maps every run of `ngram` tokens in the replies to the continuation that followed it most often (ties: the one
@@ -12,6 +12,7 @@ forward confirms; what is committed stays the target's own choice (README, Corpu
 
 from __future__ import annotations
 
+import json
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 from pathlib import Path
@@ -43,20 +44,26 @@ class CorpusLookup:
         return self.table.get(tuple(context[-self.ngram:]), [])[:length]
 
     @classmethod
-    def from_conversations(cls, folder: str | Path, tokenizer, **settings) -> CorpusLookup:
-        """The assistant turns of a `datasets` folder of conversations (data/regenerate.py writes them)."""
-        from datasets import load_from_disk
+    def from_conversations(cls, path: str | Path, tokenizer, **settings) -> CorpusLookup:
+        """The assistant turns of a JSONL file of conversations, one {"messages": [...]} object a line.
 
-        path = Path(folder)
-        try:
-            data = load_from_disk(str(path))
-        except (FileNotFoundError, ValueError) as error:
-            raise DDTreeError(f"--corpus {folder}: not a datasets folder of conversations ({error}); give one "
-                              "that data/regenerate.py wrote, such as data/smollm2-135m") from None
-        if "messages" not in data.column_names:
-            raise DDTreeError(f"--corpus {folder}: it has no `messages` column (columns: "
-                              f"{', '.join(data.column_names)}); give a folder of conversations")
-        replies = [turn["content"] for messages in data["messages"] for turn in messages if turn["role"] == "assistant"]
+        `datasets.load_from_disk("data/smollm2-135m").to_json("replies.jsonl")` writes one from a folder that
+        data/regenerate.py made (this library does not read `datasets` folders itself).
+        """
+        path = Path(path)
+        if not path.is_file():
+            raise DDTreeError(f"--corpus {path}: no such file; give a JSONL file of conversations (README, Corpus lookup)")
+        replies = []
+        with path.open() as lines:
+            for number, line in enumerate(lines, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    messages = json.loads(line)["messages"]
+                    replies += [turn["content"] for turn in messages if turn["role"] == "assistant"]
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    raise DDTreeError(f"--corpus {path}, line {number}: not a conversation; each line must be "
+                                      '{"messages": [{"role": ..., "content": ...}, ...]}') from None
         if not replies:
-            raise DDTreeError(f"--corpus {folder}: no assistant turn in it, so there is nothing to look up")
+            raise DDTreeError(f"--corpus {path}: no assistant turn in it, so there is nothing to look up")
         return cls((tokenizer(reply, add_special_tokens=False)["input_ids"] for reply in replies), **settings)

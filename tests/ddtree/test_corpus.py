@@ -1,5 +1,7 @@
 """Corpus lookup (ddtree/corpus.py): the index, its graft into the tree within the budget, and losslessness."""
 
+import json
+
 import pytest
 import torch
 from datasets import Dataset
@@ -30,18 +32,22 @@ def test_the_quoted_path_takes_its_share_of_the_budget_and_leaves_the_drafter_a_
 
 
 def test_conversations_give_their_assistant_turns(tmp_path, tiny_target):
+    """The JSONL that `datasets`' to_json writes from a data/regenerate.py folder: the replies, not the prompts."""
     _, tokenizer = tiny_target
     reply, question = "the cat sat on the mat and the cat sat down", "where did the dog sit"
     Dataset.from_dict({"messages": [[{"role": "user", "content": question},
-                                     {"role": "assistant", "content": reply}]]}).save_to_disk(tmp_path / "data")
-    corpus = CorpusLookup.from_conversations(tmp_path / "data", tokenizer)
+                                     {"role": "assistant", "content": reply}]]}).to_json(tmp_path / "replies.jsonl")
+    corpus = CorpusLookup.from_conversations(tmp_path / "replies.jsonl", tokenizer)
     ids = tokenizer(reply, add_special_tokens=False)["input_ids"]
     assert corpus.table == CorpusLookup([ids]).table and len(corpus) > 0
-    with pytest.raises(DDTreeError, match=r"--corpus .*not a datasets folder"):
-        CorpusLookup.from_conversations(tmp_path / "missing", tokenizer)
-    Dataset.from_dict({"text": [reply]}).save_to_disk(tmp_path / "text")
-    with pytest.raises(DDTreeError, match="no `messages` column"):
-        CorpusLookup.from_conversations(tmp_path / "text", tokenizer)
+    with pytest.raises(DDTreeError, match=r"--corpus .*missing.jsonl: no such file"):
+        CorpusLookup.from_conversations(tmp_path / "missing.jsonl", tokenizer)
+    (tmp_path / "text.jsonl").write_text(json.dumps({"messages": []}) + "\n" + json.dumps({"text": reply}) + "\n")
+    with pytest.raises(DDTreeError, match="text.jsonl, line 2: not a conversation"):
+        CorpusLookup.from_conversations(tmp_path / "text.jsonl", tokenizer)
+    (tmp_path / "questions.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": question}]}))
+    with pytest.raises(DDTreeError, match="no assistant turn"):
+        CorpusLookup.from_conversations(tmp_path / "questions.jsonl", tokenizer)
 
 
 def test_a_corpus_of_the_reply_is_accepted_and_a_wrong_one_changes_no_token(tiny_target):

@@ -31,6 +31,21 @@ def default_target_layer_ids(num_target_layers: int, num_features: int = DEFAULT
     return [round(first + i * (last - first) / (num_features - 1)) for i in range(num_features)]
 
 
+def _decoding_default(key: str, doc: str) -> property:
+    """A count decoders use unless told otherwise, kept in dflash_config only when set (0 = absent, as before it)."""
+
+    def get(self) -> int:
+        return int(self.dflash_config.get(key, 0))
+
+    def set(self, value: int) -> None:
+        if value:
+            self.dflash_config[key] = int(value)
+        else:
+            self.dflash_config.pop(key, None)
+
+    return property(get, set, doc=doc)
+
+
 class DFlashDrafterConfig(Qwen3Config):
     model_type = "qwen3"  # not a type of its own: what the engines and AutoConfig read without remote code
 
@@ -101,37 +116,22 @@ class DFlashDrafterConfig(Qwen3Config):
         else:
             self.dflash_config["draft_vocab"] = sorted(int(t) for t in token_ids)
 
-    @property
-    def redraft(self) -> int:
+    redraft = _decoding_default(
+        "redraft",
         """How many depth-1 tokens decoders re-draft behind by default (`--redraft`; ddtree/decoding.py).
 
         Set for drafters trained with model.redraft_prob, which learned to continue a block behind a given first
         token; 0 (every other drafter) means one draft per round.
-        """
-        return int(self.dflash_config.get("redraft", 0))
-
-    @redraft.setter
-    def redraft(self, width: int) -> None:
-        if width:
-            self.dflash_config["redraft"] = int(width)
-        else:
-            self.dflash_config.pop("redraft", None)
-
-    @property
-    def lookup(self) -> int:
+        """,
+    )
+    lookup = _decoding_default(
+        "lookup",
         """How many tokens of context lookup decoders graft into every tree by default (`--lookup`; ddtree/tree.py).
 
         Set by a recipe's model.lookup where it was measured to pay (README, Context lookup); 0 = the drafter's
         trees alone.
-        """
-        return int(self.dflash_config.get("lookup", 0))
-
-    @lookup.setter
-    def lookup(self, length: int) -> None:
-        if length:
-            self.dflash_config["lookup"] = int(length)
-        else:
-            self.dflash_config.pop("lookup", None)
+        """,
+    )
 
     @property
     def target_layer_ids(self) -> list[int]:

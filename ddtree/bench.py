@@ -212,7 +212,7 @@ def run_benchmark(
     lookup: int | None = None,
     sizer: TreeSizer | None = None,
     redraft: int | None = None,
-    corpus: CorpusLookup | None = None,
+    corpus: CorpusLookup | bool | None = None,
 ) -> dict:
     """Run every method on every prompt. Returns {"summary": {key: summarize(...)}, "prompts": [per-prompt rows]}.
 
@@ -225,7 +225,8 @@ def run_benchmark(
     sizer: size every ddtree round's tree to this machine's verify cost (ddtree/sizing.py); the chain stays whole.
     redraft: re-draft behind that many depth-1 candidates in every ddtree round, behind its first in the chain (generate;
     None = the drafter's default).
-    corpus: graft the corpus's continuation into every ddtree tree (generate, ddtree/corpus.py); the chain has none.
+    corpus: graft the corpus's continuation into every ddtree tree (generate, ddtree/corpus.py; False = none, None =
+    the drafter's default); the chain has none.
     """
     keys = method_keys(methods, budgets)
     if drafter is None and any(method != "ar" for _, method, _ in keys):

@@ -22,7 +22,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .bench import format_summary, load_prompts, measure_verify_cost, run_benchmark
-from .corpus import CorpusLookup
+from .corpus import CORPUS_FILE, CorpusLookup
 from .drafters import load_drafter_folder
 from .decoding import (
     METHODS, DrafterRunner, OnlineCalibration, Sampling, check_sizer, drafter_defaults, generate, static_cache,
@@ -89,7 +89,8 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--corpus", default=None, metavar="FILE",
                         help="graft into every ddtree tree what the target's replies in this JSONL file of "
                              "conversations (the drafter's training data, say) most often said after the context's "
-                             "last 3 tokens, within the budget (README, Corpus lookup)")
+                             "last 3 tokens, within the budget (README, Corpus lookup); none = off; default: the "
+                             "corpus the drafter folder ships (the smollm2-135m recipe's drafters do), else off")
     parser.add_argument("--redraft", type=int, default=None, metavar="K",
                         help="re-draft the block behind each of the K most likely first tokens (the chain: its first) "
                              "in one more drafter forward, and grow the tree from those (README, Re-drafting); 0 = off; "
@@ -179,7 +180,7 @@ def cmd_generate(args) -> None:
     sizer = _sizer(args, target, [args.budget], args.method)
     drafter = None
     if args.method != "ar":
-        drafter = DrafterRunner(load_drafter(args.drafter, target, tokenizer, args.target, args.seed), target)
+        drafter = _drafter_runner(args, target, tokenizer)
     if args.raw:
         prompt_ids = tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
     else:
@@ -200,15 +201,29 @@ def cmd_generate(args) -> None:
     )
 
 
-def _corpus(args, tokenizer) -> CorpusLookup | None:
-    """--corpus: the index of the file's replies, built once here (a few seconds for 2048 replies)."""
-    if args.corpus is None:
-        return None
+def _corpus(args, tokenizer) -> CorpusLookup | bool | None:
+    """--corpus: the index of the file's replies, built once here (a few seconds for 2048 replies); False for
+    `none`; None (the drafter's own, DrafterRunner.default_corpus) when left out."""
+    if args.corpus is None or args.corpus == "none":
+        return None if args.corpus is None else False
     started = time.perf_counter()
     corpus = CorpusLookup.from_conversations(args.corpus, tokenizer)
     print(f"[corpus] {len(corpus)} runs of {corpus.ngram} tokens from {args.corpus} in "
           f"{time.perf_counter() - started:.1f} s", file=sys.stderr)
     return corpus
+
+
+def _drafter_runner(args, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> DrafterRunner:
+    """The --drafter, with the corpus its folder ships (if any) as its default corpus lookup."""
+    drafter = load_drafter(args.drafter, target, tokenizer, args.target, args.seed)
+    shipped = None if args.drafter == "random" else Path(args.drafter) / CORPUS_FILE
+    corpus = None
+    if shipped is not None and shipped.is_file() and args.corpus is None:  # an explicit --corpus replaces it
+        started = time.perf_counter()
+        corpus = CorpusLookup.from_file(shipped)
+        print(f"[corpus] the drafter's {shipped.name}: {len(corpus)} runs of {corpus.ngram} tokens in "
+              f"{time.perf_counter() - started:.1f} s (--corpus none leaves it out)", file=sys.stderr)
+    return DrafterRunner(drafter, target, corpus=corpus)
 
 
 def cmd_bench(args) -> None:
@@ -219,19 +234,21 @@ def cmd_bench(args) -> None:
     prompts = load_prompts(args.prompts, tokenizer, args.limit)
     drafter = None
     if any(m != "ar" for m in methods):
-        drafter = DrafterRunner(load_drafter(args.drafter, target, tokenizer, args.target, args.seed), target)
+        drafter = _drafter_runner(args, target, tokenizer)
     sizer = _sizer(args, target, args.budgets)
+    corpus = _corpus(args, tokenizer)
     results = run_benchmark(
         target, drafter, prompts, methods, args.budgets, args.max_new_tokens,
         stop_token_ids(target, tokenizer), sampling, seed=args.seed, static=STATIC_CACHE[args.static_cache],
-        online=args.online_calibration, lookup=args.lookup, sizer=sizer, redraft=args.redraft,
-        corpus=_corpus(args, tokenizer),
+        online=args.online_calibration, lookup=args.lookup, sizer=sizer, redraft=args.redraft, corpus=corpus,
     )
     settings = {k: v for k, v in vars(args).items() if k != "func"}
     settings["dtype_resolved"] = str(target.dtype).removeprefix("torch.")  # what `dtype` (maybe "auto") ran as
-    if drafter is not None:  # what ddtree ran with where --lookup and --redraft were left to the drafter
-        lookup, redraft = drafter_defaults("ddtree", drafter, args.lookup, args.redraft, sizer is not None)
-        settings["ddtree_resolved"] = {"lookup": lookup, "redraft": redraft}
+    if drafter is not None:  # what ddtree ran with where --lookup, --redraft and --corpus were left to the drafter
+        lookup, redraft, resolved = drafter_defaults("ddtree", drafter, args.lookup, args.redraft, sizer is not None,
+                                                     corpus, args.online_calibration)
+        settings["ddtree_resolved"] = {"lookup": lookup, "redraft": redraft,
+                                       "corpus": None if resolved is None else args.corpus or f"the drafter's {CORPUS_FILE}"}
     if sizer is not None:
         settings["verify_cost_ms"] = {"fixed": sizer.fixed_ms, "per_row": sizer.row_ms}  # what --adaptive-size used
     results = {"settings": settings, **results}

@@ -131,8 +131,12 @@ class DrafterRunner:
     interface (reset, propose).
     """
 
-    def __init__(self, drafter: DFlashDraftModel, target: PreTrainedModel, calibrated: bool = True):
-        # calibrated=False ignores the config's draft temperatures: the raw logits, to fit new ones from
+    def __init__(
+        self, drafter: DFlashDraftModel, target: PreTrainedModel, calibrated: bool = True,
+        corpus: CorpusLookup | None = None,
+    ):
+        # calibrated=False ignores the config's draft temperatures: the raw logits, to fit new ones from;
+        # corpus: the replies it was trained on, which generate grafts by default (the drafter folder's corpus file)
         self.drafter = drafter.eval()
         self.embedding = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
@@ -148,6 +152,7 @@ class DrafterRunner:
             drafter.config.draft_vocab, device=self.lm_head.weight.device)  # the only tokens with finite logits
         self.default_redraft = drafter.config.redraft  # generate's redraft=None: what the drafter was trained for
         self.default_lookup = drafter.config.lookup  # generate's lookup=None: what its recipe measured to pay
+        self.default_corpus = corpus  # generate's corpus=None: the one shipped with it (recipes with model.corpus)
         self._fixed: StaticDrafter | None = None  # the last fix_shapes' drafter, for the next generation that fits
         self.reset()
 
@@ -325,11 +330,12 @@ def _path_log_probs(rows: torch.Tensor, path: list[int]) -> list[float]:
     return rows[: len(path)].gather(1, torch.tensor(path, device=rows.device)[:, None])[:, 0].tolist()
 
 
-def check_corpus(method: str, corpus: CorpusLookup | None, online: bool) -> None:
-    """A corpus lookup grafts into ddtree trees, and its nodes are not calibrated online."""
-    if corpus is not None and method != "ddtree":
+def check_corpus(method: str, corpus: CorpusLookup | bool | None, online: bool) -> None:
+    """A corpus given explicitly grafts into ddtree trees, and its nodes are not calibrated online."""
+    given = isinstance(corpus, CorpusLookup)
+    if given and method != "ddtree":
         raise DDTreeError(f"--corpus grafts into ddtree trees; method {method!r} has none: leave --corpus out")
-    if corpus is not None and online:
+    if given and online:
         raise DDTreeError("--corpus with --online-calibration is not supported: the calibration learns one "
                           "acceptance for the context lookup's grafted nodes; leave one of them out")
 
@@ -343,19 +349,24 @@ def check_lookup(method: str, lookup: int) -> None:
 
 
 def drafter_defaults(
-    method: str, drafter: DrafterRunner | None, lookup: int | None, redraft: int | None, sized: bool
-) -> tuple[int, int]:
-    """generate's lookup and redraft, where None means the drafter's own (its config's `lookup` and `redraft`).
+    method: str, drafter: DrafterRunner | None, lookup: int | None, redraft: int | None, sized: bool,
+    corpus: CorpusLookup | bool | None = False, online: bool = False,
+) -> tuple[int, int, CorpusLookup | None]:
+    """generate's lookup, redraft and corpus, where None means the drafter's own (its config's `lookup` and
+    `redraft`, the corpus shipped in its folder) and corpus False means none.
 
-    The lookup grafts into ddtree trees only. Re-drafting needs a drafter, and sizing for tokens per second on a CPU
+    The lookups graft into ddtree trees only. Re-drafting needs a drafter, and sizing for tokens per second on a CPU
     leaves it off: one more drafter forward a round cost more than it gained (README, Re-drafting: 1.25x over ar
-    against 1.32x on the 2-core EPYC).
+    against 1.32x on the 2-core EPYC). The online calibration learns the context lookup's acceptance alone, so it
+    leaves the drafter's corpus out (a corpus given explicitly is refused with it: check_corpus).
     """
     if lookup is None:
         lookup = getattr(drafter, "default_lookup", 0) if method == "ddtree" else 0
     if redraft is None:
         redraft = getattr(drafter, "default_redraft", 0) if method != "ar" and not sized else 0
-    return lookup, redraft
+    if corpus is None:
+        corpus = getattr(drafter, "default_corpus", None) if method == "ddtree" and not online else None
+    return lookup, redraft, corpus or None
 
 
 def check_redraft(method: str, redraft: int) -> None:
@@ -408,7 +419,7 @@ def generate(
     lookup: int | None = None,
     sizer: TreeSizer | None = None,
     redraft: int | None = None,
-    corpus: CorpusLookup | None = None,
+    corpus: CorpusLookup | bool | None = None,
 ) -> GenerationResult:
     """Generate up to `max_new_tokens` tokens after `prompt_ids` with one of METHODS. Batch size 1.
 
@@ -424,7 +435,9 @@ def generate(
     drafter's default (DrafterRunner.default_redraft: its config's `redraft`, 0 for drafters not trained for it),
     except with a sizer (drafter_defaults).
     corpus (ddtree): graft what the target's replies most often said after the context's last tokens into every tree
-    as one more path, within the budget (ddtree/corpus.py); None = none.
+    as one more path, within the budget (ddtree/corpus.py); False = none; None = the drafter's default
+    (DrafterRunner.default_corpus: the corpus its folder ships, none unless its recipe set model.corpus), except
+    with online calibration (drafter_defaults).
 
     static: run the target over a preallocated cache at one verify shape (ddtree/target_runner.py), and a
     DrafterRunner's forwards at fixed shapes too (ddtree/static_drafter.py), each captured as a CUDA graph
@@ -437,10 +450,11 @@ def generate(
         raise DDTreeError(f"method {method!r} needs a drafter")
     if method == "ddtree" and budget < 1:
         raise DDTreeError(f"budget {budget} must be at least 1")
-    lookup, redraft = drafter_defaults(method, drafter, lookup, redraft, sizer is not None)
+    check_corpus(method, corpus, online is not None)
+    lookup, redraft, corpus = drafter_defaults(method, drafter, lookup, redraft, sizer is not None, corpus,
+                                               online is not None)
     check_lookup(method, lookup)
     check_redraft(method, redraft)
-    check_corpus(method, corpus, online is not None)
     device = target.device
     static = static_cache(static, device)
     check_sizer(method, sizer is not None, static)

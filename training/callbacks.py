@@ -13,7 +13,8 @@
 
 Every `every_n_train_steps` optimizer steps, and at the last step, `AcceptanceEvaluation` runs
 `ddtree.bench.run_benchmark` (the code behind `ddtree bench`, not a copy) with the frozen target and
-the live drafter at temperature 0, and logs
+the live drafter at temperature 0 (with the training replies' corpus lookup where the recipe sets
+model.corpus, as its exports decode by default), and logs
     val/tau_ddtree@B           measured tokens per verification round (accepted drafts + 1 bonus)
     val/tau_dflash             the same for the single chain
     val/expected_tau_ddtree@B  what the drafter predicts for its own trees (1 + sum of path probs),
@@ -54,12 +55,14 @@ from torch import nn
 from transformers import AutoTokenizer, PreTrainedModel
 
 from ddtree.bench import CHAIN, acceptance_summary, load_prompts, run_benchmark, tree_key
+from ddtree.corpus import CorpusLookup
 from ddtree.decoding import DrafterRunner, Sampling
 from ddtree.errors import DDTreeError
 from ddtree.files import write_json_atomic
 from ddtree.targets import resolve_target, stop_token_ids
 
 from . import report
+from .data import replies
 from .strategies import consolidated_copy
 
 
@@ -203,6 +206,7 @@ class AcceptanceEvaluation(L.Callback):
         self.history: list[dict] = []  # one record per evaluation; kept in checkpoints for the report
         self.prompts: list[dict] | None = None  # read in setup (needs the target's tokenizer)
         self.tokenizer = None
+        self.corpus: CorpusLookup | None = None  # model.corpus: the training replies, grafted as the export will be
         self.stop_ids: list[int] | None = None  # needs the target's generation config: set at the first evaluation
         self.last_step = -1
         self.launch_started = time.perf_counter()
@@ -222,7 +226,7 @@ class AcceptanceEvaluation(L.Callback):
 
     def drafter_runner(self, drafter: nn.Module, target: PreTrainedModel) -> DrafterRunner:
         """The runner decoding uses; tests override it with rigged drafters."""
-        return DrafterRunner(drafter, target)
+        return DrafterRunner(drafter, target, corpus=self.corpus)
 
     def measure(
         self, target: PreTrainedModel, drafter: nn.Module, prompts: list[dict], stop_ids: list[int],
@@ -245,6 +249,12 @@ class AcceptanceEvaluation(L.Callback):
         tokenizer = AutoTokenizer.from_pretrained(resolve_target(pl_module.hparams.target))
         self.prompts = self.load_prompts(tokenizer)
         self.tokenizer = tokenizer
+        if pl_module.hparams.get("corpus"):  # the replies the export ships (training/train.py), decoded with here too
+            datamodule = trainer.datamodule
+            if getattr(datamodule, "train_set", None) is None:
+                raise DDTreeError("model.corpus ships the training replies: fit with a DistillDataModule "
+                                  "(training.train does), or leave it unset")
+            self.corpus = CorpusLookup(replies(datamodule.train_set))
 
     def on_train_start(self, trainer, pl_module) -> None:
         self.launch_started = time.perf_counter()
@@ -341,6 +351,7 @@ class AcceptanceEvaluation(L.Callback):
             "budgets": self.budgets, "primary_budget": self.primary_budget,
             "lookup": self.lookup if self.lookup is not None else trainer.lightning_module.drafter_config.lookup,
             "redraft": self.redraft if self.redraft is not None else trainer.lightning_module.drafter_config.redraft,
+            "corpus": self.corpus is not None,
             "block_size": int(trainer.lightning_module.block_size),
         }
 

@@ -75,6 +75,21 @@ class TokenizedConversations(Dataset):
         return item
 
 
+def replies(split: Subset) -> list[list[int]]:
+    """The supervised (reply) token runs of `split`, a Subset of TokenizedConversations, one list per assistant turn:
+    what the corpus lookup indexes (model.corpus; ddtree/corpus.py)."""
+    data, runs = split.dataset, []
+    for i in split.indices:
+        ids = data.input_ids[data.offsets[i]:data.offsets[i + 1]].tolist()
+        mask = data.loss_mask[data.offsets[i]:data.offsets[i + 1]].tolist()
+        for position, supervised in enumerate(mask):
+            if supervised and (position == 0 or not mask[position - 1]):
+                runs.append([])
+            if supervised:
+                runs[-1].append(ids[position])
+    return runs
+
+
 def reply_vocabulary(split: Subset, size: int, vocab_size: int) -> list[int]:
     """`size` token ids, ascending: the supervised (reply) tokens of `split` by frequency (a tie goes to the
     lower id), then, if fewer were seen, the lowest ids not yet in.

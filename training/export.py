@@ -6,6 +6,8 @@
 A checkpoint holds the drafter only (never the target) plus its config, so exporting needs no
 target. LoRA adapters, if the run trained them, are merged into the weights first. The folder is
 written beside its destination and renamed into place, so a failed export leaves nothing behind.
+A run whose recipe set model.corpus holds <run>/corpus.safetensors; the export carries it (for a
+checkpoint under <run>/checkpoints/, found there).
 For the Hub (remote code, model card, push) see training/publish.py. Bad input prints one line and
 exits with status 2.
 """
@@ -13,9 +15,11 @@ exits with status 2.
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from pathlib import Path
 
+from ddtree.corpus import CORPUS_FILE
 from ddtree.errors import command
 from ddtree.files import staged_folder
 
@@ -23,14 +27,25 @@ from .checkpoints import drafter_from_checkpoint
 from .peft_utils import merged_drafter
 
 
-def export_drafter(source, out_dir: str | Path) -> Path:
-    """Write `source` (a DistillModule, a drafter nn.Module or a checkpoint path) to out_dir; return out_dir."""
+def run_corpus(run_dir: Path) -> Path | None:
+    """The run's corpus.safetensors (written where its recipe set model.corpus), or None."""
+    corpus = Path(run_dir) / CORPUS_FILE
+    return corpus if corpus.is_file() else None
+
+
+def export_drafter(source, out_dir: str | Path, corpus: Path | None = None) -> Path:
+    """Write `source` (a DistillModule, a drafter nn.Module or a checkpoint path) to out_dir; return out_dir.
+
+    corpus: a run's corpus.safetensors, copied in beside the weights (decoders graft from it by default).
+    """
     if isinstance(source, (str, Path)):
         drafter = drafter_from_checkpoint(source)
     else:
         drafter = merged_drafter(getattr(source, "drafter", source))
     with staged_folder(out_dir) as staging:
         drafter.save_pretrained(staging)
+        if corpus is not None:
+            shutil.copyfile(corpus, staging / CORPUS_FILE)
     return Path(out_dir)
 
 
@@ -40,8 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("checkpoint", help="a .ckpt file (or DeepSpeed checkpoint folder) written by training/train.py")
     parser.add_argument("out_dir", help="folder to write (replaced if it exists)")
     args = parser.parse_args(argv)
-    out = export_drafter(args.checkpoint, args.out_dir)
-    print(f"drafter written to {out}")
+    checkpoint = Path(args.checkpoint)
+    corpus = run_corpus(checkpoint.parent.parent) if checkpoint.parent.name == "checkpoints" else None
+    out = export_drafter(checkpoint, args.out_dir, corpus)
+    print(f"drafter written to {out}" + (f", with the run's {corpus.name}" if corpus else ""))
     return 0
 
 

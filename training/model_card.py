@@ -14,7 +14,7 @@ or for a checkpoint measured after training, <run>/eval/checkpoint-<name>.json (
         "step": int,
         "settings": {"prompts": str, "num_prompts": int, "max_new_tokens": int, "budgets": [int],
                      "primary_budget": int, "block_size": int, "temperature": float (optional),
-                     "redraft": int, "lookup": int (optional: what the decoder ran with)},
+                     "redraft": int, "lookup": int, "corpus": bool (optional: what the decoder ran with)},
         "summary": {"dflash" | "ddtree@<B>": {"tau": float, "expected_tau": float, "rounds": int,
                                               "new_tokens": int, ...}},
         "prompts": [per-prompt rows]}
@@ -136,6 +136,9 @@ def decoded_with(settings: dict) -> list[str]:
                       "first (`--redraft`)")
     if settings.get("lookup"):
         extras.append(f"{settings['lookup']} tokens of context lookup grafted into every tree (`--lookup`)")
+    if settings.get("corpus"):
+        extras.append("the training replies' most frequent continuation grafted into every tree (corpus.safetensors, "
+                      "shipped in this folder; `--corpus none` leaves it out)")
     return extras
 
 

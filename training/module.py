@@ -151,6 +151,7 @@ class DistillModule(L.LightningModule):
         objective_top_k: int = 4,  # tree: a label within the drafter's top k at a depth keeps the path alive
         redraft_prob: float = 0.0,  # share of training blocks given their first draft token (for --redraft decoding)
         lookup: int = 0,  # decoders graft this many context-lookup tokens into every tree by default (`--lookup`)
+        corpus: bool = False,  # ship the training replies with the drafter: decoders graft from them (`--corpus`)
         loss_chunk_size: int | None = None,  # LM head + loss over this many block tokens at a time
         calibrate: bool = False,  # fit per-position draft temperatures on replayed validation decoding (replay.py)
         seed: int = 0,  # seeds the anchor draws

@@ -16,6 +16,8 @@ The output folder (one flat folder, as the Hub serves it):
                              verifier and the number of speculative tokens)
     configuration_dflash.py  ddtree's model files, copied as remote code:
     modeling_dflash.py       AutoModel.from_pretrained(folder, trust_remote_code=True) loads the drafter
+    corpus.safetensors       where the recipe set model.corpus: the training replies' token ids, which
+                             `ddtree` grafts from by default (ddtree/corpus.py); the engines ignore it
     README.md                model card: Hub metadata, the acceptance measured for this checkpoint during
                              training (read from <run>/eval/), the recipe and data, usage, and the vLLM
                              and SGLang commands with the chain tau those engines give
@@ -46,6 +48,7 @@ import torch
 from transformers import AutoModel
 from transformers.utils import HF_MODULES_CACHE
 
+from ddtree.corpus import CORPUS_FILE
 from ddtree.errors import DDTreeError, command, error_line
 from ddtree.files import staged_folder
 from ddtree.modeling_dflash import DFlashDraftModel
@@ -53,6 +56,7 @@ from ddtree.targets import DTYPES, parse_dtype
 
 from .checkpoints import find_run_checkpoint, load_checkpoint
 from .engines import Export, engine_problems, refusal, serve_commands, target_facts, weight_shapes
+from .export import run_corpus
 from .hub import check_export_folder, check_repo_id, preflight_hub, push
 from .hub_config import LIBRARY_DIR, REMOTE_CODE, hub_config, target_hub_id, verifier_for
 from .model_card import CardFacts, evaluated_steps, read_evaluation, read_run_config, render_model_card
@@ -102,6 +106,8 @@ def export_folder(
         (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         for name in REMOTE_CODE:
             shutil.copyfile(LIBRARY_DIR / name, staging / name)
+        if run_corpus(run_dir) is not None:  # model.corpus: `ddtree` grafts from it by default
+            shutil.copyfile(run_corpus(run_dir), staging / CORPUS_FILE)
         served_target = target_facts(target, config)
         problems = engine_problems(Export(config, weight_shapes(staging), served_target))
         if problems and not allow_engine_mismatch:

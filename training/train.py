@@ -39,11 +39,12 @@ from pathlib import Path
 
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from ddtree.corpus import CORPUS_FILE, write_replies
 from ddtree.errors import DDTreeError, command
 from ddtree.files import write_text_atomic
 from training.checkpoints import find_resume, newest_checkpoint
-from training.data import DistillDataModule
-from training.export import export_drafter
+from training.data import DistillDataModule, replies
+from training.export import export_drafter, run_corpus
 from training.feature_store import build_feature_store, drafter_layer_ids, is_complete, resolve_store_path
 from training.module import DistillModule, NonFiniteError
 from training.recipe import DistillCLI, check_checkpoint_settings, check_recipe_name, config_arg, recipe_errors, recipe_path
@@ -107,6 +108,17 @@ def build_missing_feature_store(cli: DistillCLI, recipe: str) -> None:
     dtype = dtype_for_precision(cli.config.trainer.precision, hp.target_dtype)
     build_feature_store(cli.datamodule, Path(store), layer_ids=drafter_layer_ids(hp.target_layer_ids, hp.init_from),
                         target_adapter=hp.target_adapter, dtype=dtype, final_hidden=final_hidden)
+
+
+def write_run_corpus(cli: DistillCLI, run_dir: Path) -> None:
+    """model.corpus: the training split's replies to <run>/corpus.safetensors, which every export of the run ships
+    (ddtree/corpus.py). The split is the seed's, so a resume finds the same file and keeps it."""
+    corpus = run_dir / CORPUS_FILE
+    if not cli.model.hparams.corpus or corpus.is_file():
+        return
+    cli.datamodule.setup("fit")  # the train/validation split; fit's own setup finds it done
+    count = write_replies(corpus, replies(cli.datamodule.train_set))
+    print(f"[train] {count} training replies written to {corpus} (model.corpus: decoders graft from them)", flush=True)
 
 
 RUN_NAME_ENV = "DDTREE_RUN_NAME"  # the run folder name, handed to the processes Lightning starts
@@ -181,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         build_missing_feature_store(cli, args.recipe)
         if is_first_process():
             write_text_atomic(run_dir / "config.yaml", cli.parser.dump(cli.config, skip_none=False))
+            write_run_corpus(cli, run_dir)
             print(f"[train] recipe {args.recipe} -> {run_dir}" + (f" (resuming {checkpoint})" if checkpoint else ""), flush=True)
         # For devices > 1 Lightning starts the other processes by re-running this command: same folder.
         os.environ[RUN_NAME_ENV] = run_dir.name
@@ -204,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             return stopped(run_dir, args.recipe, "interrupted", 1, cli.trainer.global_step)
         drafter = drafter_for_export(cli.model, cli.trainer)  # every rank: DeepSpeed gathers the fp32 weights
         if cli.trainer.is_global_zero:
-            drafter_dir = export_drafter(drafter, run_dir / "drafter")
+            drafter_dir = export_drafter(drafter, run_dir / "drafter", run_corpus(run_dir))
             print(f"[train] drafter written to {drafter_dir} (ddtree bench --drafter {drafter_dir})", flush=True)
         return 0
     except NonFiniteError as error:  # not bad input: the run itself failed

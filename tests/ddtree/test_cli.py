@@ -10,6 +10,7 @@ import torch
 
 import ddtree.precision
 from ddtree.cli import load_drafter, main
+from ddtree.corpus import CORPUS_FILE, write_replies
 from ddtree.modeling_dflash import DFlashDraftModel
 from ddtree.precision import Choice
 from ddtree.targets import build_drafter_config, load_target
@@ -253,6 +254,25 @@ def test_a_drafter_folder_without_weights(capsys, tmp_path, tiny_target, prompts
     line = _bad(capsys, "bench", "--target", TARGET, "--drafter", str(folder), "--prompts", str(prompts_file))
     assert line == f"error: drafter {folder} has a config.json but no model.safetensors; " \
                    "copy the weights in beside it, or export the drafter again"
+
+
+def test_bench_grafts_the_corpus_a_drafter_folder_ships_unless_told_none(capsys, tmp_path, tiny_target, prompts_file):
+    folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
+    bench = ["bench", "--target", TARGET, "--drafter", str(folder), "--prompts", str(prompts_file), "--budgets", "8",
+             "--max-new-tokens", "24", "--dtype", "float32"]
+
+    def run(*extra):
+        assert run_cli(capsys, *bench, "--out", str(tmp_path / "results.json"), *extra)[0] == 0
+        return json.loads((tmp_path / "results.json").read_text())
+
+    greedy = [prompt["methods"]["ar"]["new_tokens"] for prompt in run("--methods", "ar")["prompts"]]
+    write_replies(folder / CORPUS_FILE, greedy)  # what the target says: the corpus lookup follows it
+    shipped, none = run("--methods", "ddtree"), run("--methods", "ddtree", "--corpus", "none")
+    assert shipped["settings"]["ddtree_resolved"]["corpus"] == "the drafter's corpus.safetensors"
+    assert none["settings"]["ddtree_resolved"]["corpus"] is None
+    for results in (shipped, none):
+        assert [prompt["methods"]["ddtree@8"]["new_tokens"] for prompt in results["prompts"]] == greedy
+    assert shipped["summary"]["ddtree@8"]["tau"] > none["summary"]["ddtree@8"]["tau"] + 1
 
 
 def test_truncated_drafter_weights(capsys, tmp_path, tiny_target):

@@ -7,7 +7,7 @@ import torch
 from datasets import Dataset
 
 from ddtree.cli import load_drafter
-from ddtree.corpus import CorpusLookup
+from ddtree.corpus import CORPUS_FILE, CorpusLookup, read_replies, write_replies
 from ddtree.decoding import DrafterRunner, OnlineCalibration, draft_tree, generate
 from ddtree.errors import DDTreeError
 
@@ -67,3 +67,31 @@ def test_a_corpus_of_the_reply_is_accepted_and_a_wrong_one_changes_no_token(tiny
         generate(model, prompt, "dflash", runner, 16, 4, (), corpus=CorpusLookup([greedy]))
     with pytest.raises(DDTreeError, match="--online-calibration is not supported"):
         generate(model, prompt, "ddtree", runner, 16, 4, (), online=OnlineCalibration(), corpus=CorpusLookup([greedy]))
+
+
+def test_a_corpus_file_reads_back_its_replies_and_a_broken_one_is_one_line(tmp_path):
+    replies = [[5, 6, 7, 8], [], [49151, 0]]
+    assert write_replies(tmp_path / CORPUS_FILE, replies) == 3
+    assert read_replies(tmp_path / CORPUS_FILE) == replies
+    assert CorpusLookup.from_file(tmp_path / CORPUS_FILE).table == CorpusLookup(replies).table
+    (tmp_path / "cut.safetensors").write_bytes((tmp_path / CORPUS_FILE).read_bytes()[:-3])
+    with pytest.raises(DDTreeError, match=r"corpus .*cut.safetensors is unreadable or not a corpus"):
+        read_replies(tmp_path / "cut.safetensors")
+
+
+def test_the_drafters_corpus_is_the_default_and_false_or_online_calibration_leave_it_out(tiny_target):
+    model, tokenizer = tiny_target
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    greedy = generate(model, prompt, "ar", max_new_tokens=40).new_tokens
+    drafter = load_drafter("random", model, tokenizer, "tiny-random")
+    shipped = DrafterRunner(drafter, model, corpus=CorpusLookup([prompt + greedy]))
+    accepted = {}
+    for name, runner, corpus, online in [("default", shipped, None, None), ("off", shipped, False, None),
+                                         ("online", shipped, None, OnlineCalibration()),
+                                         ("plain runner", DrafterRunner(drafter, model), None, None)]:
+        result = generate(model, prompt, "ddtree", runner, 16, 40, (), lookup=0, corpus=corpus, online=online)
+        assert result.new_tokens == greedy, name
+        accepted[name] = sum(r.accepted_depth for r in result.rounds)
+    assert accepted["default"] > accepted["off"] + 10 and accepted["off"] == accepted["plain runner"], accepted
+    assert accepted["online"] < accepted["default"] - 10, accepted
+    assert generate(model, prompt, "dflash", shipped, 16, 40, ()).new_tokens == greedy  # the chain has none

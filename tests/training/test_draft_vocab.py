@@ -20,7 +20,7 @@ from ddtree.cli import load_drafter
 from ddtree.decoding import DrafterRunner, generate
 from ddtree.errors import DDTreeError
 from ddtree.targets import stop_token_ids
-from training.data import DistillDataModule, TokenizedConversations, reply_vocabulary
+from training.data import DistillDataModule, TokenizedConversations, replies, reply_vocabulary
 from training.export import export_drafter
 from training.loss import block_loss_sums, block_position_weights, draft_vocab_labels
 from training.masks import IGNORE_INDEX
@@ -43,6 +43,15 @@ def test_reply_vocabulary_counts_reply_tokens_of_the_split_only():
     assert reply_vocabulary(split, 1, vocab_size=12) == [5]  # a tie goes to the lower id
     assert reply_vocabulary(split, 5, vocab_size=12) == [0, 1, 3, 5, 7]  # then the lowest ids never seen
     assert reply_vocabulary(split, 20, vocab_size=12) == list(range(12))  # at most the whole vocabulary
+
+
+def test_replies_are_the_supervised_runs_of_the_split_one_per_assistant_turn():
+    data = TokenizedConversations.from_examples([
+        {"input_ids": [9, 5, 5, 9, 9, 7, 3], "loss_mask": [0, 1, 1, 0, 0, 1, 1]},  # two turns
+        {"input_ids": [8, 8, 8], "loss_mask": [1, 1, 1]},  # not in the split
+        {"input_ids": [4, 6], "loss_mask": [1, 1]},  # a turn from the first token
+    ])
+    assert replies(Subset(data, [0, 2])) == [[5, 5], [7, 3], [4, 6]]
 
 
 def test_labels_outside_the_draft_vocabulary_are_ignored():

@@ -16,22 +16,25 @@ import os
 import random
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning as L
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Subset
 
 import toy_data  # tests/training/toy_data.py
 import ddtree.cli
 import training.evaluate
 import training.train
 from ddtree.bench import CHAIN, acceptance_summary, load_prompts, run_benchmark, tree_key
+from ddtree.corpus import CorpusLookup
 from ddtree.decoding import DrafterRunner, generate
 from ddtree.targets import DDTreeError, load_target, stop_token_ids
 from training.callbacks import AcceptanceEvaluation, BestCheckpoint, measure_acceptance, monitor_metric
 from training.checkpoints import drafter_from_checkpoint
+from training.data import TokenizedConversations
 from training.export import export_drafter
 from training.module import DistillModule
 from training.train import main as train_main
@@ -578,3 +581,34 @@ def test_redraft_decodes_the_same_tokens_and_re_drafts_every_round():
                 == [row["methods"][key]["new_tokens"] for row in results[3]["prompts"]])
     with pytest.raises(DDTreeError, match=r"eval.redraft=-2"):
         AcceptanceEvaluation(redraft=-2)
+
+
+# ----------------------------------------------------------------------------- corpus lookup
+
+
+def test_model_corpus_grafts_the_training_replies_as_the_export_decodes_them():
+    """model.corpus: setup indexes the training split's replies and every evaluation grafts from them, as `ddtree`
+    does from the corpus the export ships; here the replies are the target's own answers, so they are accepted."""
+    torch.manual_seed(0)
+    module = tiny_module(corpus=True)
+    module.configure_model()
+    _, tokenizer = load_target("tiny-random")
+    evaluation = AcceptanceEvaluation(prompts=PROMPTS, budgets=[8], primary_budget=8, max_new_tokens=24, limit=2,
+                                      lookup=0)
+    prompts = evaluation.load_prompts(tokenizer)
+    stop_ids = stop_token_ids(module.target, tokenizer)
+    plain = evaluation.measure(module.target, module.drafter, prompts, stop_ids)
+    answers = [row["methods"]["dflash"]["new_tokens"] for row in plain["prompts"]]
+    data = TokenizedConversations.from_examples([  # each prompt then its answer, the answer supervised
+        {"input_ids": prompt["prompt_ids"] + answer, "loss_mask": [0] * len(prompt["prompt_ids"]) + [1] * len(answer)}
+        for prompt, answer in zip(prompts, answers)])
+    trainer = SimpleNamespace(datamodule=SimpleNamespace(train_set=Subset(data, [0, 1])))
+    evaluation.prompts = None
+    evaluation.setup(trainer, module, "fit")
+    assert evaluation.corpus.table == CorpusLookup(answers).table
+    grafted = evaluation.measure(module.target, module.drafter, prompts, stop_ids)
+    assert [row["methods"]["ddtree@8"]["new_tokens"] for row in grafted["prompts"]] == answers
+    assert grafted["summary"]["ddtree@8"]["tau"] > plain["summary"]["ddtree@8"]["tau"] + 1
+    assert grafted["summary"]["dflash"]["tau"] == plain["summary"]["dflash"]["tau"]  # the chain has none
+    with pytest.raises(DDTreeError, match="model.corpus ships the training replies"):
+        AcceptanceEvaluation(prompts=PROMPTS).setup(SimpleNamespace(datamodule=None), module, "fit")

@@ -33,10 +33,12 @@ import training.publish as publish
 from ddtree.cli import load_drafter
 from ddtree.cli import main as ddtree_main
 from ddtree.configuration_dflash import DFlashDrafterConfig
+from ddtree.corpus import CORPUS_FILE
 from ddtree.modeling_dflash import DFlashDraftModel, fuse_target_features
 from ddtree.targets import DDTreeError
 from training.checkpoints import drafter_from_checkpoint
 from training.export import export_drafter
+from training.export import main as export_main
 from training.hub_config import AUTO_MAP, EXPORT_FILES, REMOTE_CODE, hub_config
 from training.model_card import read_evaluation
 from training.module import DistillModule
@@ -61,7 +63,7 @@ def top_level_mask_token_id_accepted() -> bool:
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
-    """A real 2-step run of the tiny recipe, evaluated (and checkpointed) at steps 1 and 2."""
+    """A real 2-step run of the tiny recipe, evaluated (and checkpointed) at steps 1 and 2, shipping its replies."""
     root = tmp_path_factory.mktemp("run")
     data = root / "conversations.jsonl"
     words = "the a drafter proposes tokens target verifies block tree python list sort value returns".split()
@@ -76,13 +78,15 @@ def run_dir(tmp_path_factory) -> Path:
         f"--data.data_path={data}", f"--data.cache_dir={root / 'cache'}", "--data.batch_size=2",
         "--data.val_fraction=0.1", "--trainer.val_check_interval=null", "--trainer.limit_val_batches=0",
         "--trainer.max_steps=2", "--trainer.precision=32", "--trainer.enable_progress_bar=false",
-        "--trainer.enable_model_summary=false", "--eval.every_n_train_steps=1", f"--eval.limit={EVAL_PROMPTS}",
+        "--trainer.enable_model_summary=false", "--model.corpus=true", "--eval.every_n_train_steps=1",
+        f"--eval.limit={EVAL_PROMPTS}",
         f"--eval.budgets={EVAL_BUDGETS}", f"--eval.primary_budget={EVAL_BUDGETS[-1]}",
         f"--eval.max_new_tokens={EVAL_NEW_TOKENS}", f"--eval.prompts={REPO_ROOT / 'data' / 'eval_prompts.jsonl'}",
     ])
     assert code == 0
     run = root / "out" / "tiny" / "r"
     assert (run / "checkpoints" / "best.ckpt").exists() and (run / "eval" / "step-000002.json").exists()
+    assert (run / "drafter" / CORPUS_FILE).read_bytes() == (run / CORPUS_FILE).read_bytes()
     return run
 
 
@@ -120,7 +124,7 @@ def test_export_loads_with_automodel_and_reference_dflash_with_the_checkpoints_l
     target, tokenizer = tiny_target
     out = tmp_path / "export"
     assert export(run_dir, out, "--ckpt", "last") == 0
-    assert sorted(p.name for p in out.iterdir()) == sorted(EXPORT_FILES)
+    assert sorted(p.name for p in out.iterdir()) == sorted([*EXPORT_FILES, CORPUS_FILE])  # model.corpus ships it
     for name in REMOTE_CODE:  # the library's own files, unchanged
         assert (out / name).read_bytes() == (REPO_ROOT / "ddtree" / name).read_bytes()
 
@@ -148,6 +152,7 @@ def test_bench_on_the_export_reproduces_the_evaluation_logged_for_that_checkpoin
     assert export(run_dir, out, "--ckpt", "best") == 0
     step = torch.load(run_dir / "checkpoints" / "best.ckpt", weights_only=False)["global_step"]
     logged = read_evaluation(run_dir, step)
+    assert logged["settings"]["corpus"] is True  # the evaluation grafted the replies the export ships
     results = tmp_path / "bench.json"
     assert ddtree_main([
         "bench", "--target", "tiny-random", "--drafter", str(out), "--prompts", logged["settings"]["prompts"],
@@ -251,13 +256,26 @@ def test_card_says_what_the_decoder_added_and_that_engines_do_not_re_draft(run_d
     assert export(run, tmp_path / "out", "--ckpt", "last") == 0
     card = (tmp_path / "out" / "README.md").read_text()
     assert ("re-drafting behind the 4 most likely first tokens" in card
-            and "7 tokens of context lookup grafted into every tree" in card)
+            and "7 tokens of context lookup grafted into every tree" in card
+            and "the training replies' most frequent continuation grafted into every tree" in card)
     serving = card[card.index("## Serving with vLLM and SGLang"):]
     chain = record["summary"]["dflash"]["tau"]
     assert f"| `ddtree --method dflash` | chain of 7 drafted tokens | {chain:.3f} |" in serving
     assert "vLLM, SGLang, `ddtree" not in serving and "--redraft 0" in serving
-    assert export(run_dir, tmp_path / "plain", "--ckpt", "last") == 0  # the tiny recipe's decoder adds nothing
+    record["settings"].update(redraft=0, lookup=0, corpus=False)  # the tiny recipe's decoder, but for model.corpus
+    path.write_text(json.dumps(record))
+    assert export(run, tmp_path / "plain", "--ckpt", "last") == 0
     assert "Decoded as `ddtree` decodes" not in (tmp_path / "plain" / "README.md").read_text()
+
+
+def test_an_export_from_a_checkpoint_path_carries_its_runs_corpus(run_dir, tmp_path, capsys):
+    assert export_main([str(run_dir / "checkpoints" / "last.ckpt"), str(tmp_path / "drafter")]) == 0
+    assert "with the run's corpus.safetensors" in capsys.readouterr().out
+    assert (tmp_path / "drafter" / CORPUS_FILE).read_bytes() == (run_dir / CORPUS_FILE).read_bytes()
+    copied = tmp_path / "elsewhere.ckpt"  # not under <run>/checkpoints/: no run to take a corpus from
+    shutil.copyfile(run_dir / "checkpoints" / "last.ckpt", copied)
+    assert export_main([str(copied), str(tmp_path / "bare")]) == 0
+    assert not (tmp_path / "bare" / CORPUS_FILE).exists() and (tmp_path / "bare" / "model.safetensors").is_file()
 
 
 # ----------------------------------------------------------------------------- refusals

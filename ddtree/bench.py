@@ -236,7 +236,7 @@ def run_benchmark(
     if redraft is not None:
         check_redraft("ddtree", redraft)
     check_sizer("ddtree", sizer is not None, static_cache(static, target.device))
-    check_corpus("ddtree", corpus, online)
+    check_corpus("ddtree", corpus)
     limit = context_limit(target)
     for prompt in prompts:
         if len(prompt["prompt_ids"]) >= limit:

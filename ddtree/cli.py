@@ -246,7 +246,7 @@ def cmd_bench(args) -> None:
     settings["dtype_resolved"] = str(target.dtype).removeprefix("torch.")  # what `dtype` (maybe "auto") ran as
     if drafter is not None:  # what ddtree ran with where --lookup, --redraft and --corpus were left to the drafter
         lookup, redraft, resolved = drafter_defaults("ddtree", drafter, args.lookup, args.redraft, sizer is not None,
-                                                     corpus, args.online_calibration)
+                                                     corpus)
         settings["ddtree_resolved"] = {"lookup": lookup, "redraft": redraft,
                                        "corpus": None if resolved is None else args.corpus or f"the drafter's {CORPUS_FILE}"}
     if sizer is not None:

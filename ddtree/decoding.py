@@ -245,10 +245,11 @@ class OnlineCalibration:
     over-confident drafter is warmed and an under-confident one cooled until the expected acceptance
     tracks the measured one. It reorders the best-first tree, never what is committed (the target decides).
 
-    With a context lookup, the nodes the graft adds are not the drafter's guesses, and their drafter
+    With a context or corpus lookup, the nodes a graft adds are not the drafter's guesses, and their drafter
     probabilities say nothing of how often they are accepted. Instead each scores the learned chance
-    that a grafted node at its depth is accepted (rounds with one, Laplace-smoothed), so the expected
-    acceptance counts the lookup too and the temperature is left to the drafter's own nodes.
+    that a node its lookup grafted at its depth is accepted (rounds with one, Laplace-smoothed; one table per
+    lookup), so the expected acceptance counts the lookups too and the temperature is left to the drafter's
+    own nodes.
     """
 
     RATE = 0.01
@@ -256,18 +257,25 @@ class OnlineCalibration:
 
     def __init__(self):
         self.log_temperatures: dict[int | None, float] = {}  # ddtree budget (None = the chain) -> log T
-        self.lookup_rounds: dict[int, int] = {}  # depth -> rounds with a grafted node at that depth
-        self.lookup_accepted: dict[int, int] = {}  # depth -> of those, rounds that accepted it
+        self.graft_rounds: dict[tuple[str, int], int] = {}  # (lookup, depth) -> rounds it grafted a node that deep
+        self.graft_accepted: dict[tuple[str, int], int] = {}  # (lookup, depth) -> of those, rounds that accepted it
 
-    def lookup_log_prob(self, depth: int) -> float:
-        """Log of the chance that a grafted node at `depth` is accepted, learned so far ((hits + 1) / (rounds + 2))."""
-        return math.log((self.lookup_accepted.get(depth, 0) + 1) / (self.lookup_rounds.get(depth, 0) + 2))
+    def graft_log_prob(self, lookup: str, depth: int) -> float:
+        """Log of the chance that a node `lookup` ("context" or "corpus") grafted at `depth` is accepted, learned so
+        far ((hits + 1) / (rounds + 2))."""
+        key = (lookup, depth)
+        return math.log((self.graft_accepted.get(key, 0) + 1) / (self.graft_rounds.get(key, 0) + 2))
 
-    def observe_lookup(self, grafted_depths: list[int], matched: int) -> None:
-        """A verified round with grafted nodes at `grafted_depths`, whose lookup the target followed `matched` deep."""
+    def observe_graft(self, lookup: str, grafted_depths: list[int], path: list[int], accepted: list[int]) -> None:
+        """A verified round in which `lookup` grafted nodes at `grafted_depths` of its `path`, and the target
+        accepted the draft tokens `accepted`."""
+        matched = 0
+        while matched < min(len(path), len(accepted)) and path[matched] == accepted[matched]:
+            matched += 1
         for depth in grafted_depths:
-            self.lookup_rounds[depth] = self.lookup_rounds.get(depth, 0) + 1
-            self.lookup_accepted[depth] = self.lookup_accepted.get(depth, 0) + (matched >= depth)
+            key = (lookup, depth)
+            self.graft_rounds[key] = self.graft_rounds.get(key, 0) + 1
+            self.graft_accepted[key] = self.graft_accepted.get(key, 0) + (matched >= depth)
 
     @staticmethod
     def shape(method: str, budget: int) -> int | None:
@@ -295,12 +303,13 @@ def draft_tree(
     lookup (ddtree only): a continuation grafted into the tree as one more path (context_lookup); it takes
     len(lookup) of the budget, so the tree never holds more than `budget` nodes.
     sizer (ddtree only): keep only the leading nodes that pay for their verify rows on this machine (ddtree/sizing.py).
-    online: grafted nodes score the lookup's learned acceptance (OnlineCalibration) instead of the drafter's probability.
+    online: grafted nodes score their lookup's learned acceptance (OnlineCalibration) instead of the drafter's probability.
     branches: depth-1 token -> its re-drafted logits (depth - 1, V) for depths 2.. (`DrafterRunner.redraft`); the
     tree (or the chain, behind its first token) continues from those below that token.
     vocab: the drafter's draft vocabulary (DrafterRunner.draft_vocab), where the tree is built; None = every token.
     quoted (ddtree only): one more grafted path, the corpus's continuation (ddtree/corpus.py); it takes its length of
-    the budget too, leaving the drafter at least one node. Its nodes keep the drafter's own path probabilities.
+    the budget too, leaving the drafter at least one node. Its nodes keep the drafter's own path probabilities (online:
+    the corpus's learned acceptance).
     """
     if budget is None:
         first = int(draft_logits[0].argmax())
@@ -318,10 +327,11 @@ def draft_tree(
     if lookup or quoted:
         rows = torch.log_softmax(draft_logits[: max(len(lookup), len(quoted))].float(), dim=-1)  # (depth, V)
     if lookup:
-        scores = [online.lookup_log_prob(depth) for depth in range(1, len(lookup) + 1)] if online else None
-        graft_path(tree, lookup, _path_log_probs(rows, lookup), scores)
+        scores = [online.graft_log_prob("context", depth) for depth in range(1, len(lookup) + 1)] if online else None
+        tree.grafted = graft_path(tree, lookup, _path_log_probs(rows, lookup), scores)
     if quoted:
-        graft_path(tree, quoted, _path_log_probs(rows, quoted))
+        scores = [online.graft_log_prob("corpus", depth) for depth in range(1, len(quoted) + 1)] if online else None
+        tree.quoted = graft_path(tree, quoted, _path_log_probs(rows, quoted), scores)
     return tree
 
 
@@ -330,14 +340,10 @@ def _path_log_probs(rows: torch.Tensor, path: list[int]) -> list[float]:
     return rows[: len(path)].gather(1, torch.tensor(path, device=rows.device)[:, None])[:, 0].tolist()
 
 
-def check_corpus(method: str, corpus: CorpusLookup | bool | None, online: bool) -> None:
-    """A corpus given explicitly grafts into ddtree trees, and its nodes are not calibrated online."""
-    given = isinstance(corpus, CorpusLookup)
-    if given and method != "ddtree":
+def check_corpus(method: str, corpus: CorpusLookup | bool | None) -> None:
+    """A corpus given explicitly grafts into ddtree trees."""
+    if isinstance(corpus, CorpusLookup) and method != "ddtree":
         raise DDTreeError(f"--corpus grafts into ddtree trees; method {method!r} has none: leave --corpus out")
-    if given and online:
-        raise DDTreeError("--corpus with --online-calibration is not supported: the calibration learns one "
-                          "acceptance for the context lookup's grafted nodes; leave one of them out")
 
 
 def check_lookup(method: str, lookup: int) -> None:
@@ -350,22 +356,21 @@ def check_lookup(method: str, lookup: int) -> None:
 
 def drafter_defaults(
     method: str, drafter: DrafterRunner | None, lookup: int | None, redraft: int | None, sized: bool,
-    corpus: CorpusLookup | bool | None = False, online: bool = False,
+    corpus: CorpusLookup | bool | None = False,
 ) -> tuple[int, int, CorpusLookup | None]:
     """generate's lookup, redraft and corpus, where None means the drafter's own (its config's `lookup` and
     `redraft`, the corpus shipped in its folder) and corpus False means none.
 
     The lookups graft into ddtree trees only. Re-drafting needs a drafter, and sizing for tokens per second on a CPU
     leaves it off: one more drafter forward a round cost more than it gained (README, Re-drafting: 1.25x over ar
-    against 1.32x on the 2-core EPYC). The online calibration learns the context lookup's acceptance alone, so it
-    leaves the drafter's corpus out (a corpus given explicitly is refused with it: check_corpus).
+    against 1.32x on the 2-core EPYC).
     """
     if lookup is None:
         lookup = getattr(drafter, "default_lookup", 0) if method == "ddtree" else 0
     if redraft is None:
         redraft = getattr(drafter, "default_redraft", 0) if method != "ar" and not sized else 0
     if corpus is None:
-        corpus = getattr(drafter, "default_corpus", None) if method == "ddtree" and not online else None
+        corpus = getattr(drafter, "default_corpus", None) if method == "ddtree" else None
     return lookup, redraft, corpus or None
 
 
@@ -436,8 +441,7 @@ def generate(
     except with a sizer (drafter_defaults).
     corpus (ddtree): graft what the target's replies most often said after the context's last tokens into every tree
     as one more path, within the budget (ddtree/corpus.py); False = none; None = the drafter's default
-    (DrafterRunner.default_corpus: the corpus its folder ships, none unless its recipe set model.corpus), except
-    with online calibration (drafter_defaults).
+    (DrafterRunner.default_corpus: the corpus its folder ships, none unless its recipe set model.corpus).
 
     static: run the target over a preallocated cache at one verify shape (ddtree/target_runner.py), and a
     DrafterRunner's forwards at fixed shapes too (ddtree/static_drafter.py), each captured as a CUDA graph
@@ -450,9 +454,8 @@ def generate(
         raise DDTreeError(f"method {method!r} needs a drafter")
     if method == "ddtree" and budget < 1:
         raise DDTreeError(f"budget {budget} must be at least 1")
-    check_corpus(method, corpus, online is not None)
-    lookup, redraft, corpus = drafter_defaults(method, drafter, lookup, redraft, sizer is not None, corpus,
-                                               online is not None)
+    check_corpus(method, corpus)
+    lookup, redraft, corpus = drafter_defaults(method, drafter, lookup, redraft, sizer is not None, corpus)
     check_lookup(method, lookup)
     check_redraft(method, redraft)
     device = target.device
@@ -524,11 +527,10 @@ def generate(
         path = [tree.tokens[row - 1] for row in accepted]  # the accepted draft tokens
         if online is not None and len(tree):
             online.observe(shape, expected, 1 + len(accepted))
-            if tree.grafted:  # how deep the target followed the lookup: its grafted nodes' outcome
-                matched = 0
-                while matched < min(len(path), len(grafted)) and path[matched] == grafted[matched]:
-                    matched += 1
-                online.observe_lookup(tree.grafted, matched)
+            if tree.grafted:  # how deep the target followed each lookup: its grafted nodes' outcome
+                online.observe_graft("context", tree.grafted, grafted, path)
+            if tree.quoted:
+                online.observe_graft("corpus", tree.quoted, quoted, path)
         committed = (path + [bonus])[:room]
         for i, token in enumerate(committed):
             if token in stop:

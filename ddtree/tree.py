@@ -27,7 +27,8 @@ class DraftTree:
     depths: list[int]  # (n,) 1-based depth of each node
     log_probs: list[float]  # (n,) log of the path probability of each node under the drafter
     children: list[dict[int, int]] = field(default_factory=list)  # per row (0..n): token -> child row
-    grafted: list[int] = field(default_factory=list)  # depths of the nodes graft_path added (not the drafter's own)
+    grafted: list[int] = field(default_factory=list)  # depths of the nodes the context lookup's graft added
+    quoted: list[int] = field(default_factory=list)  # depths of the nodes the corpus lookup's graft added
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -120,15 +121,18 @@ def context_lookup(tokens: list[int], length: int, max_ngram: int = 3) -> list[i
     return []
 
 
-def graft_path(tree: DraftTree, tokens: list[int], log_probs: list[float], new_scores: list[float] | None = None) -> None:
-    """Add the path `tokens` below the root, reusing the nodes the tree already holds (it stays prefix-closed).
+def graft_path(
+    tree: DraftTree, tokens: list[int], log_probs: list[float], new_scores: list[float] | None = None
+) -> list[int]:
+    """Add the path `tokens` below the root, reusing the nodes the tree already holds (it stays prefix-closed);
+    return the depths of the nodes it added (the caller keeps them in tree.grafted or tree.quoted).
 
     log_probs[d]: the drafter's log-probability of tokens[d] at depth d + 1, so every path score (and the
     expected acceptance) stays the drafter's own; or, given new_scores[d], a node the graft adds at depth d + 1
-    scores that instead (a learned chance that the lookup is right that deep: OnlineCalibration). The added
-    nodes' depths go to tree.grafted. New nodes come after their parents: pop order stays topological.
+    scores that instead (a learned chance that the lookup is right that deep: OnlineCalibration). New nodes
+    come after their parents: pop order stays topological.
     """
-    row, score = 0, 0.0
+    row, score, added = 0, 0.0, []
     for depth, (token, log_prob) in enumerate(zip(tokens, log_probs), start=1):
         score += log_prob
         child = tree.children[row].get(token)
@@ -137,11 +141,12 @@ def graft_path(tree: DraftTree, tokens: list[int], log_probs: list[float], new_s
             tree.parents.append(row)
             tree.depths.append(depth)
             tree.log_probs.append(score if new_scores is None else new_scores[depth - 1])
-            tree.grafted.append(depth)
+            added.append(depth)
             tree.children.append({})
             child = len(tree.tokens)
             tree.children[row][token] = child
         row = child
+    return added
 
 
 def chain_tree(tokens: list[int]) -> DraftTree:

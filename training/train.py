@@ -13,6 +13,7 @@ Every run writes outputs/<recipe>/<run>/:
                            drafter, optimizer, scheduler, loop and data-loader state; never the target
     report.md, tau.png     measured acceptance at every evaluation (training/callbacks.py), eval/ the details
     tensorboard/, csv/     logs (one version_k per launch: a resumed run appends version_k+1)
+    corpus.safetensors     with model.corpus: the training split's replies, which every export carries
     drafter/               the trained drafter as a HF folder, for `ddtree bench --drafter`
 
 `--resume last` continues the newest run of the recipe that has a last.ckpt, in its own folder and
@@ -193,8 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         build_missing_feature_store(cli, args.recipe)
         if is_first_process():
             write_text_atomic(run_dir / "config.yaml", cli.parser.dump(cli.config, skip_none=False))
-            write_run_corpus(cli, run_dir)
             print(f"[train] recipe {args.recipe} -> {run_dir}" + (f" (resuming {checkpoint})" if checkpoint else ""), flush=True)
+            write_run_corpus(cli, run_dir)
         # For devices > 1 Lightning starts the other processes by re-running this command: same folder.
         os.environ[RUN_NAME_ENV] = run_dir.name
         try:

@@ -1,6 +1,7 @@
 """Corpus lookup (ddtree/corpus.py): the index, its graft into the tree within the budget, and losslessness."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -65,8 +66,6 @@ def test_a_corpus_of_the_reply_is_accepted_and_a_wrong_one_changes_no_token(tiny
     assert accepted["the reply"] > accepted["none"] + 10, accepted
     with pytest.raises(DDTreeError, match="method 'dflash' has none"):
         generate(model, prompt, "dflash", runner, 16, 4, (), corpus=CorpusLookup([greedy]))
-    with pytest.raises(DDTreeError, match="--online-calibration is not supported"):
-        generate(model, prompt, "ddtree", runner, 16, 4, (), online=OnlineCalibration(), corpus=CorpusLookup([greedy]))
 
 
 def test_a_corpus_file_reads_back_its_replies_and_a_broken_one_is_one_line(tmp_path):
@@ -79,7 +78,7 @@ def test_a_corpus_file_reads_back_its_replies_and_a_broken_one_is_one_line(tmp_p
         read_replies(tmp_path / "cut.safetensors")
 
 
-def test_the_drafters_corpus_is_the_default_and_false_or_online_calibration_leave_it_out(tiny_target):
+def test_the_drafters_corpus_is_the_default_and_false_leaves_it_out(tiny_target):
     model, tokenizer = tiny_target
     prompt = [5, 6, 7, 8, 9, 10, 11]
     greedy = generate(model, prompt, "ar", max_new_tokens=40).new_tokens
@@ -93,5 +92,24 @@ def test_the_drafters_corpus_is_the_default_and_false_or_online_calibration_leav
         assert result.new_tokens == greedy, name
         accepted[name] = sum(r.accepted_depth for r in result.rounds)
     assert accepted["default"] > accepted["off"] + 10 and accepted["off"] == accepted["plain runner"], accepted
-    assert accepted["online"] < accepted["default"] - 10, accepted
+    assert accepted["online"] > accepted["off"] + 10, accepted  # the calibration keeps it (and learns its acceptance)
     assert generate(model, prompt, "dflash", shipped, 16, 40, ()).new_tokens == greedy  # the chain has none
+
+
+def test_online_calibration_learns_each_lookups_acceptance_by_depth(tiny_target):
+    """A corpus holding the reply is right at every depth, a wrong one at none: the calibration scores their next
+    grafted nodes by what it saw, each lookup on its own (the drafter's probabilities would say neither)."""
+    model, tokenizer = tiny_target
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    greedy = generate(model, prompt, "ar", max_new_tokens=40).new_tokens
+    runner = DrafterRunner(load_drafter("random", model, tokenizer, "tiny-random"), model)
+    learned = {}
+    wrong = CorpusLookup([prompt + greedy])  # every run of the reply found, with a wrong continuation
+    wrong.table = {key: [token + 1 for token in continuation] for key, continuation in wrong.table.items()}
+    for name, corpus in [("right", CorpusLookup([prompt + greedy])), ("wrong", wrong)]:
+        online = OnlineCalibration()
+        result = generate(model, prompt, "ddtree", runner, 16, 40, (), online=online, lookup=0, corpus=corpus)
+        assert result.new_tokens == greedy, name
+        learned[name] = [math.exp(online.graft_log_prob("corpus", depth)) for depth in (1, 3)]
+        assert online.graft_rounds.get(("context", 1), 0) == 0  # lookup 0: the context lookup grafted nothing
+    assert min(learned["right"]) > 0.75 and max(learned["wrong"]) < 0.25, learned

@@ -119,19 +119,23 @@ def test_a_grafted_path_stays_within_the_budget_and_keeps_the_drafter_scores(see
     assert tree.grafted == tree.depths[len(drafted):]  # the depths of exactly the nodes the graft added
 
 
-def test_online_calibration_scores_the_nodes_a_graft_adds_by_the_lookups_learned_acceptance():
+def test_online_calibration_scores_the_nodes_a_graft_adds_by_its_lookups_learned_acceptance():
     online = OnlineCalibration()
-    online.observe_lookup([1, 2, 3], matched=2)  # a round that followed the lookup 2 deep
-    online.observe_lookup([2, 3], matched=0)
-    assert online.lookup_log_prob(1) == pytest.approx(math.log(2 / 3))  # (1 + 1) / (1 + 2)
-    assert online.lookup_log_prob(2) == pytest.approx(math.log(2 / 4))
-    assert online.lookup_log_prob(3) == pytest.approx(math.log(1 / 4))
-    assert online.lookup_log_prob(4) == pytest.approx(math.log(1 / 2))  # nothing seen yet
+    online.observe_graft("context", [1, 2, 3], path=[0, 3, 3], accepted=[0, 3, 9])  # followed 2 deep
+    online.observe_graft("context", [2, 3], path=[0, 3, 3], accepted=[1])  # not followed
+    online.observe_graft("corpus", [1], path=[2], accepted=[2, 5])  # followed: the corpus's own table
+    assert online.graft_log_prob("context", 1) == pytest.approx(math.log(2 / 3))  # (1 + 1) / (1 + 2)
+    assert online.graft_log_prob("context", 2) == pytest.approx(math.log(2 / 4))
+    assert online.graft_log_prob("context", 3) == pytest.approx(math.log(1 / 4))
+    assert online.graft_log_prob("context", 4) == pytest.approx(math.log(1 / 2))  # nothing seen yet
+    assert online.graft_log_prob("corpus", 1) == pytest.approx(math.log(2 / 3))
+    assert online.graft_log_prob("corpus", 2) == pytest.approx(math.log(1 / 2))
     logits = torch.tensor([[4.0, 0, 0, 0], [0, 4.0, 0, 0], [0, 0, 4.0, 0]])  # the drafter's own path: 0, 1, 2
-    tree = draft_tree(logits, 5, [0, 3, 3], online=online)  # shares depth 1 with the drafter, then leaves it
-    assert tree.grafted == [2, 3]
-    added = {tree.depths[row]: tree.log_probs[row] for row in range(len(tree)) if row >= len(tree) - 2}
-    assert added == {2: pytest.approx(math.log(2 / 4)), 3: pytest.approx(math.log(1 / 4))}
+    tree = draft_tree(logits, 6, [0, 3, 3], online=online, quoted=[2])  # shares depth 1 with the drafter, then leaves it
+    assert tree.grafted == [2, 3] and tree.quoted == [1]
+    added = {(tree.depths[row], tree.tokens[row]): tree.log_probs[row] for row in range(len(tree) - 3, len(tree))}
+    assert added == {(2, 3): pytest.approx(math.log(2 / 4)), (3, 3): pytest.approx(math.log(1 / 4)),
+                     (1, 2): pytest.approx(math.log(2 / 3))}
 
 
 def test_ancestor_matrix_and_walk():

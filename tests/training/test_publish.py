@@ -153,6 +153,7 @@ def test_bench_on_the_export_reproduces_the_evaluation_logged_for_that_checkpoin
     step = torch.load(run_dir / "checkpoints" / "best.ckpt", weights_only=False)["global_step"]
     logged = read_evaluation(run_dir, step)
     assert logged["settings"]["corpus"] is True  # the evaluation grafted the replies the export ships
+    assert "the training replies' most frequent continuation" in (run_dir / "report.md").read_text()
     results = tmp_path / "bench.json"
     assert ddtree_main([
         "bench", "--target", "tiny-random", "--drafter", str(out), "--prompts", logged["settings"]["prompts"],

@@ -447,7 +447,9 @@ def build(seed: int, num_coding: int, num_chat: int, num_eval: int) -> tuple[lis
     eval_code = spread_sample(coding_candidates(EVAL_MODULES), num_eval // 2, rng, lambda c: c["module"])
     eval_chat = chat_candidates(EVAL_TOPICS, rng) + rewrite_candidates(EVAL_TEXTS) + word_problem_candidates(4, rng, "eval")
     eval_chat = spread_sample(eval_chat, num_eval - num_eval // 2, rng, lambda c: c["id"].split("/")[1])
-    evaluation = [to_record(c, "eval-") for c in eval_code + eval_chat]
+    # Alternated, so that any prefix (the in-training evaluation's eval.limit) is half coding, half chat.
+    evaluation = [to_record(c, "eval-") for pair in zip(eval_code, eval_chat) for c in pair]
+    evaluation += [to_record(c, "eval-") for c in eval_chat[len(eval_code):]]  # an odd count: the last is chat
 
     train_texts = {r["messages"][0]["content"] for r in train}
     overlap = [r["id"] for r in evaluation if r["messages"][0]["content"] in train_texts]

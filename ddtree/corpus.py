@@ -9,9 +9,9 @@ A recipe with `model.corpus: true` writes its training replies' token ids to <ru
 drafter then graft from it by default (DrafterRunner.default_corpus; `--corpus none` leaves it out).
 
 A target repeats its own phrasing from answer to answer ("Here's an example of how you can use ..."). The index
-maps every run of `ngram` tokens in the replies to the continuation that followed it most often (ties: the one
-seen first), and a round grafts that continuation of the context's last `ngram` tokens as one more path of the
-tree, within the budget (ddtree.decoding.draft_tree). Like every draft, it only decides how much one target
+maps every run of `ngram` tokens in the replies to the continuation that followed it, token by token the one most
+of its occurrences took (majority_path), and a round grafts that continuation of the context's last `ngram`
+tokens as one more path of the tree, within the budget (ddtree.decoding.draft_tree). Like every draft, it only decides how much one target
 forward confirms; what is committed stays the target's own choice (README, Corpus lookup).
 """
 
@@ -58,16 +58,34 @@ def read_replies(path: str | Path) -> list[list[int]]:
     return [tokens[start:end] for start, end in zip(offsets, offsets[1:])]
 
 
+def majority_path(continuations: list[list[int]]) -> list[int]:
+    """Depth by depth, the token that most of the continuations still agreeing with the path take next (a tie: the
+    one seen first), until none goes further.
+
+    Each depth is as likely as the data allows given the ones before it, which is what a grafted path needs: on the
+    held-out prompts' greedy answers it matched 0.695 tokens a position, the single most frequent whole
+    continuation 0.630 (README, Corpus lookup).
+    """
+    path: list[int] = []
+    while True:
+        counts = Counter(continuation[len(path)] for continuation in continuations if len(continuation) > len(path))
+        if not counts:
+            return path
+        token = counts.most_common(1)[0][0]
+        continuations = [c for c in continuations if len(c) > len(path) and c[len(path)] == token]
+        path.append(token)
+
+
 class CorpusLookup:
-    """The most frequent continuation, up to `length` tokens, of every `ngram`-token run in `sequences`."""
+    """The majority continuation (majority_path), up to `length` tokens, of every `ngram`-token run in `sequences`."""
 
     def __init__(self, sequences: Iterable[list[int]], ngram: int = NGRAM, length: int = LENGTH):
-        counts: dict[tuple[int, ...], Counter] = defaultdict(Counter)
+        followers: dict[tuple[int, ...], list[list[int]]] = defaultdict(list)
         for tokens in sequences:
             for end in range(ngram, len(tokens)):
-                counts[tuple(tokens[end - ngram:end])][tuple(tokens[end:end + length])] += 1
+                followers[tuple(tokens[end - ngram:end])].append(tokens[end:end + length])
         self.ngram, self.length = ngram, length
-        self.table = {key: list(seen.most_common(1)[0][0]) for key, seen in counts.items()}
+        self.table = {key: seen[0] if len(seen) == 1 else majority_path(seen) for key, seen in followers.items()}
 
     def __len__(self) -> int:
         return len(self.table)

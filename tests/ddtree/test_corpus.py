@@ -8,17 +8,25 @@ import torch
 from datasets import Dataset
 
 from ddtree.cli import load_drafter
-from ddtree.corpus import CORPUS_FILE, CorpusLookup, read_replies, write_replies
+from ddtree.corpus import CORPUS_FILE, CorpusLookup, majority_path, read_replies, write_replies
 from ddtree.decoding import DrafterRunner, OnlineCalibration, draft_tree, generate
 from ddtree.errors import DDTreeError
 
 
-def test_the_most_frequent_continuation_of_the_last_tokens_is_looked_up():
+def test_the_majority_continuation_of_the_last_tokens_is_looked_up():
     corpus = CorpusLookup([[1, 2, 3, 4, 5], [6, 1, 2, 3, 9, 8], [1, 2, 3, 9, 8, 7]], ngram=3, length=2)
     assert corpus.continuation([0, 1, 2, 3], 7) == [9, 8]  # seen twice, against [4, 5] once
     assert corpus.continuation([0, 1, 2, 3], 1) == [9]
-    assert corpus.continuation([2, 3, 9], 7) == [8]  # [8] (where a reply ended) and [8, 7] tie: the first seen
+    assert corpus.continuation([2, 3, 9], 7) == [8, 7]  # both took 8; one reply ended there, the other went on to 7
     assert corpus.continuation([5, 5, 5], 7) == [] and corpus.continuation([2, 3], 7) == []
+
+
+def test_each_depth_takes_the_majority_of_the_continuations_that_agree_so_far():
+    # after [1, 2]: 5 twice, then 6 once and 7 once behind it; [4, 9, 9] twice: the path is 5, then the first seen
+    corpus = CorpusLookup([[1, 2, 4, 9, 9], [1, 2, 5, 6], [1, 2, 4, 9, 9], [1, 2, 5, 7], [1, 2, 5, 7, 3]],
+                          ngram=2, length=3)
+    assert corpus.continuation([1, 2], 3) == [5, 7, 3]  # 5 (3 of 5), then 7 (2 of the 3), then 3
+    assert majority_path([[4, 9], [5, 6], [4, 8]]) == [4, 9]  # 4 (2 of 3), then a tie between 9 and 8: 9 came first
 
 
 def test_the_quoted_path_takes_its_share_of_the_budget_and_leaves_the_drafter_a_node():

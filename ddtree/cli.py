@@ -88,7 +88,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
                              "default: the drafter's own (7 for the smollm2-135m recipe's drafter, else 0)")
     parser.add_argument("--corpus", default=None, metavar="FILE",
                         help="graft into every ddtree tree what the target's replies in this JSONL file of "
-                             "conversations (the drafter's training data, say) most often said after the context's "
+                             "conversations (the drafter's training data, say) mostly said after the context's "
                              "last 3 tokens, within the budget (README, Corpus lookup); none = off; default: the "
                              "corpus the drafter folder ships (the smollm2-135m recipe's drafters do), else off")
     parser.add_argument("--redraft", type=int, default=None, metavar="K",

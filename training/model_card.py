@@ -191,7 +191,7 @@ def evaluation_section(facts: CardFacts) -> list[str]:
         )
     extras = decoded_with(settings)
     if extras:
-        lines += ["", f"Decoded as `ddtree` decodes this drafter unless told otherwise (its config): {'; '.join(extras)}."]
+        lines += ["", f"Decoded as `ddtree` decodes this drafter unless told otherwise (its config and files): {'; '.join(extras)}."]
     precision = facts.run_config.get("trainer", {}).get("precision")
     if precision is not None:
         lines += ["", f"The target ran in the training precision (`{precision}`) during this evaluation."]

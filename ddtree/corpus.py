@@ -68,6 +68,8 @@ def majority_path(continuations: list[list[int]]) -> list[int]:
     """
     path: list[int] = []
     while True:
+        if len(continuations) == 1:  # one left (most runs occur once): the rest of the path is its own
+            return path + list(continuations[0][len(path):])
         counts = Counter(continuation[len(path)] for continuation in continuations if len(continuation) > len(path))
         if not counts:
             return path
@@ -84,8 +86,8 @@ class CorpusLookup:
         for tokens in sequences:
             for end in range(ngram, len(tokens)):
                 followers[tuple(tokens[end - ngram:end])].append(tokens[end:end + length])
-        self.ngram, self.length = ngram, length
-        self.table = {key: seen[0] if len(seen) == 1 else majority_path(seen) for key, seen in followers.items()}
+        self.ngram = ngram
+        self.table = {key: majority_path(seen) for key, seen in followers.items()}
 
     def __len__(self) -> int:
         return len(self.table)

@@ -106,8 +106,9 @@ def export_folder(
         (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         for name in REMOTE_CODE:
             shutil.copyfile(LIBRARY_DIR / name, staging / name)
-        if run_corpus(run_dir) is not None:  # model.corpus: `ddtree` grafts from it by default
-            shutil.copyfile(run_corpus(run_dir), staging / CORPUS_FILE)
+        corpus = run_corpus(run_dir)
+        if corpus is not None:  # model.corpus: `ddtree` grafts from it by default
+            shutil.copyfile(corpus, staging / CORPUS_FILE)
         served_target = target_facts(target, config)
         problems = engine_problems(Export(config, weight_shapes(staging), served_target))
         if problems and not allow_engine_mismatch:

@@ -117,12 +117,14 @@ def expected_length_weights(
     sum_j prod_{i<=j} s_i is a block's expected accepted length when position i survives with s_i;
     its derivative with respect to log s_k is the suffix sum from k, so weighting position k's loss by
     it spends the gradient where accepted length is won (D-PACE, arXiv 2605.18810). A position
-    without a label ends the chain: nothing after it can be accepted.
+    without a label after one with a label ends the chain: nothing after it can be accepted. Positions
+    without a label before the first one with a label are given (the anchor, and a re-draft block's given
+    first token, model.redraft_prob): they survive with 1, so the block's drafted tokens keep their weights.
     """
-    s = torch.where(counted, (1 - smoothing) * survival + smoothing, torch.zeros_like(survival))
-    s[:, 0] = 1.0  # the anchor is given, not drafted
+    given = counted.long().cumsum(dim=1) == 0  # (N, B) before the block's first label
+    s = torch.where(counted, (1 - smoothing) * survival + smoothing, given.to(survival.dtype))
     prefix = torch.cumprod(s, dim=1)
-    prefix[:, 0] = 0.0  # the anchor is not an accepted draft token
+    prefix = prefix.masked_fill(given, 0.0)  # a given token is not an accepted draft token
     suffix = prefix.flip(1).cumsum(1).flip(1)  # (N, B): sum over j >= k
     return torch.where(counted, suffix, torch.zeros_like(suffix))
 

@@ -602,6 +602,16 @@ def test_expected_length_weights_are_suffix_sums_of_prefix_products():
     assert torch.allclose(smoothed[0], torch.tensor([0.0, 1.0 + 0.5 + 0.5, 0.5 + 0.5, 0.5]))
 
 
+def test_expected_length_weights_keep_a_redraft_blocks_drafted_tokens():
+    # A block given its first draft token (model.redraft_prob) has no label at position 1: that token is read,
+    # not drafted, so the chain starts at position 2 instead of ending before it.
+    survival = torch.tensor([[0.0, 0.0, 0.5, 0.5]])
+    given = expected_length_weights(survival, torch.tensor([[False, False, True, True]]), smoothing=0.0)
+    assert torch.allclose(given, torch.tensor([[0.0, 0.0, 0.75, 0.25]]))
+    ended = expected_length_weights(survival, torch.tensor([[False, True, False, True]]), smoothing=0.0)
+    assert torch.allclose(ended, torch.tensor([[0.0, 0.0, 0.0, 0.0]]))  # survival 0 at 1, then the chain ends
+
+
 @pytest.mark.parametrize("objective", ["dpace", "tree"])
 def test_acceptance_objectives_weight_tokens_by_expected_length_and_normalise_by_blocks(objective):
     hidden, labels, lm_head = block_loss_case()

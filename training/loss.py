@@ -102,7 +102,7 @@ def draft_vocab_labels(labels: torch.Tensor, token_ids: torch.Tensor, vocab_size
     return torch.where(labels == IGNORE_INDEX, labels, lookup[labels.clamp_min(0)])
 
 
-OBJECTIVES = ("decayed_ce", "dpace", "tree")
+OBJECTIVES = ("decayed_ce", "dpace", "tree", "frontier")
 DISTILL_LOSSES = ("kl", "lk")
 RECALL_K = 4  # the k of the top-k recall metric (and the default tree survival width)
 
@@ -129,6 +129,61 @@ def expected_length_weights(
     return torch.where(counted, suffix, torch.zeros_like(suffix))
 
 
+FRONTIER_SCALE = 1.0  # frontier: nats of path log-probability over which a prefix enters the tree (the sigmoid's width)
+
+
+def tree_thresholds(top_log_probs: torch.Tensor, drafted: torch.Tensor, budget: int) -> torch.Tensor:
+    """(N,) the path log-probability of the budget-th best node of each block's best-first draft tree.
+
+    top_log_probs (N, B, K): the drafter's K best log-probabilities at every block position (K = budget,
+    or the vocabulary if smaller); -inf where a position has none (past the data), and [0, -inf, ...] at a
+    given position (the anchor, a re-draft block's given token), which the path passes through without a
+    node. drafted (N, B) bool: the positions whose paths are nodes. A path's log-probability
+    never rises with depth, so the budget best nodes of all depths are what the heap picks, and the best
+    `budget` paths at each depth extend the best `budget` of the depth before: a beam of that width over
+    the positions finds them exactly. -inf where the block has fewer than `budget` possible nodes.
+    """
+    num_blocks, block_size, _ = top_log_probs.shape
+    beam = top_log_probs.new_zeros(num_blocks, 1)  # (N, width) best path log-probabilities so far
+    depths = []
+    for k in range(1, block_size):
+        candidates = (beam[:, :, None] + top_log_probs[:, k, None, :]).flatten(1)  # (N, width * K)
+        beam = candidates.topk(min(budget, candidates.shape[1]), dim=1).values
+        depths.append(beam.masked_fill(~drafted[:, k, None], float("-inf")))
+    nodes = torch.cat(depths, dim=1)  # (N, (B - 1) * width)
+    if nodes.shape[1] < budget:
+        return nodes.new_full((num_blocks,), float("-inf"))
+    return nodes.topk(budget, dim=1).values[:, -1]
+
+
+def frontier_weights(
+    label_log_probs: torch.Tensor,  # (N, B) detached log q(label) at counted positions (anything elsewhere)
+    top_log_probs: torch.Tensor,  # (N, B, K) as for tree_thresholds
+    counted: torch.Tensor,  # (N, B) bool, the positions with a label
+    budget: int,
+) -> torch.Tensor:
+    """(N, B) position k's share of the gradient of a soft count of the label prefixes the drafter's own draft
+    tree of `budget` nodes holds; 0 where not counted.
+
+    The prefix of length k is in the tree when its path log-probability L_k = sum_{i<=k} log q(label_i) is at
+    least the threshold t of the budget-th best node (tree_thresholds), so the accepted length is about
+    A = sum_k sigmoid((L_k - t) / scale). Its derivative with respect to log q(label_j) is
+    sum_{k>=j} sigmoid'((L_k - t) / scale) / scale: the gradient goes to the prefixes at the tree's frontier,
+    not to those already deep inside it (which top-1 confidence weights, D-PACE, keep pushing) nor to those
+    far outside it. Given positions (before the first label) add log 1; a position without a label after
+    one ends the chain.
+    """
+    given = counted.long().cumsum(dim=1) == 0
+    step = torch.where(counted, label_log_probs, torch.where(given, 0.0, float("-inf")))
+    path = step.cumsum(dim=1)  # (N, B) L_k
+    threshold = tree_thresholds(top_log_probs, counted, budget)  # (N,)
+    z = ((path - threshold[:, None]) / FRONTIER_SCALE).nan_to_num(nan=float("-inf"))  # -inf - -inf: no prefix
+    slope = torch.sigmoid(z) * torch.sigmoid(-z) / FRONTIER_SCALE  # (N, B) sigmoid'
+    slope = torch.where(counted, slope, torch.zeros_like(slope))
+    suffix = slope.flip(1).cumsum(1).flip(1)
+    return torch.where(counted, suffix, torch.zeros_like(suffix))
+
+
 def counted_rows(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The M counted block tokens: (rows (M, H), their labels (M,), their block positions (M,)).
 
@@ -151,6 +206,7 @@ def block_loss_sums(
     smoothing: float = 0.5,
     top_k: int = RECALL_K,
     distill_loss: str = "kl",
+    budget: int = 32,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sum of w * loss, sum of w, hits (B,), tokens (B,), top-k hits (B,)) over the M counted block tokens.
 
@@ -168,6 +224,10 @@ def block_loss_sums(
       tree        the same weights with survival = 1 if the label is within the drafter's top `top_k`
                   at that position, else 0: a draft tree keeps a path alive while the target's token is
                   among the few candidates it expands at each depth, not only while it is the argmax.
+      frontier    (1 - smoothing) * frontier_weights + smoothing * the decayed weights, normalised by the
+                  number of blocks: the gradient of a soft count of the label prefixes that the drafter's
+                  own best-first tree of `budget` nodes holds, with the published weights as a floor for
+                  blocks whose labels are far outside the tree.
     """
     if objective not in OBJECTIVES:
         raise ValueError(f"objective {objective!r}: choose one of {', '.join(OBJECTIVES)}")
@@ -198,7 +258,11 @@ def block_loss_sums(
         hits, tokens = position_hit_counts(detached, chunk_targets, chunk_positions, block_size)
         top_hits = torch.zeros(block_size, dtype=torch.long, device=chunk_targets.device)
         top_hits.index_add_(0, chunk_positions, (rank < top_k).long())
-        return token_loss, rank, hits, tokens, top_hits
+        best = detached[:, :0]
+        if objective == "frontier":  # (m, 1 + K): log q(label), then the K best log-probabilities
+            top = detached.topk(min(budget, detached.shape[1]), dim=-1).values
+            best = torch.cat([label_logit, top], dim=1) - torch.logsumexp(detached, dim=-1, keepdim=True)
+        return token_loss, rank, hits, tokens, top_hits, best
 
     chunk = chunk_size or max(1, rows.shape[0])
     parts = []
@@ -217,13 +281,23 @@ def block_loss_sums(
         token_weight = weights[positions]  # (M,)
         total = token_weight.sum()
     else:
-        survival = torch.exp(-token_loss.detach()) if objective == "dpace" else (rank < top_k).float()
-        grid = torch.zeros(flat_labels.shape[0], device=hidden.device)
-        grid[counted] = survival
         mask = torch.zeros(flat_labels.shape[0], dtype=torch.bool, device=hidden.device)
         mask[counted] = True
-        grid_weights = expected_length_weights(grid.view(-1, block_size), mask.view(-1, block_size), smoothing)
+        mask = mask.view(-1, block_size)  # (N, B)
+        grid = torch.zeros(flat_labels.shape[0], device=hidden.device)
+        if objective == "frontier":
+            scores = torch.cat([p[5] for p in parts])  # (M, 1 + K)
+            grid[counted] = scores[:, 0]
+            best = torch.full((flat_labels.shape[0], scores.shape[1] - 1), float("-inf"), device=hidden.device)
+            best[counted] = scores[:, 1:]
+            best = best.view(*mask.shape, -1)  # (N, B, K)
+            best[..., 0] = torch.where(mask.long().cumsum(dim=1) == 0, 0.0, best[..., 0])  # given: passed through
+            tree = frontier_weights(grid.view(mask.shape), best, mask, budget)
+            grid_weights = (1 - smoothing) * tree + smoothing * torch.where(mask, weights, 0.0)
+        else:
+            grid[counted] = torch.exp(-token_loss.detach()) if objective == "dpace" else (rank < top_k).float()
+            grid_weights = expected_length_weights(grid.view(mask.shape), mask, smoothing)
         token_weight = grid_weights.flatten()[counted]  # (M,)
         # Normalised by the blocks that have a label (not by the weights' sum, which would undo the weighting).
-        total = mask.view(-1, block_size).any(dim=1).sum().float()
+        total = mask.any(dim=1).sum().float()
     return (token_loss * token_weight).sum(), total, hits, tokens, top_hits

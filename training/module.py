@@ -146,9 +146,11 @@ class DistillModule(L.LightningModule):
         gamma: float = 7.0,  # loss decay over block positions (published: 7 for B=16, 5 for B=10)
         distill_weight: float = 0.0,  # > 0: mix in a loss against the target's full distribution (loss.py)
         distill_loss: str = "kl",  # that loss: kl (cross-entropy to the target's softmax) or lk (-log acceptance rate)
-        objective: str = "decayed_ce",  # training loss weights: decayed_ce (published), dpace or tree (loss.py)
-        objective_smoothing: float = 0.5,  # dpace/tree: survival s -> (1 - a) s + a (D-PACE's a)
+        objective: str = "decayed_ce",  # training loss weights: decayed_ce (published), dpace, tree or frontier (loss.py)
+        objective_smoothing: float = 0.5,  # dpace/tree: survival s -> (1 - a) s + a (D-PACE's a); frontier: the
+        #                                    share of the decayed weights mixed in
         objective_top_k: int = 4,  # tree: a label within the drafter's top k at a depth keeps the path alive
+        objective_budget: int = 32,  # frontier: the nodes of the draft tree whose frontier the weights follow
         redraft_prob: float = 0.0,  # share of training blocks given their first draft token (for --redraft decoding)
         lookup: int = 0,  # decoders graft this many context-lookup tokens into every tree by default (`--lookup`)
         corpus: bool = False,  # ship the training replies with the drafter: decoders graft from them (`--corpus`)
@@ -178,9 +180,10 @@ class DistillModule(L.LightningModule):
         if not 0 <= dropout < 1:
             raise DDTreeError(f"model.dropout={dropout} must be in [0, 1): the share of the drafter's activations "
                               "zeroed in training (0 = none)")
-        if not 0 <= objective_smoothing <= 1 or objective_top_k < 1:
-            raise DDTreeError(f"model.objective_smoothing={objective_smoothing} must be in [0, 1] and "
-                              f"model.objective_top_k={objective_top_k} at least 1")
+        if not 0 <= objective_smoothing <= 1 or objective_top_k < 1 or objective_budget < 1:
+            raise DDTreeError(f"model.objective_smoothing={objective_smoothing} must be in [0, 1], and "
+                              f"model.objective_top_k={objective_top_k} and model.objective_budget={objective_budget} "
+                              "at least 1")
         self.drafter: nn.Module | None = None  # built in configure_model
         self._compiled_drafter = None  # compile=True: torch.compile's wrapper of it (see training_drafter)
         self._target: FrozenTarget | None = None
@@ -437,7 +440,7 @@ class DistillModule(L.LightningModule):
         weighted, weight_total, hits, tokens, top_hits = block_loss_sums(
             hidden, labels, lm_head, weights, hp.loss_chunk_size,
             teacher_hidden, hp.distill_weight if distill else 0.0, objective, hp.objective_smoothing,
-            hp.objective_top_k, hp.distill_loss,
+            hp.objective_top_k, hp.distill_loss, hp.objective_budget,
         )
         return StepResult(weighted / weight_total.clamp_min(1e-8), weighted, weight_total, hits, tokens, top_hits,
                           target_seconds)

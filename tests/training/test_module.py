@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader
 
 from ddtree.modeling_dflash import DFlashDraftModel, fuse_target_features
 from ddtree.errors import DDTreeError
+from ddtree.tree import build_tree
 from training.checkpoints import drafter_from_checkpoint
 from training.export import export_drafter
 from training.loss import (
@@ -24,8 +25,10 @@ from training.loss import (
     block_position_weights,
     chain_acceptance,
     expected_length_weights,
+    frontier_weights,
     position_hit_counts,
     teacher_states,
+    tree_thresholds,
 )
 from training.masks import (
     IGNORE_INDEX,
@@ -637,6 +640,74 @@ def test_acceptance_objectives_weight_tokens_by_expected_length_and_normalise_by
     plain = block_loss_sums(hidden, labels, lm_head, weights, top_k=2)
     assert not torch.allclose(weighted / total, plain[0] / plain[1])  # a different loss, same metrics
     assert torch.equal(plain[2], hits) and torch.equal(plain[4], top_hits)
+
+
+@pytest.mark.parametrize("budget", [1, 5, 12])
+def test_tree_thresholds_are_the_least_node_of_the_decoders_best_first_tree(budget):
+    # The threshold frontier weights use in training is the smallest path log-probability in the tree that
+    # decoding's heap (ddtree.tree.build_tree) builds from the same rows; a 3-token vocabulary makes it exact.
+    generator = torch.Generator().manual_seed(budget)
+    logits = torch.randn(2, 4, 3, generator=generator)  # (N blocks, B positions, V); position 0 is the anchor
+    log_probs = torch.log_softmax(logits, dim=-1)
+    top = log_probs.topk(3, dim=-1).values
+    top[:, 0] = torch.tensor([0.0, float("-inf"), float("-inf")])  # the anchor is passed through
+    drafted = torch.tensor([[False, True, True, True]] * 2)
+    thresholds = tree_thresholds(top, drafted, budget)
+    for block in range(2):
+        tree = build_tree(logits[block, 1:], budget)
+        assert len(tree.log_probs) == budget
+        assert thresholds[block].item() == pytest.approx(min(tree.log_probs), abs=1e-5)
+    assert tree_thresholds(top, drafted, 40).isneginf().all()  # 39 possible nodes: every prefix is in the tree
+
+
+def test_frontier_weights_are_suffix_sums_of_the_soft_tree_count_slope():
+    # One block of 3 drafted positions; its tree threshold is fixed by the K-best rows below.
+    label_log_probs = torch.tensor([[0.0, -0.5, -1.0, -2.0]])
+    counted = torch.tensor([[False, True, True, True]])
+    top = torch.full((1, 4, 2), float("-inf"))
+    top[0, 0, 0] = 0.0
+    top[0, 1:] = torch.tensor([-0.1, -3.0])  # best paths: -0.1, -0.2, -0.3, then -3.0 ...: budget 3 -> t = -0.3
+    weights = frontier_weights(label_log_probs, top, counted, budget=3)
+    path = torch.tensor([-0.5, -1.5, -3.5])  # L_k of the labels
+    z = path + 0.3
+    slope = torch.sigmoid(z) * torch.sigmoid(-z)
+    assert torch.allclose(weights[0, 1:], slope.flip(0).cumsum(0).flip(0))
+    assert weights[0, 0] == 0
+    # A re-draft block: position 1 is given (no label); the path passes through it at log 1.
+    given = frontier_weights(torch.tensor([[0.0, 0.0, -0.5, -1.0]]), torch.cat([top[:, :1], top[:, :1], top[:, 2:]], 1),
+                             torch.tensor([[False, False, True, True]]), budget=3)
+    z = torch.tensor([-0.5, -1.5]) - (-3.0)  # nodes -0.1, -0.2, then -3.0 (the third): t = -3.0
+    slope = torch.sigmoid(z) * torch.sigmoid(-z)
+    assert torch.allclose(given[0, 2:], slope.flip(0).cumsum(0).flip(0)) and (given[0, :2] == 0).all()
+
+
+def test_frontier_objective_mixes_the_tree_slope_with_the_decayed_weights():
+    hidden, labels, lm_head = block_loss_case()
+    weights = block_position_weights(4, gamma=4.0)
+    weighted, total, hits, tokens, top_hits = block_loss_sums(hidden, labels, lm_head, weights, objective="frontier",
+                                                              smoothing=0.25, budget=6)
+    logits = lm_head(hidden.flatten(0, 1)).detach()  # (S*n*B, V)
+    flat = labels.flatten()
+    counted = flat != IGNORE_INDEX
+    log_q = torch.log_softmax(logits, dim=-1)
+    label_log_probs = log_q.gather(1, flat.clamp_min(0)[:, None])[:, 0].view(-1, 4)
+    top = log_q.topk(6, dim=-1).values.view(-1, 4, 6)
+    top[:, 0] = torch.tensor([0.0] + [float("-inf")] * 5)
+    top[~counted.view(-1, 4)] = torch.tensor([0.0] + [float("-inf")] * 5)  # the anchor; the cut block's tail:
+    top[5, 2:] = float("-inf")  # past the reply, no rows
+    tree = frontier_weights(label_log_probs, top, counted.view(-1, 4), 6)
+    expected = (0.75 * tree + 0.25 * torch.where(counted.view(-1, 4), weights, 0.0)).flatten()
+    token_ce = torch.zeros(flat.shape)
+    token_ce[counted] = F.cross_entropy(logits[counted], flat[counted], reduction="none")
+    assert torch.allclose(weighted, (token_ce * expected).sum(), atol=1e-5)
+    assert total == 6 and tree.abs().sum() > 0
+    (grad,) = torch.autograd.grad(weighted / total, hidden)
+    assert torch.isfinite(grad).all() and grad.abs().sum() > 0
+    chunked = block_loss_sums(hidden, labels, lm_head, weights, chunk_size=5, objective="frontier", smoothing=0.25,
+                              budget=6)
+    assert torch.allclose(chunked[0], weighted, atol=1e-5)
+    small = block_loss_sums(hidden, labels, lm_head, weights, objective="frontier", budget=500)  # budget > vocab 13
+    assert torch.isfinite(small[0])
 
 
 def test_an_unknown_objective_is_one_line():

@@ -27,7 +27,8 @@ target's whole next-token distribution p at the same position (`teacher_states`)
 At distill_weight 0 none of it runs.
 
 Objectives (model.objective, `block_loss_sums`): the published decayed cross-entropy, D-PACE's
-expected-length weights, and `tree`, the same weights with a draft tree's survival rule.
+expected-length weights, `tree`, the same weights with a draft tree's survival rule, and `frontier`,
+the slope of a soft count of the label prefixes inside the drafter's own best-first tree.
 
 Calibration (model.calibrate) fits draft temperatures on replayed decoding rounds: training/replay.py.
 """

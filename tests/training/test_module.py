@@ -255,6 +255,17 @@ def test_redraft_training_changes_the_train_loss_only_and_validates_plain_blocks
         tiny_module(redraft_prob=1.0)
 
 
+@pytest.mark.parametrize("objective", ["dpace", "tree", "frontier"])
+def test_acceptance_objectives_train_re_draft_blocks(objective):
+    module = tiny_module(objective=objective, redraft_prob=0.5, objective_budget=8)
+    result = module.shared_step(synthetic_batch(), 0, "train")
+    result.loss.backward()
+    assert torch.isfinite(result.loss) and result.loss > 0
+    assert all(torch.isfinite(p.grad).all() for p in module.drafter.parameters() if p.grad is not None)
+    with pytest.raises(DDTreeError, match="model.objective_budget=0"):
+        tiny_module(objective=objective, objective_budget=0)
+
+
 def test_dropout_acts_in_training_mode_only_and_is_not_saved():
     plain, dropped = plain_and_variant(dropout=0.5)
     batch = synthetic_batch()

@@ -14,22 +14,24 @@ def test_two_variants_of_the_tiny_recipe_are_trained_measured_and_compared(tmp_p
     data = toy_data.write_conversations(tmp_path / "conversations.jsonl", 24, 30, 60)
     status = main([
         "--recipe", "tiny", "--steps", "3", "--eval-limit", "1", "--eval-max-new-tokens", "4",
-        "--output-root", str(tmp_path / "out"), "--variant", "plain=", "--variant", "tree=--model.objective=tree",
+        "--output-root", str(tmp_path / "out"), "--variant", "plain=", "--variant",
+        "frontier=--model.objective=frontier --model.redraft_prob=0.5",
         f"--data.data_path={data}", f"--data.cache_dir={tmp_path / 'cache'}", "--data.batch_size=2",
         "--data.val_fraction=0.2", "--trainer.enable_progress_bar=false",
     ])
     assert status == 0
     out = capsys.readouterr().out
-    table = [line for line in out.splitlines() if line.startswith("| plain") or line.startswith("| tree")]
+    table = [line for line in out.splitlines() if line.startswith("| plain") or line.startswith("| frontier")]
     assert len(table) == 2
     results = json.loads(next((tmp_path / "out" / "tiny").glob("ablate-*.json")).read_text())
-    assert [r["variant"] for r in results] == ["plain", "tree"]
+    assert [r["variant"] for r in results] == ["plain", "frontier"]
     for r in results:
         assert r["step"] == 3 and r["val_loss"] is not None and len(r["recall"]) == 7  # block 8: depths 1..7
         assert set(r["tau"]) == {"4", "8", "16"} and all(tau >= 1 for tau in r["tau"].values())
     runs = {p.name.rsplit("-", 1)[1]: p for p in (tmp_path / "out" / "tiny").iterdir() if p.is_dir()}
     configs = {name: (run / "config.yaml").read_text() for name, run in runs.items()}
-    assert "objective: tree" in configs["tree"] and "objective: decayed_ce" in configs["plain"]
+    assert "objective: frontier" in configs["frontier"] and "redraft_prob: 0.5" in configs["frontier"]
+    assert "objective: decayed_ce" in configs["plain"]
     assert next((tmp_path / "out" / "tiny").glob("ablate-*.png")).stat().st_size > 0
 
 

@@ -11,8 +11,8 @@ drafter then graft from it by default (DrafterRunner.default_corpus; `--corpus n
 A target repeats its own phrasing from answer to answer ("Here's an example of how you can use ..."). The index
 maps every run of `ngram` tokens in the replies to the continuation that followed it, token by token the one most
 of its occurrences took (majority_path), and a round grafts that continuation of the context's last `ngram`
-tokens as one more path of the tree, within the budget (ddtree.decoding.draft_tree). Like every draft, it only decides how much one target
-forward confirms; what is committed stays the target's own choice (README, Corpus lookup).
+tokens as one more path of the tree, within the budget (ddtree.decoding.draft_tree). Like every draft, it only
+decides how much one target forward confirms; what is committed stays the target's own choice (README, Corpus lookup).
 """
 
 from __future__ import annotations

@@ -108,6 +108,12 @@ DISTILL_LOSSES = ("kl", "lk")
 RECALL_K = 4  # the k of the top-k recall metric (and the default tree survival width)
 
 
+def given_positions(counted: torch.Tensor) -> torch.Tensor:
+    """(N, B) bool: the positions before each block's first label, which the drafter reads instead of drafting (the
+    anchor, and a re-draft block's given first token, model.redraft_prob); counted (N, B) bool."""
+    return counted.long().cumsum(dim=1) == 0
+
+
 def expected_length_weights(
     survival: torch.Tensor,  # (N, B) detached per-position survival in [0, 1]; position 0 (anchor) ignored
     counted: torch.Tensor,  # (N, B) bool, the positions with a label
@@ -122,7 +128,7 @@ def expected_length_weights(
     without a label before the first one with a label are given (the anchor, and a re-draft block's given
     first token, model.redraft_prob): they survive with 1, so the block's drafted tokens keep their weights.
     """
-    given = counted.long().cumsum(dim=1) == 0  # (N, B) before the block's first label
+    given = given_positions(counted)
     s = torch.where(counted, (1 - smoothing) * survival + smoothing, given.to(survival.dtype))
     prefix = torch.cumprod(s, dim=1)
     prefix = prefix.masked_fill(given, 0.0)  # a given token is not an accepted draft token
@@ -174,7 +180,7 @@ def frontier_weights(
     far outside it. Given positions (before the first label) add log 1; a position without a label after
     one ends the chain.
     """
-    given = counted.long().cumsum(dim=1) == 0
+    given = given_positions(counted)
     step = torch.where(counted, label_log_probs, torch.where(given, 0.0, float("-inf")))
     path = step.cumsum(dim=1)  # (N, B) L_k
     threshold = tree_thresholds(top_log_probs, counted, budget)  # (N,)
@@ -292,7 +298,7 @@ def block_loss_sums(
             best = torch.full((flat_labels.shape[0], scores.shape[1] - 1), float("-inf"), device=hidden.device)
             best[counted] = scores[:, 1:]
             best = best.view(*mask.shape, -1)  # (N, B, K)
-            best[..., 0] = torch.where(mask.long().cumsum(dim=1) == 0, 0.0, best[..., 0])  # given: passed through
+            best[..., 0] = torch.where(given_positions(mask), 0.0, best[..., 0])  # given: passed through
             tree = frontier_weights(grid.view(mask.shape), best, mask, budget)
             grid_weights = (1 - smoothing) * tree + smoothing * torch.where(mask, weights, 0.0)
         else:

@@ -137,7 +137,7 @@ def decoded_with(settings: dict) -> list[str]:
     if settings.get("lookup"):
         extras.append(f"{settings['lookup']} tokens of context lookup grafted into every tree (`--lookup`)")
     if settings.get("corpus"):
-        extras.append("the training replies' most frequent continuation grafted into every tree (corpus.safetensors, "
+        extras.append("the training replies' majority continuation grafted into every tree (corpus.safetensors, "
                       "shipped in this folder; `--corpus none` leaves it out)")
     return extras
 

@@ -58,7 +58,7 @@ def markdown_report(run_name: str, history: list[dict], settings: dict, eval_sec
         lines += [f"Every tree carries {settings['lookup']} tokens of context lookup (`eval.lookup`, `ddtree bench "
                   "--lookup`): its tau is the decoder's, not the drafter's alone; the chain is the drafter's.", ""]
     if settings.get("corpus"):
-        lines += ["Every tree also carries the training replies' most frequent continuation (`model.corpus`; the "
+        lines += ["Every tree also carries the training replies' majority continuation (`model.corpus`; the "
                   "drafter's exports ship them, `ddtree bench --corpus none` leaves them out).", ""]
     if settings.get("redraft"):
         lines += [f"Each round re-drafts behind the {settings['redraft']} best depth-1 tokens (`eval.redraft`, `ddtree "

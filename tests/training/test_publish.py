@@ -153,7 +153,7 @@ def test_bench_on_the_export_reproduces_the_evaluation_logged_for_that_checkpoin
     step = torch.load(run_dir / "checkpoints" / "best.ckpt", weights_only=False)["global_step"]
     logged = read_evaluation(run_dir, step)
     assert logged["settings"]["corpus"] is True  # the evaluation grafted the replies the export ships
-    assert "the training replies' most frequent continuation" in (run_dir / "report.md").read_text()
+    assert "the training replies' majority continuation" in (run_dir / "report.md").read_text()
     results = tmp_path / "bench.json"
     assert ddtree_main([
         "bench", "--target", "tiny-random", "--drafter", str(out), "--prompts", logged["settings"]["prompts"],
@@ -258,7 +258,7 @@ def test_card_says_what_the_decoder_added_and_that_engines_do_not_re_draft(run_d
     card = (tmp_path / "out" / "README.md").read_text()
     assert ("re-drafting behind the 4 most likely first tokens" in card
             and "7 tokens of context lookup grafted into every tree" in card
-            and "the training replies' most frequent continuation grafted into every tree" in card)
+            and "the training replies' majority continuation grafted into every tree" in card)
     serving = card[card.index("## Serving with vLLM and SGLang"):]
     chain = record["summary"]["dflash"]["tau"]
     assert f"| `ddtree --method dflash` | chain of 7 drafted tokens | {chain:.3f} |" in serving

@@ -134,6 +134,7 @@ class FeatureStore:
         self.dtype = parse_dtype(manifest["dtype"], f"{self.path / MANIFEST} dtype")
         self.lengths, self.tokenization_key = manifest["lengths"], manifest["tokenization_key"]
         self.final_hidden = bool(manifest["final_hidden"])
+        self.last_layer_normed = manifest.get("last_layer") == "normed"
         self.shards = manifest["shards"]
         self._first_sequences = [shard["first_sequence"] for shard in self.shards]
         self._open_shards: dict[int, tuple] = {}  # shard index -> (safe_open handle, offsets)
@@ -264,6 +265,9 @@ def build_feature_store(
         "data_path": datamodule.data_path, "tokenization_key": tokenization_key,
         "num_sequences": len(lengths), "total_tokens": sum(lengths),
         "final_hidden": final_hidden,
+        # The target's last layer is stored as decoding reads it, the decoder's normed output (training/target.py);
+        # stores without this key that hold it were built raw and are refused (DistillModule.check_feature_store).
+        **({"last_layer": "normed"} if num_layers - 1 in layer_ids else {}),
         "shards": plan_shards(lengths, row_width * itemsize, max_shard_bytes),
         "lengths": lengths,  # last: the long list, below what a reader looks for
     }

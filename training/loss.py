@@ -96,7 +96,8 @@ def draft_vocab_labels(labels: torch.Tensor, token_ids: torch.Tensor, vocab_size
     """Labels as indices into a draft vocabulary (token_ids (V',) of a vocab_size vocabulary): same shape as labels.
 
     A label outside the draft vocabulary becomes IGNORE_INDEX: the drafter can never propose it, so it
-    is left out of the loss and the metrics, and (for dpace and tree) ends its block's chain.
+    is left out of the loss and the metrics, and (for dpace, tree and frontier) ends its block's chain,
+    given the block's read positions from before this mapping (block_loss_sums' `read`).
     """
     lookup = torch.full((vocab_size,), IGNORE_INDEX, dtype=labels.dtype, device=labels.device)
     lookup[token_ids] = torch.arange(token_ids.shape[0], dtype=labels.dtype, device=labels.device)
@@ -109,15 +110,19 @@ RECALL_K = 4  # the k of the top-k recall metric (and the default tree survival 
 
 
 def given_positions(counted: torch.Tensor) -> torch.Tensor:
-    """(N, B) bool: the positions before each block's first label, which the drafter reads instead of drafting (the
-    anchor, and a re-draft block's given first token, model.redraft_prob); counted (N, B) bool."""
-    return counted.long().cumsum(dim=1) == 0
+    """(..., B) bool: the positions before each block's first label, which the drafter reads instead of drafting (the
+    anchor, and a re-draft block's given first token, model.redraft_prob); counted (..., B) bool.
+
+    Read from the data's labels, before a draft vocabulary drops some: a dropped first label would read as
+    given (block_loss_sums' `read`)."""
+    return counted.long().cumsum(dim=-1) == 0
 
 
 def expected_length_weights(
     survival: torch.Tensor,  # (N, B) detached per-position survival in [0, 1]; position 0 (anchor) ignored
     counted: torch.Tensor,  # (N, B) bool, the positions with a label
     smoothing: float,
+    read: torch.Tensor | None = None,  # (N, B) bool, the given positions; None: given_positions(counted)
 ) -> torch.Tensor:
     """(N, B) weights sum_{j >= k} prod_{i <= j} s_i with s = (1 - a) * survival + a, 0 where not counted.
 
@@ -128,7 +133,7 @@ def expected_length_weights(
     without a label before the first one with a label are given (the anchor, and a re-draft block's given
     first token, model.redraft_prob): they survive with 1, so the block's drafted tokens keep their weights.
     """
-    given = given_positions(counted)
+    given = given_positions(counted) if read is None else read
     s = torch.where(counted, (1 - smoothing) * survival + smoothing, given.to(survival.dtype))
     prefix = torch.cumprod(s, dim=1)
     prefix = prefix.masked_fill(given, 0.0)  # a given token is not an accepted draft token
@@ -168,6 +173,7 @@ def frontier_weights(
     top_log_probs: torch.Tensor,  # (N, B, K) as for tree_thresholds
     counted: torch.Tensor,  # (N, B) bool, the positions with a label
     budget: int,
+    read: torch.Tensor | None = None,  # (N, B) bool, the given positions; None: given_positions(counted)
 ) -> torch.Tensor:
     """(N, B) position k's share of the gradient of a soft count of the label prefixes the drafter's own draft
     tree of `budget` nodes holds; 0 where not counted.
@@ -180,7 +186,7 @@ def frontier_weights(
     far outside it. Given positions (before the first label) add log 1; a position without a label after
     one ends the chain.
     """
-    given = given_positions(counted)
+    given = given_positions(counted) if read is None else read
     step = torch.where(counted, label_log_probs, torch.where(given, 0.0, float("-inf")))
     path = step.cumsum(dim=1)  # (N, B) L_k
     threshold = tree_thresholds(top_log_probs, counted, budget)  # (N,)
@@ -214,6 +220,7 @@ def block_loss_sums(
     top_k: int = RECALL_K,
     distill_loss: str = "kl",
     budget: int = 32,
+    read: torch.Tensor | None = None,  # (S, n, B) bool: positions read, not drafted; None: before the first label
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sum of w * loss, sum of w, hits (B,), tokens (B,), top-k hits (B,)) over the M counted block tokens.
 
@@ -235,6 +242,9 @@ def block_loss_sums(
                   number of blocks: the gradient of a soft count of the label prefixes that the drafter's
                   own best-first tree of `budget` nodes holds, with the published weights as a floor for
                   blocks whose labels are far outside the tree.
+    `read` marks the positions each block reads instead of drafting (the anchor, a re-draft block's given
+    token): given_positions of the labels before a draft vocabulary dropped some. None infers them from
+    `labels`, which reads a first label outside the draft vocabulary as given instead of ending the chain.
     """
     if objective not in OBJECTIVES:
         raise ValueError(f"objective {objective!r}: choose one of {', '.join(OBJECTIVES)}")
@@ -273,7 +283,7 @@ def block_loss_sums(
 
     chunk = chunk_size or max(1, rows.shape[0])
     parts = []
-    for start in range(0, rows.shape[0], chunk):
+    for start in range(0, max(1, rows.shape[0]), chunk):  # one empty chunk where no row is counted: sums of 0
         part = slice(start, start + chunk)
         args = (rows[part], teacher_rows[part], targets[part], positions[part])
         if chunk_size and torch.is_grad_enabled():
@@ -291,6 +301,7 @@ def block_loss_sums(
         mask = torch.zeros(flat_labels.shape[0], dtype=torch.bool, device=hidden.device)
         mask[counted] = True
         mask = mask.view(-1, block_size)  # (N, B)
+        given = given_positions(mask) if read is None else read.reshape(-1, block_size)
         grid = torch.zeros(flat_labels.shape[0], device=hidden.device)
         if objective == "frontier":
             scores = torch.cat([p[5] for p in parts])  # (M, 1 + K)
@@ -298,12 +309,12 @@ def block_loss_sums(
             best = torch.full((flat_labels.shape[0], scores.shape[1] - 1), float("-inf"), device=hidden.device)
             best[counted] = scores[:, 1:]
             best = best.view(*mask.shape, -1)  # (N, B, K)
-            best[..., 0] = torch.where(given_positions(mask), 0.0, best[..., 0])  # given: passed through
-            tree = frontier_weights(grid.view(mask.shape), best, mask, budget)
+            best[..., 0] = torch.where(given, 0.0, best[..., 0])  # given: passed through
+            tree = frontier_weights(grid.view(mask.shape), best, mask, budget, given)
             grid_weights = (1 - smoothing) * tree + smoothing * torch.where(mask, weights, 0.0)
         else:
             grid[counted] = torch.exp(-token_loss.detach()) if objective == "dpace" else (rank < top_k).float()
-            grid_weights = expected_length_weights(grid.view(mask.shape), mask, smoothing)
+            grid_weights = expected_length_weights(grid.view(mask.shape), mask, smoothing, given)
         token_weight = grid_weights.flatten()[counted]  # (M,)
         # Normalised by the blocks that have a label (not by the weights' sum, which would undo the weighting).
         total = mask.any(dim=1).sum().float()

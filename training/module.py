@@ -55,11 +55,11 @@ from ddtree.targets import build_drafter_config
 from .data import reply_vocabulary
 from .loss import (
     DISTILL_LOSSES, OBJECTIVES, RECALL_K, block_loss_sums, block_position_weights, chain_acceptance, draft_vocab_labels,
-    teacher_states,
+    given_positions, teacher_states,
 )
 from .masks import (
-    block_input_ids, block_labels, block_position_ids, dense_block_mask, flex_block_mask, given_labels, pad_for_flex,
-    sample_anchors, sample_given,
+    IGNORE_INDEX, block_input_ids, block_labels, block_position_ids, dense_block_mask, flex_block_mask, given_labels,
+    pad_for_flex, sample_anchors, sample_given,
 )
 from .peft_utils import DEFAULT_LORA_MODULES, add_drafter_lora
 from .replay import RoundNLL, replay_reply, reply_span
@@ -320,7 +320,13 @@ class DistillModule(L.LightningModule):
                               f"{store.target_adapter}), this run's is {hp.target} (adapter {hp.target_adapter}): "
                               "rebuild it with `make features RECIPE=<recipe>` and --force (FORCE=1)")
         layer_ids = list(self.drafter_config.target_layer_ids)
-        width = len(layer_ids) * self.target.config.get_text_config().hidden_size
+        text_config = self.target.config.get_text_config()
+        last = text_config.num_hidden_layers - 1
+        if last in store.layer_ids and not store.last_layer_normed:
+            raise DDTreeError(f"feature store {store.path} holds target layer {last}, the last, as the layer's raw "
+                              "output; decoding reads it normed (the decoder's final output), as training now does: "
+                              "rebuild it with `make features RECIPE=<recipe>` and --force (FORCE=1)")
+        width = len(layer_ids) * text_config.hidden_size
         if store.layer_ids != layer_ids or store.width != width:
             raise DDTreeError(f"feature store {store.path} holds target layers {store.layer_ids} ({store.width} features "
                               f"per token), the drafter reads layers {layer_ids} ({width}): set model.target_layer_ids="
@@ -433,6 +439,9 @@ class DistillModule(L.LightningModule):
         objective = hp.objective if stage == "train" else "decayed_ce"
         lm_head = self.target.get_output_embeddings()
         draft_head = self.base_drafter().draft_head(lm_head)
+        # The positions each block reads (anchor, given tokens), from the labels before the draft vocabulary drops
+        # some: a first label outside it ends the block's chain, it is not given.
+        read = given_positions(labels != IGNORE_INDEX)
         if draft_head is not None:  # logits over the draft vocabulary only; labels outside it are not counted
             token_ids, rows = draft_head
             labels = draft_vocab_labels(labels, token_ids, lm_head.weight.shape[0])
@@ -440,7 +449,7 @@ class DistillModule(L.LightningModule):
         weighted, weight_total, hits, tokens, top_hits = block_loss_sums(
             hidden, labels, lm_head, weights, hp.loss_chunk_size,
             teacher_hidden, hp.distill_weight if distill else 0.0, objective, hp.objective_smoothing,
-            hp.objective_top_k, hp.distill_loss, hp.objective_budget,
+            hp.objective_top_k, hp.distill_loss, hp.objective_budget, read,
         )
         return StepResult(weighted / weight_total.clamp_min(1e-8), weighted, weight_total, hits, tokens, top_hits,
                           target_seconds)

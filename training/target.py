@@ -55,20 +55,23 @@ def target_layer_features(
     """Hidden states of the chosen target layers, concatenated: (S, T) -> (S, T, K*H).
 
     Layer id l is the output of decoder layer l (hidden_states[l + 1] of a full forward), the same
-    features `fuse_target_features` builds at inference. Layers past max(layer_ids) and the LM head
-    never run, unless final_hidden=True: then the whole decoder runs and its final (normed) hidden
-    states (S, T, H) come back too, as (features, final), for soft targets through the LM head.
+    features `fuse_target_features` builds at inference. The last layer's entry there is the decoder's
+    final normed output (transformers hands out hidden_states[-1] so), so the last layer is read so here
+    too. Layers past max(layer_ids) and the LM head never run, unless final_hidden=True: then the whole
+    decoder runs and its final (normed) hidden states (S, T, H) come back too, as (features, final), for
+    soft targets through the LM head.
     No attention mask is passed: batches are right-padded and attention is causal, so no real token
     ever sees padding (and SDPA keeps its causal fast path).
     """
     decoder = target.get_decoder()
     captured: dict[int, torch.Tensor] = {}
-    deepest = max(layer_ids)
+    deepest, last = max(layer_ids), len(decoder.layers) - 1
+    whole = final_hidden or deepest == last  # the last layer's features are the decoder's normed output
 
     def capture(layer_id: int):
         def hook(module, args, output):
             captured[layer_id] = output[0] if isinstance(output, tuple) else output
-            if layer_id == deepest and not final_hidden:
+            if layer_id == deepest and not whole:
                 raise _EnoughLayers
 
         return hook
@@ -85,5 +88,7 @@ def target_layer_features(
     finally:
         for handle in handles:
             handle.remove()
+    if deepest == last:
+        captured[last] = output.last_hidden_state
     features = torch.cat([captured[i] for i in layer_ids], dim=-1)
     return (features, output.last_hidden_state) if final_hidden else features

@@ -34,6 +34,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 from ddtree.errors import DDTreeError, command
 
 from . import target as target_loading
+from .flops import recipe_step_flops
 from .module import DistillModule
 from .recipe import check_recipe_name, read_recipe, recipe_path
 from .target import target_layer_features
@@ -210,11 +211,17 @@ def main(argv: list[str] | None = None) -> int:
                                             f"{label:>10}: step")
         offline_seconds, offline_peak = time_call(lambda: training_step(offline_batch), args.repeats, args.warmup, device,
                                                   f"{label:>10}: step from features")
+        # What each side computes (training/flops.py): the ratio a step would have at equal efficiency, and the
+        # rate each side reached, which tells a launch-bound side from a compute-bound one.
+        flops = recipe_step_flops(module.target.config, {**settings, "target_layer_ids": module.target_layer_ids},
+                                  length, cuda=device.type == "cuda")
         print(
             f"{label:>10}: target forward {target_seconds:.3f} s, training step {step_seconds:.3f} s"
             f"{gigabytes(step_peak)}, ratio {step_seconds / target_seconds:.2f}, {tokens / step_seconds:.0f} target "
             f"tokens/s; offline step {offline_seconds:.3f} s{gigabytes(offline_peak)}, "
-            f"{tokens / offline_seconds:.0f} tokens/s",
+            f"{tokens / offline_seconds:.0f} tokens/s; FLOP ratio {flops.ratio:.2f}, target "
+            f"{batch_size * flops.full_target / target_seconds / 1e12:.3g} TFLOP/s, step "
+            f"{batch_size * flops.total / step_seconds / 1e12:.3g} TFLOP/s",
             flush=True,
         )
     return 0

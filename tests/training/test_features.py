@@ -214,6 +214,27 @@ def test_store_of_other_layers_or_with_soft_targets_stops_the_fit(tmp_path):
     assert "distill_weight" in one_line(error.value)
 
 
+def test_a_store_of_the_last_layer_holds_it_normed_and_an_older_raw_one_is_refused(tmp_path):
+    """Decoding reads the target's last layer as the decoder's normed output (training/target.py)."""
+    layer_ids = [1, 5]  # the tiny target has 6 layers
+    path = build_feature_store(make_datamodule(tmp_path), tmp_path / "store", layer_ids=layer_ids, dtype=torch.float32)
+    store = FeatureStore(path)
+    module = tiny_module(target_layer_ids=layer_ids)
+    data, _, _ = make_datamodule(tmp_path).load_tokenized()
+    with torch.no_grad():
+        hidden_states = module.target(data[0]["input_ids"][None], output_hidden_states=True).hidden_states
+    assert store.last_layer_normed  # recorded in the manifest
+    assert torch.allclose(store[0][:, HIDDEN:], hidden_states[-1][0], atol=1e-5)  # layer 5: the normed output
+    module.check_feature_store(store)  # accepted
+    manifest = json.loads((path / "store.json").read_text())
+    del manifest["last_layer"]  # as stores were built before
+    (path / "store.json").write_text(json.dumps(manifest))
+    with pytest.raises(DDTreeError) as error:
+        module.check_feature_store(FeatureStore(path))
+    message = one_line(error.value)
+    assert str(path) in message and "layer 5, the last" in message and "--force" in message
+
+
 def test_a_missing_or_unfinished_store_says_how_to_build_it(tmp_path):
     with pytest.raises(DDTreeError) as error:
         FeatureStore(tmp_path / "nowhere")

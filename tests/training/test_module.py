@@ -24,8 +24,10 @@ from training.loss import (
     block_loss_sums,
     block_position_weights,
     chain_acceptance,
+    draft_vocab_labels,
     expected_length_weights,
     frontier_weights,
+    given_positions,
     position_hit_counts,
     teacher_states,
     tree_thresholds,
@@ -345,6 +347,9 @@ def test_target_features_match_inference_and_skip_the_deeper_layers(module):
     with torch.no_grad():
         hidden_states = module.target(batch["input_ids"], output_hidden_states=True).hidden_states
     assert torch.allclose(features, fuse_target_features(hidden_states, [4, 0, 2]), atol=1e-6)
+    # The last layer's entry at inference is the decoder's normed output, not the layer's raw one: read the same.
+    last = target_layer_features(module.target, batch["input_ids"], [1, 5])
+    assert torch.allclose(last, fuse_target_features(hidden_states, [1, 5]), atol=1e-6)
 
 
 # ----------------------------------------------------------------------------- the module
@@ -627,6 +632,38 @@ def test_expected_length_weights_keep_a_redraft_blocks_drafted_tokens():
     assert torch.allclose(given, torch.tensor([[0.0, 0.0, 0.75, 0.25]]))
     ended = expected_length_weights(survival, torch.tensor([[False, True, False, True]]), smoothing=0.0)
     assert torch.allclose(ended, torch.tensor([[0.0, 0.0, 0.0, 0.0]]))  # survival 0 at 1, then the chain ends
+
+
+@pytest.mark.parametrize("objective", ["dpace", "tree", "frontier"])
+def test_a_first_label_outside_the_draft_vocabulary_ends_the_chain_it_is_not_given(objective):
+    """The drafter can never propose a token outside its vocabulary, so nothing after it is accepted: the read
+    positions come from the labels before the vocabulary drops that one (shared_step), not after."""
+    token_ids = torch.arange(8)  # a draft vocabulary of ids 0-7 in a vocabulary of 10
+    labels = torch.tensor([[[IGNORE_INDEX, 9, 3, 4, 5], [IGNORE_INDEX, 2, 9, 4, 5]]])  # (1, 2, 5): 9 is outside
+    mapped = draft_vocab_labels(labels, token_ids, 10)
+    torch.manual_seed(0)
+    head = torch.nn.Linear(4, 8, bias=False)
+    hidden = torch.randn(1, 10, 4, requires_grad=True)
+    weighted, *_ = block_loss_sums(hidden, mapped, head, block_position_weights(5, 7.0), objective=objective,
+                                   smoothing=0.0, top_k=8, budget=4, read=given_positions(labels != IGNORE_INDEX))
+    (grad,) = torch.autograd.grad(weighted, hidden)
+    per_position = grad[0].norm(dim=-1).view(2, 5)
+    assert torch.equal(per_position[0], torch.zeros(5))  # block A: its chain ends at position 1
+    assert per_position[1, 1] > 0 and torch.equal(per_position[1, 2:], torch.zeros(3))  # block B: at position 2
+
+
+@pytest.mark.parametrize("objective", ["decayed_ce", "dpace", "frontier"])
+@pytest.mark.parametrize("chunk_size", [None, 2])
+def test_a_batch_whose_blocks_have_no_label_gives_zero_sums_not_an_error(objective, chunk_size):
+    """Every block given its one label (num_anchors 1, redraft_prob), or every label outside a draft vocabulary."""
+    head = torch.nn.Linear(4, 10, bias=False)
+    hidden = torch.randn(1, 8, 4, requires_grad=True)
+    labels = torch.full((1, 2, 4), IGNORE_INDEX)
+    weighted, total, hits, tokens, top_hits = block_loss_sums(hidden, labels, head, block_position_weights(4, 4.0),
+                                                              chunk_size=chunk_size, objective=objective)
+    assert weighted.item() == total.item() == 0 and tokens.sum() == hits.sum() == top_hits.sum() == 0
+    (weighted / total.clamp_min(1e-8)).backward()  # as shared_step divides: a step that changes nothing
+    assert torch.equal(hidden.grad, torch.zeros_like(hidden))
 
 
 @pytest.mark.parametrize("objective", ["dpace", "tree"])

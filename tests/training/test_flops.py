@@ -1,0 +1,91 @@
+"""The FLOP model of a training step (training/flops.py) against torch's own FLOP counter.
+
+On the CPU the attention kernels SDPA picks are not in torch's counter, so the counter sees the matmuls
+alone: those are compared exactly (to rounding of the rotary embedding's small matmul), and the
+attention term's key count is checked against the training mask itself.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from training.flops import Widths, main, mean_keys_per_query, step_flops
+from training.masks import dense_block_mask, sample_anchors
+from training.module import DistillModule
+from training.target import target_layer_features
+
+LAYER_IDS = [0, 2, 4]
+
+
+def tiny_module(**overrides) -> DistillModule:
+    settings = dict(target="tiny-random", num_layers=2, block_size=4, target_layer_ids=LAYER_IDS, num_anchors=5,
+                    gamma=4.0, target_dtype="float32")
+    module = DistillModule(**{**settings, **overrides})
+    module.configure_model()
+    return module
+
+
+def batch(length: int, prompt: int = 10, sequences: int = 2, vocab: int = 900) -> dict:
+    """Tokens 100..100+vocab: with a draft vocabulary of those ids every label is counted."""
+    input_ids = torch.randint(100, 100 + vocab, (sequences, length), generator=torch.Generator().manual_seed(0))
+    loss_mask = torch.ones_like(input_ids, dtype=torch.bool)
+    loss_mask[:, :prompt] = False
+    return {"input_ids": input_ids, "loss_mask": loss_mask}
+
+
+def counted(fn) -> int:
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("draft_vocab_size, loss_chunk_size", [(None, None), (64, 8)])
+def test_the_step_matmuls_are_what_the_model_counts(draft_vocab_size, loss_chunk_size, monkeypatch):
+    torch.manual_seed(0)
+    # Training picks the draft vocabulary from its data; the count depends on its size alone.
+    monkeypatch.setattr(DistillModule, "_training_reply_vocabulary", lambda self, vocab_size: list(range(100, 100 + self.hparams.draft_vocab_size)))
+    module = tiny_module(draft_vocab_size=draft_vocab_size, loss_chunk_size=loss_chunk_size)
+    step_batch = batch(length=40, vocab=draft_vocab_size or 900)
+    sequences, length = step_batch["input_ids"].shape
+    target_config = module.target.config
+    widths = Widths.of(target_config)
+
+    target_counted = counted(lambda: target_layer_features(module.target, step_batch["input_ids"], LAYER_IDS))
+    forward = {}
+    forward_counted = counted(lambda: forward.setdefault("loss", module.shared_step(step_batch, 0, "train").loss))
+    backward_counted = counted(lambda: forward["loss"].backward())
+
+    model = step_flops(
+        widths, Widths.of(module.drafter.config), length=length, width=length, blocks=5, block_size=4,
+        drafter_layers=2, feature_layers=len(LAYER_IDS), read_depth=max(LAYER_IDS) + 1,
+        target_layers=target_config.num_hidden_layers,
+        head_rows=draft_vocab_size or target_config.vocab_size, keys_per_query=0.0,
+        loss_chunked=loss_chunk_size is not None,
+    )
+    read_matmuls = (max(LAYER_IDS) + 1) * widths.layer_matmuls(length)  # attention is not in the CPU count
+    assert target_counted == pytest.approx(sequences * read_matmuls, rel=1e-3)
+    drafter_forward = forward_counted - target_counted  # the step runs the same target forward first
+    assert drafter_forward == pytest.approx(sequences * model.drafter_forward, rel=5e-3)
+    assert backward_counted == pytest.approx(sequences * model.backward, rel=5e-3)
+
+
+def test_the_mean_key_count_is_the_training_masks():
+    """Anchors uniform over the reply: each block query sees its anchor's context and its own block."""
+    length, prompt, block_size, anchors = 300, 60, 16, 32
+    step_batch = batch(length, prompt, sequences=1)
+    seen, generator = [], torch.Generator().manual_seed(0)
+    for _ in range(1000):  # 32000 anchors: the mean's standard error is 0.4 keys
+        drawn, _ = sample_anchors(step_batch["loss_mask"], anchors, generator)
+        mask = dense_block_mask(drawn, length, block_size)
+        seen.append(mask.sum().item() / mask.shape[2])
+    assert sum(seen) / len(seen) == pytest.approx(mean_keys_per_query(length, block_size, prompt), rel=0.01)
+
+
+def test_the_published_settings_put_the_step_above_two_target_forwards(capsys):
+    """qwen3-8b's recipe at 512 anchors x 16: the drafter reads 8192 block rows against the target's 3072."""
+    assert main(["--recipe", "qwen3-8b", "--anchors", "128", "--draft-vocab", "32768"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "case" not in line]
+    ratios = [float(line.rsplit("|", 2)[1]) for line in lines]
+    assert len(ratios) == 3 and ratios[0] > 2 and ratios[1] < ratios[0] and ratios[2] < ratios[0]

@@ -1,0 +1,229 @@
+"""What a training step computes against the target's forward, in matmul FLOPs, from the shapes alone.
+
+    python -m training.flops --recipe qwen3-8b                       # the recipe's settings
+    python -m training.flops --recipe qwen3-8b --anchors 256 --draft-vocab 32768
+
+The aim of a training step within 1.5 target forwards (README, "On a GPU") is a ratio of times. Where
+both sides run their matmuls at the same efficiency, as large ones do on a GPU, the ratio of their
+FLOPs is the floor that no kernel work can go under; `training/throughput.py` prints it beside the
+measured ratio. Counted, per sequence of `length` tokens:
+
+- the target: its decoder layers up to the deepest one the drafter reads (the step's forward), and all
+  of them (what throughput times as "target forward"); no LM head. Causal attention counts half the
+  score matrix, as flash kernels skip the masked half.
+- the drafter's forward: `fc` over the context rows, every layer's key/value projections over the
+  context and the block rows, its query/output projections and MLP over the block rows (anchors x
+  block size), attention over the keys each query sees (its anchor's context and its own block), and
+  the frozen LM head over the drafted rows, those with a label (anchors x (block size - 1)), through
+  the draft vocabulary's rows where the drafter has one.
+- the backward: twice the forward for every trainable matmul (the input's gradient and the weight's),
+  once for fc, which reads the detached target features (the weight's gradient only), and for the
+  frozen LM head (the input's gradient only), whose forward is run again where the loss is chunked
+  (model.loss_chunk_size: each chunk is recomputed in backward); attention twice its forward (four
+  matmuls against two; a flash kernel recomputes the scores besides). The first layer's block projections read the frozen
+  embedding, but through its norm's trainable weight, so their input's gradient is computed too.
+
+Element-wise work (norms, softmax, the loss over the vocabulary) is not counted: it is memory-bound,
+cheap on a GPU, and dominant only on a CPU at tiny widths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+
+from ddtree.errors import command
+
+# The recipe's prompt share when no real batch is at hand: throughput's random batches supervise all but
+# the first 60 positions (training/throughput.py, PROMPT_TOKENS).
+PROMPT_TOKENS = 60
+
+
+@dataclass(frozen=True)
+class Widths:
+    """The matmul widths of one decoder stack (a target or a drafter); attention heads x head_dim."""
+
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, config) -> "Widths":
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(config.hidden_size, config.intermediate_size, config.num_attention_heads,
+                   getattr(config, "num_key_value_heads", None) or config.num_attention_heads, head_dim)
+
+    @property
+    def query_width(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def layer_matmuls(self, rows: float) -> float:
+        """FLOPs of one decoder layer's projections and MLP over `rows` tokens (attention scores apart)."""
+        per_row = 2 * self.hidden * (2 * self.query_width + 2 * self.kv_width) + 2 * 3 * self.hidden * self.intermediate
+        return rows * per_row
+
+    def attention(self, rows: float, keys_per_query: float) -> float:
+        """FLOPs of `rows` queries against `keys_per_query` keys each: Q K^T and P V."""
+        return 2 * 2 * rows * keys_per_query * self.query_width
+
+
+def target_forward_flops(target: Widths, length: int, layers: int, causal: bool = True) -> float:
+    """One sequence through `layers` decoder layers: projections, MLP and attention scores."""
+    keys = (length + 1) / 2 if causal else length  # mean keys per query
+    return layers * (target.layer_matmuls(length) + target.attention(length, keys))
+
+
+def mean_keys_per_query(length: int, block_size: int, prompt: int = PROMPT_TOKENS) -> float:
+    """Keys a block query sees on average with anchors uniform over a reply spanning positions prompt..length-2:
+    the anchor's context (positions before it) and its own block."""
+    first, last = prompt, length - 2
+    return (first + last) / 2 + block_size
+
+
+@dataclass(frozen=True)
+class StepFlops:
+    """FLOPs of one training step on one sequence, by part."""
+
+    target: float  # the target's forward up to the deepest layer read
+    context: float  # fc over the context rows, and every layer's context key/value projections
+    blocks: float  # every layer's block projections and MLP
+    attention: float  # block queries against the keys they see
+    head: float  # the LM head over the block rows
+    backward: float  # everything the drafter's backward computes
+    full_target: float  # a forward through every target layer (throughput's "target forward")
+
+    @property
+    def drafter_forward(self) -> float:
+        return self.context + self.blocks + self.attention + self.head
+
+    @property
+    def total(self) -> float:
+        return self.target + self.drafter_forward + self.backward
+
+    @property
+    def ratio(self) -> float:
+        """The step against the target's full forward: the floor of throughput's ratio at equal efficiency."""
+        return self.total / self.full_target
+
+
+def step_flops(
+    target: Widths,
+    drafter: Widths,
+    *,
+    length: int,  # tokens of the sequence (the target's forward)
+    width: int,  # context rows the drafter reads (length, or padded to the flex width on CUDA)
+    blocks: int,  # blocks per sequence (on CUDA padded to num_anchors)
+    block_size: int,
+    drafter_layers: int,
+    feature_layers: int,  # target layers read (fc's input is feature_layers x target hidden)
+    read_depth: int,  # decoder layers the step's target forward runs (deepest layer id + 1)
+    target_layers: int,  # all of the target's decoder layers
+    head_rows: int,  # LM head rows the drafter's logits use (the draft vocabulary, or the whole)
+    keys_per_query: float,  # mean keys a block query attends (mean_keys_per_query, or counted from a mask)
+    loss_chunked: bool = False,  # model.loss_chunk_size set: the LM head's forward is recomputed in backward
+    target_causal: bool = True,
+) -> StepFlops:
+    rows = blocks * block_size
+    fc = 2 * width * feature_layers * target.hidden * drafter.hidden
+    context_kv = drafter_layers * 2 * width * drafter.hidden * 2 * drafter.kv_width
+    block_qo = 2 * rows * drafter.hidden * 2 * drafter.query_width
+    block_kv = 2 * rows * drafter.hidden * 2 * drafter.kv_width
+    block_mlp = 2 * rows * 3 * drafter.hidden * drafter.intermediate
+    blocks_flops = drafter_layers * (block_qo + block_kv + block_mlp)
+    attention = drafter_layers * drafter.attention(rows, keys_per_query)
+    head = 2 * blocks * (block_size - 1) * drafter.hidden * head_rows  # the anchor's own row has no label
+    backward = fc + 2 * context_kv + 2 * blocks_flops + 2 * attention + (2 if loss_chunked else 1) * head
+    return StepFlops(
+        target=target_forward_flops(target, length, read_depth, target_causal),
+        context=fc + context_kv, blocks=blocks_flops, attention=attention, head=head, backward=backward,
+        full_target=target_forward_flops(target, length, target_layers, target_causal),
+    )
+
+
+def flex_width(length: int) -> int:
+    """The context width the CUDA path pads to (training/masks.py, pad_for_flex)."""
+    from training.masks import FLEX_MIN_CONTEXT
+
+    return max(FLEX_MIN_CONTEXT, 1 << (length - 1).bit_length())
+
+
+def recipe_step_flops(target_config, settings: dict, length: int, cuda: bool = True,
+                      anchors: int | None = None, draft_vocab: int | None = None) -> StepFlops:
+    """A recipe's step (its model settings, as training/throughput.recipe_settings reads them) on one sequence."""
+    from ddtree.configuration_dflash import default_target_layer_ids
+
+    text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    widths = Widths.of(text)
+    layer_ids = settings.get("target_layer_ids") or default_target_layer_ids(text.num_hidden_layers)
+    block_size = settings.get("block_size", 16)
+    return step_flops(
+        widths, widths, length=length, width=flex_width(length) if cuda else length,
+        blocks=anchors or settings["num_anchors"], block_size=block_size,
+        drafter_layers=settings["num_layers"], feature_layers=len(layer_ids), read_depth=max(layer_ids) + 1,
+        target_layers=text.num_hidden_layers,
+        head_rows=draft_vocab or settings.get("draft_vocab_size") or text.vocab_size,
+        keys_per_query=mean_keys_per_query(length, block_size), loss_chunked=bool(settings.get("loss_chunk_size")),
+    )
+
+
+def table(rows: list[tuple[str, StepFlops]]) -> str:
+    """A markdown table of FLOPs per sequence by part (in TFLOPs, or GFLOPs for small models), and the ratio floor."""
+    scale, unit = (1e12, "TFLOPs") if max(f.total for _, f in rows) >= 1e12 else (1e9, "GFLOPs")
+    lines = [f"| case ({unit} per sequence) | target read | drafter forward (context / blocks / attention / head) | "
+             "backward | step | full target forward | step / target |", "|---|---:|---|---:|---:|---:|---:|"]
+    for name, f in rows:
+        n = lambda x: f"{x / scale:.2f}"  # noqa: E731
+        lines.append(f"| {name} | {n(f.target)} | {n(f.drafter_forward)} ({n(f.context)} / {n(f.blocks)} / "
+                     f"{n(f.attention)} / {n(f.head)}) | {n(f.backward)} | {n(f.total)} | {n(f.full_target)} | "
+                     f"{f.ratio:.2f} |")
+    return "\n".join(lines)
+
+
+def target_config_for(target: str):
+    """A target's configuration without its weights: the published one for the targets throughput builds
+    at random, else the target's own config.json (the built-in target's is local)."""
+    from training.throughput import RANDOM_TARGETS
+
+    if target in RANDOM_TARGETS:
+        return RANDOM_TARGETS[target]
+    from transformers import AutoConfig
+
+    from ddtree.targets import resolve_target
+
+    return AutoConfig.from_pretrained(resolve_target(target))
+
+
+@command
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recipe", required=True, help="recipes/<name>.yaml: its model settings and max_length")
+    parser.add_argument("--length", type=int, default=None, help="tokens per sequence (default: the recipe's max_length)")
+    parser.add_argument("--anchors", type=int, nargs="*", default=[], help="also count these anchor counts")
+    parser.add_argument("--draft-vocab", type=int, nargs="*", default=[], help="also count these draft vocabularies")
+    args = parser.parse_args(argv)
+    from training.throughput import recipe_settings
+
+    settings, max_length, _ = recipe_settings(args.recipe)
+    length = args.length or max_length
+    config = target_config_for(settings["target"])
+    head = settings.get("draft_vocab_size") or config.get_text_config().vocab_size
+    base = f"{settings['num_anchors']} anchors, head {head} rows"
+    rows = [(f"{args.recipe} ({base})", recipe_step_flops(config, settings, length))]
+    rows += [(f"{anchors} anchors", recipe_step_flops(config, settings, length, anchors=anchors)) for anchors in args.anchors]
+    rows += [(f"draft vocabulary {size}", recipe_step_flops(config, settings, length, draft_vocab=size))
+             for size in args.draft_vocab]
+    print(f"a sequence of {length} tokens; matmuls only, counted from the shapes (training/flops.py)")
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -324,20 +324,37 @@ def draft_tree(
     tree = build_tree(draft_logits, budget - len(lookup) - len(quoted), branches, vocab)
     if sizer is not None:
         tree = truncated(tree, sizer.size(tree.log_probs, extra_rows=len(lookup) + len(quoted)))
-    if lookup or quoted:
-        rows = torch.log_softmax(draft_logits[: max(len(lookup), len(quoted))].float(), dim=-1)  # (depth, V)
     if lookup:
         scores = [online.graft_log_prob("context", depth) for depth in range(1, len(lookup) + 1)] if online else None
-        tree.grafted = graft_path(tree, lookup, _path_log_probs(rows, lookup), scores)
+        tree.grafted = graft_path(tree, lookup, _path_log_probs(draft_logits, branches, lookup), scores)
     if quoted:
         scores = [online.graft_log_prob("corpus", depth) for depth in range(1, len(quoted) + 1)] if online else None
-        tree.quoted = graft_path(tree, quoted, _path_log_probs(rows, quoted), scores)
+        tree.quoted = graft_path(tree, quoted, _path_log_probs(draft_logits, branches, quoted), scores)
     return tree
 
 
-def _path_log_probs(rows: torch.Tensor, path: list[int]) -> list[float]:
-    """The drafter's log-probability of path[d] at depth d + 1, from its (depth, V) log-softmax rows."""
-    return rows[: len(path)].gather(1, torch.tensor(path, device=rows.device)[:, None])[:, 0].tolist()
+def _path_log_probs(draft_logits: torch.Tensor, branches: dict[int, torch.Tensor] | None, path: list[int]) -> list[float]:
+    """The drafter's log-probability of path[d] at depth d + 1: from the block's own rows, or below a re-drafted
+    first token from its re-drafted rows, as build_tree scores the nodes under that token."""
+    rows = draft_logits[: len(path)]
+    if branches and path[0] in branches:
+        rows = torch.cat([rows[:1], branches[path[0]][: len(path) - 1].to(rows.dtype)])
+    log_probs = torch.log_softmax(rows.float(), dim=-1)  # (len(path), V)
+    return log_probs.gather(1, torch.tensor(path, device=rows.device)[:, None])[:, 0].tolist()
+
+
+def check_full_attention(target: PreTrainedModel) -> None:
+    """Sliding-window layers keep only their window's keys, so their caches hold other positions than the
+    tree's masks and the cache compaction assume (every layer holds positions 0..n): refused, not misread."""
+    config = target.config.get_text_config()
+    types = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None)
+    sliding = any(t != "full_attention" for t in types) if types is not None else (
+        window is not None and getattr(config, "use_sliding_window", True))
+    if sliding:
+        raise DDTreeError(f"target {getattr(target, 'name_or_path_for_ddtree', config.model_type)!r} has sliding-window "
+                          f"attention (sliding_window={window}); decoding here needs every layer's full cache: use a "
+                          "target whose layers all attend to the whole context")
 
 
 def check_corpus(method: str, corpus: CorpusLookup | bool | None) -> None:
@@ -461,7 +478,10 @@ def generate(
     device = target.device
     static = static_cache(static, device)
     check_sizer(method, sizer is not None, static)
+    check_full_attention(target)
     prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1).tolist()
+    if not prompt:
+        raise DDTreeError("the prompt is empty: give at least one token, from which the target predicts the first new one")
     limit = context_limit(target)
     if len(prompt) >= limit:
         raise DDTreeError(f"prompt of {len(prompt)} tokens does not fit the target's context of {limit} tokens")

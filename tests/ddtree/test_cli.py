@@ -13,6 +13,7 @@ from ddtree.cli import load_drafter, main
 from ddtree.corpus import CORPUS_FILE, write_replies
 from ddtree.modeling_dflash import DFlashDraftModel
 from ddtree.precision import Choice
+from ddtree.errors import DDTreeError
 from ddtree.targets import build_drafter_config, load_target
 
 TARGET = "tiny-random"
@@ -161,6 +162,28 @@ def test_prompt_longer_than_context(capsys, tmp_path):
     path.write_text(json.dumps({"id": "long", "prompt": "word " * 3000}) + "\n")
     line = _bad(capsys, "bench", "--target", TARGET, "--prompts", str(path), "--methods", "ar")
     assert "'long'" in line and "context is 2048" in line
+
+
+def test_an_empty_raw_prompt_is_one_line(capsys):
+    line = _bad(capsys, "generate", "--target", TARGET, "--method", "ar", "--raw", "--prompt", "")
+    assert "the prompt is empty" in line
+
+
+@pytest.mark.parametrize("sliding", [dict(sliding_window=8), dict(layer_types=["full_attention", "sliding_attention"])])
+def test_a_target_with_sliding_window_layers_is_refused_before_decoding(sliding):
+    """Their caches keep only the window's keys, where the tree's masks and compaction assume every position."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    from ddtree.decoding import generate
+
+    sizes = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=8)
+    if "layer_types" in sliding:
+        target = Qwen3ForCausalLM(Qwen3Config(**sizes, use_sliding_window=True, sliding_window=8, **sliding))
+    else:
+        target = MistralForCausalLM(MistralConfig(**sizes, **sliding))
+    with pytest.raises(DDTreeError, match="sliding-window attention"):
+        generate(target, [1, 2, 3], "ar", None, 1, 4)
 
 
 @pytest.mark.parametrize(

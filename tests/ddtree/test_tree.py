@@ -119,6 +119,24 @@ def test_a_grafted_path_stays_within_the_budget_and_keeps_the_drafter_scores(see
     assert tree.grafted == tree.depths[len(drafted):]  # the depths of exactly the nodes the graft added
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_grafted_nodes_below_a_redrafted_token_score_its_redrafted_rows(seed):
+    """Re-drafting behind a depth-1 token replaces the rows below it (build_tree scores its nodes so); a lookup or a
+    corpus path through that token is scored from the same rows, so the expected acceptance is the drafter's own."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(4, 6, generator=generator) * 2
+    first = int(logits[0].argmax())
+    branch = torch.randn(3, 6, generator=generator) * 2  # the re-drafted depths 2-4 behind `first`
+    branch_rows = torch.cat([logits[:1], branch])
+    lookup, quoted = [first, 5, 4, 3], [first, 0, 1]
+    tree = draft_tree(logits, 12, lookup, branches={first: branch}, quoted=quoted)
+    paths = node_paths(tree)
+    for path, score in zip(paths, tree.log_probs):
+        rows = torch.log_softmax(branch_rows if path[0] == first else logits, -1)
+        assert score == pytest.approx(sum(rows[d, t].item() for d, t in enumerate(path)), abs=1e-5), path
+    assert tuple(lookup) in paths and tuple(quoted) in paths
+
+
 def test_online_calibration_scores_the_nodes_a_graft_adds_by_its_lookups_learned_acceptance():
     online = OnlineCalibration()
     online.observe_graft("context", [1, 2, 3], path=[0, 3, 3], accepted=[0, 3, 9])  # followed 2 deep

@@ -180,6 +180,25 @@ class DistillModule(L.LightningModule):
         if not 0 <= dropout < 1:
             raise DDTreeError(f"model.dropout={dropout} must be in [0, 1): the share of the drafter's activations "
                               "zeroed in training (0 = none)")
+        # The drafter's sizes: unset (None) takes the default; a value the `x or default` reads would silently replace
+        # (0, []) or one no drafter can have stops here, naming the field.
+        least = dict(num_layers=1, block_size=2, num_anchors=1, draft_vocab_size=1, loss_chunk_size=1)
+        for name, minimum in least.items():
+            value = locals()[name]
+            if value is not None and value < minimum:
+                raise DDTreeError(f"model.{name}={value} must be at least {minimum}"
+                                  + (" (an anchor and a drafted token)" if name == "block_size" else "")
+                                  + (", or unset for the default" if name != "num_anchors" else ""))
+        if target_layer_ids is not None and not target_layer_ids:
+            raise DDTreeError("model.target_layer_ids=[] reads no target layer: list at least one, or leave it unset for "
+                              "the published choice")
+        for name, value, fits, rule in [
+            ("lora_rank", lora_rank, lora_rank >= 0, "at least 0 (0 = no LoRA)"), ("lr", lr, lr > 0, "above 0"),
+            ("gamma", gamma, gamma > 0, "above 0"), ("weight_decay", weight_decay, weight_decay >= 0, "at least 0"),
+            ("warmup_ratio", warmup_ratio, 0 <= warmup_ratio < 1, "in [0, 1)"),
+        ]:
+            if not fits:
+                raise DDTreeError(f"model.{name}={value} must be {rule}")
         if not 0 <= objective_smoothing <= 1 or objective_top_k < 1 or objective_budget < 1:
             raise DDTreeError(f"model.objective_smoothing={objective_smoothing} must be in [0, 1], and "
                               f"model.objective_top_k={objective_top_k} and model.objective_budget={objective_budget} "

@@ -286,6 +286,22 @@ def test_dropout_acts_in_training_mode_only_and_is_not_saved():
         tiny_module(dropout=1.0)
 
 
+@pytest.mark.parametrize("field,value,message", [
+    ("block_size", 0, "model.block_size=0 must be at least 2"),  # read as `or 16` before: silently the default
+    ("block_size", 1, "model.block_size=1 must be at least 2"),
+    ("num_layers", 0, "model.num_layers=0 must be at least 1"),
+    ("num_anchors", 0, "model.num_anchors=0 must be at least 1"),
+    ("draft_vocab_size", 0, "model.draft_vocab_size=0 must be at least 1"),
+    ("target_layer_ids", [], r"model.target_layer_ids=\[\] reads no target layer"),
+    ("lora_rank", -1, "model.lora_rank=-1 must be at least 0"),  # trained without LoRA before
+    ("lr", -1.0, "model.lr=-1.0 must be above 0"),
+    ("warmup_ratio", 2.0, r"model.warmup_ratio=2.0 must be in \[0, 1\)"),
+])
+def test_a_drafter_setting_no_drafter_can_have_is_refused_by_name(field, value, message):
+    with pytest.raises(DDTreeError, match=message):
+        DistillModule(target="tiny-random", **{field: value})
+
+
 # ----------------------------------------------------------------------------- the sparse mask
 
 

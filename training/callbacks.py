@@ -335,7 +335,9 @@ class AcceptanceEvaluation(L.Callback):
             {
                 "step": step,
                 "train_loss": scalar("train/loss"),
-                "val_loss": scalar("val/loss"),
+                # Filled by on_validation_end where validation runs at this step; the metric held now is an
+                # earlier step's (the final evaluation's row showed the last validation's loss as its own).
+                "val_loss": None,
                 "seconds": seconds,
                 "checkpointed": checkpointed,
                 "summary": result["summary"],

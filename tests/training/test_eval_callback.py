@@ -331,6 +331,20 @@ def test_a_run_stopped_off_schedule_is_measured_at_the_end_without_a_checkpoint(
     assert "| **2** (best) |" in report and "| 3 (no checkpoint) |" in report
 
 
+def test_an_evaluation_off_the_validation_grid_records_no_validation_loss_as_its_own(tmp_path):
+    """Validation at step 2, the run ends at 3: step 3's row must not show step 2's loss as its own."""
+    evaluation = AcceptanceEvaluation(prompts=PROMPTS, every_n_train_steps=2, budgets=[4], primary_budget=4,
+                                      max_new_tokens=4, limit=1)
+    torch.manual_seed(0)
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", default_root_dir=tmp_path, logger=False, callbacks=[evaluation],
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        val_check_interval=2, check_val_every_n_epoch=None, num_sanity_val_steps=0, limit_val_batches=1)
+    trainer.fit(tiny_module(), train_dataloaders=synthetic_loader(3), val_dataloaders=synthetic_loader(1))
+    rows = {r["step"]: r["val_loss"] for r in evaluation.history}
+    assert set(rows) == {2, 3} and rows[2] == pytest.approx(float(trainer.callback_metrics["val/loss"]))
+    assert rows[3] is None  # before: step 2's loss again
+
+
 # ----------------------------------------------------------------------------- training state
 
 

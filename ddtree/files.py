@@ -38,11 +38,27 @@ def follow_umask(path: Path, recursive: bool = False) -> None:
 
 
 @contextmanager
+def unwritable_as_error(path: Path):
+    """A place that cannot be written (a file where a folder should be, no permission) as one DDTreeError line."""
+    try:
+        yield
+    except OSError as error:
+        # mkdir names the deepest folder it could not make, not the file in the way: find that file.
+        blocker = next((parent for parent in path.parents if parent.exists() and not parent.is_dir()), None)
+        if blocker is not None:
+            why = f"{blocker} is a file, not a folder"
+        else:
+            why = (error.strerror or str(error)) + (f" ({error.filename})" if error.filename else "")
+        raise DDTreeError(f"cannot write {path}: {why}; give a path in a writable folder") from None
+
+
+@contextmanager
 def atomic_file(path: str | Path, mode: str = "w"):
     """Yield a file object beside `path`; on success it replaces `path` in one rename, else it is removed."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, staging = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+    with unwritable_as_error(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, staging = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
     try:
         with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as handle:
             yield handle
@@ -71,8 +87,13 @@ def staged_folder(destination: str | Path, replace: bool = True):
     so nothing half-written is ever visible under the final name.
     """
     destination = Path(destination)
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}-", dir=destination.parent))
+    # Checked before the work: replacing means rmtree, which a file or a link cannot take.
+    if destination.is_symlink() or (destination.exists() and not destination.is_dir()):
+        raise DDTreeError(f"{destination} exists and is not a folder (a file or a link): give a folder path, "
+                          "or remove it first")
+    with unwritable_as_error(destination):
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}-", dir=destination.parent))
     try:
         yield staging
         if destination.exists():

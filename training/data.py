@@ -182,7 +182,8 @@ class ResumableDataLoader(DataLoader):
 
     Lightning saves the state of a train loader that has these two methods in every checkpoint
     and loads it before iterating again. The state is (epoch, batches already yielded this
-    epoch); resuming rebuilds the same epoch permutation and skips the yielded batches' indices.
+    epoch, their batch size); resuming rebuilds the same epoch permutation and skips the yielded
+    batches' indices, so a resume under another batch size is refused.
     This is exact because Lightning does not prefetch from a loader with a length, so "yielded"
     equals "trained on" when a checkpoint is written. Use Trainer(use_distributed_sampler=False):
     the sampler already splits the data across ranks.
@@ -201,7 +202,7 @@ class ResumableDataLoader(DataLoader):
             yield batch
 
     def state_dict(self) -> dict:
-        return {"epoch": self.sampler.epoch, "batches_yielded": self.batches_yielded,
+        return {"epoch": self.sampler.epoch, "batches_yielded": self.batches_yielded, "batch_size": self.batch_size,
                 "num_items": self.sampler.num_items, "world_size": self.sampler.world_size}
 
     def load_state_dict(self, state: dict) -> None:
@@ -209,6 +210,13 @@ class ResumableDataLoader(DataLoader):
             raise DDTreeError(
                 f"the checkpoint's train loader had {state['num_items']} sequences on {state['world_size']} ranks, "
                 f"this run has {self.sampler.num_items} on {self.sampler.world_size}: resume with the same data and devices"
+            )
+        # The position is counted in batches: under another batch size it would skip data never trained on.
+        # (States saved before the batch size was recorded lack the key and are trusted, as they always were.)
+        if state.get("batch_size", self.batch_size) != self.batch_size:
+            raise DDTreeError(
+                f"the checkpoint's train loader had data.batch_size={state['batch_size']}, this run has "
+                f"{self.batch_size}: resume with data.batch_size={state['batch_size']}"
             )
         self.sampler.epoch = state["epoch"]
         self.sampler.start = state["batches_yielded"] * self.batch_size

@@ -7,7 +7,7 @@ A checkpoint holds the drafter only (never the target) plus its config, so expor
 target. LoRA adapters, if the run trained them, are merged into the weights first. The folder is
 written beside its destination and renamed into place, so a failed export leaves nothing behind.
 A run whose recipe set model.corpus holds <run>/corpus.safetensors; the export carries it (for a
-checkpoint under <run>/checkpoints/, found there).
+run's checkpoints/x.ckpt or hpc_ckpt_N.ckpt, found there).
 For the Hub (remote code, model card, push) see training/publish.py. Bad input prints one line and
 exits with status 2.
 """
@@ -23,7 +23,7 @@ from ddtree.corpus import CORPUS_FILE
 from ddtree.errors import command
 from ddtree.files import staged_folder
 
-from .checkpoints import drafter_from_checkpoint
+from .checkpoints import drafter_from_checkpoint, run_folder_of
 from .peft_utils import merged_drafter
 
 
@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out_dir", help="folder to write (replaced if it exists)")
     args = parser.parse_args(argv)
     checkpoint = Path(args.checkpoint)
-    corpus = run_corpus(checkpoint.parent.parent) if checkpoint.parent.name == "checkpoints" else None
+    run_dir = run_folder_of(checkpoint)  # checkpoints/x.ckpt or a SLURM requeue's hpc_ckpt_N.ckpt
+    corpus = run_corpus(run_dir) if run_dir is not None else None
     out = export_drafter(checkpoint, args.out_dir, corpus)
     print(f"drafter written to {out}" + (f", with the run's {corpus.name}" if corpus else ""))
     return 0

@@ -193,8 +193,7 @@ class DistillModule(L.LightningModule):
             raise DDTreeError("model.target_layer_ids=[] reads no target layer: list at least one, or leave it unset for "
                               "the published choice")
         for name, value, fits, rule in [
-            ("lora_rank", lora_rank, lora_rank >= 0, "at least 0 (0 = no LoRA)"), ("lr", lr, lr > 0, "above 0"),
-            ("gamma", gamma, gamma > 0, "above 0"), ("weight_decay", weight_decay, weight_decay >= 0, "at least 0"),
+            ("lora_rank", lora_rank, lora_rank >= 0, "at least 0 (0 = no LoRA)"), ("gamma", gamma, gamma > 0, "above 0"), ("weight_decay", weight_decay, weight_decay >= 0, "at least 0"),
             ("warmup_ratio", warmup_ratio, 0 <= warmup_ratio < 1, "in [0, 1)"),
         ]:
             if not fits:

@@ -19,8 +19,9 @@ import torch
 import yaml
 from jsonargparse import ArgumentError, Namespace
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from ddtree.errors import DDTreeError
+from ddtree.errors import DDTreeError, error_line
 from ddtree.precision import AUTO, fast_precision
 
 from .callbacks import AcceptanceEvaluation, BestCheckpoint, monitor_metric
@@ -102,6 +103,23 @@ def check_accelerator(accelerator, devices) -> None:
                                  f"(torch.cuda.is_available() is False): run it on a GPU machine, or add {fix}")
 
 
+def check_values(config: Namespace) -> None:
+    """Values that type-check but that torch or Lightning refuse later, with a traceback or mid-training."""
+    model, data, trainer = config.model, config.data, config.trainer
+    refused = [
+        ("model.lr", model.lr, model.lr > 0, "give a positive learning rate"),
+        ("data.num_workers", data.num_workers, data.num_workers >= 0, "give 0 (load in the main process) or more"),
+        ("trainer.max_steps", trainer.max_steps, trainer.max_steps >= -1, "give -1 (no limit) or a step count"),
+        ("trainer.accumulate_grad_batches", trainer.accumulate_grad_batches, trainer.accumulate_grad_batches >= 1,
+         "give 1 (no accumulation) or more"),
+        ("trainer.val_check_interval", trainer.val_check_interval, trainer.val_check_interval != 0,
+         "give a step count, a fraction of an epoch, or null"),
+    ]
+    for field, value, valid, fix in refused:
+        if not valid:
+            raise RecipeSettingError(f"{field}={value} is not a valid value: {fix}")
+
+
 def check_checkpoint_settings(config: Path) -> None:
     """The eval section sets checkpoint.every_n_train_steps and checkpoint.monitor; a config value would be dropped silently."""
     settings = yaml.safe_load(config.read_text()) or {}
@@ -131,8 +149,19 @@ class DistillCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         # Before anything is built: a recipe sized for other hardware than was launched stops here.
+        check_values(self.config)
         check_accelerator(self.config.trainer.accelerator, self.config.trainer.devices)
         check_launch(self.config.trainer.devices, self.config.trainer.num_nodes)
+
+    def instantiate_trainer(self, **kwargs):
+        # Lightning checks the rest of the trainer section (accelerator and strategy names, among others) as it
+        # builds the Trainer, and raises with a traceback; a DDTreeError is already one line.
+        try:
+            return super().instantiate_trainer(**kwargs)
+        except DDTreeError:
+            raise
+        except (MisconfigurationException, ValueError) as error:
+            raise RecipeSettingError(f"the trainer section was refused: {error_line(error)}") from None
 
 
 class RecipeReader(DistillCLI):

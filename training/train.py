@@ -20,6 +20,8 @@ Every run writes outputs/<recipe>/<run>/:
 with its own config.yaml: step, optimizer, scheduler and data position all continue exactly.
 `--resume <run folder>` continues from its newest checkpoint (last.ckpt or a SLURM requeue's
 hpc_ckpt_N.ckpt). Under DeepSpeed every checkpoint is a folder of per-rank shards under the same name.
+A resumed run keeps its recipe (the <recipe> folder it is in; a --recipe naming another is refused), and
+its config.yaml takes the launch's overrides only once the checkpoint is restored and training starts.
 With data.feature_store set (offline target features, training/features.py) a missing store is
 built first, in a single-process run; a multi-process launch asks for `make features` instead.
 Several processes (devices > 1, torchrun, SLURM) share one run folder; rank 0 writes config.yaml
@@ -38,6 +40,7 @@ import time
 import warnings
 from pathlib import Path
 
+from lightning.pytorch import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from ddtree.corpus import CORPUS_FILE, write_replies
@@ -48,10 +51,14 @@ from training.data import DistillDataModule, replies
 from training.export import export_drafter, run_corpus
 from training.feature_store import build_feature_store, drafter_layer_ids, is_complete, resolve_store_path
 from training.module import DistillModule, NonFiniteError
-from training.recipe import DistillCLI, check_checkpoint_settings, check_recipe_name, config_arg, recipe_errors, recipe_path
+from training.recipe import (DistillCLI, check_checkpoint_settings, check_recipe_name, config_arg, known_recipes,
+                             recipe_errors, recipe_path)
 from training.recipe_data import prepare_recipe_data
 from training.strategies import drafter_for_export, is_first_process, launcher_world
 from training.target import dtype_for_precision
+
+DEFAULT_RECIPE = "smollm2-135m"  # the CPU default
+
 
 def run_location_args(run_dir: Path) -> list[str]:
     """Where this launch writes: always the run folder as it is now, never the one a config.yaml recorded.
@@ -122,6 +129,36 @@ def write_run_corpus(cli: DistillCLI, run_dir: Path) -> None:
     print(f"[train] {count} training replies written to {corpus} (model.corpus: decoders graft from them)", flush=True)
 
 
+class WriteConfigOnStart(Callback):
+    """A resumed run's config.yaml, with this launch's overrides, written once training starts.
+
+    Until then the checkpoint's restore can still refuse an override (the data loader's same-data
+    check, say): written earlier, the refused values would stay in config.yaml and make every later
+    plain --resume fail the same way.
+    """
+
+    def __init__(self, path: Path, text: str):
+        self.path, self.text = path, text
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if trainer.is_global_zero:
+            write_text_atomic(self.path, self.text)
+
+
+def run_recipe(run_dir: Path, requested: str | None) -> str:
+    """The recipe a resumed run was started from: the folder it lives in (<output-root>/<recipe>/<run>)."""
+    recipe = run_dir.parent.name
+    if recipe not in known_recipes():  # a run moved out of that layout: only --recipe can say
+        if requested is None:
+            raise DDTreeError(f"--resume: the run {run_dir} is not in a <recipe>/ folder, so its recipe is unknown; "
+                              "give it with --recipe")
+        return requested
+    if requested is not None and requested != recipe:
+        raise DDTreeError(f"--recipe {requested} but the run {run_dir} is a {recipe} run: "
+                          f"drop --recipe or give --recipe {recipe}")
+    return recipe
+
+
 RUN_NAME_ENV = "DDTREE_RUN_NAME"  # the run folder name, handed to the processes Lightning starts
 
 
@@ -170,35 +207,43 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(description="Train a drafter from a recipe.", add_help=True)
-    parser.add_argument("--recipe", default="smollm2-135m", help="one of recipes/*.yaml")
+    parser.add_argument("--recipe", default=None,
+                        help=f"one of recipes/*.yaml (default: {DEFAULT_RECIPE}; a resumed run keeps its own)")
     parser.add_argument("--resume", default=None, help="'last' or a .ckpt path: continue that run exactly")
     # --run-name too: torchrun rejects any option spelled --run (an abbreviation of its --run-path)
     parser.add_argument("--run", "--run-name", dest="run", default=None,
                         help="run folder name, the same on every node (default: a timestamp, or slurm-<job id>)")
     parser.add_argument("--output-root", default="outputs", help="runs go to <output-root>/<recipe>/<run>/")
     args, overrides = parser.parse_known_args(argv)
-    check_recipe_name(args.recipe)
+    if args.recipe is not None:
+        check_recipe_name(args.recipe)
     try:
-        config = recipe_path(args.recipe)
-        recipe_root = Path(args.output_root) / args.recipe
         checkpoint = None
         if args.resume:
-            checkpoint, run_dir = find_resume(args.resume, recipe_root)
+            checkpoint, run_dir = find_resume(args.resume, Path(args.output_root) / (args.recipe or DEFAULT_RECIPE))
+            args.recipe = run_recipe(run_dir, args.recipe)
             config = run_dir / "config.yaml"
         else:
-            run_dir = recipe_root / run_name(args.run)
+            args.recipe = args.recipe or DEFAULT_RECIPE
+            config = recipe_path(args.recipe)
+            run_dir = Path(args.output_root) / args.recipe / run_name(args.run)
             if is_first_process() and (run_dir / "config.yaml").exists():
                 raise DDTreeError(f"run folder {run_dir} already holds a run; pick another --run or use --resume")
         cli = build_cli(config, run_dir, overrides)
         prepare_recipe_data(cli.datamodule, args.recipe, cli.trainer.world_size)
         build_missing_feature_store(cli, args.recipe)
+        config_text = cli.parser.dump(cli.config, skip_none=False)
+        if checkpoint:
+            cli.trainer.callbacks.append(WriteConfigOnStart(run_dir / "config.yaml", config_text))
+        elif is_first_process():
+            write_text_atomic(run_dir / "config.yaml", config_text)
         if is_first_process():
-            write_text_atomic(run_dir / "config.yaml", cli.parser.dump(cli.config, skip_none=False))
             print(f"[train] recipe {args.recipe} -> {run_dir}" + (f" (resuming {checkpoint})" if checkpoint else ""), flush=True)
-            write_run_corpus(cli, run_dir)
         # For devices > 1 Lightning starts the other processes by re-running this command: same folder.
         os.environ[RUN_NAME_ENV] = run_dir.name
         try:
+            if is_first_process():  # inside the try: a fresh run whose data fails here leaves no folder
+                write_run_corpus(cli, run_dir)
             cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=str(checkpoint) if checkpoint else None)
         except SIGTERMException:  # a SystemExit with no code: without this, a killed run would exit 0
             return stopped(run_dir, args.recipe, "stopped by SIGTERM", 128 + signal.SIGTERM, cli.trainer.global_step)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ddtree.errors import DDTreeError
-from training.data import DistillDataModule, EpochShuffleSampler
+from training.data import DistillDataModule, EpochShuffleSampler, ResumableDataLoader
 
 
 def write_lines(path, lines):
@@ -155,3 +155,18 @@ def test_train_loader_resumes_exactly_mid_epoch(tmp_path):
     for step in (2, 7):  # mid-epoch 0 and mid-epoch 1
         resumed = fit(make_datamodule(tmp_path), tmp_path, ckpt_path=str(tmp_path / "ckpt" / f"step={step}.ckpt"))
         assert resumed == full[step:], f"resume after step {step} did not continue where training stopped"
+
+
+def test_a_resume_under_another_batch_size_is_refused_and_older_states_still_load():
+    data = list(range(20))
+    loader = ResumableDataLoader(data, EpochShuffleSampler(20, seed=0), batch_size=2)
+    seen = [item for _, batch in zip(range(3), loader) for item in batch.tolist()]
+    state = loader.state_dict()
+    # Counted in batches of 2, the position read with batches of 4 would skip 6 items never trained on.
+    with pytest.raises(DDTreeError, match=r"data.batch_size=2, this run has 4: resume with data.batch_size=2"):
+        ResumableDataLoader(data, EpochShuffleSampler(20, seed=0), batch_size=4).load_state_dict(state)
+    older = {key: value for key, value in state.items() if key != "batch_size"}  # saved before the key existed
+    for saved in (state, older):
+        resumed = ResumableDataLoader(data, EpochShuffleSampler(20, seed=0), batch_size=2)
+        resumed.load_state_dict(saved)
+        assert sorted(seen + [item for batch in resumed for item in batch.tolist()]) == data

@@ -294,7 +294,7 @@ def test_dropout_acts_in_training_mode_only_and_is_not_saved():
     ("draft_vocab_size", 0, "model.draft_vocab_size=0 must be at least 1"),
     ("target_layer_ids", [], r"model.target_layer_ids=\[\] reads no target layer"),
     ("lora_rank", -1, "model.lora_rank=-1 must be at least 0"),  # trained without LoRA before
-    ("lr", -1.0, "model.lr=-1.0 must be above 0"),
+    ("gamma", 0.0, "model.gamma=0.0 must be above 0"),  # model.lr: the recipe checks it (training/recipe.py)
     ("warmup_ratio", 2.0, r"model.warmup_ratio=2.0 must be in \[0, 1\)"),
 ])
 def test_a_drafter_setting_no_drafter_can_have_is_refused_by_name(field, value, message):

@@ -279,7 +279,28 @@ def test_an_export_from_a_checkpoint_path_carries_its_runs_corpus(run_dir, tmp_p
     assert not (tmp_path / "bare" / CORPUS_FILE).exists() and (tmp_path / "bare" / "model.safetensors").is_file()
 
 
+def test_an_export_of_a_slurm_requeue_checkpoint_carries_its_runs_corpus(run_dir, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run, symlinks=True)
+    shutil.copyfile(run / "checkpoints" / "last.ckpt", run / "hpc_ckpt_1.ckpt")  # where Lightning saves it: the run root
+    assert export_main([str(run / "hpc_ckpt_1.ckpt"), str(tmp_path / "drafter")]) == 0
+    assert (tmp_path / "drafter" / CORPUS_FILE).read_bytes() == (run / CORPUS_FILE).read_bytes()
+
+
 # ----------------------------------------------------------------------------- refusals
+
+
+def test_an_output_that_is_a_file_or_under_one_is_one_line_and_the_file_is_kept(run_dir, tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    last = str(run_dir / "checkpoints" / "last.ckpt")
+    assert export_main([last, str(afile)]) == 2
+    assert f"{afile} exists and is not a folder" in one_error_line(capsys)
+    assert export_main([last, str(afile / "drafter")]) == 2
+    assert f"{afile} is a file, not a folder" in one_error_line(capsys)
+    assert export(run_dir, afile / "drafter", "--ckpt", "last") == 2
+    assert f"{afile} is a file, not a folder" in one_error_line(capsys)
+    assert afile.read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # no staging left
 
 
 def test_a_non_empty_output_folder_is_refused_unless_overwrite(run_dir, tmp_path, capsys):

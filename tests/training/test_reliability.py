@@ -98,13 +98,84 @@ def test_a_moved_run_resumes_into_its_new_folder(tmp_path):
     assert str(moved) in (moved / "config.yaml").read_text()
 
 
-def test_a_start_that_fails_on_its_data_leaves_no_run_folder(tmp_path, capsys):
-    args = tiny_args(tmp_path, "bad", max_steps=2)
+@pytest.mark.parametrize("extra", [[], ["--model.corpus=true"]])  # model.corpus reads the data before fit
+def test_a_start_that_fails_on_its_data_leaves_no_run_folder(tmp_path, capsys, extra):
+    args = tiny_args(tmp_path, "bad", max_steps=2) + extra
     args[args.index(next(a for a in args if a.startswith("--data.data_path")))] = "--data.data_path=no/such/file.jsonl"
     assert train_main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no/such/file.jsonl" in err[0], err
     assert not (tmp_path / "out" / "tiny" / "bad").exists()
+
+
+def error_lines(capsys) -> list[str]:
+    return [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+
+
+def test_a_resume_refused_at_restore_leaves_config_yaml_as_it_was(tmp_path, capsys):
+    assert train_main(tiny_args(tmp_path, "kept", max_steps=2)) == 0
+    run_dir = tmp_path / "out" / "tiny" / "kept"
+    before = (run_dir / "config.yaml").read_text()
+    resume = ["--recipe", "tiny", "--output-root", str(tmp_path / "out"), "--resume", str(run_dir),
+              "--trainer.max_steps=4", "--trainer.enable_progress_bar=false"]
+    capsys.readouterr()
+    # Another split of the data: only the restore of the checkpoint's loader position refuses it.
+    assert train_main([*resume, "--data.val_fraction=0.3"]) == 2
+    lines = error_lines(capsys)
+    assert len(lines) == 1 and "resume with the same data and devices" in lines[0], lines
+    assert (run_dir / "config.yaml").read_text() == before
+    assert train_main(resume) == 0  # so the plain resume still works
+    assert "max_steps: 2" in before and "max_steps: 4" in (run_dir / "config.yaml").read_text()
+
+
+def test_a_resumed_run_keeps_its_own_recipe(tmp_path, capsys, monkeypatch):
+    import training.train
+
+    assert train_main(tiny_args(tmp_path, "mine", max_steps=2)) == 0
+    run_dir = tmp_path / "out" / "tiny" / "mine"
+    # The recipe resolves data.data_path and data.feature_store `auto`: another recipe's would train on other data.
+    prepared, prepare = [], training.train.prepare_recipe_data
+
+    def recording(datamodule, recipe, world_size):
+        prepared.append(recipe)
+        return prepare(datamodule, recipe, world_size)
+
+    monkeypatch.setattr(training.train, "prepare_recipe_data", recording)
+    capsys.readouterr()
+    assert train_main(["--output-root", str(tmp_path / "out"), "--resume", str(run_dir), "--trainer.max_steps=4",
+                       "--trainer.enable_progress_bar=false"]) == 0
+    assert prepared == ["tiny"]
+    assert train_main(["--recipe", "smollm2-135m", "--output-root", str(tmp_path / "out"), "--resume", str(run_dir)]) == 2
+    lines = error_lines(capsys)
+    assert len(lines) == 1 and "--recipe smollm2-135m" in lines[0] and "is a tiny run" in lines[0], lines
+    assert prepared == ["tiny"]  # refused before anything was built
+
+
+@pytest.mark.parametrize("override, named", [
+    ("--trainer.max_steps=-5", "trainer.max_steps=-5"),
+    ("--model.lr=-1", "model.lr=-1.0"),
+    ("--data.num_workers=-1", "data.num_workers=-1"),
+    ("--trainer.val_check_interval=0", "trainer.val_check_interval=0"),
+    ("--trainer.accumulate_grad_batches=0", "trainer.accumulate_grad_batches=0"),
+    ("--trainer.accelerator=bogus", "accelerator='bogus'"),  # refused by Lightning as it builds the Trainer
+    ("--trainer.strategy=bogus", "strategy='bogus'"),
+])
+def test_a_value_torch_or_lightning_refuses_is_one_line_naming_it(tmp_path, capsys, override, named):
+    assert train_main([*tiny_args(tmp_path, "bad", max_steps=2), override]) == 2
+    lines = error_lines(capsys)
+    assert len(lines) == 1 and "tiny.yaml" in lines[0] and named in lines[0], lines
+    assert not (tmp_path / "out" / "tiny" / "bad").exists()
+
+
+def test_an_output_root_that_is_a_file_is_one_line(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    args = tiny_args(tmp_path, "r", max_steps=2)
+    args[args.index("--output-root") + 1] = str(afile)
+    assert train_main(args) == 2
+    lines = error_lines(capsys)
+    assert len(lines) == 1 and f"{afile} is a file, not a folder" in lines[0], lines
+    assert afile.read_text() == "mine"
 
 
 def test_run_files_follow_the_umask(tmp_path):

@@ -193,13 +193,20 @@ def stopped(run_dir: Path, recipe: str, why: str, status: int, step: int) -> int
     return status
 
 
-def remove_unstarted_run(run_dir: Path, step: int) -> None:
-    """A fresh run that failed before its first step leaves no folder behind (it would hold only config.yaml)."""
+def remove_unstarted_run(run_dir: Path, step: int, created: bool) -> None:
+    """A fresh run that failed before its first step leaves no folder behind (it would hold only config.yaml).
+
+    A folder that was there before the launch (created False) may hold the user's own files: only what this
+    launch wrote first goes, config.yaml (which would refuse a rerun under the same name) and the corpus."""
     if step > 0 or not is_first_process() or not run_dir.is_dir():
         return
     if any(path.is_file() for path in (run_dir / "checkpoints").rglob("*")):
         return
-    shutil.rmtree(run_dir, ignore_errors=True)
+    if created:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    else:
+        for name in ("config.yaml", CORPUS_FILE):
+            (run_dir / name).unlink(missing_ok=True)
 
 
 @command
@@ -227,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             args.recipe = args.recipe or DEFAULT_RECIPE
             config = recipe_path(args.recipe)
             run_dir = Path(args.output_root) / args.recipe / run_name(args.run)
+            created = not run_dir.exists()  # else the failure path removes only what this launch wrote
             if is_first_process() and (run_dir / "config.yaml").exists():
                 raise DDTreeError(f"run folder {run_dir} already holds a run; pick another --run or use --resume")
         cli = build_cli(config, run_dir, overrides)
@@ -253,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         except BaseException:
             if not checkpoint:
-                remove_unstarted_run(run_dir, cli.trainer.global_step)
+                remove_unstarted_run(run_dir, cli.trainer.global_step, created)
             raise
         finally:
             os.environ.pop(RUN_NAME_ENV, None)

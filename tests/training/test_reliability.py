@@ -108,6 +108,17 @@ def test_a_start_that_fails_on_its_data_leaves_no_run_folder(tmp_path, capsys, e
     assert not (tmp_path / "out" / "tiny" / "bad").exists()
 
 
+def test_a_failed_start_in_a_folder_that_was_there_keeps_the_folders_own_files(tmp_path, capsys):
+    """--run names a folder the user made (notes in it): the failure removes what the launch wrote, nothing else."""
+    run_dir = tmp_path / "out" / "tiny" / "mine"
+    run_dir.mkdir(parents=True)
+    (run_dir / "notes.txt").write_text("keep me")
+    args = tiny_args(tmp_path, "mine", max_steps=2) + ["--model.corpus=true"]  # fails inside the fit's try
+    args[args.index(next(a for a in args if a.startswith("--data.data_path")))] = "--data.data_path=no/such/file.jsonl"
+    assert train_main(args) == 2
+    assert (run_dir / "notes.txt").read_text() == "keep me" and not (run_dir / "config.yaml").exists()
+
+
 def error_lines(capsys) -> list[str]:
     return [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
 

@@ -33,11 +33,37 @@ import argparse
 import sys
 from dataclasses import dataclass
 
+from transformers import AutoConfig, Qwen3Config
+
+from ddtree.configuration_dflash import default_target_layer_ids
 from ddtree.errors import command
+from ddtree.targets import resolve_target
+
+from .masks import FLEX_MIN_CONTEXT
+from .recipe import check_recipe_name, read_recipe, recipe_path
 
 # The recipe's prompt share when no real batch is at hand: throughput's random batches supervise all but
 # the first 60 positions (training/throughput.py, PROMPT_TOKENS).
 PROMPT_TOKENS = 60
+
+# Targets by their published config.json (architecture only): training/throughput.py builds them with random
+# weights, and their FLOPs need nothing more.
+RANDOM_TARGETS = {
+    "Qwen/Qwen3-8B": Qwen3Config(
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=False,
+    ),
+}
+
+
+def recipe_settings(name: str) -> tuple[dict, int, int]:
+    """DistillModule settings, max_length and per-GPU batch size of a recipe."""
+    check_recipe_name(name)
+    config = read_recipe(recipe_path(name), [])
+    model = config.model.as_dict()
+    model.pop("target_dtype", None)
+    return model, config.data.max_length, config.data.batch_size
 
 
 @dataclass(frozen=True)
@@ -150,16 +176,12 @@ def step_flops(
 
 def flex_width(length: int) -> int:
     """The context width the CUDA path pads to (training/masks.py, pad_for_flex)."""
-    from training.masks import FLEX_MIN_CONTEXT
-
     return max(FLEX_MIN_CONTEXT, 1 << (length - 1).bit_length())
 
 
 def recipe_step_flops(target_config, settings: dict, length: int, cuda: bool = True,
                       anchors: int | None = None, draft_vocab: int | None = None) -> StepFlops:
-    """A recipe's step (its model settings, as training/throughput.recipe_settings reads them) on one sequence."""
-    from ddtree.configuration_dflash import default_target_layer_ids
-
+    """A recipe's step (its model settings, as recipe_settings reads them) on one sequence."""
     text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
     widths = Widths.of(text)
     layer_ids = settings.get("target_layer_ids") or default_target_layer_ids(text.num_hidden_layers)
@@ -190,14 +212,8 @@ def table(rows: list[tuple[str, StepFlops]]) -> str:
 def target_config_for(target: str):
     """A target's configuration without its weights: the published one for the targets throughput builds
     at random, else the target's own config.json (the built-in target's is local)."""
-    from training.throughput import RANDOM_TARGETS
-
     if target in RANDOM_TARGETS:
         return RANDOM_TARGETS[target]
-    from transformers import AutoConfig
-
-    from ddtree.targets import resolve_target
-
     return AutoConfig.from_pretrained(resolve_target(target))
 
 
@@ -209,8 +225,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--anchors", type=int, nargs="*", default=[], help="also count these anchor counts")
     parser.add_argument("--draft-vocab", type=int, nargs="*", default=[], help="also count these draft vocabularies")
     args = parser.parse_args(argv)
-    from training.throughput import recipe_settings
-
     settings, max_length, _ = recipe_settings(args.recipe)
     length = args.length or max_length
     config = target_config_for(settings["target"])

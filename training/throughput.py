@@ -29,27 +29,18 @@ import time
 from unittest import mock
 
 import torch
-from transformers import AutoModelForCausalLM, Qwen3Config
+from transformers import AutoModelForCausalLM
 
 from ddtree.errors import DDTreeError, command
 
 from . import target as target_loading
-from .flops import recipe_step_flops
+from .flops import RANDOM_TARGETS, recipe_settings, recipe_step_flops
 from .module import DistillModule
-from .recipe import check_recipe_name, read_recipe, recipe_path
 from .target import target_layer_features
 
 PROMPT_TOKENS = 60
 FIRST_TOKEN = 100  # random batches skip the lowest ids (special tokens)
 
-# Targets built from their published config.json (architecture only; the weights are random).
-RANDOM_TARGETS = {
-    "Qwen/Qwen3-8B": Qwen3Config(
-        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=False,
-    ),
-}
 
 
 def time_call(fn, repeats: int, warmup: int, device: torch.device, label: str = "") -> tuple[float, int | None]:
@@ -92,15 +83,6 @@ def random_target_loader(name: str, build_on: torch.device):
         return model.eval().requires_grad_(False), None  # the recipe names its MASK id: no tokenizer needed
 
     return load
-
-
-def recipe_settings(name: str) -> tuple[dict, int, int]:
-    """DistillModule settings, max_length and per-GPU batch size of a recipe."""
-    check_recipe_name(name)
-    config = read_recipe(recipe_path(name), [])
-    model = config.model.as_dict()
-    model.pop("target_dtype", None)
-    return model, config.data.max_length, config.data.batch_size
 
 
 def batch_token_ids(settings: dict) -> range:

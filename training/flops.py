@@ -20,8 +20,9 @@ measured ratio. Counted, per sequence of `length` tokens:
   once for fc, which reads the detached target features (the weight's gradient only), and for the
   frozen LM head (the input's gradient only), whose forward is run again where the loss is chunked
   (model.loss_chunk_size: each chunk is recomputed in backward); attention twice its forward (four
-  matmuls against two; a flash kernel recomputes the scores besides). The first layer's block projections read the frozen
-  embedding, but through its norm's trainable weight, so their input's gradient is computed too.
+  matmuls against two; a flash kernel recomputes the scores besides). The first layer's block
+  projections read the frozen embedding, but through its norm's trainable weight, so their input's
+  gradient is computed too.
 
 Element-wise work (norms, softmax, the loss over the vocabulary) is not counted: it is memory-bound,
 cheap on a GPU, and dominant only on a CPU at tiny widths.

@@ -180,20 +180,20 @@ class DistillModule(L.LightningModule):
         if not 0 <= dropout < 1:
             raise DDTreeError(f"model.dropout={dropout} must be in [0, 1): the share of the drafter's activations "
                               "zeroed in training (0 = none)")
-        # The drafter's sizes: unset (None) takes the default; a value the `x or default` reads would silently replace
-        # (0, []) or one no drafter can have stops here, naming the field.
-        least = dict(num_layers=1, block_size=2, num_anchors=1, draft_vocab_size=1, loss_chunk_size=1)
-        for name, minimum in least.items():
-            value = locals()[name]
-            if value is not None and value < minimum:
-                raise DDTreeError(f"model.{name}={value} must be at least {minimum}"
-                                  + (" (an anchor and a drafted token)" if name == "block_size" else "")
-                                  + (", or unset for the default" if name != "num_anchors" else ""))
-        if target_layer_ids is not None and not target_layer_ids:
-            raise DDTreeError("model.target_layer_ids=[] reads no target layer: list at least one, or leave it unset for "
-                              "the published choice")
+        # Values no drafter can have stop here, by name; before, `x or default` silently replaced some (0, []) and
+        # lora_rank -1 trained without LoRA. None (unset) takes the default.
+        unset_or = lambda value, fits: value is None or fits(value)  # noqa: E731
         for name, value, fits, rule in [
-            ("lora_rank", lora_rank, lora_rank >= 0, "at least 0 (0 = no LoRA)"), ("gamma", gamma, gamma > 0, "above 0"), ("weight_decay", weight_decay, weight_decay >= 0, "at least 0"),
+            ("num_layers", num_layers, unset_or(num_layers, lambda v: v >= 1), "at least 1, or unset"),
+            ("block_size", block_size, unset_or(block_size, lambda v: v >= 2),
+             "at least 2 (an anchor and a drafted token), or unset"),
+            ("target_layer_ids", target_layer_ids, unset_or(target_layer_ids, bool), "at least one layer, or unset"),
+            ("draft_vocab_size", draft_vocab_size, unset_or(draft_vocab_size, lambda v: v >= 1), "at least 1, or unset"),
+            ("loss_chunk_size", loss_chunk_size, unset_or(loss_chunk_size, lambda v: v >= 1), "at least 1, or unset"),
+            ("num_anchors", num_anchors, num_anchors >= 1, "at least 1"),
+            ("lora_rank", lora_rank, lora_rank >= 0, "at least 0 (0 = no LoRA)"),
+            ("gamma", gamma, gamma > 0, "above 0"),
+            ("weight_decay", weight_decay, weight_decay >= 0, "at least 0"),
             ("warmup_ratio", warmup_ratio, 0 <= warmup_ratio < 1, "in [0, 1)"),
         ]:
             if not fits:

@@ -292,7 +292,7 @@ def test_dropout_acts_in_training_mode_only_and_is_not_saved():
     ("num_layers", 0, "model.num_layers=0 must be at least 1"),
     ("num_anchors", 0, "model.num_anchors=0 must be at least 1"),
     ("draft_vocab_size", 0, "model.draft_vocab_size=0 must be at least 1"),
-    ("target_layer_ids", [], r"model.target_layer_ids=\[\] reads no target layer"),
+    ("target_layer_ids", [], r"model.target_layer_ids=\[\] must be at least one layer"),
     ("lora_rank", -1, "model.lora_rank=-1 must be at least 0"),  # trained without LoRA before
     ("gamma", 0.0, "model.gamma=0.0 must be above 0"),  # model.lr: the recipe checks it (training/recipe.py)
     ("warmup_ratio", 2.0, r"model.warmup_ratio=2.0 must be in \[0, 1\)"),

@@ -345,6 +345,12 @@ class DistillModule(L.LightningModule):
                               "output; decoding reads it normed (the decoder's final output), as training now does: "
                               "rebuild it with `make features RECIPE=<recipe>` and --force (FORCE=1)")
         width = len(layer_ids) * text_config.hidden_size
+        target_dtype = self.target.dtype
+        if store.dtype != target_dtype:  # usable (the batches are cast), but not what this run's target computes
+            print(f"[features] {store.path} holds {str(store.dtype).removeprefix('torch.')} features and this run's "
+                  f"target computes in {str(target_dtype).removeprefix('torch.')}: they are cast, so the drafter trains "
+                  "on other roundings than it reads at inference (rebuild with `make features RECIPE=<recipe>` and "
+                  "--force (FORCE=1) to match)", flush=True)
         if store.layer_ids != layer_ids or store.width != width:
             raise DDTreeError(f"feature store {store.path} holds target layers {store.layer_ids} ({store.width} features "
                               f"per token), the drafter reads layers {layer_ids} ({width}): set model.target_layer_ids="

@@ -235,6 +235,22 @@ def test_a_store_of_the_last_layer_holds_it_normed_and_an_older_raw_one_is_refus
     assert str(path) in message and "layer 5, the last" in message and "--force" in message
 
 
+def test_a_store_in_another_dtype_than_the_target_is_used_and_says_so(tmp_path, capsys):
+    """A bf16 store read by a run whose target computes in fp32 (another precision than it was built for)."""
+    module = tiny_module()  # fp32 target
+    bf16 = FeatureStore(build_feature_store(make_datamodule(tmp_path), tmp_path / "bf16", layer_ids=LAYER_IDS,
+                                            dtype=torch.bfloat16))
+    capsys.readouterr()
+    module.check_feature_store(bf16)
+    line = capsys.readouterr().out.strip()
+    assert str(bf16.path) in line and "bfloat16 features" in line and "computes in float32" in line
+    fp32 = FeatureStore(build_feature_store(make_datamodule(tmp_path), tmp_path / "fp32", layer_ids=LAYER_IDS,
+                                            dtype=torch.float32))
+    capsys.readouterr()
+    module.check_feature_store(fp32)
+    assert capsys.readouterr().out == ""  # the same dtype: nothing to say
+
+
 def test_a_missing_or_unfinished_store_says_how_to_build_it(tmp_path):
     with pytest.raises(DDTreeError) as error:
         FeatureStore(tmp_path / "nowhere")

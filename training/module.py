@@ -463,10 +463,10 @@ class DistillModule(L.LightningModule):
         objective = hp.objective if stage == "train" else "decayed_ce"
         lm_head = self.target.get_output_embeddings()
         draft_head = self.base_drafter().draft_head(lm_head)
-        # The positions each block reads (anchor, given tokens), from the labels before the draft vocabulary drops
-        # some: a first label outside it ends the block's chain, it is not given.
-        read = given_positions(labels != IGNORE_INDEX)
+        read = None  # the positions each block reads: block_loss_sums finds them from the labels, unless...
         if draft_head is not None:  # logits over the draft vocabulary only; labels outside it are not counted
+            if objective != "decayed_ce":  # ...the vocabulary drops a first label, which ends the chain (not given)
+                read = given_positions(labels != IGNORE_INDEX)
             token_ids, rows = draft_head
             labels = draft_vocab_labels(labels, token_ids, lm_head.weight.shape[0])
             lm_head = partial(F.linear, weight=rows)

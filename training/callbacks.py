@@ -134,7 +134,7 @@ def metrics_of(summary: dict, seconds: float) -> dict[str, float]:
     metrics = {}
     for key, stats in summary.items():
         metrics[f"val/tau_{key}"] = stats["tau"]
-        if key != CHAIN:  # the chain's rounds carry no prediction (decoding records 1.0)
+        if stats.get("expected_tau") is not None:  # absent only in records made before decoding recorded the chain's
             metrics[f"val/expected_tau_{key}"] = stats["expected_tau"]
     metrics["val/eval_seconds"] = seconds
     return metrics
@@ -347,21 +347,22 @@ class AcceptanceEvaluation(L.Callback):
         if trainer.is_global_zero:
             self._write(trainer, metrics, result)
 
-    def _settings(self, trainer) -> dict:
+    def settings(self, drafter_config, num_prompts: int) -> dict:
+        """What an evaluation decoded with, as report.md and `make eval`'s JSON record it."""
         return {
-            "prompts": self.prompts_path, "num_prompts": len(self.prompts), "max_new_tokens": self.max_new_tokens,
+            "prompts": self.prompts_path, "num_prompts": num_prompts, "max_new_tokens": self.max_new_tokens,
             "budgets": self.budgets, "primary_budget": self.primary_budget,
-            "lookup": self.lookup if self.lookup is not None else trainer.lightning_module.drafter_config.lookup,
-            "redraft": self.redraft if self.redraft is not None else trainer.lightning_module.drafter_config.redraft,
+            "lookup": self.lookup if self.lookup is not None else drafter_config.lookup,
+            "redraft": self.redraft if self.redraft is not None else drafter_config.redraft,
             "corpus": self.corpus is not None,
-            "block_size": int(trainer.lightning_module.block_size),
+            "block_size": int(drafter_config.block_size),
         }
 
     def _write_report(self, trainer) -> float:
         """Rewrite report.md and tau.png from the history; returns this launch's wall time so far."""
         launch_seconds = time.perf_counter() - self.launch_started
-        report.write_all(Path(trainer.default_root_dir), self.history, self._settings(trainer),
-                         self.launch_eval_seconds, launch_seconds)
+        settings = self.settings(trainer.lightning_module.drafter_config, len(self.prompts))
+        report.write_all(Path(trainer.default_root_dir), self.history, settings, self.launch_eval_seconds, launch_seconds)
         return launch_seconds
 
     def _write(self, trainer, metrics: dict, result: dict) -> None:
@@ -380,7 +381,8 @@ class AcceptanceEvaluation(L.Callback):
             logger.save()
 
         run_dir = Path(trainer.default_root_dir)
-        write_json_atomic(run_dir / "eval" / f"step-{step:06d}.json", {"step": step, "settings": self._settings(trainer), **result})
+        settings = self.settings(trainer.lightning_module.drafter_config, len(self.prompts))
+        write_json_atomic(run_dir / "eval" / f"step-{step:06d}.json", {"step": step, "settings": settings, **result})
         launch_seconds = self._write_report(trainer)
 
         primary = result["summary"][tree_key(self.primary_budget)]

@@ -8,8 +8,9 @@ Same code, same settings as the training-time evaluation (training/callbacks.py)
 (prompts, budgets, max_new_tokens, limit) and the target's dtype (model.target_dtype, or the one
 trainer.precision gives) come from the run's config.yaml, or from recipes/<recipe>.yaml for a
 checkpoint outside a run folder; the target comes from the checkpoint's hyper-parameters. The
-drafter is the checkpoint's (LoRA adapters merged in, as exported). When the checkpoint holds the
-value logged at its step, it is printed beside the new measurement.
+drafter is the checkpoint's (LoRA adapters merged in, as exported), and a model.corpus run's trees
+graft its <run>/corpus.safetensors as training's did. When the checkpoint holds the value logged at
+its step, it is printed beside the new measurement.
 
 Prints one row per method and writes <run>/eval/checkpoint-<name>.json (or --out). Bad input
 prints one line and exits with status 2.
@@ -24,14 +25,15 @@ from pathlib import Path
 import torch
 import yaml
 
-from ddtree.bench import budget_of
 from ddtree.cli import parse_device
+from ddtree.corpus import CORPUS_FILE, CorpusLookup
 from ddtree.errors import DDTreeError, command
 from ddtree.files import write_json_atomic
 from ddtree.targets import stop_token_ids
 
 from .callbacks import AcceptanceEvaluation, metrics_of
 from .checkpoints import find_checkpoint, load_checkpoint, run_folder_of
+from .export import run_corpus
 from .recipe import check_recipe_name, recipe_path
 from .target import dtype_for_precision, load_frozen_target
 
@@ -89,10 +91,20 @@ def main(argv: list[str] | None = None) -> int:
     target, tokenizer = load_frozen_target(hp["target"], dtype, hp.get("target_adapter"), device=args.device)
     drafter = checkpoint.drafter.to(args.device)
     prompts = evaluation.load_prompts(tokenizer)
+    run_dir = run_folder_of(path)
+    comparable = args.limit is None
+    if hp.get("corpus"):  # training decoded with the training replies grafted (model.corpus), as the export does
+        corpus = run_corpus(run_dir) if run_dir else None
+        if corpus is None:
+            comparable = False
+            print(f"[eval] {path} was trained with model.corpus, but no {CORPUS_FILE} of its run is beside it: "
+                  "decoding without the corpus, so the result differs from training's", file=sys.stderr)
+        else:
+            evaluation.corpus = CorpusLookup.from_file(corpus)
     result = evaluation.measure(target, drafter, prompts, stop_token_ids(target, tokenizer))
 
     step = checkpoint.step
-    logged = logged_metrics(checkpoint.callbacks, step) if args.limit is None else None
+    logged = logged_metrics(checkpoint.callbacks, step) if comparable else None
     print(
         f"[eval] {path} (step {step}, settings from {source}): {len(prompts)} prompts of {evaluation.prompts_path}, "
         f"up to {evaluation.max_new_tokens} new tokens, T=0, target {hp['target']} in {str(dtype).split('.')[-1]}"
@@ -100,18 +112,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'method':<12} {'tau':>7} {'logged':>7} {'expected':>8} {'rounds':>7}  accepted depth: rounds")
     for key, stats in result["summary"].items():
         was = logged.get(f"val/tau_{key}") if logged else None
-        expected = f"{stats['expected_tau']:.3f}" if budget_of(key) is not None else "-"
+        expected = "-" if stats.get("expected_tau") is None else f"{stats['expected_tau']:.3f}"
         depths = " ".join(f"{d}:{n}" for d, n in stats["accepted_depth_counts"].items())
         print(
             f"{key:<12} {stats['tau']:>7.3f} {'-' if was is None else f'{was:.3f}':>7} {expected:>8} "
             f"{stats['rounds']:>7}  {depths}"
         )
-    run_dir = run_folder_of(path) or path.resolve().parent.parent
-    out = Path(args.out) if args.out else run_dir / "eval" / f"checkpoint-{path.resolve().stem}.json"
-    used = {
-        "prompts": evaluation.prompts_path, "num_prompts": len(prompts), "budgets": evaluation.budgets,
-        "max_new_tokens": evaluation.max_new_tokens, "limit": evaluation.limit, "target": hp["target"], "dtype": str(dtype),
-    }
+    eval_dir = (run_dir or path.resolve().parent.parent) / "eval"
+    out = Path(args.out) if args.out else eval_dir / f"checkpoint-{path.resolve().stem}.json"
+    used = {**evaluation.settings(drafter.config, len(prompts)), "limit": evaluation.limit, "target": hp["target"],
+            "dtype": str(dtype)}
     write_json_atomic(out, {"checkpoint": str(path), "step": step, "settings": used, "logged": logged, **result})
     print(f"results written to {out}")
     return 0

@@ -35,7 +35,7 @@ from ddtree.targets import DDTreeError, load_target, stop_token_ids
 from training.callbacks import AcceptanceEvaluation, BestCheckpoint, measure_acceptance, monitor_metric
 from training.checkpoints import drafter_from_checkpoint
 from training.data import TokenizedConversations
-from training.export import export_drafter
+from training.export import export_drafter, run_corpus
 from training.module import DistillModule
 from training.train import main as train_main
 
@@ -63,7 +63,8 @@ def logged_rows(run_dir: Path) -> dict[int, dict]:
 
 
 def test_training_logs_what_bench_measures_and_marks_the_best_checkpoint(tmp_path):
-    """Evaluations at 2, 4 and the last step 5; each logged tau equals run_benchmark, `ddtree bench` and `make eval`."""
+    """Evaluations at 2, 4 and the last step 5; each logged tau equals run_benchmark, `ddtree bench` and `make eval`,
+    all of them grafting the training replies (model.corpus) as the export ships them."""
     data = write_conversations(tmp_path / "conversations.jsonl")
     args = [
         "--recipe", "tiny", "--output-root", str(tmp_path / "out"), "--run", "run",
@@ -72,12 +73,13 @@ def test_training_logs_what_bench_measures_and_marks_the_best_checkpoint(tmp_pat
         "--trainer.max_steps=5", "--trainer.precision=32-true",  # fp32: `ddtree bench --dtype float32` is the same
         "--eval.every_n_train_steps=2", "--eval.limit=2", "--eval.max_new_tokens=8",
         "--checkpoint.save_top_k=-1",  # keep every evaluated checkpoint, to re-measure each below
+        "--model.corpus=true",
     ]
     assert train_main(args) == 0
     run_dir = tmp_path / "out" / "tiny" / "run"
     logged = logged_rows(run_dir)
     assert sorted(logged) == [2, 4, 5]  # every 2 steps, and the last step off that grid
-    for name in ["val/tau_dflash", "val/eval_seconds", *[f"val/tau_ddtree@{b}" for b in BUDGETS],
+    for name in ["val/tau_dflash", "val/expected_tau_dflash", "val/eval_seconds", *[f"val/tau_ddtree@{b}" for b in BUDGETS],
                  *[f"val/expected_tau_ddtree@{b}" for b in BUDGETS]]:
         assert all(name in row for row in logged.values()), name
 
@@ -90,17 +92,17 @@ def test_training_logs_what_bench_measures_and_marks_the_best_checkpoint(tmp_pat
     # the same checkpoints and prompts through run_benchmark: the very same numbers
     target, tokenizer = load_target("tiny-random", torch.float32)
     prompts = load_prompts(PROMPTS, tokenizer, limit=2)
+    corpus = CorpusLookup.from_file(run_corpus(run_dir))
     for step, path in checkpoints.items():
-        drafter = DrafterRunner(drafter_from_checkpoint(path), target)
+        drafter = DrafterRunner(drafter_from_checkpoint(path), target, corpus=corpus)
         summary = run_benchmark(target, drafter, prompts, ["dflash", "ddtree"], BUDGETS, 8,
                                 stop_token_ids(target, tokenizer), progress=False)["summary"]
         for key, stats in summary.items():
             assert logged[step][f"val/tau_{key}"] == stats["tau"], (step, key)
-            if key != "dflash":
-                assert logged[step][f"val/expected_tau_{key}"] == pytest.approx(stats["expected_tau"], rel=1e-12)
+            assert logged[step][f"val/expected_tau_{key}"] == pytest.approx(stats["expected_tau"], rel=1e-12)
 
-    # `ddtree bench` on the exported best checkpoint
-    exported = export_drafter(checkpoints[best_step], tmp_path / "best-drafter")
+    # `ddtree bench` on the exported best checkpoint, with the corpus its export carries
+    exported = export_drafter(checkpoints[best_step], tmp_path / "best-drafter", run_corpus(run_dir))
     bench_json = tmp_path / "bench.json"
     assert ddtree.cli.main([
         "bench", "--target", "tiny-random", "--drafter", str(exported), "--prompts", PROMPTS, "--limit", "2",
@@ -113,7 +115,8 @@ def test_training_logs_what_bench_measures_and_marks_the_best_checkpoint(tmp_pat
     # `make eval CKPT=best` reads the run's settings and measures the same
     assert training.evaluate.main(["--recipe", "tiny", "--output-root", str(tmp_path / "out"), "--ckpt", "best"]) == 0
     measured = json.loads((run_dir / "eval" / f"checkpoint-step-{best_step}.json").read_text())
-    assert measured["step"] == best_step
+    assert measured["step"] == best_step and measured["settings"]["corpus"] is True
+    assert measured["logged"] and all(logged[best_step][k] == pytest.approx(v) for k, v in measured["logged"].items())
     for key, stats in measured["summary"].items():
         assert logged[best_step][f"val/tau_{key}"] == stats["tau"], key
 

@@ -169,9 +169,6 @@ def summarize(rows: list[dict], key: str) -> dict:
     return {**acceptance, **timing, "accepted_depth_counts": depth_counts}
 
 
-WARMUP_TOKENS = 32  # per method before timing: holds a full-depth round of a 16-token block (and its full tree)
-
-
 def warm_up(
     target: PreTrainedModel,
     drafter: DrafterRunner | None,
@@ -188,7 +185,8 @@ def warm_up(
 
     The first calls at a new shape pay for allocations, kernel selection (and, on a GPU, clock
     ramp-up); without this, whichever method is timed first (the chain) reports them as its own.
-    A 4-token warm-up was too short: it never drafted a full block nor verified a full-size tree.
+    A 4-token warm-up was too short: it never drafted a full block nor verified a full-size tree; a 32-token one
+    built static runners too small for longer generations, which were then rebuilt inside the timed runs.
     """
     for _, method, budget in keys:
         generator = torch.Generator(device=target.device).manual_seed(seed)
@@ -243,8 +241,10 @@ def run_benchmark(
             raise DDTreeError(
                 f"prompt {prompt['id']!r} has {len(prompt['prompt_ids'])} tokens; the target's context is {limit}"
             )
-    warm_up(target, drafter, prompts[0]["prompt_ids"], keys, min(max_new_tokens, WARMUP_TOKENS), stop_ids, sampling, seed,
-            static, redraft)
+    # The longest prompt at the full length: the static runners it builds then fit every timed generation, so none
+    # is rebuilt (and its CUDA graphs captured again) inside the timed prefill.
+    longest = max(prompts, key=lambda prompt: len(prompt["prompt_ids"]))
+    warm_up(target, drafter, longest["prompt_ids"], keys, max_new_tokens, stop_ids, sampling, seed, static, redraft)
 
     calibration = OnlineCalibration() if online else None
     per_prompt = []

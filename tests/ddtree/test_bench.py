@@ -5,12 +5,14 @@ share), and how it reads a prompts file.
 """
 
 import math
+import weakref
 
 import pytest
 import torch
 
 from ddtree.bench import (CHAIN, acceptance_summary, budget_of, iter_json_lines, load_prompts, method_keys, run_benchmark,
                           summarize, tree_key)
+from ddtree import target_runner
 from ddtree.decoding import generate
 from ddtree.errors import DDTreeError
 
@@ -81,11 +83,31 @@ def test_every_method_is_warmed_up_at_full_depth_before_anything_is_timed(tiny_t
     drafter = CountingDrafter(target.config.vocab_size)
     prompts = [{"id": "a", "prompt_ids": [5, 6, 7, 8]}, {"id": "b", "prompt_ids": [9, 10, 11]}]
     run_benchmark(target, drafter, prompts, [CHAIN, "ddtree"], [4], max_new_tokens=40, stop_ids=[], progress=False)
-    # two untimed runs (chain, tree) on the first prompt, then the timed runs: 2 prompts x 2 methods
+    # two untimed runs (chain, tree) on the longest prompt, then the timed runs: 2 prompts x 2 methods
     assert len(drafter.generations) == 2 + 4
     full_depth = drafter.block_size - 1
     for warm_up in drafter.generations[:2]:
         assert full_depth in warm_up, "a warm-up that never drafts a full block leaves that shape's first call to the timed runs"
+
+
+def test_the_warm_up_builds_static_runners_every_timed_generation_fits(tiny_target, monkeypatch):
+    """Warmed up on the longest prompt at the full length, no static runner is rebuilt inside the timed runs (on a
+    GPU that would capture its CUDA graphs again inside a timed prefill)."""
+    target, _ = tiny_target
+    built = []
+
+    class CountedStaticTarget(target_runner.StaticTarget):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append((self.max_rows, self.capacity))
+
+    monkeypatch.setattr(target_runner, "StaticTarget", CountedStaticTarget)
+    monkeypatch.setattr(target_runner, "_STATIC_TARGETS", weakref.WeakKeyDictionary())  # none left by other tests
+    prompts = [{"id": "short", "prompt_ids": [5, 6, 7, 8]}, {"id": "long", "prompt_ids": list(range(5, 305))}]
+    run_benchmark(target, CountingDrafter(target.config.vocab_size), prompts, [CHAIN, "ddtree"], [4],
+                  max_new_tokens=160, stop_ids=[], progress=False, static=True)
+    assert len(built) == 2, built  # one per verify shape (the chain's block, the tree's 5 rows), each built once
+    assert all(capacity >= 300 + 160 for _, capacity in built)
 
 
 def test_the_chain_reports_its_expected_tau_from_its_own_probabilities(tiny_target):

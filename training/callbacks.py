@@ -308,15 +308,15 @@ class AcceptanceEvaluation(L.Callback):
         with TrainingStateGuard(pl_module.drafter):
             pl_module.drafter.eval()
             return pl_module.calibrate_draft_temperatures(itertools.islice(batches, count), self.primary_budget,
-                                                          self.max_new_tokens)
+                                                          self.max_new_tokens, self.stop_ids)
 
     def _evaluate(self, trainer, pl_module, checkpointed: bool) -> None:
         step = trainer.global_step
         started = time.perf_counter()
-        temperatures = self.calibrate(trainer, pl_module)
         target = pl_module.target
         if self.stop_ids is None:
             self.stop_ids = stop_token_ids(target, self.tokenizer)
+        temperatures = self.calibrate(trainer, pl_module)
         result = self.measure(
             target, self.eval_drafter(trainer, pl_module), self.prompts, self.stop_ids,
             trainer.global_rank, trainer.world_size,

@@ -581,14 +581,16 @@ class DistillModule(L.LightningModule):
         self.log_dict({f"val/recall{RECALL_K}_{k}": recall[k - 1] for k in range(1, self.block_size)})
 
     @torch.no_grad()
-    def calibrate_draft_temperatures(self, batches, budget: int, max_new_tokens: int) -> list[float]:
+    def calibrate_draft_temperatures(self, batches, budget: int, max_new_tokens: int,
+                                     stop_ids: list[int] = ()) -> list[float]:
         """Fit and set the drafter's per-position temperatures (config.draft_temperatures) on `batches`.
 
         Tree decoding with `budget` nodes and `max_new_tokens` is replayed over each validation reply
         (training/replay.py), and each block position 1..B-1 gets the temperature of CALIBRATION_TEMPERATURES
         with the least label NLL over the rounds that reached it, summed over ranks; a position no round
         reached keeps 1. Rounds start after a rejection, where decoding measures acceptance, not at uniform
-        anchors. Returns them. Weights and argmaxes are unchanged.
+        anchors, and end at an accepted stop_ids token as decoding does. Returns them. Weights and argmaxes
+        are unchanged.
         """
         drafter = self.base_drafter()
         fit = RoundNLL(self.block_size)
@@ -601,7 +603,8 @@ class DistillModule(L.LightningModule):
                 for row in range(features.shape[0]):
                     span = reply_span(batch["loss_mask"][row])
                     if span is not None:
-                        replay_reply(runner, features[row], batch["input_ids"][row], *span, budget, max_new_tokens, fit)
+                        replay_reply(runner, features[row], batch["input_ids"][row], *span, budget, max_new_tokens, fit,
+                                     stop_ids)
         fit.nll = self.trainer.strategy.reduce(fit.nll.to(self.device), reduce_op="sum").cpu()
         fit.counts = self.trainer.strategy.reduce(fit.counts.to(self.device), reduce_op="sum").cpu()
         temperatures = fit.best()

@@ -21,7 +21,7 @@ positions; the replay follows the reply. It is a validation measurement, never a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Collection
 
 import torch
 
@@ -34,8 +34,9 @@ CALIBRATION_TEMPERATURES = torch.logspace(-1, 2, 49, base=2.0).tolist()  # 0.5 .
 
 @dataclass
 class ReplayRound:
-    accepted: int  # accepted draft nodes; the round commits accepted + 1 tokens (the bonus)
+    accepted: int  # accepted draft nodes
     expected: float  # the tree's expected acceptance under the drafter's (temperature-scaled) probabilities
+    committed: int  # tokens the round commits: accepted + 1 (the bonus), or up to an accepted stop token, no bonus
 
 
 def reply_span(loss_mask: torch.Tensor) -> tuple[int, int] | None:
@@ -59,28 +60,36 @@ def replay_reply(
     budget: int | None,  # tree node budget, or None for the chain (dflash)
     max_new_tokens: int,
     on_round: Callable[[torch.Tensor, list[int], int], None] | None = None,
+    stop_ids: Collection[int] = (),
 ) -> list[ReplayRound]:
     """The rounds `generate` would run on this reply. on_round(draft logits (depth, V), the reply's tokens at
-    depths 1..depth, accepted nodes) sees each round, e.g. to fit temperatures on exactly these blocks."""
+    depths 1..depth, accepted nodes) sees each round, e.g. to fit temperatures on exactly these blocks.
+    stop_ids: the target's end-of-turn tokens (stop_token_ids); a round that accepts one ends the reply there
+    and commits no bonus token, as decoding does."""
     ids = input_ids.tolist()
     runner.reset()
     root, new_context, committed = start, features[None, :start], 1
     rounds = []
     while committed < max_new_tokens and root < end - 1:
-        depth = min(max_new_tokens - committed - 1, runner.block_size - 1, end - 1 - root)
+        # As deep as decoding drafts: it cannot know where the reply ends.
+        depth = min(max_new_tokens - committed - 1, runner.block_size - 1)
         if depth == 0:  # the last token allowed: a round that only commits the bonus
-            rounds.append(ReplayRound(0, 1.0))
+            rounds.append(ReplayRound(0, 1.0, 1))
             break
         logits = runner.propose(ids[root], root, new_context, depth)  # (depth, V)
         tree = draft_tree(logits, budget)
-        truth = ids[root + 1:root + 1 + depth]
+        truth = ids[root + 1:min(root + 1 + depth, end)]
         depth_of = [0] + tree.depths
         # The reply's token after a row at depth d is ids[root + 1 + d]; past the reply nothing matches.
         accepted, _ = walk(tree, lambda row: ids[root + 1 + depth_of[row]] if root + 1 + depth_of[row] < end else -1)
-        rounds.append(ReplayRound(len(accepted), tree.expected_acceptance))
+        path = ids[root + 1:root + 1 + len(accepted)]
+        stop = next((i for i, token in enumerate(path) if token in stop_ids), None)
+        step = len(accepted) + 1 if stop is None else stop + 1
+        rounds.append(ReplayRound(len(accepted), tree.expected_acceptance, step))
         if on_round is not None:
             on_round(logits, truth, len(accepted))
-        step = len(accepted) + 1
+        if stop is not None:
+            break
         new_context = features[None, root:root + step]  # the root and the accepted rows join the context
         root, committed = root + step, committed + step
     return rounds
@@ -90,7 +99,7 @@ def replay_summary(rounds: list[ReplayRound]) -> dict:
     """tau and expected tau over rounds, as `ddtree bench` counts them (committed tokens per round)."""
     count = max(len(rounds), 1)
     return {
-        "tau": sum(r.accepted + 1 for r in rounds) / count,
+        "tau": sum(r.committed for r in rounds) / count,
         "expected_tau": sum(r.expected for r in rounds) / count,
         "rounds": len(rounds),
     }

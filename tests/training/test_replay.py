@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from ddtree.decoding import DrafterRunner, generate
 from ddtree.modeling_dflash import DFlashDraftModel
@@ -75,6 +76,35 @@ def test_replay_runs_the_rounds_of_decoding(tiny, budget):
     assert replay_summary(rounds)["tau"] == pytest.approx(decoded.tau)
     accepted = {r.accepted for r in rounds}
     assert 0 in accepted and max(accepted) >= min(budget or 3, 3)  # rejections and long paths both happened
+
+
+@pytest.mark.parametrize("budget", [None, 4])
+def test_a_reply_that_ends_in_a_stop_token_replays_as_decoding_stops(budget):
+    """Decoding commits no bonus after an accepted end-of-turn token, and drafts as deep as ever near the reply's end
+    (it cannot know where the reply ends); the replay must do the same, round by round."""
+    torch.manual_seed(0)  # large random weights: a reply that does not repeat one token, so each cut has its own stop
+    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, max_position_embeddings=256, initializer_range=0.5)
+    target = LlamaForCausalLM(config).eval()
+    prompt = [1, 5, 9, 13]
+    reply = generate(target, prompt, "ar", max_new_tokens=40).new_tokens
+    no_bonus = 0
+    for end in range(8, 40, 3):  # the reply cut after its token `end - 1`, taken as the stop token
+        stop = reply[end - 1]
+        if stop in reply[:end - 1]:
+            continue  # the reply would have ended earlier
+        sequence = prompt + reply[:end]
+        oracle = RiggedDrafter(sequence, target.config.vocab_size, block_size=6)
+        decoded_runner, replay_runner = Recording(oracle), Recording(oracle)
+        decoded = generate(target, prompt, "ddtree" if budget else "dflash", decoded_runner, budget or 1, 64, [stop])
+        assert decoded.new_tokens == reply[:end]
+        rounds = replay_reply(replay_runner, torch.zeros(len(sequence), 3), torch.tensor(sequence), len(prompt),
+                              len(sequence), budget, 64, stop_ids=[stop])
+        assert [(s, d) for s, d, _ in replay_runner.calls] == [(s, d) for s, d, _ in decoded_runner.calls]
+        assert [(r.accepted, r.committed) for r in rounds] == [(r.accepted_depth, r.committed) for r in decoded.rounds]
+        assert replay_summary(rounds)["tau"] == pytest.approx(decoded.tau)
+        no_bonus += decoded.rounds[-1].committed <= decoded.rounds[-1].accepted_depth
+    assert no_bonus > 0, "no reply ended inside an accepted path: the stop was never exercised"
 
 
 def test_replay_feeds_the_drafter_the_context_decoding_feeds_it(tiny):

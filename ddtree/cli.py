@@ -52,9 +52,12 @@ DTYPE_HELP = "auto (bf16 where this machine computes it natively, else float32),
 
 def _int_list(text: str) -> list[int]:
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
+        values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected at least one integer, got {text!r}")
+    return values
 
 
 STATIC_CACHE = {"auto": None, "on": True, "off": False}  # --static-cache -> generate(static=...)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import shlex
 import sys
 import time
@@ -50,7 +51,10 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
     name, _, overrides = text.partition("=")
     if not name or not name.replace("-", "").replace("_", "").isalnum():
         raise DDTreeError(f"--variant {text!r}: give name=overrides, e.g. dpace=--model.objective=dpace")
-    return name, shlex.split(overrides)
+    try:
+        return name, shlex.split(overrides)
+    except ValueError as error:  # an unclosed quote
+        raise DDTreeError(f"--variant {text!r}: {error} in its overrides; close the quote") from None
 
 
 def last_validation(run_dir: Path) -> dict[str, float]:
@@ -89,19 +93,25 @@ def summarize_variant(name: str, run_dir: Path, seconds: float) -> dict:
     }
 
 
+def all_budgets(results: list[dict]) -> list[int]:
+    """Every budget some variant measured (a variant may override eval.budgets; its missing cells print '-')."""
+    return sorted({budget for r in results for budget in r["tau"]})
+
+
 def markdown_table(results: list[dict]) -> str:
-    budgets = sorted(results[0]["tau"])
+    budgets = all_budgets(results)
     head = ["variant", "steps", "run min", "val loss", "acc@1..", f"recall{RECALL_K}@1..",
             *[f"tau@{b} (expected)" for b in budgets], "chain tau (expected)", "tree / chain"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     fmt = lambda values: " ".join("-" if v is None else f"{v:.2f}" for v in values)  # noqa: E731
     for r in results:
-        top = max(budgets)
+        top = max(r["tau"])
+        chain_expected = r.get("chain_expected_tau")
         cells = [r["variant"], str(r["step"]), f"{r['run_minutes']:.1f}",
                  "-" if r["val_loss"] is None else f"{r['val_loss']:.3f}", fmt(r["accuracy"]), fmt(r["recall"]),
-                 *[f"{r['tau'][b]:.2f} ({r['expected_tau'][b]:.2f})" for b in budgets],
-                 f"{r['chain_tau']:.2f} ({'-' if r.get('chain_expected_tau') is None else format(r['chain_expected_tau'], '.2f')})",
-                 f"{r['tau'][top] / r['chain_tau']:.2f}x"]
+                 *[f"{r['tau'][b]:.2f} ({r['expected_tau'][b]:.2f})" if b in r["tau"] else "-" for b in budgets],
+                 f"{r['chain_tau']:.2f} ({'-' if chain_expected is None else format(chain_expected, '.2f')})",
+                 f"{r['tau'][top] / r['chain_tau']:.2f}x" if r["chain_tau"] > 0 else "-"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -110,10 +120,10 @@ def plot(results: list[dict]) -> Figure:
     figure = Figure(figsize=(11, 4))
     FigureCanvasAgg(figure)
     bars, depth = figure.add_subplot(1, 2, 1), figure.add_subplot(1, 2, 2)
-    budgets = sorted(results[0]["tau"])
+    budgets = all_budgets(results)
     width = 0.8 / (len(budgets) + 1)
     for i, r in enumerate(results):
-        values = [r["chain_tau"]] + [r["tau"][b] for b in budgets]
+        values = [r["chain_tau"]] + [r["tau"].get(b, 0.0) for b in budgets]
         for j, value in enumerate(values):
             bars.bar(i + j * width, value, width, color=f"C{j}", label=(["chain"] + [f"tree@{b}" for b in budgets])[j] if i == 0 else None)
         depth.plot(range(1, len(r["recall"]) + 1), r["recall"], "o-", color=f"C{i}", label=f"{r['variant']} recall{RECALL_K}")
@@ -144,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     check_recipe_name(args.recipe)
     if args.steps is None and args.minutes is None:
         raise DDTreeError("give --steps N (the same schedule for every variant) and/or --minutes M (the same wall time)")
+    if args.steps is not None and args.steps < 1:
+        raise DDTreeError(f"--steps {args.steps}: give at least 1 optimizer step")
+    if args.minutes is not None and not (math.isfinite(args.minutes) and args.minutes * 60 >= 1):
+        raise DDTreeError(f"--minutes {args.minutes}: give a wall time of at least one second (1/60 of a minute)")
     variants = [parse_variant(v) for v in (args.variant or DEFAULT_VARIANTS)]
     if len({name for name, _ in variants}) != len(variants):
         raise DDTreeError(f"--variant names must differ: {[name for name, _ in variants]}")

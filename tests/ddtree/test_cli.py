@@ -122,6 +122,14 @@ def test_budget_below_one(capsys, prompts_file):
     assert "budget 0" in line
 
 
+def test_no_budget_at_all_is_a_usage_error(capsys, prompts_file):
+    """An empty --budgets ran nothing and wrote an empty summary (or failed with a traceback under --adaptive-size)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--target", TARGET, "--prompts", str(prompts_file), "--budgets", " , ", "--adaptive-size", "on"])
+    assert exit_.value.code == 2
+    assert "argument --budgets: expected at least one integer" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("args, message", [
     (["bench", "--lookup", "-1"], "lookup -1 must be >= 0"),
     (["generate", "--method", "dflash", "--lookup", "4"], "method 'dflash' has none"),

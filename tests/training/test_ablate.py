@@ -7,7 +7,7 @@ import json
 import pytest
 
 import toy_data  # tests/training/toy_data.py
-from training.ablate import main, parse_variant
+from training.ablate import main, markdown_table, parse_variant, plot
 
 
 def test_two_variants_of_the_tiny_recipe_are_trained_measured_and_compared(tmp_path, capsys):
@@ -38,11 +38,28 @@ def test_two_variants_of_the_tiny_recipe_are_trained_measured_and_compared(tmp_p
 def test_a_bad_variant_or_no_budget_is_one_line(capsys):
     assert main(["--recipe", "tiny", "--variant", "no equals sign at all", "--steps", "2"]) == 2
     assert main(["--recipe", "tiny"]) == 2
+    assert main(["--recipe", "tiny", "--variant", 'x=--model.lr="1', "--steps", "2"]) == 2
+    assert main(["--recipe", "tiny", "--minutes", "nan"]) == 2
+    assert main(["--recipe", "tiny", "--steps", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 2 and "--variant" in err[0] and "--steps" in err[1]
+    assert len(err) == 5 and "--variant" in err[0] and "--steps" in err[1]
+    assert "No closing quotation" in err[2] and "--minutes nan" in err[3] and "--steps 0" in err[4]
 
 
 @pytest.mark.parametrize("text, expected", [("a=", ("a", [])), ("dp=--model.objective=dpace --model.lr=1e-3",
                                              ("dp", ["--model.objective=dpace", "--model.lr=1e-3"]))])
 def test_variants_parse(text, expected):
     assert parse_variant(text) == expected
+
+
+def test_the_table_shows_every_budget_and_a_dash_where_a_variant_did_not_measure_it():
+    def result(name, taus, chain_tau):
+        return {"variant": name, "step": 3, "run_minutes": 1.0, "val_loss": None, "accuracy": [0.5], "recall": [None],
+                "tau": taus, "expected_tau": {b: t + 0.1 for b, t in taus.items()}, "chain_tau": chain_tau,
+                "chain_expected_tau": None}
+
+    table = markdown_table([result("a", {8: 2.0, 32: 3.0}, 1.5), result("b", {32: 2.5}, 0.0)]).splitlines()
+    assert "tau@8 (expected)" in table[0] and "tau@32 (expected)" in table[0]
+    assert table[2].endswith("| 2.00 (2.10) | 3.00 (3.10) | 1.50 (-) | 2.00x |")
+    assert table[3].endswith("| - | 2.50 (2.60) | 0.00 (-) | - |")  # no chain rounds: no ratio
+    assert plot([result("a", {8: 2.0, 32: 3.0}, 1.5), result("b", {32: 2.5}, 0.0)]) is not None

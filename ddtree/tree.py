@@ -105,6 +105,8 @@ def context_lookup(tokens: list[int], length: int, max_ngram: int = 3) -> list[i
 
     Up to `length` tokens, or [] when not even the last token occurred before. Small targets repeat
     themselves and answers quote their prompts, where a drafter that cannot copy misses (README, Context lookup).
+    A match that overlaps the end (the text repeats with a period shorter than `length`: 11 11 11, or a b a b)
+    continues with that period past the end, as the loop would, instead of stopping where the context does.
     """
     if length < 1:
         return []
@@ -117,7 +119,8 @@ def context_lookup(tokens: list[int], length: int, max_ngram: int = 3) -> list[i
         starts = np.flatnonzero(match)
         if starts.size:
             follow = int(starts[-1]) + n
-            return seq[follow:follow + length].tolist()
+            period = len(seq) - follow  # the context ends with seq[follow - period:follow] == seq[follow:]
+            return [int(seq[follow + i % period]) for i in range(length)]
     return []
 
 

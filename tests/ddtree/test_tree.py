@@ -91,10 +91,12 @@ def test_heap_with_redrafted_branches_builds_the_top_prefixes_under_each_branchs
 @pytest.mark.parametrize("tokens,length,expected", [
     ([1, 2, 3, 4, 9, 2, 3], 3, [4, 9, 2]),  # the last 2 tokens recur: what followed them
     ([2, 3, 5, 2, 3, 6, 3], 2, [6, 3]),  # only the last token recurs: its most recent occurrence wins
-    ([1, 2, 3, 1, 2, 3, 1, 2, 3], 5, [1, 2, 3]),  # the longest match (3) runs up to the end of the context
+    ([1, 2, 3, 1, 2, 3, 1, 2, 3], 5, [1, 2, 3, 1, 2]),  # the match runs into the end: it goes on with period 3
     ([1, 2, 3], 4, []),  # nothing recurs
     ([7], 4, []),
-    ([4, 4], 5, [4]),
+    ([4, 4], 5, [4, 4, 4, 4, 4]),  # period 1
+    ([1, 2, 3, 4, 1, 2], 5, [3, 4, 1, 2, 3]),  # a shorter match ([1, 2]) overlapping the end: period 4
+    ([1, 2, 3, 9, 9, 1, 2, 3, 7, 5, 1, 2, 3], 4, [7, 5, 1, 2]),  # room before the end: no period needed
 ])
 def test_context_lookup_continues_the_latest_recurrence_of_the_longest_suffix(tokens, length, expected):
     assert context_lookup(tokens, length) == expected

@@ -40,6 +40,7 @@ numbers do not depend on the training precision plugin).
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 import os
@@ -140,6 +141,15 @@ def metrics_of(summary: dict, seconds: float) -> dict[str, float]:
     return metrics
 
 
+def in_dtype(drafter: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """The drafter as `ddtree` decodes its export: in the target's dtype (ddtree/drafters.py loads it so), so the
+    tau that ranks checkpoints is the shipped drafter's. A copy where training keeps other weights (fp32 under
+    bf16-mixed); the drafter itself where they already are."""
+    if all(p.dtype == dtype for p in drafter.parameters() if p.is_floating_point()):
+        return drafter
+    return copy.deepcopy(drafter).to(dtype)
+
+
 class TrainingStateGuard:
     """Puts back what decoding could disturb: module train/eval flags and the python/numpy/torch RNGs."""
 
@@ -234,7 +244,7 @@ class AcceptanceEvaluation(L.Callback):
     ) -> dict:
         """Decode `prompts` with `drafter` and return measure_acceptance's result; training state is untouched."""
         with TrainingStateGuard(drafter, target), torch.no_grad(), torch.autocast(target.device.type, enabled=False):
-            runner = self.drafter_runner(drafter, target)
+            runner = self.drafter_runner(in_dtype(drafter, target.dtype), target)
             return measure_acceptance(
                 target, runner, prompts, self.budgets, self.max_new_tokens, stop_ids, rank, world_size, self.lookup,
                 self.redraft,

@@ -629,3 +629,26 @@ def test_model_corpus_grafts_the_training_replies_as_the_export_decodes_them():
     assert grafted["summary"]["dflash"]["tau"] == plain["summary"]["dflash"]["tau"]  # the chain has none
     with pytest.raises(DDTreeError, match="model.corpus ships the training replies"):
         AcceptanceEvaluation(prompts=PROMPTS).setup(SimpleNamespace(datamodule=None), module, "fit")
+
+
+def test_evaluation_decodes_the_drafter_in_the_targets_dtype_as_bench_decodes_its_export():
+    """Under bf16-mixed the live drafter's weights are fp32, while `ddtree` loads the export in the target's bf16:
+    the evaluation that ranks checkpoints decodes the latter, and training's weights stay fp32."""
+    from ddtree.modeling_dflash import DFlashDraftModel
+    from ddtree.targets import build_drafter_config
+
+    target, tokenizer = load_target("tiny-random", torch.bfloat16)
+    torch.manual_seed(0)
+    drafter = DFlashDraftModel(build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=8))
+    evaluation = AcceptanceEvaluation(prompts=PROMPTS, budgets=[8], primary_budget=8, max_new_tokens=16, limit=2,
+                                      lookup=0)
+    prompts = evaluation.load_prompts(tokenizer)
+    stop_ids = stop_token_ids(target, tokenizer)
+    measured = evaluation.measure(target, drafter, prompts, stop_ids)["summary"]
+    assert {p.dtype for p in drafter.parameters()} == {torch.float32}
+    shipped = DrafterRunner(DFlashDraftModel(drafter.config).to(torch.bfloat16).eval(), target)
+    shipped.drafter.load_state_dict(drafter.state_dict())  # cast to bf16 on load, as from_pretrained(dtype=) does
+    bench = run_benchmark(target, shipped, prompts, [CHAIN, "ddtree"], [8], 16, stop_ids, progress=False)["summary"]
+    for key, stats in bench.items():
+        assert measured[key]["tau"] == stats["tau"], key
+        assert measured[key]["expected_tau"] == pytest.approx(stats["expected_tau"], rel=1e-9), key

@@ -22,3 +22,17 @@ def tiny_target():
     from ddtree.targets import load_target
 
     return load_target("tiny-random", torch.float32)
+
+
+@pytest.fixture
+def empty_cache(tmp_path, monkeypatch):
+    """$DDTREE_CACHE at an empty folder, except for the converted targets: a fresh cache would convert the SmolLM2
+    GGUF again (about 15 s) in every test that uses one."""
+    from ddtree.targets import cache_dir, resolve_target
+
+    resolve_target("tiny-random")  # converted (with SmolLM2, whose tokenizer it uses) into the real cache, once
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "targets").symlink_to(cache_dir() / "targets", target_is_directory=True)
+    monkeypatch.setenv("DDTREE_CACHE", str(cache))
+    return cache

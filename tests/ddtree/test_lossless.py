@@ -21,6 +21,9 @@ PROMPTS = [
     [{"role": "user", "content": "What is a hash table? Answer briefly."}],
 ]
 MAX_NEW = 40
+# An untrained drafter has nearly every round rejected at the root, one committed token and one cache compaction each:
+# 24 of them exercise what 40 do, at 60% of the cost (its tests were the suite's slowest).
+RANDOM_NEW = 24
 
 
 def _prompt_ids(tokenizer, messages):
@@ -64,9 +67,9 @@ def test_random_drafter_is_lossless(smollm2, references, random_drafter, method,
     model, tokenizer = smollm2
     for prompt, greedy in references:
         result = generate(
-            model, prompt, method, random_drafter, budget, MAX_NEW, stop_token_ids(model, tokenizer)
+            model, prompt, method, random_drafter, budget, RANDOM_NEW, stop_token_ids(model, tokenizer)
         )
-        assert result.new_tokens == greedy
+        assert result.new_tokens == greedy[:RANDOM_NEW]
 
 
 @pytest.mark.parametrize("method,budget", [("dflash", 0), ("ddtree", 8)])
@@ -74,10 +77,10 @@ def test_drafter_at_fixed_shapes_is_lossless(smollm2, references, random_drafter
     """With the static cache the drafter runs at fixed shapes too (ddtree/static_drafter.py), re-drafting included."""
     model, tokenizer = smollm2
     prompt, greedy = references[0]  # one prompt: on the CPU a fixed-shape round attends over every slot (slow)
-    result = generate(model, prompt, method, random_drafter, budget, MAX_NEW, stop_token_ids(model, tokenizer),
+    result = generate(model, prompt, method, random_drafter, budget, RANDOM_NEW, stop_token_ids(model, tokenizer),
                       static=True, redraft=2)
     assert random_drafter.static is not None
-    assert result.new_tokens == greedy
+    assert result.new_tokens == greedy[:RANDOM_NEW]
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic-cache", "static-cache"])
@@ -351,9 +354,10 @@ def test_adaptive_tree_size_is_lossless_and_cuts_the_unlikely_nodes(smollm2, ref
         result = generate(model, prompt, "ddtree", rigged, 32, MAX_NEW, stop_token_ids(model, tokenizer), sizer=sizer)
         assert result.new_tokens == greedy
         sizes += [r.tree_size for r in result.rounds if r.tree_size]
-        with_lookup = generate(model, prompt, "ddtree", random_drafter, 32, MAX_NEW, stop_token_ids(model, tokenizer),
-                               sizer=sizer, lookup=7)
-        assert with_lookup.new_tokens == greedy
+        if prompt == references[0][0]:  # one reply that repeats itself: the random drafter's rounds are slow
+            with_lookup = generate(model, prompt, "ddtree", random_drafter, 32, MAX_NEW, stop_token_ids(model, tokenizer),
+                                   sizer=sizer, lookup=7)
+            assert with_lookup.new_tokens == greedy
     assert min(sizes) < 32 and len(set(sizes)) > 2, sizes  # (the slow rigged drafter's overhead favours large trees)
     assert sizer.rounds > 0 and sizer.overhead_ms > 0  # the rounds' drafting and bookkeeping were counted
     with pytest.raises(DDTreeError, match="static cache"):

@@ -34,8 +34,7 @@ def tiny_settings(prompts: Path) -> dict:
             "chunk_size": 2}
 
 
-def test_auto_data_is_generated_once_into_the_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("DDTREE_CACHE", str(tmp_path / "cache"))
+def test_auto_data_is_generated_once_into_the_cache(tmp_path, empty_cache):
     settings = tiny_settings(prompt_file(tmp_path / "prompts.jsonl", 5))
     datamodule = DistillDataModule(target="tiny-random", data_path=AUTO_DATA, regenerate=settings)
     prepare_recipe_data(datamodule, "my-recipe")
@@ -53,8 +52,7 @@ def test_auto_data_is_generated_once_into_the_cache(tmp_path, monkeypatch):
     assert (out / "regeneration.json").stat().st_mtime_ns == stamp
 
 
-def test_missing_data_with_several_processes_asks_for_make_data(tmp_path, monkeypatch):
-    monkeypatch.setenv("DDTREE_CACHE", str(tmp_path / "cache"))
+def test_missing_data_with_several_processes_asks_for_make_data(tmp_path, empty_cache):
     datamodule = DistillDataModule(target="tiny-random", data_path=AUTO_DATA,
                                    regenerate=tiny_settings(tmp_path / "prompts.jsonl"))
     with pytest.raises(DDTreeError, match="make data RECIPE=my-recipe"):
@@ -89,8 +87,7 @@ def test_regenerate_fields_are_the_scripts_options():
                                                 "merge_only"}
 
 
-def test_make_data_takes_the_recipes_regenerate_section(tmp_path, monkeypatch):
-    monkeypatch.setenv("DDTREE_CACHE", str(tmp_path / "cache"))
+def test_make_data_takes_the_recipes_regenerate_section(tmp_path, empty_cache):
     args = regenerate.apply_recipe(regenerate.parse_args(["--recipe", str(RECIPES_DIR / "smollm2-135m-gpu.yaml")]))
     assert args.out == tmp_path / "cache" / "data" / "smollm2-135m-gpu" and args.target == "smollm2-135m"
     assert (args.limit, args.max_new_tokens, args.dtype) == (4000, 256, "bfloat16")
@@ -99,10 +96,9 @@ def test_make_data_takes_the_recipes_regenerate_section(tmp_path, monkeypatch):
     assert args.limit == 12  # a flag given wins over the recipe
 
 
-def test_gpu_recipe_stops_with_one_line_before_generating_anything(tmp_path, monkeypatch, capsys):
+def test_gpu_recipe_stops_with_one_line_before_generating_anything(tmp_path, empty_cache, capsys):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: the recipe would run")
-    monkeypatch.setenv("DDTREE_CACHE", str(tmp_path / "cache"))
     config = read_recipe(RECIPES_DIR / "smollm2-135m-gpu.yaml", [])
     assert config.data.data_path == AUTO_DATA and config.data.regenerate["limit"] == 4000
     assert training.train.main(["--recipe", "smollm2-135m-gpu", "--output-root", str(tmp_path / "out")]) == 2

@@ -63,11 +63,18 @@ export: $(STAMP)
 	$(PY) -m training.publish $(RUN) --out $(OUT) $(if $(CKPT),--ckpt $(CKPT)) $(if $(SPECULATORS),--speculators) \
 		$(if $(OVERWRITE),--overwrite) $(if $(ALLOW_ENGINE_MISMATCH),--allow-engine-mismatch) $(if $(REPO),--repo $(REPO)) $(if $(PUSH),--push)
 
+# Two worker processes (pytest-xdist), each test file on one of them, each with half the cores' threads: most
+# tests are bound by Python and process start-up, not by matmuls, so on 2 cores this took 7.6 minutes against
+# 13.9 in one process with 2 threads (README).
+TEST_WORKERS ?= 2
+TEST_ARGS := -q -n $(TEST_WORKERS) --dist loadfile
+TEST_ENV := OMP_NUM_THREADS=$$(( $$(nproc) / $(TEST_WORKERS) > 0 ? $$(nproc) / $(TEST_WORKERS) : 1 ))
+
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(TEST_ENV) $(PY) -m pytest $(TEST_ARGS)
 
 test-all: $(STAMP)
-	$(PY) -m pytest -q -m ""
+	$(TEST_ENV) $(PY) -m pytest $(TEST_ARGS) -m ""
 
 clean:
 	rm -rf $(VENV) outputs

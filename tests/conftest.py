@@ -36,3 +36,12 @@ def empty_cache(tmp_path, monkeypatch):
     (cache / "targets").symlink_to(cache_dir() / "targets", target_is_directory=True)
     monkeypatch.setenv("DDTREE_CACHE", str(cache))
     return cache
+
+
+def pytest_configure(config):
+    """Convert the built-in targets once, before pytest-xdist starts its workers (make test): two workers converting
+    into the same cache at once would replace the folder under the one already reading it."""
+    if not hasattr(config, "workerinput"):  # the controlling process, or a run without workers
+        from ddtree.targets import resolve_target
+
+        resolve_target("tiny-random")  # converts SmolLM2 too, whose tokenizer it uses

@@ -25,7 +25,8 @@ How the work is laid out, so it survives interruption:
     chunks, so a larger --limit on a fresh clone only generates the prompts the shipped data lacks;
   - once every chunk exists, the chunks are concatenated in prompt order into a `datasets` dataset
     (save_to_disk) at <out> with columns id, messages (prompt + assistant turn), finish_reason
-    ("stop" | "length"), response_tokens; <out>/regeneration.json records settings and counts.
+    ("stop" | "length"), response_tokens, response_ids (the generated ids, which training supervises
+    rather than a new tokenization of the text); <out>/regeneration.json records settings and counts.
 
 Backends: transformers (a batched decoding loop, left padding, KV cache) everywhere; vLLM when it is
 importable and a GPU is present (or --backend vllm). Special tokens are dropped from the response
@@ -437,6 +438,7 @@ def run(args: argparse.Namespace) -> dict | None:
                         "finish_reason": finish,
                         "prompt_tokens": len(prompt),
                         "response_tokens": len(response),
+                        "response_ids": response,  # what training supervises (training/conversations.py)
                     }, ensure_ascii=False))
                 write_text_atomic(chunk_path(parts, k), "\n".join(lines) + "\n")
         print(f"[regenerate] shard {args.shard_index}: {total} prompts in {time.time() - started:.0f} s", flush=True)

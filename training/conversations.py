@@ -212,6 +212,22 @@ def render_with_loss_mask(tokenizer, messages: list[dict], eot: str | None = Non
     return input_ids, loss_mask
 
 
+def render_generated(tokenizer, record: dict, eot: str) -> tuple[list[int], list[int]]:
+    """A regenerated conversation from the ids its target generated (data/regenerate.py records them as
+    response_ids): the prompt as decoding renders it, then exactly those ids and the end-of-turn token, which
+    alone are supervised. Tokenizing the reply's text again gives the tokenizer's own split wherever the target
+    chose another (`read` `line` against `readline`), and the drafter would learn tokens the target never emits."""
+    messages, reply = record["messages"], list(record["response_ids"])
+    if not messages or messages[-1]["role"] != "assistant":
+        raise DDTreeError(f"conversation {record.get('id')!r} has response_ids but does not end with an assistant turn")
+    if tokenizer.decode(reply, skip_special_tokens=True) != messages[-1]["content"]:
+        raise DDTreeError(f"conversation {record.get('id')!r}: its response_ids do not decode to its last assistant "
+                          "turn (edited text?); drop the response_ids field or regenerate it")
+    prompt = render_prompt_ids(tokenizer, messages[:-1])
+    reply += tokenizer.convert_tokens_to_ids([eot])
+    return prompt + reply, [0] * len(prompt) + [1] * len(reply)
+
+
 def tokenize_conversation(tokenizer, messages: list[dict], max_length: int) -> dict[str, list[int]]:
     """{"input_ids", "loss_mask"} of one conversation, truncated to max_length tokens.
 
@@ -231,11 +247,16 @@ def tokenize_conversations(tokenizer, records: list[dict], max_length: int, min_
     A record with finish_reason "length" has a last answer that the target did not finish (it
     hit max_new_tokens): the end-of-turn token the template writes after it was never the
     target's choice, so that token and everything after it are cut instead of supervised.
+    A record with response_ids (regenerated data) supervises exactly those ids (render_generated);
+    one without is rendered from its text (render_with_loss_mask).
     """
     eot = end_of_turn_text(tokenizer)
     kept, counts = [], {"conversations": len(records), "no_assistant": 0, "too_few_supervised": 0, "truncated": 0}
     for record in records:
-        input_ids, loss_mask = render_with_loss_mask(tokenizer, record["messages"], eot)
+        if record.get("response_ids") is not None:
+            input_ids, loss_mask = render_generated(tokenizer, record, eot)
+        else:
+            input_ids, loss_mask = render_with_loss_mask(tokenizer, record["messages"], eot)
         if not any(loss_mask):
             counts["no_assistant"] += 1
             continue

@@ -124,6 +124,7 @@ def test_shards_merge_resume_and_settings_guard(tmp_path):
     for i, row in enumerate(data):
         assert row["messages"][0]["content"] == f"Say something about {i}."
         assert row["messages"][-1]["role"] == "assistant" and 0 <= row["response_tokens"] <= 6
+        assert len(row["response_ids"]) == row["response_tokens"]  # the generated ids, which training supervises
     assert summary["response_tokens"] == sum(data["response_tokens"])
 
     # Resume: only the missing chunk is generated again, and it comes out the same (greedy).

@@ -206,6 +206,29 @@ def test_unfinished_answer_does_not_supervise_an_end_of_turn(smol_tokenizer):
     assert smol_tokenizer.decode([i for i, m in zip(cut["input_ids"], cut["loss_mask"]) if m]) == "2+2 is 4."
 
 
+def test_a_regenerated_reply_supervises_the_ids_its_target_generated(smol_tokenizer):
+    """The target may split a word otherwise than the tokenizer does (`read` `line` for `readline`): with
+    response_ids the labels are those ids, after the prompt decoding feeds the target, then the end of turn."""
+    messages = [{"role": "user", "content": "Read a line."}]
+    generated = smol_tokenizer("f.read", add_special_tokens=False)["input_ids"] + \
+        smol_tokenizer("line()", add_special_tokens=False)["input_ids"]
+    text = smol_tokenizer.decode(generated)
+    assert smol_tokenizer(text, add_special_tokens=False)["input_ids"] != generated  # the text alone loses the split
+    record = {"id": "r", "messages": messages + [{"role": "assistant", "content": text}], "response_ids": generated}
+    unfinished = dict(record, finish_reason="length")
+    (done, cut), _ = tokenize_conversations(smol_tokenizer, [record, unfinished], max_length=500, min_supervised_tokens=1)
+    prompt = render_prompt_ids(smol_tokenizer, messages)
+    im_end = smol_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert done["input_ids"] == prompt + generated + [im_end]
+    assert done["loss_mask"] == [0] * len(prompt) + [1] * (len(generated) + 1)
+    assert cut["input_ids"] == prompt + generated and cut["loss_mask"][-1] == 1  # no end of turn the target never chose
+    text_only = {"messages": record["messages"]}
+    (plain,), _ = tokenize_conversations(smol_tokenizer, [text_only], max_length=500, min_supervised_tokens=1)
+    assert plain["input_ids"][:len(prompt)] == prompt and plain["input_ids"] != done["input_ids"]
+    with pytest.raises(DDTreeError, match="do not decode to its last assistant turn"):
+        tokenize_conversations(smol_tokenizer, [dict(record, response_ids=generated[:-1])], 500, 1)
+
+
 # ----------------------------------------------------------------------------- files
 
 def write_lines(path, lines):

@@ -134,7 +134,9 @@ def load_conversations(source: str | Path) -> list[dict]:
 
 # ----------------------------------------------------------------------------- chat template + loss mask
 
-TOKENIZATION_VERSION = 2  # bump when render_with_loss_mask changes, to invalidate cached tokenizations
+# Bump when render_with_loss_mask changes, to invalidate cached tokenizations. Not bumped for leading whitespace
+# kept in the reply (none of the 2048 shipped replies has any, so their tokenization and feature stores are the same).
+TOKENIZATION_VERSION = 2
 
 
 def render_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
@@ -187,8 +189,14 @@ def render_with_loss_mask(tokenizer, messages: list[dict], eot: str | None = Non
         except Exception:  # some templates reject a conversation that does not start with a user turn
             prefix = ""
         search_from = max(cursor, len(prefix) if text.startswith(prefix) else cursor)
-        content = message["content"].strip()  # templates such as Llama-3's trim the content
-        start = text.find(content, search_from) if content else -1
+        written = message["content"].rstrip()
+        content = written.strip()  # templates such as Llama-3's trim the content
+        start = -1
+        if written != content:  # leading whitespace: the target's own output where the template keeps it (ChatML)
+            start = text.find(written, search_from)
+            content = written if start >= 0 else content
+        if start < 0 and content:
+            start = text.find(content, search_from)
         content_end = start + len(content) if start >= 0 else search_from
         eot_at = text.find(eot, content_end)
         if (content and start < 0) or eot_at < 0 or text[content_end:eot_at].strip():

@@ -206,6 +206,17 @@ def test_unfinished_answer_does_not_supervise_an_end_of_turn(smol_tokenizer):
     assert smol_tokenizer.decode([i for i, m in zip(cut["input_ids"], cut["loss_mask"]) if m]) == "2+2 is 4."
 
 
+@pytest.mark.parametrize("reply", ["\n\nSure, here.", "  Sure, here."])
+def test_a_replys_leading_whitespace_is_supervised_where_the_template_keeps_it(smol_tokenizer, reply):
+    """It was trimmed before the search, so it joined the prompt piece: the training prompt then differed from the
+    one decoding feeds the target, and the whitespace the target wrote went unsupervised."""
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": reply}]
+    ids, mask = render_with_loss_mask(smol_tokenizer, messages)
+    prompt = render_prompt_ids(smol_tokenizer, messages[:1])
+    assert ids[:len(prompt)] == prompt and mask.index(1) == len(prompt)
+    assert smol_tokenizer.decode([i for i, m in zip(ids, mask) if m]) == reply + "<|im_end|>"
+
+
 def test_a_regenerated_reply_supervises_the_ids_its_target_generated(smol_tokenizer):
     """The target may split a word otherwise than the tokenizer does (`read` `line` for `readline`): with
     response_ids the labels are those ids, after the prompt decoding feeds the target, then the end of turn."""

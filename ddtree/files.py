@@ -104,3 +104,18 @@ def staged_folder(destination: str | Path, replace: bool = True):
         staging.rename(destination)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def check_output_folder(out: Path, overwrite: bool, keep: Path | None = None, name: str = "OUT") -> None:
+    """Refuse an export destination whose replacement would lose what nobody asked to lose: a non-empty folder
+    without `overwrite`, and never, even with it, the working folder, the folder `keep` (the run exported from)
+    or one that holds either."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise DDTreeError(f"{name}={out} is a file; give a folder to write the export into")
+    for place, what in ((Path.cwd(), "the working folder"), (keep, f"the export's source {keep}")):
+        if place is not None and place.resolve().is_relative_to(out.resolve()):
+            raise DDTreeError(f"{name}={out} is or holds {what}, which replacing it would delete; "
+                              "give a new folder for the export")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise DDTreeError(f"{name}={out} exists and is not empty; pick another folder or pass --overwrite (OVERWRITE=1)")

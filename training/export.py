@@ -1,6 +1,6 @@
 """Export a trained drafter as a Hugging Face folder that `ddtree bench --drafter <folder>` loads.
 
-    python -m training.export outputs/smollm2-135m/<run>/checkpoints/last.ckpt outputs/my-drafter
+    python -m training.export outputs/smollm2-135m/<run>/checkpoints/last.ckpt outputs/my-drafter [--overwrite]
     export_drafter(module_or_checkpoint_path, out_dir)
 
 A checkpoint holds the drafter only (never the target) plus its config, so exporting needs no
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ddtree.corpus import CORPUS_FILE
 from ddtree.errors import command
-from ddtree.files import staged_folder
+from ddtree.files import check_output_folder, staged_folder
 
 from .checkpoints import drafter_from_checkpoint, run_folder_of
 from .peft_utils import merged_drafter
@@ -53,10 +53,12 @@ def export_drafter(source, out_dir: str | Path, corpus: Path | None = None) -> P
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="a .ckpt file (or DeepSpeed checkpoint folder) written by training/train.py")
-    parser.add_argument("out_dir", help="folder to write (replaced if it exists)")
+    parser.add_argument("out_dir", help="folder to write (refused if it holds files, unless --overwrite)")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty out_dir")
     args = parser.parse_args(argv)
     checkpoint = Path(args.checkpoint)
     run_dir = run_folder_of(checkpoint)  # checkpoints/x.ckpt or a SLURM requeue's hpc_ckpt_N.ckpt
+    check_output_folder(Path(args.out_dir), args.overwrite, keep=run_dir or checkpoint, name="out_dir")
     corpus = run_corpus(run_dir) if run_dir is not None else None
     out = export_drafter(checkpoint, args.out_dir, corpus)
     print(f"drafter written to {out}" + (f", with the run's {corpus.name}" if corpus else ""))

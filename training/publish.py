@@ -50,7 +50,7 @@ from transformers.utils import HF_MODULES_CACHE
 
 from ddtree.corpus import CORPUS_FILE
 from ddtree.errors import DDTreeError, command, error_line
-from ddtree.files import staged_folder
+from ddtree.files import check_output_folder, staged_folder
 from ddtree.modeling_dflash import DFlashDraftModel
 from ddtree.targets import DTYPES, parse_dtype
 
@@ -60,13 +60,6 @@ from .export import run_corpus
 from .hub import check_export_folder, check_repo_id, preflight_hub, push
 from .hub_config import LIBRARY_DIR, REMOTE_CODE, hub_config, target_hub_id, verifier_for
 from .model_card import CardFacts, evaluated_steps, read_evaluation, read_run_config, render_model_card
-
-
-def check_output_folder(out: Path, overwrite: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise DDTreeError(f"OUT={out} is a file; give a folder to write the export into")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise DDTreeError(f"OUT={out} exists and is not empty; pick another folder or pass --overwrite (OVERWRITE=1)")
 
 
 def check_loads_back(folder: Path, drafter: DFlashDraftModel) -> None:
@@ -183,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     if not (run_dir / "config.yaml").is_file() and not (run_dir / "checkpoints").is_dir():
         raise DDTreeError(f"RUN={run_dir} is not a training run (no config.yaml, no checkpoints/); "
                           "give the folder `make train` wrote, outputs/<recipe>/<run>")
-    check_output_folder(out, args.overwrite)
+    check_output_folder(out, args.overwrite, keep=run_dir)
     if args.push and not args.repo:
         raise DDTreeError("--push needs --repo user/name (REPO=user/name)")
     hub = preflight_hub(args.repo) if args.push else None

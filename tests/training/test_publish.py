@@ -290,12 +290,38 @@ def test_an_export_of_a_slurm_requeue_checkpoint_carries_its_runs_corpus(run_dir
 # ----------------------------------------------------------------------------- refusals
 
 
+def test_an_export_never_replaces_what_it_was_not_asked_to(run_dir, tmp_path, capsys, monkeypatch):
+    """A non-empty folder only with --overwrite; never the run it exports from, a folder above it, or the working
+    folder (each was rmtree'd before, `.` included)."""
+    run = tmp_path / "outputs" / "tiny" / "r"
+    shutil.copytree(run_dir, run, symlinks=True)
+    last = str(run / "checkpoints" / "last.ckpt")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    assert export_main([last, str(mine)]) == 2
+    assert "exists and is not empty" in one_error_line(capsys) and (mine / "notes.txt").is_file()
+    for out in (run, tmp_path / "outputs"):
+        assert export_main([last, str(out), "--overwrite"]) == 2
+        assert "which replacing it would delete" in one_error_line(capsys)
+        assert export(run, out, "--ckpt", "last", "--overwrite") == 2
+        assert "which replacing it would delete" in one_error_line(capsys)
+    monkeypatch.chdir(mine)
+    assert export_main([last, ".", "--overwrite"]) == 2
+    assert "the working folder" in one_error_line(capsys) and (mine / "notes.txt").is_file()
+    assert (run / "config.yaml").is_file() and (run / "checkpoints" / "last.ckpt").is_file()
+    assert export_main([last, str(mine), "--overwrite"]) == 2  # the working folder still
+    monkeypatch.chdir(tmp_path)
+    assert export_main([last, str(mine), "--overwrite"]) == 0
+    assert not (mine / "notes.txt").exists() and (mine / "model.safetensors").is_file()
+
+
 def test_an_output_that_is_a_file_or_under_one_is_one_line_and_the_file_is_kept(run_dir, tmp_path, capsys):
     afile = tmp_path / "afile"
     afile.write_text("mine")
     last = str(run_dir / "checkpoints" / "last.ckpt")
     assert export_main([last, str(afile)]) == 2
-    assert f"{afile} exists and is not a folder" in one_error_line(capsys)
+    assert f"out_dir={afile} is a file" in one_error_line(capsys)
     assert export_main([last, str(afile / "drafter")]) == 2
     assert f"{afile} is a file, not a folder" in one_error_line(capsys)
     assert export(run_dir, afile / "drafter", "--ckpt", "last") == 2

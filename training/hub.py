@@ -12,6 +12,8 @@ intact, for `python -m training.publish --push-only FOLDER --repo REPO`.
 from __future__ import annotations
 
 import os
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 from huggingface_hub import HfApi, constants, get_token
@@ -49,6 +51,21 @@ def hub_endpoint() -> str:
     return os.environ.get("HF_ENDPOINT", constants.ENDPOINT).rstrip("/")
 
 
+HUB_TIMEOUT_S = 15.0  # for the preflight's first answer; huggingface_hub's own client waits without a deadline
+
+
+def check_hub_answers(endpoint: str) -> None:
+    """One plain request with a deadline before the Hub client's first call, which has none: a Hub or proxy that
+    accepts the connection and never answers would otherwise hang the push forever. Any HTTP answer will do."""
+    try:
+        urllib.request.urlopen(f"{endpoint}/api/whoami-v2", timeout=HUB_TIMEOUT_S).close()
+    except urllib.error.HTTPError:
+        return  # it answered (401 to a request without the token)
+    except (OSError, ValueError) as error:  # refused, unreachable, timed out, or not a URL
+        raise DDTreeError(f"--push: cannot use the Hub at {endpoint}: no answer within {HUB_TIMEOUT_S:.0f} s "
+                          f"({error_line(error)}); check the network and HF_ENDPOINT") from None
+
+
 def preflight_hub(repo: str) -> tuple[HfApi, str]:
     """Token and network checked before any work, so a push that cannot happen costs nothing."""
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
@@ -59,6 +76,7 @@ def preflight_hub(repo: str) -> tuple[HfApi, str]:
             "--push: no Hugging Face token; set HF_TOKEN to a write token (https://huggingface.co/settings/tokens)"
         )
     endpoint = hub_endpoint()
+    check_hub_answers(endpoint)
     api = HfApi(endpoint=endpoint, token=token)
     try:
         user = api.whoami()

@@ -591,6 +591,15 @@ def test_push_without_token_or_network_fails_before_doing_anything(run_dir, tmp_
     assert export(run_dir, out, "--ckpt", "last", "--repo", "tester/x", "--push") == 2
     assert "cannot use the Hub" in one_error_line(capsys) and not out.exists()
 
+    # A server that accepts the connection and never answers: the Hub client alone would wait forever.
+    monkeypatch.setattr(training.hub, "HUB_TIMEOUT_S", 1.0)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{silent.getsockname()[1]}")
+        assert export(run_dir, out, "--ckpt", "last", "--repo", "tester/x", "--push") == 2
+        assert "no answer within 1 s" in one_error_line(capsys) and not out.exists()
+
 
 # ----------------------------------------------------------------------------- DeepSpeed
 

@@ -190,9 +190,15 @@ def evaluation_section(facts: CardFacts) -> list[str]:
             f"| {stats.get('new_tokens', '-')} |"
         )
     extras = decoded_with(settings)
-    if extras:
+    config = facts.drafter_config
+    overridden = [f"--{name} {settings.get(name) or 0}" for name in ("lookup", "redraft")
+                  if (settings.get(name) or 0) != (config.get(name) or 0)]  # the run's eval.lookup / eval.redraft
+    if overridden:
+        lines += ["", f"Decoded with settings that are not this drafter's defaults ({'; '.join(extras) or 'none added'}): "
+                      f"decode with `{' '.join(overridden)}` to reproduce these figures."]
+    elif extras:
         lines += ["", f"Decoded as `ddtree` decodes this drafter unless told otherwise (its config and files): {'; '.join(extras)}."]
-    precision = facts.run_config.get("trainer", {}).get("precision")
+    precision = (facts.run_config.get("trainer") or {}).get("precision")
     if precision is not None:
         lines += ["", f"The target ran in the training precision (`{precision}`) during this evaluation."]
     return lines + [""]

@@ -259,10 +259,18 @@ def test_card_says_what_the_decoder_added_and_that_engines_do_not_re_draft(run_d
     assert ("re-drafting behind the 4 most likely first tokens" in card
             and "7 tokens of context lookup grafted into every tree" in card
             and "the training replies' majority continuation grafted into every tree" in card)
+    # the run's eval.lookup/eval.redraft, not the exported drafter's defaults (it records neither): the card says so
+    assert "decode with `--lookup 7 --redraft 4` to reproduce these figures" in card
+    assert "Decoded as `ddtree` decodes this drafter" not in card
     serving = card[card.index("## Serving with vLLM and SGLang"):]
     chain = record["summary"]["dflash"]["tau"]
     assert f"| `ddtree --method dflash` | chain of 7 drafted tokens | {chain:.3f} |" in serving
     assert "vLLM, SGLang, `ddtree" not in serving and "--redraft 0" in serving
+    record["settings"].update(redraft=0, lookup=0)  # the drafter's own defaults, and its corpus
+    path.write_text(json.dumps(record))
+    assert export(run, tmp_path / "own", "--ckpt", "last") == 0
+    card = (tmp_path / "own" / "README.md").read_text()
+    assert "Decoded as `ddtree` decodes this drafter" in card and "to reproduce these figures" not in card
     record["settings"].update(redraft=0, lookup=0, corpus=False)  # the tiny recipe's decoder, but for model.corpus
     path.write_text(json.dumps(record))
     assert export(run, tmp_path / "plain", "--ckpt", "last") == 0
@@ -642,3 +650,13 @@ def test_a_deepspeed_checkpoint_folder_is_consolidated(run_dir, tmp_path, tiny_t
     exported = DFlashDraftModel.from_pretrained(tmp_path / "export").eval()
     torch.testing.assert_close(block_logits(exported, target, tokenizer), expected, rtol=0, atol=0)
     assert "steps trained | 2 " in (tmp_path / "export" / "README.md").read_text()
+
+
+def test_a_run_config_with_an_empty_trainer_section_still_exports(run_dir, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run, symlinks=True)
+    config = run / "config.yaml"
+    config.write_text(config.read_text().replace("\ntrainer:\n", "\ntrainer: null\nformer_trainer:\n", 1))
+    assert "trainer: null" in config.read_text()
+    assert export(run, tmp_path / "out", "--ckpt", "last") == 0  # an AttributeError traceback before
+    assert (tmp_path / "out" / "README.md").is_file()

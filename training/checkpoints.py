@@ -111,6 +111,10 @@ def find_run_checkpoint(run_dir: Path, spec: str) -> tuple[Path, str]:
         return resolved, spec if resolved.name == named.name else f"{spec} -> {resolved.name}"
     for candidate in (Path(spec), checkpoints / spec):
         if candidate.exists():
+            owner = run_folder_of(candidate)
+            if owner is not None and owner.resolve() != run_dir.resolve():  # the card would show this run's numbers
+                raise DDTreeError(f"CKPT={spec} is a checkpoint of the run {owner}, not of RUN={run_dir}; "
+                                  f"export it with RUN={owner}")
             return candidate.resolve(), candidate.name
     raise DDTreeError(f"CKPT={spec}: no such checkpoint (looked in . and {checkpoints}); give best, last or a path")
 

@@ -660,3 +660,12 @@ def test_a_run_config_with_an_empty_trainer_section_still_exports(run_dir, tmp_p
     assert "trainer: null" in config.read_text()
     assert export(run, tmp_path / "out", "--ckpt", "last") == 0  # an AttributeError traceback before
     assert (tmp_path / "out" / "README.md").is_file()
+
+
+def test_a_checkpoint_of_another_run_is_refused(run_dir, tmp_path, capsys):
+    """Its card would show RUN's evaluation and ship RUN's corpus beside another run's weights."""
+    other = tmp_path / "other"
+    shutil.copytree(run_dir, other, symlinks=True)
+    assert export(run_dir, tmp_path / "out", "--ckpt", str(other / "checkpoints" / "last.ckpt")) == 2
+    assert f"is a checkpoint of the run {other}" in one_error_line(capsys) and not (tmp_path / "out").exists()
+    assert export(other, tmp_path / "out", "--ckpt", str(other / "checkpoints" / "last.ckpt")) == 0

@@ -204,6 +204,21 @@ def evaluation_section(facts: CardFacts) -> list[str]:
     return lines + [""]
 
 
+def data_provenance(data_path: str | None, target: str) -> str:
+    """Whose replies the data holds, as far as the data itself says (data/regenerate.py's regeneration.json)."""
+    meta = Path(data_path) / "regeneration.json" if data_path else None
+    try:
+        written_by = json.loads(meta.read_text()).get("target") if meta is not None and meta.is_file() else None
+    except (OSError, ValueError):
+        written_by = None
+    if written_by == target:
+        return ("responses written by the target itself (its regeneration.json; the DFlash recipe distils the "
+                "target's own outputs)")
+    if written_by:
+        return f"responses written by `{written_by}` (its regeneration.json), not by this target"
+    return "responses as the data holds them: no regeneration.json says the target wrote them"
+
+
 def recipe_section(facts: CardFacts) -> list[str]:
     hp, cfg = facts.hyper_parameters, facts.drafter_config
     trainer = facts.run_config.get("trainer", {}) or {}
@@ -240,8 +255,7 @@ def recipe_section(facts: CardFacts) -> list[str]:
     lines += ["", "### Data", ""]
     if data:
         lines += [
-            f"- conversations: `{data.get('data_path')}`; responses written by the target itself "
-            "(the DFlash recipe distils the target's own outputs)",
+            f"- conversations: `{data.get('data_path')}`; {data_provenance(data.get('data_path'), facts.target)}",
             f"- max length {data.get('max_length')} tokens, loss on assistant tokens only, "
             f"{data.get('val_fraction')} held out for validation",
         ]

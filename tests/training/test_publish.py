@@ -669,3 +669,14 @@ def test_a_checkpoint_of_another_run_is_refused(run_dir, tmp_path, capsys):
     assert export(run_dir, tmp_path / "out", "--ckpt", str(other / "checkpoints" / "last.ckpt")) == 2
     assert f"is a checkpoint of the run {other}" in one_error_line(capsys) and not (tmp_path / "out").exists()
     assert export(other, tmp_path / "out", "--ckpt", str(other / "checkpoints" / "last.ckpt")) == 0
+
+
+def test_the_card_says_whose_replies_the_data_holds_as_the_data_says_it(run_dir, tmp_path):
+    from training.model_card import data_provenance
+
+    assert export(run_dir, tmp_path / "out", "--ckpt", "last") == 0
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "no regeneration.json says the target wrote them" in card  # hand-written words, not the target's
+    assert "written by the target itself" not in card
+    assert "written by the target itself" in data_provenance("data/smollm2-135m", "smollm2-135m")  # the shipped data
+    assert "written by `smollm2-135m`" in data_provenance("data/smollm2-135m", "tiny-random")  # the tiny recipe's

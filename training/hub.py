@@ -62,8 +62,8 @@ def check_hub_answers(endpoint: str) -> None:
     except urllib.error.HTTPError:
         return  # it answered (401 to a request without the token)
     except (OSError, ValueError) as error:  # refused, unreachable, timed out, or not a URL
-        raise DDTreeError(f"--push: cannot use the Hub at {endpoint}: no answer within {HUB_TIMEOUT_S:.0f} s "
-                          f"({error_line(error)}); check the network and HF_ENDPOINT") from None
+        raise DDTreeError(f"--push: cannot use the Hub at {endpoint} ({error_line(error)}; waited at most "
+                          f"{HUB_TIMEOUT_S:.0f} s for an answer); check the network and HF_ENDPOINT") from None
 
 
 def preflight_hub(repo: str) -> tuple[HfApi, str]:

@@ -21,7 +21,6 @@ from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
 from ddtree.errors import DDTreeError, error_line
-from ddtree.targets import is_hub_id
 
 from .hub_config import EXPORT_FILES
 
@@ -32,7 +31,9 @@ def check_repo_id(repo: str) -> None:
         validate_repo_id(repo)
     except HFValidationError as error:
         raise DDTreeError(f"REPO={repo!r} is not a valid Hub repo id ({error_line(error)})") from None
-    if not is_hub_id(repo):
+    # The shape alone: REPO always names a Hub repo, even where a local folder has the same name (an export
+    # written to OUT=you/name is pushed to REPO=you/name).
+    if repo.count("/") != 1 or repo.startswith((".", "/", "~")):
         raise DDTreeError(f"REPO={repo!r} must be user/name or org/name (not a local path), "
                           "so the drafter lands in your namespace")
 

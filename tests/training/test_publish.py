@@ -373,6 +373,15 @@ def test_an_invalid_repo_name_is_refused_before_anything(run_dir, tmp_path, caps
     assert not out.exists()
 
 
+def test_a_repo_named_like_a_local_folder_is_still_a_repo(tmp_path, monkeypatch):
+    """OUT=you/name then REPO=you/name: the folder exists, and the repo id was refused as 'a local path'."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "you" / "name").mkdir(parents=True)
+    training.hub.check_repo_id("you/name")  # no error
+    with pytest.raises(DDTreeError, match="must be user/name"):
+        training.hub.check_repo_id("name")  # no namespace, folder or not
+
+
 def test_a_failure_midway_leaves_nothing_behind(run_dir, tmp_path, monkeypatch):
     def broken(facts):
         raise RuntimeError("disk full")

@@ -92,11 +92,12 @@ def preflight_hub(repo: str) -> tuple[HfApi, str]:
 
 
 def push(api: HfApi, endpoint: str, folder: Path, repo: str, private: bool) -> str:
-    """Upload the folder as one commit; return the repo URL."""
+    """Upload the folder as one commit that leaves the repo holding exactly its files; return the repo URL."""
     try:
         api.create_repo(repo, private=private, exist_ok=True)
-        api.upload_folder(
-            folder_path=folder, repo_id=repo, commit_message="Upload DFlash drafter (training/publish.py)"
+        api.upload_folder(  # the repo's files become the export's: one left from an earlier push (a corpus, say)
+            folder_path=folder, repo_id=repo, commit_message="Upload DFlash drafter (training/publish.py)",
+            delete_patterns="*",  # would be read as this drafter's (the Hub keeps the history; .gitattributes stays)
         )
     except Exception as error:  # noqa: BLE001 - any upload failure: the export stays for --push-only
         raise DDTreeError(

@@ -519,8 +519,13 @@ class StandInHub(BaseHTTPRequestHandler):
         return self.rfile.read(int(self.headers.get("Content-Length", 0)))
 
     def do_GET(self):
+        parts = self.path.split("?")[0].strip("/").split("/")
         if self.path == "/api/whoami-v2" and self._authorized():
             self._reply(200, {"type": "user", "name": "tester", "auth": {"accessToken": {"role": "write"}}})
+        elif parts[:2] == ["api", "models"] and parts[4:5] == ["tree"]:  # list_repo_files, for delete_patterns
+            files = self.repos.get("/".join(parts[2:4]), {})
+            body = [{"type": "file", "path": path, "size": len(data), "oid": "0" * 40} for path, data in files.items()]
+            self._reply(200, body)
         elif self.path != "/api/whoami-v2":
             self._reply(404, {"error": f"not in the stand-in: GET {self.path}"})
 
@@ -549,6 +554,8 @@ class StandInHub(BaseHTTPRequestHandler):
                 item = json.loads(line)
                 if item["key"] == "file":
                     self.repos[repo][item["value"]["path"]] = base64.b64decode(item["value"]["content"])
+                elif item["key"] == "deletedFile":
+                    self.repos[repo].pop(item["value"]["path"], None)
             self._reply(200, {"commitUrl": f"http://{self.headers['Host']}/{repo}/commit/1", "commitOid": "1" * 40,
                               "pullRequestUrl": None})
         else:
@@ -577,6 +584,12 @@ def test_push_uploads_the_exported_folder_and_prints_its_url(run_dir, tmp_path, 
     uploaded = StandInHub.repos["tester/tiny-drafter"]
     assert uploaded == {p.name: p.read_bytes() for p in out.iterdir()}  # every file, byte for byte
     assert "hf download tester/tiny-drafter" in uploaded["README.md"].decode()
+    # A second push of an export without a corpus: the first push's corpus must not stay to be grafted by default.
+    (out / CORPUS_FILE).unlink()
+    uploaded[".gitattributes"] = b"*.safetensors filter=lfs"
+    assert publish.main(["--push-only", str(out), "--repo", "tester/tiny-drafter"]) == 0
+    assert StandInHub.repos["tester/tiny-drafter"] == {**{p.name: p.read_bytes() for p in out.iterdir()},
+                                                        ".gitattributes": b"*.safetensors filter=lfs"}
 
 
 def test_a_failed_upload_keeps_the_export_for_push_only(run_dir, tmp_path, hub, capsys, monkeypatch):

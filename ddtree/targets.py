@@ -34,9 +34,14 @@ def parse_dtype(name: str, where: str = "dtype") -> torch.dtype:
     return dtype
 
 
+def has_hub_id_shape(name: str | None) -> bool:
+    """owner/name, not a path spelled from here, the root or home."""
+    return bool(name) and name.count("/") == 1 and not name.startswith((".", "/", "~"))
+
+
 def is_hub_id(name: str | None) -> bool:
     """Looks like a Hub model id (owner/name) rather than a local path; a path that exists is never one."""
-    return bool(name) and name.count("/") == 1 and not name.startswith((".", "/", "~")) and not Path(name).exists()
+    return has_hub_id_shape(name) and not Path(name).exists()
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
 from ddtree.errors import DDTreeError, error_line
+from ddtree.targets import has_hub_id_shape
 
 from .hub_config import EXPORT_FILES
 
@@ -33,7 +34,7 @@ def check_repo_id(repo: str) -> None:
         raise DDTreeError(f"REPO={repo!r} is not a valid Hub repo id ({error_line(error)})") from None
     # The shape alone: REPO always names a Hub repo, even where a local folder has the same name (an export
     # written to OUT=you/name is pushed to REPO=you/name).
-    if repo.count("/") != 1 or repo.startswith((".", "/", "~")):
+    if not has_hub_id_shape(repo):
         raise DDTreeError(f"REPO={repo!r} must be user/name or org/name (not a local path), "
                           "so the drafter lands in your namespace")
 

@@ -415,7 +415,9 @@ class BestCheckpoint(Checkpoint):
     links every_n_train_steps), the checkpoint <filename>.ckpt competes by `monitor`, the value
     AcceptanceEvaluation logged at that step; the earliest wins ties. last.ckpt is saved at the same
     steps (and at the end of a launch that saved nothing), so a resume continues exactly from it.
-    checkpoints/best.ckpt is a relative symlink to the best file, replaced atomically on rank 0.
+    checkpoints/best.ckpt is a relative symlink to the best file, replaced atomically on rank 0 before the
+    file it displaces is deleted, so it never points at a missing file; a launch re-links it as it starts
+    (a run stopped between the two is put right).
     """
 
     LAST_NAME = "last.ckpt"
@@ -426,13 +428,14 @@ class BestCheckpoint(Checkpoint):
         dirpath: str | None = None,  # default: <trainer.default_root_dir>/checkpoints
         filename: str = "step-{step}",  # {step} and {epoch} are filled in: step-200.ckpt
         monitor: str = monitor_metric(32),  # set from eval.primary_budget by training/recipe.py
-        mode: str = "max",  # "max": a higher monitor value is better
+        mode: str = "max",  # the monitor is a tau: higher is better (the only mode; kept for saved configs)
         every_n_train_steps: int = 200,  # set from eval.every_n_train_steps by training/recipe.py
         save_top_k: int = 1,  # how many evaluated checkpoints to keep (-1: all, 0: only last.ckpt)
         save_last: bool = True,  # also write last.ckpt at every save, for --resume
     ):
-        if mode not in ("max", "min"):
-            raise DDTreeError(f"checkpoint.mode={mode!r}: choose max or min")
+        if mode != "max":  # report.md and the model card mark the highest tau as the best
+            raise DDTreeError(f"checkpoint.mode={mode!r}: checkpoints are ranked by measured tau, where higher is "
+                              "better; remove checkpoint.mode (max)")
         if save_top_k < -1:
             raise DDTreeError(f"checkpoint.save_top_k={save_top_k}: give -1 (keep all), 0 or more")
         if every_n_train_steps < 1:
@@ -464,8 +467,7 @@ class BestCheckpoint(Checkpoint):
         if not self.best_k_models or self.dirpath is None:
             self.best_model_path = ""
             return
-        pick = max if self.mode == "max" else min
-        self.best_model_path = os.path.join(self.dirpath, pick(self.best_k_models, key=self.best_k_models.get))
+        self.best_model_path = os.path.join(self.dirpath, max(self.best_k_models, key=self.best_k_models.get))
 
     # -------------------------------------------------------------- Lightning hooks
 
@@ -473,6 +475,12 @@ class BestCheckpoint(Checkpoint):
         if self.dirpath is None:
             self.dirpath = os.path.join(trainer.default_root_dir, "checkpoints")
         self.update_best()
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        # A resumed ranking is loaded by now: best.ckpt names its best file even if the last launch stopped
+        # between saving a new best and linking it.
+        if trainer.is_global_zero and self.best_model_path and os.path.exists(self.best_model_path):
+            self.link_best()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
@@ -485,7 +493,7 @@ class BestCheckpoint(Checkpoint):
             )
         score = float(trainer.callback_metrics[self.monitor])
         if math.isnan(score):  # ranks last, as ModelCheckpoint ranks it
-            score = -math.inf if self.mode == "max" else math.inf
+            score = -math.inf
         self.save(trainer, step, score)
 
     def on_train_end(self, trainer, pl_module) -> None:
@@ -508,14 +516,12 @@ class BestCheckpoint(Checkpoint):
         """Save this step's checkpoint if it enters the top k (dropping the one it displaces), then last.ckpt."""
         name = self.file_name(self.filename, step=step, epoch=trainer.current_epoch)
         self.best_k_models.pop(name, None)  # a step saved again (a resume from an earlier checkpoint) competes anew
-        better = (lambda a, b: a > b) if self.mode == "max" else (lambda a, b: a < b)  # noqa: E731
-        worst = min if self.mode == "max" else max
         displaced = None
         if self.save_top_k == -1 or len(self.best_k_models) < self.save_top_k:
             enters = self.save_top_k != 0
         else:
-            displaced = worst(self.best_k_models, key=self.best_k_models.get)  # the earliest of equals goes
-            enters = better(score, self.best_k_models[displaced])
+            displaced = min(self.best_k_models, key=self.best_k_models.get)  # the earliest of equals goes
+            enters = score > self.best_k_models[displaced]
         enters = trainer.strategy.broadcast(enters)  # the same decision on every rank, whatever the float noise
 
         # The state is updated before saving: each file holds the ranking it is part of, for an exact resume.
@@ -527,12 +533,14 @@ class BestCheckpoint(Checkpoint):
         self.update_best()
         if enters:
             trainer.save_checkpoint(os.path.join(self.dirpath, name))  # every rank: the strategy may shard it
-            if displaced is not None:
-                self.remove(trainer, os.path.join(self.dirpath, displaced))
         if self.save_last:
             trainer.save_checkpoint(os.path.join(self.dirpath, self.LAST_NAME))
+        # best.ckpt moves before the file it may point at goes: a stop in between leaves an extra file, never a
+        # link to nothing (`make export CKPT=best` reads it).
         if trainer.is_global_zero and self.best_model_path:
             self.link_best()
+        if enters and displaced is not None:
+            self.remove(trainer, os.path.join(self.dirpath, displaced))
 
     @staticmethod
     def remove(trainer, path: str) -> None:

@@ -302,11 +302,47 @@ def test_top_k_drops_the_earliest_of_equals_and_a_resume_keeps_the_ranking(tmp_p
     assert (folder / "best.ckpt").resolve().name == "step-6.ckpt"
 
 
+class Stopped(Exception):
+    """A launch killed at that point."""
+
+
+def test_best_ckpt_moves_before_the_file_it_displaces_goes_and_a_launch_relinks_it(tmp_path, monkeypatch):
+    folder = tmp_path / "checkpoints"
+    saved = []
+
+    def save_checkpoint(path):
+        Path(path).write_text("a checkpoint")
+        saved.append(Path(path).name)
+
+    trainer = SimpleNamespace(current_epoch=0, is_global_zero=True, ckpt_path=None, save_checkpoint=save_checkpoint,
+                              strategy=SimpleNamespace(broadcast=lambda value: value, remove_checkpoint=os.remove))
+    checkpoints = BestCheckpoint(dirpath=folder, monitor=monitor_metric(8), save_top_k=1)
+    folder.mkdir()
+    checkpoints.save(trainer, 2, 1.5)
+    assert os.readlink(folder / "best.ckpt") == "step-2.ckpt"
+
+    def stop(*args):
+        raise Stopped
+    monkeypatch.setattr(BestCheckpoint, "remove", staticmethod(stop))  # killed just before step 2's file goes
+    with pytest.raises(Stopped):
+        checkpoints.save(trainer, 4, 2.5)
+    assert saved == ["step-2.ckpt", "last.ckpt", "step-4.ckpt", "last.ckpt"]
+    assert os.readlink(folder / "best.ckpt") == "step-4.ckpt"  # already the new best, never a link to nothing
+
+    # A run stopped between saving a new best and linking it (as this order could not) is put right by the next launch.
+    (folder / "best.ckpt").unlink()
+    (folder / "best.ckpt").symlink_to("step-2.ckpt")
+    checkpoints.on_train_start(trainer, None)
+    assert os.readlink(folder / "best.ckpt") == "step-4.ckpt"
+
+
 def test_checkpoint_settings_that_cannot_work_are_one_line_errors(tmp_path):
     with pytest.raises(DDTreeError, match=r"checkpoint.filename='\{val/loss\}'"):
         BestCheckpoint(filename="{val/loss}")
     with pytest.raises(DDTreeError, match="checkpoint.save_top_k=-2"):
         BestCheckpoint(save_top_k=-2)
+    with pytest.raises(DDTreeError, match="checkpoint.mode='min': checkpoints are ranked by measured tau"):
+        BestCheckpoint(mode="min")  # report.md and the card mark the highest tau as the best
     assert BestCheckpoint.file_name("step-{step}", step=200, epoch=3) == "step-200.ckpt"  # the names runs hold
     # ranking needs the evaluation's metric at the same steps
     with pytest.raises(DDTreeError, match=r"checkpoint.monitor=val/tau_ddtree@8 was not logged at step 2"):

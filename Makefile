@@ -55,13 +55,15 @@ eval: $(STAMP)
 	$(PY) -m training.evaluate --recipe $(RECIPE) --ckpt $(or $(CKPT),best)
 
 # make export RUN=outputs/<recipe>/<run> OUT=exports/<name> [CKPT=best|last|path] [SPECULATORS=1]
-#             [OVERWRITE=1] [ALLOW_ENGINE_MISMATCH=1] [REPO=user/name PUSH=1]   (push token: HF_TOKEN)
+#             [OVERWRITE=1] [ALLOW_ENGINE_MISMATCH=1] [REPO=user/name PUSH=1 [PRIVATE=1]]   (push token: HF_TOKEN)
+#             [BASE_MODEL=owner/name] [LICENSE=apache-2.0]   (the card's metadata)
 # Writes a Hub-ready drafter folder (weights, config + remote code, model card); see training/publish.py.
 export: $(STAMP)
 	$(if $(RUN),,$(error make export needs RUN=outputs/<recipe>/<run> (a training run folder) and OUT=exports/<name>))
 	$(if $(OUT),,$(error make export needs OUT=exports/<name> (the folder to write); RUN=$(RUN) is the run))
 	$(PY) -m training.publish $(RUN) --out $(OUT) $(if $(CKPT),--ckpt $(CKPT)) $(if $(SPECULATORS),--speculators) \
-		$(if $(OVERWRITE),--overwrite) $(if $(ALLOW_ENGINE_MISMATCH),--allow-engine-mismatch) $(if $(REPO),--repo $(REPO)) $(if $(PUSH),--push)
+		$(if $(OVERWRITE),--overwrite) $(if $(ALLOW_ENGINE_MISMATCH),--allow-engine-mismatch) $(if $(REPO),--repo $(REPO)) $(if $(PUSH),--push) $(if $(PRIVATE),--private) \
+		$(if $(BASE_MODEL),--base-model $(BASE_MODEL)) $(if $(LICENSE),--license $(LICENSE))
 
 # Two worker processes (pytest-xdist), each test file on one of them, each with half the cores' threads: most
 # tests are bound by Python and process start-up, not by matmuls, so on 2 cores this took 7.6 minutes against

@@ -101,6 +101,8 @@ def find_run_checkpoint(run_dir: Path, spec: str) -> tuple[Path, str]:
     ("best -> step-200.ckpt").
     """
     checkpoints = run_dir / "checkpoints"
+    if not spec.strip():  # Path("") is the current folder, which would be read as a checkpoint
+        raise DDTreeError("CKPT is empty; give best, last or a path to a checkpoint")
     if spec in ("best", "last"):
         named = checkpoints / f"{spec}.ckpt"
         if not named.exists():

@@ -1,7 +1,7 @@
 """Pushing an exported drafter folder to the Hugging Face Hub, and the checks that come before it.
 
     check_repo_id("you/smollm2-135m-dflash")       # before any work: a bad name costs nothing
-    api, endpoint = preflight_hub(repo)            # token and network, before exporting
+    api, endpoint = preflight_hub(repo, private)   # token, network and visibility, before exporting
     url = push(api, endpoint, folder, repo, private=False)
 
 The token is HF_TOKEN, else the one `hf auth login` saved; the endpoint is HF_ENDPOINT, read at
@@ -12,12 +12,13 @@ intact, for `python -m training.publish --push-only FOLDER --repo REPO`.
 from __future__ import annotations
 
 import os
+import re
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 from huggingface_hub import HfApi, constants, get_token
-from huggingface_hub.errors import HFValidationError
+from huggingface_hub.errors import HFValidationError, RepositoryNotFoundError
 from huggingface_hub.utils import validate_repo_id
 
 from ddtree.errors import DDTreeError, error_line
@@ -26,17 +27,34 @@ from ddtree.targets import has_hub_id_shape
 from .hub_config import EXPORT_FILES
 
 
-def check_repo_id(repo: str) -> None:
-    """A Hub model id of the form user/name (or org/name): the Hub's character rules, then ddtree's owner/name shape."""
+# A Hub license id as the card's metadata takes it: lowercase, like apache-2.0, llama3.1, openrail++ or other.
+LICENSE_ID = re.compile(r"[a-z0-9][a-z0-9.+-]*")
+
+
+def check_hub_id(value: str, name: str, why: str) -> None:
+    """A Hub model id of the form user/name (or org/name): the Hub's character rules, then ddtree's owner/name shape.
+    name: how the user gave it (REPO=, --base-model); why: what the shape is for."""
     try:
-        validate_repo_id(repo)
+        validate_repo_id(value)
     except HFValidationError as error:
-        raise DDTreeError(f"REPO={repo!r} is not a valid Hub repo id ({error_line(error)})") from None
-    # The shape alone: REPO always names a Hub repo, even where a local folder has the same name (an export
+        raise DDTreeError(f"{name}{value!r} is not a valid Hub repo id ({error_line(error)})") from None
+    # The shape alone: it always names a Hub repo, even where a local folder has the same name (an export
     # written to OUT=you/name is pushed to REPO=you/name).
-    if not has_hub_id_shape(repo):
-        raise DDTreeError(f"REPO={repo!r} must be user/name or org/name (not a local path), "
-                          "so the drafter lands in your namespace")
+    if not has_hub_id_shape(value):
+        raise DDTreeError(f"{name}{value!r} must be user/name or org/name (not a local path), {why}")
+
+
+def check_repo_id(repo: str) -> None:
+    check_hub_id(repo, "REPO=", "so the drafter lands in your namespace")
+
+
+def check_card_fields(base_model: str | None, license_id: str) -> None:
+    """--base-model and --license go into the model card's metadata, which the Hub validates on push."""
+    if base_model is not None:
+        check_hub_id(base_model, "--base-model ", "the target's id on the Hub, which the card links")
+    if not LICENSE_ID.fullmatch(license_id):
+        raise DDTreeError(f"--license {license_id!r} is not a Hub license id: give one in lowercase, such as "
+                          "apache-2.0, mit, llama3.1 or other (match the target's)")
 
 
 def check_export_folder(folder: Path) -> None:
@@ -68,8 +86,9 @@ def check_hub_answers(endpoint: str) -> None:
                           f"{HUB_TIMEOUT_S:.0f} s for an answer); check the network and HF_ENDPOINT") from None
 
 
-def preflight_hub(repo: str) -> tuple[HfApi, str]:
-    """Token and network checked before any work, so a push that cannot happen costs nothing."""
+def preflight_hub(repo: str, private: bool = False) -> tuple[HfApi, str]:
+    """Token and network checked before any work, so a push that cannot happen costs nothing; with `private`,
+    that the repo is not already public (a push never changes an existing repo's visibility)."""
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
         raise DDTreeError("--push: HF_HUB_OFFLINE is set; unset it to push to the Hub")
     token = os.environ.get("HF_TOKEN") or get_token()
@@ -89,13 +108,24 @@ def preflight_hub(repo: str) -> tuple[HfApi, str]:
     role = ((user.get("auth") or {}).get("accessToken") or {}).get("role")
     if role == "read":
         raise DDTreeError(f"--push: HF_TOKEN is a read-only token of {user.get('name')}; use a write token for {repo}")
+    if private:
+        try:
+            public = not api.repo_info(repo).private
+        except RepositoryNotFoundError:
+            public = False  # the push creates it private
+        except Exception as error:  # noqa: BLE001
+            raise DDTreeError(f"--private: cannot read {repo} on the Hub at {endpoint} ({error_line(error)})") from None
+        if public:
+            raise DDTreeError(f"--private: {repo} already exists and is public, and a push does not change that; "
+                              "make it private in its settings on the Hub first, or drop --private")
     return api, endpoint
 
 
 def push(api: HfApi, endpoint: str, folder: Path, repo: str, private: bool) -> str:
     """Upload the folder as one commit that leaves the repo holding exactly its files; return the repo URL."""
     try:
-        api.create_repo(repo, private=private, exist_ok=True)
+        # Not private=False: that would make it public where the owner's default is private.
+        api.create_repo(repo, private=True if private else None, exist_ok=True)
         api.upload_folder(  # the repo's files become the export's: one left from an earlier push (a corpus, say)
             folder_path=folder, repo_id=repo, commit_message="Upload DFlash drafter (training/publish.py)",
             delete_patterns="*",  # would be read as this drafter's (the Hub keeps the history; .gitattributes stays)

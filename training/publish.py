@@ -1,7 +1,7 @@
 """Export a trained drafter as a Hugging Face Hub folder, ready for the serving engines, and push it.
 
     make export RUN=outputs/smollm2-135m/<run> OUT=exports/smollm2-drafter [CKPT=best|last|path]
-                [SPECULATORS=1] [OVERWRITE=1] [ALLOW_ENGINE_MISMATCH=1] [REPO=user/name PUSH=1]
+                [SPECULATORS=1] [OVERWRITE=1] [ALLOW_ENGINE_MISMATCH=1] [REPO=user/name PUSH=1 [PRIVATE=1]]
     python -m training.publish outputs/smollm2-135m/<run> --out exports/smollm2-drafter --ckpt best \
         [--speculators] [--overwrite] [--allow-engine-mismatch] [--repo user/name --push [--private]]
     python -m training.publish --push-only exports/smollm2-drafter --repo user/name   # push a finished export
@@ -57,7 +57,7 @@ from ddtree.targets import DTYPES, parse_dtype
 from .checkpoints import find_run_checkpoint, load_checkpoint
 from .engines import Export, engine_problems, refusal, serve_commands, target_facts, weight_shapes
 from .export import run_corpus
-from .hub import check_export_folder, check_repo_id, preflight_hub, push
+from .hub import check_card_fields, check_export_folder, check_repo_id, preflight_hub, push
 from .hub_config import LIBRARY_DIR, REMOTE_CODE, hub_config, target_hub_id, verifier_for
 from .model_card import CardFacts, evaluated_steps, read_evaluation, read_run_config, render_model_card
 
@@ -148,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="export a drafter that vLLM or SGLang would reject (the card says which rule)")
     parser.add_argument("--repo", help="Hub repo id, user/name")
     parser.add_argument("--push", action="store_true", help="upload to --repo after exporting (token: HF_TOKEN)")
-    parser.add_argument("--private", action="store_true", help="create the Hub repo private")
+    parser.add_argument("--private", action="store_true",
+                        help="create the Hub repo private (an existing public repo is refused, not changed)")
     parser.add_argument("--push-only", metavar="FOLDER", help="upload a finished export without exporting again")
     return parser
 
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             raise DDTreeError("--push-only needs --repo user/name")
         folder = Path(args.push_only)
         check_export_folder(folder)
-        api, endpoint = preflight_hub(args.repo)
+        api, endpoint = preflight_hub(args.repo, args.private)
         print(f"[export] pushed {folder} to {push(api, endpoint, folder, args.repo, args.private)}")
         return 0
     if not args.run or not args.out:
@@ -177,9 +178,12 @@ def main(argv: list[str] | None = None) -> int:
         raise DDTreeError(f"RUN={run_dir} is not a training run (no config.yaml, no checkpoints/); "
                           "give the folder `make train` wrote, outputs/<recipe>/<run>")
     check_output_folder(out, args.overwrite, keep=run_dir)
+    check_card_fields(args.base_model, args.license)
     if args.push and not args.repo:
         raise DDTreeError("--push needs --repo user/name (REPO=user/name)")
-    hub = preflight_hub(args.repo) if args.push else None
+    if args.private and not args.push:
+        raise DDTreeError("--private sets the visibility of a pushed repo; add --push (PUSH=1) or drop it")
+    hub = preflight_hub(args.repo, args.private) if args.push else None
     export_folder(
         run_dir, args.ckpt, out, speculators=args.speculators, base_model=args.base_model,
         license_id=args.license, dtype=args.dtype, repo=args.repo, allow_engine_mismatch=args.allow_engine_mismatch,

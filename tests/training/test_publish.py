@@ -373,6 +373,20 @@ def test_an_invalid_repo_name_is_refused_before_anything(run_dir, tmp_path, caps
     assert not out.exists()
 
 
+@pytest.mark.parametrize("flags, named", [
+    (["--base-model", "Qwen3-8B"], "--base-model 'Qwen3-8B' must be user/name"),
+    (["--base-model", "./models/qwen"], "--base-model './models/qwen'"),
+    (["--license", "Apache 2.0"], "--license 'Apache 2.0' is not a Hub license id"),
+    (["--license", "license: mit"], "is not a Hub license id"),
+    (["--ckpt", ""], "CKPT is empty"),
+])
+def test_card_fields_and_an_empty_checkpoint_that_cannot_work_are_refused_before_anything(
+        run_dir, tmp_path, capsys, flags, named):
+    out = tmp_path / "export"
+    assert export(run_dir, out, *(["--ckpt", "last"] if "--ckpt" not in flags else []), *flags) == 2
+    assert named in one_error_line(capsys) and not out.exists()
+
+
 def test_a_repo_named_like_a_local_folder_is_still_a_repo(tmp_path, monkeypatch):
     """OUT=you/name then REPO=you/name: the folder exists, and the repo id was refused as 'a local path'."""
     monkeypatch.chdir(tmp_path)
@@ -496,6 +510,7 @@ class StandInHub(BaseHTTPRequestHandler):
 
     token = "hf_standin"
     repos: dict[str, dict[str, bytes]] = {}
+    private: dict[str, bool] = {}  # repo -> created private
     fail_commits = False
 
     def log_message(self, *args):  # keep pytest output clean
@@ -522,6 +537,15 @@ class StandInHub(BaseHTTPRequestHandler):
         parts = self.path.split("?")[0].strip("/").split("/")
         if self.path == "/api/whoami-v2" and self._authorized():
             self._reply(200, {"type": "user", "name": "tester", "auth": {"accessToken": {"role": "write"}}})
+        elif parts[:2] == ["api", "models"] and len(parts) == 4 and self._authorized():  # repo_info
+            repo = "/".join(parts[2:4])
+            if repo in self.repos:
+                self._reply(200, {"id": repo, "private": self.private[repo], "sha": "1" * 40})
+            else:
+                self.send_response(404)
+                self.send_header("X-Error-Code", "RepoNotFound")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
         elif parts[:2] == ["api", "models"] and parts[4:5] == ["tree"]:  # list_repo_files, for delete_patterns
             files = self.repos.get("/".join(parts[2:4]), {})
             body = [{"type": "file", "path": path, "size": len(data), "oid": "0" * 40} for path, data in files.items()]
@@ -537,7 +561,8 @@ class StandInHub(BaseHTTPRequestHandler):
         if parts == ["api", "repos", "create"]:
             request = json.loads(body)
             repo = f"{request.get('organization') or 'tester'}/{request['name']}"
-            self.repos.setdefault(repo, {})
+            if repo not in self.repos:
+                self.repos[repo], self.private[repo] = {}, request.get("visibility") == "private"
             self._reply(200, {"url": f"http://{self.headers['Host']}/{repo}"})
         elif parts == ["api", "validate-yaml"]:
             self._reply(200, {"errors": [], "warnings": []})
@@ -564,7 +589,7 @@ class StandInHub(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def hub(monkeypatch):
-    StandInHub.repos, StandInHub.fail_commits = {}, False
+    StandInHub.repos, StandInHub.private, StandInHub.fail_commits = {}, {}, False
     server = ThreadingHTTPServer(("127.0.0.1", 0), StandInHub)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -590,6 +615,22 @@ def test_push_uploads_the_exported_folder_and_prints_its_url(run_dir, tmp_path, 
     assert publish.main(["--push-only", str(out), "--repo", "tester/tiny-drafter"]) == 0
     assert StandInHub.repos["tester/tiny-drafter"] == {**{p.name: p.read_bytes() for p in out.iterdir()},
                                                         ".gitattributes": b"*.safetensors filter=lfs"}
+
+
+def test_private_creates_a_private_repo_and_refuses_to_push_into_a_public_one(run_dir, tmp_path, hub, capsys):
+    assert export(run_dir, tmp_path / "a", "--ckpt", "last", "--repo", "tester/secret", "--push", "--private") == 0
+    assert StandInHub.private["tester/secret"] and "model.safetensors" in StandInHub.repos["tester/secret"]
+    assert publish.main(["--push-only", str(tmp_path / "a"), "--repo", "tester/secret", "--private"]) == 0  # still private
+
+    StandInHub.repos["tester/open"], StandInHub.private["tester/open"] = {}, False
+    out = tmp_path / "b"
+    assert export(run_dir, out, "--ckpt", "last", "--repo", "tester/open", "--push", "--private") == 2
+    assert "tester/open already exists and is public" in one_error_line(capsys) and not out.exists()
+    assert publish.main(["--push-only", str(tmp_path / "a"), "--repo", "tester/open", "--private"]) == 2
+    assert "already exists and is public" in one_error_line(capsys) and StandInHub.repos["tester/open"] == {}
+
+    assert export(run_dir, out, "--ckpt", "last", "--private") == 2  # nothing to make private
+    assert "add --push" in one_error_line(capsys) and not out.exists()
 
 
 def test_a_failed_upload_keeps_the_export_for_push_only(run_dir, tmp_path, hub, capsys, monkeypatch):

@@ -17,7 +17,8 @@ target's LM head gives its whole next-token distribution, the soft targets of di
 (training/loss.py). The whole decoder then runs during the build, not only up to the deepest layer.
 
 Layout of a store folder:
-    store.json                   the manifest: format version, target (and adapter), layer ids, hidden size,
+    store.json                   the manifest: format version, target (and adapter, with the sha256 of its
+                                 files: one retrained at the same path is another build), layer ids, hidden size,
                                  dtype, the tokenization key of the data, every sequence's length, the shards
     shard-00000.safetensors ...  consecutive sequences, up to ~256 MB each: `features` (tokens, K*H) and
                                  `offsets` (n + 1,), sequence j of the shard = features[offsets[j]:offsets[j + 1]];
@@ -32,6 +33,7 @@ one is complete.
 from __future__ import annotations
 
 import bisect
+import hashlib
 import json
 import os
 import shutil
@@ -107,13 +109,29 @@ def plan_shards(lengths: list[int], bytes_per_token: int, max_shard_bytes: int) 
              "num_tokens": sum(lengths[start:end])} for k, (start, end) in enumerate(bounds)]
 
 
+def adapter_fingerprint(adapter: str | None) -> str | None:
+    """sha256 of a local PEFT adapter folder's adapter_* files (config and weights): a store built with an adapter
+    retrained at the same path since holds another target's features. None without an adapter, or for one named
+    by a Hub id (its files are not here)."""
+    if not adapter or not Path(adapter).is_dir():
+        return None
+    digest = hashlib.sha256()
+    for path in sorted(Path(adapter).iterdir()):
+        if path.is_file() and path.name.startswith("adapter_"):
+            digest.update(path.name.encode() + b"\0")
+            with path.open("rb") as f:
+                for chunk in iter(lambda: f.read(1 << 24), b""):
+                    digest.update(chunk)
+    return digest.hexdigest()
+
+
 class FeatureStore:
     """A finished store, read lazily: store[i] is sequence i's features, (T_i, K*H) in the store's dtype.
 
     Shards are memory-mapped (safetensors.safe_open) and only sequence i's rows are read. Attributes
     come from the manifest: layer_ids, hidden_size, width (K*H), dtype, lengths, tokenization_key,
-    target, target_adapter, final_hidden (whether store.final(i), the target's final hidden states
-    (T_i, H), exists).
+    target, target_adapter (and target_adapter_sha256, adapter_fingerprint's), final_hidden (whether
+    store.final(i), the target's final hidden states (T_i, H), exists).
     """
 
     def __init__(self, path: str | Path):
@@ -129,6 +147,7 @@ class FeatureStore:
                               f"code reads {FORMAT_VERSION}: rebuild it with `{REBUILD}` and --force (FORCE=1)")
         self.manifest = manifest
         self.target, self.target_adapter = manifest["target"], manifest["target_adapter"]
+        self.target_adapter_sha256 = manifest.get("target_adapter_sha256")  # absent in stores built before it
         self.layer_ids, self.hidden_size = manifest["target_layer_ids"], manifest["hidden_size"]
         self.width = len(self.layer_ids) * self.hidden_size
         self.dtype = parse_dtype(manifest["dtype"], f"{self.path / MANIFEST} dtype")
@@ -261,6 +280,7 @@ def build_feature_store(
     row_width = width + (hidden_size if final_hidden else 0)  # values stored per token
     manifest = {
         "format_version": FORMAT_VERSION, "target": datamodule.target, "target_adapter": target_adapter,
+        **({"target_adapter_sha256": adapter_fingerprint(target_adapter)} if target_adapter else {}),
         "target_layer_ids": layer_ids, "hidden_size": hidden_size, "dtype": str(dtype).removeprefix("torch."),
         "data_path": datamodule.data_path, "tokenization_key": tokenization_key,
         "num_sequences": len(lengths), "total_tokens": sum(lengths),

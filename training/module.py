@@ -53,6 +53,7 @@ from ddtree.errors import DDTreeError
 from ddtree.targets import build_drafter_config
 
 from .data import reply_vocabulary
+from .feature_store import adapter_fingerprint
 from .loss import (
     DISTILL_LOSSES, OBJECTIVES, RECALL_K, block_loss_sums, block_position_weights, chain_acceptance, draft_vocab_labels,
     given_positions, teacher_states,
@@ -336,6 +337,10 @@ class DistillModule(L.LightningModule):
         if (store.target, store.target_adapter) != (hp.target, hp.target_adapter):
             raise DDTreeError(f"feature store {store.path} holds features of target {store.target} (adapter "
                               f"{store.target_adapter}), this run's is {hp.target} (adapter {hp.target_adapter}): "
+                              "rebuild it with `make features RECIPE=<recipe>` and --force (FORCE=1)")
+        if hp.target_adapter and store.target_adapter_sha256 != adapter_fingerprint(hp.target_adapter):
+            raise DDTreeError(f"feature store {store.path} was built with adapter {hp.target_adapter} as its files were "
+                              "then, and they have changed since (retrained?) or were not recorded (an older store): "
                               "rebuild it with `make features RECIPE=<recipe>` and --force (FORCE=1)")
         layer_ids = list(self.drafter_config.target_layer_ids)
         text_config = self.target.config.get_text_config()

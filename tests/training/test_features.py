@@ -462,3 +462,29 @@ def test_auto_store_is_the_recipes_cache_folder_built_on_first_use(tmp_path, mon
     assert not expected.exists()
     with pytest.raises(DDTreeError, match="auto"):  # outside training.train there is no recipe to resolve it with
         DistillDataModule(target="tiny-random", data_path=str(data), feature_store="auto").setup()
+
+
+def test_a_store_built_with_an_adapter_retrained_since_at_the_same_path_is_refused(tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    def save_adapter(seed):
+        torch.manual_seed(seed)
+        base, _ = load_target("tiny-random")
+        config = LoraConfig(r=2, target_modules=["q_proj", "down_proj"], init_lora_weights=False)
+        get_peft_model(base, config).save_pretrained(tmp_path / "adapter")
+
+    adapter = str(tmp_path / "adapter")
+    save_adapter(0)
+    datamodule = make_datamodule(tmp_path)
+    store = build_feature_store(datamodule, tmp_path / "store", layer_ids=LAYER_IDS, target_adapter=adapter,
+                                dtype=torch.float32)
+    assert FeatureStore(store).target_adapter_sha256 is not None
+    fit(tiny_module(target_adapter=adapter), make_datamodule(tmp_path, feature_store=str(store)))  # the same adapter
+
+    save_adapter(1)  # retrained where it was: the store's features are another target's
+    with pytest.raises(DDTreeError) as error:
+        fit(tiny_module(target_adapter=adapter), make_datamodule(tmp_path, feature_store=str(store)))
+    assert f"built with adapter {adapter}" in one_line(error.value) and "--force" in str(error.value)
+    with pytest.raises(DDTreeError, match="target_adapter_sha256"):  # and the same build is not taken as done
+        build_feature_store(datamodule, tmp_path / "store", layer_ids=LAYER_IDS, target_adapter=adapter,
+                            dtype=torch.float32)

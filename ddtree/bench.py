@@ -276,8 +276,12 @@ def run_benchmark(
                 summary[key]["online_temperature"] = calibration.temperature(OnlineCalibration.shape(method, budget))
     if "ar" in summary:
         baseline = summary["ar"]["tokens_per_s"]
-        for stats in summary.values():
+        for key, stats in summary.items():
             stats["speedup"] = stats["tokens_per_s"] / baseline if baseline > 0 else 0.0
+            if key != "ar":  # losslessness, prompt by prompt: exact in fp32; bf16 can flip near-ties (README)
+                stats["same_as_ar"] = sum(row["methods"][key]["new_tokens"] == row["methods"]["ar"]["new_tokens"]
+                                          for row in per_prompt)
+                stats["prompts"] = len(per_prompt)
     return {"summary": summary, "prompts": per_prompt}
 
 
@@ -292,6 +296,9 @@ def format_summary(summary: dict) -> str:
             f"{speedup:>7} {s['round_ms']:>9.1f} {s['draft_ms']:>7.1f} {s['verify_ms']:>7.1f} {s['other_ms']:>7.2f} "
             f"{s['tree_nodes']:>6.1f}"
         )
+    same = {key: f"{s['same_as_ar']}/{s['prompts']}" for key, s in summary.items() if "same_as_ar" in s}
+    if same:  # exact in fp32 (the tests hold it); in bf16 near-ties can flip (README, Which budget)
+        lines.append("prompts whose committed tokens equal ar's: " + ", ".join(f"{k} {v}" for k, v in same.items()))
     learned = {key: s["online_temperature"] for key, s in summary.items() if "online_temperature" in s}
     if learned:
         lines.append("online calibration's draft temperature at the end: "

@@ -57,6 +57,11 @@ def test_bench_writes_results(capsys, tmp_path, prompts_file):
     assert all(results["prompts"][0]["methods"][k]["new_tokens"] == ar for k in results["summary"])
     assert results["summary"]["ar"]["speedup"] == pytest.approx(1.0)
     assert "ddtree@16" in stdout
+    # and bench says so, counted prompt by prompt
+    for key in ("dflash", "ddtree@4", "ddtree@16"):
+        assert results["summary"][key]["same_as_ar"] == results["summary"][key]["prompts"] == 2, key
+    assert "prompts whose committed tokens equal ar's: dflash 2/2, ddtree@4 2/2, ddtree@16 2/2" in stdout
+    assert "same_as_ar" not in results["summary"]["ar"]
 
 
 def test_bench_static_cache_commits_the_dynamic_caches_tokens(capsys, tmp_path, prompts_file):
@@ -365,3 +370,29 @@ def test_an_explicit_dtype_is_used_as_given(capsys, auto_picks_bf16):
 ])
 def test_a_device_this_machine_does_not_have(capsys, device, message):
     assert message in _bad(capsys, "generate", "--target", TARGET, "--prompt", "Hi", "--device", device)
+
+
+def test_bench_counts_the_prompts_where_a_method_committed_other_tokens_than_ar(capsys, tmp_path, prompts_file,
+                                                                                 monkeypatch):
+    """A near-tie flipped in bf16, say: stood in for by a generate that changes ddtree's last token on one prompt."""
+    import ddtree.bench
+
+    real = ddtree.bench.generate
+
+    def flipping(target, prompt_ids, method, *args, **kwargs):
+        result = real(target, prompt_ids, method, *args, **kwargs)
+        if method == "ddtree" and len(prompt_ids) < 12:  # the raw prompt "def square(x):", not the chat one
+            result.new_tokens = result.new_tokens[:-1] + [result.new_tokens[-1] + 1]
+        return result
+
+    monkeypatch.setattr(ddtree.bench, "generate", flipping)
+    out = tmp_path / "results.json"
+    code, stdout, _ = run_cli(
+        capsys, "bench", "--target", TARGET, "--drafter", "random", "--prompts", str(prompts_file),
+        "--methods", "ar,dflash,ddtree", "--budgets", "4", "--max-new-tokens", "6", "--out", str(out),
+        "--dtype", "float32",
+    )
+    assert code == 0
+    summary = json.loads(out.read_text())["summary"]
+    assert (summary["dflash"]["same_as_ar"], summary["ddtree@4"]["same_as_ar"]) == (2, 1)
+    assert "dflash 2/2, ddtree@4 1/2" in stdout

@@ -301,7 +301,8 @@ def draft_tree(
     (`ddtree`), or with budget None the argmax chain (`dflash`), its path probabilities recorded as build_tree does.
 
     lookup (ddtree only): a continuation grafted into the tree as one more path (context_lookup); it takes
-    len(lookup) of the budget, so the tree never holds more than `budget` nodes.
+    len(lookup) of the budget, so the tree never holds more than `budget` nodes. It may run deeper than the draft:
+    its nodes there score -inf (the drafter says nothing of them), adding nothing to the expected acceptance.
     sizer (ddtree only): keep only the leading nodes that pay for their verify rows on this machine (ddtree/sizing.py).
     online: grafted nodes score their lookup's learned acceptance (OnlineCalibration) instead of the drafter's probability.
     branches: depth-1 token -> its re-drafted logits (depth - 1, V) for depths 2.. (`DrafterRunner.redraft`); the
@@ -319,7 +320,7 @@ def draft_tree(
         tree = chain_tree(tokens.tolist())
         tree.log_probs = log_probs.cumsum(0).tolist()
         return tree
-    lookup = list(lookup)[: min(budget, draft_logits.shape[0])]
+    lookup = list(lookup)[:budget]  # may reach past the drafter's block: the target verifies any depth
     quoted = list(quoted)[: max(0, min(budget - len(lookup) - 1, draft_logits.shape[0]))]
     tree = build_tree(draft_logits, budget - len(lookup) - len(quoted), branches, vocab)
     if sizer is not None:
@@ -340,7 +341,8 @@ def _path_log_probs(draft_logits: torch.Tensor, branches: dict[int, torch.Tensor
     if branches and path[0] in branches:
         rows = torch.cat([rows[:1], branches[path[0]][: len(path) - 1].to(rows.dtype)])
     log_probs = torch.log_softmax(rows.float(), dim=-1)  # (len(path), V)
-    return log_probs.gather(1, torch.tensor(path, device=rows.device)[:, None])[:, 0].tolist()
+    drafted = log_probs.gather(1, torch.tensor(path[: len(rows)], device=rows.device)[:, None])[:, 0].tolist()
+    return drafted + [-math.inf] * (len(path) - len(rows))  # past the block the drafter says nothing
 
 
 def check_full_attention(target: PreTrainedModel) -> None:
@@ -519,6 +521,7 @@ def generate(
         draft_s = 0.0
         expected = 1.0
         if use_drafter and depth > 0:
+            graft_depth = depth  # a lookup's copy can run past the block: the target verifies any depth
             depth = min(depth, drafter.block_size - 1)
             draft_logits = drafter.propose(root, start, new_context, depth)  # (depth, V)
             branches = None
@@ -531,7 +534,7 @@ def generate(
                     branches = {token: rows.float() / online.temperature(shape) for token, rows in branches.items()}
             t_drafted = _now(device)
             draft_s = t_drafted - t_round
-            grafted = context_lookup(prompt + result.new_tokens, min(lookup, depth)) if lookup else []
+            grafted = context_lookup(prompt + result.new_tokens, min(lookup, graft_depth)) if lookup else []
             quoted = corpus.continuation(prompt + result.new_tokens, depth) if corpus is not None else []
             tree = draft_tree(draft_logits, shape, grafted, sizer, online, branches, getattr(drafter, "draft_vocab", None),
                               quoted)

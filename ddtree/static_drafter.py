@@ -93,7 +93,7 @@ class StaticDrafter:
         self.mask[..., : self.slots] = self.slot_ids < start  # the context written so far, these rows included
         self.block[0, 0] = root_token
         self.positions[0, block:] = torch.arange(start, start + block, device=self.device)
-        if rows > block:  # the prompt: written by one forward at its own shape
+        if rows > block:  # the prompt, or a round that took a lookup past the block: one forward at its own shape
             self.cache.slots = torch.arange(context_start, start, device=self.device)
             positions = torch.cat([self.cache.slots, self.positions[0, block:]])[None]
             return self._propose(new_context.to(self.context.dtype), positions)[:depth]

@@ -205,6 +205,24 @@ def test_context_lookup_is_lossless_and_accepts_what_the_drafter_misses(smollm2,
     assert grafted > drafted + 5, f"lookup accepted {grafted} nodes against the drafter's {drafted}"
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic-cache", "static-cache"])
+def test_a_lookup_longer_than_the_block_is_verified_whole_and_stays_lossless(smollm2, random_drafter, static):
+    """The target verifies any depth: a copy from the context may run past the drafter's block, and a round then
+    commits more than a block (the static drafter takes those rows in one forward at their own shape)."""
+    model, tokenizer = smollm2
+    deep = random_drafter.block_size + 4
+    # Text that repeats itself whole, which the target goes on repeating and the lookup copies
+    prompt = tokenizer(" ".join(["one two three four five six seven eight nine ten eleven twelve"] * 3),
+                       add_special_tokens=False)["input_ids"]
+    greedy = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False)[0, len(prompt):].tolist()
+    result = generate(model, prompt, "ddtree", random_drafter, 32, MAX_NEW, stop_token_ids(model, tokenizer),
+                      static=static, lookup=deep)
+    assert result.new_tokens == greedy
+    assert all(r.tree_size <= 32 for r in result.rounds)
+    deepest = max(r.accepted_depth for r in result.rounds)
+    assert deepest >= random_drafter.block_size, f"no round accepted past the block ({deepest})"
+
+
 def test_lookup_refuses_the_chain(smollm2, references, random_drafter):
     model, _ = smollm2
     prompt, _ = references[0]

@@ -121,6 +121,18 @@ def test_a_grafted_path_stays_within_the_budget_and_keeps_the_drafter_scores(see
     assert tree.grafted == tree.depths[len(drafted):]  # the depths of exactly the nodes the graft added
 
 
+def test_a_graft_longer_than_the_draft_is_kept_whole_and_its_deeper_nodes_add_nothing_to_the_expectation():
+    logits = torch.randn(3, 6, generator=torch.Generator().manual_seed(0)) * 2  # a 3-deep draft
+    lookup = [1, 2, 3, 4, 5]  # a copy 5 deep
+    tree = draft_tree(logits, 16, lookup)
+    paths = node_paths(tree)
+    assert tuple(lookup) in paths and max(tree.depths) == 5  # verified past the draft's depth
+    deep = [score for path, score in zip(paths, tree.log_probs) if len(path) > 3]
+    assert deep and all(score == -math.inf for score in deep)
+    shallow = [score for path, score in zip(paths, tree.log_probs) if len(path) <= 3]
+    assert tree.expected_acceptance == pytest.approx(1 + sum(math.exp(score) for score in shallow))
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_grafted_nodes_below_a_redrafted_token_score_its_redrafted_rows(seed):
     """Re-drafting behind a depth-1 token replaces the rows below it (build_tree scores its nodes so); a lookup or a

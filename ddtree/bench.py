@@ -206,7 +206,7 @@ def run_benchmark(
     seed: int = 0,
     progress: bool = True,
     static: bool | None = None,
-    online: bool = False,
+    online: bool | OnlineCalibration = False,
     lookup: int | None = None,
     sizer: TreeSizer | None = None,
     redraft: int | None = None,
@@ -217,7 +217,9 @@ def run_benchmark(
     A row is {"id", "prompt_tokens", "methods": {key: {"tau", "new_tokens", "seconds", "rounds": [Round as a dict]}}}.
     Every method is warmed up first (warm_up, on the first prompt, untimed); only the runs after that are timed.
     static: the target's cache (ddtree.decoding.generate; None = static with CUDA graphs on a GPU only).
-    online: learn draft temperatures from the timed rounds, prompt after prompt (OnlineCalibration).
+    online: learn draft temperatures from the timed rounds, prompt after prompt (OnlineCalibration), starting from the
+    drafter's calibration file if it has one (or given, the caller's OnlineCalibration); otherwise that file's
+    calibration is used as it is.
     lookup: graft that many tokens of context lookup into every ddtree tree (generate; None = the drafter's default);
     the chain stays the drafter's.
     sizer: size every ddtree round's tree to this machine's verify cost (ddtree/sizing.py); the chain stays whole.
@@ -246,7 +248,12 @@ def run_benchmark(
     longest = max(prompts, key=lambda prompt: len(prompt["prompt_ids"]))
     warm_up(target, drafter, longest["prompt_ids"], keys, max_new_tokens, stop_ids, sampling, seed, static, redraft)
 
-    calibration = OnlineCalibration() if online else None
+    calibration = None  # generate then uses the drafter's calibration file, if it has one, as it is
+    if isinstance(online, OnlineCalibration):  # the caller's, to read what it learned (`ddtree calibrate`)
+        calibration = online
+    elif online:  # learning from the timed rounds, from what the drafter's file holds if it has one
+        shipped = getattr(drafter, "default_calibration", None)
+        calibration = shipped.copy() if shipped is not None else OnlineCalibration()
     per_prompt = []
     bar = tqdm(total=len(prompts) * len(keys), desc="bench", disable=not progress, unit="run")
     for prompt in prompts:

@@ -3,6 +3,7 @@
     ddtree generate --target smollm2-135m --drafter random --prompt "Hello"
     ddtree bench --target smollm2-135m --drafter outputs/.../drafter --prompts data/eval_prompts.jsonl \
         --methods ar,dflash,ddtree --budgets 16,32,64 --max-new-tokens 128 --out results.json
+    ddtree calibrate --target smollm2-135m --drafter outputs/.../drafter --prompts my_prompts.jsonl
 
 `--drafter random` builds an untrained drafter for the target (smoke tests); otherwise it is a
 drafter folder (config.json + safetensors, the published DFlash format), checked against the target
@@ -22,6 +23,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .bench import format_summary, load_prompts, measure_verify_cost, run_benchmark
+from .calibration import CALIBRATION_FILE, load_calibration, save_calibration
 from .corpus import CORPUS_FILE, CorpusLookup
 from .drafters import load_drafter_folder
 from .decoding import (
@@ -79,7 +81,12 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
                              "auto = static on CUDA only")
     parser.add_argument("--online-calibration", action="store_true",
                         help="learn the draft temperature from the verified rounds, so the drafter's expected "
-                             "tau tracks the measured one (changes the tree's shape, never the output)")
+                             "tau tracks the measured one (changes the tree's shape, never the output); it starts "
+                             "from the drafter's calibration file, if any")
+    parser.add_argument("--calibration", default=None, metavar="FILE",
+                        help="a calibration file (`ddtree calibrate`): its draft temperatures and lookup acceptances "
+                             "shape and score every tree, as it is; none = off; default: the drafter folder's "
+                             f"{CALIBRATION_FILE}, if it has one")
     parser.add_argument("--adaptive-size", choices=ADAPTIVE_SIZE, default="off",
                         help="per round, verify only the leading nodes of the budget's ddtree tree that pay for their "
                              "rows, under this machine's verify cost measured at start (README, Which budget); auto = "
@@ -121,6 +128,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--budgets", type=_int_list, default=[16, 32, 64])
     bench.add_argument("--limit", type=int, default=None, help="use the first N prompts (default: all)")
     bench.add_argument("--out", default=None, help="write results JSON here")
+
+    calibrate = commands.add_parser(
+        "calibrate", help=f"learn the drafter's calibration on a prompts file and write it into its folder ({CALIBRATION_FILE})")
+    _add_common(calibrate)
+    calibrate.add_argument("--prompts", required=True, help="JSONL of {prompt} or {messages} objects: prompts like the "
+                           "ones it will serve")
+    calibrate.add_argument("--budgets", type=_int_list, default=[32], help="the ddtree budgets to calibrate (the chain "
+                           "always is; another budget takes the nearest one's temperature)")
+    calibrate.add_argument("--limit", type=int, default=None, help="use the first N prompts (default: all)")
+    calibrate.add_argument("--overwrite", action="store_true", help=f"replace the folder's {CALIBRATION_FILE}")
+    calibrate.set_defaults(max_new_tokens=64)
 
     cost = commands.add_parser("verify-cost", help="time tree verification vs one AR step (a benchmark)")
     cost.add_argument("--target", default="smollm2-135m")
@@ -217,7 +235,8 @@ def _corpus(args, tokenizer) -> CorpusLookup | bool | None:
 
 
 def _drafter_runner(args, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> DrafterRunner:
-    """The --drafter, with the corpus its folder ships (if any) as its default corpus lookup."""
+    """The --drafter, with the corpus its folder ships (if any) as its default corpus lookup, and the calibration it
+    holds (if any, or --calibration FILE) as its default calibration."""
     drafter = load_drafter(args.drafter, target, tokenizer, args.target, args.seed)
     shipped = None if args.drafter == "random" else Path(args.drafter) / CORPUS_FILE
     corpus = None
@@ -226,7 +245,28 @@ def _drafter_runner(args, target: PreTrainedModel, tokenizer: PreTrainedTokenize
         corpus = CorpusLookup.from_file(shipped)
         print(f"[corpus] the drafter's {shipped.name}: {len(corpus)} runs of {corpus.ngram} tokens in "
               f"{time.perf_counter() - started:.1f} s (--corpus none leaves it out)", file=sys.stderr)
-    return DrafterRunner(drafter, target, corpus=corpus)
+    return DrafterRunner(drafter, target, corpus=corpus, calibration=_calibration(args))
+
+
+def _calibration(args):
+    """--calibration: the file given, else the drafter folder's (if any); None for `none` and for `calibrate`."""
+    given = getattr(args, "calibration", None)
+    if args.command == "calibrate" or given == "none":
+        return None
+    if given is not None:
+        if not Path(given).is_file():
+            raise DDTreeError(f"--calibration {given}: no such file; give a file `ddtree calibrate` wrote, or none")
+        path = Path(given)
+    else:
+        path = None if args.drafter == "random" else Path(args.drafter) / CALIBRATION_FILE
+        if path is None or not path.is_file():
+            return None
+    calibration = load_calibration(path)
+    temperatures = ", ".join(f"{'chain' if shape is None else f'ddtree@{shape}'} {calibration.temperature(shape):.2f}"
+                             for shape in calibration.log_temperatures)
+    print(f"[calibration] {path}: draft temperature {temperatures or 'none'}"
+          f"{' (--calibration none leaves it out)' if given is None else ''}", file=sys.stderr)
+    return calibration
 
 
 def cmd_bench(args) -> None:
@@ -252,6 +292,8 @@ def cmd_bench(args) -> None:
                                                      corpus)
         settings["ddtree_resolved"] = {"lookup": lookup, "redraft": redraft,
                                        "corpus": None if resolved is None else args.corpus or f"the drafter's {CORPUS_FILE}"}
+        shipped = drafter.default_calibration is not None  # the chain and ddtree use it alike
+        settings["calibration_resolved"] = (args.calibration or f"the drafter's {CALIBRATION_FILE}") if shipped else None
     if sizer is not None:
         settings["verify_cost_ms"] = {"fixed": sizer.fixed_ms, "per_row": sizer.row_ms}  # what --adaptive-size used
     results = {"settings": settings, **results}
@@ -259,6 +301,41 @@ def cmd_bench(args) -> None:
     if args.out:
         write_json_atomic(args.out, results)
         print(f"results written to {args.out}")
+
+
+def cmd_calibrate(args) -> None:
+    """Decode the prompts with the chain and each ddtree budget, learning as --online-calibration does from a fresh
+    start, and write what was learned into the drafter folder, where generate and bench find it by default."""
+    if args.drafter == "random":
+        raise DDTreeError("ddtree calibrate writes into a drafter folder: give --drafter FOLDER, not random")
+    if args.calibration is not None or args.online_calibration:
+        raise DDTreeError("ddtree calibrate always learns from a fresh start: drop --calibration and --online-calibration")
+    out = Path(args.drafter) / CALIBRATION_FILE
+    if out.exists() and not args.overwrite:
+        raise DDTreeError(f"{out} exists and decoding uses it by default; pass --overwrite to replace it")
+    sampling, target, tokenizer = _setup(args)
+    prompts = load_prompts(args.prompts, tokenizer, args.limit)
+    drafter = _drafter_runner(args, target, tokenizer)
+    sizer = _sizer(args, target, args.budgets)
+    corpus = _corpus(args, tokenizer)
+    calibration = OnlineCalibration()
+    results = run_benchmark(
+        target, drafter, prompts, ["dflash", "ddtree"], args.budgets, args.max_new_tokens,
+        stop_token_ids(target, tokenizer), sampling, seed=args.seed, static=STATIC_CACHE[args.static_cache],
+        online=calibration, lookup=args.lookup, sizer=sizer, redraft=args.redraft, corpus=corpus,
+    )
+    lookup, redraft, resolved = drafter_defaults("ddtree", drafter, args.lookup, args.redraft, sizer is not None, corpus)
+    print(format_summary(results["summary"]))
+    save_calibration(out, calibration, {
+        "target": args.target, "dtype": str(target.dtype).removeprefix("torch."), "prompts": args.prompts,
+        "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+        "decoded_with": {"lookup": lookup, "redraft": redraft, "corpus": resolved is not None},
+        # expected against measured while it learned, the first rounds (before it settled) included
+        "while_learning": {key: {"tau": stats["tau"], "expected_tau": stats["expected_tau"]}
+                           for key, stats in results["summary"].items()},
+        "created": time.strftime("%Y-%m-%d"),
+    })
+    print(f"calibration written to {out}: generate and bench use it by default (--calibration none leaves it out)")
 
 
 def cmd_verify_cost(args) -> None:
@@ -274,7 +351,8 @@ def cmd_verify_cost(args) -> None:
 @command
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    {"generate": cmd_generate, "bench": cmd_bench, "verify-cost": cmd_verify_cost}[args.command](args)
+    commands = {"generate": cmd_generate, "bench": cmd_bench, "calibrate": cmd_calibrate, "verify-cost": cmd_verify_cost}
+    commands[args.command](args)
     return 0
 
 

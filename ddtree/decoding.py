@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from .calibration import OnlineCalibration
 from .corpus import CorpusLookup
 from .modeling_dflash import DFlashDraftModel, fuse_target_features
 from .target_runner import DynamicTarget, padded_capacity, static_target
@@ -133,10 +134,11 @@ class DrafterRunner:
 
     def __init__(
         self, drafter: DFlashDraftModel, target: PreTrainedModel, calibrated: bool = True,
-        corpus: CorpusLookup | None = None,
+        corpus: CorpusLookup | None = None, calibration: OnlineCalibration | None = None,
     ):
         # calibrated=False ignores the config's draft temperatures: the raw logits, to fit new ones from;
-        # corpus: the replies it was trained on, which generate grafts by default (the drafter folder's corpus file)
+        # corpus: the replies it was trained on, which generate grafts by default (the drafter folder's corpus file);
+        # calibration: what `ddtree calibrate` learned on served prompts, which generate uses by default (frozen)
         self.drafter = drafter.eval()
         self.embedding = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
@@ -153,6 +155,7 @@ class DrafterRunner:
         self.default_redraft = drafter.config.redraft  # generate's redraft=None: what the drafter was trained for
         self.default_lookup = drafter.config.lookup  # generate's lookup=None: what its recipe measured to pay
         self.default_corpus = corpus  # generate's corpus=None: the one shipped with it (recipes with model.corpus)
+        self.default_calibration = calibration  # generate's online=None: the drafter folder's calibration.json
         self._fixed: StaticDrafter | None = None  # the last fix_shapes' drafter, for the next generation that fits
         self.reset()
 
@@ -234,61 +237,6 @@ class DrafterRunner:
             past_key_values=self.cache,
         ).view(count, size, -1)
         return self._logits(hidden[:, 2 : 1 + depth], first_depth=2)
-
-
-class OnlineCalibration:
-    """A draft temperature per tree shape (a ddtree budget, or the chain), learned from verified rounds.
-
-    Temperatures fitted on training data (`draft_temperatures`) cannot see how much less accurate the
-    drafter is on the text it serves (README, Calibration). Each verified round tells: after it, the log
-    temperature moves by RATE x (expected - accepted length), a stochastic-approximation step, so an
-    over-confident drafter is warmed and an under-confident one cooled until the expected acceptance
-    tracks the measured one. It reorders the best-first tree, never what is committed (the target decides).
-
-    With a context or corpus lookup, the nodes a graft adds are not the drafter's guesses, and their drafter
-    probabilities say nothing of how often they are accepted. Instead each scores the learned chance
-    that a node its lookup grafted at its depth is accepted (rounds with one, Laplace-smoothed; one table per
-    lookup), so the expected acceptance counts the lookups too and the temperature is left to the drafter's
-    own nodes.
-    """
-
-    RATE = 0.01
-    LOG_LIMIT = 2.0  # temperatures stay within e^-2 .. e^2
-
-    def __init__(self):
-        self.log_temperatures: dict[int | None, float] = {}  # ddtree budget (None = the chain) -> log T
-        self.graft_rounds: dict[tuple[str, int], int] = {}  # (lookup, depth) -> rounds it grafted a node that deep
-        self.graft_accepted: dict[tuple[str, int], int] = {}  # (lookup, depth) -> of those, rounds that accepted it
-
-    def graft_log_prob(self, lookup: str, depth: int) -> float:
-        """Log of the chance that a node `lookup` ("context" or "corpus") grafted at `depth` is accepted, learned so
-        far ((hits + 1) / (rounds + 2))."""
-        key = (lookup, depth)
-        return math.log((self.graft_accepted.get(key, 0) + 1) / (self.graft_rounds.get(key, 0) + 2))
-
-    def observe_graft(self, lookup: str, grafted_depths: list[int], path: list[int], accepted: list[int]) -> None:
-        """A verified round in which `lookup` grafted nodes at `grafted_depths` of its `path`, and the target
-        accepted the draft tokens `accepted`."""
-        matched = 0
-        while matched < min(len(path), len(accepted)) and path[matched] == accepted[matched]:
-            matched += 1
-        for depth in grafted_depths:
-            key = (lookup, depth)
-            self.graft_rounds[key] = self.graft_rounds.get(key, 0) + 1
-            self.graft_accepted[key] = self.graft_accepted.get(key, 0) + (matched >= depth)
-
-    @staticmethod
-    def shape(method: str, budget: int) -> int | None:
-        """What a temperature is kept for: the ddtree budget, or None for the chain."""
-        return budget if method == "ddtree" else None
-
-    def temperature(self, shape: int | None) -> float:
-        return math.exp(self.log_temperatures.get(shape, 0.0))
-
-    def observe(self, shape: int | None, expected: float, accepted_length: int) -> None:
-        step = self.RATE * (expected - accepted_length)
-        log_t = self.log_temperatures.get(shape, 0.0) + step
-        self.log_temperatures[shape] = min(self.LOG_LIMIT, max(-self.LOG_LIMIT, log_t))
 
 
 def draft_tree(
@@ -447,7 +395,9 @@ def generate(
 ) -> GenerationResult:
     """Generate up to `max_new_tokens` tokens after `prompt_ids` with one of METHODS. Batch size 1.
 
-    online: temperatures learned from this call's rounds and kept for the next calls (OnlineCalibration).
+    online: temperatures learned from this call's rounds and kept for the next calls (OnlineCalibration); a frozen
+    one (a calibration file) is used as it is; None = the drafter's default (DrafterRunner.default_calibration: the
+    calibration.json in its folder, written by `ddtree calibrate`; none otherwise).
     lookup (ddtree): graft up to this many tokens that followed the last recurrence of the context's
     latest tokens (`context_lookup`) into every tree, within the budget; 0 = the drafter's tree alone; None = the
     drafter's default (DrafterRunner.default_lookup: its config's `lookup`, 0 unless its recipe set model.lookup).
@@ -475,6 +425,8 @@ def generate(
         raise DDTreeError(f"budget {budget} must be at least 1")
     check_corpus(method, corpus)
     lookup, redraft, corpus = drafter_defaults(method, drafter, lookup, redraft, sizer is not None, corpus)
+    if online is None and method != "ar":
+        online = getattr(drafter, "default_calibration", None)
     check_lookup(method, lookup)
     check_redraft(method, redraft)
     device = target.device

@@ -396,3 +396,64 @@ def test_bench_counts_the_prompts_where_a_method_committed_other_tokens_than_ar(
     summary = json.loads(out.read_text())["summary"]
     assert (summary["dflash"]["same_as_ar"], summary["ddtree@4"]["same_as_ar"]) == (2, 1)
     assert "dflash 2/2, ddtree@4 1/2" in stdout
+
+
+# ----------------------------------------------------------------------------- ddtree calibrate
+
+
+def test_calibrate_writes_the_folders_calibration_which_bench_uses_unless_told_none(capsys, tmp_path, tiny_target,
+                                                                                    prompts_file):
+    from ddtree.calibration import CALIBRATION_FILE, load_calibration
+
+    folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
+    common = ["--target", TARGET, "--drafter", str(folder), "--prompts", str(prompts_file), "--dtype", "float32",
+              "--max-new-tokens", "16"]
+    code, stdout, _ = run_cli(capsys, "calibrate", *common, "--budgets", "8")
+    assert code == 0 and f"calibration written to {folder / CALIBRATION_FILE}" in stdout
+    written = json.loads((folder / CALIBRATION_FILE).read_text())
+    assert set(written["temperatures"]) == {"8", "chain"} and written["num_prompts"] == 2
+    # an untrained drafter is sure of tokens the target never takes: warmed, as online calibration warms it
+    assert written["temperatures"]["8"] > 1.0 and written["temperatures"]["chain"] > 1.0
+    learned = load_calibration(folder / CALIBRATION_FILE)
+    assert learned.frozen and learned.temperature(16) == learned.temperature(8)  # another budget: the nearest one's
+
+    def bench(*extra):
+        out = tmp_path / "results.json"
+        assert run_cli(capsys, "bench", *common, "--methods", "ar,dflash,ddtree", "--budgets", "8", "--out", str(out),
+                       *extra)[0] == 0
+        return json.loads(out.read_text())
+
+    shipped, none = bench(), bench("--calibration", "none")
+    assert shipped["settings"]["calibration_resolved"] == f"the drafter's {CALIBRATION_FILE}"
+    assert none["settings"]["calibration_resolved"] is None
+    for results in (shipped, none):  # it shapes the tree, never what is committed (fp32: exact)
+        assert results["summary"]["ddtree@8"]["same_as_ar"] == results["summary"]["dflash"]["same_as_ar"] == 2
+    # warmer, so less sure of its (wrong) guesses: the expectation falls toward the measurement
+    for key in ("ddtree@8", "dflash"):
+        assert shipped["summary"][key]["expected_tau"] < none["summary"][key]["expected_tau"], key
+    given = bench("--calibration", str(folder / CALIBRATION_FILE))
+    assert given["summary"]["ddtree@8"]["expected_tau"] == shipped["summary"]["ddtree@8"]["expected_tau"]
+    assert (folder / CALIBRATION_FILE).read_text() == json.dumps(written, indent=1)  # decoding never writes it
+
+
+def test_calibrate_bad_input_is_one_line_and_writes_nothing(capsys, tmp_path, tiny_target, prompts_file):
+    from ddtree.calibration import CALIBRATION_FILE
+
+    folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
+    common = ["--target", TARGET, "--prompts", str(prompts_file), "--dtype", "float32", "--max-new-tokens", "4"]
+    assert "give --drafter FOLDER, not random" in _bad(capsys, "calibrate", *common)
+    assert "drop --calibration and --online-calibration" in _bad(capsys, "calibrate", *common, "--drafter", str(folder),
+                                                                  "--online-calibration")
+    (folder / CALIBRATION_FILE).write_text("{}")
+    assert "exists and decoding uses it by default; pass --overwrite" in _bad(capsys, "calibrate", *common,
+                                                                             "--drafter", str(folder))
+    assert (folder / CALIBRATION_FILE).read_text() == "{}"
+    # ...and decoding with a broken one says which file and what to do
+    line = _bad(capsys, "bench", *common, "--drafter", str(folder), "--methods", "dflash")
+    assert f"calibration file {folder / CALIBRATION_FILE} cannot be read" in line and "--calibration none" in line
+    assert run_cli(capsys, "bench", *common, "--drafter", str(folder), "--methods", "dflash", "--calibration",
+                   "none")[0] == 0
+    assert "no such file" in _bad(capsys, "bench", *common, "--drafter", str(folder), "--methods", "dflash",
+                                  "--calibration", str(tmp_path / "missing.json"))
+    assert run_cli(capsys, "calibrate", *common, "--drafter", str(folder), "--overwrite", "--budgets", "4")[0] == 0
+    assert json.loads((folder / CALIBRATION_FILE).read_text())["format_version"] == 1

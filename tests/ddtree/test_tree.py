@@ -170,6 +170,31 @@ def test_online_calibration_scores_the_nodes_a_graft_adds_by_its_lookups_learned
                      (1, 2): pytest.approx(math.log(2 / 3))}
 
 
+def test_a_calibration_saved_and_loaded_scores_alike_and_learns_nothing_more_when_frozen(tmp_path):
+    from ddtree.calibration import load_calibration, save_calibration
+
+    online = OnlineCalibration()
+    online.observe(32, expected=3.0, accepted_length=1)  # over-confident: warmed
+    online.observe(None, expected=1.0, accepted_length=2)  # under-confident: cooled
+    online.observe_graft("context", [1, 2], path=[4, 5], accepted=[4])
+    save_calibration(tmp_path / "calibration.json", online, {"prompts": "p.jsonl"})
+    loaded = load_calibration(tmp_path / "calibration.json")
+    assert loaded.frozen and not online.frozen
+    for shape in (32, None):
+        assert loaded.temperature(shape) == pytest.approx(online.temperature(shape), rel=1e-5)
+    assert loaded.temperature(32) > 1.0 > loaded.temperature(None)
+    assert loaded.temperature(8) == loaded.temperature(64) == loaded.temperature(32)  # the nearest budget's
+    for depth in (1, 2, 3):
+        assert loaded.graft_log_prob("context", depth) == online.graft_log_prob("context", depth)
+    before = loaded.state()
+    loaded.observe(32, expected=9.0, accepted_length=1)
+    loaded.observe_graft("context", [1], path=[4], accepted=[])
+    assert loaded.state() == before  # frozen
+    going_on = loaded.copy()  # --online-calibration from a file: learns from where it was
+    going_on.observe(32, expected=9.0, accepted_length=1)
+    assert going_on.temperature(32) > loaded.temperature(32) and not going_on.frozen
+
+
 def test_ancestor_matrix_and_walk():
     # depth-1 tokens 5 (p .6) and 6 (p .4); depth 2 token 7 then 8
     logits = torch.log(torch.tensor([[0.0, 0, 0, 0, 0, 0.6, 0.4, 0, 0], [0, 0, 0, 0, 0, 0, 0, 0.7, 0.3]]) + 1e-9)

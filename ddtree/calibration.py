@@ -1,0 +1,141 @@
+"""Calibrating the drafter on the text it serves: a temperature per tree shape and each lookup's acceptance by depth.
+
+    online = OnlineCalibration()                        # learns from every verified round (--online-calibration)
+    generate(..., online=online)
+    save_calibration(folder / CALIBRATION_FILE, online, facts)   # `ddtree calibrate`: ships beside the weights
+    load_calibration(folder / CALIBRATION_FILE)                  # frozen: decoding uses it, learns nothing more
+
+A drafter is over-confident on prompts unlike its training data (README, Calibration), and the nodes a lookup
+grafts are accepted far more often than the drafter's probabilities say. Both are measured only by decoding the
+serving distribution: `--online-calibration` does it as it goes; `ddtree calibrate` does it once over a prompts
+file and writes the result into the drafter folder, where `generate` and `bench` find it by default.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from .errors import DDTreeError
+from .files import write_json_atomic
+
+CALIBRATION_FILE = "calibration.json"
+FORMAT_VERSION = 1
+CHAIN = "chain"  # the chain's temperature in the file; a ddtree budget is written as its number
+
+
+class OnlineCalibration:
+    """A draft temperature per tree shape (a ddtree budget, or the chain), learned from verified rounds.
+
+    Temperatures fitted on training data (`draft_temperatures`) cannot see how much less accurate the
+    drafter is on the text it serves (README, Calibration). Each verified round tells: after it, the log
+    temperature moves by RATE x (expected - accepted length), a stochastic-approximation step, so an
+    over-confident drafter is warmed and an under-confident one cooled until the expected acceptance
+    tracks the measured one. It reorders the best-first tree, never what is committed (the target decides).
+
+    With a context or corpus lookup, the nodes a graft adds are not the drafter's guesses, and their drafter
+    probabilities say nothing of how often they are accepted. Instead each scores the learned chance
+    that a node its lookup grafted at its depth is accepted (rounds with one, Laplace-smoothed; one table per
+    lookup), so the expected acceptance counts the lookups too and the temperature is left to the drafter's
+    own nodes.
+
+    frozen: use what it holds and learn nothing more (a calibration file, as decoding uses it by default).
+    A ddtree budget it has no temperature for takes the nearest budget's (a file calibrated at 32, decoded at 16).
+    """
+
+    RATE = 0.01
+    LOG_LIMIT = 2.0  # temperatures stay within e^-2 .. e^2
+
+    def __init__(self, frozen: bool = False):
+        self.frozen = frozen
+        self.log_temperatures: dict[int | None, float] = {}  # ddtree budget (None = the chain) -> log T
+        self.graft_rounds: dict[tuple[str, int], int] = {}  # (lookup, depth) -> rounds it grafted a node that deep
+        self.graft_accepted: dict[tuple[str, int], int] = {}  # (lookup, depth) -> of those, rounds that accepted it
+
+    def graft_log_prob(self, lookup: str, depth: int) -> float:
+        """Log of the chance that a node `lookup` ("context" or "corpus") grafted at `depth` is accepted, learned so
+        far ((hits + 1) / (rounds + 2))."""
+        key = (lookup, depth)
+        return math.log((self.graft_accepted.get(key, 0) + 1) / (self.graft_rounds.get(key, 0) + 2))
+
+    def observe_graft(self, lookup: str, grafted_depths: list[int], path: list[int], accepted: list[int]) -> None:
+        """A verified round in which `lookup` grafted nodes at `grafted_depths` of its `path`, and the target
+        accepted the draft tokens `accepted`."""
+        if self.frozen:
+            return
+        matched = 0
+        while matched < min(len(path), len(accepted)) and path[matched] == accepted[matched]:
+            matched += 1
+        for depth in grafted_depths:
+            key = (lookup, depth)
+            self.graft_rounds[key] = self.graft_rounds.get(key, 0) + 1
+            self.graft_accepted[key] = self.graft_accepted.get(key, 0) + (matched >= depth)
+
+    @staticmethod
+    def shape(method: str, budget: int) -> int | None:
+        """What a temperature is kept for: the ddtree budget, or None for the chain."""
+        return budget if method == "ddtree" else None
+
+    def log_temperature(self, shape: int | None) -> float:
+        if shape in self.log_temperatures or shape is None:
+            return self.log_temperatures.get(shape, 0.0)
+        budgets = [b for b in self.log_temperatures if b is not None]
+        return self.log_temperatures[min(budgets, key=lambda b: (abs(b - shape), b))] if budgets else 0.0
+
+    def temperature(self, shape: int | None) -> float:
+        return math.exp(self.log_temperature(shape))
+
+    def observe(self, shape: int | None, expected: float, accepted_length: int) -> None:
+        if self.frozen:
+            return
+        log_t = self.log_temperature(shape) + self.RATE * (expected - accepted_length)
+        self.log_temperatures[shape] = min(self.LOG_LIMIT, max(-self.LOG_LIMIT, log_t))
+
+    def copy(self, frozen: bool = False) -> OnlineCalibration:
+        """What it holds, to go on learning from (online calibration that starts from a file) or to use frozen."""
+        other = OnlineCalibration(frozen)
+        other.log_temperatures = dict(self.log_temperatures)
+        other.graft_rounds, other.graft_accepted = dict(self.graft_rounds), dict(self.graft_accepted)
+        return other
+
+    def state(self) -> dict:
+        """As calibration.json holds it: JSON keys and [accepted, rounds] pairs."""
+        grafts: dict[str, dict[str, list[int]]] = {}
+        for (lookup, depth), rounds in sorted(self.graft_rounds.items()):
+            grafts.setdefault(lookup, {})[str(depth)] = [self.graft_accepted.get((lookup, depth), 0), rounds]
+        temperatures = {CHAIN if shape is None else str(shape): round(math.exp(log_t), 6)
+                        for shape, log_t in sorted(self.log_temperatures.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))}
+        return {"temperatures": temperatures, "graft_acceptance": grafts}
+
+    @classmethod
+    def from_state(cls, state: dict, frozen: bool = True) -> OnlineCalibration:
+        calibration = cls(frozen)
+        for key, temperature in state["temperatures"].items():
+            if not (isinstance(temperature, (int, float)) and temperature > 0 and math.isfinite(temperature)):
+                raise ValueError(f"temperature {key}: {temperature!r} is not a positive number")
+            calibration.log_temperatures[None if key == CHAIN else int(key)] = math.log(temperature)
+        for lookup, depths in state["graft_acceptance"].items():
+            for depth, (accepted, rounds) in depths.items():
+                if not 0 <= int(accepted) <= int(rounds):
+                    raise ValueError(f"graft_acceptance {lookup} {depth}: {accepted} accepted of {rounds} rounds")
+                calibration.graft_accepted[(lookup, int(depth))] = int(accepted)
+                calibration.graft_rounds[(lookup, int(depth))] = int(rounds)
+        return calibration
+
+
+def save_calibration(path: Path, calibration: OnlineCalibration, facts: dict) -> None:
+    """calibration.json: what it learned, and `facts` (the prompts, the settings, what it measured) beside it."""
+    write_json_atomic(path, {"format_version": FORMAT_VERSION, **calibration.state(), **facts})
+
+
+def load_calibration(path: Path) -> OnlineCalibration:
+    """A calibration file, frozen; a broken one is one DDTreeError line naming it."""
+    try:
+        state = json.loads(Path(path).read_text())
+        if state.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"format_version {state.get('format_version')!r}, this code reads {FORMAT_VERSION}")
+        return OnlineCalibration.from_state(state)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise DDTreeError(f"calibration file {path} cannot be read ({error}); rerun `ddtree calibrate` with "
+                          "--overwrite, or decode with --calibration none") from None

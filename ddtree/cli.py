@@ -318,7 +318,7 @@ def cmd_calibrate(args) -> None:
     drafter = _drafter_runner(args, target, tokenizer)
     sizer = _sizer(args, target, args.budgets)
     corpus = _corpus(args, tokenizer)
-    calibration = OnlineCalibration()
+    calibration = OnlineCalibration(record=True)
     results = run_benchmark(
         target, drafter, prompts, ["dflash", "ddtree"], args.budgets, args.max_new_tokens,
         stop_token_ids(target, tokenizer), sampling, seed=args.seed, static=STATIC_CACHE[args.static_cache],
@@ -326,16 +326,22 @@ def cmd_calibrate(args) -> None:
     )
     lookup, redraft, resolved = drafter_defaults("ddtree", drafter, args.lookup, args.redraft, sizer is not None, corpus)
     print(format_summary(results["summary"]))
-    save_calibration(out, calibration, {
+    settled = calibration.settled()  # its temperatures averaged over the last half of the rounds
+    save_calibration(out, settled, {
         "target": args.target, "dtype": str(target.dtype).removeprefix("torch."), "prompts": args.prompts,
         "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
         "decoded_with": {"lookup": lookup, "redraft": redraft, "corpus": resolved is not None},
+        "temperatures_at_the_end": {("chain" if shape is None else str(shape)): round(calibration.temperature(shape), 6)
+                                    for shape in calibration.log_temperatures},  # the last step's, not kept
         # expected against measured while it learned, the first rounds (before it settled) included
         "while_learning": {key: {"tau": stats["tau"], "expected_tau": stats["expected_tau"]}
                            for key, stats in results["summary"].items()},
         "created": time.strftime("%Y-%m-%d"),
     })
-    print(f"calibration written to {out}: generate and bench use it by default (--calibration none leaves it out)")
+    kept = ", ".join(f"{'chain' if shape is None else f'ddtree@{shape}'} {settled.temperature(shape):.2f}"
+                     for shape in settled.log_temperatures)
+    print(f"calibration written to {out} (draft temperature {kept}, the mean over the last half of the rounds): "
+          "generate and bench use it by default (--calibration none leaves it out)")
 
 
 def cmd_verify_cost(args) -> None:

@@ -195,6 +195,17 @@ def test_a_calibration_saved_and_loaded_scores_alike_and_learns_nothing_more_whe
     assert going_on.temperature(32) > loaded.temperature(32) and not going_on.frozen
 
 
+def test_a_settled_calibration_keeps_the_mean_temperature_of_the_last_half_of_its_rounds():
+    online = OnlineCalibration(record=True)
+    for expected, accepted in [(5.0, 1), (5.0, 1), (2.0, 2), (1.0, 3)]:  # warmed twice, held, cooled
+        online.observe(32, expected, accepted)
+    steps = [0.04, 0.08, 0.08, 0.06]  # log T after each round
+    settled = online.settled()
+    assert settled.frozen and online.log_temperature(32) == pytest.approx(steps[-1])
+    assert settled.log_temperature(32) == pytest.approx((steps[2] + steps[3]) / 2)
+    assert OnlineCalibration().settled().log_temperatures == {}  # nothing recorded, nothing averaged
+
+
 def test_ancestor_matrix_and_walk():
     # depth-1 tokens 5 (p .6) and 6 (p .4); depth 2 token 7 then 8
     logits = torch.log(torch.tensor([[0.0, 0, 0, 0, 0, 0.6, 0.4, 0, 0], [0, 0, 0, 0, 0, 0, 0, 0.7, 0.3]]) + 1e-9)

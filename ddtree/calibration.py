@@ -109,6 +109,11 @@ class OnlineCalibration:
             settled.log_temperatures[shape] = sum(path[len(path) // 2:]) / len(path[len(path) // 2:])
         return settled
 
+    def describe(self) -> str:
+        """The temperatures it holds, for a line on stderr: ddtree@32 1.14, chain 1.15."""
+        return ", ".join(f"{'chain' if shape is None else f'ddtree@{shape}'} {self.temperature(shape):.2f}"
+                         for shape in self.log_temperatures) or "none"
+
     def copy(self, frozen: bool = False) -> OnlineCalibration:
         """What it holds, to go on learning from (online calibration that starts from a file) or to use frozen."""
         other = OnlineCalibration(frozen)

@@ -262,9 +262,7 @@ def _calibration(args):
         if path is None or not path.is_file():
             return None
     calibration = load_calibration(path)
-    temperatures = ", ".join(f"{'chain' if shape is None else f'ddtree@{shape}'} {calibration.temperature(shape):.2f}"
-                             for shape in calibration.log_temperatures)
-    print(f"[calibration] {path}: draft temperature {temperatures or 'none'}"
+    print(f"[calibration] {path}: draft temperature {calibration.describe()}"
           f"{' (--calibration none leaves it out)' if given is None else ''}", file=sys.stderr)
     return calibration
 
@@ -331,17 +329,14 @@ def cmd_calibrate(args) -> None:
         "target": args.target, "dtype": str(target.dtype).removeprefix("torch."), "prompts": args.prompts,
         "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
         "decoded_with": {"lookup": lookup, "redraft": redraft, "corpus": resolved is not None},
-        "temperatures_at_the_end": {("chain" if shape is None else str(shape)): round(calibration.temperature(shape), 6)
-                                    for shape in calibration.log_temperatures},  # the last step's, not kept
+        "temperatures_at_the_end": calibration.state()["temperatures"],  # the last step's, not kept
         # expected against measured while it learned, the first rounds (before it settled) included
         "while_learning": {key: {"tau": stats["tau"], "expected_tau": stats["expected_tau"]}
                            for key, stats in results["summary"].items()},
         "created": time.strftime("%Y-%m-%d"),
     })
-    kept = ", ".join(f"{'chain' if shape is None else f'ddtree@{shape}'} {settled.temperature(shape):.2f}"
-                     for shape in settled.log_temperatures)
-    print(f"calibration written to {out} (draft temperature {kept}, the mean over the last half of the rounds): "
-          "generate and bench use it by default (--calibration none leaves it out)")
+    print(f"calibration written to {out} (draft temperature {settled.describe()}, the mean over the last half of "
+          "the rounds): generate and bench use it by default (--calibration none leaves it out)")
 
 
 def cmd_verify_cost(args) -> None:

@@ -27,6 +27,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from .calibration import learning_from
 from .decoding import (
     METHODS, DrafterRunner, OnlineCalibration, Sampling, check_corpus, check_lookup, check_redraft, check_sizer,
     context_limit, generate, static_cache,
@@ -252,8 +253,7 @@ def run_benchmark(
     if isinstance(online, OnlineCalibration):  # the caller's, to read what it learned (`ddtree calibrate`)
         calibration = online
     elif online:  # learning from the timed rounds, from what the drafter's file holds if it has one
-        shipped = getattr(drafter, "default_calibration", None)
-        calibration = shipped.copy() if shipped is not None else OnlineCalibration()
+        calibration = learning_from(getattr(drafter, "default_calibration", None))
     per_prompt = []
     bar = tqdm(total=len(prompts) * len(keys), desc="bench", disable=not progress, unit="run")
     for prompt in prompts:

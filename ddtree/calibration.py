@@ -132,18 +132,33 @@ class OnlineCalibration:
 
     @classmethod
     def from_state(cls, state: dict, frozen: bool = True) -> OnlineCalibration:
+        """The inverse of state(); ValueError names the first entry that is not what state() writes."""
         calibration = cls(frozen)
         for key, temperature in state["temperatures"].items():
-            if not (isinstance(temperature, (int, float)) and temperature > 0 and math.isfinite(temperature)):
-                raise ValueError(f"temperature {key}: {temperature!r} is not a positive number")
-            calibration.log_temperatures[None if key == CHAIN else int(key)] = math.log(temperature)
+            plain = isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
+            if not (plain and math.isfinite(temperature) and temperature > 0
+                    and abs(math.log(temperature)) <= cls.LOG_LIMIT + 1e-4):  # state() rounds to 6 places
+                raise ValueError(f"temperature {key}: {temperature!r} is not a number within e^-2..e^2")
+            calibration.log_temperatures[None if key == CHAIN else _positive(key, "budget")] = math.log(temperature)
         for lookup, depths in state["graft_acceptance"].items():
-            for depth, (accepted, rounds) in depths.items():
-                if not 0 <= int(accepted) <= int(rounds):
-                    raise ValueError(f"graft_acceptance {lookup} {depth}: {accepted} accepted of {rounds} rounds")
-                calibration.graft_accepted[(lookup, int(depth))] = int(accepted)
-                calibration.graft_rounds[(lookup, int(depth))] = int(rounds)
+            for depth, counts in depths.items():
+                if not (isinstance(counts, list) and len(counts) == 2 and all(type(n) is int for n in counts)
+                        and 0 <= counts[0] <= counts[1]):
+                    raise ValueError(f"graft_acceptance {lookup} {depth}: {counts!r} is not [accepted, rounds]")
+                calibration.graft_accepted[(lookup, _positive(depth, "depth"))] = counts[0]
+                calibration.graft_rounds[(lookup, _positive(depth, "depth"))] = counts[1]
         return calibration
+
+
+def _positive(key: str, what: str) -> int:
+    if not (isinstance(key, str) and key.isdigit() and int(key) > 0):
+        raise ValueError(f"{what} {key!r} is not a positive whole number")
+    return int(key)
+
+
+def learning_from(shipped: OnlineCalibration | None) -> OnlineCalibration:
+    """--online-calibration: learning from what the drafter's calibration file holds, or from a fresh start."""
+    return shipped.copy() if shipped is not None else OnlineCalibration()
 
 
 def save_calibration(path: Path, calibration: OnlineCalibration, facts: dict) -> None:
@@ -158,6 +173,6 @@ def load_calibration(path: Path) -> OnlineCalibration:
         if state.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"format_version {state.get('format_version')!r}, this code reads {FORMAT_VERSION}")
         return OnlineCalibration.from_state(state)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as error:
         raise DDTreeError(f"calibration file {path} cannot be read ({error}); rerun `ddtree calibrate` with "
                           "--overwrite, or decode with --calibration none") from None

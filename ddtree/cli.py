@@ -23,7 +23,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .bench import format_summary, load_prompts, measure_verify_cost, run_benchmark
-from .calibration import CALIBRATION_FILE, load_calibration, save_calibration
+from .calibration import CALIBRATION_FILE, learning_from, load_calibration, save_calibration
 from .corpus import CORPUS_FILE, CorpusLookup
 from .drafters import load_drafter_folder
 from .decoding import (
@@ -211,7 +211,8 @@ def cmd_generate(args) -> None:
     result = generate(
         target, prompt_ids, args.method, drafter, args.budget, args.max_new_tokens,
         stop_token_ids(target, tokenizer), sampling, generator, STATIC_CACHE[args.static_cache],
-        OnlineCalibration() if args.online_calibration else None, args.lookup, sizer, args.redraft,
+        learning_from(getattr(drafter, "default_calibration", None)) if args.online_calibration else None, args.lookup,
+        sizer, args.redraft,
         _corpus(args, tokenizer),
     )
     print(tokenizer.decode(result.new_tokens, skip_special_tokens=True))

@@ -517,8 +517,10 @@ class BestCheckpoint(Checkpoint):
         name = self.file_name(self.filename, step=step, epoch=trainer.current_epoch)
         self.best_k_models.pop(name, None)  # a step saved again (a resume from an earlier checkpoint) competes anew
         displaced = None
-        if self.save_top_k == -1 or len(self.best_k_models) < self.save_top_k:
-            enters = self.save_top_k != 0
+        if self.save_top_k == 0:  # only last.ckpt
+            enters = False
+        elif self.save_top_k == -1 or len(self.best_k_models) < self.save_top_k:
+            enters = True
         else:
             displaced = min(self.best_k_models, key=self.best_k_models.get)  # the earliest of equals goes
             enters = score > self.best_k_models[displaced]

@@ -31,16 +31,16 @@ from .hub_config import EXPORT_FILES
 LICENSE_ID = re.compile(r"[a-z0-9][a-z0-9.+-]*")
 
 
-def check_hub_id(value: str, name: str, why: str) -> None:
-    """A Hub model id of the form user/name (or org/name): the Hub's character rules, then ddtree's owner/name shape.
-    name: how the user gave it (REPO=, --base-model); why: what the shape is for."""
+def check_hub_id(value: str, name: str, why: str, owner: bool = True) -> None:
+    """A Hub model id: the Hub's character rules, then ddtree's owner/name shape (owner=False: a Hub id may also be
+    a bare name, as the oldest models are: gpt2). name: how the user gave it (REPO=, --base-model); why: what for."""
     try:
         validate_repo_id(value)
     except HFValidationError as error:
         raise DDTreeError(f"{name}{value!r} is not a valid Hub repo id ({error_line(error)})") from None
     # The shape alone: it always names a Hub repo, even where a local folder has the same name (an export
     # written to OUT=you/name is pushed to REPO=you/name).
-    if not has_hub_id_shape(value):
+    if owner and not has_hub_id_shape(value):
         raise DDTreeError(f"{name}{value!r} must be user/name or org/name (not a local path), {why}")
 
 
@@ -51,7 +51,7 @@ def check_repo_id(repo: str) -> None:
 def check_card_fields(base_model: str | None, license_id: str) -> None:
     """--base-model and --license go into the model card's metadata, which the Hub validates on push."""
     if base_model is not None:
-        check_hub_id(base_model, "--base-model ", "the target's id on the Hub, which the card links")
+        check_hub_id(base_model, "--base-model ", "the target's id on the Hub, which the card links", owner=False)
     if not LICENSE_ID.fullmatch(license_id):
         raise DDTreeError(f"--license {license_id!r} is not a Hub license id: give one in lowercase, such as "
                           "apache-2.0, mit, llama3.1 or other (match the target's)")

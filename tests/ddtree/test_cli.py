@@ -436,6 +436,47 @@ def test_calibrate_writes_the_folders_calibration_which_bench_uses_unless_told_n
     assert (folder / CALIBRATION_FILE).read_text() == json.dumps(written, indent=1)  # decoding never writes it
 
 
+@pytest.mark.parametrize("content", [
+    '{"format_version": 1, "temperatures": {"8": 1.1}, "graft_acceptance": {"context": {"1": [Infinity, 5]}}}',
+    '{"format_version": 1, "temperatures": {"8": true}, "graft_acceptance": {}}',
+    '{"format_version": 1, "temperatures": {"8": 1e-300}, "graft_acceptance": {}}',
+    '{"format_version": 1, "temperatures": {"-8": 1.1}, "graft_acceptance": {}}',
+    '{"format_version": 1, "temperatures": {}, "graft_acceptance": {"context": {"1": "12"}}}',
+    "[" * 100000 + "]" * 100000,
+])
+def test_a_broken_calibration_file_is_one_line(capsys, tmp_path, tiny_target, prompts_file, content):
+    from ddtree.calibration import CALIBRATION_FILE
+
+    folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
+    (folder / CALIBRATION_FILE).write_text(content)
+    line = _bad(capsys, "generate", "--target", TARGET, "--drafter", str(folder), "--prompt", "Hi", "--max-new-tokens", "2")
+    assert f"calibration file {folder / CALIBRATION_FILE} cannot be read" in line
+
+
+def test_generate_online_calibration_starts_from_the_folders_calibration(capsys, tmp_path, tiny_target, monkeypatch):
+    import ddtree.cli
+    from ddtree.calibration import CALIBRATION_FILE, OnlineCalibration, save_calibration
+
+    folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
+    shipped = OnlineCalibration()
+    shipped.log_temperatures[32] = 0.5
+    save_calibration(folder / CALIBRATION_FILE, shipped, {})
+    given = []
+    real = ddtree.cli.generate
+    def spy(*args, **kwargs):  # what generate is handed, before it learns anything
+        given.append(None if args[10] is None else args[10].copy(frozen=args[10].frozen))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ddtree.cli, "generate", spy)
+    generate = ["generate", "--target", TARGET, "--drafter", str(folder), "--prompt", "Hi", "--max-new-tokens", "3"]
+    assert run_cli(capsys, *generate, "--online-calibration")[0] == 0
+    assert run_cli(capsys, *generate)[0] == 0
+    learning, default = given
+    assert not learning.frozen and learning.log_temperature(32) == pytest.approx(0.5)  # learning, from the file's
+    assert default is None  # generate itself then takes the drafter's (frozen) file
+    assert json.loads((folder / CALIBRATION_FILE).read_text())["temperatures"]["32"] == pytest.approx(1.648721)
+
+
 def test_calibrate_bad_input_is_one_line_and_writes_nothing(capsys, tmp_path, tiny_target, prompts_file):
     from ddtree.calibration import CALIBRATION_FILE
 

@@ -335,6 +335,12 @@ def test_best_ckpt_moves_before_the_file_it_displaces_goes_and_a_launch_relinks_
     checkpoints.on_train_start(trainer, None)
     assert os.readlink(folder / "best.ckpt") == "step-4.ckpt"
 
+    only_last = BestCheckpoint(dirpath=tmp_path / "last-only", monitor=monitor_metric(8), save_top_k=0)
+    (tmp_path / "last-only").mkdir()
+    saved.clear()
+    only_last.save(trainer, 2, 1.5)  # min() over no kept checkpoints raised here before
+    assert saved == ["last.ckpt"] and not (tmp_path / "last-only" / "best.ckpt").exists()
+
 
 def test_checkpoint_settings_that_cannot_work_are_one_line_errors(tmp_path):
     with pytest.raises(DDTreeError, match=r"checkpoint.filename='\{val/loss\}'"):

@@ -373,9 +373,15 @@ def test_an_invalid_repo_name_is_refused_before_anything(run_dir, tmp_path, caps
     assert not out.exists()
 
 
+def test_a_base_model_may_be_a_bare_hub_name_as_the_oldest_models_are():
+    training.hub.check_card_fields("gpt2", "mit")  # no error
+    training.hub.check_card_fields("Qwen/Qwen3-8B", "apache-2.0")
+
+
 @pytest.mark.parametrize("flags, named", [
-    (["--base-model", "Qwen3-8B"], "--base-model 'Qwen3-8B' must be user/name"),
+    (["--base-model", "Qwen/Qwen3 8B"], "--base-model 'Qwen/Qwen3 8B' is not a valid Hub repo id"),
     (["--base-model", "./models/qwen"], "--base-model './models/qwen'"),
+    (["--base-model", "~/qwen"], "--base-model '~/qwen' is not a valid Hub repo id"),
     (["--license", "Apache 2.0"], "--license 'Apache 2.0' is not a Hub license id"),
     (["--license", "license: mit"], "is not a Hub license id"),
     (["--ckpt", ""], "CKPT is empty"),

@@ -57,8 +57,12 @@ class OnlineCalibration:
 
     def graft_log_prob(self, lookup: str, depth: int) -> float:
         """Log of the chance that a node `lookup` ("context" or "corpus") grafted at `depth` is accepted, learned so
-        far ((hits + 1) / (rounds + 2))."""
+        far ((hits + 1) / (rounds + 2)). Frozen, a depth it never saw (a file calibrated with lookup 7, decoding
+        with 12) takes the deepest seen depth's chance, not the prior's 1/2: acceptance only falls with depth."""
         key = (lookup, depth)
+        if self.frozen and not self.graft_rounds.get(key):
+            seen = [d for (name, d), rounds in self.graft_rounds.items() if name == lookup and d < depth and rounds]
+            key = (lookup, max(seen)) if seen else key
         return math.log((self.graft_accepted.get(key, 0) + 1) / (self.graft_rounds.get(key, 0) + 2))
 
     def observe_graft(self, lookup: str, grafted_depths: list[int], path: list[int], accepted: list[int]) -> None:

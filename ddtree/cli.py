@@ -197,6 +197,7 @@ def _sizer(args, target, budgets: list[int], method: str = "ddtree") -> TreeSize
 
 
 def cmd_generate(args) -> None:
+    check_calibration_flag(args, [args.method])
     sampling, target, tokenizer = _setup(args)
     sizer = _sizer(args, target, [args.budget], args.method)
     drafter = None
@@ -249,6 +250,12 @@ def _drafter_runner(args, target: PreTrainedModel, tokenizer: PreTrainedTokenize
     return DrafterRunner(drafter, target, corpus=corpus, calibration=_calibration(args))
 
 
+def check_calibration_flag(args, methods: list[str]) -> None:
+    """--calibration FILE shapes drafted trees: with `ar` alone it would do nothing, silently."""
+    if args.calibration not in (None, "none") and all(method == "ar" for method in methods):
+        raise DDTreeError(f"--calibration {args.calibration} shapes the drafter's trees; method 'ar' drafts none: drop it")
+
+
 def _calibration(args):
     """--calibration: the file given, else the drafter folder's (if any); None for `none` and for `calibrate`."""
     given = getattr(args, "calibration", None)
@@ -270,6 +277,7 @@ def _calibration(args):
 
 def cmd_bench(args) -> None:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    check_calibration_flag(args, methods)
     if args.out and Path(args.out).is_dir():
         raise DDTreeError(f"--out {args.out} is a folder; give a file path for the results JSON")
     sampling, target, tokenizer = _setup(args)

@@ -496,5 +496,9 @@ def test_calibrate_bad_input_is_one_line_and_writes_nothing(capsys, tmp_path, ti
                    "none")[0] == 0
     assert "no such file" in _bad(capsys, "bench", *common, "--drafter", str(folder), "--methods", "dflash",
                                   "--calibration", str(tmp_path / "missing.json"))
+    calibration = ["--target", TARGET, "--drafter", str(folder), "--calibration", str(folder / CALIBRATION_FILE)]
+    for command in (["bench", "--prompts", str(prompts_file), "--methods", "ar"], ["generate", "--method", "ar",
+                                                                                   "--prompt", "Hi"]):
+        assert "method 'ar' drafts none" in _bad(capsys, *command, *calibration)
     assert run_cli(capsys, "calibrate", *common, "--drafter", str(folder), "--overwrite", "--budgets", "4")[0] == 0
     assert json.loads((folder / CALIBRATION_FILE).read_text())["format_version"] == 1

@@ -184,12 +184,14 @@ def test_a_calibration_saved_and_loaded_scores_alike_and_learns_nothing_more_whe
         assert loaded.temperature(shape) == pytest.approx(online.temperature(shape), rel=1e-5)
     assert loaded.temperature(32) > 1.0 > loaded.temperature(None)
     assert loaded.temperature(8) == loaded.temperature(64) == loaded.temperature(32)  # the nearest budget's
-    for depth in (1, 2, 3):
+    for depth in (1, 2):
         assert loaded.graft_log_prob("context", depth) == online.graft_log_prob("context", depth)
     before = loaded.state()
     loaded.observe(32, expected=9.0, accepted_length=1)
     loaded.observe_graft("context", [1], path=[4], accepted=[])
     assert loaded.state() == before  # frozen
+    assert loaded.graft_log_prob("context", 5) == loaded.graft_log_prob("context", 2)  # deeper than it saw: its deepest
+    assert online.graft_log_prob("context", 5) == pytest.approx(math.log(1 / 2))  # learning: the prior until it sees one
     going_on = loaded.copy()  # --online-calibration from a file: learns from where it was
     going_on.observe(32, expected=9.0, accepted_length=1)
     assert going_on.temperature(32) > loaded.temperature(32) and not going_on.frozen

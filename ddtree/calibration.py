@@ -130,8 +130,8 @@ class OnlineCalibration:
         grafts: dict[str, dict[str, list[int]]] = {}
         for (lookup, depth), rounds in sorted(self.graft_rounds.items()):
             grafts.setdefault(lookup, {})[str(depth)] = [self.graft_accepted.get((lookup, depth), 0), rounds]
-        temperatures = {CHAIN if shape is None else str(shape): round(math.exp(log_t), 6)
-                        for shape, log_t in sorted(self.log_temperatures.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))}
+        shapes = sorted(self.log_temperatures, key=lambda shape: (shape is None, shape or 0))  # budgets, then the chain
+        temperatures = {CHAIN if shape is None else str(shape): round(self.temperature(shape), 6) for shape in shapes}
         return {"temperatures": temperatures, "graft_acceptance": grafts}
 
     @classmethod
@@ -149,8 +149,8 @@ class OnlineCalibration:
                 if not (isinstance(counts, list) and len(counts) == 2 and all(type(n) is int for n in counts)
                         and 0 <= counts[0] <= counts[1]):
                     raise ValueError(f"graft_acceptance {lookup} {depth}: {counts!r} is not [accepted, rounds]")
-                calibration.graft_accepted[(lookup, _positive(depth, "depth"))] = counts[0]
-                calibration.graft_rounds[(lookup, _positive(depth, "depth"))] = counts[1]
+                key = (lookup, _positive(depth, "depth"))
+                calibration.graft_accepted[key], calibration.graft_rounds[key] = counts
         return calibration
 
 

@@ -447,7 +447,6 @@ class BestCheckpoint(Checkpoint):
         self.dirpath = str(dirpath) if dirpath is not None else None
         self.filename = filename
         self.monitor = monitor
-        self.mode = mode
         self.every_n_train_steps = every_n_train_steps
         self.save_top_k = save_top_k
         self.save_last = save_last

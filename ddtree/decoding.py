@@ -249,7 +249,8 @@ def draft_tree(
     (`ddtree`), or with budget None the argmax chain (`dflash`), its path probabilities recorded as build_tree does.
 
     lookup (ddtree only): a continuation grafted into the tree as one more path (context_lookup); it takes
-    len(lookup) of the budget, so the tree never holds more than `budget` nodes. It may run deeper than the draft:
+    len(lookup) of the budget, at most budget - 1 (the drafter keeps a node), so the tree never holds more than `budget`
+    nodes. It may run deeper than the draft:
     its nodes there score -inf (the drafter says nothing of them), adding nothing to the expected acceptance.
     sizer (ddtree only): keep only the leading nodes that pay for their verify rows on this machine (ddtree/sizing.py).
     online: grafted nodes score their lookup's learned acceptance (OnlineCalibration) instead of the drafter's probability.
@@ -268,7 +269,9 @@ def draft_tree(
         tree = chain_tree(tokens.tolist())
         tree.log_probs = log_probs.cumsum(0).tolist()
         return tree
-    lookup = list(lookup)[:budget]  # may reach past the drafter's block: the target verifies any depth
+    # A lookup may reach past the drafter's block (the target verifies any depth), but it leaves the drafter a node:
+    # at a budget no larger than the copy, a copy that is wrong at depth 1 would otherwise leave nothing to accept.
+    lookup = list(lookup)[: budget - 1]
     quoted = list(quoted)[: max(0, min(budget - len(lookup) - 1, draft_logits.shape[0]))]
     tree = build_tree(draft_logits, budget - len(lookup) - len(quoted), branches, vocab)
     if sizer is not None:

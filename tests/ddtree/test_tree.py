@@ -109,10 +109,11 @@ def test_a_grafted_path_stays_within_the_budget_and_keeps_the_drafter_scores(see
     log_probs = torch.log_softmax(logits, -1)
     tree = draft_tree(logits, budget, lookup)
     paths = node_paths(tree)
-    kept = lookup[:budget]
+    kept = lookup[: budget - 1]  # the drafter keeps at least one node
     assert len(tree) <= budget
     assert all(tuple(kept[:d]) in paths for d in range(1, len(kept) + 1))  # the whole path, from the root
     drafted = build_tree(logits, budget - len(kept))  # the drafter's own tree comes first, as built
+    assert len(drafted) >= 1  # even where the copy is as long as the budget
     assert (tree.tokens[: len(drafted)], tree.parents[: len(drafted)]) == (drafted.tokens, drafted.parents)
     assert all(parent < row for row, parent in enumerate(tree.parents, start=1))  # parents first: the mask holds
     assert len(set(paths)) == len(paths)

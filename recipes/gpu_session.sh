@@ -14,6 +14,9 @@
 #                  then qwen3-8b (random weights)
 #   train          STEPS (default 300) steps of recipe smollm2-135m-gpu on data/smollm2-135m, its evaluation, its report;
 #                  TRAIN_ARGS adds overrides (e.g. TRAIN_ARGS="--model.compile true")
+#   objectives     issue 16's question at the GPU recipe's scale: decayed_ce, dpace and frontier (training/loss.py) for
+#                  OBJ_STEPS (default 1200) steps each on data/smollm2-135m, each measured on PROMPTS (default 40)
+#                  held-out prompts x 64 tokens (training/ablate.py: its table and plot come back); OBJ_ARGS adds overrides
 #   lookups        whether the CPU recipe's decoding defaults pay on a GPU-trained drafter (the train stage's, else
 #                  DRAFTER): ddtree@32 and the chain on PROMPTS (default 40) held-out prompts x 64 tokens, decoded
 #                  with --lookup 0 --corpus none, with --lookup 7, and with --lookup 7 --corpus of data/smollm2-135m's
@@ -60,8 +63,9 @@ lookups() {  # bench the trained drafter (else DRAFTER) without and with the two
 }
 
 STAGES=${*:-tests bench-static throughput bench-dynamic train}
-for s in $STAGES; do case $s in tests|bench-static|bench-dynamic|throughput|train|lookups) ;;
-  *) echo "unknown stage $s: choose from tests, bench-static, bench-dynamic, throughput, train, lookups" >&2; exit 2 ;;
+for s in $STAGES; do case $s in tests|bench-static|bench-dynamic|throughput|train|objectives|lookups) ;;
+  *) echo "unknown stage $s: choose from tests, bench-static, bench-dynamic, throughput, train, objectives, lookups" >&2
+     exit 2 ;;
 esac; done
 
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
@@ -87,6 +91,12 @@ for s in $STAGES; do case $s in
     run=/tmp/gpu-session/smollm2-135m-gpu/gpu-session
     cp "$run/report.md" "$OUT/train_report.md" 2>/dev/null; cp "$run/csv/version_0/metrics.csv" "$OUT/train_metrics.csv" 2>/dev/null
     cp "$(ls "$run"/eval/step-*.json 2>/dev/null | tail -1)" "$OUT/train_eval.json" 2>/dev/null ;;
+  objectives)
+    stage objectives 480 objectives.log $PY -m training.ablate --recipe smollm2-135m-gpu --steps "${OBJ_STEPS:-1200}" \
+      --eval-limit "$PROMPTS" --eval-max-new-tokens 64 --output-root /tmp/gpu-session --data.data_path data/smollm2-135m \
+      --variant decayed_ce= --variant dpace=--model.objective=dpace --variant frontier=--model.objective=frontier \
+      ${OBJ_ARGS:-}
+    cp /tmp/gpu-session/smollm2-135m-gpu/ablate-*.md /tmp/gpu-session/smollm2-135m-gpu/ablate-*.png "$OUT/" 2>/dev/null ;;
   lookups) lookups ;;
 esac; done
 echo "done in $(($(date +%s) - T0))s; logs in $OUT"

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 import lightning as L
+from lightning.pytorch.callbacks import Timer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 import torch
@@ -164,6 +165,7 @@ class DistillModule(L.LightningModule):
         betas: tuple[float, float] = (0.9, 0.95),
         warmup_ratio: float = 0.04,
         min_lr_ratio: float = 0.0,  # cosine floor as a fraction of lr
+        anneal_by_max_time: bool = False,  # the cosine ends when trainer.max_time stops the run, if that comes first
     ):
         super().__init__()
         self.save_hyperparameters()
@@ -211,6 +213,7 @@ class DistillModule(L.LightningModule):
         self._target_seconds: Callable[[], float] | None = None  # its target forward's time
         self._batch_tokens = 0
         self._val_sums: dict[str, torch.Tensor] = {}
+        self._time_progress = 0.0  # anneal_by_max_time: the share of trainer.max_time spent (update_time_progress)
 
     # ------------------------------------------------------------------ setup
 
@@ -316,11 +319,40 @@ class DistillModule(L.LightningModule):
         def lr_factor(step: int) -> float:
             if step < warmup_steps:
                 return (step + 1) / warmup_steps
-            progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+            progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+            # anneal_by_max_time: whichever is further along, the steps or the clock (0 without it)
+            progress = min(1.0, max(progress, self._time_progress))
             return hp.min_lr_ratio + (1 - hp.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def update_time_progress(self) -> None:
+        """model.anneal_by_max_time: set the share of trainer.max_time spent, which the cosine follows where it is
+        further along than the steps. A machine too slow for max_steps is stopped by max_time; without this, at
+        whatever learning rate the step schedule had reached there (about half the peak where the steps would take
+        twice max_time). With it, such a run anneals by its stop; where max_steps comes first, nothing changes.
+
+        The clock is Lightning's Timer (the one max_time adds), which a checkpoint carries, so a resumed run goes on
+        from the time already spent. Every rank steps with rank 0's share (broadcast every 10 steps), so their learning
+        rates agree.
+        """
+        if not self.hparams.get("anneal_by_max_time"):
+            return
+        timer = next((c for c in self.trainer.callbacks if isinstance(c, Timer)), None)
+        remaining = timer.time_remaining() if timer is not None else None
+        if remaining is None:  # no max_time: the steps alone
+            return
+        elapsed = timer.time_elapsed()
+        progress = min(1.0, elapsed / max(elapsed + remaining, 1e-9))
+        if self.trainer.world_size > 1:
+            if self.global_step % 10:
+                return
+            progress = self.trainer.strategy.broadcast(progress)
+        self._time_progress = progress
+
+    def on_train_start(self) -> None:
+        self.update_time_progress()  # a resumed run's clock, before its first step
 
     def on_fit_start(self) -> None:
         store = getattr(self.trainer.datamodule, "store", None)
@@ -521,6 +553,7 @@ class DistillModule(L.LightningModule):
             self.log("perf/step_s", seconds)
         self.log("perf/target_tok_s", self._batch_tokens / seconds, prog_bar=True)
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], prog_bar=True)
+        self.update_time_progress()
         if is_deepspeed(self.trainer.strategy):
             self._check_deepspeed_grad_norm()
 

@@ -7,6 +7,7 @@ Everything runs on the tiny random target (6 layers, hidden 64) on CPU in fp32.
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import lightning as L
@@ -443,6 +444,44 @@ def test_cosine_schedule_with_warmup():
         scheduler.step()
     assert seen[0] == pytest.approx(0.1) and seen[9] == pytest.approx(1.0)
     assert seen[55] == pytest.approx(0.5, abs=0.02) and seen[-1] < 0.01
+
+
+def test_anneal_by_max_time_follows_the_clock_where_it_is_ahead_of_the_steps():
+    module = tiny_module(warmup_ratio=0.1, lr=1.0, anneal_by_max_time=True)
+    module.trainer = type("T", (), {"estimated_stepping_batches": 100, "strategy": None, "precision_plugin": None})()
+    config = module.configure_optimizers()
+    optimizer, scheduler = config["optimizer"], config["lr_scheduler"]["scheduler"]
+
+    def next_lr(time_progress: float) -> float:
+        module._time_progress = time_progress
+        optimizer.step()
+        scheduler.step()
+        return optimizer.param_groups[0]["lr"]
+
+    for _ in range(54):  # step 55: the steps are half way through the cosine (45 of 90)
+        next_lr(0.0)
+    assert next_lr(0.0) == pytest.approx(0.5, abs=0.02)
+    assert next_lr(0.2) == pytest.approx(0.5, abs=0.04)  # the clock behind the steps: the steps rule
+    assert next_lr(0.75) == pytest.approx(0.5 * (1 + math.cos(0.75 * math.pi)))  # ahead: the clock rules
+    assert next_lr(1.0) == pytest.approx(0.0)  # max_time reached: annealed
+
+
+@pytest.mark.parametrize("anneal", [True, False])
+def test_a_run_that_max_time_stops_has_annealed_by_then_with_anneal_by_max_time(anneal):
+    torch.manual_seed(0)
+    module = tiny_module(anneal_by_max_time=anneal)  # no warm-up
+    loader = DataLoader([synthetic_batch()] * 100_000, batch_size=None)
+    trainer = L.Trainer(max_steps=100_000, max_time={"seconds": 2}, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, train_dataloaders=loader)
+    assert 0 < trainer.global_step < 100_000  # stopped by the clock
+    scheduler = trainer.lr_scheduler_configs[0].scheduler
+    scheduler.step()  # the rate of the step the clock stopped
+    lr = trainer.optimizers[0].param_groups[0]["lr"]
+    if anneal:
+        assert module._time_progress == 1.0 and lr == pytest.approx(0.0, abs=1e-9)
+    else:  # the steps' schedule had barely begun
+        assert module._time_progress == 0.0 and lr > 0.99 * module.hparams.lr
 
 
 def test_non_finite_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(tmp_path):

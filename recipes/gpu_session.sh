@@ -15,8 +15,10 @@
 #   train          STEPS (default 300) steps of recipe smollm2-135m-gpu on data/smollm2-135m, its evaluation, its report;
 #                  TRAIN_ARGS adds overrides (e.g. TRAIN_ARGS="--model.compile true")
 #   objectives     issue 16's question at the GPU recipe's scale: decayed_ce, dpace and frontier (training/loss.py) for
-#                  OBJ_STEPS (default 1200) steps each on data/smollm2-135m, each measured on PROMPTS (default 40)
-#                  held-out prompts x 64 tokens (training/ablate.py: its table and plot come back); OBJ_ARGS adds overrides
+#                  OBJ_STEPS (default 800) steps each on data/smollm2-135m, each measured on PROMPTS (default 40)
+#                  held-out prompts x 64 tokens (training/ablate.py: its table and plot come back only if all three
+#                  finish); OBJ_ARGS adds overrides. By the H200's figures (0.086 s a step, ~55 s of launch, 6.2 s per
+#                  8 prompts) a variant takes ~155 s: run it alone, with LIMIT=600
 #   lookups        whether the CPU recipe's decoding defaults pay on a GPU-trained drafter (the train stage's, else
 #                  DRAFTER): ddtree@32 and the chain on PROMPTS (default 40) held-out prompts x 64 tokens, decoded
 #                  with --lookup 0 --corpus none, with --lookup 7, and with --lookup 7 --corpus of data/smollm2-135m's
@@ -92,7 +94,7 @@ for s in $STAGES; do case $s in
     cp "$run/report.md" "$OUT/train_report.md" 2>/dev/null; cp "$run/csv/version_0/metrics.csv" "$OUT/train_metrics.csv" 2>/dev/null
     cp "$(ls "$run"/eval/step-*.json 2>/dev/null | tail -1)" "$OUT/train_eval.json" 2>/dev/null ;;
   objectives)
-    stage objectives 480 objectives.log $PY -m training.ablate --recipe smollm2-135m-gpu --steps "${OBJ_STEPS:-1200}" \
+    stage objectives 560 objectives.log $PY -m training.ablate --recipe smollm2-135m-gpu --steps "${OBJ_STEPS:-800}" \
       --eval-limit "$PROMPTS" --eval-max-new-tokens 64 --output-root /tmp/gpu-session --data.data_path data/smollm2-135m \
       --variant decayed_ce= --variant dpace=--model.objective=dpace --variant frontier=--model.objective=frontier \
       ${OBJ_ARGS:-}

@@ -466,6 +466,44 @@ def test_anneal_by_max_time_follows_the_clock_where_it_is_ahead_of_the_steps():
     assert next_lr(1.0) == pytest.approx(0.0)  # max_time reached: annealed
 
 
+def fake_clock_trainer(elapsed: float, duration: float, world_size: int = 1, step: int = 0):
+    """A trainer stand-in holding a Lightning Timer that has spent `elapsed` of `duration` seconds."""
+    from lightning.pytorch.callbacks import Timer
+
+    timer = Timer(duration={"seconds": duration})
+    timer.load_state_dict({"time_elapsed": {"train": elapsed}})  # as a resumed run's Timer: the time already spent
+    broadcasts = []
+
+    def broadcast(value):
+        broadcasts.append(value)
+        return value
+
+    strategy = type("S", (), {"broadcast": staticmethod(broadcast)})()
+    fields = {"callbacks": [timer], "world_size": world_size, "global_step": step, "strategy": strategy}
+    return type("T", (), fields)(), broadcasts
+
+
+def test_the_clock_counts_from_its_warm_up_share_and_several_ranks_take_rank_0s_at_the_start_and_every_10_steps():
+    module = tiny_module(warmup_ratio=0.04, anneal_by_max_time=True)
+    for elapsed, expected in [(2.0, 0.0), (4.0, 0.0), (52.0, 0.5), (100.0, 1.0), (130.0, 1.0)]:
+        module.trainer, _ = fake_clock_trainer(elapsed, 100.0)
+        module.update_time_progress()
+        assert module._time_progress == pytest.approx(expected), elapsed
+    module._time_progress = 0.0
+    module.trainer, broadcasts = fake_clock_trainer(52.0, 100.0, world_size=2, step=1234)
+    module.update_time_progress()  # off the 10-step grid: keeps its value, no collective
+    assert module._time_progress == 0.0 and broadcasts == []
+    module.on_train_start()  # a run resumed at step 1234 takes the clock at once, on every rank
+    assert module._time_progress == pytest.approx(0.5) and broadcasts == [pytest.approx(0.5)]
+    module.trainer, broadcasts = fake_clock_trainer(76.0, 100.0, world_size=2, step=1240)
+    module.update_time_progress()
+    assert module._time_progress == pytest.approx(0.75) and broadcasts == [pytest.approx(0.75)]
+    off = tiny_module(warmup_ratio=0.04)  # without the option the clock is never read
+    off.trainer, broadcasts = fake_clock_trainer(90.0, 100.0, world_size=2, step=1240)
+    off.update_time_progress()
+    assert off._time_progress == 0.0 and broadcasts == []
+
+
 @pytest.mark.parametrize("anneal", [True, False])
 def test_a_run_that_max_time_stops_has_annealed_by_then_with_anneal_by_max_time(anneal):
     torch.manual_seed(0)
@@ -475,13 +513,13 @@ def test_a_run_that_max_time_stops_has_annealed_by_then_with_anneal_by_max_time(
                         enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, train_dataloaders=loader)
     assert 0 < trainer.global_step < 100_000  # stopped by the clock
-    scheduler = trainer.lr_scheduler_configs[0].scheduler
-    scheduler.step()  # the rate of the step the clock stopped
-    lr = trainer.optimizers[0].param_groups[0]["lr"]
+    lr = trainer.optimizers[0].param_groups[0]["lr"]  # set by the last step's scheduler step, in the loop
+    peak, progress = module.hparams.lr, module._time_progress  # the clock as the last step read it
     if anneal:
-        assert module._time_progress == 1.0 and lr == pytest.approx(0.0, abs=1e-9)
+        assert progress > 0.5  # read right before the stop
+        assert lr == pytest.approx(peak * 0.5 * (1 + math.cos(math.pi * progress)), rel=1e-6) and lr < 0.25 * peak
     else:  # the steps' schedule had barely begun
-        assert module._time_progress == 0.0 and lr > 0.99 * module.hparams.lr
+        assert progress == 0.0 and lr > 0.99 * peak
 
 
 def test_non_finite_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(tmp_path):

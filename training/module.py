@@ -213,7 +213,7 @@ class DistillModule(L.LightningModule):
         self._target_seconds: Callable[[], float] | None = None  # its target forward's time
         self._batch_tokens = 0
         self._val_sums: dict[str, torch.Tensor] = {}
-        self._time_progress = 0.0  # anneal_by_max_time: the share of trainer.max_time spent (update_time_progress)
+        self._time_progress = 0.0  # anneal_by_max_time: how far along trainer.max_time is (update_time_progress)
 
     # ------------------------------------------------------------------ setup
 

@@ -148,6 +148,17 @@ class Collator:
         return collate(examples, self.pad_id)
 
 
+def rank_share(num_items: int, rank: int, world_size: int) -> list[int]:
+    """The items rank `rank` of `world_size` validates: r, r + world, ... of the first whole multiple of world_size
+    items, so every rank runs the same number of batches and none is counted twice (up to world_size - 1 are
+    left out). With fewer items than ranks, every rank takes them all: each then counts them once, in the same
+    proportions. One process takes everything in order."""
+    per_rank = num_items // world_size
+    if per_rank == 0:
+        return list(range(num_items))
+    return list(range(rank, per_rank * world_size, world_size))
+
+
 class EpochShuffleSampler(Sampler[int]):
     """A fresh seeded permutation each epoch, split across ranks, able to start part-way.
 
@@ -368,5 +379,8 @@ class DistillDataModule(L.LightningDataModule):
                                    collate_fn=Collator(self.pad_id), persistent_workers=self.num_workers > 0)
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers,
+        """This rank's share of the validation split (rank_share); the module sums the statistics over ranks."""
+        rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer is not None else (0, 1)
+        share = Subset(self.val_set, rank_share(len(self.val_set), rank, world))
+        return DataLoader(share, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers,
                           collate_fn=Collator(self.pad_id))

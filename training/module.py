@@ -604,19 +604,23 @@ class DistillModule(L.LightningModule):
     # ------------------------------------------------------------------ validation
 
     def on_validation_epoch_start(self):
-        self._val_sums = {}
+        # Zeros, not nothing: every rank joins the sums at the end, also one whose batches held no block to count.
+        scalar, per_position = torch.zeros((), device=self.device), torch.zeros(self.block_size, device=self.device)
+        self._val_sums = {"weighted_ce": scalar, "weight_total": scalar, "hits": per_position, "tokens": per_position,
+                          "top_hits": per_position}
 
     def validation_step(self, batch: dict, batch_idx: int):
         result = self.shared_step(batch, batch_idx, "val")
         if result is None:
             return
-        for name in ("weighted_ce", "weight_total", "hits", "tokens", "top_hits"):
-            self._val_sums[name] = self._val_sums.get(name, 0) + getattr(result, name).detach()
+        for name in self._val_sums:
+            self._val_sums[name] = self._val_sums[name] + getattr(result, name).detach().float()
 
     def on_validation_epoch_end(self):
-        if not self._val_sums:
-            return
-        sums = {name: self.trainer.strategy.reduce(value.float(), reduce_op="sum") for name, value in self._val_sums.items()}
+        # Each rank validated its own share of the split (DistillDataModule.val_dataloader): the sums are over all.
+        sums = {name: self.trainer.strategy.reduce(value, reduce_op="sum") for name, value in self._val_sums.items()}
+        if not sums["tokens"].any():
+            return  # no rank had a block to count
         accuracy = sums["hits"][1:] / sums["tokens"][1:].clamp_min(1)
         self.log("val/loss", sums["weighted_ce"] / sums["weight_total"].clamp_min(1e-8), prog_bar=True)
         self.log("val/tau_chain", chain_acceptance(accuracy), prog_bar=True)

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from ddtree.errors import DDTreeError
-from training.data import DistillDataModule, EpochShuffleSampler, ResumableDataLoader
+from training.data import DistillDataModule, EpochShuffleSampler, ResumableDataLoader, rank_share
+from training.module import DistillModule
 
 
 def write_lines(path, lines):
@@ -116,6 +117,50 @@ def test_sampler_shuffles_per_epoch_and_splits_ranks():
     assert list(sampler) != first
     ranks = [list(EpochShuffleSampler(10, seed=3, rank=r, world_size=3)) for r in range(3)]
     assert [len(r) for r in ranks] == [4, 4, 4] and set(sum(ranks, [])) == set(range(10))
+
+
+def test_validation_shares_are_disjoint_and_equal_across_ranks():
+    assert rank_share(7, 0, 1) == list(range(7))  # one process: everything, in order
+    shares = [rank_share(7, r, 3) for r in range(3)]
+    assert shares == [[0, 3], [1, 4], [2, 5]]  # same count on every rank, none twice; item 6 is left out
+    assert [rank_share(2, r, 3) for r in range(3)] == [[0, 1]] * 3  # fewer items than ranks: all, on every rank
+
+
+class RecordingValidation(DistillModule):
+    """Writes each validation sequence's tokens to <prefix>-rank<r>.txt, one line each (picklable for ddp_spawn)."""
+
+    def __init__(self, prefix, **settings):
+        super().__init__(**settings)
+        self.prefix = str(prefix)
+
+    def validation_step(self, batch, batch_idx):
+        with open(f"{self.prefix}-rank{self.global_rank}.txt", "a") as f:
+            f.write(" ".join(map(str, batch["input_ids"][batch["attention_mask"]].tolist())) + "\n")
+        return super().validation_step(batch, batch_idx)
+
+
+def _validate(tmp_path, devices: int, limit_val_batches: int) -> float:
+    """val/loss of a random tiny drafter over the test data's validation split; each rank writes what it validated."""
+    dm = make_datamodule(tmp_path, batch_size=1)  # one sequence a batch: no padding differs between the runs
+    torch.manual_seed(0)  # the same drafter weights in both runs (ddp_spawn sends rank 0's module to every rank)
+    module = RecordingValidation(tmp_path / f"validated-{devices}", target="tiny-random", num_layers=1, block_size=4,
+                                 target_layer_ids=[1, 3, 4], num_anchors=64, gamma=4.0,
+                                 target_dtype="float32")  # 64 anchors: every reply token anchors a block
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy="ddp_spawn" if devices > 1 else "auto",
+                        limit_val_batches=limit_val_batches, use_distributed_sampler=False, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    (metrics,) = trainer.validate(module, datamodule=dm, verbose=False)
+    return metrics["val/loss"]
+
+
+def test_two_ranks_validate_the_two_halves_of_what_one_process_validates(tmp_path):
+    """Each of 2 ranks validates 3 of the 6 validation sequences; their sums equal one process over all 6."""
+    two_ranks = _validate(tmp_path, devices=2, limit_val_batches=3)
+    assert two_ranks == pytest.approx(_validate(tmp_path, devices=1, limit_val_batches=6), rel=1e-5)
+    read = lambda name: (tmp_path / name).read_text().splitlines()  # noqa: E731
+    rank0, rank1, alone = read("validated-2-rank0.txt"), read("validated-2-rank1.txt"), read("validated-1-rank0.txt")
+    assert len(rank0) == len(rank1) == 3 and len(alone) == 6 == len(set(alone))
+    assert sorted(rank0 + rank1) == sorted(alone)  # disjoint halves of the whole split
 
 
 class RecordingModule(L.LightningModule):

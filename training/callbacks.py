@@ -42,9 +42,11 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 import math
 import os
 import random
+import re
 import time
 from pathlib import Path
 
@@ -269,6 +271,11 @@ class AcceptanceEvaluation(L.Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         self.launch_started = time.perf_counter()
         self.launch_eval_seconds = 0.0
+        # A checkpoint is written before its step's validation runs, so a resumed history lacks that loss; the
+        # evaluation's file recorded it (on_validation_end).
+        for row in self.history:
+            if row.get("val_loss") is None:
+                row["val_loss"] = self.recorded_val_loss(Path(trainer.default_root_dir), row["step"])
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         # Under gradient accumulation this runs once per micro-batch: evaluate a step once.
@@ -295,9 +302,26 @@ class AcceptanceEvaluation(L.Callback):
         if trainer.sanity_checking or not self.history or self.history[-1]["step"] != trainer.global_step:
             return
         if "val/loss" in trainer.callback_metrics:
-            self.history[-1]["val_loss"] = float(trainer.callback_metrics["val/loss"])
+            val_loss = float(trainer.callback_metrics["val/loss"])
+            self.history[-1]["val_loss"] = val_loss
             if trainer.is_global_zero:
+                path = self.eval_file(Path(trainer.default_root_dir), trainer.global_step)
+                if path.exists():  # beside the tau measured at this step, where a resume finds it
+                    write_json_atomic(path, {**json.loads(path.read_text()), "val_loss": val_loss})
                 self._write_report(trainer)
+
+    @staticmethod
+    def eval_file(run_dir: Path, step: int) -> Path:
+        return run_dir / "eval" / f"step-{step:06d}.json"
+
+    @classmethod
+    def recorded_val_loss(cls, run_dir: Path, step: int) -> float | None:
+        """The validation loss on_validation_end recorded in the step's evaluation file; None if none."""
+        path = cls.eval_file(run_dir, step)
+        try:
+            return json.loads(path.read_text()).get("val_loss")
+        except (OSError, ValueError):  # no file (another node's, an older run), or unreadable: the row stays blank
+            return None
 
     # -------------------------------------------------------------- the evaluation inside training
 
@@ -392,7 +416,7 @@ class AcceptanceEvaluation(L.Callback):
 
         run_dir = Path(trainer.default_root_dir)
         settings = self.settings(trainer.lightning_module.drafter_config, len(self.prompts))
-        write_json_atomic(run_dir / "eval" / f"step-{step:06d}.json", {"step": step, "settings": settings, **result})
+        write_json_atomic(self.eval_file(run_dir, step), {"step": step, "settings": settings, **result})
         launch_seconds = self._write_report(trainer)
 
         primary = result["summary"][tree_key(self.primary_budget)]
@@ -416,8 +440,8 @@ class BestCheckpoint(Checkpoint):
     AcceptanceEvaluation logged at that step; the earliest wins ties. last.ckpt is saved at the same
     steps (and at the end of a launch that saved nothing), so a resume continues exactly from it.
     checkpoints/best.ckpt is a relative symlink to the best file, replaced atomically on rank 0 before the
-    file it displaces is deleted, so it never points at a missing file; a launch re-links it as it starts
-    (a run stopped between the two is put right).
+    file it displaces is deleted, so it never points at a missing file; a launch re-links it as it starts,
+    and deletes a displaced file the last launch stopped before deleting.
     """
 
     LAST_NAME = "last.ckpt"
@@ -480,6 +504,28 @@ class BestCheckpoint(Checkpoint):
         # between saving a new best and linking it.
         if trainer.is_global_zero and self.best_model_path and os.path.exists(self.best_model_path):
             self.link_best()
+        for name in self.displaced_files(trainer):  # and the file a new best displaced is deleted, as it would have been
+            print(f"[checkpoint] removing {name}: the top {self.save_top_k} had dropped it before the last launch "
+                  "stopped", flush=True)
+            self.remove(trainer, os.path.join(self.dirpath, name))
+
+    def displaced_files(self, trainer) -> list[str]:
+        """Checkpoints of this run the resumed ranking had already dropped: files named by `filename` at a step
+        at most the resumed one's, not in the top k, not the file resumed from. A launch stopped between
+        linking best.ckpt and deleting the file a new best displaced leaves one. Files of later steps (a
+        resume from an earlier checkpoint) and any other file stay."""
+        if trainer.ckpt_path is None or self.save_top_k == -1 or not os.path.isdir(self.dirpath):
+            return []
+        pattern = re.escape(self.filename).replace(re.escape("{step}"), r"(?P<step>\d+)")
+        pattern = re.compile(pattern.replace(re.escape("{epoch}"), r"\d+") + r"\.ckpt")
+        resumed = Path(trainer.ckpt_path).resolve()
+        dropped = []
+        for name in sorted(os.listdir(self.dirpath)):
+            match = pattern.fullmatch(name)
+            if (match and int(match["step"]) <= self.last_saved_step and name not in self.best_k_models
+                    and Path(self.dirpath, name).resolve() != resumed):
+                dropped.append(name)
+        return dropped
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
@@ -536,8 +582,8 @@ class BestCheckpoint(Checkpoint):
             trainer.save_checkpoint(os.path.join(self.dirpath, name))  # every rank: the strategy may shard it
         if self.save_last:
             trainer.save_checkpoint(os.path.join(self.dirpath, self.LAST_NAME))
-        # best.ckpt moves before the file it may point at goes: a stop in between leaves an extra file, never a
-        # link to nothing (`make export CKPT=best` reads it).
+        # best.ckpt moves before the file it may point at goes: a stop in between leaves an extra file (the next
+        # launch deletes it, on_train_start), never a link to nothing (`make export CKPT=best` reads it).
         if trainer.is_global_zero and self.best_model_path:
             self.link_best()
         if enters and displaced is not None:

@@ -306,7 +306,7 @@ class Stopped(Exception):
     """A launch killed at that point."""
 
 
-def test_best_ckpt_moves_before_the_file_it_displaces_goes_and_a_launch_relinks_it(tmp_path, monkeypatch):
+def test_best_ckpt_moves_before_the_file_it_displaces_goes_and_a_launch_relinks_it(tmp_path, monkeypatch, capsys):
     folder = tmp_path / "checkpoints"
     saved = []
 
@@ -334,6 +334,19 @@ def test_best_ckpt_moves_before_the_file_it_displaces_goes_and_a_launch_relinks_
     (folder / "best.ckpt").symlink_to("step-2.ckpt")
     checkpoints.on_train_start(trainer, None)
     assert os.readlink(folder / "best.ckpt") == "step-4.ckpt"
+
+    # A resumed launch deletes the file the new best displaced, as the stopped one would have; nothing else.
+    monkeypatch.undo()
+    (folder / "step-9.ckpt").write_text("a later step's (a resume from an earlier checkpoint keeps it)")
+    (folder / "mine.ckpt").write_text("not named by checkpoint.filename")
+    trainer.ckpt_path = str(folder / "step-2.ckpt")
+    checkpoints.on_train_start(trainer, None)
+    assert (folder / "step-2.ckpt").exists()  # never the file the launch resumed from
+    trainer.ckpt_path = str(folder / "last.ckpt")
+    checkpoints.on_train_start(trainer, None)
+    assert sorted(p.name for p in folder.iterdir()) == ["best.ckpt", "last.ckpt", "mine.ckpt", "step-4.ckpt",
+                                                         "step-9.ckpt"]
+    assert "[checkpoint] removing step-2.ckpt" in capsys.readouterr().out
 
     only_last = BestCheckpoint(dirpath=tmp_path / "last-only", monitor=monitor_metric(8), save_top_k=0)
     (tmp_path / "last-only").mkdir()
@@ -388,6 +401,30 @@ def test_an_evaluation_off_the_validation_grid_records_no_validation_loss_as_its
     rows = {r["step"]: r["val_loss"] for r in evaluation.history}
     assert set(rows) == {2, 3} and rows[2] == pytest.approx(float(trainer.callback_metrics["val/loss"]))
     assert rows[3] is None  # before: step 2's loss again
+
+
+def test_a_resume_from_a_checkpoint_written_before_its_steps_validation_keeps_that_validation_loss(tmp_path):
+    """Checkpoint, evaluation and validation at step 2; resumed from last.ckpt, step 2's row still has its loss."""
+    def fit_to(steps, **kwargs):
+        evaluation = AcceptanceEvaluation(prompts=PROMPTS, every_n_train_steps=2, budgets=[4], primary_budget=4,
+                                          max_new_tokens=4, limit=1)
+        checkpoints = BestCheckpoint(dirpath=tmp_path / "checkpoints", monitor=monitor_metric(4), every_n_train_steps=2)
+        trainer = L.Trainer(max_steps=steps, accelerator="cpu", default_root_dir=tmp_path, logger=False,
+                            callbacks=[evaluation, checkpoints], enable_progress_bar=False, enable_model_summary=False,
+                            val_check_interval=2, check_val_every_n_epoch=None, num_sanity_val_steps=0,
+                            limit_val_batches=1)
+        trainer.fit(tiny_module(), train_dataloaders=synthetic_loader(steps), val_dataloaders=synthetic_loader(1),
+                    **kwargs)
+        return {r["step"]: r["val_loss"] for r in evaluation.history}
+
+    torch.manual_seed(0)
+    first = fit_to(2)
+    saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
+    (state,) = [v for k, v in saved["callbacks"].items() if k.startswith("AcceptanceEvaluation")]
+    assert first[2] is not None and state["history"][-1]["val_loss"] is None  # saved before validation ran
+    resumed = fit_to(4, ckpt_path=tmp_path / "checkpoints" / "last.ckpt")
+    assert set(resumed) == {2, 4} and resumed[2] == first[2] and resumed[4] is not None
+    assert f"| {first[2]:.3f} |" in (tmp_path / "report.md").read_text()
 
 
 # ----------------------------------------------------------------------------- training state

@@ -114,6 +114,9 @@ def check_values(config: Namespace) -> None:
          "give 1 (no accumulation) or more"),
         ("trainer.val_check_interval", trainer.val_check_interval, trainer.val_check_interval != 0,
          "give a step count, a fraction of an epoch, or null"),
+        # Lightning would wrap the data's own rank split in a second one: each rank would train on 1/world^2.
+        ("trainer.use_distributed_sampler", trainer.use_distributed_sampler, not trainer.use_distributed_sampler,
+         "the data splits itself across ranks (and resumes mid-epoch): give false, or leave it out"),
     ]
     for field, value, valid, fix in refused:
         if not valid:
@@ -142,6 +145,7 @@ class DistillCLI(LightningCLI):
                 "checkpoint.save_last": True,
                 "checkpoint.save_top_k": 1,  # the best by measured tau (plus last.ckpt)
                 "checkpoint.mode": "max",
+                "trainer.use_distributed_sampler": False,  # DistillDataModule splits the data across ranks itself
             }
         )
         # One target per recipe: the data's tokenizer and the model's target can never disagree.

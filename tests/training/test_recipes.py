@@ -55,6 +55,14 @@ def test_every_recipe_parses_and_says_how_to_launch_it():
             assert field in header, f"recipes/{name}.yaml header lacks {field}"
 
 
+def test_a_recipe_that_does_not_say_leaves_the_rank_split_to_the_data(tmp_path):
+    text = (RECIPES_DIR / "tiny.yaml").read_text()
+    assert "use_distributed_sampler" in text
+    silent = tmp_path / "tiny.yaml"
+    silent.write_text("".join(line for line in text.splitlines(keepends=True) if "use_distributed_sampler" not in line))
+    assert read_recipe(silent, []).trainer.use_distributed_sampler is False  # Lightning's default is True
+
+
 def test_a_bad_field_is_rejected_by_the_parser():
     with pytest.raises(DDTreeError, match="no_such_field"):
         parse_recipe("tiny", "--model.no_such_field=3")

@@ -168,6 +168,7 @@ def test_a_resumed_run_keeps_its_own_recipe(tmp_path, capsys, monkeypatch):
     ("--data.num_workers=-1", "data.num_workers=-1"),
     ("--trainer.val_check_interval=0", "trainer.val_check_interval=0"),
     ("--trainer.accumulate_grad_batches=0", "trainer.accumulate_grad_batches=0"),
+    ("--trainer.use_distributed_sampler=true", "trainer.use_distributed_sampler=True"),
     ("--trainer.accelerator=bogus", "accelerator='bogus'"),  # refused by Lightning as it builds the Trainer
     ("--trainer.strategy=bogus", "strategy='bogus'"),
 ])

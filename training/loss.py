@@ -104,7 +104,7 @@ def draft_vocab_labels(labels: torch.Tensor, token_ids: torch.Tensor, vocab_size
     return torch.where(labels == IGNORE_INDEX, labels, lookup[labels.clamp_min(0)])
 
 
-OBJECTIVES = ("decayed_ce", "dpace", "tree", "frontier")
+OBJECTIVES = ("decayed_ce", "dpace", "tree", "frontier", "intree")
 DISTILL_LOSSES = ("kl", "lk")
 RECALL_K = 4  # the k of the top-k recall metric (and the default tree survival width)
 
@@ -168,6 +168,36 @@ def tree_thresholds(top_log_probs: torch.Tensor, drafted: torch.Tensor, budget: 
     return nodes.topk(budget, dim=1).values[:, -1]
 
 
+def label_paths(
+    label_log_probs: torch.Tensor,  # (N, B) detached log q(label) at counted positions (anything elsewhere)
+    top_log_probs: torch.Tensor,  # (N, B, K) as for tree_thresholds
+    counted: torch.Tensor,  # (N, B) bool, the positions with a label
+    budget: int,
+    read: torch.Tensor | None = None,  # (N, B) bool, the given positions; None: given_positions(counted)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """((N, B) L_k, the path log-probability of each label prefix, (N,) the threshold of tree_thresholds).
+
+    Given positions (before the first label) add log 1; a position without a label after one ends the
+    chain (-inf from there on)."""
+    given = given_positions(counted) if read is None else read
+    step = torch.where(counted, label_log_probs, torch.where(given, 0.0, float("-inf")))
+    return step.cumsum(dim=1), tree_thresholds(top_log_probs, counted, budget)
+
+
+def tree_survival(
+    label_log_probs: torch.Tensor, top_log_probs: torch.Tensor, counted: torch.Tensor, budget: int,
+    read: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """(N, B) 1.0 where the label prefix ending there is a node of the drafter's own best-first tree of `budget`
+    nodes (L_k at least the threshold t), else 0; arguments as for label_paths.
+
+    As the survival of expected_length_weights (objective intree): L_k never rises with k, so the product of
+    the survivals up to k is the indicator at k itself, and the weights are D-PACE's with the tree's
+    acceptance in place of the chain's top-1 confidence."""
+    path, threshold = label_paths(label_log_probs, top_log_probs, counted, budget, read)
+    return (counted & (path >= threshold[:, None])).float()
+
+
 def frontier_weights(
     label_log_probs: torch.Tensor,  # (N, B) detached log q(label) at counted positions (anything elsewhere)
     top_log_probs: torch.Tensor,  # (N, B, K) as for tree_thresholds
@@ -186,10 +216,7 @@ def frontier_weights(
     far outside it. Given positions (before the first label) add log 1; a position without a label after
     one ends the chain.
     """
-    given = given_positions(counted) if read is None else read
-    step = torch.where(counted, label_log_probs, torch.where(given, 0.0, float("-inf")))
-    path = step.cumsum(dim=1)  # (N, B) L_k
-    threshold = tree_thresholds(top_log_probs, counted, budget)  # (N,)
+    path, threshold = label_paths(label_log_probs, top_log_probs, counted, budget, read)
     z = ((path - threshold[:, None]) / FRONTIER_SCALE).nan_to_num(nan=float("-inf"))  # -inf - -inf: no prefix
     slope = torch.sigmoid(z) * torch.sigmoid(-z) / FRONTIER_SCALE  # (N, B) sigmoid'
     slope = torch.where(counted, slope, torch.zeros_like(slope))
@@ -242,6 +269,9 @@ def block_loss_sums(
                   number of blocks: the gradient of a soft count of the label prefixes that the drafter's
                   own best-first tree of `budget` nodes holds, with the published weights as a floor for
                   blocks whose labels are far outside the tree.
+      intree      dpace's weights with survival = tree_survival: the label prefix is a node of the drafter's
+                  own best-first tree of `budget` nodes, so a path stays alive as decoding's tree keeps it,
+                  and prefixes deep inside the tree keep their weight (D-PACE's margin), unlike frontier.
     `read` marks the positions each block reads instead of drafting (the anchor, a re-draft block's given
     token): given_positions of the labels before a draft vocabulary dropped some. None infers them from
     `labels`, which reads a first label outside the draft vocabulary as given instead of ending the chain.
@@ -276,7 +306,7 @@ def block_loss_sums(
         top_hits = torch.zeros(block_size, dtype=torch.long, device=chunk_targets.device)
         top_hits.index_add_(0, chunk_positions, (rank < top_k).long())
         best = detached[:, :0]
-        if objective == "frontier":  # (m, 1 + K): log q(label), then the K best log-probabilities
+        if objective in ("frontier", "intree"):  # (m, 1 + K): log q(label), then the K best log-probabilities
             top = detached.topk(min(budget, detached.shape[1]), dim=-1).values
             best = torch.cat([label_logit, top], dim=1) - torch.logsumexp(detached, dim=-1, keepdim=True)
         return token_loss, rank, hits, tokens, top_hits, best
@@ -303,15 +333,19 @@ def block_loss_sums(
         mask = mask.view(-1, block_size)  # (N, B)
         given = given_positions(mask) if read is None else read.reshape(-1, block_size)
         grid = torch.zeros(flat_labels.shape[0], device=hidden.device)
-        if objective == "frontier":
+        if objective in ("frontier", "intree"):
             scores = torch.cat([p[5] for p in parts])  # (M, 1 + K)
             grid[counted] = scores[:, 0]
             best = torch.full((flat_labels.shape[0], scores.shape[1] - 1), float("-inf"), device=hidden.device)
             best[counted] = scores[:, 1:]
             best = best.view(*mask.shape, -1)  # (N, B, K)
             best[..., 0] = torch.where(given, 0.0, best[..., 0])  # given: passed through
-            tree = frontier_weights(grid.view(mask.shape), best, mask, budget, given)
-            grid_weights = (1 - smoothing) * tree + smoothing * torch.where(mask, weights, 0.0)
+            if objective == "frontier":
+                tree = frontier_weights(grid.view(mask.shape), best, mask, budget, given)
+                grid_weights = (1 - smoothing) * tree + smoothing * torch.where(mask, weights, 0.0)
+            else:
+                survival = tree_survival(grid.view(mask.shape), best, mask, budget, given)
+                grid_weights = expected_length_weights(survival, mask, smoothing, given)
         else:
             grid[counted] = torch.exp(-token_loss.detach()) if objective == "dpace" else (rank < top_k).float()
             grid_weights = expected_length_weights(grid.view(mask.shape), mask, smoothing, given)

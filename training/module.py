@@ -148,11 +148,11 @@ class DistillModule(L.LightningModule):
         gamma: float = 7.0,  # loss decay over block positions (published: 7 for B=16, 5 for B=10)
         distill_weight: float = 0.0,  # > 0: mix in a loss against the target's full distribution (loss.py)
         distill_loss: str = "kl",  # that loss: kl (cross-entropy to the target's softmax) or lk (-log acceptance rate)
-        objective: str = "decayed_ce",  # training loss weights: decayed_ce (published), dpace, tree or frontier (loss.py)
-        objective_smoothing: float = 0.5,  # dpace/tree: survival s -> (1 - a) s + a (D-PACE's a); frontier: the
+        objective: str = "decayed_ce",  # loss weights: decayed_ce (published), dpace, tree, frontier, intree (loss.py)
+        objective_smoothing: float = 0.5,  # dpace/tree/intree: survival s -> (1 - a) s + a (D-PACE's a); frontier: the
         #                                    share of the decayed weights mixed in
         objective_top_k: int = 4,  # tree: a label within the drafter's top k at a depth keeps the path alive
-        objective_budget: int = 32,  # frontier: the nodes of the draft tree whose frontier the weights follow
+        objective_budget: int = 32,  # frontier/intree: the nodes of the drafter's own tree the weights follow
         redraft_prob: float = 0.0,  # share of training blocks given their first draft token (for --redraft decoding)
         lookup: int = 0,  # decoders graft this many context-lookup tokens into every tree by default (`--lookup`)
         corpus: bool = False,  # ship the training replies with the drafter: decoders graft from them (`--corpus`)

@@ -31,6 +31,7 @@ from training.loss import (
     given_positions,
     position_hit_counts,
     teacher_states,
+    tree_survival,
     tree_thresholds,
 )
 from training.masks import (
@@ -258,7 +259,7 @@ def test_redraft_training_changes_the_train_loss_only_and_validates_plain_blocks
         tiny_module(redraft_prob=1.0)
 
 
-@pytest.mark.parametrize("objective", ["dpace", "tree", "frontier"])
+@pytest.mark.parametrize("objective", ["dpace", "tree", "frontier", "intree"])
 def test_acceptance_objectives_train_re_draft_blocks(objective):
     # At 0.99 every block of this batch is given its first draft token (the anchor draw is seeded); dpace and tree
     # once weighted all of them 0, a loss of exactly 0 and no gradient.
@@ -727,7 +728,7 @@ def test_expected_length_weights_keep_a_redraft_blocks_drafted_tokens():
     assert torch.allclose(ended, torch.tensor([[0.0, 0.0, 0.0, 0.0]]))  # survival 0 at 1, then the chain ends
 
 
-@pytest.mark.parametrize("objective", ["dpace", "tree", "frontier"])
+@pytest.mark.parametrize("objective", ["dpace", "tree", "frontier", "intree"])
 def test_a_first_label_outside_the_draft_vocabulary_ends_the_chain_it_is_not_given(objective):
     """The drafter can never propose a token outside its vocabulary, so nothing after it is accepted: the read
     positions come from the labels before the vocabulary drops that one (shared_step), not after."""
@@ -737,15 +738,16 @@ def test_a_first_label_outside_the_draft_vocabulary_ends_the_chain_it_is_not_giv
     torch.manual_seed(0)
     head = torch.nn.Linear(4, 8, bias=False)
     hidden = torch.randn(1, 10, 4, requires_grad=True)
+    budget = 64 if objective == "intree" else 4  # intree: a tree that holds block B's first label (survival 1 there)
     weighted, *_ = block_loss_sums(hidden, mapped, head, block_position_weights(5, 7.0), objective=objective,
-                                   smoothing=0.0, top_k=8, budget=4, read=given_positions(labels != IGNORE_INDEX))
+                                   smoothing=0.0, top_k=8, budget=budget, read=given_positions(labels != IGNORE_INDEX))
     (grad,) = torch.autograd.grad(weighted, hidden)
     per_position = grad[0].norm(dim=-1).view(2, 5)
     assert torch.equal(per_position[0], torch.zeros(5))  # block A: its chain ends at position 1
     assert per_position[1, 1] > 0 and torch.equal(per_position[1, 2:], torch.zeros(3))  # block B: at position 2
 
 
-@pytest.mark.parametrize("objective", ["decayed_ce", "dpace", "frontier"])
+@pytest.mark.parametrize("objective", ["decayed_ce", "dpace", "frontier", "intree"])
 @pytest.mark.parametrize("chunk_size", [None, 2])
 def test_a_batch_whose_blocks_have_no_label_gives_zero_sums_not_an_error(objective, chunk_size):
     """Every block given its one label (num_anchors 1, redraft_prob), or every label outside a draft vocabulary."""
@@ -852,6 +854,56 @@ def test_frontier_objective_mixes_the_tree_slope_with_the_decayed_weights():
     assert torch.allclose(chunked[0], weighted, atol=1e-5)
     small = block_loss_sums(hidden, labels, lm_head, weights, objective="frontier", budget=500)  # budget > vocab 13
     assert torch.isfinite(small[0])
+
+
+@pytest.mark.parametrize("budget", [2, 5, 12])
+def test_tree_survival_is_whether_the_decoders_tree_holds_the_label_prefix(budget):
+    # The label prefixes of random blocks against the nodes of decoding's heap (ddtree.tree.build_tree) built from
+    # the same rows; a 3-token vocabulary makes the tree's threshold exact.
+    generator = torch.Generator().manual_seed(budget)
+    logits = torch.randn(6, 4, 3, generator=generator)  # (N blocks, B positions, V); position 0 is the anchor
+    labels = torch.randint(0, 3, (6, 4), generator=generator)
+    log_probs = torch.log_softmax(logits, dim=-1)
+    top = log_probs.topk(3, dim=-1).values
+    top[:, 0] = torch.tensor([0.0, float("-inf"), float("-inf")])  # the anchor is passed through
+    counted = torch.tensor([[False, True, True, True]] * 6)
+    survival = tree_survival(log_probs.gather(2, labels[..., None])[..., 0], top, counted, budget)
+    for block in range(6):
+        tree = build_tree(logits[block, 1:], budget)
+        nodes = {node_path(tree, row) for row in range(1, len(tree) + 1)}
+        held = [float(tuple(labels[block, 1:k + 1].tolist()) in nodes) for k in range(1, 4)]
+        assert survival[block].tolist() == [0.0, *held], block
+    assert survival.sum() > 0 and (survival[:, 1:] == 0).any()  # both kinds occur
+
+
+def node_path(tree, row: int) -> tuple[int, ...]:
+    """The tokens from the root to node `row` (1-based) of a DraftTree."""
+    path = []
+    while row:
+        path.append(tree.tokens[row - 1])
+        row = tree.parents[row - 1]
+    return tuple(reversed(path))
+
+
+def test_intree_objective_is_dpace_with_the_trees_survival():
+    hidden, labels, lm_head = block_loss_case()
+    weights = block_position_weights(4, gamma=4.0)
+    weighted, total, *_ = block_loss_sums(hidden, labels, lm_head, weights, objective="intree", smoothing=0.5, budget=6)
+    logits = lm_head(hidden.flatten(0, 1)).detach()  # (S*n*B, V)
+    flat = labels.flatten()
+    counted = flat != IGNORE_INDEX
+    log_q = torch.log_softmax(logits, dim=-1)
+    label_log_probs = log_q.gather(1, flat.clamp_min(0)[:, None])[:, 0].view(-1, 4)
+    top = log_q.topk(6, dim=-1).values.view(-1, 4, 6)
+    top[~counted.view(-1, 4)] = torch.tensor([0.0] + [float("-inf")] * 5)  # the anchor; the cut block's tail
+    survival = tree_survival(label_log_probs, top, counted.view(-1, 4), 6)
+    expected = expected_length_weights(survival, counted.view(-1, 4), 0.5).flatten()
+    token_ce = torch.zeros(flat.shape)
+    token_ce[counted] = F.cross_entropy(logits[counted], flat[counted], reduction="none")
+    assert torch.allclose(weighted, (token_ce * expected).sum(), atol=1e-5)
+    assert total == 6 and 0 < survival[counted.view(-1, 4)].mean() < 1  # some prefixes in the tree, some not
+    chunked = block_loss_sums(hidden, labels, lm_head, weights, chunk_size=5, objective="intree", budget=6)
+    assert torch.allclose(chunked[0], weighted, atol=1e-5)
 
 
 def test_an_unknown_objective_is_one_line():

@@ -46,7 +46,6 @@ import json
 import math
 import os
 import random
-import re
 import time
 from pathlib import Path
 
@@ -337,7 +336,7 @@ class AcceptanceEvaluation(L.Callback):
         if not pl_module.hparams.get("calibrate") or trainer.datamodule is None:
             return None
         limit = trainer.limit_val_batches
-        batches = trainer.datamodule.val_dataloader()
+        batches = trainer.datamodule.val_dataloader(whole=True)  # the same replays on every rank
         count = limit if isinstance(limit, int) else math.ceil(limit * len(batches))
         with TrainingStateGuard(pl_module.drafter):
             pl_module.drafter.eval()
@@ -446,6 +445,7 @@ class BestCheckpoint(Checkpoint):
 
     LAST_NAME = "last.ckpt"
     BEST_NAME = "best.ckpt"
+    DISPLACED_NAME = ".displaced.json"  # save() is deleting the file it names (finish_removal)
 
     def __init__(
         self,
@@ -504,28 +504,27 @@ class BestCheckpoint(Checkpoint):
         # between saving a new best and linking it.
         if trainer.is_global_zero and self.best_model_path and os.path.exists(self.best_model_path):
             self.link_best()
-        for name in self.displaced_files(trainer):  # and the file a new best displaced is deleted, as it would have been
-            print(f"[checkpoint] removing {name}: the top {self.save_top_k} had dropped it before the last launch "
-                  "stopped", flush=True)
-            self.remove(trainer, os.path.join(self.dirpath, name))
+        self.finish_removal(trainer)
 
-    def displaced_files(self, trainer) -> list[str]:
-        """Checkpoints of this run the resumed ranking had already dropped: files named by `filename` at a step
-        at most the resumed one's, not in the top k, not the file resumed from. A launch stopped between
-        linking best.ckpt and deleting the file a new best displaced leaves one. Files of later steps (a
-        resume from an earlier checkpoint) and any other file stay."""
-        if trainer.ckpt_path is None or self.save_top_k == -1 or not os.path.isdir(self.dirpath):
-            return []
-        pattern = re.escape(self.filename).replace(re.escape("{step}"), r"(?P<step>\d+)")
-        pattern = re.compile(pattern.replace(re.escape("{epoch}"), r"\d+") + r"\.ckpt")
-        resumed = Path(trainer.ckpt_path).resolve()
-        dropped = []
-        for name in sorted(os.listdir(self.dirpath)):
-            match = pattern.fullmatch(name)
-            if (match and int(match["step"]) <= self.last_saved_step and name not in self.best_k_models
-                    and Path(self.dirpath, name).resolve() != resumed):
-                dropped.append(name)
-        return dropped
+    def finish_removal(self, trainer) -> None:
+        """Delete the file a new best displaced where the last launch stopped before deleting it: the marker
+        save() writes once the new files are whole names it. Not a file of the ranking, nor the one this launch
+        resumed from; the marker goes either way."""
+        marker = Path(self.dirpath, self.DISPLACED_NAME)
+        if not trainer.is_global_zero or not marker.exists():
+            return
+        try:
+            displaced = json.loads(marker.read_text())["displaced"]
+        except (OSError, ValueError, KeyError, TypeError):
+            displaced = None  # unreadable: nothing is deleted on its word
+        if isinstance(displaced, str) and displaced not in self.best_k_models and "/" not in displaced:
+            path = os.path.join(self.dirpath, displaced)
+            resumed = trainer.ckpt_path is not None and Path(trainer.ckpt_path).resolve() == Path(path).resolve()
+            if os.path.lexists(path) and not resumed:
+                print(f"[checkpoint] removing {displaced}: a new best displaced it before the last launch stopped",
+                      flush=True)
+                trainer.strategy.remove_checkpoint(path)
+        marker.unlink(missing_ok=True)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
@@ -582,12 +581,18 @@ class BestCheckpoint(Checkpoint):
             trainer.save_checkpoint(os.path.join(self.dirpath, name))  # every rank: the strategy may shard it
         if self.save_last:
             trainer.save_checkpoint(os.path.join(self.dirpath, self.LAST_NAME))
-        # best.ckpt moves before the file it may point at goes: a stop in between leaves an extra file (the next
-        # launch deletes it, on_train_start), never a link to nothing (`make export CKPT=best` reads it).
+        # best.ckpt moves before the file it may point at goes: a stop in between leaves an extra file, never a
+        # link to nothing (`make export CKPT=best` reads it). The marker, written once the new files are whole,
+        # names that file for the next launch to delete (on_train_start).
+        marker = Path(self.dirpath, self.DISPLACED_NAME)
+        if enters and displaced is not None and trainer.is_global_zero:
+            write_json_atomic(marker, {"displaced": displaced, "by": name})
         if trainer.is_global_zero and self.best_model_path:
             self.link_best()
         if enters and displaced is not None:
             self.remove(trainer, os.path.join(self.dirpath, displaced))
+            if trainer.is_global_zero:
+                marker.unlink(missing_ok=True)
 
     @staticmethod
     def remove(trainer, path: str) -> None:

@@ -378,9 +378,11 @@ class DistillDataModule(L.LightningDataModule):
         return ResumableDataLoader(self.train_set, sampler, batch_size=self.batch_size, num_workers=self.num_workers,
                                    collate_fn=Collator(self.pad_id), persistent_workers=self.num_workers > 0)
 
-    def val_dataloader(self) -> DataLoader:
-        """This rank's share of the validation split (rank_share); the module sums the statistics over ranks."""
+    def val_dataloader(self, whole: bool = False) -> DataLoader:
+        """This rank's share of the validation split (rank_share); the module sums the statistics over ranks.
+        whole: the whole split on every rank, for work every rank must do alike (model.calibrate replays
+        decoding, whose forwards under ZeRO-3 gather the drafter's shards from all ranks)."""
         rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer is not None else (0, 1)
-        share = Subset(self.val_set, rank_share(len(self.val_set), rank, world))
+        share = self.val_set if whole else Subset(self.val_set, rank_share(len(self.val_set), rank, world))
         return DataLoader(share, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers,
                           collate_fn=Collator(self.pad_id))

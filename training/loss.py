@@ -195,7 +195,7 @@ def tree_survival(
     the survivals up to k is the indicator at k itself, and the weights are D-PACE's with the tree's
     acceptance in place of the chain's top-1 confidence."""
     path, threshold = label_paths(label_log_probs, top_log_probs, counted, budget, read)
-    return (counted & (path >= threshold[:, None])).float()
+    return (counted & path.isfinite() & (path >= threshold[:, None])).float()  # -inf >= -inf: not a node
 
 
 def frontier_weights(

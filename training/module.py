@@ -605,9 +605,10 @@ class DistillModule(L.LightningModule):
 
     def on_validation_epoch_start(self):
         # Zeros, not nothing: every rank joins the sums at the end, also one whose batches held no block to count.
-        scalar, per_position = torch.zeros((), device=self.device), torch.zeros(self.block_size, device=self.device)
-        self._val_sums = {"weighted_ce": scalar, "weight_total": scalar, "hits": per_position, "tokens": per_position,
-                          "top_hits": per_position}
+        # One tensor each: the reduce sums in place, so shared zeros would carry one sum into the next.
+        shapes = {"weighted_ce": (), "weight_total": (), "hits": self.block_size, "tokens": self.block_size,
+                  "top_hits": self.block_size}
+        self._val_sums = {name: torch.zeros(shape, device=self.device) for name, shape in shapes.items()}
 
     def validation_step(self, batch: dict, batch_idx: int):
         result = self.shared_step(batch, batch_idx, "val")

@@ -6,6 +6,7 @@
 import json
 import os
 import stat
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -119,11 +120,16 @@ def test_sampler_shuffles_per_epoch_and_splits_ranks():
     assert [len(r) for r in ranks] == [4, 4, 4] and set(sum(ranks, [])) == set(range(10))
 
 
-def test_validation_shares_are_disjoint_and_equal_across_ranks():
+def test_validation_shares_are_disjoint_and_equal_across_ranks(tmp_path):
     assert rank_share(7, 0, 1) == list(range(7))  # one process: everything, in order
     shares = [rank_share(7, r, 3) for r in range(3)]
     assert shares == [[0, 3], [1, 4], [2, 5]]  # same count on every rank, none twice; item 6 is left out
     assert [rank_share(2, r, 3) for r in range(3)] == [[0, 1]] * 3  # fewer items than ranks: all, on every rank
+    dm = make_datamodule(tmp_path)
+    dm.setup("fit")
+    dm.trainer = SimpleNamespace(global_rank=1, world_size=2)
+    assert len(dm.val_dataloader().dataset) == 3  # rank 1's half of the 6
+    assert len(dm.val_dataloader(whole=True).dataset) == 6  # model.calibrate: the same replays on every rank
 
 
 class RecordingValidation(DistillModule):
@@ -139,11 +145,18 @@ class RecordingValidation(DistillModule):
         return super().validation_step(batch, batch_idx)
 
 
-def _validate(tmp_path, devices: int, limit_val_batches: int) -> float:
+class NothingToCountOnRank0(RecordingValidation):
+    """Rank 0's batches hold no block (as a rank whose every batch drew no anchor)."""
+
+    def shared_step(self, batch, batch_idx, stage):
+        return None if stage == "val" and self.global_rank == 0 else super().shared_step(batch, batch_idx, stage)
+
+
+def _validate(tmp_path, devices: int, limit_val_batches: int, module_class=None) -> float:
     """val/loss of a random tiny drafter over the test data's validation split; each rank writes what it validated."""
     dm = make_datamodule(tmp_path, batch_size=1)  # one sequence a batch: no padding differs between the runs
     torch.manual_seed(0)  # the same drafter weights in both runs (ddp_spawn sends rank 0's module to every rank)
-    module = RecordingValidation(tmp_path / f"validated-{devices}", target="tiny-random", num_layers=1, block_size=4,
+    module = (module_class or RecordingValidation)(tmp_path / f"validated-{devices}", target="tiny-random", num_layers=1, block_size=4,
                                  target_layer_ids=[1, 3, 4], num_anchors=64, gamma=4.0,
                                  target_dtype="float32")  # 64 anchors: every reply token anchors a block
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy="ddp_spawn" if devices > 1 else "auto",
@@ -161,6 +174,11 @@ def test_two_ranks_validate_the_two_halves_of_what_one_process_validates(tmp_pat
     rank0, rank1, alone = read("validated-2-rank0.txt"), read("validated-2-rank1.txt"), read("validated-1-rank0.txt")
     assert len(rank0) == len(rank1) == 3 and len(alone) == 6 == len(set(alone))
     assert sorted(rank0 + rank1) == sorted(alone)  # disjoint halves of the whole split
+    # A rank with nothing to count still joins the sums, and adds nothing to them: the loss is rank 1's, near
+    # log(vocabulary) for random weights (the reduce once carried one sum into the next: a loss of 1.0).
+    (tmp_path / "empty").mkdir()
+    one_rank = _validate(tmp_path / "empty", devices=2, limit_val_batches=3, module_class=NothingToCountOnRank0)
+    assert one_rank == pytest.approx(two_ranks, rel=1e-3) and one_rank != two_ranks
 
 
 class RecordingModule(L.LightningModule):

@@ -328,25 +328,33 @@ def test_best_ckpt_moves_before_the_file_it_displaces_goes_and_a_launch_relinks_
         checkpoints.save(trainer, 4, 2.5)
     assert saved == ["step-2.ckpt", "last.ckpt", "step-4.ckpt", "last.ckpt"]
     assert os.readlink(folder / "best.ckpt") == "step-4.ckpt"  # already the new best, never a link to nothing
+    assert json.loads((folder / BestCheckpoint.DISPLACED_NAME).read_text()) == {"displaced": "step-2.ckpt",
+                                                                               "by": "step-4.ckpt"}
+    (folder / "step-9.ckpt").write_text("a later step's (a resume from an earlier checkpoint keeps it)")
 
     # A run stopped between saving a new best and linking it (as this order could not) is put right by the next launch.
     (folder / "best.ckpt").unlink()
     (folder / "best.ckpt").symlink_to("step-2.ckpt")
     checkpoints.on_train_start(trainer, None)
     assert os.readlink(folder / "best.ckpt") == "step-4.ckpt"
-
-    # A resumed launch deletes the file the new best displaced, as the stopped one would have; nothing else.
-    monkeypatch.undo()
-    (folder / "step-9.ckpt").write_text("a later step's (a resume from an earlier checkpoint keeps it)")
-    (folder / "mine.ckpt").write_text("not named by checkpoint.filename")
-    trainer.ckpt_path = str(folder / "step-2.ckpt")
-    checkpoints.on_train_start(trainer, None)
-    assert (folder / "step-2.ckpt").exists()  # never the file the launch resumed from
-    trainer.ckpt_path = str(folder / "last.ckpt")
-    checkpoints.on_train_start(trainer, None)
-    assert sorted(p.name for p in folder.iterdir()) == ["best.ckpt", "last.ckpt", "mine.ckpt", "step-4.ckpt",
-                                                         "step-9.ckpt"]
+    # ...and deletes the file the new best displaced, as the stopped one would have; nothing else.
+    files = lambda: sorted(p.name for p in folder.iterdir())  # noqa: E731
+    assert files() == ["best.ckpt", "last.ckpt", "step-4.ckpt", "step-9.ckpt"]
     assert "[checkpoint] removing step-2.ckpt" in capsys.readouterr().out
+    checkpoints.on_train_start(trainer, None)  # the marker went with it: nothing more
+    assert files() == ["best.ckpt", "last.ckpt", "step-4.ckpt", "step-9.ckpt"]
+
+    # Stopped at the same point, then resumed from the displaced file itself: it stays, and the marker goes.
+    with pytest.raises(Stopped):
+        checkpoints.save(trainer, 6, 3.5)
+    monkeypatch.undo()
+    trainer.ckpt_path = str(folder / "step-4.ckpt")
+    checkpoints.on_train_start(trainer, None)
+    assert files() == ["best.ckpt", "last.ckpt", "step-4.ckpt", "step-6.ckpt", "step-9.ckpt"]
+    # A save that completes leaves no marker behind.
+    trainer.ckpt_path = None
+    checkpoints.save(trainer, 8, 4.5)
+    assert files() == ["best.ckpt", "last.ckpt", "step-4.ckpt", "step-8.ckpt", "step-9.ckpt"]
 
     only_last = BestCheckpoint(dirpath=tmp_path / "last-only", monitor=monitor_metric(8), save_top_k=0)
     (tmp_path / "last-only").mkdir()

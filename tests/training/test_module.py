@@ -874,6 +874,9 @@ def test_tree_survival_is_whether_the_decoders_tree_holds_the_label_prefix(budge
         held = [float(tuple(labels[block, 1:k + 1].tolist()) in nodes) for k in range(1, 4)]
         assert survival[block].tolist() == [0.0, *held], block
     assert survival.sum() > 0 and (survival[:, 1:] == 0).any()  # both kinds occur
+    # A tree of every possible node (threshold -inf) holds every label of positive probability, none of probability 0.
+    impossible = tree_survival(torch.tensor([[0.0, -1.0, float("-inf"), -1.0]]), top[:1], counted[:1], budget=100)
+    assert impossible.tolist() == [[0.0, 1.0, 0.0, 0.0]]
 
 
 def node_path(tree, row: int) -> tuple[int, ...]:

@@ -166,8 +166,10 @@ def _validate(tmp_path, devices: int, limit_val_batches: int, module_class=None)
     return metrics["val/loss"]
 
 
-def test_two_ranks_validate_the_two_halves_of_what_one_process_validates(tmp_path):
+def test_two_ranks_validate_the_two_halves_of_what_one_process_validates(tmp_path, monkeypatch):
     """Each of 2 ranks validates 3 of the 6 validation sequences; their sums equal one process over all 6."""
+    for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "NODE_RANK", "LOCAL_RANK", "RANK"):
+        monkeypatch.delenv(name, raising=False)  # ddp_spawn sets some in this process: gone again after the test
     two_ranks = _validate(tmp_path, devices=2, limit_val_batches=3)
     assert two_ranks == pytest.approx(_validate(tmp_path, devices=1, limit_val_batches=6), rel=1e-5)
     read = lambda name: (tmp_path / name).read_text().splitlines()  # noqa: E731

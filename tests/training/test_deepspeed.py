@@ -445,7 +445,8 @@ def test_every_process_of_a_launch_gets_the_same_run_folder(monkeypatch):
 
 
 def test_make_train_nodes_prints_each_nodes_launch(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "NODE_RANK", "RUN_NAME", "GPUS_PER_NODE")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "RUN_NAME", "GPUS_PER_NODE")}
     # under `make test` the parent make's MAKELEVEL/MAKEFLAGS would add "Entering/Leaving directory" lines
     make_env = {k: v for k, v in env.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
     planned = subprocess.run(["make", "-n", "--no-print-directory", "train", "RECIPE=qwen3-8b", "NODES=2"], cwd=REPO, env=make_env,

@@ -39,9 +39,9 @@ from .loss import RECALL_K
 from .recipe import check_recipe_name
 from .train import main as train_main
 
-DEFAULT_VARIANTS = [  # the published loss, the three acceptance-weighted objectives, the two distillation losses
+DEFAULT_VARIANTS = [  # the published loss, the four acceptance-weighted objectives, the two distillation losses
     "decayed_ce=", "dpace=--model.objective=dpace", "tree=--model.objective=tree",
-    "frontier=--model.objective=frontier",
+    "frontier=--model.objective=frontier", "intree=--model.objective=intree",
     "kl=--model.distill_weight=0.5", "lk=--model.distill_weight=0.5 --model.distill_loss=lk",
 ]
 
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Train variants of a recipe on one budget and compare them.")
     parser.add_argument("--recipe", default="smollm2-135m")
     parser.add_argument("--variant", action="append", default=None,
-                        help="name=overrides (repeatable); default: the four training objectives and the two "
+                        help="name=overrides (repeatable); default: the five training objectives and the two "
                         "distillation losses")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per variant (the schedule's length)")
     parser.add_argument("--minutes", type=float, default=None, help="wall-time budget per variant (trainer.max_time)")

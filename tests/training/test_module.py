@@ -827,19 +827,26 @@ def test_frontier_weights_are_suffix_sums_of_the_soft_tree_count_slope():
     assert torch.allclose(given[0, 2:], slope.flip(0).cumsum(0).flip(0)) and (given[0, :2] == 0).all()
 
 
-def test_frontier_objective_mixes_the_tree_slope_with_the_decayed_weights():
-    hidden, labels, lm_head = block_loss_case()
-    weights = block_position_weights(4, gamma=4.0)
-    weighted, total, hits, tokens, top_hits = block_loss_sums(hidden, labels, lm_head, weights, objective="frontier",
-                                                              smoothing=0.25, budget=6)
+def tree_case_rows(hidden, labels, lm_head, budget: int):
+    """block_loss_case's logits (M, V), labels (M,), counted (M,), then per block (N, 4) the labels' log-probabilities
+    and (N, 4, budget) the best log-probabilities, [0, -inf, ...] where nothing is drafted (the anchor, the cut
+    block's tail): what block_loss_sums hands the tree objectives."""
     logits = lm_head(hidden.flatten(0, 1)).detach()  # (S*n*B, V)
     flat = labels.flatten()
     counted = flat != IGNORE_INDEX
     log_q = torch.log_softmax(logits, dim=-1)
     label_log_probs = log_q.gather(1, flat.clamp_min(0)[:, None])[:, 0].view(-1, 4)
-    top = log_q.topk(6, dim=-1).values.view(-1, 4, 6)
-    top[:, 0] = torch.tensor([0.0] + [float("-inf")] * 5)
-    top[~counted.view(-1, 4)] = torch.tensor([0.0] + [float("-inf")] * 5)  # the anchor; the cut block's tail:
+    top = log_q.topk(budget, dim=-1).values.view(-1, 4, budget)
+    top[~counted.view(-1, 4)] = torch.tensor([0.0] + [float("-inf")] * (budget - 1))
+    return logits, flat, counted, label_log_probs, top
+
+
+def test_frontier_objective_mixes_the_tree_slope_with_the_decayed_weights():
+    hidden, labels, lm_head = block_loss_case()
+    weights = block_position_weights(4, gamma=4.0)
+    weighted, total, hits, tokens, top_hits = block_loss_sums(hidden, labels, lm_head, weights, objective="frontier",
+                                                              smoothing=0.25, budget=6)
+    logits, flat, counted, label_log_probs, top = tree_case_rows(hidden, labels, lm_head, budget=6)
     top[5, 2:] = float("-inf")  # past the reply, no rows
     tree = frontier_weights(label_log_probs, top, counted.view(-1, 4), 6)
     expected = (0.75 * tree + 0.25 * torch.where(counted.view(-1, 4), weights, 0.0)).flatten()
@@ -892,13 +899,7 @@ def test_intree_objective_is_dpace_with_the_trees_survival():
     hidden, labels, lm_head = block_loss_case()
     weights = block_position_weights(4, gamma=4.0)
     weighted, total, *_ = block_loss_sums(hidden, labels, lm_head, weights, objective="intree", smoothing=0.5, budget=6)
-    logits = lm_head(hidden.flatten(0, 1)).detach()  # (S*n*B, V)
-    flat = labels.flatten()
-    counted = flat != IGNORE_INDEX
-    log_q = torch.log_softmax(logits, dim=-1)
-    label_log_probs = log_q.gather(1, flat.clamp_min(0)[:, None])[:, 0].view(-1, 4)
-    top = log_q.topk(6, dim=-1).values.view(-1, 4, 6)
-    top[~counted.view(-1, 4)] = torch.tensor([0.0] + [float("-inf")] * 5)  # the anchor; the cut block's tail
+    logits, flat, counted, label_log_probs, top = tree_case_rows(hidden, labels, lm_head, budget=6)
     survival = tree_survival(label_log_probs, top, counted.view(-1, 4), 6)
     expected = expected_length_weights(survival, counted.view(-1, 4), 0.5).flatten()
     token_ce = torch.zeros(flat.shape)

@@ -518,12 +518,9 @@ class BestCheckpoint(Checkpoint):
         except (OSError, ValueError, KeyError, TypeError):
             displaced = None  # unreadable: nothing is deleted on its word
         if isinstance(displaced, str) and displaced not in self.best_k_models and "/" not in displaced:
-            path = os.path.join(self.dirpath, displaced)
-            resumed = trainer.ckpt_path is not None and Path(trainer.ckpt_path).resolve() == Path(path).resolve()
-            if os.path.lexists(path) and not resumed:
-                print(f"[checkpoint] removing {displaced}: a new best displaced it before the last launch stopped",
+            if self.remove(trainer, os.path.join(self.dirpath, displaced)):
+                print(f"[checkpoint] removed {displaced}: a new best displaced it before the last launch stopped",
                       flush=True)
-                trainer.strategy.remove_checkpoint(path)
         marker.unlink(missing_ok=True)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -595,12 +592,14 @@ class BestCheckpoint(Checkpoint):
                 marker.unlink(missing_ok=True)
 
     @staticmethod
-    def remove(trainer, path: str) -> None:
-        """Delete a displaced checkpoint (rank 0), unless this launch resumed from it."""
+    def remove(trainer, path: str) -> bool:
+        """Delete a displaced checkpoint (rank 0), unless this launch resumed from it; whether there was one to delete."""
         if trainer.ckpt_path is not None and Path(trainer.ckpt_path).resolve() == Path(path).resolve():
-            return
-        if os.path.lexists(path):
-            trainer.strategy.remove_checkpoint(path)
+            return False
+        if not os.path.lexists(path):
+            return False
+        trainer.strategy.remove_checkpoint(path)
+        return True
 
     def link_best(self) -> None:
         best = Path(self.best_model_path)

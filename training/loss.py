@@ -260,7 +260,7 @@ def block_loss_sums(
     The objective sets the weight w of each token's loss (detached, so it only decides where the
     gradient goes):
       decayed_ce  w = exp(-(k - 1) / gamma), normalised by the sum of w (DFlash, the published recipe);
-      dpace       w = expected_length_weights(exp(-CE)), the drafter's own confidence in the label as
+      dpace       w = expected_length_weights(exp(-CE(label))), the drafter's own confidence in the label as
                   survival, normalised by the number of blocks (D-PACE): the chain's expected length;
       tree        the same weights with survival = 1 if the label is within the drafter's top `top_k`
                   at that position, else 0: a draft tree keeps a path alive while the target's token is
@@ -289,15 +289,20 @@ def block_loss_sums(
 
     def chunk_terms(chunk_rows, chunk_teacher, chunk_targets, chunk_positions):
         logits = lm_head(chunk_rows).float()  # (m, V); one fp32 copy serves the loss and the metrics
-        token_loss = F.cross_entropy(logits, chunk_targets, reduction="none")  # (m,)
         if distill_weight > 0:
             with torch.no_grad():
                 teacher = F.softmax(lm_head(chunk_teacher).float(), dim=-1)  # (m, V)
-            log_q = F.log_softmax(logits, dim=-1)  # (m, V)
-            if distill_loss == "kl":
-                soft = -(teacher * log_q).sum(dim=-1)  # (m,)
-            else:  # the acceptance rate is at least exp(-CE) > 0 in exact arithmetic; the clamp guards fp32 underflow
-                soft = -torch.minimum(teacher, log_q.exp()).sum(dim=-1).clamp_min(1e-12).log()  # (m,)
+        if distill_weight > 0 and distill_loss == "kl":
+            # (1 - a) CE(label) + a CE(p) is one cross-entropy against the mixed target: one log-softmax, not two
+            with torch.no_grad():
+                mixed = teacher.mul_(distill_weight)
+                mixed[torch.arange(mixed.shape[0], device=mixed.device), chunk_targets] += 1 - distill_weight
+            token_loss = F.cross_entropy(logits, mixed, reduction="none")  # (m,)
+        else:
+            token_loss = F.cross_entropy(logits, chunk_targets, reduction="none")  # (m,)
+        if distill_weight > 0 and distill_loss == "lk":
+            # the acceptance rate is at least exp(-CE) > 0 in exact arithmetic; the clamp guards fp32 underflow
+            soft = -torch.minimum(teacher, F.softmax(logits, dim=-1)).sum(dim=-1).clamp_min(1e-12).log()  # (m,)
             token_loss = (1 - distill_weight) * token_loss + distill_weight * soft
         detached = logits.detach()
         label_logit = detached.gather(1, chunk_targets[:, None])  # (m, 1)
@@ -309,6 +314,8 @@ def block_loss_sums(
         if objective in ("frontier", "intree"):  # (m, 1 + K): log q(label), then the K best log-probabilities
             top = detached.topk(min(budget, detached.shape[1]), dim=-1).values
             best = torch.cat([label_logit, top], dim=1) - torch.logsumexp(detached, dim=-1, keepdim=True)
+        elif objective == "dpace":  # (m, 1): log q(label), the confidence; token_loss is not it when distilling
+            best = label_logit - torch.logsumexp(detached, dim=-1, keepdim=True)
         return token_loss, rank, hits, tokens, top_hits, best
 
     chunk = chunk_size or max(1, rows.shape[0])
@@ -347,7 +354,10 @@ def block_loss_sums(
                 survival = tree_survival(grid.view(mask.shape), best, mask, budget, given)
                 grid_weights = expected_length_weights(survival, mask, smoothing, given)
         else:
-            grid[counted] = torch.exp(-token_loss.detach()) if objective == "dpace" else (rank < top_k).float()
+            if objective == "dpace":
+                grid[counted] = torch.cat([p[5] for p in parts])[:, 0].exp()  # q(label) = exp(-CE(label))
+            else:
+                grid[counted] = (rank < top_k).float()
             grid_weights = expected_length_weights(grid.view(mask.shape), mask, smoothing, given)
         token_weight = grid_weights.flatten()[counted]  # (M,)
         # Normalised by the blocks that have a label (not by the weights' sum, which would undo the weighting).

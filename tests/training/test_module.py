@@ -788,6 +788,26 @@ def test_acceptance_objectives_weight_tokens_by_expected_length_and_normalise_by
     assert torch.equal(plain[2], hits) and torch.equal(plain[4], top_hits)
 
 
+def test_dpace_with_distillation_weights_by_the_labels_probability_not_by_the_mixed_loss():
+    """D-PACE's survival is the drafter's confidence in the label, q(label); the mixed loss (which adds the teacher's
+    entropy) is not one, so distilling changes what each token is weighted on, never the weights."""
+    hidden, labels, lm_head = block_loss_case()
+    teacher = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(1))
+    weights = block_position_weights(4, gamma=4.0)
+    weighted, total, *_ = block_loss_sums(hidden, labels, lm_head, weights, teacher_hidden=teacher,
+                                          distill_weight=0.5, objective="dpace", smoothing=0.5)
+    flat = labels.flatten()
+    counted = flat != IGNORE_INDEX
+    logits = lm_head(hidden.flatten(0, 1)).detach()[counted]
+    label_ce = F.cross_entropy(logits, flat[counted], reduction="none")
+    teacher_p = lm_head(teacher.flatten(0, 1)[counted]).softmax(-1)
+    mixed = 0.5 * label_ce - 0.5 * (teacher_p * logits.log_softmax(-1)).sum(-1)
+    survival = torch.zeros(flat.shape)
+    survival[counted] = torch.exp(-label_ce)
+    expected = expected_length_weights(survival.view(-1, 4), counted.view(-1, 4), 0.5).flatten()[counted]
+    assert torch.allclose(weighted, (mixed * expected).sum(), atol=1e-5) and total == 6
+
+
 @pytest.mark.parametrize("budget", [1, 5, 12])
 def test_tree_thresholds_are_the_least_node_of_the_decoders_best_first_tree(budget):
     # The threshold frontier weights use in training is the smallest path log-probability in the tree that

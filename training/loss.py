@@ -340,8 +340,8 @@ def block_loss_sums(
         mask = mask.view(-1, block_size)  # (N, B)
         given = given_positions(mask) if read is None else read.reshape(-1, block_size)
         grid = torch.zeros(flat_labels.shape[0], device=hidden.device)
+        scores = torch.cat([p[5] for p in parts])  # (M, 1 + K) log q(label) and the K best; (M, 1) dpace; (M, 0)
         if objective in ("frontier", "intree"):
-            scores = torch.cat([p[5] for p in parts])  # (M, 1 + K)
             grid[counted] = scores[:, 0]
             best = torch.full((flat_labels.shape[0], scores.shape[1] - 1), float("-inf"), device=hidden.device)
             best[counted] = scores[:, 1:]
@@ -354,10 +354,7 @@ def block_loss_sums(
                 survival = tree_survival(grid.view(mask.shape), best, mask, budget, given)
                 grid_weights = expected_length_weights(survival, mask, smoothing, given)
         else:
-            if objective == "dpace":
-                grid[counted] = torch.cat([p[5] for p in parts])[:, 0].exp()  # q(label) = exp(-CE(label))
-            else:
-                grid[counted] = (rank < top_k).float()
+            grid[counted] = scores[:, 0].exp() if objective == "dpace" else (rank < top_k).float()  # q(label) for dpace
             grid_weights = expected_length_weights(grid.view(mask.shape), mask, smoothing, given)
         token_weight = grid_weights.flatten()[counted]  # (M,)
         # Normalised by the blocks that have a label (not by the weights' sum, which would undo the weighting).

@@ -22,6 +22,7 @@ from ddtree.tree import build_tree
 from training.checkpoints import drafter_from_checkpoint
 from training.export import export_drafter
 from training.loss import (
+    RECALL_K,
     block_loss_sums,
     block_position_weights,
     chain_acceptance,
@@ -29,8 +30,9 @@ from training.loss import (
     expected_length_weights,
     frontier_weights,
     given_positions,
-    position_hit_counts,
+    position_counts,
     teacher_states,
+    top_values,
     tree_survival,
     tree_thresholds,
 )
@@ -118,7 +120,10 @@ def test_block_loss_runs_the_lm_head_on_counted_rows_and_chunks_change_nothing()
     token_ce = F.cross_entropy(logits[counted], flat[counted], reduction="none")
     assert torch.allclose(weighted, (token_ce * weights[positions[counted]]).sum())
     assert torch.allclose(total, weights[positions[counted]].sum())
-    assert tokens.tolist() == [0, 6, 5, 5] and hits.sum() <= tokens.sum()
+    assert tokens.tolist() == [0, 6, 5, 5]
+    rank = (logits[counted] > logits[counted].gather(1, flat[counted][:, None])).sum(dim=1)  # 0: the argmax
+    for got, k in ((hits, 1), (top_hits, RECALL_K)):
+        assert got.tolist() == torch.zeros(4, dtype=torch.long).index_add_(0, positions[counted], (rank < k).long()).tolist()
     (grad,) = torch.autograd.grad(weighted / total, hidden)
     assert grad[labels.flatten(1)[..., None].expand_as(grad) == IGNORE_INDEX].abs().max() == 0  # ignored rows get none
 
@@ -171,11 +176,21 @@ def test_lk_distillation_is_minus_the_log_acceptance_rate_and_its_gradient_raise
         block_loss_sums(hidden, labels, lm_head, weights, teacher_hidden=teacher, distill_weight=0.5, distill_loss="js")
 
 
+@pytest.mark.parametrize("width", [8192, 1000, 96, 5])
+def test_top_values_are_topks_values_ties_included(width):
+    generator = torch.Generator().manual_seed(width)
+    spread = torch.randn(16, width, generator=generator)
+    tied = torch.randint(0, 6, (16, width), generator=generator).float()  # many equal values
+    for scores in (spread, tied):
+        for k in {1, 4, 32, width}:
+            if k <= width:
+                got = top_values(scores, k).sort(dim=1, descending=True).values
+                assert torch.equal(got, scores.topk(k, dim=1).values)
+
+
 def test_hits_per_position_and_implied_chain_acceptance():
-    logits = torch.zeros(4, 5)
-    logits[torch.arange(4), torch.tensor([1, 2, 3, 0])] = 1.0  # predictions 1, 2, 3, 0
-    labels = torch.tensor([1, 2, 4, 0])
-    hits, tokens = position_hit_counts(logits, labels, torch.tensor([1, 1, 2, 2]), block_size=3)
+    hits, tokens = (position_counts(torch.tensor(f), torch.tensor([1, 1, 2, 2]), block_size=3)
+                    for f in ([True, True, False, True], [True] * 4))
     assert hits.tolist() == [0, 2, 1] and tokens.tolist() == [0, 2, 2]
     assert chain_acceptance(torch.ones(15)) == 16  # a perfect block of 16 accepts everything
     assert torch.isclose(chain_acceptance(torch.tensor([0.5, 0.5, 0.0])), torch.tensor(1.75))

@@ -72,6 +72,8 @@ class TokenizedConversations(Dataset):
             item["features"] = self.features[index]  # (T_i, K*H)
             if self.features.final_hidden:
                 item["final_hidden"] = self.features.final(index)  # (T_i, H)
+            if self.features.teacher_top_k:
+                item["teacher_ids"], item["teacher_log_probs"] = self.features.teacher(index)  # (T_i, k) each
         return item
 
 
@@ -116,7 +118,7 @@ def collate(examples: list[dict[str, torch.Tensor]], pad_id: int) -> dict[str, t
     """Right-pad to the longest sequence: input_ids (B,T) long, loss_mask/attention_mask (B,T) bool.
 
     Items with features (an offline store) give features (B,T,K*H) in the store's dtype, zero-padded,
-    and final_hidden (B,T,H) alike when the store holds it.
+    and final_hidden (B,T,H), teacher_ids and teacher_log_probs (B,T,k) alike when the store holds them.
     """
     width = max(len(e["input_ids"]) for e in examples)
     batch = {
@@ -124,7 +126,7 @@ def collate(examples: list[dict[str, torch.Tensor]], pad_id: int) -> dict[str, t
         "loss_mask": torch.zeros((len(examples), width), dtype=torch.bool),
         "attention_mask": torch.zeros((len(examples), width), dtype=torch.bool),
     }
-    stored = [name for name in ("features", "final_hidden") if name in examples[0]]
+    stored = [name for name in ("features", "final_hidden", "teacher_ids", "teacher_log_probs") if name in examples[0]]
     for name in stored:
         first = examples[0][name]
         batch[name] = torch.zeros((len(examples), width, first.shape[-1]), dtype=first.dtype)

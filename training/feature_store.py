@@ -3,6 +3,7 @@
     store = build_feature_store(datamodule, out, layer_ids=[1, 9, 17])   # training/features.py is its CLI
     FeatureStore(out)[i]                                                  # sequence i's features, (T_i, K*H)
     FeatureStore(out).final(i)                                            # with final_hidden=True: (T_i, H)
+    FeatureStore(out).teacher(i)                                          # with teacher_top_k=k: (T_i, k) x 2
 
 Online training runs the target up to its deepest chosen layer at every step. A store holds those
 features, computed by the very same function (training.target.target_layer_features), for every
@@ -15,6 +16,9 @@ With final_hidden=True (what a recipe with model.distill_weight > 0 builds) the 
 target's final, normed hidden state of every token: one more hidden size per token, from which the
 target's LM head gives its whole next-token distribution, the soft targets of distillation
 (training/loss.py). The whole decoder then runs during the build, not only up to the deepest layer.
+With teacher_top_k=k instead (a recipe with model.distill_top_k k) it holds, per token, the target's k likeliest
+next tokens and their log-probabilities (training.loss.next_token_top_k), 8k bytes where a final hidden state in
+bf16 takes 2H: the LM head then runs once here, not at every training step.
 
 Layout of a store folder:
     store.json                   the manifest: format version, target (and adapter, with the sha256 of its
@@ -22,7 +26,8 @@ Layout of a store folder:
                                  dtype, the tokenization key of the data, every sequence's length, the shards
     shard-00000.safetensors ...  consecutive sequences, up to ~256 MB each: `features` (tokens, K*H) and
                                  `offsets` (n + 1,), sequence j of the shard = features[offsets[j]:offsets[j + 1]];
-                                 with final_hidden also `final` (tokens, H), indexed alike
+                                 with final_hidden also `final` (tokens, H), with teacher_top_k `teacher_ids`
+                                 (tokens, k) int32 and `teacher_log_probs` (tokens, k) float32, indexed alike
 
 The build is atomic and resumable: it writes into <out>.partial/ (each shard under a temporary name,
 renamed when complete), a rerun of the same build keeps the finished shards, and the folder is renamed
@@ -52,6 +57,7 @@ from ddtree.files import write_json_atomic
 from ddtree.precision import LIGHTNING_PRECISION
 from ddtree.targets import cache_dir, parse_dtype, resolve_target
 
+from .loss import next_token_top_k
 from .target import load_frozen_target, target_layer_features
 
 if TYPE_CHECKING:
@@ -59,7 +65,7 @@ if TYPE_CHECKING:
 
 FORMAT_VERSION = 1  # bump when the layout changes: older stores are then refused, not misread
 # Added to format 1 later, absent (= False) in the manifests of stores built before: those stay valid.
-OPTIONAL_MANIFEST_FIELDS = {"final_hidden": False}
+OPTIONAL_MANIFEST_FIELDS = {"final_hidden": False, "teacher_top_k": 0}
 MANIFEST = "store.json"
 MAX_SHARD_BYTES = 256 * 2**20
 REBUILD = "make features RECIPE=<recipe>"  # how a user (re)builds a store, named in every error
@@ -131,7 +137,8 @@ class FeatureStore:
     Shards are memory-mapped (safetensors.safe_open) and only sequence i's rows are read. Attributes
     come from the manifest: layer_ids, hidden_size, width (K*H), dtype, lengths, tokenization_key,
     target, target_adapter (and target_adapter_sha256, adapter_fingerprint's), final_hidden (whether
-    store.final(i), the target's final hidden states (T_i, H), exists).
+    store.final(i), the target's final hidden states (T_i, H), exists), teacher_top_k (k where store.teacher(i),
+    the target's top k next tokens, exists; else 0).
     """
 
     def __init__(self, path: str | Path):
@@ -153,6 +160,7 @@ class FeatureStore:
         self.dtype = parse_dtype(manifest["dtype"], f"{self.path / MANIFEST} dtype")
         self.lengths, self.tokenization_key = manifest["lengths"], manifest["tokenization_key"]
         self.final_hidden = bool(manifest["final_hidden"])
+        self.teacher_top_k = int(manifest["teacher_top_k"])
         self.last_layer_normed = manifest.get("last_layer") == "normed"
         self.shards = manifest["shards"]
         self._first_sequences = [shard["first_sequence"] for shard in self.shards]
@@ -170,6 +178,14 @@ class FeatureStore:
             raise DDTreeError(f"feature store {self.path} holds no final hidden states: rebuild it with "
                               f"`{REBUILD}` for a recipe with model.distill_weight > 0, and --force (FORCE=1)")
         return self._rows("final", index)
+
+    def teacher(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequence `index`'s target top k after each token: ((T_i, k) ids, (T_i, k) log-probabilities); only in a
+        store built with teacher_top_k."""
+        if not self.teacher_top_k:
+            raise DDTreeError(f"feature store {self.path} holds no top-k teacher: rebuild it with `{REBUILD}` for a "
+                              "recipe with model.distill_top_k > 0, and --force (FORCE=1)")
+        return self._rows("teacher_ids", index).long(), self._rows("teacher_log_probs", index)
 
     def _rows(self, name: str, index: int) -> torch.Tensor:
         if not 0 <= index < len(self):
@@ -209,14 +225,17 @@ class FeatureStore:
 
 def shard_tensors(target, data: TokenizedConversations, shard: dict, layer_ids: list[int], width: int,
                   pad_id: int, dtype: torch.dtype, sequences_per_batch: int, progress: tqdm,
-                  final_hidden: bool = False) -> dict[str, torch.Tensor]:
-    """One shard's {"features": (tokens, K*H), "offsets": (n + 1,)[, "final": (tokens, H)]}, in length-sorted batches."""
+                  final_hidden: bool = False, teacher_top_k: int = 0) -> dict[str, torch.Tensor]:
+    """One shard's {"features": (tokens, K*H), "offsets": (n + 1,)[, "final": (tokens, H)][, "teacher_ids",
+    "teacher_log_probs": (tokens, k)]}, in length-sorted batches."""
     first, count = shard["first_sequence"], shard["num_sequences"]
     lengths = (data.offsets[first + 1:first + count + 1] - data.offsets[first:first + count]).tolist()
     offsets = torch.tensor([0] + lengths).cumsum(0)  # (n + 1,)
     features = torch.empty(int(offsets[-1]), width, dtype=dtype)
     hidden_size = target.config.get_text_config().hidden_size
     final = torch.empty(int(offsets[-1]), hidden_size, dtype=dtype) if final_hidden else None
+    teacher = (torch.empty(int(offsets[-1]), teacher_top_k, dtype=torch.int32),
+               torch.empty(int(offsets[-1]), teacher_top_k, dtype=torch.float32)) if teacher_top_k else None
     device = target.get_input_embeddings().weight.device
     longest_first = sorted(range(count), key=lambda j: -lengths[j])  # neighbours in length: little padding
     for start in range(0, count, sequences_per_batch):
@@ -224,15 +243,20 @@ def shard_tensors(target, data: TokenizedConversations, shard: dict, layer_ids: 
         input_ids = torch.full((len(rows), lengths[rows[0]]), pad_id, dtype=torch.long)  # right-padded, as in training
         for row, j in enumerate(rows):
             input_ids[row, :lengths[j]] = data[first + j]["input_ids"]
-        batch = target_layer_features(target, input_ids.to(device), layer_ids, final_hidden=final_hidden)
-        batch, batch_final = batch if final_hidden else (batch, None)  # (b, T, K*H), (b, T, H)
+        batch = target_layer_features(target, input_ids.to(device), layer_ids, final_hidden=bool(final_hidden or teacher))
+        batch, batch_final = batch if final_hidden or teacher else (batch, None)  # (b, T, K*H), (b, T, H)
         batch = batch.to("cpu", dtype)
         for row, j in enumerate(rows):
             features[offsets[j]:offsets[j + 1]] = batch[row, :lengths[j]]
             if final_hidden:
                 final[offsets[j]:offsets[j + 1]] = batch_final[row, :lengths[j]].to("cpu", dtype)
+            if teacher:
+                ids, log_probs = next_token_top_k(batch_final[row, :lengths[j]], target.get_output_embeddings(), teacher_top_k)
+                teacher[0][offsets[j]:offsets[j + 1]] = ids.to("cpu", torch.int32)
+                teacher[1][offsets[j]:offsets[j + 1]] = log_probs.cpu()
         progress.update(sum(lengths[j] for j in rows))
-    return {"features": features, "offsets": offsets, **({"final": final} if final_hidden else {})}
+    return {"features": features, "offsets": offsets, **({"final": final} if final_hidden else {}),
+            **({"teacher_ids": teacher[0], "teacher_log_probs": teacher[1]} if teacher else {})}
 
 
 def finished_shards(partial: Path, shards: list[dict], width: int) -> set[str]:
@@ -260,6 +284,7 @@ def build_feature_store(
     dtype: torch.dtype = torch.bfloat16,  # the target runs and the features are stored in this dtype
     force: bool = False,  # replace a complete store of another build (once the new one is complete)
     final_hidden: bool = False,  # also keep the target's final hidden states (distillation's soft targets)
+    teacher_top_k: int = 0,  # > 0: also keep the target's top k next tokens (distillation's sparse soft targets)
     sequences_per_batch: int = 8,
     max_shard_bytes: int = MAX_SHARD_BYTES,
 ) -> Path:
@@ -277,18 +302,19 @@ def build_feature_store(
         raise DDTreeError(f"target_layer_ids {layer_ids} must be within 0..{num_layers - 1} "
                           f"(target {datamodule.target} has {num_layers} layers)")
     width, itemsize, lengths = len(layer_ids) * hidden_size, dtype.itemsize, data.lengths()
-    row_width = width + (hidden_size if final_hidden else 0)  # values stored per token
+    row_width = width + (hidden_size if final_hidden else 0)  # values stored per token in `dtype`
+    teacher_bytes = 8 * teacher_top_k  # per token: int32 ids and float32 log-probabilities
     manifest = {
         "format_version": FORMAT_VERSION, "target": datamodule.target, "target_adapter": target_adapter,
         **({"target_adapter_sha256": adapter_fingerprint(target_adapter)} if target_adapter else {}),
         "target_layer_ids": layer_ids, "hidden_size": hidden_size, "dtype": str(dtype).removeprefix("torch."),
         "data_path": datamodule.data_path, "tokenization_key": tokenization_key,
         "num_sequences": len(lengths), "total_tokens": sum(lengths),
-        "final_hidden": final_hidden,
+        "final_hidden": final_hidden, "teacher_top_k": teacher_top_k,
         # The target's last layer is stored as decoding reads it, the decoder's normed output (training/target.py);
         # stores without this key that hold it were built raw and are refused (DistillModule.check_feature_store).
         **({"last_layer": "normed"} if num_layers - 1 in layer_ids else {}),
-        "shards": plan_shards(lengths, row_width * itemsize, max_shard_bytes),
+        "shards": plan_shards(lengths, row_width * itemsize + teacher_bytes, max_shard_bytes),
         "lengths": lengths,  # last: the long list, below what a reader looks for
     }
     if is_complete(out) and not force:
@@ -319,12 +345,12 @@ def build_feature_store(
             print(f"[features] {partial} holds an unfinished build of other settings; starting over", flush=True)
             shutil.rmtree(partial)
     written = sum(s["num_tokens"] for s in manifest["shards"] if s["file"] in done)
-    total_bytes = manifest["total_tokens"] * row_width * itemsize
-    remaining = (manifest["total_tokens"] - written) * row_width * itemsize
+    total_bytes = manifest["total_tokens"] * (row_width * itemsize + teacher_bytes)
+    remaining = (manifest["total_tokens"] - written) * (row_width * itemsize + teacher_bytes)
     free = free_bytes(partial)
     print(f"[features] estimated size {format_bytes(total_bytes)} ({manifest['total_tokens']:,} tokens x "
           f"{len(layer_ids)} layers{' + the final hidden state' if final_hidden else ''} x {hidden_size} x "
-          f"{itemsize} bytes, {manifest['dtype']})"
+          f"{itemsize} bytes, {manifest['dtype']}{f'; + the top {teacher_top_k} next tokens' if teacher_top_k else ''})"
           + (f", {format_bytes(total_bytes - remaining)} already written" if done else "")
           + f"; {format_bytes(free)} free under {partial.parent}", flush=True)
     if remaining > free:
@@ -340,7 +366,7 @@ def build_feature_store(
             if shard["file"] in done:
                 continue
             tensors = shard_tensors(target, data, shard, layer_ids, width, pad_id, dtype, sequences_per_batch, progress,
-                                    final_hidden)
+                                    final_hidden, teacher_top_k)
             # Not ddtree.files.atomic_file: save_file streams to a path, a file object would need the
             # whole shard serialized in memory first. A plainly created file already follows the umask.
             staging = partial / f".{shard['file']}.tmp"
@@ -360,25 +386,35 @@ def build_feature_store(
     return out
 
 
-def default_store_path(recipe: str, datamodule: DistillDataModule, final_hidden: bool = False) -> Path:
-    """<ddtree cache>/features/<recipe>-<tokenization key>[-final]: another data, tokenizer or max_length is
-    another folder, and so is a store with final hidden states (a run without distillation keeps the smaller one)."""
-    return cache_dir() / "features" / f"{recipe}-{datamodule.tokenization_key()}{'-final' if final_hidden else ''}"
+def store_teacher(distill_weight: float, distill_top_k: int) -> tuple[bool, int]:
+    """(final_hidden, teacher_top_k): what a recipe's store keeps for distillation (model.distill_weight > 0): the
+    target's top k next tokens with model.distill_top_k k, else its final hidden states; neither without it."""
+    distill = distill_weight > 0
+    return distill and not distill_top_k, distill_top_k if distill else 0
+
+
+def default_store_path(recipe: str, datamodule: DistillDataModule, final_hidden: bool = False,
+                       teacher_top_k: int = 0) -> Path:
+    """<ddtree cache>/features/<recipe>-<tokenization key>[-final][-top<k>]: another data, tokenizer or max_length is
+    another folder, and so is a store with final hidden states or a top-k teacher (a run without distillation keeps
+    the smaller one)."""
+    suffix = ("-final" if final_hidden else "") + (f"-top{teacher_top_k}" if teacher_top_k else "")
+    return cache_dir() / "features" / f"{recipe}-{datamodule.tokenization_key()}{suffix}"
 
 
 def resolve_store_path(feature_store: str | None, recipe: str, datamodule: DistillDataModule,
-                       final_hidden: bool = False) -> Path | None:
+                       final_hidden: bool = False, teacher_top_k: int = 0) -> Path | None:
     """data.feature_store as a folder: None stays None (online features), "auto" is the recipe's default folder.
 
-    A run that needs no final hidden states also takes the recipe's store that has them, when that one
-    is built and the smaller one is not: the features are the same, and nothing is built twice.
+    A run that needs no final hidden states (nor a teacher) also takes the recipe's store that has them, when that
+    one is built and the smaller one is not: the features are the same, and nothing is built twice.
     """
     if not feature_store:
         return None
     if feature_store != AUTO_STORE:
         return Path(feature_store)
-    store = default_store_path(recipe, datamodule, final_hidden)
+    store = default_store_path(recipe, datamodule, final_hidden, teacher_top_k)
     with_final = default_store_path(recipe, datamodule, final_hidden=True)
-    if not final_hidden and not is_complete(store) and is_complete(with_final):
+    if not final_hidden and not teacher_top_k and not is_complete(store) and is_complete(with_final):
         return with_final
     return store

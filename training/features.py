@@ -7,7 +7,7 @@
 Recipe fields can be overridden as for training (--model.target_layer_ids '[1, 3]', ...). The store
 folder defaults to the recipe's data.feature_store, else <ddtree cache>/features/<recipe>-<tokenization key>
 (with -final appended when the recipe distils, model.distill_weight > 0: that store also holds the target's
-final hidden states).
+final hidden states; -top<k> instead with model.distill_top_k k: the target's k likeliest next tokens).
 Bad input prints one line and exits with status 2.
 """
 
@@ -21,7 +21,7 @@ from ddtree.errors import command
 from ddtree.targets import DTYPES, parse_dtype
 
 from .data import DistillDataModule
-from .feature_store import build_feature_store, default_store_path, drafter_layer_ids, resolve_store_path
+from .feature_store import build_feature_store, default_store_path, drafter_layer_ids, resolve_store_path, store_teacher
 from .recipe import check_recipe_name, read_recipe, recipe_path
 from .recipe_data import prepare_recipe_data
 from .target import dtype_for_precision
@@ -45,13 +45,15 @@ def main(argv: list[str] | None = None) -> int:
         dtype = dtype_for_precision(config.trainer.precision, config.model.target_dtype)
     datamodule = DistillDataModule(**config.data.as_dict())
     prepare_recipe_data(datamodule, args.recipe)
-    final_hidden = config.model.distill_weight > 0  # distillation reads the target's final hidden states too
-    out = Path(args.out or resolve_store_path(config.data.feature_store, args.recipe, datamodule, final_hidden)
-               or default_store_path(args.recipe, datamodule, final_hidden))
+    # distillation reads the target's final hidden states, or its top k, too
+    final_hidden, teacher_top_k = store_teacher(config.model.distill_weight, config.model.distill_top_k)
+    out = Path(args.out or resolve_store_path(config.data.feature_store, args.recipe, datamodule, final_hidden, teacher_top_k)
+               or default_store_path(args.recipe, datamodule, final_hidden, teacher_top_k))
     print(f"[features] recipe {args.recipe} -> {out}", flush=True)
     build_feature_store(
         datamodule, out, layer_ids=drafter_layer_ids(config.model.target_layer_ids, config.model.init_from),
         target_adapter=config.model.target_adapter, dtype=dtype, force=args.force, final_hidden=final_hidden,
+        teacher_top_k=teacher_top_k,
     )
     return 0
 

@@ -61,24 +61,51 @@ def position_counts(flags: torch.Tensor, block_positions: torch.Tensor, block_si
     return counts.index_add_(0, block_positions, flags.long())
 
 
-def top_values(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """(m, k) the k largest values of each row of scores (m, V), in no set order: torch.topk's values, faster.
+def top_entries(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """((m, k) values, (m, k) indices) of the k largest entries of each row of scores (m, V), in no set order:
+    torch.topk's, faster.
 
     A CPU's topk over a whole vocabulary row is slow (about 9 ms for 448 rows of 8192 at k = 32 on 2 Xeon cores),
     so the row is pruned first. Seen as `r` strided slices (m, r, V / r), column j's maximum over the slices is
     an element of that column, and every value of it is at most that maximum: a value outside the k columns with
     the largest maxima is below k distinct elements, so the k largest values all lie in those k columns, k * r
     candidates (ties included: the candidates' k largest values are the row's). Pruned while that halves the row;
-    3 ms in all for that case.
+    about 3 ms in all for that case.
     """
+    indices = None  # (m, width) the original column of each candidate; None: the identity
     while True:
         width = scores.shape[1]
         slices = next((r for r in (32, 16, 8, 4, 2) if width % r == 0 and width // r >= 2 * k), None)
         if slices is None or 2 * k * slices > width:
-            return scores.topk(k, dim=1, sorted=False).values
+            values, picked = scores.topk(k, dim=1, sorted=False)
+            return values, picked if indices is None else indices.gather(1, picked)
         grid = scores.reshape(scores.shape[0], slices, width // slices)  # (m, r, V / r)
-        columns = grid.amax(dim=1).topk(k, dim=1, sorted=False).indices  # (m, k)
-        scores = grid.gather(2, columns[:, None, :].expand(-1, slices, -1)).flatten(1)  # (m, r * k)
+        columns = grid.amax(dim=1).topk(k, dim=1, sorted=False).indices[:, None, :].expand(-1, slices, -1)  # (m, r, k)
+        scores = grid.gather(2, columns).flatten(1)  # (m, r * k)
+        if indices is None:
+            offsets = torch.arange(slices, device=columns.device)[None, :, None] * (width // slices)
+            indices = (offsets + columns).flatten(1)
+        else:
+            indices = indices.reshape(grid.shape).gather(2, columns).flatten(1)
+
+
+def next_token_top_k(final_hidden: torch.Tensor, lm_head: nn.Module, k: int,
+                     rows_per_chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's k likeliest next tokens after each position: ((..., k) ids, (..., k) fp32 log-probabilities), unordered.
+
+    final_hidden (..., H), the target's final normed hidden states; lm_head its LM head over the whole vocabulary.
+    What a distillation store keeps (model.distill_top_k; training/feature_store.py), and online training computes
+    alike. In chunks of rows: (rows, V) fp32 logits of a 150K vocabulary are 0.6 GB per 1024 rows.
+    """
+    flat = final_hidden.reshape(-1, final_hidden.shape[-1])
+    ids = torch.empty(flat.shape[0], k, dtype=torch.long, device=flat.device)
+    log_probs = torch.empty(flat.shape[0], k, dtype=torch.float32, device=flat.device)
+    with torch.no_grad():
+        for start in range(0, flat.shape[0], rows_per_chunk):
+            logits = lm_head(flat[start:start + rows_per_chunk]).float()  # (r, V)
+            values, ids[start:start + rows_per_chunk] = top_entries(logits, min(k, logits.shape[1]))
+            log_probs[start:start + rows_per_chunk] = values - torch.logsumexp(logits, dim=1, keepdim=True)
+    return ids.view(*final_hidden.shape[:-1], k), log_probs.view(*final_hidden.shape[:-1], k)
 
 
 def chain_acceptance(position_accuracy: torch.Tensor) -> torch.Tensor:
@@ -235,6 +262,36 @@ def frontier_weights(
     return torch.where(counted, suffix, torch.zeros_like(suffix))
 
 
+def sparse_distill_loss(
+    log_q: torch.Tensor,  # (m, V) the drafter's log-probabilities
+    labels: torch.Tensor,  # (m,)
+    teacher_ids: torch.Tensor,  # (m, k) the target's likeliest tokens, as columns of log_q; IGNORE_INDEX: none
+    teacher_log_probs: torch.Tensor,  # (m, k) their log-probabilities
+    distill_weight: float,
+    distill_loss: str,
+) -> torch.Tensor:
+    """(m,) (1 - a) CE(label) + a * soft against the target's top k, renormalised over the tokens with a column (p = 0
+    elsewhere; a row with none takes the label as its teacher): block_loss_sums' distillation with `teacher_top`.
+
+    All from k + 1 columns of log_q: kl is -sum_j w_j log q_j with w the mixed target over [label, ids]; lk is
+    -log sum_j min(p_j, q_j) over the same columns (the label's carries p only when it is the teacher)."""
+    kept = teacher_ids != IGNORE_INDEX
+    with torch.no_grad():
+        p = torch.where(kept, teacher_log_probs.float().exp(), 0.0)  # (m, k)
+        mass = p.sum(dim=1, keepdim=True)  # (m, 1)
+        teacher = torch.cat([(mass == 0).float(), p / mass.clamp_min(torch.finfo(p.dtype).tiny)], dim=1)  # (m, 1 + k)
+    columns = torch.cat([labels[:, None], torch.where(kept, teacher_ids, 0)], dim=1)  # (m, 1 + k)
+    picked = log_q.gather(1, columns)  # (m, 1 + k): log q at the label, then at the teacher's tokens
+    if distill_loss == "kl":
+        with torch.no_grad():
+            mixed = teacher * distill_weight
+            mixed[:, 0] += 1 - distill_weight
+        return -(mixed * picked).sum(dim=1)
+    # the acceptance rate is at least exp(-CE) > 0 in exact arithmetic; the clamp guards fp32 underflow
+    soft = -torch.minimum(teacher, picked.exp()).sum(dim=1).clamp_min(1e-12).log()
+    return (1 - distill_weight) * -picked[:, 0] + distill_weight * soft
+
+
 def counted_rows(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The M counted block tokens: (rows (M, H), their labels (M,), their block positions (M,)).
 
@@ -259,6 +316,7 @@ def block_loss_sums(
     distill_loss: str = "kl",
     budget: int = 32,
     read: torch.Tensor | None = None,  # (S, n, B) bool: positions read, not drafted; None: before the first label
+    teacher_top: tuple[torch.Tensor, torch.Tensor] | None = None,  # ((S, n*B, k) ids, log-probs): the target's top k
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sum of w * loss, sum of w, hits (B,), tokens (B,), top-k hits (B,)) over the M counted block tokens.
 
@@ -266,7 +324,10 @@ def block_loss_sums(
     rows at a time, each chunk recomputed in backward (activation checkpointing), so only one chunk's
     (m, V) logits are alive at once: (M, V) logits over a 150K vocabulary would not fit.
     With distill_weight a > 0 the loss per token is (1 - a) * CE(label) + a * soft, soft the distill_loss
-    against the target's distribution (the module docstring).
+    against the target's distribution (the module docstring): from `teacher_hidden` through the LM head, or, given
+    `teacher_top`, the target's k likeliest tokens (next_token_top_k; ids as the LM head's rows, IGNORE_INDEX where
+    a token has none), sparse_distill_loss. That spares the step the teacher's LM head, its softmax and two passes
+    over the vocabulary.
 
     The objective sets the weight w of each token's loss (detached, so it only decides where the
     gradient goes):
@@ -295,34 +356,34 @@ def block_loss_sums(
     flat_labels = labels.flatten()  # (S*n*B,)
     counted = (flat_labels != IGNORE_INDEX).nonzero().squeeze(1)  # (M,)
     rows, targets, positions = counted_rows(hidden, labels)  # (M, H), (M,), (M,) block position k of each row
-    # (M, H), or (M, 0): checkpoint() takes tensors only, and an empty one costs nothing
-    teacher_rows = teacher_hidden.flatten(0, 1)[counted] if distill_weight > 0 else rows[:, :0]
-
+    teacher = ()  # the teacher's rows, as tensors (checkpoint() passes tensors): (M, H), or (M, k) ids and log-probs
+    if distill_weight > 0:
+        teacher = tuple(t.flatten(0, 1)[counted] for t in (teacher_top or (teacher_hidden,)))
     tree_widths = objective in ("frontier", "intree")
 
-    def chunk_terms(chunk_rows, chunk_teacher, chunk_targets, chunk_positions):
+    def chunk_terms(chunk_rows, chunk_targets, chunk_positions, *chunk_teacher):
         # one fp32 log-softmax serves the loss, the metrics and the weights
         log_q = F.log_softmax(lm_head(chunk_rows), dim=-1, dtype=torch.float32)  # (m, V)
-        if distill_weight > 0:
+        if len(chunk_teacher) == 2:  # the target's top k: k + 1 columns of log_q
+            token_loss = sparse_distill_loss(log_q, chunk_targets, *chunk_teacher, distill_weight, distill_loss)
+        elif chunk_teacher:  # the target's whole distribution, through the LM head
             with torch.no_grad():
-                teacher = F.softmax(lm_head(chunk_teacher), dim=-1, dtype=torch.float32)  # (m, V)
-        if distill_weight > 0 and distill_loss == "kl":
-            # (1 - a) CE(label) + a CE(p) is one cross-entropy against the mixed target
-            with torch.no_grad():
-                mixed = teacher.mul_(distill_weight)
-                mixed[torch.arange(mixed.shape[0], device=mixed.device), chunk_targets] += 1 - distill_weight
-            token_loss = -(mixed * log_q).sum(dim=-1)  # (m,)
+                p = F.softmax(lm_head(chunk_teacher[0]), dim=-1, dtype=torch.float32)  # (m, V)
+            if distill_loss == "kl":  # (1 - a) CE(label) + a CE(p) is one cross-entropy against the mixed target
+                with torch.no_grad():
+                    mixed = p.mul_(distill_weight)
+                    mixed[torch.arange(mixed.shape[0], device=mixed.device), chunk_targets] += 1 - distill_weight
+                token_loss = -(mixed * log_q).sum(dim=-1)  # (m,)
+            else:  # the acceptance rate is at least exp(-CE) > 0 in exact arithmetic; the clamp guards fp32 underflow
+                soft = -torch.minimum(p, log_q.exp()).sum(dim=-1).clamp_min(1e-12).log()  # (m,)
+                token_loss = (1 - distill_weight) * F.nll_loss(log_q, chunk_targets, reduction="none") + distill_weight * soft
         else:
             token_loss = F.nll_loss(log_q, chunk_targets, reduction="none")  # (m,)
-        if distill_weight > 0 and distill_loss == "lk":
-            # the acceptance rate is at least exp(-CE) > 0 in exact arithmetic; the clamp guards fp32 underflow
-            soft = -torch.minimum(teacher, log_q.exp()).sum(dim=-1).clamp_min(1e-12).log()  # (m,)
-            token_loss = (1 - distill_weight) * token_loss + distill_weight * soft
         detached = log_q.detach()
         vocab = detached.shape[1]
         label_log_q = detached.gather(1, chunk_targets[:, None])  # (m, 1)
         recall_k, tree_k = min(top_k, vocab), min(budget, vocab)
-        top = top_values(detached, max(recall_k, tree_k) if tree_widths else recall_k)  # (m, K), unordered
+        top, _ = top_entries(detached, max(recall_k, tree_k) if tree_widths else recall_k)  # (m, K), unordered
         kth = top if top.shape[1] == recall_k else top.topk(recall_k, dim=1, sorted=False).values
         in_top = label_log_q[:, 0] >= kth.amin(dim=1)  # (m,) fewer than top_k tokens rank above the label
         hits = position_counts(label_log_q[:, 0] >= top.amax(dim=1), chunk_positions, block_size)  # the label is a best
@@ -339,7 +400,7 @@ def block_loss_sums(
     parts = []
     for start in range(0, max(1, rows.shape[0]), chunk):  # one empty chunk where no row is counted: sums of 0
         part = slice(start, start + chunk)
-        args = (rows[part], teacher_rows[part], targets[part], positions[part])
+        args = (rows[part], targets[part], positions[part], *(t[part] for t in teacher))
         if chunk_size and torch.is_grad_enabled():
             parts.append(checkpoint(chunk_terms, *args, use_reentrant=False))
         else:

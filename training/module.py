@@ -20,7 +20,9 @@ still loaded, for its embedding and LM head.
 One option beyond the published recipe, off by default: distill_weight > 0 runs the target to the
 end (or reads its final hidden states from the store), and its LM head gives, for every label, the
 distribution it predicted that token from; the loss mixes in a loss against it (distill_loss: kl or
-lk, training/loss.py). It does not change the exported drafter.
+lk, training/loss.py). With distill_top_k k, against the target's k likeliest tokens only, which the
+store keeps instead of the final hidden states (the teacher's LM head then leaves the step). It does
+not change the exported drafter.
 
 The target lives outside the module tree: it is never in `parameters()`, the optimizer or a
 checkpoint, and `configure_model` reloads it from its source (name or folder, plus an optional
@@ -57,7 +59,7 @@ from .data import reply_vocabulary
 from .feature_store import adapter_fingerprint
 from .loss import (
     DISTILL_LOSSES, OBJECTIVES, RECALL_K, block_loss_sums, block_position_weights, chain_acceptance, draft_vocab_labels,
-    given_positions, teacher_states,
+    given_positions, next_token_top_k, teacher_states,
 )
 from .masks import (
     IGNORE_INDEX, block_input_ids, block_labels, block_position_ids, dense_block_mask, flex_block_mask, given_labels,
@@ -148,6 +150,7 @@ class DistillModule(L.LightningModule):
         gamma: float = 7.0,  # loss decay over block positions (published: 7 for B=16, 5 for B=10)
         distill_weight: float = 0.0,  # > 0: mix in a loss against the target's full distribution (loss.py)
         distill_loss: str = "kl",  # that loss: kl (cross-entropy to the target's softmax) or lk (-log acceptance rate)
+        distill_top_k: int = 0,  # > 0: against the target's k likeliest tokens only, kept in the store (loss.py)
         objective: str = "decayed_ce",  # loss weights: decayed_ce (published), dpace, tree, frontier, intree (loss.py)
         objective_smoothing: float = 0.5,  # dpace/tree/intree: survival s -> (1 - a) s + a (D-PACE's a); frontier: the
         #                                    share of the decayed weights mixed in
@@ -194,6 +197,7 @@ class DistillModule(L.LightningModule):
             ("draft_vocab_size", draft_vocab_size, unset_or(draft_vocab_size, lambda v: v >= 1), "at least 1, or unset"),
             ("loss_chunk_size", loss_chunk_size, unset_or(loss_chunk_size, lambda v: v >= 1), "at least 1, or unset"),
             ("num_anchors", num_anchors, num_anchors >= 1, "at least 1"),
+            ("distill_top_k", distill_top_k, distill_top_k >= 0, "at least 0 (0 = the whole distribution)"),
             ("lora_rank", lora_rank, lora_rank >= 0, "at least 0 (0 = no LoRA)"),
             ("gamma", gamma, gamma > 0, "above 0"),
             ("weight_decay", weight_decay, weight_decay >= 0, "at least 0"),
@@ -368,7 +372,12 @@ class DistillModule(L.LightningModule):
     def check_feature_store(self, store) -> None:
         """Offline features must be what this drafter reads online; a mismatch would train on the wrong layers."""
         hp = self.hparams
-        if hp.distill_weight > 0 and not store.final_hidden:
+        if hp.distill_weight > 0 and hp.distill_top_k and store.teacher_top_k != hp.distill_top_k:
+            raise DDTreeError(f"model.distill_top_k={hp.distill_top_k} needs the target's top {hp.distill_top_k} next "
+                              f"tokens, and feature store {store.path} holds its top {store.teacher_top_k}: rebuild it with "
+                              "`make features RECIPE=<recipe>` (a recipe that distils builds them) and --force (FORCE=1), "
+                              "or train online (no data.feature_store)")
+        if hp.distill_weight > 0 and not hp.distill_top_k and not store.final_hidden:
             raise DDTreeError(f"model.distill_weight={hp.distill_weight} needs the target's final hidden states, which "
                               f"feature store {store.path} does not hold: rebuild it with `make features RECIPE=<recipe>` "
                               "(a recipe that distils builds them) and --force (FORCE=1), or train online (no data.feature_store)")
@@ -455,14 +464,20 @@ class DistillModule(L.LightningModule):
         return torch.Generator().manual_seed(key)
 
     def sequence_features(self, batch: dict, final_hidden: bool = False):
-        """(target features (S, T, K*H), final hidden states (S, T, H) or None, a function giving the seconds the
-        target's forward took: ForwardClock's, to call after the step, when reading them waits for nothing).
+        """(target features (S, T, K*H), the teacher or None, a function giving the seconds the target's forward
+        took: ForwardClock's, to call after the step, when reading them waits for nothing).
 
-        From the batch when a feature store serves it (0 seconds), else from the frozen target's forward.
+        From the batch when a feature store serves it (0 seconds), else from the frozen target's forward. The
+        teacher (final_hidden=True) is the final hidden states (S, T, H), or, from a store with model.distill_top_k,
+        the target's top k after each token, ((S, T, k) ids, (S, T, k) log-probabilities).
         """
         if "features" in batch:  # offline store: the dtype the target's own forward gives
             features = batch["features"].to(self.device, self.target.dtype)
-            final = batch["final_hidden"].to(self.device, self.target.dtype) if final_hidden else None
+            final = None
+            if final_hidden and self.hparams.distill_top_k:
+                final = batch["teacher_ids"].to(self.device), batch["teacher_log_probs"].to(self.device)
+            elif final_hidden:
+                final = batch["final_hidden"].to(self.device, self.target.dtype)
             return features, final, lambda: 0.0
         clock = ForwardClock(batch["input_ids"].device)
         features = target_layer_features(self.target, batch["input_ids"], self.target_layer_ids, final_hidden=final_hidden)
@@ -470,8 +485,9 @@ class DistillModule(L.LightningModule):
         return features, final, clock.stop()
 
     def block_predictions(self, batch: dict, batch_idx: int, stage: str, distill: bool = False):
-        """(drafter outputs (S, n*B, H), labels (S, n, B), teacher states (S, n*B, H) or None, the
-        target forward's seconds as a function to call after the step).
+        """(drafter outputs (S, n*B, H), labels (S, n, B), the teacher per block token or None: states (S, n*B, H),
+        or with model.distill_top_k ((S, n*B, k) ids, log-probabilities), the target forward's seconds as a function
+        to call after the step).
 
         None if the batch has no block to learn from. The anchors are drawn as for `stage`.
         """
@@ -489,8 +505,14 @@ class DistillModule(L.LightningModule):
         if given is not None:
             labels = given_labels(labels, given)
         hidden = self.block_hidden_states(features, input_ids, anchors, given)  # (S, n*B, H)
-        teacher_hidden = teacher_states(final, anchors, self.block_size) if distill else None  # (S, n*B, H)
-        return hidden, labels, teacher_hidden, target_seconds
+        teacher = None
+        if isinstance(final, tuple):  # the store's top k
+            teacher = tuple(teacher_states(t, anchors, self.block_size) for t in final)  # (S, n*B, k) each
+        elif distill:
+            teacher = teacher_states(final, anchors, self.block_size)  # (S, n*B, H)
+            if self.hparams.distill_top_k:  # online: what the store would hold, at the block tokens only
+                teacher = next_token_top_k(teacher, self.target.get_output_embeddings(), self.hparams.distill_top_k)
+        return hidden, labels, teacher, target_seconds
 
     def shared_step(self, batch: dict, batch_idx: int, stage: str) -> StepResult | None:
         """Loss and counts of one batch (stage "train" or "val"); None if the batch has no block to learn from."""
@@ -499,7 +521,8 @@ class DistillModule(L.LightningModule):
         predictions = self.block_predictions(batch, batch_idx, stage, distill)
         if predictions is None:
             return None
-        hidden, labels, teacher_hidden, target_seconds = predictions
+        hidden, labels, teacher, target_seconds = predictions
+        teacher_top = teacher if isinstance(teacher, tuple) else None
         weights = block_position_weights(self.block_size, self.hparams.gamma, device=hidden.device)  # (B,)
         hp = self.hparams
         # Validation always measures the published decayed CE, so runs of different objectives compare.
@@ -512,11 +535,13 @@ class DistillModule(L.LightningModule):
                 read = given_positions(labels != IGNORE_INDEX)
             token_ids, rows = draft_head
             labels = draft_vocab_labels(labels, token_ids, lm_head.weight.shape[0])
+            if teacher_top:  # the teacher's tokens as rows of the draft head too; the others get p = 0
+                teacher_top = draft_vocab_labels(teacher_top[0], token_ids, lm_head.weight.shape[0]), teacher_top[1]
             lm_head = partial(F.linear, weight=rows)
         weighted, weight_total, hits, tokens, top_hits = block_loss_sums(
             hidden, labels, lm_head, weights, hp.loss_chunk_size,
-            teacher_hidden, hp.distill_weight if distill else 0.0, objective, hp.objective_smoothing,
-            hp.objective_top_k, hp.distill_loss, hp.objective_budget, read,
+            None if teacher_top else teacher, hp.distill_weight if distill else 0.0, objective, hp.objective_smoothing,
+            hp.objective_top_k, hp.distill_loss, hp.objective_budget, read, teacher_top,
         )
         return StepResult(weighted / weight_total.clamp_min(1e-8), weighted, weight_total, hits, tokens, top_hits,
                           target_seconds)

@@ -49,7 +49,7 @@ from ddtree.files import write_text_atomic
 from training.checkpoints import find_resume, newest_checkpoint
 from training.data import DistillDataModule, replies
 from training.export import export_drafter, run_corpus
-from training.feature_store import build_feature_store, drafter_layer_ids, is_complete, resolve_store_path
+from training.feature_store import build_feature_store, drafter_layer_ids, is_complete, resolve_store_path, store_teacher
 from training.module import DistillModule, NonFiniteError
 from training.recipe import (DistillCLI, check_checkpoint_settings, check_recipe_name, config_arg, known_recipes,
                              recipe_errors, recipe_path)
@@ -102,8 +102,8 @@ def build_missing_feature_store(cli: DistillCLI, recipe: str) -> None:
     same build, so they stop and ask for `make features` first.
     """
     hp = cli.model.hparams
-    final_hidden = hp.distill_weight > 0  # distillation's soft targets come from the target's final hidden states
-    store = resolve_store_path(cli.datamodule.feature_store, recipe, cli.datamodule, final_hidden)
+    final_hidden, teacher_top_k = store_teacher(hp.distill_weight, hp.distill_top_k)  # distillation's soft targets
+    store = resolve_store_path(cli.datamodule.feature_store, recipe, cli.datamodule, final_hidden, teacher_top_k)
     if store is None:
         return
     cli.datamodule.feature_store = str(store)  # "auto" resolved; config.yaml keeps "auto", so a resume resolves it again
@@ -115,7 +115,8 @@ def build_missing_feature_store(cli: DistillCLI, recipe: str) -> None:
     # The store is written in the dtype the target runs in during training: the same rule as DistillModule.
     dtype = dtype_for_precision(cli.config.trainer.precision, hp.target_dtype)
     build_feature_store(cli.datamodule, Path(store), layer_ids=drafter_layer_ids(hp.target_layer_ids, hp.init_from),
-                        target_adapter=hp.target_adapter, dtype=dtype, final_hidden=final_hidden)
+                        target_adapter=hp.target_adapter, dtype=dtype, final_hidden=final_hidden,
+                        teacher_top_k=teacher_top_k)
 
 
 def write_run_corpus(cli: DistillCLI, run_dir: Path) -> None:

@@ -20,7 +20,7 @@ import training.feature_store
 import training.module
 from ddtree.targets import DDTreeError, load_target
 from training.data import DistillDataModule
-from training.feature_store import FeatureStore, build_feature_store, partial_path
+from training.feature_store import FeatureStore, build_feature_store, partial_path, store_teacher
 from training.features import main
 from training.module import DistillModule
 from training.target import target_layer_features
@@ -108,6 +108,27 @@ def test_final_hidden_states_are_the_targets_and_older_manifests_still_read(tmp_
     with pytest.raises(DDTreeError) as error:
         FeatureStore(plain).final(0)
     assert "distill_weight" in one_line(error.value)
+    assert FeatureStore(plain).teacher_top_k == 0
+    with pytest.raises(DDTreeError) as error:
+        FeatureStore(plain).teacher(0)
+    assert "distill_top_k" in one_line(error.value)
+
+
+def test_a_top_k_teacher_store_holds_the_targets_likeliest_next_tokens(tmp_path):
+    dm = make_datamodule(tmp_path)
+    out = build_feature_store(dm, tmp_path / "store", layer_ids=LAYER_IDS, dtype=torch.float32, sequences_per_batch=2,
+                              teacher_top_k=5, max_shard_bytes=shard_bytes(3, torch.float32))
+    store = FeatureStore(out)
+    data, _, _ = dm.load_tokenized()
+    target, _ = load_target("tiny-random", torch.float32)
+    assert store.teacher_top_k == 5 and not store.final_hidden and len(store.shards) > 2
+    for i in range(len(data)):
+        _, final = target_layer_features(target, data[i]["input_ids"][None], LAYER_IDS, final_hidden=True)
+        log_probs = target.get_output_embeddings()(final[0]).float().log_softmax(-1)  # (T_i, V)
+        ids, stored = store.teacher(i)
+        assert ids.shape == (len(data[i]["input_ids"]), 5) and ids.dtype == torch.long
+        torch.testing.assert_close(stored.sort(dim=1).values, log_probs.topk(5, dim=1).values.sort(dim=1).values)
+        torch.testing.assert_close(log_probs.gather(1, ids), stored)  # each id with its own log-probability
 
 
 def test_length_sorted_batches_give_the_per_sequence_features(tmp_path):
@@ -154,13 +175,16 @@ def fit(module: DistillModule, dm: DistillDataModule, steps: int = 4):
     # Distillation's soft targets from the store's final hidden states, as online from the full forward.
     (1, 1, 3e-3, 0.0, {"distill_weight": 0.5}),
     (1, 1, 3e-3, 0.0, {"distill_weight": 0.5, "distill_loss": "lk"}),
+    # The store's top-k teacher, as online from the target's final states at the block tokens.
+    (1, 1, 3e-3, 0.0, {"distill_weight": 0.5, "distill_top_k": 4}),
 ])
 def test_training_from_the_store_equals_online_training(tmp_path, monkeypatch, batch_size, sequences_per_batch, lr,
                                                         tolerance, distill):
+    final_hidden, teacher_top_k = store_teacher(distill.get("distill_weight", 0.0), distill.get("distill_top_k", 0))
     store = build_feature_store(make_datamodule(tmp_path), tmp_path / "store", layer_ids=LAYER_IDS,
                                 dtype=torch.float32, sequences_per_batch=sequences_per_batch,
-                                final_hidden=bool(distill))
-    assert FeatureStore(store).final_hidden == bool(distill)
+                                final_hidden=final_hidden, teacher_top_k=teacher_top_k)
+    assert (FeatureStore(store).final_hidden, FeatureStore(store).teacher_top_k) == (final_hidden, teacher_top_k)
     online_module = tiny_module(lr=lr, **distill)
     online_losses, online_trainer = fit(online_module, make_datamodule(tmp_path, batch_size=batch_size))
     assert online_trainer.callback_metrics["perf/target_forward_s"] > 0  # timed, and logged after the step
@@ -212,6 +236,10 @@ def test_store_of_other_layers_or_with_soft_targets_stops_the_fit(tmp_path):
     with pytest.raises(DDTreeError) as error:
         fit(tiny_module(target_layer_ids=[0, 2], distill_weight=0.5), make_datamodule(tmp_path, feature_store=str(store)))
     assert "distill_weight" in one_line(error.value)
+    with pytest.raises(DDTreeError) as error:
+        fit(tiny_module(target_layer_ids=[0, 2], distill_weight=0.5, distill_top_k=8),
+            make_datamodule(tmp_path, feature_store=str(store)))
+    assert "distill_top_k=8" in one_line(error.value) and "top 0" in one_line(error.value)
 
 
 def test_a_store_of_the_last_layer_holds_it_normed_and_an_older_raw_one_is_refused(tmp_path):

@@ -30,9 +30,10 @@ from training.loss import (
     expected_length_weights,
     frontier_weights,
     given_positions,
+    next_token_top_k,
     position_counts,
     teacher_states,
-    top_values,
+    top_entries,
     tree_survival,
     tree_thresholds,
 )
@@ -151,6 +152,42 @@ def test_distill_weight_mixes_the_two_cross_entropies_and_zero_is_the_plain_loss
     assert torch.equal(mixed[1], plain[1]) and torch.equal(mixed[2], plain[2])  # same weights, same hits
 
 
+@pytest.mark.parametrize("distill_loss", ["kl", "lk"])
+def test_a_top_k_teacher_of_the_whole_vocabulary_is_the_whole_distribution(distill_loss):
+    hidden, labels, lm_head = block_loss_case()
+    teacher = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(1))
+    weights = block_position_weights(4, gamma=4.0)
+    vocab = lm_head.weight.shape[0]
+    top = next_token_top_k(teacher, lm_head, vocab, rows_per_chunk=5)  # chunked: the same as in one go
+    assert top[0].shape == (*teacher.shape[:2], vocab) and torch.equal(top[0].sort(dim=-1).values[0, 0], torch.arange(vocab))
+    for objective in ("decayed_ce", "intree"):
+        full = block_loss_sums(hidden.requires_grad_(), labels, lm_head, weights, teacher_hidden=teacher,
+                               distill_weight=0.25, objective=objective, distill_loss=distill_loss)
+        sparse = block_loss_sums(hidden, labels, lm_head, weights, distill_weight=0.25, objective=objective,
+                                 distill_loss=distill_loss, teacher_top=top)
+        for a, b in zip(full, sparse):
+            torch.testing.assert_close(a, b)
+        grads = [torch.autograd.grad(sums[0] / sums[1], hidden)[0] for sums in (full, sparse)]
+        torch.testing.assert_close(*grads)
+
+
+def test_a_top_k_teacher_is_renormalised_over_the_tokens_the_head_has():
+    hidden, labels, lm_head = block_loss_case()
+    weights = block_position_weights(4, gamma=4.0)
+    ids = torch.tensor([3, 0, 5])[None, None].expand(*hidden.shape[:2], 3).clone()  # (S, n*B, 3)
+    log_probs = torch.tensor([0.5, 0.2, 0.1]).log()[None, None].expand_as(ids).clone()
+    ids[..., 1] = IGNORE_INDEX  # token 0 has no row of the head: p = 0.5, 0.1 -> 5/6, 1/6
+    ids[0, :, :] = IGNORE_INDEX  # sequence 0: no teacher token has a row: the label is its teacher
+    mixed = block_loss_sums(hidden, labels, lm_head, weights, distill_weight=0.25, teacher_top=(ids, log_probs))
+    counted = labels.flatten() != IGNORE_INDEX
+    positions = (torch.arange(labels.numel()) % 4)[counted]
+    log_q = lm_head(hidden.flatten(0, 1)[counted]).log_softmax(-1)
+    label_ce = -log_q.gather(1, labels.flatten()[counted][:, None])[:, 0]
+    soft = -(5 / 6 * log_q[:, 3] + 1 / 6 * log_q[:, 5])
+    soft = torch.where(torch.arange(labels.numel())[counted] < labels[0].numel(), label_ce, soft)
+    torch.testing.assert_close(mixed[0], ((0.75 * label_ce + 0.25 * soft) * weights[positions]).sum())
+
+
 def test_lk_distillation_is_minus_the_log_acceptance_rate_and_its_gradient_raises_it():
     hidden, labels, lm_head = block_loss_case()
     teacher = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(1))
@@ -177,15 +214,16 @@ def test_lk_distillation_is_minus_the_log_acceptance_rate_and_its_gradient_raise
 
 
 @pytest.mark.parametrize("width", [8192, 1000, 96, 5])
-def test_top_values_are_topks_values_ties_included(width):
+def test_top_entries_are_topks_ties_included(width):
     generator = torch.Generator().manual_seed(width)
     spread = torch.randn(16, width, generator=generator)
     tied = torch.randint(0, 6, (16, width), generator=generator).float()  # many equal values
     for scores in (spread, tied):
         for k in {1, 4, 32, width}:
             if k <= width:
-                got = top_values(scores, k).sort(dim=1, descending=True).values
-                assert torch.equal(got, scores.topk(k, dim=1).values)
+                values, indices = top_entries(scores, k)
+                assert torch.equal(values.sort(dim=1, descending=True).values, scores.topk(k, dim=1).values)
+                assert torch.equal(scores.gather(1, indices), values) and (indices.sort(dim=1).values.diff(dim=1) > 0).all()
 
 
 def test_hits_per_position_and_implied_chain_acceptance():
@@ -263,6 +301,28 @@ def test_lookup_is_recorded_for_decoders_and_changes_no_loss():
         assert torch.equal(plain.shared_step(batch, 0, stage).loss, lookup.shared_step(batch, 0, stage).loss)
     with pytest.raises(DDTreeError, match="model.lookup=-1"):
         tiny_module(lookup=-1)
+
+
+@pytest.mark.parametrize("draft_vocab", [False, True])
+def test_a_top_k_teacher_over_the_whole_vocabulary_trains_as_the_whole_distribution(draft_vocab, monkeypatch):
+    batch = synthetic_batch()
+    # A draft vocabulary of half the batch's tokens (the training data would choose it): the teacher's tokens are mapped
+    # to its rows, and renormalised over them as the full softmax over those rows is.
+    tokens = sorted(set(batch["input_ids"].flatten().tolist()))[::2]
+    monkeypatch.setattr(DistillModule, "_training_reply_vocabulary", lambda self, vocab_size: tokens)
+    settings = dict(distill_weight=0.5, draft_vocab_size=len(tokens) if draft_vocab else None)
+    vocab = tiny_module().target.config.vocab_size
+    torch.manual_seed(0)
+    full = tiny_module(**settings).shared_step(batch, 0, "train")
+    torch.manual_seed(0)
+    top = tiny_module(distill_top_k=vocab, **settings).shared_step(batch, 0, "train")
+    assert full.loss > 1 and full.tokens.sum() > 10
+    torch.testing.assert_close(top.loss, full.loss)
+    torch.manual_seed(0)
+    narrow = tiny_module(distill_top_k=2, **settings).shared_step(batch, 0, "train")
+    assert not torch.allclose(narrow.loss, full.loss)
+    with pytest.raises(DDTreeError, match="model.distill_top_k=-1"):
+        tiny_module(distill_top_k=-1)
 
 
 def test_redraft_training_changes_the_train_loss_only_and_validates_plain_blocks():

@@ -301,6 +301,9 @@ def build_feature_store(
     if not all(0 <= i < num_layers for i in layer_ids):
         raise DDTreeError(f"target_layer_ids {layer_ids} must be within 0..{num_layers - 1} "
                           f"(target {datamodule.target} has {num_layers} layers)")
+    if teacher_top_k > text_config.vocab_size:
+        raise DDTreeError(f"model.distill_top_k={teacher_top_k} is above target {datamodule.target}'s vocabulary of "
+                          f"{text_config.vocab_size} tokens: set it at most {text_config.vocab_size}")
     width, itemsize, lengths = len(layer_ids) * hidden_size, dtype.itemsize, data.lengths()
     row_width = width + (hidden_size if final_hidden else 0)  # values stored per token in `dtype`
     teacher_bytes = 8 * teacher_top_k  # per token: int32 ids and float32 log-probabilities

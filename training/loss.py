@@ -91,21 +91,23 @@ def top_entries(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
 
 def next_token_top_k(final_hidden: torch.Tensor, lm_head: nn.Module, k: int,
                      rows_per_chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's k likeliest next tokens after each position: ((..., k) ids, (..., k) fp32 log-probabilities), unordered.
+    """The target's k likeliest next tokens after each position: ((..., k) ids, (..., k) fp32 log-probabilities), unordered
+    (all V tokens if k > V).
 
     final_hidden (..., H), the target's final normed hidden states; lm_head its LM head over the whole vocabulary.
     What a distillation store keeps (model.distill_top_k; training/feature_store.py), and online training computes
     alike. In chunks of rows: (rows, V) fp32 logits of a 150K vocabulary are 0.6 GB per 1024 rows.
     """
     flat = final_hidden.reshape(-1, final_hidden.shape[-1])
-    ids = torch.empty(flat.shape[0], k, dtype=torch.long, device=flat.device)
-    log_probs = torch.empty(flat.shape[0], k, dtype=torch.float32, device=flat.device)
+    ids, log_probs = [], []
     with torch.no_grad():
-        for start in range(0, flat.shape[0], rows_per_chunk):
+        for start in range(0, max(1, flat.shape[0]), rows_per_chunk):
             logits = lm_head(flat[start:start + rows_per_chunk]).float()  # (r, V)
-            values, ids[start:start + rows_per_chunk] = top_entries(logits, min(k, logits.shape[1]))
-            log_probs[start:start + rows_per_chunk] = values - torch.logsumexp(logits, dim=1, keepdim=True)
-    return ids.view(*final_hidden.shape[:-1], k), log_probs.view(*final_hidden.shape[:-1], k)
+            values, chunk_ids = top_entries(logits, min(k, logits.shape[1]))  # k above V: all V
+            ids.append(chunk_ids)
+            log_probs.append(values - torch.logsumexp(logits, dim=1, keepdim=True))
+    shape = (*final_hidden.shape[:-1], ids[0].shape[1])
+    return torch.cat(ids).view(shape), torch.cat(log_probs).view(shape)
 
 
 def chain_acceptance(position_accuracy: torch.Tensor) -> torch.Tensor:

@@ -129,6 +129,9 @@ def test_a_top_k_teacher_store_holds_the_targets_likeliest_next_tokens(tmp_path)
         assert ids.shape == (len(data[i]["input_ids"]), 5) and ids.dtype == torch.long
         torch.testing.assert_close(stored.sort(dim=1).values, log_probs.topk(5, dim=1).values.sort(dim=1).values)
         torch.testing.assert_close(log_probs.gather(1, ids), stored)  # each id with its own log-probability
+    with pytest.raises(DDTreeError, match="model.distill_top_k=1000000 is above"):
+        build_feature_store(dm, tmp_path / "wide", layer_ids=LAYER_IDS, teacher_top_k=10**6)
+    assert not (tmp_path / "wide").exists() and not partial_path(tmp_path / "wide").exists()
 
 
 def test_length_sorted_batches_give_the_per_sequence_features(tmp_path):

@@ -158,7 +158,7 @@ def test_a_top_k_teacher_of_the_whole_vocabulary_is_the_whole_distribution(disti
     teacher = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(1))
     weights = block_position_weights(4, gamma=4.0)
     vocab = lm_head.weight.shape[0]
-    top = next_token_top_k(teacher, lm_head, vocab, rows_per_chunk=5)  # chunked: the same as in one go
+    top = next_token_top_k(teacher, lm_head, vocab + 3, rows_per_chunk=5)  # chunked; k above V: all V
     assert top[0].shape == (*teacher.shape[:2], vocab) and torch.equal(top[0].sort(dim=-1).values[0, 0], torch.arange(vocab))
     for objective in ("decayed_ce", "intree"):
         full = block_loss_sums(hidden.requires_grad_(), labels, lm_head, weights, teacher_hidden=teacher,

@@ -39,11 +39,12 @@ from .loss import RECALL_K
 from .recipe import check_recipe_name
 from .train import main as train_main
 
-DEFAULT_VARIANTS = [  # the published loss, the four acceptance-weighted objectives, the two distillation losses, a mix
+DEFAULT_VARIANTS = [  # the published loss, the four acceptance-weighted objectives, the two distillation losses, mixes
     "decayed_ce=", "dpace=--model.objective=dpace", "tree=--model.objective=tree",
     "frontier=--model.objective=frontier", "intree=--model.objective=intree",
     "kl=--model.distill_weight=0.5", "lk=--model.distill_weight=0.5 --model.distill_loss=lk",
     "intree-kl=--model.objective=intree --model.distill_weight=0.5",
+    "intree-kl32=--model.objective=intree --model.distill_weight=0.5 --model.distill_top_k=32",
 ]
 
 

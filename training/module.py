@@ -463,25 +463,25 @@ class DistillModule(L.LightningModule):
         key = hash((self.hparams.seed, epoch, batch_idx, self.global_rank)) & 0x7FFF_FFFF_FFFF
         return torch.Generator().manual_seed(key)
 
-    def sequence_features(self, batch: dict, final_hidden: bool = False):
-        """(target features (S, T, K*H), the teacher or None, a function giving the seconds the target's forward
-        took: ForwardClock's, to call after the step, when reading them waits for nothing).
+    def sequence_features(self, batch: dict, teacher: bool = False):
+        """(target features (S, T, K*H), the teacher's source or None, a function giving the seconds the target's
+        forward took: ForwardClock's, to call after the step, when reading them waits for nothing).
 
         From the batch when a feature store serves it (0 seconds), else from the frozen target's forward. The
-        teacher (final_hidden=True) is the final hidden states (S, T, H), or, from a store with model.distill_top_k,
-        the target's top k after each token, ((S, T, k) ids, (S, T, k) log-probabilities).
+        teacher's source (teacher=True) is the final hidden states (S, T, H), or, from a store with
+        model.distill_top_k, the target's top k after each token, ((S, T, k) ids, (S, T, k) log-probabilities).
         """
         if "features" in batch:  # offline store: the dtype the target's own forward gives
             features = batch["features"].to(self.device, self.target.dtype)
-            final = None
-            if final_hidden and self.hparams.distill_top_k:
-                final = batch["teacher_ids"].to(self.device), batch["teacher_log_probs"].to(self.device)
-            elif final_hidden:
-                final = batch["final_hidden"].to(self.device, self.target.dtype)
-            return features, final, lambda: 0.0
+            source = None
+            if teacher and self.hparams.distill_top_k:
+                source = batch["teacher_ids"].to(self.device), batch["teacher_log_probs"].to(self.device)
+            elif teacher:
+                source = batch["final_hidden"].to(self.device, self.target.dtype)
+            return features, source, lambda: 0.0
         clock = ForwardClock(batch["input_ids"].device)
-        features = target_layer_features(self.target, batch["input_ids"], self.target_layer_ids, final_hidden=final_hidden)
-        features, final = features if final_hidden else (features, None)
+        features = target_layer_features(self.target, batch["input_ids"], self.target_layer_ids, final_hidden=teacher)
+        features, final = features if teacher else (features, None)
         return features, final, clock.stop()
 
     def block_predictions(self, batch: dict, batch_idx: int, stage: str, distill: bool = False):
@@ -498,7 +498,7 @@ class DistillModule(L.LightningModule):
         anchors, valid = sample_anchors(loss_mask, self.hparams.num_anchors, generator)
         if anchors.shape[1] == 0:
             return None  # no reply token with a successor anywhere in the batch: nothing to learn
-        features, final, target_seconds = self.sequence_features(batch, distill)
+        features, source, target_seconds = self.sequence_features(batch, distill)
         labels = block_labels(input_ids, loss_mask, anchors, valid, self.block_size)  # (S, n, B)
         # Validation measures the plain blocks alone, so runs with and without re-draft training compare.
         given = sample_given(anchors, self.hparams.redraft_prob, generator) if stage == "train" else None
@@ -506,10 +506,10 @@ class DistillModule(L.LightningModule):
             labels = given_labels(labels, given)
         hidden = self.block_hidden_states(features, input_ids, anchors, given)  # (S, n*B, H)
         teacher = None
-        if isinstance(final, tuple):  # the store's top k
-            teacher = tuple(teacher_states(t, anchors, self.block_size) for t in final)  # (S, n*B, k) each
+        if isinstance(source, tuple):  # the store's top k
+            teacher = tuple(teacher_states(t, anchors, self.block_size) for t in source)  # (S, n*B, k) each
         elif distill:
-            teacher = teacher_states(final, anchors, self.block_size)  # (S, n*B, H)
+            teacher = teacher_states(source, anchors, self.block_size)  # (S, n*B, H)
             if self.hparams.distill_top_k:  # online: what the store would hold, at the block tokens only
                 teacher = next_token_top_k(teacher, self.target.get_output_embeddings(), self.hparams.distill_top_k)
         return hidden, labels, teacher, target_seconds

@@ -294,16 +294,6 @@ def sparse_distill_loss(
     return (1 - distill_weight) * -picked[:, 0] + distill_weight * soft
 
 
-def counted_rows(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The M counted block tokens: (rows (M, H), their labels (M,), their block positions (M,)).
-
-    hidden (S, n*B, H) and labels (S, n, B) as in block_loss_sums.
-    """
-    flat_labels = labels.flatten()
-    counted = (flat_labels != IGNORE_INDEX).nonzero().squeeze(1)  # (M,)
-    return hidden.flatten(0, 1)[counted], flat_labels[counted], counted % labels.shape[-1]
-
-
 def block_loss_sums(
     hidden: torch.Tensor,  # (S, n*B, H) drafter outputs for every block token
     labels: torch.Tensor,  # (S, n, B) the data token each one predicts, IGNORE_INDEX where none is counted
@@ -356,8 +346,9 @@ def block_loss_sums(
         raise ValueError(f"distill_loss {distill_loss!r}: choose one of {', '.join(DISTILL_LOSSES)}")
     block_size = weights.shape[0]
     flat_labels = labels.flatten()  # (S*n*B,)
-    counted = (flat_labels != IGNORE_INDEX).nonzero().squeeze(1)  # (M,)
-    rows, targets, positions = counted_rows(hidden, labels)  # (M, H), (M,), (M,) block position k of each row
+    counted = (flat_labels != IGNORE_INDEX).nonzero().squeeze(1)  # (M,) the counted block tokens
+    # (M, H), (M,), (M,): their drafter outputs, labels and block positions k
+    rows, targets, positions = hidden.flatten(0, 1)[counted], flat_labels[counted], counted % block_size
     teacher = ()  # the teacher's rows, as tensors (checkpoint() passes tensors): (M, H), or (M, k) ids and log-probs
     if distill_weight > 0:
         teacher = tuple(t.flatten(0, 1)[counted] for t in (teacher_top or (teacher_hidden,)))

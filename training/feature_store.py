@@ -409,15 +409,20 @@ def resolve_store_path(feature_store: str | None, recipe: str, datamodule: Disti
                        final_hidden: bool = False, teacher_top_k: int = 0) -> Path | None:
     """data.feature_store as a folder: None stays None (online features), "auto" is the recipe's default folder.
 
-    A run that needs no final hidden states (nor a teacher) also takes the recipe's store that has them, when that
-    one is built and the smaller one is not: the features are the same, and nothing is built twice.
+    A run that needs no final hidden states (nor a teacher) also takes a recipe's store that has them, when that
+    one is built and the smaller one is not: the features are the same, and nothing is built twice. Of several,
+    the one with final hidden states, else the smallest top-k teacher's.
     """
     if not feature_store:
         return None
     if feature_store != AUTO_STORE:
         return Path(feature_store)
     store = default_store_path(recipe, datamodule, final_hidden, teacher_top_k)
-    with_final = default_store_path(recipe, datamodule, final_hidden=True)
-    if not final_hidden and not teacher_top_k and not is_complete(store) and is_complete(with_final):
-        return with_final
-    return store
+    if final_hidden or teacher_top_k or is_complete(store):
+        return store
+    plain = store.name
+    with_teacher = sorted((int(path.name.removeprefix(f"{plain}-top")), path)
+                          for path in store.parent.glob(f"{plain}-top*")
+                          if path.name.removeprefix(f"{plain}-top").isdigit())
+    richer = [default_store_path(recipe, datamodule, final_hidden=True), *(path for _, path in with_teacher)]
+    return next((path for path in richer if is_complete(path)), store)

@@ -519,3 +519,32 @@ def test_a_store_built_with_an_adapter_retrained_since_at_the_same_path_is_refus
     with pytest.raises(DDTreeError, match="target_adapter_sha256"):  # and the same build is not taken as done
         build_feature_store(datamodule, tmp_path / "store", layer_ids=LAYER_IDS, target_adapter=adapter,
                             dtype=torch.float32)
+
+
+def test_a_run_without_distillation_takes_a_built_store_that_holds_more(tmp_path, monkeypatch):
+    """The plain store missing, `auto` takes the recipe's store with final hidden states, else the smallest top-k
+    teacher's: the same features, nothing built twice. A distilling run keeps its own folder."""
+    from training.feature_store import MANIFEST, resolve_store_path
+
+    monkeypatch.setattr(training.feature_store, "cache_dir", lambda: tmp_path)
+    datamodule = type("Data", (), {"tokenization_key": lambda self: "key"})()
+    folder = tmp_path / "features"
+
+    def built(name):
+        (folder / name).mkdir(parents=True)
+        (folder / name / MANIFEST).write_text("{}")
+
+    def resolved(**teacher):
+        return resolve_store_path("auto", "tiny", datamodule, **teacher).name
+
+    assert resolved() == "tiny-key"  # nothing built: the plain store is what gets built
+    (folder / "tiny-key-top16").mkdir(parents=True)  # unfinished (no manifest): not taken
+    built("tiny-key-top64")
+    built("tiny-key-top32")
+    assert resolved() == "tiny-key-top32"
+    assert resolved(teacher_top_k=64) == "tiny-key-top64" and resolved(teacher_top_k=8) == "tiny-key-top8"
+    built("tiny-key-final")
+    assert resolved() == "tiny-key-final" and resolved(final_hidden=True) == "tiny-key-final"
+    built("tiny-key")
+    assert resolved() == "tiny-key"
+    assert resolve_store_path(None, "tiny", datamodule) is None

@@ -39,12 +39,19 @@ from .loss import RECALL_K
 from .recipe import check_recipe_name
 from .train import main as train_main
 
-DEFAULT_VARIANTS = [  # the published loss, the four acceptance-weighted objectives, the two distillation losses, mixes
-    "decayed_ce=", "dpace=--model.objective=dpace", "tree=--model.objective=tree",
-    "frontier=--model.objective=frontier", "intree=--model.objective=intree",
-    "kl=--model.distill_weight=0.5", "lk=--model.distill_weight=0.5 --model.distill_loss=lk",
-    "intree-kl=--model.objective=intree --model.distill_weight=0.5",
-    "intree-kl32=--model.objective=intree --model.distill_weight=0.5 --model.distill_top_k=32",
+PLAIN = "--model.distill_weight=0 --model.distill_top_k=0"  # no distillation, whatever the recipe distils with
+KL = "--model.distill_weight=0.5 --model.distill_loss=kl"
+DEFAULT_VARIANTS = [  # the published loss, the four acceptance-weighted objectives, the two distillation losses, mixes;
+    # each names every objective and distillation setting, so a recipe's own choice (smollm2-135m: intree + kl32)
+    # changes none of them
+    f"decayed_ce=--model.objective=decayed_ce {PLAIN}", f"dpace=--model.objective=dpace {PLAIN}",
+    f"tree=--model.objective=tree {PLAIN}", f"frontier=--model.objective=frontier {PLAIN}",
+    f"intree=--model.objective=intree {PLAIN}",
+    f"kl=--model.objective=decayed_ce {KL} --model.distill_top_k=0",
+    "lk=--model.objective=decayed_ce --model.distill_weight=0.5 --model.distill_loss=lk --model.distill_top_k=0",
+    f"intree-kl=--model.objective=intree {KL} --model.distill_top_k=0",
+    f"intree-kl32=--model.objective=intree {KL} --model.distill_top_k=32",
+    f"dpace-kl32=--model.objective=dpace {KL} --model.distill_top_k=32",
 ]
 
 

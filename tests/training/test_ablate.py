@@ -63,3 +63,20 @@ def test_the_table_shows_every_budget_and_a_dash_where_a_variant_did_not_measure
     assert table[2].endswith("| 2.00 (2.10) | 3.00 (3.10) | 1.50 (-) | 2.00x |")
     assert table[3].endswith("| - | 2.50 (2.60) | 0.00 (-) | - |")  # no chain rounds: no ratio
     assert plot([result("a", {8: 2.0, 32: 3.0}, 1.5), result("b", {32: 2.5}, 0.0)]) is not None
+
+
+def test_default_variants_set_every_objective_and_distillation_knob():
+    """A recipe's own objective or distillation (smollm2-135m trains intree + kl32) must not leak into a variant
+    named for another: each default variant sets all four knobs itself."""
+    from training.ablate import DEFAULT_VARIANTS
+
+    names = set()
+    for text in DEFAULT_VARIANTS:
+        name, overrides = parse_variant(text)
+        names.add(name)
+        given = dict(override.removeprefix("--").split("=", 1) for override in overrides)
+        assert {"model.objective", "model.distill_weight", "model.distill_top_k"} <= set(given), name
+        assert (float(given["model.distill_weight"]) > 0) == any(part in name for part in ("kl", "lk")), name
+        objective = name.split("-")[0]
+        assert given["model.objective"] == ("decayed_ce" if objective in ("kl", "lk") else objective), name
+    assert len(names) == len(DEFAULT_VARIANTS)

@@ -42,7 +42,7 @@ from .train import main as train_main
 PLAIN = "--model.distill_weight=0 --model.distill_top_k=0"  # no distillation, whatever the recipe distils with
 KL = "--model.distill_weight=0.5 --model.distill_loss=kl"
 DEFAULT_VARIANTS = [  # the published loss, the four acceptance-weighted objectives, the two distillation losses, mixes;
-    # each names every objective and distillation setting, so a recipe's own choice (smollm2-135m: intree + kl32)
+    # each names every objective and distillation setting, so a recipe's own choice (smollm2-135m: dpace + kl32)
     # changes none of them
     f"decayed_ce=--model.objective=decayed_ce {PLAIN}", f"dpace=--model.objective=dpace {PLAIN}",
     f"tree=--model.objective=tree {PLAIN}", f"frontier=--model.objective=frontier {PLAIN}",

@@ -66,7 +66,7 @@ def test_the_table_shows_every_budget_and_a_dash_where_a_variant_did_not_measure
 
 
 def test_default_variants_set_every_objective_and_distillation_knob():
-    """A recipe's own objective or distillation (smollm2-135m trains intree + kl32) must not leak into a variant
+    """A recipe's own objective or distillation (smollm2-135m trains dpace + kl32) must not leak into a variant
     named for another: each default variant sets all four knobs itself."""
     from training.ablate import DEFAULT_VARIANTS
 

@@ -436,7 +436,9 @@ class BestCheckpoint(Checkpoint):
 
     At every step `is_evaluation_step` picks (the same schedule as AcceptanceEvaluation: recipe.py
     links every_n_train_steps), the checkpoint <filename>.ckpt competes by `monitor`, the value
-    AcceptanceEvaluation logged at that step; the earliest wins ties. last.ckpt is saved at the same
+    AcceptanceEvaluation logged at that step; the latest wins ties (a few prompts' tau often ties, and says
+    nothing then, while the later checkpoint has trained longer: the CPU recipe's run tied at 1400, 4200 and 5600
+    steps, and 1400 would have been exported). last.ckpt is saved at the same
     steps (and at the end of a launch that saved nothing), so a resume continues exactly from it.
     checkpoints/best.ckpt is a relative symlink to the best file, replaced atomically on rank 0 before the
     file it displaces is deleted, so it never points at a missing file; a launch re-links it as it starts,
@@ -486,11 +488,12 @@ class BestCheckpoint(Checkpoint):
         return filename.format(step=step, epoch=epoch) + ".ckpt"
 
     def update_best(self) -> None:
-        """Point best_model_path at the best kept file, the earliest of equals (as ModelCheckpoint picks it)."""
+        """Point best_model_path at the best kept file, the latest of equals."""
         if not self.best_k_models or self.dirpath is None:
             self.best_model_path = ""
             return
-        self.best_model_path = os.path.join(self.dirpath, max(self.best_k_models, key=self.best_k_models.get))
+        latest_first = reversed(self.best_k_models)  # saved in step order
+        self.best_model_path = os.path.join(self.dirpath, max(latest_first, key=self.best_k_models.get))
 
     # -------------------------------------------------------------- Lightning hooks
 
@@ -564,7 +567,7 @@ class BestCheckpoint(Checkpoint):
             enters = True
         else:
             displaced = min(self.best_k_models, key=self.best_k_models.get)  # the earliest of equals goes
-            enters = score > self.best_k_models[displaced]
+            enters = score >= self.best_k_models[displaced]  # a tie: the later checkpoint replaces it
         enters = trainer.strategy.broadcast(enters)  # the same decision on every rank, whatever the float noise
 
         # The state is updated before saving: each file holds the ranking it is part of, for an exact resume.

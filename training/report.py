@@ -27,12 +27,12 @@ from ddtree.files import atomic_file, write_text_atomic
 
 
 def best_record(history: list[dict], primary_budget: int) -> dict | None:
-    """The checkpointed evaluation with the highest primary tau; the earliest on ties, as BestCheckpoint keeps it."""
+    """The checkpointed evaluation with the highest primary tau; the latest on ties, as BestCheckpoint keeps it."""
     best = None
     for record in history:
         if record["checkpointed"]:
             tau = record["summary"][tree_key(primary_budget)]["tau"]
-            if best is None or tau > best["summary"][tree_key(primary_budget)]["tau"]:
+            if best is None or tau >= best["summary"][tree_key(primary_budget)]["tau"]:
                 best = record
     return best
 

@@ -144,8 +144,10 @@ def test_train_resume_from_a_truncated_last_ckpt_is_one_error_line_and_status_2(
     resume = ["--recipe", "tiny", "--output-root", str(tmp_path / "out"), "--resume", str(checkpoints / "last.ckpt")]
     assert train_main(resume) == 2
     line = one_error_line(capsys)
+    kept = [path.name for path in checkpoints.glob("step-*.ckpt")]  # the top 1 (steps 2 and 4 tie here: the later)
+    assert kept == ["step-4.ckpt"]
     assert line == (f"error: --resume {checkpoints / 'last.ckpt'}: checkpoint {checkpoints / 'last.ckpt'} is unreadable "
-                    f"(truncated?); resume from an earlier one: {checkpoints.resolve() / 'step-2.ckpt'}")
+                    f"(truncated?); resume from an earlier one: {checkpoints.resolve() / 'step-4.ckpt'}")
 
 
 # ----------------------------------------------------------------------------- reading

@@ -83,10 +83,10 @@ def test_training_logs_what_bench_measures_and_marks_the_best_checkpoint(tmp_pat
                  *[f"val/expected_tau_ddtree@{b}" for b in BUDGETS]]:
         assert all(name in row for row in logged.values()), name
 
-    # every evaluation step has its checkpoint, and best.ckpt names the highest primary tau (earliest on ties)
+    # every evaluation step has its checkpoint, and best.ckpt names the highest primary tau (latest on ties)
     checkpoints = {step: run_dir / "checkpoints" / f"step-{step}.ckpt" for step in logged}
     assert all(path.is_file() for path in checkpoints.values())
-    best_step = max(sorted(logged), key=lambda step: logged[step][monitor_metric(PRIMARY)])
+    best_step = max(sorted(logged, reverse=True), key=lambda step: logged[step][monitor_metric(PRIMARY)])
     assert (run_dir / "checkpoints" / "best.ckpt").resolve() == checkpoints[best_step].resolve()
 
     # the same checkpoints and prompts through run_benchmark: the very same numbers
@@ -273,7 +273,8 @@ def test_bad_drafter_logs_one_perfect_drafter_logs_the_maximum_and_the_best_is_k
 
 
 def test_top_k_drops_the_earliest_of_equals_and_a_resume_keeps_the_ranking(tmp_path):
-    """Top 2 of three evaluations (bad, bad, perfect): the first bad goes; resumed, a fourth (bad) does not enter."""
+    """Top 2 of three evaluations (bad, bad, perfect): the first bad goes; resumed, a fourth (bad) ties the second and,
+    the later of equals, takes its place; the perfect one stays the best."""
     def callbacks(schedule):
         evaluation = RiggedEvaluation(schedule, prompts=PROMPTS, every_n_train_steps=2, budgets=[8], primary_budget=8,
                                       max_new_tokens=6, limit=1)
@@ -296,10 +297,24 @@ def test_top_k_drops_the_earliest_of_equals_and_a_resume_keeps_the_ranking(tmp_p
     resumed = callbacks(["bad"])
     trainer(8, resumed).fit(tiny_module(), train_dataloaders=synthetic_loader(8), ckpt_path=folder / "last.ckpt")
     assert [r["step"] for r in resumed[0].history] == [2, 4, 6, 8]  # the evaluation history came back too
-    assert list(resumed[1].best_k_models) == ["step-4.ckpt", "step-6.ckpt"]  # step 8 (bad) did not enter
-    assert sorted(p.name for p in folder.glob("*.ckpt")) == ["best.ckpt", "last.ckpt", "step-4.ckpt", "step-6.ckpt"]
+    assert list(resumed[1].best_k_models) == ["step-6.ckpt", "step-8.ckpt"]  # step 8 (bad) displaced step 4 (bad)
+    assert sorted(p.name for p in folder.glob("*.ckpt")) == ["best.ckpt", "last.ckpt", "step-6.ckpt", "step-8.ckpt"]
     assert torch.load(folder / "last.ckpt", weights_only=False)["global_step"] == 8
     assert (folder / "best.ckpt").resolve().name == "step-6.ckpt"
+
+
+def test_the_latest_of_equal_taus_is_the_best_checkpoint(tmp_path):
+    """A few prompts' tau often ties; the later checkpoint has trained longer, so it is best.ckpt, and the report
+    marks it."""
+    evaluation = RiggedEvaluation(["perfect", "perfect", "bad"], prompts=PROMPTS, every_n_train_steps=2, budgets=[8],
+                                  primary_budget=8, max_new_tokens=6, limit=1)
+    checkpoints = BestCheckpoint(dirpath=tmp_path / "checkpoints", monitor=monitor_metric(8), every_n_train_steps=2,
+                                 save_top_k=1)
+    fit(tmp_path, 6, [evaluation, checkpoints])
+    folder = tmp_path / "checkpoints"
+    assert (folder / "best.ckpt").resolve().name == "step-4.ckpt"
+    assert sorted(p.name for p in folder.glob("*.ckpt")) == ["best.ckpt", "last.ckpt", "step-4.ckpt"]
+    assert "**4** (best)" in (tmp_path / "report.md").read_text()
 
 
 class Stopped(Exception):

@@ -420,9 +420,8 @@ def resolve_store_path(feature_store: str | None, recipe: str, datamodule: Disti
     store = default_store_path(recipe, datamodule, final_hidden, teacher_top_k)
     if final_hidden or teacher_top_k or is_complete(store):
         return store
-    plain = store.name
-    with_teacher = sorted((int(path.name.removeprefix(f"{plain}-top")), path)
-                          for path in store.parent.glob(f"{plain}-top*")
-                          if path.name.removeprefix(f"{plain}-top").isdigit())
-    richer = [default_store_path(recipe, datamodule, final_hidden=True), *(path for _, path in with_teacher)]
+    prefix = f"{store.name}-top"  # the teacher sizes built beside it; default_store_path names each folder
+    sizes = sorted(int(k) for k in (path.name[len(prefix):] for path in store.parent.glob(f"{prefix}*")) if k.isdigit())
+    richer = [default_store_path(recipe, datamodule, final_hidden=True),
+              *(default_store_path(recipe, datamodule, teacher_top_k=k) for k in sizes)]
     return next((path for path in richer if is_complete(path)), store)

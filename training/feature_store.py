@@ -18,7 +18,9 @@ target's LM head gives its whole next-token distribution, the soft targets of di
 (training/loss.py). The whole decoder then runs during the build, not only up to the deepest layer.
 With teacher_top_k=k instead (a recipe with model.distill_top_k k) it holds, per token, the target's k likeliest
 next tokens and their log-probabilities (training.loss.next_token_top_k), 8k bytes where a final hidden state in
-bf16 takes 2H: the LM head then runs once here, not at every training step.
+bf16 takes 2H: the LM head then runs once here, not at every training step, and only at the tokens whose next
+token is supervised (a reply's; the rows before a prompt token hold IGNORE_INDEX, log-probability -inf, and no loss
+reads them).
 
 Layout of a store folder:
     store.json                   the manifest: format version, target (and adapter, with the sha256 of its
@@ -58,6 +60,7 @@ from ddtree.precision import LIGHTNING_PRECISION
 from ddtree.targets import cache_dir, parse_dtype, resolve_target
 
 from .loss import next_token_top_k
+from .masks import IGNORE_INDEX
 from .target import load_frozen_target, target_layer_features
 
 if TYPE_CHECKING:
@@ -234,8 +237,10 @@ def shard_tensors(target, data: TokenizedConversations, shard: dict, layer_ids: 
     features = torch.empty(int(offsets[-1]), width, dtype=dtype)
     hidden_size = target.config.get_text_config().hidden_size
     final = torch.empty(int(offsets[-1]), hidden_size, dtype=dtype) if final_hidden else None
-    teacher = (torch.empty(int(offsets[-1]), teacher_top_k, dtype=torch.int32),
-               torch.empty(int(offsets[-1]), teacher_top_k, dtype=torch.float32)) if teacher_top_k else None
+    # The teacher's rows are computed only where the next token is supervised (a loss reads no other: a block label
+    # counts only on loss_mask, masks.block_labels); the others hold IGNORE_INDEX with log-probability -inf, p = 0.
+    teacher = (torch.full((int(offsets[-1]), teacher_top_k), IGNORE_INDEX, dtype=torch.int32),
+               torch.full((int(offsets[-1]), teacher_top_k), float("-inf"))) if teacher_top_k else None
     device = target.get_input_embeddings().weight.device
     longest_first = sorted(range(count), key=lambda j: -lengths[j])  # neighbours in length: little padding
     for start in range(0, count, sequences_per_batch):
@@ -250,10 +255,15 @@ def shard_tensors(target, data: TokenizedConversations, shard: dict, layer_ids: 
             features[offsets[j]:offsets[j + 1]] = batch[row, :lengths[j]]
             if final_hidden:
                 final[offsets[j]:offsets[j + 1]] = batch_final[row, :lengths[j]].to("cpu", dtype)
-            if teacher:
-                ids, log_probs = next_token_top_k(batch_final[row, :lengths[j]], target.get_output_embeddings(), teacher_top_k)
-                teacher[0][offsets[j]:offsets[j + 1]] = ids.to("cpu", torch.int32)
-                teacher[1][offsets[j]:offsets[j + 1]] = log_probs.cpu()
+        if teacher:  # the whole batch's needed rows through the LM head at once: (rows, V) chunks, not one per sequence
+            needed = torch.zeros(input_ids.shape, dtype=torch.bool)  # (b, T) the next token is supervised
+            for row, j in enumerate(rows):
+                needed[row, :lengths[j] - 1] = data[first + j]["loss_mask"][1:]
+            ids, log_probs = next_token_top_k(batch_final[needed.to(batch_final.device)], target.get_output_embeddings(),
+                                              teacher_top_k)  # (rows, k) each, in (row, position) order
+            stored = torch.cat([offsets[j] + needed[row].nonzero()[:, 0] for row, j in enumerate(rows)])
+            teacher[0][stored] = ids.to("cpu", torch.int32)
+            teacher[1][stored] = log_probs.cpu()
         progress.update(sum(lengths[j] for j in rows))
     return {"features": features, "offsets": offsets, **({"final": final} if final_hidden else {}),
             **({"teacher_ids": teacher[0], "teacher_log_probs": teacher[1]} if teacher else {})}

@@ -97,15 +97,20 @@ def next_token_top_k(final_hidden: torch.Tensor, lm_head: nn.Module, k: int,
     final_hidden (..., H), the target's final normed hidden states; lm_head its LM head over the whole vocabulary.
     What a distillation store keeps (model.distill_top_k; training/feature_store.py), and online training computes
     alike. In chunks of rows: (rows, V) fp32 logits of a 150K vocabulary are 0.6 GB per 1024 rows.
+    The log-normaliser is logsumexp's own sum, shifted by the row's maximum (one of its top k), computed in place
+    on the logits: torch.logsumexp allocates its own (rows, V) temporaries, and on a CPU their first touch cost
+    more than the exponentials (122 ms against 41 for 1024 rows of 49152 on a 2-core AVX2 EPYC).
     """
     flat = final_hidden.reshape(-1, final_hidden.shape[-1])
     ids, log_probs = [], []
     with torch.no_grad():
         for start in range(0, max(1, flat.shape[0]), rows_per_chunk):
-            logits = lm_head(flat[start:start + rows_per_chunk]).float()  # (r, V)
+            logits = lm_head(flat[start:start + rows_per_chunk]).float()  # (r, V), a tensor of this loop's own
             values, chunk_ids = top_entries(logits, min(k, logits.shape[1]))  # k above V: all V
+            peak = values.amax(dim=1, keepdim=True)  # (r, 1) the row's maximum
+            log_norm = logits.sub_(peak).exp_().sum(dim=1, keepdim=True).log_().add_(peak)  # logits are spent here
             ids.append(chunk_ids)
-            log_probs.append(values - torch.logsumexp(logits, dim=1, keepdim=True))
+            log_probs.append(values - log_norm)
     shape = (*final_hidden.shape[:-1], ids[0].shape[1])
     return torch.cat(ids).view(shape), torch.cat(log_probs).view(shape)
 

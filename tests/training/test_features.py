@@ -22,6 +22,7 @@ from ddtree.targets import DDTreeError, load_target
 from training.data import DistillDataModule
 from training.feature_store import FeatureStore, build_feature_store, partial_path, store_teacher
 from training.features import main
+from training.masks import IGNORE_INDEX
 from training.module import DistillModule
 from training.target import target_layer_features
 from training.train import main as train_main
@@ -127,8 +128,14 @@ def test_a_top_k_teacher_store_holds_the_targets_likeliest_next_tokens(tmp_path)
         log_probs = target.get_output_embeddings()(final[0]).float().log_softmax(-1)  # (T_i, V)
         ids, stored = store.teacher(i)
         assert ids.shape == (len(data[i]["input_ids"]), 5) and ids.dtype == torch.long
+        # Rows where the next token is supervised hold the teacher; no loss reads the others, which are left p = 0.
+        needed = torch.cat([data[i]["loss_mask"][1:], torch.zeros(1, dtype=torch.bool)])
+        assert 0 < needed.sum() < len(needed), f"sequence {i}: both kinds of row"
+        log_probs, ids, stored = log_probs[needed], ids[needed], stored[needed]
         torch.testing.assert_close(stored.sort(dim=1).values, log_probs.topk(5, dim=1).values.sort(dim=1).values)
         torch.testing.assert_close(log_probs.gather(1, ids), stored)  # each id with its own log-probability
+        skipped = store.teacher(i)
+        assert (skipped[0][~needed] == IGNORE_INDEX).all() and (skipped[1][~needed] == float("-inf")).all()
     with pytest.raises(DDTreeError, match="model.distill_top_k=1000000 is above"):
         build_feature_store(dm, tmp_path / "wide", layer_ids=LAYER_IDS, teacher_top_k=10**6)
     assert not (tmp_path / "wide").exists() and not partial_path(tmp_path / "wide").exists()

@@ -171,6 +171,19 @@ def test_a_top_k_teacher_of_the_whole_vocabulary_is_the_whole_distribution(disti
         torch.testing.assert_close(*grads)
 
 
+@pytest.mark.parametrize("scale", [1.0, 300.0])  # 300: logits far beyond exp's fp32 range, shifted before exp
+def test_next_token_top_k_gives_the_k_likeliest_tokens_with_their_log_probabilities(scale):
+    generator = torch.Generator().manual_seed(2)
+    lm_head = torch.nn.Linear(8, 97, bias=False)
+    torch.nn.init.normal_(lm_head.weight, generator=generator)
+    final = torch.randn(3, 11, 8, generator=generator) * scale
+    ids, log_probs = next_token_top_k(final, lm_head, 6, rows_per_chunk=4)
+    reference = lm_head(final).double().log_softmax(-1)  # (3, 11, 97)
+    assert ids.shape == log_probs.shape == (3, 11, 6) and log_probs.dtype == torch.float32
+    assert torch.equal(ids.sort(dim=-1).values, reference.topk(6, dim=-1).indices.sort(dim=-1).values)
+    torch.testing.assert_close(log_probs.double(), reference.gather(-1, ids), rtol=1e-6, atol=1e-5 * scale)
+
+
 def test_a_top_k_teacher_is_renormalised_over_the_tokens_the_head_has():
     hidden, labels, lm_head = block_loss_case()
     weights = block_position_weights(4, gamma=4.0)

@@ -220,6 +220,7 @@ class AcceptanceEvaluation(L.Callback):
         self.corpus: CorpusLookup | None = None  # model.corpus: the training replies, grafted as the export will be
         self.stop_ids: list[int] | None = None  # needs the target's generation config: set at the first evaluation
         self.last_step = -1
+        self.validated: tuple[int, float] | None = None  # (step, loss) of this launch's latest validation
         self.launch_started = time.perf_counter()
         self.launch_eval_seconds = 0.0
 
@@ -298,10 +299,12 @@ class AcceptanceEvaluation(L.Callback):
     def on_validation_end(self, trainer, pl_module) -> None:
         # Lightning validates after the train-batch hooks of the same step, so the evaluation recorded
         # there saw the previous validation's loss: this step's row takes the fresh one.
-        if trainer.sanity_checking or not self.history or self.history[-1]["step"] != trainer.global_step:
+        if trainer.sanity_checking or "val/loss" not in trainer.callback_metrics:
             return
-        if "val/loss" in trainer.callback_metrics:
-            val_loss = float(trainer.callback_metrics["val/loss"])
+        # A run stopped off schedule (max_time) validates at its stop before on_train_end evaluates it: kept for that row.
+        self.validated = (trainer.global_step, float(trainer.callback_metrics["val/loss"]))
+        if self.history and self.history[-1]["step"] == trainer.global_step:
+            val_loss = self.validated[1]
             self.history[-1]["val_loss"] = val_loss
             if trainer.is_global_zero:
                 path = self.eval_file(Path(trainer.default_root_dir), trainer.global_step)
@@ -368,9 +371,9 @@ class AcceptanceEvaluation(L.Callback):
             {
                 "step": step,
                 "train_loss": scalar("train/loss"),
-                # Filled by on_validation_end where validation runs at this step; the metric held now is an
-                # earlier step's (the final evaluation's row showed the last validation's loss as its own).
-                "val_loss": None,
+                # Filled by on_validation_end where validation runs at this step after the evaluation (scheduled
+                # ones); the metric held now may be an earlier step's, so only a validation of this very step counts.
+                "val_loss": self.validated[1] if self.validated and self.validated[0] == step else None,
                 "seconds": seconds,
                 "checkpointed": checkpointed,
                 "summary": result["summary"],
@@ -415,7 +418,9 @@ class AcceptanceEvaluation(L.Callback):
 
         run_dir = Path(trainer.default_root_dir)
         settings = self.settings(trainer.lightning_module.drafter_config, len(self.prompts))
-        write_json_atomic(self.eval_file(run_dir, step), {"step": step, "settings": settings, **result})
+        val_loss = self.history[-1]["val_loss"]  # known here only for a run stopped off schedule (on_validation_end)
+        write_json_atomic(self.eval_file(run_dir, step), {"step": step, "settings": settings, **result,
+                                                          **({"val_loss": val_loss} if val_loss is not None else {})})
         launch_seconds = self._write_report(trainer)
 
         primary = result["summary"][tree_key(self.primary_budget)]

@@ -117,7 +117,8 @@ def test_the_chain_reports_its_expected_tau_from_its_own_probabilities(tiny_targ
     result = generate(target, [5, 6, 7, 8], CHAIN, drafter, max_new_tokens=40)
     assert drafter.generations[0][0] == 15 and len(result.rounds) >= 2
     for depth, round_ in zip(drafter.generations[0], result.rounds):
-        assert round_.expected == pytest.approx(1 + sum(0.5**d for d in range(1, depth + 1)), rel=1e-4)  # fp32 softmax over V
+        # fp32 softmax over V: its sum of 49151 equal terms rounds the same way each time, 1.5e-4 off on an AVX2 EPYC
+        assert round_.expected == pytest.approx(1 + sum(0.5**d for d in range(1, depth + 1)), rel=1e-3)
 
 
 # ----------------------------------------------------------------------------- reading a prompts file

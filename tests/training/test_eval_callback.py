@@ -428,6 +428,29 @@ def test_an_evaluation_off_the_validation_grid_records_no_validation_loss_as_its
     assert rows[3] is None  # before: step 2's loss again
 
 
+def test_a_run_stopped_off_schedule_keeps_the_validation_loss_of_its_stop(tmp_path):
+    """max_time at step 3 (validation every 2): Lightning validates at the stop, then the final evaluation runs; its
+    row and its file take that step's loss, not step 2's."""
+    evaluation = AcceptanceEvaluation(prompts=PROMPTS, every_n_train_steps=2, budgets=[4], primary_budget=4,
+                                      max_new_tokens=4, limit=1)
+    losses = {}
+
+    class RecordValidation(L.Callback):
+        def on_validation_end(self, trainer, module):
+            losses[trainer.global_step] = float(trainer.callback_metrics["val/loss"])
+
+    torch.manual_seed(0)
+    trainer = L.Trainer(max_steps=10, accelerator="cpu", default_root_dir=tmp_path, logger=False,
+                        callbacks=[StopAtStep3(), RecordValidation(), evaluation], enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, val_check_interval=2,
+                        check_val_every_n_epoch=None, num_sanity_val_steps=0, limit_val_batches=1)
+    trainer.fit(tiny_module(), train_dataloaders=synthetic_loader(10), val_dataloaders=synthetic_loader(1))
+    rows = {r["step"]: r["val_loss"] for r in evaluation.history}
+    assert set(losses) == {2, 3} and losses[2] != losses[3]
+    assert rows == losses
+    assert json.loads(AcceptanceEvaluation.eval_file(tmp_path, 3).read_text())["val_loss"] == losses[3]
+
+
 def test_a_resume_from_a_checkpoint_written_before_its_steps_validation_keeps_that_validation_loss(tmp_path):
     """Checkpoint, evaluation and validation at step 2; resumed from last.ckpt, step 2's row still has its loss."""
     def fit_to(steps, **kwargs):

@@ -261,7 +261,7 @@ def shard_tensors(target, data: TokenizedConversations, shard: dict, layer_ids: 
                 needed[row, :lengths[j] - 1] = data[first + j]["loss_mask"][1:]
             ids, log_probs = next_token_top_k(batch_final[needed.to(batch_final.device)], target.get_output_embeddings(),
                                               teacher_top_k)  # (rows, k) each, in (row, position) order
-            stored = torch.cat([offsets[j] + needed[row].nonzero()[:, 0] for row, j in enumerate(rows)])
+            stored = (offsets[rows][:, None] + torch.arange(needed.shape[1]))[needed]  # each needed row's store index
             teacher[0][stored] = ids.to("cpu", torch.int32)
             teacher[1][stored] = log_probs.cpu()
         progress.update(sum(lengths[j] for j in rows))

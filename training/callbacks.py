@@ -25,9 +25,11 @@ in the run folder, report.md, tau.png and eval/accepted_depths.csv (training/rep
 
 `BestCheckpoint` saves the run at the same steps (training/recipe.py links its every_n_train_steps and
 its monitor, val/tau_ddtree@<primary>, to the `eval:` section) and keeps the top k by that metric,
-last.ckpt and a checkpoints/best.ckpt symlink naming the best. The two callbacks never call each
-other: both follow `is_evaluation_step`, and Lightning runs checkpoint callbacks after all others,
-so the metric a checkpoint is ranked by is always the one AcceptanceEvaluation logged at its step.
+last.ckpt and a checkpoints/best.ckpt symlink naming the best. Both follow `is_evaluation_step`, and
+Lightning runs checkpoint callbacks after all others, so the metric a checkpoint is ranked by is always
+the one AcceptanceEvaluation logged at its step. A run that stops off schedule (max_time on a slow
+machine) is evaluated and checkpointed at its stop too (`stops_here`): BestCheckpoint ranks that step by
+what AcceptanceEvaluation measured there.
 
 Distributed (DDP, DeepSpeed): every rank decodes its share of the prompts (prompt i on rank
 i % world_size), all ranks gather every result and log the same numbers (each rank's checkpoint
@@ -52,7 +54,7 @@ from pathlib import Path
 import lightning as L
 import numpy as np
 import torch
-from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.callbacks import Checkpoint, Timer
 from torch import nn
 from transformers import AutoTokenizer, PreTrainedModel
 
@@ -77,7 +79,7 @@ def is_evaluation_step(trainer: L.Trainer, every_n_train_steps: int) -> bool:
     """Whether this optimizer step is evaluated and checkpointed: every N steps, and the planned last step.
 
     The planned end (max_steps, or the last batch of the last epoch) is the same on every rank,
-    unlike should_stop; a run stopped early is measured at its end but not checkpointed there.
+    unlike should_stop; a run stopped off schedule is measured and checkpointed there too (`stops_here`).
     """
     step = trainer.global_step
     if step == 0:
@@ -88,6 +90,21 @@ def is_evaluation_step(trainer: L.Trainer, every_n_train_steps: int) -> bool:
         return True
     max_epochs = trainer.max_epochs
     return bool(trainer.is_last_batch) and max_epochs not in (None, -1) and trainer.current_epoch + 1 >= max_epochs
+
+
+def stops_here(trainer: L.Trainer) -> bool:
+    """Whether the run stops after this optimizer step off schedule, as seen from on_train_batch_end: a callback
+    before the caller set should_stop, or the Timer that `trainer.max_time` adds (which Lightning runs after the
+    other callbacks) finds the time spent. On a slow machine max_time cuts the schedule, and the stopped step is
+    then the most trained one: it is measured and competes for best.ckpt like a scheduled step, saved where a
+    resume continues exactly (a save in on_train_end would resume at the next epoch). Not at a SIGTERM: the sender
+    gives seconds, not an evaluation's minute. The same decision on every rank.
+    """
+    if trainer.received_sigterm or not getattr(trainer.fit_loop, "_can_stop_early", True):  # min_steps not met yet
+        return False
+    timers = [callback for callback in trainer.callbacks if isinstance(callback, Timer) and callback._interval == "step"]
+    stop = trainer.should_stop or any(timer.time_remaining() is not None and timer.time_remaining() <= 0 for timer in timers)
+    return trainer.strategy.reduce_boolean_decision(bool(stop), all=False)
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -221,6 +238,7 @@ class AcceptanceEvaluation(L.Callback):
         self.stop_ids: list[int] | None = None  # needs the target's generation config: set at the first evaluation
         self.last_step = -1
         self.validated: tuple[int, float] | None = None  # (step, loss) of this launch's latest validation
+        self.measured: tuple[int, dict] | None = None  # (step, metrics) of this launch's latest evaluation
         self.launch_started = time.perf_counter()
         self.launch_eval_seconds = 0.0
 
@@ -279,15 +297,19 @@ class AcceptanceEvaluation(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         # Under gradient accumulation this runs once per micro-batch: evaluate a step once.
-        if trainer.global_step != self.last_step and is_evaluation_step(trainer, self.every_n_train_steps):
-            self._evaluate(trainer, pl_module, checkpointed=True)
+        if trainer.global_step == self.last_step:
+            return
+        if is_evaluation_step(trainer, self.every_n_train_steps):
+            self._evaluate(trainer, pl_module, logged=True)
+        elif stops_here(trainer):  # max_time: measured and ranked as a scheduled step is
+            self._evaluate(trainer, pl_module, logged=True, stop=True)
 
     def on_train_end(self, trainer, pl_module) -> None:
-        # A run stopped off schedule (max_time, a stopping callback) still gets its final weights measured;
-        # Lightning allows no logging to the module here, so this one is in the files and loggers only.
-        # Not after a SIGTERM: the sender (a scheduler, a preemption) gives seconds, not an evaluation's minute.
+        # A run stopped where on_train_batch_end could not see it coming (a stop set later in the step, by
+        # validation say) still gets its final weights measured; Lightning allows no logging to the module here,
+        # so this one is in the files and loggers only, with no checkpoint. Not after a SIGTERM (stops_here).
         if trainer.global_step > 0 and trainer.global_step != self.last_step and not trainer.received_sigterm:
-            self._evaluate(trainer, pl_module, checkpointed=False)
+            self._evaluate(trainer, pl_module, logged=False)
 
     def state_dict(self) -> dict:
         return {"history": self.history, "last_step": self.last_step}
@@ -301,7 +323,7 @@ class AcceptanceEvaluation(L.Callback):
         # there saw the previous validation's loss: this step's row takes the fresh one.
         if trainer.sanity_checking or "val/loss" not in trainer.callback_metrics:
             return
-        # A run stopped off schedule (max_time) validates at its stop before on_train_end evaluates it: kept for that row.
+        # A stop that on_train_batch_end did not see coming validates before on_train_end evaluates it: kept for that row.
         self.validated = (trainer.global_step, float(trainer.callback_metrics["val/loss"]))
         if self.history and self.history[-1]["step"] == trainer.global_step:
             val_loss = self.validated[1]
@@ -346,7 +368,8 @@ class AcceptanceEvaluation(L.Callback):
             return pl_module.calibrate_draft_temperatures(itertools.islice(batches, count), self.primary_budget,
                                                           self.max_new_tokens, self.stop_ids)
 
-    def _evaluate(self, trainer, pl_module, checkpointed: bool) -> None:
+    def _evaluate(self, trainer, pl_module, logged: bool, stop: bool = False) -> None:
+        """logged: into callback_metrics (on_train_batch_end only); stop: off the every-N grid, at a stop."""
         step = trainer.global_step
         started = time.perf_counter()
         target = pl_module.target
@@ -361,10 +384,13 @@ class AcceptanceEvaluation(L.Callback):
         self.last_step = step
         self.launch_eval_seconds += seconds
         metrics = metrics_of(result["summary"], seconds)
+        self.measured = (step, metrics)
 
-        if checkpointed:  # into callback_metrics on every rank, where BestCheckpoint ranks by it, and the progress bar
+        if logged:  # into callback_metrics on every rank, where BestCheckpoint ranks by it, and the progress bar
             for name, value in metrics.items():
                 pl_module.log(name, value, logger=False, prog_bar=name == self.monitor, batch_size=1)
+        # Whether this step competes for best.ckpt: every one on the grid; a stop's where BestCheckpoint saves it.
+        checkpointed = logged and (not stop or any(isinstance(c, BestCheckpoint) for c in trainer.checkpoint_callbacks))
 
         scalar = lambda name: float(trainer.callback_metrics[name]) if name in trainer.callback_metrics else None  # noqa: E731
         self.history.append(
@@ -418,7 +444,7 @@ class AcceptanceEvaluation(L.Callback):
 
         run_dir = Path(trainer.default_root_dir)
         settings = self.settings(trainer.lightning_module.drafter_config, len(self.prompts))
-        val_loss = self.history[-1]["val_loss"]  # known here only for a run stopped off schedule (on_validation_end)
+        val_loss = self.history[-1]["val_loss"]  # known here only where on_train_end evaluates a stop (on_validation_end)
         write_json_atomic(self.eval_file(run_dir, step), {"step": step, "settings": settings, **result,
                                                           **({"val_loss": val_loss} if val_loss is not None else {})})
         launch_seconds = self._write_report(trainer)
@@ -441,7 +467,8 @@ class BestCheckpoint(Checkpoint):
 
     At every step `is_evaluation_step` picks (the same schedule as AcceptanceEvaluation: recipe.py
     links every_n_train_steps), the checkpoint <filename>.ckpt competes by `monitor`, the value
-    AcceptanceEvaluation logged at that step; the latest wins ties (a few prompts' tau often ties, and says
+    AcceptanceEvaluation logged at that step, and so does the step a run stops at off schedule (max_time:
+    `stops_here`), where AcceptanceEvaluation measured it; the latest wins ties (a few prompts' tau often ties, and says
     nothing then, while the later checkpoint has trained longer: the CPU recipe's run tied at 1400, 4200 and 5600
     steps, and 1400 would have been exported). last.ckpt is saved at the same
     steps (and at the end of a launch that saved nothing), so a resume continues exactly from it.
@@ -533,7 +560,12 @@ class BestCheckpoint(Checkpoint):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
-        if trainer.fast_dev_run or step == self.last_saved_step or not is_evaluation_step(trainer, self.every_n_train_steps):
+        if trainer.fast_dev_run or step == self.last_saved_step:
+            return
+        if not is_evaluation_step(trainer, self.every_n_train_steps):
+            score = self.stop_score(trainer, step)  # a stop off schedule that AcceptanceEvaluation measured (stops_here)
+            if score is not None:
+                self.save(trainer, step, -math.inf if math.isnan(score) else score)
             return
         if self.monitor not in trainer.callback_metrics:
             raise DDTreeError(
@@ -550,6 +582,14 @@ class BestCheckpoint(Checkpoint):
         if self.save_last and not self.saved_this_launch and not trainer.fast_dev_run:
             self.last_saved_step = trainer.global_step
             trainer.save_checkpoint(os.path.join(self.dirpath, self.LAST_NAME))
+
+    def stop_score(self, trainer, step: int) -> float | None:
+        """`monitor` as AcceptanceEvaluation measured it at `step` (checkpoint callbacks run after the others); None
+        where it did not."""
+        for callback in trainer.callbacks:
+            if isinstance(callback, AcceptanceEvaluation) and callback.measured and callback.measured[0] == step:
+                return callback.measured[1].get(self.monitor)
+        return None
 
     def state_dict(self) -> dict:
         return {"best_k_models": dict(self.best_k_models), "last_saved_step": self.last_saved_step}

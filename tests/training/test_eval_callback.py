@@ -19,6 +19,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import lightning as L
+from lightning.pytorch.callbacks import Timer
 import numpy as np
 import pytest
 import torch
@@ -400,18 +401,58 @@ class StopAtStep3(L.Callback):
         trainer.should_stop = trainer.should_stop or trainer.global_step >= 3
 
 
-def test_a_run_stopped_off_schedule_is_measured_at_the_end_without_a_checkpoint(tmp_path):
-    evaluation = RiggedEvaluation(["bad", "perfect"], prompts=PROMPTS, every_n_train_steps=2, budgets=[8],
+class StepClock(Timer):
+    """The Timer `trainer.max_time` adds, on a clock of one second per optimizer step: time is up at step 3. Listed
+    where Lightning puts max_time's, after AcceptanceEvaluation, which must see the stop coming (stops_here)."""
+
+    def __init__(self):
+        super().__init__(duration={"seconds": 3}, interval="step")
+        self.trainer = None
+
+    def on_train_start(self, trainer, pl_module):
+        super().on_train_start(trainer, pl_module)
+        self.trainer = trainer
+
+    def time_elapsed(self, stage="train"):
+        return float(self.trainer.global_step) if self.trainer is not None else 0.0
+
+
+@pytest.mark.parametrize("stop_drafter, best", [("perfect", "step-3.ckpt"), ("bad", "step-2.ckpt")])
+def test_a_run_stopped_by_max_time_off_schedule_competes_for_best_at_its_stop(tmp_path, stop_drafter, best):
+    """max_time on a slow machine stops off the evaluation grid: the stopped step is measured, and checkpointed
+    where its tau wins (before, it had no checkpoint and an older, worse drafter was exported)."""
+    other = "bad" if stop_drafter == "perfect" else "perfect"
+    evaluation = RiggedEvaluation([other, stop_drafter], prompts=PROMPTS, every_n_train_steps=2, budgets=[8],
                                   primary_budget=8, max_new_tokens=6, limit=1)
     checkpoints = BestCheckpoint(dirpath=tmp_path / "checkpoints", filename="step-{step}", monitor=monitor_metric(8),
                                  mode="max", every_n_train_steps=2, save_top_k=1, save_last=True)
-    fit(tmp_path, 10, [StopAtStep3(), evaluation, checkpoints])
-    assert [(r["step"], r["checkpointed"]) for r in evaluation.history] == [(2, True), (3, False)]
-    assert logged_rows(tmp_path)[3]["val/tau_ddtree@8"] > 1.0  # the loggers have it...
-    # ...but only checkpointed evaluations compete for best.ckpt
-    assert (tmp_path / "checkpoints" / "best.ckpt").resolve().name == "step-2.ckpt"
+    _, trainer = fit(tmp_path, 10, [evaluation, checkpoints, StepClock()])
+    assert trainer.global_step == 3  # the clock stopped it
+    assert [(r["step"], r["checkpointed"]) for r in evaluation.history] == [(2, True), (3, True)]
+    assert (logged_rows(tmp_path)[3]["val/tau_ddtree@8"] > 1.0) == (stop_drafter == "perfect")  # the loggers have it
+    folder = tmp_path / "checkpoints"
+    assert (folder / "best.ckpt").resolve().name == best
+    assert sorted(p.name for p in folder.glob("step-*.ckpt")) == [best]  # the loser is gone (save_top_k=1)
+    last = torch.load(folder / "last.ckpt", weights_only=False)
+    assert last["global_step"] == 3  # a resume continues from the stop, not from step 2
+    (ranking,) = [v["best_k_models"] for k, v in last["callbacks"].items() if k.startswith("BestCheckpoint")]
+    assert list(ranking) == [best]
     report = (tmp_path / "report.md").read_text()
-    assert "| **2** (best) |" in report and "| 3 (no checkpoint) |" in report
+    best_step = best.removeprefix("step-").removesuffix(".ckpt")
+    assert f"| **{best_step}** (best) |" in report and "no checkpoint" not in report
+
+
+@pytest.mark.parametrize("where", ["no checkpoint callback", "stop set after the evaluation"])
+def test_a_stop_that_is_not_checkpointed_is_measured_and_reported_as_unsaved(tmp_path, where):
+    evaluation = RiggedEvaluation(["bad", "perfect"], prompts=PROMPTS, every_n_train_steps=2, budgets=[8],
+                                  primary_budget=8, max_new_tokens=6, limit=1)
+    checkpoints = BestCheckpoint(dirpath=tmp_path / "checkpoints", monitor=monitor_metric(8), every_n_train_steps=2)
+    # after AcceptanceEvaluation in the list, the stop is seen only at the end (on_train_end measures it)
+    fit(tmp_path, 10, [StopAtStep3(), evaluation] if where == "no checkpoint callback" else [evaluation, StopAtStep3(), checkpoints])
+    assert [(r["step"], r["checkpointed"]) for r in evaluation.history] == [(2, True), (3, False)]
+    assert "| 3 (no checkpoint) |" in (tmp_path / "report.md").read_text()
+    if where != "no checkpoint callback":
+        assert (tmp_path / "checkpoints" / "best.ckpt").resolve().name == "step-2.ckpt"
 
 
 def test_an_evaluation_off_the_validation_grid_records_no_validation_loss_as_its_own(tmp_path):

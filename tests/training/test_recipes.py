@@ -116,7 +116,8 @@ def drafter_weights(run_dir):
     return load_file(run_dir / "drafter" / "model.safetensors")
 
 
-def test_tiny_recipe_runs_and_resumes_exactly(tmp_path, monkeypatch):
+@pytest.mark.parametrize("stop", [3, 4])  # on the evaluation grid, and off it (as max_time stops, on_train_end saves)
+def test_tiny_recipe_runs_and_resumes_exactly(tmp_path, monkeypatch, stop):
     data = tmp_path / "conversations.jsonl"
     write_conversations(data)
     common = [
@@ -135,22 +136,22 @@ def test_tiny_recipe_runs_and_resumes_exactly(tmp_path, monkeypatch):
     assert all(key.startswith("drafter.") for key in checkpoint["state_dict"])  # never the target
     assert checkpoint["global_step"] == 6 and checkpoint["optimizer_states"] and checkpoint["lr_schedulers"]
 
-    # the same run stopped after step 3 (mid-epoch: 11 batches per epoch), then resumed to 6. It is
+    # the same run stopped after step `stop` (mid-epoch: 11 batches per epoch), then resumed to 6. It is
     # stopped by a callback, not by max_steps, which would change the length of the cosine schedule.
-    class StopAfterStep3(L.Callback):
+    class StopAfterStep(L.Callback):
         def on_train_batch_end(self, trainer, *args):
-            trainer.should_stop = trainer.global_step >= 3
+            trainer.should_stop = trainer.global_step >= stop
 
     def build_with_stop(*args):
         cli = build_cli(*args)
-        cli.trainer.callbacks.insert(0, StopAfterStep3())
+        cli.trainer.callbacks.insert(0, StopAfterStep())
         return cli
 
     monkeypatch.setattr(training.train, "build_cli", build_with_stop)
     assert main([*common, "--run", "split"]) == 0
     monkeypatch.setattr(training.train, "build_cli", build_cli)
     split = tmp_path / "out" / "tiny" / "split"
-    assert torch.load(split / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 3
+    assert torch.load(split / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == stop
     assert main([*common, "--resume", "last"]) == 0  # the newest run of the recipe: `split`
     resumed = torch.load(split / "checkpoints" / "last.ckpt", weights_only=False)
     assert resumed["global_step"] == 6

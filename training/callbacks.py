@@ -281,10 +281,10 @@ class AcceptanceEvaluation(L.Callback):
         self.tokenizer = tokenizer
         if pl_module.hparams.get("corpus"):  # the replies the export ships (training/train.py), decoded with here too
             datamodule = trainer.datamodule
-            if getattr(datamodule, "train_set", None) is None:
+            if getattr(datamodule, "train_split", None) is None:
                 raise DDTreeError("model.corpus ships the training replies: fit with a DistillDataModule "
                                   "(training.train does), or leave it unset")
-            self.corpus = CorpusLookup(replies(datamodule.train_set))
+            self.corpus = CorpusLookup(replies(datamodule.train_split))
 
     def on_train_start(self, trainer, pl_module) -> None:
         self.launch_started = time.perf_counter()

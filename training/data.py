@@ -96,7 +96,7 @@ def reply_vocabulary(split: Subset, size: int, vocab_size: int) -> list[int]:
     """`size` token ids, ascending: the supervised (reply) tokens of `split` by frequency (a tie goes to the
     lower id), then, if fewer were seen, the lowest ids not yet in.
 
-    split: a Subset of TokenizedConversations (a DistillDataModule's train_set). The drafter's draft
+    split: a Subset of TokenizedConversations (a DistillDataModule's train_split). The drafter's draft
     vocabulary (model.draft_vocab_size): every label it learns from is a reply token. Held-out replies
     use tokens the training replies never did (on the default data's 40 evaluation prompts, 7.5% of
     the reply tokens), and a BPE tokenizer numbers its tokens in merge order, so low ids are the
@@ -289,12 +289,18 @@ class DistillDataModule(L.LightningDataModule):
         # the recipe's folder under the ddtree cache (resolved by training.train / training.features); None: online
         regenerate: dict | None = None,  # data/regenerate.py's options: the target writes data_path on first use
         # (training/recipe_data.py); data_path "auto" then means <ddtree cache>/data/<recipe>
+        store_max_minutes: float | None = None,  # a time box for building the feature store (training.train, make
+        # features): where the whole store would take longer, it holds a seeded share of the training split, and
+        # training draws from that share (training/feature_store.py); None: the whole data, however long it takes
     ):
         super().__init__()
         if not 0 <= val_fraction < 1:
             raise DDTreeError(f"val_fraction must be in [0, 1), got {val_fraction}")
         if max_length < 2 or batch_size < 1:
             raise DDTreeError(f"max_length ({max_length}) must be >= 2 and batch_size ({batch_size}) >= 1")
+        if store_max_minutes is not None and store_max_minutes <= 0:
+            raise DDTreeError(f"data.store_max_minutes={store_max_minutes}: give a positive number of minutes, or null "
+                              "for the whole store")
         self.save_hyperparameters()
         self.target, self.data_path, self.max_length = target, str(data_path), max_length
         self.batch_size, self.num_workers, self.val_fraction, self.seed = batch_size, num_workers, val_fraction, seed
@@ -307,8 +313,11 @@ class DistillDataModule(L.LightningDataModule):
         self.feature_store = feature_store
         check_regenerate_settings(regenerate)
         self.regenerate = dict(regenerate or {})
+        self.store_max_minutes = store_max_minutes
         self.store: FeatureStore | None = None  # opened in setup
-        self.train_set: TokenizedConversations | None = None
+        self.train_set: TokenizedConversations | None = None  # what training draws from
+        self.train_split: TokenizedConversations | None = None  # the whole training split: train_set, unless a
+        # time-boxed store holds a share of it (the replies for model.corpus and the draft vocabulary come from it)
         self.val_set: TokenizedConversations | None = None
         self.pad_id = 0
 
@@ -368,11 +377,28 @@ class DistillDataModule(L.LightningDataModule):
             self.store = FeatureStore(self.feature_store)
             self.store.check_matches(key, data.lengths())
             data.features = self.store
-        order = torch.randperm(len(data), generator=torch.Generator().manual_seed(self.seed)).tolist()
-        num_val = min(len(data) - 1, max(1, round(len(data) * self.val_fraction))) if self.val_fraction > 0 else 0
+        order, num_val = self.split_order(len(data))
         self.val_set = Subset(data, order[:num_val])
-        self.train_set = Subset(data, order[num_val:])
+        self.train_split = Subset(data, order[num_val:])
+        covered = self.store.covered() if self.store is not None else None
+        if covered is None:
+            self.train_set = self.train_split
+        else:  # a time-boxed store: the validation split is always in it (built first)
+            if not covered.issuperset(order[:num_val]):
+                raise DDTreeError(f"feature store {self.feature_store} does not hold this data's validation split (another "
+                                  f"data.seed or data.val_fraction than it was built with?): rebuild it with `make "
+                                  "features` FORCE=1, or train with the seed and fraction it was built with")
+            self.train_set = Subset(data, [i for i in order[num_val:] if i in covered])
+            log.warning("feature store %s holds %d of the %d training sequences (built under a time box, "
+                        "data.store_max_minutes): training draws from those", self.feature_store, len(self.train_set),
+                        len(self.train_split))
         log.info("data %s: %d train / %d val sequences", self.data_path, len(self.train_set), len(self.val_set))
+
+    def split_order(self, num_sequences: int) -> tuple[list[int], int]:
+        """(the seeded permutation of the data's sequences, how many lead it as the validation split)."""
+        order = torch.randperm(num_sequences, generator=torch.Generator().manual_seed(self.seed)).tolist()
+        num_val = min(num_sequences - 1, max(1, round(num_sequences * self.val_fraction))) if self.val_fraction > 0 else 0
+        return order, num_val
 
     def train_dataloader(self) -> ResumableDataLoader:
         rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer is not None else (0, 1)

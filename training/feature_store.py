@@ -35,6 +35,13 @@ The build is atomic and resumable: it writes into <out>.partial/ (each shard und
 renamed when complete), a rerun of the same build keeps the finished shards, and the folder is renamed
 to <out> at the end. An existing complete store is only replaced with --force, and only once the new
 one is complete.
+
+A time-boxed build (data.store_max_minutes) stores the sequences in the data's seeded split order, the
+validation split first, and ends before the shard that would overrun the box, measured by this build's own
+speed: on a machine too slow for the whole store it covers a seeded random share of the training split (the
+manifest's `sequence_ids` name the data sequence at each store position; its `shards` only the finished ones),
+and training draws from that share (DistillDataModule.setup). A complete store of the same build is used
+whatever its coverage.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ import hashlib
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -68,7 +76,10 @@ if TYPE_CHECKING:
 
 FORMAT_VERSION = 1  # bump when the layout changes: older stores are then refused, not misread
 # Added to format 1 later, absent (= False) in the manifests of stores built before: those stay valid.
-OPTIONAL_MANIFEST_FIELDS = {"final_hidden": False, "teacher_top_k": 0}
+OPTIONAL_MANIFEST_FIELDS = {"final_hidden": False, "teacher_top_k": 0, "sequence_ids": None}
+# What may differ between a build's plan and the store it leaves when its time box ends it early, or a complete
+# store in the data's own order that a time-boxed build finds (it covers more): the same build otherwise.
+COVERAGE_FIELDS = ("sequence_ids", "shards", "lengths")
 MANIFEST = "store.json"
 MAX_SHARD_BYTES = 256 * 2**20
 REBUILD = "make features RECIPE=<recipe>"  # how a user (re)builds a store, named in every error
@@ -168,9 +179,18 @@ class FeatureStore:
         self.shards = manifest["shards"]
         self._first_sequences = [shard["first_sequence"] for shard in self.shards]
         self._open_shards: dict[int, tuple] = {}  # shard index -> (safe_open handle, offsets)
+        # A time-boxed store: data sequence sequence_ids[p] at store position p, the finished shards' positions only.
+        self.sequence_ids = manifest["sequence_ids"]
+        self._positions = None if self.sequence_ids is None else {
+            self.sequence_ids[p]: p for shard in self.shards
+            for p in range(shard["first_sequence"], shard["first_sequence"] + shard["num_sequences"])}
 
     def __len__(self) -> int:
         return len(self.lengths)
+
+    def covered(self) -> set[int] | None:
+        """The data sequences this store holds; None where it holds all of them."""
+        return None if self._positions is None or len(self._positions) == len(self.lengths) else set(self._positions)
 
     def __getitem__(self, index: int) -> torch.Tensor:
         return self._rows("features", index)  # (T_i, K*H)
@@ -193,9 +213,12 @@ class FeatureStore:
     def _rows(self, name: str, index: int) -> torch.Tensor:
         if not 0 <= index < len(self):
             raise IndexError(f"sequence {index} is outside feature store {self.path} (0..{len(self) - 1})")
-        shard = bisect.bisect_right(self._first_sequences, index) - 1
+        position = index if self._positions is None else self._positions.get(index)
+        if position is None:
+            raise IndexError(f"sequence {index} is not in time-boxed feature store {self.path} (covered(): the ones it holds)")
+        shard = bisect.bisect_right(self._first_sequences, position) - 1
         handle, offsets = self._open(shard)
-        local = index - self._first_sequences[shard]
+        local = position - self._first_sequences[shard]
         return handle.get_slice(name)[offsets[local]:offsets[local + 1]]
 
     def _open(self, shard: int) -> tuple:
@@ -217,6 +240,8 @@ class FeatureStore:
             raise DDTreeError(f"feature store {self.path} was built from other data or another tokenizer/max_length "
                               f"(tokenization key {self.tokenization_key}, this data's is {tokenization_key}): "
                               f"rebuild it with `{REBUILD}` and --force (FORCE=1)")
+        if self.sequence_ids is not None:  # in store order: the same data's lengths, permuted
+            lengths = [lengths[i] for i in self.sequence_ids] if len(self.sequence_ids) == len(lengths) else lengths
         if self.lengths != lengths:
             differs = next((i for i, (a, b) in enumerate(zip(self.lengths, lengths)) if a != b), min(len(self), len(lengths)))
             raise DDTreeError(f"feature store {self.path} does not match the data: {len(self)} sequences vs {len(lengths)}, "
@@ -226,13 +251,13 @@ class FeatureStore:
 # ----------------------------------------------------------------------------- building
 
 
-def shard_tensors(target, data: TokenizedConversations, shard: dict, layer_ids: list[int], width: int,
+def shard_tensors(target, data: TokenizedConversations, sequences: list[int], layer_ids: list[int], width: int,
                   pad_id: int, dtype: torch.dtype, sequences_per_batch: int, progress: tqdm,
                   final_hidden: bool = False, teacher_top_k: int = 0) -> dict[str, torch.Tensor]:
     """One shard's {"features": (tokens, K*H), "offsets": (n + 1,)[, "final": (tokens, H)][, "teacher_ids",
-    "teacher_log_probs": (tokens, k)]}, in length-sorted batches."""
-    first, count = shard["first_sequence"], shard["num_sequences"]
-    lengths = (data.offsets[first + 1:first + count + 1] - data.offsets[first:first + count]).tolist()
+    "teacher_log_probs": (tokens, k)]}, of the data's `sequences` in that order, computed in length-sorted batches."""
+    count = len(sequences)
+    lengths = [int(data.offsets[i + 1] - data.offsets[i]) for i in sequences]
     offsets = torch.tensor([0] + lengths).cumsum(0)  # (n + 1,)
     features = torch.empty(int(offsets[-1]), width, dtype=dtype)
     hidden_size = target.config.get_text_config().hidden_size
@@ -247,7 +272,7 @@ def shard_tensors(target, data: TokenizedConversations, shard: dict, layer_ids: 
         rows = longest_first[start:start + sequences_per_batch]
         input_ids = torch.full((len(rows), lengths[rows[0]]), pad_id, dtype=torch.long)  # right-padded, as in training
         for row, j in enumerate(rows):
-            input_ids[row, :lengths[j]] = data[first + j]["input_ids"]
+            input_ids[row, :lengths[j]] = data[sequences[j]]["input_ids"]
         batch = target_layer_features(target, input_ids.to(device), layer_ids, final_hidden=bool(final_hidden or teacher))
         batch, batch_final = batch if final_hidden or teacher else (batch, None)  # (b, T, K*H), (b, T, H)
         batch = batch.to("cpu", dtype)
@@ -258,7 +283,7 @@ def shard_tensors(target, data: TokenizedConversations, shard: dict, layer_ids: 
         if teacher:  # the whole batch's needed rows through the LM head at once: (rows, V) chunks, not one per sequence
             needed = torch.zeros(input_ids.shape, dtype=torch.bool)  # (b, T) the next token is supervised
             for row, j in enumerate(rows):
-                needed[row, :lengths[j] - 1] = data[first + j]["loss_mask"][1:]
+                needed[row, :lengths[j] - 1] = data[sequences[j]]["loss_mask"][1:]
             ids, log_probs = next_token_top_k(batch_final[needed.to(batch_final.device)], target.get_output_embeddings(),
                                               teacher_top_k)  # (rows, k) each, in (row, position) order
             stored = (offsets[rows][:, None] + torch.arange(needed.shape[1]))[needed]  # each needed row's store index
@@ -297,14 +322,18 @@ def build_feature_store(
     teacher_top_k: int = 0,  # > 0: also keep the target's top k next tokens (distillation's sparse soft targets)
     sequences_per_batch: int = 8,
     max_shard_bytes: int = MAX_SHARD_BYTES,
+    max_seconds: float | None = None,  # a time box: end before the shard that would overrun it (module docstring)
 ) -> Path:
     """Run the datamodule's target over all its tokenized sequences and write their layer features to `out`.
 
     Returns `out`. A complete store of the same build is left as it is; of another build, it is an
-    error unless force. See the module docstring for the layout, atomicity and resuming.
+    error unless force. See the module docstring for the layout, atomicity, resuming and the time box.
     """
     out = Path(out)
+    started = time.monotonic()
     data, pad_id, tokenization_key = datamodule.load_tokenized()
+    # Time-boxed: in the data's split order, validation first (those `keep` are built whatever the box).
+    order, keep = datamodule.split_order(len(data)) if max_seconds is not None else (None, 0)
     text_config = AutoConfig.from_pretrained(resolve_target(datamodule.target)).get_text_config()
     num_layers, hidden_size = text_config.num_hidden_layers, text_config.hidden_size
     layer_ids = list(layer_ids or default_target_layer_ids(num_layers))
@@ -315,6 +344,8 @@ def build_feature_store(
         raise DDTreeError(f"model.distill_top_k={teacher_top_k} is above target {datamodule.target}'s vocabulary of "
                           f"{text_config.vocab_size} tokens: set it at most {text_config.vocab_size}")
     width, itemsize, lengths = len(layer_ids) * hidden_size, dtype.itemsize, data.lengths()
+    if order is not None:
+        lengths = [lengths[i] for i in order]  # in store order
     row_width = width + (hidden_size if final_hidden else 0)  # values stored per token in `dtype`
     teacher_bytes = 8 * teacher_top_k  # per token: int32 ids and float32 log-probabilities
     manifest = {
@@ -328,14 +359,15 @@ def build_feature_store(
         # stores without this key that hold it were built raw and are refused (DistillModule.check_feature_store).
         **({"last_layer": "normed"} if num_layers - 1 in layer_ids else {}),
         "shards": plan_shards(lengths, row_width * itemsize + teacher_bytes, max_shard_bytes),
+        **({"sequence_ids": order} if order is not None else {}),
         "lengths": lengths,  # last: the long list, below what a reader looks for
     }
     if is_complete(out) and not force:
         existing = read_manifest(out / MANIFEST)
-        if existing == manifest:
-            print(f"[features] {out} already holds these features; nothing to do", flush=True)
+        if same_build(existing, manifest):
+            print(f"[features] {out} already holds these features ({coverage(existing)}); nothing to do", flush=True)
             return out
-        differing = sorted(key for key in manifest if existing.get(key) != manifest[key])
+        differing = sorted(key for key in manifest if key not in COVERAGE_FIELDS and existing.get(key) != manifest[key])
         raise DDTreeError(f"{out} holds a feature store of another build (differs in {', '.join(differing)}); "
                           "pass --force (FORCE=1) to replace it, or give another --out")
 
@@ -344,7 +376,7 @@ def build_feature_store(
     if partial.exists():
         previous = partial / MANIFEST
         previous_manifest = read_manifest(previous) if previous.is_file() else {}
-        if previous_manifest == manifest:
+        if previous_manifest == {**OPTIONAL_MANIFEST_FIELDS, **manifest}:  # read_manifest fills the optional fields in
             done = finished_shards(partial, manifest["shards"], width)
         elif previous_manifest.get("dtype") not in (None, manifest["dtype"]) and not force:
             # The precision can change without the user asking (trainer.precision: auto on another machine):
@@ -374,18 +406,36 @@ def build_feature_store(
     target, _ = load_frozen_target(datamodule.target, dtype, target_adapter, device=device)
     partial.mkdir(parents=True, exist_ok=True)
     write_json_atomic(partial / MANIFEST, manifest)
+    computed, computing = 0, 0.0  # tokens and seconds of this build's own shards: its speed, for the time box
+    if max_seconds is not None:
+        print(f"[features] time box {max_seconds / 60:.1f} min (data.store_max_minutes): where the machine is too slow "
+              "for every sequence, the build ends before the shard that would overrun it", flush=True)
     with tqdm(total=manifest["total_tokens"], initial=written, unit="tok", desc="features") as progress:
         for shard in manifest["shards"]:
             if shard["file"] in done:
                 continue
-            tensors = shard_tensors(target, data, shard, layer_ids, width, pad_id, dtype, sequences_per_batch, progress,
-                                    final_hidden, teacher_top_k)
+            if max_seconds is not None and computed and shard["first_sequence"] >= keep:
+                finish = time.monotonic() - started + shard["num_tokens"] * computing / computed
+                if finish > max_seconds:
+                    break  # the rest of the plan stays out; `done` is what the store holds
+            first = shard["first_sequence"]
+            sequences = (order[first:first + shard["num_sequences"]] if order is not None
+                         else list(range(first, first + shard["num_sequences"])))
+            shard_started = time.monotonic()
+            tensors = shard_tensors(target, data, sequences, layer_ids, width, pad_id, dtype, sequences_per_batch,
+                                    progress, final_hidden, teacher_top_k)
             # Not ddtree.files.atomic_file: save_file streams to a path, a file object would need the
             # whole shard serialized in memory first. A plainly created file already follows the umask.
             staging = partial / f".{shard['file']}.tmp"
             save_file(tensors, str(staging))
             os.replace(staging, partial / shard["file"])  # only a complete shard ever has its final name
+            done.add(shard["file"])
+            computed, computing = computed + shard["num_tokens"], computing + time.monotonic() - shard_started
 
+    boxed = len(done) < len(manifest["shards"])
+    if boxed:  # the time box ended it: the store holds the finished shards
+        manifest = {**manifest, "shards": [shard for shard in manifest["shards"] if shard["file"] in done]}
+        write_json_atomic(partial / MANIFEST, manifest)
     if out.exists():  # --force: the old store goes only now that the new one is complete
         replaced = out.with_name(f".{out.name}.replaced")
         shutil.rmtree(replaced, ignore_errors=True)
@@ -394,9 +444,39 @@ def build_feature_store(
         shutil.rmtree(replaced)
     else:
         partial.rename(out)
-    print(f"[features] wrote {out}: {len(lengths)} sequences, {format_bytes(total_bytes)}; "
+    held_bytes = sum(shard["num_tokens"] for shard in manifest["shards"]) * (row_width * itemsize + teacher_bytes)
+    print(f"[features] wrote {out}: {coverage(manifest)}, {format_bytes(held_bytes)}; "
           f"train from it with --data.feature_store {out}", flush=True)
+    if boxed:
+        print(f"[features] the time box (data.store_max_minutes, {max_seconds / 60:.1f} min) ended the build: "
+              "training draws from the sequences it holds; a machine with more time can build them all with "
+              f"`{REBUILD}` FORCE=1 and data.store_max_minutes null", flush=True)
     return out
+
+
+def coverage(manifest: dict) -> str:
+    """"2042 sequences", or "780 of 2042 sequences (time-boxed)"."""
+    held = sum(shard["num_sequences"] for shard in manifest["shards"])
+    total = len(manifest["lengths"])
+    return f"{total} sequences" if held == total else f"{held} of {total} sequences (time-boxed)"
+
+
+def same_build(existing: dict, planned: dict) -> bool:
+    """Whether a complete store holds the planned build's features, whatever the share of the data it covers: a
+    time box may have ended it early, and a store in the data's own order holds the time-boxed plan's sequences."""
+    if any(existing.get(key) != planned[key] for key in planned if key not in COVERAGE_FIELDS):
+        return False
+    order = existing.get("sequence_ids") or range(len(existing["lengths"]))
+    planned_order = planned.get("sequence_ids") or range(len(planned["lengths"]))
+    data_lengths = dict(zip(planned_order, planned["lengths"]))
+    return sorted(order) == sorted(planned_order) and all(
+        data_lengths[i] == length for i, length in zip(order, existing["lengths"]))
+
+
+def store_seconds(datamodule: DistillDataModule) -> float | None:
+    """data.store_max_minutes in seconds: the build's time box; None: no box."""
+    minutes = getattr(datamodule, "store_max_minutes", None)
+    return None if minutes is None else 60.0 * minutes
 
 
 def store_teacher(distill_weight: float, distill_top_k: int) -> tuple[bool, int]:

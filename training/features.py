@@ -21,7 +21,8 @@ from ddtree.errors import command
 from ddtree.targets import DTYPES, parse_dtype
 
 from .data import DistillDataModule
-from .feature_store import build_feature_store, default_store_path, drafter_layer_ids, resolve_store_path, store_teacher
+from .feature_store import (build_feature_store, default_store_path, drafter_layer_ids, resolve_store_path, store_seconds,
+                            store_teacher)
 from .recipe import check_recipe_name, read_recipe, recipe_path
 from .recipe_data import prepare_recipe_data
 from .target import dtype_for_precision
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     build_feature_store(
         datamodule, out, layer_ids=drafter_layer_ids(config.model.target_layer_ids, config.model.init_from),
         target_adapter=config.model.target_adapter, dtype=dtype, force=args.force, final_hidden=final_hidden,
-        teacher_top_k=teacher_top_k,
+        teacher_top_k=teacher_top_k, max_seconds=store_seconds(datamodule),
     )
     return 0
 

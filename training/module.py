@@ -278,10 +278,10 @@ class DistillModule(L.LightningModule):
     def _training_reply_vocabulary(self, vocab_size: int) -> list[int]:
         """model.draft_vocab_size's vocabulary, from the training split (the same on every rank and on resume)."""
         datamodule = self._trainer.datamodule if self._trainer else None
-        if getattr(datamodule, "train_set", None) is None:
+        if getattr(datamodule, "train_split", None) is None:
             raise DDTreeError(f"model.draft_vocab_size={self.hparams.draft_vocab_size} is chosen from the training data: "
                               "fit with a DistillDataModule (training.train does), or leave it unset")
-        return reply_vocabulary(datamodule.train_set, self.hparams.draft_vocab_size, vocab_size)
+        return reply_vocabulary(datamodule.train_split, self.hparams.draft_vocab_size, vocab_size)
 
     @property
     def drafter_config(self):

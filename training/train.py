@@ -49,7 +49,8 @@ from ddtree.files import write_text_atomic
 from training.checkpoints import find_resume, newest_checkpoint
 from training.data import DistillDataModule, replies
 from training.export import export_drafter, run_corpus
-from training.feature_store import build_feature_store, drafter_layer_ids, is_complete, resolve_store_path, store_teacher
+from training.feature_store import (build_feature_store, drafter_layer_ids, is_complete, resolve_store_path, store_seconds,
+                                    store_teacher)
 from training.module import DistillModule, NonFiniteError
 from training.recipe import (DistillCLI, check_checkpoint_settings, check_recipe_name, config_arg, known_recipes,
                              recipe_errors, recipe_path)
@@ -116,7 +117,7 @@ def build_missing_feature_store(cli: DistillCLI, recipe: str) -> None:
     dtype = dtype_for_precision(cli.config.trainer.precision, hp.target_dtype)
     build_feature_store(cli.datamodule, Path(store), layer_ids=drafter_layer_ids(hp.target_layer_ids, hp.init_from),
                         target_adapter=hp.target_adapter, dtype=dtype, final_hidden=final_hidden,
-                        teacher_top_k=teacher_top_k)
+                        teacher_top_k=teacher_top_k, max_seconds=store_seconds(cli.datamodule))
 
 
 def write_run_corpus(cli: DistillCLI, run_dir: Path) -> None:
@@ -126,7 +127,7 @@ def write_run_corpus(cli: DistillCLI, run_dir: Path) -> None:
     if not cli.model.hparams.corpus or corpus.is_file():
         return
     cli.datamodule.setup("fit")  # the train/validation split; fit's own setup finds it done
-    count = write_replies(corpus, replies(cli.datamodule.train_set))
+    count = write_replies(corpus, replies(cli.datamodule.train_split))
     print(f"[train] {count} training replies written to {corpus} (model.corpus: decoders graft from them)", flush=True)
 
 

@@ -787,7 +787,7 @@ def test_model_corpus_grafts_the_training_replies_as_the_export_decodes_them():
     data = TokenizedConversations.from_examples([  # each prompt then its answer, the answer supervised
         {"input_ids": prompt["prompt_ids"] + answer, "loss_mask": [0] * len(prompt["prompt_ids"]) + [1] * len(answer)}
         for prompt, answer in zip(prompts, answers)])
-    trainer = SimpleNamespace(datamodule=SimpleNamespace(train_set=Subset(data, [0, 1])))
+    trainer = SimpleNamespace(datamodule=SimpleNamespace(train_split=Subset(data, [0, 1])))
     evaluation.prompts = None
     evaluation.setup(trainer, module, "fit")
     assert evaluation.corpus.table == CorpusLookup(answers).table

@@ -351,6 +351,70 @@ def test_interrupted_build_resumes_and_ends_equal_to_an_uninterrupted_one(tmp_pa
         assert (out / shard["file"]).read_bytes() == (straight / shard["file"]).read_bytes(), shard["file"]
 
 
+def boxed_build(monkeypatch, dm, out, seconds_per_shard: float, max_seconds: float, **settings):
+    """A time-boxed build on a clock that moves `seconds_per_shard` while each shard is computed."""
+    clock = [0.0]
+    real_shard = training.feature_store.shard_tensors
+
+    def slow_shard(*args, **kwargs):
+        clock[0] += seconds_per_shard
+        return real_shard(*args, **kwargs)
+
+    monkeypatch.setattr(training.feature_store.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(training.feature_store, "shard_tensors", slow_shard)
+    try:
+        return build_feature_store(dm, out, max_seconds=max_seconds, **settings)
+    finally:
+        monkeypatch.undo()
+
+
+def test_a_time_boxed_build_holds_a_seeded_share_validation_first_and_training_draws_from_it(tmp_path, monkeypatch,
+                                                                                           capsys):
+    dm = make_datamodule(tmp_path)
+    settings = dict(layer_ids=LAYER_IDS, max_shard_bytes=shard_bytes(3))
+    whole = FeatureStore(build_feature_store(dm, tmp_path / "whole", **settings))
+    # 10 s a shard, 25 s of box: after two shards the third would end at 30 s, so it is not started
+    store = FeatureStore(boxed_build(monkeypatch, dm, tmp_path / "boxed", 10.0, 25.0, **settings))
+    order, num_val = dm.split_order(12)
+    held = order[:sum(shard["num_sequences"] for shard in store.shards)]
+    assert len(store.shards) == 2 and num_val < len(held) < 12
+    assert store.covered() == set(held)  # the seeded order's first sequences, validation first
+    for index in held:  # each the very features the whole store holds for it
+        assert torch.equal(store[index], whole[index]), index
+    with pytest.raises(IndexError, match="not in time-boxed feature store"):
+        store[next(i for i in range(12) if i not in held)]
+    out = capsys.readouterr().out
+    assert f"{len(held)} of 12 sequences (time-boxed)" in out and "data.store_max_minutes" in out
+
+    boxed_dm = make_datamodule(tmp_path, feature_store=str(store.path))
+    boxed_dm.setup("fit")
+    whole_dm = make_datamodule(tmp_path, feature_store=str(whole.path))
+    whole_dm.setup("fit")
+    assert boxed_dm.val_set.indices == whole_dm.val_set.indices == order[:num_val]
+    assert boxed_dm.train_set.indices == held[num_val:]  # training draws from the share...
+    assert boxed_dm.train_split.indices == whole_dm.train_set.indices == order[num_val:]  # ...corpus and vocabulary not
+    losses, _ = fit(tiny_module(), make_datamodule(tmp_path, feature_store=str(store.path)), steps=2)
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+
+    # Built again: the same build whatever its share, and a whole store in the data's order serves a boxed plan too.
+    assert boxed_build(monkeypatch, dm, store.path, 10.0, 25.0, **settings) == store.path
+    assert boxed_build(monkeypatch, dm, whole.path, 10.0, 25.0, **settings) == whole.path
+    assert capsys.readouterr().out.count("already holds these features") == 2
+    # A split its store does not hold the validation of: one line, not a silent mix.
+    with pytest.raises(DDTreeError) as refused:
+        make_datamodule(tmp_path, seed=3, feature_store=str(store.path)).setup("fit")
+    assert "validation split" in one_line(refused.value)
+
+
+def test_a_box_that_holds_everything_is_the_whole_data(tmp_path, monkeypatch):
+    dm = make_datamodule(tmp_path)
+    store = FeatureStore(boxed_build(monkeypatch, dm, tmp_path / "store", 1.0, 1000.0, layer_ids=LAYER_IDS,
+                                     max_shard_bytes=shard_bytes(3)))
+    assert store.covered() is None and len(store.shards) > 2
+    with pytest.raises(DDTreeError, match="store_max_minutes=0"):
+        make_datamodule(tmp_path, store_max_minutes=0)
+
+
 def test_a_resumed_build_in_another_dtype_refuses_to_mix_them(tmp_path, monkeypatch, capsys):
     dm = make_datamodule(tmp_path)
     settings = dict(layer_ids=LAYER_IDS, max_shard_bytes=shard_bytes(3))

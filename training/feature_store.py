@@ -475,8 +475,7 @@ def same_build(existing: dict, planned: dict) -> bool:
 
 def store_seconds(datamodule: DistillDataModule) -> float | None:
     """data.store_max_minutes in seconds: the build's time box; None: no box."""
-    minutes = getattr(datamodule, "store_max_minutes", None)
-    return None if minutes is None else 60.0 * minutes
+    return None if datamodule.store_max_minutes is None else 60.0 * datamodule.store_max_minutes
 
 
 def store_teacher(distill_weight: float, distill_top_k: int) -> tuple[bool, int]:

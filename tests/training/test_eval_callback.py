@@ -455,6 +455,22 @@ def test_a_stop_that_is_not_checkpointed_is_measured_and_reported_as_unsaved(tmp
         assert (tmp_path / "checkpoints" / "best.ckpt").resolve().name == "step-2.ckpt"
 
 
+def test_a_stop_asked_before_min_steps_is_measured_only_where_the_run_does_stop(tmp_path):
+    """Lightning keeps training past a stop asked for before min_steps: no evaluation (and no checkpoint) at step 3,
+    where it was asked, but at step 5, where the run ends."""
+    evaluation = RiggedEvaluation(["bad"] * 3, prompts=PROMPTS, every_n_train_steps=2, budgets=[8], primary_budget=8,
+                                  max_new_tokens=6, limit=1)
+    checkpoints = BestCheckpoint(dirpath=tmp_path / "checkpoints", monitor=monitor_metric(8), every_n_train_steps=2)
+    torch.manual_seed(0)
+    trainer = L.Trainer(max_steps=10, min_steps=5, accelerator="cpu", default_root_dir=tmp_path, logger=False,
+                        callbacks=[StopAtStep3(), evaluation, checkpoints], enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(tiny_module(), train_dataloaders=synthetic_loader(3))  # epochs of 3 steps: min_steps holds it to 5
+    assert trainer.global_step == 5
+    assert [(r["step"], r["checkpointed"]) for r in evaluation.history] == [(2, True), (4, True), (5, True)]
+    assert torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 5
+
+
 def test_an_evaluation_off_the_validation_grid_records_no_validation_loss_as_its_own(tmp_path):
     """Validation at step 2, the run ends at 3: step 3's row must not show step 2's loss as its own."""
     evaluation = AcceptanceEvaluation(prompts=PROMPTS, every_n_train_steps=2, budgets=[4], primary_budget=4,

@@ -98,13 +98,14 @@ def stops_here(trainer: L.Trainer) -> bool:
     other callbacks) finds the time spent. On a slow machine max_time cuts the schedule, and the stopped step is
     then the most trained one: it is measured and competes for best.ckpt like a scheduled step, saved where a
     resume continues exactly (a save in on_train_end would resume at the next epoch). Not at a SIGTERM: the sender
-    gives seconds, not an evaluation's minute. The same decision on every rank.
+    gives seconds, not an evaluation's minute. Rank 0's decision on every rank, as the Timer broadcasts its own (each
+    rank's clock started at its own moment).
     """
     if trainer.received_sigterm or not getattr(trainer.fit_loop, "_can_stop_early", True):  # min_steps not met yet
         return False
     timers = [callback for callback in trainer.callbacks if isinstance(callback, Timer) and callback._interval == "step"]
-    stop = trainer.should_stop or any(timer.time_remaining() is not None and timer.time_remaining() <= 0 for timer in timers)
-    return trainer.strategy.reduce_boolean_decision(bool(stop), all=False)
+    spent = any(timer.time_remaining() is not None and timer.time_remaining() <= 0 for timer in timers)
+    return bool(trainer.strategy.broadcast(bool(trainer.should_stop or spent)))
 
 
 # ----------------------------------------------------------------------------- measuring

@@ -364,10 +364,11 @@ def build_feature_store(
     }
     if is_complete(out) and not force:
         existing = read_manifest(out / MANIFEST)
-        if same_build(existing, manifest):
+        # The same build whatever share of the data it holds (the tokenization key names the data and its lengths).
+        differing = sorted(key for key in manifest if key not in COVERAGE_FIELDS and existing.get(key) != manifest[key])
+        if not differing:
             print(f"[features] {out} already holds these features ({coverage(existing)}); nothing to do", flush=True)
             return out
-        differing = sorted(key for key in manifest if key not in COVERAGE_FIELDS and existing.get(key) != manifest[key])
         raise DDTreeError(f"{out} holds a feature store of another build (differs in {', '.join(differing)}); "
                           "pass --force (FORCE=1) to replace it, or give another --out")
 
@@ -459,18 +460,6 @@ def coverage(manifest: dict) -> str:
     held = sum(shard["num_sequences"] for shard in manifest["shards"])
     total = len(manifest["lengths"])
     return f"{total} sequences" if held == total else f"{held} of {total} sequences (time-boxed)"
-
-
-def same_build(existing: dict, planned: dict) -> bool:
-    """Whether a complete store holds the planned build's features, whatever the share of the data it covers: a
-    time box may have ended it early, and a store in the data's own order holds the time-boxed plan's sequences."""
-    if any(existing.get(key) != planned[key] for key in planned if key not in COVERAGE_FIELDS):
-        return False
-    order = existing.get("sequence_ids") or range(len(existing["lengths"]))
-    planned_order = planned.get("sequence_ids") or range(len(planned["lengths"]))
-    data_lengths = dict(zip(planned_order, planned["lengths"]))
-    return sorted(order) == sorted(planned_order) and all(
-        data_lengths[i] == length for i, length in zip(order, existing["lengths"]))
 
 
 def store_seconds(datamodule: DistillDataModule) -> float | None:

@@ -67,7 +67,7 @@ export: $(STAMP)
 
 # Two worker processes (pytest-xdist), each test file on one of them, each with half the cores' threads: most
 # tests are bound by Python and process start-up, not by matmuls, so on 2 cores this took 7.6 minutes against
-# 13.9 in one process with 2 threads (README).
+# 13.9 in one process with 2 threads (docs/tests.md).
 TEST_WORKERS ?= 2
 TEST_ARGS := -q -n $(TEST_WORKERS) --dist loadfile
 TEST_ENV := OMP_NUM_THREADS=$$(( $$(nproc) / $(TEST_WORKERS) > 0 ? $$(nproc) / $(TEST_WORKERS) : 1 ))

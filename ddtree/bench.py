@@ -285,7 +285,7 @@ def run_benchmark(
         baseline = summary["ar"]["tokens_per_s"]
         for key, stats in summary.items():
             stats["speedup"] = stats["tokens_per_s"] / baseline if baseline > 0 else 0.0
-            if key != "ar":  # losslessness, prompt by prompt: exact in fp32; bf16 can flip near-ties (README)
+            if key != "ar":  # losslessness, prompt by prompt: exact in fp32; bf16 can flip near-ties (docs/benchmarks.md)
                 stats["same_as_ar"] = sum(row["methods"][key]["new_tokens"] == row["methods"]["ar"]["new_tokens"]
                                           for row in per_prompt)
                 stats["prompts"] = len(per_prompt)
@@ -304,7 +304,7 @@ def format_summary(summary: dict) -> str:
             f"{s['tree_nodes']:>6.1f}"
         )
     same = {key: f"{s['same_as_ar']}/{s['prompts']}" for key, s in summary.items() if "same_as_ar" in s}
-    if same:  # exact in fp32 (the tests hold it); in bf16 near-ties can flip (README, Which budget)
+    if same:  # exact in fp32 (the tests hold it); in bf16 near-ties can flip (docs/benchmarks.md, Which budget)
         lines.append("prompts whose committed tokens equal ar's: " + ", ".join(f"{k} {v}" for k, v in same.items()))
     learned = {key: s["online_temperature"] for key, s in summary.items() if "online_temperature" in s}
     if learned:

@@ -5,7 +5,7 @@
     save_calibration(folder / CALIBRATION_FILE, online, facts)   # `ddtree calibrate`: ships beside the weights
     load_calibration(folder / CALIBRATION_FILE)                  # frozen: decoding uses it, learns nothing more
 
-A drafter is over-confident on prompts unlike its training data (README, Calibration), and the nodes a lookup
+A drafter is over-confident on prompts unlike its training data (docs/objectives.md, Calibration), and the nodes a lookup
 grafts are accepted far more often than the drafter's probabilities say. Both are measured only by decoding the
 serving distribution: `--online-calibration` does it as it goes; `ddtree calibrate` does it once over a prompts
 file and writes the result into the drafter folder, where `generate` and `bench` find it by default.
@@ -29,7 +29,7 @@ class OnlineCalibration:
     """A draft temperature per tree shape (a ddtree budget, or the chain), learned from verified rounds.
 
     Temperatures fitted on training data (`draft_temperatures`) cannot see how much less accurate the
-    drafter is on the text it serves (README, Calibration). Each verified round tells: after it, the log
+    drafter is on the text it serves (docs/objectives.md, Calibration). Each verified round tells: after it, the log
     temperature moves by RATE x (expected - accepted length), a stochastic-approximation step, so an
     over-confident drafter is warmed and an under-confident one cooled until the expected acceptance
     tracks the measured one. It reorders the best-first tree, never what is committed (the target decides).

@@ -89,21 +89,21 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
                              f"{CALIBRATION_FILE}, if it has one")
     parser.add_argument("--adaptive-size", choices=ADAPTIVE_SIZE, default="off",
                         help="per round, verify only the leading nodes of the budget's ddtree tree that pay for their "
-                             "rows, under this machine's verify cost measured at start (README, Which budget); auto = "
+                             "rows, under this machine's verify cost measured at start (docs/benchmarks.md, Which budget); auto = "
                              "on with the dynamic cache (a CPU), off with the static one (generate: auto, bench: off, "
                              "so that budgets compare as published)")
     parser.add_argument("--lookup", type=int, default=None, metavar="N",
                         help="graft into every ddtree tree up to N tokens that followed the last recurrence of the "
-                             "context's latest tokens, within the budget (README, Context lookup); 0 = off; "
+                             "context's latest tokens, within the budget (docs/decoding.md, Context lookup); 0 = off; "
                              "default: the drafter's own (7 for the smollm2-135m recipe's drafter, else 0)")
     parser.add_argument("--corpus", default=None, metavar="FILE",
                         help="graft into every ddtree tree what the target's replies in this JSONL file of "
                              "conversations (the drafter's training data, say) mostly said after the context's "
-                             "last 3 tokens, within the budget (README, Corpus lookup); none = off; default: the "
+                             "last 3 tokens, within the budget (docs/decoding.md, Corpus lookup); none = off; default: the "
                              "corpus the drafter folder ships (the smollm2-135m recipe's drafters do), else off")
     parser.add_argument("--redraft", type=int, default=None, metavar="K",
                         help="re-draft the block behind each of the K most likely first tokens (the chain: its first) "
-                             "in one more drafter forward, and grow the tree from those (README, Re-drafting); 0 = off; "
+                             "in one more drafter forward, and grow the tree from those (docs/decoding.md, Re-drafting); 0 = off; "
                              "default: the drafter's own (4 if trained with model.redraft_prob, else 0)")
 
 
@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="use the prompt as raw text, without the chat template")
     gen.add_argument("--method", choices=METHODS, default="ddtree")
     gen.add_argument("--budget", type=int, default=32, help="tree node budget for ddtree (published: 32; on a CPU, "
-                     "where each node adds to the verify's cost, --adaptive-size verifies fewer: README, Which budget)")
+                     "where each node adds to the verify's cost, --adaptive-size verifies fewer: docs/benchmarks.md, Which budget)")
     gen.set_defaults(adaptive_size="auto")
 
     bench = commands.add_parser("bench", help="run methods over a prompts file and summarise")

@@ -128,7 +128,7 @@ class DFlashDrafterConfig(Qwen3Config):
         "lookup",
         """How many tokens of context lookup decoders graft into every tree by default (`--lookup`; ddtree/tree.py).
 
-        Set by a recipe's model.lookup where it was measured to pay (README, Context lookup); 0 = the drafter's
+        Set by a recipe's model.lookup where it was measured to pay (docs/decoding.md, Context lookup); 0 = the drafter's
         trees alone.
         """,
     )

@@ -12,7 +12,7 @@ A target repeats its own phrasing from answer to answer ("Here's an example of h
 maps every run of `ngram` tokens in the replies to the continuation that followed it, token by token the one most
 of its occurrences took (majority_path), and a round grafts that continuation of the context's last `ngram`
 tokens as one more path of the tree, within the budget (ddtree.decoding.draft_tree). Like every draft, it only
-decides how much one target forward confirms; what is committed stays the target's own choice (README, Corpus lookup).
+decides how much one target forward confirms; what is committed stays the target's own choice (docs/decoding.md, Corpus lookup).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def majority_path(continuations: list[list[int]]) -> list[int]:
 
     Each depth is as likely as the data allows given the ones before it, which is what a grafted path needs: on the
     held-out prompts' greedy answers it matched 0.695 tokens a position, the single most frequent whole
-    continuation 0.630 (README, Corpus lookup).
+    continuation 0.630 (docs/decoding.md, Corpus lookup).
     """
     path: list[int] = []
     while True:
@@ -112,7 +112,7 @@ class CorpusLookup:
         """
         path = Path(path)
         if not path.is_file():
-            raise DDTreeError(f"--corpus {path}: no such file; give a JSONL file of conversations (README, Corpus lookup)")
+            raise DDTreeError(f"--corpus {path}: no such file; give a JSONL file of conversations (docs/decoding.md, Corpus lookup)")
         replies = []
         with path.open() as lines:
             for number, line in enumerate(lines, start=1):

@@ -332,7 +332,7 @@ def drafter_defaults(
     `redraft`, the corpus shipped in its folder) and corpus False means none.
 
     The lookups graft into ddtree trees only. Re-drafting needs a drafter, and sizing for tokens per second on a CPU
-    leaves it off: one more drafter forward a round cost more than it gained (README, Re-drafting: 1.25x over ar
+    leaves it off: one more drafter forward a round cost more than it gained (docs/decoding.md, Re-drafting: 1.25x over ar
     against 1.32x on the 2-core EPYC).
     """
     if lookup is None:
@@ -418,7 +418,7 @@ def generate(
     static: run the target over a preallocated cache at one verify shape (ddtree/target_runner.py), and a
     DrafterRunner's forwards at fixed shapes too (ddtree/static_drafter.py), each captured as a CUDA graph
     on a GPU; None = on CUDA only: on a CPU there is no launch overhead to save, and attention over every
-    slot of the cache made rounds 10-19% slower (README, Benchmarks).
+    slot of the cache made rounds 10-19% slower (docs/benchmarks.md, Benchmarks).
     """
     if method not in METHODS:
         raise DDTreeError(f"unknown method {method!r}: choose from {', '.join(METHODS)}")

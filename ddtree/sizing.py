@@ -5,7 +5,7 @@
 
 Where the target's forward is compute-bound (a CPU), every verified row costs time: on a 2-core EPYC
 SmolLM2-135M's one-token step takes 41 ms and each tree node adds about 1.1 ms, so a 32-node tree
-costs 1.9 steps and budget 32 barely beats plain decoding (README, Which budget). Where it is
+costs 1.9 steps and budget 32 barely beats plain decoding (docs/benchmarks.md, Which budget). Where it is
 launch-bound (a GPU) rows are nearly free. The best budget is therefore the machine's.
 
 The best-first tree is nested: its first n nodes are exactly the best tree of n nodes (build_tree

@@ -11,7 +11,7 @@ hidden_states=True (the drafter reads them), else None.
 Two implementations with one interface; `ddtree.decoding.generate` picks one (its `static` argument):
 
 - `DynamicTarget`: transformers' DynamicCache, which grows by concatenation; every forward has the
-  exact shape of its tree. The reference path, and the faster one on the CPU measured (README).
+  exact shape of its tree. The reference path, and the faster one on the CPU measured (docs/benchmarks.md).
 - `StaticTarget`: a StaticCache allocated once for the whole generation, and every verify padded to
   the same row count (1 for `ar`, the block for the chain, budget + 1 for a tree), so the target's
   decoding forward has ONE shape. On CUDA that forward is captured once as a CUDA graph and replayed

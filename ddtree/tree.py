@@ -104,7 +104,7 @@ def context_lookup(tokens: list[int], length: int, max_ngram: int = 3) -> list[i
     """What followed the most recent earlier occurrence of the context's last n tokens, n = max_ngram down to 1.
 
     Up to `length` tokens, or [] when not even the last token occurred before. Small targets repeat
-    themselves and answers quote their prompts, where a drafter that cannot copy misses (README, Context lookup).
+    themselves and answers quote their prompts, where a drafter that cannot copy misses (docs/decoding.md, Context lookup).
     A match that overlaps the end (the text repeats with a period shorter than `length`: 11 11 11, or a b a b)
     continues with that period past the end, as the loop would, instead of stopping where the context does.
     """

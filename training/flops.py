@@ -3,7 +3,7 @@
     python -m training.flops --recipe qwen3-8b                       # the recipe's settings
     python -m training.flops --recipe qwen3-8b --anchors 256 --draft-vocab 32768
 
-The aim of a training step within 1.5 target forwards (README, "On a GPU") is a ratio of times. Where
+The aim of a training step within 1.5 target forwards (docs/benchmarks.md, "On a GPU") is a ratio of times. Where
 both sides run their matmuls at the same efficiency, as large ones do on a GPU, the ratio of their
 FLOPs is the floor that no kernel work can go under; `training/throughput.py` prints it beside the
 measured ratio. Counted, per sequence of `length` tokens:

@@ -144,7 +144,7 @@ class DistillModule(L.LightningModule):
         lora_target_modules: list[str] | None = None,  # default: every attention and MLP projection
         gradient_checkpointing: bool = False,  # recompute drafter layers in backward (long sequences)
         dropout: float = 0.0,  # training only: share of the fused context and residual branches zeroed (0 = published)
-        compile: bool = False,  # the training forward of the drafter through torch.compile (README, On a GPU)
+        compile: bool = False,  # the training forward of the drafter through torch.compile (docs/benchmarks.md, On a GPU)
         # --- objective
         num_anchors: int = 512,  # blocks per sequence (published: up to 512)
         gamma: float = 7.0,  # loss decay over block positions (published: 7 for B=16, 5 for B=10)
@@ -245,7 +245,7 @@ class DistillModule(L.LightningModule):
             drafter = DFlashDraftModel(config)
         if hp.redraft_prob > 0 and not drafter.config.redraft:  # decoders re-draft behind that many by default
             drafter.config.redraft = DEFAULT_REDRAFT
-        if hp.lookup:  # a decoding default only: training never reads it (README, Context lookup)
+        if hp.lookup:  # a decoding default only: training never reads it (docs/decoding.md, Context lookup)
             drafter.config.lookup = hp.lookup
         if hp.gradient_checkpointing:
             drafter.gradient_checkpointing = True

@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         loss_mask[:, :PROMPT_TOKENS] = False
         batch = {"input_ids": input_ids, "loss_mask": loss_mask}
         # Fused, as training's (configure_optimizers: one kernel instead of about a dozen foreach launches). The
-        # first H200 session's figures (README, On a GPU) were timed with the unfused optimizer this replaced.
+        # first H200 session's figures (docs/benchmarks.md, On a GPU) were timed with the unfused optimizer this replaced.
         optimizer = torch.optim.AdamW(module.drafter.parameters(), lr=1e-4, fused=True)
 
         def target_forward():

@@ -372,3 +372,33 @@ def measure_verify_cost(
             }
         )
     return rows
+
+
+def compare_packed_verify_cost(
+    target: PreTrainedModel, sizes: list[int], context: int = 300, repeats: int = 5, seed: int = 0
+) -> list[dict]:
+    """The verify's time over [root + n nodes] with the target's plain linear layers and with packed ones
+    (ddtree/packed_linear.py), each the median of `repeats`, the two measured alternately, size by size, in one
+    process, so that a noisy machine moves both alike. target: a plain model; the packed one is a copy of it.
+    Returns rows {nodes, plain_ms, packed_ms, ratio (plain / packed)}; nodes 0 is one AR step."""
+    import copy
+    import statistics
+
+    from .packed_linear import pack_linears
+    from .sizing import probe_runner, probe_tree, verify_seconds
+    from .tree import build_tree
+
+    packed = copy.deepcopy(target)
+    pack_linears(packed)
+    runners = {"plain": probe_runner(target, context, seed), "packed": probe_runner(packed, context, seed)}
+    vocab = target.get_output_embeddings().weight.shape[0]
+    rows = []
+    for size in [0, *sizes]:
+        tree = probe_tree(vocab, size, seed) if size else build_tree(torch.zeros(0, vocab), 1)
+        times = {name: [] for name in runners}
+        for _ in range(repeats):
+            for name, runner in runners.items():
+                times[name].append(verify_seconds(runner, tree, context, repeats=1))
+        plain, fast = (1000 * statistics.median(times[name]) for name in ("plain", "packed"))
+        rows.append({"nodes": size, "plain_ms": plain, "packed_ms": fast, "ratio": plain / fast})
+    return rows

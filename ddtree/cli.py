@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from .bench import format_summary, load_prompts, measure_verify_cost, run_benchmark
+from .bench import compare_packed_verify_cost, format_summary, load_prompts, measure_verify_cost, run_benchmark
 from .calibration import CALIBRATION_FILE, learning_from, load_calibration, save_calibration
 from .corpus import CORPUS_FILE, CorpusLookup
 from .drafters import load_drafter_folder
@@ -32,6 +32,7 @@ from .decoding import (
 from .errors import DDTreeError, command
 from .files import write_json_atomic
 from .modeling_dflash import DFlashDraftModel
+from .packed_linear import PACKED_KERNELS, is_packed, pack_linears, resolve_packing
 from .precision import AUTO, resolve_dtype
 from .sizing import TreeSizer
 from .targets import build_drafter_config, load_target, stop_token_ids
@@ -66,6 +67,13 @@ STATIC_CACHE = {"auto": None, "on": True, "off": False}  # --static-cache -> gen
 ADAPTIVE_SIZE = ("auto", "on", "off")
 
 
+def _add_packed_weights(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--packed-weights", choices=PACKED_KERNELS, default="auto",
+                        help="run the target's and drafter's linear layers through oneDNN with their weights packed "
+                             "once (fp32 on a CPU; same tokens, faster forwards of few rows: docs/decoding.md); auto = "
+                             "on where that holds and the packed copy fits easily in memory")
+
+
 def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="smollm2-135m", help="built-in name, local HF folder or Hub id")
     parser.add_argument("--drafter", default="random", help="'random' or a drafter folder")
@@ -74,6 +82,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--dtype", default=AUTO, help=DTYPE_HELP)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    _add_packed_weights(parser)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--static-cache", choices=STATIC_CACHE, default="auto",
@@ -144,6 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
     cost.add_argument("--target", default="smollm2-135m")
     cost.add_argument("--dtype", default=AUTO, help=DTYPE_HELP)
     cost.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    _add_packed_weights(cost)
+    cost.add_argument("--compare-plain", action="store_true",
+                      help="time each size with the plain and the packed linear layers alternately (a benchmark of "
+                           "--packed-weights; a CPU in fp32)")
     cost.add_argument("--sizes", type=_int_list, default=[16, 32, 64, 128])
     cost.add_argument("--context", type=int, default=300, help="tokens already in the KV cache")
     cost.add_argument("--repeats", type=int, default=7)
@@ -169,7 +182,13 @@ def _load_target(args):
     dtype, reason = resolve_dtype(args.dtype, args.device, "--dtype")
     if reason:
         print(reason, file=sys.stderr)
-    return load_target(args.target, dtype, args.device)
+    target, tokenizer = load_target(args.target, dtype, args.device)
+    pack, reason = resolve_packing(args.packed_weights, target)
+    if reason:
+        print(reason, file=sys.stderr)
+    if pack:
+        pack_linears(target)
+    return target, tokenizer
 
 
 def _setup(args):
@@ -240,6 +259,8 @@ def _drafter_runner(args, target: PreTrainedModel, tokenizer: PreTrainedTokenize
     """The --drafter, with the corpus its folder ships (if any) as its default corpus lookup, and the calibration it
     holds (if any, or --calibration FILE) as its default calibration."""
     drafter = load_drafter(args.drafter, target, tokenizer, args.target, args.seed)
+    if is_packed(target):  # --packed-weights packed the target: the drafter's own layers too
+        pack_linears(drafter.requires_grad_(False))
     shipped = None if args.drafter == "random" else Path(args.drafter) / CORPUS_FILE
     corpus = None
     if shipped is not None and shipped.is_file() and args.corpus is None:  # an explicit --corpus replaces it
@@ -294,6 +315,7 @@ def cmd_bench(args) -> None:
     )
     settings = {k: v for k, v in vars(args).items() if k != "func"}
     settings["dtype_resolved"] = str(target.dtype).removeprefix("torch.")  # what `dtype` (maybe "auto") ran as
+    settings["packed_weights_resolved"] = is_packed(target)  # what `packed_weights` (maybe "auto") ran as
     if drafter is not None:  # what ddtree ran with where --lookup, --redraft and --corpus were left to the drafter
         lookup, redraft, resolved = drafter_defaults("ddtree", drafter, args.lookup, args.redraft, sizer is not None,
                                                      corpus)
@@ -349,7 +371,18 @@ def cmd_calibrate(args) -> None:
 
 
 def cmd_verify_cost(args) -> None:
+    if args.compare_plain:
+        args.packed_weights = "off"  # the plain target; compare_packed_verify_cost packs a copy of it
     target, _ = _load_target(args)
+    if args.compare_plain:
+        resolve_packing("on", target)  # one line where it cannot pack
+        rows = compare_packed_verify_cost(target, args.sizes, args.context, args.repeats)
+        print(f"target {args.target}, {str(target.dtype).removeprefix('torch.')}, {args.context}-token cache; "
+              "plain and packed linear layers measured alternately (nodes 0: one AR step)")
+        print(f"{'nodes':>6} {'plain ms':>9} {'packed ms':>10} {'plain / packed':>15}")
+        for row in rows:
+            print(f"{row['nodes']:>6} {row['plain_ms']:>9.1f} {row['packed_ms']:>10.1f} {row['ratio']:>14.2f}x")
+        return
     rows = measure_verify_cost(target, args.sizes, args.context, args.repeats)
     dtype = str(target.dtype).removeprefix("torch.")
     print(f"target {args.target}, {dtype}, {args.context}-token cache; one AR step {rows[0]['ar_step_ms']:.1f} ms")

@@ -12,6 +12,7 @@ import ddtree.precision
 from ddtree.cli import load_drafter, main
 from ddtree.corpus import CORPUS_FILE, write_replies
 from ddtree.modeling_dflash import DFlashDraftModel
+from ddtree.packed_linear import packing_available
 from ddtree.precision import Choice
 from ddtree.errors import DDTreeError
 from ddtree.targets import build_drafter_config, load_target
@@ -335,6 +336,43 @@ def test_temperature_not_a_finite_number_at_least_zero(capsys, temperature):
 def test_unknown_dtype_is_one_line(capsys, command):
     line = _bad(capsys, command[0], "--target", TARGET, "--dtype", "fp16", *command[1:])
     assert "--dtype='fp16'" in line and "bfloat16" in line
+
+
+@pytest.mark.skipif(not packing_available(), reason="this torch has no oneDNN weight packing")
+def test_bench_packed_weights_commit_the_plain_layers_tokens_and_say_which_ran(capsys, tmp_path, prompts_file):
+    """--packed-weights on packs an fp32 CPU target (and its drafter), off does not; both decode the same tokens."""
+    tokens = {}
+    for choice in ("off", "on"):
+        out = tmp_path / f"{choice}.json"
+        code, _, err = run_cli(
+            capsys, "bench", "--target", TARGET, "--drafter", "random", "--prompts", str(prompts_file), "--methods",
+            "ar,ddtree", "--budgets", "4", "--max-new-tokens", "12", "--dtype", "float32", "--packed-weights", choice,
+            "--out", str(out),
+        )
+        assert code == 0
+        results = json.loads(out.read_text())
+        assert results["settings"]["packed_weights_resolved"] is (choice == "on")
+        assert ("[packed weights] on" in err) is (choice == "on")
+        tokens[choice] = [run["new_tokens"] for prompt in results["prompts"] for run in prompt["methods"].values()]
+    assert tokens["on"] == tokens["off"] and len(tokens["off"]) == 4
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "Hi"], ["verify-cost"]])
+def test_packed_weights_on_in_bf16_is_one_line(capsys, command):
+    line = _bad(capsys, command[0], "--target", TARGET, "--dtype", "bfloat16", "--packed-weights", "on", *command[1:])
+    assert "--packed-weights on:" in line and "fp32" in line
+
+
+@pytest.mark.skipif(not packing_available(), reason="this torch has no oneDNN weight packing")
+def test_verify_cost_compares_plain_and_packed_layers(capsys):
+    code, out, _ = run_cli(capsys, "verify-cost", "--target", TARGET, "--dtype", "float32", "--sizes", "2,5",
+                           "--repeats", "1", "--compare-plain")
+    assert code == 0 and "plain / packed" in out
+    rows = [line.split() for line in out.splitlines() if re.match(r"\s+\d+\s", line)]
+    assert [row[0] for row in rows] == ["0", "2", "5"]
+    assert all(float(row[1]) > 0 and float(row[2]) > 0 for row in rows)
+    line = _bad(capsys, "verify-cost", "--target", TARGET, "--dtype", "bfloat16", "--compare-plain")
+    assert "--packed-weights on:" in line and "fp32" in line
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import torch
 from ddtree.cli import load_drafter
 from ddtree.decoding import DrafterRunner, OnlineCalibration, generate
 from ddtree.errors import DDTreeError
+from ddtree.packed_linear import pack_linears, packing_available
 from ddtree.sizing import TreeSizer
 from ddtree.targets import stop_token_ids
 from rigged import RedraftRigged, RiggedDrafter  # tests/rigged.py
@@ -309,6 +310,45 @@ def test_cache_compaction_keeps_exactly_the_prefix_and_the_rows(tiny_target, row
         assert torch.equal(layer.keys[..., : 4 + len(rows), :], torch.cat([prefix, kept], dim=-2))
     if runner_kind == "dynamic":
         assert runner.cache.get_seq_length() == 4 + len(rows)
+
+
+@pytest.fixture(scope="module")
+def packed_target(smollm2):
+    import copy
+
+    model, tokenizer = smollm2
+    packed = copy.deepcopy(model)
+    assert pack_linears(packed) == 30 * 7 + 1  # every projection of the 30 layers, and the LM head
+    return packed, tokenizer
+
+
+@pytest.fixture(scope="module")
+def packed_references(packed_target, references):
+    """(prompt, the packed model's greedy decoding) for the prompts of `references`."""
+    model, tokenizer = packed_target
+    return [(prompt, model.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False,
+                                    eos_token_id=stop_token_ids(model, tokenizer))[0, len(prompt):].tolist())
+            for prompt, _ in references]
+
+
+@pytest.mark.skipif(not packing_available(), reason="this torch has no oneDNN weight packing")
+def test_packed_weights_keep_the_plain_models_greedy_tokens(packed_references, references):
+    """--packed-weights (ddtree/packed_linear.py) moves logits by fp32 rounding only: on these prompts the packed
+    model's greedy decoding is the plain model's token for token."""
+    assert [greedy for _, greedy in packed_references] == [greedy for _, greedy in references]
+
+
+@pytest.mark.skipif(not packing_available(), reason="this torch has no oneDNN weight packing")
+@pytest.mark.parametrize("method,budget,static", [("ar", 0, False), ("dflash", 0, False), ("ddtree", 8, False),
+                                                  ("ddtree", 64, False), ("ddtree", 8, True)])
+def test_packed_weights_are_lossless(packed_target, packed_references, method, budget, static):
+    """The decoding loops over oneDNN's packed matmuls commit exactly the packed model's greedy tokens."""
+    model, tokenizer = packed_target
+    for prompt, greedy in packed_references:
+        rigged = RiggedDrafter(prompt + greedy, model.config.vocab_size)
+        result = generate(model, prompt, method, rigged, budget, MAX_NEW, stop_token_ids(model, tokenizer),
+                          static=static)
+        assert result.new_tokens == greedy
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,175 @@
+"""Linear layers through oneDNN with their weights packed once: faster decoding forwards on a CPU in fp32.
+
+A decoding forward multiplies a handful of rows (1 for `ar`, up to budget + 1 for a tree) by every weight of the
+model. torch's fp32 `F.linear` on the CPU calls MKL, which re-lays the weight out on every call; on a 2-core AMD
+EPYC with AVX2 (docs/benchmarks.md, Packed weights) SmolLM2-135M's linear layers took 38 ms for one row and
+65-100 ms for 2 to 16, while oneDNN's matmul over weights packed once took 29-34 ms for 1 to 4 rows and 61 ms
+for 16. The packed copy costs the weights' size again in memory, so `auto` packs only where that fits easily.
+
+`pack_linears(model)` gives each plain `nn.Linear` of a frozen fp32 CPU model a packed copy and a forward that
+uses it; the module keeps its `weight` (ties, state dicts and `get_output_embeddings().weight` are untouched).
+The packed forward is for inference: with autograd recording, on another device or dtype, or after the weight
+changed in place, the layer runs the plain `F.linear`. Results equal `F.linear`'s to rounding (1e-6 relative),
+as one BLAS differs from another; decoding stays lossless against greedy decoding of the same packed model.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .errors import DDTreeError
+
+PACK_ROWS = 16  # the row count oneDNN lays the packed weights out for: one to 16 measured alike, one alone worse
+PACKED_KERNELS = ("auto", "on", "off")  # --packed-weights
+
+
+def packing_available() -> bool:
+    """Whether this torch can pack weights for oneDNN's matmul (a CPU build with oneDNN)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def _packable(module: nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return (
+        type(module) is nn.Linear and weight is not None and weight.device.type == "cpu"
+        and weight.dtype == torch.float32 and not weight.requires_grad
+    )
+
+
+def linear_bytes(model: nn.Module) -> int:
+    """The bytes a packed copy of the model's packable linear weights would take (once per weight, ties counted once)."""
+    seen = {id(m.weight): m.weight for m in model.modules() if _packable(m)}
+    return sum(w.numel() * w.element_size() for w in seen.values())
+
+
+def available_memory_bytes() -> int | None:
+    """Memory this machine can still give (MemAvailable), or None where it cannot say."""
+    try:
+        with open("/proc/meminfo") as file:
+            for line in file:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _pack(module: nn.Linear) -> None:
+    module._ddtree_packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), PACK_ROWS)
+    module._ddtree_version = module.weight._version
+
+
+def _packed_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    weight = module.weight
+    if (
+        x.device.type != "cpu" or x.dtype != torch.float32 or weight.device.type != "cpu"
+        or weight.dtype != torch.float32 or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+    ):
+        return F.linear(x, weight, module.bias)
+    if weight._version != module._ddtree_version:  # changed in place since it was packed
+        _pack(module)
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), module._ddtree_packed, module.bias, "none", [], "")
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Give every packable linear layer of `model` a packed copy of its weight and the packed forward; the count."""
+    count = 0
+    for module in model.modules():
+        if _packable(module) and not hasattr(module, "_ddtree_packed"):
+            _pack(module)
+            module.forward = partial(_packed_forward, module)
+            count += 1
+    return count
+
+
+def copy_of_linears(model: nn.Module) -> nn.Module:
+    """The model's packable linear layers, sharing their weights, in a container of their own (for measure_packing)."""
+    layers = nn.ModuleList()
+    for module in model.modules():
+        if _packable(module):
+            twin = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
+            twin.weight, twin.bias = module.weight, module.bias
+            layers.append(twin)
+    return layers
+
+
+def is_packed(model: nn.Module) -> bool:
+    """Whether pack_linears packed any layer of `model`."""
+    return any(hasattr(module, "_ddtree_packed") for module in model.modules())
+
+
+def unpack_linears(model: nn.Module) -> int:
+    """Undo pack_linears: the plain forward, the packed copies freed; the count."""
+    count = 0
+    for module in model.modules():
+        if hasattr(module, "_ddtree_packed"):
+            del module._ddtree_packed, module._ddtree_version, module.forward
+            count += 1
+    return count
+
+
+PROBE_ROWS = (1, 8)  # an AR step's rows and a small tree's, the shapes decoding runs on a CPU
+PROBE_REPEATS = 3
+GAIN_NEEDED = 0.9  # auto packs where the packed layers take under this share of the plain ones' time
+
+
+@torch.no_grad()
+def measure_packing(model: nn.Module) -> tuple[float, float]:
+    """Milliseconds of every packed layer of `model` over PROBE_ROWS rows of random input: (plain, packed), each the
+    best of PROBE_REPEATS, the two measured alternately."""
+    layers = [m for m in model.modules() if hasattr(m, "_ddtree_packed")]
+    inputs = [[torch.randn(rows, m.in_features) for m in layers] for rows in PROBE_ROWS]
+    best = {"plain": float("inf"), "packed": float("inf")}
+    for _ in range(PROBE_REPEATS):
+        for name in best:
+            start = time.perf_counter()
+            for xs in inputs:
+                for layer, x in zip(layers, xs):
+                    layer(x) if name == "packed" else F.linear(x, layer.weight, layer.bias)
+            best[name] = min(best[name], 1000 * (time.perf_counter() - start))
+    return best["plain"], best["packed"]
+
+
+def resolve_packing(choice: str, model: nn.Module) -> tuple[bool, str]:
+    """--packed-weights auto|on|off for this model: whether to pack, and a line saying why (printed by the CLI).
+
+    auto packs a CPU fp32 model where oneDNN can, and where the packed copy takes under a quarter of the memory this
+    machine has available; on insists (an error where it cannot), off never packs.
+    """
+    if choice not in PACKED_KERNELS:
+        raise DDTreeError(f"--packed-weights {choice!r}: choose one of {', '.join(PACKED_KERNELS)}")
+    if choice == "off":
+        return False, ""
+    size = linear_bytes(model)
+    reason = None
+    if not packing_available():
+        reason = "this torch has no oneDNN weight packing"
+    elif size == 0:
+        reason = "the model has no fp32 CPU linear layers (packing is for fp32 on a CPU)"
+    if reason:
+        if choice == "on":
+            raise DDTreeError(f"--packed-weights on: {reason}; use --packed-weights off (or auto)")
+        return False, f"[packed weights] off: {reason}"
+    available = available_memory_bytes()
+    if choice == "auto" and available is not None and size > available / 4:
+        return False, (f"[packed weights] off: a packed copy takes {size / 2**20:.0f} MiB, over a quarter of the "
+                       f"{available / 2**20:.0f} MiB available; --packed-weights on packs anyway")
+    size_text = f"{size / 2**20:.0f} MiB more"
+    if choice == "on":
+        return True, f"[packed weights] on: linear layers through oneDNN, weights packed once ({size_text})"
+    probe = copy_of_linears(model)
+    pack_linears(probe)
+    plain, fast = measure_packing(probe)
+    measured = f"its linear layers over {' and '.join(map(str, PROBE_ROWS))} rows took {fast:.1f} ms packed, {plain:.1f} plain"
+    if fast >= GAIN_NEEDED * plain:
+        return False, f"[packed weights] off: {measured}; --packed-weights on packs anyway"
+    return True, f"[packed weights] on: {measured} ({size_text})"

@@ -1,0 +1,150 @@
+"""--packed-weights (ddtree/packed_linear.py): oneDNN's matmul over weights packed once, for decoding on a CPU."""
+
+import pytest
+import torch
+from torch import nn
+
+import ddtree.packed_linear as packed_linear
+from ddtree.errors import DDTreeError
+from ddtree.packed_linear import is_packed, pack_linears, resolve_packing, unpack_linears
+
+needs_packing = pytest.mark.skipif(not packed_linear.packing_available(), reason="this torch has no oneDNN packing")
+
+
+def frozen(module: nn.Module) -> nn.Module:
+    return module.eval().requires_grad_(False)
+
+
+def two_layers(bias: bool = True) -> nn.Module:
+    torch.manual_seed(0)
+    return frozen(nn.Sequential(nn.Linear(24, 40, bias=bias), nn.GELU(), nn.Linear(40, 7, bias=bias)))
+
+
+@needs_packing
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(1, 24), (2, 24), (17, 24), (1, 5, 24), (3, 33, 24)])
+def test_packed_layers_compute_what_plain_ones_do(bias, shape):
+    model = two_layers(bias)
+    x = torch.randn(*shape)
+    plain = model(x)
+    assert pack_linears(model) == 2 and is_packed(model)
+    packed = model(x)
+    assert packed.shape == plain.shape
+    torch.testing.assert_close(packed, plain, rtol=1e-5, atol=1e-5)
+
+
+@needs_packing
+def test_a_non_contiguous_input_is_accepted():
+    model = two_layers()
+    x = torch.randn(24, 6).t()  # (6, 24), strided
+    plain = model(x)
+    pack_linears(model)
+    torch.testing.assert_close(model(x), plain, rtol=1e-5, atol=1e-5)
+
+
+@needs_packing
+def test_the_packed_path_is_the_one_that_runs(monkeypatch):
+    model = two_layers()
+    pack_linears(model)
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+
+    class Spy:
+        def __call__(self, *args):
+            calls.append(args[0].shape)
+            return real(*args)
+
+    monkeypatch.setattr(packed_linear.torch.ops.mkldnn, "_linear_pointwise", Spy(), raising=False)
+    model(torch.randn(3, 24))
+    assert calls == [torch.Size([3, 24]), torch.Size([3, 40])]
+
+
+@needs_packing
+def test_autograd_other_dtypes_and_changed_weights_take_the_plain_path():
+    model = two_layers()
+    pack_linears(model)
+    layer = model[0]
+    x = torch.randn(4, 24, requires_grad=True)
+    out = layer(x)  # recording autograd: F.linear, which has a backward
+    out.sum().backward()
+    assert torch.equal(out, torch.nn.functional.linear(x, layer.weight, layer.bias))
+    assert x.grad is not None
+    with torch.no_grad():
+        layer.weight.mul_(2)  # changed in place after packing: repacked, so the output follows the new weight
+    y = torch.randn(4, 24)
+    torch.testing.assert_close(layer(y), torch.nn.functional.linear(y, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+
+@needs_packing
+@needs_packing
+def test_a_packed_model_moved_to_another_dtype_runs_plain():
+    model = two_layers()
+    pack_linears(model)
+    model.double()  # the packed fp32 copies no longer apply
+    x = torch.randn(3, 24, dtype=torch.float64)
+    out = model(x)
+    assert out.dtype == torch.float64
+    expected = model[2](model[1](torch.nn.functional.linear(x, model[0].weight, model[0].bias)))
+    assert torch.equal(out, expected)
+
+
+@needs_packing
+def test_unpack_restores_the_plain_layers_and_ties_survive_packing():
+    torch.manual_seed(0)
+    embedding = nn.Embedding(50, 16)
+    head = nn.Linear(16, 50, bias=False)
+    head.weight = embedding.weight  # tied, as a small LM's head and embedding are
+    model = frozen(nn.ModuleDict({"embed": embedding, "head": head}))
+    assert pack_linears(model) == 1
+    assert model["head"].weight is model["embed"].weight  # packing adds a copy; the parameter is untouched
+    assert set(dict(model.named_parameters())) == {"embed.weight"}
+    assert "_ddtree_packed" not in str(list(model.state_dict()))
+    assert unpack_linears(model) == 1 and not is_packed(model)
+    assert "forward" not in vars(model["head"])
+
+
+def test_trainable_and_non_fp32_layers_are_left_alone():
+    trainable = nn.Linear(8, 8)  # requires_grad: a model being trained is never packed
+    half = frozen(nn.Linear(8, 8)).to(torch.bfloat16)
+    assert pack_linears(nn.Sequential(trainable, half)) == 0
+
+
+@needs_packing
+def test_auto_packs_where_the_packed_layers_measured_faster(monkeypatch):
+    model = two_layers()
+    assert resolve_packing("off", model) == (False, "")
+    monkeypatch.setattr(packed_linear, "measure_packing", lambda probe: (10.0, 5.0))
+    pack, line = resolve_packing("auto", model)
+    assert pack and line.startswith("[packed weights] on") and "5.0 ms packed, 10.0 plain" in line
+    monkeypatch.setattr(packed_linear, "measure_packing", lambda probe: (10.0, 9.5))  # not faster by enough
+    pack, line = resolve_packing("auto", model)
+    assert not pack and line.startswith("[packed weights] off") and "--packed-weights on packs anyway" in line
+    assert not is_packed(model)  # deciding packs nothing
+
+
+@needs_packing
+def test_measure_packing_times_the_models_layers_both_ways():
+    probe = packed_linear.copy_of_linears(two_layers())
+    assert pack_linears(probe) == 2
+    plain, fast = packed_linear.measure_packing(probe)
+    assert plain > 0 and fast > 0
+
+
+@needs_packing
+def test_auto_leaves_a_packed_copy_that_would_crowd_memory(monkeypatch):
+    model = two_layers()
+    monkeypatch.setattr(packed_linear, "measure_packing", lambda probe: (10.0, 5.0))
+    monkeypatch.setattr(packed_linear, "available_memory_bytes", lambda: 4 * packed_linear.linear_bytes(model) - 1)
+    pack, line = resolve_packing("auto", model)
+    assert not pack and "over a quarter" in line and "--packed-weights on" in line
+    assert resolve_packing("on", model)[0]  # on packs even so
+
+
+def test_resolve_packing_refuses_on_where_it_cannot_pack():
+    half = frozen(nn.Linear(8, 8)).to(torch.bfloat16)
+    pack, line = resolve_packing("auto", half)
+    assert not pack and "fp32" in line
+    with pytest.raises(DDTreeError, match="--packed-weights on: .*fp32.*--packed-weights off"):
+        resolve_packing("on", half)
+    with pytest.raises(DDTreeError, match="choose one of auto, on, off"):
+        resolve_packing("yes", half)

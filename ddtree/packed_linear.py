@@ -1,16 +1,17 @@
 """Linear layers through oneDNN with their weights packed once: faster decoding forwards on a CPU in fp32.
 
 A decoding forward multiplies a handful of rows (1 for `ar`, up to budget + 1 for a tree) by every weight of the
-model. torch's fp32 `F.linear` on the CPU calls MKL, which re-lays the weight out on every call; on a 2-core AMD
-EPYC with AVX2 (docs/benchmarks.md, Packed weights) SmolLM2-135M's linear layers took 38 ms for one row and
-65-100 ms for 2 to 16, while oneDNN's matmul over weights packed once took 29-34 ms for 1 to 4 rows and 61 ms
-for 16. The packed copy costs the weights' size again in memory, so `auto` packs only where that fits easily.
+model. torch's fp32 `F.linear` on the CPU calls MKL's sgemm; on a 2-core AMD EPYC with AVX2 a SmolLM2-135M verify of
+2 to 33 rows through it cost 1.6-2.5x a one-token step. oneDNN's matmul over weights laid out once for it
+(`torch.ops.mkldnn._reorder_linear_weight`, then `_linear_pointwise`) made those verifies 1.3-1.6x faster and tree
+decoding 1.3-1.4x faster there (docs/benchmarks.md, Packed weights). Where it pays differs by machine and model (a
+tiny test model's layers ran 2x slower packed), so `auto` measures before it packs.
 
 `pack_linears(model)` gives each plain `nn.Linear` of a frozen fp32 CPU model a packed copy and a forward that
 uses it; the module keeps its `weight` (ties, state dicts and `get_output_embeddings().weight` are untouched).
-The packed forward is for inference: with autograd recording, on another device or dtype, or after the weight
-changed in place, the layer runs the plain `F.linear`. Results equal `F.linear`'s to rounding (1e-6 relative),
-as one BLAS differs from another; decoding stays lossless against greedy decoding of the same packed model.
+The packed forward is for inference: with autograd recording, on another device or dtype it runs the plain
+`F.linear`, and a weight changed in place is packed again. Results equal `F.linear`'s to fp32 rounding (1e-6), as
+one BLAS's do another's; decoding stays lossless against greedy decoding of the same packed model (tests).
 """
 
 from __future__ import annotations
@@ -25,8 +26,11 @@ from torch import nn
 
 from .errors import DDTreeError
 
-PACK_ROWS = 16  # the row count oneDNN lays the packed weights out for: one to 16 measured alike, one alone worse
+PACK_ROWS = 16  # the rows oneDNN lays the weights out for; 4 to 32 measured alike on the EPYC, 1 slower above 1 row
 PACKED_KERNELS = ("auto", "on", "off")  # --packed-weights
+PROBE_ROWS = (1, 8)  # an AR step's rows and a small tree's, the shapes decoding runs on a CPU
+PROBE_REPEATS = 3
+GAIN_NEEDED = 0.9  # auto packs where the packed layers take under this share of the plain ones' time
 
 
 def packing_available() -> bool:
@@ -117,11 +121,6 @@ def unpack_linears(model: nn.Module) -> int:
     return count
 
 
-PROBE_ROWS = (1, 8)  # an AR step's rows and a small tree's, the shapes decoding runs on a CPU
-PROBE_REPEATS = 3
-GAIN_NEEDED = 0.9  # auto packs where the packed layers take under this share of the plain ones' time
-
-
 @torch.no_grad()
 def measure_packing(model: nn.Module) -> tuple[float, float]:
     """Milliseconds of every packed layer of `model` over PROBE_ROWS rows of random input: (plain, packed), each the
@@ -142,8 +141,10 @@ def measure_packing(model: nn.Module) -> tuple[float, float]:
 def resolve_packing(choice: str, model: nn.Module) -> tuple[bool, str]:
     """--packed-weights auto|on|off for this model: whether to pack, and a line saying why (printed by the CLI).
 
-    auto packs a CPU fp32 model where oneDNN can, and where the packed copy takes under a quarter of the memory this
-    machine has available; on insists (an error where it cannot), off never packs.
+    auto packs a CPU fp32 model where oneDNN can, where the packed copy takes under a quarter of the memory this
+    machine has available, and where its linear layers measured faster packed (measure_packing, on a packed copy of
+    the layers that shares their weights: about a second for SmolLM2-135M); on insists (an error where it cannot),
+    off never packs. Packs nothing itself.
     """
     if choice not in PACKED_KERNELS:
         raise DDTreeError(f"--packed-weights {choice!r}: choose one of {', '.join(PACKED_KERNELS)}")

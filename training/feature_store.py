@@ -41,7 +41,8 @@ validation split first, and ends before the shard that would overrun the box, me
 speed: on a machine too slow for the whole store it covers a seeded random share of the training split (the
 manifest's `sequence_ids` name the data sequence at each store position; its `shards` only the finished ones),
 and training draws from that share (DistillDataModule.setup). A complete store of the same build is used
-whatever its coverage.
+whatever its coverage. An interrupted boxed build resumes on its own clock: the time spent up to its last finished
+shard counts against the box (<out>.partial/.time_box.json), so a restart does not buy a fresh box.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ OPTIONAL_MANIFEST_FIELDS = {"final_hidden": False, "teacher_top_k": 0, "sequence
 # store in the data's own order that a time-boxed build finds (it covers more): the same build otherwise.
 COVERAGE_FIELDS = ("sequence_ids", "shards", "lengths")
 MANIFEST = "store.json"
+BOX_CLOCK = ".time_box.json"  # in <out>.partial/: the time a boxed build has spent, carried across a resume
 MAX_SHARD_BYTES = 256 * 2**20
 REBUILD = "make features RECIPE=<recipe>"  # how a user (re)builds a store, named in every error
 AUTO_STORE = "auto"  # data.feature_store value: the recipe's default folder (default_store_path)
@@ -407,7 +409,11 @@ def build_feature_store(
     target, _ = load_frozen_target(datamodule.target, dtype, target_adapter, device=device)
     partial.mkdir(parents=True, exist_ok=True)
     write_json_atomic(partial / MANIFEST, manifest)
-    computed, computing = 0, 0.0  # tokens and seconds of this build's own shards: its speed, for the time box
+    # The time box's clock: seconds spent up to the last finished shard, and the tokens and seconds of the shards
+    # computed, for the speed; a resumed build goes on from its interrupted run's figures rather than a fresh box.
+    clock = json.loads((partial / BOX_CLOCK).read_text()) if done and (partial / BOX_CLOCK).is_file() else {}
+    spent_before = clock.get("seconds", 0.0)
+    computed, computing = clock.get("computed_tokens", 0), clock.get("computing_seconds", 0.0)
     if max_seconds is not None:
         print(f"[features] time box {max_seconds / 60:.1f} min (data.store_max_minutes): where the machine is too slow "
               "for every sequence, the build ends before the shard that would overrun it", flush=True)
@@ -416,7 +422,7 @@ def build_feature_store(
             if shard["file"] in done:
                 continue
             if max_seconds is not None and computed and shard["first_sequence"] >= keep:
-                finish = time.monotonic() - started + shard["num_tokens"] * computing / computed
+                finish = spent_before + time.monotonic() - started + shard["num_tokens"] * computing / computed
                 if finish > max_seconds:
                     break  # the rest of the plan stays out; `done` is what the store holds
             first = shard["first_sequence"]
@@ -432,7 +438,11 @@ def build_feature_store(
             os.replace(staging, partial / shard["file"])  # only a complete shard ever has its final name
             done.add(shard["file"])
             computed, computing = computed + shard["num_tokens"], computing + time.monotonic() - shard_started
+            if max_seconds is not None:
+                write_json_atomic(partial / BOX_CLOCK, {"seconds": spent_before + time.monotonic() - started,
+                                                        "computed_tokens": computed, "computing_seconds": computing})
 
+    (partial / BOX_CLOCK).unlink(missing_ok=True)
     boxed = len(done) < len(manifest["shards"])
     if boxed:  # the time box ended it: the store holds the finished shards
         manifest = {**manifest, "shards": [shard for shard in manifest["shards"] if shard["file"] in done]}

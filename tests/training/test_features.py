@@ -406,6 +406,32 @@ def test_a_time_boxed_build_holds_a_seeded_share_validation_first_and_training_d
     assert "validation split" in one_line(refused.value)
 
 
+def test_an_interrupted_boxed_build_resumes_on_its_own_clock(tmp_path, monkeypatch):
+    """The time spent before the interruption counts against the box: a restart does not buy a fresh one."""
+    dm = make_datamodule(tmp_path)
+    settings = dict(layer_ids=LAYER_IDS, max_shard_bytes=shard_bytes(3))
+    straight = FeatureStore(boxed_build(monkeypatch, dm, tmp_path / "straight", 10.0, 25.0, **settings))
+    assert len(straight.shards) == 2  # 10 s a shard in a 25 s box, uninterrupted
+
+    out = tmp_path / "resumed"
+    real_save, saved = training.feature_store.save_file, []
+
+    def save_then_stop(tensors, filename):
+        if saved:
+            raise Interrupt  # the second shard never gets written
+        saved.append(filename)
+        real_save(tensors, filename)
+
+    monkeypatch.setattr(training.feature_store, "save_file", save_then_stop)
+    with pytest.raises(Interrupt):
+        boxed_build(monkeypatch, dm, out, 10.0, 25.0, **settings)
+    clock = json.loads((partial_path(out) / ".time_box.json").read_text())
+    assert clock == {"seconds": 10.0, "computed_tokens": straight.shards[0]["num_tokens"], "computing_seconds": 10.0}
+    resumed = FeatureStore(boxed_build(monkeypatch, dm, out, 10.0, 25.0, **settings))
+    assert resumed.shards == straight.shards  # one more shard (20 s), not two more (a fresh 25 s box: 30 s)
+    assert resumed.covered() == straight.covered() and not (out / ".time_box.json").exists()
+
+
 def test_a_box_that_holds_everything_is_the_whole_data(tmp_path, monkeypatch):
     dm = make_datamodule(tmp_path)
     store = FeatureStore(boxed_build(monkeypatch, dm, tmp_path / "store", 1.0, 1000.0, layer_ids=LAYER_IDS,

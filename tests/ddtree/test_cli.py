@@ -65,21 +65,28 @@ def test_bench_writes_results(capsys, tmp_path, prompts_file):
     assert "same_as_ar" not in results["summary"]["ar"]
 
 
-def test_bench_static_cache_commits_the_dynamic_caches_tokens(capsys, tmp_path, prompts_file):
-    """--static-cache on (padded verifies over a preallocated cache) and off decode the same tokens, every method."""
-    tokens = {}
+def bench_off_and_on(capsys, tmp_path, prompts_file, option: str, methods: str) -> dict:
+    """Bench with `option` off and on (fp32, an untrained drafter): {choice: (results, stderr, committed tokens)}."""
+    runs = {}
     for choice in ("off", "on"):
         out = tmp_path / f"{choice}.json"
-        code, _, _ = run_cli(
+        code, _, err = run_cli(
             capsys, "bench", "--target", TARGET, "--drafter", "random", "--prompts", str(prompts_file), "--methods",
-            "ar,dflash,ddtree", "--budgets", "4", "--max-new-tokens", "12", "--dtype", "float32", "--static-cache", choice,
-            "--out", str(out),
+            methods, "--budgets", "4", "--max-new-tokens", "12", "--dtype", "float32", option, choice, "--out", str(out),
         )
         assert code == 0
         results = json.loads(out.read_text())
+        tokens = [run["new_tokens"] for prompt in results["prompts"] for run in prompt["methods"].values()]
+        runs[choice] = (results, err, tokens)
+    return runs
+
+
+def test_bench_static_cache_commits_the_dynamic_caches_tokens(capsys, tmp_path, prompts_file):
+    """--static-cache on (padded verifies over a preallocated cache) and off decode the same tokens, every method."""
+    runs = bench_off_and_on(capsys, tmp_path, prompts_file, "--static-cache", "ar,dflash,ddtree")
+    for choice, (results, _, _) in runs.items():
         assert results["settings"]["static_cache"] == choice
-        tokens[choice] = [run["new_tokens"] for prompt in results["prompts"] for run in prompt["methods"].values()]
-    assert tokens["on"] == tokens["off"] and len(tokens["on"]) == 6
+    assert runs["on"][2] == runs["off"][2] and len(runs["on"][2]) == 6
 
 
 def test_bench_online_calibration_learns_a_temperature_per_method_and_commits_the_same_tokens(capsys, tmp_path,
@@ -341,20 +348,11 @@ def test_unknown_dtype_is_one_line(capsys, command):
 @pytest.mark.skipif(not packing_available(), reason="this torch has no oneDNN weight packing")
 def test_bench_packed_weights_commit_the_plain_layers_tokens_and_say_which_ran(capsys, tmp_path, prompts_file):
     """--packed-weights on packs an fp32 CPU target (and its drafter), off does not; both decode the same tokens."""
-    tokens = {}
-    for choice in ("off", "on"):
-        out = tmp_path / f"{choice}.json"
-        code, _, err = run_cli(
-            capsys, "bench", "--target", TARGET, "--drafter", "random", "--prompts", str(prompts_file), "--methods",
-            "ar,ddtree", "--budgets", "4", "--max-new-tokens", "12", "--dtype", "float32", "--packed-weights", choice,
-            "--out", str(out),
-        )
-        assert code == 0
-        results = json.loads(out.read_text())
+    runs = bench_off_and_on(capsys, tmp_path, prompts_file, "--packed-weights", "ar,ddtree")
+    for choice, (results, err, _) in runs.items():
         assert results["settings"]["packed_weights_resolved"] is (choice == "on")
         assert ("[packed weights] on" in err) is (choice == "on")
-        tokens[choice] = [run["new_tokens"] for prompt in results["prompts"] for run in prompt["methods"].values()]
-    assert tokens["on"] == tokens["off"] and len(tokens["off"]) == 4
+    assert runs["on"][2] == runs["off"][2] and len(runs["off"][2]) == 4
 
 
 @pytest.mark.parametrize("command", [["generate", "--prompt", "Hi"], ["verify-cost"]])

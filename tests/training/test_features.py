@@ -306,8 +306,8 @@ class Interrupt(Exception):
     pass
 
 
-def interrupted_build(monkeypatch, dm, out, **settings) -> list:
-    """Run a build that stops after its first shard (as a kill would); returns the list saves are appended to."""
+def stop_after_first_shard(monkeypatch) -> tuple:
+    """Make builds stop after their first shard (as a kill would): (the real save_file, the list saves go to)."""
     real_save, saved = training.feature_store.save_file, []
 
     def save_then_stop(tensors, filename):
@@ -317,6 +317,12 @@ def interrupted_build(monkeypatch, dm, out, **settings) -> list:
         real_save(tensors, filename)
 
     monkeypatch.setattr(training.feature_store, "save_file", save_then_stop)
+    return real_save, saved
+
+
+def interrupted_build(monkeypatch, dm, out, **settings) -> list:
+    """Run a build that stops after its first shard; returns the list saves are appended to."""
+    real_save, saved = stop_after_first_shard(monkeypatch)
     with pytest.raises(Interrupt):
         build_feature_store(dm, out, **settings)
     monkeypatch.setattr(training.feature_store, "save_file", real_save)
@@ -414,17 +420,9 @@ def test_an_interrupted_boxed_build_resumes_on_its_own_clock(tmp_path, monkeypat
     assert len(straight.shards) == 2  # 10 s a shard in a 25 s box, uninterrupted
 
     out = tmp_path / "resumed"
-    real_save, saved = training.feature_store.save_file, []
-
-    def save_then_stop(tensors, filename):
-        if saved:
-            raise Interrupt  # the second shard never gets written
-        saved.append(filename)
-        real_save(tensors, filename)
-
-    monkeypatch.setattr(training.feature_store, "save_file", save_then_stop)
+    stop_after_first_shard(monkeypatch)
     with pytest.raises(Interrupt):
-        boxed_build(monkeypatch, dm, out, 10.0, 25.0, **settings)
+        boxed_build(monkeypatch, dm, out, 10.0, 25.0, **settings)  # (which undoes every patch as it ends)
     clock = json.loads((partial_path(out) / ".time_box.json").read_text())
     assert clock == {"seconds": 10.0, "computed_tokens": straight.shards[0]["num_tokens"], "computing_seconds": 10.0}
     resumed = FeatureStore(boxed_build(monkeypatch, dm, out, 10.0, 25.0, **settings))

@@ -8,7 +8,9 @@
 `--drafter random` builds an untrained drafter for the target (smoke tests); otherwise it is a
 drafter folder (config.json + safetensors, the published DFlash format), checked against the target
 and its own weights before it loads. `--dtype auto` (the default) runs the target in bf16 where this
-machine computes it natively, else float32 (ddtree/precision.py), and says which on stderr. Bad input
+machine computes it natively, else float32 (ddtree/precision.py), and says which on stderr; in fp32 on a CPU,
+`--packed-weights auto` packs the linear layers' weights for oneDNN where that measures faster
+(ddtree/packed_linear.py), and says so likewise. Bad input
 prints one line, `error: ...`, and exits with status 2 (ddtree/errors.py).
 """
 
@@ -71,7 +73,8 @@ def _add_packed_weights(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--packed-weights", choices=PACKED_KERNELS, default="auto",
                         help="run the target's and drafter's linear layers through oneDNN with their weights packed "
                              "once (fp32 on a CPU; same tokens, faster forwards of few rows: docs/decoding.md); auto = "
-                             "on where that holds and the packed copy fits easily in memory")
+                             "on where a measurement at start finds them faster and the packed copy fits easily in "
+                             "memory")
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:

@@ -64,7 +64,7 @@ from transformers import AutoConfig
 
 from ddtree.configuration_dflash import DFlashDrafterConfig, default_target_layer_ids
 from ddtree.errors import DDTreeError
-from ddtree.files import write_json_atomic
+from ddtree.files import follow_umask, write_json_atomic
 from ddtree.precision import LIGHTNING_PRECISION
 from ddtree.targets import cache_dir, parse_dtype, resolve_target
 
@@ -432,9 +432,11 @@ def build_feature_store(
             tensors = shard_tensors(target, data, sequences, layer_ids, width, pad_id, dtype, sequences_per_batch,
                                     progress, final_hidden, teacher_top_k)
             # Not ddtree.files.atomic_file: save_file streams to a path, a file object would need the
-            # whole shard serialized in memory first. A plainly created file already follows the umask.
+            # whole shard serialized in memory first. It creates the file 0600 whatever the umask, so the
+            # mode is set as open() would have (a store on shared storage is read by other processes).
             staging = partial / f".{shard['file']}.tmp"
             save_file(tensors, str(staging))
+            follow_umask(staging)
             os.replace(staging, partial / shard["file"])  # only a complete shard ever has its final name
             done.add(shard["file"])
             computed, computing = computed + shard["num_tokens"], computing + time.monotonic() - shard_started

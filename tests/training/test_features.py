@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 
 import lightning as L
 import pytest
@@ -410,6 +411,21 @@ def test_a_time_boxed_build_holds_a_seeded_share_validation_first_and_training_d
     with pytest.raises(DDTreeError) as refused:
         make_datamodule(tmp_path, seed=3, feature_store=str(store.path)).setup("fit")
     assert "validation split" in one_line(refused.value)
+
+
+def test_store_files_follow_the_umask(tmp_path):
+    """safetensors creates its files 0600: the store sets what open() would have, as every other cache does."""
+    old = os.umask(0o022)
+    try:
+        out = build_feature_store(make_datamodule(tmp_path), tmp_path / "store", layer_ids=LAYER_IDS,
+                                  max_shard_bytes=shard_bytes(3))
+    finally:
+        os.umask(old)
+    paths = [out, *out.iterdir()]
+    assert len(paths) > 3
+    for path in paths:
+        expected = 0o755 if path.is_dir() else 0o644
+        assert stat.S_IMODE(path.stat().st_mode) == expected, f"{path}: {oct(stat.S_IMODE(path.stat().st_mode))}"
 
 
 def test_an_interrupted_boxed_build_resumes_on_its_own_clock(tmp_path, monkeypatch):

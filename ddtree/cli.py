@@ -34,7 +34,7 @@ from .decoding import (
 from .errors import DDTreeError, command
 from .files import write_json_atomic
 from .modeling_dflash import DFlashDraftModel
-from .packed_linear import PACKED_KERNELS, is_packed, pack_linears, resolve_packing
+from .packed_linear import PACKED_KERNELS, apply_packing, is_packed, pack_linears, require_packing
 from .precision import AUTO, resolve_dtype
 from .sizing import TreeSizer
 from .targets import build_drafter_config, load_target, stop_token_ids
@@ -186,11 +186,9 @@ def _load_target(args):
     if reason:
         print(reason, file=sys.stderr)
     target, tokenizer = load_target(args.target, dtype, args.device)
-    pack, reason = resolve_packing(args.packed_weights, target)
+    _, reason = apply_packing(args.packed_weights, target)
     if reason:
         print(reason, file=sys.stderr)
-    if pack:
-        pack_linears(target)
     return target, tokenizer
 
 
@@ -378,7 +376,7 @@ def cmd_verify_cost(args) -> None:
         args.packed_weights = "off"  # the plain target; compare_packed_verify_cost packs a copy of it
     target, _ = _load_target(args)
     if args.compare_plain:
-        resolve_packing("on", target)  # one line where it cannot pack
+        require_packing(target)
         rows = compare_packed_verify_cost(target, args.sizes, args.context, args.repeats)
         print(f"target {args.target}, {str(target.dtype).removeprefix('torch.')}, {args.context}-token cache; "
               "plain and packed linear layers measured alternately (nodes 0: one AR step)")

@@ -95,17 +95,6 @@ def pack_linears(model: nn.Module) -> int:
     return count
 
 
-def copy_of_linears(model: nn.Module) -> nn.Module:
-    """The model's packable linear layers, sharing their weights, in a container of their own (for measure_packing)."""
-    layers = nn.ModuleList()
-    for module in model.modules():
-        if _packable(module):
-            twin = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
-            twin.weight, twin.bias = module.weight, module.bias
-            layers.append(twin)
-    return layers
-
-
 def is_packed(model: nn.Module) -> bool:
     """Whether pack_linears packed any layer of `model`."""
     return any(hasattr(module, "_ddtree_packed") for module in model.modules())
@@ -138,39 +127,50 @@ def measure_packing(model: nn.Module) -> tuple[float, float]:
     return best["plain"], best["packed"]
 
 
-def resolve_packing(choice: str, model: nn.Module) -> tuple[bool, str]:
-    """--packed-weights auto|on|off for this model: whether to pack, and a line saying why (printed by the CLI).
+def cannot_pack(model: nn.Module) -> str | None:
+    """Why pack_linears would pack nothing in `model`, or None where it can pack."""
+    if not packing_available():
+        return "this torch has no oneDNN weight packing"
+    if linear_bytes(model) == 0:
+        return "the model has no fp32 CPU linear layers (packing is for fp32 on a CPU)"
+    return None
+
+
+def require_packing(model: nn.Module) -> None:
+    """One error line where `model` cannot be packed (--packed-weights on, verify-cost --compare-plain)."""
+    reason = cannot_pack(model)
+    if reason:
+        raise DDTreeError(f"--packed-weights on: {reason}; use --packed-weights off (or auto)")
+
+
+def apply_packing(choice: str, model: nn.Module) -> tuple[bool, str]:
+    """--packed-weights auto|on|off applied to `model`: whether it ended packed, and a line saying why (the CLI prints it).
 
     auto packs a CPU fp32 model where oneDNN can, where the packed copy takes under a quarter of the memory this
-    machine has available, and where its linear layers measured faster packed (measure_packing, on a packed copy of
-    the layers that shares their weights: about a second for SmolLM2-135M); on insists (an error where it cannot),
-    off never packs. Packs nothing itself.
+    machine has available, and where its linear layers then measure faster packed (measure_packing, on the model's own
+    layers: about a second for SmolLM2-135M; unpacked again where they do not); on insists (an error where it cannot),
+    off never packs.
     """
     if choice not in PACKED_KERNELS:
         raise DDTreeError(f"--packed-weights {choice!r}: choose one of {', '.join(PACKED_KERNELS)}")
     if choice == "off":
         return False, ""
-    size = linear_bytes(model)
-    reason = None
-    if not packing_available():
-        reason = "this torch has no oneDNN weight packing"
-    elif size == 0:
-        reason = "the model has no fp32 CPU linear layers (packing is for fp32 on a CPU)"
+    if choice == "on":
+        require_packing(model)
+    reason = cannot_pack(model)
     if reason:
-        if choice == "on":
-            raise DDTreeError(f"--packed-weights on: {reason}; use --packed-weights off (or auto)")
         return False, f"[packed weights] off: {reason}"
-    available = available_memory_bytes()
+    size, available = linear_bytes(model), available_memory_bytes()
     if choice == "auto" and available is not None and size > available / 4:
         return False, (f"[packed weights] off: a packed copy takes {size / 2**20:.0f} MiB, over a quarter of the "
                        f"{available / 2**20:.0f} MiB available; --packed-weights on packs anyway")
+    pack_linears(model)
     size_text = f"{size / 2**20:.0f} MiB more"
     if choice == "on":
         return True, f"[packed weights] on: linear layers through oneDNN, weights packed once ({size_text})"
-    probe = copy_of_linears(model)
-    pack_linears(probe)
-    plain, fast = measure_packing(probe)
+    plain, fast = measure_packing(model)
     measured = f"its linear layers over {' and '.join(map(str, PROBE_ROWS))} rows took {fast:.1f} ms packed, {plain:.1f} plain"
     if fast >= GAIN_NEEDED * plain:
+        unpack_linears(model)
         return False, f"[packed weights] off: {measured}; --packed-weights on packs anyway"
     return True, f"[packed weights] on: {measured} ({size_text})"

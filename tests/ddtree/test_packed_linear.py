@@ -6,7 +6,7 @@ from torch import nn
 
 import ddtree.packed_linear as packed_linear
 from ddtree.errors import DDTreeError
-from ddtree.packed_linear import is_packed, pack_linears, resolve_packing, unpack_linears
+from ddtree.packed_linear import apply_packing, is_packed, pack_linears, unpack_linears
 
 needs_packing = pytest.mark.skipif(not packed_linear.packing_available(), reason="this torch has no oneDNN packing")
 
@@ -112,21 +112,23 @@ def test_trainable_and_non_fp32_layers_are_left_alone():
 @needs_packing
 def test_auto_packs_where_the_packed_layers_measured_faster(monkeypatch):
     model = two_layers()
-    assert resolve_packing("off", model) == (False, "")
+    assert apply_packing("off", model) == (False, "")
     monkeypatch.setattr(packed_linear, "measure_packing", lambda probe: (10.0, 5.0))
-    pack, line = resolve_packing("auto", model)
+    pack, line = apply_packing("auto", model)
     assert pack and line.startswith("[packed weights] on") and "5.0 ms packed, 10.0 plain" in line
+    assert is_packed(model)
+    model = two_layers()
     monkeypatch.setattr(packed_linear, "measure_packing", lambda probe: (10.0, 9.5))  # not faster by enough
-    pack, line = resolve_packing("auto", model)
+    pack, line = apply_packing("auto", model)
     assert not pack and line.startswith("[packed weights] off") and "--packed-weights on packs anyway" in line
-    assert not is_packed(model)  # deciding packs nothing
+    assert not is_packed(model)  # measured packed, then unpacked
 
 
 @needs_packing
 def test_measure_packing_times_the_models_layers_both_ways():
-    probe = packed_linear.copy_of_linears(two_layers())
-    assert pack_linears(probe) == 2
-    plain, fast = packed_linear.measure_packing(probe)
+    model = two_layers()
+    assert pack_linears(model) == 2
+    plain, fast = packed_linear.measure_packing(model)
     assert plain > 0 and fast > 0
 
 
@@ -135,16 +137,16 @@ def test_auto_leaves_a_packed_copy_that_would_crowd_memory(monkeypatch):
     model = two_layers()
     monkeypatch.setattr(packed_linear, "measure_packing", lambda probe: (10.0, 5.0))
     monkeypatch.setattr(packed_linear, "available_memory_bytes", lambda: 4 * packed_linear.linear_bytes(model) - 1)
-    pack, line = resolve_packing("auto", model)
+    pack, line = apply_packing("auto", model)
     assert not pack and "over a quarter" in line and "--packed-weights on" in line
-    assert resolve_packing("on", model)[0]  # on packs even so
+    assert apply_packing("on", model)[0]  # on packs even so
 
 
-def test_resolve_packing_refuses_on_where_it_cannot_pack():
+def test_apply_packing_refuses_on_where_it_cannot_pack():
     half = frozen(nn.Linear(8, 8)).to(torch.bfloat16)
-    pack, line = resolve_packing("auto", half)
+    pack, line = apply_packing("auto", half)
     assert not pack and "fp32" in line
     with pytest.raises(DDTreeError, match="--packed-weights on: .*fp32.*--packed-weights off"):
-        resolve_packing("on", half)
+        apply_packing("on", half)
     with pytest.raises(DDTreeError, match="choose one of auto, on, off"):
-        resolve_packing("yes", half)
+        apply_packing("yes", half)

@@ -71,12 +71,16 @@ class Sampling:
 
     def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
         """The target's sampling distribution for one row of logits (V,), after temperature, top-k, top-p."""
-        scores = logits.float() / self.temperature
+        # In float64, shifted so that the best score is 0: a tiny temperature then sends the others to -inf and
+        # leaves the argmax at probability 1. In float32 the raw logits over it overflowed to +-inf, a temperature
+        # under 1e-45 rounded to 0, and softmax gave NaN (1e-39 already did on logits of about 30).
+        scores = logits.double()
+        scores = (scores - scores.max()) / self.temperature
         if 0 < self.top_k < scores.shape[-1]:
             kth_best = scores.topk(self.top_k).values[-1]
             scores = scores.masked_fill(scores < kth_best, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
-        return top_p_filter(probs, self.top_p)
+        return top_p_filter(probs, self.top_p).float()
 
     def choose(self, logits: torch.Tensor, generator: torch.Generator | None) -> int:
         """The target's own decoding rule on one row of logits (V,)."""
@@ -329,7 +333,7 @@ def drafter_defaults(
     corpus: CorpusLookup | bool | None = False,
 ) -> tuple[int, int, CorpusLookup | None]:
     """generate's lookup, redraft and corpus, where None means the drafter's own (its config's `lookup` and
-    `redraft`, the corpus shipped in its folder) and corpus False means none.
+    `redraft`, the corpus shipped in its folder), corpus True means that corpus too, and corpus False means none.
 
     The lookups graft into ddtree trees only. Re-drafting needs a drafter, and sizing for tokens per second on a CPU
     leaves it off: one more drafter forward a round cost more than it gained (docs/decoding.md, Re-drafting: 1.25x over ar
@@ -339,7 +343,7 @@ def drafter_defaults(
         lookup = getattr(drafter, "default_lookup", 0) if method == "ddtree" else 0
     if redraft is None:
         redraft = getattr(drafter, "default_redraft", 0) if method != "ar" and not sized else 0
-    if corpus is None:
+    if corpus is None or corpus is True:  # True: a corpus, which can only be the drafter's own
         corpus = getattr(drafter, "default_corpus", None) if method == "ddtree" else None
     return lookup, redraft, corpus or None
 
@@ -412,7 +416,7 @@ def generate(
     drafter's default (DrafterRunner.default_redraft: its config's `redraft`, 0 for drafters not trained for it),
     except with a sizer (drafter_defaults).
     corpus (ddtree): graft what the target's replies most often said after the context's last tokens into every tree
-    as one more path, within the budget (ddtree/corpus.py); False = none; None = the drafter's default
+    as one more path, within the budget (ddtree/corpus.py); False = none; None (or True) = the drafter's default
     (DrafterRunner.default_corpus: the corpus its folder ships, none unless its recipe set model.corpus).
 
     static: run the target over a preallocated cache at one verify shape (ddtree/target_runner.py), and a
@@ -481,7 +485,7 @@ def generate(
             draft_logits = drafter.propose(root, start, new_context, depth)  # (depth, V)
             branches = None
             if redraft and depth > 1:
-                firsts = draft_logits[0].topk(redraft if method == "ddtree" else 1).indices.tolist()
+                firsts = draft_logits[0].topk(min(redraft if method == "ddtree" else 1, draft_logits.shape[-1])).indices.tolist()
                 branches = dict(zip(firsts, drafter.redraft(root, start, firsts, depth)))  # token -> (depth - 1, V)
             if online is not None:
                 draft_logits = draft_logits.float() / online.temperature(shape)

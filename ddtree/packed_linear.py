@@ -69,7 +69,17 @@ def available_memory_bytes() -> int | None:
 
 def _pack(module: nn.Linear) -> None:
     module._ddtree_packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), PACK_ROWS)
+    # The weight it was packed from, by storage and in-place version: a weight whose storage was swapped
+    # (`.data = ...`, a dtype round trip) keeps its version count, so the version alone would miss it. Holding the
+    # old storage keeps its address from being reused by a new one.
+    module._ddtree_source = module.weight.detach()
     module._ddtree_version = module.weight._version
+
+
+def _is_stale(module: nn.Linear) -> bool:
+    """Whether the weight changed, in place or by a swapped storage, since it was packed."""
+    weight, source = module.weight, module._ddtree_source
+    return weight._version != module._ddtree_version or weight.data_ptr() != source.data_ptr() or weight.shape != source.shape
 
 
 def _packed_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -79,7 +89,7 @@ def _packed_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         or weight.dtype != torch.float32 or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
     ):
         return F.linear(x, weight, module.bias)
-    if weight._version != module._ddtree_version:  # changed in place since it was packed
+    if _is_stale(module):
         _pack(module)
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), module._ddtree_packed, module.bias, "none", [], "")
 
@@ -105,7 +115,7 @@ def unpack_linears(model: nn.Module) -> int:
     count = 0
     for module in model.modules():
         if hasattr(module, "_ddtree_packed"):
-            del module._ddtree_packed, module._ddtree_version, module.forward
+            del module._ddtree_packed, module._ddtree_source, module._ddtree_version, module.forward
             count += 1
     return count
 

@@ -60,7 +60,8 @@ def probe_runner(target: PreTrainedModel, context: int, seed: int = 0) -> Dynami
     generator = torch.Generator().manual_seed(seed)
     vocab = target.get_output_embeddings().weight.shape[0]
     runner = DynamicTarget(target, hidden_states=False)  # the decoding loop's own forwards
-    runner.prefill(torch.randint(100, vocab, (context,), generator=generator).tolist())
+    low = min(100, vocab - 1)  # above the special tokens, where the vocabulary has room
+    runner.prefill(torch.randint(low, vocab, (context,), generator=generator).tolist())
     return runner
 
 

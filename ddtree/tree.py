@@ -14,6 +14,7 @@ ancestors and itself; siblings share a position (start + depth).
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -86,11 +87,14 @@ def build_tree(
         tree.children.append({})
         tree.children[parent][token] = row
         log_probs = top_log_probs[table][depth]
-        if rank + 1 < top:  # next sibling: same parent, next-best token at this depth
+        # A token the drafter gives probability 0 (a -inf logit) is never a node: its path could not be drafted, and
+        # its score (-inf - -inf for a sibling) would be NaN.
+        if rank + 1 < top and log_probs[rank + 1] > -math.inf:  # next sibling: same parent, next-best token
             heapq.heappush(heap, (-(score - log_probs[rank] + log_probs[rank + 1]), depth, rank + 1, parent, table))
         if depth + 1 < depth_count:  # first child: best token at the next depth, from the branch below it if any
             below = branch_table.get(token, 0) if depth == 0 else table
-            heapq.heappush(heap, (-(score + top_log_probs[below][depth + 1][0]), depth + 1, 0, row, below))
+            if top_log_probs[below][depth + 1][0] > -math.inf:
+                heapq.heappush(heap, (-(score + top_log_probs[below][depth + 1][0]), depth + 1, 0, row, below))
     return tree
 
 

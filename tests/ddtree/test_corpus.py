@@ -93,13 +93,15 @@ def test_the_drafters_corpus_is_the_default_and_false_leaves_it_out(tiny_target)
     drafter = load_drafter("random", model, tokenizer, "tiny-random")
     shipped = DrafterRunner(drafter, model, corpus=CorpusLookup([prompt + greedy]))
     accepted = {}
-    for name, runner, corpus, online in [("default", shipped, None, None), ("off", shipped, False, None),
+    for name, runner, corpus, online in [("default", shipped, None, None), ("true", shipped, True, None),
+                                         ("off", shipped, False, None),
                                          ("online", shipped, None, OnlineCalibration()),
                                          ("plain runner", DrafterRunner(drafter, model), None, None)]:
         result = generate(model, prompt, "ddtree", runner, 16, 40, (), lookup=0, corpus=corpus, online=online)
         assert result.new_tokens == greedy, name
         accepted[name] = sum(r.accepted_depth for r in result.rounds)
     assert accepted["default"] > accepted["off"] + 10 and accepted["off"] == accepted["plain runner"], accepted
+    assert accepted["true"] == accepted["default"], accepted  # True: a corpus, the drafter's own
     assert accepted["online"] > accepted["off"] + 10, accepted  # the calibration keeps it (and learns its acceptance)
     assert generate(model, prompt, "dflash", shipped, 16, 40, ()).new_tokens == greedy  # the chain has none
 

@@ -76,6 +76,17 @@ def test_autograd_other_dtypes_and_changed_weights_take_the_plain_path():
 
 
 @needs_packing
+def test_a_weight_whose_storage_was_swapped_is_repacked():
+    """`.data = ...` and a dtype round trip give the weight new storage with the same version count."""
+    model = two_layers()
+    pack_linears(model)
+    layer, y = model[0], torch.randn(4, 24)
+    layer.weight.data = torch.randn_like(layer.weight)
+    torch.testing.assert_close(layer(y), torch.nn.functional.linear(y, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    model.to(torch.bfloat16).to(torch.float32)  # rounded to bf16 and back: other values, other storage
+    torch.testing.assert_close(layer(y), torch.nn.functional.linear(y, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+
 @needs_packing
 def test_a_packed_model_moved_to_another_dtype_runs_plain():
     model = two_layers()

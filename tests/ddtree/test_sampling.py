@@ -69,3 +69,21 @@ def test_ddtree_sampling_matches_the_target(tiny_pair, sampling):
     assert chi_square_p(counts, exact_joint(target, sampling)) > ALPHA
     hotter = Sampling(sampling.temperature * 1.6, sampling.top_p, sampling.top_k)
     assert chi_square_p(counts, exact_joint(target, hotter)) < ALPHA
+
+
+@pytest.mark.parametrize("temperature", [1e-39, 1e-300])
+def test_a_tiny_temperature_samples_the_argmax(tiny_pair, temperature):
+    """Logits over a tiny temperature overflow float32; the distribution must still be the argmax's, not NaN."""
+    target, drafter = tiny_pair
+    logits = torch.tensor([30.0, 10.0, -5.0, 29.0])
+    assert torch.equal(Sampling(temperature).probabilities(logits), torch.tensor([1.0, 0.0, 0.0, 0.0]))
+    greedy = generate(target, PROMPT, "ar", max_new_tokens=6).new_tokens
+    for method, runner in (("ar", None), ("ddtree", drafter)):
+        result = generate(target, PROMPT, method, runner, 8, 6, [], Sampling(temperature), torch.Generator().manual_seed(0))
+        assert result.new_tokens == greedy, method
+
+
+def test_more_redrafts_than_the_vocabulary_has_tokens(tiny_pair):
+    target, drafter = tiny_pair
+    greedy = generate(target, PROMPT, "ar", max_new_tokens=6).new_tokens
+    assert generate(target, PROMPT, "ddtree", drafter, 8, 6, [], redraft=VOCAB + 8).new_tokens == greedy

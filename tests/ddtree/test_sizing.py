@@ -44,3 +44,12 @@ def test_measure_fits_a_cost_line_on_the_machine():
     sizer = TreeSizer.measure(target, max_rows=17, context=32, repeats=2)
     assert sizer.fixed_ms > 0 and sizer.row_ms >= 0
     assert "ms per row" in sizer.describe()
+
+
+def test_measure_runs_on_a_vocabulary_smaller_than_the_special_tokens_skipped():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=16, max_position_embeddings=64)
+    sizer = TreeSizer.measure(LlamaForCausalLM(config).eval(), max_rows=9, context=20, repeats=1)
+    assert sizer.fixed_ms > 0 and sizer.row_ms >= 0

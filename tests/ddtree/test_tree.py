@@ -246,3 +246,17 @@ def test_tree_forward_matches_each_path_alone(smollm2, runner_kind):
         for row, path in enumerate([()] + node_paths(tree)):
             alone = model(torch.tensor([prompt + [root, *path]])).logits[0, -1]
             torch.testing.assert_close(tree_logits[row], alone, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("budget", [6, 20])  # (6: no tie of scores at the edge of the best set)
+def test_tokens_the_drafter_rules_out_are_never_nodes(budget):
+    """A drafter may give most tokens probability 0 (-inf logits): the tree holds only tokens it can draft, every
+    score finite, the best `budget` of the 2 + 4 + 8 possible prefixes (all 14 when the budget is larger)."""
+    logits = torch.full((3, 6), float("-inf"))
+    logits[:, 2], logits[:, 4] = 1.0, 0.2
+    tree = build_tree(logits, budget)
+    assert all(math.isfinite(score) for score in tree.log_probs)
+    assert set(tree.tokens) == {2, 4}
+    finite = torch.log_softmax(logits[:, [2, 4]], -1)  # the same drafter over its two tokens alone
+    expected = {tuple((2, 4)[t] for t in prefix) for prefix in brute_force_top_prefixes(finite, min(budget, 14))}
+    assert set(node_paths(tree)) == expected and len(tree.tokens) == min(budget, 14)

@@ -49,7 +49,7 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from ddtree.decoding import top_p_filter
+from ddtree.decoding import Sampling, top_p_filter
 from ddtree.errors import DDTreeError, command
 from ddtree.files import staged_folder, write_text_atomic
 from ddtree.targets import DTYPES, load_target, resolve_target, stop_token_ids
@@ -370,6 +370,15 @@ def run(args: argparse.Namespace) -> dict | None:
         raise DDTreeError(f"--shard-index {args.shard_index} must be in 0..{args.num_shards - 1}")
     if args.chunk_size < 1 or args.batch_size < 1 or args.max_new_tokens < 1:
         raise DDTreeError("--chunk-size, --batch-size and --max-new-tokens must be positive")
+    if args.limit is not None and args.limit < 1:
+        raise DDTreeError(f"--limit {args.limit} must be at least 1 (leave it out for every prompt)")
+    if args.threads < 1:
+        raise DDTreeError(f"--threads {args.threads} must be at least 1")
+    Sampling(args.temperature, args.top_p)  # serving's checks of --temperature and --top-p, before any work
+    out = Path(args.out)
+    if out.exists() and not (out / "regeneration.json").is_file() and (not out.is_dir() or any(out.iterdir())):
+        raise DDTreeError(f"--out {out} exists and is not a dataset this script wrote (no regeneration.json): give "
+                          "another --out, or move it away; nothing was written")
     torch.set_num_threads(args.threads)
 
     records = read_messages_jsonl(args.prompts)

@@ -108,8 +108,8 @@ def staged_folder(destination: str | Path, replace: bool = True):
 
 def check_output_folder(out: Path, overwrite: bool, keep: Path | None = None, name: str = "OUT") -> None:
     """Refuse an export destination whose replacement would lose what nobody asked to lose: a non-empty folder
-    without `overwrite`, and never, even with it, the working folder, the folder `keep` (the run exported from)
-    or one that holds either."""
+    without `overwrite`, and never, even with it, the working folder, the folder `keep` (the run exported from),
+    one that holds either, or one that holds training checkpoints (a run's checkpoints/ folder)."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise DDTreeError(f"{name}={out} is a file; give a folder to write the export into")
@@ -119,3 +119,7 @@ def check_output_folder(out: Path, overwrite: bool, keep: Path | None = None, na
                               "give a new folder for the export")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise DDTreeError(f"{name}={out} exists and is not empty; pick another folder or pass --overwrite (OVERWRITE=1)")
+    checkpoint = next(out.rglob("*.ckpt"), None) if out.is_dir() else None  # an export never holds one
+    if checkpoint is not None:
+        raise DDTreeError(f"{name}={out} holds training checkpoints ({checkpoint}), which replacing it would delete; "
+                          "give a new folder for the export")

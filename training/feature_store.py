@@ -332,6 +332,10 @@ def build_feature_store(
     error unless force. See the module docstring for the layout, atomicity, resuming and the time box.
     """
     out = Path(out)
+    if out.exists() and not is_complete(out) and (not out.is_dir() or any(out.iterdir())):
+        # Not a store (a store is complete before it has its name): the user's own file or folder, never replaced.
+        raise DDTreeError(f"{out} exists and is not a feature store: give another --out (or data.feature_store), or move "
+                          "it away; nothing was written")
     started = time.monotonic()
     data, pad_id, tokenization_key = datamodule.load_tokenized()
     # Time-boxed: in the data's split order, validation first (those `keep` are built whatever the box).

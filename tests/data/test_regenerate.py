@@ -105,11 +105,13 @@ def prompt_file(path, count):
     return path
 
 
+def args_for_argv(tmp_path, *extra):
+    return ["--target", "tiny-random", "--prompts", str(tmp_path / "prompts.jsonl"), "--out", str(tmp_path / "out"),
+            "--chunk-size", "2", "--batch-size", "2", "--max-new-tokens", "6", "--dtype", "float32", *extra]
+
+
 def args_for(tmp_path, *extra):
-    return regenerate.parse_args([
-        "--target", "tiny-random", "--prompts", str(tmp_path / "prompts.jsonl"), "--out", str(tmp_path / "out"),
-        "--chunk-size", "2", "--batch-size", "2", "--max-new-tokens", "6", "--dtype", "float32", *extra,
-    ])
+    return regenerate.parse_args(args_for_argv(tmp_path, *extra))
 
 
 def test_shards_merge_resume_and_settings_guard(tmp_path):
@@ -191,6 +193,29 @@ def test_cli_reports_bad_prompt_file_with_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and f"{bad}:2:" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flags,named", [(["--limit", "0"], "--limit 0"), (["--limit", "-1"], "--limit -1"),
+                                         (["--threads", "0"], "--threads 0"), (["--temperature", "-1"], "temperature -1"),
+                                         (["--temperature", "1", "--top-p", "0"], "top_p 0")])
+def test_bad_settings_are_one_line_before_any_work(tmp_path, capsys, flags, named):
+    prompt_file(tmp_path / "prompts.jsonl", 2)
+    assert regenerate.main([*args_for_argv(tmp_path), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and named in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.parts").exists()
+
+
+def test_an_out_folder_that_is_not_its_dataset_is_never_replaced(tmp_path, capsys):
+    prompt_file(tmp_path / "prompts.jsonl", 2)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("keep me")
+    assert regenerate.main(args_for_argv(tmp_path)) == 2
+    assert "is not a dataset this script wrote" in capsys.readouterr().err
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["notes.txt"] and not (tmp_path / "out.parts").exists()
+    (tmp_path / "out" / "notes.txt").unlink()  # an empty folder is used, and its own dataset is replaced
+    assert regenerate.run(args_for(tmp_path))["num_conversations"] == 2
+    assert regenerate.run(args_for(tmp_path, "--limit", "1"))["num_conversations"] == 1
 
 
 def test_recipe_supplies_target_and_output(tmp_path):

@@ -498,6 +498,22 @@ def test_a_complete_store_is_replaced_only_with_force_and_only_once_the_new_one_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "conversations.jsonl", "store"]  # no leftovers
 
 
+def test_a_folder_or_file_that_is_not_a_store_is_never_replaced(tmp_path):
+    dm = make_datamodule(tmp_path)
+    notes = tmp_path / "mine" / "notes.txt"
+    notes.parent.mkdir()
+    notes.write_text("keep me")
+    for out in (notes.parent, notes):
+        for force in (False, True):
+            with pytest.raises(DDTreeError) as error:
+                build_feature_store(dm, out, layer_ids=LAYER_IDS, force=force)
+            assert f"{out} exists and is not a feature store" in one_line(error.value)
+    assert notes.read_text() == "keep me" and sorted(p.name for p in notes.parent.iterdir()) == ["notes.txt"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert FeatureStore(build_feature_store(dm, empty, layer_ids=LAYER_IDS)).layer_ids == LAYER_IDS  # an empty folder is used
+
+
 def test_size_estimate_is_printed_before_anything_is_written_and_a_full_disk_refuses(tmp_path, monkeypatch, capsys):
     dm = make_datamodule(tmp_path)
     data, _, _ = dm.load_tokenized()

@@ -299,8 +299,8 @@ def test_an_export_of_a_slurm_requeue_checkpoint_carries_its_runs_corpus(run_dir
 
 
 def test_an_export_never_replaces_what_it_was_not_asked_to(run_dir, tmp_path, capsys, monkeypatch):
-    """A non-empty folder only with --overwrite; never the run it exports from, a folder above it, or the working
-    folder (each was rmtree'd before, `.` included)."""
+    """A non-empty folder only with --overwrite; never the run it exports from, a folder above it, a folder of
+    checkpoints, or the working folder (each was rmtree'd before, `.` included)."""
     run = tmp_path / "outputs" / "tiny" / "r"
     shutil.copytree(run_dir, run, symlinks=True)
     last = str(run / "checkpoints" / "last.ckpt")
@@ -309,7 +309,7 @@ def test_an_export_never_replaces_what_it_was_not_asked_to(run_dir, tmp_path, ca
     (mine / "notes.txt").write_text("keep me")
     assert export_main([last, str(mine)]) == 2
     assert "exists and is not empty" in one_error_line(capsys) and (mine / "notes.txt").is_file()
-    for out in (run, tmp_path / "outputs"):
+    for out in (run, tmp_path / "outputs", run / "checkpoints"):  # (the run's checkpoints: the one exported too)
         assert export_main([last, str(out), "--overwrite"]) == 2
         assert "which replacing it would delete" in one_error_line(capsys)
         assert export(run, out, "--ckpt", "last", "--overwrite") == 2

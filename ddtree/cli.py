@@ -32,7 +32,7 @@ from .decoding import (
     METHODS, DrafterRunner, OnlineCalibration, Sampling, check_sizer, drafter_defaults, generate, static_cache,
 )
 from .errors import DDTreeError, command
-from .files import write_json_atomic
+from .files import check_output_file, write_json_atomic
 from .modeling_dflash import DFlashDraftModel
 from .packed_linear import PACKED_KERNELS, apply_packing, is_packed, pack_linears, require_packing
 from .precision import AUTO, resolve_dtype
@@ -299,9 +299,15 @@ def _calibration(args):
 
 def cmd_bench(args) -> None:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not methods:
+        raise DDTreeError(f"--methods {args.methods!r} names no method: choose from {', '.join(METHODS)}")
+    for flag, values in (("--methods", methods), ("--budgets", args.budgets)):
+        repeated = sorted({value for value in values if values.count(value) > 1})
+        if repeated:  # a repeated method would run twice and its second result replace the first
+            raise DDTreeError(f"{flag} repeats {', '.join(map(str, repeated))}: name each once")
     check_calibration_flag(args, methods)
-    if args.out and Path(args.out).is_dir():
-        raise DDTreeError(f"--out {args.out} is a folder; give a file path for the results JSON")
+    if args.out:
+        check_output_file(args.out)
     sampling, target, tokenizer = _setup(args)
     prompts = load_prompts(args.prompts, tokenizer, args.limit)
     drafter = None
@@ -372,9 +378,16 @@ def cmd_calibrate(args) -> None:
 
 
 def cmd_verify_cost(args) -> None:
+    for flag, value in (("--sizes", min(args.sizes)), ("--context", args.context), ("--repeats", args.repeats)):
+        if value < 1:
+            raise DDTreeError(f"{flag} {value} must be at least 1")
     if args.compare_plain:
         args.packed_weights = "off"  # the plain target; compare_packed_verify_cost packs a copy of it
     target, _ = _load_target(args)
+    longest = getattr(target.config.get_text_config(), "max_position_embeddings", None)
+    if longest is not None and args.context + max(args.sizes) + 1 > longest:
+        raise DDTreeError(f"--context {args.context} with {max(args.sizes)} tree nodes and its root runs past target "
+                          f"{args.target}'s {longest} positions: give a smaller --context or --sizes")
     if args.compare_plain:
         require_packing(target)
         rows = compare_packed_verify_cost(target, args.sizes, args.context, args.repeats)

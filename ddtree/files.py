@@ -52,6 +52,16 @@ def unwritable_as_error(path: Path):
         raise DDTreeError(f"cannot write {path}: {why}; give a path in a writable folder") from None
 
 
+def check_output_file(path: str | Path, flag: str = "--out") -> None:
+    """Refuse, before any work, a results file that could not be written at the end: a folder, or a path under a file."""
+    path = Path(path)
+    if path.is_dir():
+        raise DDTreeError(f"{flag} {path} is a folder; give a file path for the results JSON")
+    blocker = next((parent for parent in path.parents if parent.exists() and not parent.is_dir()), None)
+    if blocker is not None:
+        raise DDTreeError(f"cannot write {path}: {blocker} is a file, not a folder; give a path in a writable folder")
+
+
 @contextmanager
 def atomic_file(path: str | Path, mode: str = "w"):
     """Yield a file object beside `path`; on success it replaces `path` in one rename, else it is removed."""

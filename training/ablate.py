@@ -36,7 +36,7 @@ from ddtree.errors import DDTreeError, command
 from ddtree.files import atomic_file, write_text_atomic
 
 from .loss import RECALL_K
-from .recipe import check_recipe_name
+from .recipe import check_recipe_name, read_recipe, recipe_path
 from .train import main as train_main
 
 PLAIN = "--model.distill_weight=0 --model.distill_top_k=0"  # no distillation, whatever the recipe distils with
@@ -170,6 +170,11 @@ def main(argv: list[str] | None = None) -> int:
     variants = [parse_variant(v) for v in (args.variant or DEFAULT_VARIANTS)]
     if len({name for name, _ in variants}) != len(variants):
         raise DDTreeError(f"--variant names must differ: {[name for name, _ in variants]}")
+    for name, overrides in variants:  # every variant's overrides read before any trains: a typo in the last one
+        try:                           # would otherwise stop the comparison after the others had trained
+            read_recipe(recipe_path(args.recipe), overrides)
+        except DDTreeError as error:
+            raise DDTreeError(f"--variant {name}: {error}") from None
     budget = []
     if args.steps is not None:
         # every evaluation, checkpoint and validation at the end only: the budget goes to training

@@ -184,7 +184,8 @@ class EpochShuffleSampler(Sampler[int]):
     def __iter__(self):
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
         order = torch.randperm(self.num_items, generator=generator).tolist()
-        order += order[: len(self) * self.world_size - self.num_items]  # equal share per rank
+        total = len(self) * self.world_size  # an equal share per rank, wrapping as often as it takes (more ranks
+        order = (order * math.ceil(total / self.num_items))[:total]  # than twice the items need more than one wrap)
         mine = order[self.rank::self.world_size]
         start, self.start = self.start, 0
         yield from mine[start:]

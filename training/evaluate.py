@@ -28,7 +28,7 @@ import yaml
 from ddtree.cli import parse_device
 from ddtree.corpus import CORPUS_FILE, CorpusLookup
 from ddtree.errors import DDTreeError, command
-from ddtree.files import write_json_atomic
+from ddtree.files import check_output_file, write_json_atomic
 from ddtree.targets import stop_token_ids
 
 from .callbacks import AcceptanceEvaluation, metrics_of
@@ -70,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     check_recipe_name(args.recipe)
     parse_device(args.device)
+    if args.out:
+        check_output_file(args.out)
     path = find_checkpoint(args.ckpt, Path(args.output_root) / args.recipe)
     config, source = read_config(path, args.recipe)
     settings = dict(config.get("eval") or {})

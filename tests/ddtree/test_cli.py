@@ -333,6 +333,35 @@ def test_limit_below_one(capsys, prompts_file, limit):
     assert line == f"error: --limit {limit} must be at least 1; omit it to use every prompt"
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--methods", " , "], "--methods ' , ' names no method"),
+    (["--methods", "ar,ar"], "--methods repeats ar: name each once"),
+    (["--methods", "ar,ddtree", "--budgets", "4,8,4"], "--budgets repeats 4: name each once"),
+])
+def test_bench_lists_that_name_nothing_or_repeat_are_one_line(capsys, prompts_file, flags, message):
+    assert message in _bad(capsys, "bench", "--target", TARGET, "--prompts", str(prompts_file), *flags)
+
+
+def test_an_output_that_cannot_be_written_is_refused_before_any_decoding(capsys, tmp_path, prompts_file, monkeypatch):
+    import ddtree.cli
+
+    monkeypatch.setattr(ddtree.cli, "_setup", lambda args: pytest.fail("decoded before checking --out"))
+    common = ["bench", "--target", TARGET, "--prompts", str(prompts_file), "--methods", "ar"]
+    assert _bad(capsys, *common, "--out", str(prompts_file / "results.json")) == (
+        f"error: cannot write {prompts_file / 'results.json'}: {prompts_file} is a file, not a folder; give a path in "
+        "a writable folder")
+    assert "is a folder; give a file path" in _bad(capsys, *common, "--out", str(tmp_path))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--repeats", "0"], "--repeats 0 must be at least 1"), (["--context", "0"], "--context 0 must be at least 1"),
+    (["--context", "-5"], "--context -5 must be at least 1"), (["--sizes", "4,-3"], "--sizes -3 must be at least 1"),
+    (["--context", "5000", "--sizes", "8"], "--context 5000 with 8 tree nodes and its root runs past target"),
+])
+def test_verify_cost_numbers_out_of_range_are_one_line(capsys, flags, message):
+    assert message in _bad(capsys, "verify-cost", "--target", TARGET, "--dtype", "float32", *flags)
+
+
 @pytest.mark.parametrize("temperature", ["nan", "inf", "-1.0"])
 def test_temperature_not_a_finite_number_at_least_zero(capsys, temperature):
     line = _bad(capsys, "generate", "--target", TARGET, "--prompt", "Hi", "--temperature", temperature)

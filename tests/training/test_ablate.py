@@ -46,6 +46,17 @@ def test_a_bad_variant_or_no_budget_is_one_line(capsys):
     assert "No closing quotation" in err[2] and "--minutes nan" in err[3] and "--steps 0" in err[4]
 
 
+def test_every_variant_is_read_before_any_trains(tmp_path, capsys, monkeypatch):
+    import training.ablate
+
+    monkeypatch.setattr(training.ablate, "train_main", lambda argv: pytest.fail("a variant trained before all were read"))
+    assert main(["--recipe", "tiny", "--steps", "2", "--output-root", str(tmp_path), "--variant", "a=--model.lr=0.003",
+                 "--variant", "b=--model.lrr=0.001"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --variant b: ") and "model.lrr" in err[0], err
+    assert not any(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("text, expected", [("a=", ("a", [])), ("dp=--model.objective=dpace --model.lr=1e-3",
                                              ("dp", ["--model.objective=dpace", "--model.lr=1e-3"]))])
 def test_variants_parse(text, expected):

@@ -227,3 +227,12 @@ def test_make_eval_limit_below_one_names_the_flag_not_the_config(saved, capsys, 
     assert training.evaluate.main(["--recipe", "tiny", "--ckpt", str(path), "--limit", limit]) == 2
     line = one_error_line(capsys)
     assert line.startswith(f"error: --limit {limit} must be at least 1; omit it to use eval.limit of ") and "tiny.yaml" in line
+
+
+def test_make_eval_refuses_an_out_it_could_not_write_before_evaluating(saved, tmp_path, capsys):
+    path, _ = saved
+    (tmp_path / "afile").write_text("mine")
+    for out, message in ((tmp_path, "is a folder; give a file path"), (tmp_path / "afile" / "x.json", "is a file, not a folder")):
+        assert training.evaluate.main(["--recipe", "tiny", "--ckpt", str(path), "--out", str(out)]) == 2
+        assert message in one_error_line(capsys)
+    assert (tmp_path / "afile").read_text() == "mine"

@@ -118,6 +118,10 @@ def test_sampler_shuffles_per_epoch_and_splits_ranks():
     assert list(sampler) != first
     ranks = [list(EpochShuffleSampler(10, seed=3, rank=r, world_size=3)) for r in range(3)]
     assert [len(r) for r in ranks] == [4, 4, 4] and set(sum(ranks, [])) == set(range(10))
+    for items, world in ((3, 8), (1, 4)):  # more ranks than twice the items: every rank still gets its share
+        ranks = [list(EpochShuffleSampler(items, seed=3, rank=r, world_size=world)) for r in range(world)]
+        assert [len(r) for r in ranks] == [len(EpochShuffleSampler(items, 3, 0, world))] * world == [1] * world
+        assert set(sum(ranks, [])) == set(range(items))
 
 
 def test_validation_shares_are_disjoint_and_equal_across_ranks(tmp_path):

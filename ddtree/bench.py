@@ -74,6 +74,8 @@ def load_prompts(path: str | Path, tokenizer: PreTrainedTokenizerBase, limit: in
     path = Path(path)
     if limit is not None and limit < 1:
         raise DDTreeError(f"limit {limit} must be at least 1, or None for every prompt")
+    if path.is_dir():
+        raise DDTreeError(f"prompts file {path} is a folder; give a .jsonl file with one prompt per line")
     if not path.is_file():
         raise DDTreeError(f"prompts file {path} does not exist")
     prompts = []

@@ -154,6 +154,9 @@ def find_resume(resume: str, recipe_root: Path) -> tuple[Path, Path]:
         if not is_checkpoint(checkpoint):
             raise DDTreeError(f"--resume {resume}: no such checkpoint; give a .ckpt path, a run folder or 'last'")
     run_dir = run_folder_of(checkpoint)
+    if run_dir is None and not is_readable(checkpoint):
+        raise DDTreeError(f"--resume {resume}: {checkpoint} is not a readable checkpoint; give a .ckpt from a run's "
+                          "checkpoints/ folder, a run folder or 'last'")
     if run_dir is None:
         raise DDTreeError(f"--resume {resume}: {checkpoint.resolve().parent.parent}/config.yaml is missing, "
                           "so the run cannot be resumed exactly")

@@ -229,6 +229,11 @@ def test_drafter_for_another_target(capsys, tmp_path, prompts_file, field, value
     assert message in line and str(tmp_path / "drafter") in line
 
 
+def test_a_prompts_folder_is_named_a_folder(capsys, tmp_path):
+    line = _bad(capsys, "bench", "--target", TARGET, "--prompts", str(tmp_path), "--methods", "ar")
+    assert line == f"error: prompts file {tmp_path} is a folder; give a .jsonl file with one prompt per line"
+
+
 def test_console_script_exit_code(tmp_path):
     missing = tmp_path / "missing.jsonl"
     proc = subprocess.run(

@@ -104,6 +104,9 @@ def test_resume_takes_last_a_run_folder_or_a_path_and_finds_its_run(tmp_path):
     stray = tmp_path / "elsewhere" / "x.ckpt"
     stray.parent.mkdir()
     stray.write_text("")
+    with pytest.raises(DDTreeError, match=r"x.ckpt is not a readable checkpoint; give a .ckpt from a run's checkpoints/"):
+        find_resume(str(stray), root)  # a file that is no checkpoint (a prompts file, say) is named as such
+    torch.save({"state_dict": {}}, stray)
     with pytest.raises(DDTreeError, match="config.yaml is missing, so the run cannot be resumed exactly"):
         find_resume(str(stray), root)
 

@@ -12,8 +12,8 @@ drafter is the checkpoint's (LoRA adapters merged in, as exported), and a model.
 graft its <run>/corpus.safetensors as training's did. When the checkpoint holds the value logged at
 its step, it is printed beside the new measurement.
 
-Prints one row per method and writes <run>/eval/checkpoint-<name>.json (or --out). Bad input
-prints one line and exits with status 2.
+Prints one row per method and writes <run>/eval/checkpoint-<name>.json (or --out; for a checkpoint outside a
+run, an eval/ folder beside it). Bad input prints one line and exits with status 2.
 """
 
 from __future__ import annotations
@@ -120,7 +120,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{key:<12} {stats['tau']:>7.3f} {'-' if was is None else f'{was:.3f}':>7} {expected:>8} "
             f"{stats['rounds']:>7}  {depths}"
         )
-    eval_dir = (run_dir or path.resolve().parent.parent) / "eval"
+    # Outside a run: beside the checkpoint's own folder (its run-like parent when it lies in a checkpoints/ folder).
+    folder = path.resolve().parent
+    eval_dir = (run_dir or (folder.parent if folder.name == "checkpoints" else folder)) / "eval"
     out = Path(args.out) if args.out else eval_dir / f"checkpoint-{path.resolve().stem}.json"
     used = {**evaluation.settings(drafter.config, len(prompts)), "limit": evaluation.limit, "target": hp["target"],
             "dtype": str(dtype)}

@@ -239,3 +239,13 @@ def test_make_eval_refuses_an_out_it_could_not_write_before_evaluating(saved, tm
         assert training.evaluate.main(["--recipe", "tiny", "--ckpt", str(path), "--out", str(out)]) == 2
         assert message in one_error_line(capsys)
     assert (tmp_path / "afile").read_text() == "mine"
+
+
+def test_make_eval_of_a_loose_checkpoint_writes_beside_it(saved, tmp_path, capsys):
+    path, _ = saved
+    loose = tmp_path / "loose" / "x.ckpt"
+    loose.parent.mkdir()
+    loose.write_bytes(path.read_bytes())
+    assert training.evaluate.main(["--recipe", "tiny", "--ckpt", str(loose), "--limit", "1"]) == 0
+    assert (tmp_path / "loose" / "eval" / "checkpoint-x.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["loose"]  # nothing above the checkpoint's folder

@@ -59,12 +59,21 @@ def rope_keys_for_transformers_v4(config: dict) -> dict:
 def verifier_for(target: str, base_model: str | None) -> tuple[str, list[str]]:
     """(name_or_path, architectures) of the target, as vLLM's speculators format names the verifier.
 
-    The Hub id when there is one (what another machine can load), else the target's local folder.
+    The Hub id when there is one (what another machine can load), else the target's local folder. The architectures
+    come from the target's config.json where it can be read here, else none are named: a run trained elsewhere (its
+    target a folder of another machine, or a Hub id not cached offline) still exports under its Hub id.
     """
-    local = Path(resolve_target(target))  # a built-in's converted folder, a folder, or (a Hub id) nothing local
-    name = target_hub_id(target, base_model) or str(local)
-    config = local / "config.json"
-    architectures = list(json.loads(config.read_text()).get("architectures") or []) if config.is_file() else []
+    try:
+        local = Path(resolve_target(target))  # a built-in's converted folder, a folder, or (a Hub id) nothing local
+    except DDTreeError:
+        local = None
+    name = target_hub_id(target, base_model) or (str(local) if local is not None else None)
+    if name is None:
+        raise DDTreeError(f"--speculators names the verifier model, and target {target!r} is neither readable here nor a "
+                          "Hub id: give its Hub id with --base-model (BASE_MODEL=owner/name)")
+    config = local / "config.json" if local is not None else None
+    architectures = (list(json.loads(config.read_text()).get("architectures") or [])
+                     if config is not None and config.is_file() else [])
     return name, architectures
 
 

@@ -190,9 +190,9 @@ def evaluation_section(facts: CardFacts) -> list[str]:
             f"| {stats.get('new_tokens', '-')} |"
         )
     extras = decoded_with(settings)
-    config = facts.drafter_config
+    defaults = facts.drafter_config.get("dflash_config") or {}  # where the drafter keeps its decoding defaults
     overridden = [f"--{name} {settings.get(name) or 0}" for name in ("lookup", "redraft")
-                  if (settings.get(name) or 0) != (config.get(name) or 0)]  # the run's eval.lookup / eval.redraft
+                  if (settings.get(name) or 0) != (defaults.get(name) or 0)]  # the run's eval.lookup / eval.redraft
     if overridden:
         lines += ["", f"Decoded with settings that are not this drafter's defaults ({'; '.join(extras) or 'none added'}): "
                       f"decode with `{' '.join(overridden)}` to reproduce these figures."]
@@ -338,8 +338,11 @@ def serving_section(facts: CardFacts) -> list[str]:
     # The chain row is what an engine gives: the same greedy chain verification, measured by ddtree, unless the
     # chain was re-drafted behind its first token, which no engine does.
     redrafted = bool(facts.evaluation["settings"].get("redraft"))
+    # ...or unless the chain was drafted over a draft vocabulary, which the engines do not read: theirs is the whole one.
+    narrowed = bool((facts.drafter_config.get("dflash_config") or {}).get("draft_vocab"))
+    engines = "" if redrafted or narrowed else "vLLM, SGLang, "
     lines += ["| what serves it | verification | measured tau |", "|---|---|---:|",
-              f"| {'' if redrafted else 'vLLM, SGLang, '}`ddtree --method dflash` | chain of {block - 1} drafted tokens "
+              f"| {engines}`ddtree --method dflash` | chain of {block - 1} drafted tokens "
               f"| {_format_tau(summary[CHAIN]['tau'])} |"]
     for budget in sorted(budget for budget in map(budget_of, summary) if budget is not None):
         lines.append(f"| `ddtree --method ddtree --budget {budget}` | draft tree of {budget} nodes "
@@ -348,6 +351,10 @@ def serving_section(facts: CardFacts) -> list[str]:
     if redrafted:
         lines += ["", "That chain was re-drafted behind its first token, which the engines do not do: they verify the "
                   "block's own chain, which accepts less. Measure it with `ddtree bench --methods dflash --redraft 0`."]
+    if narrowed:
+        lines += ["", "That chain was drafted over this drafter's draft vocabulary (`dflash_config.draft_vocab`), which "
+                  "the engines do not read: they draft over the target's whole vocabulary, so their chain differs and "
+                  "its tau was not measured."]
     return lines + [""]
 
 

@@ -277,6 +277,33 @@ def test_card_says_what_the_decoder_added_and_that_engines_do_not_re_draft(run_d
     assert "Decoded as `ddtree` decodes" not in (tmp_path / "plain" / "README.md").read_text()
 
 
+def test_card_reads_the_drafters_decoding_defaults_and_its_draft_vocabulary_from_dflash_config(run_dir, tmp_path,
+                                                                                                monkeypatch):
+    """The drafter keeps lookup, redraft and draft_vocab in config.json's dflash_config (configuration_dflash.py)."""
+    import copy
+    import dataclasses
+
+    from training.model_card import evaluation_section, serving_section
+
+    captured = []
+    real = publish.render_model_card
+    monkeypatch.setattr(publish, "render_model_card", lambda facts: captured.append(facts) or real(facts))
+    assert export(run_dir, tmp_path / "out", "--ckpt", "last") == 0
+    facts = captured[0]
+    config, evaluation = copy.deepcopy(facts.drafter_config), copy.deepcopy(facts.evaluation)
+    config["dflash_config"].update(lookup=7, redraft=4)  # a drafter of the CPU recipe...
+    evaluation["settings"].update(lookup=7, redraft=4)  # ...evaluated with its own defaults
+    card = "\n".join(evaluation_section(dataclasses.replace(facts, drafter_config=config, evaluation=evaluation)))
+    assert "Decoded as `ddtree` decodes this drafter" in card and "to reproduce these figures" not in card
+
+    evaluation["settings"].update(lookup=0, redraft=0)
+    plain = "\n".join(serving_section(dataclasses.replace(facts, evaluation=evaluation)))
+    assert "| vLLM, SGLang, `ddtree --method dflash` |" in plain and "draft vocabulary" not in plain
+    config["dflash_config"]["draft_vocab"] = [1, 2, 3]  # the engines draft over the whole vocabulary: another chain
+    narrowed = "\n".join(serving_section(dataclasses.replace(facts, drafter_config=config, evaluation=evaluation)))
+    assert "vLLM, SGLang, `ddtree" not in narrowed and "its tau was not measured" in narrowed
+
+
 def test_an_export_from_a_checkpoint_path_carries_its_runs_corpus(run_dir, tmp_path, capsys):
     assert export_main([str(run_dir / "checkpoints" / "last.ckpt"), str(tmp_path / "drafter")]) == 0
     assert "with the run's corpus.safetensors" in capsys.readouterr().out
@@ -483,6 +510,20 @@ def test_speculators_fields_follow_vllms_dflash_layout(run_dir):
     saved_last = dict(saved, dflash_config=dict(saved["dflash_config"], target_layer_ids=[1, 5]))
     with pytest.raises(DDTreeError, match="last layer"):
         hub_config(saved_last, ("x/y", []))
+
+
+def test_speculators_names_a_verifier_that_is_not_readable_here_by_its_hub_id(monkeypatch, tmp_path):
+    """A run trained on another machine: its target a folder there, or a Hub id not cached here (offline)."""
+    from training.hub_config import verifier_for
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    elsewhere = str(tmp_path / "models" / "SmolLM2-135M-Instruct")  # no such folder here
+    assert verifier_for(elsewhere, "HuggingFaceTB/SmolLM2-135M-Instruct") == ("HuggingFaceTB/SmolLM2-135M-Instruct", [])
+    assert verifier_for("someone/uncached-model", None) == ("someone/uncached-model", [])
+    with pytest.raises(DDTreeError, match="--base-model"):
+        verifier_for(elsewhere, None)
+    name, architectures = verifier_for("tiny-random", None)  # readable here: its architectures are named
+    assert architectures and name
 
 
 def test_speculators_export_loads_everywhere_or_is_refused_whole(run_dir, tmp_path, tiny_target, capsys):

@@ -391,7 +391,8 @@ class AcceptanceEvaluation(L.Callback):
             for name, value in metrics.items():
                 pl_module.log(name, value, logger=False, prog_bar=name == self.monitor, batch_size=1)
         # Whether this step competes for best.ckpt: every one on the grid; a stop's where BestCheckpoint saves it.
-        checkpointed = logged and (not stop or any(isinstance(c, BestCheckpoint) for c in trainer.checkpoint_callbacks))
+        best = [c for c in trainer.checkpoint_callbacks if isinstance(c, BestCheckpoint)]
+        checkpointed = logged and (not stop or bool(best)) and not any(c.save_top_k == 0 for c in best)  # 0: last.ckpt only
 
         scalar = lambda name: float(trainer.callback_metrics[name]) if name in trainer.callback_metrics else None  # noqa: E731
         self.history.append(
@@ -503,6 +504,10 @@ class BestCheckpoint(Checkpoint):
             self.file_name(filename, step=0, epoch=0)
         except (KeyError, IndexError, ValueError):
             raise DDTreeError(f"checkpoint.filename={filename!r}: only {{step}} and {{epoch}} can be filled in") from None
+        if self.file_name(filename, step=0, epoch=0) == self.file_name(filename, step=1, epoch=0):
+            # every evaluation would overwrite one file, and best.ckpt would hold whatever step came last
+            raise DDTreeError(f"checkpoint.filename={filename!r} names every step's checkpoint alike: put {{step}} in it "
+                              "(the default is step-{step})")
         self.dirpath = str(dirpath) if dirpath is not None else None
         self.filename = filename
         self.monitor = monitor
@@ -563,17 +568,22 @@ class BestCheckpoint(Checkpoint):
         step = trainer.global_step
         if trainer.fast_dev_run or step == self.last_saved_step:
             return
+        # The value AcceptanceEvaluation measured (a Python float), at a scheduled step as at a stop off schedule
+        # (stops_here): the logged copy is float32, so equal taus from the two would round apart and break the
+        # latest-wins rule that report.md follows.
+        score = self.measured_score(trainer, step)
         if not is_evaluation_step(trainer, self.every_n_train_steps):
-            score = self.stop_score(trainer, step)  # a stop off schedule that AcceptanceEvaluation measured (stops_here)
             if score is not None:
                 self.save(trainer, step, -math.inf if math.isnan(score) else score)
             return
-        if self.monitor not in trainer.callback_metrics:
-            raise DDTreeError(
-                f"checkpoint.monitor={self.monitor} was not logged at step {step}: it is logged by AcceptanceEvaluation "
-                "(the eval: section) at the same steps; keep eval.every_n_train_steps and checkpoint's equal"
-            )
-        score = float(trainer.callback_metrics[self.monitor])
+        if score is None:
+            if self.monitor not in trainer.callback_metrics:
+                raise DDTreeError(
+                    f"checkpoint.monitor={self.monitor} was not logged at step {step}: it is logged by "
+                    "AcceptanceEvaluation (the eval: section) at the same steps; keep eval.every_n_train_steps and "
+                    "checkpoint's equal"
+                )
+            score = float(trainer.callback_metrics[self.monitor])
         if math.isnan(score):  # ranks last, as ModelCheckpoint ranks it
             score = -math.inf
         self.save(trainer, step, score)
@@ -584,7 +594,7 @@ class BestCheckpoint(Checkpoint):
             self.last_saved_step = trainer.global_step
             trainer.save_checkpoint(os.path.join(self.dirpath, self.LAST_NAME))
 
-    def stop_score(self, trainer, step: int) -> float | None:
+    def measured_score(self, trainer, step: int) -> float | None:
         """`monitor` as AcceptanceEvaluation measured it at `step` (checkpoint callbacks run after the others); None
         where it did not."""
         for callback in trainer.callbacks:
@@ -593,9 +603,14 @@ class BestCheckpoint(Checkpoint):
         return None
 
     def state_dict(self) -> dict:
-        return {"best_k_models": dict(self.best_k_models), "last_saved_step": self.last_saved_step}
+        return {"best_k_models": dict(self.best_k_models), "last_saved_step": self.last_saved_step,
+                "monitor": self.monitor}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        ranked_by = state_dict.get("monitor", self.monitor)  # (checkpoints written before it was kept: not checked)
+        if ranked_by != self.monitor:  # the kept scores are another tau's: ranking new ones against them means nothing
+            raise DDTreeError(f"this run ranked its checkpoints by {ranked_by}, the resume by {self.monitor}: resume with "
+                              "the run's eval.primary_budget, or start a new run to rank by another budget")
         self.best_k_models = dict(state_dict.get("best_k_models", {}))
         self.last_saved_step = state_dict.get("last_saved_step", -1)
         self.update_best()

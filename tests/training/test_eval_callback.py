@@ -384,6 +384,8 @@ def test_best_ckpt_moves_before_the_file_it_displaces_goes_and_a_launch_relinks_
 def test_checkpoint_settings_that_cannot_work_are_one_line_errors(tmp_path):
     with pytest.raises(DDTreeError, match=r"checkpoint.filename='\{val/loss\}'"):
         BestCheckpoint(filename="{val/loss}")
+    with pytest.raises(DDTreeError, match=r"checkpoint.filename='epoch-\{epoch\}' names every step's checkpoint alike"):
+        BestCheckpoint(filename="epoch-{epoch}")  # each evaluation would overwrite the one before
     with pytest.raises(DDTreeError, match="checkpoint.save_top_k=-2"):
         BestCheckpoint(save_top_k=-2)
     with pytest.raises(DDTreeError, match="checkpoint.mode='min': checkpoints are ranked by measured tau"):
@@ -440,6 +442,56 @@ def test_a_run_stopped_by_max_time_off_schedule_competes_for_best_at_its_stop(tm
     report = (tmp_path / "report.md").read_text()
     best_step = best.removeprefix("step-").removesuffix(".ckpt")
     assert f"| **{best_step}** (best) |" in report and "no checkpoint" not in report
+
+
+class CannedEvaluation(AcceptanceEvaluation):
+    """Measures the tau given for each step (step -> {budget: tau}) instead of decoding."""
+
+    def __init__(self, taus: dict[int, dict[int, float]], **settings):
+        super().__init__(prompts=PROMPTS, max_new_tokens=4, limit=1, **settings)
+        self.taus = taus
+
+    def _evaluate(self, trainer, pl_module, logged, stop=False):
+        self.step_now = trainer.global_step
+        return super()._evaluate(trainer, pl_module, logged, stop)
+
+    def measure(self, target, drafter, prompts, stop_ids, rank=0, world_size=1):
+        stats = lambda tau: {"tau": tau, "expected_tau": tau, "rounds": 1, "accepted_depth_counts": {0: 1}}  # noqa: E731
+        by_budget = self.taus[self.step_now]
+        return {"summary": {"dflash": stats(1.0), **{f"ddtree@{b}": stats(t) for b, t in by_budget.items()}}, "prompts": []}
+
+
+def canned_fit(tmp_path, steps, taus, primary=8, save_top_k=1, extra=(), ckpt_path=None):
+    evaluation = CannedEvaluation(taus, every_n_train_steps=2, budgets=sorted(next(iter(taus.values()))),
+                                  primary_budget=primary)
+    checkpoints = BestCheckpoint(dirpath=tmp_path / "checkpoints", monitor=monitor_metric(primary), every_n_train_steps=2,
+                                 save_top_k=save_top_k)
+    torch.manual_seed(0)
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu", default_root_dir=tmp_path, logger=False,
+                        callbacks=[evaluation, checkpoints, *extra], enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(tiny_module(), train_dataloaders=synthetic_loader(steps), ckpt_path=ckpt_path)
+    return evaluation, checkpoints
+
+
+def test_a_stop_that_ties_a_scheduled_step_is_the_latest_of_equals_whatever_float32_rounds(tmp_path):
+    """4/3 logged as float32 rounds up; the stop's measured 4/3 must still tie it, and the later wins, as the report says."""
+    assert float(torch.tensor(4 / 3)) > 4 / 3
+    canned_fit(tmp_path, 10, {2: {8: 4 / 3}, 3: {8: 4 / 3}}, extra=[StepClock()])
+    assert (tmp_path / "checkpoints" / "best.ckpt").resolve().name == "step-3.ckpt"
+    assert "| **3** (best) |" in (tmp_path / "report.md").read_text()
+
+
+def test_with_save_top_k_0_the_report_names_no_best_checkpoint(tmp_path):
+    evaluation, _ = canned_fit(tmp_path, 4, {2: {8: 1.5}, 4: {8: 2.0}}, save_top_k=0)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["last.ckpt"]
+    assert [r["checkpointed"] for r in evaluation.history] == [False, False]
+    assert "best.ckpt" not in (tmp_path / "report.md").read_text()
+
+
+def test_a_resume_that_ranks_by_another_budget_is_refused(tmp_path):
+    canned_fit(tmp_path, 2, {2: {4: 1.2, 8: 3.0}})
+    with pytest.raises(DDTreeError, match="ranked its checkpoints by val/tau_ddtree@8, the resume by val/tau_ddtree@4"):
+        canned_fit(tmp_path, 4, {4: {4: 2.0, 8: 1.0}}, primary=4, ckpt_path=tmp_path / "checkpoints" / "last.ckpt")
 
 
 @pytest.mark.parametrize("where", ["no checkpoint callback", "stop set after the evaluation"])

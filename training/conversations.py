@@ -55,6 +55,21 @@ def finish_reason_of(row) -> dict:
     return {"finish_reason": reason} if reason else {}
 
 
+def response_ids_of(row, where: str) -> dict:
+    """{"response_ids": [...]} when the row carries the ids its target generated (data/regenerate.py writes them;
+    training supervises exactly those, render_generated), else {}. A table whose other rows have them reads None."""
+    ids = row.get("response_ids")
+    if ids is None:
+        return {}
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        raise DDTreeError(f"{where}: 'response_ids' must be a list of token ids, got {type(ids).__name__}")
+    ids = list(ids)
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise DDTreeError(f"{where}: 'response_ids' must hold non-negative integer token ids; drop the field or "
+                          "regenerate the data")
+    return {"response_ids": ids}
+
+
 def read_messages_jsonl(path: str | Path) -> list[dict]:
     """Read a JSONL file of {"id"?, "messages": [...]} records (prompts or whole conversations).
 
@@ -72,7 +87,8 @@ def read_messages_jsonl(path: str | Path) -> list[dict]:
         if record_id in seen_ids:
             raise DDTreeError(f"{where}: duplicate id {record_id!r}; ids must be unique")
         seen_ids.add(record_id)
-        records.append({"id": record_id, "messages": messages, **finish_reason_of(record)})
+        records.append({"id": record_id, "messages": messages, **finish_reason_of(record),
+                        **response_ids_of(record, where)})
     if not records:
         raise DDTreeError(f"{path}: the file is empty; it needs one JSON object per line")
     return records
@@ -85,7 +101,8 @@ def rows_to_records(rows, source: str) -> list[dict]:
         if "messages" not in row:
             raise DDTreeError(f"{source}: row {i} has no 'messages' column (columns: {', '.join(row)})")
         messages = check_messages(row["messages"], f"{source} row {i}")
-        records.append({"id": str(row.get("id") or f"row-{i}"), "messages": messages, **finish_reason_of(row)})
+        records.append({"id": str(row.get("id") or f"row-{i}"), "messages": messages, **finish_reason_of(row),
+                        **response_ids_of(row, f"{source} row {i}")})
     return records
 
 
@@ -136,7 +153,9 @@ def load_conversations(source: str | Path) -> list[dict]:
 
 # Bump when render_with_loss_mask changes, to invalidate cached tokenizations. Not bumped for leading whitespace
 # kept in the reply (none of the 2048 shipped replies has any, so their tokenization and feature stores are the same).
-TOKENIZATION_VERSION = 2
+# 3: the file readers keep response_ids, so regenerated data is tokenized from the ids its target generated (version
+# 2 read it from the reply's text: 275 of the 2048 shipped replies re-tokenize to another length).
+TOKENIZATION_VERSION = 3
 
 
 def render_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:

@@ -282,3 +282,31 @@ def test_load_conversations_from_jsonl_parquet_and_saved_dataset(tmp_path):
     Dataset.from_list([{"text": "x"}]).save_to_disk(str(tmp_path / "nomessages"))
     with pytest.raises(DDTreeError, match="no 'messages' column"):
         load_conversations(tmp_path / "nomessages")
+
+
+def test_every_file_reader_keeps_the_ids_a_regeneration_wrote(smol_tokenizer, tmp_path):
+    """data/regenerate.py writes response_ids beside the reply's text; the readers used to drop them, so training
+    tokenized the text again and supervised the tokenizer's split instead of the ids the target generated."""
+    from datasets import Dataset
+
+    generated = smol_tokenizer("f.read", add_special_tokens=False)["input_ids"] + \
+        smol_tokenizer("line()", add_special_tokens=False)["input_ids"]
+    text = smol_tokenizer.decode(generated)
+    rows = [{"id": "r", "messages": [{"role": "user", "content": "Read a line."},
+                                     {"role": "assistant", "content": text}], "finish_reason": "stop",
+             "response_ids": generated},
+            {"id": "s", "messages": [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}],
+             "finish_reason": "stop", "response_ids": None}]  # a row without ids in a table whose other rows have them
+    jsonl = write_lines(tmp_path / "r.jsonl", [json.dumps(row) for row in rows])
+    Dataset.from_list(rows).to_parquet(str(tmp_path / "r.parquet"))
+    Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    for source in (jsonl, tmp_path / "r.parquet", tmp_path / "saved"):
+        records = load_conversations(source)
+        assert records[0]["response_ids"] == generated and "response_ids" not in records[1], source
+        (example, _), _ = tokenize_conversations(smol_tokenizer, records, max_length=500, min_supervised_tokens=1)
+        supervised = [i for i, m in zip(example["input_ids"], example["loss_mask"]) if m]
+        assert supervised == generated + [smol_tokenizer.convert_tokens_to_ids("<|im_end|>")], source
+    for bad, message in (('"12"', "must be a list"), ("[1, -2]", "must hold non-negative"), ("[1.5]", "must hold")):
+        line = json.dumps(rows[1]).replace('"response_ids": null', f'"response_ids": {bad}')
+        with pytest.raises(DDTreeError, match=rf"bad\.jsonl:1: 'response_ids' {message}"):
+            read_messages_jsonl(write_lines(tmp_path / "bad.jsonl", [line]))

@@ -10,13 +10,18 @@ a Hub id (for machines with internet).
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import os
+import re
+import shutil
 import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from .errors import DDTreeError
@@ -58,8 +63,67 @@ BUILTIN_TARGETS = {
 }
 
 
+# A staging folder of a conversion untouched this long is one whose process was killed: a save takes seconds.
+STALE_STAGING_S = 10 * 60
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("DDTREE_CACHE", Path.home() / ".cache" / "ddtree"))
+
+
+def check_cache_writable(targets: Path) -> None:
+    """The cache's targets folder must take a converted target: said before the slow decode, not after it."""
+    blocker = next((p for p in (targets, *targets.parents) if p.exists() and not p.is_dir()), None)
+    why = f"{blocker} is a file, not a folder" if blocker is not None else None
+    if why is None:
+        try:
+            targets.mkdir(parents=True, exist_ok=True)
+            if not os.access(targets, os.W_OK | os.X_OK):
+                why = "the folder is not writable"
+        except OSError as error:
+            why = error.strerror or str(error)
+    if why is not None:
+        raise DDTreeError(f"cannot write the target cache {targets} ({why}): set DDTREE_CACHE to a writable folder "
+                          f"(it is {os.environ.get('DDTREE_CACHE', 'unset, so ~/.cache/ddtree')})")
+
+
+def remove_stale_staging(folder: Path) -> None:
+    """Remove what earlier conversions into `folder` left when killed mid-save (SIGKILL, SIGTERM, power loss).
+
+    Only staging folders of this target, named as staged_folder names them (.<name>- and mkdtemp's 8
+    characters), and only those nothing has written to for STALE_STAGING_S: a fresher one may belong to
+    a conversion another process is running now, so it is left alone.
+    """
+    ours = re.compile(rf"\.{re.escape(folder.name)}-[a-z0-9_]{{8}}")
+    for staging in folder.parent.glob(f".{folder.name}-*"):
+        if not (ours.fullmatch(staging.name) and staging.is_dir() and not staging.is_symlink()):
+            continue
+        try:
+            written = max(p.stat().st_mtime for p in (staging, *staging.rglob("*")))
+        except OSError:
+            continue  # removed meanwhile, by the process that owns it
+        if time.time() - written > STALE_STAGING_S:
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def is_disk_full(error: Exception) -> bool:
+    """ENOSPC as Python raises it (OSError) or as safetensors does (its own error type, the OS error in the text)."""
+    return getattr(error, "errno", None) == errno.ENOSPC or f"(os error {errno.ENOSPC})" in str(error)
+
+
+def save_converted(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
+    """Save a converted target into the cache in one rename; a full disk is one line (staged_folder removes the rest)."""
+    try:
+        with staged_folder(folder) as staging:
+            model.save_pretrained(staging)
+            tokenizer.save_pretrained(staging)
+    except (OSError, SafetensorError) as error:
+        if not is_disk_full(error):
+            raise
+        need, free = model.get_memory_footprint(), shutil.disk_usage(folder.parent).free
+        raise DDTreeError(f"no space left in {folder.parent} to save the converted target {folder.name} (it needs "
+                          f"about {need / 2**20:.0f} MiB, {free / 2**20:.0f} MiB are free): free some space there, "
+                          "or set DDTREE_CACHE to a folder on a disk with room") from None
 
 
 def builtin_target_folder(name: str) -> Path:
@@ -77,6 +141,8 @@ def builtin_target_folder(name: str) -> Path:
     gguf_dir = Path(list(found.submodule_search_locations)[0])
     if not (gguf_dir / spec.gguf_file).exists():
         raise DDTreeError(f"built-in target {name!r}: {gguf_dir / spec.gguf_file} is missing; reinstall the package")
+    check_cache_writable(folder.parent)
+    remove_stale_staging(folder)
     print(f"[ddtree] converting {spec.gguf_file} to safetensors in {folder} (once)", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=spec.gguf_file)
     model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=spec.gguf_file, dtype=torch.float32)
@@ -84,9 +150,7 @@ def builtin_target_folder(name: str) -> Path:
     del model.config.quantization_config
     model.hf_quantizer = None
     model.generation_config.max_length = None
-    with staged_folder(folder) as staging:
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
+    save_converted(model, tokenizer, folder)
     return folder
 
 
@@ -106,15 +170,15 @@ def tiny_target_folder() -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(builtin_target_folder("smollm2-135m"))
+    check_cache_writable(folder.parent)
+    remove_stale_staging(folder)
     config = LlamaConfig(
         vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, **TINY_TARGET_ARCH,
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
-    with staged_folder(folder) as staging:
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
+    save_converted(model, tokenizer, folder)
     return folder
 
 
@@ -124,7 +188,7 @@ def resolve_target(name_or_path: str) -> str:
         return str(builtin_target_folder(name_or_path))
     if name_or_path == TINY_TARGET:
         return str(tiny_target_folder())
-    path = Path(name_or_path)
+    path = Path(name_or_path).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():
             raise DDTreeError(f"target folder {path} has no config.json; give a Hugging Face model folder")
@@ -258,6 +322,7 @@ def build_drafter_config(
 
 def check_drafter_fits(config, target: PreTrainedModel, source: str) -> None:
     """Raise a DDTreeError naming the first field of a drafter config that does not fit the target."""
+    check_drafter_field_types(config, source)
     tc = target.config.get_text_config()
     embedding_rows = target.get_input_embeddings().weight.shape[0]
     if config.hidden_size != tc.hidden_size:
@@ -283,3 +348,24 @@ def check_drafter_fits(config, target: PreTrainedModel, source: str) -> None:
         )
     if config.block_size < 2:
         raise DDTreeError(f"drafter {source}: block_size {config.block_size} must be at least 2")
+
+
+def is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_drafter_field_types(config, source: str) -> None:
+    """The DFlash fields of a config.json as numbers: transformers type-checks the Qwen3 fields, not these, and a
+    quoted "16" would fail later as a TypeError in a comparison."""
+    ids, depth, mask = config.dflash_config.get("target_layer_ids"), config.num_target_layers, config.mask_token_id
+    fields = [
+        ("block_size", config.block_size, is_int(config.block_size), "an integer"),
+        ("num_target_layers", depth, depth is None or is_int(depth), "an integer"),
+        ("dflash_config.mask_token_id", mask, mask is None or is_int(mask), "an integer"),
+        ("dflash_config.target_layer_ids", ids, ids is None or (isinstance(ids, list) and all(map(is_int, ids))),
+         "a list of integers"),
+    ]
+    for field, value, valid, expected in fields:
+        if not valid:
+            raise DDTreeError(f"drafter {source}: {field} is {value!r}, expected {expected}; write it in config.json "
+                              "as JSON numbers, without quotes")

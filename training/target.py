@@ -13,8 +13,9 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from ddtree.errors import DDTreeError
 from ddtree.modeling_dflash import sdpa_backends
-from ddtree.targets import load_target
+from ddtree.targets import load_target, parse_dtype
 
 from .peft_utils import merge_target_adapter
 
@@ -23,9 +24,13 @@ def dtype_for_precision(precision: str | None, target_dtype: str = "auto") -> to
     """The frozen target's weight dtype: model.target_dtype if set, else what the Trainer computes in.
 
     No fp32 copy of a frozen model under bf16-mixed: the target runs in the training precision.
+    A model.target_dtype that is not a dtype is a DDTreeError (the recipe checks call this before anything loads).
     """
     if target_dtype and target_dtype != "auto":
-        return getattr(torch, str(target_dtype).removeprefix("torch."))
+        try:
+            return parse_dtype(target_dtype, "model.target_dtype")
+        except DDTreeError as error:
+            raise DDTreeError(f"{error}, or auto (the trainer's precision)") from None
     precision = str(precision or "32")
     if "bf16" in precision:
         return torch.bfloat16

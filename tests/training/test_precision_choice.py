@@ -10,11 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 import ddtree.precision
 import training.recipe
+from ddtree.errors import DDTreeError
 from ddtree.precision import Choice, fast_precision, resolve_dtype
-from training.recipe import RECIPES_DIR, read_recipe
+from training.recipe import RECIPES_DIR, config_arg, read_recipe
 
 BF16_FAST = lambda: {torch.float32: 0.010, torch.bfloat16: 0.003}  # noqa: E731 - AMX: bf16 ~3x faster
 BF16_SLOW = lambda: {torch.float32: 0.010, torch.bfloat16: 0.067}  # noqa: E731 - AVX2: bf16 6.7x slower
@@ -71,6 +73,26 @@ def test_an_explicit_precision_is_never_changed(tmp_path, monkeypatch):
     # on the command line, over a recipe that says auto: no measurement at all
     assert read_recipe(auto_recipe(tmp_path), ["--trainer.precision=bf16-mixed"]).trainer.precision == "bf16-mixed"
     assert calls == []
+
+
+def test_a_precision_override_in_two_items_is_an_override_too(tmp_path, monkeypatch, capsys):
+    """`--trainer.precision 16-mixed` (two argv items, as train.py passes them on) is no different from `=16-mixed`."""
+    calls = stub_choice(monkeypatch, BF16_SLOW)
+    recipe = auto_recipe(tmp_path)
+    assert read_recipe(recipe, ["--trainer.precision", "bf16-mixed"]).trainer.precision == "bf16-mixed"
+    assert yaml.safe_load(config_arg(recipe, ["--trainer.precision", "16-mixed"]))["trainer"]["precision"] == "16-mixed"
+    assert calls == [] and "[precision]" not in capsys.readouterr().out  # nothing measured, no misleading "auto ->" line
+
+
+@pytest.mark.parametrize("overrides", [["--trainer.precision="], ["--trainer.precision", "--model.lr=0.001"]])
+def test_a_precision_override_without_a_value_is_one_line(tmp_path, monkeypatch, overrides):
+    stub_choice(monkeypatch, BF16_SLOW)
+    for recipe, kept in ((auto_recipe(tmp_path), "auto"), (RECIPES_DIR / "tiny.yaml", "bf16-mixed")):
+        with pytest.raises(DDTreeError) as error:
+            read_recipe(recipe, overrides)
+        line = str(error.value)
+        assert "\n" not in line and line.startswith(f"{recipe}: --trainer.precision was given no value: give one of")
+        assert "32-true" in line and line.endswith(f"drop the override to keep the recipe's {kept}")
 
 
 def test_the_default_recipe_chooses_its_precision():

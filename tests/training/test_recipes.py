@@ -103,6 +103,42 @@ def test_unknown_recipe_prints_one_line_listing_the_known_ones(capsys):
     assert len(err.splitlines()) == 1 and "nope" in err and "smollm2-135m" in err and "tiny" in err
 
 
+def error_lines(capsys) -> list[str]:
+    return [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
+
+
+def test_more_gpus_than_the_machine_has_is_one_line_naming_the_override(tmp_path, monkeypatch, capsys):
+    """Before anything is built, not Lightning's refusal as it builds the Trainer, which names no override."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert main(["--recipe", "qwen3-8b", "--output-root", str(tmp_path)]) == 2  # devices: 8
+    errors = error_lines(capsys)
+    assert len(errors) == 1 and "recipes/qwen3-8b.yaml: trainer.devices=8 asks for 8 GPUs and this machine has 1" in errors[0]
+    assert "add --trainer.devices=1" in errors[0]
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_gpu_recipe_with_a_cpu_recipe_of_its_target_points_to_it(tmp_path, monkeypatch, capsys):
+    """--trainer.accelerator=cpu would regenerate smollm2-135m-gpu's data in bf16 on the CPU: hours, where bf16 is slow."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["--recipe", "smollm2-135m-gpu", "--output-root", str(tmp_path)]) == 2
+    errors = error_lines(capsys)
+    assert len(errors) == 1 and "recipes/smollm2-135m-gpu.yaml: trainer.accelerator=gpu needs a CUDA GPU" in errors[0]
+    assert errors[0].endswith("train the CPU recipe of smollm2-135m instead: make train RECIPE=smollm2-135m "
+                              "(--recipe smollm2-135m)")
+    assert "--trainer.accelerator=cpu" not in errors[0]
+
+
+def test_a_target_dtype_that_is_not_a_dtype_is_one_line_before_anything_loads(tmp_path, capsys):
+    with pytest.raises(DDTreeError, match="model.target_dtype='fp16': choose one of float32, bfloat16, float16, or auto"):
+        training.target.dtype_for_precision("32-true", "fp16")
+    assert training.target.dtype_for_precision("32-true", "torch.bfloat16") == torch.bfloat16
+    assert main(["--recipe", "tiny", "--model.target_dtype=fp16", "--output-root", str(tmp_path)]) == 2
+    errors = error_lines(capsys)
+    assert len(errors) == 1 and "recipes/tiny.yaml: model.target_dtype='fp16': choose one of" in errors[0]
+    assert not any(tmp_path.iterdir())
+
+
 # ----------------------------------------------------------------------------- end to end: tiny recipe
 
 

@@ -1,0 +1,155 @@
+"""Targets (ddtree/targets.py): the built-in target's conversion into the cache, target paths, drafter config fields.
+
+The conversion tests stub the GGUF decode (about 40 s and 514 MB for the real one) with objects that save a
+few bytes: what they check is what happens in the cache folder around the save.
+"""
+
+import errno
+import json
+import os
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors import SafetensorError
+
+import ddtree.targets
+from ddtree.drafters import load_drafter_folder
+from ddtree.errors import DDTreeError
+from ddtree.modeling_dflash import DFlashDraftModel
+from ddtree.targets import build_drafter_config, builtin_target_folder, resolve_target
+
+FOOTPRINT = 538 * 2**20  # SmolLM2-135M in fp32
+
+
+class Decoded:
+    """Stands in for the decoded GGUF model or its tokenizer: save_pretrained writes a file, then runs `fail`."""
+
+    def __init__(self, fail=None):
+        self.config = SimpleNamespace(quantization_config="gguf")
+        self.generation_config = SimpleNamespace(max_length=20)
+        self.fail = fail
+
+    def save_pretrained(self, folder):
+        (Path(folder) / "config.json").write_text("{}")
+        if self.fail is not None:
+            raise self.fail
+
+    def get_memory_footprint(self):
+        return FOOTPRINT
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """$DDTREE_CACHE at an empty folder (never the real cache: a conversion there would replace the real target)."""
+    monkeypatch.setenv("DDTREE_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def stub_decode(monkeypatch, model) -> list[str]:
+    decoded = []
+
+    def from_pretrained(*args, **kwargs):
+        decoded.append(kwargs["gguf_file"])
+        return model
+
+    monkeypatch.setattr(ddtree.targets, "AutoModelForCausalLM", SimpleNamespace(from_pretrained=from_pretrained))
+    monkeypatch.setattr(ddtree.targets, "AutoTokenizer", SimpleNamespace(from_pretrained=lambda *a, **k: Decoded()))
+    return decoded
+
+
+def make_staging(targets: Path, name: str, age_s: float) -> Path:
+    staging = targets / name
+    staging.mkdir(parents=True)
+    (staging / "model.safetensors").write_bytes(b"half")
+    written = time.time() - age_s
+    for path in (staging / "model.safetensors", staging):
+        os.utime(path, (written, written))
+    return staging
+
+
+def test_a_conversion_removes_what_a_killed_one_left_and_nothing_else(cache, monkeypatch):
+    targets = cache / "targets"
+    killed = make_staging(targets, ".smollm2-135m-k1ll3d_0", age_s=3600)  # a conversion SIGKILLed mid-save
+    running = make_staging(targets, ".smollm2-135m-runn1ng0", age_s=5)  # maybe another process's, saving now
+    other_target = make_staging(targets, ".tiny-random-k1ll3d_0", age_s=3600)
+    not_staging = make_staging(targets, ".smollm2-135m-notes", age_s=3600)  # not a name staged_folder makes
+    stub_decode(monkeypatch, Decoded())
+    folder = builtin_target_folder("smollm2-135m")
+    assert folder == targets / "smollm2-135m" and (folder / "config.json").is_file()
+    assert not killed.exists()
+    assert running.exists() and other_target.exists() and not_staging.exists()
+
+
+@pytest.mark.parametrize("full", [
+    OSError(errno.ENOSPC, "No space left on device"),  # Python's writes (config.json, the tokenizer)
+    SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"),  # the weights
+])
+def test_a_full_disk_during_the_save_is_one_line_and_leaves_nothing(cache, monkeypatch, full):
+    stub_decode(monkeypatch, Decoded(fail=full))
+    with pytest.raises(DDTreeError) as error:
+        builtin_target_folder("smollm2-135m")
+    line, targets = str(error.value), cache / "targets"
+    assert "\n" not in line and line.startswith(f"no space left in {targets} to save the converted target smollm2-135m")
+    assert "about 538 MiB" in line and "DDTREE_CACHE" in line
+    assert list(targets.iterdir()) == []  # neither the target nor a staging folder
+
+
+def test_another_error_during_the_save_is_raised_as_it_is_and_leaves_nothing(cache, monkeypatch):
+    stub_decode(monkeypatch, Decoded(fail=OSError(errno.EIO, "Input/output error")))
+    with pytest.raises(OSError, match="Input/output error"):
+        builtin_target_folder("smollm2-135m")
+    assert list((cache / "targets").iterdir()) == []
+
+
+def test_a_cache_that_is_a_file_is_refused_before_the_decode(tmp_path, monkeypatch):
+    (tmp_path / "cache").write_text("not a folder")
+    monkeypatch.setenv("DDTREE_CACHE", str(tmp_path / "cache"))
+    decoded = stub_decode(monkeypatch, Decoded())
+    with pytest.raises(DDTreeError) as error:
+        builtin_target_folder("smollm2-135m")
+    assert str(error.value) == (f"cannot write the target cache {tmp_path / 'cache' / 'targets'} ({tmp_path / 'cache'} "
+                                f"is a file, not a folder): set DDTREE_CACHE to a writable folder (it is {tmp_path / 'cache'})")
+    assert decoded == []
+
+
+def test_a_read_only_cache_is_refused_before_the_decode(cache, monkeypatch):
+    targets = cache / "targets"
+    targets.mkdir(parents=True)
+    real_access = os.access  # root writes through a chmod: say the folder is read-only (as a read-only mount is)
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: Path(path) != targets and real_access(path, mode, **kw))
+    decoded = stub_decode(monkeypatch, Decoded())
+    with pytest.raises(DDTreeError, match=f"cannot write the target cache {targets} \\(the folder is not writable\\): "
+                                          "set DDTREE_CACHE to a writable folder"):
+        builtin_target_folder("smollm2-135m")
+    assert decoded == []
+
+
+def test_a_target_path_from_home_is_expanded(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    folder = tmp_path / "models" / "x"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    assert resolve_target("~/models/x") == str(folder)
+
+
+@pytest.mark.parametrize("field, value, named", [
+    ("block_size", "4", "block_size is '4', expected an integer"),
+    ("target_layer_ids", ["1", "3"], "dflash_config.target_layer_ids is ['1', '3'], expected a list of integers"),
+    ("mask_token_id", "16", "dflash_config.mask_token_id is '16', expected an integer"),
+])
+def test_a_drafter_config_field_given_as_a_string_is_one_line(tmp_path, tiny_target, field, value, named):
+    target, tokenizer = tiny_target
+    folder = tmp_path / "drafter"
+    DFlashDraftModel(build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4)).save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    if field == "block_size":
+        config[field] = value
+    else:
+        config["dflash_config"][field] = value
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DDTreeError) as error:
+        load_drafter_folder(folder, torch.float32, target)
+    assert str(error.value) == (f"drafter {folder}: {named}; write it in config.json as JSON numbers, without quotes")

@@ -67,17 +67,37 @@ def precision_override(overrides: list[str]) -> str | None:
     return value
 
 
+def parser_overrides(overrides: list[str]) -> list[str]:
+    """The overrides the parser sees: a --trainer.precision auto override is resolved in config_arg, not passed on
+    (Lightning has no precision "auto")."""
+    kept, skip = [], False
+    for i, item in enumerate(overrides):
+        if skip:
+            skip = False
+        elif item == f"--trainer.precision={AUTO}":
+            continue
+        elif item == "--trainer.precision" and overrides[i + 1:i + 2] == [AUTO]:
+            skip = True
+        else:
+            kept.append(item)
+    return kept
+
+
 def config_arg(config: Path, overrides: list[str]) -> str:
     """The --config value: the recipe's path, or its text with `trainer.precision: auto` resolved.
 
     "auto" (ddtree/precision.py) is this project's value, not Lightning's, so it is replaced before
     the parser sees it: by a --trainer.precision override when there is one (which wins anyway),
     else by what is fast on this machine, printed in one line. The resolved value is what
-    config.yaml records, so a resumed run keeps the precision it started with.
+    config.yaml records, so a resumed run keeps the precision it started with. An override of
+    auto asks for the same on a recipe that names a precision (give parser_overrides to the parser).
     """
     settings = yaml.safe_load(Path(config).read_text()) or {}
     trainer = settings.get("trainer") or {}
     override = precision_override(overrides)
+    if override == AUTO:
+        settings["trainer"] = trainer = {**trainer, "precision": AUTO}
+        override = None
     if override is not None and not override.strip():
         keep = f" to keep the recipe's {trainer['precision']}" if trainer.get("precision") else ""
         raise RecipeSettingError(f"--trainer.precision was given no value: give one of "
@@ -231,4 +251,4 @@ def read_recipe(config: Path, overrides: list[str]) -> Namespace:
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
         return RecipeReader(DistillModule, DistillDataModule, save_config_callback=None,
                             parser_kwargs={"exit_on_error": False}, run=False,
-                            args=["--config", config_arg(config, overrides), *overrides]).config
+                            args=["--config", config_arg(config, overrides), *parser_overrides(overrides)]).config

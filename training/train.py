@@ -53,7 +53,7 @@ from training.feature_store import (build_feature_store, drafter_layer_ids, is_c
                                     store_teacher)
 from training.module import DistillModule, NonFiniteError
 from training.recipe import (DistillCLI, check_checkpoint_settings, check_recipe_name, config_arg, known_recipes,
-                             recipe_errors, recipe_path)
+                             parser_overrides, recipe_errors, recipe_path)
 from training.recipe_data import prepare_recipe_data
 from training.strategies import drafter_for_export, is_first_process, launcher_world
 from training.target import dtype_for_precision
@@ -87,7 +87,7 @@ def build_cli(config: Path, run_dir: Path, overrides: list[str]) -> DistillCLI:
             save_config_callback=None,  # written by hand below, to the run folder, atomically
             seed_everything_default=0,
             parser_kwargs={"exit_on_error": False},
-            args=["--config", config_arg(config, overrides), *run_location_args(run_dir), *overrides],
+            args=["--config", config_arg(config, overrides), *run_location_args(run_dir), *parser_overrides(overrides)],
             run=False,
         )
     if cli.model.hparams.seed != cli.datamodule.seed:  # else Lightning stops at fit with a traceback

@@ -84,6 +84,16 @@ def test_a_precision_override_in_two_items_is_an_override_too(tmp_path, monkeypa
     assert calls == [] and "[precision]" not in capsys.readouterr().out  # nothing measured, no misleading "auto ->" line
 
 
+@pytest.mark.parametrize("overrides", [["--trainer.precision=auto"], ["--trainer.precision", "auto", "--model.lr=0.002"]])
+def test_an_override_of_auto_measures_on_any_recipe(monkeypatch, capsys, overrides):
+    """auto is this project's value: passed on to the parser, Lightning refused it on every recipe."""
+    calls = stub_choice(monkeypatch, BF16_SLOW)
+    config = read_recipe(RECIPES_DIR / "tiny.yaml", overrides)  # tiny names bf16-mixed
+    assert config.trainer.precision == "32-true" and calls == ["cpu"]
+    assert "[precision] trainer.precision auto -> 32-true" in capsys.readouterr().out
+    assert config.model.lr == (0.002 if "--model.lr=0.002" in overrides else read_recipe(RECIPES_DIR / "tiny.yaml", []).model.lr)
+
+
 @pytest.mark.parametrize("overrides", [["--trainer.precision="], ["--trainer.precision", "--model.lr=0.001"]])
 def test_a_precision_override_without_a_value_is_one_line(tmp_path, monkeypatch, overrides):
     stub_choice(monkeypatch, BF16_SLOW)

@@ -1,0 +1,102 @@
+"""Tests of data/recover_ids.py: the ids a greedy target generated, found again from their text.
+
+    .venv/bin/pytest -q tests/data/test_recover_ids.py
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "data"))
+import recover_ids  # noqa: E402
+
+from ddtree.errors import DDTreeError  # noqa: E402
+from training.conversations import render_prompt_ids  # noqa: E402
+
+MESSAGES = [{"role": "user", "content": "Write a list."}]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from ddtree.targets import load_target
+
+    return load_target("tiny-random", torch.float32)
+
+
+def greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         do_sample=False, pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+def test_the_byte_alphabet_covers_every_byte_once():
+    alphabet = recover_ids.byte_alphabet()
+    assert sorted(alphabet.values()) == list(range(256))
+    assert alphabet["Ġ"] == ord(" ") and alphabet["Ċ"] == ord("\n") and alphabet["a"] == ord("a")
+
+
+def test_tokenize_starts_mid_character_with_single_byte_tokens(tiny):
+    _, tokenizer = tiny
+    tokens = recover_ids.ByteTokens(tokenizer)
+    data = "é and more".encode("utf-8")
+    ids = tokens.tokenize(data[1:])  # the second byte of é first: no text can start there
+    assert tokens.join(ids) == data[1:] and tokens.bytes_of[ids[0]] == data[1:2]
+    assert tokenizer.decode(tokens.tokenize(data)) == "é and more"
+
+
+def test_a_greedy_reply_gets_the_ids_its_target_generated_not_the_tokenizers_split(tiny):
+    """The tiny random target writes 40 single newlines; its tokenizer reads their text as 10 tokens of four. Every
+    repair cuts the cache back and the next forward runs over the rest alone."""
+    model, tokenizer = tiny
+    prompt = render_prompt_ids(tokenizer, MESSAGES)
+    generated = greedy(model, prompt, 40)
+    text = tokenizer.decode(generated, skip_special_tokens=True)
+    assert tokenizer(text, add_special_tokens=False)["input_ids"] != generated  # the text alone loses the split
+    ids, disagreements = recover_ids.recover(model, recover_ids.ByteTokens(tokenizer), prompt, text)
+    assert ids == generated and disagreements == 0
+
+
+def test_a_reply_the_target_would_not_write_keeps_its_split_and_counts_the_disagreements(tiny):
+    model, tokenizer = tiny
+    prompt = render_prompt_ids(tokenizer, MESSAGES)
+    text = "Paris is the capital of France."
+    ids, disagreements = recover_ids.recover(model, recover_ids.ByteTokens(tokenizer), prompt, text)
+    assert tokenizer.decode(ids) == text and disagreements > 0
+
+
+def write_regenerated(folder: Path, rows: list[dict], temperature: float = 0.0) -> Path:
+    from datasets import Dataset
+
+    Dataset.from_list(rows).save_to_disk(str(folder))
+    (folder / "regeneration.json").write_text(json.dumps({"target": "tiny-random", "temperature": temperature}))
+    return folder
+
+
+def test_the_command_adds_response_ids_where_they_decode_and_count_right(tiny, tmp_path, capsys):
+    model, tokenizer = tiny
+    generated = greedy(model, render_prompt_ids(tokenizer, MESSAGES), 24)
+    text = tokenizer.decode(generated, skip_special_tokens=True)
+    rows = [{"id": "a", "messages": MESSAGES + [{"role": "assistant", "content": text}], "finish_reason": "length",
+             "response_tokens": len(generated)},
+            {"id": "b", "messages": MESSAGES + [{"role": "assistant", "content": "Paris."}], "finish_reason": "stop",
+             "response_tokens": 7}]  # a count no split of "Paris." has: not recovered
+    source = write_regenerated(tmp_path / "data", rows)
+    assert recover_ids.main([str(source), "--out", str(tmp_path / "out")]) == 0
+    from datasets import load_from_disk
+
+    out = load_from_disk(str(tmp_path / "out")).to_list()
+    assert out[0]["response_ids"] == generated and out[1]["response_ids"] is None
+    summary = json.loads((tmp_path / "out" / "regeneration.json").read_text())["response_ids"]
+    assert summary["recovered"] == 1 and summary["not_recovered"] == 1
+    assert recover_ids.main([str(source), "--out", str(tmp_path / "out")]) == 2  # never overwritten
+    assert "exists" in capsys.readouterr().err
+
+
+def test_sampled_data_is_refused(tmp_path):
+    source = write_regenerated(tmp_path / "data", [{"id": "a", "messages": MESSAGES}], temperature=0.7)
+    with pytest.raises(DDTreeError, match="only greedy replies"):
+        recover_ids.run(recover_ids.build_parser().parse_args([str(source), "--out", str(tmp_path / "out")]))

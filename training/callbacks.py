@@ -21,7 +21,10 @@ model.corpus, as its exports decode by default), and logs
                                beside the measurement: the gap is the drafter's over-confidence
     val/eval_seconds           wall time of the evaluation
 plus the accepted-depth histogram (TensorBoard), the per-prompt results (eval/step-N.json) and,
-in the run folder, report.md, tau.png and eval/accepted_depths.csv (training/report.py).
+in the run folder, report.md, tau.png and eval/accepted_depths.csv (training/report.py). A drafter whose
+weights hold NaN or inf is not decoded (it would decode losslessly at tau 1.0): its taus are NaN, one line
+says so, and the step ranks last. A run that ends with no evaluation at all (stopped or failed before the
+first) still gets a report.md that says why.
 
 `BestCheckpoint` saves the run at the same steps (training/recipe.py links its every_n_train_steps and
 its monitor, val/tau_ddtree@<primary>, to the `eval:` section) and keeps the top k by that metric,
@@ -55,6 +58,7 @@ import lightning as L
 import numpy as np
 import torch
 from lightning.pytorch.callbacks import Checkpoint, Timer
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import nn
 from transformers import AutoTokenizer, PreTrainedModel
 
@@ -158,6 +162,26 @@ def metrics_of(summary: dict, seconds: float) -> dict[str, float]:
             metrics[f"val/expected_tau_{key}"] = stats["expected_tau"]
     metrics["val/eval_seconds"] = seconds
     return metrics
+
+
+def non_finite_tensors(drafter: nn.Module) -> int:
+    """How many of the drafter's parameter tensors hold a NaN or an infinity (one wait on the device for all).
+
+    A NaN or an inf makes the tensor's float32 sum non-finite, and so would only weights near 1e38 / numel, which are
+    as broken. The sums cost 12 ms for 50M float32 weights on one CPU thread; `isfinite(p).all()` took 230 ms."""
+    sums = [p.sum(dtype=torch.float32) for p in drafter.parameters()]
+    return int((~torch.stack(sums).isfinite()).sum()) if sums else 0
+
+
+def unmeasured(budgets: list[int], non_finite: int) -> dict:
+    """measure_acceptance's result for a drafter with non-finite weights, which is not decoded: its proposals are
+    noise, and tree decoding, lossless whatever is proposed, would still commit the target's own token each round,
+    a tau of 1.0 that measures nothing. Every tau is NaN instead, so the step ranks last (BestCheckpoint) and reads
+    as unmeasured (report.md)."""
+    nothing = {"tau": math.nan, "expected_tau": math.nan, "rounds": 0, "tree_nodes": 0.0, "new_tokens": 0,
+               "accepted_depth_counts": {}}
+    keys = [CHAIN] + [tree_key(budget) for budget in budgets]
+    return {"summary": {key: dict(nothing) for key in keys}, "prompts": [], "non_finite_tensors": non_finite}
 
 
 def in_dtype(drafter: nn.Module, dtype: torch.dtype) -> nn.Module:
@@ -312,6 +336,23 @@ class AcceptanceEvaluation(L.Callback):
         if trainer.global_step > 0 and trainer.global_step != self.last_step and not trainer.received_sigterm:
             self._evaluate(trainer, pl_module, logged=False)
 
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        # Fit ended without an exception (after on_train_end, or where it had nothing to train).
+        if stage == "fit":
+            self._report_no_evaluation(trainer, "was stopped by SIGTERM" if trainer.received_sigterm else "ended")
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        # Not at step 0: a launch that trained nothing leaves nothing (training/train.py removes a run it started).
+        if trainer.global_step == 0:
+            return
+        if isinstance(exception, SIGTERMException) or trainer.received_sigterm:
+            self._report_no_evaluation(trainer, "was stopped by SIGTERM")
+        elif isinstance(exception, KeyboardInterrupt):
+            self._report_no_evaluation(trainer, "was interrupted (SIGINT)")
+        else:
+            said = str(exception).strip().splitlines()
+            self._report_no_evaluation(trainer, "failed", type(exception).__name__ + (f": {said[0]}" if said else ""))
+
     def state_dict(self) -> dict:
         return {"history": self.history, "last_step": self.last_step}
 
@@ -377,10 +418,13 @@ class AcceptanceEvaluation(L.Callback):
         if self.stop_ids is None:
             self.stop_ids = stop_token_ids(target, self.tokenizer)
         temperatures = self.calibrate(trainer, pl_module)
-        result = self.measure(
-            target, self.eval_drafter(trainer, pl_module), self.prompts, self.stop_ids,
-            trainer.global_rank, trainer.world_size,
-        )
+        drafter = self.eval_drafter(trainer, pl_module)
+        # NaN or inf weights would decode at tau 1.0 and be ranked by it: not decoded, they rank last (NaN).
+        non_finite = int(trainer.strategy.broadcast(non_finite_tensors(drafter)))  # every rank decodes, or none
+        if non_finite:
+            result = unmeasured(self.budgets, non_finite)
+        else:
+            result = self.measure(target, drafter, self.prompts, self.stop_ids, trainer.global_rank, trainer.world_size)
         seconds = time.perf_counter() - started  # includes waiting for the slowest rank in the gather
         self.last_step = step
         self.launch_eval_seconds += seconds
@@ -405,6 +449,7 @@ class AcceptanceEvaluation(L.Callback):
                 "seconds": seconds,
                 "checkpointed": checkpointed,
                 "summary": result["summary"],
+                **({"non_finite_tensors": non_finite} if non_finite else {}),
                 **({"draft_temperatures": temperatures} if temperatures else {}),
             }
         )
@@ -421,6 +466,20 @@ class AcceptanceEvaluation(L.Callback):
             "corpus": self.corpus is not None,
             "block_size": int(drafter_config.block_size),
         }
+
+    def _report_no_evaluation(self, trainer, ended: str, error: str = "") -> None:
+        """report.md for a run that ends with no evaluation in its history, saying why (rank 0)."""
+        if self.history or not trainer.is_global_zero:
+            return
+        step = trainer.global_step
+        first = self.every_n_train_steps
+        if trainer.max_steps is not None and 0 < trainer.max_steps < first:
+            first = trainer.max_steps  # the planned last step comes first
+        when = f", before its first evaluation at step {first}" if step < first else ""
+        reason = f"the run {ended} at step {step}{when} (eval.every_n_train_steps={self.every_n_train_steps})"
+        if error:
+            reason += f", with {error}"
+        report.write_no_evaluation(Path(trainer.default_root_dir), reason)
 
     def _write_report(self, trainer) -> float:
         """Rewrite report.md and tau.png from the history; returns this launch's wall time so far."""
@@ -450,6 +509,10 @@ class AcceptanceEvaluation(L.Callback):
         write_json_atomic(self.eval_file(run_dir, step), {"step": step, "settings": settings, **result,
                                                           **({"val_loss": val_loss} if val_loss is not None else {})})
         launch_seconds = self._write_report(trainer)
+        if result.get("non_finite_tensors"):
+            print(f"[eval] step {step}: the drafter's weights are not finite ({result['non_finite_tensors']} parameter "
+                  "tensors hold NaN or inf): not decoded, no tau; this step ranks below every measured one", flush=True)
+            return
 
         primary = result["summary"][tree_key(self.primary_budget)]
         print(

@@ -10,13 +10,19 @@ writes into the run folder, each file replaced atomically after every evaluation
 
 `history` is AcceptanceEvaluation.history: [{"step", "train_loss", "val_loss", "seconds",
 "checkpointed", "summary": {CHAIN | tree_key(B): {"tau", "expected_tau", "accepted_depth_counts", ...}}}]
-(ddtree.bench.acceptance_summary per method key).
+(ddtree.bench.acceptance_summary per method key). A record with "non_finite_tensors" was not decoded (the
+drafter's weights held NaN or inf): its taus are NaN, its row says so and it ranks last.
+
+    report.write_no_evaluation(run_dir, reason)
+
+writes report.md alone for a run that ended before any evaluation, with the reason.
 """
 
 from __future__ import annotations
 
 import csv
 import io
+import math
 from pathlib import Path
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -26,13 +32,18 @@ from ddtree.bench import CHAIN, tree_key
 from ddtree.files import atomic_file, write_text_atomic
 
 
+def primary_score(record: dict, primary_budget: int) -> float:
+    """The primary tau as BestCheckpoint ranks it: NaN (nothing measured) below every tau."""
+    tau = record["summary"][tree_key(primary_budget)]["tau"]
+    return -math.inf if math.isnan(tau) else tau
+
+
 def best_record(history: list[dict], primary_budget: int) -> dict | None:
     """The checkpointed evaluation with the highest primary tau; the latest on ties, as BestCheckpoint keeps it."""
     best = None
     for record in history:
         if record["checkpointed"]:
-            tau = record["summary"][tree_key(primary_budget)]["tau"]
-            if best is None or tau >= best["summary"][tree_key(primary_budget)]["tau"]:
+            if best is None or primary_score(record, primary_budget) >= primary_score(best, primary_budget):
                 best = record
     return best
 
@@ -63,7 +74,10 @@ def markdown_report(run_name: str, history: list[dict], settings: dict, eval_sec
     if settings.get("redraft"):
         lines += [f"Each round re-drafts behind the {settings['redraft']} best depth-1 tokens (`eval.redraft`, `ddtree "
                   "bench --redraft`), the chain behind its first: one more drafter forward a round.", ""]
-    if best is not None:
+    if best is not None and best.get("non_finite_tensors"):
+        lines += [f"**Best checkpoint by tau@{primary}: step {best['step']}**, though nothing was measured: no "
+                  "checkpointed step's drafter had finite weights (`checkpoints/best.ckpt` links to it).", ""]
+    elif best is not None:
         lines += [
             f"**Best checkpoint by tau@{primary}: step {best['step']}** "
             f"(tau {best['summary'][tree_key(primary)]['tau']:.3f}; `checkpoints/best.ckpt` links to it).",
@@ -79,11 +93,21 @@ def markdown_report(run_name: str, history: list[dict], settings: dict, eval_sec
         elif not record["checkpointed"]:
             step = f"{step} (no checkpoint)"
         cells = [step, _number(record["train_loss"]), _number(record["val_loss"])]
-        for b in budgets:
-            stats = summary[tree_key(b)]
-            cells.append(f"{stats['tau']:.3f} ({stats['expected_tau']:.2f})")
-        cells += [f"{summary[CHAIN]['tau']:.3f}", f"{record['seconds']:.1f}"]
+        if record.get("non_finite_tensors"):
+            cells[0] += f" **weights not finite** ({record['non_finite_tensors']} tensors)"
+            cells += ["not measured"] * len(budgets) + ["not measured"]
+        else:
+            for b in budgets:
+                stats = summary[tree_key(b)]
+                cells.append(f"{stats['tau']:.3f} ({stats['expected_tau']:.2f})")
+            cells.append(f"{summary[CHAIN]['tau']:.3f}")
+        cells.append(f"{record['seconds']:.1f}")
         lines.append("| " + " | ".join(cells) + " |")
+    broken = [str(record["step"]) for record in history if record.get("non_finite_tensors")]
+    if broken:
+        lines += ["", f"Weights not finite at step{'s' if len(broken) > 1 else ''} {', '.join(broken)}: the drafter's "
+                  "parameters held NaN or inf, so it was not decoded (decoding stays lossless whatever such a drafter "
+                  "proposes, at tau 1.0, which measures nothing). Such a step ranks below every measured one."]
     share = 100 * eval_seconds / launch_seconds if launch_seconds > 0 else 0.0
     lines += [
         "",
@@ -114,11 +138,15 @@ def plot_tau(history: list[dict], settings: dict) -> Figure:
     axes.plot(steps, chain, "s--", color="black", label="DFlash chain")
     axes.plot([], [], ":", color="grey", label="dotted: expected by the drafter")
     best = best_record(history, primary)
-    if best is not None:
+    if best is not None and not best.get("non_finite_tensors"):
         axes.plot([best["step"]], [best["summary"][tree_key(primary)]["tau"]], "*", color="gold", markersize=16,
                   markeredgecolor="black", label=f"best checkpoint (budget {primary})", zorder=5)
-    values += chain
-    axes.set_ylim(0.9, max(2.0, max(values) * 1.08))  # tau >= 1 always; keep a flat start readable
+    broken = [record["step"] for record in history if record.get("non_finite_tensors")]
+    for i, step in enumerate(broken):  # their taus are NaN: the lines break there
+        axes.axvline(step, color="red", linestyle="--", alpha=0.6,
+                     label="weights not finite (not measured)" if i == 0 else None)
+    values = [value for value in values + chain if not math.isnan(value)]
+    axes.set_ylim(0.9, max(2.0, max(values, default=1.0) * 1.08))  # tau >= 1 always; keep a flat start readable
     axes.ticklabel_format(axis="y", useOffset=False)
     axes.xaxis.get_major_locator().set_params(integer=True)
     axes.set_xlabel("training step")
@@ -139,6 +167,21 @@ def depth_counts_csv(history: list[dict]) -> str:
             for depth, count in stats["accepted_depth_counts"].items():
                 writer.writerow([record["step"], key, depth, count])
     return out.getvalue()
+
+
+def no_evaluation_report(run_name: str, reason: str) -> str:
+    return "\n".join([
+        f"# Acceptance during training: {run_name}",
+        "",
+        f"**No evaluation ran**: {reason}. No tau was measured and no checkpoint was ranked by one; once an "
+        "evaluation runs (a resume reaches a scheduled step), this report shows it, with tau.png.",
+        "",
+    ])
+
+
+def write_no_evaluation(run_dir: Path, reason: str) -> None:
+    run_dir = Path(run_dir)
+    write_text_atomic(run_dir / "report.md", no_evaluation_report(run_dir.name, reason))
 
 
 def write_all(run_dir: Path, history: list[dict], settings: dict, eval_seconds: float, launch_seconds: float) -> None:

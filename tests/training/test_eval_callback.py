@@ -20,6 +20,7 @@ from types import SimpleNamespace
 
 import lightning as L
 from lightning.pytorch.callbacks import Timer
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 import numpy as np
 import pytest
 import torch
@@ -28,6 +29,7 @@ from torch.utils.data import DataLoader, Subset
 import toy_data  # tests/training/toy_data.py
 import ddtree.cli
 import training.evaluate
+import training.report
 import training.train
 from ddtree.bench import CHAIN, acceptance_summary, load_prompts, run_benchmark, tree_key
 from ddtree.corpus import CorpusLookup
@@ -37,7 +39,7 @@ from training.callbacks import AcceptanceEvaluation, BestCheckpoint, measure_acc
 from training.checkpoints import drafter_from_checkpoint
 from training.data import TokenizedConversations
 from training.export import export_drafter, run_corpus
-from training.module import DistillModule
+from training.module import DistillModule, NonFiniteError
 from training.train import main as train_main
 
 PROMPTS = "data/eval_prompts.jsonl"
@@ -450,6 +452,7 @@ class CannedEvaluation(AcceptanceEvaluation):
     def __init__(self, taus: dict[int, dict[int, float]], **settings):
         super().__init__(prompts=PROMPTS, max_new_tokens=4, limit=1, **settings)
         self.taus = taus
+        self.decoded: list[int] = []  # the steps measure() ran at
 
     def _evaluate(self, trainer, pl_module, logged, stop=False):
         self.step_now = trainer.global_step
@@ -457,18 +460,21 @@ class CannedEvaluation(AcceptanceEvaluation):
 
     def measure(self, target, drafter, prompts, stop_ids, rank=0, world_size=1):
         stats = lambda tau: {"tau": tau, "expected_tau": tau, "rounds": 1, "accepted_depth_counts": {0: 1}}  # noqa: E731
+        self.decoded.append(self.step_now)
         by_budget = self.taus[self.step_now]
         return {"summary": {"dflash": stats(1.0), **{f"ddtree@{b}": stats(t) for b, t in by_budget.items()}}, "prompts": []}
 
 
-def canned_fit(tmp_path, steps, taus, primary=8, save_top_k=1, extra=(), ckpt_path=None):
-    evaluation = CannedEvaluation(taus, every_n_train_steps=2, budgets=sorted(next(iter(taus.values()))),
+def canned_fit(tmp_path, steps, taus, primary=8, save_top_k=1, extra=(), ckpt_path=None, before=(), every=2):
+    """`before`: callbacks that run ahead of the evaluation at each step; `extra`: after it."""
+    evaluation = CannedEvaluation(taus, every_n_train_steps=every, budgets=sorted(next(iter(taus.values()))),
                                   primary_budget=primary)
-    checkpoints = BestCheckpoint(dirpath=tmp_path / "checkpoints", monitor=monitor_metric(primary), every_n_train_steps=2,
-                                 save_top_k=save_top_k)
+    checkpoints = BestCheckpoint(dirpath=tmp_path / "checkpoints", monitor=monitor_metric(primary),
+                                 every_n_train_steps=every, save_top_k=save_top_k)
     torch.manual_seed(0)
     trainer = L.Trainer(max_steps=steps, accelerator="cpu", default_root_dir=tmp_path, logger=False,
-                        callbacks=[evaluation, checkpoints, *extra], enable_progress_bar=False, enable_model_summary=False)
+                        callbacks=[*before, evaluation, checkpoints, *extra], enable_progress_bar=False,
+                        enable_model_summary=False)
     trainer.fit(tiny_module(), train_dataloaders=synthetic_loader(steps), ckpt_path=ckpt_path)
     return evaluation, checkpoints
 
@@ -479,6 +485,93 @@ def test_a_stop_that_ties_a_scheduled_step_is_the_latest_of_equals_whatever_floa
     canned_fit(tmp_path, 10, {2: {8: 4 / 3}, 3: {8: 4 / 3}}, extra=[StepClock()])
     assert (tmp_path / "checkpoints" / "best.ckpt").resolve().name == "step-3.ckpt"
     assert "| **3** (best) |" in (tmp_path / "report.md").read_text()
+
+
+class PoisonWeights(L.Callback):
+    """After optimizer step `step`, a NaN in the drafter's first weight and an inf in its second, as a blown-up update
+    leaves them. The next step's loss is NaN (training stops there: NonFiniteError)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        if trainer.global_step == self.step:
+            first, second = list(pl_module.drafter.parameters())[:2]
+            with torch.no_grad():
+                first.view(-1)[0] = math.nan
+                second.view(-1)[-1] = math.inf
+
+
+def test_a_drafter_with_non_finite_weights_gets_no_tau_and_ranks_last(tmp_path, capsys):
+    """Such a drafter still decodes losslessly at tau 1.0 (the target verifies): before, that tied step 2's 1.0 and,
+    the later of equals, took best.ckpt. Now it is not decoded: NaN taus, one line, a marked row, step 2 stays best."""
+    evaluation, checkpoints = canned_fit(tmp_path, 4, {2: {8: 1.0}, 4: {8: 1.0}}, before=[PoisonWeights(4)])
+    assert evaluation.decoded == [2]
+    record = evaluation.history[-1]
+    assert record["step"] == 4 and record["non_finite_tensors"] == 2
+    assert all(math.isnan(stats["tau"]) for stats in record["summary"].values())
+    assert (tmp_path / "checkpoints" / "best.ckpt").resolve().name == "step-2.ckpt"
+    assert list(checkpoints.best_k_models) == ["step-2.ckpt"]
+    assert json.loads(AcceptanceEvaluation.eval_file(tmp_path, 4).read_text())["non_finite_tensors"] == 2
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[eval] step 4")]
+    assert said == ["[eval] step 4: the drafter's weights are not finite (2 parameter tensors hold NaN or inf): not "
+                    "decoded, no tau; this step ranks below every measured one"]
+    report = (tmp_path / "report.md").read_text()
+    assert "| **2** (best) |" in report
+    (row,) = [line for line in report.splitlines() if line.startswith("| 4 ")]
+    assert row.startswith("| 4 **weights not finite** (2 tensors) |") and "| not measured | not measured |" in row
+    assert "Weights not finite at step 4:" in report
+    assert (tmp_path / "tau.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_report_ranks_an_unmeasured_step_below_every_measured_one_as_best_ckpt_does(tmp_path):
+    def record(step, tau, **extra):
+        stats = {"tau": tau, "expected_tau": tau, "rounds": 1, "accepted_depth_counts": {}}
+        return {"step": step, "train_loss": None, "val_loss": None, "seconds": 0.0, "checkpointed": True,
+                "summary": {CHAIN: stats, tree_key(8): stats}, **extra}
+
+    settings = dict(prompts=PROMPTS, num_prompts=1, max_new_tokens=4, budgets=[8], primary_budget=8, block_size=BLOCK)
+    history = [record(2, math.nan, non_finite_tensors=3), record(4, 1.5)]
+    assert training.report.best_record(history, 8)["step"] == 4  # NaN >= 1.5 is False: it stayed best before
+    training.report.write_all(tmp_path, history, settings, 0.0, 1.0)
+    report = (tmp_path / "report.md").read_text()
+    assert "| **4** (best) |" in report and "| 2 **weights not finite** (3 tensors) |" in report
+    only_unmeasured = training.report.markdown_report("run", history[:1], settings, 0.0, 1.0)
+    assert "step 2**, though nothing was measured" in only_unmeasured  # best.ckpt links to it, ranked last of one
+
+
+class SigtermAt(L.Callback):
+    """The flag Lightning's SIGTERM handler sets, at optimizer step `step` (the loop raises SIGTERMException after)."""
+
+    def __init__(self, step: int, hook: str = "on_train_batch_end"):
+        self.step = step
+        setattr(self, hook, self.sigterm)
+
+    def sigterm(self, trainer, *args):
+        if trainer.global_step == self.step:
+            trainer._signal_connector.received_sigterm = True
+
+
+@pytest.mark.parametrize("before, after, raised, said", [
+    ([SigtermAt(3)], [], SIGTERMException, "the run was stopped by SIGTERM at step 3, before its first evaluation at "
+                                           "step 10"),
+    ([PoisonWeights(3)], [], NonFiniteError, "the run failed at step 3, before its first evaluation at step 10 "
+                                             "(eval.every_n_train_steps=10), with NonFiniteError: training stopped at "
+                                             "step 3: the loss is nan;"),
+    # a stop off the grid that the evaluation does not see coming, and a SIGTERM heard at the end, where no loop
+    # raises and on_train_end does not evaluate
+    ([SigtermAt(3, "on_train_end")], [StopAtStep3()], None, "the run was stopped by SIGTERM at step 3, before its "
+                                                            "first evaluation at step 10"),
+], ids=["sigterm", "nan loss", "sigterm where no loop raises"])
+def test_a_run_that_ends_before_any_evaluation_writes_a_report_that_says_why(tmp_path, before, after, raised, said):
+    if raised is None:
+        evaluation, _ = canned_fit(tmp_path, 10, {10: {8: 2.0}}, before=before, extra=after, every=10)
+        assert evaluation.decoded == [] and not evaluation.history
+    else:
+        with pytest.raises(raised):
+            canned_fit(tmp_path, 10, {10: {8: 2.0}}, before=before, extra=after, every=10)
+    report = (tmp_path / "report.md").read_text()
+    assert "**No evaluation ran**: " + said in report
 
 
 def test_with_save_top_k_0_the_report_names_no_best_checkpoint(tmp_path):

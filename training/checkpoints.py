@@ -242,7 +242,20 @@ def load_checkpoint(path: Path) -> Checkpoint:
         drafter = drafter_from_weights(saved["drafter_config"], hyper_parameters, weights)
     except RuntimeError as error:  # load_state_dict(strict=True): the weights do not fit the stored config
         raise DDTreeError(f"CKPT {path}: its weights do not match its drafter_config ({error_line(error)})") from None
+    non_finite = non_finite_tensors(drafter)
+    if non_finite:  # decoding, lossless whatever is proposed, would score it tau 1.0; an export would ship noise
+        raise DDTreeError(f"CKPT {path}: {non_finite} of the drafter's parameter tensors hold NaN or inf (training "
+                          "diverged before this step): give an earlier checkpoint of the run (its step-N.ckpt)")
     return Checkpoint(path, drafter, int(saved["global_step"]), hyper_parameters, dict(saved.get("callbacks") or {}))
+
+
+def non_finite_tensors(drafter: torch.nn.Module) -> int:
+    """How many of the drafter's parameter tensors hold a NaN or an infinity (one wait on the device for all).
+
+    A NaN or an inf makes the tensor's float32 sum non-finite, and so would only weights near 1e38 / numel, which are
+    as broken. The sums cost 12 ms for 50M float32 weights on one CPU thread; `isfinite(p).all()` took 230 ms."""
+    sums = [p.sum(dtype=torch.float32) for p in drafter.parameters()]
+    return int((~torch.stack(sums).isfinite()).sum()) if sums else 0
 
 
 def drafter_from_checkpoint(path: str | Path) -> DFlashDraftModel:

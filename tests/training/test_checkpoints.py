@@ -224,6 +224,28 @@ def test_a_truncated_checkpoint_is_one_error_line_and_status_2(saved, tmp_path, 
     assert not (tmp_path / "export").exists()
 
 
+@pytest.mark.parametrize("command", ["eval", "export"])
+def test_a_checkpoint_with_non_finite_weights_is_refused_not_scored_or_shipped(saved, tmp_path, capsys, command):
+    """Lossless decoding scores any drafter at tau >= 1.0: one whose weights diverged would read as measured, and
+    an export would ship noise."""
+    path, _ = saved
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    diverged = run / "checkpoints" / "last.ckpt"
+    checkpoint = torch.load(path, weights_only=False)
+    name = next(key for key in checkpoint["state_dict"] if key.startswith("drafter."))
+    checkpoint["state_dict"][name] = torch.full_like(checkpoint["state_dict"][name], float("nan"))
+    torch.save(checkpoint, diverged)
+    if command == "eval":
+        status = training.evaluate.main(["--recipe", "tiny", "--ckpt", str(diverged)])
+    else:
+        status = training.publish.main([str(run), "--out", str(tmp_path / "export"), "--ckpt", "last"])
+    assert status == 2
+    line = one_error_line(capsys)
+    assert f"CKPT {diverged}: 1 of the drafter's parameter tensors hold NaN or inf" in line and "step-N.ckpt" in line
+    assert not (tmp_path / "export").exists() and not (run / "eval").exists()
+
+
 @pytest.mark.parametrize("limit", ["0", "-3"])
 def test_make_eval_limit_below_one_names_the_flag_not_the_config(saved, capsys, limit):
     path, _ = saved

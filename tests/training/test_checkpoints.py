@@ -207,6 +207,17 @@ def test_make_export_reads_the_checkpoint_once(saved, loads, tmp_path):
     assert (tmp_path / "export" / "model.safetensors").is_file()
 
 
+def refused_line(command: str, run: Path, tmp_path: Path, capsys) -> str:
+    """`make eval` or `make export` of <run>/checkpoints/last.ckpt: exit status 2 and nothing written; its error line."""
+    if command == "eval":
+        status = training.evaluate.main(["--recipe", "tiny", "--ckpt", str(run / "checkpoints" / "last.ckpt")])
+    else:
+        status = training.publish.main([str(run), "--out", str(tmp_path / "export"), "--ckpt", "last"])
+    assert status == 2
+    assert not (tmp_path / "export").exists() and not (run / "eval").exists()
+    return one_error_line(capsys)
+
+
 @pytest.mark.parametrize("command", ["eval", "export"])
 def test_a_truncated_checkpoint_is_one_error_line_and_status_2(saved, tmp_path, capsys, command):
     path, _ = saved
@@ -214,14 +225,8 @@ def test_a_truncated_checkpoint_is_one_error_line_and_status_2(saved, tmp_path, 
     (run / "checkpoints").mkdir(parents=True)
     truncated = run / "checkpoints" / "last.ckpt"
     truncated.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # a copy cut off mid-write
-    if command == "eval":
-        status = training.evaluate.main(["--recipe", "tiny", "--ckpt", str(truncated)])
-    else:
-        status = training.publish.main([str(run), "--out", str(tmp_path / "export"), "--ckpt", "last"])
-    assert status == 2
-    line = one_error_line(capsys)
+    line = refused_line(command, run, tmp_path, capsys)
     assert f"CKPT {truncated} is not a PyTorch checkpoint" in line and "give a .ckpt from the run" in line
-    assert not (tmp_path / "export").exists()
 
 
 @pytest.mark.parametrize("command", ["eval", "export"])
@@ -236,14 +241,8 @@ def test_a_checkpoint_with_non_finite_weights_is_refused_not_scored_or_shipped(s
     name = next(key for key in checkpoint["state_dict"] if key.startswith("drafter."))
     checkpoint["state_dict"][name] = torch.full_like(checkpoint["state_dict"][name], float("nan"))
     torch.save(checkpoint, diverged)
-    if command == "eval":
-        status = training.evaluate.main(["--recipe", "tiny", "--ckpt", str(diverged)])
-    else:
-        status = training.publish.main([str(run), "--out", str(tmp_path / "export"), "--ckpt", "last"])
-    assert status == 2
-    line = one_error_line(capsys)
+    line = refused_line(command, run, tmp_path, capsys)
     assert f"CKPT {diverged}: 1 of the drafter's parameter tensors hold NaN or inf" in line and "step-N.ckpt" in line
-    assert not (tmp_path / "export").exists() and not (run / "eval").exists()
 
 
 @pytest.mark.parametrize("limit", ["0", "-3"])

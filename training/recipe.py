@@ -160,7 +160,7 @@ def check_accelerator(accelerator, devices, target: str | None = None) -> None:
                                  f"(torch.cuda.is_available() is False): run it on a GPU machine, or {fix}")
     on_gpus = str(accelerator) in (*GPU_ACCELERATORS, "auto") and torch.cuda.is_available()
     requested, available = count_devices(devices), torch.cuda.device_count()
-    if on_gpus and requested is not None and requested > available:
+    if on_gpus and requested is not None and 0 < available < requested:
         raise RecipeSettingError(f"trainer.devices={devices} asks for {requested} GPUs and this machine has {available}: "
                                  f"add --trainer.devices={available}, or run it on a machine with {requested}")
 

@@ -629,7 +629,7 @@ class BestCheckpoint(Checkpoint):
         score = self.measured_score(trainer, step)
         if not is_evaluation_step(trainer, self.every_n_train_steps):
             if score is not None:
-                self.save(trainer, step, -math.inf if math.isnan(score) else score)
+                self.save(trainer, step, report.ranking_score(score))
             return
         if score is None:
             if self.monitor not in trainer.callback_metrics:
@@ -639,9 +639,7 @@ class BestCheckpoint(Checkpoint):
                     "checkpoint's equal"
                 )
             score = float(trainer.callback_metrics[self.monitor])
-        if math.isnan(score):  # ranks last, as ModelCheckpoint ranks it
-            score = -math.inf
-        self.save(trainer, step, score)
+        self.save(trainer, step, report.ranking_score(score))
 
     def on_train_end(self, trainer, pl_module) -> None:
         # A launch that reached no evaluation step (stopped early) still leaves last.ckpt to resume from.

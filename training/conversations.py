@@ -27,6 +27,7 @@ from pathlib import Path
 
 from ddtree.bench import iter_json_lines
 from ddtree.errors import DDTreeError
+from ddtree.targets import is_int
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ def response_ids_of(row, where: str) -> dict:
     if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
         raise DDTreeError(f"{where}: 'response_ids' must be a list of token ids, got {type(ids).__name__}")
     ids = list(ids)
-    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+    if not all(is_int(i) and i >= 0 for i in ids):
         raise DDTreeError(f"{where}: 'response_ids' must hold non-negative integer token ids; drop the field or "
                           "regenerate the data")
     return {"response_ids": ids}

@@ -52,35 +52,32 @@ def recipe_path(name: str) -> Path:
     return RECIPES_DIR / f"{name}.yaml"
 
 
-def precision_override(overrides: list[str]) -> str | None:
-    """The value of a --trainer.precision override, as one item (=X) or two (X after it); the last wins, as in the parser.
-
-    "" for one given without a value; None when there is none.
-    """
-    value = None
+def precision_overrides(overrides: list[str]) -> list[tuple[range, str]]:
+    """Each --trainer.precision override: the items it spans, as one (=X) or two (X after it), and its value ("" for
+    one given without a value), in order: the last wins, as in the parser."""
+    found = []
     for i, item in enumerate(overrides):
         if item.startswith("--trainer.precision="):
-            value = item.split("=", 1)[1]
+            found.append((range(i, i + 1), item.split("=", 1)[1]))
         elif item == "--trainer.precision":
-            following = overrides[i + 1] if i + 1 < len(overrides) else ""
-            value = "" if following.startswith("--") else following
-    return value
+            following = overrides[i + 1] if i + 1 < len(overrides) else "--"
+            found.append((range(i, i + 1), "") if following.startswith("--") else (range(i, i + 2), following))
+    return found
+
+
+def precision_override(overrides: list[str]) -> str | None:
+    """The value of the --trainer.precision override that wins; None when there is none."""
+    found = precision_overrides(overrides)
+    return found[-1][1] if found else None
 
 
 def parser_overrides(overrides: list[str]) -> list[str]:
-    """The overrides the parser sees: a --trainer.precision auto override is resolved in config_arg, not passed on
-    (Lightning has no precision "auto")."""
-    kept, skip = [], False
-    for i, item in enumerate(overrides):
-        if skip:
-            skip = False
-        elif item == f"--trainer.precision={AUTO}":
-            continue
-        elif item == "--trainer.precision" and overrides[i + 1:i + 2] == [AUTO]:
-            skip = True
-        else:
-            kept.append(item)
-    return kept
+    """The overrides the parser sees, without a --trainer.precision auto (Lightning has none): where auto wins,
+    config_arg resolves it into the config, and no precision override is passed on at all."""
+    found = precision_overrides(overrides)
+    auto_wins = bool(found) and found[-1][1] == AUTO
+    dropped = {i for span, value in found if auto_wins or value == AUTO for i in span}
+    return [item for i, item in enumerate(overrides) if i not in dropped]
 
 
 def config_arg(config: Path, overrides: list[str]) -> str:

@@ -32,10 +32,13 @@ from ddtree.bench import CHAIN, tree_key
 from ddtree.files import atomic_file, write_text_atomic
 
 
-def primary_score(record: dict, primary_budget: int) -> float:
-    """The primary tau as BestCheckpoint ranks it: NaN (nothing measured) below every tau."""
-    tau = record["summary"][tree_key(primary_budget)]["tau"]
+def ranking_score(tau: float) -> float:
+    """A tau as checkpoints are ranked by it (BestCheckpoint, best_record): NaN, nothing measured, below every tau."""
     return -math.inf if math.isnan(tau) else tau
+
+
+def primary_score(record: dict, primary_budget: int) -> float:
+    return ranking_score(record["summary"][tree_key(primary_budget)]["tau"])
 
 
 def best_record(history: list[dict], primary_budget: int) -> dict | None:

@@ -94,6 +94,14 @@ def test_an_override_of_auto_measures_on_any_recipe(monkeypatch, capsys, overrid
     assert config.model.lr == (0.002 if "--model.lr=0.002" in overrides else read_recipe(RECIPES_DIR / "tiny.yaml", []).model.lr)
 
 
+def test_the_last_precision_override_wins_with_auto_among_them(monkeypatch):
+    calls = stub_choice(monkeypatch, BF16_SLOW)
+    tiny = RECIPES_DIR / "tiny.yaml"
+    assert read_recipe(tiny, ["--trainer.precision=16-mixed", "--trainer.precision", "auto"]).trainer.precision == "32-true"
+    assert read_recipe(tiny, ["--trainer.precision=auto", "--trainer.precision", "16-mixed"]).trainer.precision == "16-mixed"
+    assert calls == ["cpu"]  # measured only where auto won
+
+
 @pytest.mark.parametrize("overrides", [["--trainer.precision="], ["--trainer.precision", "--model.lr=0.001"]])
 def test_a_precision_override_without_a_value_is_one_line(tmp_path, monkeypatch, overrides):
     stub_choice(monkeypatch, BF16_SLOW)

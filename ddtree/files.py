@@ -12,6 +12,7 @@ a run or the cache. Every writer here gives them the modes a plain open()/mkdir(
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -84,9 +85,22 @@ def write_text_atomic(path: str | Path, text: str) -> None:
         handle.write(text)
 
 
+def finite_json(value):
+    """`value` with every NaN and infinity in it as None (null): JSON has no such numbers, and the bare NaN that Python
+    writes by default is refused by other readers (jq, JavaScript, most JSON libraries)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: finite_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(item) for item in value]
+    return value
+
+
 def write_json_atomic(path: str | Path, payload, indent: int | None = 1) -> None:
+    """Strict JSON: a NaN or an infinity is written as null (finite_json)."""
     with atomic_file(path) as handle:
-        json.dump(payload, handle, indent=indent)
+        json.dump(finite_json(payload), handle, indent=indent, allow_nan=False)
 
 
 @contextmanager

@@ -33,7 +33,7 @@ from matplotlib.figure import Figure
 
 from ddtree.bench import CHAIN, budget_of
 from ddtree.errors import DDTreeError, command
-from ddtree.files import atomic_file, write_text_atomic
+from ddtree.files import atomic_file, finite_json, write_text_atomic
 
 from .loss import RECALL_K
 from .recipe import check_recipe_name, read_recipe, recipe_path
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown_table(results)
     print(table)
     write_text_atomic(root / f"ablate-{stamp}.md", table + "\n")
-    write_text_atomic(root / f"ablate-{stamp}.json", json.dumps(results, indent=1))
+    write_text_atomic(root / f"ablate-{stamp}.json", json.dumps(finite_json(results), indent=1, allow_nan=False))
     with atomic_file(root / f"ablate-{stamp}.png", "wb") as handle:
         plot(results).savefig(handle, format="png", dpi=110)
     print(f"[ablate] table, results and plot: {root / f'ablate-{stamp}'}.{{md,json,png}}")

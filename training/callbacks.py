@@ -409,13 +409,14 @@ class AcceptanceEvaluation(L.Callback):
         target = pl_module.target
         if self.stop_ids is None:
             self.stop_ids = stop_token_ids(target, self.tokenizer)
-        temperatures = self.calibrate(trainer, pl_module)
-        drafter = self.eval_drafter(trainer, pl_module)
+        drafter = self.eval_drafter(trainer, pl_module)  # a ZeRO-3 copy shares the config calibrate writes into
         # NaN or inf weights would decode at tau 1.0 and be ranked by it: not decoded, they rank last (NaN).
         non_finite = int(trainer.strategy.broadcast(non_finite_tensors(drafter)))  # every rank decodes, or none
-        if non_finite:
+        temperatures = None
+        if non_finite:  # nor calibrated: temperatures fitted to NaN probabilities would be kept into later steps
             result = unmeasured(self.budgets, non_finite)
         else:
+            temperatures = self.calibrate(trainer, pl_module)
             result = self.measure(target, drafter, self.prompts, self.stop_ids, trainer.global_rank, trainer.world_size)
         seconds = time.perf_counter() - started  # includes waiting for the slowest rank in the gather
         self.last_step = step

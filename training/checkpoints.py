@@ -168,6 +168,20 @@ def find_resume(resume: str, recipe_root: Path) -> tuple[Path, Path]:
     return checkpoint, run_dir
 
 
+def newest_finite_checkpoint(run_dir: Path) -> Path | None:
+    """The run's newest checkpoint that loads with finite drafter weights (load_checkpoint refuses the others), or None.
+
+    After a divergence: the checkpoint written just before the stop can already hold NaN weights, since an update can
+    blow them up with a finite gradient and only the next step's loss shows it."""
+    for checkpoint in run_checkpoints(run_dir):
+        try:
+            load_checkpoint(checkpoint)
+        except DDTreeError:
+            continue
+        return checkpoint
+    return None
+
+
 # ----------------------------------------------------------------------------- reading a checkpoint
 
 

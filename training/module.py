@@ -72,7 +72,8 @@ from .target import dtype_for_precision, load_frozen_target, target_layer_featur
 
 
 class NonFiniteError(RuntimeError):
-    """The loss or the gradient norm stopped being finite; train.py prints it as one line."""
+    """The loss, the gradient norm or the weights stopped being finite; train.py prints it as one line, naming the
+    run's newest checkpoint whose weights are finite."""
 
 
 @dataclass
@@ -601,8 +602,7 @@ class DistillModule(L.LightningModule):
         # Checked here, after backward was queued, not in training_step: reading the loss waits for the GPU.
         if self._step_loss is not None and not torch.isfinite(self._step_loss):
             raise NonFiniteError(
-                f"training stopped at step {self.global_step}: the loss is {self._step_loss.item()}; "
-                "the last checkpoint written before this step is the last good one"
+                f"training stopped at step {self.global_step}: the loss is {self._step_loss.item()}"
             )
         # Lightning clips after this hook; a non-finite norm here would be clipped into NaN weights.
         grads = [p.grad for p in self.drafter.parameters() if p.grad is not None]
@@ -621,8 +621,7 @@ class DistillModule(L.LightningModule):
     def _check_grad_norm(self, norm: torch.Tensor) -> None:
         if not torch.isfinite(norm):
             raise NonFiniteError(
-                f"training stopped at step {self.global_step}: the gradient norm is {norm.item()}; "
-                "the last checkpoint written before this step is the last good one"
+                f"training stopped at step {self.global_step}: the gradient norm is {norm.item()}"
             )
         self.log("train/grad_norm", norm)
 

@@ -46,7 +46,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from ddtree.corpus import CORPUS_FILE, write_replies
 from ddtree.errors import DDTreeError, command
 from ddtree.files import write_text_atomic
-from training.checkpoints import find_resume, newest_checkpoint
+from training.checkpoints import find_resume, newest_checkpoint, newest_finite_checkpoint, non_finite_tensors
 from training.data import DistillDataModule, replies
 from training.export import export_drafter, run_corpus
 from training.feature_store import (build_feature_store, drafter_layer_ids, is_complete, resolve_store_path, store_seconds,
@@ -272,13 +272,27 @@ def main(argv: list[str] | None = None) -> int:
         if cli.trainer.interrupted:  # stopped by a callback or an exception Lightning swallowed
             return stopped(run_dir, args.recipe, "interrupted", 1, cli.trainer.global_step)
         drafter = drafter_for_export(cli.model, cli.trainer)  # every rank: DeepSpeed gathers the fp32 weights
+        non_finite = non_finite_tensors(drafter)
+        if non_finite:  # the last update blew the weights up: no next step's loss to show it, and no export of noise
+            raise NonFiniteError(f"training ended at step {cli.trainer.global_step} with {non_finite} of the drafter's "
+                                 "parameter tensors holding NaN or inf: no drafter exported")
         if cli.trainer.is_global_zero:
             drafter_dir = export_drafter(drafter, run_dir / "drafter", run_corpus(run_dir))
             print(f"[train] drafter written to {drafter_dir} (ddtree bench --drafter {drafter_dir})", flush=True)
         return 0
     except NonFiniteError as error:  # not bad input: the run itself failed
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {error}; {finite_checkpoint_line(run_dir)}", file=sys.stderr)
         return 1
+
+
+def finite_checkpoint_line(run_dir: Path) -> str:
+    """Where a diverged run can be taken up: its newest checkpoint with finite weights (each checked by loading it)."""
+    if not is_first_process():
+        return "rank 0 names the newest checkpoint with finite weights"
+    good = newest_finite_checkpoint(run_dir)
+    if good is None:
+        return f"no checkpoint of {run_dir} has finite weights: start again (a lower model.lr?)"
+    return f"the newest checkpoint with finite weights is {good} (make eval/export take it: CKPT={good})"
 
 
 if __name__ == "__main__":

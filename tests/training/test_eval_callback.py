@@ -502,11 +502,16 @@ class PoisonWeights(L.Callback):
                 second.view(-1)[-1] = math.inf
 
 
-def test_a_drafter_with_non_finite_weights_gets_no_tau_and_ranks_last(tmp_path, capsys):
+def test_a_drafter_with_non_finite_weights_gets_no_tau_and_ranks_last(tmp_path, capsys, monkeypatch):
     """Such a drafter still decodes losslessly at tau 1.0 (the target verifies): before, that tied step 2's 1.0 and,
-    the later of equals, took best.ckpt. Now it is not decoded: NaN taus, one line, a marked row, step 2 stays best."""
+    the later of equals, took best.ckpt. Now it is not decoded: NaN taus, one line, a marked row, step 2 stays best.
+    Nor calibrated (temperatures fitted to NaN probabilities), and its eval JSON is strict: null, not a bare NaN."""
+    calibrated = []
+    monkeypatch.setattr(CannedEvaluation, "calibrate", lambda self, trainer, module: calibrated.append(trainer.global_step))
     evaluation, checkpoints = canned_fit(tmp_path, 4, {2: {8: 1.0}, 4: {8: 1.0}}, before=[PoisonWeights(4)])
-    assert evaluation.decoded == [2]
+    assert evaluation.decoded == [2] and calibrated == [2]
+    text = AcceptanceEvaluation.eval_file(tmp_path, 4).read_text()
+    assert "NaN" not in text and json.loads(text)["summary"][CHAIN]["tau"] is None
     record = evaluation.history[-1]
     assert record["step"] == 4 and record["non_finite_tensors"] == 2
     assert all(math.isnan(stats["tau"]) for stats in record["summary"].values())
@@ -557,7 +562,7 @@ class SigtermAt(L.Callback):
                                            "step 10"),
     ([PoisonWeights(3)], [], NonFiniteError, "the run failed at step 3, before its first evaluation at step 10 "
                                              "(eval.every_n_train_steps=10), with NonFiniteError: training stopped at "
-                                             "step 3: the loss is nan;"),
+                                             "step 3: the loss is nan"),
     # a stop off the grid that the evaluation does not see coming, and a SIGTERM heard at the end, where no loop
     # raises and on_train_end does not evaluate
     ([SigtermAt(3, "on_train_end")], [StopAtStep3()], None, "the run was stopped by SIGTERM at step 3, before its "

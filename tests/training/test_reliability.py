@@ -8,6 +8,7 @@ command resumes the run to its end.
 from __future__ import annotations
 
 import os
+import math
 import re
 import shutil
 import signal
@@ -18,8 +19,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import toy_data  # tests/training/toy_data.py
+from training.checkpoints import is_checkpoint, newest_finite_checkpoint
+from training.module import DistillModule
 from training.train import main as train_main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -81,6 +85,46 @@ def test_a_signal_stops_the_run_with_a_non_zero_status_and_the_command_that_resu
     assert train_main(["--recipe", "tiny", "--resume", resume, "--output-root", str(tmp_path / "out"),
                        "--trainer.max_steps=6", "--trainer.enable_progress_bar=false"]) == 0
     assert (run_dir / "drafter" / "model.safetensors").is_file()
+
+
+def blow_up_update(monkeypatch, step: int) -> None:
+    """The optimizer update that makes step `step` leaves NaN weights, with a finite loss and gradient, as a too-large
+    learning rate can: only the next step's loss would show it."""
+    checked = DistillModule.on_before_optimizer_step
+
+    def poisoned(self, optimizer):
+        checked(self, optimizer)  # the loss and gradient checks pass
+        if self.global_step == step - 1:
+            for parameter in self.drafter.parameters():
+                parameter.grad = torch.full_like(parameter, math.nan)
+
+    monkeypatch.setattr(DistillModule, "on_before_optimizer_step", poisoned)
+
+
+def test_weights_blown_up_by_the_last_update_exit_non_zero_and_export_nothing(tmp_path, monkeypatch, capsys):
+    """No next step's loss shows it: before, the run exited 0 and exported a drafter of NaNs. last.ckpt holds them
+    too, so the line names the newest checkpoint that loads with finite weights (each is checked)."""
+    blow_up_update(monkeypatch, step=4)
+    assert train_main(tiny_args(tmp_path, "blown", max_steps=4)) == 1
+    run_dir = tmp_path / "out" / "tiny" / "blown"
+    (line,) = error_lines(capsys)
+    assert line.startswith("error: training ended at step 4 with ") and "holding NaN or inf: no drafter exported" in line
+    good = run_dir / "checkpoints" / "step-2.ckpt"
+    assert line.endswith(f"the newest checkpoint with finite weights is {good} (make eval/export take it: CKPT={good})")
+    assert not (run_dir / "drafter").exists()
+    assert newest_finite_checkpoint(run_dir) == good and is_checkpoint(run_dir / "checkpoints" / "last.ckpt")
+
+
+def test_a_nan_loss_after_a_checkpoint_of_nan_weights_does_not_call_that_checkpoint_good(tmp_path, monkeypatch, capsys):
+    """The update of step 2 blows the weights up; step 2 is evaluated and saved (ranked last, but the only one), and
+    step 3's loss is NaN. The checkpoint written before the stop is not a good one: the line says none is."""
+    blow_up_update(monkeypatch, step=2)
+    assert train_main(tiny_args(tmp_path, "nan", max_steps=6)) == 1
+    run_dir = tmp_path / "out" / "tiny" / "nan"
+    (line,) = error_lines(capsys)
+    assert line.startswith("error: training stopped at step 2: the loss is nan; ")
+    assert line.endswith(f"no checkpoint of {run_dir} has finite weights: start again (a lower model.lr?)")
+    assert is_checkpoint(run_dir / "checkpoints" / "last.ckpt")
 
 
 def test_a_moved_run_resumes_into_its_new_folder(tmp_path):

@@ -156,6 +156,8 @@ def load_conversations(source: str | Path) -> list[dict]:
 # kept in the reply (none of the 2048 shipped replies has any, so their tokenization and feature stores are the same).
 # 3: the file readers keep response_ids, so regenerated data is tokenized from the ids its target generated (version
 # 2 read it from the reply's text: 275 of the 2048 shipped replies re-tokenize to another length).
+# Not bumped either for special-token text inside a text-only reply, now tokenized as plain text: all 2048 shipped
+# conversations render to the same ids (checked one by one), and a bump would rebuild every feature store.
 TOKENIZATION_VERSION = 3
 
 
@@ -224,16 +226,19 @@ def render_with_loss_mask(tokenizer, messages: list[dict], eot: str | None = Non
                 f"assistant turn {i} ({content[:40]!r}...) is not followed by {eot!r} in the chat template's "
                 "render; this template rewrites message content in a way the loss mask cannot follow"
             )
-        spans.append((start if content else eot_at, eot_at + len(eot)))
+        spans.append((start if content else eot_at, eot_at, eot_at + len(eot)))
         cursor = eot_at + len(eot)
-    # Tokenize piece by piece (unsupervised text, supervised span, ...): the prompt part then has
-    # exactly the ids decoding feeds the target, and the answer the ids of its own text, with no
-    # BPE merge across the boundary (which tokenizing the whole render at once can produce).
+    # Tokenize piece by piece (unsupervised text, supervised reply, its end-of-turn token, ...): the prompt part then
+    # has exactly the ids decoding feeds the target, and the answer the ids of its own text, with no BPE merge across
+    # the boundary (which tokenizing the whole render at once can produce). In the reply, text that reads like a
+    # special token ("<|im_end|>" in a reply about chat templates) is plain text: the target can only have written it
+    # as such, since its special token would have ended the turn (split_special_tokens).
     input_ids, loss_mask, cursor = [], [], 0
-    for start, end in spans + [(len(text), len(text))]:
-        for piece, bit in ((text[cursor:start], 0), (text[start:end], 1)):
+    for start, eot_at, end in spans + [(len(text), len(text), len(text))]:
+        for piece, bit, literal in ((text[cursor:start], 0, False), (text[start:eot_at], 1, True),
+                                    (text[eot_at:end], 1, False)):
             if piece:
-                piece_ids = tokenizer(piece, add_special_tokens=False)["input_ids"]
+                piece_ids = tokenizer(piece, add_special_tokens=False, split_special_tokens=literal)["input_ids"]
                 input_ids += piece_ids
                 loss_mask += [bit] * len(piece_ids)
         cursor = end

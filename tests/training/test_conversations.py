@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 from ddtree.errors import DDTreeError
 from ddtree.targets import builtin_target_folder
 from training.conversations import (
+    end_of_turn_text,
     load_conversations,
     read_messages_jsonl,
     render_prompt_ids,
@@ -122,6 +123,21 @@ def test_smollm2_mask_covers_content_and_im_end_only(smol_tokenizer):
         + "<|im_start|>user\nAnd the assistant says?<|im_end|>\n<|im_start|>assistant\nassistant<|im_end|>\n"
     )
     assert_golden(smol_tokenizer, CONVERSATION, expected, ["2+2 is 4.<|im_end|>", "assistant<|im_end|>"])
+
+
+@pytest.mark.parametrize("fixture", ["smol_tokenizer", "llama3_tokenizer"])
+def test_special_token_text_inside_a_reply_is_supervised_as_plain_text(fixture, request):
+    """A reply about chat templates that writes "<|im_end|>": the target can only have written it as plain text (its
+    special token would have ended the turn), so that is what the drafter learns; only the real end of turn is one."""
+    tokenizer = request.getfixturevalue(fixture)
+    reply = "ChatML closes a turn with <|im_end|>, and Llama 3 with <|eot_id|>."
+    ids, mask = render_with_loss_mask(tokenizer, [{"role": "user", "content": "How do turns end?"},
+                                                  {"role": "assistant", "content": reply}])
+    supervised = [i for i, bit in zip(ids, mask) if bit]
+    eot = tokenizer.convert_tokens_to_ids([end_of_turn_text(tokenizer)])
+    literal = tokenizer(reply, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    assert supervised == literal + eot
+    assert not set(literal) & set(tokenizer.all_special_ids) and tokenizer.decode(literal) == reply
 
 
 def test_smollm2_with_system_prompt_and_empty_answer(smol_tokenizer):

@@ -192,16 +192,39 @@ def end_of_turn_text(tokenizer) -> str:
     return special[0]
 
 
+def assistant_header(tokenizer) -> str:
+    """What the chat template writes before an assistant reply in a conversation's history ("<|im_start|>assistant\\n"
+    in ChatML; no Qwen3 think block, which only the last turn gets), found by rendering a probe; "" if it cannot be."""
+    question, reply = {"role": "user", "content": "PROBE-QUESTION-7f3a"}, "PROBE-ANSWER-7f3a"
+    try:
+        before = tokenizer.apply_chat_template([question], tokenize=False)
+        whole = tokenizer.apply_chat_template([question, {"role": "assistant", "content": reply}, question], tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that refuses the probe: no header to anchor on
+        return ""
+    # Between the question's turn, closed as a one-turn render closes it, and the reply; not by comparing the two
+    # renders' beginnings, which a template that writes something of the whole conversation first makes differ.
+    if question["content"] not in before:
+        return ""
+    closed = question["content"] + before[before.index(question["content"]) + len(question["content"]):]
+    opened = whole.find(closed) + len(closed)
+    if opened < len(closed) or reply not in whole[opened:]:
+        return ""
+    return whole[opened:whole.index(reply, opened)]
+
+
 def render_with_loss_mask(tokenizer, messages: list[dict], eot: str | None = None) -> tuple[list[int], list[int]]:
     """Chat-template token ids of a whole conversation and the 0/1 mask of assistant tokens (untruncated).
 
     For assistant turn i the render of messages[:i] with the generation prompt is a prefix of the
     full render; the turn's content is the first occurrence of that content after this prefix (so
     a template's own additions such as Qwen3's empty <think></think> block stay unmasked) and
-    ends at the next end-of-turn token, which is included.
+    ends at the next end-of-turn token, which is included. Where that render is refused or is no prefix (a
+    template that writes something of the whole conversation first), the search starts after the next
+    assistant header instead.
     """
     eot = eot or end_of_turn_text(tokenizer)
     text = tokenizer.apply_chat_template(messages, tokenize=False)
+    header = None  # the assistant header, found only where a prefix render cannot place the turn
     spans, cursor = [], 0  # character spans [start, end) to supervise
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
@@ -209,8 +232,14 @@ def render_with_loss_mask(tokenizer, messages: list[dict], eot: str | None = Non
         try:
             prefix = tokenizer.apply_chat_template(messages[:i], add_generation_prompt=True, tokenize=False) if i else ""
         except Exception:  # some templates reject a conversation that does not start with a user turn
-            prefix = ""
-        search_from = max(cursor, len(prefix) if text.startswith(prefix) else cursor)
+            prefix = None
+        if prefix is not None and text.startswith(prefix):
+            search_from = max(cursor, len(prefix))
+        else:  # the render of the turns before is no prefix (or was refused): start after the next assistant header,
+            # not at the previous turn's end, where a user turn that ends with this reply's text would be found first
+            header = assistant_header(tokenizer) if header is None else header
+            at = text.find(header, cursor) if header else -1
+            search_from = at + len(header) if at >= 0 else cursor
         written = message["content"].rstrip()
         content = written.strip()  # templates such as Llama-3's trim the content
         start = -1

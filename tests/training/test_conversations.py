@@ -125,6 +125,24 @@ def test_smollm2_mask_covers_content_and_im_end_only(smol_tokenizer):
     assert_golden(smol_tokenizer, CONVERSATION, expected, ["2+2 is 4.<|im_end|>", "assistant<|im_end|>"])
 
 
+def test_a_template_whose_prefix_render_is_no_prefix_still_masks_the_assistant_turn(smol_folder):
+    """This template writes the conversation's length first, so no shorter render is a prefix of the whole one. The
+    search for the second reply ("Yes") used to start at the first reply's end, and the user turn in between ends
+    with the same text and the same <|im_end|>: the user's "Yes" was supervised, the reply not."""
+    tokenizer = AutoTokenizer.from_pretrained(smol_folder)
+    tokenizer.chat_template = (
+        "{{ '<|im_start|>system\\n' ~ messages | length ~ ' turns<|im_end|>\\n' }}"
+        "{% for m in messages %}{{ '<|im_start|>' ~ m['role'] ~ '\\n' ~ m['content'] ~ '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    messages = [{"role": "user", "content": "Say no."}, {"role": "assistant", "content": "No."},
+                {"role": "user", "content": "Now repeat after me: Yes"}, {"role": "assistant", "content": "Yes"}]
+    ids, mask = render_with_loss_mask(tokenizer, messages)
+    assert masked_runs(tokenizer, ids, mask) == ["No.<|im_end|>", "Yes<|im_end|>"]
+    (second,) = [i for i in range(len(ids)) if mask[i] and not mask[i - 1]][1:]
+    assert tokenizer.decode(ids[:second]).endswith("me: Yes<|im_end|>\n<|im_start|>assistant\n")
+
+
 @pytest.mark.parametrize("fixture", ["smol_tokenizer", "llama3_tokenizer"])
 def test_special_token_text_inside_a_reply_is_supervised_as_plain_text(fixture, request):
     """A reply about chat templates that writes "<|im_end|>": the target can only have written it as plain text (its

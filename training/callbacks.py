@@ -477,7 +477,9 @@ class AcceptanceEvaluation(L.Callback):
     def _write_report(self, trainer) -> float:
         """Rewrite report.md and tau.png from the history; returns this launch's wall time so far."""
         launch_seconds = time.perf_counter() - self.launch_started
-        settings = self.settings(trainer.lightning_module.drafter_config, len(self.prompts))
+        module = trainer.lightning_module
+        settings = {**self.settings(module.drafter_config, len(self.prompts)),
+                    "train_loss_note": report.training_loss_note(dict(module.hparams))}
         report.write_all(Path(trainer.default_root_dir), self.history, settings, self.launch_eval_seconds, launch_seconds)
         return launch_seconds
 

@@ -51,6 +51,22 @@ def best_record(history: list[dict], primary_budget: int) -> dict | None:
     return best
 
 
+def training_loss_note(hyper_parameters: dict) -> str | None:
+    """What the train loss column holds where it is not the val loss column's loss (None where it is)."""
+    objective = hyper_parameters.get("objective", "decayed_ce")
+    distill = float(hyper_parameters.get("distill_weight") or 0.0)
+    if objective == "decayed_ce" and distill == 0:
+        return None
+    parts = [f"`model.objective={objective}`"]
+    if distill:
+        top_k = int(hyper_parameters.get("distill_top_k") or 0)
+        teacher = f"the target's top {top_k}" if top_k else "the target's distribution"
+        parts.append(f"{hyper_parameters.get('distill_loss', 'kl')} distillation from {teacher} at weight {distill:g}")
+    return (f"The train loss is the training objective ({' with '.join(parts)}) on that step's batch; the val loss is "
+            "the published decayed cross-entropy on the validation split, whatever the objective, so runs compare by "
+            "it. The two columns are different losses: they do not compare with each other.")
+
+
 def _number(value, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
@@ -111,6 +127,8 @@ def markdown_report(run_name: str, history: list[dict], settings: dict, eval_sec
         lines += ["", f"Weights not finite at step{'s' if len(broken) > 1 else ''} {', '.join(broken)}: the drafter's "
                   "parameters held NaN or inf, so it was not decoded (decoding stays lossless whatever such a drafter "
                   "proposes, at tau 1.0, which measures nothing). Such a step ranks below every measured one."]
+    if settings.get("train_loss_note"):
+        lines += ["", settings["train_loss_note"]]
     share = 100 * eval_seconds / launch_seconds if launch_seconds > 0 else 0.0
     lines += [
         "",

@@ -465,7 +465,7 @@ class CannedEvaluation(AcceptanceEvaluation):
         return {"summary": {"dflash": stats(1.0), **{f"ddtree@{b}": stats(t) for b, t in by_budget.items()}}, "prompts": []}
 
 
-def canned_fit(tmp_path, steps, taus, primary=8, save_top_k=1, extra=(), ckpt_path=None, before=(), every=2):
+def canned_fit(tmp_path, steps, taus, primary=8, save_top_k=1, extra=(), ckpt_path=None, before=(), every=2, module=None):
     """`before`: callbacks that run ahead of the evaluation at each step; `extra`: after it."""
     evaluation = CannedEvaluation(taus, every_n_train_steps=every, budgets=sorted(next(iter(taus.values()))),
                                   primary_budget=primary)
@@ -475,7 +475,7 @@ def canned_fit(tmp_path, steps, taus, primary=8, save_top_k=1, extra=(), ckpt_pa
     trainer = L.Trainer(max_steps=steps, accelerator="cpu", default_root_dir=tmp_path, logger=False,
                         callbacks=[*before, evaluation, checkpoints, *extra], enable_progress_bar=False,
                         enable_model_summary=False)
-    trainer.fit(tiny_module(), train_dataloaders=synthetic_loader(steps), ckpt_path=ckpt_path)
+    trainer.fit(module or tiny_module(), train_dataloaders=synthetic_loader(steps), ckpt_path=ckpt_path)
     return evaluation, checkpoints
 
 
@@ -543,6 +543,19 @@ def test_the_report_ranks_an_unmeasured_step_below_every_measured_one_as_best_ck
     assert "| **4** (best) |" in report and "| 2 **weights not finite** (3 tensors) |" in report
     only_unmeasured = training.report.markdown_report("run", history[:1], settings, 0.0, 1.0)
     assert "step 2**, though nothing was measured" in only_unmeasured  # best.ckpt links to it, ranked last of one
+
+
+def test_the_report_says_when_the_train_loss_is_another_loss_than_the_val_loss(tmp_path):
+    """The CPU recipe's report read train loss 8.4-8.7 (dpace weights and kl distillation) beside val loss 4.1-4.5
+    (decayed cross-entropy alone), the first rising as the second fell, with nothing saying they differ."""
+    canned_fit(tmp_path / "plain", 2, {2: {8: 1.5}})
+    assert "The train loss is" not in (tmp_path / "plain" / "report.md").read_text()
+    canned_fit(tmp_path / "dpace", 2, {2: {8: 1.5}}, module=tiny_module(objective="dpace", distill_weight=0.5))
+    assert ("The train loss is the training objective (`model.objective=dpace` with kl distillation from the target's "
+            "distribution at weight 0.5) on that step's batch; the val loss is the published decayed cross-entropy"
+            in (tmp_path / "dpace" / "report.md").read_text())
+    note = training.report.training_loss_note({"objective": "decayed_ce", "distill_weight": 0.5, "distill_top_k": 32})
+    assert "(`model.objective=decayed_ce` with kl distillation from the target's top 32 at weight 0.5)" in note
 
 
 class SigtermAt(L.Callback):

@@ -33,6 +33,7 @@ from ddtree.bench import CHAIN, budget_of, tree_key
 from ddtree.errors import DDTreeError
 
 from .engines import SGLANG, VLLM, serve_commands
+from .report import objective_description
 
 TAGS = ["dflash", "ddtree", "speculative-decoding", "draft-model", "block-diffusion"]
 
@@ -174,8 +175,9 @@ def evaluation_section(facts: CardFacts) -> list[str]:
         "|---|---:|---:|---:|---:|",
     ]
     chain = summary[CHAIN]
+    chain_expected = f"{chain['expected_tau']:.3f}" if "expected_tau" in chain else "-"  # absent in older evaluations
     lines.append(
-        f"| chain (one DFlash block, {block - 1} drafted tokens) | {_format_tau(chain['tau'])} | - "
+        f"| chain (one DFlash block, {block - 1} drafted tokens) | {_format_tau(chain['tau'])} | {chain_expected} "
         f"| {chain.get('rounds', '-')} | {chain.get('new_tokens', '-')} |"
     )
     budgets = sorted(budget for budget in map(budget_of, summary) if budget is not None)
@@ -235,6 +237,10 @@ def recipe_section(facts: CardFacts) -> list[str]:
          if cfg["dflash_config"].get("draft_vocab") else "the target's whole vocabulary"),
         ("anchors per sequence", hp.get("num_anchors")),
         ("loss decay gamma", hp.get("gamma")),
+        ("training loss", objective_description(hp)),
+        *([("re-drafting in training", f"{hp['redraft_prob']:g} of the blocks are given their first token (for "
+                                        "`--redraft` decoding)")] if hp.get("redraft_prob") else []),
+        *([("dropout", hp["dropout"])] if hp.get("dropout") else []),
         ("optimizer", f"AdamW, lr {hp.get('lr')}, betas {hp.get('betas')}, weight decay {hp.get('weight_decay')}, "
                       f"warmup {hp.get('warmup_ratio')}, cosine to {hp.get('min_lr_ratio')} x lr"),
         ("LoRA", f"rank {hp['lora_rank']} (merged into these weights)" if hp.get("lora_rank") else "no"),

@@ -51,20 +51,32 @@ def best_record(history: list[dict], primary_budget: int) -> dict | None:
     return best
 
 
-def training_loss_note(hyper_parameters: dict) -> str | None:
-    """What the train loss column holds where it is not the val loss column's loss (None where it is)."""
+def objective_description(hyper_parameters: dict) -> str:
+    """The training loss a run's hyper-parameters name, in words: its objective and any distillation."""
     objective = hyper_parameters.get("objective", "decayed_ce")
+    text = f"`model.objective={objective}`"
+    if objective != "decayed_ce":
+        details = [f"smoothing {hyper_parameters.get('objective_smoothing', 0.5):g}"]
+        if objective == "tree":
+            details.append(f"top-{hyper_parameters.get('objective_top_k', 4)} survival")
+        if objective in ("frontier", "intree"):
+            details.append(f"the drafter's own tree of {hyper_parameters.get('objective_budget', 32)} nodes")
+        text += f" ({', '.join(details)})"
     distill = float(hyper_parameters.get("distill_weight") or 0.0)
-    if objective == "decayed_ce" and distill == 0:
-        return None
-    parts = [f"`model.objective={objective}`"]
     if distill:
         top_k = int(hyper_parameters.get("distill_top_k") or 0)
         teacher = f"the target's top {top_k}" if top_k else "the target's distribution"
-        parts.append(f"{hyper_parameters.get('distill_loss', 'kl')} distillation from {teacher} at weight {distill:g}")
-    return (f"The train loss is the training objective ({' with '.join(parts)}) on that step's batch; the val loss is "
-            "the published decayed cross-entropy on the validation split, whatever the objective, so runs compare by "
-            "it. The two columns are different losses: they do not compare with each other.")
+        text += f" with {hyper_parameters.get('distill_loss', 'kl')} distillation from {teacher} at weight {distill:g}"
+    return text
+
+
+def training_loss_note(hyper_parameters: dict) -> str | None:
+    """What the train loss column holds where it is not the val loss column's loss (None where it is)."""
+    if hyper_parameters.get("objective", "decayed_ce") == "decayed_ce" and not hyper_parameters.get("distill_weight"):
+        return None
+    return (f"The train loss is the training objective ({objective_description(hyper_parameters)}) on that step's "
+            "batch; the val loss is the published decayed cross-entropy on the validation split, whatever the "
+            "objective, so runs compare by it. The two columns are different losses: they do not compare with each other.")
 
 
 def _number(value, digits: int = 3) -> str:

@@ -556,6 +556,8 @@ def test_the_report_says_when_the_train_loss_is_another_loss_than_the_val_loss(t
             in (tmp_path / "dpace" / "report.md").read_text())
     note = training.report.training_loss_note({"objective": "decayed_ce", "distill_weight": 0.5, "distill_top_k": 32})
     assert "(`model.objective=decayed_ce` with kl distillation from the target's top 32 at weight 0.5)" in note
+    assert training.report.objective_description({"objective": "intree", "objective_budget": 16}) == (
+        "`model.objective=intree` (smoothing 0.5, the drafter's own tree of 16 nodes)")
 
 
 class SigtermAt(L.Callback):

@@ -551,7 +551,7 @@ def test_the_report_says_when_the_train_loss_is_another_loss_than_the_val_loss(t
     canned_fit(tmp_path / "plain", 2, {2: {8: 1.5}})
     assert "The train loss is" not in (tmp_path / "plain" / "report.md").read_text()
     canned_fit(tmp_path / "dpace", 2, {2: {8: 1.5}}, module=tiny_module(objective="dpace", distill_weight=0.5))
-    assert ("The train loss is the training objective (`model.objective=dpace` with kl distillation from the target's "
+    assert ("The train loss is the training objective (`model.objective=dpace` (smoothing 0.5) with kl distillation from the target's "
             "distribution at weight 0.5) on that step's batch; the val loss is the published decayed cross-entropy"
             in (tmp_path / "dpace" / "report.md").read_text())
     note = training.report.training_loss_note({"objective": "decayed_ce", "distill_weight": 0.5, "distill_top_k": 32})

@@ -139,7 +139,8 @@ def launch_args(tmp: Path, strategy: str, batch_size: int, probe_dir: Path, *ext
     return [
         "--output-root", str(tmp / "out"), f"--data.data_path={tmp / 'conversations.jsonl'}",
         f"--data.cache_dir={tmp / 'cache'}", f"--data.batch_size={batch_size}", "--data.val_fraction=0.1",
-        f"--trainer.strategy={strategy}", f"--trainer.max_steps={STEPS}", "--trainer.val_check_interval=null",
+        f"--trainer.strategy={strategy}", "--trainer.precision=bf16-mixed",  # the GPU recipes' precision, on any CPU
+        f"--trainer.max_steps={STEPS}", "--trainer.val_check_interval=null",
         "--trainer.enable_progress_bar=false", "--trainer.log_every_n_steps=1", "--model.num_anchors=64",
         "--eval.every_n_train_steps=2", "--eval.limit=1", "--eval.max_new_tokens=2", "--eval.budgets=[4]",
         "--eval.primary_budget=4", f"--trainer.callbacks+={probe}",

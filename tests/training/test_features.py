@@ -566,9 +566,9 @@ def test_cli_builds_the_recipe_store(tmp_path):
     data = write_conversations(tmp_path / "conversations.jsonl")
     out = tmp_path / "store"
     assert main(["--recipe", "tiny", "--out", str(out), f"--data.data_path={data}", "--data.max_length=128",
-                 f"--data.cache_dir={tmp_path / 'cache'}"]) == 0
-    store = FeatureStore(out)
-    assert store.layer_ids == [1, 3, 4] and store.dtype == torch.bfloat16 and store.target == "tiny-random"  # the recipe's
+                 f"--data.cache_dir={tmp_path / 'cache'}", "--trainer.precision=bf16-mixed"]) == 0
+    store = FeatureStore(out)  # the recipe's layers and target, in the dtype its (overridden) precision trains in
+    assert store.layer_ids == [1, 3, 4] and store.dtype == torch.bfloat16 and store.target == "tiny-random"
     recipe_data = DistillDataModule(target="tiny-random", data_path=str(data), max_length=128,
                                     cache_dir=str(tmp_path / "cache"), feature_store=str(out))
     recipe_data.setup("fit")  # matches the data it was built from (recipe defaults for the rest)

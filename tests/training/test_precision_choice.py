@@ -6,6 +6,7 @@ AVX2-only CPU), plus the user overrides, in a recipe and on the command line.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -50,11 +51,17 @@ def stub_choice(monkeypatch, measure):
     return calls
 
 
+def tiny_recipe(tmp_path: Path, precision: str) -> Path:
+    """recipes/tiny.yaml (which says auto) with `precision` in its trainer section, as tmp_path/<precision>.yaml."""
+    text, count = re.subn(r"^  precision: \S+", f"  precision: {precision}", (RECIPES_DIR / "tiny.yaml").read_text(),
+                          count=1, flags=re.MULTILINE)
+    assert count == 1
+    (tmp_path / f"{precision}.yaml").write_text(text)
+    return tmp_path / f"{precision}.yaml"
+
+
 def auto_recipe(tmp_path: Path) -> Path:
-    text = (RECIPES_DIR / "tiny.yaml").read_text().replace("precision: bf16-mixed", "precision: auto")
-    assert "precision: auto" in text
-    (tmp_path / "auto.yaml").write_text(text)
-    return tmp_path / "auto.yaml"
+    return tiny_recipe(tmp_path, "auto")
 
 
 @pytest.mark.parametrize("measure, expected", [(BF16_FAST, "bf16-mixed"), (BF16_SLOW, "32-true")])
@@ -68,8 +75,8 @@ def test_a_recipe_with_precision_auto_gets_the_measured_choice_and_says_so(tmp_p
 
 def test_an_explicit_precision_is_never_changed(tmp_path, monkeypatch):
     calls = stub_choice(monkeypatch, BF16_SLOW)
-    # in the recipe: tiny says bf16-mixed, which an AVX2 machine would not have chosen
-    assert read_recipe(RECIPES_DIR / "tiny.yaml", []).trainer.precision == "bf16-mixed"
+    # in the recipe: bf16-mixed, which an AVX2 machine would not have chosen
+    assert read_recipe(tiny_recipe(tmp_path, "bf16-mixed"), []).trainer.precision == "bf16-mixed"
     # on the command line, over a recipe that says auto: no measurement at all
     assert read_recipe(auto_recipe(tmp_path), ["--trainer.precision=bf16-mixed"]).trainer.precision == "bf16-mixed"
     assert calls == []
@@ -85,18 +92,19 @@ def test_a_precision_override_in_two_items_is_an_override_too(tmp_path, monkeypa
 
 
 @pytest.mark.parametrize("overrides", [["--trainer.precision=auto"], ["--trainer.precision", "auto", "--model.lr=0.002"]])
-def test_an_override_of_auto_measures_on_any_recipe(monkeypatch, capsys, overrides):
+def test_an_override_of_auto_measures_on_any_recipe(tmp_path, monkeypatch, capsys, overrides):
     """auto is this project's value: passed on to the parser, Lightning refused it on every recipe."""
     calls = stub_choice(monkeypatch, BF16_SLOW)
-    config = read_recipe(RECIPES_DIR / "tiny.yaml", overrides)  # tiny names bf16-mixed
+    recipe = tiny_recipe(tmp_path, "bf16-mixed")
+    config = read_recipe(recipe, overrides)
     assert config.trainer.precision == "32-true" and calls == ["cpu"]
     assert "[precision] trainer.precision auto -> 32-true" in capsys.readouterr().out
-    assert config.model.lr == (0.002 if "--model.lr=0.002" in overrides else read_recipe(RECIPES_DIR / "tiny.yaml", []).model.lr)
+    assert config.model.lr == (0.002 if "--model.lr=0.002" in overrides else read_recipe(recipe, []).model.lr)
 
 
-def test_the_last_precision_override_wins_with_auto_among_them(monkeypatch):
+def test_the_last_precision_override_wins_with_auto_among_them(tmp_path, monkeypatch):
     calls = stub_choice(monkeypatch, BF16_SLOW)
-    tiny = RECIPES_DIR / "tiny.yaml"
+    tiny = tiny_recipe(tmp_path, "bf16-mixed")
     assert read_recipe(tiny, ["--trainer.precision=16-mixed", "--trainer.precision", "auto"]).trainer.precision == "32-true"
     assert read_recipe(tiny, ["--trainer.precision=auto", "--trainer.precision", "16-mixed"]).trainer.precision == "16-mixed"
     assert calls == ["cpu"]  # measured only where auto won
@@ -105,7 +113,7 @@ def test_the_last_precision_override_wins_with_auto_among_them(monkeypatch):
 @pytest.mark.parametrize("overrides", [["--trainer.precision="], ["--trainer.precision", "--model.lr=0.001"]])
 def test_a_precision_override_without_a_value_is_one_line(tmp_path, monkeypatch, overrides):
     stub_choice(monkeypatch, BF16_SLOW)
-    for recipe, kept in ((auto_recipe(tmp_path), "auto"), (RECIPES_DIR / "tiny.yaml", "bf16-mixed")):
+    for recipe, kept in ((auto_recipe(tmp_path), "auto"), (tiny_recipe(tmp_path, "bf16-mixed"), "bf16-mixed")):
         with pytest.raises(DDTreeError) as error:
             read_recipe(recipe, overrides)
         line = str(error.value)

@@ -147,6 +147,25 @@ class WriteConfigOnStart(Callback):
             write_text_atomic(self.path, self.text)
 
 
+class RefuseNonFiniteResume(Callback):
+    """A resume from a checkpoint whose drafter weights hold NaN or inf stops before its first step.
+
+    Such a checkpoint is a diverged run's last.ckpt: the update before it was saved can blow the weights up with a
+    finite loss and gradient. Resumed, the first step's loss would be NaN. Checked once the strategy has restored the
+    weights (DeepSpeed restores them after on_fit_start), and placed before WriteConfigOnStart, so config.yaml keeps
+    what it held.
+    """
+
+    def __init__(self, checkpoint: Path):
+        self.checkpoint = checkpoint
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        non_finite = non_finite_tensors(pl_module.drafter)
+        if non_finite:
+            raise NonFiniteError(f"--resume: {self.checkpoint} holds NaN or inf in {non_finite} of the drafter's "
+                                 "parameter tensors (the run diverged before it was saved): not resumed")
+
+
 def run_recipe(run_dir: Path, requested: str | None) -> str:
     """The recipe a resumed run was started from: the folder it lives in (<output-root>/<recipe>/<run>)."""
     recipe = run_dir.parent.name
@@ -243,8 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         prepare_recipe_data(cli.datamodule, args.recipe, cli.trainer.world_size)
         build_missing_feature_store(cli, args.recipe)
         config_text = cli.parser.dump(cli.config, skip_none=False)
-        if checkpoint:
-            cli.trainer.callbacks.append(WriteConfigOnStart(run_dir / "config.yaml", config_text))
+        if checkpoint:  # in this order: a refused resume leaves config.yaml as it was
+            cli.trainer.callbacks += [RefuseNonFiniteResume(checkpoint), WriteConfigOnStart(run_dir / "config.yaml", config_text)]
         elif is_first_process():
             write_text_atomic(run_dir / "config.yaml", config_text)
         if is_first_process():
@@ -292,7 +311,8 @@ def finite_checkpoint_line(run_dir: Path) -> str:
     good = newest_finite_checkpoint(run_dir)
     if good is None:
         return f"no checkpoint of {run_dir} has finite weights: start again (a lower model.lr?)"
-    return f"the newest checkpoint with finite weights is {good} (make eval/export take it: CKPT={good})"
+    return (f"the newest checkpoint with finite weights is {good} (make eval/export take it: CKPT={good}; "
+            f"make train RESUME={good} continues from it)")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import toy_data  # tests/training/toy_data.py
-from training.checkpoints import is_checkpoint, newest_finite_checkpoint
+from training.checkpoints import drafter_from_checkpoint, is_checkpoint, newest_finite_checkpoint, non_finite_tensors
 from training.module import DistillModule
 from training.train import main as train_main
 
@@ -110,9 +110,26 @@ def test_weights_blown_up_by_the_last_update_exit_non_zero_and_export_nothing(tm
     (line,) = error_lines(capsys)
     assert line.startswith("error: training ended at step 4 with ") and "holding NaN or inf: no drafter exported" in line
     good = run_dir / "checkpoints" / "step-2.ckpt"
-    assert line.endswith(f"the newest checkpoint with finite weights is {good} (make eval/export take it: CKPT={good})")
+    named = (f"the newest checkpoint with finite weights is {good} (make eval/export take it: CKPT={good}; "
+             f"make train RESUME={good} continues from it)")
+    assert line.endswith(named)
     assert not (run_dir / "drafter").exists()
-    assert newest_finite_checkpoint(run_dir) == good and is_checkpoint(run_dir / "checkpoints" / "last.ckpt")
+    last = run_dir / "checkpoints" / "last.ckpt"
+    assert newest_finite_checkpoint(run_dir) == good and is_checkpoint(last)
+
+    # Resuming the NaN weights of last.ckpt stops before a step, with the same pointer, and config.yaml unchanged
+    # (before, the resumed run's first loss was NaN, after config.yaml took this launch's overrides).
+    config = (run_dir / "config.yaml").read_text()
+    assert train_main(["--recipe", "tiny", "--resume", "last", "--output-root", str(tmp_path / "out"), "--trainer.max_steps=8"]) == 1
+    (line,) = error_lines(capsys)
+    assert line.startswith(f"error: --resume: {last} holds NaN or inf in ") and "not resumed; " in line
+    assert line.endswith(named)
+    assert (run_dir / "config.yaml").read_text() == config
+    assert torch.load(last, weights_only=False)["global_step"] == 4 and not (run_dir / "drafter").exists()
+    # from the finite checkpoint the run goes on (the poisoned update was step 4's; it is redone unpoisoned)
+    monkeypatch.undo()
+    assert train_main(["--resume", str(good), "--output-root", str(tmp_path / "out")]) == 0
+    assert torch.load(last, weights_only=False)["global_step"] == 4 and non_finite_tensors(drafter_from_checkpoint(last)) == 0
 
 
 def test_a_nan_loss_after_a_checkpoint_of_nan_weights_does_not_call_that_checkpoint_good(tmp_path, monkeypatch, capsys):

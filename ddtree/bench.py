@@ -69,15 +69,21 @@ def json_problem(line: str, error: json.JSONDecodeError) -> str:
     return f"{error.msg.removesuffix(' at')} at column {error.colno}"  # some of json's messages end in "at"
 
 
-def load_prompts(path: str | Path, tokenizer: PreTrainedTokenizerBase, limit: int | None = None) -> list[dict]:
-    """Read and tokenize a prompts file (the first `limit` prompts, or all). Returns [{"id", "prompt_ids"}]; errors name file and line."""
+def check_prompts_file(path: str | Path) -> Path:
+    """The prompts file as a Path, or one line saying why it cannot be one (checked before a target loads)."""
     path = Path(path)
-    if limit is not None and limit < 1:
-        raise DDTreeError(f"limit {limit} must be at least 1, or None for every prompt")
     if path.is_dir():
         raise DDTreeError(f"prompts file {path} is a folder; give a .jsonl file with one prompt per line")
     if not path.is_file():
         raise DDTreeError(f"prompts file {path} does not exist")
+    return path
+
+
+def load_prompts(path: str | Path, tokenizer: PreTrainedTokenizerBase, limit: int | None = None) -> list[dict]:
+    """Read and tokenize a prompts file (the first `limit` prompts, or all). Returns [{"id", "prompt_ids"}]; errors name file and line."""
+    path = check_prompts_file(path)
+    if limit is not None and limit < 1:
+        raise DDTreeError(f"limit {limit} must be at least 1, or None for every prompt")
     prompts = []
     for number, where, record in iter_json_lines(path):
         if not isinstance(record, dict) or ("prompt" in record) == ("messages" in record):

@@ -24,10 +24,12 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from .bench import compare_packed_verify_cost, format_summary, load_prompts, measure_verify_cost, run_benchmark
+from .bench import (
+    check_prompts_file, compare_packed_verify_cost, format_summary, load_prompts, measure_verify_cost, run_benchmark,
+)
 from .calibration import CALIBRATION_FILE, learning_from, load_calibration, save_calibration
-from .corpus import CORPUS_FILE, CorpusLookup
-from .drafters import load_drafter_folder
+from .corpus import CORPUS_FILE, CorpusLookup, check_corpus_file
+from .drafters import load_drafter_folder, read_drafter_config
 from .decoding import (
     METHODS, DrafterRunner, OnlineCalibration, Sampling, check_sizer, drafter_defaults, generate, static_cache,
 )
@@ -192,7 +194,7 @@ def _load_target(args):
     return target, tokenizer
 
 
-def _setup(args):
+def _setup(args, needs_drafter: bool = True):
     sampling = Sampling(args.temperature, args.top_p, args.top_k)
     if args.max_new_tokens < 1:
         raise DDTreeError(f"--max-new-tokens {args.max_new_tokens} must be at least 1")
@@ -201,6 +203,7 @@ def _setup(args):
             raise DDTreeError(f"budget {budget} must be at least 1")
     if getattr(args, "limit", None) is not None and args.limit < 1:
         raise DDTreeError(f"--limit {args.limit} must be at least 1; omit it to use every prompt")
+    check_input_files(args, needs_drafter)
     target, tokenizer = _load_target(args)
     return sampling, target, tokenizer
 
@@ -218,7 +221,7 @@ def _sizer(args, target, budgets: list[int], method: str = "ddtree") -> TreeSize
 
 def cmd_generate(args) -> None:
     check_calibration_flag(args, [args.method])
-    sampling, target, tokenizer = _setup(args)
+    sampling, target, tokenizer = _setup(args, needs_drafter=args.method != "ar")
     sizer = _sizer(args, target, [args.budget], args.method)
     drafter = None
     if args.method != "ar":
@@ -278,15 +281,32 @@ def check_calibration_flag(args, methods: list[str]) -> None:
         raise DDTreeError(f"--calibration {args.calibration} shapes the drafter's trees; method 'ar' drafts none: drop it")
 
 
+def check_calibration_file(given: str) -> Path:
+    if not Path(given).is_file():
+        raise DDTreeError(f"--calibration {given}: no such file; give a file `ddtree calibrate` wrote, or none")
+    return Path(given)
+
+
+def check_input_files(args, needs_drafter: bool) -> None:
+    """The files named on the command line, read or checked before the target loads (which takes seconds and memory):
+    the drafter folder's config.json, the prompts, --corpus and --calibration."""
+    if needs_drafter and args.drafter != "random":
+        read_drafter_config(Path(args.drafter))
+    if getattr(args, "prompts", None) is not None:
+        check_prompts_file(args.prompts)
+    if getattr(args, "corpus", None) not in (None, "none"):
+        check_corpus_file(args.corpus)
+    if getattr(args, "calibration", None) not in (None, "none"):
+        check_calibration_file(args.calibration)
+
+
 def _calibration(args):
     """--calibration: the file given, else the drafter folder's (if any); None for `none` and for `calibrate`."""
     given = getattr(args, "calibration", None)
     if args.command == "calibrate" or given == "none":
         return None
     if given is not None:
-        if not Path(given).is_file():
-            raise DDTreeError(f"--calibration {given}: no such file; give a file `ddtree calibrate` wrote, or none")
-        path = Path(given)
+        path = check_calibration_file(given)
     else:
         path = None if args.drafter == "random" else Path(args.drafter) / CALIBRATION_FILE
         if path is None or not path.is_file():
@@ -308,7 +328,7 @@ def cmd_bench(args) -> None:
     check_calibration_flag(args, methods)
     if args.out:
         check_output_file(args.out)
-    sampling, target, tokenizer = _setup(args)
+    sampling, target, tokenizer = _setup(args, needs_drafter=any(m != "ar" for m in methods))
     prompts = load_prompts(args.prompts, tokenizer, args.limit)
     drafter = None
     if any(m != "ar" for m in methods):

@@ -58,6 +58,14 @@ def read_replies(path: str | Path) -> list[list[int]]:
     return [tokens[start:end] for start, end in zip(offsets, offsets[1:])]
 
 
+def check_corpus_file(path: str | Path) -> Path:
+    """--corpus as a Path, or one line saying why it cannot be read (checked before a target loads)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DDTreeError(f"--corpus {path}: no such file; give a JSONL file of conversations (docs/decoding.md, Corpus lookup)")
+    return path
+
+
 def majority_path(continuations: list[list[int]]) -> list[int]:
     """Depth by depth, the token that most of the continuations still agreeing with the path take next (a tie: the
     one seen first), until none goes further.
@@ -110,9 +118,7 @@ class CorpusLookup:
         `datasets.load_from_disk("data/smollm2-135m").to_json("replies.jsonl")` writes one from a folder that
         data/regenerate.py made (this library does not read `datasets` folders itself).
         """
-        path = Path(path)
-        if not path.is_file():
-            raise DDTreeError(f"--corpus {path}: no such file; give a JSONL file of conversations (docs/decoding.md, Corpus lookup)")
+        path = check_corpus_file(path)
         replies = []
         with path.open() as lines:
             for number, line in enumerate(lines, start=1):

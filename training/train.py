@@ -263,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         build_missing_feature_store(cli, args.recipe)
         config_text = cli.parser.dump(cli.config, skip_none=False)
         if checkpoint:  # in this order: a refused resume leaves config.yaml as it was
-            cli.trainer.callbacks += [RefuseNonFiniteResume(checkpoint), WriteConfigOnStart(run_dir / "config.yaml", config_text)]
+            cli.trainer.callbacks += [RefuseNonFiniteResume(checkpoint),
+                                      WriteConfigOnStart(run_dir / "config.yaml", config_text)]
         elif is_first_process():
             write_text_atomic(run_dir / "config.yaml", config_text)
         if is_first_process():

@@ -60,14 +60,10 @@ def tiny_recipe(tmp_path: Path, precision: str) -> Path:
     return tmp_path / f"{precision}.yaml"
 
 
-def auto_recipe(tmp_path: Path) -> Path:
-    return tiny_recipe(tmp_path, "auto")
-
-
 @pytest.mark.parametrize("measure, expected", [(BF16_FAST, "bf16-mixed"), (BF16_SLOW, "32-true")])
 def test_a_recipe_with_precision_auto_gets_the_measured_choice_and_says_so(tmp_path, monkeypatch, capsys, measure, expected):
     calls = stub_choice(monkeypatch, measure)
-    config = read_recipe(auto_recipe(tmp_path), [])
+    config = read_recipe(tiny_recipe(tmp_path, "auto"), [])
     assert config.trainer.precision == expected and calls == ["cpu"]
     printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[precision]")]
     assert len(printed) == 1 and expected in printed[0]
@@ -78,14 +74,14 @@ def test_an_explicit_precision_is_never_changed(tmp_path, monkeypatch):
     # in the recipe: bf16-mixed, which an AVX2 machine would not have chosen
     assert read_recipe(tiny_recipe(tmp_path, "bf16-mixed"), []).trainer.precision == "bf16-mixed"
     # on the command line, over a recipe that says auto: no measurement at all
-    assert read_recipe(auto_recipe(tmp_path), ["--trainer.precision=bf16-mixed"]).trainer.precision == "bf16-mixed"
+    assert read_recipe(tiny_recipe(tmp_path, "auto"), ["--trainer.precision=bf16-mixed"]).trainer.precision == "bf16-mixed"
     assert calls == []
 
 
 def test_a_precision_override_in_two_items_is_an_override_too(tmp_path, monkeypatch, capsys):
     """`--trainer.precision 16-mixed` (two argv items, as train.py passes them on) is no different from `=16-mixed`."""
     calls = stub_choice(monkeypatch, BF16_SLOW)
-    recipe = auto_recipe(tmp_path)
+    recipe = tiny_recipe(tmp_path, "auto")
     assert read_recipe(recipe, ["--trainer.precision", "bf16-mixed"]).trainer.precision == "bf16-mixed"
     assert yaml.safe_load(config_arg(recipe, ["--trainer.precision", "16-mixed"]))["trainer"]["precision"] == "16-mixed"
     assert calls == [] and "[precision]" not in capsys.readouterr().out  # nothing measured, no misleading "auto ->" line
@@ -113,7 +109,7 @@ def test_the_last_precision_override_wins_with_auto_among_them(tmp_path, monkeyp
 @pytest.mark.parametrize("overrides", [["--trainer.precision="], ["--trainer.precision", "--model.lr=0.001"]])
 def test_a_precision_override_without_a_value_is_one_line(tmp_path, monkeypatch, overrides):
     stub_choice(monkeypatch, BF16_SLOW)
-    for recipe, kept in ((auto_recipe(tmp_path), "auto"), (tiny_recipe(tmp_path, "bf16-mixed"), "bf16-mixed")):
+    for recipe, kept in ((tiny_recipe(tmp_path, "auto"), "auto"), (tiny_recipe(tmp_path, "bf16-mixed"), "bf16-mixed")):
         with pytest.raises(DDTreeError) as error:
             read_recipe(recipe, overrides)
         line = str(error.value)

@@ -120,7 +120,8 @@ def test_weights_blown_up_by_the_last_update_exit_non_zero_and_export_nothing(tm
     # Resuming the NaN weights of last.ckpt stops before a step, with the same pointer, and config.yaml unchanged
     # (before, the resumed run's first loss was NaN, after config.yaml took this launch's overrides).
     config = (run_dir / "config.yaml").read_text()
-    assert train_main(["--recipe", "tiny", "--resume", "last", "--output-root", str(tmp_path / "out"), "--trainer.max_steps=8"]) == 1
+    resume_last = ["--recipe", "tiny", "--resume", "last", "--output-root", str(tmp_path / "out"), "--trainer.max_steps=8"]
+    assert train_main(resume_last) == 1
     (line,) = error_lines(capsys)
     assert line.startswith(f"error: --resume: {last} holds NaN or inf in ") and "not resumed; " in line
     assert line.endswith(named)
@@ -129,7 +130,8 @@ def test_weights_blown_up_by_the_last_update_exit_non_zero_and_export_nothing(tm
     # from the finite checkpoint the run goes on (the poisoned update was step 4's; it is redone unpoisoned)
     monkeypatch.undo()
     assert train_main(["--resume", str(good), "--output-root", str(tmp_path / "out")]) == 0
-    assert torch.load(last, weights_only=False)["global_step"] == 4 and non_finite_tensors(drafter_from_checkpoint(last)) == 0
+    assert torch.load(last, weights_only=False)["global_step"] == 4
+    assert non_finite_tensors(drafter_from_checkpoint(last)) == 0
 
 
 def test_a_nan_loss_after_a_checkpoint_of_nan_weights_does_not_call_that_checkpoint_good(tmp_path, monkeypatch, capsys):

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from ddtree.bench import iter_json_lines
 from ddtree.errors import DDTreeError
-from ddtree.targets import is_int
+from ddtree.targets import has_hub_id_shape, is_int
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ def load_conversations(source: str | Path) -> list[dict]:
             split = "train" if "train" in loaded else next(iter(loaded))
             loaded = loaded[split]
         records = rows_to_records(loaded, str(path))
-    elif str(source).count("/") == 1 and not str(source).startswith((".", "/")):
+    elif has_hub_id_shape(str(source)):
         from datasets import load_dataset
 
         try:

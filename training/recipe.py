@@ -21,12 +21,15 @@ from jsonargparse import ArgumentError, Namespace
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from ddtree.drafters import read_drafter_config
 from ddtree.errors import DDTreeError, error_line
 from ddtree.precision import AUTO, LIGHTNING_PRECISION, fast_precision
+from ddtree.targets import has_hub_id_shape
 
 from .callbacks import AcceptanceEvaluation, BestCheckpoint, monitor_metric
 from .data import DistillDataModule
 from .module import DistillModule
+from .recipe_data import AUTO_DATA
 from .strategies import check_launch, count_devices
 from .target import dtype_for_precision
 
@@ -204,6 +207,26 @@ def check_values(config: Namespace) -> None:
         raise RecipeSettingError(str(error)) from None
 
 
+def check_input_files(config: Namespace) -> None:
+    """The files a run reads, checked before the target loads: else a missing one is named after the target and the
+    model are built (about 12 s on `tiny`), and only once the data or the first evaluation reads it."""
+    data_path = str(config.data.data_path)
+    generated = data_path == AUTO_DATA or config.data.regenerate  # written on first use (training/recipe_data.py)
+    if not (generated or Path(data_path).exists() or has_hub_id_shape(data_path)):
+        raise RecipeSettingError(f"data.data_path={data_path}: no such file or folder (and not a Hub dataset name "
+                                 "owner/name); give a .jsonl or .parquet file or a saved datasets folder")
+    if config.model.init_from:
+        try:
+            read_drafter_config(Path(config.model.init_from))
+        except DDTreeError as error:
+            raise RecipeSettingError(f"model.init_from: {error}; give a drafter folder (a run's drafter/ or an "
+                                     "export), or null") from None
+    prompts = config.eval.prompts
+    if not Path(prompts).is_file():
+        raise RecipeSettingError(f"eval.prompts={prompts}: no such file; give a JSONL of held-out prompts "
+                                 "(the `ddtree bench --prompts` format)")
+
+
 def check_checkpoint_settings(config: Path) -> None:
     """The eval section sets checkpoint.every_n_train_steps and checkpoint.monitor; a config value would be dropped silently."""
     settings = yaml.safe_load(config.read_text()) or {}
@@ -235,6 +258,7 @@ class DistillCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         # Before anything is built: a recipe sized for other hardware than was launched stops here.
         check_values(self.config)
+        check_input_files(self.config)
         check_accelerator(self.config.trainer.accelerator, self.config.trainer.devices, self.config.model.target)
         check_launch(self.config.trainer.devices, self.config.trainer.num_nodes)
 

@@ -214,10 +214,21 @@ def stopped(run_dir: Path, recipe: str, why: str, status: int, step: int) -> int
     return status
 
 
-def remove_unstarted_run(run_dir: Path, step: int, created: bool) -> None:
-    """A fresh run that failed before its first step leaves no folder behind (it would hold only config.yaml).
+def new_folders(run_dir: Path) -> list[Path]:
+    """The run folder and the folders above it that do not exist yet (this launch makes them), innermost first."""
+    missing = []
+    for folder in (run_dir, *run_dir.parents):
+        if folder.exists():
+            break
+        missing.append(folder)
+    return missing
 
-    A folder that was there before the launch (created False) may hold the user's own files: only what this
+
+def remove_unstarted_run(run_dir: Path, step: int, created: list[Path]) -> None:
+    """A fresh run that failed before its first step leaves no folder behind (it would hold only config.yaml), nor
+    the <output-root>/<recipe>/ folders made for it, unless another run has written there since.
+
+    A folder that was there before the launch (created empty) may hold the user's own files: only what this
     launch wrote first goes, config.yaml (which would refuse a rerun under the same name) and the corpus."""
     if step > 0 or not is_first_process() or not run_dir.is_dir():
         return
@@ -225,6 +236,11 @@ def remove_unstarted_run(run_dir: Path, step: int, created: bool) -> None:
         return
     if created:
         shutil.rmtree(run_dir, ignore_errors=True)
+        for folder in created[1:]:
+            try:
+                folder.rmdir()  # only when empty
+            except OSError:
+                break
     else:
         for name in ("config.yaml", CORPUS_FILE):
             (run_dir / name).unlink(missing_ok=True)
@@ -255,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
             args.recipe = args.recipe or DEFAULT_RECIPE
             config = recipe_path(args.recipe)
             run_dir = Path(args.output_root) / args.recipe / run_name(args.run)
-            created = not run_dir.exists()  # else the failure path removes only what this launch wrote
+            created = new_folders(run_dir)  # none: the failure path removes only what this launch wrote
             if is_first_process() and (run_dir / "config.yaml").exists():
                 raise DDTreeError(f"run folder {run_dir} already holds a run; pick another --run or use --resume")
         cli = build_cli(config, run_dir, overrides)

@@ -24,6 +24,7 @@ import torch
 import toy_data  # tests/training/toy_data.py
 from training.checkpoints import drafter_from_checkpoint, is_checkpoint, newest_finite_checkpoint, non_finite_tensors
 from training.module import DistillModule
+import training.train
 from training.train import main as train_main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -161,14 +162,24 @@ def test_a_moved_run_resumes_into_its_new_folder(tmp_path):
     assert str(moved) in (moved / "config.yaml").read_text()
 
 
+def with_data(args: list[str], data: Path | str) -> list[str]:
+    return [f"--data.data_path={data}" if a.startswith("--data.data_path") else a for a in args]
+
+
+def unreadable_data(tmp_path: Path) -> Path:
+    """A data file that exists, so it passes the launch's early check, and fails as it is read (inside the fit)."""
+    path = tmp_path / "broken.jsonl"
+    path.write_text("this is not json\n")
+    return path
+
+
 @pytest.mark.parametrize("extra", [[], ["--model.corpus=true"]])  # model.corpus reads the data before fit
 def test_a_start_that_fails_on_its_data_leaves_no_run_folder(tmp_path, capsys, extra):
-    args = tiny_args(tmp_path, "bad", max_steps=2) + extra
-    args[args.index(next(a for a in args if a.startswith("--data.data_path")))] = "--data.data_path=no/such/file.jsonl"
+    args = with_data(tiny_args(tmp_path, "bad", max_steps=2), unreadable_data(tmp_path)) + extra
     assert train_main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "no/such/file.jsonl" in err[0], err
-    assert not (tmp_path / "out" / "tiny" / "bad").exists()
+    assert len(err) == 1 and "broken.jsonl" in err[0], err
+    assert not (tmp_path / "out").exists()  # nor the <output-root>/<recipe>/ folders made for it
 
 
 def test_a_failed_start_in_a_folder_that_was_there_keeps_the_folders_own_files(tmp_path, capsys):
@@ -176,10 +187,27 @@ def test_a_failed_start_in_a_folder_that_was_there_keeps_the_folders_own_files(t
     run_dir = tmp_path / "out" / "tiny" / "mine"
     run_dir.mkdir(parents=True)
     (run_dir / "notes.txt").write_text("keep me")
-    args = tiny_args(tmp_path, "mine", max_steps=2) + ["--model.corpus=true"]  # fails inside the fit's try
-    args[args.index(next(a for a in args if a.startswith("--data.data_path")))] = "--data.data_path=no/such/file.jsonl"
+    args = with_data(tiny_args(tmp_path, "mine", max_steps=2), unreadable_data(tmp_path)) + ["--model.corpus=true"]
     assert train_main(args) == 2
     assert (run_dir / "notes.txt").read_text() == "keep me" and not (run_dir / "config.yaml").exists()
+
+
+@pytest.mark.parametrize("field", ["data.data_path", "eval.prompts"])
+def test_a_missing_input_file_is_named_as_the_recipe_is_read(tmp_path, capsys, monkeypatch, field):
+    monkeypatch.setattr(training.train, "prepare_recipe_data", lambda *args: pytest.fail("went on to the data"))
+    args = tiny_args(tmp_path, "missing", max_steps=2) + [f"--{field}={tmp_path / 'no' / 'such.jsonl'}"]
+    assert train_main(args) == 2
+    (line,) = error_lines(capsys)
+    assert f"{field}={tmp_path / 'no' / 'such.jsonl'}: no such file" in line, line
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_warm_start_from_no_drafter_folder_is_named_as_the_recipe_is_read(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(training.train, "prepare_recipe_data", lambda *args: pytest.fail("went on to the data"))
+    (tmp_path / "empty").mkdir()
+    assert train_main(tiny_args(tmp_path, "warm", max_steps=2) + [f"--model.init_from={tmp_path / 'empty'}"]) == 2
+    (line,) = error_lines(capsys)
+    assert f"model.init_from: drafter '{tmp_path / 'empty'}' is not a folder with a config.json" in line, line
 
 
 def error_lines(capsys) -> list[str]:
@@ -203,8 +231,6 @@ def test_a_resume_refused_at_restore_leaves_config_yaml_as_it_was(tmp_path, caps
 
 
 def test_a_resumed_run_keeps_its_own_recipe(tmp_path, capsys, monkeypatch):
-    import training.train
-
     assert train_main(tiny_args(tmp_path, "mine", max_steps=2)) == 0
     run_dir = tmp_path / "out" / "tiny" / "mine"
     # The recipe resolves data.data_path and data.feature_store `auto`: another recipe's would train on other data.

@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import os
 from contextlib import contextmanager
+from unittest import mock
 
 import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
@@ -104,7 +105,11 @@ class CPUDeepSpeed(DrafterDeepSpeed):
     def setup_distributed(self) -> None:
         reset_seed()  # DeepSpeedStrategy.setup_distributed without its device-index check
         self.set_world_ranks()
-        self._init_deepspeed_distributed()
+        # DeepSpeed's CPU backend compiles its shared-memory all-reduce op as it starts, which serves its inference
+        # all-reduce only: training's collectives go through gloo. That build took 100-210 s of a 2-core machine on
+        # every fresh checkout (its cache is keyed by the venv's paths), so it is skipped.
+        with mock.patch("deepspeed.comm.torch.build_shm_op", return_value=None):
+            self._init_deepspeed_distributed()
 
     def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
         import deepspeed

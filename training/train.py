@@ -32,6 +32,7 @@ Bad input (unknown recipe, bad field, bad target) prints one line and exits with
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -59,6 +60,13 @@ from training.strategies import drafter_for_export, is_first_process, launcher_w
 from training.target import dtype_for_precision
 
 DEFAULT_RECIPE = "smollm2-135m"  # the CPU default
+
+
+class DropLightningTips(logging.Filter):
+    """Lightning 2.6 logs an advertisement for its cloud logger at every launch: not ours to print."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("\N{ELECTRIC LIGHT BULB} Tip:")
 
 
 def run_location_args(run_dir: Path) -> list[str]:
@@ -259,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="run folder name, the same on every node (default: a timestamp, or slurm-<job id>)")
     parser.add_argument("--output-root", default="outputs", help="runs go to <output-root>/<recipe>/<run>/")
     args, overrides = parser.parse_known_args(argv)
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(DropLightningTips())
     if args.recipe is not None:
         check_recipe_name(args.recipe)
     try:

@@ -7,6 +7,7 @@ command resumes the run to its end.
 
 from __future__ import annotations
 
+import logging
 import os
 import math
 import re
@@ -147,8 +148,12 @@ def test_a_nan_loss_after_a_checkpoint_of_nan_weights_does_not_call_that_checkpo
     assert is_checkpoint(run_dir / "checkpoints" / "last.ckpt")
 
 
-def test_a_moved_run_resumes_into_its_new_folder(tmp_path):
+def test_a_moved_run_resumes_into_its_new_folder(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="lightning.pytorch")
     assert train_main(tiny_args(tmp_path, "first", max_steps=2)) == 0
+    logged = [record.getMessage() for record in caplog.records]
+    assert any("GPU available" in line for line in logged)  # Lightning's own lines are there,
+    assert not any("Tip:" in line for line in logged)  # but not its advertisement
     original = tmp_path / "out" / "tiny" / "first"
     moved_root = tmp_path / "elsewhere"
     shutil.copytree(original, moved_root / "tiny" / "first", symlinks=True)

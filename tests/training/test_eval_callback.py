@@ -40,6 +40,7 @@ from training.checkpoints import drafter_from_checkpoint
 from training.data import TokenizedConversations
 from training.export import export_drafter, run_corpus
 from training.module import DistillModule, NonFiniteError
+from training.recipe import recipe_path
 from training.train import main as train_main
 
 PROMPTS = "data/eval_prompts.jsonl"
@@ -875,8 +876,9 @@ def test_bad_settings_are_one_line_errors(tmp_path, capsys):
               f"--data.cache_dir={tmp_path / 'cache'}", "--trainer.max_steps=1"]
     assert train_main([*common, "--run", "a", "--eval.prompts=no/such.jsonl"]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]  # (not warnings)
-    assert errors == ["error: eval.prompts=no/such.jsonl: no such file; give a JSONL of held-out prompts"]
-    assert not list((tmp_path / "out" / "tiny" / "a").glob("checkpoints/*"))  # stopped before any training
+    assert errors == [f"error: {recipe_path('tiny')}: eval.prompts=no/such.jsonl: no such file; give a JSONL of "
+                      "held-out prompts (the `ddtree bench --prompts` format)"]
+    assert not (tmp_path / "out").exists()  # stopped as the recipe was read, before any run folder
 
     with pytest.raises(DDTreeError, match=r"model.seed=1 and data.seed=0 differ"):
         training.train.build_cli(Path("recipes") / "tiny.yaml", tmp_path / "run", ["--model.seed=1"])

@@ -15,11 +15,12 @@ import json
 import math
 import os
 import shutil
+import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from .errors import DDTreeError
+from .errors import DDTreeError, error_line
 
 
 def current_umask() -> int:
@@ -108,7 +109,9 @@ def staged_folder(destination: str | Path, replace: bool = True):
     """Yield a temporary folder beside `destination`; on success rename it into place.
 
     An interruption or an error leaves `destination` as it was and removes the partial folder,
-    so nothing half-written is ever visible under the final name.
+    so nothing half-written is ever visible under the final name. A folder being replaced is renamed aside first
+    and deleted only once the new one is in place: a delete that fails (a file it may not remove, a file a server
+    still holds open on NFS) leaves the new folder whole and the old one named in a warning.
     """
     destination = Path(destination)
     # Checked before the work: replacing means rmtree, which a file or a link cannot take.
@@ -120,25 +123,39 @@ def staged_folder(destination: str | Path, replace: bool = True):
         staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}-", dir=destination.parent))
     try:
         yield staging
-        if destination.exists():
-            if not replace:
-                raise DDTreeError(f"{destination} already exists; refusing to overwrite it")
-            shutil.rmtree(destination)
+        if destination.exists() and not replace:
+            raise DDTreeError(f"{destination} already exists; refusing to overwrite it")
         follow_umask(staging, recursive=True)
-        staging.rename(destination)
+        displaced = None
+        if destination.exists():
+            displaced = destination.with_name(f".{destination.name}.replaced-{os.getpid()}")
+            shutil.rmtree(displaced, ignore_errors=True)  # this process's own, left by an earlier failed delete
+            destination.rename(displaced)
+        try:
+            staging.rename(destination)
+        except BaseException:
+            if displaced is not None:
+                displaced.rename(destination)  # the old folder back under its name
+            raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    if displaced is not None:
+        try:
+            shutil.rmtree(displaced)
+        except OSError as error:
+            print(f"warning: {destination} was written; the folder it replaced, moved to {displaced}, could not be "
+                  f"deleted ({error_line(error)}): delete it by hand", file=sys.stderr)
 
 
-def check_output_folder(out: Path, overwrite: bool, keep: Path | None = None, name: str = "OUT") -> None:
+def check_output_folder(out: Path, overwrite: bool, keep: tuple[Path, ...] = (), name: str = "OUT") -> None:
     """Refuse an export destination whose replacement would lose what nobody asked to lose: a non-empty folder
-    without `overwrite`, and never, even with it, the working folder, the folder `keep` (the run exported from),
-    one that holds either, or one that holds training checkpoints (a run's checkpoints/ folder)."""
+    without `overwrite`, and never, even with it, the working folder, the paths `keep` (the run and the checkpoint
+    exported from), one that holds any of them, or one that holds training checkpoints (a run's checkpoints/)."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise DDTreeError(f"{name}={out} is a file; give a folder to write the export into")
-    for place, what in ((Path.cwd(), "the working folder"), (keep, f"the export's source {keep}")):
-        if place is not None and place.resolve().is_relative_to(out.resolve()):
+    for place, what in ((Path.cwd(), "the working folder"), *((path, f"the export's source {path}") for path in keep)):
+        if place.resolve().is_relative_to(out.resolve()):
             raise DDTreeError(f"{name}={out} is or holds {what}, which replacing it would delete; "
                               "give a new folder for the export")
     if out.is_dir() and any(out.iterdir()) and not overwrite:

@@ -196,6 +196,15 @@ class Checkpoint:
     callbacks: dict  # each callback's saved state, e.g. AcceptanceEvaluation's history of measurements
 
 
+def recorded_evaluation(checkpoint: Checkpoint) -> dict | None:
+    """The training-time evaluation the checkpoint itself recorded at its step (AcceptanceEvaluation's history row:
+    step, summary, seconds, ...), or None."""
+    for key, state in checkpoint.callbacks.items():
+        if "AcceptanceEvaluation" in str(key):
+            return next((row for row in state.get("history", []) if row.get("step") == checkpoint.step), None)
+    return None
+
+
 def drafter_from_weights(drafter_config: dict, hyper_parameters: dict, weights: dict[str, torch.Tensor]) -> DFlashDraftModel:
     """The drafter as exported (LoRA adapters merged) from its config and its weights.
 
@@ -220,8 +229,9 @@ def consolidate_deepspeed(folder: Path) -> dict:
     with tempfile.TemporaryDirectory(prefix="ddtree-consolidate-") as workdir, contextlib.redirect_stdout(io.StringIO()):
         try:
             return convert_zero_checkpoint_to_fp32_state_dict(folder, Path(workdir) / "consolidated.ckpt")
-        except (OSError, ValueError, KeyError, IndexError, RuntimeError) as error:
-            raise DDTreeError(f"CKPT {folder}: could not consolidate the DeepSpeed checkpoint ({error_line(error)})") from None
+        except Exception as error:  # noqa: BLE001 - an empty shard is an EOFError, a garbled one an UnpicklingError, ...
+            raise DDTreeError(f"CKPT {folder}: could not consolidate the DeepSpeed checkpoint "
+                              f"({type(error).__name__}: {error_line(error)})") from None
 
 
 def load_checkpoint(path: Path) -> Checkpoint:

@@ -32,7 +32,7 @@ from ddtree.files import check_output_file, write_json_atomic
 from ddtree.targets import stop_token_ids
 
 from .callbacks import AcceptanceEvaluation, metrics_of
-from .checkpoints import find_checkpoint, load_checkpoint, run_folder_of
+from .checkpoints import Checkpoint, find_checkpoint, load_checkpoint, recorded_evaluation, run_folder_of
 from .export import run_corpus
 from .recipe import check_recipe_name, recipe_path
 from .target import dtype_for_precision, load_frozen_target
@@ -48,14 +48,10 @@ def read_config(checkpoint: Path, recipe: str) -> tuple[dict, Path]:
         raise DDTreeError(f"{source}: not valid YAML ({str(error).splitlines()[0]})") from None
 
 
-def logged_metrics(callbacks: dict, step: int) -> dict | None:
-    """What the training-time evaluation logged at `step`, from a checkpoint's saved callback states."""
-    for key, state in callbacks.items():
-        if "AcceptanceEvaluation" in str(key):
-            for record in state.get("history", []):
-                if record["step"] == step:
-                    return metrics_of(record["summary"], record["seconds"])
-    return None
+def logged_metrics(checkpoint: Checkpoint) -> dict | None:
+    """What the training-time evaluation logged at the checkpoint's step, from its saved callback states."""
+    record = recorded_evaluation(checkpoint)
+    return metrics_of(record["summary"], record["seconds"]) if record is not None else None
 
 
 @command
@@ -106,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     result = evaluation.measure(target, drafter, prompts, stop_token_ids(target, tokenizer))
 
     step = checkpoint.step
-    logged = logged_metrics(checkpoint.callbacks, step) if comparable else None
+    logged = logged_metrics(checkpoint) if comparable else None
     print(
         f"[eval] {path} (step {step}, settings from {source}): {len(prompts)} prompts of {evaluation.prompts_path}, "
         f"up to {evaluation.max_new_tokens} new tokens, T=0, target {hp['target']} in {str(dtype).split('.')[-1]}"

@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     checkpoint = Path(args.checkpoint)
     run_dir = run_folder_of(checkpoint)  # checkpoints/x.ckpt or a SLURM requeue's hpc_ckpt_N.ckpt
-    check_output_folder(Path(args.out_dir), args.overwrite, keep=run_dir or checkpoint, name="out_dir")
+    check_output_folder(Path(args.out_dir), args.overwrite, keep=(run_dir or checkpoint,), name="out_dir")
     corpus = run_corpus(run_dir) if run_dir is not None else None
     out = export_drafter(checkpoint, args.out_dir, corpus)
     print(f"drafter written to {out}" + (f", with the run's {corpus.name}" if corpus else ""))

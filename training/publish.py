@@ -50,11 +50,11 @@ from transformers.utils import HF_MODULES_CACHE
 
 from ddtree.corpus import CORPUS_FILE
 from ddtree.errors import DDTreeError, command, error_line
-from ddtree.files import check_output_folder, staged_folder
+from ddtree.files import check_output_folder, finite_json, staged_folder
 from ddtree.modeling_dflash import DFlashDraftModel
 from ddtree.targets import DTYPES, parse_dtype
 
-from .checkpoints import find_run_checkpoint, load_checkpoint
+from .checkpoints import Checkpoint, find_run_checkpoint, load_checkpoint, recorded_evaluation, run_folder_of
 from .engines import Export, engine_problems, refusal, serve_commands, target_facts, weight_shapes
 from .export import run_corpus
 from .hub import check_card_fields, check_export_folder, check_repo_id, preflight_hub, push
@@ -78,6 +78,12 @@ def check_loads_back(folder: Path, drafter: DFlashDraftModel) -> None:
         raise DDTreeError("the export loads with AutoModel but its weights differ from the checkpoint's")
 
 
+def same_measurement(checkpoint: Checkpoint, evaluation: dict) -> bool:
+    """Whether the checkpoint's own training-time record of its step holds the acceptance `evaluation` reports."""
+    recorded = recorded_evaluation(checkpoint)
+    return recorded is not None and json.loads(json.dumps(finite_json(recorded["summary"]))) == evaluation["summary"]
+
+
 def export_folder(
     run_dir: Path, ckpt: str, out: Path, *, speculators: bool = False, base_model: str | None = None,
     license_id: str = "apache-2.0", dtype: str = "float32", repo: str | None = None,
@@ -91,6 +97,16 @@ def export_folder(
     target = drafter.config.target_name_or_path or checkpoint.hyper_parameters.get("target")
     base_model = target_hub_id(target, base_model)
     evaluation = read_evaluation(run_dir, checkpoint.step, path.stem)
+    if evaluation is not None and run_folder_of(path) is None and not same_measurement(checkpoint, evaluation):
+        # A checkpoint kept outside any run: RUN's record of the same step is another drafter's unless the checkpoint
+        # recorded that very measurement itself.
+        print(f"[export] note: {path} is outside RUN={run_dir} and did not record RUN's evaluation of step "
+              f"{checkpoint.step}: the card carries no measurement", file=sys.stderr)
+        evaluation = None
+    corpus = run_corpus(run_dir)
+    if checkpoint.hyper_parameters.get("corpus") and corpus is None:  # its tau was measured grafting from it
+        raise DDTreeError(f"{path} was trained with model.corpus, but {run_dir / CORPUS_FILE} is missing: the export "
+                          "would decode differently from what its card reports; put the run's corpus back")
 
     with staged_folder(out) as staging:
         drafter.save_pretrained(staging)  # model.safetensors + config.json
@@ -99,7 +115,6 @@ def export_folder(
         (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         for name in REMOTE_CODE:
             shutil.copyfile(LIBRARY_DIR / name, staging / name)
-        corpus = run_corpus(run_dir)
         if corpus is not None:  # model.corpus: `ddtree` grafts from it by default
             shutil.copyfile(corpus, staging / CORPUS_FILE)
         served_target = target_facts(target, config)
@@ -177,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     if not (run_dir / "config.yaml").is_file() and not (run_dir / "checkpoints").is_dir():
         raise DDTreeError(f"RUN={run_dir} is not a training run (no config.yaml, no checkpoints/); "
                           "give the folder `make train` wrote, outputs/<recipe>/<run>")
-    check_output_folder(out, args.overwrite, keep=run_dir)
+    checkpoint, _ = find_run_checkpoint(run_dir, args.ckpt)  # any checkpoint, a copy kept outside the run too
+    check_output_folder(out, args.overwrite, keep=(run_dir, checkpoint))
     check_card_fields(args.base_model, args.license)
     if args.push and not args.repo:
         raise DDTreeError("--push needs --repo user/name (REPO=user/name)")

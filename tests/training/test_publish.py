@@ -34,6 +34,7 @@ from ddtree.cli import load_drafter
 from ddtree.cli import main as ddtree_main
 from ddtree.configuration_dflash import DFlashDrafterConfig
 from ddtree.corpus import CORPUS_FILE
+from ddtree.files import staged_folder
 from ddtree.modeling_dflash import DFlashDraftModel, fuse_target_features
 from ddtree.targets import DDTreeError
 from training.checkpoints import drafter_from_checkpoint
@@ -214,6 +215,7 @@ def test_drafters_saved_before_model_type_qwen3_still_load_and_export(run_dir, t
     checkpoint["drafter_config"]["model_type"] = "dflash_drafter"
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
     torch.save(checkpoint, tmp_path / "run" / "checkpoints" / "last.ckpt")
+    shutil.copyfile(run_dir / CORPUS_FILE, tmp_path / "run" / CORPUS_FILE)  # a model.corpus run's, as it was evaluated
     assert export(tmp_path / "run", tmp_path / "export", "--ckpt", "last") == 0
     assert json.loads((tmp_path / "export" / "config.json").read_text())["model_type"] == "qwen3"
 
@@ -377,6 +379,79 @@ def test_a_non_empty_output_folder_is_refused_unless_overwrite(run_dir, tmp_path
     assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
     assert export(run_dir, out, "--ckpt", "last", "--overwrite") == 0
     assert not (out / "keep.txt").exists() and (out / "model.safetensors").exists()
+
+
+def test_a_replaced_folder_whose_delete_fails_leaves_the_new_one_whole(tmp_path, monkeypatch, capsys):
+    """The old folder is renamed aside before the new one takes its name, and deleted last: a delete that fails
+    (a file it may not remove, one held open on NFS) took the old export half away and lost the new one before."""
+    out = tmp_path / "export"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    rmtree = shutil.rmtree
+
+    def refusing(path, *args, **kwargs):
+        if ".replaced-" in Path(path).name and not kwargs.get("ignore_errors"):
+            raise PermissionError(1, "Operation not permitted", str(Path(path) / "held"))
+        return rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", refusing)
+    with staged_folder(out) as staging:
+        (staging / "new.txt").write_text("new")
+    assert sorted(p.name for p in out.iterdir()) == ["new.txt"]
+    (displaced,) = tmp_path.glob(".export.replaced-*")
+    assert (displaced / "old.txt").read_text() == "old"
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"warning: {out} was written; the folder it replaced, moved to {displaced}, could not be "
+                           "deleted (") and line.endswith("): delete it by hand")
+
+
+def test_an_output_folder_holding_the_checkpoint_is_refused_even_with_overwrite(run_dir, tmp_path, capsys):
+    out = tmp_path / "export"
+    out.mkdir()
+    source = out / "source.pt"  # not named .ckpt, so only knowing the checkpoint can keep it
+    shutil.copyfile(run_dir / "checkpoints" / "last.ckpt", source)
+    assert export(run_dir, out, "--ckpt", str(source), "--overwrite") == 2
+    assert f"is or holds the export's source {source}" in one_error_line(capsys) and source.is_file()
+
+
+def test_a_loose_checkpoint_carries_runs_measurement_only_if_it_recorded_it(run_dir, tmp_path, capsys):
+    """A copy of RUN's checkpoint kept elsewhere recorded RUN's evaluation of its step; a checkpoint of the same step
+    that recorded another one (another run's) gets a card without a measurement, not RUN's numbers."""
+    copy = tmp_path / "kept.ckpt"
+    shutil.copyfile(run_dir / "checkpoints" / "last.ckpt", copy)
+    assert export(run_dir, tmp_path / "copy", "--ckpt", str(copy)) == 0
+    assert "no measurement" not in capsys.readouterr().err
+    assert "no acceptance is reported" not in (tmp_path / "copy" / "README.md").read_text()
+
+    saved = torch.load(copy, map_location="cpu", weights_only=False)
+    (key,) = [key for key in saved["callbacks"] if "AcceptanceEvaluation" in key]
+    for row in saved["callbacks"][key]["history"]:
+        for stats in row["summary"].values():
+            stats["tau"] += 0.5
+    other = tmp_path / "other-run.ckpt"
+    torch.save(saved, other)
+    assert export(run_dir, tmp_path / "other", "--ckpt", str(other)) == 0
+    assert (f"[export] note: {other} is outside RUN={run_dir} and did not record RUN's evaluation of step 2: the card "
+            "carries no measurement") in capsys.readouterr().err
+    assert "no acceptance is reported" in (tmp_path / "other" / "README.md").read_text()
+
+
+def test_a_corpus_run_without_its_corpus_is_refused(run_dir, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run, symlinks=True)
+    (run / CORPUS_FILE).unlink()
+    assert export(run, tmp_path / "out", "--ckpt", "last") == 2
+    assert f"was trained with model.corpus, but {run / CORPUS_FILE} is missing" in one_error_line(capsys)
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_empty_deepspeed_shard_is_one_line(run_dir, tmp_path, capsys):
+    folder = tmp_path / "ds"
+    (folder / "tag").mkdir(parents=True)
+    (folder / "latest").write_text("tag")
+    (folder / "tag" / "mp_rank_00_model_states.pt").write_bytes(b"")
+    assert export(run_dir, tmp_path / "out", "--ckpt", str(folder)) == 2
+    assert "could not consolidate the DeepSpeed checkpoint (EOFError" in one_error_line(capsys)
 
 
 def test_a_checkpoint_that_is_not_a_drafter_of_this_project_is_refused(run_dir, tmp_path, capsys):

@@ -29,6 +29,7 @@ from ddtree.cli import parse_device
 from ddtree.corpus import CORPUS_FILE, CorpusLookup
 from ddtree.errors import DDTreeError, command
 from ddtree.files import check_output_file, write_json_atomic
+from ddtree.precision import AUTO, fast_precision
 from ddtree.targets import stop_token_ids
 
 from .callbacks import AcceptanceEvaluation, metrics_of
@@ -84,8 +85,15 @@ def main(argv: list[str] | None = None) -> int:
     hp = checkpoint.hyper_parameters
     if "target" not in hp:
         raise DDTreeError(f"CKPT {path} names no target: it was not written by training.module.DistillModule")
-    # The dtype DistillModule.configure_model picked under that trainer precision.
-    dtype = dtype_for_precision((config.get("trainer") or {}).get("precision"), hp.get("target_dtype", "auto"))
+    # The dtype DistillModule.configure_model picked under that trainer precision. A run's config.yaml holds the
+    # precision its launch resolved; a checkpoint outside a run reads the recipe, whose `auto` is resolved as training
+    # resolves it (else it would always mean fp32).
+    precision = (config.get("trainer") or {}).get("precision")
+    if precision == AUTO:
+        choice = fast_precision(args.device)
+        precision = choice.lightning
+        print(f"[precision] trainer.precision auto -> {precision} ({choice.reason})", flush=True)
+    dtype = dtype_for_precision(precision, hp.get("target_dtype", "auto"))
     target, tokenizer = load_frozen_target(hp["target"], dtype, hp.get("target_adapter"), device=args.device)
     drafter = checkpoint.drafter.to(args.device)
     prompts = evaluation.load_prompts(tokenizer)

@@ -262,11 +262,22 @@ def test_make_eval_refuses_an_out_it_could_not_write_before_evaluating(saved, tm
     assert (tmp_path / "afile").read_text() == "mine"
 
 
-def test_make_eval_of_a_loose_checkpoint_writes_beside_it(saved, tmp_path, capsys):
+def test_make_eval_of_a_loose_checkpoint_writes_beside_it(saved, tmp_path, capsys, monkeypatch):
+    """With no run's config.yaml it reads the recipe, whose precision `auto` is resolved as training resolves it
+    (stubbed to bf16 here, which the AVX2 CPU would not pick): it was read as fp32 on every machine before."""
+    from ddtree.precision import Choice
+
     path, _ = saved
     loose = tmp_path / "loose" / "x.ckpt"
     loose.parent.mkdir()
-    loose.write_bytes(path.read_bytes())
+    saved_dict = torch.load(path, map_location="cpu", weights_only=False)
+    saved_dict["hyper_parameters"]["target_dtype"] = "auto"  # the recipes' own: the target runs in the precision
+    torch.save(saved_dict, loose)
+    stub = lambda device: Choice(torch.bfloat16, "stubbed")  # noqa: E731
+    monkeypatch.setattr(training.evaluate, "fast_precision", stub, raising=False)
     assert training.evaluate.main(["--recipe", "tiny", "--ckpt", str(loose), "--limit", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "[precision] trainer.precision auto -> bf16-mixed (stubbed)" in printed
+    assert "target tiny-random in bfloat16" in printed
     assert (tmp_path / "loose" / "eval" / "checkpoint-x.json").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["loose"]  # nothing above the checkpoint's folder

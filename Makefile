@@ -20,10 +20,10 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 
-# make data [RECIPE=smollm2-135m]: the recipe's target writes its training replies into the recipe's
+# make data [RECIPE=smollm2-135m] [ARGS="--overwrite ..."]: the recipe's target writes its training replies into the recipe's
 # data.data_path (data/regenerate.py; resumable: chunks already written are skipped).
 data: $(STAMP)
-	$(PY) data/regenerate.py --recipe recipes/$(RECIPE).yaml
+	$(PY) data/regenerate.py --recipe recipes/$(RECIPE).yaml $(ARGS)
 
 # make features [RECIPE=smollm2-135m] [OUT=dir] [FORCE=1]: the frozen target's layer features of the recipe's
 # data, written once (bf16, sharded; size printed first; resumable) for `--data.feature_store <dir>`

@@ -20,7 +20,10 @@ How the work is laid out, so it survives interruption:
   - each finished chunk is written to <out>.parts/chunk-<k>.jsonl (temp file + rename), and a rerun
     skips chunks that exist, so an interrupted job resumes where it stopped;
   - <out>.parts/settings.json records everything that changes the responses; a rerun with
-    different settings is refused instead of mixing two kinds of data;
+    different settings is refused instead of mixing two kinds of data (until its first chunk is written: a
+    job stopped by bad input takes the corrected settings);
+  - a dataset already merged at <out> with other settings (another target, other prompts) is replaced
+    only with --overwrite, and then only once the new one is complete;
   - a dataset already merged at <out> with the same settings (its regeneration.json) gives back its
     chunks, so a larger --limit on a fresh clone only generates the prompts the shipped data lacks;
   - once every chunk exists, the chunks are concatenated in prompt order into a `datasets` dataset
@@ -199,12 +202,29 @@ def chunk_path(parts: Path, index: int) -> Path:
     return parts / f"chunk-{index:05d}.jsonl"
 
 
+def changed_settings(old: dict, settings: dict) -> list[str]:
+    return [f"{k}: {old.get(k)!r} -> {v!r}" for k, v in settings.items() if old.get(k) != v]
+
+
+def check_replaces_only_its_own(out: Path, settings: dict, overwrite: bool) -> None:
+    """A finished dataset at `out` made with other settings (another target, other prompts, ...) is replaced only
+    when asked: the merge would put this job's replies in its place."""
+    summary = out / "regeneration.json"
+    changed = changed_settings(json.loads(summary.read_text()), settings) if summary.is_file() else []
+    if changed and not overwrite:
+        raise DDTreeError(f"--out {out} holds a dataset made with other settings ({'; '.join(changed)}): give another "
+                          "--out, or pass --overwrite to replace it once the new one is complete; nothing was written")
+
+
 def check_settings(parts: Path, settings: dict) -> None:
-    """Record the settings on first use; refuse to continue a job made with different ones."""
+    """Record the settings on first use; refuse to continue a job made with different ones.
+
+    Until a chunk is written there is nothing to mix with: a job that stopped on bad input before its first chunk
+    takes the corrected settings."""
     path = parts / "settings.json"
-    if path.exists():
+    if path.exists() and any(parts.glob("chunk-*.jsonl")):
         old = json.loads(path.read_text())
-        changed = [f"{k}: {old.get(k)!r} -> {v!r}" for k, v in settings.items() if old.get(k) != v]
+        changed = changed_settings(old, settings)
         if changed:
             raise DDTreeError(
                 f"{parts} holds chunks made with other settings ({'; '.join(changed)}); "
@@ -317,6 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=["auto", "transformers", "vllm"], default="auto")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (the machine is shared)")
     p.add_argument("--merge-only", action="store_true", help="only build <out> from finished chunks")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a dataset at --out made with other settings (target, prompts, ...)")
     return p
 
 
@@ -400,6 +422,7 @@ def run(args: argparse.Namespace) -> dict | None:
         "dtype": args.dtype,
         "chunk_size": args.chunk_size,
     }
+    check_replaces_only_its_own(out, settings, args.overwrite)
     parts = Path(f"{args.out}.parts")
     parts.mkdir(parents=True, exist_ok=True)
     check_settings(parts, settings)

@@ -168,11 +168,26 @@ def test_a_larger_limit_on_a_fresh_clone_reuses_the_merged_answers(tmp_path, mon
     assert len(generated) == 1 and summary["num_conversations"] == 5
     assert load_from_disk(str(tmp_path / "out")).to_list()[:4] == shipped
 
-    # Other settings: nothing is reused (the work folder refuses them too, so start a new one).
+    # Other settings: refused over the dataset unless --overwrite, and then nothing is reused (the work folder
+    # refuses them too, so start a new one).
     shutil.rmtree(tmp_path / "out.parts")
+    with pytest.raises(DDTreeError, match=r"holds a dataset made with other settings \(max_new_tokens: 6 -> 5\)"):
+        regenerate.run(args_for(tmp_path, "--max-new-tokens", "5"))
+    assert load_from_disk(str(tmp_path / "out")).to_list()[:4] == shipped and not (tmp_path / "out.parts").exists()
     generated.clear()
-    regenerate.run(args_for(tmp_path, "--max-new-tokens", "5"))
+    regenerate.run(args_for(tmp_path, "--max-new-tokens", "5", "--overwrite"))
     assert len(generated) == 5
+    assert json.loads((tmp_path / "out" / "regeneration.json").read_text())["max_new_tokens"] == 5
+
+
+def test_a_job_stopped_before_its_first_chunk_takes_corrected_settings(tmp_path):
+    """Bad input (a target that does not exist, say) stops after settings.json and before any chunk: the rerun with
+    the right value was refused as 'other settings' though nothing was there to mix with."""
+    prompt_file(tmp_path / "prompts.jsonl", 2)
+    with pytest.raises(DDTreeError):
+        regenerate.run(args_for(tmp_path, "--target", str(tmp_path / "no-such-target")))
+    assert (tmp_path / "out.parts" / "settings.json").is_file() and not list((tmp_path / "out.parts").glob("chunk-*"))
+    assert regenerate.run(args_for(tmp_path))["num_conversations"] == 2
 
 
 def test_work_files_follow_the_umask(tmp_path):

@@ -44,8 +44,8 @@ else
 endif
 
 # make ablate [RECIPE=smollm2-135m] ARGS="--steps 800 [--variant name=overrides ...]"
-# Trains variants of a recipe on one budget (default: the five training objectives and the two distillation
-# losses), measures each with the same tree-decoding evaluation, and writes a table and a plot (training/ablate.py).
+# Trains variants of a recipe on one budget (default: the five training objectives, the two distillation
+# losses and three mixes), measures each with the same tree-decoding evaluation, and writes a table and a plot (training/ablate.py).
 ablate: $(STAMP)
 	$(PY) -m training.ablate --recipe $(RECIPE) $(ARGS)
 

@@ -152,8 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Train variants of a recipe on one budget and compare them.")
     parser.add_argument("--recipe", default="smollm2-135m")
     parser.add_argument("--variant", action="append", default=None,
-                        help="name=overrides (repeatable); default: the five training objectives and the two "
-                        "distillation losses")
+                        help="name=overrides (repeatable); default: the five training objectives, the two "
+                        "distillation losses and three mixes (10 variants)")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per variant (the schedule's length)")
     parser.add_argument("--minutes", type=float, default=None, help="wall-time budget per variant (trainer.max_time)")
     parser.add_argument("--eval-limit", type=int, default=None, help="held-out prompts in the final evaluation")
@@ -170,16 +170,12 @@ def main(argv: list[str] | None = None) -> int:
     variants = [parse_variant(v) for v in (args.variant or DEFAULT_VARIANTS)]
     if len({name for name, _ in variants}) != len(variants):
         raise DDTreeError(f"--variant names must differ: {[name for name, _ in variants]}")
-    for name, overrides in variants:  # every variant's overrides read before any trains: a typo in the last one
-        try:                           # would otherwise stop the comparison after the others had trained
-            read_recipe(recipe_path(args.recipe), overrides)
-        except DDTreeError as error:
-            raise DDTreeError(f"--variant {name}: {error}") from None
     budget = []
     if args.steps is not None:
-        # every evaluation, checkpoint and validation at the end only: the budget goes to training
+        # every evaluation, checkpoint and validation at the end only: the budget goes to training. A step count as
+        # val_check_interval needs check_val_every_n_epoch null, else Lightning refuses one past the first epoch.
         budget += [f"--trainer.max_steps={args.steps}", f"--eval.every_n_train_steps={args.steps}",
-                   f"--trainer.val_check_interval={args.steps}"]
+                   f"--trainer.val_check_interval={args.steps}", "--trainer.check_val_every_n_epoch=null"]
     if args.minutes is not None:
         seconds = round(args.minutes * 60)
         budget.append(f"--trainer.max_time=00:{seconds // 3600:02d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}")
@@ -187,6 +183,12 @@ def main(argv: list[str] | None = None) -> int:
         budget.append(f"--eval.limit={args.eval_limit}")
     if args.eval_max_new_tokens is not None:
         budget.append(f"--eval.max_new_tokens={args.eval_max_new_tokens}")
+
+    for name, overrides in variants:  # every variant's overrides read before any trains: a typo in the last one
+        try:                           # would otherwise stop the comparison after the others had trained
+            read_recipe(recipe_path(args.recipe), [*budget, *common, *overrides])
+        except DDTreeError as error:
+            raise DDTreeError(f"--variant {name}: {error}") from None
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
     root = Path(args.output_root) / args.recipe

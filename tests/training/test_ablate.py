@@ -13,7 +13,7 @@ from training.ablate import main, markdown_table, parse_variant, plot
 def test_two_variants_of_the_tiny_recipe_are_trained_measured_and_compared(tmp_path, capsys):
     data = toy_data.write_conversations(tmp_path / "conversations.jsonl", 24, 30, 60)
     status = main([
-        "--recipe", "tiny", "--steps", "3", "--eval-limit", "1", "--eval-max-new-tokens", "4",
+        "--recipe", "tiny", "--steps", "12", "--eval-limit", "1", "--eval-max-new-tokens", "4",  # 12: past one epoch
         "--output-root", str(tmp_path / "out"), "--variant", "plain=", "--variant",
         "frontier=--model.objective=frontier --model.redraft_prob=0.5",
         f"--data.data_path={data}", f"--data.cache_dir={tmp_path / 'cache'}", "--data.batch_size=2",
@@ -26,7 +26,7 @@ def test_two_variants_of_the_tiny_recipe_are_trained_measured_and_compared(tmp_p
     results = json.loads(next((tmp_path / "out" / "tiny").glob("ablate-*.json")).read_text())
     assert [r["variant"] for r in results] == ["plain", "frontier"]
     for r in results:
-        assert r["step"] == 3 and r["val_loss"] is not None and len(r["recall"]) == 7  # block 8: depths 1..7
+        assert r["step"] == 12 and r["val_loss"] is not None and len(r["recall"]) == 7  # block 8: depths 1..7
         assert set(r["tau"]) == {"4", "8", "16"} and all(tau >= 1 for tau in r["tau"].values())
     runs = {p.name.rsplit("-", 1)[1]: p for p in (tmp_path / "out" / "tiny").iterdir() if p.is_dir()}
     configs = {name: (run / "config.yaml").read_text() for name, run in runs.items()}

@@ -21,8 +21,8 @@ from ddtree.errors import command
 from ddtree.targets import DTYPES, parse_dtype
 
 from .data import DistillDataModule
-from .feature_store import (build_feature_store, default_store_path, drafter_layer_ids, resolve_store_path, store_seconds,
-                            store_teacher)
+from .feature_store import (AUTO_STORE, build_feature_store, default_store_path, drafter_layer_ids, resolve_store_path,
+                            store_seconds, store_teacher)
 from .recipe import check_recipe_name, read_recipe, recipe_path
 from .recipe_data import prepare_recipe_data
 from .target import dtype_for_precision
@@ -48,8 +48,17 @@ def main(argv: list[str] | None = None) -> int:
     prepare_recipe_data(datamodule, args.recipe)
     # distillation reads the target's final hidden states, or its top k, too
     final_hidden, teacher_top_k = store_teacher(config.model.distill_weight, config.model.distill_top_k)
+    own = default_store_path(args.recipe, datamodule, final_hidden, teacher_top_k)
     out = Path(args.out or resolve_store_path(config.data.feature_store, args.recipe, datamodule, final_hidden, teacher_top_k)
-               or default_store_path(args.recipe, datamodule, final_hidden, teacher_top_k))
+               or own)
+    if args.out is None and config.data.feature_store == AUTO_STORE and out != own:
+        # A richer store of the recipe (final hidden states, a teacher) that training reads for this build too: it is
+        # never the place to build this one, which --force would have replaced it with.
+        if not args.force:
+            print(f"[features] {out} already holds these features (and more), and training reads it: nothing to do; "
+                  f"--force builds this store on its own at {own}", flush=True)
+            return 0
+        out = own
     print(f"[features] recipe {args.recipe} -> {out}", flush=True)
     build_feature_store(
         datamodule, out, layer_ids=drafter_layer_ids(config.model.target_layer_ids, config.model.init_from),

@@ -618,6 +618,14 @@ def test_auto_store_is_the_recipes_cache_folder_built_on_first_use(tmp_path, mon
     shutil.rmtree(expected)
     assert train_main([*args, "--run", "three"]) == 0
     assert not expected.exists()
+    # `make features` for that run has nothing to do; with --force it builds the smaller store on its own, and the
+    # store with final hidden states stays (--force replaced it with the smaller one before).
+    features = ["--recipe", "tiny", f"--data.data_path={data}", f"--data.cache_dir={tmp_path / 'cache'}",
+                "--data.feature_store=auto"]
+    assert main(features) == 0 and not expected.exists()
+    assert main([*features, "--force"]) == 0
+    assert not FeatureStore(expected).final_hidden
+    assert FeatureStore(expected.with_name(expected.name + "-final")).final_hidden
     with pytest.raises(DDTreeError, match="auto"):  # outside training.train there is no recipe to resolve it with
         DistillDataModule(target="tiny-random", data_path=str(data), feature_store="auto").setup()
 

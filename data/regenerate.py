@@ -357,11 +357,27 @@ def recipe_defaults(recipe_file: Path) -> dict[str, str]:
 
     if not recipe_file.is_file():
         raise DDTreeError(f"recipe {recipe_file} does not exist; give a file under recipes/")
-    recipe = yaml.safe_load(recipe_file.read_text()) or {}
+    try:
+        recipe = yaml.safe_load(recipe_file.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise DDTreeError(f"{recipe_file}: not valid YAML ({str(error).splitlines()[0]})") from None
     data = recipe.get("data") or {}
     settings = data.get("regenerate") or {}
+    if not isinstance(settings, dict):
+        raise DDTreeError(f"{recipe_file}: data.regenerate must map data/regenerate.py's options to values, not be a "
+                          f"{type(settings).__name__}")
     check_regenerate_settings(settings)
-    defaults = {field: str(value) for field, value in settings.items()}  # strings: argparse converts them by type
+    # Strings: argparse converts them by type. null leaves an option at its default (limit: null = every prompt).
+    defaults = {field: str(value) for field, value in settings.items() if value is not None}
+    # set_defaults skips argparse's type and choice checks: each value is parsed alone first, so a bad one is a line
+    # naming the recipe's field rather than a traceback mid-run (or, for a choice, silently taken).
+    checker = build_parser()
+    checker.exit_on_error = False
+    for field, value in defaults.items():
+        try:
+            checker.parse_args([f"--{field.replace('_', '-')}", value])
+        except argparse.ArgumentError as error:
+            raise DDTreeError(f"{recipe_file}: data.regenerate.{field}={value}: {error.message}") from None
     if (recipe.get("model") or {}).get("target") is not None:
         defaults["target"] = str(recipe["model"]["target"])
     if data.get("data_path") == AUTO_DATA:

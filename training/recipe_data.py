@@ -46,7 +46,8 @@ def regenerate_arguments(target: str, out: Path, settings: dict) -> list[str]:
     check_regenerate_settings(settings)
     arguments = ["--target", str(target), "--out", str(out)]
     for field, value in settings.items():
-        arguments += [f"--{field.replace('_', '-')}", str(value)]
+        if value is not None:  # null: the option's default (limit: null = every prompt)
+            arguments += [f"--{field.replace('_', '-')}", str(value)]
     return arguments
 
 

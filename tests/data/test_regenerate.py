@@ -5,6 +5,7 @@
 
 import json
 import os
+import re
 import stat
 import sys
 from pathlib import Path
@@ -231,6 +232,28 @@ def test_an_out_folder_that_is_not_its_dataset_is_never_replaced(tmp_path, capsy
     (tmp_path / "out" / "notes.txt").unlink()  # an empty folder is used, and its own dataset is replaced
     assert regenerate.run(args_for(tmp_path))["num_conversations"] == 2
     assert regenerate.run(args_for(tmp_path, "--limit", "1"))["num_conversations"] == 1
+
+
+@pytest.mark.parametrize("section, named", [
+    ("  regenerate:\n    dtype: bf16", "data.regenerate.dtype=bf16: invalid choice: 'bf16'"),  # a KeyError mid-run
+    ("  regenerate:\n    backend: vlm", "data.regenerate.backend=vlm: invalid choice: 'vlm'"),  # silently transformers
+    ("  regenerate:\n    limit: abc", "data.regenerate.limit=abc: invalid int value"),
+    ("  regenerate:\n    - limit", "data.regenerate must map data/regenerate.py's options to values, not be a list"),
+    ("  regenerate: [", "not valid YAML"),
+])
+def test_bad_regenerate_values_in_a_recipe_are_one_line_naming_the_field(tmp_path, section, named):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model:\n  target: tiny-random\ndata:\n  data_path: {tmp_path / 'out'}\n{section}\n")
+    with pytest.raises(DDTreeError, match=re.escape(f"{recipe}: ") + ".*" + re.escape(named)):
+        regenerate.parse_args(["--recipe", str(recipe)])
+
+
+def test_a_recipes_null_limit_means_every_prompt(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model:\n  target: tiny-random\ndata:\n  data_path: {tmp_path / 'out'}\n  regenerate:\n"
+                      "    limit: null\n    max_new_tokens: 5\n")
+    args = regenerate.parse_args(["--recipe", str(recipe)])
+    assert args.limit is None and args.max_new_tokens == 5
 
 
 def test_recipe_supplies_target_and_output(tmp_path):

@@ -82,9 +82,9 @@ def test_a_recipe_without_regenerate_reads_its_data_path_unchanged(tmp_path):
 def test_regenerate_fields_are_the_scripts_options():
     options = {action.dest for action in regenerate.build_parser()._actions}
     assert set(REGENERATE_FIELDS) <= options
-    # The ones left out come from the recipe itself or split one job into shards.
+    # The ones left out come from the recipe itself, split one job into shards, or are one launch's choice.
     assert options - set(REGENERATE_FIELDS) == {"help", "recipe", "target", "out", "shard_index", "num_shards",
-                                                "merge_only"}
+                                                "merge_only", "overwrite"}
 
 
 def test_make_data_takes_the_recipes_regenerate_section(tmp_path, empty_cache):

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import sys
 import time
@@ -52,9 +53,10 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
+from ddtree.cli import parse_device
 from ddtree.decoding import Sampling, top_p_filter
 from ddtree.errors import DDTreeError, command
-from ddtree.files import staged_folder, write_text_atomic
+from ddtree.files import staged_folder, unwritable_as_error, write_text_atomic
 from ddtree.targets import DTYPES, load_target, resolve_target, stop_token_ids
 from training.conversations import read_messages_jsonl, render_prompt_ids
 from training.recipe_data import AUTO_DATA, check_regenerate_settings, default_data_path
@@ -413,6 +415,13 @@ def run(args: argparse.Namespace) -> dict | None:
     if args.threads < 1:
         raise DDTreeError(f"--threads {args.threads} must be at least 1")
     Sampling(args.temperature, args.top_p)  # serving's checks of --temperature and --top-p, before any work
+    parse_device(args.device)  # a GPU this machine lacks is one line here, not an assertion once the target loads
+    if args.backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise DDTreeError("--backend vllm: vLLM is not installed in this environment; install it, or give --backend "
+                          "transformers (auto picks vLLM only where it imports and a GPU is present)")
+    parts = Path(f"{args.out}.parts")
+    if parts.exists() and not parts.is_dir():
+        raise DDTreeError(f"{parts} (the work folder of --out {args.out}) is a file; move it away or give another --out")
     out = Path(args.out)
     if out.exists() and not (out / "regeneration.json").is_file() and (not out.is_dir() or any(out.iterdir())):
         raise DDTreeError(f"--out {out} exists and is not a dataset this script wrote (no regeneration.json): give "
@@ -439,8 +448,8 @@ def run(args: argparse.Namespace) -> dict | None:
         "chunk_size": args.chunk_size,
     }
     check_replaces_only_its_own(out, settings, args.overwrite)
-    parts = Path(f"{args.out}.parts")
-    parts.mkdir(parents=True, exist_ok=True)
+    with unwritable_as_error(parts):
+        parts.mkdir(parents=True, exist_ok=True)
     check_settings(parts, settings)
     reused = reuse_merged(args.out, parts, chunks, settings)
     if reused:

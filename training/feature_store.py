@@ -62,7 +62,8 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 from transformers import AutoConfig
 
-from ddtree.configuration_dflash import DFlashDrafterConfig, default_target_layer_ids
+from ddtree.configuration_dflash import default_target_layer_ids
+from ddtree.drafters import read_drafter_config
 from ddtree.errors import DDTreeError
 from ddtree.files import follow_umask, write_json_atomic
 from ddtree.precision import LIGHTNING_PRECISION
@@ -111,7 +112,11 @@ def drafter_layer_ids(target_layer_ids: list[int] | None, init_from: str | None)
     if target_layer_ids:
         return [int(i) for i in target_layer_ids]
     if init_from:
-        return list(DFlashDrafterConfig.from_pretrained(init_from).target_layer_ids)
+        try:
+            return list(read_drafter_config(Path(init_from)).target_layer_ids)
+        except DDTreeError as error:
+            raise DDTreeError(f"model.init_from: {error}; give a drafter folder (a run's drafter/ or an export), "
+                              "or null") from None
     return None
 
 
@@ -336,6 +341,10 @@ def build_feature_store(
         # Not a store (a store is complete before it has its name): the user's own file or folder, never replaced.
         raise DDTreeError(f"{out} exists and is not a feature store: give another --out (or data.feature_store), or move "
                           "it away; nothing was written")
+    blocker = next((parent for parent in out.parents if parent.exists() and not parent.is_dir()), None)
+    if blocker is not None:  # else found only once the target has loaded and the first shard is computed
+        raise DDTreeError(f"cannot write the feature store {out}: {blocker} is a file, not a folder; give --out "
+                          "(data.feature_store) in a writable folder")
     started = time.monotonic()
     data, pad_id, tokenization_key = datamodule.load_tokenized()
     # Time-boxed: in the data's split order, validation first (those `keep` are built whatever the box).
@@ -486,6 +495,8 @@ def store_seconds(datamodule: DistillDataModule) -> float | None:
 def store_teacher(distill_weight: float, distill_top_k: int) -> tuple[bool, int]:
     """(final_hidden, teacher_top_k): what a recipe's store keeps for distillation (model.distill_weight > 0): the
     target's top k next tokens with model.distill_top_k k, else its final hidden states; neither without it."""
+    if distill_top_k < 0:  # as DistillModule refuses it; `make features` reads the recipe without building one
+        raise DDTreeError(f"model.distill_top_k={distill_top_k} must be at least 0 (0 = the whole distribution)")
     distill = distill_weight > 0
     return distill and not distill_top_k, distill_top_k if distill else 0
 

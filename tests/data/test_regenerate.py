@@ -3,6 +3,7 @@
     .venv/bin/pytest -q tests/data/test_regenerate.py
 """
 
+import importlib.util
 import json
 import os
 import re
@@ -220,6 +221,30 @@ def test_bad_settings_are_one_line_before_any_work(tmp_path, capsys, flags, name
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and named in err and len(err.splitlines()) == 1
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.parts").exists()
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--backend", "vllm"], "--backend vllm: vLLM is not installed"),  # a ModuleNotFoundError traceback before
+    (["--device", "cuda"], "--device cuda: this machine has no CUDA GPU"),  # an AssertionError once the target loaded
+])
+def test_a_backend_or_device_this_machine_lacks_is_one_line(tmp_path, capsys, flags, named):
+    if flags[0] == "--backend" and importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    if flags[0] == "--device" and torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU")
+    prompt_file(tmp_path / "prompts.jsonl", 2)
+    assert regenerate.main([*args_for_argv(tmp_path), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and named in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "out.parts").exists()
+
+
+def test_a_work_folder_path_that_is_a_file_is_one_line(tmp_path, capsys):
+    prompt_file(tmp_path / "prompts.jsonl", 2)
+    (tmp_path / "out.parts").write_text("mine")
+    assert regenerate.main(args_for_argv(tmp_path)) == 2
+    assert f"{tmp_path / 'out.parts'} (the work folder of --out" in capsys.readouterr().err
+    assert (tmp_path / "out.parts").read_text() == "mine"
 
 
 def test_an_out_folder_that_is_not_its_dataset_is_never_replaced(tmp_path, capsys):

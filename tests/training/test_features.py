@@ -630,6 +630,24 @@ def test_auto_store_is_the_recipes_cache_folder_built_on_first_use(tmp_path, mon
         DistillDataModule(target="tiny-random", data_path=str(data), feature_store="auto").setup()
 
 
+@pytest.mark.parametrize("flags, named", [
+    (["--model.distill_weight=0.5", "--model.distill_top_k=-1"], "model.distill_top_k=-1 must be at least 0"),
+    (["--model.target_layer_ids=null", "--model.init_from={tmp}/none"], "model.init_from: drafter '{tmp}/none' is not"),
+    (["--out", "{tmp}/afile/store"], "cannot write the feature store {tmp}/afile/store: {tmp}/afile is a file"),
+])
+def test_bad_store_settings_are_one_line_before_the_target_loads(tmp_path, capsys, monkeypatch, flags, named):
+    """Each was a traceback (a RuntimeError leaving a .partial folder, an OSError, a NotADirectoryError once the
+    target had loaded and the first shard was computed)."""
+    monkeypatch.setattr(training.feature_store, "load_frozen_target", lambda *a, **k: pytest.fail("loaded the target"))
+    (tmp_path / "afile").write_text("mine")
+    flags = [flag.format(tmp=tmp_path) for flag in flags]
+    out = [] if "--out" in flags else ["--out", str(tmp_path / "store")]
+    assert main(["--recipe", "tiny", f"--data.cache_dir={tmp_path / 'cache'}", *out, *flags]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(err) == 1 and named.format(tmp=tmp_path) in err[0], err
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "cache") == ["afile"]
+
+
 def test_a_store_built_with_an_adapter_retrained_since_at_the_same_path_is_refused(tmp_path):
     from peft import LoraConfig, get_peft_model
 

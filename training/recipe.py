@@ -208,8 +208,9 @@ def check_values(config: Namespace) -> None:
 
 
 def check_input_files(config: Namespace) -> None:
-    """The files a run reads, checked before the target loads: else a missing one is named after the target and the
-    model are built (about 12 s on `tiny`), and only once the data or the first evaluation reads it."""
+    """The files a run reads, checked as the recipe is read: else a missing one was named only once the data or the
+    first evaluation read it, on the CPU default after the feature store, the target and the corpus (362 s, against
+    15.7 s now, the imports; a 2-core AVX2 EPYC, 2026-11-29)."""
     data_path = str(config.data.data_path)
     generated = data_path == AUTO_DATA or config.data.regenerate  # written on first use (training/recipe_data.py)
     if not (generated or Path(data_path).exists() or has_hub_id_shape(data_path)):

@@ -406,6 +406,8 @@ def report(summary: dict, out: Path) -> dict:
 
 def run(args: argparse.Namespace) -> dict | None:
     args = apply_recipe(args)
+    if args.num_shards < 1:
+        raise DDTreeError(f"--num-shards {args.num_shards} must be at least 1")
     if not 0 <= args.shard_index < args.num_shards:
         raise DDTreeError(f"--shard-index {args.shard_index} must be in 0..{args.num_shards - 1}")
     if args.chunk_size < 1 or args.batch_size < 1 or args.max_new_tokens < 1:

@@ -35,8 +35,10 @@ from ddtree.bench import CHAIN, budget_of
 from ddtree.errors import DDTreeError, command
 from ddtree.files import atomic_file, finite_json, write_text_atomic
 
+from .callbacks import AcceptanceEvaluation
 from .loss import RECALL_K
-from .recipe import check_recipe_name, read_recipe, recipe_path
+from .module import DistillModule
+from .recipe import check_recipe_name, check_values, read_recipe, recipe_errors, recipe_path
 from .train import main as train_main
 
 PLAIN = "--model.distill_weight=0 --model.distill_top_k=0"  # no distillation, whatever the recipe distils with
@@ -53,6 +55,16 @@ DEFAULT_VARIANTS = [  # the published loss, the four acceptance-weighted objecti
     f"intree-kl32=--model.objective=intree {KL} --model.distill_top_k=32",
     f"dpace-kl32=--model.objective=dpace {KL} --model.distill_top_k=32",
 ]
+
+
+def check_variant(recipe: Path, overrides: list[str]) -> None:
+    """What training checks before its first step, without loading the target: the recipe's fields and values, the
+    model's hyperparameters (DistillModule builds nothing until configure_model) and the evaluation's settings."""
+    config = read_recipe(recipe, overrides)
+    with recipe_errors(recipe):
+        check_values(config)
+    DistillModule(**config.model.as_dict())
+    AcceptanceEvaluation(**config.eval.as_dict())
 
 
 def parse_variant(text: str) -> tuple[str, list[str]]:
@@ -184,9 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.eval_max_new_tokens is not None:
         budget.append(f"--eval.max_new_tokens={args.eval_max_new_tokens}")
 
-    for name, overrides in variants:  # every variant's overrides read before any trains: a typo in the last one
-        try:                           # would otherwise stop the comparison after the others had trained
-            read_recipe(recipe_path(args.recipe), [*budget, *common, *overrides])
+    for name, overrides in variants:  # every variant read and its values checked before any trains: a bad one in the
+        try:                           # last would otherwise stop the comparison after the others had trained
+            check_variant(recipe_path(args.recipe), [*budget, *common, *overrides])
         except DDTreeError as error:
             raise DDTreeError(f"--variant {name}: {error}") from None
 

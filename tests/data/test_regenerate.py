@@ -214,7 +214,8 @@ def test_cli_reports_bad_prompt_file_with_line(tmp_path, capsys):
 
 @pytest.mark.parametrize("flags,named", [(["--limit", "0"], "--limit 0"), (["--limit", "-1"], "--limit -1"),
                                          (["--threads", "0"], "--threads 0"), (["--temperature", "-1"], "temperature -1"),
-                                         (["--temperature", "1", "--top-p", "0"], "top_p 0")])
+                                         (["--temperature", "1", "--top-p", "0"], "top_p 0"),
+                                         (["--num-shards", "0"], "--num-shards 0 must be at least 1")])
 def test_bad_settings_are_one_line_before_any_work(tmp_path, capsys, flags, named):
     prompt_file(tmp_path / "prompts.jsonl", 2)
     assert regenerate.main([*args_for_argv(tmp_path), *flags]) == 2

@@ -55,6 +55,15 @@ def test_every_variant_is_read_before_any_trains(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --variant b: ") and "model.lrr" in err[0], err
     assert not any(tmp_path.iterdir())
+    # Values too, that only the model, the evaluation or the trainer checks refuse.
+    refused = [("--model.distill_top_k=-1", "model.distill_top_k=-1"), ("--eval.budgets=[4]", "eval.primary_budget"),
+               ("--model.lr=0", "model.lr=0")]
+    for bad, named in refused:
+        assert main(["--recipe", "tiny", "--steps", "2", "--output-root", str(tmp_path), "--variant", "a=",
+                     "--variant", f"b={bad}"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: --variant b: ") and named in err[0], err
+    assert not any(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("text, expected", [("a=", ("a", [])), ("dp=--model.objective=dpace --model.lr=1e-3",

@@ -18,7 +18,6 @@ prompt); optional "id".
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
@@ -34,39 +33,8 @@ from .decoding import (
 )
 from .corpus import CorpusLookup
 from .errors import DDTreeError
+from .files import iter_json_lines
 from .sizing import TreeSizer
-
-
-def iter_json_lines(path: Path):
-    """Yield (line number, "file:line", object) for each non-blank line of a UTF-8 JSONL file; errors name the line.
-
-    Lines are decoded one by one, so a file in another encoding (latin-1, UTF-16) is reported at
-    the line and byte where it stops being UTF-8. A leading UTF-8 byte-order mark is allowed.
-    """
-    with Path(path).open("rb") as lines:
-        offset = 0  # bytes before this line
-        for number, raw in enumerate(lines, start=1):
-            where = f"{path}:{number}"
-            try:
-                line = raw.decode("utf-8-sig" if number == 1 else "utf-8").rstrip("\r\n")
-            except UnicodeDecodeError as error:
-                raise DDTreeError(f"{where}: not UTF-8 (byte 0x{raw[error.start]:02x} at byte offset {offset + error.start} "
-                                  "of the file); save it as UTF-8 JSONL, one JSON object per line") from None
-            offset += len(raw)
-            if not line.strip():
-                continue
-            try:
-                yield number, where, json.loads(line)
-            except json.JSONDecodeError as error:
-                raise DDTreeError(f"{where}: not valid JSON ({json_problem(line, error)}); "
-                                  "each line must be one JSON object") from None
-
-
-def json_problem(line: str, error: json.JSONDecodeError) -> str:
-    """What is wrong with one line of JSONL, in words: where json stopped, or that the line ends too early."""
-    if error.pos >= len(line.rstrip()) or error.msg.startswith("Unterminated string"):
-        return "the line ends before the JSON object is complete: was it cut off?"
-    return f"{error.msg.removesuffix(' at')} at column {error.colno}"  # some of json's messages end in "at"
 
 
 def check_prompts_file(path: str | Path) -> Path:
@@ -97,9 +65,11 @@ def load_prompts(path: str | Path, tokenizer: PreTrainedTokenizerBase, limit: in
             if not (
                 isinstance(messages, list)
                 and messages
-                and all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in messages)
+                and all(isinstance(m, dict) and {"role", "content"} <= m.keys() and isinstance(m["role"], str)
+                        and isinstance(m["content"], str) for m in messages)
             ):
-                raise DDTreeError(f'{where}: "messages" must be a non-empty list of {{"role", "content"}} objects')
+                raise DDTreeError(f'{where}: "messages" must be a non-empty list of {{"role", "content"}} objects '
+                                  "whose role and content are strings")
             ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             ids = ids["input_ids"] if hasattr(ids, "keys") else ids
         if not ids:

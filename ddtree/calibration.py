@@ -177,6 +177,6 @@ def load_calibration(path: Path) -> OnlineCalibration:
         if state.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"format_version {state.get('format_version')!r}, this code reads {FORMAT_VERSION}")
         return OnlineCalibration.from_state(state)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as error:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError, OverflowError) as error:
         raise DDTreeError(f"calibration file {path} cannot be read ({error}); rerun `ddtree calibrate` with "
                           "--overwrite, or decode with --calibration none") from None

@@ -328,6 +328,9 @@ def cmd_bench(args) -> None:
     check_calibration_flag(args, methods)
     if args.out:
         check_output_file(args.out)
+        if Path(args.out).exists() and Path(args.out).resolve() == Path(args.prompts).resolve():
+            raise DDTreeError(f"--out {args.out} is the --prompts file: the results would replace the prompts; give "
+                              "another --out")
     sampling, target, tokenizer = _setup(args, needs_drafter=any(m != "ar" for m in methods))
     prompts = load_prompts(args.prompts, tokenizer, args.limit)
     drafter = None
@@ -369,6 +372,8 @@ def cmd_calibrate(args) -> None:
     out = Path(args.drafter) / CALIBRATION_FILE
     if out.exists() and not args.overwrite:
         raise DDTreeError(f"{out} exists and decoding uses it by default; pass --overwrite to replace it")
+    if Path(args.drafter).is_dir():  # (a missing folder is named by the drafter's own check)
+        check_output_file(out, "--drafter")  # a read-only drafter folder: said now, not after every prompt is decoded
     sampling, target, tokenizer = _setup(args)
     prompts = load_prompts(args.prompts, tokenizer, args.limit)
     drafter = _drafter_runner(args, target, tokenizer)

@@ -27,7 +27,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 
 from .errors import DDTreeError, error_line
-from .files import atomic_file
+from .files import atomic_file, iter_json_lines
 
 NGRAM = 3  # tokens of context matched; 3 is what the context lookup starts from too (ddtree/tree.py)
 LENGTH = 7  # the longest continuation kept: a block of 8 drafts at most 7 tokens
@@ -120,16 +120,16 @@ class CorpusLookup:
         """
         path = check_corpus_file(path)
         replies = []
-        with path.open() as lines:
-            for number, line in enumerate(lines, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    messages = json.loads(line)["messages"]
-                    replies += [turn["content"] for turn in messages if turn["role"] == "assistant"]
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    raise DDTreeError(f"--corpus {path}, line {number}: not a conversation; each line must be "
-                                      '{"messages": [{"role": ..., "content": ...}, ...]}') from None
+        for number, where, record in iter_json_lines(path):  # bad JSON or UTF-8: one line naming the line
+            try:
+                turns = [turn["content"] for turn in record["messages"] if turn["role"] == "assistant"]
+            except (KeyError, TypeError):
+                raise DDTreeError(f"--corpus {where}: not a conversation; each line must be "
+                                  '{"messages": [{"role": ..., "content": ...}, ...]}') from None
+            replies += turns
+            if not all(isinstance(turn, str) for turn in turns):
+                raise DDTreeError(f"--corpus {where}: an assistant turn's content is not a string (a tool call, or a "
+                                  "list of parts): give the replies as text")
         if not replies:
             raise DDTreeError(f"--corpus {path}: no assistant turn in it, so there is nothing to look up")
         return cls((tokenizer(reply, add_special_tokens=False)["input_ids"] for reply in replies), **settings)

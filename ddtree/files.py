@@ -62,6 +62,41 @@ def check_output_file(path: str | Path, flag: str = "--out") -> None:
     blocker = next((parent for parent in path.parents if parent.exists() and not parent.is_dir()), None)
     if blocker is not None:
         raise DDTreeError(f"cannot write {path}: {blocker} is a file, not a folder; give a path in a writable folder")
+    folder = next(parent for parent in path.absolute().parents if parent.exists())  # the file goes there, or below it
+    if not os.access(folder, os.W_OK | os.X_OK):  # a read-only mount or no permission: else found after all the work
+        raise DDTreeError(f"cannot write {path}: {folder} is not writable here; give a path in a writable folder")
+
+
+def json_problem(line: str, error: json.JSONDecodeError) -> str:
+    """What is wrong with one line of JSONL, in words: where json stopped, or that the line ends too early."""
+    if error.pos >= len(line.rstrip()) or error.msg.startswith("Unterminated string"):
+        return "the line ends before the JSON object is complete: was it cut off?"
+    return f"{error.msg.removesuffix(' at')} at column {error.colno}"  # some of json's messages end in "at"
+
+
+def iter_json_lines(path: Path):
+    """Yield (line number, "file:line", object) for each non-blank line of a UTF-8 JSONL file; errors name the line.
+
+    Lines are decoded one by one, so a file in another encoding (latin-1, UTF-16) is reported at
+    the line and byte where it stops being UTF-8. A leading UTF-8 byte-order mark is allowed.
+    """
+    with Path(path).open("rb") as lines:
+        offset = 0  # bytes before this line
+        for number, raw in enumerate(lines, start=1):
+            where = f"{path}:{number}"
+            try:
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8").rstrip("\r\n")
+            except UnicodeDecodeError as error:
+                raise DDTreeError(f"{where}: not UTF-8 (byte 0x{raw[error.start]:02x} at byte offset {offset + error.start} "
+                                  "of the file); save it as UTF-8 JSONL, one JSON object per line") from None
+            offset += len(raw)
+            if not line.strip():
+                continue
+            try:
+                yield number, where, json.loads(line)
+            except json.JSONDecodeError as error:
+                raise DDTreeError(f"{where}: not valid JSON ({json_problem(line, error)}); "
+                                  "each line must be one JSON object") from None
 
 
 @contextmanager

@@ -11,6 +11,7 @@ intact, for `python -m training.publish --push-only FOLDER --repo REPO`.
 
 from __future__ import annotations
 
+import http.client
 import os
 import re
 import urllib.error
@@ -81,7 +82,8 @@ def check_hub_answers(endpoint: str) -> None:
         urllib.request.urlopen(f"{endpoint}/api/whoami-v2", timeout=HUB_TIMEOUT_S).close()
     except urllib.error.HTTPError:
         return  # it answered (401 to a request without the token)
-    except (OSError, ValueError) as error:  # refused, unreachable, timed out, or not a URL
+    except (OSError, ValueError, http.client.HTTPException) as error:  # refused, unreachable, timed out, not a URL,
+        # or not HTTP at all (HF_ENDPOINT naming another service's port)
         raise DDTreeError(f"--push: cannot use the Hub at {endpoint} ({error_line(error)}; waited at most "
                           f"{HUB_TIMEOUT_S:.0f} s for an answer); check the network and HF_ENDPOINT") from None
 

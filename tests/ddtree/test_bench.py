@@ -168,3 +168,14 @@ def test_a_limit_below_one_is_refused(tmp_path, limit):
     path.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
     with pytest.raises(DDTreeError, match=f"limit {limit} must be at least 1, or None for every prompt"):
         load_prompts(path, tokenizer=None, limit=limit)
+
+
+@pytest.mark.parametrize("content", ["5", "null", '[{"type": "text", "text": "hi"}]'])
+def test_a_message_whose_content_is_not_a_string_is_one_line(tmp_path, tiny_target, content):
+    """A TypeError or a jinja2 UndefinedError from the chat template before."""
+    _, tokenizer = tiny_target
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"messages": [{"role": "user", "content": "fine"}]}\n'
+                    f'{{"messages": [{{"role": "user", "content": {content}}}]}}\n')
+    with pytest.raises(DDTreeError, match=f"{path}:2: .*whose role and content are strings"):
+        load_prompts(path, tokenizer)

@@ -4,6 +4,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -364,6 +365,8 @@ def test_an_output_that_cannot_be_written_is_refused_before_any_decoding(capsys,
     ("bench", ["--prompts", "{tmp}/none.jsonl"], "error: prompts file {tmp}/none.jsonl does not exist"),
     ("bench", ["--prompts", "{prompts}", "--corpus", "{tmp}/none.jsonl"], "error: --corpus {tmp}/none.jsonl: no such file"),
     ("generate", ["--prompt", "hi", "--calibration", "{tmp}/none.json"], "error: --calibration {tmp}/none.json: no such file"),
+    ("bench", ["--prompts", "{prompts}", "--methods", "ar", "--out", "{prompts}"],  # it replaced the prompts before
+     "error: --out {prompts} is the --prompts file"),
 ])
 def test_files_named_on_the_command_line_are_checked_before_the_target_loads(capsys, tmp_path, prompts_file, monkeypatch,
                                                                            command, flags, message):
@@ -374,6 +377,25 @@ def test_files_named_on_the_command_line_are_checked_before_the_target_loads(cap
     monkeypatch.setattr(ddtree.cli, "load_target", lambda *args, **kwargs: pytest.fail("loaded the target first"))
     fill = lambda text: text.format(tmp=tmp_path, prompts=prompts_file)  # noqa: E731
     assert _bad(capsys, command, "--target", TARGET, *map(fill, flags)).startswith(fill(message))
+
+
+def test_an_unwritable_place_for_the_results_is_named_before_the_target_loads(capsys, tmp_path, prompts_file,
+                                                                               monkeypatch, tiny_target):
+    """A read-only mount (simulated: root may write anywhere else) was found only after every prompt was decoded,
+    and what bench measured or calibrate learned was lost."""
+    import ddtree.cli
+    import ddtree.files
+
+    folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
+    access = ddtree.files.os.access
+    monkeypatch.setattr(ddtree.files.os, "access", lambda path, mode: Path(path) != folder and access(path, mode))
+    monkeypatch.setattr(ddtree.cli, "load_target", lambda *args, **kwargs: pytest.fail("loaded the target first"))
+    common = ["--target", TARGET, "--prompts", str(prompts_file)]
+    line = _bad(capsys, "bench", *common, "--methods", "ar", "--out", str(folder / "results.json"))
+    assert line == (f"error: cannot write {folder / 'results.json'}: {folder} is not writable here; give a path in a "
+                    "writable folder")
+    line = _bad(capsys, "calibrate", *common, "--drafter", str(folder))
+    assert line.startswith(f"error: cannot write {folder / 'calibration.json'}: {folder} is not writable here")
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -590,3 +612,13 @@ def test_calibrate_bad_input_is_one_line_and_writes_nothing(capsys, tmp_path, ti
         assert "method 'ar' drafts none" in _bad(capsys, *command, *calibration)
     assert run_cli(capsys, "calibrate", *common, "--drafter", str(folder), "--overwrite", "--budgets", "4")[0] == 0
     assert json.loads((folder / CALIBRATION_FILE).read_text())["format_version"] == 1
+
+
+def test_a_calibration_temperature_too_large_for_a_float_is_one_line(tmp_path):
+    """An OverflowError from math.isfinite before."""
+    from ddtree.calibration import FORMAT_VERSION, load_calibration
+
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps({"format_version": FORMAT_VERSION, "temperatures": {"32": 10 ** 400}, "graft_acceptance": {}}))
+    with pytest.raises(DDTreeError, match=f"calibration file {path} cannot be read"):
+        load_calibration(path)

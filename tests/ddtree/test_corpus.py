@@ -52,8 +52,18 @@ def test_conversations_give_their_assistant_turns(tmp_path, tiny_target):
     with pytest.raises(DDTreeError, match=r"--corpus .*missing.jsonl: no such file"):
         CorpusLookup.from_conversations(tmp_path / "missing.jsonl", tokenizer)
     (tmp_path / "text.jsonl").write_text(json.dumps({"messages": []}) + "\n" + json.dumps({"text": reply}) + "\n")
-    with pytest.raises(DDTreeError, match="text.jsonl, line 2: not a conversation"):
+    with pytest.raises(DDTreeError, match="text.jsonl:2: not a conversation"):
         CorpusLookup.from_conversations(tmp_path / "text.jsonl", tokenizer)
+    # Tool-call turns (content null), lists of parts and another encoding were tracebacks once the target had loaded.
+    for name, content in (("tool.jsonl", None), ("parts.jsonl", [{"type": "text", "text": reply}])):
+        turns = [{"role": "user", "content": question}, {"role": "assistant", "content": content}]
+        (tmp_path / name).write_text(json.dumps({"messages": turns}) + "\n")
+        with pytest.raises(DDTreeError, match=f"{name}:1: an assistant turn's content is not a string"):
+            CorpusLookup.from_conversations(tmp_path / name, tokenizer)
+    (tmp_path / "latin1.jsonl").write_bytes(json.dumps({"messages": [{"role": "assistant", "content": "caf\u00e9"}]},
+                                                       ensure_ascii=False).encode("latin-1") + b"\n")
+    with pytest.raises(DDTreeError, match="latin1.jsonl:1: not UTF-8"):
+        CorpusLookup.from_conversations(tmp_path / "latin1.jsonl", tokenizer)
     (tmp_path / "questions.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": question}]}))
     with pytest.raises(DDTreeError, match="no assistant turn"):
         CorpusLookup.from_conversations(tmp_path / "questions.jsonl", tokenizer)

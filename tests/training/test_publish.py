@@ -796,6 +796,21 @@ def test_push_without_token_or_network_fails_before_doing_anything(run_dir, tmp_
         assert export(run_dir, out, "--ckpt", "last", "--repo", "tester/x", "--push") == 2
         assert "waited at most 1 s for an answer" in one_error_line(capsys) and not out.exists()
 
+    # A service that is not HTTP (HF_ENDPOINT naming an SSH port, say): http.client.BadStatusLine was a traceback.
+    with socket.socket() as ssh:
+        ssh.bind(("127.0.0.1", 0))
+        ssh.listen()
+
+        def greet():
+            connection, _ = ssh.accept()
+            with connection:
+                connection.sendall(b"SSH-2.0-OpenSSH_9.6\r\n")
+
+        threading.Thread(target=greet, daemon=True).start()
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{ssh.getsockname()[1]}")
+        assert export(run_dir, out, "--ckpt", "last", "--repo", "tester/x", "--push") == 2
+        assert "cannot use the Hub" in one_error_line(capsys) and not out.exists()
+
 
 # ----------------------------------------------------------------------------- DeepSpeed
 

@@ -17,7 +17,6 @@ decides how much one target forward confirms; what is committed stays the target
 
 from __future__ import annotations
 
-import json
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 from pathlib import Path
@@ -120,16 +119,16 @@ class CorpusLookup:
         """
         path = check_corpus_file(path)
         replies = []
-        for number, where, record in iter_json_lines(path):  # bad JSON or UTF-8: one line naming the line
+        for _, where, record in iter_json_lines(path):  # bad JSON or UTF-8: one line naming the line
             try:
                 turns = [turn["content"] for turn in record["messages"] if turn["role"] == "assistant"]
             except (KeyError, TypeError):
                 raise DDTreeError(f"--corpus {where}: not a conversation; each line must be "
                                   '{"messages": [{"role": ..., "content": ...}, ...]}') from None
-            replies += turns
             if not all(isinstance(turn, str) for turn in turns):
                 raise DDTreeError(f"--corpus {where}: an assistant turn's content is not a string (a tool call, or a "
                                   "list of parts): give the replies as text")
+            replies += turns
         if not replies:
             raise DDTreeError(f"--corpus {path}: no assistant turn in it, so there is nothing to look up")
         return cls((tokenizer(reply, add_special_tokens=False)["input_ids"] for reply in replies), **settings)

@@ -326,6 +326,13 @@ def cmd_bench(args) -> None:
         if repeated:  # a repeated method would run twice and its second result replace the first
             raise DDTreeError(f"{flag} repeats {', '.join(map(str, repeated))}: name each once")
     check_calibration_flag(args, methods)
+    if "ddtree" not in methods:  # else taken without a word, and results.json said ddtree had used them
+        shaping = [flag for flag, given in (("--lookup", args.lookup is not None),
+                                            ("--corpus", args.corpus not in (None, "none")),
+                                            ("--adaptive-size on", args.adaptive_size == "on")) if given]
+        if shaping:
+            raise DDTreeError(f"{', '.join(shaping)} shape the ddtree method's trees, and --methods {args.methods} runs "
+                              "no ddtree: add ddtree to --methods, or drop them")
     if args.out:
         check_output_file(args.out)
         if Path(args.out).exists() and Path(args.out).resolve() == Path(args.prompts).resolve():
@@ -346,11 +353,12 @@ def cmd_bench(args) -> None:
     settings = {k: v for k, v in vars(args).items() if k != "func"}
     settings["dtype_resolved"] = str(target.dtype).removeprefix("torch.")  # what `dtype` (maybe "auto") ran as
     settings["packed_weights_resolved"] = is_packed(target)  # what `packed_weights` (maybe "auto") ran as
-    if drafter is not None:  # what ddtree ran with where --lookup, --redraft and --corpus were left to the drafter
-        lookup, redraft, resolved = drafter_defaults("ddtree", drafter, args.lookup, args.redraft, sizer is not None,
-                                                     corpus)
-        settings["ddtree_resolved"] = {"lookup": lookup, "redraft": redraft,
-                                       "corpus": None if resolved is None else args.corpus or f"the drafter's {CORPUS_FILE}"}
+    if drafter is not None:
+        if "ddtree" in methods:  # what ddtree ran with where --lookup, --redraft and --corpus were left to the drafter
+            lookup, redraft, resolved = drafter_defaults("ddtree", drafter, args.lookup, args.redraft, sizer is not None,
+                                                         corpus)
+            settings["ddtree_resolved"] = {"lookup": lookup, "redraft": redraft, "corpus": None if resolved is None
+                                           else args.corpus or f"the drafter's {CORPUS_FILE}"}
         shipped = drafter.default_calibration is not None  # the chain and ddtree use it alike
         settings["calibration_resolved"] = (args.calibration or f"the drafter's {CALIBRATION_FILE}") if shipped else None
     if sizer is not None:

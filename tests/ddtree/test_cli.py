@@ -367,6 +367,10 @@ def test_an_output_that_cannot_be_written_is_refused_before_any_decoding(capsys,
     ("generate", ["--prompt", "hi", "--calibration", "{tmp}/none.json"], "error: --calibration {tmp}/none.json: no such file"),
     ("bench", ["--prompts", "{prompts}", "--methods", "ar", "--out", "{prompts}"],  # it replaced the prompts before
      "error: --out {prompts} is the --prompts file"),
+    ("bench", ["--prompts", "{prompts}", "--methods", "ar,dflash", "--lookup", "7", "--corpus", "{prompts}"],  # ignored
+     "error: --lookup, --corpus shape the ddtree method's trees, and --methods ar,dflash runs no ddtree"),
+    ("bench", ["--prompts", "{prompts}", "--methods", "dflash", "--adaptive-size", "on"],
+     "error: --adaptive-size on shape the ddtree method's trees"),
 ])
 def test_files_named_on_the_command_line_are_checked_before_the_target_loads(capsys, tmp_path, prompts_file, monkeypatch,
                                                                            command, flags, message):

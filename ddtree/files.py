@@ -39,6 +39,11 @@ def follow_umask(path: Path, recursive: bool = False) -> None:
         p.chmod((0o777 if p.is_dir() else 0o666) & ~umask)
 
 
+def file_in_the_way(path: Path) -> Path | None:
+    """The file standing where one of `path`'s folders should be, if any (nothing can be written under it)."""
+    return next((parent for parent in Path(path).parents if parent.exists() and not parent.is_dir()), None)
+
+
 @contextmanager
 def unwritable_as_error(path: Path):
     """A place that cannot be written (a file where a folder should be, no permission) as one DDTreeError line."""
@@ -46,7 +51,7 @@ def unwritable_as_error(path: Path):
         yield
     except OSError as error:
         # mkdir names the deepest folder it could not make, not the file in the way: find that file.
-        blocker = next((parent for parent in path.parents if parent.exists() and not parent.is_dir()), None)
+        blocker = file_in_the_way(path)
         if blocker is not None:
             why = f"{blocker} is a file, not a folder"
         else:
@@ -59,7 +64,7 @@ def check_output_file(path: str | Path, flag: str = "--out") -> None:
     path = Path(path)
     if path.is_dir():
         raise DDTreeError(f"{flag} {path} is a folder; give a file path for the results JSON")
-    blocker = next((parent for parent in path.parents if parent.exists() and not parent.is_dir()), None)
+    blocker = file_in_the_way(path)
     if blocker is not None:
         raise DDTreeError(f"cannot write {path}: {blocker} is a file, not a folder; give a path in a writable folder")
     folder = next(parent for parent in path.absolute().parents if parent.exists())  # the file goes there, or below it

@@ -62,10 +62,10 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 from transformers import AutoConfig
 
-from ddtree.configuration_dflash import default_target_layer_ids
+from ddtree.configuration_dflash import DFlashDrafterConfig, default_target_layer_ids
 from ddtree.drafters import read_drafter_config
 from ddtree.errors import DDTreeError
-from ddtree.files import follow_umask, write_json_atomic
+from ddtree.files import file_in_the_way, follow_umask, write_json_atomic
 from ddtree.precision import LIGHTNING_PRECISION
 from ddtree.targets import cache_dir, parse_dtype, resolve_target
 
@@ -112,12 +112,17 @@ def drafter_layer_ids(target_layer_ids: list[int] | None, init_from: str | None)
     if target_layer_ids:
         return [int(i) for i in target_layer_ids]
     if init_from:
-        try:
-            return list(read_drafter_config(Path(init_from)).target_layer_ids)
-        except DDTreeError as error:
-            raise DDTreeError(f"model.init_from: {error}; give a drafter folder (a run's drafter/ or an export), "
-                              "or null") from None
+        return list(init_from_config(init_from).target_layer_ids)
     return None
+
+
+def init_from_config(init_from: str) -> DFlashDrafterConfig:
+    """model.init_from's drafter config, or one line naming the field (checked as a recipe is read, too)."""
+    try:
+        return read_drafter_config(Path(init_from))
+    except DDTreeError as error:
+        raise DDTreeError(f"model.init_from: {error}; give a drafter folder (a run's drafter/ or an export), "
+                          "or null") from None
 
 
 def plan_shards(lengths: list[int], bytes_per_token: int, max_shard_bytes: int) -> list[dict]:
@@ -341,7 +346,7 @@ def build_feature_store(
         # Not a store (a store is complete before it has its name): the user's own file or folder, never replaced.
         raise DDTreeError(f"{out} exists and is not a feature store: give another --out (or data.feature_store), or move "
                           "it away; nothing was written")
-    blocker = next((parent for parent in out.parents if parent.exists() and not parent.is_dir()), None)
+    blocker = file_in_the_way(out)
     if blocker is not None:  # else found only once the target has loaded and the first shard is computed
         raise DDTreeError(f"cannot write the feature store {out}: {blocker} is a file, not a folder; give --out "
                           "(data.feature_store) in a writable folder")

@@ -85,12 +85,13 @@ def same_measurement(checkpoint: Checkpoint, evaluation: dict) -> bool:
 
 
 def export_folder(
-    run_dir: Path, ckpt: str, out: Path, *, speculators: bool = False, base_model: str | None = None,
-    license_id: str = "apache-2.0", dtype: str = "float32", repo: str | None = None,
+    run_dir: Path, checkpoint_path: tuple[Path, str], out: Path, *, speculators: bool = False,
+    base_model: str | None = None, license_id: str = "apache-2.0", dtype: str = "float32", repo: str | None = None,
     allow_engine_mismatch: bool = False,
 ) -> Path:
-    """Write the Hub folder for one checkpoint of a run to `out` (replacing it); return `out`."""
-    path, label = find_run_checkpoint(run_dir, ckpt)
+    """Write the Hub folder for one checkpoint of a run (find_run_checkpoint's path and label) to `out` (replacing it);
+    return `out`."""
+    path, label = checkpoint_path
     run_config = read_run_config(run_dir)
     checkpoint = load_checkpoint(path)
     drafter = checkpoint.drafter.to(parse_dtype(dtype, "--dtype")).eval()
@@ -192,8 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     if not (run_dir / "config.yaml").is_file() and not (run_dir / "checkpoints").is_dir():
         raise DDTreeError(f"RUN={run_dir} is not a training run (no config.yaml, no checkpoints/); "
                           "give the folder `make train` wrote, outputs/<recipe>/<run>")
-    checkpoint, _ = find_run_checkpoint(run_dir, args.ckpt)  # any checkpoint, a copy kept outside the run too
-    check_output_folder(out, args.overwrite, keep=(run_dir, checkpoint))
+    checkpoint = find_run_checkpoint(run_dir, args.ckpt)  # (path, label): a copy kept outside the run too
+    check_output_folder(out, args.overwrite, keep=(run_dir, checkpoint[0]))
     check_card_fields(args.base_model, args.license)
     if args.push and not args.repo:
         raise DDTreeError("--push needs --repo user/name (REPO=user/name)")
@@ -201,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         raise DDTreeError("--private sets the visibility of a pushed repo; add --push (PUSH=1) or drop it")
     hub = preflight_hub(args.repo, args.private) if args.push else None
     export_folder(
-        run_dir, args.ckpt, out, speculators=args.speculators, base_model=args.base_model,
+        run_dir, checkpoint, out, speculators=args.speculators, base_model=args.base_model,
         license_id=args.license, dtype=args.dtype, repo=args.repo, allow_engine_mismatch=args.allow_engine_mismatch,
     )
     print(f"[export] {out} written (load it with AutoModel.from_pretrained(..., trust_remote_code=True))")

@@ -21,13 +21,13 @@ from jsonargparse import ArgumentError, Namespace
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from ddtree.drafters import read_drafter_config
 from ddtree.errors import DDTreeError, error_line
 from ddtree.precision import AUTO, LIGHTNING_PRECISION, fast_precision
 from ddtree.targets import has_hub_id_shape
 
 from .callbacks import AcceptanceEvaluation, BestCheckpoint, monitor_metric
 from .data import DistillDataModule
+from .feature_store import init_from_config
 from .module import DistillModule
 from .recipe_data import AUTO_DATA
 from .strategies import check_launch, count_devices
@@ -218,10 +218,9 @@ def check_input_files(config: Namespace) -> None:
                                  "owner/name); give a .jsonl or .parquet file or a saved datasets folder")
     if config.model.init_from:
         try:
-            read_drafter_config(Path(config.model.init_from))
+            init_from_config(config.model.init_from)
         except DDTreeError as error:
-            raise RecipeSettingError(f"model.init_from: {error}; give a drafter folder (a run's drafter/ or an "
-                                     "export), or null") from None
+            raise RecipeSettingError(str(error)) from None
     prompts = config.eval.prompts
     if not Path(prompts).is_file():
         raise RecipeSettingError(f"eval.prompts={prompts}: no such file; give a JSONL of held-out prompts "

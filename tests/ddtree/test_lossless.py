@@ -117,9 +117,9 @@ def test_redrafted_branches_are_lossless_and_carry_the_paths_the_block_misses(sm
     model, tokenizer = smollm2
     deepest = {}
     non_first = 0
-    for k in (0, redraft):
+    for k, prompts in ((0, references[:1]), (redraft, references)):  # one prompt shows the block alone stop at depth 1
         deepest[k] = 0
-        for prompt, greedy in references:
+        for prompt, greedy in prompts:
             rigged = RedraftRigged(prompt + greedy, model.config.vocab_size)
             result = generate(model, prompt, method, rigged, budget, MAX_NEW, stop_token_ids(model, tokenizer),
                               redraft=k)
@@ -261,7 +261,7 @@ def test_online_calibration_runs_beside_the_lookup_and_stays_lossless(smollm2, r
     gaps = {}
     for online in (None, OnlineCalibration()):
         expected = measured = rounds = 0
-        for prompt, greedy in references:
+        for prompt, greedy in references[::2]:  # the replies that repeat themselves, where the lookup's paths land
             result = generate(model, prompt, "ddtree", random_drafter, 16, MAX_NEW, stop_token_ids(model, tokenizer),
                               online=online, lookup=7)
             assert result.new_tokens == greedy
@@ -339,8 +339,10 @@ def test_packed_weights_keep_the_plain_models_greedy_tokens(packed_references, r
 
 
 @pytest.mark.skipif(not packing_available(), reason="this torch has no oneDNN weight packing")
-@pytest.mark.parametrize("method,budget,static", [("ar", 0, False), ("dflash", 0, False), ("ddtree", 8, False),
-                                                  ("ddtree", 64, False), ("ddtree", 8, True)])
+# No `ar` here: its loop over packed layers runs the packed model's own forwards, as packed_references' generate does
+# (and the loop itself is held to greedy decoding by test_ar_matches_greedy).
+@pytest.mark.parametrize("method,budget,static", [("dflash", 0, False), ("ddtree", 8, False), ("ddtree", 64, False),
+                                                  ("ddtree", 8, True)])
 def test_packed_weights_are_lossless(packed_target, packed_references, method, budget, static):
     """The decoding loops over oneDNN's packed matmuls commit exactly the packed model's greedy tokens."""
     model, tokenizer = packed_target
@@ -435,12 +437,13 @@ def test_static_runners_outlive_their_generation(smollm2, references, random_dra
     budget = 8
     results, runners = [], []
     for prompt, _ in (longer, shorter):
-        results.append(generate(model, prompt, "ddtree", random_drafter, budget, MAX_NEW, stop, static=True, redraft=2))
+        results.append(generate(model, prompt, "ddtree", random_drafter, budget, RANDOM_NEW, stop, static=True,
+                                redraft=2))
         runners.append((static_target(model, True, budget + 1, needed=1), random_drafter.static))
-    assert [result.new_tokens for result in results] == [longer[1], shorter[1]]
+    assert [result.new_tokens for result in results] == [longer[1][:RANDOM_NEW], shorter[1][:RANDOM_NEW]]
     assert runners[0][0] is runners[1][0] and runners[0][1] is runners[1][1]
     target_runner = runners[1][0]
-    assert target_runner.capacity == padded_capacity(len(longer[0]) + MAX_NEW + budget + 1)
+    assert target_runner.capacity == padded_capacity(len(longer[0]) + RANDOM_NEW + budget + 1)
     bigger = static_target(model, True, budget + 1, needed=target_runner.capacity + 1)
     assert bigger is not target_runner and bigger.capacity > target_runner.capacity
     assert static_target(model, True, budget + 1, needed=1) is bigger  # it replaced the smaller one

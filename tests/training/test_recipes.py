@@ -164,25 +164,40 @@ def drafter_weights(run_dir):
     return load_file(run_dir / "drafter" / "model.safetensors")
 
 
-@pytest.mark.parametrize("stop", [3, 4])  # on the evaluation grid, and off it (as max_time stops, on_train_end saves)
-def test_tiny_recipe_runs_and_resumes_exactly(tmp_path, monkeypatch, stop):
-    data = tmp_path / "conversations.jsonl"
-    write_conversations(data)
-    common = [
-        "--recipe", "tiny", "--output-root", str(tmp_path / "out"),
-        f"--data.data_path={data}", f"--data.cache_dir={tmp_path / 'cache'}", "--data.batch_size=2",
-        "--data.val_fraction=0.1", "--trainer.val_check_interval=null", "--eval.every_n_train_steps=3",
-        "--trainer.max_steps=6", "--trainer.enable_progress_bar=false", "--trainer.log_every_n_steps=1",
+def resume_args(tmp_path, out):
+    """The tiny recipe for 6 steps, evaluated at steps 3 and 6 (one prompt: the evaluation is not under test)."""
+    return [
+        "--recipe", "tiny", "--output-root", str(out),
+        f"--data.data_path={tmp_path / 'conversations.jsonl'}", f"--data.cache_dir={tmp_path / 'cache'}",
+        "--data.batch_size=2", "--data.val_fraction=0.1", "--trainer.val_check_interval=null",
+        "--eval.every_n_train_steps=3", "--eval.limit=1", "--trainer.max_steps=6", "--trainer.enable_progress_bar=false",
+        "--trainer.log_every_n_steps=1",
     ]
-    # one straight run of 6 steps
-    assert main([*common, "--run", "straight"]) == 0
-    straight = tmp_path / "out" / "tiny" / "straight"
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+    """One straight run of 6 steps, the reference of both resume tests: (its data folder, its run folder)."""
+    tmp_path = tmp_path_factory.mktemp("straight")
+    write_conversations(tmp_path / "conversations.jsonl")
+    assert main([*resume_args(tmp_path, tmp_path / "out"), "--run", "straight"]) == 0
+    return tmp_path, tmp_path / "out" / "tiny" / "straight"
+
+
+def test_a_straight_run_writes_its_checkpoint_logs_and_drafter(straight_run):
+    _, straight = straight_run
     for produced in ("config.yaml", "checkpoints/last.ckpt", "drafter/config.json", "csv/version_0/metrics.csv"):
         assert (straight / produced).exists(), produced
     assert list((straight / "tensorboard" / "version_0").glob("events.out.tfevents.*"))
     checkpoint = torch.load(straight / "checkpoints" / "last.ckpt", weights_only=False)
     assert all(key.startswith("drafter.") for key in checkpoint["state_dict"])  # never the target
     assert checkpoint["global_step"] == 6 and checkpoint["optimizer_states"] and checkpoint["lr_schedulers"]
+
+
+@pytest.mark.parametrize("stop", [3, 4])  # on the evaluation grid, and off it (as max_time stops, on_train_end saves)
+def test_tiny_recipe_runs_and_resumes_exactly(straight_run, tmp_path, monkeypatch, stop):
+    data_folder, straight = straight_run
+    common = resume_args(data_folder, tmp_path / "out")  # the straight run's data, a folder of its own
 
     # the same run stopped after step `stop` (mid-epoch: 11 batches per epoch), then resumed to 6. It is
     # stopped by a callback, not by max_steps, which would change the length of the cosine schedule.

@@ -56,7 +56,7 @@ from transformers import DynamicCache
 from ddtree.cli import parse_device
 from ddtree.decoding import Sampling, top_p_filter
 from ddtree.errors import DDTreeError, command
-from ddtree.files import staged_folder, unwritable_as_error, write_text_atomic
+from ddtree.files import read_yaml_mapping, staged_folder, unwritable_as_error, write_text_atomic
 from ddtree.targets import DTYPES, load_target, resolve_target, stop_token_ids
 from training.conversations import read_messages_jsonl, render_prompt_ids
 from training.recipe_data import AUTO_DATA, check_regenerate_settings, default_data_path
@@ -355,14 +355,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def recipe_defaults(recipe_file: Path) -> dict[str, str]:
     """A recipe's model.target, data.data_path (auto: <ddtree cache>/data/<recipe>) and data.regenerate options."""
-    import yaml
-
     if not recipe_file.is_file():
         raise DDTreeError(f"recipe {recipe_file} does not exist; give a file under recipes/")
-    try:
-        recipe = yaml.safe_load(recipe_file.read_text()) or {}
-    except yaml.YAMLError as error:
-        raise DDTreeError(f"{recipe_file}: not valid YAML ({str(error).splitlines()[0]})") from None
+    recipe = read_yaml_mapping(recipe_file)
     data = recipe.get("data") or {}
     settings = data.get("regenerate") or {}
     if not isinstance(settings, dict):

@@ -104,6 +104,27 @@ def iter_json_lines(path: Path):
                                   "each line must be one JSON object") from None
 
 
+def read_yaml_mapping(path: str | Path) -> dict:
+    """A YAML file of sections (a recipe, a run's config.yaml) as a dict ({} when empty); a file that is not valid
+    YAML, or whose top level is not a mapping, is one DDTreeError line naming the file and where it broke."""
+    import yaml  # (a transformers dependency; only training's files are YAML)
+
+    try:
+        settings = yaml.safe_load(Path(path).read_text())
+    except yaml.MarkedYAMLError as error:
+        mark = error.problem_mark or error.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise DDTreeError(f"{path}: not valid YAML{where} ({error.problem or error.context}); fix the file") from None
+    except yaml.YAMLError as error:
+        raise DDTreeError(f"{path}: not valid YAML ({error_line(error)}); fix the file") from None
+    if settings is None:
+        return {}
+    if not isinstance(settings, dict):
+        raise DDTreeError(f"{path}: the top level is a {type(settings).__name__}, not a mapping of sections "
+                          "(model:, data:, trainer:, ...); fix the file")
+    return settings
+
+
 @contextmanager
 def atomic_file(path: str | Path, mode: str = "w"):
     """Yield a file object beside `path`; on success it replaces `path` in one rename, else it is removed."""

@@ -23,12 +23,11 @@ import sys
 from pathlib import Path
 
 import torch
-import yaml
 
 from ddtree.cli import parse_device
 from ddtree.corpus import CORPUS_FILE, CorpusLookup
 from ddtree.errors import DDTreeError, command
-from ddtree.files import check_output_file, write_json_atomic
+from ddtree.files import check_output_file, read_yaml_mapping, write_json_atomic
 from ddtree.precision import AUTO, fast_precision
 from ddtree.targets import stop_token_ids
 
@@ -43,10 +42,7 @@ def read_config(checkpoint: Path, recipe: str) -> tuple[dict, Path]:
     """The run's resolved config.yaml, else the recipe (for a checkpoint outside a run folder)."""
     run_dir = run_folder_of(checkpoint)
     source = run_dir / "config.yaml" if run_dir else recipe_path(recipe)
-    try:
-        return yaml.safe_load(source.read_text()) or {}, source
-    except yaml.YAMLError as error:
-        raise DDTreeError(f"{source}: not valid YAML ({str(error).splitlines()[0]})") from None
+    return read_yaml_mapping(source), source
 
 
 def logged_metrics(checkpoint: Checkpoint) -> dict | None:

@@ -26,11 +26,11 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
 from huggingface_hub import ModelCardData
 
 from ddtree.bench import CHAIN, budget_of, tree_key
 from ddtree.errors import DDTreeError
+from ddtree.files import read_yaml_mapping
 
 from .engines import SGLANG, VLLM, serve_commands
 from .report import objective_description
@@ -92,11 +92,7 @@ def read_run_config(run_dir: Path) -> dict:
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
         return {}
-    try:
-        config = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as error:
-        raise DDTreeError(f"{path}: not valid YAML ({str(error).splitlines()[0]})") from None
-    return config if isinstance(config, dict) else {}
+    return read_yaml_mapping(path)
 
 
 # ----------------------------------------------------------------------------- the card

@@ -22,6 +22,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from ddtree.errors import DDTreeError, error_line
+from ddtree.files import read_yaml_mapping
 from ddtree.precision import AUTO, LIGHTNING_PRECISION, fast_precision
 from ddtree.targets import has_hub_id_shape
 
@@ -92,7 +93,7 @@ def config_arg(config: Path, overrides: list[str]) -> str:
     config.yaml records, so a resumed run keeps the precision it started with. An override of
     auto asks for the same on a recipe that names a precision (give parser_overrides to the parser).
     """
-    settings = yaml.safe_load(Path(config).read_text()) or {}
+    settings = read_yaml_mapping(config)
     trainer = settings.get("trainer") or {}
     override = precision_override(overrides)
     if override == AUTO:
@@ -139,7 +140,7 @@ def argument_error_line(error: ArgumentError) -> str:
 def cpu_recipe_for(target: str | None) -> str | None:
     """A recipe that trains the same target on a CPU, if there is one."""
     for name in known_recipes():
-        settings = yaml.safe_load(recipe_path(name).read_text()) or {}
+        settings = read_yaml_mapping(recipe_path(name))
         model, trainer = settings.get("model") or {}, settings.get("trainer") or {}
         if target and model.get("target") == target and trainer.get("accelerator") == "cpu":
             return name
@@ -229,7 +230,7 @@ def check_input_files(config: Namespace) -> None:
 
 def check_checkpoint_settings(config: Path) -> None:
     """The eval section sets checkpoint.every_n_train_steps and checkpoint.monitor; a config value would be dropped silently."""
-    settings = yaml.safe_load(config.read_text()) or {}
+    settings = read_yaml_mapping(config)
     for field, source in (("every_n_train_steps", "eval.every_n_train_steps"), ("monitor", "eval.primary_budget")):
         if field in (settings.get("checkpoint") or {}):
             raise DDTreeError(f"{config}: checkpoint.{field} follows {source}; remove it from the checkpoint section")

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 import lightning as L
 
 import toy_data  # tests/training/toy_data.py
+import training.recipe
 import training.target
 import training.train
 from training.recipe import RECIPES_DIR, known_recipes, read_recipe
@@ -101,6 +102,22 @@ def test_unknown_recipe_prints_one_line_listing_the_known_ones(capsys):
     assert main(["--recipe", "nope"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "nope" in err and "smollm2-135m" in err and "tiny" in err
+
+
+@pytest.mark.parametrize("text, named", [
+    ("trainer:\n  max_steps: [\n", "not valid YAML at line 3, column 1"),
+    ("model:\n  block_size: 8\n\tnum_layers: 2\n", "not valid YAML at line 3, column 1"),
+    ("- model\n- trainer\n", "the top level is a list, not a mapping of sections"),
+])
+def test_a_recipe_that_is_not_a_yaml_mapping_is_one_line_naming_the_file_and_where(tmp_path, monkeypatch, capsys, text,
+                                                                                  named):
+    """A yaml ParserError's 74-line traceback before."""
+    monkeypatch.setattr(training.recipe, "RECIPES_DIR", tmp_path)
+    (tmp_path / "mine.yaml").write_text(text)
+    assert main(["--recipe", "mine", "--output-root", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{tmp_path / 'mine.yaml'}: {named}" in err, err
+    assert not (tmp_path / "out").exists()
 
 
 def error_lines(capsys) -> list[str]:

@@ -49,10 +49,11 @@ endif
 ablate: $(STAMP)
 	$(PY) -m training.ablate --recipe $(RECIPE) $(ARGS)
 
-# make eval [RECIPE=smollm2-135m] [CKPT=best|last|path/to/x.ckpt]  (default: best of the newest run)
+# make eval [RECIPE=smollm2-135m] [RUN=outputs/<recipe>/<run>] [CKPT=best|last|path/to/x.ckpt]
+# (default: best.ckpt of RUN, else of the recipe's newest run; `make ablate`'s variant runs are not counted)
 # Measures a saved checkpoint's DDTree acceptance exactly as training's evaluation did (recipe's eval: section).
 eval: $(STAMP)
-	$(PY) -m training.evaluate --recipe $(RECIPE) --ckpt $(or $(CKPT),best)
+	$(PY) -m training.evaluate --recipe $(RECIPE) --ckpt $(or $(CKPT),best) $(if $(RUN),--run $(RUN))
 
 # make export RUN=outputs/<recipe>/<run> OUT=exports/<name> [CKPT=best|last|path] [SPECULATORS=1]
 #             [OVERWRITE=1] [ALLOW_ENGINE_MISMATCH=1] [REPO=user/name PUSH=1 [PRIVATE=1]]   (push token: HF_TOKEN)

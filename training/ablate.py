@@ -36,6 +36,7 @@ from ddtree.errors import DDTreeError, command
 from ddtree.files import atomic_file, finite_json, write_text_atomic
 
 from .callbacks import AcceptanceEvaluation
+from .checkpoints import ABLATE_PREFIX
 from .loss import RECALL_K
 from .module import DistillModule
 from .recipe import check_recipe_name, check_values, read_recipe, recipe_errors, recipe_path
@@ -206,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.output_root) / args.recipe
     results = []
     for name, overrides in variants:
-        run = f"ablate-{stamp}-{name}"
+        run = f"{ABLATE_PREFIX}{stamp}-{name}"
         print(f"[ablate] {name}: {' '.join(overrides) or '(the recipe as it is)'} -> {root / run}", flush=True)
         started = time.perf_counter()
         status = train_main(["--recipe", args.recipe, "--run-name", run, "--output-root", args.output_root,

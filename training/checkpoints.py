@@ -70,9 +70,16 @@ def run_folder_of(checkpoint: Path) -> Path | None:
     return next((folder for folder in resolved.parents[:2] if (folder / "config.yaml").is_file()), None)
 
 
+ABLATE_PREFIX = "ablate-"  # `make ablate` names its variants' runs ablate-<stamp>-<variant> (training/ablate.py)
+
+
 def newest_run(recipe_root: Path, name: str) -> Path | None:
-    """The newest run under recipe_root (by when its last.ckpt was saved) that has checkpoints/<name>."""
-    runs = [found.parent.parent for found in recipe_root.glob(f"*/checkpoints/{name}") if is_checkpoint(found)]
+    """The newest run under recipe_root (by when its last.ckpt was saved) that has checkpoints/<name>.
+
+    `make ablate`'s variant runs are left out: 'last' and 'best' mean the newest `make train` run, not a variant
+    trained for a comparison (name a variant's folder to take it)."""
+    runs = [found.parent.parent for found in recipe_root.glob(f"*/checkpoints/{name}")
+            if is_checkpoint(found) and not found.parent.parent.name.startswith(ABLATE_PREFIX)]
 
     def last_saved(run: Path) -> float:
         last = run / "checkpoints" / "last.ckpt"
@@ -81,16 +88,32 @@ def newest_run(recipe_root: Path, name: str) -> Path | None:
     return max(runs, key=last_saved, default=None)
 
 
-def find_checkpoint(spec: str, recipe_root: Path) -> Path:
-    """CKPT for `make eval`: 'best' or 'last' of the newest run under recipe_root, or a checkpoint path."""
+def no_run_found(recipe_root: Path, name: str) -> str:
+    """Why newest_run found nothing, with the variant runs it left out (if any) and how to take one."""
+    variants = sorted(recipe_root.glob(f"{ABLATE_PREFIX}*/checkpoints/{name}"))
+    left_out = (f" (the {len(variants)} `make ablate` variant runs there are not counted; name one, e.g. "
+                f"{variants[-1].parent.parent})") if variants else ""
+    return f"no run under {recipe_root} has checkpoints/{name}{left_out}"
+
+
+def find_checkpoint(spec: str, recipe_root: Path, run_dir: Path | None = None) -> Path:
+    """CKPT for `make eval`: 'best' or 'last' of RUN (a run folder), else of the newest run under recipe_root, or a
+    checkpoint path."""
+    if run_dir is not None:
+        if not (run_dir / "config.yaml").is_file():
+            raise DDTreeError(f"RUN={run_dir}: not a run folder (no config.yaml); give outputs/<recipe>/<run>")
+        return find_run_checkpoint(run_dir, spec)[0]
     if spec in ("best", "last"):
         run = newest_run(recipe_root, f"{spec}.ckpt")
         if run is None:
-            raise DDTreeError(f"CKPT={spec}: no run under {recipe_root} has checkpoints/{spec}.ckpt; train one first")
+            raise DDTreeError(f"CKPT={spec}: {no_run_found(recipe_root, f'{spec}.ckpt')}; train one first, or give RUN")
         return run / "checkpoints" / f"{spec}.ckpt"
     path = Path(spec)
+    if (path / "config.yaml").is_file():
+        raise DDTreeError(f"CKPT={spec} is a run folder: give RUN={spec} (its best.ckpt, or CKPT=last with it)")
     if not is_checkpoint(path):
-        raise DDTreeError(f"CKPT={spec}: no such checkpoint file; give a .ckpt path (or DeepSpeed folder), 'best' or 'last'")
+        raise DDTreeError(f"CKPT={spec}: no such checkpoint file; give a .ckpt path (or DeepSpeed folder), 'best' or "
+                          "'last' (of RUN=<run folder>, else of the recipe's newest run)")
     return path
 
 
@@ -145,7 +168,7 @@ def find_resume(resume: str, recipe_root: Path) -> tuple[Path, Path]:
     if resume == "last":
         run = newest_run(recipe_root, "last.ckpt")
         if run is None:
-            raise DDTreeError(f"--resume last: no run with checkpoints/last.ckpt under {recipe_root}; start one first")
+            raise DDTreeError(f"--resume last: {no_run_found(recipe_root, 'last.ckpt')}; start one first")
         checkpoint = run / "checkpoints" / "last.ckpt"
     elif (Path(resume) / "config.yaml").is_file():
         checkpoint = newest_checkpoint(Path(resume))

@@ -2,6 +2,7 @@
 
     make eval RECIPE=smollm2-135m CKPT=best     # best.ckpt of the newest run of the recipe (the default)
     make eval RECIPE=tiny CKPT=last
+    make eval RUN=outputs/tiny/<run> [CKPT=last]   # that run's best.ckpt (or last.ckpt)
     python -m training.evaluate --recipe tiny --ckpt outputs/tiny/<run>/checkpoints/step-20.ckpt
 
 Same code, same settings as the training-time evaluation (training/callbacks.py): the eval section
@@ -55,7 +56,9 @@ def logged_metrics(checkpoint: Checkpoint) -> dict | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default="smollm2-135m", help="one of recipes/*.yaml")
-    parser.add_argument("--ckpt", default="best", help="'best', 'last' (newest run of the recipe) or a .ckpt path")
+    parser.add_argument("--ckpt", default="best",
+                        help="'best', 'last' (of --run, else of the recipe's newest run) or a .ckpt path")
+    parser.add_argument("--run", default=None, type=Path, help="the run folder whose --ckpt to measure (make eval RUN=)")
     parser.add_argument("--output-root", default="outputs", help="where the recipe's runs are: <output-root>/<recipe>/")
     parser.add_argument("--limit", type=int, default=None, help="override eval.limit (the result then differs from training's)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -65,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     parse_device(args.device)
     if args.out:
         check_output_file(args.out)
-    path = find_checkpoint(args.ckpt, Path(args.output_root) / args.recipe)
+    path = find_checkpoint(args.ckpt, Path(args.output_root) / args.recipe, args.run)
     config, source = read_config(path, args.recipe)
     settings = dict(config.get("eval") or {})
     if args.limit is not None:

@@ -10,6 +10,7 @@ by hand. The reading tests save one real checkpoint of a tiny DistillModule, as 
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,29 @@ def test_make_eval_takes_best_or_last_of_the_newest_run_that_has_it_or_a_path(tm
         find_checkpoint(str(old / "checkpoints"), root)
 
 
+def test_last_and_best_leave_out_ablate_variants_and_run_names_the_folder(tmp_path):
+    """`make ablate` writes ordinary runs named ablate-<stamp>-<variant>; 'last' and 'best' took the newest variant."""
+    root = tmp_path / "tiny"
+    mine = make_run(root, "20261129-104249", {"checkpoints/step-step=2.ckpt": 100, "checkpoints/last.ckpt": 100},
+                    best="step-step=2.ckpt")
+    variant = make_run(root, "ablate-20261129-105834-foo", {"checkpoints/step-step=2.ckpt": 200,
+                                                             "checkpoints/last.ckpt": 200}, best="step-step=2.ckpt")
+    assert find_checkpoint("best", root) == mine / "checkpoints" / "best.ckpt"
+    assert find_resume("last", root) == (mine / "checkpoints" / "last.ckpt", mine.resolve())
+    # A variant is taken by name: RUN for make eval (as for make export), the folder for --resume.
+    assert find_checkpoint("best", root, variant) == (variant / "checkpoints" / "step-step=2.ckpt").resolve()
+    assert find_checkpoint("last", root, variant) == (variant / "checkpoints" / "last.ckpt").resolve()
+    assert find_resume(str(variant), root)[1] == variant.resolve()
+    with pytest.raises(DDTreeError, match=rf"CKPT={variant} is a run folder: give RUN={variant}"):
+        find_checkpoint(str(variant), root)
+    with pytest.raises(DDTreeError, match=r"RUN=.*not a run folder \(no config.yaml\)"):
+        find_checkpoint("best", root, tmp_path)
+    shutil.rmtree(mine)
+    with pytest.raises(DDTreeError, match=rf"has checkpoints/last.ckpt \(the 1 `make ablate` variant runs there are not "
+                                          rf"counted; name one, e.g. {variant}\)"):
+        find_resume("last", root)
+
+
 def test_make_export_takes_best_last_or_a_path_of_one_run_and_says_which(tmp_path, monkeypatch):
     run = make_run(tmp_path, "r", {"checkpoints/step-step=2.ckpt": 100, "checkpoints/last.ckpt": 200},
                    best="step-step=2.ckpt")
@@ -94,7 +118,7 @@ def test_resume_takes_last_a_run_folder_or_a_path_and_finds_its_run(tmp_path):
     path = root / "old" / "checkpoints" / "last.ckpt"
     assert find_resume(str(path), root) == (path, (root / "old").resolve())
 
-    with pytest.raises(DDTreeError, match="--resume last: no run with checkpoints/last.ckpt"):
+    with pytest.raises(DDTreeError, match="--resume last: no run under .* has checkpoints/last.ckpt"):
         find_resume("last", tmp_path / "untrained")
     with pytest.raises(DDTreeError, match="--resume nope.ckpt: no such checkpoint; give a .ckpt path, a run folder"):
         find_resume("nope.ckpt", root)

@@ -47,8 +47,9 @@ def check_prompts_file(path: str | Path) -> Path:
     return path
 
 
-def load_prompts(path: str | Path, tokenizer: PreTrainedTokenizerBase, limit: int | None = None) -> list[dict]:
-    """Read and tokenize a prompts file (the first `limit` prompts, or all). Returns [{"id", "prompt_ids"}]; errors name file and line."""
+def read_prompts(path: str | Path, limit: int | None = None) -> list[tuple[str, str, dict]]:
+    """The first `limit` prompts of a file (or all), checked but not tokenized: [(id, where, record)], where names
+    the file and line. The CLI reads them before the target loads, so a wrong file costs no load."""
     path = check_prompts_file(path)
     if limit is not None and limit < 1:
         raise DDTreeError(f"limit {limit} must be at least 1, or None for every prompt")
@@ -56,29 +57,37 @@ def load_prompts(path: str | Path, tokenizer: PreTrainedTokenizerBase, limit: in
     for number, where, record in iter_json_lines(path):
         if not isinstance(record, dict) or ("prompt" in record) == ("messages" in record):
             raise DDTreeError(f'{where}: expected an object with exactly one of "prompt" or "messages"')
-        if "prompt" in record:
-            if not isinstance(record["prompt"], str):
-                raise DDTreeError(f'{where}: "prompt" must be a string')
-            ids = tokenizer(record["prompt"], add_special_tokens=False)["input_ids"]
-        else:
-            messages = record["messages"]
-            if not (
-                isinstance(messages, list)
-                and messages
-                and all(isinstance(m, dict) and {"role", "content"} <= m.keys() and isinstance(m["role"], str)
-                        and isinstance(m["content"], str) for m in messages)
-            ):
-                raise DDTreeError(f'{where}: "messages" must be a non-empty list of {{"role", "content"}} objects '
-                                  "whose role and content are strings")
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-        if not ids:
-            raise DDTreeError(f"{where}: the prompt is empty")
-        prompts.append({"id": str(record.get("id", number)), "prompt_ids": list(ids)})
+        if "prompt" in record and not isinstance(record["prompt"], str):
+            raise DDTreeError(f'{where}: "prompt" must be a string')
+        messages = record.get("messages")
+        if "messages" in record and not (
+            isinstance(messages, list)
+            and messages
+            and all(isinstance(m, dict) and {"role", "content"} <= m.keys() and isinstance(m["role"], str)
+                    and isinstance(m["content"], str) for m in messages)
+        ):
+            raise DDTreeError(f'{where}: "messages" must be a non-empty list of {{"role", "content"}} objects '
+                              "whose role and content are strings")
+        prompts.append((str(record.get("id", number)), where, record))
         if limit is not None and len(prompts) >= limit:
             break
     if not prompts:
         raise DDTreeError(f"prompts file {path} holds no prompts")
+    return prompts
+
+
+def load_prompts(path: str | Path, tokenizer: PreTrainedTokenizerBase, limit: int | None = None) -> list[dict]:
+    """Read and tokenize a prompts file (the first `limit` prompts, or all). Returns [{"id", "prompt_ids"}]; errors name file and line."""
+    prompts = []
+    for prompt_id, where, record in read_prompts(path, limit):
+        if "prompt" in record:
+            ids = tokenizer(record["prompt"], add_special_tokens=False)["input_ids"]
+        else:
+            ids = tokenizer.apply_chat_template(record["messages"], add_generation_prompt=True, tokenize=True)
+            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        if not ids:
+            raise DDTreeError(f"{where}: the prompt is empty")
+        prompts.append({"id": prompt_id, "prompt_ids": list(ids)})
     return prompts
 
 

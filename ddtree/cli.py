@@ -25,7 +25,8 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .bench import (
-    check_prompts_file, compare_packed_verify_cost, format_summary, load_prompts, measure_verify_cost, run_benchmark,
+    compare_packed_verify_cost, format_summary, load_prompts, measure_verify_cost, method_keys, read_prompts,
+    run_benchmark,
 )
 from .calibration import CALIBRATION_FILE, learning_from, load_calibration, save_calibration
 from .corpus import CORPUS_FILE, CorpusLookup, check_corpus_file
@@ -293,7 +294,7 @@ def check_input_files(args, needs_drafter: bool) -> None:
     if needs_drafter and args.drafter != "random":
         read_drafter_config(Path(args.drafter))
     if getattr(args, "prompts", None) is not None:
-        check_prompts_file(args.prompts)
+        read_prompts(args.prompts, getattr(args, "limit", None))
     if getattr(args, "corpus", None) not in (None, "none"):
         check_corpus_file(args.corpus)
     if getattr(args, "calibration", None) not in (None, "none"):
@@ -325,6 +326,7 @@ def cmd_bench(args) -> None:
         repeated = sorted({value for value in values if values.count(value) > 1})
         if repeated:  # a repeated method would run twice and its second result replace the first
             raise DDTreeError(f"{flag} repeats {', '.join(map(str, repeated))}: name each once")
+    method_keys(methods, args.budgets)  # an unknown method or a budget below 1: said before the target loads
     check_calibration_flag(args, methods)
     if "ddtree" not in methods:  # else taken without a word, and results.json said ddtree had used them
         shaping = [flag for flag, given in (("--lookup", args.lookup is not None),

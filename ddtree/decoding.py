@@ -63,11 +63,13 @@ class Sampling:
 
     def __post_init__(self):
         # written so that NaN fails every test (NaN compares False with everything)
-        if not (0 <= self.temperature < math.inf and 0 < self.top_p <= 1 and self.top_k >= 0):
-            raise DDTreeError(
-                f"bad sampling settings: temperature {self.temperature} must be a finite number >= 0, top_p {self.top_p} in "
-                f"(0, 1], top_k {self.top_k} >= 0"
-            )
+        broken = [rule for rule, holds in (
+            (f"temperature {self.temperature} must be a finite number >= 0", 0 <= self.temperature < math.inf),
+            (f"top_p {self.top_p} must be in (0, 1]", 0 < self.top_p <= 1),
+            (f"top_k {self.top_k} must be >= 0", self.top_k >= 0),
+        ) if not holds]
+        if broken:
+            raise DDTreeError(f"bad sampling settings: {'; '.join(broken)}")
 
     def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
         """The target's sampling distribution for one row of logits (V,), after temperature, top-k, top-p."""

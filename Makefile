@@ -6,7 +6,12 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 RECIPE ?= smollm2-135m
 
-.PHONY: setup data features train ablate eval export test test-all bench clean
+.PHONY: help setup data features train ablate eval export test test-all clean
+
+# make help: the targets and their variables (the "# make ..." lines of this file)
+help:
+	@echo "make setup | train | data | features | ablate | eval | export | test | test-all | clean   (README.md)"
+	@grep -E '^# make [a-z]' $(firstword $(MAKEFILE_LIST)) | sed 's/^# //'
 
 setup: $(STAMP)
 
@@ -73,11 +78,13 @@ TEST_WORKERS ?= 2
 TEST_ARGS := -q -n $(TEST_WORKERS) --dist loadfile
 TEST_ENV := OMP_NUM_THREADS=$$(( $$(nproc) / $(TEST_WORKERS) > 0 ? $$(nproc) / $(TEST_WORKERS) : 1 ))
 
+# make test [TEST_WORKERS=2]: the default suite on the CPU (CUDA tests skip without a GPU); make test-all adds the slow ones
 test: $(STAMP)
 	$(TEST_ENV) $(PY) -m pytest $(TEST_ARGS)
 
 test-all: $(STAMP)
 	$(TEST_ENV) $(PY) -m pytest $(TEST_ARGS) -m ""
 
+# make clean: removes .venv and outputs/ (not exports/, nor the converted targets under $DDTREE_CACHE)
 clean:
 	rm -rf $(VENV) outputs

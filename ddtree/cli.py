@@ -81,7 +81,8 @@ def _add_packed_weights(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default="smollm2-135m", help="built-in name, local HF folder or Hub id")
+    parser.add_argument("--target", default="smollm2-135m",
+                        help="built-in name, local HF folder or Hub id (default: smollm2-135m, built in)")
     parser.add_argument("--drafter", default="random", help="'random' or a drafter folder")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -139,8 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="run methods over a prompts file and summarise")
     _add_common(bench)
     bench.add_argument("--prompts", required=True, help="JSONL of {prompt} or {messages} objects")
-    bench.add_argument("--methods", default="ar,dflash,ddtree")
-    bench.add_argument("--budgets", type=_int_list, default=[16, 32, 64])
+    bench.add_argument("--methods", default="ar,dflash,ddtree",
+                       help=f"comma-separated, from {', '.join(METHODS)} (default: all three; dflash is the chain)")
+    bench.add_argument("--budgets", type=_int_list, default=[16, 32, 64],
+                       help="comma-separated ddtree node budgets, one row each (default: 16,32,64)")
     bench.add_argument("--limit", type=int, default=None, help="use the first N prompts (default: all)")
     bench.add_argument("--out", default=None, help="write results JSON here")
 
@@ -156,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.set_defaults(max_new_tokens=64)
 
     cost = commands.add_parser("verify-cost", help="time tree verification vs one AR step (a benchmark)")
-    cost.add_argument("--target", default="smollm2-135m")
+    cost.add_argument("--target", default="smollm2-135m", help="as for generate (default: smollm2-135m)")
     cost.add_argument("--dtype", default=AUTO, help=DTYPE_HELP)
     cost.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     _add_packed_weights(cost)

@@ -149,8 +149,10 @@ class WriteConfigOnStart(Callback):
 
     def __init__(self, path: Path, text: str):
         self.path, self.text = path, text
+        self.started = False  # stays False where the run had already reached max_steps: Lightning trains nothing
 
     def on_train_start(self, trainer, pl_module) -> None:
+        self.started = True
         if trainer.is_global_zero:
             write_text_atomic(self.path, self.text)
 
@@ -288,8 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         build_missing_feature_store(cli, args.recipe)
         config_text = cli.parser.dump(cli.config, skip_none=False)
         if checkpoint:  # in this order: a refused resume leaves config.yaml as it was
-            cli.trainer.callbacks += [RefuseNonFiniteResume(checkpoint),
-                                      WriteConfigOnStart(run_dir / "config.yaml", config_text)]
+            config_writer = WriteConfigOnStart(run_dir / "config.yaml", config_text)
+            cli.trainer.callbacks += [RefuseNonFiniteResume(checkpoint), config_writer]
         elif is_first_process():
             write_text_atomic(run_dir / "config.yaml", config_text)
         if is_first_process():
@@ -316,6 +318,12 @@ def main(argv: list[str] | None = None) -> int:
             return stopped(run_dir, args.recipe, "stopped by SIGTERM", 128 + signal.SIGTERM, cli.trainer.global_step)
         if cli.trainer.interrupted:  # stopped by a callback or an exception Lightning swallowed
             return stopped(run_dir, args.recipe, "interrupted", 1, cli.trainer.global_step)
+        if checkpoint and not config_writer.started and (run_dir / "drafter").is_dir():
+            if is_first_process():  # else a finished run's resume rewrote drafter/ and exited 0 without a word
+                print(f"[train] {run_dir} had already reached step {cli.trainer.global_step} of max_steps "
+                      f"{cli.trainer.max_steps}: nothing trained, its drafter/ kept; raise --trainer.max_steps to "
+                      "train further", flush=True)
+            return 0
         drafter = drafter_for_export(cli.model, cli.trainer)  # every rank: DeepSpeed gathers the fp32 weights
         non_finite = non_finite_tensors(drafter)
         if non_finite:  # the last update blew the weights up: no next step's loss to show it, and no export of noise

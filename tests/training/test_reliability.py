@@ -256,6 +256,22 @@ def test_a_resumed_run_keeps_its_own_recipe(tmp_path, capsys, monkeypatch):
     assert prepared == ["tiny"]  # refused before anything was built
 
 
+def test_resuming_a_finished_run_says_so_and_keeps_its_drafter(tmp_path, capsys):
+    """Lightning trains nothing past max_steps; the launch rewrote drafter/ and exited 0 without a word."""
+    assert train_main(tiny_args(tmp_path, "done", max_steps=2)) == 0
+    run_dir = tmp_path / "out" / "tiny" / "done"
+    drafter = run_dir / "drafter" / "model.safetensors"
+    written = drafter.stat().st_mtime_ns
+    capsys.readouterr()
+    resume = ["--output-root", str(tmp_path / "out"), "--resume", str(run_dir), "--trainer.enable_progress_bar=false"]
+    assert train_main(resume) == 0
+    assert f"[train] {run_dir} had already reached step 2 of max_steps 2: nothing trained" in capsys.readouterr().out
+    assert drafter.stat().st_mtime_ns == written
+    assert train_main([*resume, "--trainer.max_steps=3"]) == 0  # raised, it trains on and writes the drafter again
+    assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 3
+    assert drafter.stat().st_mtime_ns != written
+
+
 @pytest.mark.parametrize("override, named", [
     ("--trainer.max_steps=-5", "trainer.max_steps=-5"),
     ("--model.lr=-1", "model.lr=-1.0"),

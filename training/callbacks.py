@@ -648,7 +648,7 @@ class BestCheckpoint(Checkpoint):
         # A launch that reached no evaluation step (stopped early) still leaves last.ckpt to resume from.
         if self.save_last and not self.saved_this_launch and not trainer.fast_dev_run:
             self.last_saved_step = trainer.global_step
-            trainer.save_checkpoint(os.path.join(self.dirpath, self.LAST_NAME))
+            trainer.save_checkpoint(os.path.join(self.dirpath, self.LAST_NAME), weights_only=False)
 
     def measured_score(self, trainer, step: int) -> float | None:
         """`monitor` as AcceptanceEvaluation measured it at `step` (checkpoint callbacks run after the others); None
@@ -694,10 +694,12 @@ class BestCheckpoint(Checkpoint):
             self.best_k_models.pop(displaced, None)
             self.best_k_models[name] = score
         self.update_best()
+        # Every rank saves (the strategy may shard), the whole state a resume needs; weights_only left unset, Lightning
+        # logged that it defaulted to False at every save.
         if enters:
-            trainer.save_checkpoint(os.path.join(self.dirpath, name))  # every rank: the strategy may shard it
+            trainer.save_checkpoint(os.path.join(self.dirpath, name), weights_only=False)
         if self.save_last:
-            trainer.save_checkpoint(os.path.join(self.dirpath, self.LAST_NAME))
+            trainer.save_checkpoint(os.path.join(self.dirpath, self.LAST_NAME), weights_only=False)
         # best.ckpt moves before the file it may point at goes: a stop in between leaves an extra file, never a
         # link to nothing (`make export CKPT=best` reads it). The marker, written once the new files are whole,
         # names that file for the next launch to delete (on_train_start).

@@ -91,8 +91,8 @@ def newest_run(recipe_root: Path, name: str) -> Path | None:
 def no_run_found(recipe_root: Path, name: str) -> str:
     """Why newest_run found nothing, with the variant runs it left out (if any) and how to take one."""
     variants = sorted(recipe_root.glob(f"{ABLATE_PREFIX}*/checkpoints/{name}"))
-    left_out = (f" (the {len(variants)} `make ablate` variant runs there are not counted; name one, e.g. "
-                f"{variants[-1].parent.parent})") if variants else ""
+    counted = f"{len(variants)} `make ablate` variant run" + ("s there are" if len(variants) > 1 else " there is")
+    left_out = f" ({counted} not counted; name one, e.g. {variants[-1].parent.parent})" if variants else ""
     return f"no run under {recipe_root} has checkpoints/{name}{left_out}"
 
 

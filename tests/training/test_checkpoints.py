@@ -86,7 +86,7 @@ def test_last_and_best_leave_out_ablate_variants_and_run_names_the_folder(tmp_pa
     with pytest.raises(DDTreeError, match=r"RUN=.*not a run folder \(no config.yaml\)"):
         find_checkpoint("best", root, tmp_path)
     shutil.rmtree(mine)
-    with pytest.raises(DDTreeError, match=rf"has checkpoints/last.ckpt \(the 1 `make ablate` variant runs there are not "
+    with pytest.raises(DDTreeError, match=rf"has checkpoints/last.ckpt \(1 `make ablate` variant run there is not "
                                           rf"counted; name one, e.g. {variant}\)"):
         find_resume("last", root)
 

@@ -329,7 +329,8 @@ def test_best_ckpt_moves_before_the_file_it_displaces_goes_and_a_launch_relinks_
     folder = tmp_path / "checkpoints"
     saved = []
 
-    def save_checkpoint(path):
+    def save_checkpoint(path, weights_only):
+        assert weights_only is False  # the whole state a resume needs
         Path(path).write_text("a checkpoint")
         saved.append(Path(path).name)
 

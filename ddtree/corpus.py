@@ -53,7 +53,7 @@ def read_replies(path: str | Path) -> list[list[int]]:
         tokens, offsets = saved["tokens"].tolist(), saved["offsets"].tolist()
     except (OSError, SafetensorError, KeyError) as error:
         raise DDTreeError(f"corpus {path} is unreadable or not a corpus ({error_line(error)}); export the drafter "
-                          f"again, or delete the file to decode without it") from None
+                          f"again, or decode without it (ddtree: --corpus none)") from None
     return [tokens[start:end] for start, end in zip(offsets, offsets[1:])]
 
 

@@ -92,7 +92,7 @@ def test_a_corpus_file_reads_back_its_replies_and_a_broken_one_is_one_line(tmp_p
     assert read_replies(tmp_path / CORPUS_FILE) == replies
     assert CorpusLookup.from_file(tmp_path / CORPUS_FILE).table == CorpusLookup(replies).table
     (tmp_path / "cut.safetensors").write_bytes((tmp_path / CORPUS_FILE).read_bytes()[:-3])
-    with pytest.raises(DDTreeError, match=r"corpus .*cut.safetensors is unreadable or not a corpus"):
+    with pytest.raises(DDTreeError, match=r"corpus .*cut.safetensors is unreadable or not a corpus .*--corpus none"):
         read_replies(tmp_path / "cut.safetensors")
 
 

@@ -23,7 +23,6 @@ fixes everything else.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import inspect
 import json
@@ -32,7 +31,7 @@ import re
 import sys
 from pathlib import Path
 
-from ddtree.errors import command
+from ddtree.errors import CommandParser, command
 from ddtree.files import atomic_file
 
 # ----------------------------------------------------------------------------- stdlib sources
@@ -467,7 +466,7 @@ def write_jsonl(records: list[dict], path: Path) -> None:
 
 @command
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = CommandParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-coding", type=int, default=2400, help="training coding prompts")
     parser.add_argument("--num-chat", type=int, default=1600, help="training chat prompts")

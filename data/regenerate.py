@@ -55,7 +55,7 @@ from transformers import DynamicCache
 
 from ddtree.cli import parse_device
 from ddtree.decoding import Sampling, top_p_filter
-from ddtree.errors import DDTreeError, command
+from ddtree.errors import CommandParser, DDTreeError, command
 from ddtree.files import read_yaml_mapping, staged_folder, unwritable_as_error, write_text_atomic
 from ddtree.targets import DTYPES, load_target, resolve_target, stop_token_ids
 from training.conversations import read_messages_jsonl, render_prompt_ids
@@ -318,7 +318,7 @@ def merge(parts: Path, out: Path, chunks_of_records: list[list[dict]], settings:
 # ----------------------------------------------------------------------------- main
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = CommandParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipe", type=Path, default=None,
                    help="a training recipe YAML: --target defaults to its model.target, --out to its data.data_path, "
                    "the other options to its data.regenerate section")

@@ -34,7 +34,7 @@ from .drafters import load_drafter_folder, read_drafter_config
 from .decoding import (
     METHODS, DrafterRunner, OnlineCalibration, Sampling, check_sizer, drafter_defaults, generate, static_cache,
 )
-from .errors import DDTreeError, command
+from .errors import CommandParser, DDTreeError, command
 from .files import check_output_file, write_json_atomic
 from .modeling_dflash import DFlashDraftModel
 from .packed_linear import PACKED_KERNELS, apply_packing, is_packed, pack_linears, require_packing
@@ -125,7 +125,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ddtree", description=__doc__.split("\n")[0])
+    parser = CommandParser(prog="ddtree", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
 
     gen = commands.add_parser("generate", help="generate text for one prompt")

@@ -14,16 +14,32 @@ Anything else is a bug and keeps its traceback (status 1).
 
 from __future__ import annotations
 
+import argparse
 import functools
 import sys
 from typing import Callable
 
 USAGE_ERROR = 2  # bad input: what argparse uses for a bad flag
 INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
+PACKAGES = ("ddtree", "training", "data")  # this project's, whose modules are commands run with python -m
 
 
 class DDTreeError(ValueError):
     """Bad input a user can fix; `run_cli` prints its message as one line and exits with status 2."""
+
+
+class CommandParser(argparse.ArgumentParser):
+    """argparse for this project's commands: a bad or missing flag is one line as well (`error: ...; see PROG --help`),
+    status 2, instead of argparse's usage block (its subcommands' parsers are of this class too)."""
+
+    def __init__(self, *args, **kwargs):
+        main = getattr(sys.modules.get("__main__"), "__spec__", None)  # run as `python -m training.evaluate`, say
+        if not args and "prog" not in kwargs and main is not None and main.name.split(".")[0] in PACKAGES:
+            kwargs["prog"] = f"python -m {main.name}"  # argparse would say "evaluate.py", which cannot be run
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(USAGE_ERROR, f"error: {message}; see {self.prog} --help\n")
 
 
 def error_line(error: BaseException) -> str:

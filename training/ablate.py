@@ -19,7 +19,6 @@ budget and for the chain, and the drafter's expected tau beside the measured one
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import math
@@ -32,7 +31,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from ddtree.bench import CHAIN, budget_of
-from ddtree.errors import DDTreeError, command
+from ddtree.errors import CommandParser, DDTreeError, command
 from ddtree.files import atomic_file, finite_json, write_text_atomic
 
 from .callbacks import AcceptanceEvaluation
@@ -162,7 +161,7 @@ def plot(results: list[dict]) -> Figure:
 
 @command
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Train variants of a recipe on one budget and compare them.")
+    parser = CommandParser(description="Train variants of a recipe on one budget and compare them.")
     parser.add_argument("--recipe", default="smollm2-135m")
     parser.add_argument("--variant", action="append", default=None,
                         help="name=overrides (repeatable); default: the five training objectives, the two "

@@ -19,7 +19,6 @@ run, an eval/ folder beside it). Bad input prints one line and exits with status
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -27,7 +26,7 @@ import torch
 
 from ddtree.cli import parse_device
 from ddtree.corpus import CORPUS_FILE, CorpusLookup
-from ddtree.errors import DDTreeError, command
+from ddtree.errors import CommandParser, DDTreeError, command
 from ddtree.files import check_output_file, read_yaml_mapping, write_json_atomic
 from ddtree.precision import AUTO, fast_precision
 from ddtree.targets import stop_token_ids
@@ -54,7 +53,7 @@ def logged_metrics(checkpoint: Checkpoint) -> dict | None:
 
 @command
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = CommandParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default="smollm2-135m", help="one of recipes/*.yaml")
     parser.add_argument("--ckpt", default="best",
                         help="'best', 'last' (of --run, else of the recipe's newest run) or a .ckpt path")

@@ -14,13 +14,12 @@ exits with status 2.
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import sys
 from pathlib import Path
 
 from ddtree.corpus import CORPUS_FILE
-from ddtree.errors import command
+from ddtree.errors import CommandParser, command
 from ddtree.files import check_output_folder, staged_folder
 
 from .checkpoints import drafter_from_checkpoint, run_folder_of
@@ -51,7 +50,7 @@ def export_drafter(source, out_dir: str | Path, corpus: Path | None = None) -> P
 
 @command
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = CommandParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="a .ckpt file (or DeepSpeed checkpoint folder) written by training/train.py")
     parser.add_argument("out_dir", help="folder to write (refused if it holds files, unless --overwrite)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty out_dir")

@@ -13,11 +13,10 @@ Bad input prints one line and exits with status 2.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
-from ddtree.errors import command
+from ddtree.errors import CommandParser, command
 from ddtree.targets import DTYPES, parse_dtype
 
 from .data import DistillDataModule
@@ -30,7 +29,7 @@ from .target import dtype_for_precision
 
 @command
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Build a recipe's offline feature store.")
+    parser = CommandParser(description="Build a recipe's offline feature store.")
     parser.add_argument("--recipe", default="smollm2-135m", help="one of recipes/*.yaml; its model.* and data.* define the store")
     parser.add_argument("--out", default=None, help="store folder (default: the recipe's data.feature_store; "
                         "when that is auto or unset, <ddtree cache>/features/<recipe>-<tokenization key>)")

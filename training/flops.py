@@ -30,14 +30,13 @@ cheap on a GPU, and dominant only on a CPU at tiny widths.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import dataclass
 
 from transformers import AutoConfig, Qwen3Config
 
 from ddtree.configuration_dflash import default_target_layer_ids
-from ddtree.errors import command
+from ddtree.errors import CommandParser, command
 from ddtree.targets import resolve_target
 
 from .masks import FLEX_MIN_CONTEXT
@@ -220,7 +219,7 @@ def target_config_for(target: str):
 
 @command
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = CommandParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", required=True, help="recipes/<name>.yaml: its model settings and max_length")
     parser.add_argument("--length", type=int, default=None, help="tokens per sequence (default: the recipe's max_length)")
     parser.add_argument("--anchors", type=int, nargs="*", default=[], help="also count these anchor counts")

@@ -21,7 +21,6 @@ target is not downloaded: it is built with random weights from its published con
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import statistics
 import sys
@@ -31,7 +30,7 @@ from unittest import mock
 import torch
 from transformers import AutoModelForCausalLM
 
-from ddtree.errors import DDTreeError, command
+from ddtree.errors import CommandParser, DDTreeError, command
 
 from . import target as target_loading
 from .flops import RANDOM_TARGETS, recipe_settings, recipe_step_flops
@@ -115,7 +114,7 @@ def gigabytes(size: int | None) -> str:
 
 @command
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = CommandParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="smollm2-135m")
     parser.add_argument("--recipe", default=None, help="take the settings, length and batch size from recipes/<name>.yaml")
     parser.add_argument("--random-target", action="store_true", help="build the target with random weights (RANDOM_TARGETS)")

@@ -45,7 +45,7 @@ from lightning.pytorch import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from ddtree.corpus import CORPUS_FILE, write_replies
-from ddtree.errors import DDTreeError, command
+from ddtree.errors import CommandParser, DDTreeError, command
 from ddtree.files import write_text_atomic
 from training.checkpoints import find_resume, newest_checkpoint, newest_finite_checkpoint, non_finite_tensors
 from training.data import DistillDataModule, replies
@@ -258,9 +258,7 @@ def remove_unstarted_run(run_dir: Path, step: int, created: list[Path]) -> None:
 
 @command
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(description="Train a drafter from a recipe.", add_help=True)
+    parser = CommandParser(description="Train a drafter from a recipe.", add_help=True)
     parser.add_argument("--recipe", default=None,
                         help=f"one of recipes/*.yaml (default: {DEFAULT_RECIPE}; a resumed run keeps its own)")
     parser.add_argument("--resume", default=None, help="'last' or a .ckpt path: continue that run exactly")

@@ -136,6 +136,15 @@ def test_budget_below_one(capsys, prompts_file):
     assert "budget 0" in line
 
 
+def test_a_bad_flag_is_one_line_naming_the_subcommands_help(capsys):
+    """argparse printed its usage block (11 lines) above the error."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--prompts", "p.jsonl", "--budgets", "16,x"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == ("error: argument --budgets: expected comma-separated integers, got '16,x'; "
+                                       "see ddtree bench --help\n")
+
+
 def test_no_budget_at_all_is_a_usage_error(capsys, prompts_file):
     """An empty --budgets ran nothing and wrote an empty summary (or failed with a traceback under --adaptive-size)."""
     with pytest.raises(SystemExit) as exit_:

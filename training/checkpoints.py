@@ -96,12 +96,20 @@ def no_run_found(recipe_root: Path, name: str) -> str:
     return f"no run under {recipe_root} has checkpoints/{name}{left_out}"
 
 
+def check_run_folder(run_dir: Path) -> None:
+    """RUN for `make eval` and `make export`: a folder `make train` wrote, or one line saying what it is instead."""
+    if not run_dir.is_dir():
+        raise DDTreeError(f"RUN={run_dir}: no such run folder; give outputs/<recipe>/<run>")
+    if not (run_dir / "config.yaml").is_file() and not (run_dir / "checkpoints").is_dir():
+        raise DDTreeError(f"RUN={run_dir} is not a training run (no config.yaml, no checkpoints/); "
+                          "give the folder `make train` wrote, outputs/<recipe>/<run>")
+
+
 def find_checkpoint(spec: str, recipe_root: Path, run_dir: Path | None = None) -> Path:
     """CKPT for `make eval`: 'best' or 'last' of RUN (a run folder), else of the newest run under recipe_root, or a
     checkpoint path."""
     if run_dir is not None:
-        if not (run_dir / "config.yaml").is_file():
-            raise DDTreeError(f"RUN={run_dir}: not a run folder (no config.yaml); give outputs/<recipe>/<run>")
+        check_run_folder(run_dir)
         return find_run_checkpoint(run_dir, spec)[0]
     if spec in ("best", "last"):
         run = newest_run(recipe_root, f"{spec}.ckpt")

@@ -54,7 +54,9 @@ from ddtree.files import check_output_folder, finite_json, staged_folder
 from ddtree.modeling_dflash import DFlashDraftModel
 from ddtree.targets import DTYPES, parse_dtype
 
-from .checkpoints import Checkpoint, find_run_checkpoint, load_checkpoint, recorded_evaluation, run_folder_of
+from .checkpoints import (
+    Checkpoint, check_run_folder, find_run_checkpoint, load_checkpoint, recorded_evaluation, run_folder_of,
+)
 from .engines import Export, engine_problems, refusal, serve_commands, target_facts, weight_shapes
 from .export import run_corpus
 from .hub import check_card_fields, check_export_folder, check_repo_id, preflight_hub, push
@@ -188,11 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.run or not args.out:
         raise DDTreeError("give the run folder and --out (make export RUN=... OUT=...)")
     run_dir, out = Path(args.run), Path(args.out)
-    if not run_dir.is_dir():
-        raise DDTreeError(f"RUN={run_dir}: no such run folder; give outputs/<recipe>/<run>")
-    if not (run_dir / "config.yaml").is_file() and not (run_dir / "checkpoints").is_dir():
-        raise DDTreeError(f"RUN={run_dir} is not a training run (no config.yaml, no checkpoints/); "
-                          "give the folder `make train` wrote, outputs/<recipe>/<run>")
+    check_run_folder(run_dir)
     checkpoint = find_run_checkpoint(run_dir, args.ckpt)  # (path, label): a copy kept outside the run too
     check_output_folder(out, args.overwrite, keep=(run_dir, checkpoint[0]))
     check_card_fields(args.base_model, args.license)

@@ -83,7 +83,7 @@ def test_last_and_best_leave_out_ablate_variants_and_run_names_the_folder(tmp_pa
     assert find_resume(str(variant), root)[1] == variant.resolve()
     with pytest.raises(DDTreeError, match=rf"CKPT={variant} is a run folder: give RUN={variant}"):
         find_checkpoint(str(variant), root)
-    with pytest.raises(DDTreeError, match=r"RUN=.*not a run folder \(no config.yaml\)"):
+    with pytest.raises(DDTreeError, match=r"RUN=.* is not a training run \(no config.yaml, no checkpoints/\)"):
         find_checkpoint("best", root, tmp_path)
     shutil.rmtree(mine)
     with pytest.raises(DDTreeError, match=rf"has checkpoints/last.ckpt \(1 `make ablate` variant run there is not "

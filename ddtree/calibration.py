@@ -93,7 +93,7 @@ class OnlineCalibration:
         return math.exp(self.log_temperature(shape))
 
     def observe(self, shape: int | None, expected: float, accepted_length: int) -> None:
-        if self.frozen:
+        if self.frozen or not math.isfinite(expected):  # a NaN would clamp to the floor: max(-2, nan) is -2
             return
         log_t = self.log_temperature(shape) + self.RATE * (expected - accepted_length)
         self.log_temperatures[shape] = min(self.LOG_LIMIT, max(-self.LOG_LIMIT, log_t))

@@ -152,6 +152,10 @@ class DrafterRunner:
         self.block_size = drafter.block_size
         self.mask_token_id = drafter.mask_token_id
         temperatures = getattr(drafter.config, "draft_temperatures", None)  # calibrated drafters only
+        if calibrated and temperatures and (len(temperatures) != drafter.block_size - 1
+                                            or not all(0 < t < math.inf for t in temperatures)):
+            raise DDTreeError(f"the drafter's config.json has draft_temperatures {temperatures}: give one positive number "
+                              f"per drafted position ({drafter.block_size - 1}), or remove the field to decode uncalibrated")
         self.temperatures = (
             None if not temperatures or not calibrated
             else torch.tensor(temperatures, dtype=torch.float32, device=self.lm_head.weight.device)[:, None]
@@ -392,7 +396,7 @@ def generate(
     drafter: DrafterRunner | None = None,
     budget: int = 32,
     max_new_tokens: int = 256,
-    stop_ids: list[int] | tuple[int, ...] = (),
+    stop_ids: list[int] | tuple[int, ...] | torch.Tensor | int = (),
     sampling: Sampling = Sampling(),
     generator: torch.Generator | None = None,
     static: bool | None = None,
@@ -442,7 +446,11 @@ def generate(
     static = static_cache(static, device)
     check_sizer(method, sizer is not None, static)
     check_full_attention(target)
-    prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1).tolist()
+    prompt = torch.as_tensor(prompt_ids, dtype=torch.long)
+    if prompt.dim() > 2 or (prompt.dim() == 2 and prompt.shape[0] != 1):
+        raise DDTreeError(f"generate decodes one prompt at a time: prompt_ids has shape {tuple(prompt.shape)}; give "
+                          f"one sequence of token ids (or a (1, length) batch) per call")
+    prompt = prompt.reshape(-1).tolist()
     if not prompt:
         raise DDTreeError("the prompt is empty: give at least one token, from which the target predicts the first new one")
     limit = context_limit(target)
@@ -452,7 +460,7 @@ def generate(
     result = GenerationResult(prompt_ids=prompt, new_tokens=[])
     if max_new_tokens <= 0:
         return result
-    stop = set(stop_ids)
+    stop = set(torch.as_tensor(stop_ids, dtype=torch.long).reshape(-1).tolist())  # a list, a tensor or one id
     use_drafter = method != "ar"
     if static:
         verify_rows = 1 + (budget if method == "ddtree" else drafter.block_size - 1 if use_drafter else 0)

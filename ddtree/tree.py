@@ -74,7 +74,9 @@ def build_tree(
     tree = _empty_tree()
     # Heap entries: (-path score, depth index, rank at that depth, parent row, table). Scores are exact
     # sums of log-probs, so a popped node's score is never above its parent's: pops are topological.
-    heap = [(-top_log_probs[0][0][0], 0, 0, 0, 0)]
+    # A depth-1 row that is not finite (NaN or +inf logits; all -inf) gives no node at all: a NaN path score would
+    # reach the tree's log-probs, where the sizer and the expected acceptance read it.
+    heap = [(-top_log_probs[0][0][0], 0, 0, 0, 0)] if math.isfinite(top_log_probs[0][0][0]) else []
     while heap and len(tree.tokens) < budget:
         neg_score, depth, rank, parent, table = heapq.heappop(heap)
         score = -neg_score

@@ -260,3 +260,25 @@ def test_tokens_the_drafter_rules_out_are_never_nodes(budget):
     finite = torch.log_softmax(logits[:, [2, 4]], -1)  # the same drafter over its two tokens alone
     expected = {tuple((2, 4)[t] for t in prefix) for prefix in brute_force_top_prefixes(finite, min(budget, 14))}
     assert set(node_paths(tree)) == expected and len(tree.tokens) == min(budget, 14)
+
+
+@pytest.mark.parametrize("broken", ["nan", "inf", "all -inf"])
+def test_a_depth_one_row_that_is_not_finite_gives_an_empty_tree(broken):
+    """NaN or +inf logits at depth 1 (a drafter that diverged, a 0 temperature) give no node whose score is NaN: the
+    sizer and the expected acceptance read the scores (a NaN score made TreeSizer.size raise IndexError)."""
+    logits = torch.randn(3, 6, generator=torch.Generator().manual_seed(0))
+    logits[0] = {"nan": float("nan"), "inf": float("-inf"), "all -inf": float("-inf")}[broken]
+    if broken == "inf":
+        logits[0, 2] = float("inf")
+    assert build_tree(logits, 8).tokens == []
+    logits[1] = float("nan")  # a finite depth 1 above a broken depth 2: the depth-1 nodes alone
+    tree = build_tree(torch.cat([torch.randn(1, 6), logits[1:]]), 8)
+    assert tree.depths == [1] * 6 and all(math.isfinite(score) for score in tree.log_probs)
+
+
+def test_a_round_whose_expected_acceptance_is_not_a_number_leaves_the_online_temperature_alone():
+    online = OnlineCalibration()
+    online.observe(32, expected=3.0, accepted_length=1)
+    warmed = online.temperature(32)
+    online.observe(32, expected=float("nan"), accepted_length=2)  # max(-2, nan) is -2: it pinned T at its floor
+    assert online.temperature(32) == warmed

@@ -1,0 +1,89 @@
+"""What `ddtree.decoding.generate` takes and refuses, on the tiny random target (fp32): drafters whose logits are
+not finite, a batch of prompts, stop ids as a tensor, a drafter config's temperatures. Found in a review, 2026-11-29.
+
+    .venv/bin/pytest -q tests/ddtree/test_generate_inputs.py
+"""
+
+import pytest
+import torch
+
+from ddtree.decoding import DrafterRunner, generate
+from ddtree.errors import DDTreeError
+from ddtree.sizing import TreeSizer
+
+PROMPT = [5, 6, 7, 8]
+NEW = 12
+
+
+def greedy(target, prompt, new=NEW, stop=None):
+    return target.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False,
+                           eos_token_id=stop)[0, len(prompt):].tolist()
+
+
+class BrokenDrafter:
+    """Drafts NaN at depth 1 (a diverged drafter, a 0 temperature) every `period`-th round, a confident token 7
+    otherwise."""
+
+    block_size = 4
+
+    def __init__(self, vocab: int, period: int = 2):
+        self.vocab, self.period, self.calls = vocab, period, 0
+
+    def reset(self):
+        pass
+
+    def features(self, hidden_states):
+        return hidden_states[-1]
+
+    def propose(self, root_token, start, new_context, depth):
+        self.calls += 1
+        logits = torch.zeros(depth, self.vocab)
+        logits[:, 7] = 3.0
+        if self.calls % self.period == 0:
+            logits[0] = float("nan")
+        return logits
+
+
+@pytest.mark.parametrize("sizer", [None, TreeSizer(fixed_ms=5.0, row_ms=1.0)], ids=["budget", "sizer"])
+def test_a_drafter_whose_logits_are_not_finite_still_commits_greedy_decoding(tiny_target, sizer):
+    """Its broken rounds verify no draft node and commit the target's own token (the sizer raised IndexError)."""
+    target, _ = tiny_target
+    drafter = BrokenDrafter(target.config.vocab_size)
+    result = generate(target, PROMPT, "ddtree", drafter, budget=8, max_new_tokens=NEW, sizer=sizer)
+    assert result.new_tokens == greedy(target, PROMPT)
+    assert sum(r.tree_size == 0 for r in result.rounds) >= drafter.calls // 2 >= 2  # every broken round: no node
+
+
+@pytest.mark.parametrize("method", ["ar", "ddtree"])
+def test_a_batch_of_prompts_is_refused_not_joined_into_one(tiny_target, method):
+    target, _ = tiny_target
+    drafter = BrokenDrafter(target.config.vocab_size, period=10**9)
+    with pytest.raises(DDTreeError, match=r"one prompt at a time: prompt_ids has shape \(2, 4\)"):
+        generate(target, torch.tensor([PROMPT, [9, 10, 11, 12]]), method, drafter, max_new_tokens=NEW)
+    alone = generate(target, torch.tensor([PROMPT]), method, drafter, max_new_tokens=NEW)  # a batch of one is one prompt
+    assert alone.new_tokens == greedy(target, PROMPT)
+
+
+@pytest.mark.parametrize("as_given", [list, torch.tensor, lambda ids: ids[0]], ids=["list", "tensor", "int"])
+def test_stop_ids_stop_whether_a_list_a_tensor_or_one_id(tiny_target, as_given):
+    target, _ = tiny_target
+    stop = greedy(target, PROMPT)[3]  # the 4th greedy token
+    reference = greedy(target, PROMPT, stop=stop)
+    assert reference[-1] == stop and len(reference) <= 4
+    result = generate(target, PROMPT, "ar", max_new_tokens=NEW, stop_ids=as_given([stop]))
+    assert result.new_tokens == reference and result.stopped
+
+
+@pytest.mark.parametrize("temperatures", [[0.0, 1.0, 1.0], [1.0, float("nan"), 1.0], [-1.0, 1.0, 1.0], [1.0, 1.0]])
+def test_draft_temperatures_that_cannot_divide_the_logits_are_one_line(tiny_target, temperatures):
+    from ddtree.modeling_dflash import DFlashDraftModel
+    from ddtree.targets import build_drafter_config
+
+    target, tokenizer = tiny_target
+    config = build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4,
+                                  target_layer_ids=[0, target.config.num_hidden_layers - 1])
+    config.draft_temperatures = temperatures
+    drafter = DFlashDraftModel(config)
+    with pytest.raises(DDTreeError, match=r"draft_temperatures .*: give one positive number per drafted position \(3\)"):
+        DrafterRunner(drafter, target)
+    DrafterRunner(drafter, target, calibrated=False)  # the raw logits, to fit new ones from: the field is not read

@@ -8,7 +8,7 @@
     python data/regenerate.py ... --shard-index 1 --num-shards 2 &
     python data/regenerate.py ... --merge-only        # (re)build the dataset from finished chunks
 
-    python data/regenerate.py --recipe recipes/smollm2-135m.yaml   # target and --out from the recipe
+    python data/regenerate.py --recipe smollm2-135m   # target and --out from the recipe (its name, or a YAML file)
     python data/regenerate.py --recipe recipes/smollm2-135m-gpu.yaml   # and its data.regenerate options; data_path
                                                                        # auto: <ddtree cache>/data/<recipe>
 
@@ -60,6 +60,8 @@ from ddtree.files import read_yaml_mapping, staged_folder, unwritable_as_error, 
 from ddtree.targets import DTYPES, load_target, resolve_target, stop_token_ids
 from training.conversations import read_messages_jsonl, render_prompt_ids
 from training.recipe_data import AUTO_DATA, check_regenerate_settings, default_data_path
+
+RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
 
 
 def prompt_messages(messages: list[dict]) -> list[dict]:
@@ -320,7 +322,7 @@ def merge(parts: Path, out: Path, chunks_of_records: list[list[dict]], settings:
 def build_parser() -> argparse.ArgumentParser:
     p = CommandParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipe", type=Path, default=None,
-                   help="a training recipe YAML: --target defaults to its model.target, --out to its data.data_path, "
+                   help="a training recipe (its name, or a YAML file): --target defaults to its model.target, --out to its data.data_path, "
                    "the other options to its data.regenerate section")
     p.add_argument("--target", default=None, help="built-in target name, local HF folder or Hub id (default smollm2-135m)")
     p.add_argument("--prompts", type=Path, default=Path("data/prompts/train_prompts.jsonl"))
@@ -353,10 +355,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def recipe_defaults(recipe_file: Path) -> dict[str, str]:
-    """A recipe's model.target, data.data_path (auto: <ddtree cache>/data/<recipe>) and data.regenerate options."""
-    if not recipe_file.is_file():
-        raise DDTreeError(f"recipe {recipe_file} does not exist; give a file under recipes/")
+def recipe_defaults(recipe: Path) -> dict[str, str]:
+    """A recipe's model.target, data.data_path (auto: <ddtree cache>/data/<recipe>) and data.regenerate options.
+
+    recipe: its file, or its name as training takes it (smollm2-135m for recipes/smollm2-135m.yaml).
+    """
+    named = RECIPES_DIR / f"{recipe}.yaml"
+    recipe_file = recipe if recipe.is_file() else named if recipe.suffix == "" and named.is_file() else None
+    if recipe_file is None:
+        known = ", ".join(sorted(path.stem for path in RECIPES_DIR.glob("*.yaml")))
+        raise DDTreeError(f"recipe {recipe} does not exist; give a file, or one of the recipes' names: {known}")
     recipe = read_yaml_mapping(recipe_file)
     data = recipe.get("data") or {}
     settings = data.get("regenerate") or {}

@@ -291,3 +291,11 @@ def test_recipe_supplies_target_and_output(tmp_path):
     assert args.out == Path("elsewhere")
     with pytest.raises(DDTreeError, match="no output folder"):
         regenerate.apply_recipe(regenerate.parse_args([]))
+
+
+def test_a_recipe_is_named_as_training_names_it_or_given_as_a_file():
+    by_name = regenerate.apply_recipe(regenerate.parse_args(["--recipe", "smollm2-135m"]))
+    by_file = regenerate.apply_recipe(regenerate.parse_args(["--recipe", "recipes/smollm2-135m.yaml"]))
+    assert (by_name.target, by_name.out) == (by_file.target, by_file.out) == ("smollm2-135m", Path("data/smollm2-135m"))
+    with pytest.raises(DDTreeError, match="recipe smollm2 does not exist; give a file, or one of the recipes' names: .*tiny"):
+        regenerate.parse_args(["--recipe", "smollm2"])

@@ -102,6 +102,8 @@ def test_unknown_recipe_prints_one_line_listing_the_known_ones(capsys):
     assert main(["--recipe", "nope"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "nope" in err and "smollm2-135m" in err and "tiny" in err
+    assert main(["--recipe", "recipes/tiny.yaml"]) == 2  # data/regenerate.py takes a file: training points to the name
+    assert "--recipe takes a recipe's name: --recipe tiny (reads recipes/tiny.yaml)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("text, named", [

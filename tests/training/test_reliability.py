@@ -83,6 +83,8 @@ def test_a_signal_stops_the_run_with_a_non_zero_status_and_the_command_that_resu
 
     resume = re.search(r"RESUME=(\S+)", lines[0]).group(1)
     assert Path(resume).name == "last.ckpt" and Path(resume).exists()
+    if sent != signal.SIGTERM:
+        return  # resuming does not depend on the signal: SIGTERM's case runs it
     # The printed command continues the run to its end (a shorter one here, so the test stays short).
     assert train_main(["--recipe", "tiny", "--resume", resume, "--output-root", str(tmp_path / "out"),
                        "--trainer.max_steps=6", "--trainer.enable_progress_bar=false"]) == 0

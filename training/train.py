@@ -219,7 +219,7 @@ def stopped(run_dir: Path, recipe: str, why: str, status: int, step: int) -> int
         try:
             resume = f"resume with: make train RECIPE={recipe} RESUME={newest_checkpoint(run_dir)}"
         except DDTreeError:
-            resume = "no checkpoint was written yet, so nothing can be resumed; start it again"
+            resume = "no checkpoint was written yet, so nothing can be resumed; start it again (the same command)"
         print(f"[train] {why} at step {step}; no drafter written; {resume}", file=sys.stderr, flush=True)
     return status
 
@@ -234,6 +234,10 @@ def new_folders(run_dir: Path) -> list[Path]:
     return missing
 
 
+def has_checkpoint(run_dir: Path) -> bool:
+    return any(path.is_file() for path in (run_dir / "checkpoints").rglob("*"))
+
+
 def remove_unstarted_run(run_dir: Path, step: int, created: list[Path]) -> None:
     """A fresh run that failed before its first step leaves no folder behind (it would hold only config.yaml), nor
     the <output-root>/<recipe>/ folders made for it, unless another run has written there since.
@@ -242,7 +246,7 @@ def remove_unstarted_run(run_dir: Path, step: int, created: list[Path]) -> None:
     launch wrote first goes, config.yaml (which would refuse a rerun under the same name) and the corpus."""
     if step > 0 or not is_first_process() or not run_dir.is_dir():
         return
-    if any(path.is_file() for path in (run_dir / "checkpoints").rglob("*")):
+    if has_checkpoint(run_dir):
         return
     if created:
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -282,7 +286,10 @@ def main(argv: list[str] | None = None) -> int:
             run_dir = Path(args.output_root) / args.recipe / run_name(args.run)
             created = new_folders(run_dir)  # none: the failure path removes only what this launch wrote
             if is_first_process() and (run_dir / "config.yaml").exists():
-                raise DDTreeError(f"run folder {run_dir} already holds a run; pick another --run or use --resume")
+                if has_checkpoint(run_dir):
+                    raise DDTreeError(f"run folder {run_dir} already holds a run; pick another --run or use --resume")
+                # stopped before its first checkpoint, whose line said to start it again: nothing there to resume
+                print(f"[train] {run_dir} holds a run stopped before its first checkpoint: starting it again", flush=True)
         cli = build_cli(config, run_dir, overrides)
         prepare_recipe_data(cli.datamodule, args.recipe, cli.trainer.world_size)
         build_missing_feature_store(cli, args.recipe)

@@ -169,6 +169,19 @@ def test_a_moved_run_resumes_into_its_new_folder(tmp_path, caplog):
     assert str(moved) in (moved / "config.yaml").read_text()
 
 
+def test_a_run_stopped_before_its_first_checkpoint_starts_again_under_its_name(tmp_path, capsys):
+    """Its stop line says to start it again; the same command refused, the folder "already holds a run", and
+    --resume found no checkpoint: a dead end under the README's own --run name."""
+    run_dir = tmp_path / "out" / "tiny" / "try1"
+    (run_dir / "tensorboard" / "version_0").mkdir(parents=True)  # what a run Ctrl-C'd at step 0 leaves
+    (run_dir / "config.yaml").write_text("a run that never saved\n")
+    assert train_main(tiny_args(tmp_path, "try1", max_steps=2, every=2)) == 0
+    assert "holds a run stopped before its first checkpoint: starting it again" in capsys.readouterr().out
+    assert (run_dir / "drafter" / "model.safetensors").is_file()
+    assert train_main(tiny_args(tmp_path, "try1", max_steps=2)) == 2  # one with checkpoints is kept
+    assert "already holds a run; pick another --run or use --resume" in capsys.readouterr().err
+
+
 def with_data(args: list[str], data: Path | str) -> list[str]:
     return [f"--data.data_path={data}" if a.startswith("--data.data_path") else a for a in args]
 

@@ -146,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma-separated ddtree node budgets, one row each (default: 16,32,64)")
     bench.add_argument("--limit", type=int, default=None, help="use the first N prompts (default: all)")
     bench.add_argument("--out", default=None, help="write results JSON here")
+    bench.add_argument("--overwrite", action="store_true", help="replace an existing --out")
 
     calibrate = commands.add_parser(
         "calibrate", help=f"learn the drafter's calibration on a prompts file and write it into its folder ({CALIBRATION_FILE})")
@@ -339,10 +340,10 @@ def cmd_bench(args) -> None:
             raise DDTreeError(f"{', '.join(shaping)} shape the ddtree method's trees, and --methods {args.methods} runs "
                               "no ddtree: add ddtree to --methods, or drop them")
     if args.out:
-        check_output_file(args.out)
         if Path(args.out).exists() and Path(args.out).resolve() == Path(args.prompts).resolve():
             raise DDTreeError(f"--out {args.out} is the --prompts file: the results would replace the prompts; give "
                               "another --out")
+        check_output_file(args.out, overwrite=args.overwrite)
     sampling, target, tokenizer = _setup(args, needs_drafter=any(m != "ar" for m in methods))
     prompts = load_prompts(args.prompts, tokenizer, args.limit)
     drafter = None

@@ -81,7 +81,18 @@ def check_weights_match_config(folder: Path, config: DFlashDrafterConfig) -> Non
 def read_drafter_config(folder: Path) -> DFlashDrafterConfig:
     """A drafter folder's config.json, or one line saying why it cannot be read."""
     if not (folder / "config.json").is_file():
+        if (folder / "drafter" / "config.json").is_file():  # a training run's folder: its drafter is inside
+            raise DDTreeError(f"drafter {str(folder)!r} is a training run's folder: its drafter is {folder / 'drafter'}")
         raise DDTreeError(f"drafter {str(folder)!r} is not a folder with a config.json")
+    try:
+        fields = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise DDTreeError(f"drafter {folder}/config.json could not be read: {error_line(error)}") from None
+    if not isinstance(fields, dict):
+        raise DDTreeError(f"drafter {folder}/config.json holds a JSON {type(fields).__name__}, not an object of fields")
+    if "dflash_config" not in fields and "block_size" not in fields:  # a target model's folder, say
+        raise DDTreeError(f"{folder} is not a DFlash drafter: its config.json (model_type {fields.get('model_type')!r}) "
+                          "has no dflash_config or block_size; give a drafter folder (a run's drafter/ or an export)")
     try:
         return DFlashDrafterConfig.from_pretrained(folder)
     except (OSError, ValueError, TypeError) as error:

@@ -59,11 +59,14 @@ def unwritable_as_error(path: Path):
         raise DDTreeError(f"cannot write {path}: {why}; give a path in a writable folder") from None
 
 
-def check_output_file(path: str | Path, flag: str = "--out") -> None:
-    """Refuse, before any work, a results file that could not be written at the end: a folder, or a path under a file."""
+def check_output_file(path: str | Path, flag: str = "--out", overwrite: bool | None = None) -> None:
+    """Refuse, before any work, a results file that could not be written at the end: a folder, or a path under a file;
+    and, with overwrite=False, a file that exists (a command's own input, say: a drafter's config.json)."""
     path = Path(path)
     if path.is_dir():
         raise DDTreeError(f"{flag} {path} is a folder; give a file path for the results JSON")
+    if overwrite is False and path.exists():
+        raise DDTreeError(f"{flag} {path} exists; pass --overwrite to replace it, or give another path")
     blocker = file_in_the_way(path)
     if blocker is not None:
         raise DDTreeError(f"cannot write {path}: {blocker} is a file, not a folder; give a path in a writable folder")

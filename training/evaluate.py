@@ -62,12 +62,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, default=None, help="override eval.limit (the result then differs from training's)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=None, help="results JSON (default: <run>/eval/checkpoint-<name>.json)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     args = parser.parse_args(argv)
     check_recipe_name(args.recipe)
     parse_device(args.device)
     if args.out:
-        check_output_file(args.out)
+        check_output_file(args.out, overwrite=args.overwrite)
     path = find_checkpoint(args.ckpt, Path(args.output_root) / args.recipe, args.run)
+    if args.out and Path(args.out).resolve() == path.resolve():
+        raise DDTreeError(f"--out {args.out} is the checkpoint measured; give another --out")
     config, source = read_config(path, args.recipe)
     settings = dict(config.get("eval") or {})
     if args.limit is not None:

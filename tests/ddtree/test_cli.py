@@ -321,7 +321,7 @@ def test_bench_grafts_the_corpus_a_drafter_folder_ships_unless_told_none(capsys,
              "--max-new-tokens", "24", "--dtype", "float32"]
 
     def run(*extra):
-        assert run_cli(capsys, *bench, "--out", str(tmp_path / "results.json"), *extra)[0] == 0
+        assert run_cli(capsys, *bench, "--out", str(tmp_path / "results.json"), "--overwrite", *extra)[0] == 0
         return json.loads((tmp_path / "results.json").read_text())
 
     greedy = [prompt["methods"]["ar"]["new_tokens"] for prompt in run("--methods", "ar")["prompts"]]
@@ -368,8 +368,28 @@ def test_an_output_that_cannot_be_written_is_refused_before_any_decoding(capsys,
     assert "is a folder; give a file path" in _bad(capsys, *common, "--out", str(tmp_path))
 
 
+def test_an_existing_results_file_is_replaced_only_when_asked(capsys, tmp_path, prompts_file, monkeypatch):
+    """`--out <drafter>/config.json` replaced the drafter's config with results, without a word."""
+    import ddtree.cli
+
+    monkeypatch.setattr(ddtree.cli, "_setup", lambda *args, **kwargs: pytest.fail("decoded before checking --out"))
+    taken = tmp_path / "config.json"
+    taken.write_text("{}")
+    common = ["bench", "--target", TARGET, "--prompts", str(prompts_file), "--methods", "ar", "--out", str(taken)]
+    assert _bad(capsys, *common) == f"error: --out {taken} exists; pass --overwrite to replace it, or give another path"
+    with pytest.raises(pytest.fail.Exception, match="decoded before checking --out"):  # asked: it goes on to decode
+        ddtree.cli.main([*common, "--overwrite"])
+    assert taken.read_text() == "{}"
+
+
 @pytest.mark.parametrize("command, flags, message", [
     ("generate", ["--drafter", "{tmp}/none", "--prompt", "hi"], "error: drafter '{tmp}/none' is not a folder with a config.json"),
+    ("generate", ["--drafter", "{run}", "--prompt", "hi"],
+     "error: drafter '{run}' is a training run's folder: its drafter is {run}/drafter"),
+    ("generate", ["--drafter", "{target}", "--prompt", "hi"],
+     "error: {target} is not a DFlash drafter: its config.json (model_type 'llama') has no dflash_config or block_size"),
+    ("generate", ["--drafter", "{listed}", "--prompt", "hi"],
+     "error: drafter {listed}/config.json holds a JSON list, not an object of fields"),
     ("calibrate", ["--drafter", "{tmp}", "--prompts", "{prompts}"], "error: drafter '{tmp}' is not a folder with a config.json"),
     ("bench", ["--prompts", "{tmp}/none.jsonl"], "error: prompts file {tmp}/none.jsonl does not exist"),
     ("bench", ["--prompts", "{prompts}", "--corpus", "{tmp}/none.jsonl"], "error: --corpus {tmp}/none.jsonl: no such file"),
@@ -388,7 +408,11 @@ def test_files_named_on_the_command_line_are_checked_before_the_target_loads(cap
     import ddtree.cli
 
     monkeypatch.setattr(ddtree.cli, "load_target", lambda *args, **kwargs: pytest.fail("loaded the target first"))
-    fill = lambda text: text.format(tmp=tmp_path, prompts=prompts_file)  # noqa: E731
+    run, target, listed = tmp_path / "run", tmp_path / "target", tmp_path / "listed"
+    for folder, config in ((run / "drafter", "{}"), (target, '{"model_type": "llama"}'), (listed, "[1, 2]")):
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text(config)
+    fill = lambda text: text.format(tmp=tmp_path, prompts=prompts_file, run=run, target=target, listed=listed)  # noqa: E731
     assert _bad(capsys, command, "--target", TARGET, *map(fill, flags)).startswith(fill(message))
 
 
@@ -564,7 +588,7 @@ def test_calibrate_writes_the_folders_calibration_which_bench_uses_unless_told_n
     def bench(*extra):
         out = tmp_path / "results.json"
         assert run_cli(capsys, "bench", *common, "--methods", "ar,dflash,ddtree", "--budgets", "8", "--out", str(out),
-                       *extra)[0] == 0
+                       "--overwrite", *extra)[0] == 0
         return json.loads(out.read_text())
 
     shipped, none = bench(), bench("--calibration", "none")

@@ -284,6 +284,12 @@ def test_make_eval_refuses_an_out_it_could_not_write_before_evaluating(saved, tm
         assert training.evaluate.main(["--recipe", "tiny", "--ckpt", str(path), "--out", str(out)]) == 2
         assert message in one_error_line(capsys)
     assert (tmp_path / "afile").read_text() == "mine"
+    # an existing file, the checkpoint itself among them (it was replaced by results JSON), only when asked
+    assert training.evaluate.main(["--recipe", "tiny", "--ckpt", str(path), "--out", str(tmp_path / "afile")]) == 2
+    assert f"--out {tmp_path / 'afile'} exists; pass --overwrite to replace it" in one_error_line(capsys)
+    assert training.evaluate.main(["--recipe", "tiny", "--ckpt", str(path), "--out", str(path), "--overwrite"]) == 2
+    assert f"--out {path} is the checkpoint measured; give another --out" in one_error_line(capsys)
+    assert (tmp_path / "afile").read_text() == "mine" and path.stat().st_size > 1000
 
 
 def test_make_eval_of_a_loose_checkpoint_writes_beside_it(saved, tmp_path, capsys, monkeypatch):

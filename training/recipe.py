@@ -192,7 +192,10 @@ def check_values(config: Namespace) -> None:
     refused = [
         ("model.lr", model.lr, model.lr > 0, "give a positive learning rate"),
         ("data.num_workers", data.num_workers, data.num_workers >= 0, "give 0 (load in the main process) or more"),
-        ("trainer.max_steps", trainer.max_steps, trainer.max_steps >= -1, "give -1 (no limit) or a step count"),
+        ("trainer.max_steps", trainer.max_steps, trainer.max_steps == -1 or trainer.max_steps >= 1,
+         "give -1 (no limit) or a step count of at least 1 (0 trains nothing and exports an untrained drafter)"),
+        ("trainer.max_epochs", trainer.max_epochs, trainer.max_epochs in (None, -1) or trainer.max_epochs >= 1,
+         "give -1 or null (no limit) or an epoch count of at least 1"),
         ("trainer.accumulate_grad_batches", trainer.accumulate_grad_batches, trainer.accumulate_grad_batches >= 1,
          "give 1 (no accumulation) or more"),
         ("trainer.val_check_interval", trainer.val_check_interval, trainer.val_check_interval != 0,

@@ -289,6 +289,8 @@ def test_resuming_a_finished_run_says_so_and_keeps_its_drafter(tmp_path, capsys)
 
 @pytest.mark.parametrize("override, named", [
     ("--trainer.max_steps=-5", "trainer.max_steps=-5"),
+    ("--trainer.max_steps=0", "trainer.max_steps=0"),  # it exported an untrained drafter, exit 0
+    ("--trainer.max_epochs=0", "trainer.max_epochs=0"),
     ("--model.lr=-1", "model.lr=-1.0"),
     ("--data.num_workers=-1", "data.num_workers=-1"),
     ("--trainer.val_check_interval=0", "trainer.val_check_interval=0"),

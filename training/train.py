@@ -313,6 +313,14 @@ def main(argv: list[str] | None = None) -> int:
             if cli.trainer.interrupted:
                 return stopped(run_dir, args.recipe, "interrupted (SIGINT)", 128 + signal.SIGINT, cli.trainer.global_step)
             raise
+        except ValueError as error:  # Lightning's check of an interval longer than the epoch: a 5-line traceback
+            if not checkpoint:
+                remove_unstarted_run(run_dir, cli.trainer.global_step, created)
+            if "`val_check_interval`" not in str(error):
+                raise
+            raise DDTreeError(f"trainer.val_check_interval={cli.trainer.val_check_interval} is more than the "
+                              f"{cli.trainer.fit_loop.max_batches} training batches of an epoch of this data: give a "
+                              "smaller one, or --trainer.check_val_every_n_epoch=null to count it across epochs") from None
         except BaseException:
             if not checkpoint:
                 remove_unstarted_run(run_dir, cli.trainer.global_step, created)

@@ -306,6 +306,14 @@ def test_a_value_torch_or_lightning_refuses_is_one_line_naming_it(tmp_path, caps
     assert not (tmp_path / "out" / "tiny" / "bad").exists()
 
 
+def test_a_validation_interval_longer_than_the_epoch_is_one_line(tmp_path, capsys):
+    """Lightning's ValueError was a traceback (the 8B recipes' 2000 steps on a smaller dataset, say)."""
+    assert train_main([*tiny_args(tmp_path, "long", max_steps=2), "--trainer.val_check_interval=500"]) == 2
+    (line,) = error_lines(capsys)
+    assert "trainer.val_check_interval=500 is more than the " in line and "check_val_every_n_epoch=null" in line
+    assert not (tmp_path / "out" / "tiny" / "long").exists()
+
+
 def test_an_output_root_that_is_a_file_is_one_line(tmp_path, capsys):
     afile = tmp_path / "afile"
     afile.write_text("mine")

@@ -65,7 +65,7 @@ from transformers import AutoConfig
 from ddtree.configuration_dflash import DFlashDrafterConfig, default_target_layer_ids
 from ddtree.drafters import read_drafter_config
 from ddtree.errors import DDTreeError
-from ddtree.files import file_in_the_way, follow_umask, write_json_atomic
+from ddtree.files import file_in_the_way, follow_umask, unwritable_as_error, write_json_atomic
 from ddtree.precision import LIGHTNING_PRECISION
 from ddtree.targets import cache_dir, parse_dtype, resolve_target
 
@@ -423,9 +423,10 @@ def build_feature_store(
         raise DDTreeError(f"the feature store needs {format_bytes(remaining)} more but only {format_bytes(free)} is free "
                           f"under {partial.parent}: free some space or give another --out")
 
+    with unwritable_as_error(out):  # a read-only mount: said before the target loads, not as mkdir's traceback
+        partial.mkdir(parents=True, exist_ok=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target, _ = load_frozen_target(datamodule.target, dtype, target_adapter, device=device)
-    partial.mkdir(parents=True, exist_ok=True)
     write_json_atomic(partial / MANIFEST, manifest)
     # The time box's clock: seconds spent up to the last finished shard, and the tokens and seconds of the shards
     # computed, for the speed; a resumed build goes on from its interrupted run's figures rather than a fresh box.

@@ -71,6 +71,27 @@ def one_line(error: Exception) -> str:
 # ----------------------------------------------------------------------------- the store's content
 
 
+def test_a_store_on_a_read_only_place_is_one_line_before_the_target_loads(tmp_path, monkeypatch):
+    """A read-only mount (simulated: root may write anywhere): mkdir's OSError traceback before."""
+    import errno
+    import pathlib
+    import training.feature_store
+
+    dm = make_datamodule(tmp_path)
+    mkdir = pathlib.Path.mkdir
+
+    def read_only(path, *args, **kwargs):
+        if path.name.endswith(".partial"):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "mkdir", read_only)
+    monkeypatch.setattr(training.feature_store, "load_frozen_target", lambda *a, **k: pytest.fail("loaded the target"))
+    with pytest.raises(DDTreeError) as error:
+        build_feature_store(dm, tmp_path / "store", layer_ids=LAYER_IDS)
+    assert one_line(error.value).startswith(f"cannot write {tmp_path / 'store'}: Read-only file system")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_store_holds_exactly_the_online_features_of_every_sequence(tmp_path, dtype):
     dm = make_datamodule(tmp_path)

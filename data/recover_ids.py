@@ -168,7 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 @command
 def main(argv: list[str] | None = None) -> int:
-    run(build_parser().parse_args(argv))
+    args = build_parser().parse_args(argv)
+    if args.limit < 0:  # rows[:-1] dropped the last row without a word
+        raise DDTreeError(f"--limit {args.limit}: give a row count, or 0 for all rows")
+    run(args)
     return 0
 
 

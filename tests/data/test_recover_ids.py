@@ -100,3 +100,8 @@ def test_sampled_data_is_refused(tmp_path):
     source = write_regenerated(tmp_path / "data", [{"id": "a", "messages": MESSAGES}], temperature=0.7)
     with pytest.raises(DDTreeError, match="only greedy replies"):
         recover_ids.run(recover_ids.build_parser().parse_args([str(source), "--out", str(tmp_path / "out")]))
+
+
+def test_a_negative_limit_is_one_line(tmp_path, capsys):
+    assert recover_ids.main([str(tmp_path), "--out", str(tmp_path / "out"), "--limit", "-1"]) == 2
+    assert "--limit -1: give a row count, or 0 for all rows" in capsys.readouterr().err

@@ -322,8 +322,8 @@ def merge(parts: Path, out: Path, chunks_of_records: list[list[dict]], settings:
 def build_parser() -> argparse.ArgumentParser:
     p = CommandParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipe", type=Path, default=None,
-                   help="a training recipe (its name, or a YAML file): --target defaults to its model.target, --out to its data.data_path, "
-                   "the other options to its data.regenerate section")
+                   help="a training recipe (its name, or a YAML file): --target defaults to its model.target, --out "
+                   "to its data.data_path, the other options to its data.regenerate section")
     p.add_argument("--target", default=None, help="built-in target name, local HF folder or Hub id (default smollm2-135m)")
     p.add_argument("--prompts", type=Path, default=Path("data/prompts/train_prompts.jsonl"))
     p.add_argument("--out", type=Path, default=None, help="output `datasets` folder (chunks go to <out>.parts)")

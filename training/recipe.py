@@ -49,8 +49,9 @@ def known_recipes() -> list[str]:
 
 def check_recipe_name(name: str) -> None:
     if name not in known_recipes():
-        if Path(name).stem in known_recipes():  # a file given where a name is wanted (data/regenerate.py takes both)
-            raise DDTreeError(f"--recipe takes a recipe's name: --recipe {Path(name).stem} (reads recipes/{Path(name).stem}.yaml)")
+        stem = Path(name).stem
+        if stem in known_recipes():  # a file given where a name is wanted (data/regenerate.py takes both)
+            raise DDTreeError(f"--recipe takes a recipe's name: --recipe {stem} (reads recipes/{stem}.yaml)")
         raise DDTreeError(f"unknown recipe {name!r}; known recipes: {', '.join(known_recipes())}")
 
 

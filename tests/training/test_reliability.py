@@ -180,6 +180,12 @@ def test_a_run_stopped_before_its_first_checkpoint_starts_again_under_its_name(t
     assert (run_dir / "drafter" / "model.safetensors").is_file()
     assert train_main(tiny_args(tmp_path, "try1", max_steps=2)) == 2  # one with checkpoints is kept
     assert "already holds a run; pick another --run or use --resume" in capsys.readouterr().err
+    requeued = tmp_path / "out" / "tiny" / "requeued"  # SLURM's requeue checkpoint sits beside checkpoints/
+    requeued.mkdir()
+    (requeued / "config.yaml").write_text("a requeued run\n")
+    (requeued / "hpc_ckpt_1.ckpt").write_bytes(b"weights")
+    assert train_main(tiny_args(tmp_path, "requeued", max_steps=2)) == 2
+    assert "already holds a run" in capsys.readouterr().err and (requeued / "hpc_ckpt_1.ckpt").read_bytes() == b"weights"
 
 
 def with_data(args: list[str], data: Path | str) -> list[str]:

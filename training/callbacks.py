@@ -70,7 +70,7 @@ from ddtree.files import write_json_atomic
 from ddtree.targets import resolve_target, stop_token_ids
 
 from . import report
-from .checkpoints import non_finite_tensors
+from .checkpoints import AtomicCheckpointIO, non_finite_tensors
 from .data import replies
 from .strategies import consolidated_copy
 
@@ -604,6 +604,9 @@ class BestCheckpoint(Checkpoint):
         if trainer.is_global_zero and self.best_model_path and os.path.exists(self.best_model_path):
             self.link_best()
         self.finish_removal(trainer)
+        if trainer.is_global_zero and self.dirpath and os.path.isdir(self.dirpath):
+            for stale in AtomicCheckpointIO.remove_stale_staging(Path(self.dirpath)):
+                print(f"[checkpoint] removed {stale.name}: a save the last launch did not finish", flush=True)
 
     def finish_removal(self, trainer) -> None:
         """Delete the file a new best displaced where the last launch stopped before deleting it: the marker

@@ -12,25 +12,69 @@ checkpoints/{step-N,last,best}.ckpt (best.ckpt links to the step with the highes
 tau), hpc_ckpt_N.ckpt after a SLURM requeue signal, and the config.yaml the run was trained with.
 
 `load_checkpoint` reads a checkpoint once (a DeepSpeed folder is consolidated to fp32 weights
-first) and rebuilds the drafter as it is exported, LoRA adapters merged. Anything that is not a drafter checkpoint of this project is a DDTreeError of one line.
+first) and rebuilds the drafter as it is exported, LoRA adapters merged. Anything that is not a drafter checkpoint of
+this project is a DDTreeError of one line.
+
+Every .ckpt file is written by `AtomicCheckpointIO` (training/recipe.py installs it): whole or not at all.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import os
 import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from ddtree.configuration_dflash import DFlashDrafterConfig
 from ddtree.errors import DDTreeError, error_line
+from ddtree.files import atomic_file
 from ddtree.modeling_dflash import DFlashDraftModel
 
 from .peft_utils import DEFAULT_LORA_MODULES, add_drafter_lora, merged_drafter
+
+# ----------------------------------------------------------------------------- writing a checkpoint
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's checkpoint writer, with the staging file in the checkpoint's own folder.
+
+    Lightning stages a checkpoint through fsspec in $TMPDIR and moves it into place: where outputs/ lies on another
+    filesystem the move is a copy, and a full disk or a kill during it left a truncated step-N.ckpt under its final
+    name. Here torch.save streams into a hidden file beside the checkpoint (`.last.ckpt-<random>`), flushed to disk,
+    and one rename puts it in place: the name holds the old file or the whole new one. Streaming also spares the
+    in-memory copy of the whole checkpoint that Lightning's writer makes. A failed save (no space left) is one line;
+    the checkpoint it would have replaced is untouched. Remote paths (s3://...) keep Lightning's writer.
+    """
+
+    STAGING_GLOB = ".*.ckpt-*"  # what a kill during a save leaves behind (remove_stale_staging)
+
+    def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
+        if storage_options is not None or "://" in str(path):
+            super().save_checkpoint(checkpoint, path, storage_options)
+            return
+        try:
+            with atomic_file(path, "wb") as handle:
+                torch.save(checkpoint, handle)
+                handle.flush()
+                os.fsync(handle.fileno())  # the bytes are on disk before the rename makes them the checkpoint
+        except OSError as error:
+            raise DDTreeError(f"cannot write the checkpoint {path}: {error.strerror or error}; the previous "
+                              "checkpoints are whole: make room and resume the run (--resume <run folder>)") from None
+
+    @classmethod
+    def remove_stale_staging(cls, folder: Path) -> list[Path]:
+        """Delete the staging files a killed save left in `folder`; those deleted."""
+        stale = [path for path in Path(folder).glob(cls.STAGING_GLOB) if path.is_file()]
+        for path in stale:
+            path.unlink(missing_ok=True)
+        return stale
+
 
 # ----------------------------------------------------------------------------- finding a checkpoint
 

@@ -19,6 +19,7 @@ import torch
 import yaml
 from jsonargparse import ArgumentError, Namespace
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from ddtree.errors import DDTreeError, error_line
@@ -27,6 +28,7 @@ from ddtree.precision import AUTO, LIGHTNING_PRECISION, fast_precision
 from ddtree.targets import has_hub_id_shape
 
 from .callbacks import AcceptanceEvaluation, BestCheckpoint, monitor_metric
+from .checkpoints import AtomicCheckpointIO
 from .data import DistillDataModule
 from .feature_store import init_from_config
 from .module import DistillModule
@@ -273,11 +275,16 @@ class DistillCLI(LightningCLI):
         # Lightning checks the rest of the trainer section (accelerator and strategy names, among others) as it
         # builds the Trainer, and raises with a traceback; a DDTreeError is already one line.
         try:
-            return super().instantiate_trainer(**kwargs)
+            trainer = super().instantiate_trainer(**kwargs)
         except DDTreeError:
             raise
         except (MisconfigurationException, ValueError) as error:
             raise RecipeSettingError(f"the trainer section was refused: {error_line(error)}") from None
+        # Checkpoint files are written whole or not at all (training/checkpoints.py). DeepSpeed's engine writes its
+        # own shard folders, and a writer a recipe names in trainer.plugins is kept.
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        return trainer
 
 
 class RecipeReader(DistillCLI):

@@ -150,6 +150,36 @@ def test_a_nan_loss_after_a_checkpoint_of_nan_weights_does_not_call_that_checkpo
     assert is_checkpoint(run_dir / "checkpoints" / "last.ckpt")
 
 
+def test_a_checkpoint_save_that_runs_out_of_disk_keeps_the_last_whole_one_and_says_so(tmp_path, monkeypatch, capsys):
+    """Lightning staged a checkpoint in $TMPDIR and moved it: across filesystems a copy, which a full disk left as a
+    truncated step-N.ckpt under its final name. The save of step 4 runs out of space half-way: no step-4.ckpt, no
+    staging file, last.ckpt still step 2's and whole, one line; the resume goes on from it, and a staging file a
+    killed save left is removed as the run starts."""
+    real_save = torch.save
+
+    def disk_fills(obj, handle, *args, **kwargs):
+        if isinstance(obj, dict) and "drafter_config" in obj and obj["global_step"] == 4:  # step-4.ckpt, saved first
+            handle.write(b"PK half a checkpoint")
+            raise OSError(28, "No space left on device")
+        return real_save(obj, handle, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", disk_fills)
+    assert train_main(tiny_args(tmp_path, "full", max_steps=4)) == 2
+    checkpoints = tmp_path / "out" / "tiny" / "full" / "checkpoints"
+    (line,) = error_lines(capsys)
+    assert line == (f"error: cannot write the checkpoint {checkpoints / 'step-4.ckpt'}: No space left on device; the "
+                    "previous checkpoints are whole: make room and resume the run (--resume <run folder>)")
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["best.ckpt", "last.ckpt", "step-2.ckpt"]
+    assert torch.load(checkpoints / "last.ckpt", weights_only=False)["global_step"] == 2
+    monkeypatch.undo()
+
+    (checkpoints / ".last.ckpt-k1lled").write_bytes(b"PK a save killed half-way")
+    assert train_main(["--resume", str(checkpoints.parent), "--output-root", str(tmp_path / "out")]) == 0
+    assert "removed .last.ckpt-k1lled: a save the last launch did not finish" in capsys.readouterr().out
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["best.ckpt", "last.ckpt", "step-4.ckpt"]
+    assert torch.load(checkpoints / "last.ckpt", weights_only=False)["global_step"] == 4
+
+
 def test_a_moved_run_resumes_into_its_new_folder(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="lightning.pytorch")
     assert train_main(tiny_args(tmp_path, "first", max_steps=2)) == 0

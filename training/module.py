@@ -51,6 +51,7 @@ from transformers import PreTrainedModel
 
 from ddtree.decoding import DEFAULT_REDRAFT, DrafterRunner
 from ddtree.drafters import load_drafter_folder
+from ddtree.configuration_dflash import DFlashDrafterConfig
 from ddtree.modeling_dflash import DFlashDraftModel
 from ddtree.errors import DDTreeError
 from ddtree.targets import build_drafter_config
@@ -118,6 +119,11 @@ class StepResult(NamedTuple):
     tokens: torch.Tensor  # (B,) counted tokens per block position
     top_hits: torch.Tensor  # (B,) labels within the drafter's top RECALL_K per block position
     target_seconds: Callable[[], float]  # the frozen target's forward time (0 with offline features), read after the step
+
+
+def as_compared(value):
+    """A config value as two configs are compared: a tuple and a list of the same items are equal."""
+    return list(value) if isinstance(value, (list, tuple)) else value
 
 
 def _grad_scaler(trainer):
@@ -687,6 +693,37 @@ class DistillModule(L.LightningModule):
         return temperatures
 
     # ------------------------------------------------------------------ checkpoints
+
+    # What a resume cannot change: the drafter's shape and what it reads (config field -> the setting that sets it).
+    # Another shape was a load_state_dict traceback; another block size or layer ids trained on silently, and the
+    # run's config.yaml then named settings its first steps never had.
+    RESUME_FIXED = {
+        "num_hidden_layers": "model.num_layers", "block_size": "model.block_size",
+        "target_layer_ids": "model.target_layer_ids", "mask_token_id": "model.mask_token_id",
+        "draft_vocab": "model.draft_vocab_size", "hidden_size": "model.target", "vocab_size": "model.target",
+        "num_target_layers": "model.target",
+    }
+    RESUME_FIXED_HPARAMS = ("lora_rank", "lora_alpha", "lora_target_modules")
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        # Lightning restores a checkpoint into the module configure_model built, after this hook.
+        saved = checkpoint.get("drafter_config")
+        if saved is None or self.drafter is None:
+            return
+        saved_config, built = DFlashDrafterConfig.from_dict(saved), self.base_drafter().config
+        changed = {}
+        for field, setting in self.RESUME_FIXED.items():
+            was, now = (as_compared(getattr(config, field, None)) for config in (saved_config, built))
+            if was != now:
+                shown = [f"{len(v)} tokens" if isinstance(v, list) and field == "draft_vocab" else v for v in (was, now)]
+                changed.setdefault(setting, f"{field} {shown[0]} (this launch: {shown[1]})")
+        hparams = checkpoint.get("hyper_parameters") or {}
+        for name in self.RESUME_FIXED_HPARAMS:
+            if name in hparams and hparams[name] != self.hparams.get(name):
+                changed.setdefault(f"model.{name}", f"{name} {hparams[name]} (this launch: {self.hparams.get(name)})")
+        if changed:
+            raise DDTreeError(f"--resume: the checkpoint's drafter has {'; '.join(changed.values())}: a resume keeps "
+                              f"the run's drafter; drop {', '.join(sorted(changed))} from the command, or start a new run")
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # The target never goes into a checkpoint (it is not a submodule; this guards against regressions),

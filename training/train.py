@@ -196,6 +196,9 @@ RUN_NAME_ENV = "DDTREE_RUN_NAME"  # the run folder name, handed to the processes
 
 def run_name(requested: str | None) -> str:
     """The run folder's name, the same in every process of a launch."""
+    if requested is not None and (Path(requested).name != requested or requested in ("", "..")):  # "a/b", ".", ".."
+        raise DDTreeError(f"--run {requested!r}: a run's name is one folder name, made under <output-root>/<recipe>/; "
+                          "give a name without '/' (--output-root puts runs elsewhere)")
     if requested:
         return requested
     if os.environ.get(RUN_NAME_ENV):  # a process Lightning started for devices > 1

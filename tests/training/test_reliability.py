@@ -374,6 +374,16 @@ def test_an_output_root_that_is_a_file_is_one_line(tmp_path, capsys):
     assert afile.read_text() == "mine"
 
 
+@pytest.mark.parametrize("name", ["../../escaped", "a/b", "..", ""])
+def test_a_run_name_that_is_not_one_folder_name_is_one_line(tmp_path, capsys, name):
+    """`--run ../../escaped` wrote the run two folders above <output-root>/<recipe>/, beside the user's own files."""
+    assert train_main(tiny_args(tmp_path, name, max_steps=2)) == 2
+    (line,) = error_lines(capsys)
+    assert line == (f"error: --run {name!r}: a run's name is one folder name, made under <output-root>/<recipe>/; "
+                    "give a name without '/' (--output-root puts runs elsewhere)")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["conversations.jsonl"]
+
+
 def test_run_files_follow_the_umask(tmp_path):
     old = os.umask(0o022)
     try:

@@ -182,6 +182,9 @@ def staged_folder(destination: str | Path, replace: bool = True):
     if destination.is_symlink() or (destination.exists() and not destination.is_dir()):
         raise DDTreeError(f"{destination} exists and is not a folder (a file or a link): give a folder path, "
                           "or remove it first")
+    if os.path.ismount(destination):  # a mount point cannot be renamed aside or replaced (EBUSY at the end)
+        raise DDTreeError(f"{destination} is a mount point, which a finished folder cannot replace: give a folder "
+                          f"inside it ({destination / 'name'})")
     with unwritable_as_error(destination):
         destination.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}-", dir=destination.parent))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import random
 import shutil
 import socket
@@ -403,6 +404,19 @@ def test_a_replaced_folder_whose_delete_fails_leaves_the_new_one_whole(tmp_path,
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith(f"warning: {out} was written; the folder it replaced, moved to {displaced}, could not be "
                            "deleted (") and line.endswith("): delete it by hand")
+
+
+def test_a_mount_point_as_the_output_folder_is_one_line_and_keeps_what_it_holds(run_dir, tmp_path, capsys, monkeypatch):
+    """A mount point cannot be renamed aside: the export was written in full, then EBUSY's traceback at the rename."""
+    out = tmp_path / "mounted"
+    out.mkdir()
+    (out / "theirs.txt").write_text("kept")
+    ismount = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda path: Path(path) == out or ismount(path))
+    assert export(run_dir, out, "--overwrite") == 2
+    assert one_error_line(capsys) == (f"error: {out} is a mount point, which a finished folder cannot replace: give a "
+                                      f"folder inside it ({out / 'name'})")
+    assert [p.name for p in out.iterdir()] == ["theirs.txt"] and not list(tmp_path.glob(".mounted-*"))
 
 
 def test_an_output_folder_holding_the_checkpoint_is_refused_even_with_overwrite(run_dir, tmp_path, capsys):

@@ -31,7 +31,7 @@ import re
 import sys
 from pathlib import Path
 
-from ddtree.errors import CommandParser, command
+from ddtree.errors import CommandParser, DDTreeError, command
 from ddtree.files import atomic_file
 
 # ----------------------------------------------------------------------------- stdlib sources
@@ -457,11 +457,23 @@ def build(seed: int, num_coding: int, num_chat: int, num_eval: int) -> tuple[lis
     return train, evaluation
 
 
+def jsonl_text(records: list[dict]) -> str:
+    return "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
+
+
 def write_jsonl(records: list[dict], path: Path) -> None:
     """One JSON object per line, written atomically (a reader never sees half a file)."""
     with atomic_file(path) as handle:
-        for record in records:
-            handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+        handle.write(jsonl_text(records))
+
+
+def check_replaceable(path: Path, records: list[dict], flag: str, overwrite: bool) -> None:
+    """The defaults are the shipped files: rewriting them with other settings (or another Python's stdlib) would
+    change the repository's prompts without a word. A file that already holds exactly these records is fine."""
+    if overwrite or not path.exists() or (path.is_file() and path.read_text(encoding="utf-8") == jsonl_text(records)):
+        return
+    raise DDTreeError(f"{flag} {path} exists and holds other prompts than these settings make; pass --overwrite to "
+                      "replace it, or give another path")
 
 
 @command
@@ -473,9 +485,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-eval", type=int, default=40, help="evaluation prompts (half coding, half chat)")
     parser.add_argument("--train-out", type=Path, default=Path("data/prompts/train_prompts.jsonl"))
     parser.add_argument("--eval-out", type=Path, default=Path("data/eval_prompts.jsonl"))
+    parser.add_argument("--overwrite", action="store_true", help="replace output files that hold other prompts")
     args = parser.parse_args(argv)
+    for flag, count, least in (("--num-coding", args.num_coding, 0), ("--num-chat", args.num_chat, 0),
+                               ("--num-eval", args.num_eval, 1)):
+        if count < least:
+            raise DDTreeError(f"{flag} {count}: give a count of at least {least}")
+    if args.num_coding + args.num_chat < 1:
+        raise DDTreeError("--num-coding 0 --num-chat 0: no training prompts to write; give at least one")
+    if args.train_out.resolve() == args.eval_out.resolve():
+        raise DDTreeError(f"--train-out and --eval-out are both {args.train_out}: the evaluation prompts would replace "
+                          "the training prompts; give two paths")
 
     train, evaluation = build(args.seed, args.num_coding, args.num_chat, args.num_eval)
+    check_replaceable(args.train_out, train, "--train-out", args.overwrite)
+    check_replaceable(args.eval_out, evaluation, "--eval-out", args.overwrite)
     write_jsonl(train, args.train_out)
     write_jsonl(evaluation, args.eval_out)
     num_code = sum(r["id"].startswith("code/") for r in train)

@@ -61,3 +61,32 @@ def test_written_files_follow_the_umask(tmp_path):
     assert [p.name for p in (tmp_path / "sub").iterdir()] == ["out.jsonl"]  # no temp file left behind
     assert stat.S_IMODE((tmp_path / "sub" / "out.jsonl").stat().st_mode) == 0o644
     assert (tmp_path / "sub" / "out.jsonl").read_text() == '{"id": "a", "messages": []}\n'
+
+
+def test_the_shipped_files_are_not_replaced_by_other_prompts_unasked(tmp_path, capsys):
+    """The defaults are the repository's files: `--num-eval 10` rewrote data/eval_prompts.jsonl with 10 prompts."""
+    out = ["--train-out", str(tmp_path / "train.jsonl"), "--eval-out", str(tmp_path / "eval.jsonl")]
+    small = ["--num-coding", "20", "--num-chat", "20", "--num-eval", "4"]
+    assert make_prompts.main([*out, *small]) == 0
+    written = (tmp_path / "eval.jsonl").read_text()
+    assert make_prompts.main([*out, *small]) == 0  # the same prompts again: nothing to refuse
+    capsys.readouterr()
+    assert make_prompts.main([*out, *small[:-1], "6"]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: --eval-out {tmp_path / 'eval.jsonl'} exists and holds other "
+                                               "prompts than these settings make; pass --overwrite to replace it, or "
+                                               "give another path")
+    assert (tmp_path / "eval.jsonl").read_text() == written
+    assert make_prompts.main([*out, *small[:-1], "6", "--overwrite"]) == 0
+    assert len((tmp_path / "eval.jsonl").read_text().splitlines()) == 6
+
+
+def test_counts_below_one_prompt_and_one_file_for_both_are_refused(tmp_path, capsys):
+    out = ["--train-out", str(tmp_path / "train.jsonl"), "--eval-out", str(tmp_path / "eval.jsonl")]
+    for extra, said in [(["--num-chat", "-5"], "error: --num-chat -5: give a count of at least 0"),
+                        (["--num-eval", "0"], "error: --num-eval 0: give a count of at least 1"),
+                        (["--num-coding", "0", "--num-chat", "0"], "error: --num-coding 0 --num-chat 0: no training "
+                                                                   "prompts to write; give at least one"),
+                        (["--eval-out", str(tmp_path / "train.jsonl")], "error: --train-out and --eval-out are both")]:
+        assert make_prompts.main([*out, *extra]) == 2
+        assert capsys.readouterr().err.strip().startswith(said)
+    assert not list(tmp_path.iterdir())

@@ -32,7 +32,8 @@ from .calibration import CALIBRATION_FILE, learning_from, load_calibration, save
 from .corpus import CORPUS_FILE, CorpusLookup, check_corpus_file
 from .drafters import load_drafter_folder, read_drafter_config
 from .decoding import (
-    METHODS, DrafterRunner, OnlineCalibration, Sampling, check_sizer, drafter_defaults, generate, static_cache,
+    METHODS, DrafterRunner, OnlineCalibration, Sampling, check_sizer, context_limit, drafter_defaults, generate,
+    static_cache,
 )
 from .errors import CommandParser, DDTreeError, command
 from .files import check_output_file, write_json_atomic
@@ -250,6 +251,12 @@ def cmd_generate(args) -> None:
         f"{result.tokens_per_second:.1f} tok/s",
         file=sys.stderr,
     )
+    limit = context_limit(target)
+    short = args.max_new_tokens - len(result.new_tokens)
+    if not result.stopped and short > 0 and len(prompt_ids) + len(result.new_tokens) >= limit:
+        print(f"[{args.method}] stopped at the target's context of {limit} tokens (the prompt holds "
+              f"{len(prompt_ids)}), {short} short of --max-new-tokens "
+              f"{args.max_new_tokens}: give a shorter prompt for a longer reply", file=sys.stderr)
 
 
 def _corpus(args, tokenizer) -> CorpusLookup | bool | None:

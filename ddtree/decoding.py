@@ -456,6 +456,9 @@ def generate(
     limit = context_limit(target)
     if len(prompt) >= limit:
         raise DDTreeError(f"prompt of {len(prompt)} tokens does not fit the target's context of {limit} tokens")
+    if method == "ddtree" and budget >= limit:  # a tree is verified in one forward beside the context
+        raise DDTreeError(f"budget {budget}: a tree of that many nodes cannot be verified within the target's context of "
+                          f"{limit} tokens; give a budget below it (published: 32)")
     max_new_tokens = min(max_new_tokens, limit - len(prompt))
     result = GenerationResult(prompt_ids=prompt, new_tokens=[])
     if max_new_tokens <= 0:

@@ -273,6 +273,23 @@ def test_generate_reports_its_tokens(capsys):
     assert code == 0 and "[adaptive size]" not in err  # ...and not on the static cache, where rows cost the same
 
 
+def test_generate_says_when_the_targets_context_cut_the_reply_short(capsys, tiny_target):
+    """A prompt near the context's end got fewer tokens than --max-new-tokens, and nothing said why."""
+    _, tokenizer = tiny_target
+    prompt = tokenizer.decode(tokenizer("word " * 4000, add_special_tokens=False)["input_ids"][:2040])
+    length = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    assert 2030 < length < 2048
+    code, _, err = run_cli(capsys, "generate", "--target", TARGET, "--method", "ar", "--raw", "--prompt", prompt,
+                           "--max-new-tokens", "20")
+    assert code == 0
+    assert f"[ar] {2048 - length} tokens, tau" in err
+    assert (f"[ar] stopped at the target's context of 2048 tokens (the prompt holds {length}), {20 - 2048 + length} "
+            "short of --max-new-tokens 20: give a shorter prompt for a longer reply") in err
+    code, _, err = run_cli(capsys, "generate", "--target", TARGET, "--method", "ar", "--prompt", "Hi",
+                           "--max-new-tokens", "5")
+    assert code == 0 and "stopped at the target's context" not in err
+
+
 def tiny_drafter_folder(tiny_target, folder):
     target, tokenizer = tiny_target
     DFlashDraftModel(build_drafter_config(target, tokenizer, TARGET, num_layers=1)).save_pretrained(folder)

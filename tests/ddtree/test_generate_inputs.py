@@ -87,3 +87,14 @@ def test_draft_temperatures_that_cannot_divide_the_logits_are_one_line(tiny_targ
     with pytest.raises(DDTreeError, match=r"draft_temperatures .*: give one positive number per drafted position \(3\)"):
         DrafterRunner(drafter, target)
     DrafterRunner(drafter, target, calibrated=False)  # the raw logits, to fit new ones from: the field is not read
+
+
+def test_a_budget_past_the_targets_context_is_one_error_not_an_out_of_memory(tiny_target):
+    """`--budget 100000000` built a heap and a mask that size before the machine ran out of memory."""
+    target, _ = tiny_target
+    limit = target.config.max_position_embeddings
+    drafter = BrokenDrafter(target.config.vocab_size, period=10**9)
+    with pytest.raises(DDTreeError, match=f"^budget {limit}: a tree of that many nodes cannot be verified within the "
+                                          f"target's context of {limit} tokens"):
+        generate(target, PROMPT, "ddtree", drafter, budget=limit, max_new_tokens=NEW)
+    assert generate(target, PROMPT, "ar", budget=limit, max_new_tokens=NEW).new_tokens == greedy(target, PROMPT)

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from transformers import AutoConfig, Qwen3Config
 
 from ddtree.configuration_dflash import default_target_layer_ids
-from ddtree.errors import CommandParser, command
+from ddtree.errors import CommandParser, DDTreeError, command
 from ddtree.targets import resolve_target
 
 from .masks import FLEX_MIN_CONTEXT
@@ -225,10 +225,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--anchors", type=int, nargs="*", default=[], help="also count these anchor counts")
     parser.add_argument("--draft-vocab", type=int, nargs="*", default=[], help="also count these draft vocabularies")
     args = parser.parse_args(argv)
+    for flag, values, least in (("--length", [args.length] if args.length is not None else [], 2),
+                                ("--anchors", args.anchors, 1), ("--draft-vocab", args.draft_vocab, 1)):
+        for value in values:
+            if value < least:
+                raise DDTreeError(f"{flag} {value}: give at least {least}")
     settings, max_length, _ = recipe_settings(args.recipe)
     length = args.length or max_length
     config = target_config_for(settings["target"])
-    head = settings.get("draft_vocab_size") or config.get_text_config().vocab_size
+    vocab = config.get_text_config().vocab_size
+    head = settings.get("draft_vocab_size") or vocab
+    for size in args.draft_vocab:
+        if size > vocab:
+            raise DDTreeError(f"--draft-vocab {size}: the target's vocabulary holds {vocab} tokens; give at most that")
     base = f"{settings['num_anchors']} anchors, head {head} rows"
     rows = [(f"{args.recipe} ({base})", recipe_step_flops(config, settings, length))]
     rows += [(f"{anchors} anchors", recipe_step_flops(config, settings, length, anchors=anchors)) for anchors in args.anchors]

@@ -42,6 +42,16 @@ FIRST_TOKEN = 100  # random batches skip the lowest ids (special tokens)
 
 
 
+def parse_setting(setting: str) -> tuple[int, int, int]:
+    """"16x5x16" -> (anchors, layers, block size), each at least 1 (a block holds its anchor and a drafted token)."""
+    parts = setting.split("x")
+    if len(parts) != 3 or not all(part.isdigit() for part in parts) or min(map(int, parts)) < 1 or int(parts[2]) < 2:
+        raise DDTreeError(f"--settings {setting!r}: give ANCHORSxLAYERSxBLOCK, positive integers with a block of at "
+                          "least 2, e.g. 16x5x16 (several: comma-separated)")
+    anchors, layers, block = (int(part) for part in parts)
+    return anchors, layers, block
+
+
 def time_call(fn, repeats: int, warmup: int, device: torch.device, label: str = "") -> tuple[float, int | None]:
     """Median seconds of `fn` after `warmup` calls, and the peak GPU bytes of the timed calls (None on CPU).
 
@@ -128,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", action="store_true", help="the drafter's training forward through torch.compile "
                         "(model.compile)")
     args = parser.parse_args(argv)
+    for flag, value, least in (("--batch-size", args.batch_size, 1), ("--length", args.length, 1),
+                               ("--threads", args.threads, 0), ("--repeats", args.repeats, 1), ("--warmup", args.warmup, 0)):
+        if value is not None and value < least:
+            raise DDTreeError(f"{flag} {value}: give at least {least}")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -145,10 +159,11 @@ def main(argv: list[str] | None = None) -> int:
         max_length, recipe_batch = 320, 2
         cases = []
         for setting in args.settings.split(","):
-            anchors, layers, block = (int(x) for x in setting.split("x"))
+            anchors, layers, block = parse_setting(setting)
             cases.append((setting, dict(target=args.target, num_anchors=anchors, num_layers=layers, block_size=block,
                                         gamma=7.0 if block >= 16 else 4.0)))
-    batch_size, length = args.batch_size or recipe_batch, args.length or max_length
+    batch_size = args.batch_size if args.batch_size is not None else recipe_batch
+    length = args.length if args.length is not None else max_length
     if length <= PROMPT_TOKENS + 2:
         raise DDTreeError(f"--length {length} leaves no reply after the {PROMPT_TOKENS}-token prompt; give more than "
                           f"{PROMPT_TOKENS + 2}")

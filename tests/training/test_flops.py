@@ -89,3 +89,14 @@ def test_the_published_settings_put_the_step_above_two_target_forwards(capsys):
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "case" not in line]
     ratios = [float(line.rsplit("|", 2)[1]) for line in lines]
     assert len(ratios) == 3 and ratios[0] > 2 and ratios[1] < ratios[0] and ratios[2] < ratios[0]
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--length", "0"], "--length 0: give at least 2"),
+    (["--anchors", "-4"], "--anchors -4: give at least 1"),
+    (["--draft-vocab", "0"], "--draft-vocab 0: give at least 1"),
+    (["--draft-vocab", "200000"], "--draft-vocab 200000: the target's vocabulary holds 151936 tokens; give at most that"),
+])
+def test_bad_numbers_are_one_line(capsys, flags, said):
+    assert main(["--recipe", "qwen3-8b", *flags]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {said}"

@@ -80,3 +80,16 @@ def test_a_gpu_recipe_on_a_machine_without_a_gpu_stops_with_one_line(tmp_path, m
     # precision=auto as well: the recipe's bf16 can cost several times fp32's time on a CPU without fast bf16.
     assert errors[0].endswith("add --trainer.accelerator=cpu --trainer.precision=auto --trainer.devices=1")
     assert not any(tmp_path.iterdir())  # no run folder left behind
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--settings", "16x5"], "--settings '16x5': give ANCHORSxLAYERSxBLOCK"),  # was a ValueError traceback
+    (["--settings", "16x5x1"], "--settings '16x5x1': give ANCHORSxLAYERSxBLOCK"),
+    (["--settings", "0x5x16"], "--settings '0x5x16': give ANCHORSxLAYERSxBLOCK"),
+    (["--batch-size", "0"], "--batch-size 0: give at least 1"),  # was the default batch, silently
+    (["--repeats", "0"], "--repeats 0: give at least 1"),  # was statistics' error on no data
+    (["--threads", "-2"], "--threads -2: give at least 0"),
+])
+def test_bad_numbers_are_one_line_before_anything_is_built(capsys, flags, said):
+    assert main([*TINY, "--device", "cpu", *flags]) == 2
+    assert capsys.readouterr().err.strip().startswith(f"error: {said}")

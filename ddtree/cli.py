@@ -284,7 +284,12 @@ def _drafter_runner(args, target: PreTrainedModel, tokenizer: PreTrainedTokenize
         corpus = CorpusLookup.from_file(shipped)
         print(f"[corpus] the drafter's {shipped.name}: {len(corpus)} runs of {corpus.ngram} tokens in "
               f"{time.perf_counter() - started:.1f} s (--corpus none leaves it out)", file=sys.stderr)
-    return DrafterRunner(drafter, target, corpus=corpus, calibration=_calibration(args))
+    calibration = _calibration(args)
+    runner = DrafterRunner(drafter, target, corpus=corpus, calibration=calibration)
+    if calibration is None and runner.default_calibration is not None:
+        print(f"[calibration] the drafter's config (replayed on its validation replies): draft temperature "
+              f"{runner.default_calibration.describe()} (--calibration none leaves it out)", file=sys.stderr)
+    return runner
 
 
 def check_calibration_flag(args, methods: list[str]) -> None:
@@ -312,11 +317,12 @@ def check_input_files(args, needs_drafter: bool) -> None:
         check_calibration_file(args.calibration)
 
 
-def _calibration(args):
-    """--calibration: the file given, else the drafter folder's (if any); None for `none` and for `calibrate`."""
+def _calibration(args) -> OnlineCalibration | None | bool:
+    """--calibration: the file given, else the drafter folder's; None where there is neither (the drafter's config
+    may hold one); False for `none` and for `calibrate` (which learns from a fresh start)."""
     given = getattr(args, "calibration", None)
     if args.command == "calibrate" or given == "none":
-        return None
+        return False
     if given is not None:
         path = check_calibration_file(given)
     else:
@@ -373,7 +379,10 @@ def cmd_bench(args) -> None:
             settings["ddtree_resolved"] = {"lookup": lookup, "redraft": redraft, "corpus": None if resolved is None
                                            else args.corpus or f"the drafter's {CORPUS_FILE}"}
         shipped = drafter.default_calibration is not None  # the chain and ddtree use it alike
-        settings["calibration_resolved"] = (args.calibration or f"the drafter's {CALIBRATION_FILE}") if shipped else None
+        from_file = args.calibration not in (None, "none") or (args.drafter != "random"
+                                                               and (Path(args.drafter) / CALIBRATION_FILE).is_file())
+        settings["calibration_resolved"] = None if not shipped else (
+            (args.calibration or f"the drafter's {CALIBRATION_FILE}") if from_file else "the drafter's config (replayed)")
     if sizer is not None:
         settings["verify_cost_ms"] = {"fixed": sizer.fixed_ms, "per_row": sizer.row_ms}  # what --adaptive-size used
     results = {"settings": settings, **results}

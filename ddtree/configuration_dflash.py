@@ -134,6 +134,23 @@ class DFlashDrafterConfig(Qwen3Config):
     )
 
     @property
+    def calibration(self) -> dict | None:
+        """What model.replay_calibration learned by replaying tree decoding over the validation replies (a draft
+        temperature per tree shape, each lookup's acceptance by depth; OnlineCalibration.state()), or None.
+
+        Decoders use it frozen by default, as they use a folder's calibration.json (which `ddtree calibrate` fits on
+        the prompts served, and which comes first); `--calibration none` leaves both out.
+        """
+        return self.dflash_config.get("calibration")
+
+    @calibration.setter
+    def calibration(self, state: dict | None) -> None:
+        if state is None:
+            self.dflash_config.pop("calibration", None)
+        else:
+            self.dflash_config["calibration"] = state
+
+    @property
     def target_layer_ids(self) -> list[int]:
         ids = self.dflash_config.get("target_layer_ids")
         if ids is None and self.num_target_layers is not None:

@@ -131,6 +131,16 @@ class GenerationResult:
         return len(self.new_tokens) / total if total > 0 else 0.0
 
 
+def config_calibration(config) -> OnlineCalibration:
+    """The replayed calibration a drafter's config holds (DFlashDrafterConfig.calibration), frozen; a broken one is
+    one line."""
+    try:
+        return OnlineCalibration.from_state(config.calibration)
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise DDTreeError(f"the drafter's config.json has a calibration that cannot be read ({error}): remove the "
+                          "field, or decode with --calibration none") from None
+
+
 class DrafterRunner:
     """Runs a DFlash drafter with the target's frozen embedding and LM head, caching its context.
 
@@ -140,11 +150,12 @@ class DrafterRunner:
 
     def __init__(
         self, drafter: DFlashDraftModel, target: PreTrainedModel, calibrated: bool = True,
-        corpus: CorpusLookup | None = None, calibration: OnlineCalibration | None = None,
+        corpus: CorpusLookup | None = None, calibration: OnlineCalibration | None | bool = None,
     ):
         # calibrated=False ignores the config's draft temperatures: the raw logits, to fit new ones from;
         # corpus: the replies it was trained on, which generate grafts by default (the drafter folder's corpus file);
-        # calibration: what `ddtree calibrate` learned on served prompts, which generate uses by default (frozen)
+        # calibration: what `ddtree calibrate` learned on served prompts, which generate uses by default (frozen);
+        # None takes the config's replayed calibration (model.replay_calibration) if it holds one, False neither
         self.drafter = drafter.eval()
         self.embedding = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
@@ -165,7 +176,10 @@ class DrafterRunner:
         self.default_redraft = drafter.config.redraft  # generate's redraft=None: what the drafter was trained for
         self.default_lookup = drafter.config.lookup  # generate's lookup=None: what its recipe measured to pay
         self.default_corpus = corpus  # generate's corpus=None: the one shipped with it (recipes with model.corpus)
-        self.default_calibration = calibration  # generate's online=None: the drafter folder's calibration.json
+        if calibration is None and calibrated and drafter.config.calibration:
+            calibration = config_calibration(drafter.config)
+        # generate's online=None: the drafter folder's calibration.json, else its config's
+        self.default_calibration = calibration or None
         self._fixed: StaticDrafter | None = None  # the last fix_shapes' drafter, for the next generation that fits
         self.reset()
 

@@ -391,16 +391,29 @@ class AcceptanceEvaluation(L.Callback):
         return drafter
 
     def calibrate(self, trainer, pl_module) -> list[float] | None:
-        """With model.calibrate, fit the drafter's draft temperatures on the validation batches first."""
-        if not pl_module.hparams.get("calibrate") or trainer.datamodule is None:
+        """With model.calibrate, fit the drafter's draft temperatures on the validation batches first; with
+        model.replay_calibration, then learn decoding's calibration on them (the evaluation decodes with it)."""
+        hparams = pl_module.hparams
+        if not (hparams.get("calibrate") or hparams.get("replay_calibration")) or trainer.datamodule is None:
             return None
         limit = trainer.limit_val_batches
         batches = trainer.datamodule.val_dataloader(whole=True)  # the same replays on every rank
         count = limit if isinstance(limit, int) else math.ceil(limit * len(batches))
+        temperatures = None
         with TrainingStateGuard(pl_module.drafter):
             pl_module.drafter.eval()
-            return pl_module.calibrate_draft_temperatures(itertools.islice(batches, count), self.primary_budget,
-                                                          self.max_new_tokens, self.stop_ids)
+            if hparams.get("calibrate"):
+                temperatures = pl_module.calibrate_draft_temperatures(
+                    itertools.islice(batches, count), self.primary_budget, self.max_new_tokens, self.stop_ids)
+            if hparams.get("replay_calibration"):
+                started = time.perf_counter()
+                learned = pl_module.fit_replayed_calibration(
+                    itertools.islice(batches, count), self.primary_budget, self.max_new_tokens, self.stop_ids,
+                    self.lookup, self.redraft, self.corpus)
+                if trainer.is_global_zero:
+                    print(f"[calibration] replayed on {count} validation batches in {time.perf_counter() - started:.1f}"
+                          f" s: draft temperature {learned.describe()}", flush=True)
+        return temperatures
 
     def _evaluate(self, trainer, pl_module, logged: bool, stop: bool = False) -> None:
         """logged: into callback_metrics (on_train_batch_end only); stop: off the every-N grid, at a stop."""

@@ -49,6 +49,8 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import PreTrainedModel
 
+from ddtree.calibration import OnlineCalibration
+from ddtree.corpus import CorpusLookup
 from ddtree.decoding import DEFAULT_REDRAFT, DrafterRunner
 from ddtree.drafters import load_drafter_folder
 from ddtree.configuration_dflash import DFlashDrafterConfig
@@ -67,7 +69,7 @@ from .masks import (
     pad_for_flex, sample_anchors, sample_given,
 )
 from .peft_utils import DEFAULT_LORA_MODULES, add_drafter_lora
-from .replay import RoundNLL, replay_reply, reply_span
+from .replay import RoundNLL, learn_calibration, replay_reply, reply_span
 from .strategies import is_deepspeed
 from .target import dtype_for_precision, load_frozen_target, target_layer_features
 
@@ -168,6 +170,8 @@ class DistillModule(L.LightningModule):
         corpus: bool = False,  # ship the training replies with the drafter: decoders graft from them (`--corpus`)
         loss_chunk_size: int | None = None,  # LM head + loss over this many block tokens at a time
         calibrate: bool = False,  # fit per-position draft temperatures on replayed validation decoding (replay.py)
+        replay_calibration: bool = False,  # learn decoding's calibration (lookups' acceptance, a draft temperature)
+        #                                    on replayed validation decoding; decoders use it by default (replay.py)
         seed: int = 0,  # seeds the anchor draws
         # --- optimisation (AdamW + linear warmup + cosine decay, stepped every optimizer step)
         lr: float = 6e-4,
@@ -693,6 +697,29 @@ class DistillModule(L.LightningModule):
         return temperatures
 
     # ------------------------------------------------------------------ checkpoints
+
+    @torch.no_grad()
+    def fit_replayed_calibration(self, batches, budget: int, max_new_tokens: int, stop_ids: list[int] = (),
+                                 lookup: int | None = None, redraft: int | None = None,
+                                 corpus: CorpusLookup | None = None) -> OnlineCalibration:
+        """Learn decoding's calibration on the validation `batches` (replay.learn_calibration) and keep it in the
+        drafter's config (config.calibration), where decoders find it. Every rank replays the same replies, so every
+        rank keeps the same. Weights and argmaxes are unchanged."""
+        drafter = self.base_drafter()
+        drafter.config.calibration = None  # learned afresh, never from the last evaluation's
+
+        def sequences():
+            for batch in batches:
+                batch = {name: value.to(self.device) for name, value in batch.items()}
+                features = self.sequence_features(batch)[0]  # (S, T, K*H)
+                for row in range(features.shape[0]):
+                    yield features[row], batch["input_ids"][row], batch["loss_mask"][row]
+
+        runner = DrafterRunner(drafter, self.target, corpus=corpus, calibration=False)
+        with torch.autocast(self.device.type, enabled=False):  # decoding's numerics (see calibrate_draft_temperatures)
+            settled = learn_calibration(runner, sequences(), budget, max_new_tokens, stop_ids, lookup, redraft)
+        drafter.config.calibration = settled.state()
+        return settled
 
     # What a resume cannot change: the drafter's shape and what it reads (config field -> the setting that sets it).
     # Another shape was a load_state_dict traceback; another block size or layer ids trained on silently, and the

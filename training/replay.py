@@ -16,17 +16,24 @@ calibrated (`RoundNLL`, used by model.calibrate).
 
 Greedy decoding in another batch shape or precision can differ from the stored reply at a few
 positions; the replay follows the reply. It is a validation measurement, never a lossless decoder.
+
+With the decoding defaults a drafter ships (context lookup, corpus lookup, re-drafting), the replay grafts and
+re-drafts as `generate` does, and an OnlineCalibration learns from every replayed round as `--online-calibration`
+learns from decoded ones: model.replay_calibration keeps what it learned in the drafter's config, so that the
+expected acceptance counts the lookups' nodes by their measured acceptance (`learn_calibration`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Collection
+from typing import Callable, Collection, Iterable
 
 import torch
 
-from ddtree.decoding import DrafterRunner, draft_tree
-from ddtree.tree import walk
+from ddtree.calibration import OnlineCalibration
+from ddtree.corpus import CorpusLookup
+from ddtree.decoding import DrafterRunner, draft_tree, drafter_defaults
+from ddtree.tree import context_lookup, walk
 
 
 CALIBRATION_TEMPERATURES = torch.logspace(-1, 2, 49, base=2.0).tolist()  # 0.5 .. 4, steps of 2^(1/16) (~4%)
@@ -61,28 +68,54 @@ def replay_reply(
     max_new_tokens: int,
     on_round: Callable[[torch.Tensor, list[int], int], None] | None = None,
     stop_ids: Collection[int] = (),
+    lookup: int = 0,
+    corpus: CorpusLookup | None = None,
+    redraft: int = 0,
+    online: OnlineCalibration | None = None,
 ) -> list[ReplayRound]:
     """The rounds `generate` would run on this reply. on_round(draft logits (depth, V), the reply's tokens at
     depths 1..depth, accepted nodes) sees each round, e.g. to fit temperatures on exactly these blocks.
     stop_ids: the target's end-of-turn tokens (stop_token_ids); a round that accepts one ends the reply there
-    and commits no bonus token, as decoding does."""
+    and commits no bonus token, as decoding does.
+    lookup, corpus, redraft, online: as `generate` takes them (explicit here: no drafter defaults are applied);
+    online learns from every round unless frozen."""
     ids = input_ids.tolist()
     runner.reset()
     root, new_context, committed = start, features[None, :start], 1
+    shape = budget  # OnlineCalibration's key: the ddtree budget, None for the chain
+    vocab = getattr(runner, "draft_vocab", None)
     rounds = []
     while committed < max_new_tokens and root < end - 1:
-        # As deep as decoding drafts: it cannot know where the reply ends.
-        depth = min(max_new_tokens - committed - 1, runner.block_size - 1)
+        # As deep as decoding drafts: it cannot know where the reply ends. A lookup's copy may run past the block.
+        graft_depth = max_new_tokens - committed - 1
+        depth = min(graft_depth, runner.block_size - 1)
         if depth == 0:  # the last token allowed: a round that only commits the bonus
             rounds.append(ReplayRound(0, 1.0, 1))
             break
         logits = runner.propose(ids[root], root, new_context, depth)  # (depth, V)
-        tree = draft_tree(logits, budget)
+        branches = None
+        if redraft and depth > 1:
+            firsts = logits[0].topk(min(redraft if budget is not None else 1, logits.shape[-1])).indices.tolist()
+            branches = dict(zip(firsts, runner.redraft(ids[root], root, firsts, depth)))
+        if online is not None:
+            logits = logits.float() / online.temperature(shape)
+            if branches:
+                branches = {token: rows.float() / online.temperature(shape) for token, rows in branches.items()}
+        context = ids[:root + 1]  # the prompt and every committed token, the root included
+        grafted = context_lookup(context, min(lookup, graft_depth)) if lookup and budget is not None else []
+        quoted = corpus.continuation(context, depth) if corpus is not None and budget is not None else []
+        tree = draft_tree(logits, budget, grafted, None, online, branches, vocab, quoted)
         truth = ids[root + 1:min(root + 1 + depth, end)]
         depth_of = [0] + tree.depths
         # The reply's token after a row at depth d is ids[root + 1 + d]; past the reply nothing matches.
         accepted, _ = walk(tree, lambda row: ids[root + 1 + depth_of[row]] if root + 1 + depth_of[row] < end else -1)
         path = ids[root + 1:root + 1 + len(accepted)]
+        if online is not None and len(tree):
+            online.observe(shape, tree.expected_acceptance, 1 + len(accepted))
+            if tree.grafted:
+                online.observe_graft("context", tree.grafted, grafted, path)
+            if tree.quoted:
+                online.observe_graft("corpus", tree.quoted, quoted, path)
         stop = next((i for i, token in enumerate(path) if token in stop_ids), None)
         step = len(accepted) + 1 if stop is None else stop + 1
         rounds.append(ReplayRound(len(accepted), tree.expected_acceptance, step))
@@ -93,6 +126,36 @@ def replay_reply(
         new_context = features[None, root:root + step]  # the root and the accepted rows join the context
         root, committed = root + step, committed + step
     return rounds
+
+
+def learn_calibration(
+    runner: DrafterRunner,
+    sequences: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],  # (features (T, K*H), ids (T,), loss mask (T,))
+    budget: int,
+    max_new_tokens: int,
+    stop_ids: Collection[int] = (),
+    lookup: int | None = None,
+    redraft: int | None = None,
+) -> OnlineCalibration:
+    """What --online-calibration would learn decoding these replies, from replayed rounds: frozen, settled.
+
+    The chain and tree decoding with `budget` nodes are replayed over each reply as `generate` decodes them with the
+    runner's defaults (lookup, redraft: None = the drafter's; the runner's corpus), and one OnlineCalibration learns
+    from every round from a fresh start: a temperature per shape, and each lookup's acceptance by depth, so that the
+    expected acceptance counts the lookups' nodes. Kept: each temperature's mean over the last half of its path
+    (OnlineCalibration.settled).
+    """
+    online = OnlineCalibration(record=True)
+    shapes = [(None if method == "dflash" else budget, drafter_defaults(method, runner, lookup, redraft, False, None))
+              for method in ("dflash", "ddtree")]
+    for features, input_ids, loss_mask in sequences:
+        span = reply_span(loss_mask)
+        if span is None:
+            continue
+        for shape, (shape_lookup, shape_redraft, corpus) in shapes:
+            replay_reply(runner, features, input_ids, *span, shape, max_new_tokens, stop_ids=stop_ids,
+                         lookup=shape_lookup, corpus=corpus, redraft=shape_redraft, online=online)
+    return online.settled()
 
 
 def replay_summary(rounds: list[ReplayRound]) -> dict:

@@ -14,6 +14,8 @@ import torch
 
 import toy_data  # tests/training/toy_data.py
 from ddtree.bench import load_prompts, run_benchmark
+from ddtree.cli import main as ddtree_main
+from ddtree.corpus import CORPUS_FILE, CorpusLookup
 from ddtree.decoding import DrafterRunner, generate
 from ddtree.modeling_dflash import DFlashDraftModel
 from ddtree.targets import build_drafter_config, load_target, stop_token_ids
@@ -95,3 +97,45 @@ def test_calibration_runs_under_bf16_mixed(tmp_path):
     temperatures = drafter.config.draft_temperatures
     assert len(temperatures) == drafter.config.block_size - 1 and all(t in CALIBRATION_TEMPERATURES for t in temperatures)
 
+
+
+def test_a_replay_calibrated_run_decodes_saves_and_exports_what_it_learned(tmp_path, capsys):
+    """model.replay_calibration: at each evaluation the chain and the tree are replayed over the validation replies
+    with the drafter's lookups; what an OnlineCalibration learned from those rounds sits in the drafter's config, the
+    evaluation decodes with it, the checkpoint and the export carry it, and decoders use it unless told none."""
+    args = calibrated_tiny_run(tmp_path, 16, "--trainer.max_steps=4", "--trainer.precision=32-true", "--eval.limit=2",
+                               "--eval.max_new_tokens=8", "--checkpoint.save_top_k=-1", "--model.calibrate=false",
+                               "--model.replay_calibration=true", "--model.lookup=3", "--model.corpus=true")
+    assert train_main(args) == 0
+    assert "[calibration] replayed on 2 validation batches in " in capsys.readouterr().out
+    run_dir = tmp_path / "out" / "tiny" / "run"
+    target, tokenizer = load_target("tiny-random", torch.float32)
+    prompts = load_prompts("data/eval_prompts.jsonl", tokenizer, limit=2)
+    corpus = CorpusLookup.from_file(run_dir / CORPUS_FILE)
+    for step in (2, 4):
+        evaluation = json.loads((run_dir / "eval" / f"step-{step:06d}.json").read_text())
+        drafter = drafter_from_checkpoint(run_dir / "checkpoints" / f"step-{step}.ckpt")
+        learned = drafter.config.calibration
+        assert set(learned["temperatures"]) == {"8", "chain"} and set(learned["graft_acceptance"]) <= {"context", "corpus"}
+        assert any(learned["graft_acceptance"].values())  # the lookups grafted nodes in the replayed rounds
+        assert drafter.config.draft_temperatures is None  # model.calibrate's, not asked for
+        # the checkpoint holds what the evaluation decoded with: the same expected tau again, and another without it
+        bench = lambda calibration: run_benchmark(  # noqa: E731
+            target, DrafterRunner(drafter, target, corpus=corpus, calibration=calibration), prompts, ["ddtree"],
+            [4, 8, 16], 8, stop_token_ids(target, tokenizer), progress=False)["summary"]
+        calibrated, plain = bench(None), bench(False)
+        for key, stats in calibrated.items():
+            assert evaluation["summary"][key]["expected_tau"] == pytest.approx(stats["expected_tau"], rel=1e-9), key
+        assert any(plain[key]["expected_tau"] != stats["expected_tau"] for key, stats in calibrated.items())
+    drafter_dir = run_dir / "drafter"
+    assert json.loads((drafter_dir / "config.json").read_text())["dflash_config"]["calibration"] == learned
+    capsys.readouterr()
+    common = ["bench", "--target", "tiny-random", "--drafter", str(drafter_dir), "--prompts", "data/eval_prompts.jsonl",
+              "--limit", "1", "--methods", "ddtree", "--budgets", "8", "--max-new-tokens", "6"]
+    assert ddtree_main([*common, "--out", str(tmp_path / "with.json")]) == 0
+    assert "[calibration] the drafter's config (replayed on its validation replies)" in capsys.readouterr().err
+    assert ddtree_main([*common, "--calibration", "none", "--out", str(tmp_path / "without.json")]) == 0
+    assert "[calibration]" not in capsys.readouterr().err
+    resolved = [json.loads((tmp_path / f"{name}.json").read_text())["settings"]["calibration_resolved"]
+                for name in ("with", "without")]
+    assert resolved == ["the drafter's config (replayed)", None]

@@ -9,6 +9,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from ddtree.calibration import OnlineCalibration
+from ddtree.corpus import CorpusLookup
 from ddtree.decoding import DrafterRunner, generate
 from ddtree.modeling_dflash import DFlashDraftModel
 from ddtree.targets import build_drafter_config, load_target
@@ -146,3 +148,33 @@ def test_round_nll_counts_depths_under_an_accepted_prefix_and_finds_the_drawing_
         fit(logits, truth.tolist(), accepted=i % 3)  # depth k counts in the rounds that accepted k - 1 or more
     assert fit.counts.tolist() == [0, rounds, 2 * rounds / 3, rounds / 3]
     assert fit.best() == pytest.approx([0.6, 1.0, 2.0], rel=0.12)
+
+
+@pytest.mark.parametrize("budget, lookup", [(None, None), (8, "context"), (8, "corpus")])
+def test_replay_grafts_redrafts_and_learns_as_decoding_does(tiny, budget, lookup):
+    """With a context lookup or a corpus, re-drafting and online calibration (model.replay_calibration), the replayed
+    rounds are decoding's, and the calibration learned from them is the one decoding learns. (The two lookups one at a
+    time: with both, the corpus's path was always the context's, already in the tree.)"""
+    target, tokenizer = tiny
+    torch.manual_seed(0)
+    config = build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4)
+    drafter = DFlashDraftModel(config).eval()
+    prompt = tokenizer("import os\n")["input_ids"]
+    sequence, mask = reply_of(target, prompt, 40)  # a random target's reply repeats itself: the lookup is accepted
+    corpus = CorpusLookup([sequence[len(prompt) + 10:]])  # its tail, as if another reply had held it
+    settings = dict(lookup=5 if lookup == "context" else 0, redraft=2, corpus=corpus if lookup == "corpus" else None)
+    decoded_online, replayed_online = OnlineCalibration(), OnlineCalibration()
+    decoded = generate(target, prompt, "ddtree" if budget else "dflash", DrafterRunner(drafter, target), budget or 1,
+                       40, online=decoded_online, **settings)
+    assert prompt + decoded.new_tokens == sequence
+    features = target_layer_features(target, torch.tensor([sequence]), list(config.target_layer_ids))[0]
+    rounds = replay_reply(DrafterRunner(drafter, target), features, torch.tensor(sequence), *reply_span(mask), budget,
+                          40, online=replayed_online, **settings)
+    assert [(r.accepted, r.committed) for r in rounds] == [(r.accepted_depth, r.committed) for r in decoded.rounds]
+    assert [r.expected for r in rounds] == pytest.approx([r.expected for r in decoded.rounds], rel=1e-4)
+    learned, decoded_state = replayed_online.state(), decoded_online.state()
+    assert learned["graft_acceptance"] == decoded_state["graft_acceptance"]
+    assert learned["temperatures"] == pytest.approx(decoded_state["temperatures"], rel=1e-4)
+    if lookup:  # the lookup grafted nodes, and the target took some of them
+        counts = learned["graft_acceptance"][lookup].values()
+        assert sum(rounds for _, rounds in counts) > 0 and sum(hits for hits, _ in counts) > 0, learned

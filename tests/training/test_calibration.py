@@ -112,21 +112,23 @@ def test_a_replay_calibrated_run_decodes_saves_and_exports_what_it_learned(tmp_p
     target, tokenizer = load_target("tiny-random", torch.float32)
     prompts = load_prompts("data/eval_prompts.jsonl", tokenizer, limit=2)
     corpus = CorpusLookup.from_file(run_dir / CORPUS_FILE)
-    for step in (2, 4):
-        evaluation = json.loads((run_dir / "eval" / f"step-{step:06d}.json").read_text())
-        drafter = drafter_from_checkpoint(run_dir / "checkpoints" / f"step-{step}.ckpt")
-        learned = drafter.config.calibration
-        assert set(learned["temperatures"]) == {"8", "chain"} and set(learned["graft_acceptance"]) <= {"context", "corpus"}
-        assert any(learned["graft_acceptance"].values())  # the lookups grafted nodes in the replayed rounds
-        assert drafter.config.draft_temperatures is None  # model.calibrate's, not asked for
-        # the checkpoint holds what the evaluation decoded with: the same expected tau again, and another without it
-        bench = lambda calibration: run_benchmark(  # noqa: E731
-            target, DrafterRunner(drafter, target, corpus=corpus, calibration=calibration), prompts, ["ddtree"],
-            [4, 8, 16], 8, stop_token_ids(target, tokenizer), progress=False)["summary"]
-        calibrated, plain = bench(None), bench(False)
-        for key, stats in calibrated.items():
-            assert evaluation["summary"][key]["expected_tau"] == pytest.approx(stats["expected_tau"], rel=1e-9), key
-        assert any(plain[key]["expected_tau"] != stats["expected_tau"] for key, stats in calibrated.items())
+    learned = [drafter_from_checkpoint(run_dir / "checkpoints" / f"step-{step}.ckpt").config.calibration
+               for step in (2, 4)]
+    assert learned[0] != learned[1]  # each evaluation learned its own, for the weights it measured
+    drafter = drafter_from_checkpoint(run_dir / "checkpoints" / "step-4.ckpt")
+    learned = drafter.config.calibration
+    assert set(learned["temperatures"]) == {"8", "chain"} and set(learned["graft_acceptance"]) <= {"context", "corpus"}
+    assert any(learned["graft_acceptance"].values())  # the lookups grafted nodes in the replayed rounds
+    assert drafter.config.draft_temperatures is None  # model.calibrate's, not asked for
+    # the checkpoint holds what the evaluation decoded with: the same expected tau again, and another without it
+    bench = lambda calibration: run_benchmark(  # noqa: E731
+        target, DrafterRunner(drafter, target, corpus=corpus, calibration=calibration), prompts, ["ddtree"],
+        [4, 8, 16], 8, stop_token_ids(target, tokenizer), progress=False)["summary"]
+    calibrated, plain = bench(None), bench(False)
+    evaluation = json.loads((run_dir / "eval" / "step-000004.json").read_text())
+    for key, stats in calibrated.items():
+        assert evaluation["summary"][key]["expected_tau"] == pytest.approx(stats["expected_tau"], rel=1e-9), key
+    assert any(plain[key]["expected_tau"] != stats["expected_tau"] for key, stats in calibrated.items())
     drafter_dir = run_dir / "drafter"
     assert json.loads((drafter_dir / "config.json").read_text())["dflash_config"]["calibration"] == learned
     capsys.readouterr()

@@ -411,7 +411,8 @@ class AcceptanceEvaluation(L.Callback):
                     itertools.islice(batches, count), self.primary_budget, self.max_new_tokens, self.stop_ids,
                     self.lookup, self.redraft, self.corpus)
                 if trainer.is_global_zero:
-                    print(f"[calibration] replayed on {count} validation batches in {time.perf_counter() - started:.1f}"
+                    print(f"[calibration] replayed on {min(count, len(batches))} validation batches in "
+                          f"{time.perf_counter() - started:.1f}"
                           f" s: draft temperature {learned.describe()}", flush=True)
         return temperatures
 

@@ -696,8 +696,6 @@ class DistillModule(L.LightningModule):
         drafter.config.draft_temperatures = temperatures
         return temperatures
 
-    # ------------------------------------------------------------------ checkpoints
-
     @torch.no_grad()
     def fit_replayed_calibration(self, batches, budget: int, max_new_tokens: int, stop_ids: list[int] = (),
                                  lookup: int | None = None, redraft: int | None = None,
@@ -720,6 +718,8 @@ class DistillModule(L.LightningModule):
             settled = learn_calibration(runner, sequences(), budget, max_new_tokens, stop_ids, lookup, redraft)
         drafter.config.calibration = settled.state()
         return settled
+
+    # ------------------------------------------------------------------ checkpoints
 
     # What a resume cannot change: the drafter's shape and what it reads (config field -> the setting that sets it).
     # Another shape was a load_state_dict traceback; another block size or layer ids trained on silently, and the

@@ -129,12 +129,13 @@ def read_yaml_mapping(path: str | Path) -> dict:
 
 
 @contextmanager
-def atomic_file(path: str | Path, mode: str = "w"):
-    """Yield a file object beside `path`; on success it replaces `path` in one rename, else it is removed."""
+def atomic_file(path: str | Path, mode: str = "w", staging_prefix: str | None = None):
+    """Yield a file object beside `path`; on success it replaces `path` in one rename, else it is removed.
+    staging_prefix: the temporary file's name prefix (default `.<name>-`)."""
     path = Path(path)
     with unwritable_as_error(path):
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, staging = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+        fd, staging = tempfile.mkstemp(prefix=staging_prefix or f".{path.name}-", dir=path.parent)
     try:
         with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as handle:
             yield handle

@@ -618,9 +618,11 @@ class BestCheckpoint(Checkpoint):
         if trainer.is_global_zero and self.best_model_path and os.path.exists(self.best_model_path):
             self.link_best()
         self.finish_removal(trainer)
-        if trainer.is_global_zero and self.dirpath and os.path.isdir(self.dirpath):
-            for stale in AtomicCheckpointIO.remove_stale_staging(Path(self.dirpath)):
-                print(f"[checkpoint] removed {stale.name}: a save the last launch did not finish", flush=True)
+        # What a save killed half-way left: here, or in the run folder (SLURM's hpc_ckpt_N.ckpt is saved there).
+        folders = {Path(folder) for folder in (self.dirpath, trainer.default_root_dir) if folder and os.path.isdir(folder)}
+        for folder in sorted(folders) if trainer.is_global_zero else ():
+            for stale in AtomicCheckpointIO.remove_stale_staging(folder):
+                print(f"[checkpoint] removed {stale}: a save the last launch did not finish", flush=True)
 
     def finish_removal(self, trainer) -> None:
         """Delete the file a new best displaced where the last launch stopped before deleting it: the marker

@@ -46,20 +46,28 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     Lightning stages a checkpoint through fsspec in $TMPDIR and moves it into place: where outputs/ lies on another
     filesystem the move is a copy, and a full disk or a kill during it left a truncated step-N.ckpt under its final
-    name. Here torch.save streams into a hidden file beside the checkpoint (`.last.ckpt-<random>`), flushed to disk,
-    and one rename puts it in place: the name holds the old file or the whole new one. Streaming also spares the
-    in-memory copy of the whole checkpoint that Lightning's writer makes. A failed save (no space left) is one line;
-    the checkpoint it would have replaced is untouched. Remote paths (s3://...) keep Lightning's writer.
+    name. Here torch.save streams into a hidden file beside the checkpoint, flushed to disk, and one rename puts it in
+    place: the name holds the old file or the whole new one. Streaming also spares the in-memory copy of the whole
+    checkpoint that Lightning's writer makes. A failed save (no space left) is one line; the checkpoint it would have
+    replaced is untouched. Remote paths (s3://...) keep Lightning's writer.
+
+    The staging file's name holds neither the checkpoint's name nor `.ckpt` (`.saving-checkpoint-<random>`): Lightning
+    numbers SLURM's hpc_ckpt_N.ckpt from every name in the run folder that contains `hpc_ckpt_`, and nothing that
+    looks for checkpoints may take a kill's leftover for one (remove_stale_staging deletes it at the next start).
     """
 
-    STAGING_GLOB = ".*.ckpt-*"  # what a kill during a save leaves behind (remove_stale_staging)
+    STAGING_PREFIX = ".saving-checkpoint-"
+
+    @classmethod
+    def is_staging(cls, path: Path) -> bool:
+        return path.name.startswith(cls.STAGING_PREFIX)
 
     def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
         if storage_options is not None or "://" in str(path):
             super().save_checkpoint(checkpoint, path, storage_options)
             return
         try:
-            with atomic_file(path, "wb") as handle:
+            with atomic_file(path, "wb", staging_prefix=self.STAGING_PREFIX) as handle:
                 torch.save(checkpoint, handle)
                 handle.flush()
                 os.fsync(handle.fileno())  # the bytes are on disk before the rename makes them the checkpoint
@@ -70,7 +78,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     @classmethod
     def remove_stale_staging(cls, folder: Path) -> list[Path]:
         """Delete the staging files a killed save left in `folder`; those deleted."""
-        stale = [path for path in Path(folder).glob(cls.STAGING_GLOB) if path.is_file()]
+        stale = [path for path in Path(folder).glob(f"{cls.STAGING_PREFIX}*") if path.is_file()]
         for path in stale:
             path.unlink(missing_ok=True)
         return stale

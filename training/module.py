@@ -243,6 +243,7 @@ class DistillModule(L.LightningModule):
         if hp.init_from:
             drafter = load_drafter_folder(Path(hp.init_from), torch.float32, target=model)  # checked, one-line errors
             self._check_matches_folder(drafter.config)
+            drafter.config.calibration = None  # replayed for the folder's weights, not for these once trained
         else:
             config = build_drafter_config(
                 model, tokenizer, hp.target,
@@ -716,14 +717,18 @@ class DistillModule(L.LightningModule):
         runner = DrafterRunner(drafter, self.target, corpus=corpus, calibration=False)
         with torch.autocast(self.device.type, enabled=False):  # decoding's numerics (see calibrate_draft_temperatures)
             settled = learn_calibration(runner, sequences(), budget, max_new_tokens, stop_ids, lookup, redraft)
-        drafter.config.calibration = settled.state()
-        return settled
+        # Every rank replayed the same replies; rank 0's result is kept everywhere all the same, so that a last-bit
+        # difference between ranks can never leave them decoding with different trees.
+        state = self.trainer.strategy.broadcast(settled.state()) if self._trainer is not None else settled.state()
+        drafter.config.calibration = state
+        return OnlineCalibration.from_state(state)
 
     # ------------------------------------------------------------------ checkpoints
 
     # What a resume cannot change: the drafter's shape and what it reads (config field -> the setting that sets it).
     # Another shape was a load_state_dict traceback; another block size or layer ids trained on silently, and the
-    # run's config.yaml then named settings its first steps never had.
+    # run's config.yaml then named settings its first steps never had. (DeepSpeed's engine loads its shards before this
+    # hook, strictly: there a change of shape is DeepSpeed's error, and only the other changes reach this line.)
     RESUME_FIXED = {
         "num_hidden_layers": "model.num_layers", "block_size": "model.block_size",
         "target_layer_ids": "model.target_layer_ids", "mask_token_id": "model.mask_token_id",

@@ -45,7 +45,8 @@ FIRST_TOKEN = 100  # random batches skip the lowest ids (special tokens)
 def parse_setting(setting: str) -> tuple[int, int, int]:
     """"16x5x16" -> (anchors, layers, block size), each at least 1 (a block holds its anchor and a drafted token)."""
     parts = setting.split("x")
-    if len(parts) != 3 or not all(part.isdigit() for part in parts) or min(map(int, parts)) < 1 or int(parts[2]) < 2:
+    if len(parts) != 3 or not all(part.isascii() and part.isdigit() for part in parts) or min(map(int, parts)) < 1 \
+            or int(parts[2]) < 2:
         raise DDTreeError(f"--settings {setting!r}: give ANCHORSxLAYERSxBLOCK, positive integers with a block of at "
                           "least 2, e.g. 16x5x16 (several: comma-separated)")
     anchors, layers, block = (int(part) for part in parts)

@@ -47,8 +47,8 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from ddtree.corpus import CORPUS_FILE, write_replies
 from ddtree.errors import CommandParser, DDTreeError, command
 from ddtree.files import write_text_atomic
-from training.checkpoints import (find_resume, newest_checkpoint, newest_finite_checkpoint, non_finite_tensors,
-                                  run_checkpoints)
+from training.checkpoints import (AtomicCheckpointIO, find_resume, newest_checkpoint, newest_finite_checkpoint,
+                                  non_finite_tensors, run_checkpoints)
 from training.data import DistillDataModule, replies
 from training.export import export_drafter, run_corpus
 from training.feature_store import (build_feature_store, drafter_layer_ids, is_complete, resolve_store_path, store_seconds,
@@ -241,7 +241,8 @@ def new_folders(run_dir: Path) -> list[Path]:
 def has_checkpoint(run_dir: Path) -> bool:
     """Whatever a resume could read (run_checkpoints: a SLURM requeue's hpc_ckpt_N.ckpt beside checkpoints/ too), or a
     save left part of (a DeepSpeed shard folder without its `latest`)."""
-    return bool(run_checkpoints(run_dir)) or any(path.is_file() for path in (run_dir / "checkpoints").rglob("*"))
+    return bool(run_checkpoints(run_dir)) or any(path.is_file() and not AtomicCheckpointIO.is_staging(path)
+                                                 for path in (run_dir / "checkpoints").rglob("*"))
 
 
 def remove_unstarted_run(run_dir: Path, step: int, created: list[Path]) -> None:

@@ -737,6 +737,18 @@ def test_warm_start_with_lora_trains_adapters_only_and_exports_merged(module, tm
         assert torch.allclose(lora.block_hidden_states(features, batch["input_ids"], anchors), wrapped, atol=1e-5)
 
 
+def test_a_warm_start_leaves_the_folders_replayed_calibration_behind(module, tmp_path):
+    """Learned for the folder's weights (model.replay_calibration): the evaluation and the export would decode the
+    retrained drafter with it, and `ddtree generate` would call it this drafter's."""
+    module.base_drafter().config.calibration = {"temperatures": {"8": 1.5}, "graft_acceptance": {}}
+    try:
+        folder = export_drafter(module, tmp_path / "base")
+    finally:
+        module.base_drafter().config.calibration = None
+    warm = tiny_module(init_from=str(folder), target_layer_ids=None, num_layers=None, block_size=None)
+    assert warm.drafter.config.calibration is None
+
+
 def test_warm_start_refuses_a_conflicting_setting(module, tmp_path):
     from ddtree.targets import DDTreeError
 

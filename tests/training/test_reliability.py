@@ -173,9 +173,14 @@ def test_a_checkpoint_save_that_runs_out_of_disk_keeps_the_last_whole_one_and_sa
     assert torch.load(checkpoints / "last.ckpt", weights_only=False)["global_step"] == 2
     monkeypatch.undo()
 
-    (checkpoints / ".last.ckpt-k1lled").write_bytes(b"PK a save killed half-way")
+    # what saves killed half-way leave: in checkpoints/, and in the run folder (SLURM's hpc_ckpt_N.ckpt is saved there)
+    killed = [checkpoints / ".saving-checkpoint-k1lled", checkpoints.parent / ".saving-checkpoint-hpc"]
+    for path in killed:
+        path.write_bytes(b"PK a save killed half-way")
     assert train_main(["--resume", str(checkpoints.parent), "--output-root", str(tmp_path / "out")]) == 0
-    assert "removed .last.ckpt-k1lled: a save the last launch did not finish" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    for path in killed:
+        assert f"removed {path}: a save the last launch did not finish" in out and not path.exists()
     assert sorted(p.name for p in checkpoints.iterdir()) == ["best.ckpt", "last.ckpt", "step-4.ckpt"]
     assert torch.load(checkpoints / "last.ckpt", weights_only=False)["global_step"] == 4
 
@@ -205,8 +210,11 @@ def test_a_run_stopped_before_its_first_checkpoint_starts_again_under_its_name(t
     run_dir = tmp_path / "out" / "tiny" / "try1"
     (run_dir / "tensorboard" / "version_0").mkdir(parents=True)  # what a run Ctrl-C'd at step 0 leaves
     (run_dir / "config.yaml").write_text("a run that never saved\n")
+    (run_dir / "checkpoints").mkdir()  # ...or one killed during its first save: not a checkpoint, removed at the start
+    (run_dir / "checkpoints" / ".saving-checkpoint-k1lled").write_bytes(b"PK half a checkpoint")
     assert train_main(tiny_args(tmp_path, "try1", max_steps=2, every=2)) == 0
     assert "holds a run stopped before its first checkpoint: starting it again" in capsys.readouterr().out
+    assert not (run_dir / "checkpoints" / ".saving-checkpoint-k1lled").exists()
     assert (run_dir / "drafter" / "model.safetensors").is_file()
     assert train_main(tiny_args(tmp_path, "try1", max_steps=2)) == 2  # one with checkpoints is kept
     assert "already holds a run; pick another --run or use --resume" in capsys.readouterr().err

@@ -86,6 +86,7 @@ def test_a_gpu_recipe_on_a_machine_without_a_gpu_stops_with_one_line(tmp_path, m
     (["--settings", "16x5"], "--settings '16x5': give ANCHORSxLAYERSxBLOCK"),  # was a ValueError traceback
     (["--settings", "16x5x1"], "--settings '16x5x1': give ANCHORSxLAYERSxBLOCK"),
     (["--settings", "0x5x16"], "--settings '0x5x16': give ANCHORSxLAYERSxBLOCK"),
+    (["--settings", "1x\u00b2x2"], "--settings '1x\u00b2x2': give ANCHORSxLAYERSxBLOCK"),  # '²'.isdigit() is True
     (["--batch-size", "0"], "--batch-size 0: give at least 1"),  # was the default batch, silently
     (["--repeats", "0"], "--repeats 0: give at least 1"),  # was statistics' error on no data
     (["--threads", "-2"], "--threads -2: give at least 0"),

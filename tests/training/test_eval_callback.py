@@ -335,6 +335,7 @@ def test_best_ckpt_moves_before_the_file_it_displaces_goes_and_a_launch_relinks_
         saved.append(Path(path).name)
 
     trainer = SimpleNamespace(current_epoch=0, is_global_zero=True, ckpt_path=None, save_checkpoint=save_checkpoint,
+                              default_root_dir=str(tmp_path),
                               strategy=SimpleNamespace(broadcast=lambda value: value, remove_checkpoint=os.remove))
     checkpoints = BestCheckpoint(dirpath=folder, monitor=monitor_metric(8), save_top_k=1)
     folder.mkdir()

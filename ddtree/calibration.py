@@ -100,6 +100,19 @@ class OnlineCalibration:
         if self.trajectory is not None:
             self.trajectory.setdefault(shape, []).append(self.log_temperatures[shape])
 
+    def observe_round(self, shape: int | None, tree, expected: float, grafted: list[int], quoted: list[int],
+                      accepted: list[int]) -> None:
+        """A verified round (generate's, or training/replay.py's): the drafted `tree` (a DraftTree) expected
+        `expected` and the target accepted the draft tokens `accepted`; grafted and quoted: the context and corpus
+        lookups' paths, whose nodes tell how deep the target followed each lookup."""
+        if not len(tree):
+            return
+        self.observe(shape, expected, 1 + len(accepted))
+        if tree.grafted:
+            self.observe_graft("context", tree.grafted, grafted, accepted)
+        if tree.quoted:
+            self.observe_graft("corpus", tree.quoted, quoted, accepted)
+
     def settled(self) -> OnlineCalibration:
         """A frozen copy whose log temperatures are the mean over the last half of the recorded rounds.
 

@@ -286,7 +286,7 @@ def _drafter_runner(args, target: PreTrainedModel, tokenizer: PreTrainedTokenize
               f"{time.perf_counter() - started:.1f} s (--corpus none leaves it out)", file=sys.stderr)
     calibration = _calibration(args)
     runner = DrafterRunner(drafter, target, corpus=corpus, calibration=calibration)
-    if calibration is None and runner.default_calibration is not None:
+    if runner.calibration_from_config:
         print(f"[calibration] the drafter's config (replayed on its validation replies): draft temperature "
               f"{runner.default_calibration.describe()} (--calibration none leaves it out)", file=sys.stderr)
     return runner
@@ -379,10 +379,9 @@ def cmd_bench(args) -> None:
             settings["ddtree_resolved"] = {"lookup": lookup, "redraft": redraft, "corpus": None if resolved is None
                                            else args.corpus or f"the drafter's {CORPUS_FILE}"}
         shipped = drafter.default_calibration is not None  # the chain and ddtree use it alike
-        from_file = args.calibration not in (None, "none") or (args.drafter != "random"
-                                                               and (Path(args.drafter) / CALIBRATION_FILE).is_file())
         settings["calibration_resolved"] = None if not shipped else (
-            (args.calibration or f"the drafter's {CALIBRATION_FILE}") if from_file else "the drafter's config (replayed)")
+            "the drafter's config (replayed)" if drafter.calibration_from_config
+            else args.calibration or f"the drafter's {CALIBRATION_FILE}")
     if sizer is not None:
         settings["verify_cost_ms"] = {"fixed": sizer.fixed_ms, "per_row": sizer.row_ms}  # what --adaptive-size used
     results = {"settings": settings, **results}

@@ -176,7 +176,9 @@ class DrafterRunner:
         self.default_redraft = drafter.config.redraft  # generate's redraft=None: what the drafter was trained for
         self.default_lookup = drafter.config.lookup  # generate's lookup=None: what its recipe measured to pay
         self.default_corpus = corpus  # generate's corpus=None: the one shipped with it (recipes with model.corpus)
-        if calibration is None and calibrated and drafter.config.calibration:
+        # whether the default below is the config's (model.replay_calibration), not a calibration file's
+        self.calibration_from_config = calibration is None and calibrated and bool(drafter.config.calibration)
+        if self.calibration_from_config:
             calibration = config_calibration(drafter.config)
         # generate's online=None: the drafter folder's calibration.json, else its config's
         self.default_calibration = calibration or None
@@ -506,6 +508,7 @@ def generate(
         depth = min(room - 1, limit - 1 - start)  # deeper nodes could never be committed
         draft_s = 0.0
         expected = 1.0
+        grafted, quoted = [], []  # the lookups' paths (ddtree only)
         if use_drafter and depth > 0:
             graft_depth = depth  # a lookup's copy can run past the block: the target verifies any depth
             depth = min(depth, drafter.block_size - 1)
@@ -534,12 +537,8 @@ def generate(
 
         accepted, bonus = walk(tree, sampling.chooser(logits, generator))
         path = [tree.tokens[row - 1] for row in accepted]  # the accepted draft tokens
-        if online is not None and len(tree):
-            online.observe(shape, expected, 1 + len(accepted))
-            if tree.grafted:  # how deep the target followed each lookup: its grafted nodes' outcome
-                online.observe_graft("context", tree.grafted, grafted, path)
-            if tree.quoted:
-                online.observe_graft("corpus", tree.quoted, quoted, path)
+        if online is not None:
+            online.observe_round(shape, tree, expected, grafted, quoted, path)
         committed = (path + [bonus])[:room]
         for i, token in enumerate(committed):
             if token in stop:

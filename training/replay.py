@@ -110,12 +110,8 @@ def replay_reply(
         # The reply's token after a row at depth d is ids[root + 1 + d]; past the reply nothing matches.
         accepted, _ = walk(tree, lambda row: ids[root + 1 + depth_of[row]] if root + 1 + depth_of[row] < end else -1)
         path = ids[root + 1:root + 1 + len(accepted)]
-        if online is not None and len(tree):
-            online.observe(shape, tree.expected_acceptance, 1 + len(accepted))
-            if tree.grafted:
-                online.observe_graft("context", tree.grafted, grafted, path)
-            if tree.quoted:
-                online.observe_graft("corpus", tree.quoted, quoted, path)
+        if online is not None:
+            online.observe_round(shape, tree, tree.expected_acceptance, grafted, quoted, path)
         stop = next((i for i, token in enumerate(path) if token in stop_ids), None)
         step = len(accepted) + 1 if stop is None else stop + 1
         rounds.append(ReplayRound(len(accepted), tree.expected_acceptance, step))

@@ -111,6 +111,21 @@ def is_readable(checkpoint: Path) -> bool:
         return False
 
 
+def deepspeed_client_state(folder: Path) -> dict:
+    """What Lightning saved beside the weights of a DeepSpeed checkpoint folder (drafter_config, hyper_parameters, loops).
+
+    Read from the folder's first model-state file without DeepSpeed, so before its engine loads the shards; mmap
+    leaves the weights it also holds on disk.
+    """
+    tag = (folder / "latest").read_text().strip()
+    states = folder / tag / "mp_rank_00_model_states.pt"
+    try:
+        return torch.load(states, map_location="cpu", weights_only=False, mmap=True)
+    except Exception as error:  # noqa: BLE001 - a missing, empty or garbled shard: DeepSpeed's loader would fail too
+        raise DDTreeError(f"CKPT {folder}: cannot read {states.relative_to(folder)} "
+                          f"({type(error).__name__}: {error_line(error)})") from None
+
+
 def saved_at(checkpoint: Path) -> float:
     """When a checkpoint was last written: a file's mtime, or a DeepSpeed folder's `latest` tag file's."""
     return (checkpoint / "latest" if checkpoint.is_dir() else checkpoint).stat().st_mtime

@@ -727,8 +727,9 @@ class DistillModule(L.LightningModule):
 
     # What a resume cannot change: the drafter's shape and what it reads (config field -> the setting that sets it).
     # Another shape was a load_state_dict traceback; another block size or layer ids trained on silently, and the
-    # run's config.yaml then named settings its first steps never had. (DeepSpeed's engine loads its shards before this
-    # hook, strictly: there a change of shape is DeepSpeed's error, and only the other changes reach this line.)
+    # run's config.yaml then named settings its first steps never had. (DeepSpeed's engine loads its shards strictly,
+    # before on_load_checkpoint: there training/train.py's RefuseNonFiniteResume checks first, from the client state
+    # saved beside them.)
     RESUME_FIXED = {
         "num_hidden_layers": "model.num_layers", "block_size": "model.block_size",
         "target_layer_ids": "model.target_layer_ids", "mask_token_id": "model.mask_token_id",
@@ -739,6 +740,10 @@ class DistillModule(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         # Lightning restores a checkpoint into the module configure_model built, after this hook.
+        self.check_resume(checkpoint)
+
+    def check_resume(self, checkpoint: dict) -> None:
+        """Refuse, in one line, a resume whose launch would change the checkpoint's drafter (RESUME_FIXED)."""
         saved = checkpoint.get("drafter_config")
         if saved is None or self.drafter is None:
             return

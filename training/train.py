@@ -47,8 +47,8 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from ddtree.corpus import CORPUS_FILE, write_replies
 from ddtree.errors import CommandParser, DDTreeError, command
 from ddtree.files import write_text_atomic
-from training.checkpoints import (AtomicCheckpointIO, find_resume, newest_checkpoint, newest_finite_checkpoint,
-                                  non_finite_tensors, run_checkpoints)
+from training.checkpoints import (AtomicCheckpointIO, deepspeed_client_state, find_resume, is_deepspeed_checkpoint,
+                                  newest_checkpoint, newest_finite_checkpoint, non_finite_tensors, run_checkpoints)
 from training.data import DistillDataModule, replies
 from training.export import export_drafter, run_corpus
 from training.feature_store import (build_feature_store, drafter_layer_ids, is_complete, resolve_store_path, store_seconds,
@@ -57,7 +57,7 @@ from training.module import DistillModule, NonFiniteError
 from training.recipe import (DistillCLI, check_checkpoint_settings, check_recipe_name, config_arg, known_recipes,
                              parser_overrides, recipe_errors, recipe_path)
 from training.recipe_data import prepare_recipe_data
-from training.strategies import drafter_for_export, is_first_process, launcher_world
+from training.strategies import drafter_for_export, is_deepspeed, is_first_process, launcher_world
 from training.target import dtype_for_precision
 
 DEFAULT_RECIPE = "smollm2-135m"  # the CPU default
@@ -165,10 +165,18 @@ class RefuseNonFiniteResume(Callback):
     finite loss and gradient. Resumed, the first step's loss would be NaN. Checked once the strategy has restored the
     weights (DeepSpeed restores them after on_fit_start), and placed before WriteConfigOnStart, so config.yaml keeps
     what it held.
+
+    A DeepSpeed checkpoint folder is also held to the run's drafter here, at on_fit_start: DeepSpeed loads its shards
+    strictly, before the module's on_load_checkpoint would compare the drafters, so another layer count was its
+    size-mismatch traceback from every rank (Lightning knows no ckpt_path yet at that hook; this callback does).
     """
 
     def __init__(self, checkpoint: Path):
         self.checkpoint = checkpoint
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if is_deepspeed(trainer.strategy) and is_deepspeed_checkpoint(self.checkpoint):
+            pl_module.check_resume(deepspeed_client_state(self.checkpoint))
 
     def on_train_start(self, trainer, pl_module) -> None:
         non_finite = non_finite_tensors(pl_module.drafter)

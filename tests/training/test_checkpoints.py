@@ -19,7 +19,8 @@ import torch
 import training.evaluate
 import training.publish
 from ddtree.errors import DDTreeError
-from training.checkpoints import find_checkpoint, find_resume, find_run_checkpoint, load_checkpoint
+from training.checkpoints import (deepspeed_client_state, find_checkpoint, find_resume, find_run_checkpoint,
+                                  load_checkpoint)
 from training.module import DistillModule
 
 
@@ -175,6 +176,23 @@ def test_train_resume_from_a_truncated_last_ckpt_is_one_error_line_and_status_2(
     assert kept == ["step-4.ckpt"]
     assert line == (f"error: --resume {checkpoints / 'last.ckpt'}: checkpoint {checkpoints / 'last.ckpt'} is unreadable "
                     f"(truncated?); resume from an earlier one: {checkpoints.resolve() / 'step-4.ckpt'}")
+
+
+def test_a_deepspeed_folders_client_state_is_read_without_deepspeed_or_is_one_line(tmp_path):
+    # What a DeepSpeed resume is checked against before DeepSpeed loads the shards (training/train.py; the launch
+    # itself is tests/training/test_deepspeed.py's slow test): Lightning's dict, saved in the tag's first model state.
+    folder = tmp_path / "last.ckpt"
+    (folder / "checkpoint").mkdir(parents=True)
+    (folder / "latest").write_text("checkpoint\n")
+    client_state = {"drafter_config": {"block_size": 8}, "hyper_parameters": {"lora_rank": 0}, "global_step": 2,
+                    "module": {"drafter.fc.weight": torch.ones(3, 2)}}
+    torch.save(client_state, folder / "checkpoint" / "mp_rank_00_model_states.pt")
+    read = deepspeed_client_state(folder)
+    assert read["drafter_config"] == {"block_size": 8} and read["global_step"] == 2
+    assert torch.equal(read["module"]["drafter.fc.weight"], torch.ones(3, 2))
+    truncate(folder / "checkpoint" / "mp_rank_00_model_states.pt")
+    with pytest.raises(DDTreeError, match=r"^CKPT .*last.ckpt: cannot read checkpoint/mp_rank_00_model_states.pt \("):
+        deepspeed_client_state(folder)
 
 
 # ----------------------------------------------------------------------------- reading

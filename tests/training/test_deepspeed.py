@@ -313,6 +313,27 @@ def test_killed_two_process_run_resumes_to_the_same_weights(workspace, zero2_two
     assert train_losses(run_dir)[STEPS - 1] == train_losses(zero2_two_processes["dir"])[STEPS - 1]
 
 
+@pytest.mark.slow  # one more launch, stopped before its first step
+def test_a_deepspeed_resume_that_changes_the_drafter_is_one_line_before_deepspeed_loads(workspace, zero2_two_processes):
+    # DeepSpeed loads the shards strictly before Lightning's on_load_checkpoint: another layer count was its
+    # size-mismatch traceback from every rank. The run's config.yaml stays as it was.
+    run_dir = zero2_two_processes["dir"]
+    before = (run_dir / "config.yaml").read_text()
+    probe_dir = workspace / "probe-refused"
+    result = subprocess.run(
+        ["bash", str(LAUNCHER), "tiny", "1",
+         *launch_args(workspace, "zero2_cpu", 2, probe_dir, "--resume", str(run_dir), "--model.num_layers=2")],
+        cwd=REPO, env=launch_environment(workspace, 2, "zero2-x2"), capture_output=True, text=True, timeout=1200,
+    )
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors and all(line == errors[0] for line in errors), result.stderr[-3000:]  # the same line from each rank
+    assert errors[0].startswith("error: --resume: the checkpoint's drafter has num_hidden_layers 1 (this launch: 2): "
+                                "a resume keeps the run's drafter; drop model.num_layers"), errors[0]
+    assert "size mismatch" not in result.stderr and not probe_dir.exists()  # stopped before the shards and the first step
+    assert (run_dir / "config.yaml").read_text() == before
+
+
 @pytest.mark.slow  # one more run
 def test_zero3_two_processes_shard_the_drafter_not_the_target(workspace, zero2_two_processes):
     zero3 = launch(workspace, "zero3-x2", 2, "zero3_cpu", 2)

@@ -243,7 +243,8 @@ class DistillModule(L.LightningModule):
         if hp.init_from:
             drafter = load_drafter_folder(Path(hp.init_from), torch.float32, target=model)  # checked, one-line errors
             self._check_matches_folder(drafter.config)
-            drafter.config.calibration = None  # replayed for the folder's weights, not for these once trained
+            # replayed, or fitted, for the folder's weights, not for these once trained
+            drafter.config.calibration = drafter.config.draft_temperatures = None
         else:
             config = build_drafter_config(
                 model, tokenizer, hp.target,

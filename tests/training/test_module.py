@@ -737,16 +737,20 @@ def test_warm_start_with_lora_trains_adapters_only_and_exports_merged(module, tm
         assert torch.allclose(lora.block_hidden_states(features, batch["input_ids"], anchors), wrapped, atol=1e-5)
 
 
-def test_a_warm_start_leaves_the_folders_replayed_calibration_behind(module, tmp_path):
-    """Learned for the folder's weights (model.replay_calibration): the evaluation and the export would decode the
-    retrained drafter with it, and `ddtree generate` would call it this drafter's."""
-    module.base_drafter().config.calibration = {"temperatures": {"8": 1.5}, "graft_acceptance": {}}
+def test_a_warm_start_leaves_the_folders_calibrations_behind(module, tmp_path):
+    """Learned for the folder's weights (model.replay_calibration's state, model.calibrate's per-depth temperatures):
+    the evaluation and the export would decode the retrained drafter with them, and `ddtree generate` would call them
+    this drafter's."""
+    config = module.base_drafter().config
+    config.calibration = {"temperatures": {"8": 1.5}, "graft_acceptance": {}}
+    config.draft_temperatures = [1.0] + [1.3] * (config.block_size - 2)
     try:
         folder = export_drafter(module, tmp_path / "base")
     finally:
-        module.base_drafter().config.calibration = None
+        config.calibration = config.draft_temperatures = None
+    assert DFlashDraftModel.from_pretrained(folder).config.draft_temperatures  # the folder holds both
     warm = tiny_module(init_from=str(folder), target_layer_ids=None, num_layers=None, block_size=None)
-    assert warm.drafter.config.calibration is None
+    assert warm.drafter.config.calibration is None and warm.drafter.config.draft_temperatures is None
 
 
 def test_warm_start_refuses_a_conflicting_setting(module, tmp_path):

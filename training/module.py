@@ -737,14 +737,17 @@ class DistillModule(L.LightningModule):
         "draft_vocab": "model.draft_vocab_size", "hidden_size": "model.target", "vocab_size": "model.target",
         "num_target_layers": "model.target",
     }
-    RESUME_FIXED_HPARAMS = ("lora_rank", "lora_alpha", "lora_target_modules")
+    # Hyper-parameters a resume cannot change (-> the settings that set them). The seed splits the data (data.seed,
+    # kept equal to model.seed): another split would train on the replies that validate and pick the best checkpoint.
+    RESUME_FIXED_HPARAMS = {"lora_rank": "model.lora_rank", "lora_alpha": "model.lora_alpha",
+                            "lora_target_modules": "model.lora_target_modules", "seed": "model.seed and data.seed"}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         # Lightning restores a checkpoint into the module configure_model built, after this hook.
         self.check_resume(checkpoint)
 
     def check_resume(self, checkpoint: dict) -> None:
-        """Refuse, in one line, a resume whose launch would change the checkpoint's drafter (RESUME_FIXED)."""
+        """Refuse, in one line, a resume whose launch would change the checkpoint's drafter or data split."""
         saved = checkpoint.get("drafter_config")
         if saved is None or self.drafter is None:
             return
@@ -752,16 +755,21 @@ class DistillModule(L.LightningModule):
         changed = {}
         for field, setting in self.RESUME_FIXED.items():
             was, now = (as_compared(getattr(config, field, None)) for config in (saved_config, built))
-            if was != now:
+            if was != now and field == "draft_vocab" and was and now and len(was) == len(now):
+                # the same size, other tokens: model.draft_vocab_size picked them from another training split
+                changed.setdefault("the data's overrides (data.*)", f"a draft vocabulary of {len(was)} other tokens "
+                                   "(this launch's training split is not the run's)")
+            elif was != now:
                 shown = [f"{len(v)} tokens" if isinstance(v, list) and field == "draft_vocab" else v for v in (was, now)]
                 changed.setdefault(setting, f"{field} {shown[0]} (this launch: {shown[1]})")
         hparams = checkpoint.get("hyper_parameters") or {}
-        for name in self.RESUME_FIXED_HPARAMS:
+        for name, setting in self.RESUME_FIXED_HPARAMS.items():
             if name in hparams and hparams[name] != self.hparams.get(name):
-                changed.setdefault(f"model.{name}", f"{name} {hparams[name]} (this launch: {self.hparams.get(name)})")
+                changed.setdefault(setting, f"{name} {hparams[name]} (this launch: {self.hparams.get(name)})")
         if changed:
-            raise DDTreeError(f"--resume: the checkpoint's drafter has {'; '.join(changed.values())}: a resume keeps "
-                              f"the run's drafter; drop {', '.join(sorted(changed))} from the command, or start a new run")
+            raise DDTreeError(f"--resume: the checkpoint's run has {'; '.join(changed.values())}: a resume keeps the "
+                              f"run's drafter and data split; drop {', '.join(sorted(changed))} from the command, or start "
+                              "a new run")
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # The target never goes into a checkpoint (it is not a submodule; this guards against regressions),

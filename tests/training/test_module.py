@@ -753,6 +753,29 @@ def test_a_warm_start_leaves_the_folders_calibrations_behind(module, tmp_path):
     assert warm.drafter.config.calibration is None and warm.drafter.config.draft_temperatures is None
 
 
+def test_a_resume_names_what_changed_its_draft_vocabulary_or_split(module):
+    """The whole launch is tests/training/test_reliability.py's; these are the cases its toy data cannot reach."""
+    config = module.base_drafter().config
+    saved = {"drafter_config": {**config.to_dict(), "dflash_config": {**config.dflash_config, "draft_vocab": list(range(16))}},
+             "hyper_parameters": dict(module.hparams)}
+    config.draft_vocab = list(range(1, 17))  # the same size, other tokens: another training split chose them
+    try:
+        with pytest.raises(DDTreeError, match=r"^--resume: the checkpoint's run has a draft vocabulary of 16 other tokens "
+                                              r"\(this launch's training split is not the run's\): .*; drop the data's "
+                                              r"overrides \(data\.\*\) from the command"):
+            module.check_resume(saved)
+        config.draft_vocab = list(range(8))
+        with pytest.raises(DDTreeError, match=r"draft_vocab 16 tokens \(this launch: 8 tokens\).*drop model.draft_vocab_size"):
+            module.check_resume(saved)
+    finally:
+        config.draft_vocab = None
+    saved["drafter_config"] = config.to_dict()
+    module.check_resume(saved)  # the same run
+    saved["hyper_parameters"]["seed"] = module.hparams.seed + 1
+    with pytest.raises(DDTreeError, match=r"seed 1 \(this launch: 0\).*drop model.seed and data.seed from the command"):
+        module.check_resume(saved)
+
+
 def test_warm_start_refuses_a_conflicting_setting(module, tmp_path):
     from ddtree.targets import DDTreeError
 

@@ -292,15 +292,15 @@ def test_a_resume_refused_at_restore_leaves_config_yaml_as_it_was(tmp_path, caps
     assert (run_dir / "config.yaml").read_text() == before
     # Another drafter: a shape was a load_state_dict traceback, a block size trained on silently under the run's name.
     for overrides, named in [
-        (["--model.num_layers=2"], "num_hidden_layers 1 (this launch: 2): a resume keeps the run's drafter; drop "
+        (["--model.num_layers=2"], "num_hidden_layers 1 (this launch: 2): a resume keeps the run's drafter and data split; drop "
                                    "model.num_layers from the command"),
         (["--model.block_size=4", "--model.gamma=3.0"], "block_size 8 (this launch: 4): a resume keeps the run's "
-                                                        "drafter; drop model.block_size from the command"),
-        (["--model.lora_rank=2"], "lora_rank 0 (this launch: 2): a resume keeps the run's drafter; drop model.lora_rank"),
+                                                        "drafter and data split; drop model.block_size from the command"),
+        (["--model.lora_rank=2"], "lora_rank 0 (this launch: 2): a resume keeps the run's drafter and data split; drop model.lora_rank"),
     ]:
         assert train_main([*resume, *overrides]) == 2
         lines = error_lines(capsys)
-        assert len(lines) == 1 and lines[0].startswith("error: --resume: the checkpoint's drafter has "), lines
+        assert len(lines) == 1 and lines[0].startswith("error: --resume: the checkpoint's run has "), lines
         assert named in lines[0], lines
         assert (run_dir / "config.yaml").read_text() == before
     assert train_main(resume) == 0  # so the plain resume still works

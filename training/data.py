@@ -65,6 +65,13 @@ class TokenizedConversations(Dataset):
     def lengths(self) -> list[int]:
         return (self.offsets[1:] - self.offsets[:-1]).tolist()
 
+    def digest(self) -> str:
+        """These sequences' tokens and reply masks, hashed: the same data wherever its file lies (or was touched)."""
+        digest = hashlib.sha256()
+        for tensor in (self.offsets, self.input_ids, self.loss_mask):
+            digest.update(tensor.contiguous().numpy().tobytes())
+        return digest.hexdigest()[:16]
+
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         start, end = self.offsets[index].item(), self.offsets[index + 1].item()
         item = {"input_ids": self.input_ids[start:end].long(), "loss_mask": self.loss_mask[start:end]}
@@ -321,6 +328,7 @@ class DistillDataModule(L.LightningDataModule):
         # time-boxed store holds a share of it (the replies for model.corpus and the draft vocabulary come from it)
         self.val_set: TokenizedConversations | None = None
         self.pad_id = 0
+        self.data_digest: str | None = None  # the tokenized data's (set in setup; a resume must find the same)
 
     def load_tokenizer(self):
         from transformers import AutoTokenizer
@@ -378,6 +386,7 @@ class DistillDataModule(L.LightningDataModule):
             self.store = FeatureStore(self.feature_store)
             self.store.check_matches(key, data.lengths())
             data.features = self.store
+        self.data_digest = data.digest()
         order, num_val = self.split_order(len(data))
         self.val_set = Subset(data, order[:num_val])
         self.train_split = Subset(data, order[num_val:])
@@ -394,6 +403,18 @@ class DistillDataModule(L.LightningDataModule):
                         "data.store_max_minutes): training draws from those", self.feature_store, len(self.train_set),
                         len(self.train_split))
         log.info("data %s: %d train / %d val sequences", self.data_path, len(self.train_set), len(self.val_set))
+
+    def state_dict(self) -> dict:
+        return {"data_digest": self.data_digest} if self.data_digest else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        # A resume's loader position is counted in the run's split of the run's data: other conversations of the
+        # same count passed the loader's check and trained on (checkpoints saved before the digest was kept pass).
+        saved = state.get("data_digest")
+        if saved and self.data_digest and saved != self.data_digest:
+            raise DDTreeError(f"--resume: data.data_path={self.data_path} holds other conversations than the run trained "
+                              f"on (tokenized, they hash to {self.data_digest}, the run's to {saved}; or data.max_length "
+                              "changed): resume with the run's data, or start a new run")
 
     def split_order(self, num_sequences: int) -> tuple[list[int], int]:
         """(the seeded permutation of the data's sequences, how many lead it as the validation split)."""

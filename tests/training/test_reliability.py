@@ -303,6 +303,13 @@ def test_a_resume_refused_at_restore_leaves_config_yaml_as_it_was(tmp_path, caps
         assert len(lines) == 1 and lines[0].startswith("error: --resume: the checkpoint's run has "), lines
         assert named in lines[0], lines
         assert (run_dir / "config.yaml").read_text() == before
+    # Other conversations of the same count: the loader's count matched, and the run trained on them silently.
+    other = toy_data.write_conversations(tmp_path / "other.jsonl", 24, 30, 60, seed=5)
+    assert train_main([*resume, f"--data.data_path={other}"]) == 2
+    lines = error_lines(capsys)
+    assert len(lines) == 1 and lines[0].startswith(f"error: --resume: data.data_path={other} holds other conversations "
+                                                   "than the run trained on (tokenized, they hash to "), lines
+    assert (run_dir / "config.yaml").read_text() == before
     assert train_main(resume) == 0  # so the plain resume still works
     assert "max_steps: 2" in before and "max_steps: 4" in (run_dir / "config.yaml").read_text()
 

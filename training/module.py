@@ -729,7 +729,7 @@ class DistillModule(L.LightningModule):
     # What a resume cannot change: the drafter's shape and what it reads (config field -> the setting that sets it).
     # Another shape was a load_state_dict traceback; another block size or layer ids trained on silently, and the
     # run's config.yaml then named settings its first steps never had. (DeepSpeed's engine loads its shards strictly,
-    # before on_load_checkpoint: there training/train.py's RefuseNonFiniteResume checks first, from the client state
+    # before on_load_checkpoint: there training/train.py's RefuseUnfitResume checks first, from the client state
     # saved beside them.)
     RESUME_FIXED = {
         "num_hidden_layers": "model.num_layers", "block_size": "model.block_size",

@@ -158,17 +158,18 @@ class WriteConfigOnStart(Callback):
             write_text_atomic(self.path, self.text)
 
 
-class RefuseNonFiniteResume(Callback):
-    """A resume from a checkpoint whose drafter weights hold NaN or inf stops before its first step.
+class RefuseUnfitResume(Callback):
+    """A resume from a checkpoint whose drafter weights hold NaN or inf, or (DeepSpeed) whose drafter this launch
+    would change, stops before its first step.
 
-    Such a checkpoint is a diverged run's last.ckpt: the update before it was saved can blow the weights up with a
+    The first is a diverged run's last.ckpt: the update before it was saved can blow the weights up with a
     finite loss and gradient. Resumed, the first step's loss would be NaN. Checked once the strategy has restored the
     weights (DeepSpeed restores them after on_fit_start), and placed before WriteConfigOnStart, so config.yaml keeps
     what it held.
 
-    A DeepSpeed checkpoint folder is also held to the run's drafter here, at on_fit_start: DeepSpeed loads its shards
-    strictly, before the module's on_load_checkpoint would compare the drafters, so another layer count was its
-    size-mismatch traceback from every rank (Lightning knows no ckpt_path yet at that hook; this callback does).
+    The second is checked at on_fit_start: DeepSpeed loads its shards strictly, before the module's on_load_checkpoint
+    would compare the drafters, so another layer count was its size-mismatch traceback from every rank (and Lightning
+    knows no ckpt_path yet at that hook; this callback does).
     """
 
     def __init__(self, checkpoint: Path):
@@ -311,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         config_text = cli.parser.dump(cli.config, skip_none=False)
         if checkpoint:  # in this order: a refused resume leaves config.yaml as it was
             config_writer = WriteConfigOnStart(run_dir / "config.yaml", config_text)
-            cli.trainer.callbacks += [RefuseNonFiniteResume(checkpoint), config_writer]
+            cli.trainer.callbacks += [RefuseUnfitResume(checkpoint), config_writer]
         elif is_first_process():
             write_text_atomic(run_dir / "config.yaml", config_text)
         if is_first_process():

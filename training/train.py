@@ -288,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-root", default="outputs", help="runs go to <output-root>/<recipe>/<run>/")
     args, overrides = parser.parse_known_args(argv)
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(DropLightningTips())
+    # Lightning 2.6's own pytree helper builds torch's deprecated LeafSpec at every launch: not ours to print.
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     if args.recipe is not None:
         check_recipe_name(args.recipe)
     try:

@@ -185,12 +185,13 @@ def test_a_checkpoint_save_that_runs_out_of_disk_keeps_the_last_whole_one_and_sa
     assert torch.load(checkpoints / "last.ckpt", weights_only=False)["global_step"] == 4
 
 
-def test_a_moved_run_resumes_into_its_new_folder(tmp_path, caplog):
+def test_a_moved_run_resumes_into_its_new_folder(tmp_path, caplog, recwarn):
     caplog.set_level(logging.INFO, logger="lightning.pytorch")
     assert train_main(tiny_args(tmp_path, "first", max_steps=2)) == 0
     logged = [record.getMessage() for record in caplog.records]
     assert any("GPU available" in line for line in logged)  # Lightning's own lines are there,
-    assert not any("Tip:" in line for line in logged)  # but not its advertisement
+    assert not any("Tip:" in line for line in logged)  # but not its advertisement,
+    assert not any("LeafSpec" in str(warning.message) for warning in recwarn)  # nor its deprecated pytree call
     original = tmp_path / "out" / "tiny" / "first"
     moved_root = tmp_path / "elsewhere"
     shutil.copytree(original, moved_root / "tiny" / "first", symlinks=True)

@@ -852,6 +852,7 @@ DEEPSPEED_SAVE = textwrap.dedent("""
 def test_a_deepspeed_checkpoint_folder_is_consolidated(run_dir, tmp_path, tiny_target):
     folder = tmp_path / "run" / "checkpoints" / "last.ckpt"
     folder.parent.mkdir(parents=True)
+    shutil.copyfile(run_dir / CORPUS_FILE, tmp_path / "run" / CORPUS_FILE)  # a model.corpus run exports only with it
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]

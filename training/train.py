@@ -309,6 +309,12 @@ def main(argv: list[str] | None = None) -> int:
                 # stopped before its first checkpoint, whose line said to start it again: nothing there to resume
                 print(f"[train] {run_dir} holds a run stopped before its first checkpoint: starting it again", flush=True)
         cli = build_cli(config, run_dir, overrides)
+        if checkpoint and is_deepspeed_checkpoint(checkpoint) and not is_deepspeed(cli.trainer.strategy):
+            # Lightning would torch.load the folder: an IsADirectoryError traceback
+            raise DDTreeError(f"--resume: {checkpoint} is a DeepSpeed checkpoint (a folder of per-rank shards) and this "
+                              f"launch's strategy is {type(cli.trainer.strategy).__name__}: resume it under the run's "
+                              "DeepSpeed strategy (drop the trainer.strategy override), or export it (make export) and "
+                              "start a new run from the drafter with model.init_from")
         prepare_recipe_data(cli.datamodule, args.recipe, cli.trainer.world_size)
         build_missing_feature_store(cli, args.recipe)
         config_text = cli.parser.dump(cli.config, skip_none=False)

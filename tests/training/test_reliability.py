@@ -313,6 +313,18 @@ def test_a_resume_refused_at_restore_leaves_config_yaml_as_it_was(tmp_path, caps
     assert (run_dir / "config.yaml").read_text() == before
     assert train_main(resume) == 0  # so the plain resume still works
     assert "max_steps: 2" in before and "max_steps: 4" in (run_dir / "config.yaml").read_text()
+    # A DeepSpeed checkpoint (a folder of shards) under another strategy: Lightning's IsADirectoryError traceback.
+    last = run_dir / "checkpoints" / "last.ckpt"
+    last.unlink()
+    (last / "checkpoint").mkdir(parents=True)
+    (last / "latest").write_text("checkpoint")
+    capsys.readouterr()
+    assert train_main([*resume, "--trainer.max_steps=6"]) == 2
+    lines = error_lines(capsys)
+    assert len(lines) == 1 and lines[0] == (
+        f"error: --resume: {last} is a DeepSpeed checkpoint (a folder of per-rank shards) and this launch's strategy is "
+        "SingleDeviceStrategy: resume it under the run's DeepSpeed strategy (drop the trainer.strategy override), or "
+        "export it (make export) and start a new run from the drafter with model.init_from"), lines
 
 
 def test_a_resumed_run_keeps_its_own_recipe(tmp_path, capsys, monkeypatch):

@@ -471,6 +471,7 @@ class AcceptanceEvaluation(L.Callback):
             "lookup": self.lookup if self.lookup is not None else drafter_config.lookup,
             "redraft": self.redraft if self.redraft is not None else drafter_config.redraft,
             "corpus": self.corpus is not None,
+            "calibrated": drafter_config.calibration is not None,  # model.replay_calibration: lookups' nodes counted
             "block_size": int(drafter_config.block_size),
         }
 

@@ -436,7 +436,9 @@ def build_feature_store(
     if max_seconds is not None:
         print(f"[features] time box {max_seconds / 60:.1f} min (data.store_max_minutes): where the machine is too slow "
               "for every sequence, the build ends before the shard that would overrun it", flush=True)
-    with tqdm(total=manifest["total_tokens"], initial=written, unit="tok", desc="features") as progress:
+    # The bar counts the whole plan; boxed, its estimate is the whole store's, not when the box ends the build.
+    desc = "features" if max_seconds is None else f"features (box {max_seconds / 60:.1f} min)"
+    with tqdm(total=manifest["total_tokens"], initial=written, unit="tok", desc=desc) as progress:
         for shard in manifest["shards"]:
             if shard["file"] in done:
                 continue

@@ -102,6 +102,10 @@ def markdown_report(run_name: str, history: list[dict], settings: dict, eval_sec
     if settings.get("corpus"):
         lines += ["Every tree also carries the training replies' majority continuation (`model.corpus`; the "
                   "drafter's exports ship them, `ddtree bench --corpus none` leaves them out).", ""]
+    if (settings.get("lookup") or settings.get("corpus")) and not settings.get("calibrated"):
+        lines += ["The expected tau counts the lookups' nodes by the drafter's own probabilities, and the target accepts "
+                  "them far more often than that (docs/objectives.md, Calibration): here the measured tau runs above "
+                  "the expected one whatever the drafter's confidence. The chain's pair is the drafter's own.", ""]
     if settings.get("redraft"):
         lines += [f"Each round re-drafts behind the {settings['redraft']} best depth-1 tokens (`eval.redraft`, `ddtree "
                   "bench --redraft`), the chain behind its first: one more drafter forward a round.", ""]

@@ -126,6 +126,8 @@ def test_a_replay_calibrated_run_decodes_saves_and_exports_what_it_learned(tmp_p
         [4, 8, 16], 8, stop_token_ids(target, tokenizer), progress=False)["summary"]
     calibrated, plain = bench(None), bench(False)
     evaluation = json.loads((run_dir / "eval" / "step-000004.json").read_text())
+    assert evaluation["settings"]["calibrated"] is True  # the lookups' nodes counted by their replayed acceptance
+    assert "counts the lookups' nodes by the drafter's own" not in (run_dir / "report.md").read_text()
     for key, stats in calibrated.items():
         assert evaluation["summary"][key]["expected_tau"] == pytest.approx(stats["expected_tau"], rel=1e-9), key
     assert any(plain[key]["expected_tau"] != stats["expected_tau"] for key, stats in calibrated.items())

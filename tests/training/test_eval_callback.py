@@ -548,6 +548,21 @@ def test_the_report_ranks_an_unmeasured_step_below_every_measured_one_as_best_ck
     assert "step 2**, though nothing was measured" in only_unmeasured  # best.ckpt links to it, ranked last of one
 
 
+def test_the_report_says_why_a_tree_with_lookups_measures_above_its_expected_tau():
+    """The CPU recipe's report read tau@32 3.08 (expected 2.36) beside "far above the measurement means an
+    over-confident drafter": the lookups' nodes count by the drafter's probabilities, which say nothing of them."""
+    stats = {"tau": 3.0, "expected_tau": 2.4, "rounds": 1, "accepted_depth_counts": {}}
+    history = [{"step": 2, "train_loss": None, "val_loss": None, "seconds": 0.0, "checkpointed": True,
+                "summary": {CHAIN: stats, tree_key(8): stats}}]
+    settings = dict(prompts=PROMPTS, num_prompts=1, max_new_tokens=4, budgets=[8], primary_budget=8, block_size=BLOCK)
+    why = "The expected tau counts the lookups' nodes by the drafter's own probabilities"
+    assert why not in training.report.markdown_report("run", history, settings, 0.0, 1.0)
+    for lookups in ({"lookup": 7}, {"corpus": True}):
+        assert why in training.report.markdown_report("run", history, {**settings, **lookups}, 0.0, 1.0)
+        calibrated = {**settings, **lookups, "calibrated": True}  # model.replay_calibration scores them by acceptance
+        assert why not in training.report.markdown_report("run", history, calibrated, 0.0, 1.0)
+
+
 def test_the_report_says_when_the_train_loss_is_another_loss_than_the_val_loss(tmp_path):
     """The CPU recipe's report read train loss 8.4-8.7 (dpace weights and kl distillation) beside val loss 4.1-4.5
     (decayed cross-entropy alone), the first rising as the second fell, with nothing saying they differ."""

@@ -411,8 +411,10 @@ def test_a_time_boxed_build_holds_a_seeded_share_validation_first_and_training_d
         assert torch.equal(store[index], whole[index]), index
     with pytest.raises(IndexError, match="not in time-boxed feature store"):
         store[next(i for i in range(12) if i not in held)]
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert f"{len(held)} of 12 sequences (time-boxed)" in out and "data.store_max_minutes" in out
+    assert "features (box 0.4 min)" in captured.err  # its bar's estimate is the whole plan's, and says it is boxed
 
     boxed_dm = make_datamodule(tmp_path, feature_store=str(store.path))
     boxed_dm.setup("fit")

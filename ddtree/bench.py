@@ -199,11 +199,13 @@ def run_benchmark(
     sizer: TreeSizer | None = None,
     redraft: int | None = None,
     corpus: CorpusLookup | bool | None = None,
+    warm: bool = True,
 ) -> dict:
     """Run every method on every prompt. Returns {"summary": {key: summarize(...)}, "prompts": [per-prompt rows]}.
 
     A row is {"id", "prompt_tokens", "methods": {key: {"tau", "new_tokens", "seconds", "rounds": [Round as a dict]}}}.
-    Every method is warmed up first (warm_up, on the first prompt, untimed); only the runs after that are timed.
+    Every method is warmed up first (warm_up, on the longest prompt, untimed); only the runs after that are timed.
+    warm False skips that, for a caller that wants the acceptance and not the timings (training's evaluation).
     static: the target's cache (ddtree.decoding.generate; None = static with CUDA graphs on a GPU only).
     online: learn draft temperatures from the timed rounds, prompt after prompt (OnlineCalibration), starting from the
     drafter's calibration file if it has one (or given, the caller's OnlineCalibration); otherwise that file's
@@ -233,8 +235,9 @@ def run_benchmark(
             )
     # The longest prompt at the full length: the static runners it builds then fit every timed generation, so none
     # is rebuilt (and its CUDA graphs captured again) inside the timed prefill.
-    longest = max(prompts, key=lambda prompt: len(prompt["prompt_ids"]))
-    warm_up(target, drafter, longest["prompt_ids"], keys, max_new_tokens, stop_ids, sampling, seed, static, redraft)
+    if warm:
+        longest = max(prompts, key=lambda prompt: len(prompt["prompt_ids"]))
+        warm_up(target, drafter, longest["prompt_ids"], keys, max_new_tokens, stop_ids, sampling, seed, static, redraft)
 
     calibration = None  # generate then uses the drafter's calibration file, if it has one, as it is
     if isinstance(online, OnlineCalibration):  # the caller's, to read what it learned (`ddtree calibrate`)

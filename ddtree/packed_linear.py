@@ -146,15 +146,16 @@ def cannot_pack(model: nn.Module) -> str | None:
     return None
 
 
-def require_packing(model: nn.Module) -> None:
+def require_packing(model: nn.Module, option: str = "--packed-weights") -> None:
     """One error line where `model` cannot be packed (--packed-weights on, verify-cost --compare-plain)."""
     reason = cannot_pack(model)
     if reason:
-        raise DDTreeError(f"--packed-weights on: {reason}; use --packed-weights off (or auto)")
+        raise DDTreeError(f"{option} on: {reason}; use {option} off (or auto)")
 
 
-def apply_packing(choice: str, model: nn.Module) -> tuple[bool, str]:
+def apply_packing(choice: str, model: nn.Module, option: str = "--packed-weights") -> tuple[bool, str]:
     """--packed-weights auto|on|off applied to `model`: whether it ended packed, and a line saying why (the CLI prints it).
+    option: the setting's name as the caller's user gives it (training's evaluation: eval.packed_weights).
 
     auto packs a CPU fp32 model where oneDNN can, where the packed copy takes under a quarter of the memory this
     machine has available, and where its linear layers then measure faster packed (measure_packing, on the model's own
@@ -162,18 +163,18 @@ def apply_packing(choice: str, model: nn.Module) -> tuple[bool, str]:
     off never packs.
     """
     if choice not in PACKED_KERNELS:
-        raise DDTreeError(f"--packed-weights {choice!r}: choose one of {', '.join(PACKED_KERNELS)}")
+        raise DDTreeError(f"{option} {choice!r}: choose one of {', '.join(PACKED_KERNELS)}")
     if choice == "off":
         return False, ""
     if choice == "on":
-        require_packing(model)
+        require_packing(model, option)
     reason = cannot_pack(model)
     if reason:
         return False, f"[packed weights] off: {reason}"
     size, available = linear_bytes(model), available_memory_bytes()
     if choice == "auto" and available is not None and size > available / 4:
         return False, (f"[packed weights] off: a packed copy takes {size / 2**20:.0f} MiB, over a quarter of the "
-                       f"{available / 2**20:.0f} MiB available; --packed-weights on packs anyway")
+                       f"{available / 2**20:.0f} MiB available; {option} on packs anyway")
     pack_linears(model)
     size_text = f"{size / 2**20:.0f} MiB more"
     if choice == "on":
@@ -182,5 +183,5 @@ def apply_packing(choice: str, model: nn.Module) -> tuple[bool, str]:
     measured = f"its linear layers over {' and '.join(map(str, PROBE_ROWS))} rows took {fast:.1f} ms packed, {plain:.1f} plain"
     if fast >= GAIN_NEEDED * plain:
         unpack_linears(model)
-        return False, f"[packed weights] off: {measured}; --packed-weights on packs anyway"
+        return False, f"[packed weights] off: {measured}; {option} on packs anyway"
     return True, f"[packed weights] on: {measured} ({size_text})"

@@ -315,7 +315,9 @@ def block_loss_sums(
     read: torch.Tensor | None = None,  # (S, n, B) bool: positions read, not drafted; None: before the first label
     teacher_top: tuple[torch.Tensor, torch.Tensor] | None = None,  # ((S, n*B, k) ids, log-probs): the target's top k
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(sum of w * loss, sum of w, hits (B,), tokens (B,), top-k hits (B,)) over the M counted block tokens.
+    """(sum of w * loss, sum of w, hits (B,), tokens (B,), top-RECALL_K hits (B,)) over the M counted block tokens.
+
+    The hits are metrics, the same whatever the objective: `top_k` sets only the tree objective's survival.
 
     Only the M counted rows of `hidden` go through the LM head. With `chunk_size`, at most that many
     rows at a time, each chunk recomputed in backward (activation checkpointing), so only one chunk's
@@ -380,13 +382,18 @@ def block_loss_sums(
         detached = log_q.detach()
         vocab = detached.shape[1]
         label_log_q = detached.gather(1, chunk_targets[:, None])  # (m, 1)
-        recall_k, tree_k = min(top_k, vocab), min(budget, vocab)
-        top, _ = top_entries(detached, max(recall_k, tree_k) if tree_widths else recall_k)  # (m, K), unordered
-        kth = top if top.shape[1] == recall_k else top.topk(recall_k, dim=1, sorted=False).values
-        in_top = label_log_q[:, 0] >= kth.amin(dim=1)  # (m,) fewer than top_k tokens rank above the label
+        # the metric's k, the tree objective's survival k, the tree widths' K: one top_entries serves them all
+        recall_k, survival_k, tree_k = min(RECALL_K, vocab), min(top_k, vocab), min(budget, vocab)
+        top, _ = top_entries(detached, max(recall_k, survival_k, tree_k if tree_widths else 1))  # (m, K), unordered
+
+        def within(k):  # (m,) fewer than k tokens rank above the label
+            kth = top if top.shape[1] == k else top.topk(k, dim=1, sorted=False).values
+            return label_log_q[:, 0] >= kth.amin(dim=1)
+
+        in_top = within(survival_k)
         hits = position_counts(label_log_q[:, 0] >= top.amax(dim=1), chunk_positions, block_size)  # the label is a best
         tokens = position_counts(torch.ones_like(in_top), chunk_positions, block_size)
-        top_hits = position_counts(in_top, chunk_positions, block_size)
+        top_hits = position_counts(within(recall_k), chunk_positions, block_size)
         best = detached[:, :0]
         if tree_widths:  # (m, 1 + K): log q(label), then the K best log-probabilities, unordered
             best = torch.cat([label_log_q, top if top.shape[1] == tree_k else top.topk(tree_k, dim=1).values], dim=1)

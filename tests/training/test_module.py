@@ -908,6 +908,10 @@ def test_acceptance_objectives_weight_tokens_by_expected_length_and_normalise_by
     assert torch.allclose(weighted, (token_ce * expected).sum(), atol=1e-5)
     assert total == 6  # blocks with a label: every block of the case
     assert (top_hits >= hits).all() and top_hits.sum() <= tokens.sum()
+    # the metric is recall at RECALL_K whatever the objective's top_k (val/recall4 read 'recall at 2' here before)
+    label_logit = logits.gather(1, flat.clamp_min(0)[:, None])
+    within = ((logits > label_logit).sum(1) < RECALL_K) & counted
+    assert torch.equal(top_hits, torch.bincount(torch.arange(flat.shape[0])[within] % 4, minlength=4))
     (grad,) = torch.autograd.grad(weighted / total, hidden)
     assert torch.isfinite(grad).all() and grad.abs().sum() > 0
     plain = block_loss_sums(hidden, labels, lm_head, weights, top_k=2)

@@ -531,8 +531,9 @@ def generate(
         else:
             t_drafted = t_round
             tree = chain_tree([])
+        positions, mask = tree_positions(tree, start), ancestor_matrix(tree)  # in other_s, as Round says
         t_verify = _now(device)
-        logits, hidden = runner.verify([root] + tree.tokens, tree_positions(tree, start), ancestor_matrix(tree), start)
+        logits, hidden = runner.verify([root] + tree.tokens, positions, mask, start)
         t_verified = _now(device)  # logits (1 + n, V)
 
         accepted, bonus = walk(tree, sampling.chooser(logits, generator))

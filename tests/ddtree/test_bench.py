@@ -179,3 +179,25 @@ def test_a_message_whose_content_is_not_a_string_is_one_line(tmp_path, tiny_targ
                     f'{{"messages": [{{"role": "user", "content": {content}}}]}}\n')
     with pytest.raises(DDTreeError, match=f"{path}:2: .*whose role and content are strings"):
         load_prompts(path, tokenizer)
+
+
+def test_a_rounds_verify_time_is_the_targets_forward_and_the_trees_mask_is_overhead(tiny_target, monkeypatch):
+    """results.json's split: building the tree's mask and positions counts in `other`, as Round says, not in
+    `verify` (the target's forward), which the tree sizer fits its cost line to."""
+    import time
+
+    import ddtree.decoding as decoding
+    from ddtree.cli import load_drafter
+
+    model, tokenizer = tiny_target
+    drafter = decoding.DrafterRunner(load_drafter("random", model, tokenizer, "tiny-random"), model)
+    build_mask = decoding.ancestor_matrix
+
+    def slow_mask(tree):
+        time.sleep(0.2)
+        return build_mask(tree)
+
+    monkeypatch.setattr(decoding, "ancestor_matrix", slow_mask)
+    for method, budget in (("dflash", 0), ("ddtree", 8)):
+        result = generate(model, [1, 2, 3, 4], method, drafter, budget, 3)
+        assert result.rounds and all(r.other_s >= 0.2 for r in result.rounds), [r.other_s for r in result.rounds]

@@ -46,6 +46,25 @@ def test_measure_fits_a_cost_line_on_the_machine():
     assert "ms per row" in sizer.describe()
 
 
+def test_the_cost_line_times_the_targets_forward_without_building_the_mask(monkeypatch):
+    """Decoding counts the tree's mask in a round's overhead (Round.other_s), which the sizer adds to the line."""
+    import time
+
+    import ddtree.sizing as sizing
+
+    target, _ = load_target("tiny-random")
+    build_mask = sizing.ancestor_matrix
+
+    def slow_mask(tree):
+        time.sleep(0.5)
+        return build_mask(tree)
+
+    monkeypatch.setattr(sizing, "ancestor_matrix", slow_mask)
+    runner = sizing.probe_runner(target, 16)
+    tree = build_tree(torch.randn(3, target.config.vocab_size, generator=torch.Generator().manual_seed(0)), 8)
+    assert sizing.verify_seconds(runner, tree, 16, repeats=3) < 0.5  # a tiny model's forward, not the sleep
+
+
 def test_measure_runs_on_a_vocabulary_smaller_than_the_special_tokens_skipped():
     from transformers import LlamaConfig, LlamaForCausalLM
 

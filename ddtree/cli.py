@@ -32,7 +32,7 @@ from .calibration import CALIBRATION_FILE, learning_from, load_calibration, save
 from .corpus import CORPUS_FILE, CorpusLookup, check_corpus_file
 from .drafters import load_drafter_folder, read_drafter_config
 from .decoding import (
-    METHODS, DrafterRunner, OnlineCalibration, Sampling, check_sizer, context_limit, drafter_defaults, generate,
+    METHODS, DrafterRunner, OnlineCalibration, Sampling, check_budget, check_sizer, context_limit, drafter_defaults, generate,
     static_cache,
 )
 from .errors import CommandParser, DDTreeError, command
@@ -200,7 +200,7 @@ def _load_target(args):
     return target, tokenizer
 
 
-def _setup(args, needs_drafter: bool = True):
+def _setup(args, needs_drafter: bool = True, trees: bool = True):
     sampling = Sampling(args.temperature, args.top_p, args.top_k)
     if args.max_new_tokens < 1:
         raise DDTreeError(f"--max-new-tokens {args.max_new_tokens} must be at least 1")
@@ -211,6 +211,8 @@ def _setup(args, needs_drafter: bool = True):
         raise DDTreeError(f"--limit {args.limit} must be at least 1; omit it to use every prompt")
     check_input_files(args, needs_drafter)
     target, tokenizer = _load_target(args)
+    for budget in (getattr(args, "budgets", None) or [getattr(args, "budget", 1)]) if trees else []:
+        check_budget(budget, target)  # before --adaptive-size measures verifies of that many rows
     return sampling, target, tokenizer
 
 
@@ -227,7 +229,7 @@ def _sizer(args, target, budgets: list[int], method: str = "ddtree") -> TreeSize
 
 def cmd_generate(args) -> None:
     check_calibration_flag(args, [args.method])
-    sampling, target, tokenizer = _setup(args, needs_drafter=args.method != "ar")
+    sampling, target, tokenizer = _setup(args, needs_drafter=args.method != "ar", trees=args.method == "ddtree")
     sizer = _sizer(args, target, [args.budget], args.method)
     drafter = None
     if args.method != "ar":
@@ -357,7 +359,7 @@ def cmd_bench(args) -> None:
             raise DDTreeError(f"--out {args.out} is the --prompts file: the results would replace the prompts; give "
                               "another --out")
         check_output_file(args.out, overwrite=args.overwrite)
-    sampling, target, tokenizer = _setup(args, needs_drafter=any(m != "ar" for m in methods))
+    sampling, target, tokenizer = _setup(args, needs_drafter=any(m != "ar" for m in methods), trees="ddtree" in methods)
     prompts = load_prompts(args.prompts, tokenizer, args.limit)
     drafter = None
     if any(m != "ar" for m in methods):

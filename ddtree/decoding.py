@@ -370,6 +370,14 @@ def drafter_defaults(
     return lookup, redraft, corpus or None
 
 
+def check_budget(budget: int, target: PreTrainedModel) -> None:
+    """A tree is verified in one forward beside the context: its nodes must fit the target's context."""
+    limit = context_limit(target)
+    if budget >= limit:
+        raise DDTreeError(f"budget {budget}: a tree of that many nodes cannot be verified within the target's context of "
+                          f"{limit} tokens; give a budget below it (published: 32)")
+
+
 def check_redraft(method: str, redraft: int) -> None:
     """Re-drafting needs a drafter."""
     if redraft < 0:
@@ -433,8 +441,8 @@ def generate(
     sizer (ddtree, dynamic cache): each round verifies only the leading nodes of the budget's tree that pay
     for their rows under this machine's verify cost (ddtree/sizing.py); None = always the whole budget.
     redraft: after the block's draft, re-draft the rest of the block behind each of its `redraft` most likely
-    depth-1 tokens (the chain: behind its first), in one more drafter forward, and build the tree from those
-    (DrafterRunner.redraft; for a drafter trained with model.redraft_prob). 0 = one draft per round; None = the
+    depth-1 tokens (at most `budget`; the chain: behind its first), in one more drafter forward, and build the tree
+    from those (DrafterRunner.redraft; for a drafter trained with model.redraft_prob). 0 = one draft per round; None = the
     drafter's default (DrafterRunner.default_redraft: its config's `redraft`, 0 for drafters not trained for it),
     except with a sizer (drafter_defaults).
     corpus (ddtree): graft what the target's replies most often said after the context's last tokens into every tree
@@ -472,9 +480,8 @@ def generate(
     limit = context_limit(target)
     if len(prompt) >= limit:
         raise DDTreeError(f"prompt of {len(prompt)} tokens does not fit the target's context of {limit} tokens")
-    if method == "ddtree" and budget >= limit:  # a tree is verified in one forward beside the context
-        raise DDTreeError(f"budget {budget}: a tree of that many nodes cannot be verified within the target's context of "
-                          f"{limit} tokens; give a budget below it (published: 32)")
+    if method == "ddtree":
+        check_budget(budget, target)
     max_new_tokens = min(max_new_tokens, limit - len(prompt))
     result = GenerationResult(prompt_ids=prompt, new_tokens=[])
     if max_new_tokens <= 0:
@@ -515,7 +522,9 @@ def generate(
             draft_logits = drafter.propose(root, start, new_context, depth)  # (depth, V)
             branches = None
             if redraft and depth > 1:
-                firsts = draft_logits[0].topk(min(redraft if method == "ddtree" else 1, draft_logits.shape[-1])).indices.tolist()
+                # a tree holds at most `budget` depth-1 nodes (the chain one): more re-drafts would only cost memory
+                count = min(redraft, budget) if method == "ddtree" else 1
+                firsts = draft_logits[0].topk(min(count, draft_logits.shape[-1])).indices.tolist()
                 branches = dict(zip(firsts, drafter.redraft(root, start, firsts, depth)))  # token -> (depth - 1, V)
             if online is not None:
                 draft_logits = draft_logits.float() / online.temperature(shape)

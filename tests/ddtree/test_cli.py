@@ -173,6 +173,24 @@ def test_adaptive_size_that_cannot_run_is_one_line(capsys, prompts_file, args, m
     assert message in _bad(capsys, command, "--target", TARGET, *where, *rest)
 
 
+@pytest.mark.parametrize("command", ["generate", "bench", "calibrate"])
+def test_a_budget_past_the_targets_context_is_one_line_before_anything_is_measured(capsys, tmp_path, prompts_file,
+                                                                                    tiny_target, monkeypatch, command):
+    """--adaptive-size measured verifies of budget + 1 rows first: --budget 100000000 ran for minutes at 10 GB."""
+    monkeypatch.setattr("ddtree.sizing.TreeSizer.measure", lambda *a, **k: pytest.fail("measured before the check"))
+    drafter = str(tiny_drafter_folder(tiny_target, tmp_path / "drafter")) if command == "calibrate" else "random"
+    where = {"generate": ["--prompt", "Hi", "--budget", "4096"],
+             "bench": ["--prompts", str(prompts_file), "--budgets", "16,4096"],
+             "calibrate": ["--prompts", str(prompts_file), "--budgets", "4096"]}[command]
+    where += ["--drafter", drafter]
+    line = _bad(capsys, command, "--target", TARGET, "--adaptive-size", "on", *where)
+    assert "budget 4096" in line and "context of 2048" in line
+    # a budget that no method of the command uses is not refused
+    code, _, _ = run_cli(capsys, "generate", "--target", TARGET, "--prompt", "Hi", "--method", "ar", "--budget", "4096",
+                         "--max-new-tokens", "2")
+    assert code == 0
+
+
 def test_bench_adaptive_size_records_its_cost_and_sizes_within_the_budget(capsys, tmp_path, prompts_file):
     out = tmp_path / "adaptive.json"
     code, _, err = run_cli(

@@ -168,6 +168,20 @@ def test_redraft_runs_every_block_as_if_drafted_alone(smollm2, references, rando
         generate(model, prompt, "ar", None, 8, 4, redraft=2)
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic-cache", "static-cache"])
+def test_redraft_behind_more_tokens_than_the_budget_holds_re_drafts_behind_the_budgets_worth(tiny_target, static):
+    """A tree of n nodes holds at most n depth-1 tokens: `--redraft 100000` tried to lay out 100000 blocks (a 600 GB
+    mask) and stopped with a traceback."""
+    model, tokenizer = tiny_target
+    drafter = DrafterRunner(load_drafter("random", model, tokenizer, "tiny-random"), model)
+    counts, redraft = [], drafter.redraft
+    drafter.redraft = lambda root, start, firsts, depth: counts.append(len(firsts)) or redraft(root, start, firsts, depth)
+    prompt = [5, 17, 42, 8, 99]
+    plain = generate(model, prompt, "ar", max_new_tokens=6)
+    result = generate(model, prompt, "ddtree", drafter, 4, 6, static=static, redraft=100000)
+    assert result.new_tokens == plain.new_tokens and counts and set(counts) == {4}
+
+
 @pytest.mark.parametrize("method,budget", [("dflash", 0), ("ddtree", 8)])
 def test_online_calibration_learns_a_temperature_and_stays_lossless(smollm2, references, method, budget):
     """The rigged drafter is sure of a wrong token every 7th position: online calibration warms it, and

@@ -203,6 +203,10 @@ def check_values(config: Namespace) -> None:
          "give 1 (no accumulation) or more"),
         ("trainer.val_check_interval", trainer.val_check_interval, trainer.val_check_interval != 0,
          "give a step count, a fraction of an epoch, or null"),
+        # Lightning reads a clip value <= 0 as no clipping, without a word: a typo would train unclipped
+        ("trainer.gradient_clip_val", trainer.gradient_clip_val,
+         trainer.gradient_clip_val is None or float(trainer.gradient_clip_val) > 0,
+         "give a positive norm to clip at, or null (no clipping)"),
         # Lightning would wrap the data's own rank split in a second one: each rank would train on 1/world^2.
         ("trainer.use_distributed_sampler", trainer.use_distributed_sampler, not trainer.use_distributed_sampler,
          "the data splits itself across ranks (and resumes mid-epoch): give false, or leave it out"),
@@ -278,7 +282,7 @@ class DistillCLI(LightningCLI):
             trainer = super().instantiate_trainer(**kwargs)
         except DDTreeError:
             raise
-        except (MisconfigurationException, ValueError) as error:
+        except (MisconfigurationException, ValueError, ImportError) as error:  # ImportError: an accelerator's package
             raise RecipeSettingError(f"the trainer section was refused: {error_line(error)}") from None
         # Checkpoint files are written whole or not at all (training/checkpoints.py). DeepSpeed's engine writes its
         # own shard folders, and a writer a recipe names in trainer.plugins is kept.

@@ -20,23 +20,30 @@ from ddtree.targets import load_target, parse_dtype
 from .peft_utils import merge_target_adapter
 
 
+# Lightning's precision names the drafter trains in -> the frozen target's dtype under them
+TRAINING_PRECISIONS = {
+    "32": torch.float32, "32-true": torch.float32,
+    "bf16": torch.bfloat16, "bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16,
+    "16": torch.float16, "16-mixed": torch.float16, "16-true": torch.float16,
+}
+
+
 def dtype_for_precision(precision: str | None, target_dtype: str = "auto") -> torch.dtype:
     """The frozen target's weight dtype: model.target_dtype if set, else what the Trainer computes in.
 
     No fp32 copy of a frozen model under bf16-mixed: the target runs in the training precision.
     A model.target_dtype that is not a dtype is a DDTreeError (the recipe checks call this before anything loads).
     """
+    precision = str(precision or "32")
+    if precision not in TRAINING_PRECISIONS:  # 64 trained the drafter in fp64 against an fp32 target: a traceback
+        raise DDTreeError(f"trainer.precision={precision} is not one the drafter trains in: give one of "
+                          f"{', '.join(sorted(TRAINING_PRECISIONS))}, or auto (the fastest on this machine)")
     if target_dtype and target_dtype != "auto":
         try:
             return parse_dtype(target_dtype, "model.target_dtype")
         except DDTreeError as error:
             raise DDTreeError(f"{error}, or auto (the trainer's precision)") from None
-    precision = str(precision or "32")
-    if "bf16" in precision:
-        return torch.bfloat16
-    if precision.startswith("16"):
-        return torch.float16
-    return torch.float32
+    return TRAINING_PRECISIONS[precision]
 
 
 def load_frozen_target(

@@ -375,6 +375,11 @@ def test_resuming_a_finished_run_says_so_and_keeps_its_drafter(tmp_path, capsys)
     ("--trainer.use_distributed_sampler=true", "trainer.use_distributed_sampler=True"),
     ("--trainer.accelerator=bogus", "accelerator='bogus'"),  # refused by Lightning as it builds the Trainer
     ("--trainer.strategy=bogus", "strategy='bogus'"),
+    # found in a review (2026-11-30): a traceback mid-step (fp64 drafter, fp32 target), a traceback from Lightning's
+    # accelerator import, and a negative clip Lightning reads as no clipping
+    ("--trainer.precision=64", "trainer.precision=64"),
+    ("--trainer.accelerator=tpu", "torch_xla"),
+    ("--trainer.gradient_clip_val=-1", "trainer.gradient_clip_val=-1"),
 ])
 def test_a_value_torch_or_lightning_refuses_is_one_line_naming_it(tmp_path, capsys, override, named):
     assert train_main([*tiny_args(tmp_path, "bad", max_steps=2), override]) == 2

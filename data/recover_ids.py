@@ -33,7 +33,7 @@ from transformers import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ddtree.errors import CommandParser, DDTreeError, command  # noqa: E402
-from ddtree.files import staged_folder  # noqa: E402
+from ddtree.files import path_argument, staged_folder  # noqa: E402
 from ddtree.targets import load_target  # noqa: E402
 from training.conversations import render_prompt_ids  # noqa: E402
 
@@ -161,7 +161,7 @@ def run(args: argparse.Namespace) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     p = CommandParser(description=__doc__.splitlines()[0])
     p.add_argument("data", help="a folder written by data/regenerate.py (greedy)")
-    p.add_argument("--out", required=True, help="a new folder for the data with response_ids")
+    p.add_argument("--out", type=path_argument, required=True, help="a new folder for the data with response_ids")
     p.add_argument("--limit", type=int, default=0, help="only the first N rows (0: all)")
     return p
 

@@ -56,7 +56,7 @@ from transformers import DynamicCache
 from ddtree.cli import parse_device
 from ddtree.decoding import Sampling, top_p_filter
 from ddtree.errors import CommandParser, DDTreeError, command
-from ddtree.files import read_yaml_mapping, staged_folder, unwritable_as_error, write_text_atomic
+from ddtree.files import path_argument, read_yaml_mapping, staged_folder, unwritable_as_error, write_text_atomic
 from ddtree.targets import DTYPES, load_target, resolve_target, stop_token_ids
 from training.conversations import read_messages_jsonl, render_prompt_ids
 from training.recipe_data import AUTO_DATA, check_regenerate_settings, default_data_path
@@ -326,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "to its data.data_path, the other options to its data.regenerate section")
     p.add_argument("--target", default=None, help="built-in target name, local HF folder or Hub id (default smollm2-135m)")
     p.add_argument("--prompts", type=Path, default=Path("data/prompts/train_prompts.jsonl"))
-    p.add_argument("--out", type=Path, default=None, help="output `datasets` folder (chunks go to <out>.parts)")
+    p.add_argument("--out", type=lambda text: Path(path_argument(text)), default=None, help="output `datasets` folder (chunks go to <out>.parts)")
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (evaluation decodes at T=0)")

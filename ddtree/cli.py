@@ -36,7 +36,7 @@ from .decoding import (
     static_cache,
 )
 from .errors import CommandParser, DDTreeError, command
-from .files import check_output_file, write_json_atomic
+from .files import check_output_file, path_argument, write_json_atomic
 from .modeling_dflash import DFlashDraftModel
 from .packed_linear import PACKED_KERNELS, apply_packing, is_packed, pack_linears, require_packing
 from .precision import AUTO, resolve_dtype
@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--budgets", type=_int_list, default=[16, 32, 64],
                        help="comma-separated ddtree node budgets, one row each (default: 16,32,64)")
     bench.add_argument("--limit", type=int, default=None, help="use the first N prompts (default: all)")
-    bench.add_argument("--out", default=None, help="write results JSON here")
+    bench.add_argument("--out", type=path_argument, default=None, help="write results JSON here")
     bench.add_argument("--overwrite", action="store_true", help="replace an existing --out")
 
     calibrate = commands.add_parser(

@@ -11,6 +11,7 @@ a run or the cache. Every writer here gives them the modes a plain open()/mkdir(
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -57,6 +58,14 @@ def unwritable_as_error(path: Path):
         else:
             why = (error.strerror or str(error)) + (f" ({error.filename})" if error.filename else "")
         raise DDTreeError(f"cannot write {path}: {why}; give a path in a writable folder") from None
+
+
+def path_argument(text: str) -> str:
+    """argparse type of a path flag: an empty one (`--out "$UNSET"`) is refused, where the flag's truthiness test read
+    it as left out (another default path) or Path("") as the working folder."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a path, got an empty string (an unset shell variable?)")
+    return text
 
 
 def check_output_file(path: str | Path, flag: str = "--out", overwrite: bool | None = None) -> None:

@@ -27,7 +27,7 @@ import torch
 from ddtree.cli import parse_device
 from ddtree.corpus import CORPUS_FILE, CorpusLookup
 from ddtree.errors import CommandParser, DDTreeError, command
-from ddtree.files import check_output_file, read_yaml_mapping, write_json_atomic
+from ddtree.files import check_output_file, path_argument, read_yaml_mapping, write_json_atomic
 from ddtree.precision import AUTO, fast_precision
 from ddtree.targets import stop_token_ids
 
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-root", default="outputs", help="where the recipe's runs are: <output-root>/<recipe>/")
     parser.add_argument("--limit", type=int, default=None, help="override eval.limit (the result then differs from training's)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", default=None, help="results JSON (default: <run>/eval/checkpoint-<name>.json)")
+    parser.add_argument("--out", type=path_argument, default=None, help="results JSON (default: <run>/eval/checkpoint-<name>.json)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     args = parser.parse_args(argv)
     check_recipe_name(args.recipe)

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from ddtree.errors import CommandParser, command
+from ddtree.files import path_argument
 from ddtree.targets import DTYPES, parse_dtype
 
 from .data import DistillDataModule
@@ -31,7 +32,7 @@ from .target import dtype_for_precision
 def main(argv: list[str] | None = None) -> int:
     parser = CommandParser(description="Build a recipe's offline feature store.")
     parser.add_argument("--recipe", default="smollm2-135m", help="one of recipes/*.yaml; its model.* and data.* define the store")
-    parser.add_argument("--out", default=None, help="store folder (default: the recipe's data.feature_store; "
+    parser.add_argument("--out", type=path_argument, default=None, help="store folder (default: the recipe's data.feature_store; "
                         "when that is auto or unset, <ddtree cache>/features/<recipe>-<tokenization key>)")
     parser.add_argument("--force", action="store_true", help="replace an existing store of another build")
     # Checked by parse_dtype, not argparse choices: a bad name is then one `error:` line like every other bad input.

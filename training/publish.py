@@ -50,7 +50,7 @@ from transformers.utils import HF_MODULES_CACHE
 
 from ddtree.corpus import CORPUS_FILE
 from ddtree.errors import CommandParser, DDTreeError, command, error_line
-from ddtree.files import check_output_folder, finite_json, staged_folder
+from ddtree.files import check_output_folder, finite_json, path_argument, staged_folder
 from ddtree.modeling_dflash import DFlashDraftModel
 from ddtree.targets import DTYPES, parse_dtype
 
@@ -155,7 +155,7 @@ def export_folder(
 def build_parser() -> argparse.ArgumentParser:
     parser = CommandParser(prog="python -m training.publish", description=__doc__.splitlines()[0])
     parser.add_argument("run", nargs="?", help="the run folder, outputs/<recipe>/<run>")
-    parser.add_argument("--out", help="the folder to write (refused if it holds files, unless --overwrite)")
+    parser.add_argument("--out", type=path_argument, help="the folder to write (refused if it holds files, unless --overwrite)")
     parser.add_argument("--ckpt", default="best", help="best (default), last, or a checkpoint path")
     parser.add_argument("--speculators", action="store_true", help="add vLLM's speculators fields to config.json")
     parser.add_argument("--base-model", help="the target's Hub id, if the run named it otherwise (a folder)")

@@ -1,0 +1,47 @@
+"""Every command's --out flag: an empty value (`--out "$UNSET"`) is a usage error, not the flag left out.
+
+bench ran and wrote nothing, training.features built a 349 MB store at its default path, and regenerate's
+Path("") is the working folder (found in a review, 2026-11-30).
+"""
+
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+
+
+def data_script(name: str):
+    spec = importlib.util.spec_from_file_location(f"out_flag_{name}", DATA / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(DATA))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(DATA))
+    return module.main
+
+
+def command_main(name: str):
+    if name in ("regenerate", "recover_ids"):
+        return data_script(name)
+    return importlib.import_module(name).main
+
+
+@pytest.mark.parametrize("name, argv", [
+    ("ddtree.cli", ["bench", "--target", "tiny-random", "--methods", "ar", "--prompts", "data/eval_prompts.jsonl"]),
+    ("training.features", ["--recipe", "tiny"]),
+    ("training.evaluate", ["--recipe", "tiny", "--run", "some-run"]),
+    ("training.publish", ["some-run"]),
+    ("regenerate", ["--target", "tiny-random"]),
+    ("recover_ids", ["some-data"]),
+])
+def test_an_empty_out_is_one_usage_line(capsys, name, argv):
+    with pytest.raises(SystemExit) as exit_:
+        command_main(name)([*argv, "--out", ""])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "argument --out: expected a path, got an empty string" in err, err

@@ -13,8 +13,10 @@ drafter is the checkpoint's (LoRA adapters merged in, as exported), and a model.
 graft its <run>/corpus.safetensors as training's did. When the checkpoint holds the value logged at
 its step, it is printed beside the new measurement.
 
-Prints one row per method and writes <run>/eval/checkpoint-<name>.json (or --out; for a checkpoint outside a
-run, an eval/ folder beside it). Bad input prints one line and exits with status 2.
+Prints one row per method and writes <run>/eval/checkpoint-<name>.json (checkpoint-<name>-limit<N>.json with
+--limit N, so that a partial measurement never replaces the one `make export` reports; or --out, never a
+checkpoint; for a checkpoint outside a run, an eval/ folder beside it). Bad input prints one line and exits with
+status 2.
 """
 
 from __future__ import annotations
@@ -51,6 +53,15 @@ def logged_metrics(checkpoint: Checkpoint) -> dict | None:
     return metrics_of(record["summary"], record["seconds"]) if record is not None else None
 
 
+def check_not_a_checkpoint(out: Path) -> None:
+    """--out may not replace a checkpoint (a .ckpt file, or a file in a DeepSpeed .ckpt folder), nor sit among a
+    run's checkpoints, even with --overwrite: results there would cost a run its resume."""
+    place = out.absolute()
+    if any(part.suffix == ".ckpt" for part in (place, *place.parents)) or any(place.parent.glob("*.ckpt")):
+        raise DDTreeError(f"--out {out} is a checkpoint or lies among a run's checkpoints; give a path outside them "
+                          "(the default is <run>/eval/)")
+
+
 @command
 def main(argv: list[str] | None = None) -> int:
     parser = CommandParser(description=__doc__.splitlines()[0])
@@ -61,16 +72,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-root", default="outputs", help="where the recipe's runs are: <output-root>/<recipe>/")
     parser.add_argument("--limit", type=int, default=None, help="override eval.limit (the result then differs from training's)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", type=path_argument, default=None, help="results JSON (default: <run>/eval/checkpoint-<name>.json)")
+    parser.add_argument("--out", type=path_argument, default=None, help="results JSON (default: <run>/eval/checkpoint-<name>[-limit<N>].json)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     args = parser.parse_args(argv)
     check_recipe_name(args.recipe)
     parse_device(args.device)
     if args.out:
         check_output_file(args.out, overwrite=args.overwrite)
+        check_not_a_checkpoint(Path(args.out))
     path = find_checkpoint(args.ckpt, Path(args.output_root) / args.recipe, args.run)
-    if args.out and Path(args.out).resolve() == path.resolve():
-        raise DDTreeError(f"--out {args.out} is the checkpoint measured; give another --out")
     config, source = read_config(path, args.recipe)
     settings = dict(config.get("eval") or {})
     if args.limit is not None:
@@ -128,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     # Outside a run: beside the checkpoint's own folder (its run-like parent when it lies in a checkpoints/ folder).
     folder = path.resolve().parent
     eval_dir = (run_dir or (folder.parent if folder.name == "checkpoints" else folder)) / "eval"
-    out = Path(args.out) if args.out else eval_dir / f"checkpoint-{path.resolve().stem}.json"
+    # A --limit measurement has its own name: the checkpoint's own one is what `make export` reports for its step
+    partial = "" if args.limit is None else f"-limit{args.limit}"
+    out = Path(args.out) if args.out else eval_dir / f"checkpoint-{path.resolve().stem}{partial}.json"
     used = {**evaluation.settings(drafter.config, len(prompts)), "limit": evaluation.limit, "target": hp["target"],
             "dtype": str(dtype)}
     write_json_atomic(out, {"checkpoint": str(path), "step": step, "settings": used, "logged": logged, **result})

@@ -305,9 +305,15 @@ def test_make_eval_refuses_an_out_it_could_not_write_before_evaluating(saved, tm
     # an existing file, the checkpoint itself among them (it was replaced by results JSON), only when asked
     assert training.evaluate.main(["--recipe", "tiny", "--ckpt", str(path), "--out", str(tmp_path / "afile")]) == 2
     assert f"--out {tmp_path / 'afile'} exists; pass --overwrite to replace it" in one_error_line(capsys)
-    assert training.evaluate.main(["--recipe", "tiny", "--ckpt", str(path), "--out", str(path), "--overwrite"]) == 2
-    assert f"--out {path} is the checkpoint measured; give another --out" in one_error_line(capsys)
+    # a checkpoint, the measured one or another (it was replaced by results JSON), never, even when asked
+    other = tmp_path / "other" / "step-3.ckpt"
+    other.parent.mkdir()
+    shutil.copy(path, other)
+    for out in (path, other, path.parent / "results.json", other.parent / "results.json"):
+        assert training.evaluate.main(["--recipe", "tiny", "--ckpt", str(path), "--out", str(out), "--overwrite"]) == 2
+        assert f"--out {out} is a checkpoint or lies among a run's checkpoints" in one_error_line(capsys)
     assert (tmp_path / "afile").read_text() == "mine" and path.stat().st_size > 1000
+    assert other.stat().st_size == path.stat().st_size and not (path.parent / "results.json").exists()
 
 
 def test_make_eval_of_a_loose_checkpoint_writes_beside_it(saved, tmp_path, capsys, monkeypatch):
@@ -327,5 +333,7 @@ def test_make_eval_of_a_loose_checkpoint_writes_beside_it(saved, tmp_path, capsy
     printed = capsys.readouterr().out
     assert "[precision] trainer.precision auto -> bf16-mixed (stubbed)" in printed
     assert "target tiny-random in bfloat16" in printed
-    assert (tmp_path / "loose" / "eval" / "checkpoint-x.json").is_file()
+    # a --limit measurement is named for it: the checkpoint's own name holds what `make export` reports
+    assert (tmp_path / "loose" / "eval" / "checkpoint-x-limit1.json").is_file()
+    assert not (tmp_path / "loose" / "eval" / "checkpoint-x.json").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["loose"]  # nothing above the checkpoint's folder

@@ -50,10 +50,19 @@ def read_replies(path: str | Path) -> list[list[int]]:
     """The sequences `write_replies` wrote."""
     try:
         saved = load_file(str(path))
-        tokens, offsets = saved["tokens"].tolist(), saved["offsets"].tolist()
-    except (OSError, SafetensorError, KeyError) as error:
+        tokens, offsets = saved["tokens"], saved["offsets"]
+        problem = next((f"{name} is {tensor.dim()}-D {tensor.dtype}, not 1-D integers"
+                        for name, tensor in (("tokens", tokens), ("offsets", offsets))
+                        if tensor.dim() != 1 or tensor.dtype.is_floating_point or tensor.dtype == torch.bool), None)
+        if problem is None and (len(offsets) == 0 or offsets[0] != 0 or offsets[-1] != len(tokens)
+                                or bool((offsets[1:] < offsets[:-1]).any())):
+            problem = f"offsets do not run from 0 to the {len(tokens)} tokens without going back"
+        if problem is not None:
+            raise ValueError(problem)
+    except (OSError, SafetensorError, KeyError, ValueError) as error:
         raise DDTreeError(f"corpus {path} is unreadable or not a corpus ({error_line(error)}); export the drafter "
                           f"again, or decode without it (ddtree: --corpus none)") from None
+    tokens, offsets = tokens.tolist(), offsets.tolist()
     return [tokens[start:end] for start, end in zip(offsets, offsets[1:])]
 
 

@@ -94,6 +94,18 @@ def test_a_corpus_file_reads_back_its_replies_and_a_broken_one_is_one_line(tmp_p
     (tmp_path / "cut.safetensors").write_bytes((tmp_path / CORPUS_FILE).read_bytes()[:-3])
     with pytest.raises(DDTreeError, match=r"corpus .*cut.safetensors is unreadable or not a corpus .*--corpus none"):
         read_replies(tmp_path / "cut.safetensors")
+    # whole files of the wrong tensors: float ids were a TypeError traceback, offsets past the tokens cut replies short
+    from safetensors.torch import save_file
+
+    for name, tensors, problem in (
+        ("float", {"tokens": torch.ones(10), "offsets": torch.tensor([0.0, 10.0])}, "tokens is 1-D torch.float32"),
+        ("2d", {"tokens": torch.ones(2, 5, dtype=torch.int32), "offsets": torch.tensor([0, 10])}, "tokens is 2-D"),
+        ("past", {"tokens": torch.ones(4, dtype=torch.int32), "offsets": torch.tensor([0, 9])}, "offsets do not run"),
+        ("back", {"tokens": torch.ones(4, dtype=torch.int32), "offsets": torch.tensor([0, 3, 1, 4])}, "offsets do not run"),
+    ):
+        save_file(tensors, tmp_path / f"{name}.safetensors")
+        with pytest.raises(DDTreeError, match=rf"corpus .*{name}.safetensors is unreadable or not a corpus \({problem}"):
+            read_replies(tmp_path / f"{name}.safetensors")
 
 
 def test_the_drafters_corpus_is_the_default_and_false_leaves_it_out(tiny_target):

@@ -41,6 +41,7 @@ from .module import DistillModule
 from .recipe import check_recipe_name, check_values, read_recipe, recipe_errors, recipe_path
 from .train import main as train_main
 
+YEAR_SECONDS = 365 * 86400  # --minutes' bound: anything longer is a typo
 PLAIN = "--model.distill_weight=0 --model.distill_top_k=0"  # no distillation, whatever the recipe distils with
 KL = "--model.distill_weight=0.5 --model.distill_loss=kl"
 DEFAULT_VARIANTS = [  # the published loss, the four acceptance-weighted objectives, the two distillation losses, mixes;
@@ -177,8 +178,9 @@ def main(argv: list[str] | None = None) -> int:
         raise DDTreeError("give --steps N (the same schedule for every variant) and/or --minutes M (the same wall time)")
     if args.steps is not None and args.steps < 1:
         raise DDTreeError(f"--steps {args.steps}: give at least 1 optimizer step")
-    if args.minutes is not None and not (math.isfinite(args.minutes) and args.minutes * 60 >= 1):
-        raise DDTreeError(f"--minutes {args.minutes}: give a wall time of at least one second (1/60 of a minute)")
+    if args.minutes is not None and not (math.isfinite(args.minutes) and 1 <= args.minutes * 60 <= YEAR_SECONDS):
+        raise DDTreeError(f"--minutes {args.minutes}: give a wall time per variant of at least one second (1/60 of a "
+                          f"minute) and at most a year ({YEAR_SECONDS // 60} minutes)")
     variants = [parse_variant(v) for v in (args.variant or DEFAULT_VARIANTS)]
     if len({name for name, _ in variants}) != len(variants):
         raise DDTreeError(f"--variant names must differ: {[name for name, _ in variants]}")
@@ -189,8 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         budget += [f"--trainer.max_steps={args.steps}", f"--eval.every_n_train_steps={args.steps}",
                    f"--trainer.val_check_interval={args.steps}", "--trainer.check_val_every_n_epoch=null"]
     if args.minutes is not None:
-        seconds = round(args.minutes * 60)
-        budget.append(f"--trainer.max_time=00:{seconds // 3600:02d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}")
+        days, seconds = divmod(round(args.minutes * 60), 86400)  # Lightning's DD:HH:MM:SS
+        budget.append(f"--trainer.max_time={days:02d}:{seconds // 3600:02d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}")
     if args.eval_limit is not None:
         budget.append(f"--eval.limit={args.eval_limit}")
     if args.eval_max_new_tokens is not None:

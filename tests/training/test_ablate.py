@@ -41,9 +41,20 @@ def test_a_bad_variant_or_no_budget_is_one_line(capsys):
     assert main(["--recipe", "tiny", "--variant", 'x=--model.lr="1', "--steps", "2"]) == 2
     assert main(["--recipe", "tiny", "--minutes", "nan"]) == 2
     assert main(["--recipe", "tiny", "--steps", "0"]) == 2
+    assert main(["--recipe", "tiny", "--minutes", "1e12"]) == 2  # was refused as a bad trainer section of tiny.yaml
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 5 and "--variant" in err[0] and "--steps" in err[1]
+    assert len(err) == 6 and "--variant" in err[0] and "--steps" in err[1]
     assert "No closing quotation" in err[2] and "--minutes nan" in err[3] and "--steps 0" in err[4]
+    assert "--minutes 1000000000000.0" in err[5] and "at most a year" in err[5]
+
+
+def test_a_budget_past_a_day_is_lightnings_days_field(tmp_path, monkeypatch):
+    import training.ablate
+
+    launched = []
+    monkeypatch.setattr(training.ablate, "train_main", lambda argv: launched.append(argv) or 2)
+    main(["--recipe", "tiny", "--minutes", "1501", "--output-root", str(tmp_path), "--variant", "a="])
+    assert launched and "--trainer.max_time=01:01:01:00" in launched[0]
 
 
 def test_every_variant_is_read_before_any_trains(tmp_path, capsys, monkeypatch):

@@ -132,9 +132,9 @@ def markdown_report(run_name: str, history: list[dict], settings: dict, eval_sec
             cells[0] += f" **weights not finite** ({record['non_finite_tensors']} tensors)"
             cells += ["not measured"] * len(budgets) + ["not measured"]
         else:
-            for b in budgets:
-                stats = summary[tree_key(b)]
-                cells.append(f"{stats['tau']:.3f} ({stats['expected_tau']:.2f})")
+            for b in budgets:  # a budget added on a resume: the rows before it did not measure it
+                stats = summary.get(tree_key(b))
+                cells.append("-" if stats is None else f"{stats['tau']:.3f} ({stats['expected_tau']:.2f})")
             cells.append(f"{summary[CHAIN]['tau']:.3f}")
         cells.append(f"{record['seconds']:.1f}")
         lines.append("| " + " | ".join(cells) + " |")
@@ -166,8 +166,9 @@ def plot_tau(history: list[dict], settings: dict) -> Figure:
     values = []
     for i, budget in enumerate(budgets):
         key = tree_key(budget)
-        measured = [r["summary"][key]["tau"] for r in history]
-        expected = [r["summary"][key]["expected_tau"] for r in history]
+        missing = {"tau": math.nan, "expected_tau": math.nan}  # a budget added on a resume: a gap before it
+        measured = [r["summary"].get(key, missing)["tau"] for r in history]
+        expected = [r["summary"].get(key, missing)["expected_tau"] for r in history]
         axes.plot(steps, measured, "o-", color=f"C{i}", label=f"DDTree, budget {budget}")
         axes.plot(steps, expected, ":", color=f"C{i}", alpha=0.8)
         values += measured + expected

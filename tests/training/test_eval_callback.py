@@ -549,6 +549,21 @@ def test_the_report_ranks_an_unmeasured_step_below_every_measured_one_as_best_ck
     assert "step 2**, though nothing was measured" in only_unmeasured  # best.ckpt links to it, ranked last of one
 
 
+def test_a_budget_added_on_a_resume_is_a_dash_and_a_gap_in_the_rows_before_it(tmp_path):
+    """--eval.budgets=[4,8,32] on a resume crashed the first evaluation with KeyError 'ddtree@32' (losing the steps
+    since the last checkpoint), and config.yaml kept the budgets, so every later plain --resume crashed too."""
+    stats = {"tau": 2.0, "expected_tau": 1.9, "rounds": 1, "accepted_depth_counts": {}}
+    before = {"step": 2, "train_loss": None, "val_loss": None, "seconds": 0.0, "checkpointed": True,
+              "summary": {CHAIN: stats, tree_key(8): stats}}
+    after = {**before, "step": 4, "summary": {CHAIN: stats, tree_key(8): stats, tree_key(32): stats}}
+    settings = dict(prompts=PROMPTS, num_prompts=1, max_new_tokens=4, budgets=[8, 32], primary_budget=8,
+                    block_size=BLOCK)
+    training.report.write_all(tmp_path, [before, after], settings, 0.0, 1.0)
+    rows = [line for line in (tmp_path / "report.md").read_text().splitlines() if line.startswith("| 2 ")]
+    assert rows == ["| 2 | - | - | 2.000 (1.90) | - | 2.000 | 0.0 |"], rows
+    assert (tmp_path / "tau.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_the_report_says_why_a_tree_with_lookups_measures_above_its_expected_tau():
     """The CPU recipe's report read tau@32 3.08 (expected 2.36) beside "far above the measurement means an
     over-confident drafter": the lookups' nodes count by the drafter's probabilities, which say nothing of them."""

@@ -357,9 +357,14 @@ def main(argv: list[str] | None = None) -> int:
             return stopped(run_dir, args.recipe, "interrupted", 1, cli.trainer.global_step)
         if checkpoint and not config_writer.started and (run_dir / "drafter").is_dir():
             if is_first_process():  # else a finished run's resume rewrote drafter/ and exited 0 without a word
-                print(f"[train] {run_dir} had already reached step {cli.trainer.global_step} of max_steps "
-                      f"{cli.trainer.max_steps}: nothing trained, its drafter/ kept; raise --trainer.max_steps to "
-                      "train further", flush=True)
+                step, max_steps = cli.trainer.global_step, cli.trainer.max_steps
+                if max_steps != -1 and step >= max_steps:
+                    why, fix = f"had already reached step {step} of max_steps {max_steps}", "--trainer.max_steps"
+                else:  # the Timer restored its spent budget, or the epochs ran out
+                    why = f"stopped at step {step} of max_steps {max_steps} by its time or epoch limit"
+                    fix = "--trainer.max_time (or --trainer.max_epochs)"
+                print(f"[train] {run_dir} {why}: nothing trained, its drafter/ kept; raise {fix} to train further",
+                      flush=True)
             return 0
         drafter = drafter_for_export(cli.model, cli.trainer)  # every rank: DeepSpeed gathers the fp32 weights
         non_finite = non_finite_tensors(drafter)

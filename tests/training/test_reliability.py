@@ -362,6 +362,14 @@ def test_resuming_a_finished_run_says_so_and_keeps_its_drafter(tmp_path, capsys)
     assert train_main([*resume, "--trainer.max_steps=3"]) == 0  # raised, it trains on and writes the drafter again
     assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 3
     assert drafter.stat().st_mtime_ns != written
+    # A spent time budget: the Timer's elapsed time is restored, so raising max_steps (as the line said) trained nothing
+    timed = [*resume, "--trainer.max_steps=10000", "--trainer.max_time=00:00:00:01"]
+    assert train_main(timed) == 0  # trains for its second, and its checkpoint holds the Timer's spent budget
+    step = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["global_step"]
+    capsys.readouterr()
+    assert train_main(timed) == 0
+    assert (f"[train] {run_dir} stopped at step {step} of max_steps 10000 by its time or epoch limit: nothing trained, "
+            "its drafter/ kept; raise --trainer.max_time (or --trainer.max_epochs)") in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("override, named", [

@@ -96,14 +96,20 @@ def is_checkpoint(path: Path) -> bool:
     return path.is_file() or is_deepspeed_checkpoint(path)
 
 
+# In a DeepSpeed checkpoint folder while a save writes it (strategies.DrafterDeepSpeed.save_checkpoint): DeepSpeed
+# rewrites the folder's files in place, so a save cut short leaves two steps' files mixed.
+SAVING_MARKER = "saving"
+
+
 def is_readable(checkpoint: Path) -> bool:
-    """A .ckpt file whose zip directory reads (a DeepSpeed folder is left to DeepSpeed to judge).
+    """A .ckpt file whose zip directory reads, or a DeepSpeed folder whose last save finished (its shards are left
+    to DeepSpeed to judge).
 
     torch.save writes a zip archive with its directory at the very end, so a file cut off mid-write
     or mid-copy fails here in milliseconds, before a Lightning resume would load it.
     """
     if checkpoint.is_dir():
-        return True
+        return not (checkpoint / SAVING_MARKER).exists()
     try:
         with zipfile.ZipFile(checkpoint) as archive:
             return bool(archive.namelist())
@@ -262,7 +268,8 @@ def find_resume(resume: str, recipe_root: Path) -> tuple[Path, Path]:
         others = [str(p) for p in run_checkpoints(run_dir) if p.resolve() != checkpoint.resolve() and is_readable(p)]
         fix = (f"resume from an earlier one: {', '.join(others)}" if others
                else f"the run {run_dir} has no other readable checkpoint; start it again")
-        raise DDTreeError(f"--resume {resume}: checkpoint {checkpoint} is unreadable (truncated?); {fix}")
+        why = "its save was cut short" if checkpoint.is_dir() else "truncated?"
+        raise DDTreeError(f"--resume {resume}: checkpoint {checkpoint} is unreadable ({why}); {fix}")
     return checkpoint, run_dir
 
 
@@ -340,6 +347,9 @@ def load_checkpoint(path: Path) -> Checkpoint:
             raise DDTreeError(f"CKPT {path} is an exported drafter folder, not a training checkpoint; give a .ckpt from the run")
         if not is_deepspeed_checkpoint(path):
             raise DDTreeError(f"CKPT {path} is a folder but not a DeepSpeed checkpoint (no 'latest' file in it)")
+        if not is_readable(path):
+            raise DDTreeError(f"CKPT {path}: its last save was cut short (the '{SAVING_MARKER}' marker is in it), so its "
+                              "shards may mix two steps; give an earlier checkpoint of the run")
         saved = consolidate_deepspeed(path)
     elif not path.is_file():
         raise DDTreeError(f"CKPT {path}: no such checkpoint; give a .ckpt file from outputs/<recipe>/<run>/checkpoints")

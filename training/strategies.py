@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import os
 from contextlib import contextmanager
+from pathlib import Path
 from unittest import mock
 
 import torch
@@ -55,7 +56,7 @@ from torch import nn
 from ddtree.errors import DDTreeError
 from ddtree.modeling_dflash import DFlashDraftModel
 
-from .checkpoints import drafter_from_weights
+from .checkpoints import SAVING_MARKER, drafter_from_weights
 
 
 class DrafterDeepSpeed(DeepSpeedStrategy):
@@ -70,6 +71,20 @@ class DrafterDeepSpeed(DeepSpeedStrategy):
         super().__init__(*args, **kwargs)
         if (self.config.get("zero_optimization") or {}).get("offload_optimizer"):
             self.config.setdefault("zero_force_ds_cpu_optimizer", False)
+
+    def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
+        """Lightning's save, between a marker written before any rank writes and removed after every rank has:
+        DeepSpeed rewrites the folder's files in place under one tag, so a save cut short (a kill, a full disk) left a
+        mix of two steps that resumed with a traceback or, worse, silently (checkpoints.is_readable refuses it now)."""
+        marker = Path(filepath) / SAVING_MARKER
+        if self.is_global_zero:
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.write_text("a save of this checkpoint began and has not finished\n")
+        self.barrier("drafter_deepspeed_save_begins")
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+        self.barrier("drafter_deepspeed_save_ends")
+        if self.is_global_zero:
+            marker.unlink()
 
     @contextmanager
     def model_sharded_context(self):

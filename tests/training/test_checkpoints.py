@@ -160,6 +160,49 @@ def test_resume_refuses_a_truncated_checkpoint_and_names_the_readable_ones_newes
         find_resume(str(alone), root)
 
 
+def test_a_deepspeed_folder_whose_save_was_cut_short_is_refused_and_the_earlier_ones_named(tmp_path):
+    """DeepSpeed rewrites a checkpoint folder's files in place: a save killed midway left shards of two steps, which
+    resumed with a traceback (a half-written shard) or silently from the older optimizer state (one not yet
+    reached). Its strategy keeps a marker in the folder while it saves (below)."""
+    from training.checkpoints import SAVING_MARKER, load_checkpoint
+
+    root = tmp_path / "tiny"
+    run = make_run(root, "ds", {"checkpoints/step-2.ckpt/": 100, "checkpoints/last.ckpt/": 200})
+    last = run / "checkpoints" / "last.ckpt"
+    (last / SAVING_MARKER).write_text("a save began\n")
+    with pytest.raises(DDTreeError) as error:
+        find_resume(str(run), root)
+    assert str(error.value) == (f"--resume {run}: checkpoint {last} is unreadable (its save was cut short); "
+                                f"resume from an earlier one: {run.resolve() / 'checkpoints' / 'step-2.ckpt'}")
+    with pytest.raises(DDTreeError, match="its last save was cut short .* give an earlier checkpoint of the run"):
+        load_checkpoint(last)  # make eval and make export read it too
+
+
+def test_the_deepspeed_strategy_marks_a_checkpoint_folder_until_every_rank_has_saved(tmp_path, monkeypatch):
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    from training.checkpoints import SAVING_MARKER
+    from training.strategies import DrafterDeepSpeed
+
+    seen, events = [], []
+    monkeypatch.setattr(DrafterDeepSpeed, "is_global_zero", True)
+    monkeypatch.setattr(DrafterDeepSpeed, "barrier", lambda self, name=None: events.append(name))
+
+    def save(self, checkpoint, filepath, storage_options=None):  # DeepSpeed's engine writes the shards here
+        seen.append((Path(filepath) / SAVING_MARKER).is_file())
+        if checkpoint.get("fail"):
+            raise OSError("No space left on device")
+
+    monkeypatch.setattr(DeepSpeedStrategy, "save_checkpoint", save)
+    strategy = object.__new__(DrafterDeepSpeed)  # no engine: only the save's order is under test
+    strategy.save_checkpoint({}, tmp_path / "last.ckpt")
+    assert seen == [True] and not (tmp_path / "last.ckpt" / SAVING_MARKER).exists()
+    assert events == ["drafter_deepspeed_save_begins", "drafter_deepspeed_save_ends"]
+    with pytest.raises(OSError):
+        strategy.save_checkpoint({"fail": True}, tmp_path / "step-4.ckpt")
+    assert (tmp_path / "step-4.ckpt" / SAVING_MARKER).is_file()  # left: the folder is refused on resume
+
+
 def test_train_resume_from_a_truncated_last_ckpt_is_one_error_line_and_status_2(tmp_path, capsys):
     from test_reliability import tiny_args
 

@@ -41,7 +41,7 @@ from safetensors.torch import load_file
 
 import training.train
 from ddtree.targets import DDTreeError
-from training.checkpoints import load_checkpoint
+from training.checkpoints import SAVING_MARKER, load_checkpoint
 from training.strategies import check_launch, count_devices
 
 REPO = Path(__file__).resolve().parents[2]
@@ -244,6 +244,8 @@ def test_zero2_two_processes_train_with_the_target_outside_zero(zero2_two_proces
     model_states = torch.load(last / "checkpoint" / "mp_rank_00_model_states.pt", weights_only=False, map_location="cpu")
     assert model_states["module"] and all(key.startswith("drafter.") for key in model_states["module"])
     assert model_states["global_step"] == STEPS
+    # every save finished: no folder keeps the marker that refuses a save cut short
+    assert [p.name for p in (run / "checkpoints").glob("*.ckpt") if p.is_dir()] and not list(run.rglob(SAVING_MARKER))
     # one run folder for both processes; rank 0 alone wrote the config and the drafter
     assert (run / "config.yaml").is_file()
     assert zero2_two_processes["log"].count("[train] drafter written to") == 1

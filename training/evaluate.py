@@ -54,10 +54,10 @@ def logged_metrics(checkpoint: Checkpoint) -> dict | None:
 
 
 def check_not_a_checkpoint(out: Path) -> None:
-    """--out may not replace a checkpoint (a .ckpt file, or a file in a DeepSpeed .ckpt folder), nor sit among a
-    run's checkpoints, even with --overwrite: results there would cost a run its resume."""
+    """--out may not replace a checkpoint (a .ckpt file, or a file in a DeepSpeed .ckpt folder), nor sit in a run's
+    checkpoints/ folder, even with --overwrite: results there would cost a run its resume."""
     place = out.absolute()
-    if any(part.suffix == ".ckpt" for part in (place, *place.parents)) or any(place.parent.glob("*.ckpt")):
+    if any(part.suffix == ".ckpt" for part in (place, *place.parents)) or place.parent.name == "checkpoints":
         raise DDTreeError(f"--out {out} is a checkpoint or lies among a run's checkpoints; give a path outside them "
                           "(the default is <run>/eval/)")
 

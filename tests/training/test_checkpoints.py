@@ -349,8 +349,8 @@ def test_make_eval_refuses_an_out_it_could_not_write_before_evaluating(saved, tm
     assert training.evaluate.main(["--recipe", "tiny", "--ckpt", str(path), "--out", str(tmp_path / "afile")]) == 2
     assert f"--out {tmp_path / 'afile'} exists; pass --overwrite to replace it" in one_error_line(capsys)
     # a checkpoint, the measured one or another (it was replaced by results JSON), never, even when asked
-    other = tmp_path / "other" / "step-3.ckpt"
-    other.parent.mkdir()
+    other = tmp_path / "other" / "checkpoints" / "step-3.ckpt"  # another run's
+    other.parent.mkdir(parents=True)
     shutil.copy(path, other)
     for out in (path, other, path.parent / "results.json", other.parent / "results.json"):
         assert training.evaluate.main(["--recipe", "tiny", "--ckpt", str(path), "--out", str(out), "--overwrite"]) == 2

@@ -383,10 +383,22 @@ class AcceptanceEvaluation(L.Callback):
             said = str(exception).strip().splitlines()
             self._report_no_evaluation(trainer, "failed", type(exception).__name__ + (f": {said[0]}" if said else ""))
 
+    def measurement(self) -> dict:
+        """The settings that say what a tau of this evaluation measures (the budgets and the ranking aside)."""
+        return {"prompts": str(self.prompts_path), "limit": self.limit, "max_new_tokens": self.max_new_tokens,
+                "lookup": self.lookup, "redraft": self.redraft}
+
     def state_dict(self) -> dict:
-        return {"history": self.history, "last_step": self.last_step}
+        return {"history": self.history, "last_step": self.last_step, "measurement": self.measurement()}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        # New taus are ranked against the history's (best.ckpt, the report): measured otherwise, they compare nothing
+        saved, now = state_dict.get("measurement"), self.measurement()  # (checkpoints before it was kept: not checked)
+        if saved is not None and saved != now:
+            changed = ", ".join(f"eval.{key} {saved.get(key)!r} -> {value!r}" for key, value in now.items()
+                                if saved.get(key) != value)
+            raise DDTreeError(f"this run measured its checkpoints' tau otherwise than the resume would ({changed}): "
+                              "resume with the run's values, or measure its checkpoints so with make eval")
         self.history = list(state_dict.get("history", []))
         self.last_step = state_dict.get("last_step", -1)
 

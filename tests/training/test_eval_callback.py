@@ -641,6 +641,21 @@ def test_a_resume_that_ranks_by_another_budget_is_refused(tmp_path):
         canned_fit(tmp_path, 4, {4: {4: 2.0, 8: 1.0}}, primary=4, ckpt_path=tmp_path / "checkpoints" / "last.ckpt")
 
 
+def test_a_resume_that_would_measure_tau_otherwise_is_refused_naming_what_changed():
+    """Its taus would be ranked against the run's for best.ckpt: other prompts, counts or lengths compare nothing.
+    The budgets may change (a dash in the report before a new one); the ranked one is refused above."""
+    settings = dict(prompts=PROMPTS, budgets=[8], primary_budget=8, max_new_tokens=6, limit=2)
+    saved = AcceptanceEvaluation(**settings).state_dict()
+    AcceptanceEvaluation(**{**settings, "budgets": [8, 32]}).load_state_dict(saved)
+    for changed, said in ((dict(max_new_tokens=12), "eval.max_new_tokens 6 -> 12"), (dict(limit=None), "eval.limit 2 -> None"),
+                          (dict(prompts="other.jsonl"), "eval.prompts"), (dict(lookup=0), "eval.lookup None -> 0")):
+        with pytest.raises(DDTreeError, match="measured its checkpoints' tau otherwise than the resume would") as error:
+            AcceptanceEvaluation(**{**settings, **changed}).load_state_dict(saved)
+        assert said in str(error.value)
+    older = {key: value for key, value in saved.items() if key != "measurement"}  # checkpoints from before: as they were
+    AcceptanceEvaluation(**{**settings, "limit": 4}).load_state_dict(older)
+
+
 @pytest.mark.parametrize("where", ["no checkpoint callback", "stop set after the evaluation"])
 def test_a_stop_that_is_not_checkpointed_is_measured_and_reported_as_unsaved(tmp_path, where):
     evaluation = RiggedEvaluation(["bad", "perfect"], prompts=PROMPTS, every_n_train_steps=2, budgets=[8],

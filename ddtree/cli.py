@@ -204,14 +204,15 @@ def _setup(args, needs_drafter: bool = True, trees: bool = True):
     sampling = Sampling(args.temperature, args.top_p, args.top_k)
     if args.max_new_tokens < 1:
         raise DDTreeError(f"--max-new-tokens {args.max_new_tokens} must be at least 1")
-    for budget in getattr(args, "budgets", None) or [getattr(args, "budget", 1)]:
+    budgets = getattr(args, "budgets", None) or [getattr(args, "budget", 1)]
+    for budget in budgets:
         if budget < 1:
             raise DDTreeError(f"budget {budget} must be at least 1")
     if getattr(args, "limit", None) is not None and args.limit < 1:
         raise DDTreeError(f"--limit {args.limit} must be at least 1; omit it to use every prompt")
     check_input_files(args, needs_drafter)
     target, tokenizer = _load_target(args)
-    for budget in (getattr(args, "budgets", None) or [getattr(args, "budget", 1)]) if trees else []:
+    for budget in budgets if trees else []:
         check_budget(budget, target)  # before --adaptive-size measures verifies of that many rows
     return sampling, target, tokenizer
 

@@ -387,14 +387,16 @@ def sglang_block_size(export: Export) -> str | None:
 
 
 def sglang_layer_ids(export: Export) -> str | None:
-    # resolve_target_layer_ids: a non-empty list, each id within 0..num_target_layers - 1 (0-based, "the
-    # output of layer k"; build_target_layer_ids notes that SGLang captures before layer k + 1).
+    # resolve_target_layer_ids: a non-empty list of 0-based ids, "the output of layer k". The target model's
+    # set_dflash_layers_to_capture (models/qwen3.py, llama.py) captures each one before layer k + 1, and its
+    # forward captures only at the layers it runs: id layers - 1 is never captured, so the drafter's fc
+    # input comes up short (models/dflash.py raises), as in vLLM.
     ids, layers = sglang_value(export.config, "target_layer_ids"), export.target.num_hidden_layers
     if not _is_id_list(ids):
         return f"{ids!r} must be a non-empty list of layer ids (dflash_config or top level)"
-    if any(not 0 <= k < layers for k in ids):
-        return (f"{ids}: each id must be within 0..{layers - 1} for the target's {layers} layers "
-                f"({export.target.source})")
+    if any(not 0 <= k < layers - 1 for k in ids):
+        return (f"{ids}: SGLang captures layer k's output before layer k + 1, so each id must be within "
+                f"0..{layers - 2} for the target's {layers} layers ({export.target.source})")
     return None
 
 

@@ -12,6 +12,7 @@ intact, for `python -m training.publish --push-only FOLDER --repo REPO`.
 from __future__ import annotations
 
 import http.client
+import json
 import os
 import re
 import urllib.error
@@ -25,7 +26,9 @@ from huggingface_hub.utils import validate_repo_id
 from ddtree.errors import DDTreeError, error_line
 from ddtree.targets import has_hub_id_shape
 
+from .engines import ARCHITECTURE, weight_shapes
 from .hub_config import EXPORT_FILES
+from .model_card import card_repo
 
 
 # A Hub license id as the card's metadata takes it: lowercase, like apache-2.0, llama3.1, openrail++ or other.
@@ -58,13 +61,32 @@ def check_card_fields(base_model: str | None, license_id: str) -> None:
                           "apache-2.0, mit, llama3.1 or other (match the target's)")
 
 
-def check_export_folder(folder: Path) -> None:
-    """--push-only: the folder must be a finished export (training/publish.py writes every file or none)."""
+def check_export_folder(folder: Path, repo: str) -> None:
+    """--push-only: the folder must be a finished export of a drafter (training/publish.py writes every file or none),
+    and its card written for `repo`. The push makes the repo hold exactly the folder's files, so any other folder
+    would replace what the repo served; and a card exported for another repo (or none) tells readers to download
+    and serve that one."""
     missing = [name for name in EXPORT_FILES if not (folder / name).is_file()]
     if missing:
         raise DDTreeError(
             f"--push-only {folder}: not a finished export (missing {', '.join(missing)}); export it first"
         )
+    try:
+        config = json.loads((folder / "config.json").read_text())
+        shapes = weight_shapes(folder)
+    except (OSError, UnicodeDecodeError, ValueError, DDTreeError) as error:
+        raise DDTreeError(f"--push-only {folder}: not an export of a drafter ({error_line(error)}); "
+                          "export it again (make export)") from None
+    architectures = config.get("architectures") if isinstance(config, dict) else None
+    if not isinstance(architectures, list) or ARCHITECTURE not in architectures or not shapes:
+        raise DDTreeError(f"--push-only {folder}: not an export of a drafter (config.json's architectures is "
+                          f"{architectures!r}, not [{ARCHITECTURE!r}]); export it with make export")
+    written_for = card_repo((folder / "README.md").read_text(errors="replace"))
+    if written_for != repo:
+        names = f"the repo {written_for}" if written_for else "no Hub repo (path/to/this/folder)"
+        raise DDTreeError(f"--push-only {folder}: its card (README.md) was written for {names}, whose name its usage "
+                          f"and serve commands give; export again with --repo {repo} (REPO={repo}), or push it to "
+                          f"{written_for or 'the repo it was exported for'}")
 
 
 def hub_endpoint() -> str:

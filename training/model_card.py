@@ -36,6 +36,29 @@ from .engines import SGLANG, VLLM, serve_commands
 from .report import objective_description
 
 TAGS = ["dflash", "ddtree", "speculative-decoding", "draft-model", "block-diffusion"]
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+# The card's last line: the Hub repo it was written for ("none": a local export); --push-only checks it (training/hub.py).
+REPO_MARK = "<!-- ddtree export, written for the Hub repo: "
+
+
+def card_repo(card: str) -> str | None:
+    """The repo a card was written for (its REPO_MARK line); None for a local export or a card without the mark."""
+    for line in reversed(card.splitlines()):
+        if line.startswith(REPO_MARK) and line.endswith(" -->"):
+            repo = line[len(REPO_MARK):-len(" -->")].strip()
+            return None if repo == "none" else repo
+    return None
+
+
+def shown_path(path: str | None) -> str | None:
+    """A path as a published card shows it: relative to the project when inside it, so that the card names the
+    repository's file (data/eval_prompts.jsonl), not the layout of the machine that trained."""
+    if not path or not Path(path).is_absolute():
+        return path
+    try:
+        return Path(path).resolve().relative_to(PROJECT_ROOT).as_posix()
+    except ValueError:
+        return path
 
 
 # ----------------------------------------------------------------------------- reading the run folder
@@ -116,6 +139,7 @@ class CardFacts:
     run_config: dict  # the run's config.yaml ({} if absent)
     evaluation: dict | None  # read_evaluation(run_dir, step)
     other_evaluated_steps: list[int] = field(default_factory=list)
+    kept_checkpoints: list[str] = field(default_factory=list)  # the run's checkpoint files, by name
     speculators: bool = False  # the config also carries vLLM's speculators fields
     engine_problems: list[str] = field(default_factory=list)  # engine rules it breaks (--allow-engine-mismatch)
     engine_target: str = "the target's config.json"  # what the engine rules compared the drafter with
@@ -143,11 +167,13 @@ def evaluation_section(facts: CardFacts) -> list[str]:
     record = facts.evaluation
     lines = ["## Measured acceptance", ""]
     if record is None:
+        # Only the best evaluated checkpoints are kept (checkpoint.save_top_k), so an evaluated step may have none.
         others = ", ".join(str(s) for s in facts.other_evaluated_steps) or "none"
+        kept = ", ".join(facts.kept_checkpoints) or "none"
         return lines + [
             f"This checkpoint (step {facts.step}) was not evaluated during training, so no acceptance is reported "
-            f"here. Steps the run evaluated: {others}. Export one of those (`--ckpt best` picks the best), or "
-            "measure this checkpoint with `make eval` and export it again.",
+            f"here. Steps the run evaluated: {others}; checkpoints it kept: {kept}. Export `--ckpt best` (the best "
+            "evaluated step kept), or measure this checkpoint with `make eval` and export it again.",
             "",
         ]
     settings, summary = record["settings"], record["summary"]
@@ -155,16 +181,20 @@ def evaluation_section(facts: CardFacts) -> list[str]:
     # the temperature in settings have no field for it.
     temperature = settings.get("temperature", 0.0)
     block = facts.drafter_config["block_size"]
+    lookup = settings.get("lookup") or 0
+    bound = f"at most {block} (the block size)"
+    if lookup + 1 > block:  # the context lookup's grafted path may run past the block (ddtree.decoding.draft_tree)
+        bound += f" for the chain, and up to {lookup + 1} for a tree, whose {lookup}-token context lookup may run deeper"
     when = ("after training by `make eval` (training/evaluate.py, the training-time evaluation's code and "
             "settings)" if "checkpoint" in record else "by the training-time evaluation")
     lines += [
         f"Measured at training step {record['step']} (the step of this checkpoint) {when}, which runs the same "
         "code as `ddtree bench`: lossless decoding with the frozen target on "
-        f"the first {settings['num_prompts']} prompts of `{settings['prompts']}` (held-out prompts, not in the "
+        f"the first {settings['num_prompts']} prompts of `{shown_path(settings['prompts'])}` (held-out prompts, not in the "
         f"training data), up to {settings['max_new_tokens']} new tokens each, temperature {temperature:g}.",
         "",
         "tau = tokens committed per target verification (accepted draft tokens + 1 bonus token), averaged over "
-        f"all decoding rounds; at most {block} (the block size). The expected tau is the drafter's own "
+        f"all decoding rounds; {bound}. The expected tau is the drafter's own "
         "prediction for the trees it built (1 + the sum of their path probabilities).",
         "",
         "| decoding | tau | expected tau | rounds | new tokens |",
@@ -257,7 +287,7 @@ def recipe_section(facts: CardFacts) -> list[str]:
     lines += ["", "### Data", ""]
     if data:
         lines += [
-            f"- conversations: `{data.get('data_path')}`; {data_provenance(data.get('data_path'), facts.target)}",
+            f"- conversations: `{shown_path(data.get('data_path'))}`; {data_provenance(data.get('data_path'), facts.target)}",
             f"- max length {data.get('max_length')} tokens, loss on assistant tokens only, "
             f"{data.get('val_fraction')} held out for validation",
         ]
@@ -377,5 +407,5 @@ def render_model_card(facts: CardFacts) -> str:
         "",
     ]
     lines = ["---", metadata.strip(), "---", "", *intro, *evaluation_section(facts), *recipe_section(facts),
-             *usage_section(facts), *serving_section(facts)]
+             *usage_section(facts), *serving_section(facts), f"{REPO_MARK}{facts.repo or 'none'} -->", ""]
     return "\n".join(lines)

@@ -55,7 +55,8 @@ from ddtree.modeling_dflash import DFlashDraftModel
 from ddtree.targets import DTYPES, parse_dtype
 
 from .checkpoints import (
-    Checkpoint, check_run_folder, find_run_checkpoint, load_checkpoint, recorded_evaluation, run_folder_of,
+    Checkpoint, check_run_folder, find_run_checkpoint, load_checkpoint, recorded_evaluation, run_checkpoints,
+    run_folder_of,
 )
 from .engines import Export, engine_problems, refusal, serve_commands, target_facts, weight_shapes
 from .export import run_corpus
@@ -129,6 +130,7 @@ def export_folder(
             license=license_id, drafter_config=config, num_parameters=sum(p.numel() for p in drafter.parameters()),
             dtype=dtype, step=checkpoint.step, checkpoint=label, hyper_parameters=checkpoint.hyper_parameters,
             run_config=run_config, evaluation=evaluation, other_evaluated_steps=evaluated_steps(run_dir),
+            kept_checkpoints=[path.name for path in sorted(run_checkpoints(run_dir), key=lambda p: p.name)],
             speculators=speculators, engine_problems=[problem.line() for problem in problems],
             engine_target=served_target.source,
         )
@@ -183,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.repo:
             raise DDTreeError("--push-only needs --repo user/name")
         folder = Path(args.push_only)
-        check_export_folder(folder)
+        check_export_folder(folder, args.repo)
         api, endpoint = preflight_hub(args.repo, args.private)
         print(f"[export] pushed {folder} to {push(api, endpoint, folder, args.repo, args.private)}")
         return 0

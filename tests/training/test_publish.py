@@ -239,6 +239,9 @@ def test_card_numbers_come_from_the_evaluation_of_the_exported_step(run_dir, tmp
     chain = json.loads((run / "eval" / "step-000002.json").read_text())["summary"]["dflash"]  # its expected tau too
     assert f"| chain (one DFlash block, 7 drafted tokens) | {chain['tau']:.3f} | {chain['expected_tau']:.3f} |" in card
     assert "| training loss | `model.objective=decayed_ce` |" in card and "re-drafting in training" not in card
+    # The run named its prompts by an absolute path: the published card names the project's file.
+    assert "prompts of `data/eval_prompts.jsonl`" in card and str(REPO_ROOT) not in card
+    assert "at most 8 (the block size)." in card  # no context lookup: nothing accepted runs past the block
 
     # Without the step's record: `make eval`'s measurement of that checkpoint file, if it is of that step.
     record = json.loads((run / "eval" / "step-000002.json").read_text())
@@ -250,7 +253,21 @@ def test_card_numbers_come_from_the_evaluation_of_the_exported_step(run_dir, tmp
         card = (tmp_path / f"after-{step}" / "README.md").read_text()
         assert expected in card, step
         assert ("| 3.579 |" in card) == (step == 2) and ("| decoding | tau |" in card) == (step == 2)
-    assert "Steps the run evaluated: 1." in (tmp_path / "after-1" / "README.md").read_text()
+    # Step 1's checkpoint was not kept (save_top_k 1 kept step 2's): the card names the files there are.
+    assert "Steps the run evaluated: 1; checkpoints it kept: last.ckpt, step-2.ckpt." in (
+        tmp_path / "after-1" / "README.md").read_text()
+
+
+def test_card_bounds_tau_by_the_context_lookup_where_it_runs_past_the_block(run_dir, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run, symlinks=True)
+    path = run / "eval" / "step-000002.json"
+    record = json.loads(path.read_text())
+    record["settings"]["lookup"] = 12  # a grafted path of 12 tokens, past the block of 8 (draft_tree keeps it whole)
+    path.write_text(json.dumps(record))
+    assert export(run, tmp_path / "out", "--ckpt", "last") == 0
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "at most 8 (the block size) for the chain, and up to 13 for a tree" in card
 
 
 def test_card_says_what_the_decoder_added_and_that_engines_do_not_re_draft(run_dir, tmp_path):
@@ -765,11 +782,38 @@ def test_private_creates_a_private_repo_and_refuses_to_push_into_a_public_one(ru
     out = tmp_path / "b"
     assert export(run_dir, out, "--ckpt", "last", "--repo", "tester/open", "--push", "--private") == 2
     assert "tester/open already exists and is public" in one_error_line(capsys) and not out.exists()
-    assert publish.main(["--push-only", str(tmp_path / "a"), "--repo", "tester/open", "--private"]) == 2
+    assert export(run_dir, tmp_path / "c", "--ckpt", "last", "--repo", "tester/open") == 0  # exported, not pushed
+    assert publish.main(["--push-only", str(tmp_path / "c"), "--repo", "tester/open", "--private"]) == 2
     assert "already exists and is public" in one_error_line(capsys) and StandInHub.repos["tester/open"] == {}
 
     assert export(run_dir, out, "--ckpt", "last", "--private") == 2  # nothing to make private
     assert "add --push" in one_error_line(capsys) and not out.exists()
+
+
+def test_push_only_sends_only_an_export_whose_card_names_that_repo(run_dir, tmp_path, hub, capsys):
+    StandInHub.repos["tester/b"] = {"keep.txt": b"served"}  # what the repo serves must survive every refusal
+    junk = tmp_path / "junk"
+    junk.mkdir()
+    for name in EXPORT_FILES:  # the file names of an export, none of its contents
+        (junk / name).write_text("junk")
+    assert publish.main(["--push-only", str(junk), "--repo", "tester/b"]) == 2
+    assert f"--push-only {junk}: not an export of a drafter" in one_error_line(capsys)
+    (junk / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    shutil.copyfile(run_dir / "drafter" / "model.safetensors", junk / "model.safetensors")
+    assert publish.main(["--push-only", str(junk), "--repo", "tester/b"]) == 2
+    assert "'LlamaForCausalLM'" in one_error_line(capsys)
+
+    # An export's card tells readers which repo to download and serve: pushed elsewhere, it would name another one.
+    assert export(run_dir, tmp_path / "a", "--ckpt", "last", "--repo", "tester/a") == 0
+    assert export(run_dir, tmp_path / "local", "--ckpt", "last") == 0
+    assert publish.main(["--push-only", str(tmp_path / "a"), "--repo", "tester/b"]) == 2
+    assert "was written for the repo tester/a" in one_error_line(capsys)
+    assert publish.main(["--push-only", str(tmp_path / "local"), "--repo", "tester/b"]) == 2
+    line = one_error_line(capsys)
+    assert "written for no Hub repo" in line and "export again with --repo tester/b" in line
+    assert StandInHub.repos["tester/b"] == {"keep.txt": b"served"} and "tester/a" not in StandInHub.repos
+    assert publish.main(["--push-only", str(tmp_path / "a"), "--repo", "tester/a"]) == 0
+    assert "hf download tester/a" in StandInHub.repos["tester/a"]["README.md"].decode()
 
 
 def test_a_failed_upload_keeps_the_export_for_push_only(run_dir, tmp_path, hub, capsys, monkeypatch):

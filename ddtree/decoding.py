@@ -40,6 +40,9 @@ METHODS = ("ar", "dflash", "ddtree")
 # Depth-1 tokens re-drafted behind, for drafters trained with model.redraft_prob (their config's `redraft`). On the
 # CPU recipe's drafter (all 40 held-out prompts, budget 32): 4 and 8 both gave tau 2.16 (1 re-draft forward, 5 ms).
 DEFAULT_REDRAFT = 4
+# The draft temperatures a drafter config may hold (its fitted ones lie within 0.5..4, training/replay.py). Far below,
+# fp32 logits divided by one overflow to inf and the tree's log-probabilities become NaN: no node is drafted.
+DRAFT_TEMPERATURE_RANGE = (1e-2, 1e2)
 
 
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -163,10 +166,12 @@ class DrafterRunner:
         self.block_size = drafter.block_size
         self.mask_token_id = drafter.mask_token_id
         temperatures = getattr(drafter.config, "draft_temperatures", None)  # calibrated drafters only
+        low, high = DRAFT_TEMPERATURE_RANGE
         if calibrated and temperatures and (len(temperatures) != drafter.block_size - 1
-                                            or not all(0 < t < math.inf for t in temperatures)):
+                                            or not all(low <= t <= high for t in temperatures)):
             raise DDTreeError(f"the drafter's config.json has draft_temperatures {temperatures}: give one positive number "
-                              f"per drafted position ({drafter.block_size - 1}), or remove the field to decode uncalibrated")
+                              f"per drafted position ({drafter.block_size - 1}), each within {low:g}..{high:g}, or "
+                              "remove the field to decode uncalibrated")
         self.temperatures = (
             None if not temperatures or not calibrated
             else torch.tensor(temperatures, dtype=torch.float32, device=self.lm_head.weight.device)[:, None]
@@ -196,7 +201,8 @@ class DrafterRunner:
         graphs on a GPU (cuda_graph None) (ddtree/static_drafter.py); generate does this with the static cache.
         Later generations that fit reuse it, graphs and all (as static_target does for the target)."""
         fixed = self._fixed
-        if fixed is None or fixed.capacity < capacity or fixed.requested != cuda_graph:
+        if (fixed is None or fixed.capacity < capacity or fixed.requested != cuda_graph
+                or fixed.dtype != self.drafter.dtype or fixed.device != self.lm_head.weight.device):  # buffers moved on
             self._fixed = None  # its buffers go before the new ones are allocated
             fixed = self._fixed = StaticDrafter(self, padded_capacity(capacity), cuda_graph)
         self.static = fixed

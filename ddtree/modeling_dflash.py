@@ -220,7 +220,8 @@ class DFlashDraftModel(PreTrainedModel):
     def draft_head(self, lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(config.draft_vocab as a (V',) tensor, those rows of the target's LM head (V', H)), or None without one.
 
-        Gathered once per head weight (the head is frozen) and reused.
+        Gathered once per head weight (the head is frozen) and reused; a change in place through the weight (not its
+        `.data`, which no version counter sees) gathers again.
         """
         if self.config.draft_vocab is None:
             return None

@@ -10,7 +10,9 @@ tiny test model's layers ran 2x slower packed), so `auto` measures before it pac
 `pack_linears(model)` gives each plain `nn.Linear` of a frozen fp32 CPU model a packed copy and a forward that
 uses it; the module keeps its `weight` (ties, state dicts and `get_output_embeddings().weight` are untouched).
 The packed forward is for inference: with autograd recording, on another device or dtype it runs the plain
-`F.linear`, and a weight changed in place is packed again. Results equal `F.linear`'s to fp32 rounding (1e-6), as
+`F.linear`, and a weight changed in place is packed again (a change through the parameter: one through `.data`
+bypasses torch's version counter, unseen here as by autograd; `torch.no_grad()` and the parameter itself are the
+way to change a packed model's weights). Results equal `F.linear`'s to fp32 rounding (1e-6), as
 one BLAS's do another's; decoding stays lossless against greedy decoding of the same packed model (tests).
 """
 

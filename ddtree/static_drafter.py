@@ -65,6 +65,7 @@ class StaticDrafter:
         self.runner = runner
         drafter = runner.drafter
         self.device = runner.lm_head.weight.device
+        self.dtype = drafter.dtype  # of its buffers: a runner whose drafter is cast since needs new ones
         self.requested = cuda_graph
         self.cuda_graph = self.device.type == "cuda" if cuda_graph is None else cuda_graph
         self.capacity = capacity

@@ -74,7 +74,8 @@ def test_stop_ids_stop_whether_a_list_a_tensor_or_one_id(tiny_target, as_given):
     assert result.new_tokens == reference and result.stopped
 
 
-@pytest.mark.parametrize("temperatures", [[0.0, 1.0, 1.0], [1.0, float("nan"), 1.0], [-1.0, 1.0, 1.0], [1.0, 1.0]])
+@pytest.mark.parametrize("temperatures", [[0.0, 1.0, 1.0], [1.0, float("nan"), 1.0], [-1.0, 1.0, 1.0], [1.0, 1.0],
+                                          [1e-39, 1.0, 1.0], [1.0, 1.0, float("inf")]])
 def test_draft_temperatures_that_cannot_divide_the_logits_are_one_line(tiny_target, temperatures):
     from ddtree.modeling_dflash import DFlashDraftModel
     from ddtree.targets import build_drafter_config
@@ -84,7 +85,9 @@ def test_draft_temperatures_that_cannot_divide_the_logits_are_one_line(tiny_targ
                                   target_layer_ids=[0, target.config.num_hidden_layers - 1])
     config.draft_temperatures = temperatures
     drafter = DFlashDraftModel(config)
-    with pytest.raises(DDTreeError, match=r"draft_temperatures .*: give one positive number per drafted position \(3\)"):
+    # 1e-39 passed as positive, and its division overflowed fp32 logits to inf: every tree came out empty.
+    with pytest.raises(DDTreeError, match=r"draft_temperatures .*: give one positive number per drafted position \(3\), "
+                                          r"each within 0.01..100"):
         DrafterRunner(drafter, target)
     DrafterRunner(drafter, target, calibrated=False)  # the raw logits, to fit new ones from: the field is not read
 

@@ -64,6 +64,28 @@ def test_fixed_shapes_give_the_growing_caches_logits(smollm2, drafter):
     assert largest_difference(runs(growing, zero_row=5), expected) > 100 * 1e-4  # what one lost row does
 
 
+def test_a_runner_cast_to_another_dtype_gets_fixed_shapes_in_it(tiny_target):
+    """fix_shapes hands the last generation's buffers to the next that fits: after the drafter was cast they were of
+    the old dtype, and the first fixed-shape forward failed (float != BFloat16)."""
+    from ddtree.decoding import generate
+    from ddtree.modeling_dflash import DFlashDraftModel
+    from ddtree.targets import build_drafter_config
+
+    target, tokenizer = tiny_target
+    target = copy.deepcopy(target)
+    config = build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4,
+                                  target_layer_ids=[0, target.config.num_hidden_layers - 1])
+    runner = DrafterRunner(DFlashDraftModel(config).eval(), target)
+    prompt = [5, 6, 7, 8]
+    generate(target, prompt, "ddtree", runner, budget=4, max_new_tokens=6, static=True)
+    target.to(torch.bfloat16), runner.drafter.to(torch.bfloat16)
+    result = generate(target, prompt, "ddtree", runner, budget=4, max_new_tokens=6, static=True)
+    fresh = generate(target, prompt, "ddtree", DrafterRunner(runner.drafter, target), budget=4, max_new_tokens=6,
+                     static=True)  # the same bf16 forwards on new buffers
+    assert runner.static.dtype == torch.bfloat16 and len(result.new_tokens) == 6
+    assert result.new_tokens == fresh.new_tokens and result.tau == fresh.tau
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_graph_replays_give_the_uncaptured_logits(smollm2, drafter):

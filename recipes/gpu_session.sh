@@ -33,16 +33,23 @@ OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
 LIMIT=${LIMIT:-540}; DRAFTER=${DRAFTER:-random}; PY=${PYTHON:-python3}; STEPS=${STEPS:-300}; PROMPTS=${PROMPTS:-40}
 T0=$(date +%s)
 export PYTHONUNBUFFERED=1
+RUN=gpu-session-$(date +%Y%m%d-%H%M%S)  # the train stage's run: a second session on a warm machine starts its own
+FAILED=""  # the stages that did not exit 0: the script's own status is 1 if any did
+
+latest_train_run() { ls -dt /tmp/gpu-session/smollm2-135m-gpu/gpu-session-*/ 2>/dev/null | head -1; }
 
 stage() {  # stage NAME CAP LOG COMMAND...
   local name=$1 cap=$2 log=$3; shift 3
   local left=$((LIMIT - ($(date +%s) - T0)))
   [ "$cap" -lt "$left" ] || cap=$((left - 5))
-  if [ "$cap" -lt 20 ]; then echo "== $name: skipped, ${left}s left" | tee -a "$OUT/$log"; return; fi
+  if [ "$cap" -lt 20 ]; then echo "== $name: skipped, ${left}s left" | tee -a "$OUT/$log"; FAILED="$FAILED $name"; return 1; fi
   echo "== $name (cap ${cap}s, ${left}s of ${LIMIT}s left): $*" | tee -a "$OUT/$log"
   local started=$(date +%s)
   timeout -k 5 "$cap" "$@" >>"$OUT/$log" 2>&1
-  echo "== $name: exit $? after $(($(date +%s) - started))s" | tee -a "$OUT/$log"
+  local status=$?
+  echo "== $name: exit $status after $(($(date +%s) - started))s" | tee -a "$OUT/$log"
+  [ "$status" -eq 0 ] || FAILED="$FAILED $name"
+  return "$status"
 }
 
 bench() {  # bench on|off
@@ -52,7 +59,8 @@ bench() {  # bench on|off
 }
 
 lookups() {  # bench the trained drafter (else DRAFTER) without and with the two lookups
-  local drafter=/tmp/gpu-session/smollm2-135m-gpu/gpu-session/drafter
+  local drafter
+  drafter="$(latest_train_run)drafter"
   [ -f "$drafter/config.json" ] || drafter=$DRAFTER
   $PY -c "from datasets import load_from_disk; load_from_disk('data/smollm2-135m').to_json('$OUT/replies.jsonl')" \
     >>"$OUT/lookups.log" 2>&1
@@ -88,14 +96,16 @@ for s in $STAGES; do case $s in
     stage throughput-qwen3-8b 240 throughput.log $PY -m training.throughput --recipe qwen3-8b --random-target \
       --repeats 5 --warmup 2 ;;
   train)
-    stage train 240 train.log $PY -m training.train --recipe smollm2-135m-gpu --data.data_path data/smollm2-135m \
+    if stage train 240 train.log $PY -m training.train --recipe smollm2-135m-gpu --data.data_path data/smollm2-135m \
       --trainer.max_steps "$STEPS" --trainer.val_check_interval "$STEPS" --eval.every_n_train_steps "$STEPS" \
-      --run gpu-session ${TRAIN_ARGS:-} \
-      --output-root /tmp/gpu-session
-    run=/tmp/gpu-session/smollm2-135m-gpu/gpu-session
-    cp "$run/report.md" "$OUT/train_report.md" 2>/dev/null; cp "$run/csv/version_0/metrics.csv" "$OUT/train_metrics.csv" 2>/dev/null
-    cp "$(ls "$run"/eval/step-*.json 2>/dev/null | tail -1)" "$OUT/train_eval.json" 2>/dev/null ;;
+      --run "$RUN" ${TRAIN_ARGS:-} \
+      --output-root /tmp/gpu-session; then  # only this run's files: a failed stage copies nothing of an earlier one
+      run=/tmp/gpu-session/smollm2-135m-gpu/$RUN
+      cp "$run/report.md" "$OUT/train_report.md"; cp "$run/csv/version_0/metrics.csv" "$OUT/train_metrics.csv"
+      cp "$(ls "$run"/eval/step-*.json | tail -1)" "$OUT/train_eval.json"
+    fi ;;
   objectives)
+    rm -f /tmp/gpu-session/smollm2-135m-gpu/ablate-*.md /tmp/gpu-session/smollm2-135m-gpu/ablate-*.png  # an earlier run's
     stage objectives 560 objectives.log $PY -m training.ablate --recipe smollm2-135m-gpu --steps "${OBJ_STEPS:-800}" \
       --eval-limit "$PROMPTS" --eval-max-new-tokens 64 --output-root /tmp/gpu-session --data.data_path data/smollm2-135m \
       --variant dpace=--model.objective=dpace \
@@ -105,4 +115,5 @@ for s in $STAGES; do case $s in
     cp /tmp/gpu-session/smollm2-135m-gpu/ablate-*.md /tmp/gpu-session/smollm2-135m-gpu/ablate-*.png "$OUT/" 2>/dev/null ;;
   lookups) lookups ;;
 esac; done
-echo "done in $(($(date +%s) - T0))s; logs in $OUT"
+echo "done in $(($(date +%s) - T0))s; logs in $OUT${FAILED:+; failed or skipped:$FAILED}"
+[ -z "$FAILED" ]

@@ -9,15 +9,15 @@
 #   NODE_RANK      this node's index, 0 .. NODES-1 (needed when NODES > 1)
 #   MASTER_ADDR    address of node 0 (training, NODES > 1)
 #   RUN_NAME       run folder outputs/<recipe>/<RUN_NAME>, the same on every node, on a shared file
-#                  system (training, NODES > 1; default on one node: a timestamp)
+#                  system (training, NODES > 1, unless --resume names the run; default on one node: a timestamp)
 #   MASTER_PORT    default 29500
 #   GPUS_PER_NODE  processes per node (default: the recipe's trainer.devices; for --regenerate, the
 #                  GPUs nvidia-smi lists, else 1)
 #   PYTHON         default .venv/bin/python
 # Without the settings a multi-node launch needs, the script prints what to run on each node and
-# starts nothing.
+# starts nothing; with only some of them, it names the missing ones and stops (exit status 2).
 #
-# Training: torchrun starts GPUS_PER_NODE processes here and the trainer is given the same counts
+# Training: torchrun (training/launch.py: its exit status is the first failed process's) starts GPUS_PER_NODE processes here and the trainer is given the same counts
 # (--trainer.num_nodes, --trainer.devices); training.train stops at once if the recipe's counts and
 # torchrun's WORLD_SIZE disagree. Resume with --resume <run folder> (its newest checkpoint).
 # Regeneration: process i of node n regenerates shard n*GPUS_PER_NODE+i of NODES*GPUS_PER_NODE on
@@ -36,7 +36,8 @@ NODES=$2
 shift 2
 PYTHON=${PYTHON:-.venv/bin/python}
 MASTER_PORT=${MASTER_PORT:-29500}
-positive() { case "$2" in ''|*[!0-9]*|0) echo "error: $1 must be a positive integer, got '$2'" >&2; exit 2 ;; esac; }
+# Plain decimal only: bash's arithmetic reads a leading 0 as octal (08 is an error, 010 is 8).
+positive() { case "$2" in ''|*[!0-9]*|0*) echo "error: $1 must be a positive integer, got '$2'" >&2; exit 2 ;; esac; }
 positive NODES "$NODES"
 
 if [ "$MODE" = train ]; then
@@ -52,11 +53,21 @@ fi
 positive "processes per node (GPUS_PER_NODE, else the recipe's trainer.devices)" "$GPUS_PER_NODE"
 WORLD=$((NODES * GPUS_PER_NODE))
 
+RESUMING=""
+for arg in "$@"; do case "$arg" in --resume|--resume=*) RESUMING=y ;; esac; done  # a resumed run keeps its folder
 if [ "$NODES" -gt 1 ]; then
-    ready=y
-    [ -n "${NODE_RANK:-}" ] || ready=""
-    if [ "$MODE" = train ] && { [ -z "${MASTER_ADDR:-}" ] || [ -z "${RUN_NAME:-}" ]; }; then ready=""; fi
-    if [ -z "$ready" ]; then
+    needed=(NODE_RANK)
+    if [ "$MODE" = train ]; then
+        needed+=(MASTER_ADDR)
+        [ -n "$RESUMING" ] || needed+=(RUN_NAME)
+    fi
+    missing=() given=()
+    for name in "${needed[@]}"; do if [ -n "${!name:-}" ]; then given+=("$name"); else missing+=("$name"); fi; done
+    if [ ${#missing[@]} -gt 0 ] && [ ${#given[@]} -gt 0 ]; then  # half set: a mistake, not a request for the plan
+        echo "error: a launch on $NODES nodes needs ${needed[*]} on every node; ${missing[*]} not set (run without all of them to see the plan)" >&2
+        exit 2
+    fi
+    if [ ${#missing[@]} -gt 0 ]; then
         echo "$JOB on $NODES nodes x $GPUS_PER_NODE processes = $WORLD processes."
         if [ "$MODE" = train ]; then
             echo "Not started: run on each node i = 0..$((NODES - 1)) (trainer.num_nodes=$NODES, trainer.devices=$GPUS_PER_NODE):"
@@ -72,6 +83,11 @@ if [ "$NODES" -gt 1 ]; then
     fi
 fi
 NODE_RANK=${NODE_RANK:-0}
+case "$NODE_RANK" in ''|*[!0-9]*|0?*) bad=y ;; *) bad=$([ "$NODE_RANK" -lt "$NODES" ] || echo y) ;; esac
+if [ -n "$bad" ]; then  # torchrun would wait for a node rank no launch can fill
+    echo "error: NODE_RANK must be this node's index, 0..$((NODES - 1)) for NODES=$NODES, got '$NODE_RANK'" >&2
+    exit 2
+fi
 
 if [ "$MODE" = regenerate ]; then
     IFS=, read -ra VISIBLE <<< "${CUDA_VISIBLE_DEVICES:-}"  # GPU i of this node = the i-th visible one
@@ -87,12 +103,15 @@ if [ "$MODE" = regenerate ]; then
 fi
 
 RUN_ARGS=(--run-name "${RUN_NAME:-$(date +%Y%m%d-%H%M%S)}")
-for arg in "$@"; do case "$arg" in --resume|--resume=*) RUN_ARGS=() ;; esac; done  # a resumed run keeps its folder
+[ -z "$RESUMING" ] || RUN_ARGS=()
+# Inside a SLURM allocation (salloc, or this script in an sbatch job) torchrun starts the processes, but Lightning
+# would read SLURM_NTASKS and take them for SLURM's tasks (recipes/slurm.sbatch is the SLURM launch).
+unset SLURM_NTASKS
 if [ "$NODES" -eq 1 ] && [ -z "${MASTER_ADDR:-}" ]; then
     RENDEZVOUS=(--standalone)  # one node: torchrun picks a free local port
 else
     RENDEZVOUS=(--node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT")
 fi
-exec "$PYTHON" -m torch.distributed.run --nnodes "$NODES" --nproc-per-node "$GPUS_PER_NODE" "${RENDEZVOUS[@]}" \
+exec "$PYTHON" -m training.launch --nnodes "$NODES" --nproc-per-node "$GPUS_PER_NODE" "${RENDEZVOUS[@]}" \
     -m training.train --recipe "$RECIPE" "${RUN_ARGS[@]}" \
     --trainer.num_nodes="$NODES" --trainer.devices="$GPUS_PER_NODE" "$@"

@@ -222,6 +222,20 @@ def run_name(requested: str | None) -> str:
     return time.strftime("%Y%m%d-%H%M%S")
 
 
+def resume_command(run_dir: Path, recipe: str, checkpoint: Path) -> str:
+    """The command that continues a stopped run, launched as this one was: a torchrun job again on its nodes, a SLURM
+    job again under its run name (recipes/slurm.sbatch resumes a run folder that holds a checkpoint)."""
+    launched = launcher_world()
+    if launched and launched[0] == "SLURM":
+        return (f"RUN_NAME={run_dir.name} OUTPUT_ROOT={run_dir.parent.parent} sbatch --nodes={launched[2]} "
+                f"recipes/slurm.sbatch {recipe}")
+    if launched and launched[0] == "torchrun":
+        nodes = launched[2]
+        every = " on each node (NODE_RANK and MASTER_ADDR as before)" if nodes > 1 else ""
+        return f"make train RECIPE={recipe} NODES={nodes} RESUME={checkpoint}{every}"
+    return f"make train RECIPE={recipe} RESUME={checkpoint}"
+
+
 def stopped(run_dir: Path, recipe: str, why: str, status: int, step: int) -> int:
     """Say that the run did not finish, and how to resume it if a checkpoint exists; return the exit status.
 
@@ -230,7 +244,7 @@ def stopped(run_dir: Path, recipe: str, why: str, status: int, step: int) -> int
     """
     if is_first_process():
         try:
-            resume = f"resume with: make train RECIPE={recipe} RESUME={newest_checkpoint(run_dir)}"
+            resume = f"resume with: {resume_command(run_dir, recipe, newest_checkpoint(run_dir))}"
         except DDTreeError:
             resume = "no checkpoint was written yet, so nothing can be resumed; start it again (the same command)"
         print(f"[train] {why} at step {step}; no drafter written; {resume}", file=sys.stderr, flush=True)
@@ -303,9 +317,11 @@ def main(argv: list[str] | None = None) -> int:
             config = recipe_path(args.recipe)
             run_dir = Path(args.output_root) / args.recipe / run_name(args.run)
             created = new_folders(run_dir)  # none: the failure path removes only what this launch wrote
+            # On every process: one that skipped the check would wait in the rendezvous rank 0 left and die in a
+            # network error's traceback. No checkpoint of this launch can exist yet (saving needs every process).
+            if (run_dir / "config.yaml").exists() and has_checkpoint(run_dir):
+                raise DDTreeError(f"run folder {run_dir} already holds a run; pick another --run or use --resume")
             if is_first_process() and (run_dir / "config.yaml").exists():
-                if has_checkpoint(run_dir):
-                    raise DDTreeError(f"run folder {run_dir} already holds a run; pick another --run or use --resume")
                 # stopped before its first checkpoint, whose line said to start it again: nothing there to resume
                 print(f"[train] {run_dir} holds a run stopped before its first checkpoint: starting it again", flush=True)
         cli = build_cli(config, run_dir, overrides)

@@ -42,6 +42,7 @@ from safetensors.torch import load_file
 import training.train
 from ddtree.targets import DDTreeError
 from training.checkpoints import SAVING_MARKER, load_checkpoint
+from training.launch import exit_status
 from training.strategies import check_launch, count_devices
 
 REPO = Path(__file__).resolve().parents[2]
@@ -327,7 +328,7 @@ def test_a_deepspeed_resume_that_changes_the_drafter_is_one_line_before_deepspee
          *launch_args(workspace, "zero2_cpu", 2, probe_dir, "--resume", str(run_dir), "--model.num_layers=2")],
         cwd=REPO, env=launch_environment(workspace, 2, "zero2-x2"), capture_output=True, text=True, timeout=1200,
     )
-    assert result.returncode != 0
+    assert result.returncode == 2  # bad input's status, through torchrun (training/launch.py)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert errors and all(line == errors[0] for line in errors), result.stderr[-3000:]  # the same line from each rank
     assert errors[0].startswith("error: --resume: the checkpoint's run has num_hidden_layers 1 (this launch: 2): "
@@ -460,6 +461,19 @@ def test_every_process_of_a_launch_gets_the_same_run_folder(monkeypatch):
     assert training.train.run_name(None) == "20250101-000000"
 
 
+def test_a_stopped_runs_resume_line_launches_as_the_run_was_launched(monkeypatch, tmp_path):
+    run_dir, checkpoint = tmp_path / "out" / "qwen3-8b" / "r1", tmp_path / "out" / "qwen3-8b" / "r1" / "last.ckpt"
+    torchrun_env(monkeypatch, world=16, per_node=8)  # it said `make train RECIPE=... RESUME=...`: one process
+    assert training.train.resume_command(run_dir, "qwen3-8b", checkpoint) == (
+        f"make train RECIPE=qwen3-8b NODES=2 RESUME={checkpoint} on each node (NODE_RANK and MASTER_ADDR as before)")
+    slurm_env(monkeypatch, nodes=2, per_node=8)
+    assert training.train.resume_command(run_dir, "qwen3-8b", checkpoint) == (
+        f"RUN_NAME=r1 OUTPUT_ROOT={tmp_path / 'out'} sbatch --nodes=2 recipes/slurm.sbatch qwen3-8b")
+    for name in SLURM_ENV:
+        monkeypatch.delenv(name)
+    assert training.train.resume_command(run_dir, "qwen3-8b", checkpoint) == f"make train RECIPE=qwen3-8b RESUME={checkpoint}"
+
+
 # ----------------------------------------------------------------------------- launch scripts
 
 
@@ -486,12 +500,52 @@ def test_make_train_nodes_prints_each_nodes_launch(tmp_path):
     ran = subprocess.run(["bash", str(LAUNCHER), "qwen3-8b", "2", "--trainer.max_steps=3"], cwd=REPO, env=node_env,
                          capture_output=True, text=True)
     assert ran.stdout.split() == [
-        "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "8", "--node-rank", "1",
+        "-m", "training.launch", "--nnodes", "2", "--nproc-per-node", "8", "--node-rank", "1",
         "--master-addr", "node0", "--master-port", "29500", "-m", "training.train", "--recipe", "qwen3-8b",
         "--run-name", "r1", "--trainer.num_nodes=2", "--trainer.devices=8", "--trainer.max_steps=3",
     ]
     bad = subprocess.run(["bash", str(LAUNCHER), "nope", "2"], cwd=REPO, env=env, capture_output=True, text=True)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "nope" in bad.stderr
+
+
+def test_node_settings_that_cannot_make_a_launch_are_one_line(tmp_path):
+    fake_python = tmp_path / "python"  # prints what torchrun would be given, and what the trainer would see of SLURM
+    fake_python.write_text("#!/usr/bin/env bash\necho \"SLURM_NTASKS=${SLURM_NTASKS-unset} $*\"\n")
+    fake_python.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "NODE_RANK", "RUN_NAME", *SLURM_ENV)} | {
+        "PYTHON": str(fake_python), "GPUS_PER_NODE": "2"}
+    node = {"MASTER_ADDR": "node0", "RUN_NAME": "r"}
+
+    def launched(nodes: str, *args: str, **settings: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(LAUNCHER), "tiny", nodes, *args], cwd=REPO, env=env | settings,
+                              capture_output=True, text=True)
+
+    for nodes, settings, said in [
+        ("08", {}, "NODES must be a positive integer, got '08'"),  # bash read 08 as bad octal, 010 as 8
+        ("2", node | {"NODE_RANK": "2"}, "NODE_RANK must be this node's index, 0..1 for NODES=2, got '2'"),  # hung
+        ("2", node | {"NODE_RANK": "01"}, "got '01'"),
+        ("2", {"NODE_RANK": "1"}, "needs NODE_RANK MASTER_ADDR RUN_NAME on every node; MASTER_ADDR RUN_NAME not set"),
+    ]:
+        result = launched(nodes, **settings)
+        assert result.returncode == 2 and said in result.stderr, result
+        assert len(result.stderr.strip().splitlines()) == 1 and not result.stdout, result
+    # A resume names its run: RUN_NAME is not needed, and not passed. Inside a SLURM allocation the processes are
+    # torchrun's, not SLURM's tasks.
+    resumed = launched("2", "--resume", "outputs/tiny/r", MASTER_ADDR="node0", NODE_RANK="1", SLURM_NTASKS="16")
+    assert resumed.returncode == 0, resumed.stderr
+    assert resumed.stdout.startswith("SLURM_NTASKS=unset -m training.launch") and "--run-name" not in resumed.stdout
+
+
+def test_a_launch_through_torchrun_ends_with_its_processes_status_not_a_traceback(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "NODE_RANK", "RUN_NAME", *SLURM_ENV)} | {
+        "PYTHON": sys.executable, "GPUS_PER_NODE": "1", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(["bash", str(LAUNCHER), "tiny", "1", "--output-root", str(tmp_path), "--trainer.max_stepz=3"],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]  # bad input's status; torchrun's own was 1
+    assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr, result.stderr[-3000:]
+    assert [line for line in result.stderr.splitlines() if line.startswith("error:")] == [
+        next(line for line in result.stderr.splitlines() if "max_stepz" in line)]
+    assert exit_status(-signal.SIGTERM) == 143 and exit_status(2) == 2  # a process killed by a signal, as a shell says
 
 
 def test_slurm_script_passes_its_task_counts_and_resumes_a_requeued_job(tmp_path):
@@ -527,6 +581,12 @@ def test_slurm_script_passes_its_task_counts_and_resumes_a_requeued_job(tmp_path
     (run / "hpc_ckpt_1.ckpt").write_text("")  # what Lightning saved on SIGUSR1
     requeued = submitted("qwen3-8b", SLURM_RESTART_COUNT="1")
     assert requeued[requeued.index("--resume") + 1] == str(run) and "--run-name" not in requeued
+    # Requeued before its first checkpoint, even twice: the same folder, which training.train starts again in place
+    # (a second requeue started a third folder, dropping the first restart's progress).
+    (run / "hpc_ckpt_1.ckpt").unlink()
+    for restart in ("1", "2"):
+        again = submitted("qwen3-8b", SLURM_RESTART_COUNT=restart)
+        assert again[again.index("--run-name") + 1] == "slurm-31" and "--resume" not in again
 
     regenerate = subprocess.run(["bash", str(SBATCH), "--regenerate", "--out", "x"], cwd=tmp_path, env=env,
                                 capture_output=True, text=True).stdout

@@ -205,7 +205,7 @@ def test_a_moved_run_resumes_into_its_new_folder(tmp_path, caplog, recwarn):
     assert str(moved) in (moved / "config.yaml").read_text()
 
 
-def test_a_run_stopped_before_its_first_checkpoint_starts_again_under_its_name(tmp_path, capsys):
+def test_a_run_stopped_before_its_first_checkpoint_starts_again_under_its_name(tmp_path, capsys, monkeypatch):
     """Its stop line says to start it again; the same command refused, the folder "already holds a run", and
     --resume found no checkpoint: a dead end under the README's own --run name."""
     run_dir = tmp_path / "out" / "tiny" / "try1"
@@ -219,6 +219,10 @@ def test_a_run_stopped_before_its_first_checkpoint_starts_again_under_its_name(t
     assert (run_dir / "drafter" / "model.safetensors").is_file()
     assert train_main(tiny_args(tmp_path, "try1", max_steps=2)) == 2  # one with checkpoints is kept
     assert "already holds a run; pick another --run or use --resume" in capsys.readouterr().err
+    with monkeypatch.context() as env:  # on another node's processes too: they waited for rank 0, then a traceback
+        env.setenv("RANK", "3")
+        assert train_main(tiny_args(tmp_path, "try1", max_steps=2)) == 2
+        assert "already holds a run; pick another --run or use --resume" in capsys.readouterr().err
     requeued = tmp_path / "out" / "tiny" / "requeued"  # SLURM's requeue checkpoint sits beside checkpoints/
     requeued.mkdir()
     (requeued / "config.yaml").write_text("a requeued run\n")

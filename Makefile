@@ -31,7 +31,7 @@ data: $(STAMP)
 	$(PY) data/regenerate.py --recipe recipes/$(RECIPE).yaml $(ARGS)
 
 # make features [RECIPE=smollm2-135m] [OUT=dir] [FORCE=1]: the frozen target's layer features of the recipe's
-# data, written once (bf16, sharded; size printed first; resumable) for `--data.feature_store <dir>`
+# data, written once (in the dtype training runs the target in: bf16, or fp32 where `auto` picks it; sharded; size printed first; resumable) for `--data.feature_store <dir>`
 # (training/features.py). OUT defaults to the recipe's data.feature_store, else a folder under $DDTREE_CACHE.
 features: $(STAMP)
 	$(PY) -m training.features --recipe $(RECIPE) $(if $(OUT),--out $(OUT)) $(if $(FORCE),--force) $(ARGS)

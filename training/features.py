@@ -30,7 +30,9 @@ from .target import dtype_for_precision
 
 @command
 def main(argv: list[str] | None = None) -> int:
-    parser = CommandParser(description="Build a recipe's offline feature store.")
+    parser = CommandParser(description="Build a recipe's offline feature store.",
+                           epilog="Any other --section.field=value overrides that recipe field, as in training.train "
+                                  "(--data.max_length=256, --data.store_max_minutes=7).")
     parser.add_argument("--recipe", default="smollm2-135m", help="one of recipes/*.yaml; its model.* and data.* define the store")
     parser.add_argument("--out", type=path_argument, default=None, help="store folder (default: the recipe's data.feature_store; "
                         "when that is auto or unset, <ddtree cache>/features/<recipe>-<tokenization key>)")

@@ -171,7 +171,10 @@ def main(argv: list[str] | None = None) -> int:
 
     tokens = batch_size * length
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} CPU threads"
-    print(f"batch {batch_size} x {length}, {where}, bf16" + (", random-weight target" if args.random_target else "")
+    # Reading a recipe resolved and printed its trainer.precision; this tool measures bf16 (the GPU recipes') anyway.
+    print(f"batch {batch_size} x {length}, {where}, bf16"
+          + (" autocast, whatever the recipe's trainer.precision" if args.recipe else "")
+          + (", random-weight target" if args.random_target else "")
           + (", compiled drafter forward" if args.compile else ""))
     for label, settings in cases:
         started = time.perf_counter()  # progress lines: where a slow or stopped run spent its time

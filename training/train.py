@@ -292,10 +292,13 @@ def remove_unstarted_run(run_dir: Path, step: int, created: list[Path]) -> None:
 
 @command
 def main(argv: list[str] | None = None) -> int:
-    parser = CommandParser(description="Train a drafter from a recipe.", add_help=True)
+    parser = CommandParser(description="Train a drafter from a recipe.", add_help=True,
+                           epilog="Any other --section.field=value overrides that recipe field (--trainer.max_steps=100, "
+                                  "--model.num_layers=2, --data.batch_size=4): docs/training.md.")
     parser.add_argument("--recipe", default=None,
                         help=f"one of recipes/*.yaml (default: {DEFAULT_RECIPE}; a resumed run keeps its own)")
-    parser.add_argument("--resume", default=None, help="'last' or a .ckpt path: continue that run exactly")
+    parser.add_argument("--resume", default=None,
+                        help="'last', a run folder (its newest checkpoint) or a checkpoint path: continue that run exactly")
     # --run-name too: torchrun rejects any option spelled --run (an abbreviation of its --run-path)
     parser.add_argument("--run", "--run-name", dest="run", default=None,
                         help="run folder name, the same on every node (default: a timestamp, or slurm-<job id>)")

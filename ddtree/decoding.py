@@ -28,7 +28,7 @@ from transformers import DynamicCache, PreTrainedModel
 from .calibration import OnlineCalibration
 from .corpus import CorpusLookup
 from .modeling_dflash import DFlashDraftModel, fuse_target_features
-from .target_runner import DynamicTarget, padded_capacity, static_target
+from .target_runner import DynamicTarget, padded_capacity, static_target, storage_key
 from .targets import DDTreeError
 from .sizing import TreeSizer
 from .static_drafter import StaticDrafter, redraft_layout
@@ -200,11 +200,12 @@ class DrafterRunner:
         """Run this generation's forwards at fixed shapes over `capacity` context positions, replayed as CUDA
         graphs on a GPU (cuda_graph None) (ddtree/static_drafter.py); generate does this with the static cache.
         Later generations that fit reuse it, graphs and all (as static_target does for the target)."""
-        fixed = self._fixed
+        fixed, storage = self._fixed, storage_key(self.drafter, self.embedding, self.lm_head)
         if (fixed is None or fixed.capacity < capacity or fixed.requested != cuda_graph
-                or fixed.dtype != self.drafter.dtype or fixed.device != self.lm_head.weight.device):  # buffers moved on
+                or fixed.dtype != self.drafter.dtype or fixed.storage != storage):  # cast or moved since: new buffers
             self._fixed = None  # its buffers go before the new ones are allocated
             fixed = self._fixed = StaticDrafter(self, padded_capacity(capacity), cuda_graph)
+            fixed.storage = storage
         self.static = fixed
 
     def features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:

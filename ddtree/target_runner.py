@@ -107,6 +107,13 @@ def padded_capacity(needed: int) -> int:
     return -(-needed // CAPACITY_STEP) * CAPACITY_STEP
 
 
+def storage_key(*modules: torch.nn.Module) -> tuple[int, ...]:
+    """Where the modules' weights and buffers live: a captured CUDA graph reads them by address, so a runner is reused
+    only while this holds (a cast there and back, or weights loaded with assign=True, move them; training's in-place
+    updates do not)."""
+    return tuple(t.data_ptr() for module in modules for t in (*module.parameters(), *module.buffers()))
+
+
 _STATIC_TARGETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {shape key: StaticTarget}
 
 
@@ -118,10 +125,11 @@ def static_target(target: PreTrainedModel, hidden_states: bool, max_rows: int, n
     Not for two generations at once: they would share the cache."""
     runners = _STATIC_TARGETS.setdefault(target, {})
     key = (hidden_states, max_rows, cuda_graph, target.dtype, target.device)
-    runner = runners.get(key)
-    if runner is None or runner.capacity < needed:
+    runner, storage = runners.get(key), storage_key(target)
+    if runner is None or runner.capacity < needed or runner.storage != storage:
         runners.pop(key, None)  # its buffers go before the new ones are allocated
         runner = runners[key] = StaticTarget(target, hidden_states, max_rows, padded_capacity(needed), cuda_graph)
+        runner.storage = storage
     return runner
 
 

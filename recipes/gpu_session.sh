@@ -21,8 +21,8 @@
 #                  held-out prompts x 64 tokens (training/ablate.py: its table and plot come back only if all three
 #                  finish); OBJ_ARGS adds overrides. By the H200's figures (0.086 s a step, ~55 s of launch, 6.2 s per
 #                  8 prompts) a variant takes ~155 s: run it alone, with LIMIT=600
-#   lookups        whether the CPU recipe's decoding defaults pay on a GPU-trained drafter (the train stage's, else
-#                  DRAFTER): ddtree@32 and the chain on PROMPTS (default 40) held-out prompts x 64 tokens, decoded
+#   lookups        whether the CPU recipe's decoding defaults pay on a GPU-trained drafter (this invocation's train
+#                  stage's; without one in it, the last train stage that finished on this machine; else DRAFTER): ddtree@32 and the chain on PROMPTS (default 40) held-out prompts x 64 tokens, decoded
 #                  with --lookup 0 --corpus none, with --lookup 7, and with --lookup 7 --corpus of data/smollm2-135m's
 #                  replies (docs/decoding.md, Context lookup and Corpus lookup); the GPU recipes set neither until this is measured
 # DRAFTER: a drafter folder for the bench stages (default: random, whose tau means nothing; the timings hold).
@@ -36,7 +36,8 @@ export PYTHONUNBUFFERED=1
 RUN=gpu-session-$(date +%Y%m%d-%H%M%S)  # the train stage's run: a second session on a warm machine starts its own
 FAILED=""  # the stages that did not exit 0: the script's own status is 1 if any did
 
-latest_train_run() { ls -dt /tmp/gpu-session/smollm2-135m-gpu/gpu-session-*/ 2>/dev/null | head -1; }
+TRAINED=""  # the train stage's drafter in this invocation ("failed" if it failed); else the last one that finished
+LAST_TRAINED=/tmp/gpu-session/last-trained-drafter  # names it, for a later invocation on the same machine
 
 stage() {  # stage NAME CAP LOG COMMAND...
   local name=$1 cap=$2 log=$3; shift 3
@@ -59,9 +60,10 @@ bench() {  # bench on|off
 }
 
 lookups() {  # bench the trained drafter (else DRAFTER) without and with the two lookups
-  local drafter
-  drafter="$(latest_train_run)drafter"
-  [ -f "$drafter/config.json" ] || drafter=$DRAFTER
+  local drafter=$DRAFTER
+  if [ -z "$TRAINED" ] && [ -f "$LAST_TRAINED" ]; then drafter=$(cat "$LAST_TRAINED");
+  elif [ -n "$TRAINED" ] && [ "$TRAINED" != failed ]; then drafter=$TRAINED; fi
+  echo "== lookups: drafter $drafter" | tee -a "$OUT/lookups.log"
   $PY -c "from datasets import load_from_disk; load_from_disk('data/smollm2-135m').to_json('$OUT/replies.jsonl')" \
     >>"$OUT/lookups.log" 2>&1
   local name extra
@@ -103,6 +105,9 @@ for s in $STAGES; do case $s in
       run=/tmp/gpu-session/smollm2-135m-gpu/$RUN
       cp "$run/report.md" "$OUT/train_report.md"; cp "$run/csv/version_0/metrics.csv" "$OUT/train_metrics.csv"
       cp "$(ls "$run"/eval/step-*.json | tail -1)" "$OUT/train_eval.json"
+      TRAINED=$run/drafter; echo "$TRAINED" > "$LAST_TRAINED"
+    else
+      TRAINED=failed  # the lookups stage then benches DRAFTER, not an earlier invocation's drafter
     fi ;;
   objectives)
     rm -f /tmp/gpu-session/smollm2-135m-gpu/ablate-*.md /tmp/gpu-session/smollm2-135m-gpu/ablate-*.png  # an earlier run's

@@ -37,7 +37,8 @@ shift 2
 PYTHON=${PYTHON:-.venv/bin/python}
 MASTER_PORT=${MASTER_PORT:-29500}
 # Plain decimal only: bash's arithmetic reads a leading 0 as octal (08 is an error, 010 is 8).
-positive() { case "$2" in ''|*[!0-9]*|0*) echo "error: $1 must be a positive integer, got '$2'" >&2; exit 2 ;; esac; }
+# At most 6 digits: past the shell's integers a comparison would print its own error first.
+positive() { case "$2" in ''|*[!0-9]*|0*|???????*) echo "error: $1 must be a positive integer, got '$2'" >&2; exit 2 ;; esac; }
 positive NODES "$NODES"
 
 if [ "$MODE" = train ]; then
@@ -53,8 +54,12 @@ fi
 positive "processes per node (GPUS_PER_NODE, else the recipe's trainer.devices)" "$GPUS_PER_NODE"
 WORLD=$((NODES * GPUS_PER_NODE))
 
-RESUMING=""
-for arg in "$@"; do case "$arg" in --resume|--resume=*) RESUMING=y ;; esac; done  # a resumed run keeps its folder
+RESUMING="" previous=""
+for arg in "$@"; do  # a resumed run keeps its folder
+    case "$arg" in --resume=*) RESUMING=${arg#--resume=} ;; *) [ "$previous" != --resume ] || RESUMING=$arg ;; esac
+    previous=$arg
+done
+[ "$previous" != --resume ] || RESUMING=last  # a bare --resume at the end: training.train's own error says what it needs
 if [ "$NODES" -gt 1 ]; then
     needed=(NODE_RANK)
     if [ "$MODE" = train ]; then
@@ -71,7 +76,11 @@ if [ "$NODES" -gt 1 ]; then
         echo "$JOB on $NODES nodes x $GPUS_PER_NODE processes = $WORLD processes."
         if [ "$MODE" = train ]; then
             echo "Not started: run on each node i = 0..$((NODES - 1)) (trainer.num_nodes=$NODES, trainer.devices=$GPUS_PER_NODE):"
-            echo "    MASTER_ADDR=<node 0> MASTER_PORT=$MASTER_PORT RUN_NAME=<name> NODE_RANK=<i> make train RECIPE=$RECIPE NODES=$NODES"
+            if [ -n "$RESUMING" ]; then
+                echo "    MASTER_ADDR=<node 0> MASTER_PORT=$MASTER_PORT NODE_RANK=<i> make train RECIPE=$RECIPE NODES=$NODES RESUME=$RESUMING"
+            else
+                echo "    MASTER_ADDR=<node 0> MASTER_PORT=$MASTER_PORT RUN_NAME=<name> NODE_RANK=<i> make train RECIPE=$RECIPE NODES=$NODES"
+            fi
             echo "or, under SLURM (one task per GPU, requeued on preemption):"
             echo "    sbatch --nodes=$NODES --ntasks-per-node=$GPUS_PER_NODE --gpus-per-node=$GPUS_PER_NODE recipes/slurm.sbatch $RECIPE"
         else
@@ -83,7 +92,7 @@ if [ "$NODES" -gt 1 ]; then
     fi
 fi
 NODE_RANK=${NODE_RANK:-0}
-case "$NODE_RANK" in ''|*[!0-9]*|0?*) bad=y ;; *) bad=$([ "$NODE_RANK" -lt "$NODES" ] || echo y) ;; esac
+case "$NODE_RANK" in ''|*[!0-9]*|0?*|???????*) bad=y ;; *) bad=$([ "$NODE_RANK" -lt "$NODES" ] || echo y) ;; esac
 if [ -n "$bad" ]; then  # torchrun would wait for a node rank no launch can fill
     echo "error: NODE_RANK must be this node's index, 0..$((NODES - 1)) for NODES=$NODES, got '$NODE_RANK'" >&2
     exit 2

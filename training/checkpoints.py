@@ -226,11 +226,13 @@ def find_run_checkpoint(run_dir: Path, spec: str) -> tuple[Path, str]:
 
 
 def newest_checkpoint(run_dir: Path) -> Path:
-    """The newest of a run's checkpoints/last.ckpt and the hpc_ckpt_N.ckpt Lightning saves on SLURM's requeue signal."""
-    saved = [p for p in [run_dir / "checkpoints" / "last.ckpt", *run_dir.glob("hpc_ckpt_*.ckpt")] if is_checkpoint(p)]
+    """The newest of a run's checkpoints (run_checkpoints): checkpoints/last.ckpt, the hpc_ckpt_N.ckpt Lightning saves on
+    SLURM's requeue signal, and the step checkpoints, all a run keeps with checkpoint.save_last false. Each is a whole
+    training state; a run folder holding any of them is refused as a new run's folder, so it must resume from one."""
+    saved = run_checkpoints(run_dir)
     if not saved:
-        raise DDTreeError(f"--resume {run_dir}: the run has no checkpoint yet (no checkpoints/last.ckpt or hpc_ckpt_*.ckpt)")
-    return max(saved, key=saved_at)
+        raise DDTreeError(f"--resume {run_dir}: the run has no checkpoint yet (none in checkpoints/, no hpc_ckpt_*.ckpt)")
+    return saved[0]
 
 
 def run_checkpoints(run_dir: Path) -> list[Path]:

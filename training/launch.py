@@ -11,6 +11,7 @@ report is one line after the processes' own, and a signal to the launch is 128 +
 
 from __future__ import annotations
 
+import signal
 import sys
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -23,15 +24,24 @@ def exit_status(exitcode: int) -> int:
     return exitcode if exitcode > 0 else 128 - exitcode if exitcode < 0 else 1
 
 
+def first_failure(error: ChildFailedError):
+    """(rank, failure) of the process that failed first. torchrun records the processes it then stopped with SIGTERM
+    as failures too, stamped within the same second: those are the last choice."""
+    failures = error.failures
+    own = {rank: failure for rank, failure in failures.items() if failure.exitcode != -signal.SIGTERM} or failures
+    rank = min(own, key=lambda r: own[r].timestamp)
+    return rank, own[rank]
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         run(parse_args(sys.argv[1:] if argv is None else argv))
     except ChildFailedError as error:
-        rank, failure = error.get_first_failure()
+        rank, failure = first_failure(error)
         status = exit_status(failure.exitcode)
         # Not an "error:" line: the processes printed theirs (the same one from each rank, for bad input).
-        print(f"[launch] {len(error.failures)} process(es) of this node failed, first rank {rank} with exit status "
-              f"{status}; its own lines above say why", file=sys.stderr)
+        print(f"[launch] rank {rank} failed with exit status {status} (torchrun then stopped the others); its own lines "
+              "above say why", file=sys.stderr)
         return status
     except SignalException as error:
         print(f"[launch] stopped by {error.sigval.name}", file=sys.stderr)

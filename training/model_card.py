@@ -23,6 +23,7 @@ or for a checkpoint measured after training, <run>/eval/checkpoint-<name>.json (
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,12 +43,14 @@ REPO_MARK = "<!-- ddtree export, written for the Hub repo: "
 
 
 def card_repo(card: str) -> str | None:
-    """The repo a card was written for (its REPO_MARK line); None for a local export or a card without the mark."""
+    """The repo a card was written for (its REPO_MARK line); None for a local export. Cards exported before the mark
+    name their repo in the usage section's download line only, and a local export's has none."""
     for line in reversed(card.splitlines()):
         if line.startswith(REPO_MARK) and line.endswith(" -->"):
             repo = line[len(REPO_MARK):-len(" -->")].strip()
             return None if repo == "none" else repo
-    return None
+    download = re.search(r"^hf download (\S+) --local-dir drafter$", card, re.MULTILINE)
+    return download.group(1) if download else None
 
 
 def shown_path(path: str | None) -> str | None:
@@ -55,10 +58,11 @@ def shown_path(path: str | None) -> str | None:
     repository's file (data/eval_prompts.jsonl), not the layout of the machine that trained."""
     if not path or not Path(path).is_absolute():
         return path
-    try:
-        return Path(path).resolve().relative_to(PROJECT_ROOT).as_posix()
-    except ValueError:
-        return path
+    for candidate in (Path(path), Path(path).resolve()):  # as given first: a link inside the project may lead out
+        for root in (Path(__file__).parents[1], PROJECT_ROOT):
+            if candidate.is_relative_to(root):
+                return candidate.relative_to(root).as_posix()
+    return path
 
 
 # ----------------------------------------------------------------------------- reading the run folder

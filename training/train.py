@@ -230,9 +230,9 @@ def resume_command(run_dir: Path, recipe: str, checkpoint: Path) -> str:
         return (f"RUN_NAME={run_dir.name} OUTPUT_ROOT={run_dir.parent.parent} sbatch --nodes={launched[2]} "
                 f"recipes/slurm.sbatch {recipe}")
     if launched and launched[0] == "torchrun":
-        nodes = launched[2]
+        nodes, processes = launched[2], launched[1]
         every = " on each node (NODE_RANK and MASTER_ADDR as before)" if nodes > 1 else ""
-        return f"make train RECIPE={recipe} NODES={nodes} RESUME={checkpoint}{every}"
+        return f"GPUS_PER_NODE={processes // nodes} make train RECIPE={recipe} NODES={nodes} RESUME={checkpoint}{every}"
     return f"make train RECIPE={recipe} RESUME={checkpoint}"
 
 

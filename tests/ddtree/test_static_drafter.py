@@ -84,6 +84,16 @@ def test_a_runner_cast_to_another_dtype_gets_fixed_shapes_in_it(tiny_target):
                      static=True)  # the same bf16 forwards on new buffers
     assert runner.static.dtype == torch.bfloat16 and len(result.new_tokens) == 6
     assert result.new_tokens == fresh.new_tokens and result.tau == fresh.tau
+    # There and back with no generation between: the same dtype, but the weights live elsewhere, and a captured CUDA
+    # graph reads them by address. Both the drafter's and the target's fixed-shape runners are made again.
+    from ddtree.target_runner import static_target
+
+    before, target_runner = runner.static, static_target(target, True, 5, 64)
+    assert static_target(target, True, 5, 64) is target_runner  # reused while nothing moved
+    for model in (target, runner.drafter):
+        model.to(torch.float32).to(torch.bfloat16)
+    generate(target, prompt, "ddtree", runner, budget=4, max_new_tokens=6, static=True)
+    assert runner.static is not before and static_target(target, True, 5, 64) is not target_runner
 
 
 @pytest.mark.gpu

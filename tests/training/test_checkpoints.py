@@ -126,6 +126,9 @@ def test_resume_takes_last_a_run_folder_or_a_path_and_finds_its_run(tmp_path):
     empty = make_run(root, "empty", {})
     with pytest.raises(DDTreeError, match="the run has no checkpoint yet"):
         find_resume(str(empty), root)
+    # checkpoint.save_last false: its step checkpoints are all it keeps, and its folder is refused to a new run
+    stepped = make_run(root, "stepped", {"checkpoints/step-2.ckpt": 100, "checkpoints/step-4.ckpt": 200})
+    assert find_resume(str(stepped), root) == (stepped / "checkpoints" / "step-4.ckpt", stepped.resolve())
     stray = tmp_path / "elsewhere" / "x.ckpt"
     stray.parent.mkdir()
     stray.write_text("")
@@ -137,7 +140,9 @@ def test_resume_takes_last_a_run_folder_or_a_path_and_finds_its_run(tmp_path):
 
 
 def truncate(path: Path) -> None:
+    saved = path.stat().st_mtime  # when it was saved: the order of a run's checkpoints stays
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # cut off mid-write
+    os.utime(path, (saved, saved))
 
 
 def test_resume_refuses_a_truncated_checkpoint_and_names_the_readable_ones_newest_first(tmp_path):

@@ -42,7 +42,7 @@ from safetensors.torch import load_file
 import training.train
 from ddtree.targets import DDTreeError
 from training.checkpoints import SAVING_MARKER, load_checkpoint
-from training.launch import exit_status
+from training.launch import exit_status, first_failure
 from training.strategies import check_launch, count_devices
 
 REPO = Path(__file__).resolve().parents[2]
@@ -465,7 +465,8 @@ def test_a_stopped_runs_resume_line_launches_as_the_run_was_launched(monkeypatch
     run_dir, checkpoint = tmp_path / "out" / "qwen3-8b" / "r1", tmp_path / "out" / "qwen3-8b" / "r1" / "last.ckpt"
     torchrun_env(monkeypatch, world=16, per_node=8)  # it said `make train RECIPE=... RESUME=...`: one process
     assert training.train.resume_command(run_dir, "qwen3-8b", checkpoint) == (
-        f"make train RECIPE=qwen3-8b NODES=2 RESUME={checkpoint} on each node (NODE_RANK and MASTER_ADDR as before)")
+        f"GPUS_PER_NODE=8 make train RECIPE=qwen3-8b NODES=2 RESUME={checkpoint} on each node (NODE_RANK and MASTER_ADDR "
+        "as before)")
     slurm_env(monkeypatch, nodes=2, per_node=8)
     assert training.train.resume_command(run_dir, "qwen3-8b", checkpoint) == (
         f"RUN_NAME=r1 OUTPUT_ROOT={tmp_path / 'out'} sbatch --nodes=2 recipes/slurm.sbatch qwen3-8b")
@@ -525,6 +526,7 @@ def test_node_settings_that_cannot_make_a_launch_are_one_line(tmp_path):
         ("2", node | {"NODE_RANK": "2"}, "NODE_RANK must be this node's index, 0..1 for NODES=2, got '2'"),  # hung
         ("2", node | {"NODE_RANK": "01"}, "got '01'"),
         ("2", {"NODE_RANK": "1"}, "needs NODE_RANK MASTER_ADDR RUN_NAME on every node; MASTER_ADDR RUN_NAME not set"),
+        ("2", node | {"NODE_RANK": "99999999999999999999"}, "got '99999999999999999999'"),  # past bash's integers
     ]:
         result = launched(nodes, **settings)
         assert result.returncode == 2 and said in result.stderr, result
@@ -534,6 +536,9 @@ def test_node_settings_that_cannot_make_a_launch_are_one_line(tmp_path):
     resumed = launched("2", "--resume", "outputs/tiny/r", MASTER_ADDR="node0", NODE_RANK="1", SLURM_NTASKS="16")
     assert resumed.returncode == 0, resumed.stderr
     assert resumed.stdout.startswith("SLURM_NTASKS=unset -m training.launch") and "--run-name" not in resumed.stdout
+    plan = launched("2", "--resume=outputs/tiny/r")  # the plan for a resume resumes, and asks for no RUN_NAME
+    assert plan.returncode == 0 and "NODE_RANK=<i> make train RECIPE=tiny NODES=2 RESUME=outputs/tiny/r" in plan.stdout
+    assert "RUN_NAME" not in plan.stdout
 
 
 def test_a_launch_through_torchrun_ends_with_its_processes_status_not_a_traceback(tmp_path):
@@ -546,6 +551,19 @@ def test_a_launch_through_torchrun_ends_with_its_processes_status_not_a_tracebac
     assert [line for line in result.stderr.splitlines() if line.startswith("error:")] == [
         next(line for line in result.stderr.splitlines() if "max_stepz" in line)]
     assert exit_status(-signal.SIGTERM) == 143 and exit_status(2) == 2  # a process killed by a signal, as a shell says
+
+
+def test_the_launch_reports_the_process_that_failed_not_those_torchrun_stopped():
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    # rank 1 failed; torchrun stopped rank 0 with SIGTERM in the same second, and recorded it first
+    stopped, failed = (ProcessFailure(local_rank=r, pid=100 + r, exitcode=code, error_file="<none>")
+                       for r, code in ((0, -signal.SIGTERM), (1, 3)))
+    stopped.timestamp = failed.timestamp
+    rank, failure = first_failure(ChildFailedError("training.train", {0: stopped, 1: failed}))
+    assert (rank, exit_status(failure.exitcode)) == (1, 3)
+    rank, failure = first_failure(ChildFailedError("training.train", {0: stopped}))  # SIGTERM from outside: all there is
+    assert (rank, exit_status(failure.exitcode)) == (0, 143)
 
 
 def test_slurm_script_passes_its_task_counts_and_resumes_a_requeued_job(tmp_path):
@@ -587,6 +605,9 @@ def test_slurm_script_passes_its_task_counts_and_resumes_a_requeued_job(tmp_path
     for restart in ("1", "2"):
         again = submitted("qwen3-8b", SLURM_RESTART_COUNT=restart)
         assert again[again.index("--run-name") + 1] == "slurm-31" and "--resume" not in again
+    (run / "checkpoints" / "step-200.ckpt").write_text("")  # checkpoint.save_last false: its step checkpoints only
+    stepped = submitted("qwen3-8b", SLURM_RESTART_COUNT="3")
+    assert stepped[stepped.index("--resume") + 1] == str(run) and "--run-name" not in stepped
 
     regenerate = subprocess.run(["bash", str(SBATCH), "--regenerate", "--out", "x"], cwd=tmp_path, env=env,
                                 capture_output=True, text=True).stdout

@@ -42,7 +42,7 @@ from training.checkpoints import drafter_from_checkpoint
 from training.export import export_drafter
 from training.export import main as export_main
 from training.hub_config import AUTO_MAP, EXPORT_FILES, REMOTE_CODE, hub_config
-from training.model_card import read_evaluation
+from training.model_card import REPO_MARK, read_evaluation, shown_path
 from training.module import DistillModule
 from training.train import main as train_main
 
@@ -814,6 +814,30 @@ def test_push_only_sends_only_an_export_whose_card_names_that_repo(run_dir, tmp_
     assert StandInHub.repos["tester/b"] == {"keep.txt": b"served"} and "tester/a" not in StandInHub.repos
     assert publish.main(["--push-only", str(tmp_path / "a"), "--repo", "tester/a"]) == 0
     assert "hf download tester/a" in StandInHub.repos["tester/a"]["README.md"].decode()
+
+    # Exports made before the card carried its repo in a last line name it in their download line only.
+    for folder in ("a", "local"):
+        card = tmp_path / folder / "README.md"
+        card.write_text("\n".join(line for line in card.read_text().splitlines() if not line.startswith(REPO_MARK)))
+    assert publish.main(["--push-only", str(tmp_path / "a"), "--repo", "tester/a"]) == 0
+    assert publish.main(["--push-only", str(tmp_path / "a"), "--repo", "tester/b"]) == 2
+    assert "was written for the repo tester/a" in one_error_line(capsys)
+    assert publish.main(["--push-only", str(tmp_path / "local"), "--repo", "tester/b"]) == 2
+    assert "written for no Hub repo" in one_error_line(capsys)
+
+
+def test_a_card_names_project_files_relative_even_through_a_link_that_leads_out(tmp_path):
+    outside = tmp_path / "prompts"
+    outside.mkdir()
+    link = REPO_ROOT / "data" / f".link-{os.getpid()}"
+    link.symlink_to(outside)
+    try:
+        assert shown_path(str(link / "p.jsonl")) == f"data/{link.name}/p.jsonl"
+        assert shown_path(str(REPO_ROOT / "data" / "eval_prompts.jsonl")) == "data/eval_prompts.jsonl"
+        assert shown_path(str(outside / "p.jsonl")) == str(outside / "p.jsonl")  # outside the project: as it is
+        assert shown_path("data/x.jsonl") == "data/x.jsonl"
+    finally:
+        link.unlink()
 
 
 def test_a_failed_upload_keeps_the_export_for_push_only(run_dir, tmp_path, hub, capsys, monkeypatch):

@@ -11,6 +11,18 @@ evaluation at the end: real tree decoding of the recipe's held-out prompts (`eva
 --eval-limit and --eval-max-new-tokens apply to every variant alike). Variants run one after the
 other, so each has the machine to itself and their wall times compare.
 
+Equal terms:
+- --steps alone: every variant trains exactly that many steps (the recipe's trainer.max_time is lifted);
+- --minutes alone: every variant trains for that long (the recipe's max_steps is lifted, and the learning rate
+  anneals by the clock, model.anneal_by_max_time); both: whichever ends first, as in training;
+- the same data, unless a feature store is time-boxed (data.store_max_minutes): such a store holds the share of the
+  training split its build reached, and variants with other distillation settings read other stores (plain, -final,
+  -top<k>), each cut by its own clock. The table counts each variant's training sequences (<run>/data.json) and says
+  so where they differ; whole stores (make features FORCE=1 ARGS=--data.store_max_minutes=null, per store kind) or
+  online features (--data.feature_store=null) put every variant on all of it;
+- "launch min" is each variant's whole launch, set-up included: the first variant to need a store builds it.
+A variant that stops (a diverged loss, say) is a row saying so; the others still run and the table is written.
+
 The table (printed, and written with a plot to <output-root>/<recipe>/ablate-<stamp>.{md,png}):
 validation loss (the published decayed cross-entropy, whatever the variant trains on), per-depth
 top-1 accuracy and top-4 recall of the target's token on the validation split, tau at every
@@ -38,6 +50,7 @@ from .callbacks import AcceptanceEvaluation
 from .checkpoints import ABLATE_PREFIX
 from .loss import RECALL_K
 from .module import DistillModule
+from .data import DATA_RECORD
 from .recipe import check_recipe_name, check_values, read_recipe, recipe_errors, recipe_path
 from .train import main as train_main
 
@@ -98,6 +111,21 @@ def last_evaluation(run_dir: Path) -> dict:
     return json.loads(files[-1].read_text())
 
 
+def read_data_record(run_dir: Path) -> dict:
+    """<run>/data.json (training/train.py): how many training sequences the run drew from; {} if it has none."""
+    try:
+        return json.loads((run_dir / DATA_RECORD).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def stopped_variant(name: str, run_dir: Path, seconds: float, status: int) -> dict:
+    """The table's row for a variant whose training stopped with `status`: nothing measured."""
+    return {"variant": name, "run": str(run_dir), "stopped": status, "step": None, "run_minutes": seconds / 60,
+            "val_loss": None, "accuracy": [], "recall": [], "tau": {}, "expected_tau": {}, "chain_tau": None,
+            "chain_expected_tau": None, "decoded_with": {}}
+
+
 def summarize_variant(name: str, run_dir: Path, seconds: float) -> dict:
     evaluation, validation = last_evaluation(run_dir), last_validation(run_dir)
     summary = evaluation["summary"]
@@ -112,6 +140,10 @@ def summarize_variant(name: str, run_dir: Path, seconds: float) -> dict:
         "expected_tau": {budget: stats["expected_tau"] for budget, stats in sorted(trees.items())},
         "chain_tau": summary[CHAIN]["tau"],
         "chain_expected_tau": summary[CHAIN].get("expected_tau"),  # absent in evaluations made before decoding recorded it
+        "data": read_data_record(run_dir),
+        # what the trees carried besides the drafter's own nodes (the chain carries neither)
+        "decoded_with": {key: evaluation["settings"][key] for key in ("lookup", "corpus")
+                         if evaluation["settings"].get(key)},
     }
 
 
@@ -122,19 +154,37 @@ def all_budgets(results: list[dict]) -> list[int]:
 
 def markdown_table(results: list[dict]) -> str:
     budgets = all_budgets(results)
-    head = ["variant", "steps", "run min", "val loss", "acc@1..", f"recall{RECALL_K}@1..",
-            *[f"tau@{b} (expected)" for b in budgets], "chain tau (expected)", "tree / chain"]
+    top = budgets[-1] if budgets else None  # one budget for every row's ratio
+    head = ["variant", "steps", "launch min", "val loss", "acc@1..", f"recall{RECALL_K}@1..",
+            *[f"tau@{b} (expected)" for b in budgets], "chain tau (expected)", f"tree@{top} / chain"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     fmt = lambda values: " ".join("-" if v is None else f"{v:.2f}" for v in values)  # noqa: E731
     for r in results:
-        top = max(r["tau"])
+        if r.get("stopped") is not None:
+            cells = [r["variant"], f"stopped (exit status {r['stopped']}): nothing measured", f"{r['run_minutes']:.1f}",
+                     *["-"] * (len(head) - 3)]
+            lines.append("| " + " | ".join(cells) + " |")
+            continue
         chain_expected = r.get("chain_expected_tau")
         cells = [r["variant"], str(r["step"]), f"{r['run_minutes']:.1f}",
                  "-" if r["val_loss"] is None else f"{r['val_loss']:.3f}", fmt(r["accuracy"]), fmt(r["recall"]),
                  *[f"{r['tau'][b]:.2f} ({r['expected_tau'][b]:.2f})" if b in r["tau"] else "-" for b in budgets],
                  f"{r['chain_tau']:.2f} ({'-' if chain_expected is None else format(chain_expected, '.2f')})",
-                 f"{r['tau'][top] / r['chain_tau']:.2f}x" if r["chain_tau"] > 0 else "-"]
+                 f"{r['tau'][top] / r['chain_tau']:.2f}x" if r["chain_tau"] > 0 and top in r["tau"] else "-"]
         lines.append("| " + " | ".join(cells) + " |")
+    shares = {r["variant"]: r["data"]["train_sequences"] for r in results if r.get("data", {}).get("train_sequences")}
+    if len(set(shares.values())) > 1:
+        split = max(r["data"].get("train_split_sequences", 0) for r in results if r.get("data"))
+        lines += ["", "The variants trained on different shares of the data (time-boxed feature stores, "
+                  f"data.store_max_minutes): {', '.join(f'{name} {count}' for name, count in shares.items())} of the "
+                  f"{split} training sequences. Build whole stores first (make features FORCE=1 "
+                  "ARGS=--data.store_max_minutes=null, for each store kind) to compare on the same data."]
+    carried = sorted({f"{key} {value}" if key == "lookup" else "the corpus" for r in results
+                      for key, value in r.get("decoded_with", {}).items()})
+    if carried:  # report.md says the same of a run's own table
+        lines += ["", f"The trees were decoded with {' and '.join(carried).replace('lookup', 'context lookup')} "
+                  "(eval.lookup, model.corpus): their tau and tree/chain are the decoder's, not the drafter's alone; the "
+                  "chain carries neither."]
     return "\n".join(lines)
 
 
@@ -144,15 +194,21 @@ def plot(results: list[dict]) -> Figure:
     bars, depth = figure.add_subplot(1, 2, 1), figure.add_subplot(1, 2, 2)
     budgets = all_budgets(results)
     width = 0.8 / (len(budgets) + 1)
+    drawn: set[str] = set()  # each legend entry once
+    labels = ["chain"] + [f"tree@{b}" for b in budgets]
     for i, r in enumerate(results):
-        values = [r["chain_tau"]] + [r["tau"].get(b, 0.0) for b in budgets]
+        values = [r["chain_tau"]] + [r["tau"].get(b) for b in budgets]
         for j, value in enumerate(values):
-            bars.bar(i + j * width, value, width, color=f"C{j}", label=(["chain"] + [f"tree@{b}" for b in budgets])[j] if i == 0 else None)
+            if value is None:  # not measured (a stopped variant, a budget it did not decode): no bar, as the table's dash
+                continue
+            bars.bar(i + j * width, value, width, color=f"C{j}", label=labels[j] if labels[j] not in drawn else None)
+            drawn.add(labels[j])
         depth.plot(range(1, len(r["recall"]) + 1), r["recall"], "o-", color=f"C{i}", label=f"{r['variant']} recall{RECALL_K}")
         depth.plot(range(1, len(r["accuracy"]) + 1), r["accuracy"], "x--", color=f"C{i}", label=f"{r['variant']} top-1")
     bars.set_xticks([i + width * len(budgets) / 2 for i in range(len(results))], [r["variant"] for r in results])
     bars.set_ylabel("measured tau (tokens per round)")
-    bars.legend(fontsize=8)
+    if drawn:  # every variant stopped: no bars to name
+        bars.legend(fontsize=8)
     depth.set_xlabel("block position (depth)")
     depth.set_ylabel("validation accuracy / recall")
     depth.legend(fontsize=7)
@@ -185,6 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     if len({name for name, _ in variants}) != len(variants):
         raise DDTreeError(f"--variant names must differ: {[name for name, _ in variants]}")
     budget = []
+    if args.steps is not None and args.minutes is None:
+        budget.append("--trainer.max_time=null")  # the steps alone, not the recipe's time safety net
+    if args.minutes is not None and args.steps is None:  # the clock alone, and the learning rate anneals by it
+        budget += ["--trainer.max_steps=-1", "--model.anneal_by_max_time=true"]
     if args.steps is not None:
         # every evaluation, checkpoint and validation at the end only: the budget goes to training. A step count as
         # val_check_interval needs check_val_every_n_epoch null, else Lightning refuses one past the first epoch.
@@ -206,16 +266,18 @@ def main(argv: list[str] | None = None) -> int:
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
     root = Path(args.output_root) / args.recipe
-    results = []
+    results, failed = [], 0
     for name, overrides in variants:
         run = f"{ABLATE_PREFIX}{stamp}-{name}"
         print(f"[ablate] {name}: {' '.join(overrides) or '(the recipe as it is)'} -> {root / run}", flush=True)
         started = time.perf_counter()
         status = train_main(["--recipe", args.recipe, "--run-name", run, "--output-root", args.output_root,
                              *budget, *common, *overrides])
-        if status != 0:
-            print(f"[ablate] {name} stopped with status {status}; the variants before it are in {root}", file=sys.stderr)
-            return status
+        if status != 0:  # a diverged variant is a result too; the others still compare
+            print(f"[ablate] {name} stopped with status {status}; going on with the other variants", file=sys.stderr)
+            results.append(stopped_variant(name, root / run, time.perf_counter() - started, status))
+            failed = failed or status
+            continue
         results.append(summarize_variant(name, root / run, time.perf_counter() - started))
 
     table = markdown_table(results)
@@ -225,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     with atomic_file(root / f"ablate-{stamp}.png", "wb") as handle:
         plot(results).savefig(handle, format="png", dpi=110)
     print(f"[ablate] table, results and plot: {root / f'ablate-{stamp}'}.{{md,json,png}}")
-    return 0
+    return failed  # the first stopped variant's status: a comparison with a hole is not a clean exit
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ from training.feature_store import AUTO_STORE, FeatureStore
 from training.recipe_data import AUTO_DATA, check_regenerate_settings
 
 log = logging.getLogger(__name__)
+DATA_RECORD = "data.json"  # <run>/data.json: the sequences a run drew from (DistillDataModule.record; make ablate reads it)
 
 
 # ----------------------------------------------------------------------------- batches
@@ -403,6 +404,12 @@ class DistillDataModule(L.LightningDataModule):
                         "data.store_max_minutes): training draws from those", self.feature_store, len(self.train_set),
                         len(self.train_split))
         log.info("data %s: %d train / %d val sequences", self.data_path, len(self.train_set), len(self.val_set))
+
+    def record(self) -> dict:
+        """What this run trained and validated on, for <run>/data.json: a time-boxed feature store holds part of the
+        training split, so two runs of one recipe may draw from different shares."""
+        return {"train_sequences": len(self.train_set), "train_split_sequences": len(self.train_split),
+                "val_sequences": len(self.val_set), "feature_store": self.feature_store}
 
     def state_dict(self) -> dict:
         return {"data_digest": self.data_digest} if self.data_digest else {}

@@ -148,7 +148,8 @@ def markdown_report(run_name: str, history: list[dict], settings: dict, eval_sec
     share = 100 * eval_seconds / launch_seconds if launch_seconds > 0 else 0.0
     lines += [
         "",
-        f"This launch so far: evaluation took {eval_seconds:.1f} s of {launch_seconds:.1f} s wall time ({share:.1f}%).",
+        f"This launch so far: evaluation took {eval_seconds:.1f} s of the {launch_seconds:.1f} s since training started "
+        f"({share:.1f}%; the set-up before it, loading and data, not counted).",
         "",
         "![tau per budget vs step](tau.png)",
         "",

@@ -49,7 +49,7 @@ from ddtree.errors import CommandParser, DDTreeError, command
 from ddtree.files import write_text_atomic
 from training.checkpoints import (AtomicCheckpointIO, deepspeed_client_state, find_resume, is_deepspeed_checkpoint,
                                   newest_checkpoint, newest_finite_checkpoint, non_finite_tensors, run_checkpoints)
-from training.data import DistillDataModule, replies
+from training.data import DATA_RECORD, DistillDataModule, replies
 from training.export import export_drafter, run_corpus
 from training.feature_store import (build_feature_store, drafter_layer_ids, is_complete, resolve_store_path, store_seconds,
                                     store_teacher)
@@ -391,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
             raise NonFiniteError(f"training ended at step {cli.trainer.global_step} with {non_finite} of the drafter's "
                                  "parameter tensors holding NaN or inf: no drafter exported")
         if cli.trainer.is_global_zero:
+            write_text_atomic(run_dir / DATA_RECORD, json.dumps(cli.datamodule.record(), indent=1) + "\n")
             drafter_dir = export_drafter(drafter, run_dir / "drafter", run_corpus(run_dir))
             print(f"[train] drafter written to {drafter_dir} (ddtree bench --drafter {drafter_dir})", flush=True)
         return 0

@@ -28,6 +28,7 @@ def test_two_variants_of_the_tiny_recipe_are_trained_measured_and_compared(tmp_p
     for r in results:
         assert r["step"] == 12 and r["val_loss"] is not None and len(r["recall"]) == 7  # block 8: depths 1..7
         assert set(r["tau"]) == {"4", "8", "16"} and all(tau >= 1 for tau in r["tau"].values())
+        assert r["data"]["train_sequences"] == r["data"]["train_split_sequences"] > 0  # online features: all of it
     runs = {p.name.rsplit("-", 1)[1]: p for p in (tmp_path / "out" / "tiny").iterdir() if p.is_dir()}
     configs = {name: (run / "config.yaml").read_text() for name, run in runs.items()}
     assert "objective: frontier" in configs["frontier"] and "redraft_prob: 0.5" in configs["frontier"]
@@ -94,6 +95,42 @@ def test_the_table_shows_every_budget_and_a_dash_where_a_variant_did_not_measure
     assert table[2].endswith("| 2.00 (2.10) | 3.00 (3.10) | 1.50 (-) | 2.00x |")
     assert table[3].endswith("| - | 2.50 (2.60) | 0.00 (-) | - |")  # no chain rounds: no ratio
     assert plot([result("a", {8: 2.0, 32: 3.0}, 1.5), result("b", {32: 2.5}, 0.0)]) is not None
+
+
+def test_a_stopped_variant_is_a_row_the_others_still_compare_and_unequal_data_is_said(tmp_path, monkeypatch, capsys):
+    import training.ablate
+
+    launched = []
+
+    def fake_train(argv: list[str]) -> int:  # what a finished run leaves that the table reads
+        launched.append(argv)
+        run = tmp_path / "tiny" / argv[argv.index("--run-name") + 1]
+        if run.name.endswith("-boom"):
+            return 1  # diverged: the comparison used to end here, with no table for the variants before it
+        (run / "eval").mkdir(parents=True)
+        summary = {"ddtree@8": {"tau": 2.0, "expected_tau": 2.1}, "dflash": {"tau": 1.5, "expected_tau": 1.6}}
+        (run / "eval" / "step-000003.json").write_text(json.dumps({"step": 3, "summary": summary,
+                                                                   "settings": {"lookup": 7, "corpus": True}}))
+        share = 570 if run.name.endswith("-a") else 2001  # two stores, each cut by its own build's clock
+        (run / "data.json").write_text(json.dumps({"train_sequences": share, "train_split_sequences": 2001}))
+        return 0
+
+    monkeypatch.setattr(training.ablate, "train_main", fake_train)
+    assert main(["--recipe", "tiny", "--steps", "3", "--output-root", str(tmp_path), "--variant", "a=",
+                 "--variant", "boom=--model.lr=1e3", "--variant", "c="]) == 1  # the stopped variant's status
+    assert len(launched) == 3 and all("--trainer.max_time=null" in argv for argv in launched)  # the steps alone
+    table = (next(tmp_path.glob("tiny/ablate-*.md"))).read_text()
+    assert "| boom | stopped (exit status 1): nothing measured |" in table
+    assert "| a | 3 |" in table and "| c | 3 |" in table and "tree@8 / chain" in table
+    assert "a 570, c 2001 of the 2001 training sequences" in table
+    assert "decoded with context lookup 7 and the corpus" in table
+    results = json.loads(next(tmp_path.glob("tiny/ablate-*.json")).read_text())
+    assert [r.get("stopped") for r in results] == [None, 1, None]
+    assert plot(results) is not None  # a stopped variant has no bars: nothing drawn at 0
+
+    launched.clear()  # --minutes alone: the clock decides, not the recipe's max_steps, and the schedule follows it
+    main(["--recipe", "tiny", "--minutes", "2", "--output-root", str(tmp_path), "--variant", "a="])
+    assert "--trainer.max_steps=-1" in launched[0] and "--model.anneal_by_max_time=true" in launched[0]
 
 
 def test_default_variants_set_every_objective_and_distillation_knob():

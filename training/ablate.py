@@ -13,8 +13,9 @@ other, so each has the machine to itself and their wall times compare.
 
 Equal terms:
 - --steps alone: every variant trains exactly that many steps (the recipe's trainer.max_time is lifted);
-- --minutes alone: every variant trains for that long (the recipe's max_steps is lifted, and the learning rate
-  anneals by the clock, model.anneal_by_max_time); both: whichever ends first, as in training;
+- --minutes alone: every variant trains for that long or the recipe's max_steps, whichever ends first (the schedule
+  is the steps'; the learning rate anneals by the clock where it comes first, model.anneal_by_max_time), so a faster
+  variant trains more steps, as equal time means; both: whichever ends first, as in training;
 - the same data, unless a feature store is time-boxed (data.store_max_minutes): such a store holds the share of the
   training split its build reached, and variants with other distillation settings read other stores (plain, -final,
   -top<k>), each cut by its own clock. The table counts each variant's training sequences (<run>/data.json) and says
@@ -156,7 +157,8 @@ def markdown_table(results: list[dict]) -> str:
     budgets = all_budgets(results)
     top = budgets[-1] if budgets else None  # one budget for every row's ratio
     head = ["variant", "steps", "launch min", "val loss", "acc@1..", f"recall{RECALL_K}@1..",
-            *[f"tau@{b} (expected)" for b in budgets], "chain tau (expected)", f"tree@{top} / chain"]
+            *[f"tau@{b} (expected)" for b in budgets], "chain tau (expected)",
+            f"tree@{top} / chain" if top is not None else "tree / chain"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     fmt = lambda values: " ".join("-" if v is None else f"{v:.2f}" for v in values)  # noqa: E731
     for r in results:
@@ -243,8 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     budget = []
     if args.steps is not None and args.minutes is None:
         budget.append("--trainer.max_time=null")  # the steps alone, not the recipe's time safety net
-    if args.minutes is not None and args.steps is None:  # the clock alone, and the learning rate anneals by it
-        budget += ["--trainer.max_steps=-1", "--model.anneal_by_max_time=true"]
+    if args.minutes is not None and args.steps is None:  # the learning rate anneals by the clock where it cuts first
+        budget.append("--model.anneal_by_max_time=true")
     if args.steps is not None:
         # every evaluation, checkpoint and validation at the end only: the budget goes to training. A step count as
         # val_check_interval needs check_val_every_n_epoch null, else Lightning refuses one past the first epoch.

@@ -1,6 +1,15 @@
-"""A drafter rigged from a known continuation, shared by the lossless and the replay tests."""
+"""A drafter rigged from a known continuation, shared by the lossless and the replay tests, and the reference they
+are held to."""
 
 import torch
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy decoding of `prompt`: the reference for losslessness, independent of ddtree's loop (its
+    `ar` method shares the prefill, verify, walk and cache compaction with every other method)."""
+    ids = torch.tensor([prompt], device=model.device)
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
 
 
 class RiggedDrafter:

@@ -11,6 +11,7 @@ from ddtree.cli import load_drafter
 from ddtree.corpus import CORPUS_FILE, CorpusLookup, majority_path, read_replies, write_replies
 from ddtree.decoding import DrafterRunner, OnlineCalibration, draft_tree, generate
 from ddtree.errors import DDTreeError
+from rigged import hf_greedy  # tests/rigged.py
 
 
 def test_the_majority_continuation_of_the_last_tokens_is_looked_up():
@@ -72,7 +73,7 @@ def test_conversations_give_their_assistant_turns(tmp_path, tiny_target):
 def test_a_corpus_of_the_reply_is_accepted_and_a_wrong_one_changes_no_token(tiny_target):
     model, tokenizer = tiny_target
     prompt = [5, 6, 7, 8, 9, 10, 11]
-    greedy = generate(model, prompt, "ar", max_new_tokens=40).new_tokens
+    greedy = hf_greedy(model, prompt, 40)
     runner = DrafterRunner(load_drafter("random", model, tokenizer, "tiny-random"), model)
     accepted = {}
     for name, corpus in [("none", None), ("the reply", CorpusLookup([prompt + greedy])),
@@ -111,7 +112,7 @@ def test_a_corpus_file_reads_back_its_replies_and_a_broken_one_is_one_line(tmp_p
 def test_the_drafters_corpus_is_the_default_and_false_leaves_it_out(tiny_target):
     model, tokenizer = tiny_target
     prompt = [5, 6, 7, 8, 9, 10, 11]
-    greedy = generate(model, prompt, "ar", max_new_tokens=40).new_tokens
+    greedy = hf_greedy(model, prompt, 40)
     drafter = load_drafter("random", model, tokenizer, "tiny-random")
     shipped = DrafterRunner(drafter, model, corpus=CorpusLookup([prompt + greedy]))
     accepted = {}
@@ -133,7 +134,7 @@ def test_online_calibration_learns_each_lookups_acceptance_by_depth(tiny_target)
     grafted nodes by what it saw, each lookup on its own (the drafter's probabilities would say neither)."""
     model, tokenizer = tiny_target
     prompt = [5, 6, 7, 8, 9, 10, 11]
-    greedy = generate(model, prompt, "ar", max_new_tokens=40).new_tokens
+    greedy = hf_greedy(model, prompt, 40)
     runner = DrafterRunner(load_drafter("random", model, tokenizer, "tiny-random"), model)
     learned = {}
     wrong = CorpusLookup([prompt + greedy])  # every run of the reply found, with a wrong continuation

@@ -136,11 +136,19 @@ def test_auto_packs_where_the_packed_layers_measured_faster(monkeypatch):
 
 
 @needs_packing
-def test_measure_packing_times_the_models_layers_both_ways():
+def test_measure_packing_times_the_models_layers_both_ways(monkeypatch):
+    import time
+
     model = two_layers()
     assert pack_linears(model) == 2
     plain, fast = packed_linear.measure_packing(model)
     assert plain > 0 and fast > 0
+    # Each figure times its own path: plain F.linear made 5 ms slower a call (2 layers x 2 probe shapes) moves the
+    # plain figure by 20 ms and leaves the packed one, which never calls it.
+    linear = packed_linear.F.linear
+    monkeypatch.setattr(packed_linear.F, "linear", lambda *args: time.sleep(0.005) or linear(*args))
+    slowed, packed = packed_linear.measure_packing(model)
+    assert slowed >= plain + 19 and packed < slowed - 15, (plain, fast, slowed, packed)
 
 
 @needs_packing

@@ -15,6 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from ddtree.decoding import DrafterRunner, Sampling, generate
 from ddtree.modeling_dflash import DFlashDraftModel
 from ddtree.targets import build_drafter_config
+from rigged import hf_greedy  # tests/rigged.py
 
 ALPHA = 1e-3
 VOCAB = 12
@@ -77,7 +78,7 @@ def test_a_tiny_temperature_samples_the_argmax(tiny_pair, temperature):
     target, drafter = tiny_pair
     logits = torch.tensor([30.0, 10.0, -5.0, 29.0])
     assert torch.equal(Sampling(temperature).probabilities(logits), torch.tensor([1.0, 0.0, 0.0, 0.0]))
-    greedy = generate(target, PROMPT, "ar", max_new_tokens=6).new_tokens
+    greedy = hf_greedy(target, PROMPT, 6)
     for method, runner in (("ar", None), ("ddtree", drafter)):
         result = generate(target, PROMPT, method, runner, 8, 6, [], Sampling(temperature), torch.Generator().manual_seed(0))
         assert result.new_tokens == greedy, method
@@ -85,5 +86,5 @@ def test_a_tiny_temperature_samples_the_argmax(tiny_pair, temperature):
 
 def test_more_redrafts_than_the_vocabulary_has_tokens(tiny_pair):
     target, drafter = tiny_pair
-    greedy = generate(target, PROMPT, "ar", max_new_tokens=6).new_tokens
+    greedy = hf_greedy(target, PROMPT, 6)
     assert generate(target, PROMPT, "ddtree", drafter, 8, 6, [], redraft=VOCAB + 8).new_tokens == greedy

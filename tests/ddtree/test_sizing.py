@@ -39,11 +39,25 @@ def test_the_rounds_overhead_is_a_running_mean_and_favours_larger_trees():
     assert sizer.size(log_probs) == 3
 
 
-def test_measure_fits_a_cost_line_on_the_machine():
+def test_measure_fits_a_cost_line_on_the_machine(monkeypatch):
+    import ddtree.sizing as sizing
+
     target, _ = load_target("tiny-random")
-    sizer = TreeSizer.measure(target, max_rows=17, context=32, repeats=2)
+    sizer = TreeSizer.measure(target, max_rows=17, context=32, repeats=2)  # this machine's verifies, really run
     assert sizer.fixed_ms > 0 and sizer.row_ms >= 0
     assert "ms per row" in sizer.describe()
+    # The fit itself, on verifies of a known cost: 40 ms + 1.1 ms a row, the 2-core CPU's line.
+    timed = []
+
+    def known_cost(runner, tree, context, repeats):
+        rows = len(tree.tokens) + 1  # the root's row and one per node
+        timed.append(rows)
+        return (40.0 + 1.1 * rows) / 1000
+
+    monkeypatch.setattr(sizing, "verify_seconds", known_cost)
+    fitted = TreeSizer.measure(target, max_rows=17, context=32, repeats=2)
+    assert 17 in timed and len(set(timed)) > 1  # probed at several row counts, up to the largest tree
+    assert abs(fitted.fixed_ms - 40.0) < 1e-6 and abs(fitted.row_ms - 1.1) < 1e-9
 
 
 def test_the_cost_line_times_the_targets_forward_without_building_the_mask(monkeypatch):

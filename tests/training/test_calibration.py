@@ -24,6 +24,7 @@ from training.checkpoints import drafter_from_checkpoint
 from training.export import export_drafter
 from training.replay import CALIBRATION_TEMPERATURES
 from training.train import main as train_main
+from rigged import hf_greedy  # tests/rigged.py
 
 
 def test_decoding_divides_the_draft_logits_by_the_temperatures_and_stays_lossless():
@@ -33,7 +34,7 @@ def test_decoding_divides_the_draft_logits_by_the_temperatures_and_stays_lossles
     drafter = DFlashDraftModel(config).eval()
     prompt = tokenizer("def add(a, b):")["input_ids"]
     plain = DrafterRunner(drafter, target)
-    greedy = generate(target, prompt, "ar", max_new_tokens=12).new_tokens
+    greedy = hf_greedy(target, prompt, 12)
 
     out = target(torch.tensor([prompt]), output_hidden_states=True)
     context = plain.features(out.hidden_states)

@@ -22,6 +22,7 @@ import warnings
 import torch
 
 from .modeling_dflash import DFlashDraftModel
+from .target_runner import capturing
 
 
 def redraft_layout(root_token: int, start: int, firsts: list[int], block_size: int, mask_token_id: int,
@@ -170,14 +171,13 @@ class StaticDrafter:
 
     def _capture(self, forward) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # Warm-up and capture write this round's context rows into their slots: the same values the replay writes.
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):  # allocations, the draft head's gather and kernel choices happen outside the capture
                 forward()
-        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        # thread_local for the reason StaticTarget._capture gives (ddtree/target_runner.py)
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        with capturing(graph, self.device):  # on the drafter's GPU (ddtree/target_runner.py)
             output = forward()
         return graph, output

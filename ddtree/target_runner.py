@@ -107,6 +107,14 @@ def padded_capacity(needed: int) -> int:
     return -(-needed // CAPACITY_STEP) * CAPACITY_STEP
 
 
+def capturing(graph: torch.cuda.CUDAGraph, device: torch.device):
+    """torch.cuda.graph on a side stream of `device`, the model's GPU: torch's default capture stream is made once per
+    process, on whichever GPU was current then, and the kernels of a model on another GPU would run outside the
+    capture. thread_local: another thread's CUDA call (a DataLoader's pin-memory thread beside training's evaluation)
+    must not break the capture, as it would under the default "global" mode."""
+    return torch.cuda.graph(graph, stream=torch.cuda.Stream(device), capture_error_mode="thread_local")
+
+
 def storage_key(*modules: torch.nn.Module) -> tuple[int, ...]:
     """Where the modules' weights and buffers live: a captured CUDA graph reads them by address, so a runner is reused
     only while this holds (a cast there and back, or weights loaded with assign=True, move them; training's in-place
@@ -220,7 +228,7 @@ class StaticTarget:
         self._keep()
         if self.graph is not None:  # the forward is captured: capture keep too, for the rounds after this one
             self.keep_graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.keep_graph, capture_error_mode="thread_local"):
+            with capturing(self.keep_graph, self.mask.device):
                 self._keep()
 
     def _keep(self) -> None:
@@ -242,18 +250,17 @@ class StaticTarget:
         self.tokens.fill_(0)
         self.positions.fill_(start)
         try:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
+            device = self.mask.device
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
                 for _ in range(2):  # allocations and kernel choices happen outside the capture
                     self._reset_lengths(start)
                     self._forward()
-            torch.cuda.current_stream().wait_stream(stream)
+            torch.cuda.current_stream(device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             self._reset_lengths(start)
-            # thread_local: another thread's CUDA call (a DataLoader's pin-memory thread beside training's
-            # evaluation) must not break this capture, as it would under the default "global" mode.
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            with capturing(graph, device):
                 self.graph_output = self._forward()
             self.graph = graph
         except RuntimeError as error:  # a model whose forward syncs with the host cannot be captured

@@ -389,6 +389,13 @@ def test_decoding_on_cuda_matches_greedy_in_fp32(cuda_target, method, budget, st
         rigged = RiggedDrafter(prompt + greedy, model.config.vocab_size)
         result = generate(model, prompt, method, rigged, budget, MAX_NEW, stop_ids, static=static)
         assert result.new_tokens == greedy
+    if static:  # a failed capture warns and runs uncaptured, which would pass the comparison without any graph
+        from ddtree.target_runner import _STATIC_TARGETS
+
+        runners = list(_STATIC_TARGETS[model].values())
+        assert runners and all(runner.graph is not None for runner in runners)
+        if method == "ddtree":  # the rigged drafter's non-first branches move kept rows: keep is replayed too
+            assert any(runner.keep_graph is not None for runner in runners)
 
 
 def attention_kernels(target, tokenizer, device: str, static: bool) -> set[str]:

@@ -76,6 +76,18 @@ def kept_by_pick_next(monkeypatch, logits, temperature, top_p) -> torch.Tensor:
     return seen[0] > 0
 
 
+def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The test's own top-p set of one row: the likeliest tokens, one by one, until their mass reaches top_p (1: no cut,
+    where float32 sums reach 1 before the last tiny tokens)."""
+    if top_p >= 1:
+        return probs > 0
+    ordered, order = probs.sort(descending=True)
+    count = int((ordered.cumsum(0) < top_p).sum()) + 1  # the tokens before the sum reaches top_p, and the one reaching it
+    kept = torch.zeros_like(probs, dtype=torch.bool)
+    kept[order[:min(count, len(probs))]] = True
+    return kept & (probs > 0)  # a token of probability 0 (underflowed) is never sampled, whatever the cut
+
+
 @pytest.mark.parametrize("top_p", [0.05, 0.3, 0.5, 0.75, 0.9, 0.99, 1.0])
 def test_regeneration_samples_from_the_set_serving_samples_from(monkeypatch, top_p):
     generator = torch.Generator().manual_seed(int(top_p * 100))
@@ -84,6 +96,9 @@ def test_regeneration_samples_from_the_set_serving_samples_from(monkeypatch, top
         kept = kept_by_pick_next(monkeypatch, logits, temperature, top_p)
         serving = torch.stack([Sampling(temperature=temperature, top_p=top_p).probabilities(row) > 0 for row in logits])
         assert torch.equal(kept, serving), f"top_p {top_p}, temperature {temperature}"
+        # both share top_p_filter: held to a reference of the test's own too, which a wrong cut in it would leave
+        reference = torch.stack([nucleus(torch.softmax(row / temperature, -1), top_p) for row in logits])
+        assert torch.equal(kept, reference), f"top_p {top_p}, temperature {temperature}"
 
 
 @pytest.mark.parametrize("probs, top_p, expected", [

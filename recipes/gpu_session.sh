@@ -18,8 +18,8 @@
 #                  top-32 teacher (training/loss.py; on the CPU the teacher beat dpace at equal steps and intree added nothing
 #                  to it, docs/objectives.md; the train stage measures the recipe's decayed_ce) for
 #                  OBJ_STEPS (default 800) steps each on data/smollm2-135m, each measured on PROMPTS (default 40)
-#                  held-out prompts x 64 tokens (training/ablate.py: its table and plot come back only if all three
-#                  finish); OBJ_ARGS adds overrides. By the H200's figures (0.086 s a step, ~55 s of launch, 6.2 s per
+#                  held-out prompts x 64 tokens (training/ablate.py: its table and plot come back unless the stage's
+#                  cap stops it; a diverged variant is a row saying so); OBJ_ARGS adds overrides. By the H200's figures (0.086 s a step, ~55 s of launch, 6.2 s per
 #                  8 prompts) a variant takes ~155 s: run it alone, with LIMIT=600
 #   lookups        whether the CPU recipe's decoding defaults pay on a GPU-trained drafter (this invocation's train
 #                  stage's; without one in it, the last train stage that finished on this machine; else DRAFTER): ddtree@32 and the chain on PROMPTS (default 40) held-out prompts x 64 tokens, decoded

@@ -226,13 +226,20 @@ def find_run_checkpoint(run_dir: Path, spec: str) -> tuple[Path, str]:
 
 
 def newest_checkpoint(run_dir: Path) -> Path:
-    """The newest of a run's checkpoints (run_checkpoints): checkpoints/last.ckpt, the hpc_ckpt_N.ckpt Lightning saves on
-    SLURM's requeue signal, and the step checkpoints, all a run keeps with checkpoint.save_last false. Each is a whole
-    training state; a run folder holding any of them is refused as a new run's folder, so it must resume from one."""
+    """The newest of a run's checkpoints/last.ckpt and the hpc_ckpt_N.ckpt Lightning saves on SLURM's requeue signal;
+    without either (checkpoint.save_last false, or a save of last.ckpt cut short), its newest step checkpoint. Each is
+    a whole training state, and a run folder holding any is refused as a new run's, so it must resume from one.
+    last.ckpt first: it is written with every step checkpoint, and file times alone would rank a copied folder's
+    files by the order they were copied in."""
     saved = run_checkpoints(run_dir)
-    if not saved:
-        raise DDTreeError(f"--resume {run_dir}: the run has no checkpoint yet (none in checkpoints/, no hpc_ckpt_*.ckpt)")
-    return saved[0]
+    latest = [p for p in saved if p.name == "last.ckpt" or p.name.startswith("hpc_ckpt_")]
+    if latest or saved:
+        return (latest or saved)[0]  # run_checkpoints: newest first
+    unfinished = sorted(p.name for p in (run_dir / "checkpoints").glob("*.ckpt"))
+    if unfinished:  # a DeepSpeed folder whose first save was cut short (no `latest`, or its `saving` marker)
+        raise DDTreeError(f"--resume {run_dir}: no whole checkpoint: {', '.join(unfinished)} in checkpoints/ is a save "
+                          "cut short, with no state to continue from; start again under another --run")
+    raise DDTreeError(f"--resume {run_dir}: the run has no checkpoint yet (none in checkpoints/, no hpc_ckpt_*.ckpt)")
 
 
 def run_checkpoints(run_dir: Path) -> list[Path]:

@@ -40,8 +40,8 @@ def main(argv: list[str] | None = None) -> int:
         rank, failure = first_failure(error)
         status = exit_status(failure.exitcode)
         # Not an "error:" line: the processes printed theirs (the same one from each rank, for bad input).
-        print(f"[launch] rank {rank} failed with exit status {status} (torchrun then stopped the others); its own lines "
-              "above say why", file=sys.stderr)
+        print(f"[launch] rank {rank} failed first, with exit status {status}; its own lines above say why",
+              file=sys.stderr)
         return status
     except SignalException as error:
         print(f"[launch] stopped by {error.sigval.name}", file=sys.stderr)

@@ -129,6 +129,13 @@ def test_resume_takes_last_a_run_folder_or_a_path_and_finds_its_run(tmp_path):
     # checkpoint.save_last false: its step checkpoints are all it keeps, and its folder is refused to a new run
     stepped = make_run(root, "stepped", {"checkpoints/step-2.ckpt": 100, "checkpoints/step-4.ckpt": 200})
     assert find_resume(str(stepped), root) == (stepped / "checkpoints" / "step-4.ckpt", stepped.resolve())
+    # A copied folder's files carry their copy times: last.ckpt still leads, written with every step checkpoint.
+    copied = make_run(root, "copied", {"checkpoints/last.ckpt": 100, "checkpoints/step-8.ckpt": 200})
+    assert find_resume(str(copied), root) == (copied / "checkpoints" / "last.ckpt", copied.resolve())
+    cut = make_run(root, "cut", {})
+    (cut / "checkpoints" / "step-2.ckpt").mkdir()  # a DeepSpeed folder whose first save never finished
+    with pytest.raises(DDTreeError, match=r"no whole checkpoint: step-2.ckpt in checkpoints/ is a save cut short"):
+        find_resume(str(cut), root)
     stray = tmp_path / "elsewhere" / "x.ckpt"
     stray.parent.mkdir()
     stray.write_text("")

@@ -420,6 +420,10 @@ def cmd_calibrate(args) -> None:
     lookup, redraft, resolved = drafter_defaults("ddtree", drafter, args.lookup, args.redraft, sizer is not None, corpus)
     print(format_summary(results["summary"]))
     settled = calibration.settled()  # its temperatures averaged over the last half of the rounds
+    if not settled.log_temperatures:  # an empty file would still displace the drafter's own calibration
+        raise DDTreeError(f"ddtree calibrate: no round was verified (--max-new-tokens {args.max_new_tokens} over "
+                          f"{len(prompts)} prompts), so nothing was learned and {out} is left as it was; give more "
+                          "--max-new-tokens or prompts")
     save_calibration(out, settled, {
         "target": args.target, "dtype": str(target.dtype).removeprefix("torch."), "prompts": args.prompts,
         "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,

@@ -99,11 +99,23 @@ class CorpusLookup:
 
     def __init__(self, sequences: Iterable[list[int]], ngram: int = NGRAM, length: int = LENGTH):
         followers: dict[tuple[int, ...], list[list[int]]] = defaultdict(list)
+        self.lowest, self.highest = 0, -1  # the token ids it holds (check_vocabulary)
         for tokens in sequences:
+            if tokens:
+                self.lowest, self.highest = min(self.lowest, min(tokens)), max(self.highest, max(tokens))
             for end in range(ngram, len(tokens)):
                 followers[tuple(tokens[end - ngram:end])].append(tokens[end:end + length])
         self.ngram = ngram
         self.table = {key: majority_path(seen) for key, seen in followers.items()}
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """One line where the corpus holds ids the target has no token for (another tokenizer's replies): grafted, they
+        would index past the target's embedding mid-decode."""
+        if self.lowest < 0 or self.highest >= vocab_size:
+            bad = self.lowest if self.lowest < 0 else self.highest
+            raise DDTreeError(f"the corpus holds token id {bad}, outside the target's vocabulary of {vocab_size} ids: it "
+                              "was written with another tokenizer; give a corpus of this target's replies, or decode "
+                              "without it (ddtree: --corpus none)")
 
     def __len__(self) -> int:
         return len(self.table)

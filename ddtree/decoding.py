@@ -469,6 +469,8 @@ def generate(
         raise DDTreeError(f"budget {budget} must be at least 1")
     check_corpus(method, corpus)
     lookup, redraft, corpus = drafter_defaults(method, drafter, lookup, redraft, sizer is not None, corpus)
+    if corpus is not None:
+        corpus.check_vocabulary(target.get_output_embeddings().weight.shape[0])
     if online is None and method != "ar":
         online = getattr(drafter, "default_calibration", None)
     check_lookup(method, lookup)

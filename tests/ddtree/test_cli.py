@@ -705,6 +705,11 @@ def test_calibrate_bad_input_is_one_line_and_writes_nothing(capsys, tmp_path, ti
         assert "method 'ar' drafts none" in _bad(capsys, *command, *calibration)
     assert run_cli(capsys, "calibrate", *common, "--drafter", str(folder), "--overwrite", "--budgets", "4")[0] == 0
     assert json.loads((folder / CALIBRATION_FILE).read_text())["format_version"] == 1
+    # One new token a prompt is the target's own: no round is verified, nothing learned. It wrote an empty file
+    # (with --overwrite, over a good one), which still displaced the drafter's own calibration.
+    learned = (folder / CALIBRATION_FILE).read_text()
+    line = _bad(capsys, "calibrate", *common[:-1], "1", "--drafter", str(folder), "--overwrite", "--budgets", "4")
+    assert "no round was verified (--max-new-tokens 1" in line and (folder / CALIBRATION_FILE).read_text() == learned
 
 
 def test_a_calibration_temperature_too_large_for_a_float_is_one_line(tmp_path):

@@ -241,12 +241,14 @@ def cmd_generate(args) -> None:
         encoded = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
         prompt_ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
     generator = torch.Generator(device=target.device).manual_seed(args.seed)
+    corpus = _corpus(args, tokenizer)
+    if args.method == "ddtree":
+        note_calibration_settings(drafter, args, sizer, corpus)
     result = generate(
         target, prompt_ids, args.method, drafter, args.budget, args.max_new_tokens,
         stop_token_ids(target, tokenizer), sampling, generator, STATIC_CACHE[args.static_cache],
         learning_from(getattr(drafter, "default_calibration", None)) if args.online_calibration else None, args.lookup,
-        sizer, args.redraft,
-        _corpus(args, tokenizer),
+        sizer, args.redraft, corpus,
     )
     print(tokenizer.decode(result.new_tokens, skip_special_tokens=True))
     print(
@@ -260,6 +262,20 @@ def cmd_generate(args) -> None:
         print(f"[{args.method}] stopped at the target's context of {limit} tokens (the prompt holds "
               f"{len(prompt_ids)}), {short} short of --max-new-tokens "
               f"{args.max_new_tokens}: give a shorter prompt for a longer reply", file=sys.stderr)
+
+
+def note_calibration_settings(drafter: DrafterRunner, args, sizer, corpus) -> None:
+    """One line where the drafter's calibration file was learned with other lookups or re-drafting than ddtree decodes
+    with here: decoding stays lossless, but its expected tau and tree order are priced for another tree."""
+    calibration = drafter.default_calibration
+    if calibration is None:
+        return
+    lookup, redraft, resolved = drafter_defaults("ddtree", drafter, args.lookup, args.redraft, sizer is not None, corpus)
+    differences = calibration.differences(lookup, redraft, resolved is not None)
+    if differences:
+        print(f"[calibration] note: learned decoding with other settings ({'; '.join(differences)}): its expected tau "
+              "will be off; run `ddtree calibrate --overwrite` with these settings, or decode with --calibration none",
+              file=sys.stderr)
 
 
 def _corpus(args, tokenizer) -> CorpusLookup | bool | None:
@@ -367,6 +383,8 @@ def cmd_bench(args) -> None:
         drafter = _drafter_runner(args, target, tokenizer)
     sizer = _sizer(args, target, args.budgets)
     corpus = _corpus(args, tokenizer)
+    if drafter is not None and "ddtree" in methods:
+        note_calibration_settings(drafter, args, sizer, corpus)
     results = run_benchmark(
         target, drafter, prompts, methods, args.budgets, args.max_new_tokens,
         stop_token_ids(target, tokenizer), sampling, seed=args.seed, static=STATIC_CACHE[args.static_cache],

@@ -637,6 +637,11 @@ def test_calibrate_writes_the_folders_calibration_which_bench_uses_unless_told_n
     given = bench("--calibration", str(folder / CALIBRATION_FILE))
     assert given["summary"]["ddtree@8"]["expected_tau"] == shipped["summary"]["ddtree@8"]["expected_tau"]
     assert (folder / CALIBRATION_FILE).read_text() == json.dumps(written, indent=1)  # decoding never writes it
+    # Learned without a context lookup: decoding with one prices the grafted nodes by a table it never filled
+    quick = [*common[:-1], "4", "--methods", "ddtree", "--budgets", "8"]
+    assert "learned decoding with other settings" not in run_cli(capsys, "bench", *quick)[2]
+    code, _, err = run_cli(capsys, "bench", *quick, "--lookup", "7")
+    assert code == 0 and "[calibration] note: learned decoding with other settings (lookup 0 here 7)" in err
 
 
 @pytest.mark.parametrize("content", [

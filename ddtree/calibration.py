@@ -201,7 +201,7 @@ def load_calibration(path: Path) -> OnlineCalibration:
         if state.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"format_version {state.get('format_version')!r}, this code reads {FORMAT_VERSION}")
         calibration = OnlineCalibration.from_state(state)
-        calibration.decoded_with = state.get("decoded_with")  # what `ddtree calibrate` decoded with (check_settings)
+        calibration.decoded_with = state.get("decoded_with")  # what `ddtree calibrate` decoded with (differences)
         return calibration
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError, OverflowError) as error:
         raise DDTreeError(f"calibration file {path} cannot be read ({error}); rerun `ddtree calibrate` with "

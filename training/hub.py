@@ -84,9 +84,9 @@ def check_export_folder(folder: Path, repo: str) -> None:
     written_for = card_repo((folder / "README.md").read_text(errors="replace"))
     if written_for != repo:
         names = f"the repo {written_for}" if written_for else "no Hub repo (path/to/this/folder)"
+        elsewhere = f", or push it to {written_for}" if written_for else ""
         raise DDTreeError(f"--push-only {folder}: its card (README.md) was written for {names}, whose name its usage "
-                          f"and serve commands give; export again with --repo {repo} (REPO={repo}), or push it to "
-                          f"{written_for or 'the repo it was exported for'}")
+                          f"and serve commands give; export again with --repo {repo} (REPO={repo}){elsewhere}")
 
 
 def hub_endpoint() -> str:

@@ -115,7 +115,8 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
                              "default: the drafter's own (7 for the smollm2-135m recipe's drafter, else 0)")
     parser.add_argument("--corpus", default=None, metavar="FILE",
                         help="graft into every ddtree tree what the target's replies in this JSONL file of "
-                             "conversations (the drafter's training data, say) mostly said after the context's "
+                             "conversations (the drafter's training data, say), or in a corpus.safetensors a drafter "
+                             "folder ships, mostly said after the context's "
                              "last 3 tokens, within the budget (docs/decoding.md, Corpus lookup); none = off; default: the "
                              "corpus the drafter folder ships (the smollm2-135m recipe's drafters do), else off")
     parser.add_argument("--redraft", type=int, default=None, metavar="K",
@@ -284,7 +285,10 @@ def _corpus(args, tokenizer) -> CorpusLookup | bool | None:
     if args.corpus is None or args.corpus == "none":
         return None if args.corpus is None else False
     started = time.perf_counter()
-    corpus = CorpusLookup.from_conversations(args.corpus, tokenizer)
+    if Path(args.corpus).suffix == ".safetensors":  # token ids already, as a drafter folder ships them
+        corpus = CorpusLookup.from_file(args.corpus)
+    else:
+        corpus = CorpusLookup.from_conversations(args.corpus, tokenizer)
     print(f"[corpus] {len(corpus)} runs of {corpus.ngram} tokens from {args.corpus} in "
           f"{time.perf_counter() - started:.1f} s", file=sys.stderr)
     return corpus

@@ -67,10 +67,14 @@ def read_replies(path: str | Path) -> list[list[int]]:
 
 
 def check_corpus_file(path: str | Path) -> Path:
-    """--corpus as a Path, or one line saying why it cannot be read (checked before a target loads)."""
+    """--corpus as a Path, or one line saying why it cannot be read (checked before a target loads): a JSONL file of
+    conversations, or a corpus.safetensors as a drafter folder ships it (read here whole: a few MB)."""
     path = Path(path)
     if not path.is_file():
-        raise DDTreeError(f"--corpus {path}: no such file; give a JSONL file of conversations (docs/decoding.md, Corpus lookup)")
+        raise DDTreeError(f"--corpus {path}: no such file; give a JSONL file of conversations or a corpus.safetensors "
+                          "(docs/decoding.md, Corpus lookup)")
+    if path.suffix == ".safetensors":
+        read_replies(path)
     return path
 
 

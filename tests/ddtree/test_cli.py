@@ -367,6 +367,13 @@ def test_bench_grafts_the_corpus_a_drafter_folder_ships_unless_told_none(capsys,
     for results in (shipped, none):
         assert [prompt["methods"]["ddtree@8"]["new_tokens"] for prompt in results["prompts"]] == greedy
     assert shipped["summary"]["ddtree@8"]["tau"] > none["summary"]["ddtree@8"]["tau"] + 1
+    # The same file named with --corpus (from another folder, say): read as the token ids it holds. It was refused as
+    # a JSONL that is not UTF-8, after the target had loaded.
+    given = run("--methods", "ddtree", "--corpus", str(folder / CORPUS_FILE))
+    assert given["summary"]["ddtree@8"]["tau"] == shipped["summary"]["ddtree@8"]["tau"]
+    (tmp_path / "cut.safetensors").write_bytes((folder / CORPUS_FILE).read_bytes()[:-3])
+    assert "is unreadable or not a corpus" in _bad(capsys, *bench, "--methods", "ddtree", "--corpus",
+                                                   str(tmp_path / "cut.safetensors"))
 
 
 def test_truncated_drafter_weights(capsys, tmp_path, tiny_target):

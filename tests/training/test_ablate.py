@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -104,7 +105,7 @@ def test_a_stopped_variant_is_a_row_the_others_still_compare_and_unequal_data_is
 
     def fake_train(argv: list[str]) -> int:  # what a finished run leaves that the table reads
         launched.append(argv)
-        run = tmp_path / "tiny" / argv[argv.index("--run-name") + 1]
+        run = Path(argv[argv.index("--output-root") + 1]) / "tiny" / argv[argv.index("--run-name") + 1]
         if run.name.endswith("-boom"):
             return 1  # diverged: the comparison used to end here, with no table for the variants before it
         (run / "eval").mkdir(parents=True)
@@ -129,7 +130,8 @@ def test_a_stopped_variant_is_a_row_the_others_still_compare_and_unequal_data_is
     assert plot(results) is not None  # a stopped variant has no bars: nothing drawn at 0
 
     launched.clear()  # --minutes alone: a variant the clock cuts anneals by it
-    main(["--recipe", "tiny", "--minutes", "2", "--output-root", str(tmp_path), "--variant", "a="])
+    main(["--recipe", "tiny", "--minutes", "2", "--output-root", str(tmp_path / "minutes"), "--variant", "a="])  # (a
+    # launch within the same second would take the first one's run folder names)
     assert "--model.anneal_by_max_time=true" in launched[0] and "--trainer.max_time=null" not in launched[0]
 
 

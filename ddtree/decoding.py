@@ -202,7 +202,7 @@ class DrafterRunner:
         Later generations that fit reuse it, graphs and all (as static_target does for the target)."""
         fixed, storage = self._fixed, storage_key(self.drafter, self.embedding, self.lm_head)
         if (fixed is None or fixed.capacity < capacity or fixed.requested != cuda_graph
-                or fixed.dtype != self.drafter.dtype or fixed.storage != storage):  # cast or moved since: new buffers
+                or fixed.storage != storage):  # weights cast or moved since (a cast moves them): new buffers
             self._fixed = None  # its buffers go before the new ones are allocated
             fixed = self._fixed = StaticDrafter(self, padded_capacity(capacity), cuda_graph)
             fixed.storage = storage

@@ -322,11 +322,12 @@ def main(argv: list[str] | None = None) -> int:
             created = new_folders(run_dir)  # none: the failure path removes only what this launch wrote
             # On every process: one that skipped the check would wait in the rendezvous rank 0 left and die in a
             # network error's traceback. No checkpoint of this launch can exist yet (saving needs every process).
-            if (run_dir / "config.yaml").exists() and has_checkpoint(run_dir):
-                raise DDTreeError(f"run folder {run_dir} already holds a run; pick another --run or use --resume")
-            if is_first_process() and (run_dir / "config.yaml").exists():
-                # stopped before its first checkpoint, whose line said to start it again: nothing there to resume
-                print(f"[train] {run_dir} holds a run stopped before its first checkpoint: starting it again", flush=True)
+            if (run_dir / "config.yaml").exists():
+                if has_checkpoint(run_dir):
+                    raise DDTreeError(f"run folder {run_dir} already holds a run; pick another --run or use --resume")
+                if is_first_process():  # stopped before its first checkpoint, whose line said to start it again
+                    print(f"[train] {run_dir} holds a run stopped before its first checkpoint: starting it again",
+                          flush=True)
         cli = build_cli(config, run_dir, overrides)
         if checkpoint and is_deepspeed_checkpoint(checkpoint) and not is_deepspeed(cli.trainer.strategy):
             # Lightning would torch.load the folder: an IsADirectoryError traceback

@@ -57,7 +57,7 @@ from training.module import DistillModule, NonFiniteError
 from training.recipe import (DistillCLI, check_checkpoint_settings, check_recipe_name, config_arg, known_recipes,
                              parser_overrides, recipe_errors, recipe_path)
 from training.recipe_data import prepare_recipe_data
-from training.strategies import drafter_for_export, is_deepspeed, is_first_process, launcher_world
+from training.strategies import drafter_for_export, end_process_group, is_deepspeed, is_first_process, launcher_world
 from training.target import dtype_for_precision
 
 DEFAULT_RECIPE = "smollm2-135m"  # the CPU default
@@ -385,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
                     fix = "--trainer.max_time (or --trainer.max_epochs)"
                 print(f"[train] {run_dir} {why}: nothing trained, its drafter/ kept; raise {fix} to train further",
                       flush=True)
+            end_process_group()
             return 0
         drafter = drafter_for_export(cli.model, cli.trainer)  # every rank: DeepSpeed gathers the fp32 weights
         non_finite = non_finite_tensors(drafter)
@@ -395,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
             write_text_atomic(run_dir / DATA_RECORD, json.dumps(cli.datamodule.record(), indent=1) + "\n")
             drafter_dir = export_drafter(drafter, run_dir / "drafter", run_corpus(run_dir))
             print(f"[train] drafter written to {drafter_dir} (ddtree bench --drafter {drafter_dir})", flush=True)
+        end_process_group()
         return 0
     except NonFiniteError as error:  # not bad input: the run itself failed
         print(f"error: {error}; {finite_checkpoint_line(run_dir)}", file=sys.stderr)

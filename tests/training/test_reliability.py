@@ -376,6 +376,23 @@ def test_resuming_a_finished_run_says_so_and_keeps_its_drafter(tmp_path, capsys)
             "its drafter/ kept; raise --trainer.max_time (or --trainer.max_epochs)") in capsys.readouterr().out
 
 
+def test_a_finished_distributed_run_closes_its_process_group(tmp_path):
+    """Left to the interpreter's exit, a finished ZeRO-2 rank once aborted there (exit 134, "terminate called without
+    an active exception", in a full `make test`), and NCCL warns on every rank. One process under `ddp` opens a group
+    here too: both ends of a run that finished (trained, and a resume with nothing left to train) close it."""
+    args = [*tiny_args(tmp_path, "ddp", max_steps=2), "--trainer.strategy=ddp", "--trainer.devices=1"]
+    try:
+        assert train_main(args) == 0
+        assert not torch.distributed.is_initialized()
+        resume = ["--output-root", str(tmp_path / "out"), "--resume", str(tmp_path / "out" / "tiny" / "ddp"),
+                  "--trainer.enable_progress_bar=false"]
+        assert train_main(resume) == 0
+        assert not torch.distributed.is_initialized()
+    finally:  # a failure above must not leave a group behind for this worker's other tests
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
 @pytest.mark.parametrize("override, named", [
     ("--trainer.max_steps=-5", "trainer.max_steps=-5"),
     ("--trainer.max_steps=0", "trainer.max_steps=0"),  # it exported an untrained drafter, exit 0

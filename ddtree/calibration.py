@@ -13,10 +13,12 @@ file and writes the result into the drafter folder, where `generate` and `bench`
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from pathlib import Path
 
+from .corpus import CORPUS_FILE
 from .errors import DDTreeError
 from .files import write_json_atomic
 
@@ -48,6 +50,7 @@ class OnlineCalibration:
     RATE = 0.01
     LOG_LIMIT = 2.0  # temperatures stay within e^-2 .. e^2
     decoded_with: dict | None = None  # a calibration file's lookup, redraft and corpus (load_calibration)
+    weights: str | None = None  # the fingerprint of the weights a calibration file was learned on (load_calibration)
 
     def differences(self, lookup: int, redraft: int, corpus: bool) -> list[str]:
         """How decoding with these settings differs from those the file was learned with: its graft tables and
@@ -189,6 +192,27 @@ def learning_from(shipped: OnlineCalibration | None) -> OnlineCalibration:
     return shipped.copy() if shipped is not None else OnlineCalibration()
 
 
+def weights_fingerprint(folder: Path, samples: int = 16, chunk: int = 1 << 16) -> str | None:
+    """A short hash of a drafter folder's weight files, to tell whether a calibration file was learned on them.
+
+    Each file's name and size and `samples` evenly spaced chunks of it (the first holds a safetensors header: the
+    names and shapes): 1 MiB read a file, whatever the drafter's size, and training moves every weight, so retrained
+    weights copied into the folder change it. None for a folder without weight files."""
+    files = sorted(path for pattern in ("*.safetensors", "*.bin") for path in Path(folder).glob(pattern)
+                   if path.name != CORPUS_FILE)
+    if not files:
+        return None
+    digest = hashlib.sha256()
+    for path in files:
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}:".encode())
+        with path.open("rb") as f:
+            for i in range(samples):
+                f.seek(i * max(size - chunk, 0) // (samples - 1))
+                digest.update(f.read(chunk))
+    return digest.hexdigest()[:16]
+
+
 def save_calibration(path: Path, calibration: OnlineCalibration, facts: dict) -> None:
     """calibration.json: what it learned, and `facts` (the prompts, the settings, what it measured) beside it."""
     write_json_atomic(path, {"format_version": FORMAT_VERSION, **calibration.state(), **facts})
@@ -202,6 +226,7 @@ def load_calibration(path: Path) -> OnlineCalibration:
             raise ValueError(f"format_version {state.get('format_version')!r}, this code reads {FORMAT_VERSION}")
         calibration = OnlineCalibration.from_state(state)
         calibration.decoded_with = state.get("decoded_with")  # what `ddtree calibrate` decoded with (differences)
+        calibration.weights = state.get("weights")  # the fingerprint of the weights it was learned on
         return calibration
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError, OverflowError) as error:
         raise DDTreeError(f"calibration file {path} cannot be read ({error}); rerun `ddtree calibrate` with "

@@ -28,7 +28,7 @@ from .bench import (
     compare_packed_verify_cost, format_summary, load_prompts, measure_verify_cost, method_keys, read_prompts,
     run_benchmark,
 )
-from .calibration import CALIBRATION_FILE, learning_from, load_calibration, save_calibration
+from .calibration import CALIBRATION_FILE, learning_from, load_calibration, save_calibration, weights_fingerprint
 from .corpus import CORPUS_FILE, CorpusLookup, check_corpus_file
 from .drafters import load_drafter_folder, read_drafter_config
 from .decoding import (
@@ -355,6 +355,10 @@ def _calibration(args) -> OnlineCalibration | None | bool:
     calibration = load_calibration(path)
     print(f"[calibration] {path}: draft temperature {calibration.describe()}"
           f"{' (--calibration none leaves it out)' if given is None else ''}", file=sys.stderr)
+    if args.drafter != "random" and calibration.weights not in (None, weights_fingerprint(Path(args.drafter))):
+        print(f"[calibration] note: {path} was learned on other weights than {args.drafter} holds now: its expected tau "
+              "and tree order are another drafter's; run `ddtree calibrate --overwrite` on this one, or decode with "
+              "--calibration none", file=sys.stderr)
     return calibration
 
 
@@ -450,6 +454,7 @@ def cmd_calibrate(args) -> None:
         "target": args.target, "dtype": str(target.dtype).removeprefix("torch."), "prompts": args.prompts,
         "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
         "decoded_with": {"lookup": lookup, "redraft": redraft, "corpus": resolved is not None},
+        "weights": weights_fingerprint(Path(args.drafter)),  # a folder given other weights since then is told so
         "temperatures_at_the_end": calibration.state()["temperatures"],  # the last step's, not kept
         # expected against measured while it learned, the first rounds (before it settled) included
         "while_learning": {key: {"tau": stats["tau"], "expected_tau": stats["expected_tau"]}

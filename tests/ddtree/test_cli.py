@@ -649,6 +649,13 @@ def test_calibrate_writes_the_folders_calibration_which_bench_uses_unless_told_n
     assert "learned decoding with other settings" not in run_cli(capsys, "bench", *quick)[2]
     code, _, err = run_cli(capsys, "bench", *quick, "--lookup", "7")
     assert code == 0 and "[calibration] note: learned decoding with other settings (lookup 0 here 7)" in err
+    # Other weights copied into the folder since (found in a review): its temperatures are another drafter's
+    assert "learned on other weights" not in err and written["weights"] is not None
+    torch.manual_seed(1)
+    tiny_drafter_folder(tiny_target, folder)  # the same names and shapes, other values
+    code, _, err = run_cli(capsys, "bench", *quick)
+    assert code == 0 and (f"[calibration] note: {folder / CALIBRATION_FILE} was learned on other weights than "
+                          f"{folder} holds now") in err
 
 
 @pytest.mark.parametrize("content", [

@@ -428,7 +428,8 @@ def cmd_calibrate(args) -> None:
     if args.calibration is not None or args.online_calibration:
         raise DDTreeError("ddtree calibrate always learns from a fresh start: drop --calibration and --online-calibration")
     out = Path(args.drafter) / CALIBRATION_FILE
-    if out.exists() and not args.overwrite:
+    existed = out.exists()
+    if existed and not args.overwrite:
         raise DDTreeError(f"{out} exists and decoding uses it by default; pass --overwrite to replace it")
     if Path(args.drafter).is_dir():  # (a missing folder is named by the drafter's own check)
         check_output_file(out, "--drafter")  # a read-only drafter folder: said now, not after every prompt is decoded
@@ -450,6 +451,10 @@ def cmd_calibrate(args) -> None:
         raise DDTreeError(f"ddtree calibrate: no round was verified (--max-new-tokens {args.max_new_tokens} over "
                           f"{len(prompts)} prompts), so nothing was learned and {out} is left as it was; give more "
                           "--max-new-tokens or prompts")
+    if out.exists() and not existed:  # another calibrate run on this folder, started beside this one, finished first
+        raise DDTreeError(f"ddtree calibrate: {out} was written by another run while this one decoded, so it is left as "
+                          f"it is (learned here: draft temperature {settled.describe()}); rerun with --overwrite to "
+                          "replace it")
     save_calibration(out, settled, {
         "target": args.target, "dtype": str(target.dtype).removeprefix("torch."), "prompts": args.prompts,
         "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,

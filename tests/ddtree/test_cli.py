@@ -658,6 +658,29 @@ def test_calibrate_writes_the_folders_calibration_which_bench_uses_unless_told_n
                           f"{folder} holds now") in err
 
 
+def test_calibrate_leaves_a_file_another_run_wrote_while_it_decoded(capsys, tmp_path, tiny_target, prompts_file,
+                                                                     monkeypatch):
+    """Two calibrate runs started together on one folder both passed the check at the start, and the second to finish
+    replaced the first's file (found in a review): without --overwrite, nothing is replaced."""
+    import ddtree.cli
+    from ddtree.calibration import CALIBRATION_FILE
+
+    folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
+    theirs = '{"format_version": 1, "temperatures": {"8": 1.5}, "graft_acceptance": {}}'
+    decode = ddtree.cli.run_benchmark
+
+    def the_other_run_finishes_first(*args, **kwargs):
+        (folder / CALIBRATION_FILE).write_text(theirs)
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(ddtree.cli, "run_benchmark", the_other_run_finishes_first)
+    code, _, err = run_cli(capsys, "calibrate", "--target", TARGET, "--drafter", str(folder), "--prompts",
+                           str(prompts_file), "--dtype", "float32", "--max-new-tokens", "8", "--budgets", "8")
+    assert code == 2 and (f"error: ddtree calibrate: {folder / CALIBRATION_FILE} was written by another run while this "
+                          "one decoded, so it is left as it is (learned here: draft temperature ") in err
+    assert (folder / CALIBRATION_FILE).read_text() == theirs
+
+
 @pytest.mark.parametrize("content", [
     '{"format_version": 1, "temperatures": {"8": 1.1}, "graft_acceptance": {"context": {"1": [Infinity, 5]}}}',
     '{"format_version": 1, "temperatures": {"8": true}, "graft_acceptance": {}}',

@@ -227,8 +227,9 @@ def end_process_group() -> None:
     Lightning leaves the group that DeepSpeed opens to the interpreter's own exit, where torch tears its threads
     down in no fixed order: on the CPU (gloo) a ZeRO-2 rank whose run had finished once aborted there with
     "terminate called without an active exception" (exit 134 for a finished run, while rank 0 was still exporting),
-    and on GPUs torch warns on every rank that NCCL's group was never destroyed. Only after a run that finished: a
-    rank that failed may leave others inside a collective, where closing the group can wait on them for good.
+    and on GPUs torch warns on every rank that NCCL's group was never destroyed. Every rank calls it at the same point,
+    after the last collective: closing an NCCL group waits for the other ranks to close it too. Only after a run that
+    finished: a rank that failed may leave others inside a collective, where closing would wait on them for good.
     """
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

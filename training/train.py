@@ -392,11 +392,11 @@ def main(argv: list[str] | None = None) -> int:
         if non_finite:  # the last update blew the weights up: no next step's loss to show it, and no export of noise
             raise NonFiniteError(f"training ended at step {cli.trainer.global_step} with {non_finite} of the drafter's "
                                  "parameter tensors holding NaN or inf: no drafter exported")
+        end_process_group()  # here, where every rank is: under NCCL closing waits for the others, and an export can fail
         if cli.trainer.is_global_zero:
             write_text_atomic(run_dir / DATA_RECORD, json.dumps(cli.datamodule.record(), indent=1) + "\n")
             drafter_dir = export_drafter(drafter, run_dir / "drafter", run_corpus(run_dir))
             print(f"[train] drafter written to {drafter_dir} (ddtree bench --drafter {drafter_dir})", flush=True)
-        end_process_group()
         return 0
     except NonFiniteError as error:  # not bad input: the run itself failed
         print(f"error: {error}; {finite_checkpoint_line(run_dir)}", file=sys.stderr)

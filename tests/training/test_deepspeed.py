@@ -132,7 +132,7 @@ def launch_environment(tmp: Path, processes: int, run: str) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", GPUS_PER_NODE=str(processes), RUN_NAME=run)
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])  # for the Probe
     env["TORCH_EXTENSIONS_DIR"] = str(tmp / "torch_extensions")  # empty: an op built here would show
-    for name in (*TORCHRUN_ENV, *SLURM_ENV, "MASTER_ADDR", "NODE_RANK", "DDTREE_TEST_FREEZE_AT"):
+    for name in (*TORCHRUN_ENV, *SLURM_ENV, "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "DDTREE_TEST_FREEZE_AT"):
         env.pop(name, None)
     return env
 

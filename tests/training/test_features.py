@@ -650,7 +650,8 @@ def test_auto_store_is_the_recipes_cache_folder_built_on_first_use(tmp_path, mon
     assert not FeatureStore(expected).final_hidden
     assert FeatureStore(expected.with_name(expected.name + "-final")).final_hidden
     with pytest.raises(DDTreeError, match="auto"):  # outside training.train there is no recipe to resolve it with
-        DistillDataModule(target="tiny-random", data_path=str(data), feature_store="auto").setup()
+        DistillDataModule(target="tiny-random", data_path=str(data), feature_store="auto",
+                          cache_dir=str(tmp_path / "cache")).setup()  # it tokenizes first: not into the real cache
 
 
 @pytest.mark.parametrize("flags, named", [

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -382,12 +383,13 @@ def test_a_finished_distributed_run_closes_its_process_group(tmp_path):
     here too: both ends of a run that finished (trained, and a resume with nothing left to train) close it."""
     args = [*tiny_args(tmp_path, "ddp", max_steps=2), "--trainer.strategy=ddp", "--trainer.devices=1"]
     try:
-        assert train_main(args) == 0
-        assert not torch.distributed.is_initialized()
-        resume = ["--output-root", str(tmp_path / "out"), "--resume", str(tmp_path / "out" / "tiny" / "ddp"),
-                  "--trainer.enable_progress_bar=false"]
-        assert train_main(resume) == 0
-        assert not torch.distributed.is_initialized()
+        with mock.patch.dict(os.environ):  # Lightning sets LOCAL_RANK, MASTER_PORT, ...: not for this worker's next tests
+            assert train_main(args) == 0
+            assert not torch.distributed.is_initialized()
+            resume = ["--output-root", str(tmp_path / "out"), "--resume", str(tmp_path / "out" / "tiny" / "ddp"),
+                      "--trainer.enable_progress_bar=false"]
+            assert train_main(resume) == 0
+            assert not torch.distributed.is_initialized()
     finally:  # a failure above must not leave a group behind for this worker's other tests
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

@@ -493,7 +493,8 @@ class AcceptanceEvaluation(L.Callback):
                 pl_module.log(name, value, logger=False, prog_bar=name == self.monitor, batch_size=1)
         # Whether this step competes for best.ckpt: every one on the grid; a stop's where BestCheckpoint saves it.
         best = [c for c in trainer.checkpoint_callbacks if isinstance(c, BestCheckpoint)]
-        checkpointed = logged and (not stop or bool(best)) and not any(c.save_top_k == 0 for c in best)  # 0: last.ckpt only
+        checkpointed = (logged and (not stop or bool(best)) and not any(c.save_top_k == 0 for c in best)  # 0: last only
+                        and not trainer.fast_dev_run)  # BestCheckpoint saves nothing then
 
         scalar = lambda name: float(trainer.callback_metrics[name]) if name in trainer.callback_metrics else None  # noqa: E731
         self.history.append(

@@ -171,11 +171,11 @@ def plot_tau(history: list[dict], settings: dict) -> Figure:
         measured = [r["summary"].get(key, missing)["tau"] for r in history]
         expected = [r["summary"].get(key, missing)["expected_tau"] for r in history]
         axes.plot(steps, measured, "o-", color=f"C{i}", label=f"DDTree, budget {budget}")
-        axes.plot(steps, expected, ":", color=f"C{i}", alpha=0.8)
+        axes.plot(steps, expected, ".:", color=f"C{i}", alpha=0.8)  # a point with no neighbour is a dot, not nothing
         values += measured + expected
     chain = [r["summary"][CHAIN]["tau"] for r in history]
     axes.plot(steps, chain, "s--", color="black", label="DFlash chain")
-    axes.plot([], [], ":", color="grey", label="dotted: expected by the drafter")
+    axes.plot([], [], ".:", color="grey", label="dotted: expected by the drafter")
     best = best_record(history, primary)
     if best is not None and not best.get("non_finite_tensors"):
         axes.plot([best["step"]], [best["summary"][tree_key(primary)]["tau"]], "*", color="gold", markersize=16,

@@ -564,6 +564,31 @@ def test_a_budget_added_on_a_resume_is_a_dash_and_a_gap_in_the_rows_before_it(tm
     assert (tmp_path / "tau.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_fast_dev_run_report_names_no_checkpoint_it_did_not_save(tmp_path):
+    """Under --trainer.fast_dev_run BestCheckpoint saves nothing, and the report named a best.ckpt that was never
+    written (found in a review)."""
+    evaluation = CannedEvaluation({1: {8: 2.0}}, every_n_train_steps=2, budgets=[8], primary_budget=8)
+    best = BestCheckpoint(dirpath=tmp_path / "checkpoints", monitor=monitor_metric(8), every_n_train_steps=2)
+    torch.manual_seed(0)
+    trainer = L.Trainer(fast_dev_run=True, accelerator="cpu", default_root_dir=tmp_path, logger=False,
+                        callbacks=[evaluation, best], enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(tiny_module(), train_dataloaders=synthetic_loader(3))
+    assert not (tmp_path / "checkpoints" / "best.ckpt").exists()
+    assert not evaluation.history[0]["checkpointed"] and "best.ckpt" not in (tmp_path / "report.md").read_text()
+
+
+def test_the_plot_shows_an_expected_tau_that_has_no_neighbour():
+    """A dotted line without markers draws nothing for a lone point: a run's single evaluation, or the points beside
+    a step whose weights were not finite, lost the expected tau the legend promises (found in a review)."""
+    stats = {"tau": 2.0, "expected_tau": 1.7, "rounds": 1, "accepted_depth_counts": {}}
+    record = {"step": 2, "train_loss": None, "val_loss": None, "seconds": 0.0, "checkpointed": True,
+              "summary": {CHAIN: stats, tree_key(8): stats}}
+    settings = dict(prompts=PROMPTS, num_prompts=1, max_new_tokens=4, budgets=[8], primary_budget=8, block_size=BLOCK)
+    axes = training.report.plot_tau([record], settings).axes[0]
+    (expected,) = [line for line in axes.get_lines() if list(line.get_ydata()) == [1.7]]
+    assert expected.get_marker() not in ("None", "", " ", None) and expected.get_markersize() > 0
+
+
 def test_the_report_says_why_a_tree_with_lookups_measures_above_its_expected_tau():
     """The CPU recipe's report read tau@32 3.08 (expected 2.36) beside "far above the measurement means an
     over-confident drafter": the lookups' nodes count by the drafter's probabilities, which say nothing of them."""

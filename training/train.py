@@ -396,7 +396,8 @@ def main(argv: list[str] | None = None) -> int:
         if cli.trainer.is_global_zero:
             write_text_atomic(run_dir / DATA_RECORD, json.dumps(cli.datamodule.record(), indent=1) + "\n")
             drafter_dir = export_drafter(drafter, run_dir / "drafter", run_corpus(run_dir))
-            print(f"[train] drafter written to {drafter_dir} (ddtree bench --drafter {drafter_dir})", flush=True)
+            print(f"[train] drafter written to {drafter_dir}: the last step's weights (ddtree bench --drafter "
+                  f"{drafter_dir}; make export takes the best checkpoint by default)", flush=True)
         return 0
     except NonFiniteError as error:  # not bad input: the run itself failed
         print(f"error: {error}; {finite_checkpoint_line(run_dir)}", file=sys.stderr)

@@ -355,7 +355,8 @@ def _calibration(args) -> OnlineCalibration | None | bool:
     calibration = load_calibration(path)
     print(f"[calibration] {path}: draft temperature {calibration.describe()}"
           f"{' (--calibration none leaves it out)' if given is None else ''}", file=sys.stderr)
-    if args.drafter != "random" and calibration.weights not in (None, weights_fingerprint(Path(args.drafter))):
+    if (args.drafter != "random" and calibration.weights is not None  # (a file written before it kept them: no read)
+            and calibration.weights != weights_fingerprint(Path(args.drafter))):
         print(f"[calibration] note: {path} was learned on other weights than {args.drafter} holds now: its expected tau "
               "and tree order are another drafter's; run `ddtree calibrate --overwrite` on this one, or decode with "
               "--calibration none", file=sys.stderr)

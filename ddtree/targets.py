@@ -11,6 +11,7 @@ a Hub id (for machines with internet).
 from __future__ import annotations
 
 import errno
+import functools
 import importlib.util
 import os
 import re
@@ -236,13 +237,40 @@ def mask_token_id_for(name_or_path: str, tokenizer: PreTrainedTokenizerBase) -> 
     return None if spec is None else tokenizer.convert_tokens_to_ids(spec.mask_token)
 
 
+# Files whose change does not change a folder's tokenizer (the shared tokenizer's key leaves them out).
+_WEIGHT_SUFFIXES = {".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack"}
+
+
+def _folder_state(source: str) -> tuple:
+    """Name, size and modification time of each non-weight file of a local folder; () for a Hub id."""
+    path = Path(source)
+    if not path.is_dir():
+        return ()
+    return tuple(sorted((entry.name, entry.stat().st_size, entry.stat().st_mtime_ns) for entry in path.iterdir()
+                        if entry.is_file() and entry.suffix not in _WEIGHT_SUFFIXES))
+
+
+@functools.lru_cache(maxsize=8)
+def _tokenizer_for(source: str, folder_state: tuple) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(source)
+
+
+def load_tokenizer(name_or_path: str, source: str | None = None) -> PreTrainedTokenizerBase:
+    """The target's tokenizer, loaded once per process and folder state and then shared: callers read it and
+    never change it. A training launch asked for it four times (data, tokenization key, evaluation, target), at
+    0.3-0.6 s each on the 2-core EPYC; a folder whose tokenizer files change on disk is read again.
+    `source` is resolve_target(name_or_path) where the caller has it already."""
+    source = resolve_target(name_or_path) if source is None else source
+    return _tokenizer_for(source, _folder_state(source))
+
+
 def load_target(
     name_or_path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a frozen target in eval mode with SDPA attention (needed for the tree's 4-D masks)."""
     source = resolve_target(name_or_path)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
+        tokenizer = load_tokenizer(name_or_path, source)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
     except OSError as error:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

@@ -62,7 +62,7 @@ import torch
 from lightning.pytorch.callbacks import Checkpoint, Timer
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import nn
-from transformers import AutoTokenizer, PreTrainedModel
+from transformers import PreTrainedModel
 
 from ddtree.bench import CHAIN, acceptance_summary, load_prompts, run_benchmark, tree_key
 from ddtree.corpus import CorpusLookup
@@ -70,7 +70,7 @@ from ddtree.decoding import DrafterRunner, Sampling
 from ddtree.errors import DDTreeError
 from ddtree.files import write_json_atomic
 from ddtree.packed_linear import PACKED_KERNELS, apply_packing, cannot_pack, pack_linears, unpack_linears
-from ddtree.targets import resolve_target, stop_token_ids
+from ddtree.targets import load_tokenizer, stop_token_ids
 
 from . import report
 from .checkpoints import AtomicCheckpointIO, non_finite_tensors
@@ -330,7 +330,7 @@ class AcceptanceEvaluation(L.Callback):
         if stage != "fit" or self.prompts is not None:
             return
         # Read the prompts now, so a bad file stops the run before training, not after the first N steps.
-        tokenizer = AutoTokenizer.from_pretrained(resolve_target(pl_module.hparams.target))
+        tokenizer = load_tokenizer(pl_module.hparams.target)  # the target's own, shared: read, never changed
         self.prompts = self.load_prompts(tokenizer)
         self.tokenizer = tokenizer
         if pl_module.hparams.get("corpus"):  # the replies the export ships (training/train.py), decoded with here too

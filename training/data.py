@@ -332,11 +332,9 @@ class DistillDataModule(L.LightningDataModule):
         self.data_digest: str | None = None  # the tokenized data's (set in setup; a resume must find the same)
 
     def load_tokenizer(self):
-        from transformers import AutoTokenizer
+        from ddtree.targets import load_tokenizer
 
-        from ddtree.targets import resolve_target
-
-        return AutoTokenizer.from_pretrained(resolve_target(self.target))
+        return load_tokenizer(self.target)  # shared: read, never changed
 
     def cache_path(self, tokenizer) -> Path:
         if self.data_path == AUTO_DATA:

@@ -153,3 +153,24 @@ def test_a_drafter_config_field_given_as_a_string_is_one_line(tmp_path, tiny_tar
     with pytest.raises(DDTreeError) as error:
         load_drafter_folder(folder, torch.float32, target)
     assert str(error.value) == (f"drafter {folder}: {named}; write it in config.json as JSON numbers, without quotes")
+
+
+def test_a_folders_tokenizer_is_loaded_once_and_again_when_its_files_change(tmp_path):
+    """A training launch asked for the target's tokenizer four times; each asks now gets the one loaded object,
+    until a tokenizer file of the folder changes on disk. The weights are no part of it."""
+    source = Path(resolve_target("tiny-random"))
+    folder = tmp_path / "target"
+    folder.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (folder / name).write_bytes((source / name).read_bytes())
+    first = ddtree.targets.load_tokenizer(str(folder))
+    assert ddtree.targets.load_tokenizer(str(folder)) is first
+    (folder / "model.safetensors").write_bytes(b"weights written later do not change the tokenizer")
+    assert ddtree.targets.load_tokenizer(str(folder)) is first
+    template = folder / "chat_template.jinja"
+    template.write_text("{% for message in messages %}[{{ message['content'] }}]{% endfor %}")
+    changed = ddtree.targets.load_tokenizer(str(folder))
+    assert changed is not first
+    messages = [{"role": "user", "content": "hi"}]
+    assert changed.apply_chat_template(messages, tokenize=False) == "[hi]"
+    assert first.apply_chat_template(messages, tokenize=False) != "[hi]"

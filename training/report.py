@@ -83,9 +83,26 @@ def _number(value, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def primary_digits(history: list[dict], primary_budget: int, best: dict | None) -> int:
+    """Decimals for the primary tau: 3, or as many as tell the best checkpoint's from every other checkpointed step's
+    that differs from it. At 3 a tau a hair below the best's printed equal to it, and the report then seemed to mark
+    the earlier of two equal steps best, against the latest-wins rule it states."""
+    if best is None or best.get("non_finite_tensors"):
+        return 3
+    value = primary_score(best, primary_budget)
+    others = [primary_score(record, primary_budget) for record in history
+              if record["checkpointed"] and record is not best and not record.get("non_finite_tensors")
+              and tree_key(primary_budget) in record["summary"]]
+    for digits in range(3, 7):
+        if all(f"{other:.{digits}f}" != f"{value:.{digits}f}" for other in others if other != value):
+            return digits
+    return 7
+
+
 def markdown_report(run_name: str, history: list[dict], settings: dict, eval_seconds: float, launch_seconds: float) -> str:
     budgets, primary = settings["budgets"], settings["primary_budget"]
     best = best_record(history, primary)
+    digits = primary_digits(history, primary, best)
     lines = [
         f"# Acceptance during training: {run_name}",
         "",
@@ -115,7 +132,7 @@ def markdown_report(run_name: str, history: list[dict], settings: dict, eval_sec
     elif best is not None:
         lines += [
             f"**Best checkpoint by tau@{primary}: step {best['step']}** "
-            f"(tau {best['summary'][tree_key(primary)]['tau']:.3f}; `checkpoints/best.ckpt` links to it).",
+            f"(tau {best['summary'][tree_key(primary)]['tau']:.{digits}f}; `checkpoints/best.ckpt` links to it).",
             "",
         ]
     header = ["step", "train loss", "val loss", *[f"tau@{b} (expected)" for b in budgets], "chain tau", "eval s"]
@@ -134,7 +151,8 @@ def markdown_report(run_name: str, history: list[dict], settings: dict, eval_sec
         else:
             for b in budgets:  # a budget added on a resume: the rows before it did not measure it
                 stats = summary.get(tree_key(b))
-                cells.append("-" if stats is None else f"{stats['tau']:.3f} ({stats['expected_tau']:.2f})")
+                places = digits if b == primary else 3
+                cells.append("-" if stats is None else f"{stats['tau']:.{places}f} ({stats['expected_tau']:.2f})")
             cells.append(f"{summary[CHAIN]['tau']:.3f}")
         cells.append(f"{record['seconds']:.1f}")
         lines.append("| " + " | ".join(cells) + " |")

@@ -549,6 +549,24 @@ def test_the_report_ranks_an_unmeasured_step_below_every_measured_one_as_best_ck
     assert "step 2**, though nothing was measured" in only_unmeasured  # best.ckpt links to it, ranked last of one
 
 
+def test_the_report_prints_as_many_decimals_as_tell_the_best_tau_from_a_near_tie():
+    """At 3 decimals step 2's 2.8504 and step 4's 2.8501 both read 2.850, and the report marked the earlier step best
+    beside its own rule that the latest of equals wins (left alone in a review, 2026-11-30)."""
+    def record(step, tau):
+        stats = {"tau": tau, "expected_tau": 2.5, "rounds": 1, "accepted_depth_counts": {}}
+        return {"step": step, "train_loss": None, "val_loss": None, "seconds": 0.0, "checkpointed": True,
+                "summary": {CHAIN: {**stats, "tau": 1.5}, tree_key(8): stats, tree_key(32): stats}}
+
+    settings = dict(prompts=PROMPTS, num_prompts=1, max_new_tokens=4, budgets=[8, 32], primary_budget=8, block_size=BLOCK)
+    report = training.report.markdown_report("run", [record(2, 2.8504), record(4, 2.8501)], settings, 0.0, 1.0)
+    assert "step 2** (tau 2.8504;" in report
+    assert "| **2** (best) | - | - | 2.8504 (2.50) | 2.850 (2.50) | 1.500 | 0.0 |" in report  # tau@32 is not ranked
+    assert "| 4 | - | - | 2.8501 (2.50) | 2.850 (2.50) | 1.500 | 0.0 |" in report
+    plain = training.report.markdown_report("run", [record(2, 2.0), record(4, 2.8501), record(6, 2.8501)], settings,
+                                            0.0, 1.0)
+    assert "step 6** (tau 2.850;" in plain and "| 4 | - | - | 2.850 (2.50) |" in plain  # a true tie: the latest
+
+
 def test_a_budget_added_on_a_resume_is_a_dash_and_a_gap_in_the_rows_before_it(tmp_path):
     """--eval.budgets=[4,8,32] on a resume crashed the first evaluation with KeyError 'ddtree@32' (losing the steps
     since the last checkpoint), and config.yaml kept the budgets, so every later plain --resume crashed too."""

@@ -18,11 +18,10 @@ import json
 import math
 from pathlib import Path
 
-from .corpus import CORPUS_FILE
 from .errors import DDTreeError
 from .files import write_json_atomic
+from .names import CALIBRATION_FILE, CORPUS_FILE  # noqa: F401 (CALIBRATION_FILE: importers read it from here too)
 
-CALIBRATION_FILE = "calibration.json"
 FORMAT_VERSION = 1
 CHAIN = "chain"  # the chain's temperature in the file; a ddtree budget is written as its number
 

@@ -16,7 +16,6 @@ prints one line, `error: ...`, and exits with status 2 (ddtree/errors.py).
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -35,11 +34,12 @@ from .decoding import (
     METHODS, DrafterRunner, OnlineCalibration, Sampling, check_budget, check_sizer, context_limit, drafter_defaults, generate,
     static_cache,
 )
-from .errors import CommandParser, DDTreeError, command
-from .files import check_output_file, path_argument, write_json_atomic
+from .arguments import STATIC_CACHE, build_parser, default_device
+from .errors import DDTreeError, command
+from .files import check_output_file, write_json_atomic
 from .modeling_dflash import DFlashDraftModel
-from .packed_linear import PACKED_KERNELS, apply_packing, is_packed, pack_linears, require_packing
-from .precision import AUTO, resolve_dtype
+from .packed_linear import apply_packing, is_packed, pack_linears, require_packing
+from .precision import resolve_dtype
 from .sizing import TreeSizer
 from .targets import build_drafter_config, load_target, stop_token_ids
 
@@ -54,125 +54,6 @@ def load_drafter(
         return drafter.to(device=target.device, dtype=target.dtype).eval()
     drafter = load_drafter_folder(Path(spec), target.dtype, target=target)
     return drafter.to(target.device).eval()
-
-
-DTYPE_HELP = "auto (bf16 where this machine computes it natively, else float32), float32, bfloat16 or float16"
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values:
-        raise argparse.ArgumentTypeError(f"expected at least one integer, got {text!r}")
-    return values
-
-
-STATIC_CACHE = {"auto": None, "on": True, "off": False}  # --static-cache -> generate(static=...)
-ADAPTIVE_SIZE = ("auto", "on", "off")
-
-
-def _add_packed_weights(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--packed-weights", choices=PACKED_KERNELS, default="auto",
-                        help="run the target's and drafter's linear layers through oneDNN with their weights packed "
-                             "once (fp32 on a CPU; same tokens, faster forwards of few rows: docs/decoding.md); auto = "
-                             "on where a measurement at start finds them faster and the packed copy fits easily in "
-                             "memory")
-
-
-def _add_common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default="smollm2-135m",
-                        help="built-in name, local HF folder or Hub id (default: smollm2-135m, built in)")
-    parser.add_argument("--drafter", default="random", help="'random' or a drafter folder")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--dtype", default=AUTO, help=DTYPE_HELP)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    _add_packed_weights(parser)
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--static-cache", choices=STATIC_CACHE, default="auto",
-                        help="the target's KV cache: static (one verify shape, a CUDA graph on a GPU) or dynamic; "
-                             "auto = static on CUDA only")
-    parser.add_argument("--online-calibration", action="store_true",
-                        help="learn the draft temperature from the verified rounds, so the drafter's expected "
-                             "tau tracks the measured one (changes the tree's shape, never the output); it starts "
-                             "from the drafter's calibration file, if any")
-    parser.add_argument("--calibration", default=None, metavar="FILE",
-                        help="a calibration file (`ddtree calibrate`): its draft temperatures and lookup acceptances "
-                             "shape and score every tree, as it is; none = off; default: the drafter folder's "
-                             f"{CALIBRATION_FILE}, if it has one")
-    parser.add_argument("--adaptive-size", choices=ADAPTIVE_SIZE, default="off",
-                        help="per round, verify only the leading nodes of the budget's ddtree tree that pay for their "
-                             "rows, under this machine's verify cost measured at start (docs/benchmarks.md, Which budget); auto = "
-                             "on with the dynamic cache (a CPU), off with the static one (generate: auto, bench: off, "
-                             "so that budgets compare as published)")
-    parser.add_argument("--lookup", type=int, default=None, metavar="N",
-                        help="graft into every ddtree tree up to N tokens that followed the last recurrence of the "
-                             "context's latest tokens, within the budget (docs/decoding.md, Context lookup); 0 = off; "
-                             "default: the drafter's own (7 for the smollm2-135m recipe's drafter, else 0)")
-    parser.add_argument("--corpus", default=None, metavar="FILE",
-                        help="graft into every ddtree tree what the target's replies in this JSONL file of "
-                             "conversations (the drafter's training data, say), or in a corpus.safetensors a drafter "
-                             "folder ships, mostly said after the context's "
-                             "last 3 tokens, within the budget (docs/decoding.md, Corpus lookup); none = off; default: the "
-                             "corpus the drafter folder ships (the smollm2-135m recipe's drafters do), else off")
-    parser.add_argument("--redraft", type=int, default=None, metavar="K",
-                        help="re-draft the block behind each of the K most likely first tokens (the chain: its first) "
-                             "in one more drafter forward, and grow the tree from those (docs/decoding.md, Re-drafting); 0 = off; "
-                             "default: the drafter's own (4 if trained with model.redraft_prob, else 0)")
-
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = CommandParser(prog="ddtree", description=__doc__.split("\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-
-    gen = commands.add_parser("generate", help="generate text for one prompt")
-    _add_common(gen)
-    gen.add_argument("--prompt", required=True, help="user message (the chat template is applied)")
-    gen.add_argument("--raw", action="store_true", help="use the prompt as raw text, without the chat template")
-    gen.add_argument("--method", choices=METHODS, default="ddtree")
-    gen.add_argument("--budget", type=int, default=32, help="tree node budget for ddtree (published: 32; on a CPU, "
-                     "where each node adds to the verify's cost, --adaptive-size verifies fewer: docs/benchmarks.md, Which budget)")
-    gen.set_defaults(adaptive_size="auto")
-
-    bench = commands.add_parser("bench", help="run methods over a prompts file and summarise")
-    _add_common(bench)
-    bench.add_argument("--prompts", required=True, help="JSONL of {prompt} or {messages} objects")
-    bench.add_argument("--methods", default="ar,dflash,ddtree",
-                       help=f"comma-separated, from {', '.join(METHODS)} (default: all three; dflash is the chain)")
-    bench.add_argument("--budgets", type=_int_list, default=[16, 32, 64],
-                       help="comma-separated ddtree node budgets, one row each (default: 16,32,64)")
-    bench.add_argument("--limit", type=int, default=None, help="use the first N prompts (default: all)")
-    bench.add_argument("--out", type=path_argument, default=None, help="write results JSON here")
-    bench.add_argument("--overwrite", action="store_true", help="replace an existing --out")
-
-    calibrate = commands.add_parser(
-        "calibrate", help=f"learn the drafter's calibration on a prompts file and write it into its folder ({CALIBRATION_FILE})")
-    _add_common(calibrate)
-    calibrate.add_argument("--prompts", required=True, help="JSONL of {prompt} or {messages} objects: prompts like the "
-                           "ones it will serve")
-    calibrate.add_argument("--budgets", type=_int_list, default=[32], help="the ddtree budgets to calibrate (the chain "
-                           "always is; another budget takes the nearest one's temperature)")
-    calibrate.add_argument("--limit", type=int, default=None, help="use the first N prompts (default: all)")
-    calibrate.add_argument("--overwrite", action="store_true", help=f"replace the folder's {CALIBRATION_FILE}")
-    calibrate.set_defaults(max_new_tokens=64)
-
-    cost = commands.add_parser("verify-cost", help="time tree verification vs one AR step (a benchmark)")
-    cost.add_argument("--target", default="smollm2-135m", help="as for generate (default: smollm2-135m)")
-    cost.add_argument("--dtype", default=AUTO, help=DTYPE_HELP)
-    cost.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    _add_packed_weights(cost)
-    cost.add_argument("--compare-plain", action="store_true",
-                      help="time each size with the plain and the packed linear layers alternately (a benchmark of "
-                           "--packed-weights; a CPU in fp32)")
-    cost.add_argument("--sizes", type=_int_list, default=[16, 32, 64, 128])
-    cost.add_argument("--context", type=int, default=300, help="tokens already in the KV cache")
-    cost.add_argument("--repeats", type=int, default=7)
-    return parser
 
 
 def parse_device(name: str, where: str = "--device") -> torch.device:
@@ -501,7 +382,7 @@ def cmd_verify_cost(args) -> None:
 
 @command
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = default_device(build_parser().parse_args(argv))
     commands = {"generate": cmd_generate, "bench": cmd_bench, "calibrate": cmd_calibrate, "verify-cost": cmd_verify_cost}
     commands[args.command](args)
     return 0

@@ -27,10 +27,10 @@ from safetensors.torch import load_file, save
 
 from .errors import DDTreeError, error_line
 from .files import atomic_file, iter_json_lines
+from .names import CORPUS_FILE  # noqa: F401 (importers read it from here)
 
 NGRAM = 3  # tokens of context matched; 3 is what the context lookup starts from too (ddtree/tree.py)
 LENGTH = 7  # the longest continuation kept: a block of 8 drafts at most 7 tokens
-CORPUS_FILE = "corpus.safetensors"  # in a run folder and in its drafter exports: the replies' token ids
 
 
 def write_replies(path: str | Path, replies: Iterable[list[int]]) -> int:

@@ -28,6 +28,7 @@ from transformers import DynamicCache, PreTrainedModel
 from .calibration import OnlineCalibration
 from .corpus import CorpusLookup
 from .modeling_dflash import DFlashDraftModel, fuse_target_features
+from .names import METHODS
 from .target_runner import DynamicTarget, padded_capacity, static_target, storage_key
 from .targets import DDTreeError
 from .sizing import TreeSizer
@@ -36,7 +37,6 @@ from .tree import (
     DraftTree, ancestor_matrix, build_tree, chain_tree, context_lookup, graft_path, tree_positions, truncated, walk,
 )
 
-METHODS = ("ar", "dflash", "ddtree")
 # Depth-1 tokens re-drafted behind, for drafters trained with model.redraft_prob (their config's `redraft`). On the
 # CPU recipe's drafter (all 40 held-out prompts, budget 32): 4 and 8 both gave tau 2.16 (1 re-draft forward, 5 ms).
 DEFAULT_REDRAFT = 4

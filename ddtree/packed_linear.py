@@ -27,9 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import DDTreeError
+from .names import PACKED_KERNELS
 
 PACK_ROWS = 16  # the rows oneDNN lays the weights out for; 4 to 32 measured alike on the EPYC, 1 slower above 1 row
-PACKED_KERNELS = ("auto", "on", "off")  # --packed-weights
 PROBE_ROWS = (1, 8)  # an AR step's rows and a small tree's, the shapes decoding runs on a CPU
 PROBE_REPEATS = 3
 GAIN_NEEDED = 0.9  # auto packs where the packed layers take under this share of the plain ones' time

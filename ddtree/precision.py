@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-AUTO = "auto"
+from .names import AUTO
 
 # Lightning's precision name for each dtype (the choice makes bf16 or fp32; fp16 is named for messages).
 LIGHTNING_PRECISION = {torch.bfloat16: "bf16-mixed", torch.float32: "32-true", torch.float16: "16-mixed"}

@@ -273,6 +273,22 @@ def test_console_script_exit_code(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def test_the_console_script_answers_help_and_a_bad_flag_before_torch_loads():
+    """`ddtree bench --help` and a bad flag waited about 8 s for torch and transformers (2-core EPYC); the console
+    script (ddtree/__main__.py) parses first and loads them only to run the command."""
+    probe = ("import sys\nfrom ddtree.__main__ import main\n"
+             "try:\n    main(sys.argv[1:])\nexcept SystemExit as exit:\n"
+             "    print('status', exit.code, 'torch loaded' if 'torch' in sys.modules else 'no torch', file=sys.stderr)\n")
+    bad_budgets = "error: argument --budgets: expected comma-separated integers, got 'x'; see ddtree bench --help"
+    for argv, status, said in ((["bench", "--help"], 0, "--budgets BUDGETS"),
+                               (["bench", "--prompts", "p.jsonl", "--budgets", "x"], 2, bad_budgets),
+                               ([], 2, "error: the following arguments are required: command")):
+        proc = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=120,
+                              cwd=Path(__file__).parents[2])
+        assert proc.stderr.strip().splitlines()[-1] == f"status {status} no torch", proc.stderr
+        assert said in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
 def test_main_without_arguments_reads_the_command_line(capsys, monkeypatch, tmp_path):
     """The console script `ddtree` calls main() with no argument."""
     missing = tmp_path / "missing.jsonl"

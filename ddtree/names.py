@@ -1,0 +1,8 @@
+"""Names the library and the `ddtree` command's parser share, in a module free of torch and transformers: the parser
+(ddtree/arguments.py) answers --help and a bad flag before those load (about 8 s on the 2-core EPYC)."""
+
+METHODS = ("ar", "dflash", "ddtree")  # decoding methods; dflash is the DFlash chain
+PACKED_KERNELS = ("auto", "on", "off")  # --packed-weights
+AUTO = "auto"  # --dtype auto: bf16 where this machine computes it natively, else float32 (ddtree/precision.py)
+CALIBRATION_FILE = "calibration.json"  # in a drafter folder: what `ddtree calibrate` learned
+CORPUS_FILE = "corpus.safetensors"  # in a run folder and in its drafter exports: the replies' token ids

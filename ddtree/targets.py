@@ -246,8 +246,8 @@ def _folder_state(source: str) -> tuple:
     path = Path(source)
     if not path.is_dir():
         return ()
-    return tuple(sorted((entry.name, entry.stat().st_size, entry.stat().st_mtime_ns) for entry in path.iterdir()
-                        if entry.is_file() and entry.suffix not in _WEIGHT_SUFFIXES))
+    files = [entry for entry in path.iterdir() if entry.is_file() and entry.suffix not in _WEIGHT_SUFFIXES]
+    return tuple(sorted((entry.name, stat.st_size, stat.st_mtime_ns) for entry in files for stat in [entry.stat()]))
 
 
 @functools.lru_cache(maxsize=8)

@@ -46,7 +46,9 @@ def tiny_args(tmp_path: Path, run: str, max_steps: int, every: int = 2) -> list[
 
 
 def train_process(args: list[str]) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # faulthandler: a run that aborts (a SIGINT run once did at exit, "terminate called after throwing ... pybind11",
+    # docs/tests.md) prints every thread's Python stack into the failure message.
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
     # A shell starts background jobs with SIGINT ignored, and a child inherits that: restore the default, so the
     # run hears the test's SIGINT however the suite was launched (`make test &` ran it to its end before).
     return subprocess.Popen([sys.executable, "-m", "training.train", *args], cwd=REPO, env=env,

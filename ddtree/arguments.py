@@ -14,8 +14,6 @@ from .names import AUTO, CALIBRATION_FILE, METHODS, PACKED_KERNELS
 
 DESCRIPTION = "generate text or benchmark decoding methods with a target and a drafter"
 DEVICE_HELP = "cpu, cuda or cuda:N (default: cuda where this machine has a GPU, else cpu)"
-
-
 DTYPE_HELP = "auto (bf16 where this machine computes it natively, else float32), float32, bfloat16 or float16"
 
 

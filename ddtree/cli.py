@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from .arguments import STATIC_CACHE, build_parser, default_device
 from .bench import (
     compare_packed_verify_cost, format_summary, load_prompts, measure_verify_cost, method_keys, read_prompts,
     run_benchmark,
@@ -34,7 +35,6 @@ from .decoding import (
     METHODS, DrafterRunner, OnlineCalibration, Sampling, check_budget, check_sizer, context_limit, drafter_defaults, generate,
     static_cache,
 )
-from .arguments import STATIC_CACHE, build_parser, default_device
 from .errors import DDTreeError, command
 from .files import check_output_file, write_json_atomic
 from .modeling_dflash import DFlashDraftModel

@@ -83,7 +83,6 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
                              "default: the drafter's own (4 if trained with model.redraft_prob, else 0)")
 
 
-
 def build_parser() -> argparse.ArgumentParser:
     parser = CommandParser(prog="ddtree", description=DESCRIPTION)
     commands = parser.add_subparsers(dest="command", required=True)

@@ -17,10 +17,11 @@ decides how much one target forward confirms; what is committed stays the target
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save
@@ -99,18 +100,38 @@ def majority_path(continuations: list[list[int]]) -> list[int]:
 
 
 class CorpusLookup:
-    """The majority continuation (majority_path), up to `length` tokens, of every `ngram`-token run in `sequences`."""
+    """The majority continuation (majority_path), up to `length` tokens, of every `ngram`-token run in `sequences`.
+
+    Indexed by sorting, not by a table of every run's path: each position's preceding `ngram` tokens are packed into
+    one int64 key and the positions sorted by it (stably, so a run's occurrences keep their order and majority_path's
+    ties still go to the first seen); a lookup finds its run's occurrences by binary search and takes their majority
+    path once, remembered for the next. Decoding asks for a few hundred runs, where a table held all of them: for
+    the default recipe's 2001 replies (396,564 tokens, 91,643 runs) the table took 4.6 s at every decoder start and
+    training launch on a 2-core EPYC, the sorted index takes 0.11 s.
+    """
 
     def __init__(self, sequences: Iterable[list[int]], ngram: int = NGRAM, length: int = LENGTH):
-        followers: dict[tuple[int, ...], list[list[int]]] = defaultdict(list)
-        self.lowest, self.highest = 0, -1  # the token ids it holds (check_vocabulary)
-        for tokens in sequences:
-            if tokens:
-                self.lowest, self.highest = min(self.lowest, min(tokens)), max(self.highest, max(tokens))
-            for end in range(ngram, len(tokens)):
-                followers[tuple(tokens[end - ngram:end])].append(tokens[end:end + length])
-        self.ngram = ngram
-        self.table = {key: majority_path(seen) for key, seen in followers.items()}
+        sequences = [np.asarray(tokens, dtype=np.int64).reshape(-1) for tokens in sequences]
+        self.ngram, self.length = ngram, length
+        self.tokens = np.concatenate(sequences) if sequences else np.zeros(0, dtype=np.int64)  # every reply, end to end
+        # the token ids it holds (check_vocabulary); lowest is at most 0, so ids shifted by it are never negative
+        self.lowest = min(0, int(self.tokens.min())) if len(self.tokens) else 0
+        self.highest = int(self.tokens.max()) if len(self.tokens) else -1
+        self.base = self.highest - self.lowest + 1
+        if self.base ** ngram >= 2 ** 63:
+            raise ValueError(f"runs of {ngram} token ids up to {self.highest} do not fit one int64 key: a shorter ngram")
+        lengths = np.array([len(tokens) for tokens in sequences], dtype=np.int64)
+        ends = np.cumsum(lengths)  # where each reply ends in self.tokens
+        index = np.arange(len(self.tokens))
+        follows_a_run = index - np.repeat(ends - lengths, lengths) >= ngram  # a whole run of its own reply before it
+        positions = index[follows_a_run]  # (P,) the first token of each continuation
+        stops = np.minimum(positions + length, np.repeat(ends, lengths)[follows_a_run])  # a continuation ends with its reply
+        keys = np.zeros(len(positions), dtype=np.int64)
+        for offset in range(ngram, 0, -1):
+            keys = keys * self.base + (self.tokens[positions - offset] - self.lowest)
+        order = np.argsort(keys, kind="stable")
+        self.keys, self.starts, self.stops = keys[order], positions[order], stops[order]  # (P,) each, by key
+        self.paths: dict[int, list[int]] = {}  # the runs looked up so far: key -> majority path
 
     def check_vocabulary(self, vocab_size: int) -> None:
         """One line where the corpus holds ids the target has no token for (another tokenizer's replies): grafted, they
@@ -122,13 +143,30 @@ class CorpusLookup:
                               "without it (ddtree: --corpus none)")
 
     def __len__(self) -> int:
-        return len(self.table)
+        """The number of distinct runs."""
+        return int(np.count_nonzero(np.diff(self.keys))) + 1 if len(self.keys) else 0
 
     def continuation(self, context: list[int], length: int) -> list[int]:
         """What most often followed the context's last `ngram` tokens, up to `length` tokens; [] if never seen."""
         if len(context) < self.ngram or length < 1:
             return []
-        return self.table.get(tuple(context[-self.ngram:]), [])[:length]
+        key = 0
+        for token in context[-self.ngram:]:
+            if not self.lowest <= token <= self.highest:
+                return []  # an id no reply holds
+            key = key * self.base + (token - self.lowest)
+        if key not in self.paths:
+            first, last = np.searchsorted(self.keys, key, side="left"), np.searchsorted(self.keys, key, side="right")
+            self.paths[key] = majority_path([self.tokens[start:stop].tolist() for start, stop
+                                             in zip(self.starts[first:last], self.stops[first:last])])
+        return self.paths[key][:length]
+
+    @property
+    def table(self) -> dict[tuple[int, ...], list[int]]:
+        """Every run and its majority continuation, all computed (to inspect or compare indexes; decoding looks up)."""
+        firsts = np.flatnonzero(np.diff(self.keys, prepend=self.keys[:1] - 1)) if len(self.keys) else []
+        runs = [tuple(self.tokens[self.starts[i] - self.ngram:self.starts[i]].tolist()) for i in firsts]
+        return {run: self.continuation(list(run), self.length) for run in runs}
 
     @classmethod
     def from_file(cls, path: str | Path, **settings) -> CorpusLookup:

@@ -30,6 +30,16 @@ def test_each_depth_takes_the_majority_of_the_continuations_that_agree_so_far():
     assert majority_path([[4, 9], [5, 6], [4, 8]]) == [4, 9]  # 4 (2 of 3), then a tie between 9 and 8: 9 came first
 
 
+def test_a_tie_goes_to_the_reply_seen_first_however_the_runs_interleave():
+    """The index sorts every position by its run: the sort must keep each run's occurrences in their order (an
+    unstable one reorders them among the other runs' positions, and a tie would go to whichever it put first)."""
+    replies = [[run % 3, run % 3 + 1, 100 + reply] for reply in range(60) for run in range(3)]
+    corpus = CorpusLookup(replies, ngram=2, length=1)
+    assert [corpus.continuation([run, run + 1], 1) for run in range(3)] == [[100], [100], [100]]
+    assert corpus.continuation([3, 4], 1) == [] and corpus.continuation([-1, 10**6], 1) == []  # ids no reply holds
+    assert len(corpus) == 3 and corpus.table == {(0, 1): [100], (1, 2): [100], (2, 3): [100]}
+
+
 def test_the_quoted_path_takes_its_share_of_the_budget_and_leaves_the_drafter_a_node():
     logits = torch.randn(7, 50, generator=torch.Generator().manual_seed(0))
     tree = draft_tree(logits, 6, lookup=[1, 2], quoted=[3, 4, 5, 6, 7])
@@ -142,9 +152,10 @@ def test_online_calibration_learns_each_lookups_acceptance_by_depth(tiny_target)
     greedy = hf_greedy(model, prompt, 40)
     runner = DrafterRunner(load_drafter("random", model, tokenizer, "tiny-random"), model)
     learned = {}
-    wrong = CorpusLookup([prompt + greedy])  # every run of the reply found, with a wrong continuation
-    wrong.table = {key: [token + 1 for token in continuation] for key, continuation in wrong.table.items()}
-    for name, corpus in [("right", CorpusLookup([prompt + greedy])), ("wrong", wrong)]:
+    right, wrong = CorpusLookup([prompt + greedy]), CorpusLookup([prompt + greedy])
+    # every run of the reply found, with a wrong continuation
+    wrong.continuation = lambda context, length: [token + 1 for token in right.continuation(context, length)]
+    for name, corpus in [("right", right), ("wrong", wrong)]:
         online = OnlineCalibration()
         result = generate(model, prompt, "ddtree", runner, 16, 40, (), online=online, lookup=0, corpus=corpus)
         assert result.new_tokens == greedy, name

@@ -97,7 +97,7 @@ def test_a_corpus_of_the_reply_is_accepted_and_a_wrong_one_changes_no_token(tiny
         generate(model, prompt, "dflash", runner, 16, 4, (), corpus=CorpusLookup([greedy]))
     # Another tokenizer's replies: an IndexError traceback mid-decode, now one line before it starts
     vocab = model.get_output_embeddings().weight.shape[0]
-    for foreign in ([5, 6, 7, vocab + 8], [5, 6, 7, -3]):
+    for foreign in ([5, 6, 7, vocab + 8], [5, 6, 7, -3], [5, 6, 7, 2 ** 40]):  # the last: a corrupt file's
         with pytest.raises(DDTreeError, match=f"the corpus holds token id {foreign[-1]}, outside the target's vocabulary"):
             generate(model, prompt, "ddtree", runner, 16, 4, (), corpus=CorpusLookup([prompt + foreign]))
 

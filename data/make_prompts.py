@@ -34,6 +34,10 @@ from pathlib import Path
 from ddtree.errors import CommandParser, DDTreeError, command
 from ddtree.files import atomic_file
 
+SHIPPED_PYTHON = (3, 11)  # the Python whose standard library wrote the shipped files (3.11.7, data/README.md)
+SHIPPED_FILES = {Path(__file__).resolve().parent / "eval_prompts.jsonl",
+                 Path(__file__).resolve().parent / "prompts" / "train_prompts.jsonl"}
+
 # ----------------------------------------------------------------------------- stdlib sources
 
 # Modules whose objects feed the training prompts. Imported by name; `os.path` is shown as such
@@ -472,8 +476,13 @@ def check_replaceable(path: Path, records: list[dict], flag: str, overwrite: boo
     change the repository's prompts without a word. A file that already holds exactly these records is fine."""
     if overwrite or not path.exists() or (path.is_file() and path.read_text(encoding="utf-8") == jsonl_text(records)):
         return
-    raise DDTreeError(f"{flag} {path} exists and holds other prompts than these settings make; pass --overwrite to "
-                      "replace it, or give another path")
+    python = ""
+    if path.resolve() in SHIPPED_FILES and sys.version_info[:2] != SHIPPED_PYTHON:
+        shipped, this = ".".join(map(str, SHIPPED_PYTHON)), ".".join(map(str, sys.version_info[:2]))
+        python = (f" (the shipped files were written with Python {shipped}, whose standard library gives other coding "
+                  f"prompts than this Python {this}'s: run it with {shipped} to write them again)")
+    raise DDTreeError(f"{flag} {path} exists and holds other prompts than these settings make{python}; pass "
+                      "--overwrite to replace it, or give another path")
 
 
 @command

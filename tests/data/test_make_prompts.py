@@ -9,6 +9,8 @@ import stat
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "data"))
 import make_prompts  # noqa: E402
@@ -42,6 +44,8 @@ def test_first_sentence_drops_signature_lines():
     assert make_prompts.first_sentence("make an iterator\nthat groups.\n\nDetails.", "groupby") == "Make an iterator that groups."
 
 
+@pytest.mark.skipif(sys.version_info[:2] != make_prompts.SHIPPED_PYTHON,
+                    reason="the coding prompts come from this Python's standard library, the shipped ones from 3.11's")
 def test_shipped_prompt_files_are_what_the_script_writes(tmp_path):
     assert make_prompts.main(["--train-out", str(tmp_path / "train.jsonl"), "--eval-out", str(tmp_path / "eval.jsonl")]) == 0
     assert (tmp_path / "eval.jsonl").read_text() == (ROOT / "data/eval_prompts.jsonl").read_text()
@@ -78,6 +82,22 @@ def test_the_shipped_files_are_not_replaced_by_other_prompts_unasked(tmp_path, c
     assert (tmp_path / "eval.jsonl").read_text() == written
     assert make_prompts.main([*out, *small[:-1], "6", "--overwrite"]) == 0
     assert len((tmp_path / "eval.jsonl").read_text().splitlines()) == 6
+
+
+def test_a_refusal_under_another_python_says_which_python_wrote_the_files(tmp_path, monkeypatch, capsys):
+    """Another Python's standard library writes other coding prompts: the shipped files were refused with no reason."""
+    out = ["--train-out", str(tmp_path / "train.jsonl"), "--eval-out", str(tmp_path / "eval.jsonl")]
+    small = ["--num-coding", "20", "--num-chat", "20", "--num-eval", "4"]
+    assert make_prompts.main([*out, *small]) == 0
+    monkeypatch.setattr(make_prompts, "SHIPPED_PYTHON", (2, 7))
+    assert make_prompts.main([*out, *small[:-1], "6"]) == 2  # not a shipped file: no word of Python
+    assert "make; pass --overwrite" in capsys.readouterr().err
+    monkeypatch.setattr(make_prompts, "SHIPPED_FILES", {(tmp_path / "eval.jsonl").resolve()})  # as if it were data/eval_prompts.jsonl
+    assert make_prompts.main([*out, *small[:-1], "6"]) == 2
+    this = ".".join(map(str, sys.version_info[:2]))
+    assert (f"holds other prompts than these settings make (the shipped files were written with Python 2.7, whose "
+            f"standard library gives other coding prompts than this Python {this}'s: run it with 2.7 to write them "
+            "again); pass --overwrite") in capsys.readouterr().err
 
 
 def test_counts_below_one_prompt_and_one_file_for_both_are_refused(tmp_path, capsys):

@@ -114,12 +114,11 @@ class CorpusLookup:
         sequences = [np.asarray(tokens, dtype=np.int64).reshape(-1) for tokens in sequences]
         self.ngram, self.length = ngram, length
         self.tokens = np.concatenate(sequences) if sequences else np.zeros(0, dtype=np.int64)  # every reply, end to end
-        # the token ids it holds (check_vocabulary)
-        self.lowest = min(0, int(self.tokens.min())) if len(self.tokens) else 0
-        self.highest = int(self.tokens.max()) if len(self.tokens) else -1
         # A run's key packs its tokens' ranks among the ids the replies hold, not the ids themselves: a corpus of
         # another tokenizer's (or corrupt) ids still builds, for check_vocabulary to name the id in one line.
         self.ids = np.unique(self.tokens)  # (U,) sorted
+        self.lowest = min(0, int(self.ids[0])) if len(self.ids) else 0  # the ids it holds (check_vocabulary)
+        self.highest = int(self.ids[-1]) if len(self.ids) else -1
         if len(self.ids) ** ngram >= 2 ** 63:
             raise ValueError(f"runs of {ngram} tokens over {len(self.ids)} distinct ids do not fit one int64 key")
         ranks = np.searchsorted(self.ids, self.tokens)

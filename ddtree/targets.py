@@ -27,9 +27,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from .errors import DDTreeError
 from .files import staged_folder
+from .names import DTYPE_NAMES
 
 # The dtypes a user can name on any command line or recipe field of this project.
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 def parse_dtype(name: str, where: str = "dtype") -> torch.dtype:

@@ -40,11 +40,15 @@ import sys
 import time
 from pathlib import Path
 
+from .arguments import ablate_parser, answer_early, check_recipe_name, recipe_path
+
+answer_early(__name__, ablate_parser, overrides=True)  # python -m: --help and a bad --recipe before Lightning loads
+
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from ddtree.bench import CHAIN, budget_of
-from ddtree.errors import CommandParser, DDTreeError, command
+from ddtree.errors import DDTreeError, command
 from ddtree.files import atomic_file, finite_json, write_text_atomic
 
 from .callbacks import AcceptanceEvaluation
@@ -52,7 +56,7 @@ from .checkpoints import ABLATE_PREFIX
 from .loss import RECALL_K
 from .module import DistillModule
 from .data import DATA_RECORD
-from .recipe import check_recipe_name, check_values, read_recipe, recipe_errors, recipe_path
+from .recipe import check_values, read_recipe, recipe_errors
 from .train import main as train_main
 
 YEAR_SECONDS = 365 * 86400  # --minutes' bound: anything longer is a typo
@@ -220,16 +224,7 @@ def plot(results: list[dict]) -> Figure:
 
 @command
 def main(argv: list[str] | None = None) -> int:
-    parser = CommandParser(description="Train variants of a recipe on one budget and compare them.")
-    parser.add_argument("--recipe", default="smollm2-135m")
-    parser.add_argument("--variant", action="append", default=None,
-                        help="name=overrides (repeatable); default: the five training objectives, the two "
-                        "distillation losses and three mixes (10 variants)")
-    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per variant (the schedule's length)")
-    parser.add_argument("--minutes", type=float, default=None, help="wall-time budget per variant (trainer.max_time)")
-    parser.add_argument("--eval-limit", type=int, default=None, help="held-out prompts in the final evaluation")
-    parser.add_argument("--eval-max-new-tokens", type=int, default=None)
-    parser.add_argument("--output-root", default="outputs")
+    parser = ablate_parser()
     args, common = parser.parse_known_args(argv)
     check_recipe_name(args.recipe)
     if args.steps is None and args.minutes is None:

@@ -24,19 +24,21 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import torch
+from .arguments import answer_early, check_recipe_name, evaluate_parser, recipe_path
 
+answer_early(__name__, evaluate_parser)  # python -m: --help, a bad flag or --recipe before torch loads
+
+from ddtree.arguments import default_device
 from ddtree.cli import parse_device
 from ddtree.corpus import CORPUS_FILE, CorpusLookup
-from ddtree.errors import CommandParser, DDTreeError, command
-from ddtree.files import check_output_file, path_argument, read_yaml_mapping, write_json_atomic
+from ddtree.errors import DDTreeError, command
+from ddtree.files import check_output_file, read_yaml_mapping, write_json_atomic
 from ddtree.precision import AUTO, fast_precision
 from ddtree.targets import stop_token_ids
 
 from .callbacks import AcceptanceEvaluation, metrics_of
 from .checkpoints import Checkpoint, find_checkpoint, load_checkpoint, recorded_evaluation, run_folder_of
 from .export import run_corpus
-from .recipe import check_recipe_name, recipe_path
 from .target import dtype_for_precision, load_frozen_target
 
 
@@ -64,17 +66,7 @@ def check_not_a_checkpoint(out: Path) -> None:
 
 @command
 def main(argv: list[str] | None = None) -> int:
-    parser = CommandParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--recipe", default="smollm2-135m", help="one of recipes/*.yaml")
-    parser.add_argument("--ckpt", default="best",
-                        help="'best', 'last' (of --run, else of the recipe's newest run) or a .ckpt path")
-    parser.add_argument("--run", default=None, type=Path, help="the run folder whose --ckpt to measure (make eval RUN=)")
-    parser.add_argument("--output-root", default="outputs", help="where the recipe's runs are: <output-root>/<recipe>/")
-    parser.add_argument("--limit", type=int, default=None, help="override eval.limit (the result then differs from training's)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", type=path_argument, default=None, help="results JSON (default: <run>/eval/checkpoint-<name>[-limit<N>].json)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
-    args = parser.parse_args(argv)
+    args = default_device(evaluate_parser().parse_args(argv))
     check_recipe_name(args.recipe)
     parse_device(args.device)
     if args.out:

@@ -16,30 +16,24 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ddtree.errors import CommandParser, command
-from ddtree.files import path_argument
-from ddtree.targets import DTYPES, parse_dtype
+from .arguments import answer_early, check_recipe_name, features_parser, recipe_path
+
+answer_early(__name__, features_parser, overrides=True)  # python -m: --help and a bad --recipe before torch loads
+
+from ddtree.errors import command
+from ddtree.targets import parse_dtype
 
 from .data import DistillDataModule
 from .feature_store import (AUTO_STORE, build_feature_store, default_store_path, drafter_layer_ids, resolve_store_path,
                             store_seconds, store_teacher)
-from .recipe import check_recipe_name, read_recipe, recipe_path
+from .recipe import read_recipe
 from .recipe_data import prepare_recipe_data
 from .target import dtype_for_precision
 
 
 @command
 def main(argv: list[str] | None = None) -> int:
-    parser = CommandParser(description="Build a recipe's offline feature store.",
-                           epilog="Any other --section.field=value overrides that recipe field, as in training.train "
-                                  "(--data.max_length=256, --data.store_max_minutes=7).")
-    parser.add_argument("--recipe", default="smollm2-135m", help="one of recipes/*.yaml; its model.* and data.* define the store")
-    parser.add_argument("--out", type=path_argument, default=None, help="store folder (default: the recipe's data.feature_store; "
-                        "when that is auto or unset, <ddtree cache>/features/<recipe>-<tokenization key>)")
-    parser.add_argument("--force", action="store_true", help="replace an existing store of another build")
-    # Checked by parse_dtype, not argparse choices: a bad name is then one `error:` line like every other bad input.
-    parser.add_argument("--dtype", default="auto", help=f"the target's and the store's dtype: {', '.join(DTYPES)}, "
-                        "or auto: the dtype the recipe trains the target in (its trainer.precision, measured if auto)")
+    parser = features_parser()
     args, overrides = parser.parse_known_args(argv)  # the rest overrides recipe fields, as in training.train
     dtype = parse_dtype(args.dtype, "--dtype") if args.dtype != "auto" else None
     check_recipe_name(args.recipe)

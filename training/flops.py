@@ -39,8 +39,9 @@ from ddtree.configuration_dflash import default_target_layer_ids
 from ddtree.errors import CommandParser, DDTreeError, command
 from ddtree.targets import resolve_target
 
+from .arguments import check_recipe_name, recipe_path
 from .masks import FLEX_MIN_CONTEXT
-from .recipe import check_recipe_name, read_recipe, recipe_path
+from .recipe import read_recipe
 
 # The recipe's prompt share when no real batch is at hand: throughput's random batches supervise all but
 # the first 60 positions (training/throughput.py, PROMPT_TOKENS).

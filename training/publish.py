@@ -38,21 +38,24 @@ and commands, training/hub.py talks to the Hub and training/model_card.py writes
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import sys
 from pathlib import Path
+
+from .arguments import answer_early, publish_parser
+
+answer_early(__name__, publish_parser)  # python -m: --help and a bad flag before torch and transformers load
 
 import torch
 from transformers import AutoModel
 from transformers.utils import HF_MODULES_CACHE
 
 from ddtree.corpus import CORPUS_FILE
-from ddtree.errors import CommandParser, DDTreeError, command, error_line
-from ddtree.files import check_output_folder, finite_json, path_argument, staged_folder
+from ddtree.errors import DDTreeError, command, error_line
+from ddtree.files import check_output_folder, finite_json, staged_folder
 from ddtree.modeling_dflash import DFlashDraftModel
-from ddtree.targets import DTYPES, parse_dtype
+from ddtree.targets import parse_dtype
 
 from .checkpoints import (
     Checkpoint, check_run_folder, find_run_checkpoint, load_checkpoint, recorded_evaluation, run_checkpoints,
@@ -154,29 +157,9 @@ def export_folder(
 # ----------------------------------------------------------------------------- CLI
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = CommandParser(prog="python -m training.publish", description=__doc__.splitlines()[0])
-    parser.add_argument("run", nargs="?", help="the run folder, outputs/<recipe>/<run>")
-    parser.add_argument("--out", type=path_argument, help="the folder to write (refused if it holds files, unless --overwrite)")
-    parser.add_argument("--ckpt", default="best", help="best (default), last, or a checkpoint path")
-    parser.add_argument("--speculators", action="store_true", help="add vLLM's speculators fields to config.json")
-    parser.add_argument("--base-model", help="the target's Hub id, if the run named it otherwise (a folder)")
-    parser.add_argument("--license", default="apache-2.0", help="card license; match the target's (e.g. llama3.1)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="dtype of the exported weights")
-    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
-    parser.add_argument("--allow-engine-mismatch", action="store_true",
-                        help="export a drafter that vLLM or SGLang would reject (the card says which rule)")
-    parser.add_argument("--repo", help="Hub repo id, user/name")
-    parser.add_argument("--push", action="store_true", help="upload to --repo after exporting (token: HF_TOKEN)")
-    parser.add_argument("--private", action="store_true",
-                        help="create the Hub repo private (an existing public repo is refused, not changed)")
-    parser.add_argument("--push-only", metavar="FOLDER", help="upload a finished export without exporting again")
-    return parser
-
-
 @command
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = publish_parser().parse_args(argv)
     if args.repo is not None:
         check_repo_id(args.repo)
     if args.push_only:

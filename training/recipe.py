@@ -27,6 +27,7 @@ from ddtree.files import read_yaml_mapping
 from ddtree.precision import AUTO, LIGHTNING_PRECISION, fast_precision
 from ddtree.targets import has_hub_id_shape
 
+from .arguments import known_recipes, recipe_path
 from .callbacks import AcceptanceEvaluation, BestCheckpoint, monitor_metric
 from .checkpoints import AtomicCheckpointIO
 from .data import DistillDataModule
@@ -36,29 +37,11 @@ from .recipe_data import AUTO_DATA
 from .strategies import check_launch, count_devices
 from .target import dtype_for_precision
 
-REPO = Path(__file__).resolve().parents[1]
-RECIPES_DIR = REPO / "recipes"
 GPU_ACCELERATORS = ("gpu", "cuda")  # the trainer.accelerator values that need a CUDA GPU
 
 
 class RecipeSettingError(DDTreeError):
     """A recipe setting this launch cannot run with; `recipe_errors` puts the recipe's path in front."""
-
-
-def known_recipes() -> list[str]:
-    return sorted(path.stem for path in RECIPES_DIR.glob("*.yaml"))
-
-
-def check_recipe_name(name: str) -> None:
-    if name not in known_recipes():
-        stem = Path(name).stem
-        if stem in known_recipes():  # a file given where a name is wanted (data/regenerate.py takes both)
-            raise DDTreeError(f"--recipe takes a recipe's name: --recipe {stem} (reads recipes/{stem}.yaml)")
-        raise DDTreeError(f"unknown recipe {name!r}; known recipes: {', '.join(known_recipes())}")
-
-
-def recipe_path(name: str) -> Path:
-    return RECIPES_DIR / f"{name}.yaml"
 
 
 def precision_overrides(overrides: list[str]) -> list[tuple[range, str]]:

@@ -41,11 +41,15 @@ import time
 import warnings
 from pathlib import Path
 
+from training.arguments import DEFAULT_RECIPE, answer_early, check_recipe_name, known_recipes, recipe_path, train_parser
+
+answer_early(__name__, train_parser, overrides=True)  # python -m: --help and a bad --recipe before Lightning loads
+
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from ddtree.corpus import CORPUS_FILE, write_replies
-from ddtree.errors import CommandParser, DDTreeError, command
+from ddtree.errors import DDTreeError, command
 from ddtree.files import write_text_atomic
 from training.checkpoints import (AtomicCheckpointIO, deepspeed_client_state, find_resume, is_deepspeed_checkpoint,
                                   newest_checkpoint, newest_finite_checkpoint, non_finite_tensors, run_checkpoints)
@@ -54,13 +58,10 @@ from training.export import export_drafter, run_corpus
 from training.feature_store import (build_feature_store, drafter_layer_ids, is_complete, resolve_store_path, store_seconds,
                                     store_teacher)
 from training.module import DistillModule, NonFiniteError
-from training.recipe import (DistillCLI, check_checkpoint_settings, check_recipe_name, config_arg, known_recipes,
-                             parser_overrides, recipe_errors, recipe_path)
+from training.recipe import DistillCLI, check_checkpoint_settings, config_arg, parser_overrides, recipe_errors
 from training.recipe_data import prepare_recipe_data
 from training.strategies import drafter_for_export, end_process_group, is_deepspeed, is_first_process, launcher_world
 from training.target import dtype_for_precision
-
-DEFAULT_RECIPE = "smollm2-135m"  # the CPU default
 
 
 class DropLightningTips(logging.Filter):
@@ -292,17 +293,7 @@ def remove_unstarted_run(run_dir: Path, step: int, created: list[Path]) -> None:
 
 @command
 def main(argv: list[str] | None = None) -> int:
-    parser = CommandParser(description="Train a drafter from a recipe.", add_help=True,
-                           epilog="Any other --section.field=value overrides that recipe field (--trainer.max_steps=100, "
-                                  "--model.num_layers=2, --data.batch_size=4): docs/training.md.")
-    parser.add_argument("--recipe", default=None,
-                        help=f"one of recipes/*.yaml (default: {DEFAULT_RECIPE}; a resumed run keeps its own)")
-    parser.add_argument("--resume", default=None,
-                        help="'last', a run folder (its newest checkpoint) or a checkpoint path: continue that run exactly")
-    # --run-name too: torchrun rejects any option spelled --run (an abbreviation of its --run-path)
-    parser.add_argument("--run", "--run-name", dest="run", default=None,
-                        help="run folder name, the same on every node (default: a timestamp, or slurm-<job id>)")
-    parser.add_argument("--output-root", default="outputs", help="runs go to <output-root>/<recipe>/<run>/")
+    parser = train_parser()
     args, overrides = parser.parse_known_args(argv)
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(DropLightningTips())
     # Lightning 2.6's own pytree helper builds torch's deprecated LeafSpec at every launch: not ours to print.

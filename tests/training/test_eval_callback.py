@@ -36,12 +36,12 @@ from ddtree.corpus import CorpusLookup
 from ddtree.decoding import DrafterRunner, generate
 from ddtree.packed_linear import is_packed
 from ddtree.targets import DDTreeError, load_target, stop_token_ids
+from training.arguments import recipe_path
 from training.callbacks import AcceptanceEvaluation, BestCheckpoint, measure_acceptance, monitor_metric
 from training.checkpoints import drafter_from_checkpoint
 from training.data import TokenizedConversations
 from training.export import export_drafter, run_corpus
 from training.module import DistillModule, NonFiniteError
-from training.recipe import recipe_path
 from training.train import main as train_main
 
 PROMPTS = "data/eval_prompts.jsonl"

@@ -17,7 +17,8 @@ import ddtree.precision
 import training.recipe
 from ddtree.errors import DDTreeError
 from ddtree.precision import BF16_MARGIN, Choice, fast_precision, resolve_dtype
-from training.recipe import RECIPES_DIR, config_arg, read_recipe
+from training.arguments import RECIPES_DIR
+from training.recipe import config_arg, read_recipe
 
 BF16_FAST = lambda: {torch.float32: 0.010, torch.bfloat16: 0.003}  # noqa: E731 - AMX: bf16 ~3x faster
 BF16_SLOW = lambda: {torch.float32: 0.010, torch.bfloat16: 0.067}  # noqa: E731 - AVX2: bf16 6.7x slower

@@ -14,8 +14,9 @@ import torch
 
 import training.train
 from ddtree.errors import DDTreeError
+from training.arguments import RECIPES_DIR
 from training.data import DistillDataModule
-from training.recipe import RECIPES_DIR, read_recipe
+from training.recipe import read_recipe
 from training.recipe_data import AUTO_DATA, REGENERATE_FIELDS, default_data_path, prepare_recipe_data
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "data"))

@@ -9,6 +9,8 @@ weights. That is all the wiring depends on (layer ids in range, MASK id inside t
 
 from __future__ import annotations
 
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -17,10 +19,11 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 import lightning as L
 
 import toy_data  # tests/training/toy_data.py
-import training.recipe
+import training.arguments
 import training.target
 import training.train
-from training.recipe import RECIPES_DIR, known_recipes, read_recipe
+from training.arguments import RECIPES_DIR, known_recipes
+from training.recipe import read_recipe
 from training.train import build_cli, main
 from training.module import DistillModule
 from ddtree.errors import DDTreeError
@@ -114,7 +117,7 @@ def test_unknown_recipe_prints_one_line_listing_the_known_ones(capsys):
 def test_a_recipe_that_is_not_a_yaml_mapping_is_one_line_naming_the_file_and_where(tmp_path, monkeypatch, capsys, text,
                                                                                   named):
     """A yaml ParserError's 74-line traceback before."""
-    monkeypatch.setattr(training.recipe, "RECIPES_DIR", tmp_path)
+    monkeypatch.setattr(training.arguments, "RECIPES_DIR", tmp_path)
     (tmp_path / "mine.yaml").write_text(text)
     assert main(["--recipe", "mine", "--output-root", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()
@@ -136,6 +139,27 @@ def test_every_training_command_says_a_bad_flag_in_one_line(capsys, module):
     assert status == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: "), err  # (a missing required argument may come first)
+
+
+@pytest.mark.parametrize("module, argv, status, said", [
+    ("train", ["--help"], 0, "--output-root OUTPUT_ROOT"),
+    ("train", ["--recipe", "nope"], 2, "error: unknown recipe 'nope'; known recipes: "),
+    ("features", ["--recipe", "recipes/tiny.yaml"], 2, "error: --recipe takes a recipe's name: --recipe tiny"),
+    ("evaluate", ["--limit", "x"], 2, "error: argument --limit: invalid int value: 'x'; see python -m training.evaluate"),
+    ("ablate", ["--help"], 0, "--eval-max-new-tokens"),
+    ("publish", ["--dtype", "x"], 2, "error: argument --dtype: invalid choice: 'x'"),
+])
+def test_a_training_command_answers_help_and_a_bad_recipe_before_torch_loads(module, argv, status, said):
+    """`python -m training.train --help` and an unknown --recipe waited 11-16 s for torch and Lightning (2-core EPYC);
+    each command's module parses above its heavy imports (training/arguments.py). Run as `python -m` runs it."""
+    probe = ("import runpy, sys\n"
+             "try:\n    runpy.run_module(sys.argv[1], run_name='__main__', alter_sys=True)\n"
+             "except SystemExit as exit:\n"
+             "    print('status', exit.code, 'torch loaded' if 'torch' in sys.modules else 'no torch', file=sys.stderr)\n")
+    proc = subprocess.run([sys.executable, "-c", probe, f"training.{module}", *argv], capture_output=True, text=True,
+                          timeout=120, cwd=RECIPES_DIR.parent)
+    assert proc.stderr.strip().splitlines()[-1] == f"status {status} no torch", proc.stderr
+    assert said in proc.stdout + proc.stderr, proc.stdout + proc.stderr
 
 
 def error_lines(capsys) -> list[str]:

@@ -1,0 +1,133 @@
+"""The training commands' arguments and recipe names, in a module free of torch, Lightning and transformers.
+
+`python -m training.train` (and `features`, `evaluate`, `ablate`, `publish`) runs its module, whose imports take
+11-13 s on the 2-core EPYC before `main` parses anything. Each of those modules calls `answer_early` above its heavy
+imports, so that `--help`, a bad flag and an unknown `--recipe` answer at once; its `main` then parses the same parser
+again (a call from Python, a test, starts there) and checks everything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Callable
+
+from ddtree.arguments import DEVICE_HELP
+from ddtree.errors import CommandParser, DDTreeError, run_cli
+from ddtree.files import path_argument
+from ddtree.names import DTYPE_NAMES
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES_DIR = REPO / "recipes"
+DEFAULT_RECIPE = "smollm2-135m"  # the CPU default
+
+
+def known_recipes() -> list[str]:
+    return sorted(path.stem for path in RECIPES_DIR.glob("*.yaml"))
+
+
+def check_recipe_name(name: str) -> None:
+    if name not in known_recipes():
+        stem = Path(name).stem
+        if stem in known_recipes():  # a file given where a name is wanted (data/regenerate.py takes both)
+            raise DDTreeError(f"--recipe takes a recipe's name: --recipe {stem} (reads recipes/{stem}.yaml)")
+        raise DDTreeError(f"unknown recipe {name!r}; known recipes: {', '.join(known_recipes())}")
+
+
+def recipe_path(name: str) -> Path:
+    return RECIPES_DIR / f"{name}.yaml"
+
+
+def answer_early(module: str, build: Callable[[], argparse.ArgumentParser], overrides: bool = False) -> None:
+    """Where `module` runs as the script (`__name__ == "__main__"`): parse the command line now, so that --help prints
+    and a bad flag or an unknown --recipe exits with its one line (status 2) before the heavy imports below the call.
+    `overrides`: the command takes any other --section.field=value as a recipe override (parse_known_args)."""
+    if module != "__main__":
+        return
+    parser = build()
+    args = parser.parse_known_args()[0] if overrides else parser.parse_args()
+    recipe = getattr(args, "recipe", None)
+    if recipe is not None:
+        status = run_cli(lambda _: check_recipe_name(recipe))
+        if status:
+            sys.exit(status)
+
+
+def train_parser() -> argparse.ArgumentParser:
+    parser = CommandParser(description="Train a drafter from a recipe.", add_help=True,
+                           epilog="Any other --section.field=value overrides that recipe field (--trainer.max_steps=100, "
+                                  "--model.num_layers=2, --data.batch_size=4): docs/training.md.")
+    parser.add_argument("--recipe", default=None,
+                        help=f"one of recipes/*.yaml (default: {DEFAULT_RECIPE}; a resumed run keeps its own)")
+    parser.add_argument("--resume", default=None,
+                        help="'last', a run folder (its newest checkpoint) or a checkpoint path: continue that run exactly")
+    # --run-name too: torchrun rejects any option spelled --run (an abbreviation of its --run-path)
+    parser.add_argument("--run", "--run-name", dest="run", default=None,
+                        help="run folder name, the same on every node (default: a timestamp, or slurm-<job id>)")
+    parser.add_argument("--output-root", default="outputs", help="runs go to <output-root>/<recipe>/<run>/")
+    return parser
+
+
+def features_parser() -> argparse.ArgumentParser:
+    parser = CommandParser(description="Build a recipe's offline feature store.",
+                           epilog="Any other --section.field=value overrides that recipe field, as in training.train "
+                                  "(--data.max_length=256, --data.store_max_minutes=7).")
+    parser.add_argument("--recipe", default=DEFAULT_RECIPE,
+                        help="one of recipes/*.yaml; its model.* and data.* define the store")
+    parser.add_argument("--out", type=path_argument, default=None, help="store folder (default: the recipe's data.feature_store; "
+                        "when that is auto or unset, <ddtree cache>/features/<recipe>-<tokenization key>)")
+    parser.add_argument("--force", action="store_true", help="replace an existing store of another build")
+    # Checked by parse_dtype, not argparse choices: a bad name is then one `error:` line like every other bad input.
+    parser.add_argument("--dtype", default="auto", help=f"the target's and the store's dtype: {', '.join(DTYPE_NAMES)}, "
+                        "or auto: the dtype the recipe trains the target in (its trainer.precision, measured if auto)")
+    return parser
+
+
+def evaluate_parser() -> argparse.ArgumentParser:
+    parser = CommandParser(description="Measure a saved checkpoint's DDTree acceptance exactly as training measured it.")
+    parser.add_argument("--recipe", default=DEFAULT_RECIPE, help="one of recipes/*.yaml")
+    parser.add_argument("--ckpt", default="best",
+                        help="'best', 'last' (of --run, else of the recipe's newest run) or a .ckpt path")
+    parser.add_argument("--run", default=None, type=Path, help="the run folder whose --ckpt to measure (make eval RUN=)")
+    parser.add_argument("--output-root", default="outputs", help="where the recipe's runs are: <output-root>/<recipe>/")
+    parser.add_argument("--limit", type=int, default=None, help="override eval.limit (the result then differs from training's)")
+    parser.add_argument("--device", default=None, help=DEVICE_HELP)
+    parser.add_argument("--out", type=path_argument, default=None, help="results JSON (default: <run>/eval/checkpoint-<name>[-limit<N>].json)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    return parser
+
+
+def ablate_parser() -> argparse.ArgumentParser:
+    parser = CommandParser(description="Train variants of a recipe on one budget and compare them.")
+    parser.add_argument("--recipe", default=DEFAULT_RECIPE)
+    parser.add_argument("--variant", action="append", default=None,
+                        help="name=overrides (repeatable); default: the five training objectives, the two "
+                        "distillation losses and three mixes (10 variants)")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per variant (the schedule's length)")
+    parser.add_argument("--minutes", type=float, default=None, help="wall-time budget per variant (trainer.max_time)")
+    parser.add_argument("--eval-limit", type=int, default=None, help="held-out prompts in the final evaluation")
+    parser.add_argument("--eval-max-new-tokens", type=int, default=None)
+    parser.add_argument("--output-root", default="outputs")
+    return parser
+
+
+def publish_parser() -> argparse.ArgumentParser:
+    parser = CommandParser(prog="python -m training.publish", description="Export a trained drafter as a Hugging Face "
+                           "Hub folder, ready for the serving engines, and push it.")
+    parser.add_argument("run", nargs="?", help="the run folder, outputs/<recipe>/<run>")
+    parser.add_argument("--out", type=path_argument, help="the folder to write (refused if it holds files, unless --overwrite)")
+    parser.add_argument("--ckpt", default="best", help="best (default), last, or a checkpoint path")
+    parser.add_argument("--speculators", action="store_true", help="add vLLM's speculators fields to config.json")
+    parser.add_argument("--base-model", help="the target's Hub id, if the run named it otherwise (a folder)")
+    parser.add_argument("--license", default="apache-2.0", help="card license; match the target's (e.g. llama3.1)")
+    parser.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default="float32", help="dtype of the exported weights")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
+    parser.add_argument("--allow-engine-mismatch", action="store_true",
+                        help="export a drafter that vLLM or SGLang would reject (the card says which rule)")
+    parser.add_argument("--repo", help="Hub repo id, user/name")
+    parser.add_argument("--push", action="store_true", help="upload to --repo after exporting (token: HF_TOKEN)")
+    parser.add_argument("--private", action="store_true",
+                        help="create the Hub repo private (an existing public repo is refused, not changed)")
+    parser.add_argument("--push-only", metavar="FOLDER", help="upload a finished export without exporting again")
+    return parser

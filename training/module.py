@@ -101,8 +101,8 @@ class ForwardClock:
 
     def stop(self) -> Callable[[], float]:
         if not self.events:
-            seconds = time.perf_counter() - self.started
-            return lambda: seconds
+            elapsed = time.perf_counter() - self.started
+            return lambda: elapsed
         start, end = self.start, torch.cuda.Event(enable_timing=True)
         end.record()
 

@@ -1,5 +1,6 @@
 """`ddtree`, the console script, and `python -m ddtree`: the command line is parsed before torch and transformers load
-(ddtree/arguments.py), so `--help` and a bad flag answer at once; then ddtree/cli.py runs the command."""
+(ddtree/arguments.py) and the --drafter and --prompts it names are checked (ddtree/inputs.py), so `--help`, a bad flag
+or a mistyped path answer at once; then ddtree/cli.py runs the command."""
 
 from __future__ import annotations
 
@@ -7,11 +8,13 @@ import sys
 
 from .arguments import build_parser
 from .errors import command
+from .inputs import check_input_paths
 
 
 @command
 def main(argv: list[str] | None = None) -> int:
-    build_parser().parse_args(sys.argv[1:] if argv is None else argv)  # --help, a bad flag: exits here
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)  # --help, a bad flag: exits here
+    check_input_paths(args)  # a mistyped --drafter or --prompts
     from .cli import main as run  # torch, transformers
 
     return run(argv)

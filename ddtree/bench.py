@@ -34,17 +34,8 @@ from .decoding import (
 from .corpus import CorpusLookup
 from .errors import DDTreeError
 from .files import iter_json_lines
+from .inputs import check_prompts_file
 from .sizing import TreeSizer
-
-
-def check_prompts_file(path: str | Path) -> Path:
-    """The prompts file as a Path, or one line saying why it cannot be one (checked before a target loads)."""
-    path = Path(path)
-    if path.is_dir():
-        raise DDTreeError(f"prompts file {path} is a folder; give a .jsonl file with one prompt per line")
-    if not path.is_file():
-        raise DDTreeError(f"prompts file {path} does not exist")
-    return path
 
 
 def read_prompts(path: str | Path, limit: int | None = None) -> list[tuple[str, str, dict]]:

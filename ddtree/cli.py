@@ -37,6 +37,7 @@ from .decoding import (
 )
 from .errors import DDTreeError, command
 from .files import check_output_file, write_json_atomic
+from .inputs import method_list
 from .modeling_dflash import DFlashDraftModel
 from .packed_linear import apply_packing, is_packed, pack_linears, require_packing
 from .precision import resolve_dtype
@@ -245,7 +246,7 @@ def _calibration(args) -> OnlineCalibration | None | bool:
 
 
 def cmd_bench(args) -> None:
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    methods = method_list(args.methods)
     if not methods:
         raise DDTreeError(f"--methods {args.methods!r} names no method: choose from {', '.join(METHODS)}")
     for flag, values in (("--methods", methods), ("--budgets", args.budgets)):

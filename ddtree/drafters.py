@@ -20,6 +20,7 @@ from transformers import PreTrainedModel
 
 from .configuration_dflash import DFlashDrafterConfig
 from .errors import DDTreeError, error_line
+from .inputs import check_drafter_path
 from .modeling_dflash import DFlashDraftModel
 from .targets import check_drafter_fits
 
@@ -80,10 +81,7 @@ def check_weights_match_config(folder: Path, config: DFlashDrafterConfig) -> Non
 
 def read_drafter_config(folder: Path) -> DFlashDrafterConfig:
     """A drafter folder's config.json, or one line saying why it cannot be read."""
-    if not (folder / "config.json").is_file():
-        if (folder / "drafter" / "config.json").is_file():  # a training run's folder: its drafter is inside
-            raise DDTreeError(f"drafter {str(folder)!r} is a training run's folder: its drafter is {folder / 'drafter'}")
-        raise DDTreeError(f"drafter {str(folder)!r} is not a folder with a config.json")
+    check_drafter_path(folder)
     try:
         fields = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as error:

@@ -273,16 +273,23 @@ def test_console_script_exit_code(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-def test_the_console_script_answers_help_and_a_bad_flag_before_torch_loads():
-    """`ddtree bench --help` and a bad flag waited about 8 s for torch and transformers (2-core EPYC); the console
-    script (ddtree/__main__.py) parses first and loads them only to run the command."""
+def test_the_console_script_answers_help_a_bad_flag_and_a_wrong_path_before_torch_loads():
+    """`ddtree bench --help` and a bad flag waited about 8 s for torch and transformers (2-core EPYC), a mistyped
+    --drafter or --prompts about 10 s; the console script (ddtree/__main__.py) parses and checks those paths first and
+    loads them only to run the command."""
     probe = ("import sys\nfrom ddtree.__main__ import main\n"
-             "try:\n    main(sys.argv[1:])\nexcept SystemExit as exit:\n"
-             "    print('status', exit.code, 'torch loaded' if 'torch' in sys.modules else 'no torch', file=sys.stderr)\n")
+             "try:\n    status = main(sys.argv[1:])\nexcept SystemExit as exit:\n    status = exit.code\n"
+             "print('status', status, 'torch loaded' if 'torch' in sys.modules else 'no torch', file=sys.stderr)\n")
     bad_budgets = "error: argument --budgets: expected comma-separated integers, got 'x'; see ddtree bench --help"
     for argv, status, said in ((["bench", "--help"], 0, "--budgets BUDGETS"),
                                (["bench", "--prompts", "p.jsonl", "--budgets", "x"], 2, bad_budgets),
-                               ([], 2, "error: the following arguments are required: command")):
+                               ([], 2, "error: the following arguments are required: command"),
+                               (["bench", "--drafter", "no-such-drafter", "--prompts", "data/eval_prompts.jsonl"], 2,
+                                "error: drafter 'no-such-drafter' is not a folder with a config.json"),
+                               (["generate", "--method", "dflash", "--drafter", "tests", "--prompt", "Hi"], 2,
+                                "error: drafter 'tests' is not a folder with a config.json"),
+                               (["bench", "--methods", "ar", "--prompts", "no-such.jsonl"], 2,
+                                "error: prompts file no-such.jsonl does not exist")):
         proc = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=120,
                               cwd=Path(__file__).parents[2])
         assert proc.stderr.strip().splitlines()[-1] == f"status {status} no torch", proc.stderr

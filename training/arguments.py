@@ -55,7 +55,7 @@ def answer_early(module: str, build: Callable[[], argparse.ArgumentParser], over
 
 
 def train_parser() -> argparse.ArgumentParser:
-    parser = CommandParser(description="Train a drafter from a recipe.", add_help=True,
+    parser = CommandParser(description="Train a drafter from a recipe.",
                            epilog="Any other --section.field=value overrides that recipe field (--trainer.max_steps=100, "
                                   "--model.num_layers=2, --data.batch_size=4): docs/training.md.")
     parser.add_argument("--recipe", default=None,

@@ -2,8 +2,9 @@
 
 `python -m training.train` (and `features`, `evaluate`, `ablate`, `publish`) runs its module, whose imports take
 11-13 s on the 2-core EPYC before `main` parses anything. Each of those modules calls `answer_early` above its heavy
-imports, so that `--help`, a bad flag and an unknown `--recipe` answer at once; its `main` then parses the same parser
-again (a call from Python, a test, starts there) and checks everything else.
+imports, so that `--help`, a bad value of one of its own flags and an unknown `--recipe` answer at once (a flag that
+`train`, `features` or `ablate` does not know is a recipe override: the recipe's parser judges it, after the imports);
+its `main` then parses the same parser again (a call from Python, a test, starts there) and checks everything else.
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ def recipe_path(name: str) -> Path:
 
 def answer_early(module: str, build: Callable[[], argparse.ArgumentParser], overrides: bool = False) -> None:
     """Where `module` runs as the script (`__name__ == "__main__"`): parse the command line now, so that --help prints
-    and a bad flag or an unknown --recipe exits with its one line (status 2) before the heavy imports below the call.
-    `overrides`: the command takes any other --section.field=value as a recipe override (parse_known_args)."""
+    and a bad flag value or an unknown --recipe exits with its one line (status 2) before the heavy imports below the
+    call. `overrides`: the command takes any other --section.field=value as a recipe override (parse_known_args)."""
     if module != "__main__":
         return
     parser = build()

@@ -2,9 +2,10 @@
 
 `python -m training.train` (and `features`, `evaluate`, `ablate`, `publish`) runs its module, whose imports take
 11-13 s on the 2-core EPYC before `main` parses anything. Each of those modules calls `answer_early` above its heavy
-imports, so that `--help`, a bad value of one of its own flags and an unknown `--recipe` answer at once (a flag that
-`train`, `features` or `ablate` does not know is a recipe override: the recipe's parser judges it, after the imports);
-its `main` then parses the same parser again (a call from Python, a test, starts there) and checks everything else.
+imports, so that `--help`, a bad value of one of its own flags, an unknown `--recipe` and a `--resume` path that does
+not exist answer at once (a flag that `train`, `features` or `ablate` does not know is a recipe override: the
+recipe's parser judges it, after the imports); its `main` then parses the same parser again (a call from Python, a
+test, starts there) and checks everything else.
 """
 
 from __future__ import annotations
@@ -40,19 +41,32 @@ def recipe_path(name: str) -> Path:
     return RECIPES_DIR / f"{name}.yaml"
 
 
+def missing_checkpoint(resume: str) -> DDTreeError:
+    return DDTreeError(f"--resume {resume}: no such checkpoint; give a .ckpt path, a run folder or 'last'")
+
+
+def check_early(args: argparse.Namespace) -> None:
+    """What a command line names that can be checked without torch: the recipe's name, and that a --resume path exists
+    (what it holds is checked with the checkpoint code, training/checkpoints.py find_resume)."""
+    recipe = getattr(args, "recipe", None)
+    if recipe is not None:
+        check_recipe_name(recipe)
+    resume = getattr(args, "resume", None)
+    if resume not in (None, "last") and not Path(resume).exists():
+        raise missing_checkpoint(resume)
+
+
 def answer_early(module: str, build: Callable[[], argparse.ArgumentParser], overrides: bool = False) -> None:
     """Where `module` runs as the script (`__name__ == "__main__"`): parse the command line now, so that --help prints
-    and a bad flag value or an unknown --recipe exits with its one line (status 2) before the heavy imports below the
-    call. `overrides`: the command takes any other --section.field=value as a recipe override (parse_known_args)."""
+    and a bad flag value, an unknown --recipe or a missing --resume path exits with its one line (status 2) before the
+    heavy imports below the call. `overrides`: the command takes any other --section.field=value as a recipe override (parse_known_args)."""
     if module != "__main__":
         return
     parser = build()
     args = parser.parse_known_args()[0] if overrides else parser.parse_args()
-    recipe = getattr(args, "recipe", None)
-    if recipe is not None:
-        status = run_cli(lambda _: check_recipe_name(recipe))
-        if status:
-            sys.exit(status)
+    status = run_cli(lambda _: check_early(args))
+    if status:
+        sys.exit(status)
 
 
 def train_parser() -> argparse.ArgumentParser:

@@ -36,6 +36,7 @@ from ddtree.errors import DDTreeError, error_line
 from ddtree.files import atomic_file
 from ddtree.modeling_dflash import DFlashDraftModel
 
+from .arguments import missing_checkpoint
 from .peft_utils import DEFAULT_LORA_MODULES, add_drafter_lora, merged_drafter
 
 # ----------------------------------------------------------------------------- writing a checkpoint
@@ -265,7 +266,7 @@ def find_resume(resume: str, recipe_root: Path) -> tuple[Path, Path]:
     else:
         checkpoint = Path(resume)
         if not is_checkpoint(checkpoint):
-            raise DDTreeError(f"--resume {resume}: no such checkpoint; give a .ckpt path, a run folder or 'last'")
+            raise missing_checkpoint(resume)
     run_dir = run_folder_of(checkpoint)
     if run_dir is None and not is_readable(checkpoint):
         raise DDTreeError(f"--resume {resume}: {checkpoint} is not a readable checkpoint; give a .ckpt from a run's "

@@ -144,14 +144,16 @@ def test_every_training_command_says_a_bad_flag_in_one_line(capsys, module):
 @pytest.mark.parametrize("module, argv, status, said", [
     ("train", ["--help"], 0, "--output-root OUTPUT_ROOT"),
     ("train", ["--recipe", "nope"], 2, "error: unknown recipe 'nope'; known recipes: "),
+    ("train", ["--recipe", "tiny", "--resume", "no-such-run"], 2, "error: --resume no-such-run: no such checkpoint; "),
     ("features", ["--recipe", "recipes/tiny.yaml"], 2, "error: --recipe takes a recipe's name: --recipe tiny"),
     ("evaluate", ["--limit", "x"], 2, "error: argument --limit: invalid int value: 'x'; see python -m training.evaluate"),
     ("ablate", ["--help"], 0, "--eval-max-new-tokens"),
     ("publish", ["--dtype", "x"], 2, "error: argument --dtype: invalid choice: 'x'"),
 ])
 def test_a_training_command_answers_help_and_a_bad_recipe_before_torch_loads(module, argv, status, said):
-    """`python -m training.train --help` and an unknown --recipe waited 11-16 s for torch and Lightning (2-core EPYC);
-    each command's module parses above its heavy imports (training/arguments.py). Run as `python -m` runs it."""
+    """`python -m training.train --help`, an unknown --recipe or a missing --resume path waited 11-18 s for torch and
+    Lightning (2-core EPYC); each command's module parses above its heavy imports (training/arguments.py). Run as
+    `python -m` runs it."""
     probe = ("import runpy, sys\n"
              "try:\n    runpy.run_module(sys.argv[1], run_name='__main__', alter_sys=True)\n"
              "except SystemExit as exit:\n"

@@ -59,7 +59,8 @@ def check_early(args: argparse.Namespace) -> None:
 def answer_early(module: str, build: Callable[[], argparse.ArgumentParser], overrides: bool = False) -> None:
     """Where `module` runs as the script (`__name__ == "__main__"`): parse the command line now, so that --help prints
     and a bad flag value, an unknown --recipe or a missing --resume path exits with its one line (status 2) before the
-    heavy imports below the call. `overrides`: the command takes any other --section.field=value as a recipe override (parse_known_args)."""
+    heavy imports below the call. `overrides`: the command takes any other --section.field=value as a recipe override
+    (parse_known_args)."""
     if module != "__main__":
         return
     parser = build()

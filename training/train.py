@@ -43,7 +43,7 @@ from pathlib import Path
 
 from training.arguments import DEFAULT_RECIPE, answer_early, check_recipe_name, known_recipes, recipe_path, train_parser
 
-answer_early(__name__, train_parser, overrides=True)  # python -m: --help and a bad --recipe before Lightning loads
+answer_early(__name__, train_parser, overrides=True)  # python -m: --help, a bad --recipe or --resume before Lightning loads
 
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException

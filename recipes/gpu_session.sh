@@ -6,6 +6,12 @@
 #   recipes/gpu_session.sh [STAGE ...]        default: tests bench-static (what fits one call; then the others)
 #   LIMIT=500 DRAFTER=/path/to/drafter recipes/gpu_session.sh tests bench-static
 #
+# Staging (../shared/GPU.md): here, ../shared/gpu/prepare.sh and recipes/gpu_stage_deepspeed.sh; then on the machine
+#   call 1, carry [".gpu-a"]:           mkdir -p /tmp/keep && cp .gpu-a/* /tmp/keep/
+#   call 2, carry [".gpu-b", ".gpu-c"]: . .gpu-b/on-device.sh && recipes/gpu_session.sh tests bench-static
+#   later calls, the same carry:        . .gpu-b/on-device.sh && recipes/gpu_session.sh <the next stages>
+# within 30 s of each other (the machine goes back when idle, and /tmp with it).
+#
 # Stages (in the order given):
 #   tests          every CUDA test but DeepSpeed's (pytest -m "" -k "cuda and not deepspeed"): flex attention, parity,
 #                  no cuDNN, graph replays, lossless

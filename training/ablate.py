@@ -40,9 +40,10 @@ import sys
 import time
 from pathlib import Path
 
-from .arguments import ablate_parser, answer_early, check_recipe_name, recipe_path
+from .arguments import ablate_parser, answer_early, check_recipe_args, check_recipe_name, recipe_path
 
-answer_early(__name__, ablate_parser, overrides=True)  # python -m: --help and a bad --recipe before Lightning loads
+# python -m: --help and a bad --recipe before Lightning loads
+answer_early(__name__, ablate_parser, check_recipe_args, overrides=True)
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
@@ -52,7 +53,7 @@ from ddtree.errors import DDTreeError, command
 from ddtree.files import atomic_file, finite_json, write_text_atomic
 
 from .callbacks import AcceptanceEvaluation
-from .checkpoints import ABLATE_PREFIX
+from .checkpoint_paths import ABLATE_PREFIX
 from .loss import RECALL_K
 from .module import DistillModule
 from .data import DATA_RECORD

@@ -2,10 +2,11 @@
 
 `python -m training.train` (and `features`, `evaluate`, `ablate`, `publish`) runs its module, whose imports take
 11-13 s on the 2-core EPYC before `main` parses anything. Each of those modules calls `answer_early` above its heavy
-imports, so that `--help`, a bad value of one of its own flags, an unknown `--recipe` and a `--resume` path that does
-not exist answer at once (a flag that `train`, `features` or `ablate` does not know is a recipe override: the
-recipe's parser judges it, after the imports); its `main` then parses the same parser again (a call from Python, a
-test, starts there) and checks everything else.
+imports, so that `--help`, a bad value of one of its own flags, an unknown `--recipe` and a run or checkpoint that is
+not there (`train --resume`, `evaluate --ckpt/--run`, `publish RUN --ckpt`: training/checkpoint_paths.py) answer at
+once (a flag that `train`, `features` or `ablate` does not know is a recipe override: the recipe's parser judges it,
+after the imports); its `main` then parses the same parser again (a call from Python, a test, starts there) and
+checks everything else, these again among them.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from ddtree.arguments import DEVICE_HELP
 from ddtree.errors import CommandParser, DDTreeError, run_cli
 from ddtree.files import path_argument
 from ddtree.names import DTYPE_NAMES
+
+from .checkpoint_paths import check_run_folder, find_checkpoint, find_resume, find_run_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES_DIR = REPO / "recipes"
@@ -41,31 +44,40 @@ def recipe_path(name: str) -> Path:
     return RECIPES_DIR / f"{name}.yaml"
 
 
-def missing_checkpoint(resume: str) -> DDTreeError:
-    return DDTreeError(f"--resume {resume}: no such checkpoint; give a .ckpt path, a run folder or 'last'")
+# What each command line names that can be checked without torch, in the order its `main` checks it.
+
+def check_recipe_args(args: argparse.Namespace) -> None:  # features, ablate
+    check_recipe_name(args.recipe)
 
 
-def check_early(args: argparse.Namespace) -> None:
-    """What a command line names that can be checked without torch: the recipe's name, and that a --resume path exists
-    (what it holds is checked with the checkpoint code, training/checkpoints.py find_resume)."""
-    recipe = getattr(args, "recipe", None)
-    if recipe is not None:
-        check_recipe_name(recipe)
-    resume = getattr(args, "resume", None)
-    if resume not in (None, "last") and not Path(resume).exists():
-        raise missing_checkpoint(resume)
+def check_train_args(args: argparse.Namespace) -> None:
+    if args.recipe is not None:
+        check_recipe_name(args.recipe)
+    if args.resume:
+        find_resume(args.resume, Path(args.output_root) / (args.recipe or DEFAULT_RECIPE))
 
 
-def answer_early(module: str, build: Callable[[], argparse.ArgumentParser], overrides: bool = False) -> None:
+def check_evaluate_args(args: argparse.Namespace) -> None:
+    check_recipe_name(args.recipe)
+    find_checkpoint(args.ckpt, Path(args.output_root) / args.recipe, args.run)
+
+
+def check_publish_args(args: argparse.Namespace) -> None:
+    if args.run and args.out and not args.push_only:  # main says what a line without them lacks
+        check_run_folder(Path(args.run))
+        find_run_checkpoint(Path(args.run), args.ckpt)
+
+
+def answer_early(module: str, build: Callable[[], argparse.ArgumentParser],
+                 check: Callable[[argparse.Namespace], None], overrides: bool = False) -> None:
     """Where `module` runs as the script (`__name__ == "__main__"`): parse the command line now, so that --help prints
-    and a bad flag value, an unknown --recipe or a missing --resume path exits with its one line (status 2) before the
-    heavy imports below the call. `overrides`: the command takes any other --section.field=value as a recipe override
-    (parse_known_args)."""
+    and a bad flag value or what `check` refuses exits with its one line (status 2) before the heavy imports below the
+    call. `overrides`: the command takes any other --section.field=value as a recipe override (parse_known_args)."""
     if module != "__main__":
         return
     parser = build()
     args = parser.parse_known_args()[0] if overrides else parser.parse_args()
-    status = run_cli(lambda _: check_early(args))
+    status = run_cli(lambda _: check(args))
     if status:
         sys.exit(status)
 

@@ -1,15 +1,11 @@
-"""Training checkpoints: finding one (best, last, a path, a run folder), and reading it once.
+"""Training checkpoints: writing one whole or not at all, and reading it once.
 
-    path = find_checkpoint("best", Path("outputs/smollm2-135m"))      # make eval CKPT=best
-    path, label = find_run_checkpoint(run_dir, "best")                # make export RUN=... CKPT=best
-    checkpoint, run_dir = find_resume("last", Path("outputs/smollm2-135m"))   # make train RESUME=last
     checkpoint = load_checkpoint(path)      # .drafter, .step, .hyper_parameters, .callbacks
 
 A checkpoint is a Lightning .ckpt file written by training/train.py (drafter, optimizer, loop and
 data state, the drafter config; never the target), or, under a DeepSpeed strategy, a folder of
-per-rank shards under the same name (it holds a `latest` tag file). A run folder holds
-checkpoints/{step-N,last,best}.ckpt (best.ckpt links to the step with the highest measured
-tau), hpc_ckpt_N.ckpt after a SLURM requeue signal, and the config.yaml the run was trained with.
+per-rank shards under the same name. Finding one (best, last, a path, a run folder) is
+training/checkpoint_paths.py's, which needs no torch.
 
 `load_checkpoint` reads a checkpoint once (a DeepSpeed folder is consolidated to fp32 weights
 first) and rebuilds the drafter as it is exported, LoRA adapters merged. Anything that is not a drafter checkpoint of
@@ -24,7 +20,6 @@ import contextlib
 import io
 import os
 import tempfile
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +31,7 @@ from ddtree.errors import DDTreeError, error_line
 from ddtree.files import atomic_file
 from ddtree.modeling_dflash import DFlashDraftModel
 
-from .arguments import missing_checkpoint
+from .checkpoint_paths import SAVING_MARKER, is_deepspeed_checkpoint, is_readable, run_checkpoints
 from .peft_utils import DEFAULT_LORA_MODULES, add_drafter_lora, merged_drafter
 
 # ----------------------------------------------------------------------------- writing a checkpoint
@@ -85,37 +80,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         return stale
 
 
-# ----------------------------------------------------------------------------- finding a checkpoint
-
-
-def is_deepspeed_checkpoint(path: Path) -> bool:
-    return path.is_dir() and (path / "latest").is_file()
-
-
-def is_checkpoint(path: Path) -> bool:
-    """A .ckpt file or a DeepSpeed checkpoint folder (through a best.ckpt link too)."""
-    return path.is_file() or is_deepspeed_checkpoint(path)
-
-
-# In a DeepSpeed checkpoint folder while a save writes it (strategies.DrafterDeepSpeed.save_checkpoint): DeepSpeed
-# rewrites the folder's files in place, so a save cut short leaves two steps' files mixed.
-SAVING_MARKER = "saving"
-
-
-def is_readable(checkpoint: Path) -> bool:
-    """A .ckpt file whose zip directory reads, or a DeepSpeed folder whose last save finished (its shards are left
-    to DeepSpeed to judge).
-
-    torch.save writes a zip archive with its directory at the very end, so a file cut off mid-write
-    or mid-copy fails here in milliseconds, before a Lightning resume would load it.
-    """
-    if checkpoint.is_dir():
-        return not (checkpoint / SAVING_MARKER).exists()
-    try:
-        with zipfile.ZipFile(checkpoint) as archive:
-            return bool(archive.namelist())
-    except (zipfile.BadZipFile, OSError):
-        return False
+# ----------------------------------------------------------------------------- reading a checkpoint
 
 
 def deepspeed_client_state(folder: Path) -> dict:
@@ -133,156 +98,6 @@ def deepspeed_client_state(folder: Path) -> dict:
                           f"({type(error).__name__}: {error_line(error)})") from None
 
 
-def saved_at(checkpoint: Path) -> float:
-    """When a checkpoint was last written: a file's mtime, or a DeepSpeed folder's `latest` tag file's."""
-    return (checkpoint / "latest" if checkpoint.is_dir() else checkpoint).stat().st_mtime
-
-
-def run_folder_of(checkpoint: Path) -> Path | None:
-    """The run a checkpoint belongs to: the folder with the config.yaml above checkpoints/x.ckpt or hpc_ckpt_N.ckpt."""
-    resolved = checkpoint.resolve()
-    return next((folder for folder in resolved.parents[:2] if (folder / "config.yaml").is_file()), None)
-
-
-ABLATE_PREFIX = "ablate-"  # `make ablate` names its variants' runs ablate-<stamp>-<variant> (training/ablate.py)
-
-
-def newest_run(recipe_root: Path, name: str) -> Path | None:
-    """The newest run under recipe_root (by when its last.ckpt was saved) that has checkpoints/<name>.
-
-    `make ablate`'s variant runs are left out: 'last' and 'best' mean the newest `make train` run, not a variant
-    trained for a comparison (name a variant's folder to take it)."""
-    runs = [found.parent.parent for found in recipe_root.glob(f"*/checkpoints/{name}")
-            if is_checkpoint(found) and not found.parent.parent.name.startswith(ABLATE_PREFIX)]
-
-    def last_saved(run: Path) -> float:
-        last = run / "checkpoints" / "last.ckpt"
-        return saved_at(last) if is_checkpoint(last) else 0.0
-
-    return max(runs, key=last_saved, default=None)
-
-
-def no_run_found(recipe_root: Path, name: str) -> str:
-    """Why newest_run found nothing, with the variant runs it left out (if any) and how to take one."""
-    variants = sorted(recipe_root.glob(f"{ABLATE_PREFIX}*/checkpoints/{name}"))
-    counted = f"{len(variants)} `make ablate` variant run" + ("s there are" if len(variants) > 1 else " there is")
-    left_out = f" ({counted} not counted; name one, e.g. {variants[-1].parent.parent})" if variants else ""
-    return f"no run under {recipe_root} has checkpoints/{name}{left_out}"
-
-
-def check_run_folder(run_dir: Path) -> None:
-    """RUN for `make eval` and `make export`: a folder `make train` wrote, or one line saying what it is instead."""
-    if not run_dir.is_dir():
-        raise DDTreeError(f"RUN={run_dir}: no such run folder; give outputs/<recipe>/<run>")
-    if not (run_dir / "config.yaml").is_file() and not (run_dir / "checkpoints").is_dir():
-        raise DDTreeError(f"RUN={run_dir} is not a training run (no config.yaml, no checkpoints/); "
-                          "give the folder `make train` wrote, outputs/<recipe>/<run>")
-
-
-def find_checkpoint(spec: str, recipe_root: Path, run_dir: Path | None = None) -> Path:
-    """CKPT for `make eval`: 'best' or 'last' of RUN (a run folder), else of the newest run under recipe_root, or a
-    checkpoint path."""
-    if run_dir is not None:
-        check_run_folder(run_dir)
-        return find_run_checkpoint(run_dir, spec)[0]
-    if spec in ("best", "last"):
-        run = newest_run(recipe_root, f"{spec}.ckpt")
-        if run is None:
-            raise DDTreeError(f"CKPT={spec}: {no_run_found(recipe_root, f'{spec}.ckpt')}; train one first, or give RUN")
-        return run / "checkpoints" / f"{spec}.ckpt"
-    path = Path(spec)
-    if (path / "config.yaml").is_file():
-        raise DDTreeError(f"CKPT={spec} is a run folder: give RUN={spec} (its best.ckpt, or CKPT=last with it)")
-    if not is_checkpoint(path):
-        raise DDTreeError(f"CKPT={spec}: no such checkpoint file; give a .ckpt path (or DeepSpeed folder), 'best' or "
-                          "'last' (of RUN=<run folder>, else of the recipe's newest run)")
-    return path
-
-
-def find_run_checkpoint(run_dir: Path, spec: str) -> tuple[Path, str]:
-    """CKPT for `make export`: best | last | a path (absolute, relative to here or to <run>/checkpoints).
-
-    Returns the resolved path and a label saying how it was chosen, for the model card
-    ("best -> step-200.ckpt").
-    """
-    checkpoints = run_dir / "checkpoints"
-    if not spec.strip():  # Path("") is the current folder, which would be read as a checkpoint
-        raise DDTreeError("CKPT is empty; give best, last or a path to a checkpoint")
-    if spec in ("best", "last"):
-        named = checkpoints / f"{spec}.ckpt"
-        if not named.exists():
-            hint = "CKPT=last or a path" if spec == "best" else "a path to a checkpoint"
-            why = " (runs trained before the acceptance evaluation have no best.ckpt)" if spec == "best" else ""
-            raise DDTreeError(f"CKPT={spec}: {named} does not exist{why}; use {hint}")
-        resolved = named.resolve()  # best.ckpt is a symlink to the chosen step-N checkpoint
-        return resolved, spec if resolved.name == named.name else f"{spec} -> {resolved.name}"
-    for candidate in (Path(spec), checkpoints / spec):
-        if candidate.exists():
-            owner = run_folder_of(candidate)
-            if owner is not None and owner.resolve() != run_dir.resolve():  # the card would show this run's numbers
-                raise DDTreeError(f"CKPT={spec} is a checkpoint of the run {owner}, not of RUN={run_dir}; "
-                                  f"export it with RUN={owner}")
-            return candidate.resolve(), candidate.name
-    raise DDTreeError(f"CKPT={spec}: no such checkpoint (looked in . and {checkpoints}); give best, last or a path")
-
-
-def newest_checkpoint(run_dir: Path) -> Path:
-    """The newest of a run's checkpoints/last.ckpt and the hpc_ckpt_N.ckpt Lightning saves on SLURM's requeue signal;
-    without either (checkpoint.save_last false, or a save of last.ckpt cut short), its newest step checkpoint. Each is
-    a whole training state, and a run folder holding any is refused as a new run's, so it must resume from one.
-    last.ckpt first: it is written with every step checkpoint, and file times alone would rank a copied folder's
-    files by the order they were copied in."""
-    saved = run_checkpoints(run_dir)
-    latest = [p for p in saved if p.name == "last.ckpt" or p.name.startswith("hpc_ckpt_")]
-    if latest or saved:
-        return (latest or saved)[0]  # run_checkpoints: newest first
-    unfinished = sorted(p.name for p in (run_dir / "checkpoints").glob("*.ckpt"))
-    if unfinished:  # a DeepSpeed folder whose first save was cut short (no `latest`, or its `saving` marker)
-        raise DDTreeError(f"--resume {run_dir}: no whole checkpoint: {', '.join(unfinished)} in checkpoints/ is a save "
-                          "cut short, with no state to continue from; start again under another --run")
-    raise DDTreeError(f"--resume {run_dir}: the run has no checkpoint yet (none in checkpoints/, no hpc_ckpt_*.ckpt)")
-
-
-def run_checkpoints(run_dir: Path) -> list[Path]:
-    """Every checkpoint of a run, newest first: checkpoints/*.ckpt (best.ckpt, a link, counted once) and hpc_ckpt_N.ckpt."""
-    found = [*(run_dir / "checkpoints").glob("*.ckpt"), *run_dir.glob("hpc_ckpt_*.ckpt")]
-    return sorted((p for p in found if is_checkpoint(p) and not p.is_symlink()), key=saved_at, reverse=True)
-
-
-def find_resume(resume: str, recipe_root: Path) -> tuple[Path, Path]:
-    """(checkpoint, run folder) for --resume: 'last' = newest run of this recipe with a last.ckpt.
-
-    Also a run folder (its newest checkpoint) or a checkpoint path: a .ckpt file, or the folder a
-    DeepSpeed strategy writes under that name. A .ckpt file that cannot be read (cut off when the
-    run was killed or the disk filled) is refused here, naming the run's readable checkpoints.
-    """
-    if resume == "last":
-        run = newest_run(recipe_root, "last.ckpt")
-        if run is None:
-            raise DDTreeError(f"--resume last: {no_run_found(recipe_root, 'last.ckpt')}; start one first")
-        checkpoint = run / "checkpoints" / "last.ckpt"
-    elif (Path(resume) / "config.yaml").is_file():
-        checkpoint = newest_checkpoint(Path(resume))
-    else:
-        checkpoint = Path(resume)
-        if not is_checkpoint(checkpoint):
-            raise missing_checkpoint(resume)
-    run_dir = run_folder_of(checkpoint)
-    if run_dir is None and not is_readable(checkpoint):
-        raise DDTreeError(f"--resume {resume}: {checkpoint} is not a readable checkpoint; give a .ckpt from a run's "
-                          "checkpoints/ folder, a run folder or 'last'")
-    if run_dir is None:
-        raise DDTreeError(f"--resume {resume}: {checkpoint.resolve().parent.parent}/config.yaml is missing, "
-                          "so the run cannot be resumed exactly")
-    if not is_readable(checkpoint):
-        others = [str(p) for p in run_checkpoints(run_dir) if p.resolve() != checkpoint.resolve() and is_readable(p)]
-        fix = (f"resume from an earlier one: {', '.join(others)}" if others
-               else f"the run {run_dir} has no other readable checkpoint; start it again")
-        why = "its save was cut short" if checkpoint.is_dir() else "truncated?"
-        raise DDTreeError(f"--resume {resume}: checkpoint {checkpoint} is unreadable ({why}); {fix}")
-    return checkpoint, run_dir
-
-
 def newest_finite_checkpoint(run_dir: Path) -> Path | None:
     """The run's newest checkpoint that loads with finite drafter weights (load_checkpoint refuses the others), or None.
 
@@ -295,9 +110,6 @@ def newest_finite_checkpoint(run_dir: Path) -> Path | None:
             continue
         return checkpoint
     return None
-
-
-# ----------------------------------------------------------------------------- reading a checkpoint
 
 
 @dataclass

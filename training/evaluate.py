@@ -24,9 +24,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .arguments import answer_early, check_recipe_name, evaluate_parser, recipe_path
+from .arguments import answer_early, check_evaluate_args, check_recipe_name, evaluate_parser, recipe_path
 
-answer_early(__name__, evaluate_parser)  # python -m: --help, a bad flag or --recipe before torch loads
+# python -m: --help, a bad flag, --recipe, --run or --ckpt before torch loads
+answer_early(__name__, evaluate_parser, check_evaluate_args)
 
 from ddtree.arguments import default_device
 from ddtree.cli import parse_device
@@ -37,7 +38,8 @@ from ddtree.precision import AUTO, fast_precision
 from ddtree.targets import stop_token_ids
 
 from .callbacks import AcceptanceEvaluation, metrics_of
-from .checkpoints import Checkpoint, find_checkpoint, load_checkpoint, recorded_evaluation, run_folder_of
+from .checkpoint_paths import find_checkpoint, run_folder_of
+from .checkpoints import Checkpoint, load_checkpoint, recorded_evaluation
 from .export import run_corpus
 from .target import dtype_for_precision, load_frozen_target
 

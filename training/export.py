@@ -22,7 +22,8 @@ from ddtree.corpus import CORPUS_FILE
 from ddtree.errors import CommandParser, command
 from ddtree.files import check_output_folder, staged_folder
 
-from .checkpoints import drafter_from_checkpoint, run_folder_of
+from .checkpoint_paths import run_folder_of
+from .checkpoints import drafter_from_checkpoint
 from .peft_utils import merged_drafter
 
 

@@ -16,9 +16,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .arguments import answer_early, check_recipe_name, features_parser, recipe_path
+from .arguments import answer_early, check_recipe_args, check_recipe_name, features_parser, recipe_path
 
-answer_early(__name__, features_parser, overrides=True)  # python -m: --help and a bad --recipe before torch loads
+# python -m: --help and a bad --recipe before torch loads
+answer_early(__name__, features_parser, check_recipe_args, overrides=True)
 
 from ddtree.errors import command
 from ddtree.targets import parse_dtype

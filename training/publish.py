@@ -31,9 +31,9 @@ written; --allow-engine-mismatch exports a drafter the engines would reject anyw
 folder is built beside OUT and renamed into place after it has been loaded back and checked, so a
 failure leaves nothing half-written; a failed push leaves the exported folder intact for --push-only.
 
-This file is the command and the folder's assembly; training/checkpoints.py finds and reads the
-checkpoint, training/hub_config.py writes config.json, training/engines.py holds the engines' rules
-and commands, training/hub.py talks to the Hub and training/model_card.py writes README.md.
+This file is the command and the folder's assembly; training/checkpoint_paths.py finds the checkpoint and
+training/checkpoints.py reads it, training/hub_config.py writes config.json, training/engines.py holds the engines'
+rules and commands, training/hub.py talks to the Hub and training/model_card.py writes README.md.
 """
 
 from __future__ import annotations
@@ -43,9 +43,10 @@ import shutil
 import sys
 from pathlib import Path
 
-from .arguments import answer_early, publish_parser
+from .arguments import answer_early, check_publish_args, publish_parser
 
-answer_early(__name__, publish_parser)  # python -m: --help and a bad flag before torch and transformers load
+# python -m: --help, a bad flag, RUN or --ckpt before torch and transformers load
+answer_early(__name__, publish_parser, check_publish_args)
 
 import torch
 from transformers import AutoModel
@@ -57,10 +58,8 @@ from ddtree.files import check_output_folder, finite_json, staged_folder
 from ddtree.modeling_dflash import DFlashDraftModel
 from ddtree.targets import parse_dtype
 
-from .checkpoints import (
-    Checkpoint, check_run_folder, find_run_checkpoint, load_checkpoint, recorded_evaluation, run_checkpoints,
-    run_folder_of,
-)
+from .checkpoint_paths import check_run_folder, find_run_checkpoint, run_checkpoints, run_folder_of
+from .checkpoints import Checkpoint, load_checkpoint, recorded_evaluation
 from .engines import Export, engine_problems, refusal, serve_commands, target_facts, weight_shapes
 from .export import run_corpus
 from .hub import check_card_fields, check_export_folder, check_repo_id, preflight_hub, push

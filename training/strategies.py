@@ -56,7 +56,8 @@ from torch import nn
 from ddtree.errors import DDTreeError
 from ddtree.modeling_dflash import DFlashDraftModel
 
-from .checkpoints import SAVING_MARKER, drafter_from_weights
+from .checkpoint_paths import SAVING_MARKER
+from .checkpoints import drafter_from_weights
 
 
 class DrafterDeepSpeed(DeepSpeedStrategy):
@@ -75,7 +76,7 @@ class DrafterDeepSpeed(DeepSpeedStrategy):
     def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
         """Lightning's save, between a marker written before any rank writes and removed after every rank has:
         DeepSpeed rewrites the folder's files in place under one tag, so a save cut short (a kill, a full disk) left a
-        mix of two steps that resumed with a traceback or, worse, silently (checkpoints.is_readable refuses it now)."""
+        mix of two steps that resumed with a traceback or, worse, silently (checkpoint_paths.is_readable refuses it now)."""
         marker = Path(filepath) / SAVING_MARKER
         if self.is_global_zero:
             marker.parent.mkdir(parents=True, exist_ok=True)

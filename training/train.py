@@ -41,9 +41,11 @@ import time
 import warnings
 from pathlib import Path
 
-from training.arguments import DEFAULT_RECIPE, answer_early, check_recipe_name, known_recipes, recipe_path, train_parser
+from training.arguments import (DEFAULT_RECIPE, answer_early, check_recipe_name, check_train_args, known_recipes, recipe_path,
+                                train_parser)
 
-answer_early(__name__, train_parser, overrides=True)  # python -m: --help, a bad --recipe or --resume before Lightning loads
+# python -m: --help, a bad --recipe or --resume before Lightning loads
+answer_early(__name__, train_parser, check_train_args, overrides=True)
 
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -51,8 +53,8 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from ddtree.corpus import CORPUS_FILE, write_replies
 from ddtree.errors import DDTreeError, command
 from ddtree.files import write_text_atomic
-from training.checkpoints import (AtomicCheckpointIO, deepspeed_client_state, find_resume, is_deepspeed_checkpoint,
-                                  newest_checkpoint, newest_finite_checkpoint, non_finite_tensors, run_checkpoints)
+from training.checkpoint_paths import find_resume, is_deepspeed_checkpoint, newest_checkpoint, run_checkpoints
+from training.checkpoints import AtomicCheckpointIO, deepspeed_client_state, newest_finite_checkpoint, non_finite_tensors
 from training.data import DATA_RECORD, DistillDataModule, replies
 from training.export import export_drafter, run_corpus
 from training.feature_store import (build_feature_store, drafter_layer_ids, is_complete, resolve_store_path, store_seconds,

@@ -1,4 +1,4 @@
-"""Tests of finding and reading training checkpoints (training/checkpoints.py).
+"""Tests of finding and reading training checkpoints (training/checkpoint_paths.py, training/checkpoints.py).
 
     .venv/bin/pytest -q tests/training/test_checkpoints.py
 
@@ -19,8 +19,8 @@ import torch
 import training.evaluate
 import training.publish
 from ddtree.errors import DDTreeError
-from training.checkpoints import (deepspeed_client_state, find_checkpoint, find_resume, find_run_checkpoint,
-                                  load_checkpoint)
+from training.checkpoint_paths import SAVING_MARKER, find_checkpoint, find_resume, find_run_checkpoint
+from training.checkpoints import deepspeed_client_state, load_checkpoint
 from training.module import DistillModule
 
 
@@ -176,7 +176,6 @@ def test_a_deepspeed_folder_whose_save_was_cut_short_is_refused_and_the_earlier_
     """DeepSpeed rewrites a checkpoint folder's files in place: a save killed midway left shards of two steps, which
     resumed with a traceback (a half-written shard) or silently from the older optimizer state (one not yet
     reached). Its strategy keeps a marker in the folder while it saves (below)."""
-    from training.checkpoints import SAVING_MARKER, load_checkpoint
 
     root = tmp_path / "tiny"
     run = make_run(root, "ds", {"checkpoints/step-2.ckpt/": 100, "checkpoints/last.ckpt/": 200})
@@ -193,7 +192,6 @@ def test_a_deepspeed_folder_whose_save_was_cut_short_is_refused_and_the_earlier_
 def test_the_deepspeed_strategy_marks_a_checkpoint_folder_until_every_rank_has_saved(tmp_path, monkeypatch):
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
-    from training.checkpoints import SAVING_MARKER
     from training.strategies import DrafterDeepSpeed
 
     seen, events = [], []

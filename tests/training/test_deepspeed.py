@@ -45,7 +45,8 @@ from safetensors.torch import load_file
 
 import training.train
 from ddtree.targets import DDTreeError
-from training.checkpoints import SAVING_MARKER, load_checkpoint
+from training.checkpoint_paths import SAVING_MARKER
+from training.checkpoints import load_checkpoint
 from training.launch import exit_status, first_failure
 from training.strategies import check_launch, count_devices
 

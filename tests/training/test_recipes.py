@@ -145,17 +145,22 @@ def test_every_training_command_says_a_bad_flag_in_one_line(capsys, module):
     ("train", ["--help"], 0, "--output-root OUTPUT_ROOT"),
     ("train", ["--recipe", "nope"], 2, "error: unknown recipe 'nope'; known recipes: "),
     ("train", ["--recipe", "tiny", "--resume", "no-such-run"], 2, "error: --resume no-such-run: no such checkpoint; "),
+    ("train", ["--resume", "last", "--output-root", "no-such-outputs"], 2,
+     "error: --resume last: no run under no-such-outputs/smollm2-135m has checkpoints/last.ckpt; start one first"),
+    ("evaluate", ["--output-root", "no-such-outputs"], 2, "error: CKPT=best: no run under no-such-outputs/smollm2-135m "),
+    ("publish", ["no-such-run", "--out", "no-such-export"], 2, "error: RUN=no-such-run: no such run folder; "),
     ("features", ["--recipe", "recipes/tiny.yaml"], 2, "error: --recipe takes a recipe's name: --recipe tiny"),
     ("evaluate", ["--limit", "x"], 2, "error: argument --limit: invalid int value: 'x'; see python -m training.evaluate"),
     ("ablate", ["--help"], 0, "--eval-max-new-tokens"),
     ("publish", ["--dtype", "x"], 2, "error: argument --dtype: invalid choice: 'x'"),
 ])
 def test_a_training_command_answers_help_and_a_bad_recipe_before_torch_loads(module, argv, status, said):
-    """`python -m training.train --help`, an unknown --recipe or a missing --resume path waited 11-18 s for torch and
-    Lightning (2-core EPYC); each command's module parses above its heavy imports (training/arguments.py). Run as
-    `python -m` runs it."""
+    """`python -m training.train --help`, an unknown --recipe or a missing --resume path, run or checkpoint waited
+    11-18 s for torch and Lightning (2-core EPYC); each command's module parses above its heavy imports and finds
+    what it names with training/checkpoint_paths.py (training/arguments.py). Run as `python -m` runs it."""
     probe = ("import runpy, sys\n"
-             "try:\n    runpy.run_module(sys.argv[1], run_name='__main__', alter_sys=True)\n"
+             "module = sys.argv.pop(1)  # the rest is the command line, as `python -m module ...` leaves it\n"
+             "try:\n    runpy.run_module(module, run_name='__main__', alter_sys=True)\n"
              "except SystemExit as exit:\n"
              "    print('status', exit.code, 'torch loaded' if 'torch' in sys.modules else 'no torch', file=sys.stderr)\n")
     proc = subprocess.run([sys.executable, "-c", probe, f"training.{module}", *argv], capture_output=True, text=True,

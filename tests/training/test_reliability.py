@@ -24,7 +24,8 @@ import pytest
 import torch
 
 import toy_data  # tests/training/toy_data.py
-from training.checkpoints import drafter_from_checkpoint, is_checkpoint, newest_finite_checkpoint, non_finite_tensors
+from training.checkpoint_paths import is_checkpoint
+from training.checkpoints import drafter_from_checkpoint, newest_finite_checkpoint, non_finite_tensors
 from training.module import DistillModule
 import training.train
 from training.train import main as train_main

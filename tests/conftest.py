@@ -1,5 +1,6 @@
 """Shared fixtures: the built-in SmolLM2 target (fp32, converted once into the cache) and tiny models."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -7,6 +8,20 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # shared helpers such as tests/rigged.py
+
+
+@pytest.fixture(autouse=True)
+def lightning_seed_stays_in_its_test():
+    """Lightning's seed_everything (every in-process training run calls it) writes PL_GLOBAL_SEED and PL_SEED_WORKERS
+    into os.environ, where Lightning reads them back (a strategy's reset_seed, seed_everything() with no seed) and
+    where every subprocess a later test starts inherits them: each test's are undone after it."""
+    saved = {name: os.environ.get(name) for name in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture(scope="session")

@@ -31,6 +31,9 @@ DS_BUILD_OPS=0 "$PY" -m pip wheel -q --no-deps --no-build-isolation -w .gpu-c/wh
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   -d .gpu-c/wheels $pins 2>&1 | grep -v "^WARNING: Location" || true
-ls .gpu-c/wheels/deepspeed-*.whl >/dev/null  # the build's own failure was printed above
+for name in deepspeed $imports; do  # a failed build or download was printed above; name what is missing
+  file=$(echo "$name" | tr - _)
+  ls .gpu-c/wheels/"$file"-*.whl >/dev/null 2>&1 || { echo "error: no wheel of $name in .gpu-c/wheels" >&2; exit 1; }
+done
 echo "$pin" > .gpu-c/deepspeed.pin
 du -sh .gpu-c; ls .gpu-c/wheels

@@ -44,7 +44,8 @@ def recipe_path(name: str) -> Path:
     return RECIPES_DIR / f"{name}.yaml"
 
 
-# What each command line names that can be checked without torch, in the order its `main` checks it.
+# What each command line names that can be checked without torch. Its `main` checks these again, some after its
+# other checks (evaluate's --device and --out, publish's --repo): a line holding two mistakes may name another first.
 
 def check_recipe_args(args: argparse.Namespace) -> None:  # features, ablate
     check_recipe_name(args.recipe)

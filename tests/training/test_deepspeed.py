@@ -75,8 +75,9 @@ TWIN_MAX_ATOL = 2 * 3e-3  # two lr: one flipped AdamW step
 class Probe(L.Callback):
     """Added with --trainer.callbacks+=...: records per rank what the test cannot see from outside.
 
-    Writes <out_dir>/rank<r>.json at the start of training. With DDTREE_TEST_FREEZE_AT=<step> in
-    the environment it writes <out_dir>/frozen<r> after that step and sleeps until killed.
+    Writes <out_dir>/rank<r>.json at the start of training, and again after the first step with the devices that
+    step ran the target on. With DDTREE_TEST_FREEZE_AT=<step> in the environment it writes <out_dir>/frozen<r> after
+    that step and sleeps until killed.
     """
 
     def __init__(self, out_dir: str):
@@ -91,7 +92,6 @@ class Probe(L.Callback):
             "world_size": trainer.world_size,
             "strategy": type(trainer.strategy).__name__,
             "target_dtypes": sorted({str(p.dtype) for p in target.parameters()}),
-            "target_devices": sorted({str(p.device) for p in target.parameters()}),
             "drafter_devices": sorted({str(p.device) for p in pl_module.drafter.parameters()}),
             "target_numel": sum(p.numel() for p in target.parameters()),
             "target_zero_params": sum(hasattr(p, "ds_id") for p in target.parameters()),
@@ -110,11 +110,19 @@ class Probe(L.Callback):
         record["optimizer_devices"] = sorted({str(p.device) for p in masters})
         record["optimizer_holds_target"] = any(id(p) in target_ids for p in masters)
         self._target_id = id(target)
+        self.record = record
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+        self.write(trainer.global_rank)
+
+    def write(self, rank: int) -> None:
+        (self.out_dir / f"rank{rank}.json").write_text(json.dumps(self.record))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        assert id(pl_module._target.model) == self._target_id  # loaded once, never replaced
+        target = pl_module._target.model
+        assert id(target) == self._target_id  # loaded once, never replaced
+        if "target_devices" not in self.record:  # the module moves the target to its device when a step first uses it
+            self.record["target_devices"] = sorted({str(p.device) for p in target.parameters()})
+            self.write(trainer.global_rank)
         freeze_at = int(os.environ.get("DDTREE_TEST_FREEZE_AT", "0"))
         if freeze_at and trainer.global_step >= freeze_at:
             (self.out_dir / f"frozen{trainer.global_rank}").write_text(str(trainer.global_step))

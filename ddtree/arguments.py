@@ -91,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(gen)
     gen.add_argument("--prompt", required=True, help="user message (the chat template is applied)")
     gen.add_argument("--raw", action="store_true", help="use the prompt as raw text, without the chat template")
+    gen.add_argument("--no-stream", action="store_true",
+                     help="print the reply once it is whole, not as each round commits its tokens")
     gen.add_argument("--method", choices=METHODS, default="ddtree")
     gen.add_argument("--budget", type=int, default=32, help="tree node budget for ddtree (published: 32; on a CPU, "
                      "where each node adds to the verify's cost, --adaptive-size verifies fewer: docs/benchmarks.md, Which budget)")

@@ -111,6 +111,35 @@ def _sizer(args, target, budgets: list[int], method: str = "ddtree") -> TreeSize
     return sizer
 
 
+class TextStream:
+    """Writes a reply to `out` as its tokens are committed: each call adds the text that decoding every token so far
+    gained, less a character whose bytes have not all come (a byte-level tokenizer decodes those as U+FFFD until they
+    do); `finish` writes the rest and a newline. What it writes in all is the decode of all the tokens."""
+
+    def __init__(self, tokenizer, out=None):
+        self.tokenizer, self.out = tokenizer, out or sys.stdout
+        self.ids: list[int] = []
+        self.written = ""
+
+    def __call__(self, tokens: list[int]) -> None:
+        self.ids.extend(tokens)
+        self._write(self.tokenizer.decode(self.ids, skip_special_tokens=True).rstrip("\ufffd"))
+
+    def finish(self) -> None:
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if not text.startswith(self.written):  # a tokenizer whose decode of more tokens rewrites earlier text
+            raise DDTreeError("the streamed reply differs from its decode; run again with --no-stream")
+        self._write(text)
+        self.out.write("\n")
+        self.out.flush()
+
+    def _write(self, text: str) -> None:
+        if len(text) > len(self.written) and text.startswith(self.written):
+            self.out.write(text[len(self.written):])
+            self.out.flush()
+            self.written = text
+
+
 def cmd_generate(args) -> None:
     check_calibration_flag(args, [args.method])
     sampling, target, tokenizer = _setup(args, trees=args.method == "ddtree")
@@ -127,13 +156,17 @@ def cmd_generate(args) -> None:
     corpus = _corpus(args, tokenizer)
     if args.method == "ddtree":
         note_calibration_settings(drafter, args, sizer, corpus)
+    stream = None if args.no_stream else TextStream(tokenizer)
     result = generate(
         target, prompt_ids, args.method, drafter, args.budget, args.max_new_tokens,
         stop_token_ids(target, tokenizer), sampling, generator, STATIC_CACHE[args.static_cache],
         learning_from(getattr(drafter, "default_calibration", None)) if args.online_calibration else None, args.lookup,
-        sizer, args.redraft, corpus,
+        sizer, args.redraft, corpus, on_tokens=stream,
     )
-    print(tokenizer.decode(result.new_tokens, skip_special_tokens=True))
+    if stream is None:
+        print(tokenizer.decode(result.new_tokens, skip_special_tokens=True))
+    else:
+        stream.finish()
     print(
         f"[{args.method}] {len(result.new_tokens)} tokens, tau {result.tau:.2f}, "
         f"{result.tokens_per_second:.1f} tok/s",

@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -436,8 +437,12 @@ def generate(
     sizer: TreeSizer | None = None,
     redraft: int | None = None,
     corpus: CorpusLookup | bool | None = None,
+    on_tokens: Callable[[list[int]], None] | None = None,
 ) -> GenerationResult:
     """Generate up to `max_new_tokens` tokens after `prompt_ids` with one of METHODS. Batch size 1.
+
+    on_tokens: called with each round's committed tokens as soon as they are (the first with the prefill's token), so a
+    caller can show the reply as it grows (`ddtree generate`); its time is left out of the decoding's.
 
     online: temperatures learned from this call's rounds and kept for the next calls (OnlineCalibration); a frozen
     one (a calibration file) is used as it is; None = the drafter's default (DrafterRunner.default_calibration: the
@@ -514,6 +519,9 @@ def generate(
             drafter.fix_shapes(capacity=len(prompt) + max_new_tokens)
     result.prefill_s = _now(device) - t0
     result.stopped = root in stop
+    if on_tokens is not None:
+        on_tokens([root])
+    streamed_s = 0.0  # in on_tokens after each round, left out of decode_s
 
     start = len(prompt)  # position of the root: committed, not yet in the target's cache
     shape = OnlineCalibration.shape(method, budget)  # draft_tree's budget: None builds the chain
@@ -586,5 +594,9 @@ def generate(
                 accepted_depth=len(accepted),
             )
         )
-    result.decode_s = _now(device) - t_decode
+        if on_tokens is not None and committed:
+            t_stream = time.perf_counter()
+            on_tokens(committed)
+            streamed_s += time.perf_counter() - t_stream
+    result.decode_s = _now(device) - t_decode - streamed_s
     return result

@@ -1,6 +1,8 @@
 """The `ddtree` CLI: a bench run end to end, and bad input as one line with a non-zero exit."""
 
+import io
 import json
+import random
 import re
 import subprocess
 import sys
@@ -10,7 +12,7 @@ import pytest
 import torch
 
 import ddtree.precision
-from ddtree.cli import load_drafter, main
+from ddtree.cli import TextStream, load_drafter, main
 from ddtree.corpus import CORPUS_FILE, write_replies
 from ddtree.modeling_dflash import DFlashDraftModel
 from ddtree.packed_linear import packing_available
@@ -312,6 +314,50 @@ def test_generate_reports_its_tokens(capsys):
     code, _, err = run_cli(capsys, "generate", "--target", TARGET, "--prompt", "Hi", "--max-new-tokens", "5",
                            "--static-cache", "on")
     assert code == 0 and "[adaptive size]" not in err  # ...and not on the static cache, where rows cost the same
+
+
+def test_generate_streams_the_reply_it_prints_whole_with_no_stream(capsys):
+    code, streamed, _ = run_cli(capsys, "generate", "--target", TARGET, "--prompt", "Hi", "--max-new-tokens", "24")
+    assert code == 0
+    code, whole, _ = run_cli(capsys, "generate", "--target", TARGET, "--prompt", "Hi", "--max-new-tokens", "24",
+                             "--no-stream")
+    assert code == 0 and streamed == whole and len(whole) > 1  # (the tiny target says newlines)
+
+
+def test_the_streamed_reply_never_shows_half_a_character_and_adds_up_to_its_decode(tiny_target):
+    _, tokenizer = tiny_target
+    ids = tokenizer("héllo 😀 wörld, it's fine.", add_special_tokens=False)["input_ids"]
+    out = io.StringIO()
+    stream = TextStream(tokenizer, out)
+    for token in ids:  # the emoji comes in two byte-level tokens: none of its first's bytes show
+        stream([token])
+        assert "\ufffd" not in out.getvalue()
+        assert tokenizer.decode(ids).startswith(out.getvalue())
+    stream.finish()
+    assert out.getvalue() == "héllo 😀 wörld, it's fine.\n"
+
+    rng = random.Random(0)  # random tokens: broken characters whose replacement stays, special tokens skipped
+    ids = [rng.randrange(len(tokenizer)) for _ in range(400)]
+    out, start = io.StringIO(), 0
+    stream = TextStream(tokenizer, out)
+    while start < len(ids):
+        end = start + rng.randint(1, 5)  # a round's worth
+        stream(ids[start:end])
+        start = end
+    stream.finish()
+    assert out.getvalue() == tokenizer.decode(ids, skip_special_tokens=True) + "\n"
+
+
+def test_a_tokenizer_whose_decode_rewrites_what_was_streamed_is_one_line():
+    class Rewriting:
+        def decode(self, ids, skip_special_tokens=False):
+            return "a b" if len(ids) == 1 else "a, b c"
+
+    stream = TextStream(Rewriting(), io.StringIO())
+    stream([1])
+    stream([2])  # not written: it does not continue what was
+    with pytest.raises(DDTreeError, match="the streamed reply differs from its decode; run again with --no-stream"):
+        stream.finish()
 
 
 def test_generate_says_when_the_targets_context_cut_the_reply_short(capsys, tiny_target):

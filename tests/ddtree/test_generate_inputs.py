@@ -1,8 +1,11 @@
 """What `ddtree.decoding.generate` takes and refuses, on the tiny random target (fp32): drafters whose logits are
-not finite, a batch of prompts, stop ids as a tensor, a drafter config's temperatures. Found in a review, 2026-11-29.
+not finite, a batch of prompts, stop ids as a tensor, a drafter config's temperatures (found in a review,
+2026-11-29), and a listener to the committed tokens.
 
     .venv/bin/pytest -q tests/ddtree/test_generate_inputs.py
 """
+
+import time
 
 import pytest
 import torch
@@ -101,3 +104,20 @@ def test_a_budget_past_the_targets_context_is_one_error_not_an_out_of_memory(tin
                                           f"target's context of {limit} tokens"):
         generate(target, PROMPT, "ddtree", drafter, budget=limit, max_new_tokens=NEW)
     assert generate(target, PROMPT, "ar", budget=limit, max_new_tokens=NEW).new_tokens == greedy(target, PROMPT)
+
+
+@pytest.mark.parametrize("method", ["ar", "dflash", "ddtree"])
+def test_on_tokens_hears_each_committed_token_once_in_order_and_its_time_is_not_the_decodings(tiny_target, method):
+    """`ddtree generate` prints the reply through on_tokens as rounds commit it."""
+    target, _ = tiny_target
+    drafter = None if method == "ar" else BrokenDrafter(target.config.vocab_size, period=10**9)  # drafts 7, always
+    heard, pause = [], 0.1
+
+    def listen(tokens):
+        heard.append(list(tokens))
+        time.sleep(pause)
+
+    result = generate(target, PROMPT, method, drafter, budget=8, max_new_tokens=NEW, on_tokens=listen)
+    assert [token for tokens in heard for token in tokens] == result.new_tokens == greedy(target, PROMPT)
+    assert [len(tokens) for tokens in heard] == [1] + [r.committed for r in result.rounds]  # the prefill's, each round's
+    assert result.decode_s < pause * len(result.rounds), (result.decode_s, len(result.rounds))  # its sleeps left out

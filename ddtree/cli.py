@@ -16,6 +16,7 @@ prints one line, `error: ...`, and exits with status 2 (ddtree/errors.py).
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from pathlib import Path
@@ -111,33 +112,56 @@ def _sizer(args, target, budgets: list[int], method: str = "ddtree") -> TreeSize
     return sizer
 
 
+BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # a byte-fallback tokenizer's byte piece
+
+
 class TextStream:
-    """Writes a reply to `out` as its tokens are committed: each call adds the text that decoding every token so far
-    gained, less a character whose bytes have not all come (a byte-level tokenizer decodes those as U+FFFD until they
-    do); `finish` writes the rest and a newline. What it writes in all is the decode of all the tokens."""
+    """Writes a reply to `out` as its tokens are committed, and `finish` ends it with a newline; what it writes in all
+    is the decode of all the tokens (the old whole print).
+
+    Each call decodes only a window: the tokens written last time and the new ones, the difference of the two
+    decodes being the new text (so a tokenizer that drops a leading space at a decode's start drops it alike in both),
+    and the window moves on. Text is held back while it ends in half a character: a byte-level tokenizer decodes a
+    character whose bytes have not all come as U+FFFD, and a byte-fallback one (<0xF0>-style byte tokens) may decode
+    a whole run of them otherwise once it ends, so a trailing run of byte tokens waits for the next other token.
+    """
 
     def __init__(self, tokenizer, out=None):
         self.tokenizer, self.out = tokenizer, out or sys.stdout
+        vocabulary = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+        self.byte_tokens = {index for piece, index in vocabulary.items() if BYTE_TOKEN.fullmatch(piece)}
         self.ids: list[int] = []
-        self.written = ""
+        self.start = self.shown = 0  # the window: ids[start:shown] were written last time, ids[:shown] are written
+        self.written: list[str] = []
 
     def __call__(self, tokens: list[int]) -> None:
         self.ids.extend(tokens)
-        self._write(self.tokenizer.decode(self.ids, skip_special_tokens=True).rstrip("\ufffd"))
+        end = len(self.ids)
+        while end > self.shown and self.ids[end - 1] in self.byte_tokens:
+            end -= 1
+        before, text = self._decode(self.start, self.shown), self._decode(self.start, end)
+        if len(text) > len(before) and text.startswith(before) and not text.endswith("\ufffd"):
+            self._write(text[len(before):])
+            self.start, self.shown = self.shown, end
 
     def finish(self) -> None:
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if not text.startswith(self.written):  # a tokenizer whose decode of more tokens rewrites earlier text
-            raise DDTreeError("the streamed reply differs from its decode; run again with --no-stream")
-        self._write(text)
-        self.out.write("\n")
-        self.out.flush()
+        before, text = self._decode(self.start, self.shown), self._decode(self.start, len(self.ids))
+        if text.startswith(before):
+            self._write(text[len(before):])
+        self._write("\n")
+        whole = self._decode(0, len(self.ids)) + "\n"
+        if "".join(self.written) != whole:  # a tokenizer whose decode of more tokens rewrites earlier text
+            print("[generate] the streamed reply is not its decode (this tokenizer rewrites earlier text as tokens "
+                  "come; --no-stream prints it once whole); the reply as decoded:", file=sys.stderr)
+            self._write(whole)
+
+    def _decode(self, start: int, end: int) -> str:
+        return self.tokenizer.decode(self.ids[start:end], skip_special_tokens=True)
 
     def _write(self, text: str) -> None:
-        if len(text) > len(self.written) and text.startswith(self.written):
-            self.out.write(text[len(self.written):])
-            self.out.flush()
-            self.written = text
+        self.out.write(text)
+        self.out.flush()
+        self.written.append(text)
 
 
 def cmd_generate(args) -> None:

@@ -13,6 +13,7 @@ import torch
 from ddtree.decoding import DrafterRunner, generate
 from ddtree.errors import DDTreeError
 from ddtree.sizing import TreeSizer
+from rigged import RiggedDrafter
 
 PROMPT = [5, 6, 7, 8]
 NEW = 12
@@ -106,18 +107,24 @@ def test_a_budget_past_the_targets_context_is_one_error_not_an_out_of_memory(tin
     assert generate(target, PROMPT, "ar", budget=limit, max_new_tokens=NEW).new_tokens == greedy(target, PROMPT)
 
 
-@pytest.mark.parametrize("method", ["ar", "dflash", "ddtree"])
-def test_on_tokens_hears_each_committed_token_once_in_order_and_its_time_is_not_the_decodings(tiny_target, method):
-    """`ddtree generate` prints the reply through on_tokens as rounds commit it."""
+@pytest.mark.parametrize("method, stop_at", [("ar", None), ("dflash", None), ("ddtree", None), ("ddtree", 8)])
+def test_on_tokens_hears_each_committed_token_once_in_order_and_its_time_is_not_the_decodings(tiny_target, method,
+                                                                                             stop_at):
+    """`ddtree generate` prints the reply through on_tokens as rounds commit it, rounds cut by max_new_tokens or a
+    stop token included."""
     target, _ = tiny_target
-    drafter = None if method == "ar" else BrokenDrafter(target.config.vocab_size, period=10**9)  # drafts 7, always
+    reference = greedy(target, PROMPT, new=NEW + 16)
+    drafter = None if method == "ar" else RiggedDrafter(PROMPT + reference, target.config.vocab_size, block_size=8)
+    stop = [] if stop_at is None else [reference[stop_at]]
+    expected = reference[:NEW] if stop_at is None else reference[:reference.index(stop[0]) + 1]
     heard, pause = [], 0.1
 
     def listen(tokens):
         heard.append(list(tokens))
         time.sleep(pause)
 
-    result = generate(target, PROMPT, method, drafter, budget=8, max_new_tokens=NEW, on_tokens=listen)
-    assert [token for tokens in heard for token in tokens] == result.new_tokens == greedy(target, PROMPT)
+    result = generate(target, PROMPT, method, drafter, budget=8, max_new_tokens=NEW, stop_ids=stop, on_tokens=listen)
+    assert [token for tokens in heard for token in tokens] == result.new_tokens == expected
     assert [len(tokens) for tokens in heard] == [1] + [r.committed for r in result.rounds]  # the prefill's, each round's
+    assert method == "ar" or max(r.committed for r in result.rounds) > 1  # rounds of several tokens
     assert result.decode_s < pause * len(result.rounds), (result.decode_s, len(result.rounds))  # its sleeps left out

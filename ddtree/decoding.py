@@ -594,7 +594,7 @@ def generate(
                 accepted_depth=len(accepted),
             )
         )
-        if on_tokens is not None and committed:
+        if on_tokens is not None:  # (a round commits at least its bonus token)
             t_stream = time.perf_counter()
             on_tokens(committed)
             streamed_s += time.perf_counter() - t_stream

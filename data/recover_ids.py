@@ -27,13 +27,48 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-from tqdm import tqdm
-from transformers import DynamicCache
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ddtree.errors import CommandParser, DDTreeError, command  # noqa: E402
+from ddtree.errors import CommandParser, DDTreeError, command, run_cli  # noqa: E402
 from ddtree.files import path_argument, staged_folder  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = CommandParser(description=__doc__.splitlines()[0])
+    p.add_argument("data", help="a folder written by data/regenerate.py (greedy)")
+    p.add_argument("--out", type=path_argument, required=True, help="a new folder for the data with response_ids")
+    p.add_argument("--limit", type=int, default=0, help="only the first N rows (0: all)")
+    return p
+
+
+def regeneration_settings(source: Path) -> dict:
+    """A greedy regeneration's recorded settings (data/regenerate.py's regeneration.json), or the line saying why not."""
+    if not (source / "regeneration.json").is_file():
+        raise DDTreeError(f"{source}: no regeneration.json; recover_ids reads a folder written by data/regenerate.py")
+    settings = json.loads((source / "regeneration.json").read_text())
+    if settings.get("temperature", 0.0) != 0.0:
+        raise DDTreeError(f"{source}/regeneration.json: temperature {settings['temperature']}: only greedy replies "
+                          "can be recovered from their text")
+    return settings
+
+
+def checked_args(args: argparse.Namespace) -> argparse.Namespace:
+    if args.limit < 0:  # rows[:-1] dropped the last row without a word
+        raise DDTreeError(f"--limit {args.limit}: give a row count, or 0 for all rows")
+    regeneration_settings(Path(args.data))
+    if Path(args.out).exists():
+        raise DDTreeError(f"--out {args.out} exists; give a new folder (nothing is overwritten)")
+    return args
+
+
+# As a script: --help and bad input answered before torch and transformers load (9 s on the 2-core EPYC).
+if __name__ == "__main__" and (status := run_cli(lambda _: checked_args(build_parser().parse_args()))):
+    sys.exit(status)
+
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
+
 from ddtree.targets import load_target  # noqa: E402
 from training.conversations import render_prompt_ids  # noqa: E402
 
@@ -118,16 +153,8 @@ def recover(model, tokens: ByteTokens, prompt: list[int], reply: str, max_repair
 def run(args: argparse.Namespace) -> dict:
     from datasets import Dataset, load_from_disk
 
-    source = Path(args.data)
-    if not (source / "regeneration.json").is_file():
-        raise DDTreeError(f"{source}: no regeneration.json; recover_ids reads a folder written by data/regenerate.py")
-    settings = json.loads((source / "regeneration.json").read_text())
-    if settings.get("temperature", 0.0) != 0.0:
-        raise DDTreeError(f"{source}/regeneration.json: temperature {settings['temperature']}: only greedy replies "
-                          "can be recovered from their text")
-    out = Path(args.out)
-    if out.exists():
-        raise DDTreeError(f"--out {out} exists; give a new folder (nothing is overwritten)")
+    source, out = Path(args.data), Path(args.out)
+    settings = regeneration_settings(source)
     rows = load_from_disk(str(source)).to_list()
     if args.limit:
         rows = rows[:args.limit]
@@ -158,20 +185,9 @@ def run(args: argparse.Namespace) -> dict:
     return counts
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = CommandParser(description=__doc__.splitlines()[0])
-    p.add_argument("data", help="a folder written by data/regenerate.py (greedy)")
-    p.add_argument("--out", type=path_argument, required=True, help="a new folder for the data with response_ids")
-    p.add_argument("--limit", type=int, default=0, help="only the first N rows (0: all)")
-    return p
-
-
 @command
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.limit < 0:  # rows[:-1] dropped the last row without a word
-        raise DDTreeError(f"--limit {args.limit}: give a row count, or 0 for all rows")
-    run(args)
+    run(checked_args(build_parser().parse_args(argv)))
     return 0
 
 

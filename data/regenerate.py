@@ -49,18 +49,126 @@ import sys
 import time
 from pathlib import Path
 
+from ddtree.arguments import DEVICE_HELP
+from ddtree.errors import CommandParser, DDTreeError, command, run_cli
+from ddtree.files import path_argument, read_yaml_mapping, staged_folder, unwritable_as_error, write_text_atomic
+from ddtree.names import DTYPE_NAMES
+from training.arguments import RECIPES_DIR, known_recipes
+from training.recipe_data import AUTO_DATA, check_regenerate_settings, default_data_path
+
+# ----------------------------------------------------------------------------- arguments
+
+def build_parser() -> argparse.ArgumentParser:
+    p = CommandParser(description=__doc__.splitlines()[0])
+    p.add_argument("--recipe", type=Path, default=None,
+                   help="a training recipe (its name, or a YAML file): --target defaults to its model.target, --out "
+                   "to its data.data_path, the other options to its data.regenerate section")
+    p.add_argument("--target", default=None, help="built-in target name, local HF folder or Hub id (default smollm2-135m)")
+    p.add_argument("--prompts", type=Path, default=Path("data/prompts/train_prompts.jsonl"))
+    p.add_argument("--out", type=lambda text: Path(path_argument(text)), default=None, help="output `datasets` folder (chunks go to <out>.parts)")
+    p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (evaluation decodes at T=0)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (per chunk: seed, chunk index)")
+    p.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default="bfloat16")
+    p.add_argument("--device", default=None, help=DEVICE_HELP)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--chunk-size", type=int, default=64, help="prompts per resumable unit of work")
+    p.add_argument("--shard-index", type=int, default=0)
+    p.add_argument("--num-shards", type=int, default=1)
+    p.add_argument("--backend", choices=["auto", "transformers", "vllm"], default="auto")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (the machine is shared)")
+    p.add_argument("--merge-only", action="store_true", help="only build <out> from finished chunks")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a dataset at --out made with other settings (target, prompts, ...)")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.recipe is not None:  # the recipe's settings become the defaults, and the flags given are parsed again over them
+        p.set_defaults(**recipe_defaults(args.recipe))
+        args = p.parse_args(argv)
+    return args
+
+
+def recipe_defaults(recipe: Path) -> dict[str, str]:
+    """A recipe's model.target, data.data_path (auto: <ddtree cache>/data/<recipe>) and data.regenerate options.
+
+    recipe: its file, or its name as training takes it (smollm2-135m for recipes/smollm2-135m.yaml).
+    """
+    named = RECIPES_DIR / f"{recipe}.yaml"
+    recipe_file = recipe if recipe.is_file() else named if recipe.suffix == "" and named.is_file() else None
+    if recipe_file is None:
+        known = ", ".join(known_recipes())
+        raise DDTreeError(f"recipe {recipe} does not exist; give a file, or one of the recipes' names: {known}")
+    recipe = read_yaml_mapping(recipe_file)
+    data = recipe.get("data") or {}
+    settings = data.get("regenerate") or {}
+    if not isinstance(settings, dict):
+        raise DDTreeError(f"{recipe_file}: data.regenerate must map data/regenerate.py's options to values, not be a "
+                          f"{type(settings).__name__}")
+    check_regenerate_settings(settings)
+    # Strings: argparse converts them by type. null leaves an option at its default (limit: null = every prompt).
+    defaults = {field: str(value) for field, value in settings.items() if value is not None}
+    # set_defaults skips argparse's type and choice checks: each value is parsed alone first, so a bad one is a line
+    # naming the recipe's field rather than a traceback mid-run (or, for a choice, silently taken).
+    checker = build_parser()
+    checker.exit_on_error = False
+    for field, value in defaults.items():
+        try:
+            checker.parse_args([f"--{field.replace('_', '-')}", value])
+        except argparse.ArgumentError as error:
+            raise DDTreeError(f"{recipe_file}: data.regenerate.{field}={value}: {error.message}") from None
+    if (recipe.get("model") or {}).get("target") is not None:
+        defaults["target"] = str(recipe["model"]["target"])
+    if data.get("data_path") == AUTO_DATA:
+        defaults["out"] = str(default_data_path(recipe_file.stem))
+    elif data.get("data_path") is not None:
+        defaults["out"] = str(data["data_path"])
+    return defaults
+
+
+def apply_recipe(args: argparse.Namespace) -> argparse.Namespace:
+    """The target's default, and a clear error when nothing names the output folder."""
+    if args.target is None:
+        args.target = "smollm2-135m"
+    if args.out is None:
+        raise DDTreeError("no output folder: give --out, or --recipe with a data.data_path")
+    return args
+
+def checked_args(args: argparse.Namespace) -> argparse.Namespace:
+    """The recipe's target default applied, and every check that needs no torch (so `python -m data.regenerate`
+    answers them before torch loads)."""
+    args = apply_recipe(args)
+    if args.num_shards < 1:
+        raise DDTreeError(f"--num-shards {args.num_shards} must be at least 1")
+    if not 0 <= args.shard_index < args.num_shards:
+        raise DDTreeError(f"--shard-index {args.shard_index} must be in 0..{args.num_shards - 1}")
+    if args.chunk_size < 1 or args.batch_size < 1 or args.max_new_tokens < 1:
+        raise DDTreeError("--chunk-size, --batch-size and --max-new-tokens must be positive")
+    if args.limit is not None and args.limit < 1:
+        raise DDTreeError(f"--limit {args.limit} must be at least 1 (leave it out for every prompt)")
+    if args.threads < 1:
+        raise DDTreeError(f"--threads {args.threads} must be at least 1")
+    return args
+
+
+# As a script: --help, a bad flag, recipe or value answered before torch and transformers load (11 s, 2-core EPYC).
+if __name__ == "__main__" and (status := run_cli(lambda _: checked_args(parse_args()))):
+    sys.exit(status)
+
+
 import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
 from ddtree.cli import parse_device
 from ddtree.decoding import Sampling, top_p_filter
-from ddtree.errors import CommandParser, DDTreeError, command
-from ddtree.files import path_argument, read_yaml_mapping, staged_folder, unwritable_as_error, write_text_atomic
 from ddtree.targets import DTYPES, load_target, resolve_target, stop_token_ids
-from training.arguments import RECIPES_DIR, known_recipes
 from training.conversations import read_messages_jsonl, render_prompt_ids
-from training.recipe_data import AUTO_DATA, check_regenerate_settings, default_data_path
 
 
 def prompt_messages(messages: list[dict]) -> list[dict]:
@@ -318,88 +426,6 @@ def merge(parts: Path, out: Path, chunks_of_records: list[list[dict]], settings:
 
 # ----------------------------------------------------------------------------- main
 
-def build_parser() -> argparse.ArgumentParser:
-    p = CommandParser(description=__doc__.splitlines()[0])
-    p.add_argument("--recipe", type=Path, default=None,
-                   help="a training recipe (its name, or a YAML file): --target defaults to its model.target, --out "
-                   "to its data.data_path, the other options to its data.regenerate section")
-    p.add_argument("--target", default=None, help="built-in target name, local HF folder or Hub id (default smollm2-135m)")
-    p.add_argument("--prompts", type=Path, default=Path("data/prompts/train_prompts.jsonl"))
-    p.add_argument("--out", type=lambda text: Path(path_argument(text)), default=None, help="output `datasets` folder (chunks go to <out>.parts)")
-    p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (evaluation decodes at T=0)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (per chunk: seed, chunk index)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--chunk-size", type=int, default=64, help="prompts per resumable unit of work")
-    p.add_argument("--shard-index", type=int, default=0)
-    p.add_argument("--num-shards", type=int, default=1)
-    p.add_argument("--backend", choices=["auto", "transformers", "vllm"], default="auto")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (the machine is shared)")
-    p.add_argument("--merge-only", action="store_true", help="only build <out> from finished chunks")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace a dataset at --out made with other settings (target, prompts, ...)")
-    return p
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    p = build_parser()
-    args = p.parse_args(argv)
-    if args.recipe is not None:  # the recipe's settings become the defaults, and the flags given are parsed again over them
-        p.set_defaults(**recipe_defaults(args.recipe))
-        args = p.parse_args(argv)
-    return args
-
-
-def recipe_defaults(recipe: Path) -> dict[str, str]:
-    """A recipe's model.target, data.data_path (auto: <ddtree cache>/data/<recipe>) and data.regenerate options.
-
-    recipe: its file, or its name as training takes it (smollm2-135m for recipes/smollm2-135m.yaml).
-    """
-    named = RECIPES_DIR / f"{recipe}.yaml"
-    recipe_file = recipe if recipe.is_file() else named if recipe.suffix == "" and named.is_file() else None
-    if recipe_file is None:
-        known = ", ".join(known_recipes())
-        raise DDTreeError(f"recipe {recipe} does not exist; give a file, or one of the recipes' names: {known}")
-    recipe = read_yaml_mapping(recipe_file)
-    data = recipe.get("data") or {}
-    settings = data.get("regenerate") or {}
-    if not isinstance(settings, dict):
-        raise DDTreeError(f"{recipe_file}: data.regenerate must map data/regenerate.py's options to values, not be a "
-                          f"{type(settings).__name__}")
-    check_regenerate_settings(settings)
-    # Strings: argparse converts them by type. null leaves an option at its default (limit: null = every prompt).
-    defaults = {field: str(value) for field, value in settings.items() if value is not None}
-    # set_defaults skips argparse's type and choice checks: each value is parsed alone first, so a bad one is a line
-    # naming the recipe's field rather than a traceback mid-run (or, for a choice, silently taken).
-    checker = build_parser()
-    checker.exit_on_error = False
-    for field, value in defaults.items():
-        try:
-            checker.parse_args([f"--{field.replace('_', '-')}", value])
-        except argparse.ArgumentError as error:
-            raise DDTreeError(f"{recipe_file}: data.regenerate.{field}={value}: {error.message}") from None
-    if (recipe.get("model") or {}).get("target") is not None:
-        defaults["target"] = str(recipe["model"]["target"])
-    if data.get("data_path") == AUTO_DATA:
-        defaults["out"] = str(default_data_path(recipe_file.stem))
-    elif data.get("data_path") is not None:
-        defaults["out"] = str(data["data_path"])
-    return defaults
-
-
-def apply_recipe(args: argparse.Namespace) -> argparse.Namespace:
-    """The target's default, and a clear error when nothing names the output folder."""
-    if args.target is None:
-        args.target = "smollm2-135m"
-    if args.out is None:
-        raise DDTreeError("no output folder: give --out, or --recipe with a data.data_path")
-    return args
-
-
 def report(summary: dict, out: Path) -> dict:
     print(f"[regenerate] wrote {summary['num_conversations']} conversations to {out} "
           f"({summary['response_tokens']} response tokens, {summary['num_hit_max_new_tokens']} hit max_new_tokens)")
@@ -407,17 +433,9 @@ def report(summary: dict, out: Path) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict | None:
-    args = apply_recipe(args)
-    if args.num_shards < 1:
-        raise DDTreeError(f"--num-shards {args.num_shards} must be at least 1")
-    if not 0 <= args.shard_index < args.num_shards:
-        raise DDTreeError(f"--shard-index {args.shard_index} must be in 0..{args.num_shards - 1}")
-    if args.chunk_size < 1 or args.batch_size < 1 or args.max_new_tokens < 1:
-        raise DDTreeError("--chunk-size, --batch-size and --max-new-tokens must be positive")
-    if args.limit is not None and args.limit < 1:
-        raise DDTreeError(f"--limit {args.limit} must be at least 1 (leave it out for every prompt)")
-    if args.threads < 1:
-        raise DDTreeError(f"--threads {args.threads} must be at least 1")
+    args = checked_args(args)
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     Sampling(args.temperature, args.top_p)  # serving's checks of --temperature and --top-p, before any work
     parse_device(args.device)  # a GPU this machine lacks is one line here, not an assertion once the target loads
     if args.backend == "vllm" and importlib.util.find_spec("vllm") is None:

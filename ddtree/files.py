@@ -24,6 +24,11 @@ from pathlib import Path
 from .errors import DDTreeError, error_line
 
 
+def cache_dir() -> Path:
+    """Where converted targets, regenerated data and feature stores live: $DDTREE_CACHE, else ~/.cache/ddtree."""
+    return Path(os.environ.get("DDTREE_CACHE", Path.home() / ".cache" / "ddtree"))
+
+
 def current_umask() -> int:
     umask = os.umask(0)  # the only way to read it; set straight back
     os.umask(umask)

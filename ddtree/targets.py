@@ -26,7 +26,7 @@ from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from .errors import DDTreeError
-from .files import staged_folder
+from .files import cache_dir, staged_folder
 from .names import DTYPE_NAMES
 
 # The dtypes a user can name on any command line or recipe field of this project.
@@ -67,10 +67,6 @@ BUILTIN_TARGETS = {
 
 # A staging folder of a conversion untouched this long is one whose process was killed: a save takes seconds.
 STALE_STAGING_S = 10 * 60
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("DDTREE_CACHE", Path.home() / ".cache" / "ddtree"))
 
 
 def check_cache_writable(targets: Path) -> None:

@@ -1,12 +1,12 @@
 """The training commands' arguments and recipe names, in a module free of torch, Lightning and transformers.
 
-`python -m training.train` (and `features`, `evaluate`, `ablate`, `publish`) runs its module, whose imports take
-11-13 s on the 2-core EPYC before `main` parses anything. Each of those modules calls `answer_early` above its heavy
-imports, so that `--help`, a bad value of one of its own flags, an unknown `--recipe` and a run or checkpoint that is
-not there (`train --resume`, `evaluate --ckpt/--run`, `publish RUN --ckpt`: training/checkpoint_paths.py) answer at
-once (a flag that `train`, `features` or `ablate` does not know is a recipe override: the recipe's parser judges it,
-after the imports); its `main` then parses the same parser again (a call from Python, a test, starts there) and
-checks everything else, these again among them.
+`python -m training.train` (and `features`, `evaluate`, `ablate`, `publish`, `throughput`) runs its module, whose
+imports take 11-14 s on the 2-core EPYC before `main` parses anything. Each of those modules calls `answer_early`
+above its heavy imports, so that `--help`, a bad value of one of its own flags, an unknown `--recipe` and a run or
+checkpoint that is not there (`train --resume`, `evaluate --ckpt/--run`, `publish RUN --ckpt`:
+training/checkpoint_paths.py) answer at once (a flag that `train`, `features` or `ablate` does not know is a recipe
+override: the recipe's parser judges it, after the imports); its `main` then parses the same parser again (a call from
+Python, a test, starts there) and checks everything else, these again among them.
 """
 
 from __future__ import annotations
@@ -61,6 +61,31 @@ def check_train_args(args: argparse.Namespace) -> None:
 def check_evaluate_args(args: argparse.Namespace) -> None:
     check_recipe_name(args.recipe)
     find_checkpoint(args.ckpt, Path(args.output_root) / args.recipe, args.run)
+
+
+def parse_setting(setting: str) -> tuple[int, int, int]:
+    """"16x5x16" -> (anchors, layers, block size), each at least 1 (a block holds its anchor and a drafted token)."""
+    parts = setting.split("x")
+    if len(parts) != 3 or not all(part.isascii() and part.isdigit() for part in parts) or min(map(int, parts)) < 1 \
+            or int(parts[2]) < 2:
+        raise DDTreeError(f"--settings {setting!r}: give ANCHORSxLAYERSxBLOCK, positive integers with a block of at "
+                          "least 2, e.g. 16x5x16 (several: comma-separated)")
+    anchors, layers, block = (int(part) for part in parts)
+    return anchors, layers, block
+
+
+def check_throughput_args(args: argparse.Namespace) -> None:
+    for flag, value, least in (("--batch-size", args.batch_size, 1), ("--length", args.length, 1),
+                               ("--threads", args.threads, 0), ("--repeats", args.repeats, 1), ("--warmup", args.warmup, 0)):
+        if value is not None and value < least:
+            raise DDTreeError(f"{flag} {value}: give at least {least}")
+    if args.recipe:
+        check_recipe_name(args.recipe)
+    elif args.random_target:
+        raise DDTreeError("--random-target needs --recipe (the target and its drafter settings come from it)")
+    else:
+        for setting in args.settings.split(","):
+            parse_setting(setting)
 
 
 def check_publish_args(args: argparse.Namespace) -> None:
@@ -159,4 +184,22 @@ def publish_parser() -> argparse.ArgumentParser:
     parser.add_argument("--private", action="store_true",
                         help="create the Hub repo private (an existing public repo is refused, not changed)")
     parser.add_argument("--push-only", metavar="FOLDER", help="upload a finished export without exporting again")
+    return parser
+
+
+def throughput_parser() -> argparse.ArgumentParser:
+    parser = CommandParser(description="Measure training throughput: a full training step vs the frozen target's "
+                           "forward alone, same batch.")
+    parser.add_argument("--target", default="smollm2-135m")
+    parser.add_argument("--recipe", default=None, help="take the settings, length and batch size from recipes/<name>.yaml")
+    parser.add_argument("--random-target", action="store_true", help="build the target with random weights (RANDOM_TARGETS)")
+    parser.add_argument("--batch-size", type=int, default=None, help="default: the recipe's, else 2")
+    parser.add_argument("--length", type=int, default=None, help="default: the recipe's max_length, else 320")
+    parser.add_argument("--settings", default="16x5x16", help="comma-separated ANCHORSxLAYERSxBLOCK (without --recipe)")
+    parser.add_argument("--device", default=None, help=DEVICE_HELP)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--compile", action="store_true", help="the drafter's training forward through torch.compile "
+                        "(model.compile)")
     return parser

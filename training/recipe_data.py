@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from ddtree.errors import DDTreeError
-from ddtree.targets import cache_dir
+from ddtree.files import cache_dir
 
 AUTO_DATA = "auto"  # data.data_path value: <ddtree cache>/data/<recipe>
 REGENERATE_SCRIPT = Path(__file__).resolve().parents[1] / "data" / "regenerate.py"

@@ -142,28 +142,35 @@ def test_every_training_command_says_a_bad_flag_in_one_line(capsys, module):
 
 
 @pytest.mark.parametrize("module, argv, status, said", [
-    ("train", ["--help"], 0, "--output-root OUTPUT_ROOT"),
-    ("train", ["--recipe", "nope"], 2, "error: unknown recipe 'nope'; known recipes: "),
-    ("train", ["--recipe", "tiny", "--resume", "no-such-run"], 2, "error: --resume no-such-run: no such checkpoint; "),
-    ("train", ["--resume", "last", "--output-root", "no-such-outputs"], 2,
+    ("training.train", ["--help"], 0, "--output-root OUTPUT_ROOT"),
+    ("training.train", ["--recipe", "nope"], 2, "error: unknown recipe 'nope'; known recipes: "),
+    ("training.train", ["--recipe", "tiny", "--resume", "no-such-run"], 2, "error: --resume no-such-run: no such checkpoint; "),
+    ("training.train", ["--resume", "last", "--output-root", "no-such-outputs"], 2,
      "error: --resume last: no run under no-such-outputs/smollm2-135m has checkpoints/last.ckpt; start one first"),
-    ("evaluate", ["--output-root", "no-such-outputs"], 2, "error: CKPT=best: no run under no-such-outputs/smollm2-135m "),
-    ("publish", ["no-such-run", "--out", "no-such-export"], 2, "error: RUN=no-such-run: no such run folder; "),
-    ("features", ["--recipe", "recipes/tiny.yaml"], 2, "error: --recipe takes a recipe's name: --recipe tiny"),
-    ("evaluate", ["--limit", "x"], 2, "error: argument --limit: invalid int value: 'x'; see python -m training.evaluate"),
-    ("ablate", ["--help"], 0, "--eval-max-new-tokens"),
-    ("publish", ["--dtype", "x"], 2, "error: argument --dtype: invalid choice: 'x'"),
+    ("training.evaluate", ["--output-root", "no-such-outputs"], 2, "error: CKPT=best: no run under no-such-outputs/smollm2-135m "),
+    ("training.publish", ["no-such-run", "--out", "no-such-export"], 2, "error: RUN=no-such-run: no such run folder; "),
+    ("training.features", ["--recipe", "recipes/tiny.yaml"], 2, "error: --recipe takes a recipe's name: --recipe tiny"),
+    ("training.evaluate", ["--limit", "x"], 2, "error: argument --limit: invalid int value: 'x'; see python -m training.evaluate"),
+    ("training.ablate", ["--help"], 0, "--eval-max-new-tokens"),
+    ("training.publish", ["--dtype", "x"], 2, "error: argument --dtype: invalid choice: 'x'"),
+    ("training.throughput", ["--help"], 0, "--random-target"),
+    ("training.throughput", ["--recipe", "nope"], 2, "error: unknown recipe 'nope'; known recipes: "),
+    ("training.throughput", ["--settings", "16x5"], 2, "error: --settings '16x5': give ANCHORSxLAYERSxBLOCK"),
+    ("data.regenerate", ["--help"], 0, "--merge-only"),
+    ("data.regenerate", ["--recipe", "tiny", "--num-shards", "0"], 2, "error: --num-shards 0 must be at least 1"),
+    ("data.recover_ids", ["no-such-data", "--out", "no-such-out"], 2, "error: no-such-data: no regeneration.json; "),
 ])
 def test_a_training_command_answers_help_and_a_bad_recipe_before_torch_loads(module, argv, status, said):
     """`python -m training.train --help`, an unknown --recipe or a missing --resume path, run or checkpoint waited
-    11-18 s for torch and Lightning (2-core EPYC); each command's module parses above its heavy imports and finds
-    what it names with training/checkpoint_paths.py (training/arguments.py). Run as `python -m` runs it."""
+    11-18 s for torch and Lightning (2-core EPYC), data/regenerate.py and training.throughput 9-14 s; each command's
+    module parses above its heavy imports and finds what it names with training/checkpoint_paths.py
+    (training/arguments.py). Run as `python -m` runs it."""
     probe = ("import runpy, sys\n"
              "module = sys.argv.pop(1)  # the rest is the command line, as `python -m module ...` leaves it\n"
              "try:\n    runpy.run_module(module, run_name='__main__', alter_sys=True)\n"
              "except SystemExit as exit:\n"
              "    print('status', exit.code, 'torch loaded' if 'torch' in sys.modules else 'no torch', file=sys.stderr)\n")
-    proc = subprocess.run([sys.executable, "-c", probe, f"training.{module}", *argv], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", probe, module, *argv], capture_output=True, text=True,
                           timeout=120, cwd=RECIPES_DIR.parent)
     assert proc.stderr.strip().splitlines()[-1] == f"status {status} no torch", proc.stderr
     assert said in proc.stdout + proc.stderr, proc.stdout + proc.stderr

@@ -73,6 +73,14 @@ class DrafterDeepSpeed(DeepSpeedStrategy):
         if (self.config.get("zero_optimization") or {}).get("offload_optimizer"):
             self.config.setdefault("zero_force_ds_cpu_optimizer", False)
 
+    def backward(self, closure_loss, optimizer, *args, **kwargs):
+        """Lightning's loop has already divided the loss by accumulate_grad_batches, and DeepSpeed's engine.backward
+        divides it again by its gradient_accumulation_steps (which Lightning sets to the same count) unless told not
+        to. Without this, a run accumulating N batches under zero2/zero3 took 1/N of the gradient every other strategy
+        takes: its clipping acted at N times gradient_clip_val and train/grad_norm read N times too small."""
+        kwargs.setdefault("scale_wrt_gas", False)
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
     def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
         """Lightning's save, between a marker written before any rank writes and removed after every rank has:
         DeepSpeed rewrites the folder's files in place under one tag, so a save cut short (a kill, a full disk) left a

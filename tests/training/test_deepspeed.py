@@ -282,6 +282,52 @@ def test_zero_checkpoint_consolidates_to_the_live_fp32_weights(zero2_two_process
     assert any(not torch.equal(earlier[k], live[k]) for k in live)
 
 
+def accumulated_update(strategy: str, accumulate: int) -> list[float]:
+    """The weight change of one SGD step (lr 1: the gradient applied) of a linear least-squares fit over 8 rows, given
+    as `accumulate` micro-batches. Runs in a process started with DS_ACCELERATOR=cpu (the zero*_cpu strategies)."""
+    import training.strategies  # noqa: F401 (registers zero2_cpu)
+
+    torch.manual_seed(0)
+    rows, targets, start = torch.randn(8, 4), torch.randn(8, 1), torch.randn(1, 4)
+
+    class LeastSquares(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 1, bias=False)
+            self.linear.weight.data.copy_(start)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return ((self.linear(x) - y) ** 2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1.0)
+
+    module = LeastSquares()
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=1, accumulate_grad_batches=accumulate,
+                        precision="32-true", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(rows, targets), batch_size=8 // accumulate)
+    trainer.fit(module, loader)
+    return (start - module.linear.weight.detach()).flatten().tolist()
+
+
+def test_deepspeed_takes_the_same_gradient_as_every_strategy_when_it_accumulates(tmp_path):
+    """Lightning divides the loss by accumulate_grad_batches and DeepSpeed's backward divided it again: 4 accumulated
+    batches (the 8B recipes) trained zero2/zero3 on a quarter of the gradient, clipping at 4x its value."""
+    probe = ("import json, sys\nfrom tests.training.test_deepspeed import accumulated_update\n"
+             "print('update', json.dumps([accumulated_update(s, a) for s, a in (('auto', 2), ('zero2_cpu', 1), "
+             "('zero2_cpu', 2))]))\n")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env={**os.environ, "DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": str(tmp_path)})
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("update ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-3000:]
+    plain, whole, accumulated = (torch.tensor(update) for update in json.loads(lines[-1].split(" ", 1)[1]))
+    assert plain.abs().min() > 0.1  # the step moved every weight
+    torch.testing.assert_close(whole, plain, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(accumulated, plain, rtol=1e-5, atol=1e-6)
+
+
 # ----------------------------------------------------------------------------- slow: twins, kill/resume, ZeRO-3
 
 

@@ -469,12 +469,17 @@ class DistillModule(L.LightningModule):
             self.__dict__["_compiled_drafter"] = torch.compile(self.drafter, dynamic=self.device.type != "cuda")
         return self._compiled_drafter
 
-    def _anchor_generator(self, batch_idx: int, stage: str) -> torch.Generator:
+    def _step_seed(self, batch_idx: int, stage: str, stream: int = 0) -> int:
+        """A seed for this micro-batch on this rank: the same in an uninterrupted run and in a resumed one. `stream`
+        keeps two consumers (0: the anchors, 1: dropout) off one random sequence."""
         # Validation reuses one draw per batch so its numbers compare across evaluations.
         # (hash of a tuple of ints is the same in every process; a str in it would not be.)
         epoch = self.current_epoch if stage == "train" else -1
-        key = hash((self.hparams.seed, epoch, batch_idx, self.global_rank)) & 0x7FFF_FFFF_FFFF
-        return torch.Generator().manual_seed(key)
+        key = (self.hparams.seed, epoch, batch_idx, self.global_rank) + ((stream,) if stream else ())
+        return hash(key) & 0x7FFF_FFFF_FFFF
+
+    def _anchor_generator(self, batch_idx: int, stage: str) -> torch.Generator:
+        return torch.Generator().manual_seed(self._step_seed(batch_idx, stage))
 
     def sequence_features(self, batch: dict, teacher: bool = False):
         """(target features (S, T, K*H), the teacher's source or None, a function giving the seconds the target's
@@ -517,6 +522,10 @@ class DistillModule(L.LightningModule):
         given = sample_given(anchors, self.hparams.redraft_prob, generator) if stage == "train" else None
         if given is not None:
             labels = given_labels(labels, given)
+        if stage == "train" and self.hparams.dropout:
+            # Dropout draws from torch's global generator, which no checkpoint holds (a resumed run drew the first
+            # launch's masks again) and which every rank seeds alike: seeded here per micro-batch and rank.
+            torch.manual_seed(self._step_seed(batch_idx, stage, stream=1))
         hidden = self.block_hidden_states(features, input_ids, anchors, given)  # (S, n*B, H)
         teacher = None
         if isinstance(source, tuple):  # the store's top k

@@ -344,6 +344,20 @@ def check_full_attention(target: PreTrainedModel) -> None:
                           "target whose layers all attend to the whole context")
 
 
+MASKED_ATTENTION = ("sdpa", "eager")  # transformers' attention kernels that apply a verify's 4-D additive mask as given
+
+
+def check_tree_attention(target: PreTrainedModel, method: str) -> None:
+    """A draft's verify hands the target one additive mask that lets each row see only its ancestors; a kernel that
+    reads the mask as padding (flash attention does) would let rows see their siblings and commit tokens the target
+    never chose, and the others are not checked here. Plain decoding passes no mask."""
+    implementation = getattr(target.config.get_text_config(), "_attn_implementation", None) or "sdpa"
+    if method != "ar" and implementation not in MASKED_ATTENTION:
+        raise DDTreeError(f"target {getattr(target, 'name_or_path_for_ddtree', target.config.model_type)!r} attends "
+                          f"with {implementation!r}; a verify's ancestor-only mask is applied as given by sdpa and eager "
+                          f"only: load it with attn_implementation='sdpa', as ddtree.targets.load_target does")
+
+
 def check_corpus(method: str, corpus: CorpusLookup | bool | None) -> None:
     """A corpus given explicitly grafts into ddtree trees."""
     if isinstance(corpus, CorpusLookup) and method != "ddtree":
@@ -484,6 +498,7 @@ def generate(
     static = static_cache(static, device)
     check_sizer(method, sizer is not None, static)
     check_full_attention(target)
+    check_tree_attention(target, method)
     prompt = torch.as_tensor(prompt_ids, dtype=torch.long)
     if prompt.dim() > 2 or (prompt.dim() == 2 and prompt.shape[0] != 1):
         raise DDTreeError(f"generate decodes one prompt at a time: prompt_ids has shape {tuple(prompt.shape)}; give "

@@ -237,6 +237,29 @@ def test_a_target_with_sliding_window_layers_is_refused_before_decoding(sliding)
         generate(target, [1, 2, 3], "ar", None, 1, 4)
 
 
+@pytest.mark.parametrize("implementation, refused", [("flash_attention_2", True), ("flex_attention", True),
+                                                     ("eager", False), ("sdpa", False)])
+def test_a_target_whose_attention_kernel_ignores_the_tree_mask_is_refused_for_drafts(implementation, refused):
+    """Flash attention reads an attention mask as padding: tree rows would see their siblings, and the walk would commit
+    tokens the target never chose. Plain decoding passes no mask and is not refused."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ddtree.decoding import check_tree_attention, generate
+    from tests.rigged import RiggedDrafter
+
+    target = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                          num_attention_heads=2, num_key_value_heads=1)).eval()
+    target.config._attn_implementation = implementation  # (set as loading would; flash-attn itself is not installed)
+    drafter = RiggedDrafter(list(range(3, 20)), 32, block_size=4)
+    if refused:
+        with pytest.raises(DDTreeError, match=f"attends with '{implementation}'; a verify's ancestor-only mask"):
+            generate(target, [1, 2, 3], "ddtree", drafter, 4, 4)
+        check_tree_attention(target, "ar")  # (decoding with that kernel needs it installed: not here)
+    else:
+        result = generate(target, [1, 2, 3], "ddtree", drafter, 4, 4)
+        assert len(result.new_tokens) == 4
+
+
 @pytest.mark.parametrize(
     "field,value,message",
     [

@@ -18,6 +18,7 @@ import re
 import shutil
 import socket
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -373,6 +374,16 @@ def check_drafter_fits(config, target: PreTrainedModel, source: str) -> None:
         )
     if config.block_size < 2:
         raise DDTreeError(f"drafter {source}: block_size {config.block_size} must be at least 2")
+    vocab = config.draft_vocab
+    if vocab is not None:
+        outside = [t for t in vocab if not 0 <= t < embedding_rows]
+        twice = sorted(t for t, count in Counter(vocab).items() if count > 1)
+        if outside or twice:
+            what = (f"ids outside the target's embedding (0..{embedding_rows - 1}): {outside[:5]}" if outside else
+                    f"ids more than once: {twice[:5]}")
+            raise DDTreeError(f"drafter {source}: dflash_config.draft_vocab holds {what}"
+                              f"{' and more' if len(outside or twice) > 5 else ''}; this drafter was built for another "
+                              "target, or its config.json was edited")
 
 
 def is_int(value) -> bool:
@@ -394,3 +405,14 @@ def check_drafter_field_types(config, source: str) -> None:
         if not valid:
             raise DDTreeError(f"drafter {source}: {field} is {value!r}, expected {expected}; write it in config.json "
                               "as JSON numbers, without quotes")
+    for field in ("redraft", "lookup"):  # decoders' defaults: 0 or absent = none
+        value = config.dflash_config.get(field)
+        if value is not None and not (is_int(value) and value >= 0):
+            raise DDTreeError(f"drafter {source}: dflash_config.{field} is {value!r}, expected a count (0 or more) in "
+                              f"config.json; remove the field to decode with none")
+    vocab = config.dflash_config.get("draft_vocab")
+    if vocab is not None and not (isinstance(vocab, list) and vocab and all(map(is_int, vocab))):
+        shown = repr(vocab) if not isinstance(vocab, list) else "an empty list" if not vocab else \
+            f"a list holding {next(v for v in vocab if not is_int(v))!r}"
+        raise DDTreeError(f"drafter {source}: dflash_config.draft_vocab is {shown}, expected a non-empty list of token "
+                          "ids (JSON numbers) in config.json; remove the field to draft over the whole vocabulary")

@@ -155,6 +155,30 @@ def test_a_drafter_config_field_given_as_a_string_is_one_line(tmp_path, tiny_tar
     assert str(error.value) == (f"drafter {folder}: {named}; write it in config.json as JSON numbers, without quotes")
 
 
+@pytest.mark.parametrize("field, value, named", [
+    ("redraft", -1, "dflash_config.redraft is -1, expected a count (0 or more) in config.json; remove the field"),
+    ("lookup", "four", "dflash_config.lookup is 'four', expected a count (0 or more) in config.json; remove the field"),
+    ("draft_vocab", [], "dflash_config.draft_vocab is an empty list, expected a non-empty list of token ids"),
+    ("draft_vocab", [3, "5"], "dflash_config.draft_vocab is a list holding '5', expected a non-empty list of token ids"),
+    ("draft_vocab", [3, 5, 10**6], "dflash_config.draft_vocab holds ids outside the target's embedding (0.."),
+    ("draft_vocab", [3, 5, 5, 7], "dflash_config.draft_vocab holds ids more than once: [5]; this drafter was built"),
+])
+def test_a_drafters_decoding_fields_out_of_range_are_one_line(tmp_path, tiny_target, field, value, named):
+    """A hand-edited draft vocabulary indexed past the LM head (a raw IndexError; a device assert on CUDA), an empty one
+    failed as a float index tensor, ids given twice split a token's probability over sibling nodes; a negative redraft
+    or lookup was blamed on an argument the caller never gave."""
+    target, tokenizer = tiny_target
+    folder = tmp_path / "drafter"
+    DFlashDraftModel(build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4)).save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["dflash_config"][field] = value
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DDTreeError) as error:
+        load_drafter_folder(folder, torch.float32, target)
+    assert str(error.value).startswith(f"drafter {folder}: {named}"), str(error.value)
+    assert "\n" not in str(error.value)
+
+
 def test_a_folders_tokenizer_is_loaded_once_and_again_when_its_files_change(tmp_path):
     """A training launch asked for the target's tokenizer four times; each asks now gets the one loaded object,
     until a tokenizer file of the folder changes on disk. The weights are no part of it."""

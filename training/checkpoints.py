@@ -203,6 +203,23 @@ def load_checkpoint(path: Path) -> Checkpoint:
     return Checkpoint(path, drafter, int(saved["global_step"]), hyper_parameters, dict(saved.get("callbacks") or {}))
 
 
+RESUME_KEYS = ("pytorch-lightning_version", "global_step", "loops", "state_dict", "drafter_config")
+
+
+def check_resumable(path: Path, flag: str = "--resume") -> None:
+    """A .ckpt file that Lightning can resume a run of this project from, or one line saying what it is instead
+    (Lightning read any other pickle into a KeyError traceback). DeepSpeed folders are checked by their strategy."""
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=False, mmap=True)  # mmap: nothing big is read
+    except Exception as error:  # noqa: BLE001 - anything torch.load cannot read is not a checkpoint
+        raise DDTreeError(f"{flag} {path} is not a PyTorch checkpoint ({type(error).__name__}: {error_line(error)}); "
+                          "give a run's last.ckpt, step-N.ckpt or hpc_ckpt_N.ckpt") from None
+    missing = [key for key in RESUME_KEYS if key not in saved] if isinstance(saved, dict) else list(RESUME_KEYS)
+    if missing:
+        raise DDTreeError(f"{flag} {path} is not a training checkpoint of this project (it has no {', '.join(missing)}): "
+                          "give a run's last.ckpt, step-N.ckpt or hpc_ckpt_N.ckpt")
+
+
 def non_finite_tensors(drafter: torch.nn.Module) -> int:
     """How many of the drafter's parameter tensors hold a NaN or an infinity (one wait on the device for all).
 

@@ -54,7 +54,8 @@ from ddtree.corpus import CORPUS_FILE, write_replies
 from ddtree.errors import DDTreeError, command
 from ddtree.files import write_text_atomic
 from training.checkpoint_paths import find_resume, is_deepspeed_checkpoint, newest_checkpoint, run_checkpoints
-from training.checkpoints import AtomicCheckpointIO, deepspeed_client_state, newest_finite_checkpoint, non_finite_tensors
+from training.checkpoints import (AtomicCheckpointIO, check_resumable, deepspeed_client_state, newest_finite_checkpoint,
+                                  non_finite_tensors)
 from training.data import DATA_RECORD, DistillDataModule, replies
 from training.export import export_drafter, run_corpus
 from training.feature_store import (build_feature_store, drafter_layer_ids, is_complete, resolve_store_path, store_seconds,
@@ -306,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
         checkpoint = None
         if args.resume:
             checkpoint, run_dir = find_resume(args.resume, Path(args.output_root) / (args.recipe or DEFAULT_RECIPE))
+            if not is_deepspeed_checkpoint(checkpoint):
+                check_resumable(checkpoint)
             args.recipe = run_recipe(run_dir, args.recipe)
             config = run_dir / "config.yaml"
         else:

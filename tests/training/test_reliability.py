@@ -333,6 +333,18 @@ def test_a_resume_refused_at_restore_leaves_config_yaml_as_it_was(tmp_path, caps
         f"error: --resume: {last} is a DeepSpeed checkpoint (a folder of per-rank shards) and this launch's strategy is "
         "SingleDeviceStrategy: resume it under the run's DeepSpeed strategy (drop the trainer.strategy override), or "
         "export it (make export) and start a new run from the drafter with model.init_from"), lines
+    # A file that torch reads but Lightning cannot resume from (a KeyError traceback before), and one it cannot read.
+    weights, text = run_dir / "checkpoints" / "weights.ckpt", run_dir / "checkpoints" / "notes.ckpt"
+    torch.save({"w": torch.zeros(2)}, weights)
+    text.write_text("not a checkpoint")
+    for path, said in [(weights, f"error: --resume {weights} is not a training checkpoint of this project (it has no "
+                                 "pytorch-lightning_version, global_step, loops, state_dict, drafter_config): give a "
+                                 "run's last.ckpt, step-N.ckpt or hpc_ckpt_N.ckpt"),
+                       (text, f"error: --resume {text}: checkpoint {text} is unreadable (")]:  # (as before)
+        assert train_main([*resume, "--resume", str(path)]) == 2
+        lines = error_lines(capsys)
+        assert len(lines) == 1 and lines[0].startswith(said), lines
+    assert (run_dir / "config.yaml").read_text() == before.replace("max_steps: 2", "max_steps: 4")
 
 
 def test_a_resumed_run_keeps_its_own_recipe(tmp_path, capsys, monkeypatch):

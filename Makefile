@@ -69,7 +69,7 @@ export: $(STAMP)
 	$(if $(OUT),,$(error make export needs OUT=exports/<name> (the folder to write); RUN=$(RUN) is the run))
 	$(PY) -m training.publish $(RUN) --out $(OUT) $(if $(CKPT),--ckpt $(CKPT)) $(if $(SPECULATORS),--speculators) \
 		$(if $(OVERWRITE),--overwrite) $(if $(ALLOW_ENGINE_MISMATCH),--allow-engine-mismatch) $(if $(REPO),--repo $(REPO)) $(if $(PUSH),--push) $(if $(PRIVATE),--private) \
-		$(if $(BASE_MODEL),--base-model $(BASE_MODEL)) $(if $(LICENSE),--license $(LICENSE))
+		$(if $(REPLACE_REPO),--replace-repo) $(if $(BASE_MODEL),--base-model $(BASE_MODEL)) $(if $(LICENSE),--license $(LICENSE))
 
 # Two worker processes (pytest-xdist), each test file on one of them, each with half the cores' threads: most
 # tests are bound by Python and process start-up, not by matmuls, so on 2 cores this took 7.6 minutes against

@@ -183,6 +183,8 @@ def publish_parser() -> argparse.ArgumentParser:
     parser.add_argument("--push", action="store_true", help="upload to --repo after exporting (token: HF_TOKEN)")
     parser.add_argument("--private", action="store_true",
                         help="create the Hub repo private (an existing public repo is refused, not changed)")
+    parser.add_argument("--replace-repo", action="store_true",
+                        help="push into an existing repo that holds files no export writes (they are deleted from it)")
     parser.add_argument("--push-only", metavar="FOLDER", help="upload a finished export without exporting again")
     return parser
 

@@ -23,13 +23,19 @@ from huggingface_hub import HfApi, constants, get_token
 from huggingface_hub.errors import HFValidationError, RepositoryNotFoundError
 from huggingface_hub.utils import validate_repo_id
 
+from ddtree.corpus import CORPUS_FILE
 from ddtree.errors import DDTreeError, error_line
+from ddtree.names import CALIBRATION_FILE
 from ddtree.targets import has_hub_id_shape
 
 from .engines import ARCHITECTURE, weight_shapes
 from .hub_config import EXPORT_FILES
 from .model_card import card_repo
 
+
+# What a repo that an earlier push of a drafter export filled can hold (the Hub adds .gitattributes; `ddtree calibrate`
+# writes its temperatures beside a drafter).
+EXPORT_NAMES = {*EXPORT_FILES, CORPUS_FILE, CALIBRATION_FILE, ".gitattributes"}
 
 # A Hub license id as the card's metadata takes it: lowercase, like apache-2.0, llama3.1, openrail++ or other.
 LICENSE_ID = re.compile(r"[a-z0-9][a-z0-9.+-]*")
@@ -110,9 +116,10 @@ def check_hub_answers(endpoint: str) -> None:
                           f"{HUB_TIMEOUT_S:.0f} s for an answer); check the network and HF_ENDPOINT") from None
 
 
-def preflight_hub(repo: str, private: bool = False) -> tuple[HfApi, str]:
+def preflight_hub(repo: str, private: bool = False, replace: bool = False) -> tuple[HfApi, str]:
     """Token and network checked before any work, so a push that cannot happen costs nothing; with `private`,
-    that the repo is not already public (a push never changes an existing repo's visibility)."""
+    that the repo is not already public (a push never changes an existing repo's visibility); unless `replace`,
+    that an existing repo holds nothing but an earlier export (a push leaves it holding exactly the export's files)."""
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
         raise DDTreeError("--push: HF_HUB_OFFLINE is set; unset it to push to the Hub")
     token = os.environ.get("HF_TOKEN") or get_token()
@@ -142,7 +149,26 @@ def preflight_hub(repo: str, private: bool = False) -> tuple[HfApi, str]:
         if public:
             raise DDTreeError(f"--private: {repo} already exists and is public, and a push does not change that; "
                               "make it private in its settings on the Hub first, or drop --private")
+    if not replace:
+        check_repo_holds_an_export(api, endpoint, repo)
     return api, endpoint
+
+
+def check_repo_holds_an_export(api: HfApi, endpoint: str, repo: str) -> None:
+    """An existing repo holding files no export writes (a model's tokenizer, weights, results) is not one an earlier
+    push filled: REPO names another repo, by a typo say, and the push would delete those files from it."""
+    try:
+        files = api.list_repo_files(repo)
+    except RepositoryNotFoundError:
+        return  # the push creates it
+    except Exception as error:  # noqa: BLE001 - network and HTTP errors alike end here, as one line
+        raise DDTreeError(f"--push: cannot list the files of {repo} on the Hub at {endpoint} ({error_line(error)})") from None
+    foreign = sorted(set(files) - EXPORT_NAMES)
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise DDTreeError(f"--push: {repo} already holds files that no drafter export writes ({shown}), and a push "
+                          "leaves the repo holding exactly the export's: check REPO, or add --replace-repo "
+                          "(REPLACE_REPO=1) to replace them (the Hub keeps them in the repo's history)")
 
 
 def push(api: HfApi, endpoint: str, folder: Path, repo: str, private: bool) -> str:

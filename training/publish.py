@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             raise DDTreeError("--push-only needs --repo user/name")
         folder = Path(args.push_only)
         check_export_folder(folder, args.repo)
-        api, endpoint = preflight_hub(args.repo, args.private)
+        api, endpoint = preflight_hub(args.repo, args.private, args.replace_repo)
         print(f"[export] pushed {folder} to {push(api, endpoint, folder, args.repo, args.private)}")
         return 0
     if not args.run or not args.out:
@@ -182,7 +182,9 @@ def main(argv: list[str] | None = None) -> int:
         raise DDTreeError("--push needs --repo user/name (REPO=user/name)")
     if args.private and not args.push:
         raise DDTreeError("--private sets the visibility of a pushed repo; add --push (PUSH=1) or drop it")
-    hub = preflight_hub(args.repo, args.private) if args.push else None
+    if args.replace_repo and not args.push:
+        raise DDTreeError("--replace-repo lets a push replace another repo's files; add --push (PUSH=1) or drop it")
+    hub = preflight_hub(args.repo, args.private, args.replace_repo) if args.push else None
     export_folder(
         run_dir, checkpoint, out, speculators=args.speculators, base_model=args.base_model,
         license_id=args.license, dtype=args.dtype, repo=args.repo, allow_engine_mismatch=args.allow_engine_mismatch,

@@ -773,6 +773,28 @@ def test_push_uploads_the_exported_folder_and_prints_its_url(run_dir, tmp_path, 
                                                         ".gitattributes": b"*.safetensors filter=lfs"}
 
 
+def test_a_push_into_a_repo_holding_other_files_than_an_exports_is_refused_unless_asked(run_dir, tmp_path, hub, capsys):
+    """A push leaves the repo holding exactly the export's files: REPO naming someone's model (a typo) deleted its
+    tokenizer and results and replaced its weights and card in one commit."""
+    model = {"README.md": b"# my model", "model.safetensors": b"weights", "tokenizer.json": b"{}",
+             "results/eval.json": b"{}", ".gitattributes": b"*.safetensors filter=lfs"}
+    StandInHub.repos["tester/mymodel"], StandInHub.private["tester/mymodel"] = dict(model), False
+    out = tmp_path / "export"
+    assert export(run_dir, out, "--ckpt", "last", "--repo", "tester/mymodel", "--push") == 2
+    assert one_error_line(capsys) == (
+        "error: --push: tester/mymodel already holds files that no drafter export writes (results/eval.json, "
+        "tokenizer.json), and a push leaves the repo holding exactly the export's: check REPO, or add --replace-repo "
+        "(REPLACE_REPO=1) to replace them (the Hub keeps them in the repo's history)")
+    assert StandInHub.repos["tester/mymodel"] == model and not out.exists()  # refused before exporting
+    assert export(run_dir, out, "--ckpt", "last", "--repo", "tester/mymodel", "--replace-repo") == 2
+    assert "--replace-repo lets a push replace another repo's files; add --push" in one_error_line(capsys)
+    assert export(run_dir, out, "--ckpt", "last", "--repo", "tester/mymodel", "--push", "--replace-repo") == 0
+    assert StandInHub.repos["tester/mymodel"] == {**{p.name: p.read_bytes() for p in out.iterdir()},
+                                                  ".gitattributes": b"*.safetensors filter=lfs"}
+    # and an earlier export's repo (the usual second push) takes a new one without asking
+    assert publish.main(["--push-only", str(out), "--repo", "tester/mymodel"]) == 0
+
+
 def test_private_creates_a_private_repo_and_refuses_to_push_into_a_public_one(run_dir, tmp_path, hub, capsys):
     assert export(run_dir, tmp_path / "a", "--ckpt", "last", "--repo", "tester/secret", "--push", "--private") == 0
     assert StandInHub.private["tester/secret"] and "model.safetensors" in StandInHub.repos["tester/secret"]

@@ -17,6 +17,7 @@ import torch
 from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError, safe_open
 from transformers import PreTrainedModel
+from transformers.activations import ACT2FN
 
 from .configuration_dflash import DFlashDrafterConfig
 from .errors import DDTreeError, error_line
@@ -60,10 +61,17 @@ def check_weights_match_config(folder: Path, config: DFlashDrafterConfig) -> Non
     transformers would otherwise stop with a size-mismatch traceback, or quietly start a weight
     that is missing (or a layer config.json no longer has) from random values.
     """
-    with torch.device("meta"):  # shapes only: no memory, no initialization
-        expected = {name: list(t.shape) for name, t in DFlashDraftModel(config).state_dict().items()}
-    found = weight_shapes(folder)
     mismatch = "config.json does not match the weights (was it edited?): restore it, or export the drafter again"
+    if config.hidden_act not in ACT2FN:  # transformers' KeyError, from deep in the build below
+        raise DDTreeError(f"drafter {folder}: config.json's hidden_act {config.hidden_act!r} is not an activation "
+                          "transformers knows (silu, gelu, relu, ...): restore it, or export the drafter again")
+    try:
+        with torch.device("meta"):  # shapes only: no memory, no initialization
+            expected = {name: list(t.shape) for name, t in DFlashDraftModel(config).state_dict().items()}
+    except (KeyError, ValueError, TypeError, AttributeError, RuntimeError) as error:  # a size or setting it cannot build
+        raise DDTreeError(f"drafter {folder}: config.json does not build a drafter ({type(error).__name__}: "
+                          f"{error_line(error)}); restore it, or export the drafter again") from None
+    found = weight_shapes(folder)
     missing = [name for name in expected if name not in found]
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
@@ -93,7 +101,7 @@ def read_drafter_config(folder: Path) -> DFlashDrafterConfig:
                           "has no dflash_config or block_size; give a drafter folder (a run's drafter/ or an export)")
     try:
         return DFlashDrafterConfig.from_pretrained(folder)
-    except (OSError, ValueError, TypeError) as error:
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as error:  # (transformers' rope and dtype checks)
         raise DDTreeError(f"drafter {folder}/config.json could not be read: {error_line(error)}") from None
     except StrictDataclassError as error:  # a field fails transformers' validation; its first line only names the validator
         raise DDTreeError(f"drafter {folder}/config.json could not be read: {error_line(error.__cause__ or error)}") from None

@@ -179,6 +179,27 @@ def test_a_drafters_decoding_fields_out_of_range_are_one_line(tmp_path, tiny_tar
     assert "\n" not in str(error.value)
 
 
+@pytest.mark.parametrize("field, value, named", [
+    ("hidden_act", "relu6x", "config.json's hidden_act 'relu6x' is not an activation transformers knows"),
+    ("intermediate_size", -1, "config.json does not build a drafter (RuntimeError: "),
+    ("rope_parameters", {"rope_type": "yarn", "rope_theta": 10000.0}, "/config.json could not be read: "),
+    ("dtype", "bfloat", "/config.json could not be read: "),
+])
+def test_a_drafter_config_edited_past_what_transformers_builds_is_one_line(tmp_path, tiny_target, field, value, named):
+    """transformers' own KeyError (an activation, a rope setting), AttributeError (a dtype) or RuntimeError (a size)
+    came out of `ddtree generate` as a traceback with status 1."""
+    target, tokenizer = tiny_target
+    folder = tmp_path / "drafter"
+    DFlashDraftModel(build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4)).save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config[field] = value
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DDTreeError) as error:
+        load_drafter_folder(folder, torch.float32, target)
+    assert str(error.value).startswith(f"drafter {folder}") and named in str(error.value), str(error.value)
+    assert "\n" not in str(error.value)
+
+
 def test_a_folders_tokenizer_is_loaded_once_and_again_when_its_files_change(tmp_path):
     """A training launch asked for the target's tokenizer four times; each asks now gets the one loaded object,
     until a tokenizer file of the folder changes on disk. The weights are no part of it."""

@@ -19,11 +19,11 @@ import sys
 from pathlib import Path
 
 from ddtree.corpus import CORPUS_FILE
-from ddtree.errors import CommandParser, command
+from ddtree.errors import CommandParser, DDTreeError, command
 from ddtree.files import check_output_folder, staged_folder
 
 from .checkpoint_paths import run_folder_of
-from .checkpoints import drafter_from_checkpoint
+from .checkpoints import drafter_from_checkpoint, load_checkpoint
 from .peft_utils import merged_drafter
 
 
@@ -60,7 +60,14 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = run_folder_of(checkpoint)  # checkpoints/x.ckpt or a SLURM requeue's hpc_ckpt_N.ckpt
     check_output_folder(Path(args.out_dir), args.overwrite, keep=(run_dir or checkpoint,), name="out_dir")
     corpus = run_corpus(run_dir) if run_dir is not None else None
-    out = export_drafter(checkpoint, args.out_dir, corpus)
+    loaded = load_checkpoint(checkpoint)
+    if loaded.hyper_parameters.get("corpus") and corpus is None:  # its tau was measured grafting from it
+        if run_dir is not None:
+            raise DDTreeError(f"{checkpoint} was trained with model.corpus, but {run_dir / CORPUS_FILE} is missing: the "
+                              "export would decode differently from what the run measured; put the run's corpus back")
+        print(f"note: {checkpoint} was trained with model.corpus and is outside its run folder: the export carries no "
+              "corpus, so it decodes without the replies its run grafted from", file=sys.stderr)
+    out = export_drafter(loaded.drafter, args.out_dir, corpus)
     print(f"drafter written to {out}" + (f", with the run's {corpus.name}" if corpus else ""))
     return 0
 

@@ -335,6 +335,7 @@ def test_an_export_from_a_checkpoint_path_carries_its_runs_corpus(run_dir, tmp_p
     shutil.copyfile(run_dir / "checkpoints" / "last.ckpt", copied)
     assert export_main([str(copied), str(tmp_path / "bare")]) == 0
     assert not (tmp_path / "bare" / CORPUS_FILE).exists() and (tmp_path / "bare" / "model.safetensors").is_file()
+    assert "the export carries no corpus" in capsys.readouterr().err
 
 
 def test_an_export_of_a_slurm_requeue_checkpoint_carries_its_runs_corpus(run_dir, tmp_path):
@@ -472,6 +473,10 @@ def test_a_corpus_run_without_its_corpus_is_refused(run_dir, tmp_path, capsys):
     shutil.copytree(run_dir, run, symlinks=True)
     (run / CORPUS_FILE).unlink()
     assert export(run, tmp_path / "out", "--ckpt", "last") == 2
+    assert f"was trained with model.corpus, but {run / CORPUS_FILE} is missing" in one_error_line(capsys)
+    assert not (tmp_path / "out").exists()
+    # and so is its plain export (it shipped the drafter without the corpus, and said nothing)
+    assert export_main([str(run / "checkpoints" / "last.ckpt"), str(tmp_path / "out")]) == 2
     assert f"was trained with model.corpus, but {run / CORPUS_FILE} is missing" in one_error_line(capsys)
     assert not (tmp_path / "out").exists()
 

@@ -349,6 +349,23 @@ class AcceptanceEvaluation(L.Callback):
         for row in self.history:
             if row.get("val_loss") is None:
                 row["val_loss"] = self.recorded_val_loss(Path(trainer.default_root_dir), row["step"])
+        self.finish_interrupted_evaluation(trainer, pl_module)
+
+    def finish_interrupted_evaluation(self, trainer, pl_module) -> None:
+        """A launch resumed at a scheduled step whose evaluation or save its checkpoint does not record: SLURM's
+        SIGUSR1 saves hpc_ckpt_N.ckpt wherever the process is, an evaluation's minute included, and the job is
+        requeued. Left so, that step was never measured (the best of the run, it may be) or measured and never saved
+        (report.md named a best that best.ckpt did not point at). Measured now, before the next step; BestCheckpoint
+        then saves it. (The last step of the schedule is not: Lightning starts no training loop past max_steps.)"""
+        step = trainer.global_step
+        if step == 0 or step % self.every_n_train_steps != 0:
+            return
+        if step != self.last_step:
+            self._evaluate(trainer, pl_module, logged=False, checkpointed=True)
+            print(f"[eval] step {step}: measured at the resume (the launch that trained it stopped during its "
+                  "evaluation)", flush=True)
+        elif self.history and self.history[-1]["step"] == step:  # measured; its save is BestCheckpoint's to check
+            self.measured = (step, metrics_of(self.history[-1]["summary"], self.history[-1]["seconds"]))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         # Under gradient accumulation this runs once per micro-batch: evaluate a step once.
@@ -466,8 +483,9 @@ class AcceptanceEvaluation(L.Callback):
                           f" s: draft temperature {learned.describe()}", flush=True)
         return temperatures
 
-    def _evaluate(self, trainer, pl_module, logged: bool, stop: bool = False) -> None:
-        """logged: into callback_metrics (on_train_batch_end only); stop: off the every-N grid, at a stop."""
+    def _evaluate(self, trainer, pl_module, logged: bool, stop: bool = False, checkpointed: bool | None = None) -> None:
+        """logged: into callback_metrics (on_train_batch_end only); stop: off the every-N grid, at a stop;
+        checkpointed: whether BestCheckpoint ranks this step (None: as `logged` and `stop` imply)."""
         step = trainer.global_step
         started = time.perf_counter()
         target = pl_module.target
@@ -493,7 +511,9 @@ class AcceptanceEvaluation(L.Callback):
                 pl_module.log(name, value, logger=False, prog_bar=name == self.monitor, batch_size=1)
         # Whether this step competes for best.ckpt: every one on the grid; a stop's where BestCheckpoint saves it.
         best = [c for c in trainer.checkpoint_callbacks if isinstance(c, BestCheckpoint)]
-        checkpointed = (logged and (not stop or bool(best)) and not any(c.save_top_k == 0 for c in best)  # 0: last only
+        if checkpointed is None:
+            checkpointed = logged and (not stop or bool(best))
+        checkpointed = (checkpointed and not any(c.save_top_k == 0 for c in best)  # 0: last only
                         and not trainer.fast_dev_run)  # BestCheckpoint saves nothing then
 
         scalar = lambda name: float(trainer.callback_metrics[name]) if name in trainer.callback_metrics else None  # noqa: E731
@@ -675,6 +695,13 @@ class BestCheckpoint(Checkpoint):
         for folder in sorted(folders) if trainer.is_global_zero else ():
             for stale in AtomicCheckpointIO.remove_stale_staging(folder):
                 print(f"[checkpoint] removed {stale}: a save the last launch did not finish", flush=True)
+        # A scheduled step the last launch measured but did not save (AcceptanceEvaluation.finish_interrupted_evaluation
+        # measured it again, or found it measured): saved now, where a resume continues exactly.
+        step = trainer.global_step
+        if step > 0 and step != self.last_saved_step and not trainer.fast_dev_run:
+            score = self.measured_score(trainer, step)
+            if score is not None:
+                self.save(trainer, step, report.ranking_score(score))
 
     def finish_removal(self, trainer) -> None:
         """Delete the file a new best displaced where the last launch stopped before deleting it: the marker

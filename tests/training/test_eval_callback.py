@@ -335,8 +335,8 @@ def test_best_ckpt_moves_before_the_file_it_displaces_goes_and_a_launch_relinks_
         Path(path).write_text("a checkpoint")
         saved.append(Path(path).name)
 
-    trainer = SimpleNamespace(current_epoch=0, is_global_zero=True, ckpt_path=None, save_checkpoint=save_checkpoint,
-                              default_root_dir=str(tmp_path),
+    trainer = SimpleNamespace(current_epoch=0, global_step=0, is_global_zero=True, ckpt_path=None,
+                              save_checkpoint=save_checkpoint, default_root_dir=str(tmp_path),
                               strategy=SimpleNamespace(broadcast=lambda value: value, remove_checkpoint=os.remove))
     checkpoints = BestCheckpoint(dirpath=folder, monitor=monitor_metric(8), save_top_k=1)
     folder.mkdir()
@@ -458,9 +458,9 @@ class CannedEvaluation(AcceptanceEvaluation):
         self.taus = taus
         self.decoded: list[int] = []  # the steps measure() ran at
 
-    def _evaluate(self, trainer, pl_module, logged, stop=False):
+    def _evaluate(self, trainer, pl_module, logged, stop=False, **settings):
         self.step_now = trainer.global_step
-        return super()._evaluate(trainer, pl_module, logged, stop)
+        return super()._evaluate(trainer, pl_module, logged, stop, **settings)
 
     def measure(self, target, drafter, prompts, stop_ids, rank=0, world_size=1):
         stats = lambda tau: {"tau": tau, "expected_tau": tau, "rounds": 1, "accepted_depth_counts": {0: 1}}  # noqa: E731
@@ -469,9 +469,11 @@ class CannedEvaluation(AcceptanceEvaluation):
         return {"summary": {"dflash": stats(1.0), **{f"ddtree@{b}": stats(t) for b, t in by_budget.items()}}, "prompts": []}
 
 
-def canned_fit(tmp_path, steps, taus, primary=8, save_top_k=1, extra=(), ckpt_path=None, before=(), every=2, module=None):
-    """`before`: callbacks that run ahead of the evaluation at each step; `extra`: after it."""
-    evaluation = CannedEvaluation(taus, every_n_train_steps=every, budgets=sorted(next(iter(taus.values()))),
+def canned_fit(tmp_path, steps, taus, primary=8, save_top_k=1, extra=(), ckpt_path=None, before=(), every=2, module=None,
+               kind=None):
+    """`before`: callbacks that run ahead of the evaluation at each step; `extra`: after it; `kind`: a CannedEvaluation
+    subclass."""
+    evaluation = (kind or CannedEvaluation)(taus, every_n_train_steps=every, budgets=sorted(next(iter(taus.values()))),
                                   primary_budget=primary)
     checkpoints = BestCheckpoint(dirpath=tmp_path / "checkpoints", monitor=monitor_metric(primary),
                                  every_n_train_steps=every, save_top_k=save_top_k)
@@ -489,6 +491,64 @@ def test_a_stop_that_ties_a_scheduled_step_is_the_latest_of_equals_whatever_floa
     canned_fit(tmp_path, 10, {2: {8: 4 / 3}, 3: {8: 4 / 3}}, extra=[StepClock()])
     assert (tmp_path / "checkpoints" / "best.ckpt").resolve().name == "step-3.ckpt"
     assert "| **3** (best) |" in (tmp_path / "report.md").read_text()
+
+
+class Requeued(Exception):
+    """`scontrol requeue` ending the job right after Lightning's SIGUSR1 handler saved hpc_ckpt_1.ckpt."""
+
+
+def sigusr1_at(step: int, where: str, run: Path):
+    """A CannedEvaluation whose first launch SLURM preempts at `step`: during the decoding (where="measure"), or once
+    the step's row and files are written and before BestCheckpoint saves it (where="written"). The resumed launch
+    uses the same class: Lightning keys a callback's saved state by its class."""
+    armed = [True]
+
+    class Preempted(CannedEvaluation):
+        def measure(self, target, drafter, prompts, stop_ids, rank=0, world_size=1):
+            if where == "measure" and self.step_now == step:
+                self.preempt()
+            return super().measure(target, drafter, prompts, stop_ids, rank, world_size)
+
+        def _write(self, trainer, metrics, result):
+            super()._write(trainer, metrics, result)
+            if where == "written" and trainer.global_step == step:
+                self.preempt()
+
+        def on_train_start(self, trainer, pl_module):
+            self.trainer = trainer
+            super().on_train_start(trainer, pl_module)
+
+        def preempt(self):
+            if armed.pop() if armed else False:
+                self.trainer.save_checkpoint(str(run / "hpc_ckpt_1.ckpt"))  # what Lightning's handler does, wherever
+                raise Requeued
+
+    return Preempted
+
+
+@pytest.mark.parametrize("where", ["measure", "written"])
+def test_a_slurm_requeue_during_an_evaluation_measures_and_saves_that_step_at_the_resume(tmp_path, where):
+    """The requeued job resumed from hpc_ckpt_1.ckpt at step 4 and went on: step 4, the best of the run, was never
+    measured (SIGUSR1 during its decoding), or measured and never saved while report.md named it the best and
+    best.ckpt pointed at step 2."""
+    taus = {2: {8: 1.5}, 4: {8: 3.0}, 6: {8: 2.0}}
+    kind = sigusr1_at(4, where, tmp_path)
+    with pytest.raises(Requeued):
+        canned_fit(tmp_path, 6, taus, kind=kind)
+    evaluation, checkpoints = canned_fit(tmp_path, 6, taus, ckpt_path=tmp_path / "hpc_ckpt_1.ckpt", kind=kind)
+    assert evaluation.decoded == ([4, 6] if where == "measure" else [6])
+    assert [(row["step"], row["checkpointed"]) for row in evaluation.history] == [(2, True), (4, True), (6, True)]
+    best = tmp_path / "checkpoints" / "best.ckpt"
+    assert best.resolve().name == "step-4.ckpt" and torch.load(best, weights_only=False)["global_step"] == 4
+    assert "**Best checkpoint by tau@8: step 4** (tau 3.000; `checkpoints/best.ckpt` links to it)" in (
+        tmp_path / "report.md").read_text()
+    last = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
+    assert last["global_step"] == 6
+    # step-4.ckpt, saved as the resume started, resumes as the hpc checkpoint did: to the same weights at step 6
+    canned_fit(tmp_path / "again", 6, taus, ckpt_path=best, kind=kind)
+    weights = torch.load(tmp_path / "again" / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    for key, value in last["state_dict"].items():
+        torch.testing.assert_close(weights[key], value, rtol=0, atol=0, msg=key)
 
 
 class PoisonWeights(L.Callback):

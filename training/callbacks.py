@@ -54,6 +54,7 @@ import math
 import os
 import random
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import lightning as L
@@ -100,6 +101,33 @@ def is_evaluation_step(trainer: L.Trainer, every_n_train_steps: int) -> bool:
     return bool(trainer.is_last_batch) and max_epochs not in (None, -1) and trainer.current_epoch + 1 >= max_epochs
 
 
+def accumulating(trainer: L.Trainer) -> bool:
+    """Whether the micro-batch just run leaves gradients for an optimizer step still to come (accumulate_grad_batches):
+    no place to stop, evaluate or save, since a checkpoint holds no accumulated gradients."""
+    return trainer.fit_loop.epoch_loop._should_accumulate()
+
+
+class StepTimer(Timer):
+    """The Timer that `trainer.max_time` adds, stopping only where an optimizer step ends (DistillCLI swaps it in).
+    Lightning's checks the clock after every micro-batch: under gradient accumulation it stopped a run between two
+    micro-batches of one step, whose checkpoint then lacked the gradients already summed, and the resumed step took
+    only the remaining micro-batches. Its state keeps Lightning's Timer's key, so checkpoints of either resume."""
+
+    @property
+    def state_key(self) -> str:
+        return "Timer"
+
+    def on_train_batch_end(self, trainer, *args, **kwargs) -> None:
+        if not accumulating(trainer):
+            super().on_train_batch_end(trainer, *args, **kwargs)
+
+
+def with_step_timer(callbacks: list) -> list:
+    """`callbacks` with Lightning's own max_time Timer replaced by a StepTimer of the same budget."""
+    return [StepTimer(duration=timedelta(seconds=c._duration), interval="step", verbose=c._verbose)
+            if type(c) is Timer and c._interval == "step" and c._duration is not None else c for c in callbacks]
+
+
 def stops_here(trainer: L.Trainer) -> bool:
     """Whether the run stops after this optimizer step off schedule, as seen from on_train_batch_end: a callback
     before the caller set should_stop, or the Timer that `trainer.max_time` adds (which Lightning runs after the
@@ -110,6 +138,8 @@ def stops_here(trainer: L.Trainer) -> bool:
     rank's clock started at its own moment).
     """
     if trainer.received_sigterm or not getattr(trainer.fit_loop, "_can_stop_early", True):  # min_steps not met yet
+        return False
+    if accumulating(trainer):  # StepTimer stops at the step's end: measured there
         return False
     timers = [callback for callback in trainer.callbacks if isinstance(callback, Timer) and callback._interval == "step"]
     spent = any(timer.time_remaining() is not None and timer.time_remaining() <= 0 for timer in timers)

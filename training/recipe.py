@@ -28,7 +28,7 @@ from ddtree.precision import AUTO, LIGHTNING_PRECISION, fast_precision
 from ddtree.targets import has_hub_id_shape
 
 from .arguments import known_recipes, recipe_path
-from .callbacks import AcceptanceEvaluation, BestCheckpoint, monitor_metric
+from .callbacks import AcceptanceEvaluation, BestCheckpoint, monitor_metric, with_step_timer
 from .checkpoints import AtomicCheckpointIO
 from .data import DistillDataModule
 from .feature_store import init_from_config
@@ -271,6 +271,7 @@ class DistillCLI(LightningCLI):
         # own shard folders, and a writer a recipe names in trainer.plugins is kept.
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        trainer.callbacks[:] = with_step_timer(trainer.callbacks)  # max_time stops where an optimizer step ends
         return trainer
 
 

@@ -176,6 +176,43 @@ def test_a_training_command_answers_help_and_a_bad_recipe_before_torch_loads(mod
     assert said in proc.stdout + proc.stderr, proc.stdout + proc.stderr
 
 
+def test_max_time_under_gradient_accumulation_stops_where_a_step_ends_and_resumes_exactly(tmp_path, monkeypatch):
+    """Lightning's Timer checks the clock after every micro-batch: with accumulate_grad_batches 2 it stopped after
+    micro-batch 5, mid-step, and the checkpoint lacked that micro-batch's gradients, so the resumed step 3 took only
+    micro-batch 6's (weights 4e-3 off the straight run's at step 4). Here the clock reads one second per micro-batch."""
+    from lightning.pytorch.callbacks import Timer
+
+    toy_data.write_conversations(tmp_path / "conversations.jsonl", 24, 30, 60, 0)
+    common = [*resume_args(tmp_path, tmp_path / "out"), "--trainer.accumulate_grad_batches=2", "--trainer.max_steps=4",
+              "--eval.every_n_train_steps=4", "--model.dropout=0.0"]
+    clock = {"trainer": None}
+    monkeypatch.setattr(Timer, "time_elapsed", lambda self, stage="train": float(
+        clock["trainer"].fit_loop.epoch_loop.batch_progress.total.completed + 1) if clock["trainer"] else 0.0)
+
+    class Clock(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            clock["trainer"] = trainer
+
+    def build_with_clock(*args):
+        cli = build_cli(*args)
+        cli.trainer.callbacks.insert(0, Clock())
+        return cli
+
+    monkeypatch.setattr(training.train, "build_cli", build_with_clock)
+    assert main([*common, "--run", "straight"]) == 0
+    clock["trainer"] = None  # (the first run's, until this one starts training)
+    assert main([*common, "--run", "stopped", "--trainer.max_time=00:00:00:05"]) == 0  # time is up after micro-batch 5
+    stopped = tmp_path / "out" / "tiny" / "stopped"
+    last = torch.load(stopped / "checkpoints" / "last.ckpt", weights_only=False)
+    assert last["global_step"] == 3  # the step micro-batches 5 and 6 make, not 2 and a half
+    assert last["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]["ready"] == 6  # saved at micro-batch 6
+    clock["trainer"] = None
+    assert main([*common, "--resume", str(stopped), "--trainer.max_time=null"]) == 0
+    first, second = drafter_weights(tmp_path / "out" / "tiny" / "straight"), drafter_weights(stopped)
+    for key in first:
+        torch.testing.assert_close(first[key], second[key], rtol=0, atol=0, msg=key)
+
+
 def error_lines(capsys) -> list[str]:
     return [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
 

@@ -137,13 +137,14 @@ def stops_here(trainer: L.Trainer) -> bool:
     gives seconds, not an evaluation's minute. Rank 0's decision on every rank, as the Timer broadcasts its own (each
     rank's clock started at its own moment).
     """
-    if trainer.received_sigterm or not getattr(trainer.fit_loop, "_can_stop_early", True):  # min_steps not met yet
-        return False
-    if accumulating(trainer):  # StepTimer stops at the step's end: measured there
-        return False
+    if not getattr(trainer.fit_loop, "_can_stop_early", True) or accumulating(trainer):  # the same on every rank
+        return False  # (min_steps not met yet; StepTimer stops at the step's end, measured there)
     timers = [callback for callback in trainer.callbacks if isinstance(callback, Timer) and callback._interval == "step"]
     spent = any(timer.time_remaining() is not None and timer.time_remaining() <= 0 for timer in timers)
-    return bool(trainer.strategy.broadcast(bool(trainer.should_stop or spent)))
+    # SIGTERM reaches each rank at its own moment: every rank joins the broadcast, and rank 0's flag decides (a rank
+    # that returned before it would leave the others' broadcast to pair with the next collective).
+    sigterm, stop = trainer.strategy.broadcast((bool(trainer.received_sigterm), bool(trainer.should_stop or spent)))
+    return bool(stop) and not sigterm
 
 
 # ----------------------------------------------------------------------------- measuring

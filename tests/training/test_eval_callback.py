@@ -425,6 +425,21 @@ class StepClock(Timer):
         return float(self.trainer.global_step) if self.trainer is not None else 0.0
 
 
+@pytest.mark.parametrize("local_sigterm, rank0, stops", [(True, (True, True), False), (True, (False, True), True),
+                                                         (False, (False, False), False)])
+def test_the_stop_decision_joins_every_ranks_broadcast_whatever_a_sigterm(local_sigterm, rank0, stops):
+    """SIGTERM reaches each rank at its own moment; a rank that returned before the broadcast on seeing it left the
+    others' broadcast to pair with the next collective. Rank 0's flag decides, on every rank."""
+    from training.callbacks import stops_here
+
+    sent = []
+    trainer = SimpleNamespace(
+        received_sigterm=local_sigterm, should_stop=False, callbacks=[],
+        fit_loop=SimpleNamespace(_can_stop_early=True, epoch_loop=SimpleNamespace(_should_accumulate=lambda: False)),
+        strategy=SimpleNamespace(broadcast=lambda value: sent.append(value) or rank0))
+    assert stops_here(trainer) is stops and len(sent) == 1
+
+
 @pytest.mark.parametrize("stop_drafter, best", [("perfect", "step-3.ckpt"), ("bad", "step-2.ckpt")])
 def test_a_run_stopped_by_max_time_off_schedule_competes_for_best_at_its_stop(tmp_path, stop_drafter, best):
     """max_time on a slow machine stops off the evaluation grid: the stopped step is measured, and checkpointed

@@ -61,7 +61,11 @@ def checked_args(args: argparse.Namespace) -> argparse.Namespace:
 
 
 # As a script: --help and bad input answered before torch and transformers load (9 s on the 2-core EPYC).
-if __name__ == "__main__" and (status := run_cli(lambda _: checked_args(build_parser().parse_args()))):
+def check_command_line(_=None) -> None:
+    checked_args(build_parser().parse_args())
+
+
+if __name__ == "__main__" and (status := run_cli(check_command_line)):
     sys.exit(status)
 
 

@@ -157,7 +157,11 @@ def checked_args(args: argparse.Namespace) -> argparse.Namespace:
 
 
 # As a script: --help, a bad flag, recipe or value answered before torch and transformers load (11 s, 2-core EPYC).
-if __name__ == "__main__" and (status := run_cli(lambda _: checked_args(parse_args()))):
+def check_command_line(_=None) -> None:
+    checked_args(parse_args())
+
+
+if __name__ == "__main__" and (status := run_cli(check_command_line)):
     sys.exit(status)
 
 

@@ -94,6 +94,14 @@ def test_the_command_adds_response_ids_where_they_decode_and_count_right(tiny, t
     assert summary["recovered"] == 1 and summary["not_recovered"] == 1
     assert recover_ids.main([str(source), "--out", str(tmp_path / "out")]) == 2  # never overwritten
     assert "exists" in capsys.readouterr().err
+    # and as a script, which checks its command line before torch loads (that check once broke every valid run)
+    import subprocess
+
+    script = Path(recover_ids.__file__)
+    proc = subprocess.run([sys.executable, str(script), str(source), "--out", str(tmp_path / "again")],
+                          capture_output=True, text=True, timeout=300, cwd=script.parents[1])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert load_from_disk(str(tmp_path / "again")).to_list() == out
 
 
 def test_sampled_data_is_refused(tmp_path):

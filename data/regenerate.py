@@ -349,6 +349,21 @@ def check_settings(parts: Path, settings: dict) -> None:
     write_text_atomic(path, json.dumps(settings, indent=2) + "\n")
 
 
+def check_settings_unchanged(parts: Path, settings: dict) -> None:
+    """Before a chunk is written or the chunks merged: settings.json still holds this job's settings. Another job
+    started in the same work folder before any chunk existed (shards launched together) may have replaced them,
+    and its chunks and this job's would then mix two kinds of data."""
+    try:
+        recorded = json.loads((parts / "settings.json").read_text())
+    except (OSError, ValueError):
+        recorded = None
+    changed = changed_settings(recorded, settings) if isinstance(recorded, dict) else ["settings.json is gone"]
+    if changed:
+        raise DDTreeError(f"{parts}: another job started there with other settings while this one ran "
+                          f"({'; '.join(changed)}); this job wrote no chunk since: run every shard with the same "
+                          f"settings, or delete {parts} and start again")
+
+
 def read_chunk(parts: Path, index: int, records: list[dict]) -> list[dict] | None:
     """The finished rows of chunk `index` for these prompt records, or None if it must be (re)made.
 
@@ -404,6 +419,7 @@ def merge(parts: Path, out: Path, chunks_of_records: list[list[dict]], settings:
     """Concatenate every chunk in order into a `datasets` folder at `out`; return the summary."""
     from datasets import Dataset  # heavy import, only needed here
 
+    check_settings_unchanged(parts, settings)
     sizes = [len(c) for c in chunks_of_records]
     chunks = [read_chunk(parts, k, records) for k, records in enumerate(chunks_of_records)]
     missing = [k for k, rows in enumerate(chunks) if rows is None]
@@ -523,6 +539,7 @@ def run(args: argparse.Namespace) -> dict | None:
                         "response_tokens": len(response),
                         "response_ids": response,  # what training supervises (training/conversations.py)
                     }, ensure_ascii=False))
+                check_settings_unchanged(parts, settings)
                 write_text_atomic(chunk_path(parts, k), "\n".join(lines) + "\n")
         print(f"[regenerate] shard {args.shard_index}: {total} prompts in {time.time() - started:.0f} s", flush=True)
 

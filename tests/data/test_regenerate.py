@@ -207,6 +207,32 @@ def test_a_job_stopped_before_its_first_chunk_takes_corrected_settings(tmp_path)
     assert regenerate.run(args_for(tmp_path))["num_conversations"] == 2
 
 
+def test_shards_started_together_with_other_settings_never_mix_their_chunks(tmp_path, monkeypatch):
+    """Two shards launched at once: before either wrote a chunk, the second replaced settings.json with its own
+    (max_new_tokens 3 over 6), and the merge held replies of both lengths under one regeneration.json."""
+    prompt_file(tmp_path / "prompts.jsonl", 4)  # 2 chunks
+    real = regenerate.generate_transformers
+    started = []
+
+    def other_shard_starts_meanwhile(model, prompts, *args, **kwargs):
+        if not started:  # while shard 0 decodes its first chunk, shard 1 starts with other settings
+            started.append(True)
+            regenerate.check_settings(tmp_path / "out.parts", {**regenerate_settings(tmp_path), "max_new_tokens": 3})
+        return real(model, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(regenerate, "generate_transformers", other_shard_starts_meanwhile)
+    with pytest.raises(DDTreeError, match=r"another job started there with other settings while this one ran "
+                                          r"\(max_new_tokens: 3 -> 6\); this job wrote no chunk since"):
+        regenerate.run(args_for(tmp_path, "--num-shards", "2", "--shard-index", "0"))
+    assert not list((tmp_path / "out.parts").glob("chunk-*"))
+
+
+def regenerate_settings(tmp_path) -> dict:
+    """The settings run() records for args_for(tmp_path)."""
+    return {"target": "tiny-random", "prompts": str(tmp_path / "prompts.jsonl"), "max_new_tokens": 6,
+            "temperature": 0.0, "top_p": 1.0, "seed": 0, "dtype": "float32", "chunk_size": 2}
+
+
 def test_work_files_follow_the_umask(tmp_path):
     # Chunks and settings go through a temp file (0600 as created); shards of other users must read them.
     previous = os.umask(0o022)

@@ -229,8 +229,10 @@ def render_with_loss_mask(tokenizer, messages: list[dict], eot: str | None = Non
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
+        # An opening assistant turn has no turns before it to render: the template's own beginning (a default
+        # system prompt) comes first, so it is found after the assistant header, not from position 0.
         try:
-            prefix = tokenizer.apply_chat_template(messages[:i], add_generation_prompt=True, tokenize=False) if i else ""
+            prefix = tokenizer.apply_chat_template(messages[:i], add_generation_prompt=True, tokenize=False) if i else None
         except Exception:  # some templates reject a conversation that does not start with a user turn
             prefix = None
         if prefix is not None and text.startswith(prefix):

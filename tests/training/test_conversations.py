@@ -125,6 +125,21 @@ def test_smollm2_mask_covers_content_and_im_end_only(smol_tokenizer):
     assert_golden(smol_tokenizer, CONVERSATION, expected, ["2+2 is 4.<|im_end|>", "assistant<|im_end|>"])
 
 
+def test_an_opening_assistant_turn_is_found_after_its_header_not_in_the_default_system_prompt(smol_tokenizer):
+    """Searched from position 0, a reply that SmolLM2's default system prompt ends with ("...trained by Hugging
+    Face") was supervised inside that prompt, and the reply itself was not."""
+    messages = [{"role": "assistant", "content": "trained by Hugging Face"}, {"role": "user", "content": "Who?"},
+                {"role": "assistant", "content": "Nobody."}]
+    assert "trained by Hugging Face" in SMOL_SYSTEM
+    expected = (SMOL_SYSTEM + "<|im_start|>assistant\ntrained by Hugging Face<|im_end|>\n<|im_start|>user\nWho?<|im_end|>\n"
+                "<|im_start|>assistant\nNobody.<|im_end|>\n")
+    ids, mask = render_with_loss_mask(smol_tokenizer, messages)
+    assert smol_tokenizer.decode(ids) == expected
+    first = mask.index(1)
+    assert smol_tokenizer.decode(ids[:first]).endswith("<|im_start|>assistant\n")
+    assert masked_runs(smol_tokenizer, ids, mask) == ["trained by Hugging Face<|im_end|>", "Nobody.<|im_end|>"]
+
+
 def test_a_template_whose_prefix_render_is_no_prefix_still_masks_the_assistant_turn(smol_folder):
     """This template writes the conversation's length first, so no shorter render is a prefix of the whole one. The
     search for the second reply ("Yes") used to start at the first reply's end, and the user turn in between ends

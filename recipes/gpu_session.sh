@@ -3,15 +3,18 @@
 # (docs/benchmarks.md, "On a GPU"): each stage gets at most its cap and never more than the time left, so a slow stage
 # cannot eat the others; logs go to $OUT (or ./gpu-logs), one file per kind of stage.
 #
-#   recipes/gpu_session.sh [STAGE ...]        default: tests bench-static (what fits one call; then the others)
+#   recipes/gpu_session.sh [STAGE ...]        default: tests bench-static train (in that order, cut to the time left)
 #   LIMIT=500 DRAFTER=/path/to/drafter recipes/gpu_session.sh tests bench-static
 #
 # Staging (../shared/GPU.md): here, ../shared/gpu/prepare.sh and recipes/gpu_stage_deepspeed.sh; then on the machine
 #   call 1, carry [".gpu-a"]:           mkdir -p /tmp/keep && cp .gpu-a/* /tmp/keep/
-#   call 2, carry [".gpu-b", ".gpu-c"]: . .gpu-b/on-device.sh && recipes/gpu_session.sh tests bench-static
-#   later calls, the same carry:        . .gpu-b/on-device.sh && recipes/gpu_session.sh <the next stages>
-# within 30 s of each other (the machine goes back when idle, and /tmp with it). .gpu-b, .gpu-c and the tree come to
-# 65.4 of a call's 67.1 MB: a drafter (DRAFTER) travels in a call without .gpu-c.
+#   call 2, carry [".gpu-b", ".gpu-c"]: . .gpu-b/on-device.sh && bash recipes/gpu_session.sh [STAGES]
+# within 30 s of each other (the machine goes back when idle, and /tmp with it). A 15-minute lease holds one such
+# pair: the machine's start, call 1 and call 2's 540 s leave no room for a third call, so name in call 2 every stage
+# wanted, in order of need (each is cut to the time left; zero, objectives and throughput each want most of a call).
+# .gpu-b, .gpu-c and the tree come to 65.4 of a call's 67.1 MB; a drafter (DRAFTER, a bf16 copy: 10 MB for the CPU
+# recipe's) does not fit beside them: split .gpu-a at 46 MB, not 52, and carry it in call 1 (docs/benchmarks.md).
+# At most 8 files come back from a call: the default stages write 7.
 #
 # Stages (in the order given):
 #   tests          every CUDA test but DeepSpeed's (pytest -m "" -k "cuda and not deepspeed"): flex attention, parity,
@@ -77,12 +80,13 @@ lookups() {  # bench the trained drafter (else DRAFTER) without and with the two
   if [ -z "$TRAINED" ] && [ -f "$LAST_TRAINED" ]; then drafter=$(cat "$LAST_TRAINED");
   elif [ -n "$TRAINED" ] && [ "$TRAINED" != failed ]; then drafter=$TRAINED; fi
   echo "== lookups: drafter $drafter" | tee -a "$OUT/lookups.log"
-  $PY -c "from datasets import load_from_disk; load_from_disk('data/smollm2-135m').to_json('$OUT/replies.jsonl')" \
+  mkdir -p /tmp/gpu-session  # the replies in /tmp, not $OUT: a call brings back at most 8 files
+  $PY -c "from datasets import load_from_disk; load_from_disk('data/smollm2-135m').to_json('/tmp/gpu-session/replies.jsonl')" \
     >>"$OUT/lookups.log" 2>&1
   local name extra
   for name in none lookup corpus; do
     case $name in none) extra="--lookup 0 --corpus none" ;; lookup) extra="--lookup 7 --corpus none" ;;
-      corpus) extra="--lookup 7 --corpus $OUT/replies.jsonl" ;; esac
+      corpus) extra="--lookup 7 --corpus /tmp/gpu-session/replies.jsonl" ;; esac
     stage "lookups-$name" 150 lookups.log $PY -m ddtree.cli bench --target smollm2-135m --drafter "$drafter" \
       --prompts data/eval_prompts.jsonl --max-new-tokens 64 --budgets 32 --limit "$PROMPTS" --methods dflash,ddtree \
       $extra --out "$OUT/lookups_$name.json"
@@ -107,7 +111,7 @@ zero() {  # deepspeed from .gpu-c into /tmp/site (on-device.sh puts it on PYTHON
   fi
 }
 
-STAGES=${*:-tests bench-static}  # every stage's cap adds up to far more than one LIMIT: name the later ones per call
+STAGES=${*:-tests bench-static train}  # every stage's cap adds up to far more than one LIMIT: the first ones fit
 for s in $STAGES; do case $s in tests|bench-static|bench-dynamic|throughput|train|objectives|lookups|zero) ;;
   *) echo "unknown stage $s: choose from tests, bench-static, bench-dynamic, throughput, train, objectives, lookups, zero" >&2
      exit 2 ;;
@@ -116,13 +120,18 @@ esac; done
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 } >>"$OUT/tests.log" 2>&1
+# Without a GPU that torch sees, every CUDA test skips (and passes) and the benches run on the CPU: nothing measured.
+if ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" >>"$OUT/tests.log" 2>&1; then
+  echo "no CUDA GPU that torch can use: nothing to measure here (see $OUT/tests.log)" | tee -a "$OUT/tests.log" >&2
+  exit 3
+fi
 
 for s in $STAGES; do case $s in
   tests) stage tests 240 tests.log $PY -m pytest -q -m "" -k "cuda and not deepspeed" -p no:cacheprovider tests ;;
   bench-static) bench on ;;
   bench-dynamic) bench off ;;
   throughput)
-    stage throughput-smollm2 60 throughput.log $PY -m training.throughput --target smollm2-135m --batch-size 16 \
+    stage throughput-smollm2 120 throughput.log $PY -m training.throughput --target smollm2-135m --batch-size 16 \
       --length 384 --settings 64x5x16 --repeats 10 --warmup 3
     stage throughput-smollm2-compiled 120 throughput.log $PY -m training.throughput --target smollm2-135m \
       --batch-size 16 --length 384 --settings 64x5x16 --repeats 10 --warmup 3 --compile

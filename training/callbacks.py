@@ -392,7 +392,8 @@ class AcceptanceEvaluation(L.Callback):
         if step == 0 or step % self.every_n_train_steps != 0:
             return
         if step != self.last_step:
-            self._evaluate(trainer, pl_module, logged=False, checkpointed=True)
+            saver = any(isinstance(c, BestCheckpoint) for c in trainer.checkpoint_callbacks)  # which saves it then
+            self._evaluate(trainer, pl_module, logged=False, checkpointed=saver)
             print(f"[eval] step {step}: measured at the resume (the launch that trained it stopped during its "
                   "evaluation)", flush=True)
         elif self.history and self.history[-1]["step"] == step:  # measured; its save is BestCheckpoint's to check

@@ -452,7 +452,11 @@ def build(seed: int, num_coding: int, num_chat: int, num_eval: int) -> tuple[lis
     eval_chat = spread_sample(eval_chat, num_eval - num_eval // 2, rng, lambda c: c["id"].split("/")[1])
     # Alternated, so that any prefix (the in-training evaluation's eval.limit) is half coding, half chat.
     evaluation = [to_record(c, "eval-") for pair in zip(eval_code, eval_chat) for c in pair]
-    evaluation += [to_record(c, "eval-") for c in eval_chat[len(eval_code):]]  # an odd count: the last is chat
+    paired = min(len(eval_code), len(eval_chat))
+    evaluation += [to_record(c, "eval-") for c in eval_chat[paired:] + eval_code[paired:]]  # an odd count: the last is chat
+    if len(evaluation) < num_eval:  # zip dropped the coding prompts past the chat ones, without a word
+        raise DDTreeError(f"--num-eval {num_eval}: the held-out modules and topics make only {len(eval_code)} coding "
+                          f"and {len(eval_chat)} chat prompts for it ({len(evaluation)} in all); ask for fewer")
 
     train_texts = {r["messages"][0]["content"] for r in train}
     overlap = [r["id"] for r in evaluation if r["messages"][0]["content"] in train_texts]

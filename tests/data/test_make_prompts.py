@@ -106,7 +106,9 @@ def test_counts_below_one_prompt_and_one_file_for_both_are_refused(tmp_path, cap
                         (["--num-eval", "0"], "error: --num-eval 0: give a count of at least 1"),
                         (["--num-coding", "0", "--num-chat", "0"], "error: --num-coding 0 --num-chat 0: no training "
                                                                    "prompts to write; give at least one"),
-                        (["--eval-out", str(tmp_path / "train.jsonl")], "error: --train-out and --eval-out are both")]:
+                        (["--eval-out", str(tmp_path / "train.jsonl")], "error: --train-out and --eval-out are both"),
+                        # more than the held-out modules and topics make: 218 were written without a word
+                        (["--num-eval", "300"], "error: --num-eval 300: the held-out modules and topics make only ")]:
         assert make_prompts.main([*out, *extra]) == 2
         assert capsys.readouterr().err.strip().startswith(said)
     assert not list(tmp_path.iterdir())

@@ -105,6 +105,10 @@ def recipe_defaults(recipe: Path) -> dict[str, str]:
         known = ", ".join(known_recipes())
         raise DDTreeError(f"recipe {recipe} does not exist; give a file, or one of the recipes' names: {known}")
     recipe = read_yaml_mapping(recipe_file)
+    for section in ("model", "data"):
+        if not isinstance(recipe.get(section) or {}, dict):
+            raise DDTreeError(f"{recipe_file}: {section} must be a section of fields (field: value lines under it), not "
+                              f"a {type(recipe[section]).__name__}")
     data = recipe.get("data") or {}
     settings = data.get("regenerate") or {}
     if not isinstance(settings, dict):

@@ -315,6 +315,18 @@ def test_bad_regenerate_values_in_a_recipe_are_one_line_naming_the_field(tmp_pat
         regenerate.parse_args(["--recipe", str(recipe)])
 
 
+@pytest.mark.parametrize("text, named", [
+    ("model:\n  target: tiny-random\ndata: data/smollm2-135m\n", "data must be a section of fields"),
+    ("model: tiny-random\ndata:\n  data_path: out\n", "model must be a section of fields"),
+])
+def test_a_recipe_section_given_as_a_value_is_one_line(tmp_path, text, named):
+    """`data: data/smollm2-135m` was an AttributeError traceback ('str' object has no attribute 'get')."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(text)
+    with pytest.raises(DDTreeError, match=re.escape(f"{recipe}: {named} (field: value lines under it), not a str")):
+        regenerate.parse_args(["--recipe", str(recipe)])
+
+
 def test_a_recipes_null_limit_means_every_prompt(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"model:\n  target: tiny-random\ndata:\n  data_path: {tmp_path / 'out'}\n  regenerate:\n"

@@ -193,12 +193,7 @@ def test_max_time_under_gradient_accumulation_stops_where_a_step_ends_and_resume
         def on_train_start(self, trainer, pl_module):
             clock["trainer"] = trainer
 
-    def build_with_clock(*args):
-        cli = build_cli(*args)
-        cli.trainer.callbacks.insert(0, Clock())
-        return cli
-
-    monkeypatch.setattr(training.train, "build_cli", build_with_clock)
+    launch_with(monkeypatch, Clock())
     assert main([*common, "--run", "straight"]) == 0
     clock["trainer"] = None  # (the first run's, until this one starts training)
     assert main([*common, "--run", "stopped", "--trainer.max_time=00:00:00:05"]) == 0  # time is up after micro-batch 5
@@ -268,6 +263,16 @@ def write_conversations(path, count=24, seed=0):
     return toy_data.write_conversations(path, count, 30, 60, seed)
 
 
+def launch_with(monkeypatch, callback: L.Callback) -> None:
+    """training.train's launches build their trainer with `callback` first among its callbacks."""
+    def build(*args):
+        cli = build_cli(*args)
+        cli.trainer.callbacks.insert(0, callback)
+        return cli
+
+    monkeypatch.setattr(training.train, "build_cli", build)
+
+
 def drafter_weights(run_dir):
     from safetensors.torch import load_file
 
@@ -316,12 +321,7 @@ def test_tiny_recipe_runs_and_resumes_exactly(straight_run, tmp_path, monkeypatc
         def on_train_batch_end(self, trainer, *args):
             trainer.should_stop = trainer.global_step >= stop
 
-    def build_with_stop(*args):
-        cli = build_cli(*args)
-        cli.trainer.callbacks.insert(0, StopAfterStep())
-        return cli
-
-    monkeypatch.setattr(training.train, "build_cli", build_with_stop)
+    launch_with(monkeypatch, StopAfterStep())
     assert main([*common, "--run", "split"]) == 0
     monkeypatch.setattr(training.train, "build_cli", build_cli)
     split = tmp_path / "out" / "tiny" / "split"

@@ -28,8 +28,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ddtree.errors import CommandParser, DDTreeError, command, run_cli  # noqa: E402
+from ddtree.errors import CommandParser, DDTreeError, command  # noqa: E402
 from ddtree.files import path_argument, staged_folder  # noqa: E402
+from training.arguments import answer_early  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,12 +62,7 @@ def checked_args(args: argparse.Namespace) -> argparse.Namespace:
 
 
 # As a script: --help and bad input answered before torch and transformers load (9 s on the 2-core EPYC).
-def check_command_line(_=None) -> None:
-    checked_args(build_parser().parse_args())
-
-
-if __name__ == "__main__" and (status := run_cli(check_command_line)):
-    sys.exit(status)
+answer_early(__name__, build_parser, checked_args)
 
 
 import torch  # noqa: E402

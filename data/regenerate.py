@@ -50,10 +50,10 @@ import time
 from pathlib import Path
 
 from ddtree.arguments import DEVICE_HELP
-from ddtree.errors import CommandParser, DDTreeError, command, run_cli
+from ddtree.errors import CommandParser, DDTreeError, command
 from ddtree.files import path_argument, read_yaml_mapping, staged_folder, unwritable_as_error, write_text_atomic
 from ddtree.names import DTYPE_NAMES
-from training.arguments import RECIPES_DIR, known_recipes
+from training.arguments import RECIPES_DIR, answer_early, known_recipes
 from training.recipe_data import AUTO_DATA, check_regenerate_settings, default_data_path
 
 # ----------------------------------------------------------------------------- arguments
@@ -161,12 +161,7 @@ def checked_args(args: argparse.Namespace) -> argparse.Namespace:
 
 
 # As a script: --help, a bad flag, recipe or value answered before torch and transformers load (11 s, 2-core EPYC).
-def check_command_line(_=None) -> None:
-    checked_args(parse_args())
-
-
-if __name__ == "__main__" and (status := run_cli(check_command_line)):
-    sys.exit(status)
+answer_early(__name__, build_parser, lambda _: checked_args(parse_args()))  # (parse_args: with the recipe's defaults)
 
 
 import torch

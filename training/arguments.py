@@ -103,7 +103,10 @@ def answer_early(module: str, build: Callable[[], argparse.ArgumentParser],
         return
     parser = build()
     args = parser.parse_known_args()[0] if overrides else parser.parse_args()
-    status = run_cli(lambda _: check(args))
+    def checked(_) -> None:  # what `check` returns (the arguments, say) is no exit status
+        check(args)
+
+    status = run_cli(checked)
     if status:
         sys.exit(status)
 

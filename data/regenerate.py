@@ -82,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--merge-only", action="store_true", help="only build <out> from finished chunks")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a dataset at --out made with other settings (target, prompts, ...)")
+    p.add_argument("--check", action="store_true",
+                   help="only check that --out holds this job's finished dataset (its regeneration.json: these "
+                   "settings, this many prompts): exit 0 if so, else one line naming what differs; loads no model "
+                   "(training asks it at each start of a recipe with a data.regenerate section)")
     return p
 
 
@@ -160,8 +164,60 @@ def checked_args(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
+def response_settings(args: argparse.Namespace) -> dict:
+    """Everything that changes a chunk's contents; --limit does not (it only says how many chunks)."""
+    return {
+        "target": args.target,
+        "prompts": str(args.prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p if args.temperature > 0 else 1.0,
+        "seed": args.seed,
+        "dtype": args.dtype,
+        "chunk_size": args.chunk_size,
+    }
+
+
+def changed_settings(old: dict, settings: dict) -> list[str]:
+    return [f"{k}: {old.get(k)!r} -> {v!r}" for k, v in settings.items() if old.get(k) != v]
+
+
+def check_dataset(args: argparse.Namespace) -> None:
+    """--check: --out holds the dataset this job would write, or a DDTreeError names what differs.
+
+    Training reads a recipe's generated data as it finds it; without this, a recipe whose target or
+    data.regenerate settings changed since would train on the old target's replies."""
+    summary = Path(args.out) / "regeneration.json"
+    if not Path(args.out).exists():
+        raise DDTreeError(f"{args.out} does not exist yet: generate it (this command without --check)")
+    if not summary.is_file():
+        raise DDTreeError(f"{args.out} holds no dataset this script finished (no regeneration.json): move it away so "
+                          "that it is generated again, or give another output folder")
+    made_with = json.loads(summary.read_text())
+    changed = changed_settings(made_with, response_settings(args))
+    if not args.prompts.is_file():
+        raise DDTreeError(f"--prompts {args.prompts} does not exist; give the prompts file the data was made from")
+    with args.prompts.open() as f:
+        count = sum(1 for line in f if line.strip())  # one prompt per line: read_messages_jsonl needs torch's imports
+    count = count if args.limit is None else min(count, args.limit)
+    if made_with.get("num_prompts") != count:
+        changed.append(f"prompts answered: {made_with.get('num_prompts')!r} -> {count}")
+    if changed:
+        raise DDTreeError(f"{args.out} holds a dataset made with other settings ({'; '.join(changed)}): generate it "
+                          "again with --overwrite (make data RECIPE=<recipe> ARGS=--overwrite), or give another "
+                          "output folder")
+
+
+def answer_early_check(args: argparse.Namespace) -> None:
+    """The torch-free checks; --check is answered whole here (exit 0 when the dataset is this job's)."""
+    args = checked_args(args)
+    if args.check:
+        check_dataset(args)
+        sys.exit(0)
+
+
 # As a script: --help, a bad flag, recipe or value answered before torch and transformers load (11 s, 2-core EPYC).
-answer_early(__name__, build_parser, lambda _: checked_args(parse_args()))  # (parse_args: with the recipe's defaults)
+answer_early(__name__, build_parser, lambda _: answer_early_check(parse_args()))  # (parse_args: with the recipe's defaults)
 
 
 import torch
@@ -316,10 +372,6 @@ def chunk_path(parts: Path, index: int) -> Path:
     return parts / f"chunk-{index:05d}.jsonl"
 
 
-def changed_settings(old: dict, settings: dict) -> list[str]:
-    return [f"{k}: {old.get(k)!r} -> {v!r}" for k, v in settings.items() if old.get(k) != v]
-
-
 def check_replaces_only_its_own(out: Path, settings: dict, overwrite: bool) -> None:
     """A finished dataset at `out` made with other settings (another target, other prompts, ...) is replaced only
     when asked: the merge would put this job's replies in its place."""
@@ -453,6 +505,9 @@ def report(summary: dict, out: Path) -> dict:
 
 def run(args: argparse.Namespace) -> dict | None:
     args = checked_args(args)
+    if args.check:  # (as a script, answered before torch loads: answer_early_check)
+        check_dataset(args)
+        return None
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     Sampling(args.temperature, args.top_p)  # serving's checks of --temperature and --top-p, before any work
@@ -477,17 +532,7 @@ def run(args: argparse.Namespace) -> dict | None:
         if not record["messages"]:
             raise DDTreeError(f"{args.prompts}: record {record['id']!r} has only assistant turns; it needs a prompt")
     chunks = [records[start:start + args.chunk_size] for start in range(0, len(records), args.chunk_size)]
-    # Everything that changes a chunk's contents; --limit does not (it only says how many chunks).
-    settings = {
-        "target": args.target,
-        "prompts": str(args.prompts),
-        "max_new_tokens": args.max_new_tokens,
-        "temperature": args.temperature,
-        "top_p": args.top_p if args.temperature > 0 else 1.0,
-        "seed": args.seed,
-        "dtype": args.dtype,
-        "chunk_size": args.chunk_size,
-    }
+    settings = response_settings(args)
     check_replaces_only_its_own(out, settings, args.overwrite)
     with unwritable_as_error(parts):
         parts.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,9 @@
 `training.train` and `training.features` call `prepare_recipe_data` before anything reads the data:
 it resolves data_path "auto" and, when the folder is missing and the recipe has a regenerate
 section, runs `data/regenerate.py` in a child process (so the target it loads is freed when it ends,
-before training loads its own). A recipe without a regenerate section reads its data_path as before.
+before training loads its own). A folder that exists is checked against the recipe (its
+regeneration.json: the target, the settings, the number of prompts) and refused when another
+target or other settings made it. A recipe without a regenerate section reads its data_path as before.
 `make data RECIPE=x` runs the same generation by hand (data/regenerate.py --recipe).
 """
 
@@ -63,7 +65,10 @@ def prepare_recipe_data(datamodule, recipe: str, world_size: int = 1) -> None:
                               "says how to make the data; give a data_path, or a regenerate section")
         datamodule.data_path = str(default_data_path(recipe))  # config.yaml keeps "auto": a resume resolves it again
     path = Path(datamodule.data_path)
-    if path.exists() or not datamodule.regenerate:
+    if not datamodule.regenerate:
+        return
+    if path.exists():
+        check_recipe_data(datamodule, recipe, path)
         return
     if world_size > 1:
         raise DDTreeError(f"data {path} does not exist yet and this launch runs {world_size} processes: "
@@ -74,3 +79,14 @@ def prepare_recipe_data(datamodule, recipe: str, world_size: int = 1) -> None:
     if subprocess.run(command).returncode != 0:
         raise DDTreeError(f"generating the training data into {path} failed (its error is above); rerun: "
                           f"`make data RECIPE={recipe}` resumes from the chunks already written")
+
+
+def check_recipe_data(datamodule, recipe: str, path: Path) -> None:
+    """The data at `path` is what the recipe's target and data.regenerate settings would write (regenerate.py --check,
+    which answers before torch loads: a fraction of a second); else a DDTreeError naming what differs."""
+    command = [sys.executable, str(REGENERATE_SCRIPT),
+               *regenerate_arguments(datamodule.target, path, datamodule.regenerate), "--check"]
+    checked = subprocess.run(command, capture_output=True, text=True)
+    if checked.returncode != 0:
+        said = checked.stderr.strip().splitlines()[-1:] or [f"exit status {checked.returncode}"]
+        raise DDTreeError(f"recipe {recipe}: {said[0].removeprefix('error: ')}")

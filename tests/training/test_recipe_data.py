@@ -52,6 +52,23 @@ def test_auto_data_is_generated_once_into_the_cache(tmp_path, empty_cache):
     prepare_recipe_data(again, "my-recipe", world_size=4)  # would refuse to generate with 4 processes
     assert (out / "regeneration.json").stat().st_mtime_ns == stamp
 
+    # Made by other settings than the recipe's now: refused, naming what changed, and left as it was.
+    for changed, said in (({"max_new_tokens": 5}, "max_new_tokens: 4 -> 5"), ({"limit": 4}, "prompts answered: 3 -> 4"),
+                          ({"prompts": str(prompt_file(tmp_path / "other.jsonl", 5))}, "other.jsonl")):
+        edited = DistillDataModule(target="tiny-random", data_path=AUTO_DATA, regenerate={**settings, **changed})
+        with pytest.raises(DDTreeError, match=f"recipe my-recipe: .*{said}.*--overwrite"):
+            prepare_recipe_data(edited, "my-recipe")
+    assert (out / "regeneration.json").stat().st_mtime_ns == stamp
+
+
+def test_recipe_data_without_its_record_is_refused(tmp_path):
+    """A data folder that regenerate.py did not finish cannot be told apart from another target's data."""
+    (tmp_path / "data").mkdir()
+    datamodule = DistillDataModule(target="tiny-random", data_path=str(tmp_path / "data"),
+                                   regenerate=tiny_settings(prompt_file(tmp_path / "prompts.jsonl", 5)))
+    with pytest.raises(DDTreeError, match="no regeneration.json"):
+        prepare_recipe_data(datamodule, "my-recipe")
+
 
 def test_missing_data_with_several_processes_asks_for_make_data(tmp_path, empty_cache):
     datamodule = DistillDataModule(target="tiny-random", data_path=AUTO_DATA,
@@ -85,7 +102,7 @@ def test_regenerate_fields_are_the_scripts_options():
     assert set(REGENERATE_FIELDS) <= options
     # The ones left out come from the recipe itself, split one job into shards, or are one launch's choice.
     assert options - set(REGENERATE_FIELDS) == {"help", "recipe", "target", "out", "shard_index", "num_shards",
-                                                "merge_only", "overwrite"}
+                                                "merge_only", "overwrite", "check"}
 
 
 def test_make_data_takes_the_recipes_regenerate_section(tmp_path, empty_cache):

@@ -398,6 +398,10 @@ class DistillDataModule(L.LightningDataModule):
                                   f"data.seed or data.val_fraction than it was built with?): rebuild it with `make "
                                   "features` FORCE=1, or train with the seed and fraction it was built with")
             self.train_set = Subset(data, [i for i in order[num_val:] if i in covered])
+            if not self.train_set:  # (a build now always holds some: a store built before that may hold none)
+                raise DDTreeError(f"feature store {self.feature_store} holds only the validation split, none of the "
+                                  f"{len(self.train_split)} training sequences (its time box, data.store_max_minutes, "
+                                  "ended the build): rebuild it with `make features` FORCE=1 and a longer box")
             log.warning("feature store %s holds %d of the %d training sequences (built under a time box, "
                         "data.store_max_minutes): training draws from those", self.feature_store, len(self.train_set),
                         len(self.train_split))

@@ -37,8 +37,8 @@ to <out> at the end. An existing complete store is only replaced with --force, a
 one is complete.
 
 A time-boxed build (data.store_max_minutes) stores the sequences in the data's seeded split order, the
-validation split first, and ends before the shard that would overrun the box, measured by this build's own
-speed: on a machine too slow for the whole store it covers a seeded random share of the training split (the
+validation split first, and ends before the shard that would overrun the box (but never before its first
+shard of training sequences), measured by this build's own speed: on a machine too slow for the whole store it covers a seeded random share of the training split (the
 manifest's `sequence_ids` name the data sequence at each store position; its `shards` only the finished ones),
 and training draws from that share (DistillDataModule.setup). A complete store of the same build is used
 whatever its coverage. An interrupted boxed build resumes on its own clock: the time spent up to its last finished
@@ -442,7 +442,10 @@ def build_feature_store(
         for shard in manifest["shards"]:
             if shard["file"] in done:
                 continue
-            if max_seconds is not None and computed and shard["first_sequence"] >= keep:
+            # The box never ends a build before its first shard of training sequences: the validation split alone
+            # would leave training nothing to draw from.
+            trains = any(s["first_sequence"] + s["num_sequences"] > keep for s in manifest["shards"] if s["file"] in done)
+            if max_seconds is not None and computed and trains and shard["first_sequence"] >= keep:
                 finish = spent_before + time.monotonic() - started + shard["num_tokens"] * computing / computed
                 if finish > max_seconds:
                     break  # the rest of the plan stays out; `done` is what the store holds

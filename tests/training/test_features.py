@@ -436,6 +436,27 @@ def test_a_time_boxed_build_holds_a_seeded_share_validation_first_and_training_d
     assert "validation split" in one_line(refused.value)
 
 
+def test_a_box_that_ends_at_the_validation_split_still_builds_training_sequences(tmp_path, monkeypatch):
+    """One sequence a shard: the 3 validation shards fill the box, and the first training shard is built anyway."""
+    dm = make_datamodule(tmp_path)
+    settings = dict(layer_ids=LAYER_IDS, max_shard_bytes=shard_bytes(1))
+    store = FeatureStore(boxed_build(monkeypatch, dm, tmp_path / "store", 10.0, 25.0, **settings))
+    order, num_val = dm.split_order(12)
+    assert [shard["num_sequences"] for shard in store.shards] == [1] * (num_val + 1)
+    assert store.covered() == set(order[:num_val + 1])
+    boxed_dm = make_datamodule(tmp_path, feature_store=str(store.path))
+    boxed_dm.setup("fit")
+    assert boxed_dm.train_set.indices == [order[num_val]]
+
+    # A store of the validation split alone (as a build could leave before): one line, not a run with no batches.
+    manifest = json.loads((store.path / "store.json").read_text())
+    manifest["shards"] = manifest["shards"][:num_val]
+    (store.path / "store.json").write_text(json.dumps(manifest))
+    with pytest.raises(DDTreeError) as refused:
+        make_datamodule(tmp_path, feature_store=str(store.path)).setup("fit")
+    assert "none of the 9 training sequences" in one_line(refused.value)
+
+
 def test_store_files_follow_the_umask(tmp_path):
     """safetensors creates its files 0600: the store sets what open() would have, as every other cache does."""
     old = os.umask(0o022)

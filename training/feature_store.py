@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 from transformers import AutoConfig
@@ -238,8 +238,12 @@ class FeatureStore:
             file = self.path / self.shards[shard]["file"]
             if not file.is_file():
                 raise DDTreeError(f"feature store {self.path} lacks {file.name}: rebuild it with `{REBUILD}` and --force (FORCE=1)")
-            handle = safe_open(str(file), framework="pt")
-            self._open_shards[shard] = (handle, handle.get_tensor("offsets").tolist())
+            try:
+                handle = safe_open(str(file), framework="pt")
+                self._open_shards[shard] = (handle, handle.get_tensor("offsets").tolist())
+            except (SafetensorError, OSError) as error:  # cut short (a copy that stopped, a full disk): not a traceback
+                raise DDTreeError(f"feature store {self.path}: {file.name} is unreadable ({error}): rebuild it with "
+                                  f"`{REBUILD}` and --force (FORCE=1)") from None
         return self._open_shards[shard]
 
     def __getstate__(self) -> dict:
@@ -307,14 +311,18 @@ def shard_tensors(target, data: TokenizedConversations, sequences: list[int], la
 
 
 def finished_shards(partial: Path, shards: list[dict], width: int) -> set[str]:
-    """Shards a previous run of the same build completed (renamed into place, with the planned shape)."""
+    """Shards a previous run of the same build completed (renamed into place, readable, with the planned shape); an
+    unreadable one (a build killed before its bytes reached the disk, written before shards were synced) is redone."""
     done = set()
     for shard in shards:
         file = partial / shard["file"]
         if file.is_file():
-            with safe_open(str(file), framework="pt") as handle:
-                if handle.get_slice("features").get_shape() == [shard["num_tokens"], width]:
-                    done.add(shard["file"])
+            try:
+                with safe_open(str(file), framework="pt") as handle:
+                    if handle.get_slice("features").get_shape() == [shard["num_tokens"], width]:
+                        done.add(shard["file"])
+            except (SafetensorError, OSError):
+                print(f"[features] {file} is unreadable; computing it again", flush=True)
     return done
 
 
@@ -459,9 +467,17 @@ def build_feature_store(
             # whole shard serialized in memory first. It creates the file 0600 whatever the umask, so the
             # mode is set as open() would have (a store on shared storage is read by other processes).
             staging = partial / f".{shard['file']}.tmp"
-            save_file(tensors, str(staging))
-            follow_umask(staging)
-            os.replace(staging, partial / shard["file"])  # only a complete shard ever has its final name
+            try:
+                save_file(tensors, str(staging))
+                follow_umask(staging)
+                with staging.open("rb") as handle:  # on disk before the rename names it finished (a power cut)
+                    os.fsync(handle.fileno())
+                os.replace(staging, partial / shard["file"])  # only a complete shard ever has its final name
+            except OSError as error:  # a disk filled by another job since the size check: one line, no stray file
+                staging.unlink(missing_ok=True)
+                raise DDTreeError(f"writing {partial / shard['file']} failed ({error.strerror or error}; "
+                                  f"{format_bytes(free_bytes(partial))} free): free some space or give another --out, "
+                                  "then run the build again: it resumes after the finished shards") from None
             done.add(shard["file"])
             computed, computing = computed + shard["num_tokens"], computing + time.monotonic() - shard_started
             if max_seconds is not None:

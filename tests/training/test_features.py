@@ -7,10 +7,12 @@ Everything runs on the tiny random target (6 layers, hidden 64) on CPU, on a doz
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 import stat
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -394,6 +396,47 @@ def boxed_build(monkeypatch, dm, out, seconds_per_shard: float, max_seconds: flo
         return build_feature_store(dm, out, max_seconds=max_seconds, **settings)
     finally:
         monkeypatch.undo()
+
+
+def test_a_damaged_shard_is_computed_again_on_resume_and_named_when_read(tmp_path, monkeypatch, capsys):
+    """A shard renamed into place before its bytes reached the disk (a power cut) reads as an empty file."""
+    dm = make_datamodule(tmp_path)
+    settings = dict(layer_ids=LAYER_IDS, max_shard_bytes=shard_bytes(3))
+    straight = build_feature_store(dm, tmp_path / "straight", **settings)
+    out = tmp_path / "resumed"
+    interrupted_build(monkeypatch, dm, out, **settings)
+    (partial_path(out) / "shard-00000.safetensors").write_bytes(b"")
+    build_feature_store(dm, out, **settings)
+    assert "shard-00000.safetensors is unreadable; computing it again" in capsys.readouterr().out
+    assert (out / "shard-00000.safetensors").read_bytes() == (straight / "shard-00000.safetensors").read_bytes()
+
+    # A finished store with a shard cut short (a copy that stopped): one line naming it, at the first read.
+    cut = out / "shard-00001.safetensors"
+    cut.write_bytes(cut.read_bytes()[:1000])
+    store = FeatureStore(out)
+    with pytest.raises(DDTreeError) as refused:
+        [store[i] for i in range(len(store))]
+    assert "shard-00001.safetensors is unreadable" in one_line(refused.value) and "--force" in str(refused.value)
+
+
+def test_a_disk_that_fills_during_the_build_is_one_line_and_leaves_no_stray_file(tmp_path, monkeypatch):
+    dm = make_datamodule(tmp_path)
+    settings = dict(layer_ids=LAYER_IDS, max_shard_bytes=shard_bytes(3))
+    real_save, saved = training.feature_store.save_file, []
+
+    def save_until_full(tensors, filename):
+        if saved:  # the second shard: half written, then the disk is full
+            Path(filename).write_bytes(b"x" * 100)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        saved.append(filename)
+        real_save(tensors, filename)
+
+    monkeypatch.setattr(training.feature_store, "save_file", save_until_full)
+    out = tmp_path / "store"
+    with pytest.raises(DDTreeError) as refused:
+        build_feature_store(dm, out, **settings)
+    assert "No space left on device" in one_line(refused.value) and "resumes" in str(refused.value)
+    assert sorted(p.name for p in partial_path(out).iterdir()) == ["shard-00000.safetensors", "store.json"]
 
 
 def test_a_time_boxed_build_holds_a_seeded_share_validation_first_and_training_draws_from_it(tmp_path, monkeypatch,

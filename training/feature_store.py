@@ -62,12 +62,13 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 from transformers import AutoConfig
 
+from ddtree.calibration import weights_fingerprint
 from ddtree.configuration_dflash import DFlashDrafterConfig, default_target_layer_ids
 from ddtree.drafters import read_drafter_config
 from ddtree.errors import DDTreeError
 from ddtree.files import file_in_the_way, follow_umask, unwritable_as_error, write_json_atomic
 from ddtree.precision import LIGHTNING_PRECISION
-from ddtree.targets import cache_dir, parse_dtype, resolve_target
+from ddtree.targets import BUILTIN_TARGETS, TINY_TARGET, cache_dir, parse_dtype, resolve_target
 
 from .loss import next_token_top_k
 from .masks import IGNORE_INDEX
@@ -78,7 +79,7 @@ if TYPE_CHECKING:
 
 FORMAT_VERSION = 1  # bump when the layout changes: older stores are then refused, not misread
 # Added to format 1 later, absent (= False) in the manifests of stores built before: those stay valid.
-OPTIONAL_MANIFEST_FIELDS = {"final_hidden": False, "teacher_top_k": 0, "sequence_ids": None}
+OPTIONAL_MANIFEST_FIELDS = {"final_hidden": False, "teacher_top_k": 0, "sequence_ids": None, "target_weights": None}
 # What may differ between a build's plan and the store it leaves when its time box ends it early, or a complete
 # store in the data's own order that a time-boxed build finds (it covers more): the same build otherwise.
 COVERAGE_FIELDS = ("sequence_ids", "shards", "lengths")
@@ -157,12 +158,22 @@ def adapter_fingerprint(adapter: str | None) -> str | None:
     return digest.hexdigest()
 
 
+def target_fingerprint(target: str) -> str | None:
+    """weights_fingerprint of a local target's weight files (a built-in target's converted folder): a store built
+    before a target was fine-tuned and saved over at the same path holds another target's features. None for a target
+    named by a Hub id (its files are not here to read)."""
+    if target in BUILTIN_TARGETS or target == TINY_TARGET or Path(target).expanduser().is_dir():
+        return weights_fingerprint(Path(resolve_target(target)))
+    return None
+
+
 class FeatureStore:
     """A finished store, read lazily: store[i] is sequence i's features, (T_i, K*H) in the store's dtype.
 
     Shards are memory-mapped (safetensors.safe_open) and only sequence i's rows are read. Attributes
     come from the manifest: layer_ids, hidden_size, width (K*H), dtype, lengths, tokenization_key,
-    target, target_adapter (and target_adapter_sha256, adapter_fingerprint's), final_hidden (whether
+    target, target_adapter (and target_adapter_sha256, adapter_fingerprint's), target_weights (target_fingerprint's;
+    None in stores built before it), final_hidden (whether
     store.final(i), the target's final hidden states (T_i, H), exists), teacher_top_k (k where store.teacher(i),
     the target's top k next tokens, exists; else 0).
     """
@@ -181,6 +192,7 @@ class FeatureStore:
         self.manifest = manifest
         self.target, self.target_adapter = manifest["target"], manifest["target_adapter"]
         self.target_adapter_sha256 = manifest.get("target_adapter_sha256")  # absent in stores built before it
+        self.target_weights = manifest["target_weights"]
         self.layer_ids, self.hidden_size = manifest["target_layer_ids"], manifest["hidden_size"]
         self.width = len(self.layer_ids) * self.hidden_size
         self.dtype = parse_dtype(manifest["dtype"], f"{self.path / MANIFEST} dtype")
@@ -379,6 +391,7 @@ def build_feature_store(
     manifest = {
         "format_version": FORMAT_VERSION, "target": datamodule.target, "target_adapter": target_adapter,
         **({"target_adapter_sha256": adapter_fingerprint(target_adapter)} if target_adapter else {}),
+        "target_weights": target_fingerprint(datamodule.target),
         "target_layer_ids": layer_ids, "hidden_size": hidden_size, "dtype": str(dtype).removeprefix("torch."),
         "data_path": datamodule.data_path, "tokenization_key": tokenization_key,
         "num_sequences": len(lengths), "total_tokens": sum(lengths),
@@ -393,7 +406,9 @@ def build_feature_store(
     if is_complete(out) and not force:
         existing = read_manifest(out / MANIFEST)
         # The same build whatever share of the data it holds (the tokenization key names the data and its lengths).
-        differing = sorted(key for key in manifest if key not in COVERAGE_FIELDS and existing.get(key) != manifest[key])
+        # (A store built before target_weights was recorded is taken as the same target's, as it was then.)
+        differing = sorted(key for key in manifest if key not in COVERAGE_FIELDS and existing.get(key) != manifest[key]
+                           and not (key == "target_weights" and existing[key] is None))
         if not differing:
             print(f"[features] {out} already holds these features ({coverage(existing)}); nothing to do", flush=True)
             return out
@@ -405,6 +420,8 @@ def build_feature_store(
     if partial.exists():
         previous = partial / MANIFEST
         previous_manifest = read_manifest(previous) if previous.is_file() else {}
+        if previous_manifest.get("target_weights", "") is None:  # an unfinished build from before it was recorded
+            previous_manifest["target_weights"] = manifest["target_weights"]
         if previous_manifest == {**OPTIONAL_MANIFEST_FIELDS, **manifest}:  # read_manifest fills the optional fields in
             done = finished_shards(partial, manifest["shards"], width)
         elif previous_manifest.get("dtype") not in (None, manifest["dtype"]) and not force:

@@ -59,7 +59,7 @@ from ddtree.errors import DDTreeError
 from ddtree.targets import build_drafter_config
 
 from .data import reply_vocabulary
-from .feature_store import adapter_fingerprint
+from .feature_store import adapter_fingerprint, target_fingerprint
 from .loss import (
     DISTILL_LOSSES, OBJECTIVES, RECALL_K, block_loss_sums, block_position_weights, chain_acceptance, draft_vocab_labels,
     given_positions, next_token_top_k, teacher_states,
@@ -402,6 +402,10 @@ class DistillModule(L.LightningModule):
             raise DDTreeError(f"feature store {store.path} was built with adapter {hp.target_adapter} as its files were "
                               "then, and they have changed since (retrained?) or were not recorded (an older store): "
                               "rebuild it with `make features RECIPE=<recipe>` and --force (FORCE=1)")
+        if store.target_weights is not None and store.target_weights != target_fingerprint(hp.target):
+            raise DDTreeError(f"feature store {store.path} was built from target {hp.target}'s weights as they were then, "
+                              "and its weight files have changed since (fine-tuned and saved over?): rebuild it with "
+                              "`make features RECIPE=<recipe>` and --force (FORCE=1)")
         layer_ids = list(self.drafter_config.target_layer_ids)
         text_config = self.target.config.get_text_config()
         last = text_config.num_hidden_layers - 1

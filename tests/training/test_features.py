@@ -762,6 +762,35 @@ def test_a_store_built_with_an_adapter_retrained_since_at_the_same_path_is_refus
                             dtype=torch.float32)
 
 
+def test_a_store_built_before_its_local_target_was_saved_over_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from ddtree.targets import tiny_target_folder
+
+    target = tmp_path / "target"
+    shutil.copytree(tiny_target_folder(), target)
+    datamodule = make_datamodule(tmp_path, target=str(target))
+    path = build_feature_store(datamodule, tmp_path / "store", layer_ids=LAYER_IDS, dtype=torch.float32)
+    module = tiny_module(target=str(target), mask_token_id=16)  # (tiny-random's, which a folder does not name)
+    assert FeatureStore(path).target_weights is not None
+    module.check_feature_store(FeatureStore(path))  # accepted: the same weights
+
+    weights = load_file(str(target / "model.safetensors"))  # fine-tuned and saved over, at the same path
+    save_file({name: value + 0.01 for name, value in weights.items()}, str(target / "model.safetensors"),
+              metadata={"format": "pt"})
+    with pytest.raises(DDTreeError) as error:
+        module.check_feature_store(FeatureStore(path))
+    assert f"target {target}'s weights" in one_line(error.value) and "--force" in str(error.value)
+    with pytest.raises(DDTreeError, match="differs in target_weights"):  # and the same build is not taken as done
+        build_feature_store(datamodule, path, layer_ids=LAYER_IDS, dtype=torch.float32)
+
+    manifest = json.loads((path / "store.json").read_text())
+    del manifest["target_weights"]  # a store built before the weights were recorded: taken as it was
+    (path / "store.json").write_text(json.dumps(manifest))
+    module.check_feature_store(FeatureStore(path))
+    assert build_feature_store(datamodule, path, layer_ids=LAYER_IDS, dtype=torch.float32) == path
+
+
 def test_a_run_without_distillation_takes_a_built_store_that_holds_more(tmp_path, monkeypatch):
     """The plain store missing, `auto` takes the recipe's store with final hidden states, else the smallest top-k
     teacher's: the same features, nothing built twice. A distilling run keeps its own folder."""

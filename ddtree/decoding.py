@@ -344,6 +344,24 @@ def check_full_attention(target: PreTrainedModel) -> None:
                           "target whose layers all attend to the whole context")
 
 
+def check_fixed_rope(target: PreTrainedModel) -> None:
+    """A "longrope" target (Phi-3 style) rotates every row of a forward with its long frequency table once the forward's
+    deepest position passes original_max_position_embeddings: a verify whose deepest node passes it would score the rows
+    it keeps with other frequencies than greedy decoding, and commit other tokens. Refused, not misread. ("dynamic"
+    rescales only past max_position_embeddings, which no forward here reaches: see context_limit.)"""
+    config = target.config.get_text_config()
+    parameters = getattr(config, "rope_parameters", None) or {}
+    # one dict, or one per layer type ({"full_attention": {...}, ...})
+    for rope in [parameters] if "rope_type" in parameters else [p for p in parameters.values() if isinstance(p, dict)]:
+        if rope.get("rope_type") == "longrope":
+            raise DDTreeError(f"target {getattr(target, 'name_or_path_for_ddtree', config.model_type)!r} has "
+                              f"rope_parameters['rope_type'] 'longrope': a forward reaching past position "
+                              f"{rope.get('original_max_position_embeddings')} (original_max_position_embeddings) "
+                              "rotates all its rows with the long frequencies, so a verify would change the tokens "
+                              "greedy decoding commits; use a target with one frequency table (rope_type default, "
+                              "linear, yarn or llama3)")
+
+
 MASKED_ATTENTION = ("sdpa", "eager")  # transformers' attention kernels that apply a verify's 4-D additive mask as given
 
 
@@ -498,6 +516,7 @@ def generate(
     static = static_cache(static, device)
     check_sizer(method, sizer is not None, static)
     check_full_attention(target)
+    check_fixed_rope(target)
     check_tree_attention(target, method)
     prompt = torch.as_tensor(prompt_ids, dtype=torch.long)
     if prompt.dim() > 2 or (prompt.dim() == 2 and prompt.shape[0] != 1):

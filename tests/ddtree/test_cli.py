@@ -237,6 +237,26 @@ def test_a_target_with_sliding_window_layers_is_refused_before_decoding(sliding)
         generate(target, [1, 2, 3], "ar", None, 1, 4)
 
 
+@pytest.mark.parametrize("method", ["ar", "ddtree"])
+def test_a_longrope_target_is_refused_before_decoding(method):
+    """Phi-3's longrope switches every row of a forward to its long frequencies once the forward's deepest position
+    passes original_max_position_embeddings: a verify reaching past it committed other tokens than greedy decoding
+    (here from position 11, the threshold being 24)."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    from ddtree.decoding import generate
+    from tests.rigged import RiggedDrafter
+
+    rope = dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=24,
+                short_factor=[1.0] * 4, long_factor=[1.0 + 3 * i for i in range(4)])
+    target = Phi3ForCausalLM(Phi3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                                        original_max_position_embeddings=24, rope_parameters=rope, pad_token_id=0))
+    drafter = RiggedDrafter(list(range(3, 40)), 32, block_size=16)
+    with pytest.raises(DDTreeError, match=r"rope_parameters\['rope_type'\] 'longrope': a forward reaching past position 24"):
+        generate(target.eval(), [1, 2, 3], method, drafter if method != "ar" else None, 8, 30)
+
+
 @pytest.mark.parametrize("implementation, refused", [("flash_attention_2", True), ("flex_attention", True),
                                                      ("eager", False), ("sdpa", False)])
 def test_a_target_whose_attention_kernel_ignores_the_tree_mask_is_refused_for_drafts(implementation, refused):

@@ -3,9 +3,9 @@
     choice = fast_precision("cpu")        # Choice(dtype=torch.bfloat16, reason="...") on an AMX Xeon
     choice.dtype, choice.lightning        # torch.bfloat16, "bf16-mixed"
 
-On a GPU with bf16 support the answer is bf16. On a CPU it depends on the chip: a Xeon with AMX
-(or AVX512-BF16) runs a bf16 forward faster than fp32, an AVX2-only CPU (most laptops, many AMD
-EPYCs) emulates bf16 and runs it several times slower (6.7x, measured on a SmolLM2-135M forward on
+On a GPU of compute capability 8.0 or later (Ampere on) the answer is bf16; a T4 or V100 (7.x) emulates it, and
+gets fp32. On a CPU it depends on the chip: a Xeon with AMX (or AVX512-BF16) runs a bf16 forward faster than fp32,
+an AVX2-only CPU (most laptops, many AMD EPYCs) emulates bf16 and runs it several times slower (6.7x, measured on a SmolLM2-135M forward on
 an AVX2 EPYC). So the choice is measured, not assumed: a linear layer shaped like a small target's
 MLP (512 tokens x 576 -> 1536) is timed in both dtypes, best of a few alternating calls after a
 warm-up, about a tenth of a second in all. A target's forward is dominated by such matmuls, and the gap between
@@ -75,9 +75,12 @@ def fast_precision(device: str | torch.device = "cpu", measure: Callable[[], dic
     global _cpu_choice
     device = torch.device(device)
     if device.type == "cuda":
-        if torch.cuda.is_bf16_supported():
-            return Choice(torch.bfloat16, f"{torch.cuda.get_device_name(device)} computes bf16 natively")
-        return Choice(torch.float32, f"{torch.cuda.get_device_name(device)} has no bf16 support")
+        # Ampere (8.0) on compute bf16 natively; torch.cuda.is_bf16_supported() also counts the emulation a T4 or V100
+        # runs several times slower, and asks the current device rather than this one
+        name, (major, minor) = torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
+        if major >= 8:
+            return Choice(torch.bfloat16, f"{name} (compute capability {major}.{minor}) computes bf16 natively")
+        return Choice(torch.float32, f"{name} (compute capability {major}.{minor}) has no native bf16, which needs 8.0")
     if device.type != "cpu":
         return Choice(torch.float32, f"no measurement for device {device.type}; fp32 is always exact")
     if measure is None and _cpu_choice is not None:

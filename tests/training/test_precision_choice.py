@@ -34,6 +34,21 @@ def test_the_cpu_choice_follows_the_measurement(measure, expected):
     assert "x the time of fp32" in choice.reason
 
 
+def test_a_gpu_gets_bf16_from_its_own_compute_capability(monkeypatch):
+    """torch.cuda.is_bf16_supported() counts emulation (a T4 or V100 runs bf16 several times slower) and asks the
+    current device: the choice follows the capability of the device asked about. CUDA is mocked: device 0, the
+    current one, is a T4 (7.5), device 1 an H100 (9.0)."""
+    gpus = {0: ("Tesla T4", (7, 5)), 1: ("NVIDIA H100", (9, 0))}
+    index = lambda device: torch.device(device).index or 0  # noqa: E731 - "cuda" alone is the current device, 0
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)  # the T4 emulates
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gpus[index(device)][0])
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: gpus[index(device)][1])
+    t4, h100 = fast_precision("cuda"), fast_precision("cuda:1")
+    assert t4.dtype == torch.float32 and "Tesla T4 (compute capability 7.5) has no native bf16" in t4.reason
+    assert h100.dtype == torch.bfloat16 and "NVIDIA H100 (compute capability 9.0) computes bf16" in h100.reason
+    assert fast_precision(torch.device("cuda", 0)).dtype == torch.float32
+
+
 def test_the_real_measurement_returns_a_usable_choice():
     choice = fast_precision("cpu")
     assert choice.dtype in (torch.bfloat16, torch.float32)

@@ -67,6 +67,23 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[tuple[str, 
     return prompts
 
 
+def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict], where: str, instead: str) -> list[int]:
+    """`messages` under the target's chat template, with the generation prompt, as token ids; one line naming `where`
+    and what to give `instead` when the tokenizer has no template (a base model's) or its template refuses the
+    messages (Llama-2's, Mistral's and Gemma's raise_exception on roles that do not alternate)."""
+    from jinja2 import TemplateError  # what a template raises; transformers needs jinja2 to apply one
+
+    if tokenizer.chat_template is None:
+        raise DDTreeError(f"{where}: the target's tokenizer has no chat template to apply; {instead}")
+    try:
+        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except (ValueError, TemplateError) as error:
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise DDTreeError(f"{where}: the target's chat template refused the messages ({reason}); fix them, or "
+                          f"{instead}") from None
+    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+
 def load_prompts(path: str | Path, tokenizer: PreTrainedTokenizerBase, limit: int | None = None) -> list[dict]:
     """Read and tokenize a prompts file (the first `limit` prompts, or all). Returns [{"id", "prompt_ids"}]; errors name file and line."""
     prompts = []
@@ -74,8 +91,7 @@ def load_prompts(path: str | Path, tokenizer: PreTrainedTokenizerBase, limit: in
         if "prompt" in record:
             ids = tokenizer(record["prompt"], add_special_tokens=False)["input_ids"]
         else:
-            ids = tokenizer.apply_chat_template(record["messages"], add_generation_prompt=True, tokenize=True)
-            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+            ids = chat_prompt_ids(tokenizer, record["messages"], where, 'give {"prompt": ...} records, used as raw text')
         if not ids:
             raise DDTreeError(f"{where}: the prompt is empty")
         prompts.append({"id": prompt_id, "prompt_ids": list(ids)})

@@ -26,8 +26,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .arguments import STATIC_CACHE, build_parser, default_device
 from .bench import (
-    compare_packed_verify_cost, format_summary, load_prompts, measure_verify_cost, method_keys, read_prompts,
-    run_benchmark,
+    chat_prompt_ids, compare_packed_verify_cost, format_summary, load_prompts, measure_verify_cost, method_keys,
+    read_prompts, run_benchmark,
 )
 from .calibration import CALIBRATION_FILE, learning_from, load_calibration, save_calibration, weights_fingerprint
 from .corpus import CORPUS_FILE, CorpusLookup, check_corpus_file
@@ -174,8 +174,8 @@ def cmd_generate(args) -> None:
     if args.raw:
         prompt_ids = tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
     else:
-        encoded = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
-        prompt_ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
+        prompt_ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": args.prompt}], "--prompt",
+                                     "give --raw to use the prompt as raw text")
     generator = torch.Generator(device=target.device).manual_seed(args.seed)
     corpus = _corpus(args, tokenizer)
     if args.method == "ddtree":

@@ -181,6 +181,27 @@ def test_a_message_whose_content_is_not_a_string_is_one_line(tmp_path, tiny_targ
         load_prompts(path, tokenizer)
 
 
+STRICT_TEMPLATE = ("{% if messages[0]['role'] != 'user' %}{{ raise_exception('Conversation roles must alternate "
+                   "user/assistant/user/assistant/...') }}{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+
+
+@pytest.mark.parametrize("template, problem", [
+    (None, "the target's tokenizer has no chat template to apply"),
+    (STRICT_TEMPLATE, r"the target's chat template refused the messages \(Conversation roles must alternate "),
+])
+def test_a_chat_template_that_cannot_apply_is_one_line_naming_the_line(tmp_path, tiny_target, monkeypatch, template,
+                                                                       problem):
+    """A base model's tokenizer has no template (a ValueError before), and Llama-2's, Mistral's or Gemma's refuses roles
+    that do not alternate (a jinja2 TemplateError): both tracebacks before."""
+    _, tokenizer = tiny_target
+    monkeypatch.setattr(tokenizer, "chat_template", template)
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "fine"}\n{"messages": [{"role": "assistant", "content": "Hi"}, '
+                    '{"role": "user", "content": "x"}]}\n')
+    with pytest.raises(DDTreeError, match=f"^{path}:2: {problem}.*give {{\"prompt\": ...}} records, used as raw text$"):
+        load_prompts(path, tokenizer)
+
+
 def test_a_rounds_verify_time_is_the_targets_forward_and_the_trees_mask_is_overhead(tiny_target, monkeypatch):
     """results.json's split: building the tree's mask and positions counts in `other`, as Round says, not in
     `verify` (the target's forward), which the tree sizer fits its cost line to."""

@@ -220,6 +220,21 @@ def test_an_empty_raw_prompt_is_one_line(capsys):
     assert "the prompt is empty" in line
 
 
+def test_generate_with_a_target_without_a_chat_template_is_one_line(capsys, tmp_path, tiny_target, monkeypatch):
+    """A base model's folder: apply_chat_template raised a ValueError traceback (status 1); --raw decodes."""
+    model, tokenizer = tiny_target
+    monkeypatch.setattr(tokenizer, "chat_template", None)
+    model.save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    args = ("generate", "--target", str(tmp_path / "base"), "--method", "ar", "--prompt", "hi", "--max-new-tokens", "2",
+            "--dtype", "float32")
+    line = _bad(capsys, *args)
+    assert line == ("error: --prompt: the target's tokenizer has no chat template to apply; give --raw to use the "
+                    "prompt as raw text")
+    code, _, err = run_cli(capsys, *args, "--raw")
+    assert code == 0, err
+
+
 @pytest.mark.parametrize("sliding", [dict(sliding_window=8), dict(layer_types=["full_attention", "sliding_attention"])])
 def test_a_target_with_sliding_window_layers_is_refused_before_decoding(sliding):
     """Their caches keep only the window's keys, where the tree's masks and compaction assume every position."""

@@ -302,6 +302,23 @@ def _calibration(args) -> OnlineCalibration | None | bool:
     return calibration
 
 
+def check_out_is_no_input(args) -> None:
+    """bench --out (--overwrite or not) is none of the files the run reads: the prompts, --calibration, --corpus, or a
+    file in the drafter's or a local target's folder; else the results replace the run's own input."""
+    out = Path(args.out)
+    if not out.exists():
+        return
+    out = out.resolve()
+    for flag, given in (("--prompts", args.prompts), ("--calibration", args.calibration), ("--corpus", args.corpus)):
+        if given not in (None, "none") and out == Path(given).resolve():
+            raise DDTreeError(f"--out {args.out} is the {flag} file: the results would replace it; give another --out")
+    drafter = args.drafter if uses_drafter(args) and args.drafter != "random" else None
+    for flag, folder in (("--drafter", drafter), ("--target", args.target)):
+        if folder is not None and Path(folder).is_dir() and out.is_relative_to(Path(folder).resolve()):
+            raise DDTreeError(f"--out {args.out} is in the {flag} folder {folder}: the results would replace its "
+                              f"{out.relative_to(Path(folder).resolve())}; give another --out")
+
+
 def cmd_bench(args) -> None:
     methods = method_list(args.methods)
     if not methods:
@@ -320,9 +337,7 @@ def cmd_bench(args) -> None:
             raise DDTreeError(f"{', '.join(shaping)} shape the ddtree method's trees, and --methods {args.methods} runs "
                               "no ddtree: add ddtree to --methods, or drop them")
     if args.out:
-        if Path(args.out).exists() and Path(args.out).resolve() == Path(args.prompts).resolve():
-            raise DDTreeError(f"--out {args.out} is the --prompts file: the results would replace the prompts; give "
-                              "another --out")
+        check_out_is_no_input(args)
         check_output_file(args.out, overwrite=args.overwrite)
     sampling, target, tokenizer = _setup(args, trees="ddtree" in methods)
     prompts = load_prompts(args.prompts, tokenizer, args.limit)

@@ -607,6 +607,19 @@ def test_an_existing_results_file_is_replaced_only_when_asked(capsys, tmp_path, 
     ("generate", ["--prompt", "hi", "--calibration", "{tmp}/none.json"], "error: --calibration {tmp}/none.json: no such file"),
     ("bench", ["--prompts", "{prompts}", "--methods", "ar", "--out", "{prompts}"],  # it replaced the prompts before
      "error: --out {prompts} is the --prompts file"),
+    ("bench", ["--prompts", "{prompts}", "--methods", "dflash", "--drafter", "random", "--calibration", "{tmp}/c.json",
+               "--out", "{tmp}/c.json", "--overwrite"],  # with --overwrite, the results replaced the run's own input
+     "error: --out {tmp}/c.json is the --calibration file: the results would replace it; give another --out"),
+    ("bench", ["--prompts", "{prompts}", "--methods", "ddtree", "--drafter", "random", "--corpus", "{tmp}/c.json",
+               "--out", "{tmp}/c.json", "--overwrite"],
+     "error: --out {tmp}/c.json is the --corpus file: the results would replace it; give another --out"),
+    ("bench", ["--prompts", "{prompts}", "--methods", "dflash", "--drafter", "{run}/drafter",
+               "--out", "{run}/drafter/config.json", "--overwrite"],
+     "error: --out {run}/drafter/config.json is in the --drafter folder {run}/drafter: the results would replace its "
+     "config.json; give another --out"),
+    ("bench", ["--prompts", "{prompts}", "--methods", "ar", "--target", "{target}", "--out", "{target}/config.json",
+               "--overwrite"],
+     "error: --out {target}/config.json is in the --target folder {target}: the results would replace its config.json"),
     ("bench", ["--prompts", "{prompts}", "--methods", "ar,dflash", "--lookup", "7", "--corpus", "{prompts}"],  # ignored
      "error: --lookup, --corpus shape the ddtree method's trees, and --methods ar,dflash runs no ddtree"),
     ("bench", ["--prompts", "{prompts}", "--methods", "dflash", "--adaptive-size", "on"],
@@ -623,6 +636,7 @@ def test_files_named_on_the_command_line_are_checked_before_the_target_loads(cap
     for folder, config in ((run / "drafter", "{}"), (target, '{"model_type": "llama"}'), (listed, "[1, 2]")):
         folder.mkdir(parents=True)
         (folder / "config.json").write_text(config)
+    (tmp_path / "c.json").write_text("{}")  # a calibration or corpus the run reads
     fill = lambda text: text.format(tmp=tmp_path, prompts=prompts_file, run=run, target=target, listed=listed)  # noqa: E731
     assert _bad(capsys, command, "--target", TARGET, *map(fill, flags)).startswith(fill(message))
 

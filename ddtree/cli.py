@@ -89,7 +89,7 @@ def _setup(args, trees: bool = True):
     if args.max_new_tokens < 1:
         raise DDTreeError(f"--max-new-tokens {args.max_new_tokens} must be at least 1")
     budgets = getattr(args, "budgets", None) or [getattr(args, "budget", 1)]
-    for budget in budgets:
+    for budget in budgets if trees else []:  # `ar` and `dflash` build no tree: their budget is unused
         if budget < 1:
             raise DDTreeError(f"budget {budget} must be at least 1")
     if getattr(args, "limit", None) is not None and args.limit < 1:
@@ -336,6 +336,12 @@ def cmd_bench(args) -> None:
         if shaping:
             raise DDTreeError(f"{', '.join(shaping)} shape the ddtree method's trees, and --methods {args.methods} runs "
                               "no ddtree: add ddtree to --methods, or drop them")
+    if all(method == "ar" for method in methods):  # as for ddtree's options: taken, and recorded, for nothing
+        drafting = [flag for flag, given in (("--redraft", args.redraft), ("--online-calibration",
+                                                                           args.online_calibration)) if given]
+        if drafting:
+            raise DDTreeError(f"{', '.join(drafting)} act on the drafter's drafts, and --methods {args.methods} drafts "
+                              "none: add dflash or ddtree to --methods, or drop them")
     if args.out:
         check_out_is_no_input(args)
         check_output_file(args.out, overwrite=args.overwrite)
@@ -344,7 +350,7 @@ def cmd_bench(args) -> None:
     drafter = None
     if uses_drafter(args):
         drafter = _drafter_runner(args, target, tokenizer)
-    sizer = _sizer(args, target, args.budgets)
+    sizer = _sizer(args, target, args.budgets) if "ddtree" in methods else None  # it sizes ddtree's trees only
     corpus = _corpus(args, tokenizer)
     if drafter is not None and "ddtree" in methods:
         note_calibration_settings(drafter, args, sizer, corpus)

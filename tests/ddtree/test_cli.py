@@ -193,6 +193,22 @@ def test_a_budget_past_the_targets_context_is_one_line_before_anything_is_measur
     assert code == 0
 
 
+def test_bench_without_ddtree_neither_measures_a_verify_cost_nor_checks_budgets(capsys, tmp_path, prompts_file,
+                                                                               monkeypatch):
+    """--adaptive-size auto measured verify costs and recorded settings.verify_cost_ms with no ddtree to size, and a
+    budget that no method of the run uses (`ar`, `dflash` build no tree) was refused: budget 0 must be at least 1."""
+    monkeypatch.setattr("ddtree.sizing.TreeSizer.measure", lambda *a, **k: pytest.fail("measured with no ddtree"))
+    out = tmp_path / "results.json"
+    code, _, err = run_cli(capsys, "bench", "--target", TARGET, "--drafter", "random", "--prompts", str(prompts_file),
+                           "--methods", "ar,dflash", "--budgets", "0", "--adaptive-size", "auto", "--max-new-tokens", "2",
+                           "--limit", "1", "--dtype", "float32", "--out", str(out))
+    assert code == 0, err
+    assert "verify_cost_ms" not in json.loads(out.read_text())["settings"]
+    code, _, err = run_cli(capsys, "generate", "--target", TARGET, "--method", "ar", "--budget", "0", "--prompt", "Hi",
+                           "--max-new-tokens", "2", "--dtype", "float32")
+    assert code == 0, err
+
+
 def test_bench_adaptive_size_records_its_cost_and_sizes_within_the_budget(capsys, tmp_path, prompts_file):
     out = tmp_path / "adaptive.json"
     code, _, err = run_cli(
@@ -624,6 +640,9 @@ def test_an_existing_results_file_is_replaced_only_when_asked(capsys, tmp_path, 
      "error: --lookup, --corpus shape the ddtree method's trees, and --methods ar,dflash runs no ddtree"),
     ("bench", ["--prompts", "{prompts}", "--methods", "dflash", "--adaptive-size", "on"],
      "error: --adaptive-size on shape the ddtree method's trees"),
+    ("bench", ["--prompts", "{prompts}", "--methods", "ar", "--redraft", "3", "--online-calibration"],  # taken before
+     "error: --redraft, --online-calibration act on the drafter's drafts, and --methods ar drafts none: add dflash or "
+     "ddtree to --methods, or drop them"),
 ])
 def test_files_named_on_the_command_line_are_checked_before_the_target_loads(capsys, tmp_path, prompts_file, monkeypatch,
                                                                            command, flags, message):

@@ -91,7 +91,8 @@ def load_prompts(path: str | Path, tokenizer: PreTrainedTokenizerBase, limit: in
         if "prompt" in record:
             ids = tokenizer(record["prompt"], add_special_tokens=False)["input_ids"]
         else:
-            ids = chat_prompt_ids(tokenizer, record["messages"], where, 'give {"prompt": ...} records, used as raw text')
+            ids = chat_prompt_ids(tokenizer, record["messages"], where,
+                                  'give {"prompt": ...} records, used as raw text')
         if not ids:
             raise DDTreeError(f"{where}: the prompt is empty")
         prompts.append({"id": prompt_id, "prompt_ids": list(ids)})
@@ -131,14 +132,15 @@ def acceptance_summary(rows: list[dict], key: str) -> dict:
     """How far method `key` got per verification round, over per-prompt rows (run_benchmark's "prompts").
 
     tau = tokens committed per round (accepted drafts + the bonus token), expected_tau = what the
-    drafter predicted for its own trees (1.0 for rounds without a tree), rounds, new_tokens, and
-    accepted_depth_counts {depth: rounds}. The training-time evaluation logs exactly these.
+    drafter predicted for its own trees (1.0 for rounds without a tree), both None when no round ran (every prompt
+    ended on the prefill's token), rounds, new_tokens, and accepted_depth_counts {depth: rounds}. The training-time
+    evaluation logs exactly these.
     """
     rounds = [r for row in rows for r in row["methods"][key]["rounds"]]
     depth_counts = Counter(r["accepted_depth"] for r in rounds)
     return {
-        "tau": sum(r["committed"] for r in rounds) / max(len(rounds), 1),
-        "expected_tau": sum(r["expected"] for r in rounds) / max(len(rounds), 1),
+        "tau": sum(r["committed"] for r in rounds) / len(rounds) if rounds else None,
+        "expected_tau": sum(r["expected"] for r in rounds) / len(rounds) if rounds else None,
         "rounds": len(rounds),
         "tree_nodes": sum(r["tree_size"] for r in rounds) / max(len(rounds), 1),  # verified per round
         "new_tokens": sum(len(row["methods"][key]["new_tokens"]) for row in rows),
@@ -268,7 +270,7 @@ def run_benchmark(
                 "seconds": result.prefill_s + result.decode_s,
                 "rounds": [asdict(r) for r in result.rounds],
             }
-            bar.set_postfix_str(f"{key} tau={result.tau:.2f}")
+            bar.set_postfix_str(f"{key} tau={format_tau(result.tau)}")
             bar.update()
         per_prompt.append(row)
     bar.close()
@@ -289,6 +291,11 @@ def run_benchmark(
     return {"summary": summary, "prompts": per_prompt}
 
 
+def format_tau(tau: float | None, width: int = 0) -> str:
+    """A tau to two places, or "-" where no round ran."""
+    return f"{'-' if tau is None else f'{tau:.2f}':>{width}}"
+
+
 def format_summary(summary: dict) -> str:
     header = f"{'method':<12} {'tau':>6} {'exp.tau':>7} {'tokens':>7} {'tok/s':>8} {'speedup':>7} " \
              f"{'round ms':>9} {'draft':>7} {'verify':>7} {'other':>7} {'nodes':>6}"
@@ -296,9 +303,9 @@ def format_summary(summary: dict) -> str:
     for key, s in summary.items():
         speedup = f"{s['speedup']:.2f}x" if "speedup" in s else "-"
         lines.append(
-            f"{key:<12} {s['tau']:>6.2f} {s['expected_tau']:>7.2f} {s['new_tokens']:>7d} {s['tokens_per_s']:>8.1f} "
-            f"{speedup:>7} {s['round_ms']:>9.1f} {s['draft_ms']:>7.1f} {s['verify_ms']:>7.1f} {s['other_ms']:>7.2f} "
-            f"{s['tree_nodes']:>6.1f}"
+            f"{key:<12} {format_tau(s['tau'], 6)} {format_tau(s['expected_tau'], 7)} {s['new_tokens']:>7d} "
+            f"{s['tokens_per_s']:>8.1f} {speedup:>7} {s['round_ms']:>9.1f} {s['draft_ms']:>7.1f} "
+            f"{s['verify_ms']:>7.1f} {s['other_ms']:>7.2f} {s['tree_nodes']:>6.1f}"
         )
     same = {key: f"{s['same_as_ar']}/{s['prompts']}" for key, s in summary.items() if "same_as_ar" in s}
     if same:  # exact in fp32 (the tests hold it); in bf16 near-ties can flip (docs/benchmarks.md, Which budget)

@@ -26,8 +26,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .arguments import STATIC_CACHE, build_parser, default_device
 from .bench import (
-    chat_prompt_ids, compare_packed_verify_cost, format_summary, load_prompts, measure_verify_cost, method_keys,
-    read_prompts, run_benchmark,
+    chat_prompt_ids, compare_packed_verify_cost, format_summary, format_tau, load_prompts, measure_verify_cost,
+    method_keys, read_prompts, run_benchmark,
 )
 from .calibration import CALIBRATION_FILE, learning_from, load_calibration, save_calibration, weights_fingerprint
 from .corpus import CORPUS_FILE, CorpusLookup, check_corpus_file
@@ -192,7 +192,7 @@ def cmd_generate(args) -> None:
     else:
         stream.finish()
     print(
-        f"[{args.method}] {len(result.new_tokens)} tokens, tau {result.tau:.2f}, "
+        f"[{args.method}] {len(result.new_tokens)} tokens, tau {format_tau(result.tau)}, "
         f"{result.tokens_per_second:.1f} tok/s",
         file=sys.stderr,
     )

@@ -125,9 +125,10 @@ class GenerationResult:
     stopped: bool = False  # ended on a stop token (else on max_new_tokens or the context limit)
 
     @property
-    def tau(self) -> float:
-        """Mean tokens committed per verification round (accepted drafts + the bonus)."""
-        return sum(r.committed for r in self.rounds) / len(self.rounds) if self.rounds else 0.0
+    def tau(self) -> float | None:
+        """Mean tokens committed per verification round (accepted drafts + the bonus); None when no round ran (the
+        prefill's token was the last: max_new_tokens 1, or a stop token)."""
+        return sum(r.committed for r in self.rounds) / len(self.rounds) if self.rounds else None
 
     @property
     def tokens_per_second(self) -> float:

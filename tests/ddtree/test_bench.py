@@ -10,8 +10,8 @@ import weakref
 import pytest
 import torch
 
-from ddtree.bench import (CHAIN, acceptance_summary, budget_of, iter_json_lines, load_prompts, method_keys, run_benchmark,
-                          summarize, tree_key)
+from ddtree.bench import (CHAIN, acceptance_summary, budget_of, format_summary, iter_json_lines, load_prompts, method_keys,
+                          run_benchmark, summarize, tree_key)
 from ddtree import target_runner
 from ddtree.decoding import generate
 from ddtree.errors import DDTreeError
@@ -119,6 +119,22 @@ def test_the_chain_reports_its_expected_tau_from_its_own_probabilities(tiny_targ
     for depth, round_ in zip(drafter.generations[0], result.rounds):
         # fp32 softmax over V: its sum of 49151 equal terms rounds the same way each time, 1.5e-4 off on an AVX2 EPYC
         assert round_.expected == pytest.approx(1 + sum(0.5**d for d in range(1, depth + 1)), rel=1e-3)
+
+
+def test_a_method_whose_prompts_ran_no_round_has_no_tau(tiny_target):
+    """With max_new_tokens 1 (or a stop token first) the prefill's token is all: tau printed 0.00 and results.json
+    held 0.0, as if every draft had failed. The other figures stay."""
+    target, _ = tiny_target
+    prompts = [{"id": "a", "prompt_ids": [5, 6, 7, 8]}]
+    results = run_benchmark(target, CountingDrafter(target.config.vocab_size), prompts, ["ar", CHAIN, "ddtree"], [4],
+                            max_new_tokens=1, stop_ids=[], progress=False)
+    for key, stats in results["summary"].items():
+        assert stats["tau"] is None and stats["expected_tau"] is None, key
+        assert stats["rounds"] == 0 and stats["new_tokens"] == 1 and "speedup" in stats
+        assert results["prompts"][0]["methods"][key]["tau"] is None
+        assert format_summary(results["summary"]).splitlines()[2 + list(results["summary"]).index(key)].split()[1:3] == [
+            "-", "-"]
+    assert generate(target, [5, 6, 7, 8], "ar", max_new_tokens=1).tau is None
 
 
 # ----------------------------------------------------------------------------- reading a prompts file

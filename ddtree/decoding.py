@@ -461,7 +461,7 @@ def generate(
     drafter: DrafterRunner | None = None,
     budget: int = 32,
     max_new_tokens: int = 256,
-    stop_ids: list[int] | tuple[int, ...] | torch.Tensor | int = (),
+    stop_ids: list[int] | tuple[int, ...] | torch.Tensor | int | None = (),  # a list, a tensor or one id; None = none
     sampling: Sampling = Sampling(),
     generator: torch.Generator | None = None,
     static: bool | None = None,
@@ -526,6 +526,11 @@ def generate(
     prompt = prompt.reshape(-1).tolist()
     if not prompt:
         raise DDTreeError("the prompt is empty: give at least one token, from which the target predicts the first new one")
+    rows = target.get_input_embeddings().weight.shape[0]
+    outside = [token for token in prompt if not 0 <= token < rows]
+    if outside:  # else an IndexError deep in the embedding
+        raise DDTreeError(f"prompt token id {outside[0]} is outside the target's {rows} embedding rows (0..{rows - 1}): "
+                          "give ids from the target's own tokenizer")
     limit = context_limit(target)
     if len(prompt) >= limit:
         raise DDTreeError(f"prompt of {len(prompt)} tokens does not fit the target's context of {limit} tokens")
@@ -535,7 +540,7 @@ def generate(
     result = GenerationResult(prompt_ids=prompt, new_tokens=[])
     if max_new_tokens <= 0:
         return result
-    stop = set(torch.as_tensor(stop_ids, dtype=torch.long).reshape(-1).tolist())  # a list, a tensor or one id
+    stop = set(torch.as_tensor(stop_ids if stop_ids is not None else (), dtype=torch.long).reshape(-1).tolist())
     use_drafter = method != "ar"
     if static:
         verify_rows = 1 + (budget if method == "ddtree" else drafter.block_size - 1 if use_drafter else 0)

@@ -68,6 +68,17 @@ def test_a_batch_of_prompts_is_refused_not_joined_into_one(tiny_target, method):
     assert alone.new_tokens == greedy(target, PROMPT)
 
 
+@pytest.mark.parametrize("method", ["ar", "ddtree"])
+@pytest.mark.parametrize("token", [-1, 10**6])
+def test_a_prompt_id_outside_the_targets_embedding_is_one_line(tiny_target, method, token):
+    """An IndexError from inside the embedding before."""
+    target, _ = tiny_target
+    rows = target.get_input_embeddings().weight.shape[0]
+    drafter = BrokenDrafter(target.config.vocab_size, period=10**9)
+    with pytest.raises(DDTreeError, match=f"prompt token id {token} is outside the target's {rows} embedding rows"):
+        generate(target, [5, token, 7], method, drafter, max_new_tokens=NEW)
+
+
 @pytest.mark.parametrize("as_given", [list, torch.tensor, lambda ids: ids[0]], ids=["list", "tensor", "int"])
 def test_stop_ids_stop_whether_a_list_a_tensor_or_one_id(tiny_target, as_given):
     target, _ = tiny_target
@@ -76,6 +87,13 @@ def test_stop_ids_stop_whether_a_list_a_tensor_or_one_id(tiny_target, as_given):
     assert reference[-1] == stop and len(reference) <= 4
     result = generate(target, PROMPT, "ar", max_new_tokens=NEW, stop_ids=as_given([stop]))
     assert result.new_tokens == reference and result.stopped
+
+
+def test_stop_ids_none_is_no_stop_ids(tiny_target):
+    """A TypeError before."""
+    target, _ = tiny_target
+    result = generate(target, PROMPT, "ar", max_new_tokens=NEW, stop_ids=None)
+    assert result.new_tokens == greedy(target, PROMPT) and not result.stopped
 
 
 @pytest.mark.parametrize("temperatures", [[0.0, 1.0, 1.0], [1.0, float("nan"), 1.0], [-1.0, 1.0, 1.0], [1.0, 1.0],

@@ -377,7 +377,14 @@ def cmd_bench(args) -> None:
     results = {"settings": settings, **results}
     print(format_summary(results["summary"]))
     if args.out:
-        write_json_atomic(args.out, results)
+        out = Path(args.out)
+        if out.exists() and not args.overwrite:  # absent at the start: another run, started beside this one, wrote it
+            kept = next(path for number in range(1, 10**6)
+                        if not (path := out.with_name(f"{out.stem}.{number}{out.suffix}")).exists())
+            write_json_atomic(kept, results)
+            raise DDTreeError(f"--out {out} was written by another run while this one decoded, so it is left as it is; "
+                              f"this run's results are in {kept}")
+        write_json_atomic(out, results)
         print(f"results written to {args.out}")
 
 

@@ -609,6 +609,29 @@ def test_an_existing_results_file_is_replaced_only_when_asked(capsys, tmp_path, 
     assert taken.read_text() == "{}"
 
 
+def test_a_results_file_written_by_another_run_meanwhile_is_kept_and_this_runs_results_go_beside_it(
+        capsys, tmp_path, prompts_file, monkeypatch):
+    """--out was checked only at the start: a run started beside this one with the same --out, finishing first, had
+    its results replaced without --overwrite (as `ddtree calibrate` refuses)."""
+    import ddtree.cli
+
+    out = tmp_path / "results.json"
+    real = ddtree.cli.run_benchmark
+
+    def another_run_finishes_first(*args, **kwargs):
+        out.write_text('{"another": "run"}')
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ddtree.cli, "run_benchmark", another_run_finishes_first)
+    line = _bad(capsys, "bench", "--target", TARGET, "--prompts", str(prompts_file), "--methods", "ar", "--limit", "1",
+                "--max-new-tokens", "2", "--dtype", "float32", "--out", str(out))
+    kept = tmp_path / "results.1.json"
+    assert line == (f"error: --out {out} was written by another run while this one decoded, so it is left as it is; "
+                    f"this run's results are in {kept}")
+    assert json.loads(out.read_text()) == {"another": "run"}
+    assert json.loads(kept.read_text())["summary"]["ar"]["new_tokens"] == 2
+
+
 @pytest.mark.parametrize("command, flags, message", [
     ("generate", ["--drafter", "{tmp}/none", "--prompt", "hi"], "error: drafter '{tmp}/none' is not a folder with a config.json"),
     ("generate", ["--drafter", "{run}", "--prompt", "hi"],

@@ -188,7 +188,14 @@ def measure_acceptance(
         rows = [row for part in gathered for row in part]
     rows.sort(key=lambda row: row["index"])  # file order, whatever the number of ranks
     keys = [CHAIN] + [tree_key(budget) for budget in budgets]
-    return {"summary": {key: acceptance_summary(rows, key) for key in keys}, "prompts": rows}
+    return {"summary": {key: measured_summary(rows, key) for key in keys}, "prompts": rows}
+
+
+def measured_summary(rows: list[dict], key: str) -> dict:
+    """acceptance_summary, with NaN for a tau no round measured (every prompt ended on its first token): as for a drafter
+    that was not decoded, a number that ranks below every measured tau (report.ranking_score), not None."""
+    stats = acceptance_summary(rows, key)
+    return {**stats, **{name: math.nan for name in ("tau", "expected_tau") if stats[name] is None}}
 
 
 def metrics_of(summary: dict, seconds: float) -> dict[str, float]:

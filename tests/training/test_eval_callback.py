@@ -956,6 +956,20 @@ def test_the_evaluation_summary_is_bench_arithmetic_over_the_same_rows(monkeypat
     assert [row["id"] for row in measured["prompts"]] == [row["id"] for row in bench["prompts"]]  # in file order
 
 
+def test_an_evaluation_where_no_round_ran_ranks_below_every_measured_tau():
+    """The prefill's token all there is (every prompt stopped on it): bench says None, training NaN, which the logs,
+    the report and the ranking of checkpoints all take as 'nothing measured'."""
+    target, tokenizer = load_target("tiny-random", torch.float32)
+    torch.manual_seed(0)
+    drafter = DrafterRunner(ddtree.cli.load_drafter("random", target, tokenizer, "tiny-random"), target)
+    prompts = load_prompts(PROMPTS, tokenizer, limit=2)
+    first = [generate(target, prompt["prompt_ids"], "ar", max_new_tokens=1).new_tokens[0] for prompt in prompts]
+    measured = measure_acceptance(target, drafter, prompts, [4], 6, stop_ids=first)
+    for key, stats in measured["summary"].items():
+        assert math.isnan(stats["tau"]) and math.isnan(stats["expected_tau"]) and stats["rounds"] == 0, key
+    assert training.report.primary_score(measured, 4) == -math.inf
+
+
 def test_the_evaluation_decodes_through_packed_target_weights_and_unpacks_them_after(monkeypatch, capsys):
     """eval.packed_weights: the CPU recipe's evaluation took 1.3x less time with the fp32 target packed for oneDNN."""
     target, tokenizer = load_target("tiny-random", torch.float32)

@@ -19,7 +19,7 @@
 #
 # Training: torchrun (training/launch.py: its exit status is the first failed process's) starts GPUS_PER_NODE processes here and the trainer is given the same counts
 # (--trainer.num_nodes, --trainer.devices); training.train stops at once if the recipe's counts and
-# torchrun's WORLD_SIZE disagree. Resume with --resume <run folder> (its newest checkpoint).
+# torchrun's WORLD_SIZE disagree. Resume with --resume <run folder> (its newest readable checkpoint).
 # Regeneration: process i of node n regenerates shard n*GPUS_PER_NODE+i of NODES*GPUS_PER_NODE on
 # GPU i (data/regenerate.py --shard-index/--num-shards); every shard writes its own chunks under
 # <out>.parts (a shared file system) and a shard that finds all chunks done merges them.

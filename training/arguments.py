@@ -118,7 +118,8 @@ def train_parser() -> argparse.ArgumentParser:
     parser.add_argument("--recipe", default=None,
                         help=f"one of recipes/*.yaml (default: {DEFAULT_RECIPE}; a resumed run keeps its own)")
     parser.add_argument("--resume", default=None,
-                        help="'last', a run folder (its newest checkpoint) or a checkpoint path: continue that run exactly")
+                        help="'last', a run folder (its newest readable checkpoint) or a checkpoint path: continue that "
+                             "run exactly")
     # --run-name too: torchrun rejects any option spelled --run (an abbreviation of its --run-path)
     parser.add_argument("--run", "--run-name", dest="run", default=None,
                         help="run folder name, the same on every node (default: a timestamp, or slurm-<job id>)")

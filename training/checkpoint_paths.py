@@ -150,20 +150,38 @@ def find_run_checkpoint(run_dir: Path, spec: str) -> tuple[Path, str]:
 
 
 def newest_checkpoint(run_dir: Path) -> Path:
-    """The newest of a run's checkpoints/last.ckpt and the hpc_ckpt_N.ckpt Lightning saves on SLURM's requeue signal;
+    """The checkpoint a resume of the run folder takes (resume_point)."""
+    return resume_point(run_dir)[0]
+
+
+def resume_point(run_dir: Path) -> tuple[Path, Path | None]:
+    """(the checkpoint a resume of the run folder takes, the unreadable newer one it passed over, else None).
+
+    The newest of a run's checkpoints/last.ckpt and the hpc_ckpt_N.ckpt Lightning saves on SLURM's requeue signal;
     without either (checkpoint.save_last false, or a save of last.ckpt cut short), its newest step checkpoint. Each is
     a whole training state, and a run folder holding any is refused as a new run's, so it must resume from one.
     last.ckpt first: it is written with every step checkpoint, and file times alone would rank a copied folder's
-    files by the order they were copied in."""
+    files by the order they were copied in. When that one cannot be read (a save cut short by a kill or a full disk),
+    the newest readable one is taken: a requeued SLURM job resumes its run folder on every requeue, and refusing
+    would fail each one while a whole step checkpoint is there. With none readable the newest is returned, for
+    find_resume to refuse with its reason."""
     saved = run_checkpoints(run_dir)
     latest = [p for p in saved if p.name == "last.ckpt" or p.name.startswith("hpc_ckpt_")]
     if latest or saved:
-        return (latest or saved)[0]  # run_checkpoints: newest first
+        newest = (latest or saved)[0]  # run_checkpoints: newest first
+        if is_readable(newest):
+            return newest, None
+        readable = next((p for p in saved if is_readable(p)), None)
+        return (readable, newest) if readable else (newest, None)
     unfinished = sorted(p.name for p in (run_dir / "checkpoints").glob("*.ckpt"))
     if unfinished:  # a DeepSpeed folder whose first save was cut short (no `latest`, or its `saving` marker)
         raise DDTreeError(f"--resume {run_dir}: no whole checkpoint: {', '.join(unfinished)} in checkpoints/ is a save "
                           "cut short, with no state to continue from; start again under another --run")
     raise DDTreeError(f"--resume {run_dir}: the run has no checkpoint yet (none in checkpoints/, no hpc_ckpt_*.ckpt)")
+
+
+def why_unreadable(checkpoint: Path) -> str:
+    return "its save was cut short" if checkpoint.is_dir() else "truncated?"
 
 
 def run_checkpoints(run_dir: Path) -> list[Path]:
@@ -175,9 +193,9 @@ def run_checkpoints(run_dir: Path) -> list[Path]:
 def find_resume(resume: str, recipe_root: Path) -> tuple[Path, Path]:
     """(checkpoint, run folder) for --resume: 'last' = newest run of this recipe with a last.ckpt.
 
-    Also a run folder (its newest checkpoint) or a checkpoint path: a .ckpt file, or the folder a
-    DeepSpeed strategy writes under that name. A .ckpt file that cannot be read (cut off when the
-    run was killed or the disk filled) is refused here, naming the run's readable checkpoints.
+    Also a run folder (its newest readable checkpoint: resume_point) or a checkpoint path: a .ckpt file, or the
+    folder a DeepSpeed strategy writes under that name. A checkpoint named ('last' too) that cannot be read (cut off
+    when the run was killed or the disk filled) is refused here, naming the run's readable checkpoints.
     """
     if resume == "last":
         run = newest_run(recipe_root, "last.ckpt")
@@ -201,6 +219,5 @@ def find_resume(resume: str, recipe_root: Path) -> tuple[Path, Path]:
         others = [str(p) for p in run_checkpoints(run_dir) if p.resolve() != checkpoint.resolve() and is_readable(p)]
         fix = (f"resume from an earlier one: {', '.join(others)}" if others
                else f"the run {run_dir} has no other readable checkpoint; start it again")
-        why = "its save was cut short" if checkpoint.is_dir() else "truncated?"
-        raise DDTreeError(f"--resume {resume}: checkpoint {checkpoint} is unreadable ({why}); {fix}")
+        raise DDTreeError(f"--resume {resume}: checkpoint {checkpoint} is unreadable ({why_unreadable(checkpoint)}); {fix}")
     return checkpoint, run_dir

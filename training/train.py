@@ -18,8 +18,9 @@ Every run writes outputs/<recipe>/<run>/:
 
 `--resume last` continues the newest run of the recipe that has a last.ckpt, in its own folder and
 with its own config.yaml: step, optimizer, scheduler and data position all continue exactly.
-`--resume <run folder>` continues from its newest checkpoint (last.ckpt or a SLURM requeue's
-hpc_ckpt_N.ckpt). Under DeepSpeed every checkpoint is a folder of per-rank shards under the same name.
+`--resume <run folder>` continues from its newest readable checkpoint (last.ckpt or a SLURM requeue's
+hpc_ckpt_N.ckpt; a newer one whose save was cut short is passed over, in one line). Under DeepSpeed every
+checkpoint is a folder of per-rank shards under the same name.
 A resumed run keeps its recipe (the <recipe> folder it is in; a --recipe naming another is refused), and
 its config.yaml takes the launch's overrides only once the checkpoint is restored and training starts.
 With data.feature_store set (offline target features, training/features.py) a missing store is
@@ -53,7 +54,8 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from ddtree.corpus import CORPUS_FILE, write_replies
 from ddtree.errors import DDTreeError, command
 from ddtree.files import write_text_atomic
-from training.checkpoint_paths import find_resume, is_deepspeed_checkpoint, newest_checkpoint, run_checkpoints
+from training.checkpoint_paths import (find_resume, is_deepspeed_checkpoint, newest_checkpoint, resume_point, run_checkpoints,
+                                       why_unreadable)
 from training.checkpoints import (AtomicCheckpointIO, check_resumable, deepspeed_client_state, newest_finite_checkpoint,
                                   non_finite_tensors)
 from training.data import DATA_RECORD, DistillDataModule, replies
@@ -340,6 +342,10 @@ def main(argv: list[str] | None = None) -> int:
         elif is_first_process():
             write_text_atomic(run_dir / "config.yaml", config_text)
         if is_first_process():
+            taken, passed_over = resume_point(run_dir) if checkpoint else (None, None)
+            if passed_over and taken.resolve() == checkpoint.resolve():  # a run folder's resume, or that one named
+                print(f"[train] {passed_over} is unreadable ({why_unreadable(passed_over)}): resuming from {checkpoint}, "
+                      "the run's newest readable checkpoint", flush=True)
             print(f"[train] recipe {args.recipe} -> {run_dir}" + (f" (resuming {checkpoint})" if checkpoint else ""), flush=True)
         # For devices > 1 Lightning starts the other processes by re-running this command: same folder.
         os.environ[RUN_NAME_ENV] = run_dir.name

@@ -19,7 +19,8 @@ import torch
 import training.evaluate
 import training.publish
 from ddtree.errors import DDTreeError
-from training.checkpoint_paths import SAVING_MARKER, find_checkpoint, find_resume, find_run_checkpoint
+from training.checkpoint_paths import (SAVING_MARKER, find_checkpoint, find_resume, find_run_checkpoint, newest_checkpoint,
+                                       resume_point)
 from training.checkpoints import deepspeed_client_state, load_checkpoint
 from training.module import DistillModule
 
@@ -159,13 +160,14 @@ def test_resume_refuses_a_truncated_checkpoint_and_names_the_readable_ones_newes
     last, checkpoints = run / "checkpoints" / "last.ckpt", run.resolve() / "checkpoints"
     truncate(last)
     truncate(run / "checkpoints" / "step-6.ckpt")  # unreadable too: not offered
-    for resume in ("last", str(run), str(last)):
+    for resume in ("last", str(last)):  # named: refused; the run folder takes its newest readable one (below)
         with pytest.raises(DDTreeError) as error:
             find_resume(resume, root)
         assert str(error.value) == (
             f"--resume {resume}: checkpoint {last} is unreadable (truncated?); "
             f"resume from an earlier one: {checkpoints / 'step-4.ckpt'}, {checkpoints / 'step-2.ckpt'}"
         )
+    assert find_resume(str(run), root) == (run / "checkpoints" / "step-4.ckpt", run.resolve())
     alone = make_run(root, "alone", {"checkpoints/last.ckpt": 500})
     truncate(alone / "checkpoints" / "last.ckpt")
     with pytest.raises(DDTreeError, match=r"is unreadable \(truncated\?\); the run .*alone has no other readable checkpoint; start it again"):
@@ -182,11 +184,30 @@ def test_a_deepspeed_folder_whose_save_was_cut_short_is_refused_and_the_earlier_
     last = run / "checkpoints" / "last.ckpt"
     (last / SAVING_MARKER).write_text("a save began\n")
     with pytest.raises(DDTreeError) as error:
-        find_resume(str(run), root)
-    assert str(error.value) == (f"--resume {run}: checkpoint {last} is unreadable (its save was cut short); "
+        find_resume(str(last), root)
+    assert str(error.value) == (f"--resume {last}: checkpoint {last} is unreadable (its save was cut short); "
                                 f"resume from an earlier one: {run.resolve() / 'checkpoints' / 'step-2.ckpt'}")
     with pytest.raises(DDTreeError, match="its last save was cut short .* give an earlier checkpoint of the run"):
         load_checkpoint(last)  # make eval and make export read it too
+
+
+def test_a_requeued_job_resumes_its_run_folder_from_the_newest_readable_checkpoint(tmp_path):
+    """slurm.sbatch resumes a requeued job with --resume <run folder>: a last.ckpt whose save the kill cut short
+    refused that resume, so every requeue failed while a whole step checkpoint was there."""
+    root = tmp_path / "tiny"
+    run = make_run(root, "slurm-77", {"checkpoints/step-200.ckpt/": 100, "checkpoints/last.ckpt/": 100,
+                                      "hpc_ckpt_1.ckpt": 50})  # an older requeue's: not before step 200
+    last, step = run / "checkpoints" / "last.ckpt", run / "checkpoints" / "step-200.ckpt"
+    assert newest_checkpoint(run) == last and resume_point(run) == (last, None)  # whole: last.ckpt first, as before
+    (last / SAVING_MARKER).write_text("a save began\n")  # the step-300 save, killed midway
+    assert newest_checkpoint(run) == step
+    assert resume_point(run) == (step, last)  # training/train.py prints that last.ckpt was passed over
+    assert find_resume(str(run), root) == (step, run.resolve())
+    (step / SAVING_MARKER).write_text("a save began\n")
+    assert newest_checkpoint(run) == run / "hpc_ckpt_1.ckpt"
+    (run / "hpc_ckpt_1.ckpt").write_bytes(b"PK cut")
+    with pytest.raises(DDTreeError, match="has no other readable checkpoint; start it again"):
+        find_resume(str(run), root)  # none readable: refused, naming the newest
 
 
 def test_the_deepspeed_strategy_marks_a_checkpoint_folder_until_every_rank_has_saved(tmp_path, monkeypatch):
@@ -229,6 +250,10 @@ def test_train_resume_from_a_truncated_last_ckpt_is_one_error_line_and_status_2(
     assert kept == ["step-4.ckpt"]
     assert line == (f"error: --resume {checkpoints / 'last.ckpt'}: checkpoint {checkpoints / 'last.ckpt'} is unreadable "
                     f"(truncated?); resume from an earlier one: {checkpoints.resolve() / 'step-4.ckpt'}")
+    # Its run folder (as a requeued SLURM job resumes) takes that one, and says why
+    assert train_main([*resume[:-1], str(checkpoints.parent)]) == 0
+    assert (f"[train] {checkpoints / 'last.ckpt'} is unreadable (truncated?): resuming from "
+            f"{checkpoints / 'step-4.ckpt'}, the run's newest readable checkpoint") in capsys.readouterr().out
 
 
 def test_a_deepspeed_folders_client_state_is_read_without_deepspeed_or_is_one_line(tmp_path):

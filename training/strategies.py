@@ -12,7 +12,8 @@ command line, e.g. --trainer.strategy=zero3):
 
 with `trainer.devices` processes per node on `trainer.num_nodes` nodes. Jobs of several nodes start
 from recipes/launch_torchrun.sh or recipes/slurm.sbatch (`make train RECIPE=qwen3-8b NODES=2`);
-`check_launch` stops a run at once when the recipe and the launcher disagree on the process count.
+`check_launch` stops a run at once when the recipe and the launcher disagree on the process count, or when the
+recipe asks for several nodes and no launcher started it (it would wait for nodes that never join).
 
 What ZeRO shards, and what it does not: only the drafter is a submodule of DistillModule, so only
 the drafter is in DeepSpeed's engine, optimizer and checkpoints. The frozen target is a plain
@@ -48,7 +49,7 @@ from pathlib import Path
 from unittest import mock
 
 import torch
-from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
+from lightning.fabric.plugins.environments import LSFEnvironment, MPIEnvironment, SLURMEnvironment, TorchElasticEnvironment
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, StrategyRegistry
 from torch import nn
@@ -202,14 +203,33 @@ def count_devices(devices) -> int | None:
     return None
 
 
+# What Lightning's own launch across nodes reads (LightningEnvironment): a node started by hand sets them.
+NODE_SETTINGS = ("MASTER_ADDR", "NODE_RANK", "GROUP_RANK")
+
+
+def started_on_nodes() -> bool:
+    """Whether this process was started as one node of several: by a launcher (launcher_world, or LSF's jsrun or
+    mpirun, as Lightning detects them) or by hand with Lightning's node settings."""
+    return (launcher_world() is not None or any(os.environ.get(name) for name in NODE_SETTINGS)
+            or LSFEnvironment.detect() or MPIEnvironment.detect())
+
+
 def check_launch(devices, num_nodes) -> None:
-    """Stop with one line if the recipe's devices x num_nodes is not the number of processes launched."""
+    """Stop with one line if the recipe's devices x num_nodes is not the number of processes launched, or if it asks
+    for several nodes and nothing started this process as one of them."""
+    num_nodes = int(num_nodes or 1)
+    if num_nodes > 1 and not started_on_nodes():  # else it waits for the other nodes until the process group times out
+        raise DDTreeError(
+            f"trainer.num_nodes={num_nodes} but no launcher started this process as one of {num_nodes} nodes (no "
+            f"torchrun, SLURM, {', '.join(NODE_SETTINGS)} in the environment): run `make train RECIPE=<recipe> "
+            f"NODES={num_nodes}` on each node (recipes/launch_torchrun.sh) or `sbatch --nodes={num_nodes} "
+            "recipes/slurm.sbatch <recipe>`, or give --trainer.num_nodes=1 for one machine"
+        )
     world = launcher_world()
     per_node = count_devices(devices)
     if world is None or per_node is None:
         return
     launcher, processes, nodes = world
-    num_nodes = int(num_nodes or 1)
     if per_node * num_nodes != processes:
         where = f" on {nodes} node(s)" if nodes else ""
         fix = f"set --trainer.devices={processes // nodes} --trainer.num_nodes={nodes}" if nodes else "set trainer.devices"

@@ -48,7 +48,7 @@ from ddtree.targets import DDTreeError
 from training.checkpoint_paths import SAVING_MARKER
 from training.checkpoints import load_checkpoint
 from training.launch import exit_status, first_failure
-from training.strategies import check_launch, count_devices
+from training.strategies import NODE_SETTINGS, check_launch, count_devices
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCHER = REPO / "recipes" / "launch_torchrun.sh"
@@ -575,10 +575,27 @@ def test_launch_check_accepts_matching_counts_and_unlaunched_runs(monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_RUN_ID")
     with pytest.raises(DDTreeError, match=r"but the launcher started 16 \(WORLD_SIZE=16\): set trainer.devices"):
         check_launch(8, 1)  # another launcher: WORLD_SIZE alone
-    for name in TORCHRUN_ENV:
+    for name in (*TORCHRUN_ENV, *NODE_SETTINGS):
         monkeypatch.delenv(name, raising=False)
-    check_launch(8, 4)  # no launcher: Lightning starts the processes itself
+    check_launch(8, 1)  # no launcher, one node: Lightning starts the processes itself
+    monkeypatch.setenv("NODE_RANK", "1")
+    monkeypatch.setenv("MASTER_ADDR", "node0")
+    check_launch(8, 4)  # a node started by hand, with Lightning's own node settings
     assert [count_devices(d) for d in (2, "2", [0, 1, 2], "0,1", "auto", -1)] == [2, 2, 3, 2, None, None]
+
+
+def test_several_nodes_without_a_launcher_stop_at_once_with_one_line(tmp_path, monkeypatch, capsys):
+    """Nothing to join: Lightning waited for the other node until the process group timed out (30 minutes)."""
+    for name in (*TORCHRUN_ENV, *SLURM_ENV, *NODE_SETTINGS):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(DDTreeError, match=r"trainer.num_nodes=4 but no launcher started this process .* run `make "
+                                          r"train RECIPE=<recipe> NODES=4` on each node .* recipes/slurm.sbatch"):
+        check_launch(8, 4)
+    argv = ["--recipe", "tiny", "--run-name", "r", "--output-root", str(tmp_path), "--trainer.num_nodes=2"]
+    assert training.train.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "trainer.num_nodes=2 but no launcher" in err[0], err
+    assert not any(tmp_path.rglob("*"))  # refused before anything was written
 
 
 def test_every_process_of_a_launch_gets_the_same_run_folder(monkeypatch):

@@ -20,6 +20,7 @@ import yaml
 from jsonargparse import ArgumentError, Namespace
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.strategies import DeepSpeedStrategy, StrategyRegistry
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from ddtree.errors import DDTreeError, error_line
@@ -34,7 +35,7 @@ from .data import DistillDataModule
 from .feature_store import init_from_config
 from .module import DistillModule
 from .recipe_data import AUTO_DATA
-from .strategies import check_launch, count_devices
+from .strategies import CPUDeepSpeed, check_launch, count_devices
 from .target import dtype_for_precision
 
 GPU_ACCELERATORS = ("gpu", "cuda")  # the trainer.accelerator values that need a CUDA GPU
@@ -161,6 +162,32 @@ def check_accelerator(accelerator, devices, target: str | None = None) -> None:
                                  f"(--trainer.devices={min(available, max(1, len(device_indices(devices))))})")
 
 
+def deepspeed_class(strategy) -> type | None:
+    """The DeepSpeed strategy class a trainer.strategy name stands for (ours, zero2 ..., or Lightning's deepspeed_*);
+    None for any other strategy, or one given as an object."""
+    if not (isinstance(strategy, str) and strategy in StrategyRegistry):
+        return None
+    strategy_class = StrategyRegistry[strategy]["strategy"]  # indexed: the registry's get() builds the strategy
+    return strategy_class if issubclass(strategy_class, DeepSpeedStrategy) else None
+
+
+def check_strategy(strategy, accelerator, gradient_clip_algorithm) -> None:
+    """What Lightning's DeepSpeed strategy refuses only once fit starts, with a traceback."""
+    deepspeed = deepspeed_class(strategy)
+    if deepspeed is None:
+        return
+    on_cuda = str(accelerator) in GPU_ACCELERATORS or (str(accelerator) == "auto" and torch.cuda.is_available())
+    if not on_cuda and not issubclass(deepspeed, CPUDeepSpeed):
+        where = "this machine has no CUDA GPU" if str(accelerator) == "auto" else f"trainer.accelerator={accelerator}"
+        raise RecipeSettingError(f"trainer.strategy={strategy} is DeepSpeed, which Lightning runs on CUDA GPUs only, and "
+                                 f"{where}: run it on a GPU machine, or give --trainer.strategy=ddp (auto for one "
+                                 "device)")
+    if str(gradient_clip_algorithm).lower() == "value":
+        raise RecipeSettingError(f"trainer.gradient_clip_algorithm={gradient_clip_algorithm}: DeepSpeed "
+                                 f"(trainer.strategy={strategy}) clips gradients by norm only; give norm (or leave it "
+                                 "out), or a strategy that is not DeepSpeed (ddp) to clip by value")
+
+
 def device_indices(devices) -> list[int]:
     """The GPU numbers a trainer.devices list names ([0, 3] or "0,3"); [] where it gives a count or 'auto'."""
     if isinstance(devices, (list, tuple)):
@@ -256,6 +283,8 @@ class DistillCLI(LightningCLI):
         check_values(self.config)
         check_input_files(self.config)
         check_accelerator(self.config.trainer.accelerator, self.config.trainer.devices, self.config.model.target)
+        check_strategy(self.config.trainer.strategy, self.config.trainer.accelerator,
+                       self.config.trainer.gradient_clip_algorithm)
         check_launch(self.config.trainer.devices, self.config.trainer.num_nodes)
 
     def instantiate_trainer(self, **kwargs):

@@ -20,6 +20,7 @@ import lightning as L
 
 import toy_data  # tests/training/toy_data.py
 import training.arguments
+import training.recipe
 import training.target
 import training.train
 from training.arguments import RECIPES_DIR, known_recipes
@@ -244,6 +245,27 @@ def test_a_gpu_recipe_with_a_cpu_recipe_of_its_target_points_to_it(tmp_path, mon
     assert errors[0].endswith("train the CPU recipe of smollm2-135m instead: make train RECIPE=smollm2-135m "
                               "(--recipe smollm2-135m)")
     assert "--trainer.accelerator=cpu" not in errors[0]
+
+
+@pytest.mark.parametrize("overrides, said", [
+    (["--trainer.strategy=zero2"], "trainer.strategy=zero2 is DeepSpeed, which Lightning runs on CUDA GPUs only, and "
+                                   "trainer.accelerator=cpu: run it on a GPU machine, or give --trainer.strategy=ddp"),
+    (["--trainer.strategy=deepspeed_stage_3", "--trainer.accelerator=auto"],
+     "trainer.strategy=deepspeed_stage_3 is DeepSpeed, which Lightning runs on CUDA GPUs only, and this machine has no "
+     "CUDA GPU"),
+    (["--trainer.strategy=zero2_cpu", "--trainer.gradient_clip_algorithm=value"],  # the CPU twin runs here; this not
+     "trainer.gradient_clip_algorithm=value: DeepSpeed (trainer.strategy=zero2_cpu) clips gradients by norm only"),
+])
+def test_what_deepspeed_refuses_is_one_line_before_anything_loads(overrides, said, tmp_path, monkeypatch, capsys):
+    """Lightning's DeepSpeed strategy refused both only once fit started: a traceback and exit status 1."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["--recipe", "tiny", "--run-name", "r", "--output-root", str(tmp_path), *overrides]) == 2
+    errors = error_lines(capsys)
+    assert len(errors) == 1 and f"recipes/tiny.yaml: {said}" in errors[0], errors
+    assert not any(tmp_path.iterdir())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine: zero2 is fine, clipping by norm too
+    training.recipe.check_strategy("zero2", "gpu", "norm")
+    training.recipe.check_strategy("ddp", "cpu", "value")
 
 
 def test_a_target_dtype_that_is_not_a_dtype_is_one_line_before_anything_loads(tmp_path, capsys):

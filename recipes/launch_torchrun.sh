@@ -12,7 +12,7 @@
 #                  system (training, NODES > 1, unless --resume names the run; default on one node: a timestamp)
 #   MASTER_PORT    default 29500
 #   GPUS_PER_NODE  processes per node (default: the recipe's trainer.devices; for --regenerate, the
-#                  GPUs nvidia-smi lists, else 1)
+#                  GPUs CUDA_VISIBLE_DEVICES names, else those nvidia-smi lists, else 1; at most the former)
 #   PYTHON         default .venv/bin/python
 # Without the settings a multi-node launch needs, the script prints what to run on each node and
 # starts nothing; with only some of them, it names the missing ones and stops (exit status 2).
@@ -48,10 +48,21 @@ if [ "$MODE" = train ]; then
     fi
     GPUS_PER_NODE=${GPUS_PER_NODE:-$("$PYTHON" -c "import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))['trainer'].get('devices', 1))" "recipes/$RECIPE.yaml")}
 else
-    GPUS_PER_NODE=${GPUS_PER_NODE:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)}
+    # A scheduler's share of the node is CUDA_VISIBLE_DEVICES: nvidia-smi lists every GPU of the node regardless.
+    IFS=, read -ra VISIBLE <<< "${CUDA_VISIBLE_DEVICES:-}"
+    if [ ${#VISIBLE[@]} -gt 0 ]; then
+        GPUS_PER_NODE=${GPUS_PER_NODE:-${#VISIBLE[@]}}
+    else
+        GPUS_PER_NODE=${GPUS_PER_NODE:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)}
+    fi
     [ "${GPUS_PER_NODE:-0}" != 0 ] || GPUS_PER_NODE=1
 fi
 positive "processes per node (GPUS_PER_NODE, else the recipe's trainer.devices)" "$GPUS_PER_NODE"
+if [ "$MODE" = regenerate ] && [ ${#VISIBLE[@]} -gt 0 ] && [ "$GPUS_PER_NODE" -gt ${#VISIBLE[@]} ]; then
+    # one shard per GPU: the extra shards would share a visible GPU or take one outside this job's share
+    echo "error: GPUS_PER_NODE=$GPUS_PER_NODE but CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES makes ${#VISIBLE[@]} GPU(s) visible: give GPUS_PER_NODE=${#VISIBLE[@]} or fewer, or make more GPUs visible" >&2
+    exit 2
+fi
 WORLD=$((NODES * GPUS_PER_NODE))
 
 RESUMING="" previous=""
@@ -99,10 +110,10 @@ if [ -n "$bad" ]; then  # torchrun would wait for a node rank no launch can fill
 fi
 
 if [ "$MODE" = regenerate ]; then
-    IFS=, read -ra VISIBLE <<< "${CUDA_VISIBLE_DEVICES:-}"  # GPU i of this node = the i-th visible one
     pids=()
     for ((i = 0; i < GPUS_PER_NODE; i++)); do
-        CUDA_VISIBLE_DEVICES=${VISIBLE[i]:-$i} "$PYTHON" data/regenerate.py \
+        # GPU i of this node: the i-th visible one; none where CUDA_VISIBLE_DEVICES is set empty (the CPU); else GPU i
+        CUDA_VISIBLE_DEVICES=${VISIBLE[i]-${CUDA_VISIBLE_DEVICES-$i}} "$PYTHON" data/regenerate.py \
             --shard-index $((NODE_RANK * GPUS_PER_NODE + i)) --num-shards "$WORLD" "$@" &
         pids+=($!)
     done

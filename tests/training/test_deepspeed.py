@@ -781,6 +781,38 @@ def test_regeneration_launch_numbers_shards_across_nodes_and_gpus(tmp_path):
     assert "Not started" in plan.stdout and "NODE_RANK=<i>" in plan.stdout  # a multi-node launch needs NODE_RANK
 
 
+def test_regeneration_launch_takes_the_gpus_cuda_visible_devices_names(tmp_path):
+    """nvidia-smi lists every GPU of the node: under CUDA_VISIBLE_DEVICES=2,3 (a scheduler's share) the launch started
+    8 shards, two on each visible GPU and the rest on GPUs outside the share."""
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "nvidia-smi").write_text("#!/usr/bin/env bash\nfor i in 0 1 2 3 4 5 6 7; do echo \"GPU $i: H100\"; done\n")
+    (fake_bin / "nvidia-smi").chmod(0o755)
+    fake_python = tmp_path / "python"
+    fake_python.write_text("#!/usr/bin/env bash\necho \"gpu=$CUDA_VISIBLE_DEVICES $*\"\n")
+    fake_python.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("GPUS_PER_NODE", "NODE_RANK", "CUDA_VISIBLE_DEVICES")} | {
+        "PYTHON": str(fake_python), "PATH": f"{fake_bin}:{os.environ['PATH']}"}
+
+    def launched(**settings: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(LAUNCHER), "--regenerate", "1", "--out", "x"], cwd=REPO, env=env | settings,
+                              capture_output=True, text=True)
+
+    ran = launched(CUDA_VISIBLE_DEVICES="2,3")
+    assert ran.returncode == 0, ran.stderr
+    assert sorted(ran.stdout.splitlines()) == [
+        f"gpu={gpu} data/regenerate.py --shard-index {i} --num-shards 2 --out x" for i, gpu in enumerate((2, 3))]
+    assert len(launched().stdout.splitlines()) == 8  # nothing hidden: every GPU nvidia-smi lists
+    hidden = launched(CUDA_VISIBLE_DEVICES="", GPUS_PER_NODE="2")  # every GPU hidden: none un-hidden by its index
+    assert sorted(hidden.stdout.splitlines()) == [
+        f"gpu= data/regenerate.py --shard-index {i} --num-shards 2 --out x" for i in range(2)]
+    refused = launched(CUDA_VISIBLE_DEVICES="2,3", GPUS_PER_NODE="4")
+    assert refused.returncode == 2 and not refused.stdout, refused
+    assert refused.stderr.splitlines() == [
+        "error: GPUS_PER_NODE=4 but CUDA_VISIBLE_DEVICES=2,3 makes 2 GPU(s) visible: give GPUS_PER_NODE=2 or fewer, "
+        "or make more GPUs visible"]
+
+
 @pytest.mark.slow  # two launches of two real regeneration processes (~30-50 s)
 def test_regeneration_launch_shards_across_nodes_and_gpus(tmp_path):
     prompts = tmp_path / "prompts.jsonl"

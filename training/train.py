@@ -233,8 +233,10 @@ def resume_command(run_dir: Path, recipe: str, checkpoint: Path) -> str:
     job again under its run name (recipes/slurm.sbatch resumes a run folder that holds a checkpoint)."""
     launched = launcher_world()
     if launched and launched[0] == "SLURM":
-        return (f"RUN_NAME={run_dir.name} OUTPUT_ROOT={run_dir.parent.parent} sbatch --nodes={launched[2]} "
-                f"recipes/slurm.sbatch {recipe}")
+        # The task counts too: slurm.sbatch's own (8 per node) would start another number of processes than the run's
+        nodes, per_node = launched[2], launched[1] // launched[2]
+        return (f"RUN_NAME={run_dir.name} OUTPUT_ROOT={run_dir.parent.parent} sbatch --nodes={nodes} "
+                f"--ntasks-per-node={per_node} --gpus-per-node={per_node} recipes/slurm.sbatch {recipe}")
     if launched and launched[0] == "torchrun":
         nodes, processes = launched[2], launched[1]
         every = " on each node (NODE_RANK and MASTER_ADDR as before)" if nodes > 1 else ""

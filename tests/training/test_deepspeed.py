@@ -617,9 +617,10 @@ def test_a_stopped_runs_resume_line_launches_as_the_run_was_launched(monkeypatch
     assert training.train.resume_command(run_dir, "qwen3-8b", checkpoint) == (
         f"GPUS_PER_NODE=8 make train RECIPE=qwen3-8b NODES=2 RESUME={checkpoint} on each node (NODE_RANK and MASTER_ADDR "
         "as before)")
-    slurm_env(monkeypatch, nodes=2, per_node=8)
+    slurm_env(monkeypatch, nodes=2, per_node=4)  # submitted with --ntasks-per-node=4: not slurm.sbatch's own 8
     assert training.train.resume_command(run_dir, "qwen3-8b", checkpoint) == (
-        f"RUN_NAME=r1 OUTPUT_ROOT={tmp_path / 'out'} sbatch --nodes=2 recipes/slurm.sbatch qwen3-8b")
+        f"RUN_NAME=r1 OUTPUT_ROOT={tmp_path / 'out'} sbatch --nodes=2 --ntasks-per-node=4 --gpus-per-node=4 "
+        "recipes/slurm.sbatch qwen3-8b")
     for name in SLURM_ENV:
         monkeypatch.delenv(name)
     assert training.train.resume_command(run_dir, "qwen3-8b", checkpoint) == f"make train RECIPE=qwen3-8b RESUME={checkpoint}"

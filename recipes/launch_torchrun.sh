@@ -14,8 +14,9 @@
 #   GPUS_PER_NODE  processes per node (default: the recipe's trainer.devices; for --regenerate, the
 #                  GPUs CUDA_VISIBLE_DEVICES names, else those nvidia-smi lists, else 1; at most the former)
 #   PYTHON         default .venv/bin/python
-# Without the settings a multi-node launch needs, the script prints what to run on each node and
-# starts nothing; with only some of them, it names the missing ones and stops (exit status 2).
+# Without the settings a multi-node launch needs, the script prints what to run on each node (with
+# this command's arguments and GPUS_PER_NODE, shell-quoted) and starts nothing; with only some of them,
+# it names the missing ones and stops (exit status 2).
 #
 # Training: torchrun (training/launch.py: its exit status is the first failed process's) starts GPUS_PER_NODE processes here and the trainer is given the same counts
 # (--trainer.num_nodes, --trainer.devices); training.train stops at once if the recipe's counts and
@@ -40,6 +41,9 @@ MASTER_PORT=${MASTER_PORT:-29500}
 # At most 6 digits: past the shell's integers a comparison would print its own error first.
 positive() { case "$2" in ''|*[!0-9]*|0*|???????*) echo "error: $1 must be a positive integer, got '$2'" >&2; exit 2 ;; esac; }
 positive NODES "$NODES"
+# A word of a printed command, quoted for the shell where it needs it ('\'' is a quote inside quotes).
+shell_word() { case "$1" in ''|*[!A-Za-z0-9_./=:,+@%-]*) printf "'%s'" "${1//\'/\'\\\'\'}" ;; *) printf '%s' "$1" ;; esac; }
+GIVEN_GPUS=${GPUS_PER_NODE:-}  # the user's, printed in the plan's commands
 
 if [ "$MODE" = train ]; then
     if [ ! -f "recipes/$RECIPE.yaml" ]; then
@@ -65,9 +69,13 @@ if [ "$MODE" = regenerate ] && [ ${#VISIBLE[@]} -gt 0 ] && [ "$GPUS_PER_NODE" -g
 fi
 WORLD=$((NODES * GPUS_PER_NODE))
 
-RESUMING="" previous=""
+RESUMING="" previous="" PASSED=()  # PASSED: the arguments but --resume, for the plan's commands
 for arg in "$@"; do  # a resumed run keeps its folder
-    case "$arg" in --resume=*) RESUMING=${arg#--resume=} ;; *) [ "$previous" != --resume ] || RESUMING=$arg ;; esac
+    case "$arg" in
+        --resume=*) RESUMING=${arg#--resume=} ;;
+        --resume) ;;
+        *) if [ "$previous" = --resume ]; then RESUMING=$arg; else PASSED+=("$(shell_word "$arg")"); fi ;;
+    esac
     previous=$arg
 done
 [ "$previous" != --resume ] || RESUMING=last  # a bare --resume at the end: training.train's own error says what it needs
@@ -85,19 +93,23 @@ if [ "$NODES" -gt 1 ]; then
     fi
     if [ ${#missing[@]} -gt 0 ]; then
         echo "$JOB on $NODES nodes x $GPUS_PER_NODE processes = $WORLD processes."
+        gpus=${GIVEN_GPUS:+"GPUS_PER_NODE=$(shell_word "$GIVEN_GPUS") "}
+        passed=${PASSED[*]}  # each word quoted already
+        sbatch="sbatch --nodes=$NODES --ntasks-per-node=$GPUS_PER_NODE --gpus-per-node=$GPUS_PER_NODE recipes/slurm.sbatch"
         if [ "$MODE" = train ]; then
             echo "Not started: run on each node i = 0..$((NODES - 1)) (trainer.num_nodes=$NODES, trainer.devices=$GPUS_PER_NODE):"
+            make_args="make train RECIPE=$RECIPE NODES=$NODES${RESUMING:+ RESUME=$(shell_word "$RESUMING")}${passed:+ ARGS=$(shell_word "$passed")}"
             if [ -n "$RESUMING" ]; then
-                echo "    MASTER_ADDR=<node 0> MASTER_PORT=$MASTER_PORT NODE_RANK=<i> make train RECIPE=$RECIPE NODES=$NODES RESUME=$RESUMING"
+                echo "    MASTER_ADDR=<node 0> MASTER_PORT=$MASTER_PORT ${gpus}NODE_RANK=<i> $make_args"
             else
-                echo "    MASTER_ADDR=<node 0> MASTER_PORT=$MASTER_PORT RUN_NAME=<name> NODE_RANK=<i> make train RECIPE=$RECIPE NODES=$NODES"
+                echo "    MASTER_ADDR=<node 0> MASTER_PORT=$MASTER_PORT ${gpus}RUN_NAME=<name> NODE_RANK=<i> $make_args"
             fi
             echo "or, under SLURM (one task per GPU, requeued on preemption):"
-            echo "    sbatch --nodes=$NODES --ntasks-per-node=$GPUS_PER_NODE --gpus-per-node=$GPUS_PER_NODE recipes/slurm.sbatch $RECIPE"
+            echo "    $sbatch $RECIPE${passed:+ $passed}"
         else
             echo "Not started: run on each node i = 0..$((NODES - 1)):"
-            echo "    NODE_RANK=<i> recipes/launch_torchrun.sh --regenerate $NODES <data/regenerate.py options>"
-            echo "or, under SLURM: sbatch --nodes=$NODES --ntasks-per-node=$GPUS_PER_NODE --gpus-per-node=$GPUS_PER_NODE recipes/slurm.sbatch --regenerate <options>"
+            echo "    ${gpus}NODE_RANK=<i> recipes/launch_torchrun.sh --regenerate $NODES ${passed:-<data/regenerate.py options>}"
+            echo "or, under SLURM: $sbatch --regenerate ${passed:-<options>}"
         fi
         exit 0
     fi

@@ -32,6 +32,7 @@ import importlib.util
 import json
 import os
 import random
+import shlex
 import signal
 import subprocess
 import sys
@@ -658,6 +659,28 @@ def test_make_train_nodes_prints_each_nodes_launch(tmp_path):
     ]
     bad = subprocess.run(["bash", str(LAUNCHER), "nope", "2"], cwd=REPO, env=env, capture_output=True, text=True)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "nope" in bad.stderr
+
+
+def test_the_printed_plan_keeps_the_launchs_arguments_and_gpus_per_node(tmp_path):
+    """The plan dropped them: its commands trained the recipe's defaults on the recipe's GPU count."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "NODE_RANK", "RUN_NAME", "GPUS_PER_NODE")} | {
+        "PYTHON": sys.executable}
+    extra = ["--trainer.max_steps=3", "--run-name", "it's mine"]
+    plan = subprocess.run(["bash", str(LAUNCHER), "qwen3-8b", "2", *extra], cwd=REPO, env=env | {"GPUS_PER_NODE": "4"},
+                          capture_output=True, text=True)
+    assert plan.returncode == 0, plan.stderr
+    make_line, sbatch_line = plan.stdout.splitlines()[2], plan.stdout.splitlines()[4]
+    assert make_line.strip().startswith("MASTER_ADDR=<node 0> MASTER_PORT=29500 GPUS_PER_NODE=4 RUN_NAME=<name> "
+                                        "NODE_RANK=<i> make train RECIPE=qwen3-8b NODES=2 ARGS=")
+    # make hands ARGS to the shell: the words come back as given, quotes and all
+    args = shlex.split(shlex.split(make_line.split(" ARGS=", 1)[1])[0])
+    assert args == extra
+    assert shlex.split(sbatch_line) == ["sbatch", "--nodes=2", "--ntasks-per-node=4", "--gpus-per-node=4",
+                                        "recipes/slurm.sbatch", "qwen3-8b", *extra]
+    regenerate = subprocess.run(["bash", str(LAUNCHER), "--regenerate", "2", "--out", "x y"], cwd=REPO,
+                                env=env | {"GPUS_PER_NODE": "2"}, capture_output=True, text=True)
+    assert "    GPUS_PER_NODE=2 NODE_RANK=<i> recipes/launch_torchrun.sh --regenerate 2 --out 'x y'" in regenerate.stdout
+    assert "recipes/slurm.sbatch --regenerate --out 'x y'" in regenerate.stdout
 
 
 def test_node_settings_that_cannot_make_a_launch_are_one_line(tmp_path):

@@ -7,6 +7,8 @@ and exit status 1, whatever the processes said: bad input, which training.train 
 looked like a crash three dozen lines long, and a SIGTERM from a scheduler ended in a SignalException traceback with
 status 1. Here the launch's status is its first failed process's (128 + the signal for one killed by a signal), the
 report is one line after the processes' own, and a signal to the launch is 128 + its number, as a shell reports it.
+A rendezvous that fails before any process starts (MASTER_PORT in use on node 0, a MASTER_ADDR no node answers at)
+was torchrun's 39-line traceback: here it is one error line naming MASTER_ADDR:MASTER_PORT, with exit status 2.
 """
 
 from __future__ import annotations
@@ -14,8 +16,12 @@ from __future__ import annotations
 import signal
 import sys
 
+from torch.distributed import DistNetworkError, DistStoreError
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous.api import RendezvousError
+
+from ddtree.errors import USAGE_ERROR, error_line
 from torch.distributed.run import parse_args, run
 
 
@@ -34,8 +40,9 @@ def first_failure(error: ChildFailedError):
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        run(parse_args(sys.argv[1:] if argv is None else argv))
+        run(args)
     except ChildFailedError as error:
         rank, failure = first_failure(error)
         status = exit_status(failure.exitcode)
@@ -43,6 +50,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[launch] rank {rank} failed first, with exit status {status}; its own lines above say why",
               file=sys.stderr)
         return status
+    except (DistNetworkError, DistStoreError, RendezvousError) as error:  # before any process started
+        # torchrun's static rendezvous (--master-addr/--master-port) has no endpoint of its own; --standalone sets one
+        where = (f"the rendezvous endpoint {args.rdzv_endpoint}" if args.rdzv_endpoint
+                 else f"MASTER_ADDR:MASTER_PORT {args.master_addr}:{args.master_port}")
+        print(f"error: torchrun could not meet the other nodes at {where}: {error_line(error)}; give another "
+              "MASTER_PORT (the same on every node) if that port is in use on node 0, and check that MASTER_ADDR is "
+              "node 0's address", file=sys.stderr)
+        return USAGE_ERROR
     except SignalException as error:
         print(f"[launch] stopped by {error.sigval.name}", file=sys.stderr)
         return 128 + int(error.sigval)

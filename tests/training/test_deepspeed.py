@@ -727,6 +727,26 @@ def test_a_launch_through_torchrun_ends_with_its_processes_status_not_a_tracebac
     assert exit_status(-signal.SIGTERM) == 143 and exit_status(2) == 2  # a process killed by a signal, as a shell says
 
 
+def test_a_master_port_in_use_is_one_line_naming_it():
+    """torchrun's rendezvous failed with a 39-line DistNetworkError traceback and exit status 1."""
+    import socket
+
+    with socket.socket() as taken:  # another job's rendezvous, say
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "training.launch", "--nnodes", "1", "--nproc-per-node", "1",
+                                 "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                                 "-m", "training.train", "--recipe", "tiny"], cwd=REPO, capture_output=True, text=True,
+                                timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(
+        f"error: torchrun could not meet the other nodes at MASTER_ADDR:MASTER_PORT 127.0.0.1:{port}: "), result.stderr
+    assert "address already in use" in errors[0] and "give another MASTER_PORT" in errors[0]
+
+
 def test_the_launch_reports_the_process_that_failed_not_those_torchrun_stopped():
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 

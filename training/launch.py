@@ -20,9 +20,9 @@ from torch.distributed import DistNetworkError, DistStoreError
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousError
+from torch.distributed.run import parse_args, run
 
 from ddtree.errors import USAGE_ERROR, error_line
-from torch.distributed.run import parse_args, run
 
 
 def exit_status(exitcode: int) -> int:

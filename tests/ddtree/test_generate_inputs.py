@@ -6,10 +6,12 @@ not finite, a batch of prompts, stop ids as a tensor, a drafter config's tempera
 """
 
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+import ddtree.decoding
 from ddtree.decoding import DrafterRunner, generate
 from ddtree.errors import DDTreeError
 from ddtree.sizing import TreeSizer
@@ -127,7 +129,7 @@ def test_a_budget_past_the_targets_context_is_one_error_not_an_out_of_memory(tin
 
 @pytest.mark.parametrize("method, stop_at", [("ar", None), ("dflash", None), ("ddtree", None), ("ddtree", 8)])
 def test_on_tokens_hears_each_committed_token_once_in_order_and_its_time_is_not_the_decodings(tiny_target, method,
-                                                                                             stop_at):
+                                                                                             stop_at, monkeypatch):
     """`ddtree generate` prints the reply through on_tokens as rounds commit it, rounds cut by max_new_tokens or a
     stop token included."""
     target, _ = tiny_target
@@ -135,14 +137,16 @@ def test_on_tokens_hears_each_committed_token_once_in_order_and_its_time_is_not_
     drafter = None if method == "ar" else RiggedDrafter(PROMPT + reference, target.config.vocab_size, block_size=8)
     stop = [] if stop_at is None else [reference[stop_at]]
     expected = reference[:NEW] if stop_at is None else reference[:reference.index(stop[0]) + 1]
-    heard, pause = [], 0.1
+    heard, hour, skipped = [], 3600.0, [0.0]  # each call to the listener moves decoding's clock on an hour
 
     def listen(tokens):
         heard.append(list(tokens))
-        time.sleep(pause)
+        skipped[0] += hour
 
+    clock = SimpleNamespace(perf_counter=lambda: time.perf_counter() + skipped[0])
+    monkeypatch.setattr(ddtree.decoding, "time", clock)
     result = generate(target, PROMPT, method, drafter, budget=8, max_new_tokens=NEW, stop_ids=stop, on_tokens=listen)
     assert [token for tokens in heard for token in tokens] == result.new_tokens == expected
     assert [len(tokens) for tokens in heard] == [1] + [r.committed for r in result.rounds]  # the prefill's, each round's
     assert method == "ar" or max(r.committed for r in result.rounds) > 1  # rounds of several tokens
-    assert result.decode_s < pause * len(result.rounds), (result.decode_s, len(result.rounds))  # its sleeps left out
+    assert result.decode_s < hour, (result.decode_s, len(result.rounds))  # the listener's hours left out

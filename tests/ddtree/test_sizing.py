@@ -63,20 +63,24 @@ def test_measure_fits_a_cost_line_on_the_machine(monkeypatch):
 def test_the_cost_line_times_the_targets_forward_without_building_the_mask(monkeypatch):
     """Decoding counts the tree's mask in a round's overhead (Round.other_s), which the sizer adds to the line."""
     import time
+    from types import SimpleNamespace
 
     import ddtree.sizing as sizing
 
     target, _ = load_target("tiny-random")
     build_mask = sizing.ancestor_matrix
+    hour, skipped = 3600.0, [0.0]  # each mask built moves the sizer's clock on an hour
 
     def slow_mask(tree):
-        time.sleep(0.5)
+        skipped[0] += hour
         return build_mask(tree)
 
     monkeypatch.setattr(sizing, "ancestor_matrix", slow_mask)
+    monkeypatch.setattr(sizing, "time", SimpleNamespace(perf_counter=lambda: time.perf_counter() + skipped[0]))
     runner = sizing.probe_runner(target, 16)
     tree = build_tree(torch.randn(3, target.config.vocab_size, generator=torch.Generator().manual_seed(0)), 8)
-    assert sizing.verify_seconds(runner, tree, 16, repeats=3) < 0.5  # a tiny model's forward, not the sleep
+    assert sizing.verify_seconds(runner, tree, 16, repeats=3) < hour  # a tiny model's forward, not the mask's hour
+    assert skipped[0] > 0  # (the mask was built, outside the timed forwards)
 
 
 def test_measure_runs_on_a_vocabulary_smaller_than_the_special_tokens_skipped():

@@ -16,6 +16,9 @@ Equal terms:
 - --minutes alone: every variant trains for that long or the recipe's max_steps, whichever ends first (the schedule
   is the steps'; the learning rate anneals by the clock where it comes first, model.anneal_by_max_time), so a faster
   variant trains more steps, as equal time means; both: whichever ends first, as in training;
+- either way a variant is evaluated, validated and checkpointed only where it stops (the recipe's eval.every_n_train_steps
+  and trainer.val_check_interval are moved there): an evaluation on the way would take its time from training, more of
+  it from a slower variant;
 - the same data, unless a feature store is time-boxed (data.store_max_minutes): such a store holds the share of the
   training split its build reached, and variants with other distillation settings read other stores (plain, -final,
   -top<k>), each cut by its own clock. The table counts each variant's training sequences (<run>/data.json) and says
@@ -61,6 +64,7 @@ from .recipe import check_values, read_recipe, recipe_errors
 from .train import main as train_main
 
 YEAR_SECONDS = 365 * 86400  # --minutes' bound: anything longer is a typo
+NO_STEP_LIMIT = 2**62  # --minutes under trainer.max_steps=-1: an interval no run reaches, so only the stop evaluates
 PLAIN = "--model.distill_weight=0 --model.distill_top_k=0"  # no distillation, whatever the recipe distils with
 KL = "--model.distill_weight=0.5 --model.distill_loss=kl"
 DEFAULT_VARIANTS = [  # the published loss, the four acceptance-weighted objectives, the two distillation losses, mixes;
@@ -77,14 +81,27 @@ DEFAULT_VARIANTS = [  # the published loss, the four acceptance-weighted objecti
 ]
 
 
-def check_variant(recipe: Path, overrides: list[str]) -> None:
+def check_variant(recipe: Path, overrides: list[str]):
     """What training checks before its first step, without loading the target: the recipe's fields and values, the
-    model's hyperparameters (DistillModule builds nothing until configure_model) and the evaluation's settings."""
+    model's hyperparameters (DistillModule builds nothing until configure_model) and the evaluation's settings.
+    Returns the variant's config."""
     config = read_recipe(recipe, overrides)
     with recipe_errors(recipe):
         check_values(config)
     DistillModule(**config.model.as_dict())
     AcceptanceEvaluation(**config.eval.as_dict())
+    return config
+
+
+def schedule_at_the_stop(max_steps: int) -> list[str]:
+    """Overrides that leave a variant's evaluation, checkpoint and validation to where it stops: trainer.max_steps,
+    or the clock (stops_here evaluates a max_time stop; Lightning validates when should_stop is set). An evaluation
+    on the recipe's schedule would take its time from the variant's training, and more from a slower variant.
+    A step count as val_check_interval needs check_val_every_n_epoch null, else Lightning refuses one past the
+    first epoch."""
+    last = max_steps if max_steps > 0 else NO_STEP_LIMIT
+    return [f"--eval.every_n_train_steps={last}", f"--trainer.val_check_interval={last}",
+            "--trainer.check_val_every_n_epoch=null"]
 
 
 def parse_variant(text: str) -> tuple[str, list[str]]:
@@ -243,11 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         budget.append("--trainer.max_time=null")  # the steps alone, not the recipe's time safety net
     if args.minutes is not None and args.steps is None:  # the learning rate anneals by the clock where it cuts first
         budget.append("--model.anneal_by_max_time=true")
-    if args.steps is not None:
-        # every evaluation, checkpoint and validation at the end only: the budget goes to training. A step count as
-        # val_check_interval needs check_val_every_n_epoch null, else Lightning refuses one past the first epoch.
-        budget += [f"--trainer.max_steps={args.steps}", f"--eval.every_n_train_steps={args.steps}",
-                   f"--trainer.val_check_interval={args.steps}", "--trainer.check_val_every_n_epoch=null"]
+    if args.steps is not None:  # every evaluation, checkpoint and validation at the end only: the budget goes to training
+        budget += [f"--trainer.max_steps={args.steps}", *schedule_at_the_stop(args.steps)]
     if args.minutes is not None:
         days, seconds = divmod(round(args.minutes * 60), 86400)  # Lightning's DD:HH:MM:SS
         budget.append(f"--trainer.max_time={days:02d}:{seconds // 3600:02d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}")
@@ -256,11 +270,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.eval_max_new_tokens is not None:
         budget.append(f"--eval.max_new_tokens={args.eval_max_new_tokens}")
 
+    schedules = {}  # each variant's evaluation and validation steps under --minutes alone: at its stop only
     for name, overrides in variants:  # every variant read and its values checked before any trains: a bad one in the
         try:                           # last would otherwise stop the comparison after the others had trained
-            check_variant(recipe_path(args.recipe), [*budget, *common, *overrides])
+            config = check_variant(recipe_path(args.recipe), [*budget, *common, *overrides])
         except DDTreeError as error:
             raise DDTreeError(f"--variant {name}: {error}") from None
+        schedules[name] = schedule_at_the_stop(config.trainer.max_steps) if args.steps is None else []
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
     root = Path(args.output_root) / args.recipe
@@ -270,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[ablate] {name}: {' '.join(overrides) or '(the recipe as it is)'} -> {root / run}", flush=True)
         started = time.perf_counter()
         status = train_main(["--recipe", args.recipe, "--run-name", run, "--output-root", args.output_root,
-                             *budget, *common, *overrides])
+                             *budget, *schedules[name], *common, *overrides])
         if status != 0:  # a diverged variant is a result too; the others still compare
             print(f"[ablate] {name} stopped with status {status}; going on with the other variants", file=sys.stderr)
             results.append(stopped_variant(name, root / run, time.perf_counter() - started, status))

@@ -135,6 +135,21 @@ def test_a_stopped_variant_is_a_row_the_others_still_compare_and_unequal_data_is
     assert "--model.anneal_by_max_time=true" in launched[0] and "--trainer.max_time=null" not in launched[0]
 
 
+def test_under_minutes_alone_a_variant_evaluates_and_validates_only_where_it_stops(tmp_path, monkeypatch):
+    """The recipe's schedule (tiny: evaluate every 10 steps, validate every 15) would spend each variant's wall time on
+    evaluations, more of it for a slower variant; only its stop (max_steps or the clock) is measured."""
+    import training.ablate
+
+    launched = []
+    monkeypatch.setattr(training.ablate, "train_main", lambda argv: launched.append(argv) or 2)
+    main(["--recipe", "tiny", "--minutes", "2", "--output-root", str(tmp_path), "--variant", "a=",
+          "--variant", "b=--trainer.max_steps=-1"])
+    a, b = ([arg for arg in argv if "every_n" in arg or "val_check" in arg or "check_val" in arg] for argv in launched)
+    assert a == ["--eval.every_n_train_steps=30", "--trainer.val_check_interval=30",  # tiny's max_steps
+                 "--trainer.check_val_every_n_epoch=null"]
+    assert b[:2] == [f"--eval.every_n_train_steps={2**62}", f"--trainer.val_check_interval={2**62}"]  # the clock only
+
+
 def test_default_variants_set_every_objective_and_distillation_knob():
     """A recipe's own objective or distillation (smollm2-135m trains dpace + kl32) must not leak into a variant
     named for another: each default variant sets all four knobs itself."""

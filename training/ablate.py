@@ -30,7 +30,9 @@ A variant that stops (a diverged loss, say) is a row saying so; the others still
 The table (printed, and written with a plot to <output-root>/<recipe>/ablate-<stamp>.{md,png}):
 validation loss (the published decayed cross-entropy, whatever the variant trains on), per-depth
 top-1 accuracy and top-4 recall of the target's token on the validation split, tau at every
-budget and for the chain, and the drafter's expected tau beside the measured one.
+budget and for the chain, and the drafter's expected tau beside the measured one. A note under it names the variants
+whose decoder added to the drafter's own drafts (context lookup, the corpus, re-drafting: model.redraft_prob > 0 sets
+the drafter's redraft), whose tau is therefore not the drafter's alone.
 """
 
 from __future__ import annotations
@@ -164,8 +166,9 @@ def summarize_variant(name: str, run_dir: Path, seconds: float) -> dict:
         "chain_tau": summary[CHAIN]["tau"],
         "chain_expected_tau": summary[CHAIN].get("expected_tau"),  # absent in evaluations made before decoding recorded it
         "data": read_data_record(run_dir),
-        # what the trees carried besides the drafter's own nodes (the chain carries neither)
-        "decoded_with": {key: evaluation["settings"][key] for key in ("lookup", "corpus")
+        # what the decoder added to the drafter's own drafts: lookup and corpus nodes in the trees, re-drafts behind
+        # the best depth-1 tokens (model.redraft_prob > 0 sets the drafter's redraft) in the trees and the chain
+        "decoded_with": {key: evaluation["settings"][key] for key in ("lookup", "corpus", "redraft")
                          if evaluation["settings"].get(key)},
     }
 
@@ -203,13 +206,26 @@ def markdown_table(results: list[dict]) -> str:
                   f"data.store_max_minutes): {', '.join(f'{name} {count}' for name, count in shares.items())} of the "
                   f"{split} training sequences. Build whole stores first (make features FORCE=1 "
                   "ARGS=--data.store_max_minutes=null, for each store kind) to compare on the same data."]
-    carried = sorted({f"{key} {value}" if key == "lookup" else "the corpus" for r in results
-                      for key, value in r.get("decoded_with", {}).items()})
+    carried = {r["variant"]: decoder_additions(r["decoded_with"]) for r in results if r.get("decoded_with")}
     if carried:  # report.md says the same of a run's own table
-        lines += ["", f"The trees were decoded with {' and '.join(carried).replace('lookup', 'context lookup')} "
-                  "(eval.lookup, model.corpus): their tau and tree/chain are the decoder's, not the drafter's alone; the "
-                  "chain carries neither."]
+        decoders = "; ".join(f"{name} decoded with {how}" for name, how in carried.items())
+        lines += ["", f"Not every tau is the drafter's alone: {decoders} (eval.lookup, model.corpus, "
+                  "eval.redraft or model.redraft_prob): those variants' tau and tree/chain are the decoder's. Lookup and "
+                  "corpus nodes go into the trees only; re-drafting runs in the chain too."]
     return "\n".join(lines)
+
+
+def decoder_additions(decoded_with: dict) -> str:
+    """{"lookup": 7, "corpus": True, "redraft": 4} -> "context lookup 7 and the corpus and re-drafting behind 4 depth-1
+    tokens"."""
+    parts = []
+    if decoded_with.get("lookup"):
+        parts.append(f"context lookup {decoded_with['lookup']}")
+    if decoded_with.get("corpus"):
+        parts.append("the corpus")
+    if decoded_with.get("redraft"):
+        parts.append(f"re-drafting behind {decoded_with['redraft']} depth-1 tokens")
+    return " and ".join(parts)
 
 
 def plot(results: list[dict]) -> Figure:

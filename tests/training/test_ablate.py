@@ -165,3 +165,30 @@ def test_default_variants_set_every_objective_and_distillation_knob():
         objective = name.split("-")[0]
         assert given["model.objective"] == ("decayed_ce" if objective in ("kl", "lk") else objective), name
     assert len(names) == len(DEFAULT_VARIANTS)
+
+
+def fake_run(argv: list[str], settings: dict) -> Path:
+    """What a finished run of the tiny recipe leaves that the table reads: one evaluation decoded with `settings`."""
+    run = Path(argv[argv.index("--output-root") + 1]) / "tiny" / argv[argv.index("--run-name") + 1]
+    (run / "eval").mkdir(parents=True)
+    summary = {"ddtree@8": {"tau": 2.0, "expected_tau": 2.1}, "dflash": {"tau": 1.5, "expected_tau": 1.6}}
+    (run / "eval" / "step-000003.json").write_text(json.dumps({"step": 3, "summary": summary, "settings": settings}))
+    return run
+
+
+def test_the_table_names_the_variants_decoded_with_re_drafting(tmp_path, monkeypatch):
+    """model.redraft_prob > 0 sets the drafter's redraft, so that variant alone is evaluated re-drafting: its tau is
+    another decoder's, and the table must say whose."""
+    import training.ablate
+
+    def fake_train(argv: list[str]) -> int:
+        fake_run(argv, {"lookup": 0, "corpus": False, "redraft": 4 if argv[-1].startswith("--model.redraft") else 0})
+        return 0
+
+    monkeypatch.setattr(training.ablate, "train_main", fake_train)
+    assert main(["--recipe", "tiny", "--steps", "3", "--output-root", str(tmp_path), "--variant", "plain=",
+                 "--variant", "rd=--model.redraft_prob=0.5"]) == 0
+    table = next(tmp_path.glob("tiny/ablate-*.md")).read_text()
+    assert "rd decoded with re-drafting behind 4 depth-1 tokens" in table and "plain decoded" not in table
+    results = json.loads(next(tmp_path.glob("tiny/ablate-*.json")).read_text())
+    assert [r["decoded_with"] for r in results] == [{}, {"redraft": 4}]

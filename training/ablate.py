@@ -25,7 +25,8 @@ Equal terms:
   so where they differ; whole stores (make features FORCE=1 ARGS=--data.store_max_minutes=null, per store kind) or
   online features (--data.feature_store=null) put every variant on all of it;
 - "launch min" is each variant's whole launch, set-up included: the first variant to need a store builds it.
-A variant that stops (a diverged loss, say) is a row saying so; the others still run and the table is written.
+A variant that stops (a diverged loss, say), or ends with no evaluation (no step trained), is a row saying so; the
+others still run, the table is written, and the exit status is not 0.
 
 The table (printed, and written with a plot to <output-root>/<recipe>/ablate-<stamp>.{md,png}):
 validation loss (the published decayed cross-entropy, whatever the variant trains on), per-depth
@@ -144,9 +145,10 @@ def read_data_record(run_dir: Path) -> dict:
         return {}
 
 
-def stopped_variant(name: str, run_dir: Path, seconds: float, status: int) -> dict:
-    """The table's row for a variant whose training stopped with `status`: nothing measured."""
-    return {"variant": name, "run": str(run_dir), "stopped": status, "step": None, "run_minutes": seconds / 60,
+def stopped_variant(name: str, run_dir: Path, seconds: float, status: int, why: str = "stopped") -> dict:
+    """The table's row for a variant whose training stopped with `status`, or ended with no evaluation: nothing
+    measured."""
+    return {"variant": name, "run": str(run_dir), "stopped": status, "why": why, "step": None, "run_minutes": seconds / 60,
             "val_loss": None, "accuracy": [], "recall": [], "tau": {}, "expected_tau": {}, "chain_tau": None,
             "chain_expected_tau": None, "decoded_with": {}}
 
@@ -188,7 +190,8 @@ def markdown_table(results: list[dict]) -> str:
     fmt = lambda values: " ".join("-" if v is None else f"{v:.2f}" for v in values)  # noqa: E731
     for r in results:
         if r.get("stopped") is not None:
-            cells = [r["variant"], f"stopped (exit status {r['stopped']}): nothing measured", f"{r['run_minutes']:.1f}",
+            cells = [r["variant"], f"{r.get('why', 'stopped')} (exit status {r['stopped']}): nothing measured",
+                     f"{r['run_minutes']:.1f}",
                      *["-"] * (len(head) - 3)]
             lines.append("| " + " | ".join(cells) + " |")
             continue
@@ -308,7 +311,12 @@ def main(argv: list[str] | None = None) -> int:
             results.append(stopped_variant(name, root / run, time.perf_counter() - started, status))
             failed = failed or status
             continue
-        results.append(summarize_variant(name, root / run, time.perf_counter() - started))
+        try:
+            results.append(summarize_variant(name, root / run, time.perf_counter() - started))
+        except DDTreeError as error:  # exited 0 with nothing measured (no steps to train, say): a hole, not the end
+            print(f"[ablate] {name}: {error}; going on with the other variants", file=sys.stderr)
+            results.append(stopped_variant(name, root / run, time.perf_counter() - started, status, "no evaluation"))
+            failed = failed or 1
 
     table = markdown_table(results)
     print(table)
@@ -317,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     with atomic_file(root / f"ablate-{stamp}.png", "wb") as handle:
         plot(results).savefig(handle, format="png", dpi=110)
     print(f"[ablate] table, results and plot: {root / f'ablate-{stamp}'}.{{md,json,png}}")
-    return failed  # the first stopped variant's status: a comparison with a hole is not a clean exit
+    return failed  # the first stopped variant's status (1 for one with no evaluation): a comparison with a hole is not
+    # a clean exit
 
 
 if __name__ == "__main__":

@@ -192,3 +192,26 @@ def test_the_table_names_the_variants_decoded_with_re_drafting(tmp_path, monkeyp
     assert "rd decoded with re-drafting behind 4 depth-1 tokens" in table and "plain decoded" not in table
     results = json.loads(next(tmp_path.glob("tiny/ablate-*.json")).read_text())
     assert [r["decoded_with"] for r in results] == [{}, {"redraft": 4}]
+
+
+def test_a_variant_that_exits_0_with_no_evaluation_is_a_row_and_the_others_are_still_tabulated(tmp_path, monkeypatch,
+                                                                                               capsys):
+    """--trainer.limit_train_batches=0 trains no step and writes no evaluation, yet exits 0: the variants trained
+    before it used to get no table, json or plot."""
+    import training.ablate
+
+    def fake_train(argv: list[str]) -> int:
+        if not argv[-1].startswith("--trainer.limit_train_batches"):
+            fake_run(argv, {})
+        return 0
+
+    monkeypatch.setattr(training.ablate, "train_main", fake_train)
+    assert main(["--recipe", "tiny", "--steps", "3", "--output-root", str(tmp_path), "--variant", "a=",
+                 "--variant", "z=--trainer.limit_train_batches=0", "--variant", "c="]) == 1
+    assert "[ablate] z: " in capsys.readouterr().err
+    table = next(tmp_path.glob("tiny/ablate-*.md")).read_text()
+    assert "| z | no evaluation (exit status 0): nothing measured |" in table
+    assert "| a | 3 |" in table and "| c | 3 |" in table
+    results = json.loads(next(tmp_path.glob("tiny/ablate-*.json")).read_text())
+    assert [r["variant"] for r in results] == ["a", "z", "c"] and results[1]["tau"] == {}
+    assert next(tmp_path.glob("tiny/ablate-*.png")).stat().st_size > 0

@@ -9,7 +9,8 @@ Each setting is ANCHORSxLAYERSxBLOCK. For each, the script times (median of --re
 (all layers, no LM head) and one training step of DistillModule (target features, drafter forward +
 backward, AdamW step) under bf16 autocast, and prints the ratio and the target tokens per second;
 then the same step from precomputed features (offline mode, training/features.py: no target
-forward), and its tokens per second. On CUDA the times come from CUDA events and each line adds the
+forward; with distillation the batch also carries the teacher a store keeps, the target's top
+model.distill_top_k or its final hidden states), and its tokens per second. On CUDA the times come from CUDA events and each line adds the
 peak GPU memory of the step. The batch is random tokens with the first 60 positions of each
 sequence marked as prompt, the rest as reply.
 
@@ -39,6 +40,7 @@ from ddtree.errors import DDTreeError, command
 
 from . import target as target_loading
 from .flops import RANDOM_TARGETS, recipe_settings, recipe_step_flops
+from .loss import next_token_top_k
 from .module import DistillModule
 from .target import target_layer_features
 
@@ -113,6 +115,22 @@ def build_module(settings: dict, random_target: bool, device: torch.device) -> D
     return module.to(device)
 
 
+def store_batch(module: DistillModule, batch: dict) -> dict:
+    """`batch` as a feature store serves it (training/feature_store.py shard_tensors): the target's features, and
+    with distillation the teacher the store keeps, the target's top model.distill_top_k after each token ((B, T, k)
+    ids and log-probabilities), or its final hidden states (B, T, H) when distill_top_k is 0."""
+    distill = module.hparams.distill_weight > 0
+    with torch.no_grad():
+        features = target_layer_features(module.target, batch["input_ids"], module.target_layer_ids, final_hidden=distill)
+    if not distill:
+        return {**batch, "features": features}
+    features, final = features  # (B, T, K*H), (B, T, H)
+    if not module.hparams.distill_top_k:
+        return {**batch, "features": features, "final_hidden": final}
+    ids, log_probs = next_token_top_k(final, module.target.get_output_embeddings(), module.hparams.distill_top_k)
+    return {**batch, "features": features, "teacher_ids": ids, "teacher_log_probs": log_probs}
+
+
 def gigabytes(size: int | None) -> str:
     return "" if size is None else f", peak {size / 2**30:.1f} GiB"
 
@@ -177,9 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-        with torch.no_grad():
-            features = target_layer_features(module.target, input_ids, module.target_layer_ids)
-        offline_batch = {**batch, "features": features}  # the step then skips the target, as from a store
+        offline_batch = store_batch(module, batch)  # the step then skips the target, as from a store
 
         target_seconds, _ = time_call(target_forward, args.repeats, args.warmup, device)
         print(f"{label:>10}: target forward timed; the full step next (its warm-up compiles)", flush=True)

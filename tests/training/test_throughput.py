@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import training.train
-from training.throughput import FIRST_TOKEN, RANDOM_TARGETS, batch_token_ids, build_module, main, recipe_settings
+from training.throughput import (FIRST_TOKEN, RANDOM_TARGETS, batch_token_ids, build_module, main, recipe_settings,
+                                 store_batch)
 
 TINY = ["--target", "tiny-random", "--settings", "4x1x4", "--length", "80", "--repeats", "1", "--threads", "1"]
 
@@ -44,6 +45,25 @@ def test_a_draft_vocabulary_is_timed_at_its_size_without_training_data():
     with torch.autocast("cpu", dtype=torch.bfloat16):  # as the tool steps it (its target is in bf16)
         output = module.shared_step({"input_ids": input_ids, "loss_mask": loss_mask}, 0, "train")
     assert torch.isfinite(output.loss) and output.loss > 0  # every label is in the vocabulary, so counted
+
+
+@pytest.mark.parametrize("top_k", [0, 8])
+def test_the_offline_step_of_a_distilling_recipe_reads_the_teacher_a_store_keeps(top_k):
+    """`--recipe smollm2-135m` (distill_weight 0.5, distill_top_k 32) stopped with KeyError 'teacher_ids': the offline
+    batch held the features alone. From the store's teacher the step's loss is the online step's."""
+    settings = dict(target="tiny-random", num_anchors=4, num_layers=1, block_size=4, gamma=4.0, distill_weight=0.5,
+                    distill_top_k=top_k)
+    module = build_module(settings, random_target=False, device=torch.device("cpu"))
+    input_ids = torch.randint(FIRST_TOKEN, 900, (2, 40), generator=torch.Generator().manual_seed(0))
+    loss_mask = torch.ones_like(input_ids, dtype=torch.bool)
+    loss_mask[:, :8] = False
+    batch = {"input_ids": input_ids, "loss_mask": loss_mask}
+    offline = store_batch(module, batch)
+    assert ("teacher_ids" in offline) == bool(top_k) and ("final_hidden" in offline) == (not top_k)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # as the tool steps it
+        online_loss = module.shared_step(batch, 0, "train").loss
+        offline_loss = module.shared_step(offline, 0, "train").loss
+    assert torch.isfinite(offline_loss) and offline_loss.item() == pytest.approx(online_loss.item(), rel=1e-3)
 
 
 def test_case_b_is_qwen3_8b_at_the_recipe_settings():

@@ -233,6 +233,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise DDTreeError(f"{flag} {value}: give at least {least}")
     settings, max_length, _ = recipe_settings(args.recipe)
     length = args.length or max_length
+    if length <= PROMPT_TOKENS + 2:  # no reply to anchor in: the counts would be of blocks that cannot exist
+        given = f"--length {length}" if args.length else f"{args.recipe}'s data.max_length {length}"
+        raise DDTreeError(f"{given} leaves no reply after the {PROMPT_TOKENS}-token prompt the count assumes; give "
+                          f"--length more than {PROMPT_TOKENS + 2}")
     config = target_config_for(settings["target"])
     vocab = config.get_text_config().vocab_size
     head = settings.get("draft_vocab_size") or vocab

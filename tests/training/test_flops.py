@@ -93,6 +93,8 @@ def test_the_published_settings_put_the_step_above_two_target_forwards(capsys):
 
 @pytest.mark.parametrize("flags, said", [
     (["--length", "0"], "--length 0: give at least 2"),
+    (["--length", "62"], "--length 62 leaves no reply after the 60-token prompt the count assumes; give --length more "
+                         "than 62"),  # at 10 the step was counted at 177 target forwards
     (["--anchors", "-4"], "--anchors -4: give at least 1"),
     (["--draft-vocab", "0"], "--draft-vocab 0: give at least 1"),
     (["--draft-vocab", "200000"], "--draft-vocab 200000: the target's vocabulary holds 151936 tokens; give at most that"),

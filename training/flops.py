@@ -16,6 +16,9 @@ measured ratio. Counted, per sequence of `length` tokens:
   block size), attention over the keys each query sees (its anchor's context and its own block), and
   the frozen LM head over the drafted rows, those with a label (anchors x (block size - 1)), through
   the draft vocabulary's rows where the drafter has one.
+- online distillation (model.distill_weight > 0): the whole target runs (its final hidden states are the
+  teacher), and the teacher's LM head: with model.distill_top_k the target's own, full vocabulary, over every block
+  row; else the drafter's over the labelled rows, inside the loss (so again in backward where the loss is chunked).
 - the backward: twice the forward for every trainable matmul (the input's gradient and the weight's),
   once for fc, which reads the detached target features (the weight's gradient only), and for the
   frozen LM head (the input's gradient only), whose forward is run again where the loss is chunked
@@ -124,8 +127,9 @@ class StepFlops:
     blocks: float  # every layer's block projections and MLP
     attention: float  # block queries against the keys they see
     head: float  # the LM head over the block rows
-    backward: float  # everything the drafter's backward computes
+    backward: float  # everything the drafter's backward computes (and the teacher's head recomputed in it)
     full_target: float  # a forward through every target layer (throughput's "target forward")
+    teacher: float = 0.0  # online distillation: the teacher's LM head over the block rows (no gradient)
 
     @property
     def drafter_forward(self) -> float:
@@ -133,7 +137,7 @@ class StepFlops:
 
     @property
     def total(self) -> float:
-        return self.target + self.drafter_forward + self.backward
+        return self.target + self.drafter_forward + self.teacher + self.backward
 
     @property
     def ratio(self) -> float:
@@ -157,6 +161,9 @@ def step_flops(
     keys_per_query: float,  # mean keys a block query attends (mean_keys_per_query, or counted from a mask)
     loss_chunked: bool = False,  # model.loss_chunk_size set: the LM head's forward is recomputed in backward
     target_causal: bool = True,
+    teacher_rows: int = 0,  # online distillation: rows through the teacher's LM head per block (0: none)
+    teacher_vocab: int = 0,  # the rows of that LM head
+    teacher_recomputed: bool = False,  # the teacher's head runs inside the chunked loss, so again in backward
 ) -> StepFlops:
     rows = blocks * block_size
     fc = 2 * width * feature_layers * target.hidden * drafter.hidden
@@ -167,11 +174,13 @@ def step_flops(
     blocks_flops = drafter_layers * (block_qo + block_kv + block_mlp)
     attention = drafter_layers * drafter.attention(rows, keys_per_query)
     head = 2 * blocks * (block_size - 1) * drafter.hidden * head_rows  # the anchor's own row has no label
-    backward = fc + 2 * context_kv + 2 * blocks_flops + 2 * attention + (2 if loss_chunked else 1) * head
+    teacher = 2 * blocks * teacher_rows * target.hidden * teacher_vocab
+    backward = (fc + 2 * context_kv + 2 * blocks_flops + 2 * attention + (2 if loss_chunked else 1) * head
+                + (teacher if teacher_recomputed else 0))
     return StepFlops(
         target=target_forward_flops(target, length, read_depth, target_causal),
         context=fc + context_kv, blocks=blocks_flops, attention=attention, head=head, backward=backward,
-        full_target=target_forward_flops(target, length, target_layers, target_causal),
+        full_target=target_forward_flops(target, length, target_layers, target_causal), teacher=teacher,
     )
 
 
@@ -187,13 +196,21 @@ def recipe_step_flops(target_config, settings: dict, length: int, cuda: bool = T
     widths = Widths.of(text)
     layer_ids = settings.get("target_layer_ids") or default_target_layer_ids(text.num_hidden_layers)
     block_size = settings.get("block_size", 16)
+    head_rows = draft_vocab or settings.get("draft_vocab_size") or text.vocab_size
+    loss_chunked = bool(settings.get("loss_chunk_size"))
+    # Online distillation runs the whole target (its final hidden states are the teacher) and the teacher's LM head:
+    # with distill_top_k the target's own over every block row (next_token_top_k), else the drafter's over the
+    # labelled rows, inside the loss (so again in backward where the loss is chunked).
+    distill, top_k = (settings.get("distill_weight") or 0) > 0, settings.get("distill_top_k") or 0
     return step_flops(
         widths, widths, length=length, width=flex_width(length) if cuda else length,
         blocks=anchors or settings["num_anchors"], block_size=block_size,
-        drafter_layers=settings["num_layers"], feature_layers=len(layer_ids), read_depth=max(layer_ids) + 1,
-        target_layers=text.num_hidden_layers,
-        head_rows=draft_vocab or settings.get("draft_vocab_size") or text.vocab_size,
-        keys_per_query=mean_keys_per_query(length, block_size), loss_chunked=bool(settings.get("loss_chunk_size")),
+        drafter_layers=settings["num_layers"], feature_layers=len(layer_ids),
+        read_depth=text.num_hidden_layers if distill else max(layer_ids) + 1,
+        target_layers=text.num_hidden_layers, head_rows=head_rows,
+        keys_per_query=mean_keys_per_query(length, block_size), loss_chunked=loss_chunked,
+        teacher_rows=(block_size if top_k else block_size - 1) if distill else 0,
+        teacher_vocab=text.vocab_size if top_k else head_rows, teacher_recomputed=distill and not top_k and loss_chunked,
     )
 
 
@@ -201,11 +218,12 @@ def table(rows: list[tuple[str, StepFlops]]) -> str:
     """A markdown table of FLOPs per sequence by part (in TFLOPs, or GFLOPs for small models), and the ratio floor."""
     scale, unit = (1e12, "TFLOPs") if max(f.total for _, f in rows) >= 1e12 else (1e9, "GFLOPs")
     lines = [f"| case ({unit} per sequence) | target read | drafter forward (context / blocks / attention / head) | "
-             "backward | step | full target forward | step / target |", "|---|---:|---|---:|---:|---:|---:|"]
+             "teacher head | backward | step | full target forward | step / target |",
+             "|---|---:|---|---:|---:|---:|---:|---:|"]
     for name, f in rows:
         n = lambda x: f"{x / scale:.2f}"  # noqa: E731
         lines.append(f"| {name} | {n(f.target)} | {n(f.drafter_forward)} ({n(f.context)} / {n(f.blocks)} / "
-                     f"{n(f.attention)} / {n(f.head)}) | {n(f.backward)} | {n(f.total)} | {n(f.full_target)} | "
+                     f"{n(f.attention)} / {n(f.head)}) | {n(f.teacher)} | {n(f.backward)} | {n(f.total)} | {n(f.full_target)} | "
                      f"{f.ratio:.2f} |")
     return "\n".join(lines)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from training.flops import Widths, main, mean_keys_per_query, step_flops
+from training.flops import Widths, main, mean_keys_per_query, recipe_step_flops, step_flops
 from training.masks import dense_block_mask, sample_anchors
 from training.module import DistillModule
 from training.target import target_layer_features
@@ -69,6 +69,28 @@ def test_the_step_matmuls_are_what_the_model_counts(draft_vocab_size, loss_chunk
     drafter_forward = forward_counted - target_counted  # the step runs the same target forward first
     assert drafter_forward == pytest.approx(sequences * model.drafter_forward, rel=5e-3)
     assert backward_counted == pytest.approx(sequences * model.backward, rel=5e-3)
+
+
+@pytest.mark.parametrize("distill", [dict(distill_weight=0.5), dict(distill_weight=0.5, loss_chunk_size=8),
+                                     dict(distill_weight=0.5, distill_top_k=8)])
+def test_online_distillation_counts_the_whole_target_and_the_teachers_head(distill):
+    """With distill_weight > 0 the step runs every target layer (the final hidden states are the teacher) and the
+    teacher's LM head: the model had counted neither (the counter found 1.45x and 1.60x of it)."""
+    torch.manual_seed(0)
+    module = tiny_module(**distill)
+    step_batch = batch(length=40)
+    sequences, length = step_batch["input_ids"].shape
+    forward = {}
+    forward_counted = counted(lambda: forward.setdefault("loss", module.shared_step(step_batch, 0, "train").loss))
+    backward_counted = counted(lambda: forward["loss"].backward())
+
+    settings = dict(target="tiny-random", num_layers=2, block_size=4, target_layer_ids=LAYER_IDS, num_anchors=5, **distill)
+    target_config = module.target.config
+    model = recipe_step_flops(target_config, settings, length, cuda=False)
+    # the CPU counter sees no SDPA attention: the target's and the drafter's (forward, and twice in backward) apart
+    target_attention = target_config.num_hidden_layers * Widths.of(target_config).attention(length, (length + 1) / 2)
+    matmuls = model.total - target_attention - 3 * model.attention
+    assert forward_counted + backward_counted == pytest.approx(sequences * matmuls, rel=0.02)
 
 
 def test_the_mean_key_count_is_the_training_masks():

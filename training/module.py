@@ -245,6 +245,10 @@ class DistillModule(L.LightningModule):
             self._check_matches_folder(drafter.config)
             # replayed, or fitted, for the folder's weights, not for these once trained
             drafter.config.calibration = drafter.config.draft_temperatures = None
+            # trained from here against this run's target (check_drafter_fits checked it fits): the folder's own
+            # record named the target it was trained for, which export, card and engine checks would then read
+            drafter.config.target_name_or_path = hp.target
+            drafter.config.num_target_layers = model.config.get_text_config().num_hidden_layers
         else:
             config = build_drafter_config(
                 model, tokenizer, hp.target,

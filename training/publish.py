@@ -83,6 +83,29 @@ def check_loads_back(folder: Path, drafter: DFlashDraftModel) -> None:
         raise DDTreeError("the export loads with AutoModel but its weights differ from the checkpoint's")
 
 
+def record_trained_target(drafter: DFlashDraftModel, target: str | None, path: Path) -> None:
+    """Make the drafter's config name the target the run trained it against (its hyper-parameters' model.target).
+
+    A drafter warm-started (model.init_from) before the warm start took the run's target kept the folder's target name
+    and depth; it fitted the run's target (check_drafter_fits), so the name and depth are taken from the run's target.
+    One that does not fit it (read here; when it cannot be, nothing is compared) is not that run's drafter.
+    """
+    recorded = drafter.config.target_name_or_path
+    if target is None or recorded == target:
+        return
+    facts = target_facts(target, drafter.config.to_dict())
+    if facts.hidden_size is not None:
+        layers = facts.num_hidden_layers
+        if drafter.config.hidden_size != facts.hidden_size or max(drafter.config.target_layer_ids) >= layers:
+            raise DDTreeError(
+                f"CKPT {path}: its drafter (hidden size {drafter.config.hidden_size}, target layers "
+                f"{drafter.config.target_layer_ids}, built for {recorded!r}) does not fit the run's model.target "
+                f"{target!r} (hidden size {facts.hidden_size}, {layers} layers): give a checkpoint of a run trained "
+                f"against {target!r}")
+        drafter.config.num_target_layers = layers
+    drafter.config.target_name_or_path = target
+
+
 def same_measurement(checkpoint: Checkpoint, evaluation: dict) -> bool:
     """Whether the checkpoint's own training-time record of its step holds the acceptance `evaluation` reports."""
     recorded = recorded_evaluation(checkpoint)
@@ -100,7 +123,8 @@ def export_folder(
     run_config = read_run_config(run_dir)
     checkpoint = load_checkpoint(path)
     drafter = checkpoint.drafter.to(parse_dtype(dtype, "--dtype")).eval()
-    target = drafter.config.target_name_or_path or checkpoint.hyper_parameters.get("target")
+    target = checkpoint.hyper_parameters.get("target") or drafter.config.target_name_or_path
+    record_trained_target(drafter, target, path)
     base_model = target_hub_id(target, base_model)
     evaluation = read_evaluation(run_dir, checkpoint.step, path.stem)
     if evaluation is not None and run_folder_of(path) is None and not same_measurement(checkpoint, evaluation):

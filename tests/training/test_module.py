@@ -7,6 +7,7 @@ Everything runs on the tiny random target (6 layers, hidden 64) on CPU in fp32.
 
 from __future__ import annotations
 
+import json
 import math
 
 import lightning as L
@@ -740,6 +741,18 @@ def test_a_warm_start_leaves_the_folders_calibrations_behind(module, tmp_path):
     assert DFlashDraftModel.from_pretrained(folder).config.draft_temperatures  # the folder holds both
     warm = tiny_module(init_from=str(folder), target_layer_ids=None, num_layers=None, block_size=None)
     assert warm.drafter.config.calibration is None and warm.drafter.config.draft_temperatures is None
+
+
+def test_a_warm_start_records_this_runs_target_not_the_folders(module, tmp_path):
+    """A drafter warm-started from another target's export (same hidden size and vocabulary) is trained against this
+    run's target: its config kept the folder's target and depth, so export, card and engine checks named the wrong one."""
+    folder = export_drafter(module, tmp_path / "base")
+    config = json.loads((folder / "config.json").read_text())
+    config.update(target_name_or_path="someone/other-target", num_target_layers=12)
+    (folder / "config.json").write_text(json.dumps(config))
+    warm = tiny_module(init_from=str(folder), target_layer_ids=None, num_layers=None, block_size=None)
+    assert warm.drafter.config.target_name_or_path == "tiny-random"
+    assert warm.drafter.config.num_target_layers == warm.target.config.num_hidden_layers == 6
 
 
 def test_a_resume_names_what_changed_its_draft_vocabulary_or_split(module):

@@ -993,3 +993,36 @@ def test_the_card_says_whose_replies_the_data_holds_as_the_data_says_it(run_dir,
     assert "written by the target itself" not in card
     assert "written by the target itself" in data_provenance("data/smollm2-135m", "smollm2-135m")  # the shipped data
     assert "written by `smollm2-135m`" in data_provenance("data/smollm2-135m", "tiny-random")  # the tiny recipe's
+
+
+def test_a_warm_started_run_is_exported_for_the_target_it_trained_against(run_dir, tmp_path, capsys):
+    """A run warm-started (model.init_from) from another target's export kept that folder's target name and depth in
+    its drafter config (fixed in training/module.py): the export, its card and the engine checks named that target."""
+    from ddtree.targets import resolve_target
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run, symlinks=True)
+    tiny_config = json.loads((Path(resolve_target("tiny-random")) / "config.json").read_text())
+    other = tmp_path / "other-target"  # the warm start's target: same width, twice as deep
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({**tiny_config, "num_hidden_layers": 12}))
+    checkpoint = run / "checkpoints" / "last.ckpt"
+    saved = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    saved["drafter_config"].update(target_name_or_path=str(other), num_target_layers=12)
+    torch.save(saved, checkpoint)
+    assert export(run, tmp_path / "out", "--ckpt", "last") == 0
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["target_name_or_path"] == "tiny-random" and config["num_target_layers"] == 6
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "| target (frozen) | `tiny-random` |" in card and str(other) not in card
+
+    # A drafter that does not fit the run's target is not that run's: one line, nothing written.
+    (other / "config.json").write_text(json.dumps({**tiny_config, "hidden_size": 2 * tiny_config["hidden_size"]}))
+    saved["hyper_parameters"]["target"] = str(other)
+    saved["drafter_config"]["target_name_or_path"] = "tiny-random"
+    torch.save(saved, checkpoint)
+    assert export(run, tmp_path / "refused", "--ckpt", "last") == 2
+    line = one_error_line(capsys)
+    assert line.startswith(f"error: CKPT {checkpoint}: its drafter (hidden size 64,") and (
+        f"does not fit the run's model.target '{other}' (hidden size 128, 6 layers)") in line, line
+    assert not (tmp_path / "refused").exists()

@@ -35,6 +35,7 @@ from ddtree.files import read_yaml_mapping
 
 from .engines import SGLANG, VLLM, serve_commands
 from .report import objective_description
+from .target import dtype_for_precision
 
 TAGS = ["dflash", "ddtree", "speculative-decoding", "draft-model", "block-diffusion"]
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -230,10 +231,32 @@ def evaluation_section(facts: CardFacts) -> list[str]:
                       f"decode with `{' '.join(overridden)}` to reproduce these figures."]
     elif extras:
         lines += ["", f"Decoded as `ddtree` decodes this drafter unless told otherwise (its config and files): {'; '.join(extras)}."]
-    precision = (facts.run_config.get("trainer") or {}).get("precision")
-    if precision is not None:
-        lines += ["", f"The target ran in the training precision (`{precision}`) during this evaluation."]
+    measured = measured_dtype(facts)
+    if measured is not None:
+        dtype, source = measured
+        lines += ["", f"The target, and the drafter with it, ran in `{dtype}` ({source}) during this evaluation."]
+        if dtype != facts.dtype:
+            lines[-1] += (f" These weights are stored in `{facts.dtype}` (the export's `--dtype`), not the `{dtype}` "
+                          "the figures were measured in: decoded as stored, the drafter may accept slightly differently.")
     return lines + [""]
+
+
+def measured_dtype(facts: CardFacts) -> tuple[str, str] | None:
+    """(dtype, where it comes from) of the evaluation's target: `make eval` records it (settings.dtype); training's
+    is model.target_dtype, else the one trainer.precision gives (DistillModule.configure_model). None if not known."""
+    recorded = facts.evaluation["settings"].get("dtype")
+    if recorded is not None:
+        return str(recorded).removeprefix("torch."), "as `make eval` recorded it"
+    target_dtype = facts.hyper_parameters.get("target_dtype") or "auto"
+    precision = (facts.run_config.get("trainer") or {}).get("precision")
+    if target_dtype == "auto" and precision is None:
+        return None  # no config.yaml: the training precision is not known
+    try:
+        dtype = dtype_for_precision(precision, target_dtype)
+    except DDTreeError:
+        return None
+    source = f"`model.target_dtype: {target_dtype}`" if target_dtype != "auto" else f"the training precision `{precision}`"
+    return str(dtype).removeprefix("torch."), source
 
 
 def data_provenance(data_path: str | None, target: str) -> str:

@@ -1026,3 +1026,35 @@ def test_a_warm_started_run_is_exported_for_the_target_it_trained_against(run_di
     assert line.startswith(f"error: CKPT {checkpoint}: its drafter (hidden size 64,") and (
         f"does not fit the run's model.target '{other}' (hidden size 128, 6 layers)") in line, line
     assert not (tmp_path / "refused").exists()
+
+
+def test_card_names_the_dtype_the_figures_were_measured_in_and_an_export_in_another(run_dir, tmp_path):
+    """The card said the target ran in the training precision, whatever model.target_dtype or `make eval` ran it in."""
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run, symlinks=True)
+    assert export(run, tmp_path / "fp32", "--ckpt", "last") == 0
+    card = (tmp_path / "fp32" / "README.md").read_text()
+    assert "ran in `float32` (the training precision `32`) during this evaluation." in card
+    assert "These weights are stored in" not in card
+    assert export(run, tmp_path / "bf16", "--ckpt", "last", "--dtype", "bfloat16") == 0
+    assert ("These weights are stored in `bfloat16` (the export's `--dtype`), not the `float32` the figures were "
+            "measured in") in (tmp_path / "bf16" / "README.md").read_text()
+
+    checkpoint = run / "checkpoints" / "last.ckpt"
+    saved = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    saved["hyper_parameters"]["target_dtype"] = "bfloat16"
+    torch.save(saved, checkpoint)
+    assert export(run, tmp_path / "target-dtype", "--ckpt", "last") == 0
+    card = (tmp_path / "target-dtype" / "README.md").read_text()
+    assert "ran in `bfloat16` (`model.target_dtype: bfloat16`) during this evaluation." in card
+    assert "stored in `float32` (the export's `--dtype`), not the `bfloat16`" in card
+
+    # `make eval`'s record says what it ran in.
+    record = json.loads((run / "eval" / "step-000002.json").read_text())
+    (run / "eval" / "step-000002.json").unlink()
+    record.update(checkpoint=str(checkpoint), settings={**record["settings"], "dtype": "torch.float16"})
+    (run / "eval" / "checkpoint-last.json").write_text(json.dumps(record))
+    assert export(run, tmp_path / "after", "--ckpt", "last") == 0
+    card = (tmp_path / "after" / "README.md").read_text()
+    assert "ran in `float16` (as `make eval` recorded it) during this evaluation." in card
+    assert "not the `float16` the figures were measured in" in card

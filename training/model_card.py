@@ -30,7 +30,7 @@ from pathlib import Path
 from huggingface_hub import ModelCardData
 
 from ddtree.bench import CHAIN, budget_of, tree_key
-from ddtree.errors import DDTreeError
+from ddtree.errors import DDTreeError, error_line
 from ddtree.files import read_yaml_mapping
 
 from .engines import SGLANG, VLLM, serve_commands
@@ -97,8 +97,8 @@ def read_evaluation(run_dir: Path, step: int, checkpoint_name: str | None = None
         return None
     try:
         record = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise DDTreeError(f"{path}: not valid JSON ({error.msg}); re-run the evaluation of step {step}") from None
+    except ValueError as error:  # not JSON, or not even UTF-8 text (UnicodeDecodeError)
+        raise DDTreeError(f"{path}: not valid JSON ({error_line(error)}); re-run the evaluation of step {step}") from None
     if after_training and isinstance(record, dict) and record.get("step") != step:
         return None  # a measurement of an earlier file under the same name (last.ckpt moves on)
     if not isinstance(record, dict) or record.get("step") != step:
@@ -110,9 +110,27 @@ def read_evaluation(run_dir: Path, step: int, checkpoint_name: str | None = None
     if not isinstance(summary, dict) or CHAIN not in summary:
         raise DDTreeError(f"{path}: summary.{CHAIN} (the chain's acceptance) is missing")
     for key, stats in summary.items():
-        if not isinstance(stats, dict) or not isinstance(stats.get("tau"), (int, float)):
+        if key != CHAIN and not re.fullmatch(r"ddtree@[1-9][0-9]*", key):
+            raise DDTreeError(f"{path}: summary.{key} is not a decoding the card knows ({CHAIN} or ddtree@<node budget>); "
+                              f"re-run the evaluation of step {step}")
+        if not isinstance(stats, dict) or not is_number(stats.get("tau")):
             raise DDTreeError(f"{path}: summary.{key}.tau is missing or not a number")
+        for name in ("expected_tau", "rounds", "new_tokens"):  # null: a NaN as write_json_atomic writes it, shown "-"
+            if not (stats.get(name) is None or is_number(stats[name])):
+                raise DDTreeError(f"{path}: summary.{key}.{name} is {stats[name]!r}, not a number; "
+                                  f"re-run the evaluation of step {step}")
+    if not isinstance(settings["prompts"], str):
+        raise DDTreeError(f"{path}: settings.prompts is {settings['prompts']!r}, not a file name; "
+                          f"re-run the evaluation of step {step}")
+    for name in ("num_prompts", "max_new_tokens", "primary_budget", "block_size", "temperature", "lookup", "redraft"):
+        if not (settings.get(name) is None or is_number(settings[name])):
+            raise DDTreeError(f"{path}: settings.{name} is {settings[name]!r}, not a number; "
+                              f"re-run the evaluation of step {step}")
     return record
+
+
+def is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def read_run_config(run_dir: Path) -> dict:
@@ -205,23 +223,18 @@ def evaluation_section(facts: CardFacts) -> list[str]:
         "| decoding | tau | expected tau | rounds | new tokens |",
         "|---|---:|---:|---:|---:|",
     ]
-    chain = summary[CHAIN]
-    chain_expected = f"{chain['expected_tau']:.3f}" if "expected_tau" in chain else "-"  # absent in older evaluations
-    lines.append(
-        f"| chain (one DFlash block, {block - 1} drafted tokens) | {_format_tau(chain['tau'])} | {chain_expected} "
-        f"| {chain.get('rounds', '-')} | {chain.get('new_tokens', '-')} |"
-    )
     budgets = sorted(budget for budget in map(budget_of, summary) if budget is not None)
+    rows = [(f"chain (one DFlash block, {block - 1} drafted tokens)", summary[CHAIN])]
     for budget in budgets:
-        stats = summary[tree_key(budget)]
         label = f"DDTree, node budget {budget}"
         if settings.get("primary_budget") == budget:
             label += " (checkpoints ranked by this)"
-        expected = f"{stats['expected_tau']:.3f}" if "expected_tau" in stats else "-"
-        lines.append(
-            f"| {label} | {_format_tau(stats['tau'])} | {expected} | {stats.get('rounds', '-')} "
-            f"| {stats.get('new_tokens', '-')} |"
-        )
+        rows.append((label, summary[tree_key(budget)]))
+    for label, stats in rows:
+        # expected_tau is absent in older evaluations, and null where it was NaN
+        expected = "-" if stats.get("expected_tau") is None else f"{stats['expected_tau']:.3f}"
+        rounds, new_tokens = ("-" if stats.get(name) is None else stats[name] for name in ("rounds", "new_tokens"))
+        lines.append(f"| {label} | {_format_tau(stats['tau'])} | {expected} | {rounds} | {new_tokens} |")
     extras = decoded_with(settings)
     defaults = facts.drafter_config.get("dflash_config") or {}  # where the drafter keeps its decoding defaults
     overridden = [f"--{name} {settings.get(name) or 0}" for name in ("lookup", "redraft")

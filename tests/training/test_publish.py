@@ -1058,3 +1058,40 @@ def test_card_names_the_dtype_the_figures_were_measured_in_and_an_export_in_anot
     card = (tmp_path / "after" / "README.md").read_text()
     assert "ran in `float16` (as `make eval` recorded it) during this evaluation." in card
     assert "not the `float16` the figures were measured in" in card
+
+
+@pytest.mark.parametrize("damage, expected", [
+    (lambda record: b"\xff\xfe{garbage", "not valid JSON ('utf-8' codec can't decode byte 0xff"),
+    (lambda record: record["summary"].update({"ddtree@best": {"tau": 2.0}}),
+     "summary.ddtree@best is not a decoding the card knows (dflash or ddtree@<node budget>)"),
+    (lambda record: record["settings"].update(lookup="2"), "settings.lookup is '2', not a number"),
+    (lambda record: record["settings"].update(prompts=None), "settings.prompts is None, not a file name"),
+    (lambda record: record["summary"]["ddtree@4"].update(rounds="many"), "summary.ddtree@4.rounds is 'many', not a number"),
+    (lambda record: record.update(settings=["prompts", "num_prompts"]), "settings.prompts is missing"),
+], ids=["not-utf8", "budget-key", "lookup-text", "prompts-null", "rounds-text", "settings-list"])
+def test_a_damaged_evaluation_record_is_one_line_naming_its_file_and_field(run_dir, tmp_path, damage, expected):
+    """A hand-edited or damaged eval/step-N.json was a traceback (UnicodeDecodeError, ValueError, TypeError) at export."""
+    record = json.loads((run_dir / "eval" / "step-000002.json").read_text())
+    path = tmp_path / "eval" / "step-000002.json"
+    path.parent.mkdir()
+    damaged = damage(record)
+    path.write_bytes(damaged) if isinstance(damaged, bytes) else path.write_text(json.dumps(record))
+    with pytest.raises(DDTreeError) as error:
+        read_evaluation(tmp_path, 2)
+    assert str(error.value).startswith(f"{path}: {expected}") and "\n" not in str(error.value), error.value
+
+
+def test_a_measurement_written_as_null_shows_as_a_dash(run_dir, tmp_path):
+    """write_json_atomic writes NaN as null: an expected tau (or a count) that was NaN is shown as "-"."""
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run, symlinks=True)
+    path = run / "eval" / "step-000002.json"
+    record = json.loads(path.read_text())
+    record["summary"]["dflash"]["expected_tau"] = None
+    record["summary"]["ddtree@4"].update(expected_tau=None, rounds=None)
+    path.write_text(json.dumps(record))
+    assert export(run, tmp_path / "out", "--ckpt", "last") == 0
+    card = (tmp_path / "out" / "README.md").read_text()
+    chain, tree = record["summary"]["dflash"], record["summary"]["ddtree@4"]
+    assert f"| chain (one DFlash block, 7 drafted tokens) | {chain['tau']:.3f} | - | {chain['rounds']} |" in card
+    assert f"| DDTree, node budget 4 (checkpoints ranked by this) | {tree['tau']:.3f} | - | - |" in card

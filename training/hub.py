@@ -77,6 +77,16 @@ def check_export_folder(folder: Path, repo: str) -> None:
         raise DDTreeError(
             f"--push-only {folder}: not a finished export (missing {', '.join(missing)}); export it first"
         )
+    # upload_folder sends every file but these (huggingface_hub's default ignore patterns), and the next push would
+    # then refuse the repo for holding them (check_repo_holds_an_export)
+    ignored = (".git", ".cache/huggingface")
+    files = (path.relative_to(folder).as_posix() for path in folder.rglob("*") if path.is_file())
+    foreign = sorted(name for name in files if name not in EXPORT_NAMES
+                     and not any(name == top or name.startswith(top + "/") for top in ignored))
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise DDTreeError(f"--push-only {folder}: holds files no drafter export writes ({shown}), which the push would "
+                          "upload as the drafter's; move them out of the folder")
     try:
         config = json.loads((folder / "config.json").read_text())
         shapes = weight_shapes(folder)

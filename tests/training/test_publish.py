@@ -1095,3 +1095,23 @@ def test_a_measurement_written_as_null_shows_as_a_dash(run_dir, tmp_path):
     chain, tree = record["summary"]["dflash"], record["summary"]["ddtree@4"]
     assert f"| chain (one DFlash block, 7 drafted tokens) | {chain['tau']:.3f} | - | {chain['rounds']} |" in card
     assert f"| DDTree, node budget 4 (checkpoints ranked by this) | {tree['tau']:.3f} | - | - |" in card
+
+
+def test_push_only_refuses_a_folder_holding_files_no_export_writes(run_dir, tmp_path, hub, capsys):
+    """They went up as the drafter's, and the next push was refused for the repo holding them."""
+    out = tmp_path / "export"
+    assert export(run_dir, out, "--ckpt", "last", "--repo", "tester/extra") == 0
+    (out / "bench-results.json").write_text("{}")
+    (out / "scratch").mkdir()
+    (out / "scratch" / "notes.txt").write_text("notes")
+    (out / ".cache" / "huggingface").mkdir(parents=True)  # hf download's own, which upload_folder leaves out
+    (out / ".cache" / "huggingface" / "download.lock").write_text("")
+    assert publish.main(["--push-only", str(out), "--repo", "tester/extra"]) == 2
+    assert one_error_line(capsys) == (
+        f"error: --push-only {out}: holds files no drafter export writes (bench-results.json, scratch/notes.txt), "
+        "which the push would upload as the drafter's; move them out of the folder")
+    assert "tester/extra" not in StandInHub.repos  # nothing created, nothing uploaded
+    (out / "bench-results.json").unlink()
+    shutil.rmtree(out / "scratch")
+    assert publish.main(["--push-only", str(out), "--repo", "tester/extra"]) == 0
+    assert set(StandInHub.repos["tester/extra"]) == {p.name for p in out.iterdir() if p.is_file()}

@@ -240,10 +240,13 @@ def test_every_rule_of_each_engine_can_fail():
 # ----------------------------------------------------------------------------- make export refuses what an engine would
 
 
-def tampered_run(run: Path, tmp_path: Path, change) -> Path:
-    """A copy of the run whose checkpoint's drafter config went through `change`."""
+def tampered_run(run: Path, tmp_path: Path, change, target: str | None = None) -> Path:
+    """A copy of the run whose checkpoint's drafter config went through `change`; with `target`, a run that trained
+    against that target (its model.target and its drafter's record both name it: export reads the run's)."""
     checkpoint = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
     change(checkpoint["drafter_config"])
+    if target is not None:
+        checkpoint["drafter_config"]["target_name_or_path"] = checkpoint["hyper_parameters"]["target"] = target
     copy_of_run = tmp_path / "run"
     (copy_of_run / "checkpoints").mkdir(parents=True)
     torch.save(checkpoint, copy_of_run / "checkpoints" / "last.ckpt")
@@ -261,7 +264,7 @@ def test_an_export_for_a_target_of_another_width_is_refused_unless_allowed(run, 
     wider.mkdir()
     (wider / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 128, "num_hidden_layers": 6,
                                                    "vocab_size": 49152}))
-    tampered = tampered_run(run, tmp_path, lambda config: config.update(target_name_or_path=str(wider)))
+    tampered = tampered_run(run, tmp_path, lambda config: None, target=str(wider))
     out = tmp_path / "export"
     assert publish.main([str(tampered), "--out", str(out), "--ckpt", "last"]) == 2
     line = one_error_line(capsys)
@@ -286,7 +289,7 @@ def test_an_export_with_a_mask_id_outside_the_targets_vocabulary_is_refused(run,
 def test_a_target_that_cannot_be_read_is_stood_in_for_by_the_drafters_record(run, tmp_path, capsys):
     unreadable = tmp_path / "moved-target"
     unreadable.mkdir()  # a folder without config.json: the target the run named is gone
-    tampered = tampered_run(run, tmp_path, lambda config: config.update(target_name_or_path=str(unreadable)))
+    tampered = tampered_run(run, tmp_path, lambda config: None, target=str(unreadable))
     assert publish.main([str(tampered), "--out", str(tmp_path / "export"), "--ckpt", "last"]) == 0
     assert "engine rules were checked against the drafter's own record" in capsys.readouterr().err
     config = json.loads((tmp_path / "export" / "config.json").read_text())

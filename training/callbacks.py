@@ -255,6 +255,11 @@ class TrainingStateGuard:
 # ----------------------------------------------------------------------------- the callback
 
 
+def changed_measurement(saved: dict, now: dict) -> str:
+    """The settings in which two AcceptanceEvaluation.measurement() differ, as `eval.max_new_tokens 8 -> 16`."""
+    return ", ".join(f"eval.{key} {saved.get(key)!r} -> {value!r}" for key, value in now.items() if saved.get(key) != value)
+
+
 class AcceptanceEvaluation(L.Callback):
     """Measures the live drafter's real acceptance every `every_n_train_steps` steps and at the end (see the top)."""
 
@@ -451,9 +456,8 @@ class AcceptanceEvaluation(L.Callback):
         # New taus are ranked against the history's (best.ckpt, the report): measured otherwise, they compare nothing
         saved, now = state_dict.get("measurement"), self.measurement()  # (checkpoints before it was kept: not checked)
         if saved is not None and saved != now:
-            changed = ", ".join(f"eval.{key} {saved.get(key)!r} -> {value!r}" for key, value in now.items()
-                                if saved.get(key) != value)
-            raise DDTreeError(f"this run measured its checkpoints' tau otherwise than the resume would ({changed}): "
+            raise DDTreeError(f"this run measured its checkpoints' tau otherwise than the resume would "
+                              f"({changed_measurement(saved, now)}): "
                               "resume with the run's values, or measure its checkpoints so with make eval")
         self.history = list(state_dict.get("history", []))
         self.last_step = state_dict.get("last_step", -1)

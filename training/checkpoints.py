@@ -123,13 +123,16 @@ class Checkpoint:
     callbacks: dict  # each callback's saved state, e.g. AcceptanceEvaluation's history of measurements
 
 
+def evaluation_state(checkpoint: Checkpoint) -> dict:
+    """AcceptanceEvaluation's saved state (history, measurement), or {} where the checkpoint holds none."""
+    return next((state for key, state in checkpoint.callbacks.items() if "AcceptanceEvaluation" in str(key)), {})
+
+
 def recorded_evaluation(checkpoint: Checkpoint) -> dict | None:
     """The training-time evaluation the checkpoint itself recorded at its step (AcceptanceEvaluation's history row:
     step, summary, seconds, ...), or None."""
-    for key, state in checkpoint.callbacks.items():
-        if "AcceptanceEvaluation" in str(key):
-            return next((row for row in state.get("history", []) if row.get("step") == checkpoint.step), None)
-    return None
+    history = evaluation_state(checkpoint).get("history", [])
+    return next((row for row in history if row.get("step") == checkpoint.step), None)
 
 
 def drafter_from_weights(drafter_config: dict, hyper_parameters: dict, weights: dict[str, torch.Tensor]) -> DFlashDraftModel:

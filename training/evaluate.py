@@ -8,10 +8,11 @@
 Same code, same settings as the training-time evaluation (training/callbacks.py): the eval section
 (prompts, budgets, max_new_tokens, limit) and the target's dtype (model.target_dtype, or the one
 trainer.precision gives) come from the run's config.yaml, or from recipes/<recipe>.yaml for a
-checkpoint outside a run folder; the target comes from the checkpoint's hyper-parameters. The
-drafter is the checkpoint's (LoRA adapters merged in, as exported), and a model.corpus run's trees
-graft its <run>/corpus.safetensors as training's did. When the checkpoint holds the value logged at
-its step, it is printed beside the new measurement.
+checkpoint outside a run folder (refused where the recipe's model.target is not the checkpoint's); the
+target comes from the checkpoint's hyper-parameters. The drafter is the checkpoint's (LoRA adapters
+merged in, as exported), and a model.corpus run's trees graft its <run>/corpus.safetensors as
+training's did. When the checkpoint holds the value logged at its step, measured with the same
+prompts, limit, max_new_tokens, lookup and redraft, it is printed beside the new measurement.
 
 Prints one row per method and writes <run>/eval/checkpoint-<name>.json (checkpoint-<name>-limit<N>.json with
 --limit N, so that a partial measurement never replaces the one `make export` reports; or --out, never a
@@ -24,7 +25,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .arguments import answer_early, check_evaluate_args, check_recipe_name, evaluate_parser, recipe_path
+from .arguments import answer_early, check_evaluate_args, check_recipe_name, evaluate_parser, known_recipes, recipe_path
 
 # python -m: --help, a bad flag, --recipe, --run or --ckpt before torch loads
 answer_early(__name__, evaluate_parser, check_evaluate_args)
@@ -37,9 +38,9 @@ from ddtree.files import check_output_file, read_yaml_mapping, write_json_atomic
 from ddtree.precision import AUTO, fast_precision
 from ddtree.targets import stop_token_ids
 
-from .callbacks import AcceptanceEvaluation, metrics_of
+from .callbacks import AcceptanceEvaluation, changed_measurement, metrics_of
 from .checkpoint_paths import find_checkpoint, run_folder_of
-from .checkpoints import Checkpoint, load_checkpoint, recorded_evaluation
+from .checkpoints import Checkpoint, evaluation_state, load_checkpoint, recorded_evaluation
 from .export import run_corpus
 from .target import dtype_for_precision, load_frozen_target
 
@@ -51,10 +52,33 @@ def read_config(checkpoint: Path, recipe: str) -> tuple[dict, Path]:
     return read_yaml_mapping(source), source
 
 
-def logged_metrics(checkpoint: Checkpoint) -> dict | None:
-    """What the training-time evaluation logged at the checkpoint's step, from its saved callback states."""
+def check_same_target(config: dict, source: Path, checkpoint: Checkpoint) -> None:
+    """The eval settings read from `source` are the checkpoint's run's only if they are for its target: a loose
+    checkpoint of a tiny-random run read the default recipe's (smollm2-135m's) prompts, budgets and max_new_tokens."""
+    target, trained = (config.get("model") or {}).get("target"), checkpoint.hyper_parameters["target"]
+    if target is None or target == trained:
+        return
+    fitting = [name for name in known_recipes()
+               if (read_yaml_mapping(recipe_path(name)).get("model") or {}).get("target") == trained]
+    hint = f" (recipes for {trained!r}: {', '.join(fitting)})" if fitting else ""
+    raise DDTreeError(f"{source}: model.target {target!r} is not CKPT {checkpoint.path}'s target {trained!r}, so its eval "
+                      f"settings are not the run's: give the run's recipe, RECIPE=<name> (--recipe <name>){hint}")
+
+
+def logged_metrics(checkpoint: Checkpoint, evaluation: AcceptanceEvaluation) -> dict | None:
+    """What the training-time evaluation logged at the checkpoint's step, from its saved callback states; None where it
+    measured otherwise than `evaluation` will (other prompts, limit, max_new_tokens, lookup or redraft give other taus),
+    or does not say how it measured."""
     record = recorded_evaluation(checkpoint)
-    return metrics_of(record["summary"], record["seconds"]) if record is not None else None
+    if record is None:
+        return None
+    saved, now = evaluation_state(checkpoint).get("measurement"), evaluation.measurement()
+    if saved != now:
+        how = f"measured step {checkpoint.step} otherwise ({changed_measurement(saved, now)})" if saved else \
+            f"did not record how it measured step {checkpoint.step}"
+        print(f"[eval] training {how}: no logged tau to compare with", file=sys.stderr)
+        return None
+    return metrics_of(record["summary"], record["seconds"])
 
 
 def check_not_a_checkpoint(out: Path) -> None:
@@ -90,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     hp = checkpoint.hyper_parameters
     if "target" not in hp:
         raise DDTreeError(f"CKPT {path} names no target: it was not written by training.module.DistillModule")
+    check_same_target(config, source, checkpoint)
     # The dtype DistillModule.configure_model picked under that trainer precision. A run's config.yaml holds the
     # precision its launch resolved; a checkpoint outside a run reads the recipe, whose `auto` is resolved as training
     # resolves it (else it would always mean fp32).
@@ -103,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     drafter = checkpoint.drafter.to(args.device)
     prompts = evaluation.load_prompts(tokenizer)
     run_dir = run_folder_of(path)
-    comparable = args.limit is None
+    comparable = True  # where training measured with these settings too (logged_metrics)
     if hp.get("corpus"):  # training decoded with the training replies grafted (model.corpus), as the export does
         corpus = run_corpus(run_dir) if run_dir else None
         if corpus is None:
@@ -115,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     result = evaluation.measure(target, drafter, prompts, stop_token_ids(target, tokenizer))
 
     step = checkpoint.step
-    logged = logged_metrics(checkpoint) if comparable else None
+    logged = logged_metrics(checkpoint, evaluation) if comparable else None
     print(
         f"[eval] {path} (step {step}, settings from {source}): {len(prompts)} prompts of {evaluation.prompts_path}, "
         f"up to {evaluation.max_new_tokens} new tokens, T=0, target {hp['target']} in {str(dtype).split('.')[-1]}"

@@ -9,6 +9,7 @@ by hand. The reading tests save one real checkpoint of a tiny DistillModule, as 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -415,3 +416,52 @@ def test_make_eval_of_a_loose_checkpoint_writes_beside_it(saved, tmp_path, capsy
     assert (tmp_path / "loose" / "eval" / "checkpoint-x-limit1.json").is_file()
     assert not (tmp_path / "loose" / "eval" / "checkpoint-x.json").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["loose"]  # nothing above the checkpoint's folder
+
+
+def loose_copy(path: Path, folder: Path, measurement: dict | None = None) -> Path:
+    """The checkpoint copied outside any run folder as <folder>/x.ckpt, its step's history row holding a logged tau
+    of 1.5, measured with `measurement` (AcceptanceEvaluation.measurement())."""
+    loose = folder / "x.ckpt"
+    loose.parent.mkdir()
+    saved_dict = torch.load(path, map_location="cpu", weights_only=False)
+    summary = {"dflash": {"tau": 1.5, "expected_tau": 1.25}}
+    state = {"history": [{"step": 7, "summary": summary, "seconds": 1.0}]}
+    if measurement is not None:
+        state["measurement"] = measurement
+    saved_dict["callbacks"] = {"AcceptanceEvaluation": state}
+    torch.save(saved_dict, loose)
+    return loose
+
+
+def test_make_eval_refuses_a_recipe_for_another_target_than_the_loose_checkpoints(saved, tmp_path, capsys):
+    """Outside a run folder the eval settings come from --recipe, by default smollm2-135m's: a tiny-random checkpoint
+    was measured with that recipe's prompts, budgets and max_new_tokens, as if they were its run's."""
+    path, _ = saved
+    loose = loose_copy(path, tmp_path / "loose")
+    assert training.evaluate.main(["--ckpt", str(loose)]) == 2
+    line = one_error_line(capsys)
+    assert f"smollm2-135m.yaml: model.target 'smollm2-135m' is not CKPT {loose}'s " in line
+    assert "target 'tiny-random'" in line and "RECIPE=<name> (--recipe <name>) (recipes for 'tiny-random': tiny)" in line
+    assert not (tmp_path / "loose" / "eval").exists()
+
+
+@pytest.mark.parametrize("max_new_tokens", [16, 8])
+def test_make_eval_shows_the_logged_tau_only_where_training_measured_the_same_way(saved, tmp_path, capsys,
+                                                                                   max_new_tokens):
+    """A tau logged with other prompts, limit, max_new_tokens, lookup or redraft measures something else: it was
+    printed and stored as "logged" beside the new one all the same."""
+    path, _ = saved
+    # the tiny recipe's eval section with --limit 1, but for max_new_tokens
+    measurement = {"prompts": "data/eval_prompts.jsonl", "limit": 1, "max_new_tokens": max_new_tokens,
+                   "lookup": None, "redraft": None}
+    loose = loose_copy(path, tmp_path / "loose", measurement)
+    assert training.evaluate.main(["--recipe", "tiny", "--ckpt", str(loose), "--limit", "1"]) == 0
+    printed = capsys.readouterr()
+    row = next(line for line in printed.out.splitlines() if line.startswith("dflash "))
+    stored = json.loads((tmp_path / "loose" / "eval" / "checkpoint-x-limit1.json").read_text())["logged"]
+    if max_new_tokens == 16:  # the recipe's: the same measurement
+        assert row.split()[2] == "1.500" and stored["val/tau_dflash"] == 1.5
+    else:
+        assert row.split()[2] == "-" and stored is None
+        assert ("[eval] training measured step 7 otherwise (eval.max_new_tokens 8 -> 16): no logged tau to compare "
+                "with") in printed.err

@@ -454,9 +454,18 @@ class DistillModule(L.LightningModule):
             noise_embedding = self.target.get_input_embeddings()(block_ids)  # (S, n*B, H)
         position_ids = block_position_ids(context_len, anchors, self.block_size)  # (S, T + n*B)
         hidden = self.training_drafter()(
-            noise_embedding=noise_embedding, target_hidden=features, position_ids=position_ids, attention_mask=mask
+            noise_embedding=self.in_drafter_dtype(noise_embedding), target_hidden=self.in_drafter_dtype(features),
+            position_ids=position_ids, attention_mask=mask,
         )
         return hidden[:, : num_blocks * self.block_size]  # the padding blocks, if any, cut off
+
+    def in_drafter_dtype(self, target_output: torch.Tensor) -> torch.Tensor:
+        """A target output (features, embeddings) as the drafter's weights take it. Under a mixed precision autocast
+        meets the two; under a "true" one nothing does, and model.target_dtype may differ from the drafter's
+        (bfloat16 beside trainer.precision 32 failed in the drafter's first matmul)."""
+        if torch.is_autocast_enabled(target_output.device.type):
+            return target_output
+        return target_output.to(next(self.drafter.parameters()).dtype)
 
     def training_drafter(self):
         """The drafter as the training forward calls it: with model.compile, torch.compile's wrapper.
@@ -558,6 +567,8 @@ class DistillModule(L.LightningModule):
         # Validation always measures the published decayed CE, so runs of different objectives compare.
         objective = hp.objective if stage == "train" else "decayed_ce"
         lm_head = self.target.get_output_embeddings()
+        if not torch.is_autocast_enabled(hidden.device.type):  # into the head in its dtype (see in_drafter_dtype)
+            hidden = hidden.to(lm_head.weight.dtype)
         draft_head = self.base_drafter().draft_head(lm_head)
         read = None  # the positions each block reads: block_loss_sums finds them from the labels, unless...
         if draft_head is not None:  # logits over the draft vocabulary only; labels outside it are not counted

@@ -511,6 +511,24 @@ def test_bf16_training_fuses_the_optimizer_and_still_clips_gradients(tmp_path):
     assert all(torch.equal(p.grad, torch.full_like(p, 0.5)) for p in parameters)
 
 
+@pytest.mark.parametrize("distill_weight", [0.0, 0.5])
+def test_a_bf16_target_trains_an_fp32_drafter_under_a_true_precision(distill_weight):
+    """model.target_dtype bfloat16 with trainer.precision 32: no autocast meets the target's features, embeddings and
+    LM head to the fp32 drafter, whose first matmul failed ("expected m1 and m2 to have the same dtype")."""
+    torch.manual_seed(0)
+    module = tiny_module(target_dtype="bfloat16", distill_weight=distill_weight)
+    assert module.target.dtype == torch.bfloat16
+    before = [p.detach().clone() for p in module.drafter.parameters()]
+    loader = DataLoader([synthetic_batch()] * 2, batch_size=None)
+    trainer = L.Trainer(max_steps=2, precision="32-true", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=1)
+    trainer.fit(module, train_dataloaders=loader, val_dataloaders=loader)
+    after = list(module.drafter.parameters())
+    assert all(p.dtype == torch.float32 for p in after) and module.target.dtype == torch.bfloat16
+    assert any(not torch.equal(b, p) for b, p in zip(before, after))  # it trained
+    assert math.isfinite(trainer.callback_metrics["train/loss"]) and math.isfinite(trainer.callback_metrics["val/loss"])
+
+
 def test_cosine_schedule_with_warmup():
     module = tiny_module(warmup_ratio=0.1, lr=1.0, min_lr_ratio=0.0)
     module.trainer = type("T", (), {"estimated_stepping_batches": 100, "strategy": None, "precision_plugin": None})()

@@ -56,7 +56,7 @@ from matplotlib.figure import Figure
 
 from ddtree.bench import CHAIN, budget_of
 from ddtree.errors import DDTreeError, command
-from ddtree.files import atomic_file, finite_json, write_text_atomic
+from ddtree.files import atomic_file, finite_json, read_yaml_mapping, write_text_atomic
 
 from .callbacks import AcceptanceEvaluation
 from .checkpoint_paths import ABLATE_PREFIX
@@ -153,6 +153,12 @@ def stopped_variant(name: str, run_dir: Path, seconds: float, status: int, why: 
             "chain_expected_tau": None, "decoded_with": {}}
 
 
+def draft_vocab_size(run_dir: Path) -> int | None:
+    """The run's model.draft_vocab_size from its config.yaml (None: the whole vocabulary, or no config.yaml)."""
+    config = run_dir / "config.yaml"
+    return (read_yaml_mapping(config).get("model") or {}).get("draft_vocab_size") if config.is_file() else None
+
+
 def summarize_variant(name: str, run_dir: Path, seconds: float) -> dict:
     evaluation, validation = last_evaluation(run_dir), last_validation(run_dir)
     summary = evaluation["summary"]
@@ -168,6 +174,7 @@ def summarize_variant(name: str, run_dir: Path, seconds: float) -> dict:
         "chain_tau": summary[CHAIN]["tau"],
         "chain_expected_tau": summary[CHAIN].get("expected_tau"),  # absent in evaluations made before decoding recorded it
         "data": read_data_record(run_dir),
+        "draft_vocab_size": draft_vocab_size(run_dir),  # its val loss is over the labels in that vocabulary only
         # what the decoder added to the drafter's own drafts: lookup and corpus nodes in the trees, re-drafts behind
         # the best depth-1 tokens (model.redraft_prob > 0 sets the drafter's redraft) in the trees and the chain
         "decoded_with": {key: evaluation["settings"][key] for key in ("lookup", "corpus", "redraft")
@@ -209,6 +216,12 @@ def markdown_table(results: list[dict]) -> str:
                   f"data.store_max_minutes): {', '.join(f'{name} {count}' for name, count in shares.items())} of the "
                   f"{split} training sequences. Build whole stores first (make features FORCE=1 "
                   "ARGS=--data.store_max_minutes=null, for each store kind) to compare on the same data."]
+    vocabularies = {r["variant"]: r.get("draft_vocab_size") for r in results if r.get("stopped") is None}
+    if len(set(vocabularies.values())) > 1:
+        sizes = ", ".join(f"{name} {'the whole vocabulary' if size is None else size}" for name, size in vocabularies.items())
+        lines += ["", f"The variants draft from different vocabularies (model.draft_vocab_size: {sizes}): val loss is "
+                  "over the labels in each one's draft vocabulary only, so it does not compare across them. acc@ and "
+                  f"recall{RECALL_K}@ count every label, one outside the vocabulary as a miss, so they do."]
     carried = {r["variant"]: decoder_additions(r["decoded_with"]) for r in results if r.get("decoded_with")}
     if carried:  # report.md says the same of a run's own table
         decoders = "; ".join(f"{name} decoded with {how}" for name, how in carried.items())

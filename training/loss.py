@@ -141,7 +141,8 @@ def draft_vocab_labels(labels: torch.Tensor, token_ids: torch.Tensor, vocab_size
     """Labels as indices into a draft vocabulary (token_ids (V',) of a vocab_size vocabulary): same shape as labels.
 
     A label outside the draft vocabulary becomes IGNORE_INDEX: the drafter can never propose it, so it
-    is left out of the loss and the metrics, and (for dpace, tree and frontier) ends its block's chain,
+    is left out of the loss and the metrics (validation adds it back to its token counts as a miss:
+    DistillModule.shared_step), and (for dpace, tree and frontier) ends its block's chain,
     given the block's read positions from before this mapping (block_loss_sums' `read`).
     """
     lookup = torch.full((vocab_size,), IGNORE_INDEX, dtype=labels.dtype, device=labels.device)

@@ -571,11 +571,15 @@ class DistillModule(L.LightningModule):
             hidden = hidden.to(lm_head.weight.dtype)
         draft_head = self.base_drafter().draft_head(lm_head)
         read = None  # the positions each block reads: block_loss_sums finds them from the labels, unless...
+        unproposable = 0  # (B,) validation's labels outside the draft vocabulary: a miss at every decode
         if draft_head is not None:  # logits over the draft vocabulary only; labels outside it are not counted
             if objective != "decayed_ce":  # ...the vocabulary drops a first label, which ends the chain (not given)
                 read = given_positions(labels != IGNORE_INDEX)
             token_ids, rows = draft_head
-            labels = draft_vocab_labels(labels, token_ids, lm_head.weight.shape[0])
+            in_draft_vocab = draft_vocab_labels(labels, token_ids, lm_head.weight.shape[0])
+            if stage == "val":  # counted as tokens with no hit, so val/acc_k and val/recall4_k are decoding's rates
+                unproposable = ((labels != IGNORE_INDEX) & (in_draft_vocab == IGNORE_INDEX)).sum(dim=(0, 1))
+            labels = in_draft_vocab
             if teacher_top:  # the teacher's tokens as rows of the draft head too; the others get p = 0
                 teacher_top = draft_vocab_labels(teacher_top[0], token_ids, lm_head.weight.shape[0]), teacher_top[1]
             lm_head = partial(F.linear, weight=rows)
@@ -584,8 +588,8 @@ class DistillModule(L.LightningModule):
             None if teacher_top else teacher, hp.distill_weight if distill else 0.0, objective, hp.objective_smoothing,
             hp.objective_top_k, hp.distill_loss, hp.objective_budget, read, teacher_top,
         )
-        return StepResult(weighted / weight_total.clamp_min(1e-8), weighted, weight_total, hits, tokens, top_hits,
-                          target_seconds)
+        return StepResult(weighted / weight_total.clamp_min(1e-8), weighted, weight_total, hits, tokens + unproposable,
+                          top_hits, target_seconds)
 
     # ------------------------------------------------------------------ training
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -192,6 +193,32 @@ def test_the_table_names_the_variants_decoded_with_re_drafting(tmp_path, monkeyp
     assert "rd decoded with re-drafting behind 4 depth-1 tokens" in table and "plain decoded" not in table
     results = json.loads(next(tmp_path.glob("tiny/ablate-*.json")).read_text())
     assert [r["decoded_with"] for r in results] == [{}, {"redraft": 4}]
+
+
+def test_the_table_says_val_loss_does_not_compare_across_draft_vocabularies(tmp_path, monkeypatch):
+    """With model.draft_vocab_size the val loss leaves out the labels outside the draft vocabulary (probability 0), so
+    a variant with a small one read as the lower loss."""
+    import training.ablate
+
+    def fake_train(argv: list[str]) -> int:
+        run = fake_run(argv, {})
+        size = int(argv[-1].split("=")[1]) if argv[-1].startswith("--model.draft_vocab_size") else None
+        (run / "config.yaml").write_text(f"model:\n  draft_vocab_size: {'null' if size is None else size}\n")
+        return 0
+
+    monkeypatch.setattr(training.ablate, "train_main", fake_train)
+    assert main(["--recipe", "tiny", "--steps", "3", "--output-root", str(tmp_path), "--variant", "whole=",
+                 "--variant", "dv=--model.draft_vocab_size=64"]) == 0
+    table = next(tmp_path.glob("tiny/ablate-*.md")).read_text()
+    assert ("The variants draft from different vocabularies (model.draft_vocab_size: whole the whole vocabulary, dv 64): "
+            "val loss is over the labels in each one's draft vocabulary only, so it does not compare across them.") in table
+    assert [r["draft_vocab_size"] for r in json.loads(next(tmp_path.glob("tiny/ablate-*.json")).read_text())] == [None, 64]
+    # the same vocabulary everywhere: nothing to say
+    for path in tmp_path.glob("tiny/ablate-*"):
+        path.unlink() if path.is_file() else shutil.rmtree(path)
+    assert main(["--recipe", "tiny", "--steps", "3", "--output-root", str(tmp_path), "--variant", "a=",
+                 "--variant", "b=--model.lr=1e-3"]) == 0
+    assert "different vocabularies" not in next(tmp_path.glob("tiny/ablate-*.md")).read_text()
 
 
 def test_a_variant_that_exits_0_with_no_evaluation_is_a_row_and_the_others_are_still_tabulated(tmp_path, monkeypatch,

@@ -337,6 +337,26 @@ def test_a_top_k_teacher_over_the_whole_vocabulary_trains_as_the_whole_distribut
         tiny_module(distill_top_k=-1)
 
 
+def test_validation_counts_labels_outside_the_draft_vocabulary_as_misses(monkeypatch):
+    """The drafter never proposes a token outside its draft vocabulary, so at decode time such a label is a miss: it
+    vanished from validation's token counts instead (28 of 29 in a review), and val/acc_k read as if it were not there.
+    Training's loss and the validation loss still leave it out (its probability is 0)."""
+    batch = synthetic_batch()
+    tokens = sorted(set(batch["input_ids"].flatten().tolist()))[::2]
+    monkeypatch.setattr(DistillModule, "_training_reply_vocabulary", lambda self, vocab_size: tokens)
+    torch.manual_seed(0)
+    whole = tiny_module()
+    torch.manual_seed(0)
+    drafted = tiny_module(draft_vocab_size=len(tokens))
+    with torch.no_grad():
+        every, val = whole.shared_step(batch, 0, "val"), drafted.shared_step(batch, 0, "val")
+        kept = drafted.shared_step(batch, 0, "train")
+    assert torch.equal(val.tokens, every.tokens) and val.tokens.sum() > 10  # the same labels, each counted
+    assert torch.all(val.hits <= every.tokens) and torch.all(val.top_hits <= val.tokens)
+    assert math.isfinite(val.loss) and math.isfinite(kept.loss)
+    assert val.weight_total < every.weight_total  # the loss is over the draft vocabulary's labels only
+
+
 def test_redraft_training_changes_the_train_loss_only_and_validates_plain_blocks():
     plain, redraft = plain_and_variant(redraft_prob=0.5)
     batch = synthetic_batch()

@@ -105,7 +105,18 @@ if [ "$NODES" -gt 1 ]; then
                 echo "    MASTER_ADDR=<node 0> MASTER_PORT=$MASTER_PORT ${gpus}RUN_NAME=<name> NODE_RANK=<i> $make_args"
             fi
             echo "or, under SLURM (one task per GPU, requeued on preemption):"
-            echo "    $sbatch $RECIPE${passed:+ $passed}"
+            slurm_run=""  # a resume: slurm.sbatch continues the run folder RUN_NAME names under OUTPUT_ROOT/<recipe>
+            if [ -n "$RESUMING" ]; then
+                run=$RESUMING
+                case "$run" in *.ckpt) run=$(dirname "$run"); [ "$(basename "$run")" != checkpoints ] || run=$(dirname "$run") ;; esac
+                if [ -f "$run/config.yaml" ]; then
+                    slurm_run="RUN_NAME=$(shell_word "$(basename "$run")") OUTPUT_ROOT=$(shell_word "$(dirname "$(dirname "$run")")") "
+                else  # --resume last: the newest run's folder, which only training.train looks up
+                    slurm_run="RUN_NAME=<the run folder's name> OUTPUT_ROOT=<the folder above its recipe's> "
+                fi
+            fi
+            echo "    $slurm_run$sbatch $RECIPE${passed:+ $passed}"
+            case "$RESUMING" in *.ckpt) echo "    (it resumes that run's newest readable checkpoint, which may be later than $RESUMING)" ;; esac
         else
             echo "Not started: run on each node i = 0..$((NODES - 1)):"
             echo "    ${gpus}NODE_RANK=<i> recipes/launch_torchrun.sh --regenerate $NODES ${passed:-<data/regenerate.py options>}"

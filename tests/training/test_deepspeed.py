@@ -637,7 +637,7 @@ def test_make_train_nodes_prints_each_nodes_launch(tmp_path):
     make_env = {k: v for k, v in env.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
     planned = subprocess.run(["make", "-n", "--no-print-directory", "train", "RECIPE=qwen3-8b", "NODES=2"], cwd=REPO, env=make_env,
                              capture_output=True, text=True)
-    assert "recipes/launch_torchrun.sh qwen3-8b 2" in planned.stdout.splitlines()[-1]
+    assert "recipes/launch_torchrun.sh 'qwen3-8b' 2" in planned.stdout.splitlines()[-1]
     printed = subprocess.run(["bash", str(LAUNCHER), "qwen3-8b", "2"], cwd=REPO, env=env, capture_output=True, text=True)
     assert printed.returncode == 0, printed.stderr
     assert "2 nodes x 8 processes = 16 processes" in printed.stdout  # qwen3-8b's trainer.devices: 8
@@ -661,6 +661,33 @@ def test_make_train_nodes_prints_each_nodes_launch(tmp_path):
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "nope" in bad.stderr
 
 
+def make_plan(*variables: str, env: dict | None = None) -> str:
+    """The command `make -n` would run for these variables (the last line it prints)."""
+    make_env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS", "RECIPE")}
+    planned = subprocess.run(["make", "-n", "--no-print-directory", *variables], cwd=REPO, env=make_env | (env or {}),
+                             capture_output=True, text=True)
+    assert planned.returncode == 0, planned.stderr
+    return planned.stdout.strip().splitlines()[-1]
+
+
+def test_make_resumes_a_run_of_any_recipe_and_keeps_paths_with_spaces_whole():
+    """RECIPE's default named smollm2-135m for every resume, which training refuses for another recipe's run; and
+    unquoted paths split at their spaces."""
+    assert "--recipe" not in make_plan("train", "RESUME=outputs/tiny/run 1")  # the run's own recipe
+    assert "--recipe 'tiny' --resume 'outputs/tiny/run 1'" in make_plan("train", "RECIPE=tiny", "RESUME=outputs/tiny/run 1")
+    assert "--recipe 'tiny' --resume 'x'" in make_plan("train", "RESUME=x", env={"RECIPE": "tiny"})  # given, as a variable
+    assert "--recipe 'smollm2-135m'" in make_plan("train")  # a new run: the default recipe
+    assert "--ckpt 'best' --run 'outputs/tiny/my run'" in make_plan("eval", "RUN=outputs/tiny/my run")
+    assert "--out '/tmp/a b'" in make_plan("features", "OUT=/tmp/a b")
+
+
+def test_make_help_prints_every_line_of_each_targets_comment():
+    make_env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
+    shown = subprocess.run(["make", "-s", "help"], cwd=REPO, env=make_env, capture_output=True, text=True).stdout
+    for variable in ("OVERWRITE=1", "REPLACE_REPO=1", "BASE_MODEL=", "HF_TOKEN", "NODES=n: this node's share"):
+        assert variable in shown, variable
+
+
 def test_the_printed_plan_keeps_the_launchs_arguments_and_gpus_per_node(tmp_path):
     """The plan dropped them: its commands trained the recipe's defaults on the recipe's GPU count."""
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "NODE_RANK", "RUN_NAME", "GPUS_PER_NODE")} | {
@@ -677,6 +704,16 @@ def test_the_printed_plan_keeps_the_launchs_arguments_and_gpus_per_node(tmp_path
     assert args == extra
     assert shlex.split(sbatch_line) == ["sbatch", "--nodes=2", "--ntasks-per-node=4", "--gpus-per-node=4",
                                         "recipes/slurm.sbatch", "qwen3-8b", *extra]
+    # A resume's SLURM line names the run folder: without it slurm.sbatch started a new run from step 0
+    run = tmp_path / "outputs" / "qwen3-8b" / "run 7"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text("{}\n")
+    for resume in (run, run / "checkpoints" / "step-4.ckpt"):
+        resumed = subprocess.run(["bash", str(LAUNCHER), "qwen3-8b", "2", "--resume", str(resume)], cwd=REPO,
+                                 env=env | {"GPUS_PER_NODE": "4"}, capture_output=True, text=True)
+        sbatch_line = resumed.stdout.splitlines()[4]
+        assert shlex.split(sbatch_line)[:3] == ["RUN_NAME=run 7", f"OUTPUT_ROOT={tmp_path / 'outputs'}", "sbatch"], resume
+    assert "may be later than" in resumed.stdout  # a checkpoint named: the folder's newest is what slurm.sbatch takes
     regenerate = subprocess.run(["bash", str(LAUNCHER), "--regenerate", "2", "--out", "x y"], cwd=REPO,
                                 env=env | {"GPUS_PER_NODE": "2"}, capture_output=True, text=True)
     assert "    GPUS_PER_NODE=2 NODE_RANK=<i> recipes/launch_torchrun.sh --regenerate 2 --out 'x y'" in regenerate.stdout

@@ -390,6 +390,10 @@ def is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def check_drafter_field_types(config, source: str) -> None:
     """The DFlash fields of a config.json as numbers: transformers type-checks the Qwen3 fields, not these, and a
     quoted "16" would fail later as a TypeError in a comparison."""
@@ -410,6 +414,11 @@ def check_drafter_field_types(config, source: str) -> None:
         if value is not None and not (is_int(value) and value >= 0):
             raise DDTreeError(f"drafter {source}: dflash_config.{field} is {value!r}, expected a count (0 or more) in "
                               f"config.json; remove the field to decode with none")
+    temperatures = config.dflash_config.get("draft_temperatures")  # (their count and range: DrafterRunner checks them)
+    if temperatures is not None and not (isinstance(temperatures, list) and all(map(is_number, temperatures))):
+        raise DDTreeError(f"drafter {source}: dflash_config.draft_temperatures is {temperatures!r}, expected a list of "
+                          "numbers (JSON numbers, one per drafted position) in config.json; remove the field to decode "
+                          "uncalibrated")
     vocab = config.dflash_config.get("draft_vocab")
     if vocab is not None and not (isinstance(vocab, list) and vocab and all(map(is_int, vocab))):
         shown = repr(vocab) if not isinstance(vocab, list) else "an empty list" if not vocab else \

@@ -162,6 +162,9 @@ def test_a_drafter_config_field_given_as_a_string_is_one_line(tmp_path, tiny_tar
     ("draft_vocab", [3, "5"], "dflash_config.draft_vocab is a list holding '5', expected a non-empty list of token ids"),
     ("draft_vocab", [3, 5, 10**6], "dflash_config.draft_vocab holds ids outside the target's embedding (0.."),
     ("draft_vocab", [3, 5, 5, 7], "dflash_config.draft_vocab holds ids more than once: [5]; this drafter was built"),
+    ("draft_temperatures", ["1.0", "1.0", "1.0"], "dflash_config.draft_temperatures is ['1.0', '1.0', '1.0'], expected a "
+     "list of numbers"),
+    ("draft_temperatures", 1.0, "dflash_config.draft_temperatures is 1.0, expected a list of numbers"),
 ])
 def test_a_drafters_decoding_fields_out_of_range_are_one_line(tmp_path, tiny_target, field, value, named):
     """A hand-edited draft vocabulary indexed past the LM head (a raw IndexError; a device assert on CUDA), an empty one

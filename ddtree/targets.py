@@ -269,10 +269,18 @@ def load_target(
     source = resolve_target(name_or_path)
     try:
         tokenizer = load_tokenizer(name_or_path, source)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
-    except OSError as error:
+        model, loading = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa",
+                                                              output_loading_info=True)
+    # A folder that is not a whole causal LM: missing or cut-short files (OSError, SafetensorError), an architecture
+    # or tokenizer transformers does not know (ValueError), weights of other shapes (RuntimeError).
+    except (OSError, ValueError, RuntimeError, SafetensorError) as error:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise DDTreeError(f"could not load target {name_or_path!r}: {first_line}") from error
+    missing = sorted(loading["missing_keys"])
+    if missing:  # transformers fills them with random values and goes on (a drafter folder given as the target)
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise DDTreeError(f"could not load target {name_or_path!r}: its weights lack {shown}, which would be random: "
+                          "give a whole causal language model's folder")
     model.to(device).eval().requires_grad_(False)
     model.name_or_path_for_ddtree = name_or_path
     return model, tokenizer

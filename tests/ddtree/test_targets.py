@@ -222,3 +222,31 @@ def test_a_folders_tokenizer_is_loaded_once_and_again_when_its_files_change(tmp_
     messages = [{"role": "user", "content": "hi"}]
     assert changed.apply_chat_template(messages, tokenize=False) == "[hi]"
     assert first.apply_chat_template(messages, tokenize=False) != "[hi]"
+
+
+@pytest.mark.parametrize("damage, named", [
+    ("cut", "could not load target"),  # a copy that stopped: SafetensorError
+    ("model_type", "could not load target"),  # an architecture transformers does not know: ValueError
+    ("drafter", "its weights lack "),  # a drafter folder given as the target: no embedding, no LM head
+])
+def test_a_target_folder_that_is_not_a_whole_causal_lm_is_one_line(tmp_path, tiny_target, damage, named):
+    """Only an OSError was one line: the others were tracebacks, and a folder missing weights loaded with random ones."""
+    import shutil
+
+    target, tokenizer = tiny_target
+    folder = tmp_path / "target"
+    if damage == "drafter":
+        DFlashDraftModel(build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4)).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    else:
+        shutil.copytree(resolve_target("tiny-random"), folder)
+    if damage == "cut":
+        weights = folder / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:1000])
+    if damage == "model_type":
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "model_type": "nope"}))
+    with pytest.raises(DDTreeError) as error:
+        ddtree.targets.load_target(str(folder))
+    assert str(error.value).startswith(f"could not load target '{folder}'") and named in str(error.value)
+    assert "\n" not in str(error.value)

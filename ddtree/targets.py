@@ -331,6 +331,11 @@ def build_drafter_config(
     tc = target.config.get_text_config()
     embedding_rows = target.get_input_embeddings().weight.shape[0]
     head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+    # The drafter is Qwen3-shaped whatever the target; families that spell these otherwise (GPT-2's n_inner, GPT-NeoX's
+    # and Phi's layer_norm_eps) lend theirs, and a field no spelling holds is one line naming it.
+    intermediate = target_field(tc, name_or_path, ("intermediate_size", "n_inner"), 4 * tc.hidden_size)
+    norm_eps = target_field(tc, name_or_path, ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon"), 1e-6)
+    max_positions = target_field(tc, name_or_path, ("max_position_embeddings",))
     config = DFlashDrafterConfig(
         block_size=block_size,
         num_target_layers=tc.num_hidden_layers,
@@ -341,17 +346,26 @@ def build_drafter_config(
         target_name_or_path=name_or_path,
         vocab_size=embedding_rows,
         hidden_size=tc.hidden_size,
-        intermediate_size=tc.intermediate_size,
+        intermediate_size=intermediate,
         num_hidden_layers=num_layers,
         num_attention_heads=tc.num_attention_heads,
         num_key_value_heads=getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads,
         head_dim=head_dim,
-        rms_norm_eps=tc.rms_norm_eps,
-        max_position_embeddings=tc.max_position_embeddings,
+        rms_norm_eps=norm_eps,
+        max_position_embeddings=max_positions,
         rope_parameters=dict(getattr(tc, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}),
     )
     check_drafter_fits(config, target, name_or_path)
     return config
+
+
+def target_field(text_config, name_or_path: str, names: tuple[str, ...], default=None):
+    """The first of `names` the target's config holds (not None); else `default`, or a DDTreeError naming them."""
+    value = next((getattr(text_config, name) for name in names if getattr(text_config, name, None) is not None), default)
+    if value is None:
+        raise DDTreeError(f"target {name_or_path!r} ({text_config.model_type}) has no {' or '.join(names)} in its config, "
+                          "which a drafter shaped after it needs; give a target whose config.json holds it")
+    return value
 
 
 def check_drafter_fits(config, target: PreTrainedModel, source: str) -> None:

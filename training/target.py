@@ -76,6 +76,10 @@ def target_layer_features(
     ever sees padding (and SDPA keeps its causal fast path).
     """
     decoder = target.get_decoder()
+    if not isinstance(getattr(decoder, "layers", None), torch.nn.ModuleList):  # GPT-2's are decoder.h, say
+        raise DDTreeError(f"target {getattr(target, 'name_or_path_for_ddtree', target.config.model_type)!r} "
+                          f"({target.config.model_type}) keeps its decoder layers elsewhere than decoder.layers, where "
+                          "training reads the target's features: train against a Llama-, Qwen-, Mistral- or Gemma-style target")
     captured: dict[int, torch.Tensor] = {}
     deepest, last = max(layer_ids), len(decoder.layers) - 1
     whole = final_hidden or deepest == last  # the last layer's features are the decoder's normed output

@@ -250,3 +250,35 @@ def test_a_target_folder_that_is_not_a_whole_causal_lm_is_one_line(tmp_path, tin
         ddtree.targets.load_target(str(folder))
     assert str(error.value).startswith(f"could not load target '{folder}'") and named in str(error.value)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("family", ["gpt_neox", "phi", "gpt2"])
+def test_a_drafter_is_shaped_after_a_target_of_another_family_and_decodes_its_greedy_tokens(tiny_target, family):
+    """build_drafter_config read Llama's spellings (intermediate_size, rms_norm_eps): GPT-NeoX and Phi (layer_norm_eps)
+    and GPT-2 (n_inner) were AttributeErrors. A random drafter of each decodes exactly the target's greedy tokens."""
+    import transformers
+
+    from ddtree.decoding import DrafterRunner, generate
+
+    _, tokenizer = tiny_target
+    shape = dict(vocab_size=49152, num_hidden_layers=4, num_attention_heads=4)
+    config = {"gpt_neox": transformers.GPTNeoXConfig(hidden_size=64, intermediate_size=128, **shape),
+              "phi": transformers.PhiConfig(hidden_size=64, intermediate_size=128, **shape),
+              "gpt2": transformers.GPT2Config(vocab_size=49152, n_embd=64, n_layer=4, n_head=4)}[family]
+    torch.manual_seed(0)
+    target = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    drafter_config = build_drafter_config(target, tokenizer, family, num_layers=1, block_size=4, mask_token_id=16)
+    torch.manual_seed(1)
+    runner = DrafterRunner(DFlashDraftModel(drafter_config).eval(), target)
+    prompt = [5, 6, 7, 8, 9]
+    greedy = generate(target, prompt, "ar", max_new_tokens=12).new_tokens
+    assert generate(target, prompt, "ddtree", runner, budget=8, max_new_tokens=12).new_tokens == greedy
+
+
+def test_a_target_config_without_a_field_the_drafter_needs_is_one_line():
+    from ddtree.targets import target_field
+
+    family = SimpleNamespace(model_type="mamba", n_inner=None)  # a config holding neither spelling
+    with pytest.raises(DDTreeError, match=r"target 'x' \(mamba\) has no max_position_embeddings in its config"):
+        target_field(family, "x", ("max_position_embeddings",))
+    assert target_field(family, "x", ("intermediate_size", "n_inner"), 256) == 256  # None counts as absent

@@ -818,3 +818,13 @@ def test_a_run_without_distillation_takes_a_built_store_that_holds_more(tmp_path
     built("tiny-key")
     assert resolved() == "tiny-key"
     assert resolve_store_path(None, "tiny", datamodule) is None
+
+
+def test_a_target_whose_layers_are_not_decoder_layers_is_one_line():
+    """GPT-2 keeps them in transformer.h: the features' hooks failed with an AttributeError."""
+    import transformers
+
+    target = transformers.AutoModelForCausalLM.from_config(transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2,
+                                                                                   n_head=2)).eval()
+    with pytest.raises(DDTreeError, match=r"\(gpt2\) keeps its decoder layers elsewhere than decoder.layers"):
+        target_layer_features(target, torch.tensor([[1, 2, 3]]), [0, 1])

@@ -24,7 +24,7 @@ from huggingface_hub import hf_hub_download
 
 from ddtree.drafters import weight_shapes as folder_weight_shapes
 from ddtree.errors import DDTreeError, error_line
-from ddtree.targets import resolve_target
+from ddtree.targets import is_int, resolve_target
 
 VLLM, SGLANG = "vLLM", "SGLang"
 ARCHITECTURE = "DFlashDraftModel"  # the class name both engines register for a DFlash drafter
@@ -110,12 +110,8 @@ def target_facts(target: str | None, drafter_config: dict) -> TargetFacts:
 # ----------------------------------------------------------------------------- shared reading
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _is_id_list(value) -> bool:
-    return isinstance(value, list) and bool(value) and all(_is_int(i) for i in value)
+    return isinstance(value, list) and bool(value) and all(is_int(i) for i in value)
 
 
 def rope_theta(layer: dict):
@@ -129,7 +125,7 @@ def expected_weights(layer: dict, fc_input: int) -> dict[str, tuple[int, ...]] |
     """
     sizes = [layer.get(key) for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                                         "intermediate_size", "num_hidden_layers")]
-    if not all(_is_int(size) for size in sizes) or not _is_int(fc_input):
+    if not all(is_int(size) for size in sizes) or not is_int(fc_input):
         return None
     hidden, heads, kv_heads, head_dim, intermediate, layers = sizes
     shapes = {"fc.weight": (hidden, fc_input), "hidden_norm.weight": (hidden,), "norm.weight": (hidden,)}
@@ -188,7 +184,7 @@ def hidden_size_problem(hidden_size, target: TargetFacts) -> str | None:
 def mask_range_problem(mask_token_id, target: TargetFacts) -> str | None:
     if mask_token_id is None:
         return "is missing (dflash_config.mask_token_id, or a top-level mask_token_id)"
-    if not _is_int(mask_token_id) or not 0 <= mask_token_id < target.vocab_size:
+    if not is_int(mask_token_id) or not 0 <= mask_token_id < target.vocab_size:
         return (f"{mask_token_id!r} is not a token of the target's vocabulary (0..{target.vocab_size - 1}, "
                 f"{target.source}): the engine embeds MASK with the target's embedding")
     return None
@@ -319,7 +315,7 @@ def vllm_weights(export: Export) -> str | None:
     config, layer = export.config, vllm_layer_config(export.config)
     ids = vllm_target_layer_ids(config)
     width = config.get("target_hidden_size") or layer.get("hidden_size")
-    expected = expected_weights(layer, len(ids) * width) if _is_id_list(ids) and _is_int(width) else None
+    expected = expected_weights(layer, len(ids) * width) if _is_id_list(ids) and is_int(width) else None
     if expected is None:
         return None  # the fields rules above name what is missing
     unknown = sorted(set(export.weights) - set(expected) - set(OPTIONAL_WEIGHTS))
@@ -363,13 +359,13 @@ def sglang_architectures(export: Export) -> str | None:
 def sglang_num_hidden_layers(export: Export) -> str | None:
     # DFlashDraftConfig.require_num_layers raises without it; _parse_optional_int wants a positive int.
     found = export.config.get("num_hidden_layers")
-    return None if _is_int(found) and found >= 1 else f"is {found!r}; SGLang requires a positive layer count"
+    return None if is_int(found) and found >= 1 else f"is {found!r}; SGLang requires a positive layer count"
 
 
 def sglang_intermediate_size(export: Export) -> str | None:
     # DFlashMLP raises "Invalid intermediate_size" unless it is above 0.
     found = export.config.get("intermediate_size")
-    return None if _is_int(found) and found > 0 else f"is {found!r}; SGLang's DFlashMLP requires it above 0"
+    return None if is_int(found) and found > 0 else f"is {found!r}; SGLang's DFlashMLP requires it above 0"
 
 
 def sglang_hidden_act(export: Export) -> str | None:
@@ -383,7 +379,7 @@ def sglang_block_size(export: Export) -> str | None:
     found = sglang_value(export.config, "block_size")
     if found is None:
         return "is missing (dflash_config or top level); SGLang would assume 16"
-    return None if _is_int(found) and found >= 1 else f"is {found!r}; SGLang requires a positive int"
+    return None if is_int(found) and found >= 1 else f"is {found!r}; SGLang requires a positive int"
 
 
 def sglang_layer_ids(export: Export) -> str | None:
@@ -422,7 +418,7 @@ def sglang_weights(export: Export) -> str | None:
     # load_weights drops names it does not know, silently (embed_tokens and lm_head among them), and leaves
     # a parameter the file lacks uninitialised; only an fc of the wrong shape raises.
     ids, hidden = sglang_value(export.config, "target_layer_ids"), export.config.get("hidden_size")
-    expected = expected_weights(export.config, len(ids) * hidden) if _is_id_list(ids) and _is_int(hidden) else None
+    expected = expected_weights(export.config, len(ids) * hidden) if _is_id_list(ids) and is_int(hidden) else None
     return None if expected is None else missing_or_misshapen(export, expected)
 
 

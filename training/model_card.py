@@ -32,6 +32,7 @@ from huggingface_hub import ModelCardData
 from ddtree.bench import CHAIN, budget_of, tree_key
 from ddtree.errors import DDTreeError, error_line
 from ddtree.files import read_yaml_mapping
+from ddtree.targets import is_number
 
 from .engines import SGLANG, VLLM, serve_commands
 from .report import objective_description
@@ -127,10 +128,6 @@ def read_evaluation(run_dir: Path, step: int, checkpoint_name: str | None = None
             raise DDTreeError(f"{path}: settings.{name} is {settings[name]!r}, not a number; "
                               f"re-run the evaluation of step {step}")
     return record
-
-
-def is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def read_run_config(run_dir: Path) -> dict:

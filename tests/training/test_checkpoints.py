@@ -71,6 +71,18 @@ def test_make_eval_takes_best_or_last_of_the_newest_run_that_has_it_or_a_path(tm
         find_checkpoint(str(old / "checkpoints"), root)
 
 
+def test_best_of_the_newest_run_when_runs_keep_no_last_checkpoint(tmp_path):
+    """A run with `checkpoint.save_last: false` was dated 0.0 and lost to any older run that kept a last.ckpt."""
+    root = tmp_path / "tiny"
+    make_run(root, "20250101-120000", {"checkpoints/step-step=2.ckpt": 100, "checkpoints/last.ckpt": 100},
+             best="step-step=2.ckpt")
+    newer = make_run(root, "20250102-120000", {"checkpoints/step-step=2.ckpt": 200}, best="step-step=2.ckpt")
+    newest = make_run(root, "20250103-120000", {"checkpoints/step-step=2.ckpt": 300}, best="step-step=2.ckpt")
+    assert find_checkpoint("best", root) == newest / "checkpoints" / "best.ckpt"
+    shutil.rmtree(newest)
+    assert find_checkpoint("best", root) == newer / "checkpoints" / "best.ckpt"
+
+
 def test_last_and_best_leave_out_ablate_variants_and_run_names_the_folder(tmp_path):
     """`make ablate` writes ordinary runs named ablate-<stamp>-<variant>; 'last' and 'best' took the newest variant."""
     root = tmp_path / "tiny"

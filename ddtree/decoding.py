@@ -30,7 +30,7 @@ from .calibration import OnlineCalibration
 from .corpus import CorpusLookup
 from .modeling_dflash import DFlashDraftModel, fuse_target_features
 from .names import METHODS
-from .target_runner import DynamicTarget, padded_capacity, static_target, storage_key
+from .target_runner import DynamicTarget, context_limit, padded_capacity, static_target, storage_key
 from .targets import DDTreeError
 from .sizing import TreeSizer
 from .static_drafter import StaticDrafter, redraft_layout
@@ -447,10 +447,6 @@ def _now(device: torch.device) -> float:
     if device.type == "cuda":  # time what the GPU did, not when the launch returned
         torch.cuda.synchronize(device)
     return time.perf_counter()
-
-
-def context_limit(target: PreTrainedModel) -> int:
-    return int(getattr(target.config.get_text_config(), "max_position_embeddings", 1 << 30))
 
 
 @torch.no_grad()

@@ -27,7 +27,8 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from .target_runner import DynamicTarget
+from .errors import DDTreeError
+from .target_runner import DynamicTarget, context_limit
 from .tree import DraftTree, ancestor_matrix, build_tree, tree_positions
 
 PROBE_ROWS = (1, 2, 5, 9, 17, 33, 65, 129)  # verify shapes timed by TreeSizer.measure, up to its max_rows
@@ -93,7 +94,15 @@ class TreeSizer:
 
     @classmethod
     def measure(cls, target: PreTrainedModel, max_rows: int, context: int = 300, repeats: int = 3) -> TreeSizer:
-        """Fit the cost line to the verify's median time at PROBE_ROWS up to max_rows (and max_rows itself)."""
+        """Fit the cost line to the verify's median time at PROBE_ROWS up to max_rows (and max_rows itself).
+
+        The `context` cached tokens are fewer where the target's context leaves less room beside max_rows: past its
+        positions a learned position table fails and rotary positions are ones decoding never reaches."""
+        limit = context_limit(target)
+        if limit - max_rows < 1:
+            raise DDTreeError(f"the target's context of {limit} positions leaves no room to time verifies of "
+                              f"{max_rows} rows: lower --budget, or pass --adaptive-size off")
+        context = min(context, limit - max_rows)
         vocab = target.get_output_embeddings().weight.shape[0]
         runner = probe_runner(target, context)
         rows = sorted({r for r in PROBE_ROWS if r < max_rows} | {max_rows})

@@ -103,6 +103,11 @@ class DynamicTarget:
 CAPACITY_STEP = 128  # static caches hold a multiple of this many slots (static_target, DrafterRunner.fix_shapes)
 
 
+def context_limit(target: PreTrainedModel) -> int:
+    """The positions the target was made for (max_position_embeddings; none named: no limit)."""
+    return int(getattr(target.config.get_text_config(), "max_position_embeddings", 1 << 30))
+
+
 def padded_capacity(needed: int) -> int:
     return -(-needed // CAPACITY_STEP) * CAPACITY_STEP
 

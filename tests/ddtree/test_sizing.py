@@ -90,3 +90,19 @@ def test_measure_runs_on_a_vocabulary_smaller_than_the_special_tokens_skipped():
                          num_key_value_heads=1, head_dim=16, max_position_embeddings=64)
     sizer = TreeSizer.measure(LlamaForCausalLM(config).eval(), max_rows=9, context=20, repeats=1)
     assert sizer.fixed_ms > 0 and sizer.row_ms >= 0
+
+
+def test_measure_keeps_within_a_short_context_and_refuses_one_too_short(tmp_path):
+    """A learned position table of 128 rows: the 300-token probe context was an IndexError traceback."""
+    import transformers
+
+    from ddtree.errors import DDTreeError
+
+    torch.manual_seed(0)
+    target = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=300, n_embd=32, n_layer=2, n_head=2, n_positions=128)).eval()
+    sizer = TreeSizer.measure(target, max_rows=33, repeats=1)
+    assert sizer.fixed_ms > 0 and sizer.row_ms >= 0
+    with pytest.raises(DDTreeError, match="the target's context of 128 positions leaves no room to time verifies "
+                                          "of 128 rows: lower --budget, or pass --adaptive-size off"):
+        TreeSizer.measure(target, max_rows=128, repeats=1)

@@ -18,9 +18,12 @@ prompt); optional "id".
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm.auto import tqdm
@@ -166,29 +169,18 @@ def summarize(rows: list[dict], key: str) -> dict:
     return {**acceptance, **timing, "accepted_depth_counts": depth_counts}
 
 
-def warm_up(
-    target: PreTrainedModel,
-    drafter: DrafterRunner | None,
-    prompt_ids: list[int],
-    keys: list[tuple[str, str, int]],
-    max_new_tokens: int,
-    stop_ids: list[int],
-    sampling: Sampling,
-    seed: int,
-    static: bool | None = None,
-    redraft: int | None = None,
-) -> None:
+def warm_up(keys: list[tuple[str, str, int]], decode: Callable[[str, str, int], object]) -> None:
     """One untimed generation per method, so that no method's figures absorb one-off costs.
 
     The first calls at a new shape pay for allocations, kernel selection (and, on a GPU, clock
     ramp-up); without this, whichever method is timed first (the chain) reports them as its own.
     A 4-token warm-up was too short: it never drafted a full block nor verified a full-size tree; a 32-token one
     built static runners too small for longer generations, which were then rebuilt inside the timed runs.
+    `decode(key, method, budget)` is the timed runs' own call (the same lookup, corpus, re-drafts and sizing), on the
+    longest prompt at the full length.
     """
-    for _, method, budget in keys:
-        generator = torch.Generator(device=target.device).manual_seed(seed)
-        generate(target, prompt_ids, method, drafter, budget or 1, max_new_tokens, stop_ids, sampling, generator, static,
-                 redraft=redraft if method != "ar" else 0)
+    for key, method, budget in keys:
+        decode(key, method, budget)
 
 
 def run_benchmark(
@@ -242,28 +234,37 @@ def run_benchmark(
             raise DDTreeError(
                 f"prompt {prompt['id']!r} has {len(prompt['prompt_ids'])} tokens; the target's context is {limit}"
             )
-    # The longest prompt at the full length: the static runners it builds then fit every timed generation, so none
-    # is rebuilt (and its CUDA graphs captured again) inside the timed prefill.
-    if warm:
-        longest = max(prompts, key=lambda prompt: len(prompt["prompt_ids"]))
-        warm_up(target, drafter, longest["prompt_ids"], keys, max_new_tokens, stop_ids, sampling, seed, static, redraft)
-
     calibration = None  # generate then uses the drafter's calibration file, if it has one, as it is
     if isinstance(online, OnlineCalibration):  # the caller's, to read what it learned (`ddtree calibrate`)
         calibration = online
     elif online:  # learning from the timed rounds, from what the drafter's file holds if it has one
         calibration = learning_from(getattr(drafter, "default_calibration", None))
+    # Each budget's rounds teach their own copy of the sizer its overhead: one budget's rounds cost another's.
+    sizers = {key: dataclasses.replace(sizer) for key, method, _ in keys if method == "ddtree" and sizer is not None}
+
+    def decode(key: str, method: str, budget: int, prompt_ids: list[int], calibration, sizers: dict):
+        generator = torch.Generator(device=target.device).manual_seed(seed)
+        return generate(
+            target, prompt_ids, method, drafter, budget or 1, max_new_tokens, stop_ids, sampling, generator, static,
+            calibration, lookup if method == "ddtree" else 0, sizers.get(key), redraft if method != "ar" else 0,
+            corpus if method == "ddtree" else None,
+        )
+
+    # The longest prompt at the full length: the static runners it builds then fit every timed generation, so none
+    # is rebuilt (and its CUDA graphs captured again) inside the timed prefill. Its rounds teach neither the timed
+    # runs' calibration nor their sizers (copies of them decode it).
+    if warm:
+        longest = max(prompts, key=lambda prompt: len(prompt["prompt_ids"]))["prompt_ids"]
+        untaught = {key: dataclasses.replace(sized) for key, sized in sizers.items()}
+        warm_up(keys, lambda key, method, budget: decode(key, method, budget, longest, copy.deepcopy(calibration),
+                                                         untaught))
+
     per_prompt = []
     bar = tqdm(total=len(prompts) * len(keys), desc="bench", disable=not progress, unit="run")
     for prompt in prompts:
         row = {"id": prompt["id"], "prompt_tokens": len(prompt["prompt_ids"]), "methods": {}}
         for key, method, budget in keys:
-            generator = torch.Generator(device=target.device).manual_seed(seed)
-            result = generate(
-                target, prompt["prompt_ids"], method, drafter, budget or 1, max_new_tokens, stop_ids, sampling, generator,
-                static, calibration, lookup if method == "ddtree" else 0, sizer if method == "ddtree" else None,
-                redraft if method != "ar" else 0, corpus if method == "ddtree" else None,
-            )
+            result = decode(key, method, budget, prompt["prompt_ids"], calibration, sizers)
             row["methods"][key] = {
                 "tau": result.tau,
                 "new_tokens": result.new_tokens,

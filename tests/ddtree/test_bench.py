@@ -4,6 +4,7 @@ share), and how it reads a prompts file.
     .venv/bin/pytest -q tests/ddtree/test_bench.py
 """
 
+import inspect
 import math
 import weakref
 
@@ -88,6 +89,42 @@ def test_every_method_is_warmed_up_at_full_depth_before_anything_is_timed(tiny_t
     full_depth = drafter.block_size - 1
     for warm_up in drafter.generations[:2]:
         assert full_depth in warm_up, "a warm-up that never drafts a full block leaves that shape's first call to the timed runs"
+
+
+def test_the_warm_up_decodes_as_the_timed_runs_do_and_each_budget_sizes_with_its_own_sizer(tiny_target, monkeypatch):
+    """The warm-up passed no lookup, corpus or sizer (it decoded the drafter's defaults at full-budget trees), and one
+    sizer learned every budget's round overhead: budget 8's first round was sized with budget 4's rounds."""
+    import ddtree.bench
+    from ddtree.sizing import TreeSizer
+
+    target, _ = tiny_target
+    calls = []
+
+    def spy(*args, **kwargs):
+        named = inspect.signature(generate).bind(*args, **kwargs).arguments
+        sizer = named.get("sizer")
+        calls.append({"method": named["method"], "budget": named["budget"], "lookup": named.get("lookup"),
+                      "corpus": named.get("corpus"), "sizer": sizer, "rounds_seen": None if sizer is None else sizer.rounds})
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(ddtree.bench, "generate", spy)
+    sizer = TreeSizer(fixed_ms=10.0, row_ms=1.0)
+    prompts = [{"id": "a", "prompt_ids": [5, 6, 7, 8]}, {"id": "b", "prompt_ids": [9, 10, 11]}]
+    run_benchmark(target, CountingDrafter(target.config.vocab_size), prompts, [CHAIN, "ddtree"], [4, 8],
+                  max_new_tokens=24, stop_ids=[], progress=False, lookup=2, sizer=sizer, corpus=False)
+    warm, timed = calls[:3], calls[3:]
+    assert [c["method"] for c in warm] == [CHAIN, "ddtree", "ddtree"] and len(timed) == 6
+    for warm_call, timed_call in zip(warm, timed):  # the same options, prompt after prompt
+        assert {k: warm_call[k] for k in ("method", "budget", "lookup", "corpus")} == \
+               {k: timed_call[k] for k in ("method", "budget", "lookup", "corpus")}
+    trees = [c for c in timed if c["method"] == "ddtree"]
+    assert all(c["lookup"] == 2 and c["corpus"] is False and c["sizer"] is not None for c in trees)
+    by_budget = {budget: {id(c["sizer"]) for c in trees if c["budget"] == budget} for budget in (4, 8)}
+    assert all(len(ids) == 1 for ids in by_budget.values()) and by_budget[4] != by_budget[8]
+    assert id(sizer) not in by_budget[4] | by_budget[8] and sizer.rounds == 0  # the caller's own is left as it was
+    first_timed = {budget: next(c for c in trees if c["budget"] == budget) for budget in (4, 8)}
+    assert [first_timed[b]["rounds_seen"] for b in (4, 8)] == [0, 0]  # neither the warm-up nor budget 4 taught 8's
+    assert all(c["sizer"] is not timed_c["sizer"] for c in warm if c["sizer"] for timed_c in trees)
 
 
 def test_the_warm_up_builds_static_runners_every_timed_generation_fits(tiny_target, monkeypatch):

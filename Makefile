@@ -8,6 +8,12 @@ RECIPE ?= smollm2-135m
 # A resumed run keeps its own recipe: --recipe only where RECIPE was given, or for a new run (training.train
 # refuses a --recipe that is not the resumed run's, and the default named smollm2-135m for every run resumed).
 RECIPE_FLAG = $(if $(and $(RESUME),$(filter file,$(origin RECIPE))),,--recipe '$(RECIPE)')
+# The recipe a multi-node resume launches (its processes per node come from it): RECIPE where given, else the
+# <recipe>/ folder above the run RESUME names (a run folder or a checkpoint in it), else the default (RESUME=last).
+RESUMED_RECIPE = $(shell r='$(RESUME)'; case "$$r" in (*.ckpt) r=$$(dirname "$$r"); \
+	[ "$$(basename "$$r")" != checkpoints ] || r=$$(dirname "$$r");; esac; \
+	[ -f "$$r/config.yaml" ] && basename "$$(dirname "$$(cd "$$r" && pwd)")")
+LAUNCH_RECIPE = $(if $(RECIPE_FLAG),$(RECIPE),$(or $(RESUMED_RECIPE),$(RECIPE)))
 
 .PHONY: help setup data features train ablate eval export test test-all clean
 
@@ -48,7 +54,7 @@ train: $(STAMP)
 ifeq ($(NODES),)
 	$(PY) -m training.train $(RECIPE_FLAG) $(if $(RESUME),--resume '$(RESUME)') $(ARGS)
 else
-	PYTHON=$(PY) recipes/launch_torchrun.sh '$(RECIPE)' $(NODES) $(if $(RESUME),--resume '$(RESUME)') $(ARGS)
+	PYTHON=$(PY) recipes/launch_torchrun.sh '$(LAUNCH_RECIPE)' $(NODES) $(if $(RESUME),--resume '$(RESUME)') $(ARGS)
 endif
 
 # make ablate [RECIPE=smollm2-135m] ARGS="--steps 800 [--variant name=overrides ...]"

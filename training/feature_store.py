@@ -48,6 +48,7 @@ shard counts against the box (<out>.partial/.time_box.json), so a restart does n
 from __future__ import annotations
 
 import bisect
+import errno
 import hashlib
 import json
 import os
@@ -68,7 +69,7 @@ from ddtree.drafters import read_drafter_config
 from ddtree.errors import DDTreeError
 from ddtree.files import file_in_the_way, follow_umask, unwritable_as_error, write_json_atomic
 from ddtree.precision import LIGHTNING_PRECISION
-from ddtree.targets import BUILTIN_TARGETS, TINY_TARGET, cache_dir, parse_dtype, resolve_target
+from ddtree.targets import BUILTIN_TARGETS, TINY_TARGET, cache_dir, is_disk_full, parse_dtype, resolve_target
 
 from .loss import next_token_top_k
 from .masks import IGNORE_INDEX
@@ -490,9 +491,12 @@ def build_feature_store(
                 with staging.open("rb") as handle:  # on disk before the rename names it finished (a power cut)
                     os.fsync(handle.fileno())
                 os.replace(staging, partial / shard["file"])  # only a complete shard ever has its final name
-            except OSError as error:  # a disk filled by another job since the size check: one line, no stray file
-                staging.unlink(missing_ok=True)
-                raise DDTreeError(f"writing {partial / shard['file']} failed ({error.strerror or error}; "
+            except (OSError, SafetensorError) as error:  # a disk filled by another job since the size check: one
+                staging.unlink(missing_ok=True)          # line, no stray file (safetensors raises its own type)
+                if not isinstance(error, OSError) and not is_disk_full(error):
+                    raise
+                reason = os.strerror(errno.ENOSPC) if is_disk_full(error) else error.strerror or error
+                raise DDTreeError(f"writing {partial / shard['file']} failed ({reason}; "
                                   f"{format_bytes(free_bytes(partial))} free): free some space or give another --out, "
                                   "then run the build again: it resumes after the finished shards") from None
             done.add(shard["file"])

@@ -681,6 +681,22 @@ def test_make_resumes_a_run_of_any_recipe_and_keeps_paths_with_spaces_whole():
     assert "--out '/tmp/a b'" in make_plan("features", "OUT=/tmp/a b")
 
 
+def test_a_multi_node_resume_launches_the_runs_own_recipe(tmp_path):
+    """With NODES the default recipe went to launch_torchrun.sh (its processes per node, and a --recipe training
+    refuses for another recipe's run)."""
+    run = tmp_path / "outputs" / "qwen3-8b" / "run 1"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text("model: {}\n")
+    launched = lambda *variables: make_plan("train", "NODES=2", *variables)  # noqa: E731
+    assert f"launch_torchrun.sh 'qwen3-8b' 2 --resume '{run}'" in launched(f"RESUME={run}")
+    assert "launch_torchrun.sh 'qwen3-8b' 2" in launched(f"RESUME={run}/")
+    assert "launch_torchrun.sh 'qwen3-8b' 2" in launched(f"RESUME={run / 'checkpoints' / 'last.ckpt'}")
+    assert "launch_torchrun.sh 'qwen3-8b' 2" in launched(f"RESUME={run / 'hpc_ckpt_3.ckpt'}")
+    assert "launch_torchrun.sh 'tiny' 2" in launched("RECIPE=tiny", f"RESUME={run}")  # given: as given
+    assert "launch_torchrun.sh 'smollm2-135m' 2 --resume 'last'" in launched("RESUME=last")  # the default's newest run
+    assert "launch_torchrun.sh 'smollm2-135m' 2" in launched()
+
+
 def test_make_help_prints_every_line_of_each_targets_comment():
     make_env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
     shown = subprocess.run(["make", "-s", "help"], cwd=REPO, env=make_env, capture_output=True, text=True).stdout

@@ -376,12 +376,23 @@ def rewrite_candidates(texts: list[str]) -> list[dict]:
     ]
 
 
-def word_problem_candidates(count: int, rng: random.Random, tag: str) -> list[dict]:
+def word_problem_candidates(count: int, rng: random.Random, tag: str, avoid: frozenset[str] = frozenset()) -> list[dict]:
+    """`count` word problems with random numbers; one whose text is in `avoid` (the training prompts, for the
+    evaluation's) has its numbers drawn again. Both sets fill the same templates, so seed 25 drew an evaluation
+    prompt word for word from training. A redraw happens only on such a collision, so seeds without one (the
+    shipped seed 0) give the same prompts as before."""
     out = []
     for i in range(count):
         k = i % len(WORD_PROBLEMS)
-        numbers = {"a": rng.randint(12, 480), "b": rng.randint(2, 11), "c": rng.randint(2, 12), "p": rng.choice([5, 10, 15, 20, 25, 30, 40, 50])}
-        out.append({"id": f"chat/math-{tag}/{i}/{k}", "content": WORD_PROBLEMS[k].format(**numbers)})
+        for _ in range(1000):
+            numbers = {"a": rng.randint(12, 480), "b": rng.randint(2, 11), "c": rng.randint(2, 12), "p": rng.choice([5, 10, 15, 20, 25, 30, 40, 50])}
+            content = WORD_PROBLEMS[k].format(**numbers)
+            if content not in avoid:
+                break
+        else:
+            raise DDTreeError(f"--num-chat: the training prompts hold nearly every filling of word problem {k} "
+                              f"({WORD_PROBLEMS[k][:40]}...), so none is left for the evaluation; ask for fewer chat prompts")
+        out.append({"id": f"chat/math-{tag}/{i}/{k}", "content": content})
     return out
 
 
@@ -448,7 +459,9 @@ def build(seed: int, num_coding: int, num_chat: int, num_eval: int) -> tuple[lis
 
     # Eval: half coding (spread over the held-out modules), half chat (spread over categories).
     eval_code = spread_sample(coding_candidates(EVAL_MODULES), num_eval // 2, rng, lambda c: c["module"])
-    eval_chat = chat_candidates(EVAL_TOPICS, rng) + rewrite_candidates(EVAL_TEXTS) + word_problem_candidates(4, rng, "eval")
+    train_texts = frozenset(r["messages"][0]["content"] for r in train)
+    eval_chat = (chat_candidates(EVAL_TOPICS, rng) + rewrite_candidates(EVAL_TEXTS)
+                 + word_problem_candidates(4, rng, "eval", avoid=train_texts))
     eval_chat = spread_sample(eval_chat, num_eval - num_eval // 2, rng, lambda c: c["id"].split("/")[1])
     # Alternated, so that any prefix (the in-training evaluation's eval.limit) is half coding, half chat.
     evaluation = [to_record(c, "eval-") for pair in zip(eval_code, eval_chat) for c in pair]
@@ -458,10 +471,13 @@ def build(seed: int, num_coding: int, num_chat: int, num_eval: int) -> tuple[lis
         raise DDTreeError(f"--num-eval {num_eval}: the held-out modules and topics make only {len(eval_code)} coding "
                           f"and {len(eval_chat)} chat prompts for it ({len(evaluation)} in all); ask for fewer")
 
-    train_texts = {r["messages"][0]["content"] for r in train}
+    # The promise of the docstring, kept under `python -O` too (an assert there wrote the leak without a word).
+    if set(TRAIN_MODULES) & set(EVAL_MODULES):
+        raise DDTreeError(f"make_prompts.py: {sorted(set(TRAIN_MODULES) & set(EVAL_MODULES))} are in both TRAIN_MODULES "
+                          "and EVAL_MODULES; keep each module in one list")
     overlap = [r["id"] for r in evaluation if r["messages"][0]["content"] in train_texts]
-    assert not overlap, f"eval prompts also in training: {overlap}"
-    assert not set(TRAIN_MODULES) & set(EVAL_MODULES)
+    if overlap:
+        raise DDTreeError(f"--seed {seed}: the evaluation prompts {overlap} are also training prompts; try another --seed")
     return train, evaluation
 
 

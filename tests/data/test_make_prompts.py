@@ -6,6 +6,7 @@
 import json
 import os
 import stat
+import subprocess
 import sys
 from pathlib import Path
 
@@ -111,4 +112,30 @@ def test_counts_below_one_prompt_and_one_file_for_both_are_refused(tmp_path, cap
                         (["--num-eval", "300"], "error: --num-eval 300: the held-out modules and topics make only ")]:
         assert make_prompts.main([*out, *extra]) == 2
         assert capsys.readouterr().err.strip().startswith(said)
+    assert not list(tmp_path.iterdir())
+
+
+def test_an_eval_word_problem_that_training_holds_word_for_word_is_drawn_again(tmp_path):
+    """Both sets fill the same word-problem templates: seeds 25 and 33 stopped with an AssertionError traceback,
+    and under `python -O` (the assert skipped) wrote an evaluation prompt that training also holds."""
+    for seed in (25, 33):
+        train, evaluation = make_prompts.build(seed=seed, num_coding=2400, num_chat=1600, num_eval=40)
+        assert len(evaluation) == 40 and not set(contents(train)) & set(contents(evaluation))
+    out = ["--seed", "25", "--train-out", str(tmp_path / "train.jsonl"), "--eval-out", str(tmp_path / "eval.jsonl")]
+    done = subprocess.run([sys.executable, "-O", str(ROOT / "data/make_prompts.py"), *out], cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    train, evaluation = ([json.loads(line) for line in (tmp_path / name).read_text().splitlines()]
+                         for name in ("train.jsonl", "eval.jsonl"))
+    assert len(evaluation) == 40 and not set(contents(train)) & set(contents(evaluation))
+
+
+def test_an_eval_prompt_left_in_training_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    """The last check before writing: a word-problem draw that ignores the training texts must not be written."""
+    draw = make_prompts.word_problem_candidates
+    monkeypatch.setattr(make_prompts, "word_problem_candidates", lambda count, rng, tag, avoid=frozenset(): draw(count, rng, tag))
+    out = ["--seed", "25", "--train-out", str(tmp_path / "train.jsonl"), "--eval-out", str(tmp_path / "eval.jsonl")]
+    assert make_prompts.main(out) == 2
+    assert capsys.readouterr().err.strip() == ("error: --seed 25: the evaluation prompts ['eval-chat/math-eval/1/1'] are "
+                                               "also training prompts; try another --seed")
     assert not list(tmp_path.iterdir())

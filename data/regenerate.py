@@ -22,8 +22,9 @@ How the work is laid out, so it survives interruption:
   - <out>.parts/settings.json records everything that changes the responses; a rerun with
     different settings is refused instead of mixing two kinds of data (until its first chunk is written: a
     job stopped by bad input takes the corrected settings);
-  - a dataset already merged at <out> with other settings (another target, other prompts) is replaced
-    only with --overwrite, and then only once the new one is complete;
+  - a dataset already merged at <out> with other settings (another target, other prompts), or answering
+    more prompts than this job (a smaller --limit), is replaced only with --overwrite, and then only once
+    the new one is complete;
   - a dataset already merged at <out> with the same settings (its regeneration.json) gives back its
     chunks, so a larger --limit on a fresh clone only generates the prompts the shipped data lacks;
   - once every chunk exists, the chunks are concatenated in prompt order into a `datasets` dataset
@@ -372,14 +373,21 @@ def chunk_path(parts: Path, index: int) -> Path:
     return parts / f"chunk-{index:05d}.jsonl"
 
 
-def check_replaces_only_its_own(out: Path, settings: dict, overwrite: bool) -> None:
-    """A finished dataset at `out` made with other settings (another target, other prompts, ...) is replaced only
-    when asked: the merge would put this job's replies in its place."""
+def check_replaces_only_its_own(out: Path, settings: dict, num_prompts: int, overwrite: bool) -> None:
+    """A finished dataset at `out` made with other settings (another target, other prompts, ...), or answering more
+    prompts than this job's `num_prompts`, is replaced only when asked: the merge would put this job's replies in its
+    place. A smaller --limit over the 2048 shipped answers left 64, and without a .parts folder the rest were lost."""
     summary = out / "regeneration.json"
-    changed = changed_settings(json.loads(summary.read_text()), settings) if summary.is_file() else []
+    made_with = json.loads(summary.read_text()) if summary.is_file() else {}
+    changed = changed_settings(made_with, settings) if made_with else []
     if changed and not overwrite:
         raise DDTreeError(f"--out {out} holds a dataset made with other settings ({'; '.join(changed)}): give another "
                           "--out, or pass --overwrite to replace it once the new one is complete; nothing was written")
+    answered = made_with.get("num_prompts")
+    if isinstance(answered, int) and answered > num_prompts and not overwrite:
+        raise DDTreeError(f"--out {out} holds a dataset answering {answered} prompts and this job writes {num_prompts} "
+                          f"(--limit): the other {answered - num_prompts} answers would be lost; give another --out, or "
+                          f"pass --overwrite to replace it with the {num_prompts}; nothing was written")
 
 
 def check_settings(parts: Path, settings: dict) -> None:
@@ -533,7 +541,7 @@ def run(args: argparse.Namespace) -> dict | None:
             raise DDTreeError(f"{args.prompts}: record {record['id']!r} has only assistant turns; it needs a prompt")
     chunks = [records[start:start + args.chunk_size] for start in range(0, len(records), args.chunk_size)]
     settings = response_settings(args)
-    check_replaces_only_its_own(out, settings, args.overwrite)
+    check_replaces_only_its_own(out, settings, len(records), args.overwrite)
     with unwritable_as_error(parts):
         parts.mkdir(parents=True, exist_ok=True)
     check_settings(parts, settings)

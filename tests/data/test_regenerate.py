@@ -157,8 +157,8 @@ def test_shards_merge_resume_and_settings_guard(tmp_path):
 
     with pytest.raises(DDTreeError, match="max_new_tokens: 6 -> 7"):
         regenerate.run(args_for(tmp_path, "--max-new-tokens", "7"))
-    # A smaller --limit merges a prefix of the finished work.
-    assert regenerate.run(args_for(tmp_path, "--merge-only", "--limit", "3"))["num_conversations"] == 3
+    # A smaller --limit merges a prefix of the finished work (asked for with --overwrite: the merge drops the rest).
+    assert regenerate.run(args_for(tmp_path, "--merge-only", "--limit", "3", "--overwrite"))["num_conversations"] == 3
     assert load_from_disk(str(tmp_path / "out"))["id"] == ["p0", "p1", "p2"]
 
 
@@ -195,6 +195,30 @@ def test_a_larger_limit_on_a_fresh_clone_reuses_the_merged_answers(tmp_path, mon
     regenerate.run(args_for(tmp_path, "--max-new-tokens", "5", "--overwrite"))
     assert len(generated) == 5
     assert json.loads((tmp_path / "out" / "regeneration.json").read_text())["max_new_tokens"] == 5
+
+
+def test_a_smaller_limit_never_shrinks_a_finished_dataset_unasked(tmp_path, capsys):
+    """A plain run with --limit 64 over the 2048 shipped answers merged 64 and lost the rest (no .parts folder on a
+    fresh clone), with no model loaded and no --overwrite."""
+    import shutil
+
+    from datasets import load_from_disk
+
+    prompt_file(tmp_path / "prompts.jsonl", 5)
+    regenerate.run(args_for(tmp_path))
+    shipped = load_from_disk(str(tmp_path / "out")).to_list()
+    shutil.rmtree(tmp_path / "out.parts")
+    capsys.readouterr()
+    for flags in (["--limit", "2"], ["--limit", "2", "--merge-only"]):
+        assert regenerate.main([*args_for_argv(tmp_path), *flags]) == 2
+        assert capsys.readouterr().err.strip() == (
+            f"error: --out {tmp_path / 'out'} holds a dataset answering 5 prompts and this job writes 2 (--limit): the "
+            "other 3 answers would be lost; give another --out, or pass --overwrite to replace it with the 2; nothing "
+            "was written")
+        assert load_from_disk(str(tmp_path / "out")).to_list() == shipped and not (tmp_path / "out.parts").exists()
+    assert regenerate.run(args_for(tmp_path))["num_conversations"] == 5  # the same count: nothing lost, nothing asked
+    assert regenerate.run(args_for(tmp_path, "--limit", "2", "--overwrite"))["num_conversations"] == 2
+    assert load_from_disk(str(tmp_path / "out")).to_list() == shipped[:2]
 
 
 def test_a_job_stopped_before_its_first_chunk_takes_corrected_settings(tmp_path):
@@ -298,7 +322,7 @@ def test_an_out_folder_that_is_not_its_dataset_is_never_replaced(tmp_path, capsy
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["notes.txt"] and not (tmp_path / "out.parts").exists()
     (tmp_path / "out" / "notes.txt").unlink()  # an empty folder is used, and its own dataset is replaced
     assert regenerate.run(args_for(tmp_path))["num_conversations"] == 2
-    assert regenerate.run(args_for(tmp_path, "--limit", "1"))["num_conversations"] == 1
+    assert regenerate.run(args_for(tmp_path, "--limit", "1", "--overwrite"))["num_conversations"] == 1
 
 
 @pytest.mark.parametrize("section, named", [

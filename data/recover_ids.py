@@ -69,6 +69,7 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
+from data.regenerate import conversation_counts  # noqa: E402
 from ddtree.targets import load_target  # noqa: E402
 from training.conversations import render_prompt_ids  # noqa: E402
 
@@ -158,6 +159,9 @@ def run(args: argparse.Namespace) -> dict:
     rows = load_from_disk(str(source)).to_list()
     if args.limit:
         rows = rows[:args.limit]
+    # The counts of the rows written, not the source's: a 2-row --limit claimed all 2048 prompts, and
+    # regenerate.py --check (training's guard) took it for the whole dataset.
+    settings.update(conversation_counts(rows))
     model, tokenizer = load_target(settings["target"], torch.float32)
     tokens = ByteTokens(tokenizer)
     counts = {"rows": len(rows), "recovered": 0, "split_changed": 0, "not_recovered": 0, "disagreements": 0}

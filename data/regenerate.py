@@ -474,6 +474,18 @@ def reuse_merged(out: Path, parts: Path, chunks_of_records: list[list[dict]], se
     return reused
 
 
+def conversation_counts(rows: list[dict]) -> dict:
+    """The counts regeneration.json records of a dataset's rows (--check reads num_prompts as the prompts answered)."""
+    return {
+        "num_prompts": len(rows),
+        "num_conversations": len(rows),
+        "num_stopped": sum(r["finish_reason"] == "stop" for r in rows),
+        "num_hit_max_new_tokens": sum(r["finish_reason"] == "length" for r in rows),
+        "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
+        "response_tokens": sum(r["response_tokens"] for r in rows),
+    }
+
+
 def merge(parts: Path, out: Path, chunks_of_records: list[list[dict]], settings: dict) -> dict:
     """Concatenate every chunk in order into a `datasets` folder at `out`; return the summary."""
     from datasets import Dataset  # heavy import, only needed here
@@ -488,15 +500,7 @@ def merge(parts: Path, out: Path, chunks_of_records: list[list[dict]], settings:
             "run the remaining shards first, or merge fewer prompts with a smaller --limit"
         )
     rows = [row for chunk in chunks for row in chunk]
-    summary = {
-        **settings,
-        "num_prompts": len(rows),
-        "num_conversations": len(rows),
-        "num_stopped": sum(r["finish_reason"] == "stop" for r in rows),
-        "num_hit_max_new_tokens": sum(r["finish_reason"] == "length" for r in rows),
-        "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
-        "response_tokens": sum(r["response_tokens"] for r in rows),
-    }
+    summary = {**settings, **conversation_counts(rows)}
     with staged_folder(out) as staging:
         Dataset.from_list(rows).save_to_disk(str(staging))
         (staging / "regeneration.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -81,9 +81,9 @@ def test_the_command_adds_response_ids_where_they_decode_and_count_right(tiny, t
     generated = greedy(model, render_prompt_ids(tokenizer, MESSAGES), 24)
     text = tokenizer.decode(generated, skip_special_tokens=True)
     rows = [{"id": "a", "messages": MESSAGES + [{"role": "assistant", "content": text}], "finish_reason": "length",
-             "response_tokens": len(generated)},
+             "prompt_tokens": 9, "response_tokens": len(generated)},
             {"id": "b", "messages": MESSAGES + [{"role": "assistant", "content": "Paris."}], "finish_reason": "stop",
-             "response_tokens": 7}]  # a count no split of "Paris." has: not recovered
+             "prompt_tokens": 9, "response_tokens": 7}]  # a count no split of "Paris." has: not recovered
     source = write_regenerated(tmp_path / "data", rows)
     assert recover_ids.main([str(source), "--out", str(tmp_path / "out")]) == 0
     from datasets import load_from_disk
@@ -102,6 +102,25 @@ def test_the_command_adds_response_ids_where_they_decode_and_count_right(tiny, t
                           capture_output=True, text=True, timeout=300, cwd=script.parents[1])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert load_from_disk(str(tmp_path / "again")).to_list() == out
+
+
+def test_a_limited_recovery_records_the_counts_of_the_rows_it_wrote(tiny, tmp_path):
+    """--limit 2 over the 2048 shipped rows copied their regeneration.json whole: the folder claimed num_prompts 2048
+    and every token, and regenerate.py --check took it for the full dataset."""
+    rows = [{"id": name, "messages": MESSAGES + [{"role": "assistant", "content": reply}], "finish_reason": finish,
+             "prompt_tokens": 9, "response_tokens": count}
+            for name, reply, finish, count in [("a", "Paris.", "stop", 2), ("b", "One, two", "length", 3),
+                                               ("c", "Yes.", "stop", 2)]]
+    source = write_regenerated(tmp_path / "data", rows)
+    recorded = json.loads((source / "regeneration.json").read_text())
+    full = {"num_prompts": 3, "num_conversations": 3, "num_stopped": 2, "num_hit_max_new_tokens": 1,
+            "prompt_tokens": 27, "response_tokens": 7}
+    (source / "regeneration.json").write_text(json.dumps({**recorded, **full}))
+    assert recover_ids.main([str(source), "--out", str(tmp_path / "out"), "--limit", "2"]) == 0
+    summary = json.loads((tmp_path / "out" / "regeneration.json").read_text())
+    assert {key: summary[key] for key in full} == {"num_prompts": 2, "num_conversations": 2, "num_stopped": 1,
+                                                   "num_hit_max_new_tokens": 1, "prompt_tokens": 18, "response_tokens": 5}
+    assert summary["target"] == "tiny-random" and summary["response_ids"]["rows"] == 2
 
 
 def test_sampled_data_is_refused(tmp_path):

@@ -500,6 +500,10 @@ def merge(parts: Path, out: Path, chunks_of_records: list[list[dict]], settings:
             "run the remaining shards first, or merge fewer prompts with a smaller --limit"
         )
     rows = [row for chunk in chunks for row in chunk]
+    # Dataset.from_list takes its columns from the first row alone: a first chunk reused from data made before
+    # response_ids were kept dropped the ids just generated for the others (training then tokenized their text).
+    if any("response_ids" in row for row in rows):
+        rows = [{**row, "response_ids": row.get("response_ids")} for row in rows]
     summary = {**settings, **conversation_counts(rows)}
     with staged_folder(out) as staging:
         Dataset.from_list(rows).save_to_disk(str(staging))

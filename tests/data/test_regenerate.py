@@ -221,6 +221,29 @@ def test_a_smaller_limit_never_shrinks_a_finished_dataset_unasked(tmp_path, caps
     assert load_from_disk(str(tmp_path / "out")).to_list() == shipped[:2]
 
 
+def test_data_made_before_response_ids_keeps_the_new_chunks_ids_when_extended(tmp_path):
+    """The shipped data was made before regenerate.py kept response_ids: extended with a larger --limit, its reused
+    first chunk has no such key, and Dataset.from_list (columns from the first row) dropped the new chunk's ids."""
+    import shutil
+
+    from datasets import Dataset, load_from_disk
+
+    prompt_file(tmp_path / "prompts.jsonl", 4)  # 2 chunks
+    regenerate.run(args_for(tmp_path, "--limit", "2"))
+    summary = (tmp_path / "out" / "regeneration.json").read_text()
+    old = load_from_disk(str(tmp_path / "out")).remove_columns(["response_ids"]).to_list()  # as the older script wrote it
+    shutil.rmtree(tmp_path / "out")
+    shutil.rmtree(tmp_path / "out.parts")
+    Dataset.from_list(old).save_to_disk(str(tmp_path / "out"))
+    (tmp_path / "out" / "regeneration.json").write_text(summary)
+
+    regenerate.run(args_for(tmp_path))
+    data = load_from_disk(str(tmp_path / "out"))
+    assert data["response_ids"][:2] == [None, None]  # the reused answers train from their text, as before
+    new = data.to_list()[2:]
+    assert all(row["response_ids"] is not None and len(row["response_ids"]) == row["response_tokens"] for row in new)
+
+
 def test_a_job_stopped_before_its_first_chunk_takes_corrected_settings(tmp_path):
     """Bad input (a target that does not exist, say) stops after settings.json and before any chunk: the rerun with
     the right value was refused as 'other settings' though nothing was there to mix with."""

@@ -26,7 +26,8 @@ How the work is laid out, so it survives interruption:
     more prompts than this job (a smaller --limit), is replaced only with --overwrite, and then only once
     the new one is complete;
   - a dataset already merged at <out> with the same settings (its regeneration.json) gives back its
-    chunks, so a larger --limit on a fresh clone only generates the prompts the shipped data lacks;
+    chunks, so a larger --limit on a fresh clone only generates the prompts the shipped data lacks; one
+    that already answers exactly this job's prompts is left as it is (a rerun does nothing);
   - once every chunk exists, the chunks are concatenated in prompt order into a `datasets` dataset
     (save_to_disk) at <out> with columns id, messages (prompt + assistant turn), finish_reason
     ("stop" | "length"), response_tokens, response_ids (the generated ids, which training supervises
@@ -486,6 +487,24 @@ def conversation_counts(rows: list[dict]) -> dict:
     }
 
 
+def finished_here(out: Path, records: list[dict], settings: dict) -> dict | None:
+    """The summary of the dataset at `out` when it already answers exactly these prompts, in order, with these
+    settings; else None. Merging it again from its own chunks would rewrite it (the shipped data/smollm2-135m lost
+    its int32 response_ids and recover_ids.py's record in regeneration.json) and change nothing it answers."""
+    summary_path = out / "regeneration.json"
+    if not summary_path.is_file():
+        return None
+    made_with = json.loads(summary_path.read_text())
+    if changed_settings(made_with, settings) or made_with.get("num_prompts") != len(records):
+        return None
+    from datasets import load_from_disk  # heavy import, only needed here
+
+    rows = load_from_disk(str(out)).to_list()
+    answered = len(rows) == len(records) and all(
+        row["id"] == record["id"] and row["messages"][:-1] == record["messages"] for row, record in zip(rows, records))
+    return made_with if answered else None
+
+
 def merge(parts: Path, out: Path, chunks_of_records: list[list[dict]], settings: dict) -> dict:
     """Concatenate every chunk in order into a `datasets` folder at `out`; return the summary."""
     from datasets import Dataset  # heavy import, only needed here
@@ -550,6 +569,10 @@ def run(args: argparse.Namespace) -> dict | None:
     chunks = [records[start:start + args.chunk_size] for start in range(0, len(records), args.chunk_size)]
     settings = response_settings(args)
     check_replaces_only_its_own(out, settings, len(records), args.overwrite)
+    finished = finished_here(out, records, settings)
+    if finished is not None:  # `make data` on the default recipe, whose data ships finished
+        print(f"[regenerate] {out} already answers these {len(records)} prompts with these settings; nothing to do")
+        return finished
     with unwritable_as_error(parts):
         parts.mkdir(parents=True, exist_ok=True)
     check_settings(parts, settings)

@@ -146,11 +146,15 @@ def test_shards_merge_resume_and_settings_guard(tmp_path):
         assert len(row["response_ids"]) == row["response_tokens"]  # the generated ids, which training supervises
     assert summary["response_tokens"] == sum(data["response_tokens"])
 
-    # Resume: only the missing chunk is generated again, and it comes out the same (greedy).
+    # Resume (a job stopped before its merge): only the missing chunk is generated again, and it comes out the same
+    # (greedy).
+    import shutil
+
     parts = tmp_path / "out.parts"
     chunk0_mtime = (parts / "chunk-00000.jsonl").stat().st_mtime_ns
     chunk1 = (parts / "chunk-00001.jsonl").read_text()
     (parts / "chunk-00001.jsonl").unlink()
+    shutil.rmtree(tmp_path / "out")
     regenerate.run(args_for(tmp_path))
     assert (parts / "chunk-00001.jsonl").read_text() == chunk1
     assert (parts / "chunk-00000.jsonl").stat().st_mtime_ns == chunk0_mtime
@@ -242,6 +246,36 @@ def test_data_made_before_response_ids_keeps_the_new_chunks_ids_when_extended(tm
     assert data["response_ids"][:2] == [None, None]  # the reused answers train from their text, as before
     new = data.to_list()[2:]
     assert all(row["response_ids"] is not None and len(row["response_ids"]) == row["response_tokens"] for row in new)
+
+
+def test_a_dataset_that_already_answers_the_job_is_left_as_it_is(tmp_path, monkeypatch, capsys):
+    """Rerunning a finished job (`make data` on the default recipe, whose data ships) merged the dataset again from
+    its own chunks: the shipped data/smollm2-135m was rewritten, its int32 response_ids widened and recover_ids.py's
+    record dropped from regeneration.json, with nothing it answers changed."""
+    import shutil
+
+    prompt_file(tmp_path / "prompts.jsonl", 4)
+    regenerate.run(args_for(tmp_path))
+    shutil.rmtree(tmp_path / "out.parts")  # as shipped
+    summary = tmp_path / "out" / "regeneration.json"
+    summary.write_text(json.dumps({**json.loads(summary.read_text()), "response_ids": {"recovered": 4}}))
+    shipped = {path.name: path.read_bytes() for path in (tmp_path / "out").iterdir()}
+    monkeypatch.setattr(regenerate, "load_target", lambda *args, **kwargs: pytest.fail("loaded the target"))
+    capsys.readouterr()
+    assert regenerate.run(args_for(tmp_path))["response_ids"] == {"recovered": 4}
+    assert capsys.readouterr().out == (f"[regenerate] {tmp_path / 'out'} already answers these 4 prompts with these "
+                                       "settings; nothing to do\n")
+    assert {path.name: path.read_bytes() for path in (tmp_path / "out").iterdir()} == shipped
+    assert not (tmp_path / "out.parts").exists()
+    # An edited prompt (the same count) is answered again, as before.
+    prompt_file(tmp_path / "prompts.jsonl", 4)
+    lines = (tmp_path / "prompts.jsonl").read_text().splitlines()
+    (tmp_path / "prompts.jsonl").write_text("\n".join([*lines[:3], lines[3].replace("about 3", "about three")]) + "\n")
+    monkeypatch.undo()
+    assert regenerate.run(args_for(tmp_path))["num_conversations"] == 4
+    from datasets import load_from_disk
+
+    assert load_from_disk(str(tmp_path / "out"))[3]["messages"][0]["content"] == "Say something about three."
 
 
 def test_a_job_stopped_before_its_first_chunk_takes_corrected_settings(tmp_path):

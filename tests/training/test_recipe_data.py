@@ -123,3 +123,28 @@ def test_gpu_recipe_stops_with_one_line_before_generating_anything(tmp_path, emp
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "accelerator=gpu needs a CUDA GPU" in err
     assert not (tmp_path / "cache" / "data").exists()
+
+
+def test_the_default_recipe_says_how_its_shipped_data_was_made_and_make_data_leaves_it_as_it_is(tmp_path, monkeypatch):
+    """recipes/smollm2-135m.yaml had no data.regenerate: `make data` answered all 4000 prompts over the 2048 shipped
+    ones (25-90 minutes on 2 cores) and training then read 4000 replies without a word. Its section is now
+    data/README.md's command: each start checks the shipped data against it, and `make data` finds it done."""
+    import shutil
+
+    repo = RECIPES_DIR.parent
+    monkeypatch.chdir(repo)  # the recipe's paths are the repository's
+    config = read_recipe(RECIPES_DIR / "smollm2-135m.yaml", [])
+    assert config.data.regenerate["limit"] == 2048
+    datamodule = DistillDataModule(target=config.model.target, data_path=config.data.data_path,
+                                   regenerate=config.data.regenerate)
+    prepare_recipe_data(datamodule, "smollm2-135m")  # regenerate.py --check: refused with a line if it differed
+    assert regenerate.main(["--recipe", "smollm2-135m", "--check"]) == 0
+
+    shipped = tmp_path / "smollm2-135m"
+    shutil.copytree(repo / "data" / "smollm2-135m", shipped)
+    before = {path.name: path.read_bytes() for path in shipped.iterdir()}
+    monkeypatch.setattr(regenerate, "load_target", lambda *args, **kwargs: pytest.fail("make data loaded the target"))
+    summary = regenerate.run(regenerate.parse_args(["--recipe", "smollm2-135m", "--out", str(shipped)]))
+    assert summary["num_prompts"] == 2048 and summary["response_ids"]["recovered"] == 1965
+    assert {path.name: path.read_bytes() for path in shipped.iterdir()} == before
+    assert not (tmp_path / "smollm2-135m.parts").exists()

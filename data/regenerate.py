@@ -184,6 +184,14 @@ def changed_settings(old: dict, settings: dict) -> list[str]:
     return [f"{k}: {old.get(k)!r} -> {v!r}" for k, v in settings.items() if old.get(k) != v]
 
 
+def changed_replies(old: dict, settings: dict) -> list[str]:
+    """changed_settings for a finished dataset: what its replies depend on. How the prompts were chunked is not, nor a
+    greedy job's seed: `make data ARGS=--chunk-size 256` made the same replies, then every training start refused them."""
+    greedy = settings["temperature"] == 0 and old.get("temperature") == 0
+    ignored = {"chunk_size", *(["seed"] if greedy else [])}
+    return changed_settings(old, {k: v for k, v in settings.items() if k not in ignored})
+
+
 def check_dataset(args: argparse.Namespace) -> None:
     """--check: --out holds the dataset this job would write, or a DDTreeError names what differs.
 
@@ -196,7 +204,7 @@ def check_dataset(args: argparse.Namespace) -> None:
         raise DDTreeError(f"{args.out} holds no dataset this script finished (no regeneration.json): move it away so "
                           "that it is generated again, or give another output folder")
     made_with = json.loads(summary.read_text())
-    changed = changed_settings(made_with, response_settings(args))
+    changed = changed_replies(made_with, response_settings(args))
     if not args.prompts.is_file():
         raise DDTreeError(f"--prompts {args.prompts} does not exist; give the prompts file the data was made from")
     with args.prompts.open() as f:
@@ -380,7 +388,7 @@ def check_replaces_only_its_own(out: Path, settings: dict, num_prompts: int, ove
     place. A smaller --limit over the 2048 shipped answers left 64, and without a .parts folder the rest were lost."""
     summary = out / "regeneration.json"
     made_with = json.loads(summary.read_text()) if summary.is_file() else {}
-    changed = changed_settings(made_with, settings) if made_with else []
+    changed = changed_replies(made_with, settings) if made_with else []
     if changed and not overwrite:
         raise DDTreeError(f"--out {out} holds a dataset made with other settings ({'; '.join(changed)}): give another "
                           "--out, or pass --overwrite to replace it once the new one is complete; nothing was written")
@@ -495,7 +503,7 @@ def finished_here(out: Path, records: list[dict], settings: dict) -> dict | None
     if not summary_path.is_file():
         return None
     made_with = json.loads(summary_path.read_text())
-    if changed_settings(made_with, settings) or made_with.get("num_prompts") != len(records):
+    if changed_replies(made_with, settings) or made_with.get("num_prompts") != len(records):
         return None
     from datasets import load_from_disk  # heavy import, only needed here
 

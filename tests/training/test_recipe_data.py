@@ -148,3 +148,14 @@ def test_the_default_recipe_says_how_its_shipped_data_was_made_and_make_data_lea
     assert summary["num_prompts"] == 2048 and summary["response_ids"]["recovered"] == 1965
     assert {path.name: path.read_bytes() for path in shipped.iterdir()} == before
     assert not (tmp_path / "smollm2-135m.parts").exists()
+
+
+def test_the_check_takes_greedy_data_made_with_another_chunk_size_or_seed(monkeypatch, capsys):
+    """Neither changes a greedy reply: data made with `make data ARGS=--chunk-size 256` was refused at every start."""
+    monkeypatch.chdir(RECIPES_DIR.parent)
+    check = lambda *flags: regenerate.main(["--recipe", "smollm2-135m", "--check", *flags])  # noqa: E731
+    assert check("--chunk-size", "256") == 0 and check("--seed", "5") == 0
+    capsys.readouterr()
+    assert check("--max-new-tokens", "128") == 2  # a setting that does change the replies
+    assert "max_new_tokens: 256 -> 128" in capsys.readouterr().err
+    assert check("--seed", "5", "--temperature", "0.7") == 2  # sampled: the seed counts with the temperature

@@ -29,11 +29,12 @@ from pathlib import Path
 
 from huggingface_hub import ModelCardData
 
-from ddtree.bench import CHAIN, budget_of, tree_key
+from ddtree.bench import CHAIN, budget_of, read_prompts, tree_key
 from ddtree.errors import DDTreeError, error_line
 from ddtree.files import read_yaml_mapping
 from ddtree.targets import is_number
 
+from .conversations import load_conversations
 from .engines import SGLANG, VLLM, serve_commands
 from .report import objective_description
 from .target import dtype_for_precision
@@ -130,6 +131,33 @@ def read_evaluation(run_dir: Path, step: int, checkpoint_name: str | None = None
     return record
 
 
+def count_training_prompts(prompts_file: str, num_prompts: int, data_path: str | None) -> int:
+    """How many of the first `num_prompts` prompts of `prompts_file` (an evaluation's settings) are, message for
+    message (role and text, outer whitespace aside), the prompt of an assistant turn of the conversations in
+    `data_path`: the drafter was trained on the target's replies to those, so its tau on them is no held-out figure.
+
+    Text only: no tokenizer, no model. A relative path is read from here, else from the project (runs started by
+    `make` name its files so). DDTreeError when either cannot be read here (a run trained on another machine, a Hub
+    dataset) or a prompt is raw text, which no conversation's messages can be compared with."""
+    if not data_path:
+        raise DDTreeError("the run folder has no config.yaml naming its data.data_path")
+    prompts_path, data = (Path(path) if Path(path).exists() else PROJECT_ROOT / path for path in (prompts_file, data_path))
+    if not data.exists():
+        raise DDTreeError(f"the training data {data_path} is not a file or folder here")
+
+    def key(messages: list[dict]) -> tuple:
+        return tuple((message["role"], message["content"].strip()) for message in messages)
+
+    evaluated = []
+    for _, where, record in read_prompts(prompts_path, num_prompts):
+        if "messages" not in record:
+            raise DDTreeError(f"{where}: a raw-text prompt, which no conversation's messages can be compared with")
+        evaluated.append(key(record["messages"]))
+    trained = {key(record["messages"][:i]) for record in load_conversations(data, messages_only=True)
+               for i, message in enumerate(record["messages"]) if message["role"] == "assistant"}
+    return sum(prompt in trained for prompt in evaluated)
+
+
 def read_run_config(run_dir: Path) -> dict:
     """The run's resolved configuration (config.yaml written by training/train.py), or {} if absent."""
     path = Path(run_dir) / "config.yaml"
@@ -158,6 +186,9 @@ class CardFacts:
     hyper_parameters: dict  # DistillModule hyper-parameters stored in the checkpoint
     run_config: dict  # the run's config.yaml ({} if absent)
     evaluation: dict | None  # read_evaluation(run_dir, step)
+    # How many of the evaluated prompts are prompts of the training data (count_training_prompts); None: not counted,
+    # and the card then does not call them held out.
+    training_prompts: int | None = None
     other_evaluated_steps: list[int] = field(default_factory=list)
     kept_checkpoints: list[str] = field(default_factory=list)  # the run's checkpoint files, by name
     speculators: bool = False  # the config also carries vLLM's speculators fields
@@ -207,11 +238,18 @@ def evaluation_section(facts: CardFacts) -> list[str]:
         bound += f" for the chain, and up to {lookup + 1} for a tree, whose {lookup}-token context lookup may run deeper"
     when = ("after training by `make eval` (training/evaluate.py, the training-time evaluation's code and "
             "settings)" if "checkpoint" in record else "by the training-time evaluation")
+    if facts.training_prompts is None:
+        held_out = "not compared with the training data"
+    elif facts.training_prompts == 0:
+        held_out = "held-out prompts, not in the training data"
+    else:  # its tau is partly a measure of replies the drafter learnt
+        held_out = (f"not held out: {facts.training_prompts} of these {settings['num_prompts']} prompts are prompts of "
+                    "the training data")
     lines += [
         f"Measured at training step {record['step']} (the step of this checkpoint) {when}, which runs the same "
         "code as `ddtree bench`: lossless decoding with the frozen target on "
-        f"the first {settings['num_prompts']} prompts of `{shown_path(settings['prompts'])}` (held-out prompts, not in the "
-        f"training data), up to {settings['max_new_tokens']} new tokens each, temperature {temperature:g}.",
+        f"the first {settings['num_prompts']} prompts of `{shown_path(settings['prompts'])}` ({held_out}), up to "
+        f"{settings['max_new_tokens']} new tokens each, temperature {temperature:g}.",
         "",
         "tau = tokens committed per target verification (accepted draft tokens + 1 bonus token), averaged over "
         f"all decoding rounds; {bound}. The expected tau is the drafter's own "

@@ -64,7 +64,9 @@ from .engines import Export, engine_problems, refusal, serve_commands, target_fa
 from .export import run_corpus
 from .hub import check_card_fields, check_export_folder, check_repo_id, preflight_hub, push
 from .hub_config import LIBRARY_DIR, REMOTE_CODE, hub_config, target_hub_id, verifier_for
-from .model_card import CardFacts, evaluated_steps, read_evaluation, read_run_config, render_model_card
+from .model_card import (CardFacts, count_training_prompts, evaluated_steps, read_evaluation, read_run_config,
+                         render_model_card)
+from .recipe_data import AUTO_DATA, default_data_path
 
 
 def check_loads_back(folder: Path, drafter: DFlashDraftModel) -> None:
@@ -112,6 +114,24 @@ def same_measurement(checkpoint: Checkpoint, evaluation: dict) -> bool:
     return recorded is not None and json.loads(json.dumps(finite_json(recorded["summary"]))) == evaluation["summary"]
 
 
+def evaluated_training_prompts(run_dir: Path, run_config: dict, evaluation: dict) -> int | None:
+    """How many of the evaluation's prompts are prompts of the run's training data (the card calls them held out only
+    when none is); None, with a note, where that cannot be told here."""
+    settings, data_path = evaluation["settings"], (run_config.get("data") or {}).get("data_path")
+    if data_path == AUTO_DATA:  # as training resolved it: the recipe is the folder the run is in
+        data_path = str(default_data_path(run_dir.parent.name))
+    try:
+        count = count_training_prompts(settings["prompts"], settings["num_prompts"], data_path)
+    except DDTreeError as error:
+        print(f"[export] note: the evaluated prompts were not compared with the training data ({error}); the card "
+              "does not call them held out", file=sys.stderr)
+        return None
+    if count:
+        print(f"[export] note: {count} of the {settings['num_prompts']} evaluated prompts are prompts of the training "
+              f"data {data_path}; the card says so", file=sys.stderr)
+    return count
+
+
 def export_folder(
     run_dir: Path, checkpoint_path: tuple[Path, str], out: Path, *, speculators: bool = False,
     base_model: str | None = None, license_id: str = "apache-2.0", dtype: str = "float32", repo: str | None = None,
@@ -133,6 +153,7 @@ def export_folder(
         print(f"[export] note: {path} is outside RUN={run_dir} and did not record RUN's evaluation of step "
               f"{checkpoint.step}: the card carries no measurement", file=sys.stderr)
         evaluation = None
+    training_prompts = evaluated_training_prompts(run_dir, run_config, evaluation) if evaluation is not None else None
     corpus = run_corpus(run_dir)
     if checkpoint.hyper_parameters.get("corpus") and corpus is None:  # its tau was measured grafting from it
         raise DDTreeError(f"{path} was trained with model.corpus, but {run_dir / CORPUS_FILE} is missing: the export "
@@ -155,7 +176,8 @@ def export_folder(
             name=(repo or out.name).split("/")[-1], repo=repo, target=target, base_model=base_model,
             license=license_id, drafter_config=config, num_parameters=sum(p.numel() for p in drafter.parameters()),
             dtype=dtype, step=checkpoint.step, checkpoint=label, hyper_parameters=checkpoint.hyper_parameters,
-            run_config=run_config, evaluation=evaluation, other_evaluated_steps=evaluated_steps(run_dir),
+            run_config=run_config, evaluation=evaluation, training_prompts=training_prompts,
+            other_evaluated_steps=evaluated_steps(run_dir),
             kept_checkpoints=[path.name for path in sorted(run_checkpoints(run_dir), key=lambda p: p.name)],
             speculators=speculators, engine_problems=[problem.line() for problem in problems],
             engine_target=served_target.source,

@@ -995,6 +995,41 @@ def test_the_card_says_whose_replies_the_data_holds_as_the_data_says_it(run_dir,
     assert "written by `smollm2-135m`" in data_provenance("data/smollm2-135m", "tiny-random")  # the tiny recipe's
 
 
+def test_the_card_calls_the_evaluated_prompts_held_out_only_when_none_is_a_training_prompt(run_dir, tmp_path, capsys):
+    from training.model_card import count_training_prompts
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run, symlinks=True)
+    assert export(run, tmp_path / "held-out", "--ckpt", "last") == 0  # data/eval_prompts.jsonl against "question i"
+    assert "`data/eval_prompts.jsonl` (held-out prompts, not in the training data)" in (
+        tmp_path / "held-out" / "README.md").read_text()
+
+    # The run's own training prompt first, then an unseen one: the card says one of the two was trained on.
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": text}]}) + "\n"
+                               for text in ["question 3 ", "question 99", "question 4"]))
+    record_path = run / "eval" / "step-000002.json"
+    record = json.loads(record_path.read_text())
+    record["settings"].update(prompts=str(prompts), num_prompts=2)  # the third, also trained on, was not evaluated
+    record_path.write_text(json.dumps(record))
+    assert export(run, tmp_path / "seen", "--ckpt", "last") == 0
+    card = (tmp_path / "seen" / "README.md").read_text()
+    assert "(not held out: 1 of these 2 prompts are prompts of the training data)" in card and "held-out" not in card
+    assert "1 of the 2 evaluated prompts are prompts of the training data" in capsys.readouterr().err
+
+    # Training data that is not here (a run trained on another machine): nothing is claimed either way.
+    config = run / "config.yaml"
+    config.write_text(config.read_text().replace("conversations.jsonl", "elsewhere/conversations.jsonl"))
+    assert export(run, tmp_path / "unknown", "--ckpt", "last") == 0
+    card = (tmp_path / "unknown" / "README.md").read_text()
+    assert "(not compared with the training data)" in card and "held-out" not in card
+    assert "were not compared with the training data (the training data " in capsys.readouterr().err
+
+    # The shipped files: every one of the first 8 training prompts is a prompt of the shipped data, no eval prompt is.
+    assert count_training_prompts("data/prompts/train_prompts.jsonl", 8, "data/smollm2-135m") == 8
+    assert count_training_prompts("data/eval_prompts.jsonl", 40, "data/smollm2-135m") == 0
+
+
 def test_a_warm_started_run_is_exported_for_the_target_it_trained_against(run_dir, tmp_path, capsys):
     """A run warm-started (model.init_from) from another target's export kept that folder's target name and depth in
     its drafter config (fixed in training/module.py): the export, its card and the engine checks named that target."""

@@ -282,8 +282,9 @@ class AcceptanceEvaluation(L.Callback):
             raise DDTreeError(f"eval.budgets={budgets}: give one or more node budgets, each at least 1")
         if primary_budget not in budgets:
             raise DDTreeError(f"eval.primary_budget={primary_budget} is not one of eval.budgets={budgets}; add it")
-        if max_new_tokens < 2:
-            raise DDTreeError(f"eval.max_new_tokens={max_new_tokens}: must be at least 2 (the first comes from prefill)")
+        if max_new_tokens < 3:  # 2 leaves one round room for the target's own token alone: tau 1.0 for any drafter
+            raise DDTreeError(f"eval.max_new_tokens={max_new_tokens}: must be at least 3 (the first comes from prefill, "
+                              "and a round needs room for a drafted token besides the target's)")
         if limit is not None and limit < 1:
             raise DDTreeError(f"eval.limit={limit}: must be at least 1, or null for every prompt")
         if lookup is not None and lookup < 0:

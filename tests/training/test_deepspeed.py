@@ -163,7 +163,7 @@ def launch_args(tmp: Path, strategy: str, batch_size: int, probe_dir: Path, *ext
         f"--trainer.strategy={strategy}", "--trainer.precision=bf16-mixed",  # the GPU recipes' precision, on any CPU
         f"--trainer.max_steps={STEPS}", "--trainer.val_check_interval=null",
         "--trainer.enable_progress_bar=false", "--trainer.log_every_n_steps=1", "--model.num_anchors=64",
-        "--eval.every_n_train_steps=2", "--eval.limit=1", "--eval.max_new_tokens=2", "--eval.budgets=[4]",
+        "--eval.every_n_train_steps=2", "--eval.limit=1", "--eval.max_new_tokens=3", "--eval.budgets=[4]",
         "--eval.primary_budget=4", f"--trainer.callbacks+={probe}",
         "--checkpoint.save_top_k=-1",  # every evaluated step's checkpoint stays: the tests read step 2's, and a tie
         *extra,                        # at step 4 would displace it (the latest of equals is kept)

@@ -1095,6 +1095,10 @@ def test_bad_settings_are_one_line_errors(tmp_path, capsys):
         AcceptanceEvaluation(budgets=[4, 8], primary_budget=32)
     with pytest.raises(DDTreeError, match="eval.every_n_train_steps=0"):
         AcceptanceEvaluation(every_n_train_steps=0)
+    # 2 tokens: the prefill's and one round's, with no room to draft: every checkpoint measured tau 1.0
+    with pytest.raises(DDTreeError, match=r"eval.max_new_tokens=2: must be at least 3 \(the first comes from prefill"):
+        AcceptanceEvaluation(max_new_tokens=2)
+    assert AcceptanceEvaluation(max_new_tokens=3).max_new_tokens == 3  # one round that can accept one drafted token
 
     data = write_conversations(tmp_path / "conversations.jsonl")
     common = ["--recipe", "tiny", "--output-root", str(tmp_path / "out"), f"--data.data_path={data}",

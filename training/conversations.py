@@ -179,8 +179,9 @@ def end_of_turn_text(tokenizer) -> str:
     """The special token the chat template writes right after an assistant's content.
 
     Found by rendering a probe conversation: SmolLM2 and Qwen3 close a turn with "<|im_end|>\\n",
-    Llama-3 with "<|eot_id|>"; only the special token itself is supervised (the model stops there;
-    what the template writes after it is never generated).
+    Llama-3 with "<|eot_id|>", Llama-2-chat with " </s>". Whitespace before the token belongs to the reply
+    (render_with_loss_mask supervises it as the template renders it), the token is supervised (the model stops
+    there), and what the template writes after it is not (it is never generated).
     """
     probe = "PROBE-ANSWER-7f3a"
     text = tokenizer.apply_chat_template(
@@ -188,7 +189,8 @@ def end_of_turn_text(tokenizer) -> str:
     )
     suffix = text[text.rindex(probe) + len(probe):]
     special = sorted(
-        (t for t in tokenizer.all_special_tokens + list(tokenizer.get_added_vocab()) if t and suffix.startswith(t)),
+        (t for t in tokenizer.all_special_tokens + list(tokenizer.get_added_vocab())
+         if t and suffix.lstrip().startswith(t)),
         key=len, reverse=True,
     )
     if not special:
@@ -257,6 +259,10 @@ def render_with_loss_mask(tokenizer, messages: list[dict], eot: str | None = Non
             content = written if start >= 0 else content
         if start < 0 and content:
             start = text.find(content, search_from)
+        if start > search_from and not text[search_from:start].strip():
+            # Whitespace the template writes past the prompt decoding feeds (Llama-2-chat's ' ' after [/INST]): the
+            # target writes it, with its first token, so it is the reply's and is tokenized with it.
+            content, start = text[search_from:start] + content, search_from
         content_end = start + len(content) if start >= 0 else search_from
         eot_at = text.find(eot, content_end)
         if (content and start < 0) or eot_at < 0 or text[content_end:eot_at].strip():

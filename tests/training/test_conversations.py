@@ -57,6 +57,15 @@ LLAMA3_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}{%- endif -%}"
 )
 
+# Llama-2-chat's format (meta-llama/Llama-2-7b-chat-hf's template, system prompt aside): BOS [INST] prompt [/INST],
+# then ' ' + trimmed reply + ' ' + EOS: a space stands between the reply and its end-of-turn token.
+LLAMA2_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'user' -%}{{- bos_token + '[INST] ' + m.content | trim + ' [/INST]' -}}"
+    "{%- elif m.role == 'assistant' -%}{{- ' ' + m.content | trim + ' ' + eos_token -}}{%- endif -%}"
+    "{%- endfor -%}"
+)
+
 CONVERSATION = [
     {"role": "user", "content": "What is 2+2?"},
     {"role": "assistant", "content": "2+2 is 4."},
@@ -89,6 +98,15 @@ def llama3_tokenizer(smol_folder):
     tokenizer.add_tokens(["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"], special_tokens=True)
     tokenizer.bos_token = "<|begin_of_text|>"
     tokenizer.chat_template = LLAMA3_TEMPLATE
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def llama2_tokenizer(smol_folder):
+    tokenizer = AutoTokenizer.from_pretrained(smol_folder)
+    tokenizer.add_tokens(["<s>", "</s>"], special_tokens=True)
+    tokenizer.bos_token, tokenizer.eos_token = "<s>", "</s>"
+    tokenizer.chat_template = LLAMA2_TEMPLATE
     return tokenizer
 
 
@@ -203,6 +221,21 @@ def test_llama3_mask_with_trimmed_content(llama3_tokenizer):
         "<|start_header_id|>assistant<|end_header_id|>\n\nassistant<|eot_id|>"
     )
     assert_golden(llama3_tokenizer, messages, expected, ["2+2 is 4.<|eot_id|>", "assistant<|eot_id|>"])
+
+
+def test_llama2_mask_supervises_the_space_before_eos_as_rendered_and_eos(llama2_tokenizer):
+    """Llama-2-chat closes a reply with ' ' + eos: every conversation was refused ("not with a special token")."""
+    assert end_of_turn_text(llama2_tokenizer) == "</s>"
+    expected = ("<s>[INST] What is 2+2? [/INST] 2+2 is 4. </s><s>[INST] And the assistant says? [/INST] assistant </s>")
+    # The space after [/INST] is past the prompt decoding feeds: the target writes it, with the reply's first token.
+    assert_golden(llama2_tokenizer, CONVERSATION, expected, [" 2+2 is 4. </s>", " assistant </s>"])
+    ids, mask = render_with_loss_mask(llama2_tokenizer, CONVERSATION)
+    assert ids == llama2_tokenizer(expected, add_special_tokens=False)["input_ids"]  # the spaces: the template's tokens
+    supervised = [token for token, bit in zip(llama2_tokenizer.convert_ids_to_tokens(ids), mask) if bit]
+    assert supervised[-3:] == ["\u0120assistant", "\u0120", "</s>"]  # the space before eos, then eos itself
+    ids, mask = render_with_loss_mask(llama2_tokenizer, CONVERSATION[:2])
+    prompt = render_prompt_ids(llama2_tokenizer, CONVERSATION[:1])
+    assert ids[:len(prompt)] == prompt and mask.index(1) == len(prompt)
 
 
 def test_prompt_render_is_a_prefix_of_the_conversation_render(smol_tokenizer, qwen3_tokenizer, llama3_tokenizer):

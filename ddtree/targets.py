@@ -24,10 +24,12 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from safetensors import SafetensorError
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel,
+                          PreTrainedTokenizerBase)
 
 from .errors import DDTreeError
 from .files import cache_dir, staged_folder
@@ -363,6 +365,16 @@ def stop_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -
             continue
         ids.update([source] if isinstance(source, int) else source)
     return sorted(ids)
+
+
+def config_stop_token_ids(source: str, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """stop_token_ids of a target (resolve_target's `source`) read from its config files, without its weights."""
+    try:
+        generation_config = GenerationConfig.from_pretrained(source)
+    except OSError:  # no generation_config.json: the model config's eos id is all there is
+        generation_config = GenerationConfig()
+    return stop_token_ids(SimpleNamespace(generation_config=generation_config, config=AutoConfig.from_pretrained(source)),
+                          tokenizer)
 
 
 def choose_mask_token_id(

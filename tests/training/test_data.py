@@ -79,6 +79,33 @@ def test_datamodule_caches_tokenization(tmp_path, monkeypatch):
         make_datamodule(tmp_path, max_length=65).prepare_data()
 
 
+def test_a_template_whose_end_of_turn_token_decoding_does_not_stop_at_is_warned_of_every_launch(tmp_path, caplog):
+    """A base model's ChatML template beside eos <|endoftext|>: training supervised <|im_end|> at every reply's end,
+    a token decoding never stops at, and nothing said so."""
+    import shutil
+
+    from ddtree.targets import builtin_target_folder
+
+    target = tmp_path / "base"
+    shutil.copytree(builtin_target_folder("smollm2-135m"), target, ignore=shutil.ignore_patterns("*.safetensors"))
+    for name in ("config.json", "generation_config.json"):
+        config = json.loads((target / name).read_text())
+        (target / name).write_text(json.dumps({**config, "eos_token_id": 0}))
+    tokenizer_config = json.loads((target / "tokenizer_config.json").read_text())
+    (target / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "eos_token": "<|endoftext|>"}))
+    for launch in range(2):  # the second reads the cached tokenization, and is warned too
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="training.data"):
+            make_datamodule(tmp_path, target=str(target)).prepare_data()
+        warned = [r.getMessage() for r in caplog.records if "decoding stops at" in r.getMessage()]
+        assert len(warned) == 1 and "ends a reply with '<|im_end|>' (id 2)" in warned[0], launch
+        assert "decoding stops at 0 '<|endoftext|>'" in warned[0]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="training.data"):  # the shipped target: <|im_end|> is its eos
+        make_datamodule(tmp_path).prepare_data()
+    assert not [r for r in caplog.records if "decoding stops at" in r.getMessage()]
+
+
 def test_a_saved_dataset_with_a_truncated_arrow_file_is_one_line_naming_the_folder(tmp_path):
     import datasets
 

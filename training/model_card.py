@@ -345,7 +345,7 @@ def recipe_section(facts: CardFacts) -> list[str]:
         ("optimizer", f"AdamW, lr {hp.get('lr')}, betas {hp.get('betas')}, weight decay {hp.get('weight_decay')}, "
                       f"warmup {hp.get('warmup_ratio')}, cosine to {hp.get('min_lr_ratio')} x lr"),
         ("LoRA", f"rank {hp['lora_rank']} (merged into these weights)" if hp.get("lora_rank") else "no"),
-        ("warm start", hp.get("init_from") or "no"),
+        ("warm start", shown_path(hp.get("init_from")) or "no"),  # not the training machine's layout
         ("steps trained", f"{facts.step} (checkpoint: {facts.checkpoint})"),
     ]
     if trainer:

@@ -30,6 +30,7 @@ from safetensors.torch import load_file
 from transformers import AutoModel
 
 import training.hub
+import training.model_card
 import training.publish as publish
 from ddtree.cli import load_drafter
 from ddtree.cli import main as ddtree_main
@@ -557,8 +558,9 @@ def test_a_failure_midway_leaves_nothing_behind(run_dir, tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------- LoRA
 
 
-def test_a_lora_checkpoint_is_exported_merged(tmp_path, tiny_target):
+def test_a_lora_checkpoint_is_exported_merged(tmp_path, tiny_target, monkeypatch):
     target, tokenizer = tiny_target
+    monkeypatch.setattr(training.model_card, "PROJECT_ROOT", tmp_path)  # the warm start's folder inside the project
     settings = dict(target="tiny-random", num_layers=1, block_size=4, target_layer_ids=[0, 2, 4],
                     target_dtype="float32")
     torch.manual_seed(0)
@@ -586,7 +588,9 @@ def test_a_lora_checkpoint_is_exported_merged(tmp_path, tiny_target):
                                rtol=1e-5, atol=1e-5)
     unmerged = block_logits(base.drafter.eval(), target, tokenizer)
     assert not torch.allclose(block_logits(exported, target, tokenizer), unmerged, atol=1e-4)
-    assert "rank 4 (merged into these weights)" in (tmp_path / "export" / "README.md").read_text()
+    card = (tmp_path / "export" / "README.md").read_text()
+    assert "rank 4 (merged into these weights)" in card
+    assert "| warm start | base |" in card and str(tmp_path) not in card  # named from the project, as the data is
 
 
 # ----------------------------------------------------------------------------- config for the engines

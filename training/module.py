@@ -533,12 +533,18 @@ class DistillModule(L.LightningModule):
         anchors, valid = sample_anchors(loss_mask, self.hparams.num_anchors, generator)
         if anchors.shape[1] == 0:
             return None  # no reply token with a successor anywhere in the batch: nothing to learn
-        features, source, target_seconds = self.sequence_features(batch, distill)
         labels = block_labels(input_ids, loss_mask, anchors, valid, self.block_size)  # (S, n, B)
         # Validation measures the plain blocks alone, so runs with and without re-draft training compare.
         given = sample_given(anchors, self.hparams.redraft_prob, generator) if stage == "train" else None
         if given is not None:
             labels = given_labels(labels, given)
+        if stage == "train" and self.trainer_world_size() == 1 and not self.has_learnable_label(labels):
+            # Re-drafting gave away every label, or every one is outside the draft vocabulary: a zero loss would
+            # still step AdamW (its momentum moves the weights) and log train/loss 0. With several
+            # processes the zero loss stays: a rank that skipped its backward would leave the others waiting in
+            # the gradient all-reduce.
+            return None
+        features, source, target_seconds = self.sequence_features(batch, distill)
         if stage == "train" and self.hparams.dropout:
             # Dropout draws from torch's global generator, which no checkpoint holds (a resumed run drew the first
             # launch's masks again) and which every rank seeds alike: seeded here per micro-batch and rank.
@@ -552,6 +558,18 @@ class DistillModule(L.LightningModule):
             if self.hparams.distill_top_k:  # online: what the store would hold, at the block tokens only
                 teacher = next_token_top_k(teacher, self.target.get_output_embeddings(), self.hparams.distill_top_k)
         return hidden, labels, teacher, target_seconds
+
+    def trainer_world_size(self) -> int:
+        return self._trainer.world_size if self._trainer is not None else 1
+
+    def has_learnable_label(self, labels: torch.Tensor) -> bool:
+        """Whether any label of (S, n, B) is one the drafter can propose. It waits on the device, as the anchor count
+        does, before the target's forward is queued."""
+        lm_head = self.target.get_output_embeddings()
+        draft_head = self.base_drafter().draft_head(lm_head)
+        if draft_head is not None:
+            labels = draft_vocab_labels(labels, draft_head[0], lm_head.weight.shape[0])
+        return bool((labels != IGNORE_INDEX).any())
 
     def shared_step(self, batch: dict, batch_idx: int, stage: str) -> StepResult | None:
         """Loss and counts of one batch (stage "train" or "val"); None if the batch has no block to learn from."""

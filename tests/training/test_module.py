@@ -924,8 +924,38 @@ def test_a_batch_whose_blocks_have_no_label_gives_zero_sums_not_an_error(objecti
     weighted, total, hits, tokens, top_hits = block_loss_sums(hidden, labels, head, block_position_weights(4, 4.0),
                                                               chunk_size=chunk_size, objective=objective)
     assert weighted.item() == total.item() == 0 and tokens.sum() == hits.sum() == top_hits.sum() == 0
-    (weighted / total.clamp_min(1e-8)).backward()  # as shared_step divides: a step that changes nothing
-    assert torch.equal(hidden.grad, torch.zeros_like(hidden))
+    (weighted / total.clamp_min(1e-8)).backward()  # as shared_step divides: zero gradients (training_step makes no
+    assert torch.equal(hidden.grad, torch.zeros_like(hidden))  # step of such a batch: the next test)
+
+
+def reply_batch(length: int, reply: int, seed: int) -> dict:
+    input_ids = torch.randint(100, 40000, (1, length), generator=torch.Generator().manual_seed(seed))
+    loss_mask = torch.zeros(1, length, dtype=torch.bool)
+    loss_mask[0, length - reply:] = True
+    return {"input_ids": input_ids, "loss_mask": loss_mask, "attention_mask": torch.ones(1, length, dtype=torch.bool)}
+
+
+def test_a_batch_whose_every_label_is_given_away_makes_no_optimizer_step():
+    """A 2-token reply has one anchor and one label, which re-draft training gave away: the zero loss still stepped
+    AdamW (its momentum moved every weight) and logged train/loss 0. (The schedule counts the batch, as it counts
+    one with no anchor.)"""
+    torch.manual_seed(0)
+    module = tiny_module(redraft_prob=0.99)
+    learnable, given_away = reply_batch(20, 14, seed=0), reply_batch(10, 2, seed=1)
+    with torch.no_grad():
+        assert module.shared_step(learnable, 0, "train").weight_total > 0
+    weights = []
+
+    class Weights(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            weights.append((outputs, torch.cat([p.detach().flatten() for p in pl_module.drafter.parameters()])))
+
+    trainer = L.Trainer(max_steps=3, max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[Weights()], accelerator="cpu")
+    trainer.fit(module, train_dataloaders=DataLoader([learnable, given_away, given_away], batch_size=None))
+    (first, after_first), (second, after_second), (_, after_third) = weights
+    assert first["loss"] > 0 and not second  # the given-away batch: no loss (Lightning hands on {}), no step
+    assert torch.equal(after_first, after_second) and torch.equal(after_second, after_third)
 
 
 @pytest.mark.parametrize("objective", ["dpace", "tree"])

@@ -58,6 +58,8 @@ from ddtree.names import DTYPE_NAMES
 from training.arguments import RECIPES_DIR, answer_early, known_recipes
 from training.recipe_data import AUTO_DATA, check_regenerate_settings, default_data_path
 
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
 # ----------------------------------------------------------------------------- arguments
 
 def build_parser() -> argparse.ArgumentParser:
@@ -184,11 +186,22 @@ def changed_settings(old: dict, settings: dict) -> list[str]:
     return [f"{k}: {old.get(k)!r} -> {v!r}" for k, v in settings.items() if old.get(k) != v]
 
 
+def same_file_spelling(path, recorded: bool = False) -> str:
+    """A prompts path as the project names it (from its root, ./ and .. folded), so that one file is one setting
+    however it was spelled: an absolute --prompts to data/prompts/train_prompts.jsonl was refused as other prompts.
+    A recorded relative path is the project's (jobs run from its root, as make does); a given one is from here."""
+    absolute = (PROJECT_ROOT / path if recorded else Path(path)).resolve()
+    return absolute.relative_to(PROJECT_ROOT).as_posix() if absolute.is_relative_to(PROJECT_ROOT) else str(absolute)
+
+
 def changed_replies(old: dict, settings: dict) -> list[str]:
     """changed_settings for a finished dataset: what its replies depend on. How the prompts were chunked is not, nor a
     greedy job's seed: `make data ARGS=--chunk-size 256` made the same replies, then every training start refused them."""
     greedy = settings["temperature"] == 0 and old.get("temperature") == 0
     ignored = {"chunk_size", *(["seed"] if greedy else [])}
+    recorded = old.get("prompts")
+    if isinstance(recorded, str) and same_file_spelling(recorded, recorded=True) == same_file_spelling(settings["prompts"]):
+        ignored.add("prompts")
     return changed_settings(old, {k: v for k, v in settings.items() if k not in ignored})
 
 

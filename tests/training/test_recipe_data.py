@@ -159,3 +159,14 @@ def test_the_check_takes_greedy_data_made_with_another_chunk_size_or_seed(monkey
     assert check("--max-new-tokens", "128") == 2  # a setting that does change the replies
     assert "max_new_tokens: 256 -> 128" in capsys.readouterr().err
     assert check("--seed", "5", "--temperature", "0.7") == 2  # sampled: the seed counts with the temperature
+
+
+def test_the_check_takes_the_same_prompts_file_however_its_path_is_spelled(monkeypatch, capsys):
+    repo = RECIPES_DIR.parent
+    monkeypatch.chdir(repo / "data")  # ../ from here, and absolute, name the file the record names from the root
+    check = lambda *flags: regenerate.main(["--recipe", "smollm2-135m", "--out", "smollm2-135m", "--check", *flags])  # noqa: E731
+    assert check("--prompts", str(repo / "data" / "prompts" / "train_prompts.jsonl")) == 0
+    assert check("--prompts", "./prompts/../prompts/train_prompts.jsonl") == 0
+    capsys.readouterr()
+    assert check("--prompts", "eval_prompts.jsonl") == 2  # another file is other prompts
+    assert "prompts: 'data/prompts/train_prompts.jsonl' -> 'eval_prompts.jsonl'" in capsys.readouterr().err

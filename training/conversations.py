@@ -256,6 +256,8 @@ def render_with_loss_mask(tokenizer, messages: list[dict], eot: str | None = Non
         start = -1
         if written != content:  # leading whitespace: the target's own output where the template keeps it (ChatML)
             start = text.find(written, search_from)
+            if start >= 0 and text[search_from:start].strip():  # past the turn's start: a later turn's text (a
+                start = -1  # user's "... a plain Yes."), where a template that trims the reply (Llama-3) wrote "Yes."
             content = written if start >= 0 else content
         if start < 0 and content:
             start = text.find(content, search_from)

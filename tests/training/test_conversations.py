@@ -288,6 +288,18 @@ def test_unfinished_answer_does_not_supervise_an_end_of_turn(smol_tokenizer):
     assert smol_tokenizer.decode([i for i, m in zip(cut["input_ids"], cut["loss_mask"]) if m]) == "2+2 is 4."
 
 
+
+@pytest.mark.parametrize("question", ["Are you sure? I want a plain Yes.", "Are you sure? Yes. or No.?"])
+def test_a_trimmed_replys_leading_whitespace_is_not_searched_for_in_a_later_turn(llama3_tokenizer, question):
+    """Llama-3 trims " Yes." to "Yes.": the search for " Yes." went on into the next user turn, so the user's text was
+    supervised and the reply not, or, where the user's text went on after it, the conversation was refused."""
+    messages = [{"role": "user", "content": "Is the sky blue? Answer Yes or No."}, {"role": "assistant", "content": " Yes."},
+                {"role": "user", "content": question}, {"role": "assistant", "content": "Yes, sure."}]
+    ids, mask = render_with_loss_mask(llama3_tokenizer, messages)
+    assert masked_runs(llama3_tokenizer, ids, mask) == ["Yes.<|eot_id|>", "Yes, sure.<|eot_id|>"]
+    prompt = render_prompt_ids(llama3_tokenizer, messages[:1])
+    assert ids[:len(prompt)] == prompt and mask.index(1) == len(prompt)
+
 @pytest.mark.parametrize("reply", ["\n\nSure, here.", "  Sure, here."])
 def test_a_replys_leading_whitespace_is_supervised_where_the_template_keeps_it(smol_tokenizer, reply):
     """It was trimmed before the search, so it joined the prompt piece: the training prompt then differed from the

@@ -12,12 +12,13 @@ and the DataModule are training/data.py.
 Pieces, top to bottom:
   - read_messages_jsonl / load_conversations: JSONL or Parquet files, saved `datasets` folders or
     Hub names -> a list of {"id", "messages"} records, with errors naming the file and line.
-  - render_with_loss_mask: render with the tokenizer's chat template; loss_mask = 1 on each
-    assistant turn's content and its end-of-turn token (not the role header, not what the template
-    adds after the end-of-turn token). Spans are found by rendering growing prefixes of the
-    conversation (the prompt up to each assistant turn, with the generation prompt) and diffing
-    against the full render; the render is then tokenized span by span.
-  - tokenize_conversation(s): one conversation, or many with counts of what was dropped or cut.
+  - render_with_loss_mask: render with the tokenizer's chat template; loss_mask = 1 on what the target
+    writes in each assistant turn: from the end of the prompt decoding feeds it (the role header and what
+    comes before are not) up to and including the end-of-turn token (not what the template adds after it).
+    Spans are found by rendering growing prefixes of the conversation (the prompt up to each assistant
+    turn, with the generation prompt) and diffing against the full render; the render is then tokenized
+    span by span.
+  - tokenize_conversation(s): one conversation, or many with counts of what was dropped, skipped or cut.
 """
 
 from __future__ import annotations
@@ -165,6 +166,9 @@ def load_conversations(source: str | Path, messages_only: bool = False) -> list[
 # 2 read it from the reply's text: 275 of the 2048 shipped replies re-tokenize to another length).
 # Not bumped either for special-token text inside a text-only reply, now tokenized as plain text: all 2048 shipped
 # conversations render to the same ids (checked one by one), and a bump would rebuild every feature store.
+# Not bumped either for a reply's span beginning where decoding's prompt ends (Qwen3's think block supervised): the
+# shipped data renders to the same ids again (all 2048); a Qwen3 text-only tokenization cached before keeps its old
+# mask until its cache file is deleted.
 TOKENIZATION_VERSION = 3
 
 
@@ -221,20 +225,49 @@ def assistant_header(tokenizer) -> str:
     return whole[opened:whole.index(reply, opened)]
 
 
+def find_reply(text: str, content: str, eot: str, turn_from: int) -> tuple[int, int] | None:
+    """(where the reply's text starts, where its end-of-turn token starts) in a render, for the assistant turn that
+    begins at turn_from; None where the render holds no such reply.
+
+    The reply is the message content as it ends right before an end-of-turn token, with only whitespace between
+    (Llama-2-chat's ' ' before eos): as written, trimmed (Llama-3 trims it), or, where the template keeps only its
+    end (Qwen3 drops an earlier reply's <think> reasoning from the history), the turn's text if the content ends
+    with it. It must begin before the first end-of-turn token after turn_from, so it is never found in a later
+    turn (a user's "... a plain Yes."), nor in the template's own text before it (Qwen3's "<think>\n\n</think>"
+    holds "in"); it can hold that token's text itself (a reply about chat templates).
+    """
+    written = content.rstrip()
+    candidates = [written, written.lstrip()]  # with its leading whitespace first: ChatML keeps it, the target wrote it
+    first_eot = eot_at = text.find(eot, turn_from)
+    while eot_at >= 0:
+        reply_end = turn_from + len(text[turn_from:eot_at].rstrip())
+        if reply_end - len(candidates[1]) > first_eot:  # it could only begin in a later turn
+            break
+        for candidate in candidates:
+            begins = reply_end - len(candidate)
+            if turn_from <= begins <= first_eot and text.startswith(candidate, begins):
+                return begins, eot_at
+        eot_at = text.find(eot, eot_at + len(eot))
+    kept = text[turn_from:first_eot].strip() if first_eot >= 0 else None
+    if kept is not None and written.endswith(kept):
+        return first_eot - len(text[turn_from:first_eot].lstrip()), first_eot
+    return None
+
+
 def render_with_loss_mask(tokenizer, messages: list[dict], eot: str | None = None) -> tuple[list[int], list[int]]:
     """Chat-template token ids of a whole conversation and the 0/1 mask of assistant tokens (untruncated).
 
-    For assistant turn i the render of messages[:i] with the generation prompt is a prefix of the
-    full render; the turn's content is the first occurrence of that content after this prefix (so
-    a template's own additions such as Qwen3's empty <think></think> block stay unmasked) and
-    ends at the next end-of-turn token, which is included. Where that render is refused or is no prefix (a
-    template that writes something of the whole conversation first), the search starts after the next
-    assistant header instead.
+    For assistant turn i the render of messages[:i] with the generation prompt, the prompt decoding feeds the
+    target, is a prefix of the full render: everything from its end to the turn's end-of-turn token, included, is
+    what the target writes, and is supervised (Qwen3's "<think>\n\n</think>\n\n" before the reply as well), and
+    find_reply places that token. Where that render is refused or is no prefix (a template that writes something
+    of the whole conversation first), the turn starts after the next assistant header instead, and is supervised
+    from its content on.
     """
     eot = eot or end_of_turn_text(tokenizer)
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     header = None  # the assistant header, found only where a prefix render cannot place the turn
-    spans, cursor = [], 0  # character spans [start, end) to supervise
+    spans, cursor = [], 0  # (supervised from, reply text from, end-of-turn token from, turn end) in characters
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
@@ -244,45 +277,38 @@ def render_with_loss_mask(tokenizer, messages: list[dict], eot: str | None = Non
             prefix = tokenizer.apply_chat_template(messages[:i], add_generation_prompt=True, tokenize=False) if i else None
         except Exception:  # some templates reject a conversation that does not start with a user turn
             prefix = None
-        if prefix is not None and text.startswith(prefix):
-            search_from = max(cursor, len(prefix))
+        decoding_prompt = prefix is not None and text.startswith(prefix)
+        if decoding_prompt:
+            turn_from = max(cursor, len(prefix))
         else:  # the render of the turns before is no prefix (or was refused): start after the next assistant header,
             # not at the previous turn's end, where a user turn that ends with this reply's text would be found first
             header = assistant_header(tokenizer) if header is None else header
             at = text.find(header, cursor) if header else -1
-            search_from = at + len(header) if at >= 0 else cursor
-        written = message["content"].rstrip()
-        content = written.strip()  # templates such as Llama-3's trim the content
-        start = -1
-        if written != content:  # leading whitespace: the target's own output where the template keeps it (ChatML)
-            start = text.find(written, search_from)
-            if start >= 0 and text[search_from:start].strip():  # past the turn's start: a later turn's text (a
-                start = -1  # user's "... a plain Yes."), where a template that trims the reply (Llama-3) wrote "Yes."
-            content = written if start >= 0 else content
-        if start < 0 and content:
-            start = text.find(content, search_from)
-        if start > search_from and not text[search_from:start].strip():
-            # Whitespace the template writes past the prompt decoding feeds (Llama-2-chat's ' ' after [/INST]): the
-            # target writes it, with its first token, so it is the reply's and is tokenized with it.
-            content, start = text[search_from:start] + content, search_from
-        content_end = start + len(content) if start >= 0 else search_from
-        eot_at = text.find(eot, content_end)
-        if (content and start < 0) or eot_at < 0 or text[content_end:eot_at].strip():
+            turn_from = at + len(header) if at >= 0 else cursor
+        found = find_reply(text, message["content"], eot, turn_from)
+        if found is None:
             raise DDTreeError(
-                f"assistant turn {i} ({content[:40]!r}...) is not followed by {eot!r} in the chat template's "
-                "render; this template rewrites message content in a way the loss mask cannot follow"
+                f"assistant turn {i} ({message['content'][:40]!r}...) does not end its turn, right before {eot!r}, "
+                "in the chat template's render: the template rewrites this reply in a way the loss mask cannot follow"
             )
-        spans.append((start if content else eot_at, eot_at, eot_at + len(eot)))
+        reply_at, eot_at = found
+        # Past the prompt decoding feeds, the template's text is the target's (it writes it after that prompt), and
+        # so is whitespace (Llama-2-chat's ' ' after [/INST], written with the reply's first token).
+        start = turn_from if decoding_prompt or not text[turn_from:reply_at].strip() else reply_at
+        spans.append((start, reply_at, eot_at, eot_at + len(eot)))
         cursor = eot_at + len(eot)
     # Tokenize piece by piece (unsupervised text, supervised reply, its end-of-turn token, ...): the prompt part then
     # has exactly the ids decoding feeds the target, and the answer the ids of its own text, with no BPE merge across
     # the boundary (which tokenizing the whole render at once can produce). In the reply, text that reads like a
     # special token ("<|im_end|>" in a reply about chat templates) is plain text: the target can only have written it
-    # as such, since its special token would have ended the turn (split_special_tokens).
+    # as such, since its special token would have ended the turn (split_special_tokens). The template's own text
+    # before the reply (Qwen3's think block) is tokenized as the template's; whitespace alone joins the reply.
     input_ids, loss_mask, cursor = [], [], 0
-    for start, eot_at, end in spans + [(len(text), len(text), len(text))]:
-        for piece, bit, literal in ((text[cursor:start], 0, False), (text[start:eot_at], 1, True),
-                                    (text[eot_at:end], 1, False)):
+    for start, reply_at, eot_at, end in spans + [(len(text),) * 4]:
+        if not text[start:reply_at].strip():
+            reply_at = start
+        for piece, bit, literal in ((text[cursor:start], 0, False), (text[start:reply_at], 1, False),
+                                    (text[reply_at:eot_at], 1, True), (text[eot_at:end], 1, False)):
             if piece:
                 piece_ids = tokenizer(piece, add_special_tokens=False, split_special_tokens=literal)["input_ids"]
                 input_ids += piece_ids
@@ -327,15 +353,24 @@ def tokenize_conversations(tokenizer, records: list[dict], max_length: int, min_
     hit max_new_tokens): the end-of-turn token the template writes after it was never the
     target's choice, so that token and everything after it are cut instead of supervised.
     A record with response_ids (regenerated data) supervises exactly those ids (render_generated);
-    one without is rendered from its text (render_with_loss_mask).
+    one without is rendered from its text (render_with_loss_mask). One whose render the loss mask cannot follow
+    (the template rewrote a reply) is skipped and counted, with one warning naming the first; if every one is, the
+    template is the problem, and its error is raised.
     """
     eot = end_of_turn_text(tokenizer)
-    kept, counts = [], {"conversations": len(records), "no_assistant": 0, "too_few_supervised": 0, "truncated": 0}
+    kept, counts = [], {"conversations": len(records), "no_assistant": 0, "unaligned": 0, "too_few_supervised": 0,
+                        "truncated": 0}
+    first_unaligned = None  # (record id, its error)
     for record in records:
         if record.get("response_ids") is not None:
             input_ids, loss_mask = render_generated(tokenizer, record, eot)
         else:
-            input_ids, loss_mask = render_with_loss_mask(tokenizer, record["messages"], eot)
+            try:
+                input_ids, loss_mask = render_with_loss_mask(tokenizer, record["messages"], eot)
+            except DDTreeError as error:  # one odd reply should not stop the preparation of all the others
+                counts["unaligned"] += 1
+                first_unaligned = first_unaligned or (record.get("id"), error)
+                continue
         if not any(loss_mask):
             counts["no_assistant"] += 1
             continue
@@ -351,12 +386,20 @@ def tokenize_conversations(tokenizer, records: list[dict], max_length: int, min_
         kept.append({"input_ids": input_ids, "loss_mask": loss_mask})
     counts["kept"] = len(kept)
     log.info("tokenized %s: %s", source, counts)
+    if first_unaligned and counts["unaligned"] == len(records):
+        record_id, error = first_unaligned
+        raise DDTreeError(f"{source}: no conversation could be rendered with its loss mask; the first, {record_id!r}: "
+                          f"{error}") from None
+    if first_unaligned:
+        record_id, error = first_unaligned
+        log.warning("%s: skipped %d of %d conversations whose render the loss mask cannot follow; the first, %r: %s",
+                    source, counts["unaligned"], len(records), record_id, error)
     if not kept:
         hint = (" (no assistant turns at all: this looks like a prompt file; generate responses with "
                 "data/regenerate.py first)") if counts["no_assistant"] == len(records) else ""
         raise DDTreeError(
             f"{source}: none of {len(records)} conversations is usable: {counts['no_assistant']} have no assistant "
-            f"tokens, {counts['too_few_supervised']} have fewer than {min_supervised_tokens} supervised tokens "
-            f"within max_length {max_length}{hint}"
+            f"tokens, {counts['unaligned']} a render the loss mask cannot follow, {counts['too_few_supervised']} "
+            f"fewer than {min_supervised_tokens} supervised tokens within max_length {max_length}{hint}"
         )
     return kept, counts

@@ -4,7 +4,7 @@
 
 Loss-mask goldens cover three template families: SmolLM2's real tokenizer and chat template, and
 Qwen3- and Llama-3-format templates written here (their tokenizers are not downloadable offline)
-on top of SmolLM2's tokenizer with those families' special tokens added.
+on top of SmolLM2's tokenizer with those families' special tokens added; Qwen3's also as it ships.
 """
 
 import json
@@ -48,6 +48,39 @@ QWEN3_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}"
 )
 
+# Qwen3's template as it ships (Qwen/Qwen3-*/tokenizer_config.json), its tool branches left out. Decoding renders it
+# without enable_thinking: the generation prompt is "<|im_start|>assistant\n", and the last reply renders after it as
+# "<think>\n\n</think>\n\n" + the reply, which the target writes; earlier replies lose their <think> reasoning.
+QWEN3_SHIPPED_TEMPLATE = (
+    "{%- if messages[0].role == 'system' %}{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}\n"
+    "{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}\n"
+    "{%- for message in messages[::-1] %}{%- set index = (messages|length - 1) - loop.index0 %}\n"
+    "{%- if ns.multi_step_tool and message.role == \"user\" and message.content is string and not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}"
+    "{%- set ns.multi_step_tool = false %}{%- set ns.last_query_index = index %}{%- endif %}{%- endfor %}\n"
+    "{%- for message in messages %}\n"
+    "{%- if message.content is string %}{%- set content = message.content %}{%- else %}{%- set content = '' %}"
+    "{%- endif %}\n"
+    "{%- if (message.role == \"user\") or (message.role == \"system\" and not loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>' + '\\n' }}\n"
+    "{%- elif message.role == \"assistant\" %}{%- set reasoning_content = '' %}\n"
+    "{%- if message.reasoning_content is string %}{%- set reasoning_content = message.reasoning_content %}"
+    "{%- else %}\n"
+    "{%- if '</think>' in content %}"
+    "{%- set reasoning_content = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}{%- endif %}\n"
+    "{%- if loop.index0 > ns.last_query_index %}\n"
+    "{%- if loop.last or (not loop.last and reasoning_content) %}"
+    "{{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}\n"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + content }}{%- endif %}\n"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + content }}{%- endif %}\n"
+    "{{- '<|im_end|>\\n' }}\n"
+    "{%- endif %}{%- endfor %}\n"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}{%- endif %}"
+)
+
 # Llama-3's format: BOS, <|start_header_id|>role<|end_header_id|>\n\n + trimmed content + <|eot_id|>.
 LLAMA3_TEMPLATE = (
     "{{- bos_token -}}"
@@ -89,6 +122,14 @@ def qwen3_tokenizer(smol_folder):
     tokenizer = AutoTokenizer.from_pretrained(smol_folder)
     tokenizer.add_tokens(["<think>", "</think>"])  # Qwen3: added, not special
     tokenizer.chat_template = QWEN3_TEMPLATE
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def qwen3_shipped_tokenizer(smol_folder):
+    tokenizer = AutoTokenizer.from_pretrained(smol_folder)
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.chat_template = QWEN3_SHIPPED_TEMPLATE
     return tokenizer
 
 
@@ -210,6 +251,38 @@ def test_qwen3_mask_skips_the_think_block_and_history_form(qwen3_tokenizer):
     assert_golden(qwen3_tokenizer, CONVERSATION, expected, ["2+2 is 4.<|im_end|>", "assistant<|im_end|>"])
 
 
+@pytest.mark.parametrize("reply", ["2+2 is 4.", "hi", "in", "think"])
+def test_qwen3s_shipped_template_supervises_the_think_block_the_target_writes_after_the_decoding_prompt(
+        qwen3_shipped_tokenizer, reply):
+    """Decoding's prompt ends "<|im_start|>assistant\n" and the target writes "<think>\n\n</think>\n\n" next: it was
+    left out of the loss as prompt, and a reply found inside it ("hi", "in") had its conversation refused."""
+    tokenizer, messages = qwen3_shipped_tokenizer, [{"role": "user", "content": "What is 2+2?"},
+                                                    {"role": "assistant", "content": reply}]
+    ids, mask = render_with_loss_mask(tokenizer, messages)
+    prompt = render_prompt_ids(tokenizer, messages[:1])
+    assert tokenizer.decode(prompt).endswith("<|im_start|>assistant\n")
+    assert ids[:len(prompt)] == prompt and mask.index(1) == len(prompt)
+    assert masked_runs(tokenizer, ids, mask) == [f"<think>\n\n</think>\n\n{reply}<|im_end|>"]
+    think = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    assert [i for i, bit in zip(ids, mask) if bit and i in think] == think  # the tokens the target writes, not text
+
+
+def test_qwen3s_shipped_template_trains_on_a_conversation_whose_earlier_reply_has_its_reasoning_stripped(
+        qwen3_shipped_tokenizer):
+    """The template drops an earlier reply's <think> block from the history, so that reply was not found in the render
+    and the conversation refused, stopping the whole data preparation."""
+    messages = [{"role": "user", "content": "What is 2+2?"},
+                {"role": "assistant", "content": "<think>\nAdd them.\n</think>\n\n2+2 is 4."},
+                {"role": "user", "content": "And 3+3?"},
+                {"role": "assistant", "content": "<think>\nAgain.\n</think>\n\n6."}]
+    expected = ("<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n2+2 is 4.<|im_end|>\n"
+                "<|im_start|>user\nAnd 3+3?<|im_end|>\n<|im_start|>assistant\n<think>\nAgain.\n</think>\n\n6.<|im_end|>\n")
+    ids, mask = render_with_loss_mask(qwen3_shipped_tokenizer, messages)
+    assert qwen3_shipped_tokenizer.decode(ids) == expected
+    assert masked_runs(qwen3_shipped_tokenizer, ids, mask) == ["2+2 is 4.<|im_end|>",
+                                                                "<think>\nAgain.\n</think>\n\n6.<|im_end|>"]
+
+
 def test_llama3_mask_with_trimmed_content(llama3_tokenizer):
     messages = [{"role": "system", "content": "You are terse."}] + CONVERSATION
     messages[2] = {"role": "assistant", "content": "  2+2 is 4.\n"}  # the template trims it
@@ -271,11 +344,32 @@ def test_tokenize_conversations_counts_and_skips(smol_tokenizer, caplog):
     ]
     with caplog.at_level("INFO"):
         kept, counts = tokenize_conversations(smol_tokenizer, records, max_length=120, min_supervised_tokens=4)
-    assert counts == {"conversations": 4, "no_assistant": 1, "too_few_supervised": 1, "truncated": 1, "kept": 2}
+    assert counts == {"conversations": 4, "no_assistant": 1, "unaligned": 0, "too_few_supervised": 1, "truncated": 1,
+                      "kept": 2}
     assert [len(k["input_ids"]) for k in kept][1] == 120
     assert "'truncated': 1" in caplog.text
     with pytest.raises(DDTreeError, match="looks like a prompt file"):
         tokenize_conversations(smol_tokenizer, [records[1], records[1]], 120, 4)
+
+
+def test_a_conversation_the_loss_mask_cannot_follow_is_skipped_and_counted_unless_all_are(smol_folder, caplog):
+    """One reply the template rewrote stopped the preparation of the whole data set, with an error that named no
+    conversation; now it is skipped and counted, with one warning naming it. A template that rewrites them all is
+    still refused."""
+    tokenizer = AutoTokenizer.from_pretrained(smol_folder)
+    tokenizer.chat_template = (  # rewrites "colour" in a reply: the reply's text is then not in the render
+        "{% for m in messages %}{{ '<|im_start|>' ~ m['role'] ~ '\\n' ~ m['content'] | replace('colour', 'color') "
+        "~ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    plain = {"id": "plain", "messages": CONVERSATION[:2]}
+    rewritten = {"id": "rewritten", "messages": [CONVERSATION[0], {"role": "assistant", "content": "Its colour is red."}]}
+    with caplog.at_level("WARNING"):
+        kept, counts = tokenize_conversations(tokenizer, [plain, rewritten, rewritten], 500, 1, "colours.jsonl")
+    assert len(kept) == 1 and counts["unaligned"] == 2 and counts["kept"] == 1
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "colours.jsonl: skipped 2 of 3 conversations" in warning and "'rewritten'" in warning
+    with pytest.raises(DDTreeError, match="colours.jsonl: no conversation could be rendered .* 'rewritten'"):
+        tokenize_conversations(tokenizer, [rewritten, rewritten], 500, 1, "colours.jsonl")
 
 
 def test_unfinished_answer_does_not_supervise_an_end_of_turn(smol_tokenizer):
@@ -300,10 +394,11 @@ def test_a_trimmed_replys_leading_whitespace_is_not_searched_for_in_a_later_turn
     prompt = render_prompt_ids(llama3_tokenizer, messages[:1])
     assert ids[:len(prompt)] == prompt and mask.index(1) == len(prompt)
 
-@pytest.mark.parametrize("reply", ["\n\nSure, here.", "  Sure, here."])
+@pytest.mark.parametrize("reply", ["\n\nSure, here.", "  Sure, here.", "\n", "   "])
 def test_a_replys_leading_whitespace_is_supervised_where_the_template_keeps_it(smol_tokenizer, reply):
     """It was trimmed before the search, so it joined the prompt piece: the training prompt then differed from the
-    one decoding feeds the target, and the whitespace the target wrote went unsupervised."""
+    one decoding feeds the target, and the whitespace the target wrote went unsupervised. A reply of whitespace
+    alone did so until the reply's span began where decoding's prompt ends."""
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": reply}]
     ids, mask = render_with_loss_mask(smol_tokenizer, messages)
     prompt = render_prompt_ids(smol_tokenizer, messages[:1])

@@ -351,7 +351,8 @@ def tokenize_conversations(tokenizer, records: list[dict], max_length: int, min_
 
     A record with finish_reason "length" has a last answer that the target did not finish (it
     hit max_new_tokens): the end-of-turn token the template writes after it was never the
-    target's choice, so that token and everything after it are cut instead of supervised.
+    target's choice, so that token and everything after it are cut instead of supervised (and, in a reply
+    from text, whitespace the template writes before it).
     A record with response_ids (regenerated data) supervises exactly those ids (render_generated);
     one without is rendered from its text (render_with_loss_mask). One whose render the loss mask cannot follow
     (the template rewrote a reply) is skipped and counted, with one warning naming the first; if every one is, the
@@ -376,6 +377,11 @@ def tokenize_conversations(tokenizer, records: list[dict], max_length: int, min_
             continue
         if record.get("finish_reason") == "length":
             last = len(loss_mask) - 1 - loss_mask[::-1].index(1)  # the last answer's end-of-turn token
+            reply = [m["content"] for m in record["messages"] if m["role"] == "assistant"][-1]
+            if record.get("response_ids") is None and not reply[-1:].isspace():
+                # Nor is whitespace the template writes before that token (Llama-2-chat's ' '), the reply not ending so
+                while loss_mask[last - 1] and not tokenizer.decode(input_ids[last - 1:last]).strip():
+                    last -= 1
             input_ids, loss_mask = input_ids[:last], loss_mask[:last]
         if len(input_ids) > max_length:
             counts["truncated"] += 1

@@ -362,7 +362,8 @@ def test_a_conversation_the_loss_mask_cannot_follow_is_skipped_and_counted_unles
         "~ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
     )
     plain = {"id": "plain", "messages": CONVERSATION[:2]}
-    rewritten = {"id": "rewritten", "messages": [CONVERSATION[0], {"role": "assistant", "content": "Its colour is red."}]}
+    rewritten = {"id": "rewritten",
+                 "messages": [CONVERSATION[0], {"role": "assistant", "content": "Its colour is red."}]}
     with caplog.at_level("WARNING"):
         kept, counts = tokenize_conversations(tokenizer, [plain, rewritten, rewritten], 500, 1, "colours.jsonl")
     assert len(kept) == 1 and counts["unaligned"] == 2 and counts["kept"] == 1
@@ -387,12 +388,23 @@ def test_unfinished_answer_does_not_supervise_an_end_of_turn(smol_tokenizer):
 def test_a_trimmed_replys_leading_whitespace_is_not_searched_for_in_a_later_turn(llama3_tokenizer, question):
     """Llama-3 trims " Yes." to "Yes.": the search for " Yes." went on into the next user turn, so the user's text was
     supervised and the reply not, or, where the user's text went on after it, the conversation was refused."""
-    messages = [{"role": "user", "content": "Is the sky blue? Answer Yes or No."}, {"role": "assistant", "content": " Yes."},
+    messages = [{"role": "user", "content": "Is the sky blue? Answer Yes or No."},
+                {"role": "assistant", "content": " Yes."},
                 {"role": "user", "content": question}, {"role": "assistant", "content": "Yes, sure."}]
     ids, mask = render_with_loss_mask(llama3_tokenizer, messages)
     assert masked_runs(llama3_tokenizer, ids, mask) == ["Yes.<|eot_id|>", "Yes, sure.<|eot_id|>"]
     prompt = render_prompt_ids(llama3_tokenizer, messages[:1])
     assert ids[:len(prompt)] == prompt and mask.index(1) == len(prompt)
+
+def test_an_unfinished_llama2_reply_does_not_supervise_the_space_its_template_writes_before_eos(llama2_tokenizer):
+    """Cut at max_new_tokens, the reply's " </s>" was cut to " ": a space the target never wrote was supervised."""
+    messages = [{"role": "user", "content": "Count."}, {"role": "assistant", "content": "one two three"}]
+    (cut,), _ = tokenize_conversations(llama2_tokenizer, [{"messages": messages, "finish_reason": "length"}],
+                                       max_length=500, min_supervised_tokens=1)
+    prompt = render_prompt_ids(llama2_tokenizer, messages[:1])
+    assert cut["input_ids"][:len(prompt)] == prompt and cut["loss_mask"].index(1) == len(prompt)
+    reply = cut["input_ids"][len(prompt):]
+    assert llama2_tokenizer.decode(reply) == " one two three" and all(cut["loss_mask"][len(prompt):])
 
 @pytest.mark.parametrize("reply", ["\n\nSure, here.", "  Sure, here.", "\n", "   "])
 def test_a_replys_leading_whitespace_is_supervised_where_the_template_keeps_it(smol_tokenizer, reply):

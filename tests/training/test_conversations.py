@@ -48,37 +48,26 @@ QWEN3_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}"
 )
 
-# Qwen3's template as it ships (Qwen/Qwen3-*/tokenizer_config.json), its tool branches left out. Decoding renders it
-# without enable_thinking: the generation prompt is "<|im_start|>assistant\n", and the last reply renders after it as
-# "<think>\n\n</think>\n\n" + the reply, which the target writes; earlier replies lose their <think> reasoning.
-QWEN3_SHIPPED_TEMPLATE = (
-    "{%- if messages[0].role == 'system' %}{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
-    "{%- endif %}\n"
-    "{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}\n"
-    "{%- for message in messages[::-1] %}{%- set index = (messages|length - 1) - loop.index0 %}\n"
-    "{%- if ns.multi_step_tool and message.role == \"user\" and message.content is string and not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}"
-    "{%- set ns.multi_step_tool = false %}{%- set ns.last_query_index = index %}{%- endif %}{%- endfor %}\n"
-    "{%- for message in messages %}\n"
-    "{%- if message.content is string %}{%- set content = message.content %}{%- else %}{%- set content = '' %}"
-    "{%- endif %}\n"
-    "{%- if (message.role == \"user\") or (message.role == \"system\" and not loop.first) %}"
-    "{{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>' + '\\n' }}\n"
-    "{%- elif message.role == \"assistant\" %}{%- set reasoning_content = '' %}\n"
-    "{%- if message.reasoning_content is string %}{%- set reasoning_content = message.reasoning_content %}"
-    "{%- else %}\n"
-    "{%- if '</think>' in content %}"
-    "{%- set reasoning_content = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}"
-    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}{%- endif %}\n"
-    "{%- if loop.index0 > ns.last_query_index %}\n"
-    "{%- if loop.last or (not loop.last and reasoning_content) %}"
-    "{{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}\n"
-    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + content }}{%- endif %}\n"
-    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + content }}{%- endif %}\n"
-    "{{- '<|im_end|>\\n' }}\n"
-    "{%- endif %}{%- endfor %}\n"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
-    "{%- endif %}{%- endif %}"
+# Qwen3's format as decoding renders it (no enable_thinking): the generation prompt is "<|im_start|>assistant\n", and
+# a reply after the last user turn renders as "<think>\n" + its reasoning + "\n</think>\n\n" + the reply, all of
+# which the target writes after that prompt; a reply before the last user turn renders without its reasoning.
+QWEN3_THINKING_TEMPLATE = (
+    "{%- set ns = namespace(last_user=-1) -%}"
+    "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}"
+    "{%- for m in messages -%}"
+    "{%- set content = m.content -%}"
+    "{%- if m.role == 'assistant' -%}"
+    "{%- set reasoning = '' -%}"
+    "{%- if '</think>' in content -%}"
+    "{%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\\n') -%}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}"
+    "{%- endif -%}"
+    "{%- if loop.index0 > ns.last_user -%}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning + '\\n</think>\\n\\n' + content + '<|im_end|>\\n' -}}"
+    "{%- else -%}{{- '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- else -%}{{- '<|im_start|>' + m.role + '\\n' + content + '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
 
 # Llama-3's format: BOS, <|start_header_id|>role<|end_header_id|>\n\n + trimmed content + <|eot_id|>.
@@ -126,10 +115,10 @@ def qwen3_tokenizer(smol_folder):
 
 
 @pytest.fixture(scope="module")
-def qwen3_shipped_tokenizer(smol_folder):
+def qwen3_thinking_tokenizer(smol_folder):
     tokenizer = AutoTokenizer.from_pretrained(smol_folder)
     tokenizer.add_tokens(["<think>", "</think>"])
-    tokenizer.chat_template = QWEN3_SHIPPED_TEMPLATE
+    tokenizer.chat_template = QWEN3_THINKING_TEMPLATE
     return tokenizer
 
 
@@ -252,11 +241,11 @@ def test_qwen3_mask_skips_the_think_block_and_history_form(qwen3_tokenizer):
 
 
 @pytest.mark.parametrize("reply", ["2+2 is 4.", "hi", "in", "think"])
-def test_qwen3s_shipped_template_supervises_the_think_block_the_target_writes_after_the_decoding_prompt(
-        qwen3_shipped_tokenizer, reply):
+def test_qwen3s_thinking_template_supervises_the_think_block_the_target_writes_after_the_decoding_prompt(
+        qwen3_thinking_tokenizer, reply):
     """Decoding's prompt ends "<|im_start|>assistant\n" and the target writes "<think>\n\n</think>\n\n" next: it was
     left out of the loss as prompt, and a reply found inside it ("hi", "in") had its conversation refused."""
-    tokenizer, messages = qwen3_shipped_tokenizer, [{"role": "user", "content": "What is 2+2?"},
+    tokenizer, messages = qwen3_thinking_tokenizer, [{"role": "user", "content": "What is 2+2?"},
                                                     {"role": "assistant", "content": reply}]
     ids, mask = render_with_loss_mask(tokenizer, messages)
     prompt = render_prompt_ids(tokenizer, messages[:1])
@@ -267,8 +256,8 @@ def test_qwen3s_shipped_template_supervises_the_think_block_the_target_writes_af
     assert [i for i, bit in zip(ids, mask) if bit and i in think] == think  # the tokens the target writes, not text
 
 
-def test_qwen3s_shipped_template_trains_on_a_conversation_whose_earlier_reply_has_its_reasoning_stripped(
-        qwen3_shipped_tokenizer):
+def test_qwen3s_thinking_template_trains_on_a_conversation_whose_earlier_reply_has_its_reasoning_stripped(
+        qwen3_thinking_tokenizer):
     """The template drops an earlier reply's <think> block from the history, so that reply was not found in the render
     and the conversation refused, stopping the whole data preparation."""
     messages = [{"role": "user", "content": "What is 2+2?"},
@@ -277,9 +266,9 @@ def test_qwen3s_shipped_template_trains_on_a_conversation_whose_earlier_reply_ha
                 {"role": "assistant", "content": "<think>\nAgain.\n</think>\n\n6."}]
     expected = ("<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n2+2 is 4.<|im_end|>\n"
                 "<|im_start|>user\nAnd 3+3?<|im_end|>\n<|im_start|>assistant\n<think>\nAgain.\n</think>\n\n6.<|im_end|>\n")
-    ids, mask = render_with_loss_mask(qwen3_shipped_tokenizer, messages)
-    assert qwen3_shipped_tokenizer.decode(ids) == expected
-    assert masked_runs(qwen3_shipped_tokenizer, ids, mask) == ["2+2 is 4.<|im_end|>",
+    ids, mask = render_with_loss_mask(qwen3_thinking_tokenizer, messages)
+    assert qwen3_thinking_tokenizer.decode(ids) == expected
+    assert masked_runs(qwen3_thinking_tokenizer, ids, mask) == ["2+2 is 4.<|im_end|>",
                                                                 "<think>\nAgain.\n</think>\n\n6.<|im_end|>"]
 
 

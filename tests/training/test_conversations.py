@@ -4,7 +4,8 @@
 
 Loss-mask goldens cover three template families: SmolLM2's real tokenizer and chat template, and
 Qwen3- and Llama-3-format templates written here (their tokenizers are not downloadable offline)
-on top of SmolLM2's tokenizer with those families' special tokens added; Qwen3's also as it ships.
+on top of SmolLM2's tokenizer with those families' special tokens added; Qwen3's also with the thinking block
+decoding meets (no enable_thinking), and Llama-2-chat's.
 """
 
 import json

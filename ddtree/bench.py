@@ -31,8 +31,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .calibration import learning_from
 from .decoding import (
-    METHODS, DrafterRunner, OnlineCalibration, Sampling, check_corpus, check_lookup, check_redraft, check_sizer,
-    context_limit, generate, static_cache,
+    METHODS, DrafterRunner, OnlineCalibration, Sampling, check_corpus, check_drafter_runner, check_lookup, check_redraft,
+    check_sizer, context_limit, generate, static_cache,
 )
 from .corpus import CorpusLookup
 from .errors import DDTreeError
@@ -222,6 +222,8 @@ def run_benchmark(
     keys = method_keys(methods, budgets)
     if drafter is None and any(method != "ar" for _, method, _ in keys):
         raise DDTreeError("methods dflash and ddtree need a drafter")
+    if drafter is not None:  # before the warm-up decodes, not in its first generate
+        check_drafter_runner(drafter, target)
     if lookup is not None:
         check_lookup("ddtree", lookup)
     if redraft is not None:

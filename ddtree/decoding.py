@@ -31,7 +31,7 @@ from .corpus import CorpusLookup
 from .modeling_dflash import DFlashDraftModel, fuse_target_features
 from .names import METHODS
 from .target_runner import DynamicTarget, context_limit, padded_capacity, static_target, storage_key
-from .targets import DDTreeError
+from .targets import DDTreeError, check_drafter_fits
 from .sizing import TreeSizer
 from .static_drafter import StaticDrafter, redraft_layout
 from .tree import (
@@ -161,6 +161,8 @@ class DrafterRunner:
         # corpus: the replies it was trained on, which generate grafts by default (the drafter folder's corpus file);
         # calibration: what `ddtree calibrate` learned on served prompts, which generate uses by default (frozen);
         # None takes the config's replayed calibration (model.replay_calibration) if it holds one, False neither
+        # A drafter built for another target failed deep in its first forward (a shape mismatch, an index out of range).
+        check_drafter_fits(drafter.config, target, "given to DrafterRunner")
         self.drafter = drafter.eval()
         self.embedding = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
@@ -391,6 +393,19 @@ def check_lookup(method: str, lookup: int) -> None:
         raise DDTreeError(f"lookup {lookup} grafts into ddtree trees; method {method!r} has none: give lookup 0")
 
 
+def check_drafter_runner(drafter, target: PreTrainedModel) -> None:
+    """The drafter generate and run_benchmark decode with is a runner (or one with its interface) of this target."""
+    if not all(hasattr(drafter, name) for name in ("reset", "features", "propose")):
+        raise DDTreeError(f"drafter is a {type(drafter).__name__}, not a DrafterRunner: wrap it, "
+                          "DrafterRunner(drafter, target), which runs it with the target's embedding and LM head")
+    # A runner drafts through the embedding and LM head it was built with: another target's drafted silently, or an
+    # embedding of fewer rows failed deep in the verify.
+    if isinstance(drafter, DrafterRunner) and (drafter.embedding is not target.get_input_embeddings()
+                                               or drafter.lm_head is not target.get_output_embeddings()):
+        raise DDTreeError("this DrafterRunner was built for another target (it holds that target's embedding and LM "
+                          "head): build one for this target, DrafterRunner(drafter, target)")
+
+
 def drafter_defaults(
     method: str, drafter: DrafterRunner | None, lookup: int | None, redraft: int | None, sized: bool,
     corpus: CorpusLookup | bool | None = False,
@@ -499,6 +514,8 @@ def generate(
         raise DDTreeError(f"unknown method {method!r}: choose from {', '.join(METHODS)}")
     if method != "ar" and drafter is None:
         raise DDTreeError(f"method {method!r} needs a drafter")
+    if drafter is not None:
+        check_drafter_runner(drafter, target)
     if method == "ddtree" and budget < 1:
         raise DDTreeError(f"budget {budget} must be at least 1")
     check_corpus(method, corpus)

@@ -275,3 +275,24 @@ def test_a_rounds_verify_time_is_the_targets_forward_and_the_trees_mask_is_overh
     for method, budget in (("dflash", 0), ("ddtree", 8)):
         result = generate(model, [1, 2, 3, 4], method, drafter, budget, 3)
         assert result.rounds and all(r.other_s >= 0.2 for r in result.rounds), [r.other_s for r in result.rounds]
+
+
+def test_a_runner_built_for_another_target_is_refused_before_the_warm_up_decodes(tiny_target, monkeypatch):
+    """generate refused it too, but only after the warm-up had decoded every method at full length."""
+    import copy
+
+    from ddtree import bench
+
+    target, tokenizer = tiny_target
+    other = copy.deepcopy(target)  # the same shapes, another model
+    drafter = decoding_runner(target, tokenizer)
+    monkeypatch.setattr(bench, "generate", lambda *args, **kwargs: pytest.fail("decoded before the check"))
+    with pytest.raises(DDTreeError, match=r"^this DrafterRunner was built for another target"):
+        run_benchmark(other, drafter, [{"id": "a", "prompt_ids": [5, 6, 7]}], ["ar", "ddtree"], [4], 4, [], progress=False)
+
+
+def decoding_runner(target, tokenizer):
+    from ddtree.cli import load_drafter
+    from ddtree.decoding import DrafterRunner
+
+    return DrafterRunner(load_drafter("random", target, tokenizer, "tiny-random"), target)

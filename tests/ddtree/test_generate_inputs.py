@@ -150,3 +150,58 @@ def test_on_tokens_hears_each_committed_token_once_in_order_and_its_time_is_not_
     assert [len(tokens) for tokens in heard] == [1] + [r.committed for r in result.rounds]  # the prefill's, each round's
     assert method == "ar" or max(r.committed for r in result.rounds) > 1  # rounds of several tokens
     assert result.decode_s < hour, (result.decode_s, len(result.rounds))  # the listener's hours left out
+
+
+# ------------------------------------------------------------------------ a drafter of another target (review, 2027-01)
+
+
+def small_target(seed=0, hidden=64, layers=4, vocab=256):
+    """A random Llama target of the given shape, fast on a CPU (fp32)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                                        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                        head_dim=16, max_position_embeddings=512)).eval()
+
+
+def drafter_for(target):
+    from ddtree.modeling_dflash import DFlashDraftModel
+    from ddtree.targets import build_drafter_config
+
+    config = build_drafter_config(target, None, "small", num_layers=1, block_size=4,
+                                  target_layer_ids=[0, target.config.num_hidden_layers - 1], mask_token_id=3)
+    return DFlashDraftModel(config)
+
+
+@pytest.mark.parametrize("other, problem", [
+    (dict(hidden=96), r"hidden_size 64 != the target's 96; this drafter was built for another target"),
+    (dict(layers=2), r"target_layer_ids \[0, 3\] must be non-empty and within 0..1 \(the target has 2 layers\)"),
+    (dict(vocab=128), r"vocab_size 256 != the target's 128 embedding rows"),
+], ids=["hidden", "layers", "vocab"])
+def test_a_runner_of_a_drafter_built_for_another_target_is_refused_when_built(other, problem):
+    """A shape mismatch or an IndexError deep in the first drafter forward, after the prefill, before."""
+    drafter = drafter_for(small_target())
+    with pytest.raises(DDTreeError, match=f"^drafter given to DrafterRunner: {problem}"):
+        DrafterRunner(drafter, small_target(1, **other))
+
+
+@pytest.mark.parametrize("method", ["dflash", "ddtree"])
+def test_a_drafter_not_wrapped_in_a_runner_is_refused_with_how_to_wrap_it(method):
+    """AttributeError 'features' after the prefill before."""
+    target = small_target()
+    with pytest.raises(DDTreeError, match=r"^drafter is a DFlashDraftModel, not a DrafterRunner: wrap it, "
+                                          r"DrafterRunner\(drafter, target\)"):
+        generate(target, PROMPT, method, drafter_for(target), budget=4, max_new_tokens=NEW)
+
+
+@pytest.mark.parametrize("vocab", [256, 128], ids=["same shapes", "fewer embedding rows"])
+def test_a_runner_reused_with_another_target_is_refused(vocab):
+    """Of the same shapes it drafted silently through the first target's embedding and LM head; of fewer embedding rows
+    the verify indexed out of range."""
+    first, second = small_target(0), small_target(1, vocab=vocab)
+    runner = DrafterRunner(drafter_for(first), first)
+    with pytest.raises(DDTreeError, match=r"^this DrafterRunner was built for another target"):
+        generate(second, PROMPT, "ddtree", runner, budget=4, max_new_tokens=NEW)
+    own = generate(first, PROMPT, "ddtree", runner, budget=4, max_new_tokens=NEW)  # with its own target it decodes
+    assert own.new_tokens == greedy(first, PROMPT)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -28,6 +29,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from .calibration import OnlineCalibration
 from .corpus import CorpusLookup
+from .errors import error_line
 from .modeling_dflash import DFlashDraftModel, fuse_target_features
 from .names import METHODS
 from .target_runner import DynamicTarget, context_limit, padded_capacity, static_target, storage_key
@@ -393,6 +395,32 @@ def check_lookup(method: str, lookup: int) -> None:
         raise DDTreeError(f"lookup {lookup} grafts into ddtree trees; method {method!r} has none: give lookup 0")
 
 
+def prompt_token_ids(prompt_ids, where: str = "prompt_ids") -> list[int]:
+    """One prompt as a list of token ids, from a list or tuple of ids, a 1-D or (1, T) tensor or array, or what a
+    tokenizer returns (a BatchEncoding: its "input_ids"); a batch of several, text or nothing is one line."""
+    if isinstance(prompt_ids, Mapping):  # tokenizer(text, return_tensors="pt"), apply_chat_template(...) in transformers 5
+        if "input_ids" not in prompt_ids:
+            raise DDTreeError(f"{where} is a mapping without \"input_ids\" (keys {list(prompt_ids)[:5]}): give the "
+                              "prompt's token ids")
+        prompt_ids = prompt_ids["input_ids"]
+    if isinstance(prompt_ids, (str, bytes)):
+        raise DDTreeError(f"{where} is text ({prompt_ids[:40]!r}), not token ids: tokenize it first, "
+                          "tokenizer(text)[\"input_ids\"]")
+    try:
+        prompt = torch.as_tensor(prompt_ids, dtype=torch.long)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise DDTreeError(f"{where} must be token ids (a list of ints, or a 1-D or (1, length) tensor), got a "
+                          f"{type(prompt_ids).__name__} ({error_line(error)})") from None
+    if prompt.dim() > 2 or (prompt.dim() == 2 and prompt.shape[0] != 1):
+        raise DDTreeError(f"generate decodes one prompt at a time: {where} has shape {tuple(prompt.shape)}; give "
+                          f"one sequence of token ids (or a (1, length) batch) per call")
+    prompt = prompt.reshape(-1).tolist()
+    if not prompt:
+        raise DDTreeError(f"the prompt is empty ({where} holds no token): give at least one, from which the target "
+                          "predicts the first new one")
+    return prompt
+
+
 def check_drafter_runner(drafter, target: PreTrainedModel) -> None:
     """The drafter generate and run_benchmark decode with is a runner (or one with its interface) of this target."""
     if not all(hasattr(drafter, name) for name in ("reset", "features", "propose")):
@@ -532,13 +560,7 @@ def generate(
     check_full_attention(target)
     check_fixed_rope(target)
     check_tree_attention(target, method)
-    prompt = torch.as_tensor(prompt_ids, dtype=torch.long)
-    if prompt.dim() > 2 or (prompt.dim() == 2 and prompt.shape[0] != 1):
-        raise DDTreeError(f"generate decodes one prompt at a time: prompt_ids has shape {tuple(prompt.shape)}; give "
-                          f"one sequence of token ids (or a (1, length) batch) per call")
-    prompt = prompt.reshape(-1).tolist()
-    if not prompt:
-        raise DDTreeError("the prompt is empty: give at least one token, from which the target predicts the first new one")
+    prompt = prompt_token_ids(prompt_ids)
     rows = target.get_input_embeddings().weight.shape[0]
     outside = [token for token in prompt if not 0 <= token < rows]
     if outside:  # else an IndexError deep in the embedding

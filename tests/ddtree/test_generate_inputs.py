@@ -205,3 +205,32 @@ def test_a_runner_reused_with_another_target_is_refused(vocab):
         generate(second, PROMPT, "ddtree", runner, budget=4, max_new_tokens=NEW)
     own = generate(first, PROMPT, "ddtree", runner, budget=4, max_new_tokens=NEW)  # with its own target it decodes
     assert own.new_tokens == greedy(first, PROMPT)
+
+
+# ------------------------------------------------------------------------------ prompts straight from a tokenizer
+
+
+def test_a_prompt_straight_from_a_tokenizer_decodes_as_its_input_ids(tiny_target):
+    """apply_chat_template and tokenizer(text, return_tensors="pt") return a BatchEncoding (transformers 5): a
+    TypeError about a str before."""
+    target, tokenizer = tiny_target
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                         return_dict=True)
+    ids = list(chat["input_ids"])
+    assert generate(target, chat, "ar", max_new_tokens=4).new_tokens == greedy(target, ids, new=4)
+    encoded = tokenizer("hello there", return_tensors="pt")  # input_ids (1, T)
+    ids = encoded["input_ids"][0].tolist()
+    result = generate(target, encoded, "ar", max_new_tokens=4)
+    assert result.prompt_ids == ids and result.new_tokens == greedy(target, ids, new=4)
+
+
+@pytest.mark.parametrize("prompt, problem", [
+    ("hi", r"prompt_ids is text \('hi'\), not token ids: tokenize it first"),
+    ({"attention_mask": [1, 1]}, r"prompt_ids is a mapping without \"input_ids\" \(keys \['attention_mask'\]\)"),
+    (["hi", "there"], r"prompt_ids must be token ids \(a list of ints, or a 1-D or \(1, length\) tensor\), got a list"),
+    ([5, None], r"prompt_ids must be token ids .*, got a list"),
+], ids=["text", "mapping without input_ids", "list of text", "None"])
+def test_a_prompt_that_is_not_token_ids_is_one_line(tiny_target, prompt, problem):
+    target, _ = tiny_target
+    with pytest.raises(DDTreeError, match=f"^{problem}"):
+        generate(target, prompt, "ar", max_new_tokens=4)

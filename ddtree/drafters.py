@@ -87,8 +87,9 @@ def check_weights_match_config(folder: Path, config: DFlashDrafterConfig) -> Non
             raise DDTreeError(f"drafter {folder}: config.json makes weight {name} {shape} but {file} holds {saved}; {mismatch}")
 
 
-def read_drafter_config(folder: Path) -> DFlashDrafterConfig:
+def read_drafter_config(folder: str | Path) -> DFlashDrafterConfig:
     """A drafter folder's config.json, or one line saying why it cannot be read."""
+    folder = Path(folder).expanduser()  # a str as every other path-taking entry point (load_target) takes one
     check_drafter_path(folder)
     try:
         fields = json.loads((folder / "config.json").read_text(encoding="utf-8"))
@@ -107,8 +108,9 @@ def read_drafter_config(folder: Path) -> DFlashDrafterConfig:
         raise DDTreeError(f"drafter {folder}/config.json could not be read: {error_line(error.__cause__ or error)}") from None
 
 
-def load_drafter_folder(folder: Path, dtype: torch.dtype, target: PreTrainedModel | None = None) -> DFlashDraftModel:
+def load_drafter_folder(folder: str | Path, dtype: torch.dtype, target: PreTrainedModel | None = None) -> DFlashDraftModel:
     """The drafter of a folder, its config and weights checked first (and against `target` when given)."""
+    folder = Path(folder).expanduser()  # a str failed with TypeError str / str
     config = read_drafter_config(folder)
     if target is not None:
         check_drafter_fits(config, target, str(folder))

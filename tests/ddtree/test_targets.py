@@ -201,6 +201,17 @@ def test_a_target_path_from_home_is_expanded(tmp_path, monkeypatch):
     assert resolve_target("~/models/x") == str(folder)
 
 
+@pytest.mark.parametrize("as_given", [str, lambda folder: f"~/{folder.name}"], ids=["str", "from home"])
+def test_a_drafter_folder_given_as_a_str_loads_as_a_path_does(tmp_path, tiny_target, monkeypatch, as_given):
+    """load_drafter_folder("exports/x") failed with TypeError str / str; load_target takes a str and a ~ path."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    target, tokenizer = tiny_target
+    folder = tmp_path / "drafter"
+    DFlashDraftModel(build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4)).save_pretrained(folder)
+    drafter = load_drafter_folder(as_given(folder), torch.float32, target)
+    assert drafter.block_size == 4 and drafter.dtype == torch.float32
+
+
 @pytest.mark.parametrize("field, value, named", [
     ("block_size", "4", "block_size is '4', expected an integer"),
     ("target_layer_ids", ["1", "3"], "dflash_config.target_layer_ids is ['1', '3'], expected a list of integers"),

@@ -18,11 +18,12 @@ one target forward can confirm. A round of `dflash`/`ddtree`:
 
 from __future__ import annotations
 
-import time
 import math
+import operator
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -421,6 +422,48 @@ def prompt_token_ids(prompt_ids, where: str = "prompt_ids") -> list[int]:
     return prompt
 
 
+def stop_id_set(stop_ids) -> set[int]:
+    """generate's stop_ids as a set: None (none), one id, a tensor or array of any shape, or any iterable of ids (a
+    list, a tuple, a set, dict keys, nested or not); anything else in it is one line."""
+    if stop_ids is None:
+        return set()
+    if isinstance(stop_ids, torch.Tensor) or type(stop_ids).__module__ == "numpy":  # a numpy array or scalar too
+        ids = torch.as_tensor(stop_ids)
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            raise DDTreeError(f"stop_ids holds {ids.dtype} values: give integer token ids")
+        return set(ids.reshape(-1).tolist())
+    if isinstance(stop_ids, (str, bytes)):
+        raise DDTreeError(f"stop_ids is text ({stop_ids[:40]!r}): give token ids, e.g. [tokenizer.eos_token_id]")
+    try:
+        members = list(stop_ids)
+    except TypeError:  # not iterable: one id
+        members = [stop_ids]
+    ids = set()
+    for member in members:
+        if isinstance(member, (list, tuple, set, frozenset)) or getattr(member, "ndim", 0) > 0:
+            ids |= stop_id_set(member)  # [generation_config.eos_token_id], which can be a list itself
+            continue
+        try:
+            if isinstance(member, bool):
+                raise TypeError
+            ids.add(operator.index(member))  # an int, a numpy int, a 0-d integer tensor
+        except (TypeError, ValueError, RuntimeError):
+            raise DDTreeError(f"stop_ids holds {member!r}, not a token id: give integer ids (a tokenizer without an "
+                              "eos token has eos_token_id None: leave it out)") from None
+    return ids
+
+
+def check_max_new_tokens(max_new_tokens) -> int:
+    """max_new_tokens as an int >= 0 (a numpy int or a 0-d tensor too); anything else is one line."""
+    try:
+        count = None if isinstance(max_new_tokens, bool) else operator.index(max_new_tokens)
+    except (TypeError, ValueError, RuntimeError):
+        count = None
+    if count is None or count < 0:  # a negative count silently generated nothing, None was a TypeError in a comparison
+        raise DDTreeError(f"max_new_tokens {max_new_tokens!r} must be a whole number >= 0: the most new tokens to generate")
+    return count
+
+
 def check_drafter_runner(drafter, target: PreTrainedModel) -> None:
     """The drafter generate and run_benchmark decode with is a runner (or one with its interface) of this target."""
     if not all(hasattr(drafter, name) for name in ("reset", "features", "propose")):
@@ -500,7 +543,7 @@ def generate(
     drafter: DrafterRunner | None = None,
     budget: int = 32,
     max_new_tokens: int = 256,
-    stop_ids: list[int] | tuple[int, ...] | torch.Tensor | int | None = (),  # a list, a tensor or one id; None = none
+    stop_ids: Iterable[int] | torch.Tensor | int | None = (),  # a list, a set, a tensor or one id; None = none
     sampling: Sampling = Sampling(),
     generator: torch.Generator | None = None,
     static: bool | None = None,
@@ -546,6 +589,8 @@ def generate(
         check_drafter_runner(drafter, target)
     if method == "ddtree" and budget < 1:
         raise DDTreeError(f"budget {budget} must be at least 1")
+    max_new_tokens = check_max_new_tokens(max_new_tokens)
+    stop = stop_id_set(stop_ids)
     check_corpus(method, corpus)
     lookup, redraft, corpus = drafter_defaults(method, drafter, lookup, redraft, sizer is not None, corpus)
     if corpus is not None:
@@ -575,7 +620,6 @@ def generate(
     result = GenerationResult(prompt_ids=prompt, new_tokens=[])
     if max_new_tokens <= 0:
         return result
-    stop = set(torch.as_tensor(stop_ids if stop_ids is not None else (), dtype=torch.long).reshape(-1).tolist())
     use_drafter = method != "ar"
     if static:
         verify_rows = 1 + (budget if method == "ddtree" else drafter.block_size - 1 if use_drafter else 0)

@@ -5,6 +5,7 @@ not finite, a batch of prompts, stop ids as a tensor, a drafter config's tempera
     .venv/bin/pytest -q tests/ddtree/test_generate_inputs.py
 """
 
+import re
 import time
 from types import SimpleNamespace
 
@@ -234,3 +235,42 @@ def test_a_prompt_that_is_not_token_ids_is_one_line(tiny_target, prompt, problem
     target, _ = tiny_target
     with pytest.raises(DDTreeError, match=f"^{problem}"):
         generate(target, prompt, "ar", max_new_tokens=4)
+
+
+# ------------------------------------------------------------------------------ stop_ids and max_new_tokens
+
+
+@pytest.mark.parametrize("as_given", [set, frozenset, lambda ids: dict.fromkeys(ids).keys(), lambda ids: [ids]],
+                         ids=["set", "frozenset", "dict keys", "nested list"])
+def test_stop_ids_stop_whether_a_set_dict_keys_or_a_nested_list(tiny_target, as_given):
+    """A set of end-of-turn ids is a natural thing to pass: a TypeError before."""
+    target, _ = tiny_target
+    stop = greedy(target, PROMPT)[3]
+    reference = greedy(target, PROMPT, stop=stop)
+    result = generate(target, PROMPT, "ar", max_new_tokens=NEW, stop_ids=as_given([stop, 0]))
+    assert result.new_tokens == reference and result.stopped
+
+
+@pytest.mark.parametrize("stop_ids, problem", [
+    ([None], "stop_ids holds None, not a token id: give integer ids (a tokenizer without an eos token has eos_token_id "
+             "None: leave it out)"),
+    ({2, 2.5}, "stop_ids holds 2.5, not a token id"),
+    ([True], "stop_ids holds True, not a token id"),
+    ("2", "stop_ids is text ('2'): give token ids"),
+    (torch.tensor([2.0]), "stop_ids holds torch.float32 values: give integer token ids"),
+], ids=["None", "float", "bool", "text", "float tensor"])
+def test_a_stop_id_that_is_not_a_token_id_is_one_line(tiny_target, stop_ids, problem):
+    """[tokenizer.eos_token_id] of a tokenizer without one ([None]) was a TypeError."""
+    target, _ = tiny_target
+    with pytest.raises(DDTreeError) as error:
+        generate(target, PROMPT, "ar", max_new_tokens=NEW, stop_ids=stop_ids)
+    assert str(error.value).startswith(problem)
+
+
+@pytest.mark.parametrize("count", [None, -5, 2.0, "4", True])
+def test_max_new_tokens_that_is_not_a_count_is_one_line(tiny_target, count):
+    """None was a TypeError in a comparison; a negative count silently generated nothing (transformers refuses it)."""
+    target, _ = tiny_target
+    with pytest.raises(DDTreeError, match=f"^max_new_tokens {re.escape(repr(count))} must be a whole number >= 0"):
+        generate(target, PROMPT, "ar", max_new_tokens=count)
+    assert generate(target, PROMPT, "ar", max_new_tokens=0).new_tokens == []  # none asked, none given

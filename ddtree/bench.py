@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
@@ -32,7 +33,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from .calibration import learning_from
 from .decoding import (
     METHODS, DrafterRunner, OnlineCalibration, Sampling, check_corpus, check_drafter_runner, check_lookup, check_redraft,
-    check_sizer, context_limit, generate, static_cache,
+    check_sizer, context_limit, generate, prompt_token_ids, static_cache,
 )
 from .corpus import CorpusLookup
 from .errors import DDTreeError
@@ -183,6 +184,23 @@ def warm_up(keys: list[tuple[str, str, int]], decode: Callable[[str, str, int], 
         decode(key, method, budget)
 
 
+def checked_prompts(prompts: list[dict]) -> list[dict]:
+    """run_benchmark's prompts, checked before anything decodes, their prompt_ids as lists of ints (what generate
+    takes: a tensor, (1, T) too, or a tokenizer's encoding); each a dict with "id" and "prompt_ids" (load_prompts)."""
+    if not prompts:
+        raise DDTreeError('no prompts to benchmark: give a list of {"id": ..., "prompt_ids": [...]} (load_prompts reads '
+                          "them from a file)")
+    checked = []
+    for index, prompt in enumerate(prompts):
+        if not isinstance(prompt, Mapping) or not {"id", "prompt_ids"} <= prompt.keys():
+            held = f"keys {sorted(map(str, prompt))}" if isinstance(prompt, Mapping) else f"a {type(prompt).__name__}"
+            raise DDTreeError(f'prompts[{index}] must be a dict with "id" and "prompt_ids" (as load_prompts gives), '
+                              f"got {held}")
+        ids = prompt_token_ids(prompt["prompt_ids"], f"prompt {prompt['id']!r}'s prompt_ids")
+        checked.append({**prompt, "prompt_ids": ids})
+    return checked
+
+
 def run_benchmark(
     target: PreTrainedModel,
     drafter: DrafterRunner | None,
@@ -220,6 +238,9 @@ def run_benchmark(
     the drafter's default); the chain has none.
     """
     keys = method_keys(methods, budgets)
+    # A prompt without "id" was a KeyError after the warm-up had decoded; a (1, T) tensor was measured with len() as
+    # 1 token (its prompt_tokens, the warm-up's longest prompt and the context check below all wrong).
+    prompts = checked_prompts(prompts)
     if drafter is None and any(method != "ar" for _, method, _ in keys):
         raise DDTreeError("methods dflash and ddtree need a drafter")
     if drafter is not None:  # before the warm-up decodes, not in its first generate

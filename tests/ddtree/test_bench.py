@@ -296,3 +296,50 @@ def decoding_runner(target, tokenizer):
     from ddtree.decoding import DrafterRunner
 
     return DrafterRunner(load_drafter("random", target, tokenizer, "tiny-random"), target)
+
+
+# ------------------------------------------------------------------------------ prompts a library caller builds
+
+
+@pytest.mark.parametrize("prompts, problem", [
+    ([], r'^no prompts to benchmark: give a list of \{"id": ..., "prompt_ids": \[...\]\}'),
+    ([{"id": "a", "prompt_ids": [5, 6]}, {"prompt_ids": [5, 6]}],
+     r'^prompts\[1\] must be a dict with "id" and "prompt_ids" \(as load_prompts gives\), got keys \[\'prompt_ids\'\]'),
+    ([[5, 6]], r'^prompts\[0\] must be a dict with "id" and "prompt_ids" .*, got a list'),
+    ([{"id": "a", "prompt_ids": "hi"}], r"^prompt 'a''s prompt_ids is text \('hi'\), not token ids"),
+], ids=["none", "no id", "not a dict", "text"])
+def test_prompts_that_cannot_be_benchmarked_are_one_line_before_anything_decodes(tiny_target, monkeypatch, prompts,
+                                                                                 problem):
+    """No prompt was a ValueError from max(); a prompt without "id" a KeyError after the warm-up had decoded."""
+    from ddtree import bench
+
+    target, _ = tiny_target
+    monkeypatch.setattr(bench, "generate", lambda *args, **kwargs: pytest.fail("decoded before the check"))
+    with pytest.raises(DDTreeError, match=problem):
+        run_benchmark(target, None, prompts, ["ar"], [4], 4, [], progress=False)
+
+
+def test_a_prompt_given_as_a_batch_of_one_counts_its_tokens_not_its_rows(tiny_target, monkeypatch):
+    """A (1, T) tensor, which generate takes, was measured with len(): 1 token recorded, the warm-up's longest prompt
+    picked wrong, and a prompt past the context not caught up front."""
+    from ddtree import bench
+
+    target, _ = tiny_target
+    long, short = list(range(5, 12)), [5, 6, 7]
+    decoded = []
+
+    def recording(target, prompt_ids, *args, **kwargs):
+        decoded.append(list(prompt_ids))
+        return generate(target, prompt_ids, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "generate", recording)
+    prompts = [{"id": "short", "prompt_ids": short}, {"id": "long", "prompt_ids": torch.tensor([long])}]
+    results = run_benchmark(target, None, prompts, ["ar"], [4], 4, [], progress=False)
+    assert [row["prompt_tokens"] for row in results["prompts"]] == [3, 7]
+    assert decoded == [long, short, long]  # the warm-up on the longest prompt, then each prompt
+    assert results["prompts"][1]["methods"]["ar"]["new_tokens"] == generate(target, long, "ar", max_new_tokens=4).new_tokens
+    limit = target.config.max_position_embeddings
+    with pytest.raises(DDTreeError, match=f"^prompt 'long' has {limit} tokens; the target's context is {limit}"):
+        run_benchmark(target, None, [{"id": "long", "prompt_ids": torch.full((1, limit), 5)}], ["ar"], [4], 4, [],
+                      progress=False)
+    assert len(decoded) == 3  # refused before the warm-up

@@ -428,7 +428,10 @@ def stop_id_set(stop_ids) -> set[int]:
     if stop_ids is None:
         return set()
     if isinstance(stop_ids, torch.Tensor) or type(stop_ids).__module__ == "numpy":  # a numpy array or scalar too
-        ids = torch.as_tensor(stop_ids)
+        try:
+            ids = torch.as_tensor(stop_ids)
+        except (TypeError, ValueError, RuntimeError) as error:  # a numpy array of objects (None, say)
+            raise DDTreeError(f"stop_ids is not integer token ids ({error_line(error)})") from None
         if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
             raise DDTreeError(f"stop_ids holds {ids.dtype} values: give integer token ids")
         return set(ids.reshape(-1).tolist())
@@ -538,7 +541,7 @@ def _now(device: torch.device) -> float:
 @torch.no_grad()
 def generate(
     target: PreTrainedModel,
-    prompt_ids: list[int] | torch.Tensor,
+    prompt_ids: list[int] | torch.Tensor | Mapping,  # a Mapping: a tokenizer's encoding, its "input_ids" decoded
     method: str = "ddtree",
     drafter: DrafterRunner | None = None,
     budget: int = 32,

@@ -208,7 +208,8 @@ def plot_tau(history: list[dict], settings: dict) -> Figure:
     axes.xaxis.get_major_locator().set_params(integer=True)
     axes.set_xlabel("training step")
     axes.set_ylabel("tau (tokens per verification)")
-    axes.set_title(f"Measured acceptance on {settings['num_prompts']} held-out prompts, T=0")
+    # The prompts by name: nothing here knows whether they are held out (the exported card checks that).
+    axes.set_title(f"Measured acceptance on {settings['num_prompts']} prompts of {Path(settings['prompts']).name}, T=0")
     axes.grid(alpha=0.3)
     axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     figure.tight_layout()

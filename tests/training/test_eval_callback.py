@@ -625,6 +625,9 @@ def test_the_report_ranks_an_unmeasured_step_below_every_measured_one_as_best_ck
     assert "| **4** (best) |" in report and "| 2 **weights not finite** (3 tensors) |" in report
     only_unmeasured = training.report.markdown_report("run", history[:1], settings, 0.0, 1.0)
     assert "step 2**, though nothing was measured" in only_unmeasured  # best.ckpt links to it, ranked last of one
+    # tau.png names its prompts file; it called any eval.prompts "held-out" (the training prompts too)
+    title = training.report.plot_tau(history, settings).axes[0].get_title()
+    assert title == f"Measured acceptance on 1 prompts of {Path(PROMPTS).name}, T=0"
 
 
 def test_the_report_prints_as_many_decimals_as_tell_the_best_tau_from_a_near_tie():

@@ -249,7 +249,7 @@ from transformers import DynamicCache
 
 from ddtree.cli import parse_device
 from ddtree.decoding import Sampling, top_p_filter
-from ddtree.targets import DTYPES, load_target, resolve_target, stop_token_ids
+from ddtree.targets import DTYPES, config_stop_token_ids, load_target, resolve_target, stop_token_ids
 from training.conversations import read_messages_jsonl, render_prompt_ids
 
 
@@ -367,18 +367,11 @@ class VLLMGenerator:
 
 def tokenizer_and_stops(target: str):
     """The target's tokenizer and end-of-turn ids without loading its weights (for the vLLM path)."""
-    from types import SimpleNamespace
-
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import AutoTokenizer
 
     source = resolve_target(target)
     tokenizer = AutoTokenizer.from_pretrained(source)
-    try:
-        generation_config = GenerationConfig.from_pretrained(source)
-    except OSError:  # no generation_config.json: the model config's eos id is all there is
-        generation_config = GenerationConfig()
-    stand_in = SimpleNamespace(generation_config=generation_config, config=AutoConfig.from_pretrained(source))
-    return tokenizer, sorted(set(stop_token_ids(stand_in, tokenizer)))
+    return tokenizer, config_stop_token_ids(source, tokenizer)
 
 
 def vllm_usable() -> bool:

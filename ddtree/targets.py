@@ -148,6 +148,22 @@ def save_converted(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, f
                           "or set DDTREE_CACHE to a folder on a disk with room") from None
 
 
+def made_from_source(folder: Path, source: dict, adopt_unrecorded: bool) -> bool:
+    """Whether the cache holds `folder` converted from `source` (a folder without a record counts where
+    adopt_unrecorded, and gets one); else False, said in a line where another source made it."""
+    if not is_converted(folder):
+        return False
+    made_from = read_conversion_record(folder)
+    if made_from == source:
+        return True
+    if made_from is None and adopt_unrecorded:
+        with contextlib.suppress(OSError):  # a read-only shared cache stays as it is
+            write_conversion_record(folder, source)
+        return True
+    print(f"[ddtree] {folder} was made from {made_from or 'other settings'}, not {source}: making it again", flush=True)
+    return False
+
+
 def is_converted(folder: Path) -> bool:
     return (folder / "config.json").exists() and (folder / "model.safetensors").exists()
 
@@ -180,16 +196,9 @@ def builtin_target_folder(name: str) -> Path:
         if is_converted(folder):  # a cache staged without the package (a GPU machine's): nothing to compare with
             return folder
         raise
-    if is_converted(folder):
-        made_from = read_conversion_record(folder)
-        if made_from == source:
-            return folder
-        if made_from is None:  # converted before records were kept: the package it came from is not known
-            with contextlib.suppress(OSError):  # a read-only shared cache stays as it is
-                write_conversion_record(folder, source)
-            return folder
-        print(f"[ddtree] {folder} was converted from {made_from}; the installed package ships {source}: "
-              "converting it again", flush=True)
+    # A folder converted before records were kept is taken as this package's (which one made it is not known).
+    if made_from_source(folder, source, adopt_unrecorded=True):
+        return folder
     check_cache_writable(folder.parent)
     remove_stale_staging(folder)
     print(f"[ddtree] converting {gguf.name} to safetensors in {folder} (once)", flush=True)
@@ -219,15 +228,8 @@ def tiny_target_folder() -> Path:
     tokenizer_source = builtin_target_folder("smollm2-135m")
     source = {"architecture": TINY_TARGET_ARCH, "seed": TINY_TARGET_SEED,
               "tokenizer": read_conversion_record(tokenizer_source)}
-    if is_converted(folder):
-        made_from = read_conversion_record(folder)
-        if made_from == source:
-            return folder
-        if made_from is None and tiny_config_matches(folder):  # built before records were kept, as now
-            with contextlib.suppress(OSError):
-                write_conversion_record(folder, source)
-            return folder
-        print(f"[ddtree] {folder} was built with other settings than this version's: building it again", flush=True)
+    if made_from_source(folder, source, adopt_unrecorded=tiny_config_matches(folder)):  # built before records, as now
+        return folder
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)

@@ -392,12 +392,11 @@ def tokenize_conversations(tokenizer, records: list[dict], max_length: int, min_
         kept.append({"input_ids": input_ids, "loss_mask": loss_mask})
     counts["kept"] = len(kept)
     log.info("tokenized %s: %s", source, counts)
-    if first_unaligned and counts["unaligned"] == len(records):
-        record_id, error = first_unaligned
-        raise DDTreeError(f"{source}: no conversation could be rendered with its loss mask; the first, {record_id!r}: "
-                          f"{error}") from None
     if first_unaligned:
         record_id, error = first_unaligned
+        if counts["unaligned"] == len(records):
+            raise DDTreeError(f"{source}: no conversation could be rendered with its loss mask; the first, "
+                              f"{record_id!r}: {error}") from None
         log.warning("%s: skipped %d of %d conversations whose render the loss mask cannot follow; the first, %r: %s",
                     source, counts["unaligned"], len(records), record_id, error)
     if not kept:

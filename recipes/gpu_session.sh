@@ -138,9 +138,11 @@ for s in $STAGES; do case $s in
     stage throughput-qwen3-8b 240 throughput.log $PY -m training.throughput --recipe qwen3-8b --random-target \
       --repeats 5 --warmup 1 ;;  # its warm-up compiles; two did not finish in 172 s on the H200
   train)
+    # --data.regenerate=null: the recipe's section says how it writes its own data (all 4000 prompts), and each start
+    # refuses a folder made otherwise; the shipped data/smollm2-135m answers 2048 (data/README.md) and is read as it is
     if stage train 240 train.log $PY -m training.train --recipe smollm2-135m-gpu --data.data_path data/smollm2-135m \
-      --trainer.max_steps "$STEPS" --trainer.val_check_interval "$STEPS" --eval.every_n_train_steps "$STEPS" \
-      --run "$RUN" ${TRAIN_ARGS:-} \
+      --data.regenerate=null --trainer.max_steps "$STEPS" --trainer.val_check_interval "$STEPS" \
+      --eval.every_n_train_steps "$STEPS" --run "$RUN" ${TRAIN_ARGS:-} \
       --output-root /tmp/gpu-session; then  # only this run's files: a failed stage copies nothing of an earlier one
       run=/tmp/gpu-session/smollm2-135m-gpu/$RUN
       cp "$run/report.md" "$OUT/train_report.md"; cp "$run/csv/version_0/metrics.csv" "$OUT/train_metrics.csv"
@@ -153,7 +155,7 @@ for s in $STAGES; do case $s in
     rm -f /tmp/gpu-session/smollm2-135m-gpu/ablate-*.md /tmp/gpu-session/smollm2-135m-gpu/ablate-*.png  # an earlier run's
     stage objectives 560 objectives.log $PY -m training.ablate --recipe smollm2-135m-gpu --steps "${OBJ_STEPS:-800}" \
       --eval-limit "$PROMPTS" --eval-max-new-tokens 64 --output-root /tmp/gpu-session --data.data_path data/smollm2-135m \
-      --variant dpace=--model.objective=dpace \
+      --data.regenerate=null --variant dpace=--model.objective=dpace \
       --variant "dpace-kl32=--model.objective=dpace --model.distill_weight=0.5 --model.distill_top_k=32" \
       --variant "intree-kl32=--model.objective=intree --model.distill_weight=0.5 --model.distill_top_k=32" \
       ${OBJ_ARGS:-}

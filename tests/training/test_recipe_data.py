@@ -6,6 +6,9 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -14,7 +17,7 @@ import torch
 
 import training.train
 from ddtree.errors import DDTreeError
-from training.arguments import RECIPES_DIR
+from training.arguments import RECIPES_DIR, ablate_parser, train_parser
 from training.data import DistillDataModule
 from training.recipe import read_recipe
 from training.recipe_data import AUTO_DATA, REGENERATE_FIELDS, default_data_path, prepare_recipe_data
@@ -170,3 +173,47 @@ def test_the_check_takes_the_same_prompts_file_however_its_path_is_spelled(monke
     capsys.readouterr()
     assert check("--prompts", "eval_prompts.jsonl") == 2  # another file is other prompts
     assert "prompts: 'data/prompts/train_prompts.jsonl' -> 'eval_prompts.jsonl'" in capsys.readouterr().err
+
+
+def test_every_training_command_of_the_gpu_session_passes_the_data_check(tmp_path, monkeypatch):
+    """recipes/gpu_session.sh trains the GPU recipe on the shipped data/smollm2-135m (2048 prompts answered) while the
+    recipe's data.regenerate section asks for 4000: once each start checked the data, its train and objectives stages
+    stopped at the check, and the lease measured nothing. The script runs here with a stand-in Python that only writes
+    down each command line (its /tmp/gpu-session moved under tmp_path); each training command's recipe and overrides
+    then go through the check a launch makes before it loads anything."""
+    from training.ablate import parse_variant
+
+    repo = RECIPES_DIR.parent
+    script = (repo / "recipes" / "gpu_session.sh").read_text()
+    stages = re.search(r"case \$s in ([\w|-]+)\) ;;", script).group(1).split("|")
+    assert {"train", "objectives"} <= set(stages)
+    copy = tmp_path / "gpu_session.sh"
+    copy.write_text(script.replace("/tmp/gpu-session", str(tmp_path / "gpu-session")))
+    calls = tmp_path / "calls.jsonl"
+    python = tmp_path / "python"
+    python.write_text(f"#!{sys.executable}\nimport json, sys\n"
+                      f"with open({str(calls)!r}, 'a') as calls: calls.write(json.dumps(sys.argv[1:]) + '\\n')\n")
+    python.chmod(0o755)
+    env = {name: value for name, value in os.environ.items() if name not in ("TRAIN_ARGS", "OBJ_ARGS", "LIMIT")}
+    env.update(PYTHON=str(python), OUT=str(tmp_path / "logs"))
+    subprocess.run(["bash", str(copy), *stages], cwd=repo, env=env, capture_output=True, timeout=120)
+    commands = [json.loads(line) for line in calls.read_text().splitlines()]
+
+    checked = []
+    for argv in commands:
+        if argv[:2] == ["-m", "training.train"]:
+            args, overrides = train_parser().parse_known_args(argv[2:])
+            runs = [(args.recipe, overrides)]
+        elif argv[:2] == ["-m", "training.ablate"]:
+            args, common = ablate_parser().parse_known_args(argv[2:])
+            runs = [(args.recipe, [*common, *parse_variant(variant)[1]]) for variant in args.variant]
+        else:
+            continue
+        for recipe, overrides in runs:
+            config = read_recipe(RECIPES_DIR / f"{recipe}.yaml", overrides)
+            datamodule = DistillDataModule(target=config.model.target, data_path=config.data.data_path,
+                                           regenerate=config.data.regenerate)
+            monkeypatch.chdir(repo)  # the script's paths are the repository's
+            prepare_recipe_data(datamodule, recipe)  # a DDTreeError naming what differs if the data would be refused
+            checked.append(recipe)
+    assert checked.count("smollm2-135m-gpu") == 4  # the train stage and the objectives stage's three variants

@@ -36,6 +36,7 @@ answer_early(__name__, throughput_parser, check_throughput_args)
 import torch
 from transformers import AutoModelForCausalLM
 
+from ddtree.cli import parse_device
 from ddtree.errors import DDTreeError, command
 
 from . import target as target_loading
@@ -141,9 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     check_throughput_args(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise DDTreeError(f"--device {args.device}: this machine has no CUDA GPU; use --device cpu")
+    # A name torch does not know, or a GPU this machine lacks: one line here, not a traceback once the models load
+    device = parse_device(args.device) if args.device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.recipe:
         recipe, max_length, recipe_batch = recipe_settings(args.recipe)
         if args.random_target and recipe["target"] not in RANDOM_TARGETS:

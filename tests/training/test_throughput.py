@@ -114,3 +114,17 @@ def test_a_gpu_recipe_on_a_machine_without_a_gpu_stops_with_one_line(tmp_path, m
 def test_bad_numbers_are_one_line_before_anything_is_built(capsys, flags, said):
     assert main([*TINY, "--device", "cpu", *flags]) == 2
     assert capsys.readouterr().err.strip().startswith(f"error: {said}")
+
+
+@pytest.mark.parametrize("device, gpus, said", [
+    ("foo", 0, "--device 'foo' is not a device name; give cpu, cuda or cuda:N"),  # was torch's RuntimeError traceback
+    ("cuda:3", 1, "--device cuda:3: this machine has 1 CUDA GPU(s), numbered from 0"),  # was unchecked until it ran
+    ("cuda", 0, "--device cuda: this machine has no CUDA GPU"),
+])
+def test_a_bad_device_is_one_line_before_anything_is_built(device, gpus, said, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr("training.throughput.build_module", lambda *args: pytest.fail("built before the check"))
+    assert main([*TINY, "--device", device]) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 1 and errors[0].startswith(f"error: {said}")

@@ -603,6 +603,10 @@ def generate(
     check_lookup(method, lookup)
     check_redraft(method, redraft)
     device = target.device
+    if sampling.temperature > 0 and generator is not None and generator.device.type != device.type:
+        # else torch.multinomial's RuntimeError after the prefill; greedy decoding draws nothing from it
+        raise DDTreeError(f"generator on {generator.device}, target on {device}: sampling draws on the target's device; "
+                          "build it there (torch.Generator(device=target.device))")
     static = static_cache(static, device)
     check_sizer(method, sizer is not None, static)
     check_full_attention(target)

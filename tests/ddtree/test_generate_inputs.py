@@ -276,3 +276,27 @@ def test_max_new_tokens_that_is_not_a_count_is_one_line(tiny_target, count):
     with pytest.raises(DDTreeError, match=f"^max_new_tokens {re.escape(repr(count))} must be a whole number >= 0"):
         generate(target, PROMPT, "ar", max_new_tokens=count)
     assert generate(target, PROMPT, "ar", max_new_tokens=0).new_tokens == []  # none asked, none given
+
+
+class GeneratorOnCuda(torch.Generator):
+    """A CPU generator that says it is on CUDA: a CUDA target's caller who built theirs on the CPU, turned around, as
+    this machine can build no CUDA generator."""
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+
+def test_a_generator_on_another_device_than_the_target_is_one_line_before_the_prefill(tiny_target, monkeypatch):
+    """Sampling draws on the target's device, and torch.multinomial refuses a generator of another: on a CUDA target a
+    CPU generator was a RuntimeError after the prefill. Greedy decoding draws nothing, so any generator does."""
+    target, _ = tiny_target
+    sampled = ddtree.decoding.Sampling(temperature=1.0)
+    assert len(generate(target, PROMPT, "ar", max_new_tokens=3, sampling=sampled,
+                        generator=torch.Generator().manual_seed(0)).new_tokens) == 3  # on the target's device: taken
+    assert generate(target, PROMPT, "ar", max_new_tokens=NEW, generator=GeneratorOnCuda()).new_tokens == greedy(
+        target, PROMPT)
+    monkeypatch.setattr(ddtree.decoding.DynamicTarget, "prefill", lambda *args: pytest.fail("prefilled first"))
+    with pytest.raises(DDTreeError, match=r"^generator on cuda:0, target on cpu: sampling draws on the target's device; "
+                                          r"build it there \(torch.Generator\(device=target.device\)\)$"):
+        generate(target, PROMPT, "ar", max_new_tokens=NEW, sampling=sampled, generator=GeneratorOnCuda())

@@ -69,14 +69,25 @@ if [ "$MODE" = regenerate ] && [ ${#VISIBLE[@]} -gt 0 ] && [ "$GPUS_PER_NODE" -g
 fi
 WORLD=$((NODES * GPUS_PER_NODE))
 
-RESUMING="" previous="" PASSED=()  # PASSED: the arguments but --resume, for the plan's commands
-for arg in "$@"; do  # a resumed run keeps its folder
-    case "$arg" in
-        --resume=*) RESUMING=${arg#--resume=} ;;
-        --resume) ;;
-        *) if [ "$previous" = --resume ]; then RESUMING=$arg; else PASSED+=("$(shell_word "$arg")"); fi ;;
+# For the plan's commands: PASSED, the arguments but --resume (a resumed run keeps its folder); SBATCH_PASSED, but the
+# run folder's options too, which slurm.sbatch takes from RUN_NAME and OUTPUT_ROOT (where its requeue looks).
+RESUMING="" RUN_GIVEN="" ROOT_GIVEN="" previous="" PASSED=() SBATCH_PASSED=()
+for arg in "$@"; do
+    option=$previous previous=$arg
+    case "$option" in
+        --resume) RESUMING=$arg previous=""; continue ;;
+        --run|--run-name) RUN_GIVEN=$arg previous="" ;;
+        --output-root) ROOT_GIVEN=$arg previous="" ;;
+        *) case "$arg" in
+               --resume=*) RESUMING=${arg#--resume=}; continue ;;
+               --resume) continue ;;
+               --run=*|--run-name=*) RUN_GIVEN=${arg#*=} ;;
+               --output-root=*) ROOT_GIVEN=${arg#*=} ;;
+               --run|--run-name|--output-root) ;;
+               *) SBATCH_PASSED+=("$(shell_word "$arg")") ;;
+           esac ;;
     esac
-    previous=$arg
+    PASSED+=("$(shell_word "$arg")")
 done
 [ "$previous" != --resume ] || RESUMING=last  # a bare --resume at the end: training.train's own error says what it needs
 if [ "$NODES" -gt 1 ]; then
@@ -105,7 +116,9 @@ if [ "$NODES" -gt 1 ]; then
                 echo "    MASTER_ADDR=<node 0> MASTER_PORT=$MASTER_PORT ${gpus}RUN_NAME=<name> NODE_RANK=<i> $make_args"
             fi
             echo "or, under SLURM (one task per GPU, requeued on preemption):"
-            slurm_run=""  # a resume: slurm.sbatch continues the run folder RUN_NAME names under OUTPUT_ROOT/<recipe>
+            # slurm.sbatch's run folder is OUTPUT_ROOT/<recipe>/RUN_NAME; a resume continues the one --resume names
+            slurm_run="${RUN_GIVEN:+RUN_NAME=$(shell_word "$RUN_GIVEN") }${ROOT_GIVEN:+OUTPUT_ROOT=$(shell_word "$ROOT_GIVEN") }"
+            sbatch_passed=${SBATCH_PASSED[*]}
             if [ -n "$RESUMING" ]; then
                 run=$RESUMING
                 case "$run" in *.ckpt) run=$(dirname "$run"); [ "$(basename "$run")" != checkpoints ] || run=$(dirname "$run") ;; esac
@@ -115,7 +128,7 @@ if [ "$NODES" -gt 1 ]; then
                     slurm_run="RUN_NAME=<the run folder's name> OUTPUT_ROOT=<the folder above its recipe's> "
                 fi
             fi
-            echo "    $slurm_run$sbatch $RECIPE${passed:+ $passed}"
+            echo "    $slurm_run$sbatch $RECIPE${sbatch_passed:+ $sbatch_passed}"
             case "$RESUMING" in *.ckpt) echo "    (it resumes that run's newest readable checkpoint, which may be later than $RESUMING)" ;; esac
         else
             echo "Not started: run on each node i = 0..$((NODES - 1)):"

@@ -708,7 +708,7 @@ def test_the_printed_plan_keeps_the_launchs_arguments_and_gpus_per_node(tmp_path
     """The plan dropped them: its commands trained the recipe's defaults on the recipe's GPU count."""
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "NODE_RANK", "RUN_NAME", "GPUS_PER_NODE")} | {
         "PYTHON": sys.executable}
-    extra = ["--trainer.max_steps=3", "--run-name", "it's mine"]
+    extra = ["--trainer.max_steps=3", "--run-name", "it's mine", "--output-root=/tmp/o"]
     plan = subprocess.run(["bash", str(LAUNCHER), "qwen3-8b", "2", *extra], cwd=REPO, env=env | {"GPUS_PER_NODE": "4"},
                           capture_output=True, text=True)
     assert plan.returncode == 0, plan.stderr
@@ -718,8 +718,11 @@ def test_the_printed_plan_keeps_the_launchs_arguments_and_gpus_per_node(tmp_path
     # make hands ARGS to the shell: the words come back as given, quotes and all
     args = shlex.split(shlex.split(make_line.split(" ARGS=", 1)[1])[0])
     assert args == extra
-    assert shlex.split(sbatch_line) == ["sbatch", "--nodes=2", "--ntasks-per-node=4", "--gpus-per-node=4",
-                                        "recipes/slurm.sbatch", "qwen3-8b", *extra]
+    # slurm.sbatch takes the run folder from RUN_NAME and OUTPUT_ROOT, where its requeue looks for it: given as
+    # --run-name, a requeued job started over under slurm-<job id> and then was refused the user's folder
+    assert shlex.split(sbatch_line) == ["RUN_NAME=it's mine", "OUTPUT_ROOT=/tmp/o", "sbatch", "--nodes=2",
+                                        "--ntasks-per-node=4", "--gpus-per-node=4", "recipes/slurm.sbatch", "qwen3-8b",
+                                        "--trainer.max_steps=3"]
     # A resume's SLURM line names the run folder: without it slurm.sbatch started a new run from step 0
     run = tmp_path / "outputs" / "qwen3-8b" / "run 7"
     (run / "checkpoints").mkdir(parents=True)
@@ -856,6 +859,13 @@ def test_slurm_script_passes_its_task_counts_and_resumes_a_requeued_job(tmp_path
     (run / "checkpoints" / "step-200.ckpt").write_text("")  # checkpoint.save_last false: its step checkpoints only
     stepped = submitted("qwen3-8b", SLURM_RESTART_COUNT="3")
     assert stepped[stepped.index("--resume") + 1] == str(run) and "--run-name" not in stepped
+
+    # The run folder is slurm.sbatch's to choose: a --run-name after the recipe made a requeue start over, refused
+    for given in (["--run-name", "mine"], ["--run=mine"], ["--output-root", "o"], ["--resume", str(run)]):
+        refused = subprocess.run(["bash", str(SBATCH), "qwen3-8b", "--trainer.max_steps=3", *given], cwd=tmp_path,
+                                 env=env, capture_output=True, text=True)
+        assert refused.returncode == 2 and not refused.stdout, refused
+        assert len(refused.stderr.splitlines()) == 1 and "RUN_NAME=<name> OUTPUT_ROOT=<folder>" in refused.stderr, refused
 
     regenerate = subprocess.run(["bash", str(SBATCH), "--regenerate", "--out", "x"], cwd=tmp_path, env=env,
                                 capture_output=True, text=True).stdout

@@ -12,8 +12,9 @@ command line, e.g. --trainer.strategy=zero3):
 
 with `trainer.devices` processes per node on `trainer.num_nodes` nodes. Jobs of several nodes start
 from recipes/launch_torchrun.sh or recipes/slurm.sbatch (`make train RECIPE=qwen3-8b NODES=2`);
-`check_launch` stops a run at once when the recipe and the launcher disagree on the process count, or when the
-recipe asks for several nodes and no launcher started it (it would wait for nodes that never join).
+`check_launch` stops a run at once when the recipe and the launcher disagree on the process count, when the
+recipe asks for several nodes and no launcher started it, or when a SLURM job of several tasks runs it without srun
+(each would wait for processes that never join).
 
 What ZeRO shards, and what it does not: only the drafter is a submodule of DistillModule, so only
 the drafter is in DeepSpeed's engine, optimizer and checkpoints. The frozen target is a plain
@@ -224,6 +225,15 @@ def check_launch(devices, num_nodes) -> None:
             f"torchrun, SLURM, {', '.join(NODE_SETTINGS)} in the environment): run `make train RECIPE=<recipe> "
             f"NODES={num_nodes}` on each node (recipes/launch_torchrun.sh) or `sbatch --nodes={num_nodes} "
             "recipes/slurm.sbatch <recipe>`, or give --trainer.num_nodes=1 for one machine"
+        )
+    tasks = int(os.environ.get("SLURM_NTASKS") or 1)
+    if SLURMEnvironment.detect() and tasks > 1 and "SLURM_STEP_NUM_TASKS" not in os.environ:
+        # srun sets SLURM_STEP_NUM_TASKS as it starts a step's tasks; a batch script (or a salloc shell) running python
+        # itself has SLURM_NTASKS alone, which Lightning takes for the processes started: it waited for the others
+        raise DDTreeError(
+            f"SLURM_NTASKS={tasks} but no srun started this process (no SLURM_STEP_NUM_TASKS: this is the job's batch "
+            f"script or shell), so it would wait for {tasks - 1} other task(s) that never start: start it with `srun "
+            "python -m training.train ...` (one task per GPU), or submit `sbatch recipes/slurm.sbatch <recipe>`"
         )
     world = launcher_world()
     per_node = count_devices(devices)

@@ -56,7 +56,7 @@ LAUNCHER = REPO / "recipes" / "launch_torchrun.sh"
 SBATCH = REPO / "recipes" / "slurm.sbatch"
 TORCHRUN_ENV = ("TORCHELASTIC_RUN_ID", "RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE")
 SLURM_ENV = ("SLURM_NTASKS", "SLURM_NNODES", "SLURM_NTASKS_PER_NODE", "SLURM_JOB_NAME", "SLURM_JOB_ID",
-             "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NODELIST")
+             "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NODELIST", "SLURM_STEP_NUM_TASKS")
 STEPS = 4
 # Tolerances, with what they cover (measured values are in the assertion messages):
 SAME_MATH_ATOL = 0.0  # resumed vs uninterrupted, consolidated vs live: bit-for-bit
@@ -535,11 +535,12 @@ def torchrun_env(monkeypatch, world: int, per_node: int) -> None:
 
 
 def slurm_env(monkeypatch, nodes: int, per_node: int, job: str = "4242") -> None:
+    """A task's environment under srun (SLURM_STEP_NUM_TASKS is srun's: a batch script's own step has none)."""
     for name in TORCHRUN_ENV:
         monkeypatch.delenv(name, raising=False)
     values = dict(SLURM_NTASKS=nodes * per_node, SLURM_NNODES=nodes, SLURM_NTASKS_PER_NODE=per_node,
                   SLURM_JOB_NAME="ddtree", SLURM_JOB_ID=job, SLURM_PROCID=0, SLURM_LOCALID=0, SLURM_NODEID=0,
-                  SLURM_NODELIST="node1")
+                  SLURM_NODELIST="node1", SLURM_STEP_NUM_TASKS=nodes * per_node)
     for name, value in values.items():
         monkeypatch.setenv(name, str(value))
 
@@ -596,6 +597,25 @@ def test_several_nodes_without_a_launcher_stop_at_once_with_one_line(tmp_path, m
     assert training.train.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "trainer.num_nodes=2 but no launcher" in err[0], err
+    assert not any(tmp_path.rglob("*"))  # refused before anything was written
+
+
+def test_several_slurm_tasks_without_srun_stop_at_once_with_one_line(tmp_path, monkeypatch, capsys):
+    """Training run by the batch script itself (slurm.sbatch's --ntasks-per-node=8 header, no srun): Lightning took
+    SLURM_NTASKS for the processes started, and rank 0 waited for peers no one started until the group timed out."""
+    slurm_env(monkeypatch, nodes=1, per_node=2)
+    check_launch(2, 1)  # under srun
+    monkeypatch.delenv("SLURM_STEP_NUM_TASKS")  # the batch step
+    with pytest.raises(DDTreeError, match=r"SLURM_NTASKS=2 but no srun .* recipes/slurm.sbatch"):
+        check_launch(2, 1)
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    check_launch(1, 1)  # one task: the batch step is the whole launch
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    argv = ["--recipe", "tiny", "--run-name", "r", "--output-root", str(tmp_path), "--trainer.devices=2",
+            "--trainer.strategy=ddp"]
+    assert training.train.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "no srun" in err[0], err
     assert not any(tmp_path.rglob("*"))  # refused before anything was written
 
 

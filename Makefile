@@ -8,8 +8,9 @@ RECIPE ?= smollm2-135m
 # A resumed run keeps its own recipe: --recipe only where RECIPE was given, or for a new run (training.train
 # refuses a --recipe that is not the resumed run's, and the default named smollm2-135m for every run resumed).
 RECIPE_FLAG = $(if $(and $(RESUME),$(filter file,$(origin RECIPE))),,--recipe '$(RECIPE)')
-# The recipe a multi-node resume launches (its processes per node come from it): RECIPE where given, else the
-# <recipe>/ folder above the run RESUME names (a run folder or a checkpoint in it), else the default (RESUME=last).
+# The recipe a multi-node resume launches (the launcher takes the run's processes per node from its config.yaml):
+# RECIPE where given, else the <recipe>/ folder above the run RESUME names (a run folder or a checkpoint in it), else
+# the default (RESUME=last).
 RESUMED_RECIPE = $(shell r='$(RESUME)'; case "$$r" in (*.ckpt) r=$$(dirname "$$r"); \
 	[ "$$(basename "$$r")" != checkpoints ] || r=$$(dirname "$$r");; esac; \
 	[ -f "$$r/config.yaml" ] && basename "$$(dirname "$$(cd "$$r" && pwd)")")

@@ -11,8 +11,9 @@
 #   RUN_NAME       run folder outputs/<recipe>/<RUN_NAME>, the same on every node, on a shared file
 #                  system (training, NODES > 1, unless --resume names the run; default on one node: a timestamp)
 #   MASTER_PORT    default 29500
-#   GPUS_PER_NODE  processes per node (default: the recipe's trainer.devices; for --regenerate, the
-#                  GPUs CUDA_VISIBLE_DEVICES names, else those nvidia-smi lists, else 1; at most the former)
+#   GPUS_PER_NODE  processes per node (default: trainer.devices in the config.yaml of the run --resume names, else
+#                  in the recipe; for --regenerate, the GPUs CUDA_VISIBLE_DEVICES names, else those nvidia-smi
+#                  lists, else 1; at most the former)
 #   PYTHON         default .venv/bin/python
 # Without the settings a multi-node launch needs, the script prints what to run on each node (with
 # this command's arguments and GPUS_PER_NODE, shell-quoted) and starts nothing; with only some of them,
@@ -44,30 +45,12 @@ positive NODES "$NODES"
 # A word of a printed command, quoted for the shell where it needs it ('\'' is a quote inside quotes).
 shell_word() { case "$1" in ''|*[!A-Za-z0-9_./=:,+@%-]*) printf "'%s'" "${1//\'/\'\\\'\'}" ;; *) printf '%s' "$1" ;; esac; }
 GIVEN_GPUS=${GPUS_PER_NODE:-}  # the user's, printed in the plan's commands
-
-if [ "$MODE" = train ]; then
-    if [ ! -f "recipes/$RECIPE.yaml" ]; then
-        echo "error: unknown recipe '$RECIPE'; known: $(ls recipes/*.yaml | xargs -n1 basename | sed 's/.yaml$//' | xargs)" >&2
-        exit 2
-    fi
-    GPUS_PER_NODE=${GPUS_PER_NODE:-$("$PYTHON" -c "import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))['trainer'].get('devices', 1))" "recipes/$RECIPE.yaml")}
-else
-    # A scheduler's share of the node is CUDA_VISIBLE_DEVICES: nvidia-smi lists every GPU of the node regardless.
-    IFS=, read -ra VISIBLE <<< "${CUDA_VISIBLE_DEVICES:-}"
-    if [ ${#VISIBLE[@]} -gt 0 ]; then
-        GPUS_PER_NODE=${GPUS_PER_NODE:-${#VISIBLE[@]}}
-    else
-        GPUS_PER_NODE=${GPUS_PER_NODE:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)}
-    fi
-    [ "${GPUS_PER_NODE:-0}" != 0 ] || GPUS_PER_NODE=1
-fi
-positive "processes per node (GPUS_PER_NODE, else the recipe's trainer.devices)" "$GPUS_PER_NODE"
-if [ "$MODE" = regenerate ] && [ ${#VISIBLE[@]} -gt 0 ] && [ "$GPUS_PER_NODE" -gt ${#VISIBLE[@]} ]; then
-    # one shard per GPU: the extra shards would share a visible GPU or take one outside this job's share
-    echo "error: GPUS_PER_NODE=$GPUS_PER_NODE but CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES makes ${#VISIBLE[@]} GPU(s) visible: give GPUS_PER_NODE=${#VISIBLE[@]} or fewer, or make more GPUs visible" >&2
-    exit 2
-fi
-WORLD=$((NODES * GPUS_PER_NODE))
+# The run folder a --resume value names: the folder itself, or a checkpoint in it (checkpoints/x.ckpt, hpc_ckpt_N.ckpt).
+run_of() {
+    local run=${1%/}
+    case "$run" in *.ckpt) run=$(dirname "$run"); [ "$(basename "$run")" != checkpoints ] || run=$(dirname "$run") ;; esac
+    printf '%s' "$run"
+}
 
 # For the plan's commands: PASSED, the arguments but --resume (a resumed run keeps its folder); SBATCH_PASSED, but the
 # run folder's options too, which slurm.sbatch takes from RUN_NAME and OUTPUT_ROOT (where its requeue looks).
@@ -90,6 +73,35 @@ for arg in "$@"; do
     PASSED+=("$(shell_word "$arg")")
 done
 [ "$previous" != --resume ] || RESUMING=last  # a bare --resume at the end: training.train's own error says what it needs
+
+if [ "$MODE" = train ]; then
+    if [ ! -f "recipes/$RECIPE.yaml" ]; then
+        echo "error: unknown recipe '$RECIPE'; known: $(ls recipes/*.yaml | xargs -n1 basename | sed 's/.yaml$//' | xargs)" >&2
+        exit 2
+    fi
+    # A resumed run keeps the processes per node it was trained with (its data were split over that many ranks, and
+    # training refuses another count only once model and data are built): its config.yaml's, else the recipe's.
+    DEVICES_FROM=recipes/$RECIPE.yaml
+    if [ -n "$RESUMING" ] && [ -f "$(run_of "$RESUMING")/config.yaml" ]; then DEVICES_FROM=$(run_of "$RESUMING")/config.yaml; fi
+    GPUS_PER_NODE=${GPUS_PER_NODE:-$("$PYTHON" -c "import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))['trainer'].get('devices', 1))" "$DEVICES_FROM")}
+else
+    # A scheduler's share of the node is CUDA_VISIBLE_DEVICES: nvidia-smi lists every GPU of the node regardless.
+    IFS=, read -ra VISIBLE <<< "${CUDA_VISIBLE_DEVICES:-}"
+    if [ ${#VISIBLE[@]} -gt 0 ]; then
+        GPUS_PER_NODE=${GPUS_PER_NODE:-${#VISIBLE[@]}}
+    else
+        GPUS_PER_NODE=${GPUS_PER_NODE:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)}
+    fi
+    [ "${GPUS_PER_NODE:-0}" != 0 ] || GPUS_PER_NODE=1
+fi
+positive "processes per node (GPUS_PER_NODE${DEVICES_FROM:+, else trainer.devices in $DEVICES_FROM})" "$GPUS_PER_NODE"
+if [ "$MODE" = regenerate ] && [ ${#VISIBLE[@]} -gt 0 ] && [ "$GPUS_PER_NODE" -gt ${#VISIBLE[@]} ]; then
+    # one shard per GPU: the extra shards would share a visible GPU or take one outside this job's share
+    echo "error: GPUS_PER_NODE=$GPUS_PER_NODE but CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES makes ${#VISIBLE[@]} GPU(s) visible: give GPUS_PER_NODE=${#VISIBLE[@]} or fewer, or make more GPUs visible" >&2
+    exit 2
+fi
+WORLD=$((NODES * GPUS_PER_NODE))
+
 if [ "$NODES" -gt 1 ]; then
     needed=(NODE_RANK)
     if [ "$MODE" = train ]; then
@@ -120,8 +132,7 @@ if [ "$NODES" -gt 1 ]; then
             slurm_run="${RUN_GIVEN:+RUN_NAME=$(shell_word "$RUN_GIVEN") }${ROOT_GIVEN:+OUTPUT_ROOT=$(shell_word "$ROOT_GIVEN") }"
             sbatch_passed=${SBATCH_PASSED[*]}
             if [ -n "$RESUMING" ]; then
-                run=$RESUMING
-                case "$run" in *.ckpt) run=$(dirname "$run"); [ "$(basename "$run")" != checkpoints ] || run=$(dirname "$run") ;; esac
+                run=$(run_of "$RESUMING")
                 if [ -f "$run/config.yaml" ]; then
                     slurm_run="RUN_NAME=$(shell_word "$(basename "$run")") OUTPUT_ROOT=$(shell_word "$(dirname "$(dirname "$run")")") "
                 else  # --resume last: the newest run's folder, which only training.train looks up

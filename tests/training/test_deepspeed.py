@@ -759,6 +759,35 @@ def test_the_printed_plan_keeps_the_launchs_arguments_and_gpus_per_node(tmp_path
     assert "recipes/slurm.sbatch --regenerate --out 'x y'" in regenerate.stdout
 
 
+def test_a_resume_through_the_launcher_keeps_the_runs_processes_per_node(tmp_path):
+    """The launcher took the recipe's trainer.devices: a run trained on 2 processes per node resumed on 1, and stopped
+    only once model and data were built (its train loader had been split over 2 ranks)."""
+    run = tmp_path / "outputs" / "tiny" / "run 2"  # the tiny recipe says devices: 1
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text("trainer:\n  devices: '2'\n  num_nodes: 1\n")
+    fake_python = tmp_path / "python"  # reads YAML as python does, and prints what torchrun would be given
+    fake_python.write_text(f"#!/usr/bin/env bash\n[ \"$1\" != -c ] || exec {shlex.quote(sys.executable)} \"$@\"\n"
+                           "echo \"$@\"\n")
+    fake_python.chmod(0o755)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "NODE_RANK", "RUN_NAME", "GPUS_PER_NODE", *SLURM_ENV)} | {"PYTHON": str(fake_python)}
+
+    def launched(nodes: str, *args: str, **settings: str) -> str:
+        result = subprocess.run(["bash", str(LAUNCHER), "tiny", nodes, *args], cwd=REPO, env=env | settings,
+                                capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
+    for resume in (str(run), f"{run}/", str(run / "checkpoints" / "last.ckpt"), str(run / "hpc_ckpt_1.ckpt")):
+        assert "--nproc-per-node 2 " in launched("1", "--resume", resume), resume
+        assert "--trainer.devices=2" in launched("1", f"--resume={resume}"), resume
+        plan = launched("2", "--resume", resume)  # the plan's counts and its SLURM line's tasks per node
+        assert "trainer.devices=2)" in plan and "--ntasks-per-node=2 --gpus-per-node=2" in plan, resume
+    assert "--nproc-per-node 1 " in launched("1", "--resume", str(run), GPUS_PER_NODE="1")  # given: as given
+    assert "--nproc-per-node 1 " in launched("1")  # a new run: the recipe's
+    assert "--nproc-per-node 1 " in launched("1", "--resume", "last")  # only training.train finds that run
+
+
 def test_node_settings_that_cannot_make_a_launch_are_one_line(tmp_path):
     fake_python = tmp_path / "python"  # prints what torchrun would be given, and what the trainer would see of SLURM
     fake_python.write_text("#!/usr/bin/env bash\necho \"SLURM_NTASKS=${SLURM_NTASKS-unset} $*\"\n")

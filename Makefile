@@ -5,13 +5,15 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 RECIPE ?= smollm2-135m
+# A value as one shell word, whatever it holds (spaces, an apostrophe): '...', each ' inside written '\''.
+quote = '$(subst ','\'',$(1))'
 # A resumed run keeps its own recipe: --recipe only where RECIPE was given, or for a new run (training.train
 # refuses a --recipe that is not the resumed run's, and the default named smollm2-135m for every run resumed).
-RECIPE_FLAG = $(if $(and $(RESUME),$(filter file,$(origin RECIPE))),,--recipe '$(RECIPE)')
+RECIPE_FLAG = $(if $(and $(RESUME),$(filter file,$(origin RECIPE))),,--recipe $(call quote,$(RECIPE)))
 # The recipe a multi-node resume launches (the launcher takes the run's processes per node from its config.yaml):
 # RECIPE where given, else the <recipe>/ folder above the run RESUME names (a run folder or a checkpoint in it), else
 # the default (RESUME=last).
-RESUMED_RECIPE = $(shell r='$(RESUME)'; case "$$r" in (*.ckpt) r=$$(dirname "$$r"); \
+RESUMED_RECIPE = $(shell r=$(call quote,$(RESUME)); case "$$r" in (*.ckpt) r=$$(dirname "$$r"); \
 	[ "$$(basename "$$r")" != checkpoints ] || r=$$(dirname "$$r");; esac; \
 	[ -f "$$r/config.yaml" ] && basename "$$(dirname "$$(cd "$$r" && pwd)")")
 LAUNCH_RECIPE = $(if $(RECIPE_FLAG),$(RECIPE),$(or $(RESUMED_RECIPE),$(RECIPE)))
@@ -38,13 +40,13 @@ $(STAMP): requirements.txt pyproject.toml
 # make data [RECIPE=smollm2-135m] [ARGS="--overwrite ..."]: the recipe's target writes its training replies into the recipe's
 # data.data_path (data/regenerate.py; resumable: chunks already written are skipped).
 data: $(STAMP)
-	$(PY) data/regenerate.py --recipe 'recipes/$(RECIPE).yaml' $(ARGS)
+	$(PY) data/regenerate.py --recipe $(call quote,recipes/$(RECIPE).yaml) $(ARGS)
 
 # make features [RECIPE=smollm2-135m] [OUT=dir] [FORCE=1]: the frozen target's layer features of the recipe's
 # data, written once (in the dtype training runs the target in: bf16, or fp32 where `auto` picks it; sharded; size printed first; resumable) for `--data.feature_store <dir>`
 # (training/features.py). OUT defaults to the recipe's data.feature_store, else a folder under $DDTREE_CACHE.
 features: $(STAMP)
-	$(PY) -m training.features --recipe '$(RECIPE)' $(if $(OUT),--out '$(OUT)') $(if $(FORCE),--force) $(ARGS)
+	$(PY) -m training.features --recipe $(call quote,$(RECIPE)) $(if $(OUT),--out $(call quote,$(OUT))) $(if $(FORCE),--force) $(ARGS)
 
 # make train [RECIPE=smollm2-135m|tiny|qwen3-8b|...] [RESUME=last|path/to/x.ckpt|run folder] [NODES=n] [ARGS="..."]
 # Writes outputs/$(RECIPE)/<run>/ (config, checkpoints, logs, drafter/); RESUME continues a run exactly.
@@ -53,22 +55,22 @@ features: $(STAMP)
 # run on each node when MASTER_ADDR, NODE_RANK or RUN_NAME is unset). SLURM: recipes/slurm.sbatch.
 train: $(STAMP)
 ifeq ($(NODES),)
-	$(PY) -m training.train $(RECIPE_FLAG) $(if $(RESUME),--resume '$(RESUME)') $(ARGS)
+	$(PY) -m training.train $(RECIPE_FLAG) $(if $(RESUME),--resume $(call quote,$(RESUME))) $(ARGS)
 else
-	PYTHON=$(PY) recipes/launch_torchrun.sh '$(LAUNCH_RECIPE)' $(NODES) $(if $(RESUME),--resume '$(RESUME)') $(ARGS)
+	PYTHON=$(PY) recipes/launch_torchrun.sh $(call quote,$(LAUNCH_RECIPE)) $(NODES) $(if $(RESUME),--resume $(call quote,$(RESUME))) $(ARGS)
 endif
 
 # make ablate [RECIPE=smollm2-135m] ARGS="--steps 800 [--variant name=overrides ...]"
 # Trains variants of a recipe on one budget (default: the five training objectives, the two distillation
 # losses and three mixes), measures each with the same tree-decoding evaluation, and writes a table and a plot (training/ablate.py).
 ablate: $(STAMP)
-	$(PY) -m training.ablate --recipe '$(RECIPE)' $(ARGS)
+	$(PY) -m training.ablate --recipe $(call quote,$(RECIPE)) $(ARGS)
 
 # make eval [RECIPE=smollm2-135m] [RUN=outputs/<recipe>/<run>] [CKPT=best|last|path/to/x.ckpt]
 # (default: best.ckpt of RUN, else of the recipe's newest run; `make ablate`'s variant runs are not counted)
 # Measures a saved checkpoint's DDTree acceptance exactly as training's evaluation did (recipe's eval: section).
 eval: $(STAMP)
-	$(PY) -m training.evaluate --recipe '$(RECIPE)' --ckpt '$(or $(CKPT),best)' $(if $(RUN),--run '$(RUN)')
+	$(PY) -m training.evaluate --recipe $(call quote,$(RECIPE)) --ckpt $(call quote,$(or $(CKPT),best)) $(if $(RUN),--run $(call quote,$(RUN)))
 
 # make export RUN=outputs/<recipe>/<run> OUT=exports/<name> [CKPT=best|last|path] [SPECULATORS=1]
 #             [OVERWRITE=1] [ALLOW_ENGINE_MISMATCH=1] [REPO=user/name PUSH=1 [PRIVATE=1] [REPLACE_REPO=1]]
@@ -78,7 +80,7 @@ eval: $(STAMP)
 export: $(STAMP)
 	$(if $(RUN),,$(error make export needs RUN=outputs/<recipe>/<run> (a training run folder) and OUT=exports/<name>))
 	$(if $(OUT),,$(error make export needs OUT=exports/<name> (the folder to write); RUN=$(RUN) is the run))
-	$(PY) -m training.publish '$(RUN)' --out '$(OUT)' $(if $(CKPT),--ckpt '$(CKPT)') $(if $(SPECULATORS),--speculators) \
+	$(PY) -m training.publish $(call quote,$(RUN)) --out $(call quote,$(OUT)) $(if $(CKPT),--ckpt $(call quote,$(CKPT))) $(if $(SPECULATORS),--speculators) \
 		$(if $(OVERWRITE),--overwrite) $(if $(ALLOW_ENGINE_MISMATCH),--allow-engine-mismatch) $(if $(REPO),--repo $(REPO)) $(if $(PUSH),--push) $(if $(PRIVATE),--private) \
 		$(if $(REPLACE_REPO),--replace-repo) $(if $(BASE_MODEL),--base-model $(BASE_MODEL)) $(if $(LICENSE),--license $(LICENSE))
 

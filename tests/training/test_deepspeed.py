@@ -701,6 +701,31 @@ def test_make_resumes_a_run_of_any_recipe_and_keeps_paths_with_spaces_whole():
     assert "--out '/tmp/a b'" in make_plan("features", "OUT=/tmp/a b")
 
 
+def test_make_keeps_values_with_an_apostrophe_whole():
+    """Each value was wrapped in '...', so one holding a ' ended the quote: the shell split the value or refused the
+    line (`Unterminated quoted string`), and the launcher's own plan prints such paths as RESUME='...'\\''...'."""
+    make_env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS", "RECIPE")}
+    path = "/tmp/it's run"
+
+    def words(*variables: str) -> list[str]:
+        planned = subprocess.run(["make", "-n", "--no-print-directory", *variables], cwd=REPO, env=make_env,
+                                 capture_output=True, text=True)
+        assert planned.returncode == 0 and not planned.stderr, planned
+        return shlex.split(planned.stdout.replace("\\\n", " ").strip().splitlines()[-1])  # (export's recipe: 3 lines)
+
+    def after(option: str, line: list[str]) -> str:
+        return line[line.index(option) + 1]
+
+    assert after("--resume", words("train", f"RESUME={path}")) == path
+    assert after("--resume", words("train", "NODES=2", f"RESUME={path}")) == path  # also read by the run's recipe
+    assert after("--recipe", words("train", "RECIPE=it's")) == "it's"
+    assert after("--run", words("eval", f"RUN={path}")) == path
+    assert after("--ckpt", words("eval", f"CKPT={path}/x.ckpt")) == f"{path}/x.ckpt"
+    assert after("--out", words("features", f"OUT={path}")) == path
+    exported = words("export", f"RUN={path}", f"OUT={path} out", f"CKPT={path}/best.ckpt")
+    assert path in exported and after("--out", exported) == f"{path} out" and after("--ckpt", exported) == f"{path}/best.ckpt"
+
+
 def test_a_multi_node_resume_launches_the_runs_own_recipe(tmp_path):
     """With NODES the default recipe went to launch_torchrun.sh (its processes per node, and a --recipe training
     refuses for another recipe's run)."""

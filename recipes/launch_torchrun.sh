@@ -42,6 +42,14 @@ MASTER_PORT=${MASTER_PORT:-29500}
 # At most 6 digits: past the shell's integers a comparison would print its own error first.
 positive() { case "$2" in ''|*[!0-9]*|0*|???????*) echo "error: $1 must be a positive integer, got '$2'" >&2; exit 2 ;; esac; }
 positive NODES "$NODES"
+case "$MASTER_PORT" in  # torchrun answered a word with its 30-line usage
+    ''|*[!0-9]*|0*|??????*) port_ok="" ;;
+    *) port_ok=$([ "$MASTER_PORT" -gt 65535 ] || echo y) ;;
+esac
+if [ "$MODE" = train ] && [ -z "$port_ok" ]; then
+    echo "error: MASTER_PORT must be a port number, 1-65535, got '$MASTER_PORT'" >&2
+    exit 2
+fi
 # A word of a printed command, quoted for the shell where it needs it ('\'' is a quote inside quotes).
 shell_word() { case "$1" in ''|*[!A-Za-z0-9_./=:,+@%-]*) printf "'%s'" "${1//\'/\'\\\'\'}" ;; *) printf '%s' "$1" ;; esac; }
 GIVEN_GPUS=${GPUS_PER_NODE:-}  # the user's, printed in the plan's commands

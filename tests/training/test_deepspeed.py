@@ -831,6 +831,10 @@ def test_node_settings_that_cannot_make_a_launch_are_one_line(tmp_path):
         ("2", node | {"NODE_RANK": "01"}, "got '01'"),
         ("2", {"NODE_RANK": "1"}, "needs NODE_RANK MASTER_ADDR RUN_NAME on every node; MASTER_ADDR RUN_NAME not set"),
         ("2", node | {"NODE_RANK": "99999999999999999999"}, "got '99999999999999999999'"),  # past bash's integers
+        # torchrun printed its 30-line usage for a word
+        ("2", node | {"NODE_RANK": "0", "MASTER_PORT": "abc"}, "MASTER_PORT must be a port number, 1-65535, got 'abc'"),
+        ("2", node | {"NODE_RANK": "0", "MASTER_PORT": "65536"}, "got '65536'"),
+        ("1", {"MASTER_ADDR": "node0", "MASTER_PORT": "0"}, "got '0'"),
     ]:
         result = launched(nodes, **settings)
         assert result.returncode == 2 and said in result.stderr, result

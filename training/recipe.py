@@ -20,7 +20,7 @@ import yaml
 from jsonargparse import ArgumentError, Namespace
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
-from lightning.pytorch.strategies import DeepSpeedStrategy, StrategyRegistry
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, StrategyRegistry
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from ddtree.errors import DDTreeError, error_line
@@ -172,7 +172,15 @@ def deepspeed_class(strategy) -> type | None:
 
 
 def check_strategy(strategy, accelerator, gradient_clip_algorithm) -> None:
-    """What Lightning's DeepSpeed strategy refuses only once fit starts, with a traceback."""
+    """What Lightning's DeepSpeed strategy refuses only once fit starts, with a traceback; and FSDP, which Lightning
+    runs but nothing here gathers."""
+    if isinstance(strategy, str) and strategy in StrategyRegistry and issubclass(
+            StrategyRegistry[strategy]["strategy"], FSDPStrategy):
+        # Under FSDP module.drafter holds this rank's shards: the evaluation during training and the export gather a
+        # sharded drafter from DeepSpeed only (training/strategies.py), so they would have read a shard as the drafter.
+        raise RecipeSettingError(f"trainer.strategy={strategy} is FSDP, which this training does not support (its "
+                                 "evaluation and export gather sharded weights from DeepSpeed only): give ddp, or "
+                                 "zero2/zero3 to shard across GPUs")
     deepspeed = deepspeed_class(strategy)
     if deepspeed is None:
         return

@@ -268,6 +268,19 @@ def test_what_deepspeed_refuses_is_one_line_before_anything_loads(overrides, sai
     training.recipe.check_strategy("ddp", "cpu", "value")
 
 
+def test_fsdp_is_one_line_before_anything_loads(tmp_path, monkeypatch, capsys):
+    """Nothing here gathers FSDP's shards: the evaluation during training and the export gather DeepSpeed's only, so on
+    GPUs (where Lightning takes FSDP) they would have read each rank's shard of the drafter."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for strategy in ("fsdp", "fsdp_cpu_offload"):
+        with pytest.raises(DDTreeError, match=f"trainer.strategy={strategy} is FSDP, .* give ddp, or zero2"):
+            training.recipe.check_strategy(strategy, "gpu", "norm")
+    assert main(["--recipe", "tiny", "--run-name", "r", "--output-root", str(tmp_path), "--trainer.strategy=fsdp"]) == 2
+    errors = error_lines(capsys)
+    assert len(errors) == 1 and "recipes/tiny.yaml: trainer.strategy=fsdp is FSDP" in errors[0], errors
+    assert not any(tmp_path.iterdir())
+
+
 def test_a_target_dtype_that_is_not_a_dtype_is_one_line_before_anything_loads(tmp_path, capsys):
     with pytest.raises(DDTreeError, match="model.target_dtype='fp16': choose one of float32, bfloat16, float16, or auto"):
         training.target.dtype_for_precision("32-true", "fp16")

@@ -25,10 +25,12 @@ Equal terms:
   so where they differ; whole stores (make features FORCE=1 ARGS=--data.store_max_minutes=null, per store kind) or
   online features (--data.feature_store=null) put every variant on all of it;
 - "launch min" is each variant's whole launch, set-up included: the first variant to need a store builds it.
-A variant that stops (a diverged loss, say), or ends with no evaluation (no step trained), is a row saying so; the
-others still run, the table is written, and the exit status is not 0.
+A variant that stops (a diverged loss, say), fails (an exception, a CUDA out-of-memory say: its traceback is printed),
+or ends with no evaluation (no step trained), is a row saying so; the others still run, the table is written, and the
+exit status is not 0.
 
-The table (printed, and written with a plot to <output-root>/<recipe>/ablate-<stamp>.{md,png}):
+The table (printed at the end, and written with a plot to <output-root>/<recipe>/ablate-<stamp>.{md,json,png} after
+each variant, so an ablation killed midway keeps the variants it finished):
 validation loss (the published decayed cross-entropy, whatever the variant trains on), per-depth
 top-1 accuracy and top-4 recall of the target's token on the validation split, tau at every
 budget and for the chain, and the drafter's expected tau beside the measured one. A note under it names the variants
@@ -44,6 +46,7 @@ import math
 import shlex
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from .arguments import ablate_parser, answer_early, check_recipe_args, check_recipe_name, recipe_path
@@ -55,7 +58,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from ddtree.bench import CHAIN, budget_of
-from ddtree.errors import DDTreeError, command
+from ddtree.errors import DDTreeError, command, error_line
 from ddtree.files import atomic_file, finite_json, read_yaml_mapping, write_text_atomic
 
 from .callbacks import AcceptanceEvaluation
@@ -67,6 +70,7 @@ from .recipe import check_values, read_recipe, recipe_errors
 from .train import main as train_main
 
 YEAR_SECONDS = 365 * 86400  # --minutes' bound: anything longer is a typo
+FAILED_REASON_CHARS = 160  # a failed variant's row: the exception's first line, cut (a CUDA one runs to 400 characters)
 NO_STEP_LIMIT = 2**62  # --minutes under trainer.max_steps=-1: an interval no run reaches, so only the stop evaluates
 PLAIN = "--model.distill_weight=0 --model.distill_top_k=0"  # no distillation, whatever the recipe distils with
 KL = "--model.distill_weight=0.5 --model.distill_loss=kl"
@@ -272,6 +276,14 @@ def plot(results: list[dict]) -> Figure:
     return figure
 
 
+def write_results(base: Path, results: list[dict]) -> None:
+    """The table, the results and the plot of the variants so far, as <base>.{md,json,png}."""
+    write_text_atomic(Path(f"{base}.md"), markdown_table(results) + "\n")
+    write_text_atomic(Path(f"{base}.json"), json.dumps(finite_json(results), indent=1, allow_nan=False))
+    with atomic_file(Path(f"{base}.png"), "wb") as handle:
+        plot(results).savefig(handle, format="png", dpi=110)
+
+
 @command
 def main(argv: list[str] | None = None) -> int:
     parser = ablate_parser()
@@ -317,26 +329,29 @@ def main(argv: list[str] | None = None) -> int:
         run = f"{ABLATE_PREFIX}{stamp}-{name}"
         print(f"[ablate] {name}: {' '.join(overrides) or '(the recipe as it is)'} -> {root / run}", flush=True)
         started = time.perf_counter()
-        status = train_main(["--recipe", args.recipe, "--run-name", run, "--output-root", args.output_root,
-                             *budget, *schedules[name], *common, *overrides])
-        if status != 0:  # a diverged variant is a result too; the others still compare
-            print(f"[ablate] {name} stopped with status {status}; going on with the other variants", file=sys.stderr)
-            results.append(stopped_variant(name, root / run, time.perf_counter() - started, status))
-            failed = failed or status
-            continue
         try:
-            results.append(summarize_variant(name, root / run, time.perf_counter() - started))
-        except DDTreeError as error:  # exited 0 with nothing measured (no steps to train, say): a hole, not the end
-            print(f"[ablate] {name}: {error}; going on with the other variants", file=sys.stderr)
-            results.append(stopped_variant(name, root / run, time.perf_counter() - started, status, "no evaluation"))
-            failed = failed or 1
+            status = train_main(["--recipe", args.recipe, "--run-name", run, "--output-root", args.output_root,
+                                 *budget, *schedules[name], *common, *overrides])
+        except Exception as error:  # a CUDA out-of-memory, say: this variant's failure, not the comparison's
+            traceback.print_exc()  # not bad input: keep what a bug report needs
+            status, why = 1, f"failed: {type(error).__name__}: {error_line(error)}"[:FAILED_REASON_CHARS].replace("|", "/")
+        else:
+            why = "stopped"
+        seconds = time.perf_counter() - started
+        if status != 0:  # a diverged or failed variant is a result too; the others still compare
+            print(f"[ablate] {name}: {why} (exit status {status}); going on with the other variants", file=sys.stderr)
+            results.append(stopped_variant(name, root / run, seconds, status, why))
+            failed = failed or status
+        else:
+            try:
+                results.append(summarize_variant(name, root / run, seconds))
+            except DDTreeError as error:  # exited 0 with nothing measured (no steps to train, say): a hole, not the end
+                print(f"[ablate] {name}: {error}; going on with the other variants", file=sys.stderr)
+                results.append(stopped_variant(name, root / run, seconds, status, "no evaluation"))
+                failed = failed or 1
+        write_results(root / f"ablate-{stamp}", results)  # after each variant: a killed ablation keeps what finished
 
-    table = markdown_table(results)
-    print(table)
-    write_text_atomic(root / f"ablate-{stamp}.md", table + "\n")
-    write_text_atomic(root / f"ablate-{stamp}.json", json.dumps(finite_json(results), indent=1, allow_nan=False))
-    with atomic_file(root / f"ablate-{stamp}.png", "wb") as handle:
-        plot(results).savefig(handle, format="png", dpi=110)
+    print(markdown_table(results))
     print(f"[ablate] table, results and plot: {root / f'ablate-{stamp}'}.{{md,json,png}}")
     return failed  # the first stopped variant's status (1 for one with no evaluation): a comparison with a hole is not
     # a clean exit

@@ -242,3 +242,34 @@ def test_a_variant_that_exits_0_with_no_evaluation_is_a_row_and_the_others_are_s
     results = json.loads(next(tmp_path.glob("tiny/ablate-*.json")).read_text())
     assert [r["variant"] for r in results] == ["a", "z", "c"] and results[1]["tau"] == {}
     assert next(tmp_path.glob("tiny/ablate-*.png")).stat().st_size > 0
+
+
+def test_a_variant_that_raises_is_a_failed_row_and_every_variant_before_it_is_on_disk_already(tmp_path, monkeypatch,
+                                                                                              capsys):
+    """A CUDA out-of-memory (a RuntimeError) in one variant used to escape ablate: the variants already trained got no
+    table, json or plot, which were written only at the end."""
+    import training.ablate
+
+    seen = []
+
+    def fake_train(argv: list[str]) -> int:
+        run = Path(argv[argv.index("--output-root") + 1]) / "tiny" / argv[argv.index("--run-name") + 1]
+        tables = list(tmp_path.glob("tiny/ablate-*.md"))
+        seen.append(tables[0].read_text() if tables else "")  # what a kill at this point would leave
+        if run.name.endswith("-big"):
+            raise RuntimeError("CUDA out of memory. Tried to allocate 20.00 GiB | " + "x" * 400)
+        fake_run(argv, {})
+        return 0
+
+    monkeypatch.setattr(training.ablate, "train_main", fake_train)
+    assert main(["--recipe", "tiny", "--steps", "3", "--output-root", str(tmp_path), "--variant", "a=",
+                 "--variant", "big=--model.lr=1e-3", "--variant", "c="]) == 1
+    assert seen[0] == "" and "| a | 3 |" in seen[1] and "| big | failed: RuntimeError: CUDA out of memory" in seen[2]
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "[ablate] big: failed: RuntimeError: CUDA out of memory" in err
+    table = next(tmp_path.glob("tiny/ablate-*.md")).read_text()
+    row = next(line for line in table.splitlines() if line.startswith("| big |"))
+    assert row.count("|") == table.splitlines()[0].count("|") and len(row) < 300  # one cell, cut
+    assert "| a | 3 |" in table and "| c | 3 |" in table
+    results = json.loads(next(tmp_path.glob("tiny/ablate-*.json")).read_text())
+    assert [r.get("stopped") for r in results] == [None, 1, None]

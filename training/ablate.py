@@ -27,7 +27,8 @@ Equal terms:
 - "launch min" is each variant's whole launch, set-up included: the first variant to need a store builds it.
 A variant that stops (a diverged loss, say), fails (an exception, a CUDA out-of-memory say: its traceback is printed),
 or ends with no evaluation (no step trained), is a row saying so; the others still run, the table is written, and the
-exit status is not 0.
+exit status is not 0. Ctrl-C or SIGTERM (a scheduler's) stops the whole ablation: the interrupted variant is a row,
+the table of the variants so far is written, and the status is 130 or 143.
 
 The table (printed at the end, and written with a plot to <output-root>/<recipe>/ablate-<stamp>.{md,json,png} after
 each variant, so an ablation killed midway keeps the variants it finished):
@@ -44,6 +45,7 @@ import csv
 import json
 import math
 import shlex
+import signal
 import sys
 import time
 import traceback
@@ -58,7 +60,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from ddtree.bench import CHAIN, budget_of
-from ddtree.errors import DDTreeError, command, error_line
+from ddtree.errors import INTERRUPTED, DDTreeError, command, error_line
 from ddtree.files import atomic_file, finite_json, read_yaml_mapping, write_text_atomic
 
 from .callbacks import AcceptanceEvaluation
@@ -70,6 +72,9 @@ from .recipe import check_values, read_recipe, recipe_errors
 from .train import main as train_main
 
 YEAR_SECONDS = 365 * 86400  # --minutes' bound: anything longer is a typo
+# training.train's statuses for a stop the user (Ctrl-C) or a scheduler (SIGTERM, then SIGKILL) asked of the launch:
+# they stop the whole ablation, not one variant
+STOPPED_BY = {INTERRUPTED: "interrupted (SIGINT)", 128 + signal.SIGTERM: "stopped by SIGTERM"}
 FAILED_REASON_CHARS = 160  # a failed variant's row: the exception's first line, cut (a CUDA one runs to 400 characters)
 NO_STEP_LIMIT = 2**62  # --minutes under trainer.max_steps=-1: an interval no run reaches, so only the stop evaluates
 PLAIN = "--model.distill_weight=0 --model.distill_top_k=0"  # no distillation, whatever the recipe distils with
@@ -329,19 +334,22 @@ def main(argv: list[str] | None = None) -> int:
         run = f"{ABLATE_PREFIX}{stamp}-{name}"
         print(f"[ablate] {name}: {' '.join(overrides) or '(the recipe as it is)'} -> {root / run}", flush=True)
         started = time.perf_counter()
+        why = None
         try:
             status = train_main(["--recipe", args.recipe, "--run-name", run, "--output-root", args.output_root,
                                  *budget, *schedules[name], *common, *overrides])
+        except KeyboardInterrupt:  # Ctrl-C outside training's loop (its data preparation, say): the same stop
+            status = INTERRUPTED
         except Exception as error:  # a CUDA out-of-memory, say: this variant's failure, not the comparison's
             traceback.print_exc()  # not bad input: keep what a bug report needs
             status, why = 1, f"failed: {type(error).__name__}: {error_line(error)}"[:FAILED_REASON_CHARS].replace("|", "/")
-        else:
-            why = "stopped"
+        why = why or STOPPED_BY.get(status, "stopped")
         seconds = time.perf_counter() - started
-        if status != 0:  # a diverged or failed variant is a result too; the others still compare
-            print(f"[ablate] {name}: {why} (exit status {status}); going on with the other variants", file=sys.stderr)
+        if status != 0:  # a diverged or failed variant is a result too; the others still compare (unless stopped)
+            then = "the variants after it are not run" if status in STOPPED_BY else "going on with the other variants"
+            print(f"[ablate] {name}: {why} (exit status {status}); {then}", file=sys.stderr)
             results.append(stopped_variant(name, root / run, seconds, status, why))
-            failed = failed or status
+            failed = status if status in STOPPED_BY else failed or status  # a stop's own status, as Ctrl-C's is 130
         else:
             try:
                 results.append(summarize_variant(name, root / run, seconds))
@@ -350,11 +358,13 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(stopped_variant(name, root / run, seconds, status, "no evaluation"))
                 failed = failed or 1
         write_results(root / f"ablate-{stamp}", results)  # after each variant: a killed ablation keeps what finished
+        if status in STOPPED_BY:  # one Ctrl-C (or a scheduler's SIGTERM, before its SIGKILL) stops the ablation
+            break
 
     print(markdown_table(results))
     print(f"[ablate] table, results and plot: {root / f'ablate-{stamp}'}.{{md,json,png}}")
-    return failed  # the first stopped variant's status (1 for one with no evaluation): a comparison with a hole is not
-    # a clean exit
+    return failed  # 130 or 143 for a stopped ablation, else the first stopped variant's status (1 for one that failed or
+    # had no evaluation): a comparison with a hole is not a clean exit
 
 
 if __name__ == "__main__":

@@ -273,3 +273,34 @@ def test_a_variant_that_raises_is_a_failed_row_and_every_variant_before_it_is_on
     assert "| a | 3 |" in table and "| c | 3 |" in table
     results = json.loads(next(tmp_path.glob("tiny/ablate-*.json")).read_text())
     assert [r.get("stopped") for r in results] == [None, 1, None]
+
+
+@pytest.mark.parametrize("stop", [130, 143, KeyboardInterrupt])
+def test_ctrl_c_or_sigterm_stops_the_whole_ablation_with_the_table_of_the_variants_so_far(tmp_path, monkeypatch, capsys,
+                                                                                         stop):
+    """train turns Ctrl-C into status 130 and SIGTERM into 143: ablate took them for a diverged variant and started the
+    next one, so stopping 10 variants took 10 Ctrl-Cs, and a scheduler's SIGKILL came before any table."""
+    import training.ablate
+
+    launched = []
+
+    def fake_train(argv: list[str]) -> int:
+        launched.append(argv)
+        if len(launched) == 2:  # b
+            if stop is KeyboardInterrupt:  # Ctrl-C outside Lightning's loop (data preparation, say)
+                raise KeyboardInterrupt
+            return stop
+        fake_run(argv, {})
+        return 0
+
+    monkeypatch.setattr(training.ablate, "train_main", fake_train)
+    status = main(["--recipe", "tiny", "--steps", "3", "--output-root", str(tmp_path), "--variant", "a=",
+                   "--variant", "b=", "--variant", "c="])
+    assert status == (130 if stop is KeyboardInterrupt else stop)
+    assert len(launched) == 2  # c never started
+    why = "stopped by SIGTERM" if stop == 143 else "interrupted (SIGINT)"
+    assert f"[ablate] b: {why} (exit status {status}); the variants after it are not run" in capsys.readouterr().err
+    table = next(tmp_path.glob("tiny/ablate-*.md")).read_text()
+    assert "| a | 3 |" in table and f"| b | {why} (exit status {status}): nothing measured |" in table
+    assert "| c |" not in table
+    assert [r["variant"] for r in json.loads(next(tmp_path.glob("tiny/ablate-*.json")).read_text())] == ["a", "b"]

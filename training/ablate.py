@@ -9,7 +9,9 @@ under <output-root>/<recipe>/ablate-<stamp>-<variant>/, all with the same step b
 --minutes of wall time), the same data order, the same seed and the same in-training acceptance
 evaluation at the end: real tree decoding of the recipe's held-out prompts (`eval:` section,
 --eval-limit and --eval-max-new-tokens apply to every variant alike). Variants run one after the
-other, so each has the machine to itself and their wall times compare.
+other, so each has the machine to itself and their wall times compare. Under trainer.devices > 1 the processes Lightning
+starts re-run this command: they take its stamp (DDTREE_ABLATE_STAMP), so train in the same run folders, and leave the
+measuring and the table to global rank 0.
 
 Equal terms:
 - --steps alone: every variant trains exactly that many steps (the recipe's trainer.max_time is lifted);
@@ -44,6 +46,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import shlex
 import signal
 import sys
@@ -69,12 +72,14 @@ from .loss import RECALL_K
 from .module import DistillModule
 from .data import DATA_RECORD
 from .recipe import check_values, read_recipe, recipe_errors
+from .strategies import is_first_process
 from .train import main as train_main
 
 YEAR_SECONDS = 365 * 86400  # --minutes' bound: anything longer is a typo
 # training.train's statuses for a stop the user (Ctrl-C) or a scheduler (SIGTERM, then SIGKILL) asked of the launch:
 # they stop the whole ablation, not one variant
 STOPPED_BY = {INTERRUPTED: "interrupted (SIGINT)", 128 + signal.SIGTERM: "stopped by SIGTERM"}
+ABLATE_STAMP_ENV = "DDTREE_ABLATE_STAMP"  # the ablation's stamp, handed to the processes Lightning starts
 FAILED_REASON_CHARS = 160  # a failed variant's row: the exception's first line, cut (a CUDA one runs to 400 characters)
 NO_STEP_LIMIT = 2**62  # --minutes under trainer.max_steps=-1: an interval no run reaches, so only the stop evaluates
 PLAIN = "--model.distill_weight=0 --model.distill_top_k=0"  # no distillation, whatever the recipe distils with
@@ -327,44 +332,59 @@ def main(argv: list[str] | None = None) -> int:
             raise DDTreeError(f"--variant {name}: {error}") from None
         schedules[name] = schedule_at_the_stop(config.trainer.max_steps) if args.steps is None else []
 
-    stamp = time.strftime("%Y%m%d-%H%M%S")
+    # For devices > 1 Lightning starts the other processes by re-running this command: they take the first one's stamp,
+    # so each variant is one run folder, and leave the measuring and writing to it
+    stamp = os.environ.get(ABLATE_STAMP_ENV) or time.strftime("%Y%m%d-%H%M%S")
+    first = is_first_process()
     root = Path(args.output_root) / args.recipe
     results, failed = [], 0
-    for name, overrides in variants:
-        run = f"{ABLATE_PREFIX}{stamp}-{name}"
-        print(f"[ablate] {name}: {' '.join(overrides) or '(the recipe as it is)'} -> {root / run}", flush=True)
-        started = time.perf_counter()
-        why = None
-        try:
-            status = train_main(["--recipe", args.recipe, "--run-name", run, "--output-root", args.output_root,
-                                 *budget, *schedules[name], *common, *overrides])
-        except KeyboardInterrupt:  # Ctrl-C outside training's loop (its data preparation, say): the same stop
-            status = INTERRUPTED
-        except Exception as error:  # a CUDA out-of-memory, say: this variant's failure, not the comparison's
-            traceback.print_exc()  # not bad input: keep what a bug report needs
-            status, why = 1, f"failed: {type(error).__name__}: {error_line(error)}"[:FAILED_REASON_CHARS].replace("|", "/")
-        why = why or STOPPED_BY.get(status, "stopped")
-        seconds = time.perf_counter() - started
-        if status != 0:  # a diverged or failed variant is a result too; the others still compare (unless stopped)
-            then = "the variants after it are not run" if status in STOPPED_BY else "going on with the other variants"
-            print(f"[ablate] {name}: {why} (exit status {status}); {then}", file=sys.stderr)
-            results.append(stopped_variant(name, root / run, seconds, status, why))
-            failed = status if status in STOPPED_BY else failed or status  # a stop's own status, as Ctrl-C's is 130
-        else:
+    os.environ[ABLATE_STAMP_ENV] = stamp
+    try:
+        for name, overrides in variants:
+            run = f"{ABLATE_PREFIX}{stamp}-{name}"
+            if first:
+                print(f"[ablate] {name}: {' '.join(overrides) or '(the recipe as it is)'} -> {root / run}", flush=True)
+            started = time.perf_counter()
+            why = None
             try:
-                results.append(summarize_variant(name, root / run, seconds))
-            except DDTreeError as error:  # exited 0 with nothing measured (no steps to train, say): a hole, not the end
-                print(f"[ablate] {name}: {error}; going on with the other variants", file=sys.stderr)
-                results.append(stopped_variant(name, root / run, seconds, status, "no evaluation"))
-                failed = failed or 1
-        write_results(root / f"ablate-{stamp}", results)  # after each variant: a killed ablation keeps what finished
-        if status in STOPPED_BY:  # one Ctrl-C (or a scheduler's SIGTERM, before its SIGKILL) stops the ablation
-            break
+                status = train_main(["--recipe", args.recipe, "--run-name", run, "--output-root", args.output_root,
+                                     *budget, *schedules[name], *common, *overrides])
+            except KeyboardInterrupt:  # Ctrl-C outside training's loop (its data preparation, say): the same stop
+                status = INTERRUPTED
+            except Exception as error:  # a CUDA out-of-memory, say: this variant's failure, not the comparison's
+                traceback.print_exc()  # not bad input: keep what a bug report needs
+                reason = f"failed: {type(error).__name__}: {error_line(error)}"[:FAILED_REASON_CHARS]
+                status, why = 1, reason.replace("|", "/")  # one table cell
+            if not first:  # rank 0 alone wrote the evaluation and writes the table; a non-zero exit here would have
+                # Lightning kill rank 0 before its table, so only a stop ends this process, with the stop's status
+                if status in STOPPED_BY:
+                    return status
+                continue
+            why = why or STOPPED_BY.get(status, "stopped")
+            seconds = time.perf_counter() - started
+            if status != 0:  # a diverged or failed variant is a result too; the others still compare (unless stopped)
+                then = "the variants after it are not run" if status in STOPPED_BY else "going on with the others"
+                print(f"[ablate] {name}: {why} (exit status {status}); {then}", file=sys.stderr)
+                results.append(stopped_variant(name, root / run, seconds, status, why))
+                failed = status if status in STOPPED_BY else failed or status  # a stop's own status, as Ctrl-C's is 130
+            else:
+                try:
+                    results.append(summarize_variant(name, root / run, seconds))
+                except DDTreeError as error:  # exited 0 with nothing measured (no steps to train, say): a hole
+                    print(f"[ablate] {name}: {error}; going on with the other variants", file=sys.stderr)
+                    results.append(stopped_variant(name, root / run, seconds, status, "no evaluation"))
+                    failed = failed or 1
+            write_results(root / f"ablate-{stamp}", results)  # after each variant: a killed ablation keeps them
+            if status in STOPPED_BY:  # one Ctrl-C (or a scheduler's SIGTERM, before its SIGKILL) stops the ablation
+                break
+    finally:
+        os.environ.pop(ABLATE_STAMP_ENV, None)  # a later ablation in this process takes its own
 
-    print(markdown_table(results))
-    print(f"[ablate] table, results and plot: {root / f'ablate-{stamp}'}.{{md,json,png}}")
-    return failed  # 130 or 143 for a stopped ablation, else the first stopped variant's status (1 for one that failed or
-    # had no evaluation): a comparison with a hole is not a clean exit
+    if first:
+        print(markdown_table(results))
+        print(f"[ablate] table, results and plot: {root / f'ablate-{stamp}'}.{{md,json,png}}")
+    return failed  # 130 or 143 for a stopped ablation, else the first stopped variant's status (1 for one that failed
+    # or had no evaluation): a comparison with a hole is not a clean exit
 
 
 if __name__ == "__main__":

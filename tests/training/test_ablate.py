@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -304,3 +305,36 @@ def test_ctrl_c_or_sigterm_stops_the_whole_ablation_with_the_table_of_the_varian
     assert "| a | 3 |" in table and f"| b | {why} (exit status {status}): nothing measured |" in table
     assert "| c |" not in table
     assert [r["variant"] for r in json.loads(next(tmp_path.glob("tiny/ablate-*.json")).read_text())] == ["a", "b"]
+
+
+def test_the_processes_lightning_starts_for_several_devices_train_the_same_runs_and_write_nothing(tmp_path, monkeypatch,
+                                                                                                   capsys):
+    """With trainer.devices > 1 Lightning re-runs this command in each other process: each took its own stamp, so
+    trained in a run folder of its own, and wrote a second table of the newest stamp, every row 'no evaluation'."""
+    import training.ablate
+    from training.ablate import ABLATE_STAMP_ENV
+
+    for name in ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", ABLATE_STAMP_ENV):
+        monkeypatch.delenv(name, raising=False)
+    handed = []
+
+    def fake_train(argv: list[str]) -> int:  # what Lightning's processes would inherit
+        handed.append((argv[argv.index("--run-name") + 1], os.environ.get(ABLATE_STAMP_ENV)))
+        fake_run(argv, {})
+        return 0
+
+    monkeypatch.setattr(training.ablate, "train_main", fake_train)
+    assert main(["--recipe", "tiny", "--steps", "3", "--output-root", str(tmp_path / "first"), "--variant", "a="]) == 0
+    (run, stamp), = handed
+    assert run == f"ablate-{stamp}-a" and ABLATE_STAMP_ENV not in os.environ  # not handed to a later ablation
+    capsys.readouterr()
+
+    monkeypatch.setenv(ABLATE_STAMP_ENV, "20250101-000000")  # a process Lightning started: local rank 1
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    trained = []
+    monkeypatch.setattr(training.ablate, "train_main", lambda argv: trained.append(argv[argv.index("--run-name") + 1]))
+    assert main(["--recipe", "tiny", "--steps", "3", "--output-root", str(tmp_path / "other"), "--variant", "a=",
+                 "--variant", "b="]) == 0  # no evaluation of its own: rank 0 wrote it
+    assert trained == ["ablate-20250101-000000-a", "ablate-20250101-000000-b"]  # rank 0's run folders
+    assert not (tmp_path / "other").exists()  # no table, json or plot
+    assert "[ablate]" not in capsys.readouterr().out

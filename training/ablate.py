@@ -110,6 +110,21 @@ def check_variant(recipe: Path, overrides: list[str]):
     return config
 
 
+def check_shared(recipe: Path, shared: list[tuple[str, list[str]]]) -> None:
+    """The flags every variant trains with, (as given, their overrides), checked once before the variants are: a bad
+    one is named as the user gave it, not blamed on the first variant. Each is checked on top of those before it, so
+    the error names the first that fails."""
+    overrides = []
+    for given, more in shared:
+        if not more:
+            continue
+        overrides += more
+        try:
+            check_variant(recipe, overrides)
+        except DDTreeError as error:
+            raise DDTreeError(f"{given}: {error}") from None
+
+
 def schedule_at_the_stop(max_steps: int) -> list[str]:
     """Overrides that leave a variant's evaluation, checkpoint and validation to where it stops: trainer.max_steps,
     or the clock (stops_here evaluates a max_time stop; Lightning validates when should_stop is set). An evaluation
@@ -319,10 +334,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.minutes is not None:
         days, seconds = divmod(round(args.minutes * 60), 86400)  # Lightning's DD:HH:MM:SS
         budget.append(f"--trainer.max_time={days:02d}:{seconds // 3600:02d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}")
+    given = " ".join(f"--{flag} {value}" for flag, value in (("steps", args.steps), ("minutes", args.minutes))
+                     if value is not None)
+    shared = [(given, budget)]  # (the flags as given, their overrides): what every variant trains with
     if args.eval_limit is not None:
-        budget.append(f"--eval.limit={args.eval_limit}")
+        shared.append((f"--eval-limit {args.eval_limit}", [f"--eval.limit={args.eval_limit}"]))
     if args.eval_max_new_tokens is not None:
-        budget.append(f"--eval.max_new_tokens={args.eval_max_new_tokens}")
+        shared.append((f"--eval-max-new-tokens {args.eval_max_new_tokens}",
+                       [f"--eval.max_new_tokens={args.eval_max_new_tokens}"]))
+    budget = [override for _, overrides in shared for override in overrides]
+    check_shared(recipe_path(args.recipe), [*shared, (" ".join(common), common)])
 
     schedules = {}  # each variant's evaluation and validation steps under --minutes alone: at its stop only
     for name, overrides in variants:  # every variant read and its values checked before any trains: a bad one in the

@@ -338,3 +338,20 @@ def test_the_processes_lightning_starts_for_several_devices_train_the_same_runs_
     assert trained == ["ablate-20250101-000000-a", "ablate-20250101-000000-b"]  # rank 0's run folders
     assert not (tmp_path / "other").exists()  # no table, json or plot
     assert "[ablate]" not in capsys.readouterr().out
+
+
+def test_a_bad_flag_every_variant_shares_is_named_as_given_not_blamed_on_a_variant(tmp_path, capsys, monkeypatch):
+    """--eval-limit 0 was reported as `--variant decayed_ce: eval.limit=0: ...`, naming a variant the user may never
+    have typed (the first default one)."""
+    import training.ablate
+
+    monkeypatch.setattr(training.ablate, "train_main", lambda argv: pytest.fail("a variant trained"))
+    refused = [(["--eval-limit", "0"], "--eval-limit 0: eval.limit=0: must be at least 1"),
+               (["--eval-max-new-tokens", "2"], "--eval-max-new-tokens 2: eval.max_new_tokens=2: must be at least 3"),
+               (["--eval-limit", "3", "--model.lr=0"], "--model.lr=0: "),
+               (["--model.lrr=3"], "--model.lrr=3: ")]
+    for flags, named in refused:
+        assert main(["--recipe", "tiny", "--steps", "5", "--output-root", str(tmp_path), *flags]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: {named}"), err
+    assert not any(tmp_path.iterdir())

@@ -274,7 +274,9 @@ def decoder_additions(decoded_with: dict) -> str:
 
 
 def plot(results: list[dict]) -> Figure:
-    figure = Figure(figsize=(11, 4))
+    # Wide enough for the 10 default variants; their names slanted, and the legends outside the axes, so that none
+    # covers a name, a bar or a curve.
+    figure = Figure(figsize=(14, 5), layout="constrained")
     FigureCanvasAgg(figure)
     bars, depth = figure.add_subplot(1, 2, 1), figure.add_subplot(1, 2, 2)
     budgets = all_budgets(results)
@@ -288,16 +290,19 @@ def plot(results: list[dict]) -> Figure:
                 continue
             bars.bar(i + j * width, value, width, color=f"C{j}", label=labels[j] if labels[j] not in drawn else None)
             drawn.add(labels[j])
-        depth.plot(range(1, len(r["recall"]) + 1), r["recall"], "o-", color=f"C{i}", label=f"{r['variant']} recall{RECALL_K}")
-        depth.plot(range(1, len(r["accuracy"]) + 1), r["accuracy"], "x--", color=f"C{i}", label=f"{r['variant']} top-1")
-    bars.set_xticks([i + width * len(budgets) / 2 for i in range(len(results))], [r["variant"] for r in results])
+        # one legend entry per variant, its colour; the two metrics told apart by the line style entries below
+        depth.plot(range(1, len(r["recall"]) + 1), r["recall"], "o-", color=f"C{i}", label=r["variant"])
+        depth.plot(range(1, len(r["accuracy"]) + 1), r["accuracy"], "x--", color=f"C{i}")
+    depth.plot([], [], "o-", color="black", label=f"recall{RECALL_K} (any variant)")
+    depth.plot([], [], "x--", color="black", label="top-1 (any variant)")
+    bars.set_xticks([i + width * len(budgets) / 2 for i in range(len(results))], [r["variant"] for r in results],
+                    rotation=30, ha="right")
     bars.set_ylabel("measured tau (tokens per round)")
     if drawn:  # every variant stopped: no bars to name
-        bars.legend(fontsize=8)
+        bars.legend(fontsize=8, loc="lower left", bbox_to_anchor=(0, 1.01), ncol=len(labels), frameon=False)
     depth.set_xlabel("block position (depth)")
     depth.set_ylabel("validation accuracy / recall")
-    depth.legend(fontsize=7)
-    figure.tight_layout()
+    depth.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     return figure
 
 

@@ -355,3 +355,25 @@ def test_a_bad_flag_every_variant_shares_is_named_as_given_not_blamed_on_a_varia
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(f"error: {named}"), err
     assert not any(tmp_path.iterdir())
+
+
+def test_the_plot_of_the_ten_default_variants_keeps_names_bars_and_curves_clear():
+    """The 10 default variants' names ran into each other under the bars, the bars' legend covered the last variant's
+    tree bar, and the 20-entry legend of the depth panel covered its curves."""
+    from training.ablate import DEFAULT_VARIANTS
+
+    results = [{"variant": parse_variant(text)[0], "chain_tau": 1.6, "tau": {32: 2.2}, "recall": [0.6, 0.5, 0.4],
+                "accuracy": [0.4, 0.3, 0.2]} for text in DEFAULT_VARIANTS]
+    figure = plot(results)
+    figure.canvas.draw()
+    bars, depth = figure.axes
+    inside = figure.bbox
+    for label in bars.get_xticklabels():
+        assert label.get_rotation() > 0  # slanted, so the long names do not run into each other
+        box = label.get_window_extent()
+        assert inside.x0 <= box.x0 and box.y0 >= inside.y0, label.get_text()  # and none cut off by the figure's edge
+    for axes in (bars, depth):
+        legend = axes.get_legend()
+        assert legend is not None and not any(legend.get_window_extent().overlaps(ax.get_window_extent())
+                                              for ax in (bars, depth)), axes.get_ylabel()
+    assert len(depth.get_legend().get_texts()) == len(results) + 2  # a colour per variant, a line style per metric

@@ -17,6 +17,7 @@ import inspect
 import json
 from pathlib import Path
 
+from ddtree.configuration_dflash import DFlashDrafterConfig
 from ddtree.errors import DDTreeError
 from ddtree.modeling_dflash import DFlashDraftModel
 from ddtree.targets import is_hub_id, resolve_target
@@ -31,6 +32,13 @@ AUTO_MAP = {
     "AutoModel": "modeling_dflash.DFlashDraftModel",
 }
 EXPORT_FILES = ("config.json", "model.safetensors", "README.md", *REMOTE_CODE)
+# config.json keys an export adds (hub_config) and the drafter never reads: auto_map (the remote code a Hub folder
+# ships), transformers 4's RoPE keys and vLLM's speculators fields (mask_token_id and block_size are DFlash's own too).
+# A drafter read from an export (model.init_from) drops them: its run's exports carried them stale, naming the old
+# verifier, pointing a plain folder at remote code it lacks, and refused by the engine check as speculators.
+SPECULATORS_KEYS = ("speculators_model_type", "speculators_config", "transformer_layer_config", "draft_vocab_size",
+                    "target_hidden_size", "aux_hidden_state_layer_ids", "sliding_window_non_causal")
+HUB_ONLY_KEYS = ("auto_map", "rope_theta", "rope_scaling", *SPECULATORS_KEYS)
 # config.json keys that are DFlash's, not the Qwen3 layer config vLLM builds the draft layers from.
 NON_LAYER_KEYS = {"architectures", "auto_map", "block_size", "dflash_config", "num_target_layers",
                   "target_name_or_path", "transformers_version"}
@@ -115,9 +123,20 @@ def speculators_fields(config: dict, verifier: str, verifier_architectures: list
     }
 
 
+def drop_hub_fields(config: DFlashDrafterConfig) -> None:
+    """Remove from a drafter's config the fields an export added (HUB_ONLY_KEYS); a warm start reads an export."""
+    for key in HUB_ONLY_KEYS:
+        if key in vars(config):
+            delattr(config, key)
+
+
 def hub_config(saved: dict, verifier: tuple[str, list[str]] | None = None) -> dict:
-    """config.json for the Hub from the one save_pretrained wrote; with a verifier, the speculators variant."""
-    config = dict(saved)
+    """config.json for the Hub from the one save_pretrained wrote; with a verifier, the speculators variant.
+
+    Fields a former export added (a checkpoint warm-started from one before the warm start dropped them) are rebuilt,
+    never kept: the old speculators fields would name the old verifier and nest in the new transformer_layer_config.
+    """
+    config = {key: value for key, value in saved.items() if key not in HUB_ONLY_KEYS}
     config["auto_map"] = dict(AUTO_MAP)
     config.update(rope_keys_for_transformers_v4(config))
     if verifier is not None:

@@ -60,6 +60,7 @@ from ddtree.targets import build_drafter_config
 
 from .data import reply_vocabulary
 from .feature_store import adapter_fingerprint, target_fingerprint
+from .hub_config import drop_hub_fields
 from .loss import (
     DISTILL_LOSSES, OBJECTIVES, RECALL_K, block_loss_sums, block_position_weights, chain_acceptance, draft_vocab_labels,
     given_positions, next_token_top_k, teacher_states,
@@ -243,6 +244,7 @@ class DistillModule(L.LightningModule):
         if hp.init_from:
             drafter = load_drafter_folder(Path(hp.init_from), torch.float32, target=model)  # checked, one-line errors
             self._check_matches_folder(drafter.config)
+            drop_hub_fields(drafter.config)  # an export's: its old verifier, its remote code (hub_config adds them anew)
             # replayed, or fitted, for the folder's weights, not for these once trained
             drafter.config.calibration = drafter.config.draft_temperatures = None
             # trained from here against this run's target (check_drafter_fits checked it fits): the folder's own

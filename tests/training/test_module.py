@@ -793,6 +793,21 @@ def test_a_warm_start_records_this_runs_target_not_the_folders(module, tmp_path)
     assert warm.drafter.config.num_target_layers == warm.target.config.num_hidden_layers == 6
 
 
+def test_a_warm_start_from_a_hub_export_leaves_its_hub_only_fields_behind(module, tmp_path):
+    """An export's config.json carries fields for the Hub and the engines (auto_map, transformers 4's RoPE keys, vLLM's
+    speculators fields naming the folder's verifier): kept by the warm start, the run's own exports carried them stale,
+    and a plain export of it was refused as a speculators config."""
+    from training.hub_config import HUB_ONLY_KEYS, hub_config
+
+    folder = export_drafter(module, tmp_path / "base")
+    saved = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(hub_config(saved, ("old/target", ["LlamaForCausalLM"]))))
+    warm = tiny_module(init_from=str(folder), target_layer_ids=None, num_layers=None, block_size=None)
+    assert not set(HUB_ONLY_KEYS) & set(warm.drafter.config.to_dict())
+    rewritten = json.loads((export_drafter(warm, tmp_path / "warm") / "config.json").read_text())
+    assert not set(HUB_ONLY_KEYS) & set(rewritten) and rewritten["model_type"] == "qwen3"
+
+
 def test_a_resume_names_what_changed_its_draft_vocabulary_or_split(module):
     """The whole launch is tests/training/test_reliability.py's; these are the cases its toy data cannot reach."""
     config = module.base_drafter().config

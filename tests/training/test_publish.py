@@ -630,6 +630,18 @@ def test_speculators_fields_follow_vllms_dflash_layout(run_dir):
         hub_config(saved_last, ("x/y", []))
 
 
+def test_a_config_that_already_holds_an_exports_fields_exports_as_one_that_never_did(run_dir):
+    """A drafter warm-started from an export before the warm start dropped its Hub-only fields still holds them in its
+    checkpoint: a plain export kept the speculators fields (refused by the engine check), a speculators one nested the old
+    ones in transformer_layer_config and named the old verifier."""
+    saved = json.loads((run_dir / "drafter" / "config.json").read_text())
+    stale = {**hub_config(saved, ("old/target", ["LlamaForCausalLM"])), "model_type": saved["model_type"]}
+    del stale["mask_token_id"]  # as the drafter's config saves it: in dflash_config only
+    assert hub_config(stale) == hub_config(saved)
+    verifier = ("new/target", ["LlamaForCausalLM"])
+    assert hub_config(stale, verifier) == hub_config(saved, verifier)
+
+
 def test_speculators_names_a_verifier_that_is_not_readable_here_by_its_hub_id(monkeypatch, tmp_path):
     """A run trained on another machine: its target a folder there, or a Hub id not cached here (offline)."""
     from training.hub_config import verifier_for

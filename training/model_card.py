@@ -36,6 +36,7 @@ from ddtree.targets import is_number
 
 from .conversations import load_conversations
 from .engines import SGLANG, VLLM, serve_commands
+from .recipe_data import AUTO_DATA
 from .report import objective_description
 from .target import dtype_for_precision
 
@@ -131,6 +132,11 @@ def read_evaluation(run_dir: Path, step: int, checkpoint_name: str | None = None
     return record
 
 
+def project_path(path: str) -> Path:
+    """A file a run names, read from here, else from the project (runs started by `make` name its files so)."""
+    return Path(path) if Path(path).exists() else PROJECT_ROOT / path
+
+
 def count_training_prompts(prompts_file: str, num_prompts: int, data_path: str | None) -> int:
     """How many of the first `num_prompts` prompts of `prompts_file` (an evaluation's settings) are, message for
     message (role and text, outer whitespace aside), the prompt of an assistant turn of the conversations in
@@ -141,7 +147,7 @@ def count_training_prompts(prompts_file: str, num_prompts: int, data_path: str |
     dataset) or a prompt is raw text, which no conversation's messages can be compared with."""
     if not data_path:
         raise DDTreeError("the run folder has no config.yaml naming its data.data_path")
-    prompts_path, data = (Path(path) if Path(path).exists() else PROJECT_ROOT / path for path in (prompts_file, data_path))
+    prompts_path, data = project_path(prompts_file), project_path(data_path)
     if not data.exists():
         raise DDTreeError(f"the training data {data_path} is not a file or folder here")
 
@@ -189,6 +195,9 @@ class CardFacts:
     # How many of the evaluated prompts are prompts of the training data (count_training_prompts); None: not counted,
     # and the card then does not call them held out.
     training_prompts: int | None = None
+    # The run's data.data_path as training read it (publish.training_data_path: `auto` resolved, a relative path found);
+    # None: not known. The card reads whose replies the data holds from it.
+    data_path: str | None = None
     other_evaluated_steps: list[int] = field(default_factory=list)
     kept_checkpoints: list[str] = field(default_factory=list)  # the run's checkpoint files, by name
     speculators: bool = False  # the config also carries vLLM's speculators fields
@@ -322,6 +331,13 @@ def data_provenance(data_path: str | None, target: str) -> str:
     return "responses as the data holds them: no regeneration.json says the target wrote them"
 
 
+def shown_data_path(configured: str | None, read: str | None) -> str:
+    """The run's data.data_path as the card names it: `auto` with the cache folder it stands for (not this machine's)."""
+    if configured == AUTO_DATA and read:
+        return f"`{AUTO_DATA}` (`<ddtree cache>/data/{Path(read).name}`, written by data/regenerate.py)"
+    return f"`{shown_path(read or configured)}`"
+
+
 def recipe_section(facts: CardFacts) -> list[str]:
     hp, cfg = facts.hyper_parameters, facts.drafter_config
     trainer = facts.run_config.get("trainer", {}) or {}
@@ -362,7 +378,8 @@ def recipe_section(facts: CardFacts) -> list[str]:
     lines += ["", "### Data", ""]
     if data:
         lines += [
-            f"- conversations: `{shown_path(data.get('data_path'))}`; {data_provenance(data.get('data_path'), facts.target)}",
+            f"- conversations: {shown_data_path(data.get('data_path'), facts.data_path)}; "
+            f"{data_provenance(facts.data_path, facts.target)}",
             f"- max length {data.get('max_length')} tokens, loss on assistant tokens only, "
             f"{data.get('val_fraction')} held out for validation",
         ]

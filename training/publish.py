@@ -64,8 +64,8 @@ from .engines import Export, engine_problems, refusal, serve_commands, target_fa
 from .export import run_corpus
 from .hub import check_card_fields, check_export_folder, check_repo_id, preflight_hub, push
 from .hub_config import LIBRARY_DIR, REMOTE_CODE, hub_config, target_hub_id, verifier_for
-from .model_card import (CardFacts, count_training_prompts, evaluated_steps, read_evaluation, read_run_config,
-                         render_model_card)
+from .model_card import (CardFacts, count_training_prompts, evaluated_steps, project_path, read_evaluation,
+                         read_run_config, render_model_card)
 from .recipe_data import AUTO_DATA, default_data_path
 
 
@@ -114,12 +114,20 @@ def same_measurement(checkpoint: Checkpoint, evaluation: dict) -> bool:
     return recorded is not None and json.loads(json.dumps(finite_json(recorded["summary"]))) == evaluation["summary"]
 
 
-def evaluated_training_prompts(run_dir: Path, run_config: dict, evaluation: dict) -> int | None:
+def training_data_path(run_dir: Path, run_config: dict) -> str | None:
+    """The run's data.data_path as training read it, or None where its config.yaml names none: `auto` is the recipe's
+    regenerated data (the recipe is the folder the run is in), a relative path is found as count_training_prompts
+    finds it. The card's provenance line and its held-out check both read this one."""
+    data_path = (run_config.get("data") or {}).get("data_path")
+    if not data_path:
+        return None
+    return str(default_data_path(run_dir.parent.name) if data_path == AUTO_DATA else project_path(data_path))
+
+
+def evaluated_training_prompts(data_path: str | None, evaluation: dict) -> int | None:
     """How many of the evaluation's prompts are prompts of the run's training data (the card calls them held out only
     when none is); None, with a note, where that cannot be told here."""
-    settings, data_path = evaluation["settings"], (run_config.get("data") or {}).get("data_path")
-    if data_path == AUTO_DATA:  # as training resolved it: the recipe is the folder the run is in
-        data_path = str(default_data_path(run_dir.parent.name))
+    settings = evaluation["settings"]
     try:
         count = count_training_prompts(settings["prompts"], settings["num_prompts"], data_path)
     except DDTreeError as error:
@@ -153,7 +161,8 @@ def export_folder(
         print(f"[export] note: {path} is outside RUN={run_dir} and did not record RUN's evaluation of step "
               f"{checkpoint.step}: the card carries no measurement", file=sys.stderr)
         evaluation = None
-    training_prompts = evaluated_training_prompts(run_dir, run_config, evaluation) if evaluation is not None else None
+    data_path = training_data_path(run_dir, run_config)
+    training_prompts = evaluated_training_prompts(data_path, evaluation) if evaluation is not None else None
     corpus = run_corpus(run_dir)
     if checkpoint.hyper_parameters.get("corpus") and corpus is None:  # its tau was measured grafting from it
         raise DDTreeError(f"{path} was trained with model.corpus, but {run_dir / CORPUS_FILE} is missing: the export "
@@ -176,7 +185,7 @@ def export_folder(
             name=(repo or out.name).split("/")[-1], repo=repo, target=target, base_model=base_model,
             license=license_id, drafter_config=config, num_parameters=sum(p.numel() for p in drafter.parameters()),
             dtype=dtype, step=checkpoint.step, checkpoint=label, hyper_parameters=checkpoint.hyper_parameters,
-            run_config=run_config, evaluation=evaluation, training_prompts=training_prompts,
+            run_config=run_config, evaluation=evaluation, training_prompts=training_prompts, data_path=data_path,
             other_evaluated_steps=evaluated_steps(run_dir),
             kept_checkpoints=[path.name for path in sorted(run_checkpoints(run_dir), key=lambda p: p.name)],
             speculators=speculators, engine_problems=[problem.line() for problem in problems],

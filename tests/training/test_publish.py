@@ -1011,6 +1011,32 @@ def test_the_card_says_whose_replies_the_data_holds_as_the_data_says_it(run_dir,
     assert "written by `smollm2-135m`" in data_provenance("data/smollm2-135m", "tiny-random")  # the tiny recipe's
 
 
+def test_the_card_reads_the_provenance_of_the_data_the_run_trained_on(run_dir, tmp_path, empty_cache, monkeypatch):
+    """data.data_path `auto` (a recipe's regenerated data, in the cache) was read as a folder named `auto`, and a
+    relative path from wherever publish ran: the card said that no regeneration.json names the target."""
+    run = tmp_path / "tiny" / "run"  # `auto` is the data of the recipe the run's folder is in
+    shutil.copytree(run_dir, run, symlinks=True)
+    config = run / "config.yaml"
+    data_line = next(line for line in config.read_text().splitlines() if line.strip().startswith("data_path:"))
+    regenerated = empty_cache / "data" / "tiny"
+    regenerated.mkdir(parents=True)
+    for name in ("data-00000-of-00001.arrow", "dataset_info.json", "state.json"):
+        (regenerated / name).symlink_to(REPO_ROOT / "data" / "smollm2-135m" / name)
+    (regenerated / "regeneration.json").write_text(json.dumps({"target": "tiny-random"}))
+    config.write_text(config.read_text().replace(data_line, "  data_path: auto"))
+    assert export(run, tmp_path / "auto", "--ckpt", "last") == 0
+    card = (tmp_path / "auto" / "README.md").read_text()
+    assert "- conversations: `auto` (`<ddtree cache>/data/tiny`, written by data/regenerate.py); responses written by " \
+           "the target itself" in card
+    assert "held-out prompts, not in the training data" in card  # the held-out check read the same data
+
+    monkeypatch.chdir(tmp_path)  # a path relative to the project, exported from elsewhere
+    config.write_text(config.read_text().replace("data_path: auto", "data_path: data/smollm2-135m"))
+    assert export(run, tmp_path / "relative", "--ckpt", "last") == 0
+    assert "- conversations: `data/smollm2-135m`; responses written by `smollm2-135m` (its regeneration.json)" in (
+        tmp_path / "relative" / "README.md").read_text()
+
+
 def test_the_card_calls_the_evaluated_prompts_held_out_only_when_none_is_a_training_prompt(run_dir, tmp_path, capsys):
     from training.model_card import count_training_prompts
 

@@ -101,11 +101,42 @@ def read_drafter_config(folder: str | Path) -> DFlashDrafterConfig:
         raise DDTreeError(f"{folder} is not a DFlash drafter: its config.json (model_type {fields.get('model_type')!r}) "
                           "has no dflash_config or block_size; give a drafter folder (a run's drafter/ or an export)")
     try:
-        return DFlashDrafterConfig.from_pretrained(folder)
+        config = DFlashDrafterConfig.from_pretrained(folder)
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as error:  # (transformers' rope and dtype checks)
         raise DDTreeError(f"drafter {folder}/config.json could not be read: {error_line(error)}") from None
     except StrictDataclassError as error:  # a field fails transformers' validation; its first line only names the validator
         raise DDTreeError(f"drafter {folder}/config.json could not be read: {error_line(error.__cause__ or error)}") from None
+    check_rope_keys_agree(folder, fields)
+    return config
+
+
+def legacy_rope_keys(config: dict) -> dict:
+    """rope_theta / rope_scaling as transformers 4 reads them, from a config's rope_parameters (transformers 5 writes
+    only rope_parameters); {} where rope_parameters names no theta. training/hub_config.py writes them in an export."""
+    rope = dict(config.get("rope_parameters") or {})
+    if "rope_theta" not in rope:
+        return {}
+    scaling = {key: value for key, value in rope.items() if key != "rope_theta"}
+    if scaling.get("rope_type", "default") == "default":
+        scaling = None
+    return {"rope_theta": rope["rope_theta"], "rope_scaling": scaling}
+
+
+def check_rope_keys_agree(folder: Path, fields: dict) -> None:
+    """A config.json holding RoPE twice (an export: rope_parameters, and rope_theta / rope_scaling for transformers 4)
+    says one thing in both. transformers 4 reads only the old keys and transformers 5 reads them first where
+    rope_scaling is set, so an edit to one set alone made a drafter rotate positions by the other, silently."""
+    expected = legacy_rope_keys(fields)
+    found = {key: fields[key] for key in ("rope_theta", "rope_scaling") if key in fields}
+    scaling = found.get("rope_scaling")
+    if isinstance(scaling, dict):  # as transformers 4 wrote it: "type" before "rope_type"; default is no scaling
+        scaling = {("rope_type" if key == "type" else key): value for key, value in scaling.items()}
+        found["rope_scaling"] = None if scaling.get("rope_type", "default") == "default" else scaling
+    if expected and any(value != expected[key] for key, value in found.items()):
+        raise DDTreeError(
+            f"drafter {folder}/config.json: rope_parameters {fields['rope_parameters']} disagree with rope_theta "
+            f"{fields.get('rope_theta')} and rope_scaling {fields.get('rope_scaling')} (what transformers 4 reads, and "
+            "transformers 5 first where rope_scaling is set): make the two agree, or remove rope_theta and rope_scaling")
 
 
 def load_drafter_folder(folder: str | Path, dtype: torch.dtype, target: PreTrainedModel | None = None) -> DFlashDraftModel:

@@ -9,6 +9,9 @@ published DFlash drafters, so transformers' AutoConfig, vLLM and SGLang read it 
 remote code (AutoModel.from_pretrained(folder, trust_remote_code=True) loads the drafter through
 auto_map), and config.json keeps every DFlash field the reference `dflash` package and ddtree read.
 With a verifier, it also carries the fields of vLLM's speculators format (and names no model_type).
+RoPE is written twice: rope_parameters, and rope_theta / rope_scaling as transformers 4 reads them, which
+transformers 5 also reads first where rope_scaling is set. A hand edit must change both alike: ddtree refuses a
+folder whose two disagree (ddtree/drafters.py, check_rope_keys_agree).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import json
 from pathlib import Path
 
 from ddtree.configuration_dflash import DFlashDrafterConfig
+from ddtree.drafters import legacy_rope_keys
 from ddtree.errors import DDTreeError
 from ddtree.modeling_dflash import DFlashDraftModel
 from ddtree.targets import is_hub_id, resolve_target
@@ -47,21 +51,6 @@ NON_LAYER_KEYS = {"architectures", "auto_map", "block_size", "dflash_config", "n
 def target_hub_id(target: str | None, base_model: str | None = None) -> str | None:
     """The target's Hub id: --base-model if given, a built-in's, or the target itself if it is one; else None."""
     return base_model or BUILTIN_HUB_IDS.get(target) or (target if is_hub_id(target) else None)
-
-
-def rope_keys_for_transformers_v4(config: dict) -> dict:
-    """rope_theta / rope_scaling as transformers 4 reads them (v5 writes only rope_parameters).
-
-    Serving engines pinned to transformers 4 would otherwise build the drafter's RoPE with their
-    default theta, silently (the drafter's positions must rotate exactly as the target's).
-    """
-    rope = dict(config.get("rope_parameters") or {})
-    if "rope_theta" not in rope:
-        return {}
-    scaling = {key: value for key, value in rope.items() if key != "rope_theta"}
-    if scaling.get("rope_type", "default") == "default":
-        scaling = None
-    return {"rope_theta": rope["rope_theta"], "rope_scaling": scaling}
 
 
 def verifier_for(target: str, base_model: str | None) -> tuple[str, list[str]]:
@@ -138,7 +127,10 @@ def hub_config(saved: dict, verifier: tuple[str, list[str]] | None = None) -> di
     """
     config = {key: value for key, value in saved.items() if key not in HUB_ONLY_KEYS}
     config["auto_map"] = dict(AUTO_MAP)
-    config.update(rope_keys_for_transformers_v4(config))
+    # Serving engines pinned to transformers 4 would otherwise build the drafter's RoPE with their default theta,
+    # silently (the drafter's positions must rotate exactly as the target's). transformers 5 reads these keys first
+    # too where rope_scaling is set: edit both sets alike (ddtree refuses a folder whose two disagree).
+    config.update(legacy_rope_keys(config))
     if verifier is not None:
         config.update(speculators_fields(config, *verifier))
         # vLLM takes the speculators path only when config.json names no model_type; transformers then

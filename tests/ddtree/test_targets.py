@@ -280,6 +280,31 @@ def test_a_drafter_config_edited_past_what_transformers_builds_is_one_line(tmp_p
     assert "\n" not in str(error.value)
 
 
+@pytest.mark.parametrize("edit", [
+    {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},  # rope_parameters edited, the old keys not
+    {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},  # the old keys edited, rope_parameters not
+])
+def test_a_config_whose_two_sets_of_rope_keys_disagree_is_one_line(tmp_path, tiny_target, edit):
+    """An export writes RoPE twice: rope_parameters, and rope_theta / rope_scaling for transformers 4 readers, which
+    transformers 5 reads first too. An edit to one set only built the drafter from the other, silently."""
+    target, tokenizer = tiny_target
+    folder = tmp_path / "drafter"
+    DFlashDraftModel(build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4)).save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    theta = config["rope_parameters"]["rope_theta"]
+    config.update(rope_theta=theta, rope_scaling=None)  # as training/hub_config.py writes them: they agree
+    (folder / "config.json").write_text(json.dumps(config))
+    assert load_drafter_folder(folder, torch.float32, target).config.rope_parameters["rope_theta"] == theta
+    config.update(edit)
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DDTreeError) as error:
+        load_drafter_folder(folder, torch.float32, target)
+    line = str(error.value)
+    assert line.startswith(f"drafter {folder}/config.json: rope_parameters {config['rope_parameters']} disagree with "
+                           f"rope_theta {theta} and rope_scaling {config['rope_scaling']}"), line
+    assert "\n" not in line
+
+
 def test_a_folders_tokenizer_is_loaded_once_and_again_when_its_files_change(tmp_path):
     """A training launch asked for the target's tokenizer four times; each asks now gets the one loaded object,
     until a tokenizer file of the folder changes on disk. The weights are no part of it."""

@@ -24,6 +24,7 @@ from ddtree.files import check_output_folder, staged_folder
 
 from .checkpoint_paths import run_folder_of
 from .checkpoints import drafter_from_checkpoint, load_checkpoint
+from .hub_config import drop_hub_fields
 from .peft_utils import merged_drafter
 
 
@@ -42,6 +43,9 @@ def export_drafter(source, out_dir: str | Path, corpus: Path | None = None) -> P
         drafter = drafter_from_checkpoint(source)
     else:
         drafter = merged_drafter(getattr(source, "drafter", source))
+    # A checkpoint of a run warm-started from a Hub export before warm starts dropped its Hub fields still holds them:
+    # an auto_map pointing at remote code this folder lacks, speculators fields naming the old verifier.
+    drop_hub_fields(drafter.config)
     with staged_folder(out_dir) as staging:
         drafter.save_pretrained(staging)
         if corpus is not None:

@@ -593,6 +593,19 @@ def test_a_lora_checkpoint_is_exported_merged(tmp_path, tiny_target, monkeypatch
     assert "| warm start | base |" in card and str(tmp_path) not in card  # named from the project, as the data is
 
 
+def test_an_export_of_a_drafter_still_holding_hub_fields_writes_none_of_them(tmp_path):
+    module = DistillModule(target="tiny-random", num_layers=1, block_size=4, target_layer_ids=[0, 2, 4],
+                           target_dtype="float32")
+    module.configure_model()
+    config = module.drafter.config  # as a run warm-started from a Hub export before the warm start dropped them
+    config.auto_map = dict(AUTO_MAP)
+    config.speculators_model_type = "dflash"
+    folder = export_drafter(module, tmp_path / "export")
+    saved = json.loads((folder / "config.json").read_text())
+    assert not {"auto_map", "speculators_model_type"} & set(saved), sorted(saved)
+    assert saved["dflash_config"]["target_layer_ids"] == [0, 2, 4]
+
+
 # ----------------------------------------------------------------------------- config for the engines
 
 

@@ -751,7 +751,7 @@ def test_make_help_prints_every_line_of_each_targets_comment():
 
 def test_the_printed_plan_keeps_the_launchs_arguments_and_gpus_per_node(tmp_path):
     """The plan dropped them: its commands trained the recipe's defaults on the recipe's GPU count."""
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "NODE_RANK", "RUN_NAME", "GPUS_PER_NODE")} | {
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "RUN_NAME", "GPUS_PER_NODE")} | {
         "PYTHON": sys.executable}
     extra = ["--trainer.max_steps=3", "--run-name", "it's mine", "--output-root=/tmp/o"]
     plan = subprocess.run(["bash", str(LAUNCHER), "qwen3-8b", "2", *extra], cwd=REPO, env=env | {"GPUS_PER_NODE": "4"},
@@ -795,7 +795,7 @@ def test_a_resume_through_the_launcher_keeps_the_runs_processes_per_node(tmp_pat
                            "echo \"$@\"\n")
     fake_python.chmod(0o755)
     env = {k: v for k, v in os.environ.items()
-           if k not in ("MASTER_ADDR", "NODE_RANK", "RUN_NAME", "GPUS_PER_NODE", *SLURM_ENV)} | {"PYTHON": str(fake_python)}
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "RUN_NAME", "GPUS_PER_NODE", *SLURM_ENV)} | {"PYTHON": str(fake_python)}
 
     def launched(nodes: str, *args: str, **settings: str) -> str:
         result = subprocess.run(["bash", str(LAUNCHER), "tiny", nodes, *args], cwd=REPO, env=env | settings,
@@ -817,7 +817,7 @@ def test_node_settings_that_cannot_make_a_launch_are_one_line(tmp_path):
     fake_python = tmp_path / "python"  # prints what torchrun would be given, and what the trainer would see of SLURM
     fake_python.write_text("#!/usr/bin/env bash\necho \"SLURM_NTASKS=${SLURM_NTASKS-unset} $*\"\n")
     fake_python.chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "NODE_RANK", "RUN_NAME", *SLURM_ENV)} | {
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "RUN_NAME", *SLURM_ENV)} | {
         "PYTHON": str(fake_python), "GPUS_PER_NODE": "2"}
     node = {"MASTER_ADDR": "node0", "RUN_NAME": "r"}
 
@@ -851,7 +851,7 @@ def test_node_settings_that_cannot_make_a_launch_are_one_line(tmp_path):
 
 
 def test_a_launch_through_torchrun_ends_with_its_processes_status_not_a_traceback(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "NODE_RANK", "RUN_NAME", *SLURM_ENV)} | {
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "RUN_NAME", *SLURM_ENV)} | {
         "PYTHON": sys.executable, "GPUS_PER_NODE": "1", "OMP_NUM_THREADS": "1"}
     result = subprocess.run(["bash", str(LAUNCHER), "tiny", "1", "--output-root", str(tmp_path), "--trainer.max_stepz=3"],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

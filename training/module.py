@@ -229,7 +229,8 @@ class DistillModule(L.LightningModule):
         self._target_seconds: Callable[[], float] | None = None  # its target forward's time
         self._batch_tokens = 0
         self._val_sums: dict[str, torch.Tensor] = {}
-        self._time_progress = 0.0  # anneal_by_max_time: how far along trainer.max_time is (update_time_progress)
+        # anneal_by_max_time: how far along trainer.max_time's warm-up share and its cosine are (update_time_progress)
+        self._time_warmup = self._time_progress = 0.0
 
     # ------------------------------------------------------------------ setup
 
@@ -340,10 +341,11 @@ class DistillModule(L.LightningModule):
         warmup_steps = math.ceil(hp.warmup_ratio * total_steps)
 
         def lr_factor(step: int) -> float:
-            if step < warmup_steps:
-                return (step + 1) / warmup_steps
+            # anneal_by_max_time: whichever is further along, the steps or the clock, in the warm-up as in the
+            # cosine (the clock's are 0 without it)
+            if step < warmup_steps and self._time_warmup < 1:
+                return max((step + 1) / warmup_steps, self._time_warmup)
             progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-            # anneal_by_max_time: whichever is further along, the steps or the clock (0 without it)
             progress = min(1.0, max(progress, self._time_progress))
             return hp.min_lr_ratio + (1 - hp.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
@@ -356,9 +358,10 @@ class DistillModule(L.LightningModule):
         whatever learning rate the step schedule had reached there (about half the peak where the steps would take
         twice max_time). With it, such a run anneals by its stop.
 
-        The clock's progress is the share of max_time spent, with its first warmup_ratio share standing for the
-        warm-up as the steps' progress leaves the warm-up steps out: where the steps end well before max_time (the
-        recipe's 5600 steps take 16 of its 20 minutes on the Xeon), the steps stay ahead and nothing changes.
+        The clock's first warmup_ratio share of max_time is its warm-up, the rest its cosine: where max_time would
+        cut inside the warm-up steps (max_steps far past the budget), the rate still reaches its peak and anneals by
+        the stop. Where the steps end well before max_time (the recipe's 5600 steps take 16 of its 20 minutes on the
+        Xeon), the steps stay ahead and nothing changes.
         The clock is Lightning's Timer (the one max_time adds), which a checkpoint carries, so a resumed run goes on
         from the time already spent. Called before each optimizer step (once per step under gradient accumulation),
         whose scheduler step then reads it. With several ranks every rank takes rank 0's value, broadcast every 10
@@ -373,12 +376,12 @@ class DistillModule(L.LightningModule):
             return
         elapsed = timer.time_elapsed()
         share = elapsed / max(elapsed + remaining, 1e-9)
-        progress = min(1.0, max(0.0, (share - hp.warmup_ratio) / (1 - hp.warmup_ratio)))
         if self.trainer.world_size > 1:
             if self.global_step % 10 and not every_rank_now:
                 return
-            progress = self.trainer.strategy.broadcast(progress)
-        self._time_progress = progress
+            share = self.trainer.strategy.broadcast(share)
+        self._time_warmup = min(1.0, share / hp.warmup_ratio) if hp.warmup_ratio else 1.0
+        self._time_progress = min(1.0, max(0.0, (share - hp.warmup_ratio) / (1 - hp.warmup_ratio)))
 
     def on_train_start(self) -> None:
         self.update_time_progress(every_rank_now=True)  # a resumed run's clock, before its first step

@@ -583,8 +583,10 @@ def test_anneal_by_max_time_follows_the_clock_where_it_is_ahead_of_the_steps():
     assert next_lr(1.0) == pytest.approx(0.0)  # max_time reached: annealed
 
 
-def fake_clock_trainer(elapsed: float, duration: float, world_size: int = 1, step: int = 0):
-    """A trainer stand-in holding a Lightning Timer that has spent `elapsed` of `duration` seconds."""
+def fake_clock_trainer(elapsed: float, duration: float, world_size: int = 1, step: int = 0,
+                       stepping_batches: float = 100):
+    """A trainer stand-in holding a Lightning Timer that has spent `elapsed` of `duration` seconds, for a schedule of
+    `stepping_batches` optimizer steps."""
     from lightning.pytorch.callbacks import Timer
 
     timer = Timer(duration={"seconds": duration})
@@ -596,29 +598,61 @@ def fake_clock_trainer(elapsed: float, duration: float, world_size: int = 1, ste
         return value
 
     strategy = type("S", (), {"broadcast": staticmethod(broadcast)})()
-    fields = {"callbacks": [timer], "world_size": world_size, "global_step": step, "strategy": strategy}
+    fields = {"callbacks": [timer], "world_size": world_size, "global_step": step, "strategy": strategy,
+              "estimated_stepping_batches": stepping_batches, "precision_plugin": None}
     return type("T", (), fields)(), broadcasts
 
 
 def test_the_clock_counts_from_its_warm_up_share_and_several_ranks_take_rank_0s_at_the_start_and_every_10_steps():
     module = tiny_module(warmup_ratio=0.04, anneal_by_max_time=True)
-    for elapsed, expected in [(2.0, 0.0), (4.0, 0.0), (52.0, 0.5), (100.0, 1.0), (130.0, 1.0)]:
+    for elapsed, warmup, expected in [(2.0, 0.5, 0.0), (4.0, 1.0, 0.0), (52.0, 1.0, 0.5), (100.0, 1.0, 1.0),
+                                      (130.0, 1.0, 1.0)]:
         module.trainer, _ = fake_clock_trainer(elapsed, 100.0)
         module.update_time_progress()
-        assert module._time_progress == pytest.approx(expected), elapsed
+        assert (module._time_warmup, module._time_progress) == (pytest.approx(warmup), pytest.approx(expected)), elapsed
     module._time_progress = 0.0
     module.trainer, broadcasts = fake_clock_trainer(52.0, 100.0, world_size=2, step=1234)
     module.update_time_progress()  # off the 10-step grid: keeps its value, no collective
     assert module._time_progress == 0.0 and broadcasts == []
     module.on_train_start()  # a run resumed at step 1234 takes the clock at once, on every rank
-    assert module._time_progress == pytest.approx(0.5) and broadcasts == [pytest.approx(0.5)]
+    assert module._time_progress == pytest.approx(0.5) and broadcasts == [pytest.approx(0.52)]  # the share spent
     module.trainer, broadcasts = fake_clock_trainer(76.0, 100.0, world_size=2, step=1240)
     module.update_time_progress()
-    assert module._time_progress == pytest.approx(0.75) and broadcasts == [pytest.approx(0.75)]
+    assert module._time_progress == pytest.approx(0.75) and broadcasts == [pytest.approx(0.76)]
     off = tiny_module(warmup_ratio=0.04)  # without the option the clock is never read
     off.trainer, broadcasts = fake_clock_trainer(90.0, 100.0, world_size=2, step=1240)
     off.update_time_progress()
-    assert off._time_progress == 0.0 and broadcasts == []
+    assert off._time_progress == 0.0 and off._time_warmup == 0.0 and broadcasts == []
+
+
+def test_under_anneal_by_max_time_the_warm_up_follows_the_clock_too_where_it_is_ahead_of_the_steps():
+    module = tiny_module(warmup_ratio=0.1, lr=1.0, anneal_by_max_time=True)
+    module.trainer, _ = fake_clock_trainer(0.0, 100.0, stepping_batches=100_000)  # max_steps far past max_time
+    config = module.configure_optimizers()
+    optimizer, scheduler = config["optimizer"], config["lr_scheduler"]["scheduler"]
+
+    def next_lr(elapsed: float) -> float:  # one optimizer step, the clock read before it as in training
+        module.trainer, _ = fake_clock_trainer(elapsed, 100.0, stepping_batches=100_000)
+        module.on_before_optimizer_step(optimizer)
+        optimizer.step()
+        scheduler.step()
+        return optimizer.param_groups[0]["lr"]
+
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-4)  # the first step: the steps' warm-up, as before
+    assert next_lr(5.0) == pytest.approx(0.5)  # half the clock's warm-up share; the steps' 10000 have 2 done
+    assert next_lr(10.0) == pytest.approx(1.0)  # warmed up by the clock: the peak
+    assert next_lr(55.0) == pytest.approx(0.5)  # half way through the clock's cosine
+    assert next_lr(100.0) == pytest.approx(0.0)  # max_time reached: annealed
+
+    ahead = tiny_module(warmup_ratio=0.1, lr=1.0, anneal_by_max_time=True)  # 100 steps, the steps ahead of the clock
+    ahead.trainer, _ = fake_clock_trainer(0.0, 100.0)
+    config = ahead.configure_optimizers()
+    optimizer, scheduler = config["optimizer"], config["lr_scheduler"]["scheduler"]
+    for _ in range(5):
+        ahead.on_before_optimizer_step(optimizer)
+        optimizer.step()
+        scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.6)  # the steps' warm-up: 6 of 10
 
 
 @pytest.mark.parametrize("anneal", [True, False])

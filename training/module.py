@@ -129,6 +129,12 @@ def as_compared(value):
     return list(value) if isinstance(value, (list, tuple)) else value
 
 
+# What to do about trainer.max_steps=-1 with no epoch limit (training.recipe.check_values says it first)
+NO_SCHEDULE_END = ("no trainer.max_epochs either leaves the learning-rate schedule no end; give a step count, "
+                   "trainer.max_epochs, or trainer.max_time with model.anneal_by_max_time=true (the schedule then "
+                   "follows the clock alone)")
+
+
 def _grad_scaler(trainer):
     """fp16 mixed precision's GradScaler; None for bf16 and full precision."""
     return getattr(trainer.precision_plugin, "scaler", None)
@@ -337,15 +343,21 @@ class DistillModule(L.LightningModule):
         fused = not is_deepspeed(self.trainer.strategy) and _grad_scaler(self.trainer) is None
         optimizer = torch.optim.AdamW(trainable, lr=hp.lr, betas=tuple(hp.betas), weight_decay=hp.weight_decay,
                                       fused=fused)
-        total_steps = max(1, int(self.trainer.estimated_stepping_batches))
-        warmup_steps = math.ceil(hp.warmup_ratio * total_steps)
+        total_steps = self.trainer.estimated_stepping_batches
+        if math.isinf(total_steps):  # trainer.max_steps=-1 and no epoch limit: only max_time can end the schedule
+            if not (hp.get("anneal_by_max_time") and self._timer() is not None):
+                raise DDTreeError(f"trainer.max_steps=-1: {NO_SCHEDULE_END}")
+            warmup_steps = math.inf if hp.warmup_ratio else 0  # the steps never get anywhere: the clock alone
+        else:
+            total_steps = max(1, int(total_steps))
+            warmup_steps = math.ceil(hp.warmup_ratio * total_steps)
 
         def lr_factor(step: int) -> float:
             # anneal_by_max_time: whichever is further along, the steps or the clock, in the warm-up as in the
             # cosine (the clock's are 0 without it)
             if step < warmup_steps and self._time_warmup < 1:
                 return max((step + 1) / warmup_steps, self._time_warmup)
-            progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+            progress = 0.0 if math.isinf(total_steps) else (step - warmup_steps) / max(1, total_steps - warmup_steps)
             progress = min(1.0, max(progress, self._time_progress))
             return hp.min_lr_ratio + (1 - hp.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
@@ -370,7 +382,7 @@ class DistillModule(L.LightningModule):
         hp = self.hparams
         if not hp.get("anneal_by_max_time"):
             return
-        timer = next((c for c in self.trainer.callbacks if isinstance(c, Timer)), None)
+        timer = self._timer()
         remaining = timer.time_remaining() if timer is not None else None
         if remaining is None:  # no max_time: the steps alone
             return
@@ -382,6 +394,10 @@ class DistillModule(L.LightningModule):
             share = self.trainer.strategy.broadcast(share)
         self._time_warmup = min(1.0, share / hp.warmup_ratio) if hp.warmup_ratio else 1.0
         self._time_progress = min(1.0, max(0.0, (share - hp.warmup_ratio) / (1 - hp.warmup_ratio)))
+
+    def _timer(self) -> Timer | None:
+        """The Timer trainer.max_time adds; None without max_time."""
+        return next((c for c in self.trainer.callbacks if isinstance(c, Timer)), None)
 
     def on_train_start(self) -> None:
         self.update_time_progress(every_rank_now=True)  # a resumed run's clock, before its first step

@@ -33,7 +33,7 @@ from .callbacks import AcceptanceEvaluation, BestCheckpoint, monitor_metric, wit
 from .checkpoints import AtomicCheckpointIO
 from .data import DistillDataModule
 from .feature_store import init_from_config
-from .module import DistillModule
+from .module import NO_SCHEDULE_END, DistillModule
 from .recipe_data import AUTO_DATA
 from .strategies import CPUDeepSpeed, check_launch, count_devices
 from .target import dtype_for_precision
@@ -210,11 +210,16 @@ def device_indices(devices) -> list[int]:
 def check_values(config: Namespace) -> None:
     """Values that type-check but that torch or Lightning refuse later, with a traceback or mid-training."""
     model, data, trainer = config.model, config.data, config.trainer
+    # Lightning counts infinitely many steps here (max_epochs null means -1 under max_time): the cosine has no end
+    no_epoch_limit = trainer.max_epochs == -1 or (trainer.max_epochs is None and trainer.max_time)
+    endless = trainer.max_steps == -1 and no_epoch_limit
     refused = [
         ("model.lr", model.lr, model.lr > 0, "give a positive learning rate"),
         ("data.num_workers", data.num_workers, data.num_workers >= 0, "give 0 (load in the main process) or more"),
         ("trainer.max_steps", trainer.max_steps, trainer.max_steps == -1 or trainer.max_steps >= 1,
          "give -1 (no limit) or a step count of at least 1 (0 trains nothing and exports an untrained drafter)"),
+        ("trainer.max_steps", trainer.max_steps, not endless or (model.anneal_by_max_time and trainer.max_time),
+         NO_SCHEDULE_END),
         ("trainer.max_epochs", trainer.max_epochs, trainer.max_epochs in (None, -1) or trainer.max_epochs >= 1,
          "give -1 or null (no limit) or an epoch count of at least 1"),
         ("trainer.accumulate_grad_batches", trainer.accumulate_grad_batches, trainer.accumulate_grad_batches >= 1,

@@ -655,6 +655,30 @@ def test_under_anneal_by_max_time_the_warm_up_follows_the_clock_too_where_it_is_
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.6)  # the steps' warm-up: 6 of 10
 
 
+def test_with_no_step_limit_under_max_time_the_schedule_follows_the_clock_alone():
+    """trainer.max_steps=-1 and no epoch limit (ablate --minutes on a recipe without max_epochs): Lightning counts
+    infinitely many steps, which crashed configure_optimizers (int(inf)); only the clock can end the schedule."""
+    module = tiny_module(warmup_ratio=0.1, lr=1.0, anneal_by_max_time=True)
+    module.trainer, _ = fake_clock_trainer(0.0, 100.0, stepping_batches=math.inf)
+    config = module.configure_optimizers()
+    optimizer, scheduler = config["optimizer"], config["lr_scheduler"]["scheduler"]
+    seen = []
+    for elapsed in [5.0, 10.0, 55.0, 100.0]:
+        module.trainer, _ = fake_clock_trainer(elapsed, 100.0, stepping_batches=math.inf)
+        module.on_before_optimizer_step(optimizer)
+        optimizer.step()
+        scheduler.step()
+        seen.append(optimizer.param_groups[0]["lr"])
+    assert seen == [pytest.approx(0.5), pytest.approx(1.0), pytest.approx(0.5), pytest.approx(0.0)]
+    unwarmed = tiny_module(warmup_ratio=0.0, lr=1.0, anneal_by_max_time=True)  # no warm-up: the peak from the start
+    unwarmed.trainer, _ = fake_clock_trainer(0.0, 100.0, stepping_batches=math.inf)
+    assert unwarmed.configure_optimizers()["optimizer"].param_groups[0]["lr"] == pytest.approx(1.0)
+    no_clock = tiny_module(warmup_ratio=0.1)  # the steps' schedule has no end: one line (check_values says it first)
+    no_clock.trainer, _ = fake_clock_trainer(0.0, 100.0, stepping_batches=math.inf)
+    with pytest.raises(DDTreeError, match=r"trainer.max_steps=-1: .*model.anneal_by_max_time=true"):
+        no_clock.configure_optimizers()
+
+
 @pytest.mark.parametrize("anneal", [True, False])
 def test_a_run_that_max_time_stops_has_annealed_by_then_with_anneal_by_max_time(anneal):
     torch.manual_seed(0)

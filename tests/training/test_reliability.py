@@ -7,6 +7,7 @@ command resumes the run to its end.
 
 from __future__ import annotations
 
+import csv
 import logging
 import os
 import math
@@ -432,6 +433,25 @@ def test_a_value_torch_or_lightning_refuses_is_one_line_naming_it(tmp_path, caps
     lines = error_lines(capsys)
     assert len(lines) == 1 and "tiny.yaml" in lines[0] and named in lines[0], lines
     assert not (tmp_path / "out" / "tiny" / "bad").exists()
+
+
+@pytest.mark.parametrize("limits", [["--trainer.max_time=00:00:01:00"], ["--trainer.max_epochs=-1"]])
+def test_no_step_limit_where_only_the_clock_could_end_the_schedule_is_one_line_naming_it(tmp_path, capsys, limits):
+    """Found in a review (2026-12-02): trainer.max_steps=-1 with no epoch limit (tiny has none) left the cosine no
+    end, an OverflowError traceback as the optimizer was built; ablate --minutes lost every variant's table to it."""
+    assert train_main([*tiny_args(tmp_path, "bad", max_steps=-1), *limits]) == 2
+    lines = error_lines(capsys)
+    assert len(lines) == 1 and "trainer.max_steps=-1" in lines[0] and "model.anneal_by_max_time=true" in lines[0], lines
+    assert not (tmp_path / "out" / "tiny" / "bad").exists()
+
+
+def test_no_step_limit_under_max_time_with_anneal_by_max_time_warms_up_and_anneals_by_the_clock(tmp_path):
+    args = [*tiny_args(tmp_path, "clock", max_steps=-1, every=2**62), "--trainer.max_time=00:00:00:03",
+            "--model.anneal_by_max_time=true"]
+    assert train_main(args) == 0
+    rows = list(csv.DictReader(open(tmp_path / "out" / "tiny" / "clock" / "csv" / "version_0" / "metrics.csv")))
+    lrs = [float(row["train/lr"]) for row in rows if row.get("train/lr")]
+    assert len(lrs) > 3 and max(lrs) > 0.9 * 3e-3 and lrs[-1] < 0.25 * 3e-3  # tiny's peak reached, then annealed
 
 
 def test_a_validation_interval_longer_than_the_epoch_is_one_line(tmp_path, capsys):

@@ -10,12 +10,14 @@ measured ratio. Counted, per sequence of `length` tokens:
 
 - the target: its decoder layers up to the deepest one the drafter reads (the step's forward), and all
   of them (what throughput times as "target forward"); no LM head. Causal attention counts half the
-  score matrix, as flash kernels skip the masked half.
-- the drafter's forward: `fc` over the context rows, every layer's key/value projections over the
-  context and the block rows, its query/output projections and MLP over the block rows (anchors x
-  block size), attention over the keys each query sees (its anchor's context and its own block), and
-  the frozen LM head over the drafted rows, those with a label (anchors x (block size - 1)), through
-  the draft vocabulary's rows where the drafter has one.
+  score matrix, as flash kernels skip the masked half. Its MLP has a gate, an up and a down projection
+  (Llama, Qwen), or, in the families of UNGATED_MLP (GPT-NeoX, Phi, GPT-2), the last two only.
+- the drafter's forward (Qwen3's layers at the target's widths, the MLP gated whatever the target's): `fc`
+  over the context rows, every layer's key/value projections over the context and the block rows, its
+  query/output projections and MLP over the block rows (anchors x block size), attention over the keys
+  each query sees (its anchor's context and its own block), and the frozen LM head over the drafted rows,
+  those with a label (anchors x (block size - 1)), through the draft vocabulary's rows where the drafter
+  has one.
 - online distillation (model.distill_weight > 0): the whole target runs (its final hidden states are the
   teacher), and the teacher's LM head: with model.distill_top_k the target's own, full vocabulary, over every block
   row; else the drafter's over the labelled rows, inside the loss (so again in backward where the loss is chunked).
@@ -34,13 +36,13 @@ cheap on a GPU, and dominant only on a CPU at tiny widths.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from transformers import AutoConfig, Qwen3Config
 
 from ddtree.configuration_dflash import default_target_layer_ids
 from ddtree.errors import CommandParser, DDTreeError, command
-from ddtree.targets import resolve_target
+from ddtree.targets import resolve_target, target_field
 
 from .arguments import check_recipe_name, recipe_path
 from .masks import FLEX_MIN_CONTEXT
@@ -49,6 +51,9 @@ from .recipe import read_recipe
 # The recipe's prompt share when no real batch is at hand: throughput's random batches supervise all but
 # the first 60 positions (training/throughput.py, PROMPT_TOKENS).
 PROMPT_TOKENS = 60
+
+# Target families whose MLP has no gate: an up and a down projection (2 matrices, against Llama's and Qwen's 3).
+UNGATED_MLP = {"gpt_neox", "phi", "gpt2"}
 
 # Targets by their published config.json (architecture only): training/throughput.py builds them with random
 # weights, and their FLOPs need nothing more.
@@ -79,13 +84,21 @@ class Widths:
     heads: int
     kv_heads: int
     head_dim: int
+    gated: bool = True  # the MLP's gate, up and down projections; else up and down only
 
     @classmethod
     def of(cls, config) -> "Widths":
         config = config.get_text_config() if hasattr(config, "get_text_config") else config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return cls(config.hidden_size, config.intermediate_size, config.num_attention_heads,
-                   getattr(config, "num_key_value_heads", None) or config.num_attention_heads, head_dim)
+        # GPT-2 spells the MLP's width n_inner, and leaves it unset for 4 x (as build_drafter_config reads it)
+        intermediate = target_field(config, config.model_type, ("intermediate_size", "n_inner"), 4 * config.hidden_size)
+        return cls(config.hidden_size, intermediate, config.num_attention_heads,
+                   getattr(config, "num_key_value_heads", None) or config.num_attention_heads, head_dim,
+                   gated=config.model_type not in UNGATED_MLP)
+
+    @property
+    def mlp_matrices(self) -> int:
+        return 3 if self.gated else 2
 
     @property
     def query_width(self) -> int:
@@ -97,7 +110,8 @@ class Widths:
 
     def layer_matmuls(self, rows: float) -> float:
         """FLOPs of one decoder layer's projections and MLP over `rows` tokens (attention scores apart)."""
-        per_row = 2 * self.hidden * (2 * self.query_width + 2 * self.kv_width) + 2 * 3 * self.hidden * self.intermediate
+        per_row = (2 * self.hidden * (2 * self.query_width + 2 * self.kv_width)
+                   + 2 * self.mlp_matrices * self.hidden * self.intermediate)
         return rows * per_row
 
     def attention(self, rows: float, keys_per_query: float) -> float:
@@ -170,7 +184,7 @@ def step_flops(
     context_kv = drafter_layers * 2 * width * drafter.hidden * 2 * drafter.kv_width
     block_qo = 2 * rows * drafter.hidden * 2 * drafter.query_width
     block_kv = 2 * rows * drafter.hidden * 2 * drafter.kv_width
-    block_mlp = 2 * rows * 3 * drafter.hidden * drafter.intermediate
+    block_mlp = 2 * rows * drafter.mlp_matrices * drafter.hidden * drafter.intermediate
     blocks_flops = drafter_layers * (block_qo + block_kv + block_mlp)
     attention = drafter_layers * drafter.attention(rows, keys_per_query)
     head = 2 * blocks * (block_size - 1) * drafter.hidden * head_rows  # the anchor's own row has no label
@@ -194,6 +208,9 @@ def recipe_step_flops(target_config, settings: dict, length: int, cuda: bool = T
     """A recipe's step (its model settings, as recipe_settings reads them) on one sequence."""
     text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
     widths = Widths.of(text)
+    # The drafter is Qwen3-shaped after the target, whatever its family (ddtree.targets.build_drafter_config): the
+    # target's widths, with a gated MLP
+    drafter = replace(widths, gated=True)
     layer_ids = settings.get("target_layer_ids") or default_target_layer_ids(text.num_hidden_layers)
     block_size = settings.get("block_size", 16)
     head_rows = draft_vocab or settings.get("draft_vocab_size") or text.vocab_size
@@ -203,7 +220,7 @@ def recipe_step_flops(target_config, settings: dict, length: int, cuda: bool = T
     # labelled rows, inside the loss (so again in backward where the loss is chunked).
     distill, top_k = (settings.get("distill_weight") or 0) > 0, settings.get("distill_top_k") or 0
     return step_flops(
-        widths, widths, length=length, width=flex_width(length) if cuda else length,
+        widths, drafter, length=length, width=flex_width(length) if cuda else length,
         blocks=anchors or settings["num_anchors"], block_size=block_size,
         drafter_layers=settings["num_layers"], feature_layers=len(layer_ids),
         read_depth=text.num_hidden_layers if distill else max(layer_ids) + 1,

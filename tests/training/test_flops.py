@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from training.flops import Widths, main, mean_keys_per_query, recipe_step_flops, step_flops
+from training.flops import Widths, main, mean_keys_per_query, recipe_step_flops, step_flops, target_forward_flops
 from training.masks import dense_block_mask, sample_anchors
 from training.module import DistillModule
 from training.target import target_layer_features
@@ -91,6 +91,68 @@ def test_online_distillation_counts_the_whole_target_and_the_teachers_head(disti
     target_attention = target_config.num_hidden_layers * Widths.of(target_config).attention(length, (length + 1) / 2)
     matmuls = model.total - target_attention - 3 * model.attention
     assert forward_counted + backward_counted == pytest.approx(sequences * matmuls, rel=0.02)
+
+
+def family_config(family: str):
+    """A tiny random target of `family`, its MLP 4 x its width wide."""
+    import transformers
+
+    shape = dict(num_hidden_layers=4, num_attention_heads=4, vocab_size=1000, max_position_embeddings=256)
+    return {
+        "qwen3": lambda: transformers.Qwen3Config(hidden_size=64, intermediate_size=256, num_key_value_heads=2,
+                                                  head_dim=16, **shape),
+        "llama": lambda: transformers.LlamaConfig(hidden_size=64, intermediate_size=256, num_key_value_heads=2,
+                                                  **shape),
+        "gpt_neox": lambda: transformers.GPTNeoXConfig(hidden_size=64, intermediate_size=256, **shape),
+        "phi": lambda: transformers.PhiConfig(hidden_size=64, intermediate_size=256, **shape),
+        "gpt2": lambda: transformers.GPT2Config(vocab_size=1000, n_embd=64, n_layer=4, n_head=4),  # n_inner unset: 4 x
+    }[family]()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama", "gpt_neox", "phi", "gpt2"])
+def test_a_targets_forward_is_what_the_counter_counts_in_every_family(family):
+    """Qwen3 and Llama gate their MLP (3 matrices); GPT-NeoX, Phi and GPT-2 do not (2): every target's MLP was
+    counted gated, 1.26x the counter for GPT-NeoX and Phi, and GPT-2's config (n_inner) was an AttributeError."""
+    import transformers
+
+    config = family_config(family)
+    config._attn_implementation = "eager"  # the counter sees Q K^T and P V too, over the whole score matrix
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    length = 100
+    with torch.no_grad():
+        measured = counted(lambda: model.get_decoder()(input_ids=torch.randint(0, 1000, (1, length)), use_cache=False))
+    modelled = target_forward_flops(Widths.of(config), length, config.num_hidden_layers, causal=False)
+    assert modelled == pytest.approx(measured, rel=1e-3)
+
+
+def test_the_drafter_is_counted_with_its_own_gated_mlp_after_an_ungated_target(tmp_path):
+    """The drafter is Qwen3-shaped whatever the target (ddtree.targets.build_drafter_config): after a GPT-NeoX
+    target its MLP keeps 3 matrices. A whole step on such a target, against the counter."""
+    import transformers
+
+    from ddtree.targets import resolve_target
+
+    folder = tmp_path / "neox"
+    # (a spare embedding row past the tokenizer's 49152 tokens is the drafter's MASK)
+    config = transformers.GPTNeoXConfig(vocab_size=49153, hidden_size=64, intermediate_size=256, num_hidden_layers=6,
+                                        num_attention_heads=4, max_position_embeddings=512)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    transformers.AutoTokenizer.from_pretrained(resolve_target("tiny-random")).save_pretrained(folder)
+    module = tiny_module(target=str(folder))
+    step_batch = batch(length=40)
+    sequences, length = step_batch["input_ids"].shape
+    forward = {}
+    forward_counted = counted(lambda: forward.setdefault("loss", module.shared_step(step_batch, 0, "train").loss))
+    backward_counted = counted(lambda: forward["loss"].backward())
+
+    settings = dict(target=str(folder), num_layers=2, block_size=4, target_layer_ids=LAYER_IDS, num_anchors=5)
+    model = recipe_step_flops(module.target.config, settings, length, cuda=False)
+    # the CPU counter sees no SDPA attention: the target's (the layers read) and the drafter's (and twice in backward)
+    target_attention = (max(LAYER_IDS) + 1) * Widths.of(config).attention(length, (length + 1) / 2)
+    matmuls = model.total - target_attention - 3 * model.attention
+    assert forward_counted + backward_counted == pytest.approx(sequences * matmuls, rel=5e-3)
 
 
 def test_the_mean_key_count_is_the_training_masks():

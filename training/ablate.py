@@ -16,7 +16,8 @@ measuring and the table to global rank 0.
 Equal terms:
 - --steps alone: every variant trains exactly that many steps (the recipe's trainer.max_time is lifted);
 - --minutes alone: every variant trains for that long or the recipe's max_steps, whichever ends first (the schedule
-  is the steps'; the learning rate anneals by the clock where it comes first, model.anneal_by_max_time), so a faster
+  is the steps'; the learning rate warms up and anneals by the clock where it comes first, model.anneal_by_max_time,
+  by the clock alone for a variant with trainer.max_steps=-1 on a recipe without max_epochs), so a faster
   variant trains more steps, as equal time means; both: whichever ends first, as in training;
 - either way a variant is evaluated, validated and checkpointed only where it stops (the recipe's eval.every_n_train_steps
   and trainer.val_check_interval are moved there): an evaluation on the way would take its time from training, more of

@@ -9,8 +9,9 @@ tau), hpc_ckpt_N.ckpt after a SLURM requeue signal, and the config.yaml the run 
 .ckpt file or, under a DeepSpeed strategy, a folder of per-rank shards under the same name (it holds a `latest` tag
 file). Reading one is training/checkpoints.py's.
 
-Free of torch and Lightning: the training commands find what their command line names before those load
-(training/arguments.py), so a run or checkpoint that is not there is one line at once.
+Free of torch and Lightning at import: the training commands find what their command line names before those load
+(training/arguments.py), so a run or checkpoint that is not there is one line at once. Only ranking a run's
+last.ckpt against its hpc_ckpt_N.ckpt (saved_step) loads torch, when it comes to that.
 """
 
 from __future__ import annotations
@@ -54,6 +55,24 @@ def is_readable(checkpoint: Path) -> bool:
     except (zipfile.BadZipFile, OSError):
         return False
 
+
+
+def saved_step(checkpoint: Path) -> int:
+    """The global step a checkpoint was saved at (-1 where it cannot be read): what orders a run's checkpoints, where
+    file times follow the order a copy (`cp -r`) wrote them in.
+
+    mmap: torch reads the pickled structure and maps the tensors without reading them, milliseconds for a checkpoint
+    of many GB. weights_only=False, as every reader of these checkpoints here and Lightning's resume load them: a
+    Lightning checkpoint may pickle classes weights_only refuses, and the resume unpickles the file whole anyway."""
+    import torch  # here: the module is imported before torch loads (above), and most resumes never rank
+
+    path = checkpoint
+    if checkpoint.is_dir():  # DeepSpeed: Lightning's own state is saved beside rank 0's weights
+        path = checkpoint / (checkpoint / "latest").read_text().strip() / "mp_rank_00_model_states.pt"
+    try:
+        return int(torch.load(path, map_location="cpu", weights_only=False, mmap=True)["global_step"])
+    except Exception:  # noqa: BLE001 - a file that reads as a zip but holds no step ranks below every other
+        return -1
 
 
 def saved_at(checkpoint: Path) -> float:
@@ -160,19 +179,22 @@ def resume_point(run_dir: Path) -> tuple[Path, Path | None]:
     The newest of a run's checkpoints/last.ckpt and the hpc_ckpt_N.ckpt Lightning saves on SLURM's requeue signal;
     without either (checkpoint.save_last false, or a save of last.ckpt cut short), its newest step checkpoint. Each is
     a whole training state, and a run folder holding any is refused as a new run's, so it must resume from one.
-    last.ckpt first: it is written with every step checkpoint, and file times alone would rank a copied folder's
-    files by the order they were copied in. When that one cannot be read (a save cut short by a kill or a full disk),
-    the newest readable one is taken: a requeued SLURM job resumes its run folder on every requeue, and refusing
-    would fail each one while a whole step checkpoint is there. With none readable the newest is returned, for
-    find_resume to refuse with its reason."""
+    last.ckpt first: it is written with every step checkpoint. Newest means the highest saved step, file times only
+    between equal steps: a copied folder's times are the order its files were copied in, which took a requeue's older
+    hpc_ckpt_N.ckpt over last.ckpt. When the newest file cannot be read (a save cut short by a kill or a full disk),
+    the newest readable checkpoint is taken: a requeued SLURM job resumes its run folder on every requeue, and
+    refusing would fail each one while a whole step checkpoint is there. With none readable the newest is returned,
+    for find_resume to refuse with its reason."""
     saved = run_checkpoints(run_dir)
     latest = [p for p in saved if p.name == "last.ckpt" or p.name.startswith("hpc_ckpt_")]
     if latest or saved:
-        newest = (latest or saved)[0]  # run_checkpoints: newest first
-        if is_readable(newest):
+        newest = (latest or saved)[0]  # run_checkpoints: newest file first
+        passed_over = None if is_readable(newest) else newest
+        readable = [p for p in (saved if passed_over else latest or saved) if is_readable(p)]
+        if not readable:
             return newest, None
-        readable = next((p for p in saved if is_readable(p)), None)
-        return (readable, newest) if readable else (newest, None)
+        # max keeps the first of equal steps, the newest file; a single candidate is not loaded
+        return (max(readable, key=saved_step) if len(readable) > 1 else readable[0]), passed_over
     unfinished = sorted(p.name for p in (run_dir / "checkpoints").glob("*.ckpt"))
     if unfinished:  # a DeepSpeed folder whose first save was cut short (no `latest`, or its `saving` marker)
         raise DDTreeError(f"--resume {run_dir}: no whole checkpoint: {', '.join(unfinished)} in checkpoints/ is a save "

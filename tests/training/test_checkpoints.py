@@ -26,19 +26,22 @@ from training.checkpoints import deepspeed_client_state, load_checkpoint
 from training.module import DistillModule
 
 
-def make_run(root: Path, name: str, saved: dict[str, float], best: str | None = None) -> Path:
-    """A run folder with config.yaml and checkpoints/<file> saved at the given times (seconds since the epoch)."""
+def make_run(root: Path, name: str, saved: dict[str, float], best: str | None = None,
+             steps: dict[str, int] | None = None) -> Path:
+    """A run folder with config.yaml and checkpoints/<file> saved at the given times (seconds since the epoch), each
+    at its step in `steps` (default 0)."""
     run = root / name
     (run / "checkpoints").mkdir(parents=True)
     (run / "config.yaml").write_text("{}\n")
     for file, when in saved.items():
-        path = run / file
+        path, state = run / file, {"global_step": (steps or {}).get(file, 0)}
         if file.endswith("/"):  # a DeepSpeed checkpoint: a folder of shards named by its `latest` tag
-            path.mkdir(parents=True)
+            (path / "tag").mkdir(parents=True)
+            torch.save(state, path / "tag" / "mp_rank_00_model_states.pt")  # Lightning's state beside rank 0's shard
             path = path / "latest"
             path.write_text("tag")
         else:
-            torch.save({"global_step": 0}, path)  # a zip archive like a real .ckpt, so it reads as one
+            torch.save(state, path)  # a zip archive like a real .ckpt, so it reads as one
         os.utime(path, (when, when))
     if best:
         (run / "checkpoints" / "best.ckpt").symlink_to(best)
@@ -158,6 +161,24 @@ def test_resume_takes_last_a_run_folder_or_a_path_and_finds_its_run(tmp_path):
     torch.save({"state_dict": {}}, stray)
     with pytest.raises(DDTreeError, match="config.yaml is missing, so the run cannot be resumed exactly"):
         find_resume(str(stray), root)
+
+
+def test_a_copied_run_resumes_from_its_highest_step_whatever_the_file_times(tmp_path):
+    """`cp -r` gives each file its copy time: a requeue's older hpc_ckpt_1.ckpt, copied after last.ckpt, was taken as
+    the newest, and the resume went back 4 steps and overwrote the later checkpoints."""
+    root = tmp_path / "tiny"
+    copied = make_run(root, "copied", {"checkpoints/last.ckpt": 100, "hpc_ckpt_1.ckpt": 200},
+                      steps={"checkpoints/last.ckpt": 12, "hpc_ckpt_1.ckpt": 8})
+    assert resume_point(copied) == (copied / "checkpoints" / "last.ckpt", None)
+    deepspeed = make_run(root, "deepspeed", {"checkpoints/last.ckpt/": 100, "hpc_ckpt_1.ckpt/": 200},
+                         steps={"checkpoints/last.ckpt/": 12, "hpc_ckpt_1.ckpt/": 8})
+    assert newest_checkpoint(deepspeed) == deepspeed / "checkpoints" / "last.ckpt"
+    stepped = make_run(root, "stepped", {"checkpoints/step-4.ckpt": 100, "checkpoints/step-2.ckpt": 200},
+                       steps={"checkpoints/step-4.ckpt": 4, "checkpoints/step-2.ckpt": 2})  # save_last false
+    assert newest_checkpoint(stepped) == stepped / "checkpoints" / "step-4.ckpt"
+    requeued = make_run(root, "requeued", {"checkpoints/last.ckpt": 100, "hpc_ckpt_1.ckpt": 200},
+                        steps={"checkpoints/last.ckpt": 12, "hpc_ckpt_1.ckpt": 12})  # the signal came at step 12
+    assert newest_checkpoint(requeued) == requeued / "hpc_ckpt_1.ckpt"  # equal steps: the newer file
 
 
 def truncate(path: Path) -> None:

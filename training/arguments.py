@@ -54,7 +54,7 @@ def check_recipe_args(args: argparse.Namespace) -> None:  # features, ablate
 def check_train_args(args: argparse.Namespace) -> None:
     if args.recipe is not None:
         check_recipe_name(args.recipe)
-    if args.resume:
+    if args.resume is not None:  # an empty one too: find_resume refuses it
         find_resume(args.resume, Path(args.output_root) / (args.recipe or DEFAULT_RECIPE))
 
 

@@ -57,6 +57,17 @@ def is_readable(checkpoint: Path) -> bool:
 
 
 
+def is_other_file(path: Path) -> bool:
+    """A file that does not begin as the zip archive torch.save writes: a run's config.yaml or report, a prompts
+    file, never a checkpoint. An empty one may be a copy cut off at once, which is_readable calls truncated."""
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(4)
+    except OSError:  # unreadable: is_readable says so
+        return False
+    return bool(head) and head != b"PK\x03\x04"
+
+
 def saved_step(checkpoint: Path) -> int:
     """The global step a checkpoint was saved at (-1 where it cannot be read): what orders a run's checkpoints, where
     file times follow the order a copy (`cp -r`) wrote them in.
@@ -219,6 +230,8 @@ def find_resume(resume: str, recipe_root: Path) -> tuple[Path, Path]:
     folder a DeepSpeed strategy writes under that name. A checkpoint named ('last' too) that cannot be read (cut off
     when the run was killed or the disk filled) is refused here, naming the run's readable checkpoints.
     """
+    if not resume.strip():  # `--resume "$CKPT"` with CKPT unset: read as no --resume, it began a new run
+        raise DDTreeError("--resume is empty (an unset shell variable?); give 'last', a run folder or a checkpoint path")
     if resume == "last":
         run = newest_run(recipe_root, "last.ckpt")
         if run is None:
@@ -230,6 +243,11 @@ def find_resume(resume: str, recipe_root: Path) -> tuple[Path, Path]:
         checkpoint = Path(resume)
         if not is_checkpoint(checkpoint):
             raise missing_checkpoint(resume)
+        if checkpoint.is_file() and is_other_file(checkpoint):  # not "unreadable (truncated?)": it never was one
+            run = run_folder_of(checkpoint)
+            folder = f"its run folder {run} (its newest checkpoint)" if run else "a run folder"
+            raise DDTreeError(f"--resume {resume} is not a checkpoint (not a file torch.save wrote); give {folder}, "
+                              "a .ckpt path or 'last'")
     run_dir = run_folder_of(checkpoint)
     if run_dir is None and not is_readable(checkpoint):
         raise DDTreeError(f"--resume {resume}: {checkpoint} is not a readable checkpoint; give a .ckpt from a run's "

@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         check_recipe_name(args.recipe)
     try:
         checkpoint = None
-        if args.resume:
+        if args.resume is not None:  # an empty one too: find_resume refuses it
             checkpoint, run_dir = find_resume(args.resume, Path(args.output_root) / (args.recipe or DEFAULT_RECIPE))
             if not is_deepspeed_checkpoint(checkpoint):
                 check_resumable(checkpoint)

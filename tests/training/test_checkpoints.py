@@ -181,6 +181,24 @@ def test_a_copied_run_resumes_from_its_highest_step_whatever_the_file_times(tmp_
     assert newest_checkpoint(requeued) == requeued / "hpc_ckpt_1.ckpt"  # equal steps: the newer file
 
 
+def test_an_empty_resume_or_a_file_that_is_no_checkpoint_is_named_as_such(tmp_path, capsys):
+    """`--resume "$CKPT"` with CKPT unset began a new run (a 3 GB feature-store build); `--resume <run>/config.yaml`
+    was called "unreadable (truncated?)", as if a checkpoint had been cut off."""
+    root = tmp_path / "tiny"
+    run = make_run(root, "r", {"checkpoints/last.ckpt": 100})
+    with pytest.raises(DDTreeError, match=r"^--resume is empty \(an unset shell variable\?\); give 'last', a run folder"):
+        find_resume("", root)
+    with pytest.raises(DDTreeError) as error:
+        find_resume(str(run / "config.yaml"), root)
+    assert str(error.value) == (f"--resume {run / 'config.yaml'} is not a checkpoint (not a file torch.save wrote); "
+                                f"give its run folder {run.resolve()} (its newest checkpoint), a .ckpt path or 'last'")
+    from training.train import main as train_main
+
+    assert train_main(["--recipe", "tiny", "--output-root", str(tmp_path / "out"), "--resume", ""]) == 2
+    assert one_error_line(capsys).startswith("error: --resume is empty")
+    assert not (tmp_path / "out").exists()  # no new run
+
+
 def truncate(path: Path) -> None:
     saved = path.stat().st_mtime  # when it was saved: the order of a run's checkpoints stays
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # cut off mid-write

@@ -148,6 +148,7 @@ def test_every_training_command_says_a_bad_flag_in_one_line(capsys, module):
     ("training.train", ["--recipe", "tiny", "--resume", "no-such-run"], 2, "error: --resume no-such-run: no such checkpoint; "),
     ("training.train", ["--resume", "last", "--output-root", "no-such-outputs"], 2,
      "error: --resume last: no run under no-such-outputs/smollm2-135m has checkpoints/last.ckpt; start one first"),
+    ("training.train", ["--resume", ""], 2, "error: --resume is empty (an unset shell variable?)"),
     ("training.evaluate", ["--output-root", "no-such-outputs"], 2, "error: CKPT=best: no run under no-such-outputs/smollm2-135m "),
     ("training.publish", ["no-such-run", "--out", "no-such-export"], 2, "error: RUN=no-such-run: no such run folder; "),
     ("training.features", ["--recipe", "recipes/tiny.yaml"], 2, "error: --recipe takes a recipe's name: --recipe tiny"),

@@ -341,7 +341,8 @@ def test_a_resume_refused_at_restore_leaves_config_yaml_as_it_was(tmp_path, caps
     for path, said in [(weights, f"error: --resume {weights} is not a training checkpoint of this project (it has no "
                                  "pytorch-lightning_version, global_step, loops, state_dict, drafter_config): give a "
                                  "run's last.ckpt, step-N.ckpt or hpc_ckpt_N.ckpt"),
-                       (text, f"error: --resume {text}: checkpoint {text} is unreadable (")]:  # (as before)
+                       (text, f"error: --resume {text} is not a checkpoint (not a file torch.save wrote); give its "
+                              f"run folder {run_dir.resolve()} (its newest checkpoint)")]:
         assert train_main([*resume, "--resume", str(path)]) == 2
         lines = error_lines(capsys)
         assert len(lines) == 1 and lines[0].startswith(said), lines

@@ -27,11 +27,16 @@ With data.feature_store set (offline target features, training/features.py) a mi
 built first, in a single-process run; a multi-process launch asks for `make features` instead.
 Several processes (devices > 1, torchrun, SLURM) share one run folder; rank 0 writes config.yaml
 and drafter/, and a launch whose process count differs from devices x num_nodes stops at once.
+While a launch runs, its rank 0 holds the folder's .train.lock: another launch into it (the same --run-name,
+a --resume of a run still training) is refused in one line; a default name taken in the same second gets -2.
 Bad input (unknown recipe, bad field, bad target) prints one line and exits with status 2 (ddtree/errors.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import itertools
 import json
 import logging
 import os
@@ -53,7 +58,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from ddtree.corpus import CORPUS_FILE, write_replies
 from ddtree.errors import DDTreeError, command
-from ddtree.files import write_text_atomic
+from ddtree.files import unwritable_as_error, write_text_atomic
 from training.checkpoint_paths import (find_resume, is_deepspeed_checkpoint, newest_checkpoint, resume_point, run_checkpoints,
                                        why_unreadable)
 from training.checkpoints import (AtomicCheckpointIO, check_resumable, deepspeed_client_state, newest_finite_checkpoint,
@@ -209,8 +214,9 @@ def run_recipe(run_dir: Path, requested: str | None) -> str:
 RUN_NAME_ENV = "DDTREE_RUN_NAME"  # the run folder name, handed to the processes Lightning starts
 
 
-def run_name(requested: str | None) -> str:
-    """The run folder's name, the same in every process of a launch."""
+def run_name(requested: str | None) -> str | None:
+    """The run folder's name, the same in every process of a launch; None for a new timestamped folder
+    (stamped_run_folder), which a single process makes."""
     if requested is not None and (Path(requested).name != requested or requested in ("", "..")):  # "a/b", ".", ".."
         raise DDTreeError(f"--run {requested!r}: a run's name is one folder name, made under <output-root>/<recipe>/; "
                           "give a name without '/' (--output-root puts runs elsewhere)")
@@ -225,7 +231,49 @@ def run_name(requested: str | None) -> str:
     if world and world[1] > 1:  # torchrun: each process would pick its own timestamp
         raise DDTreeError("started by torchrun without --run-name: give the same --run-name on every node "
                           "(recipes/launch_torchrun.sh does)")
-    return time.strftime("%Y%m%d-%H%M%S")
+    return None
+
+
+def stamped_run_folder(recipe_root: Path) -> Path:
+    """A new run folder named by the launch's time, made here and only here: two launches in the same second (a
+    sweep started with `&`) took one folder; the second now gets <time>-2."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    with unwritable_as_error(recipe_root):
+        recipe_root.mkdir(parents=True, exist_ok=True)
+        for number in itertools.count(1):
+            folder = recipe_root / (stamp if number == 1 else f"{stamp}-{number}")
+            try:
+                folder.mkdir()
+                return folder
+            except FileExistsError:
+                continue
+
+
+RUN_LOCK = ".train.lock"  # in the run folder: held by rank 0 while a launch runs there (hold_run_folder)
+
+
+@contextlib.contextmanager
+def hold_run_folder(run_dir: Path):
+    """Hold the run folder's lock until the block ends, or refuse the launch in one line when another holds it.
+
+    Two launches under one run name (the same --run-name twice, a resume of a run still training) trained into one
+    folder, each overwriting the other's checkpoints, config.yaml and drafter/. Rank 0 alone takes it: the other ranks
+    of its launch share the folder, and a refused launch's other ranks end with its rank 0 (torchrun and slurm.sbatch's
+    srun stop the rest). flock: the OS releases it when the process dies, so a killed run resumes at once. The file
+    stays: one removed while another launch has it open would let two launches hold a lock each."""
+    with unwritable_as_error(run_dir):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        handle = open(run_dir / RUN_LOCK, "a")
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise DDTreeError(f"run folder {run_dir} is in use by another launch that is still running (it holds "
+                              f"{RUN_LOCK}): stop it or wait for it to end; a new run can take another --run") from None
+        except OSError as error:  # a filesystem without locks (Lustre mounted without flock, say): train unguarded
+            print(f"[train] cannot lock {run_dir / RUN_LOCK} ({error.strerror}): a second launch into {run_dir} would "
+                  "not be refused", file=sys.stderr, flush=True)
+        yield
 
 
 def resume_command(run_dir: Path, recipe: str, checkpoint: Path) -> str:
@@ -307,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     if args.recipe is not None:
         check_recipe_name(args.recipe)
+    held = contextlib.ExitStack()  # the run folder's lock (hold_run_folder), released as main returns
+    cli = created = None  # created: set once a fresh run's folder is this launch's, for remove_unstarted_run
     try:
         checkpoint = None
         if args.resume is not None:  # an empty one too: find_resume refuses it
@@ -315,11 +365,18 @@ def main(argv: list[str] | None = None) -> int:
                 check_resumable(checkpoint)
             args.recipe = run_recipe(run_dir, args.recipe)
             config = run_dir / "config.yaml"
+            if is_first_process():
+                held.enter_context(hold_run_folder(run_dir))
         else:
             args.recipe = args.recipe or DEFAULT_RECIPE
             config = recipe_path(args.recipe)
-            run_dir = Path(args.output_root) / args.recipe / run_name(args.run)
-            created = new_folders(run_dir)  # none: the failure path removes only what this launch wrote
+            recipe_root = Path(args.output_root) / args.recipe
+            made_above = new_folders(recipe_root)  # before this launch makes any
+            name = run_name(args.run)
+            run_dir = recipe_root / name if name else stamped_run_folder(recipe_root)
+            fresh = new_folders(run_dir) if name else [run_dir, *made_above]  # none: only what this launch wrote goes
+            if is_first_process():
+                held.enter_context(hold_run_folder(run_dir))
             # On every process: one that skipped the check would wait in the rendezvous rank 0 left and die in a
             # network error's traceback. No checkpoint of this launch can exist yet (saving needs every process).
             if (run_dir / "config.yaml").exists():
@@ -328,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
                 if is_first_process():  # stopped before its first checkpoint, whose line said to start it again
                     print(f"[train] {run_dir} holds a run stopped before its first checkpoint: starting it again",
                           flush=True)
+            created = fresh
         cli = build_cli(config, run_dir, overrides)
         if checkpoint and is_deepspeed_checkpoint(checkpoint) and not is_deepspeed(cli.trainer.strategy):
             # Lightning would torch.load the folder: an IsADirectoryError traceback
@@ -362,17 +420,11 @@ def main(argv: list[str] | None = None) -> int:
                 return stopped(run_dir, args.recipe, "interrupted (SIGINT)", 128 + signal.SIGINT, cli.trainer.global_step)
             raise
         except ValueError as error:  # Lightning's check of an interval longer than the epoch: a 5-line traceback
-            if not checkpoint:
-                remove_unstarted_run(run_dir, cli.trainer.global_step, created)
             if "`val_check_interval`" not in str(error):
                 raise
             raise DDTreeError(f"trainer.val_check_interval={cli.trainer.val_check_interval} is more than the "
                               f"{cli.trainer.fit_loop.max_batches} training batches of an epoch of this data: give a "
                               "smaller one, or --trainer.check_val_every_n_epoch=null to count it across epochs") from None
-        except BaseException:
-            if not checkpoint:
-                remove_unstarted_run(run_dir, cli.trainer.global_step, created)
-            raise
         finally:
             os.environ.pop(RUN_NAME_ENV, None)
         if cli.trainer.received_sigterm:  # arrived where no loop raises (the final evaluation, say)
@@ -403,9 +455,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[train] drafter written to {drafter_dir}: the last step's weights (ddtree bench --drafter "
                   f"{drafter_dir}; make export takes the best checkpoint by default)", flush=True)
         return 0
-    except NonFiniteError as error:  # not bad input: the run itself failed
-        print(f"error: {error}; {finite_checkpoint_line(run_dir)}", file=sys.stderr)
+    except BaseException as error:
+        if created is not None:  # a fresh run's failure, from a bad override to a NaN at its first step; still locked
+            remove_unstarted_run(run_dir, cli.trainer.global_step if cli else 0, created)
+        if not isinstance(error, NonFiniteError):
+            raise
+        print(f"error: {error}; {finite_checkpoint_line(run_dir)}", file=sys.stderr)  # not bad input: the run failed
         return 1
+    finally:
+        held.close()
 
 
 def finite_checkpoint_line(run_dir: Path) -> str:

@@ -8,6 +8,7 @@ command resumes the run to its end.
 from __future__ import annotations
 
 import csv
+import fcntl
 import logging
 import os
 import math
@@ -26,7 +27,7 @@ import torch
 
 import toy_data  # tests/training/toy_data.py
 from training.checkpoint_paths import is_checkpoint
-from training.checkpoints import drafter_from_checkpoint, newest_finite_checkpoint, non_finite_tensors
+from training.checkpoints import RESUME_KEYS, drafter_from_checkpoint, newest_finite_checkpoint, non_finite_tensors
 from training.module import DistillModule
 import training.train
 from training.train import main as train_main
@@ -234,6 +235,59 @@ def test_a_run_stopped_before_its_first_checkpoint_starts_again_under_its_name(t
     (requeued / "hpc_ckpt_1.ckpt").write_bytes(b"weights")
     assert train_main(tiny_args(tmp_path, "requeued", max_steps=2)) == 2
     assert "already holds a run" in capsys.readouterr().err and (requeued / "hpc_ckpt_1.ckpt").read_bytes() == b"weights"
+
+
+def stop_at_the_build(monkeypatch) -> list[Path]:
+    """Launches that stop with one line where they would build the model: the run folders that got that far."""
+    reached = []
+
+    def build_cli(config, run_dir, overrides):
+        reached.append(run_dir)
+        raise training.train.DDTreeError("stopped at the build")
+
+    monkeypatch.setattr(training.train, "build_cli", build_cli)
+    return reached
+
+
+def test_a_second_launch_into_a_run_folder_still_training_is_refused(tmp_path, capsys, monkeypatch):
+    """The same --run-name twice: the second launch said "starting it again" and trained in the first one's folder,
+    overwriting its checkpoints, config.yaml and drafter/; a --resume of a run still training did the same."""
+    reached = stop_at_the_build(monkeypatch)
+    run_dir = tmp_path / "out" / "tiny" / "live"
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text("the first launch's\n")  # no checkpoint yet
+    in_use = (f"error: run folder {run_dir} is in use by another launch that is still running (it holds .train.lock): "
+              "stop it or wait for it to end; a new run can take another --run")
+    with open(run_dir / ".train.lock", "a") as first:
+        fcntl.flock(first, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as the first launch's rank 0 holds it while it trains
+        assert train_main(tiny_args(tmp_path, "live", max_steps=2)) == 2
+        assert error_lines(capsys) == [in_use] and not reached
+        assert (run_dir / "config.yaml").read_text() == "the first launch's\n"
+        with monkeypatch.context() as env:  # the first launch's other ranks share its folder: not refused
+            env.setenv("RANK", "1")
+            assert train_main(tiny_args(tmp_path, "live", max_steps=2)) == 2
+            assert error_lines(capsys) == ["error: stopped at the build"] and reached == [run_dir]
+        (run_dir / "checkpoints").mkdir()
+        torch.save({key: {} for key in RESUME_KEYS}, run_dir / "checkpoints" / "last.ckpt")
+        resume = ["--output-root", str(tmp_path / "out"), "--resume", str(run_dir)]
+        assert train_main(resume) == 2
+        assert error_lines(capsys) == [in_use] and reached == [run_dir]
+    assert train_main(resume) == 2  # the first launch ended (or was killed): its lock went with it
+    assert error_lines(capsys) == ["error: stopped at the build"] and reached == [run_dir, run_dir]
+
+
+def test_default_run_names_taken_in_the_same_second_are_two_folders(tmp_path, capsys, monkeypatch):
+    """A sweep started with `&`: two launches in one second got one timestamp, and trained into one folder."""
+    reached = stop_at_the_build(monkeypatch)
+    monkeypatch.setattr(training.train.time, "strftime", lambda form: "20250101-000000")
+    first = tmp_path / "out" / "tiny" / "20250101-000000"
+    first.mkdir(parents=True)
+    (first / "config.yaml").write_text("the first launch's\n")
+    args = tiny_args(tmp_path, "unused", max_steps=2)
+    del args[args.index("--run"):args.index("--run") + 2]  # the default name
+    assert train_main(args) == 2
+    assert reached == [first.parent / "20250101-000000-2"]
+    assert not reached[0].exists() and (first / "config.yaml").read_text() == "the first launch's\n"
 
 
 def with_data(args: list[str], data: Path | str) -> list[str]:

@@ -65,8 +65,9 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adaptive-size", choices=ADAPTIVE_SIZE, default="off",
                         help="per round, verify only the leading nodes of the budget's ddtree tree that pay for their "
                              "rows, under this machine's verify cost measured at start (docs/benchmarks.md, Which budget); auto = "
-                             "on with the dynamic cache (a CPU), off with the static one (generate: auto, bench: off, "
-                             "so that budgets compare as published)")
+                             "on with the dynamic cache (a CPU), off with the static one (generate: auto; calibrate: "
+                             "auto too, so that it learns on the trees generate decodes; bench: off, so that budgets "
+                             "compare as published)")
     parser.add_argument("--lookup", type=int, default=None, metavar="N",
                         help="graft into every ddtree tree up to N tokens that followed the last recurrence of the "
                              "context's latest tokens, within the budget (docs/decoding.md, Context lookup); 0 = off; "
@@ -118,7 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "always is; another budget takes the nearest one's temperature)")
     calibrate.add_argument("--limit", type=int, default=None, help="use the first N prompts (default: all)")
     calibrate.add_argument("--overwrite", action="store_true", help=f"replace the folder's {CALIBRATION_FILE}")
-    calibrate.set_defaults(max_new_tokens=64)
+    # generate's sizing, and so its re-drafting (off where it sizes, unless given): else a default generate decoded
+    # other trees than the file was learned on, and said so every time
+    calibrate.set_defaults(max_new_tokens=64, adaptive_size="auto")
 
     cost = commands.add_parser("verify-cost", help="time tree verification vs one AR step (a benchmark)")
     cost.add_argument("--target", default="smollm2-135m", help="as for generate (default: smollm2-135m)")

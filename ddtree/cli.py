@@ -390,7 +390,8 @@ def cmd_bench(args) -> None:
 
 def cmd_calibrate(args) -> None:
     """Decode the prompts with the chain and each ddtree budget, learning as --online-calibration does from a fresh
-    start, and write what was learned into the drafter folder, where generate and bench find it by default."""
+    start, and write what was learned into the drafter folder, where generate and bench find it by default. It decodes
+    as generate does by default (--adaptive-size auto: on a CPU, sized trees and so no re-drafting unless given)."""
     if args.drafter == "random":
         raise DDTreeError("ddtree calibrate writes into a drafter folder: give --drafter FOLDER, not random")
     if args.calibration is not None or args.online_calibration:

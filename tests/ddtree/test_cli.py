@@ -884,6 +884,33 @@ def test_calibrate_writes_the_folders_calibration_which_bench_uses_unless_told_n
                           f"{folder} holds now") in err
 
 
+def test_calibrate_learns_with_the_settings_a_default_generate_decodes_with(capsys, tmp_path, tiny_target,
+                                                                            prompts_file):
+    """calibrate defaulted to --adaptive-size off and generate to auto, which on a CPU sizes the trees and so leaves
+    re-drafting off: a drafter trained to re-draft was calibrated on re-drafted trees, and every default generate after
+    it printed the mismatch note (found in a review). Explicit flags still choose."""
+    from ddtree.calibration import CALIBRATION_FILE
+
+    folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
+    config = json.loads((folder / "config.json").read_text())
+    edit_config(folder, dflash_config={**config["dflash_config"], "redraft": 4})  # model.redraft_prob's drafters
+    common = ["--target", TARGET, "--drafter", str(folder), "--dtype", "float32", "--device", "cpu"]
+    calibrate = ["calibrate", *common, "--prompts", str(prompts_file), "--budgets", "8", "--max-new-tokens", "8",
+                 "--overwrite"]
+    generate = ["generate", *common, "--prompt", "Hi", "--budget", "8", "--max-new-tokens", "4"]
+    learned = lambda: json.loads((folder / CALIBRATION_FILE).read_text())["decoded_with"]  # noqa: E731
+    assert run_cli(capsys, *calibrate)[0] == 0
+    assert learned() == {"lookup": 0, "redraft": 0, "corpus": False}
+    code, _, err = run_cli(capsys, *generate)
+    assert code == 0 and "learned decoding with other settings" not in err
+    # calibrated as bench decodes by default (unsized, re-drafting): generate says so, unless it re-drafts too
+    assert run_cli(capsys, *calibrate, "--adaptive-size", "off")[0] == 0 and learned()["redraft"] == 4
+    code, _, err = run_cli(capsys, *generate)
+    assert code == 0 and "[calibration] note: learned decoding with other settings (redraft 4 here 0)" in err
+    code, _, err = run_cli(capsys, *generate, "--redraft", "4")
+    assert code == 0 and "learned decoding with other settings" not in err
+
+
 def test_calibrate_leaves_a_file_another_run_wrote_while_it_decoded(capsys, tmp_path, tiny_target, prompts_file,
                                                                      monkeypatch):
     """Two calibrate runs started together on one folder both passed the check at the start, and the second to finish

@@ -48,7 +48,7 @@ class OnlineCalibration:
 
     RATE = 0.01
     LOG_LIMIT = 2.0  # temperatures stay within e^-2 .. e^2
-    decoded_with: dict | None = None  # a calibration file's lookup, redraft and corpus (load_calibration)
+    decoded_with: dict | None = None  # the lookup, redraft and corpus it was learned with, where it says (from_state)
     weights: str | None = None  # the fingerprint of the weights a calibration file was learned on (load_calibration)
 
     def differences(self, lookup: int, redraft: int, corpus: bool) -> list[str]:
@@ -162,8 +162,14 @@ class OnlineCalibration:
 
     @classmethod
     def from_state(cls, state: dict, frozen: bool = True) -> OnlineCalibration:
-        """The inverse of state(); ValueError names the first entry that is not what state() writes."""
+        """The inverse of state(), and the settings it was learned with where the state says (decoded_with: its
+        lookup, redraft and corpus); ValueError names the first entry that is not what state() writes."""
         calibration = cls(frozen)
+        decoded_with = state.get("decoded_with")
+        if decoded_with is not None and not isinstance(decoded_with, dict):  # else a TypeError in differences()
+            raise ValueError(f"decoded_with {decoded_with!r} is not an object of the lookup, redraft and corpus it was "
+                             "learned with")
+        calibration.decoded_with = decoded_with
         for key, temperature in state["temperatures"].items():
             plain = isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
             if not (plain and math.isfinite(temperature) and temperature > 0
@@ -224,7 +230,6 @@ def load_calibration(path: Path) -> OnlineCalibration:
         if state.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"format_version {state.get('format_version')!r}, this code reads {FORMAT_VERSION}")
         calibration = OnlineCalibration.from_state(state)
-        calibration.decoded_with = state.get("decoded_with")  # what `ddtree calibrate` decoded with (differences)
         calibration.weights = state.get("weights")  # the fingerprint of the weights it was learned on
         return calibration
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError, OverflowError) as error:

@@ -941,6 +941,9 @@ def test_calibrate_leaves_a_file_another_run_wrote_while_it_decoded(capsys, tmp_
     '{"format_version": 1, "temperatures": {"-8": 1.1}, "graft_acceptance": {}}',
     '{"format_version": 1, "temperatures": {}, "graft_acceptance": {"context": {"1": "12"}}}',
     "[" * 100000 + "]" * 100000,
+    # a TypeError traceback when generate compared the settings (found in a review)
+    '{"format_version": 1, "temperatures": {"8": 1.0}, "graft_acceptance": {}, "decoded_with": 7}',
+    '{"format_version": 1, "temperatures": {"8": 1.0}, "graft_acceptance": {}, "decoded_with": ["lookup"]}',
 ])
 def test_a_broken_calibration_file_is_one_line(capsys, tmp_path, tiny_target, prompts_file, content):
     from ddtree.calibration import CALIBRATION_FILE

@@ -276,7 +276,7 @@ def check_input_files(args) -> None:
     if getattr(args, "corpus", None) not in (None, "none"):
         check_corpus_file(args.corpus)
     if getattr(args, "calibration", None) not in (None, "none"):
-        check_calibration_file(args.calibration)
+        load_calibration(check_calibration_file(args.calibration))  # its contents too, as the corpus file's
 
 
 def _calibration(args) -> OnlineCalibration | None | bool:

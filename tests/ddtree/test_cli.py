@@ -644,6 +644,8 @@ def test_a_results_file_written_by_another_run_meanwhile_is_kept_and_this_runs_r
     ("bench", ["--prompts", "{tmp}/none.jsonl"], "error: prompts file {tmp}/none.jsonl does not exist"),
     ("bench", ["--prompts", "{prompts}", "--corpus", "{tmp}/none.jsonl"], "error: --corpus {tmp}/none.jsonl: no such file"),
     ("generate", ["--prompt", "hi", "--calibration", "{tmp}/none.json"], "error: --calibration {tmp}/none.json: no such file"),
+    ("generate", ["--prompt", "hi", "--calibration", "{tmp}/c.json"],  # read only after the target loaded before
+     "error: calibration file {tmp}/c.json cannot be read (format_version None, this code reads 1)"),
     ("bench", ["--prompts", "{prompts}", "--methods", "ar", "--out", "{prompts}"],  # it replaced the prompts before
      "error: --out {prompts} is the --prompts file"),
     ("bench", ["--prompts", "{prompts}", "--methods", "dflash", "--drafter", "random", "--calibration", "{tmp}/c.json",

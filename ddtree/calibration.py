@@ -24,6 +24,7 @@ from .names import CALIBRATION_FILE, CORPUS_FILE  # noqa: F401 (CALIBRATION_FILE
 
 FORMAT_VERSION = 1
 CHAIN = "chain"  # the chain's temperature in the file; a ddtree budget is written as its number
+LOOKUPS = ("context", "corpus")  # the lookups whose grafted nodes it learns the acceptance of (graft_acceptance)
 
 
 class OnlineCalibration:
@@ -164,6 +165,13 @@ class OnlineCalibration:
     def from_state(cls, state: dict, frozen: bool = True) -> OnlineCalibration:
         """The inverse of state(), and the settings it was learned with where the state says (decoded_with: its
         lookup, redraft and corpus); ValueError names the first entry that is not what state() writes."""
+        if not isinstance(state, dict):
+            raise ValueError(f"it holds {json.dumps(state)[:40]}, not a JSON object")
+        for field in ("temperatures", "graft_acceptance"):
+            if field not in state:  # a bare KeyError said only the name
+                raise ValueError(f"missing field {field}")
+            if not isinstance(state[field], dict):
+                raise ValueError(f"{field} {state[field]!r} is not an object")
         calibration = cls(frozen)
         decoded_with = state.get("decoded_with")
         if decoded_with is not None and not isinstance(decoded_with, dict):  # else a TypeError in differences()
@@ -177,6 +185,10 @@ class OnlineCalibration:
                 raise ValueError(f"temperature {key}: {temperature!r} is not a number within e^-2..e^2")
             calibration.log_temperatures[None if key == CHAIN else _positive(key, "budget")] = math.log(temperature)
         for lookup, depths in state["graft_acceptance"].items():
+            if lookup not in LOOKUPS:  # a misspelt one's table would never be read: its nodes would score the prior
+                raise ValueError(f"graft_acceptance {lookup!r} is not a lookup: {' or '.join(LOOKUPS)}")
+            if not isinstance(depths, dict):
+                raise ValueError(f"graft_acceptance {lookup} {depths!r} is not an object of depths")
             for depth, counts in depths.items():
                 if not (isinstance(counts, list) and len(counts) == 2 and all(type(n) is int for n in counts)
                         and 0 <= counts[0] <= counts[1]):
@@ -227,7 +239,7 @@ def load_calibration(path: Path) -> OnlineCalibration:
     """A calibration file, frozen; a broken one is one DDTreeError line naming it."""
     try:
         state = json.loads(Path(path).read_text())
-        if state.get("format_version") != FORMAT_VERSION:
+        if isinstance(state, dict) and state.get("format_version") != FORMAT_VERSION:  # (anything else: from_state)
             raise ValueError(f"format_version {state.get('format_version')!r}, this code reads {FORMAT_VERSION}")
         calibration = OnlineCalibration.from_state(state)
         calibration.weights = state.get("weights")  # the fingerprint of the weights it was learned on

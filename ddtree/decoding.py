@@ -141,12 +141,13 @@ class GenerationResult:
 
 def config_calibration(config) -> OnlineCalibration:
     """The replayed calibration a drafter's config holds (DFlashDrafterConfig.calibration), frozen; a broken one is
-    one line."""
+    one line naming the drafter's folder and the field."""
     try:
         return OnlineCalibration.from_state(config.calibration)
-    except (ValueError, KeyError, TypeError, AttributeError) as error:
-        raise DDTreeError(f"the drafter's config.json has a calibration that cannot be read ({error}): remove the "
-                          "field, or decode with --calibration none") from None
+    except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as error:
+        raise DDTreeError(f"drafter {config.name_or_path or '(given to DrafterRunner)'}: dflash_config.calibration in "
+                          f"its config.json cannot be read ({error}): remove the field, or decode with --calibration "
+                          "none") from None
 
 
 class DrafterRunner:
@@ -189,7 +190,8 @@ class DrafterRunner:
         self.default_lookup = drafter.config.lookup  # generate's lookup=None: what its recipe measured to pay
         self.default_corpus = corpus  # generate's corpus=None: the one shipped with it (recipes with model.corpus)
         # whether the default below is the config's (model.replay_calibration), not a calibration file's
-        self.calibration_from_config = calibration is None and calibrated and bool(drafter.config.calibration)
+        # (an empty one, [] or {}, too: read, and refused, rather than taken for none without a word)
+        self.calibration_from_config = calibration is None and calibrated and drafter.config.calibration is not None
         if self.calibration_from_config:
             calibration = config_calibration(drafter.config)
         # generate's online=None: the drafter folder's calibration.json, else its config's

@@ -1020,3 +1020,38 @@ def test_a_calibration_temperature_too_large_for_a_float_is_one_line(tmp_path):
     path.write_text(json.dumps({"format_version": FORMAT_VERSION, "temperatures": {"32": 10 ** 400}, "graft_acceptance": {}}))
     with pytest.raises(DDTreeError, match=f"calibration file {path} cannot be read"):
         load_calibration(path)
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"format_version": 1, "graft_acceptance": {}}', "missing field temperatures"),  # a bare KeyError's name before
+    ('{"format_version": 1, "temperatures": {"8": 1.1}}', "missing field graft_acceptance"),
+    ('{"format_version": 1, "temperatures": [1.1], "graft_acceptance": {}}', "temperatures [1.1] is not an object"),
+    ('[1, 2]', "it holds [1, 2], not a JSON object"),
+    # a misspelt lookup was taken, and its table never read: the lookup's nodes scored the prior
+    ('{"format_version": 1, "temperatures": {}, "graft_acceptance": {"contxt": {"1": [1, 2]}}}',
+     "graft_acceptance 'contxt' is not a lookup: context or corpus"),
+])
+def test_a_calibration_files_bad_field_is_named(tmp_path, content, message):
+    from ddtree.calibration import load_calibration
+
+    path = tmp_path / "calibration.json"
+    path.write_text(content)
+    with pytest.raises(DDTreeError, match=re.escape(f"calibration file {path} cannot be read ({message})")):
+        load_calibration(path)
+
+
+@pytest.mark.parametrize("calibration, message", [
+    ({"temperatures": {"8": 1.0}}, "missing field graft_acceptance"),
+    ([], "it holds [], not a JSON object"),  # [] and {} were taken as no calibration, without a word
+    ({}, "missing field temperatures"),
+])
+def test_a_broken_calibration_in_the_drafters_config_names_the_folder_and_field(capsys, tmp_path, tiny_target,
+                                                                                 calibration, message):
+    """It said only "the drafter's config.json has a calibration that cannot be read ('graft_acceptance')"."""
+    folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
+    config = json.loads((folder / "config.json").read_text())
+    edit_config(folder, dflash_config={**config["dflash_config"], "calibration": calibration})
+    generate = ["generate", "--target", TARGET, "--drafter", str(folder), "--prompt", "Hi", "--max-new-tokens", "2"]
+    assert _bad(capsys, *generate) == (f"error: drafter {folder}: dflash_config.calibration in its config.json cannot be "
+                                       f"read ({message}): remove the field, or decode with --calibration none")
+    assert run_cli(capsys, *generate, "--calibration", "none")[0] == 0

@@ -319,14 +319,20 @@ def check_out_is_no_input(args) -> None:
                               f"{out.relative_to(Path(folder).resolve())}; give another --out")
 
 
+def check_named_once(flag: str, values: list) -> None:
+    """A method or budget named twice would be decoded twice, its second result replacing the first (and calibrate
+    learning from twice its rounds)."""
+    repeated = sorted({value for value in values if values.count(value) > 1})
+    if repeated:
+        raise DDTreeError(f"{flag} repeats {', '.join(map(str, repeated))}: name each once")
+
+
 def cmd_bench(args) -> None:
     methods = method_list(args.methods)
     if not methods:
         raise DDTreeError(f"--methods {args.methods!r} names no method: choose from {', '.join(METHODS)}")
-    for flag, values in (("--methods", methods), ("--budgets", args.budgets)):
-        repeated = sorted({value for value in values if values.count(value) > 1})
-        if repeated:  # a repeated method would run twice and its second result replace the first
-            raise DDTreeError(f"{flag} repeats {', '.join(map(str, repeated))}: name each once")
+    check_named_once("--methods", methods)
+    check_named_once("--budgets", args.budgets)
     method_keys(methods, args.budgets)  # an unknown method or a budget below 1: said before the target loads
     check_calibration_flag(args, methods)
     if "ddtree" not in methods:  # else taken without a word, and results.json said ddtree had used them
@@ -396,6 +402,7 @@ def cmd_calibrate(args) -> None:
         raise DDTreeError("ddtree calibrate writes into a drafter folder: give --drafter FOLDER, not random")
     if args.calibration is not None or args.online_calibration:
         raise DDTreeError("ddtree calibrate always learns from a fresh start: drop --calibration and --online-calibration")
+    check_named_once("--budgets", args.budgets)
     out = Path(args.drafter) / CALIBRATION_FILE
     existed = out.exists()
     if existed and not args.overwrite:

@@ -641,6 +641,8 @@ def test_a_results_file_written_by_another_run_meanwhile_is_kept_and_this_runs_r
     ("generate", ["--drafter", "{listed}", "--prompt", "hi"],
      "error: drafter {listed}/config.json holds a JSON list, not an object of fields"),
     ("calibrate", ["--drafter", "{tmp}", "--prompts", "{prompts}"], "error: drafter '{tmp}' is not a folder with a config.json"),
+    ("calibrate", ["--drafter", "{run}/drafter", "--prompts", "{prompts}", "--budgets", "8,8"],  # decoded 8 twice
+     "error: --budgets repeats 8: name each once"),
     ("bench", ["--prompts", "{tmp}/none.jsonl"], "error: prompts file {tmp}/none.jsonl does not exist"),
     ("bench", ["--prompts", "{prompts}", "--corpus", "{tmp}/none.jsonl"], "error: --corpus {tmp}/none.jsonl: no such file"),
     ("generate", ["--prompt", "hi", "--calibration", "{tmp}/none.json"], "error: --calibration {tmp}/none.json: no such file"),

@@ -60,8 +60,11 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
                              "from the drafter's calibration file, if any")
     parser.add_argument("--calibration", default=None, metavar="FILE",
                         help="a calibration file (`ddtree calibrate`): its draft temperatures and lookup acceptances "
-                             "shape and score every tree, as it is; none = off; default: the drafter folder's "
-                             f"{CALIBRATION_FILE}, if it has one")
+                             "shape and score every tree, as it is; default: the drafter folder's "
+                             f"{CALIBRATION_FILE}, else the calibration its config holds (model.replay_calibration); "
+                             "none = neither it nor the calibration the drafter's config holds (a model.calibrate "
+                             "drafter's per-position draft_temperatures stay: they are the drafter's, as its weights "
+                             "are)")
     parser.add_argument("--adaptive-size", choices=ADAPTIVE_SIZE, default="off",
                         help="per round, verify only the leading nodes of the budget's ddtree tree that pay for their "
                              "rows, under this machine's verify cost measured at start (docs/benchmarks.md, Which budget); auto = "

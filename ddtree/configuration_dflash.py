@@ -87,7 +87,8 @@ class DFlashDrafterConfig(Qwen3Config):
 
         Fitted on held-out data so the drafter's probabilities are calibrated (training/module.py,
         `calibrate`): the best-first tree ranks its nodes by them and its expected acceptance is their
-        sum. None (every drafter without calibration) means 1. Argmax, so the chain, is unchanged.
+        sum. None (every drafter without calibration) means 1. Argmax, so the chain, is unchanged. Decoders apply
+        them whatever `--calibration` says (`none` too): they are part of the drafter, as its weights are.
         """
         return self.dflash_config.get("draft_temperatures")
 

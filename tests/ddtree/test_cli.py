@@ -1057,3 +1057,24 @@ def test_a_broken_calibration_in_the_drafters_config_names_the_folder_and_field(
     assert _bad(capsys, *generate) == (f"error: drafter {folder}: dflash_config.calibration in its config.json cannot be "
                                        f"read ({message}): remove the field, or decode with --calibration none")
     assert run_cli(capsys, *generate, "--calibration", "none")[0] == 0
+
+
+def test_calibration_none_leaves_out_the_files_and_the_configs_calibration_and_says_what_stays(capsys, tmp_path,
+                                                                                               tiny_target):
+    """`--calibration none` ("none = off") still applied a model.calibrate drafter's per-position draft_temperatures,
+    and nothing said so (found in a review): they are the drafter's own, as its weights are, and stay; the help says."""
+    import ddtree.cli
+    from ddtree.arguments import build_parser
+
+    folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
+    config = json.loads((folder / "config.json").read_text())
+    edit_config(folder, dflash_config={**config["dflash_config"], "draft_temperatures": [0.5] * (config["block_size"] - 1),
+                                       "calibration": {"temperatures": {"8": 1.5}, "graft_acceptance": {}}})
+    args = build_parser().parse_args(["generate", "--target", TARGET, "--drafter", str(folder), "--prompt", "Hi",
+                                      "--calibration", "none"])
+    runner = ddtree.cli._drafter_runner(args, *tiny_target)
+    assert runner.default_calibration is None and runner.temperatures[:, 0].tolist() == [0.5] * (config["block_size"] - 1)
+    flag = next(action for action in build_parser()._subparsers._group_actions[0].choices["generate"]._actions
+                if "--calibration" in action.option_strings)
+    assert "none = neither it nor the calibration the drafter's config holds" in flag.help
+    assert "draft_temperatures stay" in flag.help

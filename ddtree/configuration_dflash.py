@@ -137,7 +137,8 @@ class DFlashDrafterConfig(Qwen3Config):
     @property
     def calibration(self) -> dict | None:
         """What model.replay_calibration learned by replaying tree decoding over the validation replies (a draft
-        temperature per tree shape, each lookup's acceptance by depth; OnlineCalibration.state()), or None.
+        temperature per tree shape, each lookup's acceptance by depth; OnlineCalibration.state()), and the lookup,
+        re-drafting and corpus it replayed with (decoded_with, as in calibration.json), or None.
 
         Decoders use it frozen by default, as they use a folder's calibration.json (which `ddtree calibrate` fits on
         the prompts served, and which comes first); `--calibration none` leaves both out.

@@ -51,7 +51,7 @@ from transformers import PreTrainedModel
 
 from ddtree.calibration import OnlineCalibration
 from ddtree.corpus import CorpusLookup
-from ddtree.decoding import DEFAULT_REDRAFT, DrafterRunner
+from ddtree.decoding import DEFAULT_REDRAFT, DrafterRunner, drafter_defaults
 from ddtree.drafters import load_drafter_folder
 from ddtree.configuration_dflash import DFlashDrafterConfig
 from ddtree.modeling_dflash import DFlashDraftModel
@@ -789,9 +789,13 @@ class DistillModule(L.LightningModule):
         runner = DrafterRunner(drafter, self.target, corpus=corpus, calibration=False)
         with torch.autocast(self.device.type, enabled=False):  # decoding's numerics (see calibrate_draft_temperatures)
             settled = learn_calibration(runner, sequences(), budget, max_new_tokens, stop_ids, lookup, redraft)
+        # What the tree was replayed with (learn_calibration resolves the same), kept as calibration.json keeps it:
+        # a decoder with other lookups or re-drafting is told its expected tau is priced for another tree.
+        lookup, redraft, corpus = drafter_defaults("ddtree", runner, lookup, redraft, False, None)
+        state = {**settled.state(), "decoded_with": {"lookup": lookup, "redraft": redraft, "corpus": corpus is not None}}
         # Every rank replayed the same replies; rank 0's result is kept everywhere all the same, so that a last-bit
         # difference between ranks can never leave them decoding with different trees.
-        state = self.trainer.strategy.broadcast(settled.state()) if self._trainer is not None else settled.state()
+        state = self.trainer.strategy.broadcast(state) if self._trainer is not None else state
         drafter.config.calibration = state
         return OnlineCalibration.from_state(state)
 

@@ -138,7 +138,14 @@ def test_a_replay_calibrated_run_decodes_saves_and_exports_what_it_learned(tmp_p
     common = ["bench", "--target", "tiny-random", "--drafter", str(drafter_dir), "--prompts", "data/eval_prompts.jsonl",
               "--limit", "1", "--methods", "ddtree", "--budgets", "8", "--max-new-tokens", "6"]
     assert ddtree_main([*common, "--out", str(tmp_path / "with.json")]) == 0
-    assert "[calibration] the drafter's config (replayed on its validation replies)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "[calibration] the drafter's config (replayed on its validation replies)" in err
+    # It records what the replay decoded with, as calibration.json does, so that decoding otherwise is said: it was
+    # silent, its grafts' tables priced for another lookup (found in a review)
+    assert learned["decoded_with"] == {"lookup": 3, "redraft": 0, "corpus": True}
+    assert "learned decoding with other settings" not in err
+    assert ddtree_main([*common, "--lookup", "7"]) == 0
+    assert "[calibration] note: learned decoding with other settings (lookup 3 here 7)" in capsys.readouterr().err
     assert ddtree_main([*common, "--calibration", "none", "--out", str(tmp_path / "without.json")]) == 0
     assert "[calibration]" not in capsys.readouterr().err
     resolved = [json.loads((tmp_path / f"{name}.json").read_text())["settings"]["calibration_resolved"]

@@ -227,8 +227,8 @@ def run_benchmark(
     warm False skips that, for a caller that wants the acceptance and not the timings (training's evaluation).
     static: the target's cache (ddtree.decoding.generate; None = static with CUDA graphs on a GPU only).
     online: learn draft temperatures from the timed rounds, prompt after prompt (OnlineCalibration), starting from the
-    drafter's calibration file if it has one (or given, the caller's OnlineCalibration); otherwise that file's
-    calibration is used as it is.
+    drafter's default calibration if it has one (DrafterRunner.default_calibration: the one it was built with, else its
+    config's; or given, the caller's OnlineCalibration); otherwise that default is used as it is.
     lookup: graft that many tokens of context lookup into every ddtree tree (generate; None = the drafter's default);
     the chain stays the drafter's.
     sizer: size every ddtree round's tree to this machine's verify cost (ddtree/sizing.py); the chain stays whole.
@@ -257,10 +257,10 @@ def run_benchmark(
             raise DDTreeError(
                 f"prompt {prompt['id']!r} has {len(prompt['prompt_ids'])} tokens; the target's context is {limit}"
             )
-    calibration = None  # generate then uses the drafter's calibration file, if it has one, as it is
+    calibration = None  # generate then uses the drafter's default calibration, if it has one, as it is
     if isinstance(online, OnlineCalibration):  # the caller's, to read what it learned (`ddtree calibrate`)
         calibration = online
-    elif online:  # learning from the timed rounds, from what the drafter's file holds if it has one
+    elif online:  # learning from the timed rounds, from what the drafter's default holds if it has one
         calibration = learning_from(getattr(drafter, "default_calibration", None))
     # Each budget's rounds teach their own copy of the sizer its overhead: one budget's rounds cost another's.
     sizers = {key: dataclasses.replace(sizer) for key, method, _ in keys if method == "ddtree" and sizer is not None}

@@ -194,7 +194,7 @@ class DrafterRunner:
         self.calibration_from_config = calibration is None and calibrated and drafter.config.calibration is not None
         if self.calibration_from_config:
             calibration = config_calibration(drafter.config)
-        # generate's online=None: the drafter folder's calibration.json, else its config's
+        # generate's online=None: the calibration given (the CLI's: the folder's calibration.json), else its config's
         self.default_calibration = calibration or None
         self._fixed: StaticDrafter | None = None  # the last fix_shapes' drafter, for the next generation that fits
         self.reset()
@@ -566,7 +566,9 @@ def generate(
 
     online: temperatures learned from this call's rounds and kept for the next calls (OnlineCalibration); a frozen
     one (a calibration file) is used as it is; None = the drafter's default (DrafterRunner.default_calibration: the
-    calibration.json in its folder, written by `ddtree calibrate`; none otherwise).
+    calibration the runner was built with, which the `ddtree` command reads from the drafter folder's calibration.json
+    (`ddtree calibrate`), else the one the drafter's config holds (model.replay_calibration); none otherwise: a
+    DrafterRunner reads no calibration.json itself).
     lookup (ddtree): graft up to this many tokens that followed the last recurrence of the context's
     latest tokens (`context_lookup`) into every tree, within the budget; 0 = the drafter's tree alone; None = the
     drafter's default (DrafterRunner.default_lookup: its config's `lookup`, 0 unless its recipe set model.lookup).

@@ -56,6 +56,7 @@ import random
 import time
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning as L
 import numpy as np
@@ -63,7 +64,7 @@ import torch
 from lightning.pytorch.callbacks import Checkpoint, Timer
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import AutoConfig, PreTrainedModel
 
 from ddtree.bench import CHAIN, acceptance_summary, load_prompts, run_benchmark, tree_key
 from ddtree.corpus import CorpusLookup
@@ -71,7 +72,8 @@ from ddtree.decoding import DrafterRunner, Sampling
 from ddtree.errors import DDTreeError
 from ddtree.files import write_json_atomic
 from ddtree.packed_linear import PACKED_KERNELS, apply_packing, cannot_pack, pack_linears, unpack_linears
-from ddtree.targets import load_tokenizer, stop_token_ids
+from ddtree.target_runner import context_limit
+from ddtree.targets import load_tokenizer, resolve_target, stop_token_ids
 
 from . import report
 from .checkpoints import AtomicCheckpointIO, non_finite_tensors
@@ -368,6 +370,18 @@ class AcceptanceEvaluation(L.Callback):
             if packed:
                 unpack_linears(target)
 
+    def check_context(self, target: str) -> None:
+        """The largest budget and every prompt must fit the target's context (read from its config: the weights load
+        later, in configure_model). Decoding refuses them too, but only at the first evaluation, N steps in."""
+        limit = context_limit(SimpleNamespace(config=AutoConfig.from_pretrained(resolve_target(target))))
+        if self.budgets[-1] >= limit:
+            raise DDTreeError(f"eval.budgets={self.budgets}: a tree of {self.budgets[-1]} nodes cannot be verified within "
+                              f"the target's context of {limit} tokens; give budgets below {limit}")
+        for prompt in self.prompts:
+            if len(prompt["prompt_ids"]) >= limit:
+                raise DDTreeError(f"eval.prompts={self.prompts_path}: prompt {prompt['id']!r} has "
+                                  f"{len(prompt['prompt_ids'])} tokens, the target's context {limit}; shorten or drop it")
+
     # -------------------------------------------------------------- Lightning hooks
 
     def setup(self, trainer, pl_module, stage: str) -> None:
@@ -376,6 +390,7 @@ class AcceptanceEvaluation(L.Callback):
         # Read the prompts now, so a bad file stops the run before training, not after the first N steps.
         tokenizer = load_tokenizer(pl_module.hparams.target)  # the target's own, shared: read, never changed
         self.prompts = self.load_prompts(tokenizer)
+        self.check_context(pl_module.hparams.target)
         self.tokenizer = tokenizer
         if pl_module.hparams.get("corpus"):  # the replies the export ships (training/train.py), decoded with here too
             datamodule = trainer.datamodule

@@ -1121,6 +1121,21 @@ def test_bad_settings_are_one_line_errors(tmp_path, capsys):
         training.train.build_cli(recipe, tmp_path / "run", [])
 
 
+def test_eval_settings_that_cannot_fit_the_targets_context_stop_the_run_before_training(tmp_path):
+    """The tiny target's context is 2048 tokens: a budget or prompt that long failed only at the first evaluation."""
+    module = tiny_module()
+    with pytest.raises(DDTreeError, match=r"^eval.budgets=\[8, 2048\]: a tree of 2048 nodes cannot be verified .* 2048 tokens"):
+        AcceptanceEvaluation(prompts=PROMPTS, budgets=[8, 2048], primary_budget=8).setup(None, module, "fit")
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"prompt": "hello " * 2100}) + "\n")
+    with pytest.raises(DDTreeError, match=rf"^eval.prompts={re.escape(str(long))}: prompt '1' has \d+ tokens, the "
+                                          r"target's context 2048"):
+        AcceptanceEvaluation(prompts=str(long), budgets=[8], primary_budget=8).setup(None, module, "fit")
+    fits = AcceptanceEvaluation(prompts=PROMPTS, budgets=[8, 2047], primary_budget=8, limit=2)
+    fits.setup(None, module, "fit")
+    assert len(fits.prompts) == 2
+
+
 # ----------------------------------------------------------------------------- context lookup
 
 

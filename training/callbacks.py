@@ -76,6 +76,7 @@ from ddtree.target_runner import context_limit
 from ddtree.targets import load_tokenizer, resolve_target, stop_token_ids
 
 from . import report
+from .checkpoint_paths import saved_step
 from .checkpoints import AtomicCheckpointIO, non_finite_tensors
 from .data import replies
 from .strategies import consolidated_copy
@@ -107,6 +108,20 @@ def accumulating(trainer: L.Trainer) -> bool:
     """Whether the micro-batch just run leaves gradients for an optimizer step still to come (accumulate_grad_batches):
     no place to stop, evaluate or save, since a checkpoint holds no accumulated gradients."""
     return trainer.fit_loop.epoch_loop._should_accumulate()
+
+
+def move_aside(paths: list[Path], folder: Path, step: int) -> Path:
+    """Move what a launch saved past `step` into a new folder/abandoned-after-step-<step>/: a resume from `step` trains
+    another branch, whose files of the same steps would mix with these (a step-N.ckpt the new ranking does not know,
+    kept beside the new branch's eval/step-N.json). Moved, not deleted: they may be the better branch."""
+    aside, copy_number = folder / f"abandoned-after-step-{step}", 1
+    while aside.exists():  # a second resume from the same step: the first branch's files stay where they were put
+        copy_number += 1
+        aside = folder / f"abandoned-after-step-{step}-{copy_number}"
+    aside.mkdir()
+    for path in paths:
+        os.replace(path, aside / path.name)
+    return aside
 
 
 class StepTimer(Timer):
@@ -408,7 +423,21 @@ class AcceptanceEvaluation(L.Callback):
         for row in self.history:
             if row.get("val_loss") is None:
                 row["val_loss"] = self.recorded_val_loss(Path(trainer.default_root_dir), row["step"])
+        self.move_abandoned_evaluations(trainer)
         self.finish_interrupted_evaluation(trainer, pl_module)
+
+    def move_abandoned_evaluations(self, trainer) -> None:
+        """On a resume from an earlier step than the run reached, its evaluations past that step are another
+        branch's: moved aside (move_aside), so that eval/ holds this branch's alone."""
+        folder, step = Path(trainer.default_root_dir) / "eval", trainer.global_step
+        if trainer.ckpt_path is None or not trainer.is_global_zero or not folder.is_dir():
+            return
+        later = sorted(path for path in folder.glob("step-*.json") if path.stem[len("step-"):].isdigit()
+                       and int(path.stem[len("step-"):]) > step)
+        if later:
+            aside = move_aside(later, folder, step)
+            print(f"[eval] moved {len(later)} evaluation file(s) past step {step} to {aside}: the launch resumed from "
+                  f"step {step} trains another branch", flush=True)
 
     def finish_interrupted_evaluation(self, trainer, pl_module) -> None:
         """A launch resumed at a scheduled step whose evaluation or save its checkpoint does not record: SLURM's
@@ -754,6 +783,7 @@ class BestCheckpoint(Checkpoint):
         for folder in sorted(folders) if trainer.is_global_zero else ():
             for stale in AtomicCheckpointIO.remove_stale_staging(folder):
                 print(f"[checkpoint] removed {stale}: a save the last launch did not finish", flush=True)
+        self.move_abandoned(trainer)
         # A scheduled step the last launch measured but did not save (AcceptanceEvaluation.finish_interrupted_evaluation
         # measured it again, or found it measured): saved now, where a resume continues exactly.
         step = trainer.global_step
@@ -778,6 +808,20 @@ class BestCheckpoint(Checkpoint):
                 print(f"[checkpoint] removed {displaced}: a new best displaced it before the last launch stopped",
                       flush=True)
         marker.unlink(missing_ok=True)
+
+    def move_abandoned(self, trainer) -> None:
+        """On a resume from an earlier step than the run reached, the checkpoints saved past it (last.ckpt included)
+        are another branch's, outside the restored ranking: moved aside (move_aside). Left, they made more than
+        save_top_k files, a step-N.ckpt unlike the report's step N, and a resume of the folder took the old branch."""
+        step = trainer.global_step
+        if trainer.ckpt_path is None or not trainer.is_global_zero or not os.path.isdir(self.dirpath):
+            return
+        later = sorted(path for path in Path(self.dirpath).glob("*.ckpt") if not path.is_symlink()
+                       and path.name not in self.best_k_models and saved_step(path) > step)
+        if later:
+            aside = move_aside(later, Path(self.dirpath), step)
+            print(f"[checkpoint] moved {', '.join(path.name for path in later)} to {aside}: saved past step {step}, "
+                  f"where this launch resumed a different branch (delete the folder if you do not need them)", flush=True)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step

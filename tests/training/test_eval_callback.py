@@ -503,6 +503,28 @@ def canned_fit(tmp_path, steps, taus, primary=8, save_top_k=1, extra=(), ckpt_pa
     return evaluation, checkpoints
 
 
+def test_a_resume_from_an_earlier_checkpoint_moves_the_abandoned_branchs_later_files_aside(tmp_path, capsys):
+    """Top 2: the first launch keeps steps 2 and 6; resumed from step 2, steps 4 and 6 are trained again. Its old
+    step-6.ckpt (and last.ckpt) stayed beside the new ranking, a third file whose tau was not the report's step 6."""
+    canned_fit(tmp_path, 6, {2: {8: 3.0}, 4: {8: 1.0}, 6: {8: 2.0}}, save_top_k=2)
+    folder = tmp_path / "checkpoints"
+    assert sorted(p.name for p in folder.glob("*.ckpt")) == ["best.ckpt", "last.ckpt", "step-2.ckpt", "step-6.ckpt"]
+    capsys.readouterr()
+
+    canned_fit(tmp_path, 6, {4: {8: 1.5}, 6: {8: 1.0}}, save_top_k=2, ckpt_path=folder / "step-2.ckpt")
+    aside = folder / "abandoned-after-step-2"
+    assert sorted(p.name for p in aside.iterdir()) == ["last.ckpt", "step-6.ckpt"]  # moved, not deleted
+    assert torch.load(aside / "step-6.ckpt", weights_only=False)["global_step"] == 6
+    # the new step 6 (1.0) did not enter the top 2: no step-6.ckpt of either branch beside the ranking
+    assert sorted(p.name for p in folder.glob("*.ckpt")) == ["best.ckpt", "last.ckpt", "step-2.ckpt", "step-4.ckpt"]
+    assert sorted(p.name for p in (tmp_path / "eval" / "abandoned-after-step-2").iterdir()) == [
+        "step-000004.json", "step-000006.json"]
+    assert json.loads((tmp_path / "eval" / "step-000006.json").read_text())["summary"]["ddtree@8"]["tau"] == 1.0
+    out = capsys.readouterr().out
+    assert f"[checkpoint] moved last.ckpt, step-6.ckpt to {aside}: saved past step 2" in out
+    assert "[eval] moved 2 evaluation file(s) past step 2" in out
+
+
 def test_a_stop_that_ties_a_scheduled_step_is_the_latest_of_equals_whatever_float32_rounds(tmp_path):
     """4/3 logged as float32 rounds up; the stop's measured 4/3 must still tie it, and the later wins, as the report says."""
     assert float(torch.tensor(4 / 3)) > 4 / 3

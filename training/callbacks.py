@@ -878,6 +878,12 @@ class BestCheckpoint(Checkpoint):
         """Save this step's checkpoint if it enters the top k (dropping the one it displaces), then last.ckpt."""
         name = self.file_name(self.filename, step=step, epoch=trainer.current_epoch)
         self.best_k_models.pop(name, None)  # a step saved again (a resume from an earlier checkpoint) competes anew
+        # A resume with a lower save_top_k: the ranking is cut to it first (each save displaces at most one file), the
+        # lowest going, never the best; their files go with the displaced one's, once the new files are whole.
+        surplus = []
+        while self.save_top_k != -1 and len(self.best_k_models) > max(self.save_top_k, 1):
+            surplus.append(min(self.best_k_models, key=self.best_k_models.get))
+            self.best_k_models.pop(surplus[-1])
         displaced = None
         if self.save_top_k == 0:  # only last.ckpt
             enters = False
@@ -913,6 +919,9 @@ class BestCheckpoint(Checkpoint):
             self.remove(trainer, os.path.join(self.dirpath, displaced))
             if trainer.is_global_zero:
                 marker.unlink(missing_ok=True)
+        for lower in surplus:
+            if self.remove(trainer, os.path.join(self.dirpath, lower)) and trainer.is_global_zero:
+                print(f"[checkpoint] removed {lower}: checkpoint.save_top_k={self.save_top_k} keeps fewer", flush=True)
 
     @staticmethod
     def remove(trainer, path: str) -> bool:

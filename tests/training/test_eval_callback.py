@@ -525,6 +525,16 @@ def test_a_resume_from_an_earlier_checkpoint_moves_the_abandoned_branchs_later_f
     assert "[eval] moved 2 evaluation file(s) past step 2" in out
 
 
+def test_a_resume_with_a_lower_save_top_k_keeps_that_many_never_dropping_the_best(tmp_path):
+    """Each save displaced at most one file, so a resume with save_top_k 1 kept all three of the first launch's."""
+    canned_fit(tmp_path, 6, {2: {8: 3.0}, 4: {8: 1.0}, 6: {8: 2.0}}, save_top_k=-1)
+    folder = tmp_path / "checkpoints"
+    _, checkpoints = canned_fit(tmp_path, 10, {8: {8: 1.5}, 10: {8: 1.2}}, save_top_k=1, ckpt_path=folder / "last.ckpt")
+    assert list(checkpoints.best_k_models) == ["step-2.ckpt"]
+    assert sorted(p.name for p in folder.glob("*.ckpt")) == ["best.ckpt", "last.ckpt", "step-2.ckpt"]
+    assert os.readlink(folder / "best.ckpt") == "step-2.ckpt"
+
+
 def test_a_stop_that_ties_a_scheduled_step_is_the_latest_of_equals_whatever_float32_rounds(tmp_path):
     """4/3 logged as float32 rounds up; the stop's measured 4/3 must still tie it, and the later wins, as the report says."""
     assert float(torch.tensor(4 / 3)) > 4 / 3

@@ -740,6 +740,9 @@ class BestCheckpoint(Checkpoint):
             # every evaluation would overwrite one file, and best.ckpt would hold whatever step came last
             raise DDTreeError(f"checkpoint.filename={filename!r} names every step's checkpoint alike: put {{step}} in it "
                               "(the default is step-{step})")
+        if "/" in filename or os.sep in filename:  # best.ckpt was linked in the sub-folder, where nothing looks for it
+            raise DDTreeError(f"checkpoint.filename={filename!r} names a sub-folder: give a file name (the default is "
+                              "step-{step}); every checkpoint is saved in checkpoints/")
         self.dirpath = str(dirpath) if dirpath is not None else None
         self.filename = filename
         self.monitor = monitor

@@ -395,6 +395,8 @@ def test_checkpoint_settings_that_cannot_work_are_one_line_errors(tmp_path):
         BestCheckpoint(filename="{val/loss}")
     with pytest.raises(DDTreeError, match=r"checkpoint.filename='epoch-\{epoch\}' names every step's checkpoint alike"):
         BestCheckpoint(filename="epoch-{epoch}")  # each evaluation would overwrite the one before
+    with pytest.raises(DDTreeError, match=r"checkpoint.filename='ep\{epoch\}/step-\{step\}' names a sub-folder"):
+        BestCheckpoint(filename="ep{epoch}/step-{step}")  # best.ckpt was linked in ep0/, where CKPT=best did not look
     with pytest.raises(DDTreeError, match="checkpoint.save_top_k=-2"):
         BestCheckpoint(save_top_k=-2)
     with pytest.raises(DDTreeError, match="checkpoint.mode='min': checkpoints are ranked by measured tau"):

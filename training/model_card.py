@@ -37,7 +37,7 @@ from ddtree.targets import is_number
 from .conversations import load_conversations
 from .engines import SGLANG, VLLM, serve_commands
 from .recipe_data import AUTO_DATA
-from .report import objective_description
+from .report import objective_description, tau_bound
 from .target import dtype_for_precision
 
 TAGS = ["dflash", "ddtree", "speculative-decoding", "draft-model", "block-diffusion"]
@@ -242,9 +242,7 @@ def evaluation_section(facts: CardFacts) -> list[str]:
     temperature = settings.get("temperature", 0.0)
     block = facts.drafter_config["block_size"]
     lookup = settings.get("lookup") or 0
-    bound = f"at most {block} (the block size)"
-    if lookup + 1 > block:  # the context lookup's grafted path may run past the block (ddtree.decoding.draft_tree)
-        bound += f" for the chain, and up to {lookup + 1} for a tree, whose {lookup}-token context lookup may run deeper"
+    bound = tau_bound(block, lookup)
     when = ("after training by `make eval` (training/evaluate.py, the training-time evaluation's code and "
             "settings)" if "checkpoint" in record else "by the training-time evaluation")
     if facts.training_prompts is None:

@@ -51,6 +51,15 @@ def best_record(history: list[dict], primary_budget: int) -> dict | None:
     return best
 
 
+def tau_bound(block_size: int, lookup: int) -> str:
+    """The most a round can commit, as report.md and the model card word it: the block, or past it for a tree whose
+    context lookup runs deeper (ddtree.decoding.draft_tree grafts its path beyond the drafted block)."""
+    bound = f"at most {block_size} (the block size)"
+    if lookup + 1 > block_size:
+        bound += f" for the chain, and up to {lookup + 1} for a tree, whose {lookup}-token context lookup may run deeper"
+    return bound
+
+
 def objective_description(hyper_parameters: dict) -> str:
     """The training loss a run's hyper-parameters name, in words: its objective and any distillation."""
     objective = hyper_parameters.get("objective", "decayed_ce")
@@ -108,8 +117,9 @@ def markdown_report(run_name: str, history: list[dict], settings: dict, eval_sec
         "",
         f"Measured by `ddtree.bench.run_benchmark` (the code behind `ddtree bench`) at temperature 0 on the first "
         f"{settings['num_prompts']} prompts of `{settings['prompts']}`, up to {settings['max_new_tokens']} new tokens "
-        "each. tau = tokens committed per target verification (accepted draft tokens + the bonus token), at most the "
-        f"block size ({settings['block_size']}). In brackets: the tau the drafter itself expected for the trees it "
+        "each. tau = tokens committed per target verification (accepted draft tokens + the bonus token), "
+        f"{tau_bound(settings['block_size'], settings.get('lookup') or 0)}. In brackets: the tau the drafter itself "
+        "expected for the trees it "
         "built (1 + sum of their path probabilities); far above the measurement means an over-confident drafter.",
         "",
     ]

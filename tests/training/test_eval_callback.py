@@ -737,6 +737,18 @@ def test_the_report_says_why_a_tree_with_lookups_measures_above_its_expected_tau
         assert why not in training.report.markdown_report("run", history, calibrated, 0.0, 1.0)
 
 
+def test_the_report_bounds_tau_by_the_block_only_where_no_lookup_runs_past_it():
+    """With eval.lookup 24 the report said "at most the block size (8)" above a row of tau@16 15.667; worded as the
+    model card words it."""
+    stats = {"tau": 15.667, "expected_tau": 2.4, "rounds": 1, "accepted_depth_counts": {}}
+    history = [{"step": 2, "train_loss": None, "val_loss": None, "seconds": 0.0, "checkpointed": True,
+                "summary": {CHAIN: stats, tree_key(16): stats}}]
+    settings = dict(prompts=PROMPTS, num_prompts=1, max_new_tokens=48, budgets=[16], primary_budget=16, block_size=BLOCK)
+    text = training.report.markdown_report("run", history, {**settings, "lookup": 24}, 0.0, 1.0)
+    assert "at most 8 (the block size) for the chain, and up to 25 for a tree, whose 24-token context lookup" in text
+    assert "at most 8 (the block size). In brackets" in training.report.markdown_report("run", history, settings, 0, 1)
+
+
 def test_the_report_says_when_the_train_loss_is_another_loss_than_the_val_loss(tmp_path):
     """The CPU recipe's report read train loss 8.4-8.7 (dpace weights and kl distillation) beside val loss 4.1-4.5
     (decayed cross-entropy alone), the first rising as the second fell, with nothing saying they differ."""

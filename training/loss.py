@@ -392,7 +392,9 @@ def block_loss_sums(
             return label_log_q[:, 0] >= kth.amin(dim=1)
 
         in_top = within(survival_k)
-        hits = position_counts(label_log_q[:, 0] >= top.amax(dim=1), chunk_positions, block_size)  # the label is a best
+        # the label is the drafter's argmax, ties broken as decoding breaks them: under bf16 a few % of rows tie at the
+        # top, and a tie counted as a hit raised acc_k (and the chain estimate built on it) above what decoding accepts
+        hits = position_counts(detached.argmax(dim=1) == chunk_targets, chunk_positions, block_size)
         tokens = position_counts(torch.ones_like(in_top), chunk_positions, block_size)
         top_hits = position_counts(within(recall_k), chunk_positions, block_size)
         best = detached[:, :0]

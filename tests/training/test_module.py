@@ -135,6 +135,19 @@ def test_block_loss_runs_the_lm_head_on_counted_rows_and_chunks_change_nothing()
         assert torch.allclose(chunked_grad, grad, atol=1e-6)
 
 
+def test_a_label_that_only_ties_the_best_token_is_no_hit_as_decoding_takes_the_argmax():
+    """bf16 logits tie often; the metric counted a label tying the best as a hit where argmax takes the other token."""
+    lm_head = torch.nn.Linear(2, 5, bias=False)
+    with torch.no_grad():
+        lm_head.weight.copy_(torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 0.0], [1.0, 0.0], [0.0, 0.0]]))
+    hidden = torch.tensor([[[0.0, 0.0], [2.0, 0.0]]])  # block position 1: tokens 1 and 3 tie at the top
+    weights = block_position_weights(2, gamma=4.0)
+    for label, hit in ((3, 0), (1, 1)):  # argmax takes the first of tied tokens, 1
+        labels = torch.tensor([[[IGNORE_INDEX, label]]])
+        _, _, hits, tokens, _ = block_loss_sums(hidden, labels, lm_head, weights)
+        assert tokens.tolist() == [0, 1] and hits.tolist() == [0, hit], (label, hits)
+
+
 def test_distill_weight_mixes_the_two_cross_entropies_and_zero_is_the_plain_loss():
     hidden, labels, lm_head = block_loss_case()
     teacher = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(1))

@@ -216,6 +216,10 @@ def check_values(config: Namespace) -> None:
     refused = [
         ("model.lr", model.lr, model.lr > 0, "give a positive learning rate"),
         ("data.num_workers", data.num_workers, data.num_workers >= 0, "give 0 (load in the main process) or more"),
+        # a reply of one supervised token has no successor, so no anchor: a batch of such replies has no block, which
+        # a single process skips but which several processes cannot (Lightning refuses a None step under DDP)
+        ("data.min_supervised_tokens", data.min_supervised_tokens, data.min_supervised_tokens >= 2,
+         "give at least 2 (a block anchors on a reply token with a successor; the default is 16)"),
         ("trainer.max_steps", trainer.max_steps, trainer.max_steps == -1 or trainer.max_steps >= 1,
          "give -1 (no limit) or a step count of at least 1 (0 trains nothing and exports an untrained drafter)"),
         ("trainer.max_steps", trainer.max_steps, not endless or (model.anneal_by_max_time and trainer.max_time),

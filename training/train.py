@@ -458,6 +458,11 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as error:
         if created is not None:  # a fresh run's failure, from a bad override to a NaN at its first step; still locked
             remove_unstarted_run(run_dir, cli.trainer.global_step if cli else 0, created)
+        unexpected = isinstance(error, Exception) and not isinstance(error, (DDTreeError, NonFiniteError))
+        if unexpected and cli is not None and cli.trainer.global_step > 0:
+            # an evaluation or a step that crashed (out of memory, say) after steps were checkpointed: its traceback
+            # alone said neither that the run can go on nor how
+            stopped(run_dir, args.recipe, f"failed ({type(error).__name__})", 1, cli.trainer.global_step)
         if not isinstance(error, NonFiniteError):
             raise
         print(f"error: {error}; {finite_checkpoint_line(run_dir)}", file=sys.stderr)  # not bad input: the run failed

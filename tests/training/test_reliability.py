@@ -97,6 +97,24 @@ def test_a_signal_stops_the_run_with_a_non_zero_status_and_the_command_that_resu
     assert (run_dir / "drafter" / "model.safetensors").is_file()
 
 
+def test_a_crash_after_a_checkpoint_says_how_to_resume_beside_its_traceback(tmp_path, monkeypatch, capsys):
+    """Found in a review (2026-12-02): an evaluation that crashed after an earlier checkpoint left a traceback alone."""
+    checked = DistillModule.training_step
+
+    def crashing(self, batch, batch_idx):
+        if self.global_step == 3:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return checked(self, batch, batch_idx)
+
+    monkeypatch.setattr(DistillModule, "training_step", crashing)
+    with pytest.raises(RuntimeError, match="simulated"):
+        train_main(tiny_args(tmp_path, "crashed", max_steps=6))
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[train]")]
+    assert len(lines) == 1 and "failed (RuntimeError) at step 3; no drafter written" in lines[0], lines
+    resume = re.search(r"RESUME=(\S+)", lines[0]).group(1)
+    assert Path(resume) == tmp_path / "out" / "tiny" / "crashed" / "checkpoints" / "last.ckpt" and Path(resume).exists()
+
+
 def blow_up_update(monkeypatch, step: int) -> None:
     """The optimizer update that makes step `step` leaves NaN weights, with a finite loss and gradient, as a too-large
     learning rate can: only the next step's loss would show it."""

@@ -95,9 +95,26 @@ def partial_path(out: Path) -> Path:
     return out.with_name(out.name + ".partial")
 
 
+# What every format-1 manifest holds: FeatureStore reads them all (a store of another format is refused on its version).
+REQUIRED_MANIFEST_FIELDS = ("target", "target_adapter", "target_layer_ids", "hidden_size", "dtype", "tokenization_key",
+                            "shards", "lengths")
+
+
 def read_manifest(path: Path) -> dict:
-    """A manifest with the fields that later builds added filled in with what they meant before."""
-    return {**OPTIONAL_MANIFEST_FIELDS, **json.loads(path.read_text())}
+    """A manifest with the fields that later builds added filled in with what they meant before.
+
+    One cut short (a copy that stopped), not JSON or missing a field is one line naming it, not a traceback."""
+    rebuild = f"rebuild the store with `{REBUILD}` and --force (FORCE=1)"
+    try:
+        manifest = json.loads(path.read_text())
+    except ValueError as error:  # JSONDecodeError, or bytes that are not text
+        raise DDTreeError(f"feature store manifest {path} is unreadable ({error}): {rebuild}") from None
+    if not isinstance(manifest, dict):
+        raise DDTreeError(f"feature store manifest {path} is not a JSON object: {rebuild}")
+    missing = [field for field in REQUIRED_MANIFEST_FIELDS if field not in manifest]
+    if missing and manifest.get("format_version") == FORMAT_VERSION:
+        raise DDTreeError(f"feature store manifest {path} lacks {', '.join(missing)}: {rebuild}")
+    return {**OPTIONAL_MANIFEST_FIELDS, **manifest}
 
 
 def is_complete(path: str | Path) -> bool:
@@ -420,7 +437,10 @@ def build_feature_store(
     done: set[str] = set()
     if partial.exists():
         previous = partial / MANIFEST
-        previous_manifest = read_manifest(previous) if previous.is_file() else {}
+        try:
+            previous_manifest = read_manifest(previous) if previous.is_file() else {}
+        except DDTreeError:  # unreadable: an unfinished build of unknown settings, started over below
+            previous_manifest = {}
         if previous_manifest.get("target_weights", "") is None:  # an unfinished build from before it was recorded
             previous_manifest["target_weights"] = manifest["target_weights"]
         if previous_manifest == {**OPTIONAL_MANIFEST_FIELDS, **manifest}:  # read_manifest fills the optional fields in

@@ -324,6 +324,25 @@ def test_a_missing_or_unfinished_store_says_how_to_build_it(tmp_path):
     assert "incomplete" in one_line(error.value) and "make features RECIPE=" in str(error.value)
 
 
+def test_a_cut_short_or_incomplete_manifest_is_one_line_saying_to_rebuild(tmp_path):
+    dm = make_datamodule(tmp_path)
+    out = build_feature_store(dm, tmp_path / "store", layer_ids=LAYER_IDS)
+    manifest = (out / "store.json").read_text()
+    (out / "store.json").write_text(manifest[:len(manifest) // 2])  # a copy that stopped
+    for read in (lambda: FeatureStore(out), lambda: build_feature_store(dm, out, layer_ids=LAYER_IDS)):
+        with pytest.raises(DDTreeError) as refused:
+            read()
+        assert f"{out / 'store.json'} is unreadable" in one_line(refused.value) and "--force" in str(refused.value)
+    without_lengths = {key: value for key, value in json.loads(manifest).items() if key != "lengths"}
+    (out / "store.json").write_text(json.dumps(without_lengths))
+    with pytest.raises(DDTreeError) as refused:
+        FeatureStore(out)
+    assert "store.json lacks lengths" in one_line(refused.value) and "--force" in str(refused.value)
+    # --force replaces it, as the line says.
+    build_feature_store(dm, out, layer_ids=LAYER_IDS, force=True)
+    assert len(FeatureStore(out)) == len(json.loads(manifest)["lengths"])
+
+
 # ----------------------------------------------------------------------------- building: atomic, resumable, safe
 
 

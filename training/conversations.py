@@ -23,6 +23,7 @@ Pieces, top to bottom:
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -126,8 +127,11 @@ def load_conversations(source: str | Path, messages_only: bool = False) -> list[
         if path.suffix in (".jsonl", ".json"):
             records = read_messages_jsonl(path)
         elif path.suffix == ".parquet":
+            import pyarrow.parquet as pq
             from datasets import Dataset
 
+            if pq.read_metadata(path).num_rows == 0:  # datasets cannot build a table of no rows: one line, as below
+                raise DDTreeError(f"{source}: no conversations in it")
             records = table_records(Dataset.from_parquet(str(path)), str(path))
         else:
             raise DDTreeError(f"{path}: unknown file type {path.suffix!r}; give a .jsonl or .parquet file or a saved datasets folder")
@@ -136,6 +140,9 @@ def load_conversations(source: str | Path, messages_only: bool = False) -> list[
 
         if not ((path / "state.json").exists() or (path / "dataset_dict.json").exists()):
             raise DDTreeError(f"{path}: not a saved `datasets` folder (no state.json or dataset_dict.json)")
+        state = path / "state.json"
+        if state.exists() and not json.loads(state.read_text()).get("_data_files"):
+            raise DDTreeError(f"{source}: no conversations in it")  # a dataset of no rows: load_from_disk's IndexError
         loaded = load_from_disk(str(path))
         if isinstance(loaded, DatasetDict):
             split = "train" if "train" in loaded else next(iter(loaded))

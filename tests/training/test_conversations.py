@@ -475,6 +475,19 @@ def test_load_conversations_from_jsonl_parquet_and_saved_dataset(tmp_path):
         load_conversations(tmp_path / "nomessages")
 
 
+def test_an_empty_parquet_file_or_saved_dataset_has_no_conversations_in_it(tmp_path):
+    """As an empty JSONL says: `datasets` gave a DatasetGenerationError or an IndexError traceback for them."""
+    from datasets import Dataset
+
+    rows = [{"id": "c0", "messages": CONVERSATION}]
+    Dataset.from_list(rows).select([]).to_parquet(str(tmp_path / "empty.parquet"))
+    Dataset.from_list(rows).select([]).save_to_disk(str(tmp_path / "empty"))
+    for source in (tmp_path / "empty.parquet", tmp_path / "empty"):
+        with pytest.raises(DDTreeError) as refused:
+            load_conversations(source)
+        assert str(refused.value) == f"{source}: no conversations in it"
+
+
 def test_every_file_reader_keeps_the_ids_a_regeneration_wrote(smol_tokenizer, tmp_path):
     """data/regenerate.py writes response_ids beside the reply's text; the readers used to drop them, so training
     tokenized the text again and supervised the tokenizer's split instead of the ids the target generated."""

@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import math
+import pickle
 from pathlib import Path
 
 import lightning as L
@@ -389,7 +390,13 @@ class DistillDataModule(L.LightningDataModule):
         path = self.cache_path(self.load_tokenizer())
         if not path.exists():  # used without a Trainer, or on a node where prepare_data did not run
             self.prepare_data()
-        cached = torch.load(path, weights_only=True)
+        try:
+            cached = torch.load(path, weights_only=True)
+        except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as error:  # cut short or damaged: only a cache
+            log.warning("the tokenized cache %s is unreadable (%s); tokenizing the data again", path, error_line(error))
+            path.unlink(missing_ok=True)
+            self.prepare_data()
+            cached = torch.load(path, weights_only=True)
         return TokenizedConversations(cached["input_ids"], cached["loss_mask"], cached["offsets"]), cached["pad_id"], path.stem
 
     def setup(self, stage: str | None = None) -> None:

@@ -123,6 +123,22 @@ def test_a_saved_dataset_with_a_truncated_arrow_file_is_one_line_naming_the_fold
     assert message.endswith("truncated or damaged? save the dataset again (save_to_disk)")
 
 
+@pytest.mark.parametrize("damage", [lambda data: data[:len(data) // 2], lambda data: b"", lambda data: b"not a cache"])
+def test_a_damaged_tokenized_cache_is_tokenized_again(tmp_path, caplog, damage):
+    """It is only a cache: torch.load's traceback (a file cut short, a full disk) stopped every launch."""
+    make_datamodule(tmp_path).prepare_data()
+    [cache] = (tmp_path / "cache").glob("*.pt")
+    intact = torch.load(cache, weights_only=True)
+    cache.write_bytes(damage(cache.read_bytes()))
+    dm = make_datamodule(tmp_path)
+    dm.setup("fit")
+    [said] = [r.getMessage() for r in caplog.records if "unreadable" in r.getMessage()]
+    assert said.startswith(f"the tokenized cache {cache} is unreadable (") and len(said.splitlines()) == 1
+    assert said.endswith("; tokenizing the data again")
+    assert torch.equal(torch.load(cache, weights_only=True)["input_ids"], intact["input_ids"])
+    assert (len(dm.train_set), len(dm.val_set)) == (18, 6)
+
+
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640)])
 def test_tokenized_cache_follows_the_umask_and_leaves_no_temp_file(tmp_path, umask, mode):
     # A cache on shared storage must be readable by the others the umask allows (a temp file is 0600).

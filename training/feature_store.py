@@ -226,6 +226,15 @@ class FeatureStore:
         self._positions = None if self.sequence_ids is None else {
             self.sequence_ids[p]: p for shard in self.shards
             for p in range(shard["first_sequence"], shard["first_sequence"] + shard["num_sequences"])}
+        # Every listed shard there, whole and of its planned shape, checked now from the headers: else a lost shard
+        # is found at the first read of its sequences, hours in when it holds only validation sequences.
+        for shard in self.shards:
+            with self._safe_open(shard["file"]) as handle:
+                shape = handle.get_slice("features").get_shape()
+            if shape != [shard["num_tokens"], self.width]:
+                raise DDTreeError(f"feature store {self.path}: {shard['file']} holds features of shape {shape}, its "
+                                  f"manifest plans {[shard['num_tokens'], self.width]}: rebuild it with `{REBUILD}` "
+                                  "and --force (FORCE=1)")
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -265,16 +274,21 @@ class FeatureStore:
 
     def _open(self, shard: int) -> tuple:
         if shard not in self._open_shards:
-            file = self.path / self.shards[shard]["file"]
-            if not file.is_file():
-                raise DDTreeError(f"feature store {self.path} lacks {file.name}: rebuild it with `{REBUILD}` and --force (FORCE=1)")
-            try:
-                handle = safe_open(str(file), framework="pt")
-                self._open_shards[shard] = (handle, handle.get_tensor("offsets").tolist())
-            except (SafetensorError, OSError) as error:  # cut short (a copy that stopped, a full disk): not a traceback
-                raise DDTreeError(f"feature store {self.path}: {file.name} is unreadable ({error}): rebuild it with "
-                                  f"`{REBUILD}` and --force (FORCE=1)") from None
+            handle = self._safe_open(self.shards[shard]["file"])
+            self._open_shards[shard] = (handle, handle.get_tensor("offsets").tolist())
         return self._open_shards[shard]
+
+    def _safe_open(self, name: str):
+        """safe_open of one of the store's shards (it reads the header only), a missing one or one cut short (a copy
+        that stopped, a full disk) as one line naming it, not a traceback."""
+        file = self.path / name
+        if not file.is_file():
+            raise DDTreeError(f"feature store {self.path} lacks {name}: rebuild it with `{REBUILD}` and --force (FORCE=1)")
+        try:
+            return safe_open(str(file), framework="pt")
+        except (SafetensorError, OSError) as error:
+            raise DDTreeError(f"feature store {self.path}: {name} is unreadable ({error}): rebuild it with "
+                              f"`{REBUILD}` and --force (FORCE=1)") from None
 
     def __getstate__(self) -> dict:
         # DataLoader workers get their own memory maps: open file handles do not pickle.

@@ -418,7 +418,7 @@ def boxed_build(monkeypatch, dm, out, seconds_per_shard: float, max_seconds: flo
         monkeypatch.undo()
 
 
-def test_a_damaged_shard_is_computed_again_on_resume_and_named_when_read(tmp_path, monkeypatch, capsys):
+def test_a_damaged_shard_is_computed_again_on_resume_and_named_at_open(tmp_path, monkeypatch, capsys):
     """A shard renamed into place before its bytes reached the disk (a power cut) reads as an empty file."""
     dm = make_datamodule(tmp_path)
     settings = dict(layer_ids=LAYER_IDS, max_shard_bytes=shard_bytes(3))
@@ -430,13 +430,19 @@ def test_a_damaged_shard_is_computed_again_on_resume_and_named_when_read(tmp_pat
     assert "shard-00000.safetensors is unreadable; computing it again" in capsys.readouterr().out
     assert (out / "shard-00000.safetensors").read_bytes() == (straight / "shard-00000.safetensors").read_bytes()
 
-    # A finished store with a shard cut short (a copy that stopped): one line naming it, at the first read.
+    # A finished store with a shard cut short (a copy that stopped) or lost: one line naming it, at open, not at the
+    # first read of its sequences (hours in, at the first validation, for a shard of validation sequences).
     cut = out / "shard-00001.safetensors"
-    cut.write_bytes(cut.read_bytes()[:1000])
-    store = FeatureStore(out)
+    intact = cut.read_bytes()
+    cut.write_bytes(intact[:1000])
     with pytest.raises(DDTreeError) as refused:
-        [store[i] for i in range(len(store))]
+        FeatureStore(out)
     assert "shard-00001.safetensors is unreadable" in one_line(refused.value) and "--force" in str(refused.value)
+    cut.write_bytes(intact)
+    (out / "shard-00000.safetensors").unlink()
+    with pytest.raises(DDTreeError) as refused:
+        FeatureStore(out)
+    assert "lacks shard-00000.safetensors" in one_line(refused.value) and "--force" in str(refused.value)
 
 
 @pytest.mark.parametrize("full", [

@@ -117,6 +117,12 @@ def read_manifest(path: Path) -> dict:
     return {**OPTIONAL_MANIFEST_FIELDS, **manifest}
 
 
+def same_data_path(recorded: str | None, data_path: str) -> bool:
+    """Whether a manifest's data_path names this one: spelled relative, with ./ or absolute, it is the same build."""
+    return recorded == data_path or (recorded is not None
+                                     and Path(recorded).expanduser().resolve() == Path(data_path).expanduser().resolve())
+
+
 def is_complete(path: str | Path) -> bool:
     """A finished store: its manifest exists only once the whole folder has been renamed into place."""
     return (Path(path) / MANIFEST).is_file()
@@ -440,7 +446,8 @@ def build_feature_store(
         # The same build whatever share of the data it holds (the tokenization key names the data and its lengths).
         # (A store built before target_weights was recorded is taken as the same target's, as it was then.)
         differing = sorted(key for key in manifest if key not in COVERAGE_FIELDS and existing.get(key) != manifest[key]
-                           and not (key == "target_weights" and existing[key] is None))
+                           and not (key == "target_weights" and existing[key] is None)
+                           and not (key == "data_path" and same_data_path(existing[key], manifest[key])))
         if not differing:
             print(f"[features] {out} already holds these features ({coverage(existing)}); nothing to do", flush=True)
             return out
@@ -457,6 +464,8 @@ def build_feature_store(
             previous_manifest = {}
         if previous_manifest.get("target_weights", "") is None:  # an unfinished build from before it was recorded
             previous_manifest["target_weights"] = manifest["target_weights"]
+        if same_data_path(previous_manifest.get("data_path"), manifest["data_path"]):  # spelled otherwise
+            previous_manifest["data_path"] = manifest["data_path"]
         if previous_manifest == {**OPTIONAL_MANIFEST_FIELDS, **manifest}:  # read_manifest fills the optional fields in
             done = finished_shards(partial, manifest["shards"], width)
         elif previous_manifest.get("dtype") not in (None, manifest["dtype"]) and not force:

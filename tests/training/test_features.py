@@ -590,6 +590,28 @@ def test_a_resumed_build_in_another_dtype_refuses_to_mix_them(tmp_path, monkeypa
     assert "x 4 bytes, float32)" in size_line
 
 
+def test_the_same_data_path_spelled_otherwise_is_the_same_build(tmp_path, monkeypatch, capsys):
+    """Relative, ./ or absolute: the same file (the tokenization key names it) was refused as another build, and an
+    unfinished build was started over, its finished shards deleted."""
+    settings = dict(layer_ids=LAYER_IDS, max_shard_bytes=shard_bytes(3))
+    absolute = make_datamodule(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    relative, dotted = (make_datamodule(tmp_path, data_path=path) for path in ("conversations.jsonl",
+                                                                                 "./conversations.jsonl"))
+    assert relative.tokenization_key() == absolute.tokenization_key()
+    out = build_feature_store(absolute, tmp_path / "store", **settings)
+    for dm in (relative, dotted):
+        build_feature_store(dm, out, **settings)
+        assert "already holds these features" in capsys.readouterr().out
+
+    resumed = tmp_path / "resumed"
+    interrupted_build(monkeypatch, relative, resumed, **settings)
+    first_shard = os.stat(partial_path(resumed) / "shard-00000.safetensors").st_ino
+    build_feature_store(absolute, resumed, **settings)
+    assert "starting over" not in capsys.readouterr().out
+    assert os.stat(resumed / "shard-00000.safetensors").st_ino == first_shard  # kept, not computed again
+
+
 def test_a_complete_store_is_replaced_only_with_force_and_only_once_the_new_one_is_complete(tmp_path, monkeypatch, capsys):
     dm = make_datamodule(tmp_path)
     out = build_feature_store(dm, tmp_path / "store", layer_ids=LAYER_IDS)

@@ -370,6 +370,23 @@ def check_fixed_rope(target: PreTrainedModel) -> None:
                               "linear, yarn or llama3)")
 
 
+ALIBI_MODEL_TYPES = ("bloom", "mpt")  # ALiBi always; Falcon says so in config.alibi
+
+
+def check_no_alibi(target: PreTrainedModel) -> None:
+    """ALiBi biases a key by its slot in the cache, not by its position id: in a verify a node's ancestors sit at
+    their rows' slots, not their depths, so every row off the first branch was scored with other biases than greedy
+    decoding's (an MPT target committed another token at a 2e-4 margin), and Falcon's and Bloom's caches could not be
+    read at all (a traceback). Refused, not misread."""
+    config = target.config.get_text_config()
+    if config.model_type in ALIBI_MODEL_TYPES or getattr(config, "alibi", False) or \
+            getattr(config, "position_embedding_type", None) == "alibi":
+        raise DDTreeError(f"target {getattr(target, 'name_or_path_for_ddtree', config.model_type)!r} "
+                          f"({config.model_type}) uses ALiBi position biases, which follow a key's cache slot, not its "
+                          "position: a verify would change the tokens greedy decoding commits; use a target with "
+                          "rotary or learned positions")
+
+
 MASKED_ATTENTION = ("sdpa", "eager")  # transformers' attention kernels that apply a verify's 4-D additive mask as given
 
 
@@ -615,6 +632,7 @@ def generate(
     check_sizer(method, sizer is not None, static)
     check_full_attention(target)
     check_fixed_rope(target)
+    check_no_alibi(target)
     check_tree_attention(target, method)
     prompt = prompt_token_ids(prompt_ids)
     rows = target.get_input_embeddings().weight.shape[0]

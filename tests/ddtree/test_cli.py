@@ -288,6 +288,22 @@ def test_a_longrope_target_is_refused_before_decoding(method):
         generate(target.eval(), [1, 2, 3], method, drafter if method != "ar" else None, 8, 30)
 
 
+@pytest.mark.parametrize("method", ["ar", "ddtree"])
+def test_an_alibi_target_is_refused_before_decoding(method):
+    """Found by a fuzzer (2026-12-02): ALiBi biases follow a key's cache slot, not its position, so an MPT target's
+    verify rows off the first branch were scored otherwise and ddtree committed another token than greedy decoding."""
+    from transformers import AutoModelForCausalLM, MptConfig
+
+    from ddtree.decoding import generate
+    from tests.rigged import RiggedDrafter
+
+    config = MptConfig(d_model=32, n_layers=1, n_heads=2, max_seq_len=64, vocab_size=40)
+    target = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    drafter = RiggedDrafter(list(range(3, 40)), 40, block_size=8)
+    with pytest.raises(DDTreeError, match=r"'mpt'.*\(mpt\) uses ALiBi position biases"):
+        generate(target, [1, 2, 3], method, drafter if method != "ar" else None, 8, 10)
+
+
 @pytest.mark.parametrize("implementation, refused", [("flash_attention_2", True), ("flex_attention", True),
                                                      ("eager", False), ("sdpa", False)])
 def test_a_target_whose_attention_kernel_ignores_the_tree_mask_is_refused_for_drafts(implementation, refused):

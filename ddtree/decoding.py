@@ -611,8 +611,16 @@ def generate(
         raise DDTreeError(f"method {method!r} needs a drafter")
     if drafter is not None:
         check_drafter_runner(drafter, target)
-    if method == "ddtree" and budget < 1:
-        raise DDTreeError(f"budget {budget} must be at least 1")
+    if method == "ddtree":
+        try:  # a float was a TypeError deep in draft_tree's slicing
+            count = None if isinstance(budget, bool) else operator.index(budget)
+        except (TypeError, ValueError, RuntimeError):
+            count = None
+        if count is None:
+            raise DDTreeError(f"budget {budget!r} must be a whole number of nodes (an int), at least 1")
+        if count < 1:
+            raise DDTreeError(f"budget {budget} must be at least 1")
+        budget = count
     max_new_tokens = check_max_new_tokens(max_new_tokens)
     stop = stop_id_set(stop_ids)
     check_corpus(method, corpus)

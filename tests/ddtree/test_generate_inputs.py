@@ -278,6 +278,18 @@ def test_max_new_tokens_that_is_not_a_count_is_one_line(tiny_target, count):
     assert generate(target, PROMPT, "ar", max_new_tokens=0).new_tokens == []  # none asked, none given
 
 
+@pytest.mark.parametrize("budget, problem", [(8.0, "budget 8.0 must be a whole number of nodes"),
+                                             ("8", "budget '8' must be a whole number of nodes"),
+                                             (True, "budget True must be a whole number of nodes"),
+                                             (0, "budget 0 must be at least 1")])
+def test_a_budget_that_is_not_a_node_count_is_one_line(tiny_target, budget, problem):
+    """Found by a fuzzer (2026-12-02): a float budget was a TypeError deep in the tree's slicing."""
+    target, _ = tiny_target
+    with pytest.raises(DDTreeError, match=f"^{re.escape(problem)}"):
+        generate(target, PROMPT, "ddtree", RiggedDrafter(list(range(3, 40)), target.config.vocab_size, block_size=4),
+                 budget=budget, max_new_tokens=NEW)
+
+
 class GeneratorOnCuda(torch.Generator):
     """A CPU generator that says it is on CUDA: a CUDA target's caller who built theirs on the CPU, turned around, as
     this machine can build no CUDA generator."""

@@ -475,12 +475,17 @@ def stop_id_set(stop_ids) -> set[int]:
     return ids
 
 
+def whole_number(value) -> int | None:
+    """value as an int (a numpy int or a 0-d integer tensor too), or None for anything else: a float, text, a bool."""
+    try:
+        return None if isinstance(value, bool) else operator.index(value)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+
+
 def check_max_new_tokens(max_new_tokens) -> int:
     """max_new_tokens as an int >= 0 (a numpy int or a 0-d tensor too); anything else is one line."""
-    try:
-        count = None if isinstance(max_new_tokens, bool) else operator.index(max_new_tokens)
-    except (TypeError, ValueError, RuntimeError):
-        count = None
+    count = whole_number(max_new_tokens)
     if count is None or count < 0:  # a negative count silently generated nothing, None was a TypeError in a comparison
         raise DDTreeError(f"max_new_tokens {max_new_tokens!r} must be a whole number >= 0: the most new tokens to generate")
     return count
@@ -612,10 +617,7 @@ def generate(
     if drafter is not None:
         check_drafter_runner(drafter, target)
     if method == "ddtree":
-        try:  # a float was a TypeError deep in draft_tree's slicing
-            count = None if isinstance(budget, bool) else operator.index(budget)
-        except (TypeError, ValueError, RuntimeError):
-            count = None
+        count = whole_number(budget)  # a float was a TypeError deep in draft_tree's slicing
         if count is None:
             raise DDTreeError(f"budget {budget!r} must be a whole number of nodes (an int), at least 1")
         if count < 1:

@@ -300,11 +300,12 @@ class FeatureStore:
         # DataLoader workers get their own memory maps: open file handles do not pickle.
         return {**self.__dict__, "_open_shards": {}}
 
-    def check_matches(self, tokenization_key: str, lengths: list[int]) -> None:
-        """Raise unless the store was built from exactly this tokenized data (same key, same sequence lengths)."""
-        if self.tokenization_key != tokenization_key:
+    def check_matches(self, tokenization_keys: tuple[str, ...], lengths: list[int]) -> None:
+        """Raise unless the store was built from exactly this tokenized data (one of its keys, the current first, same
+        sequence lengths)."""
+        if self.tokenization_key not in tokenization_keys:
             raise DDTreeError(f"feature store {self.path} was built from other data or another tokenizer/max_length "
-                              f"(tokenization key {self.tokenization_key}, this data's is {tokenization_key}): "
+                              f"(tokenization key {self.tokenization_key}, this data's is {tokenization_keys[0]}): "
                               f"rebuild it with `{REBUILD}` and --force (FORCE=1)")
         if self.sequence_ids is not None:  # in store order: the same data's lengths, permuted
             lengths = [lengths[i] for i in self.sequence_ids] if len(self.sequence_ids) == len(lengths) else lengths
@@ -596,9 +597,11 @@ def default_store_path(recipe: str, datamodule: DistillDataModule, final_hidden:
                        teacher_top_k: int = 0) -> Path:
     """<ddtree cache>/features/<recipe>-<tokenization key>[-final][-top<k>]: another data, tokenizer or max_length is
     another folder, and so is a store with final hidden states or a top-k teacher (a run without distillation keeps
-    the smaller one)."""
+    the smaller one). A finished store named by the data's key before 2026-12-03 (DistillDataModule.tokenization_keys)
+    is taken where there is one."""
     suffix = ("-final" if final_hidden else "") + (f"-top{teacher_top_k}" if teacher_top_k else "")
-    return cache_dir() / "features" / f"{recipe}-{datamodule.tokenization_key()}{suffix}"
+    current, *earlier = (cache_dir() / "features" / f"{recipe}-{key}{suffix}" for key in datamodule.tokenization_keys())
+    return next((path for path in earlier if is_complete(path)), current)  # a store named as before 2026-12-03 serves
 
 
 def resolve_store_path(feature_store: str | None, recipe: str, datamodule: DistillDataModule,

@@ -419,15 +419,21 @@ class DistillModule(L.LightningModule):
             raise DDTreeError(f"model.distill_weight={hp.distill_weight} needs the target's final hidden states, which "
                               f"feature store {store.path} does not hold: rebuild it with `make features RECIPE=<recipe>` "
                               "(a recipe that distils builds them) and --force (FORCE=1), or train online (no data.feature_store)")
-        if (store.target, store.target_adapter) != (hp.target, hp.target_adapter):
+        weights = target_fingerprint(hp.target)
+        adapter = adapter_fingerprint(hp.target_adapter)
+        # A target or adapter folder copied elsewhere (a node's local disk) is the same one where its files are
+        same_target = store.target == hp.target or (weights is not None and store.target_weights == weights)
+        same_adapter = (store.target_adapter == hp.target_adapter
+                        or (adapter is not None and store.target_adapter_sha256 == adapter))
+        if not (same_target and same_adapter):
             raise DDTreeError(f"feature store {store.path} holds features of target {store.target} (adapter "
                               f"{store.target_adapter}), this run's is {hp.target} (adapter {hp.target_adapter}): "
                               "rebuild it with `make features RECIPE=<recipe>` and --force (FORCE=1)")
-        if hp.target_adapter and store.target_adapter_sha256 != adapter_fingerprint(hp.target_adapter):
+        if hp.target_adapter and store.target_adapter_sha256 != adapter:
             raise DDTreeError(f"feature store {store.path} was built with adapter {hp.target_adapter} as its files were "
                               "then, and they have changed since (retrained?) or were not recorded (an older store): "
                               "rebuild it with `make features RECIPE=<recipe>` and --force (FORCE=1)")
-        if store.target_weights is not None and store.target_weights != target_fingerprint(hp.target):
+        if store.target_weights is not None and store.target_weights != weights:
             raise DDTreeError(f"feature store {store.path} was built from target {hp.target}'s weights as they were then, "
                               "and its weight files have changed since (fine-tuned and saved over?): rebuild it with "
                               "`make features RECIPE=<recipe>` and --force (FORCE=1)")

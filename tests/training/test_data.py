@@ -6,6 +6,7 @@
 import json
 import os
 import stat
+from pathlib import Path
 from types import SimpleNamespace
 
 import lightning as L
@@ -148,9 +149,44 @@ def test_tokenized_cache_follows_the_umask_and_leaves_no_temp_file(tmp_path, uma
         dm.prepare_data()
     finally:
         os.umask(previous)
-    cached = list((tmp_path / "cache").iterdir())
-    assert [path.name for path in cached] == [f"{dm.tokenization_key()}.pt"]
-    assert stat.S_IMODE(cached[0].stat().st_mode) == mode
+    cached = sorted((tmp_path / "cache").iterdir())
+    assert [path.name for path in cached] == [f"{dm.tokenization_key()}.pt", "digests.json"]
+    assert all(stat.S_IMODE(path.stat().st_mode) == mode for path in cached)
+
+
+def test_the_tokenized_cache_is_named_by_the_data_content_not_its_place(tmp_path):
+    """A copy on a node's disk, a moved folder or a fresh clone (new path, new mtime) was another cache entry, and a
+    feature store built from the data refused it; an edit is another entry still. A file's digest is remembered by
+    path, size and mtime: an unchanged file is not read again."""
+    import shutil
+
+    key = make_datamodule(tmp_path).tokenization_key()
+    (tmp_path / "node").mkdir()
+    copy = shutil.copy(tmp_path / "conv.jsonl", tmp_path / "node" / "conv.jsonl")
+    os.utime(copy, ns=(1, 1))
+    assert make_datamodule(tmp_path, data_path=copy).tokenization_key() == key
+
+    folder = tmp_path / "saved"
+    folder.mkdir()
+    shutil.copy(copy, folder / "part.jsonl")
+    in_folder = make_datamodule(tmp_path, data_path=str(folder)).tokenization_key()
+    folder.rename(tmp_path / "moved")
+    assert make_datamodule(tmp_path, data_path=str(tmp_path / "moved")).tokenization_key() == in_folder != key
+
+    memo_path = tmp_path / "cache" / "digests.json"
+    memo = json.loads(memo_path.read_text())
+    memo[str(Path(copy).resolve())][2] = "0" * 64  # what a read would not give: the memo, not the file, answered
+    memo_path.write_text(json.dumps(memo))
+    assert make_datamodule(tmp_path, data_path=copy).tokenization_key() != key
+    os.utime(copy, ns=(2, 2))  # its mtime changed: read again
+    assert make_datamodule(tmp_path, data_path=copy).tokenization_key() == key
+    memo_path.write_text("{cut short")  # a damaged memo only costs a read
+    assert make_datamodule(tmp_path, data_path=copy).tokenization_key() == key
+
+    with open(copy, "a") as handle:  # edited: another tokenization
+        handle.write(json.dumps({"messages": [{"role": "user", "content": "one more?"},
+                                              {"role": "assistant", "content": "yes, one more reply here."}]}) + "\n")
+    assert make_datamodule(tmp_path, data_path=copy).tokenization_key() != key
 
 
 def test_sampler_shuffles_per_epoch_and_splits_ranks():

@@ -850,7 +850,7 @@ def test_a_run_without_distillation_takes_a_built_store_that_holds_more(tmp_path
     from training.feature_store import MANIFEST, resolve_store_path
 
     monkeypatch.setattr(training.feature_store, "cache_dir", lambda: tmp_path)
-    datamodule = type("Data", (), {"tokenization_key": lambda self: "key"})()
+    datamodule = type("Data", (), {"tokenization_keys": lambda self: ("key", "old-key")})()
     folder = tmp_path / "features"
 
     def built(name):
@@ -881,3 +881,57 @@ def test_a_target_whose_layers_are_not_decoder_layers_is_one_line():
                                                                                    n_head=2)).eval()
     with pytest.raises(DDTreeError, match=r"\(gpt2\) keeps its decoder layers elsewhere than decoder.layers"):
         target_layer_features(target, torch.tensor([[1, 2, 3]]), [0, 1])
+
+
+def test_a_store_serves_its_data_and_target_copied_to_another_place(tmp_path):
+    """Data and target copied to a node's local disk (new paths, new mtimes) are the same data and target: the
+    store built from the originals serves them; it was refused as built from other data. Edited data and other
+    weights are still refused."""
+    from safetensors.torch import load_file, save_file
+
+    from ddtree.targets import tiny_target_folder
+
+    target = tmp_path / "target"
+    shutil.copytree(tiny_target_folder(), target)
+    store = build_feature_store(make_datamodule(tmp_path, target=str(target)), tmp_path / "store", layer_ids=LAYER_IDS,
+                                dtype=torch.float32)
+    node = tmp_path / "node"
+    node.mkdir()
+    data = Path(shutil.copy(tmp_path / "conversations.jsonl", node / "conversations.jsonl"))
+    os.utime(data, ns=(1, 1))
+    shutil.copytree(target, node / "target")
+    moved = make_datamodule(tmp_path, data_path=str(data), target=str(node / "target"), feature_store=str(store))
+    moved.setup("fit")
+    assert moved.store is not None and moved.store.path == store
+    module = tiny_module(target=str(node / "target"), mask_token_id=16)
+    module.check_feature_store(FeatureStore(store))
+
+    weights = load_file(str(node / "target" / "model.safetensors"))  # another target at the copy's place
+    save_file({name: value + 0.01 for name, value in weights.items()}, str(node / "target" / "model.safetensors"),
+              metadata={"format": "pt"})
+    with pytest.raises(DDTreeError) as error:
+        module.check_feature_store(FeatureStore(store))
+    assert "holds features of target" in one_line(error.value)
+    write_conversations(data, seed=5)  # other data at the copy's place
+    with pytest.raises(DDTreeError) as error:
+        make_datamodule(tmp_path, data_path=str(data), target=str(node / "target"), feature_store=str(store)).setup("fit")
+    assert "built from other data" in one_line(error.value)
+
+
+def test_a_store_keyed_as_before_content_keys_still_serves(tmp_path, monkeypatch):
+    """A store built when the key named the data by path and mtimes (before 2026-12-03), under that key's folder,
+    is found by `auto` and accepted where the data has not moved: it took hours to build on a large target."""
+    from training.feature_store import resolve_store_path
+
+    monkeypatch.setattr(training.feature_store, "cache_dir", lambda: tmp_path)
+    datamodule = make_datamodule(tmp_path)
+    current, legacy = datamodule.tokenization_keys()
+    assert current != legacy
+    assert resolve_store_path("auto", "tiny", datamodule).name == f"tiny-{current}"  # none built: the current name
+    old = tmp_path / "features" / f"tiny-{legacy}"
+    build_feature_store(datamodule, old, layer_ids=LAYER_IDS, dtype=torch.float32)
+    manifest = json.loads((old / "store.json").read_text())
+    manifest["tokenization_key"] = legacy  # what a build then recorded
+    (old / "store.json").write_text(json.dumps(manifest))
+    assert resolve_store_path("auto", "tiny", datamodule) == old
+    make_datamodule(tmp_path, feature_store=str(old)).setup("fit")  # accepted

@@ -36,7 +36,7 @@ from .decoding import (
     check_sizer, context_limit, generate, prompt_token_ids, static_cache,
 )
 from .corpus import CorpusLookup
-from .errors import DDTreeError
+from .errors import DDTreeError, check_text
 from .files import iter_json_lines
 from .inputs import check_prompts_file
 from .sizing import TreeSizer
@@ -63,6 +63,10 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[tuple[str, 
         ):
             raise DDTreeError(f'{where}: "messages" must be a non-empty list of {{"role", "content"}} objects '
                               "whose role and content are strings")
+        texts = {"prompt": record["prompt"]} if "prompt" in record else {
+            f"messages[{i}].{key}": message[key] for i, message in enumerate(messages) for key in ("role", "content")}
+        for field, text in texts.items():  # else the tokenizer's TypeError, once the target had loaded
+            check_text(text, f'{where}: "{field}"')
         prompts.append((str(record.get("id", number)), where, record))
         if limit is not None and len(prompts) >= limit:
             break

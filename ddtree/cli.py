@@ -36,7 +36,7 @@ from .decoding import (
     METHODS, DrafterRunner, OnlineCalibration, Sampling, check_budget, check_sizer, context_limit, drafter_defaults, generate,
     static_cache,
 )
-from .errors import DDTreeError, command
+from .errors import DDTreeError, check_text, command
 from .files import check_output_file, write_json_atomic
 from .inputs import method_list, uses_drafter
 from .modeling_dflash import DFlashDraftModel
@@ -165,6 +165,7 @@ class TextStream:
 
 
 def cmd_generate(args) -> None:
+    check_text(args.prompt, "--prompt")  # said before the target loads, not by the tokenizer after
     check_calibration_flag(args, [args.method])
     sampling, target, tokenizer = _setup(args, trees=args.method == "ddtree")
     sizer = _sizer(args, target, [args.budget], args.method)

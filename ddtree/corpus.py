@@ -26,7 +26,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 
-from .errors import DDTreeError, error_line
+from .errors import DDTreeError, check_text, error_line
 from .files import atomic_file, iter_json_lines
 from .names import CORPUS_FILE  # noqa: F401 (importers read it from here)
 
@@ -69,14 +69,44 @@ def read_replies(path: str | Path) -> list[list[int]]:
 
 def check_corpus_file(path: str | Path) -> Path:
     """--corpus as a Path, or one line saying why it cannot be read (checked before a target loads): a JSONL file of
-    conversations, or a corpus.safetensors as a drafter folder ships it (read here whole: a few MB)."""
+    conversations, or a corpus.safetensors as a drafter folder ships it (either read here whole: a few MB)."""
+    path = corpus_path(path)
+    if path.suffix == ".safetensors":
+        read_replies(path)
+    else:
+        read_conversations(path)
+    return path
+
+
+def corpus_path(path: str | Path) -> Path:
+    """--corpus as a Path, or one line saying there is no such file."""
     path = Path(path)
     if not path.is_file():
         raise DDTreeError(f"--corpus {path}: no such file; give a JSONL file of conversations or a corpus.safetensors "
                           "(docs/decoding.md, Corpus lookup)")
-    if path.suffix == ".safetensors":
-        read_replies(path)
     return path
+
+
+def read_conversations(path: str | Path) -> list[str]:
+    """The assistant turns of a JSONL file of conversations, one {"messages": [...]} object a line, as text; bad JSON,
+    UTF-8 or Unicode is one line naming the line."""
+    path = corpus_path(path)
+    replies = []
+    for _, where, record in iter_json_lines(path):
+        try:
+            turns = [turn["content"] for turn in record["messages"] if turn["role"] == "assistant"]
+        except (KeyError, TypeError):
+            raise DDTreeError(f"--corpus {where}: not a conversation; each line must be "
+                              '{"messages": [{"role": ..., "content": ...}, ...]}') from None
+        if not all(isinstance(turn, str) for turn in turns):
+            raise DDTreeError(f"--corpus {where}: an assistant turn's content is not a string (a tool call, or a "
+                              "list of parts): give the replies as text")
+        for turn in turns:
+            check_text(turn, f"--corpus {where}: an assistant turn")
+        replies += turns
+    if not replies:
+        raise DDTreeError(f"--corpus {path}: no assistant turn in it, so there is nothing to look up")
+    return replies
 
 
 def majority_path(continuations: list[list[int]]) -> list[int]:
@@ -183,18 +213,5 @@ class CorpusLookup:
         `datasets.load_from_disk("data/smollm2-135m").to_json("replies.jsonl")` writes one from a folder that
         data/regenerate.py made (this library does not read `datasets` folders itself).
         """
-        path = check_corpus_file(path)
-        replies = []
-        for _, where, record in iter_json_lines(path):  # bad JSON or UTF-8: one line naming the line
-            try:
-                turns = [turn["content"] for turn in record["messages"] if turn["role"] == "assistant"]
-            except (KeyError, TypeError):
-                raise DDTreeError(f"--corpus {where}: not a conversation; each line must be "
-                                  '{"messages": [{"role": ..., "content": ...}, ...]}') from None
-            if not all(isinstance(turn, str) for turn in turns):
-                raise DDTreeError(f"--corpus {where}: an assistant turn's content is not a string (a tool call, or a "
-                                  "list of parts): give the replies as text")
-            replies += turns
-        if not replies:
-            raise DDTreeError(f"--corpus {path}: no assistant turn in it, so there is nothing to look up")
-        return cls((tokenizer(reply, add_special_tokens=False)["input_ids"] for reply in replies), **settings)
+        return cls((tokenizer(reply, add_special_tokens=False)["input_ids"] for reply in read_conversations(path)),
+                   **settings)

@@ -60,6 +60,19 @@ def run_cli(main: Callable[[list[str] | None], int | None], argv: list[str] | No
         return INTERRUPTED
 
 
+def check_text(text: str, where: str) -> str:
+    """`text` as given, or one line naming `where` if it is not valid Unicode: a lone surrogate, which is what Python
+    makes of a command-line argument's bytes that are not UTF-8 and what a JSON "\\ud800" escape (text cut in the middle
+    of a UTF-16 pair) reads as. A tokenizer refuses one with a TypeError that names neither the text nor its place."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise DDTreeError(f"{where}: not valid UTF-8 text (a lone surrogate, U+{ord(text[error.start]):04X}, at "
+                          f"character {error.start + 1}: bytes in another encoding, or text cut mid-character); "
+                          "give it as UTF-8") from None
+    return text
+
+
 def command(main: Callable[[list[str] | None], int | None]) -> Callable[[list[str] | None], int]:
     """Decorate a command's main(argv) so that calling it applies `run_cli` and returns the exit status."""
 

@@ -236,6 +236,36 @@ def test_an_empty_raw_prompt_is_one_line(capsys):
     assert "the prompt is empty" in line
 
 
+@pytest.mark.parametrize("command, flags, file, message", [
+    # Python reads a command-line argument's bytes that are not UTF-8 (b"caf\xe9", latin-1) as lone surrogates
+    ("generate", ["--prompt", "caf\udce9"], None, "error: --prompt: not valid UTF-8 text (a lone surrogate, U+DCE9, "
+     "at character 4: bytes in another encoding, or text cut mid-character); give it as UTF-8"),
+    ("generate", ["--raw", "--prompt", "\udce9"], None, "error: --prompt: not valid UTF-8 text (a lone surrogate, "
+     "U+DCE9, at character 1"),
+    # and a JSON "\ud800" escape as one (text cut between the two halves of an emoji's UTF-16 pair)
+    ("bench", ["--prompts", "{file}"], '{"prompt": "ok"}\n{"prompt": "a\\ud800b"}\n',
+     'error: {file}:2: "prompt": not valid UTF-8 text (a lone surrogate, U+D800, at character 2'),
+    ("bench", ["--prompts", "{file}"], '{"messages": [{"role": "user", "content": "\\ud83d"}]}\n',
+     'error: {file}:1: "messages[0].content": not valid UTF-8 text (a lone surrogate, U+D83D, at character 1'),
+    ("bench", ["--prompts", "{prompts}", "--methods", "ddtree", "--corpus", "{file}"],
+     '{"messages": [{"role": "assistant", "content": "a\\udc80b"}]}\n',
+     "error: --corpus {file}:1: an assistant turn: not valid UTF-8 text (a lone surrogate, U+DC80, at character 2"),
+])
+def test_text_that_is_not_valid_unicode_is_one_line_before_the_target_loads(capsys, tmp_path, prompts_file, monkeypatch,
+                                                                           command, flags, file, message):
+    """Found in a review: the tokenizer raised a TypeError traceback (status 1) naming neither the flag nor the line,
+    for the prompts file and the corpus once the target had loaded."""
+    import ddtree.cli
+
+    monkeypatch.setattr(ddtree.cli, "load_target", lambda *args, **kwargs: pytest.fail("loaded the target first"))
+    path = tmp_path / "text.jsonl"
+    if file is not None:
+        path.write_text(file)
+    fill = lambda text: text.format(file=path, prompts=prompts_file)  # noqa: E731
+    line = _bad(capsys, command, "--target", TARGET, "--drafter", "random", *map(fill, flags))
+    assert line.startswith(fill(message)), line
+
+
 def test_generate_with_a_target_without_a_chat_template_is_one_line(capsys, tmp_path, tiny_target, monkeypatch):
     """A base model's folder: apply_chat_template raised a ValueError traceback (status 1); --raw decodes."""
     model, tokenizer = tiny_target

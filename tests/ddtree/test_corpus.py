@@ -75,6 +75,9 @@ def test_conversations_give_their_assistant_turns(tmp_path, tiny_target):
                                                        ensure_ascii=False).encode("latin-1") + b"\n")
     with pytest.raises(DDTreeError, match="latin1.jsonl:1: not UTF-8"):
         CorpusLookup.from_conversations(tmp_path / "latin1.jsonl", tokenizer)
+    (tmp_path / "cut.jsonl").write_text('{"messages": [{"role": "assistant", "content": "a\\udc80b"}]}\n')
+    with pytest.raises(DDTreeError, match="cut.jsonl:1: an assistant turn: not valid UTF-8 text"):  # a TypeError once
+        CorpusLookup.from_conversations(tmp_path / "cut.jsonl", tokenizer)
     (tmp_path / "questions.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": question}]}))
     with pytest.raises(DDTreeError, match="no assistant turn"):
         CorpusLookup.from_conversations(tmp_path / "questions.jsonl", tokenizer)

@@ -8,7 +8,8 @@
 
 A `DDTreeError` is bad input a user can fix (a value, a file, a setting): the command prints its
 message as one line, `error: ...`, and exits with status 2, like argparse does for a bad flag.
-An interrupted command (Ctrl-C) exits with 130, the shell's code for SIGINT.
+An interrupted command (Ctrl-C) exits with 130, the shell's code for SIGINT, and one whose output's reader went away
+(`ddtree generate ... | head`) exits quietly with 141, the shell's code for SIGPIPE.
 Anything else is a bug and keeps its traceback (status 1).
 """
 
@@ -16,11 +17,13 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import sys
 from typing import Callable
 
 USAGE_ERROR = 2  # bad input: what argparse uses for a bad flag
 INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
+STDOUT_CLOSED = 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader closed the pipe (`... | head`)
 PACKAGES = ("ddtree", "training", "data")  # this project's, whose modules are commands run with python -m
 
 
@@ -51,13 +54,20 @@ def error_line(error: BaseException) -> str:
 def run_cli(main: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> int:
     """Run a command's main(argv) under the exit-code rule above and return the status for sys.exit."""
     try:
-        return int(main(argv) or 0)
+        status = int(main(argv) or 0)
+        sys.stdout.flush()  # what is still buffered: a closed pipe raises here, not at exit
+        return status
     except DDTreeError as error:
         print(f"error: {error_line(error)}", file=sys.stderr)
         return USAGE_ERROR
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return INTERRUPTED
+    except BrokenPipeError:  # stdout's reader is gone: nothing more can be shown, and no traceback is wanted
+        # Python's own exit flushes stdout again and would print the same error; writes to /dev/null cannot fail.
+        # (Python ignores SIGPIPE, so the write raised instead of the signal ending the process.)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return STDOUT_CLOSED
 
 
 def check_text(text: str, where: str) -> str:

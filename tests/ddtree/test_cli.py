@@ -418,6 +418,33 @@ def test_the_console_script_answers_help_a_bad_flag_and_a_wrong_path_before_torc
         assert said in proc.stdout + proc.stderr, proc.stdout + proc.stderr
 
 
+def run_with_stdout_closed(argv: list[str]) -> subprocess.CompletedProcess:
+    """Run `argv` with its stdout a pipe whose reader has gone away (`... | head -c 5` once head has its bytes)."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).parents[2])
+    proc.stdout.close()
+    _, stderr = proc.communicate(timeout=300)
+    return subprocess.CompletedProcess(argv, proc.returncode, None, stderr)
+
+
+@pytest.mark.parametrize("flush", [True, False])
+def test_a_command_whose_stdout_is_closed_exits_141_without_a_traceback(flush):
+    """Written while it runs (a flush each time, as generate streams) or left in the buffer until the end (as bench's
+    table): `... | head` ended in a BrokenPipeError traceback with status 1 (found in a review)."""
+    probe = ("import sys\nfrom ddtree.errors import run_cli\n"
+             f"def main(argv):\n    for _ in range(100):\n        print('x' * 1000, flush={flush})\n"
+             "sys.exit(run_cli(main))\n")
+    proc = run_with_stdout_closed([sys.executable, "-c", probe])
+    assert (proc.returncode, proc.stderr) == (141, "")
+
+
+def test_generate_piped_into_a_reader_that_stops_early_exits_141_without_a_traceback(tmp_path):
+    proc = run_with_stdout_closed([sys.executable, "-m", "ddtree", "generate", "--target", TARGET, "--method", "ar",
+                                   "--packed-weights", "off", "--raw", "--prompt", "The quick brown fox",
+                                   "--max-new-tokens", "40"])
+    assert proc.returncode == 141 and "Traceback" not in proc.stderr and "Error" not in proc.stderr, proc.stderr
+
+
 def test_main_without_arguments_reads_the_command_line(capsys, monkeypatch, tmp_path):
     """The console script `ddtree` calls main() with no argument."""
     missing = tmp_path / "missing.jsonl"

@@ -428,7 +428,7 @@ def cmd_calibrate(args) -> None:
         raise DDTreeError(f"ddtree calibrate: no round was verified (--max-new-tokens {args.max_new_tokens} over "
                           f"{len(prompts)} prompts), so nothing was learned and {out} is left as it was; give more "
                           "--max-new-tokens or prompts")
-    if out.exists() and not existed:  # another calibrate run on this folder, started beside this one, finished first
+    if out.exists() and not existed and not args.overwrite:  # another calibrate run on this folder finished first
         raise DDTreeError(f"ddtree calibrate: {out} was written by another run while this one decoded, so it is left as "
                           f"it is (learned here: draft temperature {settled.describe()}); rerun with --overwrite to "
                           "replace it")

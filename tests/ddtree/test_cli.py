@@ -988,10 +988,13 @@ def test_calibrate_learns_with_the_settings_a_default_generate_decodes_with(caps
     assert code == 0 and "learned decoding with other settings" not in err
 
 
-def test_calibrate_leaves_a_file_another_run_wrote_while_it_decoded(capsys, tmp_path, tiny_target, prompts_file,
-                                                                     monkeypatch):
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_calibrate_leaves_a_file_another_run_wrote_while_it_decoded_unless_told_to_overwrite(
+        capsys, tmp_path, tiny_target, prompts_file, monkeypatch, overwrite):
     """Two calibrate runs started together on one folder both passed the check at the start, and the second to finish
-    replaced the first's file (found in a review): without --overwrite, nothing is replaced."""
+    replaced the first's file (found in a review): without --overwrite, nothing is replaced. With it, the file is
+    replaced, as docs/decoding.md says and bench --out does; it was refused, asking for the --overwrite already given,
+    and what the run learned was lost (found in a later review)."""
     import ddtree.cli
     from ddtree.calibration import CALIBRATION_FILE
 
@@ -1005,10 +1008,16 @@ def test_calibrate_leaves_a_file_another_run_wrote_while_it_decoded(capsys, tmp_
 
     monkeypatch.setattr(ddtree.cli, "run_benchmark", the_other_run_finishes_first)
     code, _, err = run_cli(capsys, "calibrate", "--target", TARGET, "--drafter", str(folder), "--prompts",
-                           str(prompts_file), "--dtype", "float32", "--max-new-tokens", "8", "--budgets", "8")
-    assert code == 2 and (f"error: ddtree calibrate: {folder / CALIBRATION_FILE} was written by another run while this "
-                          "one decoded, so it is left as it is (learned here: draft temperature ") in err
-    assert (folder / CALIBRATION_FILE).read_text() == theirs
+                           str(prompts_file), "--dtype", "float32", "--max-new-tokens", "8", "--budgets", "8",
+                           *(["--overwrite"] if overwrite else []))
+    if not overwrite:
+        assert code == 2 and (f"error: ddtree calibrate: {folder / CALIBRATION_FILE} was written by another run while "
+                              "this one decoded, so it is left as it is (learned here: draft temperature ") in err
+        assert (folder / CALIBRATION_FILE).read_text() == theirs
+        return
+    assert code == 0, err
+    written = json.loads((folder / CALIBRATION_FILE).read_text())
+    assert written["prompts"] == str(prompts_file) and written["temperatures"]["8"] != 1.5  # this run's, learned here
 
 
 @pytest.mark.parametrize("content", [

@@ -167,6 +167,7 @@ class TextStream:
 def cmd_generate(args) -> None:
     check_text(args.prompt, "--prompt")  # said before the target loads, not by the tokenizer after
     check_calibration_flag(args, [args.method])
+    check_flags_for_methods(args, [args.method])
     sampling, target, tokenizer = _setup(args, trees=args.method == "ddtree")
     sizer = _sizer(args, target, [args.budget], args.method)
     drafter = None
@@ -261,6 +262,29 @@ def check_calibration_flag(args, methods: list[str]) -> None:
         raise DDTreeError(f"--calibration {args.calibration} shapes the drafter's trees; method 'ar' drafts none: drop it")
 
 
+def check_flags_for_methods(args, methods: list[str]) -> None:
+    """Options that none of the methods uses, refused before the target loads: else generate took them without a word
+    (or refused some once the target had loaded and the corpus was indexed), and bench recorded them in results.json
+    as if they had been used."""
+    if args.command == "bench":
+        chosen, add = f"--methods {args.methods}", "add {} to --methods"
+    else:
+        chosen, add = f"--method {args.method}", "give --method {}"
+    if "ddtree" not in methods:
+        shaping = [flag for flag, given in (("--lookup", args.lookup is not None),
+                                            ("--corpus", args.corpus not in (None, "none")),
+                                            ("--adaptive-size on", args.adaptive_size == "on")) if given]
+        if shaping:
+            raise DDTreeError(f"{', '.join(shaping)} shape the ddtree method's trees, and {chosen} runs no ddtree: "
+                              f"{add.format('ddtree')}, or drop them")
+    if all(method == "ar" for method in methods):
+        drafting = [flag for flag, given in (("--redraft", args.redraft), ("--online-calibration",
+                                                                           args.online_calibration)) if given]
+        if drafting:
+            raise DDTreeError(f"{', '.join(drafting)} act on the drafter's drafts, and {chosen} drafts none: "
+                              f"{add.format('dflash or ddtree')}, or drop them")
+
+
 def check_calibration_file(given: str) -> Path:
     if not Path(given).is_file():
         raise DDTreeError(f"--calibration {given}: no such file; give a file `ddtree calibrate` wrote, or none")
@@ -336,19 +360,7 @@ def cmd_bench(args) -> None:
     check_named_once("--budgets", args.budgets)
     method_keys(methods, args.budgets)  # an unknown method or a budget below 1: said before the target loads
     check_calibration_flag(args, methods)
-    if "ddtree" not in methods:  # else taken without a word, and results.json said ddtree had used them
-        shaping = [flag for flag, given in (("--lookup", args.lookup is not None),
-                                            ("--corpus", args.corpus not in (None, "none")),
-                                            ("--adaptive-size on", args.adaptive_size == "on")) if given]
-        if shaping:
-            raise DDTreeError(f"{', '.join(shaping)} shape the ddtree method's trees, and --methods {args.methods} runs "
-                              "no ddtree: add ddtree to --methods, or drop them")
-    if all(method == "ar" for method in methods):  # as for ddtree's options: taken, and recorded, for nothing
-        drafting = [flag for flag, given in (("--redraft", args.redraft), ("--online-calibration",
-                                                                           args.online_calibration)) if given]
-        if drafting:
-            raise DDTreeError(f"{', '.join(drafting)} act on the drafter's drafts, and --methods {args.methods} drafts "
-                              "none: add dflash or ddtree to --methods, or drop them")
+    check_flags_for_methods(args, methods)
     if args.out:
         check_out_is_no_input(args)
         check_output_file(args.out, overwrite=args.overwrite)

@@ -157,7 +157,8 @@ def test_no_budget_at_all_is_a_usage_error(capsys, prompts_file):
 
 @pytest.mark.parametrize("args, message", [
     (["bench", "--lookup", "-1"], "lookup -1 must be >= 0"),
-    (["generate", "--method", "dflash", "--lookup", "4"], "method 'dflash' has none"),
+    (["generate", "--method", "dflash", "--lookup", "4"], "--lookup shape the ddtree method's trees, and --method "
+     "dflash runs no ddtree: give --method ddtree, or drop them"),
 ])
 def test_a_lookup_that_cannot_run_is_one_line(capsys, prompts_file, args, message):
     command, *rest = args
@@ -167,7 +168,8 @@ def test_a_lookup_that_cannot_run_is_one_line(capsys, prompts_file, args, messag
 
 @pytest.mark.parametrize("args, message", [
     (["bench", "--adaptive-size", "on", "--static-cache", "on"], "saves nothing with the static cache"),
-    (["generate", "--method", "dflash", "--adaptive-size", "on"], "method 'dflash' has none"),
+    (["generate", "--method", "dflash", "--adaptive-size", "on"], "--adaptive-size on shape the ddtree method's "
+     "trees, and --method dflash runs no ddtree"),
 ])
 def test_adaptive_size_that_cannot_run_is_one_line(capsys, prompts_file, args, message):
     command, *rest = args
@@ -743,6 +745,18 @@ def test_a_results_file_written_by_another_run_meanwhile_is_kept_and_this_runs_r
     ("bench", ["--prompts", "{prompts}", "--methods", "ar", "--redraft", "3", "--online-calibration"],  # taken before
      "error: --redraft, --online-calibration act on the drafter's drafts, and --methods ar drafts none: add dflash or "
      "ddtree to --methods, or drop them"),
+    # generate took --online-calibration with `ar` without a word, and refused --redraft and --corpus only once the
+    # target had loaded (and the corpus was indexed): found in a review
+    ("generate", ["--prompt", "hi", "--method", "ar", "--online-calibration"],
+     "error: --online-calibration act on the drafter's drafts, and --method ar drafts none: give --method dflash or "
+     "ddtree, or drop them"),
+    ("generate", ["--prompt", "hi", "--method", "ar", "--redraft", "2"],
+     "error: --redraft act on the drafter's drafts, and --method ar drafts none"),
+    ("generate", ["--prompt", "hi", "--method", "ar", "--corpus", "{prompts}"],
+     "error: --corpus shape the ddtree method's trees, and --method ar runs no ddtree: give --method ddtree, or drop "
+     "them"),
+    ("generate", ["--prompt", "hi", "--method", "dflash", "--drafter", "random", "--lookup", "3", "--adaptive-size", "on"],
+     "error: --lookup, --adaptive-size on shape the ddtree method's trees, and --method dflash runs no ddtree"),
 ])
 def test_files_named_on_the_command_line_are_checked_before_the_target_loads(capsys, tmp_path, prompts_file, monkeypatch,
                                                                            command, flags, message):

@@ -199,6 +199,9 @@ class CardFacts:
     # None: not known. The card reads whose replies the data holds from it.
     data_path: str | None = None
     other_evaluated_steps: list[int] = field(default_factory=list)
+    # The checkpoint lies outside the run folder and did not record the run's evaluation of its step: not known to be
+    # the run's, so the run's records (evaluation, steps, checkpoints, corpus) are not this drafter's.
+    outside_run: bool = False
     kept_checkpoints: list[str] = field(default_factory=list)  # the run's checkpoint files, by name
     speculators: bool = False  # the config also carries vLLM's speculators fields
     engine_problems: list[str] = field(default_factory=list)  # engine rules it breaks (--allow-engine-mismatch)
@@ -226,6 +229,14 @@ def decoded_with(settings: dict) -> list[str]:
 def evaluation_section(facts: CardFacts) -> list[str]:
     record = facts.evaluation
     lines = ["## Measured acceptance", ""]
+    if record is None and facts.outside_run:
+        return lines + [
+            f"This checkpoint (step {facts.step}) was exported from outside its run folder and did not record the "
+            "evaluation of the run folder it was exported with, so no acceptance is reported here. The precision, "
+            "hardware, batch and data below are read from that run folder's config.yaml, not from this checkpoint. "
+            "Export it from the run it was trained in, or measure it with `make eval CKPT=<the checkpoint>`.",
+            "",
+        ]
     if record is None:
         # Only the best evaluated checkpoints are kept (checkpoint.save_top_k), so an evaluated step may have none.
         others = ", ".join(str(s) for s in facts.other_evaluated_steps) or "none"

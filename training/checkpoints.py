@@ -168,6 +168,11 @@ def load_checkpoint(path: Path) -> Checkpoint:
     """Read a .ckpt file or a DeepSpeed checkpoint folder once, or raise a DDTreeError naming what is wrong."""
     path = Path(path)
     if path.is_dir():
+        if (path / "config.yaml").is_file():
+            named = next((path / "checkpoints" / f"{name}.ckpt" for name in ("best", "last")
+                          if (path / "checkpoints" / f"{name}.ckpt").exists()), path / "checkpoints" / "best.ckpt")
+            raise DDTreeError(f"CKPT {path} is a run folder, not a checkpoint: give one of its checkpoints, {named} "
+                              f"(or RUN={path} with make export)")
         if (path / "config.json").is_file():
             raise DDTreeError(f"CKPT {path} is an exported drafter folder, not a training checkpoint; give a .ckpt from the run")
         if not is_deepspeed_checkpoint(path):

@@ -20,8 +20,8 @@ import torch
 import training.evaluate
 import training.publish
 from ddtree.errors import DDTreeError
-from training.checkpoint_paths import (SAVING_MARKER, find_checkpoint, find_resume, find_run_checkpoint, newest_checkpoint,
-                                       resume_point)
+from training.checkpoint_paths import (SAVING_MARKER, check_run_folder, find_checkpoint, find_resume,
+                                       find_run_checkpoint, newest_checkpoint, resume_point)
 from training.checkpoints import deepspeed_client_state, load_checkpoint
 from training.module import DistillModule
 
@@ -124,6 +124,37 @@ def test_make_export_takes_best_last_or_a_path_of_one_run_and_says_which(tmp_pat
         find_run_checkpoint(run, "best")
     with pytest.raises(DDTreeError, match="CKPT=nope.ckpt: no such checkpoint"):
         find_run_checkpoint(run, "nope.ckpt")
+
+
+def test_a_checkpoint_given_as_run_or_a_run_folder_given_as_ckpt_is_named_as_such(tmp_path):
+    """Each was refused as what it is not: a checkpoint as "no such run folder", a run folder as "a folder but not a
+    DeepSpeed checkpoint (no 'latest' file in it)"."""
+    run = make_run(tmp_path, "r", {"checkpoints/step-2.ckpt": 100, "checkpoints/deepspeed.ckpt/": 200},
+                   best="step-2.ckpt")
+    other = make_run(tmp_path, "other", {"checkpoints/last.ckpt": 100})
+    best = run / "checkpoints" / "best.ckpt"
+    with pytest.raises(DDTreeError, match=rf"^RUN={best} is a checkpoint file, not a run folder; give its run folder "
+                                          rf"as RUN and the checkpoint as CKPT: RUN={run.resolve()} CKPT={best}$"):
+        check_run_folder(best)
+    deepspeed = run / "checkpoints" / "deepspeed.ckpt"
+    with pytest.raises(DDTreeError, match=rf"^RUN={deepspeed} is a DeepSpeed checkpoint folder, not a run folder"):
+        check_run_folder(deepspeed)
+    loose = tmp_path / "loose.ckpt"
+    shutil.copyfile(best, loose)
+    with pytest.raises(DDTreeError, match=rf"RUN=<the run folder it was trained in> CKPT={loose}$"):
+        find_checkpoint("best", tmp_path, loose)  # make eval RUN=<a checkpoint>
+    with pytest.raises(DDTreeError, match=rf"^RUN={run / 'config.yaml'} is a file, not a run folder"):
+        check_run_folder(run / "config.yaml")
+
+    with pytest.raises(DDTreeError, match=rf"^CKPT={other} is a run folder: give RUN={other} \(its best.ckpt"):
+        find_run_checkpoint(run, str(other))  # make export RUN=r CKPT=<another run folder>
+    with pytest.raises(DDTreeError, match=rf"^CKPT={run} is RUN's own folder, not a checkpoint; give best, last"):
+        find_run_checkpoint(run, str(run))
+    with pytest.raises(DDTreeError, match=rf"^CKPT {run} is a run folder, not a checkpoint: give one of its "
+                                          rf"checkpoints, {best} \(or RUN={run} with make export\)$"):
+        load_checkpoint(run)  # python -m training.export <run folder> OUT
+    with pytest.raises(DDTreeError, match=rf"give one of its checkpoints, {other / 'checkpoints' / 'last.ckpt'} "):
+        load_checkpoint(other)  # no best.ckpt: its last
 
 
 def test_resume_takes_last_a_run_folder_or_a_path_and_finds_its_run(tmp_path):

@@ -183,7 +183,14 @@ def response_settings(args: argparse.Namespace) -> dict:
 
 
 def changed_settings(old: dict, settings: dict) -> list[str]:
-    return [f"{k}: {old.get(k)!r} -> {v!r}" for k, v in settings.items() if old.get(k) != v]
+    """What differs between recorded settings and this job's, one "name: old -> new" each. One prompts file is one
+    setting however its path is spelled (same_file_spelling)."""
+    return [f"{k}: {old.get(k)!r} -> {v!r}" for k, v in settings.items()
+            if old.get(k) != v and not (k == "prompts" and same_prompts_file(old.get(k), v))]
+
+
+def same_prompts_file(recorded, given: str) -> bool:
+    return isinstance(recorded, str) and same_file_spelling(recorded, recorded=True) == same_file_spelling(given)
 
 
 def same_file_spelling(path, recorded: bool = False) -> str:
@@ -199,9 +206,6 @@ def changed_replies(old: dict, settings: dict) -> list[str]:
     greedy job's seed: `make data ARGS=--chunk-size 256` made the same replies, then every training start refused them."""
     greedy = settings["temperature"] == 0 and old.get("temperature") == 0
     ignored = {"chunk_size", *(["seed"] if greedy else [])}
-    recorded = old.get("prompts")
-    if isinstance(recorded, str) and same_file_spelling(recorded, recorded=True) == same_file_spelling(settings["prompts"]):
-        ignored.add("prompts")
     return changed_settings(old, {k: v for k, v in settings.items() if k not in ignored})
 
 
@@ -470,7 +474,7 @@ def reuse_merged(out: Path, parts: Path, chunks_of_records: list[list[dict]], se
     if not summary_path.is_file():
         return 0
     made_with = json.loads(summary_path.read_text())
-    if any(made_with.get(key) != value for key, value in settings.items()):
+    if changed_settings(made_with, settings):
         return 0
     from datasets import load_from_disk  # heavy import, only needed here
 

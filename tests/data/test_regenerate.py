@@ -433,3 +433,34 @@ def test_a_recipe_is_named_as_training_names_it_or_given_as_a_file():
     assert (by_name.target, by_name.out) == (by_file.target, by_file.out) == ("smollm2-135m", Path("data/smollm2-135m"))
     with pytest.raises(DDTreeError, match="recipe smollm2 does not exist; give a file, or one of the recipes' names: .*tiny"):
         regenerate.parse_args(["--recipe", "smollm2"])
+
+
+def test_one_prompts_file_spelled_two_ways_resumes_and_reuses_the_answers(tmp_path, monkeypatch):
+    """data/prompts/train_prompts.jsonl from the project's root, then by its absolute path: the work folder refused the
+    resume ("delete <out>.parts to start over": every finished chunk lost), and a dataset extended without its .parts
+    folder (the shipped one) reused nothing and generated every answer again."""
+    import shutil
+
+    monkeypatch.setattr(regenerate, "PROJECT_ROOT", tmp_path)  # tmp_path plays the project: prompts.jsonl is its file
+    monkeypatch.chdir(tmp_path)
+    prompt_file(tmp_path / "prompts.jsonl", 5)  # 3 chunks: 2 + 2 + 1
+    relative, absolute = ["--prompts", "prompts.jsonl"], ["--prompts", str(tmp_path / "prompts.jsonl")]
+    generated = []
+    real = regenerate.generate_transformers
+
+    def counting(model, prompts, *args, **kwargs):
+        generated.extend(prompts)
+        return real(model, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(regenerate, "generate_transformers", counting)
+    assert regenerate.run(args_for(tmp_path, *relative, "--num-shards", "2", "--shard-index", "0")) is None
+    assert len(generated) == 3  # chunks 0 and 2
+    generated.clear()
+    assert regenerate.run(args_for(tmp_path, *absolute))["num_conversations"] == 5
+    assert len(generated) == 2  # chunk 1 only: the other two were taken as finished
+
+    shutil.rmtree(tmp_path / "out.parts")  # as shipped
+    prompt_file(tmp_path / "prompts.jsonl", 7)  # the same 5 first prompts, and 2 more
+    generated.clear()
+    assert regenerate.run(args_for(tmp_path, *relative))["num_conversations"] == 7
+    assert len(generated) == 3  # chunk 2 (p4, now with p5) and chunk 3 (p6): chunks 0 and 1 came from the dataset

@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ddtree.errors import CommandParser, DDTreeError, command  # noqa: E402
 from ddtree.files import path_argument, staged_folder  # noqa: E402
 from training.arguments import answer_early  # noqa: E402
+from training.recipe_data import read_summary  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,9 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def regeneration_settings(source: Path) -> dict:
     """A greedy regeneration's recorded settings (data/regenerate.py's regeneration.json), or the line saying why not."""
-    if not (source / "regeneration.json").is_file():
+    settings = read_summary(source)
+    if settings is None:
         raise DDTreeError(f"{source}: no regeneration.json; recover_ids reads a folder written by data/regenerate.py")
-    settings = json.loads((source / "regeneration.json").read_text())
     if settings.get("temperature", 0.0) != 0.0:
         raise DDTreeError(f"{source}/regeneration.json: temperature {settings['temperature']}: only greedy replies "
                           "can be recovered from their text")

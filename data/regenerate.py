@@ -37,8 +37,8 @@ Backends: transformers (a batched decoding loop, left padding, KV cache) everywh
 importable and a GPU is present (or --backend vllm). Special tokens are dropped from the response
 text so a stray template token cannot break the conversation structure when it is re-rendered.
 Sampling (--temperature > 0) cuts with serving's top-p rule (ddtree.decoding.top_p_filter; vLLM has its own).
-Bad input (a malformed prompt file, settings that differ from the finished chunks) prints one
-`error:` line and exits with status 2.
+Bad input (a malformed prompt file, settings that differ from the finished chunks, a regeneration.json or
+settings.json that is not a JSON object) prints one `error:` line naming the file and exits with status 2.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from ddtree.errors import CommandParser, DDTreeError, command
 from ddtree.files import path_argument, read_yaml_mapping, staged_folder, unwritable_as_error, write_text_atomic
 from ddtree.names import DTYPE_NAMES
 from training.arguments import RECIPES_DIR, answer_early, known_recipes
-from training.recipe_data import AUTO_DATA, check_regenerate_settings, default_data_path
+from training.recipe_data import AUTO_DATA, check_regenerate_settings, default_data_path, read_record, read_summary
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
@@ -220,7 +220,7 @@ def check_dataset(args: argparse.Namespace) -> None:
     if not summary.is_file():
         raise DDTreeError(f"{args.out} holds no dataset this script finished (no regeneration.json): move it away so "
                           "that it is generated again, or give another output folder")
-    made_with = json.loads(summary.read_text())
+    made_with = read_summary(args.out)
     changed = changed_replies(made_with, response_settings(args))
     if not args.prompts.is_file():
         raise DDTreeError(f"--prompts {args.prompts} does not exist; give the prompts file the data was made from")
@@ -396,8 +396,7 @@ def check_replaces_only_its_own(out: Path, settings: dict, num_prompts: int, ove
     """A finished dataset at `out` made with other settings (another target, other prompts, ...), or answering more
     prompts than this job's `num_prompts`, is replaced only when asked: the merge would put this job's replies in its
     place. A smaller --limit over the 2048 shipped answers left 64, and without a .parts folder the rest were lost."""
-    summary = out / "regeneration.json"
-    made_with = json.loads(summary.read_text()) if summary.is_file() else {}
+    made_with = read_summary(out) or {}
     changed = changed_replies(made_with, settings) if made_with else []
     if changed and not overwrite:
         raise DDTreeError(f"--out {out} holds a dataset made with other settings ({'; '.join(changed)}): give another "
@@ -416,7 +415,7 @@ def check_settings(parts: Path, settings: dict) -> None:
     takes the corrected settings."""
     path = parts / "settings.json"
     if path.exists() and any(parts.glob("chunk-*.jsonl")):
-        old = json.loads(path.read_text())
+        old = read_record(path, f"delete {parts} to start over or choose another --out")
         changed = changed_settings(old, settings)
         if changed:
             raise DDTreeError(
@@ -470,11 +469,8 @@ def reuse_merged(out: Path, parts: Path, chunks_of_records: list[list[dict]], se
     generate the shipped answers again. Only a dataset made with exactly these settings is reused, and
     only chunks whose rows answer exactly their prompts, in order.
     """
-    summary_path = out / "regeneration.json"
-    if not summary_path.is_file():
-        return 0
-    made_with = json.loads(summary_path.read_text())
-    if changed_settings(made_with, settings):
+    made_with = read_summary(out)
+    if made_with is None or changed_settings(made_with, settings):
         return 0
     from datasets import load_from_disk  # heavy import, only needed here
 
@@ -509,10 +505,9 @@ def finished_here(out: Path, records: list[dict], settings: dict) -> dict | None
     """The summary of the dataset at `out` when it already answers exactly these prompts, in order, with these
     settings; else None. Merging it again from its own chunks would rewrite it (the shipped data/smollm2-135m lost
     its int32 response_ids and recover_ids.py's record in regeneration.json) and change nothing it answers."""
-    summary_path = out / "regeneration.json"
-    if not summary_path.is_file():
+    made_with = read_summary(out)
+    if made_with is None:
         return None
-    made_with = json.loads(summary_path.read_text())
     if changed_replies(made_with, settings) or made_with.get("num_prompts") != len(records):
         return None
     from datasets import load_from_disk  # heavy import, only needed here

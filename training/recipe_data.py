@@ -17,6 +17,7 @@ target or other settings made it. A recipe without a regenerate section reads it
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -41,6 +42,27 @@ def check_regenerate_settings(settings: dict | None) -> None:
     if unknown:
         raise DDTreeError(f"data.regenerate.{unknown[0]} is not an option of data/regenerate.py; "
                           f"use one of {', '.join(REGENERATE_FIELDS)}")
+
+
+def read_record(path: Path, remedy: str) -> dict | None:
+    """The JSON object in `path` (a regeneration.json or a settings.json), None where there is no such file. One that
+    is not a JSON object (cut short by a copy, edited by hand) is a DDTreeError naming it and saying `remedy`."""
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as error:
+        raise DDTreeError(f"{path}: not valid JSON ({error}); {remedy}") from None
+    if not isinstance(record, dict):
+        raise DDTreeError(f"{path}: holds a JSON {type(record).__name__}, not the object of settings "
+                          f"data/regenerate.py writes; {remedy}")
+    return record
+
+
+def read_summary(out: Path) -> dict | None:
+    """<out>/regeneration.json, what the dataset at `out` was made with and its counts; None where there is none."""
+    return read_record(Path(out) / "regeneration.json", f"restore it (git checkout, for the shipped data) or move {out} "
+                       "away and generate the data again")
 
 
 def regenerate_arguments(target: str, out: Path, settings: dict) -> list[str]:
@@ -88,5 +110,7 @@ def check_recipe_data(datamodule, recipe: str, path: Path) -> None:
                *regenerate_arguments(datamodule.target, path, datamodule.regenerate), "--check"]
     checked = subprocess.run(command, capture_output=True, text=True)
     if checked.returncode != 0:
-        said = checked.stderr.strip().splitlines()[-1:] or [f"exit status {checked.returncode}"]
-        raise DDTreeError(f"recipe {recipe}: {said[0].removeprefix('error: ')}")
+        said = (checked.stderr.strip().splitlines() or [f"exit status {checked.returncode}"])[-1]
+        if not said.startswith("error: "):  # not its one line (a traceback's last): say what failed, on which data
+            said = f"checking {path} with data/regenerate.py --check failed: {said}"
+        raise DDTreeError(f"recipe {recipe}: {said.removeprefix('error: ')}")

@@ -132,3 +132,12 @@ def test_sampled_data_is_refused(tmp_path):
 def test_a_negative_limit_is_one_line(tmp_path, capsys):
     assert recover_ids.main([str(tmp_path), "--out", str(tmp_path / "out"), "--limit", "-1"]) == 2
     assert "--limit -1: give a row count, or 0 for all rows" in capsys.readouterr().err
+
+
+def test_a_damaged_regeneration_json_is_one_line_naming_it(tmp_path, capsys):
+    source = write_regenerated(tmp_path / "data", [{"id": "a", "messages": MESSAGES}])
+    (source / "regeneration.json").write_text('{"temperature": ')
+    capsys.readouterr()
+    assert recover_ids.main([str(source), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {source / 'regeneration.json'}: not valid JSON") and len(err.splitlines()) == 1

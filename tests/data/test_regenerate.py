@@ -464,3 +464,33 @@ def test_one_prompts_file_spelled_two_ways_resumes_and_reuses_the_answers(tmp_pa
     generated.clear()
     assert regenerate.run(args_for(tmp_path, *relative))["num_conversations"] == 7
     assert len(generated) == 3  # chunk 2 (p4, now with p5) and chunk 3 (p6): chunks 0 and 1 came from the dataset
+
+
+@pytest.mark.parametrize("text, said", [('{"target": ', "not valid JSON"), ("[]", "holds a JSON list")])
+@pytest.mark.parametrize("flags", [["--check"], [], ["--merge-only"]])
+def test_a_damaged_regeneration_json_is_one_line_naming_it(tmp_path, capsys, text, said, flags):
+    """A record cut short by a copy, or edited by hand, was a JSONDecodeError (or, for a list, an AttributeError)
+    traceback at every --check, run and merge, and so at every training start of its recipe."""
+    import shutil
+
+    prompt_file(tmp_path / "prompts.jsonl", 2)
+    regenerate.run(args_for(tmp_path))
+    shutil.rmtree(tmp_path / "out.parts")
+    summary = tmp_path / "out" / "regeneration.json"
+    summary.write_text(text)
+    capsys.readouterr()
+    assert regenerate.main([*args_for_argv(tmp_path), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {summary}: {said}") and f"move {tmp_path / 'out'} away" in err, err
+    assert len(err.splitlines()) == 1 and summary.read_text() == text
+
+
+def test_a_damaged_settings_json_beside_finished_chunks_is_one_line_naming_it(tmp_path, capsys):
+    prompt_file(tmp_path / "prompts.jsonl", 4)
+    regenerate.run(args_for(tmp_path, "--num-shards", "2", "--shard-index", "0"))
+    settings = tmp_path / "out.parts" / "settings.json"
+    settings.write_text('{"target": "tiny')
+    capsys.readouterr()
+    assert regenerate.main(args_for_argv(tmp_path)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {settings}: not valid JSON") and len(err.splitlines()) == 1, err

@@ -217,3 +217,28 @@ def test_every_training_command_of_the_gpu_session_passes_the_data_check(tmp_pat
             prepare_recipe_data(datamodule, recipe)  # a DDTreeError naming what differs if the data would be refused
             checked.append(recipe)
     assert checked.count("smollm2-135m-gpu") == 4  # the train stage and the objectives stage's three variants
+
+
+def test_a_damaged_regeneration_json_is_named_at_the_start(tmp_path):
+    """Training passed on the --check's last line of stderr: the traceback's `json.decoder.JSONDecodeError: Expecting
+    value: line 2 column 1 (char 12)`, which names no file."""
+    settings = tiny_settings(prompt_file(tmp_path / "prompts.jsonl", 5))
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "regeneration.json").write_text('{"target": \n')
+    datamodule = DistillDataModule(target="tiny-random", data_path=str(tmp_path / "data"), regenerate=settings)
+    with pytest.raises(DDTreeError) as refused:
+        prepare_recipe_data(datamodule, "my-recipe")
+    assert str(refused.value).startswith(f"recipe my-recipe: {tmp_path / 'data' / 'regeneration.json'}: not valid JSON")
+    assert "move" in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_a_check_that_fails_without_its_line_says_what_it_was_checking(tmp_path, monkeypatch):
+    """A crash of regenerate.py --check (a traceback, not its `error:` line) names the data it was checking."""
+    failed = subprocess.CompletedProcess([], 1, stdout="", stderr="Traceback ...\nKeyError: 'x'\n")
+    monkeypatch.setattr(subprocess, "run", lambda *args, **kwargs: failed)
+    (tmp_path / "data").mkdir()
+    datamodule = DistillDataModule(target="tiny-random", data_path=str(tmp_path / "data"),
+                                   regenerate=tiny_settings(tmp_path / "prompts.jsonl"))
+    with pytest.raises(DDTreeError, match=re.escape(f"recipe my-recipe: checking {tmp_path / 'data'} with "
+                                                    "data/regenerate.py --check failed: KeyError: 'x'")):
+        prepare_recipe_data(datamodule, "my-recipe")

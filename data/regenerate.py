@@ -17,8 +17,9 @@ by the target (greedy by default: evaluation decodes at temperature 0).
 
 How the work is laid out, so it survives interruption:
   - the first --limit prompts are cut into chunks of --chunk-size; chunk k belongs to shard k % n;
-  - each finished chunk is written to <out>.parts/chunk-<k>.jsonl (temp file + rename), and a rerun
-    skips chunks that exist, so an interrupted job resumes where it stopped;
+  - each finished chunk is written to <out>.parts/chunk-<k>.jsonl (temp file, fsync, rename), and a rerun
+    skips chunks that exist, so an interrupted job resumes where it stopped (a chunk that does not read
+    whole, cut short all the same, is made again, with a warning naming it);
   - <out>.parts/settings.json records everything that changes the responses; a rerun with
     different settings is refused instead of mixing two kinds of data (until its first chunk is written: a
     job stopped by bad input takes the corrected settings);
@@ -47,13 +48,15 @@ import argparse
 import importlib
 import importlib.util
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 from ddtree.arguments import DEVICE_HELP
 from ddtree.errors import CommandParser, DDTreeError, command
-from ddtree.files import path_argument, read_yaml_mapping, staged_folder, unwritable_as_error, write_text_atomic
+from ddtree.files import (atomic_file, path_argument, read_yaml_mapping, staged_folder, unwritable_as_error,
+                          write_text_atomic)
 from ddtree.names import DTYPE_NAMES
 from training.arguments import RECIPES_DIR, answer_early, known_recipes
 from training.recipe_data import AUTO_DATA, check_regenerate_settings, default_data_path, read_record, read_summary
@@ -452,14 +455,42 @@ def read_chunk(parts: Path, index: int, records: list[dict]) -> list[dict] | Non
     path = chunk_path(parts, index)
     if not path.exists():
         return None
-    with path.open(encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f if line.strip()][: len(records)]
+    try:
+        with path.open(encoding="utf-8") as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    except ValueError:  # cut short (a crash before the disk held it all) or edited: its prompts are answered again
+        return damaged_chunk(path, "a line of it is not valid JSON (cut short?)")
+    if not all(isinstance(row, dict) and "id" in row and isinstance(row.get("messages"), list) for row in rows):
+        return damaged_chunk(path, "a row of it has no id or no messages list")
+    rows = rows[: len(records)]
     if len(rows) < len(records):
         return None
     for row, record in zip(rows, records):
         if row["id"] != record["id"] or row["messages"][:-1] != record["messages"]:
             return None
     return rows
+
+
+DAMAGED_CHUNKS: set[Path] = set()  # those damaged_chunk has warned of
+
+
+def damaged_chunk(path: Path, problem: str) -> None:
+    """A chunk that cannot be read counts as unfinished (its prompts are answered again), said once per file: it
+    stopped every resume and merge with a traceback until it was found and deleted by hand."""
+    if path not in DAMAGED_CHUNKS:
+        DAMAGED_CHUNKS.add(path)
+        print(f"warning: {path}: {problem}; its prompts count as unanswered and are generated again",
+              file=sys.stderr, flush=True)
+    return None
+
+
+def write_chunk(parts: Path, index: int, rows: list[dict]) -> None:
+    """Chunk `index` written whole or not at all: through a temporary file, on the disk (fsync) before the rename, so
+    that a machine that stops (a crash, a preemption) leaves the chunk whole or absent, never cut short."""
+    with atomic_file(chunk_path(parts, index)) as handle:
+        handle.write("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+        handle.flush()
+        os.fsync(handle.fileno())
 
 
 def reuse_merged(out: Path, parts: Path, chunks_of_records: list[list[dict]], settings: dict) -> int:
@@ -484,7 +515,7 @@ def reuse_merged(out: Path, parts: Path, chunks_of_records: list[list[dict]], se
         if not answered:
             break  # the dataset is a prefix of the prompts: nothing after the first mismatch is reused
         if read_chunk(parts, k, records) is None:
-            write_text_atomic(chunk_path(parts, k), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in chunk_rows))
+            write_chunk(parts, k, chunk_rows)
             reused += 1
     return reused
 
@@ -623,20 +654,20 @@ def run(args: argparse.Namespace) -> dict | None:
                 else:
                     new_tokens = generate_transformers(model, prompts, pad_id, stops, args.batch_size,
                                                        args.max_new_tokens, args.temperature, args.top_p, progress)
-                lines = []
+                rows = []
                 for record, prompt, tokens in zip(chunk, prompts, new_tokens):
                     response, finish = cut_at_stop(tokens, set(stops))
                     text = tokenizer.decode(response, skip_special_tokens=True)
-                    lines.append(json.dumps({
+                    rows.append({
                         "id": record["id"],
                         "messages": record["messages"] + [{"role": "assistant", "content": text}],
                         "finish_reason": finish,
                         "prompt_tokens": len(prompt),
                         "response_tokens": len(response),
                         "response_ids": response,  # what training supervises (training/conversations.py)
-                    }, ensure_ascii=False))
+                    })
                 check_settings_unchanged(parts, settings)
-                write_text_atomic(chunk_path(parts, k), "\n".join(lines) + "\n")
+                write_chunk(parts, k, rows)
         print(f"[regenerate] shard {args.shard_index}: {total} prompts in {time.time() - started:.0f} s", flush=True)
 
     if all(read_chunk(parts, k, chunk) is not None for k, chunk in enumerate(chunks)):

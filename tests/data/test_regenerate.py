@@ -494,3 +494,39 @@ def test_a_damaged_settings_json_beside_finished_chunks_is_one_line_naming_it(tm
     assert regenerate.main(args_for_argv(tmp_path)) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: {settings}: not valid JSON") and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("damage", ["cut", "no id"])
+def test_a_damaged_chunk_is_made_again_with_a_warning_naming_it(tmp_path, capsys, damage):
+    """A chunk cut short (a machine that stopped before the disk held it) stopped every resume and --merge-only with a
+    JSONDecodeError traceback until it was found and deleted by hand."""
+    prompt_file(tmp_path / "prompts.jsonl", 6)  # 3 chunks
+    regenerate.run(args_for(tmp_path, "--num-shards", "2", "--shard-index", "0"))  # chunks 0 and 2
+    chunk = tmp_path / "out.parts" / "chunk-00000.jsonl"
+    whole = chunk.read_text()
+    if damage == "cut":
+        chunk.write_bytes(whole.encode()[:len(whole.splitlines()[0]) // 2])
+    else:
+        chunk.write_text(whole.replace('"id"', '"name"', 1))
+    capsys.readouterr()
+    assert regenerate.main([*args_for_argv(tmp_path), "--merge-only"]) == 2  # chunks 0 and 1 are not finished
+    err = capsys.readouterr().err
+    assert f"warning: {chunk}: " in err and "2 of 3 chunks are not finished (first: 0)" in err
+    assert regenerate.run(args_for(tmp_path))["num_conversations"] == 6
+    assert chunk.read_text() == whole  # made again, the same (greedy)
+
+
+def test_a_chunk_is_on_the_disk_before_its_rename(tmp_path, monkeypatch):
+    """Without an fsync a machine that stops after the rename can leave the chunk's name with part of its bytes."""
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.path.basename(os.readlink(
+        f"/proc/self/fd/{fd}")))), real_fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda src, dst: (events.append(("replace", os.path.basename(src))),
+                                                         real_replace(src, dst))[1])
+    prompt_file(tmp_path / "prompts.jsonl", 3)  # 2 chunks
+    regenerate.run(args_for(tmp_path))
+    staged = [name for kind, name in events if kind == "replace" and name.startswith(".chunk-")]
+    assert len(staged) == 2
+    for name in staged:
+        assert events.index(("fsync", name)) < events.index(("replace", name))

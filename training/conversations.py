@@ -1,6 +1,6 @@
 """Conversations: read them from files, render them with the chat template, mask the loss to the assistant.
 
-    records = load_conversations("data/smollm2-135m")       # [{"id", "messages", "finish_reason"?}, ...]
+    records = load_conversations("data/smollm2-135m")       # [{"id", "messages", "where", "finish_reason"?}, ...]
     examples, counts = tokenize_conversations(tokenizer, records, max_length=2048, min_supervised_tokens=16)
     examples[0]["input_ids"], examples[0]["loss_mask"]       # lists of ints, the same length
 
@@ -11,7 +11,8 @@ and the DataModule are training/data.py.
 
 Pieces, top to bottom:
   - read_messages_jsonl / load_conversations: JSONL or Parquet files, saved `datasets` folders or
-    Hub names -> a list of {"id", "messages"} records, with errors naming the file and line.
+    Hub names -> a list of {"id", "messages", "where"} records (where: "file:line" or "source row i"), with
+    errors naming the file and line.
   - render_with_loss_mask: render with the tokenizer's chat template; loss_mask = 1 on what the target
     writes in each assistant turn: from the end of the prompt decoding feeds it (the role header and what
     comes before are not) up to and including the end-of-turn token (not what the template adds after it).
@@ -76,7 +77,8 @@ def response_ids_of(row, where: str) -> dict:
 def read_messages_jsonl(path: str | Path) -> list[dict]:
     """Read a JSONL file of {"id"?, "messages": [...]} records (prompts or whole conversations).
 
-    Records without an id get "<file stem>-<line number>". Errors name the file and line.
+    Records without an id get "<file stem>-<line number>"; "where" is "<file>:<line>", for what later finds fault with
+    the record (tokenize_conversations). Errors name the file and line.
     """
     path = Path(path)
     if not path.is_file():
@@ -90,7 +92,7 @@ def read_messages_jsonl(path: str | Path) -> list[dict]:
         if record_id in seen_ids:
             raise DDTreeError(f"{where}: duplicate id {record_id!r}; ids must be unique")
         seen_ids.add(record_id)
-        records.append({"id": record_id, "messages": messages, **finish_reason_of(record),
+        records.append({"id": record_id, "messages": messages, "where": where, **finish_reason_of(record),
                         **response_ids_of(record, where)})
     if not records:
         raise DDTreeError(f"{path}: the file is empty; it needs one JSON object per line")
@@ -103,9 +105,10 @@ def rows_to_records(rows, source: str) -> list[dict]:
     for i, row in enumerate(rows):
         if "messages" not in row:
             raise DDTreeError(f"{source}: row {i} has no 'messages' column (columns: {', '.join(row)})")
-        messages = check_messages(row["messages"], f"{source} row {i}")
-        records.append({"id": str(row.get("id") or f"row-{i}"), "messages": messages, **finish_reason_of(row),
-                        **response_ids_of(row, f"{source} row {i}")})
+        where = f"{source} row {i}"
+        messages = check_messages(row["messages"], where)
+        records.append({"id": str(row.get("id") or f"row-{i}"), "messages": messages, "where": where,
+                        **finish_reason_of(row), **response_ids_of(row, where)})
     return records
 
 
@@ -331,10 +334,11 @@ def render_generated(tokenizer, record: dict, eot: str) -> tuple[list[int], list
     chose another (`read` `line` against `readline`), and the drafter would learn tokens the target never emits."""
     messages, reply = record["messages"], list(record["response_ids"])
     if not messages or messages[-1]["role"] != "assistant":
-        raise DDTreeError(f"conversation {record.get('id')!r} has response_ids but does not end with an assistant turn")
+        raise DDTreeError("it has response_ids but does not end with an assistant turn for them to answer; drop the "
+                          "field, or regenerate the data")
     if tokenizer.decode(reply, skip_special_tokens=True) != messages[-1]["content"]:
-        raise DDTreeError(f"conversation {record.get('id')!r}: its response_ids do not decode to its last assistant "
-                          "turn (edited text?); drop the response_ids field or regenerate it")
+        raise DDTreeError("its response_ids do not decode to its last assistant turn (edited text?); drop the "
+                          "response_ids field or regenerate it")
     prompt = render_prompt_ids(tokenizer, messages[:-1])
     reply += tokenizer.convert_tokens_to_ids([eot])
     return prompt + reply, [0] * len(prompt) + [1] * len(reply)
@@ -361,24 +365,26 @@ def tokenize_conversations(tokenizer, records: list[dict], max_length: int, min_
     target's choice, so that token and everything after it are cut instead of supervised (and, in a reply
     from text, whitespace the template writes before it).
     A record with response_ids (regenerated data) supervises exactly those ids (render_generated);
-    one without is rendered from its text (render_with_loss_mask). One whose render the loss mask cannot follow
-    (the template rewrote a reply) is skipped and counted, with one warning naming the first; if every one is, the
-    template is the problem, and its error is raised.
+    one without is rendered from its text (render_with_loss_mask). One the loss mask cannot follow (the template
+    rewrote a reply, or its response_ids do not decode to its reply: an edited text) is skipped and counted as
+    "unaligned", with one warning naming the first (its id, file and line or row); if every one is, the template or
+    the data as a whole is the problem, and the first one's error is raised.
     """
     eot = end_of_turn_text(tokenizer)
     kept, counts = [], {"conversations": len(records), "no_assistant": 0, "unaligned": 0, "too_few_supervised": 0,
                         "truncated": 0}
-    first_unaligned = None  # (record id, its error)
+    first_unaligned = None  # (the record's id and where it is, its error)
     for record in records:
-        if record.get("response_ids") is not None:
-            input_ids, loss_mask = render_generated(tokenizer, record, eot)
-        else:
-            try:
+        try:
+            if record.get("response_ids") is not None:
+                input_ids, loss_mask = render_generated(tokenizer, record, eot)
+            else:
                 input_ids, loss_mask = render_with_loss_mask(tokenizer, record["messages"], eot)
-            except DDTreeError as error:  # one odd reply should not stop the preparation of all the others
-                counts["unaligned"] += 1
-                first_unaligned = first_unaligned or (record.get("id"), error)
-                continue
+        except DDTreeError as error:  # one odd reply (or one edited by hand) should not stop all the others
+            counts["unaligned"] += 1
+            named = repr(record.get("id")) + (f" ({record['where']})" if record.get("where") else "")
+            first_unaligned = first_unaligned or (named, error)
+            continue
         if not any(loss_mask):
             counts["no_assistant"] += 1
             continue
@@ -400,12 +406,12 @@ def tokenize_conversations(tokenizer, records: list[dict], max_length: int, min_
     counts["kept"] = len(kept)
     log.info("tokenized %s: %s", source, counts)
     if first_unaligned:
-        record_id, error = first_unaligned
+        named, error = first_unaligned
         if counts["unaligned"] == len(records):
             raise DDTreeError(f"{source}: no conversation could be rendered with its loss mask; the first, "
-                              f"{record_id!r}: {error}") from None
-        log.warning("%s: skipped %d of %d conversations whose render the loss mask cannot follow; the first, %r: %s",
-                    source, counts["unaligned"], len(records), record_id, error)
+                              f"{named}: {error}") from None
+        log.warning("%s: skipped %d of %d conversations the loss mask cannot follow; the first, %s: %s",
+                    source, counts["unaligned"], len(records), named, error)
     if not kept:
         hint = (" (no assistant turns at all: this looks like a prompt file; generate responses with "
                 "data/regenerate.py first)") if counts["no_assistant"] == len(records) else ""

@@ -9,6 +9,7 @@ decoding meets (no enable_thinking), and Llama-2-chat's.
 """
 
 import json
+import re
 
 import pytest
 from transformers import AutoTokenizer
@@ -463,8 +464,12 @@ def test_load_conversations_from_jsonl_parquet_and_saved_dataset(tmp_path):
     jsonl = write_lines(tmp_path / "c.jsonl", [json.dumps(r) for r in rows])
     Dataset.from_list(rows).to_parquet(str(tmp_path / "c.parquet"))
     Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
-    for source in (jsonl, tmp_path / "c.parquet", tmp_path / "saved"):
-        assert load_conversations(source) == rows, source
+    for source, where in ((jsonl, f"{jsonl}:{{}}"), (tmp_path / "c.parquet", f"{tmp_path / 'c.parquet'} row {{}}"),
+                          (tmp_path / "saved", f"{tmp_path / 'saved'} row {{}}")):
+        records = load_conversations(source)
+        assert [{k: v for k, v in r.items() if k != "where"} for r in records] == rows, source
+        # where each record is, for what later finds fault with it (tokenize_conversations): lines from 1, rows from 0
+        assert [r["where"] for r in records] == [where.format(i + (source == jsonl)) for i in range(3)], source
     with pytest.raises(DDTreeError, match="no such file or folder"):
         load_conversations(tmp_path / "nothing-here")
     (tmp_path / "plain").mkdir()
@@ -514,3 +519,30 @@ def test_every_file_reader_keeps_the_ids_a_regeneration_wrote(smol_tokenizer, tm
         line = json.dumps(rows[1]).replace('"response_ids": null', f'"response_ids": {bad}')
         with pytest.raises(DDTreeError, match=rf"bad\.jsonl:1: 'response_ids' {message}"):
             read_messages_jsonl(write_lines(tmp_path / "bad.jsonl", [line]))
+
+
+def test_response_ids_that_do_not_decode_to_the_reply_are_skipped_and_counted_naming_file_and_line(smol_tokenizer,
+                                                                                                  tmp_path, caplog):
+    """One hand-edited reply among 2048 stopped the whole preparation, with an error naming neither the file nor the
+    line; a reply from text that the loss mask cannot follow was skipped and counted. Both are now."""
+    from datasets import Dataset
+
+    ok = {"id": "ok", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "fine answer"}]}
+    edited = {"id": "a", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"}],
+              "response_ids": [88]}  # 88 decodes to another text than "x"
+    no_reply = {"id": "b", "messages": [{"role": "user", "content": "hi"}], "response_ids": [87]}
+    assert smol_tokenizer.decode([88]) != "x"
+    jsonl = write_lines(tmp_path / "ids.jsonl", [json.dumps(row) for row in (ok, edited, no_reply)])
+    Dataset.from_list([{**ok, "response_ids": None}, edited, no_reply]).save_to_disk(str(tmp_path / "saved"))
+    for source, where in ((jsonl, f"{jsonl}:2"), (tmp_path / "saved", f"{tmp_path / 'saved'} row 1")):
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            kept, counts = tokenize_conversations(smol_tokenizer, load_conversations(source), 500, 1, str(source))
+        assert len(kept) == 1 and counts["unaligned"] == 2 and counts["kept"] == 1, source
+        (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert warning.startswith(f"{source}: skipped 2 of 3 conversations the loss mask cannot follow; the first, "
+                                  f"'a' ({where}): its response_ids do not decode to its last assistant turn"), warning
+    with pytest.raises(DDTreeError, match=re.escape(f"{jsonl}: no conversation could be rendered with its loss mask; "
+                                                    f"the first, 'b' ({jsonl}:3): it has response_ids but does not end "
+                                                    "with an assistant turn")):
+        tokenize_conversations(smol_tokenizer, load_conversations(jsonl)[2:], 500, 1, str(jsonl))

@@ -11,8 +11,12 @@ prompts: no HumanEval, MBPP, GSM8K, MATH, MT-Bench or Alpaca):
     (the first sentence of each docstring becomes the task description);
   - chat prompts: templates (explain a concept, write an email, how-to, compare, list ideas, ...)
     filled with topic lists written in this file.
-The evaluation prompts come from *different* stdlib modules and *different* topic lists than the
-training prompts, so the two files cannot overlap (checked before writing).
+The evaluation prompts fill the same templates with *different* stdlib modules and *different* topic
+lists and texts than the training prompts, except the arithmetic word problems: both draw random numbers
+into the same WORD_PROBLEMS templates, so the evaluation's word problems differ from some training
+prompts only in their numbers (the shipped files: 2 of the 40). Only an evaluation prompt whose whole text
+is also a training prompt is refused (checked before writing). Training's own word problems may repeat a
+text (the shipped file: one, twice); drawing them otherwise would change the shipped files.
 
 Output format (the decoding CLI's prompt format), one JSON object per line:
     {"id": "code/textwrap.dedent/explain", "messages": [{"role": "user", "content": "..."}]}

@@ -139,3 +139,23 @@ def test_an_eval_prompt_left_in_training_is_refused_in_one_line(tmp_path, monkey
     assert capsys.readouterr().err.strip() == ("error: --seed 25: the evaluation prompts ['eval-chat/math-eval/1/1'] are "
                                                "also training prompts; try another --seed")
     assert not list(tmp_path.iterdir())
+
+
+def test_what_the_shipped_evaluation_shares_with_training_is_what_the_readme_says():
+    """data/README.md said the evaluation used *other* topic lists and texts, and the docstring that the two files
+    "cannot overlap": the word problems of both fill the same templates, so 2 of the 40 evaluation prompts are
+    training prompts with other numbers. Nothing else shares a text once numbers are set aside, and the training
+    file repeats one text; the README gives these counts, which this test holds it to."""
+    import re
+
+    read = lambda path: [json.loads(line) for line in path.read_text().splitlines()]  # noqa: E731
+    train, evaluation = read(ROOT / "data/prompts/train_prompts.jsonl"), read(ROOT / "data/eval_prompts.jsonl")
+    numbers_aside = lambda text: re.sub(r"\d+", "#", text)  # noqa: E731
+    trained = {numbers_aside(text) for text in contents(train)}
+    twins = [record["id"] for record in evaluation if numbers_aside(record["messages"][0]["content"]) in trained]
+    assert twins == ["eval-chat/math-eval/3/3", "eval-chat/math-eval/0/0"]
+    assert not set(contents(train)) & set(contents(evaluation))
+    assert len(set(contents(train))) == 3999
+    readme = (ROOT / "data/README.md").read_text()
+    assert "differ from training prompts only in their numbers" in readme and "3999 distinct texts" in readme
+    assert "cannot overlap" not in make_prompts.__doc__

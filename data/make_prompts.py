@@ -36,7 +36,7 @@ import sys
 from pathlib import Path
 
 from ddtree.errors import CommandParser, DDTreeError, command
-from ddtree.files import atomic_file
+from ddtree.files import atomic_file, check_output_file
 
 SHIPPED_PYTHON = (3, 11)  # the Python whose standard library wrote the shipped files (3.11.7, data/README.md)
 SHIPPED_FILES = {Path(__file__).resolve().parent / "eval_prompts.jsonl",
@@ -529,6 +529,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.train_out.resolve() == args.eval_out.resolve():
         raise DDTreeError(f"--train-out and --eval-out are both {args.train_out}: the evaluation prompts would replace "
                           "the training prompts; give two paths")
+    for flag, path in (("--train-out", args.train_out), ("--eval-out", args.eval_out)):
+        # Before the work: a folder was refused as "other prompts" and, with --overwrite, failed at its rename.
+        if path.is_dir():
+            raise DDTreeError(f"{flag} {path} is a folder; give the path of the JSONL file to write "
+                              f"({path / 'prompts.jsonl'}, say)")
+        check_output_file(path, flag)  # a path under a file, or in a folder this user cannot write
 
     train, evaluation = build(args.seed, args.num_coding, args.num_chat, args.num_eval)
     check_replaceable(args.train_out, train, "--train-out", args.overwrite)

@@ -159,3 +159,19 @@ def test_what_the_shipped_evaluation_shares_with_training_is_what_the_readme_say
     readme = (ROOT / "data/README.md").read_text()
     assert "differ from training prompts only in their numbers" in readme and "3999 distinct texts" in readme
     assert "cannot overlap" not in make_prompts.__doc__
+
+
+@pytest.mark.parametrize("overwrite", [[], ["--overwrite"]])
+@pytest.mark.parametrize("flag", ["--train-out", "--eval-out"])
+def test_an_output_path_that_is_a_folder_is_one_line_before_any_work(tmp_path, capsys, monkeypatch, flag, overwrite):
+    """It was refused as holding "other prompts than these settings make" and, with --overwrite, an IsADirectoryError
+    traceback at the rename."""
+    monkeypatch.setattr(make_prompts, "build", lambda *args: pytest.fail("built the prompts first"))
+    (tmp_path / "adir").mkdir()
+    paths = {"--train-out": str(tmp_path / "train.jsonl"), "--eval-out": str(tmp_path / "eval.jsonl"),
+             flag: str(tmp_path / "adir")}
+    assert make_prompts.main([*(part for item in paths.items() for part in item), *overwrite]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: {flag} {tmp_path / 'adir'} is a folder; give the path of the JSONL file to write "
+                   f"({tmp_path / 'adir' / 'prompts.jsonl'}, say)")
+    assert [path.name for path in tmp_path.iterdir()] == ["adir"] and not any((tmp_path / "adir").iterdir())

@@ -25,7 +25,8 @@ How the work is laid out, so it survives interruption:
     job stopped by bad input takes the corrected settings);
   - a dataset already merged at <out> with other settings (another target, other prompts), or answering
     more prompts than this job (a smaller --limit), is replaced only with --overwrite, and then only once
-    the new one is complete;
+    the new one is complete; where another recipe's data.regenerate makes that folder (data/smollm2-135m,
+    which recipes/tiny.yaml reads as it is), the refusal says so instead of suggesting --overwrite;
   - a dataset already merged at <out> with the same settings (its regeneration.json) gives back its
     chunks, so a larger --limit on a fresh clone only generates the prompts the shipped data lacks; one
     that already answers exactly this job's prompts is left as it is (a rerun does nothing);
@@ -110,8 +111,7 @@ def recipe_defaults(recipe: Path) -> dict[str, str]:
 
     recipe: its file, or its name as training takes it (smollm2-135m for recipes/smollm2-135m.yaml).
     """
-    named = RECIPES_DIR / f"{recipe}.yaml"
-    recipe_file = recipe if recipe.is_file() else named if recipe.suffix == "" and named.is_file() else None
+    recipe_file = recipe_file_of(recipe)
     if recipe_file is None:
         known = ", ".join(known_recipes())
         raise DDTreeError(f"recipe {recipe} does not exist; give a file, or one of the recipes' names: {known}")
@@ -144,6 +144,43 @@ def recipe_defaults(recipe: Path) -> dict[str, str]:
     elif data.get("data_path") is not None:
         defaults["out"] = str(data["data_path"])
     return defaults
+
+
+def recipe_file_of(recipe: Path) -> Path | None:
+    """--recipe's file: the file given, or recipes/<name>.yaml for a name; None where neither exists."""
+    named = RECIPES_DIR / f"{recipe}.yaml"
+    return recipe if recipe.is_file() else named if recipe.suffix == "" and named.is_file() else None
+
+
+def owning_recipe(out: Path, recipe: Path | None) -> str | None:
+    """The name of the recipe, other than this job's, whose data.data_path is `out` and whose data.regenerate says how
+    that data is made (smollm2-135m, for the shipped data/smollm2-135m); None where there is none. Its folder is no
+    place for this job's replies: `make data RECIPE=tiny` (which reads data/smollm2-135m as it is) was told to pass
+    --overwrite, which would have put a random target's replies in the place of the shipped ones."""
+    mine = recipe_file_of(recipe) if recipe is not None else None
+    for file in sorted(RECIPES_DIR.glob("*.yaml")):
+        if mine is not None and file.resolve() == mine.resolve():
+            continue
+        try:
+            data = read_yaml_mapping(file).get("data")
+        except DDTreeError:
+            continue  # a broken recipe owns nothing here; training names its fault when it is used
+        if not isinstance(data, dict) or not data.get("regenerate") or data.get("data_path") is None:
+            continue
+        path = default_data_path(file.stem) if data["data_path"] == AUTO_DATA else PROJECT_ROOT / str(data["data_path"])
+        if path.resolve() == Path(out).resolve():
+            return file.stem
+    return None
+
+
+def check_not_others_data(out: Path, recipe: Path | None, differs: str, tail: str = "") -> None:
+    """Where `out` is another recipe's data (owning_recipe), the error says so, in the place of advice to pass
+    --overwrite. differs: how the data there differs from this job's."""
+    owner = owning_recipe(out, recipe)
+    if owner is not None:
+        raise DDTreeError(f"{out} holds recipe {owner}'s data (its data.data_path, made as its data.regenerate says), "
+                          f"{differs}: --overwrite would replace it with this job's replies; give this job its own "
+                          f"output folder (--out, or its recipe's own data.data_path){tail}")
 
 
 def apply_recipe(args: argparse.Namespace) -> argparse.Namespace:
@@ -233,6 +270,7 @@ def check_dataset(args: argparse.Namespace) -> None:
     if made_with.get("num_prompts") != count:
         changed.append(f"prompts answered: {made_with.get('num_prompts')!r} -> {count}")
     if changed:
+        check_not_others_data(args.out, args.recipe, f"made with other settings ({'; '.join(changed)})")
         raise DDTreeError(f"{args.out} holds a dataset made with other settings ({'; '.join(changed)}): generate it "
                           "again with --overwrite (make data RECIPE=<recipe> ARGS=--overwrite), or give another "
                           "output folder")
@@ -395,17 +433,22 @@ def chunk_path(parts: Path, index: int) -> Path:
     return parts / f"chunk-{index:05d}.jsonl"
 
 
-def check_replaces_only_its_own(out: Path, settings: dict, num_prompts: int, overwrite: bool) -> None:
+def check_replaces_only_its_own(out: Path, settings: dict, num_prompts: int, overwrite: bool,
+                                recipe: Path | None = None) -> None:
     """A finished dataset at `out` made with other settings (another target, other prompts, ...), or answering more
     prompts than this job's `num_prompts`, is replaced only when asked: the merge would put this job's replies in its
-    place. A smaller --limit over the 2048 shipped answers left 64, and without a .parts folder the rest were lost."""
+    place. A smaller --limit over the 2048 shipped answers left 64, and without a .parts folder the rest were lost.
+    Where it is another recipe's data than this job's `recipe`, the error says so rather than offer --overwrite."""
     made_with = read_summary(out) or {}
     changed = changed_replies(made_with, settings) if made_with else []
     if changed and not overwrite:
+        check_not_others_data(out, recipe, f"made with other settings ({'; '.join(changed)})", "; nothing was written")
         raise DDTreeError(f"--out {out} holds a dataset made with other settings ({'; '.join(changed)}): give another "
                           "--out, or pass --overwrite to replace it once the new one is complete; nothing was written")
     answered = made_with.get("num_prompts")
     if isinstance(answered, int) and answered > num_prompts and not overwrite:
+        check_not_others_data(out, recipe, f"answering {answered} prompts where this job writes {num_prompts} (--limit)",
+                              "; nothing was written")
         raise DDTreeError(f"--out {out} holds a dataset answering {answered} prompts and this job writes {num_prompts} "
                           f"(--limit): the other {answered - num_prompts} answers would be lost; give another --out, or "
                           f"pass --overwrite to replace it with the {num_prompts}; nothing was written")
@@ -612,7 +655,7 @@ def run(args: argparse.Namespace) -> dict | None:
             raise DDTreeError(f"{args.prompts}: record {record['id']!r} has only assistant turns; it needs a prompt")
     chunks = [records[start:start + args.chunk_size] for start in range(0, len(records), args.chunk_size)]
     settings = response_settings(args)
-    check_replaces_only_its_own(out, settings, len(records), args.overwrite)
+    check_replaces_only_its_own(out, settings, len(records), args.overwrite, args.recipe)
     finished = finished_here(out, records, settings)
     if finished is not None:  # `make data` on the default recipe, whose data ships finished
         print(f"[regenerate] {out} already answers these {len(records)} prompts with these settings; nothing to do")

@@ -530,3 +530,52 @@ def test_a_chunk_is_on_the_disk_before_its_rename(tmp_path, monkeypatch):
     assert len(staged) == 2
     for name in staged:
         assert events.index(("fsync", name)) < events.index(("replace", name))
+
+
+def test_the_shipped_data_read_by_another_recipe_is_not_offered_to_overwrite(monkeypatch, capsys):
+    """`make data RECIPE=tiny` (tiny trains on data/smollm2-135m as it is) was told to pass --overwrite, which would
+    put a random target's replies in the place of the 2048 shipped ones and their recovered response_ids."""
+    monkeypatch.chdir(Path(regenerate.__file__).resolve().parents[1])
+    assert regenerate.main(["--recipe", "recipes/tiny.yaml", "--check"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: data/smollm2-135m holds recipe smollm2-135m's data (its data.data_path, made as its "
+                          "data.regenerate says), made with other settings (target: 'smollm2-135m' -> 'tiny-random'")
+    assert "ARGS=--overwrite" not in err and len(err.splitlines()) == 1
+
+
+def test_another_recipes_data_is_not_offered_to_overwrite(tmp_path, monkeypatch, capsys):
+    import shutil
+
+    from datasets import load_from_disk
+
+    prompt_file(tmp_path / "prompts.jsonl", 4)
+    recipes = tmp_path / "recipes"
+    recipes.mkdir()
+    data = tmp_path / "data"
+    (recipes / "owner.yaml").write_text(
+        f"model:\n  target: tiny-random\ndata:\n  data_path: {data}\n  regenerate:\n    prompts: {tmp_path / 'prompts.jsonl'}"
+        "\n    max_new_tokens: 6\n    dtype: float32\n    batch_size: 2\n    chunk_size: 2\n")
+    (recipes / "reader.yaml").write_text(f"model:\n  target: tiny-random\ndata:\n  data_path: {data}\n")
+    monkeypatch.setattr(regenerate, "RECIPES_DIR", recipes)
+    assert regenerate.run(regenerate.parse_args(["--recipe", "owner"]))["num_conversations"] == 4
+    made = load_from_disk(str(data)).to_list()
+    shutil.rmtree(tmp_path / "data.parts")  # as shipped
+    capsys.readouterr()
+    reader = ["--recipe", "reader", "--prompts", str(tmp_path / "prompts.jsonl"), "--dtype", "float32",
+              "--chunk-size", "2"]
+    for flags, differs in ((["--max-new-tokens", "5"], "made with other settings (max_new_tokens: 6 -> 5)"),
+                           (["--max-new-tokens", "6", "--limit", "2"], "answering 4 prompts where this job writes 2 (--limit)")):
+        for check in (["--check"], []):
+            assert regenerate.main([*reader, *flags, *check]) == 2
+            err = capsys.readouterr().err.strip()
+            if check and "--limit" in flags:  # --check compares the count: the same refusal, in its own words
+                differs_here = "made with other settings (prompts answered: 4 -> 2)"
+            else:
+                differs_here = differs
+            assert err.startswith(f"error: {data} holds recipe owner's data (its data.data_path, made as its "
+                                  f"data.regenerate says), {differs_here}: --overwrite would replace it"), err
+            assert len(err.splitlines()) == 1
+    assert load_from_disk(str(data)).to_list() == made and not (tmp_path / "data.parts").exists()
+    # The owner's own job, with other settings, is still offered --overwrite: it is its data to replace.
+    assert regenerate.main(["--recipe", "owner", "--max-new-tokens", "5", "--check"]) == 2
+    assert "generate it again with --overwrite" in capsys.readouterr().err

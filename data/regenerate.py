@@ -447,8 +447,8 @@ def check_replaces_only_its_own(out: Path, settings: dict, num_prompts: int, ove
                           "--out, or pass --overwrite to replace it once the new one is complete; nothing was written")
     answered = made_with.get("num_prompts")
     if isinstance(answered, int) and answered > num_prompts and not overwrite:
-        check_not_others_data(out, recipe, f"answering {answered} prompts where this job writes {num_prompts} (--limit)",
-                              "; nothing was written")
+        check_not_others_data(out, recipe, f"answering {answered} prompts where this job writes {num_prompts} "
+                              "(--limit)", "; nothing was written")
         raise DDTreeError(f"--out {out} holds a dataset answering {answered} prompts and this job writes {num_prompts} "
                           f"(--limit): the other {answered - num_prompts} answers would be lost; give another --out, or "
                           f"pass --overwrite to replace it with the {num_prompts}; nothing was written")

@@ -61,8 +61,8 @@ def read_record(path: Path, remedy: str) -> dict | None:
 
 def read_summary(out: Path) -> dict | None:
     """<out>/regeneration.json, what the dataset at `out` was made with and its counts; None where there is none."""
-    return read_record(Path(out) / "regeneration.json", f"restore it (git checkout, for the shipped data) or move {out} "
-                       "away and generate the data again")
+    remedy = f"restore it (git checkout, for the shipped data) or move {out} away and generate the data again"
+    return read_record(Path(out) / "regeneration.json", remedy)
 
 
 def regenerate_arguments(target: str, out: Path, settings: dict) -> list[str]:

@@ -553,8 +553,9 @@ def test_another_recipes_data_is_not_offered_to_overwrite(tmp_path, monkeypatch,
     recipes.mkdir()
     data = tmp_path / "data"
     (recipes / "owner.yaml").write_text(
-        f"model:\n  target: tiny-random\ndata:\n  data_path: {data}\n  regenerate:\n    prompts: {tmp_path / 'prompts.jsonl'}"
-        "\n    max_new_tokens: 6\n    dtype: float32\n    batch_size: 2\n    chunk_size: 2\n")
+        f"model:\n  target: tiny-random\ndata:\n  data_path: {data}\n  regenerate:\n"
+        f"    prompts: {tmp_path / 'prompts.jsonl'}\n    max_new_tokens: 6\n    dtype: float32\n    batch_size: 2\n"
+        "    chunk_size: 2\n")
     (recipes / "reader.yaml").write_text(f"model:\n  target: tiny-random\ndata:\n  data_path: {data}\n")
     monkeypatch.setattr(regenerate, "RECIPES_DIR", recipes)
     assert regenerate.run(regenerate.parse_args(["--recipe", "owner"]))["num_conversations"] == 4
@@ -564,7 +565,8 @@ def test_another_recipes_data_is_not_offered_to_overwrite(tmp_path, monkeypatch,
     reader = ["--recipe", "reader", "--prompts", str(tmp_path / "prompts.jsonl"), "--dtype", "float32",
               "--chunk-size", "2"]
     for flags, differs in ((["--max-new-tokens", "5"], "made with other settings (max_new_tokens: 6 -> 5)"),
-                           (["--max-new-tokens", "6", "--limit", "2"], "answering 4 prompts where this job writes 2 (--limit)")):
+                           (["--max-new-tokens", "6", "--limit", "2"],
+                            "answering 4 prompts where this job writes 2 (--limit)")):
         for check in (["--check"], []):
             assert regenerate.main([*reader, *flags, *check]) == 2
             err = capsys.readouterr().err.strip()

@@ -330,9 +330,10 @@ def data_provenance(data_path: str | None, target: str) -> str:
     """Whose replies the data holds, as far as the data itself says (data/regenerate.py's regeneration.json)."""
     meta = Path(data_path) / "regeneration.json" if data_path else None
     try:
-        written_by = json.loads(meta.read_text()).get("target") if meta is not None and meta.is_file() else None
-    except (OSError, ValueError):
-        written_by = None
+        record = json.loads(meta.read_text()) if meta is not None and meta.is_file() else None
+    except (OSError, ValueError):  # a damaged record says nothing: the card says so rather than failing the export
+        record = None
+    written_by = record.get("target") if isinstance(record, dict) else None
     if written_by == target:
         return ("responses written by the target itself (its regeneration.json; the DFlash recipe distils the "
                 "target's own outputs)")

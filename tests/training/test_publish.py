@@ -1076,6 +1076,10 @@ def test_the_card_says_whose_replies_the_data_holds_as_the_data_says_it(run_dir,
     assert "written by the target itself" not in card
     assert "written by the target itself" in data_provenance("data/smollm2-135m", "smollm2-135m")  # the shipped data
     assert "written by `smollm2-135m`" in data_provenance("data/smollm2-135m", "tiny-random")  # the tiny recipe's
+    for damaged in ('{"target": ', '["smollm2-135m"]'):  # cut short, or not the object regenerate.py writes
+        (tmp_path / "data").mkdir(exist_ok=True)
+        (tmp_path / "data" / "regeneration.json").write_text(damaged)
+        assert "no regeneration.json says" in data_provenance(str(tmp_path / "data"), "smollm2-135m")
 
 
 def test_the_card_reads_the_provenance_of_the_data_the_run_trained_on(run_dir, tmp_path, empty_cache, monkeypatch):

@@ -39,6 +39,11 @@ from .strategies import CPUDeepSpeed, check_launch, count_devices
 from .target import dtype_for_precision
 
 GPU_ACCELERATORS = ("gpu", "cuda")  # the trainer.accelerator values that need a CUDA GPU
+# LightningCLI's own optimizer sections, which DistillCLI does not take: every config.yaml written before it stopped
+# taking them records both as null, and those are dropped (config_arg), so that such a run still resumes.
+LIGHTNING_OPTIMIZER_SECTIONS = ("optimizer", "lr_scheduler")
+OPTIMIZER_FIELDS = ("the optimizer is the module's AdamW with a warm-up and a cosine schedule: set model.lr, "
+                    "model.betas, model.weight_decay, model.warmup_ratio or model.min_lr_ratio instead")
 
 
 class RecipeSettingError(DDTreeError):
@@ -83,6 +88,12 @@ def config_arg(config: Path, overrides: list[str]) -> str:
     auto asks for the same on a recipe that names a precision (give parser_overrides to the parser).
     """
     settings = read_yaml_mapping(config)
+    recorded_null = [key for key in LIGHTNING_OPTIMIZER_SECTIONS if key in settings and settings[key] is None]
+    for key in recorded_null:
+        del settings[key]
+    for key in LIGHTNING_OPTIMIZER_SECTIONS:
+        if key in settings:
+            raise RecipeSettingError(f"{key}: section not accepted ({OPTIMIZER_FIELDS}); remove it")
     trainer = settings.get("trainer") or {}
     override = precision_override(overrides)
     if override == AUTO:
@@ -94,7 +105,7 @@ def config_arg(config: Path, overrides: list[str]) -> str:
                                  f"{', '.join(LIGHTNING_PRECISION.values())} (or another of Lightning's precisions), "
                                  f"or drop the override{keep}")
     if trainer.get("precision") != AUTO:
-        return str(config)
+        return yaml.safe_dump(settings, sort_keys=False) if recorded_null else str(config)
     if override is None:
         accelerator = str(trainer.get("accelerator", "auto"))
         # A GPU recipe read on a machine without one resolves for the CPU (training stops at check_accelerator).
@@ -112,7 +123,10 @@ def recipe_errors(config: Path):
     try:
         yield
     except ArgumentError as error:
-        raise DDTreeError(f"{config}: {argument_error_line(error)}") from None
+        line = argument_error_line(error)
+        if any(f"--{key}" in line for key in LIGHTNING_OPTIMIZER_SECTIONS):
+            line += f" ({OPTIMIZER_FIELDS})"
+        raise DDTreeError(f"{config}: {line}") from None
     except RecipeSettingError as error:
         raise DDTreeError(f"{config}: {error}") from None
 
@@ -276,6 +290,12 @@ def check_checkpoint_settings(config: Path) -> None:
 
 
 class DistillCLI(LightningCLI):
+    def __init__(self, *args, **kwargs):
+        # The optimizer and its schedule are the module's (configure_optimizers: AdamW, warm-up and cosine, set by
+        # model.lr, model.betas, model.weight_decay, model.warmup_ratio, model.min_lr_ratio). Lightning's own
+        # --optimizer made fit fail with a traceback, and its --lr_scheduler was recorded and never used.
+        super().__init__(*args, auto_configure_optimizers=False, **kwargs)
+
     def add_arguments_to_parser(self, parser):
         # Every run measures DDTree acceptance (eval.*) and checkpoints at exactly those steps, ranked by
         # the primary budget's tau: both checkpoint settings follow the eval section.

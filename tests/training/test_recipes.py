@@ -73,6 +73,28 @@ def test_a_bad_field_is_rejected_by_the_parser():
         parse_recipe("tiny", "--model.no_such_field=3")
 
 
+@pytest.mark.parametrize("overrides", [["--optimizer=SGD", "--optimizer.lr=0.5"],
+                                       ["--lr_scheduler=StepLR", "--lr_scheduler.step_size=1"]])
+def test_lightnings_own_optimizer_options_are_refused_in_one_line(overrides, tmp_path, capsys):
+    """LightningCLI's automatic --optimizer made fit fail with a traceback (an empty parameter list), and its
+    --lr_scheduler was recorded in config.yaml and never used: the module's configure_optimizers is the only one."""
+    assert main(["--recipe", "tiny", *overrides, "--output-root", str(tmp_path)]) == 2
+    errors = error_lines(capsys)
+    assert len(errors) == 1 and f"unrecognized arguments: {overrides[0]}" in errors[0] and "model.lr" in errors[0], errors
+    assert not any(tmp_path.iterdir())
+
+
+def test_an_optimizer_section_is_refused_and_a_null_one_from_an_older_run_is_dropped(tmp_path):
+    text = (RECIPES_DIR / "tiny.yaml").read_text()
+    (tmp_path / "sgd.yaml").write_text(text + "optimizer:\n  class_path: torch.optim.SGD\n  init_args:\n    lr: 0.5\n")
+    with pytest.raises(DDTreeError, match=r"sgd.yaml: optimizer: section not accepted \(the optimizer is the module's"):
+        read_recipe(tmp_path / "sgd.yaml", [])
+    # every config.yaml written while Lightning's options were on records both as null: such a run still resumes
+    older = text.replace("precision: auto", "precision: 32-true") + "optimizer: null\nlr_scheduler: null\n"
+    (tmp_path / "older.yaml").write_text(older)
+    assert read_recipe(tmp_path / "older.yaml", []).model.lr == read_recipe(RECIPES_DIR / "tiny.yaml", []).model.lr
+
+
 @pytest.mark.parametrize("name", BIG_RECIPES)
 def test_big_recipe_wires_up_on_a_shrunken_target(name, monkeypatch):
     config = parse_recipe(name)

@@ -267,9 +267,18 @@ def check_input_files(config: Namespace) -> None:
     15.7 s now, the imports; a 2-core AVX2 EPYC, 2026-11-29)."""
     data_path = str(config.data.data_path)
     generated = data_path == AUTO_DATA or config.data.regenerate  # written on first use (training/recipe_data.py)
-    if not (generated or Path(data_path).exists() or has_hub_id_shape(data_path)):
-        raise RecipeSettingError(f"data.data_path={data_path}: no such file or folder (and not a Hub dataset name "
-                                 "owner/name); give a .jsonl or .parquet file or a saved datasets folder")
+    if not (generated or Path(data_path).exists()):
+        if not has_hub_id_shape(data_path):
+            raise RecipeSettingError(f"data.data_path={data_path}: no such file or folder (and not a Hub dataset name "
+                                     "owner/name); give a .jsonl or .parquet file or a saved datasets folder")
+        # data/qwen3-8b has the shape owner/name: before its replies were generated it was taken for a Hub dataset,
+        # and the run failed at fit, 25 s later, asking the Hub for a dataset `data/qwen3-8b`.
+        owner = Path(data_path).parts[0]
+        if Path(owner).is_dir():
+            raise RecipeSettingError(f"data.data_path={data_path}: no such folder ({owner}/ is a folder here, so this "
+                                     "is a local path, not a Hub dataset): generate it first with data/regenerate.py "
+                                     "(make data RECIPE=<recipe>; the recipe's header gives the options), or give "
+                                     "the data's path")
     if config.model.init_from:
         try:
             init_from_config(config.model.init_from)
@@ -316,13 +325,14 @@ class DistillCLI(LightningCLI):
         parser.link_arguments("model.target", "data.target", apply_on="parse")
 
     def before_instantiate_classes(self) -> None:
-        # Before anything is built: a recipe sized for other hardware than was launched stops here.
+        # Before anything is built: a recipe sized for other hardware than was launched stops here, before its files
+        # are looked for (a GPU recipe on a CPU machine says so first, not that its data is yet to be generated).
         check_values(self.config)
-        check_input_files(self.config)
         check_accelerator(self.config.trainer.accelerator, self.config.trainer.devices, self.config.model.target)
         check_strategy(self.config.trainer.strategy, self.config.trainer.accelerator,
                        self.config.trainer.gradient_clip_algorithm)
         check_launch(self.config.trainer.devices, self.config.trainer.num_nodes)
+        check_input_files(self.config)
 
     def instantiate_trainer(self, **kwargs):
         # Lightning checks the rest of the trainer section (accelerator and strategy names, among others) as it

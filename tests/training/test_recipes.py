@@ -304,6 +304,21 @@ def test_fsdp_is_one_line_before_anything_loads(tmp_path, monkeypatch, capsys):
     assert not any(tmp_path.iterdir())
 
 
+def test_a_data_path_under_a_local_folder_is_a_missing_folder_not_a_hub_dataset(tmp_path, monkeypatch, capsys):
+    """data/qwen3-8b before its replies are generated has the shape owner/name: it passed the check as a Hub dataset
+    and failed at fit, 25 s later, with the Hub's message (or asked the Hub for a dataset `data/qwen3-8b`)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    out = tmp_path / "out"
+    prompts = RECIPES_DIR.parent / "data" / "eval_prompts.jsonl"  # the recipe's, named from the repository
+    assert main(["--recipe", "tiny", "--data.data_path=data/qwen3-8b", f"--eval.prompts={prompts}",
+                 "--output-root", str(out)]) == 2
+    errors = error_lines(capsys)
+    assert len(errors) == 1 and "data.data_path=data/qwen3-8b: no such folder (data/ is a folder here" in errors[0]
+    assert "generate it first with data/regenerate.py (make data RECIPE=<recipe>" in errors[0], errors
+    assert not out.exists()
+
+
 def test_a_target_dtype_that_is_not_a_dtype_is_one_line_before_anything_loads(tmp_path, capsys):
     with pytest.raises(DDTreeError, match="model.target_dtype='fp16': choose one of float32, bfloat16, float16, or auto"):
         training.target.dtype_for_precision("32-true", "fp16")

@@ -290,12 +290,32 @@ def check_input_files(config: Namespace) -> None:
                                  "(the `ddtree bench --prompts` format)")
 
 
-def check_checkpoint_settings(config: Path) -> None:
-    """The eval section sets checkpoint.every_n_train_steps and checkpoint.monitor; a config value would be dropped silently."""
+# Where a run writes: training.train sets both to the run folder (run_location_args), which its resume, make eval and
+# make export read, and a run's config.yaml records them.
+RUN_LOCATION_FIELDS = ("trainer.default_root_dir", "checkpoint.dirpath")
+
+
+def check_checkpoint_settings(config: Path, overrides: list[str] = (), run_config: bool = False) -> None:
+    """Settings a launch sets itself: given in the recipe or as an override, they were dropped silently or split a run.
+
+    The eval section sets checkpoint.every_n_train_steps and checkpoint.monitor. The run folder sets
+    RUN_LOCATION_FIELDS: given elsewhere, a run's checkpoints (or its reports) went where neither its resume nor
+    make eval finds them, and two runs given one dirpath overwrote each other's checkpoints. A run's own config.yaml
+    (run_config) records those two, which the launch sets again.
+    """
     settings = read_yaml_mapping(config)
     for field, source in (("every_n_train_steps", "eval.every_n_train_steps"), ("monitor", "eval.primary_budget")):
         if field in (settings.get("checkpoint") or {}):
             raise DDTreeError(f"{config}: checkpoint.{field} follows {source}; remove it from the checkpoint section")
+    fix = "give --output-root (runs go to <output-root>/<recipe>/<run>/) or --run-name"
+    for field in RUN_LOCATION_FIELDS:
+        section, key = field.split(".")
+        if not run_config and key in (settings.get(section) or {}):
+            raise DDTreeError(f"{config}: {field} is set by the run folder; remove it from the {section} section and "
+                              f"{fix}")
+        if any(item == f"--{field}" or item.startswith(f"--{field}=") for item in overrides):
+            raise DDTreeError(f"{config}: --{field} is set by the run folder (its resume, make eval and make export "
+                              f"look there); drop it and {fix}")
 
 
 class DistillCLI(LightningCLI):
@@ -363,7 +383,7 @@ class RecipeReader(DistillCLI):
 
 def read_recipe(config: Path, overrides: list[str]) -> Namespace:
     """A recipe's settings as training would resolve them (config.model, config.data, ...), overrides applied."""
-    check_checkpoint_settings(config)
+    check_checkpoint_settings(config, overrides)
     with recipe_errors(config), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
         return RecipeReader(DistillModule, DistillDataModule, save_config_callback=None,

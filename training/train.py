@@ -97,7 +97,7 @@ def run_location_args(run_dir: Path) -> list[str]:
 
 def build_cli(config: Path, run_dir: Path, overrides: list[str]) -> DistillCLI:
     """Parse config + overrides into (model, datamodule, trainer) without running anything."""
-    check_checkpoint_settings(config)
+    check_checkpoint_settings(config, overrides, run_config=config == run_dir / "config.yaml")
     with recipe_errors(config), warnings.catch_warnings():
         # LightningCLI is handed its arguments here, so its warning that sys.argv holds some too is noise.
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")

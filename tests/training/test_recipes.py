@@ -319,6 +319,23 @@ def test_a_data_path_under_a_local_folder_is_a_missing_folder_not_a_hub_dataset(
     assert not out.exists()
 
 
+@pytest.mark.parametrize("field", ["checkpoint.dirpath", "trainer.default_root_dir"])
+def test_where_a_run_writes_is_the_run_folders_alone(field, tmp_path, monkeypatch, capsys):
+    """Overriding either split a run: --checkpoint.dirpath put its checkpoints where neither its resume nor make eval
+    looks (and two runs given one overwrote each other's), --trainer.default_root_dir its reports and eval/."""
+    elsewhere = tmp_path / "elsewhere"
+    assert main(["--recipe", "tiny", f"--{field}={elsewhere}", "--output-root", str(tmp_path / "out")]) == 2
+    errors = error_lines(capsys)
+    assert len(errors) == 1 and f"tiny.yaml: --{field} is set by the run folder" in errors[0], errors
+    assert "--output-root" in errors[0] and not elsewhere.exists() and not (tmp_path / "out").exists()
+    section, key = field.split(".")
+    recipe = tmp_path / "mine.yaml"
+    text = (RECIPES_DIR / "tiny.yaml").read_text()
+    recipe.write_text(text.replace(f"\n{section}:\n", f"\n{section}:\n  {key}: x\n", 1))
+    with pytest.raises(DDTreeError, match=f"mine.yaml: {field} is set by the run folder; remove it from the {section} "):
+        read_recipe(recipe, [])
+
+
 def test_a_target_dtype_that_is_not_a_dtype_is_one_line_before_anything_loads(tmp_path, capsys):
     with pytest.raises(DDTreeError, match="model.target_dtype='fp16': choose one of float32, bfloat16, float16, or auto"):
         training.target.dtype_for_precision("32-true", "fp16")

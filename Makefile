@@ -7,6 +7,9 @@ STAMP  := $(VENV)/.installed
 RECIPE ?= smollm2-135m
 # A value as one shell word, whatever it holds (spaces, an apostrophe): '...', each ' inside written '\''.
 quote = '$(subst ','\'',$(1))'
+# A switch variable's flag: $(call switch,PUSH,--push) is --push for PUSH=1, nothing where PUSH is empty or unset, and
+# stops make in one line for any other value ($(if) alone read PUSH=0 as on: it pushed, and OVERWRITE=0 overwrote).
+switch = $(if $(filter-out 1,$($(1))),$(error $(1)=$($(1)): give $(1)=1 to turn it on or leave it out to keep it off),$(if $($(1)),$(2)))
 # A resumed run keeps its own recipe: --recipe only where RECIPE was given, or for a new run (training.train
 # refuses a --recipe that is not the resumed run's, and the default named smollm2-135m for every run resumed).
 RECIPE_FLAG = $(if $(and $(RESUME),$(filter file,$(origin RECIPE))),,--recipe $(call quote,$(RECIPE)))
@@ -46,7 +49,7 @@ data: $(STAMP)
 # data, written once (in the dtype training runs the target in: bf16, or fp32 where `auto` picks it; sharded; size printed first; resumable) for `--data.feature_store <dir>`
 # (training/features.py). OUT defaults to the recipe's data.feature_store, else a folder under $DDTREE_CACHE.
 features: $(STAMP)
-	$(PY) -m training.features --recipe $(call quote,$(RECIPE)) $(if $(OUT),--out $(call quote,$(OUT))) $(if $(FORCE),--force) $(ARGS)
+	$(PY) -m training.features --recipe $(call quote,$(RECIPE)) $(if $(OUT),--out $(call quote,$(OUT))) $(call switch,FORCE,--force) $(ARGS)
 
 # make train [RECIPE=smollm2-135m|tiny|qwen3-8b|...] [RESUME=last|path/to/x.ckpt|run folder] [NODES=n] [ARGS="..."]
 # Writes outputs/$(RECIPE)/<run>/ (config, checkpoints, logs, drafter/); RESUME continues a run exactly.
@@ -66,23 +69,28 @@ endif
 ablate: $(STAMP)
 	$(PY) -m training.ablate --recipe $(call quote,$(RECIPE)) $(ARGS)
 
-# make eval [RECIPE=smollm2-135m] [RUN=outputs/<recipe>/<run>] [CKPT=best|last|path/to/x.ckpt]
+# make eval [RECIPE=smollm2-135m] [RUN=outputs/<recipe>/<run>] [CKPT=best|last|path/to/x.ckpt] [ARGS="--limit 40 ..."]
 # (default: best.ckpt of RUN, else of the recipe's newest run; `make ablate`'s variant runs are not counted)
 # Measures a saved checkpoint's DDTree acceptance exactly as training's evaluation did (recipe's eval: section).
+# ARGS passes training.evaluate's other options through (--limit, --device, --out, --overwrite).
 eval: $(STAMP)
-	$(PY) -m training.evaluate --recipe $(call quote,$(RECIPE)) --ckpt $(call quote,$(or $(CKPT),best)) $(if $(RUN),--run $(call quote,$(RUN)))
+	$(PY) -m training.evaluate --recipe $(call quote,$(RECIPE)) --ckpt $(call quote,$(or $(CKPT),best)) $(if $(RUN),--run $(call quote,$(RUN))) $(ARGS)
 
 # make export RUN=outputs/<recipe>/<run> OUT=exports/<name> [CKPT=best|last|path] [SPECULATORS=1]
 #             [OVERWRITE=1] [ALLOW_ENGINE_MISMATCH=1] [REPO=user/name PUSH=1 [PRIVATE=1] [REPLACE_REPO=1]]
 #             (push token: HF_TOKEN; REPLACE_REPO=1 pushes into a repo holding files no export writes)
-#             [BASE_MODEL=owner/name] [LICENSE=apache-2.0]   (the card's metadata)
+#             [BASE_MODEL=owner/name] [LICENSE=apache-2.0]   (the card's metadata)   [ARGS="--dtype float16 ..."]
 # Writes a Hub-ready drafter folder (weights, config + remote code, model card); see training/publish.py.
+# Each switch (SPECULATORS, OVERWRITE, ALLOW_ENGINE_MISMATCH, PUSH, PRIVATE, REPLACE_REPO; FORCE of make features) is
+# 1 or left out: PUSH=0 is an error, not a push. ARGS passes training.publish's other options through.
 export: $(STAMP)
 	$(if $(RUN),,$(error make export needs RUN=outputs/<recipe>/<run> (a training run folder) and OUT=exports/<name>))
 	$(if $(OUT),,$(error make export needs OUT=exports/<name> (the folder to write); RUN=$(RUN) is the run))
-	$(PY) -m training.publish $(call quote,$(RUN)) --out $(call quote,$(OUT)) $(if $(CKPT),--ckpt $(call quote,$(CKPT))) $(if $(SPECULATORS),--speculators) \
-		$(if $(OVERWRITE),--overwrite) $(if $(ALLOW_ENGINE_MISMATCH),--allow-engine-mismatch) $(if $(REPO),--repo $(REPO)) $(if $(PUSH),--push) $(if $(PRIVATE),--private) \
-		$(if $(REPLACE_REPO),--replace-repo) $(if $(BASE_MODEL),--base-model $(BASE_MODEL)) $(if $(LICENSE),--license $(LICENSE))
+	$(PY) -m training.publish $(call quote,$(RUN)) --out $(call quote,$(OUT)) $(if $(CKPT),--ckpt $(call quote,$(CKPT))) \
+		$(call switch,SPECULATORS,--speculators) $(call switch,OVERWRITE,--overwrite) \
+		$(call switch,ALLOW_ENGINE_MISMATCH,--allow-engine-mismatch) $(if $(REPO),--repo $(REPO)) \
+		$(call switch,PUSH,--push) $(call switch,PRIVATE,--private) $(call switch,REPLACE_REPO,--replace-repo) \
+		$(if $(BASE_MODEL),--base-model $(BASE_MODEL)) $(if $(LICENSE),--license $(LICENSE)) $(ARGS)
 
 # Two worker processes (pytest-xdist), each test file on one of them, each with half the cores' threads: most
 # tests are bound by Python and process start-up, not by matmuls, so on 2 cores this took 7.6 minutes against

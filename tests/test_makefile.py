@@ -1,0 +1,51 @@
+"""The Makefile's variables as `make -n` plans them: the commands it would run, nothing run (STAMP= skips the setup).
+
+Found in a review (2026-12-03): `$(if $(PUSH),--push)` read PUSH=0 as on, so `make export ... PUSH=0` pushed to the
+Hub and OVERWRITE=0 replaced an export; and `make eval` and `make export` dropped ARGS without a word.
+"""
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SWITCHES = {"FORCE": ("features", "--force"), "SPECULATORS": ("export", "--speculators"),
+            "OVERWRITE": ("export", "--overwrite"), "ALLOW_ENGINE_MISMATCH": ("export", "--allow-engine-mismatch"),
+            "PUSH": ("export", "--push"), "PRIVATE": ("export", "--private"),
+            "REPLACE_REPO": ("export", "--replace-repo")}
+TARGET_VARIABLES = {"features": [], "export": ["RUN=outputs/tiny/r", "OUT=exports/x", "REPO=you/x"]}
+
+
+def make_plan(*variables: str) -> subprocess.CompletedProcess:
+    # under `make test` the parent make's MAKELEVEL/MAKEFLAGS would add "Entering/Leaving directory" lines; a switch
+    # or ARGS in the caller's environment would be read as given
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS", "ARGS", *SWITCHES)}
+    return subprocess.run(["make", "-n", "--no-print-directory", "STAMP=", *variables], cwd=REPO, env=env,
+                          capture_output=True, text=True)
+
+
+def planned_words(*variables: str) -> list[str]:
+    planned = make_plan(*variables)
+    assert planned.returncode == 0 and not planned.stderr, planned
+    return planned.stdout.replace("\\\n", " ").split()
+
+
+@pytest.mark.parametrize("variable", SWITCHES)
+def test_a_switch_is_on_for_1_off_when_left_out_and_any_other_value_is_one_error_line(variable):
+    target, flag = SWITCHES[variable]
+    assert flag in planned_words(target, *TARGET_VARIABLES[target], f"{variable}=1")
+    assert flag not in planned_words(target, *TARGET_VARIABLES[target])
+    assert flag not in planned_words(target, *TARGET_VARIABLES[target], f"{variable}=")
+    for value in ("0", "no", "true"):
+        refused = make_plan(target, *TARGET_VARIABLES[target], f"{variable}={value}")
+        assert refused.returncode != 0 and flag not in refused.stdout, refused
+        lines = refused.stderr.strip().splitlines()
+        assert len(lines) == 1 and f"{variable}={value}: give {variable}=1 to turn it on or leave it out" in lines[0]
+
+
+@pytest.mark.parametrize("target", ["eval", "export"])
+def test_make_eval_and_export_pass_args_through(target):
+    words = planned_words(target, *TARGET_VARIABLES.get(target, []), "ARGS=--limit 40")
+    assert words[-2:] == ["--limit", "40"], words

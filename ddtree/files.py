@@ -123,11 +123,30 @@ def iter_json_lines(path: Path):
 
 def read_yaml_mapping(path: str | Path) -> dict:
     """A YAML file of sections (a recipe, a run's config.yaml) as a dict ({} when empty); a file that is not valid
-    YAML, or whose top level is not a mapping, is one DDTreeError line naming the file and where it broke."""
+    YAML, whose top level is not a mapping, or that gives a key twice in one mapping is one DDTreeError line naming
+    the file and where it broke."""
     import yaml  # (a transformers dependency; only training's files are YAML)
 
+    class UniqueKeyLoader(yaml.SafeLoader):
+        """PyYAML (and jsonargparse) keep a repeated key's last value: a second `model:` section appended to a copy
+        of a recipe replaced the whole first one, and that run trained a default drafter without a word."""
+
+        def construct_mapping(self, node, deep=False):
+            first_lines = {}
+            for key_node, _ in node.value:
+                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # (`<<:` merges may repeat keys, on purpose)
+                key = self.construct_object(key_node)
+                line = key_node.start_mark.line + 1
+                if key in first_lines:
+                    raise DDTreeError(f"{path}: `{key}:` at line {line} repeats the one at line {first_lines[key]} "
+                                      "(YAML would keep only the last, dropping the first without a word); give "
+                                      "each key once, merged into one")
+                first_lines[key] = line
+            return super().construct_mapping(node, deep)
+
     try:
-        settings = yaml.safe_load(Path(path).read_text())
+        settings = yaml.load(Path(path).read_text(), Loader=UniqueKeyLoader)
     except yaml.MarkedYAMLError as error:
         mark = error.problem_mark or error.context_mark
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

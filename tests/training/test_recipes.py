@@ -28,6 +28,7 @@ from training.recipe import read_recipe
 from training.train import build_cli, main
 from training.module import DistillModule
 from ddtree.errors import DDTreeError
+from ddtree.files import read_yaml_mapping
 
 TINY_WIDTHS = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=16)
 
@@ -146,6 +147,21 @@ def test_a_recipe_that_is_not_a_yaml_mapping_is_one_line_naming_the_file_and_whe
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"{tmp_path / 'mine.yaml'}: {named}" in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_section_added_again_to_a_copy_of_a_recipe_is_refused_not_swapped_for_the_first(tmp_path):
+    """The copy's second `model:` replaced the first whole: target smollm2-135m, default layers and anchors."""
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text((RECIPES_DIR / "tiny.yaml").read_text() + "model:\n  lr: 1.0e-3\n")
+    line = len((RECIPES_DIR / "tiny.yaml").read_text().splitlines()) + 1
+    with pytest.raises(DDTreeError, match=f"mine.yaml: `model:` at line {line} repeats the one at line "):
+        read_recipe(recipe, [])
+    recipe.write_text("model:\n  lr: 1.0e-3\n  block_size: 8\n  lr: 2.0e-3\n")  # within a section too
+    with pytest.raises(DDTreeError, match=r"mine.yaml: `lr:` at line 4 repeats the one at line 2 \(YAML would keep"):
+        read_yaml_mapping(recipe)
+    # a merge (<<:) may repeat a key on purpose, and two list items are two mappings
+    recipe.write_text("base: &base {lr: 1}\nmodel:\n  <<: *base\n  lr: 2\nlogger:\n- {name: a}\n- {name: b}\n")
+    assert read_yaml_mapping(recipe)["model"] == {"lr": 2}
 
 
 @pytest.mark.parametrize("module", ["train", "evaluate", "publish", "export", "features", "ablate", "throughput",

@@ -96,10 +96,13 @@ export: $(STAMP)
 # tests are bound by Python and process start-up, not by matmuls, so on 2 cores this took 7.6 minutes against
 # 13.9 in one process with 2 threads (docs/tests.md).
 TEST_WORKERS ?= 2
-TEST_ARGS := -q -n $(TEST_WORKERS) --dist loadfile
-TEST_ENV := OMP_NUM_THREADS=$$(( $$(nproc) / $(TEST_WORKERS) > 0 ? $$(nproc) / $(TEST_WORKERS) : 1 ))
+TEST_ARGS := -q -n $(call quote,$(TEST_WORKERS)) --dist loadfile
+# TEST_WORKERS=0 runs the tests in this process (all the cores' threads); auto, or any other of pytest-xdist's words,
+# starts as many workers as cores (one thread each).
+TEST_ENV := OMP_NUM_THREADS=$$(w=$(call quote,$(TEST_WORKERS)); case "$$w" in ('' | *[!0-9]*) echo 1;; \
+	(*[1-9]*) n=$$(expr $$(nproc) / "$$w"); echo $$(( n > 0 ? n : 1 ));; (*) nproc;; esac)
 
-# make test [TEST_WORKERS=2]: the default suite on the CPU (CUDA tests skip without a GPU); make test-all adds the slow ones
+# make test [TEST_WORKERS=2|0|auto]: the default suite on the CPU (CUDA tests skip without a GPU); make test-all adds the slow ones
 test: $(STAMP)
 	$(TEST_ENV) $(PY) -m pytest $(TEST_ARGS)
 

@@ -1,7 +1,8 @@
 """The Makefile's variables as `make -n` plans them: the commands it would run, nothing run (STAMP= skips the setup).
 
 Found in a review (2026-12-03): `$(if $(PUSH),--push)` read PUSH=0 as on, so `make export ... PUSH=0` pushed to the
-Hub and OVERWRITE=0 replaced an export; and `make eval` and `make export` dropped ARGS without a word.
+Hub and OVERWRITE=0 replaced an export; `make eval` and `make export` dropped ARGS without a word; and
+`make test TEST_WORKERS=0` (or auto) stopped in the shell's arithmetic (division by 0) before pytest ran.
 """
 
 import os
@@ -49,3 +50,20 @@ def test_a_switch_is_on_for_1_off_when_left_out_and_any_other_value_is_one_error
 def test_make_eval_and_export_pass_args_through(target):
     words = planned_words(target, *TARGET_VARIABLES.get(target, []), "ARGS=--limit 40")
     assert words[-2:] == ["--limit", "40"], words
+
+
+@pytest.mark.parametrize("workers, threads", [("2", lambda cores: max(1, cores // 2)), ("0", lambda cores: cores),
+                                              ("auto", lambda cores: 1), ("logical", lambda cores: 1)])
+def test_make_test_runs_pytest_for_each_of_xdists_worker_counts(workers, threads, tmp_path):
+    """The suite's command as `make test` runs it, with a stand-in for the venv's python that prints what it got."""
+    fake_python = tmp_path / "python"
+    fake_python.write_text('#!/bin/sh\necho "threads=$OMP_NUM_THREADS args=$*"\n')
+    fake_python.chmod(0o755)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS", "TEST_WORKERS", "OMP_NUM_THREADS", "OMP_THREAD_LIMIT")}
+    ran = subprocess.run(["make", "-s", "--no-print-directory", "test", "STAMP=", f"PY={fake_python}",
+                          f"TEST_WORKERS={workers}"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert ran.returncode == 0 and not ran.stderr, ran
+    cores = int(subprocess.run(["nproc"], env=env, capture_output=True, text=True, check=True).stdout)
+    assert ran.stdout.split() == [f"threads={threads(cores)}", "args=-m", "pytest", "-q", "-n", workers, "--dist",
+                                  "loadfile"]

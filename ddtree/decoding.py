@@ -401,6 +401,16 @@ def check_tree_attention(target: PreTrainedModel, method: str) -> None:
                           f"only: load it with attn_implementation='sdpa', as ddtree.targets.load_target does")
 
 
+def check_target_decodable(target: PreTrainedModel, method: str) -> None:
+    """Every refusal of a target whose verify would commit other tokens than greedy decoding (generate's, and
+    training's evaluation's before its first step). They read the config (and the attention kernel) only, so a
+    stand-in `SimpleNamespace(config=..., name_or_path_for_ddtree=...)` is checked as a loaded target is."""
+    check_full_attention(target)
+    check_fixed_rope(target)
+    check_no_alibi(target)
+    check_tree_attention(target, method)
+
+
 def check_corpus(method: str, corpus: CorpusLookup | bool | None) -> None:
     """A corpus given explicitly grafts into ddtree trees."""
     if isinstance(corpus, CorpusLookup) and method != "ddtree":
@@ -640,10 +650,7 @@ def generate(
                           "build it there (torch.Generator(device=target.device))")
     static = static_cache(static, device)
     check_sizer(method, sizer is not None, static)
-    check_full_attention(target)
-    check_fixed_rope(target)
-    check_no_alibi(target)
-    check_tree_attention(target, method)
+    check_target_decodable(target, method)
     prompt = prompt_token_ids(prompt_ids)
     rows = target.get_input_embeddings().weight.shape[0]
     outside = [token for token in prompt if not 0 <= token < rows]

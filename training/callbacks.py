@@ -68,7 +68,7 @@ from transformers import AutoConfig, PreTrainedModel
 
 from ddtree.bench import CHAIN, acceptance_summary, load_prompts, run_benchmark, tree_key
 from ddtree.corpus import CorpusLookup
-from ddtree.decoding import DrafterRunner, Sampling
+from ddtree.decoding import DrafterRunner, Sampling, check_target_decodable, check_tree_attention
 from ddtree.errors import DDTreeError
 from ddtree.files import write_json_atomic
 from ddtree.packed_linear import PACKED_KERNELS, apply_packing, cannot_pack, pack_linears, unpack_linears
@@ -385,10 +385,13 @@ class AcceptanceEvaluation(L.Callback):
             if packed:
                 unpack_linears(target)
 
-    def check_context(self, target: str) -> None:
-        """The largest budget and every prompt must fit the target's context (read from its config: the weights load
-        later, in configure_model). Decoding refuses them too, but only at the first evaluation, N steps in."""
-        limit = context_limit(SimpleNamespace(config=AutoConfig.from_pretrained(resolve_target(target))))
+    def check_target(self, target: str) -> None:
+        """The target must be one decoding takes (check_target_decodable: full attention, fixed RoPE, no ALiBi), and
+        the largest budget and every prompt must fit its context, read from its config: the weights load later, in
+        configure_model. Decoding refuses them too, but only at the first evaluation, N steps in, with no checkpoint."""
+        unloaded = SimpleNamespace(config=AutoConfig.from_pretrained(resolve_target(target)), name_or_path_for_ddtree=target)
+        check_target_decodable(unloaded, "ddtree")
+        limit = context_limit(unloaded)
         if self.budgets[-1] >= limit:
             raise DDTreeError(f"eval.budgets={self.budgets}: a tree of {self.budgets[-1]} nodes cannot be verified within "
                               f"the target's context of {limit} tokens; give budgets below {limit}")
@@ -405,7 +408,7 @@ class AcceptanceEvaluation(L.Callback):
         # Read the prompts now, so a bad file stops the run before training, not after the first N steps.
         tokenizer = load_tokenizer(pl_module.hparams.target)  # the target's own, shared: read, never changed
         self.prompts = self.load_prompts(tokenizer)
-        self.check_context(pl_module.hparams.target)
+        self.check_target(pl_module.hparams.target)
         self.tokenizer = tokenizer
         if pl_module.hparams.get("corpus"):  # the replies the export ships (training/train.py), decoded with here too
             datamodule = trainer.datamodule
@@ -418,6 +421,7 @@ class AcceptanceEvaluation(L.Callback):
         self.launch_started = time.perf_counter()
         self.launch_eval_seconds = 0.0
         self.resolve_packing(pl_module.target)  # now, so that `on` where it cannot pack stops before the first step
+        check_tree_attention(pl_module.target, "ddtree")  # the kernel it loaded with (setup read only the config)
         # A checkpoint is written before its step's validation runs, so a resumed history lacks that loss; the
         # evaluation's file recorded it (on_validation_end).
         for row in self.history:

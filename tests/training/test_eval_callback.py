@@ -20,6 +20,7 @@ from types import SimpleNamespace
 
 import lightning as L
 from lightning.pytorch.callbacks import Timer
+from lightning.pytorch.utilities import AttributeDict
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 import numpy as np
 import pytest
@@ -1180,6 +1181,55 @@ def test_eval_settings_that_cannot_fit_the_targets_context_stop_the_run_before_t
     fits = AcceptanceEvaluation(prompts=PROMPTS, budgets=[8, 2047], primary_budget=8, limit=2)
     fits.setup(None, module, "fit")
     assert len(fits.prompts) == 2
+
+
+def tiny_target_folder(folder: Path, config) -> Path:
+    """A random-weight target of `config`'s family with the tiny target's tokenizer (what the callback reads first)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ddtree.targets import resolve_target
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_target("tiny-random"))
+    config.vocab_size = len(tokenizer) + 8  # spare rows: the drafter's MASK
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def undecodable_target_configs() -> dict:
+    from transformers import MistralConfig, MptConfig, Phi3Config
+
+    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                 max_position_embeddings=512)
+    longrope = dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=128,
+                    short_factor=[1.0] * 8, long_factor=[2.0] * 8)
+    return {
+        "sliding-window attention": MistralConfig(**sizes, head_dim=16, sliding_window=4096),  # Mistral-7B-v0.1's
+        "'longrope'": Phi3Config(**sizes, original_max_position_embeddings=128, rope_parameters=longrope, pad_token_id=0),
+        "ALiBi": MptConfig(d_model=32, n_layers=2, n_heads=2, max_seq_len=512),
+    }
+
+
+@pytest.mark.parametrize("refused", ["sliding-window attention", "'longrope'", "ALiBi"])
+def test_a_target_decoding_refuses_stops_the_run_before_training(tmp_path, refused):
+    """Decoding refuses these targets; the evaluation found out only at its first run, N steps in with no checkpoint
+    (1000 steps of the qwen3-8b recipe). Now the callback's setup refuses them from the config, before the weights load."""
+    folder = tiny_target_folder(tmp_path / "target", undecodable_target_configs()[refused])
+    module = SimpleNamespace(hparams=AttributeDict(target=str(folder)))
+    with pytest.raises(DDTreeError, match=rf"^target '{re.escape(str(folder))}' .*{refused}"):
+        AcceptanceEvaluation(prompts=PROMPTS, budgets=[8], primary_budget=8).setup(None, module, "fit")
+
+
+def test_a_sliding_window_target_is_one_line_before_the_first_training_step(tmp_path, capsys, monkeypatch):
+    folder = tiny_target_folder(tmp_path / "mistral", undecodable_target_configs()["sliding-window attention"])
+    monkeypatch.setattr(DistillModule, "training_step", lambda *args: pytest.fail("trained a step"))
+    data = write_conversations(tmp_path / "conversations.jsonl")
+    assert train_main(["--recipe", "tiny", "--output-root", str(tmp_path / "out"), "--run", "mistral",
+                       f"--data.data_path={data}", f"--data.cache_dir={tmp_path / 'cache'}", "--data.batch_size=2",
+                       "--trainer.val_check_interval=null", "--trainer.max_steps=4",
+                       "--eval.every_n_train_steps=2", f"--model.target={folder}", "--model.target_layer_ids=[0]"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith(f"error: target '{folder}' has sliding-window attention"), errors
 
 
 # ----------------------------------------------------------------------------- context lookup

@@ -436,10 +436,21 @@ def build_drafter_config(
         head_dim=head_dim,
         rms_norm_eps=norm_eps,
         max_position_embeddings=max_positions,
-        rope_parameters=dict(getattr(tc, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}),
+        rope_parameters=full_attention_rope(tc),
     )
     check_drafter_fits(config, target, name_or_path)
     return config
+
+
+def full_attention_rope(text_config) -> dict:
+    """The RoPE settings of the target's full-attention layers, which the drafter takes (it attends to the whole
+    context): the one dict most configs hold, or, where rope_parameters holds one per layer type (Gemma-3:
+    {"sliding_attention": {...}, "full_attention": {...}}), the full-attention one (else the first)."""
+    parameters = getattr(text_config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}
+    if "rope_type" in parameters:
+        return dict(parameters)
+    per_layer_type = {name: rope for name, rope in parameters.items() if isinstance(rope, dict)}
+    return dict(per_layer_type.get("full_attention") or next(iter(per_layer_type.values())))
 
 
 def target_field(text_config, name_or_path: str, names: tuple[str, ...], default=None):

@@ -384,3 +384,32 @@ def test_a_target_config_without_a_field_the_drafter_needs_is_one_line():
     with pytest.raises(DDTreeError, match=r"target 'x' \(mamba\) has no max_position_embeddings in its config"):
         target_field(family, "x", ("max_position_embeddings",))
     assert target_field(family, "x", ("intermediate_size", "n_inner"), 256) == 256  # None counts as absent
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic-cache", "static-cache"])
+def test_a_drafter_of_a_target_with_rope_per_layer_type_takes_the_full_attention_ones_and_decodes_losslessly(static):
+    """Gemma-3 keys rope_parameters by layer type; copied as they were, the drafter's rotary embedding failed with
+    KeyError: 'rope_type'. The drafter attends to the whole context, as the target's full-attention layers do."""
+    import transformers
+
+    from ddtree.decoding import DrafterRunner, generate
+    from rigged import RiggedDrafter, hf_greedy  # tests/rigged.py
+
+    config = transformers.Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                           max_position_embeddings=128, layer_types=["full_attention"] * 2)
+    assert set(config.rope_parameters) == {"sliding_attention", "full_attention"}
+    torch.manual_seed(1)  # a random target whose greedy tokens are not one token over and over
+    target = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    drafter_config = build_drafter_config(target, None, "gemma3", num_layers=1, block_size=4, target_layer_ids=[0],
+                                          mask_token_id=63)
+    assert drafter_config.rope_parameters == config.rope_parameters["full_attention"]  # rope_theta 1e6, not 1e4
+    torch.manual_seed(1)
+    runner = DrafterRunner(DFlashDraftModel(drafter_config).eval(), target)
+    prompt = [5, 6, 7, 8, 9]
+    greedy = hf_greedy(target, prompt, 16)
+    for method, budget in [("dflash", None), ("ddtree", 8)]:
+        assert generate(target, prompt, method, runner, budget, 16, static=static).new_tokens == greedy, method
+    # and this family's verify, with drafts it accepts in part (the random drafter's are rejected)
+    rigged = generate(target, prompt, "ddtree", RiggedDrafter(prompt + greedy + [0] * 40, 64, 4), 8, 16, static=static)
+    assert rigged.new_tokens == greedy and any(r.accepted_depth > 1 for r in rigged.rounds)

@@ -408,8 +408,9 @@ def build_drafter_config(
     target_layer_ids: list[int] | None = None,
     mask_token_id: int | None = None,
 ):
-    """A drafter config shaped after the target: same hidden size, attention layout and RoPE."""
-    from .configuration_dflash import DFlashDrafterConfig, default_target_layer_ids
+    """A drafter config shaped after the target: same hidden size, attention layout and RoPE. target_layer_ids None:
+    default_layer_ids."""
+    from .configuration_dflash import DFlashDrafterConfig
 
     tc = target.config.get_text_config()
     embedding_rows = target.get_input_embeddings().weight.shape[0]
@@ -424,7 +425,7 @@ def build_drafter_config(
         num_target_layers=tc.num_hidden_layers,
         dflash_config={
             "mask_token_id": choose_mask_token_id(name_or_path, tokenizer, embedding_rows, mask_token_id),
-            "target_layer_ids": list(target_layer_ids or default_target_layer_ids(tc.num_hidden_layers)),
+            "target_layer_ids": list(target_layer_ids or default_layer_ids(tc.num_hidden_layers, name_or_path)),
         },
         target_name_or_path=name_or_path,
         vocab_size=embedding_rows,
@@ -438,8 +439,34 @@ def build_drafter_config(
         max_position_embeddings=max_positions,
         rope_parameters=full_attention_rope(tc),
     )
-    check_drafter_fits(config, target, name_or_path)
+    check_drafter_fits(config, target, f"built for target {name_or_path}",
+                       "target_layer_ids (model.target_layer_ids in a recipe)")
     return config
+
+
+# Below this many target layers the published spread repeats layers (7 -> [1, 2, 2, 3, 4], 4 -> [1, 1, 1, 1, 1]).
+PUBLISHED_SPREAD_MIN_LAYERS = 8
+
+
+def default_layer_ids(num_layers: int, name_or_path: str) -> list[int]:
+    """The target layers a new drafter reads when none are given (build_drafter_config, the feature store).
+
+    From 8 layers on, the published spread (configuration_dflash.default_target_layer_ids: 5 from the 2nd layer to
+    the 3rd-from-last). Below, that spread repeats layers and, under 3, leaves the target ([1, 0, 0, 0, -1] for 2):
+    instead up to 5 distinct ids spread over 0..n-2, said in one line. The last layer is left out: vLLM taps the
+    hidden states entering a layer, so it cannot read the last one's output (training/hub_config.py).
+    """
+    from .configuration_dflash import DEFAULT_NUM_TARGET_FEATURES, default_target_layer_ids
+
+    if num_layers >= PUBLISHED_SPREAD_MIN_LAYERS:
+        return default_target_layer_ids(num_layers)
+    count = min(DEFAULT_NUM_TARGET_FEATURES, num_layers - 1)
+    ids = [0] if count < 2 else sorted({round(i * (num_layers - 2) / (count - 1)) for i in range(count)})
+    layers = f"{num_layers} layer{'s' if num_layers != 1 else ''}"
+    print(f"[ddtree] target {name_or_path} has {layers}, too few for the published spread of "
+          f"{DEFAULT_NUM_TARGET_FEATURES} distinct ones: the drafter reads layers {ids}; set model.target_layer_ids to "
+          "choose others", flush=True)
+    return ids
 
 
 def full_attention_rope(text_config) -> dict:
@@ -462,8 +489,12 @@ def target_field(text_config, name_or_path: str, names: tuple[str, ...], default
     return value
 
 
-def check_drafter_fits(config, target: PreTrainedModel, source: str) -> None:
-    """Raise a DDTreeError naming the first field of a drafter config that does not fit the target."""
+def check_drafter_fits(config, target: PreTrainedModel, source: str,
+                       layer_ids_field: str = "dflash_config.target_layer_ids") -> None:
+    """Raise a DDTreeError naming the first field of a drafter config that does not fit the target.
+
+    Errors read `drafter {source}: ...`; layer_ids_field names where the layer ids came from (a folder's config.json,
+    or the setting build_drafter_config was given)."""
     check_drafter_field_types(config, source)
     tc = target.config.get_text_config()
     embedding_rows = target.get_input_embeddings().weight.shape[0]
@@ -472,12 +503,10 @@ def check_drafter_fits(config, target: PreTrainedModel, source: str) -> None:
             f"drafter {source}: hidden_size {config.hidden_size} != the target's {tc.hidden_size}; "
             "this drafter was built for another target"
         )
-    bad_ids = [i for i in config.target_layer_ids if not 0 <= i < tc.num_hidden_layers]
-    if not config.target_layer_ids or bad_ids:
-        raise DDTreeError(
-            f"drafter {source}: target_layer_ids {config.target_layer_ids} must be non-empty and within "
-            f"0..{tc.num_hidden_layers - 1} (the target has {tc.num_hidden_layers} layers)"
-        )
+    ids, depth = config.target_layer_ids, tc.num_hidden_layers
+    if not ids or any(not 0 <= i < depth for i in ids) or len(set(ids)) < len(ids):  # a repeat: one layer read twice
+        raise DDTreeError(f"drafter {source}: {layer_ids_field} {ids} must be non-empty, distinct and within "
+                          f"0..{depth - 1} (the target has {depth} layers)")
     if config.vocab_size != embedding_rows:
         raise DDTreeError(
             f"drafter {source}: vocab_size {config.vocab_size} != the target's {embedding_rows} embedding rows; "

@@ -64,12 +64,13 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig
 
 from ddtree.calibration import weights_fingerprint
-from ddtree.configuration_dflash import DFlashDrafterConfig, default_target_layer_ids
+from ddtree.configuration_dflash import DFlashDrafterConfig
 from ddtree.drafters import read_drafter_config
 from ddtree.errors import DDTreeError
 from ddtree.files import file_in_the_way, follow_umask, unwritable_as_error, write_json_atomic
 from ddtree.precision import LIGHTNING_PRECISION
-from ddtree.targets import BUILTIN_TARGETS, TINY_TARGET, cache_dir, is_disk_full, parse_dtype, resolve_target
+from ddtree.targets import (BUILTIN_TARGETS, TINY_TARGET, cache_dir, default_layer_ids, is_disk_full, parse_dtype,
+                            resolve_target)
 
 from .loss import next_token_top_k
 from .masks import IGNORE_INDEX
@@ -385,7 +386,7 @@ def free_bytes(path: Path) -> int:
 def build_feature_store(
     datamodule: DistillDataModule,
     out: str | Path,
-    layer_ids: list[int] | None = None,  # None: the 5 default ids build_drafter_config picks for the target
+    layer_ids: list[int] | None = None,  # None: the default ids build_drafter_config picks (default_layer_ids)
     target_adapter: str | None = None,  # PEFT adapter merged into the target, as DistillModule does
     dtype: torch.dtype = torch.bfloat16,  # the target runs and the features are stored in this dtype
     force: bool = False,  # replace a complete store of another build (once the new one is complete)
@@ -415,9 +416,9 @@ def build_feature_store(
     order, keep = datamodule.split_order(len(data)) if max_seconds is not None else (None, 0)
     text_config = AutoConfig.from_pretrained(resolve_target(datamodule.target)).get_text_config()
     num_layers, hidden_size = text_config.num_hidden_layers, text_config.hidden_size
-    layer_ids = list(layer_ids or default_target_layer_ids(num_layers))
-    if not all(0 <= i < num_layers for i in layer_ids):
-        raise DDTreeError(f"target_layer_ids {layer_ids} must be within 0..{num_layers - 1} "
+    layer_ids = list(layer_ids or default_layer_ids(num_layers, datamodule.target))
+    if not all(0 <= i < num_layers for i in layer_ids) or len(set(layer_ids)) < len(layer_ids):
+        raise DDTreeError(f"model.target_layer_ids {layer_ids} must be distinct and within 0..{num_layers - 1} "
                           f"(target {datamodule.target} has {num_layers} layers)")
     if teacher_top_k > text_config.vocab_size:
         raise DDTreeError(f"model.distill_top_k={teacher_top_k} is above target {datamodule.target}'s vocabulary of "

@@ -413,3 +413,60 @@ def test_a_drafter_of_a_target_with_rope_per_layer_type_takes_the_full_attention
     # and this family's verify, with drafts it accepts in part (the random drafter's are rejected)
     rigged = generate(target, prompt, "ddtree", RiggedDrafter(prompt + greedy + [0] * 40, 64, 4), 8, 16, static=static)
     assert rigged.new_tokens == greedy and any(r.accepted_depth > 1 for r in rigged.rounds)
+
+
+def test_default_layer_ids_keep_the_published_spread_from_8_layers_and_repeat_no_layer_below():
+    """The published spread (2nd to 3rd-from-last) gave shallow targets repeated layers ([1, 1, 1, 1, 1] for 4) and,
+    under 3 layers, ids outside the target ([1, 0, 0, 0, -1] for 2). The last layer is left out where the target has
+    another: vLLM cannot tap it (training/hub_config.py)."""
+    from ddtree.configuration_dflash import default_target_layer_ids
+    from ddtree.targets import default_layer_ids
+
+    assert {n: default_layer_ids(n, "t") for n in range(1, 8)} == {
+        1: [0], 2: [0], 3: [0, 1], 4: [0, 1, 2], 5: [0, 1, 2, 3], 6: [0, 1, 2, 3, 4], 7: [0, 1, 2, 4, 5]}
+    assert default_layer_ids(36, "t") == [1, 9, 17, 25, 33]  # the published ids
+    for n in range(8, 200):
+        ids = default_layer_ids(n, "t")
+        assert ids == default_target_layer_ids(n) and len(set(ids)) == 5 and max(ids) <= n - 3, n
+
+
+def shallow_target(layers: int):
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                      max_position_embeddings=128)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+
+
+@pytest.mark.parametrize("layers, ids", [(2, [0]), (4, [0, 1, 2])])
+def test_a_drafter_of_a_shallow_target_reads_distinct_layers_and_says_which(capsys, layers, ids):
+    """2 layers: refused, naming the target folder as a "drafter" and ids nobody set; 4: five copies of layer 1."""
+    from ddtree.decoding import DrafterRunner, generate
+
+    target = shallow_target(layers)
+    config = build_drafter_config(target, None, "/t/L", num_layers=1, block_size=4, mask_token_id=63)
+    assert config.target_layer_ids == ids
+    assert capsys.readouterr().out == (f"[ddtree] target /t/L has {layers} layers, too few for the published spread of "
+                                       f"5 distinct ones: the drafter reads layers {ids}; set model.target_layer_ids "
+                                       "to choose others\n")
+    runner = DrafterRunner(DFlashDraftModel(config).eval(), target)
+    greedy = generate(target, [5, 6, 7], "ar", max_new_tokens=8).new_tokens
+    assert generate(target, [5, 6, 7], "ddtree", runner, budget=4, max_new_tokens=8).new_tokens == greedy
+
+
+@pytest.mark.parametrize("ids", [[1, 1, 3], [0, 4]])
+def test_layer_ids_given_that_repeat_or_leave_the_target_name_the_setting_not_a_drafter_folder(tmp_path, ids):
+    target = shallow_target(4)
+    with pytest.raises(DDTreeError) as error:
+        build_drafter_config(target, None, "/t/L4", num_layers=1, target_layer_ids=ids, mask_token_id=63)
+    assert str(error.value) == (f"drafter built for target /t/L4: target_layer_ids (model.target_layer_ids in a recipe) "
+                                f"{ids} must be non-empty, distinct and within 0..3 (the target has 4 layers)")
+    # a drafter folder that reads one layer twice (trained with the old default) is refused by its field
+    drafter = DFlashDraftModel(build_drafter_config(target, None, "/t/L4", num_layers=1, mask_token_id=63))
+    drafter.config.dflash_config["target_layer_ids"] = [1, 1, 1, 1, 1]
+    drafter.save_pretrained(tmp_path / "drafter")
+    with pytest.raises(DDTreeError, match=rf"^drafter {tmp_path}/drafter: dflash_config.target_layer_ids \[1, 1, 1, 1, 1\] "
+                                          "must be non-empty, distinct"):
+        load_drafter_folder(tmp_path / "drafter", torch.float32, target)

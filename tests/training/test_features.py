@@ -277,6 +277,15 @@ def test_store_of_other_layers_or_with_soft_targets_stops_the_fit(tmp_path):
     assert "distill_top_k=8" in one_line(error.value) and "top 0" in one_line(error.value)
 
 
+def test_a_store_without_layer_ids_holds_the_distinct_ones_a_new_drafter_reads(tmp_path, capsys):
+    """The tiny target has 6 layers, too few for the published spread: it stored [1, 2, 2, 2, 3], layer 2 three times."""
+    path = build_feature_store(make_datamodule(tmp_path), tmp_path / "store")
+    assert FeatureStore(path).layer_ids == [0, 1, 2, 3, 4] == tiny_module(target_layer_ids=None).target_layer_ids
+    assert "set model.target_layer_ids to choose others" in capsys.readouterr().out
+    with pytest.raises(DDTreeError, match=r"^model.target_layer_ids \[1, 3, 1\] must be distinct and within 0..5"):
+        build_feature_store(make_datamodule(tmp_path), tmp_path / "twice", layer_ids=[1, 3, 1])
+
+
 def test_a_store_of_the_last_layer_holds_it_normed_and_an_older_raw_one_is_refused(tmp_path):
     """Decoding reads the target's last layer as the decoder's normed output (training/target.py)."""
     layer_ids = [1, 5]  # the tiny target has 6 layers

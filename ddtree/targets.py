@@ -413,6 +413,7 @@ def build_drafter_config(
     from .configuration_dflash import DFlashDrafterConfig
 
     tc = target.config.get_text_config()
+    check_embedding_width(target, name_or_path)
     embedding_rows = target.get_input_embeddings().weight.shape[0]
     head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
     # The drafter is Qwen3-shaped whatever the target; families that spell these otherwise (GPT-2's n_inner, GPT-NeoX's
@@ -497,6 +498,7 @@ def check_drafter_fits(config, target: PreTrainedModel, source: str,
     or the setting build_drafter_config was given)."""
     check_drafter_field_types(config, source)
     tc = target.config.get_text_config()
+    check_embedding_width(target)
     embedding_rows = target.get_input_embeddings().weight.shape[0]
     if config.hidden_size != tc.hidden_size:
         raise DDTreeError(
@@ -529,6 +531,22 @@ def check_drafter_fits(config, target: PreTrainedModel, source: str,
             raise DDTreeError(f"drafter {source}: dflash_config.draft_vocab holds {what}"
                               f"{' and more' if len(outside or twice) > 5 else ''}; this drafter was built for another "
                               "target, or its config.json was edited")
+
+
+def check_embedding_width(target: PreTrainedModel, name_or_path: str | None = None) -> None:
+    """A drafter embeds its block with the target's embedding and writes through its LM head, both at the target's
+    hidden_size: a target that projects narrower embeddings in and out of its layers (OPT-350m's word_embed_proj_dim)
+    was a shape-mismatch traceback at the first drafter forward. Refused, naming the widths."""
+    tc = target.config.get_text_config()
+    head = target.get_output_embeddings()
+    widths = {"input embedding": target.get_input_embeddings().weight.shape[1],
+              "LM head": None if head is None else head.weight.shape[1]}
+    for part, width in widths.items():
+        if width is not None and width != tc.hidden_size:
+            name = name_or_path or getattr(target, "name_or_path_for_ddtree", tc.model_type)
+            raise DDTreeError(f"target {name!r} ({tc.model_type}): its {part} is {width} wide (word_embed_proj_dim), not "
+                              f"its hidden_size {tc.hidden_size}: a drafter reads the target's embedding and LM head at "
+                              "the hidden size; use a target whose embedding is as wide as its layers")
 
 
 def is_int(value) -> bool:

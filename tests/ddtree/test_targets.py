@@ -470,3 +470,19 @@ def test_layer_ids_given_that_repeat_or_leave_the_target_name_the_setting_not_a_
     with pytest.raises(DDTreeError, match=rf"^drafter {tmp_path}/drafter: dflash_config.target_layer_ids \[1, 1, 1, 1, 1\] "
                                           "must be non-empty, distinct"):
         load_drafter_folder(tmp_path / "drafter", torch.float32, target)
+
+
+def test_a_target_whose_embedding_is_narrower_than_its_layers_is_one_line():
+    """OPT-350m projects 512-wide embeddings into 1024-wide layers: a drafter reads the embedding and LM head at the
+    hidden size, and built for it, it failed with a shape-mismatch traceback at its first forward."""
+    import transformers
+
+    config = transformers.OPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=2,
+                                    word_embed_proj_dim=16, max_position_embeddings=128)
+    target = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    with pytest.raises(DDTreeError) as error:
+        build_drafter_config(target, None, "opt-350m-like", num_layers=1, block_size=4, target_layer_ids=[0],
+                             mask_token_id=63)
+    assert str(error.value) == ("target 'opt-350m-like' (opt): its input embedding is 16 wide (word_embed_proj_dim), "
+                                "not its hidden_size 32: a drafter reads the target's embedding and LM head at the hidden size; "
+                                "use a target whose embedding is as wide as its layers")

@@ -338,13 +338,27 @@ def _path_log_probs(draft_logits: torch.Tensor, branches: dict[int, torch.Tensor
     return drafted + [-math.inf] * (len(path) - len(rows))  # past the block the drafter says nothing
 
 
+# layer_types whose layers keep a cache of every position (attention over the whole context), or no state at all
+# (Nemotron-H's MLP and MoE layers); a windowed attention layer keeps the window's keys only.
+WHOLE_CONTEXT_LAYER_TYPES = ("full_attention", "mlp", "moe")
+WINDOWED_LAYER_TYPES = ("sliding_attention", "chunked_attention")
+
+
 def check_full_attention(target: PreTrainedModel) -> None:
     """Sliding-window layers keep only their window's keys, so their caches hold other positions than the
-    tree's masks and the cache compaction assume (every layer holds positions 0..n): refused, not misread."""
+    tree's masks and the cache compaction assume (every layer holds positions 0..n); recurrent and convolutional
+    layers (Jamba's, Qwen3-Next's linear_attention, LFM2's conv, Falcon-H1's hybrid) carry one state forward, which a
+    verify would advance through its rejected nodes too. Refused, not misread, each for its reason."""
     config = target.config.get_text_config()
     types = getattr(config, "layer_types", None)
     window = getattr(config, "sliding_window", None)
-    sliding = any(t != "full_attention" for t in types) if types is not None else (
+    stateful = sorted({t for t in types or () if t not in WHOLE_CONTEXT_LAYER_TYPES + WINDOWED_LAYER_TYPES})
+    if stateful:
+        raise DDTreeError(f"target {getattr(target, 'name_or_path_for_ddtree', config.model_type)!r} "
+                          f"({config.model_type}) has layer_types {'/'.join(map(repr, stateful))}: layers that carry a "
+                          "state forward instead of a cache of every position, which a tree verify cannot roll back to "
+                          "the nodes it accepts; use a target whose layers all attend to the whole context")
+    sliding = any(t in WINDOWED_LAYER_TYPES for t in types) if types is not None else (
         window is not None and getattr(config, "use_sliding_window", True))
     if sliding:
         raise DDTreeError(f"target {getattr(target, 'name_or_path_for_ddtree', config.model_type)!r} has sliding-window "

@@ -486,3 +486,32 @@ def test_a_target_whose_embedding_is_narrower_than_its_layers_is_one_line():
     assert str(error.value) == ("target 'opt-350m-like' (opt): its input embedding is 16 wide (word_embed_proj_dim), "
                                 "not its hidden_size 32: a drafter reads the target's embedding and LM head at the hidden size; "
                                 "use a target whose embedding is as wide as its layers")
+
+
+@pytest.mark.parametrize("family, named", [("jamba", "'linear_attention'"), ("lfm2", "'conv'"),
+                                           ("qwen3_next", "'linear_attention'")])
+def test_a_target_with_recurrent_or_convolutional_layers_is_refused_for_that_reason(family, named):
+    """They were refused as 'sliding-window attention (sliding_window=None)': the right refusal, the wrong reason."""
+    import transformers
+
+    from ddtree.decoding import generate
+
+    sizes = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, max_position_embeddings=128)
+    config = {
+        "jamba": lambda: transformers.JambaConfig(**sizes, attn_layer_period=2, attn_layer_offset=1, num_experts=2,
+                                                  expert_layer_period=2, expert_layer_offset=1, mamba_d_state=4,
+                                                  use_mamba_kernels=False),
+        "lfm2": lambda: transformers.Lfm2Config(**sizes, layer_types=["conv", "full_attention"]),
+        "qwen3_next": lambda: transformers.Qwen3NextConfig(**sizes, head_dim=16, num_experts=2, num_experts_per_tok=1,
+                                                           moe_intermediate_size=16, shared_expert_intermediate_size=16,
+                                                           linear_num_key_heads=2, linear_num_value_heads=2,
+                                                           linear_key_head_dim=8, linear_value_head_dim=8,
+                                                           layer_types=["linear_attention", "full_attention"]),
+    }[family]()
+    target = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(DDTreeError) as error:
+        generate(target, [1, 2, 3], "ar", None, 1, 4)
+    assert str(error.value).startswith(f"target '{family}' ({family}) has layer_types {named}: layers that carry a "
+                                       "state forward instead of a cache of every position, which a tree verify cannot "
+                                       "roll back")

@@ -412,7 +412,7 @@ def check_tree_attention(target: PreTrainedModel, method: str) -> None:
     if method != "ar" and implementation not in MASKED_ATTENTION:
         raise DDTreeError(f"target {getattr(target, 'name_or_path_for_ddtree', target.config.model_type)!r} attends "
                           f"with {implementation!r}; a verify's ancestor-only mask is applied as given by sdpa and eager "
-                          f"only: load it with attn_implementation='sdpa', as ddtree.targets.load_target does")
+                          f"only: load it with attn_implementation='sdpa' (or 'eager'), as ddtree.targets.load_target does")
 
 
 def check_target_decodable(target: PreTrainedModel, method: str) -> None:

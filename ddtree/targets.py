@@ -338,12 +338,12 @@ def load_tokenizer(name_or_path: str, source: str | None = None) -> PreTrainedTo
 def load_target(
     name_or_path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a frozen target in eval mode with SDPA attention (needed for the tree's 4-D masks)."""
+    """Load a frozen target in eval mode with SDPA attention, or eager attention for a family transformers has no SDPA
+    for (GPT-J, CodeGen, Gemma-2): both apply the tree's 4-D masks as given (decoding.check_tree_attention)."""
     source = resolve_target(name_or_path)
     try:
         tokenizer = load_tokenizer(name_or_path, source)
-        model, loading = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa",
-                                                              output_loading_info=True)
+        model, loading = from_pretrained_masked(source, dtype, name_or_path)
     # A folder that is not a whole causal LM: missing or cut-short files (OSError, SafetensorError), an architecture
     # or tokenizer transformers does not know (ValueError), weights of other shapes (RuntimeError).
     except (OSError, ValueError, RuntimeError, SafetensorError) as error:
@@ -357,6 +357,24 @@ def load_target(
     model.to(device).eval().requires_grad_(False)
     model.name_or_path_for_ddtree = name_or_path
     return model, tokenizer
+
+
+# What transformers' ValueError says when a family has no SDPA attention (PreTrainedModel._sdpa_can_dispatch).
+NO_SDPA = "does not support an attention implementation through torch.nn.functional.scaled_dot_product_attention"
+
+
+def from_pretrained_masked(source: str, dtype: torch.dtype, name_or_path: str) -> tuple[PreTrainedModel, dict]:
+    """from_pretrained with SDPA attention, else eager where the family has no SDPA (it was refused outright, with no
+    flag to ask for eager). Eager is slower on long contexts (it holds every score) and decodes the same tokens."""
+    try:
+        return AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa",
+                                                    output_loading_info=True)
+    except ValueError as error:
+        if NO_SDPA not in str(error):
+            raise
+    print(f"[ddtree] target {name_or_path}: transformers has no SDPA attention for its family; loading it with eager "
+          "attention", flush=True)
+    return AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="eager", output_loading_info=True)
 
 
 def stop_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:

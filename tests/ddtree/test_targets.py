@@ -515,3 +515,54 @@ def test_a_target_with_recurrent_or_convolutional_layers_is_refused_for_that_rea
     assert str(error.value).startswith(f"target '{family}' ({family}) has layer_types {named}: layers that carry a "
                                        "state forward instead of a cache of every position, which a tree verify cannot "
                                        "roll back")
+
+
+@pytest.mark.parametrize("family", ["gptj", "codegen", "gemma2"])
+def test_a_target_without_sdpa_loads_with_eager_attention_and_decodes_greedys_tokens(tmp_path, tiny_target, capsys,
+                                                                                      family):
+    """transformers has no SDPA attention for GPT-J, CodeGen and Gemma-2: load_target asked for it and refused them,
+    with no flag to ask for eager. Eager applies a verify's tree mask as given: every method commits greedy's tokens,
+    on both caches, with drafts the target accepts in part."""
+    import transformers
+
+    from ddtree.decoding import DrafterRunner, generate
+    from rigged import RiggedDrafter, hf_greedy  # tests/rigged.py
+
+    _, tokenizer = tiny_target
+    vocab = len(tokenizer) + 8
+    config = {"gptj": lambda: transformers.GPTJConfig(vocab_size=vocab, n_embd=32, n_layer=2, n_head=2, rotary_dim=8,
+                                                      n_positions=256),
+              "codegen": lambda: transformers.CodeGenConfig(vocab_size=vocab, n_embd=64, n_layer=2, n_head=4,
+                                                            rotary_dim=4, n_positions=256, n_ctx=256),
+              # full attention in every layer: decoding refuses Gemma-2's usual sliding-window ones
+              "gemma2": lambda: transformers.Gemma2Config(vocab_size=vocab, hidden_size=32, intermediate_size=64,
+                                                          num_hidden_layers=2, num_attention_heads=2,
+                                                          num_key_value_heads=1, head_dim=16, max_position_embeddings=256,
+                                                          layer_types=["full_attention"] * 2)}[family]()
+    torch.manual_seed(0)
+    if family != "gemma2":  # a random target whose greedy tokens are not one token over and over (Gemma-2 caps its
+        config.initializer_range = 0.3  # logits: there the default already gives that, a wider one does not)
+    config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
+    folder = tmp_path / family
+    transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+    target, _ = ddtree.targets.load_target(str(folder))
+    assert target.config._attn_implementation == "eager"
+    assert (f"[ddtree] target {folder}: transformers has no SDPA attention for its family; loading it with eager "
+            "attention\n") in capsys.readouterr().out
+    prompt, new = [1, 5, 9, 13, 17], 24
+    greedy = hf_greedy(target, prompt, new)
+    assert len(set(greedy)) > 3
+    for static in (False, True):
+        assert generate(target, prompt, "ar", None, 1, new, static=static).new_tokens == greedy, static
+        for budget in (4, 16):
+            drafter = RiggedDrafter(prompt + greedy + [0] * 40, vocab, 8)
+            rigged = generate(target, prompt, "ddtree", drafter, budget, new, static=static)
+            assert rigged.new_tokens == greedy and any(r.accepted_depth > 1 for r in rigged.rounds), (static, budget)
+    torch.manual_seed(1)
+    drafter_config = build_drafter_config(target, tokenizer, str(folder), num_layers=1, block_size=4)
+    capsys.readouterr()
+    runner = DrafterRunner(DFlashDraftModel(drafter_config).eval(), target)
+    for method, budget in [("dflash", None), ("ddtree", 8)]:
+        assert generate(target, prompt, method, runner, budget, new).new_tokens == greedy, method

@@ -459,7 +459,7 @@ def build_drafter_config(
         rope_parameters=full_attention_rope(tc),
     )
     check_drafter_fits(config, target, f"built for target {name_or_path}",
-                       "target_layer_ids (model.target_layer_ids in a recipe)")
+                       "target_layer_ids (model.target_layer_ids in a recipe)", distinct_layers=True)
     return config
 
 
@@ -467,13 +467,15 @@ def build_drafter_config(
 PUBLISHED_SPREAD_MIN_LAYERS = 8
 
 
-def default_layer_ids(num_layers: int, name_or_path: str) -> list[int]:
-    """The target layers a new drafter reads when none are given (build_drafter_config, the feature store).
+def default_layer_ids(num_layers: int, name_or_path: str | None = None) -> list[int]:
+    """The target layers a new drafter reads when none are given (build_drafter_config, the feature store, the FLOP
+    estimate of training/flops.py).
 
     From 8 layers on, the published spread (configuration_dflash.default_target_layer_ids: 5 from the 2nd layer to
     the 3rd-from-last). Below, that spread repeats layers and, under 3, leaves the target ([1, 0, 0, 0, -1] for 2):
-    instead up to 5 distinct ids spread over 0..n-2, said in one line. The last layer is left out: vLLM taps the
-    hidden states entering a layer, so it cannot read the last one's output (training/hub_config.py).
+    instead up to 5 distinct ids spread over 0..n-2, said in one line where the target is named. The last layer is
+    left out: vLLM taps the hidden states entering a layer, so it cannot read the last one's output
+    (training/hub_config.py).
     """
     from .configuration_dflash import DEFAULT_NUM_TARGET_FEATURES, default_target_layer_ids
 
@@ -482,9 +484,10 @@ def default_layer_ids(num_layers: int, name_or_path: str) -> list[int]:
     count = min(DEFAULT_NUM_TARGET_FEATURES, num_layers - 1)
     ids = [0] if count < 2 else sorted({round(i * (num_layers - 2) / (count - 1)) for i in range(count)})
     layers = f"{num_layers} layer{'s' if num_layers != 1 else ''}"
-    print(f"[ddtree] target {name_or_path} has {layers}, too few for the published spread of "
-          f"{DEFAULT_NUM_TARGET_FEATURES} distinct ones: the drafter reads layers {ids}; set model.target_layer_ids to "
-          "choose others", flush=True)
+    if name_or_path is not None:
+        print(f"[ddtree] target {name_or_path} has {layers}, too few for the published spread of "
+              f"{DEFAULT_NUM_TARGET_FEATURES} distinct ones: the drafter reads layers {ids}; set model.target_layer_ids "
+              "to choose others", flush=True)
     return ids
 
 
@@ -509,11 +512,13 @@ def target_field(text_config, name_or_path: str, names: tuple[str, ...], default
 
 
 def check_drafter_fits(config, target: PreTrainedModel, source: str,
-                       layer_ids_field: str = "dflash_config.target_layer_ids") -> None:
+                       layer_ids_field: str = "dflash_config.target_layer_ids", distinct_layers: bool = False) -> None:
     """Raise a DDTreeError naming the first field of a drafter config that does not fit the target.
 
     Errors read `drafter {source}: ...`; layer_ids_field names where the layer ids came from (a folder's config.json,
-    or the setting build_drafter_config was given)."""
+    or the setting build_drafter_config was given). distinct_layers: refuse a layer id given twice, for a drafter
+    about to be trained (a typo, or a layer read twice for nothing); a trained drafter that reads one twice still
+    decodes as it was trained, so loading one does not refuse it."""
     check_drafter_field_types(config, source)
     tc = target.config.get_text_config()
     check_embedding_width(target)
@@ -524,9 +529,9 @@ def check_drafter_fits(config, target: PreTrainedModel, source: str,
             "this drafter was built for another target"
         )
     ids, depth = config.target_layer_ids, tc.num_hidden_layers
-    if not ids or any(not 0 <= i < depth for i in ids) or len(set(ids)) < len(ids):  # a repeat: one layer read twice
-        raise DDTreeError(f"drafter {source}: {layer_ids_field} {ids} must be non-empty, distinct and within "
-                          f"0..{depth - 1} (the target has {depth} layers)")
+    if not ids or any(not 0 <= i < depth for i in ids) or (distinct_layers and len(set(ids)) < len(ids)):
+        raise DDTreeError(f"drafter {source}: {layer_ids_field} {ids} must be non-empty, "
+                          f"{'distinct and ' if distinct_layers else ''}within 0..{depth - 1} (the target has {depth} layers)")
     if config.vocab_size != embedding_rows:
         raise DDTreeError(
             f"drafter {source}: vocab_size {config.vocab_size} != the target's {embedding_rows} embedding rows; "

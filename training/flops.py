@@ -40,9 +40,8 @@ from dataclasses import dataclass, replace
 
 from transformers import AutoConfig, Qwen3Config
 
-from ddtree.configuration_dflash import default_target_layer_ids
 from ddtree.errors import CommandParser, DDTreeError, command
-from ddtree.targets import resolve_target, target_field
+from ddtree.targets import default_layer_ids, resolve_target, target_field
 
 from .arguments import check_recipe_name, recipe_path
 from .masks import FLEX_MIN_CONTEXT
@@ -211,7 +210,7 @@ def recipe_step_flops(target_config, settings: dict, length: int, cuda: bool = T
     # The drafter is Qwen3-shaped after the target, whatever its family (ddtree.targets.build_drafter_config): the
     # target's widths, with a gated MLP
     drafter = replace(widths, gated=True)
-    layer_ids = settings.get("target_layer_ids") or default_target_layer_ids(text.num_hidden_layers)
+    layer_ids = settings.get("target_layer_ids") or default_layer_ids(text.num_hidden_layers)
     block_size = settings.get("block_size", 16)
     head_rows = draft_vocab or settings.get("draft_vocab_size") or text.vocab_size
     loss_chunked = bool(settings.get("loss_chunk_size"))

@@ -463,13 +463,16 @@ def test_layer_ids_given_that_repeat_or_leave_the_target_name_the_setting_not_a_
         build_drafter_config(target, None, "/t/L4", num_layers=1, target_layer_ids=ids, mask_token_id=63)
     assert str(error.value) == (f"drafter built for target /t/L4: target_layer_ids (model.target_layer_ids in a recipe) "
                                 f"{ids} must be non-empty, distinct and within 0..3 (the target has 4 layers)")
-    # a drafter folder that reads one layer twice (trained with the old default) is refused by its field
+    # a trained drafter folder that reads one layer twice (the old default) still loads and decodes as it was trained
+    from ddtree.decoding import DrafterRunner, generate
+
     drafter = DFlashDraftModel(build_drafter_config(target, None, "/t/L4", num_layers=1, mask_token_id=63))
-    drafter.config.dflash_config["target_layer_ids"] = [1, 1, 1, 1, 1]
+    drafter.config.dflash_config["target_layer_ids"] = [1, 1, 2]
     drafter.save_pretrained(tmp_path / "drafter")
-    with pytest.raises(DDTreeError, match=rf"^drafter {tmp_path}/drafter: dflash_config.target_layer_ids \[1, 1, 1, 1, 1\] "
-                                          "must be non-empty, distinct"):
-        load_drafter_folder(tmp_path / "drafter", torch.float32, target)
+    loaded = load_drafter_folder(tmp_path / "drafter", torch.float32, target)
+    assert list(loaded.config.target_layer_ids) == [1, 1, 2]
+    greedy = generate(target, [5, 6, 7], "ar", max_new_tokens=8).new_tokens
+    assert generate(target, [5, 6, 7], "ddtree", DrafterRunner(loaded, target), budget=4, max_new_tokens=8).new_tokens == greedy
 
 
 def test_a_target_whose_embedding_is_narrower_than_its_layers_is_one_line():

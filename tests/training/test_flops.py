@@ -186,3 +186,15 @@ def test_the_published_settings_put_the_step_above_two_target_forwards(capsys):
 def test_bad_numbers_are_one_line(capsys, flags, said):
     assert main(["--recipe", "qwen3-8b", *flags]) == 2
     assert capsys.readouterr().err.strip() == f"error: {said}"
+
+
+def test_a_shallow_target_without_layer_ids_is_counted_with_the_ids_training_picks():
+    """Under 8 layers training picks distinct ids (ddtree.targets.default_layer_ids: [0, 1, 2] on 4); the estimate
+    used the published spread, [1, 1, 1, 1, 1], counting five layers' features and a target stopped at layer 1."""
+    from transformers import LlamaConfig
+
+    target = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                         num_attention_heads=2, num_key_value_heads=1)
+    settings = dict(num_layers=1, block_size=4, num_anchors=4)
+    assert recipe_step_flops(target, settings, 64, cuda=False) == recipe_step_flops(
+        target, {**settings, "target_layer_ids": [0, 1, 2]}, 64, cuda=False)

@@ -59,6 +59,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from ddtree.corpus import CORPUS_FILE, write_replies
 from ddtree.errors import DDTreeError, command
 from ddtree.files import unwritable_as_error, write_text_atomic
+from training.callbacks import AcceptanceEvaluation
 from training.checkpoint_paths import (find_resume, is_deepspeed_checkpoint, newest_checkpoint, resume_point, run_checkpoints,
                                        why_unreadable)
 from training.checkpoints import (AtomicCheckpointIO, check_resumable, deepspeed_client_state, newest_finite_checkpoint,
@@ -133,6 +134,9 @@ def build_missing_feature_store(cli: DistillCLI, recipe: str) -> None:
     if cli.trainer.world_size > 1:
         raise DDTreeError(f"data.feature_store {store} is not built and this launch runs {cli.trainer.world_size} "
                           f"processes: build it first with `make features RECIPE={recipe} OUT={store}`")
+    for callback in cli.trainer.callbacks:  # a target the evaluation refuses stops here, not after the store's build
+        if isinstance(callback, AcceptanceEvaluation):
+            callback.check_target(hp.target)
     # The store is written in the dtype the target runs in during training: the same rule as DistillModule.
     dtype = dtype_for_precision(cli.config.trainer.precision, hp.target_dtype)
     build_feature_store(cli.datamodule, Path(store), layer_ids=drafter_layer_ids(hp.target_layer_ids, hp.init_from),

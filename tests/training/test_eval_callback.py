@@ -1220,13 +1220,19 @@ def test_a_target_decoding_refuses_stops_the_run_before_training(tmp_path, refus
         AcceptanceEvaluation(prompts=PROMPTS, budgets=[8], primary_budget=8).setup(None, module, "fit")
 
 
-def test_a_sliding_window_target_is_one_line_before_the_first_training_step(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("store", [None, "store"])
+def test_a_sliding_window_target_is_one_line_before_the_first_training_step(tmp_path, capsys, monkeypatch, store):
+    """With a feature store to build first, before that build too (hours for a large target)."""
+    import training.train
+
     folder = tiny_target_folder(tmp_path / "mistral", undecodable_target_configs()["sliding-window attention"])
     monkeypatch.setattr(DistillModule, "training_step", lambda *args: pytest.fail("trained a step"))
+    monkeypatch.setattr(training.train, "build_feature_store", lambda *args, **kwargs: pytest.fail("built the store"))
     data = write_conversations(tmp_path / "conversations.jsonl")
+    store_flags = [f"--data.feature_store={tmp_path / store}"] if store else []
     assert train_main(["--recipe", "tiny", "--output-root", str(tmp_path / "out"), "--run", "mistral",
                        f"--data.data_path={data}", f"--data.cache_dir={tmp_path / 'cache'}", "--data.batch_size=2",
-                       "--trainer.val_check_interval=null", "--trainer.max_steps=4",
+                       "--trainer.val_check_interval=null", "--trainer.max_steps=4", *store_flags,
                        "--eval.every_n_train_steps=2", f"--model.target={folder}", "--model.target_layer_ids=[0]"]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and errors[0].startswith(f"error: target '{folder}' has sliding-window attention"), errors

@@ -49,7 +49,6 @@ import argparse
 import importlib
 import importlib.util
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -528,12 +527,10 @@ def damaged_chunk(path: Path, problem: str) -> None:
 
 
 def write_chunk(parts: Path, index: int, rows: list[dict]) -> None:
-    """Chunk `index` written whole or not at all: through a temporary file, on the disk (fsync) before the rename, so
-    that a machine that stops (a crash, a preemption) leaves the chunk whole or absent, never cut short."""
+    """Chunk `index` written whole or not at all: atomic_file puts it on the disk (fsync) before the rename, so that
+    a machine that stops (a crash, a preemption) leaves the chunk whole or absent, never cut short."""
     with atomic_file(chunk_path(parts, index)) as handle:
         handle.write("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
-        handle.flush()
-        os.fsync(handle.fileno())
 
 
 def reuse_merged(out: Path, parts: Path, chunks_of_records: list[list[dict]], settings: dict) -> int:

@@ -164,7 +164,9 @@ def read_yaml_mapping(path: str | Path) -> dict:
 @contextmanager
 def atomic_file(path: str | Path, mode: str = "w", staging_prefix: str | None = None):
     """Yield a file object beside `path`; on success it replaces `path` in one rename, else it is removed.
-    staging_prefix: the temporary file's name prefix (default `.<name>-`)."""
+    The bytes reach the disk (fsync) before the rename: a machine that stops (a crash, a preemption) leaves the old
+    file or the whole new one, never the new name on a file cut short. staging_prefix: the temporary file's name
+    prefix (default `.<name>-`)."""
     path = Path(path)
     with unwritable_as_error(path):
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -172,6 +174,8 @@ def atomic_file(path: str | Path, mode: str = "w", staging_prefix: str | None = 
     try:
         with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as handle:
             yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
         follow_umask(Path(staging))
         os.replace(staging, path)
     finally:

@@ -395,7 +395,7 @@ class AcceptanceEvaluation(L.Callback):
         if self.budgets[-1] >= limit:
             raise DDTreeError(f"eval.budgets={self.budgets}: a tree of {self.budgets[-1]} nodes cannot be verified within "
                               f"the target's context of {limit} tokens; give budgets below {limit}")
-        for prompt in self.prompts:
+        for prompt in self.prompts or ():  # read in setup: training.train checks the target before, without them
             if len(prompt["prompt_ids"]) >= limit:
                 raise DDTreeError(f"eval.prompts={self.prompts_path}: prompt {prompt['id']!r} has "
                                   f"{len(prompt['prompt_ids'])} tokens, the target's context {limit}; shorten or drop it")

@@ -4,9 +4,10 @@
     choice.dtype, choice.lightning        # torch.bfloat16, "bf16-mixed"
 
 On a GPU of compute capability 8.0 or later (Ampere on) the answer is bf16; a T4 or V100 (7.x) emulates it, and
-gets fp32. On a CPU it depends on the chip: a Xeon with AMX (or AVX512-BF16) runs a bf16 forward faster than fp32,
-an AVX2-only CPU (most laptops, many AMD EPYCs) emulates bf16 and runs it several times slower (6.7x, measured on a
-SmolLM2-135M forward on an AVX2 EPYC). So the choice is measured, not assumed: a linear layer shaped like a small target's
+gets fp32. On a CPU it depends on the chip: a Xeon with AMX runs a bf16 forward faster than fp32, an AVX2-only CPU
+(most laptops, many AMD EPYCs) emulates bf16 and runs it several times slower (6.7x, measured on a SmolLM2-135M
+forward on an AVX2 EPYC), and a 2-core Xeon with AVX512-BF16 but no AMX ran this proxy's bf16 matmul 1.64x slower
+than fp32 (2026-12-03): the flag alone does not make bf16 fast. So the choice is measured, not assumed: a linear layer shaped like a small target's
 MLP (512 tokens x 576 -> 1536) is timed in both dtypes, best of a few alternating calls after a
 warm-up, about a tenth of a second in all. A target's forward is dominated by such matmuls, and the gap between
 the two outcomes is wide (2x one way, 3-7x the other), so this proxy picks what a forward on the

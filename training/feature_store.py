@@ -443,13 +443,15 @@ def build_feature_store(
         **({"sequence_ids": order} if order is not None else {}),
         "lengths": lengths,  # last: the long list, below what a reader looks for
     }
+    same_data = datamodule.tokenization_keys()  # this data's key, and the one a store built before 2026-12-03 recorded
     if is_complete(out) and not force:
         existing = read_manifest(out / MANIFEST)
         # The same build whatever share of the data it holds (the tokenization key names the data and its lengths).
         # (A store built before target_weights was recorded is taken as the same target's, as it was then.)
         differing = sorted(key for key in manifest if key not in COVERAGE_FIELDS and existing.get(key) != manifest[key]
                            and not (key == "target_weights" and existing[key] is None)
-                           and not (key == "data_path" and same_data_path(existing[key], manifest[key])))
+                           and not (key == "data_path" and same_data_path(existing[key], manifest[key]))
+                           and not (key == "tokenization_key" and existing[key] in same_data))
         if not differing:
             print(f"[features] {out} already holds these features ({coverage(existing)}); nothing to do", flush=True)
             return out
@@ -468,6 +470,8 @@ def build_feature_store(
             previous_manifest["target_weights"] = manifest["target_weights"]
         if same_data_path(previous_manifest.get("data_path"), manifest["data_path"]):  # spelled otherwise
             previous_manifest["data_path"] = manifest["data_path"]
+        if previous_manifest.get("tokenization_key") in same_data:  # the same data, keyed as before 2026-12-03
+            previous_manifest["tokenization_key"] = manifest["tokenization_key"]
         if previous_manifest == {**OPTIONAL_MANIFEST_FIELDS, **manifest}:  # read_manifest fills the optional fields in
             done = finished_shards(partial, manifest["shards"], width)
         elif previous_manifest.get("dtype") not in (None, manifest["dtype"]) and not force:
@@ -598,11 +602,12 @@ def default_store_path(recipe: str, datamodule: DistillDataModule, final_hidden:
                        teacher_top_k: int = 0) -> Path:
     """<ddtree cache>/features/<recipe>-<tokenization key>[-final][-top<k>]: another data, tokenizer or max_length is
     another folder, and so is a store with final hidden states or a top-k teacher (a run without distillation keeps
-    the smaller one). A finished store named by the data's key before 2026-12-03 (DistillDataModule.tokenization_keys)
-    is taken where there is one."""
+    the smaller one). A finished or unfinished store named by the data's key before 2026-12-03
+    (DistillDataModule.tokenization_keys) is taken where there is one."""
     suffix = ("-final" if final_hidden else "") + (f"-top{teacher_top_k}" if teacher_top_k else "")
     current, *earlier = (cache_dir() / "features" / f"{recipe}-{key}{suffix}" for key in datamodule.tokenization_keys())
-    return next((path for path in earlier if is_complete(path)), current)  # a store named as before 2026-12-03 serves
+    # a store named as before 2026-12-03 serves, and an unfinished build of one resumes where it stopped
+    return next((path for path in earlier if is_complete(path) or partial_path(path).exists()), current)
 
 
 def resolve_store_path(feature_store: str | None, recipe: str, datamodule: DistillDataModule,

@@ -929,7 +929,8 @@ def test_a_store_serves_its_data_and_target_copied_to_another_place(tmp_path):
 
 def test_a_store_keyed_as_before_content_keys_still_serves(tmp_path, monkeypatch):
     """A store built when the key named the data by path and mtimes (before 2026-12-03), under that key's folder,
-    is found by `auto` and accepted where the data has not moved: it took hours to build on a large target."""
+    is found by `auto` and accepted where the data has not moved: it took hours to build on a large target. So is an
+    unfinished build of one, which resumes."""
     from training.feature_store import resolve_store_path
 
     monkeypatch.setattr(training.feature_store, "cache_dir", lambda: tmp_path)
@@ -944,3 +945,12 @@ def test_a_store_keyed_as_before_content_keys_still_serves(tmp_path, monkeypatch
     (old / "store.json").write_text(json.dumps(manifest))
     assert resolve_store_path("auto", "tiny", datamodule) == old
     make_datamodule(tmp_path, feature_store=str(old)).setup("fit")  # accepted
+    assert build_feature_store(datamodule, old, layer_ids=LAYER_IDS, dtype=torch.float32) == old  # the same build: kept
+
+    # An unfinished build of then resumes with its finished shards, not from zero beside them
+    old.rename(partial_path(old))
+    shards = {path.name: path.stat().st_mtime_ns for path in partial_path(old).glob("shard-*")}
+    assert resolve_store_path("auto", "tiny", datamodule) == old
+    build_feature_store(datamodule, old, layer_ids=LAYER_IDS, dtype=torch.float32)
+    assert {path.name: path.stat().st_mtime_ns for path in old.glob("shard-*")} == shards
+    make_datamodule(tmp_path, feature_store=str(old)).setup("fit")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import select
 import sys
 from typing import Callable
 
@@ -63,11 +64,24 @@ def run_cli(main: Callable[[list[str] | None], int | None], argv: list[str] | No
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return INTERRUPTED
-    except BrokenPipeError:  # stdout's reader is gone: nothing more can be shown, and no traceback is wanted
-        # Python's own exit flushes stdout again and would print the same error; writes to /dev/null cannot fail.
-        # (Python ignores SIGPIPE, so the write raised instead of the signal ending the process.)
+    except BrokenPipeError:
+        if not stdout_closed():  # another pipe (a child process, a socket) broke: a failure, with its traceback
+            raise
+        # stdout's reader is gone: nothing more can be shown, and no traceback is wanted. Python's own exit flushes
+        # stdout again and would print the same error; writes to /dev/null cannot fail. (Python ignores SIGPIPE, so
+        # the write raised instead of the signal ending the process.)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return STDOUT_CLOSED
+
+
+def stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader has closed it: polling its write end then reports an error."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no file descriptor (a captured stdout), or no poll here
+        return False
 
 
 def check_text(text: str, where: str) -> str:

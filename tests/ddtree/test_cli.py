@@ -440,6 +440,17 @@ def test_a_command_whose_stdout_is_closed_exits_141_without_a_traceback(flush):
     assert (proc.returncode, proc.stderr) == (141, "")
 
 
+def test_a_broken_pipe_that_is_not_stdout_keeps_its_traceback(tmp_path):
+    """A child process or socket that dies is a failure, not `... | head`: it was taken for a closed stdout and ended
+    with status 141 and no word (found in a review)."""
+    probe = ("import subprocess, sys\nfrom ddtree.errors import run_cli\n"
+             "def main(argv):\n    child = subprocess.Popen(['true'], stdin=subprocess.PIPE)\n    child.wait()\n"
+             "    child.stdin.write(b'x' * 100000)\n    child.stdin.flush()\n"
+             "sys.exit(run_cli(main))\n")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "BrokenPipeError" in proc.stderr, (proc.returncode, proc.stderr)
+
+
 def test_generate_piped_into_a_reader_that_stops_early_exits_141_without_a_traceback(tmp_path):
     proc = run_with_stdout_closed([sys.executable, "-m", "ddtree", "generate", "--target", TARGET, "--method", "ar",
                                    "--packed-weights", "off", "--raw", "--prompt", "The quick brown fox",

@@ -459,7 +459,13 @@ def build_drafter_config(
         rope_parameters=full_attention_rope(tc),
     )
     check_drafter_fits(config, target, f"built for target {name_or_path}",
-                       "target_layer_ids (model.target_layer_ids in a recipe)", distinct_layers=True)
+                       "target_layer_ids (model.target_layer_ids in a recipe)")
+    ids = list(config.target_layer_ids)
+    if len(set(ids)) < len(ids):  # a typo, or a run from before 2026-12-03 resumed on the default it then had
+        twice = sorted({i for i in ids if ids.count(i) > 1})
+        print(f"[ddtree] target_layer_ids {ids} read layer{'s' if len(twice) > 1 else ''} {twice} more than once: each "
+              "copy widens the drafter's input for nothing; give distinct ids (model.target_layer_ids) for a new run",
+              flush=True)
     return config
 
 
@@ -512,13 +518,12 @@ def target_field(text_config, name_or_path: str, names: tuple[str, ...], default
 
 
 def check_drafter_fits(config, target: PreTrainedModel, source: str,
-                       layer_ids_field: str = "dflash_config.target_layer_ids", distinct_layers: bool = False) -> None:
+                       layer_ids_field: str = "dflash_config.target_layer_ids") -> None:
     """Raise a DDTreeError naming the first field of a drafter config that does not fit the target.
 
     Errors read `drafter {source}: ...`; layer_ids_field names where the layer ids came from (a folder's config.json,
-    or the setting build_drafter_config was given). distinct_layers: refuse a layer id given twice, for a drafter
-    about to be trained (a typo, or a layer read twice for nothing); a trained drafter that reads one twice still
-    decodes as it was trained, so loading one does not refuse it."""
+    or the setting build_drafter_config was given). Layer ids that repeat are taken (build_drafter_config says so):
+    a drafter that reads a layer twice decodes as it was trained."""
     check_drafter_field_types(config, source)
     tc = target.config.get_text_config()
     check_embedding_width(target)
@@ -529,9 +534,9 @@ def check_drafter_fits(config, target: PreTrainedModel, source: str,
             "this drafter was built for another target"
         )
     ids, depth = config.target_layer_ids, tc.num_hidden_layers
-    if not ids or any(not 0 <= i < depth for i in ids) or (distinct_layers and len(set(ids)) < len(ids)):
-        raise DDTreeError(f"drafter {source}: {layer_ids_field} {ids} must be non-empty, "
-                          f"{'distinct and ' if distinct_layers else ''}within 0..{depth - 1} (the target has {depth} layers)")
+    if not ids or any(not 0 <= i < depth for i in ids):
+        raise DDTreeError(f"drafter {source}: {layer_ids_field} {ids} must be non-empty and within 0..{depth - 1} "
+                          f"(the target has {depth} layers)")
     if config.vocab_size != embedding_rows:
         raise DDTreeError(
             f"drafter {source}: vocab_size {config.vocab_size} != the target's {embedding_rows} embedding rows; "

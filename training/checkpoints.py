@@ -214,9 +214,10 @@ def load_checkpoint(path: Path) -> Checkpoint:
 RESUME_KEYS = ("pytorch-lightning_version", "global_step", "loops", "state_dict", "drafter_config")
 
 
-def check_resumable(path: Path, flag: str = "--resume") -> None:
+def check_resumable(path: Path, flag: str = "--resume") -> dict:
     """A .ckpt file that Lightning can resume a run of this project from, or one line saying what it is instead
-    (Lightning read any other pickle into a KeyError traceback). DeepSpeed folders are checked by their strategy."""
+    (Lightning read any other pickle into a KeyError traceback). DeepSpeed folders are checked by their strategy.
+    Returns the checkpoint, memory-mapped (its tensors are read only where used)."""
     try:
         saved = torch.load(path, map_location="cpu", weights_only=False, mmap=True)  # mmap: nothing big is read
     except Exception as error:  # noqa: BLE001 - anything torch.load cannot read is not a checkpoint
@@ -226,6 +227,7 @@ def check_resumable(path: Path, flag: str = "--resume") -> None:
     if missing:
         raise DDTreeError(f"{flag} {path} is not a training checkpoint of this project (it has no {', '.join(missing)}): "
                           "give a run's last.ckpt, step-N.ckpt or hpc_ckpt_N.ckpt")
+    return saved
 
 
 def non_finite_tensors(drafter: torch.nn.Module) -> int:

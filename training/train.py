@@ -56,9 +56,10 @@ answer_early(__name__, train_parser, check_train_args, overrides=True)
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from ddtree.configuration_dflash import DFlashDrafterConfig
 from ddtree.corpus import CORPUS_FILE, write_replies
 from ddtree.errors import DDTreeError, command
-from ddtree.files import unwritable_as_error, write_text_atomic
+from ddtree.files import read_yaml_mapping, unwritable_as_error, write_text_atomic
 from training.callbacks import AcceptanceEvaluation
 from training.checkpoint_paths import (find_resume, is_deepspeed_checkpoint, newest_checkpoint, resume_point, run_checkpoints,
                                        why_unreadable)
@@ -215,6 +216,18 @@ def run_recipe(run_dir: Path, requested: str | None) -> str:
     return recipe
 
 
+def run_layer_ids(saved: dict, config: Path, overrides: list[str]) -> list[str]:
+    """The override that resumes a run on the target layers its drafter reads, where its config left them to the
+    default: the default for targets under 8 layers changed on 2026-12-03 ([1, 2, 2, 2, 3] -> [0, 1, 2, 3, 4] on 6),
+    and a run trained before could not be resumed. [] where the config or the command names them, or init_from does."""
+    model = (read_yaml_mapping(config).get("model") or {}) if config.is_file() else {}
+    given = any(flag.split("=")[0] in ("--model.target_layer_ids", "--model.init_from") for flag in overrides)
+    if given or model.get("target_layer_ids") is not None or model.get("init_from"):
+        return []
+    ids = DFlashDrafterConfig.from_dict(saved["drafter_config"]).target_layer_ids
+    return [f"--model.target_layer_ids={list(ids)}"]
+
+
 RUN_NAME_ENV = "DDTREE_RUN_NAME"  # the run folder name, handed to the processes Lightning starts
 
 
@@ -365,10 +378,10 @@ def main(argv: list[str] | None = None) -> int:
         checkpoint = None
         if args.resume is not None:  # an empty one too: find_resume refuses it
             checkpoint, run_dir = find_resume(args.resume, Path(args.output_root) / (args.recipe or DEFAULT_RECIPE))
-            if not is_deepspeed_checkpoint(checkpoint):
-                check_resumable(checkpoint)
             args.recipe = run_recipe(run_dir, args.recipe)
             config = run_dir / "config.yaml"
+            if not is_deepspeed_checkpoint(checkpoint):
+                overrides += run_layer_ids(check_resumable(checkpoint), config, overrides)
             if is_first_process():
                 held.enter_context(hold_run_folder(run_dir))
         else:

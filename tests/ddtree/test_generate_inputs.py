@@ -178,7 +178,7 @@ def drafter_for(target):
 
 @pytest.mark.parametrize("other, problem", [
     (dict(hidden=96), r"hidden_size 64 != the target's 96; this drafter was built for another target"),
-    (dict(layers=2), r"dflash_config.target_layer_ids \[0, 3\] must be non-empty, within 0..1 "
+    (dict(layers=2), r"dflash_config.target_layer_ids \[0, 3\] must be non-empty and within 0..1 "
                     r"\(the target has 2 layers\)"),
     (dict(vocab=128), r"vocab_size 256 != the target's 128 embedding rows"),
 ], ids=["hidden", "layers", "vocab"])

@@ -456,13 +456,18 @@ def test_a_drafter_of_a_shallow_target_reads_distinct_layers_and_says_which(caps
     assert generate(target, [5, 6, 7], "ddtree", runner, budget=4, max_new_tokens=8).new_tokens == greedy
 
 
-@pytest.mark.parametrize("ids", [[1, 1, 3], [0, 4]])
-def test_layer_ids_given_that_repeat_or_leave_the_target_name_the_setting_not_a_drafter_folder(tmp_path, ids):
+def test_layer_ids_given_that_leave_the_target_name_the_setting_and_repeats_are_said(tmp_path, capsys):
     target = shallow_target(4)
     with pytest.raises(DDTreeError) as error:
-        build_drafter_config(target, None, "/t/L4", num_layers=1, target_layer_ids=ids, mask_token_id=63)
-    assert str(error.value) == (f"drafter built for target /t/L4: target_layer_ids (model.target_layer_ids in a recipe) "
-                                f"{ids} must be non-empty, distinct and within 0..3 (the target has 4 layers)")
+        build_drafter_config(target, None, "/t/L4", num_layers=1, target_layer_ids=[0, 4], mask_token_id=63)
+    assert str(error.value) == ("drafter built for target /t/L4: target_layer_ids (model.target_layer_ids in a recipe) "
+                                "[0, 4] must be non-empty and within 0..3 (the target has 4 layers)")
+    capsys.readouterr()
+    assert build_drafter_config(target, None, "/t/L4", num_layers=1, target_layer_ids=[1, 1, 3],
+                                mask_token_id=63).target_layer_ids == [1, 1, 3]
+    assert capsys.readouterr().out == ("[ddtree] target_layer_ids [1, 1, 3] read layer [1] more than once: each copy "
+                                       "widens the drafter's input for nothing; give distinct ids "
+                                       "(model.target_layer_ids) for a new run\n")
     # a trained drafter folder that reads one layer twice (the old default) still loads and decodes as it was trained
     from ddtree.decoding import DrafterRunner, generate
 

@@ -547,3 +547,25 @@ def test_make_eval_shows_the_logged_tau_only_where_training_measured_the_same_wa
         assert row.split()[2] == "-" and stored is None
         assert ("[eval] training measured step 7 otherwise (eval.max_new_tokens 8 -> 16): no logged tau to compare "
                 "with") in printed.err
+
+
+def test_a_run_that_left_its_layer_ids_to_an_older_default_resumes_on_its_checkpoints_ids(tmp_path, capsys):
+    """Before 2026-12-03 a target under 8 layers defaulted to the published spread with repeats ([1, 2, 2, 2, 3] on
+    tiny's 6); such a run's config.yaml says null, today's default differs, and its resume was refused with advice
+    to drop a setting it never gave (found in a review)."""
+    from test_reliability import tiny_args
+
+    from ddtree.files import read_yaml_mapping
+    from training.train import main as train_main
+
+    old_default = [1, 2, 2, 2, 3]
+    assert train_main([*tiny_args(tmp_path, "old", max_steps=2), f"--model.target_layer_ids={old_default}"]) == 0
+    run = tmp_path / "out" / "tiny" / "old"
+    config = (run / "config.yaml").read_text()
+    assert f"target_layer_ids:\n  - {old_default[0]}" in config  # what an old run's config.yaml held instead: null
+    (run / "config.yaml").write_text(config.replace(
+        "target_layer_ids:\n" + "".join(f"  - {i}\n" for i in old_default), "target_layer_ids: null\n"))
+    capsys.readouterr()
+    assert train_main(["--output-root", str(tmp_path / "out"), "--resume", str(run), "--trainer.max_steps=4"]) == 0
+    assert (run / "checkpoints" / "step-4.ckpt").is_file()
+    assert read_yaml_mapping(run / "config.yaml")["model"]["target_layer_ids"] == old_default

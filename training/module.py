@@ -154,7 +154,7 @@ class DistillModule(L.LightningModule):
         mask_token_id: int | None = None,
         draft_vocab_size: int | None = None,  # the drafter proposes only the N reply tokens seen most in training
         init_from: str | None = None,  # warm start from a drafter folder (save_pretrained format)
-        lora_rank: int = 0,  # > 0: train LoRA adapters on the drafter's layers instead of all weights
+        lora_rank: int = 0,  # > 0: train LoRA adapters on init_from's layers instead of all weights
         lora_alpha: float = 16.0,
         lora_dropout: float = 0.0,
         lora_target_modules: list[str] | None = None,  # default: every attention and MLP projection
@@ -223,6 +223,12 @@ class DistillModule(L.LightningModule):
         ]:
             if not fits:
                 raise DDTreeError(f"model.{name}={value} must be {rule}")
+        if lora_rank > 0 and not init_from:
+            # Only the adapters train: without a warm start every other weight (fc, the norms, the projections
+            # under the adapters) stayed at its random init for the whole run, which exported without a word.
+            raise DDTreeError(f"model.lora_rank={lora_rank} adapts a trained drafter and model.init_from is unset, so "
+                              "the rest of a new, random drafter would never train: give model.init_from=<drafter "
+                              "folder>, or set model.lora_rank=0")
         if not 0 <= objective_smoothing <= 1 or objective_top_k < 1 or objective_budget < 1:
             raise DDTreeError(f"model.objective_smoothing={objective_smoothing} must be in [0, 1], and "
                               f"model.objective_top_k={objective_top_k} and model.objective_budget={objective_budget} "

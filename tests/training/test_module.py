@@ -836,6 +836,13 @@ def test_warm_start_with_lora_trains_adapters_only_and_exports_merged(module, tm
         assert torch.allclose(lora.block_hidden_states(features, batch["input_ids"], anchors), wrapped, atol=1e-5)
 
 
+def test_lora_without_a_warm_start_is_refused():
+    """Only the adapters train: on a new drafter every other weight stayed random, and the run exported as usual."""
+    with pytest.raises(DDTreeError, match=r"^model.lora_rank=4 adapts a trained drafter and model.init_from is unset.*: "
+                                          r"give model.init_from=<drafter folder>, or set model.lora_rank=0$"):
+        DistillModule(target="tiny-random", lora_rank=4)
+
+
 def test_a_warm_start_leaves_the_folders_calibrations_behind(module, tmp_path):
     """Learned for the folder's weights (model.replay_calibration's state, model.calibrate's per-depth temperatures):
     the evaluation and the export would decode the retrained drafter with them, and `ddtree generate` would call them
@@ -899,6 +906,9 @@ def test_a_resume_names_what_changed_its_draft_vocabulary_or_split(module):
     module.check_resume(saved)  # the same run
     saved["hyper_parameters"]["seed"] = module.hparams.seed + 1
     with pytest.raises(DDTreeError, match=r"seed 1 \(this launch: 0\).*drop model.seed and data.seed from the command"):
+        module.check_resume(saved)
+    saved["hyper_parameters"].update(seed=module.hparams.seed, lora_rank=2)  # a warm start's run with adapters
+    with pytest.raises(DDTreeError, match=r"lora_rank 2 \(this launch: 0\).*drop model.lora_rank from the command"):
         module.check_resume(saved)
 
 

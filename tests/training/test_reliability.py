@@ -378,13 +378,17 @@ def test_a_resume_refused_at_restore_leaves_config_yaml_as_it_was(tmp_path, caps
                                    "model.num_layers from the command"),
         (["--model.block_size=4", "--model.gamma=3.0"], "block_size 8 (this launch: 4): a resume keeps the run's "
                                                         "drafter and data split; drop model.block_size from the command"),
-        (["--model.lora_rank=2"], "lora_rank 0 (this launch: 2): a resume keeps the run's drafter and data split; drop model.lora_rank"),
     ]:
         assert train_main([*resume, *overrides]) == 2
         lines = error_lines(capsys)
         assert len(lines) == 1 and lines[0].startswith("error: --resume: the checkpoint's run has "), lines
         assert named in lines[0], lines
         assert (run_dir / "config.yaml").read_text() == before
+    # LoRA adapts a warm start, which this run is not: refused as the module is built, before the checkpoint is read
+    assert train_main([*resume, "--model.lora_rank=2"]) == 2
+    lines = error_lines(capsys)
+    assert len(lines) == 1 and lines[0].startswith("error: model.lora_rank=2 adapts a trained drafter"), lines
+    assert (run_dir / "config.yaml").read_text() == before
     # Other conversations of the same count: the loader's count matched, and the run trained on them silently.
     other = toy_data.write_conversations(tmp_path / "other.jsonl", 24, 30, 60, seed=5)
     assert train_main([*resume, f"--data.data_path={other}"]) == 2

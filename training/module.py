@@ -826,15 +826,19 @@ class DistillModule(L.LightningModule):
     }
     # Hyper-parameters a resume cannot change (-> the settings that set them). The seed splits the data (data.seed,
     # kept equal to model.seed): another split would train on the replies that validate and pick the best checkpoint.
+    # Lightning restores the optimizer's groups and the schedule's base rates from the checkpoint, so another lr,
+    # betas or weight_decay went unused while config.yaml and the model card recorded it (warmup_ratio and
+    # min_lr_ratio live in the schedule's function and do change).
     RESUME_FIXED_HPARAMS = {"lora_rank": "model.lora_rank", "lora_alpha": "model.lora_alpha",
-                            "lora_target_modules": "model.lora_target_modules", "seed": "model.seed and data.seed"}
+                            "lora_target_modules": "model.lora_target_modules", "seed": "model.seed and data.seed",
+                            "lr": "model.lr", "betas": "model.betas", "weight_decay": "model.weight_decay"}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         # Lightning restores a checkpoint into the module configure_model built, after this hook.
         self.check_resume(checkpoint)
 
     def check_resume(self, checkpoint: dict) -> None:
-        """Refuse, in one line, a resume whose launch would change the checkpoint's drafter or data split."""
+        """Refuse, in one line, a resume whose launch would change the checkpoint's drafter, data split or optimizer."""
         saved = checkpoint.get("drafter_config")
         if saved is None or self.drafter is None:
             return
@@ -851,12 +855,13 @@ class DistillModule(L.LightningModule):
                 changed.setdefault(setting, f"{field} {shown[0]} (this launch: {shown[1]})")
         hparams = checkpoint.get("hyper_parameters") or {}
         for name, setting in self.RESUME_FIXED_HPARAMS.items():
-            if name in hparams and hparams[name] != self.hparams.get(name):
-                changed.setdefault(setting, f"{name} {hparams[name]} (this launch: {self.hparams.get(name)})")
+            was, now = as_compared(hparams.get(name)), as_compared(self.hparams.get(name))  # betas: a list or a tuple
+            if name in hparams and was != now:
+                changed.setdefault(setting, f"{name} {was} (this launch: {now})")
         if changed:
             raise DDTreeError(f"--resume: the checkpoint's run has {'; '.join(changed.values())}: a resume keeps the "
-                              f"run's drafter and data split; drop {', '.join(sorted(changed))} from the command, or start "
-                              "a new run")
+                              f"run's drafter, data split and optimizer; drop {', '.join(sorted(changed))} from the "
+                              "command, or start a new run")
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # The target never goes into a checkpoint (it is not a submodule; this guards against regressions),

@@ -886,7 +886,7 @@ def test_a_warm_start_from_a_hub_export_leaves_its_hub_only_fields_behind(module
     assert not set(HUB_ONLY_KEYS) & set(rewritten) and rewritten["model_type"] == "qwen3"
 
 
-def test_a_resume_names_what_changed_its_draft_vocabulary_or_split(module):
+def test_a_resume_names_what_changed_its_draft_vocabulary_split_or_optimizer(module):
     """The whole launch is tests/training/test_reliability.py's; these are the cases its toy data cannot reach."""
     config = module.base_drafter().config
     saved = {"drafter_config": {**config.to_dict(), "dflash_config": {**config.dflash_config, "draft_vocab": list(range(16))}},
@@ -909,6 +909,14 @@ def test_a_resume_names_what_changed_its_draft_vocabulary_or_split(module):
         module.check_resume(saved)
     saved["hyper_parameters"].update(seed=module.hparams.seed, lora_rank=2)  # a warm start's run with adapters
     with pytest.raises(DDTreeError, match=r"lora_rank 2 \(this launch: 0\).*drop model.lora_rank from the command"):
+        module.check_resume(saved)
+    # Lightning restores the optimizer and the schedule's base rates: another lr trained at the old one, recorded as new
+    saved["hyper_parameters"].update(lora_rank=0, betas=list(module.hparams.betas))  # as a checkpoint keeps them
+    module.check_resume(saved)
+    saved["hyper_parameters"].update(lr=1e-5, betas=[0.9, 0.99])
+    with pytest.raises(DDTreeError, match=r"lr 1e-05 \(this launch: 0.003\); betas \[0.9, 0.99\] \(this launch: "
+                                          r"\[0.9, 0.95\]\): a resume keeps the run's drafter, data split and optimizer; "
+                                          r"drop model.betas, model.lr from the command"):
         module.check_resume(saved)
 
 

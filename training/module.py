@@ -309,6 +309,10 @@ class DistillModule(L.LightningModule):
 
     def _training_reply_vocabulary(self, vocab_size: int) -> list[int]:
         """model.draft_vocab_size's vocabulary, from the training split (the same on every rank and on resume)."""
+        size = self.hparams.draft_vocab_size
+        if size >= vocab_size:  # it would restrict nothing, yet every decode would scatter into -inf logits
+            raise DDTreeError(f"model.draft_vocab_size={size} is not below the target's vocabulary of {vocab_size} "
+                              "tokens: leave it unset to draft from the whole vocabulary, or give fewer")
         datamodule = self._trainer.datamodule if self._trainer else None
         if getattr(datamodule, "train_split", None) is None:
             raise DDTreeError(f"model.draft_vocab_size={self.hparams.draft_vocab_size} is chosen from the training data: "

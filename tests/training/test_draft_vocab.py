@@ -128,6 +128,15 @@ def test_draft_vocab_size_needs_training_data():
         tiny_module(draft_vocab_size=100)
 
 
+def test_a_draft_vocabulary_of_the_whole_vocabulary_or_more_is_refused():
+    """Cut to the whole vocabulary before: exported as a list of every id, which each decode scattered into -inf logits."""
+    vocab_size = tiny_module().target.get_output_embeddings().weight.shape[0]
+    for size in (vocab_size, vocab_size + 1):
+        with pytest.raises(DDTreeError, match=rf"^model.draft_vocab_size={size} is not below the target's vocabulary of "
+                                              rf"{vocab_size} tokens: leave it unset to draft from the whole vocabulary"):
+            tiny_module(draft_vocab_size=size)
+
+
 def test_decoding_with_a_draft_vocabulary_is_lossless(smollm2):
     """A random drafter limited to 300 tokens proposes only those, and the committed tokens are the target's greedy ones."""
     model, tokenizer = smollm2

@@ -230,6 +230,10 @@ def check_values(config: Namespace) -> None:
     refused = [
         ("model.lr", model.lr, model.lr > 0, "give a positive learning rate"),
         ("data.num_workers", data.num_workers, data.num_workers >= 0, "give 0 (load in the main process) or more"),
+        # positions of a block past the longest sequence are never labelled, yet decoding drafts them
+        ("model.block_size", model.block_size, model.block_size is None or model.block_size <= data.max_length,
+         f"a block longer than data.max_length={data.max_length} has positions no sequence trains; give a block size of "
+         f"at most {data.max_length}, or a longer data.max_length"),
         # a reply of one supervised token has no successor, so no anchor: a batch of such replies has no block, which
         # a single process skips but which several processes cannot (Lightning refuses a None step under DDP)
         ("data.min_supervised_tokens", data.min_supervised_tokens, data.min_supervised_tokens >= 2,

@@ -330,6 +330,17 @@ def test_what_deepspeed_refuses_is_one_line_before_anything_loads(overrides, sai
     training.recipe.check_strategy("ddp", "cpu", "value")
 
 
+def test_a_block_longer_than_the_sequences_is_one_line_before_anything_loads(tmp_path, capsys):
+    """It trained and exported: the block positions past data.max_length were never labelled, yet decoding drafts them."""
+    assert main(["--recipe", "tiny", "--run-name", "r", "--output-root", str(tmp_path), "--model.block_size=300"]) == 2
+    errors = error_lines(capsys)
+    assert len(errors) == 1 and errors[0].endswith(
+        "recipes/tiny.yaml: model.block_size=300 is not a valid value: a block longer than data.max_length=256 has "
+        "positions no sequence trains; give a block size of at most 256, or a longer data.max_length"), errors
+    assert not any(tmp_path.iterdir())
+    training.recipe.check_values(parse_recipe("tiny", "--model.block_size=256"))  # as long as the sequences: fine
+
+
 def test_fsdp_is_one_line_before_anything_loads(tmp_path, monkeypatch, capsys):
     """Nothing here gathers FSDP's shards: the evaluation during training and the export gather DeepSpeed's only, so on
     GPUs (where Lightning takes FSDP) they would have read each rank's shard of the drafter."""

@@ -56,7 +56,6 @@ answer_early(__name__, train_parser, check_train_args, overrides=True)
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from ddtree.configuration_dflash import DFlashDrafterConfig
 from ddtree.corpus import CORPUS_FILE, write_replies
 from ddtree.errors import DDTreeError, command
 from ddtree.files import read_yaml_mapping, unwritable_as_error, write_text_atomic
@@ -220,11 +219,14 @@ def run_layer_ids(saved: dict, config: Path, overrides: list[str]) -> list[str]:
     """The override that resumes a run on the target layers its drafter reads, where its config left them to the
     default: the default for targets under 8 layers changed on 2026-12-03 ([1, 2, 2, 2, 3] -> [0, 1, 2, 3, 4] on 6),
     and a run trained before could not be resumed. [] where the config or the command names them, or init_from does."""
-    model = (read_yaml_mapping(config).get("model") or {}) if config.is_file() else {}
-    given = any(flag.split("=")[0] in ("--model.target_layer_ids", "--model.init_from") for flag in overrides)
-    if given or model.get("target_layer_ids") is not None or model.get("init_from"):
+    try:
+        model = read_yaml_mapping(config).get("model") or {}
+    except (DDTreeError, OSError):  # missing or not a recipe: reading it as the run's config names what is wrong
         return []
-    ids = DFlashDrafterConfig.from_dict(saved["drafter_config"]).target_layer_ids
+    given = any(flag.split("=")[0] in ("--model.target_layer_ids", "--model.init_from") for flag in overrides)
+    ids = ((saved.get("drafter_config") or {}).get("dflash_config") or {}).get("target_layer_ids")
+    if given or not isinstance(model, dict) or model.get("target_layer_ids") is not None or model.get("init_from") or not ids:
+        return []
     return [f"--model.target_layer_ids={list(ids)}"]
 
 
@@ -380,10 +382,10 @@ def main(argv: list[str] | None = None) -> int:
             checkpoint, run_dir = find_resume(args.resume, Path(args.output_root) / (args.recipe or DEFAULT_RECIPE))
             args.recipe = run_recipe(run_dir, args.recipe)
             config = run_dir / "config.yaml"
-            if not is_deepspeed_checkpoint(checkpoint):
-                overrides += run_layer_ids(check_resumable(checkpoint), config, overrides)
             if is_first_process():
                 held.enter_context(hold_run_folder(run_dir))
+            if not is_deepspeed_checkpoint(checkpoint):  # (after the lock: a run still training rewrites config.yaml)
+                overrides += run_layer_ids(check_resumable(checkpoint), config, overrides)
         else:
             args.recipe = args.recipe or DEFAULT_RECIPE
             config = recipe_path(args.recipe)

@@ -432,16 +432,26 @@ class AcceptanceEvaluation(L.Callback):
 
     def move_abandoned_evaluations(self, trainer) -> None:
         """On a resume from an earlier step than the run reached, its evaluations past that step are another
-        branch's: moved aside (move_aside), so that eval/ holds this branch's alone."""
+        branch's: moved aside (move_aside), so that eval/ holds this branch's alone, `make eval`'s of a checkpoint
+        past that step too; report.md, tau.png and accepted_depths.csv are written again from the history the
+        checkpoint restored (they named the other branch's best until the next evaluation, and a launch stopped
+        before it left them so)."""
         folder, step = Path(trainer.default_root_dir) / "eval", trainer.global_step
         if trainer.ckpt_path is None or not trainer.is_global_zero or not folder.is_dir():
             return
         later = sorted(path for path in folder.glob("step-*.json") if path.stem[len("step-"):].isdigit()
                        and int(path.stem[len("step-"):]) > step)
+        later += sorted(path for path in folder.glob("checkpoint-*.json") if recorded_step(path) > step)
         if later:
             aside = move_aside(later, folder, step)
             print(f"[eval] moved {len(later)} evaluation file(s) past step {step} to {aside}: the launch resumed from "
                   f"step {step} trains another branch", flush=True)
+            if self.history:
+                self._write_report(trainer)
+            else:
+                report.write_no_evaluation(Path(trainer.default_root_dir), f"the run resumed from step {step}, before "
+                                           "its first evaluation; the evaluations of the branch it left are in "
+                                           f"{aside.relative_to(trainer.default_root_dir)}")
 
     def finish_interrupted_evaluation(self, trainer, pl_module) -> None:
         """A launch resumed at a scheduled step whose evaluation or save its checkpoint does not record: SLURM's
@@ -695,6 +705,15 @@ class AcceptanceEvaluation(L.Callback):
             "of this launch so far)",
             flush=True,
         )
+
+
+def recorded_step(path: Path) -> int:
+    """The step an evaluation file records; -1 for one that cannot be read (left where it is)."""
+    try:
+        step = json.loads(path.read_text()).get("step")
+    except (OSError, ValueError, AttributeError):
+        return -1
+    return step if isinstance(step, int) else -1
 
 
 # ----------------------------------------------------------------------------- checkpoint selection

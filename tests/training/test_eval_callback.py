@@ -528,6 +528,31 @@ def test_a_resume_from_an_earlier_checkpoint_moves_the_abandoned_branchs_later_f
     assert "[eval] moved 2 evaluation file(s) past step 2" in out
 
 
+def test_a_resume_from_an_earlier_checkpoint_rewrites_the_report_before_its_first_step(tmp_path):
+    """report.md, tau.png and accepted_depths.csv named the abandoned branch's best (step 4) until the next
+    evaluation, and a launch stopped before it left them so; `make eval`'s file of a step past the resume stayed in
+    eval/, where an export's card could read it (found in a review)."""
+    canned_fit(tmp_path, 6, {2: {8: 1.0}, 4: {8: 3.0}, 6: {8: 2.0}}, save_top_k=-1)
+    assert "step 4" in (tmp_path / "report.md").read_text().split("Best checkpoint", 1)[1].splitlines()[0]
+    (tmp_path / "eval" / "checkpoint-step-6.json").write_text(json.dumps({"step": 6}))  # make eval of the old step 6
+    (tmp_path / "eval" / "checkpoint-step-2.json").write_text(json.dumps({"step": 2}))  # of this branch: it stays
+
+    class Peek(L.Callback):
+        seen = None
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if Peek.seen is None:
+                Peek.seen = ((tmp_path / "report.md").read_text(), (tmp_path / "eval" / "accepted_depths.csv").read_text())
+
+    canned_fit(tmp_path, 4, {4: {8: 0.5}}, save_top_k=-1, ckpt_path=tmp_path / "checkpoints" / "step-2.ckpt",
+               extra=[Peek()])
+    report_md, depths = Peek.seen
+    assert "step 2" in report_md.split("Best checkpoint", 1)[1].splitlines()[0] and "**6**" not in report_md
+    assert [line.split(",")[0] for line in depths.splitlines()[1:]] == ["2"] * (len(depths.splitlines()) - 1)
+    assert sorted(p.name for p in (tmp_path / "eval").glob("checkpoint-*.json")) == ["checkpoint-step-2.json"]
+    assert (tmp_path / "eval" / "abandoned-after-step-2" / "checkpoint-step-6.json").is_file()
+
+
 def test_a_resume_with_a_lower_save_top_k_keeps_that_many_never_dropping_the_best(tmp_path):
     """Each save displaced at most one file, so a resume with save_top_k 1 kept all three of the first launch's."""
     canned_fit(tmp_path, 6, {2: {8: 3.0}, 4: {8: 1.0}, 6: {8: 2.0}}, save_top_k=-1)

@@ -35,6 +35,19 @@ def reference(model, prompt, stop, max_new_tokens):
     return out[0, len(prompt):].tolist()
 
 
+def count_generated(monkeypatch) -> list:
+    """The prompts regenerate hands the model from now on, in order (it still generates them)."""
+    generated = []
+    real = regenerate.generate_transformers
+
+    def counting(model, prompts, *args, **kwargs):
+        generated.extend(prompts)
+        return real(model, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(regenerate, "generate_transformers", counting)
+    return generated
+
+
 def test_batched_loop_matches_generate_and_drops_finished_rows(tiny):
     model, _ = tiny
     generator = torch.Generator().manual_seed(0)
@@ -177,14 +190,7 @@ def test_a_larger_limit_on_a_fresh_clone_reuses_the_merged_answers(tmp_path, mon
     shipped = load_from_disk(str(tmp_path / "out")).to_list()
     shutil.rmtree(tmp_path / "out.parts")
 
-    generated = []
-    real = regenerate.generate_transformers
-
-    def counting(model, prompts, *args, **kwargs):
-        generated.extend(prompts)
-        return real(model, prompts, *args, **kwargs)
-
-    monkeypatch.setattr(regenerate, "generate_transformers", counting)
+    generated = count_generated(monkeypatch)
     summary = regenerate.run(args_for(tmp_path))
     assert len(generated) == 1 and summary["num_conversations"] == 5
     assert load_from_disk(str(tmp_path / "out")).to_list()[:4] == shipped
@@ -445,14 +451,7 @@ def test_one_prompts_file_spelled_two_ways_resumes_and_reuses_the_answers(tmp_pa
     monkeypatch.chdir(tmp_path)
     prompt_file(tmp_path / "prompts.jsonl", 5)  # 3 chunks: 2 + 2 + 1
     relative, absolute = ["--prompts", "prompts.jsonl"], ["--prompts", str(tmp_path / "prompts.jsonl")]
-    generated = []
-    real = regenerate.generate_transformers
-
-    def counting(model, prompts, *args, **kwargs):
-        generated.extend(prompts)
-        return real(model, prompts, *args, **kwargs)
-
-    monkeypatch.setattr(regenerate, "generate_transformers", counting)
+    generated = count_generated(monkeypatch)
     assert regenerate.run(args_for(tmp_path, *relative, "--num-shards", "2", "--shard-index", "0")) is None
     assert len(generated) == 3  # chunks 0 and 2
     generated.clear()

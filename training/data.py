@@ -314,7 +314,7 @@ _TOKENIZER_DIGESTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 def tokenizer_fingerprint(tokenizer) -> str:
     """A tokenizer's identity by content (its whole serialized vocabulary, merges and added tokens), so a target folder
     copied elsewhere tokenizes to the same cache and one retrained at the same path does not; its name where it has
-    no serialized form (a slow tokenizer). 0.25 s for SmolLM2's on the 2-core EPYC: once per tokenizer object."""
+    no serialized form (a slow tokenizer). 0.25 s for SmolLM2's on a 2-core Xeon (2026-12-03): once per tokenizer object."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return tokenizer.name_or_path

@@ -44,7 +44,9 @@ the drafter's redraft), whose tau is therefore not the drafter's alone.
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import json
 import math
 import os
@@ -349,15 +351,17 @@ def main(argv: list[str] | None = None) -> int:
         shared.append((f"--eval-max-new-tokens {args.eval_max_new_tokens}",
                        [f"--eval.max_new_tokens={args.eval_max_new_tokens}"]))
     budget = [override for _, overrides in shared for override in overrides]
-    check_shared(recipe_path(args.recipe), [*shared, (" ".join(common), common)])
-
-    schedules = {}  # each variant's evaluation and validation steps under --minutes alone: at its stop only
-    for name, overrides in variants:  # every variant read and its values checked before any trains: a bad one in the
-        try:                           # last would otherwise stop the comparison after the others had trained
-            config = check_variant(recipe_path(args.recipe), [*budget, *common, *overrides])
-        except DDTreeError as error:
-            raise DDTreeError(f"--variant {name}: {error}") from None
-        schedules[name] = schedule_at_the_stop(config.trainer.max_steps) if args.steps is None else []
+    # The checks read the recipe once per flag and variant: what each read prints ("[precision] ... auto -> 32-true")
+    # is said again by the variant's own launch, so it is kept out of the way (2 variants printed it 6 times).
+    with contextlib.redirect_stdout(io.StringIO()):
+        check_shared(recipe_path(args.recipe), [*shared, (" ".join(common), common)])
+        schedules = {}  # each variant's evaluation and validation steps under --minutes alone: at its stop only
+        for name, overrides in variants:  # every variant read and its values checked before any trains: a bad one in
+            try:                           # the last would otherwise stop the comparison after the others had trained
+                config = check_variant(recipe_path(args.recipe), [*budget, *common, *overrides])
+            except DDTreeError as error:
+                raise DDTreeError(f"--variant {name}: {error}") from None
+            schedules[name] = schedule_at_the_stop(config.trainer.max_steps) if args.steps is None else []
 
     # For devices > 1 Lightning starts the other processes by re-running this command: they take the first one's stamp,
     # so each variant is one run folder, and leave the measuring and writing to it

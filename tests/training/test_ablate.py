@@ -26,6 +26,9 @@ def test_two_variants_of_the_tiny_recipe_are_trained_measured_and_compared(tmp_p
     out = capsys.readouterr().out
     table = [line for line in out.splitlines() if line.startswith("| plain") or line.startswith("| frontier")]
     assert len(table) == 2
+    # each launch says its precision; the checks before them, which read the recipe once per flag and variant, do not
+    before_first = out.split("[ablate]", 1)[0]
+    assert "[precision]" not in before_first, before_first
     results = json.loads(next((tmp_path / "out" / "tiny").glob("ablate-*.json")).read_text())
     assert [r["variant"] for r in results] == ["plain", "frontier"]
     for r in results:

@@ -76,7 +76,7 @@ from ddtree.target_runner import context_limit
 from ddtree.targets import load_tokenizer, resolve_target, stop_token_ids
 
 from . import report
-from .checkpoint_paths import saved_step
+from .checkpoint_paths import ABANDONED_PREFIX, saved_step
 from .checkpoints import AtomicCheckpointIO, non_finite_tensors
 from .data import replies
 from .strategies import consolidated_copy
@@ -114,10 +114,10 @@ def move_aside(paths: list[Path], folder: Path, step: int) -> Path:
     """Move what a launch saved past `step` into a new folder/abandoned-after-step-<step>/: a resume from `step` trains
     another branch, whose files of the same steps would mix with these (a step-N.ckpt the new ranking does not know,
     kept beside the new branch's eval/step-N.json). Moved, not deleted: they may be the better branch."""
-    aside, copy_number = folder / f"abandoned-after-step-{step}", 1
+    aside, copy_number = folder / f"{ABANDONED_PREFIX}{step}", 1
     while aside.exists():  # a second resume from the same step: the first branch's files stay where they were put
         copy_number += 1
-        aside = folder / f"abandoned-after-step-{step}-{copy_number}"
+        aside = folder / f"{ABANDONED_PREFIX}{step}-{copy_number}"
     aside.mkdir()
     for path in paths:
         os.replace(path, aside / path.name)

@@ -91,10 +91,28 @@ def saved_at(checkpoint: Path) -> float:
     return (checkpoint / "latest" if checkpoint.is_dir() else checkpoint).stat().st_mtime
 
 
+ABANDONED_PREFIX = "abandoned-after-step-"  # callbacks.move_aside: a branch left by a resume from an earlier step
+
+
 def run_folder_of(checkpoint: Path) -> Path | None:
-    """The run a checkpoint belongs to: the folder with the config.yaml above checkpoints/x.ckpt or hpc_ckpt_N.ckpt."""
+    """The run a checkpoint belongs to: the folder with the config.yaml above checkpoints/x.ckpt or hpc_ckpt_N.ckpt,
+    or above checkpoints/abandoned-after-step-N/x.ckpt (abandoned_branch)."""
+    branch = abandoned_branch(checkpoint)
+    if branch is not None:
+        return branch[0]
     resolved = checkpoint.resolve()
     return next((folder for folder in resolved.parents[:2] if (folder / "config.yaml").is_file()), None)
+
+
+def abandoned_branch(checkpoint: Path) -> tuple[Path, str] | None:
+    """(run folder, branch folder name) of a checkpoint a resume from an earlier step moved aside into
+    <run>/checkpoints/abandoned-after-step-N/, else None. Its run's config and corpus are its own; its evaluations past
+    step N are in <run>/eval/ under the same folder name, not eval/ (the current branch's steps of the same numbers)."""
+    folder = checkpoint.resolve().parent
+    run = folder.parent.parent
+    if folder.name.startswith(ABANDONED_PREFIX) and folder.parent.name == "checkpoints" and (run / "config.yaml").is_file():
+        return run, folder.name
+    return None
 
 
 ABLATE_PREFIX = "ablate-"  # `make ablate` names its variants' runs ablate-<stamp>-<variant> (training/ablate.py)
@@ -260,6 +278,12 @@ def find_resume(resume: str, recipe_root: Path) -> tuple[Path, Path]:
             folder = f"its run folder {run} (its newest checkpoint)" if run else "a run folder"
             raise DDTreeError(f"--resume {resume} is not a checkpoint (not a file torch.save wrote); give {folder}, "
                               "a .ckpt path or 'last'")
+    branch = abandoned_branch(checkpoint)
+    if branch is not None:  # its ranking names step files that are now the current branch's
+        raise DDTreeError(f"--resume {resume}: a checkpoint of the branch the run {branch[0]} left (checkpoints/"
+                          f"{branch[1]}/) when a launch resumed it from an earlier step; a resume continues the run's "
+                          f"current branch only. Warm-start a new run from it: python -m training.export {checkpoint} "
+                          "<folder>, then --model.init_from=<folder>")
     run_dir = run_folder_of(checkpoint)
     if run_dir is None and not is_readable(checkpoint):
         raise DDTreeError(f"--resume {resume}: {checkpoint} is not a readable checkpoint; give a .ckpt from a run's "

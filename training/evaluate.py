@@ -39,7 +39,7 @@ from ddtree.precision import AUTO, fast_precision
 from ddtree.targets import stop_token_ids
 
 from .callbacks import AcceptanceEvaluation, changed_measurement, metrics_of
-from .checkpoint_paths import find_checkpoint, run_folder_of
+from .checkpoint_paths import abandoned_branch, find_checkpoint, run_folder_of
 from .checkpoints import Checkpoint, evaluation_state, load_checkpoint, recorded_evaluation
 from .export import run_corpus
 from .target import dtype_for_precision, load_frozen_target
@@ -155,8 +155,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{stats['rounds']:>7}  {depths}"
         )
     # Outside a run: beside the checkpoint's own folder (its run-like parent when it lies in a checkpoints/ folder).
-    folder = path.resolve().parent
+    # A branch a resume abandoned: beside its training-time evaluations, eval/abandoned-after-step-N/, since eval/
+    # holds the current branch's, whose checkpoint files of the same names are other drafters.
+    folder, branch = path.resolve().parent, abandoned_branch(path)
     eval_dir = (run_dir or (folder.parent if folder.name == "checkpoints" else folder)) / "eval"
+    if branch is not None:
+        eval_dir = eval_dir / branch[1]
     # A --limit measurement has its own name: the checkpoint's own one is what `make export` reports for its step
     partial = "" if args.limit is None else f"-limit{args.limit}"
     out = Path(args.out) if args.out else eval_dir / f"checkpoint-{path.resolve().stem}{partial}.json"

@@ -34,6 +34,7 @@ from ddtree.errors import DDTreeError, error_line
 from ddtree.files import read_yaml_mapping
 from ddtree.targets import is_number
 
+from .checkpoint_paths import ABANDONED_PREFIX
 from .conversations import load_conversations
 from .engines import SGLANG, VLLM, serve_commands
 from .hub_config import builtin_conversion
@@ -73,30 +74,41 @@ def shown_path(path: str | None) -> str | None:
 # ----------------------------------------------------------------------------- reading the run folder
 
 
-def evaluation_path(run_dir: Path, step: int) -> Path:
-    return Path(run_dir) / "eval" / f"step-{step:06d}.json"
+def eval_folder(run_dir: Path, branch: str | None = None) -> Path:
+    """<run>/eval, or its <branch>/ folder: the evaluations past step N of a branch a resume from step N abandoned
+    (checkpoint_paths.abandoned_branch)."""
+    folder = Path(run_dir) / "eval"
+    return folder / branch if branch else folder
 
 
-def evaluated_steps(run_dir: Path) -> list[int]:
-    """Steps that have an evaluation file, ascending."""
+def evaluation_path(run_dir: Path, step: int, branch: str | None = None) -> Path:
+    return eval_folder(run_dir, branch) / f"step-{step:06d}.json"
+
+
+def evaluated_steps(run_dir: Path, branch: str | None = None) -> list[int]:
+    """Steps that have an evaluation file, ascending; a branch's own past step N and the run's up to N, shared."""
     steps = []
-    for path in (Path(run_dir) / "eval").glob("step-*.json"):
+    for path in eval_folder(run_dir, branch).glob("step-*.json"):
         suffix = path.stem.removeprefix("step-")
         if suffix.isdigit():
             steps.append(int(suffix))
+    if branch:
+        shared = int(branch.removeprefix(ABANDONED_PREFIX).split("-")[0])
+        steps += [step for step in evaluated_steps(run_dir) if step <= shared]
     return sorted(steps)
 
 
-def read_evaluation(run_dir: Path, step: int, checkpoint_name: str | None = None) -> dict | None:
+def read_evaluation(run_dir: Path, step: int, checkpoint_name: str | None = None,
+                    branch: str | None = None) -> dict | None:
     """The evaluation of `step`, checked field by field; None if that step was not evaluated.
 
     The training-time evaluation of the step first; else `make eval`'s measurement of the checkpoint
-    file named `checkpoint_name` (its stem), if it is of the same step.
+    file named `checkpoint_name` (its stem), if it is of the same step. `branch`: of an abandoned branch's checkpoint.
     """
-    path = evaluation_path(run_dir, step)
+    path = evaluation_path(run_dir, step, branch)
     after_training = not path.is_file() and checkpoint_name is not None
     if after_training:
-        path = Path(run_dir) / "eval" / f"checkpoint-{checkpoint_name}.json"
+        path = eval_folder(run_dir, branch) / f"checkpoint-{checkpoint_name}.json"
     if not path.is_file():
         return None
     try:

@@ -62,14 +62,15 @@ from ddtree.files import check_output_folder, finite_json, staged_folder
 from ddtree.modeling_dflash import DFlashDraftModel
 from ddtree.targets import parse_dtype
 
-from .checkpoint_paths import check_run_folder, find_run_checkpoint, run_checkpoints, run_folder_of
+from .checkpoint_paths import (abandoned_branch, check_run_folder, find_run_checkpoint, is_checkpoint, run_checkpoints,
+                               run_folder_of)
 from .checkpoints import Checkpoint, load_checkpoint, recorded_evaluation
 from .engines import Export, engine_problems, refusal, serve_commands, target_facts, weight_shapes
 from .export import run_corpus
 from .hub import check_card_fields, check_export_folder, check_repo_id, preflight_hub, push
 from .hub_config import LIBRARY_DIR, REMOTE_CODE, hub_config, target_hub_id, verifier_for
-from .model_card import (CardFacts, count_training_prompts, evaluated_steps, project_path, read_evaluation,
-                         read_run_config, render_model_card)
+from .model_card import (CardFacts, count_training_prompts, eval_folder, evaluated_steps, evaluation_path, project_path,
+                         read_evaluation, read_run_config, render_model_card)
 from .recipe_data import AUTO_DATA, default_data_path
 
 
@@ -135,6 +136,12 @@ def same_measurement(checkpoint: Checkpoint, evaluation: dict) -> bool:
     return recorded is not None and json.loads(json.dumps(finite_json(recorded["summary"]))) == evaluation["summary"]
 
 
+def branch_checkpoints(checkpoint: Path) -> list[str]:
+    """The checkpoints kept beside one of a branch a resume abandoned, named from the run's checkpoints/ folder."""
+    folder = checkpoint.resolve().parent
+    return sorted(f"{folder.name}/{path.name}" for path in folder.glob("*.ckpt") if is_checkpoint(path))
+
+
 def training_data_path(run_dir: Path, run_config: dict) -> str | None:
     """The run's data.data_path as training read it, or None where its config.yaml names none: `auto` is the recipe's
     regenerated data (the recipe is the folder the run is in), a relative path is found as count_training_prompts
@@ -177,7 +184,17 @@ def export_folder(
               or drafter.config.target_name_or_path)
     record_trained_target(drafter, target, path)
     base_model = target_hub_id(target, base_model)
-    evaluation = read_evaluation(run_dir, checkpoint.step, path.stem)
+    # A branch a resume abandoned (checkpoints/abandoned-after-step-N/) has its evaluations past step N in eval/ under
+    # that folder's name: eval/ holds the current branch's, other drafters of the same steps.
+    branch = abandoned_branch(path)
+    branch_name = branch[1] if branch else None
+    evaluation = read_evaluation(run_dir, checkpoint.step, path.stem, branch_name)
+    if branch and evaluation is not None and "checkpoint" not in evaluation and not same_measurement(checkpoint,
+                                                                                                     evaluation):
+        # two resumes from one step number their eval/ and checkpoints/ folders apart where only one moved files
+        print(f"[export] note: {evaluation_path(run_dir, checkpoint.step, branch_name)} is not the evaluation {path} "
+              "recorded of its step; the card carries no measurement", file=sys.stderr)
+        evaluation = None
     # A checkpoint inside a run folder is RUN's (find_run_checkpoint refused another run's). One kept outside any run
     # is taken as RUN's only where it recorded RUN's evaluation of its step itself: else that record, and RUN's
     # corpus, are another drafter's.
@@ -213,8 +230,9 @@ def export_folder(
             license=license_id, drafter_config=config, num_parameters=sum(p.numel() for p in drafter.parameters()),
             dtype=dtype, step=checkpoint.step, checkpoint=label, hyper_parameters=checkpoint.hyper_parameters,
             run_config=run_config, evaluation=evaluation, training_prompts=training_prompts, data_path=data_path,
-            other_evaluated_steps=evaluated_steps(run_dir), outside_run=not runs_own,
-            kept_checkpoints=[path.name for path in sorted(run_checkpoints(run_dir), key=lambda p: p.name)],
+            other_evaluated_steps=evaluated_steps(run_dir, branch_name), outside_run=not runs_own,
+            kept_checkpoints=branch_checkpoints(path) if branch else
+            [path.name for path in sorted(run_checkpoints(run_dir), key=lambda p: p.name)],
             speculators=speculators, engine_problems=[problem.line() for problem in problems],
             engine_target=served_target.source,
         )
@@ -227,7 +245,8 @@ def export_folder(
     for engine, line in serve_commands(config, base_model or target, repo or str(out)).items():
         print(f"[export] serve with {engine} (it verifies the chain): {line}")
     if evaluation is None:
-        print(f"[export] note: step {checkpoint.step} has no evaluation in {run_dir / 'eval'}; the card says so",
+        print(f"[export] note: step {checkpoint.step} has no evaluation in {eval_folder(run_dir, branch_name)}; the "
+              "card says so",
               file=sys.stderr)
     if base_model is None:
         print(f"[export] note: target {target!r} has no Hub id; give --base-model owner/name so the card links it"

@@ -16,14 +16,17 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 import training.evaluate
 import training.publish
 from ddtree.errors import DDTreeError
 from training.checkpoint_paths import (SAVING_MARKER, check_run_folder, find_checkpoint, find_resume,
-                                       find_run_checkpoint, newest_checkpoint, resume_point)
+                                       find_run_checkpoint, newest_checkpoint, resume_point, run_folder_of)
 from training.checkpoints import deepspeed_client_state, load_checkpoint
 from training.module import DistillModule
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def make_run(root: Path, name: str, saved: dict[str, float], best: str | None = None,
@@ -35,6 +38,7 @@ def make_run(root: Path, name: str, saved: dict[str, float], best: str | None = 
     (run / "config.yaml").write_text("{}\n")
     for file, when in saved.items():
         path, state = run / file, {"global_step": (steps or {}).get(file, 0)}
+        path.parent.mkdir(parents=True, exist_ok=True)  # checkpoints/abandoned-after-step-N/ (a resume's move_aside)
         if file.endswith("/"):  # a DeepSpeed checkpoint: a folder of shards named by its `latest` tag
             (path / "tag").mkdir(parents=True)
             torch.save(state, path / "tag" / "mp_rank_00_model_states.pt")  # Lightning's state beside rank 0's shard
@@ -192,6 +196,20 @@ def test_resume_takes_last_a_run_folder_or_a_path_and_finds_its_run(tmp_path):
     torch.save({"state_dict": {}}, stray)
     with pytest.raises(DDTreeError, match="config.yaml is missing, so the run cannot be resumed exactly"):
         find_resume(str(stray), root)
+
+
+def test_a_checkpoint_of_an_abandoned_branch_is_refused_to_resume_with_how_to_train_on_from_it(tmp_path):
+    """A resume from step N moved the later checkpoints to checkpoints/abandoned-after-step-N/: resuming one of those
+    restored a ranking whose step files are now the current branch's (it was refused for a config.yaml "missing"
+    beside checkpoints/)."""
+    run = make_run(tmp_path / "tiny", "r", {"checkpoints/last.ckpt": 100, "checkpoints/abandoned-after-step-2/"
+                                                                            "step-6.ckpt": 50})
+    branch = run / "checkpoints" / "abandoned-after-step-2" / "step-6.ckpt"
+    with pytest.raises(DDTreeError, match=rf"^--resume {branch}: a checkpoint of the branch the run {run} left "
+                                          r"\(checkpoints/abandoned-after-step-2/\) .* Warm-start a new run from it: "
+                                          rf"python -m training.export {branch} <folder>, then --model.init_from="):
+        find_resume(str(branch), tmp_path / "tiny")
+    assert run_folder_of(branch) == run.resolve()  # its config and corpus are its run's
 
 
 def test_a_copied_run_resumes_from_its_highest_step_whatever_the_file_times(tmp_path):
@@ -498,6 +516,26 @@ def test_make_eval_of_a_loose_checkpoint_writes_beside_it(saved, tmp_path, capsy
     assert (tmp_path / "loose" / "eval" / "checkpoint-x-limit1.json").is_file()
     assert not (tmp_path / "loose" / "eval" / "checkpoint-x.json").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["loose"]  # nothing above the checkpoint's folder
+
+
+def test_make_eval_of_an_abandoned_branchs_checkpoint_reads_its_run_and_writes_beside_its_branchs_evaluations(
+        saved, tmp_path, capsys):
+    """A checkpoint a resume moved to checkpoints/abandoned-after-step-N/ read the recipe (another target's by
+    default: refused) and wrote into the checkpoints folder; eval/ is the current branch's, whose last.ckpt of the same
+    name is another drafter."""
+    path, _ = saved
+    run = tmp_path / "run"
+    branch = run / "checkpoints" / "abandoned-after-step-3"
+    branch.mkdir(parents=True)
+    shutil.copy(path, branch / "last.ckpt")
+    config = yaml.safe_load((REPO_ROOT / "recipes" / "tiny.yaml").read_text())
+    config["eval"]["max_new_tokens"] = 5  # the run's own setting, not the recipe's 16
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    assert training.evaluate.main(["--ckpt", str(branch / "last.ckpt"), "--limit", "1"]) == 0  # no --recipe
+    assert f"settings from {run / 'config.yaml'}" in capsys.readouterr().out
+    written = run / "eval" / "abandoned-after-step-3" / "checkpoint-last-limit1.json"
+    assert json.loads(written.read_text())["settings"]["max_new_tokens"] == 5
+    assert sorted(p.relative_to(run).as_posix() for p in run.rglob("*.json")) == [written.relative_to(run).as_posix()]
 
 
 def loose_copy(path: Path, folder: Path, measurement: dict | None = None) -> Path:

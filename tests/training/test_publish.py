@@ -378,6 +378,44 @@ def test_an_export_of_a_slurm_requeue_checkpoint_carries_its_runs_corpus(run_dir
     assert (tmp_path / "drafter" / CORPUS_FILE).read_bytes() == (run / CORPUS_FILE).read_bytes()
 
 
+def test_an_abandoned_branchs_checkpoint_exports_with_its_branchs_measurement_and_its_runs_corpus(run_dir, tmp_path,
+                                                                                                   capsys):
+    """A resume from step 1 moved step 2's checkpoint and evaluation into abandoned-after-step-1/, and the new branch
+    measured its own step 2 in eval/. The export took the branch's checkpoint as outside its run: a card with no
+    measurement, and without the run's corpus that its tau was measured grafting from (`python -m training.export`
+    too)."""
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run, symlinks=True)
+    branch, branch_eval = run / "checkpoints" / "abandoned-after-step-1", run / "eval" / "abandoned-after-step-1"
+    branch.mkdir()
+    branch_eval.mkdir()
+    os.replace(run / "checkpoints" / "step-2.ckpt", branch / "step-2.ckpt")
+    os.replace(run / "eval" / "step-000002.json", branch_eval / "step-000002.json")
+    record = json.loads((branch_eval / "step-000002.json").read_text())
+    measured = record["summary"]["ddtree@4"]["tau"]
+    record["summary"]["ddtree@4"]["tau"] = 1.111  # the current branch's step 2: another drafter
+    (run / "eval" / "step-000002.json").write_text(json.dumps(record))
+    capsys.readouterr()
+
+    assert export(run, tmp_path / "out", "--ckpt", str(branch / "step-2.ckpt")) == 0
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "| decoding | tau |" in card and f"| {measured:.3f} |" in card and "1.111" not in card
+    assert "outside its run folder" not in card
+    assert (tmp_path / "out" / CORPUS_FILE).read_bytes() == (run / CORPUS_FILE).read_bytes()
+    assert "outside RUN" not in capsys.readouterr().err
+    assert export_main([str(branch / "step-2.ckpt"), str(tmp_path / "plain")]) == 0
+    assert (tmp_path / "plain" / CORPUS_FILE).read_bytes() == (run / CORPUS_FILE).read_bytes()
+
+    # Two resumes from one step number their eval/ and checkpoints/ folders apart where only one moved files: a
+    # branch evaluation the checkpoint did not record is not shown as its.
+    (branch_eval / "step-000002.json").write_text(json.dumps(record))
+    assert export(run, tmp_path / "other", "--ckpt", str(branch / "step-2.ckpt")) == 0
+    assert f"{branch_eval / 'step-000002.json'} is not the evaluation {branch / 'step-2.ckpt'} recorded" in (
+        capsys.readouterr().err)
+    card = (tmp_path / "other" / "README.md").read_text()
+    assert "| decoding | tau |" not in card and "checkpoints it kept: abandoned-after-step-1/step-2.ckpt." in card
+
+
 # ----------------------------------------------------------------------------- refusals
 
 

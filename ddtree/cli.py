@@ -8,7 +8,7 @@
 `--drafter random` builds an untrained drafter for the target (smoke tests); otherwise it is a
 drafter folder (config.json + safetensors, the published DFlash format), checked against the target
 and its own weights before it loads. `--dtype auto` (the default) runs the target in bf16 where this
-machine computes it natively, else float32 (ddtree/precision.py), and says which on stderr; in fp32 on a CPU,
+machine computes it fast (a CPU measures it), else float32 (ddtree/precision.py), and says which on stderr; in fp32 on a CPU,
 `--packed-weights auto` packs the linear layers' weights for oneDNN where that measures faster
 (ddtree/packed_linear.py), and says so likewise. Bad input
 prints one line, `error: ...`, and exits with status 2 (ddtree/errors.py).

@@ -4,6 +4,6 @@
 METHODS = ("ar", "dflash", "ddtree")  # decoding methods; dflash is the DFlash chain
 PACKED_KERNELS = ("auto", "on", "off")  # --packed-weights
 DTYPE_NAMES = ("float32", "bfloat16", "float16")  # what a --dtype or a recipe's dtype field can name (ddtree/targets.py)
-AUTO = "auto"  # --dtype auto: bf16 where this machine computes it natively, else float32 (ddtree/precision.py)
+AUTO = "auto"  # --dtype auto: bf16 where this machine computes it fast (measured on a CPU), else float32 (ddtree/precision.py)
 CALIBRATION_FILE = "calibration.json"  # in a drafter folder: what `ddtree calibrate` learned
 CORPUS_FILE = "corpus.safetensors"  # in a run folder and in its drafter exports: the replies' token ids

@@ -1,4 +1,4 @@
-"""Which precision is fast on this machine: bf16 where the hardware computes it natively, else fp32.
+"""Which precision is fast on this machine: bf16 where the hardware computes it fast (measured on a CPU), else fp32.
 
     choice = fast_precision("cpu")        # Choice(dtype=torch.bfloat16, reason="...") on an AMX Xeon
     choice.dtype, choice.lightning        # torch.bfloat16, "bf16-mixed"

@@ -316,7 +316,8 @@ def evaluation_section(facts: CardFacts) -> list[str]:
         lines += ["", f"The target, and the drafter with it, ran in `{dtype}` ({source}) during this evaluation."]
         if dtype != facts.dtype:
             lines[-1] += (f" These weights are stored in `{facts.dtype}` (the export's `--dtype`), not the `{dtype}` "
-                          "the figures were measured in: decoded as stored, the drafter may accept slightly differently.")
+                          "the figures were measured in: `ddtree` casts them to its target's dtype, as measured; an engine that "
+                          "keeps them as stored may accept slightly differently.")
     return lines + [""]
 
 

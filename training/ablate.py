@@ -28,6 +28,9 @@ Equal terms:
   so where they differ; whole stores (make features FORCE=1 ARGS=--data.store_max_minutes=null, per store kind) or
   online features (--data.feature_store=null) put every variant on all of it;
 - "launch min" is each variant's whole launch, set-up included: the first variant to need a store builds it.
+Before the first variant trains, every one is checked as its own launch will check it (training.recipe's
+check_before_building: its values, the machine, the files it reads): a bad one is one line naming it, and a bad flag
+they all share is one line naming the flag, not a stop found after the variants before it had trained.
 A variant that stops (a diverged loss, say), fails (an exception, a CUDA out-of-memory say: its traceback is printed),
 or ends with no evaluation (no step trained), is a row saying so; the others still run, the table is written, and the
 exit status is not 0. Ctrl-C or SIGTERM (a scheduler's) stops the whole ablation: the interrupted variant is a row,
@@ -74,7 +77,7 @@ from .checkpoint_paths import ABLATE_PREFIX
 from .loss import RECALL_K
 from .module import DistillModule
 from .data import DATA_RECORD
-from .recipe import check_values, read_recipe, recipe_errors
+from .recipe import check_before_building, check_values, read_recipe, recipe_errors
 from .strategies import is_first_process
 from .train import main as train_main
 
@@ -101,13 +104,17 @@ DEFAULT_VARIANTS = [  # the published loss, the four acceptance-weighted objecti
 ]
 
 
-def check_variant(recipe: Path, overrides: list[str]):
+def check_variant(recipe: Path, overrides: list[str], launch: bool = True):
     """What training checks before its first step, without loading the target: the recipe's fields and values, the
-    model's hyperparameters (DistillModule builds nothing until configure_model) and the evaluation's settings.
+    model's hyperparameters (DistillModule builds nothing until configure_model) and the evaluation's settings; with
+    `launch`, also the machine and the files the run reads, as training's own check_before_building does.
     Returns the variant's config."""
     config = read_recipe(recipe, overrides)
     with recipe_errors(recipe):
-        check_values(config)
+        if launch:
+            check_before_building(config)
+        else:
+            check_values(config)
     DistillModule(**config.model.as_dict())
     AcceptanceEvaluation(**config.eval.as_dict())
     return config
@@ -115,17 +122,20 @@ def check_variant(recipe: Path, overrides: list[str]):
 
 def check_shared(recipe: Path, shared: list[tuple[str, list[str]]]) -> None:
     """The flags every variant trains with, (as given, their overrides), checked once before the variants are: a bad
-    one is named as the user gave it, not blamed on the first variant. Each is checked on top of those before it, so
-    the error names the first that fails."""
+    one is named as the user gave it, not blamed on the first variant. Each one's values are checked on top of those
+    before it, so the error names the first that fails; the machine and the files the runs read, once all are applied
+    (a later flag may be what fixes them: --trainer.accelerator=cpu for a GPU recipe), so a bad data path or eval
+    prompts file every variant shares is one line, not one stopped variant after another."""
     overrides = []
     for given, more in shared:
         if not more:
             continue
         overrides += more
         try:
-            check_variant(recipe, overrides)
+            check_variant(recipe, overrides, launch=False)
         except DDTreeError as error:
             raise DDTreeError(f"{given}: {error}") from None
+    check_variant(recipe, overrides)  # its error names the field and the recipe, as training's own would
 
 
 def schedule_at_the_stop(max_steps: int) -> list[str]:
@@ -356,8 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.redirect_stdout(io.StringIO()):
         check_shared(recipe_path(args.recipe), [*shared, (" ".join(common), common)])
         schedules = {}  # each variant's evaluation and validation steps under --minutes alone: at its stop only
-        for name, overrides in variants:  # every variant read and its values checked before any trains: a bad one in
-            try:                           # the last would otherwise stop the comparison after the others had trained
+        for name, overrides in variants:  # every variant checked as training will before any trains: a bad one in the
+            try:                           # last would otherwise stop the comparison after the others had trained
                 config = check_variant(recipe_path(args.recipe), [*budget, *common, *overrides])
             except DDTreeError as error:
                 raise DDTreeError(f"--variant {name}: {error}") from None

@@ -294,6 +294,19 @@ def check_input_files(config: Namespace) -> None:
                                  "(the `ddtree bench --prompts` format)")
 
 
+def check_before_building(config: Namespace) -> None:
+    """Everything a launch checks before it builds anything: training (DistillCLI), and make ablate for every variant
+    before the first one trains, so that a variant's bad path is not found after the others trained for hours.
+    A recipe sized for other hardware than was launched stops before its files are looked for (a GPU recipe on a CPU
+    machine says so first, not that its data is yet to be generated)."""
+    trainer = config.trainer
+    check_values(config)
+    check_accelerator(trainer.accelerator, trainer.devices, config.model.target)
+    check_strategy(trainer.strategy, trainer.accelerator, trainer.gradient_clip_algorithm)
+    check_launch(trainer.devices, trainer.num_nodes)
+    check_input_files(config)
+
+
 # Where a run writes: training.train sets both to the run folder (run_location_args), which its resume, make eval and
 # make export read, and a run's config.yaml records them.
 RUN_LOCATION_FIELDS = ("trainer.default_root_dir", "checkpoint.dirpath")
@@ -349,14 +362,7 @@ class DistillCLI(LightningCLI):
         parser.link_arguments("model.target", "data.target", apply_on="parse")
 
     def before_instantiate_classes(self) -> None:
-        # Before anything is built: a recipe sized for other hardware than was launched stops here, before its files
-        # are looked for (a GPU recipe on a CPU machine says so first, not that its data is yet to be generated).
-        check_values(self.config)
-        check_accelerator(self.config.trainer.accelerator, self.config.trainer.devices, self.config.model.target)
-        check_strategy(self.config.trainer.strategy, self.config.trainer.accelerator,
-                       self.config.trainer.gradient_clip_algorithm)
-        check_launch(self.config.trainer.devices, self.config.trainer.num_nodes)
-        check_input_files(self.config)
+        check_before_building(self.config)
 
     def instantiate_trainer(self, **kwargs):
         # Lightning checks the rest of the trainer section (accelerator and strategy names, among others) as it

@@ -11,6 +11,7 @@ import pytest
 
 import toy_data  # tests/training/toy_data.py
 from training.ablate import main, markdown_table, parse_variant, plot
+from training.arguments import recipe_path
 
 
 def test_two_variants_of_the_tiny_recipe_are_trained_measured_and_compared(tmp_path, capsys):
@@ -82,6 +83,25 @@ def test_every_variant_is_read_before_any_trains(tmp_path, capsys, monkeypatch):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: --variant b: ") and named in err[0], err
     assert not any(tmp_path.iterdir())
+
+
+def test_a_variant_training_could_not_launch_is_refused_before_any_trains(tmp_path, capsys, monkeypatch):
+    """The check read only the values: a missing data path or prompts file, or a GPU asked of a CPU machine, in the last
+    variant was found by its launch, after every variant before it had trained (hours at GPU scale)."""
+    import training.ablate
+
+    monkeypatch.setattr(training.ablate, "train_main", lambda argv: pytest.fail("a variant trained before all were checked"))
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    refused = [(f"--data.data_path={tmp_path / 'typo.jsonl'}", "data.data_path="),
+               (f"--eval.prompts={tmp_path / 'missing.jsonl'}", "eval.prompts="),
+               (f"--model.init_from={tmp_path / 'nope'}", str(tmp_path / "nope")),
+               ("--trainer.accelerator=gpu", "trainer.accelerator=gpu")]
+    for bad, named in refused:
+        assert main(["--recipe", "tiny", "--steps", "2", "--output-root", str(tmp_path / "out"), "--variant", "a=",
+                     "--variant", f"b={bad}"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: --variant b: ") and named in err[0], err
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("text, expected", [("a=", ("a", [])), ("dp=--model.objective=dpace --model.lr=1e-3",
@@ -357,7 +377,28 @@ def test_a_bad_flag_every_variant_shares_is_named_as_given_not_blamed_on_a_varia
         assert main(["--recipe", "tiny", "--steps", "5", "--output-root", str(tmp_path), *flags]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(f"error: {named}"), err
+    # A file every variant reads: one line before any trains, not the same error from each of the 10 default variants.
+    assert main(["--recipe", "tiny", "--steps", "5", "--output-root", str(tmp_path), "--eval.prompts=missing.jsonl"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "eval.prompts=missing.jsonl: no such file" in err[0] and "--variant" not in err[0], err
     assert not any(tmp_path.iterdir())
+
+
+def test_a_flag_every_variant_shares_may_fix_what_an_earlier_one_could_not_launch(tmp_path, monkeypatch):
+    """The machine and the files are checked once every shared flag is applied: --steps alone on top of a GPU recipe is
+    no launch on a CPU machine, and blaming it would refuse the --trainer.accelerator=cpu given after it."""
+    import training.ablate
+
+    gpu_recipe = tmp_path / "tiny-gpu.yaml"
+    gpu_recipe.write_text(recipe_path("tiny").read_text().replace("accelerator: cpu", "accelerator: gpu"))
+    assert "accelerator: gpu" in gpu_recipe.read_text()
+    monkeypatch.setattr(training.ablate, "recipe_path", lambda name: gpu_recipe)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    launched = []
+    monkeypatch.setattr(training.ablate, "train_main", lambda argv: launched.append(argv) or 2)
+    main(["--recipe", "tiny", "--steps", "2", "--eval-limit", "1", "--output-root", str(tmp_path / "out"),
+          "--variant", "a=", "--trainer.accelerator=cpu"])
+    assert len(launched) == 1
 
 
 def test_the_plot_of_the_ten_default_variants_keeps_names_bars_and_curves_clear():

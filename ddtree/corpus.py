@@ -48,16 +48,24 @@ def write_replies(path: str | Path, replies: Iterable[list[int]]) -> int:
 
 
 def read_replies(path: str | Path) -> list[list[int]]:
-    """The sequences `write_replies` wrote."""
+    """The sequences `write_replies` wrote, or that another writer stored as 1-D integer `tokens` and `offsets`, signed
+    or unsigned (numpy's uint16/32/64 say)."""
     try:
         saved = load_file(str(path))
         tokens, offsets = saved["tokens"], saved["offsets"]
         problem = next((f"{name} is {tensor.dim()}-D {tensor.dtype}, not 1-D integers"
                         for name, tensor in (("tokens", tokens), ("offsets", offsets))
                         if tensor.dim() != 1 or tensor.dtype.is_floating_point or tensor.dtype == torch.bool), None)
-        if problem is None and (len(offsets) == 0 or offsets[0] != 0 or offsets[-1] != len(tokens)
-                                or bool((offsets[1:] < offsets[:-1]).any())):
-            problem = f"offsets do not run from 0 to the {len(tokens)} tokens without going back"
+        if problem is None:  # int64 holds every uint64 but the top half, which no token id or length reaches
+            problem = next((f"{name} hold a uint64 value of 2^63 or more, past any token id or length"
+                            for name, tensor in (("tokens", tokens), ("offsets", offsets))
+                            if tensor.dtype == torch.uint64 and bool((tensor.view(torch.int64) < 0).any())), None)
+        if problem is None:
+            # torch orders no unsigned integers but uint8: numpy's uint16/32/64 offsets were a NotImplementedError
+            tokens, offsets = tokens.to(torch.int64), offsets.to(torch.int64)
+            if (len(offsets) == 0 or offsets[0] != 0 or offsets[-1] != len(tokens)
+                    or bool((offsets[1:] < offsets[:-1]).any())):
+                problem = f"offsets do not run from 0 to the {len(tokens)} tokens without going back"
         if problem is not None:
             raise ValueError(problem)
     except (OSError, SafetensorError, KeyError, ValueError) as error:

@@ -3,6 +3,7 @@
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 from datasets import Dataset
@@ -125,6 +126,31 @@ def test_a_corpus_file_reads_back_its_replies_and_a_broken_one_is_one_line(tmp_p
         save_file(tensors, tmp_path / f"{name}.safetensors")
         with pytest.raises(DDTreeError, match=rf"corpus .*{name}.safetensors is unreadable or not a corpus \({problem}"):
             read_replies(tmp_path / f"{name}.safetensors")
+
+
+def test_a_corpus_file_of_unsigned_integers_reads_as_its_replies(tmp_path):
+    """Unsigned arrays are what numpy writers often choose: torch orders no uint16/32/64, so such offsets were a
+    NotImplementedError traceback (before the target loaded, under --corpus; on loading a drafter that shipped one)."""
+    from safetensors.numpy import save_file
+
+    replies = [[1, 2, 3], [], [4, 5, 6, 7, 8]]
+    tokens, offsets = np.array([1, 2, 3, 4, 5, 6, 7, 8]), np.array([0, 3, 3, 8])
+    for tokens_dtype, offsets_dtype in ((np.int32, np.uint32), (np.uint16, np.uint16), (np.uint64, np.uint64),
+                                        (np.uint32, np.int64)):
+        path = tmp_path / f"{np.dtype(tokens_dtype).name}-{np.dtype(offsets_dtype).name}.safetensors"
+        save_file({"tokens": tokens.astype(tokens_dtype), "offsets": offsets.astype(offsets_dtype)}, path)
+        assert read_replies(path) == replies, path.name
+        assert CorpusLookup.from_file(path).table == CorpusLookup(replies).table
+    save_file({"tokens": tokens.astype(np.uint32), "offsets": np.array([0, 5, 3, 8], dtype=np.uint32)},
+              tmp_path / "back.safetensors")  # the order checked, not only the ends
+    with pytest.raises(DDTreeError, match=r"back.safetensors is unreadable or not a corpus \(offsets do not run"):
+        read_replies(tmp_path / "back.safetensors")
+    for name, huge in (("tokens", {"tokens": np.array([2**63, 1], dtype=np.uint64), "offsets": np.array([0, 2])}),
+                       ("offsets", {"tokens": tokens, "offsets": np.array([0, 2**64 - 1, 8], dtype=np.uint64)})):
+        save_file(huge, tmp_path / f"huge-{name}.safetensors")
+        with pytest.raises(DDTreeError, match=rf"huge-{name}.safetensors is unreadable or not a corpus \({name} hold a "
+                                              "uint64 value of 2\\^63 or more"):
+            read_replies(tmp_path / f"huge-{name}.safetensors")
 
 
 def test_the_drafters_corpus_is_the_default_and_false_leaves_it_out(tiny_target):

@@ -105,6 +105,15 @@ def check_export_folder(folder: Path, repo: str) -> None:
                           f"and serve commands give; export again with --repo {repo} (REPO={repo}){elsewhere}")
 
 
+def hub_error_line(error: BaseException, token: str | None) -> str:
+    """error_line of a Hub client's error, without the token: the client's messages can quote the Authorization header
+    it sent (a header it refused to send, say), and the line goes to stderr and into CI logs."""
+    line = error_line(error)
+    if token:
+        line = line.replace(token, "<HF_TOKEN>")
+    return re.sub(r"Bearer [^\s'\"]+", "Bearer <HF_TOKEN>", line)  # the token as the message escaped it
+
+
 def hub_endpoint() -> str:
     # Read at call time (huggingface_hub reads HF_ENDPOINT once, at import).
     return os.environ.get("HF_ENDPOINT", constants.ENDPOINT).rstrip("/")
@@ -132,7 +141,12 @@ def preflight_hub(repo: str, private: bool = False, replace: bool = False) -> tu
     that an existing repo holds nothing but an earlier export (a push leaves it holding exactly the export's files)."""
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
         raise DDTreeError("--push: HF_HUB_OFFLINE is set; unset it to push to the Hub")
-    token = os.environ.get("HF_TOKEN") or get_token()
+    # huggingface_hub's own reading of HF_TOKEN (else the saved login): it strips the stray newline or space a pasted
+    # secret or a CRLF .env file leaves, which the client would otherwise send, and quote, in the header
+    try:
+        token = get_token()
+    except Exception as error:  # noqa: BLE001 - HF_OIDC_RESOURCE set and its token exchange failed
+        raise DDTreeError(f"--push: cannot get a Hugging Face token ({hub_error_line(error, None)})") from None
     if not token:
         raise DDTreeError(
             "--push: no Hugging Face token; set HF_TOKEN to a write token (https://huggingface.co/settings/tokens)"
@@ -144,7 +158,7 @@ def preflight_hub(repo: str, private: bool = False, replace: bool = False) -> tu
         user = api.whoami()
     except Exception as error:  # noqa: BLE001 - network and HTTP errors alike end here, as one line
         raise DDTreeError(
-            f"--push: cannot use the Hub at {endpoint} ({error_line(error)}); check the network and HF_TOKEN"
+            f"--push: cannot use the Hub at {endpoint} ({hub_error_line(error, token)}); check the network and HF_TOKEN"
         ) from None
     role = ((user.get("auth") or {}).get("accessToken") or {}).get("role")
     if role == "read":
@@ -155,7 +169,8 @@ def preflight_hub(repo: str, private: bool = False, replace: bool = False) -> tu
         except RepositoryNotFoundError:
             public = False  # the push creates it private
         except Exception as error:  # noqa: BLE001
-            raise DDTreeError(f"--private: cannot read {repo} on the Hub at {endpoint} ({error_line(error)})") from None
+            raise DDTreeError(f"--private: cannot read {repo} on the Hub at {endpoint} "
+                              f"({hub_error_line(error, token)})") from None
         if public:
             raise DDTreeError(f"--private: {repo} already exists and is public, and a push does not change that; "
                               "make it private in its settings on the Hub first, or drop --private")
@@ -172,7 +187,8 @@ def check_repo_holds_an_export(api: HfApi, endpoint: str, repo: str) -> None:
     except RepositoryNotFoundError:
         return  # the push creates it
     except Exception as error:  # noqa: BLE001 - network and HTTP errors alike end here, as one line
-        raise DDTreeError(f"--push: cannot list the files of {repo} on the Hub at {endpoint} ({error_line(error)})") from None
+        raise DDTreeError(f"--push: cannot list the files of {repo} on the Hub at {endpoint} "
+                          f"({hub_error_line(error, api.token)})") from None
     foreign = sorted(set(files) - EXPORT_NAMES)
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
@@ -192,7 +208,7 @@ def push(api: HfApi, endpoint: str, folder: Path, repo: str, private: bool) -> s
         )
     except Exception as error:  # noqa: BLE001 - any upload failure: the export stays for --push-only
         raise DDTreeError(
-            f"upload to {repo} failed ({error_line(error)}); the export in {folder} is intact: "
+            f"upload to {repo} failed ({hub_error_line(error, api.token)}); the export in {folder} is intact: "
             f"retry with python -m training.publish --push-only {folder} --repo {repo}"
         ) from None
     return f"{endpoint}/{repo}"

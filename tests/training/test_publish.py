@@ -24,6 +24,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import huggingface_hub
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -1005,7 +1006,9 @@ def test_push_without_token_or_network_fails_before_doing_anything(run_dir, tmp_
     out = tmp_path / "export"
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr(training.hub, "get_token", lambda: None)  # no saved login either
+    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+    monkeypatch.delenv("HF_OIDC_RESOURCE", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no-login"))  # no saved login either
     assert export(run_dir, out, "--ckpt", "last", "--repo", "tester/x", "--push") == 2
     assert "HF_TOKEN" in one_error_line(capsys) and not out.exists()
 
@@ -1040,6 +1043,24 @@ def test_push_without_token_or_network_fails_before_doing_anything(run_dir, tmp_
         monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{ssh.getsockname()[1]}")
         assert export(run_dir, out, "--ckpt", "last", "--repo", "tester/x", "--push") == 2
         assert "cannot use the Hub" in one_error_line(capsys) and not out.exists()
+
+
+@pytest.mark.parametrize("pasted", ["hf_standin\n", "hf_standin\r\n", " hf_standin"],
+                         ids=["newline", "crlf", "leading-space"])
+def test_a_token_pasted_with_stray_whitespace_is_read_as_the_hub_client_reads_it(hub, monkeypatch, pasted):
+    """HF_TOKEN went to the client as set: a trailing newline (a CRLF .env file, a pasted secret) made it refuse the
+    header and print the whole token to stderr, where `hf` itself strips it and works."""
+    monkeypatch.setenv("HF_TOKEN", pasted)
+    api, endpoint = training.hub.preflight_hub("tester/x")
+    assert api.token == StandInHub.token and endpoint == hub
+
+
+def test_a_hub_error_that_quotes_the_token_is_printed_without_it(run_dir, tmp_path, hub, monkeypatch, capsys):
+    monkeypatch.setenv("HF_TOKEN", "hf_secret\x0bpart")  # a control character the client refuses in a header
+    assert export(run_dir, tmp_path / "export", "--ckpt", "last", "--repo", "tester/x", "--push") == 2
+    line = one_error_line(capsys)
+    assert "cannot use the Hub" in line and "Bearer <HF_TOKEN>" in line, line
+    assert "secret" not in line and "part" not in line, line
 
 
 # ----------------------------------------------------------------------------- DeepSpeed

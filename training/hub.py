@@ -135,12 +135,22 @@ def check_hub_answers(endpoint: str) -> None:
                           f"{HUB_TIMEOUT_S:.0f} s for an answer); check the network and HF_ENDPOINT") from None
 
 
+def offline_variable() -> str:
+    """The variable that put huggingface_hub offline: HF_HUB_OFFLINE where it is set (it decides), else
+    TRANSFORMERS_OFFLINE, which clusters often set for transformers alone."""
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        if os.environ.get(name):
+            return f"{name}={os.environ[name]}"
+    return "HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE"  # unset since the program started
+
+
 def preflight_hub(repo: str, private: bool = False, replace: bool = False) -> tuple[HfApi, str]:
     """Token and network checked before any work, so a push that cannot happen costs nothing; with `private`,
     that the repo is not already public (a push never changes an existing repo's visibility); unless `replace`,
     that an existing repo holds nothing but an earlier export (a push leaves it holding exactly the export's files)."""
-    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
-        raise DDTreeError("--push: HF_HUB_OFFLINE is set; unset it to push to the Hub")
+    if constants.HF_HUB_OFFLINE:  # what the client obeys: either variable, as set when the program started
+        raise DDTreeError(f"--push: {offline_variable()} is set, which keeps huggingface_hub offline; unset it to push "
+                          "to the Hub")
     # huggingface_hub's own reading of HF_TOKEN (else the saved login): it strips the stray newline or space a pasted
     # secret or a CRLF .env file leaves, which the client would otherwise send, and quote, in the header
     try:

@@ -1063,6 +1063,21 @@ def test_a_hub_error_that_quotes_the_token_is_printed_without_it(run_dir, tmp_pa
     assert "secret" not in line and "part" not in line, line
 
 
+@pytest.mark.parametrize("variable", ["TRANSFORMERS_OFFLINE", "HF_HUB_OFFLINE"])
+def test_a_push_with_the_hub_client_offline_names_the_variable_that_set_it(run_dir, tmp_path, hub, monkeypatch,
+                                                                           capsys, variable):
+    """huggingface_hub goes offline on TRANSFORMERS_OFFLINE too: the push told the user to unset HF_HUB_OFFLINE, which
+    was not set, and to check the network and HF_TOKEN."""
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv(variable, "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # as the client read it at import
+    out = tmp_path / "export"
+    assert export(run_dir, out, "--ckpt", "last", "--repo", "tester/x", "--push") == 2
+    assert one_error_line(capsys) == (f"error: --push: {variable}=1 is set, which keeps huggingface_hub offline; "
+                                      "unset it to push to the Hub")
+    assert not out.exists() and "tester/x" not in StandInHub.repos
+
+
 # ----------------------------------------------------------------------------- DeepSpeed
 
 

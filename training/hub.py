@@ -2,11 +2,12 @@
 
     check_repo_id("you/smollm2-135m-dflash")       # before any work: a bad name costs nothing
     api, endpoint = preflight_hub(repo, private)   # token, network and visibility, before exporting
-    url = push(api, endpoint, folder, repo, private=False)
+    url = push(api, endpoint, folder, repo, private=False, replace=False)
 
 The token is HF_TOKEN, else the one `hf auth login` saved; the endpoint is HF_ENDPOINT, read at
 call time. Every failure is one DDTreeError line; a failed upload leaves the export folder
-intact, for `python -m training.publish --push-only FOLDER --repo REPO`.
+intact, and its line gives the command that retries it: `python -m training.publish --push-only FOLDER --repo REPO`
+with the push's --private and --replace-repo.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import http.client
 import json
 import os
 import re
+import shlex
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -207,8 +209,9 @@ def check_repo_holds_an_export(api: HfApi, endpoint: str, repo: str) -> None:
                           "(REPLACE_REPO=1) to replace them (the Hub keeps them in the repo's history)")
 
 
-def push(api: HfApi, endpoint: str, folder: Path, repo: str, private: bool) -> str:
-    """Upload the folder as one commit that leaves the repo holding exactly its files; return the repo URL."""
+def push(api: HfApi, endpoint: str, folder: Path, repo: str, private: bool, replace: bool) -> str:
+    """Upload the folder as one commit that leaves the repo holding exactly its files; return the repo URL.
+    `private` and `replace` are the push's --private and --replace-repo, which a failed push's retry command repeats."""
     try:
         # Not private=False: that would make it public where the owner's default is private.
         api.create_repo(repo, private=True if private else None, exist_ok=True)
@@ -217,8 +220,9 @@ def push(api: HfApi, endpoint: str, folder: Path, repo: str, private: bool) -> s
             delete_patterns="*",  # would be read as this drafter's (the Hub keeps the history; .gitattributes stays)
         )
     except Exception as error:  # noqa: BLE001 - any upload failure: the export stays for --push-only
-        raise DDTreeError(
-            f"upload to {repo} failed ({hub_error_line(error, api.token)}); the export in {folder} is intact: "
-            f"retry with python -m training.publish --push-only {folder} --repo {repo}"
-        ) from None
+        # the same flags: a retry without --private would create the repo with the owner's default visibility
+        retry = (f"python -m training.publish --push-only {shlex.quote(str(folder))} --repo {repo}"
+                 + (" --private" if private else "") + (" --replace-repo" if replace else ""))
+        raise DDTreeError(f"upload to {repo} failed ({hub_error_line(error, api.token)}); the export in {folder} is "
+                          f"intact: retry with {retry}") from None
     return f"{endpoint}/{repo}"

@@ -33,7 +33,7 @@ repo name, no token or no network for --push, a drafter that vLLM or SGLang woul
 stops with one line (exit status 2) before anything is written; --allow-engine-mismatch exports a drafter the
 engines would reject anyway, and says so. The folder is built beside OUT and renamed into place after it has been
 loaded back and checked, so a failure leaves nothing half-written; a failed push leaves the exported folder intact
-for --push-only.
+and prints the --push-only command that retries it (with the push's --private and --replace-repo).
 
 This file is the command and the folder's assembly; training/checkpoint_paths.py finds the checkpoint and
 training/checkpoints.py reads it, training/hub_config.py writes config.json, training/engines.py holds the engines'
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         folder = Path(args.push_only)
         check_export_folder(folder, args.repo)
         api, endpoint = preflight_hub(args.repo, args.private, args.replace_repo)
-        print(f"[export] pushed {folder} to {push(api, endpoint, folder, args.repo, args.private)}")
+        print(f"[export] pushed {folder} to {push(api, endpoint, folder, args.repo, args.private, args.replace_repo)}")
         return 0
     if not args.run or not args.out:
         raise DDTreeError("give the run folder and --out (make export RUN=... OUT=...)")
@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"[export] {out} written (load it with AutoModel.from_pretrained(..., trust_remote_code=True))")
     if hub is not None:
-        print(f"[export] pushed to {push(*hub, out, args.repo, args.private)}")
+        print(f"[export] pushed to {push(*hub, out, args.repo, args.private, args.replace_repo)}")
     return 0
 
 

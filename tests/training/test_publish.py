@@ -15,6 +15,7 @@ import base64
 import json
 import os
 import random
+import shlex
 import shutil
 import socket
 import subprocess
@@ -1000,6 +1001,38 @@ def test_a_failed_upload_keeps_the_export_for_push_only(run_dir, tmp_path, hub, 
     StandInHub.fail_commits = False
     assert publish.main(["--push-only", str(out), "--repo", "tester/tiny-drafter"]) == 0
     assert StandInHub.repos["tester/tiny-drafter"]["config.json"] == (out / "config.json").read_bytes()
+
+
+def retry_command(line: str) -> list[str]:
+    """The arguments of the `python -m training.publish ...` that a failed push's error line says to retry with."""
+    command = shlex.split(line.split("retry with ", 1)[1])
+    assert command[:3] == ["python", "-m", "training.publish"], command
+    return command[3:]
+
+
+def test_the_retry_a_failed_push_prints_keeps_its_flags_and_quotes_the_folder(run_dir, tmp_path, hub, capsys,
+                                                                              monkeypatch):
+    """The printed retry dropped --private: followed, it created the repo with the owner's default visibility, public,
+    drafter and corpus with it. It dropped --replace-repo too, and a folder name with a space came apart."""
+    create_repo = huggingface_hub.HfApi.create_repo
+
+    def reset_once(self, *args, **kwargs):  # the network drops once, at the create call
+        monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", create_repo)
+        raise ConnectionError("Connection reset by peer")
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", reset_once)
+    out = tmp_path / "my drafter"
+    assert export(run_dir, out, "--ckpt", "last", "--repo", "tester/secret", "--push", "--private") == 2
+    assert "tester/secret" not in StandInHub.repos
+    assert publish.main(retry_command(one_error_line(capsys))) == 0
+    assert StandInHub.private["tester/secret"] and CORPUS_FILE in StandInHub.repos["tester/secret"]
+
+    StandInHub.repos["tester/mymodel"], StandInHub.private["tester/mymodel"] = {"tokenizer.json": b"{}"}, False
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", reset_once)
+    out = tmp_path / "replacing"
+    assert export(run_dir, out, "--ckpt", "last", "--repo", "tester/mymodel", "--push", "--replace-repo") == 2
+    assert publish.main(retry_command(one_error_line(capsys))) == 0
+    assert StandInHub.repos["tester/mymodel"] == {p.name: p.read_bytes() for p in out.iterdir()}
 
 
 def test_push_without_token_or_network_fails_before_doing_anything(run_dir, tmp_path, monkeypatch, capsys):

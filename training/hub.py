@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shlex
+import tempfile
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -32,7 +33,7 @@ from ddtree.targets import has_hub_id_shape
 
 from .engines import ARCHITECTURE, weight_shapes
 from .hub_config import EXPORT_FILES
-from .model_card import card_repo
+from .model_card import REPO_MARK, card_repo
 
 
 # What a repo that an earlier push of a drafter export filled can hold (the Hub adds .gitattributes; `ddtree calibrate`
@@ -86,9 +87,8 @@ def check_export_folder(folder: Path, repo: str) -> None:
     foreign = sorted(name for name in files if name not in EXPORT_NAMES
                      and not any(name == top or name.startswith(top + "/") for top in ignored))
     if foreign:
-        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-        raise DDTreeError(f"--push-only {folder}: holds files no drafter export writes ({shown}), which the push would "
-                          "upload as the drafter's; move them out of the folder")
+        raise DDTreeError(f"--push-only {folder}: holds files no drafter export writes ({shown_names(foreign)}), which "
+                          "the push would upload as the drafter's; move them out of the folder")
     try:
         config = json.loads((folder / "config.json").read_text())
         shapes = weight_shapes(folder)
@@ -192,8 +192,10 @@ def preflight_hub(repo: str, private: bool = False, replace: bool = False) -> tu
 
 
 def check_repo_holds_an_export(api: HfApi, endpoint: str, repo: str) -> None:
-    """An existing repo holding files no export writes (a model's tokenizer, weights, results) is not one an earlier
-    push filled: REPO names another repo, by a typo say, and the push would delete those files from it."""
+    """An existing repo that an earlier push filled holds no file an export does not write, and says it is a drafter
+    export: its config.json names DFlashDraftModel, or its README.md carries the card's REPO_MARK line. Any other repo
+    is not one a push filled (REPO names another repo, by a typo say): the push would delete its files, or replace
+    its weights, config and card, which file names alone do not tell from an export's."""
     try:
         files = api.list_repo_files(repo)
     except RepositoryNotFoundError:
@@ -201,12 +203,47 @@ def check_repo_holds_an_export(api: HfApi, endpoint: str, repo: str) -> None:
     except Exception as error:  # noqa: BLE001 - network and HTTP errors alike end here, as one line
         raise DDTreeError(f"--push: cannot list the files of {repo} on the Hub at {endpoint} "
                           f"({hub_error_line(error, api.token)})") from None
+    replace = ("check REPO, or add --replace-repo (REPLACE_REPO=1) to replace them (the Hub keeps them in the repo's "
+               "history)")
     foreign = sorted(set(files) - EXPORT_NAMES)
     if foreign:
-        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-        raise DDTreeError(f"--push: {repo} already holds files that no drafter export writes ({shown}), and a push "
-                          "leaves the repo holding exactly the export's: check REPO, or add --replace-repo "
-                          "(REPLACE_REPO=1) to replace them (the Hub keeps them in the repo's history)")
+        raise DDTreeError(f"--push: {repo} already holds files that no drafter export writes ({shown_names(foreign)}), "
+                          f"and a push leaves the repo holding exactly the export's: {replace}")
+    held = sorted(set(files) - {".gitattributes"})  # the Hub writes .gitattributes into every new repo
+    if not held:
+        return
+    architectures = None
+    if "config.json" in held:
+        try:
+            config = json.loads(read_repo_file(api, endpoint, repo, "config.json"))
+        except ValueError:
+            config = None
+        architectures = config.get("architectures") if isinstance(config, dict) else None
+        if isinstance(architectures, list) and ARCHITECTURE in architectures:
+            return
+    if "README.md" in held:
+        card = read_repo_file(api, endpoint, repo, "README.md")
+        if any(line.startswith(REPO_MARK) for line in card.splitlines()):
+            return
+    config_says = (f"its config.json's architectures is {architectures!r}, not [{ARCHITECTURE!r}]"
+                   if "config.json" in held else "it has no config.json")
+    card_says = "its README.md is not a card an export writes" if "README.md" in held else "it has no README.md"
+    raise DDTreeError(f"--push: {repo} already holds {shown_names(held)}, not an earlier drafter export "
+                      f"({config_says}; {card_says}): {replace}")
+
+
+def read_repo_file(api: HfApi, endpoint: str, repo: str, name: str) -> str:
+    """One small file of a repo on the Hub, through the push's own client (endpoint and token)."""
+    with tempfile.TemporaryDirectory() as folder:
+        try:
+            return Path(api.hf_hub_download(repo, name, local_dir=folder)).read_text(errors="replace")
+        except Exception as error:  # noqa: BLE001 - network and HTTP errors alike end here, as one line
+            raise DDTreeError(f"--push: cannot read {name} of {repo} on the Hub at {endpoint} "
+                              f"({hub_error_line(error, api.token)})") from None
+
+
+def shown_names(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
 def push(api: HfApi, endpoint: str, folder: Path, repo: str, private: bool, replace: bool) -> str:

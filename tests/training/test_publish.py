@@ -12,6 +12,7 @@ for whoami, create_repo and upload_folder), through HF_ENDPOINT.
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
 import random
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -790,7 +792,7 @@ def test_speculators_export_loads_everywhere_or_is_refused_whole(run_dir, tmp_pa
 
 
 class StandInHub(BaseHTTPRequestHandler):
-    """The Hub API endpoints huggingface_hub's whoami, create_repo and upload_folder call."""
+    """The Hub API endpoints huggingface_hub's whoami, create_repo, upload_folder and hf_hub_download call."""
 
     token = "hf_standin"
     repos: dict[str, dict[str, bytes]] = {}
@@ -817,9 +819,36 @@ class StandInHub(BaseHTTPRequestHandler):
     def _body(self) -> bytes:
         return self.rfile.read(int(self.headers.get("Content-Length", 0)))
 
+    def _resolve(self, head: bool) -> bool:
+        """hf_hub_download's HEAD, then GET, of /<owner>/<name>/resolve/<revision>/<path>; False for other paths."""
+        parts = self.path.split("?")[0].strip("/").split("/", 4)
+        if len(parts) < 5 or parts[2] != "resolve":
+            return False
+        data = self.repos.get("/".join(parts[:2]), {}).get(urllib.parse.unquote(parts[4]))
+        if data is None:
+            self.send_response(404)
+            self.send_header("X-Error-Code", "EntryNotFound")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return True
+        self.send_response(200)
+        self.send_header("X-Repo-Commit", "1" * 40)
+        self.send_header("ETag", f'"{hashlib.sha1(data).hexdigest()}"')
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if not head:
+            self.wfile.write(data)
+        return True
+
+    def do_HEAD(self):
+        if not self._resolve(head=True):
+            self._reply(404, {"error": f"not in the stand-in: HEAD {self.path}"})
+
     def do_GET(self):
         parts = self.path.split("?")[0].strip("/").split("/")
-        if self.path == "/api/whoami-v2" and self._authorized():
+        if self._resolve(head=False):
+            pass
+        elif self.path == "/api/whoami-v2" and self._authorized():
             self._reply(200, {"type": "user", "name": "tester", "auth": {"accessToken": {"role": "write"}}})
         elif parts[:2] == ["api", "models"] and len(parts) == 4 and self._authorized():  # repo_info
             repo = "/".join(parts[2:4])
@@ -921,6 +950,34 @@ def test_a_push_into_a_repo_holding_other_files_than_an_exports_is_refused_unles
                                                   ".gitattributes": b"*.safetensors filter=lfs"}
     # and an earlier export's repo (the usual second push) takes a new one without asking
     assert publish.main(["--push-only", str(out), "--repo", "tester/mymodel"]) == 0
+
+
+def test_a_push_into_another_models_repo_holding_only_an_exports_file_names_is_refused_unless_asked(
+        run_dir, tmp_path, hub, capsys):
+    """README.md, config.json and model.safetensors are an export's file names, and an EAGLE head's or a model's saved
+    without its tokenizer: the names alone let a push replace that model's weights, config and card unasked."""
+    head = {"README.md": b"# my EAGLE-3 head", "config.json": json.dumps({"architectures": ["LlamaForCausalLMEagle3"]})
+            .encode(), "model.safetensors": b"the head's weights", ".gitattributes": b"*.safetensors filter=lfs"}
+    StandInHub.repos["tester/eagle-head"], StandInHub.private["tester/eagle-head"] = dict(head), False
+    out = tmp_path / "export"
+    assert export(run_dir, out, "--ckpt", "last", "--repo", "tester/eagle-head", "--push") == 2
+    assert one_error_line(capsys) == (
+        "error: --push: tester/eagle-head already holds README.md, config.json, model.safetensors, not an earlier "
+        "drafter export (its config.json's architectures is ['LlamaForCausalLMEagle3'], not ['DFlashDraftModel']; its "
+        "README.md is not a card an export writes): check REPO, or add --replace-repo "
+        "(REPLACE_REPO=1) to replace them (the Hub keeps them in the repo's history)")
+    assert StandInHub.repos["tester/eagle-head"] == head and not out.exists()  # refused before exporting
+    StandInHub.repos["tester/weights"], StandInHub.private["tester/weights"] = {"model.safetensors": b"weights"}, False
+    assert export(run_dir, out, "--ckpt", "last", "--repo", "tester/weights", "--push") == 2
+    assert "(it has no config.json; it has no README.md)" in one_error_line(capsys)
+    assert StandInHub.repos["tester/weights"] == {"model.safetensors": b"weights"} and not out.exists()
+
+    assert export(run_dir, out, "--ckpt", "last", "--repo", "tester/eagle-head", "--push", "--replace-repo") == 0
+    assert StandInHub.repos["tester/eagle-head"]["model.safetensors"] == (out / "model.safetensors").read_bytes()
+    # An earlier export is told by its config.json, or by its card where the config does not read
+    assert publish.main(["--push-only", str(out), "--repo", "tester/eagle-head"]) == 0
+    StandInHub.repos["tester/eagle-head"]["config.json"] = b"{not json"
+    assert publish.main(["--push-only", str(out), "--repo", "tester/eagle-head"]) == 0
 
 
 def test_private_creates_a_private_repo_and_refuses_to_push_into_a_public_one(run_dir, tmp_path, hub, capsys):

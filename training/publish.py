@@ -257,14 +257,26 @@ def export_folder(
 # ----------------------------------------------------------------------------- CLI
 
 
+# The flags that shape the exported folder, which --push-only sends as it is.
+EXPORT_FLAGS = ("ckpt", "speculators", "dtype", "base_model", "license", "overwrite", "allow_engine_mismatch")
+
+
 @command
 def main(argv: list[str] | None = None) -> int:
-    args = publish_parser().parse_args(argv)
+    parser = publish_parser()
+    args = parser.parse_args(argv)
     if args.repo is not None:
         check_repo_id(args.repo)
     if args.push_only:
         if args.run or args.out:
             raise DDTreeError("--push-only takes the export folder only; drop RUN and --out")
+        # they shape an export, and the folder goes up as it was exported: taken silently, the push would seem to
+        # have sent (say) a bfloat16 or speculators export it did not
+        given = [f"--{name.replace('_', '-')}" for name in EXPORT_FLAGS
+                 if getattr(args, name) != parser.get_default(name)]
+        if given:
+            raise DDTreeError(f"--push-only pushes {args.push_only} as it was exported; drop {', '.join(given)}, or "
+                              "export again with them (and --repo --push)")
         if not args.repo:
             raise DDTreeError("--push-only needs --repo user/name")
         folder = Path(args.push_only)

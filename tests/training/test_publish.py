@@ -1033,6 +1033,25 @@ def test_push_only_sends_only_an_export_whose_card_names_that_repo(run_dir, tmp_
     assert "written for no Hub repo" in one_error_line(capsys)
 
 
+def test_push_only_refuses_the_flags_that_shape_an_export(run_dir, tmp_path, hub, capsys):
+    """--push-only sends the folder as it was exported: --speculators, --dtype and the rest were taken and dropped, with
+    exit status 0, and the user believed the speculators or bfloat16 variant had gone up."""
+    out = tmp_path / "export"
+    assert export(run_dir, out, "--ckpt", "last", "--repo", "tester/d") == 0
+    for flags in (["--speculators"], ["--dtype", "bfloat16"], ["--base-model", "Qwen/Qwen3-8B"], ["--license", "mit"],
+                  ["--ckpt", "last"], ["--allow-engine-mismatch"], ["--overwrite"],
+                  ["--speculators", "--dtype", "float16"]):
+        assert publish.main(["--push-only", str(out), "--repo", "tester/d", *flags]) == 2, flags
+        named = ", ".join(flag for flag in flags if flag.startswith("--"))
+        assert one_error_line(capsys) == (f"error: --push-only pushes {out} as it was exported; drop {named}, or "
+                                          "export again with them (and --repo --push)")
+    assert "tester/d" not in StandInHub.repos
+    # their defaults, given, change nothing
+    defaults = ["--ckpt", "best", "--dtype", "float32", "--license", "apache-2.0"]
+    assert publish.main(["--push-only", str(out), "--repo", "tester/d", *defaults]) == 0
+    assert StandInHub.repos["tester/d"]["config.json"] == (out / "config.json").read_bytes()
+
+
 def test_a_card_names_project_files_relative_even_through_a_link_that_leads_out(tmp_path):
     outside = tmp_path / "prompts"
     outside.mkdir()

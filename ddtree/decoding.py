@@ -441,11 +441,14 @@ def check_lookup(method: str, lookup: int) -> None:
 
 def prompt_token_ids(prompt_ids, where: str = "prompt_ids") -> list[int]:
     """One prompt as a list of token ids, from a list or tuple of ids, a 1-D or (1, T) tensor or array, or what a
-    tokenizer returns (a BatchEncoding: its "input_ids"); a batch of several, text or nothing is one line."""
+    tokenizer returns (a BatchEncoding: its "input_ids", less the padding its "attention_mask" marks); a batch of
+    several, text or nothing is one line."""
+    mask = None
     if isinstance(prompt_ids, Mapping):  # tokenizer(text, return_tensors="pt"), apply_chat_template(...) in transformers 5
         if "input_ids" not in prompt_ids:
             raise DDTreeError(f"{where} is a mapping without \"input_ids\" (keys {list(prompt_ids)[:5]}): give the "
                               "prompt's token ids")
+        mask = prompt_ids.get("attention_mask")
         prompt_ids = prompt_ids["input_ids"]
     if isinstance(prompt_ids, (str, bytes)):
         raise DDTreeError(f"{where} is text ({prompt_ids[:40]!r}), not token ids: tokenize it first, "
@@ -459,10 +462,35 @@ def prompt_token_ids(prompt_ids, where: str = "prompt_ids") -> list[int]:
         raise DDTreeError(f"generate decodes one prompt at a time: {where} has shape {tuple(prompt.shape)}; give "
                           f"one sequence of token ids (or a (1, length) batch) per call")
     prompt = prompt.reshape(-1).tolist()
+    if mask is not None:
+        prompt = unpadded(prompt, mask, where)
     if not prompt:
         raise DDTreeError(f"the prompt is empty ({where} holds no token): give at least one, from which the target "
                           "predicts the first new one")
     return prompt
+
+
+def unpadded(prompt: list[int], mask, where: str) -> list[int]:
+    """The prompt's ids less a tokenizer's padding: the positions its attention_mask holds 0 at, when they are one
+    leading run (left padding) or one trailing run (right padding). The pad ids were decoded as prompt before, and
+    the reply silently differed from the unpadded prompt's."""
+    try:
+        attended = torch.as_tensor(mask).reshape(-1) != 0
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise DDTreeError(f"{where}'s attention_mask is not 0s and 1s ({error_line(error)}): give the encoding as the "
+                          "tokenizer returned it, or the prompt's token ids alone") from None
+    if attended.numel() != len(prompt):
+        raise DDTreeError(f"{where}'s attention_mask has {attended.numel()} positions for {len(prompt)} input_ids: "
+                          "give the encoding as the tokenizer returned it, or the prompt's token ids alone")
+    kept = int(attended.sum())
+    if kept == len(prompt):
+        return prompt
+    if kept and attended[-kept:].all():  # left padding
+        return prompt[-kept:]
+    if kept and attended[:kept].all():  # right padding
+        return prompt[:kept]
+    raise DDTreeError(f"{where} has padding (attention_mask holds 0s) that is not one leading or trailing run "
+                      f"(attended {kept} of {len(prompt)} positions): give the unpadded ids")
 
 
 def stop_id_set(stop_ids) -> set[int]:
@@ -589,7 +617,7 @@ def _now(device: torch.device) -> float:
 @torch.no_grad()
 def generate(
     target: PreTrainedModel,
-    prompt_ids: list[int] | torch.Tensor | Mapping,  # a Mapping: a tokenizer's encoding, its "input_ids" decoded
+    prompt_ids: list[int] | torch.Tensor | Mapping,  # a Mapping: a tokenizer's encoding, its unpadded "input_ids" decoded
     method: str = "ddtree",
     drafter: DrafterRunner | None = None,
     budget: int = 32,

@@ -227,6 +227,37 @@ def test_a_prompt_straight_from_a_tokenizer_decodes_as_its_input_ids(tiny_target
     assert result.prompt_ids == ids and result.new_tokens == greedy(target, ids, new=4)
 
 
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_a_padded_encoding_decodes_as_its_unpadded_prompt(tiny_target, side):
+    """Found in a review (2026-12-05): an encoding made with padding was decoded with its pad ids inside the prompt,
+    and the reply silently differed from the unpadded prompt's."""
+    target, tokenizer = tiny_target
+    ids = tokenizer("hello there")["input_ids"]
+    encoded = tokenizer("hello there", padding="max_length", max_length=len(ids) + 5, padding_side=side,
+                        return_tensors="pt")
+    assert 0 in encoded["attention_mask"]  # padded, on the side asked
+    result = generate(target, encoded, "ar", max_new_tokens=6)
+    assert result.prompt_ids == ids and result.new_tokens == greedy(target, ids, new=6)
+
+
+@pytest.mark.parametrize("encoding, problem", [
+    ({"input_ids": [[9, 5, 6, 7]], "attention_mask": [[1, 0, 1, 1]]},
+     "prompt_ids has padding (attention_mask holds 0s) that is not one leading or trailing run (attended 3 of 4 "
+     "positions): give the unpadded ids"),
+    ({"input_ids": [0, 5, 6, 0], "attention_mask": [0, 1, 1, 0]}, "prompt_ids has padding (attention_mask holds 0s)"),
+    ({"input_ids": [[0, 5, 6], [7, 8, 9]], "attention_mask": [[0, 1, 1], [1, 1, 1]]},
+     "generate decodes one prompt at a time: prompt_ids has shape (2, 3)"),
+    ({"input_ids": [5, 6, 7], "attention_mask": [1, 1]},
+     "prompt_ids's attention_mask has 2 positions for 3 input_ids"),
+    ({"input_ids": [0, 0], "attention_mask": [0, 0]}, "prompt_ids has padding (attention_mask holds 0s)"),
+], ids=["hole", "both ends", "padded batch", "mask too short", "all padding"])
+def test_padding_that_is_not_one_run_at_an_end_is_one_line(tiny_target, encoding, problem):
+    target, _ = tiny_target
+    with pytest.raises(DDTreeError) as error:
+        generate(target, encoding, "ar", max_new_tokens=4)
+    assert str(error.value).startswith(problem)
+
+
 @pytest.mark.parametrize("prompt, problem", [
     ("hi", r"prompt_ids is text \('hi'\), not token ids: tokenize it first"),
     ({"attention_mask": [1, 1]}, r"prompt_ids is a mapping without \"input_ids\" \(keys \['attention_mask'\]\)"),

@@ -73,7 +73,9 @@ class Sampling:
         broken = [rule for rule, holds in (
             (f"temperature {self.temperature} must be a finite number >= 0", 0 <= self.temperature < math.inf),
             (f"top_p {self.top_p} must be in (0, 1]", 0 < self.top_p <= 1),
-            (f"top_k {self.top_k} must be >= 0", self.top_k >= 0),
+            # a float (a config's 2.5) was a TypeError in the first token's topk, after the prefill
+            (f"top_k {self.top_k!r} must be a whole number >= 0",
+             whole_number(self.top_k) is not None and self.top_k >= 0),
         ) if not holds]
         if broken:
             raise DDTreeError(f"bad sampling settings: {'; '.join(broken)}")
@@ -433,6 +435,8 @@ def check_corpus(method: str, corpus: CorpusLookup | bool | None) -> None:
 
 def check_lookup(method: str, lookup: int) -> None:
     """A lookup length fits only ddtree."""
+    if whole_number(lookup) is None:  # True was taken as 1, a float as a length
+        raise DDTreeError(f"lookup {lookup!r} must be a whole number of tokens (an int), 0 = no context lookup")
     if lookup < 0:
         raise DDTreeError(f"lookup {lookup} must be >= 0 (0 = no context lookup)")
     if lookup and method != "ddtree":
@@ -586,6 +590,9 @@ def check_budget(budget: int, target: PreTrainedModel) -> None:
 
 def check_redraft(method: str, redraft: int) -> None:
     """Re-drafting needs a drafter."""
+    if whole_number(redraft) is None:  # a float was a TypeError in the first re-draft's topk, after the prefill
+        raise DDTreeError(f"redraft {redraft!r} must be a whole number of depth-1 tokens (an int), 0 = one draft per "
+                          "round")
     if redraft < 0:
         raise DDTreeError(f"redraft {redraft} must be >= 0 (0 = one draft per round)")
     if redraft and method == "ar":

@@ -1,6 +1,7 @@
 """What `ddtree.decoding.generate` takes and refuses, on the tiny random target (fp32): drafters whose logits are
 not finite, a batch of prompts, stop ids as a tensor, a drafter config's temperatures (found in a review,
-2026-11-29), and a listener to the committed tokens.
+2026-11-29), a listener to the committed tokens, a padded tokenizer encoding, and counts (lookup, redraft, top_k)
+that are not whole numbers (found in a review, 2026-12-05).
 
     .venv/bin/pytest -q tests/ddtree/test_generate_inputs.py
 """
@@ -320,6 +321,32 @@ def test_a_budget_that_is_not_a_node_count_is_one_line(tiny_target, budget, prob
     with pytest.raises(DDTreeError, match=f"^{re.escape(problem)}"):
         generate(target, PROMPT, "ddtree", RiggedDrafter(list(range(3, 40)), target.config.vocab_size, block_size=4),
                  budget=budget, max_new_tokens=NEW)
+
+
+@pytest.mark.parametrize("setting, problem", [
+    (dict(lookup=2.5), "lookup 2.5 must be a whole number of tokens (an int)"),
+    (dict(lookup=True), "lookup True must be a whole number of tokens (an int)"),
+    (dict(lookup="3"), "lookup '3' must be a whole number of tokens (an int)"),
+    (dict(redraft=1.5), "redraft 1.5 must be a whole number of depth-1 tokens (an int)"),
+    (dict(redraft=True), "redraft True must be a whole number of depth-1 tokens (an int)"),
+], ids=["lookup float", "lookup bool", "lookup text", "redraft float", "redraft bool"])
+def test_a_lookup_or_redraft_that_is_not_a_count_is_one_line(tiny_target, setting, problem):
+    """Found in a review (2026-12-05): redraft 1.5 passed the checks and was a TypeError in the first re-draft's topk,
+    after the prefill; lookup 2.5 and True (taken as 1) decoded."""
+    target, _ = tiny_target
+    with pytest.raises(DDTreeError, match=f"^{re.escape(problem)}"):
+        generate(target, PROMPT, "ddtree", RiggedDrafter(list(range(3, 40)), target.config.vocab_size, block_size=4),
+                 budget=6, max_new_tokens=NEW, **setting)
+
+
+@pytest.mark.parametrize("top_k", [2.5, True, "8", None, -1])
+def test_a_top_k_that_is_not_a_count_is_one_line(top_k):
+    """Found in a review (2026-12-05): Sampling(top_k=2.5) was taken, and the first sampled token was a TypeError in
+    torch's topk, after the prefill."""
+    with pytest.raises(DDTreeError, match=f"^bad sampling settings: top_k {re.escape(repr(top_k))} must be a whole "
+                                          "number >= 0$"):
+        ddtree.decoding.Sampling(temperature=1.0, top_k=top_k)
+    assert ddtree.decoding.Sampling(temperature=1.0, top_k=np.int64(8)).top_k == 8  # a count read from an array: taken
 
 
 class GeneratorOnCuda(torch.Generator):

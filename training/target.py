@@ -60,6 +60,18 @@ class _EnoughLayers(Exception):
     """Raised by a forward hook once the deepest needed layer has run: the rest of the target is skipped."""
 
 
+def decoder_layers(target: PreTrainedModel, decoder: torch.nn.Module) -> torch.nn.ModuleList:
+    """The decoder's layers, whose outputs are the target's hidden states: decoder.layers (Llama, Qwen, Mistral,
+    Gemma and most), or decoder.h (GPT-2, GPT-J, CodeGen, Falcon: hidden_states[l + 1] is h[l]'s output there too)."""
+    for name in ("layers", "h"):
+        if isinstance(getattr(decoder, name, None), torch.nn.ModuleList):
+            return getattr(decoder, name)
+    raise DDTreeError(f"target {getattr(target, 'name_or_path_for_ddtree', target.config.model_type)!r} "
+                      f"({target.config.model_type}) keeps its decoder layers elsewhere than decoder.layers or "
+                      "decoder.h, where training reads the target's features: train against a Llama-, Qwen-, "
+                      "Mistral- or Gemma-style target")
+
+
 @torch.no_grad()
 def target_layer_features(
     target: PreTrainedModel, input_ids: torch.Tensor, layer_ids: list[int], final_hidden: bool = False
@@ -76,12 +88,9 @@ def target_layer_features(
     ever sees padding (and SDPA keeps its causal fast path).
     """
     decoder = target.get_decoder()
-    if not isinstance(getattr(decoder, "layers", None), torch.nn.ModuleList):  # GPT-2's are decoder.h, say
-        raise DDTreeError(f"target {getattr(target, 'name_or_path_for_ddtree', target.config.model_type)!r} "
-                          f"({target.config.model_type}) keeps its decoder layers elsewhere than decoder.layers, where "
-                          "training reads the target's features: train against a Llama-, Qwen-, Mistral- or Gemma-style target")
+    layers = decoder_layers(target, decoder)
     captured: dict[int, torch.Tensor] = {}
-    deepest, last = max(layer_ids), len(decoder.layers) - 1
+    deepest, last = max(layer_ids), len(layers) - 1
     whole = final_hidden or deepest == last  # the last layer's features are the decoder's normed output
 
     def capture(layer_id: int):
@@ -92,7 +101,7 @@ def target_layer_features(
 
         return hook
 
-    handles = [decoder.layers[i].register_forward_hook(capture(i)) for i in sorted(set(layer_ids))]
+    handles = [layers[i].register_forward_hook(capture(i)) for i in sorted(set(layer_ids))]
     try:
         # Batch lengths vary: on CUDA, SDPA without cuDNN's per-shape set-up (ddtree/modeling_dflash.py). In the
         # H200 run the forward took 0.067-0.098 s over the first 40 steps and around 0.03 s after, with a

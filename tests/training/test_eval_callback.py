@@ -1263,27 +1263,30 @@ def test_a_sliding_window_target_is_one_line_before_the_first_training_step(tmp_
     assert len(errors) == 1 and errors[0].startswith(f"error: target '{folder}' has sliding-window attention"), errors
 
 
-def test_a_target_without_sdpa_trains_and_is_evaluated_with_eager_attention(tmp_path, capsys):
+@pytest.mark.parametrize("family", ["gemma2", "gptj"])
+def test_a_target_without_sdpa_trains_and_is_evaluated_with_eager_attention(tmp_path, capsys, family):
     """transformers has no SDPA attention for Gemma-2 (nor GPT-J, CodeGen): load_target refused them; now they load
     with eager attention, and the training path (features up to the chosen layer, the step, the evaluation's decoding)
-    runs on it. Full attention in every layer: decoding refuses Gemma-2's usual sliding-window ones."""
-    from transformers import Gemma2Config
+    runs on it. Full attention in every layer: decoding refuses Gemma-2's usual sliding-window ones. GPT-J keeps its
+    layers in transformer.h, where the feature hooks did not look."""
+    from transformers import Gemma2Config, GPTJConfig
 
     config = Gemma2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
                           num_key_value_heads=1, head_dim=16, max_position_embeddings=512,
-                          layer_types=["full_attention"] * 3)
-    folder = tiny_target_folder(tmp_path / "gemma2", config)
+                          layer_types=["full_attention"] * 3) if family == "gemma2" else \
+        GPTJConfig(n_embd=32, n_layer=3, n_head=2, rotary_dim=8, n_positions=512)
+    folder = tiny_target_folder(tmp_path / family, config)
     data = write_conversations(tmp_path / "conversations.jsonl")
-    assert train_main(["--recipe", "tiny", "--output-root", str(tmp_path / "out"), "--run", "gemma2",
+    assert train_main(["--recipe", "tiny", "--output-root", str(tmp_path / "out"), "--run", family,
                        f"--data.data_path={data}", f"--data.cache_dir={tmp_path / 'cache'}", "--data.batch_size=2",
                        "--trainer.val_check_interval=null", "--trainer.max_steps=2", "--trainer.precision=32-true",
                        "--eval.every_n_train_steps=2", "--eval.limit=1", "--eval.max_new_tokens=8",
                        f"--model.target={folder}", "--model.target_layer_ids=null"]) == 0
     assert (f"[ddtree] target {folder}: transformers has no SDPA attention for its family; loading it with eager "
             "attention") in capsys.readouterr().out
-    logged = logged_rows(tmp_path / "out" / "tiny" / "gemma2")
+    logged = logged_rows(tmp_path / "out" / "tiny" / family)
     assert list(logged) == [2] and logged[2][monitor_metric(PRIMARY)] >= 1.0
-    drafter = drafter_from_checkpoint(tmp_path / "out" / "tiny" / "gemma2" / "checkpoints" / "step-2.ckpt")
+    drafter = drafter_from_checkpoint(tmp_path / "out" / "tiny" / family / "checkpoints" / "step-2.ckpt")
     assert drafter.config.target_layer_ids == [0, 1]  # 3 layers: distinct ones, the last left out
 
 

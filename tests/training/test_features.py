@@ -882,13 +882,34 @@ def test_a_run_without_distillation_takes_a_built_store_that_holds_more(tmp_path
     assert resolve_store_path(None, "tiny", datamodule) is None
 
 
-def test_a_target_whose_layers_are_not_decoder_layers_is_one_line():
-    """GPT-2 keeps them in transformer.h: the features' hooks failed with an AttributeError."""
+@pytest.mark.parametrize("family", ["gpt2", "gptj", "codegen"])
+def test_a_target_whose_layers_are_decoder_h_gives_its_hidden_states_as_features(family):
+    """GPT-2, GPT-J and CodeGen keep their layers in transformer.h: decoding read their hidden states, but training's
+    feature hooks looked for decoder.layers only and refused them."""
     import transformers
 
-    target = transformers.AutoModelForCausalLM.from_config(transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2,
-                                                                                   n_head=2)).eval()
-    with pytest.raises(DDTreeError, match=r"\(gpt2\) keeps its decoder layers elsewhere than decoder.layers"):
+    config = {"gpt2": lambda: transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=3, n_head=2),
+              "gptj": lambda: transformers.GPTJConfig(vocab_size=64, n_embd=32, n_layer=3, n_head=2, rotary_dim=8),
+              "codegen": lambda: transformers.CodeGenConfig(vocab_size=64, n_embd=64, n_layer=3, n_head=4,
+                                                            rotary_dim=8)}[family]()
+    torch.manual_seed(0)
+    target = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    input_ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        hidden = target(input_ids, output_hidden_states=True).hidden_states
+    assert torch.allclose(target_layer_features(target, input_ids, [0, 1]), torch.cat(hidden[1:3], dim=-1), atol=1e-6)
+    features, final = target_layer_features(target, input_ids, [0, 2], final_hidden=True)
+    assert torch.allclose(features, torch.cat([hidden[1], hidden[3]], dim=-1), atol=1e-6)  # the last: normed output
+    assert torch.allclose(final, hidden[3], atol=1e-6)
+
+
+def test_a_target_whose_layers_are_neither_decoder_layers_nor_h_is_one_line():
+    """MPT keeps them in transformer.blocks: the features' hooks failed with an AttributeError."""
+    import transformers
+
+    target = transformers.AutoModelForCausalLM.from_config(transformers.MptConfig(
+        vocab_size=64, d_model=32, n_layers=2, n_heads=2)).eval()
+    with pytest.raises(DDTreeError, match=r"\(mpt\) keeps its decoder layers elsewhere than decoder.layers or decoder.h"):
         target_layer_features(target, torch.tensor([[1, 2, 3]]), [0, 1])
 
 

@@ -43,6 +43,17 @@ from torch.utils.checkpoint import checkpoint
 from .masks import IGNORE_INDEX, block_position_ids
 
 
+PUBLISHED_GAMMA = {8: 4.0, 10: 5.0, 16: 7.0}  # DFlash's loss decay per block size
+
+
+def published_gamma(block_size: int) -> float:
+    """The loss decay DFlash published for a block size (4 for 8, 5 for 10, 7 for 16), and for another size the value
+    on the line through the two nearest of those (block / 2 up to 10, 5 + (block - 10) / 3 above)."""
+    if block_size in PUBLISHED_GAMMA:
+        return PUBLISHED_GAMMA[block_size]
+    return block_size / 2 if block_size <= 10 else 5.0 + (block_size - 10) / 3
+
+
 def block_position_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
     """(B,) loss weight per block position: 0 for the anchor, exp(-(k - 1) / gamma) for k = 1..B-1.
 

@@ -63,7 +63,7 @@ from .feature_store import adapter_fingerprint, target_fingerprint
 from .hub_config import drop_hub_fields
 from .loss import (
     DISTILL_LOSSES, OBJECTIVES, RECALL_K, block_loss_sums, block_position_weights, chain_acceptance, draft_vocab_labels,
-    given_positions, next_token_top_k, teacher_states,
+    given_positions, next_token_top_k, published_gamma, teacher_states,
 )
 from .masks import (
     IGNORE_INDEX, block_input_ids, block_labels, block_position_ids, dense_block_mask, flex_block_mask, given_labels,
@@ -163,7 +163,8 @@ class DistillModule(L.LightningModule):
         compile: bool = False,  # the training forward of the drafter through torch.compile (docs/benchmarks.md, On a GPU)
         # --- objective
         num_anchors: int = 512,  # blocks per sequence (published: up to 512)
-        gamma: float = 7.0,  # loss decay over block positions (published: 7 for B=16, 5 for B=10)
+        gamma: float | None = None,  # loss decay over block positions; None = the published one for the block size
+        #                              (7 for B=16, 5 for B=10, 4 for B=8; loss.published_gamma)
         distill_weight: float = 0.0,  # > 0: mix in a loss against the target's full distribution (loss.py)
         distill_loss: str = "kl",  # that loss: kl (cross-entropy to the target's softmax) or lk (-log acceptance rate)
         distill_top_k: int = 0,  # > 0: against the target's k likeliest tokens only, kept in the store (loss.py)
@@ -217,7 +218,7 @@ class DistillModule(L.LightningModule):
             ("num_anchors", num_anchors, num_anchors >= 1, "at least 1"),
             ("distill_top_k", distill_top_k, distill_top_k >= 0, "at least 0 (0 = the whole distribution)"),
             ("lora_rank", lora_rank, lora_rank >= 0, "at least 0 (0 = no LoRA)"),
-            ("gamma", gamma, gamma > 0, "above 0"),
+            ("gamma", gamma, unset_or(gamma, lambda v: v > 0), "above 0, or unset (the published one for the block size)"),
             ("weight_decay", weight_decay, weight_decay >= 0, "at least 0"),
             ("warmup_ratio", warmup_ratio, 0 <= warmup_ratio < 1, "in [0, 1)"),
         ]:
@@ -282,6 +283,8 @@ class DistillModule(L.LightningModule):
         if hp.gradient_checkpointing:
             drafter.gradient_checkpointing = True
         drafter.dropout = hp.dropout
+        if hp.gamma is None:  # the block size is known now (init_from's, if it gave one): kept in the checkpoint
+            hp.gamma = published_gamma(drafter.config.block_size)
         if hp.lora_rank > 0:
             drafter = add_drafter_lora(
                 drafter, hp.lora_rank, hp.lora_alpha, hp.lora_dropout, hp.lora_target_modules or DEFAULT_LORA_MODULES

@@ -155,8 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         cases = []
         for setting in args.settings.split(","):
             anchors, layers, block = parse_setting(setting)
-            cases.append((setting, dict(target=args.target, num_anchors=anchors, num_layers=layers, block_size=block,
-                                        gamma=7.0 if block >= 16 else 4.0)))
+            cases.append((setting, dict(target=args.target, num_anchors=anchors, num_layers=layers, block_size=block)))
     batch_size = args.batch_size if args.batch_size is not None else recipe_batch
     length = args.length if args.length is not None else max_length
     if length <= PROMPT_TOKENS + 2:

@@ -25,6 +25,7 @@ from training.loss import (
     RECALL_K,
     block_loss_sums,
     block_position_weights,
+    published_gamma,
     chain_acceptance,
     draft_vocab_labels,
     expected_length_weights,
@@ -93,6 +94,24 @@ def test_position_weights_skip_the_anchor_and_decay():
     weights = block_position_weights(16, gamma=7.0)
     assert weights[0] == 0 and weights[1] == 1
     assert torch.allclose(weights[2:], torch.exp(-torch.arange(1, 15) / 7.0))
+
+
+def test_an_unset_gamma_is_the_published_one_for_the_block_size_the_drafter_has(module, tmp_path):
+    """gamma defaulted to 7 (block 16's) whatever the block: `--model.block_size 10` alone trained with 7, not 5, and
+    so did a warm start from a block-8 drafter."""
+    assert [published_gamma(block) for block in (8, 10, 16)] == [4.0, 5.0, 7.0]  # DFlash's
+    assert [published_gamma(block) for block in (2, 4, 12, 32)] == [1.0, 2.0, 5.0 + 2 / 3, 5.0 + 22 / 3]
+    for block, gamma in [(10, 5.0), (16, 7.0), (BLOCK, 2.0)]:
+        assert tiny_module(block_size=block, gamma=None).hparams.gamma == gamma
+    assert tiny_module(block_size=10, gamma=3.0).hparams.gamma == 3.0  # given: kept
+    folder = export_drafter(tiny_module(block_size=8), tmp_path / "block8")
+    warm = tiny_module(init_from=str(folder), target_layer_ids=None, num_layers=None, block_size=None, gamma=None)
+    assert warm.block_size == 8 and warm.hparams.gamma == 4.0
+    checkpoint = {"state_dict": warm.state_dict(), "hyper_parameters": dict(warm.hparams)}
+    assert checkpoint["hyper_parameters"]["gamma"] == 4.0  # what the card and a resume read
+    assert DistillModule(target="tiny-random").hparams.gamma is None  # the signature's default: resolved when built
+    with pytest.raises(DDTreeError, match=r"^model.gamma=0 must be above 0, or unset"):
+        DistillModule(target="tiny-random", gamma=0)
 
 
 def block_loss_case(seed: int = 0, block: int = 4, hidden_size: int = 8, vocab: int = 13):

@@ -16,6 +16,7 @@ Both engines serve the DFlash block as a chain: neither verifies a draft tree on
 from __future__ import annotations
 
 import json
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -461,9 +462,10 @@ def serve_commands(config: dict, target: str, drafter: str) -> dict[str, str]:
 
 
 def vllm_command(target: str, drafter: str, block_size: int) -> str:
-    """vLLM serves the target with the drafter: one block drafts block_size - 1 tokens after the anchor."""
+    """vLLM serves the target with the drafter: one block drafts block_size - 1 tokens after the anchor. Quoted for
+    a POSIX shell (a folder with a space or a quote in its name stays one argument)."""
     spec = json.dumps({"method": "dflash", "model": drafter, "num_speculative_tokens": block_size - 1})
-    return f"vllm serve {target} --speculative-config '{spec}'"
+    return shlex.join(["vllm", "serve", target, "--speculative-config", spec])
 
 
 def sglang_command(target: str, drafter: str, block_size: int, trust_remote_code: bool = False) -> str:
@@ -472,6 +474,6 @@ def sglang_command(target: str, drafter: str, block_size: int, trust_remote_code
     trust_remote_code: the config.json names no model_type transformers knows (the speculators variant),
     so SGLang must read it through auto_map.
     """
-    return (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
-            f"--speculative-draft-model-path {drafter} --speculative-num-draft-tokens {block_size}"
-            + (" --trust-remote-code" if trust_remote_code else ""))
+    return shlex.join(["python", "-m", "sglang.launch_server", "--model-path", target, "--speculative-algorithm",
+                       "DFLASH", "--speculative-draft-model-path", drafter, "--speculative-num-draft-tokens",
+                       str(block_size), *(["--trust-remote-code"] if trust_remote_code else [])])

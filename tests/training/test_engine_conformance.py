@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ from transformers import AutoConfig, Qwen3Config
 import training.publish as publish
 from training.engines import (
     RULES, SGLANG, VLLM, Export, TargetFacts, engine_problems, expected_weights, read_export, sglang_value,
-    target_facts, vllm_layer_config, vllm_mask_token_id, vllm_target_layer_ids, weight_shapes,
+    serve_commands, target_facts, vllm_layer_config, vllm_mask_token_id, vllm_target_layer_ids, weight_shapes,
 )
 from training.module import DistillModule
 from training.target import target_layer_features
@@ -300,3 +301,19 @@ def test_a_target_that_cannot_be_read_is_stood_in_for_by_the_drafters_record(run
     broken = Export({**config, "dflash_config": {**config["dflash_config"], "target_layer_ids": [1, 3, 6]}},
                     weight_shapes(tmp_path / "export"), facts)
     assert failing(broken) == {(VLLM, "target_layer_ids"), (SGLANG, "target_layer_ids")}
+
+
+def test_the_serve_commands_keep_a_folder_with_a_space_or_a_quote_one_argument():
+    """The printed commands pasted paths unquoted: `bob's drafter` left the shell waiting for a closing quote, and
+    `my drafter` reached SGLang as two arguments."""
+    target, drafter = "/data/my models/llama", "exports/bob's drafter"
+    commands = serve_commands({"block_size": 8, "model_type": "dflash"}, target, drafter)
+    vllm, sglang = (shlex.split(commands[engine]) for engine in (VLLM, SGLANG))
+    assert vllm[:3] == ["vllm", "serve", target] and vllm[3] == "--speculative-config"
+    assert json.loads(vllm[4]) == {"method": "dflash", "model": drafter, "num_speculative_tokens": 7}
+    assert sglang[sglang.index("--model-path") + 1] == target
+    assert sglang[sglang.index("--speculative-draft-model-path") + 1] == drafter
+    assert sglang[-3:] == ["--speculative-num-draft-tokens", "8", "--trust-remote-code"]
+    plain = serve_commands({"block_size": 16, "model_type": "qwen3"}, "Qwen/Qwen3-8B", "me/drafter")  # as documented
+    assert plain[VLLM] == ("vllm serve Qwen/Qwen3-8B --speculative-config "
+                           """'{"method": "dflash", "model": "me/drafter", "num_speculative_tokens": 15}'""")

@@ -186,10 +186,18 @@ def deepspeed_class(strategy) -> type | None:
 
 
 def check_strategy(strategy, accelerator, gradient_clip_algorithm) -> None:
-    """What Lightning's DeepSpeed strategy refuses only once fit starts, with a traceback; and FSDP, which Lightning
-    runs but nothing here gathers."""
-    if isinstance(strategy, str) and strategy in StrategyRegistry and issubclass(
-            StrategyRegistry[strategy]["strategy"], FSDPStrategy):
+    """What Lightning's DeepSpeed strategy refuses only once fit starts, with a traceback; and the strategies Lightning
+    runs but that this training cannot: FSDP (nothing here gathers it) and spawned or forked processes."""
+    # indexed: the registry's get() builds the strategy
+    registered = StrategyRegistry[strategy] if isinstance(strategy, str) and strategy in StrategyRegistry else None
+    start_method = registered["init_params"].get("start_method") if registered else None
+    if start_method in ("spawn", "fork"):
+        # Lightning trains in processes it starts and joins: the drafter they trained never comes back to this one,
+        # whose export after the whole run read None (a traceback, exit status 1, no drafter/)
+        raise RecipeSettingError(f"trainer.strategy={strategy} trains in processes it {start_method}s, and the drafter "
+                                 "they train never returns to this process, which exports it: give ddp (the same "
+                                 "processes, with rank 0 training in this one)")
+    if registered and issubclass(registered["strategy"], FSDPStrategy):
         # Under FSDP module.drafter holds this rank's shards: the evaluation during training and the export gather a
         # sharded drafter from DeepSpeed only (training/strategies.py), so they would have read a shard as the drafter.
         raise RecipeSettingError(f"trainer.strategy={strategy} is FSDP, which this training does not support (its "

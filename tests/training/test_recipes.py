@@ -354,6 +354,24 @@ def test_fsdp_is_one_line_before_anything_loads(tmp_path, monkeypatch, capsys):
     assert not any(tmp_path.iterdir())
 
 
+def test_spawned_or_forked_processes_are_one_line_before_anything_loads(tmp_path, capsys):
+    """They passed every check and trained the whole run in the processes Lightning started, then this process, whose
+    drafter configure_model never built, exported None: a traceback, exit status 1 and no drafter/."""
+    for strategy in ("ddp_fork", "ddp_notebook", "ddp_spawn_find_unused_parameters_true"):
+        with pytest.raises(DDTreeError, match=f"trainer.strategy={strategy} trains in processes it (spawn|fork)s, .* "
+                                              "give ddp"):
+            training.recipe.check_strategy(strategy, "cpu", "norm")
+    training.recipe.check_strategy("ddp_find_unused_parameters_true", "cpu", "norm")  # started as commands: fine
+    argv = ["--recipe", "tiny", "--run-name", "r", "--output-root", str(tmp_path), "--trainer.strategy=ddp_spawn",
+            "--trainer.devices=2"]
+    assert main(argv) == 2
+    errors = error_lines(capsys)
+    assert len(errors) == 1 and errors[0].endswith(
+        "recipes/tiny.yaml: trainer.strategy=ddp_spawn trains in processes it spawns, and the drafter they train never "
+        "returns to this process, which exports it: give ddp (the same processes, with rank 0 training in this one)"), errors
+    assert not any(tmp_path.iterdir())
+
+
 def test_a_data_path_under_a_local_folder_is_a_missing_folder_not_a_hub_dataset(tmp_path, monkeypatch, capsys):
     """data/qwen3-8b before its replies are generated has the shape owner/name: it passed the check as a Hub dataset
     and failed at fit, 25 s later, with the Hub's message (or asked the Hub for a dataset `data/qwen3-8b`)."""

@@ -35,7 +35,7 @@ from .data import DistillDataModule
 from .feature_store import init_from_config
 from .module import NO_SCHEDULE_END, DistillModule
 from .recipe_data import AUTO_DATA
-from .strategies import CPUDeepSpeed, check_launch, count_devices
+from .strategies import CPUDeepSpeed, DrafterDeepSpeed, check_launch, count_devices
 from .target import dtype_for_precision
 
 GPU_ACCELERATORS = ("gpu", "cuda")  # the trainer.accelerator values that need a CUDA GPU
@@ -206,6 +206,15 @@ def check_strategy(strategy, accelerator, gradient_clip_algorithm) -> None:
     deepspeed = deepspeed_class(strategy)
     if deepspeed is None:
         return
+    if not issubclass(deepspeed, DrafterDeepSpeed):  # deepspeed, deepspeed_stage_2, ...: Lightning's own
+        settings = registered["init_params"]
+        ours = "zero3" if settings.get("stage") == 3 else "zero2"
+        ours += "_offload" if settings.get("offload_optimizer") else ""
+        raise RecipeSettingError(f"trainer.strategy={strategy} is Lightning's own DeepSpeed strategy, which lacks this "
+                                 "training's fixes (an accumulating run's gradient divided once, not twice; the frozen "
+                                 "target kept out of ZeRO-3's partitions; a marker on a save cut short): give "
+                                 f"--trainer.strategy={ours} (this training's DeepSpeed: zero2, zero2_offload, zero3 or "
+                                 "zero3_offload)")
     on_cuda = str(accelerator) in GPU_ACCELERATORS or (str(accelerator) == "auto" and torch.cuda.is_available())
     if not on_cuda and not issubclass(deepspeed, CPUDeepSpeed):
         where = "this machine has no CUDA GPU" if str(accelerator) == "auto" else f"trainer.accelerator={accelerator}"

@@ -312,9 +312,8 @@ def test_a_gpu_recipe_with_a_cpu_recipe_of_its_target_points_to_it(tmp_path, mon
 @pytest.mark.parametrize("overrides, said", [
     (["--trainer.strategy=zero2"], "trainer.strategy=zero2 is DeepSpeed, which Lightning runs on CUDA GPUs only, and "
                                    "trainer.accelerator=cpu: run it on a GPU machine, or give --trainer.strategy=ddp"),
-    (["--trainer.strategy=deepspeed_stage_3", "--trainer.accelerator=auto"],
-     "trainer.strategy=deepspeed_stage_3 is DeepSpeed, which Lightning runs on CUDA GPUs only, and this machine has no "
-     "CUDA GPU"),
+    (["--trainer.strategy=zero3", "--trainer.accelerator=auto"],
+     "trainer.strategy=zero3 is DeepSpeed, which Lightning runs on CUDA GPUs only, and this machine has no CUDA GPU"),
     (["--trainer.strategy=zero2_cpu", "--trainer.gradient_clip_algorithm=value"],  # the CPU twin runs here; this not
      "trainer.gradient_clip_algorithm=value: DeepSpeed (trainer.strategy=zero2_cpu) clips gradients by norm only"),
 ])
@@ -328,6 +327,28 @@ def test_what_deepspeed_refuses_is_one_line_before_anything_loads(overrides, sai
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine: zero2 is fine, clipping by norm too
     training.recipe.check_strategy("zero2", "gpu", "norm")
     training.recipe.check_strategy("ddp", "cpu", "value")
+
+
+@pytest.mark.parametrize("strategy, ours", [
+    ("deepspeed", "zero2"), ("deepspeed_stage_1", "zero2"), ("deepspeed_stage_2", "zero2"),
+    ("deepspeed_stage_2_offload", "zero2_offload"), ("deepspeed_stage_3", "zero3"),
+    ("deepspeed_stage_3_offload", "zero3_offload"), ("deepspeed_stage_3_offload_nvme", "zero3_offload"),
+])
+def test_lightnings_own_deepspeed_is_one_line_naming_this_trainings(strategy, ours, tmp_path, monkeypatch, capsys):
+    """On a GPU machine they passed and built Lightning's DeepSpeedStrategy, without DrafterDeepSpeed's fixes: an
+    accumulating run stepped on 1/N of the gradient, ZeRO-3 partitioned the frozen target, a save cut short went unseen."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(DDTreeError, match=f"trainer.strategy={strategy} is Lightning's own DeepSpeed strategy, .* "
+                                          f"give --trainer.strategy={ours} "):
+        training.recipe.check_strategy(strategy, "gpu", "norm")
+    for name in ("zero2", "zero2_offload", "zero3", "zero3_offload", "zero2_cpu"):  # this training's: fine
+        training.recipe.check_strategy(name, "gpu", "norm")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # and before the CPU's refusal, whose fix is not it
+    assert main(["--recipe", "tiny", "--run-name", "r", "--output-root", str(tmp_path),
+                 f"--trainer.strategy={strategy}"]) == 2
+    errors = error_lines(capsys)
+    assert len(errors) == 1 and f"recipes/tiny.yaml: trainer.strategy={strategy} is Lightning's own" in errors[0], errors
+    assert not any(tmp_path.iterdir())
 
 
 def test_a_block_longer_than_the_sequences_is_one_line_before_anything_loads(tmp_path, capsys):

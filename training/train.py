@@ -412,6 +412,13 @@ def main(argv: list[str] | None = None) -> int:
                               f"launch's strategy is {type(cli.trainer.strategy).__name__}: resume it under the run's "
                               "DeepSpeed strategy (drop the trainer.strategy override), or export it (make export) and "
                               "start a new run from the drafter with model.init_from")
+        if checkpoint and not is_deepspeed_checkpoint(checkpoint) and is_deepspeed(cli.trainer.strategy):
+            # DeepSpeed's engine would look for its shard folder there: a FileNotFoundError traceback from every rank
+            raise DDTreeError(f"--resume: {checkpoint} is a single-file checkpoint (a ddp or one-device run's) and this "
+                              f"launch's strategy is DeepSpeed ({type(cli.trainer.strategy).__name__}), which resumes "
+                              "only its own folders of per-rank shards: resume it under the run's strategy (drop the "
+                              "trainer.strategy override), or export it (make export) and start a new run from the "
+                              "drafter with model.init_from")
         prepare_recipe_data(cli.datamodule, args.recipe, cli.trainer.world_size)
         build_missing_feature_store(cli, args.recipe)
         config_text = cli.parser.dump(cli.config, skip_none=False)

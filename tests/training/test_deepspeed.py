@@ -329,6 +329,36 @@ def test_deepspeed_takes_the_same_gradient_as_every_strategy_when_it_accumulates
     torch.testing.assert_close(accumulated, plain, rtol=1e-5, atol=1e-6)
 
 
+def test_a_single_file_checkpoint_resumed_under_deepspeed_is_one_line(workspace, tmp_path):
+    """A ddp or one-device run resumed under zero2/zero3 (the step after it ran out of memory): DeepSpeed's engine
+    looked for its shard folder inside last.ckpt, a FileNotFoundError traceback. The reverse was one line already."""
+    out = tmp_path / "out"
+    run = ["--output-root", str(out), f"--data.data_path={workspace / 'conversations.jsonl'}",
+           f"--data.cache_dir={tmp_path / 'cache'}", "--data.batch_size=2", "--data.val_fraction=0.1",
+           "--trainer.max_steps=1", "--trainer.val_check_interval=null", "--trainer.enable_progress_bar=false",
+           "--eval.every_n_train_steps=1", "--eval.limit=1", "--eval.max_new_tokens=3", "--eval.budgets=[4]",
+           "--eval.primary_budget=4"]
+    assert training.train.main(["--recipe", "tiny", "--run-name", "single", *run]) == 0
+    run_dir = out / "tiny" / "single"
+    before = (run_dir / "config.yaml").read_text()
+    env = {name: value for name, value in os.environ.items() if name not in (*TORCHRUN_ENV, *SLURM_ENV, *NODE_SETTINGS)}
+    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", TORCH_EXTENSIONS_DIR=str(tmp_path / "torch_extensions"))
+    result = subprocess.run(
+        [sys.executable, "-m", "training.train", "--output-root", str(out), "--resume", str(run_dir),
+         "--trainer.max_steps=2", "--trainer.strategy=zero2_cpu"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
+    assert errors[0].startswith("error: --resume: ") and errors[0].endswith(
+        "checkpoints/last.ckpt is a single-file checkpoint (a ddp or one-device run's) and this launch's strategy is "
+        "DeepSpeed (CPUDeepSpeed), which resumes only its own folders of per-rank shards: resume it under the run's "
+        "strategy (drop the trainer.strategy override), or export it (make export) and start a new run from the "
+        "drafter with model.init_from"), errors
+    assert "Traceback" not in result.stderr
+    assert (run_dir / "config.yaml").read_text() == before  # a plain resume still works
+
+
 # ----------------------------------------------------------------------------- slow: twins, kill/resume, ZeRO-3
 
 

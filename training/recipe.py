@@ -388,7 +388,8 @@ class DistillCLI(LightningCLI):
             trainer = super().instantiate_trainer(**kwargs)
         except DDTreeError:
             raise
-        except (MisconfigurationException, ValueError, ImportError) as error:  # ImportError: an accelerator's package
+        # TypeError: a trainer.devices the CPU refuses (-2, abc, 1.5, a list); ImportError: an accelerator's package
+        except (MisconfigurationException, ValueError, TypeError, ImportError) as error:
             raise RecipeSettingError(f"the trainer section was refused: {error_line(error)}") from None
         # Checkpoint files are written whole or not at all (training/checkpoints.py). DeepSpeed's engine writes its
         # own shard folders, and a writer a recipe names in trainer.plugins is kept.

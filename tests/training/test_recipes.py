@@ -309,6 +309,17 @@ def test_a_gpu_recipe_with_a_cpu_recipe_of_its_target_points_to_it(tmp_path, mon
     assert "--trainer.accelerator=cpu" not in errors[0]
 
 
+@pytest.mark.parametrize("devices", ["-2", "abc", "1.5", "[0,1]"])
+def test_devices_the_cpu_cannot_take_are_one_line_before_anything_loads(devices, tmp_path, capsys):
+    """Lightning's CPU parser raises a TypeError for them, which passed as a traceback (a GPU recipe's list of GPUs
+    given --trainer.accelerator=cpu too)."""
+    assert main(["--recipe", "tiny", "--run-name", "r", "--output-root", str(tmp_path), f"--trainer.devices={devices}"]) == 2
+    errors = error_lines(capsys)
+    assert len(errors) == 1 and errors[0].endswith("recipes/tiny.yaml: the trainer section was refused: `devices` "
+                                                   "selected with `CPUAccelerator` should be an int > 0."), errors
+    assert not any(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("overrides, said", [
     (["--trainer.strategy=zero2"], "trainer.strategy=zero2 is DeepSpeed, which Lightning runs on CUDA GPUs only, and "
                                    "trainer.accelerator=cpu: run it on a GPU machine, or give --trainer.strategy=ddp"),

@@ -84,6 +84,24 @@ def test_the_figures_the_readme_and_recipe_headers_cite_have_a_section_in_the_be
     assert cited >= 10
 
 
+def test_validation_across_epochs_falls_on_an_evaluated_optimizer_step():
+    """Lightning counts val_check_interval in training batches, not optimizer steps: the 8B recipes' 2000, at 4
+    accumulated batches, validated every 500 optimizer steps (50 batches on each of 8 GPUs, 4 times as often as meant),
+    between evaluations. Counted across epochs, the interval is a whole number of optimizer steps that evaluate."""
+    checked = []
+    for name in known_recipes():
+        config = parse_recipe(name)
+        batches, accumulated = config.trainer.val_check_interval, config.trainer.accumulate_grad_batches or 1
+        if config.trainer.check_val_every_n_epoch is not None or not isinstance(batches, int):
+            continue  # counted within each epoch (tiny), or a fraction of one
+        steps = batches / accumulated
+        assert steps == int(steps) and steps % config.eval.every_n_train_steps == 0, (
+            f"recipes/{name}.yaml: val_check_interval {batches} batches of {accumulated} per step validate every "
+            f"{steps} optimizer steps, not a multiple of eval.every_n_train_steps {config.eval.every_n_train_steps}")
+        checked.append((name, steps))
+    assert {"qwen3-8b": 2000, "qwen3-4b": 2000, "llama3.1-8b": 2000}.items() <= dict(checked).items()
+
+
 def test_a_recipe_that_does_not_say_leaves_the_rank_split_to_the_data(tmp_path):
     text = (RECIPES_DIR / "tiny.yaml").read_text()
     assert "use_distributed_sampler" in text

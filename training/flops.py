@@ -29,6 +29,10 @@ measured ratio. Counted, per sequence of `length` tokens:
   projections read the frozen embedding, but through its norm's trainable weight, so their input's
   gradient is computed too.
 
+The drafter's context rows are the sequence's own where the recipe trains on the CPU, and padded to the flex
+kernel's width (training/masks.py, pad_for_flex; 1024 rows at least) where it trains on CUDA, as its
+trainer.accelerator says.
+
 Element-wise work (norms, softmax, the loss over the vocabulary) is not counted: it is memory-bound,
 cheap on a GPU, and dominant only on a CPU at tiny widths.
 """
@@ -37,7 +41,9 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, replace
+from functools import cache
 
+import torch
 from transformers import AutoConfig, Qwen3Config
 
 from ddtree.errors import CommandParser, DDTreeError, command
@@ -45,7 +51,7 @@ from ddtree.targets import default_layer_ids, resolve_target, target_field
 
 from .arguments import check_recipe_name, recipe_path
 from .masks import FLEX_MIN_CONTEXT
-from .recipe import read_recipe
+from .recipe import GPU_ACCELERATORS, read_recipe
 
 # The recipe's prompt share when no real batch is at hand: throughput's random batches supervise all but
 # the first 60 positions (training/throughput.py, PROMPT_TOKENS).
@@ -65,13 +71,25 @@ RANDOM_TARGETS = {
 }
 
 
+@cache  # read once: a recipe of precision auto times the CPU's matmuls as it is read
+def parsed_recipe(name: str):
+    check_recipe_name(name)
+    return read_recipe(recipe_path(name), [])
+
+
 def recipe_settings(name: str) -> tuple[dict, int, int]:
     """DistillModule settings, max_length and per-GPU batch size of a recipe."""
-    check_recipe_name(name)
-    config = read_recipe(recipe_path(name), [])
+    config = parsed_recipe(name)
     model = config.model.as_dict()
     model.pop("target_dtype", None)
     return model, config.data.max_length, config.data.batch_size
+
+
+def recipe_on_cuda(name: str) -> bool:
+    """Whether a recipe's steps take the CUDA path, which pads the drafter's context to the flex width
+    (trainer.accelerator gpu or cuda, or auto where torch sees a GPU); the CPU path reads the sequence at its length."""
+    accelerator = str(parsed_recipe(name).trainer.accelerator)
+    return accelerator in GPU_ACCELERATORS or (accelerator == "auto" and torch.cuda.is_available())
 
 
 @dataclass(frozen=True)
@@ -278,11 +296,14 @@ def main(argv: list[str] | None = None) -> int:
         if size > vocab:
             raise DDTreeError(f"--draft-vocab {size}: the target's vocabulary holds {vocab} tokens; give at most that")
     base = f"{settings['num_anchors']} anchors, head {head} rows"
-    rows = [(f"{args.recipe} ({base})", recipe_step_flops(config, settings, length))]
-    rows += [(f"{anchors} anchors", recipe_step_flops(config, settings, length, anchors=anchors)) for anchors in args.anchors]
-    rows += [(f"draft vocabulary {size}", recipe_step_flops(config, settings, length, draft_vocab=size))
+    cuda = recipe_on_cuda(args.recipe)  # a CPU recipe's context is not padded to the CUDA path's flex width
+    rows = [(f"{args.recipe} ({base})", recipe_step_flops(config, settings, length, cuda))]
+    rows += [(f"{anchors} anchors", recipe_step_flops(config, settings, length, cuda, anchors=anchors))
+             for anchors in args.anchors]
+    rows += [(f"draft vocabulary {size}", recipe_step_flops(config, settings, length, cuda, draft_vocab=size))
              for size in args.draft_vocab]
-    print(f"a sequence of {length} tokens; matmuls only, counted from the shapes (training/flops.py)")
+    context = f"the context padded to {flex_width(length)} rows (CUDA)" if cuda else "the context unpadded (CPU)"
+    print(f"a sequence of {length} tokens, {context}; matmuls only, counted from the shapes (training/flops.py)")
     print(table(rows))
     return 0
 

@@ -7,11 +7,16 @@ attention term's key count is checked against the training mask itself.
 
 from __future__ import annotations
 
+import re
+import shlex
+from pathlib import Path
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from training.flops import Widths, main, mean_keys_per_query, recipe_step_flops, step_flops, target_forward_flops
+from training.flops import (Widths, main, mean_keys_per_query, recipe_settings, recipe_step_flops, step_flops,
+                            target_config_for, target_forward_flops)
 from training.masks import dense_block_mask, sample_anchors
 from training.module import DistillModule
 from training.target import target_layer_features
@@ -173,6 +178,34 @@ def test_the_published_settings_put_the_step_above_two_target_forwards(capsys):
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "case" not in line]
     ratios = [float(line.rsplit("|", 2)[1]) for line in lines]
     assert len(ratios) == 3 and ratios[0] > 2 and ratios[1] < ratios[0] and ratios[2] < ratios[0]
+
+
+def printed_rows(capsys, argv: list[str]) -> list[str]:
+    assert main(argv) == 0
+    return [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "case" not in line]
+
+
+def test_a_cpu_recipe_is_counted_at_its_own_context_width(capsys):
+    """A CPU recipe's step reads the context at the sequence's length; the CUDA path pads it to the flex width
+    (1024 rows at least). The CLI counted every recipe as on CUDA: smollm2-135m's context term at 3.85 G, not 1.44."""
+    settings, length, _ = recipe_settings("tiny")  # trainer.accelerator: cpu, 256 tokens
+    target = target_config_for(settings["target"])
+    on_cpu, on_cuda = (recipe_step_flops(target, settings, length, cuda=cuda) for cuda in (False, True))
+    assert on_cuda.context > 2 * on_cpu.context  # 1024 rows against 256
+    row, = printed_rows(capsys, ["--recipe", "tiny"])
+    context = float(re.search(r"\((\S+) / ", row).group(1))
+    assert context == pytest.approx(on_cpu.context / 1e9, abs=0.006), row
+
+
+def test_the_benchmarks_flop_tables_are_the_clis_output(capsys):
+    """docs/benchmarks.md's table kept smollm2-135m's row from before it distilled online (94.1 G where the CLI counts
+    107.08, no teacher column): each command the section names must print its rows as the page shows them."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md").read_text()
+    section = page[page.index("- **What a step computes**"):page.index("- **The GPU recipe, 900 steps**")]
+    commands = [shlex.split(command) for command in re.findall(r"`python -m training\.flops ([^`\[]+)`", section)]
+    shown = {line.strip() for line in section.splitlines() if line.strip().startswith("| ") and "case" not in line}
+    printed = [row for argv in commands for row in printed_rows(capsys, argv)]
+    assert len(commands) >= 3 and set(printed) == shown, (sorted(shown - set(printed)), printed)
 
 
 @pytest.mark.parametrize("flags, said", [

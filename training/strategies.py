@@ -242,11 +242,17 @@ def check_launch(devices, num_nodes) -> None:
     launcher, processes, nodes = world
     if per_node * num_nodes != processes:
         where = f" on {nodes} node(s)" if nodes else ""
-        fix = f"set --trainer.devices={processes // nodes} --trainer.num_nodes={nodes}" if nodes else "set trainer.devices"
+        count = "SLURM_NTASKS" if launcher == "SLURM" else "WORLD_SIZE"
+        launch = f"launch {per_node} processes on each of {num_nodes} node(s)"
+        if not nodes:
+            fix = f"set trainer.devices, or {launch}"
+        elif processes % nodes:  # no trainer.devices fits: Lightning runs as many processes on every node
+            fix = f"{processes} processes do not split evenly across {nodes} nodes, as training needs: {launch}"
+        else:
+            fix = f"set --trainer.devices={processes // nodes} --trainer.num_nodes={nodes}, or {launch}"
         raise DDTreeError(
             f"trainer.devices={devices} x trainer.num_nodes={num_nodes} = {per_node * num_nodes} processes, but "
-            f"{launcher} started {processes} (WORLD_SIZE={processes}){where}: {fix}, "
-            f"or launch {per_node} processes on each of {num_nodes} node(s)"
+            f"{launcher} started {processes} ({count}={processes}){where}: {fix}"
         )
 
 

@@ -616,6 +616,23 @@ def test_launch_check_accepts_matching_counts_and_unlaunched_runs(monkeypatch):
     assert [count_devices(d) for d in (2, "2", [0, 1, 2], "0,1", "auto", -1)] == [2, 2, 3, 2, None, None]
 
 
+def test_slurm_tasks_that_do_not_divide_across_nodes_are_told_to_change_the_launch(monkeypatch):
+    """10 tasks on 3 nodes fit no trainer.devices, yet the line advised --trainer.devices=3 --trainer.num_nodes=3, the
+    settings it had just refused, and called SLURM's task count WORLD_SIZE."""
+    slurm_env(monkeypatch, nodes=3, per_node=3)
+    monkeypatch.setenv("SLURM_NTASKS", "10")
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "10")
+    with pytest.raises(DDTreeError) as refused:
+        check_launch(3, 3)
+    assert str(refused.value) == (
+        "trainer.devices=3 x trainer.num_nodes=3 = 9 processes, but SLURM started 10 (SLURM_NTASKS=10) on 3 node(s): "
+        "10 processes do not split evenly across 3 nodes, as training needs: launch 3 processes on each of 3 node(s)")
+    monkeypatch.setenv("SLURM_NTASKS", "12")  # 4 a node: the settings that fit are named
+    with pytest.raises(DDTreeError, match=r"started 12 \(SLURM_NTASKS=12\) on 3 node\(s\): set --trainer.devices=4 "
+                                          r"--trainer.num_nodes=3, or launch 3 processes on each of 3 node\(s\)$"):
+        check_launch(3, 3)
+
+
 def test_several_nodes_without_a_launcher_stop_at_once_with_one_line(tmp_path, monkeypatch, capsys):
     """Nothing to join: Lightning waited for the other node until the process group timed out (30 minutes)."""
     for name in (*TORCHRUN_ENV, *SLURM_ENV, *NODE_SETTINGS):

@@ -387,9 +387,12 @@ class DistillDataModule(L.LightningDataModule):
     ):
         super().__init__()
         if not 0 <= val_fraction < 1:
-            raise DDTreeError(f"val_fraction must be in [0, 1), got {val_fraction}")
-        if max_length < 2 or batch_size < 1:
-            raise DDTreeError(f"max_length ({max_length}) must be >= 2 and batch_size ({batch_size}) >= 1")
+            raise DDTreeError(f"data.val_fraction={val_fraction}: give the share of the data held out for validation, "
+                              "at least 0 and below 1")
+        if max_length < 2:
+            raise DDTreeError(f"data.max_length={max_length}: give at least 2 tokens a sequence")
+        if batch_size < 1:
+            raise DDTreeError(f"data.batch_size={batch_size}: give at least 1 sequence a batch (on each process)")
         if store_max_minutes is not None and store_max_minutes <= 0:
             raise DDTreeError(f"data.store_max_minutes={store_max_minutes}: give a positive number of minutes, or null "
                               "for the whole store")

@@ -64,6 +64,19 @@ def test_datamodule_batches_are_right_padded_and_typed(tmp_path):
     assert not set(dm.train_set.indices) & set(dm.val_set.indices)
 
 
+@pytest.mark.parametrize("field, value, said", [
+    ("batch_size", 0, "data.batch_size=0: give at least 1 sequence a batch (on each process)"),
+    ("max_length", 1, "data.max_length=1: give at least 2 tokens a sequence"),
+    ("val_fraction", 1.0, "data.val_fraction=1.0: give the share of the data held out for validation, at least 0 and "
+                          "below 1"),
+])
+def test_a_bad_size_names_its_field(field, value, said):
+    """--data.batch_size=0 said "max_length (256) must be >= 2 and batch_size (0) >= 1", naming no field to change."""
+    with pytest.raises(DDTreeError) as refused:
+        DistillDataModule(target="tiny-random", data_path="unused.jsonl", **{field: value})
+    assert str(refused.value) == said
+
+
 def test_datamodule_caches_tokenization(tmp_path, monkeypatch):
     make_datamodule(tmp_path).prepare_data()
     import training.data as data_module

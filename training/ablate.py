@@ -138,14 +138,16 @@ def check_shared(recipe: Path, shared: list[tuple[str, list[str]]]) -> None:
     check_variant(recipe, overrides)  # its error names the field and the recipe, as training's own would
 
 
-def schedule_at_the_stop(max_steps: int) -> list[str]:
+def schedule_at_the_stop(max_steps: int, accumulate: int = 1) -> list[str]:
     """Overrides that leave a variant's evaluation, checkpoint and validation to where it stops: trainer.max_steps,
     or the clock (stops_here evaluates a max_time stop; Lightning validates when should_stop is set). An evaluation
     on the recipe's schedule would take its time from the variant's training, and more from a slower variant.
     A step count as val_check_interval needs check_val_every_n_epoch null, else Lightning refuses one past the
-    first epoch."""
-    last = max_steps if max_steps > 0 else NO_STEP_LIMIT
-    return [f"--eval.every_n_train_steps={last}", f"--trainer.val_check_interval={last}",
+    first epoch; Lightning counts it in batches, `accumulate` (trainer.accumulate_grad_batches) to an optimizer step."""
+    if max_steps <= 0:
+        return [f"--eval.every_n_train_steps={NO_STEP_LIMIT}", f"--trainer.val_check_interval={NO_STEP_LIMIT}",
+                "--trainer.check_val_every_n_epoch=null"]
+    return [f"--eval.every_n_train_steps={max_steps}", f"--trainer.val_check_interval={max_steps * accumulate}",
             "--trainer.check_val_every_n_epoch=null"]
 
 
@@ -371,7 +373,9 @@ def main(argv: list[str] | None = None) -> int:
                 config = check_variant(recipe_path(args.recipe), [*budget, *common, *overrides])
             except DDTreeError as error:
                 raise DDTreeError(f"--variant {name}: {error}") from None
-            schedules[name] = schedule_at_the_stop(config.trainer.max_steps) if args.steps is None else []
+            # --steps set the schedule for all; a variant accumulating batches validates at its last step only if
+            # its interval counts them (Lightning's val_check_interval is in batches)
+            schedules[name] = schedule_at_the_stop(config.trainer.max_steps, config.trainer.accumulate_grad_batches or 1)
 
     # For devices > 1 Lightning starts the other processes by re-running this command: they take the first one's stamp,
     # so each variant is one run folder, and leave the measuring and writing to it

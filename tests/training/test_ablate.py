@@ -175,6 +175,19 @@ def test_under_minutes_alone_a_variant_evaluates_and_validates_only_where_it_sto
     assert b[:2] == [f"--eval.every_n_train_steps={2**62}", f"--trainer.val_check_interval={2**62}"]  # the clock only
 
 
+def test_a_variant_that_accumulates_batches_validates_at_its_last_step_only(tmp_path, monkeypatch):
+    """Lightning counts val_check_interval in batches: --steps 4 set it to 4, so a variant accumulating 2 batches a
+    step validated at step 2 too, between evaluations, on its training time."""
+    import training.ablate
+
+    launched = []
+    monkeypatch.setattr(training.ablate, "train_main", lambda argv: launched.append(argv) or 2)
+    main(["--recipe", "tiny", "--steps", "4", "--output-root", str(tmp_path), "--variant", "a=",
+          "--variant", "b=--trainer.accumulate_grad_batches=2"])
+    last = [[arg for arg in argv if "val_check_interval" in arg][-1] for argv in launched]  # the last given wins
+    assert last == ["--trainer.val_check_interval=4", "--trainer.val_check_interval=8"]
+
+
 def test_default_variants_set_every_objective_and_distillation_knob():
     """A recipe's own objective or distillation (smollm2-135m trains dpace + kl32) must not leak into a variant
     named for another: each default variant sets all four knobs itself."""

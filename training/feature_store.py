@@ -124,6 +124,35 @@ def same_data_path(recorded: str | None, data_path: str) -> bool:
                                      and Path(recorded).expanduser().resolve() == Path(data_path).expanduser().resolve())
 
 
+def differing_fields(existing: dict, planned: dict, same_data: tuple[str, ...], fields) -> list[str]:
+    """The `fields` in which a store's manifest (`existing`, finished or not) names another build than `planned`.
+
+    Judged by content, as training judges a store (DistillDataModule.setup, DistillModule.check_feature_store): data
+    copied to another path is the same data where its tokenization key is one of `same_data` (the key names the
+    content, DistillDataModule.tokenization_keys), and a target or adapter copied elsewhere (a node's local disk) is
+    the same one where their recorded fingerprints match. A store that recorded no target_weights (built before they
+    were) is taken as the same target's, as it was then."""
+    def same(key: str) -> bool:
+        recorded, wanted = existing.get(key), planned.get(key)
+        if recorded == wanted:
+            return True
+        if key == "tokenization_key":
+            return recorded in same_data
+        if key == "data_path":
+            return existing.get("tokenization_key") in same_data or same_data_path(recorded, wanted)
+        if key == "target_weights":
+            return recorded is None
+        if key == "target":
+            weights = planned.get("target_weights")
+            return weights is not None and existing.get("target_weights") == weights
+        if key == "target_adapter":
+            adapter = planned.get("target_adapter_sha256")
+            return adapter is not None and existing.get("target_adapter_sha256") == adapter
+        return False
+
+    return sorted(key for key in fields if not same(key))
+
+
 def is_complete(path: str | Path) -> bool:
     """A finished store: its manifest exists only once the whole folder has been renamed into place."""
     return (Path(path) / MANIFEST).is_file()
@@ -447,11 +476,8 @@ def build_feature_store(
     if is_complete(out) and not force:
         existing = read_manifest(out / MANIFEST)
         # The same build whatever share of the data it holds (the tokenization key names the data and its lengths).
-        # (A store built before target_weights was recorded is taken as the same target's, as it was then.)
-        differing = sorted(key for key in manifest if key not in COVERAGE_FIELDS and existing.get(key) != manifest[key]
-                           and not (key == "target_weights" and existing[key] is None)
-                           and not (key == "data_path" and same_data_path(existing[key], manifest[key]))
-                           and not (key == "tokenization_key" and existing[key] in same_data))
+        fields = [key for key in manifest if key not in COVERAGE_FIELDS]
+        differing = differing_fields(existing, manifest, same_data, fields)
         if not differing:
             print(f"[features] {out} already holds these features ({coverage(existing)}); nothing to do", flush=True)
             return out
@@ -466,13 +492,11 @@ def build_feature_store(
             previous_manifest = read_manifest(previous) if previous.is_file() else {}
         except DDTreeError:  # unreadable: an unfinished build of unknown settings, started over below
             previous_manifest = {}
-        if previous_manifest.get("target_weights", "") is None:  # an unfinished build from before it was recorded
-            previous_manifest["target_weights"] = manifest["target_weights"]
-        if same_data_path(previous_manifest.get("data_path"), manifest["data_path"]):  # spelled otherwise
-            previous_manifest["data_path"] = manifest["data_path"]
-        if previous_manifest.get("tokenization_key") in same_data:  # the same data, keyed as before 2026-12-03
-            previous_manifest["tokenization_key"] = manifest["tokenization_key"]
-        if previous_manifest == {**OPTIONAL_MANIFEST_FIELDS, **manifest}:  # read_manifest fills the optional fields in
+        planned = {**OPTIONAL_MANIFEST_FIELDS, **manifest}  # read_manifest fills the optional fields in
+        # Resumed only where the same shards are planned: every field the same, coverage too, or of the same content
+        # (data, target or adapter at another path: a preempted build rescheduled on a node with its own copies).
+        fields = planned.keys() | previous_manifest.keys()
+        if previous_manifest and not differing_fields(previous_manifest, planned, same_data, fields):
             done = finished_shards(partial, manifest["shards"], width)
         elif previous_manifest.get("dtype") not in (None, manifest["dtype"]) and not force:
             # The precision can change without the user asking (trainer.precision: auto on another machine):

@@ -948,6 +948,42 @@ def test_a_store_serves_its_data_and_target_copied_to_another_place(tmp_path):
     assert "built from other data" in one_line(error.value)
 
 
+def test_a_build_from_data_target_and_adapter_copied_elsewhere_is_the_same_build(tmp_path, monkeypatch, capsys):
+    """A build rescheduled on a node with its own copies of the data, the target and the adapter (other paths, the
+    same files) resumes after the finished shards, and takes a finished store as done, as training takes it. The build
+    compared the paths: it said "starting over" and deleted the finished shards, and refused the finished store as
+    another build (whose --force rebuilt it)."""
+    from peft import LoraConfig, get_peft_model
+
+    from ddtree.targets import tiny_target_folder
+
+    target, adapter, node = tmp_path / "target", tmp_path / "adapter", tmp_path / "node"
+    shutil.copytree(tiny_target_folder(), target)
+    torch.manual_seed(0)
+    base, _ = load_target(str(target))
+    get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False)).save_pretrained(adapter)
+    settings = dict(layer_ids=LAYER_IDS, max_shard_bytes=shard_bytes(3))
+    original = make_datamodule(tmp_path, target=str(target))
+    store = build_feature_store(original, tmp_path / "store", target_adapter=str(adapter), **settings)
+    node.mkdir()
+    shutil.copy(tmp_path / "conversations.jsonl", node / "conversations.jsonl")
+    shutil.copytree(target, node / "target")
+    shutil.copytree(adapter, node / "adapter")
+    copied = make_datamodule(tmp_path, data_path=str(node / "conversations.jsonl"), target=str(node / "target"))
+    capsys.readouterr()
+    assert build_feature_store(copied, store, target_adapter=str(node / "adapter"), **settings) == store
+    assert "already holds these features" in capsys.readouterr().out
+
+    resumed = tmp_path / "resumed"
+    interrupted_build(monkeypatch, original, resumed, target_adapter=str(adapter), **settings)
+    first_shard = os.stat(partial_path(resumed) / "shard-00000.safetensors").st_ino
+    build_feature_store(copied, resumed, target_adapter=str(node / "adapter"), **settings)
+    assert "starting over" not in capsys.readouterr().out
+    assert os.stat(resumed / "shard-00000.safetensors").st_ino == first_shard  # kept, not computed again
+    for shard in FeatureStore(resumed).shards:
+        assert (resumed / shard["file"]).read_bytes() == (store / shard["file"]).read_bytes(), shard["file"]
+
+
 def test_a_store_keyed_as_before_content_keys_still_serves(tmp_path, monkeypatch):
     """A store built when the key named the data by path and mtimes (before 2026-12-03), under that key's folder,
     is found by `auto` and accepted where the data has not moved: it took hours to build on a large target. So is an

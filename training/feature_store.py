@@ -391,6 +391,30 @@ def shard_tensors(target, data: TokenizedConversations, sequences: list[int], la
             **({"teacher_ids": teacher[0], "teacher_log_probs": teacher[1]} if teacher else {})}
 
 
+def target_text_config(target: str):
+    """The target's text config (its decoder's, for a multimodal target): layer count, hidden size, vocabulary."""
+    return AutoConfig.from_pretrained(resolve_target(target)).get_text_config()
+
+
+def build_identity(datamodule: DistillDataModule, text_config, layer_ids: list[int] | None, target_adapter: str | None,
+                   dtype: torch.dtype) -> dict:
+    """The manifest fields that say which features a build writes: the target (its weights, adapter), the layers,
+    the dtype and the tokenized data; not what else it keeps for distillation, nor the share of the data it holds.
+    A store whose manifest matches them (differing_fields) holds the features this build would write."""
+    layer_ids = list(layer_ids or default_layer_ids(text_config.num_hidden_layers, datamodule.target))
+    return {
+        "format_version": FORMAT_VERSION, "target": datamodule.target, "target_adapter": target_adapter,
+        **({"target_adapter_sha256": adapter_fingerprint(target_adapter)} if target_adapter else {}),
+        "target_weights": target_fingerprint(datamodule.target),
+        "target_layer_ids": layer_ids, "hidden_size": text_config.hidden_size,
+        "dtype": str(dtype).removeprefix("torch."), "data_path": datamodule.data_path,
+        "tokenization_key": datamodule.tokenization_key(),
+        # The target's last layer is stored as decoding reads it, the decoder's normed output (training/target.py);
+        # stores without this key that hold it were built raw and are refused (DistillModule.check_feature_store).
+        **({"last_layer": "normed"} if text_config.num_hidden_layers - 1 in layer_ids else {}),
+    }
+
+
 def finished_shards(partial: Path, shards: list[dict], width: int) -> set[str]:
     """Shards a previous run of the same build completed (renamed into place, readable, with the planned shape); an
     unreadable one (a build killed before its bytes reached the disk, written before shards were synced) is redone."""
@@ -440,12 +464,13 @@ def build_feature_store(
         raise DDTreeError(f"cannot write the feature store {out}: {blocker} is a file, not a folder; give --out "
                           "(data.feature_store) in a writable folder")
     started = time.monotonic()
-    data, pad_id, tokenization_key = datamodule.load_tokenized()
+    data, pad_id, _ = datamodule.load_tokenized()
     # Time-boxed: in the data's split order, validation first (those `keep` are built whatever the box).
     order, keep = datamodule.split_order(len(data)) if max_seconds is not None else (None, 0)
-    text_config = AutoConfig.from_pretrained(resolve_target(datamodule.target)).get_text_config()
+    text_config = target_text_config(datamodule.target)
+    identity = build_identity(datamodule, text_config, layer_ids, target_adapter, dtype)
     num_layers, hidden_size = text_config.num_hidden_layers, text_config.hidden_size
-    layer_ids = list(layer_ids or default_layer_ids(num_layers, datamodule.target))
+    layer_ids = identity["target_layer_ids"]
     if not all(0 <= i < num_layers for i in layer_ids) or len(set(layer_ids)) < len(layer_ids):
         raise DDTreeError(f"model.target_layer_ids {layer_ids} must be distinct and within 0..{num_layers - 1} "
                           f"(target {datamodule.target} has {num_layers} layers)")
@@ -458,16 +483,9 @@ def build_feature_store(
     row_width = width + (hidden_size if final_hidden else 0)  # values stored per token in `dtype`
     teacher_bytes = 8 * teacher_top_k  # per token: int32 ids and float32 log-probabilities
     manifest = {
-        "format_version": FORMAT_VERSION, "target": datamodule.target, "target_adapter": target_adapter,
-        **({"target_adapter_sha256": adapter_fingerprint(target_adapter)} if target_adapter else {}),
-        "target_weights": target_fingerprint(datamodule.target),
-        "target_layer_ids": layer_ids, "hidden_size": hidden_size, "dtype": str(dtype).removeprefix("torch."),
-        "data_path": datamodule.data_path, "tokenization_key": tokenization_key,
+        **identity,
         "num_sequences": len(lengths), "total_tokens": sum(lengths),
         "final_hidden": final_hidden, "teacher_top_k": teacher_top_k,
-        # The target's last layer is stored as decoding reads it, the decoder's normed output (training/target.py);
-        # stores without this key that hold it were built raw and are refused (DistillModule.check_feature_store).
-        **({"last_layer": "normed"} if num_layers - 1 in layer_ids else {}),
         "shards": plan_shards(lengths, row_width * itemsize + teacher_bytes, max_shard_bytes),
         **({"sequence_ids": order} if order is not None else {}),
         "lengths": lengths,  # last: the long list, below what a reader looks for
@@ -635,12 +653,14 @@ def default_store_path(recipe: str, datamodule: DistillDataModule, final_hidden:
 
 
 def resolve_store_path(feature_store: str | None, recipe: str, datamodule: DistillDataModule,
-                       final_hidden: bool = False, teacher_top_k: int = 0) -> Path | None:
+                       final_hidden: bool = False, teacher_top_k: int = 0, *, layer_ids: list[int] | None = None,
+                       target_adapter: str | None = None, dtype: torch.dtype = torch.bfloat16) -> Path | None:
     """data.feature_store as a folder: None stays None (online features), "auto" is the recipe's default folder.
 
     A run that needs no final hidden states (nor a teacher) also takes a recipe's store that has them, when that
-    one is built and the smaller one is not: the features are the same, and nothing is built twice. Of several,
-    the one with final hidden states, else the smallest top-k teacher's.
+    one is built and the smaller one is not, and holds the features this run's build would write (layer_ids,
+    target_adapter and dtype as build_feature_store takes them; the target and data are the datamodule's): nothing is
+    built twice. Of several, the one with final hidden states, else the smallest top-k teacher's.
     """
     if not feature_store:
         return None
@@ -653,4 +673,20 @@ def resolve_store_path(feature_store: str | None, recipe: str, datamodule: Disti
     sizes = sorted(int(k) for k in (path.name[len(prefix):] for path in store.parent.glob(f"{prefix}*")) if k.isdigit())
     richer = [default_store_path(recipe, datamodule, final_hidden=True),
               *(default_store_path(recipe, datamodule, teacher_top_k=k) for k in sizes)]
-    return next((path for path in richer if is_complete(path)), store)
+    built = [path for path in richer if is_complete(path)]
+    if not built:
+        return store
+    # One built for other layers, another target or adapter, or in another dtype holds other features: a run would
+    # stop on it (check_feature_store), and `make features` would take it as this build done.
+    identity = build_identity(datamodule, target_text_config(datamodule.target), layer_ids, target_adapter, dtype)
+    return next((path for path in built if holds_features(path, identity, datamodule.tokenization_keys())), store)
+
+
+def holds_features(store: Path, identity: dict, same_data: tuple[str, ...]) -> bool:
+    """Whether a finished store holds the features of a build of this identity (build_identity); an unreadable
+    manifest holds none."""
+    try:
+        manifest = read_manifest(store / MANIFEST)
+    except DDTreeError:
+        return False
+    return not differing_fields(manifest, identity, same_data, identity.keys())

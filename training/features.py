@@ -45,9 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     prepare_recipe_data(datamodule, args.recipe)
     # distillation reads the target's final hidden states, or its top k, too
     final_hidden, teacher_top_k = store_teacher(config.model.distill_weight, config.model.distill_top_k)
+    features = dict(layer_ids=drafter_layer_ids(config.model.target_layer_ids, config.model.init_from),
+                    target_adapter=config.model.target_adapter, dtype=dtype)  # what the store's features are
     own = default_store_path(args.recipe, datamodule, final_hidden, teacher_top_k)
-    out = Path(args.out or resolve_store_path(config.data.feature_store, args.recipe, datamodule, final_hidden, teacher_top_k)
-               or own)
+    out = Path(args.out or resolve_store_path(config.data.feature_store, args.recipe, datamodule, final_hidden,
+                                              teacher_top_k, **features) or own)
     if args.out is None and config.data.feature_store == AUTO_STORE and out != own:
         # A richer store of the recipe (final hidden states, a teacher) that training reads for this build too: it is
         # never the place to build this one, which --force would have replaced it with.
@@ -57,11 +59,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         out = own
     print(f"[features] recipe {args.recipe} -> {out}", flush=True)
-    build_feature_store(
-        datamodule, out, layer_ids=drafter_layer_ids(config.model.target_layer_ids, config.model.init_from),
-        target_adapter=config.model.target_adapter, dtype=dtype, force=args.force, final_hidden=final_hidden,
-        teacher_top_k=teacher_top_k, max_seconds=store_seconds(datamodule),
-    )
+    build_feature_store(datamodule, out, **features, force=args.force, final_hidden=final_hidden,
+                        teacher_top_k=teacher_top_k, max_seconds=store_seconds(datamodule))
     return 0
 
 

@@ -123,11 +123,15 @@ def build_missing_feature_store(cli: DistillCLI, recipe: str) -> None:
     Only a single-process run builds it: the processes of a larger launch would each start the
     same build, so they stop and ask for `make features` first.
     """
+    if not cli.datamodule.feature_store:  # online features
+        return
     hp = cli.model.hparams
     final_hidden, teacher_top_k = store_teacher(hp.distill_weight, hp.distill_top_k)  # distillation's soft targets
-    store = resolve_store_path(cli.datamodule.feature_store, recipe, cli.datamodule, final_hidden, teacher_top_k)
-    if store is None:
-        return
+    # The store is written in the dtype the target runs in during training: the same rule as DistillModule.
+    features = dict(layer_ids=drafter_layer_ids(hp.target_layer_ids, hp.init_from), target_adapter=hp.target_adapter,
+                    dtype=dtype_for_precision(cli.config.trainer.precision, hp.target_dtype))
+    store = resolve_store_path(cli.datamodule.feature_store, recipe, cli.datamodule, final_hidden, teacher_top_k,
+                               **features)
     cli.datamodule.feature_store = str(store)  # "auto" resolved; config.yaml keeps "auto", so a resume resolves it again
     if is_complete(store):
         return
@@ -137,10 +141,7 @@ def build_missing_feature_store(cli: DistillCLI, recipe: str) -> None:
     for callback in cli.trainer.callbacks:  # a target the evaluation refuses stops here, not after the store's build
         if isinstance(callback, AcceptanceEvaluation):
             callback.check_target(hp.target)
-    # The store is written in the dtype the target runs in during training: the same rule as DistillModule.
-    dtype = dtype_for_precision(cli.config.trainer.precision, hp.target_dtype)
-    build_feature_store(cli.datamodule, Path(store), layer_ids=drafter_layer_ids(hp.target_layer_ids, hp.init_from),
-                        target_adapter=hp.target_adapter, dtype=dtype, final_hidden=final_hidden,
+    build_feature_store(cli.datamodule, Path(store), **features, final_hidden=final_hidden,
                         teacher_top_k=teacher_top_k, max_seconds=store_seconds(cli.datamodule))
 
 

@@ -856,30 +856,58 @@ def test_a_store_built_before_its_local_target_was_saved_over_is_refused(tmp_pat
 def test_a_run_without_distillation_takes_a_built_store_that_holds_more(tmp_path, monkeypatch):
     """The plain store missing, `auto` takes the recipe's store with final hidden states, else the smallest top-k
     teacher's: the same features, nothing built twice. A distilling run keeps its own folder."""
-    from training.feature_store import MANIFEST, resolve_store_path
+    from training.feature_store import MANIFEST, build_identity, resolve_store_path, target_text_config
 
     monkeypatch.setattr(training.feature_store, "cache_dir", lambda: tmp_path)
-    datamodule = type("Data", (), {"tokenization_keys": lambda self: ("key", "old-key")})()
-    folder = tmp_path / "features"
+    datamodule = make_datamodule(tmp_path)
+    key, folder = datamodule.tokenization_key(), tmp_path / "features"
+    identity = build_identity(datamodule, target_text_config("tiny-random"), LAYER_IDS, None, torch.bfloat16)
 
     def built(name):
         (folder / name).mkdir(parents=True)
-        (folder / name / MANIFEST).write_text("{}")
+        (folder / name / MANIFEST).write_text(json.dumps({**identity, "shards": [], "lengths": []}))
 
     def resolved(**teacher):
-        return resolve_store_path("auto", "tiny", datamodule, **teacher).name
+        return resolve_store_path("auto", "tiny", datamodule, **teacher, layer_ids=LAYER_IDS).name
 
-    assert resolved() == "tiny-key"  # nothing built: the plain store is what gets built
-    (folder / "tiny-key-top16").mkdir(parents=True)  # unfinished (no manifest): not taken
-    built("tiny-key-top64")
-    built("tiny-key-top32")
-    assert resolved() == "tiny-key-top32"
-    assert resolved(teacher_top_k=64) == "tiny-key-top64" and resolved(teacher_top_k=8) == "tiny-key-top8"
-    built("tiny-key-final")
-    assert resolved() == "tiny-key-final" and resolved(final_hidden=True) == "tiny-key-final"
-    built("tiny-key")
-    assert resolved() == "tiny-key"
+    assert resolved() == f"tiny-{key}"  # nothing built: the plain store is what gets built
+    (folder / f"tiny-{key}-top16").mkdir(parents=True)  # unfinished (no manifest): not taken
+    built(f"tiny-{key}-top64")
+    built(f"tiny-{key}-top32")
+    assert resolved() == f"tiny-{key}-top32"
+    assert resolved(teacher_top_k=64) == f"tiny-{key}-top64" and resolved(teacher_top_k=8) == f"tiny-{key}-top8"
+    built(f"tiny-{key}-final")
+    assert resolved() == f"tiny-{key}-final" and resolved(final_hidden=True) == f"tiny-{key}-final"
+    built(f"tiny-{key}")
+    assert resolved() == f"tiny-{key}"
     assert resolve_store_path(None, "tiny", datamodule) is None
+
+
+def test_a_richer_store_of_other_features_does_not_stand_in_for_the_runs_own(tmp_path, monkeypatch, capsys):
+    """`make features` with `auto` said a built -final store of other layers "already holds these features" and built
+    nothing; training then read it and stopped at the fit on its layers. A richer store stands in for the plain one
+    only where it holds the features this run's build would write: its layers, target, adapter, dtype and data."""
+    from training.feature_store import resolve_store_path
+
+    monkeypatch.setattr(training.feature_store, "cache_dir", lambda: tmp_path / "ddtree-cache")
+    data = write_conversations(tmp_path / "conversations.jsonl")
+    features = ["--recipe", "tiny", f"--data.data_path={data}", f"--data.cache_dir={tmp_path / 'cache'}",
+                "--data.feature_store=auto", "--data.max_length=128"]
+    assert main([*features, "--model.distill_weight=0.5"]) == 0  # the recipe's -final store, of layers [1, 3, 4]
+    capsys.readouterr()
+    assert main([*features, "--model.target_layer_ids=[0,2]"]) == 0
+    assert "nothing to do" not in capsys.readouterr().out
+    datamodule = DistillDataModule(target="tiny-random", data_path=str(data), max_length=128,
+                                   cache_dir=str(tmp_path / "cache"))
+    plain = tmp_path / "ddtree-cache" / "features" / f"tiny-{datamodule.tokenization_key()}"
+    final = FeatureStore(plain.with_name(plain.name + "-final"))
+    assert FeatureStore(plain).layer_ids == [0, 2] and final.layer_ids == [1, 3, 4]
+
+    shutil.rmtree(plain)
+    other_dtype = torch.float32 if final.dtype == torch.bfloat16 else torch.bfloat16
+    assert resolve_store_path("auto", "tiny", datamodule, layer_ids=[1, 3, 4], dtype=final.dtype) == final.path
+    assert resolve_store_path("auto", "tiny", datamodule, layer_ids=[0, 2], dtype=final.dtype) == plain
+    assert resolve_store_path("auto", "tiny", datamodule, layer_ids=[1, 3, 4], dtype=other_dtype) == plain
 
 
 @pytest.mark.parametrize("family", ["gpt2", "gptj", "codegen"])

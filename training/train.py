@@ -40,6 +40,8 @@ import itertools
 import json
 import logging
 import os
+import re
+import shlex
 import shutil
 import signal
 import sys
@@ -117,11 +119,31 @@ def build_cli(config: Path, run_dir: Path, overrides: list[str]) -> DistillCLI:
     return cli
 
 
-def build_missing_feature_store(cli: DistillCLI, recipe: str) -> None:
+def store_overrides(overrides: list[str]) -> list[str]:
+    """The launch's overrides that say which store `make features` builds: model.* and data.* (layers, distillation,
+    data, max_length, ...) and trainer.precision (its dtype), each with its value, given as --x=v or as --x v."""
+    kept = []
+    for i, item in enumerate(overrides):
+        name = item.split("=", 1)[0]
+        if name.startswith(("--model.", "--data.")) or name == "--trainer.precision":
+            kept.append(item)
+            if "=" not in item and i + 1 < len(overrides) and not overrides[i + 1].startswith("--"):
+                kept.append(overrides[i + 1])
+    return kept
+
+
+def make_words(words: list[str]) -> str:
+    """`words` as a make variable's value on a shell command line (ARGS="..."): each quoted for the shell make's
+    recipe runs them in, the whole in double quotes for the shell running make, $ doubled for make itself."""
+    value = shlex.join(words).replace("$", "$$")
+    return '"' + re.sub(r'([\\"$`])', r"\\\1", value) + '"'
+
+
+def build_missing_feature_store(cli: DistillCLI, recipe: str, overrides: list[str]) -> None:
     """Build data.feature_store before fitting when it names a store that does not exist yet.
 
     Only a single-process run builds it: the processes of a larger launch would each start the
-    same build, so they stop and ask for `make features` first.
+    same build, so they stop and ask for `make features` first, with the launch's overrides that shape the store.
     """
     if not cli.datamodule.feature_store:  # online features
         return
@@ -136,8 +158,11 @@ def build_missing_feature_store(cli: DistillCLI, recipe: str) -> None:
     if is_complete(store):
         return
     if cli.trainer.world_size > 1:
+        shaping = store_overrides(overrides)
+        build = (f"make features RECIPE={shlex.quote(recipe)} OUT={shlex.quote(str(store))}"
+                 + (f" ARGS={make_words(shaping)}" if shaping else ""))
         raise DDTreeError(f"data.feature_store {store} is not built and this launch runs {cli.trainer.world_size} "
-                          f"processes: build it first with `make features RECIPE={recipe} OUT={store}`")
+                          f"processes: build it first with `{build}`")
     for callback in cli.trainer.callbacks:  # a target the evaluation refuses stops here, not after the store's build
         if isinstance(callback, AcceptanceEvaluation):
             callback.check_target(hp.target)
@@ -421,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
                               "trainer.strategy override), or export it (make export) and start a new run from the "
                               "drafter with model.init_from")
         prepare_recipe_data(cli.datamodule, args.recipe, cli.trainer.world_size)
-        build_missing_feature_store(cli, args.recipe)
+        build_missing_feature_store(cli, args.recipe, overrides)
         config_text = cli.parser.dump(cli.config, skip_none=False)
         if checkpoint:  # in this order: a refused resume leaves config.yaml as it was
             config_writer = WriteConfigOnStart(run_dir / "config.yaml", config_text)

@@ -10,8 +10,10 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shlex
 import shutil
 import stat
+import subprocess
 from pathlib import Path
 
 import lightning as L
@@ -744,6 +746,34 @@ def test_train_builds_a_missing_store_in_a_single_process_and_refuses_in_many(tm
     assert train_main([*common, "--run", "one"]) == 0
     assert FeatureStore(store).layer_ids == [1, 3, 4]
     assert (tmp_path / "out" / "tiny" / "one" / "drafter" / "config.json").exists()
+
+
+def test_the_command_a_multi_process_launch_gives_builds_the_store_it_reads(tmp_path, capsys):
+    """The line said `make features RECIPE=tiny OUT=<store>` without the launch's overrides: run as printed, it built
+    the recipe's layers [1, 3, 4], which the same launch then refused (it reads [0, 2]). The command is run here as
+    make would run it (`make -n`, then in this process), a value with spaces in it."""
+    data = write_conversations(tmp_path / "conversations.jsonl")
+    store = tmp_path / "store"
+    launch = ["--recipe", "tiny", "--output-root", str(tmp_path / "out"), f"--data.data_path={data}",
+              f"--data.cache_dir={tmp_path / 'cache'}", f"--data.feature_store={store}", "--data.max_length", "128",
+              "--model.target_layer_ids=[0, 2]", "--trainer.max_steps=1", "--trainer.devices=2", "--trainer.strategy=ddp"]
+    assert train_main(launch) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--trainer.max_steps" not in err, err
+    command = shlex.split(err.split("`")[1])
+    assert command[:2] == ["make", "features"], command
+    make_env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
+    planned = subprocess.run(["make", "-n", "--no-print-directory", *command[1:]], cwd=Path(__file__).parents[2],
+                             env=make_env, capture_output=True, text=True)
+    assert planned.returncode == 0, planned.stderr
+    argv = shlex.split(planned.stdout.strip().splitlines()[-1])
+    assert argv[1:3] == ["-m", "training.features"], argv
+    assert main(argv[3:]) == 0
+    built = FeatureStore(store)
+    assert built.layer_ids == [0, 2]
+    tiny_module(target_layer_ids=[0, 2], mask_token_id=16).check_feature_store(built)  # what the launch reads
+    DistillDataModule(target="tiny-random", data_path=str(data), max_length=128, cache_dir=str(tmp_path / "cache"),
+                      feature_store=str(store)).setup("fit")  # its data, at max_length 128 (the recipe's otherwise)
 
 
 def test_auto_store_is_the_recipes_cache_folder_built_on_first_use(tmp_path, monkeypatch):

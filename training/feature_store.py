@@ -52,8 +52,10 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -69,8 +71,7 @@ from ddtree.drafters import read_drafter_config
 from ddtree.errors import DDTreeError
 from ddtree.files import file_in_the_way, follow_umask, unwritable_as_error, write_json_atomic
 from ddtree.precision import LIGHTNING_PRECISION
-from ddtree.targets import (BUILTIN_TARGETS, TINY_TARGET, cache_dir, default_layer_ids, is_disk_full, parse_dtype,
-                            resolve_target)
+from ddtree.targets import BUILTIN_TARGETS, TINY_TARGET, cache_dir, default_layer_ids, parse_dtype, resolve_target
 
 from .loss import next_token_top_k
 from .masks import IGNORE_INDEX
@@ -436,6 +437,38 @@ def free_bytes(path: Path) -> int:
     return shutil.disk_usage(existing).free
 
 
+def write_failure(error: OSError | SafetensorError) -> str | None:
+    """What went wrong in a failed write, in the OS's words; None for a SafetensorError that is no I/O error (a bug).
+
+    safetensors raises its own type with the OS error in its text: "... I/O error: Disk quota exceeded (os error
+    122)"."""
+    if isinstance(error, OSError):
+        return error.strerror or str(error)
+    code = re.search(r"\(os error (\d+)\)", str(error))
+    if code:
+        return os.strerror(int(code.group(1)))
+    io_error = re.search(r"I/O error: (.+)", str(error))
+    return io_error.group(1) if io_error else None
+
+
+@contextmanager
+def write_failure_as_error(path: Path, staging: Path | None = None):
+    """A write into a build's <out>.partial/ that fails (a disk filled by another job since the size check, a quota
+    reached) as one line, its staging file removed; the finished shards stay, and a rerun resumes after them."""
+    try:
+        yield
+    except (OSError, SafetensorError) as error:
+        if staging is not None:
+            staging.unlink(missing_ok=True)
+        reason = write_failure(error)
+        if reason is None:
+            raise
+        space = "space within your disk quota" if reason == os.strerror(errno.EDQUOT) else "space"  # (the disk's free)
+        raise DDTreeError(f"writing {path} failed ({reason}; {format_bytes(free_bytes(path.parent))} free): free some "
+                          f"{space} or give another --out, then run the build again: it resumes after the finished "
+                          "shards") from None
+
+
 def build_feature_store(
     datamodule: DistillDataModule,
     out: str | Path,
@@ -544,7 +577,8 @@ def build_feature_store(
         partial.mkdir(parents=True, exist_ok=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target, _ = load_frozen_target(datamodule.target, dtype, target_adapter, device=device)
-    write_json_atomic(partial / MANIFEST, manifest)
+    with write_failure_as_error(partial / MANIFEST):
+        write_json_atomic(partial / MANIFEST, manifest)
     # The time box's clock: seconds spent up to the last finished shard, and the tokens and seconds of the shards
     # computed, for the speed; a resumed build goes on from its interrupted run's figures rather than a fresh box.
     clock = json.loads((partial / BOX_CLOCK).read_text()) if done and (partial / BOX_CLOCK).is_file() else {}
@@ -576,31 +610,25 @@ def build_feature_store(
             # whole shard serialized in memory first. It creates the file 0600 whatever the umask, so the
             # mode is set as open() would have (a store on shared storage is read by other processes).
             staging = partial / f".{shard['file']}.tmp"
-            try:
+            with write_failure_as_error(partial / shard["file"], staging):
                 save_file(tensors, str(staging))
                 follow_umask(staging)
                 with staging.open("rb") as handle:  # on disk before the rename names it finished (a power cut)
                     os.fsync(handle.fileno())
                 os.replace(staging, partial / shard["file"])  # only a complete shard ever has its final name
-            except (OSError, SafetensorError) as error:  # a disk filled by another job since the size check: one
-                staging.unlink(missing_ok=True)          # line, no stray file (safetensors raises its own type)
-                if not isinstance(error, OSError) and not is_disk_full(error):
-                    raise
-                reason = os.strerror(errno.ENOSPC) if is_disk_full(error) else error.strerror or error
-                raise DDTreeError(f"writing {partial / shard['file']} failed ({reason}; "
-                                  f"{format_bytes(free_bytes(partial))} free): free some space or give another --out, "
-                                  "then run the build again: it resumes after the finished shards") from None
             done.add(shard["file"])
             computed, computing = computed + shard["num_tokens"], computing + time.monotonic() - shard_started
             if max_seconds is not None:
-                write_json_atomic(partial / BOX_CLOCK, {"seconds": spent_before + time.monotonic() - started,
-                                                        "computed_tokens": computed, "computing_seconds": computing})
+                with write_failure_as_error(partial / BOX_CLOCK):
+                    write_json_atomic(partial / BOX_CLOCK, {"seconds": spent_before + time.monotonic() - started,
+                                                            "computed_tokens": computed, "computing_seconds": computing})
 
-    (partial / BOX_CLOCK).unlink(missing_ok=True)
     boxed = len(done) < len(manifest["shards"])
     if boxed:  # the time box ended it: the store holds the finished shards
         manifest = {**manifest, "shards": [shard for shard in manifest["shards"] if shard["file"] in done]}
-        write_json_atomic(partial / MANIFEST, manifest)
+        with write_failure_as_error(partial / MANIFEST):
+            write_json_atomic(partial / MANIFEST, manifest)
+    (partial / BOX_CLOCK).unlink(missing_ok=True)  # (after: a rerun of a build stopped above resumes on its clock)
     if out.exists():  # --force: the old store goes only now that the new one is complete
         replaced = out.with_name(f".{out.name}.replaced")
         shutil.rmtree(replaced, ignore_errors=True)

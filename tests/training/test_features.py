@@ -460,6 +460,9 @@ def test_a_damaged_shard_is_computed_again_on_resume_and_named_at_open(tmp_path,
     OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)),
     # what safetensors' save_file raises on a full disk (a 2 MiB tmpfs filled by another job): not an OSError
     SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"),
+    # and on a full quota (a shared cluster's): it was re-raised, a traceback
+    SafetensorError("Error while serializing: I/O error: Disk quota exceeded (os error 122)"),
+    OSError(errno.EDQUOT, os.strerror(errno.EDQUOT)),
 ])
 def test_a_disk_that_fills_during_the_build_is_one_line_and_leaves_no_stray_file(tmp_path, monkeypatch, full):
     dm = make_datamodule(tmp_path)
@@ -477,8 +480,55 @@ def test_a_disk_that_fills_during_the_build_is_one_line_and_leaves_no_stray_file
     out = tmp_path / "store"
     with pytest.raises(DDTreeError) as refused:
         build_feature_store(dm, out, **settings)
-    assert "No space left on device" in one_line(refused.value) and "resumes" in str(refused.value)
+    said = os.strerror(errno.EDQUOT if "122" in str(full) or getattr(full, "errno", None) == errno.EDQUOT
+                       else errno.ENOSPC)
+    assert f"store.partial/shard-00001.safetensors failed ({said};" in one_line(refused.value)
+    assert "resumes" in str(refused.value)
+    assert ("within your disk quota" in str(refused.value)) == (said == os.strerror(errno.EDQUOT))
     assert sorted(p.name for p in partial_path(out).iterdir()) == ["shard-00000.safetensors", "store.json"]
+
+
+def test_a_safetensors_error_that_is_no_write_failure_keeps_its_traceback(tmp_path, monkeypatch):
+    """Only the OS's write errors are the user's to fix (space, a quota): anything else safetensors raises is a bug."""
+    def refuse(tensors, filename):
+        raise SafetensorError("invalid tensor layout")
+
+    monkeypatch.setattr(training.feature_store, "save_file", refuse)
+    with pytest.raises(SafetensorError):
+        build_feature_store(make_datamodule(tmp_path), tmp_path / "store", layer_ids=LAYER_IDS)
+
+
+@pytest.mark.parametrize("failing", [".time_box.json", "store.json"])
+def test_a_full_disk_at_the_box_clock_or_the_boxed_manifest_is_one_line_and_the_build_resumes(tmp_path, monkeypatch,
+                                                                                             failing):
+    """The time box's clock, written after each shard, and the manifest a boxed build rewrites at its end were written
+    outside the handler: a raw OSError traceback. The finished shards stay, and a rerun resumes after them (on the
+    clock it had, where the manifest failed)."""
+    dm = make_datamodule(tmp_path)
+    settings = dict(layer_ids=LAYER_IDS, max_shard_bytes=shard_bytes(3))
+    real_write, writes = training.feature_store.write_json_atomic, []
+
+    def write_until_full(path, payload):
+        writes.append(Path(path).name)
+        if Path(path).name == failing and (failing != "store.json" or writes.count("store.json") == 2):  # boxed end
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        real_write(path, payload)
+
+    monkeypatch.setattr(training.feature_store, "write_json_atomic", write_until_full)
+    out = tmp_path / "store"
+    with pytest.raises(DDTreeError) as refused:
+        boxed_build(monkeypatch, dm, out, 10.0, 25.0, **settings)
+    assert f"store.partial/{failing} failed (No space left on device;" in one_line(refused.value)
+    left = sorted(p.name for p in partial_path(out).iterdir())
+    shards = {path.name: path.stat().st_ino for path in partial_path(out).glob("shard-*")}
+    if failing == "store.json":  # every shard the box allowed, and its clock
+        assert left == [".time_box.json", "shard-00000.safetensors", "shard-00001.safetensors", "store.json"]
+    else:
+        assert left == ["shard-00000.safetensors", "store.json"]
+    store = FeatureStore(boxed_build(monkeypatch, dm, out, 10.0, 25.0, **settings))
+    assert {name: (out / name).stat().st_ino for name in shards} == shards  # kept, not computed again
+    if failing == "store.json":  # resumed on its clock: the box (25 s, 20 spent) allows no third shard
+        assert [shard["file"] for shard in store.shards] == list(shards)
 
 
 def test_a_time_boxed_build_holds_a_seeded_share_validation_first_and_training_draws_from_it(tmp_path, monkeypatch,

@@ -555,7 +555,10 @@ class DistillModule(L.LightningModule):
                 source = batch["final_hidden"].to(self.device, self.target.dtype)
             return features, source, lambda: 0.0
         clock = ForwardClock(batch["input_ids"].device)
-        features = target_layer_features(self.target, batch["input_ids"], self.target_layer_ids, final_hidden=teacher)
+        # Without autocast, as the store is built and decoding runs the target: under a mixed precision Lightning's
+        # autocast would run an fp32 target's (model.target_dtype float32) matmuls in bf16, other features than those.
+        with torch.autocast(batch["input_ids"].device.type, enabled=False):
+            features = target_layer_features(self.target, batch["input_ids"], self.target_layer_ids, final_hidden=teacher)
         features, final = features if teacher else (features, None)
         return features, final, clock.stop()
 
@@ -596,7 +599,8 @@ class DistillModule(L.LightningModule):
         elif distill:
             teacher = teacher_states(source, anchors, self.block_size)  # (S, n*B, H)
             if self.hparams.distill_top_k:  # online: what the store would hold, at the block tokens only
-                teacher = next_token_top_k(teacher, self.target.get_output_embeddings(), self.hparams.distill_top_k)
+                with torch.autocast(teacher.device.type, enabled=False):  # as the store computes it (sequence_features)
+                    teacher = next_token_top_k(teacher, self.target.get_output_embeddings(), self.hparams.distill_top_k)
         return hidden, labels, teacher, target_seconds
 
     def trainer_world_size(self) -> int:

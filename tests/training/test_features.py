@@ -30,7 +30,7 @@ from training.feature_store import FeatureStore, build_feature_store, partial_pa
 from training.features import main
 from training.masks import IGNORE_INDEX
 from training.module import DistillModule
-from training.target import target_layer_features
+from training.target import dtype_for_precision, target_layer_features
 from training.train import main as train_main
 
 LAYER_IDS = [1, 3, 4]
@@ -193,9 +193,9 @@ class LossRecorder(L.Callback):
         self.losses.append(outputs["loss"].item())
 
 
-def fit(module: DistillModule, dm: DistillDataModule, steps: int = 4):
+def fit(module: DistillModule, dm: DistillDataModule, steps: int = 4, precision: str = "32"):
     recorder = LossRecorder()
-    trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, precision="32", logger=False,
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, precision=precision, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         use_distributed_sampler=False, limit_val_batches=0, num_sanity_val_steps=0,
                         callbacks=[recorder], log_every_n_steps=1)
@@ -241,6 +241,29 @@ def test_training_from_the_store_equals_online_training(tmp_path, monkeypatch, b
     for name, weight in online_weights.items():
         torch.testing.assert_close(offline_weights[name], weight, rtol=0, atol=tolerance, msg=name)
     assert trainer.callback_metrics["perf/target_forward_s"] == 0
+
+
+@pytest.mark.parametrize("target_dtype, distill", [
+    ("float32", {}),  # model.target_dtype float32: the user's fp32 target
+    ("float32", {"distill_weight": 0.5, "distill_top_k": 4}),  # and the LM head of the online top-k teacher
+    ("bfloat16", {}),  # what target_dtype auto gives under bf16-mixed: bf16 both ways, as it was
+])
+def test_under_a_mixed_precision_online_training_equals_training_from_the_store(tmp_path, target_dtype, distill):
+    """Lightning runs the step under bf16 autocast: online, an fp32 target's matmuls (and the top-k teacher's LM head)
+    ran in bf16, while the store is built, and decoding runs, without autocast. The losses differed from the first
+    step (10.806742 online, 10.806920 from the store). The target's forward now runs without autocast online too."""
+    final_hidden, teacher_top_k = store_teacher(distill.get("distill_weight", 0.0), distill.get("distill_top_k", 0))
+    store = build_feature_store(make_datamodule(tmp_path), tmp_path / "store", layer_ids=LAYER_IDS,
+                                dtype=dtype_for_precision("bf16-mixed", target_dtype), sequences_per_batch=1,
+                                final_hidden=final_hidden, teacher_top_k=teacher_top_k)
+    online_module = tiny_module(target_dtype=target_dtype, **distill)
+    online_losses, _ = fit(online_module, make_datamodule(tmp_path, batch_size=1), steps=3, precision="bf16-mixed")
+    assert online_module.target.dtype == getattr(torch, target_dtype)
+    offline_dm = make_datamodule(tmp_path, batch_size=1, feature_store=str(store))
+    offline_losses, _ = fit(tiny_module(target_dtype=target_dtype, **distill), offline_dm, steps=3,
+                            precision="bf16-mixed")
+    assert offline_dm.store is not None and len(online_losses) == 3
+    assert offline_losses == online_losses
 
 
 def test_batches_carry_right_padded_features_from_the_store(tmp_path):

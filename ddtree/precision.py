@@ -8,8 +8,8 @@ gets fp32. On a CPU it depends on the chip: a Xeon with AMX runs a bf16 forward 
 (most laptops, many AMD EPYCs) emulates bf16 and runs it several times slower (6.7x, measured on a SmolLM2-135M
 forward on an AVX2 EPYC), and a 2-core Xeon with AVX512-BF16 but no AMX ran this proxy's bf16 matmul 1.64x slower
 than fp32 (2026-12-03): the flag alone does not make bf16 fast. So the choice is measured, not assumed: a linear layer shaped like a small target's
-MLP (512 tokens x 576 -> 1536) is timed in both dtypes, best of a few alternating calls after a
-warm-up, about a tenth of a second in all. A target's forward is dominated by such matmuls, and the gap between
+MLP (512 tokens x 576 -> 1536) is timed in both dtypes on one thread, best of ten alternating calls after a
+warm-up, about a fifth of a second in all. A target's forward is dominated by such matmuls, and the gap between
 the two outcomes is wide (2x one way, 3-7x the other), so this proxy picks what a forward on the
 real target would, without loading one. `torch.backends.cpu.get_cpu_capability()` alone cannot
 tell: it reports "AVX512" for an AVX-512 chip with and without bf16 support.
@@ -49,22 +49,31 @@ class Choice:
         return LIGHTNING_PRECISION[self.dtype]
 
 
-def time_linear(tokens: int = 512, features: int = 576, hidden: int = 1536, repeats: int = 8) -> dict[torch.dtype, float]:
+def time_linear(tokens: int = 512, features: int = 576, hidden: int = 1536, repeats: int = 10) -> dict[torch.dtype, float]:
     """Best wall time of one (tokens x features) @ (features x hidden) matmul in fp32 and in bf16, on the CPU.
 
-    The two dtypes alternate call by call, so a burst of load from elsewhere hits both alike.
+    The two dtypes alternate call by call, so a burst of load from elsewhere hits both alike. On one thread: a matmul
+    split across threads waits for its slowest, so load on any one core (another job on a 2-core machine) stretched
+    the fp32 and bf16 calls unevenly. A 2-core Xeon without AMX, under a training run's load, read bf16 at 0.91-1.75x
+    fp32 on two threads, and once 0.77x, which picked bf16, and at 1.57-2.17x on one (2026-12-03). The ratio is the
+    cores' arithmetic, which one thread measures as well as many.
     """
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(tokens, features, generator=generator)
     w = torch.randn(hidden, features, generator=generator)
     inputs = {dtype: (x.to(dtype), w.to(dtype)) for dtype in (torch.float32, torch.bfloat16)}
     best = {dtype: float("inf") for dtype in inputs}
-    for call in range(repeats + 1):
-        for dtype, (xd, wd) in inputs.items():
-            started = time.perf_counter()
-            torch.nn.functional.linear(xd, wd)
-            if call > 0:  # call 0 warms up: kernels picked, memory allocated
-                best[dtype] = min(best[dtype], time.perf_counter() - started)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for call in range(repeats + 1):
+            for dtype, (xd, wd) in inputs.items():
+                started = time.perf_counter()
+                torch.nn.functional.linear(xd, wd)
+                if call > 0:  # call 0 warms up: kernels picked, memory allocated
+                    best[dtype] = min(best[dtype], time.perf_counter() - started)
+    finally:
+        torch.set_num_threads(threads)
     return best
 
 

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import itertools
 import json
 import math
@@ -158,10 +159,64 @@ def stops_here(trainer: L.Trainer) -> bool:
         return False  # (min_steps not met yet; StepTimer stops at the step's end, measured there)
     timers = [callback for callback in trainer.callbacks if isinstance(callback, Timer) and callback._interval == "step"]
     spent = any(timer.time_remaining() is not None and timer.time_remaining() <= 0 for timer in timers)
-    # SIGTERM reaches each rank at its own moment: every rank joins the broadcast, and rank 0's flag decides (a rank
-    # that returned before it would leave the others' broadcast to pair with the next collective).
+    # SIGTERM reaches each rank at its own moment (training.train's SigtermAtStepBoundary sets the flag on every rank at
+    # once; a Trainer without it does not): every rank joins the broadcast, and rank 0's flag decides (a rank that
+    # returned before it would leave the others' broadcast to pair with the next collective).
     sigterm, stop = trainer.strategy.broadcast((bool(trainer.received_sigterm), bool(trainer.should_stop or spent)))
     return bool(stop) and not sigterm
+
+
+class SigtermAtStepBoundary(L.Callback):
+    """A SIGTERM stops every process of a multi-process launch at the same step (training/train.py adds it first).
+
+    Lightning 2.6's SIGTERM handler broadcasts from inside the handler, wherever the process is. During an
+    evaluation, with another rank waiting in its gather (measure_acceptance), the two never paired: both processes
+    hung until killed, with no stop line and no resume command; paired with another collective they crashed. Here
+    the handler only notes the signal (and passes it on to the processes Lightning started, as Lightning's does). At
+    each step's start and end, at the end of training and of fit, every rank joins one all-reduce of its note, and a
+    note on any rank sets trainer.received_sigterm on every rank at once: Lightning's own checks, which read each
+    rank's flag, then stop them together, and a signal that reached one rank only stops them all. A signal noted after
+    a step's end (its evaluation, its checkpoint) stops the run before the next step trains, at the step its
+    checkpoint holds. One process keeps Lightning's handler, which sets the flag at once.
+    """
+
+    def __init__(self):
+        self.active = False  # a multi-process fit
+        self.noted = False  # this rank received a SIGTERM that the ranks have not agreed on yet
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        self.noted = False
+        self.active = stage == "fit" and trainer.world_size > 1
+        if self.active:  # the trainer registers whichever handler this names after setup, as fit starts
+            trainer._signal_connector._sigterm_notifier_fn = functools.partial(self.note, trainer)
+
+    def note(self, trainer, signum, frame) -> None:
+        """The handler: no collective here, where the process may be inside one."""
+        if not self.noted and trainer.strategy.launcher is not None:
+            trainer.strategy.launcher.kill(signum)
+        self.noted = True
+
+    def agree(self, trainer) -> bool:
+        """Whether any rank has received a SIGTERM; every rank must call it at the same point."""
+        if self.active and not trainer.received_sigterm:
+            noted = torch.tensor([int(self.noted)], device=trainer.strategy.root_device)
+            torch.distributed.all_reduce(noted, op=torch.distributed.ReduceOp.MAX)
+            if noted.item():
+                trainer._signal_connector.received_sigterm = True
+        return trainer.received_sigterm
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.active and self.agree(trainer):
+            raise SIGTERMException  # as Lightning's loop raises it: training.train exits 143 with the resume command
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.agree(trainer)  # before the other callbacks: a run stopped here is not evaluated off schedule (stops_here)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.agree(trainer)
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        self.agree(trainer)  # a signal during the last evaluation or save: training.train reads received_sigterm
 
 
 # ----------------------------------------------------------------------------- measuring

@@ -61,7 +61,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from ddtree.corpus import CORPUS_FILE, write_replies
 from ddtree.errors import DDTreeError, command
 from ddtree.files import read_yaml_mapping, unwritable_as_error, write_text_atomic
-from training.callbacks import AcceptanceEvaluation
+from training.callbacks import AcceptanceEvaluation, SigtermAtStepBoundary
 from training.checkpoint_paths import (find_resume, is_deepspeed_checkpoint, newest_checkpoint, resume_point, run_checkpoints,
                                        why_unreadable)
 from training.checkpoints import (AtomicCheckpointIO, check_resumable, deepspeed_client_state, newest_finite_checkpoint,
@@ -116,6 +116,8 @@ def build_cli(config: Path, run_dir: Path, overrides: list[str]) -> DistillCLI:
     if cli.model.hparams.seed != cli.datamodule.seed:  # else Lightning stops at fit with a traceback
         raise DDTreeError(f"model.seed={cli.model.hparams.seed} and data.seed={cli.datamodule.seed} differ: Lightning "
                           "keeps one `seed` hyperparameter for both; give them the same value")
+    # First, so that the other callbacks see a SIGTERM that any rank received (all ranks at once) in the same hook
+    cli.trainer.callbacks.insert(0, SigtermAtStepBoundary())
     return cli
 
 

@@ -2,13 +2,15 @@
 
 Each signal test starts a real short `tiny` training as a subprocess, waits for its first
 checkpoint, sends the signal, and checks the exit status, the message and that the printed
-command resumes the run to its end.
+command resumes the run to its end. One starts two processes (ddp over gloo) and sends SIGTERM
+while one of them waits in an evaluation's gather.
 """
 
 from __future__ import annotations
 
 import csv
 import fcntl
+import json
 import logging
 import os
 import math
@@ -24,11 +26,14 @@ from unittest import mock
 
 import pytest
 import torch
+from lightning.pytorch import Callback
 
 import toy_data  # tests/training/toy_data.py
 from training.checkpoint_paths import is_checkpoint
-from training.checkpoints import RESUME_KEYS, drafter_from_checkpoint, newest_finite_checkpoint, non_finite_tensors
+from training.checkpoints import (RESUME_KEYS, check_resumable, drafter_from_checkpoint, newest_finite_checkpoint,
+                                  non_finite_tensors)
 from training.module import DistillModule
+import training.callbacks
 import training.train
 from training.train import main as train_main
 
@@ -95,6 +100,61 @@ def test_a_signal_stops_the_run_with_a_non_zero_status_and_the_command_that_resu
     assert train_main(["--recipe", "tiny", "--resume", resume, "--output-root", str(tmp_path / "out"),
                        "--trainer.max_steps=6", "--trainer.enable_progress_bar=false"]) == 0
     assert (run_dir / "drafter" / "model.safetensors").is_file()
+
+
+class HoldRankZeroInEvaluation(Callback):
+    """Added with --trainer.callbacks+=...: at `step` rank 0 writes `marker` as it starts decoding its prompt, then
+    waits `seconds`, while rank 1, with no prompt to decode (eval.limit=1), waits in the evaluation's gather."""
+
+    def __init__(self, marker: str, step: int = 2, seconds: float = 4.0):
+        self.marker, self.step, self.seconds = Path(marker), step, seconds
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if trainer.global_rank != 0:
+            return
+        decode = training.callbacks.run_benchmark  # called only by a rank with prompts to decode
+
+        def held(*args, **kwargs):
+            if trainer.global_step == self.step:
+                self.marker.write_text("decoding")
+                time.sleep(self.seconds)  # the test's SIGTERM lands here (a handler that returns resumes the sleep)
+            return decode(*args, **kwargs)
+
+        training.callbacks.run_benchmark = held
+
+
+def test_sigterm_while_a_rank_waits_in_the_evaluations_gather_stops_every_rank_at_that_step(tmp_path):
+    """Found in a review (2026-12-03): Lightning's own SIGTERM handler broadcasts from inside the handler, which never
+    paired with the other rank's gather, and both processes hung, with no line and no status. Now the signal is noted
+    and every rank stops at the step's end: 143, the stop line, and the step's checkpoint to resume from."""
+    marker = tmp_path / "evaluating"
+    hold = json.dumps({"class_path": "test_reliability.HoldRankZeroInEvaluation", "init_args": {"marker": str(marker)}})
+    args = [*tiny_args(tmp_path, "two", max_steps=4), "--trainer.devices=2", "--trainer.strategy=ddp",
+            f"--trainer.callbacks+={hold}"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    # A session of its own: the SIGTERM goes to both ranks at once, as `timeout` or a scheduler sends it.
+    process = subprocess.Popen([sys.executable, "-m", "training.train", *args], cwd=REPO, env=env, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        wait_for(marker, process)
+        time.sleep(0.5)  # rank 1 reaches the gather
+        os.killpg(process.pid, signal.SIGTERM)
+        _, err = process.communicate(timeout=90)  # a hang fails here, not at the suite's end
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        _, err = process.communicate()
+        raise AssertionError(f"the run hung after SIGTERM:\n{err[-3000:]}") from None
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+    assert process.returncode == 128 + signal.SIGTERM, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("[train]")]
+    assert len(lines) == 1 and "stopped by SIGTERM at step 2; no drafter written" in lines[0], err[-3000:]
+    resume = Path(re.search(r"RESUME=(\S+)", lines[0]).group(1))
+    assert resume == tmp_path / "out" / "tiny" / "two" / "checkpoints" / "last.ckpt"
+    assert check_resumable(resume)["global_step"] == 2  # the step the signal stopped, evaluated and saved
 
 
 def test_a_crash_after_a_checkpoint_says_how_to_resume_beside_its_traceback(tmp_path, monkeypatch, capsys):

@@ -400,6 +400,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(DropLightningTips())
     # Lightning 2.6's own pytree helper builds torch's deprecated LeafSpec at every launch: not ours to print.
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+    # DistillModule logs its validation metrics already summed over the ranks (on_validation_epoch_end); Lightning's
+    # advice under a process group to sync them again (16 lines a run) read as if they were each rank's own.
+    warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\('val/"
+                                              r"(loss|tau_chain_estimate|acc_\d+|recall\d+_\d+)', \.\.\., sync_dist=True\)`")
     if args.recipe is not None:
         check_recipe_name(args.recipe)
     held = contextlib.ExitStack()  # the run folder's lock (hold_run_folder), released as main returns

@@ -415,16 +415,17 @@ class AcceptanceEvaluation(L.Callback):
                 self.redraft,
             )
 
-    def resolve_packing(self, target: PreTrainedModel) -> bool:
-        """eval.packed_weights for this target, once: auto measures (ddtree/packed_linear.py) and says what it chose;
-        where nothing can be packed (a GPU, bf16) it stays off without a word; `on` there is a DDTreeError."""
+    def resolve_packing(self, target: PreTrainedModel, say: bool = True) -> bool:
+        """eval.packed_weights for this target, once: auto measures (ddtree/packed_linear.py) and says what it chose
+        (where `say`: rank 0); where nothing can be packed (a GPU, bf16) it stays off without a word; `on` there is a
+        DDTreeError."""
         if self.pack_target is None:
             if self.packed_weights == "auto" and cannot_pack(target):
                 self.pack_target = False
             else:
                 self.pack_target, reason = apply_packing(self.packed_weights, target, "eval.packed_weights")
                 unpack_linears(target)  # packed_target packs it for each evaluation
-                if reason:
+                if reason and say:
                     print(f"[eval] {reason}", flush=True)
         return self.pack_target
 
@@ -475,7 +476,9 @@ class AcceptanceEvaluation(L.Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         self.launch_started = time.perf_counter()
         self.launch_eval_seconds = 0.0
-        self.resolve_packing(pl_module.target)  # now, so that `on` where it cannot pack stops before the first step
+        self.resolve_packing(pl_module.target, say=trainer.is_global_zero)  # now: `on` where it cannot pack stops here
+        if trainer.world_size > 1:  # each rank timed its own packing: all decode as rank 0 chose, and as it said
+            self.pack_target = trainer.strategy.broadcast(self.pack_target)
         check_tree_attention(pl_module.target, "ddtree")  # the kernel it loaded with (setup read only the config)
         # A checkpoint is written before its step's validation runs, so a resumed history lacks that loss; the
         # evaluation's file recorded it (on_validation_end).
@@ -520,8 +523,9 @@ class AcceptanceEvaluation(L.Callback):
         if step != self.last_step:
             saver = any(isinstance(c, BestCheckpoint) for c in trainer.checkpoint_callbacks)  # which saves it then
             self._evaluate(trainer, pl_module, logged=False, checkpointed=saver)
-            print(f"[eval] step {step}: measured at the resume (the launch that trained it stopped during its "
-                  "evaluation)", flush=True)
+            if trainer.is_global_zero:
+                print(f"[eval] step {step}: measured at the resume (the launch that trained it stopped during its "
+                      "evaluation)", flush=True)
         elif self.history and self.history[-1]["step"] == step:  # measured; its save is BestCheckpoint's to check
             self.measured = (step, metrics_of(self.history[-1]["summary"], self.history[-1]["seconds"]))
 

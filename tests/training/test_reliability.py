@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from unittest import mock
 
 import pytest
@@ -30,6 +31,8 @@ from lightning.pytorch import Callback
 from lightning.pytorch.trainer.connectors.logger_connector import result as lightning_result
 
 import toy_data  # tests/training/toy_data.py
+from ddtree.packed_linear import cannot_pack
+from training.callbacks import AcceptanceEvaluation
 from training.checkpoint_paths import is_checkpoint
 from training.checkpoints import (RESUME_KEYS, check_resumable, drafter_from_checkpoint, newest_finite_checkpoint,
                                   non_finite_tensors)
@@ -156,6 +159,26 @@ def test_sigterm_while_a_rank_waits_in_the_evaluations_gather_stops_every_rank_a
     resume = Path(re.search(r"RESUME=(\S+)", lines[0]).group(1))
     assert resume == tmp_path / "out" / "tiny" / "two" / "checkpoints" / "last.ckpt"
     assert check_resumable(resume)["global_step"] == 2  # the step the signal stopped, evaluated and saved
+
+
+def test_the_ranks_of_an_evaluation_say_their_lines_once_and_pack_as_rank_0_chose(tiny_target, tmp_path, capsys):
+    """Found in a review (2026-12-03): each rank timed the packed weights and printed its own choice, which could differ
+    (a loaded machine), and each said it measured the resumed step. Rank 0 says both; every rank packs as it chose."""
+    target, _ = tiny_target
+    said = {}
+    for rank in (1, 0):
+        evaluation = AcceptanceEvaluation(packed_weights="auto", every_n_train_steps=2)
+        evaluation._evaluate = lambda *args, **kwargs: None  # a resume at step 2, whose evaluation was cut short
+        rank_zero = SimpleNamespace(broadcast=lambda value: "rank 0's choice")
+        trainer = SimpleNamespace(global_rank=rank, is_global_zero=rank == 0, world_size=2, global_step=2,
+                                  ckpt_path=None, default_root_dir=str(tmp_path), strategy=rank_zero,
+                                  checkpoint_callbacks=[])
+        evaluation.on_train_start(trainer, SimpleNamespace(target=target))
+        assert evaluation.pack_target == "rank 0's choice", rank
+        said[rank] = capsys.readouterr().out
+    assert said[1] == ""
+    assert "[eval] step 2: measured at the resume" in said[0]
+    assert ("[eval] [packed weights]" in said[0]) == (cannot_pack(target) is None)  # auto says what it measured
 
 
 def test_a_crash_after_a_checkpoint_says_how_to_resume_beside_its_traceback(tmp_path, monkeypatch, capsys):

@@ -176,20 +176,23 @@ def check_accelerator(accelerator, devices, target: str | None = None) -> None:
                                  f"(--trainer.devices={min(available, max(1, len(device_indices(devices))))})")
 
 
+def registered_strategy(strategy) -> dict | None:
+    """Lightning's registry entry (its class and init_params) for a trainer.strategy name; None for one given as an
+    object or not registered. Indexed: the registry's get() builds the strategy."""
+    return StrategyRegistry[strategy] if isinstance(strategy, str) and strategy in StrategyRegistry else None
+
+
 def deepspeed_class(strategy) -> type | None:
     """The DeepSpeed strategy class a trainer.strategy name stands for (ours, zero2 ..., or Lightning's deepspeed_*);
     None for any other strategy, or one given as an object."""
-    if not (isinstance(strategy, str) and strategy in StrategyRegistry):
-        return None
-    strategy_class = StrategyRegistry[strategy]["strategy"]  # indexed: the registry's get() builds the strategy
-    return strategy_class if issubclass(strategy_class, DeepSpeedStrategy) else None
+    registered = registered_strategy(strategy)
+    return registered["strategy"] if registered and issubclass(registered["strategy"], DeepSpeedStrategy) else None
 
 
 def check_strategy(strategy, accelerator, gradient_clip_algorithm) -> None:
     """What Lightning's DeepSpeed strategy refuses only once fit starts, with a traceback; and the strategies Lightning
     runs but that this training cannot: FSDP (nothing here gathers it) and spawned or forked processes."""
-    # indexed: the registry's get() builds the strategy
-    registered = StrategyRegistry[strategy] if isinstance(strategy, str) and strategy in StrategyRegistry else None
+    registered = registered_strategy(strategy)
     start_method = registered["init_params"].get("start_method") if registered else None
     if start_method in ("spawn", "fork"):
         # Lightning trains in processes it starts and joins: the drafter they trained never comes back to this one,

@@ -72,7 +72,8 @@ from transformers import DynamicCache  # noqa: E402
 
 from data.regenerate import conversation_counts  # noqa: E402
 from ddtree.targets import load_target  # noqa: E402
-from training.conversations import render_prompt_ids  # noqa: E402
+from ddtree.bench import chat_prompt_ids  # noqa: E402
+from training.conversations import CHAT_TARGET  # noqa: E402
 
 
 def byte_alphabet() -> dict[str, int]:
@@ -167,10 +168,10 @@ def run(args: argparse.Namespace) -> dict:
     tokens = ByteTokens(tokenizer)
     counts = {"rows": len(rows), "recovered": 0, "split_changed": 0, "not_recovered": 0, "disagreements": 0}
     started = time.time()
-    for row in tqdm(rows, desc="recover ids", unit="reply", file=sys.stdout):
+    for i, row in enumerate(tqdm(rows, desc="recover ids", unit="reply", file=sys.stdout)):
         row.pop("response_ids", None)
         messages = row["messages"]
-        prompt = render_prompt_ids(tokenizer, messages[:-1])
+        prompt = chat_prompt_ids(tokenizer, messages[:-1], f"{source} row {i}", CHAT_TARGET)
         ids, disagreements = recover(model, tokens, prompt, messages[-1]["content"])
         counts["disagreements"] += disagreements
         decodes = tokenizer.decode(ids, skip_special_tokens=True) == messages[-1]["content"]

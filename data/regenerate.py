@@ -291,10 +291,11 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
+from ddtree.bench import chat_prompt_ids
 from ddtree.cli import parse_device
 from ddtree.decoding import Sampling, top_p_filter
 from ddtree.targets import DTYPES, config_stop_token_ids, load_target, resolve_target, stop_token_ids
-from training.conversations import read_messages_jsonl, render_prompt_ids
+from training.conversations import CHAT_TARGET, read_messages_jsonl
 
 
 def prompt_messages(messages: list[dict]) -> list[dict]:
@@ -686,7 +687,7 @@ def run(args: argparse.Namespace) -> dict | None:
         with tqdm(total=total, desc=f"shard {args.shard_index}", unit="prompt", file=sys.stdout) as progress:
             for k in todo:
                 chunk = chunks[k]
-                prompts = [render_prompt_ids(tokenizer, r["messages"]) for r in chunk]
+                prompts = [chat_prompt_ids(tokenizer, r["messages"], r["where"], CHAT_TARGET) for r in chunk]
                 torch.manual_seed(args.seed * 100_003 + k)  # sampling is reproducible per chunk, whatever the shard
                 if vllm_generator is not None:
                     new_tokens = vllm_generator.generate(prompts, stops, args.max_new_tokens, args.temperature,

@@ -75,14 +75,21 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[tuple[str, 
     return prompts
 
 
-def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict], where: str, instead: str) -> list[int]:
-    """`messages` under the target's chat template, with the generation prompt, as token ids; one line naming `where`
-    and what to give `instead` when the tokenizer has no template (a base model's) or its template refuses the
-    messages (Llama-2's, Mistral's and Gemma's raise_exception on roles that do not alternate)."""
-    from jinja2 import TemplateError  # what a template raises; transformers needs jinja2 to apply one
-
+def check_chat_template(tokenizer: PreTrainedTokenizerBase, where: str, instead: str) -> None:
+    """One line naming `where` and what to give `instead` when the tokenizer has no chat template (a base model's):
+    transformers' ValueError was a traceback."""
     if tokenizer.chat_template is None:
         raise DDTreeError(f"{where}: the target's tokenizer has no chat template to apply; {instead}")
+
+
+def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict], where: str, instead: str) -> list[int]:
+    """`messages` under the target's chat template, with the generation prompt, as token ids: the prompt decoding
+    feeds the target, and training's prompts too (training/conversations.py). One line naming `where` and what to
+    give `instead` when the tokenizer has no template (check_chat_template) or its template refuses the messages
+    (Llama-2's, Mistral's and Gemma's raise_exception on roles that do not alternate)."""
+    from jinja2 import TemplateError  # what a template raises; transformers needs jinja2 to apply one
+
+    check_chat_template(tokenizer, where, instead)
     try:
         encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     except (ValueError, TemplateError) as error:

@@ -28,7 +28,7 @@ import json
 import logging
 from pathlib import Path
 
-from ddtree.bench import iter_json_lines
+from ddtree.bench import chat_prompt_ids, check_chat_template, iter_json_lines
 from ddtree.errors import DDTreeError
 from ddtree.targets import has_hub_id_shape, is_int
 
@@ -182,11 +182,9 @@ def load_conversations(source: str | Path, messages_only: bool = False) -> list[
 TOKENIZATION_VERSION = 3
 
 
-def render_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of a prompt ending with the assistant header, as decoding feeds it to the target."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    # The template writes its own BOS/role tokens; the tokenizer must not add another BOS.
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+# What to give instead of a target whose tokenizer has no chat template (a base model's) or whose template refuses a
+# conversation: the words after check_chat_template's and chat_prompt_ids' one line, in training and data/regenerate.py.
+CHAT_TARGET = "give a chat (instruct) model as the target: training renders every conversation with its chat template"
 
 
 def end_of_turn_text(tokenizer) -> str:
@@ -197,6 +195,7 @@ def end_of_turn_text(tokenizer) -> str:
     (render_with_loss_mask supervises it as the template renders it), the token is supervised (the model stops
     there), and what the template writes after it is not (it is never generated).
     """
+    check_chat_template(tokenizer, tokenizer.name_or_path, CHAT_TARGET)
     probe = "PROBE-ANSWER-7f3a"
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": "probe"}, {"role": "assistant", "content": probe}], tokenize=False
@@ -274,6 +273,7 @@ def render_with_loss_mask(tokenizer, messages: list[dict], eot: str | None = Non
     of the whole conversation first), the turn starts after the next assistant header instead, and is supervised
     from its content on.
     """
+    check_chat_template(tokenizer, tokenizer.name_or_path, CHAT_TARGET)
     eot = eot or end_of_turn_text(tokenizer)
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     header = None  # the assistant header, found only where a prefix render cannot place the turn
@@ -329,9 +329,10 @@ def render_with_loss_mask(tokenizer, messages: list[dict], eot: str | None = Non
 
 def render_generated(tokenizer, record: dict, eot: str) -> tuple[list[int], list[int]]:
     """A regenerated conversation from the ids its target generated (data/regenerate.py records them as
-    response_ids): the prompt as decoding renders it, then exactly those ids and the end-of-turn token, which
-    alone are supervised. Tokenizing the reply's text again gives the tokenizer's own split wherever the target
-    chose another (`read` `line` against `readline`), and the drafter would learn tokens the target never emits."""
+    response_ids): the prompt as decoding renders it (chat_prompt_ids), then exactly those ids and the end-of-turn
+    token, which alone are supervised. Tokenizing the reply's text again gives the tokenizer's own split wherever the
+    target chose another (`read` `line` against `readline`), and the drafter would learn tokens the target never
+    emits."""
     messages, reply = record["messages"], list(record["response_ids"])
     if not messages or messages[-1]["role"] != "assistant":
         raise DDTreeError("it has response_ids but does not end with an assistant turn for them to answer; drop the "
@@ -339,7 +340,7 @@ def render_generated(tokenizer, record: dict, eot: str) -> tuple[list[int], list
     if tokenizer.decode(reply, skip_special_tokens=True) != messages[-1]["content"]:
         raise DDTreeError("its response_ids do not decode to its last assistant turn (edited text?); drop the "
                           "response_ids field or regenerate it")
-    prompt = render_prompt_ids(tokenizer, messages[:-1])
+    prompt = chat_prompt_ids(tokenizer, messages[:-1], tokenizer.name_or_path, CHAT_TARGET)
     reply += tokenizer.convert_tokens_to_ids([eot])
     return prompt + reply, [0] * len(prompt) + [1] * len(reply)
 

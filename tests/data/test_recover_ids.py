@@ -13,8 +13,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "data"))
 import recover_ids  # noqa: E402
 
+from ddtree.bench import chat_prompt_ids  # noqa: E402
 from ddtree.errors import DDTreeError  # noqa: E402
-from training.conversations import render_prompt_ids  # noqa: E402
+from training.conversations import CHAT_TARGET  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "Write a list."}]
 
@@ -52,7 +53,7 @@ def test_a_greedy_reply_gets_the_ids_its_target_generated_not_the_tokenizers_spl
     """The tiny random target writes 40 single newlines; its tokenizer reads their text as 10 tokens of four. Every
     repair cuts the cache back and the next forward runs over the rest alone."""
     model, tokenizer = tiny
-    prompt = render_prompt_ids(tokenizer, MESSAGES)
+    prompt = chat_prompt_ids(tokenizer, MESSAGES, "MESSAGES", CHAT_TARGET)
     generated = greedy(model, prompt, 40)
     text = tokenizer.decode(generated, skip_special_tokens=True)
     assert tokenizer(text, add_special_tokens=False)["input_ids"] != generated  # the text alone loses the split
@@ -62,7 +63,7 @@ def test_a_greedy_reply_gets_the_ids_its_target_generated_not_the_tokenizers_spl
 
 def test_a_reply_the_target_would_not_write_keeps_its_split_and_counts_the_disagreements(tiny):
     model, tokenizer = tiny
-    prompt = render_prompt_ids(tokenizer, MESSAGES)
+    prompt = chat_prompt_ids(tokenizer, MESSAGES, "MESSAGES", CHAT_TARGET)
     text = "Paris is the capital of France."
     ids, disagreements = recover_ids.recover(model, recover_ids.ByteTokens(tokenizer), prompt, text)
     assert tokenizer.decode(ids) == text and disagreements > 0
@@ -78,7 +79,7 @@ def write_regenerated(folder: Path, rows: list[dict], temperature: float = 0.0) 
 
 def test_the_command_adds_response_ids_where_they_decode_and_count_right(tiny, tmp_path, capsys):
     model, tokenizer = tiny
-    generated = greedy(model, render_prompt_ids(tokenizer, MESSAGES), 24)
+    generated = greedy(model, chat_prompt_ids(tokenizer, MESSAGES, "MESSAGES", CHAT_TARGET), 24)
     text = tokenizer.decode(generated, skip_special_tokens=True)
     rows = [{"id": "a", "messages": MESSAGES + [{"role": "assistant", "content": text}], "finish_reason": "length",
              "prompt_tokens": 9, "response_tokens": len(generated)},

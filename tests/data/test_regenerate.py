@@ -340,6 +340,24 @@ def test_cli_reports_bad_prompt_file_with_line(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_target_without_a_chat_template_is_one_line(tiny, tmp_path, capsys, monkeypatch):
+    """A base model's folder: rendering the first prompt raised transformers' ValueError, a 30-line traceback."""
+    from training.conversations import CHAT_TARGET
+
+    model, tokenizer = tiny
+    monkeypatch.setattr(tokenizer, "chat_template", None)
+    model.save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    prompts = prompt_file(tmp_path / "prompts.jsonl", 2)
+    argv = args_for_argv(tmp_path)
+    argv[argv.index("tiny-random")] = str(tmp_path / "base")
+    assert regenerate.main(argv) == 2
+    err = capsys.readouterr().err  # after the progress bars of saving and loading the target
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (f"error: {prompts}:1: the target's tokenizer has no chat template to "
+                                            f"apply; {CHAT_TARGET}")
+
+
 @pytest.mark.parametrize("flags,named", [(["--limit", "0"], "--limit 0"), (["--limit", "-1"], "--limit -1"),
                                          (["--threads", "0"], "--threads 0"), (["--temperature", "-1"], "temperature -1"),
                                          (["--temperature", "1", "--top-p", "0"], "top_p 0"),

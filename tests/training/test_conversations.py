@@ -14,13 +14,14 @@ import re
 import pytest
 from transformers import AutoTokenizer
 
+from ddtree.bench import chat_prompt_ids
 from ddtree.errors import DDTreeError
 from ddtree.targets import builtin_target_folder
 from training.conversations import (
+    CHAT_TARGET,
     end_of_turn_text,
     load_conversations,
     read_messages_jsonl,
-    render_prompt_ids,
     render_with_loss_mask,
     tokenize_conversation,
     tokenize_conversations,
@@ -142,6 +143,11 @@ def llama2_tokenizer(smol_folder):
     return tokenizer
 
 
+def decoding_prompt(tokenizer, messages):
+    """The prompt decoding feeds the target, which training's render must begin with."""
+    return chat_prompt_ids(tokenizer, messages, "the test's messages", CHAT_TARGET)
+
+
 def masked_runs(tokenizer, ids, mask):
     """Decoded text of each maximal run of masked tokens."""
     runs, current = [], []
@@ -250,7 +256,7 @@ def test_qwen3s_thinking_template_supervises_the_think_block_the_target_writes_a
     tokenizer, messages = qwen3_thinking_tokenizer, [{"role": "user", "content": "What is 2+2?"},
                                                     {"role": "assistant", "content": reply}]
     ids, mask = render_with_loss_mask(tokenizer, messages)
-    prompt = render_prompt_ids(tokenizer, messages[:1])
+    prompt = decoding_prompt(tokenizer, messages[:1])
     assert tokenizer.decode(prompt).endswith("<|im_start|>assistant\n")
     assert ids[:len(prompt)] == prompt and mask.index(1) == len(prompt)
     assert masked_runs(tokenizer, ids, mask) == [f"<think>\n\n</think>\n\n{reply}<|im_end|>"]
@@ -298,7 +304,7 @@ def test_llama2_mask_supervises_the_space_before_eos_as_rendered_and_eos(llama2_
     supervised = [token for token, bit in zip(llama2_tokenizer.convert_ids_to_tokens(ids), mask) if bit]
     assert supervised[-3:] == ["\u0120assistant", "\u0120", "</s>"]  # the space before eos, then eos itself
     ids, mask = render_with_loss_mask(llama2_tokenizer, CONVERSATION[:2])
-    prompt = render_prompt_ids(llama2_tokenizer, CONVERSATION[:1])
+    prompt = decoding_prompt(llama2_tokenizer, CONVERSATION[:1])
     assert ids[:len(prompt)] == prompt and mask.index(1) == len(prompt)
 
 
@@ -306,11 +312,11 @@ def test_prompt_render_is_a_prefix_of_the_conversation_render(smol_tokenizer, qw
     # Training sees the same tokens decoding will feed the target before the first answer token.
     for tokenizer in (smol_tokenizer, llama3_tokenizer):
         ids, mask = render_with_loss_mask(tokenizer, CONVERSATION[:2])
-        prompt = render_prompt_ids(tokenizer, CONVERSATION[:1])
+        prompt = decoding_prompt(tokenizer, CONVERSATION[:1])
         assert ids[: len(prompt)] == prompt and mask.index(1) == len(prompt)
     # Qwen3's non-thinking prompt ends with the empty think block, which sits before the answer.
     ids, mask = render_with_loss_mask(qwen3_tokenizer, CONVERSATION[:2])
-    prompt = render_prompt_ids(qwen3_tokenizer, CONVERSATION[:1])
+    prompt = decoding_prompt(qwen3_tokenizer, CONVERSATION[:1])
     assert ids[: len(prompt)] == prompt and mask.index(1) == len(prompt)
 
 
@@ -341,6 +347,19 @@ def test_tokenize_conversations_counts_and_skips(smol_tokenizer, caplog):
     assert "'truncated': 1" in caplog.text
     with pytest.raises(DDTreeError, match="looks like a prompt file"):
         tokenize_conversations(smol_tokenizer, [records[1], records[1]], 120, 4)
+
+
+def test_a_target_without_a_chat_template_is_one_line_naming_it(smol_folder):
+    """A base model's tokenizer: finding the end-of-turn token and rendering a conversation raised transformers'
+    ValueError, a traceback through `python -m training.train`, where decoding's prompt render said one line."""
+    tokenizer = AutoTokenizer.from_pretrained(smol_folder)
+    tokenizer.chat_template = None
+    said = f"{smol_folder}: the target's tokenizer has no chat template to apply; {CHAT_TARGET}"
+    for render in (end_of_turn_text, lambda t: render_with_loss_mask(t, CONVERSATION[:2], eot="<|im_end|>"),
+                   lambda t: tokenize_conversations(t, [{"messages": CONVERSATION[:2]}], 500, 1)):
+        with pytest.raises(DDTreeError) as refused:
+            render(tokenizer)
+        assert str(refused.value) == said
 
 
 def test_a_conversation_the_loss_mask_cannot_follow_is_skipped_and_counted_unless_all_are(smol_folder, caplog):
@@ -384,7 +403,7 @@ def test_a_trimmed_replys_leading_whitespace_is_not_searched_for_in_a_later_turn
                 {"role": "user", "content": question}, {"role": "assistant", "content": "Yes, sure."}]
     ids, mask = render_with_loss_mask(llama3_tokenizer, messages)
     assert masked_runs(llama3_tokenizer, ids, mask) == ["Yes.<|eot_id|>", "Yes, sure.<|eot_id|>"]
-    prompt = render_prompt_ids(llama3_tokenizer, messages[:1])
+    prompt = decoding_prompt(llama3_tokenizer, messages[:1])
     assert ids[:len(prompt)] == prompt and mask.index(1) == len(prompt)
 
 def test_an_unfinished_llama2_reply_does_not_supervise_the_space_its_template_writes_before_eos(llama2_tokenizer):
@@ -392,7 +411,7 @@ def test_an_unfinished_llama2_reply_does_not_supervise_the_space_its_template_wr
     messages = [{"role": "user", "content": "Count."}, {"role": "assistant", "content": "one two three"}]
     (cut,), _ = tokenize_conversations(llama2_tokenizer, [{"messages": messages, "finish_reason": "length"}],
                                        max_length=500, min_supervised_tokens=1)
-    prompt = render_prompt_ids(llama2_tokenizer, messages[:1])
+    prompt = decoding_prompt(llama2_tokenizer, messages[:1])
     assert cut["input_ids"][:len(prompt)] == prompt and cut["loss_mask"].index(1) == len(prompt)
     reply = cut["input_ids"][len(prompt):]
     assert llama2_tokenizer.decode(reply) == " one two three" and all(cut["loss_mask"][len(prompt):])
@@ -404,7 +423,7 @@ def test_a_replys_leading_whitespace_is_supervised_where_the_template_keeps_it(s
     alone did so until the reply's span began where decoding's prompt ends."""
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": reply}]
     ids, mask = render_with_loss_mask(smol_tokenizer, messages)
-    prompt = render_prompt_ids(smol_tokenizer, messages[:1])
+    prompt = decoding_prompt(smol_tokenizer, messages[:1])
     assert ids[:len(prompt)] == prompt and mask.index(1) == len(prompt)
     assert smol_tokenizer.decode([i for i, m in zip(ids, mask) if m]) == reply + "<|im_end|>"
 
@@ -420,7 +439,7 @@ def test_a_regenerated_reply_supervises_the_ids_its_target_generated(smol_tokeni
     record = {"id": "r", "messages": messages + [{"role": "assistant", "content": text}], "response_ids": generated}
     unfinished = dict(record, finish_reason="length")
     (done, cut), _ = tokenize_conversations(smol_tokenizer, [record, unfinished], max_length=500, min_supervised_tokens=1)
-    prompt = render_prompt_ids(smol_tokenizer, messages)
+    prompt = decoding_prompt(smol_tokenizer, messages)
     im_end = smol_tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert done["input_ids"] == prompt + generated + [im_end]
     assert done["loss_mask"] == [0] * len(prompt) + [1] * (len(generated) + 1)

@@ -120,6 +120,24 @@ def test_a_template_whose_end_of_turn_token_decoding_does_not_stop_at_is_warned_
     assert not [r for r in caplog.records if "decoding stops at" in r.getMessage()]
 
 
+def test_a_target_without_a_chat_template_is_one_line_naming_it(tmp_path):
+    """A base model's folder: `python -m training.train` ended in transformers' ValueError traceback."""
+    import shutil
+
+    from ddtree.targets import builtin_target_folder
+    from training.conversations import CHAT_TARGET
+
+    target = tmp_path / "base"
+    shutil.copytree(builtin_target_folder("smollm2-135m"), target,
+                    ignore=shutil.ignore_patterns("*.safetensors", "chat_template.jinja"))
+    tokenizer_config = json.loads((target / "tokenizer_config.json").read_text())
+    tokenizer_config.pop("chat_template", None)
+    (target / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    with pytest.raises(DDTreeError) as refused:
+        make_datamodule(tmp_path, target=str(target)).prepare_data()
+    assert str(refused.value) == f"{target}: the target's tokenizer has no chat template to apply; {CHAT_TARGET}"
+
+
 def test_a_saved_dataset_with_a_truncated_arrow_file_is_one_line_naming_the_folder(tmp_path):
     import datasets
 

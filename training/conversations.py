@@ -19,7 +19,7 @@ Pieces, top to bottom:
     Spans are found by rendering growing prefixes of the conversation (the prompt up to each assistant
     turn, with the generation prompt) and diffing against the full render; the render is then tokenized
     span by span.
-  - tokenize_conversation(s): one conversation, or many with counts of what was dropped, skipped or cut.
+  - tokenize_conversations: many conversations, with counts of what was dropped, skipped or cut.
 """
 
 from __future__ import annotations
@@ -343,18 +343,6 @@ def render_generated(tokenizer, record: dict, eot: str) -> tuple[list[int], list
     prompt = chat_prompt_ids(tokenizer, messages[:-1], tokenizer.name_or_path, CHAT_TARGET)
     reply += tokenizer.convert_tokens_to_ids([eot])
     return prompt + reply, [0] * len(prompt) + [1] * len(reply)
-
-
-def tokenize_conversation(tokenizer, messages: list[dict], max_length: int) -> dict[str, list[int]]:
-    """{"input_ids", "loss_mask"} of one conversation, truncated to max_length tokens.
-
-    loss_mask is 1 on each assistant turn's content and end-of-turn token, 0 elsewhere. A
-    conversation without assistant tokens is an error (it is a prompt, not training data).
-    """
-    input_ids, loss_mask = render_with_loss_mask(tokenizer, messages)
-    if not any(loss_mask):
-        raise DDTreeError("the conversation has no assistant tokens to train on; generate responses first (make data)")
-    return {"input_ids": input_ids[:max_length], "loss_mask": loss_mask[:max_length]}
 
 
 def tokenize_conversations(tokenizer, records: list[dict], max_length: int, min_supervised_tokens: int,

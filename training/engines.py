@@ -1,6 +1,6 @@
 """What vLLM and SGLang read from an exported drafter folder: their rules, and the commands that serve it.
 
-    export = read_export(folder, target_facts("tiny-random", config))   # config.json, weight shapes, target
+    export = Export(config, weight_shapes(folder), target_facts("tiny-random", config))   # as `make export` reads it
     problems = engine_problems(export)       # [Problem]: each engine rule the folder breaks, none if it serves
     vllm_command(target, folder, block_size), sglang_command(target, folder, block_size)
 
@@ -74,12 +74,6 @@ class Problem:
 def weight_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
     """{name: shape} of a drafter folder's weights, from the safetensors headers (ddtree.drafters reads them)."""
     return {name: tuple(shape) for name, (shape, _) in folder_weight_shapes(Path(folder)).items()}
-
-
-def read_export(folder: Path, target: TargetFacts) -> Export:
-    folder = Path(folder)
-    config = json.loads((folder / "config.json").read_text())
-    return Export(config, weight_shapes(folder), target)
 
 
 def target_facts(target: str | None, drafter_config: dict) -> TargetFacts:

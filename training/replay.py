@@ -2,7 +2,7 @@
 
     runner = DrafterRunner(drafter, target)
     rounds = replay_reply(runner, features, input_ids, *reply_span(loss_mask), budget=32, max_new_tokens=64)
-    replay_summary(rounds)   # {"tau": ..., "expected_tau": ..., "rounds": ...}
+    sum(r.committed for r in rounds) / len(rounds)   # tau, as decoding counts it (GenerationResult.tau)
 
 The replies are the target's own greedy continuations (data/regenerate.py), so at T=0 the target's
 choice after every reply position is known: the next reply token. A round of `generate` can then be
@@ -152,16 +152,6 @@ def learn_calibration(
             replay_reply(runner, features, input_ids, *span, shape, max_new_tokens, stop_ids=stop_ids,
                          lookup=shape_lookup, corpus=corpus, redraft=shape_redraft, online=online)
     return online.settled()
-
-
-def replay_summary(rounds: list[ReplayRound]) -> dict:
-    """tau and expected tau over rounds, as `ddtree bench` counts them (committed tokens per round)."""
-    count = max(len(rounds), 1)
-    return {
-        "tau": sum(r.committed for r in rounds) / count,
-        "expected_tau": sum(r.expected for r in rounds) / count,
-        "rounds": len(rounds),
-    }
 
 
 class RoundNLL:

@@ -23,7 +23,6 @@ from training.conversations import (
     load_conversations,
     read_messages_jsonl,
     render_with_loss_mask,
-    tokenize_conversation,
     tokenize_conversations,
 )
 
@@ -322,13 +321,14 @@ def test_prompt_render_is_a_prefix_of_the_conversation_render(smol_tokenizer, qw
 
 # ----------------------------------------------------------------------------- tokenize
 
-def test_tokenize_conversation_truncates_and_rejects_prompts(smol_tokenizer):
-    full = tokenize_conversation(smol_tokenizer, CONVERSATION, max_length=10_000)
-    cut = tokenize_conversation(smol_tokenizer, CONVERSATION, max_length=40)
+def test_tokenize_conversations_truncates_to_a_prefix_and_rejects_prompts(smol_tokenizer):
+    (full,), _ = tokenize_conversations(smol_tokenizer, [{"messages": CONVERSATION}], 10_000, 1)
+    (cut,), counts = tokenize_conversations(smol_tokenizer, [{"messages": CONVERSATION}], 40, 1)
     assert len(full["input_ids"]) > 40 and len(cut["input_ids"]) == 40 == len(cut["loss_mask"])
     assert cut["input_ids"] == full["input_ids"][:40] and cut["loss_mask"] == full["loss_mask"][:40]
-    with pytest.raises(DDTreeError, match="no assistant tokens"):
-        tokenize_conversation(smol_tokenizer, CONVERSATION[:1], max_length=100)
+    assert counts["truncated"] == 1
+    with pytest.raises(DDTreeError, match="1 have no assistant tokens.*looks like a prompt file"):
+        tokenize_conversations(smol_tokenizer, [{"messages": CONVERSATION[:1]}], 100, 1)
 
 
 def test_tokenize_conversations_counts_and_skips(smol_tokenizer, caplog):

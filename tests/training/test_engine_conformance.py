@@ -22,7 +22,7 @@ from transformers import AutoConfig, Qwen3Config
 
 import training.publish as publish
 from training.engines import (
-    RULES, SGLANG, VLLM, Export, TargetFacts, engine_problems, expected_weights, read_export, sglang_value,
+    RULES, SGLANG, VLLM, Export, TargetFacts, engine_problems, expected_weights, sglang_value,
     serve_commands, target_facts, vllm_layer_config, vllm_mask_token_id, vllm_target_layer_ids, weight_shapes,
 )
 from training.module import DistillModule
@@ -58,7 +58,9 @@ def exports(run, tmp_path_factory) -> dict[str, Path]:
 
 
 def fresh(folder: Path) -> Export:
-    return read_export(folder, target_facts("tiny-random", json.loads((folder / "config.json").read_text())))
+    """The folder as `make export` checks it before publishing (training/publish.py)."""
+    config = json.loads((folder / "config.json").read_text())
+    return Export(config, weight_shapes(folder), target_facts("tiny-random", config))
 
 
 def failing(export: Export) -> set[tuple[str, str]]:

@@ -93,7 +93,7 @@ MODULE_TEMPLATES = {
 }
 
 
-def first_sentence(doc: str, name: str) -> str:
+def first_sentence(doc: str) -> str:
     """The docstring's first sentence, one line, without a leading signature line."""
     lines = [line.strip() for line in doc.strip().splitlines()]
     # Some docstrings start with a call signature, e.g. "getopt(args, options) -> opts, args".
@@ -134,7 +134,7 @@ def stdlib_objects(module_name: str) -> list[dict]:
         if is_class and issubclass(obj, BaseException):
             continue  # exception classes make dull prompts
         doc = inspect.getdoc(obj) or ""
-        summary = first_sentence(doc, name)
+        summary = first_sentence(doc)
         # Too short to describe a task, or too long to fit in a prompt.
         if len(summary) < 20 or len(summary) > 300:
             continue

@@ -162,9 +162,9 @@ class OnlineCalibration:
         return {"temperatures": temperatures, "graft_acceptance": grafts}
 
     @classmethod
-    def from_state(cls, state: dict, frozen: bool = True) -> OnlineCalibration:
-        """The inverse of state(), and the settings it was learned with where the state says (decoded_with: its
-        lookup, redraft and corpus); ValueError names the first entry that is not what state() writes."""
+    def from_state(cls, state: dict) -> OnlineCalibration:
+        """The inverse of state(), frozen, and the settings it was learned with where the state says (decoded_with:
+        its lookup, redraft and corpus); ValueError names the first entry that is not what state() writes."""
         if not isinstance(state, dict):
             raise ValueError(f"it holds {json.dumps(state)[:40]}, not a JSON object")
         for field in ("temperatures", "graft_acceptance"):
@@ -172,7 +172,7 @@ class OnlineCalibration:
                 raise ValueError(f"missing field {field}")
             if not isinstance(state[field], dict):
                 raise ValueError(f"{field} {state[field]!r} is not an object")
-        calibration = cls(frozen)
+        calibration = cls(frozen=True)
         decoded_with = state.get("decoded_with")
         if decoded_with is not None and not isinstance(decoded_with, dict):  # else a TypeError in differences()
             raise ValueError(f"decoded_with {decoded_with!r} is not an object of the lookup, redraft and corpus it was "

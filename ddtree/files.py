@@ -200,14 +200,14 @@ def finite_json(value):
     return value
 
 
-def write_json_atomic(path: str | Path, payload, indent: int | None = 1) -> None:
+def write_json_atomic(path: str | Path, payload) -> None:
     """Strict JSON: a NaN or an infinity is written as null (finite_json)."""
     with atomic_file(path) as handle:
-        json.dump(finite_json(payload), handle, indent=indent, allow_nan=False)
+        json.dump(finite_json(payload), handle, indent=1, allow_nan=False)
 
 
 @contextmanager
-def staged_folder(destination: str | Path, replace: bool = True):
+def staged_folder(destination: str | Path):
     """Yield a temporary folder beside `destination`; on success rename it into place.
 
     An interruption or an error leaves `destination` as it was and removes the partial folder,
@@ -228,8 +228,6 @@ def staged_folder(destination: str | Path, replace: bool = True):
         staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}-", dir=destination.parent))
     try:
         yield staging
-        if destination.exists() and not replace:
-            raise DDTreeError(f"{destination} already exists; refusing to overwrite it")
         follow_umask(staging, recursive=True)
         displaced = None
         if destination.exists():

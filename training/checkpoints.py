@@ -214,19 +214,19 @@ def load_checkpoint(path: Path) -> Checkpoint:
 RESUME_KEYS = ("pytorch-lightning_version", "global_step", "loops", "state_dict", "drafter_config")
 
 
-def check_resumable(path: Path, flag: str = "--resume") -> dict:
+def check_resumable(path: Path) -> dict:
     """A .ckpt file that Lightning can resume a run of this project from, or one line saying what it is instead
     (Lightning read any other pickle into a KeyError traceback). DeepSpeed folders are checked by their strategy.
     Returns the checkpoint, memory-mapped (its tensors are read only where used)."""
     try:
         saved = torch.load(path, map_location="cpu", weights_only=False, mmap=True)  # mmap: nothing big is read
     except Exception as error:  # noqa: BLE001 - anything torch.load cannot read is not a checkpoint
-        raise DDTreeError(f"{flag} {path} is not a PyTorch checkpoint ({type(error).__name__}: {error_line(error)}); "
+        raise DDTreeError(f"--resume {path} is not a PyTorch checkpoint ({type(error).__name__}: {error_line(error)}); "
                           "give a run's last.ckpt, step-N.ckpt or hpc_ckpt_N.ckpt") from None
     missing = [key for key in RESUME_KEYS if key not in saved] if isinstance(saved, dict) else list(RESUME_KEYS)
     if missing:
-        raise DDTreeError(f"{flag} {path} is not a training checkpoint of this project (it has no {', '.join(missing)}): "
-                          "give a run's last.ckpt, step-N.ckpt or hpc_ckpt_N.ckpt")
+        raise DDTreeError(f"--resume {path} is not a training checkpoint of this project (it has no "
+                          f"{', '.join(missing)}): give a run's last.ckpt, step-N.ckpt or hpc_ckpt_N.ckpt")
     return saved
 
 

@@ -191,7 +191,6 @@ def step_flops(
     head_rows: int,  # LM head rows the drafter's logits use (the draft vocabulary, or the whole)
     keys_per_query: float,  # mean keys a block query attends (mean_keys_per_query, or counted from a mask)
     loss_chunked: bool = False,  # model.loss_chunk_size set: the LM head's forward is recomputed in backward
-    target_causal: bool = True,
     teacher_rows: int = 0,  # online distillation: rows through the teacher's LM head per block (0: none)
     teacher_vocab: int = 0,  # the rows of that LM head
     teacher_recomputed: bool = False,  # the teacher's head runs inside the chunked loss, so again in backward
@@ -209,9 +208,9 @@ def step_flops(
     backward = (fc + 2 * context_kv + 2 * blocks_flops + 2 * attention + (2 if loss_chunked else 1) * head
                 + (teacher if teacher_recomputed else 0))
     return StepFlops(
-        target=target_forward_flops(target, length, read_depth, target_causal),
+        target=target_forward_flops(target, length, read_depth),
         context=fc + context_kv, blocks=blocks_flops, attention=attention, head=head, backward=backward,
-        full_target=target_forward_flops(target, length, target_layers, target_causal), teacher=teacher,
+        full_target=target_forward_flops(target, length, target_layers), teacher=teacher,
     )
 
 

@@ -41,8 +41,8 @@ def test_build_is_deterministic_and_eval_is_held_out():
 
 def test_first_sentence_drops_signature_lines():
     doc = "getopt(args, options[, long_options]) -> opts, args\n\nParse command line options.  More text."
-    assert make_prompts.first_sentence(doc, "gnu_getopt") == "Parse command line options."
-    assert make_prompts.first_sentence("make an iterator\nthat groups.\n\nDetails.", "groupby") == "Make an iterator that groups."
+    assert make_prompts.first_sentence(doc) == "Parse command line options."
+    assert make_prompts.first_sentence("make an iterator\nthat groups.\n\nDetails.") == "Make an iterator that groups."
 
 
 @pytest.mark.skipif(sys.version_info[:2] != make_prompts.SHIPPED_PYTHON,

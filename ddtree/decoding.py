@@ -155,8 +155,11 @@ def config_calibration(config) -> OnlineCalibration:
 class DrafterRunner:
     """Runs a DFlash drafter with the target's frozen embedding and LM head, caching its context.
 
-    `propose` is the only call the decoding loop makes; tests substitute rigged drafters with the same
-    interface (reset, propose).
+    The decoding loop (`generate`) calls `reset`, `features` and `propose`, plus `redraft` when re-drafting, and
+    reads `block_size`. `check_drafter_runner` checks a drafter for the calls it always makes, which the rigged
+    drafters tests substitute (tests/rigged.py) provide too. Only a DrafterRunner is asked to `fix_shapes` (static
+    decoding); the defaults it carries (default_lookup, default_redraft, default_corpus, default_calibration,
+    draft_vocab) are read where present.
     """
 
     def __init__(

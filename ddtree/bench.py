@@ -223,7 +223,7 @@ def run_benchmark(
     sampling: Sampling = Sampling(),
     seed: int = 0,
     progress: bool = True,
-    static: bool | None = None,
+    static: bool | str | None = None,
     online: bool | OnlineCalibration = False,
     lookup: int | None = None,
     sizer: TreeSizer | None = None,
@@ -236,7 +236,8 @@ def run_benchmark(
     A row is {"id", "prompt_tokens", "methods": {key: {"tau", "new_tokens", "seconds", "rounds": [Round as a dict]}}}.
     Every method is warmed up first (warm_up, on the longest prompt, untimed); only the runs after that are timed.
     warm False skips that, for a caller that wants the acceptance and not the timings (training's evaluation).
-    static: the target's cache (ddtree.decoding.generate; None = static with CUDA graphs on a GPU only).
+    static: the target's cache (ddtree.decoding.generate; None = static with CUDA graphs on a GPU only; "auto", "on"
+    and "off" as --static-cache).
     online: learn draft temperatures from the timed rounds, prompt after prompt (OnlineCalibration), starting from the
     drafter's default calibration if it has one (DrafterRunner.default_calibration: the one it was built with, else its
     config's; or given, the caller's OnlineCalibration); otherwise that default is used as it is.
@@ -260,7 +261,8 @@ def run_benchmark(
         check_lookup("ddtree", lookup)
     if redraft is not None:
         check_redraft("ddtree", redraft)
-    check_sizer("ddtree", sizer is not None, static_cache(static, target.device))
+    static = static_cache(static, target.device)  # before the warm-up decodes, like the checks above
+    check_sizer("ddtree", sizer is not None, static)
     check_corpus("ddtree", corpus)
     limit = context_limit(target)
     for prompt in prompts:

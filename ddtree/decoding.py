@@ -28,6 +28,7 @@ from typing import Callable, Iterable
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from .arguments import STATIC_CACHE
 from .calibration import OnlineCalibration
 from .corpus import CorpusLookup
 from .errors import error_line
@@ -602,8 +603,14 @@ def check_redraft(method: str, redraft: int) -> None:
         raise DDTreeError("redraft re-drafts a drafter's block; method 'ar' has none: give redraft 0")
 
 
-def static_cache(static: bool | None, device: torch.device) -> bool:
-    """generate's `static` resolved: None means the static cache on CUDA only (see generate)."""
+def static_cache(static: bool | str | None, device: torch.device) -> bool:
+    """generate's `static` resolved: None means the static cache on CUDA only (see generate); --static-cache's names
+    ("auto", "on", "off") mean what they do there."""
+    if isinstance(static, str) and static in STATIC_CACHE:
+        static = STATIC_CACHE[static]
+    if static is not None and not isinstance(static, bool):  # any text, "off" too, was taken as on
+        raise DDTreeError(f"static {static!r} must be None (the static cache on CUDA only), True or False, or one of "
+                          f"--static-cache's {', '.join(map(repr, STATIC_CACHE))}")
     return device.type == "cuda" if static is None else static
 
 
@@ -635,7 +642,7 @@ def generate(
     stop_ids: Iterable[int] | torch.Tensor | int | None = (),  # a list, a set, a tensor or one id; None = none
     sampling: Sampling = Sampling(),
     generator: torch.Generator | None = None,
-    static: bool | None = None,
+    static: bool | str | None = None,
     online: OnlineCalibration | None = None,
     lookup: int | None = None,
     sizer: TreeSizer | None = None,
@@ -670,7 +677,8 @@ def generate(
     static: run the target over a preallocated cache at one verify shape (ddtree/target_runner.py), and a
     DrafterRunner's forwards at fixed shapes too (ddtree/static_drafter.py), each captured as a CUDA graph
     on a GPU; None = on CUDA only: on a CPU there is no launch overhead to save, and attention over every
-    slot of the cache made rounds 10-19% slower (docs/benchmarks.md, Benchmarks).
+    slot of the cache made rounds 10-19% slower (docs/benchmarks.md, Benchmarks). --static-cache's names ("auto",
+    "on", "off") are taken too, as None, True and False.
     """
     if method not in METHODS:
         raise DDTreeError(f"unknown method {method!r}: choose from {', '.join(METHODS)}")

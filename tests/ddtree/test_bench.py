@@ -16,6 +16,7 @@ from ddtree.bench import (CHAIN, acceptance_summary, budget_of, format_summary, 
 from ddtree import target_runner
 from ddtree.decoding import generate
 from ddtree.errors import DDTreeError
+from ddtree.sizing import TreeSizer
 
 
 def test_method_keys_are_formatted_and_parsed_one_way():
@@ -145,6 +146,24 @@ def test_the_warm_up_builds_static_runners_every_timed_generation_fits(tiny_targ
                   max_new_tokens=160, stop_ids=[], progress=False, static=True)
     assert len(built) == 2, built  # one per verify shape (the chain's block, the tree's 5 rows), each built once
     assert all(capacity >= 300 + 160 for _, capacity in built)
+
+
+def test_static_off_runs_the_dynamic_cache_and_a_bad_static_is_one_line_before_the_warm_up(tiny_target, monkeypatch):
+    """Found in a review of the fixed-shape paths: static="off", the CLI's word for off, ran the static cache, and with
+    a sizer was refused with "give --static-cache off"."""
+    target, _ = tiny_target
+    monkeypatch.setattr(target_runner, "StaticTarget", lambda *args, **kwargs: pytest.fail("built a static runner"))
+    monkeypatch.setattr(target_runner, "_STATIC_TARGETS", weakref.WeakKeyDictionary())  # none left by other tests
+    drafter = CountingDrafter(target.config.vocab_size)
+    prompts = [{"id": "a", "prompt_ids": [5, 6, 7, 8]}]
+    run_benchmark(target, drafter, prompts, ["ddtree"], [4], max_new_tokens=8, stop_ids=[], progress=False,
+                  static="off", sizer=TreeSizer(fixed_ms=5.0, row_ms=1.0))
+    assert len(drafter.generations) == 2  # the warm-up and the timed run
+    with pytest.raises(DDTreeError, match=r"^static 'maybe' must be None \(the static cache on CUDA only\), True or "
+                                          r"False, or one of --static-cache's 'auto', 'on', 'off'$"):
+        run_benchmark(target, drafter, prompts, ["ddtree"], [4], max_new_tokens=8, stop_ids=[], progress=False,
+                      static="maybe")
+    assert len(drafter.generations) == 2  # refused before the warm-up decoded
 
 
 def test_the_chain_reports_its_expected_tau_from_its_own_probabilities(tiny_target):

@@ -371,3 +371,30 @@ def test_a_generator_on_another_device_than_the_target_is_one_line_before_the_pr
     with pytest.raises(DDTreeError, match=r"^generator on cuda:0, target on cpu: sampling draws on the target's device; "
                                           r"build it there \(torch.Generator\(device=target.device\)\)$"):
         generate(target, PROMPT, "ar", max_new_tokens=NEW, sampling=sampled, generator=GeneratorOnCuda())
+
+
+# ------------------------------------------------------------------------------ static
+
+
+@pytest.mark.parametrize("static, built", [("off", False), ("auto", False), ("on", True), (False, False), (True, True)])
+def test_static_takes_the_static_cache_names_as_the_cli_means_them(tiny_target, monkeypatch, static, built):
+    """Found in a review of the fixed-shape paths: any text was taken as on, so static="off", the CLI's word for off,
+    ran the static cache (the slower one on a CPU; with a sizer its error asked for what was given)."""
+    target, _ = tiny_target
+    runners = []  # the static runners generate built
+    static_target = ddtree.decoding.static_target
+    monkeypatch.setattr(ddtree.decoding, "static_target",
+                        lambda *args, **kwargs: runners.append(args) or static_target(*args, **kwargs))
+    drafter = RiggedDrafter(PROMPT + greedy(target, PROMPT), target.config.vocab_size, block_size=4)
+    sizer = None if built else TreeSizer(fixed_ms=5.0, row_ms=1.0)  # "auto" on this CPU target: the dynamic cache
+    result = generate(target, PROMPT, "ddtree", drafter, budget=6, max_new_tokens=NEW, static=static, sizer=sizer)
+    assert result.new_tokens == greedy(target, PROMPT)
+    assert len(runners) == built
+
+
+@pytest.mark.parametrize("static", ["no", "OFF", 1, 0, "True"])
+def test_a_static_that_is_not_a_setting_is_one_line(tiny_target, static):
+    target, _ = tiny_target
+    with pytest.raises(DDTreeError, match=f"^static {re.escape(repr(static))} must be None \\(the static cache on CUDA "
+                                          r"only\), True or False, or one of --static-cache's 'auto', 'on', 'off'$"):
+        generate(target, PROMPT, "ar", max_new_tokens=NEW, static=static)

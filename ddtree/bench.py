@@ -255,12 +255,13 @@ def run_benchmark(
     prompts = checked_prompts(prompts)
     if drafter is None and any(method != "ar" for _, method, _ in keys):
         raise DDTreeError("methods dflash and ddtree need a drafter")
-    if drafter is not None:  # before the warm-up decodes, not in its first generate
-        check_drafter_runner(drafter, target)
     if lookup is not None:
         check_lookup("ddtree", lookup)
     if redraft is not None:
         check_redraft("ddtree", redraft)
+    if drafter is not None:  # before the warm-up decodes, not in its first generate
+        redrafts = getattr(drafter, "default_redraft", 0) if redraft is None else redraft  # generate's None
+        check_drafter_runner(drafter, target, redrafts if any(method != "ar" for _, method, _ in keys) else 0)
     static = static_cache(static, target.device)  # before the warm-up decodes, like the checks above
     check_sizer("ddtree", sizer is not None, static)
     check_corpus("ddtree", corpus)

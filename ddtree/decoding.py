@@ -551,11 +551,21 @@ def check_max_new_tokens(max_new_tokens) -> int:
     return count
 
 
-def check_drafter_runner(drafter, target: PreTrainedModel) -> None:
-    """The drafter generate and run_benchmark decode with is a runner (or one with its interface) of this target."""
-    if not all(hasattr(drafter, name) for name in ("reset", "features", "propose")):
+def check_drafter_runner(drafter, target: PreTrainedModel, redraft: int = 0) -> None:
+    """The drafter generate and run_benchmark decode with is a runner (or one with its interface) of this target.
+
+    The interface is what the decoding loop calls and reads: reset, features, propose and block_size, and redraft when
+    it re-drafts (redraft > 0). A drafter of its own without one of them was an AttributeError after the prefill.
+    """
+    missing = [name for name in ("reset", "features", "propose", "block_size") if not hasattr(drafter, name)]
+    if missing:
         raise DDTreeError(f"drafter is a {type(drafter).__name__}, not a DrafterRunner: wrap it, "
-                          "DrafterRunner(drafter, target), which runs it with the target's embedding and LM head")
+                          "DrafterRunner(drafter, target), which runs it with the target's embedding and LM head (a "
+                          "drafter of its own needs reset, features, propose and block_size; it has no "
+                          f"{', '.join(missing)})")
+    if redraft and not hasattr(drafter, "redraft"):
+        raise DDTreeError(f"redraft {redraft} re-drafts with the drafter's redraft method, which this "
+                          f"{type(drafter).__name__} has not: give redraft 0, or a DrafterRunner")
     # A runner drafts through the embedding and LM head it was built with: another target's drafted silently, or an
     # embedding of fewer rows failed deep in the verify.
     if isinstance(drafter, DrafterRunner) and (drafter.embedding is not target.get_input_embeddings()
@@ -684,8 +694,6 @@ def generate(
         raise DDTreeError(f"unknown method {method!r}: choose from {', '.join(METHODS)}")
     if method != "ar" and drafter is None:
         raise DDTreeError(f"method {method!r} needs a drafter")
-    if drafter is not None:
-        check_drafter_runner(drafter, target)
     if method == "ddtree":
         count = whole_number(budget)  # a float was a TypeError deep in draft_tree's slicing
         if count is None:
@@ -703,6 +711,8 @@ def generate(
         online = getattr(drafter, "default_calibration", None)
     check_lookup(method, lookup)
     check_redraft(method, redraft)
+    if drafter is not None:  # after the defaults: a redraft the drafter's own default asks for needs its redraft too
+        check_drafter_runner(drafter, target, redraft)
     device = target.device
     if sampling.temperature > 0 and generator is not None and generator.device.type != device.type:
         # else torch.multinomial's RuntimeError after the prefill; greedy decoding draws nothing from it

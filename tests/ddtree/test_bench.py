@@ -166,6 +166,21 @@ def test_static_off_runs_the_dynamic_cache_and_a_bad_static_is_one_line_before_t
     assert len(drafter.generations) == 2  # refused before the warm-up decoded
 
 
+def test_a_drafter_without_redraft_asked_to_re_draft_is_refused_before_the_warm_up(tiny_target):
+    """Found in a review of the fixed-shape paths: it passed the check, and the warm-up's first re-draft was an
+    AttributeError (after ar's warm-up and the prefill)."""
+    target, _ = tiny_target
+    drafter = CountingDrafter(target.config.vocab_size)  # no redraft method
+    prompts = [{"id": "a", "prompt_ids": [5, 6, 7, 8]}]
+    with pytest.raises(DDTreeError, match=r"^redraft 2 re-drafts with the drafter's redraft method, which this "
+                                          r"CountingDrafter has not: give redraft 0, or a DrafterRunner$"):
+        run_benchmark(target, drafter, prompts, ["ar", "ddtree"], [4], max_new_tokens=8, stop_ids=[], progress=False,
+                      redraft=2)
+    assert drafter.generations == []  # nothing decoded
+    run_benchmark(target, drafter, prompts, ["ar"], [4], max_new_tokens=8, stop_ids=[], progress=False, redraft=2)
+    assert drafter.generations == []  # ar alone never re-drafts: taken
+
+
 def test_the_chain_reports_its_expected_tau_from_its_own_probabilities(tiny_target):
     target, _ = tiny_target
     vocab = target.config.vocab_size

@@ -199,6 +199,38 @@ def test_a_drafter_not_wrapped_in_a_runner_is_refused_with_how_to_wrap_it(method
         generate(target, PROMPT, method, drafter_for(target), budget=4, max_new_tokens=NEW)
 
 
+class WithoutBlockSize(RiggedDrafter):
+    """A drafter of its own with reset, features and propose, and no block_size."""
+
+    def __getattribute__(self, name):
+        if name == "block_size":
+            raise AttributeError(name)
+        return super().__getattribute__(name)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_a_drafter_of_its_own_without_block_size_or_redraft_is_refused_before_the_prefill(tiny_target, monkeypatch,
+                                                                                           static):
+    """Found in a review of the fixed-shape paths: the loop also reads block_size, and calls redraft when redraft > 0;
+    a drafter without them passed the check and was an AttributeError after the prefill."""
+    target, _ = tiny_target
+    reference = PROMPT + greedy(target, PROMPT)
+    without_redraft = RiggedDrafter(reference, target.config.vocab_size, block_size=4)  # rigged.py's has no redraft
+    assert generate(target, PROMPT, "ddtree", without_redraft, budget=6, max_new_tokens=NEW, redraft=0,
+                    static=static).new_tokens == greedy(target, PROMPT)  # without re-drafting, it decodes
+    monkeypatch.setattr(ddtree.decoding.DynamicTarget, "prefill", lambda *args: pytest.fail("prefilled first"))
+    monkeypatch.setattr(ddtree.decoding, "static_target", lambda *args, **kwargs: pytest.fail("built a static runner"))
+    with pytest.raises(DDTreeError, match=r"^drafter is a WithoutBlockSize, not a DrafterRunner: wrap it, .*\(a "
+                                          r"drafter of its own needs reset, features, propose and block_size; it has no "
+                                          r"block_size\)$"):
+        generate(target, PROMPT, "dflash", WithoutBlockSize(reference, target.config.vocab_size), max_new_tokens=NEW,
+                 static=static)
+    for method in ("dflash", "ddtree"):
+        with pytest.raises(DDTreeError, match=r"^redraft 2 re-drafts with the drafter's redraft method, which this "
+                                              r"RiggedDrafter has not: give redraft 0, or a DrafterRunner$"):
+            generate(target, PROMPT, method, without_redraft, budget=6, max_new_tokens=NEW, redraft=2, static=static)
+
+
 @pytest.mark.parametrize("vocab", [256, 128], ids=["same shapes", "fewer embedding rows"])
 def test_a_runner_reused_with_another_target_is_refused(vocab):
     """Of the same shapes it drafted silently through the first target's embedding and LM head; of fewer embedding rows

@@ -421,15 +421,19 @@ def compare_packed_verify_cost(
 ) -> list[dict]:
     """The verify's time over [root + n nodes] with the target's plain linear layers and with packed ones
     (ddtree/packed_linear.py), each the median of `repeats`, the two measured alternately, size by size, in one
-    process, so that a noisy machine moves both alike. target: a plain model; the packed one is a copy of it.
+    process, so that a noisy machine moves both alike. target: a plain model (a packed one is refused); the packed one is
+    a copy of it.
     Returns rows {nodes, plain_ms, packed_ms, ratio (plain / packed)}; nodes 0 is one AR step."""
     import copy
     import statistics
 
-    from .packed_linear import pack_linears
+    from .packed_linear import is_packed, pack_linears
     from .sizing import probe_runner, probe_tree, verify_seconds
     from .tree import build_tree
 
+    if is_packed(target):  # its packed copies are opaque oneDNN tensors, which copy.deepcopy cannot copy
+        raise DDTreeError("compare_packed_verify_cost: the target's linear layers are already packed (pack_linears); "
+                          "give it the plain model, unpack_linears(target) first, and it packs a copy to compare")
     packed = copy.deepcopy(target)
     pack_linears(packed)
     runners = {"plain": probe_runner(target, context, seed), "packed": probe_runner(packed, context, seed)}

@@ -4,6 +4,7 @@ share), and how it reads a prompts file.
     .venv/bin/pytest -q tests/ddtree/test_bench.py
 """
 
+import copy
 import inspect
 import math
 import weakref
@@ -11,11 +12,12 @@ import weakref
 import pytest
 import torch
 
-from ddtree.bench import (CHAIN, acceptance_summary, budget_of, format_summary, iter_json_lines, load_prompts, method_keys,
-                          run_benchmark, summarize, tree_key)
+from ddtree.bench import (CHAIN, acceptance_summary, budget_of, compare_packed_verify_cost, format_summary, iter_json_lines,
+                          load_prompts, method_keys, run_benchmark, summarize, tree_key)
 from ddtree import target_runner
 from ddtree.decoding import generate
 from ddtree.errors import DDTreeError
+from ddtree.packed_linear import is_packed, pack_linears, packing_available, unpack_linears
 from ddtree.sizing import TreeSizer
 
 
@@ -377,3 +379,17 @@ def test_a_prompt_given_as_a_batch_of_one_counts_its_tokens_not_its_rows(tiny_ta
         run_benchmark(target, None, [{"id": "long", "prompt_ids": torch.full((1, limit), 5)}], ["ar"], [4], 4, [],
                       progress=False)
     assert len(decoded) == 3  # refused before the warm-up
+
+
+@pytest.mark.skipif(not packing_available(), reason="this torch has no oneDNN packing")
+def test_comparing_packed_verify_cost_on_an_already_packed_target_is_one_line(tiny_target):
+    """Found in a review of the fixed-shape paths: it deep-copies the target to pack the copy, and a packed target's
+    oneDNN copies cannot be deep-copied (NotImplementedError deep in torch)."""
+    target = copy.deepcopy(tiny_target[0]).requires_grad_(False)
+    pack_linears(target)
+    with pytest.raises(DDTreeError, match=r"^compare_packed_verify_cost: the target's linear layers are already packed "
+                                          r"\(pack_linears\); give it the plain model, unpack_linears\(target\) first"):
+        compare_packed_verify_cost(target, [2], context=8, repeats=1)
+    assert is_packed(target)  # left as given
+    unpack_linears(target)
+    assert [row["nodes"] for row in compare_packed_verify_cost(target, [2], context=8, repeats=1)] == [0, 2]

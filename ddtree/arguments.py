@@ -14,8 +14,8 @@ from .names import AUTO, CALIBRATION_FILE, METHODS, PACKED_KERNELS
 
 DESCRIPTION = "generate text or benchmark decoding methods with a target and a drafter"
 DEVICE_HELP = "cpu, cuda or cuda:N (default: cuda where this machine has a GPU, else cpu)"
-DTYPE_HELP = ("auto (bf16 on a GPU of compute capability 8.0 on, or where a quick matmul timing finds it faster on "
-              "this CPU; else float32), float32, bfloat16 or float16")
+DTYPE_HELP = ("auto (bf16 on a GPU of compute capability 8.0 on, or where a quick matmul timing takes under 0.9x "
+              "float32's time on this CPU; else float32), float32, bfloat16 or float16")
 
 
 def _int_list(text: str) -> list[int]:

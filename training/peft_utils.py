@@ -1,38 +1,76 @@
 """PEFT glue: a target given as base model + adapter, and LoRA on a warm-started drafter.
 
-    target = merge_target_adapter(base_target, "path/to/adapter")   # merged once, at load
+    check_adapter_folder("path/to/adapter")                          # config and weights there, before any work
+    target = merge_target_adapter(base_target, "path/to/adapter", "smollm2-135m")   # merged once, at load
     drafter = add_drafter_lora(drafter, rank=16, alpha=32, dropout=0.0, target_modules=[...])
     plain = merged_drafter(drafter)                                  # a copy with LoRA folded in
 
 Merging the target's adapter at load keeps the frozen forward a plain transformers model (no
 adapter branches on the hot path). The drafter's LoRA is merged only when it is saved, so the
 exported folder is an ordinary DFlashDraftModel that `ddtree bench --drafter` loads.
+
+Importing this module loads neither torch nor peft (they load where a model is built): the folder check answers
+before torch loads.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from torch import nn
-from transformers import PreTrainedModel
+from ddtree.errors import DDTreeError, error_line
 
-from ddtree.targets import DDTreeError
+if TYPE_CHECKING:
+    from torch import nn
+    from transformers import PreTrainedModel
 
 # LoRA on every attention and MLP projection of the drafter's layers, unless model.lora_target_modules says otherwise.
 DEFAULT_LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# The weights file `save_pretrained` of a PeftModel writes beside adapter_config.json (safetensors, or torch's format).
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 
 
-def merge_target_adapter(target: PreTrainedModel, adapter: str) -> PreTrainedModel:
-    """Load a PEFT adapter onto the frozen target and fold it into the weights."""
+def check_adapter_folder(adapter: str, field: str = "model.target_adapter") -> dict:
+    """The adapter folder's adapter_config.json, once its weights file is known to be beside it; else a DDTreeError
+    naming `field` (where the folder was given). Without the weights peft went on to ask the Hub for the folder's path
+    as a repo id, and failed with a message about repo names."""
+    config_path = Path(adapter) / "adapter_config.json"
+    if not config_path.is_file():
+        raise DDTreeError(f"{field}={adapter}: no adapter_config.json there; give a PEFT adapter folder "
+                          "(the one `save_pretrained` of a PeftModel writes)")
+    if not any((Path(adapter) / name).is_file() for name in ADAPTER_WEIGHTS):
+        raise DDTreeError(f"{field}={adapter}: adapter_config.json is there but not the adapter's weights "
+                          f"({' or '.join(ADAPTER_WEIGHTS)}): copy the whole folder `save_pretrained` wrote")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except ValueError as error:  # not JSON, or not UTF-8 text (UnicodeDecodeError)
+        raise DDTreeError(f"{field}={adapter}: {config_path.name} is not valid JSON ({error_line(error)}); copy the "
+                          "whole folder `save_pretrained` wrote again") from None
+    if not isinstance(config, dict):
+        raise DDTreeError(f"{field}={adapter}: {config_path.name} holds a JSON {type(config).__name__}, not a PEFT "
+                          "adapter's settings; copy the whole folder `save_pretrained` wrote again")
+    return config
+
+
+def merge_target_adapter(target: PreTrainedModel, adapter: str, target_name: str,
+                         field: str = "model.target_adapter") -> PreTrainedModel:
+    """Load a PEFT adapter onto the frozen target (named `target_name` where it was given) and fold it into the
+    weights. An adapter made for another model (other shapes, modules the target lacks) is a DDTreeError naming both:
+    peft raised a RuntimeError of a dozen size-mismatch lines, or its own error class."""
     from peft import PeftModel
 
-    if not (Path(adapter) / "adapter_config.json").exists():
-        raise DDTreeError(
-            f"model.target_adapter={adapter}: no adapter_config.json there; give a PEFT adapter folder "
-            "(the one `save_pretrained` of a PeftModel writes)"
-        )
-    merged = PeftModel.from_pretrained(target, adapter).merge_and_unload()
+    made_for = check_adapter_folder(adapter, field).get("base_model_name_or_path")
+    try:
+        merged = PeftModel.from_pretrained(target, adapter).merge_and_unload()
+    except (RuntimeError, ValueError, KeyError) as error:  # peft's own (NoMatchingPeftModuleError) are ValueErrors
+        lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()] or [type(error).__name__]
+        # "Error(s) in loading state_dict for PeftModel:" says nothing alone: with the first size mismatch under it
+        cause = (f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]).rstrip(".")
+        raise DDTreeError(f"{field}={adapter} does not fit target {target_name}"
+                          f"{f' (it was made for {made_for})' if made_for else ''}: {cause}; give an adapter trained "
+                          f"on {target_name}, or the target it was made for") from None
     return merged.eval().requires_grad_(False)
 
 

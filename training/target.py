@@ -47,12 +47,14 @@ def dtype_for_precision(precision: str | None, target_dtype: str = "auto") -> to
 
 
 def load_frozen_target(
-    name_or_path: str, dtype: torch.dtype, adapter: str | None = None, device: str | torch.device = "cpu"
+    name_or_path: str, dtype: torch.dtype, adapter: str | None = None, device: str | torch.device = "cpu",
+    adapter_field: str = "model.target_adapter",
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """The target in eval mode with no gradients, an optional PEFT adapter folded into its weights."""
+    """The target in eval mode with no gradients, an optional PEFT adapter folded into its weights (an adapter that
+    does not fit is a DDTreeError naming `adapter_field`, where it was given)."""
     model, tokenizer = load_target(name_or_path, dtype=dtype, device=device)
     if adapter:
-        model = merge_target_adapter(model, adapter)
+        model = merge_target_adapter(model, adapter, name_or_path, adapter_field)
     return model.eval().requires_grad_(False), tokenizer
 
 

@@ -1,0 +1,74 @@
+"""A target given as base model + PEFT adapter (training/peft_utils.py): adapters that cannot be merged.
+
+    .venv/bin/pytest -q tests/training/test_peft_utils.py
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pytest
+import torch
+
+from ddtree.errors import DDTreeError
+from training.target import load_frozen_target
+
+
+def lora(model, path, modules=("q_proj",)):
+    from peft import LoraConfig, get_peft_model
+
+    get_peft_model(model, LoraConfig(r=2, target_modules=list(modules), init_lora_weights=False)).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    """A fitting adapter, and three that do not fit tiny-random: made for a model of another hidden size, naming
+    modules it lacks, and a folder holding the config alone (a copy cut short)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ddtree.targets import load_target
+
+    folder = tmp_path_factory.mktemp("adapters")
+    fits = lora(load_target("tiny-random")[0], folder / "fits")
+    other = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=16))
+    other.name_or_path = "someone/other-llama"  # what the adapter's base_model_name_or_path records
+    wrong_shape = lora(other, folder / "wrong_shape")
+    missing_modules = lora(load_target("tiny-random")[0], folder / "missing_modules")
+    config = json.loads((folder / "missing_modules" / "adapter_config.json").read_text())
+    (folder / "missing_modules" / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["c_attn"]}))
+    (folder / "no_weights").mkdir()
+    shutil.copy(folder / "fits" / "adapter_config.json", folder / "no_weights")
+    return {"fits": fits, "wrong_shape": wrong_shape, "missing_modules": missing_modules,
+            "no_weights": str(folder / "no_weights")}
+
+
+@pytest.mark.parametrize("kind, said", [
+    ("wrong_shape", r"\(it was made for someone/other-llama\): Error\(s\) in loading state_dict for PeftModel: size "
+                    r"mismatch for .*lora_A"),
+    ("missing_modules", r"\(it was made for .*tiny-random\): Target modules \{'c_attn'\} not found"),
+])
+def test_an_adapter_made_for_another_model_is_one_line_naming_it_and_the_target(adapters, kind, said):
+    adapter = adapters[kind]
+    with pytest.raises(DDTreeError) as error:
+        load_frozen_target("tiny-random", torch.float32, adapter)
+    message = str(error.value)
+    assert "\n" not in message
+    assert message.startswith(f"model.target_adapter={adapter} does not fit target tiny-random (it was made for ")
+    assert re.search(said, message) and message.endswith("give an adapter trained on tiny-random, or the target it was "
+                                                         "made for")
+
+
+def test_an_adapter_folder_without_its_weights_says_so(adapters):
+    """peft asked the Hub for the folder's path as a repo id and failed on its shape: a message about repo names."""
+    with pytest.raises(DDTreeError, match=r"^model.target_adapter=.*no_weights: adapter_config.json is there but not "
+                                          r"the adapter's weights \(adapter_model.safetensors or adapter_model.bin\)"):
+        load_frozen_target("tiny-random", torch.float32, adapters["no_weights"])
+
+
+def test_a_fitting_adapter_still_merges(adapters):
+    merged, _ = load_frozen_target("tiny-random", torch.float32, adapters["fits"])
+    assert not any("lora" in name for name, _ in merged.named_parameters())

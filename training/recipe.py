@@ -34,6 +34,7 @@ from .checkpoints import AtomicCheckpointIO
 from .data import DistillDataModule
 from .feature_store import init_from_config
 from .module import NO_SCHEDULE_END, DistillModule
+from .peft_utils import check_adapter_folder
 from .recipe_data import AUTO_DATA
 from .strategies import CPUDeepSpeed, DrafterDeepSpeed, check_launch, count_devices
 from .target import dtype_for_precision
@@ -306,6 +307,11 @@ def check_input_files(config: Namespace) -> None:
     if config.model.init_from:
         try:
             init_from_config(config.model.init_from)
+        except DDTreeError as error:
+            raise RecipeSettingError(str(error)) from None
+    if config.model.target_adapter:  # else found as the target loads: after the data's generation, hours on a real one
+        try:
+            check_adapter_folder(config.model.target_adapter)
         except DDTreeError as error:
             raise RecipeSettingError(str(error)) from None
     prompts = config.eval.prompts

@@ -437,6 +437,26 @@ def test_a_data_path_under_a_local_folder_is_a_missing_folder_not_a_hub_dataset(
     assert not out.exists()
 
 
+@pytest.mark.parametrize("adapter, said", [
+    ("adaptr", "no adapter_config.json there"),
+    ("config_only", "adapter_config.json is there but not the adapter's weights"),
+])
+def test_a_target_adapter_that_is_not_there_is_named_before_the_data_is_generated(tmp_path, monkeypatch, capsys,
+                                                                                  adapter, said):
+    """A misspelt model.target_adapter was found only as the target loaded, after data/regenerate.py had written the
+    recipe's data with it (hours, on a real target)."""
+    monkeypatch.setattr(training.train, "prepare_recipe_data", lambda *args, **kwargs: pytest.fail("went on to the data"))
+    (tmp_path / "config_only").mkdir()
+    (tmp_path / "config_only" / "adapter_config.json").write_text("{}")
+    regenerate = '{"prompts": "data/prompts/train_prompts.jsonl", "limit": 3}'
+    argv = ["--recipe", "tiny", f"--model.target_adapter={tmp_path / adapter}", f"--data.data_path={tmp_path / 'regen'}",
+            f"--data.regenerate={regenerate}", "--output-root", str(tmp_path / "out")]
+    assert main(argv) == 2
+    errors = error_lines(capsys)
+    assert len(errors) == 1 and f"model.target_adapter={tmp_path / adapter}: {said}" in errors[0], errors
+    assert not (tmp_path / "regen").exists() and not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("field", ["checkpoint.dirpath", "trainer.default_root_dir"])
 def test_where_a_run_writes_is_the_run_folders_alone(field, tmp_path, monkeypatch, capsys):
     """Overriding either split a run: --checkpoint.dirpath put its checkpoints where neither its resume nor make eval

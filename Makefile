@@ -40,8 +40,9 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 
-# make data [RECIPE=smollm2-135m] [ARGS="--overwrite ..."]: the recipe's target writes its training replies into the recipe's
-# data.data_path (data/regenerate.py; resumable: chunks already written are skipped).
+# make data [RECIPE=smollm2-135m] [ARGS="--overwrite ..."]: the recipe's target (its model.target_adapter merged in, if it
+# sets one) writes its training replies into the recipe's data.data_path (data/regenerate.py; resumable: chunks already
+# written are skipped).
 data: $(STAMP)
 	$(PY) data/regenerate.py --recipe $(call quote,recipes/$(RECIPE).yaml) $(ARGS)
 

@@ -8,12 +8,17 @@
     python data/regenerate.py ... --shard-index 1 --num-shards 2 &
     python data/regenerate.py ... --merge-only        # (re)build the dataset from finished chunks
 
+    python data/regenerate.py --target smollm2-135m --target-adapter path/to/adapter ...   # a fine-tuned target:
+                                                      # base model + PEFT adapter, merged as training merges it
     python data/regenerate.py --recipe smollm2-135m   # target and --out from the recipe (its name, or a YAML file)
     python data/regenerate.py --recipe recipes/smollm2-135m-gpu.yaml   # and its data.regenerate options; data_path
                                                                        # auto: <ddtree cache>/data/<recipe>
 
 A drafter learns to predict the target's own continuations, so the training responses are written
-by the target (greedy by default: evaluation decodes at temperature 0).
+by the target (greedy by default: evaluation decodes at temperature 0). A target given as a base model and a
+PEFT adapter (a recipe's model.target_adapter, --target-adapter) writes them with the adapter merged, as
+training loads it (training.target.load_frozen_target); the settings record the adapter's path and the sha256
+of its files, so that data of the base model, or of the adapter before it was retrained, is not taken for it.
 
 How the work is laid out, so it survives interruption:
   - the first --limit prompts are cut into chunks of --chunk-size; chunk k belongs to shard k % n;
@@ -59,6 +64,7 @@ from ddtree.files import (atomic_file, path_argument, read_yaml_mapping, staged_
                           write_text_atomic)
 from ddtree.names import DTYPE_NAMES
 from training.arguments import RECIPES_DIR, answer_early, known_recipes
+from training.peft_utils import adapter_fingerprint, check_adapter_folder
 from training.recipe_data import AUTO_DATA, check_regenerate_settings, default_data_path, read_record, read_summary
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -68,9 +74,13 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 def build_parser() -> argparse.ArgumentParser:
     p = CommandParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipe", type=Path, default=None,
-                   help="a training recipe (its name, or a YAML file): --target defaults to its model.target, --out "
-                   "to its data.data_path, the other options to its data.regenerate section")
+                   help="a training recipe (its name, or a YAML file): --target and --target-adapter default to its "
+                   "model.target and model.target_adapter, --out to its data.data_path, the other options to its "
+                   "data.regenerate section")
     p.add_argument("--target", default=None, help="built-in target name, local HF folder or Hub id (default smollm2-135m)")
+    p.add_argument("--target-adapter", default=None,
+                   help="PEFT adapter folder merged into --target before it writes (a recipe's model.target_adapter); "
+                   "the data records its path and sha256, and the transformers backend writes")
     p.add_argument("--prompts", type=Path, default=Path("data/prompts/train_prompts.jsonl"))
     p.add_argument("--out", type=lambda text: Path(path_argument(text)), default=None, help="output `datasets` folder (chunks go to <out>.parts)")
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
@@ -106,7 +116,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def recipe_defaults(recipe: Path) -> dict[str, str]:
-    """A recipe's model.target, data.data_path (auto: <ddtree cache>/data/<recipe>) and data.regenerate options.
+    """A recipe's model.target (and model.target_adapter), data.data_path (auto: <ddtree cache>/data/<recipe>) and
+    data.regenerate options.
 
     recipe: its file, or its name as training takes it (smollm2-135m for recipes/smollm2-135m.yaml).
     """
@@ -136,8 +147,9 @@ def recipe_defaults(recipe: Path) -> dict[str, str]:
             checker.parse_args([f"--{field.replace('_', '-')}", value])
         except argparse.ArgumentError as error:
             raise DDTreeError(f"{recipe_file}: data.regenerate.{field}={value}: {error.message}") from None
-    if (recipe.get("model") or {}).get("target") is not None:
-        defaults["target"] = str(recipe["model"]["target"])
+    for field in ("target", "target_adapter"):
+        if (recipe.get("model") or {}).get(field) is not None:
+            defaults[field] = str(recipe["model"][field])
     if data.get("data_path") == AUTO_DATA:
         defaults["out"] = str(default_data_path(recipe_file.stem))
     elif data.get("data_path") is not None:
@@ -204,13 +216,18 @@ def checked_args(args: argparse.Namespace) -> argparse.Namespace:
         raise DDTreeError(f"--limit {args.limit} must be at least 1 (leave it out for every prompt)")
     if args.threads < 1:
         raise DDTreeError(f"--threads {args.threads} must be at least 1")
+    if args.target_adapter:
+        check_adapter_folder(args.target_adapter, "--target-adapter")
     return args
 
 
 def response_settings(args: argparse.Namespace) -> dict:
-    """Everything that changes a chunk's contents; --limit does not (it only says how many chunks)."""
+    """Everything that changes a chunk's contents; --limit does not (it only says how many chunks). The adapter by
+    its path and its files' sha256: retrained at the same path, it writes other replies."""
     return {
         "target": args.target,
+        "target_adapter": args.target_adapter,
+        "target_adapter_sha256": adapter_fingerprint(args.target_adapter),
         "prompts": str(args.prompts),
         "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature,
@@ -223,9 +240,14 @@ def response_settings(args: argparse.Namespace) -> dict:
 
 def changed_settings(old: dict, settings: dict) -> list[str]:
     """What differs between recorded settings and this job's, one "name: old -> new" each. One prompts file is one
-    setting however its path is spelled (same_file_spelling)."""
+    setting however its path is spelled (same_file_spelling), one adapter wherever its files were copied (the same
+    sha256); the sha256 is named only where the path is the same (the adapter retrained in place)."""
+    copied_adapter = settings.get("target_adapter_sha256") is not None and \
+        old.get("target_adapter_sha256") == settings["target_adapter_sha256"]
+    moved_adapter = old.get("target_adapter") != settings.get("target_adapter")
     return [f"{k}: {old.get(k)!r} -> {v!r}" for k, v in settings.items()
-            if old.get(k) != v and not (k == "prompts" and same_prompts_file(old.get(k), v))]
+            if old.get(k) != v and not (k == "prompts" and same_prompts_file(old.get(k), v))
+            and not (k == "target_adapter" and copied_adapter) and not (k == "target_adapter_sha256" and moved_adapter)]
 
 
 def same_prompts_file(recorded, given: str) -> bool:
@@ -294,8 +316,9 @@ from transformers import DynamicCache
 from ddtree.bench import chat_prompt_ids
 from ddtree.cli import parse_device
 from ddtree.decoding import Sampling, top_p_filter
-from ddtree.targets import DTYPES, config_stop_token_ids, load_target, resolve_target, stop_token_ids
+from ddtree.targets import DTYPES, config_stop_token_ids, resolve_target, stop_token_ids
 from training.conversations import CHAT_TARGET, read_messages_jsonl
+from training.target import load_frozen_target
 
 
 def prompt_messages(messages: list[dict]) -> list[dict]:
@@ -632,6 +655,11 @@ def run(args: argparse.Namespace) -> dict | None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     Sampling(args.temperature, args.top_p)  # serving's checks of --temperature and --top-p, before any work
     parse_device(args.device)  # a GPU this machine lacks is one line here, not an assertion once the target loads
+    if args.backend == "vllm" and args.target_adapter:
+        raise DDTreeError(f"--backend vllm loads --target {args.target} from its files and merges no --target-adapter: "
+                          "give --backend transformers (auto picks it for an adapter), or merge the adapter into a "
+                          "folder of its own (docs/training.md, A target with a PEFT adapter) and give that as "
+                          "--target")
     if args.backend == "vllm" and importlib.util.find_spec("vllm") is None:
         raise DDTreeError("--backend vllm: vLLM is not installed in this environment; install it, or give --backend "
                           "transformers (auto picks vLLM only where it imports and a GPU is present)")
@@ -673,13 +701,14 @@ def run(args: argparse.Namespace) -> dict | None:
           f"{len(mine)} chunks, {len(mine) - len(todo)} already done", flush=True)
 
     if todo:
-        use_vllm = args.backend == "vllm" or (args.backend == "auto" and vllm_usable())
+        use_vllm = args.backend == "vllm" or (args.backend == "auto" and not args.target_adapter and vllm_usable())
         if use_vllm:  # vLLM holds the weights; here only the tokenizer and the stop ids are needed
             vllm_generator, model = VLLMGenerator(args.target, args.dtype, args.seed), None
             tokenizer, stops = tokenizer_and_stops(args.target)
         else:
             vllm_generator = None
-            model, tokenizer = load_target(args.target, dtype=DTYPES[args.dtype], device=args.device)
+            model, tokenizer = load_frozen_target(args.target, DTYPES[args.dtype], args.target_adapter, args.device,
+                                                  adapter_field="--target-adapter")
             stops = sorted(set(stop_token_ids(model, tokenizer)))
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
         total = sum(len(chunks[k]) for k in todo)

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import bisect
 import errno
-import hashlib
 import json
 import os
 import re
@@ -75,6 +74,7 @@ from ddtree.targets import BUILTIN_TARGETS, TINY_TARGET, cache_dir, default_laye
 
 from .loss import next_token_top_k
 from .masks import IGNORE_INDEX
+from .peft_utils import adapter_fingerprint
 from .target import load_frozen_target, target_layer_features
 
 if TYPE_CHECKING:
@@ -195,22 +195,6 @@ def plan_shards(lengths: list[int], bytes_per_token: int, max_shard_bytes: int) 
     bounds = list(zip(starts, starts[1:] + [len(lengths)]))
     return [{"file": f"shard-{k:05d}.safetensors", "first_sequence": start, "num_sequences": end - start,
              "num_tokens": sum(lengths[start:end])} for k, (start, end) in enumerate(bounds)]
-
-
-def adapter_fingerprint(adapter: str | None) -> str | None:
-    """sha256 of a local PEFT adapter folder's adapter_* files (config and weights): a store built with an adapter
-    retrained at the same path since holds another target's features. None without an adapter, or for one named
-    by a Hub id (its files are not here)."""
-    if not adapter or not Path(adapter).is_dir():
-        return None
-    digest = hashlib.sha256()
-    for path in sorted(Path(adapter).iterdir()):
-        if path.is_file() and path.name.startswith("adapter_"):
-            digest.update(path.name.encode() + b"\0")
-            with path.open("rb") as f:
-                for chunk in iter(lambda: f.read(1 << 24), b""):
-                    digest.update(chunk)
-    return digest.hexdigest()
 
 
 def target_fingerprint(target: str) -> str | None:

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     if dtype is None:  # the same rule as training: a store in another dtype than training's would be cast every step
         dtype = dtype_for_precision(config.trainer.precision, config.model.target_dtype)
     datamodule = DistillDataModule(**config.data.as_dict())
-    prepare_recipe_data(datamodule, args.recipe)
+    prepare_recipe_data(datamodule, args.recipe, target_adapter=config.model.target_adapter)
     # distillation reads the target's final hidden states, or its top k, too
     final_hidden, teacher_top_k = store_teacher(config.model.distill_weight, config.model.distill_top_k)
     features = dict(layer_ids=drafter_layer_ids(config.model.target_layer_ids, config.model.init_from),

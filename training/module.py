@@ -59,7 +59,7 @@ from ddtree.errors import DDTreeError
 from ddtree.targets import build_drafter_config
 
 from .data import reply_vocabulary
-from .feature_store import adapter_fingerprint, target_fingerprint
+from .feature_store import target_fingerprint
 from .hub_config import drop_hub_fields
 from .loss import (
     DISTILL_LOSSES, OBJECTIVES, RECALL_K, block_loss_sums, block_position_weights, chain_acceptance, draft_vocab_labels,
@@ -69,7 +69,7 @@ from .masks import (
     IGNORE_INDEX, block_input_ids, block_labels, block_position_ids, dense_block_mask, flex_block_mask, given_labels,
     pad_for_flex, sample_anchors, sample_given,
 )
-from .peft_utils import DEFAULT_LORA_MODULES, add_drafter_lora
+from .peft_utils import DEFAULT_LORA_MODULES, adapter_fingerprint, add_drafter_lora
 from .replay import RoundNLL, learn_calibration, replay_reply, reply_span
 from .strategies import is_deepspeed
 from .target import dtype_for_precision, load_frozen_target, target_layer_features

@@ -1,6 +1,7 @@
 """PEFT glue: a target given as base model + adapter, and LoRA on a warm-started drafter.
 
     check_adapter_folder("path/to/adapter")                          # config and weights there, before any work
+    adapter_fingerprint("path/to/adapter")                           # sha256 of its files, as records keep it
     target = merge_target_adapter(base_target, "path/to/adapter", "smollm2-135m")   # merged once, at load
     drafter = add_drafter_lora(drafter, rank=16, alpha=32, dropout=0.0, target_modules=[...])
     plain = merged_drafter(drafter)                                  # a copy with LoRA folded in
@@ -9,13 +10,14 @@ Merging the target's adapter at load keeps the frozen forward a plain transforme
 adapter branches on the hot path). The drafter's LoRA is merged only when it is saved, so the
 exported folder is an ordinary DFlashDraftModel that `ddtree bench --drafter` loads.
 
-Importing this module loads neither torch nor peft (they load where a model is built): the folder check answers
-before torch loads.
+Importing this module loads neither torch nor peft (they load where a model is built): the folder check and the
+fingerprint answer before torch loads, in the recipe checks and in data/regenerate.py --check.
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -52,6 +54,22 @@ def check_adapter_folder(adapter: str, field: str = "model.target_adapter") -> d
         raise DDTreeError(f"{field}={adapter}: {config_path.name} holds a JSON {type(config).__name__}, not a PEFT "
                           "adapter's settings; copy the whole folder `save_pretrained` wrote again")
     return config
+
+
+def adapter_fingerprint(adapter: str | None) -> str | None:
+    """sha256 of a local PEFT adapter folder's adapter_* files (config and weights): what was trained against, the
+    feature store built from, or the data generated with, once the adapter was retrained at the same path, is another
+    target's. None without an adapter, or for one named by a Hub id (its files are not here)."""
+    if not adapter or not Path(adapter).is_dir():
+        return None
+    digest = hashlib.sha256()
+    for path in sorted(Path(adapter).iterdir()):
+        if path.is_file() and path.name.startswith("adapter_"):
+            digest.update(path.name.encode() + b"\0")
+            with path.open("rb") as f:
+                for chunk in iter(lambda: f.read(1 << 24), b""):
+                    digest.update(chunk)
+    return digest.hexdigest()
 
 
 def merge_target_adapter(target: PreTrainedModel, adapter: str, target_name: str,

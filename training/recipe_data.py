@@ -9,9 +9,11 @@
 `training.train` and `training.features` call `prepare_recipe_data` before anything reads the data:
 it resolves data_path "auto" and, when the folder is missing and the recipe has a regenerate
 section, runs `data/regenerate.py` in a child process (so the target it loads is freed when it ends,
-before training loads its own). A folder that exists is checked against the recipe (its
-regeneration.json: the target, the settings, the number of prompts) and refused when another
-target or other settings made it. A recipe without a regenerate section reads its data_path as before.
+before training loads its own), with model.target_adapter merged into the target as training merges it.
+A folder that exists is checked against the recipe (its regeneration.json: the target and its adapter,
+by path and sha256, the settings, the number of prompts) and refused when another target, the base
+model without the adapter (or with another), or other settings made it. A recipe without a regenerate
+section reads its data_path as before.
 `make data RECIPE=x` runs the same generation by hand (data/regenerate.py --recipe).
 """
 
@@ -65,18 +67,23 @@ def read_summary(out: Path) -> dict | None:
     return read_record(Path(out) / "regeneration.json", remedy)
 
 
-def regenerate_arguments(target: str, out: Path, settings: dict) -> list[str]:
-    """{"max_new_tokens": 256, ...} -> regenerate.py's command line for this target and output folder."""
+def regenerate_arguments(target: str, out: Path, settings: dict, target_adapter: str | None = None) -> list[str]:
+    """{"max_new_tokens": 256, ...} -> regenerate.py's command line for this target (and the PEFT adapter merged
+    into it) and output folder."""
     check_regenerate_settings(settings)
-    arguments = ["--target", str(target), "--out", str(out)]
+    arguments = ["--target", str(target), *(["--target-adapter", str(target_adapter)] if target_adapter else []),
+                 "--out", str(out)]
     for field, value in settings.items():
         if value is not None:  # null: the option's default (limit: null = every prompt)
             arguments += [f"--{field.replace('_', '-')}", str(value)]
     return arguments
 
 
-def prepare_recipe_data(datamodule, recipe: str, world_size: int = 1) -> None:
+def prepare_recipe_data(datamodule, recipe: str, world_size: int = 1, target_adapter: str | None = None) -> None:
     """Resolve data_path "auto" on the datamodule; generate the data first if the recipe says how and it is missing.
+
+    target_adapter: the run's model.target_adapter, merged into the target that writes the data (the datamodule
+    knows the target alone): without it the replies were the base model's, and the drafter learned those.
 
     Only a single-process launch generates: the processes of a larger one would each start the same
     job, so they stop and ask for `make data` first.
@@ -90,24 +97,25 @@ def prepare_recipe_data(datamodule, recipe: str, world_size: int = 1) -> None:
     if not datamodule.regenerate:
         return
     if path.exists():
-        check_recipe_data(datamodule, recipe, path)
+        check_recipe_data(datamodule, recipe, path, target_adapter)
         return
     if world_size > 1:
         raise DDTreeError(f"data {path} does not exist yet and this launch runs {world_size} processes: "
                           f"generate it first with `make data RECIPE={recipe}`")
     command = [sys.executable, str(REGENERATE_SCRIPT),
-               *regenerate_arguments(datamodule.target, path, datamodule.regenerate)]
+               *regenerate_arguments(datamodule.target, path, datamodule.regenerate, target_adapter)]
     print(f"[data] {path} is missing: the target writes it first ({' '.join(command[1:])})", flush=True)
     if subprocess.run(command).returncode != 0:
         raise DDTreeError(f"generating the training data into {path} failed (its error is above); rerun: "
                           f"`make data RECIPE={recipe}` resumes from the chunks already written")
 
 
-def check_recipe_data(datamodule, recipe: str, path: Path) -> None:
-    """The data at `path` is what the recipe's target and data.regenerate settings would write (regenerate.py --check,
-    which answers before torch loads: a fraction of a second); else a DDTreeError naming what differs."""
+def check_recipe_data(datamodule, recipe: str, path: Path, target_adapter: str | None = None) -> None:
+    """The data at `path` is what the recipe's target (with its adapter) and data.regenerate settings would write
+    (regenerate.py --check, which answers before torch loads: a fraction of a second); else a DDTreeError naming what
+    differs."""
     command = [sys.executable, str(REGENERATE_SCRIPT),
-               *regenerate_arguments(datamodule.target, path, datamodule.regenerate), "--check"]
+               *regenerate_arguments(datamodule.target, path, datamodule.regenerate, target_adapter), "--check"]
     checked = subprocess.run(command, capture_output=True, text=True)
     if checked.returncode != 0:
         said = (checked.stderr.strip().splitlines() or [f"exit status {checked.returncode}"])[-1]

@@ -451,7 +451,8 @@ def main(argv: list[str] | None = None) -> int:
                               "only its own folders of per-rank shards: resume it under the run's strategy (drop the "
                               "trainer.strategy override), or export it (make export) and start a new run from the "
                               "drafter with model.init_from")
-        prepare_recipe_data(cli.datamodule, args.recipe, cli.trainer.world_size)
+        prepare_recipe_data(cli.datamodule, args.recipe, cli.trainer.world_size,
+                            target_adapter=cli.model.hparams.target_adapter)
         build_missing_feature_store(cli, args.recipe, overrides)
         config_text = cli.parser.dump(cli.config, skip_none=False)
         if checkpoint:  # in this order: a refused resume leaves config.yaml as it was

@@ -266,7 +266,7 @@ def test_a_dataset_that_already_answers_the_job_is_left_as_it_is(tmp_path, monke
     summary = tmp_path / "out" / "regeneration.json"
     summary.write_text(json.dumps({**json.loads(summary.read_text()), "response_ids": {"recovered": 4}}))
     shipped = {path.name: path.read_bytes() for path in (tmp_path / "out").iterdir()}
-    monkeypatch.setattr(regenerate, "load_target", lambda *args, **kwargs: pytest.fail("loaded the target"))
+    monkeypatch.setattr(regenerate, "load_frozen_target", lambda *args, **kwargs: pytest.fail("loaded the target"))
     capsys.readouterr()
     assert regenerate.run(args_for(tmp_path))["response_ids"] == {"recovered": 4}
     assert capsys.readouterr().out == (f"[regenerate] {tmp_path / 'out'} already answers these 4 prompts with these "
@@ -282,6 +282,79 @@ def test_a_dataset_that_already_answers_the_job_is_left_as_it_is(tmp_path, monke
     from datasets import load_from_disk
 
     assert load_from_disk(str(tmp_path / "out"))[3]["messages"][0]["content"] == "Say something about three."
+
+
+def lora_adapter(path, seed: int) -> str:
+    """A LoRA adapter on tiny-random, strong enough to change its greedy replies."""
+    from peft import LoraConfig, get_peft_model
+
+    from ddtree.targets import load_target
+
+    torch.manual_seed(seed)
+    config = LoraConfig(r=4, lora_alpha=64, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"],
+                        init_lora_weights=False)
+    model = get_peft_model(load_target("tiny-random", torch.float32)[0], config)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_" in name:
+                parameter.mul_(3)
+    model.save_pretrained(path)
+    return str(path)
+
+
+def test_a_target_adapter_writes_the_replies_and_only_its_data_passes_the_check(tmp_path):
+    """--target-adapter (a recipe's model.target_adapter): the replies are the target's with the adapter merged, as
+    training merges it, and regeneration.json records the adapter, so that --check tells its data from the base
+    model's. Before, there was no such option: a run with an adapter trained on the base model's replies."""
+    import shutil
+
+    from datasets import load_from_disk
+
+    from training.peft_utils import adapter_fingerprint
+    from training.target import load_frozen_target
+
+    prompt_file(tmp_path / "prompts.jsonl", 3)
+    adapter = lora_adapter(tmp_path / "adapter", 0)
+    summary = regenerate.run(args_for(tmp_path, "--target-adapter", adapter))
+    assert summary["target_adapter"] == adapter and summary["target_adapter_sha256"] == adapter_fingerprint(adapter)
+    recorded = json.loads((tmp_path / "out" / "regeneration.json").read_text())
+    assert recorded["target_adapter"] == adapter and recorded["target_adapter_sha256"] == adapter_fingerprint(adapter)
+    base_dir = tmp_path / "base"
+    regenerate.run(args_for(tmp_path, "--out", str(base_dir)))
+    adapted_ids = load_from_disk(str(tmp_path / "out"))["response_ids"]
+    assert adapted_ids != load_from_disk(str(base_dir))["response_ids"]
+    model, tokenizer = load_frozen_target("tiny-random", torch.float32, adapter)
+    stops = regenerate.stop_token_ids(model, tokenizer)
+    prompts = [regenerate.render_prompt_ids(tokenizer, row["messages"][:-1]) for row in load_from_disk(str(tmp_path / "out"))]
+    greedy = regenerate.generate_transformers(model, prompts, stops[0], stops, 2, 6, 0.0, 1.0)
+    assert adapted_ids == [regenerate.cut_at_stop(tokens, set(stops))[0] for tokens in greedy]
+
+    regenerate.run(args_for(tmp_path, "--target-adapter", adapter, "--check"))  # its own data
+    with pytest.raises(DDTreeError, match=rf"holds a dataset made with other settings \(target_adapter: "
+                                          rf"'{re.escape(adapter)}' -> None\)"):
+        regenerate.run(args_for(tmp_path, "--check"))  # a run without the adapter
+    with pytest.raises(DDTreeError, match=rf"\(target_adapter: None -> '{re.escape(adapter)}'\)"):
+        regenerate.run(args_for(tmp_path, "--out", str(base_dir), "--target-adapter", adapter, "--check"))
+    shutil.copytree(adapter, tmp_path / "copy")  # the same adapter at another path (a node's own disk)
+    regenerate.run(args_for(tmp_path, "--target-adapter", str(tmp_path / "copy"), "--check"))
+    lora_adapter(tmp_path / "adapter", 1)  # retrained where it was: its replies are another target's
+    with pytest.raises(DDTreeError, match=r"\(target_adapter_sha256: '[0-9a-f]{64}' -> '[0-9a-f]{64}'\)"):
+        regenerate.run(args_for(tmp_path, "--target-adapter", adapter, "--check"))
+
+
+def test_a_target_adapter_that_cannot_be_merged_is_one_line_before_any_work(tmp_path, capsys):
+    prompt_file(tmp_path / "prompts.jsonl", 2)
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text("{}")
+    assert regenerate.main(args_for_argv(tmp_path, "--target-adapter", str(tmp_path / "adapter"))) == 2
+    assert capsys.readouterr().err.strip() == (f"error: --target-adapter={tmp_path / 'adapter'}: adapter_config.json is "
+                                               "there but not the adapter's weights (adapter_model.safetensors or "
+                                               "adapter_model.bin): copy the whole folder `save_pretrained` wrote")
+    adapter = lora_adapter(tmp_path / "adapter", 0)
+    assert regenerate.main(args_for_argv(tmp_path, "--target-adapter", adapter, "--backend", "vllm")) == 2
+    assert "--backend vllm loads --target tiny-random from its files and merges no --target-adapter" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.parts").exists()
 
 
 def test_a_job_stopped_before_its_first_chunk_takes_corrected_settings(tmp_path):
@@ -444,7 +517,10 @@ def test_recipe_supplies_target_and_output(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("model:\n  target: tiny-random\ndata:\n  data_path: %s\n" % (tmp_path / "from-recipe"))
     args = regenerate.apply_recipe(regenerate.parse_args(["--recipe", str(recipe)]))
-    assert (args.target, args.out) == ("tiny-random", tmp_path / "from-recipe")
+    assert (args.target, args.target_adapter, args.out) == ("tiny-random", None, tmp_path / "from-recipe")
+    recipe.write_text(recipe.read_text().replace("target: tiny-random", "target: tiny-random\n  target_adapter: lora"))
+    args = regenerate.apply_recipe(regenerate.parse_args(["--recipe", str(recipe)]))  # make data RECIPE=<it>
+    assert (args.target, args.target_adapter) == ("tiny-random", "lora")
     args = regenerate.apply_recipe(regenerate.parse_args(["--recipe", str(recipe), "--out", "elsewhere"]))
     assert args.out == Path("elsewhere")
     with pytest.raises(DDTreeError, match="no output folder"):

@@ -104,8 +104,8 @@ def test_regenerate_fields_are_the_scripts_options():
     options = {action.dest for action in regenerate.build_parser()._actions}
     assert set(REGENERATE_FIELDS) <= options
     # The ones left out come from the recipe itself, split one job into shards, or are one launch's choice.
-    assert options - set(REGENERATE_FIELDS) == {"help", "recipe", "target", "out", "shard_index", "num_shards",
-                                                "merge_only", "overwrite", "check"}
+    assert options - set(REGENERATE_FIELDS) == {"help", "recipe", "target", "target_adapter", "out", "shard_index",
+                                                "num_shards", "merge_only", "overwrite", "check"}
 
 
 def test_make_data_takes_the_recipes_regenerate_section(tmp_path, empty_cache):
@@ -146,7 +146,7 @@ def test_the_default_recipe_says_how_its_shipped_data_was_made_and_make_data_lea
     shipped = tmp_path / "smollm2-135m"
     shutil.copytree(repo / "data" / "smollm2-135m", shipped)
     before = {path.name: path.read_bytes() for path in shipped.iterdir()}
-    monkeypatch.setattr(regenerate, "load_target", lambda *args, **kwargs: pytest.fail("make data loaded the target"))
+    monkeypatch.setattr(regenerate, "load_frozen_target", lambda *args, **kwargs: pytest.fail("make data loaded the target"))
     summary = regenerate.run(regenerate.parse_args(["--recipe", "smollm2-135m", "--out", str(shipped)]))
     assert summary["num_prompts"] == 2048 and summary["response_ids"]["recovered"] == 1965
     assert {path.name: path.read_bytes() for path in shipped.iterdir()} == before
@@ -242,3 +242,49 @@ def test_a_check_that_fails_without_its_line_says_what_it_was_checking(tmp_path,
     with pytest.raises(DDTreeError, match=re.escape(f"recipe my-recipe: checking {tmp_path / 'data'} with "
                                                     "data/regenerate.py --check failed: KeyError: 'x'")):
         prepare_recipe_data(datamodule, "my-recipe")
+
+
+def test_a_recipe_with_a_target_adapter_has_its_data_written_by_the_adapted_target(tmp_path, empty_cache):
+    """model.target_adapter: the recipe's data is generated with the adapter merged, and data generated without it
+    (the base model's replies) is refused for it, and the other way round. Before, regenerate.py was given the
+    target alone and the data check accepted the base model's replies for a run that set an adapter."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "data"))
+    from test_regenerate import lora_adapter  # noqa: E402  (tests/data/test_regenerate.py)
+
+    adapter = lora_adapter(tmp_path / "adapter", 0)
+    settings = tiny_settings(prompt_file(tmp_path / "prompts.jsonl", 5))
+    datamodule = DistillDataModule(target="tiny-random", data_path=AUTO_DATA, regenerate=settings)
+    prepare_recipe_data(datamodule, "my-recipe", target_adapter=adapter)
+    made_with = json.loads((Path(datamodule.data_path) / "regeneration.json").read_text())
+    assert made_with["target_adapter"] == adapter and len(made_with["target_adapter_sha256"]) == 64
+    prepare_recipe_data(DistillDataModule(target="tiny-random", data_path=AUTO_DATA, regenerate=settings), "my-recipe",
+                        target_adapter=adapter)  # its own data: taken
+    with pytest.raises(DDTreeError, match=rf"recipe my-recipe: .*\(target_adapter: '{re.escape(adapter)}' -> None\)"):
+        prepare_recipe_data(DistillDataModule(target="tiny-random", data_path=AUTO_DATA, regenerate=settings),
+                            "my-recipe")
+    base = DistillDataModule(target="tiny-random", data_path=str(tmp_path / "base"), regenerate=settings)
+    prepare_recipe_data(base, "my-recipe")
+    with pytest.raises(DDTreeError, match=rf"recipe my-recipe: .*\(target_adapter: None -> '{re.escape(adapter)}'\)"):
+        prepare_recipe_data(base, "my-recipe", target_adapter=adapter)
+
+
+@pytest.mark.parametrize("command", ["train", "features"])
+def test_training_and_the_feature_store_hand_the_adapter_to_the_data(tmp_path, monkeypatch, command):
+    """training.train and training.features pass model.target_adapter on to prepare_recipe_data."""
+    import training.features
+
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text("{}")
+    (tmp_path / "adapter" / "adapter_model.safetensors").write_bytes(b"")
+    handed = []
+
+    def stop(datamodule, recipe, *args, target_adapter=None):
+        handed.append(target_adapter)
+        raise DDTreeError("stopped here")
+
+    module = training.train if command == "train" else training.features
+    monkeypatch.setattr(module, "prepare_recipe_data", stop)
+    argv = ["--recipe", "tiny", f"--model.target_adapter={tmp_path / 'adapter'}"]
+    argv += ["--output-root", str(tmp_path / "out")] if command == "train" else ["--out", str(tmp_path / "store")]
+    assert module.main(argv) == 2
+    assert handed == [str(tmp_path / "adapter")]

@@ -518,9 +518,9 @@ def test_a_resumed_run_keeps_its_own_recipe(tmp_path, capsys, monkeypatch):
     # The recipe resolves data.data_path and data.feature_store `auto`: another recipe's would train on other data.
     prepared, prepare = [], training.train.prepare_recipe_data
 
-    def recording(datamodule, recipe, world_size):
+    def recording(datamodule, recipe, *args, **kwargs):
         prepared.append(recipe)
-        return prepare(datamodule, recipe, world_size)
+        return prepare(datamodule, recipe, *args, **kwargs)
 
     monkeypatch.setattr(training.train, "prepare_recipe_data", recording)
     capsys.readouterr()

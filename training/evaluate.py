@@ -12,7 +12,8 @@ checkpoint outside a run folder (refused where the recipe's model.target is not 
 target comes from the checkpoint's hyper-parameters. The drafter is the checkpoint's (LoRA adapters
 merged in, as exported), and a model.corpus run's trees graft its <run>/corpus.safetensors as
 training's did. When the checkpoint holds the value logged at its step, measured with the same
-prompts, limit, max_new_tokens, lookup and redraft, it is printed beside the new measurement.
+prompts, limit, max_new_tokens, lookup and redraft, it is printed beside the new measurement; not where
+the target's adapter (model.target_adapter) has other files than the checkpoint recorded (retrained in place).
 
 Prints one row per method and writes <run>/eval/checkpoint-<name>.json (checkpoint-<name>-limit<N>.json with
 --limit N, so that a partial measurement never replaces the one `make export` reports; or --out, never a
@@ -42,6 +43,7 @@ from .callbacks import AcceptanceEvaluation, changed_measurement, metrics_of
 from .checkpoint_paths import abandoned_branch, find_checkpoint, run_folder_of
 from .checkpoints import Checkpoint, evaluation_state, load_checkpoint, recorded_evaluation
 from .export import run_corpus
+from .peft_utils import adapter_fingerprint
 from .target import dtype_for_precision, load_frozen_target
 
 
@@ -124,11 +126,17 @@ def main(argv: list[str] | None = None) -> int:
         precision = choice.lightning
         print(f"[precision] trainer.precision auto -> {precision} ({choice.reason})", flush=True)
     dtype = dtype_for_precision(precision, hp.get("target_dtype", "auto"))
-    target, tokenizer = load_frozen_target(hp["target"], dtype, hp.get("target_adapter"), device=args.device)
+    comparable = True  # where training measured with these settings too (logged_metrics)
+    adapter, adapter_files = hp.get("target_adapter"), adapter_fingerprint(hp.get("target_adapter"))
+    if adapter and hp.get("target_adapter_sha256") not in (None, adapter_files):
+        comparable = False  # training's target was another: the adapter as it was
+        print(f"[eval] {path} was trained against target adapter {adapter} as its files were then, and they have "
+              "changed since (retrained?): measuring against the adapter as it is now, so the result differs from "
+              "training's", file=sys.stderr)
+    target, tokenizer = load_frozen_target(hp["target"], dtype, adapter, device=args.device)
     drafter = checkpoint.drafter.to(args.device)
     prompts = evaluation.load_prompts(tokenizer)
     run_dir = run_folder_of(path)
-    comparable = True  # where training measured with these settings too (logged_metrics)
     if hp.get("corpus"):  # training decoded with the training replies grafted (model.corpus), as the export does
         corpus = run_corpus(run_dir) if run_dir else None
         if corpus is None:
@@ -166,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else eval_dir / f"checkpoint-{path.resolve().stem}{partial}.json"
     used = {**evaluation.settings(drafter.config, len(prompts)), "limit": evaluation.limit, "target": hp["target"],
             "dtype": str(dtype)}
+    if adapter:
+        used.update(target_adapter=adapter, target_adapter_sha256=adapter_files)
     write_json_atomic(out, {"checkpoint": str(path), "step": step, "settings": used, "logged": logged, **result})
     print(f"results written to {out}")
     return 0

@@ -191,6 +191,9 @@ class DistillModule(L.LightningModule):
     ):
         super().__init__()
         self.save_hyperparameters()
+        # The adapter's files as this launch merges them, kept in every checkpoint: its path alone let a resume, or
+        # `make eval`, go on against an adapter retrained in place since, or dropped, without a word.
+        self.hparams.target_adapter_sha256 = adapter_fingerprint(target_adapter)
         if objective not in OBJECTIVES:
             raise DDTreeError(f"model.objective={objective!r}: choose one of {', '.join(OBJECTIVES)}")
         if distill_loss not in DISTILL_LOSSES or not 0 <= distill_weight <= 1:
@@ -843,6 +846,8 @@ class DistillModule(L.LightningModule):
     RESUME_FIXED_HPARAMS = {"lora_rank": "model.lora_rank", "lora_alpha": "model.lora_alpha",
                             "lora_target_modules": "model.lora_target_modules", "seed": "model.seed and data.seed",
                             "lr": "model.lr", "betas": "model.betas", "weight_decay": "model.weight_decay"}
+    # The target's adapter (model.target_adapter) is fixed too (check_resume_adapter): the steps before a resume
+    # learned the adapted target, and with it dropped or retrained the rest learned another.
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         # Lightning restores a checkpoint into the module configure_model built, after this hook.
@@ -869,10 +874,29 @@ class DistillModule(L.LightningModule):
             was, now = as_compared(hparams.get(name)), as_compared(self.hparams.get(name))  # betas: a list or a tuple
             if name in hparams and was != now:
                 changed.setdefault(setting, f"{name} {was} (this launch: {now})")
+        self.check_resume_adapter(hparams, changed)
         if changed:
             raise DDTreeError(f"--resume: the checkpoint's run has {'; '.join(changed.values())}: a resume keeps the "
                               f"run's drafter, data split and optimizer; drop {', '.join(sorted(changed))} from the "
                               "command, or start a new run")
+
+    def check_resume_adapter(self, hparams: dict, changed: dict) -> None:
+        """The checkpoint's target adapter is this launch's: by its files where both recorded them (a copy at another
+        path is the same adapter), else by its path. One retrained in place is refused here, with its own remedy;
+        another path, or none, joins `changed`."""
+        if "target_adapter" not in hparams:  # a checkpoint older than the option
+            return
+        adapter, files = self.hparams.get("target_adapter"), self.hparams.get("target_adapter_sha256")
+        was_adapter, was_files = hparams.get("target_adapter"), hparams.get("target_adapter_sha256")
+        if was_files is not None and files is not None:
+            if was_files == files:
+                return
+            if was_adapter == adapter:
+                raise DDTreeError(f"--resume: the checkpoint's run trained against target adapter {adapter} as its "
+                                  "files were then, and they have changed since (retrained?): a resume keeps the "
+                                  "run's target; put back the adapter it trained against, or start a new run")
+        if was_adapter != adapter:
+            changed.setdefault("model.target_adapter", f"target_adapter {was_adapter} (this launch: {adapter})")
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # The target never goes into a checkpoint (it is not a submodule; this guards against regressions),

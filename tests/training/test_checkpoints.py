@@ -587,6 +587,47 @@ def test_make_eval_shows_the_logged_tau_only_where_training_measured_the_same_wa
                 "with") in printed.err
 
 
+def test_make_eval_marks_a_target_adapter_retrained_since_as_not_comparable(saved, tmp_path, capsys):
+    """The checkpoint records the sha256 of its target adapter's files: measured against the adapter retrained in
+    place since, the logged tau (training's, against the adapter as it was) was printed beside the new one."""
+    from peft import LoraConfig, get_peft_model
+
+    from ddtree.targets import load_target
+    from training.peft_utils import adapter_fingerprint
+
+    def save_adapter(seed):
+        torch.manual_seed(seed)
+        config = LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False)
+        get_peft_model(load_target("tiny-random")[0], config).save_pretrained(tmp_path / "adapter")
+
+    path, _ = saved
+    save_adapter(0)
+    adapter = str(tmp_path / "adapter")
+    measurement = {"prompts": "data/eval_prompts.jsonl", "limit": 1, "max_new_tokens": 16, "lookup": None,
+                   "redraft": None}
+    loose = loose_copy(path, tmp_path / "loose", measurement)
+    checkpoint = torch.load(loose, map_location="cpu", weights_only=False)
+    checkpoint["hyper_parameters"].update(target_adapter=adapter, target_adapter_sha256=adapter_fingerprint(adapter))
+    torch.save(checkpoint, loose)
+    evaluate = ["--recipe", "tiny", "--ckpt", str(loose), "--limit", "1"]
+
+    def logged_column() -> str:
+        printed = capsys.readouterr()
+        return next(line for line in printed.out.splitlines() if line.startswith("dflash ")).split()[2], printed.err
+
+    assert training.evaluate.main(evaluate) == 0
+    column, err = logged_column()
+    assert column == "1.500" and "[eval]" not in err  # the adapter it trained against
+    recorded = json.loads((tmp_path / "loose" / "eval" / "checkpoint-x-limit1.json").read_text())["settings"]
+    assert recorded["target_adapter"] == adapter and recorded["target_adapter_sha256"] == adapter_fingerprint(adapter)
+    save_adapter(1)  # retrained where it was
+    assert training.evaluate.main(evaluate) == 0
+    column, err = logged_column()
+    assert column == "-" and f"[eval] {loose} was trained against target adapter {adapter} as its files were then, " \
+        "and they have changed since (retrained?)" in err
+    assert json.loads((tmp_path / "loose" / "eval" / "checkpoint-x-limit1.json").read_text())["logged"] is None
+
+
 def test_a_run_that_left_its_layer_ids_to_an_older_default_resumes_on_its_checkpoints_ids(tmp_path, capsys):
     """Before 2026-12-03 a target under 8 layers defaulted to the published spread with repeats ([1, 2, 2, 2, 3] on
     tiny's 6); such a run's config.yaml says null, today's default differs, and its resume was refused with advice

@@ -444,6 +444,42 @@ def error_lines(capsys) -> list[str]:
     return [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
 
 
+def test_a_resume_keeps_the_runs_target_adapter_by_its_files(tmp_path, capsys):
+    """A resume with model.target_adapter=null trained on against the base model, and config.yaml then said null; one
+    with the adapter retrained in place went on as silently (checkpoints kept the path alone). A copy of the same
+    files at another path (a node's own disk) is the same adapter."""
+    from peft import LoraConfig, get_peft_model
+
+    from ddtree.targets import load_target
+
+    def save_adapter(path, seed):
+        torch.manual_seed(seed)
+        config = LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False)
+        get_peft_model(load_target("tiny-random")[0], config).save_pretrained(path)
+
+    save_adapter(tmp_path / "adapter", 0)
+    assert train_main(tiny_args(tmp_path, "adapted", max_steps=2) + [f"--model.target_adapter={tmp_path / 'adapter'}"]) == 0
+    run_dir = tmp_path / "out" / "tiny" / "adapted"
+    before = (run_dir / "config.yaml").read_text()
+    resume = ["--output-root", str(tmp_path / "out"), "--resume", str(run_dir), "--trainer.enable_progress_bar=false"]
+    capsys.readouterr()
+    assert train_main([*resume, "--trainer.max_steps=4", "--model.target_adapter=null"]) == 2
+    lines = error_lines(capsys)
+    assert len(lines) == 1 and lines[0].startswith(f"error: --resume: the checkpoint's run has target_adapter "
+                                                   f"{tmp_path / 'adapter'} (this launch: None): "), lines
+    assert "drop model.target_adapter from the command" in lines[0] and (run_dir / "config.yaml").read_text() == before
+    shutil.copytree(tmp_path / "adapter", tmp_path / "copy")
+    assert train_main([*resume, "--trainer.max_steps=4", f"--model.target_adapter={tmp_path / 'copy'}"]) == 0
+    save_adapter(tmp_path / "copy", 1)  # retrained where the run now reads it
+    capsys.readouterr()
+    assert train_main([*resume, "--trainer.max_steps=6"]) == 2
+    lines = error_lines(capsys)
+    assert len(lines) == 1 and lines[0] == (
+        f"error: --resume: the checkpoint's run trained against target adapter {tmp_path / 'copy'} as its files were "
+        "then, and they have changed since (retrained?): a resume keeps the run's target; put back the adapter it "
+        "trained against, or start a new run"), lines
+
+
 def test_a_resume_refused_at_restore_leaves_config_yaml_as_it_was(tmp_path, capsys):
     assert train_main(tiny_args(tmp_path, "kept", max_steps=2)) == 0
     run_dir = tmp_path / "out" / "tiny" / "kept"

@@ -726,7 +726,8 @@ class AcceptanceEvaluation(L.Callback):
         launch_seconds = time.perf_counter() - self.launch_started
         module = trainer.lightning_module
         settings = {**self.settings(module.drafter_config, len(self.prompts)),
-                    "train_loss_note": report.training_loss_note(dict(module.hparams))}
+                    "train_loss_note": report.training_loss_note(dict(module.hparams)),
+                    "target_note": report.target_note(dict(module.hparams))}
         report.write_all(Path(trainer.default_root_dir), self.history, settings, self.launch_eval_seconds, launch_seconds)
         return launch_seconds
 

@@ -43,6 +43,8 @@ from .report import objective_description, tau_bound
 from .target import dtype_for_precision
 
 TAGS = ["dflash", "ddtree", "speculative-decoding", "draft-model", "block-diffusion"]
+# The folder the card's merge step writes (a target trained with model.target_adapter), which its commands then name
+MERGED_TARGET = "merged-target"
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 # The card's last line: the Hub repo it was written for ("none": a local export); --push-only checks it (training/hub.py).
 REPO_MARK = "<!-- ddtree export, written for the Hub repo: "
@@ -327,6 +329,12 @@ def measured_dtype(facts: CardFacts) -> tuple[str, str] | None:
     recorded = facts.evaluation["settings"].get("dtype")
     if recorded is not None:
         return str(recorded).removeprefix("torch."), "as `make eval` recorded it"
+    return training_dtype(facts)
+
+
+def training_dtype(facts: CardFacts) -> tuple[str, str] | None:
+    """(dtype, where it comes from) of the target in training: model.target_dtype, else the one trainer.precision
+    gives (DistillModule.configure_model). None if not known (no config.yaml)."""
     target_dtype = facts.hyper_parameters.get("target_dtype") or "auto"
     precision = (facts.run_config.get("trainer") or {}).get("precision")
     if target_dtype == "auto" and precision is None:
@@ -339,17 +347,30 @@ def measured_dtype(facts: CardFacts) -> tuple[str, str] | None:
     return str(dtype).removeprefix("torch."), source
 
 
-def data_provenance(data_path: str | None, target: str) -> str:
-    """Whose replies the data holds, as far as the data itself says (data/regenerate.py's regeneration.json)."""
+def data_provenance(data_path: str | None, target: str, adapter: tuple[str, str | None] | None = None) -> str:
+    """Whose replies the data holds, as far as the data itself says (data/regenerate.py's regeneration.json).
+    adapter: (path, sha256 of its files) of the PEFT adapter training merged into the target (target_adapter)."""
     meta = Path(data_path) / "regeneration.json" if data_path else None
     try:
         record = json.loads(meta.read_text()) if meta is not None and meta.is_file() else None
     except (OSError, ValueError):  # a damaged record says nothing: the card says so rather than failing the export
         record = None
     written_by = record.get("target") if isinstance(record, dict) else None
+    merged = record.get("target_adapter") if isinstance(record, dict) else None
+    if written_by == target and adapter is None and merged:
+        return (f"responses written by `{written_by}` with the PEFT adapter `{shown_path(merged)}` merged (its "
+                "regeneration.json), not by this target, which had no adapter")
+    if written_by == target and adapter is not None and not merged:
+        return (f"responses written by `{written_by}` without the PEFT adapter this drafter was trained with (its "
+                "regeneration.json): the base model's, not the fine-tuned target's")
+    if written_by == target and adapter is not None and None not in (adapter[1], record.get("target_adapter_sha256")) \
+            and record["target_adapter_sha256"] != adapter[1]:
+        return (f"responses written by `{written_by}` with another version of its adapter (the sha256 of its files "
+                "in the data's regeneration.json is not the one training recorded)")
     if written_by == target:
         return ("responses written by the target itself (its regeneration.json; the DFlash recipe distils the "
-                "target's own outputs)")
+                "target's own outputs)" if adapter is None else "responses written by the target itself, its adapter "
+                "merged (its regeneration.json; the DFlash recipe distils the target's own outputs)")
     if written_by:
         return f"responses written by `{written_by}` (its regeneration.json), not by this target"
     return "responses as the data holds them: no regeneration.json says the target wrote them"
@@ -368,6 +389,8 @@ def recipe_section(facts: CardFacts) -> list[str]:
     data = facts.run_config.get("data", {}) or {}
     rows = [
         ("target (frozen)", f"`{facts.target}`" + (f" (`{facts.base_model}`)" if facts.base_model else "")),
+        *([("target adapter", f"{adapter_named(facts)}, merged into the target's weights at load")]
+          if target_adapter(facts) else []),
         ("drafter", f"Qwen3-style decoder layers: {cfg['num_hidden_layers']}, hidden size {cfg['hidden_size']}, "
                     f"{facts.num_parameters:,} parameters ({facts.dtype})"),
         ("block size", cfg["block_size"]),
@@ -403,7 +426,7 @@ def recipe_section(facts: CardFacts) -> list[str]:
     if data:
         lines += [
             f"- conversations: {shown_data_path(data.get('data_path'), facts.data_path)}; "
-            f"{data_provenance(facts.data_path, facts.target)}",
+            f"{data_provenance(facts.data_path, facts.target, target_adapter(facts))}",
             f"- max length {data.get('max_length')} tokens, loss on assistant tokens only, "
             f"{data.get('val_fraction')} held out for validation",
         ]
@@ -412,10 +435,58 @@ def recipe_section(facts: CardFacts) -> list[str]:
     return lines + [""]
 
 
+def target_adapter(facts: CardFacts) -> tuple[str, str | None] | None:
+    """(path, sha256 of its files) of the PEFT adapter training merged into the target (model.target_adapter); None
+    without one. The sha256 is None for a checkpoint saved before it was recorded."""
+    adapter = facts.hyper_parameters.get("target_adapter")
+    return (str(adapter), facts.hyper_parameters.get("target_adapter_sha256")) if adapter else None
+
+
+def adapter_named(facts: CardFacts) -> str:
+    """The target's adapter as the card names it: its path on the training machine and the sha256 of its files."""
+    path, files = target_adapter(facts)
+    return f"the PEFT adapter `{shown_path(path)}` (" + (f"sha256 of its `adapter_*` files `{files}`)" if files else
+                                                        "the checkpoint recorded no sha256 of its files)")
+
+
+def decoding_target(facts: CardFacts) -> str:
+    """The target the card's commands name: the folder its merge step writes where training merged an adapter into
+    the target (the base model alone decodes the base model's text, at an acceptance nobody measured); else the
+    target's Hub id, else its name."""
+    return MERGED_TARGET if target_adapter(facts) else facts.base_model or facts.target
+
+
+def merge_step(facts: CardFacts) -> list[str]:
+    """The adapter merged into the target as training merged it (training/target.py: ddtree's load_target in the
+    training dtype, then peft's merge), saved with the tokenizer as a folder every command below loads."""
+    path, _ = target_adapter(facts)
+    known = training_dtype(facts)
+    return [
+        "```python",
+        "import torch",
+        "from peft import PeftModel",
+        "from ddtree.targets import load_target",
+        "",
+        f"base, tokenizer = load_target({json.dumps(facts.target)}, dtype=torch.{known[0] if known else 'float32'})",
+        f"PeftModel.from_pretrained(base, {json.dumps(shown_path(path))}).merge_and_unload().save_pretrained("
+        f"{json.dumps(MERGED_TARGET)})",
+        f"tokenizer.save_pretrained({json.dumps(MERGED_TARGET)})",
+        "```",
+    ]
+
+
 def usage_section(facts: CardFacts) -> list[str]:
     cfg = facts.drafter_config
-    target = facts.base_model or facts.target
+    target = decoding_target(facts)
     where = facts.repo or "path/to/this/folder"
+    merge = [] if not target_adapter(facts) else [
+        f"The target is `{facts.target}` with {adapter_named(facts)} merged into its weights. The adapter is not "
+        f"in this folder and neither `ddtree` nor the engines merge one: merge it first, once, into `{MERGED_TARGET}` "
+        "(what training merged; peft needed here only), and give that folder as the target everywhere below:",
+        "",
+        *merge_step(facts),
+        "",
+    ]
     return [
         "## Usage",
         "",
@@ -423,6 +494,7 @@ def usage_section(facts: CardFacts) -> list[str]:
         "and reads logits through the target's LM head. It reads the target's hidden states at layers "
         f"{cfg['dflash_config']['target_layer_ids']} (id l = the output of decoder layer l).",
         "",
+        *merge,
         "With `ddtree` (the training repository's decoding CLI):",
         "",
         "```bash",
@@ -435,7 +507,8 @@ def usage_section(facts: CardFacts) -> list[str]:
         "",
         *([f"`--target {facts.target}` (`ddtree`'s built-in: the dequantized GGUF weights named at the top) decodes "
            f"as the figures of this card were measured; `--target {target}` loads the original weights, whose "
-           "acceptance was not measured.", ""] if builtin_conversion(facts.target) and target != facts.target else []),
+           "acceptance was not measured.", ""]
+          if builtin_conversion(facts.target) and target != facts.target and not target_adapter(facts) else []),
         "With transformers (the model code ships beside the weights):",
         "",
         "```python",
@@ -454,7 +527,7 @@ def serving_section(facts: CardFacts) -> list[str]:
     cfg = facts.drafter_config
     block = cfg["block_size"]
     where = facts.repo or "path/to/this/folder"
-    commands = serve_commands(cfg, facts.base_model or facts.target, where)
+    commands = serve_commands(cfg, decoding_target(facts), where)
     lines = ["## Serving with vLLM and SGLang", ""]
     if facts.engine_problems:
         lines += ["**Exported with `--allow-engine-mismatch`: an engine would reject this drafter.**", "",
@@ -478,6 +551,8 @@ def serving_section(facts: CardFacts) -> list[str]:
         commands[SGLANG],
         "```",
         "",
+        *([f"`{MERGED_TARGET}` is the folder the merge step under Usage writes: an engine loads the target from its "
+           "files and would serve the base model without the adapter.", ""] if target_adapter(facts) else []),
         "Both engines verify the DFlash block as one chain: neither verifies a draft tree on its main branch "
         "(open pull requests: vLLM #42910 for DDTree, SGLang #31069 and #36196 for tree verification of DFlash). "
         "DDTree's extra acceptance comes from the `ddtree` decoder, or from those branches once merged.",
@@ -491,8 +566,9 @@ def serving_section(facts: CardFacts) -> list[str]:
     redrafted = bool(facts.evaluation["settings"].get("redraft"))
     # ...or unless the chain was drafted over a draft vocabulary, which the engines do not read: theirs is the whole one.
     narrowed = bool((facts.drafter_config.get("dflash_config") or {}).get("draft_vocab"))
-    # ...or unless the target was a built-in's dequantized GGUF weights: the engines serve the original ones.
-    quantized = builtin_conversion(facts.target) is not None
+    # ...or unless the target was a built-in's dequantized GGUF weights: the engines serve the original ones (not where
+    # they serve the merge step's folder, which load_target made from those very weights).
+    quantized = builtin_conversion(facts.target) is not None and not target_adapter(facts)
     engines = "" if redrafted or narrowed or quantized else "vLLM, SGLang, "
     lines += ["| what serves it | verification | measured tau |", "|---|---|---:|",
               f"| {engines}`ddtree --method dflash` | chain of {block - 1} drafted tokens "
@@ -521,15 +597,26 @@ def render_model_card(facts: CardFacts) -> str:
         base_model=facts.base_model, library_name="transformers", license=facts.license, tags=tags
     ).to_yaml()
     cfg = facts.drafter_config
+    adapted = " fine-tuned with a PEFT adapter" if target_adapter(facts) else ""
     intro = [
         f"# {facts.name.split('/')[-1]}",
         "",
-        f"A block-diffusion (DFlash) drafter for speculative decoding with `{facts.base_model or facts.target}`. "
+        f"A block-diffusion (DFlash) drafter for speculative decoding with `{facts.base_model or facts.target}`"
+        f"{adapted}. "
         f"One forward pass drafts a block of {cfg['block_size'] - 1} tokens after an anchor; the target verifies "
         "them losslessly, either as one chain or as a draft tree under a node budget (DDTree), so the output is "
         "exactly the target's. Trained by distilling the frozen target into the drafter.",
         "",
     ]
+    if target_adapter(facts):
+        intro += [
+            "**Fine-tuned target.** The drafter was trained, and every figure below measured, against "
+            f"`{facts.target}` with {adapter_named(facts)} merged into its weights. Merge the adapter the same way "
+            "before decoding or serving (Usage below) and give the merged folder as the target: with "
+            f"`{facts.base_model or facts.target}` alone the output is still lossless, but it is the base model's, not "
+            "the fine-tuned model's, and its acceptance was not measured.",
+            "",
+        ]
     conversion = builtin_conversion(facts.target)
     if conversion is not None:
         original = f"`{facts.base_model}`'s" if facts.base_model else "the model's"

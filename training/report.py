@@ -79,6 +79,19 @@ def objective_description(hyper_parameters: dict) -> str:
     return text
 
 
+def target_note(hyper_parameters: dict) -> str | None:
+    """What report.md says of a target given as a base model and a PEFT adapter (model.target_adapter; None without
+    one): its taus are the merged model's, and that model, not the base one, is what decodes and serves."""
+    adapter = hyper_parameters.get("target_adapter")
+    if not adapter:
+        return None
+    files = hyper_parameters.get("target_adapter_sha256")
+    recorded = f" (sha256 of its `adapter_*` files `{files}`)" if files else ""
+    return (f"The target is `{hyper_parameters.get('target')}` with the PEFT adapter `{adapter}`{recorded} merged into "
+            "its weights, and these taus are that merged model's: decode and serve it merged (docs/training.md, A "
+            "target with a PEFT adapter). The base model alone decodes its own text, at an acceptance not measured here.")
+
+
 def training_loss_note(hyper_parameters: dict) -> str | None:
     """What the train loss column holds where it is not the val loss column's loss (None where it is)."""
     if hyper_parameters.get("objective", "decayed_ce") == "decayed_ce" and not hyper_parameters.get("distill_weight"):
@@ -123,6 +136,8 @@ def markdown_report(run_name: str, history: list[dict], settings: dict, eval_sec
         "built (1 + sum of their path probabilities); far above the measurement means an over-confident drafter.",
         "",
     ]
+    if settings.get("target_note"):
+        lines += [settings["target_note"], ""]
     if settings.get("lookup"):
         lines += [f"Every tree carries {settings['lookup']} tokens of context lookup (`eval.lookup`, `ddtree bench "
                   "--lookup`): its tau is the decoder's, not the drafter's alone; the chain is the drafter's.", ""]

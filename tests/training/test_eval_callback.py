@@ -790,6 +790,25 @@ def test_the_report_says_when_the_train_loss_is_another_loss_than_the_val_loss(t
         "`model.objective=intree` (smoothing 0.5, the drafter's own tree of 16 nodes)")
 
 
+def test_the_report_names_the_target_adapter_its_taus_were_measured_with(tmp_path):
+    """report.md said nothing of model.target_adapter: its taus, the adapted target's, read as the base model's."""
+    from peft import LoraConfig, get_peft_model
+
+    from ddtree.targets import load_target
+    from training.peft_utils import adapter_fingerprint
+
+    config = LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False)
+    get_peft_model(load_target("tiny-random")[0], config).save_pretrained(tmp_path / "adapter")
+    adapter = str(tmp_path / "adapter")
+    canned_fit(tmp_path / "plain", 2, {2: {8: 1.5}})
+    assert "PEFT adapter" not in (tmp_path / "plain" / "report.md").read_text()
+    canned_fit(tmp_path / "adapted", 2, {2: {8: 1.5}}, module=tiny_module(target_adapter=adapter))
+    assert (f"The target is `tiny-random` with the PEFT adapter `{adapter}` (sha256 of its `adapter_*` files "
+            f"`{adapter_fingerprint(adapter)}`) merged into its weights, and these taus are that merged model's: decode "
+            "and serve it merged (docs/training.md, A target with a PEFT adapter)") in \
+        (tmp_path / "adapted" / "report.md").read_text()
+
+
 class SigtermAt(L.Callback):
     """The flag Lightning's SIGTERM handler sets, at optimizer step `step` (the loop raises SIGTERMException after)."""
 

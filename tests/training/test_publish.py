@@ -332,6 +332,72 @@ def test_card_reads_the_drafters_decoding_defaults_and_its_draft_vocabulary_from
     assert "vLLM, SGLang, `ddtree" not in narrowed and "its tau was not measured" in narrowed
 
 
+def test_a_card_for_a_target_with_an_adapter_names_it_and_decodes_the_merged_target(run_dir, tmp_path, monkeypatch):
+    """A run with model.target_adapter exported a card that never named the adapter and whose ddtree, vLLM and SGLang
+    commands named the base model: lossless, but the base model's text, at an acceptance nobody measured. Its merge
+    step, run as the card prints it, writes the very target training merged."""
+    import dataclasses
+    import re
+
+    from peft import LoraConfig, get_peft_model
+
+    from ddtree.targets import load_target
+    from training.model_card import render_model_card
+    from training.peft_utils import adapter_fingerprint
+    from training.target import load_frozen_target
+
+    captured = []
+    real = publish.render_model_card
+    monkeypatch.setattr(publish, "render_model_card", lambda facts: captured.append(facts) or real(facts))
+    assert export(run_dir, tmp_path / "out", "--ckpt", "last", "--repo", "you/d") == 0
+    assert "adapter" not in render_model_card(captured[0]).lower().replace("lora", "")
+    torch.manual_seed(0)
+    config = LoraConfig(r=2, target_modules=["q_proj", "down_proj"], init_lora_weights=False)
+    get_peft_model(load_target("tiny-random")[0], config).save_pretrained(tmp_path / "adapter")
+    adapter, files = str(tmp_path / "adapter"), adapter_fingerprint(str(tmp_path / "adapter"))
+    facts = dataclasses.replace(captured[0], hyper_parameters={**captured[0].hyper_parameters, "target_adapter": adapter,
+                                                               "target_adapter_sha256": files})
+    card = render_model_card(facts)
+    named = f"the PEFT adapter `{adapter}` (sha256 of its `adapter_*` files `{files}`)"
+    assert f"**Fine-tuned target.** The drafter was trained, and every figure below measured, against `tiny-random` " \
+           f"with {named} merged into its weights" in card
+    assert f"| target adapter | {named}, merged into the target's weights at load |" in card
+    usage = card[card.index("## Usage"):]
+    assert "ddtree generate --target merged-target --drafter drafter" in usage
+    assert "ddtree bench --target merged-target --drafter drafter" in usage
+    assert "vllm serve merged-target " in usage and "--model-path merged-target " in usage
+    assert "--target tiny-random" not in card and "vllm serve tiny-random" not in card
+
+    step = re.search(r"```python\n(import torch\nfrom peft import PeftModel\n.*?)```", usage, re.DOTALL).group(1)
+    assert 'load_target("tiny-random", dtype=torch.float32)' in step  # the run's target, in its precision (32)
+    monkeypatch.chdir(tmp_path)
+    exec(step, {})  # the card's merge step, as a reader runs it
+    merged, _ = load_target("merged-target")  # what `ddtree ... --target merged-target` loads
+    trained, _ = load_frozen_target("tiny-random", torch.float32, adapter)  # what training merged
+    assert merged.state_dict().keys() == trained.state_dict().keys()
+    assert all(torch.equal(merged.state_dict()[name], value) for name, value in trained.state_dict().items())
+    base, _ = load_target("tiny-random")
+    assert not torch.equal(base.model.layers[0].self_attn.q_proj.weight, merged.model.layers[0].self_attn.q_proj.weight)
+
+
+def test_the_card_says_whether_the_data_was_written_with_the_targets_adapter(tmp_path):
+    """The card called the base model's replies "written by the target itself" for a run with model.target_adapter."""
+    from training.model_card import data_provenance
+
+    def written(**record) -> str:
+        (tmp_path / "regeneration.json").write_text(json.dumps({"target": "tiny-random", **record}))
+        return data_provenance(str(tmp_path), "tiny-random", ("lora", "a" * 64))
+
+    assert written().startswith("responses written by `tiny-random` without the PEFT adapter this drafter was trained "
+                                "with (its regeneration.json): the base model's")
+    assert written(target_adapter="lora", target_adapter_sha256="b" * 64).startswith(
+        "responses written by `tiny-random` with another version of its adapter")
+    assert written(target_adapter="elsewhere/lora", target_adapter_sha256="a" * 64).startswith(
+        "responses written by the target itself, its adapter merged")
+    assert data_provenance(str(tmp_path), "tiny-random").startswith("responses written by `tiny-random` with the PEFT "
+                                                                    "adapter `elsewhere/lora` merged")
+
+
 def test_a_card_for_the_built_in_target_says_it_was_measured_on_dequantized_gguf_weights(run_dir, tmp_path,
                                                                                          monkeypatch):
     """smollm2-135m is SmolLM2-135M-Instruct's Q4_1 GGUF, dequantized (ddtree/targets.py): the card linked the Hub id

@@ -325,7 +325,7 @@ def test_a_target_adapter_writes_the_replies_and_only_its_data_passes_the_check(
     assert adapted_ids != load_from_disk(str(base_dir))["response_ids"]
     model, tokenizer = load_frozen_target("tiny-random", torch.float32, adapter)
     stops = regenerate.stop_token_ids(model, tokenizer)
-    prompts = [regenerate.render_prompt_ids(tokenizer, row["messages"][:-1]) for row in load_from_disk(str(tmp_path / "out"))]
+    prompts = [regenerate.chat_prompt_ids(tokenizer, row["messages"][:-1], "test", "") for row in load_from_disk(str(tmp_path / "out"))]
     greedy = regenerate.generate_transformers(model, prompts, stops[0], stops, 2, 6, 0.0, 1.0)
     assert adapted_ids == [regenerate.cut_at_stop(tokens, set(stops))[0] for tokens in greedy]
 

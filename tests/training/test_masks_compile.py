@@ -13,10 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 from torch._dynamo.utils import counters
+from torch.nn import functional as F
 
 from training.masks import (
     FLEX_MIN_CONTEXT, block_input_ids, block_position_ids, dense_block_mask, flex_block_mask, pad_for_flex,
-    sample_anchors,
+    sample_anchors, sample_given,
 )
 from training.module import DistillModule
 from training.target import target_layer_features
@@ -26,10 +27,10 @@ NUM_ANCHORS = 6
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def tiny_module() -> DistillModule:
+def tiny_module(block_size: int = BLOCK, num_anchors: int = NUM_ANCHORS) -> DistillModule:
     torch.manual_seed(0)
     module = DistillModule(
-        target="tiny-random", num_layers=2, block_size=BLOCK, target_layer_ids=[0, 2, 4], num_anchors=NUM_ANCHORS,
+        target="tiny-random", num_layers=2, block_size=block_size, target_layer_ids=[0, 2, 4], num_anchors=num_anchors,
         target_dtype="float32",
     )
     module.configure_model()
@@ -59,6 +60,20 @@ def graphs_compiled() -> int:
     return counters["stats"]["unique_graphs"]
 
 
+def flex_hidden(module, features, input_ids, anchors, given=None):
+    """DistillModule.block_hidden_states' CUDA branch (padded, a flex BlockMask), which runs on CPU forward only."""
+    block, num_blocks = module.block_size, anchors.shape[1]
+    features, anchors = pad_for_flex(features, anchors, module.hparams.num_anchors)
+    if given is not None:
+        given = F.pad(given, (0, anchors.shape[1] - given.shape[1]))
+    context_len = features.shape[1]
+    block_ids = block_input_ids(input_ids, anchors, block, module.drafter.config.mask_token_id, given)
+    noise = module.target.get_input_embeddings()(block_ids)
+    hidden = module.drafter(noise, features, block_position_ids(context_len, anchors, block),
+                            attention_mask=flex_block_mask(anchors, context_len, block))
+    return hidden[:, : num_blocks * block]
+
+
 def test_flex_shapes_are_a_few_fixed_widths_and_the_anchor_count():
     features = torch.randn(2, 31, 5)
     padded, anchors = pad_for_flex(features, torch.tensor([[3, 9], [4, 0]]), NUM_ANCHORS)
@@ -75,22 +90,12 @@ def test_flex_shapes_are_a_few_fixed_widths_and_the_anchor_count():
 def test_compiled_flex_on_cpu_compiles_once_per_width_and_equals_the_dense_mask():
     """The padded flex path of `block_hidden_states`, forward only, against its dense path on the same batch."""
     module = tiny_module().eval()
-    mask_id = module.drafter.config.mask_token_id
-
-    def flex_hidden(features, input_ids, anchors):  # DistillModule.block_hidden_states' CUDA branch
-        num_blocks = anchors.shape[1]
-        features, anchors = pad_for_flex(features, anchors, NUM_ANCHORS)
-        context_len = features.shape[1]
-        noise = module.target.get_input_embeddings()(block_input_ids(input_ids, anchors, BLOCK, mask_id))
-        hidden = module.drafter(noise, features, block_position_ids(context_len, anchors, BLOCK),
-                                attention_mask=flex_block_mask(anchors, context_len, BLOCK))
-        return hidden[:, : num_blocks * BLOCK]
 
     def check(batch):
         input_ids, anchors = batch_of(*batch)
         features = target_layer_features(module.target, input_ids, module.target_layer_ids)
         dense = module.block_hidden_states(features, input_ids, anchors)  # the CPU path: SDPA, dense mask
-        torch.testing.assert_close(flex_hidden(features, input_ids, anchors), dense, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(flex_hidden(module, features, input_ids, anchors), dense, atol=1e-5, rtol=1e-5)
         return anchors.shape[1]
 
     for batch in BATCHES[:4]:  # warm-up: both widths seen
@@ -100,6 +105,28 @@ def test_compiled_flex_on_cpu_compiles_once_per_width_and_equals_the_dense_mask(
         anchor_counts = {check(batch) for batch in BATCHES}
     assert graphs_compiled() == compiled
     assert len(anchor_counts) > 1  # the anchor count changed too, and the kernel did not see it
+
+
+@torch.no_grad()
+def test_compiled_flex_on_cpu_equals_the_dense_mask_at_an_odd_block_size_with_given_tokens():
+    """Block size 5 and 7 anchors (35 queries: no power of two), a batch with invalid slots and one with fewer blocks
+    than the padded count, some blocks given their first draft token (model.redraft_prob)."""
+    block, num_anchors, length = 5, 7, 37
+    module = tiny_module(block, num_anchors).eval()
+    generator = torch.Generator().manual_seed(3)
+    # reply spans of three rows: 32 anchor candidates, 4 and 2; then 4, 1 and 2 (n = 4 blocks, 3 padding blocks)
+    for replies in ([(4, length), (31, 36), (10, 13)], [(30, 35), (20, 22), (10, 13)]):
+        input_ids = torch.randint(100, 40000, (3, length), generator=generator)
+        loss_mask = torch.zeros(3, length, dtype=torch.bool)
+        for row, (start, end) in enumerate(replies):
+            loss_mask[row, start:end] = True
+        anchors, valid = sample_anchors(loss_mask, num_anchors, generator)
+        given = sample_given(anchors, 0.5, generator)
+        assert not valid.all() and (given * valid).any() and not given.all()
+        features = target_layer_features(module.target, input_ids, module.target_layer_ids)
+        dense = module.block_hidden_states(features, input_ids, anchors, given)  # the CPU path: SDPA, dense mask
+        flex = flex_hidden(module, features, input_ids, anchors, given)
+        torch.testing.assert_close(flex, dense, atol=1e-5, rtol=1e-5)
 
 
 # ----------------------------------------------------------------------------- CUDA

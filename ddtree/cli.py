@@ -64,6 +64,8 @@ def parse_device(name: str, where: str = "--device") -> torch.device:
         device = torch.device(name)
     except RuntimeError:
         raise DDTreeError(f"{where} {name!r} is not a device name; give cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):  # mps, xpu, meta...: else a torch error once the target had loaded
+        raise DDTreeError(f"{where} {name}: this code runs on a CPU or a CUDA GPU only; give {where} cpu, cuda or cuda:N")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise DDTreeError(f"{where} {name}: this machine has no CUDA GPU that torch can use; give {where} cpu")
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
@@ -73,7 +75,6 @@ def parse_device(name: str, where: str = "--device") -> torch.device:
 
 def _load_target(args):
     """The target in --dtype on --device; `auto` resolved for this machine, with the reason printed to stderr."""
-    parse_device(args.device)
     dtype, reason = resolve_dtype(args.dtype, args.device, "--dtype")
     if reason:
         print(reason, file=sys.stderr)
@@ -490,6 +491,7 @@ def cmd_verify_cost(args) -> None:
 @command
 def main(argv: list[str] | None = None) -> int:
     args = default_device(build_parser().parse_args(argv))
+    parse_device(args.device)  # one this machine lacks, or mps: said before any file is read or the target loads
     commands = {"generate": cmd_generate, "bench": cmd_bench, "calibrate": cmd_calibrate, "verify-cost": cmd_verify_cost}
     commands[args.command](args)
     return 0

@@ -904,9 +904,17 @@ def test_an_explicit_dtype_is_used_as_given(capsys, auto_picks_bf16):
 @pytest.mark.parametrize("device, message", [
     ("gpu0", "--device 'gpu0' is not a device name; give cpu, cuda or cuda:N"),
     ("cuda:99", "--device cuda:99: this machine has"),
+    # torch names them, and they failed with a traceback once the target had loaded (found in a review)
+    ("mps", "--device mps: this code runs on a CPU or a CUDA GPU only; give --device cpu, cuda or cuda:N"),
+    ("xpu", "--device xpu: this code runs on a CPU or a CUDA GPU only"),
+    ("meta", "--device meta: this code runs on a CPU or a CUDA GPU only"),
 ])
-def test_a_device_this_machine_does_not_have(capsys, device, message):
-    assert message in _bad(capsys, "generate", "--target", TARGET, "--prompt", "Hi", "--device", device)
+@pytest.mark.parametrize("command", [["generate", "--prompt", "Hi"], ["verify-cost"]])
+def test_a_device_this_machine_does_not_have(capsys, monkeypatch, device, message, command):
+    import ddtree.cli
+
+    monkeypatch.setattr(ddtree.cli, "load_target", lambda *args, **kwargs: pytest.fail("loaded the target first"))
+    assert message in _bad(capsys, command[0], "--target", TARGET, "--device", device, *command[1:])
 
 
 def test_bench_counts_the_prompts_where_a_method_committed_other_tokens_than_ar(capsys, tmp_path, prompts_file,

@@ -28,6 +28,18 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _seed(text: str) -> int:
+    """--seed: an integer torch.manual_seed takes (-2**63 to 2**64 - 1); a larger one was a traceback once the target
+    had loaded."""
+    try:
+        seed = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not -2**63 <= seed < 2**64:
+        raise argparse.ArgumentTypeError(f"{text} is outside the seeds torch takes, -2**63 to 2**64-1")
+    return seed
+
+
 STATIC_CACHE = {"auto": None, "on": True, "off": False}  # --static-cache -> generate(static=...)
 ADAPTIVE_SIZE = ("auto", "on", "off")
 
@@ -51,7 +63,8 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help=DEVICE_HELP)
     _add_packed_weights(parser)
     parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=_seed, default=0,
+                        help="random seed of the sampling, and of --drafter random's weights (default: 0)")
     parser.add_argument("--static-cache", choices=STATIC_CACHE, default="auto",
                         help="the target's KV cache: static (one verify shape, a CUDA graph on a GPU) or dynamic; "
                              "auto = static on CUDA only")

@@ -147,6 +147,25 @@ def test_a_bad_flag_is_one_line_naming_the_subcommands_help(capsys):
                                        "see ddtree bench --help\n")
 
 
+@pytest.mark.parametrize("seed", [str(2**64), str(-2**63 - 1)])
+@pytest.mark.parametrize("command", [["generate", "--method", "ar", "--prompt", "Hi"],
+                                     ["bench", "--methods", "ar", "--limit", "1", "--prompts", "data/eval_prompts.jsonl"]])
+def test_a_seed_torch_cannot_take_is_a_usage_error(capsys, command, seed):
+    """A ValueError traceback (status 1) once the target had loaded, from manual_seed (found in a review)."""
+    with pytest.raises(SystemExit) as exit_:
+        main([*command, "--target", TARGET, "--max-new-tokens", "2", "--seed", seed])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == (f"error: argument --seed: {seed} is outside the seeds torch takes, -2**63 to "
+                                       f"2**64-1; see ddtree {command[0]} --help\n")
+
+
+@pytest.mark.parametrize("seed", [2**64 - 1, -2**63])
+def test_a_seed_at_either_end_of_torchs_range_is_used(capsys, seed):
+    code, out, err = run_cli(capsys, "generate", "--target", TARGET, "--method", "ar", "--prompt", "Hi",
+                             "--max-new-tokens", "2", "--temperature", "1", "--seed", str(seed))
+    assert code == 0 and "[ar] 2 tokens" in err, err
+
+
 def test_no_budget_at_all_is_a_usage_error(capsys, prompts_file):
     """An empty --budgets ran nothing and wrote an empty summary (or failed with a traceback under --adaptive-size)."""
     with pytest.raises(SystemExit) as exit_:

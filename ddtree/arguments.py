@@ -53,9 +53,9 @@ def _add_packed_weights(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default="smollm2-135m",
+    parser.add_argument("--target", type=path_argument, default="smollm2-135m",
                         help="built-in name, local HF folder or Hub id (default: smollm2-135m, built in)")
-    parser.add_argument("--drafter", default="random", help="'random' or a drafter folder")
+    parser.add_argument("--drafter", type=path_argument, default="random", help="'random' or a drafter folder")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
@@ -72,7 +72,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
                         help="learn the draft temperature from the verified rounds, so the drafter's expected "
                              "tau tracks the measured one (changes the tree's shape, never the output); it starts "
                              "from the drafter's calibration file, if any")
-    parser.add_argument("--calibration", default=None, metavar="FILE",
+    parser.add_argument("--calibration", type=path_argument, default=None, metavar="FILE",
                         help="a calibration file (`ddtree calibrate`): its draft temperatures and lookup acceptances "
                              "shape and score every tree, as it is; default: the drafter folder's "
                              f"{CALIBRATION_FILE}, else the calibration its config holds (model.replay_calibration); "
@@ -89,7 +89,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
                         help="graft into every ddtree tree up to N tokens that followed the last recurrence of the "
                              "context's latest tokens, within the budget (docs/decoding.md, Context lookup); 0 = off; "
                              "default: the drafter's own (7 for the smollm2-135m recipe's drafter, else 0)")
-    parser.add_argument("--corpus", default=None, metavar="FILE",
+    parser.add_argument("--corpus", type=path_argument, default=None, metavar="FILE",
                         help="graft into every ddtree tree what the target's replies in this JSONL file of "
                              "conversations (the drafter's training data, say), or in a corpus.safetensors a drafter "
                              "folder ships, mostly said after the context's "
@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="run methods over a prompts file and summarise")
     _add_common(bench)
-    bench.add_argument("--prompts", required=True, help="JSONL of {prompt} or {messages} objects")
+    bench.add_argument("--prompts", type=path_argument, required=True, help="JSONL of {prompt} or {messages} objects")
     bench.add_argument("--methods", default="ar,dflash,ddtree",
                        help=f"comma-separated, from {', '.join(METHODS)} (default: all three; dflash is the chain)")
     bench.add_argument("--budgets", type=_int_list, default=[16, 32, 64],
@@ -130,8 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate = commands.add_parser(
         "calibrate", help=f"learn the drafter's calibration on a prompts file and write it into its folder ({CALIBRATION_FILE})")
     _add_common(calibrate)
-    calibrate.add_argument("--prompts", required=True, help="JSONL of {prompt} or {messages} objects: prompts like the "
-                           "ones it will serve")
+    calibrate.add_argument("--prompts", type=path_argument, required=True,
+                           help="JSONL of {prompt} or {messages} objects: prompts like the ones it will serve")
     calibrate.add_argument("--budgets", type=_int_list, default=[32], help="the ddtree budgets to calibrate (the chain "
                            "always is; another budget takes the nearest one's temperature)")
     calibrate.add_argument("--limit", type=int, default=None, help="use the first N prompts (default: all)")
@@ -141,7 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.set_defaults(max_new_tokens=64, adaptive_size="auto")
 
     cost = commands.add_parser("verify-cost", help="time tree verification vs one AR step (a benchmark)")
-    cost.add_argument("--target", default="smollm2-135m", help="as for generate (default: smollm2-135m)")
+    cost.add_argument("--target", type=path_argument, default="smollm2-135m",
+                      help="as for generate (default: smollm2-135m)")
     cost.add_argument("--dtype", default=AUTO, help=DTYPE_HELP)
     cost.add_argument("--device", default=None, help=DEVICE_HELP)
     _add_packed_weights(cost)

@@ -67,10 +67,11 @@ def unwritable_as_error(path: Path):
 
 def path_argument(text: str) -> str:
     """argparse type of a path flag: an empty one (`--out "$UNSET"`) is refused, where the flag's truthiness test read
-    it as left out (another default path) or Path("") as the working folder."""
+    it as left out (another default path) or Path("") as the working folder; a leading `~` is the home folder, as the
+    shell makes it of `--out ~/x` but not of `--out=~/x` (which wrote into a folder named `~` here)."""
     if not text.strip():
         raise argparse.ArgumentTypeError("expected a path, got an empty string (an unset shell variable?)")
-    return text
+    return os.path.expanduser(text)
 
 
 def check_output_file(path: str | Path, flag: str = "--out", overwrite: bool | None = None) -> None:

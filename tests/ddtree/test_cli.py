@@ -666,6 +666,40 @@ def test_bench_grafts_the_corpus_a_drafter_folder_ships_unless_told_none(capsys,
                                                    str(tmp_path / "cut.safetensors"))
 
 
+@pytest.mark.parametrize("command", [["generate", "--prompt", "Hi"], ["bench", "--prompts=~/p.jsonl", "--out=~/r.json"],
+                                     ["calibrate", "--prompts=~/p.jsonl"], ["verify-cost"]])
+def test_a_path_flag_given_with_a_tilde_is_under_the_home_folder(monkeypatch, tmp_path, command):
+    """The shell leaves `~` as it is after `--flag=`: bench wrote into a folder named `~` in the working folder, and a
+    drafter folder that was there was refused as missing (found in a review)."""
+    from ddtree.arguments import build_parser
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    paths = {"--target": "~/t"} if command[0] == "verify-cost" else {
+        "--target": "~/t", "--drafter": "~/d", "--corpus": "~/c.jsonl", "--calibration": "~/k.json"}
+    args = vars(build_parser().parse_args([*command, *(f"{flag}={path}" for flag, path in paths.items())]))
+    expected = {**{flag: path for flag, path in (part.split("=") for part in command if "=" in part)}, **paths}
+    assert {flag: args[flag[2:]] for flag in expected} == {flag: str(tmp_path / path[2:])
+                                                           for flag, path in expected.items()}
+
+
+def test_bench_reads_and_writes_the_paths_a_tilde_names(capsys, tmp_path, tiny_target, prompts_file, monkeypatch):
+    home, elsewhere = tmp_path / "home", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    tiny_drafter_folder(tiny_target, home / "drafter")
+    (home / "prompts.jsonl").write_text(prompts_file.read_text())
+    (home / "replies.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"},
+                                                                 {"role": "assistant", "content": "Hello there."}]}))
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(elsewhere)
+    code, _, err = run_cli(capsys, "bench", "--target", TARGET, "--drafter=~/drafter", "--prompts=~/prompts.jsonl",
+                           "--corpus=~/replies.jsonl", "--out=~/results.json", "--methods", "dflash,ddtree",
+                           "--budgets", "4", "--limit", "1", "--max-new-tokens", "2", "--dtype", "float32")
+    assert code == 0, err
+    settings = json.loads((home / "results.json").read_text())["settings"]
+    assert settings["drafter"] == str(home / "drafter") and settings["corpus"] == str(home / "replies.jsonl")
+    assert list(elsewhere.iterdir()) == []  # no folder named `~`
+
+
 def test_truncated_drafter_weights(capsys, tmp_path, tiny_target):
     folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
     weights = folder / "model.safetensors"

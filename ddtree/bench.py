@@ -101,8 +101,14 @@ def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict], wh
 
 def load_prompts(path: str | Path, tokenizer: PreTrainedTokenizerBase, limit: int | None = None) -> list[dict]:
     """Read and tokenize a prompts file (the first `limit` prompts, or all). Returns [{"id", "prompt_ids"}]; errors name file and line."""
+    return tokenize_prompts(read_prompts(path, limit), tokenizer)
+
+
+def tokenize_prompts(records: list[tuple[str, str, dict]], tokenizer: PreTrainedTokenizerBase) -> list[dict]:
+    """The prompts `read_prompts` read, tokenized: [{"id", "prompt_ids"}] (the CLI reads them before the target loads,
+    and a pipe can be read only once)."""
     prompts = []
-    for prompt_id, where, record in read_prompts(path, limit):
+    for prompt_id, where, record in records:
         if "prompt" in record:
             ids = tokenizer(record["prompt"], add_special_tokens=False)["input_ids"]
         else:

@@ -20,17 +20,18 @@ import re
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .arguments import STATIC_CACHE, build_parser, default_device
 from .bench import (
-    chat_prompt_ids, compare_packed_verify_cost, format_summary, format_tau, load_prompts, measure_verify_cost,
-    method_keys, read_prompts, run_benchmark,
+    chat_prompt_ids, compare_packed_verify_cost, format_summary, format_tau, measure_verify_cost, method_keys,
+    read_prompts, run_benchmark, tokenize_prompts,
 )
 from .calibration import CALIBRATION_FILE, learning_from, load_calibration, save_calibration, weights_fingerprint
-from .corpus import CORPUS_FILE, CorpusLookup, check_corpus_file
+from .corpus import CORPUS_FILE, CorpusLookup, read_corpus
 from .drafters import load_drafter_folder, read_drafter_config
 from .decoding import (
     METHODS, DrafterRunner, OnlineCalibration, Sampling, check_budget, check_sizer, context_limit, drafter_defaults, generate,
@@ -86,6 +87,7 @@ def _load_target(args):
 
 
 def _setup(args, trees: bool = True):
+    """The settings checked, the files named read (InputFiles), then the target loaded."""
     sampling = Sampling(args.temperature, args.top_p, args.top_k)
     if args.max_new_tokens < 1:
         raise DDTreeError(f"--max-new-tokens {args.max_new_tokens} must be at least 1")
@@ -95,11 +97,11 @@ def _setup(args, trees: bool = True):
             raise DDTreeError(f"budget {budget} must be at least 1")
     if getattr(args, "limit", None) is not None and args.limit < 1:
         raise DDTreeError(f"--limit {args.limit} must be at least 1; omit it to use every prompt")
-    check_input_files(args)
+    files = check_input_files(args)
     target, tokenizer = _load_target(args)
     for budget in budgets if trees else []:
         check_budget(budget, target)  # before --adaptive-size measures verifies of that many rows
-    return sampling, target, tokenizer
+    return sampling, target, tokenizer, files
 
 
 def _sizer(args, target, budgets: list[int], method: str = "ddtree") -> TreeSizer | None:
@@ -169,7 +171,7 @@ def cmd_generate(args) -> None:
     check_text(args.prompt, "--prompt")  # said before the target loads, not by the tokenizer after
     check_calibration_flag(args, [args.method])
     check_flags_for_methods(args, [args.method])
-    sampling, target, tokenizer = _setup(args, trees=args.method == "ddtree")
+    sampling, target, tokenizer, files = _setup(args, trees=args.method == "ddtree")
     sizer = _sizer(args, target, [args.budget], args.method)
     drafter = None
     if uses_drafter(args):
@@ -180,7 +182,7 @@ def cmd_generate(args) -> None:
         prompt_ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": args.prompt}], "--prompt",
                                      "give --raw to use the prompt as raw text")
     generator = torch.Generator(device=target.device).manual_seed(args.seed)
-    corpus = _corpus(args, tokenizer)
+    corpus = _corpus(args, tokenizer, files.corpus)
     if args.method == "ddtree":
         note_calibration_settings(drafter, args, sizer, corpus)
     stream = None if args.no_stream else TextStream(tokenizer)
@@ -221,16 +223,16 @@ def note_calibration_settings(drafter: DrafterRunner, args, sizer, corpus) -> No
               file=sys.stderr)
 
 
-def _corpus(args, tokenizer) -> CorpusLookup | bool | None:
-    """--corpus: the index of the file's replies, built once here (a few seconds for 2048 replies); False for
-    `none`; None (the drafter's own, DrafterRunner.default_corpus) when left out."""
+def _corpus(args, tokenizer, replies: list | None) -> CorpusLookup | bool | None:
+    """--corpus: the index of the replies read from its file (InputFiles.corpus), built once here (a few seconds for
+    2048 replies); False for `none`; None (the drafter's own, DrafterRunner.default_corpus) when left out."""
     if args.corpus is None or args.corpus == "none":
         return None if args.corpus is None else False
     started = time.perf_counter()
     if Path(args.corpus).suffix == ".safetensors":  # token ids already, as a drafter folder ships them
-        corpus = CorpusLookup.from_file(args.corpus)
+        corpus = CorpusLookup(replies)
     else:
-        corpus = CorpusLookup.from_conversations(args.corpus, tokenizer)
+        corpus = CorpusLookup.from_text(replies, tokenizer)
     print(f"[corpus] {len(corpus)} runs of {corpus.ngram} tokens from {args.corpus} in "
           f"{time.perf_counter() - started:.1f} s", file=sys.stderr)
     return corpus
@@ -287,22 +289,34 @@ def check_flags_for_methods(args, methods: list[str]) -> None:
 
 
 def check_calibration_file(given: str) -> Path:
+    if Path(given).exists() and not Path(given).is_file():  # a folder, or a pipe (read twice: at the check and to use)
+        raise DDTreeError(f"--calibration {given}: not a regular file; give a file `ddtree calibrate` wrote, or none")
     if not Path(given).is_file():
         raise DDTreeError(f"--calibration {given}: no such file; give a file `ddtree calibrate` wrote, or none")
     return Path(given)
 
 
-def check_input_files(args) -> None:
+class InputFiles(NamedTuple):
+    """What check_input_files read, kept for the command: a pipe (`--prompts /dev/stdin`, `--corpus <(...)`) can be
+    read only once."""
+
+    prompts: list[tuple[str, str, dict]] | None  # read_prompts' records; None without --prompts
+    corpus: list | None  # read_corpus' replies (text, or token ids); None without a --corpus file
+
+
+def check_input_files(args) -> InputFiles:
     """The files named on the command line, read or checked before the target loads (which takes seconds and memory):
     the drafter folder's config.json, the prompts, --corpus and --calibration."""
     if uses_drafter(args) and args.drafter != "random":
         read_drafter_config(Path(args.drafter))
+    prompts = corpus = None
     if getattr(args, "prompts", None) is not None:
-        read_prompts(args.prompts, getattr(args, "limit", None))
+        prompts = read_prompts(args.prompts, getattr(args, "limit", None))
     if getattr(args, "corpus", None) not in (None, "none"):
-        check_corpus_file(args.corpus)
+        corpus = read_corpus(args.corpus)
     if getattr(args, "calibration", None) not in (None, "none"):
         load_calibration(check_calibration_file(args.calibration))  # its contents too, as the corpus file's
+    return InputFiles(prompts, corpus)
 
 
 def _calibration(args) -> OnlineCalibration | None | bool:
@@ -365,13 +379,13 @@ def cmd_bench(args) -> None:
     if args.out:
         check_out_is_no_input(args)
         check_output_file(args.out, overwrite=args.overwrite)
-    sampling, target, tokenizer = _setup(args, trees="ddtree" in methods)
-    prompts = load_prompts(args.prompts, tokenizer, args.limit)
+    sampling, target, tokenizer, files = _setup(args, trees="ddtree" in methods)
+    prompts = tokenize_prompts(files.prompts, tokenizer)
     drafter = None
     if uses_drafter(args):
         drafter = _drafter_runner(args, target, tokenizer)
     sizer = _sizer(args, target, args.budgets) if "ddtree" in methods else None  # it sizes ddtree's trees only
-    corpus = _corpus(args, tokenizer)
+    corpus = _corpus(args, tokenizer, files.corpus)
     if drafter is not None and "ddtree" in methods:
         note_calibration_settings(drafter, args, sizer, corpus)
     results = run_benchmark(
@@ -423,11 +437,11 @@ def cmd_calibrate(args) -> None:
         raise DDTreeError(f"{out} exists and decoding uses it by default; pass --overwrite to replace it")
     if Path(args.drafter).is_dir():  # (a missing folder is named by the drafter's own check)
         check_output_file(out, "--drafter")  # a read-only drafter folder: said now, not after every prompt is decoded
-    sampling, target, tokenizer = _setup(args)
-    prompts = load_prompts(args.prompts, tokenizer, args.limit)
+    sampling, target, tokenizer, files = _setup(args)
+    prompts = tokenize_prompts(files.prompts, tokenizer)
     drafter = _drafter_runner(args, target, tokenizer)
     sizer = _sizer(args, target, args.budgets)
-    corpus = _corpus(args, tokenizer)
+    corpus = _corpus(args, tokenizer, files.corpus)
     calibration = OnlineCalibration(record=True)
     results = run_benchmark(
         target, drafter, prompts, ["dflash", "ddtree"], args.budgets, args.max_new_tokens,

@@ -75,23 +75,20 @@ def read_replies(path: str | Path) -> list[list[int]]:
     return [tokens[start:end] for start, end in zip(offsets, offsets[1:])]
 
 
-def check_corpus_file(path: str | Path) -> Path:
-    """--corpus as a Path, or one line saying why it cannot be read (checked before a target loads): a JSONL file of
-    conversations, or a corpus.safetensors as a drafter folder ships it (either read here whole: a few MB)."""
+def read_corpus(path: str | Path) -> list[str] | list[list[int]]:
+    """--corpus's replies, or one line saying why they cannot be read (read before a target loads, whole: a few MB, and
+    kept, as a pipe can be read only once): the assistant turns of a JSONL file of conversations as text
+    (CorpusLookup.from_text), or the token ids of a corpus.safetensors as a drafter folder ships it."""
     path = corpus_path(path)
-    if path.suffix == ".safetensors":
-        read_replies(path)
-    else:
-        read_conversations(path)
-    return path
+    return read_replies(path) if path.suffix == ".safetensors" else read_conversations(path)
 
 
 def corpus_path(path: str | Path) -> Path:
-    """--corpus as a Path, or one line saying there is no such file."""
+    """--corpus as a Path, or one line saying there is no such file; a pipe (`--corpus <(...)`) is one."""
     path = Path(path)
-    if not path.is_file():
-        raise DDTreeError(f"--corpus {path}: no such file; give a JSONL file of conversations or a corpus.safetensors "
-                          "(docs/decoding.md, Corpus lookup)")
+    if path.is_dir() or not path.exists():
+        raise DDTreeError(f"--corpus {path}: {'a folder, not a file' if path.is_dir() else 'no such file'}; give a JSONL file of "
+                          "conversations or a corpus.safetensors (docs/decoding.md, Corpus lookup)")
     return path
 
 
@@ -221,5 +218,9 @@ class CorpusLookup:
         `datasets.load_from_disk("data/smollm2-135m").to_json("replies.jsonl")` writes one from a folder that
         data/regenerate.py made (this library does not read `datasets` folders itself).
         """
-        return cls((tokenizer(reply, add_special_tokens=False)["input_ids"] for reply in read_conversations(path)),
-                   **settings)
+        return cls.from_text(read_conversations(path), tokenizer, **settings)
+
+    @classmethod
+    def from_text(cls, replies: Iterable[str], tokenizer, **settings) -> CorpusLookup:
+        """The index of replies given as text (read_conversations), tokenized by the target's tokenizer."""
+        return cls((tokenizer(reply, add_special_tokens=False)["input_ids"] for reply in replies), **settings)

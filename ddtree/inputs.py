@@ -36,11 +36,12 @@ def check_drafter_path(folder: Path) -> None:
 
 
 def check_prompts_file(path: str | Path) -> Path:
-    """The prompts file as a Path, or one line saying why it cannot be one (checked before a target loads)."""
+    """The prompts file as a Path, or one line saying why it cannot be one (checked before a target loads). A pipe is
+    one too (`--prompts /dev/stdin`, `<(...)`): the CLI reads the prompts once and keeps them."""
     path = Path(path)
     if path.is_dir():
         raise DDTreeError(f"prompts file {path} is a folder; give a .jsonl file with one prompt per line")
-    if not path.is_file():
+    if not path.exists():
         raise DDTreeError(f"prompts file {path} does not exist")
     return path
 

@@ -2,6 +2,7 @@
 
 import io
 import json
+import os
 import random
 import re
 import subprocess
@@ -403,6 +404,42 @@ def test_drafter_for_another_target(capsys, tmp_path, prompts_file, field, value
 def test_a_prompts_folder_is_named_a_folder(capsys, tmp_path):
     line = _bad(capsys, "bench", "--target", TARGET, "--prompts", str(tmp_path), "--methods", "ar")
     assert line == f"error: prompts file {tmp_path} is a folder; give a .jsonl file with one prompt per line"
+
+
+@pytest.fixture
+def pipe():
+    """pipe(text): a path to a pipe that holds `text` and can be read once, as the shell's `<(...)` and a piped
+    /dev/stdin are."""
+    ends = []
+
+    def make(text: str) -> str:
+        read, write = os.pipe()
+        ends.append(read)
+        os.write(write, text.encode())  # (a few hundred bytes: within the pipe's buffer)
+        os.close(write)
+        return f"/dev/fd/{read}"
+
+    yield make
+    for end in ends:
+        os.close(end)
+
+
+def test_prompts_and_a_corpus_from_a_pipe_are_read_once_and_decoded(capsys, tmp_path, prompts_file, pipe):
+    """They were refused as files that do not exist (found in a review); accepted but read twice, once to check them
+    before the target loads and again to decode, a pipe had nothing left the second time."""
+    reply = "Here is an example of how you can use a list in Python to hold your numbers."
+    conversations = json.dumps({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": reply}]})
+    prompts, corpus, out = pipe(prompts_file.read_text()), pipe(conversations + "\n"), tmp_path / "results.json"
+    code, _, err = run_cli(capsys, "bench", "--target", TARGET, "--prompts", prompts, "--corpus", corpus, "--methods",
+                           "ar,ddtree", "--budgets", "4", "--max-new-tokens", "2", "--out", str(out))
+    assert code == 0, err
+    results = json.loads(out.read_text())
+    assert [prompt["id"] for prompt in results["prompts"]] == ["chat", "2"]
+    assert results["settings"]["ddtree_resolved"]["corpus"] == corpus
+    assert re.search(rf"\[corpus\] [1-9]\d* runs of 3 tokens from {corpus} ", err), err
+    # a calibration file is read when checked and again when used: a pipe is refused as what it is, not as missing
+    line = _bad(capsys, "generate", "--target", TARGET, "--prompt", "Hi", "--calibration", pipe("{}"))
+    assert line.startswith("error: --calibration /dev/fd/") and ": not a regular file; give a file" in line
 
 
 def test_console_script_exit_code(tmp_path):

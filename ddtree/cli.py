@@ -41,7 +41,7 @@ from .errors import DDTreeError, check_text, command
 from .files import check_output_file, write_json_atomic
 from .inputs import method_list, uses_drafter
 from .modeling_dflash import DFlashDraftModel
-from .packed_linear import apply_packing, is_packed, pack_linears, require_packing
+from .packed_linear import apply_packing, cannot_pack, is_packed, pack_linears, packing_available
 from .precision import resolve_dtype
 from .sizing import TreeSizer
 from .targets import build_drafter_config, load_target, stop_token_ids
@@ -479,6 +479,9 @@ def cmd_verify_cost(args) -> None:
         if value < 1:
             raise DDTreeError(f"{flag} {value} must be at least 1")
     if args.compare_plain:
+        if not packing_available():
+            raise DDTreeError("--compare-plain times packed linear layers, and this torch has no oneDNN weight packing: "
+                              "drop --compare-plain")
         args.packed_weights = "off"  # the plain target; compare_packed_verify_cost packs a copy of it
     target, _ = _load_target(args)
     longest = getattr(target.config.get_text_config(), "max_position_embeddings", None)
@@ -486,7 +489,10 @@ def cmd_verify_cost(args) -> None:
         raise DDTreeError(f"--context {args.context} with {max(args.sizes)} tree nodes and its root runs past target "
                           f"{args.target}'s {longest} positions: give a smaller --context or --sizes")
     if args.compare_plain:
-        require_packing(target)
+        if cannot_pack(target):  # bf16, fp16 or a GPU (--packed-weights is not the user's: set off above)
+            dtype, device = str(target.dtype).removeprefix("torch."), target.device.type
+            raise DDTreeError(f"--compare-plain needs fp32 on a CPU, and the target runs in {dtype} on {device}: drop "
+                              f"--compare-plain, or use --dtype float32{' --device cpu' if device != 'cpu' else ''}")
         rows = compare_packed_verify_cost(target, args.sizes, args.context, args.repeats)
         print(f"target {args.target}, {str(target.dtype).removeprefix('torch.')}, {args.context}-token cache; "
               "plain and packed linear layers measured alternately (nodes 0: one AR step)")

@@ -14,6 +14,14 @@ from .names import AUTO, CALIBRATION_FILE, METHODS, PACKED_KERNELS
 
 DESCRIPTION = "generate text or benchmark decoding methods with a target and a drafter"
 DEVICE_HELP = "cpu, cuda or cuda:N (default: cuda where this machine has a GPU, else cpu)"
+ONLINE_CALIBRATION_HELP = ("learn the draft temperature from the verified rounds, so the drafter's expected tau tracks "
+                           "the measured one (changes the tree's shape, never the output); it starts from the "
+                           "drafter's calibration file, if any")
+CALIBRATION_HELP = ("a calibration file (`ddtree calibrate`): its draft temperatures and lookup acceptances shape and "
+                    f"score every tree, as it is; default: the drafter folder's {CALIBRATION_FILE}, else the "
+                    "calibration its config holds (model.replay_calibration); none = neither it nor the calibration "
+                    "the drafter's config holds (a model.calibrate drafter's per-position draft_temperatures stay: "
+                    "they are the drafter's, as its weights are)")
 DTYPE_HELP = ("auto (bf16 on a GPU of compute capability 8.0 on, or where a quick matmul timing takes under 0.9x "
               "float32's time on this CPU; else float32), float32, bfloat16 or float16")
 
@@ -52,33 +60,32 @@ def _add_packed_weights(parser: argparse.ArgumentParser) -> None:
                              "memory")
 
 
-def _add_common(parser: argparse.ArgumentParser) -> None:
+def _add_common(parser: argparse.ArgumentParser, learns: bool = False) -> None:
+    """The options generate, bench and calibrate share. learns: calibrate's, which writes into a drafter folder and
+    learns from a fresh start: --online-calibration and --calibration, which it refuses (saying why), stay out of its
+    --help."""
     parser.add_argument("--target", type=path_argument, default="smollm2-135m",
                         help="built-in name, local HF folder or Hub id (default: smollm2-135m, built in)")
-    parser.add_argument("--drafter", type=path_argument, default="random", help="'random' or a drafter folder")
+    parser.add_argument("--drafter", type=path_argument, default="random",
+                        help="the drafter folder to calibrate (required)" if learns else "'random' or a drafter folder")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--dtype", default=AUTO, help=DTYPE_HELP)
     parser.add_argument("--device", default=None, help=DEVICE_HELP)
     _add_packed_weights(parser)
-    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--max-new-tokens", type=int, default=256,
+                        help="at most this many new tokens a reply (default: %(default)s)")
     parser.add_argument("--seed", type=_seed, default=0,
-                        help="random seed of the sampling, and of --drafter random's weights (default: 0)")
+                        help=f"random seed of the sampling{'' if learns else ', and of --drafter random weights'} "
+                             "(default: 0)")
     parser.add_argument("--static-cache", choices=STATIC_CACHE, default="auto",
                         help="the target's KV cache: static (one verify shape, a CUDA graph on a GPU) or dynamic; "
                              "auto = static on CUDA only")
     parser.add_argument("--online-calibration", action="store_true",
-                        help="learn the draft temperature from the verified rounds, so the drafter's expected "
-                             "tau tracks the measured one (changes the tree's shape, never the output); it starts "
-                             "from the drafter's calibration file, if any")
+                        help=argparse.SUPPRESS if learns else ONLINE_CALIBRATION_HELP)
     parser.add_argument("--calibration", type=path_argument, default=None, metavar="FILE",
-                        help="a calibration file (`ddtree calibrate`): its draft temperatures and lookup acceptances "
-                             "shape and score every tree, as it is; default: the drafter folder's "
-                             f"{CALIBRATION_FILE}, else the calibration its config holds (model.replay_calibration); "
-                             "none = neither it nor the calibration the drafter's config holds (a model.calibrate "
-                             "drafter's per-position draft_temperatures stay: they are the drafter's, as its weights "
-                             "are)")
+                        help=argparse.SUPPRESS if learns else CALIBRATION_HELP)
     parser.add_argument("--adaptive-size", choices=ADAPTIVE_SIZE, default="off",
                         help="per round, verify only the leading nodes of the budget's ddtree tree that pay for their "
                              "rows, under this machine's verify cost measured at start (docs/benchmarks.md, Which budget); auto = "
@@ -129,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     calibrate = commands.add_parser(
         "calibrate", help=f"learn the drafter's calibration on a prompts file and write it into its folder ({CALIBRATION_FILE})")
-    _add_common(calibrate)
+    _add_common(calibrate, learns=True)
     calibrate.add_argument("--prompts", type=path_argument, required=True,
                            help="JSONL of {prompt} or {messages} objects: prompts like the ones it will serve")
     calibrate.add_argument("--budgets", type=_int_list, default=[32], help="the ddtree budgets to calibrate (the chain "

@@ -167,6 +167,22 @@ def test_a_seed_at_either_end_of_torchs_range_is_used(capsys, seed):
     assert code == 0 and "[ar] 2 tokens" in err, err
 
 
+@pytest.mark.parametrize("command, default", [("generate", 256), ("bench", 256), ("calibrate", 64)])
+def test_help_lists_only_the_options_a_command_takes_and_its_max_new_tokens_default(capsys, monkeypatch, command,
+                                                                                    default):
+    """calibrate --help offered --online-calibration, --calibration FILE and a 'random' --drafter, which it always
+    refuses, and no help said --max-new-tokens' default, 64 for calibrate (found in a review)."""
+    monkeypatch.setenv("COLUMNS", "1000")  # argparse wraps the help to the terminal's width, at hyphens too
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--help"])
+    assert exit_.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"--max-new-tokens MAX_NEW_TOKENS at most this many new tokens a reply (default: {default})" in out
+    for offered in ("--online-calibration", "--calibration FILE", "'random'"):
+        assert (offered in out) is (command != "calibrate"), offered
+    assert ("--drafter DRAFTER the drafter folder to calibrate (required)" in out) is (command == "calibrate")
+
+
 def test_no_budget_at_all_is_a_usage_error(capsys, prompts_file):
     """An empty --budgets ran nothing and wrote an empty summary (or failed with a traceback under --adaptive-size)."""
     with pytest.raises(SystemExit) as exit_:

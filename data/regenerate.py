@@ -31,7 +31,8 @@ How the work is laid out, so it survives interruption:
   - a dataset already merged at <out> with other settings (another target, other prompts), or answering
     more prompts than this job (a smaller --limit), is replaced only with --overwrite, and then only once
     the new one is complete; where another recipe's data.regenerate makes that folder (data/smollm2-135m,
-    which recipes/tiny.yaml reads as it is), the refusal says so instead of suggesting --overwrite;
+    which recipes/tiny.yaml reads as it is), the refusal says so instead of suggesting --overwrite (training's
+    --check names its own recipe with --for-recipe: that recipe's data is its own to mend);
   - a dataset already merged at <out> with the same settings (its regeneration.json) gives back its
     chunks, so a larger --limit on a fresh clone only generates the prompts the shipped data lacks; one
     that already answers exactly this job's prompts is left as it is (a rerun does nothing);
@@ -77,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a training recipe (its name, or a YAML file): --target and --target-adapter default to its "
                    "model.target and model.target_adapter, --out to its data.data_path, the other options to its "
                    "data.regenerate section")
+    p.add_argument("--for-recipe", type=Path, default=None, metavar="RECIPE",
+                   help="the recipe (its name, or a YAML file) this job writes for, without taking its settings "
+                   "as --recipe does (training's --check gives them all as flags): its own data.data_path is not "
+                   "refused as another recipe's, and a refusal names the command that mends it (make data RECIPE=...)")
     p.add_argument("--target", default=None, help="built-in target name, local HF folder or Hub id (default smollm2-135m)")
     p.add_argument("--target-adapter", default=None,
                    help="PEFT adapter folder merged into --target before it writes (a recipe's model.target_adapter); "
@@ -184,6 +189,37 @@ def owning_recipe(out: Path, recipe: Path | None) -> str | None:
     return None
 
 
+def job_recipe(args: argparse.Namespace) -> Path | None:
+    """The recipe this job writes for: --recipe (whose settings it took), else --for-recipe (training's check, which
+    gives every setting itself); None for a job of flags alone."""
+    return args.recipe if args.recipe is not None else args.for_recipe
+
+
+def rerun_command(recipe: Path | None, flags: str = "") -> str:
+    """The command that runs this --check's job with `flags`: `make data` for a recipe of recipes/ (or a name, as
+    training gives it), regenerate.py --recipe for a file elsewhere; for a job of flags alone, these flags without
+    --check (the caller names `flags`)."""
+    recipe_file = recipe_file_of(recipe) if recipe is not None else None
+    if recipe_file is not None and recipe_file.resolve().parent != RECIPES_DIR.resolve():
+        return f"`python data/regenerate.py --recipe {recipe_file}{f' {flags}' if flags else ''}`"
+    if recipe is not None:
+        name = recipe_file.stem if recipe_file is not None else str(recipe)
+        return f"`make data RECIPE={name}{f' ARGS={flags}' if flags else ''}`"
+    return "this command without --check"
+
+
+def limit_setting(recipe: Path | None) -> str:
+    """Where this job's --limit comes from, as the user would edit it."""
+    if recipe is None:
+        return "--limit"
+    recipe_file = recipe_file_of(recipe)
+    if recipe_file is None:
+        return "the recipe's data.regenerate.limit"
+    recipe_file = recipe_file.resolve()
+    shown = recipe_file.relative_to(PROJECT_ROOT) if recipe_file.is_relative_to(PROJECT_ROOT) else recipe_file
+    return f"the recipe's data.regenerate.limit ({shown})"
+
+
 def check_not_others_data(out: Path, recipe: Path | None, differs: str, tail: str = "") -> None:
     """Where `out` is another recipe's data (owning_recipe), the error says so, in the place of advice to pass
     --overwrite. differs: how the data there differs from this job's."""
@@ -286,15 +322,25 @@ def check_dataset(args: argparse.Namespace) -> None:
     if not args.prompts.is_file():
         raise DDTreeError(f"--prompts {args.prompts} does not exist; give the prompts file the data was made from")
     with args.prompts.open() as f:
-        count = sum(1 for line in f if line.strip())  # one prompt per line: read_messages_jsonl needs torch's imports
-    count = count if args.limit is None else min(count, args.limit)
-    if made_with.get("num_prompts") != count:
-        changed.append(f"prompts answered: {made_with.get('num_prompts')!r} -> {count}")
-    if changed:
-        check_not_others_data(args.out, args.recipe, f"made with other settings ({'; '.join(changed)})")
-        raise DDTreeError(f"{args.out} holds a dataset made with other settings ({'; '.join(changed)}): generate it "
-                          "again with --overwrite (make data RECIPE=<recipe> ARGS=--overwrite), or give another "
-                          "output folder")
+        available = sum(1 for line in f if line.strip())  # a prompt a line: read_messages_jsonl needs torch's imports
+    count = available if args.limit is None else min(available, args.limit)
+    answered = made_with.get("num_prompts")
+    if answered != count:
+        changed.append(f"prompts answered: {answered!r} -> {count}")
+    if not changed:
+        return
+    recipe = job_recipe(args)
+    check_not_others_data(args.out, recipe, f"made with other settings ({'; '.join(changed)})")
+    differs = f"{args.out} holds a dataset made with other settings ({'; '.join(changed)})"
+    only_count = len(changed) == 1 and isinstance(answered, int) and answered > 0
+    if only_count and count < answered <= available:  # extended with a larger --limit (data/README.md says how)
+        raise DDTreeError(f"{differs}: raise {limit_setting(recipe)} to {answered} to use all {answered}, or cut the "
+                          f"data to {count} with --overwrite ({rerun_command(recipe, '--overwrite')})")
+    if only_count and answered < count:  # the same replies, fewer of them: the rest can be added to them
+        raise DDTreeError(f"{differs}: answer the other {count - answered} with {rerun_command(recipe)} (it keeps the "
+                          f"{answered} answered), or lower {limit_setting(recipe)} to {answered}")
+    raise DDTreeError(f"{differs}: generate it again with --overwrite ({rerun_command(recipe, '--overwrite')}), or "
+                      "give another output folder")
 
 
 def answer_early_check(args: argparse.Namespace) -> None:
@@ -681,7 +727,7 @@ def run(args: argparse.Namespace) -> dict | None:
             raise DDTreeError(f"{args.prompts}: record {record['id']!r} has only assistant turns; it needs a prompt")
     chunks = [records[start:start + args.chunk_size] for start in range(0, len(records), args.chunk_size)]
     settings = response_settings(args)
-    check_replaces_only_its_own(out, settings, len(records), args.overwrite, args.recipe)
+    check_replaces_only_its_own(out, settings, len(records), args.overwrite, job_recipe(args))
     finished = finished_here(out, records, settings)
     if finished is not None:  # `make data` on the default recipe, whose data ships finished
         print(f"[regenerate] {out} already answers these {len(records)} prompts with these settings; nothing to do")

@@ -114,8 +114,10 @@ def check_recipe_data(datamodule, recipe: str, path: Path, target_adapter: str |
     """The data at `path` is what the recipe's target (with its adapter) and data.regenerate settings would write
     (regenerate.py --check, which answers before torch loads: a fraction of a second); else a DDTreeError naming what
     differs."""
+    # --for-recipe: the recipe's own data_path is its data to mend (make data RECIPE=...), not another recipe's
     command = [sys.executable, str(REGENERATE_SCRIPT),
-               *regenerate_arguments(datamodule.target, path, datamodule.regenerate, target_adapter), "--check"]
+               *regenerate_arguments(datamodule.target, path, datamodule.regenerate, target_adapter),
+               "--for-recipe", recipe, "--check"]
     checked = subprocess.run(command, capture_output=True, text=True)
     if checked.returncode != 0:
         said = (checked.stderr.strip().splitlines() or [f"exit status {checked.returncode}"])[-1]

@@ -673,4 +673,25 @@ def test_another_recipes_data_is_not_offered_to_overwrite(tmp_path, monkeypatch,
     assert load_from_disk(str(data)).to_list() == made and not (tmp_path / "data.parts").exists()
     # The owner's own job, with other settings, is still offered --overwrite: it is its data to replace.
     assert regenerate.main(["--recipe", "owner", "--max-new-tokens", "5", "--check"]) == 2
-    assert "generate it again with --overwrite" in capsys.readouterr().err
+    assert "generate it again with --overwrite (`make data RECIPE=owner ARGS=--overwrite`)" in capsys.readouterr().err
+    # So is training's check, which gives every setting as a flag and names its recipe with --for-recipe: before,
+    # it was told the data was "recipe owner's data", to be left alone, when it was its own.
+    owner = ["--target", "tiny-random", "--out", str(data), "--prompts", str(tmp_path / "prompts.jsonl"),
+             "--max-new-tokens", "6", "--dtype", "float32", "--for-recipe", "owner", "--check"]
+    assert regenerate.main(owner) == 0
+    for flags, advice in ((["--max-new-tokens", "5"], "generate it again with --overwrite (`make data RECIPE=owner "
+                                                      "ARGS=--overwrite`), or give another output folder"),
+                          (["--limit", "2"], "raise the recipe's data.regenerate.limit "
+                                             f"({recipes / 'owner.yaml'}) to 4 to use all 4, or cut the data to 2 "
+                                             "with --overwrite (`make data RECIPE=owner ARGS=--overwrite`)")):
+        assert regenerate.main([*owner, *flags]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"error: {data} holds a dataset made with other settings (") and err.endswith(advice), err
+    # A job of flags alone, on data no recipe makes, is told to run itself again.
+    shutil.copytree(data, tmp_path / "copy")
+    alone = [str(tmp_path / "copy") if flag == str(data) else flag
+             for flag in owner if flag not in ("--for-recipe", "owner")]
+    assert regenerate.main([*alone, "--limit", "2"]) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        "raise --limit to 4 to use all 4, or cut the data to 2 with --overwrite (this command without --check)")
+    assert load_from_disk(str(data)).to_list() == made

@@ -56,10 +56,14 @@ def test_auto_data_is_generated_once_into_the_cache(tmp_path, empty_cache):
     assert (out / "regeneration.json").stat().st_mtime_ns == stamp
 
     # Made by other settings than the recipe's now: refused, naming what changed, and left as it was.
-    for changed, said in (({"max_new_tokens": 5}, "max_new_tokens: 4 -> 5"), ({"limit": 4}, "prompts answered: 3 -> 4"),
-                          ({"prompts": str(prompt_file(tmp_path / "other.jsonl", 5))}, "other.jsonl")):
+    overwrite = "`make data RECIPE=my-recipe ARGS=--overwrite`"
+    for changed, said in (({"max_new_tokens": 5}, f"max_new_tokens: 4 -> 5.*again with --overwrite \\({overwrite}"),
+                          ({"limit": 4}, "prompts answered: 3 -> 4\\): answer the other 1 with `make data RECIPE=my-"),
+                          ({"limit": 2}, f"prompts answered: 3 -> 2\\): raise the recipe's data.regenerate.limit to 3 "
+                                         f"to use all 3, or cut the data to 2 with --overwrite \\({overwrite}"),
+                          ({"prompts": str(prompt_file(tmp_path / "other.jsonl", 5))}, f"other.jsonl.*{overwrite}")):
         edited = DistillDataModule(target="tiny-random", data_path=AUTO_DATA, regenerate={**settings, **changed})
-        with pytest.raises(DDTreeError, match=f"recipe my-recipe: .*{said}.*--overwrite"):
+        with pytest.raises(DDTreeError, match=f"recipe my-recipe: .*{said}"):
             prepare_recipe_data(edited, "my-recipe")
     assert (out / "regeneration.json").stat().st_mtime_ns == stamp
 
@@ -104,8 +108,8 @@ def test_regenerate_fields_are_the_scripts_options():
     options = {action.dest for action in regenerate.build_parser()._actions}
     assert set(REGENERATE_FIELDS) <= options
     # The ones left out come from the recipe itself, split one job into shards, or are one launch's choice.
-    assert options - set(REGENERATE_FIELDS) == {"help", "recipe", "target", "target_adapter", "out", "shard_index",
-                                                "num_shards", "merge_only", "overwrite", "check"}
+    assert options - set(REGENERATE_FIELDS) == {"help", "recipe", "for_recipe", "target", "target_adapter", "out",
+                                                "shard_index", "num_shards", "merge_only", "overwrite", "check"}
 
 
 def test_make_data_takes_the_recipes_regenerate_section(tmp_path, empty_cache):
@@ -151,6 +155,31 @@ def test_the_default_recipe_says_how_its_shipped_data_was_made_and_make_data_lea
     assert summary["num_prompts"] == 2048 and summary["response_ids"]["recovered"] == 1965
     assert {path.name: path.read_bytes() for path in shipped.iterdir()} == before
     assert not (tmp_path / "smollm2-135m.parts").exists()
+
+
+@pytest.mark.parametrize("changed, advice", [
+    # data/README.md's extension (a larger --limit) leaves the data answering more prompts than the recipe asks for
+    ({"limit": 2000}, "(prompts answered: 2048 -> 2000): raise the recipe's data.regenerate.limit "
+                      "(recipes/smollm2-135m.yaml) to 2048 to use all 2048, or cut the data to 2000 with --overwrite "
+                      "(`make data RECIPE=smollm2-135m ARGS=--overwrite`)"),
+    ({"limit": 2050}, "(prompts answered: 2048 -> 2050): answer the other 2 with `make data RECIPE=smollm2-135m` (it "
+                      "keeps the 2048 answered), or lower the recipe's data.regenerate.limit "
+                      "(recipes/smollm2-135m.yaml) to 2048"),
+    ({"max_new_tokens": 128}, "(max_new_tokens: 256 -> 128): generate it again with --overwrite "
+                              "(`make data RECIPE=smollm2-135m ARGS=--overwrite`), or give another output folder"),
+])
+def test_a_recipes_own_data_that_differs_gets_the_advice_that_mends_it(monkeypatch, changed, advice):
+    """Training's check did not say which recipe it checked for, so the default recipe's own data/smollm2-135m was
+    refused as "recipe smollm2-135m's data ... give this job its own output folder" once its settings moved (or the
+    data was extended as data/README.md says): advice it could not follow. Read-only on the shipped data."""
+    monkeypatch.chdir(RECIPES_DIR.parent)
+    config = read_recipe(RECIPES_DIR / "smollm2-135m.yaml", [])
+    datamodule = DistillDataModule(target=config.model.target, data_path=config.data.data_path,
+                                   regenerate={**config.data.regenerate, **changed})
+    with pytest.raises(DDTreeError) as refused:
+        prepare_recipe_data(datamodule, "smollm2-135m")
+    assert str(refused.value) == (f"recipe smollm2-135m: data/smollm2-135m holds a dataset made with other settings "
+                                  f"{advice}")
 
 
 def test_the_check_takes_greedy_data_made_with_another_chunk_size_or_seed(monkeypatch, capsys):

@@ -25,9 +25,11 @@ How the work is laid out, so it survives interruption:
   - each finished chunk is written to <out>.parts/chunk-<k>.jsonl (temp file, fsync, rename), and a rerun
     skips chunks that exist, so an interrupted job resumes where it stopped (a chunk that does not read
     whole, cut short all the same, is made again, with a warning naming it);
-  - <out>.parts/settings.json records everything that changes the responses; a rerun with
-    different settings is refused instead of mixing two kinds of data (until its first chunk is written: a
-    job stopped by bad input takes the corrected settings);
+  - <out>.parts/settings.json records the settings that choose the responses (target, prompts, decoding, dtype);
+    a rerun with different settings is refused instead of mixing two kinds of data (until its first chunk is
+    written: a job stopped by bad input takes the corrected settings). Not the machine nor --batch-size, though
+    in bf16 either moves most long greedy replies at their first near tie (data/README.md): the data shipped
+    without them, and a resume may change batch size;
   - a dataset already merged at <out> with other settings (another target, other prompts), or answering
     more prompts than this job (a smaller --limit), is replaced only with --overwrite, and then only once
     the new one is complete; where another recipe's data.regenerate makes that folder (data/smollm2-135m,
@@ -258,8 +260,10 @@ def checked_args(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def response_settings(args: argparse.Namespace) -> dict:
-    """Everything that changes a chunk's contents; --limit does not (it only says how many chunks). The adapter by
-    its path and its files' sha256: retrained at the same path, it writes other replies."""
+    """The settings that choose a chunk's replies; --limit does not (it only says how many chunks). The adapter by
+    its path and its files' sha256: retrained at the same path, it writes other replies. Left out: the machine and
+    --batch-size, which in bf16 move a greedy reply at a near tie (data/README.md); recorded, --batch-size would
+    refuse the shipped data (whose regeneration.json lacks it) and stop it being extended."""
     return {
         "target": args.target,
         "target_adapter": args.target_adapter,

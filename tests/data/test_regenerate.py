@@ -695,3 +695,16 @@ def test_another_recipes_data_is_not_offered_to_overwrite(tmp_path, monkeypatch,
     assert capsys.readouterr().err.strip().endswith(
         "raise --limit to 4 to use all 4, or cut the data to 2 with --overwrite (this command without --check)")
     assert load_from_disk(str(data)).to_list() == made
+
+
+def test_the_readme_names_what_settings_json_records_and_what_moves_a_reply_besides(tmp_path):
+    """data/README.md said settings.json "holds what changes an answer" and that a rerun on another CPU "can differ in
+    a few answers": the batch size, which it does not hold, changes bf16 greedy replies too, and a rerun of the
+    shipped first chunk gave 56 of 64 other replies. The README now lists the recorded settings by name, which this
+    holds to response_settings, and names what moves a reply without being recorded."""
+    readme = (Path(regenerate.__file__).resolve().parent / "README.md").read_text()
+    assert "differ in a few answers" not in readme and "56 of 64" in readme
+    paragraph = readme[readme.index("`<out>.parts/settings.json` records"):readme.index("The prompts file is one")]
+    listed = set(re.findall(r"`(\w+)`", paragraph[:paragraph.index(");")]))
+    assert listed == set(regenerate.response_settings(args_for(tmp_path)))
+    assert "batch_size" not in listed and "`--batch-size`" in paragraph and "the machine" in paragraph

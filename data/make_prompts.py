@@ -454,6 +454,9 @@ def build(seed: int, num_coding: int, num_chat: int, num_eval: int) -> tuple[lis
     rng = random.Random(seed)
     # Coding: round-robin over modules, so big modules (math, ast) do not crowd out small ones.
     train_code = spread_sample(coding_candidates(TRAIN_MODULES), num_coding, rng, lambda c: c["module"])
+    if len(train_code) < num_coding:  # spread_sample stops at what there is: fewer were written without a word
+        raise DDTreeError(f"--num-coding {num_coding}: the {len(TRAIN_MODULES)} training modules of this Python's "
+                          f"standard library make only {len(train_code)} coding prompts; ask for fewer")
     # Chat: every template x topic and edit-a-text prompt, topped up with word problems.
     chat = chat_candidates(TRAIN_TOPICS, rng) + rewrite_candidates(TRAIN_TEXTS)
     chat += word_problem_candidates(max(0, num_chat - len(chat)), rng, "train")

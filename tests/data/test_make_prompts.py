@@ -109,7 +109,10 @@ def test_counts_below_one_prompt_and_one_file_for_both_are_refused(tmp_path, cap
                                                                    "prompts to write; give at least one"),
                         (["--eval-out", str(tmp_path / "train.jsonl")], "error: --train-out and --eval-out are both"),
                         # more than the held-out modules and topics make: 218 were written without a word
-                        (["--num-eval", "300"], "error: --num-eval 300: the held-out modules and topics make only ")]:
+                        (["--num-eval", "300"], "error: --num-eval 300: the held-out modules and topics make only "),
+                        # more than the standard library gives: 5018 were written, said only in the summary line
+                        (["--num-coding", "100000"], "error: --num-coding 100000: the 70 training modules of this "
+                                                     "Python's standard library make only ")]:
         assert make_prompts.main([*out, *extra]) == 2
         assert capsys.readouterr().err.strip().startswith(said)
     assert not list(tmp_path.iterdir())

@@ -17,6 +17,7 @@ prints one line, `error: ...`, and exits with status 2 (ddtree/errors.py).
 from __future__ import annotations
 
 import re
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -219,8 +220,22 @@ def note_calibration_settings(drafter: DrafterRunner, args, sizer, corpus) -> No
     differences = calibration.differences(lookup, redraft, resolved is not None)
     if differences:
         print(f"[calibration] note: learned decoding with other settings ({'; '.join(differences)}): its expected tau "
-              "will be off; run `ddtree calibrate --overwrite` with these settings, or decode with --calibration none",
-              file=sys.stderr)
+              f"will be off; run `ddtree calibrate --overwrite {calibrate_flags(args, lookup, redraft, resolved, sizer)}` "
+              "(with this --target and --drafter, and prompts like yours) to learn with these settings, or decode with "
+              "--calibration none", file=sys.stderr)
+
+
+def calibrate_flags(args, lookup: int, redraft: int, corpus: CorpusLookup | None, sizer) -> str:
+    """The flags that make `ddtree calibrate` learn on the trees decoded here. Its defaults are generate's (on a CPU,
+    sized trees and so no re-drafting): a bare `calibrate --overwrite` after a bench note learned what it had learned
+    before, and the note came back (found in a review). All four are named, as one of them changes another's default
+    (--adaptive-size off turns the drafter's re-drafting back on)."""
+    flags = [f"--lookup {lookup}", f"--redraft {redraft}", f"--adaptive-size {'off' if sizer is None else 'on'}"]
+    if corpus is None:
+        flags.append("--corpus none")
+    elif args.corpus is not None:  # a file given here; the drafter's own is calibrate's default too
+        flags.append(f"--corpus {shlex.quote(args.corpus)}")
+    return " ".join(flags)
 
 
 def _corpus(args, tokenizer, replies: list | None) -> CorpusLookup | bool | None:

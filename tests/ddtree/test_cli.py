@@ -1129,6 +1129,42 @@ def test_calibrate_learns_with_the_settings_a_default_generate_decodes_with(caps
     assert code == 0 and "learned decoding with other settings" not in err
 
 
+def test_the_calibration_note_names_the_flags_that_clear_it(capsys, tmp_path, tiny_target, prompts_file):
+    """The note said `run ddtree calibrate --overwrite with these settings`: after a default calibrate (generate's
+    sized trees, no re-drafting) a default bench re-drafts, and the bare command it seemed to ask for learned redraft 0
+    again, so the note came back (found in a review). It names the flags; run as it says, the note is gone."""
+    from ddtree.calibration import CALIBRATION_FILE
+
+    folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
+    config = json.loads((folder / "config.json").read_text())
+    edit_config(folder, dflash_config={**config["dflash_config"], "redraft": 4})  # model.redraft_prob's drafters
+    common = ["--target", TARGET, "--drafter", str(folder), "--dtype", "float32", "--device", "cpu"]
+    calibrate = ["calibrate", *common, "--prompts", str(prompts_file), "--budgets", "8", "--max-new-tokens", "8",
+                 "--overwrite"]
+    bench = ["bench", *common, "--prompts", str(prompts_file), "--limit", "1", "--methods", "ddtree", "--budgets", "8",
+             "--max-new-tokens", "4"]
+    generate = ["generate", *common, "--prompt", "Hi", "--budget", "8", "--max-new-tokens", "4"]
+
+    def note(*command) -> list[str] | None:
+        code, _, err = run_cli(capsys, *command)
+        assert code == 0, err
+        said = re.search(r"\[calibration\] note: learned decoding with other settings .*?run `ddtree calibrate "
+                         r"--overwrite([^`]*)`", err)
+        return said and said.group(1).split()
+
+    assert run_cli(capsys, *calibrate)[0] == 0  # as generate decodes
+    flags = note(*bench)
+    assert flags == ["--lookup", "0", "--redraft", "4", "--adaptive-size", "off", "--corpus", "none"]
+    assert run_cli(capsys, *calibrate, *flags)[0] == 0
+    assert json.loads((folder / CALIBRATION_FILE).read_text())["decoded_with"]["redraft"] == 4
+    assert note(*bench) is None
+    # and the other way: learned for bench, a default generate (sized on a CPU) says how to learn for it
+    flags = note(*generate)
+    assert flags == ["--lookup", "0", "--redraft", "0", "--adaptive-size", "on", "--corpus", "none"]
+    assert run_cli(capsys, *calibrate, *flags)[0] == 0
+    assert note(*generate) is None
+
+
 @pytest.mark.parametrize("overwrite", [False, True])
 def test_calibrate_leaves_a_file_another_run_wrote_while_it_decoded_unless_told_to_overwrite(
         capsys, tmp_path, tiny_target, prompts_file, monkeypatch, overwrite):

@@ -511,8 +511,11 @@ def main(argv: list[str] | None = None) -> int:
         if cli.trainer.is_global_zero:
             write_text_atomic(run_dir / DATA_RECORD, json.dumps(cli.datamodule.record(), indent=1) + "\n")
             drafter_dir = export_drafter(drafter, run_dir / "drafter", run_corpus(run_dir))
-            print(f"[train] drafter written to {drafter_dir}: the last step's weights (ddtree bench --drafter "
-                  f"{drafter_dir}; make export takes the best checkpoint by default)", flush=True)
+            print(f"[train] drafter written to {drafter_dir}: the last step's weights; `{bench_command(cli, drafter_dir)}`"
+                  + (" with --target the target merged with model.target_adapter (ddtree loads no adapter; the "
+                     "export's card shows the merge)" if cli.model.hparams.target_adapter else "")
+                  + " measures them as the training-time evaluation did (make export takes the best checkpoint by "
+                  "default)", flush=True)
         return 0
     except BaseException as error:
         if created is not None:  # a fresh run's failure, from a bad override to a NaN at its first step; still locked
@@ -539,6 +542,27 @@ def finite_checkpoint_line(run_dir: Path) -> str:
         return f"no checkpoint of {run_dir} has finite weights: start again (a lower model.lr?)"
     return (f"the newest checkpoint with finite weights is {good} (make eval/export take it: CKPT={good}; "
             f"make train RESUME={good} continues from it)")
+
+
+def bench_command(cli: DistillCLI, drafter_dir: Path) -> str:
+    """`ddtree bench` on the exported drafter with the run's eval settings (prompts, limit, new tokens, budgets, lookup
+    and re-drafting) and its target in the dtype training ran it in, so it gives the tau the run logged. A bare
+    `ddtree bench --drafter` was printed here, which stops at once for want of --prompts (found in a review)."""
+    hp = cli.model.hparams
+    evaluation = next((c for c in cli.trainer.callbacks if isinstance(c, AcceptanceEvaluation)), AcceptanceEvaluation())
+    dtype = str(dtype_for_precision(cli.trainer.precision, hp.target_dtype)).removeprefix("torch.")
+    script = Path(sys.executable).parent / "ddtree"  # the console script of this environment, named as run from here
+    if script.is_file() and script.absolute().is_relative_to(Path.cwd()):
+        script = script.absolute().relative_to(Path.cwd())
+    words = [str(script) if script.is_file() else "ddtree", "bench", "--target", str(hp.target),
+             "--drafter", str(drafter_dir), "--dtype", dtype, "--prompts", str(evaluation.prompts_path),
+             *(["--limit", str(evaluation.limit)] if evaluation.limit is not None else []),
+             "--max-new-tokens", str(evaluation.max_new_tokens), "--methods", "dflash,ddtree",
+             "--budgets", ",".join(map(str, evaluation.budgets))]
+    for flag, value in (("--lookup", evaluation.lookup), ("--redraft", evaluation.redraft)):  # None: the drafter's own
+        if value is not None:
+            words += [flag, str(value)]
+    return shlex.join(words)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import logging
 import os
 import math
 import re
+import shlex
 import shutil
 import signal
 import stat
@@ -591,6 +592,34 @@ def test_resuming_a_finished_run_says_so_and_keeps_its_drafter(tmp_path, capsys)
     assert train_main(timed) == 0
     assert (f"[train] {run_dir} stopped at step {step} of max_steps 10000 by its time or epoch limit: nothing trained, "
             "its drafter/ kept; raise --trainer.max_time (or --trainer.max_epochs)") in capsys.readouterr().out
+
+
+def test_the_bench_command_printed_at_the_end_reproduces_the_logged_tau(tmp_path, capsys):
+    """It printed `ddtree bench --drafter <run>/drafter`, which stops at once for want of --prompts (found in a review):
+    it now carries the run's eval settings, and run as printed it measures what the last evaluation logged."""
+    from ddtree.cli import main as ddtree_main
+
+    args = [*tiny_args(tmp_path, "hint", max_steps=2), "--eval.budgets=[4,8]", "--eval.primary_budget=8",
+            "--eval.lookup=2", "--eval.packed_weights=off"]
+    assert train_main(args) == 0
+    run_dir = tmp_path / "out" / "tiny" / "hint"
+    said = re.search(r"\[train\] drafter written to (\S+): the last step's weights; `([^`]+)` measures them as the "
+                     "training-time evaluation did", capsys.readouterr().out)
+    assert said and said.group(1) == str(run_dir / "drafter")
+    words = shlex.split(said.group(2))
+    assert Path(words[0]).name == "ddtree" and words[1] == "bench"
+    for flag, value in (("--drafter", str(run_dir / "drafter")), ("--target", "tiny-random"), ("--dtype", "float32"),
+                        ("--prompts", "data/eval_prompts.jsonl"), ("--limit", "1"), ("--max-new-tokens", "4"),
+                        ("--budgets", "4,8"), ("--lookup", "2")):
+        assert words[words.index(flag) + 1] == value, flag
+    assert "--redraft" not in words  # eval.redraft left to the drafter, as bench leaves it
+    out = tmp_path / "bench.json"
+    assert ddtree_main([*words[1:], "--packed-weights", "off", "--out", str(out)]) == 0
+    logged = json.loads((run_dir / "eval" / "step-000002.json").read_text())["summary"]
+    measured = json.loads(out.read_text())["summary"]
+    assert set(measured) == set(logged) == {"dflash", "ddtree@4", "ddtree@8"}
+    for key in logged:
+        assert measured[key]["tau"] == logged[key]["tau"], key
 
 
 def test_a_finished_distributed_run_closes_its_process_group(tmp_path, recwarn):

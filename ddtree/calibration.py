@@ -3,6 +3,7 @@
     online = OnlineCalibration()                        # learns from every verified round (--online-calibration)
     generate(..., online=online)
     save_calibration(folder / CALIBRATION_FILE, online, facts)   # `ddtree calibrate`: ships beside the weights
+    note_in_card(folder, created)                                # and an export's card says its figures are without it
     load_calibration(folder / CALIBRATION_FILE)                  # frozen: decoding uses it, learns nothing more
 
 A drafter is over-confident on prompts unlike its training data (docs/objectives.md, Calibration), and the nodes a lookup
@@ -19,12 +20,15 @@ import math
 from pathlib import Path
 
 from .errors import DDTreeError
-from .files import write_json_atomic
-from .names import CALIBRATION_FILE, CORPUS_FILE  # noqa: F401 (CALIBRATION_FILE: importers read it from here too)
+from .files import write_json_atomic, write_text_atomic
+from .names import CALIBRATION_FILE, CORPUS_FILE, REPO_MARK  # noqa: F401 (CALIBRATION_FILE: importers read it from here too)
 
 FORMAT_VERSION = 1
 CHAIN = "chain"  # the chain's temperature in the file; a ddtree budget is written as its number
 LOOKUPS = ("context", "corpus")  # the lookups whose grafted nodes it learns the acceptance of (graft_acceptance)
+# How the paragraph `ddtree calibrate` adds to an export's card starts (note_in_card); --push-only looks for it
+CARD_NOTE = "**Calibrated after these figures.**"
+MEASURED_SECTION = "## Measured acceptance"  # the card's section of figures (training/model_card.py)
 
 
 class OnlineCalibration:
@@ -247,3 +251,33 @@ def load_calibration(path: Path) -> OnlineCalibration:
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError, OverflowError) as error:
         raise DDTreeError(f"calibration file {path} cannot be read ({error}); rerun `ddtree calibrate` with "
                           "--overwrite, or decode with --calibration none") from None
+
+
+def note_in_card(folder: Path, created: str) -> bool:
+    """Say in the card of an export (its README.md, which ends in REPO_MARK) that the folder's calibration file came
+    after the card's figures: `ddtree` decodes with it by default, and the card said the figures were what `ddtree`
+    decodes this drafter to (found in a review: 2.938 calibrated against the card's 2.984). The paragraph closes the
+    card's section of figures and is replaced by a later calibrate's. False, and nothing written, for a folder
+    without such a card (a README.md of the user's own is theirs)."""
+    card = Path(folder) / "README.md"
+    try:
+        lines = card.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):  # none, or not an export's
+        return False
+    if not any(line.startswith(REPO_MARK) for line in lines):
+        return False
+    note = (f"{CARD_NOTE} `ddtree calibrate` wrote `{CALIBRATION_FILE}` into this folder on {created}, after the "
+            "figures of this card were measured without it. `ddtree` decodes with it by default, which reshapes the "
+            "draft trees (never the output), so the tau it gives may differ from these: decode with `--calibration none` "
+            f"to reproduce them. `{CALIBRATION_FILE}` holds the prompts and settings it learned on.")
+    noted = next((i for i, line in enumerate(lines) if line.startswith(CARD_NOTE)), None)
+    if noted is not None:
+        lines[noted] = note
+    else:
+        start = next((i for i, line in enumerate(lines) if line == MEASURED_SECTION), None)
+        end = next((i for i, line in enumerate(lines) if line.startswith(REPO_MARK)))
+        if start is not None:  # before the next section, else before the mark
+            end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), end)
+        lines[end:end] = [note, ""]
+    write_text_atomic(card, "\n".join(lines) + "\n")
+    return True

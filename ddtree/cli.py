@@ -31,7 +31,8 @@ from .bench import (
     chat_prompt_ids, compare_packed_verify_cost, format_summary, format_tau, measure_verify_cost, method_keys,
     read_prompts, run_benchmark, tokenize_prompts,
 )
-from .calibration import CALIBRATION_FILE, learning_from, load_calibration, save_calibration, weights_fingerprint
+from .calibration import (CALIBRATION_FILE, learning_from, load_calibration, note_in_card, save_calibration,
+                          weights_fingerprint)
 from .corpus import CORPUS_FILE, CorpusLookup, read_corpus
 from .drafters import load_drafter_folder, read_drafter_config
 from .decoding import (
@@ -474,6 +475,7 @@ def cmd_calibrate(args) -> None:
         raise DDTreeError(f"ddtree calibrate: {out} was written by another run while this one decoded, so it is left as "
                           f"it is (learned here: draft temperature {settled.describe()}); rerun with --overwrite to "
                           "replace it")
+    created = time.strftime("%Y-%m-%d")
     save_calibration(out, settled, {
         "target": args.target, "dtype": str(target.dtype).removeprefix("torch."), "prompts": args.prompts,
         "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
@@ -483,10 +485,13 @@ def cmd_calibrate(args) -> None:
         # expected against measured while it learned, the first rounds (before it settled) included
         "while_learning": {key: {"tau": stats["tau"], "expected_tau": stats["expected_tau"]}
                            for key, stats in results["summary"].items()},
-        "created": time.strftime("%Y-%m-%d"),
+        "created": created,
     })
     print(f"calibration written to {out} (draft temperature {settled.describe()}, the mean over the last half of "
           "the rounds): generate and bench use it by default (--calibration none leaves it out)")
+    if note_in_card(Path(args.drafter), created):  # an export's figures are of the drafter without it
+        print(f"the folder's card ({Path(args.drafter) / 'README.md'}) now says its figures were measured without "
+              f"{CALIBRATION_FILE}, which --calibration none reproduces")
 
 
 def cmd_verify_cost(args) -> None:

@@ -7,3 +7,6 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")  # what a --dtype or a recipe's
 AUTO = "auto"  # --dtype auto: bf16 where this machine computes it fast (measured on a CPU), else float32 (ddtree/precision.py)
 CALIBRATION_FILE = "calibration.json"  # in a drafter folder: what `ddtree calibrate` learned
 CORPUS_FILE = "corpus.safetensors"  # in a run folder and in its drafter exports: the replies' token ids
+# A drafter export's card (README.md) ends with this line, naming the Hub repo it was written for ("none": a local
+# export): training/model_card.py writes it, --push-only checks it, and `ddtree calibrate` tells an export's card by it.
+REPO_MARK = "<!-- ddtree export, written for the Hub repo: "

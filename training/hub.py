@@ -26,6 +26,7 @@ from huggingface_hub import HfApi, constants, get_token
 from huggingface_hub.errors import HFValidationError, RepositoryNotFoundError
 from huggingface_hub.utils import validate_repo_id
 
+from ddtree.calibration import CARD_NOTE
 from ddtree.corpus import CORPUS_FILE
 from ddtree.errors import DDTreeError, error_line
 from ddtree.names import CALIBRATION_FILE
@@ -74,7 +75,8 @@ def check_export_folder(folder: Path, repo: str) -> None:
     """--push-only: the folder must be a finished export of a drafter (training/publish.py writes every file or none),
     and its card written for `repo`. The push makes the repo hold exactly the folder's files, so any other folder
     would replace what the repo served; and a card exported for another repo (or none) tells readers to download
-    and serve that one."""
+    and serve that one. A calibration.json the card does not mention (ddtree.calibration.note_in_card) would make the
+    card's figures read as what `ddtree` decodes the pushed drafter to, which it does calibrated."""
     missing = [name for name in EXPORT_FILES if not (folder / name).is_file()]
     if missing:
         raise DDTreeError(
@@ -99,12 +101,18 @@ def check_export_folder(folder: Path, repo: str) -> None:
     if not isinstance(architectures, list) or ARCHITECTURE not in architectures or not shapes:
         raise DDTreeError(f"--push-only {folder}: not an export of a drafter (config.json's architectures is "
                           f"{architectures!r}, not [{ARCHITECTURE!r}]); export it with make export")
-    written_for = card_repo((folder / "README.md").read_text(errors="replace"))
+    card = (folder / "README.md").read_text(errors="replace")
+    written_for = card_repo(card)
     if written_for != repo:
         names = f"the repo {written_for}" if written_for else "no Hub repo (path/to/this/folder)"
         elsewhere = f", or push it to {written_for}" if written_for else ""
         raise DDTreeError(f"--push-only {folder}: its card (README.md) was written for {names}, whose name its usage "
                           f"and serve commands give; export again with --repo {repo} (REPO={repo}){elsewhere}")
+    if (folder / CALIBRATION_FILE).is_file() and CARD_NOTE not in card:  # put there by hand, or by an older calibrate
+        raise DDTreeError(f"--push-only {folder}: holds {CALIBRATION_FILE}, which ddtree decodes with by default, and its "
+                          "card (README.md), whose figures were measured without it, does not say so: run `ddtree "
+                          "calibrate --overwrite` on the folder again, which notes it in the card, or move "
+                          f"{CALIBRATION_FILE} out of the folder")
 
 
 def hub_error_line(error: BaseException, token: str | None) -> str:

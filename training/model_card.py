@@ -30,8 +30,10 @@ from pathlib import Path
 from huggingface_hub import ModelCardData
 
 from ddtree.bench import CHAIN, budget_of, read_prompts, tree_key
+from ddtree.calibration import MEASURED_SECTION
 from ddtree.errors import DDTreeError, error_line
 from ddtree.files import read_yaml_mapping
+from ddtree.names import REPO_MARK
 from ddtree.targets import is_number
 
 from .checkpoint_paths import ABANDONED_PREFIX
@@ -46,8 +48,6 @@ TAGS = ["dflash", "ddtree", "speculative-decoding", "draft-model", "block-diffus
 # The folder the card's merge step writes (a target trained with model.target_adapter), which its commands then name
 MERGED_TARGET = "merged-target"
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
-# The card's last line: the Hub repo it was written for ("none": a local export); --push-only checks it (training/hub.py).
-REPO_MARK = "<!-- ddtree export, written for the Hub repo: "
 
 
 def card_repo(card: str) -> str | None:
@@ -243,7 +243,7 @@ def decoded_with(settings: dict) -> list[str]:
 
 def evaluation_section(facts: CardFacts) -> list[str]:
     record = facts.evaluation
-    lines = ["## Measured acceptance", ""]
+    lines = [MEASURED_SECTION, ""]  # `ddtree calibrate` closes it with a note (ddtree.calibration.note_in_card)
     if record is None and facts.outside_run:
         return lines + [
             f"This checkpoint (step {facts.step}) was exported from outside its run folder and did not record the "

@@ -1129,6 +1129,37 @@ def test_calibrate_learns_with_the_settings_a_default_generate_decodes_with(caps
     assert code == 0 and "learned decoding with other settings" not in err
 
 
+def test_calibrate_says_in_an_exports_card_that_its_figures_were_measured_without_it(capsys, tmp_path, tiny_target,
+                                                                                     prompts_file):
+    """The card kept saying its figures were what `ddtree` decodes this drafter to; after `ddtree calibrate` it decodes
+    calibrated by default, at another tau (found in a review: 2.938 against the card's 2.984). The card says so, once
+    however often it is calibrated; a README.md that is not an export's card is left as it is."""
+    from ddtree.calibration import CARD_NOTE
+    from ddtree.names import REPO_MARK
+
+    folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
+    card = ["# drafter", "", "## Measured acceptance", "", "| decoding | tau |", "|---|---:|", "| chain | 1.500 |", "",
+            "Decoded as `ddtree` decodes this drafter unless told otherwise (its config and files).", "",
+            "## Training recipe", "", "| setting | value |", "", f"{REPO_MARK}none -->", ""]
+    (folder / "README.md").write_text("\n".join(card))
+    calibrate = ["calibrate", "--target", TARGET, "--drafter", str(folder), "--prompts", str(prompts_file),
+                 "--dtype", "float32", "--budgets", "8", "--max-new-tokens", "8"]
+    code, stdout, _ = run_cli(capsys, *calibrate)
+    assert code == 0 and f"the folder's card ({folder / 'README.md'}) now says its figures were measured" in stdout
+    lines = (folder / "README.md").read_text().splitlines()
+    noted = [i for i, line in enumerate(lines) if line.startswith(CARD_NOTE)]
+    assert len(noted) == 1 and "`--calibration none`" in lines[noted[0]]
+    assert lines[noted[0] - 2].startswith("Decoded as") and lines[noted[0] + 2] == "## Training recipe"  # its section's end
+    assert [line for line in lines if not line.startswith(CARD_NOTE)] == card[:10] + [""] + card[10:-1]
+    assert run_cli(capsys, *calibrate, "--overwrite")[0] == 0
+    assert (folder / "README.md").read_text().splitlines() == lines  # replaced, not added again
+
+    own = "# my notes\n\n## Measured acceptance\n"  # not an export's card: the user's
+    (folder / "README.md").write_text(own)
+    code, stdout, _ = run_cli(capsys, *calibrate, "--overwrite")
+    assert code == 0 and "card" not in stdout and (folder / "README.md").read_text() == own
+
+
 def test_the_calibration_note_names_the_flags_that_clear_it(capsys, tmp_path, tiny_target, prompts_file):
     """The note said `run ddtree calibrate --overwrite with these settings`: after a default calibrate (generate's
     sized trees, no re-drafting) a default bench re-drafts, and the bare command it seemed to ask for learned redraft 0

@@ -1099,6 +1099,34 @@ def test_push_only_sends_only_an_export_whose_card_names_that_repo(run_dir, tmp_
     assert "written for no Hub repo" in one_error_line(capsys)
 
 
+def test_a_calibrated_export_goes_up_with_a_card_that_says_its_figures_are_uncalibrated(run_dir, tmp_path, hub, capsys):
+    """docs/training.md: `ddtree calibrate` an export, then --push-only it. `ddtree` then decoded the pushed drafter
+    calibrated, at another tau than its card's, which still called its figures what `ddtree` decodes it to (found in a
+    review). calibrate notes it in the card; a calibration.json the card does not mention is refused."""
+    from ddtree.calibration import CALIBRATION_FILE, CARD_NOTE
+
+    out = tmp_path / "export"
+    assert export(run_dir, out, "--ckpt", "best", "--repo", "tester/calibrated") == 0
+    exported = (out / "README.md").read_text()
+    (out / CALIBRATION_FILE).write_text("{}")  # put there by hand, or by a calibrate that did not note it
+    assert publish.main(["--push-only", str(out), "--repo", "tester/calibrated"]) == 2
+    assert one_error_line(capsys) == (
+        f"error: --push-only {out}: holds {CALIBRATION_FILE}, which ddtree decodes with by default, and its card "
+        "(README.md), whose figures were measured without it, does not say so: run `ddtree calibrate --overwrite` on "
+        f"the folder again, which notes it in the card, or move {CALIBRATION_FILE} out of the folder")
+    assert "tester/calibrated" not in StandInHub.repos
+    assert ddtree_main(["calibrate", "--target", "tiny-random", "--drafter", str(out), "--prompts",
+                        "data/eval_prompts.jsonl", "--limit", "1", "--budgets", "8", "--max-new-tokens", "6",
+                        "--dtype", "float32", "--overwrite"]) == 0
+    card = (out / "README.md").read_text()
+    assert CARD_NOTE in card and card.index("## Measured acceptance") < card.index(CARD_NOTE) < card.index(
+        "## Training recipe")
+    assert card.replace(card[card.index(CARD_NOTE):card.index("## Training recipe")], "") == exported  # nothing else
+    assert publish.main(["--push-only", str(out), "--repo", "tester/calibrated"]) == 0
+    pushed = StandInHub.repos["tester/calibrated"]
+    assert CALIBRATION_FILE in pushed and "`--calibration none`" in pushed["README.md"].decode()
+
+
 def test_push_only_refuses_the_flags_that_shape_an_export(run_dir, tmp_path, hub, capsys):
     """--push-only sends the folder as it was exported: --speculators, --dtype and the rest were taken and dropped, with
     exit status 0, and the user believed the speculators or bfloat16 variant had gone up."""

@@ -725,9 +725,18 @@ class AcceptanceEvaluation(L.Callback):
         """Rewrite report.md and tau.png from the history; returns this launch's wall time so far."""
         launch_seconds = time.perf_counter() - self.launch_started
         module = trainer.lightning_module
+        datamodule = trainer.datamodule  # what data.json will record: a time-boxed store's share of the split
+        drawn = datamodule.record() if getattr(datamodule, "train_set", None) is not None else None
+        timers = [callback for callback in trainer.callbacks if isinstance(callback, Timer) and callback._duration]
+        max_steps = trainer.max_steps
         settings = {**self.settings(module.drafter_config, len(self.prompts)),
                     "train_loss_note": report.training_loss_note(dict(module.hparams)),
-                    "target_note": report.target_note(dict(module.hparams))}
+                    "target_note": report.target_note(dict(module.hparams)),
+                    "data_note": report.partial_data_note(drawn),
+                    "planned_length": f"max_steps {max_steps}" + "".join(
+                        f", max_time {report.duration_text(timer._duration)}" for timer in timers[:1]),
+                    "ended": report.training_end(trainer.global_step, max_steps,
+                                                 any(timer.time_remaining() <= 0 for timer in timers))}
         report.write_all(Path(trainer.default_root_dir), self.history, settings, self.launch_eval_seconds, launch_seconds)
         return launch_seconds
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 from huggingface_hub import ModelCardData
@@ -38,10 +39,11 @@ from ddtree.targets import is_number
 
 from .checkpoint_paths import ABANDONED_PREFIX
 from .conversations import load_conversations
+from .data import DATA_RECORD
 from .engines import SGLANG, VLLM, serve_commands
 from .hub_config import builtin_conversion
 from .recipe_data import AUTO_DATA
-from .report import objective_description, tau_bound
+from .report import objective_description, partial_data_note, tau_bound, training_end
 from .target import dtype_for_precision
 
 TAGS = ["dflash", "ddtree", "speculative-decoding", "draft-model", "block-diffusion"]
@@ -179,6 +181,37 @@ def count_training_prompts(prompts_file: str, num_prompts: int, data_path: str |
     return sum(prompt in trained for prompt in evaluated)
 
 
+def read_data_record(run_dir: Path) -> dict | None:
+    """The run's data.json (DistillDataModule.record, written as training ends), or None if absent or unreadable:
+    the card then says nothing of the share of the split it drew from."""
+    try:
+        record = json.loads((Path(run_dir) / DATA_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def timer_seconds(callbacks: dict) -> float | None:
+    """The training time a checkpoint's Timer had counted (Lightning's Timer state, the key StepTimer keeps too);
+    None for a run without trainer.max_time."""
+    elapsed = (callbacks.get("Timer") or {}).get("time_elapsed") or {}
+    return float(elapsed["train"]) if is_number(elapsed.get("train")) else None
+
+
+def max_time_seconds(max_time) -> float | None:
+    """trainer.max_time as config.yaml holds it (DD:HH:MM:SS, or a mapping of timedelta's fields) in seconds; None
+    for none, or one this does not read."""
+    if isinstance(max_time, str) and re.fullmatch(r"\d+:\d+:\d+:\d+", max_time.strip()):
+        days, hours, minutes, seconds = map(int, max_time.strip().split(":"))
+        return float(((days * 24 + hours) * 60 + minutes) * 60 + seconds)
+    if isinstance(max_time, dict):
+        try:
+            return timedelta(**max_time).total_seconds()
+        except TypeError:
+            return None
+    return None
+
+
 def read_run_config(run_dir: Path) -> dict:
     """The run's resolved configuration (config.yaml written by training/train.py), or {} if absent."""
     path = Path(run_dir) / "config.yaml"
@@ -214,6 +247,10 @@ class CardFacts:
     # None: not known. The card reads whose replies the data holds from it.
     data_path: str | None = None
     other_evaluated_steps: list[int] = field(default_factory=list)
+    # The run's data.json (training/train.py: how many of the training split's sequences it drew from); None: none
+    data_record: dict | None = None
+    # The training time the checkpoint's Timer (trainer.max_time's) had counted when it was saved; None: no max_time
+    trained_seconds: float | None = None
     # The checkpoint lies outside the run folder and did not record the run's evaluation of its step: not known to be
     # the run's, so the run's records (evaluation, steps, checkpoints, corpus) are not this drafter's.
     outside_run: bool = False
@@ -383,6 +420,17 @@ def shown_data_path(configured: str | None, read: str | None) -> str:
     return f"`{shown_path(read or configured)}`"
 
 
+def planned_length(facts: CardFacts, trainer: dict) -> str:
+    """The run's limits, and which of them ended training where that was at this checkpoint's step (its own Timer
+    says whether max_time was spent): a stop well short of max_steps reads as one."""
+    max_steps, max_time = trainer.get("max_steps"), trainer.get("max_time")
+    text = f"max_steps {max_steps}, max_epochs {trainer.get('max_epochs')}" + (f", max_time {max_time}" if max_time else "")
+    limit = max_time_seconds(max_time)
+    spent = limit is not None and facts.trained_seconds is not None and facts.trained_seconds >= limit
+    ended = training_end(facts.step, max_steps if isinstance(max_steps, int) else None, spent)
+    return text + (f"; {ended}, this checkpoint's" if ended else "")
+
+
 def recipe_section(facts: CardFacts) -> list[str]:
     hp, cfg = facts.hyper_parameters, facts.drafter_config
     trainer = facts.run_config.get("trainer", {}) or {}
@@ -418,7 +466,7 @@ def recipe_section(facts: CardFacts) -> list[str]:
                          f"node(s), strategy {trainer.get('strategy')}"),
             ("batch", f"{data.get('batch_size')} sequences x {trainer.get('accumulate_grad_batches', 1)} "
                       "accumulation steps per device"),
-            ("planned length", f"max_steps {trainer.get('max_steps')}, max_epochs {trainer.get('max_epochs')}"),
+            ("planned length", planned_length(facts, trainer)),
         ]
     lines = ["## Training recipe", "", "| setting | value |", "|---|---|"]
     lines += [f"| {name} | {value} |" for name, value in rows]
@@ -430,6 +478,9 @@ def recipe_section(facts: CardFacts) -> list[str]:
             f"- max length {data.get('max_length')} tokens, loss on assistant tokens only, "
             f"{data.get('val_fraction')} held out for validation",
         ]
+        partial = partial_data_note(facts.data_record)
+        if partial:
+            lines.append(f"- {partial} (the run's data.json)")
     else:
         lines.append("- the run folder has no config.yaml, so the data settings are not known")
     return lines + [""]

@@ -70,7 +70,7 @@ from .export import run_corpus
 from .hub import check_card_fields, check_export_folder, check_repo_id, preflight_hub, push
 from .hub_config import LIBRARY_DIR, REMOTE_CODE, hub_config, target_hub_id, verifier_for
 from .model_card import (CardFacts, count_training_prompts, eval_folder, evaluated_steps, evaluation_path, project_path,
-                         read_evaluation, read_run_config, render_model_card)
+                         read_data_record, read_evaluation, read_run_config, render_model_card, timer_seconds)
 from .recipe_data import AUTO_DATA, default_data_path
 
 
@@ -231,6 +231,8 @@ def export_folder(
             dtype=dtype, step=checkpoint.step, checkpoint=label, hyper_parameters=checkpoint.hyper_parameters,
             run_config=run_config, evaluation=evaluation, training_prompts=training_prompts, data_path=data_path,
             other_evaluated_steps=evaluated_steps(run_dir, branch_name), outside_run=not runs_own,
+            data_record=read_data_record(run_dir) if runs_own else None,
+            trained_seconds=timer_seconds(checkpoint.callbacks),
             kept_checkpoints=branch_checkpoints(path) if branch else
             [path.name for path in sorted(run_checkpoints(run_dir), key=lambda p: p.name)],
             speculators=speculators, engine_problems=[problem.line() for problem in problems],

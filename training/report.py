@@ -101,6 +101,36 @@ def training_loss_note(hyper_parameters: dict) -> str | None:
             "objective, so runs compare by it. The two columns are different losses: they do not compare with each other.")
 
 
+def partial_data_note(record: dict | None) -> str | None:
+    """What report.md and the card say of a run that drew from part of its training split (DistillDataModule.record,
+    <run>/data.json: a time-boxed feature store holds only the sequences its build reached); None where it drew from
+    all of it, or where nothing says."""
+    record = record if isinstance(record, dict) else {}
+    drawn, split = record.get("train_sequences"), record.get("train_split_sequences")
+    if not (isinstance(drawn, int) and isinstance(split, int) and drawn < split):
+        return None
+    return (f"trained on {drawn} of the {split} sequences of the training split: its feature store was built under a "
+            "time box (`data.store_max_minutes`) and holds only those")
+
+
+def duration_text(seconds: float) -> str:
+    """Seconds as trainer.max_time is written: DD:HH:MM:SS."""
+    seconds = round(seconds)
+    return f"{seconds // 86400:02d}:{seconds % 86400 // 3600:02d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+def training_end(step: int, max_steps: int | None, time_spent: bool) -> str | None:
+    """Which limit ended training at `step`: max_steps where the step reached it, else max_time where its budget was
+    spent (the Timer `trainer.max_time` adds); None where neither did (training goes on, or stopped otherwise)."""
+    planned = max_steps is not None and max_steps >= 0
+    if planned and step >= max_steps:
+        return f"max_steps ended training at step {step}"
+    if time_spent:
+        return f"max_time ended training at step {step}" + (f", {max_steps - step} steps short of max_steps"
+                                                           if planned else "")
+    return None
+
+
 def _number(value, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
@@ -151,6 +181,10 @@ def markdown_report(run_name: str, history: list[dict], settings: dict, eval_sec
     if settings.get("redraft"):
         lines += [f"Each round re-drafts behind the {settings['redraft']} best depth-1 tokens (`eval.redraft`, `ddtree "
                   "bench --redraft`), the chain behind its first: one more drafter forward a round.", ""]
+    if settings.get("data_note"):
+        lines += [f"This run {settings['data_note']}.", ""]
+    if settings.get("ended"):  # which limit, beside the planned length: a stop well short of max_steps reads as such
+        lines += [f"Planned length: {settings['planned_length']}; {settings['ended']}.", ""]
     if best is not None and best.get("non_finite_tensors"):
         lines += [f"**Best checkpoint by tau@{primary}: step {best['step']}**, though nothing was measured: no "
                   "checkpointed step's drafter had finite weights (`checkpoints/best.ckpt` links to it).", ""]

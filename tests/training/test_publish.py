@@ -1127,6 +1127,56 @@ def test_a_calibrated_export_goes_up_with_a_card_that_says_its_figures_are_uncal
     assert CALIBRATION_FILE in pushed and "`--calibration none`" in pushed["README.md"].decode()
 
 
+def test_the_card_and_report_say_a_run_drew_from_part_of_its_split_and_which_limit_ended_it(tmp_path, monkeypatch,
+                                                                                           capsys):
+    """A time-boxed feature store held 1024 of the split's 2001 sequences and max_time ended the run at step 1107 of
+    max_steps 5600; data.json and the log said so, the card and report.md did not, and a reader took the drafter for
+    one trained on the whole split and could not tell why it stopped at a fifth of its plan (found in a review)."""
+    import training.data
+
+    data = tmp_path / "conversations.jsonl"
+    words = "the a drafter proposes tokens target verifies block tree python list sort value returns".split()
+    rng = random.Random(0)
+    data.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": f"question {i}"},
+        {"role": "assistant", "content": " ".join(rng.choice(words) for _ in range(40))}]}) + "\n" for i in range(12)))
+    record = training.data.DistillDataModule.record
+    # a time-boxed store's share, as DistillDataModule.setup leaves it (building one takes a target's features)
+    monkeypatch.setattr(training.data.DistillDataModule, "record",
+                        lambda self: {**record(self), "train_sequences": 7, "train_split_sequences": 10})
+    common = ["--recipe", "tiny", "--output-root", str(tmp_path / "out"), f"--data.data_path={data}",
+              f"--data.cache_dir={tmp_path / 'cache'}", "--data.batch_size=2", "--data.val_fraction=0.1",
+              "--trainer.val_check_interval=null", "--trainer.limit_val_batches=0", "--trainer.precision=32",
+              "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false", "--eval.limit=1",
+              "--eval.budgets=[4]", "--eval.primary_budget=4", "--eval.max_new_tokens=4"]
+    assert train_main([*common, "--run", "timed", "--trainer.max_steps=100000", "--trainer.max_time=00:00:00:02",
+                       "--eval.every_n_train_steps=100000"]) == 0
+    timed = tmp_path / "out" / "tiny" / "timed"
+    step = max(int(path.stem.removeprefix("step-")) for path in (timed / "eval").glob("step-*.json"))  # the stop's
+    report = (timed / "report.md").read_text()
+    assert ("This run trained on 7 of the 10 sequences of the training split: its feature store was built under a time "
+            "box (`data.store_max_minutes`) and holds only those.") in report
+    assert (f"Planned length: max_steps 100000, max_time 00:00:00:02; max_time ended training at step {step}, "
+            f"{100000 - step} steps short of max_steps.") in report
+    assert export(timed, tmp_path / "timed-export", "--ckpt", "best") == 0
+    card = (tmp_path / "timed-export" / "README.md").read_text()
+    assert ("- trained on 7 of the 10 sequences of the training split: its feature store was built under a time box "
+            "(`data.store_max_minutes`) and holds only those (the run's data.json)") in card
+    assert (f"| planned length | max_steps 100000, max_epochs None, max_time 00:00:00:02; max_time ended training at "
+            f"step {step}, {100000 - step} steps short of max_steps, this checkpoint's |") in card
+
+    monkeypatch.setattr(training.data.DistillDataModule, "record", record)  # the whole split, to max_steps
+    assert train_main([*common, "--run", "steps", "--trainer.max_steps=2", "--eval.every_n_train_steps=1"]) == 0
+    whole = tmp_path / "out" / "tiny" / "steps"
+    report = (whole / "report.md").read_text()
+    assert "sequences of the training split" not in report
+    assert "Planned length: max_steps 2; max_steps ended training at step 2." in report
+    assert export(whole, tmp_path / "steps-export", "--ckpt", "last") == 0
+    card = (tmp_path / "steps-export" / "README.md").read_text()
+    assert "sequences of the training split" not in card
+    assert "| planned length | max_steps 2, max_epochs None; max_steps ended training at step 2, this checkpoint's |" in card
+
+
 def test_push_only_refuses_the_flags_that_shape_an_export(run_dir, tmp_path, hub, capsys):
     """--push-only sends the folder as it was exported: --speculators, --dtype and the rest were taken and dropped, with
     exit status 0, and the user believed the speculators or bfloat16 variant had gone up."""

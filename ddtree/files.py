@@ -15,6 +15,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -22,6 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import DDTreeError, error_line
+from .names import CALIBRATION_FILE, CORPUS_FILE
 
 
 def cache_dir() -> Path:
@@ -251,10 +253,37 @@ def staged_folder(destination: str | Path):
                   f"deleted ({error_line(error)}): delete it by hand", file=sys.stderr)
 
 
+# The files a drafter export writes (training/export.py, training/publish.py; the weights as one file or as shards and
+# their index), and the calibration.json `ddtree calibrate` adds to one, learned on the weights a new export replaces.
+EXPORT_FILE_NAMES = {"config.json", "model.safetensors", "model.safetensors.index.json", "README.md",
+                     "configuration_dflash.py", "modeling_dflash.py", CORPUS_FILE, CALIBRATION_FILE}
+WEIGHT_SHARD = re.compile(r"model-\d+-of-\d+\.safetensors")
+
+
+def is_drafter_config(fields) -> bool:
+    """Whether a parsed config.json is a DFlash drafter's (a target model's has neither field)."""
+    return isinstance(fields, dict) and ("dflash_config" in fields or "block_size" in fields)
+
+
+def files_an_export_would_lose(folder: Path) -> list[str]:
+    """What replacing an existing folder with an export would delete that no export wrote (its entries, a folder's name
+    ending in /): all of them where its config.json is not a drafter's (it is not an earlier export), else those an
+    export never writes (an export is flat: any folder in it is another's)."""
+    files = sorted(path.name + ("/" if path.is_dir() else "") for path in folder.iterdir())
+    try:
+        earlier_export = is_drafter_config(json.loads((folder / "config.json").read_text(encoding="utf-8")))
+    except (OSError, ValueError):
+        earlier_export = False
+    if not earlier_export:
+        return files
+    return [name for name in files if name not in EXPORT_FILE_NAMES and not WEIGHT_SHARD.fullmatch(name)]
+
+
 def check_output_folder(out: Path, overwrite: bool, keep: tuple[Path, ...] = (), name: str = "OUT") -> None:
-    """Refuse an export destination whose replacement would lose what nobody asked to lose: a non-empty folder
-    without `overwrite`, and never, even with it, the working folder, the paths `keep` (the run and the checkpoint
-    exported from), one that holds any of them, or one that holds training checkpoints (a run's checkpoints/)."""
+    """Refuse an export destination whose replacement would lose what nobody asked to lose. An empty folder is
+    written into; `overwrite` replaces only an earlier export (its config.json a drafter's, and no file an export does
+    not write: a mistyped OUT=exports or OUT=data was deleted whole); and never, even then, the working folder, the
+    paths `keep` (the run and the checkpoint exported from) or one that holds any of them."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise DDTreeError(f"{name}={out} is a file; give a folder to write the export into")
@@ -262,9 +291,13 @@ def check_output_folder(out: Path, overwrite: bool, keep: tuple[Path, ...] = (),
         if place.resolve().is_relative_to(out.resolve()):
             raise DDTreeError(f"{name}={out} is or holds {what}, which replacing it would delete; "
                               "give a new folder for the export")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise DDTreeError(f"{name}={out} exists and is not empty; pick another folder or pass --overwrite (OVERWRITE=1)")
-    checkpoint = next(out.rglob("*.ckpt"), None) if out.is_dir() else None  # an export never holds one
-    if checkpoint is not None:
-        raise DDTreeError(f"{name}={out} holds training checkpoints ({checkpoint}), which replacing it would delete; "
-                          "give a new folder for the export")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    lost = files_an_export_would_lose(out)
+    if lost:
+        shown = ", ".join(lost[:5]) + (f" and {len(lost) - 5} more" if len(lost) > 5 else "")
+        raise DDTreeError(f"{name}={out} exists and is not an earlier export: replacing it would delete {shown}; give "
+                          "a new folder for the export (or move those files out), even with --overwrite")
+    if not overwrite:
+        raise DDTreeError(f"{name}={out} exists and is not empty (an earlier export); pick another folder or pass "
+                          "--overwrite (OVERWRITE=1) to replace it")

@@ -174,13 +174,14 @@ def publish_parser() -> argparse.ArgumentParser:
     parser = CommandParser(prog="python -m training.publish", description="Export a trained drafter as a Hugging Face "
                            "Hub folder, ready for the serving engines, and push it.")
     parser.add_argument("run", nargs="?", help="the run folder, outputs/<recipe>/<run>")
-    parser.add_argument("--out", type=path_argument, help="the folder to write (refused if it holds files, unless --overwrite)")
+    parser.add_argument("--out", type=path_argument, help="the folder to write (an earlier export in it only with "
+                        "--overwrite; refused if it holds anything else)")
     parser.add_argument("--ckpt", default="best", help="best (default), last, or a checkpoint path")
     parser.add_argument("--speculators", action="store_true", help="add vLLM's speculators fields to config.json")
     parser.add_argument("--base-model", help="the target's Hub id, if the run named it otherwise (a folder)")
     parser.add_argument("--license", default="apache-2.0", help="card license; match the target's (e.g. llama3.1)")
     parser.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default="float32", help="dtype of the exported weights")
-    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
+    parser.add_argument("--overwrite", action="store_true", help="replace an earlier export in --out")
     parser.add_argument("--allow-engine-mismatch", action="store_true",
                         help="export a drafter that vLLM or SGLang would reject (the card says which rule)")
     parser.add_argument("--repo", help="Hub repo id, user/name")

@@ -57,8 +57,9 @@ def export_drafter(source, out_dir: str | Path, corpus: Path | None = None) -> P
 def main(argv: list[str] | None = None) -> int:
     parser = CommandParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="a .ckpt file (or DeepSpeed checkpoint folder) written by training/train.py")
-    parser.add_argument("out_dir", help="folder to write (refused if it holds files, unless --overwrite)")
-    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty out_dir")
+    parser.add_argument("out_dir", help="folder to write (an earlier export in it only with --overwrite; refused "
+                        "if it holds anything else)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an earlier export in out_dir")
     args = parser.parse_args(argv)
     checkpoint = Path(args.checkpoint)
     run_dir = run_folder_of(checkpoint)  # checkpoints/x.ckpt or a SLURM requeue's hpc_ckpt_N.ckpt

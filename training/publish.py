@@ -28,10 +28,10 @@ Checkpoints: `best` is checkpoints/best.ckpt (the step with the highest measured
 checkpoints/last.ckpt, anything else a path (a .ckpt file or a DeepSpeed checkpoint folder, which is
 consolidated to fp32 first). It must have been trained as RUN's config.yaml says (model.target, model.corpus);
 one kept outside any run folder carries RUN's measurement and corpus only if it recorded that measurement itself.
-Bad input (a non-empty OUT without --overwrite, a checkpoint that is not a drafter of this project, an invalid
-repo name, no token or no network for --push, a drafter that vLLM or SGLang would reject: training/engines.py)
-stops with one line (exit status 2) before anything is written; --allow-engine-mismatch exports a drafter the
-engines would reject anyway, and says so. The folder is built beside OUT and renamed into place after it has been
+Bad input (an earlier export as OUT without --overwrite, an OUT that holds anything but an earlier export, a
+checkpoint that is not a drafter of this project, an invalid repo name, no token or no network for --push, a
+drafter that vLLM or SGLang would reject: training/engines.py) stops with one line (exit status 2) before anything
+is written; --allow-engine-mismatch exports a drafter the engines would reject anyway, and says so. The folder is built beside OUT and renamed into place after it has been
 loaded back and checked, so a failure leaves nothing half-written; a failed push leaves the exported folder intact
 and prints the --push-only command that retries it (with the push's --private and --replace-repo).
 

@@ -41,6 +41,7 @@ from ddtree.cli import main as ddtree_main
 from ddtree.configuration_dflash import DFlashDrafterConfig
 from ddtree.corpus import CORPUS_FILE
 from ddtree.files import staged_folder
+from ddtree.names import CALIBRATION_FILE
 from ddtree.modeling_dflash import DFlashDraftModel, fuse_target_features
 from ddtree.targets import DDTreeError
 from training.checkpoints import drafter_from_checkpoint
@@ -490,29 +491,72 @@ def test_an_abandoned_branchs_checkpoint_exports_with_its_branchs_measurement_an
 
 
 def test_an_export_never_replaces_what_it_was_not_asked_to(run_dir, tmp_path, capsys, monkeypatch):
-    """A non-empty folder only with --overwrite; never the run it exports from, a folder above it, a folder of
-    checkpoints, or the working folder (each was rmtree'd before, `.` included)."""
+    """Never, even with --overwrite, a folder that is not an earlier export, the run it exports from, a folder above
+    it, a folder of checkpoints, or the working folder (each was rmtree'd before, `.` included)."""
     run = tmp_path / "outputs" / "tiny" / "r"
     shutil.copytree(run_dir, run, symlinks=True)
     last = str(run / "checkpoints" / "last.ckpt")
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("keep me")
-    assert export_main([last, str(mine)]) == 2
-    assert "exists and is not empty" in one_error_line(capsys) and (mine / "notes.txt").is_file()
+    for overwrite in ([], ["--overwrite"]):
+        assert export_main([last, str(mine), *overwrite]) == 2
+        assert one_error_line(capsys) == (
+            f"error: out_dir={mine} exists and is not an earlier export: replacing it would delete notes.txt; give a "
+            "new folder for the export (or move those files out), even with --overwrite")
+        assert (mine / "notes.txt").is_file()
     for out in (run, tmp_path / "outputs", run / "checkpoints"):  # (the run's checkpoints: the one exported too)
         assert export_main([last, str(out), "--overwrite"]) == 2
-        assert "which replacing it would delete" in one_error_line(capsys)
+        assert "replacing it would delete" in one_error_line(capsys)
         assert export(run, out, "--ckpt", "last", "--overwrite") == 2
-        assert "which replacing it would delete" in one_error_line(capsys)
+        assert "replacing it would delete" in one_error_line(capsys)
     monkeypatch.chdir(mine)
     assert export_main([last, ".", "--overwrite"]) == 2
     assert "the working folder" in one_error_line(capsys) and (mine / "notes.txt").is_file()
     assert (run / "config.yaml").is_file() and (run / "checkpoints" / "last.ckpt").is_file()
     assert export_main([last, str(mine), "--overwrite"]) == 2  # the working folder still
+    assert "the working folder" in one_error_line(capsys)
     monkeypatch.chdir(tmp_path)
-    assert export_main([last, str(mine), "--overwrite"]) == 0
-    assert not (mine / "notes.txt").exists() and (mine / "model.safetensors").is_file()
+    (mine / "notes.txt").unlink()
+    assert export_main([last, str(mine)]) == 0  # an empty folder is written into
+    assert export_main([last, str(mine), "--overwrite"]) == 0  # an earlier export is replaced
+    assert (mine / "model.safetensors").is_file()
+
+
+def test_overwrite_replaces_only_an_earlier_export(run_dir, tmp_path, capsys):
+    """A mistyped OUT=exports (for exports/<name>) or OUT=data with OVERWRITE=1 deleted every other export, the
+    user's notes, the shipped data: --overwrite replaces a folder whose config.json is a drafter's and that holds
+    only files an export writes (and calibrate adds), and names the files it would lose in any other."""
+    exports = tmp_path / "exports"
+    assert export(run_dir, exports / "a", "--ckpt", "last") == 0
+    (exports / "notes").mkdir()
+    (exports / "notes" / "todo.txt").write_text("mine")
+    assert export(run_dir, exports, "--ckpt", "last", "--overwrite") == 2
+    assert one_error_line(capsys) == (
+        f"error: OUT={exports} exists and is not an earlier export: replacing it would delete a/, notes/; give a new "
+        "folder for the export (or move those files out), even with --overwrite")
+    assert sorted(p.name for p in exports.iterdir()) == ["a", "notes"] and (exports / "a" / "config.json").is_file()
+
+    # the same file names, not a drafter's config.json: a target model's folder, say
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    (model / "model.safetensors").write_bytes(b"weights")
+    assert export_main([str(run_dir / "checkpoints" / "last.ckpt"), str(model), "--overwrite"]) == 2
+    assert "replacing it would delete config.json, model.safetensors;" in one_error_line(capsys)
+    assert (model / "model.safetensors").read_bytes() == b"weights"
+
+    # an earlier export with a file no export writes beside it: refused, naming that file only
+    earlier = exports / "a"
+    (earlier / "results.json").write_text("{}")
+    assert export(run_dir, earlier, "--ckpt", "last", "--overwrite") == 2
+    assert "replacing it would delete results.json;" in one_error_line(capsys)
+    (earlier / "results.json").unlink()
+    (earlier / CALIBRATION_FILE).write_text("{}")  # calibrate's, measured of the weights being replaced
+    assert export(run_dir, earlier, "--ckpt", "last") == 2
+    assert "(an earlier export); pick another folder or pass --overwrite" in one_error_line(capsys)
+    assert export(run_dir, earlier, "--ckpt", "last", "--overwrite") == 0
+    assert not (earlier / CALIBRATION_FILE).exists() and (earlier / "modeling_dflash.py").is_file()
 
 
 def test_an_output_that_is_a_file_or_under_one_is_one_line_and_the_file_is_kept(run_dir, tmp_path, capsys):
@@ -528,16 +572,16 @@ def test_an_output_that_is_a_file_or_under_one_is_one_line_and_the_file_is_kept(
     assert afile.read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # no staging left
 
 
-def test_a_non_empty_output_folder_is_refused_unless_overwrite(run_dir, tmp_path, capsys):
+def test_an_earlier_export_is_refused_unless_overwrite(run_dir, tmp_path, capsys):
     out = tmp_path / "export"
-    out.mkdir()
-    (out / "keep.txt").write_text("mine")
+    assert export(run_dir, out, "--ckpt", "last") == 0
+    (out / "model.safetensors").write_bytes(b"old")
     assert export(run_dir, out, "--ckpt", "last") == 2
     line = one_error_line(capsys)
     assert "exists and is not empty" in line and "--overwrite" in line
-    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+    assert (out / "model.safetensors").read_bytes() == b"old"
     assert export(run_dir, out, "--ckpt", "last", "--overwrite") == 0
-    assert not (out / "keep.txt").exists() and (out / "model.safetensors").exists()
+    assert (out / "model.safetensors").read_bytes() != b"old"
 
 
 def test_a_replaced_folder_whose_delete_fails_leaves_the_new_one_whole(tmp_path, monkeypatch, capsys):
@@ -567,14 +611,14 @@ def test_a_replaced_folder_whose_delete_fails_leaves_the_new_one_whole(tmp_path,
 def test_a_mount_point_as_the_output_folder_is_one_line_and_keeps_what_it_holds(run_dir, tmp_path, capsys, monkeypatch):
     """A mount point cannot be renamed aside: the export was written in full, then EBUSY's traceback at the rename."""
     out = tmp_path / "mounted"
-    out.mkdir()
-    (out / "theirs.txt").write_text("kept")
+    assert export(run_dir, out) == 0  # an earlier export, which --overwrite may replace
+    held = sorted(p.name for p in out.iterdir())
     ismount = os.path.ismount
     monkeypatch.setattr(os.path, "ismount", lambda path: Path(path) == out or ismount(path))
     assert export(run_dir, out, "--overwrite") == 2
     assert one_error_line(capsys) == (f"error: {out} is a mount point, which a finished folder cannot replace: give a "
                                       f"folder inside it ({out / 'name'})")
-    assert [p.name for p in out.iterdir()] == ["theirs.txt"] and not list(tmp_path.glob(".mounted-*"))
+    assert sorted(p.name for p in out.iterdir()) == held and not list(tmp_path.glob(".mounted-*"))
 
 
 def test_an_output_folder_holding_the_checkpoint_is_refused_even_with_overwrite(run_dir, tmp_path, capsys):

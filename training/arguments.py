@@ -151,7 +151,9 @@ def evaluate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output-root", default="outputs", help="where the recipe's runs are: <output-root>/<recipe>/")
     parser.add_argument("--limit", type=int, default=None, help="override eval.limit (the result then differs from training's)")
     parser.add_argument("--device", default=None, help=DEVICE_HELP)
-    parser.add_argument("--out", type=path_argument, default=None, help="results JSON (default: <run>/eval/checkpoint-<name>[-limit<N>].json)")
+    parser.add_argument("--out", type=path_argument, default=None,
+                        help="results JSON (default: <run>/eval/checkpoint-<name>[-limit<N>].json); never a "
+                        "checkpoint, the config, recipe or eval.prompts, nor a run's file but its eval/checkpoint-*.json")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     return parser
 

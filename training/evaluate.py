@@ -16,9 +16,10 @@ prompts, limit, max_new_tokens, lookup and redraft, it is printed beside the new
 the target's adapter (model.target_adapter) has other files than the checkpoint recorded (retrained in place).
 
 Prints one row per method and writes <run>/eval/checkpoint-<name>.json (checkpoint-<name>-limit<N>.json with
---limit N, so that a partial measurement never replaces the one `make export` reports; or --out, never a
-checkpoint; for a checkpoint outside a run, an eval/ folder beside it). Bad input prints one line and exits with
-status 2.
+--limit N, so that a partial measurement never replaces the one `make export` reports; for a checkpoint outside
+a run, an eval/ folder beside it; or --out, which is never, even with --overwrite, a checkpoint, a file the
+evaluation or the run reads (the config or recipe, eval.prompts), or any file of a run folder but its
+eval/checkpoint-*.json). Bad input prints one line and exits with status 2.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from ddtree.precision import AUTO, fast_precision
 from ddtree.targets import stop_token_ids
 
 from .callbacks import AcceptanceEvaluation, changed_measurement, metrics_of
-from .checkpoint_paths import abandoned_branch, find_checkpoint, run_folder_of
+from .checkpoint_paths import ABANDONED_PREFIX, abandoned_branch, find_checkpoint, run_folder_of
 from .checkpoints import Checkpoint, evaluation_state, load_checkpoint, recorded_evaluation
 from .export import run_corpus
 from .peft_utils import adapter_fingerprint
@@ -83,6 +84,30 @@ def logged_metrics(checkpoint: Checkpoint, evaluation: AcceptanceEvaluation) -> 
     return metrics_of(record["summary"], record["seconds"])
 
 
+def check_out_is_no_input(out: Path, run_dir: Path | None, inputs: dict[str, Path]) -> None:
+    """--out (--overwrite or not) is no file the run or the recipe reads, as `ddtree bench --out` is none of its inputs:
+    `inputs` ({what: path}: the config the eval settings came from, the recipe, eval.prompts), and nothing in a run
+    folder (the checkpoint's, or one --out lies in) but its own eval outputs, eval/checkpoint-*.json (also in a branch's
+    eval/abandoned-after-step-N/): its config.yaml, corpus.safetensors and eval/step-N.json (training's record of a
+    step, which the model card reads) are read by the resume, `make eval` and `make export`."""
+    place = out.resolve()
+    for what, path in inputs.items():
+        if place == path.resolve():
+            raise DDTreeError(f"--out {out} is {what}: the results would replace it; give another --out")
+    runs = [folder for folder in place.parents
+            if (folder / "config.yaml").is_file() and (folder / "checkpoints").is_dir()]
+    for run in ([run_dir.resolve()] if run_dir else []) + runs:
+        if not place.is_relative_to(run):
+            continue
+        inside = place.relative_to(run)
+        folders, name = inside.parts[:-1], inside.name
+        in_eval = folders == ("eval",) or (len(folders) == 2 and folders[0] == "eval"
+                                           and folders[1].startswith(ABANDONED_PREFIX))
+        if not (in_eval and name.startswith("checkpoint-") and name.endswith(".json")):
+            raise DDTreeError(f"--out {out} is {inside} of the run {run}, which its resume, `make eval` or `make export` "
+                              "reads; give a path outside the run, or its eval/checkpoint-<name>.json (the default)")
+
+
 def check_not_a_checkpoint(out: Path) -> None:
     """--out may not replace a checkpoint (a .ckpt file, or a file in a DeepSpeed .ckpt folder), nor sit in a run's
     checkpoints/ folder, even with --overwrite: results there would cost a run its resume."""
@@ -111,6 +136,10 @@ def main(argv: list[str] | None = None) -> int:
         evaluation = AcceptanceEvaluation(**settings)
     except TypeError as error:
         raise DDTreeError(f"{source}: bad eval section ({error})") from None
+    if args.out:
+        check_out_is_no_input(Path(args.out), run_folder_of(path), {
+            "the file the eval settings are read from": source, "the recipe": recipe_path(args.recipe),
+            "the eval.prompts file": Path(evaluation.prompts_path)})
 
     checkpoint = load_checkpoint(path)
     hp = checkpoint.hyper_parameters

@@ -495,6 +495,58 @@ def test_make_eval_refuses_an_out_it_could_not_write_before_evaluating(saved, tm
     assert other.stat().st_size == path.stat().st_size and not (path.parent / "results.json").exists()
 
 
+def test_make_eval_out_is_no_file_the_run_or_the_recipe_reads(saved, tmp_path, capsys, monkeypatch):
+    """`ARGS="--out X --overwrite"` replaced the run's config.yaml (its resume then stopped with a traceback), the
+    recipe's eval.prompts (every later eval and train refused it) or eval/step-N.json (the model card's record), as
+    `ddtree bench --out` never does: refused before the target loads, even with --overwrite, and nothing written."""
+    path, _ = saved
+    prompts = tmp_path / "prompts.jsonl"
+    shutil.copyfile(Path(training.evaluate.__file__).parents[1] / "data" / "eval_prompts.jsonl", prompts)
+    config = yaml.safe_load(training.evaluate.recipe_path("tiny").read_text())
+    config["trainer"]["precision"] = "32-true"  # (no precision probe)
+    config["eval"]["prompts"] = str(prompts)
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copyfile(path, run / "checkpoints" / "last.ckpt")
+    (run / "eval").mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    recipes = tmp_path / "recipes"
+    recipes.mkdir()
+    (recipes / "tiny.yaml").write_text(yaml.safe_dump(config))
+    monkeypatch.setattr(training.evaluate, "recipe_path", lambda name: recipes / f"{name}.yaml")
+    for name in ("corpus.safetensors", "eval/step-000007.json", "report.md", "drafter/config.json"):
+        (run / name).parent.mkdir(exist_ok=True)
+        (run / name).write_text("training's")
+    before = {file: file.read_bytes() for file in tmp_path.rglob("*") if file.is_file()}
+
+    def refused(out: Path, ckpt: Path = run / "checkpoints" / "last.ckpt") -> str:
+        assert training.evaluate.main(["--recipe", "tiny", "--ckpt", str(ckpt), "--out", str(out), "--overwrite"]) == 2
+        return one_error_line(capsys)
+
+    assert refused(run / "config.yaml") == (f"error: --out {run / 'config.yaml'} is the file the eval settings are read "
+                                            "from: the results would replace it; give another --out")
+    assert refused(prompts) == f"error: --out {prompts} is the eval.prompts file: the results would replace it; give another --out"
+    assert refused(recipes / "tiny.yaml").startswith(f"error: --out {recipes / 'tiny.yaml'} is the recipe: ")
+    for inside in ("corpus.safetensors", "eval/step-000007.json", "eval/step-000010.json", "report.md",
+                   "drafter/config.json", "results.json", "eval/abandoned-after-step-3/step-000005.json"):
+        assert refused(run / inside) == (
+            f"error: --out {run / inside} is {inside} of the run {run}, which its resume, `make eval` or `make export` "
+            "reads; give a path outside the run, or its eval/checkpoint-<name>.json (the default)")
+    # a loose checkpoint reads the recipe, another run's files are that run's
+    loose = tmp_path / "loose.ckpt"
+    shutil.copyfile(path, loose)
+    assert refused(recipes / "tiny.yaml", loose).startswith(
+        f"error: --out {recipes / 'tiny.yaml'} is the file the eval settings are read from: ")
+    assert "is eval/step-000007.json of the run" in refused(run / "eval" / "step-000007.json", loose)
+    loose.unlink()
+    assert {file: file.read_bytes() for file in tmp_path.rglob("*") if file.is_file()} == before
+    # its own eval outputs, in eval/ or a branch's eval/abandoned-after-step-N/, it may write
+    for mine in ("eval/checkpoint-mine.json", "eval/abandoned-after-step-3/checkpoint-mine.json"):
+        assert training.evaluate.main(["--recipe", "tiny", "--ckpt", str(run / "checkpoints" / "last.ckpt"),
+                                       "--limit", "1", "--out", str(run / mine)]) == 0
+        assert json.loads((run / mine).read_text())["step"] == 7
+
+
 def test_make_eval_of_a_loose_checkpoint_writes_beside_it(saved, tmp_path, capsys, monkeypatch):
     """With no run's config.yaml it reads the recipe, whose precision `auto` is resolved as training resolves it
     (stubbed to bf16 here, which the AVX2 CPU would not pick): it was read as fp32 on every machine before."""

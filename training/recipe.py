@@ -47,6 +47,23 @@ OPTIMIZER_FIELDS = ("the optimizer is the module's AdamW with a warm-up and a co
                     "model.betas, model.weight_decay, model.warmup_ratio or model.min_lr_ratio instead")
 
 
+# The recipe's sections, each a mapping of fields (or empty); its other top-level key is seed_everything, a value.
+RECIPE_SECTIONS = ("trainer", "model", "data", "eval", "checkpoint", *LIGHTNING_OPTIMIZER_SECTIONS)
+
+
+def read_recipe_settings(config: Path) -> dict:
+    """A recipe (or a run's config.yaml) as read_yaml_mapping reads it, each section a mapping or empty: a section
+    given a value (`trainer: cpu`, `trainer: [cpu]`) failed with an AttributeError's traceback, or with jsonargparse's
+    line that said neither what was wrong nor what to write."""
+    settings = read_yaml_mapping(config)
+    for section in RECIPE_SECTIONS:
+        if settings.get(section) is not None and not isinstance(settings[section], dict):
+            kind = type(settings[section]).__name__
+            raise DDTreeError(f"{config}: {section} must be a section of fields (field: value lines under it), not "
+                              f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}")
+    return settings
+
+
 class RecipeSettingError(DDTreeError):
     """A recipe setting this launch cannot run with; `recipe_errors` puts the recipe's path in front."""
 
@@ -88,7 +105,7 @@ def config_arg(config: Path, overrides: list[str]) -> str:
     config.yaml records, so a resumed run keeps the precision it started with. An override of
     auto asks for the same on a recipe that names a precision (give parser_overrides to the parser).
     """
-    settings = read_yaml_mapping(config)
+    settings = read_recipe_settings(config)
     recorded_null = [key for key in LIGHTNING_OPTIMIZER_SECTIONS if key in settings and settings[key] is None]
     for key in recorded_null:
         del settings[key]
@@ -144,7 +161,7 @@ def argument_error_line(error: ArgumentError) -> str:
 def cpu_recipe_for(target: str | None) -> str | None:
     """A recipe that trains the same target on a CPU, if there is one."""
     for name in known_recipes():
-        settings = read_yaml_mapping(recipe_path(name))
+        settings = read_recipe_settings(recipe_path(name))
         model, trainer = settings.get("model") or {}, settings.get("trainer") or {}
         if target and model.get("target") == target and trainer.get("accelerator") == "cpu":
             return name
@@ -346,7 +363,7 @@ def check_checkpoint_settings(config: Path, overrides: list[str] = (), run_confi
     make eval finds them, and two runs given one dirpath overwrote each other's checkpoints. A run's own config.yaml
     (run_config) records those two, which the launch sets again.
     """
-    settings = read_yaml_mapping(config)
+    settings = read_recipe_settings(config)
     for field, source in (("every_n_train_steps", "eval.every_n_train_steps"), ("monitor", "eval.primary_budget")):
         if field in (settings.get("checkpoint") or {}):
             raise DDTreeError(f"{config}: checkpoint.{field} follows {source}; remove it from the checkpoint section")

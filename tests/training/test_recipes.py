@@ -190,6 +190,34 @@ def test_a_recipe_that_is_not_a_yaml_mapping_is_one_line_naming_the_file_and_whe
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("text, named", [
+    ("trainer: cpu\n", "trainer must be a section of fields (field: value lines under it), not a str"),
+    ("trainer: [cpu]\n", "trainer must be a section of fields (field: value lines under it), not a list"),
+    ("seed_everything: 1\ntrainer: 32\n", "trainer must be a section of fields (field: value lines under it), not an int"),
+    ("model: tiny-random\n", "model must be a section of fields (field: value lines under it), not a str"),
+    ("checkpoint: outputs/tiny/r/checkpoints/last.ckpt\n", "checkpoint must be a section of fields"),
+])
+@pytest.mark.parametrize("command", ["train", "features", "ablate"])
+def test_a_recipe_section_given_a_value_is_one_line_naming_the_file_and_the_section(tmp_path, monkeypatch, capsys,
+                                                                                    text, named, command):
+    """`trainer: cpu` was an AttributeError's traceback (exit 1) in train, features and ablate, `trainer: 32` a
+    TypeError's, and `model: tiny-random` jsonargparse's `Parser key "model"`, which says neither what is wrong nor
+    what to write; data/regenerate.py already said it in these words."""
+    import training.ablate
+    import training.features
+
+    monkeypatch.setattr(training.arguments, "RECIPES_DIR", tmp_path)
+    (tmp_path / "mine.yaml").write_text(text)
+    run = {"train": lambda: main(["--recipe", "mine", "--output-root", str(tmp_path / "out")]),
+           "features": lambda: training.features.main(["--recipe", "mine", "--out", str(tmp_path / "store")]),
+           "ablate": lambda: training.ablate.main(["--recipe", "mine", "--steps", "2",
+                                                   "--output-root", str(tmp_path / "out")])}[command]
+    assert run() == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{tmp_path / 'mine.yaml'}: {named}" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.yaml"]
+
+
 def test_a_section_added_again_to_a_copy_of_a_recipe_is_refused_not_swapped_for_the_first(tmp_path):
     """The copy's second `model:` replaced the first whole: target smollm2-135m, default layers and anchors."""
     recipe = tmp_path / "mine.yaml"

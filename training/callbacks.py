@@ -33,7 +33,8 @@ last.ckpt and a checkpoints/best.ckpt symlink naming the best. Both follow `is_e
 Lightning runs checkpoint callbacks after all others, so the metric a checkpoint is ranked by is always
 the one AcceptanceEvaluation logged at its step. A run that stops off schedule (max_time on a slow
 machine) is evaluated and checkpointed at its stop too (`stops_here`): BestCheckpoint ranks that step by
-what AcceptanceEvaluation measured there.
+what AcceptanceEvaluation measured there. A SIGTERM's stop (SigtermAtStepBoundary) is saved to last.ckpt
+unmeasured and unranked, so that the resume continues from the step the stop line names.
 
 Distributed (DDP, DeepSpeed): every rank decodes its share of the prompts (prompt i on rank
 i % world_size), all ranks gather every result and log the same numbers (each rank's checkpoint
@@ -167,26 +168,32 @@ def stops_here(trainer: L.Trainer) -> bool:
 
 
 class SigtermAtStepBoundary(L.Callback):
-    """A SIGTERM stops every process of a multi-process launch at the same step (training/train.py adds it first).
+    """A SIGTERM stops the run where an optimizer step ends, every process of a launch at the same step, and that step
+    is saved (BestCheckpoint writes last.ckpt there), so that the resume the stop line prints continues from it
+    (training/train.py adds this callback first).
 
     Lightning 2.6's SIGTERM handler broadcasts from inside the handler, wherever the process is. During an
     evaluation, with another rank waiting in its gather (measure_acceptance), the two never paired: both processes
-    hung until killed, with no stop line and no resume command; paired with another collective they crashed. Here
-    the handler only notes the signal (and passes it on to the processes Lightning started, as Lightning's does). At
-    each step's start and end, at the end of training and of fit, every rank joins one all-reduce of its note, and a
-    note on any rank sets trainer.received_sigterm on every rank at once: Lightning's own checks, which read each
-    rank's flag, then stop them together, and a signal that reached one rank only stops them all. A signal noted after
-    a step's end (its evaluation, its checkpoint) stops the run before the next step trains, at the step its
-    checkpoint holds. One process keeps Lightning's handler, which sets the flag at once.
+    hung until killed, with no stop line and no resume command; paired with another collective they crashed. Its flag
+    also stopped a run after any micro-batch, where no checkpoint can be written (accumulate_grad_batches), and after
+    whatever step the signal found, which nothing saved: the resume trained the steps since the last scheduled save
+    again (up to 999 of the 8B recipes'). Here the handler only notes the signal (and passes it on to the processes
+    Lightning started, as Lightning's does). Where a step ends, every rank joins one all-reduce of its note, and a note
+    on any rank sets trainer.received_sigterm on every rank at once: BestCheckpoint, the last callback, saves that step,
+    and Lightning's own checks stop every rank after it. A signal noted after that (during the step's evaluation or
+    save) stops the run before the next step trains where the step is saved (a scheduled one), else at the next step's
+    end. The end of training and of fit agree too (a signal during the last evaluation).
     """
 
     def __init__(self):
-        self.active = False  # a multi-process fit
-        self.noted = False  # this rank received a SIGTERM that the ranks have not agreed on yet
+        self.active = False  # in fit
+        self.noted = False  # this process received a SIGTERM that the ranks have not agreed on yet
+        self.step_ended = True  # the last micro-batch ended an optimizer step (no gradients accumulated)
+        self.saved_step = 0  # the step the newest checkpoint holds (0: nothing trained, nothing to lose)
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        self.noted = False
-        self.active = stage == "fit" and trainer.world_size > 1
+        self.noted, self.step_ended = False, True
+        self.active = stage == "fit"
         if self.active:  # the trainer registers whichever handler this names after setup, as fit starts
             trainer._signal_connector._sigterm_notifier_fn = functools.partial(self.note, trainer)
 
@@ -199,18 +206,33 @@ class SigtermAtStepBoundary(L.Callback):
     def agree(self, trainer) -> bool:
         """Whether any rank has received a SIGTERM; every rank must call it at the same point."""
         if self.active and not trainer.received_sigterm:
-            noted = torch.tensor([int(self.noted)], device=trainer.strategy.root_device)
-            torch.distributed.all_reduce(noted, op=torch.distributed.ReduceOp.MAX)
-            if noted.item():
+            noted = self.noted
+            if trainer.world_size > 1:
+                flag = torch.tensor([int(noted)], device=trainer.strategy.root_device)
+                torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+                noted = bool(flag.item())
+            if noted:
                 trainer._signal_connector.received_sigterm = True
         return trainer.received_sigterm
 
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.saved_step = trainer.global_step  # a resume's checkpoint holds it; a new run has nothing to lose
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        self.saved_step = trainer.global_step  # every rank builds the checkpoint, whichever writes it
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if self.active and self.agree(trainer):
+        # Only where the step before is saved: a stop here would leave the steps since the last save unsaved (and a
+        # save here, with this batch already drawn from the loader, would skip it on the resume).
+        if self.active and self.step_ended and trainer.global_step == self.saved_step and self.agree(trainer):
             raise SIGTERMException  # as Lightning's loop raises it: training.train exits 143 with the resume command
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.agree(trainer)  # before the other callbacks: a run stopped here is not evaluated off schedule (stops_here)
+        # Before the other callbacks: a run stopped here is not evaluated off schedule (stops_here), and BestCheckpoint
+        # saves it. Not between two micro-batches of a step: a checkpoint holds no accumulated gradients.
+        self.step_ended = not accumulating(trainer)
+        if self.step_ended:
+            self.agree(trainer)
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.agree(trainer)
@@ -797,7 +819,8 @@ class BestCheckpoint(Checkpoint):
     `stops_here`), where AcceptanceEvaluation measured it; the latest wins ties (a few prompts' tau often ties, and says
     nothing then, while the later checkpoint has trained longer: the CPU recipe's run tied at 1400, 4200 and 5600
     steps, and 1400 would have been exported). last.ckpt is saved at the same
-    steps (and at the end of a launch that saved nothing), so a resume continues exactly from it.
+    steps (at the end of a launch that saved nothing, and where a SIGTERM stops the run: save_stop), so a resume
+    continues exactly from it.
     checkpoints/best.ckpt is a relative symlink to the best file, replaced atomically on rank 0 before the
     file it displaces is deleted, so it never points at a missing file; a launch re-links it as it starts,
     and deletes a displaced file the last launch stopped before deleting.
@@ -929,6 +952,8 @@ class BestCheckpoint(Checkpoint):
         if not is_evaluation_step(trainer, self.every_n_train_steps):
             if score is not None:
                 self.save(trainer, step, report.ranking_score(score))
+            elif trainer.received_sigterm and self.save_last and not accumulating(trainer):
+                self.save_stop(trainer, step)
             return
         if score is None:
             if self.monitor not in trainer.callback_metrics:
@@ -939,6 +964,16 @@ class BestCheckpoint(Checkpoint):
                 )
             score = float(trainer.callback_metrics[self.monitor])
         self.save(trainer, step, report.ranking_score(score))
+
+    def save_stop(self, trainer, step: int) -> None:
+        """last.ckpt at the step a SIGTERM stops (SigtermAtStepBoundary: every rank agrees where a step ends), not
+        ranked (nothing measured it): the stop line's resume then continues from the step it names, where the last
+        scheduled save was up to every_n_train_steps - 1 steps earlier. A save is seconds, where an evaluation would
+        be the minutes a scheduler does not give; one cut short by SIGKILL leaves the last whole one (AtomicCheckpointIO,
+        DeepSpeed's `saving` marker)."""
+        self.last_saved_step = step
+        self.saved_this_launch = True
+        trainer.save_checkpoint(os.path.join(self.dirpath, self.LAST_NAME), weights_only=False)
 
     def on_train_end(self, trainer, pl_module) -> None:
         # A launch that reached no evaluation step (stopped early) still leaves last.ckpt to resume from.

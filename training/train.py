@@ -63,7 +63,7 @@ from ddtree.errors import DDTreeError, command
 from ddtree.files import read_yaml_mapping, unwritable_as_error, write_text_atomic
 from training.callbacks import AcceptanceEvaluation, SigtermAtStepBoundary
 from training.checkpoint_paths import (find_resume, is_deepspeed_checkpoint, newest_checkpoint, resume_point, run_checkpoints,
-                                       why_unreadable)
+                                       saved_step, why_unreadable)
 from training.checkpoints import (AtomicCheckpointIO, check_resumable, deepspeed_client_state, newest_finite_checkpoint,
                                   non_finite_tensors)
 from training.data import DATA_RECORD, DistillDataModule, replies
@@ -343,11 +343,17 @@ def stopped(run_dir: Path, recipe: str, why: str, status: int, step: int) -> int
     """Say that the run did not finish, and how to resume it if a checkpoint exists; return the exit status.
 
     A killed or failed run must never look finished: non-zero status, one line saying what
-    happened, and the exact command that continues it.
+    happened, and the exact command that continues it, with the step it continues from where that checkpoint is
+    older than the stop (a SIGTERM saves its stop; Ctrl-C, a crash or checkpoint.save_last false do not).
     """
     if is_first_process():
         try:
-            resume = f"resume with: {resume_command(run_dir, recipe, newest_checkpoint(run_dir))}"
+            checkpoint = newest_checkpoint(run_dir)
+            resume = f"resume with: {resume_command(run_dir, recipe, checkpoint)}"
+            resumes_at = saved_step(checkpoint)
+            if 0 <= resumes_at < step:
+                again = f"step {step} is" if resumes_at + 1 == step else f"steps {resumes_at + 1}-{step} are"
+                resume += f" (it continues from step {resumes_at}, that checkpoint's: {again} trained again)"
         except DDTreeError:
             resume = "no checkpoint was written yet, so nothing can be resumed; start it again (the same command)"
         print(f"[train] {why} at step {step}; no drafter written; {resume}", file=sys.stderr, flush=True)

@@ -78,7 +78,8 @@ class Probe(L.Callback):
 
     Writes <out_dir>/rank<r>.json at the start of training, and again after the first step with the devices that
     step ran the target on. With DDTREE_TEST_FREEZE_AT=<step> in the environment it writes <out_dir>/frozen<r> after
-    that step and sleeps until killed.
+    that step and sleeps until killed; with DDTREE_TEST_PAUSE_AT=<step> it writes <out_dir>/paused<r> as that step
+    starts and waits a few seconds (where a test's SIGTERM lands), then trains it.
     """
 
     def __init__(self, out_dir: str):
@@ -115,6 +116,12 @@ class Probe(L.Callback):
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.write(trainer.global_rank)
 
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        pause_at = int(os.environ.get("DDTREE_TEST_PAUSE_AT", "0"))
+        if pause_at and trainer.global_step == pause_at - 1 and not (self.out_dir / f"paused{trainer.global_rank}").exists():
+            (self.out_dir / f"paused{trainer.global_rank}").write_text(str(pause_at))
+            time.sleep(5)
+
     def write(self, rank: int) -> None:
         (self.out_dir / f"rank{rank}.json").write_text(json.dumps(self.record))
 
@@ -150,7 +157,8 @@ def launch_environment(tmp: Path, processes: int, run: str, cuda: bool = False) 
                RUN_NAME=run, PYTHON=sys.executable)  # the launcher's default is .venv's, which a GPU machine may lack
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])  # for the Probe
     env["TORCH_EXTENSIONS_DIR"] = str(tmp / "torch_extensions")  # empty: an op built here would show
-    for name in (*TORCHRUN_ENV, *SLURM_ENV, "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "DDTREE_TEST_FREEZE_AT"):
+    for name in (*TORCHRUN_ENV, *SLURM_ENV, "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "DDTREE_TEST_FREEZE_AT",
+                 "DDTREE_TEST_PAUSE_AT"):
         env.pop(name, None)
     return env
 
@@ -415,6 +423,45 @@ def test_killed_two_process_run_resumes_to_the_same_weights(workspace, zero2_two
     for key in straight:
         torch.testing.assert_close(resumed[key], straight[key], rtol=0, atol=SAME_MATH_ATOL, msg=key)
     assert train_losses(run_dir)[STEPS - 1] == train_losses(zero2_two_processes["dir"])[STEPS - 1]
+
+
+@pytest.mark.slow  # two more runs
+def test_sigterm_between_checkpoints_saves_its_stop_and_resumes_to_the_same_weights(workspace, zero2_two_processes):
+    """A SIGTERM to every rank during step 3 (step 2 the last scheduled save) stops the ZeRO-2 job where step 3 ends,
+    with that step saved as the last.ckpt folder, every rank's shard: the printed resume continues from step 3 and ends
+    with the uninterrupted run's weights, bit for bit. Before, the stop named last.ckpt, which held step 2."""
+    run, processes = "zero2-sigterm", 2
+    probe_dir = workspace / f"probe-{run}"
+    env = launch_environment(workspace, processes, run) | {"DDTREE_TEST_PAUSE_AT": "3"}
+    job = subprocess.Popen(
+        ["bash", str(LAUNCHER), "tiny", "1", *launch_args(workspace, "zero2_cpu", 2, probe_dir)],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    try:
+        deadline = time.time() + 900
+        while not all((probe_dir / f"paused{r}").exists() for r in range(processes)):
+            assert job.poll() is None, f"the job ended early with status {job.returncode}"
+            assert time.time() < deadline, "the job never reached step 3"
+            time.sleep(0.5)
+        for record in probe_dir.glob("rank*.json"):  # the training processes, as a scheduler signals them
+            os.kill(json.loads(record.read_text())["pid"], signal.SIGTERM)
+        log, _ = job.communicate(timeout=300)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait(timeout=60)
+    run_dir = workspace / "out" / "tiny" / run
+    stop = [line for line in log.splitlines() if line.startswith("[train] stopped by SIGTERM")]
+    assert len(stop) == 1 and "at step 3;" in stop[0] and "trained again" not in stop[0], log[-4000:]
+    assert f"RESUME={run_dir / 'checkpoints' / 'last.ckpt'}" in stop[0] and not (run_dir / "drafter").exists()
+    last = run_dir / "checkpoints" / "last.ckpt"
+    assert not (last / SAVING_MARKER).exists()
+    saved = torch.load(last / "checkpoint" / "mp_rank_00_model_states.pt", weights_only=False, map_location="cpu")
+    assert saved["global_step"] == 3
+    launch(workspace, run, processes, "zero2_cpu", 2, "--resume", str(last))
+    resumed, straight = exported(run_dir), exported(zero2_two_processes["dir"])
+    for key in straight:
+        torch.testing.assert_close(resumed[key], straight[key], rtol=0, atol=SAME_MATH_ATOL, msg=key)
 
 
 @pytest.mark.slow  # one more launch, stopped before its first step

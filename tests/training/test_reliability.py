@@ -99,8 +99,11 @@ def test_a_signal_stops_the_run_with_a_non_zero_status_and_the_command_that_resu
 
     resume = re.search(r"RESUME=(\S+)", lines[0]).group(1)
     assert Path(resume).name == "last.ckpt" and Path(resume).exists()
-    if sent != signal.SIGTERM:
+    stop, saved = int(re.search(r"at step (\d+);", lines[0]).group(1)), check_resumable(Path(resume))["global_step"]
+    if sent != signal.SIGTERM:  # Ctrl-C saves nothing: the line says where the resume starts
+        assert saved == stop or f"(it continues from step {saved}, that checkpoint's: " in lines[0], lines[0]
         return  # resuming does not depend on the signal: SIGTERM's case runs it
+    assert saved == stop and "trained again" not in lines[0], lines[0]  # the stop's own step is saved
     # The printed command continues the run to its end (a shorter one here, so the test stays short).
     assert train_main(["--recipe", "tiny", "--resume", resume, "--output-root", str(tmp_path / "out"),
                        "--trainer.max_steps=6", "--trainer.enable_progress_bar=false"]) == 0
@@ -160,6 +163,63 @@ def test_sigterm_while_a_rank_waits_in_the_evaluations_gather_stops_every_rank_a
     resume = Path(re.search(r"RESUME=(\S+)", lines[0]).group(1))
     assert resume == tmp_path / "out" / "tiny" / "two" / "checkpoints" / "last.ckpt"
     assert check_resumable(resume)["global_step"] == 2  # the step the signal stopped, evaluated and saved
+    assert "trained again" not in lines[0]
+
+
+class HoldAtStepStart(Callback):
+    """Added with --trainer.callbacks+=...: as the step after `after` starts (off the evaluation schedule), every rank
+    writes `marker`<rank> and waits `seconds`, where the test's SIGTERM lands; the step then trains."""
+
+    def __init__(self, marker: str, after: int, seconds: float = 4.0):
+        self.marker, self.after, self.seconds, self.held = marker, after, seconds, False
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.after and not self.held:
+            self.held = True
+            Path(f"{self.marker}{trainer.global_rank}").write_text("holding")
+            time.sleep(self.seconds)
+
+
+@pytest.mark.parametrize("devices, accumulate", [(1, 1), (2, 1), (2, 2)])
+def test_sigterm_between_checkpoints_saves_the_step_it_stops_at(tmp_path, devices, accumulate):
+    """Found in a review (2026-12-03): a SIGTERM stopped at step N while the newest checkpoint was the last scheduled
+    save, and the stop line named it as the resume: the steps since (up to 999 of an 8B recipe's) were trained again
+    without a word. Now every rank stops where an optimizer step ends (never between two micro-batches of one, whose
+    accumulated gradients a checkpoint cannot hold), last.ckpt is saved there, and the line's resume continues from
+    the step it names."""
+    marker = tmp_path / "holding"
+    hold = json.dumps({"class_path": "test_reliability.HoldAtStepStart",
+                       "init_args": {"marker": str(marker), "after": 5}})
+    args = [*tiny_args(tmp_path, "held", max_steps=400, every=4), f"--trainer.devices={devices}",
+            f"--trainer.accumulate_grad_batches={accumulate}", f"--trainer.callbacks+={hold}"]
+    args += ["--trainer.strategy=ddp"] if devices > 1 else []
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    process = subprocess.Popen([sys.executable, "-m", "training.train", *args], cwd=REPO, env=env, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        for rank in range(devices):
+            wait_for(Path(f"{marker}{rank}"), process)
+        os.killpg(process.pid, signal.SIGTERM)  # to every rank, as `timeout` or a scheduler sends it
+        _, err = process.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        _, err = process.communicate()
+        raise AssertionError(f"the run hung after SIGTERM:\n{err[-3000:]}") from None
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+    assert process.returncode == 128 + signal.SIGTERM, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("[train]")]
+    # step 4 is the last scheduled save; the held step is step 6, trained after the signal and saved as it ends
+    assert len(lines) == 1 and "stopped by SIGTERM at step 6; no drafter written" in lines[0], err[-3000:]
+    assert "trained again" not in lines[0], lines[0]
+    resume = Path(re.search(r"RESUME=(\S+)", lines[0]).group(1))
+    assert resume == tmp_path / "out" / "tiny" / "held" / "checkpoints" / "last.ckpt"
+    saved = torch.load(resume, map_location="cpu", weights_only=False)
+    assert saved["global_step"] == 6
+    assert sorted(p.name for p in resume.parent.glob("*.ckpt")) == ["best.ckpt", "last.ckpt", "step-4.ckpt"]
 
 
 def test_the_ranks_of_an_evaluation_say_their_lines_once_and_pack_as_rank_0_chose(tiny_target, tmp_path, capsys):
@@ -198,6 +258,8 @@ def test_a_crash_after_a_checkpoint_says_how_to_resume_beside_its_traceback(tmp_
     assert len(lines) == 1 and "failed (RuntimeError) at step 3; no drafter written" in lines[0], lines
     resume = re.search(r"RESUME=(\S+)", lines[0]).group(1)
     assert Path(resume) == tmp_path / "out" / "tiny" / "crashed" / "checkpoints" / "last.ckpt" and Path(resume).exists()
+    # no save at a crash: the line says where its resume starts (it named last.ckpt as if it were step 3's)
+    assert lines[0].endswith(f"RESUME={resume} (it continues from step 2, that checkpoint's: step 3 is trained again)")
 
 
 def blow_up_update(monkeypatch, step: int) -> None:

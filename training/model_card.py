@@ -507,6 +507,12 @@ def decoding_target(facts: CardFacts) -> str:
     return MERGED_TARGET if target_adapter(facts) else facts.base_model or facts.target
 
 
+def verifier_name(facts: CardFacts) -> str:
+    """The verifier a --speculators export's config.json names (speculators_config.verifier): what `vllm serve` of
+    the drafter alone loads as the target."""
+    return facts.drafter_config["speculators_config"]["verifier"]["name_or_path"]
+
+
 def merge_step(facts: CardFacts) -> list[str]:
     """The adapter merged into the target as training merged it (training/target.py: ddtree's load_target in the
     training dtype, then peft's merge), saved with the tokenizer as a folder every command below loads."""
@@ -596,14 +602,19 @@ def serving_section(facts: CardFacts) -> list[str]:
         "```bash",
         "# vLLM",
         commands[VLLM],
+        # `vllm serve <drafter>` serves the verifier config.json names: for an adapted target, the base model alone
         *(["# vLLM, speculators format (config.json names the verifier)", f"vllm serve {where}"]
-          if facts.speculators else []),
+          if facts.speculators and not target_adapter(facts) else []),
         "# SGLang",
         commands[SGLANG],
         "```",
         "",
         *([f"`{MERGED_TARGET}` is the folder the merge step under Usage writes: an engine loads the target from its "
-           "files and would serve the base model without the adapter.", ""] if target_adapter(facts) else []),
+           "files and would serve the base model without the adapter."
+           + (f" For that reason this card gives no `vllm serve {where}` (speculators format): it serves the verifier "
+              f"`config.json` names, `{verifier_name(facts)}` without the adapter; the verifier must be the merged "
+              "folder, as in the vLLM command above." if facts.speculators else ""), ""]
+          if target_adapter(facts) else []),
         "Both engines verify the DFlash block as one chain: neither verifies a draft tree on its main branch "
         "(open pull requests: vLLM #42910 for DDTree, SGLang #31069 and #36196 for tree verification of DFlash). "
         "DDTree's extra acceptance comes from the `ddtree` decoder, or from those branches once merged.",

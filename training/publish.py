@@ -69,8 +69,9 @@ from .engines import Export, engine_problems, refusal, serve_commands, target_fa
 from .export import run_corpus
 from .hub import check_card_fields, check_export_folder, check_repo_id, preflight_hub, push
 from .hub_config import LIBRARY_DIR, REMOTE_CODE, hub_config, target_hub_id, verifier_for
-from .model_card import (CardFacts, count_training_prompts, eval_folder, evaluated_steps, evaluation_path, project_path,
-                         read_data_record, read_evaluation, read_run_config, render_model_card, timer_seconds)
+from .model_card import (CardFacts, count_training_prompts, decoding_target, eval_folder, evaluated_steps,
+                         evaluation_path, project_path, read_data_record, read_evaluation, read_run_config,
+                         render_model_card, target_adapter, timer_seconds)
 from .recipe_data import AUTO_DATA, default_data_path
 
 
@@ -244,8 +245,14 @@ def export_folder(
         print(f"[export] warning (--allow-engine-mismatch): {problem.line()}", file=sys.stderr)
     if served_target.hidden_size is None:
         print(f"[export] note: the engine rules were checked against {served_target.source}", file=sys.stderr)
-    for engine, line in serve_commands(config, base_model or target, repo or str(out)).items():
+    served = decoding_target(facts)  # the merge step's folder where training merged an adapter into the target
+    for engine, line in serve_commands(config, served, repo or str(out)).items():
         print(f"[export] serve with {engine} (it verifies the chain): {line}")
+    if target_adapter(facts):
+        print(f"[export] note: {served} is {target} with the run's model.target_adapter merged, written by the merge "
+              "step of the card's Usage"
+              + ("; config.json's verifier (--speculators) is the base model alone, which `vllm serve` of the drafter "
+                 "would serve: name the merged folder as above" if speculators else ""), file=sys.stderr)
     if evaluation is None:
         print(f"[export] note: step {checkpoint.step} has no evaluation in {eval_folder(run_dir, branch_name)}; the "
               "card says so",

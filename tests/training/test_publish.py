@@ -381,6 +381,33 @@ def test_a_card_for_a_target_with_an_adapter_names_it_and_decodes_the_merged_tar
     assert not torch.equal(base.model.layers[0].self_attn.q_proj.weight, merged.model.layers[0].self_attn.q_proj.weight)
 
 
+def test_a_speculators_export_of_an_adapter_run_never_serves_the_base_model(run_dir, tmp_path, monkeypatch, capsys):
+    """`--speculators` on a model.target_adapter run: the card gave `vllm serve <repo>`, which serves the verifier
+    config.json names, the base target without the adapter (the fine-tuned model's text nowhere, at an acceptance
+    nobody measured), and the export printed vLLM and SGLang commands serving the base target too."""
+    real = publish.load_checkpoint
+
+    def adapted(path):  # the fixture run, as if it had trained with model.target_adapter
+        checkpoint = real(path)
+        checkpoint.hyper_parameters = {**checkpoint.hyper_parameters, "target_adapter": "adapters/sql",
+                                       "target_adapter_sha256": "a" * 64}
+        return checkpoint
+
+    monkeypatch.setattr(publish, "load_checkpoint", adapted)
+    out = tmp_path / "out"
+    assert export(run_dir, out, "--ckpt", "last", "--repo", "you/d", "--speculators") == 0
+    printed = capsys.readouterr()
+    verifier = json.loads((out / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"]
+    assert verifier.endswith("tiny-random")  # the base target: what `vllm serve you/d` would load
+    card = (out / "README.md").read_text()
+    assert "\nvllm serve you/d\n" not in card and "\nvllm serve merged-target " in card  # the commands
+    assert (f"this card gives no `vllm serve you/d` (speculators format): it serves the verifier `config.json` names, "
+            f"`{verifier}` without the adapter; the verifier must be the merged folder") in card
+    serve_lines = [line for line in printed.out.splitlines() if line.startswith("[export] serve with")]
+    assert len(serve_lines) == 2 and all(" merged-target " in line for line in serve_lines)
+    assert "merged-target is tiny-random with the run's model.target_adapter merged" in printed.err
+
+
 def test_the_card_says_whether_the_data_was_written_with_the_targets_adapter(tmp_path):
     """The card called the base model's replies "written by the target itself" for a run with model.target_adapter."""
     from training.model_card import data_provenance

@@ -34,7 +34,8 @@ How the work is laid out, so it survives interruption:
     more prompts than this job (a smaller --limit), is replaced only with --overwrite, and then only once
     the new one is complete; where another recipe's data.regenerate makes that folder (data/smollm2-135m,
     which recipes/tiny.yaml reads as it is), the refusal says so instead of suggesting --overwrite (training's
-    --check names its own recipe with --for-recipe: that recipe's data is its own to mend);
+    --check names its own recipe with --for-recipe, unless the run overrides the recipe's data settings: that
+    recipe's data is its own to mend);
   - a dataset already merged at <out> with the same settings (its regeneration.json) gives back its
     chunks, so a larger --limit on a fresh clone only generates the prompts the shipped data lacks; one
     that already answers exactly this job's prompts is left as it is (a rerun does nothing);
@@ -82,8 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "data.regenerate section")
     p.add_argument("--for-recipe", type=Path, default=None, metavar="RECIPE",
                    help="the recipe (its name, or a YAML file) this job writes for, without taking its settings "
-                   "as --recipe does (training's --check gives them all as flags): its own data.data_path is not "
-                   "refused as another recipe's, and a refusal names the command that mends it (make data RECIPE=...)")
+                   "as --recipe does (training's --check gives them all as flags, and names it only where they are "
+                   "the recipe file's own): its own data.data_path is not refused as another recipe's, and a refusal "
+                   "names the command that mends it (make data RECIPE=...)")
     p.add_argument("--target", default=None, help="built-in target name, local HF folder or Hub id (default smollm2-135m)")
     p.add_argument("--target-adapter", default=None,
                    help="PEFT adapter folder merged into --target before it writes (a recipe's model.target_adapter); "

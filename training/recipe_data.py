@@ -12,8 +12,9 @@ section, runs `data/regenerate.py` in a child process (so the target it loads is
 before training loads its own), with model.target_adapter merged into the target as training merges it.
 A folder that exists is checked against the recipe (its regeneration.json: the target and its adapter,
 by path and sha256, the settings, the number of prompts) and refused when another target, the base
-model without the adapter (or with another), or other settings made it. A recipe without a regenerate
-section reads its data_path as before.
+model without the adapter (or with another), or other settings made it: for the recipe's own data, with the
+command that mends it; for a run that overrides the recipe's data settings, with a data folder of its own.
+A recipe without a regenerate section reads its data_path as before.
 `make data RECIPE=x` runs the same generation by hand (data/regenerate.py --recipe).
 """
 
@@ -25,7 +26,9 @@ import sys
 from pathlib import Path
 
 from ddtree.errors import DDTreeError
-from ddtree.files import cache_dir
+from ddtree.files import cache_dir, read_yaml_mapping
+
+from .arguments import recipe_path
 
 AUTO_DATA = "auto"  # data.data_path value: <ddtree cache>/data/<recipe>
 REGENERATE_SCRIPT = Path(__file__).resolve().parents[1] / "data" / "regenerate.py"
@@ -110,17 +113,47 @@ def prepare_recipe_data(datamodule, recipe: str, world_size: int = 1, target_ada
                           f"`make data RECIPE={recipe}` resumes from the chunks already written")
 
 
+def recipe_overrides(datamodule, recipe: str, target_adapter: str | None) -> list[str]:
+    """The data settings this run took from its command line rather than from recipes/<recipe>.yaml (model.target,
+    model.target_adapter, data.data_path, data.regenerate), each as `name=value (the recipe's: value)`; none for a
+    recipe with no file there. Values compare as regenerate.py is given them (regenerate_arguments: as text)."""
+    recipe_file = recipe_path(recipe)
+    if not recipe_file.is_file():
+        return []
+    own = read_yaml_mapping(recipe_file)
+    model, data = own.get("model") or {}, own.get("data") or {}
+    own_path = default_data_path(recipe) if data.get("data_path") == AUTO_DATA else data.get("data_path")
+    shown = lambda value: "null" if value is None else str(value)  # noqa: E731
+    pairs = [("model.target", datamodule.target, model.get("target")),
+             ("model.target_adapter", target_adapter, model.get("target_adapter"))]
+    settings, own_settings = datamodule.regenerate or {}, data.get("regenerate") or {}
+    pairs += [(f"data.regenerate.{field}", settings.get(field), own_settings.get(field))
+              for field in REGENERATE_FIELDS if field in settings or field in own_settings]
+    overrides = [f"{name}={shown(value)} (the recipe's: {shown(recipe_value)})" for name, value, recipe_value in pairs
+                 if shown(value) != shown(recipe_value)]
+    if own_path is None or Path(datamodule.data_path).resolve() != Path(own_path).resolve():
+        overrides.append(f"data.data_path={datamodule.data_path} (the recipe's: {shown(own_path)})")
+    return overrides
+
+
 def check_recipe_data(datamodule, recipe: str, path: Path, target_adapter: str | None = None) -> None:
     """The data at `path` is what the recipe's target (with its adapter) and data.regenerate settings would write
     (regenerate.py --check, which answers before torch loads: a fraction of a second); else a DDTreeError naming what
-    differs."""
-    # --for-recipe: the recipe's own data_path is its data to mend (make data RECIPE=...), not another recipe's
+    differs and what mends it."""
+    overrides = recipe_overrides(datamodule, recipe, target_adapter)
+    # --for-recipe: the recipe's own data, made as its file says, is its data to mend (make data RECIPE=...), not
+    # another recipe's. Not where this run overrides one of those settings: the recipe file and `make data` would
+    # make the recipe's data again, never this run's.
     command = [sys.executable, str(REGENERATE_SCRIPT),
                *regenerate_arguments(datamodule.target, path, datamodule.regenerate, target_adapter),
-               "--for-recipe", recipe, "--check"]
+               *([] if overrides else ["--for-recipe", recipe]), "--check"]
     checked = subprocess.run(command, capture_output=True, text=True)
     if checked.returncode != 0:
         said = (checked.stderr.strip().splitlines() or [f"exit status {checked.returncode}"])[-1]
         if not said.startswith("error: "):  # not its one line (a traceback's last): say what failed, on which data
             said = f"checking {path} with data/regenerate.py --check failed: {said}"
+        elif overrides and said.startswith(f"error: {path} holds "):  # other data: advice for regenerate.py's flags
+            said = (f"{path} does not hold the data of this run, which overrides {'; '.join(overrides)}: give the run "
+                    "a data folder of its own, --data.data_path=<a new folder> (training writes the data there "
+                    f"first), or drop {'the override' if len(overrides) == 1 else 'those overrides'}")
         raise DDTreeError(f"recipe {recipe}: {said.removeprefix('error: ')}")

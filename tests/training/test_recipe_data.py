@@ -168,18 +168,53 @@ def test_the_default_recipe_says_how_its_shipped_data_was_made_and_make_data_lea
     ({"max_new_tokens": 128}, "(max_new_tokens: 256 -> 128): generate it again with --overwrite "
                               "(`make data RECIPE=smollm2-135m ARGS=--overwrite`), or give another output folder"),
 ])
-def test_a_recipes_own_data_that_differs_gets_the_advice_that_mends_it(monkeypatch, changed, advice):
+def test_a_recipes_own_data_that_differs_gets_the_advice_that_mends_it(tmp_path, monkeypatch, changed, advice):
     """Training's check did not say which recipe it checked for, so the default recipe's own data/smollm2-135m was
     refused as "recipe smollm2-135m's data ... give this job its own output folder" once its settings moved (or the
-    data was extended as data/README.md says): advice it could not follow. Read-only on the shipped data."""
+    data was extended as data/README.md says): advice it could not follow. The recipe file's settings move here (a
+    copy, edited, that training reads as recipes/smollm2-135m.yaml), not a run's overrides. Read-only on the shipped
+    data."""
+    import yaml
+
+    import training.recipe_data
+
     monkeypatch.chdir(RECIPES_DIR.parent)
-    config = read_recipe(RECIPES_DIR / "smollm2-135m.yaml", [])
+    recipe = yaml.safe_load((RECIPES_DIR / "smollm2-135m.yaml").read_text())
+    recipe["data"]["regenerate"].update(changed)
+    edited = tmp_path / "smollm2-135m.yaml"
+    edited.write_text(yaml.safe_dump(recipe))
+    monkeypatch.setattr(training.recipe_data, "recipe_path", lambda name: edited)
+    config = read_recipe(edited, [])
     datamodule = DistillDataModule(target=config.model.target, data_path=config.data.data_path,
-                                   regenerate={**config.data.regenerate, **changed})
+                                   regenerate=config.data.regenerate)
     with pytest.raises(DDTreeError) as refused:
         prepare_recipe_data(datamodule, "smollm2-135m")
     assert str(refused.value) == (f"recipe smollm2-135m: data/smollm2-135m holds a dataset made with other settings "
                                   f"{advice}")
+
+
+@pytest.mark.parametrize("override, named", [
+    ("--data.regenerate.limit=64", "data.regenerate.limit=64 (the recipe's: 2048)"),
+    ("--model.target_adapter={adapter}", "model.target_adapter={adapter} (the recipe's: null)"),
+])
+def test_a_run_that_overrides_its_recipes_data_settings_is_told_to_give_it_a_folder_of_its_own(
+        tmp_path, monkeypatch, capsys, override, named):
+    """Training's check named its recipe with --for-recipe even where the run overrode the data settings, so the
+    refusal said to edit the recipe file or run `make data RECIPE=smollm2-135m ARGS=--overwrite`, which both go back
+    to the recipe's own settings: make data found nothing to do (or wrote without the adapter), and training was
+    refused again. Read-only on the shipped data."""
+    adapter = tmp_path / "adapter"  # a folder check_adapter_folder takes; nothing loads it
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    override, named = override.format(adapter=adapter), named.format(adapter=adapter)
+    monkeypatch.chdir(RECIPES_DIR.parent)
+    assert training.train.main(["--recipe", "smollm2-135m", "--output-root", str(tmp_path / "out"), override]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: recipe smollm2-135m: data/smollm2-135m does not hold the data of this run, which overrides "
+                   f"{named}: give the run a data folder of its own, --data.data_path=<a new folder> (training writes "
+                   "the data there first), or drop the override")
+    assert regenerate.main(["--recipe", "smollm2-135m", "--check"]) == 0  # the shipped data is still the recipe's
 
 
 def test_the_check_takes_greedy_data_made_with_another_chunk_size_or_seed(monkeypatch, capsys):

@@ -16,7 +16,8 @@ tokenized again behind it, and the next forward checks the new candidate. Where 
 reply does not continue with, the regeneration's precision (bf16) and this one's (fp32) disagree on a
 near tie; the candidate's token stays, and the position is counted. A reply is recovered when its ids
 decode to its text and their count equals its response_tokens; otherwise it keeps no response_ids and
-training tokenizes its text, as before.
+training tokenizes its text, as before. Data written with a target adapter (its regeneration.json names one) is
+refused: regenerate.py wrote its response_ids already.
 """
 
 from __future__ import annotations
@@ -50,6 +51,12 @@ def regeneration_settings(source: Path) -> dict:
     if settings.get("temperature", 0.0) != 0.0:
         raise DDTreeError(f"{source}/regeneration.json: temperature {settings['temperature']}: only greedy replies "
                           "can be recovered from their text")
+    if settings.get("target_adapter"):
+        # regenerate.py records every row's response_ids since before it merged adapters; recovered here from the
+        # base model alone, they would be replaced by another model's choices
+        raise DDTreeError(f"{source}/regeneration.json: written with the target adapter {settings['target_adapter']}, "
+                          "so its rows already hold the ids the adapted target generated (response_ids): there is "
+                          f"nothing to recover; train on {source} as it is")
     return settings
 
 

@@ -130,6 +130,24 @@ def test_sampled_data_is_refused(tmp_path):
         recover_ids.run(recover_ids.build_parser().parse_args([str(source), "--out", str(tmp_path / "out")]))
 
 
+def test_data_written_with_a_target_adapter_is_refused_in_one_line(tmp_path, capsys):
+    """recover_ids loads the recorded target alone: data of a target with its adapter merged had its exact
+    response_ids replaced with ones recovered from the base model, and kept target_adapter in its regeneration.json,
+    so training's check took the result for the adapted target's."""
+    row = {"id": "a", "messages": MESSAGES + [{"role": "assistant", "content": "Paris."}], "finish_reason": "stop",
+           "prompt_tokens": 9, "response_tokens": 2, "response_ids": [1, 2]}
+    source = write_regenerated(tmp_path / "data", [row])
+    recorded = json.loads((source / "regeneration.json").read_text())
+    (source / "regeneration.json").write_text(json.dumps({**recorded, "target_adapter": "adapters/sql"}))
+    capsys.readouterr()
+    assert recover_ids.main([str(source), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: {source}/regeneration.json: written with the target adapter adapters/sql, so its rows "
+                   "already hold the ids the adapted target generated (response_ids): there is nothing to recover; "
+                   f"train on {source} as it is")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_negative_limit_is_one_line(tmp_path, capsys):
     assert recover_ids.main([str(tmp_path), "--out", str(tmp_path / "out"), "--limit", "-1"]) == 2
     assert "--limit -1: give a row count, or 0 for all rows" in capsys.readouterr().err

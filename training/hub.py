@@ -76,7 +76,8 @@ def check_export_folder(folder: Path, repo: str) -> None:
     and its card written for `repo`. The push makes the repo hold exactly the folder's files, so any other folder
     would replace what the repo served; and a card exported for another repo (or none) tells readers to download
     and serve that one. A calibration.json the card does not mention (ddtree.calibration.note_in_card) would make the
-    card's figures read as what `ddtree` decodes the pushed drafter to, which it does calibrated."""
+    card's figures read as what `ddtree` decodes the pushed drafter to, which it does calibrated; a card that mentions
+    one the folder does not hold would describe a file the repo lacks."""
     missing = [name for name in EXPORT_FILES if not (folder / name).is_file()]
     if missing:
         raise DDTreeError(
@@ -108,11 +109,17 @@ def check_export_folder(folder: Path, repo: str) -> None:
         elsewhere = f", or push it to {written_for}" if written_for else ""
         raise DDTreeError(f"--push-only {folder}: its card (README.md) was written for {names}, whose name its usage "
                           f"and serve commands give; export again with --repo {repo} (REPO={repo}){elsewhere}")
-    if (folder / CALIBRATION_FILE).is_file() and CARD_NOTE not in card:  # put there by hand, or by an older calibrate
+    calibrated = (folder / CALIBRATION_FILE).is_file()
+    if calibrated and CARD_NOTE not in card:  # put there by hand, or by an older calibrate
         raise DDTreeError(f"--push-only {folder}: holds {CALIBRATION_FILE}, which ddtree decodes with by default, and its "
                           "card (README.md), whose figures were measured without it, does not say so: run `ddtree "
                           "calibrate --overwrite` on the folder again, which notes it in the card, or move "
-                          f"{CALIBRATION_FILE} out of the folder")
+                          f"{CALIBRATION_FILE} out of the folder (a card's `{CARD_NOTE}` paragraph goes with it)")
+    if not calibrated and CARD_NOTE in card:  # calibrated, then the file moved out
+        raise DDTreeError(f"--push-only {folder}: its card (README.md) says in its `{CARD_NOTE}` paragraph that "
+                          f"`ddtree calibrate` wrote {CALIBRATION_FILE} into this folder, which does not hold it: put "
+                          f"{CALIBRATION_FILE} back, or delete that paragraph from the card to push the drafter "
+                          "uncalibrated")
 
 
 def hub_error_line(error: BaseException, token: str | None) -> str:

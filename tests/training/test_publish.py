@@ -1184,7 +1184,8 @@ def test_a_calibrated_export_goes_up_with_a_card_that_says_its_figures_are_uncal
     assert one_error_line(capsys) == (
         f"error: --push-only {out}: holds {CALIBRATION_FILE}, which ddtree decodes with by default, and its card "
         "(README.md), whose figures were measured without it, does not say so: run `ddtree calibrate --overwrite` on "
-        f"the folder again, which notes it in the card, or move {CALIBRATION_FILE} out of the folder")
+        f"the folder again, which notes it in the card, or move {CALIBRATION_FILE} out of the folder (a card's "
+        f"`{CARD_NOTE}` paragraph goes with it)")
     assert "tester/calibrated" not in StandInHub.repos
     assert ddtree_main(["calibrate", "--target", "tiny-random", "--drafter", str(out), "--prompts",
                         "data/eval_prompts.jsonl", "--limit", "1", "--budgets", "8", "--max-new-tokens", "6",
@@ -1196,6 +1197,22 @@ def test_a_calibrated_export_goes_up_with_a_card_that_says_its_figures_are_uncal
     assert publish.main(["--push-only", str(out), "--repo", "tester/calibrated"]) == 0
     pushed = StandInHub.repos["tester/calibrated"]
     assert CALIBRATION_FILE in pushed and "`--calibration none`" in pushed["README.md"].decode()
+
+    # The file moved out, the note left in: the card would tell the Hub of a calibration.json the repo does not hold
+    # and that `ddtree` decodes with it (found in a review: it was pushed).
+    (out / CALIBRATION_FILE).rename(tmp_path / CALIBRATION_FILE)
+    pushed = dict(pushed)
+    capsys.readouterr()
+    assert publish.main(["--push-only", str(out), "--repo", "tester/calibrated"]) == 2
+    assert one_error_line(capsys) == (
+        f"error: --push-only {out}: its card (README.md) says in its `{CARD_NOTE}` paragraph that `ddtree calibrate` "
+        f"wrote {CALIBRATION_FILE} into this folder, which does not hold it: put {CALIBRATION_FILE} back, or delete "
+        "that paragraph from the card to push the drafter uncalibrated")
+    assert StandInHub.repos["tester/calibrated"] == pushed  # nothing sent
+    (out / "README.md").write_text(exported)  # the paragraph deleted: the card as exported
+    assert publish.main(["--push-only", str(out), "--repo", "tester/calibrated"]) == 0
+    assert CALIBRATION_FILE not in StandInHub.repos["tester/calibrated"]
+    assert StandInHub.repos["tester/calibrated"]["README.md"].decode() == exported
 
 
 def test_the_card_and_report_say_a_run_drew_from_part_of_its_split_and_which_limit_ended_it(tmp_path, monkeypatch,

@@ -131,24 +131,20 @@ class HoldRankZeroInEvaluation(Callback):
         training.callbacks.run_benchmark = held
 
 
-def test_sigterm_while_a_rank_waits_in_the_evaluations_gather_stops_every_rank_at_that_step(tmp_path):
-    """Found in a review (2026-12-03): Lightning's own SIGTERM handler broadcasts from inside the handler, which never
-    paired with the other rank's gather, and both processes hung, with no line and no status. Now the signal is noted
-    and every rank stops at the step's end: 143, the stop line, and the step's checkpoint to resume from."""
-    marker = tmp_path / "evaluating"
-    hold = json.dumps({"class_path": "test_reliability.HoldRankZeroInEvaluation", "init_args": {"marker": str(marker)}})
-    args = [*tiny_args(tmp_path, "two", max_steps=4), "--trainer.devices=2", "--trainer.strategy=ddp",
-            f"--trainer.callbacks+={hold}"]
+def train_until_sigterm(args: list[str], markers: list[Path], settle_s: float, timeout_s: float) -> str:
+    """Runs training.train with `args` in a session of its own, sends SIGTERM to every process at once (as `timeout`
+    or a scheduler sends it) when all `markers` exist and `settle_s` has passed, and returns its stderr; a run still
+    alive `timeout_s` after the signal fails the test there (a hang), not at the suite's end."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
-    # A session of its own: the SIGTERM goes to both ranks at once, as `timeout` or a scheduler sends it.
     process = subprocess.Popen([sys.executable, "-m", "training.train", *args], cwd=REPO, env=env, text=True,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
-        wait_for(marker, process)
-        time.sleep(0.5)  # rank 1 reaches the gather
+        for marker in markers:
+            wait_for(marker, process)
+        time.sleep(settle_s)
         os.killpg(process.pid, signal.SIGTERM)
-        _, err = process.communicate(timeout=90)  # a hang fails here, not at the suite's end
+        _, err = process.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         _, err = process.communicate()
@@ -158,6 +154,18 @@ def test_sigterm_while_a_rank_waits_in_the_evaluations_gather_stops_every_rank_a
             os.killpg(process.pid, signal.SIGKILL)
             process.communicate()
     assert process.returncode == 128 + signal.SIGTERM, err[-3000:]
+    return err
+
+
+def test_sigterm_while_a_rank_waits_in_the_evaluations_gather_stops_every_rank_at_that_step(tmp_path):
+    """Found in a review (2026-12-03): Lightning's own SIGTERM handler broadcasts from inside the handler, which never
+    paired with the other rank's gather, and both processes hung, with no line and no status. Now the signal is noted
+    and every rank stops at the step's end: 143, the stop line, and the step's checkpoint to resume from."""
+    marker = tmp_path / "evaluating"
+    hold = json.dumps({"class_path": "test_reliability.HoldRankZeroInEvaluation", "init_args": {"marker": str(marker)}})
+    args = [*tiny_args(tmp_path, "two", max_steps=4), "--trainer.devices=2", "--trainer.strategy=ddp",
+            f"--trainer.callbacks+={hold}"]
+    err = train_until_sigterm(args, [marker], settle_s=0.5, timeout_s=90)  # 0.5 s: rank 1 reaches the gather
     lines = [line for line in err.splitlines() if line.startswith("[train]")]
     assert len(lines) == 1 and "stopped by SIGTERM at step 2; no drafter written" in lines[0], err[-3000:]
     resume = Path(re.search(r"RESUME=(\S+)", lines[0]).group(1))
@@ -193,24 +201,7 @@ def test_sigterm_between_checkpoints_saves_the_step_it_stops_at(tmp_path, device
     args = [*tiny_args(tmp_path, "held", max_steps=400, every=4), f"--trainer.devices={devices}",
             f"--trainer.accumulate_grad_batches={accumulate}", f"--trainer.callbacks+={hold}"]
     args += ["--trainer.strategy=ddp"] if devices > 1 else []
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
-    process = subprocess.Popen([sys.executable, "-m", "training.train", *args], cwd=REPO, env=env, text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        for rank in range(devices):
-            wait_for(Path(f"{marker}{rank}"), process)
-        os.killpg(process.pid, signal.SIGTERM)  # to every rank, as `timeout` or a scheduler sends it
-        _, err = process.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        _, err = process.communicate()
-        raise AssertionError(f"the run hung after SIGTERM:\n{err[-3000:]}") from None
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.communicate()
-    assert process.returncode == 128 + signal.SIGTERM, err[-3000:]
+    err = train_until_sigterm(args, [Path(f"{marker}{rank}") for rank in range(devices)], settle_s=0, timeout_s=120)
     lines = [line for line in err.splitlines() if line.startswith("[train]")]
     # step 4 is the last scheduled save; the held step is step 6, trained after the signal and saved as it ends
     assert len(lines) == 1 and "stopped by SIGTERM at step 6; no drafter written" in lines[0], err[-3000:]

@@ -48,14 +48,18 @@ OPTIMIZER_FIELDS = ("the optimizer is the module's AdamW with a warm-up and a co
 
 
 # The recipe's sections, each a mapping of fields (or empty); its other top-level key is seed_everything, a value.
-RECIPE_SECTIONS = ("trainer", "model", "data", "eval", "checkpoint", *LIGHTNING_OPTIMIZER_SECTIONS)
+RECIPE_SECTIONS = ("trainer", "model", "data", "eval", "checkpoint")
 
 
 def read_recipe_settings(config: Path) -> dict:
     """A recipe (or a run's config.yaml) as read_yaml_mapping reads it, each section a mapping or empty: a section
     given a value (`trainer: cpu`, `trainer: [cpu]`) failed with an AttributeError's traceback, or with jsonargparse's
-    line that said neither what was wrong nor what to write."""
+    line that said neither what was wrong nor what to write. An optimizer or lr_scheduler that is not null is refused
+    first, whatever its shape: told to make `optimizer: torch.optim.SGD` a section, the user then had it refused."""
     settings = read_yaml_mapping(config)
+    for key in LIGHTNING_OPTIMIZER_SECTIONS:
+        if settings.get(key) is not None:
+            raise DDTreeError(f"{config}: {key}: section not accepted ({OPTIMIZER_FIELDS}); remove it")
     for section in RECIPE_SECTIONS:
         if settings.get(section) is not None and not isinstance(settings[section], dict):
             kind = type(settings[section]).__name__
@@ -105,13 +109,10 @@ def config_arg(config: Path, overrides: list[str]) -> str:
     config.yaml records, so a resumed run keeps the precision it started with. An override of
     auto asks for the same on a recipe that names a precision (give parser_overrides to the parser).
     """
-    settings = read_recipe_settings(config)
-    recorded_null = [key for key in LIGHTNING_OPTIMIZER_SECTIONS if key in settings and settings[key] is None]
+    settings = read_recipe_settings(config)  # refuses an optimizer or lr_scheduler that is not null
+    recorded_null = [key for key in LIGHTNING_OPTIMIZER_SECTIONS if key in settings]
     for key in recorded_null:
         del settings[key]
-    for key in LIGHTNING_OPTIMIZER_SECTIONS:
-        if key in settings:
-            raise RecipeSettingError(f"{key}: section not accepted ({OPTIMIZER_FIELDS}); remove it")
     trainer = settings.get("trainer") or {}
     override = precision_override(overrides)
     if override == AUTO:

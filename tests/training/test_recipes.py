@@ -126,10 +126,14 @@ def test_lightnings_own_optimizer_options_are_refused_in_one_line(overrides, tmp
     assert not any(tmp_path.iterdir())
 
 
-def test_an_optimizer_section_is_refused_and_a_null_one_from_an_older_run_is_dropped(tmp_path):
+@pytest.mark.parametrize("given", ["optimizer:\n  class_path: torch.optim.SGD\n  init_args:\n    lr: 0.5\n",
+                                   "optimizer: torch.optim.SGD\n", "lr_scheduler: CosineAnnealingLR\n"])
+def test_an_optimizer_section_is_refused_and_a_null_one_from_an_older_run_is_dropped(given, tmp_path):
+    """LightningCLI's shorthand (`optimizer: torch.optim.SGD`) was told to become a section, which was then refused."""
     text = (RECIPES_DIR / "tiny.yaml").read_text()
-    (tmp_path / "sgd.yaml").write_text(text + "optimizer:\n  class_path: torch.optim.SGD\n  init_args:\n    lr: 0.5\n")
-    with pytest.raises(DDTreeError, match=r"sgd.yaml: optimizer: section not accepted \(the optimizer is the module's"):
+    key = given.split(":")[0]
+    (tmp_path / "sgd.yaml").write_text(text + given)
+    with pytest.raises(DDTreeError, match=rf"sgd.yaml: {key}: section not accepted \(the optimizer is the module's"):
         read_recipe(tmp_path / "sgd.yaml", [])
     # every config.yaml written while Lightning's options were on records both as null: such a run still resumes
     older = text.replace("precision: auto", "precision: 32-true") + "optimizer: null\nlr_scheduler: null\n"

@@ -160,9 +160,13 @@ def argument_error_line(error: ArgumentError) -> str:
 
 
 def cpu_recipe_for(target: str | None) -> str | None:
-    """A recipe that trains the same target on a CPU, if there is one."""
+    """A recipe that trains the same target on a CPU, if there is one. One that cannot be read is passed over: a
+    work-in-progress recipe beside the named one replaced that one's error with its own."""
     for name in known_recipes():
-        settings = read_recipe_settings(recipe_path(name))
+        try:
+            settings = read_recipe_settings(recipe_path(name))
+        except DDTreeError:
+            continue
         model, trainer = settings.get("model") or {}, settings.get("trainer") or {}
         if target and model.get("target") == target and trainer.get("accelerator") == "cpu":
             return name

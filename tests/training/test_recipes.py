@@ -359,6 +359,22 @@ def test_a_gpu_recipe_with_a_cpu_recipe_of_its_target_points_to_it(tmp_path, mon
     assert "--trainer.accelerator=cpu" not in errors[0]
 
 
+def test_a_malformed_recipe_beside_a_gpu_recipe_does_not_replace_its_error(tmp_path, monkeypatch, capsys):
+    """Looking for a CPU recipe of the target reads every recipe: a work-in-progress one named its own fault instead."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    recipes = tmp_path / "recipes"
+    recipes.mkdir()
+    for name in ("smollm2-135m-gpu", "smollm2-135m"):
+        (recipes / f"{name}.yaml").write_text((RECIPES_DIR / f"{name}.yaml").read_text())
+    # a work-in-progress recipe, read before smollm2-135m
+    (recipes / "draft.yaml").write_text("model:\n  target: HuggingFaceTB/SmolLM2-135M-Instruct\ntrainer: cpu\n")
+    monkeypatch.setattr(training.arguments, "RECIPES_DIR", recipes)
+    assert main(["--recipe", "smollm2-135m-gpu", "--output-root", str(tmp_path / "out")]) == 2
+    errors = error_lines(capsys)
+    assert len(errors) == 1 and "smollm2-135m-gpu.yaml: trainer.accelerator=gpu needs a CUDA GPU" in errors[0], errors
+    assert errors[0].endswith("make train RECIPE=smollm2-135m (--recipe smollm2-135m)")
+
+
 @pytest.mark.parametrize("devices", ["-2", "abc", "1.5", "[0,1]"])
 def test_devices_the_cpu_cannot_take_are_one_line_before_anything_loads(devices, tmp_path, capsys):
     """Lightning's CPU parser raises a TypeError for them, which passed as a traceback (a GPU recipe's list of GPUs

@@ -260,6 +260,17 @@ EXPORT_FILE_NAMES = {"config.json", "model.safetensors", "model.safetensors.inde
 WEIGHT_SHARD = re.compile(r"model-\d+-of-\d+\.safetensors")
 
 
+# What `hf download --local-dir` writes beside a downloaded export: the Hub's .gitattributes and the download's own
+# metadata (.cache/huggingface/). A folder holding them is still an export: --push-only pushes it (training/hub.py),
+# and --overwrite replaces it, losing nothing the Hub does not hold.
+DOWNLOAD_EXTRAS = (".gitattributes", ".cache/huggingface")
+
+
+def is_download_extra(name: str) -> bool:
+    """Whether a path inside an export folder (relative, with /) is one of DOWNLOAD_EXTRAS or lies inside one."""
+    return any(name == extra or name.startswith(extra + "/") for extra in DOWNLOAD_EXTRAS)
+
+
 def is_drafter_config(fields) -> bool:
     """Whether a parsed config.json is a DFlash drafter's (a target model's has neither field)."""
     return isinstance(fields, dict) and ("dflash_config" in fields or "block_size" in fields)
@@ -268,7 +279,8 @@ def is_drafter_config(fields) -> bool:
 def files_an_export_would_lose(folder: Path) -> list[str]:
     """What replacing an existing folder with an export would delete that no export wrote (its entries, a folder's name
     ending in /): all of them where its config.json is not a drafter's (it is not an earlier export), else those an
-    export never writes (an export is flat: any folder in it is another's)."""
+    export never writes (an export is flat: any folder in it is another's, but for what a download adds:
+    DOWNLOAD_EXTRAS)."""
     files = sorted(path.name + ("/" if path.is_dir() else "") for path in folder.iterdir())
     try:
         earlier_export = is_drafter_config(json.loads((folder / "config.json").read_text(encoding="utf-8")))
@@ -276,7 +288,15 @@ def files_an_export_would_lose(folder: Path) -> list[str]:
         earlier_export = False
     if not earlier_export:
         return files
-    return [name for name in files if name not in EXPORT_FILE_NAMES and not WEIGHT_SHARD.fullmatch(name)]
+
+    def downloaded(name: str) -> bool:
+        entry = folder / name
+        inside = entry.rglob("*") if entry.is_dir() else [entry]
+        return (name.rstrip("/") in {extra.split("/")[0] for extra in DOWNLOAD_EXTRAS}
+                and all(is_download_extra(path.relative_to(folder).as_posix()) for path in inside if not path.is_dir()))
+
+    return [name for name in files
+            if name not in EXPORT_FILE_NAMES and not WEIGHT_SHARD.fullmatch(name) and not downloaded(name)]
 
 
 def check_output_folder(out: Path, overwrite: bool, keep: tuple[Path, ...] = (), name: str = "OUT") -> None:

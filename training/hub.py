@@ -29,6 +29,7 @@ from huggingface_hub.utils import validate_repo_id
 from ddtree.calibration import CARD_NOTE
 from ddtree.corpus import CORPUS_FILE
 from ddtree.errors import DDTreeError, error_line
+from ddtree.files import is_download_extra
 from ddtree.names import CALIBRATION_FILE
 from ddtree.targets import has_hub_id_shape
 
@@ -83,12 +84,12 @@ def check_export_folder(folder: Path, repo: str) -> None:
         raise DDTreeError(
             f"--push-only {folder}: not a finished export (missing {', '.join(missing)}); export it first"
         )
-    # upload_folder sends every file but these (huggingface_hub's default ignore patterns), and the next push would
-    # then refuse the repo for holding them (check_repo_holds_an_export)
-    ignored = (".git", ".cache/huggingface")
+    # upload_folder sends every file but .git/ and .cache/huggingface/ (huggingface_hub's default ignore patterns),
+    # and the next push would then refuse the repo for holding them (check_repo_holds_an_export); what a download
+    # writes beside an export (DOWNLOAD_EXTRAS) is also what --overwrite replaces it with (ddtree/files.py)
     files = (path.relative_to(folder).as_posix() for path in folder.rglob("*") if path.is_file())
-    foreign = sorted(name for name in files if name not in EXPORT_NAMES
-                     and not any(name == top or name.startswith(top + "/") for top in ignored))
+    foreign = sorted(name for name in files if name not in EXPORT_NAMES and not is_download_extra(name)
+                     and not (name == ".git" or name.startswith(".git/")))
     if foreign:
         raise DDTreeError(f"--push-only {folder}: holds files no drafter export writes ({shown_names(foreign)}), which "
                           "the push would upload as the drafter's; move them out of the folder")

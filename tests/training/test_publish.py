@@ -586,6 +586,23 @@ def test_overwrite_replaces_only_an_earlier_export(run_dir, tmp_path, capsys):
     assert not (earlier / CALIBRATION_FILE).exists() and (earlier / "modeling_dflash.py").is_file()
 
 
+def test_overwrite_replaces_a_downloaded_export_that_push_only_takes(run_dir, tmp_path, capsys):
+    """`hf download --local-dir` adds .gitattributes and .cache/huggingface/ beside an export: --push-only took such a
+    folder, and --overwrite refused it as not an earlier export."""
+    out = tmp_path / "downloaded"
+    assert export(run_dir, out, "--ckpt", "last", "--repo", "me/drafter") == 0
+    (out / ".gitattributes").write_text("*.safetensors filter=lfs")
+    (out / ".cache" / "huggingface" / "download").mkdir(parents=True)
+    (out / ".cache" / "huggingface" / "download" / "config.json.metadata").write_text("sha")
+    training.hub.check_export_folder(out, "me/drafter")  # accepted as an export
+    (out / ".cache" / "notes.txt").write_text("mine")  # not the download's: still refused
+    assert export(run_dir, out, "--ckpt", "last", "--repo", "me/drafter", "--overwrite") == 2
+    assert "replacing it would delete .cache/;" in one_error_line(capsys)
+    (out / ".cache" / "notes.txt").unlink()
+    assert export(run_dir, out, "--ckpt", "last", "--repo", "me/drafter", "--overwrite") == 0
+    assert not (out / ".cache").exists() and (out / "model.safetensors").is_file()
+
+
 def test_an_output_that_is_a_file_or_under_one_is_one_line_and_the_file_is_kept(run_dir, tmp_path, capsys):
     afile = tmp_path / "afile"
     afile.write_text("mine")

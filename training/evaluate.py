@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     check_recipe_name(args.recipe)
     parse_device(args.device)
     if args.out:
-        check_output_file(args.out, overwrite=args.overwrite)
+        check_output_file(args.out)  # a folder, or a path that cannot be written: before any work
         check_not_a_checkpoint(Path(args.out))
     path = find_checkpoint(args.ckpt, Path(args.output_root) / args.recipe, args.run)
     config, source = read_config(path, args.recipe)
@@ -140,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         check_out_is_no_input(Path(args.out), run_folder_of(path), {
             "the file the eval settings are read from": source, "the recipe": recipe_path(args.recipe),
             "the eval.prompts file": Path(evaluation.prompts_path)})
+        # after: an input is refused even with --overwrite, so the line must not suggest it (as `ddtree bench`)
+        check_output_file(args.out, overwrite=args.overwrite)
 
     checkpoint = load_checkpoint(path)
     hp = checkpoint.hyper_parameters

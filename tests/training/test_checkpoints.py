@@ -521,7 +521,11 @@ def test_make_eval_out_is_no_file_the_run_or_the_recipe_reads(saved, tmp_path, c
 
     def refused(out: Path, ckpt: Path = run / "checkpoints" / "last.ckpt") -> str:
         assert training.evaluate.main(["--recipe", "tiny", "--ckpt", str(ckpt), "--out", str(out), "--overwrite"]) == 2
-        return one_error_line(capsys)
+        line = one_error_line(capsys)
+        # without --overwrite, the same line: not one that suggests --overwrite, which is then refused
+        assert training.evaluate.main(["--recipe", "tiny", "--ckpt", str(ckpt), "--out", str(out)]) == 2
+        assert one_error_line(capsys) == line
+        return line
 
     assert refused(run / "config.yaml") == (f"error: --out {run / 'config.yaml'} is the file the eval settings are read "
                                             "from: the results would replace it; give another --out")

@@ -18,13 +18,15 @@ the target's adapter (model.target_adapter) has other files than the checkpoint 
 Prints one row per method and writes <run>/eval/checkpoint-<name>.json (checkpoint-<name>-limit<N>.json with
 --limit N, so that a partial measurement never replaces the one `make export` reports; for a checkpoint outside
 a run, an eval/ folder beside it; or --out, which is never, even with --overwrite, a checkpoint, a file the
-evaluation or the run reads (the config or recipe, eval.prompts), or any file of a run folder but its
-eval/checkpoint-*.json). Bad input prints one line and exits with status 2.
+evaluation or the run reads (the config or recipe, eval.prompts), or a file a run's training writes (its
+config.yaml, corpus.safetensors, data.json, report.md, tau.png, eval/step-N.json, anything in checkpoints/ or the
+logs; a new file in a run folder, such as eval/bf16.json, is fine). Bad input prints one line and exits with status 2.
 """
 
 from __future__ import annotations
 
 import sys
+from fnmatch import fnmatch
 from pathlib import Path
 
 from .arguments import answer_early, check_evaluate_args, check_recipe_name, evaluate_parser, known_recipes, recipe_path
@@ -43,6 +45,7 @@ from ddtree.targets import stop_token_ids
 from .callbacks import AcceptanceEvaluation, changed_measurement, metrics_of
 from .checkpoint_paths import ABANDONED_PREFIX, abandoned_branch, find_checkpoint, run_folder_of
 from .checkpoints import Checkpoint, evaluation_state, load_checkpoint, recorded_evaluation
+from .data import DATA_RECORD
 from .export import run_corpus
 from .peft_utils import adapter_fingerprint
 from .target import dtype_for_precision, load_frozen_target
@@ -84,12 +87,30 @@ def logged_metrics(checkpoint: Checkpoint, evaluation: AcceptanceEvaluation) -> 
     return metrics_of(record["summary"], record["seconds"])
 
 
+# What training writes into a run folder (training/train.py lists it; .train.lock is its RUN_LOCK), which its resume,
+# `make eval`, `make export` and `make ablate` read: config.yaml, corpus.safetensors, data.json, checkpoints/, the logs
+# and eval/step-N.json (training's record of a step, which the model card reads). In eval/ and in a branch's
+# eval/abandoned-after-step-N/ only its records; make eval's own eval/checkpoint-*.json and new files are the user's.
+RUN_FILES = ("config.yaml", CORPUS_FILE, DATA_RECORD, "report.md", "tau.png", ".train.lock")
+RUN_FOLDERS = ("checkpoints", "drafter", "tensorboard", "csv")
+EVAL_RECORDS = ("step-*.json", "accepted_depths.csv")
+
+
+def is_run_file(inside: Path) -> bool:
+    """Whether a path inside a run folder (relative to it) is one of the files its training writes."""
+    folders, name = inside.parts[:-1], inside.name
+    if not folders:
+        return name in RUN_FILES or name in RUN_FOLDERS
+    in_eval = folders == ("eval",) or (len(folders) == 2 and folders[0] == "eval"
+                                       and folders[1].startswith(ABANDONED_PREFIX))
+    return folders[0] in RUN_FOLDERS or (in_eval and any(fnmatch(name, record) for record in EVAL_RECORDS))
+
+
 def check_out_is_no_input(out: Path, run_dir: Path | None, inputs: dict[str, Path]) -> None:
     """--out (--overwrite or not) is no file the run or the recipe reads, as `ddtree bench --out` is none of its inputs:
-    `inputs` ({what: path}: the config the eval settings came from, the recipe, eval.prompts), and nothing in a run
-    folder (the checkpoint's, or one --out lies in) but its own eval outputs, eval/checkpoint-*.json (also in a branch's
-    eval/abandoned-after-step-N/): its config.yaml, corpus.safetensors and eval/step-N.json (training's record of a
-    step, which the model card reads) are read by the resume, `make eval` and `make export`."""
+    `inputs` ({what: path}: the config the eval settings came from, the recipe, eval.prompts), and none of the files
+    training writes in a run folder (the checkpoint's, or one --out lies in): is_run_file. A new file in it
+    (eval/checkpoint-*.json, the default, or eval/bf16.json) is the user's."""
     place = out.resolve()
     for what, path in inputs.items():
         if place == path.resolve():
@@ -100,12 +121,10 @@ def check_out_is_no_input(out: Path, run_dir: Path | None, inputs: dict[str, Pat
         if not place.is_relative_to(run):
             continue
         inside = place.relative_to(run)
-        folders, name = inside.parts[:-1], inside.name
-        in_eval = folders == ("eval",) or (len(folders) == 2 and folders[0] == "eval"
-                                           and folders[1].startswith(ABANDONED_PREFIX))
-        if not (in_eval and name.startswith("checkpoint-") and name.endswith(".json")):
-            raise DDTreeError(f"--out {out} is {inside} of the run {run}, which its resume, `make eval` or `make export` "
-                              "reads; give a path outside the run, or its eval/checkpoint-<name>.json (the default)")
+        if is_run_file(inside):
+            raise DDTreeError(f"--out {out} is {inside} of the run {run}, one of the files its training writes, which "
+                              "the results would replace; give a new file, such as its eval/checkpoint-<name>.json "
+                              "(the default), or a path outside the run")
 
 
 def check_not_a_checkpoint(out: Path) -> None:

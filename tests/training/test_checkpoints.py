@@ -532,10 +532,12 @@ def test_make_eval_out_is_no_file_the_run_or_the_recipe_reads(saved, tmp_path, c
     assert refused(prompts) == f"error: --out {prompts} is the eval.prompts file: the results would replace it; give another --out"
     assert refused(recipes / "tiny.yaml").startswith(f"error: --out {recipes / 'tiny.yaml'} is the recipe: ")
     for inside in ("corpus.safetensors", "eval/step-000007.json", "eval/step-000010.json", "report.md",
-                   "drafter/config.json", "results.json", "eval/abandoned-after-step-3/step-000005.json"):
+                   "drafter/config.json", "data.json", "tau.png", "eval/accepted_depths.csv", "csv/x.json",
+                   "eval/abandoned-after-step-3/step-000005.json"):
         assert refused(run / inside) == (
-            f"error: --out {run / inside} is {inside} of the run {run}, which its resume, `make eval` or `make export` "
-            "reads; give a path outside the run, or its eval/checkpoint-<name>.json (the default)")
+            f"error: --out {run / inside} is {inside} of the run {run}, one of the files its training writes, which "
+            "the results would replace; give a new file, such as its eval/checkpoint-<name>.json (the default), or a "
+            "path outside the run")
     # a loose checkpoint reads the recipe, another run's files are that run's
     loose = tmp_path / "loose.ckpt"
     shutil.copyfile(path, loose)
@@ -544,8 +546,9 @@ def test_make_eval_out_is_no_file_the_run_or_the_recipe_reads(saved, tmp_path, c
     assert "is eval/step-000007.json of the run" in refused(run / "eval" / "step-000007.json", loose)
     loose.unlink()
     assert {file: file.read_bytes() for file in tmp_path.rglob("*") if file.is_file()} == before
-    # its own eval outputs, in eval/ or a branch's eval/abandoned-after-step-N/, it may write
-    for mine in ("eval/checkpoint-mine.json", "eval/abandoned-after-step-3/checkpoint-mine.json"):
+    # its own eval outputs, in eval/ or a branch's eval/abandoned-after-step-N/, and new files nothing reads it may write
+    for mine in ("eval/checkpoint-mine.json", "eval/abandoned-after-step-3/checkpoint-mine.json", "eval/bf16.json",
+                 "notes/eval.json", "results.json"):
         assert training.evaluate.main(["--recipe", "tiny", "--ckpt", str(run / "checkpoints" / "last.ckpt"),
                                        "--limit", "1", "--out", str(run / mine)]) == 0
         assert json.loads((run / mine).read_text())["step"] == 7

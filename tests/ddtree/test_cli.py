@@ -1102,6 +1102,18 @@ def test_calibrate_writes_the_folders_calibration_which_bench_uses_unless_told_n
                           f"{folder} holds now") in err
 
 
+def redrafting_drafter(tmp_path, tiny_target, prompts_file) -> tuple[Path, list[str], list[str]]:
+    """A tiny drafter folder that re-drafts by default (redraft 4, as model.redraft_prob's drafters ship), the flags
+    every command decodes it with, and a calibrate command over it."""
+    folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
+    config = json.loads((folder / "config.json").read_text())
+    edit_config(folder, dflash_config={**config["dflash_config"], "redraft": 4})
+    common = ["--target", TARGET, "--drafter", str(folder), "--dtype", "float32", "--device", "cpu"]
+    calibrate = ["calibrate", *common, "--prompts", str(prompts_file), "--budgets", "8", "--max-new-tokens", "8",
+                 "--overwrite"]
+    return folder, common, calibrate
+
+
 def test_calibrate_learns_with_the_settings_a_default_generate_decodes_with(capsys, tmp_path, tiny_target,
                                                                             prompts_file):
     """calibrate defaulted to --adaptive-size off and generate to auto, which on a CPU sizes the trees and so leaves
@@ -1109,12 +1121,7 @@ def test_calibrate_learns_with_the_settings_a_default_generate_decodes_with(caps
     it printed the mismatch note (found in a review). Explicit flags still choose."""
     from ddtree.calibration import CALIBRATION_FILE
 
-    folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
-    config = json.loads((folder / "config.json").read_text())
-    edit_config(folder, dflash_config={**config["dflash_config"], "redraft": 4})  # model.redraft_prob's drafters
-    common = ["--target", TARGET, "--drafter", str(folder), "--dtype", "float32", "--device", "cpu"]
-    calibrate = ["calibrate", *common, "--prompts", str(prompts_file), "--budgets", "8", "--max-new-tokens", "8",
-                 "--overwrite"]
+    folder, common, calibrate = redrafting_drafter(tmp_path, tiny_target, prompts_file)
     generate = ["generate", *common, "--prompt", "Hi", "--budget", "8", "--max-new-tokens", "4"]
     learned = lambda: json.loads((folder / CALIBRATION_FILE).read_text())["decoded_with"]  # noqa: E731
     assert run_cli(capsys, *calibrate)[0] == 0
@@ -1166,12 +1173,7 @@ def test_the_calibration_note_names_the_flags_that_clear_it(capsys, tmp_path, ti
     again, so the note came back (found in a review). It names the flags; run as it says, the note is gone."""
     from ddtree.calibration import CALIBRATION_FILE
 
-    folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
-    config = json.loads((folder / "config.json").read_text())
-    edit_config(folder, dflash_config={**config["dflash_config"], "redraft": 4})  # model.redraft_prob's drafters
-    common = ["--target", TARGET, "--drafter", str(folder), "--dtype", "float32", "--device", "cpu"]
-    calibrate = ["calibrate", *common, "--prompts", str(prompts_file), "--budgets", "8", "--max-new-tokens", "8",
-                 "--overwrite"]
+    folder, common, calibrate = redrafting_drafter(tmp_path, tiny_target, prompts_file)
     bench = ["bench", *common, "--prompts", str(prompts_file), "--limit", "1", "--methods", "ddtree", "--budgets", "8",
              "--max-new-tokens", "4"]
     generate = ["generate", *common, "--prompt", "Hi", "--budget", "8", "--max-new-tokens", "4"]

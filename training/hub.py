@@ -124,9 +124,10 @@ def check_export_folder(folder: Path, repo: str) -> None:
 
 
 def hub_error_line(error: BaseException, token: str | None) -> str:
-    """error_line of a Hub client's error, without the token: the client's messages can quote the Authorization header
-    it sent (a header it refused to send, say), and the line goes to stderr and into CI logs."""
-    line = error_line(error)
+    """A Hub client's error as one line, every line of its message joined (its first line alone can be a heading, as
+    "Invalid metadata in README.md." before the reason), without the token: the client's messages can quote the
+    Authorization header it sent (a header it refused to send, say), and the line goes to stderr and into CI logs."""
+    line = " ".join(part.strip() for part in str(error).splitlines() if part.strip()) or error_line(error)
     if token:
         line = line.replace(token, "<HF_TOKEN>")
     return re.sub(r"Bearer [^\s'\"]+", "Bearer <HF_TOKEN>", line)  # the token as the message escaped it
@@ -262,9 +263,35 @@ def shown_names(names: list[str]) -> str:
     return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
+def check_card_metadata(api: HfApi, endpoint: str, card: str, repo: str, refused: str, unasked: str) -> None:
+    """The Hub's own check of a card's metadata (license, base_model, tags), the one upload_folder makes of README.md
+    before it commits: a card the Hub refuses fails every push of it, so it is refused before the repo is created
+    (and, for an export with --push, before the export is written). `refused` says what to do about a card the Hub
+    refuses, `unasked` what to do where the Hub could not be asked."""
+    try:
+        # HfApi._validate_yaml: what upload_folder calls, at the push's endpoint and with its token (the public
+        # ModelCard.validate reads HF_ENDPOINT as it was at import, and sends no token)
+        api._validate_yaml(card, repo_type="model")
+    except ValueError as error:  # the Hub answered 400: its reasons, one per line
+        raise DDTreeError(f"--push: the Hub at {endpoint} refuses the metadata of the card (README.md) for {repo} "
+                          f"({hub_error_line(error, api.token)}); {refused}") from None
+    except Exception as error:  # noqa: BLE001 - network and HTTP errors alike end here, as one line
+        raise DDTreeError(f"--push: cannot have the Hub at {endpoint} check the card's metadata for {repo} "
+                          f"({hub_error_line(error, api.token)}); {unasked}") from None
+
+
 def push(api: HfApi, endpoint: str, folder: Path, repo: str, private: bool, replace: bool) -> str:
     """Upload the folder as one commit that leaves the repo holding exactly its files; return the repo URL.
-    `private` and `replace` are the push's --private and --replace-repo, which a failed push's retry command repeats."""
+    `private` and `replace` are the push's --private and --replace-repo, which a failed push's retry command repeats.
+    A card whose metadata the Hub refuses is refused first, with no repo created: a retry would send it again."""
+    # the same flags: a retry without --private would create the repo with the owner's default visibility
+    retry = (f"python -m training.publish --push-only {shlex.quote(str(folder))} --repo {repo}"
+             + (" --private" if private else "") + (" --replace-repo" if replace else ""))
+    intact = f"the export in {folder} is intact: retry with {retry}"
+    check_card_metadata(api, endpoint, (folder / "README.md").read_text(errors="replace"), repo,
+                        refused="export it again with a --license (LICENSE=) or --base-model (BASE_MODEL=) the Hub "
+                                "takes (its reason names the field); nothing was pushed",
+                        unasked=f"check the network and HF_TOKEN; {intact}")
     try:
         # Not private=False: that would make it public where the owner's default is private.
         api.create_repo(repo, private=True if private else None, exist_ok=True)
@@ -273,9 +300,5 @@ def push(api: HfApi, endpoint: str, folder: Path, repo: str, private: bool, repl
             delete_patterns="*",  # would be read as this drafter's (the Hub keeps the history; .gitattributes stays)
         )
     except Exception as error:  # noqa: BLE001 - any upload failure: the export stays for --push-only
-        # the same flags: a retry without --private would create the repo with the owner's default visibility
-        retry = (f"python -m training.publish --push-only {shlex.quote(str(folder))} --repo {repo}"
-                 + (" --private" if private else "") + (" --replace-repo" if replace else ""))
-        raise DDTreeError(f"upload to {repo} failed ({hub_error_line(error, api.token)}); the export in {folder} is "
-                          f"intact: retry with {retry}") from None
+        raise DDTreeError(f"upload to {repo} failed ({hub_error_line(error, api.token)}); {intact}") from None
     return f"{endpoint}/{repo}"

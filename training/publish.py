@@ -29,11 +29,13 @@ checkpoints/last.ckpt, anything else a path (a .ckpt file or a DeepSpeed checkpo
 consolidated to fp32 first). It must have been trained as RUN's config.yaml says (model.target, model.corpus);
 one kept outside any run folder carries RUN's measurement and corpus only if it recorded that measurement itself.
 Bad input (an earlier export as OUT without --overwrite, an OUT that holds anything but an earlier export, a
-checkpoint that is not a drafter of this project, an invalid repo name, no token or no network for --push, a
-drafter that vLLM or SGLang would reject: training/engines.py) stops with one line (exit status 2) before anything
-is written; --allow-engine-mismatch exports a drafter the engines would reject anyway, and says so. The folder is built beside OUT and renamed into place after it has been
-loaded back and checked, so a failure leaves nothing half-written; a failed push leaves the exported folder intact
-and prints the --push-only command that retries it (with the push's --private and --replace-repo).
+checkpoint that is not a drafter of this project, an invalid repo name, no token or no network for --push, a card
+whose metadata (--license, --base-model) the Hub refuses with --push, a drafter that vLLM or SGLang would reject:
+training/engines.py) stops with one line (exit status 2) before anything is written; --allow-engine-mismatch exports a
+drafter the engines would reject anyway, and says so. The folder is built beside OUT and renamed into place after it
+has been loaded back and checked, so a failure leaves nothing half-written; a failed push leaves the exported folder
+intact and prints the --push-only command that retries it (with the push's --private and --replace-repo), except for
+a card the Hub refuses, which --push-only refuses before creating the repo: that one is exported again.
 
 This file is the command and the folder's assembly; training/checkpoint_paths.py finds the checkpoint and
 training/checkpoints.py reads it, training/hub_config.py writes config.json, training/engines.py holds the engines'
@@ -53,6 +55,7 @@ from .arguments import answer_early, check_publish_args, publish_parser
 answer_early(__name__, publish_parser, check_publish_args)
 
 import torch
+from huggingface_hub import HfApi
 from transformers import AutoModel
 from transformers.utils import HF_MODULES_CACHE
 
@@ -67,7 +70,7 @@ from .checkpoint_paths import (abandoned_branch, check_run_folder, find_run_chec
 from .checkpoints import Checkpoint, load_checkpoint, recorded_evaluation
 from .engines import Export, engine_problems, refusal, serve_commands, target_facts, weight_shapes
 from .export import run_corpus
-from .hub import check_card_fields, check_export_folder, check_repo_id, preflight_hub, push
+from .hub import check_card_fields, check_card_metadata, check_export_folder, check_repo_id, preflight_hub, push
 from .hub_config import LIBRARY_DIR, REMOTE_CODE, hub_config, target_hub_id, verifier_for
 from .model_card import (CardFacts, count_training_prompts, decoding_target, eval_folder, evaluated_steps,
                          evaluation_path, project_path, read_data_record, read_evaluation, read_run_config,
@@ -172,10 +175,11 @@ def evaluated_training_prompts(data_path: str | None, evaluation: dict) -> int |
 def export_folder(
     run_dir: Path, checkpoint_path: tuple[Path, str], out: Path, *, speculators: bool = False,
     base_model: str | None = None, license_id: str = "apache-2.0", dtype: str = "float32", repo: str | None = None,
-    allow_engine_mismatch: bool = False,
+    allow_engine_mismatch: bool = False, hub: tuple[HfApi, str] | None = None,
 ) -> Path:
     """Write the Hub folder for one checkpoint of a run (find_run_checkpoint's path and label) to `out` (replacing it);
-    return `out`."""
+    return `out`. hub: (api, endpoint) of the push to come (preflight_hub), which first has the Hub check the card's
+    metadata, so that a card every push of would fail is not exported."""
     path, label = checkpoint_path
     run_config = read_run_config(run_dir)
     checkpoint = load_checkpoint(path)
@@ -239,7 +243,12 @@ def export_folder(
             speculators=speculators, engine_problems=[problem.line() for problem in problems],
             engine_target=served_target.source,
         )
-        (staging / "README.md").write_text(render_model_card(facts))
+        card = render_model_card(facts)
+        if hub is not None:
+            check_card_metadata(*hub, card, repo, refused="give a --license (LICENSE=) or --base-model (BASE_MODEL=) "
+                                "the Hub takes (its reason names the field); nothing was exported or pushed",
+                                unasked="check the network and HF_TOKEN; nothing was exported or pushed")
+        (staging / "README.md").write_text(card)
         check_loads_back(staging, drafter)
     for problem in problems:
         print(f"[export] warning (--allow-engine-mismatch): {problem.line()}", file=sys.stderr)
@@ -310,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     export_folder(
         run_dir, checkpoint, out, speculators=args.speculators, base_model=args.base_model,
         license_id=args.license, dtype=args.dtype, repo=args.repo, allow_engine_mismatch=args.allow_engine_mismatch,
+        hub=hub,
     )
     print(f"[export] {out} written (load it with AutoModel.from_pretrained(..., trust_remote_code=True))")
     if hub is not None:

@@ -30,6 +30,7 @@ from pathlib import Path
 import huggingface_hub
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 from transformers import AutoModel
 
@@ -952,6 +953,8 @@ class StandInHub(BaseHTTPRequestHandler):
     repos: dict[str, dict[str, bytes]] = {}
     private: dict[str, bool] = {}  # repo -> created private
     fail_commits = False
+    # The Hub takes only license ids of its own list (huggingface_hub issue #4218 quotes it); a few of them here
+    licenses = ("apache-2.0", "mit", "llama3.1", "other")
 
     def log_message(self, *args):  # keep pytest output clean
         pass
@@ -1031,8 +1034,13 @@ class StandInHub(BaseHTTPRequestHandler):
             if repo not in self.repos:
                 self.repos[repo], self.private[repo] = {}, request.get("visibility") == "private"
             self._reply(200, {"url": f"http://{self.headers['Host']}/{repo}"})
-        elif parts == ["api", "validate-yaml"]:
-            self._reply(200, {"errors": [], "warnings": []})
+        elif parts == ["api", "validate-yaml"]:  # the card's metadata, checked as the Hub checks its license
+            metadata = yaml.safe_load(json.loads(body)["content"].split("---")[1]) or {}
+            if metadata.get("license") not in self.licenses:
+                message = f'"license" must be one of [{", ".join(self.licenses)}]'
+                self._reply(400, {"errors": [{"message": message}], "warnings": []})
+            else:
+                self._reply(200, {"errors": [], "warnings": []})
         elif parts[:2] == ["api", "models"] and parts[4:5] == ["preupload"]:
             files = json.loads(body)["files"]
             modes = [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files]
@@ -1358,6 +1366,30 @@ def test_the_retry_a_failed_push_prints_keeps_its_flags_and_quotes_the_folder(ru
     assert export(run_dir, out, "--ckpt", "last", "--repo", "tester/mymodel", "--push", "--replace-repo") == 2
     assert publish.main(retry_command(one_error_line(capsys))) == 0
     assert StandInHub.repos["tester/mymodel"] == {p.name: p.read_bytes() for p in out.iterdir()}
+
+
+def test_a_license_the_hub_refuses_is_refused_with_its_reason_before_the_export_or_the_repo(run_dir, tmp_path, hub,
+                                                                                            capsys):
+    """`--license gpl-3.0-or-later` passed the form check, and the Hub refused the card after the export was written:
+    the line kept only "Invalid metadata in README.md.", an empty repo was left, and the --push-only retry it printed
+    sent the same card again, forever (found in a review)."""
+    out = tmp_path / "export"
+    assert export(run_dir, out, "--ckpt", "last", "--repo", "tester/l", "--push", "--license", "gpl-3.0-or-later") == 2
+    assert one_error_line(capsys) == (
+        f"error: --push: the Hub at {hub} refuses the metadata of the card (README.md) for tester/l (Invalid metadata "
+        'in README.md. - "license" must be one of [apache-2.0, mit, llama3.1, other]); give a --license (LICENSE=) or '
+        "--base-model (BASE_MODEL=) the Hub takes (its reason names the field); nothing was exported or pushed")
+    assert not out.exists() and "tester/l" not in StandInHub.repos
+    # exported without --push, the card is not checked (no network): its push is refused before the repo is created,
+    # saying to export again, not to retry
+    assert export(run_dir, out, "--ckpt", "last", "--repo", "tester/l", "--license", "apache") == 0
+    assert publish.main(["--push-only", str(out), "--repo", "tester/l"]) == 2
+    line = one_error_line(capsys)
+    assert ("export it again with a --license (LICENSE=) or --base-model (BASE_MODEL=) the Hub takes" in line
+            and '"license" must be one of [apache-2.0, mit, llama3.1, other]' in line and "retry" not in line), line
+    assert "tester/l" not in StandInHub.repos
+    assert export(run_dir, out, "--ckpt", "last", "--repo", "tester/l", "--push", "--license", "mit", "--overwrite") == 0
+    assert "license: mit" in StandInHub.repos["tester/l"]["README.md"].decode()
 
 
 def test_push_without_token_or_network_fails_before_doing_anything(run_dir, tmp_path, monkeypatch, capsys):

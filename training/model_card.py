@@ -257,6 +257,7 @@ class CardFacts:
     kept_checkpoints: list[str] = field(default_factory=list)  # the run's checkpoint files, by name
     speculators: bool = False  # the config also carries vLLM's speculators fields
     engine_problems: list[str] = field(default_factory=list)  # engine rules it breaks (--allow-engine-mismatch)
+    rejected_by: list[str] = field(default_factory=list)  # the engines (VLLM, SGLANG) whose rules those are
     engine_target: str = "the target's config.json"  # what the engine rules compared the drafter with
 
 
@@ -579,42 +580,53 @@ def usage_section(facts: CardFacts) -> list[str]:
     ]
 
 
+def serving_engines(facts: CardFacts) -> list[str]:
+    """The engines the card gives commands for and counts among what serves the drafter: those that would load it (an
+    export with --allow-engine-mismatch names the others as rejecting it, and nothing more)."""
+    return [engine for engine in (VLLM, SGLANG) if engine not in facts.rejected_by]
+
+
 def serving_section(facts: CardFacts) -> list[str]:
     """The vLLM and SGLang commands, and what tau each engine gives: the chain's, measured above."""
     cfg = facts.drafter_config
     block = cfg["block_size"]
     where = facts.repo or "path/to/this/folder"
     commands = serve_commands(cfg, decoding_target(facts), where)
+    served = serving_engines(facts)
     lines = ["## Serving with vLLM and SGLang", ""]
     if facts.engine_problems:
         lines += ["**Exported with `--allow-engine-mismatch`: an engine would reject this drafter.**", "",
                   *[f"- {problem}" for problem in facts.engine_problems], ""]
+        if facts.rejected_by:
+            lines += [f"So this card gives no command for {' or '.join(facts.rejected_by)}, and does not count "
+                      f"{'it' if len(facts.rejected_by) == 1 else 'them'} among what serves the drafter.", ""]
     else:
         lines += ["This folder meets the rules vLLM and SGLang apply when they load a DFlash drafter (checked at "
                   "export, from their source; not run here): `architectures: [\"DFlashDraftModel\"]`, "
                   f"`model_type: {cfg.get('model_type', 'none (speculators format)')}`, the DFlash fields, the "
                   f"weight names and shapes, the MASK id and the target's hidden size and layers (read from "
                   f"{facts.engine_target}).", ""]
+    block_sizes = {VLLM: f"vLLM drafts `num_speculative_tokens` = {block - 1} tokens after the anchor",
+                   SGLANG: f"SGLang counts the anchor, `--speculative-num-draft-tokens` = {block}"}
+    engine_commands = {
+        VLLM: ["# vLLM", commands[VLLM],
+               # `vllm serve <drafter>` serves the verifier config.json names: for an adapted target, the base
+               # model alone
+               *(["# vLLM, speculators format (config.json names the verifier)", f"vllm serve {where}"]
+                 if facts.speculators and not target_adapter(facts) else [])],
+        SGLANG: ["# SGLang", commands[SGLANG]],
+    }
+    if served:
+        lines += [f"Block size {block}: {'; '.join(block_sizes[engine] for engine in served)}.", "",
+                  "```bash", *[line for engine in served for line in engine_commands[engine]], "```", ""]
+    if served and target_adapter(facts):
+        lines += [f"`{MERGED_TARGET}` is the folder the merge step under Usage writes: an engine loads the target "
+                  "from its files and would serve the base model without the adapter."
+                  + (f" For that reason this card gives no `vllm serve {where}` (speculators format): it serves the "
+                     f"verifier `config.json` names, `{verifier_name(facts)}` without the adapter; the verifier must "
+                     "be the merged folder, as in the vLLM command above." if facts.speculators and VLLM in served
+                     else ""), ""]
     lines += [
-        f"Block size {block}: vLLM drafts `num_speculative_tokens` = {block - 1} tokens after the anchor; SGLang "
-        f"counts the anchor, `--speculative-num-draft-tokens` = {block}.",
-        "",
-        "```bash",
-        "# vLLM",
-        commands[VLLM],
-        # `vllm serve <drafter>` serves the verifier config.json names: for an adapted target, the base model alone
-        *(["# vLLM, speculators format (config.json names the verifier)", f"vllm serve {where}"]
-          if facts.speculators and not target_adapter(facts) else []),
-        "# SGLang",
-        commands[SGLANG],
-        "```",
-        "",
-        *([f"`{MERGED_TARGET}` is the folder the merge step under Usage writes: an engine loads the target from its "
-           "files and would serve the base model without the adapter."
-           + (f" For that reason this card gives no `vllm serve {where}` (speculators format): it serves the verifier "
-              f"`config.json` names, `{verifier_name(facts)}` without the adapter; the verifier must be the merged "
-              "folder, as in the vLLM command above." if facts.speculators else ""), ""]
-          if target_adapter(facts) else []),
         "Both engines verify the DFlash block as one chain: neither verifies a draft tree on its main branch "
         "(open pull requests: vLLM #42910 for DDTree, SGLang #31069 and #36196 for tree verification of DFlash). "
         "DDTree's extra acceptance comes from the `ddtree` decoder, or from those branches once merged.",
@@ -631,7 +643,7 @@ def serving_section(facts: CardFacts) -> list[str]:
     # ...or unless the target was a built-in's dequantized GGUF weights: the engines serve the original ones (not where
     # they serve the merge step's folder, which load_target made from those very weights).
     quantized = builtin_conversion(facts.target) is not None and not target_adapter(facts)
-    engines = "" if redrafted or narrowed or quantized else "vLLM, SGLang, "
+    engines = "" if redrafted or narrowed or quantized else "".join(f"{engine}, " for engine in served)
     lines += ["| what serves it | verification | measured tau |", "|---|---|---:|",
               f"| {engines}`ddtree --method dflash` | chain of {block - 1} drafted tokens "
               f"| {_format_tau(summary[CHAIN]['tau'])} |"]
@@ -642,7 +654,7 @@ def serving_section(facts: CardFacts) -> list[str]:
     if redrafted:
         lines += ["", "That chain was re-drafted behind its first token, which the engines do not do: they verify the "
                   "block's own chain, which accepts less. Measure it with `ddtree bench --methods dflash --redraft 0`."]
-    if quantized:
+    if quantized and served:
         lines += ["", f"That chain was measured with `{facts.target}`, the dequantized GGUF weights named at the top; "
                   "the commands above serve the original weights, with which the engines' tau was not measured."]
     if narrowed:

@@ -241,6 +241,7 @@ def export_folder(
             kept_checkpoints=branch_checkpoints(path) if branch else
             [path.name for path in sorted(run_checkpoints(run_dir), key=lambda p: p.name)],
             speculators=speculators, engine_problems=[problem.line() for problem in problems],
+            rejected_by=list(dict.fromkeys(problem.rule.engine for problem in problems)),
             engine_target=served_target.source,
         )
         card = render_model_card(facts)
@@ -256,7 +257,8 @@ def export_folder(
         print(f"[export] note: the engine rules were checked against {served_target.source}", file=sys.stderr)
     served = decoding_target(facts)  # the merge step's folder where training merged an adapter into the target
     for engine, line in serve_commands(config, served, repo or str(out)).items():
-        print(f"[export] serve with {engine} (it verifies the chain): {line}")
+        if engine not in facts.rejected_by:  # the warning above says why there is no command for it
+            print(f"[export] serve with {engine} (it verifies the chain): {line}")
     if target_adapter(facts):
         print(f"[export] note: {served} is {target} with the run's model.target_adapter merged, written by the merge "
               "step of the card's Usage"

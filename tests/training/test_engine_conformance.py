@@ -281,6 +281,50 @@ def test_an_export_for_a_target_of_another_width_is_refused_unless_allowed(run, 
     assert "an engine would reject this drafter" in card and "hidden_size 64 != the target's 128" in card
 
 
+def measured(run: Path, chain_tau: float) -> Path:
+    """The run with a config.yaml and an acceptance evaluation of its checkpoint's step, as training writes them: the
+    card then gives its serving table."""
+    (run / "config.yaml").write_text("trainer: {}\n")
+    (run / "eval").mkdir()
+    (run / "eval" / "step-000003.json").write_text(json.dumps({
+        "step": 3, "settings": {"prompts": "data/eval_prompts.jsonl", "num_prompts": 2, "max_new_tokens": 8,
+                                "budgets": [4], "primary_budget": 4, "block_size": BLOCK_SIZE},
+        "summary": {"dflash": {"tau": chain_tau}, "ddtree@4": {"tau": chain_tau + 0.25}}, "prompts": []}))
+    return run
+
+
+def test_an_engine_that_rejects_the_drafter_is_never_said_to_serve_it(run, tmp_path, capsys):
+    """With --allow-engine-mismatch, the card's bold list said vLLM and SGLang would reject the drafter, yet its table
+    gave both the measured chain tau, and the card and the export printed the commands serving it with each (found in
+    a review)."""
+    wider = tmp_path / "wider-target"
+    wider.mkdir()
+    (wider / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 128, "num_hidden_layers": 6,
+                                                   "vocab_size": 49152}))
+    both = measured(tampered_run(run, tmp_path / "both", lambda config: None, target=str(wider)), 1.5)
+    out = tmp_path / "both-export"
+    assert publish.main([str(both), "--out", str(out), "--ckpt", "last", "--allow-engine-mismatch"]) == 0
+    printed = capsys.readouterr().out
+    card = (out / "README.md").read_text()
+    serving = card[card.index("## Serving with vLLM and SGLang"):]
+    assert "| `ddtree --method dflash` | chain of 7 drafted tokens | 1.500 |" in serving
+    assert "So this card gives no command for vLLM or SGLang, and does not count them among what serves" in serving
+    assert "vllm serve" not in card and "sglang.launch_server" not in card and "serve with" not in printed
+
+    # one engine rejects it (vLLM: the drafter's vocabulary is not the target's), the other still serves it
+    vllm_only = measured(tampered_run(run, tmp_path / "vllm", lambda config: config.update(vocab_size=1000)), 1.25)
+    out = tmp_path / "vllm-export"
+    assert publish.main([str(vllm_only), "--out", str(out), "--ckpt", "last", "--allow-engine-mismatch"]) == 0
+    printed = capsys.readouterr().out
+    card = (out / "README.md").read_text()
+    serving = card[card.index("## Serving with vLLM and SGLang"):]
+    assert "- vLLM would reject this drafter: vocab_size 1000" in serving and "SGLang would reject" not in serving
+    assert "| SGLang, `ddtree --method dflash` | chain of 7 drafted tokens | 1.250 |" in serving
+    assert "Block size 8: SGLang counts the anchor, `--speculative-num-draft-tokens` = 8." in serving
+    assert "vllm serve" not in card and "python -m sglang.launch_server" in serving
+    assert "serve with vLLM" not in printed and "serve with SGLang" in printed
+
+
 def test_an_export_with_a_mask_id_outside_the_targets_vocabulary_is_refused(run, tmp_path, capsys):
     tampered = tampered_run(run, tmp_path, lambda config: config["dflash_config"].update(mask_token_id=10**6))
     assert publish.main([str(tampered), "--out", str(tmp_path / "export"), "--ckpt", "last"]) == 2

@@ -35,7 +35,7 @@ from ddtree.targets import has_hub_id_shape
 
 from .engines import ARCHITECTURE, weight_shapes
 from .hub_config import EXPORT_FILES
-from .model_card import REPO_MARK, card_repo
+from .model_card import CORPUS_SHIPPED, MEASURED_TABLE, REPO_MARK, card_repo
 
 
 # What a repo that an earlier push of a drafter export filled can hold (the Hub adds .gitattributes; `ddtree calibrate`
@@ -78,7 +78,10 @@ def check_export_folder(folder: Path, repo: str) -> None:
     would replace what the repo served; and a card exported for another repo (or none) tells readers to download
     and serve that one. A calibration.json the card does not mention (ddtree.calibration.note_in_card) would make the
     card's figures read as what `ddtree` decodes the pushed drafter to, which it does calibrated; a card that mentions
-    one the folder does not hold would describe a file the repo lacks."""
+    one the folder does not hold would describe a file the repo lacks. The corpus likewise: a card whose figures were
+    measured grafting the corpus.safetensors it says the folder ships, pushed without it, reports what `ddtree` no
+    longer decodes the pushed drafter to; one put into a folder whose card's figures were measured without it changes
+    how `ddtree` decodes."""
     missing = [name for name in EXPORT_FILES if not (folder / name).is_file()]
     if missing:
         raise DDTreeError(
@@ -121,6 +124,16 @@ def check_export_folder(folder: Path, repo: str) -> None:
                           f"`ddtree calibrate` wrote {CALIBRATION_FILE} into this folder, which does not hold it: put "
                           f"{CALIBRATION_FILE} back, or delete that paragraph from the card to push the drafter "
                           "uncalibrated")
+    with_corpus = (folder / CORPUS_FILE).is_file()
+    if not with_corpus and CORPUS_SHIPPED in card:  # removed from the export, the replies not to be published, say
+        raise DDTreeError(f"--push-only {folder}: its card (README.md) says its figures were measured grafting "
+                          f"{CORPUS_FILE}, shipped in this folder, which does not hold it: `ddtree` would decode the "
+                          f"pushed drafter without it, at a tau the card does not report. Put {CORPUS_FILE} back; to "
+                          "publish a drafter without its training replies, train it without model.corpus")
+    if with_corpus and MEASURED_TABLE in card and CORPUS_SHIPPED not in card:  # put there by hand, say
+        raise DDTreeError(f"--push-only {folder}: holds {CORPUS_FILE}, which ddtree grafts from by default, and its "
+                          "card (README.md), whose figures were measured without it, does not say so: move "
+                          f"{CORPUS_FILE} out of the folder to push the drafter as it was measured")
 
 
 def hub_error_line(error: BaseException, token: str | None) -> str:

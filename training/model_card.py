@@ -32,6 +32,7 @@ from huggingface_hub import ModelCardData
 
 from ddtree.bench import CHAIN, budget_of, read_prompts, tree_key
 from ddtree.calibration import MEASURED_SECTION
+from ddtree.corpus import CORPUS_FILE
 from ddtree.errors import DDTreeError, error_line
 from ddtree.files import read_yaml_mapping
 from ddtree.names import REPO_MARK
@@ -47,6 +48,11 @@ from .report import objective_description, partial_data_note, tau_bound, trainin
 from .target import dtype_for_precision
 
 TAGS = ["dflash", "ddtree", "speculative-decoding", "draft-model", "block-diffusion"]
+# What a card says where its figures were measured grafting the training replies (model.corpus): that the folder ships
+# them. --push-only refuses a folder that no longer holds them (training/hub.py, check_export_folder), as it refuses one
+# holding them under a card whose figures (MEASURED_TABLE) were measured without them.
+CORPUS_SHIPPED = f"{CORPUS_FILE}, shipped in this folder"
+MEASURED_TABLE = "| decoding | tau | expected tau | rounds | new tokens |"
 # The folder the card's merge step writes (a target trained with model.target_adapter), which its commands then name
 MERGED_TARGET = "merged-target"
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -274,8 +280,8 @@ def decoded_with(settings: dict) -> list[str]:
     if settings.get("lookup"):
         extras.append(f"{settings['lookup']} tokens of context lookup grafted into every tree (`--lookup`)")
     if settings.get("corpus"):
-        extras.append("the training replies' majority continuation grafted into every tree (corpus.safetensors, "
-                      "shipped in this folder; `--corpus none` leaves it out)")
+        extras.append(f"the training replies' majority continuation grafted into every tree ({CORPUS_SHIPPED}; "
+                      "`--corpus none` leaves it out)")
     return extras
 
 
@@ -326,7 +332,7 @@ def evaluation_section(facts: CardFacts) -> list[str]:
         f"all decoding rounds; {bound}. The expected tau is the drafter's own "
         "prediction for the trees it built (1 + the sum of their path probabilities).",
         "",
-        "| decoding | tau | expected tau | rounds | new tokens |",
+        MEASURED_TABLE,
         "|---|---:|---:|---:|---:|",
     ]
     budgets = sorted(budget for budget in map(budget_of, summary) if budget is not None)

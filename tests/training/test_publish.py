@@ -1084,12 +1084,49 @@ def test_push_uploads_the_exported_folder_and_prints_its_url(run_dir, tmp_path, 
     uploaded = StandInHub.repos["tester/tiny-drafter"]
     assert uploaded == {p.name: p.read_bytes() for p in out.iterdir()}  # every file, byte for byte
     assert "hf download tester/tiny-drafter" in uploaded["README.md"].decode()
-    # A second push of an export without a corpus: the first push's corpus must not stay to be grafted by default.
-    (out / CORPUS_FILE).unlink()
+    # A second push of an export without a corpus (a checkpoint kept outside the run that did not record the run's
+    # evaluation): the first push's corpus must not stay to be grafted by default.
+    saved = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    saved["callbacks"] = {key: state for key, state in saved["callbacks"].items() if "AcceptanceEvaluation" not in key}
+    torch.save(saved, tmp_path / "loose.ckpt")
+    bare = tmp_path / "bare"
+    assert export(run_dir, bare, "--ckpt", str(tmp_path / "loose.ckpt"), "--repo", "tester/tiny-drafter") == 0
+    assert not (bare / CORPUS_FILE).exists()
     uploaded[".gitattributes"] = b"*.safetensors filter=lfs"
-    assert publish.main(["--push-only", str(out), "--repo", "tester/tiny-drafter"]) == 0
-    assert StandInHub.repos["tester/tiny-drafter"] == {**{p.name: p.read_bytes() for p in out.iterdir()},
+    assert publish.main(["--push-only", str(bare), "--repo", "tester/tiny-drafter"]) == 0
+    assert StandInHub.repos["tester/tiny-drafter"] == {**{p.name: p.read_bytes() for p in bare.iterdir()},
                                                         ".gitattributes": b"*.safetensors filter=lfs"}
+
+
+def test_push_only_refuses_a_folder_whose_card_and_files_disagree_about_the_corpus(run_dir, tmp_path, hub, capsys):
+    """docs/training.md warns that the corpus decodes back to the training replies: an export whose corpus.safetensors
+    was removed before publishing went up with a card saying it ships and that its figures grafted it, and `ddtree`
+    decoded the pushed drafter without it (found in a review)."""
+    shipped = f"{CORPUS_FILE}, shipped in this folder"  # what the card says of it
+    out = tmp_path / "export"
+    assert export(run_dir, out, "--ckpt", "best", "--repo", "tester/c") == 0
+    card = (out / "README.md").read_text()
+    assert shipped in card and "| decoding | tau |" in card
+    (out / CORPUS_FILE).rename(tmp_path / CORPUS_FILE)
+    assert publish.main(["--push-only", str(out), "--repo", "tester/c"]) == 2
+    assert one_error_line(capsys) == (
+        f"error: --push-only {out}: its card (README.md) says its figures were measured grafting {CORPUS_FILE}, shipped "
+        "in this folder, which does not hold it: `ddtree` would decode the pushed drafter without it, at a tau the card "
+        f"does not report. Put {CORPUS_FILE} back; to publish a drafter without its training replies, train it without "
+        "model.corpus")
+    assert "tester/c" not in StandInHub.repos
+    # and the other way round: a corpus put beside a card whose figures were measured without it
+    (tmp_path / CORPUS_FILE).rename(out / CORPUS_FILE)
+    (out / "README.md").write_text(card.replace(shipped, "the training replies"))
+    assert publish.main(["--push-only", str(out), "--repo", "tester/c"]) == 2
+    assert one_error_line(capsys) == (
+        f"error: --push-only {out}: holds {CORPUS_FILE}, which ddtree grafts from by default, and its card (README.md), "
+        f"whose figures were measured without it, does not say so: move {CORPUS_FILE} out of the folder to push the "
+        "drafter as it was measured")
+    assert "tester/c" not in StandInHub.repos
+    (out / "README.md").write_text(card)
+    assert publish.main(["--push-only", str(out), "--repo", "tester/c"]) == 0
+    assert CORPUS_FILE in StandInHub.repos["tester/c"]
 
 
 def test_a_push_into_a_repo_holding_other_files_than_an_exports_is_refused_unless_asked(run_dir, tmp_path, hub, capsys):

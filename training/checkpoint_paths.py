@@ -190,7 +190,7 @@ def find_run_checkpoint(run_dir: Path, spec: str) -> tuple[Path, str]:
         named = checkpoints / f"{spec}.ckpt"
         if not named.exists():
             hint = "CKPT=last or a path" if spec == "best" else "a path to a checkpoint"
-            why = " (runs trained before the acceptance evaluation have no best.ckpt)" if spec == "best" else ""
+            why = f" ({why_no_best(run_dir)})" if spec == "best" else ""
             raise DDTreeError(f"CKPT={spec}: {named} does not exist{why}; use {hint}")
         resolved = named.resolve()  # best.ckpt is a symlink to the chosen step-N checkpoint
         return resolved, spec if resolved.name == named.name else f"{spec} -> {resolved.name}"
@@ -207,6 +207,17 @@ def find_run_checkpoint(run_dir: Path, spec: str) -> tuple[Path, str]:
                                   f"export it with RUN={owner}")
             return candidate.resolve(), candidate.name
     raise DDTreeError(f"CKPT={spec}: no such checkpoint (looked in . and {checkpoints}); give best, last or a path")
+
+
+def why_no_best(run_dir: Path) -> str:
+    """Why a run has no checkpoints/best.ckpt, from what its acceptance evaluation (training/callbacks.py) wrote: an
+    eval/step-N.json for each step it measured, and report.md once it measured one or the run ended before its first."""
+    if any((run_dir / "eval").glob("step-*.json")):
+        return "the run evaluated steps but kept none as best: checkpoint.save_top_k 0 keeps last.ckpt only"
+    if (run_dir / "report.md").is_file():
+        return ("the run evaluated no step, so it ranked no checkpoint: it stopped before its first evaluation, as "
+                "its report.md says")
+    return "runs trained before the acceptance evaluation have no best.ckpt"
 
 
 def newest_checkpoint(run_dir: Path) -> Path:

@@ -261,6 +261,7 @@ class CardFacts:
     # the run's, so the run's records (evaluation, steps, checkpoints, corpus) are not this drafter's.
     outside_run: bool = False
     kept_checkpoints: list[str] = field(default_factory=list)  # the run's checkpoint files, by name
+    best_kept: bool = False  # the run has a checkpoints/best.ckpt (`--ckpt best` exports it)
     speculators: bool = False  # the config also carries vLLM's speculators fields
     engine_problems: list[str] = field(default_factory=list)  # engine rules it breaks (--allow-engine-mismatch)
     rejected_by: list[str] = field(default_factory=list)  # the engines (VLLM, SGLANG) whose rules those are
@@ -298,12 +299,15 @@ def evaluation_section(facts: CardFacts) -> list[str]:
         ]
     if record is None:
         # Only the best evaluated checkpoints are kept (checkpoint.save_top_k), so an evaluated step may have none.
-        others = ", ".join(str(s) for s in facts.other_evaluated_steps) or "none"
         kept = ", ".join(facts.kept_checkpoints) or "none"
+        evaluated = (f"Steps the run evaluated: {', '.join(str(s) for s in facts.other_evaluated_steps)}"
+                     if facts.other_evaluated_steps else "The run evaluated no step: it stopped before its first "
+                     "evaluation (its report.md says at which step), so it ranked no checkpoint")
+        measure = ("Export `--ckpt best` (the best evaluated step kept), or measure" if facts.best_kept else "Measure")
         return lines + [
             f"This checkpoint (step {facts.step}) was not evaluated during training, so no acceptance is reported "
-            f"here. Steps the run evaluated: {others}; checkpoints it kept: {kept}. Export `--ckpt best` (the best "
-            "evaluated step kept), or measure this checkpoint with `make eval` and export it again.",
+            f"here. {evaluated}; checkpoints it kept: {kept}. {measure} this checkpoint with `make eval` and export it "
+            "again.",
             "",
         ]
     settings, summary = record["settings"], record["summary"]
@@ -339,7 +343,7 @@ def evaluation_section(facts: CardFacts) -> list[str]:
     rows = [(f"chain (one DFlash block, {block - 1} drafted tokens)", summary[CHAIN])]
     for budget in budgets:
         label = f"DDTree, node budget {budget}"
-        if settings.get("primary_budget") == budget:
+        if settings.get("primary_budget") == budget and "checkpoint" not in record:  # `make eval`'s ranks nothing
             label += " (checkpoints ranked by this)"
         rows.append((label, summary[tree_key(budget)]))
     for label, stats in rows:

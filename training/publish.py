@@ -240,6 +240,7 @@ def export_folder(
             trained_seconds=timer_seconds(checkpoint.callbacks),
             kept_checkpoints=branch_checkpoints(path) if branch else
             [path.name for path in sorted(run_checkpoints(run_dir), key=lambda p: p.name)],
+            best_kept=(run_dir / "checkpoints" / "best.ckpt").exists(),
             speculators=speculators, engine_problems=[problem.line() for problem in problems],
             rejected_by=list(dict.fromkeys(problem.rule.engine for problem in problems)),
             engine_target=served_target.source,

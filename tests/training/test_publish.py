@@ -265,6 +265,45 @@ def test_card_numbers_come_from_the_evaluation_of_the_exported_step(run_dir, tmp
         tmp_path / "after-1" / "README.md").read_text()
 
 
+def test_the_card_of_a_run_stopped_before_its_first_evaluation_gives_advice_that_works(run_dir, tmp_path, capsys):
+    """A run SIGTERMed before its first evaluation has no best.ckpt: `CKPT=best` blamed runs trained before the
+    acceptance evaluation, its card said to export `--ckpt best`, and once `make eval` had measured its last.ckpt the
+    card labelled a budget "checkpoints ranked by this", though the run ranked nothing (found in a review)."""
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run, symlinks=True)
+    (run / "checkpoints" / "best.ckpt").unlink()  # as checkpoint.save_top_k 0 leaves a run that evaluated
+    assert export(run, tmp_path / "best", "--ckpt", "best") == 2
+    assert ("does not exist (the run evaluated steps but kept none as best: checkpoint.save_top_k 0 keeps last.ckpt "
+            "only); use CKPT=last or a path") in one_error_line(capsys)
+    # the folder such a run leaves: last.ckpt, no step checkpoint, no evaluation, a report.md saying why
+    for path in [*(run / "checkpoints").glob("*.ckpt"), *(run / "eval").glob("step-*.json")]:
+        if path.name != "last.ckpt":
+            path.unlink()
+    (run / "report.md").write_text("# Acceptance during training: r\n\n**No evaluation ran**: the run was stopped by "
+                                   "SIGTERM at step 2, before its first evaluation at step 4.\n")
+    assert export(run, tmp_path / "best", "--ckpt", "best") == 2
+    assert one_error_line(capsys) == (
+        f"error: CKPT=best: {run / 'checkpoints' / 'best.ckpt'} does not exist (the run evaluated no step, so it "
+        "ranked no checkpoint: it stopped before its first evaluation, as its report.md says); use CKPT=last or a path")
+    assert export(run, tmp_path / "last", "--ckpt", "last") == 0
+    card = (tmp_path / "last" / "README.md").read_text()
+    assert ("This checkpoint (step 2) was not evaluated during training, so no acceptance is reported here. The run "
+            "evaluated no step: it stopped before its first evaluation (its report.md says at which step), so it "
+            "ranked no checkpoint; checkpoints it kept: last.ckpt. Measure this checkpoint with `make eval` and export "
+            "it again.") in card
+    assert "--ckpt best" not in card
+
+    # `make eval` measured last.ckpt: the card gives its figures, and no budget is one that ranked checkpoints
+    record = json.loads((run_dir / "eval" / "step-000002.json").read_text())
+    record["checkpoint"] = str(run / "checkpoints" / "last.ckpt")
+    (run / "eval" / "checkpoint-last.json").write_text(json.dumps(record))
+    assert export(run, tmp_path / "measured", "--ckpt", "last") == 0
+    card = (tmp_path / "measured" / "README.md").read_text()
+    assert "after training by `make eval`" in card
+    assert f"| DDTree, node budget 4 | {record['summary']['ddtree@4']['tau']:.3f} |" in card
+    assert "ranked" not in card
+
+
 def test_card_bounds_tau_by_the_context_lookup_where_it_runs_past_the_block(run_dir, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(run_dir, run, symlinks=True)

@@ -8,12 +8,16 @@ Everything runs on the tiny random target (6 layers, hidden 64) on CPU, on a doz
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import shlex
 import shutil
 import stat
 import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
 import lightning as L
@@ -26,7 +30,7 @@ import training.feature_store
 import training.module
 from ddtree.targets import DDTreeError, load_target
 from training.data import DistillDataModule
-from training.feature_store import FeatureStore, build_feature_store, partial_path, store_teacher
+from training.feature_store import FeatureStore, build_feature_store, lock_path, partial_path, store_teacher
 from training.features import main
 from training.masks import IGNORE_INDEX
 from training.module import DistillModule
@@ -737,6 +741,69 @@ def test_a_folder_or_file_that_is_not_a_store_is_never_replaced(tmp_path):
     empty.mkdir()
     assert FeatureStore(build_feature_store(dm, empty, layer_ids=LAYER_IDS)).layer_ids == LAYER_IDS  # an empty folder is used
 
+
+
+def test_a_second_build_of_one_store_waits_for_the_first_and_takes_its_store(tmp_path, monkeypatch, capsys):
+    """Two launches building one store (`make features` while a training run builds it) both wrote into one
+    <out>.partial: the later one removed the other's folder, or found it renamed away, and failed saying to free
+    space (with 62 GB free); with a pause before the end both failed and the finished store was left renamed aside.
+    The first launch is this test, holding the lock (flock conflicts between two opens in one process too)."""
+    dm = make_datamodule(tmp_path)
+    built = build_feature_store(dm, tmp_path / "built", layer_ids=LAYER_IDS)
+    out = tmp_path / "store"
+    first = os.open(lock_path(out), os.O_RDONLY | os.O_CREAT)
+    fcntl.flock(first, fcntl.LOCK_EX)
+    monkeypatch.setattr(training.feature_store, "load_frozen_target", lambda *a, **k: pytest.fail("built it again"))
+    outcome = []
+    second = threading.Thread(target=lambda: outcome.append(build_feature_store(dm, out, layer_ids=LAYER_IDS)))
+    second.start()
+    said = ""
+    for _ in range(600):  # until it says it waits (or, unguarded, has ended)
+        said += capsys.readouterr().out
+        if "waiting" in said or not second.is_alive():
+            break
+        time.sleep(0.1)
+    assert f"another process is building {out} (it holds {lock_path(out)}); waiting for it to end" in said
+    assert second.is_alive() and not partial_path(out).exists()
+    shutil.copytree(built, out)  # the first launch's store, finished; it removes its lock file, then ends
+    lock_path(out).unlink()
+    os.close(first)
+    second.join(timeout=60)
+    assert outcome == [out] and "already holds these features" in capsys.readouterr().out
+    assert FeatureStore(out)[0].equal(FeatureStore(built)[0])
+    assert not lock_path(out).exists() and not partial_path(out).exists()
+
+
+def test_a_build_killed_while_it_holds_the_lock_holds_up_no_later_build(tmp_path, capsys):
+    out = tmp_path / "store"
+    hold = ("import fcntl, os, sys, time; lock = os.open(sys.argv[1], os.O_RDONLY | os.O_CREAT); "
+            "fcntl.flock(lock, fcntl.LOCK_EX); print('held', flush=True); time.sleep(600)")
+    killed = subprocess.Popen([sys.executable, "-c", hold, str(lock_path(out))], stdout=subprocess.PIPE, text=True)
+    assert killed.stdout.readline() == "held\n"
+    killed.kill()
+    killed.wait()
+    assert lock_path(out).exists()  # left by the kill; the OS released its lock
+    build_feature_store(make_datamodule(tmp_path), out, layer_ids=LAYER_IDS)
+    assert "waiting" not in capsys.readouterr().out
+    assert FeatureStore(out).layer_ids == LAYER_IDS and not lock_path(out).exists()
+
+
+def test_a_partial_folder_removed_under_a_build_is_said_so_not_a_full_disk(tmp_path, monkeypatch):
+    """What a build without the lock (an older version's, one on a filesystem without locks) can do to another: the
+    error said to free space."""
+    dm = make_datamodule(tmp_path)
+    real_save = training.feature_store.save_file
+
+    def save_after_removal(tensors, filename, **kwargs):
+        shutil.rmtree(Path(filename).parent)  # the other build finished first and renamed the folder away
+        real_save(tensors, filename, **kwargs)
+
+    monkeypatch.setattr(training.feature_store, "save_file", save_after_removal)
+    out = tmp_path / "store"
+    with pytest.raises(DDTreeError) as error:
+        build_feature_store(dm, out, layer_ids=LAYER_IDS)
+    assert f"{partial_path(out)} was removed meanwhile (finished or removed by another process" in one_line(error.value)
+    assert "free some space" not in str(error.value)
 
 def test_size_estimate_is_printed_before_anything_is_written_and_a_full_disk_refuses(tmp_path, monkeypatch, capsys):
     dm = make_datamodule(tmp_path)

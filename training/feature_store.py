@@ -28,6 +28,7 @@ Layout of a store folder:
                                  dtype, the tokenization key of the data, every sequence's length, the shards
     shard-00000.safetensors ...  consecutive sequences, up to ~256 MB each: `features` (tokens, K*H) and
                                  `offsets` (n + 1,), sequence j of the shard = features[offsets[j]:offsets[j + 1]];
+                                 the build's id in its metadata, as in the manifest (BUILD_ID);
                                  with final_hidden also `final` (tokens, H), with teacher_top_k `teacher_ids`
                                  (tokens, k) int32 and `teacher_log_probs` (tokens, k) float32, indexed alike
 
@@ -58,6 +59,7 @@ import re
 import shutil
 import sys
 import time
+import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -86,11 +88,16 @@ if TYPE_CHECKING:
 
 FORMAT_VERSION = 1  # bump when the layout changes: older stores are then refused, not misread
 # Added to format 1 later, absent (= False) in the manifests of stores built before: those stay valid.
-OPTIONAL_MANIFEST_FIELDS = {"final_hidden": False, "teacher_top_k": 0, "sequence_ids": None, "target_weights": None}
+OPTIONAL_MANIFEST_FIELDS = {"final_hidden": False, "teacher_top_k": 0, "sequence_ids": None, "target_weights": None,
+                            "build_id": None}
 # What may differ between a build's plan and the store it leaves when its time box ends it early, or a complete
 # store in the data's own order that a time-boxed build finds (it covers more): the same build otherwise.
 COVERAGE_FIELDS = ("sequence_ids", "shards", "lengths")
 MANIFEST = "store.json"
+# In the manifest and in each shard's safetensors metadata: which build wrote it (a random id, kept by a resume). A
+# reader that opens a shard lazily finds a store replaced (--force) since it read the manifest, where the shard's
+# offsets would have given it other sequences' features.
+BUILD_ID = "build_id"
 BOX_CLOCK = ".time_box.json"  # in <out>.partial/: the time a boxed build has spent, carried across a resume
 MAX_SHARD_BYTES = 256 * 2**20
 REBUILD = "make features RECIPE=<recipe>"  # how a user (re)builds a store, named in every error
@@ -294,6 +301,7 @@ class FeatureStore:
         self.teacher_top_k = int(manifest["teacher_top_k"])
         self.last_layer_normed = manifest.get("last_layer") == "normed"
         self.shards = manifest["shards"]
+        self.build_id = manifest[BUILD_ID]  # None in stores built before it: their shards hold none either
         self._first_sequences = [shard["first_sequence"] for shard in self.shards]
         self._open_shards: dict[int, tuple] = {}  # shard index -> (safe_open handle, offsets)
         # A time-boxed store: data sequence sequence_ids[p] at store position p, the finished shards' positions only.
@@ -360,10 +368,15 @@ class FeatureStore:
         if not file.is_file():
             raise DDTreeError(f"feature store {self.path} lacks {name}: rebuild it with `{REBUILD}` and --force (FORCE=1)")
         try:
-            return safe_open(str(file), framework="pt")
+            handle = safe_open(str(file), framework="pt")
         except (SafetensorError, OSError) as error:
             raise DDTreeError(f"feature store {self.path}: {name} is unreadable ({error}): rebuild it with "
                               f"`{REBUILD}` and --force (FORCE=1)") from None
+        if shard_build_id(handle) != self.build_id:  # its offsets are another manifest's: other sequences' rows
+            raise DDTreeError(f"feature store {self.path}: {name} is of another build than the {MANIFEST} read when "
+                              "this process opened the store: the store was replaced since (a --force build); start "
+                              "the run again to read the new store")
+        return handle
 
     def __getstate__(self) -> dict:
         # DataLoader workers get their own memory maps: open file handles do not pickle.
@@ -454,16 +467,23 @@ def build_identity(datamodule: DistillDataModule, text_config, layer_ids: list[i
     }
 
 
-def finished_shards(partial: Path, shards: list[dict], width: int) -> set[str]:
-    """Shards a previous run of the same build completed (renamed into place, readable, with the planned shape); an
-    unreadable one (a build killed before its bytes reached the disk, written before shards were synced) is redone."""
+def shard_build_id(handle) -> str | None:
+    """The build id in an open shard's metadata; None in a shard built before ids were written."""
+    return (handle.metadata() or {}).get(BUILD_ID)
+
+
+def finished_shards(partial: Path, shards: list[dict], width: int, build_id: str | None) -> set[str]:
+    """Shards a previous run of the same build completed (renamed into place, readable, with the planned shape and
+    that build's id); an unreadable one (a build killed before its bytes reached the disk, written before shards were
+    synced) is redone."""
     done = set()
     for shard in shards:
         file = partial / shard["file"]
         if file.is_file():
             try:
                 with safe_open(str(file), framework="pt") as handle:
-                    if handle.get_slice("features").get_shape() == [shard["num_tokens"], width]:
+                    if (handle.get_slice("features").get_shape() == [shard["num_tokens"], width]
+                            and shard_build_id(handle) == build_id):
                         done.add(shard["file"])
             except (SafetensorError, OSError):
                 print(f"[features] {file} is unreadable; computing it again", flush=True)
@@ -562,6 +582,7 @@ def build_feature_store(
             **identity,
             "num_sequences": len(lengths), "total_tokens": sum(lengths),
             "final_hidden": final_hidden, "teacher_top_k": teacher_top_k,
+            BUILD_ID: uuid.uuid4().hex,  # a resume keeps its unfinished build's
             "shards": plan_shards(lengths, row_width * itemsize + teacher_bytes, max_shard_bytes),
             **({"sequence_ids": order} if order is not None else {}),
             "lengths": lengths,  # last: the long list, below what a reader looks for
@@ -570,7 +591,7 @@ def build_feature_store(
         if is_complete(out) and not force:
             existing = read_manifest(out / MANIFEST)
             # The same build whatever share of the data it holds (the tokenization key names the data and its lengths).
-            fields = [key for key in manifest if key not in COVERAGE_FIELDS]
+            fields = [key for key in manifest if key not in (*COVERAGE_FIELDS, BUILD_ID)]
             differing = differing_fields(existing, manifest, same_data, fields)
             if not differing:
                 print(f"[features] {out} already holds these features ({coverage(existing)}); nothing to do", flush=True)
@@ -589,9 +610,10 @@ def build_feature_store(
             planned = {**OPTIONAL_MANIFEST_FIELDS, **manifest}  # read_manifest fills the optional fields in
             # Resumed only where the same shards are planned: every field the same, coverage too, or of the same content
             # (data, target or adapter at another path: a preempted build rescheduled on a node with its own copies).
-            fields = planned.keys() | previous_manifest.keys()
+            fields = (planned.keys() | previous_manifest.keys()) - {BUILD_ID}
             if previous_manifest and not differing_fields(previous_manifest, planned, same_data, fields):
-                done = finished_shards(partial, manifest["shards"], width)
+                manifest[BUILD_ID] = previous_manifest[BUILD_ID]  # what its finished shards hold
+                done = finished_shards(partial, manifest["shards"], width, manifest[BUILD_ID])
             elif previous_manifest.get("dtype") not in (None, manifest["dtype"]) and not force:
                 # The precision can change without the user asking (trainer.precision: auto on another machine):
                 # say so rather than silently dropping finished shards.
@@ -632,6 +654,8 @@ def build_feature_store(
                   "for every sequence, the build ends before the shard that would overrun it", flush=True)
         # The bar counts the whole plan; boxed, its estimate is the whole store's, not when the box ends the build.
         desc = "features" if max_seconds is None else f"features (box {max_seconds / 60:.1f} min)"
+        # None: resuming a build begun before ids were written, whose finished shards hold none
+        shard_metadata = None if manifest[BUILD_ID] is None else {BUILD_ID: manifest[BUILD_ID]}
         with tqdm(total=manifest["total_tokens"], initial=written, unit="tok", desc=desc) as progress:
             for shard in manifest["shards"]:
                 if shard["file"] in done:
@@ -654,7 +678,7 @@ def build_feature_store(
                 # mode is set as open() would have (a store on shared storage is read by other processes).
                 staging = partial / f".{shard['file']}.tmp"
                 with write_failure_as_error(partial / shard["file"], staging):
-                    save_file(tensors, str(staging))
+                    save_file(tensors, str(staging), metadata=shard_metadata)
                     follow_umask(staging)
                     with staging.open("rb") as handle:  # on disk before the rename names it finished (a power cut)
                         os.fsync(handle.fileno())

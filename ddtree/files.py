@@ -67,6 +67,19 @@ def unwritable_as_error(path: Path):
         raise DDTreeError(f"cannot write {path}: {why}; give a path in a writable folder") from None
 
 
+def os_error_in(error: BaseException) -> OSError | None:
+    """The OSError behind a failed write: `error` itself, or one it was raised from or while handling. torch.save into
+    a file object turns a full disk's OSError into a RuntimeError ("[enforce fail at inline_container.cc] unexpected
+    pos") raised while handling it; None where no OSError is behind it (a bug, not the disk)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, OSError):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def path_argument(text: str) -> str:
     """argparse type of a path flag: an empty one (`--out "$UNSET"`) is refused, where the flag's truthiness test read
     it as left out (another default path) or Path("") as the working folder; a leading `~` is the home folder, as the

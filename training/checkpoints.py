@@ -28,7 +28,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from ddtree.configuration_dflash import DFlashDrafterConfig
 from ddtree.errors import DDTreeError, error_line
-from ddtree.files import atomic_file
+from ddtree.files import atomic_file, os_error_in
 from ddtree.modeling_dflash import DFlashDraftModel
 
 from .checkpoint_paths import SAVING_MARKER, is_deepspeed_checkpoint, is_readable, run_checkpoints
@@ -67,8 +67,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 torch.save(checkpoint, handle)
                 handle.flush()
                 os.fsync(handle.fileno())  # the bytes are on disk before the rename makes them the checkpoint
-        except OSError as error:
-            raise DDTreeError(f"cannot write the checkpoint {path}: {error.strerror or error}; the previous "
+        except (OSError, RuntimeError) as error:  # (torch.save's RuntimeError: a full disk, os_error_in)
+            cause = os_error_in(error)
+            if cause is None:
+                raise
+            raise DDTreeError(f"cannot write the checkpoint {path}: {cause.strerror or cause}; the previous "
                               "checkpoints are whole: make room and resume the run (--resume <run folder>)") from None
 
     @classmethod

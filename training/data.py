@@ -24,6 +24,7 @@ import json
 import logging
 import math
 import pickle
+import shutil
 import weakref
 from pathlib import Path
 
@@ -32,9 +33,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
 from ddtree.errors import DDTreeError, error_line
-from ddtree.files import atomic_file, write_text_atomic
+from ddtree.files import atomic_file, os_error_in, write_text_atomic
 from training.conversations import TOKENIZATION_VERSION, end_of_turn_text, load_conversations, tokenize_conversations
-from training.feature_store import AUTO_STORE, FeatureStore
+from training.feature_store import AUTO_STORE, FeatureStore, format_bytes
 from training.recipe_data import AUTO_DATA, check_regenerate_settings
 
 log = logging.getLogger(__name__)
@@ -450,9 +451,18 @@ class DistillDataModule(L.LightningDataModule):
                         counts["truncated"], counts["conversations"], self.max_length)
         data = TokenizedConversations.from_examples(examples)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        with atomic_file(path, "wb") as handle:  # other ranks/processes never see a half-written cache
-            torch.save({"input_ids": data.input_ids, "loss_mask": data.loss_mask, "offsets": data.offsets,
-                        "pad_id": pad_id, "counts": counts, "source": self.data_path}, handle)
+        try:
+            with atomic_file(path, "wb") as handle:  # other ranks/processes never see a half-written cache
+                torch.save({"input_ids": data.input_ids, "loss_mask": data.loss_mask, "offsets": data.offsets,
+                            "pad_id": pad_id, "counts": counts, "source": self.data_path}, handle)
+        except (OSError, RuntimeError) as error:  # (torch.save's RuntimeError: a full disk, os_error_in)
+            cause = os_error_in(error)
+            if cause is None:
+                raise
+            free = format_bytes(shutil.disk_usage(self.cache_dir).free)
+            raise DDTreeError(f"cannot write the tokenized cache {path} ({cause.strerror or cause}; {free} free): free "
+                              "some space there, or set data.cache_dir (by default $DDTREE_CACHE/tokenized) to a "
+                              "folder on a disk with room") from None
 
     def tokenization_key(self) -> str:
         """Names this data + tokenizer + max_length (the tokenized cache's file name); feature stores record it."""

@@ -190,6 +190,9 @@ def builtin_target_folder(name: str) -> Path:
     """Return the converted safetensors folder of a built-in target, converting it on first use and again when the
     installed package ships another GGUF file than the one the cached folder was converted from."""
     folder = cache_dir() / "targets" / name
+    # At every use, not only before a conversion: a relaunch after a killed one converts again at once, while the
+    # killed one's staging folder is still fresh, and every later launch finds the target converted.
+    remove_stale_staging(folder)
     try:
         gguf, source = builtin_gguf(name)
     except DDTreeError:
@@ -200,7 +203,6 @@ def builtin_target_folder(name: str) -> Path:
     if made_from_source(folder, source, adopt_unrecorded=True):
         return folder
     check_cache_writable(folder.parent)
-    remove_stale_staging(folder)
     print(f"[ddtree] converting {gguf.name} to safetensors in {folder} (once)", flush=True)
     gguf_dir, spec = gguf.parent, BUILTIN_TARGETS[name]
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=spec.gguf_file)
@@ -225,6 +227,7 @@ TINY_TARGET_SEED = 0
 def tiny_target_folder() -> Path:
     """Build (once, seeded) the tiny random target beside the converted SmolLM2 and return its folder."""
     folder = cache_dir() / "targets" / TINY_TARGET
+    remove_stale_staging(folder)  # at every use (builtin_target_folder says why)
     tokenizer_source = builtin_target_folder("smollm2-135m")
     source = {"architecture": TINY_TARGET_ARCH, "seed": TINY_TARGET_SEED,
               "tokenizer": read_conversion_record(tokenizer_source)}
@@ -234,7 +237,6 @@ def tiny_target_folder() -> Path:
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
     check_cache_writable(folder.parent)
-    remove_stale_staging(folder)
     config = LlamaConfig(
         vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, **TINY_TARGET_ARCH,

@@ -168,6 +168,22 @@ def test_a_cached_conversion_is_used_without_the_package_and_none_is_one_line(ca
         builtin_target_folder("smollm2-135m")
 
 
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "tiny-random"])
+def test_a_killed_conversions_staging_folder_goes_once_stale_though_the_target_is_converted(cache, monkeypatch, name):
+    """A relaunch after a killed conversion converts again at once and keeps the killed one's staging folder (fresh
+    then, maybe another process's): every later launch found the target converted and returned before looking, so
+    up to 514 MB stayed in the cache for good."""
+    _, source = ddtree.targets.builtin_gguf("smollm2-135m")
+    targets = cache / "targets"
+    converted(targets, "smollm2-135m", source)
+    converted(targets, "tiny-random", config=ddtree.targets.TINY_TARGET_ARCH)  # (taken as this version's)
+    killed = make_staging(targets, f".{name}-k1ll3d_0", age_s=3600)
+    running = make_staging(targets, f".{name}-runn1ng0", age_s=5)
+    decoded = stub_decode(monkeypatch, Decoded())
+    assert resolve_target(name) == str(targets / name)
+    assert decoded == [] and not killed.exists() and running.exists()
+
 class Tokenizer:
     """Stands in for SmolLM2's tokenizer when the tiny target is built: its length and special ids, a file saved."""
     bos_token_id, eos_token_id, pad_token_id = 1, 2, 2

@@ -52,6 +52,19 @@ def file_in_the_way(path: Path) -> Path | None:
     return next((parent for parent in Path(path).parents if parent.exists() and not parent.is_dir()), None)
 
 
+def why_unwritable(folder: Path) -> str | None:
+    """Why files cannot be written into `folder` (made where missing), in words; None where they can. Asked before
+    long work whose result goes there (a decode, a tokenization), which otherwise learns it only at the end."""
+    blocker = folder if folder.exists() and not folder.is_dir() else file_in_the_way(folder)
+    if blocker is not None:
+        return f"{blocker} is a file, not a folder"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        return error.strerror or str(error)
+    return None if os.access(folder, os.W_OK | os.X_OK) else "the folder is not writable"  # (a read-only mount)
+
+
 @contextmanager
 def unwritable_as_error(path: Path):
     """A place that cannot be written (a file where a folder should be, no permission) as one DDTreeError line."""

@@ -32,7 +32,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gener
                           PreTrainedTokenizerBase)
 
 from .errors import DDTreeError
-from .files import cache_dir, staged_folder
+from .files import cache_dir, staged_folder, why_unwritable
 from .names import DTYPE_NAMES
 
 # The dtypes a user can name on any command line or recipe field of this project.
@@ -77,15 +77,7 @@ STALE_STAGING_S = 10 * 60
 
 def check_cache_writable(targets: Path) -> None:
     """The cache's targets folder must take a converted target: said before the slow decode, not after it."""
-    blocker = next((p for p in (targets, *targets.parents) if p.exists() and not p.is_dir()), None)
-    why = f"{blocker} is a file, not a folder" if blocker is not None else None
-    if why is None:
-        try:
-            targets.mkdir(parents=True, exist_ok=True)
-            if not os.access(targets, os.W_OK | os.X_OK):
-                why = "the folder is not writable"
-        except OSError as error:
-            why = error.strerror or str(error)
+    why = why_unwritable(targets)
     if why is not None:
         raise DDTreeError(f"cannot write the target cache {targets} ({why}): set DDTREE_CACHE to a writable folder "
                           f"(it is {os.environ.get('DDTREE_CACHE', 'unset, so ~/.cache/ddtree')})")

@@ -33,7 +33,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
 from ddtree.errors import DDTreeError, error_line
-from ddtree.files import atomic_file, os_error_in, write_text_atomic
+from ddtree.files import atomic_file, os_error_in, why_unwritable, write_text_atomic
 from training.conversations import TOKENIZATION_VERSION, end_of_turn_text, load_conversations, tokenize_conversations
 from training.feature_store import AUTO_STORE, FeatureStore, format_bytes
 from training.recipe_data import AUTO_DATA, check_regenerate_settings
@@ -444,6 +444,10 @@ class DistillDataModule(L.LightningDataModule):
         path = self.cache_path(tokenizer)
         if path.exists():
             return
+        why = why_unwritable(self.cache_dir)  # (a read-only mount): said before the tokenization, not after it
+        if why is not None:
+            raise DDTreeError(f"cannot write the tokenized cache {self.cache_dir} ({why}): "
+                              f"{self.move_cache('a writable folder')}")
         records = read_conversations(self.data_path)
         examples, counts = tokenize_conversations(tokenizer, records, self.max_length, self.min_supervised_tokens, self.data_path)
         if counts["truncated"]:
@@ -461,8 +465,17 @@ class DistillDataModule(L.LightningDataModule):
                 raise
             free = format_bytes(shutil.disk_usage(self.cache_dir).free)
             raise DDTreeError(f"cannot write the tokenized cache {path} ({cause.strerror or cause}; {free} free): free "
-                              "some space there, or set data.cache_dir (by default $DDTREE_CACHE/tokenized) to a "
-                              "folder on a disk with room") from None
+                              f"some space there, or {self.move_cache('a folder on a disk with room')}") from None
+
+    def move_cache(self, to: str) -> str:
+        """The setting that moves the tokenized cache `to` somewhere else, for an error: data.cache_dir where it was
+        given, else DDTREE_CACHE (whose tokenized/ it is) or data.cache_dir."""
+        if self.hparams.cache_dir is not None:
+            return f"set data.cache_dir to {to}"
+        from ddtree.targets import cache_dir as ddtree_cache_dir
+
+        return (f"set DDTREE_CACHE to {to} (it is {ddtree_cache_dir()}; the tokenized cache is its tokenized/), or "
+                "data.cache_dir")
 
     def tokenization_key(self) -> str:
         """Names this data + tokenizer + max_length (the tokenized cache's file name); feature stores record it."""

@@ -93,6 +93,26 @@ def test_datamodule_caches_tokenization(tmp_path, monkeypatch):
         make_datamodule(tmp_path, max_length=65).prepare_data()
 
 
+
+@pytest.mark.parametrize("given", [False, True])
+def test_a_read_only_tokenized_cache_is_one_line_naming_its_setting_before_the_tokenization(tmp_path, empty_cache,
+                                                                                          monkeypatch, given):
+    """A read-only mount as DDTREE_CACHE: the error came from the write, after the whole tokenization, and named no
+    setting to change."""
+    import training.data as data_module
+
+    cache = tmp_path / "mine" if given else empty_cache / "tokenized"
+    dm = make_datamodule(tmp_path, cache_dir=str(cache) if given else None)
+    real_access = os.access  # root writes through a chmod: say the folder is read-only (as a read-only mount is)
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: Path(path) != cache and real_access(path, mode, **kw))
+    monkeypatch.setattr(data_module, "tokenize_conversations", lambda *a, **k: pytest.fail("tokenized first"))
+    with pytest.raises(DDTreeError) as error:
+        dm.prepare_data()
+    setting = ("set data.cache_dir to a writable folder" if given else
+               f"set DDTREE_CACHE to a writable folder (it is {empty_cache}; the tokenized cache is its tokenized/), "
+               "or data.cache_dir")
+    assert str(error.value) == f"cannot write the tokenized cache {cache} (the folder is not writable): {setting}"
+
 def test_a_template_whose_end_of_turn_token_decoding_does_not_stop_at_is_warned_of_every_launch(tmp_path, caplog):
     """A base model's ChatML template beside eos <|endoftext|>: training supervised <|im_end|> at every reply's end,
     a token decoding never stops at, and nothing said so."""

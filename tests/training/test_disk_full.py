@@ -92,7 +92,7 @@ def test_a_tokenized_cache_on_a_full_disk_is_one_line_naming_the_setting(tmp_pat
     assert len(message.splitlines()) == 1, message
     assert message.startswith(f"cannot write the tokenized cache {dm.cache_path(dm.load_tokenizer())} (No space left "
                               "on device; ")
-    assert "data.cache_dir" in message and "DDTREE_CACHE" in message
+    assert message.endswith("free some space there, or set data.cache_dir to a folder on a disk with room")
     assert [p.name for p in cache.iterdir()] == ["digests.json"]  # (small) no staging file, no cache cut short
 
 

@@ -1,7 +1,7 @@
 """Ablations: train variants of one recipe on the same budget, measure them the same way, compare.
 
     python -m training.ablate --recipe smollm2-135m --steps 600 \
-        --variant decayed_ce= --variant dpace=--model.objective=dpace --variant tree=--model.objective=tree
+        --variant recipe= --variant lr=--model.lr=1e-3 --variant tree     # tree: the default variant of that name
     make ablate RECIPE=smollm2-135m ARGS="--steps 600"        # the DEFAULT_VARIANTS below
 
 Each variant is one ordinary training run (training/train.py) of the recipe with its overrides,
@@ -152,10 +152,18 @@ def schedule_at_the_stop(max_steps: int, accumulate: int = 1) -> list[str]:
 
 
 def parse_variant(text: str) -> tuple[str, list[str]]:
-    """"name=--a=1 --b=2" -> ("name", ["--a=1", "--b=2"])."""
-    name, _, overrides = text.partition("=")
+    """"name=--a=1 --b=2" -> ("name", ["--a=1", "--b=2"]); a bare name is the default variant of that name ("tree" ->
+    DEFAULT_VARIANTS' tree=...). Any other bare name is refused: read as "tree=", it trained the recipe unchanged
+    under that name, so `--variant tree --variant intree` tabulated the recipe's own objective twice as two others."""
+    name, equals, overrides = text.partition("=")
     if not name or not name.replace("-", "").replace("_", "").isalnum():
         raise DDTreeError(f"--variant {text!r}: give name=overrides, e.g. dpace=--model.objective=dpace")
+    if not equals:
+        defaults = dict(default.split("=", 1) for default in DEFAULT_VARIANTS)
+        if name not in defaults:
+            raise DDTreeError(f"--variant {text!r}: no default variant has that name ({', '.join(defaults)}); give "
+                              f"{name}=overrides (e.g. {name}=--model.lr=1e-3), or {name}= for the recipe as it is")
+        overrides = defaults[name]
     try:
         return name, shlex.split(overrides)
     except ValueError as error:  # an unclosed quote

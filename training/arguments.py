@@ -162,8 +162,9 @@ def ablate_parser() -> argparse.ArgumentParser:
     parser = CommandParser(description="Train variants of a recipe on one budget and compare them.")
     parser.add_argument("--recipe", default=DEFAULT_RECIPE)
     parser.add_argument("--variant", action="append", default=None,
-                        help="name=overrides (repeatable); default: the five training objectives, the two "
-                        "distillation losses and three mixes (10 variants)")
+                        help="name=overrides (repeatable; name= is the recipe as it is), or the name of a default "
+                        "variant; default: the five training objectives, the two distillation losses and three mixes "
+                        "(10 variants)")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per variant (the schedule's length)")
     parser.add_argument("--minutes", type=float, default=None, help="wall-time budget per variant (trainer.max_time)")
     parser.add_argument("--eval-limit", type=int, default=None, help="held-out prompts in the final evaluation")

@@ -110,6 +110,26 @@ def test_variants_parse(text, expected):
     assert parse_variant(text) == expected
 
 
+def test_a_bare_variant_name_is_that_default_variant_or_refused(tmp_path, capsys, monkeypatch):
+    """`--variant tree --variant intree` read as tree= and intree=: the recipe as it is (smollm2-135m's dpace + kl32),
+    trained twice and tabulated as two other objectives."""
+    import training.ablate
+
+    assert parse_variant("tree") == ("tree", ["--model.objective=tree", "--model.distill_weight=0",
+                                              "--model.distill_top_k=0"])
+    launched = []
+    monkeypatch.setattr(training.ablate, "train_main", lambda argv: launched.append(argv) or 2)
+    main(["--recipe", "tiny", "--steps", "2", "--output-root", str(tmp_path), "--variant", "tree", "--variant", "intree"])
+    assert [argv[-3] for argv in launched] == ["--model.objective=tree", "--model.objective=intree"]
+    capsys.readouterr()
+    launched.clear()
+    assert main(["--recipe", "tiny", "--steps", "2", "--output-root", str(tmp_path), "--variant", "lr"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --variant 'lr': no default variant has that name (") and \
+        "lr= for the recipe as it is" in err[0], err
+    assert not launched
+
+
 def test_the_table_shows_every_budget_and_a_dash_where_a_variant_did_not_measure_it():
     def result(name, taus, chain_tau):
         return {"variant": name, "step": 3, "run_minutes": 1.0, "val_loss": None, "accuracy": [0.5], "recall": [None],

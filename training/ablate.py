@@ -5,7 +5,8 @@
     make ablate RECIPE=smollm2-135m ARGS="--steps 600"        # the DEFAULT_VARIANTS below
 
 Each variant is one ordinary training run (training/train.py) of the recipe with its overrides,
-under <output-root>/<recipe>/ablate-<stamp>-<variant>/, all with the same step budget (or the same
+under <output-root>/<recipe>/ablate-<stamp>-<variant>/ (the stamp: the start time; <time>-2 for a second ablation
+started in the same second), all with the same step budget (or the same
 --minutes of wall time), the same data order, the same seed and the same in-training acceptance
 evaluation at the end: real tree decoding of the recipe's held-out prompts (`eval:` section,
 --eval-limit and --eval-max-new-tokens apply to every variant alike). Variants run one after the
@@ -50,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import io
+import itertools
 import json
 import math
 import os
@@ -70,7 +72,7 @@ from matplotlib.figure import Figure
 
 from ddtree.bench import CHAIN, budget_of
 from ddtree.errors import INTERRUPTED, DDTreeError, command, error_line
-from ddtree.files import atomic_file, finite_json, read_yaml_mapping, write_text_atomic
+from ddtree.files import atomic_file, finite_json, read_yaml_mapping, unwritable_as_error, write_text_atomic
 
 from .callbacks import AcceptanceEvaluation
 from .checkpoint_paths import ABLATE_PREFIX
@@ -168,6 +170,25 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
         return name, shlex.split(overrides)
     except ValueError as error:  # an unclosed quote
         raise DDTreeError(f"--variant {text!r}: {error} in its overrides; close the quote") from None
+
+
+def claim_stamp(root: Path, names: list[str]) -> str:
+    """The ablation's stamp, its start time, taken by creating its table (ablate-<stamp>.md, empty until the first
+    variant ends) here and only here: two ablations started in the same second (a sweep started with `&`) shared one,
+    so each rewrote the other's table and same-named variants met in one run folder. The second now takes <time>-2, as
+    stamped_run_folder (training/train.py) names a run; so does one whose variants' run folders exist already."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    with unwritable_as_error(root):
+        root.mkdir(parents=True, exist_ok=True)
+        for number in itertools.count(1):
+            candidate = stamp if number == 1 else f"{stamp}-{number}"
+            if any((root / f"{ABLATE_PREFIX}{candidate}-{name}").exists() for name in names):
+                continue
+            try:
+                (root / f"ablate-{candidate}.md").open("x").close()
+                return candidate
+            except FileExistsError:
+                continue
 
 
 def last_validation(run_dir: Path) -> dict[str, float]:
@@ -387,9 +408,10 @@ def main(argv: list[str] | None = None) -> int:
 
     # For devices > 1 Lightning starts the other processes by re-running this command: they take the first one's stamp,
     # so each variant is one run folder, and leave the measuring and writing to it
-    stamp = os.environ.get(ABLATE_STAMP_ENV) or time.strftime("%Y%m%d-%H%M%S")
-    first = is_first_process()
     root = Path(args.output_root) / args.recipe
+    first = is_first_process()
+    stamp = os.environ.get(ABLATE_STAMP_ENV) or (claim_stamp(root, [name for name, _ in variants]) if first
+                                                 else time.strftime("%Y%m%d-%H%M%S"))
     results, failed = [], 0
     os.environ[ABLATE_STAMP_ENV] = stamp
     try:

@@ -175,9 +175,28 @@ def test_a_stopped_variant_is_a_row_the_others_still_compare_and_unequal_data_is
     assert plot(results) is not None  # a stopped variant has no bars: nothing drawn at 0
 
     launched.clear()  # --minutes alone: a variant the clock cuts anneals by it
-    main(["--recipe", "tiny", "--minutes", "2", "--output-root", str(tmp_path / "minutes"), "--variant", "a="])  # (a
-    # launch within the same second would take the first one's run folder names)
+    main(["--recipe", "tiny", "--minutes", "2", "--output-root", str(tmp_path / "minutes"), "--variant", "a="])
     assert "--model.anneal_by_max_time=true" in launched[0] and "--trainer.max_time=null" not in launched[0]
+
+
+def test_two_ablations_started_in_the_same_second_keep_their_own_tables_and_run_folders(tmp_path, monkeypatch):
+    """Both took the stamp of that second (two started with `&`): the second's table replaced the first's, and a
+    variant name they shared trained both into one run folder (the second refused as in use, or its eval/ taken)."""
+    import training.ablate
+
+    monkeypatch.setattr("time.strftime", lambda fmt: "20261203-162910")
+    monkeypatch.setattr(training.ablate, "train_main", lambda argv: fake_run(argv, {}) and 0)
+    for _ in range(2):
+        assert main(["--recipe", "tiny", "--steps", "3", "--output-root", str(tmp_path), "--variant", "a="]) == 0
+    root = tmp_path / "tiny"
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["ablate-20261203-162910-2-a", "ablate-20261203-162910-a"]
+    for stamp in ("20261203-162910", "20261203-162910-2"):
+        assert "| a | 3 |" in (root / f"ablate-{stamp}.md").read_text()
+        assert json.loads((root / f"ablate-{stamp}.json").read_text())[0]["run"] == str(root / f"ablate-{stamp}-a")
+    # a stamp whose variant run folder is there (its table deleted, say) is not taken again
+    (root / "ablate-20261203-162910-3-b").mkdir()
+    assert main(["--recipe", "tiny", "--steps", "3", "--output-root", str(tmp_path), "--variant", "b="]) == 0
+    assert (root / "ablate-20261203-162910-4-b" / "eval").is_dir() and (root / "ablate-20261203-162910-4.md").is_file()
 
 
 def test_under_minutes_alone_a_variant_evaluates_and_validates_only_where_it_stops(tmp_path, monkeypatch):

@@ -34,8 +34,9 @@ check_before_building: its values, the machine, the files it reads): a bad one i
 they all share is one line naming the flag, not a stop found after the variants before it had trained.
 A variant that stops (a diverged loss, say), fails (an exception, a CUDA out-of-memory say: its traceback is printed),
 or ends with no evaluation (no step trained), is a row saying so; the others still run, the table is written, and the
-exit status is not 0. Ctrl-C or SIGTERM (a scheduler's) stops the whole ablation: the interrupted variant is a row,
-the table of the variants so far is written, and the status is 130 or 143.
+exit status is not 0. Ctrl-C or SIGTERM (a scheduler's) stops the whole ablation, wherever a variant's launch is (its
+training, or its set-up and export, outside Lightning's fit): the interrupted variant is a row, the table of the variants
+so far is written, and the status is 130 or 143.
 
 The table (printed at the end, and written with a plot to <output-root>/<recipe>/ablate-<stamp>.{md,json,png} after
 each variant, so an ablation killed midway keeps the variants it finished):
@@ -67,6 +68,7 @@ from .arguments import ablate_parser, answer_early, check_recipe_args, check_rec
 # python -m: --help and a bad --recipe before Lightning loads
 answer_early(__name__, ablate_parser, check_recipe_args, overrides=True)
 
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
@@ -104,6 +106,27 @@ DEFAULT_VARIANTS = [  # the published loss, the four acceptance-weighted objecti
     f"intree-kl32=--model.objective=intree {KL} --model.distill_top_k=32",
     f"dpace-kl32=--model.objective=dpace {KL} --model.distill_top_k=32",
 ]
+
+
+class SigtermOutsideFit:
+    """ablate's SIGTERM handler while its variants run. Lightning's (SigtermAtStepBoundary's note) holds the signal only
+    inside fit; in a variant's set-up (its data, feature stores: minutes each) or its export the default action ended
+    the ablation at once, with no row for the variant and no table. In a launch this one raises what Lightning's loop
+    raises, which ablate makes the variant's "stopped by SIGTERM" row and status 143; between launches (the table being
+    written) it notes the signal, and the next variant stops before it starts. Inside fit Lightning's handler calls
+    this one too, as the one it replaced (and restores it after fit): it leaves that stop to Lightning, which ends the
+    run where a step ends, saved."""
+
+    def __init__(self):
+        self.received = False
+        self.raising = False  # in a variant's launch
+
+    def __call__(self, signum, frame) -> None:
+        if signal.getsignal(signal.SIGTERM) is not self:  # called by Lightning's handler, in fit
+            return
+        self.received = True
+        if self.raising:
+            raise SIGTERMException
 
 
 def check_variant(recipe: Path, overrides: list[str], launch: bool = True):
@@ -414,6 +437,8 @@ def main(argv: list[str] | None = None) -> int:
                                                  else time.strftime("%Y%m%d-%H%M%S"))
     results, failed = [], 0
     os.environ[ABLATE_STAMP_ENV] = stamp
+    sigterm = SigtermOutsideFit()
+    previous_sigterm = signal.signal(signal.SIGTERM, sigterm)
     try:
         for name, overrides in variants:
             run = f"{ABLATE_PREFIX}{stamp}-{name}"
@@ -421,15 +446,22 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[ablate] {name}: {' '.join(overrides) or '(the recipe as it is)'} -> {root / run}", flush=True)
             started = time.perf_counter()
             why = None
+            sigterm.raising = True
             try:
+                if sigterm.received:  # while the table of the variant before was written
+                    raise SIGTERMException
                 status = train_main(["--recipe", args.recipe, "--run-name", run, "--output-root", args.output_root,
                                      *budget, *schedules[name], *common, *overrides])
             except KeyboardInterrupt:  # Ctrl-C outside training's loop (its data preparation, say): the same stop
                 status = INTERRUPTED
+            except SIGTERMException:  # outside Lightning's fit (SigtermOutsideFit): the same stop
+                status = 128 + signal.SIGTERM
             except Exception as error:  # a CUDA out-of-memory, say: this variant's failure, not the comparison's
                 traceback.print_exc()  # not bad input: keep what a bug report needs
                 reason = f"failed: {type(error).__name__}: {error_line(error)}"[:FAILED_REASON_CHARS]
                 status, why = 1, reason.replace("|", "/")  # one table cell
+            finally:
+                sigterm.raising = False
             if not first:  # rank 0 alone wrote the evaluation and writes the table; a non-zero exit here would have
                 # Lightning kill rank 0 before its table, so only a stop ends this process, with the stop's status
                 if status in STOPPED_BY:
@@ -454,6 +486,7 @@ def main(argv: list[str] | None = None) -> int:
                 break
     finally:
         os.environ.pop(ABLATE_STAMP_ENV, None)  # a later ablation in this process takes its own
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous_sigterm is None else previous_sigterm)
 
     if first:
         print(markdown_table(results))

@@ -382,6 +382,70 @@ def test_ctrl_c_or_sigterm_stops_the_whole_ablation_with_the_table_of_the_varian
     assert [r["variant"] for r in json.loads(next(tmp_path.glob("tiny/ablate-*.json")).read_text())] == ["a", "b"]
 
 
+@pytest.mark.parametrize("when", ["set-up", "fit", "between"])
+def test_a_sigterm_outside_fit_stops_the_ablation_with_a_row_and_the_table_too(tmp_path, monkeypatch, capsys, when):
+    """Lightning's SIGTERM handler exists only inside fit: one in a variant's set-up (its feature stores: minutes each)
+    or while the table was written took the default action, so the ablation died with no row for the variant, no
+    table printed, and no status of its own. In fit, Lightning's handler calls the one it replaced: that one must
+    leave the stop to it (a stop where a step ends, saved), not raise in the middle of the step."""
+    import signal
+
+    import training.ablate
+    from lightning.pytorch.trainer.connectors.signal_connector import _HandlersCompose
+
+    received = []
+
+    def own_handler(signum, frame):  # stands in for the process's own (the default one would end pytest)
+        received.append(signum)
+
+    previous = signal.signal(signal.SIGTERM, own_handler)
+    launched, went_on = [], []
+
+    def fake_train(argv: list[str]) -> int:
+        launched.append(argv)
+        if len(launched) == 2 and when == "set-up":
+            os.kill(os.getpid(), signal.SIGTERM)  # delivered here, before fit
+            went_on.append("set-up")
+        if len(launched) == 2 and when == "fit":  # as Lightning's fit registers its handler over ablate's
+            replaced = signal.getsignal(signal.SIGTERM)
+            noted = []
+            signal.signal(signal.SIGTERM, _HandlersCompose([lambda signum, frame: noted.append(signum), replaced]))
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                went_on.append("fit")  # the step goes on to its end, where Lightning stops the run
+            finally:
+                signal.signal(signal.SIGTERM, replaced)
+            assert noted
+            return 143  # training.train's status for the stop
+        fake_run(argv, {})
+        return 0
+
+    write_results = training.ablate.write_results
+
+    def write_and_signal(base, results):
+        write_results(base, results)
+        if when == "between" and len(results) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(training.ablate, "train_main", fake_train)
+    monkeypatch.setattr(training.ablate, "write_results", write_and_signal)
+    try:
+        status = main(["--recipe", "tiny", "--steps", "3", "--output-root", str(tmp_path), "--variant", "a=",
+                       "--variant", "b=", "--variant", "c="])
+        restored = signal.getsignal(signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert status == 143
+    assert went_on == (["fit"] if when == "fit" else [])
+    assert len(launched) == (1 if when == "between" else 2)  # c never started
+    assert not received and restored is own_handler  # ablate's handler while it ran, the process's own again after
+    out, err = capsys.readouterr()
+    assert "[ablate] b: stopped by SIGTERM (exit status 143); the variants after it are not run" in err
+    assert "| a | 3 |" in out and "| b | stopped by SIGTERM (exit status 143): nothing measured |" in out  # printed
+    table = next(tmp_path.glob("tiny/ablate-*.md")).read_text()
+    assert "| b | stopped by SIGTERM (exit status 143): nothing measured |" in table and "| c |" not in table
+
+
 def test_the_processes_lightning_starts_for_several_devices_train_the_same_runs_and_write_nothing(tmp_path, monkeypatch,
                                                                                                    capsys):
     """With trainer.devices > 1 Lightning re-runs this command in each other process: each took its own stamp, so

@@ -727,6 +727,9 @@ class AcceptanceEvaluation(L.Callback):
             "corpus": self.corpus is not None,
             "calibrated": drafter_config.calibration is not None,  # model.replay_calibration: lookups' nodes counted
             "block_size": int(drafter_config.block_size),
+            # auto is measured per launch (resolve_packing): what it ran as, as `ddtree bench` records it; None before
+            # a decoding resolves it
+            "packed_weights": self.packed_weights, "packed_weights_resolved": self.pack_target,
         }
 
     def _report_no_evaluation(self, trainer, ended: str, error: str = "") -> None:

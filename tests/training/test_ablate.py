@@ -130,6 +130,24 @@ def test_a_bare_variant_name_is_that_default_variant_or_refused(tmp_path, capsys
     assert not launched
 
 
+def test_an_evaluation_records_the_packed_weights_it_decoded_with():
+    """eval.packed_weights auto is measured per launch (a second's timing), so variants of one ablation decoded with
+    different kernels and nothing recorded which: ablate reads the choice from each variant's evaluation."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from training.callbacks import AcceptanceEvaluation
+
+    drafter_config = SimpleNamespace(lookup=0, redraft=0, calibration=None, block_size=8)
+    for choice, packed in (("off", False), ("auto", False)):
+        evaluation = AcceptanceEvaluation(packed_weights=choice)
+        assert evaluation.settings(drafter_config, 1)["packed_weights_resolved"] is None  # not resolved yet
+        evaluation.resolve_packing(torch.nn.Linear(4, 4).to(torch.bfloat16), say=False)  # auto: nothing to pack in bf16
+        settings = evaluation.settings(drafter_config, 1)
+        assert settings["packed_weights"] == choice and settings["packed_weights_resolved"] is packed
+
+
 def test_the_table_shows_every_budget_and_a_dash_where_a_variant_did_not_measure_it():
     def result(name, taus, chain_tau):
         return {"variant": name, "step": 3, "run_minutes": 1.0, "val_loss": None, "accuracy": [0.5], "recall": [None],

@@ -28,7 +28,10 @@ Equal terms:
   -top<k>), each cut by its own clock. The table counts each variant's training sequences (<run>/data.json) and says
   so where they differ; whole stores (make features FORCE=1 ARGS=--data.store_max_minutes=null, per store kind) or
   online features (--data.feature_store=null) put every variant on all of it;
-- "launch min" is each variant's whole launch, set-up included: the first variant to need a store builds it.
+- "launch min" is each variant's whole launch, set-up included: the first variant to need a store builds it;
+- the same decoding kernels: eval.packed_weights auto (a CPU fp32 target through packed weights where a second's timing
+  finds them faster) is decided by the first variant measured, and the others of its target decode with its choice
+  (--eval.packed_weights=on or off); each evaluation records it, and the table says where variants differ.
 Before the first variant trains, every one is checked as its own launch will check it (training.recipe's
 check_before_building: its values, the machine, the files it reads): a bad one is one line naming it, and a bad flag
 they all share is one line naming the flag, not a stop found after the variants before it had trained.
@@ -255,6 +258,14 @@ def draft_vocab_size(run_dir: Path) -> int | None:
     return (read_yaml_mapping(config).get("model") or {}).get("draft_vocab_size") if config.is_file() else None
 
 
+def decoding_target(config) -> tuple:
+    """What eval.packed_weights auto decides by for a variant: its target as training loads it, on its device. Variants
+    alike in these decode alike (the first one's evaluation decides for the others); another precision or target decides
+    for itself (`on` would be an error where nothing can be packed: bf16, a GPU)."""
+    model, trainer = config.model, config.trainer
+    return model.target, model.target_adapter, model.target_dtype, str(trainer.accelerator), str(trainer.precision)
+
+
 def summarize_variant(name: str, run_dir: Path, seconds: float) -> dict:
     evaluation, validation = last_evaluation(run_dir), last_validation(run_dir)
     summary = evaluation["summary"]
@@ -271,6 +282,8 @@ def summarize_variant(name: str, run_dir: Path, seconds: float) -> dict:
         "chain_expected_tau": summary[CHAIN].get("expected_tau"),  # absent in evaluations made before decoding recorded it
         "data": read_data_record(run_dir),
         "draft_vocab_size": draft_vocab_size(run_dir),  # its val loss is over the labels in that vocabulary only
+        # whether the target decoded through packed weights (eval.packed_weights, maybe auto): its evaluation's time
+        "packed_weights": evaluation["settings"].get("packed_weights_resolved"),
         # what the decoder added to the drafter's own drafts: lookup and corpus nodes in the trees, re-drafts behind
         # the best depth-1 tokens (model.redraft_prob > 0 sets the drafter's redraft) in the trees and the chain
         "decoded_with": {key: evaluation["settings"][key] for key in ("lookup", "corpus", "redraft")
@@ -318,6 +331,12 @@ def markdown_table(results: list[dict]) -> str:
         lines += ["", f"The variants draft from different vocabularies (model.draft_vocab_size: {sizes}): val loss is "
                   "over the labels in each one's draft vocabulary only, so it does not compare across them. acc@ and "
                   f"recall{RECALL_K}@ count every label, one outside the vocabulary as a miss, so they do."]
+    kernels = {r["variant"]: r["packed_weights"] for r in results if r.get("packed_weights") is not None}
+    if len(set(kernels.values())) > 1:
+        which = ", ".join(f"{name} {'on' if packed else 'off'}" for name, packed in kernels.items())
+        lines += ["", f"The variants' targets decoded with different kernels (eval.packed_weights: {which}): their "
+                  "launch min does not compare (packed weights evaluate faster on a CPU), and their tau may differ at "
+                  "fp32's rounding. Give --eval.packed_weights=on or off to decode them alike."]
     carried = {r["variant"]: decoder_additions(r["decoded_with"]) for r in results if r.get("decoded_with")}
     if carried:  # report.md says the same of a run's own table
         decoders = "; ".join(f"{name} decoded with {how}" for name, how in carried.items())
@@ -420,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.redirect_stdout(io.StringIO()):
         check_shared(recipe_path(args.recipe), [*shared, (" ".join(common), common)])
         schedules = {}  # each variant's evaluation and validation steps under --minutes alone: at its stop only
+        packing = {}  # each variant's eval.packed_weights and the target it decides by
         for name, overrides in variants:  # every variant checked as training will before any trains: a bad one in the
             try:                           # last would otherwise stop the comparison after the others had trained
                 config = check_variant(recipe_path(args.recipe), [*budget, *common, *overrides])
@@ -428,6 +448,7 @@ def main(argv: list[str] | None = None) -> int:
             # --steps set the schedule for all; a variant accumulating batches validates at its last step only if
             # its interval counts them (Lightning's val_check_interval is in batches)
             schedules[name] = schedule_at_the_stop(config.trainer.max_steps, config.trainer.accumulate_grad_batches or 1)
+            packing[name] = config.eval.packed_weights, decoding_target(config)
 
     # For devices > 1 Lightning starts the other processes by re-running this command: they take the first one's stamp,
     # so each variant is one run folder, and leave the measuring and writing to it
@@ -436,6 +457,11 @@ def main(argv: list[str] | None = None) -> int:
     stamp = os.environ.get(ABLATE_STAMP_ENV) or (claim_stamp(root, [name for name, _ in variants]) if first
                                                  else time.strftime("%Y%m%d-%H%M%S"))
     results, failed = [], 0
+    # eval.packed_weights auto, decided once: each launch timed its own packing for a second on a machine the ablation
+    # keeps busy, so variants decoded with different kernels (evaluations 1.7x apart). The first variant of a target
+    # to be measured decides it, and the others of that target decode with its choice (rank 0 alone reads it: the
+    # other processes of a launch decode as rank 0 chose, AcceptanceEvaluation.on_train_start).
+    decided: dict[tuple, bool] = {}
     os.environ[ABLATE_STAMP_ENV] = stamp
     sigterm = SigtermOutsideFit()
     previous_sigterm = signal.signal(signal.SIGTERM, sigterm)
@@ -446,12 +472,15 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[ablate] {name}: {' '.join(overrides) or '(the recipe as it is)'} -> {root / run}", flush=True)
             started = time.perf_counter()
             why = None
+            choice, target = packing[name]
+            packed = ([f"--eval.packed_weights={'on' if decided[target] else 'off'}"]
+                      if choice == "auto" and target in decided else [])
             sigterm.raising = True
             try:
                 if sigterm.received:  # while the table of the variant before was written
                     raise SIGTERMException
                 status = train_main(["--recipe", args.recipe, "--run-name", run, "--output-root", args.output_root,
-                                     *budget, *schedules[name], *common, *overrides])
+                                     *budget, *schedules[name], *common, *overrides, *packed])
             except KeyboardInterrupt:  # Ctrl-C outside training's loop (its data preparation, say): the same stop
                 status = INTERRUPTED
             except SIGTERMException:  # outside Lightning's fit (SigtermOutsideFit): the same stop
@@ -481,6 +510,14 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"[ablate] {name}: {error}; going on with the other variants", file=sys.stderr)
                     results.append(stopped_variant(name, root / run, seconds, status, "no evaluation"))
                     failed = failed or 1
+                resolved = results[-1].get("packed_weights")
+                if choice == "auto" and target not in decided and resolved is not None:
+                    decided[target] = resolved
+                    alike = [later for later, _ in variants[len(results):] if packing[later] == (choice, target)]
+                    if alike:
+                        print(f"[ablate] eval.packed_weights auto -> {'on' if resolved else 'off'}, as {name}'s "
+                              f"evaluation measured it; the later variants of its target decode alike "
+                              f"(--eval.packed_weights={'on' if resolved else 'off'}): {', '.join(alike)}", flush=True)
             write_results(root / f"ablate-{stamp}", results)  # after each variant: a killed ablation keeps them
             if status in STOPPED_BY:  # one Ctrl-C (or a scheduler's SIGTERM, before its SIGKILL) stops the ablation
                 break

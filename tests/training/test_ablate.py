@@ -40,6 +40,13 @@ def test_two_variants_of_the_tiny_recipe_are_trained_measured_and_compared(tmp_p
     configs = {name: (run / "config.yaml").read_text() for name, run in runs.items()}
     assert "objective: frontier" in configs["frontier"] and "redraft_prob: 0.5" in configs["frontier"]
     assert "objective: decayed_ce" in configs["plain"]
+    # eval.packed_weights auto is decided once, by the first variant's evaluation, and recorded in each one's
+    recorded = [json.loads(next((runs[name] / "eval").glob("step-*.json")).read_text())["settings"]
+                for name in ("plain", "frontier")]
+    resolved = recorded[0]["packed_weights_resolved"]
+    assert recorded[0]["packed_weights"] == "auto" and isinstance(resolved, bool)
+    assert recorded[1]["packed_weights"] == ("on" if resolved else "off")
+    assert recorded[1]["packed_weights_resolved"] is resolved and [r["packed_weights"] for r in results] == [resolved] * 2
     assert next((tmp_path / "out" / "tiny").glob("ablate-*.png")).stat().st_size > 0
 
 
@@ -146,6 +153,37 @@ def test_an_evaluation_records_the_packed_weights_it_decoded_with():
         evaluation.resolve_packing(torch.nn.Linear(4, 4).to(torch.bfloat16), say=False)  # auto: nothing to pack in bf16
         settings = evaluation.settings(drafter_config, 1)
         assert settings["packed_weights"] == choice and settings["packed_weights_resolved"] is packed
+
+
+def test_the_first_variant_measured_decides_packed_weights_for_every_variant_of_its_target(tmp_path, monkeypatch,
+                                                                                            capsys):
+    """eval.packed_weights auto was timed by each launch (a second, on a machine the ablation keeps busy): the review's
+    three smollm2 variants decoded on, on, off, 1.7x apart in evaluation time, and nothing said so."""
+    import training.ablate
+
+    launched = []
+
+    def fake_train(argv: list[str]) -> int:
+        launched.append(argv)
+        if argv[argv.index("--run-name") + 1].endswith("-boom"):
+            return 1  # stopped before its evaluation: decides nothing
+        given = [arg.split("=")[1] for arg in argv if arg.startswith("--eval.packed_weights=")]
+        fake_run(argv, {"packed_weights_resolved": given[-1] == "on" if given else True})  # auto measures: on
+        return 0
+
+    monkeypatch.setattr(training.ablate, "train_main", fake_train)
+    assert main(["--recipe", "tiny", "--steps", "3", "--output-root", str(tmp_path), "--variant", "boom=--model.lr=1e3",
+                 "--variant", "a=", "--variant", "b=--model.objective=dpace", "--variant", "off=--eval.packed_weights=off",
+                 "--variant", "bf16=--trainer.precision=bf16-mixed", "--variant", "c=--model.objective=tree"]) == 1
+    decided = [[arg for arg in argv if arg.startswith("--eval.packed_weights")] for argv in launched]
+    assert decided == [[], [], ["--eval.packed_weights=on"], ["--eval.packed_weights=off"],  # its own choice
+                       [], ["--eval.packed_weights=on"]]  # bf16: another target dtype, its own auto
+    assert "[ablate] eval.packed_weights auto -> on, as a's evaluation measured it; the later variants of its target " \
+           "decode alike (--eval.packed_weights=on): b, c" in capsys.readouterr().out
+    results = json.loads(next(tmp_path.glob("tiny/ablate-*.json")).read_text())
+    assert [r.get("packed_weights") for r in results] == [None, True, True, False, True, True]
+    table = next(tmp_path.glob("tiny/ablate-*.md")).read_text()
+    assert "different kernels (eval.packed_weights: a on, b on, off off, bf16 on, c on)" in table
 
 
 def test_the_table_shows_every_budget_and_a_dash_where_a_variant_did_not_measure_it():

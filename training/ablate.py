@@ -39,7 +39,8 @@ A variant that stops (a diverged loss, say), fails (an exception, a CUDA out-of-
 or ends with no evaluation (no step trained), is a row saying so; the others still run, the table is written, and the
 exit status is not 0. Ctrl-C or SIGTERM (a scheduler's) stops the whole ablation, wherever a variant's launch is (its
 training, or its set-up and export, outside Lightning's fit): the interrupted variant is a row, the table of the variants
-so far is written, and the status is 130 or 143.
+so far is written, the status is 130 or 143, and the last line is the `make ablate` that trains only the variants not
+measured (the interrupted one and those after it), into a table of their own.
 
 The table (printed at the end, and written with a plot to <output-root>/<recipe>/ablate-<stamp>.{md,json,png} after
 each variant, so an ablation killed midway keeps the variants it finished):
@@ -215,6 +216,25 @@ def claim_stamp(root: Path, names: list[str]) -> str:
                 return candidate
             except FileExistsError:
                 continue
+
+
+def rerun_command(args, common: list[str], variants: list[tuple[str, list[str]]]) -> str:
+    """The `make ablate` that trains `variants` (name, overrides) alone with the ablation's budget, evaluation and
+    shared flags, each as it trained here: a default variant by its name, any other as name=overrides. After a stop,
+    training's own line said to start "the same command", which trains the variants already measured again."""
+    defaults = dict(parse_variant(text) for text in DEFAULT_VARIANTS)
+    flags = [*(["--steps", str(args.steps)] if args.steps is not None else []),
+             *(["--minutes", str(args.minutes)] if args.minutes is not None else []),
+             *(["--eval-limit", str(args.eval_limit)] if args.eval_limit is not None else []),
+             *(["--eval-max-new-tokens", str(args.eval_max_new_tokens)] if args.eval_max_new_tokens is not None else []),
+             "--output-root", args.output_root, *common]
+    for name, overrides in variants:
+        flags += ["--variant", name if defaults.get(name) == overrides else f"{name}={shlex.join(overrides)}"]
+    # make expands a $ in ARGS, and hands its value to the shell unquoted: one shell word that keeps each flag's own
+    # quotes, in double quotes where nothing in it means anything there
+    given = shlex.join(flags).replace("$", "$$")
+    given = f'"{given}"' if not any(c in given for c in '"$`\\!') else shlex.quote(given)
+    return f"make ablate RECIPE={shlex.quote(args.recipe)} ARGS={given}"
 
 
 def last_validation(run_dir: Path) -> dict[str, float]:
@@ -528,6 +548,14 @@ def main(argv: list[str] | None = None) -> int:
     if first:
         print(markdown_table(results))
         print(f"[ablate] table, results and plot: {root / f'ablate-{stamp}'}.{{md,json,png}}")
+        if failed in STOPPED_BY:  # the stopped variant and those after it; a new ablation, with a table of its own
+            missing = variants[len(results) - 1:]
+            # decoding with the kernels these variants had here, where one choice covers them all
+            kept = {decided.get(packing[name][1]) for name, _ in missing if packing[name][0] == "auto"}
+            alike = [f"--eval.packed_weights={'on' if kept.pop() else 'off'}"] if kept in ({True}, {False}) else []
+            print(f"[ablate] not measured: {', '.join(name for name, _ in missing)}; to train only those (a new "
+                  f"table beside this one): {rerun_command(args, [*common, *alike], missing)}", file=sys.stderr,
+                  flush=True)
     return failed  # 130 or 143 for a stopped ablation, else the first stopped variant's status (1 for one that failed
     # or had no evaluation): a comparison with a hole is not a clean exit
 

@@ -438,6 +438,44 @@ def test_ctrl_c_or_sigterm_stops_the_whole_ablation_with_the_table_of_the_varian
     assert [r["variant"] for r in json.loads(next(tmp_path.glob("tiny/ablate-*.json")).read_text())] == ["a", "b"]
 
 
+def test_a_stopped_ablation_says_the_command_that_trains_only_the_variants_not_measured(tmp_path, monkeypatch, capsys):
+    """After a Ctrl-C training's own line said to start the same command again, which takes a new stamp and trains
+    the variants already measured again; nothing said how to train only the missing ones."""
+    import shlex
+
+    import training.ablate
+
+    launched = []
+
+    def fake_train(argv: list[str]) -> int:
+        launched.append(argv)
+        if argv[argv.index("--run-name") + 1].endswith("-tree") and len(launched) == 2:
+            return 130  # Ctrl-C in the second variant
+        fake_run(argv, {"packed_weights_resolved": True})  # the first decides: the others decode alike
+        return 0
+
+    monkeypatch.setattr(training.ablate, "train_main", fake_train)
+    out = tmp_path / "out dir"  # one shell word only where quoted
+    given = ["--recipe", "tiny", "--steps", "3", "--eval-limit", "1", "--output-root", str(out), "--model.lr=0.002",
+             "--variant", "a=", "--variant", "tree", "--variant", "q=--model.objective=dpace --model.gamma=5"]
+    assert main(given) == 130
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("[ablate] not measured: tree, q; to train only those (a new table beside this one): make "
+                           "ablate RECIPE=tiny ARGS="), line
+    make = shlex.split(line.split(": ", 2)[2])  # as the shell hands it to make, which hands ARGS to the shell again
+    args = shlex.split(make[3].removeprefix("ARGS=").replace("$$", "$"))
+    assert make[:3] == ["make", "ablate", "RECIPE=tiny"] and "--variant" in args and "tree" in args  # the default's name
+    assert "--eval.packed_weights=on" in args  # the kernels the variants measured here decoded with
+    stopped = launched[1]
+    launched.clear()
+    assert main(["--recipe", "tiny", *args]) == 0  # as the Makefile runs it
+    assert [argv[argv.index("--run-name") + 1].rsplit("-", 1)[1] for argv in launched] == ["tree", "q"]
+    without_run = lambda argv: sorted(arg for arg in argv if not arg.startswith("ablate-"))  # noqa: E731
+    assert without_run(launched[0]) == without_run(stopped)  # the same launch as the stopped one's
+    assert launched[1][-2:] == ["--model.objective=dpace", "--model.gamma=5"] and "--model.lr=0.002" in launched[1]
+    assert len(list(out.glob("tiny/ablate-*.md"))) == 2
+
+
 @pytest.mark.parametrize("when", ["set-up", "fit", "between"])
 def test_a_sigterm_outside_fit_stops_the_ablation_with_a_row_and_the_table_too(tmp_path, monkeypatch, capsys, when):
     """Lightning's SIGTERM handler exists only inside fit: one in a variant's set-up (its feature stores: minutes each)

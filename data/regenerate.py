@@ -47,7 +47,10 @@ How the work is laid out, so it survives interruption:
 Backends: transformers (a batched decoding loop, left padding, KV cache) everywhere; vLLM when it is
 importable and a GPU is present (or --backend vllm). Special tokens are dropped from the response
 text so a stray template token cannot break the conversation structure when it is re-rendered.
-Sampling (--temperature > 0) cuts with serving's top-p rule (ddtree.decoding.top_p_filter; vLLM has its own).
+Sampling (--temperature > 0) cuts with serving's top-p rule (ddtree.decoding.top_p_filter; vLLM has its own), and
+each prompt draws from a generator of its own, seeded from --seed and the prompt's id, so that neither --batch-size,
+--chunk-size nor the shards choose a sampled reply (the settings record it as sampling: per-prompt; sampled data made
+before, whose chunk drew its replies together, is refused as other settings rather than mixed with new chunks).
 Bad input (a malformed prompt file, settings that differ from the finished chunks, a regeneration.json or
 settings.json that is not a JSON object) prints one `error:` line naming the file and exits with status 2.
 """
@@ -55,6 +58,7 @@ settings.json that is not a JSON object) prints one `error:` line naming the fil
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib
 import importlib.util
 import json
@@ -96,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (evaluation decodes at T=0)")
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (per chunk: seed, chunk index)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="sampling seed: each prompt draws from its own generator, seeded from it and the prompt's id")
     p.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default="bfloat16")
     p.add_argument("--device", default=None, help=DEVICE_HELP)
     p.add_argument("--batch-size", type=int, default=64)
@@ -261,11 +266,20 @@ def checked_args(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
+# How a sampled reply draws its tokens, recorded with the settings of sampled data (greedy data has no draws to
+# record, and the shipped data stays as it was): from a generator of its own, seeded from its prompt (prompt_seed).
+# Sampled data made before this was recorded drew a chunk's replies together from one generator, seeded per chunk,
+# so that its replies moved with --batch-size and --chunk-size: it reads as "per-chunk" (recorded_settings).
+SAMPLING = "per-prompt"
+
+
 def response_settings(args: argparse.Namespace) -> dict:
     """The settings that choose a chunk's replies; --limit does not (it only says how many chunks). The adapter by
     its path and its files' sha256: retrained at the same path, it writes other replies. Left out: the machine and
     --batch-size, which in bf16 move a greedy reply at a near tie (data/README.md); recorded, --batch-size would
-    refuse the shipped data (whose regeneration.json lacks it) and stop it being extended."""
+    refuse the shipped data (whose regeneration.json lacks it) and stop it being extended. Sampled, the settings
+    say how the tokens are drawn (SAMPLING)."""
+    sampled = {"sampling": SAMPLING} if args.temperature > 0 else {}
     return {
         "target": args.target,
         "target_adapter": args.target_adapter,
@@ -277,13 +291,22 @@ def response_settings(args: argparse.Namespace) -> dict:
         "seed": args.seed,
         "dtype": args.dtype,
         "chunk_size": args.chunk_size,
+        **sampled,
     }
+
+
+def recorded_settings(old: dict) -> dict:
+    """Settings as a record holds them, read as this script's: sampled data that records no `sampling` was made
+    before it was recorded, by a chunk's replies drawn together (SAMPLING)."""
+    sampled = old.get("temperature") not in (None, 0)
+    return {**old, "sampling": "per-chunk"} if sampled and "sampling" not in old else old
 
 
 def changed_settings(old: dict, settings: dict) -> list[str]:
     """What differs between recorded settings and this job's, one "name: old -> new" each. One prompts file is one
     setting however its path is spelled (same_file_spelling), one adapter wherever its files were copied (the same
     sha256); the sha256 is named only where the path is the same (the adapter retrained in place)."""
+    old = recorded_settings(old)
     copied_adapter = settings.get("target_adapter_sha256") is not None and \
         old.get("target_adapter_sha256") == settings["target_adapter_sha256"]
     moved_adapter = old.get("target_adapter") != settings.get("target_adapter")
@@ -305,8 +328,9 @@ def same_file_spelling(path, recorded: bool = False) -> str:
 
 
 def changed_replies(old: dict, settings: dict) -> list[str]:
-    """changed_settings for a finished dataset: what its replies depend on. How the prompts were chunked is not, nor a
-    greedy job's seed: `make data ARGS=--chunk-size 256` made the same replies, then every training start refused them."""
+    """changed_settings for a finished dataset: what its replies depend on. How the prompts were chunked is not (a
+    sampled prompt draws from its own generator), nor a greedy job's seed: `make data ARGS=--chunk-size 256` made the
+    same replies, then every training start refused them."""
     greedy = settings["temperature"] == 0 and old.get("temperature") == 0
     ignored = {"chunk_size", *(["seed"] if greedy else [])}
     return changed_settings(old, {k: v for k, v in settings.items() if k not in ignored})
@@ -389,22 +413,38 @@ def cut_at_stop(token_ids: list[int], stop_ids: set[int]) -> tuple[list[int], st
     return token_ids, "length"
 
 
-def pick_next(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+def prompt_seed(seed: int, prompt_id: str) -> int:
+    """The seed of one prompt's sampling generator: --seed and the prompt's id (unique in its file), so that its reply
+    is the same whatever batch, chunk or shard the prompt falls in, and whatever --limit. 63 bits: a signed 64-bit
+    seed (vLLM's) takes it too."""
+    digest = hashlib.sha256(f"{seed}\0{prompt_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+def pick_next(logits: torch.Tensor, temperature: float, top_p: float,
+              generators: list[torch.Generator] | None = None) -> torch.Tensor:
     """Greedy at temperature 0, else a sample from the temperature-scaled, top-p-truncated softmax.
 
     The top-p cut is serving's (ddtree.decoding.top_p_filter), so sampled training answers come
-    from the distribution the drafter will be served under.
+    from the distribution the drafter will be served under. generators: one a row of logits (B, V), its prompt's
+    (prompt_seed); needed to sample. Each row draws from its own, so that its token does not depend on the rows beside
+    it: one draw for the whole batch gave every reply of a chunk another token with another --batch-size.
     """
     if temperature <= 0:
         return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)  # (B, V)
-    return torch.multinomial(top_p_filter(probs, top_p), 1).squeeze(-1)  # (B,)
+    if generators is None or len(generators) != len(logits):
+        raise ValueError(f"sampling needs a generator a row: {len(logits)} rows, "
+                         f"{0 if generators is None else len(generators)} generators")
+    probs = top_p_filter(torch.softmax(logits.float() / temperature, dim=-1), top_p)  # (B, V)
+    return torch.cat([torch.multinomial(row, 1, generator=g) for row, g in zip(probs, generators)])  # (B,)
 
 
 @torch.inference_mode()
 def generate_batch(model, prompts: list[list[int]], pad_id: int, stop_ids: list[int], max_new_tokens: int,
-                   temperature: float, top_p: float) -> list[list[int]]:
-    """New tokens of each prompt (ending with its stop token, or max_new_tokens long).
+                   temperature: float, top_p: float,
+                   generators: list[torch.Generator] | None = None) -> list[list[int]]:
+    """New tokens of each prompt (ending with its stop token, or max_new_tokens long); sampled, each prompt draws
+    from its own of `generators` (pick_next).
 
     A plain decoding loop over the model's forward with a KV cache, rather than `generate`, so
     that rows that have stopped leave the batch: with `generate` every row pays for the longest
@@ -427,7 +467,8 @@ def generate_batch(model, prompts: list[list[int]], pad_id: int, stop_ids: list[
     rows = torch.arange(len(prompts), device=model.device)  # original index of each live row
     outputs: list[list[int]] = [[] for _ in prompts]
     for step in range(max_new_tokens):
-        tokens = pick_next(out.logits[:, -1], temperature, top_p)  # (b,)
+        live_generators = None if generators is None else [generators[row] for row in rows.tolist()]
+        tokens = pick_next(out.logits[:, -1], temperature, top_p, live_generators)  # (b,)
         for row, token in zip(rows.tolist(), tokens.tolist()):
             outputs[row].append(token)
         if step == max_new_tokens - 1:
@@ -447,14 +488,17 @@ def generate_batch(model, prompts: list[list[int]], pad_id: int, stop_ids: list[
 
 
 def generate_transformers(model, prompts: list[list[int]], pad_id: int, stop_ids: list[int], batch_size: int,
-                          max_new_tokens: int, temperature: float, top_p: float, progress=None) -> list[list[int]]:
-    """Batched generation over all prompts; results in the input order."""
+                          max_new_tokens: int, temperature: float, top_p: float,
+                          generators: list[torch.Generator] | None = None, progress=None) -> list[list[int]]:
+    """Batched generation over all prompts; results in the input order. generators: one a prompt, to sample with."""
     # Sort by length so a batch wastes little on padding.
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]), reverse=True)
     outputs: list[list[int]] = [[] for _ in prompts]
     for start in range(0, len(order), batch_size):
         indices = order[start:start + batch_size]
-        batch_out = generate_batch(model, [prompts[i] for i in indices], pad_id, stop_ids, max_new_tokens, temperature, top_p)
+        batch_generators = None if generators is None else [generators[i] for i in indices]
+        batch_out = generate_batch(model, [prompts[i] for i in indices], pad_id, stop_ids, max_new_tokens, temperature,
+                                   top_p, batch_generators)
         for index, tokens in zip(indices, batch_out):
             outputs[index] = tokens
         if progress is not None:
@@ -471,13 +515,14 @@ class VLLMGenerator:
         self.llm = LLM(model=resolve_target(target), dtype=dtype, seed=seed)
 
     def generate(self, prompts: list[list[int]], stop_ids: list[int], max_new_tokens: int, temperature: float,
-                 top_p: float, seed: int, progress=None) -> list[list[int]]:
+                 top_p: float, seeds: list[int], progress=None) -> list[list[int]]:
+        """seeds: one a prompt (prompt_seed), as the transformers backend seeds each prompt's generator."""
         from vllm import SamplingParams
 
-        params = SamplingParams(
+        params = [SamplingParams(
             temperature=temperature, top_p=top_p if temperature > 0 else 1.0, max_tokens=max_new_tokens,
             stop_token_ids=stop_ids, seed=seed,
-        )
+        ) for seed in seeds]
         results = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         if progress is not None:
             progress.update(len(prompts))
@@ -769,13 +814,16 @@ def run(args: argparse.Namespace) -> dict | None:
             for k in todo:
                 chunk = chunks[k]
                 prompts = [chat_prompt_ids(tokenizer, r["messages"], r["where"], CHAT_TARGET) for r in chunk]
-                torch.manual_seed(args.seed * 100_003 + k)  # sampling is reproducible per chunk, whatever the shard
+                seeds = [prompt_seed(args.seed, record["id"]) for record in chunk]  # whatever the batch, chunk, shard
                 if vllm_generator is not None:
                     new_tokens = vllm_generator.generate(prompts, stops, args.max_new_tokens, args.temperature,
-                                                         args.top_p, args.seed * 100_003 + k, progress)
+                                                         args.top_p, seeds, progress)
                 else:
+                    generators = None if args.temperature <= 0 else [
+                        torch.Generator(model.device).manual_seed(seed) for seed in seeds]
                     new_tokens = generate_transformers(model, prompts, pad_id, stops, args.batch_size,
-                                                       args.max_new_tokens, args.temperature, args.top_p, progress)
+                                                       args.max_new_tokens, args.temperature, args.top_p,
+                                                       generators=generators, progress=progress)
                 rows = []
                 for record, prompt, tokens in zip(chunk, prompts, new_tokens):
                     response, finish = cut_at_stop(tokens, set(stops))

@@ -68,25 +68,42 @@ def test_sampling_is_seeded_and_top_p_keeps_the_head():
     logits = torch.tensor([[0.0, 5.0, 1.0, 0.5]])
     assert regenerate.pick_next(logits, 0.0, 1.0).item() == 1
     # top_p below the top token's mass leaves only that token.
-    assert all(regenerate.pick_next(logits, 1.0, 0.5).item() == 1 for _ in range(20))
-    torch.manual_seed(3)
-    first = [regenerate.pick_next(logits, 2.0, 1.0).item() for _ in range(30)]
-    torch.manual_seed(3)
-    assert first == [regenerate.pick_next(logits, 2.0, 1.0).item() for _ in range(30)] and len(set(first)) > 1
+    generator = [torch.Generator().manual_seed(0)]
+    assert all(regenerate.pick_next(logits, 1.0, 0.5, generator).item() == 1 for _ in range(20))
+    generator = [torch.Generator().manual_seed(3)]
+    first = [regenerate.pick_next(logits, 2.0, 1.0, generator).item() for _ in range(30)]
+    generator = [torch.Generator().manual_seed(3)]
+    assert first == [regenerate.pick_next(logits, 2.0, 1.0, generator).item() for _ in range(30)] and len(set(first)) > 1
+
+
+def test_a_sampled_row_draws_from_its_own_generator_whatever_rows_are_beside_it():
+    """One draw for the whole batch (on the global generator) gave a row other tokens with other rows beside it."""
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))  # (B, V)
+    seeds = [regenerate.prompt_seed(0, f"p{i}") for i in range(4)]
+
+    def draws(rows: list[int]) -> list[list[int]]:  # 10 steps of these rows batched, each row its prompt's generator
+        generators = [torch.Generator().manual_seed(seeds[i]) for i in rows]
+        return torch.stack([regenerate.pick_next(logits[rows], 1.0, 1.0, generators) for _ in range(10)]).T.tolist()
+
+    batched = draws([0, 1, 2, 3])
+    assert [draws([i])[0] for i in range(4)] == batched and draws([3, 1]) == [batched[3], batched[1]]
+    assert all(len(set(row)) > 1 for row in batched)  # sampled: a row's generator moves on from step to step
+    assert len({regenerate.prompt_seed(seed, f"p{i}") for seed in range(3) for i in range(100)}) == 300
 
 
 def kept_by_pick_next(monkeypatch, logits, temperature, top_p) -> torch.Tensor:
-    """The tokens regeneration may sample, (B, V) bool: the support of what pick_next hands to multinomial."""
+    """The tokens regeneration may sample, (B, V) bool: the support of what pick_next hands to multinomial (a row at a
+    time, each with its own generator)."""
     real_multinomial, seen = torch.multinomial, []
 
-    def recording(probs, num_samples):
+    def recording(probs, num_samples, generator=None):
         seen.append(probs.clone())
-        return real_multinomial(probs, num_samples)
+        return real_multinomial(probs, num_samples, generator=generator)
 
     monkeypatch.setattr(torch, "multinomial", recording)
-    regenerate.pick_next(logits, temperature, top_p)
+    regenerate.pick_next(logits, temperature, top_p, [torch.Generator() for _ in logits])
     monkeypatch.undo()
-    return seen[0] > 0
+    return torch.stack(seen) > 0
 
 
 def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -177,6 +194,73 @@ def test_shards_merge_resume_and_settings_guard(tmp_path):
     # A smaller --limit merges a prefix of the finished work (asked for with --overwrite: the merge drops the rest).
     assert regenerate.run(args_for(tmp_path, "--merge-only", "--limit", "3", "--overwrite"))["num_conversations"] == 3
     assert load_from_disk(str(tmp_path / "out"))["id"] == ["p0", "p1", "p2"]
+
+
+SAMPLED = ["--temperature", "1", "--max-new-tokens", "8"]
+
+
+def test_a_sampled_reply_is_the_same_whatever_the_batch_chunk_or_shard(tmp_path):
+    """At T > 0 a chunk's replies drew together from one generator, seeded per chunk: --batch-size 1 against 2, or
+    --chunk-size 4 against 2, gave every reply other tokens (fp32 too), though the settings check took the data as
+    the job's and data/README.md said a resume with another batch size goes on."""
+    from datasets import load_from_disk
+
+    prompt_file(tmp_path / "prompts.jsonl", 5)
+
+    def replies(out: str, *flags: str) -> list[list[int]]:
+        regenerate.run(args_for(tmp_path, *SAMPLED, "--out", str(tmp_path / out), *flags))
+        return load_from_disk(str(tmp_path / out))["response_ids"]
+
+    made = replies("chunks-of-2")  # batches of 2
+    assert len({tuple(reply) for reply in made}) == 5 and all(len(reply) == 8 for reply in made)
+    assert replies("batches-of-1", "--batch-size", "1") == made
+    assert replies("chunks-of-4", "--chunk-size", "4", "--batch-size", "4") == made
+    assert regenerate.run(args_for(tmp_path, *SAMPLED, "--out", str(tmp_path / "sharded"), "--num-shards", "2",
+                                   "--shard-index", "1")) is None
+    assert replies("sharded", "--num-shards", "2", "--shard-index", "0") == made
+    assert replies("limit-3", "--limit", "3") == made[:3]
+    assert regenerate.main([*args_for_argv(tmp_path, *SAMPLED, "--out", str(tmp_path / "chunks-of-2"), "--chunk-size",
+                                           "4", "--batch-size", "1"), "--check"]) == 0
+    assert replies("seed-1", "--seed", "1") != made  # the seed still chooses them
+    assert json.loads((tmp_path / "chunks-of-2" / "regeneration.json").read_text())["sampling"] == "per-prompt"
+
+
+def test_sampled_data_made_per_chunk_is_refused_rather_than_taken_or_extended(tmp_path, capsys):
+    """Sampled data written before each prompt had its own generator (its settings hold no `sampling`) is not what a
+    rerun would write: --check, a rerun and a resume said nothing and took it, or mixed new chunks with its own."""
+    import shutil
+
+    from datasets import load_from_disk
+
+    prompt_file(tmp_path / "prompts.jsonl", 4)  # 2 chunks
+    regenerate.run(args_for(tmp_path, *SAMPLED))
+    made = load_from_disk(str(tmp_path / "out")).to_list()
+    summary = tmp_path / "out" / "regeneration.json"
+    summary.write_text(json.dumps({k: v for k, v in json.loads(summary.read_text()).items() if k != "sampling"}))
+    shutil.rmtree(tmp_path / "out.parts")
+    capsys.readouterr()
+    differs = "made with other settings (sampling: 'per-chunk' -> 'per-prompt')"
+    assert regenerate.main([*args_for_argv(tmp_path, *SAMPLED), "--check"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: {tmp_path / 'out'} holds a dataset {differs}: generate it again with --overwrite (this "
+                   "command without --check), or give another output folder")
+    assert regenerate.main(args_for_argv(tmp_path, *SAMPLED)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: --out {tmp_path / 'out'} holds a dataset {differs}: ") and len(err.splitlines()) == 1
+    assert load_from_disk(str(tmp_path / "out")).to_list() == made and not (tmp_path / "out.parts").exists()
+    # A work folder of that script's: its finished chunk is not resumed with chunks drawn the new way.
+    assert regenerate.run(args_for(tmp_path, *SAMPLED, "--out", str(tmp_path / "new"), "--num-shards", "2",
+                                   "--shard-index", "0")) is None
+    settings = tmp_path / "new.parts" / "settings.json"
+    settings.write_text(json.dumps({k: v for k, v in json.loads(settings.read_text()).items() if k != "sampling"}))
+    capsys.readouterr()
+    assert regenerate.main(args_for_argv(tmp_path, *SAMPLED, "--out", str(tmp_path / "new"))) == 2
+    assert capsys.readouterr().err.strip().startswith(
+        f"error: {tmp_path / 'new.parts'} holds chunks made with other settings (sampling: 'per-chunk' -> 'per-prompt')")
+    # Greedy data records no sampling, as the shipped data does not: taken as before.
+    regenerate.run(args_for(tmp_path, "--out", str(tmp_path / "greedy")))
+    assert "sampling" not in json.loads((tmp_path / "greedy" / "regeneration.json").read_text())
+    assert regenerate.main([*args_for_argv(tmp_path, "--out", str(tmp_path / "greedy")), "--check"]) == 0
 
 
 def test_a_larger_limit_on_a_fresh_clone_reuses_the_merged_answers(tmp_path, monkeypatch):
@@ -706,5 +790,5 @@ def test_the_readme_names_what_settings_json_records_and_what_moves_a_reply_besi
     assert "differ in a few answers" not in readme and "56 of 64" in readme
     paragraph = readme[readme.index("`<out>.parts/settings.json` records"):readme.index("The prompts file is one")]
     listed = set(re.findall(r"`(\w+)`", paragraph[:paragraph.index(");")]))
-    assert listed == set(regenerate.response_settings(args_for(tmp_path)))
+    assert listed == set(regenerate.response_settings(args_for(tmp_path, "--temperature", "1")))  # sampled: all of them
     assert "batch_size" not in listed and "`--batch-size`" in paragraph and "the machine" in paragraph

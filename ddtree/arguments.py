@@ -69,8 +69,12 @@ def _add_common(parser: argparse.ArgumentParser, learns: bool = False) -> None:
     parser.add_argument("--drafter", type=path_argument, default="random",
                         help="the drafter folder to calibrate (required)" if learns else "'random' or a drafter folder")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="at T > 0, sample from the smallest set of likeliest tokens whose probability reaches "
+                        "this, after --top-k (default: 1, no cut)")
+    parser.add_argument("--top-k", type=int, default=0,
+                        help="at T > 0, sample from the k likeliest tokens and any tied with the k-th, before --top-p "
+                        "(default: 0, no cut)")
     parser.add_argument("--dtype", default=AUTO, help=DTYPE_HELP)
     parser.add_argument("--device", default=None, help=DEVICE_HELP)
     _add_packed_weights(parser)

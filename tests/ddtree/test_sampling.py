@@ -90,3 +90,14 @@ def test_more_redrafts_than_the_vocabulary_has_tokens(tiny_pair):
     target, drafter = tiny_pair
     greedy = hf_greedy(target, PROMPT, 6)
     assert generate(target, PROMPT, "ddtree", drafter, 8, 6, [], redraft=VOCAB + 8).new_tokens == greedy
+
+
+@pytest.mark.parametrize("command", ["generate", "bench", "calibrate"])
+def test_the_help_says_what_top_p_and_top_k_cut_and_in_which_order(command):
+    """`--top-p TOP_P` and `--top-k TOP_K` stood in --help with no word of what they do (found in a review)."""
+    from ddtree.arguments import build_parser
+
+    subcommand = next(action for action in build_parser()._actions if action.dest == "command").choices[command]
+    helps = {action.dest: action.help or "" for action in subcommand._actions}
+    assert "T > 0" in helps["top_p"] and "after --top-k" in helps["top_p"] and "no cut" in helps["top_p"]
+    assert "T > 0" in helps["top_k"] and "tied with the k-th" in helps["top_k"] and "before --top-p" in helps["top_k"]

@@ -92,6 +92,24 @@ def test_more_redrafts_than_the_vocabulary_has_tokens(tiny_pair):
     assert generate(target, PROMPT, "ddtree", drafter, 8, 6, [], redraft=VOCAB + 8).new_tokens == greedy
 
 
+@pytest.mark.parametrize("sampling", [Sampling(1.0), Sampling(0.7, top_p=0.9, top_k=8)], ids=["T1", "T0.7-p0.9-k8"])
+def test_with_the_same_seed_every_method_commits_ars_tokens(tiny_pair, sampling):
+    """Each committed token is one draw from the target's own row, in the order ar draws it, and a walk draws on the
+    rows it visits only: with the same generator seed every method commits exactly ar's tokens at T > 0 (fp32), not
+    just tokens of the same distribution. bench's same_as_ar counts on it (docs/decoding.md)."""
+    target, drafter = tiny_pair
+    replies, accepted = set(), 0
+    for seed in range(20):
+        ar = generate(target, PROMPT, "ar", None, 8, 10, [], sampling, torch.Generator().manual_seed(seed)).new_tokens
+        replies.add(tuple(ar))
+        for method, options in (("dflash", {}), ("ddtree", {}), ("ddtree", {"lookup": 3, "redraft": 2})):
+            result = generate(target, PROMPT, method, drafter, 8, 10, [], sampling, torch.Generator().manual_seed(seed),
+                              **options)
+            assert result.new_tokens == ar, (seed, method, options)
+            accepted += sum(r.accepted_depth for r in result.rounds)
+    assert len(replies) > 10 and accepted > 50  # sampled, and through accepted draft nodes, not the bonus token alone
+
+
 @pytest.mark.parametrize("command", ["generate", "bench", "calibrate"])
 def test_the_help_says_what_top_p_and_top_k_cut_and_in_which_order(command):
     """`--top-p TOP_P` and `--top-k TOP_K` stood in --help with no word of what they do (found in a review)."""

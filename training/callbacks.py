@@ -33,8 +33,11 @@ last.ckpt and a checkpoints/best.ckpt symlink naming the best. Both follow `is_e
 Lightning runs checkpoint callbacks after all others, so the metric a checkpoint is ranked by is always
 the one AcceptanceEvaluation logged at its step. A run that stops off schedule (max_time on a slow
 machine) is evaluated and checkpointed at its stop too (`stops_here`): BestCheckpoint ranks that step by
-what AcceptanceEvaluation measured there. A SIGTERM's stop (SigtermAtStepBoundary) is saved to last.ckpt
-unmeasured and unranked, so that the resume continues from the step the stop line names.
+what AcceptanceEvaluation measured there. A SIGTERM's stop (SigtermAtStepBoundary) is saved to last.ckpt at
+once, unmeasured and unranked, a scheduled step's too (its evaluation takes minutes on the 8B recipes, longer than a
+scheduler waits before SIGKILL), so that the resume continues from the step the stop line names; the resume measures
+a scheduled step so saved and ranks it (finish_interrupted_evaluation), all but the last step of max_steps, past
+which Lightning starts no training loop (training.train says so, with the command that measures it).
 
 Distributed (DDP, DeepSpeed): every rank decodes its share of the prompts (prompt i on rank
 i % world_size), all ranks gather every result and log the same numbers (each rank's checkpoint
@@ -179,8 +182,9 @@ class SigtermAtStepBoundary(L.Callback):
     whatever step the signal found, which nothing saved: the resume trained the steps since the last scheduled save
     again (up to 999 of the 8B recipes'). Here the handler only notes the signal (and passes it on to the processes
     Lightning started, as Lightning's does). Where a step ends, every rank joins one all-reduce of its note, and a note
-    on any rank sets trainer.received_sigterm on every rank at once: BestCheckpoint, the last callback, saves that step,
-    and Lightning's own checks stop every rank after it. A signal noted after that (during the step's evaluation or
+    on any rank sets trainer.received_sigterm on every rank at once: BestCheckpoint, the last callback, saves that step
+    (unmeasured, a scheduled one too: AcceptanceEvaluation starts no evaluation then), and Lightning's own checks stop
+    every rank after it. A signal noted after that (during the step's evaluation or
     save) stops the run before the next step trains where the step is saved (a scheduled one), else at the next step's
     end. The end of training and of fit agree too (a signal during the last evaluation).
     """
@@ -290,6 +294,11 @@ def measured_summary(rows: list[dict], key: str) -> dict:
     that was not decoded, a number that ranks below every measured tau (report.ranking_score), not None."""
     stats = acceptance_summary(rows, key)
     return {**stats, **{name: math.nan for name in ("tau", "expected_tau") if stats[name] is None}}
+
+
+def logged_value(trainer: L.Trainer, name: str) -> float | None:
+    """A metric the module logged (callback_metrics), as a Python float; None where it was not."""
+    return float(trainer.callback_metrics[name]) if name in trainer.callback_metrics else None
 
 
 def metrics_of(summary: dict, seconds: float) -> dict[str, float]:
@@ -405,6 +414,8 @@ class AcceptanceEvaluation(L.Callback):
         self.last_step = -1
         self.validated: tuple[int, float] | None = None  # (step, loss) of this launch's latest validation
         self.measured: tuple[int, dict] | None = None  # (step, metrics) of this launch's latest evaluation
+        # (step, train loss) of a scheduled step a SIGTERM stopped and saved unmeasured: the resume measures it
+        self.unmeasured_stop: tuple[int, float | None] | None = None
         self.launch_started = time.perf_counter()
         self.launch_eval_seconds = 0.0
 
@@ -534,20 +545,24 @@ class AcceptanceEvaluation(L.Callback):
                                            f"{aside.relative_to(trainer.default_root_dir)}")
 
     def finish_interrupted_evaluation(self, trainer, pl_module) -> None:
-        """A launch resumed at a scheduled step whose evaluation or save its checkpoint does not record: SLURM's
-        SIGUSR1 saves hpc_ckpt_N.ckpt wherever the process is, an evaluation's minute included, and the job is
-        requeued. Left so, that step was never measured (the best of the run, it may be) or measured and never saved
-        (report.md named a best that best.ckpt did not point at). Measured now, before the next step; BestCheckpoint
-        then saves it. (The last step of the schedule is not: Lightning starts no training loop past max_steps.)"""
+        """A launch resumed at a scheduled step whose evaluation or save its checkpoint does not record: a SIGTERM
+        saves its step at once, unmeasured (on_train_batch_end), and SLURM's SIGUSR1 saved hpc_ckpt_N.ckpt wherever the
+        process was, an evaluation's minute included. Left so, that step was never measured (the best of the run, it
+        may be) or measured and never saved (report.md named a best that best.ckpt did not point at). Measured now,
+        before the next step; BestCheckpoint then saves and ranks it. (The last step of max_steps is not: Lightning
+        starts no training loop past it, and training.train says how to measure it.)"""
         step = trainer.global_step
-        if step == 0 or step % self.every_n_train_steps != 0:
+        # A SIGTERM's unmeasured stop, off the grid too: the last step of max_epochs, whose resume runs the loop's end
+        stopped_here = self.unmeasured_stop is not None and self.unmeasured_stop[0] == step
+        if step == 0 or (step % self.every_n_train_steps != 0 and not stopped_here):
             return
         if step != self.last_step:
             saver = any(isinstance(c, BestCheckpoint) for c in trainer.checkpoint_callbacks)  # which saves it then
             self._evaluate(trainer, pl_module, logged=False, checkpointed=saver)
+            self.unmeasured_stop = None
             if trainer.is_global_zero:
-                print(f"[eval] step {step}: measured at the resume (the launch that trained it stopped during its "
-                      "evaluation)", flush=True)
+                why = "was stopped by SIGTERM before measuring it" if stopped_here else "stopped during its evaluation"
+                print(f"[eval] step {step}: measured at the resume (the launch that trained it {why})", flush=True)
         elif self.history and self.history[-1]["step"] == step:  # measured; its save is BestCheckpoint's to check
             self.measured = (step, metrics_of(self.history[-1]["summary"], self.history[-1]["seconds"]))
 
@@ -556,7 +571,12 @@ class AcceptanceEvaluation(L.Callback):
         if trainer.global_step == self.last_step:
             return
         if is_evaluation_step(trainer, self.every_n_train_steps):
-            self._evaluate(trainer, pl_module, logged=True)
+            if trainer.received_sigterm:  # SigtermAtStepBoundary's stop, agreed by every rank: BestCheckpoint saves the
+                # step at once, where an evaluation (minutes on the 8B recipes) would outlast the scheduler's grace
+                # before SIGKILL and lose it; the resume measures it (finish_interrupted_evaluation)
+                self.unmeasured_stop = (trainer.global_step, logged_value(trainer, "train/loss"))
+            else:
+                self._evaluate(trainer, pl_module, logged=True)
         elif stops_here(trainer):  # max_time: measured and ranked as a scheduled step is
             self._evaluate(trainer, pl_module, logged=True, stop=True)
 
@@ -590,7 +610,8 @@ class AcceptanceEvaluation(L.Callback):
                 "lookup": self.lookup, "redraft": self.redraft}
 
     def state_dict(self) -> dict:
-        return {"history": self.history, "last_step": self.last_step, "measurement": self.measurement()}
+        return {"history": self.history, "last_step": self.last_step, "measurement": self.measurement(),
+                "unmeasured_stop": self.unmeasured_stop}
 
     def load_state_dict(self, state_dict: dict) -> None:
         # New taus are ranked against the history's (best.ckpt, the report): measured otherwise, they compare nothing
@@ -601,6 +622,8 @@ class AcceptanceEvaluation(L.Callback):
                               "resume with the run's values, or measure its checkpoints so with make eval")
         self.history = list(state_dict.get("history", []))
         self.last_step = state_dict.get("last_step", -1)
+        stop = state_dict.get("unmeasured_stop")
+        self.unmeasured_stop = tuple(stop) if stop is not None else None
 
     def on_validation_end(self, trainer, pl_module) -> None:
         # Lightning validates after the train-batch hooks of the same step, so the evaluation recorded
@@ -699,11 +722,13 @@ class AcceptanceEvaluation(L.Callback):
         checkpointed = (checkpointed and not any(c.save_top_k == 0 for c in best)  # 0: last only
                         and not trainer.fast_dev_run)  # BestCheckpoint saves nothing then
 
-        scalar = lambda name: float(trainer.callback_metrics[name]) if name in trainer.callback_metrics else None  # noqa: E731
+        train_loss = logged_value(trainer, "train/loss")
+        if self.unmeasured_stop is not None and self.unmeasured_stop[0] == step:
+            train_loss = self.unmeasured_stop[1]  # a resume measuring a SIGTERM's stop: the stopped launch logged it
         self.history.append(
             {
                 "step": step,
-                "train_loss": scalar("train/loss"),
+                "train_loss": train_loss,
                 # Filled by on_validation_end where validation runs at this step after the evaluation (scheduled
                 # ones); the metric held now may be an earlier step's, so only a validation of this very step counts.
                 "val_loss": self.validated[1] if self.validated and self.validated[0] == step else None,
@@ -952,11 +977,13 @@ class BestCheckpoint(Checkpoint):
         # (stops_here): the logged copy is float32, so equal taus from the two would round apart and break the
         # latest-wins rule that report.md follows.
         score = self.measured_score(trainer, step)
+        if score is None and trainer.received_sigterm:  # SigtermAtStepBoundary's stop, scheduled or not: unmeasured
+            if self.save_last and not accumulating(trainer):
+                self.save_stop(trainer, step)
+            return
         if not is_evaluation_step(trainer, self.every_n_train_steps):
             if score is not None:
                 self.save(trainer, step, report.ranking_score(score))
-            elif trainer.received_sigterm and self.save_last and not accumulating(trainer):
-                self.save_stop(trainer, step)
             return
         if score is None:
             if self.monitor not in trainer.callback_metrics:
@@ -973,8 +1000,8 @@ class BestCheckpoint(Checkpoint):
         ranked (nothing measured it): the stop line's resume then continues from the step it names, where the last
         scheduled save was up to every_n_train_steps - 1 steps earlier. A save is seconds, where an evaluation would
         be the minutes a scheduler does not give; one cut short by SIGKILL leaves the last whole one (AtomicCheckpointIO,
-        DeepSpeed's `saving` marker)."""
-        self.last_saved_step = step
+        DeepSpeed's `saving` marker). last_saved_step stays the last ranked save's: a scheduled step so saved is then
+        ranked by the resume, once it has measured it (on_train_start)."""
         self.saved_this_launch = True
         trainer.save_checkpoint(os.path.join(self.dirpath, self.LAST_NAME), weights_only=False)
 

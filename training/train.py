@@ -522,6 +522,11 @@ def main(argv: list[str] | None = None) -> int:
                      "export's card shows the merge)" if cli.model.hparams.target_adapter else "")
                   + " measures them as the training-time evaluation did (make export takes the best checkpoint by "
                   "default)", flush=True)
+            unmeasured = unmeasured_last_step(cli)
+            if unmeasured is not None:
+                print(f"[train] step {unmeasured}, the last, was saved unmeasured where a SIGTERM stopped the run, and "
+                      f"no launch trains past it to measure it: `make eval RUN={run_dir} CKPT=last` measures it "
+                      "(best.ckpt and report.md rank the steps measured before)", flush=True)
         return 0
     except BaseException as error:
         if created is not None:  # a fresh run's failure, from a bad override to a NaN at its first step; still locked
@@ -537,6 +542,17 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         held.close()
+
+
+def unmeasured_last_step(cli: DistillCLI) -> int | None:
+    """The step a resume that trained nothing ended at, where a SIGTERM saved it unmeasured (AcceptanceEvaluation
+    measures such a step as a resume starts training, which Lightning does not past the planned last step); else None."""
+    step = cli.trainer.global_step
+    for callback in cli.trainer.callbacks:
+        if isinstance(callback, AcceptanceEvaluation) and callback.unmeasured_stop is not None:
+            if callback.unmeasured_stop[0] == step and callback.last_step != step:
+                return step
+    return None
 
 
 def finite_checkpoint_line(run_dir: Path) -> str:

@@ -131,12 +131,17 @@ class HoldRankZeroInEvaluation(Callback):
         training.callbacks.run_benchmark = held
 
 
+def process_environment() -> dict:
+    """For training.train in a process of its own, which finds this file's callbacks (--trainer.callbacks+=...)."""
+    return dict(os.environ, PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1", OMP_NUM_THREADS="1",
+                PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+
+
 def train_until_sigterm(args: list[str], markers: list[Path], settle_s: float, timeout_s: float) -> str:
     """Runs training.train with `args` in a session of its own, sends SIGTERM to every process at once (as `timeout`
     or a scheduler sends it) when all `markers` exist and `settle_s` has passed, and returns its stderr; a run still
     alive `timeout_s` after the signal fails the test there (a hang), not at the suite's end."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    env = process_environment()
     process = subprocess.Popen([sys.executable, "-m", "training.train", *args], cwd=REPO, env=env, text=True,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
@@ -211,6 +216,85 @@ def test_sigterm_between_checkpoints_saves_the_step_it_stops_at(tmp_path, device
     saved = torch.load(resume, map_location="cpu", weights_only=False)
     assert saved["global_step"] == 6
     assert sorted(p.name for p in resume.parent.glob("*.ckpt")) == ["best.ckpt", "last.ckpt", "step-4.ckpt"]
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_sigterm_at_a_scheduled_evaluation_step_saves_it_at_once_and_the_resume_measures_and_ranks_it(tmp_path, devices):
+    """Found in a review (2026-12-03): a SIGTERM agreed at a step of eval.every_n_train_steps still ran that step's
+    evaluation before saving it, a few minutes on the 8B recipes, past a scheduler's grace before SIGKILL (SLURM's
+    30 s): the step was lost. Now it is saved to last.ckpt at once, unmeasured and unranked, and the resume measures
+    it before training on (on every rank, under ddp too), saves it as step-N.ckpt and ranks it, its report row with
+    the train loss the stopped launch logged."""
+    marker = tmp_path / "holding"
+    hold = json.dumps({"class_path": "test_reliability.HoldAtStepStart",
+                       "init_args": {"marker": str(marker), "after": 3}})  # the signal lands as step 4 trains
+    args = [*tiny_args(tmp_path, "scheduled", max_steps=400, every=4), f"--trainer.devices={devices}",
+            "--checkpoint.save_top_k=-1", f"--trainer.callbacks+={hold}"]
+    args += ["--trainer.strategy=ddp"] if devices > 1 else []
+    err = train_until_sigterm(args, [Path(f"{marker}{rank}") for rank in range(devices)], settle_s=0, timeout_s=120)
+    lines = [line for line in err.splitlines() if line.startswith("[train]")]
+    assert len(lines) == 1 and "stopped by SIGTERM at step 4; no drafter written" in lines[0], err[-3000:]
+    run_dir = tmp_path / "out" / "tiny" / "scheduled"
+    resume = Path(re.search(r"RESUME=(\S+)", lines[0]).group(1))
+    assert resume == run_dir / "checkpoints" / "last.ckpt" and check_resumable(resume)["global_step"] == 4
+    assert sorted(p.name for p in resume.parent.glob("*.ckpt")) == ["last.ckpt"]  # saved, not ranked
+    assert not AcceptanceEvaluation.eval_file(run_dir, 4).exists()  # nor measured
+
+    resumed = subprocess.run([sys.executable, "-m", "training.train", "--output-root", str(tmp_path / "out"),
+                              "--resume", str(resume), "--trainer.max_steps=5"], cwd=REPO, env=process_environment(),
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert ("[eval] step 4: measured at the resume (the launch that trained it was stopped by SIGTERM before "
+            "measuring it)") in resumed.stdout.splitlines(), resumed.stdout[-3000:]
+    measured = json.loads(AcceptanceEvaluation.eval_file(run_dir, 4).read_text())["summary"]["ddtree@8"]["tau"]
+    assert check_resumable(resume.parent / "step-4.ckpt")["global_step"] == 4
+    ranking = torch.load(resume, map_location="cpu", weights_only=False)["callbacks"]["BestCheckpoint"]
+    assert ranking["best_k_models"]["step-4.ckpt"] == pytest.approx(measured) and "step-5.ckpt" in ranking["best_k_models"]
+    (row,) = [line for line in (run_dir / "report.md").read_text().splitlines() if re.match(r"\| (\*\*)?4\b", line)]
+    assert row.split("|")[2].strip() != "-", row  # the train loss of step 4, from the launch that trained it
+
+
+class SigtermAsStepStarts(Callback):
+    """Added with --trainer.callbacks+=...: this process sends itself SIGTERM as step `step` starts training (None: as
+    the epoch's last batch does)."""
+
+    def __init__(self, step: int | None = None):
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step - 1 if self.step is not None else trainer.is_last_batch:
+            os.kill(os.getpid(), signal.SIGTERM)  # SigtermAtStepBoundary's handler notes it; the step trains on
+
+
+@pytest.mark.parametrize("schedule", ["max_steps", "max_epochs"])
+def test_sigterm_at_the_last_step_saves_it_at_once_and_the_resume_measures_it_or_says_how(tmp_path, capsys, schedule):
+    """The planned last step is saved unmeasured at a SIGTERM too. A run planned in epochs (the 8B recipes') resumes
+    into its last epoch's end, where the step is measured and ranked as a scheduled one; past max_steps Lightning
+    starts no loop, so that resume exports the drafter and says which command measures the step."""
+    if schedule == "max_steps":
+        limits, stop = tiny_args(tmp_path, "last", max_steps=4), {"step": 4}
+    else:  # off the every-4 grid: the epoch's 11 batches end at step 11
+        limits, stop = [*tiny_args(tmp_path, "last", max_steps=-1, every=4), "--trainer.max_epochs=1"], {}
+    sigterm = json.dumps({"class_path": "test_reliability.SigtermAsStepStarts", "init_args": stop})
+    assert train_main([*limits, "--checkpoint.save_top_k=-1", f"--trainer.callbacks+={sigterm}"]) == 143
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[train]")]
+    step = int(re.search(r"stopped by SIGTERM at step (\d+); no drafter written", line).group(1))
+    run_dir = tmp_path / "out" / "tiny" / "last"
+    assert check_resumable(run_dir / "checkpoints" / "last.ckpt")["global_step"] == step
+    assert not AcceptanceEvaluation.eval_file(run_dir, step).exists()
+    assert train_main(["--output-root", str(tmp_path / "out"), "--resume", str(run_dir),
+                       "--trainer.enable_progress_bar=false"]) == 0
+    assert (run_dir / "drafter" / "model.safetensors").is_file()
+    said = capsys.readouterr().out
+    if schedule == "max_steps":
+        assert (f"[train] step {step}, the last, was saved unmeasured where a SIGTERM stopped the run, and no launch "
+                f"trains past it to measure it: `make eval RUN={run_dir} CKPT=last` measures it") in said, said
+        return
+    assert step % 4 != 0 and f"[eval] step {step}: measured at the resume" in said, said
+    ranking = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["callbacks"]["BestCheckpoint"]
+    assert sorted(ranking["best_k_models"]) == sorted(f"step-{n}.ckpt" for n in (4, 8, step))
+    assert check_resumable(run_dir / "checkpoints" / f"step-{step}.ckpt")["global_step"] == step
+    assert "the last, was saved unmeasured" not in said
 
 
 def test_the_ranks_of_an_evaluation_say_their_lines_once_and_pack_as_rank_0_chose(tiny_target, tmp_path, capsys):

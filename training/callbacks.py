@@ -33,11 +33,12 @@ last.ckpt and a checkpoints/best.ckpt symlink naming the best. Both follow `is_e
 Lightning runs checkpoint callbacks after all others, so the metric a checkpoint is ranked by is always
 the one AcceptanceEvaluation logged at its step. A run that stops off schedule (max_time on a slow
 machine) is evaluated and checkpointed at its stop too (`stops_here`): BestCheckpoint ranks that step by
-what AcceptanceEvaluation measured there. A SIGTERM's stop (SigtermAtStepBoundary) is saved to last.ckpt at
-once, unmeasured and unranked, a scheduled step's too (its evaluation takes minutes on the 8B recipes, longer than a
-scheduler waits before SIGKILL), so that the resume continues from the step the stop line names; the resume measures
-a scheduled step so saved and ranks it (finish_interrupted_evaluation), all but the last step of max_steps, past
-which Lightning starts no training loop (training.train says so, with the command that measures it).
+what AcceptanceEvaluation measured there. A SIGTERM's stop (SigtermAtStepBoundary; SLURM's requeue signal's too) is
+saved to last.ckpt at once, unmeasured and unranked, a scheduled step's too (its evaluation takes minutes on the 8B
+recipes, longer than a scheduler waits before SIGKILL), so that the resume continues from the step the stop line
+names; the resume measures a scheduled step so saved and ranks it (finish_interrupted_evaluation), all but the last
+step of max_steps, past which Lightning starts no training loop (training.train says so, with the command that
+measures it).
 
 Distributed (DDP, DeepSpeed): every rank decodes its share of the prompts (prompt i on rank
 i % world_size), all ranks gather every result and log the same numbers (each rank's checkpoint
@@ -187,19 +188,29 @@ class SigtermAtStepBoundary(L.Callback):
     every rank after it. A signal noted after that (during the step's evaluation or
     save) stops the run before the next step trains where the step is saved (a scheduled one), else at the next step's
     end. The end of training and of fit agree too (a signal during the last evaluation).
+
+    SLURM's requeue signal (SIGUSR1, which recipes/slurm.sbatch asks SLURM to send every task 120 s before the job
+    ends) is a stop of the same kind, agreed in the same all-reduce: every rank saves the step, and training.train then
+    requeues the job from rank 0 (`scontrol requeue`), whose next start resumes the run folder. Lightning's own
+    requeue handler saved hpc_ckpt_N.ckpt from inside the handler, wherever each rank was: its save's barrier paired
+    with another rank's evaluation gather, and a two-process DDP job hung there, neither saved nor requeued (found in a
+    review, 2026-12-03). It is registered under SLURM with auto-requeue only (Lightning's default there), as before.
     """
 
     def __init__(self):
         self.active = False  # in fit
         self.noted = False  # this process received a SIGTERM that the ranks have not agreed on yet
+        self.requeue_noted = 0  # the requeue signal this process received (0: none) that the ranks have not agreed on
+        self.requeue = 0  # the requeue signal the ranks agreed on (0: none): training.train requeues the job as it stops
         self.step_ended = True  # the last micro-batch ended an optimizer step (no gradients accumulated)
         self.saved_step = 0  # the step the newest checkpoint holds (0: nothing trained, nothing to lose)
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        self.noted, self.step_ended = False, True
+        self.noted, self.requeue_noted, self.requeue, self.step_ended = False, 0, 0, True
         self.active = stage == "fit"
-        if self.active:  # the trainer registers whichever handler this names after setup, as fit starts
+        if self.active:  # the trainer registers whichever handlers these name after setup, as fit starts
             trainer._signal_connector._sigterm_notifier_fn = functools.partial(self.note, trainer)
+            trainer._signal_connector._slurm_sigusr_handler_fn = self.note_requeue
 
     def note(self, trainer, signum, frame) -> None:
         """The handler: no collective here, where the process may be inside one."""
@@ -207,15 +218,22 @@ class SigtermAtStepBoundary(L.Callback):
             trainer.strategy.launcher.kill(signum)
         self.noted = True
 
+    def note_requeue(self, signum, frame) -> None:
+        """The requeue signal's handler: only noted, as a SIGTERM is (SLURM sends it to every task itself)."""
+        self.requeue_noted = int(signum)
+
     def agree(self, trainer) -> bool:
-        """Whether any rank has received a SIGTERM; every rank must call it at the same point."""
+        """Whether any rank has received a SIGTERM or the requeue signal; every rank must call it at the same point."""
         if self.active and not trainer.received_sigterm:
-            noted = self.noted
+            noted = [int(self.noted), self.requeue_noted]
             if trainer.world_size > 1:
-                flag = torch.tensor([int(noted)], device=trainer.strategy.root_device)
-                torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-                noted = bool(flag.item())
-            if noted:
+                # The one collective this callback adds to a step, an all-reduce of two ints: microseconds beside a
+                # step's gradient all-reduce (and beside the broadcast Lightning 2.6's loop makes at every step)
+                flags = torch.tensor(noted, device=trainer.strategy.root_device)
+                torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+                noted = flags.tolist()
+            self.requeue = noted[1]
+            if any(noted):
                 trainer._signal_connector.received_sigterm = True
         return trainer.received_sigterm
 
@@ -230,6 +248,7 @@ class SigtermAtStepBoundary(L.Callback):
         # save here, with this batch already drawn from the loader, would skip it on the resume).
         if self.active and self.step_ended and trainer.global_step == self.saved_step and self.agree(trainer):
             raise SIGTERMException  # as Lightning's loop raises it: training.train exits 143 with the resume command
+            # (or, at the requeue signal, requeues the job)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         # Before the other callbacks: a run stopped here is not evaluated off schedule (stops_here), and BestCheckpoint
@@ -414,7 +433,8 @@ class AcceptanceEvaluation(L.Callback):
         self.last_step = -1
         self.validated: tuple[int, float] | None = None  # (step, loss) of this launch's latest validation
         self.measured: tuple[int, dict] | None = None  # (step, metrics) of this launch's latest evaluation
-        # (step, train loss) of a scheduled step a SIGTERM stopped and saved unmeasured: the resume measures it
+        # (step, train loss) of a scheduled step a SIGTERM (or the requeue signal) stopped and saved unmeasured: the
+        # resume measures it
         self.unmeasured_stop: tuple[int, float | None] | None = None
         self.launch_started = time.perf_counter()
         self.launch_eval_seconds = 0.0
@@ -561,7 +581,8 @@ class AcceptanceEvaluation(L.Callback):
             self._evaluate(trainer, pl_module, logged=False, checkpointed=saver)
             self.unmeasured_stop = None
             if trainer.is_global_zero:
-                why = "was stopped by SIGTERM before measuring it" if stopped_here else "stopped during its evaluation"
+                why = ("was stopped by SIGTERM or SLURM's requeue signal before measuring it" if stopped_here
+                       else "stopped during its evaluation")
                 print(f"[eval] step {step}: measured at the resume (the launch that trained it {why})", flush=True)
         elif self.history and self.history[-1]["step"] == step:  # measured; its save is BestCheckpoint's to check
             self.measured = (step, metrics_of(self.history[-1]["summary"], self.history[-1]["seconds"]))

@@ -18,8 +18,8 @@ Every run writes outputs/<recipe>/<run>/:
 
 `--resume last` continues the newest run of the recipe that has a last.ckpt, in its own folder and
 with its own config.yaml: step, optimizer, scheduler and data position all continue exactly.
-`--resume <run folder>` continues from its newest readable checkpoint (last.ckpt or a SLURM requeue's
-hpc_ckpt_N.ckpt; a newer one whose save was cut short is passed over, in one line). Under DeepSpeed every
+`--resume <run folder>` continues from its newest readable checkpoint (last.ckpt, or the hpc_ckpt_N.ckpt of a SLURM
+requeue before 2026-12-03; a newer one whose save was cut short is passed over, in one line). Under DeepSpeed every
 checkpoint is a folder of per-rank shards under the same name.
 A resumed run keeps its recipe (the <recipe> folder it is in; a --recipe naming another is refused), and
 its config.yaml takes the launch's overrides only once the checkpoint is restored and training starts.
@@ -30,6 +30,8 @@ and drafter/, and a launch whose process count differs from devices x num_nodes 
 While a launch runs, its rank 0 holds the folder's .train.lock: another launch into it (the same --run-name,
 a --resume of a run still training) is refused in one line; a default name taken in the same second gets -2.
 Bad input (unknown recipe, bad field, bad target) prints one line and exits with status 2 (ddtree/errors.py).
+A SIGTERM stops every process where a step ends, saved, with status 143 and the command that resumes; SLURM's requeue
+signal (SIGUSR1, recipes/slurm.sbatch) the same way, rank 0 then requeuing the job (`scontrol requeue`), status 138.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import re
 import shlex
 import shutil
 import signal
+import subprocess
 import sys
 import time
 import warnings
@@ -59,7 +62,7 @@ from lightning.pytorch import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from ddtree.corpus import CORPUS_FILE, write_replies
-from ddtree.errors import DDTreeError, command
+from ddtree.errors import DDTreeError, command, error_line
 from ddtree.files import read_yaml_mapping, unwritable_as_error, write_text_atomic
 from training.callbacks import AcceptanceEvaluation, SigtermAtStepBoundary
 from training.checkpoint_paths import (find_resume, is_deepspeed_checkpoint, newest_checkpoint, resume_point, run_checkpoints,
@@ -339,25 +342,64 @@ def resume_command(run_dir: Path, recipe: str, checkpoint: Path) -> str:
     return f"make train RECIPE={recipe} RESUME={checkpoint}"
 
 
-def stopped(run_dir: Path, recipe: str, why: str, status: int, step: int) -> int:
+def stopped(run_dir: Path, recipe: str, why: str, status: int, step: int, requeued: str | None = None) -> int:
     """Say that the run did not finish, and how to resume it if a checkpoint exists; return the exit status.
 
     A killed or failed run must never look finished: non-zero status, one line saying what
     happened, and the exact command that continues it, with the step it continues from where that checkpoint is
-    older than the stop (a SIGTERM saves its stop; Ctrl-C, a crash or checkpoint.save_last false do not).
+    older than the stop (a SIGTERM saves its stop; Ctrl-C, a crash or checkpoint.save_last false do not). Where SLURM
+    has `requeued` the job (its id), that job resumes the run folder itself: the line names the checkpoint it takes.
     """
     if is_first_process():
         try:
             checkpoint = newest_checkpoint(run_dir)
-            resume = f"resume with: {resume_command(run_dir, recipe, checkpoint)}"
+            resume = (f"SLURM requeued job {requeued}, which resumes from {checkpoint}" if requeued
+                      else f"resume with: {resume_command(run_dir, recipe, checkpoint)}")
             resumes_at = saved_step(checkpoint)
             if 0 <= resumes_at < step:
                 again = f"step {step} is" if resumes_at + 1 == step else f"steps {resumes_at + 1}-{step} are"
                 resume += f" (it continues from step {resumes_at}, that checkpoint's: {again} trained again)"
         except DDTreeError:
-            resume = "no checkpoint was written yet, so nothing can be resumed; start it again (the same command)"
+            resume = (f"SLURM requeued job {requeued}, which starts it again" if requeued else
+                      "no checkpoint was written yet, so nothing can be resumed; start it again (the same command)")
         print(f"[train] {why} at step {step}; no drafter written; {resume}", file=sys.stderr, flush=True)
     return status
+
+
+def stopped_by_signal(cli: DistillCLI, run_dir: Path, recipe: str) -> int:
+    """The stop SigtermAtStepBoundary agreed on, every rank having saved its step: a SIGTERM's (143), or SLURM's
+    requeue signal's, where rank 0 now requeues the job (128 + the signal, SIGUSR1's 138, as a stop by a signal is)."""
+    step = cli.trainer.global_step
+    requeue = next((c.requeue for c in cli.trainer.callbacks if isinstance(c, SigtermAtStepBoundary)), 0)
+    if not requeue:
+        return stopped(run_dir, recipe, "stopped by SIGTERM", 128 + signal.SIGTERM, step)
+    status, name = 128 + requeue, signal.Signals(requeue).name
+    if not is_first_process():
+        return status
+    job = slurm_job_id()
+    # SLURM ends the job (SIGTERM, then SIGKILL) as it requeues it: this process has only its line left to say
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        try:
+            result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+            failure = None if result.returncode == 0 else (f"exit status {result.returncode}" + (
+                f": {error_line(result.stderr)}" if result.stderr.strip() else ""))
+        except (OSError, subprocess.TimeoutExpired) as error:  # no scontrol on this node's PATH, or no answer
+            failure = error_line(error)
+        if failure is not None:
+            return stopped(run_dir, recipe, f"stopped by SLURM's {name}, but `scontrol requeue {job}` failed ({failure})",
+                           status, step)
+        return stopped(run_dir, recipe, f"stopped by SLURM's {name} (its requeue signal)", status, step, requeued=job)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def slurm_job_id() -> str:
+    """This SLURM job's id as scontrol names it: <array job>_<task> for a job array's task."""
+    array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
+    if array_job is not None:
+        return f"{array_job}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+    return os.environ["SLURM_JOB_ID"]
 
 
 def new_folders(run_dir: Path) -> list[Path]:
@@ -479,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
                 write_run_corpus(cli, run_dir)
             cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=str(checkpoint) if checkpoint else None)
         except SIGTERMException:  # a SystemExit with no code: without this, a killed run would exit 0
-            return stopped(run_dir, args.recipe, "stopped by SIGTERM", 128 + signal.SIGTERM, cli.trainer.global_step)
+            return stopped_by_signal(cli, run_dir, args.recipe)
         except SystemExit:  # Lightning turns Ctrl-C into sys.exit(1) after its graceful shutdown
             if cli.trainer.interrupted:
                 return stopped(run_dir, args.recipe, "interrupted (SIGINT)", 128 + signal.SIGINT, cli.trainer.global_step)
@@ -493,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             os.environ.pop(RUN_NAME_ENV, None)
         if cli.trainer.received_sigterm:  # arrived where no loop raises (the final evaluation, say)
-            return stopped(run_dir, args.recipe, "stopped by SIGTERM", 128 + signal.SIGTERM, cli.trainer.global_step)
+            return stopped_by_signal(cli, run_dir, args.recipe)
         if cli.trainer.interrupted:  # stopped by a callback or an exception Lightning swallowed
             return stopped(run_dir, args.recipe, "interrupted", 1, cli.trainer.global_step)
         if checkpoint and not config_writer.started and (run_dir / "drafter").is_dir():
@@ -524,9 +566,9 @@ def main(argv: list[str] | None = None) -> int:
                   "default)", flush=True)
             unmeasured = unmeasured_last_step(cli)
             if unmeasured is not None:
-                print(f"[train] step {unmeasured}, the last, was saved unmeasured where a SIGTERM stopped the run, and "
-                      f"no launch trains past it to measure it: `make eval RUN={run_dir} CKPT=last` measures it "
-                      "(best.ckpt and report.md rank the steps measured before)", flush=True)
+                print(f"[train] step {unmeasured}, the last, was saved unmeasured where a SIGTERM (or SLURM's requeue "
+                      f"signal) stopped the run, and no launch trains past it to measure it: `make eval RUN={run_dir} "
+                      "CKPT=last` measures it (best.ckpt and report.md rank the steps measured before)", flush=True)
         return 0
     except BaseException as error:
         if created is not None:  # a fresh run's failure, from a bad override to a NaN at its first step; still locked

@@ -3,7 +3,8 @@
 Each signal test starts a real short `tiny` training as a subprocess, waits for its first
 checkpoint, sends the signal, and checks the exit status, the message and that the printed
 command resumes the run to its end. One starts two processes (ddp over gloo) and sends SIGTERM
-while one of them waits in an evaluation's gather.
+while one of them waits in an evaluation's gather; another starts them as srun starts a SLURM job's tasks, with a
+fake scontrol, and sends SLURM's requeue signal (SIGUSR1) there.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -244,8 +246,8 @@ def test_sigterm_at_a_scheduled_evaluation_step_saves_it_at_once_and_the_resume_
                               "--resume", str(resume), "--trainer.max_steps=5"], cwd=REPO, env=process_environment(),
                              capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert ("[eval] step 4: measured at the resume (the launch that trained it was stopped by SIGTERM before "
-            "measuring it)") in resumed.stdout.splitlines(), resumed.stdout[-3000:]
+    assert ("[eval] step 4: measured at the resume (the launch that trained it was stopped by SIGTERM or SLURM's "
+            "requeue signal before measuring it)") in resumed.stdout.splitlines(), resumed.stdout[-3000:]
     measured = json.loads(AcceptanceEvaluation.eval_file(run_dir, 4).read_text())["summary"]["ddtree@8"]["tau"]
     assert check_resumable(resume.parent / "step-4.ckpt")["global_step"] == 4
     ranking = torch.load(resume, map_location="cpu", weights_only=False)["callbacks"]["BestCheckpoint"]
@@ -287,14 +289,114 @@ def test_sigterm_at_the_last_step_saves_it_at_once_and_the_resume_measures_it_or
     assert (run_dir / "drafter" / "model.safetensors").is_file()
     said = capsys.readouterr().out
     if schedule == "max_steps":
-        assert (f"[train] step {step}, the last, was saved unmeasured where a SIGTERM stopped the run, and no launch "
-                f"trains past it to measure it: `make eval RUN={run_dir} CKPT=last` measures it") in said, said
+        assert (f"[train] step {step}, the last, was saved unmeasured where a SIGTERM (or SLURM's requeue signal) "
+                f"stopped the run, and no launch trains past it to measure it: `make eval RUN={run_dir} CKPT=last` "
+                "measures it") in said, said
         return
     assert step % 4 != 0 and f"[eval] step {step}: measured at the resume" in said, said
     ranking = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["callbacks"]["BestCheckpoint"]
     assert sorted(ranking["best_k_models"]) == sorted(f"step-{n}.ckpt" for n in (4, 8, step))
     assert check_resumable(run_dir / "checkpoints" / f"step-{step}.ckpt")["global_step"] == step
     assert "the last, was saved unmeasured" not in said
+
+
+def slurm_tasks(args: list[str], tmp_path: Path, tasks: int, **extra: str) -> list[subprocess.Popen]:
+    """training.train started as srun starts a job's `tasks` tasks on one node (job 99), with an `scontrol` on PATH that
+    records its arguments in tmp_path/scontrol.log."""
+    fake_bin = tmp_path / "bin"
+    if not fake_bin.is_dir():
+        fake_bin.mkdir()
+        (fake_bin / "scontrol").write_text(f"#!/usr/bin/env bash\necho \"$@\" >> {tmp_path / 'scontrol.log'}\n")
+        (fake_bin / "scontrol").chmod(0o755)
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    base = {name: value for name, value in process_environment().items() if not name.startswith("SLURM_")
+            and name not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    base |= dict(PATH=f"{fake_bin}{os.pathsep}{os.environ['PATH']}", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                 SLURM_JOB_ID="99", SLURM_JOB_NAME="ddtree", SLURM_NTASKS=str(tasks), SLURM_NNODES="1",
+                 SLURM_NTASKS_PER_NODE=str(tasks), SLURM_STEP_NUM_TASKS=str(tasks), SLURM_NODEID="0",
+                 SLURM_NODELIST="localhost", **extra)
+    return [subprocess.Popen([sys.executable, "-m", "training.train", *args], cwd=REPO, text=True,
+                             env=base | dict(SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank)),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE) for rank in range(tasks)]
+
+
+def finish(tasks: list[subprocess.Popen], timeout_s: float) -> list[tuple[int, str, str]]:
+    """(exit status, stdout, stderr) of every task; tasks still running after `timeout_s` fail the test (a hang)."""
+    try:
+        ended = [task.communicate(timeout=timeout_s) for task in tasks]
+    except subprocess.TimeoutExpired:
+        for task in tasks:
+            task.kill()
+        raise AssertionError("the job hung: " + " | ".join(task.communicate()[1][-1500:] for task in tasks)) from None
+    return [(task.returncode, out, err) for task, (out, err) in zip(tasks, ended)]
+
+
+@pytest.mark.parametrize("tasks", [1, 2])
+def test_slurms_requeue_signal_saves_the_step_on_every_rank_requeues_once_and_the_job_resumes(tmp_path, tasks):
+    """Found in a review (2026-12-03): Lightning's requeue handler saved hpc_ckpt_N.ckpt from inside the SIGUSR1
+    handler, wherever each rank was: under two-process ddp rank 0's save waited in a barrier while rank 1 waited in the
+    evaluation's gather, and the job hung, never requeued, until SLURM killed it. Now the signal is noted, the ranks
+    agree where a step ends, each saves last.ckpt, rank 0 runs `scontrol requeue` once, every task exits with 138
+    (128 + SIGUSR1) and one line, and the requeued job (slurm.sbatch: --resume <run folder>) trains to its end."""
+    marker = tmp_path / "holding"
+    if tasks == 2:  # the hang: rank 0 decodes step 2's prompt, rank 1 waits in the gather
+        hold = {"class_path": "test_reliability.HoldRankZeroInEvaluation", "init_args": {"marker": str(marker)}}
+        args, markers, step = tiny_args(tmp_path, "slurm-99", max_steps=6), [marker], 2
+    else:  # as step 4, scheduled for evaluation, trains: saved unmeasured, measured by the requeued job
+        hold = {"class_path": "test_reliability.HoldAtStepStart", "init_args": {"marker": str(marker), "after": 3}}
+        args, markers, step = tiny_args(tmp_path, "slurm-99", max_steps=6, every=4), [Path(f"{marker}0")], 4
+    options = [f"--trainer.devices={tasks}", "--trainer.num_nodes=1", f"--trainer.callbacks+={json.dumps(hold)}"]
+    job = slurm_tasks([*args, *options, *(["--trainer.strategy=ddp"] if tasks == 2 else [])], tmp_path, tasks)
+    for found in markers:
+        wait_for(found, job[0])
+    time.sleep(0.5)  # rank 1 reaches the gather
+    for task in job:  # SLURM signals every task of the job
+        task.send_signal(signal.SIGUSR1)
+    ended = finish(job, timeout_s=120)
+    assert [status for status, _, _ in ended] == [128 + signal.SIGUSR1] * tasks, ended[0][2][-3000:]
+    run_dir = tmp_path / "out" / "tiny" / "slurm-99"
+    last = run_dir / "checkpoints" / "last.ckpt"
+    lines = [line for _, _, err in ended for line in err.splitlines() if line.startswith("[train]")]
+    assert lines == [f"[train] stopped by SLURM's SIGUSR1 (its requeue signal) at step {step}; no drafter written; "
+                     f"SLURM requeued job 99, which resumes from {last}"], ended[0][2][-3000:]
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 99\n"  # rank 0 alone
+    assert check_resumable(last)["global_step"] == step and not list(run_dir.glob("hpc_ckpt_*"))
+
+    resumed = finish(slurm_tasks(["--recipe", "tiny", "--output-root", str(tmp_path / "out"), "--resume", str(run_dir),
+                                  *options[:2]], tmp_path, tasks, SLURM_RESTART_COUNT="1"), timeout_s=600)
+    assert [status for status, _, _ in resumed] == [0] * tasks, resumed[0][2][-3000:]
+    assert check_resumable(last)["global_step"] == 6 and (run_dir / "drafter" / "model.safetensors").is_file()
+    if tasks == 1:
+        assert "[eval] step 4: measured at the resume" in resumed[0][1]
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 99\n"
+
+
+def test_a_requeue_scontrol_refuses_is_one_line_with_the_command_that_resumes(tmp_path, monkeypatch, capsys):
+    """Every rank saved the step; rank 0's `scontrol requeue` failed (a job not requeueable, say): the line says so,
+    with the command that resumes, and the status is still 128 + the signal."""
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "scontrol").write_text("#!/usr/bin/env bash\necho 'scontrol: error: Requested operation is presently "
+                                       "disabled for job 7' >&2\nexit 1\n")
+    (fake_bin / "scontrol").chmod(0o755)
+    for name in [name for name in os.environ if name.startswith("SLURM_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("PATH", f"{fake_bin}{os.pathsep}{os.environ['PATH']}")
+    last = tmp_path / "out" / "tiny" / "r" / "checkpoints" / "last.ckpt"
+    last.parent.mkdir(parents=True)
+    torch.save({"global_step": 3}, last)
+    boundary = training.callbacks.SigtermAtStepBoundary()
+    boundary.requeue = signal.SIGUSR1  # what the ranks agreed on
+    cli = SimpleNamespace(trainer=SimpleNamespace(global_step=3, callbacks=[boundary]))
+    assert training.train.stopped_by_signal(cli, last.parent.parent, "tiny") == 128 + signal.SIGUSR1
+    assert capsys.readouterr().err.splitlines() == [
+        "[train] stopped by SLURM's SIGUSR1, but `scontrol requeue 7` failed (exit status 1: scontrol: error: Requested "
+        f"operation is presently disabled for job 7) at step 3; no drafter written; resume with: make train RECIPE=tiny "
+        f"RESUME={last}"]
+    assert signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN  # ignored only while rank 0 requeued
 
 
 def test_the_ranks_of_an_evaluation_say_their_lines_once_and_pack_as_rank_0_chose(tiny_target, tmp_path, capsys):

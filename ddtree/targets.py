@@ -302,6 +302,14 @@ def mask_token_id_for(name_or_path: str, tokenizer: PreTrainedTokenizerBase) -> 
     return None if spec is None else tokenizer.convert_tokens_to_ids(spec.mask_token)
 
 
+def builtin_mask_token_id_in(tokenizer: PreTrainedTokenizerBase) -> int | None:
+    """The id of a built-in target's MASK token where this tokenizer has it as an added token (a folder converted
+    from a built-in target, or merged onto one), else None. Looked up among the added tokens only: a missing
+    token's convert_tokens_to_ids is the unknown token's id, not None."""
+    added = tokenizer.get_added_vocab()
+    return next((added[spec.mask_token] for spec in BUILTIN_TARGETS.values() if spec.mask_token in added), None)
+
+
 # Files whose change does not change a folder's tokenizer (the shared tokenizer's key leaves them out).
 _WEIGHT_SUFFIXES = {".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack"}
 
@@ -394,7 +402,8 @@ def config_stop_token_ids(source: str, tokenizer: PreTrainedTokenizerBase) -> li
 def choose_mask_token_id(
     name_or_path: str, tokenizer: PreTrainedTokenizerBase, embedding_rows: int, configured: int | None = None
 ) -> int:
-    """MASK id: a configured id, else the target definition's, else a spare embedding row, else an error."""
+    """MASK id: a configured id, else the target definition's, else a spare embedding row, else a built-in target's
+    MASK token that the tokenizer has (a folder of SmolLM2's: its embedding has no spare row), else an error."""
     if configured is None:
         configured = mask_token_id_for(name_or_path, tokenizer)
     if configured is not None:
@@ -405,9 +414,16 @@ def choose_mask_token_id(
         return configured
     if embedding_rows > len(tokenizer):
         return len(tokenizer)  # first spare row past the tokenizer's last token
+    builtin = builtin_mask_token_id_in(tokenizer)
+    if builtin is not None and builtin < embedding_rows:
+        return builtin
+    tokens = ", ".join(sorted({spec.mask_token for spec in BUILTIN_TARGETS.values()}))
     raise DDTreeError(
-        f"target {name_or_path!r} has no spare embedding row past its {len(tokenizer)}-token vocabulary: "
-        "set mask_token_id to a rarely used special token of the target"
+        f"target {name_or_path!r} has no spare embedding row past its {len(tokenizer)}-token vocabulary and no "
+        f"built-in target's MASK token ({tokens}) for the drafter's MASK: to train a drafter for it, give "
+        "--model.mask_token_id=<id> (model.mask_token_id in a recipe), the id of a rarely used special token of the "
+        "target's; `ddtree --drafter random` needs a target with a spare embedding row or that MASK token: give it a "
+        "trained drafter folder instead"
     )
 
 

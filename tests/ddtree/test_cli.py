@@ -19,7 +19,7 @@ from ddtree.modeling_dflash import DFlashDraftModel
 from ddtree.packed_linear import packing_available
 from ddtree.precision import Choice
 from ddtree.errors import DDTreeError
-from ddtree.targets import build_drafter_config, load_target
+from ddtree.targets import build_drafter_config, load_target, resolve_target
 
 TARGET = "tiny-random"
 
@@ -546,6 +546,16 @@ def test_generate_reports_its_tokens(capsys):
     code, _, err = run_cli(capsys, "generate", "--target", TARGET, "--prompt", "Hi", "--max-new-tokens", "5",
                            "--static-cache", "on")
     assert code == 0 and "[adaptive size]" not in err  # ...and not on the static cache, where rows cost the same
+
+
+def test_generate_with_a_random_drafter_runs_on_the_built_in_targets_own_folder(capsys):
+    """The converted folder (the README's "plain safetensors folder") has no spare embedding row: only the target's
+    name found its MASK token, and the folder was refused with a setting ddtree has no flag for."""
+    folder = str(resolve_target(TARGET))
+    code, _, err = run_cli(capsys, "generate", "--target", folder, "--drafter", "random", "--prompt", "Hi",
+                           "--max-new-tokens", "4", "--adaptive-size", "off", "--dtype", "float32")
+    assert code == 0, err
+    assert re.search(r"^\[ddtree\] 4 tokens, tau \d", err, re.M), err
 
 
 def test_generate_streams_the_reply_it_prints_whole_with_no_stream(capsys):

@@ -393,6 +393,50 @@ def test_a_drafter_is_shaped_after_a_target_of_another_family_and_decodes_its_gr
     assert generate(target, prompt, "ddtree", runner, budget=8, max_new_tokens=12).new_tokens == greedy
 
 
+def test_a_folder_with_smollm2s_tokenizer_and_no_spare_row_takes_its_mask_token(tiny_target):
+    """Only the names smollm2-135m and tiny-random mapped to <empty_output>: the same target given as its folder (the
+    converted one, or one merged from an adapter as docs/training.md says) has no spare embedding row and was refused,
+    so `ddtree --drafter random` and training could not run on it."""
+    target, tokenizer = tiny_target
+    folder = str(resolve_target("tiny-random"))
+    assert target.get_input_embeddings().weight.shape[0] == len(tokenizer)  # no spare row
+    assert build_drafter_config(target, tokenizer, folder, num_layers=1, block_size=4).mask_token_id == 16
+    assert tokenizer.convert_ids_to_tokens(16) == "<empty_output>"
+
+
+class VocabularyOnly:
+    """A tokenizer as choose_mask_token_id reads it: its length and its added tokens."""
+
+    def __init__(self, size: int, added: dict[str, int]):
+        self.size, self.added = size, added
+
+    def __len__(self):
+        return self.size
+
+    def get_added_vocab(self):
+        return self.added
+
+
+def test_a_target_without_a_spare_row_or_a_mask_token_names_the_flags_that_help():
+    """The refusal said "set mask_token_id", a name training spells otherwise and ddtree has no flag for."""
+    from ddtree.targets import choose_mask_token_id
+
+    tokenizer = VocabularyOnly(100, {"<|begin_of_text|>": 98, "<|reserved_special_token_0|>": 99})
+    assert choose_mask_token_id("/t/llama", tokenizer, 101) == 100  # a spare row still comes first
+    assert choose_mask_token_id("/t/llama", tokenizer, 100, configured=99) == 99
+    with pytest.raises(DDTreeError) as error:
+        choose_mask_token_id("/t/llama", tokenizer, 100)
+    message = str(error.value)
+    assert message.startswith("target '/t/llama' has no spare embedding row past its 100-token vocabulary and no "
+                              "built-in target's MASK token (<empty_output>)")
+    assert "give --model.mask_token_id=<id> (model.mask_token_id in a recipe)" in message
+    assert "`ddtree --drafter random` needs a target with a spare embedding row or that MASK token" in message
+    assert "trained drafter folder" in message and "\n" not in message
+    # the token outside the embedding (a tokenizer larger than its model) is no MASK either
+    with pytest.raises(DDTreeError, match="no spare embedding row"):
+        choose_mask_token_id("/t/cut", VocabularyOnly(100, {"<empty_output>": 99}), 99)
+
+
 def test_a_target_config_without_a_field_the_drafter_needs_is_one_line():
     from ddtree.targets import target_field
 

@@ -48,6 +48,18 @@ def _seed(text: str) -> int:
     return seed
 
 
+def _non_negative(text: str) -> int:
+    """--lookup, --redraft: a count, 0 = off. A negative one was refused only after the target, the drafter and the
+    corpus had loaded, behind a calibration note that suggested the same value."""
+    try:
+        count = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if count < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0 (0 = off), got {text}")
+    return count
+
+
 STATIC_CACHE = {"auto": None, "on": True, "off": False}  # --static-cache -> generate(static=...)
 ADAPTIVE_SIZE = ("auto", "on", "off")
 
@@ -96,7 +108,7 @@ def _add_common(parser: argparse.ArgumentParser, learns: bool = False) -> None:
                              "on with the dynamic cache (a CPU), off with the static one (generate: auto; calibrate: "
                              "auto too, so that it learns on the trees generate decodes; bench: off, so that budgets "
                              "compare as published)")
-    parser.add_argument("--lookup", type=int, default=None, metavar="N",
+    parser.add_argument("--lookup", type=_non_negative, default=None, metavar="N",
                         help="graft into every ddtree tree up to N tokens that followed the last recurrence of the "
                              "context's latest tokens, within the budget (docs/decoding.md, Context lookup); 0 = off; "
                              "default: the drafter's own (7 for the smollm2-135m recipe's drafter, else 0)")
@@ -106,7 +118,7 @@ def _add_common(parser: argparse.ArgumentParser, learns: bool = False) -> None:
                              "folder ships, mostly said after the context's "
                              "last 3 tokens, within the budget (docs/decoding.md, Corpus lookup); none = off; default: the "
                              "corpus the drafter folder ships (the smollm2-135m recipe's drafters do), else off")
-    parser.add_argument("--redraft", type=int, default=None, metavar="K",
+    parser.add_argument("--redraft", type=_non_negative, default=None, metavar="K",
                         help="re-draft the block behind each of the K most likely first tokens (the chain: its first) "
                              "in one more drafter forward, and grow the tree from those (docs/decoding.md, Re-drafting); 0 = off; "
                              "default: the drafter's own (4 if trained with model.redraft_prob, else 0)")

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import ddtree.cli
 import ddtree.precision
 from ddtree.cli import TextStream, load_drafter, main
 from ddtree.corpus import CORPUS_FILE, write_replies
@@ -191,8 +192,25 @@ def test_no_budget_at_all_is_a_usage_error(capsys, prompts_file):
     assert "argument --budgets: expected at least one integer" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", ["--lookup", "--redraft"])
+@pytest.mark.parametrize("command", ["generate", "bench", "calibrate"])
+def test_a_negative_lookup_or_redraft_is_a_usage_error_before_anything_loads(capsys, monkeypatch, prompts_file,
+                                                                            command, flag):
+    """They were refused only after the target, the drafter and the corpus had loaded, behind a calibration note that
+    told the user to run `ddtree calibrate` with the same refused value (found in a docs review)."""
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the target loaded")
+
+    monkeypatch.setattr(ddtree.cli, "load_target", no_loading)
+    where = ["--prompt", "Hi"] if command == "generate" else ["--prompts", str(prompts_file)]
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--target", TARGET, *where, flag, "-1"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == (f"error: argument {flag}: expected a whole number >= 0 (0 = off), got -1; "
+                                       f"see ddtree {command} --help\n")
+
+
 @pytest.mark.parametrize("args, message", [
-    (["bench", "--lookup", "-1"], "lookup -1 must be >= 0"),
     (["generate", "--method", "dflash", "--lookup", "4"], "--lookup shape the ddtree method's trees, and --method "
      "dflash runs no ddtree: give --method ddtree, or drop them"),
 ])

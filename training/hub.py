@@ -23,7 +23,7 @@ import urllib.request
 from pathlib import Path
 
 from huggingface_hub import HfApi, constants, get_token
-from huggingface_hub.errors import HFValidationError, RepositoryNotFoundError
+from huggingface_hub.errors import BadRequestError, HFValidationError, RepositoryNotFoundError
 from huggingface_hub.utils import validate_repo_id
 
 from ddtree.calibration import CARD_NOTE
@@ -285,12 +285,17 @@ def check_card_metadata(api: HfApi, endpoint: str, card: str, repo: str, refused
         # HfApi._validate_yaml: what upload_folder calls, at the push's endpoint and with its token (the public
         # ModelCard.validate reads HF_ENDPOINT as it was at import, and sends no token)
         api._validate_yaml(card, repo_type="model")
-    except ValueError as error:  # the Hub answered 400: its reasons, one per line
-        raise DDTreeError(f"--push: the Hub at {endpoint} refuses the metadata of the card (README.md) for {repo} "
-                          f"({hub_error_line(error, api.token)}); {refused}") from None
     except Exception as error:  # noqa: BLE001 - network and HTTP errors alike end here, as one line
+        if isinstance(error, ValueError) and isinstance(error.__cause__, BadRequestError):
+            # the Hub answered 400: its reasons, one per line
+            raise DDTreeError(f"--push: the Hub at {endpoint} refuses the metadata of the card (README.md) for {repo} "
+                              f"({hub_error_line(error, api.token)}); {refused}") from None
+        # _validate_yaml reads the answer as JSON before it looks at the status: a gateway's or proxy's error page
+        # (a 502 in HTML during an outage) is a JSONDecodeError, a ValueError too, and says nothing of the card
+        reason = ("its answer is not JSON: an error page, of the Hub or of a proxy on the way"
+                  if isinstance(error, json.JSONDecodeError) else hub_error_line(error, api.token))
         raise DDTreeError(f"--push: cannot have the Hub at {endpoint} check the card's metadata for {repo} "
-                          f"({hub_error_line(error, api.token)}); {unasked}") from None
+                          f"({reason}); {unasked}") from None
 
 
 def push(api: HfApi, endpoint: str, folder: Path, repo: str, private: bool, replace: bool) -> str:

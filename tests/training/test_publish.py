@@ -992,6 +992,7 @@ class StandInHub(BaseHTTPRequestHandler):
     repos: dict[str, dict[str, bytes]] = {}
     private: dict[str, bool] = {}  # repo -> created private
     fail_commits = False
+    gateway_down = False  # every POST answered as a gateway answers during an outage: a 502 HTML page
     # The Hub takes only license ids of its own list (huggingface_hub issue #4218 quotes it); a few of them here
     licenses = ("apache-2.0", "mit", "llama3.1", "other")
 
@@ -1064,6 +1065,14 @@ class StandInHub(BaseHTTPRequestHandler):
 
     def do_POST(self):
         body = self._body()
+        if self.gateway_down:
+            page = b"<html><head><title>502 Bad Gateway</title></head><body>502 Bad Gateway</body></html>"
+            self.send_response(502)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(page)))
+            self.end_headers()
+            self.wfile.write(page)
+            return
         if not self._authorized():
             return
         parts = self.path.split("?")[0].strip("/").split("/")
@@ -1103,7 +1112,7 @@ class StandInHub(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def hub(monkeypatch):
-    StandInHub.repos, StandInHub.private, StandInHub.fail_commits = {}, {}, False
+    StandInHub.repos, StandInHub.private, StandInHub.fail_commits, StandInHub.gateway_down = {}, {}, False, False
     server = ThreadingHTTPServer(("127.0.0.1", 0), StandInHub)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -1466,6 +1475,31 @@ def test_a_license_the_hub_refuses_is_refused_with_its_reason_before_the_export_
     assert "tester/l" not in StandInHub.repos
     assert export(run_dir, out, "--ckpt", "last", "--repo", "tester/l", "--push", "--license", "mit", "--overwrite") == 0
     assert "license: mit" in StandInHub.repos["tester/l"]["README.md"].decode()
+
+
+def test_a_gateway_error_page_at_the_card_check_says_to_retry_not_to_change_the_license(run_dir, tmp_path, hub,
+                                                                                         capsys):
+    """A 502 HTML page from the Hub's gateway (an outage, a proxy) at the card's metadata check was read as the Hub
+    refusing the card: a valid license was to be changed, and --push-only, the retry itself, said to export again
+    (found in a review)."""
+    out = tmp_path / "export"
+    StandInHub.gateway_down = True
+    assert export(run_dir, out, "--ckpt", "last", "--repo", "tester/g", "--push", "--license", "mit") == 2
+    assert one_error_line(capsys) == (
+        f"error: --push: cannot have the Hub at {hub} check the card's metadata for tester/g (its answer is not JSON: "
+        "an error page, of the Hub or of a proxy on the way); check the network and HF_TOKEN; nothing was exported or "
+        "pushed")
+    assert not out.exists() and "tester/g" not in StandInHub.repos
+    StandInHub.gateway_down = False
+    assert export(run_dir, out, "--ckpt", "last", "--repo", "tester/g", "--license", "mit") == 0
+    StandInHub.gateway_down = True
+    assert publish.main(["--push-only", str(out), "--repo", "tester/g"]) == 2
+    line = one_error_line(capsys)
+    assert "its answer is not JSON" in line and "refuses" not in line and "--license" not in line, line
+    assert line.endswith(f"retry with python -m training.publish --push-only {out} --repo tester/g"), line
+    StandInHub.gateway_down = False
+    assert publish.main(retry_command(line)) == 0
+    assert "license: mit" in StandInHub.repos["tester/g"]["README.md"].decode()
 
 
 def test_push_without_token_or_network_fails_before_doing_anything(run_dir, tmp_path, monkeypatch, capsys):

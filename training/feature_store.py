@@ -365,7 +365,12 @@ class FeatureStore:
         """safe_open of one of the store's shards (it reads the header only), a missing one or one cut short (a copy
         that stopped, a full disk) as one line naming it, not a traceback."""
         file = self.path / name
+        replaced = DDTreeError(f"feature store {self.path}: {name} is not of the build whose {MANIFEST} this process "
+                               "read when it opened the store: the store was replaced since (a --force build); start "
+                               "the run again to read the new store")
         if not file.is_file():
+            if self.replaced():  # a new build with fewer shards (in a smaller dtype, say) has no such shard
+                raise replaced
             raise DDTreeError(f"feature store {self.path} lacks {name}: rebuild it with `{REBUILD}` and --force (FORCE=1)")
         try:
             handle = safe_open(str(file), framework="pt")
@@ -373,10 +378,15 @@ class FeatureStore:
             raise DDTreeError(f"feature store {self.path}: {name} is unreadable ({error}): rebuild it with "
                               f"`{REBUILD}` and --force (FORCE=1)") from None
         if shard_build_id(handle) != self.build_id:  # its offsets are another manifest's: other sequences' rows
-            raise DDTreeError(f"feature store {self.path}: {name} is of another build than the {MANIFEST} read when "
-                              "this process opened the store: the store was replaced since (a --force build); start "
-                              "the run again to read the new store")
+            raise replaced
         return handle
+
+    def replaced(self) -> bool:
+        """Whether the store at this path is now another build than the one this process opened."""
+        try:
+            return read_manifest(self.path / MANIFEST)[BUILD_ID] != self.build_id
+        except (OSError, DDTreeError):  # no manifest (being replaced right now), or one cut short: not a build's
+            return False
 
     def __getstate__(self) -> dict:
         # DataLoader workers get their own memory maps: open file handles do not pickle.

@@ -754,7 +754,10 @@ def test_a_store_replaced_while_a_run_reads_it_stops_that_run_in_one_line(tmp_pa
     first = reader[0]  # the run has read sequences of shard 0 so far
     worker = pickle.loads(pickle.dumps(reader))  # a DataLoader worker's copy, which opens its own shards
     build_feature_store(dm, out, dtype=torch.bfloat16, force=True, **settings)
-    for store, index in ((reader, reader.shards[1]["first_sequence"]), (worker, 0)):
+    assert len(FeatureStore(out).shards) < len(reader.shards)  # bf16 fits more sequences in a shard
+    # a shard the new build rewrote, one it has no more (it said "lacks ...: rebuild it with --force"), and a worker's
+    for store, index in ((reader, reader.shards[1]["first_sequence"]), (reader, reader.shards[-1]["first_sequence"]),
+                         (worker, 0)):
         with pytest.raises(DDTreeError) as error:
             store[index]
         assert "shard-0000" in one_line(error.value) and "the store was replaced since" in str(error.value)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import re
 import select
 import sys
 from typing import Callable
@@ -47,9 +48,26 @@ class CommandParser(argparse.ArgumentParser):
 
 
 def error_line(error: BaseException) -> str:
-    """The one line printed for a user error: its message's first line (multi-line messages are cut)."""
+    """The one line printed for a user error: its message's first line (multi-line messages are cut). An error raised
+    in a DataLoader worker comes back as torch re-raises it, its message a heading and the worker's traceback: the line
+    is then the original message's, from the traceback's last entry."""
     text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
+    return worker_message(text) or (text.splitlines()[0] if text else type(error).__name__)
+
+
+def worker_message(text: str) -> str | None:
+    """The original message of an error torch re-raised from a DataLoader worker ("Caught DDTreeError in DataLoader
+    worker process 0.\nOriginal Traceback (most recent call last):\n ... \nddtree.errors.DDTreeError: <message>"), or
+    None for any other text. The traceback's last line naming the error is the raised one's: an earlier one is a chained
+    error's."""
+    heading = re.match(r"Caught (\w+) in DataLoader worker process \d+\.\nOriginal Traceback", text)
+    if heading is None:
+        return None
+    named = re.compile(rf"(?:[\w.]+\.)?{heading.group(1)}: (.+)")
+    for line in reversed(text.splitlines()):
+        if match := named.fullmatch(line):
+            return match.group(1).strip()
+    return None
 
 
 def run_cli(main: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> int:

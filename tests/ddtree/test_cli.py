@@ -19,7 +19,7 @@ from ddtree.corpus import CORPUS_FILE, write_replies
 from ddtree.modeling_dflash import DFlashDraftModel
 from ddtree.packed_linear import packing_available
 from ddtree.precision import Choice
-from ddtree.errors import DDTreeError
+from ddtree.errors import DDTreeError, error_line
 from ddtree.targets import build_drafter_config, load_target, resolve_target
 
 TARGET = "tiny-random"
@@ -517,6 +517,33 @@ def run_with_stdout_closed(argv: list[str]) -> subprocess.CompletedProcess:
     proc.stdout.close()
     _, stderr = proc.communicate(timeout=300)
     return subprocess.CompletedProcess(argv, proc.returncode, None, stderr)
+
+
+def reraised_from_a_worker(error: Exception) -> Exception:
+    """`error` as a DataLoader re-raises it in the main process: torch's own wrapper, as a worker sends it back."""
+    from torch._utils import ExceptionWrapper
+
+    try:
+        try:
+            raise KeyError("shard")  # an error being handled when it was raised: its traceback comes first
+        except KeyError:
+            raise error
+    except type(error):
+        wrapped = ExceptionWrapper(where="in DataLoader worker process 0")
+    with pytest.raises(type(error)) as reraised:
+        wrapped.reraise()
+    return reraised.value
+
+
+def test_a_user_error_raised_in_a_data_loader_worker_is_its_own_line_not_torchs_heading():
+    """torch re-raises a worker's error as "Caught DDTreeError in DataLoader worker process 0." with the worker's
+    traceback after it: the line printed was that heading alone (found in a review)."""
+    error = reraised_from_a_worker(DDTreeError("store s: shard-00001 is of another build; start the run again"))
+    assert str(error).startswith("Caught DDTreeError in DataLoader worker process 0.\n")
+    assert error_line(error) == "store s: shard-00001 is of another build; start the run again"
+    assert error_line(reraised_from_a_worker(DDTreeError("first line\nsecond line"))) == "first line"
+    # other errors are cut to their first line as before, a heading like torch's included
+    assert error_line(DDTreeError("Caught DDTreeError somewhere.\nmore")) == "Caught DDTreeError somewhere."
 
 
 @pytest.mark.parametrize("flush", [True, False])

@@ -28,6 +28,7 @@ import torch
 import toy_data  # tests/training/toy_data.py
 import training.feature_store
 import training.module
+from ddtree.errors import run_cli
 from ddtree.targets import DDTreeError, load_target
 from training.data import DistillDataModule
 from training.feature_store import FeatureStore, build_feature_store, lock_path, partial_path, store_teacher
@@ -773,6 +774,28 @@ def test_a_store_replaced_while_a_run_reads_it_stops_that_run_in_one_line(tmp_pa
         save_file(load_file(out / shard["file"]), out / shard["file"])
     older = FeatureStore(out)
     assert older.build_id is None and all(older[i].shape[0] == older.lengths[i] for i in range(len(older)))
+
+def test_a_store_replaced_while_data_loader_workers_read_it_stops_the_run_in_one_line(tmp_path, capsys):
+    """torch re-raises a worker's error with a heading for its message ("Caught DDTreeError in DataLoader worker process
+    0.") and the worker's traceback after it: the command printed the heading alone, without the reason or what to do
+    (found in a review). The GPU recipes read their stores with data.num_workers 4."""
+    settings = dict(layer_ids=LAYER_IDS, max_shard_bytes=shard_bytes(3, torch.float32))
+    out = build_feature_store(make_datamodule(tmp_path), tmp_path / "store", dtype=torch.float32, **settings)
+    dm = make_datamodule(tmp_path, num_workers=1, feature_store=str(out))
+    dm.setup("fit")
+
+    def train(argv):
+        loader = dm.train_dataloader()
+        build_feature_store(make_datamodule(tmp_path), out, dtype=torch.bfloat16, force=True, **settings)  # another launch
+        for _ in loader:
+            pass
+
+    capsys.readouterr()
+    assert run_cli(train) == 2
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]  # not the build's
+    assert line.startswith(f"error: feature store {out}: shard-0000") and line.endswith(
+        "the store was replaced since (a --force build); start the run again to read the new store"), line
+
 
 def test_a_folder_or_file_that_is_not_a_store_is_never_replaced(tmp_path):
     dm = make_datamodule(tmp_path)

@@ -132,12 +132,16 @@ def build_lock(out: Path):
 def take_lock(lock: Path, holder: str) -> int | None:
     """An exclusive flock on `lock`, waited for (saying so once, naming `holder`): its open descriptor. None where
     no lock can be had: a place it cannot be made in (a read-only mount, where a build has nothing to do or says
-    itself that it cannot write), or a filesystem without locks (said)."""
+    itself that it cannot write), or a filesystem without locks (said, and the file removed if this call made it)."""
     said = False
+    flags = os.O_RDONLY | os.O_CREAT  # read-only: another user's lock file opens
     while True:
         try:
             lock.parent.mkdir(parents=True, exist_ok=True)
-            descriptor = os.open(lock, os.O_RDONLY | os.O_CREAT, 0o666)  # read-only: another user's lock file opens
+            try:
+                descriptor, created = os.open(lock, flags | os.O_EXCL, 0o666), True
+            except FileExistsError:  # another build's, or one a killed build left
+                descriptor, created = os.open(lock, flags, 0o666), False
         except OSError:
             return None
         try:
@@ -150,6 +154,9 @@ def take_lock(lock: Path, holder: str) -> int | None:
         except OSError as error:  # (Lustre mounted without flock, say)
             print(f"[features] cannot lock {lock} ({error.strerror}): a second build at the same time would not wait "
                   "for this one", file=sys.stderr, flush=True)
+            if created:  # else every build, a complete store's included, would leave it beside the store
+                with contextlib.suppress(OSError):
+                    lock.unlink()
             os.close(descriptor)
             return None
         with contextlib.suppress(OSError):

@@ -11,8 +11,9 @@ backward, AdamW step) under bf16 autocast, and prints the ratio and the target t
 then the same step from precomputed features (offline mode, training/features.py: no target
 forward; with distillation the batch also carries the teacher a store keeps, the target's top
 model.distill_top_k or its final hidden states), and its tokens per second. On CUDA the times come from CUDA events and each line adds the
-peak GPU memory of the step. The batch is random tokens with the first 60 positions of each
-sequence marked as prompt, the rest as reply.
+peak GPU memory of the step. The batch is random tokens, ids the target's vocabulary holds, with the first 60
+positions of each sequence marked as prompt, the rest as reply; --length may not pass the target's
+max_position_embeddings.
 
 --recipe takes the drafter settings (anchors, layers, block, target layers, MASK id, loss chunk),
 max_length (the batch length) and the per-GPU batch size from a recipe. With --random-target the
@@ -38,6 +39,7 @@ from transformers import AutoModelForCausalLM
 
 from ddtree.cli import parse_device
 from ddtree.errors import DDTreeError, command
+from ddtree.target_runner import context_limit
 
 from . import target as target_loading
 from .flops import RANDOM_TARGETS, recipe_settings, recipe_step_flops
@@ -47,6 +49,7 @@ from .target import target_layer_features
 
 PROMPT_TOKENS = 60
 FIRST_TOKEN = 100  # random batches skip the lowest ids (special tokens)
+LAST_TOKEN = 40000  # and stay below this one, or below the target's vocabulary where it is smaller
 
 
 
@@ -92,10 +95,11 @@ def random_target_loader(name: str, build_on: torch.device):
     return load
 
 
-def batch_token_ids(settings: dict) -> range:
-    """The token ids a random batch draws from: with a draft vocabulary, those ids, so that every label counts."""
+def batch_token_ids(settings: dict, vocab_rows: int = LAST_TOKEN) -> range:
+    """The token ids a random batch draws from: with a draft vocabulary, those ids, so that every label counts; else
+    ids below LAST_TOKEN that the target's embedding (`vocab_rows` rows) holds: Llama-2's and Mistral's hold 32000."""
     size = settings.get("draft_vocab_size")
-    return range(FIRST_TOKEN, FIRST_TOKEN + size) if size else range(FIRST_TOKEN, 40000)
+    return range(FIRST_TOKEN, FIRST_TOKEN + size) if size else range(FIRST_TOKEN, min(LAST_TOKEN, vocab_rows))
 
 
 def build_module(settings: dict, random_target: bool, device: torch.device) -> DistillModule:
@@ -173,7 +177,12 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()  # progress lines: where a slow or stopped run spent its time
         module = build_module({**settings, "compile": args.compile}, args.random_target, device)
         print(f"{label:>10}: target and drafter built in {time.perf_counter() - started:.0f} s", flush=True)
-        ids = batch_token_ids(settings)
+        limit = context_limit(module.target)
+        if length > limit:  # past a learned position table (GPT-2) the forward stops in an index error
+            given = f"--length {length}" if args.length is not None else f"{args.recipe}'s data.max_length {length}"
+            raise DDTreeError(f"{given} is past the {limit} positions of target {settings['target']!r} "
+                              f"(max_position_embeddings): give --length at most {limit}")
+        ids = batch_token_ids(settings, module.target.get_input_embeddings().num_embeddings)
         generator = torch.Generator().manual_seed(0)
         input_ids = torch.randint(ids.start, ids.stop, (batch_size, length), generator=generator).to(device)
         loss_mask = torch.ones_like(input_ids, dtype=torch.bool)

@@ -9,9 +9,14 @@ by hand on a GPU: `python -m training.throughput --recipe qwen3-8b --random-targ
 from __future__ import annotations
 
 import re
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config
+
+from ddtree.targets import resolve_target
 
 import training.train
 from training.throughput import (FIRST_TOKEN, RANDOM_TARGETS, batch_token_ids, build_module, main, recipe_settings,
@@ -24,6 +29,15 @@ def measured_line(output: str) -> str:
     return next(line for line in output.splitlines() if "training step" in line)
 
 
+def local_target(folder, config) -> str:
+    """A random-weight target saved as a local folder, with tiny-random's tokenizer (the MASK id comes from it)."""
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(resolve_target("tiny-random")) / name, folder)
+    return str(folder)
+
+
 def test_cpu_run_reports_both_steps_and_their_ratio(capsys):
     assert main([*TINY, "--device", "cpu"]) == 0
     line = measured_line(capsys.readouterr().out)
@@ -31,6 +45,24 @@ def test_cpu_run_reports_both_steps_and_their_ratio(capsys):
     ratio = float(re.search(r"ratio ([\d.]+)", line).group(1))
     assert target > 0 and step > 0 and ratio == pytest.approx(step / target, rel=0.2)  # (times printed to the ms)
     assert "target tokens/s" in line and "offline step" in line and "peak" not in line  # no GPU memory on a CPU
+
+
+def test_a_target_with_a_smaller_vocabulary_gets_a_batch_of_ids_it_holds(tmp_path, capsys):
+    """Llama-2, Mistral-7B and TinyLlama hold 32000 rows: ids up to 40000 stopped in an IndexError traceback."""
+    config = AutoConfig.from_pretrained(resolve_target("tiny-random"))
+    config.vocab_size = 32000
+    target = local_target(tmp_path / "tiny32k", config)
+    assert main([*TINY, "--device", "cpu", "--target", target]) == 0
+    assert "target tokens/s" in measured_line(capsys.readouterr().out)
+
+
+def test_a_length_past_the_targets_position_table_is_one_line(tmp_path, capsys):
+    """GPT-2's positions are a learned table: past it the forward stopped in an IndexError traceback."""
+    target = local_target(tmp_path / "gpt2", GPT2Config(n_positions=128, n_embd=64, n_layer=2, n_head=4))
+    assert main([*TINY, "--device", "cpu", "--target", target, "--length", "200"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
+    assert errors == [f"error: --length 200 is past the 128 positions of target {target!r} (max_position_embeddings): "
+                      "give --length at most 128"]
 
 
 def test_a_draft_vocabulary_is_timed_at_its_size_without_training_data():

@@ -17,7 +17,8 @@ measured ratio. Counted, per sequence of `length` tokens:
   query/output projections and MLP over the block rows (anchors x block size), attention over the keys
   each query sees (its anchor's context and its own block), and the frozen LM head over the drafted rows,
   those with a label (anchors x (block size - 1)), through the draft vocabulary's rows where the drafter
-  has one.
+  has one. Anchors are counted as a step draws them: at most one per reply token with a successor
+  (length - 61 of them), where the CUDA path still runs the drafter's layers over num_anchors blocks.
 - online distillation (model.distill_weight > 0): the whole target runs (its final hidden states are the
   teacher), and the teacher's LM head: with model.distill_top_k the target's own, full vocabulary, over every block
   row; else the drafter's over the labelled rows, inside the loss (so again in backward where the loss is chunked).
@@ -182,7 +183,7 @@ def step_flops(
     *,
     length: int,  # tokens of the sequence (the target's forward)
     width: int,  # context rows the drafter reads (length, or padded to the flex width on CUDA)
-    blocks: int,  # blocks per sequence (on CUDA padded to num_anchors)
+    blocks: int,  # blocks the drafter's layers run per sequence (on CUDA padded to num_anchors)
     block_size: int,
     drafter_layers: int,
     feature_layers: int,  # target layers read (fc's input is feature_layers x target hidden)
@@ -194,7 +195,9 @@ def step_flops(
     teacher_rows: int = 0,  # online distillation: rows through the teacher's LM head per block (0: none)
     teacher_vocab: int = 0,  # the rows of that LM head
     teacher_recomputed: bool = False,  # the teacher's head runs inside the chunked loss, so again in backward
+    drawn: int | None = None,  # blocks drawn, whose rows reach the LM heads (default: blocks; on CUDA the padding's do not)
 ) -> StepFlops:
+    drawn = blocks if drawn is None else drawn
     rows = blocks * block_size
     fc = 2 * width * feature_layers * target.hidden * drafter.hidden
     context_kv = drafter_layers * 2 * width * drafter.hidden * 2 * drafter.kv_width
@@ -203,8 +206,8 @@ def step_flops(
     block_mlp = 2 * rows * drafter.mlp_matrices * drafter.hidden * drafter.intermediate
     blocks_flops = drafter_layers * (block_qo + block_kv + block_mlp)
     attention = drafter_layers * drafter.attention(rows, keys_per_query)
-    head = 2 * blocks * (block_size - 1) * drafter.hidden * head_rows  # the anchor's own row has no label
-    teacher = 2 * blocks * teacher_rows * target.hidden * teacher_vocab
+    head = 2 * drawn * (block_size - 1) * drafter.hidden * head_rows  # the anchor's own row has no label
+    teacher = 2 * drawn * teacher_rows * target.hidden * teacher_vocab
     backward = (fc + 2 * context_kv + 2 * blocks_flops + 2 * attention + (2 if loss_chunked else 1) * head
                 + (teacher if teacher_recomputed else 0))
     return StepFlops(
@@ -214,14 +217,21 @@ def step_flops(
     )
 
 
+def drawn_anchors(num_anchors: int, length: int, prompt: int = PROMPT_TOKENS) -> int:
+    """Anchors a step draws in a sequence of `length` tokens (training/masks.py, sample_anchors): at most one per reply
+    token that has a successor, positions prompt..length-2."""
+    return max(0, min(num_anchors, length - prompt - 1))
+
+
 def flex_width(length: int) -> int:
     """The context width the CUDA path pads to (training/masks.py, pad_for_flex)."""
     return max(FLEX_MIN_CONTEXT, 1 << (length - 1).bit_length())
 
 
 def recipe_step_flops(target_config, settings: dict, length: int, cuda: bool = True,
-                      anchors: int | None = None, draft_vocab: int | None = None) -> StepFlops:
-    """A recipe's step (its model settings, as recipe_settings reads them) on one sequence."""
+                      anchors: int | None = None, draft_vocab: int | None = None, prompt: int = PROMPT_TOKENS) -> StepFlops:
+    """A recipe's step (its model settings, as recipe_settings reads them) on one sequence whose first `prompt`
+    tokens are the prompt."""
     text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
     widths = Widths.of(text)
     # The drafter is Qwen3-shaped after the target, whatever its family (ddtree.targets.build_drafter_config): the
@@ -235,13 +245,17 @@ def recipe_step_flops(target_config, settings: dict, length: int, cuda: bool = T
     # with distill_top_k the target's own over every block row (next_token_top_k), else the drafter's over the
     # labelled rows, inside the loss (so again in backward where the loss is chunked).
     distill, top_k = (settings.get("distill_weight") or 0) > 0, settings.get("distill_top_k") or 0
+    # A short reply has fewer anchors than asked: the CUDA path pads the drafter's blocks to the count asked (fixed
+    # shapes for flex attention) but sends only the drawn ones to the LM heads; the CPU path runs the drawn ones alone.
+    anchors = anchors or settings["num_anchors"]
+    drawn = drawn_anchors(anchors, length, prompt)
     return step_flops(
         widths, drafter, length=length, width=flex_width(length) if cuda else length,
-        blocks=anchors or settings["num_anchors"], block_size=block_size,
+        blocks=anchors if cuda else drawn, drawn=drawn, block_size=block_size,
         drafter_layers=settings["num_layers"], feature_layers=len(layer_ids),
         read_depth=text.num_hidden_layers if distill else max(layer_ids) + 1,
         target_layers=text.num_hidden_layers, head_rows=head_rows,
-        keys_per_query=mean_keys_per_query(length, block_size), loss_chunked=loss_chunked,
+        keys_per_query=mean_keys_per_query(length, block_size, prompt), loss_chunked=loss_chunked,
         teacher_rows=(block_size if top_k else block_size - 1) if distill else 0,
         teacher_vocab=text.vocab_size if top_k else head_rows, teacher_recomputed=distill and not top_k and loss_chunked,
     )
@@ -294,10 +308,14 @@ def main(argv: list[str] | None = None) -> int:
     for size in args.draft_vocab:
         if size > vocab:
             raise DDTreeError(f"--draft-vocab {size}: the target's vocabulary holds {vocab} tokens; give at most that")
-    base = f"{settings['num_anchors']} anchors, head {head} rows"
+    def anchors_label(anchors: int) -> str:  # a reply too short for them all: the count drawn, which is counted
+        drawn = drawn_anchors(anchors, length)
+        return f"{anchors} anchors" + (f" ({drawn} fit the reply)" if drawn < anchors else "")
+
+    base = f"{anchors_label(settings['num_anchors'])}, head {head} rows"
     cuda = recipe_on_cuda(args.recipe)  # a CPU recipe's context is not padded to the CUDA path's flex width
     rows = [(f"{args.recipe} ({base})", recipe_step_flops(config, settings, length, cuda))]
-    rows += [(f"{anchors} anchors", recipe_step_flops(config, settings, length, cuda, anchors=anchors))
+    rows += [(anchors_label(anchors), recipe_step_flops(config, settings, length, cuda, anchors=anchors))
              for anchors in args.anchors]
     rows += [(f"draft vocabulary {size}", recipe_step_flops(config, settings, length, cuda, draft_vocab=size))
              for size in args.draft_vocab]

@@ -91,7 +91,7 @@ def test_online_distillation_counts_the_whole_target_and_the_teachers_head(disti
 
     settings = dict(target="tiny-random", num_layers=2, block_size=4, target_layer_ids=LAYER_IDS, num_anchors=5, **distill)
     target_config = module.target.config
-    model = recipe_step_flops(target_config, settings, length, cuda=False)
+    model = recipe_step_flops(target_config, settings, length, cuda=False, prompt=10)
     # the CPU counter sees no SDPA attention: the target's and the drafter's (forward, and twice in backward) apart
     target_attention = target_config.num_hidden_layers * Widths.of(target_config).attention(length, (length + 1) / 2)
     matmuls = model.total - target_attention - 3 * model.attention
@@ -153,11 +153,45 @@ def test_the_drafter_is_counted_with_its_own_gated_mlp_after_an_ungated_target(t
     backward_counted = counted(lambda: forward["loss"].backward())
 
     settings = dict(target=str(folder), num_layers=2, block_size=4, target_layer_ids=LAYER_IDS, num_anchors=5)
-    model = recipe_step_flops(module.target.config, settings, length, cuda=False)
+    model = recipe_step_flops(module.target.config, settings, length, cuda=False, prompt=10)
     # the CPU counter sees no SDPA attention: the target's (the layers read) and the drafter's (and twice in backward)
     target_attention = (max(LAYER_IDS) + 1) * Widths.of(config).attention(length, (length + 1) / 2)
     matmuls = model.total - target_attention - 3 * model.attention
     assert forward_counted + backward_counted == pytest.approx(sequences * matmuls, rel=5e-3)
+
+
+def test_a_reply_too_short_for_the_anchors_is_counted_at_the_blocks_drawn():
+    """80 tokens after a 60-token prompt hold 19 anchors: a step asked for 32 draws 19, and the model counted 32
+    (throughput printed a FLOP ratio of 62.65 for 64x1x4 at --length 80, where the step computes 19.33)."""
+    torch.manual_seed(0)
+    module = tiny_module(num_anchors=32)
+    step_batch = batch(length=80, prompt=60)
+    sequences, length = step_batch["input_ids"].shape
+    forward = {}
+    forward_counted = counted(lambda: forward.setdefault("loss", module.shared_step(step_batch, 0, "train").loss))
+    backward_counted = counted(lambda: forward["loss"].backward())
+
+    settings = dict(target="tiny-random", num_layers=2, block_size=4, target_layer_ids=LAYER_IDS, num_anchors=32)
+    model = recipe_step_flops(module.target.config, settings, length, cuda=False)
+    # the CPU counter sees no SDPA attention: the target's (the layers read) and the drafter's (and twice in backward)
+    target_attention = (max(LAYER_IDS) + 1) * Widths.of(module.target.config).attention(length, (length + 1) / 2)
+    # every candidate is drawn, so the last blocks run past the sequence: anchors 77 and 78 lose 1 and 2 labelled rows,
+    # which the model counts (at a recipe's length such rows are a fraction of a percent of the head's)
+    head_row = model.head / (19 * 3)  # forward, and the input's gradient in backward
+    matmuls = model.total - target_attention - 3 * model.attention - 2 * 3 * head_row
+    assert forward_counted + backward_counted == pytest.approx(sequences * matmuls, rel=5e-3)
+    # CUDA pads the drafter's blocks to the 32 asked, and sends the 19 drawn to the LM head
+    on_cuda, drawn = (recipe_step_flops(module.target.config, settings, length, cuda=True, anchors=anchors)
+                      for anchors in (32, 19))
+    assert on_cuda.head == drawn.head == model.head and on_cuda.blocks == pytest.approx(32 / 19 * drawn.blocks)
+
+
+def test_the_cli_names_the_anchors_a_short_reply_holds(capsys):
+    """smollm2-135m at --length 70: 16 anchors asked, 9 fit; the step was counted at 1.84 target forwards, not 1.49."""
+    row, = printed_rows(capsys, ["--recipe", "smollm2-135m", "--length", "70"])
+    assert "(16 anchors (9 fit the reply), head 8192 rows)" in row
+    nine, = printed_rows(capsys, ["--recipe", "smollm2-135m", "--length", "70", "--anchors", "9"])[1:]
+    assert row.rsplit("|", 2)[1] == nine.rsplit("|", 2)[1]  # the same ratio as 9 anchors asked
 
 
 def test_the_mean_key_count_is_the_training_masks():

@@ -74,13 +74,16 @@ def time_call(fn, repeats: int, warmup: int, device: torch.device, label: str = 
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1000)
+    # An event records on the current device's stream: outside this, GPU 0's, idle while --device cuda:N runs the step,
+    # so end.synchronize() would not wait for it and the times would be the host's launches.
+    with torch.cuda.device(device):
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1000)
     return statistics.median(times), torch.cuda.max_memory_allocated(device)
 
 

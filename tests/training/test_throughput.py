@@ -8,6 +8,7 @@ by hand on a GPU: `python -m training.throughput --recipe qwen3-8b --random-targ
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
 from pathlib import Path
@@ -20,7 +21,7 @@ from ddtree.targets import resolve_target
 
 import training.train
 from training.throughput import (FIRST_TOKEN, RANDOM_TARGETS, batch_token_ids, build_module, main, recipe_settings,
-                                 store_batch)
+                                 store_batch, time_call)
 
 TINY = ["--target", "tiny-random", "--settings", "4x1x4", "--length", "80", "--repeats", "1", "--threads", "1"]
 
@@ -115,11 +116,48 @@ def test_a_random_target_without_a_configuration_is_one_line(capsys):
     assert errors[1].startswith("error: --random-target: no configuration for tiny's target")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_run_times_with_events_and_reports_peak_memory(capsys):
-    assert main([*TINY, "--device", "cuda"]) == 0
+@pytest.mark.parametrize("device, gpus", [("cuda", 1), ("cuda:1", 2)])  # cuda:1: events on the timed GPU's stream
+def test_cuda_run_times_with_events_and_reports_peak_memory(device, gpus, capsys):
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} CUDA GPU(s)")
+    assert main([*TINY, "--device", device]) == 0
     line = measured_line(capsys.readouterr().out)
     assert re.search(r"training step [\d.]+ s, peak [\d.]+ GiB", line)
+
+
+def test_cuda_events_record_on_the_timed_gpus_stream(monkeypatch):
+    """torch.cuda.Event.record() takes the current device's stream, GPU 0's unless set: with --device cuda:1 both events
+    completed on an idle GPU 0 and the step's kernels went untimed. Faked here (no GPU): each event must be recorded
+    while the timed device is the current one."""
+    current, recorded = [None], []
+
+    @contextlib.contextmanager
+    def cuda_device(device):
+        previous, current[0] = current[0], torch.device(device)
+        try:
+            yield
+        finally:
+            current[0] = previous
+
+    class Event:
+        def __init__(self, enable_timing):
+            pass
+
+        def record(self):
+            recorded.append(current[0])
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return 5.0
+
+    for name, fake in (("device", cuda_device), ("Event", Event), ("synchronize", lambda device=None: None),
+                       ("reset_peak_memory_stats", lambda device=None: None),
+                       ("max_memory_allocated", lambda device=None: 1)):
+        monkeypatch.setattr(torch.cuda, name, fake)
+    assert time_call(lambda: None, repeats=2, warmup=0, device=torch.device("cuda:1")) == (0.005, 1)
+    assert recorded == [torch.device("cuda:1")] * 4
 
 
 def test_a_gpu_recipe_on_a_machine_without_a_gpu_stops_with_one_line(tmp_path, monkeypatch, capsys):

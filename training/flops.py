@@ -45,7 +45,7 @@ from dataclasses import dataclass, replace
 from functools import cache
 
 import torch
-from transformers import AutoConfig, Qwen3Config
+from transformers import AutoConfig, LlamaConfig, Qwen3Config
 
 from ddtree.errors import CommandParser, DDTreeError, command
 from ddtree.targets import default_layer_ids, resolve_target, target_field
@@ -68,6 +68,18 @@ RANDOM_TARGETS = {
         vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
         num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=False,
+    ),
+    "Qwen/Qwen3-4B": Qwen3Config(
+        vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=True,
+    ),
+    "meta-llama/Llama-3.1-8B-Instruct": LlamaConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        tie_word_embeddings=False,
     ),
 }
 

@@ -219,6 +219,14 @@ def printed_rows(capsys, argv: list[str]) -> list[str]:
     return [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "case" not in line]
 
 
+@pytest.mark.parametrize("recipe", ["qwen3-4b", "llama3.1-8b"])
+def test_every_large_recipe_is_counted_without_the_hub(recipe, monkeypatch, capsys):
+    """Their targets' configurations are in RANDOM_TARGETS: the count needed the Hub, and offline stopped."""
+    monkeypatch.setattr("training.flops.AutoConfig.from_pretrained", lambda *args, **kwargs: pytest.fail("read the Hub"))
+    row, = printed_rows(capsys, ["--recipe", recipe])
+    assert row.startswith(f"| {recipe} (512 anchors, head ")
+
+
 def test_a_cpu_recipe_is_counted_at_its_own_context_width(capsys):
     """A CPU recipe's step reads the context at the sequence's length; the CUDA path pads it to the flex width
     (1024 rows at least). The CLI counted every recipe as on CUDA: smollm2-135m's context term at 3.85 G, not 1.44."""

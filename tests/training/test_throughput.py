@@ -17,6 +17,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config
 
+from ddtree.errors import DDTreeError
 from ddtree.targets import resolve_target
 
 import training.train
@@ -106,6 +107,31 @@ def test_case_b_is_qwen3_8b_at_the_recipe_settings():
     settings, max_length, batch_size = recipe_settings("qwen3-8b")
     assert settings["target"] == "Qwen/Qwen3-8B" and settings["num_anchors"] == 512 and settings["block_size"] == 16
     assert (max_length, batch_size) == (3072, 1)
+
+
+@pytest.mark.parametrize("recipe, shape", [
+    ("qwen3-4b", (36, 2560, 32, 8, 128, 9728, 151936, True)),  # Qwen/Qwen3-4B's config.json
+    ("llama3.1-8b", (32, 4096, 32, 8, 128, 14336, 128256, False)),  # meta-llama/Llama-3.1-8B-Instruct's
+])
+def test_the_other_large_recipes_targets_have_their_published_configuration(recipe, shape):
+    """Without them training.flops and --random-target needed the Hub for 2 of the 3 large recipes."""
+    settings, _, _ = recipe_settings(recipe)
+    config = RANDOM_TARGETS[settings["target"]]
+    assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+            config.head_dim, config.intermediate_size, config.vocab_size, config.tie_word_embeddings) == shape
+    assert settings["mask_token_id"] < config.vocab_size  # the recipe's MASK is a row of the random embedding
+
+
+def test_a_target_out_of_reach_names_random_target(monkeypatch, capsys):
+    """The Hub error said to give a local folder, not the flag that needs no download."""
+    def unreachable(settings, random_target, device):
+        raise DDTreeError(f"target {settings['target']!r} is a Hub id that is not in the local cache")
+
+    monkeypatch.setattr("training.throughput.build_module", unreachable)
+    assert main(["--recipe", "qwen3-8b", "--device", "cpu", "--length", "80"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
+    assert errors == ["error: target 'Qwen/Qwen3-8B' is a Hub id that is not in the local cache; or add --random-target "
+                      "to build its published architecture with random weights, all its speed depends on"]
 
 
 def test_a_random_target_without_a_configuration_is_one_line(capsys):

@@ -34,11 +34,11 @@ Lightning runs checkpoint callbacks after all others, so the metric a checkpoint
 the one AcceptanceEvaluation logged at its step. A run that stops off schedule (max_time on a slow
 machine) is evaluated and checkpointed at its stop too (`stops_here`): BestCheckpoint ranks that step by
 what AcceptanceEvaluation measured there. A SIGTERM's stop (SigtermAtStepBoundary; SLURM's requeue signal's too) is
-saved to last.ckpt at once, unmeasured and unranked, a scheduled step's too (its evaluation takes minutes on the 8B
-recipes, longer than a scheduler waits before SIGKILL), so that the resume continues from the step the stop line
-names; the resume measures a scheduled step so saved and ranks it (finish_interrupted_evaluation), all but the last
-step of max_steps, past which Lightning starts no training loop (training.train says so, with the command that
-measures it).
+saved to last.ckpt at once (step-N.ckpt with checkpoint.save_last false), unmeasured and unranked, a scheduled step's
+too (its evaluation takes minutes on the 8B recipes, longer than a scheduler waits before SIGKILL), so that the resume
+continues from the step the stop line names; the resume measures a scheduled step so saved and ranks it
+(finish_interrupted_evaluation), all but the last step of max_steps, past which Lightning starts no training loop
+(training.train says so, with the command that measures it).
 
 Distributed (DDP, DeepSpeed): every rank decodes its share of the prompts (prompt i on rank
 i % world_size), all ranks gather every result and log the same numbers (each rank's checkpoint
@@ -868,8 +868,8 @@ class BestCheckpoint(Checkpoint):
     `stops_here`), where AcceptanceEvaluation measured it; the latest wins ties (a few prompts' tau often ties, and says
     nothing then, while the later checkpoint has trained longer: the CPU recipe's run tied at 1400, 4200 and 5600
     steps, and 1400 would have been exported). last.ckpt is saved at the same
-    steps (at the end of a launch that saved nothing, and where a SIGTERM stops the run: save_stop), so a resume
-    continues exactly from it.
+    steps (at the end of a launch that saved nothing, and where a SIGTERM stops the run: save_stop, which writes
+    step-N.ckpt instead with save_last false), so a resume continues exactly from it.
     checkpoints/best.ckpt is a relative symlink to the best file, replaced atomically on rank 0 before the
     file it displaces is deleted, so it never points at a missing file; a launch re-links it as it starts,
     and deletes a displaced file the last launch stopped before deleting.
@@ -999,7 +999,7 @@ class BestCheckpoint(Checkpoint):
         # latest-wins rule that report.md follows.
         score = self.measured_score(trainer, step)
         if score is None and trainer.received_sigterm:  # SigtermAtStepBoundary's stop, scheduled or not: unmeasured
-            if self.save_last and not accumulating(trainer):
+            if not accumulating(trainer):
                 self.save_stop(trainer, step)
             return
         if not is_evaluation_step(trainer, self.every_n_train_steps):
@@ -1022,9 +1022,17 @@ class BestCheckpoint(Checkpoint):
         scheduled save was up to every_n_train_steps - 1 steps earlier. A save is seconds, where an evaluation would
         be the minutes a scheduler does not give; one cut short by SIGKILL leaves the last whole one (AtomicCheckpointIO,
         DeepSpeed's `saving` marker). last_saved_step stays the last ranked save's: a scheduled step so saved is then
-        ranked by the resume, once it has measured it (on_train_start)."""
+        ranked by the resume, once it has measured it (on_train_start).
+
+        With save_last false the stop goes to its step's file (step-N.ckpt) instead, unranked too: a last.ckpt that no
+        later save rewrites would be the run folder's resume point (resume_point takes last.ckpt first) after the run
+        had moved on. The resume of a scheduled step so saved ranks it as above, writing the file again if it enters
+        the top save_top_k; one that does not enter, or a stop off schedule (never measured), stays beside the ranked
+        files. Before, nothing was saved then, and the resume trained the steps since the last scheduled save again."""
         self.saved_this_launch = True
-        trainer.save_checkpoint(os.path.join(self.dirpath, self.LAST_NAME), weights_only=False)
+        name = (self.LAST_NAME if self.save_last
+                else self.file_name(self.filename, step=step, epoch=trainer.current_epoch))
+        trainer.save_checkpoint(os.path.join(self.dirpath, name), weights_only=False)
 
     def on_train_end(self, trainer, pl_module) -> None:
         # A launch that reached no evaluation step (stopped early) still leaves last.ckpt to resume from.

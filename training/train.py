@@ -347,8 +347,9 @@ def stopped(run_dir: Path, recipe: str, why: str, status: int, step: int, requeu
 
     A killed or failed run must never look finished: non-zero status, one line saying what
     happened, and the exact command that continues it, with the step it continues from where that checkpoint is
-    older than the stop (a SIGTERM saves its stop; Ctrl-C, a crash or checkpoint.save_last false do not). Where SLURM
-    has `requeued` the job (its id), that job resumes the run folder itself: the line names the checkpoint it takes.
+    older than the stop (a SIGTERM saves its stop, with checkpoint.save_last false too; Ctrl-C or a crash does not).
+    Where SLURM has `requeued` the job (its id), that job resumes the run folder itself: the line names the checkpoint
+    it takes.
     """
     if is_first_process():
         try:

@@ -300,6 +300,35 @@ def test_sigterm_at_the_last_step_saves_it_at_once_and_the_resume_measures_it_or
     assert "the last, was saved unmeasured" not in said
 
 
+def test_sigterm_with_save_last_false_saves_the_step_to_its_step_file_and_the_resume_ranks_it(tmp_path, capsys):
+    """Found in a review (2026-12-03): with checkpoint.save_last false a SIGTERM's stop was saved nowhere (its save
+    writes last.ckpt), a scheduled step's too, which the stop no longer measured and ranked: the resume went back to
+    the last scheduled save and trained up to every_n_train_steps steps again. Now the stop goes to step-N.ckpt,
+    unranked, and the resume of the run folder continues from it, measures it and ranks it."""
+    sigterm = json.dumps({"class_path": "test_reliability.SigtermAsStepStarts", "init_args": {"step": 8}})
+    args = [*tiny_args(tmp_path, "nolast", max_steps=12, every=4), "--checkpoint.save_last=false",
+            "--checkpoint.save_top_k=-1", f"--trainer.callbacks+={sigterm}"]
+    assert train_main(args) == 143
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[train]")]
+    checkpoints = tmp_path / "out" / "tiny" / "nolast" / "checkpoints"
+    assert line == ("[train] stopped by SIGTERM at step 8; no drafter written; resume with: make train RECIPE=tiny "
+                    f"RESUME={checkpoints / 'step-8.ckpt'}"), line  # no "trained again"
+    assert sorted(p.name for p in checkpoints.glob("*.ckpt")) == ["best.ckpt", "step-4.ckpt", "step-8.ckpt"]
+    stopped = torch.load(checkpoints / "step-8.ckpt", map_location="cpu", weights_only=False)
+    assert stopped["global_step"] == 8 and sorted(stopped["callbacks"]["BestCheckpoint"]["best_k_models"]) == [
+        "step-4.ckpt"]  # saved, not ranked
+    assert not AcceptanceEvaluation.eval_file(checkpoints.parent, 8).exists()
+
+    assert train_main(["--output-root", str(tmp_path / "out"), "--resume", str(checkpoints.parent),
+                       "--trainer.max_steps=9", "--trainer.enable_progress_bar=false"]) == 0
+    said = capsys.readouterr().out
+    assert f"(resuming {checkpoints / 'step-8.ckpt'})" in said and "[eval] step 8: measured at the resume" in said, said
+    measured = json.loads(AcceptanceEvaluation.eval_file(checkpoints.parent, 8).read_text())["summary"]["ddtree@8"]
+    ranking = torch.load(checkpoints / "step-8.ckpt", map_location="cpu", weights_only=False)["callbacks"]
+    assert ranking["BestCheckpoint"]["best_k_models"]["step-8.ckpt"] == pytest.approx(measured["tau"])
+    assert not (checkpoints / "last.ckpt").exists()
+
+
 def slurm_tasks(args: list[str], tmp_path: Path, tasks: int, **extra: str) -> list[subprocess.Popen]:
     """training.train started as srun starts a job's `tasks` tasks on one node (job 99), with an `scontrol` on PATH that
     records its arguments in tmp_path/scontrol.log."""

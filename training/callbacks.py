@@ -581,6 +581,8 @@ class AcceptanceEvaluation(L.Callback):
             self._evaluate(trainer, pl_module, logged=False, checkpointed=saver)
             self.unmeasured_stop = None
             if trainer.is_global_zero:
+                # its val loss is in eval/step-N.json now
+                self.stop_val_loss_file(Path(trainer.default_root_dir), step).unlink(missing_ok=True)
                 why = ("was stopped by SIGTERM or SLURM's requeue signal before measuring it" if stopped_here
                        else "stopped during its evaluation")
                 print(f"[eval] step {step}: measured at the resume (the launch that trained it {why})", flush=True)
@@ -596,6 +598,8 @@ class AcceptanceEvaluation(L.Callback):
                 # step at once, where an evaluation (minutes on the 8B recipes) would outlast the scheduler's grace
                 # before SIGKILL and lose it; the resume measures it (finish_interrupted_evaluation)
                 self.unmeasured_stop = (trainer.global_step, logged_value(trainer, "train/loss"))
+                if trainer.is_global_zero:  # another branch's, where a resume went back before it
+                    self.stop_val_loss_file(Path(trainer.default_root_dir), trainer.global_step).unlink(missing_ok=True)
             else:
                 self._evaluate(trainer, pl_module, logged=True)
         elif stops_here(trainer):  # max_time: measured and ranked as a scheduled step is
@@ -653,7 +657,13 @@ class AcceptanceEvaluation(L.Callback):
             return
         # A stop that on_train_batch_end did not see coming validates before on_train_end evaluates it: kept for that row.
         self.validated = (trainer.global_step, float(trainer.callback_metrics["val/loss"]))
-        if self.history and self.history[-1]["step"] == trainer.global_step:
+        if self.unmeasured_stop is not None and self.unmeasured_stop[0] == trainer.global_step:
+            # A stop's step, saved before this validation (Lightning validates after the train-batch hooks): the
+            # checkpoint cannot hold the loss, so the resume that measures the step reads it here (_evaluate).
+            if trainer.is_global_zero:
+                write_json_atomic(self.stop_val_loss_file(Path(trainer.default_root_dir), trainer.global_step),
+                                  {"step": trainer.global_step, "val_loss": self.validated[1]})
+        elif self.history and self.history[-1]["step"] == trainer.global_step:
             val_loss = self.validated[1]
             self.history[-1]["val_loss"] = val_loss
             if trainer.is_global_zero:
@@ -666,10 +676,19 @@ class AcceptanceEvaluation(L.Callback):
     def eval_file(run_dir: Path, step: int) -> Path:
         return run_dir / "eval" / f"step-{step:06d}.json"
 
+    @staticmethod
+    def stop_val_loss_file(run_dir: Path, step: int) -> Path:
+        """The validation loss of a stop's unmeasured step, until the resume measures it (not a step-N.json: the
+        model card and `make ablate` read those as evaluations)."""
+        return run_dir / "eval" / f"stopped-at-step-{step:06d}.json"
+
     @classmethod
     def recorded_val_loss(cls, run_dir: Path, step: int) -> float | None:
         """The validation loss on_validation_end recorded in the step's evaluation file; None if none."""
-        path = cls.eval_file(run_dir, step)
+        return cls.read_val_loss(cls.eval_file(run_dir, step))
+
+    @staticmethod
+    def read_val_loss(path: Path) -> float | None:
         try:
             return json.loads(path.read_text()).get("val_loss")
         except (OSError, ValueError):  # no file (another node's, an older run), or unreadable: the row stays blank
@@ -744,15 +763,22 @@ class AcceptanceEvaluation(L.Callback):
                         and not trainer.fast_dev_run)  # BestCheckpoint saves nothing then
 
         train_loss = logged_value(trainer, "train/loss")
+        # Filled by on_validation_end where validation runs at this step after the evaluation (scheduled ones); the
+        # metric held now may be an earlier step's, so only a validation of this very step counts.
+        val_loss = self.validated[1] if self.validated and self.validated[0] == step else None
         if self.unmeasured_stop is not None and self.unmeasured_stop[0] == step:
-            train_loss = self.unmeasured_stop[1]  # a resume measuring a SIGTERM's stop: the stopped launch logged it
+            # a resume measuring a SIGTERM's stop: the stopped launch logged its train loss, and validated it after
+            # saving it where the step is a validation step (no resume validates it again)
+            train_loss = self.unmeasured_stop[1]
+            run_dir = Path(trainer.default_root_dir)
+            val_loss = self.read_val_loss(self.stop_val_loss_file(run_dir, step))
+            if val_loss is None:  # a resume that measured it before was stopped before saving it: its file has it
+                val_loss = self.recorded_val_loss(run_dir, step)
         self.history.append(
             {
                 "step": step,
                 "train_loss": train_loss,
-                # Filled by on_validation_end where validation runs at this step after the evaluation (scheduled
-                # ones); the metric held now may be an earlier step's, so only a validation of this very step counts.
-                "val_loss": self.validated[1] if self.validated and self.validated[0] == step else None,
+                "val_loss": val_loss,
                 "seconds": seconds,
                 "checkpointed": checkpointed,
                 "summary": result["summary"],

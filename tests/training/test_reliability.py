@@ -329,6 +329,26 @@ def test_sigterm_with_save_last_false_saves_the_step_to_its_step_file_and_the_re
     assert not (checkpoints / "last.ckpt").exists()
 
 
+def test_a_stop_at_a_validation_step_keeps_its_val_loss_for_the_resumes_report_row(tmp_path, capsys):
+    """Found in a review (2026-12-03): Lightning validates a step after its train-batch hooks, so after the stop saved
+    it; the resume, which does not validate it again, wrote its report.md row with no val loss ("-"), where a run not
+    stopped had one (the 8B recipes validate every 2000 steps and evaluate every 1000). The stopped launch's loss is
+    kept beside the evaluations until the resume measures the step."""
+    sigterm = json.dumps({"class_path": "test_reliability.SigtermAsStepStarts", "init_args": {"step": 4}})
+    args = [*tiny_args(tmp_path, "validated", max_steps=12, every=4), "--trainer.val_check_interval=4",
+            f"--trainer.callbacks+={sigterm}"]
+    assert train_main(args) == 143
+    run_dir = tmp_path / "out" / "tiny" / "validated"
+    assert train_main(["--output-root", str(tmp_path / "out"), "--resume", str(run_dir), "--trainer.max_steps=5",
+                       "--trainer.enable_progress_bar=false"]) == 0
+    assert "[eval] step 4: measured at the resume" in capsys.readouterr().out
+    (row,) = [line for line in (run_dir / "report.md").read_text().splitlines() if re.match(r"\| (\*\*)?4\b", line)]
+    assert row.split("|")[3].strip() != "-", row  # the val loss of step 4, from the launch that validated it
+    val_loss = json.loads(AcceptanceEvaluation.eval_file(run_dir, 4).read_text())["val_loss"]
+    assert row.split("|")[3].strip() == f"{val_loss:.3f}", row
+    assert not list((run_dir / "eval").glob("stopped-*"))  # kept in eval/step-000004.json now
+
+
 def slurm_tasks(args: list[str], tmp_path: Path, tasks: int, **extra: str) -> list[subprocess.Popen]:
     """training.train started as srun starts a job's `tasks` tasks on one node (job 99), with an `scontrol` on PATH that
     records its arguments in tmp_path/scontrol.log."""

@@ -31,7 +31,8 @@ While a launch runs, its rank 0 holds the folder's .train.lock: another launch i
 a --resume of a run still training) is refused in one line; a default name taken in the same second gets -2.
 Bad input (unknown recipe, bad field, bad target) prints one line and exits with status 2 (ddtree/errors.py).
 A SIGTERM stops every process where a step ends, saved, with status 143 and the command that resumes; SLURM's requeue
-signal (SIGUSR1, recipes/slurm.sbatch) the same way, rank 0 then requeuing the job (`scontrol requeue`), status 138.
+signal (SIGUSR1, recipes/slurm.sbatch) the same way, rank 0 then requeuing the job (`scontrol requeue`), status 138;
+one that comes after training has ended is noted in one line, and the job finishes (status 0, drafter/ written).
 """
 
 from __future__ import annotations
@@ -535,6 +536,12 @@ def main(argv: list[str] | None = None) -> int:
                               "smaller one, or --trainer.check_val_every_n_epoch=null to count it across epochs") from None
         finally:
             os.environ.pop(RUN_NAME_ENV, None)
+        # Lightning gives SIGUSR1 back its default action as fit ends: SLURM's requeue signal (recipes/slurm.sbatch),
+        # sent as the export ran, killed the job without a line, a requeue or a drafter, with 138, a requeue's status.
+        # The training is saved and what is left takes seconds: noted, and the job finishes (say_late_requeue_signal).
+        late_requeue: list[int] = []
+        previous_usr1 = signal.signal(signal.SIGUSR1, lambda signum, frame: late_requeue.append(signum))
+        held.callback(signal.signal, signal.SIGUSR1, previous_usr1)  # as main returns
         if cli.trainer.received_sigterm:  # arrived where no loop raises (the final evaluation, say)
             return stopped_by_signal(cli, run_dir, args.recipe)
         if cli.trainer.interrupted:  # stopped by a callback or an exception Lightning swallowed
@@ -550,6 +557,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[train] {run_dir} {why}: nothing trained, its drafter/ kept; raise {fix} to train further",
                       flush=True)
             end_process_group()
+            say_late_requeue_signal(late_requeue)
             return 0
         drafter = drafter_for_export(cli.model, cli.trainer)  # every rank: DeepSpeed gathers the fp32 weights
         non_finite = non_finite_tensors(drafter)
@@ -570,6 +578,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[train] step {unmeasured}, the last, was saved unmeasured where a SIGTERM (or SLURM's requeue "
                       f"signal) stopped the run, and no launch trains past it to measure it: `make eval RUN={run_dir} "
                       "CKPT=last` measures it (best.ckpt and report.md rank the steps measured before)", flush=True)
+        say_late_requeue_signal(late_requeue)
         return 0
     except BaseException as error:
         if created is not None:  # a fresh run's failure, from a bad override to a NaN at its first step; still locked
@@ -585,6 +594,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         held.close()
+
+
+def say_late_requeue_signal(noted: list[int]) -> None:
+    """One line where SLURM's requeue signal came after training had ended: the job finished instead."""
+    if noted and is_first_process():
+        print(f"[train] SLURM's {signal.Signals(noted[0]).name} (its requeue signal) came after training had ended: "
+              "the job was not requeued, it finished the run", flush=True)
 
 
 def unmeasured_last_step(cli: DistillCLI) -> int | None:

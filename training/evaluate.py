@@ -93,7 +93,8 @@ def logged_metrics(checkpoint: Checkpoint, evaluation: AcceptanceEvaluation) -> 
 # eval/abandoned-after-step-N/ only its records; make eval's own eval/checkpoint-*.json and new files are the user's.
 RUN_FILES = ("config.yaml", CORPUS_FILE, DATA_RECORD, "report.md", "tau.png", ".train.lock")
 RUN_FOLDERS = ("checkpoints", "drafter", "tensorboard", "csv")
-EVAL_RECORDS = ("step-*.json", "accepted_depths.csv")
+# (and eval/stopped-at-step-N.json: a signal's stopped step's val loss, kept until the resume measures that step)
+EVAL_RECORDS = ("step-*.json", "stopped-at-step-*.json", "accepted_depths.csv")
 
 
 def is_run_file(inside: Path) -> bool:

@@ -576,159 +576,167 @@ def build_feature_store(
         raise DDTreeError(f"cannot write the feature store {out}: {blocker} is a file, not a folder; give --out "
                           "(data.feature_store) in a writable folder")
     with build_lock(out):  # another launch building this store: waited for, then its store is taken
-        started = time.monotonic()
-        data, pad_id, _ = datamodule.load_tokenized()
-        # Time-boxed: in the data's split order, validation first (those `keep` are built whatever the box).
-        order, keep = datamodule.split_order(len(data)) if max_seconds is not None else (None, 0)
-        text_config = target_text_config(datamodule.target)
-        identity = build_identity(datamodule, text_config, layer_ids, target_adapter, dtype)
-        num_layers, hidden_size = text_config.num_hidden_layers, text_config.hidden_size
-        layer_ids = identity["target_layer_ids"]
-        if not all(0 <= i < num_layers for i in layer_ids) or len(set(layer_ids)) < len(layer_ids):
-            raise DDTreeError(f"model.target_layer_ids {layer_ids} must be distinct and within 0..{num_layers - 1} "
-                              f"(target {datamodule.target} has {num_layers} layers)")
-        if teacher_top_k > text_config.vocab_size:
-            raise DDTreeError(f"model.distill_top_k={teacher_top_k} is above target {datamodule.target}'s vocabulary of "
-                              f"{text_config.vocab_size} tokens: set it at most {text_config.vocab_size}")
-        width, itemsize, lengths = len(layer_ids) * hidden_size, dtype.itemsize, data.lengths()
-        if order is not None:
-            lengths = [lengths[i] for i in order]  # in store order
-        row_width = width + (hidden_size if final_hidden else 0)  # values stored per token in `dtype`
-        teacher_bytes = 8 * teacher_top_k  # per token: int32 ids and float32 log-probabilities
-        manifest = {
-            **identity,
-            "num_sequences": len(lengths), "total_tokens": sum(lengths),
-            "final_hidden": final_hidden, "teacher_top_k": teacher_top_k,
-            BUILD_ID: uuid.uuid4().hex,  # a resume keeps its unfinished build's
-            "shards": plan_shards(lengths, row_width * itemsize + teacher_bytes, max_shard_bytes),
-            **({"sequence_ids": order} if order is not None else {}),
-            "lengths": lengths,  # last: the long list, below what a reader looks for
-        }
-        same_data = datamodule.tokenization_keys()  # this data's key, and the one a store built before 2026-12-03 recorded
-        if is_complete(out) and not force:
-            existing = read_manifest(out / MANIFEST)
-            # The same build whatever share of the data it holds (the tokenization key names the data and its lengths).
-            fields = [key for key in manifest if key not in (*COVERAGE_FIELDS, BUILD_ID)]
-            differing = differing_fields(existing, manifest, same_data, fields)
-            if not differing:
-                print(f"[features] {out} already holds these features ({coverage(existing)}); nothing to do", flush=True)
-                return out
-            raise DDTreeError(f"{out} holds a feature store of another build (differs in {', '.join(differing)}); "
-                              "pass --force (FORCE=1) to replace it, or give another --out")
+        return build_under_lock(datamodule, out, layer_ids, target_adapter, dtype, force, final_hidden, teacher_top_k,
+                                sequences_per_batch, max_shard_bytes, max_seconds)
 
-        partial = partial_path(out)
-        done: set[str] = set()
-        if partial.exists():
-            previous = partial / MANIFEST
-            try:
-                previous_manifest = read_manifest(previous) if previous.is_file() else {}
-            except DDTreeError:  # unreadable: an unfinished build of unknown settings, started over below
-                previous_manifest = {}
-            planned = {**OPTIONAL_MANIFEST_FIELDS, **manifest}  # read_manifest fills the optional fields in
-            # Resumed only where the same shards are planned: every field the same, coverage too, or of the same content
-            # (data, target or adapter at another path: a preempted build rescheduled on a node with its own copies).
-            fields = (planned.keys() | previous_manifest.keys()) - {BUILD_ID}
-            if previous_manifest and not differing_fields(previous_manifest, planned, same_data, fields):
-                manifest[BUILD_ID] = previous_manifest[BUILD_ID]  # what its finished shards hold
-                done = finished_shards(partial, manifest["shards"], width, manifest[BUILD_ID])
-            elif previous_manifest.get("dtype") not in (None, manifest["dtype"]) and not force:
-                # The precision can change without the user asking (trainer.precision: auto on another machine):
-                # say so rather than silently dropping finished shards.
-                raise DDTreeError(f"{partial} holds an unfinished build in {previous_manifest['dtype']}, this build is in "
-                                  f"{manifest['dtype']}: finish it in {previous_manifest['dtype']} (make features: --dtype "
-                                  f"{previous_manifest['dtype']}; training: --trainer.precision="
-                                  f"{LIGHTNING_PRECISION[parse_dtype(previous_manifest['dtype'])]}), or pass --force (FORCE=1) "
-                                  f"to start over in {manifest['dtype']}")
-            else:
-                print(f"[features] {partial} holds an unfinished build of other settings; starting over", flush=True)
-                shutil.rmtree(partial)
-        written = sum(s["num_tokens"] for s in manifest["shards"] if s["file"] in done)
-        total_bytes = manifest["total_tokens"] * (row_width * itemsize + teacher_bytes)
-        remaining = (manifest["total_tokens"] - written) * (row_width * itemsize + teacher_bytes)
-        free = free_bytes(partial)
-        print(f"[features] estimated size {format_bytes(total_bytes)} ({manifest['total_tokens']:,} tokens x "
-              f"{len(layer_ids)} layers{' + the final hidden state' if final_hidden else ''} x {hidden_size} x "
-              f"{itemsize} bytes, {manifest['dtype']}{f'; + the top {teacher_top_k} next tokens' if teacher_top_k else ''})"
-              + (f", {format_bytes(total_bytes - remaining)} already written" if done else "")
-              + f"; {format_bytes(free)} free under {partial.parent}", flush=True)
-        if remaining > free:
-            raise DDTreeError(f"the feature store needs {format_bytes(remaining)} more but only {format_bytes(free)} is free "
-                              f"under {partial.parent}: free some space or give another --out")
 
-        with unwritable_as_error(out):  # a read-only mount: said before the target loads, not as mkdir's traceback
-            partial.mkdir(parents=True, exist_ok=True)
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        target, _ = load_frozen_target(datamodule.target, dtype, target_adapter, device=device)
+def build_under_lock(datamodule: DistillDataModule, out: Path, layer_ids: list[int] | None, target_adapter: str | None,
+                     dtype: torch.dtype, force: bool, final_hidden: bool, teacher_top_k: int, sequences_per_batch: int,
+                     max_shard_bytes: int, max_seconds: float | None) -> Path:
+    """build_feature_store's build, holding its lock (build_lock)."""
+    started = time.monotonic()
+    data, pad_id, _ = datamodule.load_tokenized()
+    # Time-boxed: in the data's split order, validation first (those `keep` are built whatever the box).
+    order, keep = datamodule.split_order(len(data)) if max_seconds is not None else (None, 0)
+    text_config = target_text_config(datamodule.target)
+    identity = build_identity(datamodule, text_config, layer_ids, target_adapter, dtype)
+    num_layers, hidden_size = text_config.num_hidden_layers, text_config.hidden_size
+    layer_ids = identity["target_layer_ids"]
+    if not all(0 <= i < num_layers for i in layer_ids) or len(set(layer_ids)) < len(layer_ids):
+        raise DDTreeError(f"model.target_layer_ids {layer_ids} must be distinct and within 0..{num_layers - 1} "
+                          f"(target {datamodule.target} has {num_layers} layers)")
+    if teacher_top_k > text_config.vocab_size:
+        raise DDTreeError(f"model.distill_top_k={teacher_top_k} is above target {datamodule.target}'s vocabulary of "
+                          f"{text_config.vocab_size} tokens: set it at most {text_config.vocab_size}")
+    width, itemsize, lengths = len(layer_ids) * hidden_size, dtype.itemsize, data.lengths()
+    if order is not None:
+        lengths = [lengths[i] for i in order]  # in store order
+    row_width = width + (hidden_size if final_hidden else 0)  # values stored per token in `dtype`
+    teacher_bytes = 8 * teacher_top_k  # per token: int32 ids and float32 log-probabilities
+    manifest = {
+        **identity,
+        "num_sequences": len(lengths), "total_tokens": sum(lengths),
+        "final_hidden": final_hidden, "teacher_top_k": teacher_top_k,
+        BUILD_ID: uuid.uuid4().hex,  # a resume keeps its unfinished build's
+        "shards": plan_shards(lengths, row_width * itemsize + teacher_bytes, max_shard_bytes),
+        **({"sequence_ids": order} if order is not None else {}),
+        "lengths": lengths,  # last: the long list, below what a reader looks for
+    }
+    same_data = datamodule.tokenization_keys()  # this data's key, and the one a store built before 2026-12-03 recorded
+    if is_complete(out) and not force:
+        existing = read_manifest(out / MANIFEST)
+        # The same build whatever share of the data it holds (the tokenization key names the data and its lengths).
+        fields = [key for key in manifest if key not in (*COVERAGE_FIELDS, BUILD_ID)]
+        differing = differing_fields(existing, manifest, same_data, fields)
+        if not differing:
+            print(f"[features] {out} already holds these features ({coverage(existing)}); nothing to do", flush=True)
+            return out
+        raise DDTreeError(f"{out} holds a feature store of another build (differs in {', '.join(differing)}); "
+                          "pass --force (FORCE=1) to replace it, or give another --out")
+
+    partial = partial_path(out)
+    done: set[str] = set()
+    if partial.exists():
+        previous = partial / MANIFEST
+        try:
+            previous_manifest = read_manifest(previous) if previous.is_file() else {}
+        except DDTreeError:  # unreadable: an unfinished build of unknown settings, started over below
+            previous_manifest = {}
+        planned = {**OPTIONAL_MANIFEST_FIELDS, **manifest}  # read_manifest fills the optional fields in
+        # Resumed only where the same shards are planned: every field the same, coverage too, or of the same content
+        # (data, target or adapter at another path: a preempted build rescheduled on a node with its own copies).
+        fields = (planned.keys() | previous_manifest.keys()) - {BUILD_ID}
+        if previous_manifest and not differing_fields(previous_manifest, planned, same_data, fields):
+            manifest[BUILD_ID] = previous_manifest[BUILD_ID]  # what its finished shards hold
+            done = finished_shards(partial, manifest["shards"], width, manifest[BUILD_ID])
+        elif previous_manifest.get("dtype") not in (None, manifest["dtype"]) and not force:
+            # The precision can change without the user asking (trainer.precision: auto on another machine):
+            # say so rather than silently dropping finished shards.
+            raise DDTreeError(f"{partial} holds an unfinished build in {previous_manifest['dtype']}, this build is in "
+                              f"{manifest['dtype']}: finish it in {previous_manifest['dtype']} (make features: --dtype "
+                              f"{previous_manifest['dtype']}; training: --trainer.precision="
+                              f"{LIGHTNING_PRECISION[parse_dtype(previous_manifest['dtype'])]}), or pass --force (FORCE=1) "
+                              f"to start over in {manifest['dtype']}")
+        else:
+            print(f"[features] {partial} holds an unfinished build of other settings; starting over", flush=True)
+            shutil.rmtree(partial)
+    written = sum(s["num_tokens"] for s in manifest["shards"] if s["file"] in done)
+    total_bytes = manifest["total_tokens"] * (row_width * itemsize + teacher_bytes)
+    remaining = (manifest["total_tokens"] - written) * (row_width * itemsize + teacher_bytes)
+    free = free_bytes(partial)
+    print(f"[features] estimated size {format_bytes(total_bytes)} ({manifest['total_tokens']:,} tokens x "
+          f"{len(layer_ids)} layers{' + the final hidden state' if final_hidden else ''} x {hidden_size} x "
+          f"{itemsize} bytes, {manifest['dtype']}{f'; + the top {teacher_top_k} next tokens' if teacher_top_k else ''})"
+          + (f", {format_bytes(total_bytes - remaining)} already written" if done else "")
+          + f"; {format_bytes(free)} free under {partial.parent}", flush=True)
+    if remaining > free:
+        raise DDTreeError(f"the feature store needs {format_bytes(remaining)} more but only {format_bytes(free)} is free "
+                          f"under {partial.parent}: free some space or give another --out")
+
+    with unwritable_as_error(out):  # a read-only mount: said before the target loads, not as mkdir's traceback
+        partial.mkdir(parents=True, exist_ok=True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    target, _ = load_frozen_target(datamodule.target, dtype, target_adapter, device=device)
+    with write_failure_as_error(partial / MANIFEST):
+        write_json_atomic(partial / MANIFEST, manifest)
+    # The time box's clock: seconds spent up to the last finished shard, and the tokens and seconds of the shards
+    # computed, for the speed; a resumed build goes on from its interrupted run's figures rather than a fresh box.
+    clock = json.loads((partial / BOX_CLOCK).read_text()) if done and (partial / BOX_CLOCK).is_file() else {}
+    spent_before = clock.get("seconds", 0.0)
+    computed, computing = clock.get("computed_tokens", 0), clock.get("computing_seconds", 0.0)
+    if max_seconds is not None:
+        print(f"[features] time box {max_seconds / 60:.1f} min (data.store_max_minutes): where the machine is too slow "
+              "for every sequence, the build ends before the shard that would overrun it", flush=True)
+    # The bar counts the whole plan; boxed, its estimate is the whole store's, not when the box ends the build.
+    desc = "features" if max_seconds is None else f"features (box {max_seconds / 60:.1f} min)"
+    # None: resuming a build begun before ids were written, whose finished shards hold none
+    shard_metadata = None if manifest[BUILD_ID] is None else {BUILD_ID: manifest[BUILD_ID]}
+    with tqdm(total=manifest["total_tokens"], initial=written, unit="tok", desc=desc) as progress:
+        for shard in manifest["shards"]:
+            if shard["file"] in done:
+                continue
+            # The box never ends a build before its first shard of training sequences: the validation split alone
+            # would leave training nothing to draw from.
+            trains = any(s["first_sequence"] + s["num_sequences"] > keep for s in manifest["shards"] if s["file"] in done)
+            if max_seconds is not None and computed and trains and shard["first_sequence"] >= keep:
+                finish = spent_before + time.monotonic() - started + shard["num_tokens"] * computing / computed
+                if finish > max_seconds:
+                    break  # the rest of the plan stays out; `done` is what the store holds
+            first = shard["first_sequence"]
+            sequences = (order[first:first + shard["num_sequences"]] if order is not None
+                         else list(range(first, first + shard["num_sequences"])))
+            shard_started = time.monotonic()
+            tensors = shard_tensors(target, data, sequences, layer_ids, width, pad_id, dtype, sequences_per_batch,
+                                    progress, final_hidden, teacher_top_k)
+            # Not ddtree.files.atomic_file: save_file streams to a path, a file object would need the
+            # whole shard serialized in memory first. It creates the file 0600 whatever the umask, so the
+            # mode is set as open() would have (a store on shared storage is read by other processes).
+            staging = partial / f".{shard['file']}.tmp"
+            with write_failure_as_error(partial / shard["file"], staging):
+                save_file(tensors, str(staging), metadata=shard_metadata)
+                follow_umask(staging)
+                with staging.open("rb") as handle:  # on disk before the rename names it finished (a power cut)
+                    os.fsync(handle.fileno())
+                os.replace(staging, partial / shard["file"])  # only a complete shard ever has its final name
+            done.add(shard["file"])
+            computed, computing = computed + shard["num_tokens"], computing + time.monotonic() - shard_started
+            if max_seconds is not None:
+                with write_failure_as_error(partial / BOX_CLOCK):
+                    write_json_atomic(partial / BOX_CLOCK, {"seconds": spent_before + time.monotonic() - started,
+                                                            "computed_tokens": computed, "computing_seconds": computing})
+
+    boxed = len(done) < len(manifest["shards"])
+    if boxed:  # the time box ended it: the store holds the finished shards
+        manifest = {**manifest, "shards": [shard for shard in manifest["shards"] if shard["file"] in done]}
         with write_failure_as_error(partial / MANIFEST):
             write_json_atomic(partial / MANIFEST, manifest)
-        # The time box's clock: seconds spent up to the last finished shard, and the tokens and seconds of the shards
-        # computed, for the speed; a resumed build goes on from its interrupted run's figures rather than a fresh box.
-        clock = json.loads((partial / BOX_CLOCK).read_text()) if done and (partial / BOX_CLOCK).is_file() else {}
-        spent_before = clock.get("seconds", 0.0)
-        computed, computing = clock.get("computed_tokens", 0), clock.get("computing_seconds", 0.0)
-        if max_seconds is not None:
-            print(f"[features] time box {max_seconds / 60:.1f} min (data.store_max_minutes): where the machine is too slow "
-                  "for every sequence, the build ends before the shard that would overrun it", flush=True)
-        # The bar counts the whole plan; boxed, its estimate is the whole store's, not when the box ends the build.
-        desc = "features" if max_seconds is None else f"features (box {max_seconds / 60:.1f} min)"
-        # None: resuming a build begun before ids were written, whose finished shards hold none
-        shard_metadata = None if manifest[BUILD_ID] is None else {BUILD_ID: manifest[BUILD_ID]}
-        with tqdm(total=manifest["total_tokens"], initial=written, unit="tok", desc=desc) as progress:
-            for shard in manifest["shards"]:
-                if shard["file"] in done:
-                    continue
-                # The box never ends a build before its first shard of training sequences: the validation split alone
-                # would leave training nothing to draw from.
-                trains = any(s["first_sequence"] + s["num_sequences"] > keep for s in manifest["shards"] if s["file"] in done)
-                if max_seconds is not None and computed and trains and shard["first_sequence"] >= keep:
-                    finish = spent_before + time.monotonic() - started + shard["num_tokens"] * computing / computed
-                    if finish > max_seconds:
-                        break  # the rest of the plan stays out; `done` is what the store holds
-                first = shard["first_sequence"]
-                sequences = (order[first:first + shard["num_sequences"]] if order is not None
-                             else list(range(first, first + shard["num_sequences"])))
-                shard_started = time.monotonic()
-                tensors = shard_tensors(target, data, sequences, layer_ids, width, pad_id, dtype, sequences_per_batch,
-                                        progress, final_hidden, teacher_top_k)
-                # Not ddtree.files.atomic_file: save_file streams to a path, a file object would need the
-                # whole shard serialized in memory first. It creates the file 0600 whatever the umask, so the
-                # mode is set as open() would have (a store on shared storage is read by other processes).
-                staging = partial / f".{shard['file']}.tmp"
-                with write_failure_as_error(partial / shard["file"], staging):
-                    save_file(tensors, str(staging), metadata=shard_metadata)
-                    follow_umask(staging)
-                    with staging.open("rb") as handle:  # on disk before the rename names it finished (a power cut)
-                        os.fsync(handle.fileno())
-                    os.replace(staging, partial / shard["file"])  # only a complete shard ever has its final name
-                done.add(shard["file"])
-                computed, computing = computed + shard["num_tokens"], computing + time.monotonic() - shard_started
-                if max_seconds is not None:
-                    with write_failure_as_error(partial / BOX_CLOCK):
-                        write_json_atomic(partial / BOX_CLOCK, {"seconds": spent_before + time.monotonic() - started,
-                                                                "computed_tokens": computed, "computing_seconds": computing})
-
-        boxed = len(done) < len(manifest["shards"])
-        if boxed:  # the time box ended it: the store holds the finished shards
-            manifest = {**manifest, "shards": [shard for shard in manifest["shards"] if shard["file"] in done]}
-            with write_failure_as_error(partial / MANIFEST):
-                write_json_atomic(partial / MANIFEST, manifest)
-        (partial / BOX_CLOCK).unlink(missing_ok=True)  # (after: a rerun of a build stopped above resumes on its clock)
-        if out.exists():  # --force: the old store goes only now that the new one is complete
-            replaced = out.with_name(f".{out.name}.replaced")
-            shutil.rmtree(replaced, ignore_errors=True)
-            out.rename(replaced)
-            partial.rename(out)
-            shutil.rmtree(replaced)
-        else:
-            partial.rename(out)
-        held_bytes = sum(shard["num_tokens"] for shard in manifest["shards"]) * (row_width * itemsize + teacher_bytes)
-        print(f"[features] wrote {out}: {coverage(manifest)}, {format_bytes(held_bytes)}; "
-              f"train from it with --data.feature_store {out}", flush=True)
-        if boxed:
-            print(f"[features] the time box (data.store_max_minutes, {max_seconds / 60:.1f} min) ended the build: "
-                  "training draws from the sequences it holds; a machine with more time can build them all with "
-                  f"`{REBUILD}` FORCE=1 and data.store_max_minutes null", flush=True)
-        return out
+    (partial / BOX_CLOCK).unlink(missing_ok=True)  # (after: a rerun of a build stopped above resumes on its clock)
+    if out.exists():  # --force: the old store goes only now that the new one is complete
+        replaced = out.with_name(f".{out.name}.replaced")
+        shutil.rmtree(replaced, ignore_errors=True)
+        out.rename(replaced)
+        partial.rename(out)
+        shutil.rmtree(replaced)
+    else:
+        partial.rename(out)
+    held_bytes = sum(shard["num_tokens"] for shard in manifest["shards"]) * (row_width * itemsize + teacher_bytes)
+    print(f"[features] wrote {out}: {coverage(manifest)}, {format_bytes(held_bytes)}; "
+          f"train from it with --data.feature_store {out}", flush=True)
+    if boxed:
+        print(f"[features] the time box (data.store_max_minutes, {max_seconds / 60:.1f} min) ended the build: "
+              "training draws from the sequences it holds; a machine with more time can build them all with "
+              f"`{REBUILD}` FORCE=1 and data.store_max_minutes null", flush=True)
+    return out
 
 
 def coverage(manifest: dict) -> str:

@@ -176,10 +176,14 @@ def load_conversations(source: str | Path, messages_only: bool = False) -> list[
 # 2 read it from the reply's text: 275 of the 2048 shipped replies re-tokenize to another length).
 # Not bumped either for special-token text inside a text-only reply, now tokenized as plain text: all 2048 shipped
 # conversations render to the same ids (checked one by one), and a bump would rebuild every feature store.
-# Not bumped either for a reply's span beginning where decoding's prompt ends (Qwen3's think block supervised): the
-# shipped data renders to the same ids again (all 2048); a Qwen3 text-only tokenization cached before keeps its old
-# mask until its cache file is deleted.
-TOKENIZATION_VERSION = 3
+# 4: the masks of four fixes made under version 3 (an opening assistant turn, a Llama-3 trimmed reply found in a later
+# user turn, Qwen3's think block, an unfinished Llama-2 reply's space before eos) and the special-token text above, each
+# left unbumped since the shipped data renders the same: data tokenized before them kept its wrong mask (or ids), and
+# with it the draft vocabulary and model.corpus. A feature store keyed by an earlier version still serves where that
+# version's cached tokenization holds the same input ids (DistillDataModule.tokenization_keys), so the shipped data's
+# stores are not rebuilt.
+# Bump it for every change to what this module or render_generated makes of a conversation, whatever the shipped data.
+TOKENIZATION_VERSION = 4
 
 
 # What to give instead of a target whose tokenizer has no chat template (a base model's) or whose template refuses a

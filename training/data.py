@@ -300,7 +300,8 @@ def read_digest_memo(memo_path: Path | None) -> dict:
 
 def legacy_source_fingerprint(source: str) -> str:
     """The data's identity before 2026-12-03: path, sizes and mtimes. Feature stores built then recorded it (through
-    the tokenization key); DistillDataModule.tokenization_keys keeps them usable where the data has not moved."""
+    the tokenization key); DistillDataModule.tokenization_keys keeps them usable where the data has not moved and
+    their tokenization is cached still."""
     path = Path(source)
     if not path.exists():
         return str(source)
@@ -417,22 +418,25 @@ class DistillDataModule(L.LightningDataModule):
         self.val_set: TokenizedConversations | None = None
         self.pad_id = 0
         self.data_digest: str | None = None  # the tokenized data's (set in setup; a resume must find the same)
+        self._alike: dict[Path, tuple[bool, bool]] = {}  # tokenized_alike's answers: (same ids, same ids and masks)
 
     def load_tokenizer(self):
         from ddtree.targets import load_tokenizer
 
         return load_tokenizer(self.target)  # shared: read, never changed
 
-    def cache_path(self, tokenizer, legacy: bool = False) -> Path:
+    def cache_path(self, tokenizer, legacy: bool = False, version: int | None = None) -> Path:
         """<cache_dir>/<key>.pt, the key naming the data and tokenizer by content and the settings that change the
-        tokenization; `legacy`: the name an earlier version gave it (path and mtimes; see tokenization_keys)."""
+        tokenization; `legacy`: the name a version before 2026-12-03 gave it (path and mtimes), `version`: the name
+        under an earlier TOKENIZATION_VERSION (see tokenization_keys), else the current one."""
         if self.data_path == AUTO_DATA:
             raise DDTreeError('data.data_path "auto" names the recipe\'s generated data: train through '
                               "training.train, or give the data's folder")
+        version = TOKENIZATION_VERSION if version is None else version
         if legacy:
-            identity = [TOKENIZATION_VERSION, legacy_source_fingerprint(self.data_path), tokenizer.name_or_path]
+            identity = [version, legacy_source_fingerprint(self.data_path), tokenizer.name_or_path]
         else:
-            identity = [TOKENIZATION_VERSION, "content", source_fingerprint(self.data_path, self.cache_dir / DIGEST_MEMO),
+            identity = [version, "content", source_fingerprint(self.data_path, self.cache_dir / DIGEST_MEMO),
                         tokenizer_fingerprint(tokenizer)]
         key = json.dumps(identity + [tokenizer.chat_template, len(tokenizer), self.max_length, self.min_supervised_tokens])
         return self.cache_dir / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.pt"
@@ -481,11 +485,33 @@ class DistillDataModule(L.LightningDataModule):
         """Names this data + tokenizer + max_length (the tokenized cache's file name); feature stores record it."""
         return self.cache_path(self.load_tokenizer()).stem
 
-    def tokenization_keys(self) -> tuple[str, str]:
-        """tokenization_key, then the key a version before 2026-12-03 gave the same data where it has not moved since:
-        a feature store built then, and named by it, still serves."""
+    def tokenization_keys(self, teacher: bool = False) -> tuple[str, ...]:
+        """tokenization_key, then the keys earlier versions gave the same data (an earlier TOKENIZATION_VERSION, and
+        before 2026-12-03 its path and mtimes) whose cached tokenization is still there and holds the same input ids:
+        a feature store built then, and named by one, still serves (it took hours to build on a large target, and
+        features depend on the ids alone). teacher: for a store with a top-k teacher, computed only where the loss
+        mask supervises (build_feature_store), the masks must be the same too. Without the earlier cache nothing shows
+        the ids are the same: its stores are not taken."""
         tokenizer = self.load_tokenizer()
-        return self.cache_path(tokenizer).stem, self.cache_path(tokenizer, legacy=True).stem
+        current = self.cache_path(tokenizer).stem
+        earlier = [self.cache_path(tokenizer, legacy, version)
+                   for version in range(TOKENIZATION_VERSION - 1, 0, -1) for legacy in (False, True)]
+        return current, *(path.stem for path in earlier if self.tokenized_alike(path, teacher))
+
+    def tokenized_alike(self, earlier: Path, masks: bool) -> bool:
+        """Whether the cached tokenization `earlier` (another version's) holds this one's input ids (and, with `masks`,
+        its loss masks); a missing or unreadable one does not."""
+        if not earlier.is_file():
+            return False
+        if earlier not in self._alike:
+            try:
+                cached = torch.load(earlier, weights_only=True)
+            except (RuntimeError, EOFError, OSError, pickle.UnpicklingError):
+                return False
+            data, _, _ = self.load_tokenized()
+            same_ids = torch.equal(cached["offsets"], data.offsets) and torch.equal(cached["input_ids"], data.input_ids)
+            self._alike[earlier] = (same_ids, same_ids and torch.equal(cached["loss_mask"], data.loss_mask))
+        return self._alike[earlier][masks]
 
     def load_tokenized(self) -> tuple[TokenizedConversations, int, str]:
         """The whole tokenized data in cache order (train and val), its pad id and its tokenization key."""
@@ -511,7 +537,7 @@ class DistillDataModule(L.LightningDataModule):
                               "or give the store's folder")
         if self.feature_store:
             self.store = FeatureStore(self.feature_store)
-            self.store.check_matches(self.tokenization_keys(), data.lengths())
+            self.store.check_matches(self.tokenization_keys(teacher=bool(self.store.teacher_top_k)), data.lengths())
             data.features = self.store
         self.data_digest = data.digest()
         order, num_val = self.split_order(len(data))
@@ -551,7 +577,8 @@ class DistillDataModule(L.LightningDataModule):
         if saved and self.data_digest and saved != self.data_digest:
             raise DDTreeError(f"--resume: data.data_path={self.data_path} holds other conversations than the run trained "
                               f"on (tokenized, they hash to {self.data_digest}, the run's to {saved}; or data.max_length "
-                              "changed): resume with the run's data, or start a new run")
+                              "changed, or this version of the code masks them otherwise): resume with the run's data, "
+                              "or start a new run")
 
     def split_order(self, num_sequences: int) -> tuple[list[int], int]:
         """(the seeded permutation of the data's sequences, how many lead it as the validation split)."""

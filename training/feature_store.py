@@ -403,8 +403,9 @@ class FeatureStore:
         """Raise unless the store was built from exactly this tokenized data (one of its keys, the current first, same
         sequence lengths)."""
         if self.tokenization_key not in tokenization_keys:
-            raise DDTreeError(f"feature store {self.path} was built from other data or another tokenizer/max_length "
-                              f"(tokenization key {self.tokenization_key}, this data's is {tokenization_keys[0]}): "
+            raise DDTreeError(f"feature store {self.path} was built from other data, another tokenizer/max_length or "
+                              "an earlier version's tokenization of it (tokenization key "
+                              f"{self.tokenization_key}, this data's is {tokenization_keys[0]}): "
                               f"rebuild it with `{REBUILD}` and --force (FORCE=1)")
         if self.sequence_ids is not None:  # in store order: the same data's lengths, permuted
             lengths = [lengths[i] for i in self.sequence_ids] if len(self.sequence_ids) == len(lengths) else lengths
@@ -612,7 +613,8 @@ def build_under_lock(datamodule: DistillDataModule, out: Path, layer_ids: list[i
         **({"sequence_ids": order} if order is not None else {}),
         "lengths": lengths,  # last: the long list, below what a reader looks for
     }
-    same_data = datamodule.tokenization_keys()  # this data's key, and the one a store built before 2026-12-03 recorded
+    # this data's key, and those an earlier version gave it where its tokenization was the same (a store recorded them)
+    same_data = datamodule.tokenization_keys(teacher=bool(teacher_top_k))
     if is_complete(out) and not force:
         existing = read_manifest(out / MANIFEST)
         # The same build whatever share of the data it holds (the tokenization key names the data and its lengths).
@@ -764,11 +766,12 @@ def default_store_path(recipe: str, datamodule: DistillDataModule, final_hidden:
                        teacher_top_k: int = 0) -> Path:
     """<ddtree cache>/features/<recipe>-<tokenization key>[-final][-top<k>]: another data, tokenizer or max_length is
     another folder, and so is a store with final hidden states or a top-k teacher (a run without distillation keeps
-    the smaller one). A finished or unfinished store named by the data's key before 2026-12-03
+    the smaller one). A finished or unfinished store named by the key an earlier version gave the same tokenization
     (DistillDataModule.tokenization_keys) is taken where there is one."""
     suffix = ("-final" if final_hidden else "") + (f"-top{teacher_top_k}" if teacher_top_k else "")
-    current, *earlier = (cache_dir() / "features" / f"{recipe}-{key}{suffix}" for key in datamodule.tokenization_keys())
-    # a store named as before 2026-12-03 serves, and an unfinished build of one resumes where it stopped
+    current, *earlier = (cache_dir() / "features" / f"{recipe}-{key}{suffix}"
+                         for key in datamodule.tokenization_keys(teacher=bool(teacher_top_k)))
+    # a store named by an earlier version serves, and an unfinished build of one resumes where it stopped
     return next((path for path in earlier if is_complete(path) or partial_path(path).exists()), current)
 
 
@@ -791,15 +794,16 @@ def resolve_store_path(feature_store: str | None, recipe: str, datamodule: Disti
         return store
     prefix = f"{store.name}-top"  # the teacher sizes built beside it; default_store_path names each folder
     sizes = sorted(int(k) for k in (path.name[len(prefix):] for path in store.parent.glob(f"{prefix}*")) if k.isdigit())
-    richer = [default_store_path(recipe, datamodule, final_hidden=True),
-              *(default_store_path(recipe, datamodule, teacher_top_k=k) for k in sizes)]
-    built = [path for path in richer if is_complete(path)]
+    richer = [(default_store_path(recipe, datamodule, final_hidden=True), False),
+              *((default_store_path(recipe, datamodule, teacher_top_k=k), True) for k in sizes)]  # (path, teacher)
+    built = [(path, teacher) for path, teacher in richer if is_complete(path)]
     if not built:
         return store
     # One built for other layers, another target or adapter, or in another dtype holds other features: a run would
     # stop on it (check_feature_store), and `make features` would take it as this build done.
     identity = build_identity(datamodule, target_text_config(datamodule.target), layer_ids, target_adapter, dtype)
-    return next((path for path in built if holds_features(path, identity, datamodule.tokenization_keys())), store)
+    return next((path for path, teacher in built
+                 if holds_features(path, identity, datamodule.tokenization_keys(teacher))), store)
 
 
 def holds_features(store: Path, identity: dict, same_data: tuple[str, ...]) -> bool:

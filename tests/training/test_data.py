@@ -240,6 +240,27 @@ def test_the_tokenized_cache_is_named_by_the_data_content_not_its_place(tmp_path
     assert make_datamodule(tmp_path, data_path=copy).tokenization_key() != key
 
 
+def test_a_cache_tokenized_before_the_last_mask_fixes_is_not_reused(tmp_path, monkeypatch):
+    """Four loss-mask fixes (an opening assistant turn, a Llama-3 trimmed reply, Qwen3's think block, an unfinished
+    Llama-2 reply) left TOKENIZATION_VERSION at 3: data tokenized before them kept its wrong mask in a cache every
+    later launch reused, and so did the draft vocabulary and model.corpus built from it. A cache version 3 wrote
+    (here one whose mask supervises everything) is not what today's launch trains on."""
+    import training.data
+
+    with monkeypatch.context() as old_code:
+        old_code.setattr(training.data, "TOKENIZATION_VERSION", 3)
+        dm = make_datamodule(tmp_path)
+        dm.prepare_data()
+        old = dm.cache_path(dm.load_tokenizer())
+    cached = torch.load(old, weights_only=True)
+    torch.save({**cached, "loss_mask": torch.ones_like(cached["loss_mask"])}, old)
+
+    data, _, key = make_datamodule(tmp_path).load_tokenized()
+    assert key != old.stem
+    assert torch.equal(data.input_ids, cached["input_ids"])  # the same ids, tokenized again
+    assert torch.equal(data.loss_mask, cached["loss_mask"]) and not data.loss_mask.all()
+
+
 def test_sampler_shuffles_per_epoch_and_splits_ranks():
     sampler = EpochShuffleSampler(10, seed=3)
     first = list(sampler)

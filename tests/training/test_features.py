@@ -1272,16 +1272,70 @@ def test_a_build_from_data_target_and_adapter_copied_elsewhere_is_the_same_build
         assert same_shard(resumed / shard["file"], store / shard["file"]), shard["file"]
 
 
+def test_a_store_keyed_by_an_earlier_tokenization_version_serves_where_its_ids_are_the_same(tmp_path, monkeypatch):
+    """TOKENIZATION_VERSION 4 retired caches whose loss masks four fixes changed. A feature store keyed by version 3
+    took hours to build on a large target, and its features depend on the input ids alone: it still serves where
+    version 3's cached tokenization holds the same ids, masks or not. A top-k teacher, computed only where the mask
+    supervises, needs the same masks too; other ids, or no version-3 cache left to show them, and it is refused."""
+    import training.data
+    from training.feature_store import resolve_store_path
+
+    monkeypatch.setattr(training.feature_store, "cache_dir", lambda: tmp_path)
+    with monkeypatch.context() as version_3:
+        version_3.setattr(training.data, "TOKENIZATION_VERSION", 3)
+        old_data = make_datamodule(tmp_path)
+        old_key = old_data.tokenization_key()
+        old_cache = old_data.cache_path(old_data.load_tokenizer())
+        old_store = build_feature_store(old_data, tmp_path / "features" / f"tiny-{old_key}", layer_ids=LAYER_IDS,
+                                        dtype=torch.float32)
+    assert json.loads((old_store / "store.json").read_text())["tokenization_key"] == old_key
+
+    datamodule = make_datamodule(tmp_path)
+    current = datamodule.tokenization_key()
+    assert current != old_key and datamodule.tokenization_keys() == (current, old_key)
+    assert resolve_store_path("auto", "tiny", datamodule) == old_store  # found by `auto`, not built again
+    assert build_feature_store(datamodule, old_store, layer_ids=LAYER_IDS, dtype=torch.float32) == old_store  # kept
+    make_datamodule(tmp_path, feature_store=str(old_store)).setup("fit")  # accepted
+
+    cached = torch.load(old_cache, weights_only=True)
+    torch.save({**cached, "loss_mask": torch.ones_like(cached["loss_mask"])}, old_cache)  # version 3 masked otherwise
+    datamodule = make_datamodule(tmp_path)
+    assert datamodule.tokenization_keys() == (current, old_key)  # the features are the same
+    assert datamodule.tokenization_keys(teacher=True) == (current,)  # a teacher's rows are not
+    make_datamodule(tmp_path, feature_store=str(old_store)).setup("fit")
+
+    other_ids = cached["input_ids"].clone()
+    other_ids[0] += 1
+    torch.save({**cached, "input_ids": other_ids}, old_cache)  # version 3 tokenized otherwise
+
+    def refused():
+        datamodule = make_datamodule(tmp_path)
+        assert datamodule.tokenization_keys() == (current,)
+        assert resolve_store_path("auto", "tiny", datamodule).name == f"tiny-{current}"
+        with pytest.raises(DDTreeError, match="an earlier version's tokenization of it"):
+            make_datamodule(tmp_path, feature_store=str(old_store)).setup("fit")
+
+    refused()
+    old_cache.unlink()  # nothing left to show the ids are the same
+    refused()
+
+
 def test_a_store_keyed_as_before_content_keys_still_serves(tmp_path, monkeypatch):
-    """A store built when the key named the data by path and mtimes (before 2026-12-03), under that key's folder,
-    is found by `auto` and accepted where the data has not moved: it took hours to build on a large target. So is an
-    unfinished build of one, which resumes."""
+    """A store built when the key named the data by path and mtimes (before 2026-12-03, TOKENIZATION_VERSION 3), under
+    that key's folder, is found by `auto` and accepted where the data has not moved and version 3's tokenization of
+    it, cached then under that key, holds the same ids: it took hours to build on a large target. So is an unfinished
+    build of one, which resumes."""
     from training.feature_store import resolve_store_path
 
     monkeypatch.setattr(training.feature_store, "cache_dir", lambda: tmp_path)
     datamodule = make_datamodule(tmp_path)
+    datamodule.prepare_data()
+    tokenizer = datamodule.load_tokenizer()
+    legacy_cache = datamodule.cache_path(tokenizer, legacy=True, version=3)
+    shutil.copyfile(datamodule.cache_path(tokenizer), legacy_cache)  # what version 3 wrote then: the same tokenization
+    datamodule = make_datamodule(tmp_path)
     current, legacy = datamodule.tokenization_keys()
-    assert current != legacy
+    assert current != legacy == legacy_cache.stem
     assert resolve_store_path("auto", "tiny", datamodule).name == f"tiny-{current}"  # none built: the current name
     old = tmp_path / "features" / f"tiny-{legacy}"
     build_feature_store(datamodule, old, layer_ids=LAYER_IDS, dtype=torch.float32)

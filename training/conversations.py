@@ -29,7 +29,7 @@ import logging
 from pathlib import Path
 
 from ddtree.bench import chat_prompt_ids, check_chat_template, iter_json_lines
-from ddtree.errors import DDTreeError
+from ddtree.errors import DDTreeError, check_text
 from ddtree.targets import has_hub_id_shape, is_int
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,9 @@ ROLES = ("system", "user", "assistant", "tool")
 # ----------------------------------------------------------------------------- reading files
 
 def check_messages(messages, where: str) -> list[dict]:
-    """Raise a DDTreeError naming `where` unless messages is a non-empty list of {role, content: str}."""
+    """Raise a DDTreeError naming `where` unless messages is a non-empty list of {role, content: str}, the content
+    valid UTF-8 (check_text: JSON's "\\ud83d", UTF-16 text cut mid-pair, reads as a lone surrogate, which the
+    tokenizer refuses with a TypeError naming neither the file nor the line)."""
     if not isinstance(messages, list) or not messages:
         raise DDTreeError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
     for i, message in enumerate(messages):
@@ -50,6 +52,7 @@ def check_messages(messages, where: str) -> list[dict]:
             raise DDTreeError(f"{where}: messages[{i}].role is {message['role']!r}; expected one of {', '.join(ROLES)}")
         if not isinstance(message["content"], str):
             raise DDTreeError(f"{where}: messages[{i}].content must be a string, got {type(message['content']).__name__}")
+        check_text(message["content"], f"{where}: messages[{i}].content")
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
@@ -88,7 +91,8 @@ def read_messages_jsonl(path: str | Path) -> list[dict]:
         if not isinstance(record, dict) or "messages" not in record:
             raise DDTreeError(f"{where}: each line must be an object with a 'messages' list")
         messages = check_messages(record["messages"], where)
-        record_id = str(record.get("id", f"{path.stem}-{line_number}"))
+        # valid UTF-8 too: regenerate.py hashes the id into the prompt's seed and writes it into its dataset
+        record_id = check_text(str(record.get("id", f"{path.stem}-{line_number}")), f"{where}: id")
         if record_id in seen_ids:
             raise DDTreeError(f"{where}: duplicate id {record_id!r}; ids must be unique")
         seen_ids.add(record_id)

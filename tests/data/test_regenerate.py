@@ -497,6 +497,19 @@ def test_cli_reports_bad_prompt_file_with_line(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_lone_surrogate_in_a_prompt_is_one_line_naming_file_line_and_field_before_the_target_loads(
+        tmp_path, capsys, monkeypatch):
+    """JSON's "\\ud83d" (UTF-16 text cut mid-pair) is valid JSON and reads as a lone surrogate: the tokenizer's
+    TypeError, a traceback with exit 1 naming neither the file nor the line, once the target had loaded."""
+    monkeypatch.setattr(regenerate, "load_frozen_target", lambda *args, **kwargs: pytest.fail("loaded the target"))
+    prompts = prompt_file(tmp_path / "prompts.jsonl", 2)
+    prompts.write_text(prompts.read_text() + '{"messages": [{"role": "user", "content": "cut \\ud83d"}]}\n')
+    assert regenerate.main(args_for_argv(tmp_path)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {prompts}:3: messages[0].content: not valid UTF-8 text (a lone surrogate, U+D83D")
+    assert len(err.splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
 def test_a_target_without_a_chat_template_is_one_line(tiny, tmp_path, capsys, monkeypatch):
     """A base model's folder: rendering the first prompt raised transformers' ValueError, a 30-line traceback."""
     from training.conversations import CHAT_TARGET

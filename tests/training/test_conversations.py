@@ -476,6 +476,20 @@ def test_read_messages_jsonl_errors_name_file_and_line(tmp_path):
     assert [r["id"] for r in records] == ["a", "ok-2"]
 
 
+def test_a_lone_surrogate_in_a_conversation_is_one_line_naming_file_line_and_field(tmp_path):
+    """JSON's "\\ud83d" (UTF-16 text cut mid-pair, common in scraped chats) is valid JSON and reads as a lone
+    surrogate: the tokenizer refused it with a TypeError naming neither the file nor the line, and the whole data
+    preparation stopped on a traceback. An id is the same (data/regenerate.py hashes it into its prompt's seed)."""
+    good = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]})
+    cut = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "cut \\ud83d"}]}'
+    with pytest.raises(DDTreeError, match=r"^\S*cut\.jsonl:2: messages\[1\]\.content: not valid UTF-8 text \(a lone "
+                                          r"surrogate, U\+D83D, at character 5"):
+        load_conversations(write_lines(tmp_path / "cut.jsonl", [good, cut]))
+    with pytest.raises(DDTreeError, match=r"id\.jsonl:1: id: not valid UTF-8 text \(a lone surrogate, U\+DC00"):
+        load_conversations(write_lines(tmp_path / "id.jsonl", ['{"id": "a\\udc00", "messages": [{"role": "user", '
+                                                               '"content": "hi"}]}']))
+
+
 def test_load_conversations_from_jsonl_parquet_and_saved_dataset(tmp_path):
     from datasets import Dataset
 

@@ -19,6 +19,8 @@ Pieces, top to bottom:
     Spans are found by rendering growing prefixes of the conversation (the prompt up to each assistant
     turn, with the generation prompt) and diffing against the full render; the render is then tokenized
     span by span.
+  - render_generated / render_unfinished: a last reply from the ids its target generated, or one cut short
+    (finish_reason "length") from its text: the prompt decoding feeds the target, then that reply's tokens.
   - tokenize_conversations: many conversations, with counts of what was dropped, skipped or cut.
 """
 
@@ -187,7 +189,10 @@ def load_conversations(source: str | Path, messages_only: bool = False) -> list[
 # version's cached tokenization holds the same input ids (DistillDataModule.tokenization_keys), so the shipped data's
 # stores are not rebuilt.
 # Bump it for every change to what this module or render_generated makes of a conversation, whatever the shipped data.
-TOKENIZATION_VERSION = 4
+# 5: an earlier reply the template renders only the end of (Qwen3 drops its reasoning) is not supervised, and a reply
+# cut short (finish_reason "length") is decoding's prompt then its own tokens (render_unfinished), not the template's
+# render (Qwen3's empty think block in front of a reply cut inside its thinking); the shipped data is the same.
+TOKENIZATION_VERSION = 5
 
 
 # What to give instead of a target whose tokenizer has no chat template (a base model's) or whose template refuses a
@@ -242,16 +247,16 @@ def assistant_header(tokenizer) -> str:
     return whole[opened:whole.index(reply, opened)]
 
 
-def find_reply(text: str, content: str, eot: str, turn_from: int) -> tuple[int, int] | None:
-    """(where the reply's text starts, where its end-of-turn token starts) in a render, for the assistant turn that
-    begins at turn_from; None where the render holds no such reply.
+def find_reply(text: str, content: str, eot: str, turn_from: int) -> tuple[int, int, bool] | None:
+    """(where the reply's text starts, where its end-of-turn token starts, whether the render holds the whole reply)
+    in a render, for the assistant turn that begins at turn_from; None where the render holds no such reply.
 
     The reply is the message content as it ends right before an end-of-turn token, with only whitespace between
     (Llama-2-chat's ' ' before eos): as written, trimmed (Llama-3 trims it), or, where the template keeps only its
     end (Qwen3 drops an earlier reply's <think> reasoning from the history), the turn's text if the content ends
-    with it. It must begin before the first end-of-turn token after turn_from, so it is never found in a later
-    turn (a user's "... a plain Yes."), nor in the template's own text before it (Qwen3's "<think>\n\n</think>"
-    holds "in"); it can hold that token's text itself (a reply about chat templates).
+    with it: not the whole reply. It must begin before the first end-of-turn token after turn_from, so it is never
+    found in a later turn (a user's "... a plain Yes."), nor in the template's own text before it (Qwen3's
+    "<think>\n\n</think>" holds "in"); it can hold that token's text itself (a reply about chat templates).
     """
     written = content.rstrip()
     candidates = [written, written.lstrip()]  # with its leading whitespace first: ChatML keeps it, the target wrote it
@@ -263,11 +268,11 @@ def find_reply(text: str, content: str, eot: str, turn_from: int) -> tuple[int, 
         for candidate in candidates:
             begins = reply_end - len(candidate)
             if turn_from <= begins <= first_eot and text.startswith(candidate, begins):
-                return begins, eot_at
+                return begins, eot_at, True
         eot_at = text.find(eot, eot_at + len(eot))
     kept = text[turn_from:first_eot].strip() if first_eot >= 0 else None
     if kept is not None and written.endswith(kept):
-        return first_eot - len(text[turn_from:first_eot].lstrip()), first_eot
+        return first_eot - len(text[turn_from:first_eot].lstrip()), first_eot, False
     return None
 
 
@@ -279,7 +284,8 @@ def render_with_loss_mask(tokenizer, messages: list[dict], eot: str | None = Non
     what the target writes, and is supervised (Qwen3's "<think>\n\n</think>\n\n" before the reply as well), and
     find_reply places that token. Where that render is refused or is no prefix (a template that writes something
     of the whole conversation first), the turn starts after the next assistant header instead, and is supervised
-    from its content on.
+    from its content on. A turn the template renders only the end of (Qwen3 drops an earlier reply's reasoning) is
+    not supervised at all: after decoding's prompt the target wrote its "<think>", not the answer that follows.
     """
     check_chat_template(tokenizer, tokenizer.name_or_path, CHAT_TARGET)
     eot = eot or end_of_turn_text(tokenizer)
@@ -309,7 +315,10 @@ def render_with_loss_mask(tokenizer, messages: list[dict], eot: str | None = Non
                 f"assistant turn {i} ({message['content'][:40]!r}...) does not end its turn, right before {eot!r}, "
                 "in the chat template's render: the template rewrites this reply in a way the loss mask cannot follow"
             )
-        reply_at, eot_at = found
+        reply_at, eot_at, whole = found
+        if not whole:  # (its text joins the unsupervised text around it, tokenized as decoding's prompts tokenize it)
+            cursor = eot_at + len(eot)
+            continue
         # Past the prompt decoding feeds, the template's text is the target's (it writes it after that prompt), and
         # so is whitespace (Llama-2-chat's ' ' after [/INST], written with the reply's first token).
         start = turn_from if decoding_prompt or not text[turn_from:reply_at].strip() else reply_at
@@ -353,17 +362,40 @@ def render_generated(tokenizer, record: dict, eot: str) -> tuple[list[int], list
     return prompt + reply, [0] * len(prompt) + [1] * len(reply)
 
 
+def render_unfinished(tokenizer, messages: list[dict], eot: str) -> tuple[list[int], list[int]]:
+    """A conversation whose last reply the target did not finish (finish_reason "length": it hit max_new_tokens),
+    from its text: the prompt as decoding renders it (chat_prompt_ids), its earlier replies supervised as
+    render_with_loss_mask supervises them, then the tokens of the reply's own text, all supervised, and no
+    end-of-turn token, which the target never chose. As render_generated, not the template's render of the whole: a
+    template writes what it expects before a finished reply, and a reply cut short is not one (Qwen3 puts an empty
+    think block in front of a reply cut inside its own "<think>"), nor are the spaces a template writes around a
+    reply (Llama-2-chat's ' ' after [/INST] and before eos) the target's."""
+    if not messages or messages[-1]["role"] != "assistant":
+        raise DDTreeError("its finish_reason is 'length' but it does not end with an assistant turn, the reply cut "
+                          "short; drop the field, or regenerate the data")
+    history = messages[:-1]
+    prompt = chat_prompt_ids(tokenizer, history, tokenizer.name_or_path, CHAT_TARGET)
+    mask = [0] * len(prompt)
+    if any(message["role"] == "assistant" for message in history):
+        ids, history_mask = render_with_loss_mask(tokenizer, history, eot)
+        if prompt[:len(ids)] == ids:  # (else a template that renders the turns otherwise before a generation prompt)
+            mask[:len(ids)] = history_mask
+    # The reply's text as the reply pieces of render_with_loss_mask: special-token text in it is plain text.
+    reply = tokenizer(messages[-1]["content"], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    return prompt + reply, mask + [1] * len(reply)
+
+
 def tokenize_conversations(tokenizer, records: list[dict], max_length: int, min_supervised_tokens: int,
                            source: str = "the data") -> tuple[list[dict], dict]:
     """Tokenize many conversations; skip (and count) those without enough supervised tokens.
 
     A record with finish_reason "length" has a last answer that the target did not finish (it
     hit max_new_tokens): the end-of-turn token the template writes after it was never the
-    target's choice, so that token and everything after it are cut instead of supervised (and, in a reply
-    from text, whitespace the template writes before it).
+    target's choice, so that token and everything after it are cut instead of supervised.
     A record with response_ids (regenerated data) supervises exactly those ids (render_generated);
-    one without is rendered from its text (render_with_loss_mask). One the loss mask cannot follow (the template
-    rewrote a reply, or its response_ids do not decode to its reply: an edited text) is skipped and counted as
+    one without is rendered from its text (render_with_loss_mask; a last answer cut short, render_unfinished). One
+    the loss mask cannot follow (the template rewrote a reply, or its response_ids do not decode to its reply: an
+    edited text, or a "length" record without an assistant turn last) is skipped and counted as
     "unaligned", with one warning naming the first (its id, file and line or row); if every one is, the template or
     the data as a whole is the problem, and the first one's error is raised.
     """
@@ -375,6 +407,8 @@ def tokenize_conversations(tokenizer, records: list[dict], max_length: int, min_
         try:
             if record.get("response_ids") is not None:
                 input_ids, loss_mask = render_generated(tokenizer, record, eot)
+            elif record.get("finish_reason") == "length":
+                input_ids, loss_mask = render_unfinished(tokenizer, record["messages"], eot)
             else:
                 input_ids, loss_mask = render_with_loss_mask(tokenizer, record["messages"], eot)
         except DDTreeError as error:  # one odd reply (or one edited by hand) should not stop all the others
@@ -385,14 +419,8 @@ def tokenize_conversations(tokenizer, records: list[dict], max_length: int, min_
         if not any(loss_mask):
             counts["no_assistant"] += 1
             continue
-        if record.get("finish_reason") == "length":
-            last = len(loss_mask) - 1 - loss_mask[::-1].index(1)  # the last answer's end-of-turn token
-            reply = [m["content"] for m in record["messages"] if m["role"] == "assistant"][-1]
-            if record.get("response_ids") is None and not reply[-1:].isspace():
-                # Nor is whitespace the template writes before that token (Llama-2-chat's ' '), the reply not ending so
-                while loss_mask[last - 1] and not tokenizer.decode(input_ids[last - 1:last]).strip():
-                    last -= 1
-            input_ids, loss_mask = input_ids[:last], loss_mask[:last]
+        if record.get("finish_reason") == "length" and record.get("response_ids") is not None:
+            input_ids, loss_mask = input_ids[:-1], loss_mask[:-1]  # the end-of-turn token render_generated appends
         if len(input_ids) > max_length:
             counts["truncated"] += 1
             input_ids, loss_mask = input_ids[:max_length], loss_mask[:max_length]

@@ -266,7 +266,8 @@ def test_qwen3s_thinking_template_supervises_the_think_block_the_target_writes_a
 def test_qwen3s_thinking_template_trains_on_a_conversation_whose_earlier_reply_has_its_reasoning_stripped(
         qwen3_thinking_tokenizer):
     """The template drops an earlier reply's <think> block from the history, so that reply was not found in the render
-    and the conversation refused, stopping the whole data preparation."""
+    and the conversation refused, stopping the whole data preparation. Found by its end, it was then supervised as
+    its bare answer right after decoding's prompt, where the target writes "<think>": that reply is not supervised."""
     messages = [{"role": "user", "content": "What is 2+2?"},
                 {"role": "assistant", "content": "<think>\nAdd them.\n</think>\n\n2+2 is 4."},
                 {"role": "user", "content": "And 3+3?"},
@@ -275,8 +276,27 @@ def test_qwen3s_thinking_template_trains_on_a_conversation_whose_earlier_reply_h
                 "<|im_start|>user\nAnd 3+3?<|im_end|>\n<|im_start|>assistant\n<think>\nAgain.\n</think>\n\n6.<|im_end|>\n")
     ids, mask = render_with_loss_mask(qwen3_thinking_tokenizer, messages)
     assert qwen3_thinking_tokenizer.decode(ids) == expected
-    assert masked_runs(qwen3_thinking_tokenizer, ids, mask) == ["2+2 is 4.<|im_end|>",
-                                                                "<think>\nAgain.\n</think>\n\n6.<|im_end|>"]
+    assert masked_runs(qwen3_thinking_tokenizer, ids, mask) == ["<think>\nAgain.\n</think>\n\n6.<|im_end|>"]
+    later_prompt = decoding_prompt(qwen3_thinking_tokenizer, messages[:3])  # the history tokenized as decoding does
+    assert ids[:len(later_prompt)] == later_prompt and mask.index(1) == len(later_prompt)
+
+
+@pytest.mark.parametrize("earlier", [[], [{"role": "user", "content": "What is 2+2?"},
+                                          {"role": "assistant", "content": "<think>\nAdd them.\n</think>\n\n4."}]])
+def test_a_qwen3_reply_cut_inside_its_thinking_is_the_decoding_prompt_then_what_the_target_wrote(
+        qwen3_thinking_tokenizer, earlier):
+    """Cut by max_new_tokens before its "</think>", a reply gets an empty think block from the template in front of
+    its own ("<think>\n\n</think>\n\n<think>\nLet me ..."), which was supervised: tokens the target never wrote."""
+    tokenizer = qwen3_thinking_tokenizer
+    reply = "<think>\nLet me add 17 and 25: 17 + 20 is 37, and"
+    messages = [*earlier, {"role": "user", "content": "What is 17+25?"}, {"role": "assistant", "content": reply}]
+    (cut,), _ = tokenize_conversations(tokenizer, [{"messages": messages, "finish_reason": "length"}],
+                                       max_length=500, min_supervised_tokens=1)
+    prompt = decoding_prompt(tokenizer, messages[:-1])
+    assert cut["input_ids"][:len(prompt)] == prompt and cut["loss_mask"].index(1) == len(prompt)
+    assert masked_runs(tokenizer, cut["input_ids"], cut["loss_mask"]) == [reply]  # no end of turn either
+    think = tokenizer.convert_tokens_to_ids("<think>")
+    assert cut["input_ids"][len(prompt)] == think and cut["input_ids"].count(think) == 1
 
 
 def test_llama3_mask_with_trimmed_content(llama3_tokenizer):
@@ -391,6 +411,9 @@ def test_unfinished_answer_does_not_supervise_an_end_of_turn(smol_tokenizer):
     assert done["input_ids"][-2] == im_end and done["loss_mask"][-2] == 1  # "...<|im_end|>" then "\n"
     assert cut["input_ids"] == done["input_ids"][:-2] and cut["loss_mask"] == done["loss_mask"][:-2]
     assert smol_tokenizer.decode([i for i, m in zip(cut["input_ids"], cut["loss_mask"]) if m]) == "2+2 is 4."
+    (longer,), _ = tokenize_conversations(smol_tokenizer, [{"messages": CONVERSATION, "finish_reason": "length"}],
+                                          max_length=500, min_supervised_tokens=1)  # earlier replies: supervised still
+    assert masked_runs(smol_tokenizer, longer["input_ids"], longer["loss_mask"]) == ["2+2 is 4.<|im_end|>", "assistant"]
 
 
 
@@ -407,14 +430,15 @@ def test_a_trimmed_replys_leading_whitespace_is_not_searched_for_in_a_later_turn
     assert ids[:len(prompt)] == prompt and mask.index(1) == len(prompt)
 
 def test_an_unfinished_llama2_reply_does_not_supervise_the_space_its_template_writes_before_eos(llama2_tokenizer):
-    """Cut at max_new_tokens, the reply's " </s>" was cut to " ": a space the target never wrote was supervised."""
+    """Cut at max_new_tokens, the reply's " </s>" was cut to " ": a space the target never wrote was supervised. Nor
+    is the space the template writes after [/INST]: a reply cut short is decoding's prompt, then its own text."""
     messages = [{"role": "user", "content": "Count."}, {"role": "assistant", "content": "one two three"}]
     (cut,), _ = tokenize_conversations(llama2_tokenizer, [{"messages": messages, "finish_reason": "length"}],
                                        max_length=500, min_supervised_tokens=1)
     prompt = decoding_prompt(llama2_tokenizer, messages[:1])
     assert cut["input_ids"][:len(prompt)] == prompt and cut["loss_mask"].index(1) == len(prompt)
     reply = cut["input_ids"][len(prompt):]
-    assert llama2_tokenizer.decode(reply) == " one two three" and all(cut["loss_mask"][len(prompt):])
+    assert llama2_tokenizer.decode(reply) == "one two three" and all(cut["loss_mask"][len(prompt):])
 
 @pytest.mark.parametrize("reply", ["\n\nSure, here.", "  Sure, here.", "\n", "   "])
 def test_a_replys_leading_whitespace_is_supervised_where_the_template_keeps_it(smol_tokenizer, reply):

@@ -119,7 +119,8 @@ def rows_to_records(rows, source: str) -> list[dict]:
 
 
 def load_conversations(source: str | Path, messages_only: bool = False) -> list[dict]:
-    """Load {"id", "messages"} records from a JSONL/Parquet file, a saved `datasets` folder or a Hub name.
+    """Load {"id", "messages"} records from a JSONL/Parquet file, a saved `datasets` folder or a Hub name (a
+    DatasetDict's, and a Hub dataset's, "train" split; a DatasetDict without one is refused, naming its splits).
 
     Prompt files load too (no assistant turn): tokenizing them then says that responses are
     missing. Hub names need internet; everything else is local. messages_only: a table's other columns
@@ -153,9 +154,12 @@ def load_conversations(source: str | Path, messages_only: bool = False) -> list[
         if state.exists() and not json.loads(state.read_text()).get("_data_files"):
             raise DDTreeError(f"{source}: no conversations in it")  # a dataset of no rows: load_from_disk's IndexError
         loaded = load_from_disk(str(path))
-        if isinstance(loaded, DatasetDict):
-            split = "train" if "train" in loaded else next(iter(loaded))
-            loaded = loaded[split]
+        if isinstance(loaded, DatasetDict):  # trained on its "train" split, as a Hub name is (split="train")
+            if "train" not in loaded:
+                raise DDTreeError(f"{path}: a saved DatasetDict without a 'train' split (its splits: "
+                                  f"{', '.join(loaded)}); save the split to train on as 'train', or on its own "
+                                  "(dataset_dict['<split>'].save_to_disk(...))")
+            loaded = loaded["train"]
         records = table_records(loaded, str(path))
     elif has_hub_id_shape(str(source)):
         from datasets import load_dataset

@@ -537,6 +537,23 @@ def test_load_conversations_from_jsonl_parquet_and_saved_dataset(tmp_path):
         load_conversations(tmp_path / "nomessages")
 
 
+def test_a_saved_dataset_dict_trains_on_its_train_split_and_one_without_is_refused_naming_its_splits(tmp_path):
+    """A DatasetDict of "test" and "validation" trained on its first split, "test", without a word."""
+    from datasets import Dataset, DatasetDict
+
+    def split(name, count):
+        return Dataset.from_list([{"id": f"{name}{i}", "messages": CONVERSATION} for i in range(count)])
+
+    DatasetDict({"test": split("test", 2), "train": split("train", 3)}).save_to_disk(str(tmp_path / "with"))
+    assert [r["id"] for r in load_conversations(tmp_path / "with")] == ["train0", "train1", "train2"]
+    DatasetDict({"test": split("test", 2), "validation": split("val", 1)}).save_to_disk(str(tmp_path / "without"))
+    with pytest.raises(DDTreeError) as refused:
+        load_conversations(tmp_path / "without")
+    assert str(refused.value) == (f"{tmp_path / 'without'}: a saved DatasetDict without a 'train' split (its splits: "
+                                  "test, validation); save the split to train on as 'train', or on its own "
+                                  "(dataset_dict['<split>'].save_to_disk(...))")
+
+
 def test_an_empty_parquet_file_or_saved_dataset_has_no_conversations_in_it(tmp_path):
     """As an empty JSONL says: `datasets` gave a DatasetGenerationError or an IndexError traceback for them."""
     from datasets import Dataset

@@ -82,8 +82,8 @@ def response_ids_of(row, where: str) -> dict:
 def read_messages_jsonl(path: str | Path) -> list[dict]:
     """Read a JSONL file of {"id"?, "messages": [...]} records (prompts or whole conversations).
 
-    Records without an id get "<file stem>-<line number>"; "where" is "<file>:<line>", for what later finds fault with
-    the record (tokenize_conversations). Errors name the file and line.
+    Records without an id (or with "id": null) get "<file stem>-<line number>"; "where" is "<file>:<line>", for what
+    later finds fault with the record (tokenize_conversations). Errors name the file and line.
     """
     path = Path(path)
     if not path.is_file():
@@ -93,8 +93,10 @@ def read_messages_jsonl(path: str | Path) -> list[dict]:
         if not isinstance(record, dict) or "messages" not in record:
             raise DDTreeError(f"{where}: each line must be an object with a 'messages' list")
         messages = check_messages(record["messages"], where)
-        # valid UTF-8 too: regenerate.py hashes the id into the prompt's seed and writes it into its dataset
-        record_id = check_text(str(record.get("id", f"{path.stem}-{line_number}")), f"{where}: id")
+        # "id": null is no id, as in a Parquet table (not "None", which the next null id repeated); valid UTF-8 too:
+        # regenerate.py hashes the id into the prompt's seed and writes it into its dataset
+        given = record.get("id")
+        record_id = check_text(str(given) if given is not None else f"{path.stem}-{line_number}", f"{where}: id")
         if record_id in seen_ids:
             raise DDTreeError(f"{where}: duplicate id {record_id!r}; ids must be unique")
         seen_ids.add(record_id)

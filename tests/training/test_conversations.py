@@ -498,6 +498,9 @@ def test_read_messages_jsonl_errors_name_file_and_line(tmp_path):
         read_messages_jsonl(tmp_path / "missing.jsonl")
     records = read_messages_jsonl(write_lines(tmp_path / "ok.jsonl", [good, '{"messages": [{"role": "user", "content": "x"}]}']))
     assert [r["id"] for r in records] == ["a", "ok-2"]
+    # "id": null is no id, as in a Parquet table: it was the string "None", a duplicate at the second such line
+    nulls = ['{"id": null, "messages": [{"role": "user", "content": "x"}]}'] * 2
+    assert [r["id"] for r in read_messages_jsonl(write_lines(tmp_path / "null.jsonl", nulls))] == ["null-1", "null-2"]
 
 
 def test_a_lone_surrogate_in_a_conversation_is_one_line_naming_file_line_and_field(tmp_path):

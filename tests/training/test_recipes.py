@@ -27,6 +27,7 @@ import training.train
 from training.arguments import RECIPES_DIR, known_recipes
 from training.recipe import read_recipe
 from training.train import build_cli, main
+from training.loss import published_gamma
 from training.module import DistillModule
 from ddtree.errors import DDTreeError
 from ddtree.files import read_yaml_mapping
@@ -108,6 +109,19 @@ def test_a_recipe_that_does_not_say_leaves_the_rank_split_to_the_data(tmp_path):
     silent = tmp_path / "tiny.yaml"
     silent.write_text("".join(line for line in text.splitlines(keepends=True) if "use_distributed_sampler" not in line))
     assert read_recipe(silent, []).trainer.use_distributed_sampler is False  # Lightning's default is True
+
+
+def test_a_block_size_override_alone_trains_with_the_published_gamma_for_that_block():
+    """Every recipe pinned model.gamma at its block's published value, so `--model.block_size 10` alone kept the old
+    block's decay, though an unset gamma follows the block size (docs/training.md). A given gamma is still kept."""
+    for name in known_recipes():
+        assert parse_recipe(name, "--model.block_size=10").model.gamma is None, f"recipes/{name}.yaml pins model.gamma"
+    for overrides, gamma in [(["--model.block_size=10"], published_gamma(10)), ([], published_gamma(8)),
+                             (["--model.block_size=10", "--model.gamma=3.0"], 3.0)]:
+        module = DistillModule(**parse_recipe("tiny", *overrides).model.as_dict())
+        module.configure_model()
+        assert module.hparams.gamma == gamma, overrides
+    assert published_gamma(10) == 5.0 and published_gamma(8) == 4.0
 
 
 def test_a_bad_field_is_rejected_by_the_parser():

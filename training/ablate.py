@@ -44,7 +44,8 @@ measured (the interrupted one and those after it), into a table of their own.
 
 The table (printed at the end, and written with a plot to <output-root>/<recipe>/ablate-<stamp>.{md,json,png} after
 each variant, so an ablation killed midway keeps the variants it finished):
-validation loss (the published decayed cross-entropy, whatever the variant trains on), per-depth
+validation loss (the published decayed cross-entropy at the published gamma for the block size, whatever the variant
+trains on), per-depth
 top-1 accuracy and top-4 recall of the target's token on the validation split, tau at every
 budget and for the chain, and the drafter's expected tau beside the measured one. A note under it names the variants
 whose decoder added to the drafter's own drafts (context lookup, the corpus, re-drafting: model.redraft_prob > 0 sets

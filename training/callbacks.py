@@ -827,7 +827,7 @@ class AcceptanceEvaluation(L.Callback):
         timers = [callback for callback in trainer.callbacks if isinstance(callback, Timer) and callback._duration]
         max_steps = trainer.max_steps
         settings = {**self.settings(module.drafter_config, len(self.prompts)),
-                    "train_loss_note": report.training_loss_note(dict(module.hparams)),
+                    "train_loss_note": report.training_loss_note(dict(module.hparams), module.block_size),
                     "target_note": report.target_note(dict(module.hparams)),
                     "data_note": report.partial_data_note(drawn),
                     "planned_length": f"max_steps {max_steps}" + "".join(

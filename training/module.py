@@ -237,6 +237,7 @@ class DistillModule(L.LightningModule):
             raise DDTreeError(f"model.objective_smoothing={objective_smoothing} must be in [0, 1], and "
                               f"model.objective_top_k={objective_top_k} and model.objective_budget={objective_budget} "
                               "at least 1")
+        self._gamma_given = gamma is not None  # else configure_model sets the published one for the block size
         self.drafter: nn.Module | None = None  # built in configure_model
         self._compiled_drafter = None  # compile=True: torch.compile's wrapper of it (see training_drafter)
         self._target: FrozenTarget | None = None
@@ -627,10 +628,12 @@ class DistillModule(L.LightningModule):
             return None
         hidden, labels, teacher, target_seconds = predictions
         teacher_top = teacher if isinstance(teacher, tuple) else None
-        weights = block_position_weights(self.block_size, self.hparams.gamma, device=hidden.device)  # (B,)
         hp = self.hparams
-        # Validation always measures the published decayed CE, so runs of different objectives compare.
+        # Validation always measures the published decayed CE, at the published decay for the block size, so runs of
+        # different objectives and gammas compare (at the run's own gamma, a lower one read lower on the same weights).
         objective = hp.objective if stage == "train" else "decayed_ce"
+        gamma = hp.gamma if stage == "train" else published_gamma(self.block_size)
+        weights = block_position_weights(self.block_size, gamma, device=hidden.device)  # (B,)
         lm_head = self.target.get_output_embeddings()
         if not torch.is_autocast_enabled(hidden.device.type):  # into the head in its dtype (see in_drafter_dtype)
             hidden = hidden.to(lm_head.weight.dtype)
@@ -843,9 +846,12 @@ class DistillModule(L.LightningModule):
     # Lightning restores the optimizer's groups and the schedule's base rates from the checkpoint, so another lr,
     # betas or weight_decay went unused while config.yaml and the model card recorded it (warmup_ratio and
     # min_lr_ratio live in the schedule's function and do change).
+    # The loss's gamma and objective: config.yaml then named them as the whole run's, though its steps before the
+    # resume trained on another loss.
     RESUME_FIXED_HPARAMS = {"lora_rank": "model.lora_rank", "lora_alpha": "model.lora_alpha",
                             "lora_target_modules": "model.lora_target_modules", "seed": "model.seed and data.seed",
-                            "lr": "model.lr", "betas": "model.betas", "weight_decay": "model.weight_decay"}
+                            "lr": "model.lr", "betas": "model.betas", "weight_decay": "model.weight_decay",
+                            "gamma": "model.gamma", "objective": "model.objective"}
     # The target's adapter (model.target_adapter) is fixed too (check_resume_adapter): the steps before a resume
     # learned the adapted target, and with it dropped or retrained the rest learned another.
 
@@ -854,7 +860,8 @@ class DistillModule(L.LightningModule):
         self.check_resume(checkpoint)
 
     def check_resume(self, checkpoint: dict) -> None:
-        """Refuse, in one line, a resume whose launch would change the checkpoint's drafter, data split or optimizer."""
+        """Refuse, in one line, a resume whose launch would change the checkpoint's drafter, data split, optimizer or
+        loss (gamma, objective)."""
         saved = checkpoint.get("drafter_config")
         if saved is None or self.drafter is None:
             return
@@ -872,12 +879,14 @@ class DistillModule(L.LightningModule):
         hparams = checkpoint.get("hyper_parameters") or {}
         for name, setting in self.RESUME_FIXED_HPARAMS.items():
             was, now = as_compared(hparams.get(name)), as_compared(self.hparams.get(name))  # betas: a list or a tuple
+            if name == "gamma" and not self._gamma_given and "model.block_size" in changed:
+                continue  # unset, it follows the block size, refused above
             if name in hparams and was != now:
                 changed.setdefault(setting, f"{name} {was} (this launch: {now})")
         self.check_resume_adapter(hparams, changed)
         if changed:
             raise DDTreeError(f"--resume: the checkpoint's run has {'; '.join(changed.values())}: a resume keeps the "
-                              f"run's drafter, data split and optimizer; drop {', '.join(sorted(changed))} from the "
+                              f"run's drafter, data split, optimizer and loss; drop {', '.join(sorted(changed))} from the "
                               "command, or start a new run")
 
     def check_resume_adapter(self, hparams: dict, changed: dict) -> None:

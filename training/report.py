@@ -31,6 +31,8 @@ from matplotlib.figure import Figure
 from ddtree.bench import CHAIN, tree_key
 from ddtree.files import atomic_file, write_text_atomic
 
+from .loss import published_gamma
+
 
 def ranking_score(tau: float) -> float:
     """A tau as checkpoints are ranked by it (BestCheckpoint, best_record): NaN, nothing measured, below every tau."""
@@ -92,13 +94,19 @@ def target_note(hyper_parameters: dict) -> str | None:
             "target with a PEFT adapter). The base model alone decodes its own text, at an acceptance not measured here.")
 
 
-def training_loss_note(hyper_parameters: dict) -> str | None:
-    """What the train loss column holds where it is not the val loss column's loss (None where it is)."""
-    if hyper_parameters.get("objective", "decayed_ce") == "decayed_ce" and not hyper_parameters.get("distill_weight"):
+def training_loss_note(hyper_parameters: dict, block_size: int) -> str | None:
+    """What the train loss column holds where it is not the val loss column's loss (None where it is): the val loss is
+    the published decayed cross-entropy at the published gamma for the block size (DistillModule.shared_step)."""
+    gamma, published = hyper_parameters.get("gamma"), published_gamma(block_size)
+    other_gamma = gamma is not None and gamma != published
+    if (hyper_parameters.get("objective", "decayed_ce") == "decayed_ce" and not hyper_parameters.get("distill_weight")
+            and not other_gamma):
         return None
-    return (f"The train loss is the training objective ({objective_description(hyper_parameters)}) on that step's "
-            "batch; the val loss is the published decayed cross-entropy on the validation split, whatever the "
-            "objective, so runs compare by it. The two columns are different losses: they do not compare with each other.")
+    training = objective_description(hyper_parameters) + (f" at `model.gamma={gamma:g}`" if other_gamma else "")
+    return (f"The train loss is the training objective ({training}) on that step's batch; the val loss is the "
+            f"published decayed cross-entropy on the validation split (gamma {published:g}, the published one for block "
+            f"size {block_size}), whatever the objective and gamma, so runs compare by it. The two columns are "
+            "different losses: they do not compare with each other.")
 
 
 def partial_data_note(record: dict | None) -> str | None:

@@ -480,7 +480,7 @@ def test_a_deepspeed_resume_that_changes_the_drafter_is_one_line_before_deepspee
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert errors and all(line == errors[0] for line in errors), result.stderr[-3000:]  # the same line from each rank
     assert errors[0].startswith("error: --resume: the checkpoint's run has num_hidden_layers 1 (this launch: 2): "
-                                "a resume keeps the run's drafter, data split and optimizer; drop model.num_layers"), errors[0]
+                                "a resume keeps the run's drafter, data split, optimizer and loss; drop model.num_layers"), errors[0]
     assert "size mismatch" not in result.stderr and not probe_dir.exists()  # stopped before the shards and the first step
     assert (run_dir / "config.yaml").read_text() == before
 

@@ -784,8 +784,13 @@ def test_the_report_says_when_the_train_loss_is_another_loss_than_the_val_loss(t
     assert ("The train loss is the training objective (`model.objective=dpace` (smoothing 0.5) with kl distillation from the target's "
             "distribution at weight 0.5) on that step's batch; the val loss is the published decayed cross-entropy"
             in (tmp_path / "dpace" / "report.md").read_text())
-    note = training.report.training_loss_note({"objective": "decayed_ce", "distill_weight": 0.5, "distill_top_k": 32})
+    note = training.report.training_loss_note({"objective": "decayed_ce", "distill_weight": 0.5, "distill_top_k": 32}, 8)
     assert "(`model.objective=decayed_ce` with kl distillation from the target's top 32 at weight 0.5)" in note
+    # another gamma trains on another loss than the val loss's published one
+    assert training.report.training_loss_note({"objective": "decayed_ce", "gamma": 4.0}, 8) is None
+    note = training.report.training_loss_note({"objective": "decayed_ce", "gamma": 2.0}, 8)
+    assert ("(`model.objective=decayed_ce` at `model.gamma=2`) on that step's batch; the val loss is the published "
+            "decayed cross-entropy on the validation split (gamma 4, the published one for block size 8)") in note
     assert training.report.objective_description({"objective": "intree", "objective_budget": 16}) == (
         "`model.objective=intree` (smoothing 0.5, the drafter's own tree of 16 nodes)")
 

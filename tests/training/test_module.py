@@ -389,6 +389,22 @@ def test_validation_counts_labels_outside_the_draft_vocabulary_as_misses(monkeyp
     assert val.weight_total < every.weight_total  # the loss is over the draft vocabulary's labels only
 
 
+def test_validation_weighs_by_the_published_gamma_whatever_the_run_trains_with():
+    """val/loss is "the published decayed cross-entropy, so runs compare by it", yet it weighed the block positions by
+    the run's own model.gamma: on the same weights gamma 2 read 4.31 and gamma 7 read 4.77 (a review), more than the
+    objectives it ranks differ by. The train loss stays the run's."""
+    plain, other = plain_and_variant(gamma=7.0, objective="dpace")  # plain: gamma 4
+    torch.manual_seed(0)
+    published = tiny_module(gamma=None)
+    assert published.hparams.gamma == published_gamma(BLOCK) == 2.0
+    batch = synthetic_batch()
+    with torch.no_grad():
+        val = [module.shared_step(batch, 0, "val").loss for module in (plain, other, published)]
+        train = [module.shared_step(batch, 0, "train").loss for module in (plain, other, published)]
+    assert torch.equal(val[0], val[1]) and torch.equal(val[0], val[2])
+    assert len({loss.item() for loss in train}) == 3  # each trains on its own gamma and objective
+
+
 def test_redraft_training_changes_the_train_loss_only_and_validates_plain_blocks():
     plain, redraft = plain_and_variant(redraft_prob=0.5)
     batch = synthetic_batch()
@@ -934,9 +950,18 @@ def test_a_resume_names_what_changed_its_draft_vocabulary_split_or_optimizer(mod
     module.check_resume(saved)
     saved["hyper_parameters"].update(lr=1e-5, betas=[0.9, 0.99])
     with pytest.raises(DDTreeError, match=r"lr 1e-05 \(this launch: 0.003\); betas \[0.9, 0.99\] \(this launch: "
-                                          r"\[0.9, 0.95\]\): a resume keeps the run's drafter, data split and optimizer; "
-                                          r"drop model.betas, model.lr from the command"):
+                                          r"\[0.9, 0.95\]\): a resume keeps the run's drafter, data split, optimizer and "
+                                          r"loss; drop model.betas, model.lr from the command"):
         module.check_resume(saved)
+    # Another loss: config.yaml then named it as the whole run's, though the steps before the resume trained on the other
+    saved["hyper_parameters"].update(lr=module.hparams.lr, betas=list(module.hparams.betas), gamma=7.0, objective="dpace")
+    with pytest.raises(DDTreeError, match=r"^--resume: the checkpoint's run has gamma 7.0 \(this launch: 4.0\); objective "
+                                          r"dpace \(this launch: decayed_ce\): a resume keeps the run's drafter, data "
+                                          r"split, optimizer and loss; drop model.gamma, model.objective from the command, "
+                                          r"or start a new run$"):
+        module.check_resume(saved)
+    saved["hyper_parameters"].update(gamma=module.hparams.gamma, objective=module.hparams.objective)
+    module.check_resume(saved)
 
 
 def test_warm_start_refuses_a_conflicting_setting(module, tmp_path):

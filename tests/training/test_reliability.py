@@ -803,13 +803,17 @@ def test_a_resume_refused_at_restore_leaves_config_yaml_as_it_was(tmp_path, caps
     assert (run_dir / "config.yaml").read_text() == before
     # Another drafter: a shape was a load_state_dict traceback, a block size trained on silently under the run's name.
     for overrides, named in [
-        (["--model.num_layers=2"], "num_hidden_layers 1 (this launch: 2): a resume keeps the run's drafter, data split and optimizer; drop "
-                                   "model.num_layers from the command"),
-        (["--model.block_size=4", "--model.gamma=3.0"], "block_size 8 (this launch: 4): a resume keeps the run's "
-                                                        "drafter, data split and optimizer; drop model.block_size from the command"),
+        (["--model.num_layers=2"], "num_hidden_layers 1 (this launch: 2): a resume keeps the run's drafter, data split, "
+                                   "optimizer and loss; drop model.num_layers from the command"),
+        # an unset gamma follows the block size: the block size alone is named
+        (["--model.block_size=4"], "block_size 8 (this launch: 4): a resume keeps the run's drafter, data split, "
+                                   "optimizer and loss; drop model.block_size from the command"),
+        (["--model.block_size=4", "--model.gamma=3.0"], "block_size 8 (this launch: 4); gamma 4.0 (this launch: 3.0): a "
+                                                        "resume keeps the run's drafter, data split, optimizer and loss; "
+                                                        "drop model.block_size, model.gamma from the command"),
         # Lightning restores the optimizer: the new rate went unused, while config.yaml and the model card recorded it
-        (["--model.lr=1e-5"], "lr 0.003 (this launch: 1e-05): a resume keeps the run's drafter, data split and optimizer; "
-                              "drop model.lr from the command"),
+        (["--model.lr=1e-5"], "lr 0.003 (this launch: 1e-05): a resume keeps the run's drafter, data split, optimizer "
+                              "and loss; drop model.lr from the command"),
     ]:
         assert train_main([*resume, *overrides]) == 2
         lines = error_lines(capsys)

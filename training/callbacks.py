@@ -717,7 +717,8 @@ class AcceptanceEvaluation(L.Callback):
             pl_module.drafter.eval()
             if hparams.get("calibrate"):
                 temperatures = pl_module.calibrate_draft_temperatures(
-                    itertools.islice(batches, count), self.primary_budget, self.max_new_tokens, self.stop_ids)
+                    itertools.islice(batches, count), self.primary_budget, self.max_new_tokens, self.stop_ids,
+                    self.lookup, self.redraft, self.corpus)
             if hparams.get("replay_calibration"):
                 started = time.perf_counter()
                 learned = pl_module.fit_replayed_calibration(

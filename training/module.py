@@ -768,20 +768,26 @@ class DistillModule(L.LightningModule):
         self.log_dict({f"val/recall{RECALL_K}_{k}": recall[k - 1] for k in range(1, self.block_size)})
 
     @torch.no_grad()
-    def calibrate_draft_temperatures(self, batches, budget: int, max_new_tokens: int,
-                                     stop_ids: list[int] = ()) -> list[float]:
+    def calibrate_draft_temperatures(self, batches, budget: int, max_new_tokens: int, stop_ids: list[int] = (),
+                                     lookup: int | None = None, redraft: int | None = None,
+                                     corpus: CorpusLookup | None = None) -> list[float]:
         """Fit and set the drafter's per-position temperatures (config.draft_temperatures) on `batches`.
 
         Tree decoding with `budget` nodes and `max_new_tokens` is replayed over each validation reply
-        (training/replay.py), and each block position 1..B-1 gets the temperature of CALIBRATION_TEMPERATURES
-        with the least label NLL over the rounds that reached it, summed over ranks; a position no round
-        reached keeps 1. Rounds start after a rejection, where decoding measures acceptance, not at uniform
-        anchors, and end at an accepted stop_ids token as decoding does. Returns them. Weights and argmaxes
-        are unchanged.
+        (training/replay.py) as `generate` decodes it with the drafter's defaults (lookup, redraft: None = the
+        drafter's; corpus: the one it ships), as fit_replayed_calibration replays it, and each block position 1..B-1
+        gets the temperature of CALIBRATION_TEMPERATURES with the least label NLL over the rounds that reached it,
+        summed over ranks; a position no round reached keeps 1. Rounds start after a rejection, where decoding
+        measures acceptance, not at uniform anchors, and end at an accepted stop_ids token as decoding does. Past
+        depth 1 a round's rows are those its tree ranks the reply's path by: a re-drafted block's, which decoding
+        divides by the same temperatures, where one was drafted behind the reply's first token. Returns them.
+        Weights and argmaxes are unchanged.
         """
         drafter = self.base_drafter()
         fit = RoundNLL(self.block_size)
-        runner = DrafterRunner(drafter, self.target, calibrated=False)
+        runner = DrafterRunner(drafter, self.target, calibrated=False, corpus=corpus, calibration=False)
+        # Without them the rounds were others than decoding runs: 184 against its 143, on the CPU recipe's drafter
+        lookup, redraft, corpus = drafter_defaults("ddtree", runner, lookup, redraft, False, None)
         # Decoding's numerics: no autocast (the runner casts the bf16 features and head itself).
         with torch.autocast(self.device.type, enabled=False):
             for batch in batches:
@@ -791,9 +797,10 @@ class DistillModule(L.LightningModule):
                     span = reply_span(batch["loss_mask"][row])
                     if span is not None:
                         replay_reply(runner, features[row], batch["input_ids"][row], *span, budget, max_new_tokens, fit,
-                                     stop_ids)
-        fit.nll = self.trainer.strategy.reduce(fit.nll.to(self.device), reduce_op="sum").cpu()
-        fit.counts = self.trainer.strategy.reduce(fit.counts.to(self.device), reduce_op="sum").cpu()
+                                     stop_ids, lookup=lookup, corpus=corpus, redraft=redraft)
+        if self._trainer is not None:  # summed over ranks (called outside a fit: this process's alone)
+            fit.nll = self.trainer.strategy.reduce(fit.nll.to(self.device), reduce_op="sum").cpu()
+            fit.counts = self.trainer.strategy.reduce(fit.counts.to(self.device), reduce_op="sum").cpu()
         temperatures = fit.best()
         drafter.config.draft_temperatures = temperatures
         return temperatures

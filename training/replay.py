@@ -74,7 +74,9 @@ def replay_reply(
     online: OnlineCalibration | None = None,
 ) -> list[ReplayRound]:
     """The rounds `generate` would run on this reply. on_round(draft logits (depth, V), the reply's tokens at
-    depths 1..depth, accepted nodes) sees each round, e.g. to fit temperatures on exactly these blocks.
+    depths 1..depth, accepted nodes) sees each round, e.g. to fit temperatures on exactly these blocks: the rows the
+    tree ranks the reply's path by, so past depth 1 the re-drafted block's behind the reply's first token, where
+    one was drafted (decoding's temperatures divide both alike).
     stop_ids: the target's end-of-turn tokens (stop_token_ids); a round that accepts one ends the reply there
     and commits no bonus token, as decoding does.
     lookup, corpus, redraft, online: as `generate` takes them (explicit here: no drafter defaults are applied);
@@ -116,7 +118,10 @@ def replay_reply(
         step = len(accepted) + 1 if stop is None else stop + 1
         rounds.append(ReplayRound(len(accepted), tree.expected_acceptance, step))
         if on_round is not None:
-            on_round(logits, truth, len(accepted))
+            if branches and truth and truth[0] in branches:  # the path's depths 2.. are that block's: (depth, V)
+                on_round(torch.cat([logits[:1], branches[truth[0]]]), truth, len(accepted))
+            else:
+                on_round(logits, truth, len(accepted))
         if stop is not None:
             break
         new_context = features[None, root:root + step]  # the root and the accepted rows join the context

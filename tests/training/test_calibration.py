@@ -20,9 +20,11 @@ from ddtree.decoding import DrafterRunner, generate
 from ddtree.modeling_dflash import DFlashDraftModel
 from ddtree.targets import build_drafter_config, load_target, stop_token_ids
 from ddtree.tree import build_tree
+import training.module
 from training.checkpoints import drafter_from_checkpoint
 from training.export import export_drafter
-from training.replay import CALIBRATION_TEMPERATURES
+from training.module import DistillModule
+from training.replay import CALIBRATION_TEMPERATURES, replay_reply
 from training.train import main as train_main
 from rigged import hf_greedy  # tests/rigged.py
 
@@ -52,6 +54,38 @@ def test_decoding_divides_the_draft_logits_by_the_temperatures_and_stays_lossles
         assert result.new_tokens == greedy, method
     drafter.config.draft_temperatures = None
     assert "draft_temperatures" not in drafter.config.dflash_config
+
+
+def test_model_calibrate_replays_the_rounds_decoding_runs_with_the_drafters_defaults(monkeypatch):
+    """model.calibrate replayed its rounds without the drafter's context lookup, corpus and re-drafting, which
+    decoding and model.replay_calibration use: on the CPU recipe's drafter 184 rounds where decoding ran 143, and
+    temperatures fitted up to 2x apart from those of decoding's rounds."""
+    torch.manual_seed(0)
+    module = DistillModule(target="tiny-random", num_layers=1, block_size=4, num_anchors=4, lookup=5, redraft_prob=0.25,
+                           target_dtype="float32")
+    module.configure_model()
+    target, drafter = module.target, module.base_drafter()
+    assert drafter.config.lookup == 5 and drafter.config.redraft > 0  # decoding's defaults for this drafter
+    prompt = [1, 5, 9, 13, 17, 21]
+    max_new = 40
+    reply = generate(target, prompt, "ar", max_new_tokens=max_new).new_tokens  # a random target's repeats: the lookup pays
+    decoded = generate(target, prompt, "ddtree", DrafterRunner(drafter, target, calibrated=False), 8, max_new)
+    bare = generate(target, prompt, "ddtree", DrafterRunner(drafter, target, calibrated=False), 8, max_new, lookup=0,
+                    redraft=0)
+    assert len(bare.rounds) != len(decoded.rounds)  # the defaults change the rounds here
+    replayed = []
+
+    def recorded(*args, **kwargs):
+        replayed.append(replay_reply(*args, **kwargs))
+        return replayed[-1]
+
+    monkeypatch.setattr(training.module, "replay_reply", recorded)
+    loss_mask = torch.tensor([[0] * len(prompt) + [1] * len(reply)])
+    batch = {"input_ids": torch.tensor([prompt + reply]), "loss_mask": loss_mask}
+    temperatures = module.calibrate_draft_temperatures([batch], 8, max_new)
+    assert [(r.accepted, r.committed) for r in replayed[0]] == [(r.accepted_depth, r.committed) for r in decoded.rounds]
+    assert len(temperatures) == 3 and drafter.config.draft_temperatures == temperatures
+    drafter.config.draft_temperatures = None
 
 
 def calibrated_tiny_run(tmp_path, conversations: int, *settings: str) -> list[str]:

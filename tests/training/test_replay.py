@@ -16,7 +16,7 @@ from ddtree.modeling_dflash import DFlashDraftModel
 from ddtree.targets import build_drafter_config, load_target
 from training.replay import RoundNLL, replay_reply, reply_span
 from training.target import target_layer_features
-from rigged import RiggedDrafter  # tests/rigged.py
+from rigged import RedraftRigged, RiggedDrafter  # tests/rigged.py
 
 
 class Recording:
@@ -146,6 +146,29 @@ def test_round_nll_counts_depths_under_an_accepted_prefix_and_finds_the_drawing_
         fit(logits, truth.tolist(), accepted=i % 3)  # depth k counts in the rounds that accepted k - 1 or more
     assert fit.counts.tolist() == [0, rounds, 2 * rounds / 3, rounds / 3]
     assert fit.best() == pytest.approx([0.6, 1.0, 2.0], rel=0.12)
+
+
+@pytest.mark.parametrize("budget", [None, 4])
+def test_a_round_shows_the_re_drafted_rows_its_tree_ranks_the_reply_by(tiny, budget):
+    """Past depth 1 a tree ranks the reply's path by the block re-drafted behind its first token, where one was drafted,
+    and decoding divides those rows by the drafter's temperatures as it does the block's: model.calibrate fitted them
+    on the block's rows alone, which no node of that path came from."""
+    target, tokenizer = tiny
+    prompt = tokenizer("def fibonacci(n):")["input_ids"]
+    sequence, mask = reply_of(target, prompt, 40)
+    oracle = RedraftRigged(sequence, target.config.vocab_size, block_size=6)  # its block misses past depth 1
+    seen = []
+    replay_reply(oracle, torch.zeros(len(sequence), 3), torch.tensor(sequence), *reply_span(mask), budget, 40,
+                 on_round=lambda logits, truth, accepted: seen.append((logits, truth)), redraft=1)
+    firsts = dict(oracle.redrafts)  # root -> the depth-1 token re-drafted behind (a true one ranked 2nd is not)
+    kinds = []
+    assert len(seen) == len(oracle.calls)
+    for (start, depth), (logits, truth) in zip(oracle.calls, seen):
+        redrafted = truth[0] in firsts.get(start, [])
+        expected = oracle.rows(start, depth) if redrafted else oracle.rows(start, depth, miss_from=2)
+        assert torch.equal(logits, expected), (start, depth, redrafted)
+        kinds.append(redrafted)
+    assert any(kinds) and not all(kinds)
 
 
 @pytest.mark.parametrize("budget, lookup", [(None, None), (8, "context"), (8, "corpus")])

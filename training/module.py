@@ -177,9 +177,12 @@ class DistillModule(L.LightningModule):
         lookup: int = 0,  # decoders graft this many context-lookup tokens into every tree by default (`--lookup`)
         corpus: bool = False,  # ship the training replies with the drafter: decoders graft from them (`--corpus`)
         loss_chunk_size: int | None = None,  # LM head + loss over this many block tokens at a time
-        calibrate: bool = False,  # fit per-position draft temperatures on replayed validation decoding (replay.py)
+        calibrate: bool = False,  # fit per-position draft temperatures on replayed validation decoding (replay.py);
+        #                           it takes the replies for the target's greedy ones: data whose regeneration.json
+        #                           says sampled is refused, another target's noted (recipe.check_replay_data)
         replay_calibration: bool = False,  # learn decoding's calibration (lookups' acceptance, a draft temperature)
-        #                                    on replayed validation decoding; decoders use it by default (replay.py)
+        #                                    on replayed validation decoding; decoders use it by default (replay.py);
+        #                                    greedy replies only, as for calibrate
         seed: int = 0,  # seeds the anchor draws
         # --- optimisation (AdamW + linear warmup + cosine decay, stepped every optimizer step)
         lr: float = 6e-4,

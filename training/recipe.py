@@ -35,7 +35,7 @@ from .data import DistillDataModule
 from .feature_store import init_from_config
 from .module import NO_SCHEDULE_END, DistillModule
 from .peft_utils import check_adapter_folder
-from .recipe_data import AUTO_DATA
+from .recipe_data import AUTO_DATA, read_summary
 from .strategies import CPUDeepSpeed, DrafterDeepSpeed, check_launch, count_devices
 from .target import dtype_for_precision
 
@@ -340,6 +340,39 @@ def check_input_files(config: Namespace) -> None:
     if not Path(prompts).is_file():
         raise RecipeSettingError(f"eval.prompts={prompts}: no such file; give a JSONL of held-out prompts "
                                  "(the `ddtree bench --prompts` format)")
+    check_replay_data(config)
+
+
+def check_replay_data(config: Namespace) -> None:
+    """model.calibrate and model.replay_calibration replay the validation replies as the target's greedy decoding
+    (training/replay.py): each reply token is taken for the target's choice at temperature 0. Replies the data says
+    were sampled are refused, in one line: a T=0.8 copy of the shipped data trained and wrote its calibration into the
+    drafter without a word, and decoding at T=0 then expected tau 1.98 where it measured 2.36 (learned on greedy
+    replies: 2.27 against 2.39). Replies another target wrote are a one-line note: the `tiny` recipe replays SmolLM2's on tiny-random, a
+    smoke run. What the data says: the folder's regeneration.json, or data.regenerate, which writes it (and which
+    training/recipe_data.py holds an existing folder to); a data file says nothing."""
+    model, data = config.model, config.data
+    options = [f"model.{name}" for name in ("calibrate", "replay_calibration") if getattr(model, name, False)]
+    if not options:
+        return
+    folder = Path(str(data.data_path))
+    if str(data.data_path) != AUTO_DATA and (folder / "regeneration.json").is_file():
+        record, source = read_summary(folder), folder / "regeneration.json"
+    elif data.regenerate:
+        record = {"target": model.target, "temperature": data.regenerate.get("temperature")}
+        source = "data.regenerate"
+    else:
+        return
+    named = " and ".join(options) + (" replay" if len(options) > 1 else " replays")
+    temperature, written_by = record.get("temperature") or 0, record.get("target")
+    if isinstance(temperature, (int, float)) and temperature > 0:  # another value: regenerate.py's own check says
+        raise RecipeSettingError(f"{named} the validation replies as the target's greedy decoding, and {source} says "
+                                 f"they were sampled at temperature {temperature}: give data the target wrote at "
+                                 "temperature 0 (data/regenerate.py's default), or set "
+                                 f"{' and '.join(f'{option}=false' for option in options)}")
+    if written_by and written_by != model.target:
+        print(f"[calibration] {named} the validation replies as {model.target}'s greedy decoding, and {source} says "
+              f"{written_by} wrote them: what it fits is measured on another model's text", flush=True)
 
 
 def check_before_building(config: Namespace) -> None:

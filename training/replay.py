@@ -5,7 +5,9 @@
     sum(r.committed for r in rounds) / len(rounds)   # tau, as decoding counts it (GenerationResult.tau)
 
 The replies are the target's own greedy continuations (data/regenerate.py), so at T=0 the target's
-choice after every reply position is known: the next reply token. A round of `generate` can then be
+choice after every reply position is known: the next reply token. A launch whose data says otherwise
+(training/recipe.py, check_replay_data) is refused where its regeneration.json says the replies were sampled,
+and noted where it names another target. A round of `generate` can then be
 replayed from the sequence's target features alone: the drafter proposes a block at the root (the
 last bonus token) through the same `DrafterRunner.propose` decoding uses, `draft_tree` builds the
 same tree, and `walk` follows the reply instead of a target forward. The next round starts where the

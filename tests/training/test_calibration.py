@@ -23,7 +23,9 @@ from ddtree.tree import build_tree
 import training.module
 from training.checkpoints import drafter_from_checkpoint
 from training.export import export_drafter
+from training.arguments import RECIPES_DIR
 from training.module import DistillModule
+from training.recipe import RecipeSettingError, check_before_building, read_recipe
 from training.replay import CALIBRATION_TEMPERATURES, replay_reply
 from training.train import main as train_main
 from rigged import hf_greedy  # tests/rigged.py
@@ -86,6 +88,44 @@ def test_model_calibrate_replays_the_rounds_decoding_runs_with_the_drafters_defa
     assert [(r.accepted, r.committed) for r in replayed[0]] == [(r.accepted_depth, r.committed) for r in decoded.rounds]
     assert len(temperatures) == 3 and drafter.config.draft_temperatures == temperatures
     drafter.config.draft_temperatures = None
+
+
+def test_replayed_calibration_refuses_sampled_replies_and_notes_another_targets(tmp_path, capsys):
+    """The replay takes every reply token for the target's greedy choice, and nothing read the data's record: a T=0.8
+    copy of the shipped data trained with model.replay_calibration without a word, and the calibration written into
+    the drafter expected tau 1.98 where T=0 decoding measured 2.36 (learned on greedy replies: 2.27 against 2.39)."""
+    shipped = json.loads((RECIPES_DIR.parent / "data" / "smollm2-135m" / "regeneration.json").read_text())
+    assert shipped["temperature"] == 0 and shipped["target"] == "smollm2-135m"
+    sampled = tmp_path / "sampled"
+    sampled.mkdir()
+    (sampled / "regeneration.json").write_text(json.dumps({**shipped, "target": "tiny-random", "temperature": 0.8}))
+
+    def checked(*overrides):
+        config = read_recipe(RECIPES_DIR / "tiny.yaml", ["--trainer.precision=32-true", *overrides])
+        capsys.readouterr()
+        check_before_building(config)
+        return capsys.readouterr().out.splitlines()
+
+    for option in ("calibrate", "replay_calibration"):
+        with pytest.raises(RecipeSettingError, match=rf"^model.{option} replays the validation replies as the target's "
+                                                     rf"greedy decoding, and {sampled}/regeneration.json says they were "
+                                                     rf"sampled at temperature 0.8: give data the target wrote at "
+                                                     rf"temperature 0 \(data/regenerate.py's default\), or set "
+                                                     rf"model.{option}=false$"):
+            checked(f"--data.data_path={sampled}", f"--model.{option}=true")
+    assert checked(f"--data.data_path={sampled}") == []  # nothing replayed: nothing to refuse
+    with pytest.raises(RecipeSettingError, match=r"^model.calibrate and model.replay_calibration replay .* and "
+                                                 r"data.regenerate says they were sampled at temperature 0.7: .* set "
+                                                 r"model.calibrate=false and model.replay_calibration=false$"):
+        checked("--data.data_path=auto", '--data.regenerate={"temperature": 0.7}', "--model.calibrate=true",
+                "--model.replay_calibration=true")
+    # Greedy replies of another target: the tiny recipe's own data, SmolLM2's replies replayed on tiny-random, a smoke
+    # run that still runs, with one line saying so
+    assert checked("--model.replay_calibration=true") == [
+        "[calibration] model.replay_calibration replays the validation replies as tiny-random's greedy decoding, and "
+        "data/smollm2-135m/regeneration.json says smollm2-135m wrote them: what it fits is measured on another "
+        "model's text"]
+    assert checked("--model.target=smollm2-135m", "--model.replay_calibration=true") == []  # the target's own
 
 
 def calibrated_tiny_run(tmp_path, conversations: int, *settings: str) -> list[str]:

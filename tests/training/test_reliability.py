@@ -79,7 +79,7 @@ def wait_for(path: Path, process: subprocess.Popen, timeout_s: float = 300) -> N
         if time.monotonic() > deadline:
             process.kill()
             raise AssertionError(f"{path} did not appear within {timeout_s} s")
-        time.sleep(0.2)
+        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("sent, status, why", [
@@ -112,11 +112,22 @@ def test_a_signal_stops_the_run_with_a_non_zero_status_and_the_command_that_resu
     assert (run_dir / "drafter" / "model.safetensors").is_file()
 
 
+def hold_until_signalled(trainer, seconds: float) -> None:
+    """Waits until this process has noted the test's SIGTERM or requeue signal (SigtermAtStepBoundary's handlers), or
+    `seconds` at most: the signal lands in the wait, and the run goes on at once (a fixed sleep outlasted it by
+    seconds, a handler that returns resuming it)."""
+    boundary = next(c for c in trainer.callbacks if isinstance(c, training.callbacks.SigtermAtStepBoundary))
+    deadline = time.monotonic() + seconds
+    while not (boundary.noted or boundary.requeue_noted) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 class HoldRankZeroInEvaluation(Callback):
     """Added with --trainer.callbacks+=...: at `step` rank 0 writes `marker` as it starts decoding its prompt, then
-    waits `seconds`, while rank 1, with no prompt to decode (eval.limit=1), waits in the evaluation's gather."""
+    waits for the test's signal (`seconds` at most), while rank 1, with no prompt to decode (eval.limit=1), waits in
+    the evaluation's gather."""
 
-    def __init__(self, marker: str, step: int = 2, seconds: float = 4.0):
+    def __init__(self, marker: str, step: int = 2, seconds: float = 30.0):
         self.marker, self.step, self.seconds = Path(marker), step, seconds
 
     def setup(self, trainer, pl_module, stage: str) -> None:
@@ -127,7 +138,7 @@ class HoldRankZeroInEvaluation(Callback):
         def held(*args, **kwargs):
             if trainer.global_step == self.step:
                 self.marker.write_text("decoding")
-                time.sleep(self.seconds)  # the test's SIGTERM lands here (a handler that returns resumes the sleep)
+                hold_until_signalled(trainer, self.seconds)  # the test's signal lands here
             return decode(*args, **kwargs)
 
         training.callbacks.run_benchmark = held
@@ -183,16 +194,16 @@ def test_sigterm_while_a_rank_waits_in_the_evaluations_gather_stops_every_rank_a
 
 class HoldAtStepStart(Callback):
     """Added with --trainer.callbacks+=...: as the step after `after` starts (off the evaluation schedule), every rank
-    writes `marker`<rank> and waits `seconds`, where the test's SIGTERM lands; the step then trains."""
+    writes `marker`<rank> and waits for the test's signal (`seconds` at most); the step then trains."""
 
-    def __init__(self, marker: str, after: int, seconds: float = 4.0):
+    def __init__(self, marker: str, after: int, seconds: float = 30.0):
         self.marker, self.after, self.seconds, self.held = marker, after, seconds, False
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if trainer.global_step == self.after and not self.held:
             self.held = True
             Path(f"{self.marker}{trainer.global_rank}").write_text("holding")
-            time.sleep(self.seconds)
+            hold_until_signalled(trainer, self.seconds)
 
 
 @pytest.mark.parametrize("devices, accumulate", [(1, 1), (2, 1), (2, 2)])

@@ -1,10 +1,11 @@
 """Runs that fail say so: signals, resuming a moved run, failed starts, file modes, one-line errors.
 
-Each signal test starts a real short `tiny` training as a subprocess, waits for its first
-checkpoint, sends the signal, and checks the exit status, the message and that the printed
-command resumes the run to its end. One starts two processes (ddp over gloo) and sends SIGTERM
-while one of them waits in an evaluation's gather; another starts them as srun starts a SLURM job's tasks, with a
-fake scontrol, and sends SLURM's requeue signal (SIGUSR1) there.
+Each signal test starts a real short `tiny` training, sends the signal where the test holds the run, and checks the
+exit status, the message and that the printed command resumes the run to its end. A signal from outside reaches a
+training of its own process (test_a_signal_stops_...); runs of two processes (ddp over gloo) are started as `make
+train` starts them, and as srun starts a SLURM job's tasks (with a fake scontrol, for SLURM's requeue signal, SIGUSR1),
+and signalled while one of them waits in an evaluation's gather; the one-process variants of those train in the test's
+own process, sent the signal from another thread, as a process of their own would add only its start-up (~8 s).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -175,6 +177,41 @@ def train_until_sigterm(args: list[str], markers: list[Path], settle_s: float, t
     return err
 
 
+def train_here_until_signal(args: list[str], markers: list[Path], capsys,
+                            sent: int = signal.SIGTERM) -> tuple[int, str, str]:
+    """A one-process run in this process: training.train with `args`, sent `sent` from another thread once all
+    `markers` exist, as train_until_sigterm and slurm_tasks send it to a process of their own; its (exit status,
+    stdout, stderr). A process of its own would add nothing but its start-up and exit (~8 s of imports and teardown);
+    test_a_signal_stops_the_run_... signals a one-process run from outside."""
+    ended = threading.Event()
+
+    def send() -> None:
+        while not all(marker.exists() for marker in markers):
+            if ended.wait(0.05):
+                return  # the run ended before its marker: the test's assertions on its status and lines say how
+        os.kill(os.getpid(), sent)  # handled in the main thread, where the run is held until it notes the signal
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    try:
+        status = train_main(args)
+    finally:
+        ended.set()
+        sender.join()
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def run_until_sigterm(args: list[str], devices: int, markers: list[Path], capsys) -> str:
+    """The stderr of a run that SIGTERM stopped with status 143 once all `markers` existed: a one-process run trains in
+    this process (train_here_until_signal), a run of several processes in a session of its own (train_until_sigterm)."""
+    if devices > 1:
+        return train_until_sigterm(args, markers, settle_s=0, timeout_s=120)
+    status, _, err = train_here_until_signal(args, markers, capsys)
+    assert status == 128 + signal.SIGTERM, err[-3000:]
+    return err
+
+
 def test_sigterm_while_a_rank_waits_in_the_evaluations_gather_stops_every_rank_at_that_step(tmp_path):
     """Found in a review (2026-12-03): Lightning's own SIGTERM handler broadcasts from inside the handler, which never
     paired with the other rank's gather, and both processes hung, with no line and no status. Now the signal is noted
@@ -207,7 +244,7 @@ class HoldAtStepStart(Callback):
 
 
 @pytest.mark.parametrize("devices, accumulate", [(1, 1), (2, 1), (2, 2)])
-def test_sigterm_between_checkpoints_saves_the_step_it_stops_at(tmp_path, devices, accumulate):
+def test_sigterm_between_checkpoints_saves_the_step_it_stops_at(tmp_path, capsys, devices, accumulate):
     """Found in a review (2026-12-03): a SIGTERM stopped at step N while the newest checkpoint was the last scheduled
     save, and the stop line named it as the resume: the steps since (up to 999 of an 8B recipe's) were trained again
     without a word. Now every rank stops where an optimizer step ends (never between two micro-batches of one, whose
@@ -219,7 +256,7 @@ def test_sigterm_between_checkpoints_saves_the_step_it_stops_at(tmp_path, device
     args = [*tiny_args(tmp_path, "held", max_steps=400, every=4), f"--trainer.devices={devices}",
             f"--trainer.accumulate_grad_batches={accumulate}", f"--trainer.callbacks+={hold}"]
     args += ["--trainer.strategy=ddp"] if devices > 1 else []
-    err = train_until_sigterm(args, [Path(f"{marker}{rank}") for rank in range(devices)], settle_s=0, timeout_s=120)
+    err = run_until_sigterm(args, devices, [Path(f"{marker}{rank}") for rank in range(devices)], capsys)
     lines = [line for line in err.splitlines() if line.startswith("[train]")]
     # step 4 is the last scheduled save; the held step is step 6, trained after the signal and saved as it ends
     assert len(lines) == 1 and "stopped by SIGTERM at step 6; no drafter written" in lines[0], err[-3000:]
@@ -232,7 +269,8 @@ def test_sigterm_between_checkpoints_saves_the_step_it_stops_at(tmp_path, device
 
 
 @pytest.mark.parametrize("devices", [1, 2])
-def test_sigterm_at_a_scheduled_evaluation_step_saves_it_at_once_and_the_resume_measures_and_ranks_it(tmp_path, devices):
+def test_sigterm_at_a_scheduled_evaluation_step_saves_it_at_once_and_the_resume_measures_and_ranks_it(tmp_path, capsys,
+                                                                                                     devices):
     """Found in a review (2026-12-03): a SIGTERM agreed at a step of eval.every_n_train_steps still ran that step's
     evaluation before saving it, a few minutes on the 8B recipes, past a scheduler's grace before SIGKILL (SLURM's
     30 s): the step was lost. Now it is saved to last.ckpt at once, unmeasured and unranked, and the resume measures
@@ -244,7 +282,7 @@ def test_sigterm_at_a_scheduled_evaluation_step_saves_it_at_once_and_the_resume_
     args = [*tiny_args(tmp_path, "scheduled", max_steps=400, every=4), f"--trainer.devices={devices}",
             "--checkpoint.save_top_k=-1", f"--trainer.callbacks+={hold}"]
     args += ["--trainer.strategy=ddp"] if devices > 1 else []
-    err = train_until_sigterm(args, [Path(f"{marker}{rank}") for rank in range(devices)], settle_s=0, timeout_s=120)
+    err = run_until_sigterm(args, devices, [Path(f"{marker}{rank}") for rank in range(devices)], capsys)
     lines = [line for line in err.splitlines() if line.startswith("[train]")]
     assert len(lines) == 1 and "stopped by SIGTERM at step 4; no drafter written" in lines[0], err[-3000:]
     run_dir = tmp_path / "out" / "tiny" / "scheduled"
@@ -253,12 +291,17 @@ def test_sigterm_at_a_scheduled_evaluation_step_saves_it_at_once_and_the_resume_
     assert sorted(p.name for p in resume.parent.glob("*.ckpt")) == ["last.ckpt"]  # saved, not ranked
     assert not AcceptanceEvaluation.eval_file(run_dir, 4).exists()  # nor measured
 
-    resumed = subprocess.run([sys.executable, "-m", "training.train", "--output-root", str(tmp_path / "out"),
-                              "--resume", str(resume), "--trainer.max_steps=5"], cwd=REPO, env=process_environment(),
-                             capture_output=True, text=True, timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    resume_args = ["--output-root", str(tmp_path / "out"), "--resume", str(resume), "--trainer.max_steps=5"]
+    if devices == 1:  # in this process, as the launch was
+        assert train_main(resume_args) == 0
+        said = capsys.readouterr().out
+    else:
+        resumed = subprocess.run([sys.executable, "-m", "training.train", *resume_args], cwd=REPO,
+                                 env=process_environment(), capture_output=True, text=True, timeout=600)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        said = resumed.stdout
     assert ("[eval] step 4: measured at the resume (the launch that trained it was stopped by SIGTERM or SLURM's "
-            "requeue signal before measuring it)") in resumed.stdout.splitlines(), resumed.stdout[-3000:]
+            "requeue signal before measuring it)") in said.splitlines(), said[-3000:]
     measured = json.loads(AcceptanceEvaluation.eval_file(run_dir, 4).read_text())["summary"]["ddtree@8"]["tau"]
     assert check_resumable(resume.parent / "step-4.ckpt")["global_step"] == 4
     ranking = torch.load(resume, map_location="cpu", weights_only=False)["callbacks"]["BestCheckpoint"]
@@ -360,9 +403,9 @@ def test_a_stop_at_a_validation_step_keeps_its_val_loss_for_the_resumes_report_r
     assert not list((run_dir / "eval").glob("stopped-*"))  # kept in eval/step-000004.json now
 
 
-def slurm_tasks(args: list[str], tmp_path: Path, tasks: int, **extra: str) -> list[subprocess.Popen]:
-    """training.train started as srun starts a job's `tasks` tasks on one node (job 99), with an `scontrol` on PATH that
-    records its arguments in tmp_path/scontrol.log."""
+def slurm_environment(tmp_path: Path, tasks: int, **extra: str) -> dict:
+    """The environment srun gives each of a job's `tasks` tasks on one node (job 99), less the task's own SLURM_PROCID
+    and SLURM_LOCALID, with an `scontrol` on PATH that records its arguments in tmp_path/scontrol.log."""
     fake_bin = tmp_path / "bin"
     if not fake_bin.is_dir():
         fake_bin.mkdir()
@@ -377,6 +420,12 @@ def slurm_tasks(args: list[str], tmp_path: Path, tasks: int, **extra: str) -> li
                  SLURM_JOB_ID="99", SLURM_JOB_NAME="ddtree", SLURM_NTASKS=str(tasks), SLURM_NNODES="1",
                  SLURM_NTASKS_PER_NODE=str(tasks), SLURM_STEP_NUM_TASKS=str(tasks), SLURM_NODEID="0",
                  SLURM_NODELIST="localhost", **extra)
+    return base
+
+
+def slurm_tasks(args: list[str], tmp_path: Path, tasks: int, **extra: str) -> list[subprocess.Popen]:
+    """training.train started as srun starts a job's `tasks` tasks on one node (slurm_environment)."""
+    base = slurm_environment(tmp_path, tasks, **extra)
     return [subprocess.Popen([sys.executable, "-m", "training.train", *args], cwd=REPO, text=True,
                              env=base | dict(SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank)),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for rank in range(tasks)]
@@ -394,7 +443,7 @@ def finish(tasks: list[subprocess.Popen], timeout_s: float) -> list[tuple[int, s
 
 
 @pytest.mark.parametrize("tasks", [1, 2])
-def test_slurms_requeue_signal_saves_the_step_on_every_rank_requeues_once_and_the_job_resumes(tmp_path, tasks):
+def test_slurms_requeue_signal_saves_the_step_on_every_rank_requeues_once_and_the_job_resumes(tmp_path, capsys, tasks):
     """Found in a review (2026-12-03): Lightning's requeue handler saved hpc_ckpt_N.ckpt from inside the SIGUSR1
     handler, wherever each rank was: under two-process ddp rank 0's save waited in a barrier while rank 1 waited in the
     evaluation's gather, and the job hung, never requeued, until SLURM killed it. Now the signal is noted, the ranks
@@ -408,13 +457,18 @@ def test_slurms_requeue_signal_saves_the_step_on_every_rank_requeues_once_and_th
         hold = {"class_path": "test_reliability.HoldAtStepStart", "init_args": {"marker": str(marker), "after": 3}}
         args, markers, step = tiny_args(tmp_path, "slurm-99", max_steps=6, every=4), [Path(f"{marker}0")], 4
     options = [f"--trainer.devices={tasks}", "--trainer.num_nodes=1", f"--trainer.callbacks+={json.dumps(hold)}"]
-    job = slurm_tasks([*args, *options, *(["--trainer.strategy=ddp"] if tasks == 2 else [])], tmp_path, tasks)
-    for found in markers:
-        wait_for(found, job[0])
-    time.sleep(0.5)  # rank 1 reaches the gather
-    for task in job:  # SLURM signals every task of the job
-        task.send_signal(signal.SIGUSR1)
-    ended = finish(job, timeout_s=120)
+    if tasks == 1:  # in this process, as the job's one task (train_here_until_signal)
+        job_task = slurm_environment(tmp_path, 1, SLURM_PROCID="0", SLURM_LOCALID="0")
+        with mock.patch.dict(os.environ, job_task, clear=True):  # and whatever Lightning sets in it is undone
+            ended = [train_here_until_signal([*args, *options], markers, capsys, sent=signal.SIGUSR1)]
+    else:
+        job = slurm_tasks([*args, *options, "--trainer.strategy=ddp"], tmp_path, tasks)
+        for found in markers:
+            wait_for(found, job[0])
+        time.sleep(0.5)  # rank 1 reaches the gather
+        for task in job:  # SLURM signals every task of the job
+            task.send_signal(signal.SIGUSR1)
+        ended = finish(job, timeout_s=120)
     assert [status for status, _, _ in ended] == [128 + signal.SIGUSR1] * tasks, ended[0][2][-3000:]
     run_dir = tmp_path / "out" / "tiny" / "slurm-99"
     last = run_dir / "checkpoints" / "last.ckpt"
@@ -424,12 +478,15 @@ def test_slurms_requeue_signal_saves_the_step_on_every_rank_requeues_once_and_th
     assert (tmp_path / "scontrol.log").read_text() == "requeue 99\n"  # rank 0 alone
     assert check_resumable(last)["global_step"] == step and not list(run_dir.glob("hpc_ckpt_*"))
 
-    resumed = finish(slurm_tasks(["--recipe", "tiny", "--output-root", str(tmp_path / "out"), "--resume", str(run_dir),
-                                  *options[:2]], tmp_path, tasks, SLURM_RESTART_COUNT="1"), timeout_s=600)
-    assert [status for status, _, _ in resumed] == [0] * tasks, resumed[0][2][-3000:]
-    assert check_resumable(last)["global_step"] == 6 and (run_dir / "drafter" / "model.safetensors").is_file()
+    requeued = ["--recipe", "tiny", "--output-root", str(tmp_path / "out"), "--resume", str(run_dir), *options[:2]]
     if tasks == 1:
-        assert "[eval] step 4: measured at the resume" in resumed[0][1]
+        with mock.patch.dict(os.environ, job_task | dict(SLURM_RESTART_COUNT="1"), clear=True):
+            assert train_main(requeued) == 0
+        assert "[eval] step 4: measured at the resume" in capsys.readouterr().out
+    else:
+        resumed = finish(slurm_tasks(requeued, tmp_path, tasks, SLURM_RESTART_COUNT="1"), timeout_s=600)
+        assert [status for status, _, _ in resumed] == [0] * tasks, resumed[0][2][-3000:]
+    assert check_resumable(last)["global_step"] == 6 and (run_dir / "drafter" / "model.safetensors").is_file()
     assert (tmp_path / "scontrol.log").read_text() == "requeue 99\n"
 
 

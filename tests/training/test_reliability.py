@@ -125,25 +125,34 @@ def hold_until_signalled(trainer, seconds: float) -> None:
 
 
 class HoldRankZeroInEvaluation(Callback):
-    """Added with --trainer.callbacks+=...: at `step` rank 0 writes `marker` as it starts decoding its prompt, then
-    waits for the test's signal (`seconds` at most), while rank 1, with no prompt to decode (eval.limit=1), waits in
-    the evaluation's gather."""
+    """Added with --trainer.callbacks+=...: at `step` rank 0 writes `marker`0 as it starts decoding its prompt, then
+    waits for the test's signal (`seconds` at most), while rank 1, with no prompt to decode (eval.limit=1), writes
+    `marker`1 as it enters the evaluation's gather, and waits there."""
 
     def __init__(self, marker: str, step: int = 2, seconds: float = 30.0):
-        self.marker, self.step, self.seconds = Path(marker), step, seconds
+        self.marker, self.step, self.seconds = marker, step, seconds
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        if trainer.global_rank != 0:
+        marker = Path(f"{self.marker}{trainer.global_rank}")
+        if trainer.global_rank == 0:
+            decode = training.callbacks.run_benchmark  # called only by a rank with prompts to decode
+
+            def held(*args, **kwargs):
+                if trainer.global_step == self.step:
+                    marker.write_text("decoding")
+                    hold_until_signalled(trainer, self.seconds)  # the test's signal lands here
+                return decode(*args, **kwargs)
+
+            training.callbacks.run_benchmark = held
             return
-        decode = training.callbacks.run_benchmark  # called only by a rank with prompts to decode
+        gather = torch.distributed.all_gather_object  # the evaluation's gather (measure_acceptance)
 
-        def held(*args, **kwargs):
+        def gathering(*args, **kwargs):
             if trainer.global_step == self.step:
-                self.marker.write_text("decoding")
-                hold_until_signalled(trainer, self.seconds)  # the test's signal lands here
-            return decode(*args, **kwargs)
+                marker.write_text("gathering")
+            return gather(*args, **kwargs)
 
-        training.callbacks.run_benchmark = held
+        torch.distributed.all_gather_object = gathering
 
 
 def process_environment() -> dict:
@@ -220,7 +229,8 @@ def test_sigterm_while_a_rank_waits_in_the_evaluations_gather_stops_every_rank_a
     hold = json.dumps({"class_path": "test_reliability.HoldRankZeroInEvaluation", "init_args": {"marker": str(marker)}})
     args = [*tiny_args(tmp_path, "two", max_steps=4), "--trainer.devices=2", "--trainer.strategy=ddp",
             f"--trainer.callbacks+={hold}"]
-    err = train_until_sigterm(args, [marker], settle_s=0.5, timeout_s=90)  # 0.5 s: rank 1 reaches the gather
+    markers = [Path(f"{marker}{rank}") for rank in range(2)]
+    err = train_until_sigterm(args, markers, settle_s=0.2, timeout_s=90)  # 0.2 s: rank 1 waits in the gather
     lines = [line for line in err.splitlines() if line.startswith("[train]")]
     assert len(lines) == 1 and "stopped by SIGTERM at step 2; no drafter written" in lines[0], err[-3000:]
     resume = Path(re.search(r"RESUME=(\S+)", lines[0]).group(1))
@@ -452,7 +462,7 @@ def test_slurms_requeue_signal_saves_the_step_on_every_rank_requeues_once_and_th
     marker = tmp_path / "holding"
     if tasks == 2:  # the hang: rank 0 decodes step 2's prompt, rank 1 waits in the gather
         hold = {"class_path": "test_reliability.HoldRankZeroInEvaluation", "init_args": {"marker": str(marker)}}
-        args, markers, step = tiny_args(tmp_path, "slurm-99", max_steps=6), [marker], 2
+        args, markers, step = tiny_args(tmp_path, "slurm-99", max_steps=6), [Path(f"{marker}0"), Path(f"{marker}1")], 2
     else:  # as step 4, scheduled for evaluation, trains: saved unmeasured, measured by the requeued job
         hold = {"class_path": "test_reliability.HoldAtStepStart", "init_args": {"marker": str(marker), "after": 3}}
         args, markers, step = tiny_args(tmp_path, "slurm-99", max_steps=6, every=4), [Path(f"{marker}0")], 4
@@ -465,7 +475,7 @@ def test_slurms_requeue_signal_saves_the_step_on_every_rank_requeues_once_and_th
         job = slurm_tasks([*args, *options, "--trainer.strategy=ddp"], tmp_path, tasks)
         for found in markers:
             wait_for(found, job[0])
-        time.sleep(0.5)  # rank 1 reaches the gather
+        time.sleep(0.2)  # rank 1 waits in the gather
         for task in job:  # SLURM signals every task of the job
             task.send_signal(signal.SIGUSR1)
         ended = finish(job, timeout_s=120)

@@ -1114,7 +1114,8 @@ class StandInHub(BaseHTTPRequestHandler):
 def hub(monkeypatch):
     StandInHub.repos, StandInHub.private, StandInHub.fail_commits, StandInHub.gateway_down = {}, {}, False, False
     server = ThreadingHTTPServer(("127.0.0.1", 0), StandInHub)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    # polled every 10 ms: shutdown() below waits for the next poll (0.5 s at serve_forever's default, in 17 tests)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True)
     thread.start()
     endpoint = f"http://127.0.0.1:{server.server_address[1]}"
     monkeypatch.setenv("HF_ENDPOINT", endpoint)

@@ -42,6 +42,7 @@ from .decoding import (
 from .errors import DDTreeError, check_text, command
 from .files import check_output_file, write_json_atomic
 from .inputs import method_list, uses_drafter
+from .machine import describe_machine, machine_line
 from .modeling_dflash import DFlashDraftModel
 from .packed_linear import apply_packing, cannot_pack, is_packed, pack_linears, packing_available
 from .precision import resolve_dtype
@@ -104,6 +105,13 @@ def _setup(args, trees: bool = True):
     for budget in budgets if trees else []:
         check_budget(budget, target)  # before --adaptive-size measures verifies of that many rows
     return sampling, target, tokenizer, files
+
+
+def describe_target(args, target: PreTrainedModel) -> str:
+    """The target as a printed table's header names it: name, dtype, packed or plain linear layers, and the machine."""
+    dtype = str(target.dtype).removeprefix("torch.")
+    layers = "packed linear layers" if is_packed(target) else "plain linear layers"
+    return f"target {args.target}, {dtype}, {layers}; {machine_line(describe_machine(target.device))}"
 
 
 def _sizer(args, target, budgets: list[int], method: str = "ddtree") -> TreeSizer | None:
@@ -424,7 +432,8 @@ def cmd_bench(args) -> None:
             else args.calibration or f"the drafter's {CALIBRATION_FILE}")
     if sizer is not None:
         settings["verify_cost_ms"] = {"fixed": sizer.fixed_ms, "per_row": sizer.row_ms}  # what --adaptive-size used
-    results = {"settings": settings, **results}
+    results = {"settings": settings, "machine": describe_machine(target.device), **results}
+    print(describe_target(args, target))
     print(format_summary(results["summary"]))
     if args.out:
         out = Path(args.out)
@@ -515,14 +524,14 @@ def cmd_verify_cost(args) -> None:
                               f"--compare-plain, or use --dtype float32{' --device cpu' if device != 'cpu' else ''}")
         rows = compare_packed_verify_cost(target, args.sizes, args.context, args.repeats)
         print(f"target {args.target}, {str(target.dtype).removeprefix('torch.')}, {args.context}-token cache; "
-              "plain and packed linear layers measured alternately (nodes 0: one AR step)")
+              "plain and packed linear layers measured alternately (nodes 0: one AR step); "
+              f"{machine_line(describe_machine(target.device))}")
         print(f"{'nodes':>6} {'plain ms':>9} {'packed ms':>10} {'plain / packed':>15}")
         for row in rows:
             print(f"{row['nodes']:>6} {row['plain_ms']:>9.1f} {row['packed_ms']:>10.1f} {row['ratio']:>14.2f}x")
         return
     rows = measure_verify_cost(target, args.sizes, args.context, args.repeats)
-    dtype = str(target.dtype).removeprefix("torch.")
-    print(f"target {args.target}, {dtype}, {args.context}-token cache; one AR step {rows[0]['ar_step_ms']:.1f} ms")
+    print(f"{describe_target(args, target)}; {args.context}-token cache; one AR step {rows[0]['ar_step_ms']:.1f} ms")
     print(f"{'nodes':>6} {'verify ms':>10} {'x AR step':>10} {'tree overhead ms':>17}")
     for row in rows:
         print(f"{row['nodes']:>6} {row['verify_ms']:>10.1f} {row['ratio']:>10.2f} {row['overhead_ms']:>17.2f}")

@@ -77,6 +77,7 @@ from ddtree.corpus import CorpusLookup
 from ddtree.decoding import DrafterRunner, Sampling, check_target_decodable, check_tree_attention
 from ddtree.errors import DDTreeError
 from ddtree.files import write_json_atomic
+from ddtree.machine import describe_machine
 from ddtree.packed_linear import PACKED_KERNELS, apply_packing, cannot_pack, pack_linears, unpack_linears
 from ddtree.target_runner import context_limit
 from ddtree.targets import load_tokenizer, resolve_target, stop_token_ids
@@ -856,7 +857,8 @@ class AcceptanceEvaluation(L.Callback):
         run_dir = Path(trainer.default_root_dir)
         settings = self.settings(trainer.lightning_module.drafter_config, len(self.prompts))
         val_loss = self.history[-1]["val_loss"]  # known here only where on_train_end evaluates a stop (on_validation_end)
-        write_json_atomic(self.eval_file(run_dir, step), {"step": step, "settings": settings, **result,
+        machine = describe_machine(trainer.lightning_module.device)  # this rank's: its tok/s are measured there
+        write_json_atomic(self.eval_file(run_dir, step), {"step": step, "settings": settings, "machine": machine, **result,
                                                           **({"val_loss": val_loss} if val_loss is not None else {})})
         launch_seconds = self._write_report(trainer)
         if result.get("non_finite_tensors"):

@@ -39,6 +39,7 @@ from ddtree.cli import parse_device
 from ddtree.corpus import CORPUS_FILE, CorpusLookup
 from ddtree.errors import DDTreeError, command
 from ddtree.files import check_output_file, read_yaml_mapping, write_json_atomic
+from ddtree.machine import describe_machine
 from ddtree.precision import AUTO, fast_precision
 from ddtree.targets import stop_token_ids
 
@@ -227,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
             "dtype": str(dtype)}
     if adapter:
         used.update(target_adapter=adapter, target_adapter_sha256=adapter_files)
-    write_json_atomic(out, {"checkpoint": str(path), "step": step, "settings": used, "logged": logged, **result})
+    write_json_atomic(out, {"checkpoint": str(path), "step": step, "settings": used,
+                            "machine": describe_machine(target.device), "logged": logged, **result})
     print(f"results written to {out}")
     return 0
 

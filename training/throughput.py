@@ -39,6 +39,7 @@ from transformers import AutoModelForCausalLM
 
 from ddtree.cli import parse_device
 from ddtree.errors import DDTreeError, command
+from ddtree.machine import describe_machine, machine_line
 from ddtree.target_runner import context_limit
 
 from . import target as target_loading
@@ -170,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"{PROMPT_TOKENS + 2}")
 
     tokens = batch_size * length
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} CPU threads"
+    where = machine_line(describe_machine(device))  # the figures below depend on it: the CPU's model and bf16 features
     # Reading a recipe resolved and printed its trainer.precision; this tool measures bf16 (the GPU recipes') anyway.
     print(f"batch {batch_size} x {length}, {where}, bf16"
           + (" autocast, whatever the recipe's trainer.precision" if args.recipe else "")

@@ -54,6 +54,12 @@ def test_bench_writes_results(capsys, tmp_path, prompts_file):
     assert set(results["summary"]) == {"ar", "dflash", "ddtree@4", "ddtree@16"}
     assert results["settings"]["target"] == TARGET
     assert results["settings"]["dtype"] == results["settings"]["dtype_resolved"] == "float32"
+    # what the figures were measured on, to compare them with another machine's
+    machine = results["machine"]
+    assert machine["threads"] == torch.get_num_threads() and machine["torch"] == torch.__version__
+    assert machine["cpu"] and machine["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert "gpu" not in machine and re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", machine["utc"])
+    assert f"{machine['cpu']} ({machine['cpu_capability']}" in stdout and f"{machine['threads']} threads" in stdout
     ar = results["prompts"][0]["methods"]["ar"]["new_tokens"]
     for prompt in results["prompts"]:
         assert prompt["id"] in {"chat", "2"}
@@ -71,25 +77,26 @@ def test_bench_writes_results(capsys, tmp_path, prompts_file):
 
 
 def bench_off_and_on(capsys, tmp_path, prompts_file, option: str, methods: str) -> dict:
-    """Bench with `option` off and on (fp32, an untrained drafter): {choice: (results, stderr, committed tokens)}."""
+    """Bench with `option` off and on (fp32, an untrained drafter): {choice: (results, stderr, committed tokens,
+    stdout)}."""
     runs = {}
     for choice in ("off", "on"):
         out = tmp_path / f"{choice}.json"
-        code, _, err = run_cli(
+        code, stdout, err = run_cli(
             capsys, "bench", "--target", TARGET, "--drafter", "random", "--prompts", str(prompts_file), "--methods",
             methods, "--budgets", "4", "--max-new-tokens", "12", "--dtype", "float32", option, choice, "--out", str(out),
         )
         assert code == 0
         results = json.loads(out.read_text())
         tokens = [run["new_tokens"] for prompt in results["prompts"] for run in prompt["methods"].values()]
-        runs[choice] = (results, err, tokens)
+        runs[choice] = (results, err, tokens, stdout)
     return runs
 
 
 def test_bench_static_cache_commits_the_dynamic_caches_tokens(capsys, tmp_path, prompts_file):
     """--static-cache on (padded verifies over a preallocated cache) and off decode the same tokens, every method."""
     runs = bench_off_and_on(capsys, tmp_path, prompts_file, "--static-cache", "ar,dflash,ddtree")
-    for choice, (results, _, _) in runs.items():
+    for choice, (results, *_) in runs.items():
         assert results["settings"]["static_cache"] == choice
     assert runs["on"][2] == runs["off"][2] and len(runs["on"][2]) == 6
 
@@ -1011,9 +1018,11 @@ def test_unknown_dtype_is_one_line(capsys, command):
 def test_bench_packed_weights_commit_the_plain_layers_tokens_and_say_which_ran(capsys, tmp_path, prompts_file):
     """--packed-weights on packs an fp32 CPU target (and its drafter), off does not; both decode the same tokens."""
     runs = bench_off_and_on(capsys, tmp_path, prompts_file, "--packed-weights", "ar,ddtree")
-    for choice, (results, err, _) in runs.items():
+    for choice, (results, err, _, stdout) in runs.items():
         assert results["settings"]["packed_weights_resolved"] is (choice == "on")
         assert ("[packed weights] on" in err) is (choice == "on")
+        # the table's header says which layers its figures were measured with
+        assert f"target {TARGET}, float32, {'packed' if choice == 'on' else 'plain'} linear layers; " in stdout
     assert runs["on"][2] == runs["off"][2] and len(runs["off"][2]) == 4
 
 

@@ -125,6 +125,9 @@ def test_training_logs_what_bench_measures_and_marks_the_best_checkpoint(tmp_pat
     assert training.evaluate.main(["--recipe", "tiny", "--output-root", str(tmp_path / "out"), "--ckpt", "best"]) == 0
     measured = json.loads((run_dir / "eval" / f"checkpoint-step-{best_step}.json").read_text())
     assert measured["step"] == best_step and measured["settings"]["corpus"] is True
+    # both records say what they were measured on, as `ddtree bench` does
+    training_time = json.loads(AcceptanceEvaluation.eval_file(run_dir, best_step).read_text())["machine"]
+    assert measured["machine"]["cpu"] == training_time["cpu"] and measured["machine"]["torch"] == torch.__version__
     assert measured["logged"] and all(logged[best_step][k] == pytest.approx(v) for k, v in measured["logged"].items())
     for key, stats in measured["summary"].items():
         assert logged[best_step][f"val/tau_{key}"] == stats["tau"], key

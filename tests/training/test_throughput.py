@@ -42,7 +42,9 @@ def local_target(folder, config) -> str:
 
 def test_cpu_run_reports_both_steps_and_their_ratio(capsys):
     assert main([*TINY, "--device", "cpu"]) == 0
-    line = measured_line(capsys.readouterr().out)
+    out = capsys.readouterr().out
+    line = measured_line(out)
+    assert f"{torch.get_num_threads()} threads, torch {torch.__version__}" in out.splitlines()[0]  # the machine's line
     target, step = (float(x) for x in re.search(r"target forward ([\d.]+) s, training step ([\d.]+) s", line).groups())
     ratio = float(re.search(r"ratio ([\d.]+)", line).group(1))
     assert target > 0 and step > 0 and ratio == pytest.approx(step / target, rel=0.2)  # (times printed to the ms)

@@ -1,0 +1,36 @@
+"""The machine a figure was measured on (ddtree/machine.py), as results files record it and tables print it."""
+
+import torch
+
+from ddtree.machine import cpu_model_and_flags, describe_machine, machine_line
+
+CPUINFO = """processor\t: 0
+vendor_id\t: GenuineIntel
+model name\t: Intel(R) Xeon(R) Platinum 8480+
+flags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile
+
+processor\t: 1
+model name\t: Intel(R) Xeon(R) Platinum 8480+
+flags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile
+"""
+
+
+def test_the_cpu_model_and_its_bf16_features_are_read_from_cpuinfo(tmp_path):
+    path = tmp_path / "cpuinfo"
+    path.write_text(CPUINFO)
+    assert cpu_model_and_flags(str(path)) == ("Intel(R) Xeon(R) Platinum 8480+", ["amx_bf16", "avx512_bf16"])
+    path.write_text(CPUINFO.replace(" avx512_bf16 amx_bf16 amx_tile", ""))  # an AVX-512 chip without bf16
+    assert cpu_model_and_flags(str(path)) == ("Intel(R) Xeon(R) Platinum 8480+", [])
+
+
+def test_without_cpuinfo_the_platform_names_the_cpu(tmp_path, monkeypatch):
+    monkeypatch.setattr("platform.processor", lambda: "arm")
+    assert cpu_model_and_flags(str(tmp_path / "absent")) == ("arm", [])
+
+
+def test_the_line_names_cpu_features_threads_and_torch():
+    record = describe_machine(torch.device("cpu"))
+    record.update(cpu="EPYC 7B13", cpu_flags=[], cpu_capability="AVX2", threads=2, torch="2.13.0+cpu")
+    assert machine_line(record) == "EPYC 7B13 (AVX2), 2 threads, torch 2.13.0+cpu"
+    record.update(gpu="NVIDIA H100 80GB HBM3", cuda="12.8")
+    assert machine_line(record) == "NVIDIA H100 80GB HBM3 (CUDA 12.8), host EPYC 7B13 (AVX2), torch 2.13.0+cpu"

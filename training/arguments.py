@@ -26,6 +26,7 @@ from .checkpoint_paths import check_run_folder, find_checkpoint, find_resume, fi
 REPO = Path(__file__).resolve().parents[1]
 RECIPES_DIR = REPO / "recipes"
 DEFAULT_RECIPE = "smollm2-135m"  # the CPU default
+THROUGHPUT_TARGET, THROUGHPUT_SETTINGS = "smollm2-135m", "16x5x16"  # training.throughput without --recipe
 
 
 def known_recipes() -> list[str]:
@@ -81,10 +82,15 @@ def check_throughput_args(args: argparse.Namespace) -> None:
             raise DDTreeError(f"{flag} {value}: give at least {least}")
     if args.recipe:
         check_recipe_name(args.recipe)
+        given = [flag for flag, value in (("--target", args.target), ("--settings", args.settings)) if value is not None]
+        if given:  # they were ignored without a word, and the figures printed were the recipe's target's and drafter's
+            raise DDTreeError(f"--recipe {args.recipe} takes the target and drafter settings from the recipe, so "
+                              f"{' and '.join(given)} would be ignored: drop {'them' if len(given) > 1 else 'it'}, or "
+                              "drop --recipe to time --target with --settings")
     elif args.random_target:
         raise DDTreeError("--random-target needs --recipe (the target and its drafter settings come from it)")
     else:
-        for setting in args.settings.split(","):
+        for setting in (args.settings or THROUGHPUT_SETTINGS).split(","):
             parse_setting(setting)
 
 
@@ -200,12 +206,13 @@ def publish_parser() -> argparse.ArgumentParser:
 def throughput_parser() -> argparse.ArgumentParser:
     parser = CommandParser(description="Measure training throughput: a full training step vs the frozen target's "
                            "forward alone, same batch.")
-    parser.add_argument("--target", default="smollm2-135m")
+    parser.add_argument("--target", default=None, help=f"default: {THROUGHPUT_TARGET} (without --recipe)")
     parser.add_argument("--recipe", default=None, help="take the settings, length and batch size from recipes/<name>.yaml")
     parser.add_argument("--random-target", action="store_true", help="build the target with random weights (RANDOM_TARGETS)")
     parser.add_argument("--batch-size", type=int, default=None, help="default: the recipe's, else 2")
     parser.add_argument("--length", type=int, default=None, help="default: the recipe's max_length, else 320")
-    parser.add_argument("--settings", default="16x5x16", help="comma-separated ANCHORSxLAYERSxBLOCK (without --recipe)")
+    parser.add_argument("--settings", default=None,
+                        help=f"comma-separated ANCHORSxLAYERSxBLOCK (without --recipe; default: {THROUGHPUT_SETTINGS})")
     parser.add_argument("--device", default=None, help=DEVICE_HELP)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     parser.add_argument("--repeats", type=int, default=3)

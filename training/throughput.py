@@ -15,9 +15,10 @@ peak GPU memory of the step. The batch is random tokens, ids the target's vocabu
 positions of each sequence marked as prompt, the rest as reply; --length may not pass the target's
 max_position_embeddings.
 
---recipe takes the drafter settings (anchors, layers, block, target layers, MASK id, loss chunk),
-max_length (the batch length) and the per-GPU batch size from a recipe. With --random-target the
-target is not downloaded: it is built with random weights from its published configuration
+Each result line names the target it timed. --recipe takes the target and the drafter settings (anchors, layers,
+block, target layers, MASK id, loss chunk), max_length (the batch length) and the per-GPU batch size from a recipe;
+--target and --settings beside it are refused (--batch-size and --length override the recipe's). With
+--random-target the target is not downloaded: it is built with random weights from its published configuration
 (RANDOM_TARGETS), which is all its speed depends on.
 """
 
@@ -29,7 +30,8 @@ import sys
 import time
 from unittest import mock
 
-from training.arguments import answer_early, check_throughput_args, parse_setting, throughput_parser
+from training.arguments import (THROUGHPUT_SETTINGS, THROUGHPUT_TARGET, answer_early, check_throughput_args,
+                                parse_setting, throughput_parser)
 
 # python -m: --help and a bad flag or recipe before torch and transformers load (14 s on the 2-core EPYC)
 answer_early(__name__, throughput_parser, check_throughput_args)
@@ -161,9 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         max_length, recipe_batch = 320, 2
         cases = []
-        for setting in args.settings.split(","):
+        for setting in (args.settings or THROUGHPUT_SETTINGS).split(","):
             anchors, layers, block = parse_setting(setting)
-            cases.append((setting, dict(target=args.target, num_anchors=anchors, num_layers=layers, block_size=block)))
+            cases.append((setting, dict(target=args.target or THROUGHPUT_TARGET, num_anchors=anchors, num_layers=layers,
+                                        block_size=block)))
     batch_size = args.batch_size if args.batch_size is not None else recipe_batch
     length = args.length if args.length is not None else max_length
     if length <= PROMPT_TOKENS + 2:
@@ -225,9 +228,9 @@ def main(argv: list[str] | None = None) -> int:
         # rate each side reached, which tells a launch-bound side from a compute-bound one.
         flops = recipe_step_flops(module.target.config, {**settings, "target_layer_ids": module.target_layer_ids},
                                   length, cuda=device.type == "cuda")
-        print(
-            f"{label:>10}: target forward {target_seconds:.3f} s, training step {step_seconds:.3f} s"
-            f"{gigabytes(step_peak)}, ratio {step_seconds / target_seconds:.2f}, {tokens / step_seconds:.0f} target "
+        print(  # the target named: a line copied out alone still says whose forward it timed
+            f"{label:>10} on {settings['target']}: target forward {target_seconds:.3f} s, training step "
+            f"{step_seconds:.3f} s{gigabytes(step_peak)}, ratio {step_seconds / target_seconds:.2f}, {tokens / step_seconds:.0f} target "
             f"tokens/s; offline step {offline_seconds:.3f} s{gigabytes(offline_peak)}, "
             f"{tokens / offline_seconds:.0f} tokens/s; FLOP ratio {flops.ratio:.2f}, target "
             f"{batch_size * flops.full_target / target_seconds / 1e12:.3g} TFLOP/s, step "

@@ -44,6 +44,7 @@ def test_cpu_run_reports_both_steps_and_their_ratio(capsys):
     assert main([*TINY, "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     line = measured_line(out)
+    assert line.lstrip().startswith("4x1x4 on tiny-random: target forward ")  # the target timed, named in its line
     assert f"{torch.get_num_threads()} threads, torch {torch.__version__}" in out.splitlines()[0]  # the machine's line
     target, step = (float(x) for x in re.search(r"target forward ([\d.]+) s, training step ([\d.]+) s", line).groups())
     ratio = float(re.search(r"ratio ([\d.]+)", line).group(1))
@@ -134,6 +135,39 @@ def test_a_target_out_of_reach_names_random_target(monkeypatch, capsys):
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
     assert errors == ["error: target 'Qwen/Qwen3-8B' is a Hub id that is not in the local cache; or add --random-target "
                       "to build its published architecture with random weights, all its speed depends on"]
+
+
+@pytest.mark.parametrize("flags, given", [
+    (["--target", "smollm2-135m"], "--target would be ignored: drop it"),
+    (["--settings", "4x1x4"], "--settings would be ignored: drop it"),
+    (["--target", "smollm2-135m", "--settings", "4x1x4"], "--target and --settings would be ignored: drop them"),
+])
+def test_a_recipe_with_target_or_settings_is_one_line_before_anything_is_built(flags, given, monkeypatch, capsys):
+    """They were ignored without a word: the line printed the recipe's tiny-random forward, and named no target."""
+    monkeypatch.setattr("training.throughput.build_module", lambda *args: pytest.fail("built before the check"))
+    assert main(["--recipe", "tiny", "--device", "cpu", *flags]) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert errors == [f"error: --recipe tiny takes the target and drafter settings from the recipe, so {given}, or "
+                      "drop --recipe to time --target with --settings"]
+
+
+def test_without_a_recipe_the_target_and_settings_keep_their_defaults(monkeypatch):
+    built = []
+
+    def stop(settings, random_target, device):
+        built.append(settings)
+        raise DDTreeError("stop here")
+
+    monkeypatch.setattr("training.throughput.build_module", stop)
+    assert main(["--device", "cpu"]) == 2
+    assert [(s["target"], s["num_anchors"], s["num_layers"], s["block_size"]) for s in built] == [
+        ("smollm2-135m", 16, 5, 16)]
+
+
+def test_a_recipes_line_names_the_recipes_target(capsys):
+    assert main(["--recipe", "tiny", "--device", "cpu", "--length", "80", "--batch-size", "1", "--repeats", "1",
+                 "--warmup", "0", "--threads", "1"]) == 0
+    assert measured_line(capsys.readouterr().out).lstrip().startswith("tiny on tiny-random: target forward ")
 
 
 def test_a_random_target_without_a_configuration_is_one_line(capsys):

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
+import json
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import asdict
@@ -118,6 +120,16 @@ def tokenize_prompts(records: list[tuple[str, str, dict]], tokenizer: PreTrained
             raise DDTreeError(f"{where}: the prompt is empty")
         prompts.append({"id": prompt_id, "prompt_ids": list(ids)})
     return prompts
+
+
+def prompts_fingerprint(prompts: list[dict]) -> str:
+    """The sha256 of tokenized prompts ([{"id", "prompt_ids"}], as tokenize_prompts gives them), in order: what bench
+    records of what it decoded, so that two results files over other prompt text (a file edited in place, or another
+    fed through the same pipe) differ."""
+    digest = hashlib.sha256()
+    for prompt in prompts:
+        digest.update(json.dumps([prompt["id"], [int(token) for token in prompt["prompt_ids"]]]).encode() + b"\n")
+    return digest.hexdigest()
 
 
 CHAIN = "dflash"  # the single-chain method's key in results; a tree at budget B is tree_key(B)

@@ -29,7 +29,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from .arguments import STATIC_CACHE, build_parser, default_device
 from .bench import (
     chat_prompt_ids, compare_packed_verify_cost, format_summary, format_tau, measure_verify_cost, method_keys,
-    read_prompts, run_benchmark, tokenize_prompts,
+    prompts_fingerprint, read_prompts, run_benchmark, tokenize_prompts,
 )
 from .calibration import (CALIBRATION_FILE, learning_from, load_calibration, note_in_card, save_calibration,
                           weights_fingerprint)
@@ -405,9 +405,12 @@ def cmd_bench(args) -> None:
         check_output_file(args.out, overwrite=args.overwrite)
     sampling, target, tokenizer, files = _setup(args, trees="ddtree" in methods)
     prompts = tokenize_prompts(files.prompts, tokenizer)
-    drafter = None
+    drafter = weights = None
     if uses_drafter(args):
         drafter = _drafter_runner(args, target, tokenizer)
+        # the weights as loaded: a folder retrained in place keeps its path, so the path alone does not say which
+        weights = (f"random, seed {args.seed}" if args.drafter == "random"
+                   else weights_fingerprint(Path(args.drafter)))
     sizer = _sizer(args, target, args.budgets) if "ddtree" in methods else None  # it sizes ddtree's trees only
     corpus = _corpus(args, tokenizer, files.corpus)
     if drafter is not None and "ddtree" in methods:
@@ -418,6 +421,9 @@ def cmd_bench(args) -> None:
         online=args.online_calibration, lookup=args.lookup, sizer=sizer, redraft=args.redraft, corpus=corpus,
     )
     settings = {k: v for k, v in vars(args).items() if k != "func"}
+    # what the paths held: --prompts may be a pipe or a file edited since, --drafter a folder retrained in place
+    settings["prompts_sha256"] = prompts_fingerprint(prompts)
+    settings["drafter_weights"] = weights
     settings["dtype_resolved"] = str(target.dtype).removeprefix("torch.")  # what `dtype` (maybe "auto") ran as
     settings["packed_weights_resolved"] = is_packed(target)  # what `packed_weights` (maybe "auto") ran as
     if drafter is not None:

@@ -755,6 +755,34 @@ def test_a_drafter_folder_without_weights(capsys, tmp_path, tiny_target, prompts
                    "copy the weights in beside it, or export the drafter again"
 
 
+def test_bench_records_which_prompts_and_drafter_weights_its_paths_held(capsys, tmp_path, tiny_target, prompts_file):
+    """results.json held the --prompts and --drafter paths alone: a prompts file edited in place (or another fed through
+    the same pipe) and a drafter folder retrained in place gave settings that differed in --out alone."""
+    from ddtree.bench import load_prompts, prompts_fingerprint
+    from ddtree.calibration import weights_fingerprint
+
+    torch.manual_seed(0)
+    folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
+
+    def bench(drafter: str) -> dict:
+        out = tmp_path / "results.json"
+        assert run_cli(capsys, "bench", "--target", TARGET, "--drafter", drafter, "--prompts", str(prompts_file),
+                       "--methods", "dflash", "--max-new-tokens", "2", "--dtype", "float32", "--packed-weights", "off",
+                       "--out", str(out), "--overwrite")[0] == 0
+        return json.loads(out.read_text())["settings"]
+
+    first = bench(str(folder))
+    assert first["prompts_sha256"] == prompts_fingerprint(load_prompts(prompts_file, tiny_target[1]))
+    assert first["drafter_weights"] == weights_fingerprint(folder) is not None
+    assert bench(str(folder)) == first  # the same inputs: the same settings
+    prompts_file.write_text(json.dumps({"id": "chat", "prompt": "Name two odd numbers."}) + "\n")
+    torch.manual_seed(1)
+    tiny_drafter_folder(tiny_target, folder)  # the same names and shapes, other values
+    second = bench(str(folder))
+    assert second["prompts_sha256"] != first["prompts_sha256"] and second["drafter_weights"] != first["drafter_weights"]
+    assert bench("random")["drafter_weights"] == "random, seed 0"  # built from the seed, not read from a folder
+
+
 def test_bench_grafts_the_corpus_a_drafter_folder_ships_unless_told_none(capsys, tmp_path, tiny_target, prompts_file):
     folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
     bench = ["bench", "--target", TARGET, "--drafter", str(folder), "--prompts", str(prompts_file), "--budgets", "8",

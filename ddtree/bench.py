@@ -35,7 +35,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from .calibration import learning_from
 from .decoding import (
     METHODS, DrafterRunner, OnlineCalibration, Sampling, check_corpus, check_drafter_runner, check_lookup, check_redraft,
-    check_sizer, context_limit, generate, prompt_token_ids, static_cache,
+    check_sizer, context_limit, drafter_defaults, generate, prompt_token_ids, static_cache,
 )
 from .corpus import CorpusLookup
 from .errors import DDTreeError, check_text
@@ -199,6 +199,23 @@ def summarize(rows: list[dict], key: str) -> dict:
     return {**acceptance, **timing, "accepted_depth_counts": depth_counts}
 
 
+def method_options(method: str, lookup: int | None, redraft: int | None,
+                   corpus: CorpusLookup | bool | None) -> tuple[int | None, int | None, CorpusLookup | bool | None]:
+    """run_benchmark's lookup, redraft and corpus as it hands them to generate for `method` (None: the drafter's own):
+    the lookups graft into ddtree's trees only, and `ar` drafts nothing."""
+    return (lookup if method == "ddtree" else 0, redraft if method != "ar" else 0,
+            corpus if method == "ddtree" else None)
+
+
+def resolved_options(method: str, drafter: DrafterRunner | None, lookup: int | None, redraft: int | None, sized: bool,
+                     corpus: CorpusLookup | bool | None) -> tuple[int, int, CorpusLookup | None]:
+    """The lookup, redraft and corpus `method` decodes with in run_benchmark, given its lookup, redraft and corpus and
+    whether it had a sizer (sized: it sizes ddtree's trees only): generate's drafter_defaults over what run_benchmark
+    hands it. Under sizing they differ by method: the chain keeps the drafter's re-drafting, sized trees leave it off."""
+    lookup, redraft, corpus = method_options(method, lookup, redraft, corpus)
+    return drafter_defaults(method, drafter, lookup, redraft, sized and method == "ddtree", corpus)
+
+
 def warm_up(keys: list[tuple[str, str, int]], decode: Callable[[str, str, int], object]) -> None:
     """One untimed generation per method, so that no method's figures absorb one-off costs.
 
@@ -299,10 +316,10 @@ def run_benchmark(
 
     def decode(key: str, method: str, budget: int, prompt_ids: list[int], calibration, sizers: dict):
         generator = torch.Generator(device=target.device).manual_seed(seed)
+        method_lookup, method_redraft, method_corpus = method_options(method, lookup, redraft, corpus)
         return generate(
             target, prompt_ids, method, drafter, budget or 1, max_new_tokens, stop_ids, sampling, generator, static,
-            calibration, lookup if method == "ddtree" else 0, sizers.get(key), redraft if method != "ar" else 0,
-            corpus if method == "ddtree" else None,
+            calibration, method_lookup, sizers.get(key), method_redraft, method_corpus,
         )
 
     # The longest prompt at the full length: the static runners it builds then fit every timed generation, so none

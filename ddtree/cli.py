@@ -29,7 +29,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from .arguments import STATIC_CACHE, build_parser, default_device
 from .bench import (
     chat_prompt_ids, compare_packed_verify_cost, format_summary, format_tau, measure_verify_cost, method_keys,
-    prompts_fingerprint, read_prompts, run_benchmark, tokenize_prompts,
+    prompts_fingerprint, read_prompts, resolved_options, run_benchmark, tokenize_prompts,
 )
 from .calibration import (CALIBRATION_FILE, learning_from, load_calibration, note_in_card, save_calibration,
                           weights_fingerprint)
@@ -427,11 +427,14 @@ def cmd_bench(args) -> None:
     settings["dtype_resolved"] = str(target.dtype).removeprefix("torch.")  # what `dtype` (maybe "auto") ran as
     settings["packed_weights_resolved"] = is_packed(target)  # what `packed_weights` (maybe "auto") ran as
     if drafter is not None:
-        if "ddtree" in methods:  # what ddtree ran with where --lookup, --redraft and --corpus were left to the drafter
-            lookup, redraft, resolved = drafter_defaults("ddtree", drafter, args.lookup, args.redraft, sizer is not None,
-                                                         corpus)
-            settings["ddtree_resolved"] = {"lookup": lookup, "redraft": redraft, "corpus": None if resolved is None
-                                           else args.corpus or f"the drafter's {CORPUS_FILE}"}
+        # What ddtree and the chain ran with where --lookup, --redraft and --corpus were left to the drafter: under
+        # --adaptive-size the chain re-drafts as the drafter says and sized trees do not, so each has its own.
+        for method in ("ddtree", "dflash"):
+            if method in methods:
+                lookup, redraft, resolved = resolved_options(method, drafter, args.lookup, args.redraft,
+                                                             sizer is not None, corpus)
+                settings[f"{method}_resolved"] = {"lookup": lookup, "redraft": redraft, "corpus": None if resolved is None
+                                                  else args.corpus or f"the drafter's {CORPUS_FILE}"}
         shipped = drafter.default_calibration is not None  # the chain and ddtree use it alike
         settings["calibration_resolved"] = None if not shipped else (
             "the drafter's config (replayed)" if drafter.calibration_from_config

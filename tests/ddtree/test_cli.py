@@ -1206,6 +1206,40 @@ def redrafting_drafter(tmp_path, tiny_target, prompts_file) -> tuple[Path, list[
     return folder, common, calibrate
 
 
+def test_bench_records_what_the_chain_decoded_with_beside_what_ddtree_did(capsys, tmp_path, tiny_target, prompts_file,
+                                                                         monkeypatch):
+    """Only ddtree_resolved was written: under --adaptive-size the chain re-drafted as its drafter says (two drafter
+    forwards a round) while sized trees did not, and the file's one redraft, 0, said otherwise (found in a review).
+    Each record is what generate itself resolved."""
+    import ddtree.decoding
+
+    folder, common, _ = redrafting_drafter(tmp_path, tiny_target, prompts_file)
+    resolve, ran = ddtree.decoding.drafter_defaults, {}
+
+    def recorded(method, *args):
+        ran[method] = resolve(method, *args)
+        return ran[method]
+
+    monkeypatch.setattr(ddtree.decoding, "drafter_defaults", recorded)  # generate's own call
+    for extra, chain_redraft in (([], 4), (["--redraft", "0"], 0)):
+        ran.clear()
+        out = tmp_path / "results.json"
+        assert run_cli(capsys, "bench", *common, "--prompts", str(prompts_file), "--methods", "dflash,ddtree",
+                       "--budgets", "8", "--adaptive-size", "on", "--max-new-tokens", "4", "--out", str(out),
+                       "--overwrite", *extra)[0] == 0
+        settings = json.loads(out.read_text())["settings"]
+        assert settings["dflash_resolved"] == {"lookup": 0, "redraft": chain_redraft, "corpus": None}
+        assert settings["ddtree_resolved"]["redraft"] == 0  # sized trees leave it off
+        assert {method: list(options[:2]) for method, options in ran.items()} == {
+            method: [settings[f"{method}_resolved"]["lookup"], settings[f"{method}_resolved"]["redraft"]]
+            for method in ("dflash", "ddtree")}
+    out = tmp_path / "chain.json"
+    assert run_cli(capsys, "bench", *common, "--prompts", str(prompts_file), "--methods", "ar,dflash",
+                   "--max-new-tokens", "2", "--out", str(out))[0] == 0
+    settings = json.loads(out.read_text())["settings"]
+    assert "ddtree_resolved" not in settings and settings["dflash_resolved"]["redraft"] == 4
+
+
 def test_calibrate_learns_with_the_settings_a_default_generate_decodes_with(capsys, tmp_path, tiny_target,
                                                                             prompts_file):
     """calibrate defaulted to --adaptive-size off and generate to auto, which on a CPU sizes the trees and so leaves

@@ -13,7 +13,7 @@ evaluation of a training run (which gathers rows from every rank) and `ddtree be
 
 Prompts file: one JSON object per line, {"prompt": "..."} (raw text, tokenized as is) or
 {"messages": [{"role": ..., "content": ...}]} (the target's chat template with the generation
-prompt); optional "id".
+prompt); optional "id" (default, and for null: the line number), each prompt's its own.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[tuple[str, 
     path = check_prompts_file(path)
     if limit is not None and limit < 1:
         raise DDTreeError(f"limit {limit} must be at least 1, or None for every prompt")
-    prompts = []
+    prompts, lines = [], {}  # lines: the line of each id so far
     for number, where, record in iter_json_lines(path):
         if not isinstance(record, dict) or ("prompt" in record) == ("messages" in record):
             raise DDTreeError(f'{where}: expected an object with exactly one of "prompt" or "messages"')
@@ -69,7 +69,14 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[tuple[str, 
             f"messages[{i}].{key}": message[key] for i, message in enumerate(messages) for key in ("role", "content")}
         for field, text in texts.items():  # else the tokenizer's TypeError, once the target had loaded
             check_text(text, f'{where}: "{field}"')
-        prompts.append((str(record.get("id", number)), where, record))
+        # null is no id, as in training's data (it was the string "None", shared by every such line); rows of two
+        # results files are paired by id, so one id twice would pair the wrong prompts
+        prompt_id = str(number if record.get("id") is None else record["id"])
+        if prompt_id in lines:
+            raise DDTreeError(f"{path}: lines {lines[prompt_id]} and {number} both have id {prompt_id!r} (a prompt "
+                              "without an id has its line number); give each prompt its own id")
+        lines[prompt_id] = number
+        prompts.append((prompt_id, where, record))
         if limit is not None and len(prompts) >= limit:
             break
     if not prompts:

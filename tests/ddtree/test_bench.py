@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ddtree.bench import (CHAIN, acceptance_summary, budget_of, compare_packed_verify_cost, format_summary, iter_json_lines,
-                          load_prompts, method_keys, run_benchmark, summarize, tree_key)
+                          load_prompts, method_keys, read_prompts, run_benchmark, summarize, tree_key)
 from ddtree import target_runner
 from ddtree.decoding import generate
 from ddtree.errors import DDTreeError
@@ -249,6 +249,28 @@ def test_invalid_json_says_what_and_where_on_the_line(tmp_path, bad_line, proble
     with pytest.raises(DDTreeError) as error:
         read(path)
     assert str(error.value) == f"{path}:2: not valid JSON ({problem}); each line must be one JSON object"
+
+
+def test_a_null_id_is_no_id_and_each_prompt_has_its_own(tmp_path):
+    """A null id was the string "None", the same for every such line; rows of two results files are paired by id."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"id": null, "prompt": "a"}\n\n{"id": "x", "prompt": "b"}\n{"id": 7, "prompt": "c"}\n'
+                    '{"prompt": "d"}\n')
+    assert [prompt_id for prompt_id, _, _ in read_prompts(path)] == ["1", "x", "7", "5"]
+
+
+@pytest.mark.parametrize("lines, first, second, repeated", [
+    (['{"id": "a", "prompt": "x"}', '{"id": "a", "prompt": "y"}'], 1, 2, "a"),
+    (['{"id": "3", "prompt": "x"}', '{"prompt": "y"}', '{"prompt": "z"}'], 1, 3, "3"),  # line 3's own number
+    (['{"id": null, "prompt": "x"}', '{"id": 1, "prompt": "y"}'], 1, 2, "1"),  # an int id is its text
+])
+def test_an_id_given_twice_is_one_line_naming_both_lines(tmp_path, lines, first, second, repeated):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(DDTreeError) as error:
+        read_prompts(path)
+    assert str(error.value) == (f"{path}: lines {first} and {second} both have id {repeated!r} (a prompt without an id "
+                                "has its line number); give each prompt its own id")
 
 
 @pytest.mark.parametrize("limit", [0, -2])

@@ -1220,6 +1220,17 @@ def test_bad_settings_are_one_line_errors(tmp_path, capsys):
         training.train.build_cli(recipe, tmp_path / "run", [])
 
 
+def test_eval_prompts_are_read_as_bench_reads_them_a_null_id_none_and_an_id_twice_refused(tmp_path):
+    """The evaluation's rows are paired with bench's by id: it reads its prompts with bench's reader (read_prompts)."""
+    _, tokenizer = load_target("tiny-random")
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"id": null, "prompt": "a b"}\n{"id": "x", "prompt": "c d"}\n')
+    assert [prompt["id"] for prompt in AcceptanceEvaluation(prompts=str(path)).load_prompts(tokenizer)] == ["1", "x"]
+    path.write_text('{"id": "x", "prompt": "a b"}\n{"id": "x", "prompt": "c d"}\n')
+    with pytest.raises(DDTreeError, match=f"^{re.escape(str(path))}: lines 1 and 2 both have id 'x'"):
+        AcceptanceEvaluation(prompts=str(path)).load_prompts(tokenizer)
+
+
 def test_eval_settings_that_cannot_fit_the_targets_context_stop_the_run_before_training(tmp_path):
     """The tiny target's context is 2048 tokens: a budget or prompt that long failed only at the first evaluation."""
     module = tiny_module()

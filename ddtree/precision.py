@@ -21,6 +21,7 @@ decoding CLI (`--dtype auto`). An explicit precision or dtype is never changed.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -78,6 +79,10 @@ def time_linear(tokens: int = 512, features: int = 576, hidden: int = 1536, repe
 
 
 _cpu_choice: Choice | None = None  # measured once per process
+# The measured CPU choice, for the processes this one starts: Lightning's DDP launcher starts ranks 1..N-1 as copies of
+# this command with this environment, and each measured alone (a two-process run read 1.22x and 3.18x), so on a
+# borderline machine ranks could train in different precisions. Inherited, the choice is rank 0's everywhere.
+INHERITED_CHOICE = "DDTREE_CPU_PRECISION"
 
 
 def fast_precision(device: str | torch.device = "cpu", measure: Callable[[], dict[torch.dtype, float]] | None = None) -> Choice:
@@ -93,6 +98,10 @@ def fast_precision(device: str | torch.device = "cpu", measure: Callable[[], dic
         return Choice(torch.float32, f"{name} (compute capability {major}.{minor}) has no native bf16, which needs 8.0")
     if device.type != "cpu":
         return Choice(torch.float32, f"no measurement for device {device.type}; fp32 is always exact")
+    if measure is None and _cpu_choice is None and os.environ.get(INHERITED_CHOICE):
+        name, _, reason = os.environ[INHERITED_CHOICE].partition(" ")
+        if name in ("bfloat16", "float32"):  # else not this project's value: measured afresh
+            _cpu_choice = Choice(getattr(torch, name), f"{reason} (measured by the process that started this one)")
     if measure is None and _cpu_choice is not None:
         return _cpu_choice
     seconds = (measure or time_linear)()
@@ -105,6 +114,7 @@ def fast_precision(device: str | torch.device = "cpu", measure: Callable[[], dic
                            f"{torch.backends.cpu.get_cpu_capability()})")
     if measure is None:
         _cpu_choice = choice
+        os.environ[INHERITED_CHOICE] = f"{choice.name} {choice.reason}"
     return choice
 
 

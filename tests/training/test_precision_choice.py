@@ -6,6 +6,7 @@ AVX2-only CPU), plus the user overrides, in a recipe and on the command line.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -72,6 +73,26 @@ def test_the_measurement_runs_on_one_thread_and_gives_the_threads_back(monkeypat
     finally:
         torch.set_num_threads(before)
     assert seen == [1] * 6 and set(seconds) == {torch.float32, torch.bfloat16}
+
+
+def test_the_ranks_a_run_starts_inherit_its_measured_choice(monkeypatch):
+    """Lightning's DDP launcher starts ranks 1..N-1 as copies of the command with rank 0's environment: each measured
+    alone, and on a machine near the margin two ranks could train in different precisions."""
+    monkeypatch.delenv(ddtree.precision.INHERITED_CHOICE, raising=False)  # restored after the test
+    monkeypatch.setattr(ddtree.precision, "_cpu_choice", None)
+    monkeypatch.setattr(ddtree.precision, "time_linear", BF16_FAST)
+    launcher = fast_precision("cpu")
+    assert launcher.dtype == torch.bfloat16
+    inherited = dict(os.environ)  # what a rank the launcher starts now gets
+    monkeypatch.setattr(ddtree.precision, "_cpu_choice", None)  # a new process...
+    monkeypatch.setattr(ddtree.precision, "time_linear", BF16_SLOW)  # ...whose own measurement would read otherwise
+    monkeypatch.setattr(os, "environ", inherited)
+    rank = fast_precision("cpu")
+    assert rank.dtype == torch.bfloat16 and rank.reason.startswith(launcher.reason)
+    assert rank.reason.endswith("(measured by the process that started this one)")
+    monkeypatch.setattr(ddtree.precision, "_cpu_choice", None)
+    inherited[ddtree.precision.INHERITED_CHOICE] = "float16 made up"  # not a value this project writes: measured
+    assert fast_precision("cpu").dtype == torch.float32
 
 
 def stub_choice(monkeypatch, measure):

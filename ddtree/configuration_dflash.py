@@ -65,6 +65,13 @@ class DFlashDrafterConfig(Qwen3Config):
         if top_level_mask_token_id is not None:
             self.dflash_config.setdefault("mask_token_id", top_level_mask_token_id)
         self.target_name_or_path = target_name_or_path
+        # The layers are Qwen3's and rotate their whole head. A partial_rotary_factor (which drafters of partial-rotary
+        # targets, StableLM or GPT-NeoX, copied from them before ddtree/targets.py dropped it) is dropped: under the
+        # default RoPE transformers ignored it too, and under a scaled one the first forward failed on it.
+        kwargs.pop("partial_rotary_factor", None)
+        for key in ("rope_parameters", "rope_scaling"):
+            if isinstance(kwargs.get(key), dict):
+                kwargs[key] = {name: value for name, value in kwargs[key].items() if name != "partial_rotary_factor"}
         kwargs.pop("model_type", None)  # the class's; a saved one (LEGACY_MODEL_TYPE too) must not shadow it
         kwargs.setdefault("architectures", ["DFlashDraftModel"])
         super().__init__(**kwargs)

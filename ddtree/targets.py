@@ -510,12 +510,16 @@ def default_layer_ids(num_layers: int, name_or_path: str | None = None) -> list[
 def full_attention_rope(text_config) -> dict:
     """The RoPE settings of the target's full-attention layers, which the drafter takes (it attends to the whole
     context): the one dict most configs hold, or, where rope_parameters holds one per layer type (Gemma-3:
-    {"sliding_attention": {...}, "full_attention": {...}}), the full-attention one (else the first)."""
+    {"sliding_attention": {...}, "full_attention": {...}}), the full-attention one (else the first).
+
+    Without partial_rotary_factor (StableLM, Phi, GPT-NeoX, GLM, Persimmon keep it there): the drafter's layers are
+    Qwen3's and rotate their whole head. Copied, transformers' default RoPE ignored it, and the scaled ones (linear,
+    yarn, llama3, dynamic) rotated that share of the head only: a shape-mismatch traceback at the first forward."""
     parameters = getattr(text_config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}
-    if "rope_type" in parameters:
-        return dict(parameters)
-    per_layer_type = {name: rope for name, rope in parameters.items() if isinstance(rope, dict)}
-    return dict(per_layer_type.get("full_attention") or next(iter(per_layer_type.values())))
+    if "rope_type" not in parameters:
+        per_layer_type = {name: rope for name, rope in parameters.items() if isinstance(rope, dict)}
+        parameters = per_layer_type.get("full_attention") or next(iter(per_layer_type.values()))
+    return {key: value for key, value in parameters.items() if key != "partial_rotary_factor"}
 
 
 def target_field(text_config, name_or_path: str, names: tuple[str, ...], default=None):

@@ -7,6 +7,7 @@ few bytes: what they check is what happens in the cache folder around the save.
 import errno
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -349,8 +350,6 @@ def test_a_folders_tokenizer_is_loaded_once_and_again_when_its_files_change(tmp_
 ])
 def test_a_target_folder_that_is_not_a_whole_causal_lm_is_one_line(tmp_path, tiny_target, damage, named):
     """Only an OSError was one line: the others were tracebacks, and a folder missing weights loaded with random ones."""
-    import shutil
-
     target, tokenizer = tiny_target
     folder = tmp_path / "target"
     if damage == "drafter":
@@ -391,6 +390,59 @@ def test_a_drafter_is_shaped_after_a_target_of_another_family_and_decodes_its_gr
     prompt = [5, 6, 7, 8, 9]
     greedy = generate(target, prompt, "ar", max_new_tokens=12).new_tokens
     assert generate(target, prompt, "ddtree", runner, budget=8, max_new_tokens=12).new_tokens == greedy
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "default"}, {"rope_type": "linear", "factor": 2.0},
+                                  {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}],
+                         ids=lambda rope: rope["rope_type"])
+def test_a_drafter_of_a_partial_rotary_target_rotates_its_whole_head_and_decodes_its_greedy_tokens(tiny_target, rope):
+    """StableLM (as Phi, GPT-NeoX, GLM) keeps partial_rotary_factor in rope_parameters, which the drafter copied: the
+    default RoPE ignored it, a linear or yarn one rotated a quarter of the head, a shape-mismatch traceback at the first
+    drafter forward (`ddtree bench --drafter random`, and training's)."""
+    import transformers
+
+    from ddtree.decoding import DrafterRunner, generate
+
+    _, tokenizer = tiny_target
+    config = transformers.StableLmConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
+                                         rope_parameters={**rope, "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+    torch.manual_seed(0)
+    target = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    drafter_config = build_drafter_config(target, tokenizer, "stablelm", num_layers=1, block_size=4, mask_token_id=16)
+    torch.manual_seed(1)
+    drafter = DFlashDraftModel(drafter_config).eval()
+    prompt = [5, 6, 7, 8, 9]
+    greedy = generate(target, prompt, "ar", max_new_tokens=12).new_tokens
+    runner = DrafterRunner(drafter, target)
+    assert generate(target, prompt, "ddtree", runner, budget=8, max_new_tokens=12).new_tokens == greedy
+    assert 2 * drafter.rotary_emb.inv_freq.numel() == drafter_config.head_dim == 16
+    assert "partial_rotary_factor" not in drafter_config.rope_parameters
+    assert drafter_config.rope_parameters["rope_type"] == rope["rope_type"]  # the rest of the target's RoPE, kept
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "default"}, {"rope_type": "linear", "factor": 2.0}],
+                         ids=lambda rope: rope["rope_type"])
+def test_a_drafter_folder_holding_a_partial_rotary_factor_loads_and_drafts_as_one_without(tmp_path, tiny_target, rope):
+    """A folder written before the drafter's RoPE dropped the target's partial_rotary_factor: under the default RoPE it
+    drafts exactly as before (transformers ignored the field there), under a scaled one it no longer fails."""
+    target, tokenizer = tiny_target
+    config = build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4)
+    config.rope_parameters = {**rope, "rope_theta": 10000.0}
+    torch.manual_seed(1)
+    DFlashDraftModel(config).save_pretrained(tmp_path / "plain")
+    shutil.copytree(tmp_path / "plain", tmp_path / "partial")
+    fields = json.loads((tmp_path / "partial" / "config.json").read_text())
+    fields["rope_parameters"]["partial_rotary_factor"] = 0.25
+    (tmp_path / "partial" / "config.json").write_text(json.dumps(fields))
+    plain, partial = (load_drafter_folder(tmp_path / name, torch.float32, target) for name in ("plain", "partial"))
+    context, noise = torch.randn(1, 5, 64 * len(config.target_layer_ids)), torch.randn(1, 4, 64)
+    positions = torch.arange(9)[None]
+    with torch.no_grad():
+        drafted = [drafter(noise_embedding=noise, target_hidden=context, position_ids=positions)
+                   for drafter in (plain, partial)]
+    assert torch.equal(drafted[0], drafted[1])
+    assert partial.config.rope_parameters == plain.config.rope_parameters  # and an export of it writes none
 
 
 def test_a_folder_with_smollm2s_tokenizer_and_no_spare_row_takes_its_mask_token(tiny_target):

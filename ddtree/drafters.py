@@ -139,11 +139,13 @@ def check_rope_keys_agree(folder: Path, fields: dict) -> None:
             "transformers 5 first where rope_scaling is set): make the two agree, or remove rope_theta and rope_scaling")
 
 
-def load_drafter_folder(folder: str | Path, dtype: torch.dtype, target: PreTrainedModel | None = None) -> DFlashDraftModel:
-    """The drafter of a folder, its config and weights checked first (and against `target` when given)."""
+def load_drafter_folder(folder: str | Path, dtype: torch.dtype, target: PreTrainedModel | None = None,
+                        retarget: bool = False) -> DFlashDraftModel:
+    """The drafter of a folder, its config and weights checked first (and against `target` when given: built for a
+    target of its depth too, unless `retarget`, as training's warm start, which trains it against `target` from here)."""
     folder = Path(folder).expanduser()  # a str failed with TypeError str / str
     config = read_drafter_config(folder)
     if target is not None:
-        check_drafter_fits(config, target, str(folder))
+        check_drafter_fits(config, target, str(folder), same_depth=not retarget)
     check_weights_match_config(folder, config)
     return DFlashDraftModel.from_pretrained(folder, config=config, dtype=dtype)

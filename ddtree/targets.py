@@ -532,12 +532,18 @@ def target_field(text_config, name_or_path: str, names: tuple[str, ...], default
 
 
 def check_drafter_fits(config, target: PreTrainedModel, source: str,
-                       layer_ids_field: str = "dflash_config.target_layer_ids") -> None:
+                       layer_ids_field: str = "dflash_config.target_layer_ids", same_depth: bool = False) -> None:
     """Raise a DDTreeError naming the first field of a drafter config that does not fit the target.
 
     Errors read `drafter {source}: ...`; layer_ids_field names where the layer ids came from (a folder's config.json,
     or the setting build_drafter_config was given). Layer ids that repeat are taken (build_drafter_config says so):
-    a drafter that reads a layer twice decodes as it was trained."""
+    a drafter that reads a layer twice decodes as it was trained.
+
+    same_depth: also refuse a drafter whose num_target_layers (the depth of the target it was built for) is not the
+    target's, as a folder to decode with is (load_drafter_folder). Same hidden size and vocabulary, other depth
+    (Qwen3-1.7B's drafter on Qwen2.5-3B: 28 and 36 layers) read other layers than it learned from, at a tau near 1
+    without a word. Training's warm start retargets a folder on purpose; a drafter in memory may be an older
+    warm-started run's, which kept its folder's depth."""
     check_drafter_field_types(config, source)
     tc = target.config.get_text_config()
     check_embedding_width(target)
@@ -548,6 +554,12 @@ def check_drafter_fits(config, target: PreTrainedModel, source: str,
             "this drafter was built for another target"
         )
     ids, depth = config.target_layer_ids, tc.num_hidden_layers
+    if same_depth and config.num_target_layers is not None and config.num_target_layers != depth:
+        built_for = f" ({config.target_name_or_path!r})" if config.target_name_or_path else ""
+        raise DDTreeError(f"drafter {source}: num_target_layers {config.num_target_layers} != the target's {depth} "
+                          f"layers; this drafter was built for another target{built_for} and would read other layers "
+                          "than it learned from: give a drafter trained against this target, or train one from this "
+                          "one (model.init_from)")
     if not ids or any(not 0 <= i < depth for i in ids):
         raise DDTreeError(f"drafter {source}: {layer_ids_field} {ids} must be non-empty and within 0..{depth - 1} "
                           f"(the target has {depth} layers)")

@@ -263,7 +263,8 @@ class DistillModule(L.LightningModule):
         model, tokenizer = load_frozen_target(hp.target, dtype, hp.target_adapter)
 
         if hp.init_from:
-            drafter = load_drafter_folder(Path(hp.init_from), torch.float32, target=model)  # checked, one-line errors
+            # checked, one-line errors; built for a target of another depth too, as it is trained against this one
+            drafter = load_drafter_folder(Path(hp.init_from), torch.float32, target=model, retarget=True)
             self._check_matches_folder(drafter.config)
             drop_hub_fields(drafter.config)  # an export's: its old verifier, its remote code (hub_config adds them anew)
             # replayed, or fitted, for the folder's weights, not for these once trained

@@ -297,6 +297,28 @@ def test_a_drafter_config_edited_past_what_transformers_builds_is_one_line(tmp_p
     assert "\n" not in str(error.value)
 
 
+@pytest.mark.parametrize("layers", [12, 0])
+def test_a_drafter_folder_built_for_a_target_of_another_depth_is_one_line(tmp_path, tiny_target, layers):
+    """Same hidden size and vocabulary, another depth: `ddtree bench` decoded with it without a word, reading other
+    layers than it learned from (a tau near 1), where docs/decoding.md said it was refused. A warm start
+    (model.init_from) retargets it on purpose and still takes it (tests/training/test_module.py)."""
+    from ddtree.cli import load_drafter
+
+    target, tokenizer = tiny_target
+    folder = tmp_path / "drafter"
+    DFlashDraftModel(build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4)).save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(num_target_layers=layers, target_name_or_path="someone/other-target")
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DDTreeError) as error:
+        load_drafter(str(folder), target, tokenizer, "tiny-random")  # `ddtree --drafter <folder>`
+    assert str(error.value) == (
+        f"drafter {folder}: num_target_layers {layers} != the target's 6 layers; this drafter was built for another "
+        "target ('someone/other-target') and would read other layers than it learned from: give a drafter trained "
+        "against this target, or train one from this one (model.init_from)")
+    assert load_drafter_folder(folder, torch.float32, target, retarget=True).config.num_target_layers == layers
+
+
 @pytest.mark.parametrize("edit", [
     {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},  # rope_parameters edited, the old keys not
     {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},  # the old keys edited, rope_parameters not

@@ -1,11 +1,13 @@
 """Export a trained drafter as a Hugging Face folder that `ddtree bench --drafter <folder>` loads.
 
     python -m training.export outputs/smollm2-135m/<run>/checkpoints/last.ckpt outputs/my-drafter [--overwrite]
-    export_drafter(module_or_checkpoint_path, out_dir)
+    export_drafter(module_or_checkpoint_path, out_dir, overwrite=False)
 
 A checkpoint holds the drafter only (never the target) plus its config, so exporting needs no
 target. LoRA adapters, if the run trained them, are merged into the weights first. The folder is
 written beside its destination and renamed into place, so a failed export leaves nothing behind.
+It replaces an earlier export only when told (--overwrite, overwrite=True), and never a folder
+holding anything else.
 A run whose recipe set model.corpus holds <run>/corpus.safetensors; the export carries it (for a
 run's checkpoints/x.ckpt or hpc_ckpt_N.ckpt, found there).
 For the Hub (remote code, model card, push) see training/publish.py. Bad input prints one line and
@@ -23,7 +25,7 @@ from ddtree.errors import CommandParser, DDTreeError, command
 from ddtree.files import check_output_folder, staged_folder
 
 from .checkpoint_paths import run_folder_of
-from .checkpoints import drafter_from_checkpoint, load_checkpoint
+from .checkpoints import load_checkpoint
 from .hub_config import drop_hub_fields
 from .peft_utils import merged_drafter
 
@@ -34,14 +36,40 @@ def run_corpus(run_dir: Path) -> Path | None:
     return corpus if corpus.is_file() else None
 
 
-def export_drafter(source, out_dir: str | Path, corpus: Path | None = None) -> Path:
+def checkpoint_corpus(checkpoint: Path, run_dir: Path | None, trained_with_corpus: bool) -> Path | None:
+    """The corpus an export of `checkpoint` carries: its run's (run_corpus), or None. A checkpoint trained with
+    model.corpus whose run lacks it is refused, and one outside its run folder is noted: its tau was measured grafting
+    from the corpus."""
+    corpus = run_corpus(run_dir) if run_dir is not None else None
+    if trained_with_corpus and corpus is None:
+        if run_dir is not None:
+            raise DDTreeError(f"{checkpoint} was trained with model.corpus, but {run_dir / CORPUS_FILE} is missing: the "
+                              "export would decode differently from what the run measured; put the run's corpus back")
+        print(f"note: {checkpoint} was trained with model.corpus and is outside its run folder: the export carries no "
+              "corpus, so it decodes without the replies its run grafted from", file=sys.stderr)
+    return corpus
+
+
+def export_drafter(source, out_dir: str | Path, corpus: Path | None = None, overwrite: bool = False) -> Path:
     """Write `source` (a DistillModule, a drafter nn.Module or a checkpoint path) to out_dir; return out_dir.
 
-    corpus: a run's corpus.safetensors, copied in beside the weights (decoders graft from it by default).
+    corpus: a run's corpus.safetensors, copied in beside the weights (decoders graft from it by default); a checkpoint
+    path inside a run folder carries its run's (checkpoint_corpus).
+    overwrite: replace an earlier export in out_dir. A folder holding anything an export does not write, the working
+    folder, or the checkpoint's run is refused even then (check_output_folder), as `python -m training.export` does:
+    this function replaced whatever out_dir was, a mistyped `exports` with every export in it.
     """
+    out_dir = Path(out_dir)
     if isinstance(source, (str, Path)):
-        drafter = drafter_from_checkpoint(source)
+        checkpoint = Path(source)
+        run_dir = run_folder_of(checkpoint)  # checkpoints/x.ckpt or a SLURM requeue's hpc_ckpt_N.ckpt
+        check_output_folder(out_dir, overwrite, keep=(run_dir or checkpoint,), name="out_dir")
+        loaded = load_checkpoint(checkpoint)
+        drafter = loaded.drafter
+        if corpus is None:
+            corpus = checkpoint_corpus(checkpoint, run_dir, bool(loaded.hyper_parameters.get("corpus")))
     else:
+        check_output_folder(out_dir, overwrite, name="out_dir")
         drafter = merged_drafter(getattr(source, "drafter", source))
     # A checkpoint of a run warm-started from a Hub export before warm starts dropped its Hub fields still holds them:
     # an auto_map pointing at remote code this folder lacks, speculators fields naming the old verifier.
@@ -50,7 +78,7 @@ def export_drafter(source, out_dir: str | Path, corpus: Path | None = None) -> P
         drafter.save_pretrained(staging)
         if corpus is not None:
             shutil.copyfile(corpus, staging / CORPUS_FILE)
-    return Path(out_dir)
+    return out_dir
 
 
 @command
@@ -61,19 +89,8 @@ def main(argv: list[str] | None = None) -> int:
                         "if it holds anything else)")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier export in out_dir")
     args = parser.parse_args(argv)
-    checkpoint = Path(args.checkpoint)
-    run_dir = run_folder_of(checkpoint)  # checkpoints/x.ckpt or a SLURM requeue's hpc_ckpt_N.ckpt
-    check_output_folder(Path(args.out_dir), args.overwrite, keep=(run_dir or checkpoint,), name="out_dir")
-    corpus = run_corpus(run_dir) if run_dir is not None else None
-    loaded = load_checkpoint(checkpoint)
-    if loaded.hyper_parameters.get("corpus") and corpus is None:  # its tau was measured grafting from it
-        if run_dir is not None:
-            raise DDTreeError(f"{checkpoint} was trained with model.corpus, but {run_dir / CORPUS_FILE} is missing: the "
-                              "export would decode differently from what the run measured; put the run's corpus back")
-        print(f"note: {checkpoint} was trained with model.corpus and is outside its run folder: the export carries no "
-              "corpus, so it decodes without the replies its run grafted from", file=sys.stderr)
-    out = export_drafter(loaded.drafter, args.out_dir, corpus)
-    print(f"drafter written to {out}" + (f", with the run's {corpus.name}" if corpus else ""))
+    out = export_drafter(args.checkpoint, args.out_dir, overwrite=args.overwrite)
+    print(f"drafter written to {out}" + (f", with the run's {CORPUS_FILE}" if (out / CORPUS_FILE).is_file() else ""))
     return 0
 
 

@@ -567,7 +567,8 @@ def main(argv: list[str] | None = None) -> int:
         end_process_group()  # here, where every rank is: under NCCL closing waits for the others, and an export can fail
         if cli.trainer.is_global_zero:
             write_text_atomic(run_dir / DATA_RECORD, json.dumps(cli.datamodule.record(), indent=1) + "\n")
-            drafter_dir = export_drafter(drafter, run_dir / "drafter", run_corpus(run_dir))
+            # the run's own drafter/: a resume's replaces the one written before (a file no export writes is refused)
+            drafter_dir = export_drafter(drafter, run_dir / "drafter", run_corpus(run_dir), overwrite=True)
             print(f"[train] drafter written to {drafter_dir}: the last step's weights; `{bench_command(cli, drafter_dir)}`"
                   + (" with --target the target merged with model.target_adapter (ddtree loads no adapter; the "
                      "export's card shows the merge)" if cli.model.hparams.target_adapter else "")

@@ -590,6 +590,36 @@ def test_an_export_never_replaces_what_it_was_not_asked_to(run_dir, tmp_path, ca
     assert (mine / "model.safetensors").is_file()
 
 
+def test_the_export_api_refuses_what_the_command_refuses_and_carries_the_runs_corpus(run_dir, tmp_path):
+    """export_drafter, the Python API the module docstring shows, wrote through staged_folder with no check: a
+    mistyped `exports` was deleted whole, its other exports and notes with it, and an earlier export was replaced
+    unasked; a run's checkpoint came without the run's corpus, which the command carries."""
+    last = run_dir / "checkpoints" / "last.ckpt"
+    exports = tmp_path / "exports"
+    (exports / "other-drafter").mkdir(parents=True)
+    (exports / "other-drafter" / "notes.txt").write_text("important")
+    for overwrite in (False, True):
+        with pytest.raises(DDTreeError, match=rf"^out_dir={exports} exists and is not an earlier export: replacing it "
+                                              r"would delete other-drafter/; give a new folder"):
+            export_drafter(last, exports, overwrite=overwrite)
+        assert (exports / "other-drafter" / "notes.txt").read_text() == "important"
+    with pytest.raises(DDTreeError, match=r"is or holds the export's source"):
+        export_drafter(last, run_dir, overwrite=True)
+    mine = exports / "mine"
+    assert export_drafter(last, mine) == mine
+    assert (mine / CORPUS_FILE).read_bytes() == (run_dir / CORPUS_FILE).read_bytes()
+    with pytest.raises(DDTreeError, match=rf"^out_dir={mine} exists and is not empty \(an earlier export\)"):
+        export_drafter(last, mine)
+    assert export_drafter(last, mine, overwrite=True) == mine
+    drafter = drafter_from_checkpoint(last)  # a drafter (or DistillModule) in memory: the same checks
+    with pytest.raises(DDTreeError, match="is not an earlier export"):
+        export_drafter(drafter, exports, overwrite=True)
+    with pytest.raises(DDTreeError, match="an earlier export"):
+        export_drafter(drafter, mine)
+    assert export_drafter(drafter, mine, overwrite=True) == mine and not (mine / CORPUS_FILE).exists()
+    assert (exports / "other-drafter" / "notes.txt").read_text() == "important"
+
+
 def test_overwrite_replaces_only_an_earlier_export(run_dir, tmp_path, capsys):
     """A mistyped OUT=exports (for exports/<name>) or OUT=data with OVERWRITE=1 deleted every other export, the
     user's notes, the shipped data: --overwrite replaces a folder whose config.json is a drafter's and that holds

@@ -68,7 +68,8 @@ def check_weights_match_config(folder: Path, config: DFlashDrafterConfig) -> Non
     try:
         with torch.device("meta"):  # shapes only: no memory, no initialization
             expected = {name: list(t.shape) for name, t in DFlashDraftModel(config).state_dict().items()}
-    except (KeyError, ValueError, TypeError, AttributeError, RuntimeError) as error:  # a size or setting it cannot build
+    # a size or setting it cannot build (head_dim 0: a ZeroDivisionError in the attention's scale)
+    except (KeyError, ValueError, TypeError, AttributeError, RuntimeError, ArithmeticError) as error:
         raise DDTreeError(f"drafter {folder}: config.json does not build a drafter ({type(error).__name__}: "
                           f"{error_line(error)}); restore it, or export the drafter again") from None
     found = weight_shapes(folder)

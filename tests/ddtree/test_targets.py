@@ -279,12 +279,13 @@ def test_a_drafters_decoding_fields_out_of_range_are_one_line(tmp_path, tiny_tar
 @pytest.mark.parametrize("field, value, named", [
     ("hidden_act", "relu6x", "config.json's hidden_act 'relu6x' is not an activation transformers knows"),
     ("intermediate_size", -1, "config.json does not build a drafter (RuntimeError: "),
+    ("head_dim", 0, "config.json does not build a drafter (ZeroDivisionError: "),
     ("rope_parameters", {"rope_type": "yarn", "rope_theta": 10000.0}, "/config.json could not be read: "),
     ("dtype", "bfloat", "/config.json could not be read: "),
 ])
 def test_a_drafter_config_edited_past_what_transformers_builds_is_one_line(tmp_path, tiny_target, field, value, named):
-    """transformers' own KeyError (an activation, a rope setting), AttributeError (a dtype) or RuntimeError (a size)
-    came out of `ddtree generate` as a traceback with status 1."""
+    """transformers' own KeyError (an activation, a rope setting), AttributeError (a dtype), RuntimeError (a size) or
+    ZeroDivisionError (head_dim 0) came out of `ddtree generate` as a traceback with status 1."""
     target, tokenizer = tiny_target
     folder = tmp_path / "drafter"
     DFlashDraftModel(build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4)).save_pretrained(folder)

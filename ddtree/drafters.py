@@ -101,6 +101,10 @@ def read_drafter_config(folder: str | Path) -> DFlashDrafterConfig:
     if "dflash_config" not in fields and "block_size" not in fields:  # a target model's folder, say
         raise DDTreeError(f"{folder} is not a DFlash drafter: its config.json (model_type {fields.get('model_type')!r}) "
                           "has no dflash_config or block_size; give a drafter folder (a run's drafter/ or an export)")
+    if "block_size" not in fields:  # DFlashDrafterConfig's default (16) would draft positions it was never trained on
+        raise DDTreeError(f"drafter {folder}/config.json has no block_size (the anchor plus the tokens one forward "
+                          "drafts, as the drafter was trained; every export and the published DFlash drafters write "
+                          "it): restore it, or export the drafter again")
     try:
         config = DFlashDrafterConfig.from_pretrained(folder)
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as error:  # (transformers' rope and dtype checks)

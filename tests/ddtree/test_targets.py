@@ -249,6 +249,24 @@ def test_a_drafter_config_field_given_as_a_string_is_one_line(tmp_path, tiny_tar
     assert str(error.value) == (f"drafter {folder}: {named}; write it in config.json as JSON numbers, without quotes")
 
 
+def test_a_drafter_config_without_its_block_size_is_one_line(tmp_path, tiny_target):
+    """DFlashDrafterConfig's default stood in for it: a drafter trained at block 4 drafted 15 tokens a forward, 12 of
+    them at positions it never learned, without a word (as a missing mask id is refused). Every folder ddtree and
+    training write, and the published DFlash drafters, hold it."""
+    target, tokenizer = tiny_target
+    folder = tmp_path / "drafter"
+    DFlashDraftModel(build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4)).save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["block_size"] == 4
+    del config["block_size"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DDTreeError) as error:
+        load_drafter_folder(folder, torch.float32, target)
+    assert str(error.value) == (
+        f"drafter {folder}/config.json has no block_size (the anchor plus the tokens one forward drafts, as the drafter "
+        "was trained; every export and the published DFlash drafters write it): restore it, or export the drafter again")
+
+
 @pytest.mark.parametrize("field, value, named", [
     ("redraft", -1, "dflash_config.redraft is -1, expected a count (0 or more) in config.json; remove the field"),
     ("lookup", "four", "dflash_config.lookup is 'four', expected a count (0 or more) in config.json; remove the field"),

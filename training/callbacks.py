@@ -22,7 +22,8 @@ model.corpus, as its exports decode by default), and logs
                                beside the measurement: the gap is the drafter's over-confidence
     val/eval_seconds           wall time of the evaluation
 plus the accepted-depth histogram (TensorBoard), the per-prompt results (eval/step-N.json) and,
-in the run folder, report.md, tau.png and eval/accepted_depths.csv (training/report.py). A drafter whose
+in the run folder, report.md, tau.png and eval/accepted_depths.csv (training/report.py), written once BestCheckpoint
+has saved the step (so they never name a best checkpoint a failed save left unwritten). A drafter whose
 weights hold NaN or inf is not decoded (it would decode losslessly at tau 1.0): its taus are NaN, one line
 says so, and the step ranks last. A run that ends with no evaluation at all (stopped or failed before the
 first) still gets a report.md that says why.
@@ -75,7 +76,7 @@ from transformers import AutoConfig, PreTrainedModel
 from ddtree.bench import CHAIN, acceptance_summary, load_prompts, run_benchmark, tree_key
 from ddtree.corpus import CorpusLookup
 from ddtree.decoding import DrafterRunner, Sampling, check_target_decodable, check_tree_attention
-from ddtree.errors import DDTreeError
+from ddtree.errors import DDTreeError, error_line
 from ddtree.files import write_json_atomic
 from ddtree.machine import describe_machine
 from ddtree.packed_linear import PACKED_KERNELS, apply_packing, cannot_pack, pack_linears, unpack_linears
@@ -434,6 +435,9 @@ class AcceptanceEvaluation(L.Callback):
         self.last_step = -1
         self.validated: tuple[int, float] | None = None  # (step, loss) of this launch's latest validation
         self.measured: tuple[int, dict] | None = None  # (step, metrics) of this launch's latest evaluation
+        # The step just measured whose checkpoint BestCheckpoint has not saved yet: report.md and tau.png wait for it
+        # (checkpoint_saved), so that they never name a best that a failed or killed save left unwritten
+        self.unsaved_step: int | None = None
         # (step, train loss) of a scheduled step a SIGTERM (or the requeue signal) stopped and saved unmeasured: the
         # resume measures it
         self.unmeasured_stop: tuple[int, float | None] | None = None
@@ -619,6 +623,8 @@ class AcceptanceEvaluation(L.Callback):
             self._report_no_evaluation(trainer, "was stopped by SIGTERM" if trainer.received_sigterm else "ended")
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        if self.unsaved_step is not None:  # the step's save failed (a full disk) or was interrupted (Ctrl-C)
+            self._report_unsaved(trainer)
         # Not at step 0: a launch that trained nothing leaves nothing (training/train.py removes a run it started).
         if trainer.global_step == 0:
             return
@@ -763,6 +769,7 @@ class AcceptanceEvaluation(L.Callback):
             checkpointed = logged and (not stop or bool(best))
         checkpointed = (checkpointed and not any(c.save_top_k == 0 for c in best)  # 0: last only
                         and not trainer.fast_dev_run)  # BestCheckpoint saves nothing then
+        self.unsaved_step = step if checkpointed and best else None
 
         train_loss = logged_value(trainer, "train/loss")
         # Filled by on_validation_end where validation runs at this step after the evaluation (scheduled ones); the
@@ -820,8 +827,38 @@ class AcceptanceEvaluation(L.Callback):
             reason += f", with {error}"
         report.write_no_evaluation(Path(trainer.default_root_dir), reason)
 
-    def _write_report(self, trainer) -> float:
-        """Rewrite report.md and tau.png from the history; returns this launch's wall time so far."""
+    def checkpoint_saved(self, trainer, step: int) -> None:
+        """BestCheckpoint.save has written `step`'s files whole and linked best.ckpt: the report held back since the
+        step's evaluation is written now.
+
+        Written at the evaluation, before the save (seconds to minutes on the big recipes), report.md and tau.png named
+        the new best while best.ckpt still linked the last one, and kept naming it where the save then failed (a full
+        disk), was interrupted (Ctrl-C) or killed: a best checkpoint that did not exist. Written after it, they name
+        saved steps only, whatever stops the save; on_exception adds the measured row, marked unsaved
+        (_report_unsaved). BestCheckpoint calls this, as only it knows when its files are whole."""
+        if self.unsaved_step != step:
+            return
+        self.unsaved_step = None
+        if trainer.is_global_zero:
+            self._write_report(trainer)
+
+    def _report_unsaved(self, trainer) -> None:
+        """report.md and tau.png of a launch that stopped while saving the step it had just measured: its row says the
+        checkpoint was not saved, and it competes for no best (best.ckpt links an earlier step, or none)."""
+        step, self.unsaved_step = self.unsaved_step, None
+        record = next((record for record in self.history if record["step"] == step), None)
+        if record is None or not trainer.is_global_zero:
+            return
+        record.update(checkpointed=False, unsaved=True)  # this history is in no checkpoint: the save failed
+        try:
+            self._write_report(trainer)
+        except (OSError, DDTreeError) as error:  # the full disk that failed the save: the files stay as they were,
+            # written before this step's evaluation, naming saved steps only
+            print(f"[eval] after the failed save of step {step}, report.md and tau.png could not both be rewritten "
+                  f"({error_line(error)}): what was not shows the steps saved before", flush=True)
+
+    def _write_report(self, trainer) -> None:
+        """Rewrite report.md and tau.png from the history."""
         launch_seconds = time.perf_counter() - self.launch_started
         module = trainer.lightning_module
         datamodule = trainer.datamodule  # what data.json will record: a time-boxed store's share of the split
@@ -837,7 +874,6 @@ class AcceptanceEvaluation(L.Callback):
                     "ended": report.training_end(trainer.global_step, max_steps,
                                                  any(timer.time_remaining() <= 0 for timer in timers))}
         report.write_all(Path(trainer.default_root_dir), self.history, settings, self.launch_eval_seconds, launch_seconds)
-        return launch_seconds
 
     def _write(self, trainer, metrics: dict, result: dict) -> None:
         step = trainer.global_step
@@ -860,7 +896,9 @@ class AcceptanceEvaluation(L.Callback):
         machine = describe_machine(trainer.lightning_module.device)  # this rank's: its tok/s are measured there
         write_json_atomic(self.eval_file(run_dir, step), {"step": step, "settings": settings, "machine": machine, **result,
                                                           **({"val_loss": val_loss} if val_loss is not None else {})})
-        launch_seconds = self._write_report(trainer)
+        if self.unsaved_step != step:  # else once BestCheckpoint has saved the step (checkpoint_saved)
+            self._write_report(trainer)
+        launch_seconds = time.perf_counter() - self.launch_started
         if result.get("non_finite_tensors"):
             print(f"[eval] step {step}: the drafter's weights are not finite ({result['non_finite_tensors']} parameter "
                   "tensors hold NaN or inf): not decoded, no tau; this step ranks below every measured one", flush=True)
@@ -1133,6 +1171,10 @@ class BestCheckpoint(Checkpoint):
             write_json_atomic(marker, {"displaced": displaced, "by": name})
         if trainer.is_global_zero and self.best_model_path:
             self.link_best()
+        # The new files are whole and best.ckpt links the best: now, not at the evaluation, report.md may name it
+        for callback in trainer.callbacks:
+            if isinstance(callback, AcceptanceEvaluation):
+                callback.checkpoint_saved(trainer, step)
         if enters and displaced is not None:
             self.remove(trainer, os.path.join(self.dirpath, displaced))
             if trainer.is_global_zero:

@@ -20,6 +20,7 @@ import zipfile
 from pathlib import Path
 
 from ddtree.errors import DDTreeError
+from ddtree.files import read_yaml_mapping
 
 
 def missing_checkpoint(resume: str) -> DDTreeError:
@@ -211,13 +212,27 @@ def find_run_checkpoint(run_dir: Path, spec: str) -> tuple[Path, str]:
 
 def why_no_best(run_dir: Path) -> str:
     """Why a run has no checkpoints/best.ckpt, from what its acceptance evaluation (training/callbacks.py) wrote: an
-    eval/step-N.json for each step it measured, and report.md once it measured one or the run ended before its first."""
+    eval/step-N.json for each step it measured, and report.md once it measured one or the run ended before its first;
+    and from its config.yaml's checkpoint.save_top_k."""
     if any((run_dir / "eval").glob("step-*.json")):
-        return "the run evaluated steps but kept none as best: checkpoint.save_top_k 0 keeps last.ckpt only"
+        if configured_top_k(run_dir) == 0:
+            return "the run evaluated steps but kept none as best: checkpoint.save_top_k 0 keeps last.ckpt only"
+        return ("the run evaluated steps but no checkpoint of them was saved: the save failed or was cut short (a full "
+                "disk, an interrupt, a crash)")
     if (run_dir / "report.md").is_file():
         return ("the run evaluated no step, so it ranked no checkpoint: it stopped before its first evaluation, as "
                 "its report.md says")
     return "runs trained before the acceptance evaluation have no best.ckpt"
+
+
+def configured_top_k(run_dir: Path) -> int | None:
+    """checkpoint.save_top_k in the run's config.yaml; None where it is not there or cannot be read."""
+    try:
+        section = read_yaml_mapping(run_dir / "config.yaml").get("checkpoint")
+    except (DDTreeError, OSError):
+        return None
+    top_k = section.get("save_top_k") if isinstance(section, dict) else None
+    return top_k if isinstance(top_k, int) else None
 
 
 def newest_checkpoint(run_dir: Path) -> Path:

@@ -31,7 +31,8 @@ from ddtree.errors import DDTreeError, error_line
 from ddtree.files import atomic_file, os_error_in
 from ddtree.modeling_dflash import DFlashDraftModel
 
-from .checkpoint_paths import SAVING_MARKER, is_deepspeed_checkpoint, is_readable, run_checkpoints
+from .checkpoint_paths import (SAVING_MARKER, is_checkpoint, is_deepspeed_checkpoint, is_readable, run_checkpoints,
+                               run_folder_of)
 from .peft_utils import DEFAULT_LORA_MODULES, add_drafter_lora, merged_drafter
 
 # ----------------------------------------------------------------------------- writing a checkpoint
@@ -71,8 +72,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             cause = os_error_in(error)
             if cause is None:
                 raise
-            raise DDTreeError(f"cannot write the checkpoint {path}: {cause.strerror or cause}; the previous "
-                              "checkpoints are whole: make room and resume the run (--resume <run folder>)") from None
+            then = ("the previous checkpoints are whole: make room and resume the run (--resume <run folder>)"
+                    if holds_checkpoint(Path(path)) else  # the first save: --resume would find nothing to resume
+                    "the run holds no checkpoint yet: make room and start it again (the same command)")
+            raise DDTreeError(f"cannot write the checkpoint {path}: {cause.strerror or cause}; {then}") from None
 
     @classmethod
     def remove_stale_staging(cls, folder: Path) -> list[Path]:
@@ -81,6 +84,15 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         for path in stale:
             path.unlink(missing_ok=True)
         return stale
+
+
+def holds_checkpoint(path: Path) -> bool:
+    """Whether a save into `path` failing leaves a checkpoint to resume from: one of its run folder's, as --resume of
+    that folder finds them (run_checkpoints), or, outside a run folder, another beside `path`."""
+    run_dir = run_folder_of(path)
+    if run_dir is not None:
+        return bool(run_checkpoints(run_dir))
+    return any(is_checkpoint(other) and not other.is_symlink() for other in path.parent.glob("*.ckpt"))
 
 
 # ----------------------------------------------------------------------------- reading a checkpoint

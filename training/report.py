@@ -11,7 +11,8 @@ writes into the run folder, each file replaced atomically after every evaluation
 `history` is AcceptanceEvaluation.history: [{"step", "train_loss", "val_loss", "seconds",
 "checkpointed", "summary": {CHAIN | tree_key(B): {"tau", "expected_tau", "accepted_depth_counts", ...}}}]
 (ddtree.bench.acceptance_summary per method key). A record with "non_finite_tensors" was not decoded (the
-drafter's weights held NaN or inf): its taus are NaN, its row says so and it ranks last.
+drafter's weights held NaN or inf): its taus are NaN, its row says so and it ranks last. One with "unsaved" was
+measured, but the launch stopped while saving its checkpoint (a full disk, Ctrl-C): its row says so, and it is no best.
 
     report.write_no_evaluation(run_dir, reason)
 
@@ -209,6 +210,8 @@ def markdown_report(run_name: str, history: list[dict], settings: dict, eval_sec
         step = str(record["step"])
         if record is best:
             step = f"**{step}** (best)"
+        elif record.get("unsaved"):
+            step = f"{step} (checkpoint not saved)"
         elif not record["checkpointed"]:
             step = f"{step} (no checkpoint)"
         cells = [step, _number(record["train_loss"]), _number(record["val_loss"])]
@@ -228,6 +231,12 @@ def markdown_report(run_name: str, history: list[dict], settings: dict, eval_sec
         lines += ["", f"Weights not finite at step{'s' if len(broken) > 1 else ''} {', '.join(broken)}: the drafter's "
                   "parameters held NaN or inf, so it was not decoded (decoding stays lossless whatever such a drafter "
                   "proposes, at tau 1.0, which measures nothing). Such a step ranks below every measured one."]
+    unsaved = [str(record["step"]) for record in history if record.get("unsaved")]
+    if unsaved:
+        again = ("a resume from the last saved checkpoint trains and measures that step again" if best is not None
+                 else "no checkpoint was saved, so the run starts again (the same command) to train and measure it")
+        lines += ["", f"Checkpoint not saved at step {', '.join(unsaved)}: the launch stopped while saving it (a full "
+                  f"disk, an interrupt or a crash), so it ranks for no best; {again}."]
     if settings.get("train_loss_note"):
         lines += ["", settings["train_loss_note"]]
     share = 100 * eval_seconds / launch_seconds if launch_seconds > 0 else 0.0

@@ -51,6 +51,11 @@ class DiskWithRoom(io.FileIO):
 def full_disk(monkeypatch):
     """Every file ddtree.files.atomic_file stages (where checkpoints and the tokenized cache are written) lies on a disk
     with ROOM bytes free; every other file is as it was."""
+    fill_disk(monkeypatch)
+
+
+def fill_disk(monkeypatch) -> None:
+    """full_disk from this point on (tests/training/test_eval_callback.py fills it in the middle of a run)."""
     staged = set()
     real_fdopen = os.fdopen
 
@@ -80,6 +85,19 @@ def test_a_checkpoint_save_on_a_full_disk_is_one_line_and_keeps_the_previous_one
                                 "are whole: make room and resume the run (--resume <run folder>)")
     assert [p.name for p in path.parent.iterdir()] == ["last.ckpt"]  # no staging file left
     assert torch.load(path)["global_step"] == 2
+
+
+def test_a_first_checkpoint_save_on_a_full_disk_says_to_start_the_run_again(tmp_path, full_disk):
+    """With no checkpoint saved before, `--resume <run folder>` answers that the run has no checkpoint yet."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text("seed_everything: 0\n")
+    path = run / "checkpoints" / "step-5.ckpt"
+    with pytest.raises(DDTreeError) as error:
+        AtomicCheckpointIO().save_checkpoint({"global_step": 5, "weights": torch.zeros(100_000)}, path)
+    assert str(error.value) == (f"cannot write the checkpoint {path}: No space left on device; the run holds no "
+                                "checkpoint yet: make room and start it again (the same command)")
+    assert list((run / "checkpoints").iterdir()) == []
 
 
 def test_a_tokenized_cache_on_a_full_disk_is_one_line_naming_the_setting(tmp_path, full_disk):

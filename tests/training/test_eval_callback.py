@@ -28,6 +28,7 @@ import torch
 from torch.utils.data import DataLoader, Subset
 
 import toy_data  # tests/training/toy_data.py
+from test_disk_full import fill_disk  # tests/training/test_disk_full.py: a disk with a few KB free
 import ddtree.cli
 import training.evaluate
 import training.report
@@ -39,7 +40,8 @@ from ddtree.packed_linear import is_packed
 from ddtree.targets import DDTreeError, load_target, stop_token_ids
 from training.arguments import recipe_path
 from training.callbacks import AcceptanceEvaluation, BestCheckpoint, measure_acceptance, monitor_metric
-from training.checkpoints import drafter_from_checkpoint
+from training.checkpoint_paths import why_no_best
+from training.checkpoints import AtomicCheckpointIO, drafter_from_checkpoint
 from training.data import TokenizedConversations
 from training.export import export_drafter, run_corpus
 from training.module import DistillModule, NonFiniteError
@@ -343,7 +345,7 @@ def test_best_ckpt_moves_before_the_file_it_displaces_goes_and_a_launch_relinks_
         saved.append(Path(path).name)
 
     trainer = SimpleNamespace(current_epoch=0, global_step=0, is_global_zero=True, ckpt_path=None,
-                              save_checkpoint=save_checkpoint, default_root_dir=str(tmp_path),
+                              save_checkpoint=save_checkpoint, default_root_dir=str(tmp_path), callbacks=[],
                               strategy=SimpleNamespace(broadcast=lambda value: value, remove_checkpoint=os.remove))
     checkpoints = BestCheckpoint(dirpath=folder, monitor=monitor_metric(8), save_top_k=1)
     folder.mkdir()
@@ -494,9 +496,9 @@ class CannedEvaluation(AcceptanceEvaluation):
 
 
 def canned_fit(tmp_path, steps, taus, primary=8, save_top_k=1, extra=(), ckpt_path=None, before=(), every=2, module=None,
-               kind=None):
-    """`before`: callbacks that run ahead of the evaluation at each step; `extra`: after it; `kind`: a CannedEvaluation
-    subclass."""
+               kind=None, plugins=()):
+    """`before`: callbacks that run ahead of the evaluation at each step; `extra`: after it (and before BestCheckpoint,
+    which Lightning runs last); `kind`: a CannedEvaluation subclass."""
     evaluation = (kind or CannedEvaluation)(taus, every_n_train_steps=every, budgets=sorted(next(iter(taus.values()))),
                                   primary_budget=primary)
     checkpoints = BestCheckpoint(dirpath=tmp_path / "checkpoints", monitor=monitor_metric(primary),
@@ -504,9 +506,55 @@ def canned_fit(tmp_path, steps, taus, primary=8, save_top_k=1, extra=(), ckpt_pa
     torch.manual_seed(0)
     trainer = L.Trainer(max_steps=steps, accelerator="cpu", default_root_dir=tmp_path, logger=False,
                         callbacks=[*before, evaluation, checkpoints, *extra], enable_progress_bar=False,
-                        enable_model_summary=False)
+                        enable_model_summary=False, plugins=list(plugins))
     trainer.fit(module or tiny_module(), train_dataloaders=synthetic_loader(steps), ckpt_path=ckpt_path)
     return evaluation, checkpoints
+
+
+class DiskFillsAt(L.Callback):
+    """The disk fills (test_disk_full.fill_disk) once the evaluation of `step` is written, before BestCheckpoint saves
+    the step."""
+
+    def __init__(self, step: int, monkeypatch):
+        self.step, self.monkeypatch = step, monkeypatch
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            fill_disk(self.monkeypatch)
+
+
+@pytest.mark.parametrize("full_at", [2, 4])
+def test_a_save_that_fails_leaves_report_and_plot_naming_only_saved_checkpoints(tmp_path, monkeypatch, capsys, full_at):
+    """report.md and tau.png were written at the evaluation, before the save: a save that then failed (a full disk,
+    Ctrl-C, a kill) left them naming as best a step whose checkpoint did not exist (found in a review). The first save
+    failing, the checkpoint writer said to resume a run that had no checkpoint, and CKPT=best blamed save_top_k 0."""
+    plot = {}
+
+    class PlotBeforeTheSave(L.Callback):  # tau.png as step 2's save left it
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 3:
+                plot["after step 2"] = (tmp_path / "tau.png").read_bytes()
+
+    with pytest.raises(DDTreeError) as error:
+        canned_fit(tmp_path, 4, {2: {8: 1.0}, 4: {8: 2.0}}, extra=[PlotBeforeTheSave(), DiskFillsAt(full_at, monkeypatch)],
+                   plugins=[AtomicCheckpointIO()])
+    report_md = (tmp_path / "report.md").read_text()
+    assert f"| {full_at} (checkpoint not saved) |" in report_md
+    assert f"Checkpoint not saved at step {full_at}: the launch stopped while saving it" in report_md
+    kept = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    if full_at == 4:
+        assert "**Best checkpoint by tau@8: step 2** (tau 1.000; " in report_md and "| **2** (best) |" in report_md
+        assert kept == ["best.ckpt", "last.ckpt", "step-2.ckpt"] and os.readlink(tmp_path / "checkpoints" / "best.ckpt") == "step-2.ckpt"
+        assert (tmp_path / "tau.png").read_bytes() == plot["after step 2"]  # its star stays on step 2
+        assert str(error.value).endswith("the previous checkpoints are whole: make room and resume the run (--resume "
+                                         "<run folder>)")
+    else:
+        assert "Best checkpoint" not in report_md and kept == []
+        assert str(error.value).endswith("the run holds no checkpoint yet: make room and start it again (the same command)")
+        assert why_no_best(tmp_path) == ("the run evaluated steps but no checkpoint of them was saved: the save failed "
+                                         "or was cut short (a full disk, an interrupt, a crash)")
+    # tau.png (over ROOM bytes) could not be written on that disk: said, and the save's error is the one raised
+    assert f"[eval] after the failed save of step {full_at}, report.md and tau.png could not both be rewritten" in capsys.readouterr().out
 
 
 def test_a_resume_from_an_earlier_checkpoint_moves_the_abandoned_branchs_later_files_aside(tmp_path, capsys):

@@ -271,7 +271,13 @@ def test_the_card_of_a_run_stopped_before_its_first_evaluation_gives_advice_that
     card labelled a budget "checkpoints ranked by this", though the run ranked nothing (found in a review)."""
     run = tmp_path / "run"
     shutil.copytree(run_dir, run, symlinks=True)
-    (run / "checkpoints" / "best.ckpt").unlink()  # as checkpoint.save_top_k 0 leaves a run that evaluated
+    (run / "checkpoints" / "best.ckpt").unlink()  # as a failed first save leaves a run that evaluated (save_top_k 1)
+    assert export(run, tmp_path / "best", "--ckpt", "best") == 2
+    assert ("does not exist (the run evaluated steps but no checkpoint of them was saved: the save failed or was cut "
+            "short (a full disk, an interrupt, a crash)); use CKPT=last or a path") in one_error_line(capsys)
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    config["checkpoint"]["save_top_k"] = 0  # only where the run kept no best does save_top_k take the blame
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
     assert export(run, tmp_path / "best", "--ckpt", "best") == 2
     assert ("does not exist (the run evaluated steps but kept none as best: checkpoint.save_top_k 0 keeps last.ckpt "
             "only); use CKPT=last or a path") in one_error_line(capsys)

@@ -380,8 +380,18 @@ class TrainingStateGuard:
 
 
 def changed_measurement(saved: dict, now: dict) -> str:
-    """The settings in which two AcceptanceEvaluation.measurement() differ, as `eval.max_new_tokens 8 -> 16`."""
-    return ", ".join(f"eval.{key} {saved.get(key)!r} -> {value!r}" for key, value in now.items() if saved.get(key) != value)
+    """The settings in which two AcceptanceEvaluation.measurement() differ, as `eval.max_new_tokens 8 -> 16` or `the
+    target's dtype float32 -> bfloat16`; "" where they measure alike. A dtype not recorded (a checkpoint written before
+    it was) is not known, and differs from none."""
+    changes = []
+    for key, value in now.items():
+        was = saved.get(key)
+        if key == "dtype":
+            if None not in (was, value) and was != value:
+                changes.append(f"the target's dtype {was} -> {value}")
+        elif was != value:
+            changes.append(f"eval.{key} {was!r} -> {value!r}")
+    return ", ".join(changes)
 
 
 class AcceptanceEvaluation(L.Callback):
@@ -427,6 +437,8 @@ class AcceptanceEvaluation(L.Callback):
         self.redraft = redraft
         self.packed_weights = packed_weights
         self.pack_target: bool | None = None  # packed_weights resolved for this launch's target (packed_target)
+        # The dtype the target decodes in, as "bfloat16": trainer.precision's or model.target_dtype (setup); None before
+        self.target_dtype: str | None = None
         self.history: list[dict] = []  # one record per evaluation; kept in checkpoints for the report
         self.prompts: list[dict] | None = None  # read in setup (needs the target's tokenizer)
         self.tokenizer = None
@@ -530,6 +542,8 @@ class AcceptanceEvaluation(L.Callback):
                 raise DDTreeError("model.corpus ships the training replies: fit with a DistillDataModule "
                                   "(training.train does), or leave it unset")
             self.corpus = CorpusLookup(replies(datamodule.train_split))
+        # as DistillModule.configure_model loads the target, in which decoding runs it (measure)
+        self.target_dtype = str(pl_module.frozen_target_dtype()).removeprefix("torch.")
 
     def on_train_start(self, trainer, pl_module) -> None:
         self.launch_started = time.perf_counter()
@@ -637,9 +651,10 @@ class AcceptanceEvaluation(L.Callback):
             self._report_no_evaluation(trainer, "failed", type(exception).__name__ + (f": {said[0]}" if said else ""))
 
     def measurement(self) -> dict:
-        """The settings that say what a tau of this evaluation measures (the budgets and the ranking aside)."""
+        """The settings that say what a tau of this evaluation measures (the budgets and the ranking aside): the same
+        drafter decodes to other taus in bfloat16 than in float32, so the target's dtype is one."""
         return {"prompts": str(self.prompts_path), "limit": self.limit, "max_new_tokens": self.max_new_tokens,
-                "lookup": self.lookup, "redraft": self.redraft}
+                "lookup": self.lookup, "redraft": self.redraft, "dtype": self.target_dtype}
 
     def state_dict(self) -> dict:
         return {"history": self.history, "last_step": self.last_step, "measurement": self.measurement(),
@@ -648,10 +663,14 @@ class AcceptanceEvaluation(L.Callback):
     def load_state_dict(self, state_dict: dict) -> None:
         # New taus are ranked against the history's (best.ckpt, the report): measured otherwise, they compare nothing
         saved, now = state_dict.get("measurement"), self.measurement()  # (checkpoints before it was kept: not checked)
-        if saved is not None and saved != now:
-            raise DDTreeError(f"this run measured its checkpoints' tau otherwise than the resume would "
-                              f"({changed_measurement(saved, now)}): "
-                              "resume with the run's values, or measure its checkpoints so with make eval")
+        changed = changed_measurement(saved, now) if saved is not None else ""
+        if changed:
+            fix = "resume with the run's values, or measure its checkpoints so with make eval"
+            if "the target's dtype" in changed:  # a resume on another machine, or with --trainer.precision=auto
+                fix = (f"resume with the run's trainer.precision and model.target_dtype (its config.yaml's, which ran "
+                       f"the target in {saved['dtype']}), or warm-start a new run in {now['dtype']} from its drafter "
+                       "(python -m training.export <checkpoint> <folder>, then --model.init_from=<folder>)")
+            raise DDTreeError(f"this run measured its checkpoints' tau otherwise than the resume would ({changed}): {fix}")
         self.history = list(state_dict.get("history", []))
         self.last_step = state_dict.get("last_step", -1)
         stop = state_dict.get("unmeasured_stop")
@@ -811,6 +830,7 @@ class AcceptanceEvaluation(L.Callback):
             # auto is measured per launch (resolve_packing): what it ran as, as `ddtree bench` records it; None before
             # a decoding resolves it
             "packed_weights": self.packed_weights, "packed_weights_resolved": self.pack_target,
+            "dtype": self.target_dtype,  # the target's, and the drafter's with it (in_dtype); the model card states it
         }
 
     def _report_no_evaluation(self, trainer, ended: str, error: str = "") -> None:

@@ -12,7 +12,8 @@ checkpoint outside a run folder (refused where the recipe's model.target is not 
 target comes from the checkpoint's hyper-parameters. The drafter is the checkpoint's (LoRA adapters
 merged in, as exported), and a model.corpus run's trees graft its <run>/corpus.safetensors as
 training's did. When the checkpoint holds the value logged at its step, measured with the same
-prompts, limit, max_new_tokens, lookup and redraft, it is printed beside the new measurement; not where
+prompts, limit, max_new_tokens, lookup, redraft and target dtype (not known in checkpoints written before it was
+recorded: compared as the same), it is printed beside the new measurement; not where
 the target's adapter (model.target_adapter) has other files than the checkpoint recorded (retrained in place).
 
 Prints one row per method and writes <run>/eval/checkpoint-<name>.json (checkpoint-<name>-limit<N>.json with
@@ -74,13 +75,13 @@ def check_same_target(config: dict, source: Path, checkpoint: Checkpoint) -> Non
 
 def logged_metrics(checkpoint: Checkpoint, evaluation: AcceptanceEvaluation) -> dict | None:
     """What the training-time evaluation logged at the checkpoint's step, from its saved callback states; None where it
-    measured otherwise than `evaluation` will (other prompts, limit, max_new_tokens, lookup or redraft give other taus),
-    or does not say how it measured."""
+    measured otherwise than `evaluation` will (other prompts, limit, max_new_tokens, lookup, redraft or target dtype
+    give other taus), or does not say how it measured."""
     record = recorded_evaluation(checkpoint)
     if record is None:
         return None
     saved, now = evaluation_state(checkpoint).get("measurement"), evaluation.measurement()
-    if saved != now:
+    if saved is None or changed_measurement(saved, now):  # (a dtype not recorded is not known: no change)
         how = f"measured step {checkpoint.step} otherwise ({changed_measurement(saved, now)})" if saved else \
             f"did not record how it measured step {checkpoint.step}"
         print(f"[eval] training {how}: no logged tau to compare with", file=sys.stderr)
@@ -178,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         precision = choice.lightning
         print(f"[precision] trainer.precision auto -> {precision} ({choice.reason})", flush=True)
     dtype = dtype_for_precision(precision, hp.get("target_dtype", "auto"))
+    evaluation.target_dtype = str(dtype).removeprefix("torch.")  # recorded, and compared with training's (logged_metrics)
     comparable = True  # where training measured with these settings too (logged_metrics)
     adapter, adapter_files = hp.get("target_adapter"), adapter_fingerprint(hp.get("target_adapter"))
     if adapter and hp.get("target_adapter_sha256") not in (None, adapter_files):
@@ -224,8 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     # A --limit measurement has its own name: the checkpoint's own one is what `make export` reports for its step
     partial = "" if args.limit is None else f"-limit{args.limit}"
     out = Path(args.out) if args.out else eval_dir / f"checkpoint-{path.resolve().stem}{partial}.json"
-    used = {**evaluation.settings(drafter.config, len(prompts)), "limit": evaluation.limit, "target": hp["target"],
-            "dtype": str(dtype)}
+    used = {**evaluation.settings(drafter.config, len(prompts)), "limit": evaluation.limit, "target": hp["target"]}
     if adapter:
         used.update(target_adapter=adapter, target_adapter_sha256=adapter_files)
     write_json_atomic(out, {"checkpoint": str(path), "step": step, "settings": used,

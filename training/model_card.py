@@ -14,7 +14,8 @@ or for a checkpoint measured after training, <run>/eval/checkpoint-<name>.json (
         "step": int,
         "settings": {"prompts": str, "num_prompts": int, "max_new_tokens": int, "budgets": [int],
                      "primary_budget": int, "block_size": int, "temperature": float (optional),
-                     "redraft": int, "lookup": int, "corpus": bool (optional: what the decoder ran with)},
+                     "redraft": int, "lookup": int, "corpus": bool (optional: what the decoder ran with),
+                     "dtype": str (optional: the target's, as "bfloat16")},
         "summary": {"dflash" | "ddtree@<B>": {"tau": float, "expected_tau": float, "rounds": int,
                                               "new_tokens": int, ...}},
         "prompts": [per-prompt rows]}
@@ -145,6 +146,9 @@ def read_evaluation(run_dir: Path, step: int, checkpoint_name: str | None = None
             if not (stats.get(name) is None or is_number(stats[name])):
                 raise DDTreeError(f"{path}: summary.{key}.{name} is {stats[name]!r}, not a number; "
                                   f"re-run the evaluation of step {step}")
+    if not (settings.get("dtype") is None or isinstance(settings["dtype"], str)):
+        raise DDTreeError(f"{path}: settings.dtype is {settings['dtype']!r}, not a dtype's name; "
+                          f"re-run the evaluation of step {step}")
     if not isinstance(settings["prompts"], str):
         raise DDTreeError(f"{path}: settings.prompts is {settings['prompts']!r}, not a file name; "
                           f"re-run the evaluation of step {step}")
@@ -372,11 +376,13 @@ def evaluation_section(facts: CardFacts) -> list[str]:
 
 
 def measured_dtype(facts: CardFacts) -> tuple[str, str] | None:
-    """(dtype, where it comes from) of the evaluation's target: `make eval` records it (settings.dtype); training's
-    is model.target_dtype, else the one trainer.precision gives (DistillModule.configure_model). None if not known."""
+    """(dtype, where it comes from) of the evaluation's target: as the evaluation recorded it (settings.dtype: `make
+    eval`'s, and training's since 2026-12-03), else model.target_dtype or the one trainer.precision gives
+    (DistillModule.configure_model), read from the run's config as it is now. None if not known."""
     recorded = facts.evaluation["settings"].get("dtype")
     if recorded is not None:
-        return str(recorded).removeprefix("torch."), "as `make eval` recorded it"
+        who = "`make eval`" if "checkpoint" in facts.evaluation else "the training-time evaluation"
+        return str(recorded).removeprefix("torch."), f"as {who} recorded it"
     return training_dtype(facts)
 
 

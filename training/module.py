@@ -254,13 +254,17 @@ class DistillModule(L.LightningModule):
 
     # ------------------------------------------------------------------ setup
 
+    def frozen_target_dtype(self) -> torch.dtype:
+        """The dtype the frozen target is loaded in, and decoded in by the evaluation: model.target_dtype, else the
+        trainer precision's."""
+        return dtype_for_precision(self._trainer.precision if self._trainer else None, self.hparams.target_dtype)
+
     def configure_model(self) -> None:
         """Load the frozen target and build (or warm-start) the drafter; runs once per process."""
         if self.drafter is not None:
             return
         hp = self.hparams
-        dtype = dtype_for_precision(self._trainer.precision if self._trainer else None, hp.target_dtype)
-        model, tokenizer = load_frozen_target(hp.target, dtype, hp.target_adapter)
+        model, tokenizer = load_frozen_target(hp.target, self.frozen_target_dtype(), hp.target_adapter)
 
         if hp.init_from:
             # checked, one-line errors; built for a target of another depth too, as it is trained against this one

@@ -624,26 +624,29 @@ def test_make_eval_refuses_a_recipe_for_another_target_than_the_loose_checkpoint
     assert not (tmp_path / "loose" / "eval").exists()
 
 
-@pytest.mark.parametrize("max_new_tokens", [16, 8])
+@pytest.mark.parametrize("max_new_tokens, dtype", [(16, None), (8, None), (16, "float16")])
 def test_make_eval_shows_the_logged_tau_only_where_training_measured_the_same_way(saved, tmp_path, capsys,
-                                                                                   max_new_tokens):
-    """A tau logged with other prompts, limit, max_new_tokens, lookup or redraft measures something else: it was
-    printed and stored as "logged" beside the new one all the same."""
+                                                                                   max_new_tokens, dtype):
+    """A tau logged with other prompts, limit, max_new_tokens, lookup, redraft or target dtype measures something
+    else: it was printed and stored as "logged" beside the new one all the same. A dtype not recorded (checkpoints
+    written before it was) is not known: compared as the same."""
     path, _ = saved
-    # the tiny recipe's eval section with --limit 1, but for max_new_tokens
+    # the tiny recipe's eval section with --limit 1, but for max_new_tokens; float16: a dtype `auto` never picks
     measurement = {"prompts": "data/eval_prompts.jsonl", "limit": 1, "max_new_tokens": max_new_tokens,
-                   "lookup": None, "redraft": None}
+                   "lookup": None, "redraft": None, **({"dtype": dtype} if dtype else {})}
     loose = loose_copy(path, tmp_path / "loose", measurement)
     assert training.evaluate.main(["--recipe", "tiny", "--ckpt", str(loose), "--limit", "1"]) == 0
     printed = capsys.readouterr()
     row = next(line for line in printed.out.splitlines() if line.startswith("dflash "))
-    stored = json.loads((tmp_path / "loose" / "eval" / "checkpoint-x-limit1.json").read_text())["logged"]
-    if max_new_tokens == 16:  # the recipe's: the same measurement
+    written = json.loads((tmp_path / "loose" / "eval" / "checkpoint-x-limit1.json").read_text())
+    stored, now = written["logged"], written["settings"]["dtype"]
+    if max_new_tokens == 16 and dtype is None:  # the recipe's: the same measurement
         assert row.split()[2] == "1.500" and stored["val/tau_dflash"] == 1.5
     else:
         assert row.split()[2] == "-" and stored is None
-        assert ("[eval] training measured step 7 otherwise (eval.max_new_tokens 8 -> 16): no logged tau to compare "
-                "with") in printed.err
+        changed = "eval.max_new_tokens 8 -> 16" if dtype is None else f"the target's dtype float16 -> {now}"
+        assert f"[eval] training measured step 7 otherwise ({changed}): no logged tau to compare with" in printed.err
+    assert f"target tiny-random in {now}" in printed.out  # the dtype it ran in, recorded as training records it
 
 
 def test_make_eval_marks_a_target_adapter_retrained_since_as_not_comparable(saved, tmp_path, capsys):

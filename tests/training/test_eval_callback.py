@@ -927,6 +927,31 @@ def test_a_resume_that_would_measure_tau_otherwise_is_refused_naming_what_change
     AcceptanceEvaluation(**{**settings, "limit": 4}).load_state_dict(older)
 
 
+def test_a_resume_that_would_run_the_target_in_another_dtype_is_refused_naming_both(tmp_path):
+    """The same drafter decodes to other taus in bfloat16 than in float32: a resume with another trainer.precision
+    (on another machine, or with --trainer.precision=auto) or model.target_dtype ranked its taus against the run's
+    without a word, and the card read the dtype from the config as it was after the resume (found in a review)."""
+    canned_fit(tmp_path, 2, {2: {8: 1.0}}, module=tiny_module(target_dtype="float32"))
+    assert json.loads((tmp_path / "eval" / "step-000002.json").read_text())["settings"]["dtype"] == "float32"
+    with pytest.raises(DDTreeError) as error:
+        canned_fit(tmp_path, 4, {4: {8: 2.0}}, module=tiny_module(target_dtype="bfloat16"),
+                   ckpt_path=tmp_path / "checkpoints" / "last.ckpt")
+    assert str(error.value) == (
+        "this run measured its checkpoints' tau otherwise than the resume would (the target's dtype float32 -> "
+        "bfloat16): resume with the run's trainer.precision and model.target_dtype (its config.yaml's, which ran the "
+        "target in float32), or warm-start a new run in bfloat16 from its drafter (python -m training.export "
+        "<checkpoint> <folder>, then --model.init_from=<folder>)")
+    assert not (tmp_path / "eval" / "step-000004.json").exists()
+    # A checkpoint written before the dtype was recorded: not known, so not refused
+    settings = dict(prompts=PROMPTS, budgets=[8], primary_budget=8, max_new_tokens=6, limit=2)
+    saved = AcceptanceEvaluation(**settings).state_dict()
+    assert saved["measurement"]["dtype"] is None  # (no setup: nothing says yet)
+    del saved["measurement"]["dtype"]
+    resumed = AcceptanceEvaluation(**settings)
+    resumed.target_dtype = "bfloat16"
+    resumed.load_state_dict(saved)
+
+
 @pytest.mark.parametrize("where", ["no checkpoint callback", "stop set after the evaluation"])
 def test_a_stop_that_is_not_checkpointed_is_measured_and_reported_as_unsaved(tmp_path, where):
     evaluation = RiggedEvaluation(["bad", "perfect"], prompts=PROMPTS, every_n_train_steps=2, budgets=[8],

@@ -1795,16 +1795,23 @@ def test_card_names_the_dtype_the_figures_were_measured_in_and_an_export_in_anot
     shutil.copytree(run_dir, run, symlinks=True)
     assert export(run, tmp_path / "fp32", "--ckpt", "last") == 0
     card = (tmp_path / "fp32" / "README.md").read_text()
-    assert "ran in `float32` (the training precision `32`) during this evaluation." in card
+    assert "ran in `float32` (as the training-time evaluation recorded it) during this evaluation." in card
     assert "These weights are stored in" not in card
     assert export(run, tmp_path / "bf16", "--ckpt", "last", "--dtype", "bfloat16") == 0
     assert ("These weights are stored in `bfloat16` (the export's `--dtype`), not the `float32` the figures were "
             "measured in") in (tmp_path / "bf16" / "README.md").read_text()
 
+    # The recorded dtype is the card's, whatever the run's settings say now (a resume's, say)
     checkpoint = run / "checkpoints" / "last.ckpt"
     saved = torch.load(checkpoint, map_location="cpu", weights_only=False)
     saved["hyper_parameters"]["target_dtype"] = "bfloat16"
     torch.save(saved, checkpoint)
+    assert export(run, tmp_path / "recorded", "--ckpt", "last") == 0
+    assert "ran in `float32` (as the training-time evaluation recorded it)" in (tmp_path / "recorded" / "README.md").read_text()
+    # An evaluation recorded before the dtype was: the training settings'
+    path = run / "eval" / "step-000002.json"
+    record = json.loads(path.read_text())
+    path.write_text(json.dumps({**record, "settings": {k: v for k, v in record["settings"].items() if k != "dtype"}}))
     assert export(run, tmp_path / "target-dtype", "--ckpt", "last") == 0
     card = (tmp_path / "target-dtype" / "README.md").read_text()
     assert "ran in `bfloat16` (`model.target_dtype: bfloat16`) during this evaluation." in card

@@ -332,12 +332,14 @@ def markdown_table(results: list[dict]) -> str:
                      *["-"] * (len(head) - 3)]
             lines.append("| " + " | ".join(cells) + " |")
             continue
-        chain_expected = r.get("chain_expected_tau")
+        # A tau is null in eval/step-N.json where no round ran (or the weights were not finite): a dash, as in report.md
+        measured = lambda tau, expected: "-" if tau is None else f"{tau:.2f} ({fmt([expected])})"  # noqa: E731
+        top_tau, chain_tau = r["tau"].get(top), r["chain_tau"]
         cells = [r["variant"], str(r["step"]), f"{r['run_minutes']:.1f}",
                  "-" if r["val_loss"] is None else f"{r['val_loss']:.3f}", fmt(r["accuracy"]), fmt(r["recall"]),
-                 *[f"{r['tau'][b]:.2f} ({r['expected_tau'][b]:.2f})" if b in r["tau"] else "-" for b in budgets],
-                 f"{r['chain_tau']:.2f} ({'-' if chain_expected is None else format(chain_expected, '.2f')})",
-                 f"{r['tau'][top] / r['chain_tau']:.2f}x" if r["chain_tau"] > 0 and top in r["tau"] else "-"]
+                 *[measured(r["tau"][b], r["expected_tau"][b]) if b in r["tau"] else "-" for b in budgets],
+                 measured(chain_tau, r.get("chain_expected_tau")),
+                 f"{top_tau / chain_tau:.2f}x" if chain_tau and top_tau is not None else "-"]
         lines.append("| " + " | ".join(cells) + " |")
     shares = {r["variant"]: r["data"]["train_sequences"] for r in results if r.get("data", {}).get("train_sequences")}
     if len(set(shares.values())) > 1:

@@ -140,7 +140,8 @@ def read_evaluation(run_dir: Path, step: int, checkpoint_name: str | None = None
         if key != CHAIN and not re.fullmatch(r"ddtree@[1-9][0-9]*", key):
             raise DDTreeError(f"{path}: summary.{key} is not a decoding the card knows ({CHAIN} or ddtree@<node budget>); "
                               f"re-run the evaluation of step {step}")
-        if not isinstance(stats, dict) or not is_number(stats.get("tau")):
+        # tau null: NaN, as write_json_atomic writes it, where no round ran (callbacks.measured_summary), shown "-"
+        if not isinstance(stats, dict) or "tau" not in stats or not (stats["tau"] is None or is_number(stats["tau"])):
             raise DDTreeError(f"{path}: summary.{key}.tau is missing or not a number")
         for name in ("expected_tau", "rounds", "new_tokens"):  # null: a NaN as write_json_atomic writes it, shown "-"
             if not (stats.get(name) is None or is_number(stats[name])):
@@ -272,8 +273,9 @@ class CardFacts:
     engine_target: str = "the target's config.json"  # what the engine rules compared the drafter with
 
 
-def _format_tau(value: float) -> str:
-    return f"{value:.3f}"
+def _format_tau(value: float | None) -> str:
+    """A tau to three places, or "-" where none was measured (null: no round ran)."""
+    return "-" if value is None else f"{value:.3f}"
 
 
 def decoded_with(settings: dict) -> list[str]:
@@ -355,6 +357,9 @@ def evaluation_section(facts: CardFacts) -> list[str]:
         expected = "-" if stats.get("expected_tau") is None else f"{stats['expected_tau']:.3f}"
         rounds, new_tokens = ("-" if stats.get(name) is None else stats[name] for name in ("rounds", "new_tokens"))
         lines.append(f"| {label} | {_format_tau(stats['tau'])} | {expected} | {rounds} | {new_tokens} |")
+    if any(stats["tau"] is None for _, stats in rows):
+        lines += ["", "A tau shown as `-` was not measured: no verification round ran (every prompt ended on the "
+                      "target's first token)."]
     extras = decoded_with(settings)
     defaults = facts.drafter_config.get("dflash_config") or {}  # where the drafter keeps its decoding defaults
     overridden = [f"--{name} {settings.get(name) or 0}" for name in ("lookup", "redraft")

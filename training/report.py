@@ -144,6 +144,16 @@ def _number(value, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def unmeasured_tau(value: float | None) -> bool:
+    """A tau no round measured: NaN here (callbacks.measured_summary), null in eval/step-N.json."""
+    return value is None or math.isnan(value)
+
+
+def _measured(value: float | None, digits: int = 3) -> str:
+    """A tau, or "-" where no round measured it."""
+    return "-" if unmeasured_tau(value) else f"{value:.{digits}f}"
+
+
 def primary_digits(history: list[dict], primary_budget: int, best: dict | None) -> int:
     """Decimals for the primary tau: 3, or as many as tell the best checkpoint's from every other checkpointed step's
     that differs from it. At 3 a tau a hair below the best's printed equal to it, and the report then seemed to mark
@@ -198,9 +208,10 @@ def markdown_report(run_name: str, history: list[dict], settings: dict, eval_sec
         lines += [f"**Best checkpoint by tau@{primary}: step {best['step']}**, though nothing was measured: no "
                   "checkpointed step's drafter had finite weights (`checkpoints/best.ckpt` links to it).", ""]
     elif best is not None:
+        best_tau = best["summary"][tree_key(primary)]["tau"]
         lines += [
             f"**Best checkpoint by tau@{primary}: step {best['step']}** "
-            f"(tau {best['summary'][tree_key(primary)]['tau']:.{digits}f}; `checkpoints/best.ckpt` links to it).",
+            f"(tau {_measured(best_tau, digits)}; `checkpoints/best.ckpt` links to it).",
             "",
         ]
     header = ["step", "train loss", "val loss", *[f"tau@{b} (expected)" for b in budgets], "chain tau", "eval s"]
@@ -222,8 +233,9 @@ def markdown_report(run_name: str, history: list[dict], settings: dict, eval_sec
             for b in budgets:  # a budget added on a resume: the rows before it did not measure it
                 stats = summary.get(tree_key(b))
                 places = digits if b == primary else 3
-                cells.append("-" if stats is None else f"{stats['tau']:.{places}f} ({stats['expected_tau']:.2f})")
-            cells.append(f"{summary[CHAIN]['tau']:.3f}")
+                cells.append("-" if stats is None or unmeasured_tau(stats["tau"])
+                             else f"{stats['tau']:.{places}f} ({_measured(stats['expected_tau'], 2)})")
+            cells.append(_measured(summary[CHAIN]["tau"]))
         cells.append(f"{record['seconds']:.1f}")
         lines.append("| " + " | ".join(cells) + " |")
     broken = [str(record["step"]) for record in history if record.get("non_finite_tensors")]
@@ -237,6 +249,10 @@ def markdown_report(run_name: str, history: list[dict], settings: dict, eval_sec
                  else "no checkpoint was saved, so the run starts again (the same command) to train and measure it")
         lines += ["", f"Checkpoint not saved at step {', '.join(unsaved)}: the launch stopped while saving it (a full "
                   f"disk, an interrupt or a crash), so it ranks for no best; {again}."]
+    if any(unmeasured_tau(stats["tau"]) for record in history if not record.get("non_finite_tensors")
+           for stats in record["summary"].values()):
+        lines += ["", "A tau shown as `-` was not measured: no verification round ran (every prompt ended on the "
+                  "target's first token). Such a step ranks below every measured one."]
     if settings.get("train_loss_note"):
         lines += ["", settings["train_loss_note"]]
     share = 100 * eval_seconds / launch_seconds if launch_seconds > 0 else 0.0

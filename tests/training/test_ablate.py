@@ -197,6 +197,10 @@ def test_the_table_shows_every_budget_and_a_dash_where_a_variant_did_not_measure
     assert table[2].endswith("| 2.00 (2.10) | 3.00 (3.10) | 1.50 (-) | 2.00x |")
     assert table[3].endswith("| - | 2.50 (2.60) | 0.00 (-) | - |")  # no chain rounds: no ratio
     assert plot([result("a", {8: 2.0, 32: 3.0}, 1.5), result("b", {32: 2.5}, 0.0)]) is not None
+    # null in eval/step-N.json (NaN: no round ran, or weights not finite): a dash, where it was a TypeError
+    unmeasured = {**result("c", {}, None), "tau": {8: None, 32: None}, "expected_tau": {8: None, 32: None}}
+    assert markdown_table([unmeasured]).splitlines()[2].endswith("| - | - | - | - |")
+    assert plot([unmeasured]) is not None
 
 
 def test_a_stopped_variant_is_a_row_the_others_still_compare_and_unequal_data_is_said(tmp_path, monkeypatch, capsys):

@@ -1143,6 +1143,13 @@ def test_an_evaluation_where_no_round_ran_ranks_below_every_measured_tau():
     for key, stats in measured["summary"].items():
         assert math.isnan(stats["tau"]) and math.isnan(stats["expected_tau"]) and stats["rounds"] == 0, key
     assert training.report.primary_score(measured, 4) == -math.inf
+    # report.md shows such a tau as "-" (it printed "nan (nan)"), as the model card does its null
+    settings = dict(prompts=PROMPTS, num_prompts=2, max_new_tokens=6, budgets=[4], primary_budget=4, block_size=BLOCK)
+    history = [{"step": 2, "train_loss": None, "val_loss": None, "seconds": 0.0, "checkpointed": True, **measured}]
+    report = training.report.markdown_report("run", history, settings, 0.0, 1.0)
+    assert "| **2** (best) | - | - | - | - | 0.0 |" in report and "nan" not in report
+    assert "(tau -; `checkpoints/best.ckpt` links to it)" in report
+    assert "A tau shown as `-` was not measured: no verification round ran" in report
 
 
 def test_the_evaluation_decodes_through_packed_target_weights_and_unpacks_them_after(monkeypatch, capsys):

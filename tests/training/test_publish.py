@@ -1865,6 +1865,29 @@ def test_a_measurement_written_as_null_shows_as_a_dash(run_dir, tmp_path):
     assert f"| DDTree, node budget 4 (checkpoints ranked by this) | {tree['tau']:.3f} | - | - |" in card
 
 
+def test_a_tau_written_as_null_shows_as_a_dash_and_says_why(run_dir, tmp_path):
+    """Training writes every tau as NaN (null) where no round ran (every prompt ended on its first token): the export
+    stopped on it ("summary.dflash.tau is missing or not a number"), though the docs said it shows as "-" (found in a
+    review). A tau left out is still refused."""
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run, symlinks=True)
+    path = run / "eval" / "step-000002.json"
+    record = json.loads(path.read_text())
+    for stats in record["summary"].values():
+        stats.update(tau=None, expected_tau=None, rounds=0)
+    path.write_text(json.dumps(record))
+    assert export(run, tmp_path / "out", "--ckpt", "last") == 0
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "| chain (one DFlash block, 7 drafted tokens) | - | - | 0 |" in card
+    assert "| DDTree, node budget 4 (checkpoints ranked by this) | - | - | 0 |" in card
+    assert "| `ddtree --method ddtree --budget 4` | draft tree of 4 nodes | - |" in card
+    assert "A tau shown as `-` was not measured: no verification round ran" in card
+    del record["summary"]["dflash"]["tau"]
+    path.write_text(json.dumps(record))
+    with pytest.raises(DDTreeError, match="summary.dflash.tau is missing or not a number"):
+        read_evaluation(run, 2)
+
+
 def test_push_only_refuses_a_folder_holding_files_no_export_writes(run_dir, tmp_path, hub, capsys):
     """They went up as the drafter's, and the next push was refused for the repo holding them."""
     out = tmp_path / "export"

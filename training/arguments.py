@@ -90,7 +90,7 @@ def check_throughput_args(args: argparse.Namespace) -> None:
     elif args.random_target:
         raise DDTreeError("--random-target needs --recipe (the target and its drafter settings come from it)")
     else:
-        for setting in (args.settings or THROUGHPUT_SETTINGS).split(","):
+        for setting in (THROUGHPUT_SETTINGS if args.settings is None else args.settings).split(","):
             parse_setting(setting)
 
 

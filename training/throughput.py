@@ -163,9 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         max_length, recipe_batch = 320, 2
         cases = []
-        for setting in (args.settings or THROUGHPUT_SETTINGS).split(","):
+        for setting in (THROUGHPUT_SETTINGS if args.settings is None else args.settings).split(","):
             anchors, layers, block = parse_setting(setting)
-            cases.append((setting, dict(target=args.target or THROUGHPUT_TARGET, num_anchors=anchors, num_layers=layers,
+            cases.append((setting, dict(target=THROUGHPUT_TARGET if args.target is None else args.target, num_anchors=anchors, num_layers=layers,
                                         block_size=block)))
     batch_size = args.batch_size if args.batch_size is not None else recipe_batch
     length = args.length if args.length is not None else max_length

@@ -260,3 +260,19 @@ def test_a_bad_device_is_one_line_before_anything_is_built(device, gpus, said, m
     assert main([*TINY, "--device", device]) == 2
     errors = capsys.readouterr().err.strip().splitlines()
     assert len(errors) == 1 and errors[0].startswith(f"error: {said}")
+
+
+def test_an_empty_settings_or_target_is_refused_not_taken_for_the_default(monkeypatch, capsys):
+    """`--settings "$S"` with S unset timed the default 16x5x16 on smollm2-135m without a word."""
+    monkeypatch.setattr("training.throughput.build_module", lambda *args: pytest.fail("built with the default"))
+    assert main(["--device", "cpu", "--settings", ""]) == 2
+    assert "error: --settings '': give ANCHORSxLAYERSxBLOCK" in capsys.readouterr().err
+    built = []
+
+    def stop(settings, random_target, device):
+        built.append(settings["target"])
+        raise DDTreeError("stop here")
+
+    monkeypatch.setattr("training.throughput.build_module", stop)
+    assert main(["--device", "cpu", "--target", "", "--settings", "4x1x4"]) == 2
+    assert built == [""]  # the empty name is the user's, refused where the target is resolved

@@ -22,6 +22,7 @@ decoding CLI (`--dtype auto`). An explicit precision or dtype is never changed.
 from __future__ import annotations
 
 import os
+import platform
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -85,6 +86,13 @@ _cpu_choice: Choice | None = None  # measured once per process
 INHERITED_CHOICE = "DDTREE_CPU_PRECISION"
 
 
+def cpu_key() -> str:
+    """What a CPU measurement holds for: this host, its CPU and the kernels torch picked on it."""
+    from .machine import cpu_model_and_flags
+
+    return f"{platform.node()} {cpu_model_and_flags()[0]} {torch.backends.cpu.get_cpu_capability()}"
+
+
 def fast_precision(device: str | torch.device = "cpu", measure: Callable[[], dict[torch.dtype, float]] | None = None) -> Choice:
     """The precision that is fast on `device`; `measure() -> {dtype: seconds}` replaces the timing (tests)."""
     global _cpu_choice
@@ -99,8 +107,10 @@ def fast_precision(device: str | torch.device = "cpu", measure: Callable[[], dic
     if device.type != "cpu":
         return Choice(torch.float32, f"no measurement for device {device.type}; fp32 is always exact")
     if measure is None and _cpu_choice is None and os.environ.get(INHERITED_CHOICE):
-        name, _, reason = os.environ[INHERITED_CHOICE].partition(" ")
-        if name in ("bfloat16", "float32"):  # else not this project's value: measured afresh
+        name, cpu, reason = (os.environ[INHERITED_CHOICE].split("\t") + ["", ""])[:3]
+        # only one measured on the same CPU with the same kernels: a job started on another host with this
+        # environment (sbatch's --export=ALL), or a child held to AVX2 (ATEN_CPU_CAPABILITY), measures afresh
+        if name in ("bfloat16", "float32") and cpu == cpu_key():
             _cpu_choice = Choice(getattr(torch, name), f"{reason} (measured by the process that started this one)")
     if measure is None and _cpu_choice is not None:
         return _cpu_choice
@@ -114,7 +124,7 @@ def fast_precision(device: str | torch.device = "cpu", measure: Callable[[], dic
                            f"{torch.backends.cpu.get_cpu_capability()})")
     if measure is None:
         _cpu_choice = choice
-        os.environ[INHERITED_CHOICE] = f"{choice.name} {choice.reason}"
+        os.environ[INHERITED_CHOICE] = f"{choice.name}\t{cpu_key()}\t{choice.reason}"
     return choice
 
 

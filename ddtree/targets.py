@@ -559,7 +559,8 @@ def check_drafter_fits(config, target: PreTrainedModel, source: str,
         raise DDTreeError(f"drafter {source}: num_target_layers {config.num_target_layers} != the target's {depth} "
                           f"layers; this drafter was built for another target{built_for} and would read other layers "
                           "than it learned from: give a drafter trained against this target, or train one from this "
-                          "one (model.init_from)")
+                          "one (model.init_from); one a run warm-started before 2026-12-02 names the drafter it started "
+                          "from: export its checkpoint again (python -m training.export CKPT OUT)")
     if not ids or any(not 0 <= i < depth for i in ids):
         raise DDTreeError(f"drafter {source}: {layer_ids_field} {ids} must be non-empty and within 0..{depth - 1} "
                           f"(the target has {depth} layers)")

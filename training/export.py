@@ -22,10 +22,12 @@ from pathlib import Path
 
 from ddtree.corpus import CORPUS_FILE
 from ddtree.errors import CommandParser, DDTreeError, command
+from ddtree.modeling_dflash import DFlashDraftModel
 from ddtree.files import check_output_folder, staged_folder
 
 from .checkpoint_paths import run_folder_of
 from .checkpoints import load_checkpoint
+from .engines import target_facts
 from .hub_config import drop_hub_fields
 from .peft_utils import merged_drafter
 
@@ -50,6 +52,29 @@ def checkpoint_corpus(checkpoint: Path, run_dir: Path | None, trained_with_corpu
     return corpus
 
 
+def record_trained_target(drafter: DFlashDraftModel, target: str | None, path: Path) -> None:
+    """Make the drafter's config name the target the run trained it against (its hyper-parameters' model.target).
+
+    A drafter warm-started (model.init_from) before the warm start took the run's target kept the folder's target name
+    and depth; it fitted the run's target (check_drafter_fits), so the name and depth are taken from the run's target.
+    One that does not fit it (read here; when it cannot be, nothing is compared) is not that run's drafter.
+    """
+    recorded = drafter.config.target_name_or_path
+    if target is None or recorded == target:
+        return
+    facts = target_facts(target, drafter.config.to_dict())
+    if facts.hidden_size is not None:
+        layers = facts.num_hidden_layers
+        if drafter.config.hidden_size != facts.hidden_size or max(drafter.config.target_layer_ids) >= layers:
+            raise DDTreeError(
+                f"CKPT {path}: its drafter (hidden size {drafter.config.hidden_size}, target layers "
+                f"{drafter.config.target_layer_ids}, built for {recorded!r}) does not fit the run's model.target "
+                f"{target!r} (hidden size {facts.hidden_size}, {layers} layers): give a checkpoint of a run trained "
+                f"against {target!r}")
+        drafter.config.num_target_layers = layers
+    drafter.config.target_name_or_path = target
+
+
 def export_drafter(source, out_dir: str | Path, corpus: Path | None = None, overwrite: bool = False) -> Path:
     """Write `source` (a DistillModule, a drafter nn.Module or a checkpoint path) to out_dir; return out_dir.
 
@@ -66,6 +91,8 @@ def export_drafter(source, out_dir: str | Path, corpus: Path | None = None, over
         check_output_folder(out_dir, overwrite, keep=(run_dir or checkpoint,), name="out_dir")
         loaded = load_checkpoint(checkpoint)
         drafter = loaded.drafter
+        # a run warm-started by an earlier version kept the starting drafter's target and depth: decoding refuses those
+        record_trained_target(drafter, loaded.hyper_parameters.get("target"), checkpoint)
         if corpus is None:
             corpus = checkpoint_corpus(checkpoint, run_dir, bool(loaded.hyper_parameters.get("corpus")))
     else:

@@ -69,7 +69,7 @@ from .checkpoint_paths import (abandoned_branch, check_run_folder, find_run_chec
                                run_folder_of)
 from .checkpoints import Checkpoint, load_checkpoint, recorded_evaluation
 from .engines import Export, engine_problems, refusal, serve_commands, target_facts, weight_shapes
-from .export import run_corpus
+from .export import record_trained_target, run_corpus
 from .hub import check_card_fields, check_card_metadata, check_export_folder, check_repo_id, preflight_hub, push
 from .hub_config import LIBRARY_DIR, REMOTE_CODE, hub_config, target_hub_id, verifier_for
 from .model_card import (CardFacts, count_training_prompts, decoding_target, eval_folder, evaluated_steps,
@@ -92,29 +92,6 @@ def check_loads_back(folder: Path, drafter: DFlashDraftModel) -> None:
     expected, found = drafter.state_dict(), loaded.state_dict()
     if expected.keys() != found.keys() or any(not torch.equal(expected[k], found[k]) for k in expected):
         raise DDTreeError("the export loads with AutoModel but its weights differ from the checkpoint's")
-
-
-def record_trained_target(drafter: DFlashDraftModel, target: str | None, path: Path) -> None:
-    """Make the drafter's config name the target the run trained it against (its hyper-parameters' model.target).
-
-    A drafter warm-started (model.init_from) before the warm start took the run's target kept the folder's target name
-    and depth; it fitted the run's target (check_drafter_fits), so the name and depth are taken from the run's target.
-    One that does not fit it (read here; when it cannot be, nothing is compared) is not that run's drafter.
-    """
-    recorded = drafter.config.target_name_or_path
-    if target is None or recorded == target:
-        return
-    facts = target_facts(target, drafter.config.to_dict())
-    if facts.hidden_size is not None:
-        layers = facts.num_hidden_layers
-        if drafter.config.hidden_size != facts.hidden_size or max(drafter.config.target_layer_ids) >= layers:
-            raise DDTreeError(
-                f"CKPT {path}: its drafter (hidden size {drafter.config.hidden_size}, target layers "
-                f"{drafter.config.target_layer_ids}, built for {recorded!r}) does not fit the run's model.target "
-                f"{target!r} (hidden size {facts.hidden_size}, {layers} layers): give a checkpoint of a run trained "
-                f"against {target!r}")
-        drafter.config.num_target_layers = layers
-    drafter.config.target_name_or_path = target
 
 
 def check_trained_as_run(checkpoint: Checkpoint, run_dir: Path, run_config: dict) -> None:

@@ -334,7 +334,8 @@ def test_a_drafter_folder_built_for_a_target_of_another_depth_is_one_line(tmp_pa
     assert str(error.value) == (
         f"drafter {folder}: num_target_layers {layers} != the target's 6 layers; this drafter was built for another "
         "target ('someone/other-target') and would read other layers than it learned from: give a drafter trained "
-        "against this target, or train one from this one (model.init_from)")
+        "against this target, or train one from this one (model.init_from); one a run warm-started before 2026-12-02 "
+        "names the drafter it started from: export its checkpoint again (python -m training.export CKPT OUT)")
     assert load_drafter_folder(folder, torch.float32, target, retarget=True).config.num_target_layers == layers
 
 

@@ -1774,6 +1774,16 @@ def test_a_warm_started_run_is_exported_for_the_target_it_trained_against(run_di
     assert config["target_name_or_path"] == "tiny-random" and config["num_target_layers"] == 6
     card = (tmp_path / "out" / "README.md").read_text()
     assert "| target (frozen) | `tiny-random` |" in card and str(other) not in card
+    # `python -m training.export` likewise: its folder kept depth 12, which decoding now refuses for tiny-random
+    from ddtree.drafters import load_drafter_folder
+    from ddtree.targets import load_target
+    from training.export import export_drafter
+
+    alone = export_drafter(checkpoint, tmp_path / "alone")
+    config = json.loads((alone / "config.json").read_text())
+    assert config["target_name_or_path"] == "tiny-random" and config["num_target_layers"] == 6
+    target, _ = load_target("tiny-random", torch.float32)
+    assert load_drafter_folder(alone, torch.float32, target).config.num_target_layers == 6
 
     # A drafter that does not fit the run's target is not that run's: one line, nothing written.
     (other / "config.json").write_text(json.dumps({**tiny_config, "hidden_size": 2 * tiny_config["hidden_size"]}))

@@ -64,7 +64,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from ddtree.corpus import CORPUS_FILE, write_replies
 from ddtree.errors import DDTreeError, command, error_line
-from ddtree.files import read_yaml_mapping, unwritable_as_error, write_text_atomic
+from ddtree.files import files_an_export_would_lose, read_yaml_mapping, unwritable_as_error, write_text_atomic
 from training.callbacks import AcceptanceEvaluation, SigtermAtStepBoundary
 from training.checkpoint_paths import (find_resume, is_deepspeed_checkpoint, newest_checkpoint, resume_point, run_checkpoints,
                                        saved_step, why_unreadable)
@@ -505,7 +505,13 @@ def main(argv: list[str] | None = None) -> int:
                             target_adapter=cli.model.hparams.target_adapter)
         build_missing_feature_store(cli, args.recipe, overrides)
         config_text = cli.parser.dump(cli.config, skip_none=False)
-        if checkpoint:  # in this order: a refused resume leaves config.yaml as it was
+        if checkpoint:  # on every process, as the checks above: the export of drafter/ at the end would refuse them
+            lost = files_an_export_would_lose(run_dir / "drafter") if (run_dir / "drafter").is_dir() else []
+            if lost:  # after the whole training, leaving the last leg's drafter (found in a review)
+                raise DDTreeError(f"--resume: {run_dir / 'drafter'} holds {', '.join(lost[:3])}"
+                                  f"{f' and {len(lost) - 3} more' if len(lost) > 3 else ''}, which no export writes and "
+                                  "the run's export at the end would delete: move them out of it, then resume")
+            # in this order: a refused resume leaves config.yaml as it was
             config_writer = WriteConfigOnStart(run_dir / "config.yaml", config_text)
             cli.trainer.callbacks += [RefuseUnfitResume(checkpoint), config_writer]
         elif is_first_process():

@@ -903,6 +903,17 @@ def test_a_resume_refused_at_restore_leaves_config_yaml_as_it_was(tmp_path, caps
     lines = error_lines(capsys)
     assert len(lines) == 1 and lines[0].startswith("error: model.lora_rank=2 adapts a trained drafter"), lines
     assert (run_dir / "config.yaml").read_text() == before
+    # A file no export writes in drafter/ (a bench's results.json, say): the export at the end refused it after the
+    # whole training and left the last leg's drafter; now refused before any step
+    weights = (run_dir / "drafter" / "model.safetensors").read_bytes()
+    (run_dir / "drafter" / "results.json").write_text("{}")
+    assert train_main(resume) == 2
+    lines = error_lines(capsys)
+    assert lines == [f"error: --resume: {run_dir / 'drafter'} holds results.json, which no export writes and the run's "
+                     "export at the end would delete: move them out of it, then resume"], lines
+    assert (run_dir / "config.yaml").read_text() == before and not list((run_dir / "checkpoints").glob("step-4*"))
+    assert (run_dir / "drafter" / "model.safetensors").read_bytes() == weights
+    (run_dir / "drafter" / "results.json").unlink()
     # Other conversations of the same count: the loader's count matched, and the run trained on them silently.
     other = toy_data.write_conversations(tmp_path / "other.jsonl", 24, 30, 60, seed=5)
     assert train_main([*resume, f"--data.data_path={other}"]) == 2

@@ -926,8 +926,9 @@ class AcceptanceEvaluation(L.Callback):
 
         primary = result["summary"][tree_key(self.primary_budget)]
         print(
-            f"[eval] step {step}: tau@{self.primary_budget} {primary['tau']:.2f} "
-            f"(drafter expected {primary['expected_tau']:.2f}), chain {result['summary'][CHAIN]['tau']:.2f}, "
+            f"[eval] step {step}: tau@{self.primary_budget} {report.tau_text(primary['tau'], 2)} "
+            f"(drafter expected {report.tau_text(primary['expected_tau'], 2)}), "
+            f"chain {report.tau_text(result['summary'][CHAIN]['tau'], 2)}, "
             f"{metrics['val/eval_seconds']:.1f} s ({100 * self.launch_eval_seconds / max(launch_seconds, 1e-9):.1f}% "
             "of this launch so far)",
             flush=True,

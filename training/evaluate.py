@@ -50,6 +50,7 @@ from .checkpoints import Checkpoint, evaluation_state, load_checkpoint, recorded
 from .data import DATA_RECORD
 from .export import run_corpus
 from .peft_utils import adapter_fingerprint
+from .report import tau_text
 from .target import dtype_for_precision, load_frozen_target
 
 
@@ -210,10 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'method':<12} {'tau':>7} {'logged':>7} {'expected':>8} {'rounds':>7}  accepted depth: rounds")
     for key, stats in result["summary"].items():
         was = logged.get(f"val/tau_{key}") if logged else None
-        expected = "-" if stats.get("expected_tau") is None else f"{stats['expected_tau']:.3f}"
         depths = " ".join(f"{d}:{n}" for d, n in stats["accepted_depth_counts"].items())
-        print(
-            f"{key:<12} {stats['tau']:>7.3f} {'-' if was is None else f'{was:.3f}':>7} {expected:>8} "
+        print(  # "-" where no round measured (every prompt ended on its first token)
+            f"{key:<12} {tau_text(stats['tau']):>7} {tau_text(was):>7} {tau_text(stats.get('expected_tau')):>8} "
             f"{stats['rounds']:>7}  {depths}"
         )
     # Outside a run: beside the checkpoint's own folder (its run-like parent when it lies in a checkpoints/ folder).

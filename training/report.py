@@ -149,7 +149,7 @@ def unmeasured_tau(value: float | None) -> bool:
     return value is None or math.isnan(value)
 
 
-def _measured(value: float | None, digits: int = 3) -> str:
+def tau_text(value: float | None, digits: int = 3) -> str:
     """A tau, or "-" where no round measured it."""
     return "-" if unmeasured_tau(value) else f"{value:.{digits}f}"
 
@@ -211,7 +211,7 @@ def markdown_report(run_name: str, history: list[dict], settings: dict, eval_sec
         best_tau = best["summary"][tree_key(primary)]["tau"]
         lines += [
             f"**Best checkpoint by tau@{primary}: step {best['step']}** "
-            f"(tau {_measured(best_tau, digits)}; `checkpoints/best.ckpt` links to it).",
+            f"(tau {tau_text(best_tau, digits)}; `checkpoints/best.ckpt` links to it).",
             "",
         ]
     header = ["step", "train loss", "val loss", *[f"tau@{b} (expected)" for b in budgets], "chain tau", "eval s"]
@@ -234,8 +234,8 @@ def markdown_report(run_name: str, history: list[dict], settings: dict, eval_sec
                 stats = summary.get(tree_key(b))
                 places = digits if b == primary else 3
                 cells.append("-" if stats is None or unmeasured_tau(stats["tau"])
-                             else f"{stats['tau']:.{places}f} ({_measured(stats['expected_tau'], 2)})")
-            cells.append(_measured(summary[CHAIN]["tau"]))
+                             else f"{stats['tau']:.{places}f} ({tau_text(stats['expected_tau'], 2)})")
+            cells.append(tau_text(summary[CHAIN]["tau"]))
         cells.append(f"{record['seconds']:.1f}")
         lines.append("| " + " | ".join(cells) + " |")
     broken = [str(record["step"]) for record in history if record.get("non_finite_tensors")]

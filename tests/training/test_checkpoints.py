@@ -577,6 +577,22 @@ def test_make_eval_of_a_loose_checkpoint_writes_beside_it(saved, tmp_path, capsy
     assert sorted(p.name for p in tmp_path.iterdir()) == ["loose"]  # nothing above the checkpoint's folder
 
 
+def test_make_eval_shows_a_tau_no_round_measured_as_a_dash(saved, tmp_path, capsys, monkeypatch):
+    """Every prompt ending on its first token leaves no verification round: the table printed "nan" for it (the
+    report, card and training's line say "-")."""
+    path, _ = saved
+    loose = tmp_path / "loose" / "x.ckpt"
+    loose.parent.mkdir()
+    shutil.copy(path, loose)
+    every_token_stops = lambda target, tokenizer: list(range(target.config.vocab_size))  # noqa: E731
+    monkeypatch.setattr(training.evaluate, "stop_token_ids", every_token_stops)
+    assert training.evaluate.main(["--recipe", "tiny", "--ckpt", str(loose), "--limit", "1"]) == 0
+    table = capsys.readouterr().out.split("accepted depth: rounds\n", 1)[1].split("results written", 1)[0]
+    rows = [line.split() for line in table.splitlines()]
+    assert rows and all(row[1:5] == ["-", "-", "-", "0"] for row in rows), table
+    assert "nan" not in table
+
+
 def test_make_eval_of_an_abandoned_branchs_checkpoint_reads_its_run_and_writes_beside_its_branchs_evaluations(
         saved, tmp_path, capsys):
     """A checkpoint a resume moved to checkpoints/abandoned-after-step-N/ read the recipe (another target's by

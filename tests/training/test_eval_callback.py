@@ -1152,6 +1152,13 @@ def test_an_evaluation_where_no_round_ran_ranks_below_every_measured_tau():
     assert "A tau shown as `-` was not measured: no verification round ran" in report
 
 
+def test_trainings_eval_line_shows_a_tau_no_round_measured_as_a_dash(tmp_path, capsys):
+    """The line printed at each evaluation said "tau@8 nan (drafter expected nan)" where report.md says "-"."""
+    canned_fit(tmp_path, 2, {2: {8: math.nan}})
+    (said,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[eval] step 2")]
+    assert said.startswith("[eval] step 2: tau@8 - (drafter expected -), chain 1.00, "), said
+
+
 def test_the_evaluation_decodes_through_packed_target_weights_and_unpacks_them_after(monkeypatch, capsys):
     """eval.packed_weights: the CPU recipe's evaluation took 1.3x less time with the fp32 target packed for oneDNN."""
     target, tokenizer = load_target("tiny-random", torch.float32)

@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_packed_weights(cost)
     cost.add_argument("--compare-plain", action="store_true",
                       help="time each size with the plain and the packed linear layers alternately (a benchmark of "
-                           "--packed-weights; a CPU in fp32)")
+                           "--packed-weights, so not given with it; a CPU in fp32)")
     cost.add_argument("--sizes", type=_int_list, default=[16, 32, 64, 128])
     cost.add_argument("--context", type=int, default=300, help="tokens already in the KV cache")
     cost.add_argument("--repeats", type=int, default=7)

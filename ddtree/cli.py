@@ -517,6 +517,9 @@ def cmd_verify_cost(args) -> None:
         if value < 1:
             raise DDTreeError(f"{flag} {value} must be at least 1")
     if args.compare_plain:
+        if args.packed_weights != "auto":  # it would be ignored: both kinds of layer are timed
+            raise DDTreeError(f"--compare-plain times both plain and packed linear layers: drop --packed-weights "
+                              f"{args.packed_weights}")
         if not packing_available():
             raise DDTreeError("--compare-plain times packed linear layers, and this torch has no oneDNN weight packing: "
                               "drop --compare-plain")

@@ -1072,6 +1072,10 @@ def test_verify_cost_compares_plain_and_packed_layers(capsys):
     line = _bad(capsys, "verify-cost", "--target", TARGET, "--dtype", "bfloat16", "--compare-plain")
     assert line == ("error: --compare-plain needs fp32 on a CPU, and the target runs in bfloat16 on cpu: drop "
                     "--compare-plain, or use --dtype float32")
+    # --packed-weights on/off was set to off silently (both are timed): refused before the target loads
+    for kind in ("on", "off"):
+        line = _bad(capsys, "verify-cost", "--target", TARGET, "--packed-weights", kind, "--compare-plain")
+        assert line == f"error: --compare-plain times both plain and packed linear layers: drop --packed-weights {kind}"
 
 
 @pytest.fixture

@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import pickle
 import shutil
 import weakref
@@ -406,8 +407,10 @@ class DistillDataModule(L.LightningDataModule):
             from ddtree.targets import cache_dir as ddtree_cache_dir
 
             cache_dir = str(ddtree_cache_dir() / "tokenized")
-        self.cache_dir = Path(cache_dir)
-        self.feature_store = feature_store
+        # `~` is the home folder here, where both training and `make features` read these: a recipe's value and
+        # --data.feature_store=~/x reach no shell, and wrote into a folder named `~` in the working one.
+        self.cache_dir = Path(cache_dir).expanduser()
+        self.feature_store = os.path.expanduser(feature_store) if feature_store else feature_store
         check_regenerate_settings(regenerate)
         self.regenerate = dict(regenerate or {})
         self.store_max_minutes = store_max_minutes

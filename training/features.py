@@ -48,9 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     features = dict(layer_ids=drafter_layer_ids(config.model.target_layer_ids, config.model.init_from),
                     target_adapter=config.model.target_adapter, dtype=dtype)  # what the store's features are
     own = default_store_path(args.recipe, datamodule, final_hidden, teacher_top_k)
-    out = Path(args.out or resolve_store_path(config.data.feature_store, args.recipe, datamodule, final_hidden,
+    out = Path(args.out or resolve_store_path(datamodule.feature_store, args.recipe, datamodule, final_hidden,
                                               teacher_top_k, **features) or own)
-    if args.out is None and config.data.feature_store == AUTO_STORE and out != own:
+    if args.out is None and datamodule.feature_store == AUTO_STORE and out != own:
         # A richer store of the recipe (final hidden states, a teacher) that training reads for this build too: it is
         # never the place to build this one, which --force would have replaced it with.
         if not args.force:

@@ -955,6 +955,29 @@ def test_cli_builds_the_recipe_store(tmp_path):
     recipe_data.setup("fit")  # matches the data it was built from (recipe defaults for the rest)
 
 
+def test_a_store_or_cache_under_tilde_is_in_the_home_folder(tmp_path, monkeypatch, capsys):
+    """`--data.feature_store=~/x` reaches no shell, nor does a recipe's `feature_store: ~/x`: the build wrote a folder
+    named `~` in the working one, where a run from elsewhere did not find it."""
+    from ddtree.files import cache_dir
+
+    monkeypatch.setenv("DDTREE_CACHE", str(cache_dir()))  # the converted targets stay where they are
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir(), work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    data = write_conversations(tmp_path / "conversations.jsonl")
+    assert main(["--recipe", "tiny", f"--data.data_path={data}", "--data.max_length=128", "--data.cache_dir=~/cache",
+                 "--data.feature_store=~/store"]) == 0
+    assert f"wrote {home / 'store'}:" in capsys.readouterr().out
+    assert FeatureStore(home / "store").layer_ids == LAYER_IDS and (home / "cache").is_dir()
+    assert list(work.iterdir()) == []
+    # Training reads the field where `make features` does (DistillDataModule): the same store.
+    dm = DistillDataModule(target="tiny-random", data_path=str(data), max_length=128, cache_dir="~/cache",
+                           feature_store="~/store")
+    dm.setup("fit")
+    assert dm.store.path == home / "store" and list(work.iterdir()) == []
+
+
 def test_train_builds_a_missing_store_in_a_single_process_and_refuses_in_many(tmp_path, monkeypatch, capsys):
     data = write_conversations(tmp_path / "conversations.jsonl", count=16)
     store = tmp_path / "store"

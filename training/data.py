@@ -216,9 +216,13 @@ class ResumableDataLoader(DataLoader):
     the sampler already splits the data across ranks.
     """
 
-    def __init__(self, dataset: Dataset, sampler: EpochShuffleSampler, **kwargs):
+    def __init__(self, dataset: Dataset, sampler: EpochShuffleSampler, store_share: tuple[str, int] | None = None,
+                 **kwargs):
         super().__init__(dataset, sampler=sampler, **kwargs)
         self.batches_yielded = 0
+        # (feature store, the training split's size) where the dataset is what a store holds of the split: one built
+        # again (whole, or under another time box) holds another share of the same split, which a refused resume names
+        self.store_share = store_share
 
     def __iter__(self):
         # A generator: nothing runs until the first batch is asked for, i.e. after Lightning's
@@ -229,10 +233,23 @@ class ResumableDataLoader(DataLoader):
             yield batch
 
     def state_dict(self) -> dict:
+        split_items = self.store_share[1] if self.store_share is not None else self.sampler.num_items
         return {"epoch": self.sampler.epoch, "batches_yielded": self.batches_yielded, "batch_size": self.batch_size,
-                "num_items": self.sampler.num_items, "world_size": self.sampler.world_size}
+                "num_items": self.sampler.num_items, "split_items": split_items, "world_size": self.sampler.world_size}
 
     def load_state_dict(self, state: dict) -> None:
+        if (self.store_share is not None and state["num_items"] != self.sampler.num_items
+                and state["world_size"] == self.sampler.world_size
+                and state.get("split_items", self.store_share[1]) == self.store_share[1]):
+            store, split = self.store_share  # the same split, another share of it: not the data nor the devices
+            raise DDTreeError(
+                f"--resume: the run trained on {state['num_items']} training sequences and feature store {store} holds "
+                f"{self.sampler.num_items} of the {split} (another share of the training split than the run's: a "
+                "store built again, whole or under another time box, data.store_max_minutes, whose share follows the "
+                "machine's speed): put back the store the run trained from, or warm-start a new run from the "
+                "checkpoint's drafter (python -m training.export <checkpoint> <folder>, then "
+                "--model.init_from=<folder>)"
+            )
         if state["num_items"] != self.sampler.num_items or state["world_size"] != self.sampler.world_size:
             raise DDTreeError(
                 f"the checkpoint's train loader had {state['num_items']} sequences on {state['world_size']} ranks, "
@@ -592,8 +609,10 @@ class DistillDataModule(L.LightningDataModule):
     def train_dataloader(self) -> ResumableDataLoader:
         rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer is not None else (0, 1)
         sampler = EpochShuffleSampler(len(self.train_set), self.seed, rank, world)
-        return ResumableDataLoader(self.train_set, sampler, batch_size=self.batch_size, num_workers=self.num_workers,
-                                   collate_fn=Collator(self.pad_id), persistent_workers=self.num_workers > 0)
+        store_share = (self.feature_store, len(self.train_split)) if self.store is not None else None
+        return ResumableDataLoader(self.train_set, sampler, store_share, batch_size=self.batch_size,
+                                   num_workers=self.num_workers, collate_fn=Collator(self.pad_id),
+                                   persistent_workers=self.num_workers > 0)
 
     def val_dataloader(self, whole: bool = False) -> DataLoader:
         """This rank's share of the validation split (rank_share); the module sums the statistics over ranks.

@@ -612,6 +612,33 @@ def test_a_time_boxed_build_holds_a_seeded_share_validation_first_and_training_d
     assert "validation split" in one_line(refused.value)
 
 
+def test_a_resume_onto_another_share_of_the_split_names_the_store_not_the_data(tmp_path, monkeypatch):
+    """The box's own line says to build the whole store with FORCE=1; a resume of a run trained on the boxed share was
+    then refused with "resume with the same data and devices", though neither had changed."""
+    dm = make_datamodule(tmp_path)
+    settings = dict(layer_ids=LAYER_IDS, max_shard_bytes=shard_bytes(3))
+    boxed = boxed_build(monkeypatch, dm, tmp_path / "boxed", 10.0, 25.0, **settings)
+    whole = build_feature_store(dm, tmp_path / "whole", **settings)
+    loaders = {}
+    for name, store in [("boxed", boxed), ("whole", whole)]:
+        datamodule = make_datamodule(tmp_path, feature_store=str(store))
+        datamodule.setup("fit")
+        loaders[name] = datamodule.train_dataloader()
+    run_share = len(loaders["boxed"].dataset)
+    assert run_share < len(loaders["whole"].dataset) == 9
+    with pytest.raises(DDTreeError) as refused:
+        loaders["whole"].load_state_dict(loaders["boxed"].state_dict())
+    assert one_line(refused.value).startswith(f"--resume: the run trained on {run_share} training sequences and "
+                                              f"feature store {whole} holds 9 of the 9 (another share")
+    assert "data.store_max_minutes" in str(refused.value) and "--model.init_from=<folder>" in str(refused.value)
+    # Another split (data.val_fraction) is no store's doing: the data's line, as without a store.
+    other_split = make_datamodule(tmp_path, feature_store=str(whole), val_fraction=0.5)
+    other_split.setup("fit")
+    with pytest.raises(DDTreeError, match="resume with the same data and devices"):
+        other_split.train_dataloader().load_state_dict(loaders["whole"].state_dict())
+    loaders["whole"].load_state_dict(loaders["whole"].state_dict())  # the same share resumes
+
+
 def test_a_box_that_ends_at_the_validation_split_still_builds_training_sequences(tmp_path, monkeypatch):
     """One sequence a shard: the 3 validation shards fill the box, and the first training shard is built anyway."""
     dm = make_datamodule(tmp_path)

@@ -27,6 +27,7 @@ from ddtree.targets import parse_dtype
 from .data import DistillDataModule
 from .feature_store import (AUTO_STORE, build_feature_store, default_store_path, drafter_layer_ids, resolve_store_path,
                             store_seconds, store_teacher)
+from .module import check_store_fields
 from .recipe import read_recipe
 from .recipe_data import prepare_recipe_data
 from .target import dtype_for_precision
@@ -39,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     dtype = parse_dtype(args.dtype, "--dtype") if args.dtype != "auto" else None
     check_recipe_name(args.recipe)
     config = read_recipe(recipe_path(args.recipe), overrides)
+    # as training checks them: a store for values it refuses took minutes to hours to build
+    check_store_fields(config.model.target_layer_ids, config.model.distill_weight, config.model.distill_loss,
+                       config.model.distill_top_k)
     if dtype is None:  # the same rule as training: a store in another dtype than training's would be cast every step
         dtype = dtype_for_precision(config.trainer.precision, config.model.target_dtype)
     datamodule = DistillDataModule(**config.data.as_dict())

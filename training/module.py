@@ -129,6 +129,19 @@ def as_compared(value):
     return list(value) if isinstance(value, (list, tuple)) else value
 
 
+def check_store_fields(target_layer_ids: list[int] | None, distill_weight: float, distill_loss: str,
+                       distill_top_k: int) -> None:
+    """The model fields that shape a feature store (its layers, its teacher), checked as DistillModule checks them:
+    `make features` reads a recipe without building the module, and built stores for values training then refused."""
+    if distill_loss not in DISTILL_LOSSES or not 0 <= distill_weight <= 1:
+        raise DDTreeError(f"model.distill_loss={distill_loss!r} must be one of {', '.join(DISTILL_LOSSES)} and "
+                          f"model.distill_weight={distill_weight} in [0, 1]")
+    if target_layer_ids is not None and not target_layer_ids:  # `x or default` once took [] for the default layers
+        raise DDTreeError(f"model.target_layer_ids={target_layer_ids} must be at least one layer, or unset")
+    if distill_top_k < 0:
+        raise DDTreeError(f"model.distill_top_k={distill_top_k} must be at least 0 (0 = the whole distribution)")
+
+
 # What to do about trainer.max_steps=-1 with no epoch limit (training.recipe.check_values says it first)
 NO_SCHEDULE_END = ("no trainer.max_epochs either leaves the learning-rate schedule no end; give a step count, "
                    "trainer.max_epochs, or trainer.max_time with model.anneal_by_max_time=true (the schedule then "
@@ -199,9 +212,7 @@ class DistillModule(L.LightningModule):
         self.hparams.target_adapter_sha256 = adapter_fingerprint(target_adapter)
         if objective not in OBJECTIVES:
             raise DDTreeError(f"model.objective={objective!r}: choose one of {', '.join(OBJECTIVES)}")
-        if distill_loss not in DISTILL_LOSSES or not 0 <= distill_weight <= 1:
-            raise DDTreeError(f"model.distill_loss={distill_loss!r} must be one of {', '.join(DISTILL_LOSSES)} and "
-                              f"model.distill_weight={distill_weight} in [0, 1]")
+        check_store_fields(target_layer_ids, distill_weight, distill_loss, distill_top_k)
         if not 0 <= redraft_prob < 1:
             raise DDTreeError(f"model.redraft_prob={redraft_prob} must be in [0, 1): the share of training blocks "
                               "given their first draft token (0 = the published training)")
@@ -218,11 +229,9 @@ class DistillModule(L.LightningModule):
             ("num_layers", num_layers, unset_or(num_layers, lambda v: v >= 1), "at least 1, or unset"),
             ("block_size", block_size, unset_or(block_size, lambda v: v >= 2),
              "at least 2 (an anchor and a drafted token), or unset"),
-            ("target_layer_ids", target_layer_ids, unset_or(target_layer_ids, bool), "at least one layer, or unset"),
             ("draft_vocab_size", draft_vocab_size, unset_or(draft_vocab_size, lambda v: v >= 1), "at least 1, or unset"),
             ("loss_chunk_size", loss_chunk_size, unset_or(loss_chunk_size, lambda v: v >= 1), "at least 1, or unset"),
             ("num_anchors", num_anchors, num_anchors >= 1, "at least 1"),
-            ("distill_top_k", distill_top_k, distill_top_k >= 0, "at least 0 (0 = the whole distribution)"),
             ("lora_rank", lora_rank, lora_rank >= 0, "at least 0 (0 = no LoRA)"),
             ("gamma", gamma, unset_or(gamma, lambda v: v > 0), "above 0, or unset (the published one for the block size)"),
             ("weight_decay", weight_decay, weight_decay >= 0, "at least 0"),

@@ -1090,14 +1090,22 @@ def test_auto_store_is_the_recipes_cache_folder_built_on_first_use(tmp_path, mon
                           cache_dir=str(tmp_path / "cache")).setup()  # it tokenizes first: not into the real cache
 
 
-@pytest.mark.parametrize("flags, named", [
-    (["--model.distill_weight=0.5", "--model.distill_top_k=-1"], "model.distill_top_k=-1 must be at least 0"),
-    (["--model.target_layer_ids=null", "--model.init_from={tmp}/none"], "model.init_from: drafter '{tmp}/none' is not"),
-    (["--out", "{tmp}/afile/store"], "cannot write the feature store {tmp}/afile/store: {tmp}/afile is a file"),
+@pytest.mark.parametrize("flags, named, trained", [
+    (["--model.distill_weight=0.5", "--model.distill_top_k=-1"], "model.distill_top_k=-1 must be at least 0",
+     dict(distill_weight=0.5, distill_top_k=-1)),
+    # values training refuses: a store was built for them (the recipe's default layers for [], a top-4 teacher)
+    (["--model.target_layer_ids=[]"], "model.target_layer_ids=[] must be at least one layer, or unset",
+     dict(target_layer_ids=[])),
+    (["--model.distill_weight=2", "--model.distill_top_k=4"], "model.distill_weight=2.0 in [0, 1]",
+     dict(distill_weight=2.0, distill_top_k=4)),
+    (["--model.target_layer_ids=null", "--model.init_from={tmp}/none"], "model.init_from: drafter '{tmp}/none' is not",
+     None),
+    (["--out", "{tmp}/afile/store"], "cannot write the feature store {tmp}/afile/store: {tmp}/afile is a file", None),
 ])
-def test_bad_store_settings_are_one_line_before_the_target_loads(tmp_path, capsys, monkeypatch, flags, named):
+def test_bad_store_settings_are_one_line_before_the_target_loads(tmp_path, capsys, monkeypatch, flags, named, trained):
     """Each was a traceback (a RuntimeError leaving a .partial folder, an OSError, a NotADirectoryError once the
-    target had loaded and the first shard was computed)."""
+    target had loaded and the first shard was computed), or a store built for model values training refuses in the
+    same words (DistillModule's checks of the fields that shape a store)."""
     monkeypatch.setattr(training.feature_store, "load_frozen_target", lambda *a, **k: pytest.fail("loaded the target"))
     (tmp_path / "afile").write_text("mine")
     flags = [flag.format(tmp=tmp_path) for flag in flags]
@@ -1106,6 +1114,10 @@ def test_bad_store_settings_are_one_line_before_the_target_loads(tmp_path, capsy
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(err) == 1 and named.format(tmp=tmp_path) in err[0], err
     assert sorted(p.name for p in tmp_path.iterdir() if p.name != "cache") == ["afile"]
+    if trained is not None:  # training refuses them in the same words
+        with pytest.raises(DDTreeError) as refused:
+            DistillModule(**trained)
+        assert err[0] == f"error: {refused.value}"
 
 
 def test_a_store_built_with_an_adapter_retrained_since_at_the_same_path_is_refused(tmp_path):

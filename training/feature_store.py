@@ -723,6 +723,8 @@ def build_under_lock(datamodule: DistillDataModule, out: Path, layer_ids: list[i
         with write_failure_as_error(partial / MANIFEST):
             write_json_atomic(partial / MANIFEST, manifest)
     (partial / BOX_CLOCK).unlink(missing_ok=True)  # (after: a rerun of a build stopped above resumes on its clock)
+    for staging in partial.glob(".shard-*.tmp"):  # a shard whose write was interrupted (Ctrl-C, a kill) and which
+        staging.unlink()  # this build's box left out: it would stay in the store for good, up to MAX_SHARD_BYTES
     if out.exists():  # --force: the old store goes only now that the new one is complete
         replaced = out.with_name(f".{out.name}.replaced")
         shutil.rmtree(replaced, ignore_errors=True)

@@ -693,6 +693,30 @@ def test_an_interrupted_boxed_build_resumes_on_its_own_clock(tmp_path, monkeypat
     assert resumed.covered() == straight.covered() and not (out / ".time_box.json").exists()
 
 
+def test_a_shard_interrupted_in_its_write_stays_out_of_the_store_a_box_ends_before_it(tmp_path, monkeypatch):
+    """Ctrl-C or a kill while a shard is saved leaves its staging file (up to 256 MB) in <out>.partial/; where the
+    resumed build's box ended before that shard (here a shorter box; a restart's own time counts against it too),
+    the folder was renamed into the finished store with the file inside, for good."""
+    dm = make_datamodule(tmp_path)
+    settings = dict(layer_ids=LAYER_IDS, max_shard_bytes=shard_bytes(3))
+    out = tmp_path / "store"
+    real_save, saves = training.feature_store.save_file, []
+
+    def save_then_interrupt(tensors, filename, **kwargs):
+        saves.append(filename)
+        real_save(tensors, filename, **kwargs)
+        if len(saves) == 3:
+            raise KeyboardInterrupt  # the third shard written, not yet renamed
+
+    monkeypatch.setattr(training.feature_store, "save_file", save_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        boxed_build(monkeypatch, dm, out, 10.0, 35.0, **settings)  # (which undoes every patch as it ends)
+    assert ".shard-00002.safetensors.tmp" in {p.name for p in partial_path(out).iterdir()}
+    store = FeatureStore(boxed_build(monkeypatch, dm, out, 10.0, 25.0, **settings))  # 20 s spent: shard 2 left out
+    assert [shard["file"] for shard in store.shards] == ["shard-00000.safetensors", "shard-00001.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["shard-00000.safetensors", "shard-00001.safetensors", "store.json"]
+
+
 def test_a_box_that_holds_everything_is_the_whole_data(tmp_path, monkeypatch):
     dm = make_datamodule(tmp_path)
     store = FeatureStore(boxed_build(monkeypatch, dm, tmp_path / "store", 1.0, 1000.0, layer_ids=LAYER_IDS,

@@ -141,7 +141,10 @@ def features_parser() -> argparse.ArgumentParser:
                         help="one of recipes/*.yaml; its model.* and data.* define the store")
     parser.add_argument("--out", type=path_argument, default=None, help="store folder (default: the recipe's data.feature_store; "
                         "when that is auto or unset, <ddtree cache>/features/<recipe>-<tokenization key>)")
-    parser.add_argument("--force", action="store_true", help="replace an existing store of another build")
+    parser.add_argument("--force", action="store_true",
+                        help="build the store even where a complete one is there, of this build or another (the old "
+                             "one is replaced once the new one is complete; an unfinished build of the same settings "
+                             "is resumed, one in another dtype started over)")
     # Checked by parse_dtype, not argparse choices: a bad name is then one `error:` line like every other bad input.
     parser.add_argument("--dtype", default="auto", help=f"the target's and the store's dtype: {', '.join(DTYPE_NAMES)}, "
                         "or auto: the dtype the recipe trains the target in (its trainer.precision, measured if auto)")

@@ -555,7 +555,7 @@ def build_feature_store(
     layer_ids: list[int] | None = None,  # None: the default ids build_drafter_config picks (default_layer_ids)
     target_adapter: str | None = None,  # PEFT adapter merged into the target, as DistillModule does
     dtype: torch.dtype = torch.bfloat16,  # the target runs and the features are stored in this dtype
-    force: bool = False,  # replace a complete store of another build (once the new one is complete)
+    force: bool = False,  # build even over a complete store, of this build or another (replaced once this one is)
     final_hidden: bool = False,  # also keep the target's final hidden states (distillation's soft targets)
     teacher_top_k: int = 0,  # > 0: also keep the target's top k next tokens (distillation's sparse soft targets)
     sequences_per_batch: int = 8,
@@ -565,7 +565,8 @@ def build_feature_store(
     """Run the datamodule's target over all its tokenized sequences and write their layer features to `out`.
 
     Returns `out`. A complete store of the same build is left as it is; of another build, it is an
-    error unless force. See the module docstring for the layout, atomicity, resuming and the time box.
+    error; with force, either is built again. See the module docstring for the layout, atomicity, resuming and the
+    time box.
     """
     out = Path(out)
     if out.exists() and not is_complete(out) and (not out.is_dir() or any(out.iterdir())):

@@ -32,6 +32,7 @@ from ddtree.errors import run_cli
 from ddtree.targets import DDTreeError, load_target
 from training.data import DistillDataModule
 from training.feature_store import FeatureStore, build_feature_store, lock_path, partial_path, store_teacher
+from training.arguments import features_parser
 from training.features import main
 from training.masks import IGNORE_INDEX
 from training.module import DistillModule
@@ -789,6 +790,13 @@ def test_a_complete_store_is_replaced_only_with_force_and_only_once_the_new_one_
     build_feature_store(dm, out, layer_ids=[0, 2], force=True)
     assert FeatureStore(out).layer_ids == [0, 2]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "conversations.jsonl", "store"]  # no leftovers
+    # A complete store of the same build is built again too (the time box's line relies on it for the whole store),
+    # as --help says: it said "replace an existing store of another build", which reads as nothing to do here.
+    before = FeatureStore(out).build_id
+    build_feature_store(dm, out, layer_ids=[0, 2], force=True)
+    assert FeatureStore(out).build_id != before and "already holds" not in capsys.readouterr().out
+    force_help = next(action.help for action in features_parser()._actions if "--force" in action.option_strings)
+    assert "of this build or another" in force_help and "replaced once the new one is complete" in force_help
 
 
 

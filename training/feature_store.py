@@ -20,7 +20,9 @@ With teacher_top_k=k instead (a recipe with model.distill_top_k k) it holds, per
 next tokens and their log-probabilities (training.loss.next_token_top_k), 8k bytes where a final hidden state in
 bf16 takes 2H: the LM head then runs once here, not at every training step, and only at the tokens whose next
 token is supervised (a reply's; the rows before a prompt token hold IGNORE_INDEX, log-probability -inf, and no loss
-reads them).
+reads them). They are those of the target's own logits: where its family transforms the LM head's output (Gemma-2's
+softcap, Granite's scale: training.target.logit_transform) the manifest's `teacher_logits` says how, and a store without
+it for such a target (built before, from the head's raw output) is refused until rebuilt with --force.
 
 Layout of a store folder:
     store.json                   the manifest: format version, target (and adapter, with the sha256 of its
@@ -81,7 +83,7 @@ from ddtree.targets import BUILTIN_TARGETS, TINY_TARGET, cache_dir, default_laye
 from .loss import next_token_top_k
 from .masks import IGNORE_INDEX
 from .peft_utils import adapter_fingerprint
-from .target import load_frozen_target, target_layer_features
+from .target import load_frozen_target, logit_transform, target_layer_features
 
 if TYPE_CHECKING:
     from .data import DistillDataModule, TokenizedConversations
@@ -89,7 +91,7 @@ if TYPE_CHECKING:
 FORMAT_VERSION = 1  # bump when the layout changes: older stores are then refused, not misread
 # Added to format 1 later, absent (= False) in the manifests of stores built before: those stay valid.
 OPTIONAL_MANIFEST_FIELDS = {"final_hidden": False, "teacher_top_k": 0, "sequence_ids": None, "target_weights": None,
-                            "build_id": None}
+                            "build_id": None, "teacher_logits": None}
 # What may differ between a build's plan and the store it leaves when its time box ends it early, or a complete
 # store in the data's own order that a time-boxed build finds (it covers more): the same build otherwise.
 COVERAGE_FIELDS = ("sequence_ids", "shards", "lengths")
@@ -282,7 +284,8 @@ class FeatureStore:
     target, target_adapter (and target_adapter_sha256, adapter_fingerprint's), target_weights (target_fingerprint's;
     None in stores built before it), final_hidden (whether
     store.final(i), the target's final hidden states (T_i, H), exists), teacher_top_k (k where store.teacher(i),
-    the target's top k next tokens, exists; else 0).
+    the target's top k next tokens, exists; else 0), teacher_logits (logit_transform's "<field>=<value>" that teacher
+    was computed with; None for a target whose forward transforms nothing, and in stores built before it was).
     """
 
     def __init__(self, path: str | Path):
@@ -306,6 +309,7 @@ class FeatureStore:
         self.lengths, self.tokenization_key = manifest["lengths"], manifest["tokenization_key"]
         self.final_hidden = bool(manifest["final_hidden"])
         self.teacher_top_k = int(manifest["teacher_top_k"])
+        self.teacher_logits = manifest["teacher_logits"]  # the target's logit transform its top-k teacher took, or None
         self.last_layer_normed = manifest.get("last_layer") == "normed"
         self.shards = manifest["shards"]
         self.build_id = manifest[BUILD_ID]  # None in stores built before it: their shards hold none either
@@ -451,8 +455,9 @@ def shard_tensors(target, data: TokenizedConversations, sequences: list[int], la
             needed = torch.zeros(input_ids.shape, dtype=torch.bool)  # (b, T) the next token is supervised
             for row, j in enumerate(rows):
                 needed[row, :lengths[j] - 1] = data[sequences[j]]["loss_mask"][1:]
-            ids, log_probs = next_token_top_k(batch_final[needed.to(batch_final.device)], target.get_output_embeddings(),
-                                              teacher_top_k)  # (rows, k) each, in (row, position) order
+            ids, log_probs = next_token_top_k(  # (rows, k) each, in (row, position) order
+                batch_final[needed.to(batch_final.device)], target.get_output_embeddings(), teacher_top_k,
+                target_config=target.config)
             stored = (offsets[rows][:, None] + torch.arange(needed.shape[1]))[needed]  # each needed row's store index
             teacher[0][stored] = ids.to("cpu", torch.int32)
             teacher[1][stored] = log_probs.cpu()
@@ -605,10 +610,15 @@ def build_under_lock(datamodule: DistillDataModule, out: Path, layer_ids: list[i
         lengths = [lengths[i] for i in order]  # in store order
     row_width = width + (hidden_size if final_hidden else 0)  # values stored per token in `dtype`
     teacher_bytes = 8 * teacher_top_k  # per token: int32 ids and float32 log-probabilities
+    # A top-k teacher is the softmax of the target's own logits: where its family transforms the LM head's output
+    # (training.target.logit_transform) the manifest says how, and a store built before the teacher took the transform
+    # (none recorded) differs in it, so it is rebuilt, not reused; other targets' manifests are as they were.
+    transform = logit_transform(AutoConfig.from_pretrained(resolve_target(datamodule.target))) if teacher_top_k else None
     manifest = {
         **identity,
         "num_sequences": len(lengths), "total_tokens": sum(lengths),
         "final_hidden": final_hidden, "teacher_top_k": teacher_top_k,
+        **({"teacher_logits": transform} if transform else {}),
         BUILD_ID: uuid.uuid4().hex,  # a resume keeps its unfinished build's
         "shards": plan_shards(lengths, row_width * itemsize + teacher_bytes, max_shard_bytes),
         **({"sequence_ids": order} if order is not None else {}),

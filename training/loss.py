@@ -19,7 +19,8 @@ k = 1..B-1 weighted w_k = exp(-(k - 1) / gamma), gamma = 7 for B = 16 (5 for B =
 decayed weights beat uniform ones.
 
 Distillation (model.distill_weight): the data-token cross-entropy is mixed with a loss against the
-target's whole next-token distribution p at the same position (`teacher_states`), model.distill_loss:
+target's whole next-token distribution p at the same position (`teacher_states`; the softmax of the logits its forward
+gives, training.target.target_logits), model.distill_loss:
   kl  -sum_v p(v) log q(v) = KL(p || q) + H(p), the KL's gradient, which also teaches the runner-up
       tokens a draft tree branches on;
   lk  -log sum_v min(p(v), q(v)), minus the log of the acceptance rate of a draft sampled from q
@@ -41,6 +42,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .masks import IGNORE_INDEX, block_position_ids
+from .target import target_logits
 
 
 PUBLISHED_GAMMA = {8: 4.0, 10: 5.0, 16: 7.0}  # DFlash's loss decay per block size
@@ -100,12 +102,14 @@ def top_entries(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
             indices = indices.reshape(grid.shape).gather(2, columns).flatten(1)
 
 
-def next_token_top_k(final_hidden: torch.Tensor, lm_head: nn.Module, k: int,
+def next_token_top_k(final_hidden: torch.Tensor, lm_head: nn.Module, k: int, *, target_config,
                      rows_per_chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's k likeliest next tokens after each position: ((..., k) ids, (..., k) fp32 log-probabilities), unordered
     (all V tokens if k > V).
 
-    final_hidden (..., H), the target's final normed hidden states; lm_head its LM head over the whole vocabulary.
+    final_hidden (..., H), the target's final normed hidden states; lm_head its LM head over the whole vocabulary;
+    target_config the target's model.config, whose family may transform the head's output (training.target.target_logits:
+    Gemma-2's softcap, Granite's scale), None for none: the log-probabilities are those of the target's own logits.
     What a distillation store keeps (model.distill_top_k; training/feature_store.py), and online training computes
     alike. In chunks of rows: (rows, V) fp32 logits of a 150K vocabulary are 0.6 GB per 1024 rows.
     The log-normaliser is logsumexp's own sum, shifted by the row's maximum (one of its top k), computed in place
@@ -117,6 +121,7 @@ def next_token_top_k(final_hidden: torch.Tensor, lm_head: nn.Module, k: int,
     with torch.no_grad():
         for start in range(0, max(1, flat.shape[0]), rows_per_chunk):
             logits = lm_head(flat[start:start + rows_per_chunk]).float()  # (r, V), a tensor of this loop's own
+            logits = target_logits(logits, target_config)  # the target's own logits (in place)
             values, chunk_ids = top_entries(logits, min(k, logits.shape[1]))  # k above V: all V
             peak = values.amax(dim=1, keepdim=True)  # (r, 1) the row's maximum
             log_norm = logits.sub_(peak).exp_().sum(dim=1, keepdim=True).log_().add_(peak)  # logits are spent here
@@ -326,6 +331,7 @@ def block_loss_sums(
     budget: int = 32,
     read: torch.Tensor | None = None,  # (S, n, B) bool: positions read, not drafted; None: before the first label
     teacher_top: tuple[torch.Tensor, torch.Tensor] | None = None,  # ((S, n*B, k) ids, log-probs): the target's top k
+    target_config=None,  # the target's model.config: teacher_hidden's logits are lm_head's through target_logits
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sum of w * loss, sum of w, hits (B,), tokens (B,), top-RECALL_K hits (B,)) over the M counted block tokens.
 
@@ -335,7 +341,8 @@ def block_loss_sums(
     rows at a time, each chunk recomputed in backward (activation checkpointing), so only one chunk's
     (m, V) logits are alive at once: (M, V) logits over a 150K vocabulary would not fit.
     With distill_weight a > 0 the loss per token is (1 - a) * CE(label) + a * soft, soft the distill_loss
-    against the target's distribution (the module docstring): from `teacher_hidden` through the LM head, or, given
+    against the target's distribution (the module docstring): from `teacher_hidden` through the LM head and what the
+    target's forward does to its output (training.target.target_logits of `target_config`), or, given
     `teacher_top`, the target's k likeliest tokens (next_token_top_k; ids as the LM head's rows, IGNORE_INDEX where
     a token has none), sparse_distill_loss. That spares the step the teacher's LM head, its softmax and two passes
     over the vocabulary.
@@ -380,7 +387,7 @@ def block_loss_sums(
             token_loss = sparse_distill_loss(log_q, chunk_targets, *chunk_teacher, distill_weight, distill_loss)
         elif chunk_teacher:  # the target's whole distribution, through the LM head
             with torch.no_grad():
-                p = F.softmax(lm_head(chunk_teacher[0]), dim=-1, dtype=torch.float32)  # (m, V)
+                p = target_logits(lm_head(chunk_teacher[0]).float(), target_config).softmax(dim=-1)  # (m, V)
             if distill_loss == "kl":  # (1 - a) CE(label) + a CE(p) is one cross-entropy against the mixed target
                 with torch.no_grad():
                     mixed = p.mul_(distill_weight)

@@ -72,7 +72,7 @@ from .masks import (
 from .peft_utils import DEFAULT_LORA_MODULES, adapter_fingerprint, add_drafter_lora
 from .replay import RoundNLL, learn_calibration, replay_reply, reply_span
 from .strategies import is_deepspeed
-from .target import dtype_for_precision, load_frozen_target, target_layer_features
+from .target import dtype_for_precision, load_frozen_target, logit_transform, target_layer_features
 
 
 class NonFiniteError(RuntimeError):
@@ -471,6 +471,13 @@ class DistillModule(L.LightningModule):
             raise DDTreeError(f"feature store {store.path} was built from target {hp.target}'s weights as they were then, "
                               "and its weight files have changed since (fine-tuned and saved over?): rebuild it with "
                               "`make features RECIPE=<recipe>` and --force (FORCE=1)")
+        transform = logit_transform(self.target.config)
+        if hp.distill_weight > 0 and hp.distill_top_k and store.teacher_logits != transform:
+            raise DDTreeError(f"feature store {store.path} holds the target's top {store.teacher_top_k} next tokens with "
+                              f"logit transform {store.teacher_logits or 'none'}, and its forward applies "
+                              f"{transform or 'none'} (stores built before the teacher applied it hold the softmax of the "
+                              "LM head's raw output): rebuild it with `make features RECIPE=<recipe>` and --force "
+                              "(FORCE=1), or train online (no data.feature_store)")
         layer_ids = list(self.drafter_config.target_layer_ids)
         text_config = self.target.config.get_text_config()
         last = text_config.num_hidden_layers - 1
@@ -621,7 +628,8 @@ class DistillModule(L.LightningModule):
             teacher = teacher_states(source, anchors, self.block_size)  # (S, n*B, H)
             if self.hparams.distill_top_k:  # online: what the store would hold, at the block tokens only
                 with torch.autocast(teacher.device.type, enabled=False):  # as the store computes it (sequence_features)
-                    teacher = next_token_top_k(teacher, self.target.get_output_embeddings(), self.hparams.distill_top_k)
+                    teacher = next_token_top_k(teacher, self.target.get_output_embeddings(), self.hparams.distill_top_k,
+                                               target_config=self.target.config)
         return hidden, labels, teacher, target_seconds
 
     def trainer_world_size(self) -> int:
@@ -671,7 +679,7 @@ class DistillModule(L.LightningModule):
         weighted, weight_total, hits, tokens, top_hits = block_loss_sums(
             hidden, labels, lm_head, weights, hp.loss_chunk_size,
             None if teacher_top else teacher, hp.distill_weight if distill else 0.0, objective, hp.objective_smoothing,
-            hp.objective_top_k, hp.distill_loss, hp.objective_budget, read, teacher_top,
+            hp.objective_top_k, hp.distill_loss, hp.objective_budget, read, teacher_top, self.target.config,
         )
         return StepResult(weighted / weight_total.clamp_min(1e-8), weighted, weight_total, hits, tokens + unproposable,
                           top_hits, target_seconds)

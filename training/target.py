@@ -2,10 +2,14 @@
 
     model, tokenizer = load_frozen_target("smollm2-135m", dtype=torch.bfloat16, adapter=None)
     features = target_layer_features(model, input_ids, layer_ids=[1, 9, 17])   # (S, T) -> (S, T, K*H)
+    features, final = target_layer_features(model, input_ids, [1, 9, 17], final_hidden=True)  # and (S, T, H)
+    logits = target_logits(model.get_output_embeddings()(final).float(), model.config)  # model(input_ids).logits
 
 Training (training/module.py), the offline feature store (training/feature_store.py) and
 `make eval` (training/evaluate.py) all load the target here, so the three see the same weights:
-the same dtype rule and the same PEFT adapter merged at load.
+the same dtype rule and the same PEFT adapter merged at load. Distillation's teacher (training/loss.py) takes the
+target's logits through `target_logits`: some families transform the LM head's output in their forward (Gemma-2's
+softcap, Granite's and Cohere's scales).
 """
 
 from __future__ import annotations
@@ -56,6 +60,47 @@ def load_frozen_target(
     if adapter:
         model = merge_target_adapter(model, adapter, name_or_path, adapter_field)
     return model.eval().requires_grad_(False), tokenizer
+
+
+# What a family's causal-LM forward does to its LM head's output x, by config.model_type (transformers'
+# models/<family>/modeling_<family>.py): the field of its text config holding c, and softcap (c * tanh(x / c)), times
+# (x * c) or over (x / c). The soft targets of distillation are the target's own distribution, softmax of those logits:
+# softmax(x) is another (Granite's c = 16: a near one-hot). Monotone, so the argmax, and greedy decoding, are the same.
+# Gemma-3's multimodal class (model_type gemma3) caps nothing, whatever its text config holds; MiniCPM3 divides the
+# hidden state instead, the same through its bias-free head.
+LOGIT_TRANSFORMS = {
+    **dict.fromkeys(("gemma2", "gemma3_text", "gemma3n", "gemma3n_text", "gemma4", "gemma4_text", "gemma4_unified",
+                     "gemma4_unified_text", "vaultgemma", "nanochat", "beam"), ("final_logit_softcapping", "softcap")),
+    "recurrent_gemma": ("logits_soft_cap", "softcap"),
+    **dict.fromkeys(("cohere", "cohere2", "cohere2_moe", "cohere_compass_text"), ("logit_scale", "times")),
+    **dict.fromkeys(("granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared",
+                     "minicpm3"), ("logits_scaling", "over")),
+    "hyperclovax": ("logits_scaling", "times"),  # MuP: multiplies where Granite divides
+    "falcon_h1": ("lm_head_multiplier", "times"),
+}
+
+
+def logit_transform(config) -> str | None:
+    """What the target's forward does to its LM head's output, as "<field>=<value>" (LOGIT_TRANSFORMS): recorded in a
+    top-k feature store, whose teacher it changes. None where it does nothing (most families; a Gemma-2 config with
+    final_logit_softcapping null). config: the target's model.config."""
+    field, _ = LOGIT_TRANSFORMS.get(getattr(config, "model_type", None), (None, None))
+    value = None if field is None else getattr(config.get_text_config(), field, None)
+    return None if value is None else f"{field}={float(value):g}"
+
+
+def target_logits(head_output: torch.Tensor, config) -> torch.Tensor:
+    """The target's next-token logits from its LM head's output (..., V), as its forward computes them: the output
+    transformed as its family does (LOGIT_TRANSFORMS), in place (give a tensor of the caller's own: in fp32, the
+    transform is exact where a bf16 forward rounds), returned; as it is where the family does nothing.
+    config: the target's model.config; None: a head whose output is the logits."""
+    if logit_transform(config) is None:
+        return head_output
+    field, operation = LOGIT_TRANSFORMS[config.model_type]
+    value = float(getattr(config.get_text_config(), field))
+    if operation == "softcap":
+        return head_output.div_(value).tanh_().mul_(value)
+    return head_output.mul_(value) if operation == "times" else head_output.div_(value)
 
 
 class _EnoughLayers(Exception):

@@ -138,7 +138,8 @@ def store_batch(module: DistillModule, batch: dict) -> dict:
     features, final = features  # (B, T, K*H), (B, T, H)
     if not module.hparams.distill_top_k:
         return {**batch, "features": features, "final_hidden": final}
-    ids, log_probs = next_token_top_k(final, module.target.get_output_embeddings(), module.hparams.distill_top_k)
+    ids, log_probs = next_token_top_k(final, module.target.get_output_embeddings(), module.hparams.distill_top_k,
+                                      target_config=module.target.config)
     return {**batch, "features": features, "teacher_ids": ids, "teacher_log_probs": log_probs}
 
 

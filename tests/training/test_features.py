@@ -37,6 +37,7 @@ from training.features import main
 from training.masks import IGNORE_INDEX
 from training.module import DistillModule
 from training.target import dtype_for_precision, target_layer_features
+from test_module import forward_log_probs, transformed_target_folder  # tests/training is on the path, as for toy_data
 from training.train import main as train_main
 
 LAYER_IDS = [1, 3, 4]
@@ -172,6 +173,41 @@ def test_a_top_k_teacher_store_holds_the_targets_likeliest_next_tokens(tmp_path)
     with pytest.raises(DDTreeError, match="model.distill_top_k=1000000 is above"):
         build_feature_store(dm, tmp_path / "wide", layer_ids=LAYER_IDS, teacher_top_k=10**6)
     assert not (tmp_path / "wide").exists() and not partial_path(tmp_path / "wide").exists()
+    # a Llama-style target's forward transforms nothing: its manifest is as before, so its earlier stores are reused
+    assert "teacher_logits" not in json.loads((out / "store.json").read_text()) and store.teacher_logits is None
+
+
+@pytest.mark.parametrize("family, transform", [("gemma2", "final_logit_softcapping=30"), ("granite", "logits_scaling=16")])
+def test_a_top_k_store_of_a_target_that_transforms_its_logits_holds_its_forwards_distribution(tmp_path, family,
+                                                                                              transform):
+    """The store's teacher was the softmax of the LM head's raw output: Gemma-2's forward softcaps it, Granite's divides
+    it by logits_scaling. Now it is the forward's, the manifest says which transform it took, and a store without it
+    (built before) is another build for `make features` and one line for a run that would train from it."""
+    folder = transformed_target_folder(tmp_path / family, family)
+    dm = make_datamodule(tmp_path, target=str(folder))
+    out = build_feature_store(dm, tmp_path / "store", layer_ids=[0, 1], dtype=torch.float32, teacher_top_k=5)
+    store = FeatureStore(out)
+    assert store.teacher_logits == transform
+    data, _, _ = dm.load_tokenized()
+    for i in range(len(data)):
+        needed = torch.cat([data[i]["loss_mask"][1:], torch.zeros(1, dtype=torch.bool)])
+        ids, stored = (t[needed] for t in store.teacher(i))
+        true = forward_log_probs(folder, data[i]["input_ids"][None])[0][needed]  # (rows, V)
+        torch.testing.assert_close(stored, true.gather(1, ids), rtol=0, atol=1e-5)
+        assert torch.equal(ids.sort(dim=1).values, true.topk(5, dim=1).indices.sort(dim=1).values)
+    module = tiny_module(target=str(folder), target_layer_ids=[0, 1], distill_weight=0.5, distill_top_k=5)
+    module.check_feature_store(store)  # accepted
+    manifest = json.loads((out / "store.json").read_text())
+    del manifest["teacher_logits"]  # as a store built before the teacher took the transform
+    (out / "store.json").write_text(json.dumps(manifest))
+    with pytest.raises(DDTreeError) as error:
+        module.check_feature_store(FeatureStore(out))
+    assert one_line(error.value).startswith(f"feature store {out} holds the target's top 5 next tokens with logit "
+                                            f"transform none, and its forward applies {transform}")
+    with pytest.raises(DDTreeError, match=r"another build \(differs in teacher_logits\); pass --force"):
+        build_feature_store(dm, out, layer_ids=[0, 1], dtype=torch.float32, teacher_top_k=5)
+    assert build_feature_store(dm, out, layer_ids=[0, 1], dtype=torch.float32, teacher_top_k=5, force=True) == out
+    assert FeatureStore(out).teacher_logits == transform
 
 
 def test_length_sorted_batches_give_the_per_sequence_features(tmp_path):

@@ -189,7 +189,7 @@ def test_a_top_k_teacher_of_the_whole_vocabulary_is_the_whole_distribution(disti
     teacher = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(1))
     weights = block_position_weights(4, gamma=4.0)
     vocab = lm_head.weight.shape[0]
-    top = next_token_top_k(teacher, lm_head, vocab + 3, rows_per_chunk=5)  # chunked; k above V: all V
+    top = next_token_top_k(teacher, lm_head, vocab + 3, target_config=None, rows_per_chunk=5)  # chunked; k above V: all V
     assert top[0].shape == (*teacher.shape[:2], vocab) and torch.equal(top[0].sort(dim=-1).values[0, 0], torch.arange(vocab))
     for objective in ("decayed_ce", "intree"):
         full = block_loss_sums(hidden.requires_grad_(), labels, lm_head, weights, teacher_hidden=teacher,
@@ -208,11 +208,97 @@ def test_next_token_top_k_gives_the_k_likeliest_tokens_with_their_log_probabilit
     lm_head = torch.nn.Linear(8, 97, bias=False)
     torch.nn.init.normal_(lm_head.weight, generator=generator)
     final = torch.randn(3, 11, 8, generator=generator) * scale
-    ids, log_probs = next_token_top_k(final, lm_head, 6, rows_per_chunk=4)
+    ids, log_probs = next_token_top_k(final, lm_head, 6, target_config=None, rows_per_chunk=4)
     reference = lm_head(final).double().log_softmax(-1)  # (3, 11, 97)
     assert ids.shape == log_probs.shape == (3, 11, 6) and log_probs.dtype == torch.float32
     assert torch.equal(ids.sort(dim=-1).values, reference.topk(6, dim=-1).indices.sort(dim=-1).values)
     torch.testing.assert_close(log_probs.double(), reference.gather(-1, ids), rtol=1e-6, atol=1e-5 * scale)
+
+
+def transformed_target_folder(folder, family: str):
+    """A random-weight target whose forward transforms its LM head's output, with the tiny target's tokenizer: Gemma-2
+    (final_logit_softcapping 30, weights wide enough for the cap to bend them) or Granite (logits_scaling 16)."""
+    import transformers
+
+    from ddtree.targets import resolve_target
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(resolve_target("tiny-random"))
+    sizes = dict(vocab_size=len(tokenizer) + 8, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                 num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
+    config = (transformers.Gemma2Config(**sizes, head_dim=16, layer_types=["full_attention"] * 3, initializer_range=0.5)
+              if family == "gemma2" else transformers.GraniteConfig(**sizes, logits_scaling=16.0, initializer_range=2.0))
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def forward_log_probs(folder, input_ids: torch.Tensor) -> torch.Tensor:
+    """(S, T, V) log_softmax of the target's own forward logits, in fp32: the distribution decoding verifies against."""
+    from ddtree.targets import load_target
+
+    target, _ = load_target(str(folder), torch.float32)
+    with torch.no_grad():
+        return target(input_ids).logits.float().log_softmax(-1)
+
+
+# LOGIT_TRANSFORMS' causal-LM families that build small from sizes alone (the multimodal ones load a vision tower)
+SMALL_TRANSFORMING = ["gemma2", "gemma3_text", "gemma4_text", "gemma4_unified_text", "vaultgemma", "nanochat", "beam",
+                      "cohere", "cohere2", "cohere2_moe", "granite", "granite_swa", "granitemoe", "granitemoe_swa",
+                      "granitemoeshared", "minicpm3", "hyperclovax", "falcon_h1", "llama"]
+
+
+@pytest.mark.parametrize("model_type", SMALL_TRANSFORMING)
+def test_target_logits_are_the_forwards_logits_in_each_family(model_type):
+    """target_logits of the LM head's output is what transformers' forward gives (softcap, times or over, each family's
+    field), and the raw output is not; Llama transforms nothing."""
+    import transformers
+
+    from training.target import LOGIT_TRANSFORMS, logit_transform, target_logits
+
+    config = transformers.AutoConfig.for_model(model_type, vocab_size=64, hidden_size=32, intermediate_size=64,
+                                               num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                                               head_dim=16, max_position_embeddings=64, dim_model_base=8)
+    field, _ = LOGIT_TRANSFORMS.get(model_type, (None, None))
+    if field and model_type != "minicpm3":  # MiniCPM3's is hidden_size / dim_model_base: 4
+        setattr(config, field, 0.1 if LOGIT_TRANSFORMS[model_type][1] == "softcap" else 0.25)  # logits about 0.2
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        output = model(torch.randint(0, 64, (1, 7)), output_hidden_states=True)
+        head = model.get_output_embeddings()(output.hidden_states[-1])
+    torch.testing.assert_close(target_logits(head.clone(), model.config), output.logits)
+    assert (logit_transform(model.config) is None) == (model_type == "llama")
+    if field:
+        assert (head - output.logits).abs().max() > 0.05
+
+
+@pytest.mark.parametrize("family", ["gemma2", "granite"])
+def test_the_teacher_is_the_targets_own_distribution_where_its_forward_transforms_the_head(tmp_path, family):
+    """Gemma-2 softcaps its logits (c * tanh(x / c)), Granite divides them by logits_scaling: the teacher was the softmax
+    of the LM head's raw output, another distribution (Granite's 16x sharper, near one-hot). Online, the top-k teacher
+    of each block token is now the target forward's log-probabilities, and the whole-distribution teacher gives the
+    loss of a top-k teacher of every token."""
+    folder = transformed_target_folder(tmp_path / family, family)
+    module = DistillModule(target=str(folder), num_layers=1, block_size=BLOCK, target_layer_ids=[0, 1], num_anchors=6,
+                           target_dtype="float32", distill_weight=0.5, distill_top_k=8)
+    module.configure_model()
+    vocab = module.target.get_output_embeddings().weight.shape[0]
+    batch = synthetic_batch()
+    batch["input_ids"] %= vocab
+    true = forward_log_probs(folder, batch["input_ids"])  # (S, T, V)
+    _, _, (ids, log_probs), _ = module.block_predictions(batch, 0, "train", distill=True)  # (S, n*B, 8) each
+    anchors, _ = sample_anchors(batch["loss_mask"].bool(), 6, module._anchor_generator(0, "train"))  # as drawn there
+    expected = teacher_states(true, anchors, BLOCK).gather(-1, ids)  # each block token's label position
+    torch.testing.assert_close(log_probs, expected, rtol=0, atol=1e-5)
+    raw = module.target.get_output_embeddings()(target_layer_features(module.target, batch["input_ids"], [0],
+                                                                      final_hidden=True)[1]).log_softmax(-1)
+    assert (raw - true).abs().max() > 0.5  # the raw head is another distribution: the check above tells them apart
+    losses = {}
+    for top_k in (0, vocab):  # the whole distribution through the head; every token as a top-k teacher
+        module.hparams.distill_top_k = top_k
+        losses[top_k] = module.shared_step(batch, 0, "train").loss
+    torch.testing.assert_close(losses[0], losses[vocab], rtol=1e-5, atol=1e-5)
 
 
 def test_a_top_k_teacher_is_renormalised_over_the_tokens_the_head_has():

@@ -878,12 +878,16 @@ class DistillModule(L.LightningModule):
     # Lightning restores the optimizer's groups and the schedule's base rates from the checkpoint, so another lr,
     # betas or weight_decay went unused while config.yaml and the model card recorded it (warmup_ratio and
     # min_lr_ratio live in the schedule's function and do change).
-    # The loss's gamma and objective: config.yaml then named them as the whole run's, though its steps before the
-    # resume trained on another loss.
+    # The loss (gamma, the objective and its settings, distillation): config.yaml, report.md's train-loss note and the
+    # model card then named it as the whole run's, though its steps before the resume trained on another loss. A
+    # checkpoint older than a setting does not record it, and resumes as before.
     RESUME_FIXED_HPARAMS = {"lora_rank": "model.lora_rank", "lora_alpha": "model.lora_alpha",
                             "lora_target_modules": "model.lora_target_modules", "seed": "model.seed and data.seed",
                             "lr": "model.lr", "betas": "model.betas", "weight_decay": "model.weight_decay",
-                            "gamma": "model.gamma", "objective": "model.objective"}
+                            "gamma": "model.gamma", "objective": "model.objective",
+                            **{name: f"model.{name}" for name in (
+                                "objective_smoothing", "objective_top_k", "objective_budget", "distill_weight",
+                                "distill_loss", "distill_top_k")}}
     # The target's adapter (model.target_adapter) is fixed too (check_resume_adapter): the steps before a resume
     # learned the adapted target, and with it dropped or retrained the rest learned another.
 
@@ -893,7 +897,7 @@ class DistillModule(L.LightningModule):
 
     def check_resume(self, checkpoint: dict) -> None:
         """Refuse, in one line, a resume whose launch would change the checkpoint's drafter, data split, optimizer or
-        loss (gamma, objective)."""
+        loss (gamma, the objective and its settings, distillation)."""
         saved = checkpoint.get("drafter_config")
         if saved is None or self.drafter is None:
             return

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import lightning as L
 import pytest
@@ -1047,6 +1048,21 @@ def test_a_resume_names_what_changed_its_draft_vocabulary_split_or_optimizer(mod
                                           r"or start a new run$"):
         module.check_resume(saved)
     saved["hyper_parameters"].update(gamma=module.hparams.gamma, objective=module.hparams.objective)
+    module.check_resume(saved)
+    # The objective's settings and the distillation are the loss too: a resume with another trained the rest on it,
+    # and the card named it as the whole run's (dpace + kl32 resumed with distill_weight 0 read as no distillation)
+    for name, other in [("objective_smoothing", 0.0), ("objective_top_k", 8), ("objective_budget", 64),
+                        ("distill_weight", 0.5), ("distill_loss", "lk"), ("distill_top_k", 32)]:
+        saved["hyper_parameters"][name] = other
+        with pytest.raises(DDTreeError) as error:
+            module.check_resume(saved)
+        assert len(str(error.value).splitlines()) == 1
+        assert re.match(rf"^--resume: the checkpoint's run has {name} {other} \(this launch: {module.hparams[name]}\): "
+                        rf".*; drop model.{name} from the command, or start a new run$", str(error.value)), error.value
+        saved["hyper_parameters"][name] = module.hparams[name]
+    module.check_resume(saved)
+    for name in ("objective_smoothing", "distill_weight", "distill_top_k"):  # a checkpoint older than the setting
+        del saved["hyper_parameters"][name]
     module.check_resume(saved)
 
 

@@ -253,10 +253,11 @@ def _corpus(args, tokenizer, replies: list | None) -> CorpusLookup | bool | None
     if args.corpus is None or args.corpus == "none":
         return None if args.corpus is None else False
     started = time.perf_counter()
+    source = f"--corpus {args.corpus}"
     if Path(args.corpus).suffix == ".safetensors":  # token ids already, as a drafter folder ships them
-        corpus = CorpusLookup(replies)
+        corpus = CorpusLookup(replies, source=source)
     else:
-        corpus = CorpusLookup.from_text(replies, tokenizer)
+        corpus = CorpusLookup.from_text(replies, tokenizer, source=source)
     print(f"[corpus] {len(corpus)} runs of {corpus.ngram} tokens from {args.corpus} in "
           f"{time.perf_counter() - started:.1f} s", file=sys.stderr)
     return corpus

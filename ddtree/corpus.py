@@ -145,17 +145,23 @@ class CorpusLookup:
     training launch on a 2-core EPYC, the sorted index takes 0.17 s.
     """
 
-    def __init__(self, sequences: Iterable[list[int]], ngram: int = NGRAM, length: int = LENGTH):
+    def __init__(self, sequences: Iterable[list[int]], ngram: int = NGRAM, length: int = LENGTH,
+                 source: str = "the corpus"):
+        # source: how its lines name it ("--corpus replies.jsonl", the drafter's file)
         sequences = [np.asarray(tokens, dtype=np.int64).reshape(-1) for tokens in sequences]
-        self.ngram, self.length = ngram, length
+        self.ngram, self.length, self.source = ngram, length, source
         self.tokens = np.concatenate(sequences) if sequences else np.zeros(0, dtype=np.int64)  # every reply, end to end
         # A run's key packs its tokens' ranks among the ids the replies hold, not the ids themselves: a corpus of
-        # another tokenizer's (or corrupt) ids still builds, for check_vocabulary to name the id in one line.
+        # another tokenizer's (or corrupt) ids still builds, for check_vocabulary to name the id in one line (unless no
+        # tokenizer's: too many ids to pack, below).
         self.ids = np.unique(self.tokens)  # (U,) sorted
         self.lowest = min(0, int(self.ids[0])) if len(self.ids) else 0  # the ids it holds (check_vocabulary)
         self.highest = int(self.ids[-1]) if len(self.ids) else -1
-        if len(self.ids) ** ngram >= 2 ** 63:
-            raise ValueError(f"runs of {ngram} tokens over {len(self.ids)} distinct ids do not fit one int64 key")
+        if len(self.ids) ** ngram >= 2 ** 63:  # runs of 3: 2^21 ids, 8x the largest vocabulary
+            raise DDTreeError(f"{source} holds {len(self.ids)} distinct token ids ({int(self.ids[0])} to {self.highest}), "
+                              f"too many to index its runs of {ngram} tokens and more than a target's vocabulary: "
+                              "they are not token ids of a target's replies (another writer's, or a corrupt file); give "
+                              "a corpus of this target's replies, or decode without it (ddtree: --corpus none)")
         ranks = np.searchsorted(self.ids, self.tokens)
         lengths = np.array([len(tokens) for tokens in sequences], dtype=np.int64)
         ends = np.cumsum(lengths)  # where each reply ends in self.tokens
@@ -175,7 +181,7 @@ class CorpusLookup:
         would index past the target's embedding mid-decode."""
         if self.lowest < 0 or self.highest >= vocab_size:
             bad = self.lowest if self.lowest < 0 else self.highest
-            raise DDTreeError(f"the corpus holds token id {bad}, outside the target's vocabulary of {vocab_size} ids: it "
+            raise DDTreeError(f"{self.source} holds token id {bad}, outside the target's vocabulary of {vocab_size} ids: it "
                               "was written with another tokenizer; give a corpus of this target's replies, or decode "
                               "without it (ddtree: --corpus none)")
 
@@ -209,7 +215,7 @@ class CorpusLookup:
     @classmethod
     def from_file(cls, path: str | Path, **settings) -> CorpusLookup:
         """The index of the replies in a file `write_replies` wrote (<run>/corpus.safetensors, a drafter's export)."""
-        return cls(read_replies(path), **settings)
+        return cls(read_replies(path), **{"source": f"the corpus {path}", **settings})
 
     @classmethod
     def from_conversations(cls, path: str | Path, tokenizer, **settings) -> CorpusLookup:
@@ -218,7 +224,7 @@ class CorpusLookup:
         `datasets.load_from_disk("data/smollm2-135m").to_json("replies.jsonl")` writes one from a folder that
         data/regenerate.py made (this library does not read `datasets` folders itself).
         """
-        return cls.from_text(read_conversations(path), tokenizer, **settings)
+        return cls.from_text(read_conversations(path), tokenizer, **{"source": f"the corpus {path}", **settings})
 
     @classmethod
     def from_text(cls, replies: Iterable[str], tokenizer, **settings) -> CorpusLookup:

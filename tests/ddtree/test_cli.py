@@ -809,6 +809,26 @@ def test_bench_grafts_the_corpus_a_drafter_folder_ships_unless_told_none(capsys,
                                                    str(tmp_path / "cut.safetensors"))
 
 
+def test_a_corpus_of_more_ids_than_a_vocabulary_is_one_line_naming_it(capsys, tmp_path, tiny_target):
+    """Past 2^21 distinct ids a run of 3 no longer packs into one int64 key: a ValueError traceback, from --corpus and
+    from a drafter folder's own file alike (found in a review). One line naming the file and the way out."""
+    from safetensors.torch import save_file
+
+    count = 2 ** 21 + 5
+    folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
+    save_file({"tokens": torch.arange(count, dtype=torch.int32), "offsets": torch.tensor([0, count])},
+              folder / CORPUS_FILE)
+    generate = ["generate", "--target", TARGET, "--prompt", "Hi", "--max-new-tokens", "2"]
+    given, shipped = ["--drafter", "random", "--corpus", str(folder / CORPUS_FILE)], ["--drafter", str(folder)]
+    for flags, named in ((given, f"--corpus {folder / CORPUS_FILE}"), (shipped, f"the corpus {folder / CORPUS_FILE}")):
+        line = _bad(capsys, *generate, *flags)
+        assert line == (f"error: {named} holds {count} distinct token ids (0 to {count - 1}), too many to index its runs "
+                        "of 3 tokens and more than a target's vocabulary: they are not token ids of a target's replies "
+                        "(another writer's, or a corrupt file); give a corpus of this target's replies, or decode "
+                        "without it (ddtree: --corpus none)"), line
+    assert run_cli(capsys, *generate, "--drafter", str(folder), "--corpus", "none")[0] == 0  # the way out it names
+
+
 @pytest.mark.parametrize("command", [["generate", "--prompt", "Hi"], ["bench", "--prompts=~/p.jsonl", "--out=~/r.json"],
                                      ["calibrate", "--prompts=~/p.jsonl"], ["verify-cost"]])
 def test_a_path_flag_given_with_a_tilde_is_under_the_home_folder(monkeypatch, tmp_path, command):

@@ -255,9 +255,9 @@ def _corpus(args, tokenizer, replies: list | None) -> CorpusLookup | bool | None
     started = time.perf_counter()
     source = f"--corpus {args.corpus}"
     if Path(args.corpus).suffix == ".safetensors":  # token ids already, as a drafter folder ships them
-        corpus = CorpusLookup(replies, source=source)
+        corpus = CorpusLookup(replies, source=source).check_runs()
     else:
-        corpus = CorpusLookup.from_text(replies, tokenizer, source=source)
+        corpus = CorpusLookup.from_text(replies, tokenizer, source=source).check_runs()
     print(f"[corpus] {len(corpus)} runs of {corpus.ngram} tokens from {args.corpus} in "
           f"{time.perf_counter() - started:.1f} s", file=sys.stderr)
     return corpus
@@ -273,7 +273,7 @@ def _drafter_runner(args, target: PreTrainedModel, tokenizer: PreTrainedTokenize
     corpus = None
     if shipped is not None and shipped.is_file() and args.corpus is None:  # an explicit --corpus replaces it
         started = time.perf_counter()
-        corpus = CorpusLookup.from_file(shipped)
+        corpus = CorpusLookup.from_file(shipped).check_runs()
         print(f"[corpus] the drafter's {shipped.name}: {len(corpus)} runs of {corpus.ngram} tokens in "
               f"{time.perf_counter() - started:.1f} s (--corpus none leaves it out)", file=sys.stderr)
     calibration = _calibration(args)

@@ -185,6 +185,14 @@ class CorpusLookup:
                               "was written with another tokenizer; give a corpus of this target's replies, or decode "
                               "without it (ddtree: --corpus none)")
 
+    def check_runs(self) -> CorpusLookup:
+        """Itself, or one line where it holds no run to look up (its replies empty, or none longer than `ngram` tokens):
+        decoding with it grafted nothing, and bench recorded it as the corpus it ran with."""
+        if not len(self):
+            raise DDTreeError(f"{self.source}: no reply in it holds more than {self.ngram} tokens, so there is nothing to "
+                              "look up; give the target's replies, or decode without it (ddtree: --corpus none)")
+        return self
+
     def __len__(self) -> int:
         """The number of distinct runs."""
         return int(np.count_nonzero(np.diff(self.keys))) + 1 if len(self.keys) else 0

@@ -829,6 +829,30 @@ def test_a_corpus_of_more_ids_than_a_vocabulary_is_one_line_naming_it(capsys, tm
     assert run_cli(capsys, *generate, "--drafter", str(folder), "--corpus", "none")[0] == 0  # the way out it names
 
 
+def test_a_corpus_with_no_run_to_look_up_is_one_line(capsys, tmp_path, tiny_target):
+    """Only a JSONL without an assistant turn was refused: empty turns, a corpus.safetensors written from no replies or
+    from replies of 3 tokens or fewer decoded with "[corpus] 0 runs", and bench recorded the file as the corpus it ran
+    with (found in a review)."""
+    folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
+    empty_turns = tmp_path / "empty.jsonl"
+    empty_turns.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": "Hi"},
+                                                              {"role": "assistant", "content": ""}]}) for _ in range(2)))
+    write_replies(tmp_path / "none.safetensors", [])
+    write_replies(tmp_path / "short.safetensors", [[5, 6, 7], [8], []])
+    generate = ["generate", "--target", TARGET, "--prompt", "Hi", "--max-new-tokens", "2"]
+    for path in (empty_turns, tmp_path / "none.safetensors", tmp_path / "short.safetensors"):
+        line = _bad(capsys, *generate, "--drafter", "random", "--corpus", str(path))
+        assert line == (f"error: --corpus {path}: no reply in it holds more than 3 tokens, so there is nothing to look "
+                        "up; give the target's replies, or decode without it (ddtree: --corpus none)"), line
+    write_replies(folder / CORPUS_FILE, [[5, 6, 7]])
+    line = _bad(capsys, *generate, "--drafter", str(folder))
+    assert line.startswith(f"error: the corpus {folder / CORPUS_FILE}: no reply in it holds more than 3 tokens"), line
+    assert run_cli(capsys, *generate, "--drafter", str(folder), "--corpus", "none")[0] == 0
+    write_replies(folder / CORPUS_FILE, [[5, 6, 7, 8]])  # one run: something to look up
+    code, _, err = run_cli(capsys, *generate, "--drafter", str(folder))
+    assert code == 0 and "[corpus] the drafter's corpus.safetensors: 1 runs of 3 tokens" in err, err
+
+
 @pytest.mark.parametrize("command", [["generate", "--prompt", "Hi"], ["bench", "--prompts=~/p.jsonl", "--out=~/r.json"],
                                      ["calibrate", "--prompts=~/p.jsonl"], ["verify-cost"]])
 def test_a_path_flag_given_with_a_tilde_is_under_the_home_folder(monkeypatch, tmp_path, command):
@@ -851,7 +875,7 @@ def test_bench_reads_and_writes_the_paths_a_tilde_names(capsys, tmp_path, tiny_t
     tiny_drafter_folder(tiny_target, home / "drafter")
     (home / "prompts.jsonl").write_text(prompts_file.read_text())
     (home / "replies.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"},
-                                                                 {"role": "assistant", "content": "Hello there."}]}))
+                                                                 {"role": "assistant", "content": "Hello there, how are you today?"}]}))
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.chdir(elsewhere)
     code, _, err = run_cli(capsys, "bench", "--target", TARGET, "--drafter=~/drafter", "--prompts=~/prompts.jsonl",

@@ -247,19 +247,20 @@ def calibrate_flags(args, lookup: int, redraft: int, corpus: CorpusLookup | None
     return " ".join(flags)
 
 
-def _corpus(args, tokenizer, replies: list | None) -> CorpusLookup | bool | None:
-    """--corpus: the index of the replies read from its file (InputFiles.corpus), built once here (a few seconds for
-    2048 replies); False for `none`; None (the drafter's own, DrafterRunner.default_corpus) when left out."""
+def _corpus(args, tokenizer, read: list[str] | CorpusLookup | None) -> CorpusLookup | bool | None:
+    """--corpus: the index of what was read from its file (InputFiles.corpus: a corpus.safetensors' token ids indexed as
+    they were read, a JSONL's replies tokenized and indexed here, a few seconds for 2048 replies), checked against the
+    target's tokenizer; False for `none`; None (the drafter's own, DrafterRunner.default_corpus) when left out."""
     if args.corpus is None or args.corpus == "none":
         return None if args.corpus is None else False
     started = time.perf_counter()
-    source = f"--corpus {args.corpus}"
-    if Path(args.corpus).suffix == ".safetensors":  # token ids already, as a drafter folder ships them
-        corpus = CorpusLookup(replies, source=source).check_runs()
+    if isinstance(read, CorpusLookup):
+        corpus, took = read, ""
     else:
-        corpus = CorpusLookup.from_text(replies, tokenizer, source=source).check_runs()
-    print(f"[corpus] {len(corpus)} runs of {corpus.ngram} tokens from {args.corpus} in "
-          f"{time.perf_counter() - started:.1f} s", file=sys.stderr)
+        corpus = CorpusLookup.from_text(read, tokenizer, source=f"--corpus {args.corpus}").check_runs()
+        took = f" in {time.perf_counter() - started:.1f} s"
+    corpus.check_tokenizer(tokenizer)
+    print(f"[corpus] {len(corpus)} runs of {corpus.ngram} tokens from {args.corpus}{took}", file=sys.stderr)
     return corpus
 
 
@@ -274,6 +275,7 @@ def _drafter_runner(args, target: PreTrainedModel, tokenizer: PreTrainedTokenize
     if shipped is not None and shipped.is_file() and args.corpus is None:  # an explicit --corpus replaces it
         started = time.perf_counter()
         corpus = CorpusLookup.from_file(shipped).check_runs()
+        corpus.check_tokenizer(tokenizer)
         print(f"[corpus] the drafter's {shipped.name}: {len(corpus)} runs of {corpus.ngram} tokens in "
               f"{time.perf_counter() - started:.1f} s (--corpus none leaves it out)", file=sys.stderr)
     calibration = _calibration(args)
@@ -326,7 +328,7 @@ class InputFiles(NamedTuple):
     read only once."""
 
     prompts: list[tuple[str, str, dict]] | None  # read_prompts' records; None without --prompts
-    corpus: list | None  # read_corpus' replies (text, or token ids); None without a --corpus file
+    corpus: list[str] | CorpusLookup | None  # read_corpus' replies as text, or index of token ids; None without one
 
 
 def check_input_files(args) -> InputFiles:

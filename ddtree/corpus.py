@@ -4,9 +4,10 @@
     generate(target, prompt, "ddtree", drafter, corpus=corpus)             # `ddtree bench --corpus replies.jsonl`
     corpus = CorpusLookup.from_file(drafter_folder / CORPUS_FILE)           # what a recipe with model.corpus ships
 
-A recipe with `model.corpus: true` writes its training replies' token ids to <run>/corpus.safetensors
-(`write_replies`), and every export of that run carries the file beside the weights: decoders that load the
-drafter then graft from it by default (DrafterRunner.default_corpus; `--corpus none` leaves it out).
+A recipe with `model.corpus: true` writes its training replies' token ids to <run>/corpus.safetensors, with a record
+of the tokenizer that gave them (`write_replies`), and every export of that run carries the file beside the weights:
+decoders that load the drafter then graft from it by default (DrafterRunner.default_corpus; `--corpus none` leaves it
+out), once the target's tokenizer is found to spell its ids alike (CorpusLookup.check_tokenizer).
 
 A target repeats its own phrasing from answer to answer ("Here's an example of how you can use ..."). The index
 maps every run of `ngram` tokens in the replies to the continuation that followed it, token by token the one most
@@ -17,14 +18,15 @@ decides how much one target forward confirms; what is committed stays the target
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save
 
 from .errors import DDTreeError, check_text, error_line
 from .files import atomic_file, iter_json_lines
@@ -34,8 +36,9 @@ NGRAM = 3  # tokens of context matched; 3 is what the context lookup starts from
 LENGTH = 7  # the longest continuation kept: a block of 8 drafts at most 7 tokens
 
 
-def write_replies(path: str | Path, replies: Iterable[list[int]]) -> int:
-    """Write token-id sequences to a safetensors file (one flat int32 `tokens`, int64 `offsets`); return the count.
+def write_replies(path: str | Path, replies: Iterable[list[int]], tokenizer) -> int:
+    """Write token-id sequences to a safetensors file (one flat int32 `tokens`, int64 `offsets`), with what the ids
+    mean in its metadata (tokenizer_record: the `tokenizer` that gave them); return the count.
 
     4 bytes a token: the default recipe's 2001 training replies (396,841 tokens) take 1.6 MB.
     """
@@ -43,16 +46,41 @@ def write_replies(path: str | Path, replies: Iterable[list[int]]) -> int:
     offsets = torch.tensor([0] + [len(reply) for reply in replies], dtype=torch.int64).cumsum(0)
     tokens = torch.tensor([token for reply in replies for token in reply], dtype=torch.int32)
     with atomic_file(path, "wb") as handle:
-        handle.write(save({"tokens": tokens, "offsets": offsets}))
+        handle.write(save({"tokens": tokens, "offsets": offsets}, metadata=tokenizer_record(tokenizer)))
     return len(replies)
+
+
+def tokenizer_record(tokenizer) -> dict[str, str]:
+    """What a corpus file says of the tokenizer its ids came from (safetensors metadata: strings): its name, the size of
+    its vocabulary (without the tokens added to it, which a chat variant of the same model renames or extends) and
+    vocabulary_hash over that size. CorpusLookup.check_tokenizer compares the target's with it."""
+    size = tokenizer.vocab_size
+    return {"tokenizer": str(tokenizer.name_or_path), "tokenizer_vocab_size": str(size),
+            "tokenizer_tokens_sha256": vocabulary_hash(tokenizer, size)}
+
+
+def vocabulary_hash(tokenizer, size: int, samples: int = 1024) -> str:
+    """A short hash of the tokens a tokenizer gives `samples` ids spread evenly below `size`: two tokenizers' differ
+    at nearly every id, and 1024 of them take about 1 ms (the whole vocabulary: 0.1 s for SmolLM2's 49,152, at every
+    decoder start)."""
+    ids = list(range(0, size, max(1, size // samples)))
+    tokens = tokenizer.convert_ids_to_tokens(ids)
+    return hashlib.sha256("\n".join(f"{i} {token}" for i, token in zip(ids, tokens)).encode()).hexdigest()[:16]
 
 
 def read_replies(path: str | Path) -> list[list[int]]:
     """The sequences `write_replies` wrote, or that another writer stored as 1-D integer `tokens` and `offsets`, signed
     or unsigned (numpy's uint16/32/64 say)."""
+    return read_corpus_file(path)[0]
+
+
+def read_corpus_file(path: str | Path) -> tuple[list[list[int]], dict[str, str] | None]:
+    """read_replies' sequences, and the record of the tokenizer they came from (tokenizer_record) where the file holds
+    one (files written before write_replies recorded it, and other writers', hold none)."""
     try:
-        saved = load_file(str(path))
-        tokens, offsets = saved["tokens"], saved["offsets"]
+        with safe_open(str(path), framework="pt") as saved:
+            tokens, offsets = saved.get_tensor("tokens"), saved.get_tensor("offsets")
+            metadata = saved.metadata() or {}
         problem = next((f"{name} is {tensor.dim()}-D {tensor.dtype}, not 1-D integers"
                         for name, tensor in (("tokens", tokens), ("offsets", offsets))
                         if tensor.dim() != 1 or tensor.dtype.is_floating_point or tensor.dtype == torch.bool), None)
@@ -66,21 +94,29 @@ def read_replies(path: str | Path) -> list[list[int]]:
             if (len(offsets) == 0 or offsets[0] != 0 or offsets[-1] != len(tokens)
                     or bool((offsets[1:] < offsets[:-1]).any())):
                 problem = f"offsets do not run from 0 to the {len(tokens)} tokens without going back"
+        record = {key: metadata[key] for key in ("tokenizer", "tokenizer_vocab_size", "tokenizer_tokens_sha256")
+                  if key in metadata} or None
+        if problem is None and record is not None and not (len(record) == 3 and record["tokenizer_vocab_size"].isdigit()):
+            problem = f"its metadata's record of the tokenizer is not write_replies': {record}"
         if problem is not None:
             raise ValueError(problem)
     except (OSError, SafetensorError, KeyError, ValueError) as error:
         raise DDTreeError(f"corpus {path} is unreadable or not a corpus ({error_line(error)}); export the drafter "
                           f"again, or decode without it (ddtree: --corpus none)") from None
     tokens, offsets = tokens.tolist(), offsets.tolist()
-    return [tokens[start:end] for start, end in zip(offsets, offsets[1:])]
+    return [tokens[start:end] for start, end in zip(offsets, offsets[1:])], record
 
 
-def read_corpus(path: str | Path) -> list[str] | list[list[int]]:
-    """--corpus's replies, or one line saying why they cannot be read (read before a target loads, whole: a few MB, and
-    kept, as a pipe can be read only once): the assistant turns of a JSONL file of conversations as text
-    (CorpusLookup.from_text), or the token ids of a corpus.safetensors as a drafter folder ships it."""
+def read_corpus(path: str | Path) -> list[str] | CorpusLookup:
+    """--corpus, or one line saying why it cannot be read (read before a target loads, whole: a few MB, and kept, as a
+    pipe can be read only once): the assistant turns of a JSONL file of conversations as text (for
+    CorpusLookup.from_text), or the index of a corpus.safetensors of token ids as a drafter folder ships it (its
+    check_tokenizer is for once the target's tokenizer has loaded)."""
+    source = f"--corpus {path}"  # as given
     path = corpus_path(path)
-    return read_replies(path) if path.suffix == ".safetensors" else read_conversations(path)
+    if path.suffix == ".safetensors":
+        return CorpusLookup.from_file(path, source=source).check_runs()
+    return read_conversations(path)
 
 
 def corpus_path(path: str | Path) -> Path:
@@ -146,10 +182,11 @@ class CorpusLookup:
     """
 
     def __init__(self, sequences: Iterable[list[int]], ngram: int = NGRAM, length: int = LENGTH,
-                 source: str = "the corpus"):
-        # source: how its lines name it ("--corpus replies.jsonl", the drafter's file)
+                 source: str = "the corpus", written_with: dict[str, str] | None = None):
+        # source: how its lines name it ("--corpus replies.jsonl", the drafter's file); written_with: the record of the
+        # tokenizer its ids came from, where its file holds one (tokenizer_record; check_tokenizer)
         sequences = [np.asarray(tokens, dtype=np.int64).reshape(-1) for tokens in sequences]
-        self.ngram, self.length, self.source = ngram, length, source
+        self.ngram, self.length, self.source, self.written_with = ngram, length, source, written_with
         self.tokens = np.concatenate(sequences) if sequences else np.zeros(0, dtype=np.int64)  # every reply, end to end
         # A run's key packs its tokens' ranks among the ids the replies hold, not the ids themselves: a corpus of
         # another tokenizer's (or corrupt) ids still builds, for check_vocabulary to name the id in one line (unless no
@@ -184,6 +221,18 @@ class CorpusLookup:
             raise DDTreeError(f"{self.source} holds token id {bad}, outside the target's vocabulary of {vocab_size} ids: it "
                               "was written with another tokenizer; give a corpus of this target's replies, or decode "
                               "without it (ddtree: --corpus none)")
+
+    def check_tokenizer(self, tokenizer) -> None:
+        """One line where its file records another tokenizer than `tokenizer` (the target's): ids below the target's
+        vocabulary size pass check_vocabulary, and grafted as the target's tokens they are never accepted. A file that
+        records none (written before write_replies recorded it, or by another writer) is checked by its ids alone."""
+        if self.written_with is None:
+            return
+        size, name = int(self.written_with["tokenizer_vocab_size"]), self.written_with["tokenizer"]
+        if tokenizer.vocab_size < size or vocabulary_hash(tokenizer, size) != self.written_with["tokenizer_tokens_sha256"]:
+            raise DDTreeError(f"{self.source} was written with tokenizer {name} ({size} tokens), whose ids the target's "
+                              f"tokenizer {tokenizer.name_or_path} ({tokenizer.vocab_size} tokens) gives other tokens: "
+                              "give a corpus of this target's replies, or decode without it (ddtree: --corpus none)")
 
     def check_runs(self) -> CorpusLookup:
         """Itself, or one line where it holds no run to look up (its replies empty, or none longer than `ngram` tokens):
@@ -223,7 +272,8 @@ class CorpusLookup:
     @classmethod
     def from_file(cls, path: str | Path, **settings) -> CorpusLookup:
         """The index of the replies in a file `write_replies` wrote (<run>/corpus.safetensors, a drafter's export)."""
-        return cls(read_replies(path), **{"source": f"the corpus {path}", **settings})
+        replies, record = read_corpus_file(path)
+        return cls(replies, **{"source": f"the corpus {path}", "written_with": record, **settings})
 
     @classmethod
     def from_conversations(cls, path: str | Path, tokenizer, **settings) -> CorpusLookup:

@@ -183,7 +183,7 @@ def write_run_corpus(cli: DistillCLI, run_dir: Path) -> None:
     if not cli.model.hparams.corpus or corpus.is_file():
         return
     cli.datamodule.setup("fit")  # the train/validation split; fit's own setup finds it done
-    count = write_replies(corpus, replies(cli.datamodule.train_split))
+    count = write_replies(corpus, replies(cli.datamodule.train_split), cli.datamodule.load_tokenizer())
     print(f"[train] {count} training replies written to {corpus} (model.corpus: decoders graft from them)", flush=True)
 
 

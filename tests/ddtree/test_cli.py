@@ -793,7 +793,7 @@ def test_bench_grafts_the_corpus_a_drafter_folder_ships_unless_told_none(capsys,
         return json.loads((tmp_path / "results.json").read_text())
 
     greedy = [prompt["methods"]["ar"]["new_tokens"] for prompt in run("--methods", "ar")["prompts"]]
-    write_replies(folder / CORPUS_FILE, greedy)  # what the target says: the corpus lookup follows it
+    write_replies(folder / CORPUS_FILE, greedy, tiny_target[1])  # what the target says: the corpus lookup follows it
     shipped, none = run("--methods", "ddtree"), run("--methods", "ddtree", "--corpus", "none")
     assert shipped["settings"]["ddtree_resolved"]["corpus"] == "the drafter's corpus.safetensors"
     assert none["settings"]["ddtree_resolved"]["corpus"] is None
@@ -833,24 +833,50 @@ def test_a_corpus_with_no_run_to_look_up_is_one_line(capsys, tmp_path, tiny_targ
     """Only a JSONL without an assistant turn was refused: empty turns, a corpus.safetensors written from no replies or
     from replies of 3 tokens or fewer decoded with "[corpus] 0 runs", and bench recorded the file as the corpus it ran
     with (found in a review)."""
+    tokenizer = tiny_target[1]
     folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
     empty_turns = tmp_path / "empty.jsonl"
     empty_turns.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": "Hi"},
                                                               {"role": "assistant", "content": ""}]}) for _ in range(2)))
-    write_replies(tmp_path / "none.safetensors", [])
-    write_replies(tmp_path / "short.safetensors", [[5, 6, 7], [8], []])
+    write_replies(tmp_path / "none.safetensors", [], tokenizer)
+    write_replies(tmp_path / "short.safetensors", [[5, 6, 7], [8], []], tokenizer)
     generate = ["generate", "--target", TARGET, "--prompt", "Hi", "--max-new-tokens", "2"]
     for path in (empty_turns, tmp_path / "none.safetensors", tmp_path / "short.safetensors"):
         line = _bad(capsys, *generate, "--drafter", "random", "--corpus", str(path))
         assert line == (f"error: --corpus {path}: no reply in it holds more than 3 tokens, so there is nothing to look "
                         "up; give the target's replies, or decode without it (ddtree: --corpus none)"), line
-    write_replies(folder / CORPUS_FILE, [[5, 6, 7]])
+    write_replies(folder / CORPUS_FILE, [[5, 6, 7]], tokenizer)
     line = _bad(capsys, *generate, "--drafter", str(folder))
     assert line.startswith(f"error: the corpus {folder / CORPUS_FILE}: no reply in it holds more than 3 tokens"), line
     assert run_cli(capsys, *generate, "--drafter", str(folder), "--corpus", "none")[0] == 0
-    write_replies(folder / CORPUS_FILE, [[5, 6, 7, 8]])  # one run: something to look up
+    write_replies(folder / CORPUS_FILE, [[5, 6, 7, 8]], tokenizer)  # one run: something to look up
     code, _, err = run_cli(capsys, *generate, "--drafter", str(folder))
     assert code == 0 and "[corpus] the drafter's corpus.safetensors: 1 runs of 3 tokens" in err, err
+
+
+def test_a_corpus_another_tokenizer_wrote_is_one_line(capsys, tmp_path, tiny_target):
+    """A corpus of byte ids (all below the target's vocabulary) was grafted as the target's tokens without a word, while
+    docs/decoding.md said another tokenizer's are one line (found in a review): the file records its tokenizer."""
+    from types import SimpleNamespace
+
+    tokenizer = tiny_target[1]
+    folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
+    spelt = lambda ids: [f"<0x{i:02X}>" for i in ids]  # noqa: E731
+    byte_level = SimpleNamespace(name_or_path="bytes", vocab_size=256, convert_ids_to_tokens=spelt)
+    replies = [list("Here is an example of how you can use it.".encode())] * 3
+    write_replies(tmp_path / "bytes.safetensors", replies, byte_level)
+    write_replies(folder / CORPUS_FILE, replies, byte_level)
+    generate = ["generate", "--target", TARGET, "--prompt", "Hi", "--max-new-tokens", "2"]
+    for flags, named in ((["--drafter", "random", "--corpus", str(tmp_path / "bytes.safetensors")],
+                          f"--corpus {tmp_path / 'bytes.safetensors'}"),
+                         (["--drafter", str(folder)], f"the corpus {folder / CORPUS_FILE}")):
+        line = _bad(capsys, *generate, *flags)
+        assert line == (f"error: {named} was written with tokenizer bytes (256 tokens), whose ids the target's tokenizer "
+                        f"{tokenizer.name_or_path} (49152 tokens) gives other tokens: give a corpus of this target's "
+                        "replies, or decode without it (ddtree: --corpus none)"), line
+    write_replies(folder / CORPUS_FILE, replies, tokenizer)  # the target's own: grafted
+    code, _, err = run_cli(capsys, *generate, "--drafter", str(folder))
+    assert code == 0 and "[corpus] the drafter's corpus.safetensors: " in err, err
 
 
 @pytest.mark.parametrize("command", [["generate", "--prompt", "Hi"], ["bench", "--prompts=~/p.jsonl", "--out=~/r.json"],

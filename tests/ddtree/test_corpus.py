@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -106,9 +107,9 @@ def test_a_corpus_of_the_reply_is_accepted_and_a_wrong_one_changes_no_token(tiny
             generate(model, prompt, "ddtree", runner, 16, 4, (), corpus=CorpusLookup([prompt + foreign]))
 
 
-def test_a_corpus_file_reads_back_its_replies_and_a_broken_one_is_one_line(tmp_path):
+def test_a_corpus_file_reads_back_its_replies_and_a_broken_one_is_one_line(tmp_path, tiny_target):
     replies = [[5, 6, 7, 8], [], [49151, 0]]
-    assert write_replies(tmp_path / CORPUS_FILE, replies) == 3
+    assert write_replies(tmp_path / CORPUS_FILE, replies, tiny_target[1]) == 3
     assert read_replies(tmp_path / CORPUS_FILE) == replies
     assert CorpusLookup.from_file(tmp_path / CORPUS_FILE).table == CorpusLookup(replies).table
     (tmp_path / "cut.safetensors").write_bytes((tmp_path / CORPUS_FILE).read_bytes()[:-3])
@@ -126,6 +127,55 @@ def test_a_corpus_file_reads_back_its_replies_and_a_broken_one_is_one_line(tmp_p
         save_file(tensors, tmp_path / f"{name}.safetensors")
         with pytest.raises(DDTreeError, match=rf"corpus .*{name}.safetensors is unreadable or not a corpus \({problem}"):
             read_replies(tmp_path / f"{name}.safetensors")
+
+
+class Vocabulary:
+    """A stand-in tokenizer of `size` tokens, token i spelt f"{spelling}{i}": what the corpus record reads of one."""
+
+    def __init__(self, name: str, size: int, spelling: str):
+        self.name_or_path, self.vocab_size, self.spelling = name, size, spelling
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        assert all(0 <= i < self.vocab_size for i in ids)
+        return [f"{self.spelling}{i}" for i in ids]
+
+
+def test_a_corpus_file_records_its_tokenizer_and_another_tokenizers_target_refuses_it(tmp_path, tiny_target):
+    """docs/decoding.md said a corpus of another tokenizer's ids is one line, but only ids past the target's vocabulary
+    were: a smaller tokenizer's (a SmolLM2 drafter's corpus given to a Qwen target, bytes) were grafted as the target's
+    tokens, never accepted, without a word (found in a review). The file now says which tokenizer wrote its ids."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    _, tokenizer = tiny_target
+    replies = [[5, 6, 7, 8, 9], [1, 2, 3, 4]]
+    write_replies(tmp_path / CORPUS_FILE, replies, tokenizer)
+    with safe_open(str(tmp_path / CORPUS_FILE), framework="pt") as saved:
+        assert saved.metadata()["tokenizer_vocab_size"] == str(tokenizer.vocab_size) == "49152"
+    corpus = CorpusLookup.from_file(tmp_path / CORPUS_FILE)
+    corpus.check_tokenizer(tokenizer)  # its own: nothing said
+    for other, named in ((Vocabulary("bytes", 256, "b"), "bytes (256 tokens)"),  # fewer ids than the writer's
+                         (Vocabulary("qwen", 151643, "q"), "qwen (151643 tokens)")):  # more, other tokens
+        with pytest.raises(DDTreeError, match=rf"^the corpus {tmp_path / CORPUS_FILE} was written with tokenizer "
+                                              rf".* \(49152 tokens\), whose ids the target's tokenizer {re.escape(named)} gives "
+                                              r"other tokens: give a corpus of this target's replies, or decode "
+                                              r"without it \(ddtree: --corpus none\)$"):
+            corpus.check_tokenizer(other)
+    # The same tokens with more added after them (a chat variant's): its ids still mean what they meant
+    written = Vocabulary("base", 1000, "t")
+    write_replies(tmp_path / "base.safetensors", replies, written)
+    CorpusLookup.from_file(tmp_path / "base.safetensors").check_tokenizer(Vocabulary("chat", 1024, "t"))
+    # A file that records none (written before, or by another writer): its ids alone are checked, as before
+    save_file({"tokens": torch.tensor([5, 6, 7, 8, 9]), "offsets": torch.tensor([0, 5])}, tmp_path / "plain.safetensors")
+    plain = CorpusLookup.from_file(tmp_path / "plain.safetensors")
+    assert plain.written_with is None and len(plain) == 2
+    plain.check_tokenizer(Vocabulary("bytes", 256, "b"))
+    # a record that is not write_replies': the file is not one it wrote
+    save_file({"tokens": torch.tensor([5, 6, 7, 8]), "offsets": torch.tensor([0, 4])}, tmp_path / "odd.safetensors",
+              metadata={"tokenizer": "x", "tokenizer_vocab_size": "many", "tokenizer_tokens_sha256": "0"})
+    with pytest.raises(DDTreeError, match=r"odd.safetensors is unreadable or not a corpus \(its metadata's record of "
+                                          r"the tokenizer is not write_replies'"):
+        read_replies(tmp_path / "odd.safetensors")
 
 
 def test_a_corpus_file_of_unsigned_integers_reads_as_its_replies(tmp_path):

@@ -104,6 +104,8 @@ def test_training_logs_what_bench_measures_and_marks_the_best_checkpoint(tmp_pat
     target, tokenizer = load_target("tiny-random", torch.float32)
     prompts = load_prompts(PROMPTS, tokenizer, limit=2)
     corpus = CorpusLookup.from_file(run_corpus(run_dir))
+    assert corpus.written_with["tokenizer_vocab_size"] == str(tokenizer.vocab_size)  # what its ids mean, which the
+    corpus.check_tokenizer(tokenizer)  # export below carries: ddtree bench checks it against the target's tokenizer
     for step, path in checkpoints.items():
         drafter = DrafterRunner(drafter_from_checkpoint(path), target, corpus=corpus)
         summary = run_benchmark(target, drafter, prompts, ["dflash", "ddtree"], BUDGETS, 8,

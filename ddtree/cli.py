@@ -194,7 +194,7 @@ def cmd_generate(args) -> None:
     generator = torch.Generator(device=target.device).manual_seed(args.seed)
     corpus = _corpus(args, tokenizer, files.corpus)
     if args.method == "ddtree":
-        note_calibration_settings(drafter, args, sizer, corpus)
+        note_calibration_settings(drafter, args, target, sizer, corpus)
     stream = None if args.no_stream else TextStream(tokenizer)
     result = generate(
         target, prompt_ids, args.method, drafter, args.budget, args.max_new_tokens,
@@ -219,31 +219,51 @@ def cmd_generate(args) -> None:
               f"{args.max_new_tokens}: give a shorter prompt for a longer reply", file=sys.stderr)
 
 
-def note_calibration_settings(drafter: DrafterRunner, args, sizer, corpus) -> None:
-    """One line where the drafter's calibration file was learned with other lookups or re-drafting than ddtree decodes
-    with here: decoding stays lossless, but its expected tau and tree order are priced for another tree."""
+def note_calibration_settings(drafter: DrafterRunner, args, target: PreTrainedModel, sizer, corpus) -> None:
+    """One line where the drafter's calibration file was learned with other lookups, re-drafting, corpus, sampling,
+    target or dtype than ddtree decodes with here: decoding stays lossless, but its expected tau and tree order are
+    priced for another tree, or for another acceptance."""
     calibration = drafter.default_calibration
     if calibration is None:
         return
     lookup, redraft, resolved = drafter_defaults("ddtree", drafter, args.lookup, args.redraft, sizer is not None, corpus)
-    differences = calibration.differences(lookup, redraft, resolved is not None)
+    now = {"lookup": lookup, "redraft": redraft, "corpus": resolved is not None, **decoding_facts(args, target)}
+    differences = calibration.differences(now)
     if differences:
+        other_dtype = (calibration.decoded_with or {}).get("dtype", now["dtype"]) != now["dtype"]
+        flags = calibrate_flags(args, lookup, redraft, resolved, sizer, now["dtype"] if other_dtype else None)
         print(f"[calibration] note: learned decoding with other settings ({'; '.join(differences)}): its expected tau "
-              f"will be off; run `ddtree calibrate --overwrite {calibrate_flags(args, lookup, redraft, resolved, sizer)}` "
-              "(with this --target and --drafter, and prompts like yours) to learn with these settings, or decode with "
-              "--calibration none", file=sys.stderr)
+              f"will be off; run `ddtree calibrate --overwrite {flags}` (with this --target and --drafter, and prompts "
+              "like yours) to learn with these settings, or decode with --calibration none", file=sys.stderr)
 
 
-def calibrate_flags(args, lookup: int, redraft: int, corpus: CorpusLookup | None, sizer) -> str:
+def decoding_facts(args, target: PreTrainedModel) -> dict:
+    """What calibration.json records of how it decoded besides the tree (decoded_with), and what decoding compares
+    with it: the sampling (its acceptance is another than greedy decoding's), the target and the dtype it ran in. A
+    local --target folder is named by its absolute path, which another working folder names alike."""
+    given = Path(args.target)
+    return {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+            "target": str(given.resolve()) if given.is_dir() else args.target,
+            "dtype": str(target.dtype).removeprefix("torch.")}
+
+
+def calibrate_flags(args, lookup: int, redraft: int, corpus: CorpusLookup | None, sizer, dtype: str | None = None) -> str:
     """The flags that make `ddtree calibrate` learn on the trees decoded here. Its defaults are generate's (on a CPU,
     sized trees and so no re-drafting): a bare `calibrate --overwrite` after a bench note learned what it had learned
     before, and the note came back (found in a review). All four are named, as one of them changes another's default
-    (--adaptive-size off turns the drafter's re-drafting back on)."""
+    (--adaptive-size off turns the drafter's re-drafting back on); the sampling where it is not calibrate's greedy
+    default, and `dtype` where the file was learned in another."""
     flags = [f"--lookup {lookup}", f"--redraft {redraft}", f"--adaptive-size {'off' if sizer is None else 'on'}"]
     if corpus is None:
         flags.append("--corpus none")
     elif args.corpus is not None:  # a file given here; the drafter's own is calibrate's default too
         flags.append(f"--corpus {shlex.quote(args.corpus)}")
+    if args.temperature > 0:
+        flags.append(f"--temperature {args.temperature:g}")
+        flags += [f"--top-p {args.top_p:g}"] if args.top_p != 1 else []
+        flags += [f"--top-k {args.top_k}"] if args.top_k else []
+    if dtype is not None:
+        flags.append(f"--dtype {dtype}")
     return " ".join(flags)
 
 
@@ -417,7 +437,7 @@ def cmd_bench(args) -> None:
     sizer = _sizer(args, target, args.budgets) if "ddtree" in methods else None  # it sizes ddtree's trees only
     corpus = _corpus(args, tokenizer, files.corpus)
     if drafter is not None and "ddtree" in methods:
-        note_calibration_settings(drafter, args, sizer, corpus)
+        note_calibration_settings(drafter, args, target, sizer, corpus)
     results = run_benchmark(
         target, drafter, prompts, methods, args.budgets, args.max_new_tokens,
         stop_token_ids(target, tokenizer), sampling, seed=args.seed, static=STATIC_CACHE[args.static_cache],
@@ -500,7 +520,8 @@ def cmd_calibrate(args) -> None:
     save_calibration(out, settled, {
         "target": args.target, "dtype": str(target.dtype).removeprefix("torch."), "prompts": args.prompts,
         "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-        "decoded_with": {"lookup": lookup, "redraft": redraft, "corpus": resolved is not None},
+        "decoded_with": {"lookup": lookup, "redraft": redraft, "corpus": resolved is not None,
+                         **decoding_facts(args, target)},
         "weights": weights_fingerprint(Path(args.drafter)),  # a folder given other weights since then is told so
         "temperatures_at_the_end": calibration.state()["temperatures"],  # the last step's, not kept
         # expected against measured while it learned, the first rounds (before it settled) included

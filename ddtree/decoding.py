@@ -146,11 +146,14 @@ def config_calibration(config) -> OnlineCalibration:
     """The replayed calibration a drafter's config holds (DFlashDrafterConfig.calibration), frozen; a broken one is
     one line naming the drafter's folder and the field."""
     try:
-        return OnlineCalibration.from_state(config.calibration)
+        calibration = OnlineCalibration.from_state(config.calibration)
     except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as error:
         raise DDTreeError(f"drafter {config.name_or_path or '(given to DrafterRunner)'}: dflash_config.calibration in "
                           f"its config.json cannot be read ({error}): remove the field, or decode with --calibration "
                           "none") from None
+    # Replayed as greedy decoding (training refuses sampled replies for it): decoding at a temperature is told so
+    calibration.decoded_with = {"temperature": 0.0, **(calibration.decoded_with or {})}
+    return calibration
 
 
 class DrafterRunner:

@@ -1325,7 +1325,8 @@ def test_calibrate_learns_with_the_settings_a_default_generate_decodes_with(caps
     generate = ["generate", *common, "--prompt", "Hi", "--budget", "8", "--max-new-tokens", "4"]
     learned = lambda: json.loads((folder / CALIBRATION_FILE).read_text())["decoded_with"]  # noqa: E731
     assert run_cli(capsys, *calibrate)[0] == 0
-    assert learned() == {"lookup": 0, "redraft": 0, "corpus": False}
+    assert learned() == {"lookup": 0, "redraft": 0, "corpus": False, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
+                         "target": TARGET, "dtype": "float32"}
     code, _, err = run_cli(capsys, *generate)
     assert code == 0 and "learned decoding with other settings" not in err
     # calibrated as bench decodes by default (unsized, re-drafting): generate says so, unless it re-drafts too
@@ -1396,6 +1397,57 @@ def test_the_calibration_note_names_the_flags_that_clear_it(capsys, tmp_path, ti
     assert flags == ["--lookup", "0", "--redraft", "0", "--adaptive-size", "on", "--corpus", "none"]
     assert run_cli(capsys, *calibrate, *flags)[0] == 0
     assert note(*generate) is None
+
+
+def test_a_calibration_learned_at_another_sampling_or_dtype_is_noted_with_the_flags_that_clear_it(
+        capsys, tmp_path, tiny_target, prompts_file):
+    """calibrate --temperature 1 wrote a file that greedy decoding then used without a word: its temperatures and
+    graft tables priced a sampled acceptance (expected tau 4.12 where 7.23 was measured; found in a review). The file
+    records the sampling, target and dtype, and decoding with others is noted as other lookups are. Sampled calibration
+    is kept (it prices a server that samples); the replayed calibration of a drafter's config is greedy decoding's."""
+    from ddtree.calibration import CALIBRATION_FILE
+
+    folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
+    common = ["--target", TARGET, "--drafter", str(folder), "--dtype", "float32", "--adaptive-size", "off"]
+    calibrate = ["calibrate", *common, "--prompts", str(prompts_file), "--budgets", "8", "--max-new-tokens", "8",
+                 "--lookup", "0", "--overwrite"]
+    generate = ["generate", *common, "--prompt", "Hi", "--budget", "8", "--max-new-tokens", "4", "--lookup", "0"]
+
+    def note(*command) -> tuple[str, list[str]] | None:
+        code, _, err = run_cli(capsys, *command)
+        assert code == 0, err
+        said = re.search(r"\[calibration\] note: learned decoding with other settings \((.*?)\): .*?run `ddtree "
+                         r"calibrate --overwrite([^`]*)`", err)
+        return said and (said.group(1), said.group(2).split())
+
+    assert run_cli(capsys, *calibrate, "--temperature", "1")[0] == 0
+    written = json.loads((folder / CALIBRATION_FILE).read_text())
+    assert written["decoded_with"]["temperature"] == 1.0 and written["decoded_with"]["dtype"] == "float32"
+    said, flags = note(*generate)
+    assert said == "temperature 1.0 here 0.0" and "--temperature" not in flags  # greedy: calibrate's default
+    assert note(*generate, "--temperature", "1") is None
+    said, flags = note(*generate, "--temperature", "1", "--top-p", "0.9", "--top-k", "20")
+    assert said == "top_p 1.0 here 0.9; top_k 0 here 20" and flags[-6:] == ["--temperature", "1", "--top-p", "0.9",
+                                                                           "--top-k", "20"]
+    assert run_cli(capsys, *calibrate, *flags)[0] == 0
+    assert note(*generate, "--temperature", "1", "--top-p", "0.9", "--top-k", "20") is None
+    # greedy on both sides: top-p and top-k cut nothing, whatever they say
+    assert run_cli(capsys, *calibrate)[0] == 0
+    assert note(*generate, "--top-p", "0.5") is None
+    said, flags = note(*[flag if flag != "float32" else "bfloat16" for flag in generate])
+    assert said == "dtype float32 here bfloat16" and flags[-2:] == ["--dtype", "bfloat16"]
+    # a file written before decoded_with held them: the temperature and dtype recorded beside it
+    old = json.loads((folder / CALIBRATION_FILE).read_text())
+    old["decoded_with"] = {"lookup": 0, "redraft": 0, "corpus": False}
+    (folder / CALIBRATION_FILE).write_text(json.dumps({**old, "temperature": 0.7}))
+    assert note(*generate)[0] == "temperature 0.7 here 0.0"
+    # the config's replayed calibration was learned as greedy decoding
+    (folder / CALIBRATION_FILE).unlink()
+    config = json.loads((folder / "config.json").read_text())
+    edit_config(folder, dflash_config={**config["dflash_config"], "calibration": {
+        "temperatures": {"8": 1.2}, "graft_acceptance": {}, "decoded_with": {"lookup": 0, "redraft": 0, "corpus": False}}})
+    assert note(*generate) is None
+    assert note(*generate, "--temperature", "0.7")[0] == "temperature 0.0 here 0.7"
 
 
 @pytest.mark.parametrize("overwrite", [False, True])

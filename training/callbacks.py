@@ -73,7 +73,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import nn
 from transformers import AutoConfig, PreTrainedModel
 
-from ddtree.bench import CHAIN, acceptance_summary, load_prompts, run_benchmark, tree_key
+from ddtree.bench import CHAIN, acceptance_summary, load_prompts, prompts_fingerprint, run_benchmark, tree_key
 from ddtree.corpus import CorpusLookup
 from ddtree.decoding import DrafterRunner, Sampling, check_target_decodable, check_tree_attention
 from ddtree.errors import DDTreeError, error_line
@@ -381,14 +381,20 @@ class TrainingStateGuard:
 
 def changed_measurement(saved: dict, now: dict) -> str:
     """The settings in which two AcceptanceEvaluation.measurement() differ, as `eval.max_new_tokens 8 -> 16` or `the
-    target's dtype float32 -> bfloat16`; "" where they measure alike. A dtype not recorded (a checkpoint written before
-    it was) is not known, and differs from none."""
+    target's dtype float32 -> bfloat16`; "" where they measure alike. A dtype or prompts fingerprint not recorded (a
+    checkpoint written before it was) is not known, and differs from none. The fingerprint is named only where the
+    file and the limit are the same: other ones read other prompts anyway."""
     changes = []
     for key, value in now.items():
         was = saved.get(key)
         if key == "dtype":
             if None not in (was, value) and was != value:
                 changes.append(f"the target's dtype {was} -> {value}")
+        elif key == "prompts_sha256":
+            same_file = all(saved.get(name) == now.get(name) for name in ("prompts", "limit"))
+            if None not in (was, value) and was != value and same_file:
+                changes.append(f"the contents of eval.prompts {now['prompts']}: prompts_sha256 {was[:12]}... -> "
+                               f"{value[:12]}...")
         elif was != value:
             changes.append(f"eval.{key} {was!r} -> {value!r}")
     return ", ".join(changes)
@@ -650,11 +656,19 @@ class AcceptanceEvaluation(L.Callback):
             said = str(exception).strip().splitlines()
             self._report_no_evaluation(trainer, "failed", type(exception).__name__ + (f": {said[0]}" if said else ""))
 
+    @property
+    def prompts_sha256(self) -> str | None:
+        """The fingerprint of the prompts as read (`ddtree bench` records the same one): a file edited or regenerated
+        under its name reads other prompts. None before they are read (setup)."""
+        return None if self.prompts is None else prompts_fingerprint(self.prompts)
+
     def measurement(self) -> dict:
         """The settings that say what a tau of this evaluation measures (the budgets and the ranking aside): the same
-        drafter decodes to other taus in bfloat16 than in float32, so the target's dtype is one."""
-        return {"prompts": str(self.prompts_path), "limit": self.limit, "max_new_tokens": self.max_new_tokens,
-                "lookup": self.lookup, "redraft": self.redraft, "dtype": self.target_dtype}
+        drafter decodes to other taus in bfloat16 than in float32, so the target's dtype is one, and the prompts are
+        compared by what the file held as well as by its name."""
+        return {"prompts": str(self.prompts_path), "prompts_sha256": self.prompts_sha256, "limit": self.limit,
+                "max_new_tokens": self.max_new_tokens, "lookup": self.lookup, "redraft": self.redraft,
+                "dtype": self.target_dtype}
 
     def state_dict(self) -> dict:
         return {"history": self.history, "last_step": self.last_step, "measurement": self.measurement(),
@@ -670,6 +684,11 @@ class AcceptanceEvaluation(L.Callback):
                 fix = (f"resume with the run's trainer.precision and model.target_dtype (its config.yaml's, which ran "
                        f"the target in {saved['dtype']}), or warm-start a new run in {now['dtype']} from its drafter "
                        "(python -m training.export <checkpoint> <folder>, then --model.init_from=<folder>)")
+            elif "the contents of eval.prompts" in changed:  # regenerated or edited under the same name
+                fix = (f"put back the prompts {now['prompts']} held when the run measured them (the sha256 its "
+                       "eval/step-N.json files record as settings.prompts_sha256), or warm-start a new run on these "
+                       "from its drafter (python -m training.export <checkpoint> <folder>, then "
+                       "--model.init_from=<folder>)")
             raise DDTreeError(f"this run measured its checkpoints' tau otherwise than the resume would ({changed}): {fix}")
         self.history = list(state_dict.get("history", []))
         self.last_step = state_dict.get("last_step", -1)
@@ -820,7 +839,9 @@ class AcceptanceEvaluation(L.Callback):
     def settings(self, drafter_config, num_prompts: int) -> dict:
         """What an evaluation decoded with, as report.md and `make eval`'s JSON record it."""
         return {
-            "prompts": self.prompts_path, "num_prompts": num_prompts, "max_new_tokens": self.max_new_tokens,
+            "prompts": self.prompts_path, "num_prompts": num_prompts,
+            "prompts_sha256": self.prompts_sha256,  # what the file held, as `ddtree bench` records it
+            "max_new_tokens": self.max_new_tokens,
             "budgets": self.budgets, "primary_budget": self.primary_budget,
             "lookup": self.lookup if self.lookup is not None else drafter_config.lookup,
             "redraft": self.redraft if self.redraft is not None else drafter_config.redraft,

@@ -12,8 +12,9 @@ checkpoint outside a run folder (refused where the recipe's model.target is not 
 target comes from the checkpoint's hyper-parameters. The drafter is the checkpoint's (LoRA adapters
 merged in, as exported), and a model.corpus run's trees graft its <run>/corpus.safetensors as
 training's did. When the checkpoint holds the value logged at its step, measured with the same
-prompts, limit, max_new_tokens, lookup, redraft and target dtype (not known in checkpoints written before it was
-recorded: compared as the same), it is printed beside the new measurement; not where
+prompts (the file's name, and what it held: the sha256 of the prompts as read, as `ddtree bench` records it),
+limit, max_new_tokens, lookup, redraft and target dtype (the sha256 and the dtype are not known in checkpoints
+written before they were recorded: compared as the same), it is printed beside the new measurement; not where
 the target's adapter (model.target_adapter) has other files than the checkpoint recorded (retrained in place).
 
 Prints one row per method and writes <run>/eval/checkpoint-<name>.json (checkpoint-<name>-limit<N>.json with
@@ -76,13 +77,13 @@ def check_same_target(config: dict, source: Path, checkpoint: Checkpoint) -> Non
 
 def logged_metrics(checkpoint: Checkpoint, evaluation: AcceptanceEvaluation) -> dict | None:
     """What the training-time evaluation logged at the checkpoint's step, from its saved callback states; None where it
-    measured otherwise than `evaluation` will (other prompts, limit, max_new_tokens, lookup, redraft or target dtype
-    give other taus), or does not say how it measured."""
+    measured otherwise than `evaluation` will (other prompts, or the same file holding others, limit, max_new_tokens,
+    lookup, redraft or target dtype give other taus), or does not say how it measured."""
     record = recorded_evaluation(checkpoint)
     if record is None:
         return None
     saved, now = evaluation_state(checkpoint).get("measurement"), evaluation.measurement()
-    if saved is None or changed_measurement(saved, now):  # (a dtype not recorded is not known: no change)
+    if saved is None or changed_measurement(saved, now):  # (a dtype or sha256 not recorded is not known: no change)
         how = f"measured step {checkpoint.step} otherwise ({changed_measurement(saved, now)})" if saved else \
             f"did not record how it measured step {checkpoint.step}"
         print(f"[eval] training {how}: no logged tau to compare with", file=sys.stderr)
@@ -190,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
               "training's", file=sys.stderr)
     target, tokenizer = load_frozen_target(hp["target"], dtype, adapter, device=args.device)
     drafter = checkpoint.drafter.to(args.device)
-    prompts = evaluation.load_prompts(tokenizer)
+    prompts = evaluation.prompts = evaluation.load_prompts(tokenizer)  # their fingerprint is compared (logged_metrics)
     run_dir = run_folder_of(path)
     if hp.get("corpus"):  # training decoded with the training replies grafted (model.corpus), as the export does
         corpus = run_corpus(run_dir) if run_dir else None

@@ -12,7 +12,8 @@ or for a checkpoint measured after training, <run>/eval/checkpoint-<name>.json (
 `make eval`, same fields plus "checkpoint"):
     <run>/eval/step-<step, 6 digits>.json = {
         "step": int,
-        "settings": {"prompts": str, "num_prompts": int, "max_new_tokens": int, "budgets": [int],
+        "settings": {"prompts": str, "num_prompts": int, "prompts_sha256": str (optional: what the file held,
+                     ddtree.bench.prompts_fingerprint), "max_new_tokens": int, "budgets": [int],
                      "primary_budget": int, "block_size": int, "temperature": float (optional),
                      "redraft": int, "lookup": int, "corpus": bool (optional: what the decoder ran with),
                      "dtype": str (optional: the target's, as "bfloat16")},

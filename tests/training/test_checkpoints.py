@@ -640,27 +640,38 @@ def test_make_eval_refuses_a_recipe_for_another_target_than_the_loose_checkpoint
     assert not (tmp_path / "loose" / "eval").exists()
 
 
-@pytest.mark.parametrize("max_new_tokens, dtype", [(16, None), (8, None), (16, "float16")])
+@pytest.mark.parametrize("max_new_tokens, dtype, prompts", [
+    (16, None, None), (8, None, None), (16, "float16", None), (16, None, "the same"), (16, None, "others"),
+])
 def test_make_eval_shows_the_logged_tau_only_where_training_measured_the_same_way(saved, tmp_path, capsys,
-                                                                                   max_new_tokens, dtype):
+                                                                                   max_new_tokens, dtype, prompts):
     """A tau logged with other prompts, limit, max_new_tokens, lookup, redraft or target dtype measures something
-    else: it was printed and stored as "logged" beside the new one all the same. A dtype not recorded (checkpoints
-    written before it was) is not known: compared as the same."""
+    else: it was printed and stored as "logged" beside the new one all the same, and so was one measured on other
+    prompts of a file of the same name (regenerated or edited: found in a review). A dtype or prompts fingerprint not
+    recorded (checkpoints written before it was) is not known: compared as the same."""
+    from ddtree.bench import load_prompts, prompts_fingerprint
+    from ddtree.targets import load_tokenizer
+
     path, _ = saved
+    first = prompts_fingerprint(load_prompts(REPO_ROOT / "data" / "eval_prompts.jsonl", load_tokenizer("tiny-random"), 1))
+    fingerprint = {None: {}, "the same": {"prompts_sha256": first}, "others": {"prompts_sha256": "0" * 64}}[prompts]
     # the tiny recipe's eval section with --limit 1, but for max_new_tokens; float16: a dtype `auto` never picks
     measurement = {"prompts": "data/eval_prompts.jsonl", "limit": 1, "max_new_tokens": max_new_tokens,
-                   "lookup": None, "redraft": None, **({"dtype": dtype} if dtype else {})}
+                   "lookup": None, "redraft": None, **({"dtype": dtype} if dtype else {}), **fingerprint}
     loose = loose_copy(path, tmp_path / "loose", measurement)
     assert training.evaluate.main(["--recipe", "tiny", "--ckpt", str(loose), "--limit", "1"]) == 0
     printed = capsys.readouterr()
     row = next(line for line in printed.out.splitlines() if line.startswith("dflash "))
     written = json.loads((tmp_path / "loose" / "eval" / "checkpoint-x-limit1.json").read_text())
     stored, now = written["logged"], written["settings"]["dtype"]
-    if max_new_tokens == 16 and dtype is None:  # the recipe's: the same measurement
+    assert written["settings"]["prompts_sha256"] == first  # what it measured on, as `ddtree bench` records it
+    if max_new_tokens == 16 and dtype is None and prompts != "others":  # the recipe's: the same measurement
         assert row.split()[2] == "1.500" and stored["val/tau_dflash"] == 1.5
     else:
         assert row.split()[2] == "-" and stored is None
-        changed = "eval.max_new_tokens 8 -> 16" if dtype is None else f"the target's dtype float16 -> {now}"
+        changed = ("eval.max_new_tokens 8 -> 16" if max_new_tokens == 8 else f"the target's dtype float16 -> {now}"
+                   if dtype else f"the contents of eval.prompts data/eval_prompts.jsonl: prompts_sha256 000000000000... "
+                   f"-> {first[:12]}...")
         assert f"[eval] training measured step 7 otherwise ({changed}): no logged tau to compare with" in printed.err
     assert f"target tiny-random in {now}" in printed.out  # the dtype it ran in, recorded as training records it
 

@@ -33,7 +33,7 @@ import ddtree.cli
 import training.evaluate
 import training.report
 import training.train
-from ddtree.bench import CHAIN, acceptance_summary, load_prompts, run_benchmark, tree_key
+from ddtree.bench import CHAIN, acceptance_summary, load_prompts, prompts_fingerprint, run_benchmark, tree_key
 from ddtree.corpus import CorpusLookup
 from ddtree.decoding import DrafterRunner, generate
 from ddtree.packed_linear import is_packed
@@ -133,6 +133,10 @@ def test_training_logs_what_bench_measures_and_marks_the_best_checkpoint(tmp_pat
     training_time = json.loads(AcceptanceEvaluation.eval_file(run_dir, best_step).read_text())["machine"]
     assert measured["machine"]["cpu"] == training_time["cpu"] and measured["machine"]["torch"] == torch.__version__
     assert measured["logged"] and all(logged[best_step][k] == pytest.approx(v) for k, v in measured["logged"].items())
+    # the same fingerprint of the prompts decoded, in all three
+    training_settings = json.loads(AcceptanceEvaluation.eval_file(run_dir, best_step).read_text())["settings"]
+    assert (training_settings["prompts_sha256"] == measured["settings"]["prompts_sha256"]
+            == json.loads(bench_json.read_text())["settings"]["prompts_sha256"] == prompts_fingerprint(prompts))
     for key, stats in measured["summary"].items():
         assert logged[best_step][f"val/tau_{key}"] == stats["tau"], key
 
@@ -481,8 +485,8 @@ def test_a_run_stopped_by_max_time_off_schedule_competes_for_best_at_its_stop(tm
 class CannedEvaluation(AcceptanceEvaluation):
     """Measures the tau given for each step (step -> {budget: tau}) instead of decoding."""
 
-    def __init__(self, taus: dict[int, dict[int, float]], **settings):
-        super().__init__(prompts=PROMPTS, max_new_tokens=4, limit=1, **settings)
+    def __init__(self, taus: dict[int, dict[int, float]], prompts: str | Path = PROMPTS, **settings):
+        super().__init__(prompts=str(prompts), max_new_tokens=4, limit=1, **settings)
         self.taus = taus
         self.decoded: list[int] = []  # the steps measure() ran at
 
@@ -498,11 +502,11 @@ class CannedEvaluation(AcceptanceEvaluation):
 
 
 def canned_fit(tmp_path, steps, taus, primary=8, save_top_k=1, extra=(), ckpt_path=None, before=(), every=2, module=None,
-               kind=None, plugins=()):
+               kind=None, plugins=(), prompts=PROMPTS):
     """`before`: callbacks that run ahead of the evaluation at each step; `extra`: after it (and before BestCheckpoint,
     which Lightning runs last); `kind`: a CannedEvaluation subclass."""
-    evaluation = (kind or CannedEvaluation)(taus, every_n_train_steps=every, budgets=sorted(next(iter(taus.values()))),
-                                  primary_budget=primary)
+    evaluation = (kind or CannedEvaluation)(taus, prompts=prompts, every_n_train_steps=every,
+                                            budgets=sorted(next(iter(taus.values()))), primary_budget=primary)
     checkpoints = BestCheckpoint(dirpath=tmp_path / "checkpoints", monitor=monitor_metric(primary),
                                  every_n_train_steps=every, save_top_k=save_top_k)
     torch.manual_seed(0)
@@ -927,6 +931,38 @@ def test_a_resume_that_would_measure_tau_otherwise_is_refused_naming_what_change
         assert said in str(error.value)
     older = {key: value for key, value in saved.items() if key != "measurement"}  # checkpoints from before: as they were
     AcceptanceEvaluation(**{**settings, "limit": 4}).load_state_dict(older)
+
+
+def test_a_resume_on_a_prompts_file_that_now_holds_other_prompts_is_refused_naming_the_file(tmp_path):
+    """The prompts were compared by path alone: a file regenerated or edited under its name ranked the resume's taus,
+    measured on other prompts, against the run's, and best.ckpt kept a step for its prompts, not its drafter (found in
+    a review). Compared by the fingerprint `ddtree bench` records of what it decoded, which eval/step-N.json records."""
+    prompts = tmp_path / "prompts.jsonl"
+    lines = Path(PROMPTS).read_text().splitlines()
+    prompts.write_text(lines[0] + "\n")  # eval.limit 1 reads the first line only
+    evaluation, _ = canned_fit(tmp_path, 2, {2: {8: 3.0}}, prompts=prompts)
+    recorded = json.loads((tmp_path / "eval" / "step-000002.json").read_text())["settings"]["prompts_sha256"]
+    assert recorded == evaluation.prompts_sha256 == prompts_fingerprint(evaluation.prompts)
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    prompts.write_text(lines[17] + "\n")  # the same name, another prompt
+    with pytest.raises(DDTreeError) as error:
+        canned_fit(tmp_path, 4, {4: {8: 2.0}}, prompts=prompts, ckpt_path=last)
+    assert str(error.value).startswith(
+        "this run measured its checkpoints' tau otherwise than the resume would (the contents of eval.prompts "
+        f"{prompts}: prompts_sha256 {recorded[:12]}... -> ")
+    assert f"put back the prompts {prompts} held when the run measured them" in str(error.value)
+    assert "\n" not in str(error.value) and not (tmp_path / "eval" / "step-000004.json").exists()
+    # the prompts put back: the same measurement, resumed
+    prompts.write_text(lines[0] + "\n")
+    evaluation, _ = canned_fit(tmp_path, 4, {4: {8: 2.0}}, prompts=prompts, ckpt_path=last)
+    assert [row["step"] for row in evaluation.history] == [2, 4]
+    # A checkpoint written before the fingerprint was recorded: not known, so not refused
+    settings = dict(prompts=PROMPTS, budgets=[8], primary_budget=8, max_new_tokens=6, limit=2)
+    saved = AcceptanceEvaluation(**settings).state_dict()
+    del saved["measurement"]["prompts_sha256"]
+    resumed = AcceptanceEvaluation(**settings)
+    resumed.prompts = evaluation.prompts
+    resumed.load_state_dict(saved)
 
 
 def test_a_resume_that_would_run_the_target_in_another_dtype_is_refused_naming_both(tmp_path):

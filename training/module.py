@@ -89,8 +89,9 @@ class FrozenTarget:
 
 
 class ForwardClock:
-    """Times a forward without waiting for it: CUDA events on a GPU, read by the function `stop` returns (call it
-    after the step, when the events are long done); the host's clock elsewhere."""
+    """Times a forward (or a training step) without waiting for it: CUDA events on a GPU, read by the function `stop`
+    returns (call it after the step, when the events are done or nearly); the host's clock elsewhere. The latest
+    `stop` ends the span."""
 
     def __init__(self, device: torch.device):
         self.events = device.type == "cuda"
@@ -253,7 +254,8 @@ class DistillModule(L.LightningModule):
         self.drafter: nn.Module | None = None  # built in configure_model
         self._compiled_drafter = None  # compile=True: torch.compile's wrapper of it (see training_drafter)
         self._target: FrozenTarget | None = None
-        self._step_started_at: float | None = None
+        self._step_clock: ForwardClock | None = None  # from on_train_batch_start
+        self._step_seconds: Callable[[], float] | None = None  # to the end of backward or the optimizer step
         self._step_loss: torch.Tensor | None = None  # the last training step's loss, checked before the optimizer
         self._target_seconds: Callable[[], float] | None = None  # its target forward's time
         self._batch_tokens = 0
@@ -687,7 +689,7 @@ class DistillModule(L.LightningModule):
     # ------------------------------------------------------------------ training
 
     def on_train_batch_start(self, batch, batch_idx):
-        self._step_started_at = time.perf_counter()
+        self._step_clock, self._step_seconds = ForwardClock(batch["input_ids"].device), None
         self._step_loss = self._target_seconds = None  # set by training_step (not when a batch has no block)
         mask = batch.get("attention_mask")
         self._batch_tokens = int(mask.sum()) if mask is not None else batch["input_ids"].numel()
@@ -715,9 +717,19 @@ class DistillModule(L.LightningModule):
         connector = getattr(self.trainer, "_logger_connector", None)  # Lightning's own test (2.6)
         return True if connector is None else connector.should_update_logs
 
+    def on_after_backward(self):
+        self._step_seconds = self._step_clock.stop()  # a micro-batch that accumulates ends here (no optimizer step)
+
+    def optimizer_step(self, *args, **kwargs):
+        super().optimizer_step(*args, **kwargs)  # runs the closure (training_step, backward), then steps
+        self._step_seconds = self._step_clock.stop()
+
     def on_train_batch_end(self, outputs, batch, batch_idx):
-        # Step time spans forward, backward and (on the last micro-batch) the optimizer step.
-        seconds = time.perf_counter() - self._step_started_at
+        # Step time spans forward, backward and (on the last micro-batch) the optimizer step, and nothing after it:
+        # Lightning runs the callbacks' on_train_batch_end before this hook, and at an evaluation step they have
+        # decoded every prompt and saved a checkpoint (seconds on the CPU recipe, minutes on the 8B ones), which a
+        # clock read here counted. (A micro-batch with no block to learn runs no backward: timed to here.)
+        seconds = (self._step_seconds or self._step_clock.stop())()
         if self._logs_written():
             if self._target_seconds is not None:
                 self.log("perf/target_forward_s", self._target_seconds())

@@ -644,6 +644,51 @@ def test_training_steps_lower_the_loss_and_log_metrics(tmp_path):
     assert optimized == {id(p) for p in module.drafter.parameters()}
 
 
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_step_time_spans_the_optimizer_step_and_not_the_evaluation_after_it(tmp_path, accumulate):
+    """Lightning runs the callbacks' on_train_batch_end before the module's: perf/step_s and perf/target_tok_s, read
+    there, counted the evaluation and the checkpoint save of every evaluation step (5.2 s beside 0.26 s on the tiny
+    recipe: found in a review). A callback sleeping in on_before_optimizer_step stands in for a slow optimizer step,
+    which is counted; one sleeping in on_train_batch_end at step 3 for an evaluation, which is not. Under gradient
+    accumulation the figure logged is the micro-batch that steps, its optimizer step included."""
+    import csv
+    import time
+
+    optimizer_seconds, evaluation_seconds = 0.2, 1.5
+
+    class SlowStepAndEvaluation(L.Callback):
+        stepped = evaluated = False
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            self.stepped = True
+            time.sleep(optimizer_seconds)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if self.stepped and trainer.global_step == 3 and not self.evaluated:  # where AcceptanceEvaluation runs
+                self.evaluated = True
+                time.sleep(evaluation_seconds)
+            self.stepped = False
+
+    torch.manual_seed(0)
+    batch = synthetic_batch(length=32)
+    slow = SlowStepAndEvaluation()
+    trainer = L.Trainer(
+        max_steps=5, accumulate_grad_batches=accumulate, logger=L.pytorch.loggers.CSVLogger(tmp_path),
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
+        callbacks=[slow], accelerator="cpu",
+    )
+    trainer.fit(tiny_module(), train_dataloaders=DataLoader([batch] * 5 * accumulate, batch_size=None))
+    assert slow.evaluated
+    rows = [row for path in tmp_path.glob("**/metrics.csv") for row in csv.DictReader(path.open()) if row["perf/step_s"]]
+    assert len(rows) == 5  # one per optimizer step
+    seconds = [float(row["perf/step_s"]) for row in rows]
+    assert min(seconds) >= optimizer_seconds, seconds  # the optimizer step is in it
+    assert max(seconds) - min(seconds) < evaluation_seconds / 2, seconds  # the evaluation is in none
+    tokens = int(batch["attention_mask"].sum())  # per micro-batch
+    for row, step_seconds in zip(rows, seconds):
+        assert float(row["perf/target_tok_s"]) * step_seconds == pytest.approx(tokens, rel=1e-4)
+
+
 def test_bf16_training_fuses_the_optimizer_and_still_clips_gradients(tmp_path):
     torch.manual_seed(0)
     module = tiny_module()

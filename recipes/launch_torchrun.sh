@@ -24,7 +24,8 @@
 # torchrun's WORLD_SIZE disagree. Resume with --resume <run folder> (its newest readable checkpoint).
 # Regeneration: process i of node n regenerates shard n*GPUS_PER_NODE+i of NODES*GPUS_PER_NODE on
 # GPU i (data/regenerate.py --shard-index/--num-shards); every shard writes its own chunks under
-# <out>.parts (a shared file system) and a shard that finds all chunks done merges them.
+# <out>.parts (a shared file system) and a shard that finds all chunks done merges them. A Ctrl-C or a SIGTERM of the
+# script stops its shards (exit status 130, 143); a rerun with the same options goes on from the chunks written.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -166,6 +167,11 @@ fi
 
 if [ "$MODE" = regenerate ]; then
     pids=()
+    # A script's & starts the shards with SIGINT ignored: a Ctrl-C (or a kill) of the launcher stops them here, or they
+    # kept running, orphaned, on their GPUs.
+    stop_shards() { kill -TERM "${pids[@]}" 2>/dev/null || true; wait; exit "$1"; }
+    trap 'stop_shards 130' INT
+    trap 'stop_shards 143' TERM
     for ((i = 0; i < GPUS_PER_NODE; i++)); do
         # GPU i of this node: the i-th visible one; none where CUDA_VISIBLE_DEVICES is set empty (the CPU); else GPU i
         CUDA_VISIBLE_DEVICES=${VISIBLE[i]-${CUDA_VISIBLE_DEVICES-$i}} "$PYTHON" data/regenerate.py \

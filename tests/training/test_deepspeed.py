@@ -1093,6 +1093,37 @@ def test_regeneration_launch_takes_the_gpus_cuda_visible_devices_names(tmp_path)
         "or make more GPUs visible"]
 
 
+@pytest.mark.parametrize("stop, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_stopping_a_regeneration_launch_stops_its_shards(tmp_path, stop, status):
+    """Started with & by the script, the shards ignore SIGINT: a Ctrl-C killed only the launcher and every shard kept
+    running, orphaned, on its GPU."""
+    started = tmp_path / "started"
+    fake_python = tmp_path / "python"
+    fake_python.write_text(f"#!/usr/bin/env bash\necho $$ >> {started}\nexec sleep 60\n")
+    fake_python.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("NODE_RANK", "CUDA_VISIBLE_DEVICES")} | {
+        "PYTHON": str(fake_python), "GPUS_PER_NODE": "2"}
+    launcher = subprocess.Popen(["bash", str(LAUNCHER), "--regenerate", "1", "--out", "x"], cwd=REPO, env=env)
+    deadline = time.time() + 20
+    while len(started.read_text().split() if started.exists() else []) < 2 and time.time() < deadline:
+        time.sleep(0.1)
+    shards = [int(pid) for pid in started.read_text().split()]
+    assert len(shards) == 2
+    launcher.send_signal(stop)
+    try:
+        assert launcher.wait(timeout=20) == status
+    finally:
+        running = []
+        for pid in shards:
+            try:
+                os.kill(pid, 0)
+                running.append(pid)
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert not running, f"shards {running} outlived the launcher"
+
+
 @pytest.mark.slow  # two launches of two real regeneration processes (~30-50 s)
 def test_regeneration_launch_shards_across_nodes_and_gpus(tmp_path):
     prompts = tmp_path / "prompts.jsonl"

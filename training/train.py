@@ -329,13 +329,15 @@ def hold_run_folder(run_dir: Path):
 
 def resume_command(run_dir: Path, recipe: str, checkpoint: Path) -> str:
     """The command that continues a stopped run, launched as this one was: a torchrun job again on its nodes, a SLURM
-    job again under its run name (recipes/slurm.sbatch resumes a run folder that holds a checkpoint)."""
+    job again under its run name (recipes/slurm.sbatch resumes a run folder that holds a checkpoint). Each value is
+    quoted for the shell: a run folder with a space in it printed a line that resumed another path."""
     launched = launcher_world()
+    recipe, checkpoint = shlex.quote(recipe), shlex.quote(str(checkpoint))
     if launched and launched[0] == "SLURM":
         # The task counts too: slurm.sbatch's own (8 per node) would start another number of processes than the run's
         nodes, per_node = launched[2], launched[1] // launched[2]
-        return (f"RUN_NAME={run_dir.name} OUTPUT_ROOT={run_dir.parent.parent} sbatch --nodes={nodes} "
-                f"--ntasks-per-node={per_node} --gpus-per-node={per_node} recipes/slurm.sbatch {recipe}")
+        return (f"RUN_NAME={shlex.quote(run_dir.name)} OUTPUT_ROOT={shlex.quote(str(run_dir.parent.parent))} "
+                f"sbatch --nodes={nodes} --ntasks-per-node={per_node} --gpus-per-node={per_node} recipes/slurm.sbatch {recipe}")
     if launched and launched[0] == "torchrun":
         nodes, processes = launched[2], launched[1]
         every = " on each node (NODE_RANK and MASTER_ADDR as before)" if nodes > 1 else ""
@@ -583,8 +585,8 @@ def main(argv: list[str] | None = None) -> int:
             unmeasured = unmeasured_last_step(cli)
             if unmeasured is not None:
                 print(f"[train] step {unmeasured}, the last, was saved unmeasured where a SIGTERM (or SLURM's requeue "
-                      f"signal) stopped the run, and no launch trains past it to measure it: `make eval RUN={run_dir} "
-                      "CKPT=last` measures it (best.ckpt and report.md rank the steps measured before)", flush=True)
+                      "signal) stopped the run, and no launch trains past it to measure it: "
+                      f"`make eval RUN={shlex.quote(str(run_dir))} CKPT=last` measures it (best.ckpt and report.md rank the steps measured before)", flush=True)
         say_late_requeue_signal(late_requeue)
         return 0
     except BaseException as error:
@@ -628,8 +630,8 @@ def finite_checkpoint_line(run_dir: Path) -> str:
     good = newest_finite_checkpoint(run_dir)
     if good is None:
         return f"no checkpoint of {run_dir} has finite weights: start again (a lower model.lr?)"
-    return (f"the newest checkpoint with finite weights is {good} (make eval/export take it: CKPT={good}; "
-            f"make train RESUME={good} continues from it)")
+    return (f"the newest checkpoint with finite weights is {good} (make eval/export take it: "
+            f"CKPT={shlex.quote(str(good))}; make train RESUME={shlex.quote(str(good))} continues from it)")
 
 
 def bench_command(cli: DistillCLI, drafter_dir: Path) -> str:

@@ -741,6 +741,27 @@ def test_a_stopped_runs_resume_line_launches_as_the_run_was_launched(monkeypatch
     assert training.train.resume_command(run_dir, "qwen3-8b", checkpoint) == f"make train RECIPE=qwen3-8b RESUME={checkpoint}"
 
 
+def test_the_commands_a_run_prints_keep_paths_with_spaces_whole(monkeypatch, tmp_path):
+    """They printed RESUME=/out/tiny/e f/...: the shell ran `make train ... RESUME=/out/tiny/e` and a target `f/...`."""
+    run_dir = tmp_path / "my out" / "tiny" / "e f"
+    checkpoint = run_dir / "checkpoints" / "last.ckpt"
+
+    def value(command: str, variable: str) -> str:
+        return next(word.split("=", 1)[1] for word in shlex.split(command) if word.startswith(f"{variable}="))
+
+    torchrun_env(monkeypatch, world=4, per_node=2)
+    assert value(training.train.resume_command(run_dir, "tiny", checkpoint), "RESUME") == str(checkpoint)
+    slurm_env(monkeypatch, nodes=2, per_node=4)
+    submitted = training.train.resume_command(run_dir, "tiny", checkpoint)
+    assert value(submitted, "RUN_NAME") == "e f" and value(submitted, "OUTPUT_ROOT") == str(tmp_path / "my out")
+    monkeypatch.setattr(training.train, "newest_finite_checkpoint", lambda run: checkpoint)
+    ckpt, make_train = training.train.finite_checkpoint_line(run_dir).split("take it: ", 1)[1].split("; ")
+    assert value(ckpt, "CKPT") == str(checkpoint) and value(make_train, "RESUME") == str(checkpoint)
+    for name in SLURM_ENV:
+        monkeypatch.delenv(name)
+    assert value(training.train.resume_command(run_dir, "tiny", checkpoint), "RESUME") == str(checkpoint)
+
+
 # ----------------------------------------------------------------------------- launch scripts
 
 

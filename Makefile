@@ -15,8 +15,8 @@ switch = $(if $(filter-out 1,$($(1))),$(error $(1)=$($(1)): give $(1)=1 to turn 
 RECIPE_FLAG = $(if $(and $(RESUME),$(filter file,$(origin RECIPE))),,--recipe $(call quote,$(RECIPE)))
 # The recipe a multi-node resume launches (the launcher takes the run's processes per node from its config.yaml):
 # RECIPE where given, else the <recipe>/ folder above the run RESUME names (a run folder or a checkpoint in it), else
-# the default (RESUME=last).
-RESUMED_RECIPE = $(shell r=$(call quote,$(RESUME)); case "$$r" in (*.ckpt) r=$$(dirname "$$r"); \
+# the default (RESUME=last). A trailing / (a DeepSpeed checkpoint is a folder) is dropped first, as the launcher does.
+RESUMED_RECIPE = $(shell r=$(call quote,$(RESUME)); r=$${r%/}; case "$$r" in (*.ckpt) r=$$(dirname "$$r"); \
 	[ "$$(basename "$$r")" != checkpoints ] || r=$$(dirname "$$r");; esac; \
 	[ -f "$$r/config.yaml" ] && basename "$$(dirname "$$(cd "$$r" && pwd)")")
 LAUNCH_RECIPE = $(if $(RECIPE_FLAG),$(RECIPE),$(or $(RESUMED_RECIPE),$(RECIPE)))

@@ -9,12 +9,14 @@
 #   NODE_RANK      this node's index, 0 .. NODES-1 (needed when NODES > 1)
 #   MASTER_ADDR    address of node 0 (training, NODES > 1)
 #   RUN_NAME       run folder outputs/<recipe>/<RUN_NAME>, the same on every node, on a shared file
-#                  system (training, NODES > 1, unless --resume names the run; default on one node: a timestamp)
+#                  system (training, NODES > 1, unless --resume names the run or --run-name/--run is among the
+#                  options; default on one node: a timestamp)
 #   MASTER_PORT    default 29500
-#   GPUS_PER_NODE  processes per node (default: trainer.devices in the config.yaml of the run --resume names, else
-#                  in the recipe; for --regenerate, the GPUs CUDA_VISIBLE_DEVICES names, else those nvidia-smi
-#                  lists, else 1; at most the former)
+#   GPUS_PER_NODE  processes per node (default: a --trainer.devices among the options, else trainer.devices in
+#                  the config.yaml of the run --resume names, else in the recipe; for --regenerate, the GPUs
+#                  CUDA_VISIBLE_DEVICES names, else those nvidia-smi lists, else 1; at most the former)
 #   PYTHON         default .venv/bin/python
+# A RUN_NAME or GPUS_PER_NODE that says otherwise than a --run-name or --trainer.devices among the options is refused.
 # Without the settings a multi-node launch needs, the script prints what to run on each node (with
 # this command's arguments and GPUS_PER_NODE, shell-quoted) and starts nothing; with only some of them,
 # it names the missing ones and stops (exit status 2).
@@ -63,18 +65,21 @@ run_of() {
 
 # For the plan's commands: PASSED, the arguments but --resume (a resumed run keeps its folder); SBATCH_PASSED, but the
 # run folder's options too, which slurm.sbatch takes from RUN_NAME and OUTPUT_ROOT (where its requeue looks).
-RESUMING="" RUN_GIVEN="" ROOT_GIVEN="" previous="" PASSED=() SBATCH_PASSED=()
+# DEVICES_GIVEN, a --trainer.devices among them: the processes per node, as RUN_GIVEN is the run's name.
+RESUMING="" RUN_GIVEN="" ROOT_GIVEN="" DEVICES_GIVEN="" previous="" PASSED=() SBATCH_PASSED=()
 for arg in "$@"; do
     option=$previous previous=$arg
     case "$option" in
         --resume) RESUMING=$arg previous=""; continue ;;
         --run|--run-name) RUN_GIVEN=$arg previous="" ;;
         --output-root) ROOT_GIVEN=$arg previous="" ;;
+        --trainer.devices) DEVICES_GIVEN=$arg previous="" SBATCH_PASSED+=("$(shell_word "$arg")") ;;
         *) case "$arg" in
                --resume=*) RESUMING=${arg#--resume=}; continue ;;
                --resume) continue ;;
                --run=*|--run-name=*) RUN_GIVEN=${arg#*=} ;;
                --output-root=*) ROOT_GIVEN=${arg#*=} ;;
+               --trainer.devices=*) DEVICES_GIVEN=${arg#*=} SBATCH_PASSED+=("$(shell_word "$arg")") ;;
                --run|--run-name|--output-root) ;;
                *) SBATCH_PASSED+=("$(shell_word "$arg")") ;;
            esac ;;
@@ -88,10 +93,23 @@ if [ "$MODE" = train ]; then
         echo "error: unknown recipe '$RECIPE'; known: $(ls recipes/*.yaml | xargs -n1 basename | sed 's/.yaml$//' | xargs)" >&2
         exit 2
     fi
+    # The training options come after the launcher's own --trainer.devices and --run-name, so theirs are the ones
+    # training takes: the plan and torchrun's process count follow them, and an environment variable that says
+    # otherwise is refused (torchrun started one count and training expected the other).
+    contradicts() {  # NAME OPTION VALUE
+        if [ -n "$3" ] && [ -n "${!1:-}" ] && [ "${!1}" != "$3" ]; then
+            echo "error: $1=${!1} but the training options give $2 $3: drop one of them or give the same value" >&2
+            exit 2
+        fi
+    }
+    contradicts GPUS_PER_NODE --trainer.devices "$DEVICES_GIVEN"
+    contradicts RUN_NAME --run-name "$RUN_GIVEN"
+    RUN_NAME=${RUN_NAME:-$RUN_GIVEN}
     # A resumed run keeps the processes per node it was trained with (its data were split over that many ranks, and
     # training refuses another count only once model and data are built): its config.yaml's, else the recipe's.
     DEVICES_FROM=recipes/$RECIPE.yaml
     if [ -n "$RESUMING" ] && [ -f "$(run_of "$RESUMING")/config.yaml" ]; then DEVICES_FROM=$(run_of "$RESUMING")/config.yaml; fi
+    GPUS_PER_NODE=${GPUS_PER_NODE:-$DEVICES_GIVEN}
     GPUS_PER_NODE=${GPUS_PER_NODE:-$("$PYTHON" -c "import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))['trainer'].get('devices', 1))" "$DEVICES_FROM")}
 else
     # A scheduler's share of the node is CUDA_VISIBLE_DEVICES: nvidia-smi lists every GPU of the node regardless.
@@ -103,7 +121,7 @@ else
     fi
     [ "${GPUS_PER_NODE:-0}" != 0 ] || GPUS_PER_NODE=1
 fi
-positive "processes per node (GPUS_PER_NODE${DEVICES_FROM:+, else trainer.devices in $DEVICES_FROM})" "$GPUS_PER_NODE"
+positive "processes per node (GPUS_PER_NODE${DEVICES_FROM:+, else ${DEVICES_GIVEN:+--trainer.devices in the training options, else }trainer.devices in $DEVICES_FROM})" "$GPUS_PER_NODE"
 if [ "$MODE" = regenerate ] && [ ${#VISIBLE[@]} -gt 0 ] && [ "$GPUS_PER_NODE" -gt ${#VISIBLE[@]} ]; then
     # one shard per GPU: the extra shards would share a visible GPU or take one outside this job's share
     echo "error: GPUS_PER_NODE=$GPUS_PER_NODE but CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES makes ${#VISIBLE[@]} GPU(s) visible: give GPUS_PER_NODE=${#VISIBLE[@]} or fewer, or make more GPUs visible" >&2
@@ -115,7 +133,7 @@ if [ "$NODES" -gt 1 ]; then
     needed=(NODE_RANK)
     if [ "$MODE" = train ]; then
         needed+=(MASTER_ADDR)
-        [ -n "$RESUMING" ] || needed+=(RUN_NAME)
+        [ -n "$RESUMING$RUN_GIVEN" ] || needed+=(RUN_NAME)  # or the run is named by its options
     fi
     missing=() given=()
     for name in "${needed[@]}"; do if [ -n "${!name:-}" ]; then given+=("$name"); else missing+=("$name"); fi; done
@@ -131,7 +149,7 @@ if [ "$NODES" -gt 1 ]; then
         if [ "$MODE" = train ]; then
             echo "Not started: run on each node i = 0..$((NODES - 1)) (trainer.num_nodes=$NODES, trainer.devices=$GPUS_PER_NODE):"
             make_args="make train RECIPE=$RECIPE NODES=$NODES${RESUMING:+ RESUME=$(shell_word "$RESUMING")}${passed:+ ARGS=$(shell_word "$passed")}"
-            if [ -n "$RESUMING" ]; then
+            if [ -n "$RESUMING$RUN_GIVEN" ]; then
                 echo "    MASTER_ADDR=<node 0> MASTER_PORT=$MASTER_PORT ${gpus}NODE_RANK=<i> $make_args"
             else
                 echo "    MASTER_ADDR=<node 0> MASTER_PORT=$MASTER_PORT ${gpus}RUN_NAME=<name> NODE_RANK=<i> $make_args"
@@ -184,7 +202,7 @@ if [ "$MODE" = regenerate ]; then
 fi
 
 RUN_ARGS=(--run-name "${RUN_NAME:-$(date +%Y%m%d-%H%M%S)}")
-[ -z "$RESUMING" ] || RUN_ARGS=()
+[ -z "$RESUMING$RUN_GIVEN" ] || RUN_ARGS=()  # a resumed run keeps its folder; a --run-name among the options names it
 # Inside a SLURM allocation (salloc, or this script in an sbatch job) torchrun starts the processes, but Lightning
 # would read SLURM_NTASKS and take them for SLURM's tasks (recipes/slurm.sbatch is the SLURM launch).
 unset SLURM_NTASKS

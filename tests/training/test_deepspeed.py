@@ -874,7 +874,7 @@ def test_the_printed_plan_keeps_the_launchs_arguments_and_gpus_per_node(tmp_path
                           capture_output=True, text=True)
     assert plan.returncode == 0, plan.stderr
     make_line, sbatch_line = plan.stdout.splitlines()[2], plan.stdout.splitlines()[4]
-    assert make_line.strip().startswith("MASTER_ADDR=<node 0> MASTER_PORT=29500 GPUS_PER_NODE=4 RUN_NAME=<name> "
+    assert make_line.strip().startswith("MASTER_ADDR=<node 0> MASTER_PORT=29500 GPUS_PER_NODE=4 "  # ARGS name the run
                                         "NODE_RANK=<i> make train RECIPE=qwen3-8b NODES=2 ARGS=")
     # make hands ARGS to the shell: the words come back as given, quotes and all
     args = shlex.split(shlex.split(make_line.split(" ARGS=", 1)[1])[0])
@@ -927,6 +927,50 @@ def test_a_resume_through_the_launcher_keeps_the_runs_processes_per_node(tmp_pat
     assert "--nproc-per-node 1 " in launched("1", "--resume", str(run), GPUS_PER_NODE="1")  # given: as given
     assert "--nproc-per-node 1 " in launched("1")  # a new run: the recipe's
     assert "--nproc-per-node 1 " in launched("1", "--resume", "last")  # only training.train finds that run
+
+
+def test_the_launcher_takes_the_processes_per_node_and_run_name_the_training_options_give(tmp_path):
+    """ARGS="--trainer.devices=4" planned and started the recipe's 8 processes per node (training then stopped on the
+    count), and a --run-name among them still stopped a node's launch with "RUN_NAME not set"."""
+    fake_python = tmp_path / "python"  # reads YAML as python does, and prints what torchrun would be given
+    fake_python.write_text(f"#!/usr/bin/env bash\n[ \"$1\" != -c ] || exec {shlex.quote(sys.executable)} \"$@\"\n"
+                           "echo \"$@\"\n")
+    fake_python.chmod(0o755)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "RUN_NAME", "GPUS_PER_NODE", *SLURM_ENV)} | {"PYTHON": str(fake_python)}
+
+    def launched(recipe: str, nodes: str, *args: str, **settings: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(LAUNCHER), recipe, nodes, *args], cwd=REPO, env=env | settings,
+                              capture_output=True, text=True)
+
+    for devices in (["--trainer.devices=4"], ["--trainer.devices", "4"]):
+        plan = launched("qwen3-8b", "2", *devices)  # the recipe says 8
+        assert plan.returncode == 0 and "trainer.devices=4)" in plan.stdout, plan
+        sbatch_line = shlex.split(plan.stdout.splitlines()[4])
+        assert sbatch_line[2:4] == ["--ntasks-per-node=4", "--gpus-per-node=4"] and sbatch_line[-len(devices):] == devices
+        started = launched("tiny", "1", *devices)  # the recipe says 1
+        assert started.returncode == 0 and "--nproc-per-node 4 " in started.stdout, started
+    assert "--nproc-per-node 4 " in launched("tiny", "1", "--trainer.devices=4", GPUS_PER_NODE="4").stdout  # the same
+    node = {"MASTER_ADDR": "node0", "NODE_RANK": "1"}
+    for named in (["--run-name", "try 1"], ["--run=try 1"]):
+        started = launched("tiny", "2", *named, **node)
+        assert started.returncode == 0, started
+        assert started.stdout.count("--run") == 1 and started.stdout.rstrip().endswith(" ".join(named)), started
+        plan = launched("tiny", "2", *named)
+        assert plan.returncode == 0 and "RUN_NAME=<name>" not in plan.stdout.splitlines()[2], plan
+        assert shlex.split(plan.stdout.splitlines()[4])[0] == "RUN_NAME=try 1"
+    for args, settings, said in [
+        (["--trainer.devices=4"], {"GPUS_PER_NODE": "8"},
+         "error: GPUS_PER_NODE=8 but the training options give --trainer.devices 4: drop one of them or give the same "
+         "value"),
+        (["--run-name", "b"], {"RUN_NAME": "a"},
+         "error: RUN_NAME=a but the training options give --run-name b: drop one of them or give the same value"),
+        (["--trainer.devices=auto"], {}, "--trainer.devices in the training options, else trainer.devices in "
+                                         "recipes/tiny.yaml) must be a positive integer, got 'auto'"),
+    ]:
+        refused = launched("tiny", "1", *args, **settings)
+        assert refused.returncode == 2 and not refused.stdout, refused
+        assert len(refused.stderr.splitlines()) == 1 and said in refused.stderr, refused
 
 
 def test_node_settings_that_cannot_make_a_launch_are_one_line(tmp_path):

@@ -35,9 +35,12 @@ class DDTreeError(ValueError):
 
 class CommandParser(argparse.ArgumentParser):
     """argparse for this project's commands: a bad or missing flag is one line as well (`error: ...; see PROG --help`),
-    status 2, instead of argparse's usage block (its subcommands' parsers are of this class too)."""
+    status 2, instead of argparse's usage block (its subcommands' parsers are of this class too). An option is spelled
+    in full: argparse took `--output` for `--output-root`, which slipped past recipes/slurm.sbatch's refusal of the
+    run-folder options, and a prefix that stops being unique as options are added would change meaning."""
 
     def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
         main = getattr(sys.modules.get("__main__"), "__spec__", None)  # run as `python -m training.evaluate`, say
         if not args and "prog" not in kwargs and main is not None and main.name.split(".")[0] in PACKAGES:
             kwargs["prog"] = f"python -m {main.name}"  # argparse would say "evaluate.py", which cannot be run

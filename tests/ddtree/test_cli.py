@@ -156,6 +156,15 @@ def test_a_bad_flag_is_one_line_naming_the_subcommands_help(capsys):
                                        "see ddtree bench --help\n")
 
 
+def test_an_abbreviated_option_is_refused_as_unknown(capsys):
+    """argparse took any unique prefix: --max-new for --max-new-tokens (a prefix that stops being unique as options are
+    added would change meaning, and training.train's --output passed recipes/slurm.sbatch's guard as --output-root)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--target", TARGET, "--method", "ar", "--prompt", "Hi", "--max-new", "2"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == "error: unrecognized arguments: --max-new 2; see ddtree --help\n"
+
+
 @pytest.mark.parametrize("seed", [str(2**64), str(-2**63 - 1)])
 @pytest.mark.parametrize("command", [["generate", "--method", "ar", "--prompt", "Hi"],
                                      ["bench", "--methods", "ar", "--limit", "1", "--prompts", "data/eval_prompts.jsonl"]])

@@ -140,6 +140,19 @@ def test_lightnings_own_optimizer_options_are_refused_in_one_line(overrides, tmp
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("abbreviated", [["--output", "mine"], ["--run-n", "mine"], ["--resu", "last"]])
+def test_an_abbreviated_option_is_refused_as_unknown(abbreviated, tmp_path, monkeypatch, capsys):
+    """argparse took --output for --output-root and --run-n for --run-name: recipes/slurm.sbatch refuses the run-folder
+    options by their full names, so a job wrote where the abbreviation said and its requeue, looking in
+    outputs/<recipe>/slurm-<job id>, started a new run into the occupied folder."""
+    assert training.arguments.train_parser().parse_known_args(abbreviated)[1] == abbreviated
+    monkeypatch.chdir(tmp_path)
+    assert main(["--recipe", "tiny", *abbreviated]) == 2
+    errors = error_lines(capsys)
+    assert len(errors) == 1 and f"unrecognized arguments: {' '.join(abbreviated)}" in errors[0], errors
+    assert not any(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("given", ["optimizer:\n  class_path: torch.optim.SGD\n  init_args:\n    lr: 0.5\n",
                                    "optimizer: torch.optim.SGD\n", "lr_scheduler: CosineAnnealingLR\n"])
 def test_an_optimizer_section_is_refused_and_a_null_one_from_an_older_run_is_dropped(given, tmp_path):

@@ -769,8 +769,6 @@ def store_seconds(datamodule: DistillDataModule) -> float | None:
 def store_teacher(distill_weight: float, distill_top_k: int) -> tuple[bool, int]:
     """(final_hidden, teacher_top_k): what a recipe's store keeps for distillation (model.distill_weight > 0): the
     target's top k next tokens with model.distill_top_k k, else its final hidden states; neither without it."""
-    if distill_top_k < 0:  # as DistillModule refuses it; `make features` reads the recipe without building one
-        raise DDTreeError(f"model.distill_top_k={distill_top_k} must be at least 0 (0 = the whole distribution)")
     distill = distill_weight > 0
     return distill and not distill_top_k, distill_top_k if distill else 0
 

@@ -900,18 +900,25 @@ def test_the_printed_plan_keeps_the_launchs_arguments_and_gpus_per_node(tmp_path
     assert "recipes/slurm.sbatch --regenerate --out 'x y'" in regenerate.stdout
 
 
+def printing_launcher_env(tmp_path: Path) -> dict[str, str]:
+    """The launcher's environment with no inherited launch settings and a stand-in for python that reads YAML as python
+    does and prints what torchrun would be given."""
+    fake_python = tmp_path / "python"
+    fake_python.write_text(f"#!/usr/bin/env bash\n[ \"$1\" != -c ] || exec {shlex.quote(sys.executable)} \"$@\"\n"
+                           "echo \"$@\"\n")
+    fake_python.chmod(0o755)
+    return {k: v for k, v in os.environ.items()
+            if k not in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "RUN_NAME", "GPUS_PER_NODE", *SLURM_ENV)} | {
+        "PYTHON": str(fake_python)}
+
+
 def test_a_resume_through_the_launcher_keeps_the_runs_processes_per_node(tmp_path):
     """The launcher took the recipe's trainer.devices: a run trained on 2 processes per node resumed on 1, and stopped
     only once model and data were built (its train loader had been split over 2 ranks)."""
     run = tmp_path / "outputs" / "tiny" / "run 2"  # the tiny recipe says devices: 1
     (run / "checkpoints").mkdir(parents=True)
     (run / "config.yaml").write_text("trainer:\n  devices: '2'\n  num_nodes: 1\n")
-    fake_python = tmp_path / "python"  # reads YAML as python does, and prints what torchrun would be given
-    fake_python.write_text(f"#!/usr/bin/env bash\n[ \"$1\" != -c ] || exec {shlex.quote(sys.executable)} \"$@\"\n"
-                           "echo \"$@\"\n")
-    fake_python.chmod(0o755)
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "RUN_NAME", "GPUS_PER_NODE", *SLURM_ENV)} | {"PYTHON": str(fake_python)}
+    env = printing_launcher_env(tmp_path)
 
     def launched(nodes: str, *args: str, **settings: str) -> str:
         result = subprocess.run(["bash", str(LAUNCHER), "tiny", nodes, *args], cwd=REPO, env=env | settings,
@@ -932,12 +939,7 @@ def test_a_resume_through_the_launcher_keeps_the_runs_processes_per_node(tmp_pat
 def test_the_launcher_takes_the_processes_per_node_and_run_name_the_training_options_give(tmp_path):
     """ARGS="--trainer.devices=4" planned and started the recipe's 8 processes per node (training then stopped on the
     count), and a --run-name among them still stopped a node's launch with "RUN_NAME not set"."""
-    fake_python = tmp_path / "python"  # reads YAML as python does, and prints what torchrun would be given
-    fake_python.write_text(f"#!/usr/bin/env bash\n[ \"$1\" != -c ] || exec {shlex.quote(sys.executable)} \"$@\"\n"
-                           "echo \"$@\"\n")
-    fake_python.chmod(0o755)
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "RUN_NAME", "GPUS_PER_NODE", *SLURM_ENV)} | {"PYTHON": str(fake_python)}
+    env = printing_launcher_env(tmp_path)
 
     def launched(recipe: str, nodes: str, *args: str, **settings: str) -> subprocess.CompletedProcess:
         return subprocess.run(["bash", str(LAUNCHER), recipe, nodes, *args], cwd=REPO, env=env | settings,

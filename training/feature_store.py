@@ -595,7 +595,8 @@ def build_under_lock(datamodule: DistillDataModule, out: Path, layer_ids: list[i
     data, pad_id, _ = datamodule.load_tokenized()
     # Time-boxed: in the data's split order, validation first (those `keep` are built whatever the box).
     order, keep = datamodule.split_order(len(data)) if max_seconds is not None else (None, 0)
-    text_config = target_text_config(datamodule.target)
+    config = AutoConfig.from_pretrained(resolve_target(datamodule.target))  # read once: the text config and the logit transform
+    text_config = config.get_text_config()
     identity = build_identity(datamodule, text_config, layer_ids, target_adapter, dtype)
     num_layers, hidden_size = text_config.num_hidden_layers, text_config.hidden_size
     layer_ids = identity["target_layer_ids"]
@@ -613,7 +614,7 @@ def build_under_lock(datamodule: DistillDataModule, out: Path, layer_ids: list[i
     # A top-k teacher is the softmax of the target's own logits: where its family transforms the LM head's output
     # (training.target.logit_transform) the manifest says how, and a store built before the teacher took the transform
     # (none recorded) differs in it, so it is rebuilt, not reused; other targets' manifests are as they were.
-    transform = logit_transform(AutoConfig.from_pretrained(resolve_target(datamodule.target))) if teacher_top_k else None
+    transform = logit_transform(config) if teacher_top_k else None
     manifest = {
         **identity,
         "num_sequences": len(lengths), "total_tokens": sum(lengths),

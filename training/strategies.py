@@ -343,5 +343,9 @@ def drafter_for_export(module, trainer) -> nn.Module:
     """
     if not is_deepspeed(trainer.strategy):
         return module.drafter
+    # Lightning's teardown has moved the module to the CPU by now, and DeepSpeed gathers each fp32 master weight by
+    # all-reducing a buffer on its parameter's device: gloo (the CPU runs') takes a CPU buffer, NCCL refuses it ("No
+    # backend type associated with device type cpu", the zero2 run on an H200, 2026-12-04). Back to the rank's device.
+    module.drafter.to(trainer.strategy.root_device)
     config = module.base_drafter().config.to_dict()
     return drafter_from_weights(config, dict(module.hparams), full_fp32_state(module.drafter))

@@ -38,6 +38,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -620,6 +621,29 @@ def slurm_env(monkeypatch, nodes: int, per_node: int, job: str = "4242") -> None
                   SLURM_NODELIST="node1", SLURM_STEP_NUM_TASKS=nodes * per_node)
     for name, value in values.items():
         monkeypatch.setenv(name, str(value))
+
+
+def test_the_export_gathers_the_master_weights_on_the_ranks_device_where_lightning_left_them_on_the_cpu(monkeypatch):
+    """Lightning's teardown moves the module to the CPU before train.py exports; DeepSpeed's gather all-reduces a buffer
+    on each parameter's device, which NCCL refuses on the CPU (the zero2 CUDA run on an H200, 2026-12-04, failed so).
+    The CPU runs' gloo takes either, so their end-to-end export cannot show it: here the rank's device is `meta`."""
+    import training.strategies as strategies
+
+    seen = {}
+
+    def gather(drafter):  # full_fp32_state: a collective on the device the parameters are on
+        seen["devices"] = {p.device.type for p in drafter.parameters()}
+        return seen
+
+    monkeypatch.setattr(strategies, "is_deepspeed", lambda strategy: True)
+    monkeypatch.setattr(strategies, "full_fp32_state", gather)
+    monkeypatch.setattr(strategies, "drafter_from_weights", lambda config, hparams, state: state)
+    drafter = torch.nn.Linear(2, 2)  # on the CPU, as the teardown leaves it
+    module = SimpleNamespace(drafter=drafter, hparams={},
+                             base_drafter=lambda: SimpleNamespace(config=SimpleNamespace(to_dict=dict)))
+    trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("meta")))
+    assert strategies.drafter_for_export(module, trainer) is seen  # the export is built from what was gathered
+    assert seen["devices"] == {"meta"}
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "SLURM"])

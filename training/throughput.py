@@ -56,13 +56,15 @@ LAST_TOKEN = 40000  # and stay below this one, or below the target's vocabulary 
 
 
 
-def time_call(fn, repeats: int, warmup: int, device: torch.device, label: str = "") -> tuple[float, int | None]:
+def time_call(fn, repeats: int, warmup: int, device: torch.device, label: str = "",
+              first=None) -> tuple[float, int | None]:
     """Median seconds of `fn` after `warmup` calls, and the peak GPU bytes of the timed calls (None on CPU).
 
-    With a label, each warm-up call's seconds are printed as it ends: where a run that never finishes stalls."""
+    With a label, each warm-up call's seconds are printed as it ends: where a run that never finishes stalls.
+    `first`, if given, stands in for `fn` as the first warm-up call (one that prints its phases, say)."""
     for call in range(warmup):  # first calls allocate, pick kernels and compile
         started = time.perf_counter()
-        fn()
+        (first if call == 0 and first is not None else fn)()
         if label:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -88,6 +90,23 @@ def time_call(fn, repeats: int, warmup: int, device: torch.device, label: str = 
             end.synchronize()
             times.append(start.elapsed_time(end) / 1000)
     return statistics.median(times), torch.cuda.max_memory_allocated(device)
+
+
+def phase_clock(label: str, device: torch.device):
+    """mark(phase) prints the seconds since the last mark (the device synchronised first) under `label`; no label,
+    no line and no synchronisation."""
+    last = [time.perf_counter()]
+
+    def mark(phase: str) -> None:
+        if not label:
+            return
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        now = time.perf_counter()
+        print(f"{label}: {phase} took {now - last[0]:.1f} s", flush=True)
+        last[0] = now
+
+    return mark
 
 
 def random_target_loader(name: str, build_on: torch.device):
@@ -210,19 +229,25 @@ def main(argv: list[str] | None = None) -> int:
             with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
                 module.target.get_decoder()(input_ids=input_ids, use_cache=False)
 
-        def training_step(step_batch: dict):
+        def training_step(step_batch: dict, phases: str = ""):
+            """One step; with `phases` (the first, compiling call) each phase's seconds printed as it ends: the
+            qwen3-8b step's first call outlasted 227 s on the H200 (2026-12-04) with no word of where."""
+            mark = phase_clock(phases, device)
             with torch.autocast(device.type, dtype=torch.bfloat16):
                 loss = module.shared_step(step_batch, 0, "train").loss
+            mark("forward")
             loss.backward()
+            mark("backward")
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            mark("optimizer step")
 
         offline_batch = store_batch(module, batch)  # the step then skips the target, as from a store
 
         target_seconds, _ = time_call(target_forward, args.repeats, args.warmup, device)
         print(f"{label:>10}: target forward timed; the full step next (its warm-up compiles)", flush=True)
         step_seconds, step_peak = time_call(lambda: training_step(batch), args.repeats, args.warmup, device,
-                                            f"{label:>10}: step")
+                                            f"{label:>10}: step", lambda: training_step(batch, f"{label:>10}: step 1"))
         offline_seconds, offline_peak = time_call(lambda: training_step(offline_batch), args.repeats, args.warmup, device,
                                                   f"{label:>10}: step from features")
         # What each side computes (training/flops.py): the ratio a step would have at equal efficiency, and the

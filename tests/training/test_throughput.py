@@ -50,6 +50,9 @@ def test_cpu_run_reports_both_steps_and_their_ratio(capsys):
     ratio = float(re.search(r"ratio ([\d.]+)", line).group(1))
     assert target > 0 and step > 0 and ratio == pytest.approx(step / target, rel=0.2)  # (times printed to the ms)
     assert "target tokens/s" in line and "offline step" in line and "peak" not in line  # no GPU memory on a CPU
+    # the first step's phases, each as it ends (where a step that never finishes stalls), then the warm-ups
+    phases = [re.sub(r" took [\d.]+ s$", "", x.strip()) for x in out.splitlines() if ": step 1: " in x]
+    assert phases == ["4x1x4: step 1: forward", "4x1x4: step 1: backward", "4x1x4: step 1: optimizer step"]
 
 
 def test_a_target_with_a_smaller_vocabulary_gets_a_batch_of_ids_it_holds(tmp_path, capsys):

@@ -466,7 +466,7 @@ def cmd_bench(args) -> None:
         settings["verify_cost_ms"] = {"fixed": sizer.fixed_ms, "per_row": sizer.row_ms}  # what --adaptive-size used
     results = {"settings": settings, "machine": describe_machine(target.device), **results}
     print(describe_target(args, target))
-    print(format_summary(results["summary"]))
+    print(format_summary(results["summary"], target.dtype, sampling.temperature))
     if args.out:
         out = Path(args.out)
         if out.exists() and not args.overwrite:  # absent at the start: another run, started beside this one, wrote it

@@ -417,7 +417,8 @@ class DistillDataModule(L.LightningDataModule):
             raise DDTreeError(f"data.store_max_minutes={store_max_minutes}: give a positive number of minutes, or null "
                               "for the whole store")
         self.save_hyperparameters()
-        self.target, self.data_path, self.max_length = target, str(data_path), max_length
+        # `~` is the home folder (see cache_dir below): a recipe's regenerated data went into a folder named `~` here
+        self.target, self.data_path, self.max_length = target, os.path.expanduser(str(data_path)), max_length
         self.batch_size, self.num_workers, self.val_fraction, self.seed = batch_size, num_workers, val_fraction, seed
         self.min_supervised_tokens = min_supervised_tokens
         if cache_dir is None:

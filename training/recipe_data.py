@@ -131,7 +131,8 @@ def recipe_overrides(datamodule, recipe: str, target_adapter: str | None) -> lis
               for field in REGENERATE_FIELDS if field in settings or field in own_settings]
     overrides = [f"{name}={shown(value)} (the recipe's: {shown(recipe_value)})" for name, value, recipe_value in pairs
                  if shown(value) != shown(recipe_value)]
-    if own_path is None or Path(datamodule.data_path).resolve() != Path(own_path).resolve():
+    # (the datamodule's path has `~` expanded; the recipe file's may not)
+    if own_path is None or Path(datamodule.data_path).resolve() != Path(own_path).expanduser().resolve():
         overrides.append(f"data.data_path={datamodule.data_path} (the recipe's: {shown(own_path)})")
     return overrides
 

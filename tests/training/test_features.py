@@ -1071,6 +1071,12 @@ def test_a_store_or_cache_under_tilde_is_in_the_home_folder(tmp_path, monkeypatc
                            feature_store="~/store")
     dm.setup("fit")
     assert dm.store.path == home / "store" and list(work.iterdir()) == []
+    # and the data itself (a regenerating recipe wrote its replies into a folder named `~` in the working one)
+    (home / "conversations.jsonl").write_bytes(data.read_bytes())
+    dm = DistillDataModule(target="tiny-random", data_path="~/conversations.jsonl", max_length=128, cache_dir="~/cache")
+    assert dm.data_path == str(home / "conversations.jsonl")
+    dm.setup("fit")
+    assert len(dm.train_set) + len(dm.val_set) > 0 and list(work.iterdir()) == []
 
 
 def test_train_builds_a_missing_store_in_a_single_process_and_refuses_in_many(tmp_path, monkeypatch, capsys):

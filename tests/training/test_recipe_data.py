@@ -217,6 +217,23 @@ def test_a_run_that_overrides_its_recipes_data_settings_is_told_to_give_it_a_fol
     assert regenerate.main(["--recipe", "smollm2-135m", "--check"]) == 0  # the shipped data is still the recipe's
 
 
+def test_a_recipes_data_path_under_tilde_is_its_own_not_an_override(tmp_path, monkeypatch):
+    """A recipe's `data_path: ~/x` is the home folder's x (the data module expands it); read against the recipe file's
+    unexpanded text it counted as an override, and the data check then refused the recipe's own data."""
+    import training.recipe_data as recipe_data
+
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("model:\n  target: tiny-random\ndata:\n  data_path: ~/replies\n  regenerate:\n    limit: 3\n")
+    monkeypatch.setattr(recipe_data, "recipe_path", lambda name: recipe)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    datamodule = DistillDataModule(target="tiny-random", data_path="~/replies", regenerate={"limit": 3})
+    assert datamodule.data_path == str(tmp_path / "replies")
+    assert recipe_data.recipe_overrides(datamodule, "mine", None) == []
+    elsewhere = DistillDataModule(target="tiny-random", data_path=str(tmp_path / "other"), regenerate={"limit": 3})
+    assert recipe_data.recipe_overrides(elsewhere, "mine", None) == [
+        f"data.data_path={tmp_path / 'other'} (the recipe's: ~/replies)"]
+
+
 def test_the_check_takes_greedy_data_made_with_another_chunk_size_or_seed(monkeypatch, capsys):
     """Neither changes a greedy reply: data made with `make data ARGS=--chunk-size 256` was refused at every start."""
     monkeypatch.chdir(RECIPES_DIR.parent)

@@ -9,9 +9,12 @@
 # Staging (../shared/GPU.md): here, ../shared/gpu/prepare.sh and recipes/gpu_stage_deepspeed.sh; then on the machine
 #   call 1, carry [".gpu-a"]:           mkdir -p /tmp/keep && cp .gpu-a/* /tmp/keep/
 #   call 2, carry [".gpu-b", ".gpu-c"]: . .gpu-b/on-device.sh && bash recipes/gpu_session.sh [STAGES]
-# within 30 s of each other (the machine goes back when idle, and /tmp with it). A 15-minute lease holds one such
-# pair: the machine's start, call 1 and call 2's 540 s leave no room for a third call, so name in call 2 every stage
-# wanted, in order of need (each is cut to the time left; zero, objectives and throughput each want most of a call).
+# within 30 s of each other (the machine goes back when idle, and /tmp with it). Name in call 2 every stage wanted,
+# in order of need (each is cut to the time left; zero, objectives and throughput each want most of a call). On
+# 2026-12-04 the machine started within call 1's 29 s, and a 15-minute lease held call 2 (LIMIT=560: tests zero
+# train bench-static, 442 s) and, at once after it, a third call carrying .gpu-b (LIMIT=370: throughput, 361 s).
+# A stage stopped at its cap gets SIGABRT, on which Python prints every thread's stack into the stage's log
+# (PYTHONFAULTHANDLER): where a step that never finishes was stuck.
 # .gpu-b, .gpu-c and the tree come to 65.4 of a call's 67.1 MB; a drafter (DRAFTER, a bf16 copy: 10 MB for the CPU
 # recipe's) does not fit beside them: split .gpu-a at 46 MB, not 52, and carry it in call 1 (docs/benchmarks.md).
 # At most 8 files come back from a call: the default stages write 7.
@@ -62,9 +65,13 @@ stage() {  # stage NAME CAP LOG COMMAND...
   if [ "$cap" -lt 20 ]; then echo "== $name: skipped, ${left}s left" | tee -a "$OUT/$log"; FAILED="$FAILED $name"; return 1; fi
   echo "== $name (cap ${cap}s, ${left}s of ${LIMIT}s left): $*" | tee -a "$OUT/$log"
   local started=$(date +%s)
-  timeout -k 5 "$cap" "$@" >>"$OUT/$log" 2>&1
-  local status=$?
-  echo "== $name: exit $status after $(($(date +%s) - started))s" | tee -a "$OUT/$log"
+  PYTHONFAULTHANDLER=1 timeout -s ABRT -k 10 "$cap" "$@" >>"$OUT/$log" 2>&1
+  local status=$? spent=$(($(date +%s) - started))
+  if [ "$spent" -ge "$cap" ] && [ "$status" -ne 0 ]; then
+    echo "== $name: stopped at its cap of ${cap}s (exit $status); each Python thread's stack then is above" | tee -a "$OUT/$log"
+  else
+    echo "== $name: exit $status after ${spent}s" | tee -a "$OUT/$log"
+  fi
   [ "$status" -eq 0 ] || FAILED="$FAILED $name"
   return "$status"
 }
@@ -135,8 +142,8 @@ for s in $STAGES; do case $s in
       --length 384 --settings 64x5x16 --repeats 10 --warmup 3
     stage throughput-smollm2-compiled 120 throughput.log $PY -m training.throughput --target smollm2-135m \
       --batch-size 16 --length 384 --settings 64x5x16 --repeats 10 --warmup 3 --compile
-    stage throughput-qwen3-8b 240 throughput.log $PY -m training.throughput --recipe qwen3-8b --random-target \
-      --repeats 5 --warmup 1 ;;  # its warm-up compiles; two did not finish in 172 s on the H200
+    stage throughput-qwen3-8b 540 throughput.log $PY -m training.throughput --recipe qwen3-8b --random-target \
+      --repeats 5 --warmup 1 ;;  # its first step did not end in 172 s (2026-11-26) nor 227 s (2026-12-04) on the H200
   train)
     # --data.regenerate=null: the recipe's section says how it writes its own data (all 4000 prompts), and each start
     # refuses a folder made otherwise; the shipped data/smollm2-135m answers 2048 (data/README.md) and is read as it is

@@ -369,3 +369,23 @@ def test_training_and_the_feature_store_hand_the_adapter_to_the_data(tmp_path, m
     argv += ["--output-root", str(tmp_path / "out")] if command == "train" else ["--out", str(tmp_path / "store")]
     assert module.main(argv) == 2
     assert handed == [str(tmp_path / "adapter")]
+
+
+@pytest.mark.slow  # the shortest cap a stage runs under is 20 s
+def test_a_gpu_session_stage_stopped_at_its_cap_leaves_each_threads_stack_in_its_log(tmp_path):
+    """qwen3-8b's first training step outlasted its stage's cap twice on the H200 with no word of where it was stuck:
+    a stage stopped at its cap now gets SIGABRT, and Python's fault handler prints every thread's stack into the log."""
+    repo = RECIPES_DIR.parent
+    python = tmp_path / "python"  # a stand-in: the tests stage (pytest) hangs in a function of its own; the rest exit 0
+    python.write_text(f"#!{sys.executable}\nimport sys, time\n"
+                      "def stuck_in_the_first_step():\n    time.sleep(120)\n"
+                      "if sys.argv[1:3] == ['-m', 'pytest']:\n    stuck_in_the_first_step()\n")
+    python.chmod(0o755)
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONFAULTHANDLER"}
+    env.update(PYTHON=str(python), OUT=str(tmp_path / "logs"), LIMIT="27")
+    done = subprocess.run(["bash", str(repo / "recipes" / "gpu_session.sh"), "tests"], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "failed or skipped: tests" in done.stdout
+    log = (tmp_path / "logs" / "tests.log").read_text()
+    assert re.search(r"== tests: stopped at its cap of 2\ds \(exit 124\); each Python thread's stack then is above", log)
+    assert "in stuck_in_the_first_step" in log  # the stack, innermost call named

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from unittest import mock
@@ -277,6 +278,15 @@ def end_process_group() -> None:
     finished: a rank that failed may leave others inside a collective, where closing would wait on them for good.
     """
     if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if "deepspeed" in sys.modules:
+            import deepspeed.comm
+
+            # DeepSpeed keeps its own clone of the world group, which only its destroy_process_group lets go of:
+            # closed behind its back, the next run in this process (make ablate's next variant) gets the closed
+            # clone from deepspeed.initialize ("Group ... is not registered").
+            if deepspeed.comm.is_initialized():
+                deepspeed.comm.destroy_process_group()
+                return
         torch.distributed.destroy_process_group()
 
 

@@ -5,13 +5,20 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
+import subprocess
+import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
+import torch
 
 import toy_data  # tests/training/toy_data.py
 from training.ablate import main, markdown_table, parse_variant, plot
 from training.arguments import recipe_path
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_two_variants_of_the_tiny_recipe_are_trained_measured_and_compared(tmp_path, capsys):
@@ -48,6 +55,59 @@ def test_two_variants_of_the_tiny_recipe_are_trained_measured_and_compared(tmp_p
     assert recorded[1]["packed_weights"] == ("on" if resolved else "off")
     assert recorded[1]["packed_weights_resolved"] is resolved and [r["packed_weights"] for r in results] == [resolved] * 2
     assert next((tmp_path / "out" / "tiny").glob("ablate-*.png")).stat().st_size > 0
+
+
+@pytest.mark.slow  # two DeepSpeed runs, ~25 s; the unit test after it is the default run's share
+def test_every_variant_under_a_deepspeed_strategy_trains_and_is_measured(tmp_path):
+    """The variants run one after another in one process, and DeepSpeed keeps its own clone of the world group: the
+    first variant closed the group behind DeepSpeed's back, so every later one failed in deepspeed.initialize ("Group
+    ... is not registered") and the table measured only the first. One process, as `make ablate ... zero2` on one GPU."""
+    data = toy_data.write_conversations(tmp_path / "conversations.jsonl", 24, 30, 60)
+    env = {name: value for name, value in os.environ.items()
+           if not name.startswith("SLURM_") and name not in ("TORCHELASTIC_RUN_ID", "RANK", "LOCAL_RANK", "WORLD_SIZE",
+                                                             "NODE_RANK", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", TORCH_EXTENSIONS_DIR=str(tmp_path / "torch_extensions"))
+    result = subprocess.run(
+        [sys.executable, "-m", "training.ablate", "--recipe", "tiny", "--steps", "2", "--eval-limit", "1",
+         "--eval-max-new-tokens", "3", "--output-root", str(tmp_path / "out"), "--variant", "a=",
+         "--variant", "b=--model.lr=1e-3", "--trainer.strategy=zero2_cpu", "--trainer.precision=bf16-mixed",
+         "--trainer.enable_progress_bar=false", f"--data.data_path={data}", f"--data.cache_dir={tmp_path / 'cache'}",
+         "--data.batch_size=2", "--data.val_fraction=0.1", "--model.num_anchors=64", "--eval.budgets=[4]",
+         "--eval.primary_budget=4"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    results = json.loads(next((tmp_path / "out" / "tiny").glob("ablate-*.json")).read_text())
+    assert [r["variant"] for r in results] == ["a", "b"]
+    assert all(r["step"] == 2 and r["tau"]["4"] is not None and r["tau"]["4"] >= 1 for r in results), results
+
+
+def test_a_deepspeed_process_group_closed_at_the_end_of_a_run_opens_again_for_the_next(monkeypatch):
+    """The cheap half of the test above: end_process_group must drop DeepSpeed's clone of the world group too, or the
+    next deepspeed.init_distributed in this process hands DeepSpeed the closed one."""
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    from deepspeed.utils import groups
+
+    from training.strategies import end_process_group
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name, value in dict(RANK=0, LOCAL_RANK=0, WORLD_SIZE=1, MASTER_ADDR="127.0.0.1", MASTER_PORT=port).items():
+        monkeypatch.setenv(name, str(value))
+    monkeypatch.setattr(groups, "_WORLD_GROUP", None)  # and put back after, whatever the test left there
+    monkeypatch.setattr(deepspeed.comm.comm, "cdb", None)  # no DeepSpeed backend yet, as in a fresh process
+    try:
+        for run in range(2):  # two variants' runs
+            with mock.patch("deepspeed.comm.torch.build_shm_op", return_value=None):  # minutes of compiling, as zero2_cpu
+                deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+            assert torch.distributed.get_global_rank(groups._clone_world_group(), 0) == 0, f"run {run}"
+            end_process_group()
+            assert not torch.distributed.is_initialized()
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 def test_a_bad_variant_or_no_budget_is_one_line(capsys):

@@ -322,8 +322,8 @@ def consolidated_copy(drafter: nn.Module) -> DFlashDraftModel:
     """A plain copy of a ZeRO-3-sharded drafter on this rank (every rank must call this together).
 
     Decoding runs a different number of drafter forwards on each rank, and ZeRO-3 gathers the shards
-    at every forward in lockstep, so the sharded module itself cannot decode. Not exercised by the
-    CPU tests (DeepSpeed needs CUDA).
+    at every forward in lockstep, so the sharded module itself cannot decode. The zero3_cpu tests run it at every
+    evaluation (test_deepspeed.py's ZeRO-3 run evaluates at steps 2 and 4).
     """
     import deepspeed
 

@@ -253,6 +253,16 @@ def check_strategy(strategy, accelerator, gradient_clip_algorithm) -> None:
                                  "out), or a strategy that is not DeepSpeed (ddp) to clip by value")
 
 
+def check_lora_strategy(strategy, lora_rank) -> None:
+    """A LoRA drafter under ZeRO-3: its evaluation during training cannot gather it (consolidated_copy), and that
+    evaluation is no option, so the run stopped at its first one, after eval.every_n_train_steps steps and no save."""
+    registered = registered_strategy(strategy)
+    if lora_rank and deepspeed_class(strategy) is not None and registered["init_params"].get("stage") == 3:
+        raise RecipeSettingError(f"model.lora_rank={lora_rank} with trainer.strategy={strategy}: the evaluation during "
+                                 "training cannot gather a LoRA drafter sharded by ZeRO-3; give --trainer.strategy=zero2 "
+                                 "(or ddp), or model.lora_rank=0")
+
+
 def device_indices(devices) -> list[int]:
     """The GPU numbers a trainer.devices list names ([0, 3] or "0,3"); [] where it gives a count or 'auto'."""
     if isinstance(devices, (list, tuple)):
@@ -384,6 +394,7 @@ def check_before_building(config: Namespace) -> None:
     check_values(config)
     check_accelerator(trainer.accelerator, trainer.devices, config.model.target)
     check_strategy(trainer.strategy, trainer.accelerator, trainer.gradient_clip_algorithm)
+    check_lora_strategy(trainer.strategy, config.model.lora_rank)
     check_launch(trainer.devices, trainer.num_nodes)
     check_input_files(config)
 

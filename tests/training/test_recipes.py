@@ -455,6 +455,21 @@ def test_lightnings_own_deepspeed_is_one_line_naming_this_trainings(strategy, ou
     assert not any(tmp_path.iterdir())
 
 
+def test_a_lora_drafter_under_zero3_is_one_line_before_anything_loads(tmp_path, capsys):
+    """The evaluation during training cannot gather a LoRA drafter sharded by ZeRO-3: the run stopped at its first
+    evaluation, after eval.every_n_train_steps steps, with no checkpoint saved."""
+    assert main(["--recipe", "tiny", "--run-name", "r", "--output-root", str(tmp_path), "--trainer.strategy=zero3_cpu",
+                 "--model.lora_rank=4", f"--model.init_from={tmp_path / 'base'}"]) == 2
+    errors = error_lines(capsys)
+    assert len(errors) == 1 and "model.lora_rank=4 with trainer.strategy=zero3_cpu: the evaluation" in errors[0], errors
+    assert not any(tmp_path.iterdir())
+    for strategy in ("zero3", "zero3_offload"):  # the GPU ones alike
+        with pytest.raises(DDTreeError, match=f"model.lora_rank=8 with trainer.strategy={strategy}: "):
+            training.recipe.check_lora_strategy(strategy, 8)
+    for strategy, rank in (("zero2_cpu", 4), ("zero2", 4), ("ddp", 4), ("zero3", 0)):  # gathered, or no LoRA: fine
+        training.recipe.check_lora_strategy(strategy, rank)
+
+
 def test_a_block_longer_than_the_sequences_is_one_line_before_anything_loads(tmp_path, capsys):
     """It trained and exported: the block positions past data.max_length were never labelled, yet decoding drafts them."""
     assert main(["--recipe", "tiny", "--run-name", "r", "--output-root", str(tmp_path), "--model.block_size=300"]) == 2

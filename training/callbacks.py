@@ -87,6 +87,7 @@ from . import report
 from .checkpoint_paths import ABANDONED_PREFIX, saved_step
 from .checkpoints import AtomicCheckpointIO, non_finite_tensors
 from .data import replies
+from .peft_utils import merged_drafter
 from .strategies import consolidated_copy
 
 
@@ -345,9 +346,15 @@ def unmeasured(budgets: list[int], non_finite: int) -> dict:
 
 
 def in_dtype(drafter: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """The drafter as `ddtree` decodes its export: in the target's dtype (ddtree/drafters.py loads it so), so the
-    tau that ranks checkpoints is the shipped drafter's. A copy where training keeps other weights (fp32 under
-    bf16-mixed); the drafter itself where they already are."""
+    """The drafter as `ddtree` decodes its export: LoRA merged in the training precision, then in the target's dtype
+    (ddtree/drafters.py loads it so), so the tau that ranks checkpoints is the shipped drafter's. A copy where training
+    keeps other weights (fp32 under bf16-mixed) or LoRA layers; the drafter itself where neither holds.
+
+    Merged first: the unmerged layers round W x and the adapters' s B A x each in bf16, whose logits missed the
+    export's by up to 0.045 on a tiny target (top-1 agreeing on 97% of positions)."""
+    merged = merged_drafter(drafter)
+    if merged is not drafter:  # a copy already
+        return merged.to(dtype)
     if all(p.dtype == dtype for p in drafter.parameters() if p.is_floating_point()):
         return drafter
     return copy.deepcopy(drafter).to(dtype)

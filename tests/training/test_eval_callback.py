@@ -1567,3 +1567,30 @@ def test_evaluation_decodes_the_drafter_in_the_targets_dtype_as_bench_decodes_it
     for key, stats in bench.items():
         assert measured[key]["tau"] == stats["tau"], key
         assert measured[key]["expected_tau"] == pytest.approx(stats["expected_tau"], rel=1e-9), key
+
+
+def test_evaluation_decodes_a_lora_drafter_merged_as_its_export_is():
+    """Cast unmerged to bf16, a LoRA drafter rounded W x and the adapters' s B A x each in bf16: its logits missed the
+    export's (merged in fp32, loaded in bf16) by up to 0.045. The evaluation now decodes the merged drafter in bf16."""
+    from ddtree.modeling_dflash import DFlashDraftModel
+    from ddtree.targets import build_drafter_config
+    from training.peft_utils import add_drafter_lora, merged_drafter
+
+    target, tokenizer = load_target("tiny-random", torch.bfloat16)
+    torch.manual_seed(0)
+    base = DFlashDraftModel(build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=8))
+    drafter = add_drafter_lora(base, rank=4, alpha=8.0, dropout=0.0, target_modules=["q_proj", "down_proj"])
+    for name, param in drafter.named_parameters():
+        if "lora_B" in name:  # (initialised to zero: the merge would change nothing)
+            torch.nn.init.normal_(param, std=0.5)
+    evaluation = AcceptanceEvaluation(prompts=PROMPTS, budgets=[8], primary_budget=8, max_new_tokens=4, limit=1,
+                                      lookup=0)
+    decoded = []
+    evaluation.drafter_runner = lambda model, target: decoded.append(model) or DrafterRunner(model, target)
+    evaluation.measure(target, drafter, evaluation.load_prompts(tokenizer), stop_token_ids(target, tokenizer))
+    shipped = merged_drafter(drafter).to(torch.bfloat16).state_dict()  # as export writes and ddtree loads it
+    assert not any("lora_" in name for name in decoded[0].state_dict())
+    assert shipped.keys() == decoded[0].state_dict().keys()
+    assert all(torch.equal(decoded[0].state_dict()[name], tensor) for name, tensor in shipped.items())
+    assert any("lora_" in name for name, _ in drafter.named_parameters())  # the live drafter keeps training its LoRA
+    assert {p.dtype for p in drafter.parameters()} == {torch.float32}

@@ -69,6 +69,27 @@ def is_other_file(path: Path) -> bool:
     return bool(head) and head != b"PK\x03\x04"
 
 
+# Rank 0's model-state file in a DeepSpeed checkpoint's tag folder, as DeepSpeed names it (its engine's
+# _get_ckpt_name): ZeRO-1/2 keep one, ZeRO-3 (partitioned weights) one per rank under the second name.
+DEEPSPEED_MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
+
+
+def deepspeed_model_states(folder: Path) -> Path:
+    """Rank 0's model-state file of a DeepSpeed checkpoint folder (the tag its `latest` file names): where Lightning
+    saves its own state (global_step, loops, hyper_parameters, drafter_config) beside rank 0's weights.
+
+    Reading the ZeRO-1/2 name only made every ZeRO-3 checkpoint unreadable here: its resume stopped at once and
+    a requeued job trained nothing."""
+    tag = folder / (folder / "latest").read_text().strip()
+    found = next((tag / name for name in DEEPSPEED_MODEL_STATES if (tag / name).is_file()), None)
+    if found is None:
+        held = sorted(path.name for path in tag.iterdir()) if tag.is_dir() else []
+        raise DDTreeError(f"CKPT {folder}: {tag.relative_to(folder)}/ holds neither "
+                          f"{' nor '.join(DEEPSPEED_MODEL_STATES)} (it holds {', '.join(held) or 'nothing'}), so it is "
+                          "no whole DeepSpeed checkpoint; give another checkpoint of the run")
+    return found
+
+
 def saved_step(checkpoint: Path) -> int:
     """The global step a checkpoint was saved at (-1 where it cannot be read): what orders a run's checkpoints, where
     file times follow the order a copy (`cp -r`) wrote them in.
@@ -78,10 +99,8 @@ def saved_step(checkpoint: Path) -> int:
     Lightning checkpoint may pickle classes weights_only refuses, and the resume unpickles the file whole anyway."""
     import torch  # here: the module is imported before torch loads (above), and most resumes never rank
 
-    path = checkpoint
-    if checkpoint.is_dir():  # DeepSpeed: Lightning's own state is saved beside rank 0's weights
-        path = checkpoint / (checkpoint / "latest").read_text().strip() / "mp_rank_00_model_states.pt"
     try:
+        path = deepspeed_model_states(checkpoint) if checkpoint.is_dir() else checkpoint
         return int(torch.load(path, map_location="cpu", weights_only=False, mmap=True)["global_step"])
     except Exception:  # noqa: BLE001 - a file that reads as a zip but holds no step ranks below every other
         return -1

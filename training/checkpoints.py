@@ -31,8 +31,8 @@ from ddtree.errors import DDTreeError, error_line
 from ddtree.files import atomic_file, os_error_in
 from ddtree.modeling_dflash import DFlashDraftModel
 
-from .checkpoint_paths import (SAVING_MARKER, is_checkpoint, is_deepspeed_checkpoint, is_readable, run_checkpoints,
-                               run_folder_of)
+from .checkpoint_paths import (SAVING_MARKER, deepspeed_model_states, is_checkpoint, is_deepspeed_checkpoint,
+                               is_readable, run_checkpoints, run_folder_of)
 from .peft_utils import DEFAULT_LORA_MODULES, add_drafter_lora, merged_drafter
 
 # ----------------------------------------------------------------------------- writing a checkpoint
@@ -101,14 +101,13 @@ def holds_checkpoint(path: Path) -> bool:
 def deepspeed_client_state(folder: Path) -> dict:
     """What Lightning saved beside the weights of a DeepSpeed checkpoint folder (drafter_config, hyper_parameters, loops).
 
-    Read from the folder's first model-state file without DeepSpeed, so before its engine loads the shards; mmap
-    leaves the weights it also holds on disk.
+    Read from rank 0's model-state file (deepspeed_model_states) without DeepSpeed, so before its engine loads the
+    shards; mmap leaves the weights it also holds on disk.
     """
-    tag = (folder / "latest").read_text().strip()
-    states = folder / tag / "mp_rank_00_model_states.pt"
+    states = deepspeed_model_states(folder)
     try:
         return torch.load(states, map_location="cpu", weights_only=False, mmap=True)
-    except Exception as error:  # noqa: BLE001 - a missing, empty or garbled shard: DeepSpeed's loader would fail too
+    except Exception as error:  # noqa: BLE001 - an empty or garbled shard: DeepSpeed's loader would fail too
         raise DDTreeError(f"CKPT {folder}: cannot read {states.relative_to(folder)} "
                           f"({type(error).__name__}: {error_line(error)})") from None
 

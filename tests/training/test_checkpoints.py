@@ -22,7 +22,7 @@ import training.evaluate
 import training.publish
 from ddtree.errors import DDTreeError
 from training.checkpoint_paths import (SAVING_MARKER, check_run_folder, find_checkpoint, find_resume,
-                                       find_run_checkpoint, newest_checkpoint, resume_point, run_folder_of)
+                                       find_run_checkpoint, newest_checkpoint, resume_point, run_folder_of, saved_step)
 from training.checkpoints import deepspeed_client_state, load_checkpoint
 from training.module import DistillModule
 
@@ -371,6 +371,26 @@ def test_a_deepspeed_folders_client_state_is_read_without_deepspeed_or_is_one_li
     assert torch.equal(read["module"]["drafter.fc.weight"], torch.ones(3, 2))
     truncate(folder / "checkpoint" / "mp_rank_00_model_states.pt")
     with pytest.raises(DDTreeError, match=r"^CKPT .*last.ckpt: cannot read checkpoint/mp_rank_00_model_states.pt \("):
+        deepspeed_client_state(folder)
+
+
+def test_a_zero3_folders_step_and_client_state_are_read_from_rank_0s_model_states(tmp_path):
+    # ZeRO-3 names each rank's model-state file zero_pp_rank_<r>_mp_rank_00_model_states.pt: read as ZeRO-2's
+    # mp_rank_00_model_states.pt only, every ZeRO-3 resume stopped at once and its checkpoints ranked at step -1.
+    folder = tmp_path / "last.ckpt"
+    (folder / "checkpoint").mkdir(parents=True)
+    (folder / "latest").write_text("checkpoint")
+    client_state = {"global_step": 7, "drafter_config": {"block_size": 8}, "hyper_parameters": {"lora_rank": 0},
+                    "module": {"drafter.fc.weight": torch.empty(0)}}  # ZeRO-3: the weights are in the optimizer shards
+    torch.save(client_state, folder / "checkpoint" / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    torch.save({"global_step": 7}, folder / "checkpoint" / "zero_pp_rank_1_mp_rank_00_model_states.pt")
+    assert saved_step(folder) == 7
+    read = deepspeed_client_state(folder)
+    assert read["global_step"] == 7 and read["drafter_config"] == {"block_size": 8}
+    (folder / "checkpoint" / "zero_pp_rank_0_mp_rank_00_model_states.pt").unlink()  # rank 0's is missing
+    assert saved_step(folder) == -1
+    with pytest.raises(DDTreeError, match=r"^CKPT .*last.ckpt: checkpoint/ holds neither mp_rank_00_model_states.pt nor "
+                       r"zero_pp_rank_0_mp_rank_00_model_states.pt \(it holds zero_pp_rank_1_mp_rank_00_model_states.pt\)"):
         deepspeed_client_state(folder)
 
 

@@ -47,7 +47,7 @@ from safetensors.torch import load_file
 
 import training.train
 from ddtree.targets import DDTreeError
-from training.checkpoint_paths import SAVING_MARKER
+from training.checkpoint_paths import SAVING_MARKER, saved_step
 from training.checkpoints import load_checkpoint
 from training.launch import exit_status, first_failure
 from training.strategies import NODE_SETTINGS, check_launch, count_devices
@@ -233,6 +233,12 @@ def zero2_two_processes(workspace):
     return launch(workspace, "zero2-x2", 2, "zero2_cpu", 2)
 
 
+@pytest.fixture(scope="module")
+def zero3_two_processes(workspace):
+    """The same under ZeRO-3 (slow tests only)."""
+    return launch(workspace, "zero3-x2", 2, "zero3_cpu", 2)
+
+
 # ----------------------------------------------------------------------------- ZeRO-2, two processes (default run)
 
 
@@ -409,21 +415,21 @@ def launch_killed(tmp: Path, run: str, processes: int, strategy: str, batch_size
         job.wait(timeout=60)
     run_dir = tmp / "out" / "tiny" / run
     assert not (run_dir / "drafter").exists()  # it really died mid-run
-    saved = torch.load(run_dir / "checkpoints" / "last.ckpt" / "checkpoint" / "mp_rank_00_model_states.pt",
-                       weights_only=False, map_location="cpu")
-    assert saved["global_step"] == 2
+    assert saved_step(run_dir / "checkpoints" / "last.ckpt") == 2
     return run_dir
 
 
-@pytest.mark.slow  # two more runs
-def test_killed_two_process_run_resumes_to_the_same_weights(workspace, zero2_two_processes):
-    run = "zero2-killed"
-    run_dir = launch_killed(workspace, run, 2, "zero2_cpu", 2)
-    launch(workspace, run, 2, "zero2_cpu", 2, "--resume", str(run_dir))  # the run folder: its newest checkpoint
-    resumed, straight = exported(run_dir), exported(zero2_two_processes["dir"])
+@pytest.mark.slow  # two more runs each (and ZeRO-3's uninterrupted run)
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])  # ZeRO-3 names rank 0's model-state file its own way
+def test_killed_two_process_run_resumes_to_the_same_weights(workspace, stage, request):
+    uninterrupted = request.getfixturevalue(f"{stage}_two_processes")
+    run, strategy = f"{stage}-killed", f"{stage}_cpu"
+    run_dir = launch_killed(workspace, run, 2, strategy, 2)
+    launch(workspace, run, 2, strategy, 2, "--resume", str(run_dir))  # the run folder: its newest checkpoint
+    resumed, straight = exported(run_dir), exported(uninterrupted["dir"])
     for key in straight:
         torch.testing.assert_close(resumed[key], straight[key], rtol=0, atol=SAME_MATH_ATOL, msg=key)
-    assert train_losses(run_dir)[STEPS - 1] == train_losses(zero2_two_processes["dir"])[STEPS - 1]
+    assert train_losses(run_dir)[STEPS - 1] == train_losses(uninterrupted["dir"])[STEPS - 1]
 
 
 @pytest.mark.slow  # two more runs
@@ -487,8 +493,8 @@ def test_a_deepspeed_resume_that_changes_the_drafter_is_one_line_before_deepspee
 
 
 @pytest.mark.slow  # one more run
-def test_zero3_two_processes_shard_the_drafter_not_the_target(workspace, zero2_two_processes):
-    zero3 = launch(workspace, "zero3-x2", 2, "zero3_cpu", 2)
+def test_zero3_two_processes_shard_the_drafter_not_the_target(zero3_two_processes, zero2_two_processes):
+    zero3 = zero3_two_processes
     for p in zero3["probes"]:
         assert p["target_dtypes"] == ["torch.bfloat16"] and p["target_zero_params"] == 0  # a full copy per process
         assert p["target_in_module"] == 0 and not p["optimizer_holds_target"]

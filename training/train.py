@@ -227,7 +227,18 @@ class RefuseUnfitResume(Callback):
             pl_module.check_resume(deepspeed_client_state(self.checkpoint))
 
     def on_train_start(self, trainer, pl_module) -> None:
-        non_finite = non_finite_tensors(pl_module.drafter)
+        drafter = pl_module.drafter
+        if getattr(trainer.strategy, "zero_stage_3", False):
+            # ZeRO-3 leaves each live parameter an empty placeholder (its weights are the ranks' shards), whose sum
+            # saw nothing: counted gathered whole, every rank sees the same count and refuses with the others. A
+            # collective, so every rank calls it; simpler than summing each shard where it lives (on the CPU under
+            # offload_param) and all-reducing the counts.
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(drafter.parameters()), modifier_rank=None):
+                non_finite = non_finite_tensors(drafter)
+        else:
+            non_finite = non_finite_tensors(drafter)
         if non_finite:
             raise NonFiniteError(f"--resume: {self.checkpoint} holds NaN or inf in {non_finite} of the drafter's "
                                  "parameter tensors (the run diverged before it was saved): not resumed")

@@ -30,9 +30,11 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
+import math
 import os
 import random
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -506,6 +508,31 @@ def test_zero3_two_processes_shard_the_drafter_not_the_target(zero3_two_processe
         torch.testing.assert_close(merged[key], live[key], rtol=0, atol=SAME_MATH_ATOL, msg=key)
     earlier = consolidated(zero2_two_processes["dir"] / "checkpoints" / "step-2.ckpt")
     assert_twins(live, exported(zero2_two_processes["dir"]), earlier, "ZeRO-3 vs ZeRO-2")
+
+
+@pytest.mark.slow  # one more launch, stopped before its first step
+def test_a_zero3_resume_of_nan_weights_stops_before_its_first_step(workspace, zero3_two_processes):
+    """A diverged ZeRO-3 checkpoint (NaN in every rank's fp32 shard, which DeepSpeed restores the weights from) is
+    refused as under ddp. The check counted the live drafter's parameters, which ZeRO-3 leaves empty placeholders,
+    saw nothing, and the run resumed into a NaN loss."""
+    run = "zero3-nan"
+    run_dir = workspace / "out" / "tiny" / run
+    shutil.copytree(zero3_two_processes["dir"], run_dir, symlinks=True)
+    last = run_dir / "checkpoints" / "last.ckpt"
+    for shard in (last / "checkpoint").glob("*_optim_states.pt"):
+        saved = torch.load(shard, weights_only=False, map_location="cpu")
+        saved["optimizer_state_dict"]["fp32_flat_groups"][0].detach()[0] = math.nan  # (saved as a leaf needing grad)
+        torch.save(saved, shard)
+    config = (run_dir / "config.yaml").read_text()
+    result = subprocess.run(
+        ["bash", str(LAUNCHER), "tiny", "1", *launch_args(workspace, "zero3_cpu", 2, workspace / f"probe-{run}",
+                                                        "--resume", str(last), "--trainer.max_steps=6")],
+        cwd=REPO, env=launch_environment(workspace, 2, run), capture_output=True, text=True, timeout=1200,
+    )
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 1 and errors, result.stderr[-3000:]
+    assert all(line.startswith(f"error: --resume: {last} holds NaN or inf in ") for line in errors), errors
+    assert (run_dir / "config.yaml").read_text() == config  # refused before the launch's settings were written
 
 
 @pytest.mark.slow  # one more run

@@ -280,6 +280,10 @@ class DistillModule(L.LightningModule):
         if hp.init_from:
             # checked, one-line errors; built for a target of another depth too, as it is trained against this one
             drafter = load_drafter_folder(Path(hp.init_from), torch.float32, target=model, retarget=True)
+            # from_pretrained returns it in eval mode, and Lightning 2.6 no longer calls .train() as fit starts (nor
+            # do the evaluations, which put back the flags they found): model.dropout and gradient_checkpointing,
+            # which act in training mode only, did nothing in every warm start. LoRA freezes the base by requires_grad.
+            drafter.train()
             self._check_matches_folder(drafter.config)
             drop_hub_fields(drafter.config)  # an export's: its old verifier, its remote code (hub_config adds them anew)
             # replayed, or fitted, for the folder's weights, not for these once trained

@@ -1033,6 +1033,31 @@ def test_an_evaluation_off_the_validation_grid_records_no_validation_loss_as_its
     assert rows[3] is None  # before: step 2's loss again
 
 
+def test_a_warm_started_lora_drafter_trains_in_training_mode_before_and_after_each_evaluation(tmp_path):
+    """from_pretrained gives the warm start's drafter in eval mode, and neither Lightning 2.6 nor the evaluation (which
+    puts back the flags it found) switches it: its dropout did nothing in every LoRA run."""
+    base = tiny_module()
+    base.configure_model()
+    folder = export_drafter(base, tmp_path / "base")
+    evaluation = AcceptanceEvaluation(prompts=PROMPTS, every_n_train_steps=2, budgets=[4], primary_budget=4,
+                                      max_new_tokens=4, limit=1)
+    modes = {}
+
+    class RecordModes(L.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            modes[trainer.global_step] = all(m.training for m in module.drafter.modules())
+
+    trainer = L.Trainer(max_steps=4, accelerator="cpu", default_root_dir=tmp_path, logger=False,
+                        callbacks=[RecordModes(), evaluation], enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, val_check_interval=2, check_val_every_n_epoch=None,
+                        num_sanity_val_steps=0, limit_val_batches=1)
+    module = tiny_module(init_from=str(folder), num_layers=None, block_size=None, target_layer_ids=None, lora_rank=4,
+                         dropout=0.5)
+    trainer.fit(module, train_dataloaders=synthetic_loader(4), val_dataloaders=synthetic_loader(1))
+    assert [r["step"] for r in evaluation.history] == [2, 4]
+    assert modes == {0: True, 1: True, 2: True, 3: True}  # steps 2 and 3 follow validation and an evaluation
+
+
 def test_a_run_stopped_off_schedule_keeps_the_validation_loss_of_its_stop(tmp_path):
     """max_time at step 3 (validation every 2): Lightning validates at the stop, then the final evaluation runs; its
     row and its file take that step's loss, not step 2's."""

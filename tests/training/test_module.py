@@ -1003,6 +1003,23 @@ def test_warm_start_with_lora_trains_adapters_only_and_exports_merged(module, tm
         assert torch.allclose(lora.block_hidden_states(features, batch["input_ids"], anchors), wrapped, atol=1e-5)
 
 
+def test_a_warm_started_drafter_trains_in_training_mode_with_its_dropout(module, tmp_path):
+    """from_pretrained returns the folder's drafter in eval mode, and Lightning 2.6 no longer calls .train() as fit
+    starts: every warm start (so every LoRA run) trained with model.dropout and model.gradient_checkpointing off."""
+    folder = export_drafter(module, tmp_path / "base")
+    warm = dict(init_from=str(folder), target_layer_ids=None, num_layers=None, block_size=None)
+    batch = synthetic_batch()
+    for lora_rank in (0, 4):
+        plain, dropped = (tiny_module(**warm, lora_rank=lora_rank, dropout=dropout) for dropout in (0.0, 0.5))
+        assert dropped.base_drafter().training and all(m.training for m in dropped.drafter.modules())
+        loss = dropped.shared_step(batch, 0, "train").loss  # the same anchors as plain's: only the dropout differs
+        assert not torch.equal(loss, plain.shared_step(batch, 0, "train").loss), lora_rank
+    loss.backward()  # LoRA's frozen base stays frozen in training mode: by requires_grad, not by eval()
+    frozen = [p for name, p in dropped.drafter.named_parameters() if "lora_" not in name]
+    assert frozen and all(not p.requires_grad and p.grad is None for p in frozen)
+    assert any(p.grad is not None for name, p in dropped.drafter.named_parameters() if "lora_" in name)
+
+
 def test_lora_without_a_warm_start_is_refused():
     """Only the adapters train: on a new drafter every other weight stayed random, and the run exported as usual."""
     with pytest.raises(DDTreeError, match=r"^model.lora_rank=4 adapts a trained drafter and model.init_from is unset.*: "

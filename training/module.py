@@ -303,10 +303,10 @@ class DistillModule(L.LightningModule):
             if hp.draft_vocab_size:
                 config.draft_vocab = self._training_reply_vocabulary(config.vocab_size)
             drafter = DFlashDraftModel(config)
-        if hp.redraft_prob > 0 and not drafter.config.redraft:  # decoders re-draft behind that many by default
-            drafter.config.redraft = DEFAULT_REDRAFT
-        if hp.lookup:  # a decoding default only: training never reads it (docs/decoding.md, Context lookup)
-            drafter.config.lookup = hp.lookup
+        # Decoding defaults only, training never reads them (docs/decoding.md): this run's, a warm start's too. Set
+        # only where on, a warm start kept the folder's, which model.lookup=0 and model.redraft_prob=0 could not turn off.
+        drafter.config.redraft = DEFAULT_REDRAFT if hp.redraft_prob > 0 else 0  # decoders re-draft behind that many
+        drafter.config.lookup = hp.lookup
         if hp.gradient_checkpointing:
             drafter.gradient_checkpointing = True
         drafter.dropout = hp.dropout

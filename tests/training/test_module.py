@@ -17,6 +17,7 @@ import torch
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
+from ddtree.decoding import DEFAULT_REDRAFT
 from ddtree.modeling_dflash import DFlashDraftModel, fuse_target_features
 from ddtree.errors import DDTreeError
 from ddtree.tree import build_tree
@@ -432,6 +433,21 @@ def test_lookup_is_recorded_for_decoders_and_changes_no_loss():
         assert torch.equal(plain.shared_step(batch, 0, stage).loss, lookup.shared_step(batch, 0, stage).loss)
     with pytest.raises(DDTreeError, match="model.lookup=-1"):
         tiny_module(lookup=-1)
+
+
+def test_a_warm_start_decodes_with_this_runs_lookup_and_re_drafting_not_the_folders(tmp_path):
+    """`if lookup:` and `if redraft_prob > 0` left a warm start the folder's defaults, which model.lookup=0 and
+    model.redraft_prob=0 could not turn off: the evaluation measured, and the export shipped, lookup 7 and re-drafting
+    4 for a recipe that set neither."""
+    folder = export_drafter(tiny_module(lookup=7, redraft_prob=0.25), tmp_path / "decoding")
+    source = DFlashDraftModel.from_pretrained(folder).config
+    assert (source.lookup, source.redraft) == (7, DEFAULT_REDRAFT)
+    warm = dict(init_from=str(folder), target_layer_ids=None, num_layers=None, block_size=None)
+    plain = tiny_module(**warm).drafter.config
+    assert (plain.lookup, plain.redraft) == (0, 0)
+    assert not {"lookup", "redraft"} & set(plain.to_dict()["dflash_config"])  # what its export's config.json holds
+    own = tiny_module(**warm, lookup=3, redraft_prob=0.25).drafter.config
+    assert (own.lookup, own.redraft) == (3, DEFAULT_REDRAFT)
 
 
 @pytest.mark.parametrize("draft_vocab", [False, True])

@@ -56,7 +56,7 @@ from ddtree.drafters import load_drafter_folder
 from ddtree.configuration_dflash import DFlashDrafterConfig
 from ddtree.modeling_dflash import DFlashDraftModel
 from ddtree.errors import DDTreeError
-from ddtree.targets import build_drafter_config
+from ddtree.targets import build_drafter_config, check_drafter_fits
 
 from .data import reply_vocabulary
 from .feature_store import target_fingerprint
@@ -252,6 +252,9 @@ class DistillModule(L.LightningModule):
                               "at least 1")
         self._gamma_given = gamma is not None  # else configure_model sets the published one for the block size
         self.drafter: nn.Module | None = None  # built in configure_model
+        # A warm start's --resume: the checkpoint's drafter config (training/train.py sets it), built from instead of
+        # model.init_from's folder, since the checkpoint restores every weight
+        self.resumed_drafter_config: dict | None = None
         self._compiled_drafter = None  # compile=True: torch.compile's wrapper of it (see training_drafter)
         self._target: FrozenTarget | None = None
         self._step_clock: ForwardClock | None = None  # from on_train_batch_start
@@ -278,8 +281,15 @@ class DistillModule(L.LightningModule):
         model, tokenizer = load_frozen_target(hp.target, self.frozen_target_dtype(), hp.target_adapter)
 
         if hp.init_from:
-            # checked, one-line errors; built for a target of another depth too, as it is trained against this one
-            drafter = load_drafter_folder(Path(hp.init_from), torch.float32, target=model, retarget=True)
+            if self.resumed_drafter_config is not None:
+                # A resume: the checkpoint restores every weight (LoRA's frozen base too) into the drafter its run
+                # built, as load_checkpoint does, so the folder, which may have moved or gone since, is not read again.
+                config = DFlashDrafterConfig.from_dict(self.resumed_drafter_config)
+                check_drafter_fits(config, model, "of the checkpoint resumed")  # resumed under another target
+                drafter = DFlashDraftModel(config).float()
+            else:
+                # checked, one-line errors; built for a target of another depth too, as it is trained against this one
+                drafter = load_drafter_folder(Path(hp.init_from), torch.float32, target=model, retarget=True)
             # from_pretrained returns it in eval mode, and Lightning 2.6 no longer calls .train() as fit starts (nor
             # do the evaluations, which put back the flags they found): model.dropout and gradient_checkpointing,
             # which act in training mode only, did nothing in every warm start. LoRA freezes the base by requires_grad.

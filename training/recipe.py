@@ -318,10 +318,11 @@ def check_values(config: Namespace) -> None:
         raise RecipeSettingError(str(error)) from None
 
 
-def check_input_files(config: Namespace) -> None:
+def check_input_files(config: Namespace, resuming: bool = False) -> None:
     """The files a run reads, checked as the recipe is read: else a missing one was named only once the data or the
     first evaluation read it, on the CPU default after the feature store, the target and the corpus (362 s, against
-    15.7 s now, the imports; a 2-core AVX2 EPYC, 2026-11-29)."""
+    15.7 s now, the imports; a 2-core AVX2 EPYC, 2026-11-29). A resume reads no model.init_from folder: its drafter
+    is built from the checkpoint (DistillModule.configure_model)."""
     data_path = str(config.data.data_path)
     generated = data_path == AUTO_DATA or config.data.regenerate  # written on first use (training/recipe_data.py)
     if not (generated or Path(data_path).exists()):
@@ -336,7 +337,7 @@ def check_input_files(config: Namespace) -> None:
                                      "is a local path, not a Hub dataset): generate it first with data/regenerate.py "
                                      "(make data RECIPE=<recipe>; the recipe's header gives the options), or give "
                                      "the data's path")
-    if config.model.init_from:
+    if config.model.init_from and not resuming:
         try:
             init_from_config(config.model.init_from)
         except DDTreeError as error:
@@ -385,18 +386,18 @@ def check_replay_data(config: Namespace) -> None:
               f"{written_by} wrote them: what it fits is measured on another model's text", flush=True)
 
 
-def check_before_building(config: Namespace) -> None:
+def check_before_building(config: Namespace, resuming: bool = False) -> None:
     """Everything a launch checks before it builds anything: training (DistillCLI), and make ablate for every variant
     before the first one trains, so that a variant's bad path is not found after the others trained for hours.
     A recipe sized for other hardware than was launched stops before its files are looked for (a GPU recipe on a CPU
-    machine says so first, not that its data is yet to be generated)."""
+    machine says so first, not that its data is yet to be generated). `resuming`: a --resume's launch."""
     trainer = config.trainer
     check_values(config)
     check_accelerator(trainer.accelerator, trainer.devices, config.model.target)
     check_strategy(trainer.strategy, trainer.accelerator, trainer.gradient_clip_algorithm)
     check_lora_strategy(trainer.strategy, config.model.lora_rank)
     check_launch(trainer.devices, trainer.num_nodes)
-    check_input_files(config)
+    check_input_files(config, resuming)
 
 
 # Where a run writes: training.train sets both to the run folder (run_location_args), which its resume, make eval and
@@ -428,7 +429,8 @@ def check_checkpoint_settings(config: Path, overrides: list[str] = (), run_confi
 
 
 class DistillCLI(LightningCLI):
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, resuming: bool = False, **kwargs):
+        self.resuming = resuming  # a --resume's launch (check_before_building); read as the parent parses
         # The optimizer and its schedule are the module's (configure_optimizers: AdamW, warm-up and cosine, set by
         # model.lr, model.betas, model.weight_decay, model.warmup_ratio, model.min_lr_ratio). Lightning's own
         # --optimizer made fit fail with a traceback, and its --lr_scheduler was recorded and never used.
@@ -454,7 +456,7 @@ class DistillCLI(LightningCLI):
         parser.link_arguments("model.target", "data.target", apply_on="parse")
 
     def before_instantiate_classes(self) -> None:
-        check_before_building(self.config)
+        check_before_building(self.config, self.resuming)
 
     def instantiate_trainer(self, **kwargs):
         # Lightning checks the rest of the trainer section (accelerator and strategy names, among others) as it

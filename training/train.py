@@ -62,6 +62,7 @@ answer_early(__name__, train_parser, check_train_args, overrides=True)
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from ddtree.configuration_dflash import DFlashDrafterConfig
 from ddtree.corpus import CORPUS_FILE, write_replies
 from ddtree.errors import DDTreeError, command, error_line
 from ddtree.files import files_an_export_would_lose, read_yaml_mapping, unwritable_as_error, write_text_atomic
@@ -69,7 +70,7 @@ from training.callbacks import AcceptanceEvaluation, SigtermAtStepBoundary
 from training.checkpoint_paths import (find_resume, is_deepspeed_checkpoint, newest_checkpoint, resume_point, run_checkpoints,
                                        saved_step, why_unreadable)
 from training.checkpoints import (AtomicCheckpointIO, check_resumable, deepspeed_client_state, newest_finite_checkpoint,
-                                  non_finite_tensors)
+                                  non_finite_tensors, saved_drafter_config)
 from training.data import DATA_RECORD, DistillDataModule, replies
 from training.export import export_drafter, run_corpus
 from training.feature_store import (build_feature_store, drafter_layer_ids, is_complete, resolve_store_path, store_seconds,
@@ -102,8 +103,9 @@ def run_location_args(run_dir: Path) -> list[str]:
             f"--checkpoint.dirpath={run_dir / 'checkpoints'}"]
 
 
-def build_cli(config: Path, run_dir: Path, overrides: list[str]) -> DistillCLI:
-    """Parse config + overrides into (model, datamodule, trainer) without running anything."""
+def build_cli(config: Path, run_dir: Path, overrides: list[str], checkpoint: Path | None = None) -> DistillCLI:
+    """Parse config + overrides into (model, datamodule, trainer) without running anything; `checkpoint`: the one
+    a --resume continues from."""
     check_checkpoint_settings(config, overrides, run_config=config == run_dir / "config.yaml")
     with recipe_errors(config), warnings.catch_warnings():
         # LightningCLI is handed its arguments here, so its warning that sys.argv holds some too is noise.
@@ -116,7 +118,12 @@ def build_cli(config: Path, run_dir: Path, overrides: list[str]) -> DistillCLI:
             parser_kwargs={"exit_on_error": False},
             args=["--config", config_arg(config, overrides), *run_location_args(run_dir), *parser_overrides(overrides)],
             run=False,
+            resuming=checkpoint is not None,
         )
+    if checkpoint is not None and cli.model.hparams.init_from:
+        # The checkpoint holds every drafter weight (LoRA's frozen base too): the drafter is built from its config
+        # (DistillModule.configure_model), as the warm start's folder may have moved or gone since the run started.
+        cli.model.resumed_drafter_config = saved_drafter_config(checkpoint)
     if cli.model.hparams.seed != cli.datamodule.seed:  # else Lightning stops at fit with a traceback
         raise DDTreeError(f"model.seed={cli.model.hparams.seed} and data.seed={cli.datamodule.seed} differ: Lightning "
                           "keeps one `seed` hyperparameter for both; give them the same value")
@@ -156,7 +163,10 @@ def build_missing_feature_store(cli: DistillCLI, recipe: str, overrides: list[st
     hp = cli.model.hparams
     final_hidden, teacher_top_k = store_teacher(hp.distill_weight, hp.distill_top_k)  # distillation's soft targets
     # The store is written in the dtype the target runs in during training: the same rule as DistillModule.
-    features = dict(layer_ids=drafter_layer_ids(hp.target_layer_ids, hp.init_from), target_adapter=hp.target_adapter,
+    resumed = cli.model.resumed_drafter_config  # a warm start's resume: the checkpoint's layers, its folder unread
+    layer_ids = (list(DFlashDrafterConfig.from_dict(resumed).target_layer_ids) if resumed is not None
+                 else drafter_layer_ids(hp.target_layer_ids, hp.init_from))
+    features = dict(layer_ids=layer_ids, target_adapter=hp.target_adapter,
                     dtype=dtype_for_precision(cli.config.trainer.precision, hp.target_dtype))
     store = resolve_store_path(cli.datamodule.feature_store, recipe, cli.datamodule, final_hidden, teacher_top_k,
                                **features)
@@ -500,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"[train] {run_dir} holds a run stopped before its first checkpoint: starting it again",
                           flush=True)
             created = fresh
-        cli = build_cli(config, run_dir, overrides)
+        cli = build_cli(config, run_dir, overrides, checkpoint)
         if checkpoint and is_deepspeed_checkpoint(checkpoint) and not is_deepspeed(cli.trainer.strategy):
             # Lightning would torch.load the folder: an IsADirectoryError traceback
             raise DDTreeError(f"--resume: {checkpoint} is a DeepSpeed checkpoint (a folder of per-rank shards) and this "

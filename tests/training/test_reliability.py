@@ -730,7 +730,7 @@ def stop_at_the_build(monkeypatch) -> list[Path]:
     """Launches that stop with one line where they would build the model: the run folders that got that far."""
     reached = []
 
-    def build_cli(config, run_dir, overrides):
+    def build_cli(config, run_dir, overrides, checkpoint=None):
         reached.append(run_dir)
         raise training.train.DDTreeError("stopped at the build")
 
@@ -865,6 +865,49 @@ def test_a_resume_keeps_the_runs_target_adapter_by_its_files(tmp_path, capsys):
         f"error: --resume: the checkpoint's run trained against target adapter {tmp_path / 'copy'} as its files were "
         "then, and they have changed since (retrained?): a resume keeps the run's target; put back the adapter it "
         "trained against, or start a new run"), lines
+
+
+def test_a_warm_started_lora_run_resumes_to_the_uninterrupted_weights_without_its_init_from_folder(tmp_path,
+                                                                                                   tiny_target,
+                                                                                                   monkeypatch):
+    """Its checkpoint holds every drafter weight, LoRA's frozen base too, yet a resume read model.init_from again: with
+    the folder moved or deleted it stopped, and its advice ("or null") was then refused for LoRA."""
+    from ddtree.modeling_dflash import DFlashDraftModel
+    from ddtree.targets import build_drafter_config
+
+    target, tokenizer = tiny_target
+    folder = tmp_path / "base"
+    torch.manual_seed(0)
+    DFlashDraftModel(build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=8,
+                                          target_layer_ids=[1, 3, 4])).save_pretrained(folder)
+    lora = [f"--model.init_from={folder}", "--model.lora_rank=4"]
+    assert train_main(tiny_args(tmp_path, "straight", max_steps=4) + lora) == 0
+
+    class StopAtStep2(Callback):  # not max_steps=2, which would give the cosine schedule another length
+        def on_train_batch_end(self, trainer, *args):
+            trainer.should_stop = trainer.global_step >= 2
+
+    build_cli = training.train.build_cli
+
+    def stopping_at_step_2(*args):
+        cli = build_cli(*args)
+        cli.trainer.callbacks.insert(0, StopAtStep2())
+        return cli
+
+    with monkeypatch.context() as patched:
+        patched.setattr(training.train, "build_cli", stopping_at_step_2)
+        assert train_main(tiny_args(tmp_path, "resumed", max_steps=4) + lora) == 0
+    shutil.rmtree(folder)
+    runs = tmp_path / "out" / "tiny"
+    assert torch.load(runs / "resumed" / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 2
+    assert train_main(["--output-root", str(tmp_path / "out"), "--resume", str(runs / "resumed"),
+                       "--trainer.enable_progress_bar=false"]) == 0
+    resumed, straight = (torch.load(runs / run / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+                         for run in ("resumed", "straight"))
+    assert torch.load(runs / "resumed" / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 4
+    assert resumed.keys() == straight.keys() and any("base_layer" in key for key in resumed)
+    for key, weight in straight.items():  # the frozen base as the adapters
+        assert torch.equal(resumed[key], weight), key
 
 
 def test_a_resume_refused_at_restore_leaves_config_yaml_as_it_was(tmp_path, capsys):

@@ -75,21 +75,35 @@ def adapter_fingerprint(adapter: str | None) -> str | None:
 def merge_target_adapter(target: PreTrainedModel, adapter: str, target_name: str,
                          field: str = "model.target_adapter") -> PreTrainedModel:
     """Load a PEFT adapter onto the frozen target (named `target_name` where it was given) and fold it into the
-    weights. An adapter made for another model (other shapes, modules the target lacks) is a DDTreeError naming both:
-    peft raised a RuntimeError of a dozen size-mismatch lines, or its own error class."""
-    from peft import PeftModel
+    weights. An adapter made for another model (other shapes, modules the target lacks, another depth) is a DDTreeError
+    naming both: peft raised a RuntimeError of a dozen size-mismatch lines, or its own error class."""
+    from peft import PeftConfig, PeftModel
 
     made_for = check_adapter_folder(adapter, field).get("base_model_name_or_path")
     try:
-        merged = PeftModel.from_pretrained(target, adapter).merge_and_unload()
+        # PeftModel.from_pretrained, keeping the load result it drops: it loads with strict=False, so the weights of
+        # layers the target lacks (an adapter made for a deeper model of its width) went without a word, and layers
+        # the adapter has no weights for (a shallower one's) stayed unadapted after a warning
+        config = PeftConfig.from_pretrained(adapter)
+        config.inference_mode = True
+        adapted = PeftModel(target, config)
+        loaded = adapted.load_adapter(adapter, "default")
     except (RuntimeError, ValueError, KeyError) as error:  # peft's own (NoMatchingPeftModuleError) are ValueErrors
         lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()] or [type(error).__name__]
         # "Error(s) in loading state_dict for PeftModel:" says nothing alone: with the first size mismatch under it
         cause = (f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]).rstrip(".")
+    else:
+        # named as in the adapter's file, without the name peft gives the loaded adapter
+        unused, lacking = ([key.replace(".default.", ".") for key in keys]
+                           for keys in (loaded.unexpected_keys, loaded.missing_keys))
+        cause = (f"{len(unused)} of its tensors match no module of the target (the first: {unused[0]})" if unused
+                 else f"it has no weights for {len(lacking)} adapter tensors the target takes (the first: {lacking[0]})"
+                 if lacking else None)
+    if cause:
         raise DDTreeError(f"{field}={adapter} does not fit target {target_name}"
                           f"{f' (it was made for {made_for})' if made_for else ''}: {cause}; give an adapter trained "
                           f"on {target_name}, or the target it was made for") from None
-    return merged.eval().requires_grad_(False)
+    return adapted.merge_and_unload().eval().requires_grad_(False)
 
 
 def add_drafter_lora(

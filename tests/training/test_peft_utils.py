@@ -25,11 +25,12 @@ def lora(model, path, modules=("q_proj",)):
 
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory):
-    """A fitting adapter, and three that do not fit tiny-random: made for a model of another hidden size, naming
-    modules it lacks, and a folder holding the config alone (a copy cut short)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A fitting adapter, and five that do not fit tiny-random: made for a model of another hidden size, for models of
+    its width but 12 and 3 layers (it has 6), naming modules it lacks, and a folder holding the config alone (a copy
+    cut short)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-    from ddtree.targets import load_target
+    from ddtree.targets import load_target, resolve_target
 
     folder = tmp_path_factory.mktemp("adapters")
     fits = lora(load_target("tiny-random")[0], folder / "fits")
@@ -37,19 +38,32 @@ def adapters(tmp_path_factory):
                                          num_attention_heads=2, num_key_value_heads=1, head_dim=16))
     other.name_or_path = "someone/other-llama"  # what the adapter's base_model_name_or_path records
     wrong_shape = lora(other, folder / "wrong_shape")
+    depth = {}
+    for layers in (12, 3):
+        config = AutoConfig.from_pretrained(resolve_target("tiny-random"))
+        config.num_hidden_layers = layers
+        model = AutoModelForCausalLM.from_config(config)
+        model.name_or_path = f"someone/llama-{layers}-layers"
+        depth[layers] = lora(model, folder / f"layers{layers}")
     missing_modules = lora(load_target("tiny-random")[0], folder / "missing_modules")
     config = json.loads((folder / "missing_modules" / "adapter_config.json").read_text())
     (folder / "missing_modules" / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["c_attn"]}))
     (folder / "no_weights").mkdir()
     shutil.copy(folder / "fits" / "adapter_config.json", folder / "no_weights")
-    return {"fits": fits, "wrong_shape": wrong_shape, "missing_modules": missing_modules,
-            "no_weights": str(folder / "no_weights")}
+    return {"fits": fits, "wrong_shape": wrong_shape, "deeper": depth[12], "shallower": depth[3],
+            "missing_modules": missing_modules, "no_weights": str(folder / "no_weights")}
 
 
 @pytest.mark.parametrize("kind, said", [
     ("wrong_shape", r"\(it was made for someone/other-llama\): Error\(s\) in loading state_dict for PeftModel: size "
                     r"mismatch for .*lora_A"),
     ("missing_modules", r"\(it was made for .*tiny-random\): Target modules \{'c_attn'\} not found"),
+    # peft loads an adapter's weights with strict=False: those of layers 6-11 were dropped without a word, and layers
+    # 3-5 left unadapted with a warning only, so training and data generation went on against a half-adapted target
+    ("deeper", r"\(it was made for someone/llama-12-layers\): 12 of its tensors match no module of the target "
+               r"\(the first: base_model\.model\.model\.layers\.([6-9]|1[01])\.self_attn\.q_proj\.lora_[AB]\.weight\)"),
+    ("shallower", r"\(it was made for someone/llama-3-layers\): it has no weights for 6 adapter tensors the target "
+                  r"takes \(the first: base_model\.model\.model\.layers\.3\.self_attn\.q_proj\.lora_A\.weight\)"),
 ])
 def test_an_adapter_made_for_another_model_is_one_line_naming_it_and_the_target(adapters, kind, said):
     adapter = adapters[kind]

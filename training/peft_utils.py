@@ -32,6 +32,12 @@ if TYPE_CHECKING:
 DEFAULT_LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # The weights file `save_pretrained` of a PeftModel writes beside adapter_config.json (safetensors, or torch's format).
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+# peft's adapter types that add virtual tokens or prefixes to the input rather than updates to weights, so there is
+# nothing to fold into the target (their PeftModel has no merge_and_unload; peft 0.21). Any other type merges.
+UNMERGEABLE_PEFT_TYPES = {"PROMPT_TUNING", "MULTITASK_PROMPT_TUNING", "P_TUNING", "PREFIX_TUNING", "ADAPTION_PROMPT",
+                          "CPT", "CARTRIDGE"}
+# What to give instead, in the errors that refuse one
+MERGEABLE = "give a weight adapter (LoRA, LoHa, LoKr, IA3, ...) trained on the target, or the adapted model saved whole"
 
 
 def check_adapter_folder(adapter: str, field: str = "model.target_adapter") -> dict:
@@ -53,6 +59,9 @@ def check_adapter_folder(adapter: str, field: str = "model.target_adapter") -> d
     if not isinstance(config, dict):
         raise DDTreeError(f"{field}={adapter}: {config_path.name} holds a JSON {type(config).__name__}, not a PEFT "
                           "adapter's settings; copy the whole folder `save_pretrained` wrote again")
+    if config.get("peft_type") in UNMERGEABLE_PEFT_TYPES:  # else an AttributeError traceback once the data was written
+        raise DDTreeError(f"{field}={adapter}: a {config['peft_type']} adapter, which cannot be merged into the "
+                          f"target's weights (it adds virtual tokens, not weight updates); {MERGEABLE}")
     return config
 
 
@@ -79,7 +88,8 @@ def merge_target_adapter(target: PreTrainedModel, adapter: str, target_name: str
     naming both: peft raised a RuntimeError of a dozen size-mismatch lines, or its own error class."""
     from peft import PeftConfig, PeftModel
 
-    made_for = check_adapter_folder(adapter, field).get("base_model_name_or_path")
+    settings = check_adapter_folder(adapter, field)
+    made_for = settings.get("base_model_name_or_path")
     try:
         # PeftModel.from_pretrained, keeping the load result it drops: it loads with strict=False, so the weights of
         # layers the target lacks (an adapter made for a deeper model of its width) went without a word, and layers
@@ -87,7 +97,11 @@ def merge_target_adapter(target: PreTrainedModel, adapter: str, target_name: str
         config = PeftConfig.from_pretrained(adapter)
         config.inference_mode = True
         adapted = PeftModel(target, config)
+        merge = adapted.merge_and_unload  # before the weights load: a prompt tuner's load result names them unused
         loaded = adapted.load_adapter(adapter, "default")
+    except AttributeError:  # no merge_and_unload: a type UNMERGEABLE_PEFT_TYPES does not list yet
+        raise DDTreeError(f"{field}={adapter}: a {settings.get('peft_type')} adapter, which cannot be merged into the "
+                          f"target's weights; {MERGEABLE}") from None
     except (RuntimeError, ValueError, KeyError) as error:  # peft's own (NoMatchingPeftModuleError) are ValueErrors
         lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()] or [type(error).__name__]
         # "Error(s) in loading state_dict for PeftModel:" says nothing alone: with the first size mismatch under it
@@ -103,7 +117,7 @@ def merge_target_adapter(target: PreTrainedModel, adapter: str, target_name: str
         raise DDTreeError(f"{field}={adapter} does not fit target {target_name}"
                           f"{f' (it was made for {made_for})' if made_for else ''}: {cause}; give an adapter trained "
                           f"on {target_name}, or the target it was made for") from None
-    return adapted.merge_and_unload().eval().requires_grad_(False)
+    return merge().eval().requires_grad_(False)
 
 
 def add_drafter_lora(

@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from ddtree.errors import DDTreeError
+from training import peft_utils
+from training.peft_utils import check_adapter_folder
 from training.target import load_frozen_target
 
 
@@ -25,9 +27,10 @@ def lora(model, path, modules=("q_proj",)):
 
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory):
-    """A fitting adapter, and five that do not fit tiny-random: made for a model of another hidden size, for models of
-    its width but 12 and 3 layers (it has 6), naming modules it lacks, and a folder holding the config alone (a copy
-    cut short)."""
+    """A fitting adapter, and six that do not fit tiny-random: made for a model of another hidden size, for models of
+    its width but 12 and 3 layers (it has 6), naming modules it lacks, a folder holding the config alone (a copy cut
+    short), and a prompt-tuning adapter (virtual tokens, no weight update to merge)."""
+    from peft import PromptTuningConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     from ddtree.targets import load_target, resolve_target
@@ -50,8 +53,11 @@ def adapters(tmp_path_factory):
     (folder / "missing_modules" / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["c_attn"]}))
     (folder / "no_weights").mkdir()
     shutil.copy(folder / "fits" / "adapter_config.json", folder / "no_weights")
+    prompt_tuning = PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    get_peft_model(load_target("tiny-random")[0], prompt_tuning).save_pretrained(folder / "prompt")
     return {"fits": fits, "wrong_shape": wrong_shape, "deeper": depth[12], "shallower": depth[3],
-            "missing_modules": missing_modules, "no_weights": str(folder / "no_weights")}
+            "missing_modules": missing_modules, "no_weights": str(folder / "no_weights"),
+            "prompt": str(folder / "prompt")}
 
 
 @pytest.mark.parametrize("kind, said", [
@@ -81,6 +87,21 @@ def test_an_adapter_folder_without_its_weights_says_so(adapters):
     with pytest.raises(DDTreeError, match=r"^model.target_adapter=.*no_weights: adapter_config.json is there but not "
                                           r"the adapter's weights \(adapter_model.safetensors or adapter_model.bin\)"):
         load_frozen_target("tiny-random", torch.float32, adapters["no_weights"])
+
+
+def test_an_adapter_that_cannot_be_merged_is_refused_by_the_folder_check(adapters, monkeypatch):
+    """A prompt-tuning adapter passed the folder check (config and weights are there) and the merge then failed with
+    an AttributeError traceback, after the recipe's data had been generated with the base target."""
+    said = (rf"^model.target_adapter={re.escape(adapters['prompt'])}: a PROMPT_TUNING adapter, which cannot be "
+            r"merged into the target's weights \(it adds virtual tokens, not weight updates\); give a weight adapter \(LoRA")
+    with pytest.raises(DDTreeError, match=said):
+        check_adapter_folder(adapters["prompt"])
+    # a type the folder check does not know: refused at the merge, in one line too
+    monkeypatch.setattr(peft_utils, "UNMERGEABLE_PEFT_TYPES", {})
+    check_adapter_folder(adapters["prompt"])
+    with pytest.raises(DDTreeError, match=rf"^model.target_adapter=.*prompt: a PROMPT_TUNING adapter, which cannot "
+                                          r"be merged into the target's weights; give a weight adapter \(LoRA"):
+        load_frozen_target("tiny-random", torch.float32, adapters["prompt"])
 
 
 def test_a_fitting_adapter_still_merges(adapters):

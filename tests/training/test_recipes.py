@@ -530,14 +530,22 @@ def test_a_data_path_under_a_local_folder_is_a_missing_folder_not_a_hub_dataset(
 @pytest.mark.parametrize("adapter, said", [
     ("adaptr", "no adapter_config.json there"),
     ("config_only", "adapter_config.json is there but not the adapter's weights"),
+    ("prompt", "a PROMPT_TUNING adapter, which cannot be merged into the target's weights"),
 ])
 def test_a_target_adapter_that_is_not_there_is_named_before_the_data_is_generated(tmp_path, monkeypatch, capsys,
                                                                                   adapter, said):
     """A misspelt model.target_adapter was found only as the target loaded, after data/regenerate.py had written the
-    recipe's data with it (hours, on a real target)."""
+    recipe's data with it (hours, on a real target); a prompt-tuning one then failed to merge with a traceback."""
+    from peft import PromptTuningConfig, get_peft_model
+
+    from ddtree.targets import load_target
+
     monkeypatch.setattr(training.train, "prepare_recipe_data", lambda *args, **kwargs: pytest.fail("went on to the data"))
     (tmp_path / "config_only").mkdir()
     (tmp_path / "config_only" / "adapter_config.json").write_text("{}")
+    if adapter == "prompt":
+        prompt_tuning = PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+        get_peft_model(load_target("tiny-random")[0], prompt_tuning).save_pretrained(tmp_path / "prompt")
     regenerate = '{"prompts": "data/prompts/train_prompts.jsonl", "limit": 3}'
     argv = ["--recipe", "tiny", f"--model.target_adapter={tmp_path / adapter}", f"--data.data_path={tmp_path / 'regen'}",
             f"--data.regenerate={regenerate}", "--output-root", str(tmp_path / "out")]

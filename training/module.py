@@ -234,6 +234,12 @@ class DistillModule(L.LightningModule):
             ("loss_chunk_size", loss_chunk_size, unset_or(loss_chunk_size, lambda v: v >= 1), "at least 1, or unset"),
             ("num_anchors", num_anchors, num_anchors >= 1, "at least 1"),
             ("lora_rank", lora_rank, lora_rank >= 0, "at least 0 (0 = no LoRA)"),
+            # the adapters' settings, where there are adapters: a recipe without LoRA is not refused for them.
+            # peft scales the adapters by alpha/rank, so alpha 0 trained nothing (every gradient 0)
+            ("lora_alpha", lora_alpha, lora_rank <= 0 or lora_alpha > 0, "above 0"),
+            ("lora_dropout", lora_dropout, lora_rank <= 0 or 0 <= lora_dropout < 1, "in [0, 1)"),
+            ("lora_target_modules", lora_target_modules, lora_rank <= 0 or unset_or(lora_target_modules, lambda v: len(v) >= 1),
+             "at least one module name, or unset (every attention and MLP projection)"),
             ("gamma", gamma, unset_or(gamma, lambda v: v > 0), "above 0, or unset (the published one for the block size)"),
             ("weight_decay", weight_decay, weight_decay >= 0, "at least 0"),
             ("warmup_ratio", warmup_ratio, 0 <= warmup_ratio < 1, "in [0, 1)"),

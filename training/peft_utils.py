@@ -123,9 +123,18 @@ def merge_target_adapter(target: PreTrainedModel, adapter: str, target_name: str
 def add_drafter_lora(
     drafter: PreTrainedModel, rank: int, alpha: float, dropout: float, target_modules: list[str]
 ) -> nn.Module:
-    """Wrap the drafter so only LoRA adapters on `target_modules` of its layers train."""
+    """Wrap the drafter so only LoRA adapters on `target_modules` of its layers train (each a Linear module's name, or
+    the end of its dotted path, as peft matches them; another is a DDTreeError listing the drafter's)."""
     from peft import LoraConfig, get_peft_model
+    from torch import nn
 
+    # checked here, not by peft: a typo was its NoMatchingPeftModuleError traceback, a norm its "is not supported"
+    linear = [name for name, module in drafter.named_modules() if isinstance(module, nn.Linear)]
+    for wanted in target_modules:
+        if not any(name == wanted or name.endswith(f".{wanted}") for name in linear):
+            names = ", ".join(sorted({name.rsplit(".", 1)[-1] for name in linear}))
+            raise DDTreeError(f"model.lora_target_modules={list(target_modules)}: {wanted} is no Linear module of the "
+                              f"drafter; give names among {names}, or leave it unset")
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules))
     return get_peft_model(drafter, config)
 

@@ -1043,6 +1043,28 @@ def test_lora_without_a_warm_start_is_refused():
         DistillModule(target="tiny-random", lora_rank=4)
 
 
+@pytest.mark.parametrize("setting, said", [
+    ({"lora_target_modules": ["nope"]}, r"model.lora_target_modules=\['nope'\]: nope is no Linear module of the "
+                                        r"drafter; give names among down_proj, fc, gate_proj, k_proj, o_proj, q_proj, "
+                                        r"up_proj, v_proj, or leave it unset"),  # peft's NoMatchingPeftModuleError
+    ({"lora_target_modules": ["norm"]}, r"model.lora_target_modules=\['norm'\]: norm is no Linear module"),  # peft's
+    #                                                                             "Target module ... is not supported"
+    ({"lora_target_modules": []}, r"model.lora_target_modules=\[\] must be at least one module name, or unset"),
+    ({"lora_dropout": 1.5}, r"model.lora_dropout=1.5 must be in \[0, 1\)"),  # a traceback from torch's Dropout
+    ({"lora_alpha": 0.0}, r"model.lora_alpha=0.0 must be above 0"),  # scale alpha/r 0: every gradient 0, no training
+    ({"lora_alpha": -8.0}, r"model.lora_alpha=-8.0 must be above 0"),
+])
+def test_a_lora_setting_that_cannot_train_is_refused_by_name(module, tmp_path, setting, said):
+    """A typo in the module names, or a dropout torch refuses, was a peft traceback once the target had loaded; alpha
+    0 trained nothing, and [] was read as the default modules."""
+    folder = export_drafter(module, tmp_path / "base")
+    with pytest.raises(DDTreeError, match=f"^{said}"):
+        tiny_module(init_from=str(folder), target_layer_ids=None, num_layers=None, block_size=None, lora_rank=4,
+                    **setting)
+    # a run without LoRA uses none of them: its defaults, or a recipe's leftovers, are no error
+    tiny_module(lora_rank=0, **setting)
+
+
 def test_a_warm_start_leaves_the_folders_calibrations_behind(module, tmp_path):
     """Learned for the folder's weights (model.replay_calibration's state, model.calibrate's per-depth temperatures):
     the evaluation and the export would decode the retrained drafter with them, and `ddtree generate` would call them

@@ -50,7 +50,7 @@ from .checkpoint_paths import ABANDONED_PREFIX, abandoned_branch, find_checkpoin
 from .checkpoints import Checkpoint, evaluation_state, load_checkpoint, recorded_evaluation
 from .data import DATA_RECORD
 from .export import run_corpus
-from .peft_utils import adapter_fingerprint
+from .peft_utils import adapter_fingerprint, check_adapter_folder
 from .report import tau_text
 from .target import dtype_for_precision, load_frozen_target
 
@@ -183,13 +183,26 @@ def main(argv: list[str] | None = None) -> int:
     dtype = dtype_for_precision(precision, hp.get("target_dtype", "auto"))
     evaluation.target_dtype = str(dtype).removeprefix("torch.")  # recorded, and compared with training's (logged_metrics)
     comparable = True  # where training measured with these settings too (logged_metrics)
-    adapter, adapter_files = hp.get("target_adapter"), adapter_fingerprint(hp.get("target_adapter"))
+    adapter = hp.get("target_adapter")
+    adapter_field = f"{path}'s model.target_adapter"  # the checkpoint's record, not an option of this command
+    if adapter and not Path(adapter).is_dir():
+        # kept as its launch gave it, and no option here gives it anew: not found is no sign of a retrained adapter
+        if Path(adapter).is_absolute():
+            raise DDTreeError(f"{path} was trained against target adapter {adapter} (its model.target_adapter), which "
+                              "is no folder now: put the adapter it trained against back there")
+        raise DDTreeError(f"{path} was trained against target adapter {adapter} (its model.target_adapter, a path "
+                          f"relative to the folder training was launched in), which is no folder from here "
+                          f"({Path.cwd()}): evaluate from that folder, where the path leads to the adapter")
+    if adapter:
+        check_adapter_folder(adapter, adapter_field)
+    adapter_files = adapter_fingerprint(adapter)
     if adapter and hp.get("target_adapter_sha256") not in (None, adapter_files):
         comparable = False  # training's target was another: the adapter as it was
         print(f"[eval] {path} was trained against target adapter {adapter} as its files were then, and they have "
               "changed since (retrained?): measuring against the adapter as it is now, so the result differs from "
               "training's", file=sys.stderr)
-    target, tokenizer = load_frozen_target(hp["target"], dtype, adapter, device=args.device)
+    target, tokenizer = load_frozen_target(hp["target"], dtype, adapter, device=args.device,
+                                           adapter_field=adapter_field)
     drafter = checkpoint.drafter.to(args.device)
     prompts = evaluation.prompts = evaluation.load_prompts(tokenizer)  # their fingerprint is compared (logged_metrics)
     run_dir = run_folder_of(path)

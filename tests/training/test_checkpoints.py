@@ -737,6 +737,45 @@ def test_make_eval_marks_a_target_adapter_retrained_since_as_not_comparable(save
     assert json.loads((tmp_path / "loose" / "eval" / "checkpoint-x-limit1.json").read_text())["logged"] is None
 
 
+def test_make_eval_of_a_target_adapter_not_found_from_here_says_so_and_where_to_run(saved, tmp_path, monkeypatch,
+                                                                                     capsys):
+    """The checkpoint keeps model.target_adapter as its launch gave it, relative to the folder training ran in: make
+    eval from another folder said the adapter's files "have changed since (retrained?)", and then failed on a
+    model.target_adapter the user had not given."""
+    from peft import LoraConfig, get_peft_model
+
+    from ddtree.targets import load_target
+    from training.peft_utils import adapter_fingerprint
+
+    launch = tmp_path / "launch"  # where training ran: its adapter and, through data/, the recipe's eval.prompts
+    config = LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False)
+    get_peft_model(load_target("tiny-random")[0], config).save_pretrained(launch / "adapters" / "lora")
+    (launch / "data").symlink_to(REPO_ROOT / "data")
+    path, _ = saved
+    measurement = {"prompts": "data/eval_prompts.jsonl", "limit": 1, "max_new_tokens": 16, "lookup": None,
+                   "redraft": None}
+    loose = loose_copy(path, tmp_path / "loose", measurement)
+    checkpoint = torch.load(loose, map_location="cpu", weights_only=False)
+    checkpoint["hyper_parameters"].update(target_adapter="adapters/lora",
+                                          target_adapter_sha256=adapter_fingerprint(launch / "adapters" / "lora"))
+    torch.save(checkpoint, loose)
+    evaluate = ["--recipe", "tiny", "--ckpt", str(loose), "--limit", "1"]
+
+    monkeypatch.chdir(tmp_path)
+    assert training.evaluate.main(evaluate) == 2
+    err = capsys.readouterr().err
+    assert "changed since" not in err and "[eval]" not in err
+    errors = [line for line in err.splitlines() if line.startswith("error")]
+    assert errors == [f"error: {loose} was trained against target adapter adapters/lora (its model.target_adapter, a "
+                      f"path relative to the folder training was launched in), which is no folder from here "
+                      f"({tmp_path}): evaluate from that folder, where the path leads to the adapter"], errors
+    monkeypatch.chdir(launch)  # as it says: the same adapter, so training's tau is shown beside the new one
+    assert training.evaluate.main(evaluate) == 0
+    printed = capsys.readouterr()
+    assert "[eval]" not in printed.err
+    assert next(line for line in printed.out.splitlines() if line.startswith("dflash ")).split()[2] == "1.500"
+
+
 def test_a_run_that_left_its_layer_ids_to_an_older_default_resumes_on_its_checkpoints_ids(tmp_path, capsys):
     """Before 2026-12-03 a target under 8 layers defaulted to the published spread with repeats ([1, 2, 2, 2, 3] on
     tiny's 6); such a run's config.yaml says null, today's default differs, and its resume was refused with advice

@@ -670,7 +670,7 @@ def test_step_time_spans_the_optimizer_step_and_not_the_evaluation_after_it(tmp_
     import csv
     import time
 
-    optimizer_seconds, evaluation_seconds = 0.2, 1.5
+    optimizer_seconds, evaluation_seconds = 0.2, 3.0
 
     class SlowStepAndEvaluation(L.Callback):
         stepped = evaluated = False
@@ -699,7 +699,9 @@ def test_step_time_spans_the_optimizer_step_and_not_the_evaluation_after_it(tmp_
     assert len(rows) == 5  # one per optimizer step
     seconds = [float(row["perf/step_s"]) for row in rows]
     assert min(seconds) >= optimizer_seconds, seconds  # the optimizer step is in it
-    assert max(seconds) - min(seconds) < evaluation_seconds / 2, seconds  # the evaluation is in none
+    # the evaluation is in none: each step took less than it alone (a tiny step, however loaded the machine; it
+    # compared max - min with half the sleep, which failed on a machine at a load of 8 on 2 cores)
+    assert max(seconds) < evaluation_seconds, seconds
     tokens = int(batch["attention_mask"].sum())  # per micro-batch
     for row, step_seconds in zip(rows, seconds):
         assert float(row["perf/target_tok_s"]) * step_seconds == pytest.approx(tokens, rel=1e-4)

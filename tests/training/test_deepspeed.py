@@ -1228,7 +1228,10 @@ def test_stopping_a_regeneration_launch_stops_its_shards(tmp_path, stop, status)
     fake_python.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k not in ("NODE_RANK", "CUDA_VISIBLE_DEVICES")} | {
         "PYTHON": str(fake_python), "GPUS_PER_NODE": "2"}
-    launcher = subprocess.Popen(["bash", str(LAUNCHER), "--regenerate", "1", "--out", "x"], cwd=REPO, env=env)
+    # SIGINT as a terminal leaves it: a suite started from a script's & inherits it ignored, and bash cannot trap a
+    # signal ignored on entry (the SIGINT case then failed, run in the background)
+    launcher = subprocess.Popen(["bash", str(LAUNCHER), "--regenerate", "1", "--out", "x"], cwd=REPO, env=env,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 20
     while len(started.read_text().split() if started.exists() else []) < 2 and time.time() < deadline:
         time.sleep(0.1)

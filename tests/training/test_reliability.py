@@ -1043,8 +1043,10 @@ def test_the_bench_command_printed_at_the_end_reproduces_the_logged_tau(tmp_path
     it now carries the run's eval settings, and run as printed it measures what the last evaluation logged."""
     from ddtree.cli import main as ddtree_main
 
+    # fp32 given: the tiny recipe's precision auto is bf16-mixed where this machine computes bf16 fast (an AVX512-BF16
+    # EPYC), and the command then names bfloat16, as it should
     args = [*tiny_args(tmp_path, "hint", max_steps=2), "--eval.budgets=[4,8]", "--eval.primary_budget=8",
-            "--eval.lookup=2", "--eval.packed_weights=off"]
+            "--eval.lookup=2", "--eval.packed_weights=off", "--trainer.precision=32-true"]
     assert train_main(args) == 0
     run_dir = tmp_path / "out" / "tiny" / "hint"
     said = re.search(r"\[train\] drafter written to (\S+): the last step's weights; `([^`]+)` measures them as the "

@@ -99,7 +99,7 @@ def test_an_adapter_that_cannot_be_merged_is_refused_by_the_folder_check(adapter
     # a type the folder check does not know: refused at the merge, in one line too
     monkeypatch.setattr(peft_utils, "UNMERGEABLE_PEFT_TYPES", {})
     check_adapter_folder(adapters["prompt"])
-    with pytest.raises(DDTreeError, match=rf"^model.target_adapter=.*prompt: a PROMPT_TUNING adapter, which cannot "
+    with pytest.raises(DDTreeError, match=r"^model.target_adapter=.*prompt: a PROMPT_TUNING adapter, which cannot "
                                           r"be merged into the target's weights; give a weight adapter \(LoRA"):
         load_frozen_target("tiny-random", torch.float32, adapters["prompt"])
 

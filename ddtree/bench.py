@@ -376,9 +376,10 @@ def format_tau(tau: float | None, width: int = 0) -> str:
     return f"{'-' if tau is None else f'{tau:.2f}':>{width}}"
 
 
-def format_summary(summary: dict, dtype: torch.dtype | None = None, temperature: float = 0.0) -> str:
-    """The results table; given the target's dtype and the temperature, the line of prompts equal to ar's says what a
-    difference means there (the table alone read as a losslessness failure: 4/6 in bf16 on an H200, 2026-12-04)."""
+def format_summary(summary: dict, dtype: torch.dtype | None = None) -> str:
+    """The results table; given the target's dtype, the line of prompts equal to ar's says what a difference means
+    there (the table alone read as a losslessness failure: 4/6 in bf16 on an H200, 2026-12-04). At T > 0 too: each
+    method draws its tokens from the target's rows with a generator seeded alike (docs/decoding.md)."""
     header = f"{'method':<12} {'tau':>6} {'exp.tau':>7} {'tokens':>7} {'tok/s':>8} {'speedup':>7} " \
              f"{'round ms':>9} {'draft':>7} {'verify':>7} {'other':>7} {'nodes':>6}"
     lines = [header, "-" * len(header)]
@@ -390,13 +391,13 @@ def format_summary(summary: dict, dtype: torch.dtype | None = None, temperature:
             f"{s['verify_ms']:>7.1f} {s['other_ms']:>7.2f} {s['tree_nodes']:>6.1f}"
         )
     same = {key: f"{s['same_as_ar']}/{s['prompts']}" for key, s in summary.items() if "same_as_ar" in s}
-    if same and temperature == 0:  # (at T > 0 each method samples its own tokens: equal only by chance)
+    if same:
         line = "prompts whose committed tokens equal ar's: " + ", ".join(f"{k} {v}" for k, v in same.items())
         if dtype is not None and any(s["same_as_ar"] < s["prompts"] for s in summary.values() if "same_as_ar" in s):
             line += (" (fp32 decoding is exact, so a difference there is a bug: please report it)"
                      if dtype == torch.float32 else
                      f" ({str(dtype).removeprefix('torch.')} rounds a many-row verify and a one-token step differently, "
-                     "so a near tie between the target's top two tokens can go the other way; fp32 is exact: "
+                     "so a token chosen at a near tie can go the other way; fp32 is exact: "
                      "docs/decoding.md)")
         lines.append(line)
     learned = {key: s["online_temperature"] for key, s in summary.items() if "online_temperature" in s}

@@ -179,6 +179,9 @@ class TextStream:
 
 def cmd_generate(args) -> None:
     check_text(args.prompt, "--prompt")  # said before the target loads, not by the tokenizer after
+    if args.raw and not args.prompt:  # no token to predict from: else refused once the target had loaded
+        raise DDTreeError("--prompt is empty, and with --raw no chat template adds tokens to it: give the text the "
+                          "target continues from")
     check_calibration_flag(args, [args.method])
     check_flags_for_methods(args, [args.method])
     sampling, target, tokenizer, files = _setup(args, trees=args.method == "ddtree")
@@ -354,7 +357,7 @@ class InputFiles(NamedTuple):
 def check_input_files(args) -> InputFiles:
     """The files named on the command line, read or checked before the target loads (which takes seconds and memory):
     the drafter folder's config.json, the prompts, --corpus and --calibration."""
-    if uses_drafter(args) and args.drafter != "random":
+    if getattr(args, "drafter", "random") != "random":  # given: checked under `ar` alone too (check_input_paths)
         read_drafter_config(Path(args.drafter))
     prompts = corpus = None
     if getattr(args, "prompts", None) is not None:
@@ -466,7 +469,7 @@ def cmd_bench(args) -> None:
         settings["verify_cost_ms"] = {"fixed": sizer.fixed_ms, "per_row": sizer.row_ms}  # what --adaptive-size used
     results = {"settings": settings, "machine": describe_machine(target.device), **results}
     print(describe_target(args, target))
-    print(format_summary(results["summary"], target.dtype, sampling.temperature))
+    print(format_summary(results["summary"], target.dtype))
     if args.out:
         out = Path(args.out)
         if out.exists() and not args.overwrite:  # absent at the start: another run, started beside this one, wrote it

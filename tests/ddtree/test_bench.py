@@ -210,20 +210,19 @@ def test_a_method_whose_prompts_ran_no_round_has_no_tau(tiny_target):
     assert generate(target, [5, 6, 7, 8], "ar", max_new_tokens=1).tau is None
 
 
-def test_the_line_of_prompts_equal_to_ars_says_what_a_difference_means_at_the_dtype_and_temperature():
-    """4/6 in bf16 on an H200 read as a losslessness failure: in bf16 a near tie can flip, in fp32 it is a bug; at
-    T > 0 each method samples its own tokens, so the line is left out."""
+def test_the_line_of_prompts_equal_to_ars_says_what_a_difference_means_at_the_dtype():
+    """4/6 in bf16 on an H200 read as a losslessness failure: in bf16 a near tie can flip, in fp32 it is a bug (at
+    T > 0 too, where every method draws ar's tokens from a generator seeded alike)."""
     row = dict(tau=1.5, expected_tau=1.6, new_tokens=60, tokens_per_s=10.0, round_ms=1.0, draft_ms=0.1, verify_ms=0.8,
                other_ms=0.1, tree_nodes=4.0)
     summary = {"ar": dict(row, tau=1.0), "ddtree@4": dict(row, same_as_ar=4, prompts=6)}
 
-    def equal_line(dtype, temperature=0.0):
-        lines = [x for x in format_summary(summary, dtype, temperature).splitlines() if "equal ar's" in x]
+    def equal_line(dtype):
+        lines = [x for x in format_summary(summary, dtype).splitlines() if "equal ar's" in x]
         return lines[0] if lines else None
 
     assert "near tie" in equal_line(torch.bfloat16) and "bfloat16" in equal_line(torch.bfloat16)
     assert "is a bug" in equal_line(torch.float32)
-    assert equal_line(torch.bfloat16, temperature=0.7) is None
     summary["ddtree@4"]["same_as_ar"] = 6
     assert equal_line(torch.bfloat16) == "prompts whose committed tokens equal ar's: ddtree@4 6/6"
 

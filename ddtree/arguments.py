@@ -94,7 +94,8 @@ def _add_common(parser: argparse.ArgumentParser, learns: bool = False) -> None:
                         help="at most this many new tokens a reply (default: %(default)s)")
     parser.add_argument("--seed", type=_seed, default=0,
                         help=f"random seed of the sampling{'' if learns else ', and of --drafter random weights'} "
-                             "(default: 0)")
+                             "(default: 0). In bf16 a verify's logits depend on its row count, which --adaptive-size "
+                             "times on this machine: a run repeats its tokens exactly in fp32 or with --adaptive-size off")
     parser.add_argument("--static-cache", choices=STATIC_CACHE, default="auto",
                         help="the target's KV cache: static (one verify shape, a CUDA graph on a GPU) or dynamic; "
                              "auto = static on CUDA only")

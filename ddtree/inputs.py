@@ -49,7 +49,9 @@ def check_prompts_file(path: str | Path) -> Path:
 def check_input_paths(args: argparse.Namespace) -> None:
     """The drafter folder the command decodes with holds a config.json, and its prompts file exists: the two paths
     every run names. (--corpus and --calibration are checked with the other flags that shape trees, in cli.py.)"""
-    if uses_drafter(args) and args.drafter != "random":
+    # given, it is checked whatever the methods: under `ar` alone a mistyped path went without a word, and showed only
+    # on the next dflash or ddtree run of the same command
+    if getattr(args, "drafter", "random") != "random":
         check_drafter_path(Path(args.drafter))
     if getattr(args, "prompts", None) is not None:
         check_prompts_file(args.prompts)

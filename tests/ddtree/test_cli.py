@@ -303,11 +303,6 @@ def test_prompt_longer_than_context(capsys, tmp_path):
     assert "'long'" in line and "context is 2048" in line
 
 
-def test_an_empty_raw_prompt_is_one_line(capsys):
-    line = _bad(capsys, "generate", "--target", TARGET, "--method", "ar", "--raw", "--prompt", "")
-    assert "the prompt is empty" in line
-
-
 @pytest.mark.parametrize("command, flags, file, message", [
     # Python reads a command-line argument's bytes that are not UTF-8 (b"caf\xe9", latin-1) as lone surrogates
     ("generate", ["--prompt", "caf\udce9"], None, "error: --prompt: not valid UTF-8 text (a lone surrogate, U+DCE9, "
@@ -1038,6 +1033,14 @@ def test_a_results_file_written_by_another_run_meanwhile_is_kept_and_this_runs_r
      "ddtree, or drop them"),
     ("generate", ["--prompt", "hi", "--method", "ar", "--redraft", "2"],
      "error: --redraft act on the drafter's drafts, and --method ar drafts none"),
+    # a mistyped drafter path went without a word under `ar`, and showed only on the next dflash or ddtree run
+    ("generate", ["--prompt", "hi", "--method", "ar", "--drafter", "/does/not/exist"],
+     "error: drafter '/does/not/exist' is not a folder with a config.json"),
+    ("bench", ["--prompts", "{prompts}", "--methods", "ar", "--drafter", "{tmp}/nope"],
+     "error: drafter '{tmp}/nope' is not a folder with a config.json"),
+    # an empty raw prompt was refused once the target had loaded, naming the API's prompt_ids
+    ("generate", ["--prompt", "", "--raw", "--method", "ar"],
+     "error: --prompt is empty, and with --raw no chat template adds tokens to it"),
     ("generate", ["--prompt", "hi", "--method", "ar", "--corpus", "{prompts}"],
      "error: --corpus shape the ddtree method's trees, and --method ar runs no ddtree: give --method ddtree, or drop "
      "them"),

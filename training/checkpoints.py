@@ -244,13 +244,6 @@ def check_resumable(path: Path) -> dict:
     return saved
 
 
-def saved_drafter_config(checkpoint: Path) -> dict | None:
-    """The drafter config a checkpoint saved (DistillModule.on_save_checkpoint), its weights left on disk: from a
-    DeepSpeed folder's client state, or a .ckpt file's (check_resumable refuses one without)."""
-    saved = deepspeed_client_state(checkpoint) if is_deepspeed_checkpoint(checkpoint) else check_resumable(checkpoint)
-    return saved.get("drafter_config")
-
-
 def non_finite_tensors(drafter: torch.nn.Module) -> int:
     """How many of the drafter's parameter tensors hold a NaN or an infinity (one wait on the device for all).
 

@@ -70,7 +70,7 @@ from training.callbacks import AcceptanceEvaluation, SigtermAtStepBoundary
 from training.checkpoint_paths import (find_resume, is_deepspeed_checkpoint, newest_checkpoint, resume_point, run_checkpoints,
                                        saved_step, why_unreadable)
 from training.checkpoints import (AtomicCheckpointIO, check_resumable, deepspeed_client_state, newest_finite_checkpoint,
-                                  non_finite_tensors, saved_drafter_config)
+                                  non_finite_tensors)
 from training.data import DATA_RECORD, DistillDataModule, replies
 from training.export import export_drafter, run_corpus
 from training.feature_store import (build_feature_store, drafter_layer_ids, is_complete, resolve_store_path, store_seconds,
@@ -103,9 +103,10 @@ def run_location_args(run_dir: Path) -> list[str]:
             f"--checkpoint.dirpath={run_dir / 'checkpoints'}"]
 
 
-def build_cli(config: Path, run_dir: Path, overrides: list[str], checkpoint: Path | None = None) -> DistillCLI:
+def build_cli(config: Path, run_dir: Path, overrides: list[str], checkpoint: Path | None = None,
+              saved: dict | None = None) -> DistillCLI:
     """Parse config + overrides into (model, datamodule, trainer) without running anything; `checkpoint`: the one
-    a --resume continues from."""
+    a --resume continues from, `saved` that .ckpt file as main already read it (None: a DeepSpeed folder)."""
     check_checkpoint_settings(config, overrides, run_config=config == run_dir / "config.yaml")
     with recipe_errors(config), warnings.catch_warnings():
         # LightningCLI is handed its arguments here, so its warning that sys.argv holds some too is noise.
@@ -123,7 +124,8 @@ def build_cli(config: Path, run_dir: Path, overrides: list[str], checkpoint: Pat
     if checkpoint is not None and cli.model.hparams.init_from:
         # The checkpoint holds every drafter weight (LoRA's frozen base too): the drafter is built from its config
         # (DistillModule.configure_model), as the warm start's folder may have moved or gone since the run started.
-        cli.model.resumed_drafter_config = saved_drafter_config(checkpoint)
+        saved = saved if saved is not None else deepspeed_client_state(checkpoint)
+        cli.model.resumed_drafter_config = saved.get("drafter_config")
     if cli.model.hparams.seed != cli.datamodule.seed:  # else Lightning stops at fit with a traceback
         raise DDTreeError(f"model.seed={cli.model.hparams.seed} and data.seed={cli.datamodule.seed} differ: Lightning "
                           "keeps one `seed` hyperparameter for both; give them the same value")
@@ -482,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     held = contextlib.ExitStack()  # the run folder's lock (hold_run_folder), released as main returns
     cli = created = None  # created: set once a fresh run's folder is this launch's, for remove_unstarted_run
     try:
-        checkpoint = None
+        checkpoint = saved = None
         if args.resume is not None:  # an empty one too: find_resume refuses it
             checkpoint, run_dir = find_resume(args.resume, Path(args.output_root) / (args.recipe or DEFAULT_RECIPE))
             args.recipe = run_recipe(run_dir, args.recipe)
@@ -490,7 +492,8 @@ def main(argv: list[str] | None = None) -> int:
             if is_first_process():
                 held.enter_context(hold_run_folder(run_dir))
             if not is_deepspeed_checkpoint(checkpoint):  # (after the lock: a run still training rewrites config.yaml)
-                overrides += run_layer_ids(check_resumable(checkpoint), config, overrides)
+                saved = check_resumable(checkpoint)  # read once: build_cli takes a warm start's drafter config from it
+                overrides += run_layer_ids(saved, config, overrides)
         else:
             args.recipe = args.recipe or DEFAULT_RECIPE
             config = recipe_path(args.recipe)
@@ -510,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"[train] {run_dir} holds a run stopped before its first checkpoint: starting it again",
                           flush=True)
             created = fresh
-        cli = build_cli(config, run_dir, overrides, checkpoint)
+        cli = build_cli(config, run_dir, overrides, checkpoint, saved)
         if checkpoint and is_deepspeed_checkpoint(checkpoint) and not is_deepspeed(cli.trainer.strategy):
             # Lightning would torch.load the folder: an IsADirectoryError traceback
             raise DDTreeError(f"--resume: {checkpoint} is a DeepSpeed checkpoint (a folder of per-rank shards) and this "

@@ -730,7 +730,7 @@ def stop_at_the_build(monkeypatch) -> list[Path]:
     """Launches that stop with one line where they would build the model: the run folders that got that far."""
     reached = []
 
-    def build_cli(config, run_dir, overrides, checkpoint=None):
+    def build_cli(config, run_dir, overrides, checkpoint=None, saved=None):
         reached.append(run_dir)
         raise training.train.DDTreeError("stopped at the build")
 

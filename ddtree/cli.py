@@ -34,47 +34,20 @@ from .bench import (
 from .calibration import (CALIBRATION_FILE, learning_from, load_calibration, note_in_card, save_calibration,
                           weights_fingerprint)
 from .corpus import CORPUS_FILE, CorpusLookup, read_corpus
-from .drafters import load_drafter_folder, read_drafter_config
+from .drafters import read_drafter_config
+from .decoder import (folder_corpus, load_drafter, measured_sizer, parse_device, read_calibration,  # noqa: F401
+                      say_on_stderr)  # (load_drafter, parse_device: importers read them from here too)
 from .decoding import (
-    METHODS, DrafterRunner, OnlineCalibration, Sampling, check_budget, check_sizer, context_limit, drafter_defaults, generate,
-    static_cache,
+    METHODS, DrafterRunner, OnlineCalibration, Sampling, check_budget, context_limit, drafter_defaults, generate,
 )
 from .errors import DDTreeError, check_text, command
 from .files import check_output_file, write_json_atomic
 from .inputs import method_list, uses_drafter
 from .machine import describe_machine, machine_line
-from .modeling_dflash import DFlashDraftModel
 from .packed_linear import apply_packing, cannot_pack, is_packed, pack_linears, packing_available
 from .precision import resolve_dtype
 from .sizing import TreeSizer
-from .targets import build_drafter_config, load_target, stop_token_ids
-
-
-def load_drafter(
-    spec: str, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, target_name: str, seed: int = 0
-) -> DFlashDraftModel:
-    """`random` (an untrained drafter shaped for the target) or a drafter folder, checked against the target."""
-    if spec == "random":
-        torch.manual_seed(seed)
-        drafter = DFlashDraftModel(build_drafter_config(target, tokenizer, target_name))
-        return drafter.to(device=target.device, dtype=target.dtype).eval()
-    drafter = load_drafter_folder(Path(spec), target.dtype, target=target)
-    return drafter.to(target.device).eval()
-
-
-def parse_device(name: str, where: str = "--device") -> torch.device:
-    """A torch device by name, one that exists on this machine; `where` names the flag in the error."""
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise DDTreeError(f"{where} {name!r} is not a device name; give cpu, cuda or cuda:N") from None
-    if device.type not in ("cpu", "cuda"):  # mps, xpu, meta...: else a torch error once the target had loaded
-        raise DDTreeError(f"{where} {name}: this code runs on a CPU or a CUDA GPU only; give {where} cpu, cuda or cuda:N")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise DDTreeError(f"{where} {name}: this machine has no CUDA GPU that torch can use; give {where} cpu")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise DDTreeError(f"{where} {name}: this machine has {torch.cuda.device_count()} CUDA GPU(s), numbered from 0")
-    return device
+from .targets import load_target, stop_token_ids
 
 
 def _load_target(args):
@@ -116,13 +89,8 @@ def describe_target(args, target: PreTrainedModel) -> str:
 
 def _sizer(args, target, budgets: list[int], method: str = "ddtree") -> TreeSizer | None:
     """With --adaptive-size on (auto: the dynamic cache), the verify cost measured here (printed to stderr); else None."""
-    static = static_cache(STATIC_CACHE[args.static_cache], target.device)
-    if args.adaptive_size == "off" or (args.adaptive_size == "auto" and (static or method != "ddtree")):
-        return None
-    check_sizer(method, True, static)
-    sizer = TreeSizer.measure(target, max_rows=max(budgets) + 1)
-    print(f"[adaptive size] {sizer.describe()} (measured up to {max(budgets) + 1} rows)", file=sys.stderr)
-    return sizer
+    return measured_sizer(args.adaptive_size, STATIC_CACHE[args.static_cache], target, max(budgets), method,
+                          say_on_stderr)
 
 
 BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # a byte-fallback tokenizer's byte piece
@@ -293,14 +261,9 @@ def _drafter_runner(args, target: PreTrainedModel, tokenizer: PreTrainedTokenize
     drafter = load_drafter(args.drafter, target, tokenizer, args.target, args.seed)
     if is_packed(target):  # --packed-weights packed the target: the drafter's own layers too
         pack_linears(drafter.requires_grad_(False))
-    shipped = None if args.drafter == "random" else Path(args.drafter) / CORPUS_FILE
     corpus = None
-    if shipped is not None and shipped.is_file() and args.corpus is None:  # an explicit --corpus replaces it
-        started = time.perf_counter()
-        corpus = CorpusLookup.from_file(shipped).check_runs()
-        corpus.check_tokenizer(tokenizer)
-        print(f"[corpus] the drafter's {shipped.name}: {len(corpus)} runs of {corpus.ngram} tokens in "
-              f"{time.perf_counter() - started:.1f} s (--corpus none leaves it out)", file=sys.stderr)
+    if args.drafter != "random" and args.corpus is None:  # an explicit --corpus replaces it
+        corpus = folder_corpus(Path(args.drafter), tokenizer, say_on_stderr, "--corpus none")
     calibration = _calibration(args)
     runner = DrafterRunner(drafter, target, corpus=corpus, calibration=calibration)
     if runner.calibration_from_config:
@@ -381,15 +344,8 @@ def _calibration(args) -> OnlineCalibration | None | bool:
         path = None if args.drafter == "random" else Path(args.drafter) / CALIBRATION_FILE
         if path is None or not path.is_file():
             return None
-    calibration = load_calibration(path)
-    print(f"[calibration] {path}: draft temperature {calibration.describe()}"
-          f"{' (--calibration none leaves it out)' if given is None else ''}", file=sys.stderr)
-    if (args.drafter != "random" and calibration.weights is not None  # (a file written before it kept them: no read)
-            and calibration.weights != weights_fingerprint(Path(args.drafter))):
-        print(f"[calibration] note: {path} was learned on other weights than {args.drafter} holds now: its expected tau "
-              "and tree order are another drafter's; run `ddtree calibrate --overwrite` on this one, or decode with "
-              "--calibration none", file=sys.stderr)
-    return calibration
+    return read_calibration(path, None if args.drafter == "random" else args.drafter, say_on_stderr,
+                            "--calibration none", own=given is None)
 
 
 def check_out_is_no_input(args) -> None:

@@ -1,0 +1,266 @@
+"""Decoding from Python: a target and its drafter loaded once, as `ddtree generate` loads them, and prompts decoded
+with its defaults.
+
+    from ddtree import Decoder
+
+    decoder = Decoder("smollm2-135m", drafter="outputs/smollm2-135m/<run>/drafter")
+    reply = decoder.generate("Write a haiku about caches", max_new_tokens=64)
+    print(reply.text, reply.tau, reply.tokens_per_second)
+
+Unless told otherwise it decodes as the command does: with the drafter folder's corpus (corpus.safetensors: corpus
+lookup) and calibration (calibration.json, else the calibration its config holds); dtype auto (bf16 where this machine
+computes it fast); on a CPU, packed weights where they measure faster and trees sized to the verify cost measured at
+load (adaptive size, which leaves re-drafting off); the chat template around a text prompt. Whatever the drafter, the
+committed tokens are the target's own: its greedy tokens at temperature 0, its sampling distribution above.
+
+Each keyword is the `ddtree generate` flag of the same name (docs/decoding.md); bad values raise DDTreeError (a
+ValueError) naming the keyword. What was chosen (the dtype, the corpus, the calibration, the tree sizing) is said on
+stderr as the command says it; quiet=True keeps it silent.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from .arguments import ADAPTIVE_SIZE, STATIC_CACHE
+from .bench import chat_prompt_ids
+from .calibration import CALIBRATION_FILE, OnlineCalibration, learning_from, load_calibration, weights_fingerprint
+from .corpus import CORPUS_FILE, CorpusLookup, read_corpus
+from .decoding import (DrafterRunner, GenerationResult, Sampling, check_budget, check_sizer, generate, static_cache,
+                       whole_number)
+from .drafters import load_drafter_folder, read_drafter_config
+from .errors import DDTreeError, check_text
+from .modeling_dflash import DFlashDraftModel
+from .names import METHODS
+from .packed_linear import apply_packing, is_packed, pack_linears
+from .precision import resolve_dtype
+from .sizing import TreeSizer
+from .targets import build_drafter_config, load_target, stop_token_ids
+
+Say = Callable[[str], None]
+
+
+def say_on_stderr(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+def load_drafter(
+    spec: str, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, target_name: str, seed: int = 0
+) -> DFlashDraftModel:
+    """`random` (an untrained drafter shaped for the target) or a drafter folder, checked against the target."""
+    if spec == "random":
+        torch.manual_seed(seed)
+        drafter = DFlashDraftModel(build_drafter_config(target, tokenizer, target_name))
+        return drafter.to(device=target.device, dtype=target.dtype).eval()
+    drafter = load_drafter_folder(Path(spec), target.dtype, target=target)
+    return drafter.to(target.device).eval()
+
+
+def parse_device(name: str, where: str = "--device") -> torch.device:
+    """A torch device by name, one that exists on this machine; `where` names the flag in the error."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise DDTreeError(f"{where} {name!r} is not a device name; give cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):  # mps, xpu, meta...: else a torch error once the target had loaded
+        raise DDTreeError(f"{where} {name}: this code runs on a CPU or a CUDA GPU only; give {where} cpu, cuda or cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise DDTreeError(f"{where} {name}: this machine has no CUDA GPU that torch can use; give {where} cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise DDTreeError(f"{where} {name}: this machine has {torch.cuda.device_count()} CUDA GPU(s), numbered from 0")
+    return device
+
+
+def folder_corpus(folder: Path, tokenizer: PreTrainedTokenizerBase, say: Say, leave_out: str) -> CorpusLookup | None:
+    """The corpus a drafter folder ships (corpus.safetensors), checked against the target's tokenizer; None where it
+    ships none. `leave_out` says how the caller decodes without it (`--corpus none`)."""
+    shipped = Path(folder) / CORPUS_FILE
+    if not shipped.is_file():
+        return None
+    started = time.perf_counter()
+    corpus = CorpusLookup.from_file(shipped).check_runs()
+    corpus.check_tokenizer(tokenizer)
+    say(f"[corpus] the drafter's {shipped.name}: {len(corpus)} runs of {corpus.ngram} tokens in "
+        f"{time.perf_counter() - started:.1f} s ({leave_out} leaves it out)")
+    return corpus
+
+
+def read_calibration(path: Path, drafter: str | None, say: Say, leave_out: str, own: bool) -> OnlineCalibration:
+    """A calibration file, said on stderr, with a note where it was learned on other weights than the drafter folder
+    holds now. `leave_out` says how the caller decodes without it (`--calibration none`); `own`: the folder's file,
+    not one given."""
+    calibration = load_calibration(path)
+    say(f"[calibration] {path}: draft temperature {calibration.describe()}{f' ({leave_out} leaves it out)' if own else ''}")
+    if (drafter is not None and calibration.weights is not None  # (a file written before it kept them: no read)
+            and calibration.weights != weights_fingerprint(Path(drafter))):
+        say(f"[calibration] note: {path} was learned on other weights than {drafter} holds now: its expected tau "
+            f"and tree order are another drafter's; run `ddtree calibrate --overwrite` on this one, or decode with "
+            f"{leave_out}")
+    return calibration
+
+
+def measured_sizer(adaptive_size: str, static: bool | None, target: PreTrainedModel, max_budget: int, method: str,
+                   say: Say) -> TreeSizer | None:
+    """Adaptive size on (auto: the dynamic cache, ddtree only): the verify cost measured here and said; else None."""
+    static = static_cache(static, target.device)
+    if adaptive_size == "off" or (adaptive_size == "auto" and (static or method != "ddtree")):
+        return None
+    check_sizer(method, True, static)
+    sizer = TreeSizer.measure(target, max_rows=max_budget + 1)
+    say(f"[adaptive size] {sizer.describe()} (measured up to {max_budget + 1} rows)")
+    return sizer
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One prompt's reply: its text, its token ids and the decoding's record (rounds, timings)."""
+
+    text: str
+    token_ids: list[int]
+    prompt_ids: list[int]
+    result: GenerationResult
+
+    @property
+    def tau(self) -> float | None:
+        """Committed tokens per verify round; None where no round ran."""
+        return self.result.tau
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.result.tokens_per_second
+
+
+def _choice(value, choices, where: str) -> str:
+    if value not in choices:
+        raise DDTreeError(f"{where}={value!r}: choose one of {', '.join(map(repr, choices))}")
+    return value
+
+
+class Decoder:
+    """A target, optionally a drafter, and what `ddtree generate` decodes with, loaded once for many prompts.
+
+    target: a built-in name (smollm2-135m), a local Hugging Face folder or a Hub id. drafter: a drafter folder,
+    "random" (an untrained drafter, for smoke tests) or None (plain decoding only). corpus: None = the one the drafter
+    folder ships, False = none, or a file (a JSONL of conversations, or a corpus.safetensors). calibration: None = the
+    folder's calibration.json, else its config's; False = neither; or a file `ddtree calibrate` wrote. budget: the
+    ddtree node budget, which the adaptive size is measured for.
+    """
+
+    def __init__(
+        self, target: str = "smollm2-135m", drafter: str | Path | None = None, *, dtype: str = "auto",
+        device: str | None = None, packed_weights: str = "auto", corpus: str | Path | bool | None = None,
+        calibration: str | Path | bool | None = None, budget: int = 32, adaptive_size: str = "auto",
+        static_cache: str = "auto", seed: int = 0, quiet: bool = False,
+    ):
+        say = (lambda line: None) if quiet else say_on_stderr
+        # Everything checked and every file read before the target loads (seconds, and memory)
+        self.budget = whole_number(budget)
+        if self.budget is None or self.budget < 1:
+            raise DDTreeError(f"budget={budget!r}: give a whole number of tree nodes, at least 1 (published: 32)")
+        self.adaptive_size = _choice(adaptive_size, ADAPTIVE_SIZE, "adaptive_size")
+        self.static = STATIC_CACHE[_choice(static_cache, tuple(STATIC_CACHE), "static_cache")]
+        self.drafter_path = None if drafter in (None, "random") else str(drafter)
+        if self.drafter_path is not None:
+            read_drafter_config(Path(self.drafter_path))
+        if drafter is None and (corpus not in (None, False) or calibration not in (None, False)):
+            raise DDTreeError("corpus and calibration shape a drafter's trees, and no drafter was given: give drafter=")
+        read = None if corpus in (None, False, True) else read_corpus(str(corpus))
+        given_calibration = None
+        if calibration not in (None, False, True):
+            if not Path(calibration).is_file():
+                raise DDTreeError(f"calibration={str(calibration)!r}: no such file; give a file `ddtree calibrate` "
+                                  "wrote, None (the drafter folder's) or False")
+            given_calibration = Path(calibration)
+        device = parse_device(device, "device") if device is not None else torch.device(
+            "cuda" if torch.cuda.is_available() else "cpu")
+
+        chosen, reason = resolve_dtype(dtype, device, "dtype")
+        if reason:
+            say(reason)
+        self.target, self.tokenizer = load_target(target, chosen, device)
+        _, reason = apply_packing(packed_weights, self.target, "packed_weights")
+        if reason:
+            say(reason)
+        check_budget(self.budget, self.target)
+        self.stop_ids = stop_token_ids(self.target, self.tokenizer)
+
+        self.drafter: DrafterRunner | None = None
+        self.corpus: CorpusLookup | bool | None = False if corpus is False else None
+        self.sizer: TreeSizer | None = None
+        if drafter is None:
+            return
+        model = load_drafter(str(drafter), self.target, self.tokenizer, target, seed)
+        if is_packed(self.target):  # the drafter's own layers too
+            pack_linears(model.requires_grad_(False))
+        shipped = None
+        if self.drafter_path is not None and corpus in (None, True):
+            shipped = folder_corpus(Path(self.drafter_path), self.tokenizer, say, "corpus=False")
+        if read is not None:
+            self.corpus = read if isinstance(read, CorpusLookup) else CorpusLookup.from_text(
+                read, self.tokenizer, source=f"corpus={corpus}").check_runs()
+            self.corpus.check_tokenizer(self.tokenizer)
+            say(f"[corpus] {len(self.corpus)} runs of {self.corpus.ngram} tokens from {corpus}")
+        if calibration is False:
+            loaded = False
+        elif given_calibration is not None:
+            loaded = read_calibration(given_calibration, self.drafter_path, say, "calibration=False", own=False)
+        elif self.drafter_path is not None and (Path(self.drafter_path) / CALIBRATION_FILE).is_file():
+            loaded = read_calibration(Path(self.drafter_path) / CALIBRATION_FILE, self.drafter_path, say,
+                                      "calibration=False", own=True)
+        else:
+            loaded = None
+        self.drafter = DrafterRunner(model, self.target, corpus=shipped, calibration=loaded)
+        if self.drafter.calibration_from_config:
+            say(f"[calibration] the drafter's config (replayed on its validation replies): draft temperature "
+                f"{self.drafter.default_calibration.describe()} (calibration=False leaves it out)")
+        self.sizer = measured_sizer(self.adaptive_size, self.static, self.target, self.budget, "ddtree", say)
+
+    def prompt_ids(self, prompt: str | list[int], chat: bool = True) -> list[int]:
+        """A text prompt as token ids: a user message under the target's chat template, or with chat=False the text
+        itself; token ids are taken as they are."""
+        if not isinstance(prompt, str):
+            return list(prompt)
+        check_text(prompt, "prompt")
+        if not chat:
+            if not prompt:
+                raise DDTreeError("prompt is empty, and with chat=False no chat template adds tokens to it: give the "
+                                  "text the target continues from")
+            return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        return chat_prompt_ids(self.tokenizer, [{"role": "user", "content": prompt}], "prompt",
+                               "give chat=False to use the prompt as raw text")
+
+    def generate(
+        self, prompt: str | list[int], *, method: str | None = None, max_new_tokens: int = 256, chat: bool = True,
+        temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0, lookup: int | None = None,
+        redraft: int | None = None, online_calibration: bool = False,
+        on_tokens: Callable[[list[int]], None] | None = None,
+    ) -> Reply:
+        """Decode one prompt (text, or token ids) with `method` (default: ddtree with a drafter, else ar) and return
+        its Reply. on_tokens is called with each round's committed token ids as they are committed."""
+        method = method or ("ar" if self.drafter is None else "ddtree")
+        if method not in METHODS:
+            raise DDTreeError(f"unknown method {method!r}: choose from {', '.join(METHODS)}")
+        if method != "ar" and self.drafter is None:
+            raise DDTreeError(f"method={method!r} drafts with a drafter, and this Decoder has none: give drafter= "
+                              "when building it, or method='ar'")
+        if online_calibration and method == "ar":
+            raise DDTreeError("online_calibration learns from a drafter's drafts, and method 'ar' drafts none: give "
+                              "method 'dflash' or 'ddtree', or drop it")
+        sampling = Sampling(temperature, top_p, top_k)
+        ids = self.prompt_ids(prompt, chat)
+        generator = torch.Generator(device=self.target.device).manual_seed(seed)
+        online = learning_from(self.drafter.default_calibration) if online_calibration and self.drafter else None
+        result = generate(
+            self.target, ids, method, self.drafter, self.budget, max_new_tokens, self.stop_ids, sampling, generator,
+            self.static, online, lookup, self.sizer if method == "ddtree" else None, redraft,
+            self.corpus if method == "ddtree" else None, on_tokens=on_tokens,
+        )
+        text = self.tokenizer.decode(result.new_tokens, skip_special_tokens=True)
+        return Reply(text, list(result.new_tokens), ids, result)

@@ -1,0 +1,148 @@
+"""ddtree.Decoder, decoding from Python: it decodes as `ddtree generate` does (the drafter folder's corpus and
+calibration, the chat template, the stop tokens), commits the target's own tokens, and refuses bad keywords in one
+line naming them."""
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ddtree import Decoder, Reply
+from ddtree.calibration import CALIBRATION_FILE, OnlineCalibration, save_calibration
+from ddtree.cli import main
+from ddtree.corpus import CORPUS_FILE, write_replies
+from ddtree.errors import DDTreeError
+from ddtree.modeling_dflash import DFlashDraftModel
+from ddtree.targets import build_drafter_config
+
+TARGET = "tiny-random"
+PROMPT = "Name two prime numbers."
+SETTINGS = dict(dtype="float32", packed_weights="off", adaptive_size="off", budget=8)  # exact, and alike each run
+
+
+@pytest.fixture
+def drafter_folder(tmp_path, tiny_target):
+    target, tokenizer = tiny_target
+    torch.manual_seed(0)
+    folder = tmp_path / "drafter"
+    DFlashDraftModel(build_drafter_config(target, tokenizer, TARGET, num_layers=1)).save_pretrained(folder)
+    return folder
+
+
+def test_it_decodes_with_the_folders_corpus_as_the_command_does(capsys, tiny_target, drafter_folder):
+    """The folder's corpus.safetensors is grafted by default, as `ddtree generate` grafts it: here the corpus holds the
+    target's own greedy reply, which an untrained drafter would never guess, so it is what accepts drafts. The
+    Python user who built a DrafterRunner by hand decoded without it (left alone in an earlier review)."""
+    plain = Decoder(TARGET, **SETTINGS, quiet=True)
+    ar = plain.generate(PROMPT, max_new_tokens=40)
+    assert isinstance(ar, Reply) and ar.result.rounds[0].tree_size == 0  # no drafter: plain decoding
+    write_replies(drafter_folder / CORPUS_FILE, [ar.token_ids] * 3, tiny_target[1])
+
+    decoder = Decoder(TARGET, drafter_folder, **SETTINGS)
+    assert "[corpus] the drafter's corpus.safetensors: " in capsys.readouterr().err
+    reply = decoder.generate(PROMPT, max_new_tokens=40, lookup=0)
+    without = Decoder(TARGET, drafter_folder, **SETTINGS, corpus=False, quiet=True).generate(
+        PROMPT, max_new_tokens=40, lookup=0)
+    assert reply.token_ids == without.token_ids == ar.token_ids  # lossless, whatever the drafts
+    assert reply.tau > without.tau + 1, (reply.tau, without.tau)  # the corpus grafted the reply
+    assert reply.text == tiny_target[1].decode(ar.token_ids, skip_special_tokens=True)
+
+    code = main(["generate", "--target", TARGET, "--drafter", str(drafter_folder), "--prompt", PROMPT, "--no-stream",
+                 "--max-new-tokens", "40", "--lookup", "0", "--budget", "8", "--dtype", "float32",
+                 "--packed-weights", "off", "--adaptive-size", "off"])
+    out, err = capsys.readouterr()
+    assert code == 0 and out == reply.text + "\n"
+    assert f"tau {reply.tau:.2f}" in err, err  # the same rounds
+
+
+def test_it_decodes_with_the_folders_calibration(capsys, tiny_target, drafter_folder):
+    """calibration.json in the folder shapes and prices the trees (the expected tau), unless calibration=False."""
+    calibration = OnlineCalibration()
+    calibration.log_temperatures = {None: math.log(3.0), 8: math.log(3.0)}  # much warmer than the raw logits
+    save_calibration(drafter_folder / CALIBRATION_FILE, calibration, {})
+    decoder = Decoder(TARGET, drafter_folder, **SETTINGS)
+    assert f"[calibration] {drafter_folder / CALIBRATION_FILE}: draft temperature" in capsys.readouterr().err
+    raw = Decoder(TARGET, drafter_folder, **SETTINGS, calibration=False, quiet=True)
+    assert raw.drafter.default_calibration is None
+    for method in ("dflash", "ddtree"):
+        calibrated, plain = (d.generate(PROMPT, method=method, max_new_tokens=24) for d in (decoder, raw))
+        assert calibrated.token_ids == plain.token_ids
+        expected = [sum(r.expected for r in reply.result.rounds) / len(reply.result.rounds)
+                    for reply in (calibrated, plain)]
+        assert expected[0] != pytest.approx(expected[1], abs=1e-6), (method, expected)
+
+
+def test_sampled_replies_follow_the_seed(tiny_target, drafter_folder):
+    decoder = Decoder(TARGET, drafter_folder, **SETTINGS, quiet=True)
+    first, again, other = (decoder.generate(PROMPT, max_new_tokens=16, temperature=1.0, seed=seed)
+                           for seed in (3, 3, 4))
+    assert first.token_ids == again.token_ids != other.token_ids
+    ar = decoder.generate(PROMPT, method="ar", max_new_tokens=16, temperature=1.0, seed=3)
+    assert ar.token_ids == first.token_ids  # the same draws of the target's distribution (docs/decoding.md)
+
+
+def test_token_ids_and_raw_text_prompts(tiny_target):
+    decoder = Decoder(TARGET, **SETTINGS, quiet=True)
+    ids = tiny_target[1]("def square(x):", add_special_tokens=False)["input_ids"]
+    raw = decoder.generate("def square(x):", chat=False, max_new_tokens=8)
+    assert raw.prompt_ids == ids and decoder.generate(ids, max_new_tokens=8).token_ids == raw.token_ids
+    assert decoder.generate("def square(x):", max_new_tokens=8).prompt_ids != ids  # the chat template around it
+
+
+@pytest.mark.parametrize("keywords, named", [
+    (dict(budget=0), "budget=0: give a whole number of tree nodes, at least 1"),
+    (dict(budget=2.5), "budget=2.5: give a whole number"),
+    (dict(adaptive_size="yes"), "adaptive_size='yes': choose one of 'auto', 'on', 'off'"),
+    (dict(static_cache=True), "static_cache=True: choose one of 'auto', 'on', 'off'"),
+    (dict(corpus="replies.jsonl"), "corpus and calibration shape a drafter's trees, and no drafter was given"),
+    (dict(drafter="no/such/folder"), "no/such/folder"),
+    (dict(drafter="random", calibration="no-such.json"), "calibration='no-such.json': no such file"),
+    (dict(device="tpu"), "device 'tpu' is not a device name"),
+])
+def test_bad_keywords_are_one_line_before_the_target_loads(monkeypatch, keywords, named):
+    monkeypatch.setattr("ddtree.decoder.load_target", lambda *args, **kwargs: pytest.fail("loaded the target first"))
+    with pytest.raises(DDTreeError, match=None) as raised:
+        Decoder(TARGET, **{"quiet": True, **keywords})
+    assert named in str(raised.value) and "\n" not in str(raised.value), str(raised.value)
+
+
+def test_bad_generate_keywords_are_one_line(tiny_target):
+    plain = Decoder(TARGET, **SETTINGS, quiet=True)
+    for keywords, named in ((dict(method="ddtree"), "method='ddtree' drafts with a drafter, and this Decoder has none"),
+                            (dict(method="beam"), "unknown method 'beam'"),
+                            (dict(temperature=-1), "temperature -1 must be a finite number >= 0"),
+                            (dict(max_new_tokens=-1), "max_new_tokens -1 must be a whole number >= 0"),
+                            (dict(chat=False, prompt=""), "prompt is empty, and with chat=False")):
+        prompt = keywords.pop("prompt", PROMPT)
+        with pytest.raises(DDTreeError) as raised:
+            plain.generate(prompt, **keywords)
+        assert named in str(raised.value), str(raised.value)
+    drafting = Decoder(TARGET, "random", **SETTINGS, quiet=True)
+    with pytest.raises(DDTreeError, match="online_calibration learns from a drafter's drafts"):
+        drafting.generate(PROMPT, method="ar", online_calibration=True)
+
+
+def test_importing_ddtree_loads_no_torch():
+    """The `ddtree` command answers --help before torch loads; the package's names load it when first named."""
+    code = ("import sys, ddtree; assert 'torch' not in sys.modules, 'torch on import'; ddtree.Decoder; "
+            "assert 'torch' in sys.modules; print(ddtree.Reply.__name__)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "Reply", done.stderr
+
+
+def test_the_docs_example_runs(tiny_target, drafter_folder):
+    """docs/decoding.md's From Python example, as written, with the tiny target and a tiny drafter folder."""
+    from pathlib import Path
+
+    docs = (Path(__file__).parents[2] / "docs" / "decoding.md").read_text()
+    section = docs.split("## From Python")[1].split("\n## ")[0]
+    example = section.split("```python\n")[1].split("```")[0]
+    named = 'Decoder("smollm2-135m", drafter="outputs/smollm2-135m/<run>/drafter")'
+    assert named in example
+    example = example.replace(named, f"Decoder({TARGET!r}, drafter={str(drafter_folder)!r}, quiet=True)")
+    example = example.replace("print(", "shown = (")
+    namespace = {}
+    exec(compile(example, "docs/decoding.md", "exec"), namespace)  # noqa: S102 (the project's own docs)
+    assert isinstance(namespace["reply"], Reply) and namespace["reply"].token_ids

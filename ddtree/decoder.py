@@ -192,6 +192,7 @@ class Decoder:
         self.stop_ids = stop_token_ids(self.target, self.tokenizer)
 
         self.drafter: DrafterRunner | None = None
+        self._online: OnlineCalibration | None = None  # generate(online_calibration=True)'s, kept across prompts
         self.corpus: CorpusLookup | bool | None = False if corpus is False else None
         self.sizer: TreeSizer | None = None
         if drafter is None:
@@ -243,7 +244,9 @@ class Decoder:
         on_tokens: Callable[[list[int]], None] | None = None,
     ) -> Reply:
         """Decode one prompt (text, or token ids) with `method` (default: ddtree with a drafter, else ar) and return
-        its Reply. on_tokens is called with each round's committed token ids as they are committed."""
+        its Reply. on_tokens is called with each round's committed token ids as they are committed.
+        online_calibration: learn the draft temperature from the verified rounds, starting from the drafter's
+        calibration, and go on learning over this Decoder's later prompts that ask for it too."""
         method = method or ("ar" if self.drafter is None else "ddtree")
         if method not in METHODS:
             raise DDTreeError(f"unknown method {method!r}: choose from {', '.join(METHODS)}")
@@ -256,7 +259,9 @@ class Decoder:
         sampling = Sampling(temperature, top_p, top_k)
         ids = self.prompt_ids(prompt, chat)
         generator = torch.Generator(device=self.target.device).manual_seed(seed)
-        online = learning_from(self.drafter.default_calibration) if online_calibration and self.drafter else None
+        online = None
+        if online_calibration:  # one learner for the Decoder's life: each prompt goes on from what the last taught
+            online = self._online = self._online or learning_from(self.drafter.default_calibration)
         result = generate(
             self.target, ids, method, self.drafter, self.budget, max_new_tokens, self.stop_ids, sampling, generator,
             self.static, online, lookup, self.sizer if method == "ddtree" else None, redraft,

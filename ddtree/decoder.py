@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -33,8 +34,8 @@ from .arguments import ADAPTIVE_SIZE, STATIC_CACHE
 from .bench import chat_prompt_ids
 from .calibration import CALIBRATION_FILE, OnlineCalibration, learning_from, load_calibration, weights_fingerprint
 from .corpus import CORPUS_FILE, CorpusLookup, read_corpus
-from .decoding import (DrafterRunner, GenerationResult, Sampling, check_budget, check_sizer, generate, static_cache,
-                       whole_number)
+from .decoding import (DrafterRunner, GenerationResult, Sampling, check_budget, check_sizer, generate,
+                       prompt_token_ids, static_cache, whole_number)
 from .drafters import load_drafter_folder, read_drafter_config
 from .errors import DDTreeError, check_text
 from .modeling_dflash import DFlashDraftModel
@@ -223,19 +224,31 @@ class Decoder:
                 f"{self.drafter.default_calibration.describe()} (calibration=False leaves it out)")
         self.sizer = measured_sizer(self.adaptive_size, self.static, self.target, self.budget, "ddtree", say)
 
-    def prompt_ids(self, prompt: str | list[int], chat: bool = True) -> list[int]:
-        """A text prompt as token ids: a user message under the target's chat template, or with chat=False the text
-        itself; token ids are taken as they are."""
-        if not isinstance(prompt, str):
-            return list(prompt)
-        check_text(prompt, "prompt")
-        if not chat:
-            if not prompt:
-                raise DDTreeError("prompt is empty, and with chat=False no chat template adds tokens to it: give the "
-                                  "text the target continues from")
-            return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        return chat_prompt_ids(self.tokenizer, [{"role": "user", "content": prompt}], "prompt",
-                               "give chat=False to use the prompt as raw text")
+    def prompt_ids(self, prompt: str | list[int] | list[dict], chat: bool = True) -> list[int]:
+        """A prompt as token ids: text as a user message under the target's chat template (with chat=False, the text
+        itself); a list of {"role", "content"} messages (a system prompt, earlier turns) under the template; token ids
+        (or a tokenizer's encoding) as they are."""
+        if isinstance(prompt, str):
+            check_text(prompt, "prompt")
+            if not chat:
+                if not prompt:
+                    raise DDTreeError("prompt is empty, and with chat=False no chat template adds tokens to it: give "
+                                      "the text the target continues from")
+                return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            return chat_prompt_ids(self.tokenizer, [{"role": "user", "content": prompt}], "prompt",
+                                   "give chat=False to use the prompt as raw text")
+        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(message, Mapping) for message in prompt):
+            if not chat:
+                raise DDTreeError("prompt is a list of messages, which only a chat template renders: drop chat=False, "
+                                  "or give text or token ids")
+            for number, message in enumerate(prompt, 1):
+                if not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
+                    raise DDTreeError(f"prompt message {number} is not a {{\"role\": ..., \"content\": ...}} pair "
+                                      f"of strings: {str(dict(message))[:80]}")
+                check_text(message["content"], f"prompt message {number}")
+            return chat_prompt_ids(self.tokenizer, [dict(message) for message in prompt], "prompt",
+                                   "give text or token ids")
+        return prompt_token_ids(prompt, "prompt")
 
     def generate(
         self, prompt: str | list[int], *, method: str | None = None, max_new_tokens: int = 256, chat: bool = True,

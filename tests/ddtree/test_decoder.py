@@ -160,3 +160,23 @@ def test_online_calibration_goes_on_learning_across_prompts(tiny_target, drafter
     assert decoder._online.log_temperatures not in (learned, alone._online.log_temperatures)  # went on from there
     assert first.token_ids == decoder.generate(PROMPT, method="ar", max_new_tokens=24).token_ids
     assert second.token_ids == decoder.generate("def square(x):", chat=False, method="ar", max_new_tokens=24).token_ids
+
+
+def test_messages_with_a_system_prompt(tiny_target):
+    """A list of messages (a system prompt, earlier turns) is rendered by the chat template, as bench renders a
+    prompts file's {"messages"}; it was taken for token ids, and the error named prompt_ids (found in a review)."""
+    from ddtree.bench import chat_prompt_ids
+
+    decoder = Decoder(TARGET, **SETTINGS, quiet=True)
+    messages = [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": PROMPT}]
+    reply = decoder.generate(messages, max_new_tokens=8)
+    assert reply.prompt_ids == chat_prompt_ids(tiny_target[1], messages, "test", "")
+    assert reply.prompt_ids != decoder.generate(PROMPT, max_new_tokens=8).prompt_ids  # the system prompt is in it
+    for bad, named in (([{"role": "user"}], "prompt message 1 is not a"),
+                       ([{"role": "user", "content": "Hi"}, 7], "prompt must be token ids"),
+                       ({"text": "Hi"}, 'prompt is a mapping without "input_ids"')):
+        with pytest.raises(DDTreeError) as raised:
+            decoder.generate(bad)
+        assert named in str(raised.value), str(raised.value)
+    with pytest.raises(DDTreeError, match="prompt is a list of messages, which only a chat template renders"):
+        decoder.generate(messages, chat=False)

@@ -402,13 +402,17 @@ def tokenize_conversations(tokenizer, records: list[dict], max_length: int, min_
     one without is rendered from its text (render_with_loss_mask; a last answer cut short, render_unfinished). One
     the loss mask cannot follow (the template rewrote a reply, or its response_ids do not decode to its reply: an
     edited text, or a "length" record without an assistant turn last) is skipped and counted as
-    "unaligned", with one warning naming the first (its id, file and line or row); if every one is, the template or
-    the data as a whole is the problem, and the first one's error is raised.
+    "unaligned"; if every one is, the template or the data as a whole is the problem, and the first one's error is
+    raised. What was dropped or cut is one warning, with the counts by reason and the first unaligned one (its id,
+    file and line or row): a run shows warnings only, and a long prompt's reply cut away by max_length went unsaid.
     """
     eot = end_of_turn_text(tokenizer)
+    # reply_truncated: of too_few_supervised, those that had enough before max_length cut them (truncation keeps the
+    # beginning, so a prompt longer than max_length loses its reply)
     kept, counts = [], {"conversations": len(records), "no_assistant": 0, "unaligned": 0, "too_few_supervised": 0,
-                        "truncated": 0}
+                        "reply_truncated": 0, "truncated": 0}
     first_unaligned = None  # (the record's id and where it is, its error)
+    cut_kept = 0  # kept, shortened to max_length
     for record in records:
         try:
             if record.get("response_ids") is not None:
@@ -427,28 +431,43 @@ def tokenize_conversations(tokenizer, records: list[dict], max_length: int, min_
             continue
         if record.get("finish_reason") == "length" and record.get("response_ids") is not None:
             input_ids, loss_mask = input_ids[:-1], loss_mask[:-1]  # the end-of-turn token render_generated appends
-        if len(input_ids) > max_length:
+        enough_whole, cut = sum(loss_mask) >= min_supervised_tokens, len(input_ids) > max_length
+        if cut:
             counts["truncated"] += 1
             input_ids, loss_mask = input_ids[:max_length], loss_mask[:max_length]
         if sum(loss_mask) < min_supervised_tokens:
             counts["too_few_supervised"] += 1
+            counts["reply_truncated"] += enough_whole
             continue
+        cut_kept += cut
         kept.append({"input_ids": input_ids, "loss_mask": loss_mask})
     counts["kept"] = len(kept)
     log.info("tokenized %s: %s", source, counts)
-    if first_unaligned:
+    if first_unaligned and counts["unaligned"] == len(records):
         named, error = first_unaligned
-        if counts["unaligned"] == len(records):
-            raise DDTreeError(f"{source}: no conversation could be rendered with its loss mask; the first, "
-                              f"{named}: {error}") from None
-        log.warning("%s: skipped %d of %d conversations the loss mask cannot follow; the first, %s: %s",
-                    source, counts["unaligned"], len(records), named, error)
+        raise DDTreeError(f"{source}: no conversation could be rendered with its loss mask; the first, "
+                          f"{named}: {error}") from None
+    too_few = (f"fewer than {min_supervised_tokens} supervised tokens within max_length {max_length}"
+               + (f" ({counts['reply_truncated']} of them because truncation cut their reply)"
+                  if counts["reply_truncated"] else ""))
     if not kept:
         hint = (" (no assistant turns at all: this looks like a prompt file; generate responses with "
                 "data/regenerate.py first)") if counts["no_assistant"] == len(records) else ""
         raise DDTreeError(
             f"{source}: none of {len(records)} conversations is usable: {counts['no_assistant']} have no assistant "
             f"tokens, {counts['unaligned']} a render the loss mask cannot follow, {counts['too_few_supervised']} "
-            f"fewer than {min_supervised_tokens} supervised tokens within max_length {max_length}{hint}"
+            f"{too_few}{hint}"
         )
+    reasons = [f"{counts['no_assistant']} with no assistant turn" if counts["no_assistant"] else "",
+               f"{counts['too_few_supervised']} with {too_few}" if counts["too_few_supervised"] else "",
+               f"{counts['unaligned']} whose render the loss mask cannot follow (the first, {first_unaligned[0]}: "
+               f"{first_unaligned[1]})" if first_unaligned else ""]
+    if any(reasons) or cut_kept:
+        settings = [name for name, count in (("raise data.max_length", counts["truncated"]),
+                                             ("lower data.min_supervised_tokens", counts["too_few_supervised"]))
+                    if count]
+        log.warning("%s: kept %d of %d conversations%s%s%s", source, len(kept), len(records),
+                    "; dropped " + ", ".join(reason for reason in reasons if reason) if any(reasons) else "",
+                    f"; {cut_kept} kept were cut to max_length {max_length}" if cut_kept else "",
+                    f"; {' or '.join(settings)} to keep more" if settings else "")
     return kept, counts

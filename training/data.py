@@ -439,6 +439,7 @@ class DistillDataModule(L.LightningDataModule):
         self.val_set: TokenizedConversations | None = None
         self.pad_id = 0
         self.data_digest: str | None = None  # the tokenized data's (set in setup; a resume must find the same)
+        self.tokenized_counts: dict | None = None  # what the tokenization kept, dropped and cut, by reason (setup)
         self._alike: dict[Path, tuple[bool, bool]] = {}  # tokenized_alike's answers: (same ids, same ids and masks)
 
     def load_tokenizer(self):
@@ -474,10 +475,8 @@ class DistillDataModule(L.LightningDataModule):
             raise DDTreeError(f"cannot write the tokenized cache {self.cache_dir} ({why}): "
                               f"{self.move_cache('a writable folder')}")
         records = read_conversations(self.data_path)
+        # (what it dropped or cut, and why, is tokenize_conversations' one warning; record() keeps the counts)
         examples, counts = tokenize_conversations(tokenizer, records, self.max_length, self.min_supervised_tokens, self.data_path)
-        if counts["truncated"]:
-            log.warning("%d of %d conversations were truncated to max_length %d",
-                        counts["truncated"], counts["conversations"], self.max_length)
         data = TokenizedConversations.from_examples(examples)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         try:
@@ -546,6 +545,8 @@ class DistillDataModule(L.LightningDataModule):
             path.unlink(missing_ok=True)
             self.prepare_data()
             cached = torch.load(path, weights_only=True)
+        # tokenize_conversations' counts, for data.json: its warning was said once, when the cache was written
+        self.tokenized_counts = cached.get("counts")
         return TokenizedConversations(cached["input_ids"], cached["loss_mask"], cached["offsets"]), cached["pad_id"], path.stem
 
     def setup(self, stage: str | None = None) -> None:
@@ -584,9 +585,12 @@ class DistillDataModule(L.LightningDataModule):
 
     def record(self) -> dict:
         """What this run trained and validated on, for <run>/data.json: a time-boxed feature store holds part of the
-        training split, so two runs of one recipe may draw from different shares."""
+        training split, so two runs of one recipe may draw from different shares; and how many of the data's
+        conversations the tokenization kept, dropped (no assistant turn, too few supervised tokens within max_length,
+        a render the loss mask cannot follow) and cut (tokenize_conversations), which a cached launch does not say."""
         return {"train_sequences": len(self.train_set), "train_split_sequences": len(self.train_split),
-                "val_sequences": len(self.val_set), "feature_store": self.feature_store}
+                "val_sequences": len(self.val_set), "feature_store": self.feature_store,
+                "tokenization": self.tokenized_counts}
 
     def state_dict(self) -> dict:
         return {"data_digest": self.data_digest} if self.data_digest else {}

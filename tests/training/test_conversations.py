@@ -361,12 +361,39 @@ def test_tokenize_conversations_counts_and_skips(smol_tokenizer, caplog):
     ]
     with caplog.at_level("INFO"):
         kept, counts = tokenize_conversations(smol_tokenizer, records, max_length=120, min_supervised_tokens=4)
-    assert counts == {"conversations": 4, "no_assistant": 1, "unaligned": 0, "too_few_supervised": 1, "truncated": 1,
-                      "kept": 2}
+    assert counts == {"conversations": 4, "no_assistant": 1, "unaligned": 0, "too_few_supervised": 1,
+                      "reply_truncated": 0, "truncated": 1, "kept": 2}
     assert [len(k["input_ids"]) for k in kept][1] == 120
     assert "'truncated': 1" in caplog.text
     with pytest.raises(DDTreeError, match="looks like a prompt file"):
         tokenize_conversations(smol_tokenizer, [records[1], records[1]], 120, 4)
+
+
+def test_what_tokenization_drops_is_one_warning_naming_each_reason_and_the_settings(smol_tokenizer, caplog):
+    """A run shows warnings only, and the only one said "1 of 4 conversations were truncated": it reads as kept, but
+    right-truncation had cut away the whole reply of a long prompt, and that one, a prompt-only line and a short reply
+    were dropped without a word (found in a review: 60 of 120 conversations)."""
+    question, reply = CONVERSATION[0], {"role": "assistant", "content": "Four, since two and two make four."}
+    records = [
+        {"messages": [question, reply]},  # kept
+        {"messages": [question]},  # no assistant turn
+        {"messages": [question, {"role": "assistant", "content": "4."}]},  # a reply under min_supervised_tokens
+        {"messages": [{"role": "user", "content": "word " * 200}, reply]},  # a long prompt: its reply cut away
+        {"messages": [question, {"role": "assistant", "content": "word " * 200}]},  # a long reply: cut, kept
+    ]
+    with caplog.at_level("WARNING"):
+        kept, counts = tokenize_conversations(smol_tokenizer, records, max_length=120, min_supervised_tokens=4,
+                                              source="mine.jsonl")
+    assert len(kept) == 2 and counts["reply_truncated"] == 1 and counts["truncated"] == 2
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warning == ("mine.jsonl: kept 2 of 5 conversations; dropped 1 with no assistant turn, 2 with fewer than 4 "
+                       "supervised tokens within max_length 120 (1 of them because truncation cut their reply); 1 kept "
+                       "were cut to max_length 120; raise data.max_length or lower data.min_supervised_tokens to keep "
+                       "more")
+    caplog.clear()
+    with caplog.at_level("WARNING"):  # nothing dropped nor cut: nothing to say
+        tokenize_conversations(smol_tokenizer, records[:1], max_length=120, min_supervised_tokens=4)
+    assert not caplog.records
 
 
 def test_a_target_without_a_chat_template_is_one_line_naming_it(smol_folder):
@@ -398,7 +425,8 @@ def test_a_conversation_the_loss_mask_cannot_follow_is_skipped_and_counted_unles
         kept, counts = tokenize_conversations(tokenizer, [plain, rewritten, rewritten], 500, 1, "colours.jsonl")
     assert len(kept) == 1 and counts["unaligned"] == 2 and counts["kept"] == 1
     (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert "colours.jsonl: skipped 2 of 3 conversations" in warning and "'rewritten'" in warning
+    assert warning.startswith("colours.jsonl: kept 1 of 3 conversations; dropped 2 whose render the loss mask cannot "
+                              "follow (the first, 'rewritten': ") and warning.endswith(")"), warning
     with pytest.raises(DDTreeError, match="colours.jsonl: no conversation could be rendered .* 'rewritten'"):
         tokenize_conversations(tokenizer, [rewritten, rewritten], 500, 1, "colours.jsonl")
 
@@ -617,8 +645,9 @@ def test_response_ids_that_do_not_decode_to_the_reply_are_skipped_and_counted_na
             kept, counts = tokenize_conversations(smol_tokenizer, load_conversations(source), 500, 1, str(source))
         assert len(kept) == 1 and counts["unaligned"] == 2 and counts["kept"] == 1, source
         (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-        assert warning.startswith(f"{source}: skipped 2 of 3 conversations the loss mask cannot follow; the first, "
-                                  f"'a' ({where}): its response_ids do not decode to its last assistant turn"), warning
+        assert warning.startswith(f"{source}: kept 1 of 3 conversations; dropped 2 whose render the loss mask cannot "
+                                  f"follow (the first, 'a' ({where}): its response_ids do not decode to its last "
+                                  "assistant turn"), warning
     with pytest.raises(DDTreeError, match=re.escape(f"{jsonl}: no conversation could be rendered with its loss mask; "
                                                     f"the first, 'b' ({jsonl}:3): it has response_ids but does not end "
                                                     "with an assistant turn")):

@@ -64,6 +64,31 @@ def test_datamodule_batches_are_right_padded_and_typed(tmp_path):
     assert not set(dm.train_set.indices) & set(dm.val_set.indices)
 
 
+def test_what_tokenization_dropped_is_warned_once_and_recorded_for_data_json(tmp_path, caplog):
+    """A run said only how many conversations were truncated (which reads as kept), and its data.json gave the kept
+    count alone: half of a user's data could be dropped with nothing in the run saying so or why."""
+    path = conversation_file(tmp_path / "conv.jsonl", 6)
+    with path.open("a") as file:  # a prompt without a reply, and a reply under min_supervised_tokens
+        file.write(json.dumps({"messages": [{"role": "user", "content": "Hello?"}]}) + "\n")
+        file.write(json.dumps({"messages": [{"role": "user", "content": "Hi?"},
+                                            {"role": "assistant", "content": "Hi."}]}) + "\n")
+    with caplog.at_level("WARNING"):
+        dm = make_datamodule(tmp_path)
+        dm.setup("fit")
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warning == (f"{path}: kept 6 of 8 conversations; dropped 1 with no assistant turn, 1 with fewer than 8 "
+                       "supervised tokens within max_length 64; 2 kept were cut to max_length 64; raise "
+                       "data.max_length or lower data.min_supervised_tokens to keep more")
+    counts = {"conversations": 8, "no_assistant": 1, "unaligned": 0, "too_few_supervised": 1, "reply_truncated": 0,
+              "truncated": 2, "kept": 6}
+    assert dm.record()["tokenization"] == counts
+    caplog.clear()
+    with caplog.at_level("WARNING"):  # a launch from the cache: said once already, recorded all the same
+        cached = make_datamodule(tmp_path)
+        cached.setup("fit")
+    assert not caplog.records and cached.record()["tokenization"] == counts
+
+
 @pytest.mark.parametrize("field, value, said", [
     ("batch_size", 0, "data.batch_size=0: give at least 1 sequence a batch (on each process)"),
     ("max_length", 1, "data.max_length=1: give at least 2 tokens a sequence"),

@@ -21,6 +21,7 @@ Pieces, top to bottom:
     span by span.
   - render_generated / render_unfinished: a last reply from the ids its target generated, or one cut short
     (finish_reason "length") from its text: the prompt decoding feeds the target, then that reply's tokens.
+    Regenerated data trains that last reply alone (its earlier turns are the user's text); text data every one.
   - tokenize_conversations: many conversations, with counts of what was dropped, skipped or cut.
 """
 
@@ -198,7 +199,9 @@ def load_conversations(source: str | Path, messages_only: bool = False) -> list[
 # 5: an earlier reply the template renders only the end of (Qwen3 drops its reasoning) is not supervised, and a reply
 # cut short (finish_reason "length") is decoding's prompt then its own tokens (render_unfinished), not the template's
 # render (Qwen3's empty think block in front of a reply cut inside its thinking); the shipped data is the same.
-TOKENIZATION_VERSION = 5
+# 6: regenerated data (response_ids or a finish_reason) supervises its last reply only, whichever render: a row without
+# its ids supervised its earlier replies too, the user's text; the shipped data is single-turn, its masks the same.
+TOKENIZATION_VERSION = 6
 
 
 # What to give instead of a target whose tokenizer has no chat template (a base model's) or whose template refuses a
@@ -282,8 +285,11 @@ def find_reply(text: str, content: str, eot: str, turn_from: int) -> tuple[int, 
     return None
 
 
-def render_with_loss_mask(tokenizer, messages: list[dict], eot: str | None = None) -> tuple[list[int], list[int]]:
-    """Chat-template token ids of a whole conversation and the 0/1 mask of assistant tokens (untruncated).
+def render_with_loss_mask(tokenizer, messages: list[dict], eot: str | None = None,
+                          last_only: bool = False) -> tuple[list[int], list[int]]:
+    """Chat-template token ids of a whole conversation and the 0/1 mask of assistant tokens (untruncated); with
+    last_only, of the last message's reply alone, the earlier ones being context (regenerated data, where only the
+    last reply is the target's).
 
     For assistant turn i the render of messages[:i] with the generation prompt, the prompt decoding feeds the
     target, is a prefix of the full render: everything from its end to the turn's end-of-turn token, included, is
@@ -322,7 +328,8 @@ def render_with_loss_mask(tokenizer, messages: list[dict], eot: str | None = Non
                 "in the chat template's render: the template rewrites this reply in a way the loss mask cannot follow"
             )
         reply_at, eot_at, whole = found
-        if not whole:  # (its text joins the unsupervised text around it, tokenized as decoding's prompts tokenize it)
+        if not whole or (last_only and i < len(messages) - 1):  # (its text joins the unsupervised text around it,
+            # tokenized as decoding's prompts tokenize it; found all the same, so the next turn is searched after it)
             cursor = eot_at + len(eot)
             continue
         # Past the prompt decoding feeds, the template's text is the target's (it writes it after that prompt), and
@@ -368,27 +375,21 @@ def render_generated(tokenizer, record: dict, eot: str) -> tuple[list[int], list
     return prompt + reply, [0] * len(prompt) + [1] * len(reply)
 
 
-def render_unfinished(tokenizer, messages: list[dict], eot: str) -> tuple[list[int], list[int]]:
+def render_unfinished(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
     """A conversation whose last reply the target did not finish (finish_reason "length": it hit max_new_tokens),
-    from its text: the prompt as decoding renders it (chat_prompt_ids), its earlier replies supervised as
-    render_with_loss_mask supervises them, then the tokens of the reply's own text, all supervised, and no
-    end-of-turn token, which the target never chose. As render_generated, not the template's render of the whole: a
-    template writes what it expects before a finished reply, and a reply cut short is not one (Qwen3 puts an empty
-    think block in front of a reply cut inside its own "<think>"), nor are the spaces a template writes around a
-    reply (Llama-2-chat's ' ' after [/INST] and before eos) the target's."""
+    from its text: the prompt as decoding renders it (chat_prompt_ids), unsupervised as render_generated's (in
+    regenerated data the earlier replies are the user's text, not the target's), then the tokens of the reply's own
+    text, all supervised, and no end-of-turn token, which the target never chose. As render_generated, not the
+    template's render of the whole: a template writes what it expects before a finished reply, and a reply cut short
+    is not one (Qwen3 puts an empty think block in front of a reply cut inside its own "<think>"), nor are the spaces
+    a template writes around a reply (Llama-2-chat's ' ' after [/INST] and before eos) the target's."""
     if not messages or messages[-1]["role"] != "assistant":
         raise DDTreeError("its finish_reason is 'length' but it does not end with an assistant turn, the reply cut "
                           "short; drop the field, or regenerate the data")
-    history = messages[:-1]
-    prompt = chat_prompt_ids(tokenizer, history, tokenizer.name_or_path, CHAT_TARGET)
-    mask = [0] * len(prompt)
-    if any(message["role"] == "assistant" for message in history):
-        ids, history_mask = render_with_loss_mask(tokenizer, history, eot)
-        if prompt[:len(ids)] == ids:  # (else a template that renders the turns otherwise before a generation prompt)
-            mask[:len(ids)] = history_mask
+    prompt = chat_prompt_ids(tokenizer, messages[:-1], tokenizer.name_or_path, CHAT_TARGET)
     # The reply's text as the reply pieces of render_with_loss_mask: special-token text in it is plain text.
     reply = tokenizer(messages[-1]["content"], add_special_tokens=False, split_special_tokens=True)["input_ids"]
-    return prompt + reply, mask + [1] * len(reply)
+    return prompt + reply, [0] * len(prompt) + [1] * len(reply)
 
 
 def tokenize_conversations(tokenizer, records: list[dict], max_length: int, min_supervised_tokens: int,
@@ -399,7 +400,10 @@ def tokenize_conversations(tokenizer, records: list[dict], max_length: int, min_
     hit max_new_tokens): the end-of-turn token the template writes after it was never the
     target's choice, so that token and everything after it are cut instead of supervised.
     A record with response_ids (regenerated data) supervises exactly those ids (render_generated);
-    one without is rendered from its text (render_with_loss_mask; a last answer cut short, render_unfinished). One
+    one without is rendered from its text (render_with_loss_mask; a last answer cut short, render_unfinished).
+    Text data trains every assistant turn; regenerated data (a record with response_ids or a finish_reason, which
+    data/regenerate.py writes on every row) the target's last reply only, the earlier turns, the user's own text,
+    being context, whichever of the three renders it. One
     the loss mask cannot follow (the template rewrote a reply, or its response_ids do not decode to its reply: an
     edited text, or a "length" record without an assistant turn last) is skipped and counted as
     "unaligned"; if every one is, the template or the data as a whole is the problem, and the first one's error is
@@ -418,9 +422,10 @@ def tokenize_conversations(tokenizer, records: list[dict], max_length: int, min_
             if record.get("response_ids") is not None:
                 input_ids, loss_mask = render_generated(tokenizer, record, eot)
             elif record.get("finish_reason") == "length":
-                input_ids, loss_mask = render_unfinished(tokenizer, record["messages"], eot)
-            else:
-                input_ids, loss_mask = render_with_loss_mask(tokenizer, record["messages"], eot)
+                input_ids, loss_mask = render_unfinished(tokenizer, record["messages"])
+            else:  # a finish_reason ("stop") without ids: regenerated all the same, its last reply alone trained
+                input_ids, loss_mask = render_with_loss_mask(tokenizer, record["messages"], eot,
+                                                             last_only=bool(record.get("finish_reason")))
         except DDTreeError as error:  # one odd reply (or one edited by hand) should not stop all the others
             counts["unaligned"] += 1
             named = repr(record.get("id")) + (f" ({record['where']})" if record.get("where") else "")

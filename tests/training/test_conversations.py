@@ -440,8 +440,32 @@ def test_unfinished_answer_does_not_supervise_an_end_of_turn(smol_tokenizer):
     assert cut["input_ids"] == done["input_ids"][:-2] and cut["loss_mask"] == done["loss_mask"][:-2]
     assert smol_tokenizer.decode([i for i, m in zip(cut["input_ids"], cut["loss_mask"]) if m]) == "2+2 is 4."
     (longer,), _ = tokenize_conversations(smol_tokenizer, [{"messages": CONVERSATION, "finish_reason": "length"}],
-                                          max_length=500, min_supervised_tokens=1)  # earlier replies: supervised still
-    assert masked_runs(smol_tokenizer, longer["input_ids"], longer["loss_mask"]) == ["2+2 is 4.<|im_end|>", "assistant"]
+                                          max_length=500, min_supervised_tokens=1)  # the earlier reply: context
+    assert masked_runs(smol_tokenizer, longer["input_ids"], longer["loss_mask"]) == ["assistant"]
+
+
+@pytest.mark.parametrize("finish_reason", ["stop", "length"])
+def test_a_regenerated_conversation_supervises_the_targets_last_reply_only_with_or_without_its_ids(smol_tokenizer,
+                                                                                                 finish_reason):
+    """In regenerated data only the last reply is the target's; the earlier ones are the user's text. With its
+    response_ids a row supervised that reply alone, without them (dropped, as the error for an edited reply advises,
+    or never recovered) every earlier reply too: the same row trained 1 or 3 replies. Text data trains them all."""
+    history = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "I want to learn tide pools."},
+               {"role": "assistant", "content": "Start with the basics. EARLIER-REPLY-A"},
+               {"role": "user", "content": "What next?"},
+               {"role": "assistant", "content": "Practice every day. EARLIER-REPLY-B"},
+               {"role": "user", "content": "And after that?"}]
+    reply = "Teach someone else what you learned."
+    ids = smol_tokenizer(reply, add_special_tokens=False)["input_ids"]
+    row = {"messages": history + [{"role": "assistant", "content": reply}], "finish_reason": finish_reason}
+    examples, _ = tokenize_conversations(smol_tokenizer, [dict(row, response_ids=ids), row], max_length=500,
+                                         min_supervised_tokens=1)
+    prompt = decoding_prompt(smol_tokenizer, history)
+    runs = [masked_runs(smol_tokenizer, e["input_ids"], e["loss_mask"]) for e in examples]
+    assert runs[0] == runs[1] == [reply + ("<|im_end|>" if finish_reason == "stop" else "")]
+    assert all(e["input_ids"][:len(prompt)] == prompt for e in examples)  # the history as decoding feeds it
+    (text,), _ = tokenize_conversations(smol_tokenizer, [{"messages": row["messages"]}], 500, 1)
+    assert len(masked_runs(smol_tokenizer, text["input_ids"], text["loss_mask"])) == 3  # text data: every reply
 
 
 

@@ -201,7 +201,10 @@ def load_conversations(source: str | Path, messages_only: bool = False) -> list[
 # render (Qwen3's empty think block in front of a reply cut inside its thinking); the shipped data is the same.
 # 6: regenerated data (response_ids or a finish_reason) supervises its last reply only, whichever render: a row without
 # its ids supervised its earlier replies too, the user's text; the shipped data is single-turn, its masks the same.
-TOKENIZATION_VERSION = 6
+# 7: a last reply that a template renders after other text than decoding's prompt (Mistral-7B-Instruct-v0.3's system
+# prompt, in the last user turn only) is trained after that prompt, its space joined to its first token, the earlier
+# replies context only (it was the render, without the system prompt, and "Ġ" + "Une"); the shipped data is the same.
+TOKENIZATION_VERSION = 7
 
 
 # What to give instead of a target whose tokenizer has no chat template (a base model's) or whose template refuses a
@@ -285,6 +288,19 @@ def find_reply(text: str, content: str, eot: str, turn_from: int) -> tuple[int, 
     return None
 
 
+# The chat templates render_with_loss_mask has warned of rendering the turns before a last reply otherwise than
+# decoding's prompt: once a template (in a process), not once a conversation.
+OTHER_CONTEXT_WARNED: set[str] = set()
+
+
+def common_ending(text: str, end: int, prompt: str) -> int:
+    """How many characters text[:end] ends with alike with prompt."""
+    n = 0
+    while n < min(end, len(prompt)) and text[end - 1 - n] == prompt[-1 - n]:
+        n += 1
+    return n
+
+
 def render_with_loss_mask(tokenizer, messages: list[dict], eot: str | None = None,
                           last_only: bool = False) -> tuple[list[int], list[int]]:
     """Chat-template token ids of a whole conversation and the 0/1 mask of assistant tokens (untruncated); with
@@ -296,17 +312,22 @@ def render_with_loss_mask(tokenizer, messages: list[dict], eot: str | None = Non
     what the target writes, and is supervised (Qwen3's "<think>\n\n</think>\n\n" before the reply as well), and
     find_reply places that token. Where that render is refused or is no prefix (a template that writes something
     of the whole conversation first), the turn starts after the next assistant header instead, and is supervised
-    from its content on. A turn the template renders only the end of (Qwen3 drops an earlier reply's reasoning) is
-    not supervised at all: after decoding's prompt the target wrote its "<think>", not the answer that follows.
+    from its content on. Where it is no prefix for the last reply (Mistral-7B-Instruct-v0.3 writes the system prompt
+    into the last user turn only, so a render ending with the reply has none), the sequence is decoding's prompt and
+    what the target writes after it (as render_generated's), the earlier replies context only, with one warning a
+    template. A turn the template renders only the end of (Qwen3 drops an earlier reply's reasoning) is not
+    supervised at all: after decoding's prompt the target wrote its "<think>", not the answer that follows.
     """
     check_chat_template(tokenizer, tokenizer.name_or_path, CHAT_TARGET)
     eot = eot or end_of_turn_text(tokenizer)
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     header = None  # the assistant header, found only where a prefix render cannot place the turn
     spans, cursor = [], 0  # (supervised from, reply text from, end-of-turn token from, turn end) in characters
+    last_turn = None  # (its decoding prompt, where its turn starts) for a last reply rendered after other text
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
+        turn_start = cursor
         # An opening assistant turn has no turns before it to render: the template's own beginning (a default
         # system prompt) comes first, so it is found after the assistant header, not from position 0.
         try:
@@ -336,7 +357,26 @@ def render_with_loss_mask(tokenizer, messages: list[dict], eot: str | None = Non
         # so is whitespace (Llama-2-chat's ' ' after [/INST], written with the reply's first token).
         start = turn_from if decoding_prompt or not text[turn_from:reply_at].strip() else reply_at
         spans.append((start, reply_at, eot_at, eot_at + len(eot)))
+        if prefix is not None and not decoding_prompt and i == len(messages) - 1:
+            last_turn = (prefix, turn_start)
         cursor = eot_at + len(eot)
+    if last_turn is not None:
+        # The render's text before the reply ends as decoding's prompt does from some point on ("...[/INST]"): the
+        # target writes what follows it (Llama-2's space, Qwen3's think block), after the prompt itself.
+        prompt, turn_start = last_turn
+        _, reply_at, eot_at, end = spans[-1]
+        prompt_end = max(range(reply_at, turn_start - 1, -1), key=lambda j: common_ending(text, j, prompt))
+        if common_ending(text, prompt_end, prompt):
+            shift = len(prompt) - prompt_end
+            text = prompt + text[prompt_end:end]
+            spans = [(len(prompt), reply_at + shift, eot_at + shift, end + shift)]
+            if str(tokenizer.chat_template) not in OTHER_CONTEXT_WARNED:
+                OTHER_CONTEXT_WARNED.add(str(tokenizer.chat_template))
+                log.warning("the chat template of %r renders the turns before a conversation's last reply otherwise "
+                            "than the prompt decoding feeds the target (a system prompt written into the last user "
+                            "turn only, as Mistral-7B-Instruct-v0.3's is): that reply is trained after decoding's "
+                            "prompt, and the replies before it as context only; for each reply to train, give it a "
+                            "conversation of its own, ending with it", tokenizer.name_or_path)
     # Tokenize piece by piece (unsupervised text, supervised reply, its end-of-turn token, ...): the prompt part then
     # has exactly the ids decoding feeds the target, and the answer the ids of its own text, with no BPE merge across
     # the boundary (which tokenizing the whole render at once can produce). In the reply, text that reads like a

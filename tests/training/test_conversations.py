@@ -90,6 +90,19 @@ LLAMA2_TEMPLATE = (
     "{%- endfor -%}"
 )
 
+# Mistral-7B-Instruct-v0.3's template (its tokenizer_config.json): the system prompt is written into the last user turn
+# only, so a render that ends with the reply has none, and decoding's prompt always has it.
+MISTRAL_V3_TEMPLATE = (
+    '{%- if messages[0]["role"] == "system" %}{%- set system_message = messages[0]["content"] %}'
+    '{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}{%- endif %}'
+    '{{- bos_token }}{%- for message in loop_messages %}'
+    '{%- if message["role"] == "user" %}{%- if loop.last and system_message is defined %}'
+    '{{- "[INST] " + system_message + "\\n\\n" + message["content"] + "[/INST]" }}'
+    '{%- else %}{{- "[INST] " + message["content"] + "[/INST]" }}{%- endif %}'
+    '{%- elif message["role"] == "assistant" %}{{- " " + message["content"]|trim + eos_token}}{%- endif %}'
+    '{%- endfor %}'
+)
+
 CONVERSATION = [
     {"role": "user", "content": "What is 2+2?"},
     {"role": "assistant", "content": "2+2 is 4."},
@@ -139,6 +152,15 @@ def llama2_tokenizer(smol_folder):
     tokenizer.add_tokens(["<s>", "</s>"], special_tokens=True)
     tokenizer.bos_token, tokenizer.eos_token = "<s>", "</s>"
     tokenizer.chat_template = LLAMA2_TEMPLATE
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def mistral_v3_tokenizer(smol_folder):
+    tokenizer = AutoTokenizer.from_pretrained(smol_folder)
+    tokenizer.add_tokens(["<s>", "</s>"], special_tokens=True)
+    tokenizer.bos_token, tokenizer.eos_token = "<s>", "</s>"
+    tokenizer.chat_template = MISTRAL_V3_TEMPLATE
     return tokenizer
 
 
@@ -198,7 +220,9 @@ def test_an_opening_assistant_turn_is_found_after_its_header_not_in_the_default_
 def test_a_template_whose_prefix_render_is_no_prefix_still_masks_the_assistant_turn(smol_folder):
     """This template writes the conversation's length first, so no shorter render is a prefix of the whole one. The
     search for the second reply ("Yes") used to start at the first reply's end, and the user turn in between ends
-    with the same text and the same <|im_end|>: the user's "Yes" was supervised, the reply not."""
+    with the same text and the same <|im_end|>: the user's "Yes" was supervised, the reply not. A conversation that
+    ends with that reply trains it after decoding's prompt, the first reply as context, as under
+    Mistral-7B-Instruct-v0.3's template."""
     tokenizer = AutoTokenizer.from_pretrained(smol_folder)
     tokenizer.chat_template = (
         "{{ '<|im_start|>system\\n' ~ messages | length ~ ' turns<|im_end|>\\n' }}"
@@ -207,10 +231,14 @@ def test_a_template_whose_prefix_render_is_no_prefix_still_masks_the_assistant_t
     )
     messages = [{"role": "user", "content": "Say no."}, {"role": "assistant", "content": "No."},
                 {"role": "user", "content": "Now repeat after me: Yes"}, {"role": "assistant", "content": "Yes"}]
-    ids, mask = render_with_loss_mask(tokenizer, messages)
+    ids, mask = render_with_loss_mask(tokenizer, messages + [{"role": "user", "content": "Thanks."}])
     assert masked_runs(tokenizer, ids, mask) == ["No.<|im_end|>", "Yes<|im_end|>"]
     (second,) = [i for i in range(len(ids)) if mask[i] and not mask[i - 1]][1:]
     assert tokenizer.decode(ids[:second]).endswith("me: Yes<|im_end|>\n<|im_start|>assistant\n")
+    ids, mask = render_with_loss_mask(tokenizer, messages)
+    prompt = decoding_prompt(tokenizer, messages[:3])
+    assert ids == prompt + tokenizer("Yes<|im_end|>", add_special_tokens=False)["input_ids"]
+    assert mask.index(1) == len(prompt)
 
 
 @pytest.mark.parametrize("fixture", ["smol_tokenizer", "llama3_tokenizer"])
@@ -442,6 +470,34 @@ def test_unfinished_answer_does_not_supervise_an_end_of_turn(smol_tokenizer):
     (longer,), _ = tokenize_conversations(smol_tokenizer, [{"messages": CONVERSATION, "finish_reason": "length"}],
                                           max_length=500, min_supervised_tokens=1)  # the earlier reply: context
     assert masked_runs(smol_tokenizer, longer["input_ids"], longer["loss_mask"]) == ["assistant"]
+
+
+def test_a_template_that_writes_the_system_prompt_in_the_last_user_turn_trains_the_last_reply_after_decodings_prompt(
+        mistral_v3_tokenizer, caplog, monkeypatch):
+    """Mistral-7B-Instruct-v0.3 writes the system prompt only into the last user turn: a conversation's render never
+    held it, the mask fell back to the assistant header (" ") without a word, and the reply's first token was split
+    off its space ("Ġ" + "Une", which the target never writes). The last reply is now trained after decoding's
+    prompt, its earlier replies as context, with one warning."""
+    import training.conversations
+
+    monkeypatch.setattr(training.conversations, "OTHER_CONTEXT_WARNED", set())
+    tokenizer = mistral_v3_tokenizer
+    single = [{"role": "system", "content": "Always answer in French."},
+              {"role": "user", "content": "What is a cache?"},
+              {"role": "assistant", "content": "Une cache est une memoire rapide."}]
+    multi = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a fruit and say why."},
+             {"role": "assistant", "content": "Apple, because it is sweet."},
+             {"role": "user", "content": "Another one and why"}, {"role": "assistant", "content": "Pear, why not."}]
+    with caplog.at_level("WARNING"):
+        for messages in (single, multi):
+            ids, mask = render_with_loss_mask(tokenizer, messages)
+            prompt = decoding_prompt(tokenizer, messages[:-1])
+            assert ids[:len(prompt)] == prompt and mask.index(1) == len(prompt)
+            reply = " " + messages[-1]["content"] + "</s>"
+            assert ids[len(prompt):] == tokenizer(reply, add_special_tokens=False)["input_ids"]  # "ĠUne", not "Ġ"
+            assert masked_runs(tokenizer, ids, mask) == [reply]
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]  # once, not per conversation
+    assert "renders the turns before a conversation's last reply otherwise than the prompt decoding feeds" in warning
 
 
 @pytest.mark.parametrize("finish_reason", ["stop", "length"])

@@ -67,6 +67,7 @@ import time
 from pathlib import Path
 
 from ddtree.arguments import DEVICE_HELP
+from ddtree.calibration import weights_fingerprint
 from ddtree.errors import CommandParser, DDTreeError, command
 from ddtree.files import (atomic_file, path_argument, read_yaml_mapping, staged_folder, unwritable_as_error,
                           write_text_atomic)
@@ -275,13 +276,15 @@ SAMPLING = "per-prompt"
 
 def response_settings(args: argparse.Namespace) -> dict:
     """The settings that choose a chunk's replies; --limit does not (it only says how many chunks). The adapter by
-    its path and its files' sha256: retrained at the same path, it writes other replies. Left out: the machine and
+    its path and its files' sha256, a local target folder by its path and its weight files' fingerprint
+    (target_weights): retrained at the same path, either writes other replies. Left out: the machine and
     --batch-size, which in bf16 move a greedy reply at a near tie (data/README.md); recorded, --batch-size would
     refuse the shipped data (whose regeneration.json lacks it) and stop it being extended. Sampled, the settings
     say how the tokens are drawn (SAMPLING)."""
     sampled = {"sampling": SAMPLING} if args.temperature > 0 else {}
     return {
         "target": args.target,
+        "target_weights": target_weights(args.target),
         "target_adapter": args.target_adapter,
         "target_adapter_sha256": adapter_fingerprint(args.target_adapter),
         "prompts": str(args.prompts),
@@ -295,6 +298,15 @@ def response_settings(args: argparse.Namespace) -> dict:
     }
 
 
+def target_weights(target: str) -> str | None:
+    """A local target folder's weights_fingerprint, the one a feature store records as target_weights
+    (training.feature_store.target_fingerprint, which imports torch: --check answers without it): a target fine-tuned
+    and saved over at the same path passed --check with the old model's replies. None for a built-in target, whose
+    folder the project converts, and a Hub id, whose files are not here."""
+    folder = Path(target).expanduser()
+    return weights_fingerprint(folder) if folder.is_dir() else None
+
+
 def recorded_settings(old: dict) -> dict:
     """Settings as a record holds them, read as this script's: sampled data that records no `sampling` was made
     before it was recorded, by a chunk's replies drawn together (SAMPLING)."""
@@ -305,14 +317,25 @@ def recorded_settings(old: dict) -> dict:
 def changed_settings(old: dict, settings: dict) -> list[str]:
     """What differs between recorded settings and this job's, one "name: old -> new" each. One prompts file is one
     setting however its path is spelled (same_file_spelling), one adapter wherever its files were copied (the same
-    sha256); the sha256 is named only where the path is the same (the adapter retrained in place)."""
+    sha256); the sha256 is named only where the path is the same (the adapter retrained in place), and so are a target
+    folder's weights, as a line of their own. Settings recorded without target_weights (before it was) pass it."""
     old = recorded_settings(old)
     copied_adapter = settings.get("target_adapter_sha256") is not None and \
         old.get("target_adapter_sha256") == settings["target_adapter_sha256"]
     moved_adapter = old.get("target_adapter") != settings.get("target_adapter")
-    return [f"{k}: {old.get(k)!r} -> {v!r}" for k, v in settings.items()
-            if old.get(k) != v and not (k == "prompts" and same_prompts_file(old.get(k), v))
-            and not (k == "target_adapter" and copied_adapter) and not (k == "target_adapter_sha256" and moved_adapter)]
+    moved_target = old.get("target") != settings.get("target")
+    changed = []
+    for k, v in settings.items():
+        if old.get(k) == v or (k == "prompts" and same_prompts_file(old.get(k), v)):
+            continue
+        if (k == "target_adapter" and copied_adapter) or (k == "target_adapter_sha256" and moved_adapter):
+            continue
+        if k == "target_weights":
+            if old.get(k) is not None and not moved_target:
+                changed.append(f"target {settings['target']}: its weight files changed since the data was generated")
+            continue
+        changed.append(f"{k}: {old.get(k)!r} -> {v!r}")
+    return changed
 
 
 def same_prompts_file(recorded, given: str) -> bool:

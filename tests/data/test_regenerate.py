@@ -426,6 +426,66 @@ def test_a_target_adapter_writes_the_replies_and_only_its_data_passes_the_check(
         regenerate.run(args_for(tmp_path, "--target-adapter", adapter, "--check"))
 
 
+def local_target(tiny, folder: Path, seed: int | None = None) -> str:
+    """tiny-random saved as a local target folder; with `seed`, its weights drawn again (a fine-tune saved over it)."""
+    model, tokenizer = tiny
+    if seed is not None:
+        import copy
+
+        model = copy.deepcopy(model)
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.normal_(0, 0.5)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def test_a_local_target_saved_over_in_place_is_told_from_the_one_that_wrote_the_data(tiny, tmp_path, capsys):
+    """A target folder fine-tuned and saved at the same path writes other replies: --check passed the old model's and
+    `make data` said "nothing to do", so training learned replies the target no longer gives. The weight files'
+    fingerprint (weights_fingerprint, a feature store's target_weights) is recorded and compared; data recorded
+    without it is taken as before."""
+    import shutil
+
+    from ddtree.calibration import weights_fingerprint
+
+    prompt_file(tmp_path / "prompts.jsonl", 2)
+    target = local_target(tiny, tmp_path / "target")
+    argv = args_for_argv(tmp_path)
+    argv[argv.index("tiny-random")] = target
+    assert regenerate.main(argv) == 0
+    recorded = json.loads((tmp_path / "out" / "regeneration.json").read_text())
+    assert recorded["target_weights"] == weights_fingerprint(Path(target)) is not None
+    assert json.loads((tmp_path / "out.parts" / "settings.json").read_text())["target_weights"] == recorded["target_weights"]
+    assert regenerate.main([*argv, "--check"]) == 0
+    shutil.copytree(tmp_path / "out", tmp_path / "before")
+
+    local_target(tiny, Path(target), seed=1)  # fine-tuned and saved over
+    capsys.readouterr()
+    assert regenerate.main([*argv, "--check"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: {tmp_path / 'out'} holds a dataset made with other settings (target {target}: its weight "
+                   "files changed since the data was generated): generate it again with "
+                   "--overwrite (this command without --check), or give another output folder")
+    assert regenerate.main(argv) == 2  # a plain rerun: not "nothing to do"
+    captured = capsys.readouterr()
+    assert "nothing to do" not in captured.out and f"(target {target}: its weight files changed" in captured.err
+    assert regenerate.main([*argv, "--overwrite"]) == 2  # the chunks of the old weights are not resumed
+    assert f"out.parts holds chunks made with other settings (target {target}: its weight files" in capsys.readouterr().err
+    shutil.rmtree(tmp_path / "out.parts")
+    assert regenerate.main([*argv, "--overwrite"]) == 0
+    assert regenerate.main([*argv, "--check"]) == 0
+
+    # Data recorded before the fingerprint was (no target_weights) is taken as it was.
+    shutil.rmtree(tmp_path / "out")
+    shutil.move(tmp_path / "before", tmp_path / "out")
+    summary = tmp_path / "out" / "regeneration.json"
+    summary.write_text(json.dumps({k: v for k, v in json.loads(summary.read_text()).items() if k != "target_weights"}))
+    assert regenerate.main([*argv, "--check"]) == 0
+
+
 def test_a_target_adapter_that_cannot_be_merged_is_one_line_before_any_work(tmp_path, capsys):
     prompt_file(tmp_path / "prompts.jsonl", 2)
     (tmp_path / "adapter").mkdir()

@@ -42,7 +42,8 @@ How the work is laid out, so it survives interruption:
   - once every chunk exists, the chunks are concatenated in prompt order into a `datasets` dataset
     (save_to_disk) at <out> with columns id, messages (prompt + assistant turn), finish_reason
     ("stop" | "length"), response_tokens, response_ids (the generated ids, which training supervises
-    rather than a new tokenization of the text); <out>/regeneration.json records settings and counts.
+    rather than a new tokenization of the text); <out>/regeneration.json records settings, counts and the sha256
+    of the prompts answered (--check compares it with the prompts file's, so a prompt edited in place is told).
 
 Backends: transformers (a batched decoding loop, left padding, KV cache) everywhere; vLLM when it is
 importable and a GPU is present (or --backend vllm). Special tokens are dropped from the response
@@ -69,8 +70,8 @@ from pathlib import Path
 from ddtree.arguments import DEVICE_HELP
 from ddtree.calibration import weights_fingerprint
 from ddtree.errors import CommandParser, DDTreeError, command
-from ddtree.files import (atomic_file, path_argument, read_yaml_mapping, staged_folder, unwritable_as_error,
-                          write_text_atomic)
+from ddtree.files import (atomic_file, iter_json_lines, path_argument, read_yaml_mapping, staged_folder,
+                          unwritable_as_error, write_text_atomic)
 from ddtree.names import DTYPE_NAMES
 from training.arguments import RECIPES_DIR, answer_early, known_recipes
 from training.peft_utils import adapter_fingerprint, check_adapter_folder
@@ -116,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replace a dataset at --out made with other settings (target, prompts, ...)")
     p.add_argument("--check", action="store_true",
                    help="only check that --out holds this job's finished dataset (its regeneration.json: these "
-                   "settings, this many prompts): exit 0 if so, else one line naming what differs; loads no model "
+                   "settings, these prompts): exit 0 if so, else one line naming what differs; loads no model "
                    "(training asks it at each start of a recipe with a data.regenerate section)")
     return p
 
@@ -380,9 +381,16 @@ def check_dataset(args: argparse.Namespace) -> None:
     answered = made_with.get("num_prompts")
     if answered != count:
         changed.append(f"prompts answered: {answered!r} -> {count}")
-    if not changed:
-        return
     recipe = job_recipe(args)
+    if not changed:
+        # The same count can be other prompts (a line edited in place), which the generator answers again and training
+        # would take with the old replies. Data recorded without the digest is checked by its count alone, as before.
+        recorded = made_with.get("prompts_sha256")
+        if recorded is not None and recorded != prompts_sha256(read_prompts_torch_free(args.prompts, count)):
+            raise DDTreeError(f"{args.prompts}: prompts that {args.out} answers changed since it was generated (the "
+                              f"same {count}, other text or ids): {rerun_command(recipe)} regenerates the chunks "
+                              "that hold them")
+        return
     check_not_others_data(args.out, recipe, f"made with other settings ({'; '.join(changed)})")
     differs = f"{args.out} holds a dataset made with other settings ({'; '.join(changed)})"
     only_count = len(changed) == 1 and isinstance(answered, int) and answered > 0
@@ -394,6 +402,41 @@ def check_dataset(args: argparse.Namespace) -> None:
                           f"{answered} answered), or lower {limit_setting(recipe)} to {answered}")
     raise DDTreeError(f"{differs}: generate it again with --overwrite ({rerun_command(recipe, '--overwrite')}), or "
                       "give another output folder")
+
+
+def prompt_messages(messages: list[dict]) -> list[dict]:
+    """The conversation up to its last non-assistant turn (a conversation file's answers get rewritten)."""
+    end = len(messages)
+    while end and messages[end - 1]["role"] == "assistant":
+        end -= 1
+    return messages[:end]
+
+
+def prompts_sha256(records: list[dict]) -> str:
+    """The sha256 of the prompts a dataset answers, in order: each one's id and messages (prompt_messages's). What
+    regeneration.json records (conversation_counts) and --check compares, so that a prompt edited in place is told."""
+    digest = hashlib.sha256()
+    for record in records:
+        digest.update(json.dumps([record["id"], record["messages"]], sort_keys=True).encode() + b"\n")
+    return digest.hexdigest()
+
+
+def read_prompts_torch_free(path: Path, count: int) -> list[dict]:
+    """The first `count` prompts of `path` as the generator answers them (training.conversations.read_messages_jsonl,
+    whose imports load torch, then prompt_messages): the id given, else <file stem>-<line>, and each message's role
+    and content. For --check, which answers before torch loads; a record the generator would refuse reads as given,
+    and its digest then matches no recorded one."""
+    records = []
+    for line_number, _, record in iter_json_lines(path):
+        if len(records) == count:
+            break
+        try:
+            given = record.get("id")
+            messages = prompt_messages([{"role": m["role"], "content": m["content"]} for m in record["messages"]])
+        except (AttributeError, KeyError, TypeError):
+            given, messages = None, record
+        records.append({"id": str(given) if given is not None else f"{path.stem}-{line_number}", "messages": messages})
+    return records
 
 
 def answer_early_check(args: argparse.Namespace) -> None:
@@ -418,14 +461,6 @@ from ddtree.decoding import Sampling, top_p_filter
 from ddtree.targets import DTYPES, config_stop_token_ids, resolve_target, stop_token_ids
 from training.conversations import CHAT_TARGET, read_messages_jsonl
 from training.target import load_frozen_target
-
-
-def prompt_messages(messages: list[dict]) -> list[dict]:
-    """The conversation up to its last non-assistant turn (a conversation file's answers get rewritten)."""
-    end = len(messages)
-    while end and messages[end - 1]["role"] == "assistant":
-        end -= 1
-    return messages[:end]
 
 
 def cut_at_stop(token_ids: list[int], stop_ids: set[int]) -> tuple[list[int], str]:
@@ -705,7 +740,8 @@ def reuse_merged(out: Path, parts: Path, chunks_of_records: list[list[dict]], se
 
 
 def conversation_counts(rows: list[dict]) -> dict:
-    """The counts regeneration.json records of a dataset's rows (--check reads num_prompts as the prompts answered)."""
+    """The counts regeneration.json records of a dataset's rows (--check reads num_prompts as the prompts answered),
+    and the digest of the prompts they answer (--check compares it to the prompts file's)."""
     return {
         "num_prompts": len(rows),
         "num_conversations": len(rows),
@@ -713,6 +749,7 @@ def conversation_counts(rows: list[dict]) -> dict:
         "num_hit_max_new_tokens": sum(r["finish_reason"] == "length" for r in rows),
         "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
         "response_tokens": sum(r["response_tokens"] for r in rows),
+        "prompts_sha256": prompts_sha256([{"id": r["id"], "messages": r["messages"][:-1]} for r in rows]),
     }
 
 

@@ -368,6 +368,55 @@ def test_a_dataset_that_already_answers_the_job_is_left_as_it_is(tmp_path, monke
     assert load_from_disk(str(tmp_path / "out"))[3]["messages"][0]["content"] == "Say something about three."
 
 
+def test_an_edited_prompt_fails_the_check_every_training_start_runs(tmp_path, capsys):
+    """--check counted the prompts file's lines: a prompt edited in place (the same count) passed every training start,
+    which trained on the replies to the old text, while `make data` answered it again. regeneration.json records the
+    sha256 of the prompts answered, which --check reads as the generator does (without torch's imports)."""
+    prompts = tmp_path / "prompts.jsonl"
+    lines = [  # an id, none, null, a number; fields the generator drops; a conversation's answer; a blank line
+        {"id": "p0", "messages": [{"role": "user", "content": "Say something about 0."}]},
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "About 1?"}]},
+        {"id": None, "messages": [{"role": "user", "content": "Say something about 2.", "name": "x"}], "source": "web"},
+        {"id": 7, "messages": [{"role": "user", "content": "And 3?"}, {"role": "assistant", "content": "An old reply."}]},
+    ]
+    prompts.write_text("\n".join(json.dumps(line) for line in lines[:2]) + "\n\n"
+                       + "\n".join(json.dumps(line) for line in lines[2:]) + "\n")
+    assert regenerate.main(args_for_argv(tmp_path)) == 0
+    assert len(json.loads((tmp_path / "out" / "regeneration.json").read_text())["prompts_sha256"]) == 64
+    assert regenerate.main(args_for_argv(tmp_path, "--check")) == 0  # read as the generator read them
+    prompts.write_text(prompts.read_text().replace("An old reply.", "Another old reply."))  # not a prompt's text
+    assert regenerate.main(args_for_argv(tmp_path, "--check")) == 0
+
+    prompts.write_text(prompts.read_text().replace("about 2.", "about two."))
+    capsys.readouterr()
+    assert regenerate.main(args_for_argv(tmp_path, "--check")) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: {prompts}: prompts that {tmp_path / 'out'} answers changed since it was generated (the same 4, other "
+        "text or ids): this command without --check regenerates the chunks that hold them")
+    import subprocess  # as a script, the check still answers before torch loads
+
+    script = Path(regenerate.__file__).resolve()
+    checked = subprocess.run([sys.executable, "-X", "importtime", str(script), *args_for_argv(tmp_path, "--check")],
+                             capture_output=True, text=True, cwd=script.parents[1],
+                             env={**os.environ, "PYTHONPATH": str(script.parents[1])})
+    assert checked.returncode == 2 and "prompts that" in checked.stderr
+    assert not re.search(r"\|\s+torch$", checked.stderr, re.MULTILINE)
+    assert regenerate.main(args_for_argv(tmp_path)) == 0
+    assert regenerate.main(args_for_argv(tmp_path, "--check")) == 0
+
+    # A line appended: the count's message, as before; a --limit of the prompts answered compares only those.
+    prompts.write_text(prompts.read_text() + json.dumps({"messages": [{"role": "user", "content": "And 4?"}]}) + "\n")
+    assert regenerate.main(args_for_argv(tmp_path, "--check")) == 2
+    assert "holds a dataset made with other settings (prompts answered: 4 -> 5)" in capsys.readouterr().err
+    assert regenerate.main(args_for_argv(tmp_path, "--check", "--limit", "4")) == 0
+
+    # Data recorded without the digest (made before it was recorded) is checked as before: by the count.
+    summary = tmp_path / "out" / "regeneration.json"
+    summary.write_text(json.dumps({k: v for k, v in json.loads(summary.read_text()).items() if k != "prompts_sha256"}))
+    prompts.write_text(prompts.read_text().replace("And 3?", "And three?"))
+    assert regenerate.main(args_for_argv(tmp_path, "--check", "--limit", "4")) == 0
+
+
 def lora_adapter(path, seed: int) -> str:
     """A LoRA adapter on tiny-random, strong enough to change its greedy replies."""
     from peft import LoraConfig, get_peft_model

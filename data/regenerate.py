@@ -52,8 +52,9 @@ Sampling (--temperature > 0) cuts with serving's top-p rule (ddtree.decoding.top
 each prompt draws from a generator of its own, seeded from --seed and the prompt's id, so that neither --batch-size,
 --chunk-size nor the shards choose a sampled reply (the settings record it as sampling: per-prompt; sampled data made
 before, whose chunk drew its replies together, is refused as other settings rather than mixed with new chunks).
-Bad input (a malformed prompt file, settings that differ from the finished chunks, a regeneration.json or
-settings.json that is not a JSON object) prints one `error:` line naming the file and exits with status 2.
+Bad input (a malformed prompt file, a prompt the target's chat template refuses: every prompt is rendered before the
+weights load, settings that differ from the finished chunks, a regeneration.json or settings.json that is not a JSON
+object) prints one `error:` line naming the file and exits with status 2.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ from pathlib import Path
 
 from ddtree.arguments import DEVICE_HELP
 from ddtree.calibration import weights_fingerprint
-from ddtree.errors import CommandParser, DDTreeError, command
+from ddtree.errors import CommandParser, DDTreeError, command, error_line
 from ddtree.files import (atomic_file, iter_json_lines, path_argument, read_yaml_mapping, staged_folder,
                           unwritable_as_error, write_text_atomic)
 from ddtree.names import DTYPE_NAMES
@@ -455,10 +456,10 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from ddtree.bench import chat_prompt_ids
+from ddtree.bench import chat_prompt_ids, check_chat_template
 from ddtree.cli import parse_device
 from ddtree.decoding import Sampling, top_p_filter
-from ddtree.targets import DTYPES, config_stop_token_ids, resolve_target, stop_token_ids
+from ddtree.targets import DTYPES, config_stop_token_ids, load_tokenizer, resolve_target, stop_token_ids
 from training.conversations import CHAT_TARGET, read_messages_jsonl
 from training.target import load_frozen_target
 
@@ -586,6 +587,32 @@ class VLLMGenerator:
             progress.update(len(prompts))
         # vLLM keeps the prompts' order; token_ids may end with the stop token, cut_at_stop handles both.
         return [list(r.outputs[0].token_ids) for r in results]
+
+
+# What to do with a prompt whose messages the target's chat template refuses (chat_prompt_ids's "fix them, or ..."):
+# the target is a chat model, its template takes other roles (CHAT_TARGET's advice is for a tokenizer with no template).
+TEMPLATE_REFUSED = ("leave those prompts out (a template without a system role refuses a system turn: put its text "
+                    "into the first user turn)")
+
+
+def check_prompts_render(target: str, records: list[dict]) -> None:
+    """Every prompt of the job rendered with the target's tokenizer alone, before its weights load: a prompt its chat
+    template refuses stopped the job only when its chunk came up, after the target had loaded and the chunks before
+    it were generated (hours, on a CPU). One line: the first refusal (file:line), and how many of the prompts."""
+    try:
+        tokenizer = load_tokenizer(target)
+    except (OSError, ValueError) as error:  # a folder without a tokenizer transformers reads, as load_target says it
+        raise DDTreeError(f"could not load target {target!r}: {error_line(error)}") from error
+    check_chat_template(tokenizer, records[0]["where"], CHAT_TARGET)
+    refusals = []
+    for record in records:
+        try:
+            chat_prompt_ids(tokenizer, record["messages"], record["where"], TEMPLATE_REFUSED)
+        except DDTreeError as refusal:
+            refusals.append(refusal)
+    if refusals:
+        raise DDTreeError(f"{refusals[0]}; the template refuses {len(refusals)} of the job's {len(records)} prompts, "
+                          "the first named here; nothing was generated")
 
 
 def tokenizer_and_stops(target: str):
@@ -858,6 +885,7 @@ def run(args: argparse.Namespace) -> dict | None:
           f"{len(mine)} chunks, {len(mine) - len(todo)} already done", flush=True)
 
     if todo:
+        check_prompts_render(args.target, records)
         use_vllm = args.backend == "vllm" or (args.backend == "auto" and not args.target_adapter and vllm_usable())
         if use_vllm:  # vLLM holds the weights; here only the tokenizer and the stop ids are needed
             vllm_generator, model = VLLMGenerator(args.target, args.dtype, args.seed), None

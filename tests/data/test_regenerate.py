@@ -637,6 +637,38 @@ def test_a_target_without_a_chat_template_is_one_line(tiny, tmp_path, capsys, mo
                                             f"apply; {CHAT_TARGET}")
 
 
+def test_a_prompt_the_template_refuses_stops_the_job_before_the_target_loads(tiny, tmp_path, capsys, monkeypatch):
+    """A template without a system role (Gemma's) refuses a system turn: the prompt that had one stopped the job only
+    when its chunk came up, after the target had loaded and the chunks before it were generated (hours, on a CPU),
+    and its advice was to give a chat (instruct) model, which the target was."""
+    model, tokenizer = tiny
+    monkeypatch.setattr(tokenizer, "chat_template", "{% for m in messages %}{% if m['role'] == 'system' %}"
+                        "{{ raise_exception('System role not supported') }}{% endif %}{{ m['content'] }}{% endfor %}")
+    model.save_pretrained(tmp_path / "no-system")
+    tokenizer.save_pretrained(tmp_path / "no-system")
+    monkeypatch.undo()
+    monkeypatch.setattr(regenerate, "load_frozen_target", lambda *args, **kwargs: pytest.fail("loaded the target"))
+    prompts = prompt_file(tmp_path / "prompts.jsonl", 3)
+    system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello?"}]
+    prompts.write_text(prompts.read_text() + "".join(json.dumps({"messages": system}) + "\n" for _ in range(2)))
+    argv = args_for_argv(tmp_path)
+    argv[argv.index("tiny-random")] = str(tmp_path / "no-system")
+    assert regenerate.main(argv) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: {prompts}:4: the target's chat template refused the messages (System role not supported); fix "
+        f"them, or {regenerate.TEMPLATE_REFUSED}; the template refuses 2 of the job's 5 prompts, the first named here; "
+        "nothing was generated")
+    assert "chat (instruct) model" not in regenerate.TEMPLATE_REFUSED
+    assert not list((tmp_path / "out.parts").glob("chunk-*")) and not (tmp_path / "out").exists()
+    # A folder without a tokenizer is the line loading the target gave, now before the weights load.
+    model.save_pretrained(tmp_path / "no-tokenizer")
+    argv[argv.index(str(tmp_path / "no-system"))] = str(tmp_path / "no-tokenizer")
+    assert regenerate.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines()[-1].startswith(f"error: could not load target '{tmp_path / 'no-tokenizer'}': ")
+    assert "Traceback" not in err
+
+
 @pytest.mark.parametrize("flags,named", [(["--limit", "0"], "--limit 0"), (["--limit", "-1"], "--limit -1"),
                                          (["--threads", "0"], "--threads 0"), (["--temperature", "-1"], "temperature -1"),
                                          (["--temperature", "1", "--top-p", "0"], "top_p 0"),

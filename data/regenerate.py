@@ -73,6 +73,7 @@ from ddtree.calibration import weights_fingerprint
 from ddtree.errors import CommandParser, DDTreeError, command, error_line
 from ddtree.files import (atomic_file, iter_json_lines, path_argument, read_yaml_mapping, staged_folder,
                           unwritable_as_error, write_text_atomic)
+from ddtree.inputs import prompt_messages  # the prompt readers' rule, one for all (free of torch: --check uses it)
 from ddtree.names import DTYPE_NAMES
 from training.arguments import RECIPES_DIR, answer_early, known_recipes
 from training.peft_utils import adapter_fingerprint, check_adapter_folder
@@ -403,14 +404,6 @@ def check_dataset(args: argparse.Namespace) -> None:
                           f"{answered} answered), or lower {limit_setting(recipe)} to {answered}")
     raise DDTreeError(f"{differs}: generate it again with --overwrite ({rerun_command(recipe, '--overwrite')}), or "
                       "give another output folder")
-
-
-def prompt_messages(messages: list[dict]) -> list[dict]:
-    """The conversation up to its last non-assistant turn (a conversation file's answers get rewritten)."""
-    end = len(messages)
-    while end and messages[end - 1]["role"] == "assistant":
-        end -= 1
-    return messages[:end]
 
 
 def prompts_sha256(records: list[dict]) -> str:

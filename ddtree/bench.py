@@ -13,7 +13,8 @@ evaluation of a training run (which gathers rows from every rank) and `ddtree be
 
 Prompts file: one JSON object per line, {"prompt": "..."} (raw text, tokenized as is) or
 {"messages": [{"role": ..., "content": ...}]} (the target's chat template with the generation
-prompt); optional "id" (default, and for null: the line number), each prompt's its own.
+prompt, after trailing assistant turns are cut: prompt_messages); optional "id" (default, and for null: the line
+number), each prompt's its own.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import copy
 import dataclasses
 import hashlib
 import json
+import sys
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import asdict
@@ -40,17 +42,19 @@ from .decoding import (
 from .corpus import CorpusLookup
 from .errors import DDTreeError, check_text
 from .files import iter_json_lines
-from .inputs import check_prompts_file
+from .inputs import check_prompts_file, prompt_messages
 from .sizing import TreeSizer
 
 
 def read_prompts(path: str | Path, limit: int | None = None) -> list[tuple[str, str, dict]]:
     """The first `limit` prompts of a file (or all), checked but not tokenized: [(id, where, record)], where names
-    the file and line. The CLI reads them before the target loads, so a wrong file costs no load."""
+    the file and line; "messages" end where prompt_messages cuts them (said once on stderr). The CLI reads them before
+    the target loads, so a wrong file costs no load."""
     path = check_prompts_file(path)
     if limit is not None and limit < 1:
         raise DDTreeError(f"limit {limit} must be at least 1, or None for every prompt")
     prompts, lines = [], {}  # lines: the line of each id so far
+    answered = 0  # prompts that ended with an assistant turn
     for number, where, record in iter_json_lines(path):
         if not isinstance(record, dict) or ("prompt" in record) == ("messages" in record):
             raise DDTreeError(f'{where}: expected an object with exactly one of "prompt" or "messages"')
@@ -69,6 +73,11 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[tuple[str, 
             f"messages[{i}].{key}": message[key] for i, message in enumerate(messages) for key in ("role", "content")}
         for field, text in texts.items():  # else the tokenizer's TypeError, once the target had loaded
             check_text(text, f'{where}: "{field}"')
+        if messages is not None and messages[-1]["role"] == "assistant":
+            if not prompt_messages(messages):
+                raise DDTreeError(f"{where}: only assistant turns: a prompt needs a turn for the target to answer")
+            record = {**record, "messages": prompt_messages(messages)}
+            answered += 1
         # null is no id, as in training's data (it was the string "None", shared by every such line); rows of two
         # results files are paired by id, so one id twice would pair the wrong prompts
         prompt_id = str(number if record.get("id") is None else record["id"])
@@ -81,6 +90,9 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[tuple[str, 
             break
     if not prompts:
         raise DDTreeError(f"prompts file {path} holds no prompts")
+    if answered:
+        print(f"{path}: {answered} prompts ended with an assistant turn: decoded from the turn before it",
+              file=sys.stderr)
     return prompts
 
 

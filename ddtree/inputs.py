@@ -1,4 +1,5 @@
-"""The files a `ddtree` command names, checked by path in a module free of torch and transformers.
+"""The files a `ddtree` command names, checked by path in a module free of torch and transformers (and the prompt
+readers' rule, `prompt_messages`, which data/regenerate.py applies before torch loads too).
 
 The console script (ddtree/__main__.py) runs `check_input_paths` before those load, so a mistyped --drafter or
 --prompts answers at once (it waited about 10 s for them on the 2-core EPYC); ddtree/cli.py reads and checks the files'
@@ -55,3 +56,13 @@ def check_input_paths(args: argparse.Namespace) -> None:
         check_drafter_path(Path(args.drafter))
     if getattr(args, "prompts", None) is not None:
         check_prompts_file(args.prompts)
+
+
+def prompt_messages(messages: list[dict]) -> list[dict]:
+    """The conversation up to its last non-assistant turn: the prompt its reply answers. A conversation file given as
+    prompts (held-out conversations as bench's --prompts or eval.prompts, data/regenerate.py's prompts, whose replies
+    it rewrites) ends with that reply, after which the generation prompt would open a second assistant turn."""
+    end = len(messages)
+    while end and messages[end - 1]["role"] == "assistant":
+        end -= 1
+    return messages[:end]

@@ -6,6 +6,7 @@ share), and how it reads a prompts file.
 
 import copy
 import inspect
+import json
 import math
 import weakref
 
@@ -307,6 +308,33 @@ def test_a_message_whose_content_is_not_a_string_is_one_line(tmp_path, tiny_targ
                     f'{{"messages": [{{"role": "user", "content": {content}}}]}}\n')
     with pytest.raises(DDTreeError, match=f"{path}:2: .*whose role and content are strings"):
         load_prompts(path, tokenizer)
+
+
+def test_a_conversation_given_as_prompts_is_decoded_from_the_turn_its_reply_answers(tmp_path, tiny_target, capsys):
+    """A held-out conversation file (data/regenerate.py's format) given as --prompts or eval.prompts: the template's
+    generation prompt after the reply opened a second assistant turn no user sends, without a word. It now ends where
+    data/regenerate.py cuts it (prompt_messages), the same prompt and fingerprint as the file of its prompts alone."""
+    from ddtree.bench import prompts_fingerprint
+
+    _, tokenizer = tiny_target
+    user, reply = {"role": "user", "content": "Explain caching."}, {"role": "assistant", "content": "Sure. It keeps..."}
+    conversations, prompts = tmp_path / "conversations.jsonl", tmp_path / "prompts.jsonl"
+    conversations.write_text(json.dumps({"id": "a", "messages": [user, reply]}) + "\n"
+                             + json.dumps({"id": "b", "messages": [user, reply, user, reply, reply]}) + "\n"
+                             + json.dumps({"id": "c", "messages": [user]}) + "\n")
+    prompts.write_text(json.dumps({"id": "a", "messages": [user]}) + "\n"
+                       + json.dumps({"id": "b", "messages": [user, reply, user]}) + "\n"
+                       + json.dumps({"id": "c", "messages": [user]}) + "\n")
+    decoded = load_prompts(conversations, tokenizer)
+    assert capsys.readouterr().err.strip() == (f"{conversations}: 2 prompts ended with an assistant turn: decoded from "
+                                               "the turn before it")
+    assert decoded == load_prompts(prompts, tokenizer)
+    assert prompts_fingerprint(decoded) == prompts_fingerprint(load_prompts(prompts, tokenizer))
+    assert capsys.readouterr().err == ""  # a file of prompts alone: nothing to say
+
+    conversations.write_text(json.dumps({"messages": [user]}) + "\n" + json.dumps({"messages": [reply]}) + "\n")
+    with pytest.raises(DDTreeError, match=f"^{conversations}:2: only assistant turns: "):
+        read_prompts(conversations)
 
 
 STRICT_TEMPLATE = ("{% if messages[0]['role'] != 'user' %}{{ raise_exception('Conversation roles must alternate "

@@ -1754,6 +1754,21 @@ def test_the_card_calls_the_evaluated_prompts_held_out_only_when_none_is_a_train
     assert count_training_prompts("data/eval_prompts.jsonl", 40, "data/smollm2-135m") == 0
 
 
+def test_held_out_conversations_evaluated_as_prompts_are_compared_by_the_prompt_they_decode(tmp_path):
+    """Evaluated prompts read from a conversation file (its replies kept) are the turns before the reply, as bench
+    decodes them: compared whole, a trained prompt with its reply never matched, and the card called it held out."""
+    from training.model_card import count_training_prompts
+
+    def conversation(question: str) -> str:
+        return json.dumps({"messages": [{"role": "user", "content": question},
+                                        {"role": "assistant", "content": f"the answer to {question}"}]}) + "\n"
+
+    data, prompts = tmp_path / "conversations.jsonl", tmp_path / "heldout.jsonl"
+    data.write_text(conversation("question 1") + conversation("question 2"))
+    prompts.write_text(conversation("question 2") + conversation("question 3"))
+    assert count_training_prompts(str(prompts), 2, str(data)) == 1
+
+
 def test_a_warm_started_run_is_exported_for_the_target_it_trained_against(run_dir, tmp_path, capsys):
     """A run warm-started (model.init_from) from another target's export kept that folder's target name and depth in
     its drafter config (fixed in training/module.py): the export, its card and the engine checks named that target."""

@@ -205,6 +205,27 @@ def test_unknown_recipe_prints_one_line_listing_the_known_ones(capsys):
     assert "--recipe takes a recipe's name: --recipe tiny (reads recipes/tiny.yaml)" in capsys.readouterr().err
 
 
+def test_a_recipe_file_of_ones_own_is_told_where_it_goes_never_pointed_at_the_shipped_one(tmp_path, capsys):
+    """`--recipe /my/tiny.yaml`, a user's copy of tiny.yaml edited for their target and data, was told `--recipe tiny`,
+    which trains the shipped recipe on another target and data; a file of any other name was an unknown recipe."""
+    shipped = (RECIPES_DIR / "tiny.yaml").read_text()
+    (tmp_path / "tiny.yaml").write_text(shipped.replace("target: tiny-random", "target: /my/target"))
+    assert main(["--recipe", str(tmp_path / "tiny.yaml")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--recipe tiny" not in err, err
+    assert ("not a file, and recipes/tiny.yaml is a shipped recipe, not this file: put yours at recipes/<name>.yaml "
+            "under a name of its own and give --recipe <name>") in err, err
+    (tmp_path / "byo-qwen3.yaml").write_text(shipped)
+    assert main(["--recipe", str(tmp_path / "byo-qwen3.yaml")]) == 2
+    assert ("not a file: put yours at recipes/byo-qwen3.yaml and give --recipe byo-qwen3 (docs/training.md, Your own "
+            "target and data)") in capsys.readouterr().err
+    (tmp_path / "tiny.yaml").write_text(shipped)  # the shipped recipe's own text: its name reads the same
+    assert main(["--recipe", str(tmp_path / "tiny.yaml")]) == 2
+    assert "--recipe takes a recipe's name: --recipe tiny (reads recipes/tiny.yaml)" in capsys.readouterr().err
+    assert main(["--recipe", "byo-qwen3"]) == 2
+    assert "a recipe of your own goes at recipes/byo-qwen3.yaml" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("text, named", [
     ("trainer:\n  max_steps: [\n", "not valid YAML at line 3, column 1"),
     ("model:\n  block_size: 8\n\tnum_layers: 2\n", "not valid YAML at line 3, column 1"),

@@ -36,7 +36,7 @@ from .calibration import (CALIBRATION_FILE, learning_from, load_calibration, not
 from .corpus import CORPUS_FILE, CorpusLookup, read_corpus
 from .drafters import read_drafter_config
 from .decoder import (folder_corpus, load_drafter, measured_sizer, parse_device, read_calibration,  # noqa: F401
-                      say_on_stderr)  # (load_drafter, parse_device: importers read them from here too)
+                      sampling_facts, say_on_stderr)  # (load_drafter, parse_device: importers read them from here too)
 from .decoding import (
     METHODS, DrafterRunner, OnlineCalibration, Sampling, check_budget, context_limit, drafter_defaults, generate,
 )
@@ -209,13 +209,8 @@ def note_calibration_settings(drafter: DrafterRunner, args, target: PreTrainedMo
 
 
 def decoding_facts(args, target: PreTrainedModel) -> dict:
-    """What calibration.json records of how it decoded besides the tree (decoded_with), and what decoding compares
-    with it: the sampling (its acceptance is another than greedy decoding's), the target and the dtype it ran in. A
-    local --target folder is named by its absolute path, which another working folder names alike."""
-    given = Path(args.target)
-    return {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
-            "target": str(given.resolve()) if given.is_dir() else args.target,
-            "dtype": str(target.dtype).removeprefix("torch.")}
+    """What calibration.json records of how it decoded besides the tree (decoded_with): sampling_facts'."""
+    return sampling_facts(args.target, Sampling(args.temperature, args.top_p, args.top_k), target)
 
 
 def calibrate_flags(args, lookup: int, redraft: int, corpus: CorpusLookup | None, sizer, dtype: str | None = None) -> str:

@@ -34,8 +34,8 @@ from .arguments import ADAPTIVE_SIZE, STATIC_CACHE
 from .bench import chat_prompt_ids
 from .calibration import CALIBRATION_FILE, OnlineCalibration, learning_from, load_calibration, weights_fingerprint
 from .corpus import CORPUS_FILE, CorpusLookup, read_corpus
-from .decoding import (DrafterRunner, GenerationResult, Sampling, check_budget, check_sizer, generate,
-                       prompt_token_ids, static_cache, whole_number)
+from .decoding import (DrafterRunner, GenerationResult, Sampling, check_budget, check_sizer, drafter_defaults,
+                       generate, prompt_token_ids, static_cache, whole_number)
 from .drafters import load_drafter_folder, read_drafter_config
 from .errors import DDTreeError, check_text
 from .modeling_dflash import DFlashDraftModel
@@ -119,6 +119,16 @@ def measured_sizer(adaptive_size: str, static: bool | None, target: PreTrainedMo
     return sizer
 
 
+def sampling_facts(target_name: str, sampling: Sampling, target: PreTrainedModel) -> dict:
+    """What calibration.json records of how it decoded besides the tree (decoded_with), and what decoding compares
+    with it: the sampling (its acceptance is another than greedy decoding's), the target and the dtype it ran in. A
+    local target folder is named by its absolute path, which another working folder names alike."""
+    given = Path(target_name)
+    return {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+            "target": str(given.resolve()) if given.is_dir() else target_name,
+            "dtype": str(target.dtype).removeprefix("torch.")}
+
+
 @dataclass(frozen=True)
 class Reply:
     """One prompt's reply: its text, its token ids and the decoding's record (rounds, timings)."""
@@ -160,7 +170,9 @@ class Decoder:
         calibration: str | Path | bool | None = None, budget: int = 32, adaptive_size: str = "auto",
         static_cache: str = "auto", seed: int = 0, quiet: bool = False,
     ):
-        say = (lambda line: None) if quiet else say_on_stderr
+        say = self.say = (lambda line: None) if quiet else say_on_stderr
+        self.target_name = target
+        self._noted: set[tuple[str, ...]] = set()  # calibration notes said already (each once a Decoder)
         # Everything checked and every file read before the target loads (seconds, and memory)
         self.budget = whole_number(budget)
         if self.budget is None or self.budget < 1:
@@ -275,6 +287,8 @@ class Decoder:
         online = None
         if online_calibration:  # one learner for the Decoder's life: each prompt goes on from what the last taught
             online = self._online = self._online or learning_from(self.drafter.default_calibration)
+        if method == "ddtree":
+            self._note_calibration(sampling, lookup, redraft)
         result = generate(
             self.target, ids, method, self.drafter, self.budget, max_new_tokens, self.stop_ids, sampling, generator,
             self.static, online, lookup, self.sizer if method == "ddtree" else None, redraft,
@@ -282,3 +296,21 @@ class Decoder:
         )
         text = self.tokenizer.decode(result.new_tokens, skip_special_tokens=True)
         return Reply(text, list(result.new_tokens), ids, result)
+
+    def _note_calibration(self, sampling: Sampling, lookup: int | None, redraft: int | None) -> None:
+        """One line, once a Decoder for each set of differences, where the drafter's calibration was learned with
+        other lookups, re-drafting, corpus, sampling, target or dtype than this ddtree decodes with, as `ddtree
+        generate` says it: decoding stays lossless, but its expected tau and tree order are priced for another tree."""
+        calibration = self.drafter.default_calibration
+        if calibration is None:
+            return
+        lookup, redraft, corpus = drafter_defaults("ddtree", self.drafter, lookup, redraft, self.sizer is not None,
+                                                   self.corpus)
+        now = {"lookup": lookup, "redraft": redraft, "corpus": corpus is not None,
+               **sampling_facts(self.target_name, sampling, self.target)}
+        differences = tuple(calibration.differences(now))
+        if differences and differences not in self._noted:
+            self._noted.add(differences)
+            self.say(f"[calibration] note: learned decoding with other settings ({'; '.join(differences)}): its "
+                     "expected tau will be off; run `ddtree calibrate --overwrite` with these settings on prompts like "
+                     "yours, or decode with calibration=False")

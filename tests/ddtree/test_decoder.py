@@ -180,3 +180,22 @@ def test_messages_with_a_system_prompt(tiny_target):
         assert named in str(raised.value), str(raised.value)
     with pytest.raises(DDTreeError, match="prompt is a list of messages, which only a chat template renders"):
         decoder.generate(messages, chat=False)
+
+
+def test_a_calibration_learned_with_other_settings_is_noted_once(capsys, tiny_target, drafter_folder):
+    """`ddtree generate` notes a calibration learned with other lookups, re-drafting or sampling than it decodes with;
+    the Decoder said nothing (found in a review of upgrades: an older `ddtree calibrate` file recorded redraft 4)."""
+    calibration = OnlineCalibration()
+    calibration.log_temperatures = {8: math.log(1.5)}
+    save_calibration(drafter_folder / CALIBRATION_FILE, calibration,
+                     {"decoded_with": {"lookup": 0, "redraft": 0, "corpus": False, "temperature": 0.0}})
+    decoder = Decoder(TARGET, drafter_folder, **SETTINGS)
+    capsys.readouterr()
+    decoder.generate(PROMPT, max_new_tokens=8, lookup=0)
+    assert "[calibration] note" not in capsys.readouterr().err  # decoded as learned
+    for _ in range(2):
+        decoder.generate(PROMPT, max_new_tokens=8, lookup=3)
+    err = capsys.readouterr().err
+    assert err.count("[calibration] note: learned decoding with other settings (lookup 0 here 3)") == 1, err
+    decoder.generate(PROMPT, max_new_tokens=8, lookup=0, temperature=0.5)
+    assert "(temperature 0.0 here 0.5)" in capsys.readouterr().err

@@ -452,6 +452,9 @@ class AcceptanceEvaluation(L.Callback):
         self.pack_target: bool | None = None  # packed_weights resolved for this launch's target (packed_target)
         # The dtype the target decodes in, as "bfloat16": trainer.precision's or model.target_dtype (setup); None before
         self.target_dtype: str | None = None
+        # On a resume, the dtype the run's config.yaml ran the target in (train.py): it stands in for the one that
+        # checkpoints written before 2026-12-03 do not record, so their resume in another precision is refused too
+        self.run_dtype: str | None = None
         self.history: list[dict] = []  # one record per evaluation; kept in checkpoints for the report
         self.prompts: list[dict] | None = None  # read in setup (needs the target's tokenizer)
         self.tokenizer = None
@@ -684,6 +687,8 @@ class AcceptanceEvaluation(L.Callback):
     def load_state_dict(self, state_dict: dict) -> None:
         # New taus are ranked against the history's (best.ckpt, the report): measured otherwise, they compare nothing
         saved, now = state_dict.get("measurement"), self.measurement()  # (checkpoints before it was kept: not checked)
+        if saved is not None and saved.get("dtype") is None and self.run_dtype is not None:
+            saved = {**saved, "dtype": self.run_dtype}
         changed = changed_measurement(saved, now) if saved is not None else ""
         if changed:
             fix = "resume with the run's values, or measure its checkpoints so with make eval"

@@ -285,6 +285,18 @@ def run_layer_ids(saved: dict, config: Path, overrides: list[str]) -> list[str]:
     return [f"--model.target_layer_ids={list(ids)}"]
 
 
+def run_target_dtype(config: Path) -> str | None:
+    """The dtype the run's config.yaml ran the target in, as "bfloat16" (model.target_dtype, else trainer.precision's:
+    the rule of DistillModule.configure_model and the model card's), read before this launch's overrides; None where
+    that config cannot say."""
+    try:
+        settings = read_yaml_mapping(config)
+        model, trainer = settings.get("model") or {}, settings.get("trainer") or {}
+        return str(dtype_for_precision(trainer.get("precision"), model.get("target_dtype") or "auto")).removeprefix("torch.")
+    except (DDTreeError, OSError, AttributeError):  # missing, not a mapping, or precision auto: the resume checks less
+        return None
+
+
 RUN_NAME_ENV = "DDTREE_RUN_NAME"  # the run folder name, handed to the processes Lightning starts
 
 
@@ -514,6 +526,10 @@ def main(argv: list[str] | None = None) -> int:
                           flush=True)
             created = fresh
         cli = build_cli(config, run_dir, overrides, checkpoint, saved)
+        if checkpoint:
+            for callback in cli.trainer.callbacks:
+                if isinstance(callback, AcceptanceEvaluation):
+                    callback.run_dtype = run_target_dtype(config)
         if checkpoint and is_deepspeed_checkpoint(checkpoint) and not is_deepspeed(cli.trainer.strategy):
             # Lightning would torch.load the folder: an IsADirectoryError traceback
             raise DDTreeError(f"--resume: {checkpoint} is a DeepSpeed checkpoint (a folder of per-rank shards) and this "

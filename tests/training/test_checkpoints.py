@@ -796,3 +796,31 @@ def test_a_run_that_left_its_layer_ids_to_an_older_default_resumes_on_its_checkp
     assert train_main(["--output-root", str(tmp_path / "out"), "--resume", str(run), "--trainer.max_steps=4"]) == 0
     assert (run / "checkpoints" / "step-4.ckpt").is_file()
     assert read_yaml_mapping(run / "config.yaml")["model"]["target_layer_ids"] == old_default
+
+
+def test_a_run_whose_checkpoints_do_not_record_the_dtype_is_refused_a_resume_in_another_precision(tmp_path, capsys):
+    """Checkpoints written before 2026-12-03 keep no dtype in their measurement: a resume in another precision was
+    accepted silently, ranked fp32 taus against the old bf16 ones and rewrote config.yaml to a precision the old
+    steps never ran in (found in a review). The run's config.yaml says what they ran in."""
+    from test_reliability import tiny_args
+
+    from ddtree.files import read_yaml_mapping
+    from training.train import main as train_main
+
+    assert train_main([*tiny_args(tmp_path, "old", max_steps=2), "--trainer.precision=bf16-mixed"]) == 0
+    run = tmp_path / "out" / "tiny" / "old"
+    for path in (run / "checkpoints").glob("*.ckpt"):  # as older code wrote them (best.ckpt: a link to one)
+        if path.is_symlink():
+            continue
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        checkpoint["callbacks"]["AcceptanceEvaluation"]["measurement"].pop("dtype")
+        torch.save(checkpoint, path)
+    capsys.readouterr()
+    resume = ["--output-root", str(tmp_path / "out"), "--resume", str(run), "--trainer.max_steps=4"]
+    assert train_main([*resume, "--trainer.precision=32-true"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and errors[0].startswith(
+        "error: this run measured its checkpoints' tau otherwise than the resume would (the target's dtype bfloat16 "
+        "-> float32): resume with the run's trainer.precision"), errors
+    assert read_yaml_mapping(run / "config.yaml")["trainer"]["precision"] == "bf16-mixed"
+    assert not (run / "checkpoints" / "step-4.ckpt").exists()

@@ -600,8 +600,10 @@ def build_under_lock(datamodule: DistillDataModule, out: Path, layer_ids: list[i
     identity = build_identity(datamodule, text_config, layer_ids, target_adapter, dtype)
     num_layers, hidden_size = text_config.num_hidden_layers, text_config.hidden_size
     layer_ids = identity["target_layer_ids"]
-    if not all(0 <= i < num_layers for i in layer_ids) or len(set(layer_ids)) < len(layer_ids):
-        raise DDTreeError(f"model.target_layer_ids {layer_ids} must be distinct and within 0..{num_layers - 1} "
+    # Repeated ids are stored as given, a copy each, as the drafter reads them online: a run from before 2026-12-03
+    # read the default [1, 2, 2, 2, 3] of a 6-layer target, and its resume keeps them (training.train.run_layer_ids)
+    if not all(0 <= i < num_layers for i in layer_ids):
+        raise DDTreeError(f"model.target_layer_ids {layer_ids} must be within 0..{num_layers - 1} "
                           f"(target {datamodule.target} has {num_layers} layers)")
     if teacher_top_k > text_config.vocab_size:
         raise DDTreeError(f"model.distill_top_k={teacher_top_k} is above target {datamodule.target}'s vocabulary of "

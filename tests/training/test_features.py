@@ -349,8 +349,25 @@ def test_a_store_without_layer_ids_holds_the_distinct_ones_a_new_drafter_reads(t
     path = build_feature_store(make_datamodule(tmp_path), tmp_path / "store")
     assert FeatureStore(path).layer_ids == [0, 1, 2, 3, 4] == tiny_module(target_layer_ids=None).target_layer_ids
     assert "set model.target_layer_ids to choose others" in capsys.readouterr().out
-    with pytest.raises(DDTreeError, match=r"^model.target_layer_ids \[1, 3, 1\] must be distinct and within 0..5"):
-        build_feature_store(make_datamodule(tmp_path), tmp_path / "twice", layer_ids=[1, 3, 1])
+    with pytest.raises(DDTreeError, match=r"^model.target_layer_ids \[1, 6\] must be within 0..5"):
+        build_feature_store(make_datamodule(tmp_path), tmp_path / "outside", layer_ids=[1, 6])
+
+
+def test_a_store_of_repeated_layer_ids_holds_the_online_features_of_a_run_trained_on_the_old_default(tmp_path):
+    """A run from before 2026-12-03 on a target under 8 layers read [1, 2, 2, 2, 3]; its resume keeps those ids
+    (training.train.run_layer_ids), and where its store had to be built again the build refused them as not distinct
+    (found in a review): the store holds each copy, as the drafter reads them online."""
+    old_default = [1, 2, 2, 2, 3]
+    dm = make_datamodule(tmp_path)
+    store = FeatureStore(build_feature_store(dm, tmp_path / "store", layer_ids=old_default, dtype=torch.float32,
+                                             sequences_per_batch=1))  # one a batch: the online forward's shapes
+    assert (store.layer_ids, store.width) == (old_default, 5 * HIDDEN)
+    assert store.layer_ids == tiny_module(target_layer_ids=old_default).target_layer_ids
+    data, _, _ = dm.load_tokenized()
+    target, _ = load_target("tiny-random", torch.float32)
+    for i in range(len(data)):
+        online = target_layer_features(target, data[i]["input_ids"][None], old_default)[0]  # (T_i, 5*H)
+        assert torch.equal(store[i], online), f"sequence {i}"
 
 
 def test_a_store_of_the_last_layer_holds_it_normed_and_an_older_raw_one_is_refused(tmp_path):

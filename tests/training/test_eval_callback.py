@@ -39,7 +39,7 @@ from ddtree.decoding import DrafterRunner, generate
 from ddtree.packed_linear import is_packed
 from ddtree.targets import DDTreeError, load_target, stop_token_ids
 from training.arguments import recipe_path
-from training.callbacks import AcceptanceEvaluation, BestCheckpoint, measure_acceptance, monitor_metric
+from training.callbacks import AcceptanceEvaluation, BestCheckpoint, in_dtype, measure_acceptance, monitor_metric
 from training.checkpoint_paths import why_no_best
 from training.checkpoints import AtomicCheckpointIO, drafter_from_checkpoint
 from training.data import TokenizedConversations
@@ -1571,9 +1571,13 @@ def test_model_corpus_grafts_the_training_replies_as_the_export_decodes_them():
         AcceptanceEvaluation(prompts=PROMPTS).setup(SimpleNamespace(datamodule=None), module, "fit")
 
 
-def test_evaluation_decodes_the_drafter_in_the_targets_dtype_as_bench_decodes_its_export():
+def test_evaluation_decodes_the_drafter_in_the_targets_dtype_as_bench_decodes_its_export(tmp_path):
     """Under bf16-mixed the live drafter's weights are fp32, while `ddtree` loads the export in the target's bf16:
-    the evaluation that ranks checkpoints decodes the latter, and training's weights stay fp32."""
+    the evaluation that ranks checkpoints decodes the latter, and training's weights stay fp32. The export is saved and
+    loaded as `ddtree` loads it: from_pretrained(dtype=) keeps the rotary inv_freq buffers in fp32, which the
+    evaluation's cast had turned bf16 (angles 0.36 rad off at position 256; in a review tau@32 3.357 in training and
+    make eval, 3.298 in ddtree bench on the export)."""
+    from ddtree.drafters import load_drafter_folder
     from ddtree.modeling_dflash import DFlashDraftModel
     from ddtree.targets import build_drafter_config
 
@@ -1586,8 +1590,11 @@ def test_evaluation_decodes_the_drafter_in_the_targets_dtype_as_bench_decodes_it
     stop_ids = stop_token_ids(target, tokenizer)
     measured = evaluation.measure(target, drafter, prompts, stop_ids)["summary"]
     assert {p.dtype for p in drafter.parameters()} == {torch.float32}
-    shipped = DrafterRunner(DFlashDraftModel(drafter.config).to(torch.bfloat16).eval(), target)
-    shipped.drafter.load_state_dict(drafter.state_dict())  # cast to bf16 on load, as from_pretrained(dtype=) does
+    drafter.save_pretrained(tmp_path)
+    shipped = DrafterRunner(load_drafter_folder(tmp_path, torch.bfloat16, target=target).eval(), target)
+    evaluated = in_dtype(drafter, torch.bfloat16)
+    for (name, mine), (_, theirs) in zip(evaluated.named_buffers(), shipped.drafter.named_buffers(), strict=True):
+        assert mine.dtype == theirs.dtype and torch.equal(mine, theirs), name
     bench = run_benchmark(target, shipped, prompts, [CHAIN, "ddtree"], [8], 16, stop_ids, progress=False)["summary"]
     for key, stats in bench.items():
         assert measured[key]["tau"] == stats["tau"], key

@@ -146,22 +146,23 @@ def llama3_tokenizer(smol_folder):
     return tokenizer
 
 
-@pytest.fixture(scope="module")
-def llama2_tokenizer(smol_folder):
+def s_tokens_tokenizer(smol_folder, template: str):
+    """SmolLM2's tokenizer with <s> and </s> as its bos and eos, under a Llama-2-family template."""
     tokenizer = AutoTokenizer.from_pretrained(smol_folder)
     tokenizer.add_tokens(["<s>", "</s>"], special_tokens=True)
     tokenizer.bos_token, tokenizer.eos_token = "<s>", "</s>"
-    tokenizer.chat_template = LLAMA2_TEMPLATE
+    tokenizer.chat_template = template
     return tokenizer
+
+
+@pytest.fixture(scope="module")
+def llama2_tokenizer(smol_folder):
+    return s_tokens_tokenizer(smol_folder, LLAMA2_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
 def mistral_v3_tokenizer(smol_folder):
-    tokenizer = AutoTokenizer.from_pretrained(smol_folder)
-    tokenizer.add_tokens(["<s>", "</s>"], special_tokens=True)
-    tokenizer.bos_token, tokenizer.eos_token = "<s>", "</s>"
-    tokenizer.chat_template = MISTRAL_V3_TEMPLATE
-    return tokenizer
+    return s_tokens_tokenizer(smol_folder, MISTRAL_V3_TEMPLATE)
 
 
 def decoding_prompt(tokenizer, messages):

@@ -20,6 +20,7 @@ stderr as the command says it; quiet=True keeps it silent.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Mapping
@@ -35,11 +36,12 @@ from .bench import chat_prompt_ids
 from .calibration import CALIBRATION_FILE, OnlineCalibration, learning_from, load_calibration, weights_fingerprint
 from .corpus import CORPUS_FILE, CorpusLookup, read_corpus
 from .decoding import (DrafterRunner, GenerationResult, Sampling, check_budget, check_sizer, drafter_defaults,
-                       generate, prompt_token_ids, static_cache, whole_number)
+                       generate, prompt_token_ids, whole_number)
+from .decoding import static_cache as static_cache_on
 from .drafters import load_drafter_folder, read_drafter_config
 from .errors import DDTreeError, check_text
 from .modeling_dflash import DFlashDraftModel
-from .names import METHODS
+from .names import METHODS, PACKED_KERNELS
 from .packed_linear import apply_packing, is_packed, pack_linears
 from .precision import resolve_dtype
 from .sizing import TreeSizer
@@ -110,7 +112,7 @@ def read_calibration(path: Path, drafter: str | None, say: Say, leave_out: str, 
 def measured_sizer(adaptive_size: str, static: bool | None, target: PreTrainedModel, max_budget: int, method: str,
                    say: Say) -> TreeSizer | None:
     """Adaptive size on (auto: the dynamic cache, ddtree only): the verify cost measured here and said; else None."""
-    static = static_cache(static, target.device)
+    static = static_cache_on(static, target.device)
     if adaptive_size == "off" or (adaptive_size == "auto" and (static or method != "ddtree")):
         return None
     check_sizer(method, True, static)
@@ -123,7 +125,7 @@ def sampling_facts(target_name: str, sampling: Sampling, target: PreTrainedModel
     """What calibration.json records of how it decoded besides the tree (decoded_with), and what decoding compares
     with it: the sampling (its acceptance is another than greedy decoding's), the target and the dtype it ran in. A
     local target folder is named by its absolute path, which another working folder names alike."""
-    given = Path(target_name)
+    given = Path(target_name).expanduser()
     return {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
             "target": str(given.resolve()) if given.is_dir() else target_name,
             "dtype": str(target.dtype).removeprefix("torch.")}
@@ -146,6 +148,21 @@ class Reply:
     @property
     def tokens_per_second(self) -> float:
         return self.result.tokens_per_second
+
+
+def user_path(value, where: str) -> str:
+    """A target or drafter given as text or a path, its leading `~` the home folder."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise DDTreeError(f"{where}={value!r}: give a name or a folder, as text or a path")
+    text = os.fspath(value)
+    return os.path.expanduser(text) if text.startswith("~") else text
+
+
+def check_seed(seed) -> None:
+    """A seed torch.manual_seed takes, as the command's --seed: a whole number from -2**63 to 2**64 - 1."""
+    number = whole_number(seed)
+    if number is None or not -2**63 <= number < 2**64:
+        raise DDTreeError(f"seed={seed!r}: give a whole number from -2**63 to 2**64 - 1")
 
 
 def _choice(value, choices, where: str) -> str:
@@ -171,6 +188,11 @@ class Decoder:
         static_cache: str = "auto", seed: int = 0, quiet: bool = False,
     ):
         say = self.say = (lambda line: None) if quiet else say_on_stderr
+        # A path is taken as the command takes it: its `~` the home folder (else a drafter's corpus and calibration
+        # were looked for under a folder named `~`, and decoded without, found in a review)
+        target, drafter = user_path(target, "target"), None if drafter is None else user_path(drafter, "drafter")
+        check_seed(seed)
+        _choice(packed_weights, PACKED_KERNELS, "packed_weights")
         self.target_name = target
         self._noted: set[tuple[str, ...]] = set()  # calibration notes said already (each once a Decoder)
         # Everything checked and every file read before the target loads (seconds, and memory)
@@ -193,6 +215,9 @@ class Decoder:
             given_calibration = Path(calibration)
         device = parse_device(device, "device") if device is not None else torch.device(
             "cuda" if torch.cuda.is_available() else "cpu")
+        if self.adaptive_size == "on" and static_cache_on(self.static, device):
+            raise DDTreeError("adaptive_size='on' saves nothing with the static cache (every verify runs budget + 1 "
+                              "rows): give static_cache='off', or adaptive_size 'auto' or 'off'")
 
         chosen, reason = resolve_dtype(dtype, device, "dtype")
         if reason:
@@ -278,6 +303,15 @@ class Decoder:
         if method != "ar" and self.drafter is None:
             raise DDTreeError(f"method={method!r} drafts with a drafter, and this Decoder has none: give drafter= "
                               "when building it, or method='ar'")
+        if online_calibration and self.drafter is None:
+            raise DDTreeError("online_calibration learns from a drafter's drafts, and this Decoder has none: give "
+                              "drafter= when building it, or drop it")
+        check_seed(seed)
+        if on_tokens is not None and not callable(on_tokens):
+            raise DDTreeError(f"on_tokens={on_tokens!r}: give a function of a list of token ids, or None")
+        for name, value in (("temperature", temperature), ("top_p", top_p)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise DDTreeError(f"{name}={value!r}: give a number")
         if online_calibration and method == "ar":
             raise DDTreeError("online_calibration learns from a drafter's drafts, and method 'ar' drafts none: give "
                               "method 'dflash' or 'ddtree', or drop it")
@@ -287,13 +321,13 @@ class Decoder:
         online = None
         if online_calibration:  # one learner for the Decoder's life: each prompt goes on from what the last taught
             online = self._online = self._online or learning_from(self.drafter.default_calibration)
-        if method == "ddtree":
-            self._note_calibration(sampling, lookup, redraft)
         result = generate(
             self.target, ids, method, self.drafter, self.budget, max_new_tokens, self.stop_ids, sampling, generator,
             self.static, online, lookup, self.sizer if method == "ddtree" else None, redraft,
             self.corpus if method == "ddtree" else None, on_tokens=on_tokens,
         )
+        if method == "ddtree":  # after generate checked lookup and redraft: a bad one was advised to calibrate with
+            self._note_calibration(sampling, lookup, redraft)
         text = self.tokenizer.decode(result.new_tokens, skip_special_tokens=True)
         return Reply(text, list(result.new_tokens), ids, result)
 

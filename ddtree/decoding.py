@@ -465,10 +465,14 @@ def prompt_token_ids(prompt_ids, where: str = "prompt_ids") -> list[int]:
         raise DDTreeError(f"{where} is text ({prompt_ids[:40]!r}), not token ids: tokenize it first, "
                           "tokenizer(text)[\"input_ids\"]")
     try:
-        prompt = torch.as_tensor(prompt_ids, dtype=torch.long)
+        given = torch.as_tensor(prompt_ids)
     except (TypeError, ValueError, RuntimeError) as error:
         raise DDTreeError(f"{where} must be token ids (a list of ints, or a 1-D or (1, length) tensor), got a "
                           f"{type(prompt_ids).__name__} ({error_line(error)})") from None
+    if given.numel() and (given.is_floating_point() or given.is_complex()):  # 1.5 was cut to token 1 without a word
+        raise DDTreeError(f"{where} must be token ids, whole numbers; got {given.dtype} values such as "
+                          f"{given.reshape(-1)[0].item()!r}")
+    prompt = given.to(torch.long)
     if prompt.dim() > 2 or (prompt.dim() == 2 and prompt.shape[0] != 1):
         raise DDTreeError(f"generate decodes one prompt at a time: {where} has shape {tuple(prompt.shape)}; give "
                           f"one sequence of token ids (or a (1, length) batch) per call")

@@ -199,3 +199,31 @@ def test_a_calibration_learned_with_other_settings_is_noted_once(capsys, tiny_ta
     assert err.count("[calibration] note: learned decoding with other settings (lookup 0 here 3)") == 1, err
     decoder.generate(PROMPT, max_new_tokens=8, lookup=0, temperature=0.5)
     assert "(temperature 0.0 here 0.5)" in capsys.readouterr().err
+
+
+def test_paths_under_home_and_bad_values_found_in_a_review(monkeypatch, tmp_path, tiny_target, drafter_folder):
+    """A `~` drafter path loaded the weights but looked for the folder's corpus and calibration under a folder named
+    `~`; bad seeds, temperatures, callbacks and float token ids were tracebacks or went through cut."""
+    monkeypatch.setenv("HOME", str(drafter_folder.parent))
+    write_replies(drafter_folder / CORPUS_FILE, [[5, 6, 7, 8]], tiny_target[1])
+    decoder = Decoder(TARGET, "~/drafter", **SETTINGS, quiet=True)
+    assert decoder.drafter.default_corpus is not None
+    for keywords, named in ((dict(seed=None), "seed=None: give a whole number"),
+                            (dict(seed=2**64), "seed=18446744073709551616"),
+                            (dict(temperature=None), "temperature=None: give a number"),
+                            (dict(on_tokens=3), "on_tokens=3: give a function")):
+        with pytest.raises(DDTreeError) as raised:
+            decoder.generate(PROMPT, **keywords)
+        assert named in str(raised.value), str(raised.value)
+    with pytest.raises(DDTreeError, match="prompt must be token ids, whole numbers"):
+        decoder.generate([1.5, 2.5])
+    plain = Decoder(TARGET, **SETTINGS, quiet=True)
+    with pytest.raises(DDTreeError, match="online_calibration learns from a drafter's drafts, and this Decoder has none"):
+        plain.generate(PROMPT, online_calibration=True)
+    monkeypatch.setattr("ddtree.decoder.load_target", lambda *args, **kwargs: pytest.fail("loaded the target first"))
+    for keywords, named in ((dict(target=None), "target=None: give a name or a folder"),
+                            (dict(packed_weights="yes"), "packed_weights='yes': choose one of"),
+                            (dict(adaptive_size="on", static_cache="on"), "adaptive_size='on' saves nothing")):
+        with pytest.raises(DDTreeError) as raised:
+            Decoder(**{"target": TARGET, "quiet": True, **keywords})
+        assert named in str(raised.value), str(raised.value)

@@ -35,8 +35,8 @@ from .calibration import (CALIBRATION_FILE, learning_from, load_calibration, not
                           weights_fingerprint)
 from .corpus import CORPUS_FILE, CorpusLookup, read_corpus
 from .drafters import read_drafter_config
-from .decoder import (folder_corpus, load_drafter, measured_sizer, parse_device, read_calibration,  # noqa: F401
-                      sampling_facts, say_on_stderr)  # (load_drafter, parse_device: importers read them from here too)
+from .decoder import (chosen_calibration, drafter_runner, given_corpus, load_drafter,  # noqa: F401
+                      measured_sizer, parse_device, sampling_facts, say_on_stderr)  # (load_drafter, parse_device: importers read them from here too)
 from .decoding import (
     METHODS, DrafterRunner, OnlineCalibration, Sampling, check_budget, context_limit, drafter_defaults, generate,
 )
@@ -44,7 +44,7 @@ from .errors import DDTreeError, check_text, command
 from .files import check_output_file, write_json_atomic
 from .inputs import method_list, uses_drafter
 from .machine import describe_machine, machine_line
-from .packed_linear import apply_packing, cannot_pack, is_packed, pack_linears, packing_available
+from .packed_linear import apply_packing, cannot_pack, is_packed, packing_available
 from .precision import resolve_dtype
 from .sizing import TreeSizer
 from .targets import load_target, stop_token_ids
@@ -239,32 +239,17 @@ def _corpus(args, tokenizer, read: list[str] | CorpusLookup | None) -> CorpusLoo
     target's tokenizer; False for `none`; None (the drafter's own, DrafterRunner.default_corpus) when left out."""
     if args.corpus is None or args.corpus == "none":
         return None if args.corpus is None else False
-    started = time.perf_counter()
-    if isinstance(read, CorpusLookup):
-        corpus, took = read, ""
-    else:
-        corpus = CorpusLookup.from_text(read, tokenizer, source=f"--corpus {args.corpus}").check_runs()
-        took = f" in {time.perf_counter() - started:.1f} s"
-    corpus.check_tokenizer(tokenizer)
-    print(f"[corpus] {len(corpus)} runs of {corpus.ngram} tokens from {args.corpus}{took}", file=sys.stderr)
-    return corpus
+    return given_corpus(read, tokenizer, f"--corpus {args.corpus}", args.corpus, say_on_stderr)
+
+
+LEAVE_OUT = {"corpus": "--corpus none", "calibration": "--calibration none"}  # how the command decodes without them
 
 
 def _drafter_runner(args, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> DrafterRunner:
-    """The --drafter, with the corpus its folder ships (if any) as its default corpus lookup, and the calibration it
-    holds (if any, or --calibration FILE) as its default calibration."""
-    drafter = load_drafter(args.drafter, target, tokenizer, args.target, args.seed)
-    if is_packed(target):  # --packed-weights packed the target: the drafter's own layers too
-        pack_linears(drafter.requires_grad_(False))
-    corpus = None
-    if args.drafter != "random" and args.corpus is None:  # an explicit --corpus replaces it
-        corpus = folder_corpus(Path(args.drafter), tokenizer, say_on_stderr, "--corpus none")
-    calibration = _calibration(args)
-    runner = DrafterRunner(drafter, target, corpus=corpus, calibration=calibration)
-    if runner.calibration_from_config:
-        print(f"[calibration] the drafter's config (replayed on its validation replies): draft temperature "
-              f"{runner.default_calibration.describe()} (--calibration none leaves it out)", file=sys.stderr)
-    return runner
+    """The --drafter, with the corpus its folder ships (if any, and no --corpus given) as its default corpus lookup,
+    and the calibration it holds (if any, or --calibration FILE) as its default calibration."""
+    return drafter_runner(args.drafter, target, tokenizer, args.target, args.seed, args.corpus is None,
+                          _calibration(args), say_on_stderr, LEAVE_OUT)
 
 
 def check_calibration_flag(args, methods: list[str]) -> None:
@@ -333,14 +318,8 @@ def _calibration(args) -> OnlineCalibration | None | bool:
     given = getattr(args, "calibration", None)
     if args.command == "calibrate" or given == "none":
         return False
-    if given is not None:
-        path = check_calibration_file(given)
-    else:
-        path = None if args.drafter == "random" else Path(args.drafter) / CALIBRATION_FILE
-        if path is None or not path.is_file():
-            return None
-    return read_calibration(path, None if args.drafter == "random" else args.drafter, say_on_stderr,
-                            "--calibration none", own=given is None)
+    return chosen_calibration(None if given is None else check_calibration_file(given),
+                              None if args.drafter == "random" else args.drafter, say_on_stderr, LEAVE_OUT["calibration"])
 
 
 def check_out_is_no_input(args) -> None:

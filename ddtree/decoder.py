@@ -109,6 +109,54 @@ def read_calibration(path: Path, drafter: str | None, say: Say, leave_out: str, 
     return calibration
 
 
+def given_corpus(read: list[str] | CorpusLookup, tokenizer: PreTrainedTokenizerBase, source: str, file: str,
+                 say: Say) -> CorpusLookup:
+    """A corpus `file` given to decode with (read_corpus' replies as text, or a corpus.safetensors' index), indexed and
+    checked against the target's tokenizer; `source` names it as the caller's user gave it (`--corpus FILE`)."""
+    started = time.perf_counter()
+    if isinstance(read, CorpusLookup):
+        corpus, took = read, ""
+    else:
+        corpus = CorpusLookup.from_text(read, tokenizer, source=source).check_runs()
+        took = f" in {time.perf_counter() - started:.1f} s"
+    corpus.check_tokenizer(tokenizer)
+    say(f"[corpus] {len(corpus)} runs of {corpus.ngram} tokens from {file}{took}")
+    return corpus
+
+
+def chosen_calibration(given: Path | bool | None, drafter: str | None, say: Say,
+                       leave_out: str) -> OnlineCalibration | bool | None:
+    """The calibration to decode with: False for none; a file given (checked to exist); else the drafter folder's
+    calibration.json; None where there is neither (the drafter's config may hold one). `drafter`: the folder, None for
+    a random drafter; `leave_out` says how the caller decodes without it (`--calibration none`)."""
+    if given is False:
+        return False
+    path = given if isinstance(given, Path) else None if drafter is None else Path(drafter) / CALIBRATION_FILE
+    if path is None or not path.is_file():
+        return None
+    return read_calibration(path, drafter, say, leave_out, own=not isinstance(given, Path))
+
+
+def drafter_runner(spec: str, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, target_name: str,
+                   seed: int, shipped_corpus: bool, calibration: OnlineCalibration | bool | None, say: Say,
+                   leave_out: dict[str, str]) -> DrafterRunner:
+    """The drafter `spec` names (a folder or "random") as a DrafterRunner of the target: its linear layers packed where
+    the target's are, the corpus its folder ships (where shipped_corpus: no corpus was given to replace it) and
+    `calibration` (chosen_calibration's) as its defaults, each said. leave_out: how the caller decodes without the
+    corpus and the calibration ({"corpus": "--corpus none", "calibration": "--calibration none"})."""
+    drafter = load_drafter(spec, target, tokenizer, target_name, seed)
+    if is_packed(target):  # the target's linear layers packed: the drafter's own too
+        pack_linears(drafter.requires_grad_(False))
+    corpus = None
+    if spec != "random" and shipped_corpus:
+        corpus = folder_corpus(Path(spec), tokenizer, say, leave_out["corpus"])
+    runner = DrafterRunner(drafter, target, corpus=corpus, calibration=calibration)
+    if runner.calibration_from_config:
+        say(f"[calibration] the drafter's config (replayed on its validation replies): draft temperature "
+            f"{runner.default_calibration.describe()} ({leave_out['calibration']} leaves it out)")
+    return runner
+
+
 def measured_sizer(adaptive_size: str, static: bool | None, target: PreTrainedModel, max_budget: int, method: str,
                    say: Say) -> TreeSizer | None:
     """Adaptive size on (auto: the dynamic cache, ddtree only): the verify cost measured here and said; else None."""
@@ -235,30 +283,12 @@ class Decoder:
         self.sizer: TreeSizer | None = None
         if drafter is None:
             return
-        model = load_drafter(str(drafter), self.target, self.tokenizer, target, seed)
-        if is_packed(self.target):  # the drafter's own layers too
-            pack_linears(model.requires_grad_(False))
-        shipped = None
-        if self.drafter_path is not None and corpus in (None, True):
-            shipped = folder_corpus(Path(self.drafter_path), self.tokenizer, say, "corpus=False")
         if read is not None:
-            self.corpus = read if isinstance(read, CorpusLookup) else CorpusLookup.from_text(
-                read, self.tokenizer, source=f"corpus={corpus}").check_runs()
-            self.corpus.check_tokenizer(self.tokenizer)
-            say(f"[corpus] {len(self.corpus)} runs of {self.corpus.ngram} tokens from {corpus}")
-        if calibration is False:
-            loaded = False
-        elif given_calibration is not None:
-            loaded = read_calibration(given_calibration, self.drafter_path, say, "calibration=False", own=False)
-        elif self.drafter_path is not None and (Path(self.drafter_path) / CALIBRATION_FILE).is_file():
-            loaded = read_calibration(Path(self.drafter_path) / CALIBRATION_FILE, self.drafter_path, say,
-                                      "calibration=False", own=True)
-        else:
-            loaded = None
-        self.drafter = DrafterRunner(model, self.target, corpus=shipped, calibration=loaded)
-        if self.drafter.calibration_from_config:
-            say(f"[calibration] the drafter's config (replayed on its validation replies): draft temperature "
-                f"{self.drafter.default_calibration.describe()} (calibration=False leaves it out)")
+            self.corpus = given_corpus(read, self.tokenizer, f"corpus={corpus}", str(corpus), say)
+        loaded = chosen_calibration(False if calibration is False else given_calibration, self.drafter_path, say,
+                                    "calibration=False")
+        self.drafter = drafter_runner(drafter, self.target, self.tokenizer, target, seed, corpus in (None, True), loaded,
+                                      say, {"corpus": "corpus=False", "calibration": "calibration=False"})
         self.sizer = measured_sizer(self.adaptive_size, self.static, self.target, self.budget, "ddtree", say)
 
     def prompt_ids(self, prompt: str | list[int] | list[dict], chat: bool = True) -> list[int]:

@@ -44,7 +44,7 @@ $(STAMP): requirements.txt pyproject.toml
 # sets one) writes its training replies into the recipe's data.data_path (data/regenerate.py; resumable: chunks already
 # written are skipped).
 data: $(STAMP)
-	$(PY) data/regenerate.py --recipe $(call quote,recipes/$(RECIPE).yaml) $(ARGS)
+	$(PY) data/regenerate.py --recipe $(call quote,$(RECIPE)) $(ARGS)
 
 # make features [RECIPE=smollm2-135m] [OUT=dir] [FORCE=1]: the frozen target's layer features of the recipe's
 # data, written once (in the dtype training runs the target in: bf16, or fp32 where `auto` picks it; sharded; size printed first; resumable) for `--data.feature_store <dir>`

@@ -67,3 +67,11 @@ def test_make_test_runs_pytest_for_each_of_xdists_worker_counts(workers, threads
     cores = int(subprocess.run(["nproc"], env=env, capture_output=True, text=True, check=True).stdout)
     assert ran.stdout.split() == [f"threads={threads(cores)}", "args=-m", "pytest", "-q", "-n", workers, "--dist",
                                   "loadfile"]
+
+
+@pytest.mark.parametrize("recipe", ["smollm2-135m", "/somewhere/my-recipe.yaml"])
+def test_make_data_hands_the_recipe_to_regenerate_as_given(recipe):
+    """data/regenerate.py takes a recipe's name or its file, as `make features` and `make train` pass it; `make data`
+    used to wrap it in recipes/<RECIPE>.yaml, so RECIPE=/path/x.yaml asked for recipes//path/x.yaml.yaml."""
+    words = planned_words("data", f"RECIPE={recipe}")
+    assert words[words.index("--recipe") + 1] == f"'{recipe}'", words  # quoted for the shell

@@ -925,7 +925,7 @@ class AcceptanceEvaluation(L.Callback):
         settings = {**self.settings(module.drafter_config, len(self.prompts)),
                     "train_loss_note": report.training_loss_note(dict(module.hparams), module.block_size),
                     "target_note": report.target_note(dict(module.hparams)),
-                    "data_note": report.partial_data_note(drawn),
+                    "data_notes": report.data_notes(drawn),
                     "planned_length": f"max_steps {max_steps}" + "".join(
                         f", max_time {report.duration_text(timer._duration)}" for timer in timers[:1]),
                     "ended": report.training_end(trainer.global_step, max_steps,

@@ -46,7 +46,7 @@ from .data import DATA_RECORD
 from .engines import SGLANG, VLLM, serve_commands
 from .hub_config import builtin_conversion
 from .recipe_data import AUTO_DATA
-from .report import objective_description, partial_data_note, tau_bound, training_end
+from .report import data_notes, objective_description, tau_bound, training_end
 from .target import dtype_for_precision
 
 TAGS = ["dflash", "ddtree", "speculative-decoding", "draft-model", "block-diffusion"]
@@ -501,9 +501,7 @@ def recipe_section(facts: CardFacts) -> list[str]:
             f"- max length {data.get('max_length')} tokens, loss on assistant tokens only, "
             f"{data.get('val_fraction')} held out for validation",
         ]
-        partial = partial_data_note(facts.data_record)
-        if partial:
-            lines.append(f"- {partial} (the run's data.json)")
+        lines += [f"- {note} (the run's data.json)" for note in data_notes(facts.data_record)]
     else:
         lines.append("- the run folder has no config.yaml, so the data settings are not known")
     return lines + [""]

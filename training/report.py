@@ -122,6 +122,30 @@ def partial_data_note(record: dict | None) -> str | None:
             "time box (`data.store_max_minutes`) and holds only those")
 
 
+def tokenization_note(record: dict | None) -> str | None:
+    """What report.md and the card say of a run whose data lost conversations in the tokenization
+    (DistillDataModule.record's counts, tokenize_conversations: the log's one warning said so, the report did not);
+    None where it kept them all, or where nothing says (a run older than the counts)."""
+    counts = record.get("tokenization") if isinstance(record, dict) else None
+    counts = counts if isinstance(counts, dict) else {}
+    kept, total = counts.get("kept"), counts.get("conversations")
+    if not (isinstance(kept, int) and isinstance(total, int) and kept < total):
+        return None
+    cut = counts.get("reply_truncated") or 0
+    reasons = [(counts.get("no_assistant"), "with no assistant turn"),
+               (counts.get("too_few_supervised"), "with fewer supervised tokens than `data.min_supervised_tokens` within "
+                "`data.max_length`" + (f" ({cut} of them because truncation cut their reply)" if cut else "")),
+               (counts.get("unaligned"), "whose render the loss mask cannot follow (the log names the first)")]
+    dropped = ", ".join(f"{count} {why}" for count, why in reasons if isinstance(count, int) and count > 0)
+    return f"kept {kept} of the {total} conversations of its data in the tokenization" + (
+        f": it dropped {dropped}" if dropped else "")
+
+
+def data_notes(record: dict | None) -> list[str]:
+    """Every sentence report.md and the card say of what a run drew from its data (<run>/data.json)."""
+    return [note for note in (tokenization_note(record), partial_data_note(record)) if note]
+
+
 def duration_text(seconds: float) -> str:
     """Seconds as trainer.max_time is written: DD:HH:MM:SS."""
     seconds = round(seconds)
@@ -200,8 +224,8 @@ def markdown_report(run_name: str, history: list[dict], settings: dict, eval_sec
     if settings.get("redraft"):
         lines += [f"Each round re-drafts behind the {settings['redraft']} best depth-1 tokens (`eval.redraft`, `ddtree "
                   "bench --redraft`), the chain behind its first: one more drafter forward a round.", ""]
-    if settings.get("data_note"):
-        lines += [f"This run {settings['data_note']}.", ""]
+    for note in settings.get("data_notes") or []:
+        lines += [f"This run {note}.", ""]
     if settings.get("ended"):  # which limit, beside the planned length: a stop well short of max_steps reads as such
         lines += [f"Planned length: {settings['planned_length']}; {settings['ended']}.", ""]
     if best is not None and best.get("non_finite_tensors"):

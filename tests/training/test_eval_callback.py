@@ -1626,3 +1626,19 @@ def test_evaluation_decodes_a_lora_drafter_merged_as_its_export_is():
     assert all(torch.equal(decoded[0].state_dict()[name], tensor) for name, tensor in shipped.items())
     assert any("lora_" in name for name, _ in drafter.named_parameters())  # the live drafter keeps training its LoRA
     assert {p.dtype for p in drafter.parameters()} == {torch.float32}
+
+
+def test_the_tokenizations_drops_read_as_one_sentence_naming_each_reason_and_none_when_all_were_kept():
+    counts = {"conversations": 120, "kept": 60, "no_assistant": 0, "unaligned": 3, "too_few_supervised": 57,
+              "reply_truncated": 20, "truncated": 25}
+    assert training.report.tokenization_note({"tokenization": counts}) == (
+        "kept 60 of the 120 conversations of its data in the tokenization: it dropped 57 with fewer supervised tokens "
+        "than `data.min_supervised_tokens` within `data.max_length` (20 of them because truncation cut their reply), "
+        "3 whose render the loss mask cannot follow (the log names the first)")
+    whole = {**counts, "kept": 120, "unaligned": 0, "too_few_supervised": 0, "reply_truncated": 0}
+    for record in ({"tokenization": whole}, {"tokenization": None}, {}, None):  # a run older than the counts: silent
+        assert training.report.tokenization_note(record) is None
+    both = {"tokenization": counts, "train_sequences": 40, "train_split_sequences": 54}
+    assert [note.split(":")[0] for note in training.report.data_notes(both)] == [
+        "kept 60 of the 120 conversations of its data in the tokenization",
+        "trained on 40 of the 54 sequences of the training split"]

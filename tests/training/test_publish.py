@@ -1374,7 +1374,8 @@ def test_the_card_and_report_say_a_run_drew_from_part_of_its_split_and_which_lim
     rng = random.Random(0)
     data.write_text("".join(json.dumps({"messages": [
         {"role": "user", "content": f"question {i}"},
-        {"role": "assistant", "content": " ".join(rng.choice(words) for _ in range(40))}]}) + "\n" for i in range(12)))
+        {"role": "assistant", "content": " ".join(rng.choice(words) for _ in range(40))}]}) + "\n" for i in range(12))
+        + "".join(json.dumps({"messages": [{"role": "user", "content": f"unanswered {i}"}]}) + "\n" for i in range(2)))
     record = training.data.DistillDataModule.record
     # a time-boxed store's share, as DistillDataModule.setup leaves it (building one takes a target's features)
     monkeypatch.setattr(training.data.DistillDataModule, "record",
@@ -1391,12 +1392,17 @@ def test_the_card_and_report_say_a_run_drew_from_part_of_its_split_and_which_lim
     report = (timed / "report.md").read_text()
     assert ("This run trained on 7 of the 10 sequences of the training split: its feature store was built under a time "
             "box (`data.store_max_minutes`) and holds only those.") in report
+    # the tokenization's drops too: only the log's warning said them (found in a review, 2026-12-04)
+    assert ("This run kept 12 of the 14 conversations of its data in the tokenization: it dropped 2 with no assistant "
+            "turn.") in report
     assert (f"Planned length: max_steps 100000, max_time 00:00:00:02; max_time ended training at step {step}, "
             f"{100000 - step} steps short of max_steps.") in report
     assert export(timed, tmp_path / "timed-export", "--ckpt", "best") == 0
     card = (tmp_path / "timed-export" / "README.md").read_text()
     assert ("- trained on 7 of the 10 sequences of the training split: its feature store was built under a time box "
             "(`data.store_max_minutes`) and holds only those (the run's data.json)") in card
+    assert ("- kept 12 of the 14 conversations of its data in the tokenization: it dropped 2 with no assistant turn "
+            "(the run's data.json)") in card
     assert (f"| planned length | max_steps 100000, max_epochs None, max_time 00:00:00:02; max_time ended training at "
             f"step {step}, {100000 - step} steps short of max_steps, this checkpoint's |") in card
 

@@ -637,8 +637,17 @@ def build_under_lock(datamodule: DistillDataModule, out: Path, layer_ids: list[i
         if not differing:
             print(f"[features] {out} already holds these features ({coverage(existing)}); nothing to do", flush=True)
             return out
-        raise DDTreeError(f"{out} holds a feature store of another build (differs in {', '.join(differing)}); "
-                          "pass --force (FORCE=1) to replace it, or give another --out")
+        def shown(field: str) -> str:  # a value short enough to read in one line, beside the field's name
+            values = existing.get(field), manifest.get(field)
+            return f"{field} ({values[0]} there, {values[1]} here)" if len(str(values)) <= 60 else field
+
+        # Only the dtype differing: training takes that store as it is (DistillModule.check_feature_store casts it and
+        # says so), which a machine whose auto precision is the other one needs to know before it builds hours anew.
+        usable = (f"; training reads it as it is, cast to {manifest['dtype']} (`--dtype {existing.get('dtype')}` here "
+                  "says it is built)" if differing == ["dtype"] else "")
+        raise DDTreeError(f"{out} holds a feature store of another build (differs in "
+                          f"{', '.join(shown(field) for field in differing)}){usable}; pass --force (FORCE=1) to "
+                          "replace it, or give another --out")
 
     partial = partial_path(out)
     done: set[str] = set()

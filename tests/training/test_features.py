@@ -797,6 +797,24 @@ def test_a_resumed_build_in_another_dtype_refuses_to_mix_them(tmp_path, monkeypa
     assert "x 4 bytes, float32)" in size_line
 
 
+def test_a_complete_store_in_another_dtype_is_refused_naming_both_and_what_training_does_with_it(tmp_path):
+    """`make features` on a machine whose auto precision differs from the one that built the recipe's store said only
+    "differs in dtype", where training reads that store as it is (cast, with a note): the user could not tell which
+    dtype to ask for, nor that they need not rebuild at all (found in a review, 2026-12-04)."""
+    dm = make_datamodule(tmp_path)
+    out = build_feature_store(dm, tmp_path / "store", layer_ids=LAYER_IDS, dtype=torch.bfloat16)
+    with pytest.raises(DDTreeError) as refused:
+        build_feature_store(dm, out, layer_ids=LAYER_IDS, dtype=torch.float32)
+    message = one_line(refused.value)
+    assert "dtype (bfloat16 there, float32 here)" in message, message
+    assert "training reads it as it is, cast to float32" in message and "--dtype bfloat16" in message, message
+    assert "--force" in message and FeatureStore(out).dtype == torch.bfloat16
+    with pytest.raises(DDTreeError) as refused:  # a field whose values are long is named alone
+        build_feature_store(dm, out, layer_ids=[0, 2], dtype=torch.bfloat16)
+    message = one_line(refused.value)
+    assert "differs in target_layer_ids ([1, 3, 4] there, [0, 2] here)" in message and "cast" not in message, message
+
+
 def test_the_same_data_path_spelled_otherwise_is_the_same_build(tmp_path, monkeypatch, capsys):
     """Relative, ./ or absolute: the same file (the tokenization key names it) was refused as another build, and an
     unfinished build was started over, its finished shards deleted."""

@@ -224,8 +224,9 @@ class Decoder:
 
     target: a built-in name (smollm2-135m), a local Hugging Face folder or a Hub id. drafter: a drafter folder,
     "random" (an untrained drafter, for smoke tests) or None (plain decoding only). corpus: None = the one the drafter
-    folder ships, False = none, or a file (a JSONL of conversations, or a corpus.safetensors). calibration: None = the
-    folder's calibration.json, else its config's; False = neither; or a file `ddtree calibrate` wrote. budget: the
+    folder ships, False (or "none", as the command spells it) = none, or a file (a JSONL of conversations, or a
+    corpus.safetensors). calibration: None = the folder's calibration.json, else its config's; False (or "none") =
+    neither; or a file `ddtree calibrate` wrote. budget: the
     ddtree node budget, which the adaptive size is measured for.
     """
 
@@ -239,6 +240,8 @@ class Decoder:
         # A path is taken as the command takes it: its `~` the home folder (else a drafter's corpus and calibration
         # were looked for under a folder named `~`, and decoded without, found in a review)
         target, drafter = user_path(target, "target"), None if drafter is None else user_path(drafter, "drafter")
+        # "none" as `--corpus none` and `--calibration none` spell it: it was read as a file of that name, and refused
+        corpus, calibration = (False if value == "none" else value for value in (corpus, calibration))
         check_seed(seed)
         _choice(packed_weights, PACKED_KERNELS, "packed_weights")
         self.target_name = target

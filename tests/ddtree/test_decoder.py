@@ -45,8 +45,12 @@ def test_it_decodes_with_the_folders_corpus_as_the_command_does(capsys, tiny_tar
     reply = decoder.generate(PROMPT, max_new_tokens=40, lookup=0)
     without = Decoder(TARGET, drafter_folder, **SETTINGS, corpus=False, quiet=True).generate(
         PROMPT, max_new_tokens=40, lookup=0)
-    assert reply.token_ids == without.token_ids == ar.token_ids  # lossless, whatever the drafts
+    # "none", as the command spells it, is none too: it was read as a file name, refused as "--corpus none"
+    spelled = Decoder(TARGET, drafter_folder, **SETTINGS, corpus="none", quiet=True).generate(
+        PROMPT, max_new_tokens=40, lookup=0)
+    assert reply.token_ids == without.token_ids == spelled.token_ids == ar.token_ids  # lossless, whatever the drafts
     assert reply.tau > without.tau + 1, (reply.tau, without.tau)  # the corpus grafted the reply
+    assert spelled.tau == without.tau
     assert reply.text == tiny_target[1].decode(ar.token_ids, skip_special_tokens=True)
 
     code = main(["generate", "--target", TARGET, "--drafter", str(drafter_folder), "--prompt", PROMPT, "--no-stream",
@@ -66,6 +70,7 @@ def test_it_decodes_with_the_folders_calibration(capsys, tiny_target, drafter_fo
     assert f"[calibration] {drafter_folder / CALIBRATION_FILE}: draft temperature" in capsys.readouterr().err
     raw = Decoder(TARGET, drafter_folder, **SETTINGS, calibration=False, quiet=True)
     assert raw.drafter.default_calibration is None
+    assert Decoder(TARGET, drafter_folder, **SETTINGS, calibration="none", quiet=True).drafter.default_calibration is None
     for method in ("dflash", "ddtree"):
         calibrated, plain = (d.generate(PROMPT, method=method, max_new_tokens=24) for d in (decoder, raw))
         assert calibrated.token_ids == plain.token_ids

@@ -204,7 +204,8 @@ def test_a_top_k_store_of_a_target_that_transforms_its_logits_holds_its_forwards
         module.check_feature_store(FeatureStore(out))
     assert one_line(error.value).startswith(f"feature store {out} holds the target's top 5 next tokens with logit "
                                             f"transform none, and its forward applies {transform}")
-    with pytest.raises(DDTreeError, match=r"another build \(differs in teacher_logits\); pass --force"):
+    differs = rf"another build \(differs in teacher_logits \(None there, {transform} here\)\); pass --force"
+    with pytest.raises(DDTreeError, match=differs):
         build_feature_store(dm, out, layer_ids=[0, 1], dtype=torch.float32, teacher_top_k=5)
     assert build_feature_store(dm, out, layer_ids=[0, 1], dtype=torch.float32, teacher_top_k=5, force=True) == out
     assert FeatureStore(out).teacher_logits == transform

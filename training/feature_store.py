@@ -55,6 +55,7 @@ import bisect
 import contextlib
 import errno
 import fcntl
+import glob
 import json
 import os
 import re
@@ -75,7 +76,7 @@ from transformers import AutoConfig
 from ddtree.calibration import weights_fingerprint
 from ddtree.configuration_dflash import DFlashDrafterConfig
 from ddtree.drafters import read_drafter_config
-from ddtree.errors import DDTreeError
+from ddtree.errors import DDTreeError, error_line
 from ddtree.files import file_in_the_way, follow_umask, unwritable_as_error, write_json_atomic
 from ddtree.precision import LIGHTNING_PRECISION
 from ddtree.targets import BUILTIN_TARGETS, TINY_TARGET, cache_dir, default_layer_ids, parse_dtype, resolve_target
@@ -749,11 +750,25 @@ def build_under_lock(datamodule: DistillDataModule, out: Path, layer_ids: list[i
     for staging in partial.glob(".shard-*.tmp"):  # a shard whose write was interrupted (Ctrl-C, a kill) and which
         staging.unlink()  # this build's box left out: it would stay in the store for good, up to MAX_SHARD_BYTES
     if out.exists():  # --force: the old store goes only now that the new one is complete
-        replaced = out.with_name(f".{out.name}.replaced")
-        shutil.rmtree(replaced, ignore_errors=True)
+        # As ddtree.files.staged_folder replaces a folder: the old store aside, the new one in (the old back if that
+        # fails), then the old deleted. The aside name is new each time: one an earlier delete could not clear (a
+        # shard a reader holds open on NFS) failed the rename after the whole build and stranded it in <out>.partial.
+        # Those earlier ones (a delete refused or killed) are tried again first; the lock keeps other builds out.
+        for earlier in [out.with_name(f".{out.name}.replaced"),  # (the one name before)
+                        *out.parent.glob(f".{glob.escape(out.name)}.replaced-{'[0-9a-f]' * 8}")]:
+            shutil.rmtree(earlier, ignore_errors=True)
+        replaced = out.with_name(f".{out.name}.replaced-{uuid.uuid4().hex[:8]}")
         out.rename(replaced)
-        partial.rename(out)
-        shutil.rmtree(replaced)
+        try:
+            partial.rename(out)
+        except BaseException:
+            replaced.rename(out)
+            raise
+        try:
+            shutil.rmtree(replaced)
+        except OSError as error:  # the new store is in place: a warning, not a failed build (and `make train` after)
+            print(f"warning: {out} was written; the store it replaced, moved to {replaced}, could not be deleted "
+                  f"({error_line(error)}): delete it by hand", file=sys.stderr)
     else:
         partial.rename(out)
     held_bytes = sum(shard["num_tokens"] for shard in manifest["shards"]) * (row_width * itemsize + teacher_bytes)

@@ -31,7 +31,8 @@ import training.module
 from ddtree.errors import run_cli
 from ddtree.targets import DDTreeError, load_target
 from training.data import DistillDataModule
-from training.feature_store import FeatureStore, build_feature_store, lock_path, partial_path, store_teacher
+from training.feature_store import (FeatureStore, build_feature_store, lock_path, partial_path, read_manifest,
+                                    store_teacher)
 from training.arguments import features_parser
 from training.features import main
 from training.masks import IGNORE_INDEX
@@ -869,6 +870,38 @@ def test_a_complete_store_is_replaced_only_with_force_and_only_once_the_new_one_
     assert FeatureStore(out).build_id != before and "already holds" not in capsys.readouterr().out
     force_help = next(action.help for action in features_parser()._actions if "--force" in action.option_strings)
     assert "of this build or another" in force_help and "replaced once the new one is complete" in force_help
+
+
+def test_a_replaced_store_whose_delete_fails_leaves_the_new_one_in_place_and_a_later_force_works(tmp_path, monkeypatch,
+                                                                                                capsys):
+    """A shard a reader holds open on NFS (a training run on the old store) cannot be deleted: the rebuild, whose new
+    store was already in place, failed with a traceback, and the next --force failed after its whole build on the
+    aside folder it could not clear, leaving the finished store in <out>.partial for good."""
+    dm = make_datamodule(tmp_path)
+    out = build_feature_store(dm, tmp_path / "store", layer_ids=LAYER_IDS)
+    builds = [FeatureStore(out).build_id]
+    rmtree = shutil.rmtree
+
+    def held_open(path, *args, **kwargs):
+        if ".replaced" in Path(path).name:  # the folder stays whatever is asked; without ignore_errors, an error
+            if kwargs.get("ignore_errors"):
+                return None
+            raise PermissionError(errno.EPERM, "Operation not permitted", str(Path(path) / "shard-00000.safetensors"))
+        return rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", held_open)
+    for _ in range(2):  # the second --force finds the first's undeleted store aside
+        assert build_feature_store(dm, out, layer_ids=LAYER_IDS, force=True) == out
+        builds.append(FeatureStore(out).build_id)
+        (line,) = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]  # (tqdm's bar too)
+        displaced = Path(line.split(", moved to ")[1].split(", could not")[0])
+        assert line.startswith(f"warning: {out} was written; the store it replaced, moved to {displaced}, could not be "
+                               "deleted (") and line.endswith("): delete it by hand")
+        assert read_manifest(displaced / "store.json")["build_id"] == builds[-2]  # the old store, named
+    assert len(set(builds)) == 3 and not partial_path(out).exists()
+    monkeypatch.undo()  # the readers have closed them: the next --force deletes what earlier ones could not
+    build_feature_store(dm, out, layer_ids=LAYER_IDS, force=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "conversations.jsonl", "store"]
 
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ddtree.errors import CommandParser, DDTreeError, command  # noqa: E402
-from ddtree.files import path_argument, staged_folder  # noqa: E402
+from ddtree.files import check_output_file, path_argument, staged_folder  # noqa: E402
 from training.arguments import answer_early  # noqa: E402
 from training.recipe_data import read_summary  # noqa: E402
 
@@ -66,6 +66,8 @@ def checked_args(args: argparse.Namespace) -> argparse.Namespace:
     regeneration_settings(Path(args.data))
     if Path(args.out).exists():
         raise DDTreeError(f"--out {args.out} exists; give a new folder (nothing is overwritten)")
+    # A file in the way or a read-only place: said now, not by the write after the whole recovery (a reply a second)
+    check_output_file(args.out, "--out")
     return args
 
 

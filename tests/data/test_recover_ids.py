@@ -160,3 +160,24 @@ def test_a_damaged_regeneration_json_is_one_line_naming_it(tmp_path, capsys):
     assert recover_ids.main([str(source), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: {source / 'regeneration.json'}: not valid JSON") and len(err.splitlines()) == 1
+
+
+def test_an_out_that_cannot_be_written_is_one_line_before_the_target_loads(tmp_path, monkeypatch, capsys):
+    """A file in the way or a read-only folder was found by the write after the whole recovery: about 1 s a reply,
+    35 minutes for the shipped 2048, thrown away."""
+    import os
+
+    row = {"id": "a", "messages": MESSAGES + [{"role": "assistant", "content": "Paris."}], "finish_reason": "stop",
+           "prompt_tokens": 9, "response_tokens": 2}
+    source = write_regenerated(tmp_path / "data", [row])
+    monkeypatch.setattr(recover_ids, "load_target", lambda *args, **kwargs: pytest.fail("loaded the target"))
+    (tmp_path / "afile").write_text("")
+    read_only = tmp_path / "ro"
+    read_only.mkdir()
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != read_only and access(path, mode))  # (root)
+    for out, why in ((tmp_path / "afile" / "rec", f"{tmp_path / 'afile'} is a file, not a folder"),
+                     (read_only / "rec", f"{read_only} is not writable here")):
+        capsys.readouterr()
+        assert recover_ids.main([str(source), "--out", str(out)]) == 2
+        assert capsys.readouterr().err.strip() == f"error: cannot write {out}: {why}; give a path in a writable folder"

@@ -80,6 +80,16 @@ from .recipe_data import AUTO_DATA, default_data_path
 
 def check_loads_back(folder: Path, drafter: DFlashDraftModel) -> None:
     """AutoModel with the shipped remote code, offline, must give back exactly the exported weights."""
+    from ddtree.files import why_unwritable
+
+    # AutoModel copies the remote code into the modules cache first: where it cannot (HF_HOME a shared read-only model
+    # store, a read-only home on compute nodes), the load below failed as if the export did not load. transformers
+    # reads HF_MODULES_CACHE once, at import, so the check cannot point it at a folder of its own.
+    unwritable = why_unwritable(Path(HF_MODULES_CACHE))
+    if unwritable is not None:
+        raise DDTreeError(f"cannot check that the export loads: the Hugging Face modules cache {HF_MODULES_CACHE}, "
+                          f"where AutoModel copies its remote code, cannot be written ({unwritable}); set "
+                          "HF_MODULES_CACHE to a writable folder")
     try:
         loaded = AutoModel.from_pretrained(folder, trust_remote_code=True, local_files_only=True, dtype=drafter.dtype)
     except Exception as error:  # noqa: BLE001 - any failure means the folder is not usable as shipped

@@ -1937,3 +1937,22 @@ def test_push_only_refuses_a_folder_holding_files_no_export_writes(run_dir, tmp_
     shutil.rmtree(out / "scratch")
     assert publish.main(["--push-only", str(out), "--repo", "tester/extra"]) == 0
     assert set(StandInHub.repos["tester/extra"]) == {p.name for p in out.iterdir() if p.is_file()}
+
+
+def test_a_modules_cache_that_cannot_be_written_is_named_not_blamed_on_the_export(run_dir, tmp_path, monkeypatch, capsys):
+    """AutoModel copies the remote code into HF_MODULES_CACHE ($HF_HOME/modules) before it loads: a read-only one (a
+    shared model store as HF_HOME) failed every export with "the export does not load with AutoModel"."""
+    import transformers.dynamic_module_utils
+
+    (tmp_path / "afile").write_text("")
+    cache = tmp_path / "afile" / "modules"  # (root writes anywhere: a file in the way stands for a read-only mount)
+    for module in (publish, transformers.dynamic_module_utils):  # both read the variable once, at import
+        monkeypatch.setattr(module, "HF_MODULES_CACHE", str(cache))
+    monkeypatch.setattr(sys, "path", list(sys.path))  # (transformers adds the cache to it)
+    out = tmp_path / "exports" / "export"
+    assert export(run_dir, out, "--ckpt", "last") == 2
+    assert one_error_line(capsys) == (
+        f"error: cannot check that the export loads: the Hugging Face modules cache {cache}, where AutoModel copies "
+        f"its remote code, cannot be written ({tmp_path / 'afile'} is a file, not a folder); set HF_MODULES_CACHE to a "
+        "writable folder")
+    assert list((tmp_path / "exports").iterdir()) == []  # no OUT, no staging folder

@@ -7,11 +7,14 @@
 Temporary files and folders (tempfile.mkstemp/mkdtemp) are created owner-only (0600/0700) for
 safety; once renamed into place they would stay so and nobody else on shared storage could read
 a run or the cache. Every writer here gives them the modes a plain open()/mkdir() would.
+
+A write the disk refuses (no space, a quota, a file-size limit) is one line, WriteFailed, at every writer here.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import os
@@ -21,6 +24,8 @@ import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
+
+from safetensors import SafetensorError
 
 from .errors import DDTreeError, error_line
 from .names import CALIBRATION_FILE, CORPUS_FILE
@@ -91,6 +96,85 @@ def os_error_in(error: BaseException) -> OSError | None:
         seen.add(id(error))
         error = error.__cause__ or error.__context__
     return None
+
+
+def format_bytes(size: float) -> str:
+    return f"{size / 1e9:.2f} GB" if size >= 1e9 else f"{size / 1e6:.1f} MB"
+
+
+def free_bytes(path: Path) -> int:
+    """The free space of the disk `path` is on (or would be, made: its nearest existing folder's)."""
+    existing = next(p for p in [path, *path.parents] if p.exists())
+    return shutil.disk_usage(existing).free
+
+
+def write_failure(error: BaseException) -> OSError | None:
+    """The OS's error behind a failed write, or None where `error` is no failed write (a bug: it keeps its traceback).
+
+    Three shapes: an OSError with an errno, `error` itself or one it was raised from or while handling (os_error_in);
+    safetensors' own error type, the OS's error in its text ("Error while serializing: I/O error: Disk quota exceeded
+    (os error 122)"); and torch.save into a path (DeepSpeed's shards), whose C++ writer says only "[enforce fail at
+    inline_container.cc:672] . unexpected pos 201600 vs 201488" when the disk takes less than it is given (an OSError
+    without an errno here: it does not say why)."""
+    cause = os_error_in(error)
+    if cause is not None and cause.errno is not None:
+        return cause
+    text = str(error)
+    if isinstance(error, SafetensorError):
+        code = re.search(r"\(os error (\d+)\)", text)
+        if code:
+            return OSError(int(code.group(1)), os.strerror(int(code.group(1))))
+        io_error = re.search(r"I/O error: (.+)", text)
+        return OSError(io_error.group(1)) if io_error else None
+    short = re.search(r"unexpected pos \d+ vs \d+", text)
+    if isinstance(error, RuntimeError) and "inline_container" in text and short:
+        return OSError(f"the write stopped short (torch: {short.group(0)})")
+    return None
+
+
+# What a place that takes no more bytes answers a write (its errno), and what makes it take them. Only these are one
+# line at every writer (refused_write_as_error); anything else keeps its traceback: a failing disk (EIO), a bug.
+DISK_REFUSALS = {
+    errno.ENOSPC: "free some space there",
+    errno.EDQUOT: "free some space within your disk quota",
+    errno.EFBIG: "raise the file-size limit (ulimit -f)",
+    errno.EROFS: "make its filesystem writable",
+}
+STOPPED_SHORT = "free some space there (or raise the quota or file-size limit that stopped it)"  # no errno said which
+
+
+class WriteFailed(DDTreeError):
+    """A write the disk refused (DISK_REFUSALS): one line naming the file, the OS's reason, the free space and what to
+    do. A writer that knows a better place to point to (a setting, a resume) words its own line from `why` (the reason
+    and the free space) and `remedy`."""
+
+    def __init__(self, path: str | Path, cause: OSError):
+        self.path, self.cause = Path(path), cause
+        self.reason = cause.strerror or str(cause)
+        try:
+            self.why = f"{self.reason}; {format_bytes(free_bytes(self.path.parent))} free"
+        except OSError:  # (the disk cannot say: the reason alone)
+            self.why = self.reason
+        # (another errno comes only from training/feature_store.py, which words every failed write of a build)
+        self.remedy = STOPPED_SHORT if cause.errno is None else DISK_REFUSALS.get(cause.errno, "free some space there")
+        super().__init__(f"cannot write {self.path} ({self.why}): {self.remedy}, or give another path")
+
+
+@contextmanager
+def refused_write_as_error(path: str | Path):
+    """A write into `path` that the disk refuses (no space, a quota, a file-size limit: DISK_REFUSALS, or a writer
+    that says no errno: write_failure) as WriteFailed, one line; anything else keeps its traceback."""
+    try:
+        yield
+    except WriteFailed as failure:  # a write nested in this one (a file inside a staged folder): named as this one
+        raise WriteFailed(path, failure.cause) from None
+    except DDTreeError:  # a line already (its OSError, raised from None, is still its context: os_error_in finds it)
+        raise
+    except Exception as error:
+        cause = write_failure(error)
+        if cause is None or (cause.errno is not None and cause.errno not in DISK_REFUSALS):
+            raise
+        raise WriteFailed(path, cause) from None
 
 
 def path_argument(text: str) -> str:
@@ -200,16 +284,17 @@ def atomic_file(path: str | Path, mode: str = "w", staging_prefix: str | None = 
     with unwritable_as_error(path):
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, staging = tempfile.mkstemp(prefix=staging_prefix or f".{path.name}-", dir=path.parent)
-    try:
-        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as handle:
-            yield handle
-            handle.flush()
-            os.fsync(handle.fileno())
-        follow_umask(Path(staging))
-        os.replace(staging, path)
-    finally:
-        if os.path.exists(staging):
-            os.unlink(staging)
+    with refused_write_as_error(path):  # outside the clean-up: the free space it names is without the staging file
+        try:
+            with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as handle:
+                yield handle
+                handle.flush()
+                os.fsync(handle.fileno())
+            follow_umask(Path(staging))
+            os.replace(staging, path)
+        finally:
+            if os.path.exists(staging):
+                os.unlink(staging)
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:
@@ -255,22 +340,23 @@ def staged_folder(destination: str | Path):
     with unwritable_as_error(destination):
         destination.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}-", dir=destination.parent))
-    try:
-        yield staging
-        follow_umask(staging, recursive=True)
-        displaced = None
-        if destination.exists():
-            displaced = destination.with_name(f".{destination.name}.replaced-{os.getpid()}")
-            shutil.rmtree(displaced, ignore_errors=True)  # this process's own, left by an earlier failed delete
-            destination.rename(displaced)
+    with refused_write_as_error(destination):  # outside the clean-up, as atomic_file's
         try:
-            staging.rename(destination)
-        except BaseException:
-            if displaced is not None:
-                displaced.rename(destination)  # the old folder back under its name
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+            yield staging
+            follow_umask(staging, recursive=True)
+            displaced = None
+            if destination.exists():
+                displaced = destination.with_name(f".{destination.name}.replaced-{os.getpid()}")
+                shutil.rmtree(displaced, ignore_errors=True)  # this process's own, left by an earlier failed delete
+                destination.rename(displaced)
+            try:
+                staging.rename(destination)
+            except BaseException:
+                if displaced is not None:
+                    displaced.rename(destination)  # the old folder back under its name
+                raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     if displaced is not None:
         try:
             shutil.rmtree(displaced)

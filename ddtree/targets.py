@@ -32,7 +32,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gener
                           PreTrainedTokenizerBase)
 
 from .errors import DDTreeError
-from .files import cache_dir, staged_folder, why_unwritable
+from .files import WriteFailed, cache_dir, staged_folder, why_unwritable
 from .names import DTYPE_NAMES
 
 # The dtypes a user can name on any command line or recipe field of this project.
@@ -102,11 +102,6 @@ def remove_stale_staging(folder: Path) -> None:
             shutil.rmtree(staging, ignore_errors=True)
 
 
-def is_disk_full(error: Exception) -> bool:
-    """ENOSPC as Python raises it (OSError) or as safetensors does (its own error type, the OS error in the text)."""
-    return getattr(error, "errno", None) == errno.ENOSPC or f"(os error {errno.ENOSPC})" in str(error)
-
-
 # Beside a converted target: what it was made from. A cached folder made from anything else is made again.
 CONVERSION_RECORD = "conversion.json"
 
@@ -124,20 +119,23 @@ def write_conversion_record(folder: Path, source: dict) -> None:
 
 
 def save_converted(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: Path, source: dict) -> None:
-    """Save a converted target and the record of its `source` into the cache in one rename; a full disk is one
-    line (staged_folder removes the rest)."""
+    """Save a converted target and the record of its `source` into the cache in one rename; a full disk, a quota or
+    a file-size limit is one line (staged_folder removes the rest)."""
     try:
         with staged_folder(folder) as staging:
             model.save_pretrained(staging)
             tokenizer.save_pretrained(staging)
             write_conversion_record(staging, source)
-    except (OSError, SafetensorError) as error:
-        if not is_disk_full(error):
-            raise
-        need, free = model.get_memory_footprint(), shutil.disk_usage(folder.parent).free
-        raise DDTreeError(f"no space left in {folder.parent} to save the converted target {folder.name} (it needs "
-                          f"about {need / 2**20:.0f} MiB, {free / 2**20:.0f} MiB are free): free some space there, "
-                          "or set DDTREE_CACHE to a folder on a disk with room") from None
+    except WriteFailed as failure:
+        need = model.get_memory_footprint() / 2**20
+        if failure.cause.errno == errno.ENOSPC:
+            free = shutil.disk_usage(folder.parent).free / 2**20
+            raise DDTreeError(f"no space left in {folder.parent} to save the converted target {folder.name} (it needs "
+                              f"about {need:.0f} MiB, {free:.0f} MiB are free): free some space there, or set "
+                              "DDTREE_CACHE to a folder on a disk with room") from None
+        raise DDTreeError(f"cannot save the converted target {folder.name} in {folder.parent} ({failure.why}; it needs "
+                          f"about {need:.0f} MiB): {failure.remedy}, or set DDTREE_CACHE to a folder on another "
+                          "disk") from None
 
 
 def made_from_source(folder: Path, source: dict, adopt_unrecorded: bool) -> bool:

@@ -77,7 +77,7 @@ from ddtree.bench import CHAIN, acceptance_summary, load_prompts, prompts_finger
 from ddtree.corpus import CorpusLookup
 from ddtree.decoding import DrafterRunner, Sampling, check_target_decodable, check_tree_attention
 from ddtree.errors import DDTreeError, error_line
-from ddtree.files import write_json_atomic
+from ddtree.files import WriteFailed, write_json_atomic
 from ddtree.machine import describe_machine
 from ddtree.packed_linear import PACKED_KERNELS, apply_packing, cannot_pack, pack_linears, unpack_linears
 from ddtree.target_runner import context_limit
@@ -85,7 +85,7 @@ from ddtree.targets import load_tokenizer, resolve_target, stop_token_ids
 
 from . import report
 from .checkpoint_paths import ABANDONED_PREFIX, saved_step
-from .checkpoints import AtomicCheckpointIO, non_finite_tensors
+from .checkpoints import AtomicCheckpointIO, after_a_refused_save, non_finite_tensors
 from .data import replies
 from .peft_utils import merged_drafter
 from .strategies import consolidated_copy
@@ -951,8 +951,13 @@ class AcceptanceEvaluation(L.Callback):
         settings = self.settings(trainer.lightning_module.drafter_config, len(self.prompts))
         val_loss = self.history[-1]["val_loss"]  # known here only where on_train_end evaluates a stop (on_validation_end)
         machine = describe_machine(trainer.lightning_module.device)  # this rank's: its tok/s are measured there
-        write_json_atomic(self.eval_file(run_dir, step), {"step": step, "settings": settings, "machine": machine, **result,
-                                                          **({"val_loss": val_loss} if val_loss is not None else {})})
+        record = {"step": step, "settings": settings, "machine": machine, **result,
+                  **({"val_loss": val_loss} if val_loss is not None else {})}
+        try:
+            write_json_atomic(self.eval_file(run_dir, step), record)
+        except WriteFailed as failure:  # (a full disk) its line says how the run goes on, as a checkpoint's does
+            raise DDTreeError(f"cannot write the evaluation {failure.path} ({failure.why}); "
+                              f"{after_a_refused_save(failure.path)}") from None
         if self.unsaved_step != step:  # else once BestCheckpoint has saved the step (checkpoint_saved)
             self._write_report(trainer)
         launch_seconds = time.perf_counter() - self.launch_started

@@ -28,7 +28,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from ddtree.configuration_dflash import DFlashDrafterConfig
 from ddtree.errors import DDTreeError, error_line
-from ddtree.files import atomic_file, os_error_in
+from ddtree.files import WriteFailed, atomic_file, refused_write_as_error
 from ddtree.modeling_dflash import DFlashDraftModel
 
 from .checkpoint_paths import (SAVING_MARKER, deepspeed_model_states, is_checkpoint, is_deepspeed_checkpoint,
@@ -63,19 +63,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if storage_options is not None or "://" in str(path):
             super().save_checkpoint(checkpoint, path, storage_options)
             return
-        try:
-            with atomic_file(path, "wb", staging_prefix=self.STAGING_PREFIX) as handle:
-                torch.save(checkpoint, handle)
-                handle.flush()
-                os.fsync(handle.fileno())  # the bytes are on disk before the rename makes them the checkpoint
-        except (OSError, RuntimeError) as error:  # (torch.save's RuntimeError: a full disk, os_error_in)
-            cause = os_error_in(error)
-            if cause is None:
-                raise
-            then = ("the previous checkpoints are whole: make room and resume the run (--resume <run folder>)"
-                    if holds_checkpoint(Path(path)) else  # the first save: --resume would find nothing to resume
-                    "the run holds no checkpoint yet: make room and start it again (the same command)")
-            raise DDTreeError(f"cannot write the checkpoint {path}: {cause.strerror or cause}; {then}") from None
+        with (checkpoint_refusal_as_error(Path(path)),
+              atomic_file(path, "wb", staging_prefix=self.STAGING_PREFIX) as handle):
+            torch.save(checkpoint, handle)
+            handle.flush()
+            os.fsync(handle.fileno())  # the bytes are on disk before the rename makes them the checkpoint
 
     @classmethod
     def remove_stale_staging(cls, folder: Path) -> list[Path]:
@@ -86,13 +78,35 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         return stale
 
 
+@contextlib.contextmanager
+def checkpoint_refusal_as_error(path: Path):
+    """A save of the checkpoint `path` that the disk refuses (no space, a quota: refused_write_as_error) as one line
+    saying how the run goes on. The checkpoint it would have replaced is untouched (AtomicCheckpointIO's file) or
+    refused at a resume (a DeepSpeed folder keeps its SAVING_MARKER)."""
+    try:
+        with refused_write_as_error(path):
+            yield
+    except WriteFailed as failure:
+        raise DDTreeError(f"cannot write the checkpoint {path}: {failure.reason}; {after_a_refused_save(path)}") from None
+
+
+def after_a_refused_save(path: Path) -> str:
+    """How a run goes on after the disk refused a file of it at `path` (a checkpoint, an evaluation), for its line."""
+    if holds_checkpoint(path):
+        return "the previous checkpoints are whole: make room and resume the run (--resume <run folder>)"
+    # the first save: --resume would find nothing to resume
+    return "the run holds no checkpoint yet: make room and start it again (the same command)"
+
+
 def holds_checkpoint(path: Path) -> bool:
-    """Whether a save into `path` failing leaves a checkpoint to resume from: one of its run folder's, as --resume of
-    that folder finds them (run_checkpoints), or, outside a run folder, another beside `path`."""
+    """Whether a save into `path` failing leaves a checkpoint to resume from: a readable one of its run folder's, as
+    --resume of that folder finds them (run_checkpoints), or, outside a run folder, another beside `path` (a DeepSpeed
+    folder whose save failed keeps the name of a checkpoint but is none)."""
     run_dir = run_folder_of(path)
     if run_dir is not None:
-        return bool(run_checkpoints(run_dir))
-    return any(is_checkpoint(other) and not other.is_symlink() for other in path.parent.glob("*.ckpt"))
+        return any(is_readable(checkpoint) for checkpoint in run_checkpoints(run_dir))
+    return any(is_checkpoint(other) and not other.is_symlink() and is_readable(other)
+               for other in path.parent.glob("*.ckpt"))
 
 
 # ----------------------------------------------------------------------------- reading a checkpoint

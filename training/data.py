@@ -25,7 +25,6 @@ import logging
 import math
 import os
 import pickle
-import shutil
 import weakref
 from pathlib import Path
 
@@ -34,9 +33,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
 from ddtree.errors import DDTreeError, error_line
-from ddtree.files import atomic_file, os_error_in, why_unwritable, write_text_atomic
+from ddtree.files import WriteFailed, atomic_file, why_unwritable, write_text_atomic
 from training.conversations import TOKENIZATION_VERSION, end_of_turn_text, load_conversations, tokenize_conversations
-from training.feature_store import AUTO_STORE, FeatureStore, format_bytes
+from training.feature_store import AUTO_STORE, FeatureStore
 from training.recipe_data import AUTO_DATA, check_regenerate_settings
 
 log = logging.getLogger(__name__)
@@ -483,13 +482,9 @@ class DistillDataModule(L.LightningDataModule):
             with atomic_file(path, "wb") as handle:  # other ranks/processes never see a half-written cache
                 torch.save({"input_ids": data.input_ids, "loss_mask": data.loss_mask, "offsets": data.offsets,
                             "pad_id": pad_id, "counts": counts, "source": self.data_path}, handle)
-        except (OSError, RuntimeError) as error:  # (torch.save's RuntimeError: a full disk, os_error_in)
-            cause = os_error_in(error)
-            if cause is None:
-                raise
-            free = format_bytes(shutil.disk_usage(self.cache_dir).free)
-            raise DDTreeError(f"cannot write the tokenized cache {path} ({cause.strerror or cause}; {free} free): free "
-                              f"some space there, or {self.move_cache('a folder on a disk with room')}") from None
+        except WriteFailed as failure:  # (a full disk, a quota: named with the setting that moves the cache)
+            raise DDTreeError(f"cannot write the tokenized cache {path} ({failure.why}): {failure.remedy}, or "
+                              f"{self.move_cache('a folder on a disk with room')}") from None
 
     def move_cache(self, to: str) -> str:
         """The setting that moves the tokenized cache `to` somewhere else, for an error: data.cache_dir where it was

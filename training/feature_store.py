@@ -58,7 +58,6 @@ import fcntl
 import glob
 import json
 import os
-import re
 import shutil
 import sys
 import time
@@ -77,7 +76,8 @@ from ddtree.calibration import weights_fingerprint
 from ddtree.configuration_dflash import DFlashDrafterConfig
 from ddtree.drafters import read_drafter_config
 from ddtree.errors import DDTreeError, error_line
-from ddtree.files import file_in_the_way, follow_umask, unwritable_as_error, write_json_atomic
+from ddtree.files import (WriteFailed, file_in_the_way, follow_umask, format_bytes, free_bytes, unwritable_as_error,
+                          write_failure, write_json_atomic)
 from ddtree.precision import LIGHTNING_PRECISION
 from ddtree.targets import BUILTIN_TARGETS, TINY_TARGET, cache_dir, default_layer_ids, parse_dtype, resolve_target
 
@@ -228,10 +228,6 @@ def differing_fields(existing: dict, planned: dict, same_data: tuple[str, ...], 
 def is_complete(path: str | Path) -> bool:
     """A finished store: its manifest exists only once the whole folder has been renamed into place."""
     return (Path(path) / MANIFEST).is_file()
-
-
-def format_bytes(size: float) -> str:
-    return f"{size / 1e9:.2f} GB" if size >= 1e9 else f"{size / 1e6:.1f} MB"
 
 
 def drafter_layer_ids(target_layer_ids: list[int] | None, init_from: str | None) -> list[int] | None:
@@ -514,45 +510,26 @@ def finished_shards(partial: Path, shards: list[dict], width: int, build_id: str
     return done
 
 
-def free_bytes(path: Path) -> int:
-    existing = next(p for p in [path, *path.parents] if p.exists())
-    return shutil.disk_usage(existing).free
-
-
-def write_failure(error: OSError | SafetensorError) -> str | None:
-    """What went wrong in a failed write, in the OS's words; None for a SafetensorError that is no I/O error (a bug).
-
-    safetensors raises its own type with the OS error in its text: "... I/O error: Disk quota exceeded (os error
-    122)"."""
-    if isinstance(error, OSError):
-        return error.strerror or str(error)
-    code = re.search(r"\(os error (\d+)\)", str(error))
-    if code:
-        return os.strerror(int(code.group(1)))
-    io_error = re.search(r"I/O error: (.+)", str(error))
-    return io_error.group(1) if io_error else None
-
-
 @contextmanager
 def write_failure_as_error(path: Path, staging: Path | None = None):
     """A write into a build's <out>.partial/ that fails (a disk filled by another job since the size check, a quota
-    reached) as one line, its staging file removed; the finished shards stay, and a rerun resumes after them."""
+    reached) as one line, its staging file removed; the finished shards stay, and a rerun resumes after them. Any OS
+    error of a write is one line here (not only the disk's refusals, as at other writers): the rerun resumes."""
     try:
         yield
-    except (OSError, SafetensorError) as error:
+    except (OSError, SafetensorError, WriteFailed) as error:
         if staging is not None:
             staging.unlink(missing_ok=True)
-        reason = write_failure(error)
-        if reason is None:
+        cause = error.cause if isinstance(error, WriteFailed) else write_failure(error)
+        if cause is None:
             raise
-        if reason == os.strerror(errno.ENOENT) and not path.parent.exists():  # not the disk: the folder went away
+        if cause.errno == errno.ENOENT and not path.parent.exists():  # not the disk: the folder went away
             raise DDTreeError(f"writing {path} failed: {path.parent} was removed meanwhile (finished or removed by "
                               "another process building the same store): run the build again; it takes a finished "
                               "store as it is") from None
-        space = "space within your disk quota" if reason == os.strerror(errno.EDQUOT) else "space"  # (the disk's free)
-        raise DDTreeError(f"writing {path} failed ({reason}; {format_bytes(free_bytes(path.parent))} free): free some "
-                          f"{space} or give another --out, then run the build again: it resumes after the finished "
-                          "shards") from None
+        failure = WriteFailed(path, cause)
+        raise DDTreeError(f"writing {path} failed ({failure.why}): {failure.remedy} or give another --out, then run the "
+                          "build again: it resumes after the finished shards") from None
 
 
 def build_feature_store(

@@ -60,7 +60,7 @@ from ddtree.errors import DDTreeError
 from ddtree.modeling_dflash import DFlashDraftModel
 
 from .checkpoint_paths import SAVING_MARKER
-from .checkpoints import drafter_from_weights
+from .checkpoints import checkpoint_refusal_as_error, drafter_from_weights
 
 
 class DrafterDeepSpeed(DeepSpeedStrategy):
@@ -87,13 +87,16 @@ class DrafterDeepSpeed(DeepSpeedStrategy):
     def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
         """Lightning's save, between a marker written before any rank writes and removed after every rank has:
         DeepSpeed rewrites the folder's files in place under one tag, so a save cut short (a kill, a full disk) left a
-        mix of two steps that resumed with a traceback or, worse, silently (checkpoint_paths.is_readable refuses it now)."""
+        mix of two steps that resumed with a traceback or, worse, silently (checkpoint_paths.is_readable refuses it now).
+        A save the disk refuses is one line, as AtomicCheckpointIO's (torch.save into a path says only "unexpected
+        pos" then, a 90-line traceback from every rank); the marker stays."""
         marker = Path(filepath) / SAVING_MARKER
         if self.is_global_zero:
             marker.parent.mkdir(parents=True, exist_ok=True)
             marker.write_text("a save of this checkpoint began and has not finished\n")
         self.barrier("drafter_deepspeed_save_begins")
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+        with checkpoint_refusal_as_error(Path(filepath)):
+            super().save_checkpoint(checkpoint, filepath, storage_options)
         self.barrier("drafter_deepspeed_save_ends")
         if self.is_global_zero:
             marker.unlink()

@@ -1,4 +1,5 @@
-"""A disk that fills while torch.save writes a checkpoint or the tokenized cache: one line, nothing half-written left.
+"""A disk that fills while a file is written (a checkpoint, the tokenized cache, a converted target): one line, nothing
+half-written left.
 
     OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/training/test_disk_full.py -q
 
@@ -15,20 +16,26 @@ from __future__ import annotations
 import errno
 import io
 import os
+import re
 import tempfile
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors import SafetensorError
 
 import ddtree.files
 import toy_data  # tests/training/toy_data.py
 from ddtree.errors import DDTreeError
-from ddtree.files import os_error_in
+from ddtree.files import os_error_in, write_failure
+from ddtree.targets import save_converted
+from training.checkpoint_paths import SAVING_MARKER
 from training.checkpoints import AtomicCheckpointIO
 from training.data import DistillDataModule
 
 ROOM = 16 * 1024  # bytes free on the modelled disk: less than a checkpoint or the tokenized cache needs
+FREE = r"\d+\.\d+ [MG]B free"  # the free space a line names (of the real disk under tmp_path, which others share)
 
 
 class DiskWithRoom(io.FileIO):
@@ -124,3 +131,126 @@ def test_the_os_error_behind_a_failure_is_found_where_it_was_raised_from_or_whil
     assert os_error_in(chained(RuntimeError("unexpected pos"), context=full)) is full  # torch.save's
     assert os_error_in(chained(RuntimeError("wrapped"), cause=full)) is full
     assert os_error_in(chained(RuntimeError("a bug"), context=KeyError("x"))) is None
+
+
+def test_the_os_error_behind_a_failed_write_is_read_from_safetensors_and_torch_too():
+    quota = write_failure(SafetensorError("Error while serializing: I/O error: Disk quota exceeded (os error 122)"))
+    assert quota.errno == errno.EDQUOT and quota.strerror == os.strerror(errno.EDQUOT)
+    # torch.save into a path (DeepSpeed's shards) on a full disk: its C++ writer names no errno
+    short = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 201600 vs 201488")
+    short.__context__ = RuntimeError("basic_ios::clear: iostream error")
+    assert write_failure(short).errno is None and "unexpected pos 201600 vs 201488" in str(write_failure(short))
+    assert write_failure(SafetensorError("invalid tensor layout")) is None  # bugs keep their traceback
+    assert write_failure(RuntimeError("a bug")) is None
+    assert write_failure(OSError("Can't load tokenizer")) is None  # (transformers' OSErrors name no errno)
+
+
+def test_any_file_the_disk_refuses_is_one_line_and_leaves_no_staging_file(tmp_path, full_disk):
+    """Every other writer (a run's data.json and drafter/, make export, data/regenerate.py, the ablation tables, ...)
+    let the OSError through: a traceback (found in a review)."""
+    path = tmp_path / "data.json"
+    with pytest.raises(DDTreeError) as error:
+        ddtree.files.write_json_atomic(path, {"rows": list(range(10_000))})
+    assert re.fullmatch(re.escape(f"cannot write {path} (No space left on device; ") + FREE
+                        + re.escape("): free some space there, or give another path"), str(error.value)), error.value
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("failure, raised", [
+    (OSError(errno.EFBIG, os.strerror(errno.EFBIG)), DDTreeError),  # a file-size limit (ulimit -f)
+    (OSError(errno.EIO, os.strerror(errno.EIO)), OSError),  # a failing disk, not a place to make room in: a traceback
+])
+def test_a_folder_the_disk_refuses_names_the_folder_not_its_staging_name(tmp_path, failure, raised):
+    out = tmp_path / "drafter"
+    with pytest.raises(raised) as error:
+        with ddtree.files.staged_folder(out) as staging:
+            (staging / "config.json").write_text("{}")
+            raise failure
+    if raised is DDTreeError:
+        assert str(error.value).startswith(f"cannot write {out} (File too large; ")
+        assert str(error.value).endswith("): raise the file-size limit (ulimit -f), or give another path")
+    assert list(tmp_path.iterdir()) == []
+
+
+# ----------------------------------------------------------------------------- the target cache and DeepSpeed
+
+
+class Unsaveable:
+    """A converted target (and its tokenizer) whose save fails as `failure`."""
+
+    def __init__(self, failure: Exception):
+        self.failure = failure
+
+    def save_pretrained(self, folder):
+        (Path(folder) / "model.safetensors").write_bytes(b"half")
+        raise self.failure
+
+    def get_memory_footprint(self) -> int:
+        return 13 * 2**20
+
+
+@pytest.mark.parametrize("failure, said, remedy", [
+    (OSError(errno.EDQUOT, os.strerror(errno.EDQUOT)), os.strerror(errno.EDQUOT),
+     "free some space within your disk quota"),
+    # what safetensors says under `ulimit -f`
+    (SafetensorError("Error while serializing: I/O error: File too large (os error 27)"), os.strerror(errno.EFBIG),
+     "raise the file-size limit (ulimit -f)"),
+])
+def test_a_target_conversion_over_a_quota_or_a_file_size_limit_is_one_line(tmp_path, failure, said, remedy):
+    """Only ENOSPC was one line: a quota (EDQUOT) or a file-size limit (EFBIG) was a traceback (found in a review)."""
+    folder = tmp_path / "targets" / "tiny"
+    with pytest.raises(DDTreeError) as error:
+        save_converted(Unsaveable(failure), Unsaveable(failure), folder, {"source": "x"})
+    assert re.fullmatch(re.escape(f"cannot save the converted target tiny in {folder.parent} ({said}; ") + FREE
+                        + re.escape(f"; it needs about 13 MiB): {remedy}, or set DDTREE_CACHE to a folder on another "
+                                    "disk"), str(error.value)), str(error.value)
+    assert list(folder.parent.iterdir()) == []  # neither the target nor a staging folder
+
+
+@pytest.mark.parametrize("earlier", [True, False])
+def test_a_deepspeed_checkpoint_the_disk_refuses_is_one_line_and_keeps_its_marker(tmp_path, monkeypatch, earlier):
+    """torch.save into DeepSpeed's shard files says only "unexpected pos" on a full disk: a 90-line traceback from
+    every rank (found in a review). One line, as AtomicCheckpointIO's; the folder cut short keeps its marker, and it
+    is no checkpoint to resume from (its `latest` is an earlier save's)."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    from training.strategies import DrafterDeepSpeed
+
+    def full_disk_save(self, checkpoint, filepath, storage_options=None):
+        try:
+            raise RuntimeError("basic_ios::clear: iostream error")
+        except RuntimeError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 201600 vs 201488")
+
+    monkeypatch.setattr(DeepSpeedStrategy, "save_checkpoint", full_disk_save)
+    monkeypatch.setattr(DrafterDeepSpeed, "is_global_zero", True)
+    monkeypatch.setattr(DrafterDeepSpeed, "barrier", lambda self, name=None: None)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("seed_everything: 0\n")
+    for name in ["last.ckpt"] + (["step-2.ckpt"] if earlier else []):  # whole DeepSpeed folders of earlier saves
+        (run / "checkpoints" / name).mkdir(parents=True)
+        (run / "checkpoints" / name / "latest").write_text("global_step2")
+    path = run / "checkpoints" / "last.ckpt"
+    with pytest.raises(DDTreeError) as error:
+        object.__new__(DrafterDeepSpeed).save_checkpoint({}, path)  # no engine: only the save's failure is under test
+    then = ("the previous checkpoints are whole: make room and resume the run (--resume <run folder>)" if earlier else
+            "the run holds no checkpoint yet: make room and start it again (the same command)")
+    assert str(error.value) == (f"cannot write the checkpoint {path}: the write stopped short (torch: unexpected pos "
+                                f"201600 vs 201488); {then}")
+    assert (path / SAVING_MARKER).is_file()
+
+
+def test_a_deepspeed_save_that_fails_for_another_reason_keeps_its_traceback(tmp_path, monkeypatch):
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    from training.strategies import DrafterDeepSpeed
+
+    def failing_save(self, checkpoint, filepath, storage_options=None):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(DeepSpeedStrategy, "save_checkpoint", failing_save)
+    monkeypatch.setattr(DrafterDeepSpeed, "is_global_zero", True)
+    monkeypatch.setattr(DrafterDeepSpeed, "barrier", lambda self, name=None: None)
+    with pytest.raises(RuntimeError, match="a bug"):
+        object.__new__(DrafterDeepSpeed).save_checkpoint({}, tmp_path / "last.ckpt")

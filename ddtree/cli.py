@@ -41,7 +41,7 @@ from .decoding import (
     METHODS, DrafterRunner, OnlineCalibration, Sampling, check_budget, context_limit, drafter_defaults, generate,
 )
 from .errors import DDTreeError, check_text, command
-from .files import check_output_file, write_json_atomic
+from .files import WriteFailed, check_output_file, saved_elsewhere, write_results_json
 from .inputs import method_list, uses_drafter
 from .machine import describe_machine, machine_line
 from .packed_linear import apply_packing, cannot_pack, is_packed, packing_available
@@ -405,10 +405,10 @@ def cmd_bench(args) -> None:
         if out.exists() and not args.overwrite:  # absent at the start: another run, started beside this one, wrote it
             kept = next(path for number in range(1, 10**6)
                         if not (path := out.with_name(f"{out.stem}.{number}{out.suffix}")).exists())
-            write_json_atomic(kept, results)
+            write_results_json(kept, results)
             raise DDTreeError(f"--out {out} was written by another run while this one decoded, so it is left as it is; "
                               f"this run's results are in {kept}")
-        write_json_atomic(out, results)
+        write_results_json(out, results)
         print(f"results written to {args.out}")
 
 
@@ -450,7 +450,7 @@ def cmd_calibrate(args) -> None:
                           f"it is (learned here: draft temperature {settled.describe()}); rerun with --overwrite to "
                           "replace it")
     created = time.strftime("%Y-%m-%d")
-    save_calibration(out, settled, {
+    facts = {
         "target": args.target, "dtype": str(target.dtype).removeprefix("torch."), "prompts": args.prompts,
         "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
         "decoded_with": {"lookup": lookup, "redraft": redraft, "corpus": resolved is not None,
@@ -461,7 +461,16 @@ def cmd_calibrate(args) -> None:
         "while_learning": {key: {"tau": stats["tau"], "expected_tau": stats["expected_tau"]}
                            for key, stats in results["summary"].items()},
         "created": created,
-    })
+    }
+    try:
+        save_calibration(out, settled, facts)
+    except WriteFailed as failure:  # (a full disk) what was learned is not lost: kept elsewhere, or said in the line
+        copy = saved_elsewhere(out, lambda copy: save_calibration(copy, settled, facts))
+        kept = (f"what was learned is saved in {copy} instead: {failure.remedy} and move it into {out.parent} "
+                f"(generate and bench take it meanwhile with --calibration {copy})" if copy else
+                f"nothing could be saved (learned here: draft temperature {settled.describe()}): {failure.remedy} "
+                "and run it again")
+        raise DDTreeError(f"ddtree calibrate: cannot write {out} ({failure.why}); {kept}") from None
     print(f"calibration written to {out} (draft temperature {settled.describe()}, the mean over the last half of "
           "the rounds): generate and bench use it by default (--calibration none leaves it out)")
     if note_in_card(Path(args.drafter), created):  # an export's figures are of the drafter without it

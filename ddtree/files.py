@@ -8,7 +8,8 @@ Temporary files and folders (tempfile.mkstemp/mkdtemp) are created owner-only (0
 safety; once renamed into place they would stay so and nobody else on shared storage could read
 a run or the cache. Every writer here gives them the modes a plain open()/mkdir() would.
 
-A write the disk refuses (no space, a quota, a file-size limit) is one line, WriteFailed, at every writer here.
+A write the disk refuses (no space, a quota, a file-size limit) is one line, WriteFailed, at every writer here; results
+that took a decode to measure are not lost with it (write_results_json).
 """
 
 from __future__ import annotations
@@ -318,6 +319,35 @@ def write_json_atomic(path: str | Path, payload) -> None:
     """Strict JSON: a NaN or an infinity is written as null (finite_json)."""
     with atomic_file(path) as handle:
         json.dump(finite_json(payload), handle, indent=1, allow_nan=False)
+
+
+def saved_elsewhere(path: Path, write) -> Path | None:
+    """Where `write(copy)` put what could not be written to `path`: a file of the same name in a new folder of the
+    system's temporary folder ($TMPDIR, else /tmp); None where that failed too."""
+    folder = None
+    try:
+        folder = Path(tempfile.mkdtemp(prefix="ddtree-kept-"))
+        write(folder / Path(path).name)
+        return folder / Path(path).name
+    except (OSError, DDTreeError):
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+        return None
+
+
+def write_results_json(path: str | Path, payload, flag: str = "--out") -> None:
+    """write_json_atomic for what a command measured (bench, make eval): where the disk refuses it (WriteFailed), the
+    minutes or hours of decoding behind it are not lost: the results go to a file in the system's temporary folder
+    (saved_elsewhere) or, where that fails too, to stdout, and the error line says where."""
+    try:
+        write_json_atomic(path, payload)
+    except WriteFailed as failure:
+        copy = saved_elsewhere(path, lambda copy: write_json_atomic(copy, payload))
+        if copy is None:
+            print(json.dumps(finite_json(payload), indent=1, allow_nan=False), flush=True)
+        where = f"saved in {copy} instead" if copy else "printed above, on stdout"
+        raise DDTreeError(f"cannot write {path} ({failure.why}); the results are {where}: {failure.remedy}, or give "
+                          f"another {flag}") from None
 
 
 @contextmanager

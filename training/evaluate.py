@@ -22,7 +22,9 @@ Prints one row per method and writes <run>/eval/checkpoint-<name>.json (checkpoi
 a run, an eval/ folder beside it; or --out, which is never, even with --overwrite, a checkpoint, a file the
 evaluation or the run reads (the config or recipe, eval.prompts), or a file a run's training writes (its
 config.yaml, corpus.safetensors, data.json, report.md, tau.png, eval/step-N.json, anything in checkpoints/ or the
-logs; a new file in a run folder, such as eval/bf16.json, is fine). Bad input prints one line and exits with status 2.
+logs; a new file in a run folder, such as eval/bf16.json, is fine). Bad input prints one line and exits with status 2;
+a results file the disk refuses at the end (full, a quota) is saved in the system's temporary folder instead, which
+the error line names.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from ddtree.arguments import default_device
 from ddtree.cli import parse_device
 from ddtree.corpus import CORPUS_FILE, CorpusLookup
 from ddtree.errors import DDTreeError, command
-from ddtree.files import check_output_file, read_yaml_mapping, write_json_atomic
+from ddtree.files import check_output_file, read_yaml_mapping, write_results_json
 from ddtree.machine import describe_machine
 from ddtree.precision import AUTO, fast_precision
 from ddtree.targets import stop_token_ids
@@ -243,8 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     used = {**evaluation.settings(drafter.config, len(prompts)), "limit": evaluation.limit, "target": hp["target"]}
     if adapter:
         used.update(target_adapter=adapter, target_adapter_sha256=adapter_files)
-    write_json_atomic(out, {"checkpoint": str(path), "step": step, "settings": used,
-                            "machine": describe_machine(target.device), "logged": logged, **result})
+    write_results_json(out, {"checkpoint": str(path), "step": step, "settings": used,
+                             "machine": describe_machine(target.device), "logged": logged, **result})
     print(f"results written to {out}")
     return 0
 

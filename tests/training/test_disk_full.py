@@ -1,5 +1,5 @@
-"""A disk that fills while a file is written (a checkpoint, the tokenized cache, a converted target): one line, nothing
-half-written left.
+"""A disk that fills while a file is written (a checkpoint, the tokenized cache, bench's, calibrate's or make eval's
+results, a converted target): one line, nothing half-written left, and nothing that was measured lost.
 
     OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/training/test_disk_full.py -q
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import io
+import json
 import os
 import re
 import tempfile
@@ -25,11 +26,15 @@ import pytest
 import torch
 from safetensors import SafetensorError
 
+import ddtree.cli
 import ddtree.files
 import toy_data  # tests/training/toy_data.py
+import training.evaluate
+from ddtree.calibration import CALIBRATION_FILE, load_calibration
 from ddtree.errors import DDTreeError
 from ddtree.files import os_error_in, write_failure
-from ddtree.targets import save_converted
+from ddtree.modeling_dflash import DFlashDraftModel
+from ddtree.targets import build_drafter_config, save_converted
 from training.checkpoint_paths import SAVING_MARKER
 from training.checkpoints import AtomicCheckpointIO
 from training.data import DistillDataModule
@@ -61,21 +66,24 @@ def full_disk(monkeypatch):
     fill_disk(monkeypatch)
 
 
-def fill_disk(monkeypatch) -> None:
-    """full_disk from this point on (tests/training/test_eval_callback.py fills it in the middle of a run)."""
+def fill_disk(monkeypatch, under: Path | None = None, room: int = ROOM) -> None:
+    """full_disk from this point on (tests/training/test_eval_callback.py fills it in the middle of a run); only for
+    the files staged `under` a folder where given (the system's temporary folder, say, is on another disk), with
+    `room` bytes free."""
     staged = set()
     real_fdopen = os.fdopen
 
     def mkstemp(*args, **kwargs):
         descriptor, name = tempfile.mkstemp(*args, **kwargs)
-        staged.add(descriptor)
+        if under is None or Path(name).is_relative_to(under):
+            staged.add(descriptor)
         return descriptor, name
 
     def fdopen(descriptor, mode="r", *args, **kwargs):
         if descriptor not in staged:
             return real_fdopen(descriptor, mode, *args, **kwargs)
         staged.discard(descriptor)
-        buffered = io.BufferedWriter(DiskWithRoom(descriptor, ROOM))
+        buffered = io.BufferedWriter(DiskWithRoom(descriptor, room))
         return buffered if "b" in mode else io.TextIOWrapper(buffered, **kwargs)
 
     monkeypatch.setattr(ddtree.files, "tempfile", SimpleNamespace(mkstemp=mkstemp, mkdtemp=tempfile.mkdtemp))
@@ -254,3 +262,103 @@ def test_a_deepspeed_save_that_fails_for_another_reason_keeps_its_traceback(tmp_
     monkeypatch.setattr(DrafterDeepSpeed, "barrier", lambda self, name=None: None)
     with pytest.raises(RuntimeError, match="a bug"):
         object.__new__(DrafterDeepSpeed).save_checkpoint({}, tmp_path / "last.ckpt")
+
+
+# ----------------------------------------------------------------------------- what was measured is kept
+
+
+@pytest.fixture
+def other_temporary_folder(tmp_path, monkeypatch):
+    """The system's temporary folder ($TMPDIR), on a disk with room."""
+    folder = tmp_path / "tmp"
+    folder.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    return folder
+
+
+def error_lines(capsys) -> tuple[str, list[str]]:
+    """stdout, and the lines of stderr that say an error (not the progress bars)."""
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    return captured.out, [line for line in captured.err.splitlines() if line.startswith("error")]
+
+
+@pytest.mark.parametrize("temporary_folder_full", [False, True])
+def test_bench_results_the_disk_refuses_are_one_line_and_kept(tmp_path, monkeypatch, capsys, other_temporary_folder,
+                                                              temporary_folder_full):
+    """The decode ran, then the write of --out failed with a traceback and every result was lost (found in a
+    review). They go to the temporary folder, or, where that is full too, to stdout."""
+    full = tmp_path / "full"
+    full.mkdir()
+    fill_disk(monkeypatch, under=None if temporary_folder_full else full, room=0)
+    out = full / "b.json"
+    status = ddtree.cli.main(["bench", "--target", "tiny-random", "--drafter", "random", "--prompts",
+                              "data/eval_prompts.jsonl", "--limit", "1", "--methods", "ar,ddtree", "--budgets", "4",
+                              "--max-new-tokens", "4", "--dtype", "float32", "--out", str(out)])
+    stdout, err = error_lines(capsys)
+    assert status == 2 and len(err) == 1, err
+    assert err[0].startswith(f"error: cannot write {out} (No space left on device; ")
+    if temporary_folder_full:
+        assert err[0].endswith("the results are printed above, on stdout: free some space there, or give another --out")
+        results = json.loads(stdout[stdout.index("\n{") + 1:])
+        assert list(other_temporary_folder.iterdir()) == []  # the copy that failed is not left there
+    else:
+        (kept,) = other_temporary_folder.glob("ddtree-kept-*/b.json")
+        assert err[0].endswith(f"the results are saved in {kept} instead: free some space there, or give another --out")
+        results = json.loads(kept.read_text())
+    assert set(results["summary"]) == {"ar", "ddtree@4"} and results["settings"]["limit"] == 1
+    assert list(full.iterdir()) == []  # no staging file
+
+
+def test_a_calibration_the_disk_refuses_is_one_line_and_kept(tmp_path, monkeypatch, capsys, tiny_target,
+                                                             other_temporary_folder):
+    target, tokenizer = tiny_target
+    folder = tmp_path / "drafter"
+    torch.manual_seed(0)
+    DFlashDraftModel(build_drafter_config(target, tokenizer, "tiny-random", num_layers=1)).save_pretrained(folder)
+    before = sorted(path.name for path in folder.iterdir())
+    fill_disk(monkeypatch, under=folder, room=0)
+    status = ddtree.cli.main(["calibrate", "--target", "tiny-random", "--drafter", str(folder), "--prompts",
+                              "data/eval_prompts.jsonl", "--limit", "2", "--budgets", "8", "--max-new-tokens", "8",
+                              "--dtype", "float32"])
+    _, err = error_lines(capsys)
+    (kept,) = other_temporary_folder.glob(f"ddtree-kept-*/{CALIBRATION_FILE}")
+    assert status == 2 and len(err) == 1, err
+    assert re.fullmatch(re.escape(f"error: ddtree calibrate: cannot write {folder / CALIBRATION_FILE} (No space left on "
+                                  "device; ") + FREE
+                        + re.escape(f"); what was learned is saved in {kept} instead: free some space there and move "
+                                    f"it into {folder} (generate and bench take it meanwhile with --calibration "
+                                    f"{kept})"), err[0]), err[0]
+    assert load_calibration(kept).frozen  # a whole calibration file
+    assert sorted(path.name for path in folder.iterdir()) == before
+
+
+@pytest.fixture
+def loose_checkpoint(tmp_path):
+    """A checkpoint of a tiny DistillModule outside a run folder: make eval writes beside it, in its eval/."""
+    from training.module import DistillModule
+
+    torch.manual_seed(0)
+    module = DistillModule(target="tiny-random", num_layers=1, block_size=4, target_layer_ids=[0, 2, 4],
+                           target_dtype="float32")
+    module.configure_model()
+    checkpoint = {"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams), "global_step": 7}
+    module.on_save_checkpoint(checkpoint)
+    path = tmp_path / "loose" / "x.ckpt"
+    path.parent.mkdir()
+    torch.save(checkpoint, path)
+    return path
+
+
+def test_make_eval_results_the_disk_refuses_are_one_line_and_kept(loose_checkpoint, monkeypatch, capsys,
+                                                                   other_temporary_folder):
+    fill_disk(monkeypatch, under=loose_checkpoint.parent, room=0)
+    status = training.evaluate.main(["--recipe", "tiny", "--ckpt", str(loose_checkpoint), "--limit", "1"])
+    _, err = error_lines(capsys)
+    out = loose_checkpoint.parent / "eval" / "checkpoint-x-limit1.json"
+    (kept,) = other_temporary_folder.glob("ddtree-kept-*/checkpoint-x-limit1.json")
+    assert status == 2 and len(err) == 1, err
+    assert err[0].startswith(f"error: cannot write {out} (No space left on device; ")
+    assert err[0].endswith(f"the results are saved in {kept} instead: free some space there, or give another --out")
+    assert json.loads(kept.read_text())["step"] == 7
+    assert list(out.parent.iterdir()) == []

@@ -187,9 +187,11 @@ def path_argument(text: str) -> str:
     return os.path.expanduser(text)
 
 
-def check_output_file(path: str | Path, flag: str = "--out", overwrite: bool | None = None) -> None:
+def check_output_file(path: str | Path, flag: str = "--out", overwrite: bool | None = None,
+                      instead: str = "give a path in a writable folder") -> None:
     """Refuse, before any work, a results file that could not be written at the end: a folder, or a path under a file;
-    and, with overwrite=False, a file that exists (a command's own input, say: a drafter's config.json)."""
+    and, with overwrite=False, a file that exists (a command's own input, say: a drafter's config.json). `instead`:
+    what to do about a place that cannot be written."""
     path = Path(path)
     if path.is_dir():
         raise DDTreeError(f"{flag} {path} is a folder; give a file path for the results JSON")
@@ -197,10 +199,10 @@ def check_output_file(path: str | Path, flag: str = "--out", overwrite: bool | N
         raise DDTreeError(f"{flag} {path} exists; pass --overwrite to replace it, or give another path")
     blocker = file_in_the_way(path)
     if blocker is not None:
-        raise DDTreeError(f"cannot write {path}: {blocker} is a file, not a folder; give a path in a writable folder")
+        raise DDTreeError(f"cannot write {path}: {blocker} is a file, not a folder; {instead}")
     folder = next(parent for parent in path.absolute().parents if parent.exists())  # the file goes there, or below it
     if not os.access(folder, os.W_OK | os.X_OK):  # a read-only mount or no permission: else found after all the work
-        raise DDTreeError(f"cannot write {path}: {folder} is not writable here; give a path in a writable folder")
+        raise DDTreeError(f"cannot write {path}: {folder} is not writable here; {instead}")
 
 
 def json_problem(line: str, error: json.JSONDecodeError) -> str:

@@ -23,7 +23,8 @@ a run, an eval/ folder beside it; or --out, which is never, even with --overwrit
 evaluation or the run reads (the config or recipe, eval.prompts), or a file a run's training writes (its
 config.yaml, corpus.safetensors, data.json, report.md, tau.png, eval/step-N.json, anything in checkpoints/ or the
 logs; a new file in a run folder, such as eval/bf16.json, is fine). Bad input prints one line and exits with status 2;
-a results file the disk refuses at the end (full, a quota) is saved in the system's temporary folder instead, which
+a results file that cannot be written (a read-only run folder, for the default too) is said so before the checkpoint
+loads, and one the disk refuses at the end (full, a quota) is saved in the system's temporary folder instead, which
 the error line names.
 """
 
@@ -143,6 +144,21 @@ def check_not_a_checkpoint(out: Path) -> None:
                           "(the default is <run>/eval/)")
 
 
+def default_results_file(path: Path, limit: int | None) -> Path:
+    """Where the results of checkpoint `path` go without --out: <run>/eval/checkpoint-<name>.json.
+
+    Outside a run: beside the checkpoint's own folder (its run-like parent when it lies in a checkpoints/ folder).
+    A branch a resume abandoned: beside its training-time evaluations, eval/abandoned-after-step-N/, since eval/
+    holds the current branch's, whose checkpoint files of the same names are other drafters."""
+    folder, branch, run_dir = path.resolve().parent, abandoned_branch(path), run_folder_of(path)
+    eval_dir = (run_dir or (folder.parent if folder.name == "checkpoints" else folder)) / "eval"
+    if branch is not None:
+        eval_dir = eval_dir / branch[1]
+    # A --limit measurement has its own name: the checkpoint's own one is what `make export` reports for its step
+    partial = "" if limit is None else f"-limit{limit}"
+    return eval_dir / f"checkpoint-{path.resolve().stem}{partial}.json"
+
+
 @command
 def main(argv: list[str] | None = None) -> int:
     args = default_device(evaluate_parser().parse_args(argv))
@@ -168,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
             "the eval.prompts file": Path(evaluation.prompts_path)})
         # after: an input is refused even with --overwrite, so the line must not suggest it (as `ddtree bench`)
         check_output_file(args.out, overwrite=args.overwrite)
+        out = Path(args.out)
+    else:  # a run on a read-only mount (someone else's, an archive's): said now, not after every prompt is decoded
+        out = default_results_file(path, args.limit)
+        check_output_file(out, "--out's default", instead="give --out a path in a writable folder")
 
     checkpoint = load_checkpoint(path)
     hp = checkpoint.hyper_parameters
@@ -232,16 +252,6 @@ def main(argv: list[str] | None = None) -> int:
             f"{key:<12} {tau_text(stats['tau']):>7} {tau_text(was):>7} {tau_text(stats.get('expected_tau')):>8} "
             f"{stats['rounds']:>7}  {depths}"
         )
-    # Outside a run: beside the checkpoint's own folder (its run-like parent when it lies in a checkpoints/ folder).
-    # A branch a resume abandoned: beside its training-time evaluations, eval/abandoned-after-step-N/, since eval/
-    # holds the current branch's, whose checkpoint files of the same names are other drafters.
-    folder, branch = path.resolve().parent, abandoned_branch(path)
-    eval_dir = (run_dir or (folder.parent if folder.name == "checkpoints" else folder)) / "eval"
-    if branch is not None:
-        eval_dir = eval_dir / branch[1]
-    # A --limit measurement has its own name: the checkpoint's own one is what `make export` reports for its step
-    partial = "" if args.limit is None else f"-limit{args.limit}"
-    out = Path(args.out) if args.out else eval_dir / f"checkpoint-{path.resolve().stem}{partial}.json"
     used = {**evaluation.settings(drafter.config, len(prompts)), "limit": evaluation.limit, "target": hp["target"]}
     if adapter:
         used.update(target_adapter=adapter, target_adapter_sha256=adapter_files)

@@ -362,3 +362,18 @@ def test_make_eval_results_the_disk_refuses_are_one_line_and_kept(loose_checkpoi
     assert err[0].endswith(f"the results are saved in {kept} instead: free some space there, or give another --out")
     assert json.loads(kept.read_text())["step"] == 7
     assert list(out.parent.iterdir()) == []
+
+
+def test_make_evals_default_results_file_that_cannot_be_written_is_refused_before_the_checkpoint_loads(
+        loose_checkpoint, monkeypatch, capsys):
+    """Only an explicit --out was checked: a run on a read-only mount (someone else's, an archive's) was decoded whole,
+    then its <run>/eval/checkpoint-<name>.json failed (found in a review). The mount is simulated: root writes
+    anywhere."""
+    folder = loose_checkpoint.parent
+    access = ddtree.files.os.access
+    monkeypatch.setattr(ddtree.files.os, "access", lambda path, mode: Path(path) != folder and access(path, mode))
+    monkeypatch.setattr(training.evaluate, "load_checkpoint", lambda path: pytest.fail("loaded the checkpoint first"))
+    status = training.evaluate.main(["--recipe", "tiny", "--ckpt", str(loose_checkpoint)])
+    _, err = error_lines(capsys)
+    assert status == 2 and err == [f"error: cannot write {folder / 'eval' / 'checkpoint-x.json'}: {folder} is not "
+                                   "writable here; give --out a path in a writable folder"]

@@ -8,7 +8,8 @@
 
 A `DDTreeError` is bad input a user can fix (a value, a file, a setting): the command prints its
 message as one line, `error: ...`, and exits with status 2, like argparse does for a bad flag.
-An interrupted command (Ctrl-C) exits with 130, the shell's code for SIGINT, and one whose output's reader went away
+An interrupted command (Ctrl-C) exits with 130, the shell's code for SIGINT; one stopped by SIGTERM (a scheduler's time
+limit, `timeout`, `kill`) exits with 143 the same way (SigtermRaises); and one whose output's reader went away
 (`ddtree generate ... | head`) exits quietly with 141, the shell's code for SIGPIPE.
 Anything else is a bug and keeps its traceback (status 1).
 """
@@ -16,21 +17,73 @@ Anything else is a bug and keeps its traceback (status 1).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import re
 import select
+import signal
 import sys
+import threading
 from typing import Callable
 
 USAGE_ERROR = 2  # bad input: what argparse uses for a bad flag
 INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
+TERMINATED = 143  # 128 + SIGTERM, what a shell reports for a process a scheduler (SLURM, `timeout`) or `kill` stopped
 STDOUT_CLOSED = 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader closed the pipe (`... | head`)
 PACKAGES = ("ddtree", "training", "data")  # this project's, whose modules are commands run with python -m
 
 
 class DDTreeError(ValueError):
     """Bad input a user can fix; `run_cli` prints its message as one line and exits with status 2."""
+
+
+class Terminated(BaseException):
+    """A SIGTERM, raised where the command is (SigtermRaises) as Ctrl-C raises KeyboardInterrupt: a BaseException, so
+    that no `except Exception` takes it, and the `finally` blocks on its way out remove what was half-written."""
+
+
+class SigtermRaises:
+    """The SIGTERM handler every command runs under (run_cli): it raises Terminated, so a SIGTERM takes Ctrl-C's way
+    out. Python's default action ended the process at once, silently, with no `finally`: a staging folder
+    (staged_folder's .<name>-xxxxxxxx, a run's .drafter-xxxxxxxx) or a fresh run's folder and lock stayed behind
+    (found in a review, 2026-12-04). `raising` False only notes the signal in `received`: training.ablate between two
+    variants' launches, where the next one then stops before it starts.
+
+    Inside Lightning's fit, Lightning's handler takes over and calls this one as the handler it replaced (restoring it
+    as fit ends): this one then does nothing, and the stop is Lightning's (training.callbacks.SigtermAtStepBoundary:
+    where a step ends, saved, on every rank). A process forked from this one (a DataLoader worker) ends at the signal
+    as it did before."""
+
+    def __init__(self, raising: bool = True):
+        self.pid = os.getpid()
+        self.received = False
+        self.raising = raising
+
+    def __call__(self, signum, frame) -> None:
+        if signal.getsignal(signal.SIGTERM) is not self:  # called by Lightning's handler, in fit
+            return
+        if os.getpid() != self.pid:  # a forked child, which inherited this handler: the default action
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        self.received = True
+        if self.raising:
+            raise Terminated
+
+
+@contextlib.contextmanager
+def sigterm_raises():
+    """SigtermRaises as the SIGTERM handler while the block runs, where SIGTERM has its default action: a handler the
+    caller set (training.ablate's around its variants' launches) or an ignored SIGTERM is left as it is."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+    signal.signal(signal.SIGTERM, SigtermRaises())
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 class CommandParser(argparse.ArgumentParser):
@@ -76,7 +129,8 @@ def worker_message(text: str) -> str | None:
 def run_cli(main: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> int:
     """Run a command's main(argv) under the exit-code rule above and return the status for sys.exit."""
     try:
-        status = int(main(argv) or 0)
+        with sigterm_raises():
+            status = int(main(argv) or 0)
         sys.stdout.flush()  # what is still buffered: a closed pipe raises here, not at exit
         return status
     except DDTreeError as error:
@@ -85,6 +139,9 @@ def run_cli(main: Callable[[list[str] | None], int | None], argv: list[str] | No
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return INTERRUPTED
+    except Terminated:
+        print("stopped by SIGTERM", file=sys.stderr)
+        return TERMINATED
     except BrokenPipeError:
         if not stdout_closed():  # another pipe (a child process, a socket) broke: a failure, with its traceback
             raise

@@ -73,12 +73,11 @@ from .arguments import ablate_parser, answer_early, check_recipe_args, check_rec
 # python -m: --help and a bad --recipe before Lightning loads
 answer_early(__name__, ablate_parser, check_recipe_args, overrides=True)
 
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from ddtree.bench import CHAIN, budget_of
-from ddtree.errors import INTERRUPTED, DDTreeError, command, error_line
+from ddtree.errors import INTERRUPTED, TERMINATED, DDTreeError, SigtermRaises, Terminated, command, error_line
 from ddtree.files import atomic_file, finite_json, read_yaml_mapping, unwritable_as_error, write_text_atomic
 
 from .callbacks import AcceptanceEvaluation
@@ -93,7 +92,7 @@ from .train import main as train_main
 YEAR_SECONDS = 365 * 86400  # --minutes' bound: anything longer is a typo
 # training.train's statuses for a stop the user (Ctrl-C) or a scheduler (SIGTERM, then SIGKILL) asked of the launch:
 # they stop the whole ablation, not one variant
-STOPPED_BY = {INTERRUPTED: "interrupted (SIGINT)", 128 + signal.SIGTERM: "stopped by SIGTERM"}
+STOPPED_BY = {INTERRUPTED: "interrupted (SIGINT)", TERMINATED: "stopped by SIGTERM"}
 ABLATE_STAMP_ENV = "DDTREE_ABLATE_STAMP"  # the ablation's stamp, handed to the processes Lightning starts
 FAILED_REASON_CHARS = 160  # a failed variant's row: the exception's first line, cut (a CUDA one runs to 400 characters)
 NO_STEP_LIMIT = 2**62  # --minutes under trainer.max_steps=-1: an interval no run reaches, so only the stop evaluates
@@ -111,27 +110,6 @@ DEFAULT_VARIANTS = [  # the published loss, the four acceptance-weighted objecti
     f"intree-kl32=--model.objective=intree {KL} --model.distill_top_k=32",
     f"dpace-kl32=--model.objective=dpace {KL} --model.distill_top_k=32",
 ]
-
-
-class SigtermOutsideFit:
-    """ablate's SIGTERM handler while its variants run. Lightning's (SigtermAtStepBoundary's note) holds the signal only
-    inside fit; in a variant's set-up (its data, feature stores: minutes each) or its export the default action ended
-    the ablation at once, with no row for the variant and no table. In a launch this one raises what Lightning's loop
-    raises, which ablate makes the variant's "stopped by SIGTERM" row and status 143; between launches (the table being
-    written) it notes the signal, and the next variant stops before it starts. Inside fit Lightning's handler calls
-    this one too, as the one it replaced (and restores it after fit): it leaves that stop to Lightning, which ends the
-    run where a step ends, saved."""
-
-    def __init__(self):
-        self.received = False
-        self.raising = False  # in a variant's launch
-
-    def __call__(self, signum, frame) -> None:
-        if signal.getsignal(signal.SIGTERM) is not self:  # called by Lightning's handler, in fit
-            return
-        self.received = True
-        if self.raising:
-            raise SIGTERMException
 
 
 def check_variant(recipe: Path, overrides: list[str], launch: bool = True):
@@ -486,7 +464,11 @@ def main(argv: list[str] | None = None) -> int:
     # other processes of a launch decode as rank 0 chose, AcceptanceEvaluation.on_train_start).
     decided: dict[tuple, bool] = {}
     os.environ[ABLATE_STAMP_ENV] = stamp
-    sigterm = SigtermOutsideFit()
+    # A SIGTERM in a variant's set-up or export (outside Lightning's fit, which stops where a step ends, saved) is
+    # training's stop (status 143), the variant's "stopped by SIGTERM" row; between launches (the table being written)
+    # it is noted, and the next variant stops before it starts. (The default action ended the ablation at once, with
+    # no row and no table.)
+    sigterm = SigtermRaises(raising=False)  # raising in a variant's launch only
     previous_sigterm = signal.signal(signal.SIGTERM, sigterm)
     try:
         for name, overrides in variants:
@@ -501,13 +483,13 @@ def main(argv: list[str] | None = None) -> int:
             sigterm.raising = True
             try:
                 if sigterm.received:  # while the table of the variant before was written
-                    raise SIGTERMException
+                    raise Terminated
                 status = train_main(["--recipe", args.recipe, "--run-name", run, "--output-root", args.output_root,
                                      *budget, *schedules[name], *common, *overrides, *packed])
             except KeyboardInterrupt:  # Ctrl-C outside training's loop (its data preparation, say): the same stop
                 status = INTERRUPTED
-            except SIGTERMException:  # outside Lightning's fit (SigtermOutsideFit): the same stop
-                status = 128 + signal.SIGTERM
+            except Terminated:  # outside a launch's own handling (between launches, say): the same stop
+                status = TERMINATED
             except Exception as error:  # a CUDA out-of-memory, say: this variant's failure, not the comparison's
                 traceback.print_exc()  # not bad input: keep what a bug report needs
                 reason = f"failed: {type(error).__name__}: {error_line(error)}"[:FAILED_REASON_CHARS]

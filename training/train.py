@@ -30,8 +30,10 @@ and drafter/, and a launch whose process count differs from devices x num_nodes 
 While a launch runs, its rank 0 holds the folder's .train.lock: another launch into it (the same --run-name,
 a --resume of a run still training) is refused in one line; a default name taken in the same second gets -2.
 Bad input (unknown recipe, bad field, bad target) prints one line and exits with status 2 (ddtree/errors.py).
-A SIGTERM stops every process where a step ends, saved, with status 143 and the command that resumes; SLURM's requeue
-signal (SIGUSR1, recipes/slurm.sbatch) the same way, rank 0 then requeuing the job (`scontrol requeue`), status 138;
+A SIGTERM stops every process where a step ends, saved, with status 143 and the command that resumes (outside the
+training loop, in the data's or the feature store's preparation or the export of drafter/ after it, at once, as Ctrl-C
+does, leaving no staging folder and no new run folder behind); SLURM's requeue signal (SIGUSR1, recipes/slurm.sbatch)
+the same way, rank 0 then requeuing the job (`scontrol requeue`), status 138;
 one that comes after training has ended is noted in one line, and the job finishes (status 0, drafter/ written).
 """
 
@@ -64,7 +66,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from ddtree.configuration_dflash import DFlashDrafterConfig
 from ddtree.corpus import CORPUS_FILE, write_replies
-from ddtree.errors import DDTreeError, command, error_line
+from ddtree.errors import INTERRUPTED, TERMINATED, DDTreeError, Terminated, command, error_line
 from ddtree.files import files_an_export_would_lose, read_yaml_mapping, unwritable_as_error, write_text_atomic
 from training.callbacks import AcceptanceEvaluation, SigtermAtStepBoundary
 from training.checkpoint_paths import (find_resume, is_deepspeed_checkpoint, newest_checkpoint, resume_point, run_checkpoints,
@@ -380,20 +382,22 @@ def resume_command(run_dir: Path, recipe: str, checkpoint: Path) -> str:
     return f"make train RECIPE={recipe} RESUME={checkpoint}"
 
 
-def stopped(run_dir: Path, recipe: str, why: str, status: int, step: int, requeued: str | None = None) -> int:
+def stopped(run_dir: Path, recipe: str, why: str, status: int, step: int, requeued: str | None = None,
+            exporting: bool = False) -> int:
     """Say that the run did not finish, and how to resume it if a checkpoint exists; return the exit status.
 
     A killed or failed run must never look finished: non-zero status, one line saying what
     happened, and the exact command that continues it, with the step it continues from where that checkpoint is
     older than the stop (a SIGTERM saves its stop, with checkpoint.save_last false too; Ctrl-C or a crash does not).
     Where SLURM has `requeued` the job (its id), that job resumes the run folder itself: the line names the checkpoint
-    it takes.
+    it takes. `exporting`: stopped after training finished, as drafter/ was written; the resume writes it.
     """
     if is_first_process():
         try:
             checkpoint = newest_checkpoint(run_dir)
+            resuming = resume_command(run_dir, recipe, checkpoint)
             resume = (f"SLURM requeued job {requeued}, which resumes from {checkpoint}" if requeued
-                      else f"resume with: {resume_command(run_dir, recipe, checkpoint)}")
+                      else f"`{resuming}` writes it" if exporting else f"resume with: {resuming}")
             resumes_at = saved_step(checkpoint)
             if 0 <= resumes_at < step:
                 again = f"step {step} is" if resumes_at + 1 == step else f"steps {resumes_at + 1}-{step} are"
@@ -401,7 +405,9 @@ def stopped(run_dir: Path, recipe: str, why: str, status: int, step: int, requeu
         except DDTreeError:
             resume = (f"SLURM requeued job {requeued}, which starts it again" if requeued else
                       "no checkpoint was written yet, so nothing can be resumed; start it again (the same command)")
-        print(f"[train] {why} at step {step}; no drafter written; {resume}", file=sys.stderr, flush=True)
+        where = (f"during the export of drafter/, after training finished at step {step}" if exporting
+                 else f"at step {step}")
+        print(f"[train] {why} {where}; no drafter written; {resume}", file=sys.stderr, flush=True)
     return status
 
 
@@ -495,8 +501,10 @@ def main(argv: list[str] | None = None) -> int:
         check_recipe_name(args.recipe)
     held = contextlib.ExitStack()  # the run folder's lock (hold_run_folder), released as main returns
     cli = created = None  # created: set once a fresh run's folder is this launch's, for remove_unstarted_run
+    run_dir = checkpoint = None
+    trained = False  # fit ended and left the export to do
     try:
-        checkpoint = saved = None
+        saved = None
         if args.resume is not None:  # an empty one too: find_resume refuses it
             checkpoint, run_dir = find_resume(args.resume, Path(args.output_root) / (args.recipe or DEFAULT_RECIPE))
             args.recipe = run_recipe(run_dir, args.recipe)
@@ -594,6 +602,7 @@ def main(argv: list[str] | None = None) -> int:
             return stopped_by_signal(cli, run_dir, args.recipe)
         if cli.trainer.interrupted:  # stopped by a callback or an exception Lightning swallowed
             return stopped(run_dir, args.recipe, "interrupted", 1, cli.trainer.global_step)
+        trained = True
         if checkpoint and not config_writer.started and (run_dir / "drafter").is_dir():
             if is_first_process():  # else a finished run's resume rewrote drafter/ and exited 0 without a word
                 step, max_steps = cli.trainer.global_step, cli.trainer.max_steps
@@ -632,6 +641,16 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as error:
         if created is not None:  # a fresh run's failure, from a bad override to a NaN at its first step; still locked
             remove_unstarted_run(run_dir, cli.trainer.global_step if cli else 0, created)
+        if isinstance(error, (KeyboardInterrupt, Terminated)) and run_dir is not None:
+            # Ctrl-C or a SIGTERM outside Lightning's loop (the data, the feature store, the export after fit; a SIGTERM
+            # in fit's set-up, before Lightning's handler, too): the line a stop in the loop gives, caught above, and
+            # what was half-written is gone (`finally` blocks on the way here)
+            why, status = (("interrupted (SIGINT)", INTERRUPTED) if isinstance(error, KeyboardInterrupt)
+                           else ("stopped by SIGTERM", TERMINATED))
+            step = cli.trainer.global_step if cli is not None else 0
+            if not step and checkpoint is not None:  # a resume stopped before fit restored its step
+                step = max(saved_step(checkpoint), 0)
+            return stopped(run_dir, args.recipe, why, status, step, exporting=trained)
         unexpected = isinstance(error, Exception) and not isinstance(error, (DDTreeError, NonFiniteError))
         if unexpected and cli is not None and cli.trainer.global_step > 0:
             # an evaluation or a step that crashed (out of memory, say) after steps were checkpointed: its traceback

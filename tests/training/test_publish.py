@@ -881,6 +881,33 @@ def test_a_failure_midway_leaves_nothing_behind(run_dir, tmp_path, monkeypatch):
     assert list((tmp_path / "exports").iterdir()) == []  # no OUT, no staging folder
 
 
+@pytest.mark.parametrize("command", ["training.publish", "training.export"])
+def test_a_sigterm_midway_is_one_line_with_status_143_and_leaves_nothing_behind(run_dir, tmp_path, command):
+    """Found in a review (2026-12-04): a SIGTERM (a scheduler's, `timeout`) during `make export` had its default
+    action: the process ended silently with 143 and left the staging folder beside OUT (.<name>-xxxxxxxx, holding
+    the weights) for good. Now it stops as Ctrl-C does: one line, status 143, no OUT and no staging folder."""
+    out = tmp_path / "exports" / "export"
+    argv = ([str(run_dir), "--out", str(out), "--ckpt", "last"] if command == "training.publish"
+            else [str(run_dir / "checkpoints" / "last.ckpt"), str(out)])
+    script = textwrap.dedent(f"""\
+        import contextlib, os, signal, sys
+        import {command} as command
+        staged = command.staged_folder
+        @contextlib.contextmanager
+        def signalled(folder):
+            with staged(folder) as staging:
+                yield staging
+                os.kill(os.getpid(), signal.SIGTERM)  # the folder written, not yet renamed into place
+        command.staged_folder = signalled
+        sys.exit(command.main(sys.argv[1:]))
+        """)
+    ended = subprocess.run([sys.executable, "-c", script, *argv], cwd=REPO_ROOT, capture_output=True, text=True,
+                           env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
+    assert ended.returncode == 143, (ended.returncode, ended.stderr[-3000:])
+    assert ended.stderr.splitlines()[-1:] == ["stopped by SIGTERM"] and "Traceback" not in ended.stderr, ended.stderr
+    assert list((tmp_path / "exports").iterdir()) == []  # no OUT, no staging folder
+
+
 # ----------------------------------------------------------------------------- LoRA
 
 

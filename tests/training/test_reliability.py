@@ -36,6 +36,7 @@ from lightning.pytorch import Callback
 from lightning.pytorch.trainer.connectors.logger_connector import result as lightning_result
 
 import toy_data  # tests/training/toy_data.py
+from ddtree.errors import command
 from ddtree.packed_linear import cannot_pack
 from training.callbacks import AcceptanceEvaluation
 from training.checkpoint_paths import is_checkpoint
@@ -518,6 +519,82 @@ def test_slurms_requeue_signal_after_training_ended_is_one_line_and_the_job_fini
     assert (run_dir / "drafter" / "model.safetensors").is_file()
     assert ("[train] SLURM's SIGUSR1 (its requeue signal) came after training had ended: the job was not requeued, it "
             "finished the run") in ended.stdout.splitlines(), ended.stdout[-3000:]
+
+
+def train_signalled(args: list[str], patch: str) -> subprocess.CompletedProcess:
+    """training.train with `args` in a process of its own, after `patch` (Python run first, with training.train as
+    `train`) has made the run send itself a signal somewhere outside Lightning's fit; its exit status and output."""
+    script = (f"import contextlib, os, signal, sys, training.export, training.train as train\n{patch}\n"
+              "sys.exit(train.main(sys.argv[1:]))\n")
+    return subprocess.run([sys.executable, "-c", script, *args], cwd=REPO, env=process_environment(),
+                          capture_output=True, text=True, timeout=600,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as train_process
+
+
+@pytest.mark.parametrize("sent, why", [(signal.SIGTERM, "stopped by SIGTERM"), (signal.SIGINT, "interrupted (SIGINT)")])
+def test_a_signal_before_fit_stops_with_one_line_and_leaves_no_run_folder(tmp_path, sent, why):
+    """Found in a review (2026-12-04): outside Lightning's fit a SIGTERM had its default action. A run stopped as its
+    feature store was built (minutes for the CPU recipe, before fit) ended silently with 143 and left its new run
+    folder with its lock, as nothing ran its clean-up. Now it stops as Ctrl-C does, and both say it in the line a stop
+    in fit gives: 128 + the signal, no folder left."""
+    patch = ("def signalled(*args, **kwargs):\n"
+             f"    os.kill(os.getpid(), signal.{sent.name})  # as the missing feature store is built, before fit\n"
+             "train.build_missing_feature_store = signalled")
+    ended = train_signalled(tiny_args(tmp_path, "early", max_steps=2), patch)
+    assert ended.returncode == 128 + sent, (ended.returncode, ended.stderr[-3000:])
+    said = [line for line in ended.stderr.splitlines()  # and not run_cli's own line for a stop as well
+            if line.startswith("[train]") or line in ("interrupted", "stopped by SIGTERM")]
+    assert said == [f"[train] {why} at step 0; no drafter written; no checkpoint was written yet, so nothing can be "
+                    "resumed; start it again (the same command)"], ended.stderr[-3000:]
+    assert "Traceback" not in ended.stderr
+    assert not (tmp_path / "out").exists()  # the run folder, its lock and the folders made for it
+
+
+def test_a_sigterm_during_the_final_export_leaves_no_staging_folder_and_the_line_says_how_to_write_drafter(tmp_path):
+    """Found in a review (2026-12-04): a SIGTERM as drafter/ was exported, after fit, ended the run silently with 143
+    and left the export's staging folder (.drafter-xxxxxxxx, the drafter's size) for good. Now the staging folder is
+    removed and the one line says that training finished and which command writes drafter/."""
+    run_dir = tmp_path / "out" / "tiny" / "late"
+    patch = ("staged = training.export.staged_folder\n"
+             "@contextlib.contextmanager\n"
+             "def signalled(folder):\n"
+             "    with staged(folder) as staging:\n"
+             "        yield staging\n"
+             "        os.kill(os.getpid(), signal.SIGTERM)  # drafter/'s files written, not yet renamed into place\n"
+             "training.export.staged_folder = signalled")
+    ended = train_signalled(tiny_args(tmp_path, "late", max_steps=2), patch)
+    assert ended.returncode == 128 + signal.SIGTERM, (ended.returncode, ended.stderr[-3000:])
+    said = [line for line in ended.stderr.splitlines() if line.startswith("[train]") or "SIGTERM" in line]
+    last = run_dir / "checkpoints" / "last.ckpt"
+    assert said == ["[train] stopped by SIGTERM during the export of drafter/, after training finished at step 2; no "
+                    f"drafter written; `make train RECIPE=tiny RESUME={last}` writes it"], ended.stderr[-3000:]
+    assert "Traceback" not in ended.stderr
+    assert not (run_dir / "drafter").exists() and not list(run_dir.glob(".drafter-*"))
+    # The printed command writes drafter/, training nothing more
+    assert train_main(["--recipe", "tiny", "--resume", str(last), "--output-root", str(tmp_path / "out"),
+                       "--trainer.enable_progress_bar=false"]) == 0
+    assert (run_dir / "drafter" / "model.safetensors").is_file() and check_resumable(last)["global_step"] == 2
+
+
+def test_a_process_forked_by_a_command_ends_at_a_sigterm_as_before_and_runs_none_of_its_clean_up():
+    """A command's SIGTERM handler (ddtree.errors.SigtermRaises) raises where the command is. A process forked from it
+    (a DataLoader worker outside fit) inherits the handler: raised there, the exception would unwind the parent's
+    stack in the child, through the parent's `finally` blocks (a staging folder's removal, a run folder's). It ends at
+    the signal instead, as it did under the default action."""
+
+    @command
+    def forks(argv) -> int:
+        child = os.fork()
+        if child == 0:
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(10)
+            finally:
+                os._exit(7)  # the parent's clean-up ran in the child (or the signal did nothing)
+        return os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
+
+    assert forks([]) == -signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the command's handler was its own only while it ran
 
 
 def test_a_requeue_scontrol_refuses_is_one_line_with_the_command_that_resumes(tmp_path, monkeypatch, capsys):

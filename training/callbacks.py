@@ -76,7 +76,7 @@ from transformers import AutoConfig, PreTrainedModel
 from ddtree.bench import CHAIN, acceptance_summary, load_prompts, prompts_fingerprint, run_benchmark, tree_key
 from ddtree.corpus import CorpusLookup
 from ddtree.decoding import DrafterRunner, Sampling, check_target_decodable, check_tree_attention
-from ddtree.errors import DDTreeError, error_line
+from ddtree.errors import DDTreeError, Terminated, error_line
 from ddtree.files import WriteFailed, write_json_atomic
 from ddtree.machine import describe_machine
 from ddtree.packed_linear import PACKED_KERNELS, apply_packing, cannot_pack, pack_linears, unpack_linears
@@ -662,7 +662,8 @@ class AcceptanceEvaluation(L.Callback):
         # Not at step 0: a launch that trained nothing leaves nothing (training/train.py removes a run it started).
         if trainer.global_step == 0:
             return
-        if isinstance(exception, SIGTERMException) or trainer.received_sigterm:
+        # (Terminated: ddtree.errors' SIGTERM outside Lightning's own handler, while a resume restores its checkpoint)
+        if isinstance(exception, (SIGTERMException, Terminated)) or trainer.received_sigterm:
             self._report_no_evaluation(trainer, "was stopped by SIGTERM")
         elif isinstance(exception, KeyboardInterrupt):
             self._report_no_evaluation(trainer, "was interrupted (SIGINT)")

@@ -37,6 +37,7 @@ from ddtree.bench import CHAIN, acceptance_summary, load_prompts, prompts_finger
 from ddtree.corpus import CorpusLookup
 from ddtree.decoding import DrafterRunner, generate
 from ddtree.packed_linear import is_packed
+from ddtree.errors import Terminated
 from ddtree.targets import DDTreeError, load_target, stop_token_ids
 from training.arguments import recipe_path
 from training.callbacks import AcceptanceEvaluation, BestCheckpoint, in_dtype, measure_acceptance, monitor_metric
@@ -883,9 +884,23 @@ class SigtermAt(L.Callback):
             trainer._signal_connector.received_sigterm = True
 
 
+class TerminatedAt(L.Callback):
+    """ddtree.errors' Terminated at optimizer step `step`: a SIGTERM its handler turned into an exception where
+    Lightning's did not hold the signal (a resume restoring its checkpoint)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step == self.step:
+            raise Terminated
+
+
 @pytest.mark.parametrize("before, after, raised, said", [
     ([SigtermAt(3)], [], SIGTERMException, "the run was stopped by SIGTERM at step 3, before its first evaluation at "
                                            "step 10"),
+    ([TerminatedAt(3)], [], Terminated, "the run was stopped by SIGTERM at step 3, before its first evaluation at "
+                                        "step 10"),
     ([PoisonWeights(3)], [], NonFiniteError, "the run failed at step 3, before its first evaluation at step 10 "
                                              "(eval.every_n_train_steps=10), with NonFiniteError: training stopped at "
                                              "step 3: the loss is nan"),
@@ -893,7 +908,7 @@ class SigtermAt(L.Callback):
     # raises and on_train_end does not evaluate
     ([SigtermAt(3, "on_train_end")], [StopAtStep3()], None, "the run was stopped by SIGTERM at step 3, before its "
                                                             "first evaluation at step 10"),
-], ids=["sigterm", "nan loss", "sigterm where no loop raises"])
+], ids=["sigterm", "sigterm outside lightning", "nan loss", "sigterm where no loop raises"])
 def test_a_run_that_ends_before_any_evaluation_writes_a_report_that_says_why(tmp_path, before, after, raised, said):
     if raised is None:
         evaluation, _ = canned_fit(tmp_path, 10, {10: {8: 2.0}}, before=before, extra=after, every=10)

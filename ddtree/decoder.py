@@ -40,6 +40,7 @@ from .decoding import (DrafterRunner, GenerationResult, Sampling, check_budget, 
 from .decoding import static_cache as static_cache_on
 from .drafters import load_drafter_folder, read_drafter_config
 from .errors import DDTreeError, check_text
+from .inputs import prompt_messages
 from .modeling_dflash import DFlashDraftModel
 from .names import METHODS, PACKED_KERNELS
 from .packed_linear import apply_packing, is_packed, pack_linears
@@ -296,8 +297,9 @@ class Decoder:
 
     def prompt_ids(self, prompt: str | list[int] | list[dict], chat: bool = True) -> list[int]:
         """A prompt as token ids: text as a user message under the target's chat template (with chat=False, the text
-        itself); a list of {"role", "content"} messages (a system prompt, earlier turns) under the template; token ids
-        (or a tokenizer's encoding) as they are."""
+        itself); a list of {"role", "content"} messages (a system prompt, earlier turns) under the template, its
+        trailing assistant turns cut as bench cuts them (prompt_messages; said); token ids (or a tokenizer's encoding)
+        as they are."""
         if isinstance(prompt, str):
             check_text(prompt, "prompt")
             if not chat:
@@ -316,8 +318,17 @@ class Decoder:
                     raise DDTreeError(f"prompt message {number} is not a {{\"role\": ..., \"content\": ...}} pair "
                                       f"of strings: {str(dict(message))[:80]}")
                 check_text(message["content"], f"prompt message {number}")
-            return chat_prompt_ids(self.tokenizer, [dict(message) for message in prompt], "prompt",
-                                   "give text or token ids")
+            # as every prompt reader cuts them (bench, calibrate, eval): after a reply, the generation prompt would
+            # open a second assistant turn no user sends
+            messages = prompt_messages([dict(message) for message in prompt])
+            if not messages:
+                raise DDTreeError("prompt holds only assistant turns: give a conversation with a turn for the target "
+                                  "to answer (a user's)")
+            cut = len(prompt) - len(messages)
+            if cut:
+                self.say(f"[prompt] prompt ended with {cut} assistant turn{'s' if cut > 1 else ''}: cut, decoded from "
+                         f"the turn before {'them' if cut > 1 else 'it'}")
+            return chat_prompt_ids(self.tokenizer, messages, "prompt", "give text or token ids")
         return prompt_token_ids(prompt, "prompt")
 
     def generate(

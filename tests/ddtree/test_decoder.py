@@ -2,6 +2,7 @@
 calibration, the chat template, the stop tokens), commits the target's own tokens, and refuses bad keywords in one
 line naming them."""
 
+import json
 import math
 import subprocess
 import sys
@@ -232,3 +233,24 @@ def test_paths_under_home_and_bad_values_found_in_a_review(monkeypatch, tmp_path
         with pytest.raises(DDTreeError) as raised:
             Decoder(**{"target": TARGET, "quiet": True, **keywords})
         assert named in str(raised.value), str(raised.value)
+
+
+def test_a_conversation_ending_with_a_reply_is_decoded_from_the_turn_before(capsys, tmp_path, tiny_target):
+    """bench, calibrate and eval cut a conversation's trailing assistant turns (prompt_messages); the Decoder rendered
+    them and opened a second assistant turn no user sends, without a word (found in a review of the edges)."""
+    from ddtree.bench import read_prompts, tokenize_prompts
+
+    messages = [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": PROMPT},
+                {"role": "assistant", "content": "2 and 3."}, {"role": "assistant", "content": "Also 5."}]
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text(json.dumps({"messages": messages}) + "\n")
+    benched = tokenize_prompts(read_prompts(held_out), tiny_target[1])[0]["prompt_ids"]
+    capsys.readouterr()
+    decoder = Decoder(TARGET, **SETTINGS)
+    capsys.readouterr()
+    assert decoder.prompt_ids(messages) == benched == decoder.prompt_ids(messages[:2])
+    assert "prompt ended with 2 assistant turns: cut, decoded from the turn before them" in capsys.readouterr().err
+    with pytest.raises(DDTreeError) as raised:
+        decoder.prompt_ids(messages[2:])
+    assert str(raised.value) == ("prompt holds only assistant turns: give a conversation with a turn for the target "
+                                 "to answer (a user's)")

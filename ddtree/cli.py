@@ -38,7 +38,7 @@ from .drafters import read_drafter_config
 from .decoder import (chosen_calibration, drafter_runner, given_corpus, load_drafter,  # noqa: F401
                       measured_sizer, parse_device, sampling_facts, say_on_stderr)  # (load_drafter, parse_device: importers read them from here too)
 from .decoding import (
-    METHODS, DrafterRunner, OnlineCalibration, Sampling, check_budget, context_limit, drafter_defaults, generate,
+    METHODS, DrafterRunner, OnlineCalibration, Sampling, check_budget, drafter_defaults, generate,
 )
 from .errors import DDTreeError, check_text, command
 from .files import WriteFailed, check_output_file, saved_elsewhere, write_results_json
@@ -182,12 +182,8 @@ def cmd_generate(args) -> None:
         f"{result.tokens_per_second:.1f} tok/s",
         file=sys.stderr,
     )
-    limit = context_limit(target)
-    short = args.max_new_tokens - len(result.new_tokens)
-    if not result.stopped and short > 0 and len(prompt_ids) + len(result.new_tokens) >= limit:
-        print(f"[{args.method}] stopped at the target's context of {limit} tokens (the prompt holds "
-              f"{len(prompt_ids)}), {short} short of --max-new-tokens "
-              f"{args.max_new_tokens}: give a shorter prompt for a longer reply", file=sys.stderr)
+    if result.ended == "context":
+        print(result.context_note(args.method, "--max-new-tokens", args.max_new_tokens), file=sys.stderr)
 
 
 def note_calibration_settings(drafter: DrafterRunner, args, target: PreTrainedModel, sizer, corpus) -> None:

@@ -198,6 +198,12 @@ class Reply:
     def tokens_per_second(self) -> float:
         return self.result.tokens_per_second
 
+    @property
+    def ended(self) -> str:
+        """Why the reply ended: "stop" (a stop token), "max_new_tokens", or "context" (the target's context, short of
+        max_new_tokens)."""
+        return self.result.ended
+
 
 def user_path(value, where: str) -> str:
     """A target or drafter given as text or a path, its leading `~` the home folder."""
@@ -372,6 +378,8 @@ class Decoder:
         )
         if method == "ddtree":  # after generate checked lookup and redraft: a bad one was advised to calibrate with
             self._note_calibration(sampling, lookup, redraft)
+        if result.ended == "context":  # else a short reply looked like one max_new_tokens ended, as the command says
+            self.say(result.context_note(method, "max_new_tokens", max_new_tokens))
         text = self.tokenizer.decode(result.new_tokens, skip_special_tokens=True)
         return Reply(text, list(result.new_tokens), ids, result)
 

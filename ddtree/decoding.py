@@ -129,6 +129,9 @@ class GenerationResult:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     stopped: bool = False  # ended on a stop token (else on max_new_tokens or the context limit)
+    # why it ended: "stop" (a stop token), "max_new_tokens", or "context" (the target's context ran out first, short of
+    # max_new_tokens): the one record `ddtree generate` and Decoder say the context's note from (context_note)
+    ended: str = "max_new_tokens"
 
     @property
     def tau(self) -> float | None:
@@ -140,6 +143,14 @@ class GenerationResult:
     def tokens_per_second(self) -> float:
         total = self.prefill_s + self.decode_s
         return len(self.new_tokens) / total if total > 0 else 0.0
+
+    def context_note(self, method: str, asked: str, max_new_tokens: int) -> str:
+        """The line said where the target's context ended the reply (ended "context"); `asked` names max_new_tokens
+        as the caller gave it (`--max-new-tokens`). The reply filled the context, so the two lengths make it."""
+        prompt, limit = len(self.prompt_ids), len(self.prompt_ids) + len(self.new_tokens)
+        return (f"[{method}] stopped at the target's context of {limit} tokens (the prompt holds {prompt}), "
+                f"{max_new_tokens - len(self.new_tokens)} short of {asked} {max_new_tokens}: give a shorter prompt for "
+                "a longer reply")
 
 
 def config_calibration(config) -> OnlineCalibration:
@@ -739,7 +750,7 @@ def generate(
         raise DDTreeError(f"prompt of {len(prompt)} tokens does not fit the target's context of {limit} tokens")
     if method == "ddtree":
         check_budget(budget, target)
-    max_new_tokens = min(max_new_tokens, limit - len(prompt))
+    asked, max_new_tokens = max_new_tokens, min(max_new_tokens, limit - len(prompt))
     result = GenerationResult(prompt_ids=prompt, new_tokens=[])
     if max_new_tokens <= 0:
         return result
@@ -841,4 +852,5 @@ def generate(
             on_tokens(committed)
             streamed_s += time.perf_counter() - t_stream
     result.decode_s = _now(device) - t_decode - streamed_s
+    result.ended = "stop" if result.stopped else "context" if max_new_tokens < asked else "max_new_tokens"
     return result

@@ -254,3 +254,19 @@ def test_a_conversation_ending_with_a_reply_is_decoded_from_the_turn_before(caps
         decoder.prompt_ids(messages[2:])
     assert str(raised.value) == ("prompt holds only assistant turns: give a conversation with a turn for the target "
                                  "to answer (a user's)")
+
+
+def test_a_reply_cut_short_by_the_targets_context_says_so(capsys, tiny_target):
+    """`ddtree generate` notes a reply the target's context cut short of max_new_tokens; the Decoder returned the short
+    reply without a word, like one max_new_tokens had ended (found in a review of the edges). Why a reply ended is in
+    its result now, and both say the line from it."""
+    decoder = Decoder(TARGET, **SETTINGS)
+    capsys.readouterr()
+    near_the_end = tiny_target[1]("word " * 2040, add_special_tokens=False)["input_ids"][:2040]  # of 2048 positions
+    reply = decoder.generate(near_the_end, method="ar", max_new_tokens=20)
+    assert len(reply.token_ids) == 8 and not reply.result.stopped
+    assert reply.ended == reply.result.ended == "context"
+    assert ("[ar] stopped at the target's context of 2048 tokens (the prompt holds 2040), 12 short of max_new_tokens "
+            "20: give a shorter prompt for a longer reply") in capsys.readouterr().err
+    reply = decoder.generate(near_the_end, method="ar", max_new_tokens=8)  # all it asked for
+    assert reply.ended == "max_new_tokens" and "stopped at the target's context" not in capsys.readouterr().err

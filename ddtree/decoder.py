@@ -234,7 +234,8 @@ class Decoder:
     folder ships, False (or "none", as the command spells it) = none, or a file (a JSONL of conversations, or a
     corpus.safetensors). calibration: None = the folder's calibration.json, else its config's; False (or "none") =
     neither; or a file `ddtree calibrate` wrote. budget: the
-    ddtree node budget, which the adaptive size is measured for.
+    ddtree node budget, which the adaptive size is measured for. seed: a random drafter's weights, and the sampling
+    of the generate calls that give no seed of their own.
     """
 
     def __init__(
@@ -286,6 +287,8 @@ class Decoder:
             say(reason)
         check_budget(self.budget, self.target)
         self.stop_ids = stop_token_ids(self.target, self.tokenizer)
+        # generate(seed=None) samples from it: seeded once, so a script's runs repeat while its calls differ
+        self._generator = torch.Generator(device=self.target.device).manual_seed(seed)
 
         self.drafter: DrafterRunner | None = None
         self._online: OnlineCalibration | None = None  # generate(online_calibration=True)'s, kept across prompts
@@ -339,12 +342,14 @@ class Decoder:
 
     def generate(
         self, prompt: str | list[int], *, method: str | None = None, max_new_tokens: int = 256, chat: bool = True,
-        temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0, lookup: int | None = None,
-        redraft: int | None = None, online_calibration: bool = False,
+        temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+        lookup: int | None = None, redraft: int | None = None, online_calibration: bool = False,
         on_tokens: Callable[[list[int]], None] | None = None,
     ) -> Reply:
         """Decode one prompt (text, or token ids) with `method` (default: ddtree with a drafter, else ar) and return
         its Reply. on_tokens is called with each round's committed token ids as they are committed.
+        seed: None = draw on from this Decoder's generator, seeded once from its own seed, so each call samples anew
+        (and a script's runs repeat); a number = this call's draws from that seed alone, the same reply each time.
         online_calibration: learn the draft temperature from the verified rounds, starting from the drafter's
         calibration, and go on learning over this Decoder's later prompts that ask for it too."""
         method = method or ("ar" if self.drafter is None else "ddtree")
@@ -356,7 +361,8 @@ class Decoder:
         if online_calibration and self.drafter is None:
             raise DDTreeError("online_calibration learns from a drafter's drafts, and this Decoder has none: give "
                               "drafter= when building it, or drop it")
-        check_seed(seed)
+        if seed is not None:
+            check_seed(seed)
         if on_tokens is not None and not callable(on_tokens):
             raise DDTreeError(f"on_tokens={on_tokens!r}: give a function of a list of token ids, or None")
         for name, value in (("temperature", temperature), ("top_p", top_p)):
@@ -367,7 +373,8 @@ class Decoder:
                               "method 'dflash' or 'ddtree', or drop it")
         sampling = Sampling(temperature, top_p, top_k)
         ids = self.prompt_ids(prompt, chat)
-        generator = torch.Generator(device=self.target.device).manual_seed(seed)
+        generator = (self._generator if seed is None
+                     else torch.Generator(device=self.target.device).manual_seed(seed))
         online = None
         if online_calibration:  # one learner for the Decoder's life: each prompt goes on from what the last taught
             online = self._online = self._online or learning_from(self.drafter.default_calibration)

@@ -214,8 +214,11 @@ def test_paths_under_home_and_bad_values_found_in_a_review(monkeypatch, tmp_path
     write_replies(drafter_folder / CORPUS_FILE, [[5, 6, 7, 8]], tiny_target[1])
     decoder = Decoder(TARGET, "~/drafter", **SETTINGS, quiet=True)
     assert decoder.drafter.default_corpus is not None
-    for keywords, named in ((dict(seed=None), "seed=None: give a whole number"),
+    # (seed=None is a call's default now: it draws on from the Decoder's generator)
+    for keywords, named in ((dict(seed=1.5), "seed=1.5: give a whole number"),
+                            (dict(seed=True), "seed=True: give a whole number"),
                             (dict(seed=2**64), "seed=18446744073709551616"),
+                            (dict(seed=-2**63 - 1), "seed=-9223372036854775809: give a whole number"),
                             (dict(temperature=None), "temperature=None: give a number"),
                             (dict(on_tokens=3), "on_tokens=3: give a function")):
         with pytest.raises(DDTreeError) as raised:
@@ -270,3 +273,22 @@ def test_a_reply_cut_short_by_the_targets_context_says_so(capsys, tiny_target):
             "20: give a shorter prompt for a longer reply") in capsys.readouterr().err
     reply = decoder.generate(near_the_end, method="ar", max_new_tokens=8)  # all it asked for
     assert reply.ended == "max_new_tokens" and "stopped at the target's context" not in capsys.readouterr().err
+
+
+def test_sampled_replies_differ_from_call_to_call_unless_seeded(tiny_target):
+    """generate's seed defaulted to 0 on every call, so a Decoder asked again (best of n) gave the same sample each
+    time (found in a review of the edges). Without a seed, calls draw on from the Decoder's generator, seeded once
+    from its constructor's seed: calls differ, runs of a script repeat; a seed reseeds that call alone."""
+    samples = []
+    for _ in range(2):  # two runs of one script
+        decoder = Decoder(TARGET, **SETTINGS, quiet=True)
+        samples.append([tuple(decoder.generate(PROMPT, max_new_tokens=8, temperature=1.0).token_ids)
+                        for _ in range(4)])
+    assert samples[0] == samples[1] and len(set(samples[0])) > 1, samples
+    other = Decoder(TARGET, **SETTINGS, seed=1, quiet=True)
+    assert [tuple(other.generate(PROMPT, max_new_tokens=8, temperature=1.0).token_ids) for _ in range(4)] != samples[0]
+    seeded = [decoder.generate(PROMPT, max_new_tokens=8, temperature=1.0, seed=3).token_ids for _ in range(2)]
+    assert seeded[0] == seeded[1]
+    after = decoder.generate(PROMPT, max_new_tokens=8, temperature=1.0).token_ids  # the seeded calls drew none of its
+    fresh = Decoder(TARGET, **SETTINGS, quiet=True)
+    assert after == [fresh.generate(PROMPT, max_new_tokens=8, temperature=1.0).token_ids for _ in range(5)][-1]

@@ -60,6 +60,9 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[tuple[str, 
             raise DDTreeError(f'{where}: expected an object with exactly one of "prompt" or "messages"')
         if "prompt" in record and not isinstance(record["prompt"], str):
             raise DDTreeError(f'{where}: "prompt" must be a string')
+        if record.get("prompt") == "":  # else refused by tokenize_prompts, once the target had loaded
+            raise DDTreeError(f'{where}: "prompt" is empty: give the text the target continues from (a raw prompt '
+                              "gets no chat template)")
         messages = record.get("messages")
         if "messages" in record and not (
             isinstance(messages, list)

@@ -1649,3 +1649,19 @@ def test_the_docs_that_run_ddtree_say_make_setup_gives_it_and_the_set_up_stays_t
         before_first_run = text.split(".venv/bin/ddtree ", 1)[0]
         assert "`make setup`" in before_first_run, doc
     assert re.search(r"^setup: ", (root / "Makefile").read_text(), re.M)
+
+
+def test_bench_refuses_an_empty_raw_prompt_before_the_target_loads(capsys, tmp_path, monkeypatch):
+    """{"prompt": ""} was refused only after the tokenizer and the target loaded (seconds and 1.5 GB for one line),
+    where `generate --raw --prompt ""` is refused before (found in a review of the edges)."""
+    from ddtree.bench import read_prompts
+
+    path = tmp_path / "empty.jsonl"
+    path.write_text('{"prompt": "Hello"}\n{"prompt": ""}\n')
+    with pytest.raises(DDTreeError) as raised:
+        read_prompts(path)
+    message = (f'{path}:2: "prompt" is empty: give the text the target continues from (a raw prompt gets no chat '
+               "template)")
+    assert str(raised.value) == message
+    monkeypatch.setattr(ddtree.cli, "load_target", lambda *args, **kwargs: pytest.fail("loaded the target first"))
+    assert _bad(capsys, "bench", "--target", TARGET, "--prompts", str(path), "--methods", "ar") == f"error: {message}"

@@ -89,9 +89,9 @@ export: $(STAMP)
 	$(if $(OUT),,$(error make export needs OUT=exports/<name> (the folder to write); RUN=$(RUN) is the run))
 	$(PY) -m training.publish $(call quote,$(RUN)) --out $(call quote,$(OUT)) $(if $(CKPT),--ckpt $(call quote,$(CKPT))) \
 		$(call switch,SPECULATORS,--speculators) $(call switch,OVERWRITE,--overwrite) \
-		$(call switch,ALLOW_ENGINE_MISMATCH,--allow-engine-mismatch) $(if $(REPO),--repo $(REPO)) \
+		$(call switch,ALLOW_ENGINE_MISMATCH,--allow-engine-mismatch) $(if $(REPO),--repo $(call quote,$(REPO))) \
 		$(call switch,PUSH,--push) $(call switch,PRIVATE,--private) $(call switch,REPLACE_REPO,--replace-repo) \
-		$(if $(BASE_MODEL),--base-model $(BASE_MODEL)) $(if $(LICENSE),--license $(LICENSE)) $(ARGS)
+		$(if $(BASE_MODEL),--base-model $(call quote,$(BASE_MODEL))) $(if $(LICENSE),--license $(call quote,$(LICENSE))) $(ARGS)
 
 # Two worker processes (pytest-xdist), each test file on one of them, each with half the cores' threads: most
 # tests are bound by Python and process start-up, not by matmuls, so on 2 cores this took 7.6 minutes against

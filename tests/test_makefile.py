@@ -6,6 +6,7 @@ Hub and OVERWRITE=0 replaced an export; `make eval` and `make export` dropped AR
 """
 
 import os
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -75,3 +76,13 @@ def test_make_data_hands_the_recipe_to_regenerate_as_given(recipe):
     used to wrap it in recipes/<RECIPE>.yaml, so RECIPE=/path/x.yaml asked for recipes//path/x.yaml.yaml."""
     words = planned_words("data", f"RECIPE={recipe}")
     assert words[words.index("--recipe") + 1] == f"'{recipe}'", words  # quoted for the shell
+
+
+@pytest.mark.parametrize("variable, flag", [("REPO", "--repo"), ("BASE_MODEL", "--base-model"), ("LICENSE", "--license")])
+def test_make_export_passes_the_cards_values_as_one_word_each(variable, flag):
+    """They went to the shell unquoted: BASE_MODEL="not a/hub id" was split, and argparse named its stray words
+    (`unrecognized arguments: a/hub id`) where publish.py's own check names the value (found in a review)."""
+    planned = make_plan("export", "RUN=outputs/tiny/r", "OUT=exports/x", f"{variable}=not a/hub id")
+    assert planned.returncode == 0 and not planned.stderr, planned
+    words = shlex.split(planned.stdout.replace("\\\n", " "))  # as the shell reads it
+    assert words[words.index(flag) + 1] == "not a/hub id", words

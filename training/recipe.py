@@ -23,7 +23,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, StrategyRegistry
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from ddtree.errors import DDTreeError, error_line
+from ddtree.errors import CommandParser, DDTreeError, error_line
 from ddtree.files import read_yaml_mapping
 from ddtree.precision import AUTO, LIGHTNING_PRECISION, fast_precision
 from ddtree.targets import has_hub_id_shape
@@ -136,15 +136,23 @@ def config_arg(config: Path, overrides: list[str]) -> str:
     return yaml.safe_dump(settings, sort_keys=False)
 
 
+# How argparse (under jsonargparse) says that flags were left over on the command line
+UNRECOGNIZED = "unrecognized arguments: "
+
+
 @contextmanager
 def recipe_errors(config: Path):
-    """A bad field or value in a recipe (or an override of it) as one DDTreeError line naming the file."""
+    """A bad field or value in a recipe (or an override of it) as one DDTreeError line naming the file; a flag the
+    command does not know as one naming the command line, which holds it (the recipe holds no flags)."""
     try:
         yield
     except ArgumentError as error:
         line = argument_error_line(error)
         if any(f"--{key}" in line for key in LIGHTNING_OPTIMIZER_SECTIONS):
             line += f" ({OPTIMIZER_FIELDS})"
+        if line.startswith(UNRECOGNIZED):  # pointing to --help as the command's own parser does (CommandParser.error)
+            raise DDTreeError(f"unrecognized arguments on the command line: {line.removeprefix(UNRECOGNIZED)}; see "
+                              f"{CommandParser().prog} --help") from None
         raise DDTreeError(f"{config}: {line}") from None
     except RecipeSettingError as error:
         raise DDTreeError(f"{config}: {error}") from None

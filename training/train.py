@@ -70,7 +70,7 @@ from ddtree.errors import INTERRUPTED, TERMINATED, DDTreeError, Terminated, comm
 from ddtree.files import files_an_export_would_lose, read_yaml_mapping, unwritable_as_error, write_text_atomic
 from training.callbacks import AcceptanceEvaluation, SigtermAtStepBoundary
 from training.checkpoint_paths import (find_resume, is_deepspeed_checkpoint, newest_checkpoint, resume_point, run_checkpoints,
-                                       saved_step, why_unreadable)
+                                       saved_step, why_no_best, why_unreadable)
 from training.checkpoints import (AtomicCheckpointIO, check_resumable, deepspeed_client_state, newest_finite_checkpoint,
                                   non_finite_tensors)
 from training.data import DATA_RECORD, DistillDataModule, replies
@@ -626,11 +626,14 @@ def main(argv: list[str] | None = None) -> int:
             write_text_atomic(run_dir / DATA_RECORD, json.dumps(cli.datamodule.record(), indent=1) + "\n")
             # the run's own drafter/: a resume's replaces the one written before (a file no export writes is refused)
             drafter_dir = export_drafter(drafter, run_dir / "drafter", run_corpus(run_dir), overwrite=True)
+            export = "make export takes the best checkpoint by default"
+            if not (run_dir / "checkpoints" / "best.ckpt").exists():  # none kept, none saved or none measured
+                export += (f", and this run has none: {why_no_best(run_dir)}; `make export RUN="
+                           f"{shlex.quote(str(run_dir))} OUT=exports/<name> CKPT=last` exports these weights")
             print(f"[train] drafter written to {drafter_dir}: the last step's weights; `{bench_command(cli, drafter_dir)}`"
                   + (" with --target the target merged with model.target_adapter (ddtree loads no adapter; the "
                      "export's card shows the merge)" if cli.model.hparams.target_adapter else "")
-                  + " measures them as the training-time evaluation did (make export takes the best checkpoint by "
-                  "default)", flush=True)
+                  + f" measures them as the training-time evaluation did ({export})", flush=True)
             unmeasured = unmeasured_last_step(cli)
             if unmeasured is not None:
                 print(f"[train] step {unmeasured}, the last, was saved unmeasured where a SIGTERM (or SLURM's requeue "

@@ -646,6 +646,24 @@ def resume_args(tmp_path, out):
     ]
 
 
+def test_the_last_line_names_the_checkpoint_make_export_takes(tmp_path, capsys):
+    """It said `make export` takes the best checkpoint by default also for a run that kept none (checkpoint.save_top_k
+    0 keeps last.ckpt only): doing as it said stopped on the missing best.ckpt (found in a review)."""
+    write_conversations(tmp_path / "conversations.jsonl")
+    said = {}
+    for run, top_k in (("kept", 1), ("none", 0)):
+        assert main([*resume_args(tmp_path, tmp_path / "out"), "--trainer.max_steps=2", "--eval.every_n_train_steps=2",
+                     f"--checkpoint.save_top_k={top_k}", "--run", run]) == 0
+        said[run] = capsys.readouterr().out.splitlines()[-1]
+    assert said["kept"].endswith("(make export takes the best checkpoint by default)"), said
+    assert (tmp_path / "out" / "tiny" / "kept" / "checkpoints" / "best.ckpt").exists()
+    none = tmp_path / "out" / "tiny" / "none"
+    assert not (none / "checkpoints" / "best.ckpt").exists()
+    assert "takes the best checkpoint by default)" not in said["none"]
+    assert said["none"].endswith(f"`make export RUN={none} OUT=exports/<name> CKPT=last` exports these weights)"), said
+    assert "checkpoint.save_top_k 0 keeps last.ckpt only" in said["none"]
+
+
 @pytest.fixture(scope="module")
 def straight_run(tmp_path_factory):
     """One straight run of 6 steps, the reference of both resume tests: (its data folder, its run folder)."""

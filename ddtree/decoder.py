@@ -21,7 +21,6 @@ stderr as the command says it; quiet=True keeps it silent.
 from __future__ import annotations
 
 import os
-import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -46,22 +45,18 @@ from .names import METHODS, PACKED_KERNELS
 from .packed_linear import apply_packing, is_packed, pack_linears
 from .precision import resolve_dtype
 from .sizing import TreeSizer
-from .targets import build_drafter_config, load_target, stop_token_ids
-
-Say = Callable[[str], None]
-
-
-def say_on_stderr(line: str) -> None:
-    print(line, file=sys.stderr)
+from .targets import Say, build_drafter_config, load_target, say_on_stderr, stop_token_ids
 
 
 def load_drafter(
-    spec: str, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, target_name: str, seed: int = 0
+    spec: str, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, target_name: str, seed: int = 0,
+    say: Say = say_on_stderr,
 ) -> DFlashDraftModel:
-    """`random` (an untrained drafter shaped for the target) or a drafter folder, checked against the target."""
+    """`random` (an untrained drafter shaped for the target, its layer notices said to `say`) or a drafter folder,
+    checked against the target."""
     if spec == "random":
         torch.manual_seed(seed)
-        drafter = DFlashDraftModel(build_drafter_config(target, tokenizer, target_name))
+        drafter = DFlashDraftModel(build_drafter_config(target, tokenizer, target_name, say=say))
         return drafter.to(device=target.device, dtype=target.dtype).eval()
     drafter = load_drafter_folder(Path(spec), target.dtype, target=target)
     return drafter.to(target.device).eval()
@@ -145,7 +140,7 @@ def drafter_runner(spec: str, target: PreTrainedModel, tokenizer: PreTrainedToke
     the target's are, the corpus its folder ships (where shipped_corpus: no corpus was given to replace it) and
     `calibration` (chosen_calibration's) as its defaults, each said. leave_out: how the caller decodes without the
     corpus and the calibration ({"corpus": "--corpus none", "calibration": "--calibration none"})."""
-    drafter = load_drafter(spec, target, tokenizer, target_name, seed)
+    drafter = load_drafter(spec, target, tokenizer, target_name, seed, say)
     if is_packed(target):  # the target's linear layers packed: the drafter's own too
         pack_linears(drafter.requires_grad_(False))
     corpus = None
@@ -281,7 +276,7 @@ class Decoder:
         chosen, reason = resolve_dtype(dtype, device, "dtype")
         if reason:
             say(reason)
-        self.target, self.tokenizer = load_target(target, chosen, device)
+        self.target, self.tokenizer = load_target(target, chosen, device, say)
         _, reason = apply_packing(packed_weights, self.target, "packed_weights")
         if reason:
             say(reason)

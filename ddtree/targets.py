@@ -20,11 +20,13 @@ import os
 import re
 import shutil
 import socket
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Callable
 
 import torch
 from safetensors import SafetensorError
@@ -37,6 +39,14 @@ from .names import DTYPE_NAMES
 
 # The dtypes a user can name on any command line or recipe field of this project.
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
+
+# Where a notice goes: stderr unless the caller says otherwise (Decoder(quiet=True) says nothing). Never stdout, which
+# is a command's reply (`ddtree generate ... > reply.txt`).
+Say = Callable[[str], None]
+
+
+def say_on_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def parse_dtype(name: str, where: str = "dtype") -> torch.dtype:
@@ -122,7 +132,9 @@ def save_converted(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, f
     """Save a converted target and the record of its `source` into the cache in one rename; a full disk, a quota or
     a file-size limit is one line (staged_folder removes the rest)."""
     try:
-        with staged_folder(folder) as staging:
+        # any third-party line printed here goes with the notes: save_pretrained imports DeepSpeed (through
+        # transformers), whose accelerator warning reached stdout, the reply of the `ddtree generate` that converts
+        with contextlib.redirect_stdout(sys.stderr), staged_folder(folder) as staging:
             model.save_pretrained(staging)
             tokenizer.save_pretrained(staging)
             write_conversion_record(staging, source)
@@ -138,7 +150,7 @@ def save_converted(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, f
                           "disk") from None
 
 
-def made_from_source(folder: Path, source: dict, adopt_unrecorded: bool) -> bool:
+def made_from_source(folder: Path, source: dict, adopt_unrecorded: bool, say: Say) -> bool:
     """Whether the cache holds `folder` converted from `source` (a folder without a record counts where
     adopt_unrecorded, and gets one); else False, said in a line where another source made it."""
     if not is_converted(folder):
@@ -150,7 +162,7 @@ def made_from_source(folder: Path, source: dict, adopt_unrecorded: bool) -> bool
         with contextlib.suppress(OSError):  # a read-only shared cache stays as it is
             write_conversion_record(folder, source)
         return True
-    print(f"[ddtree] {folder} was made from {made_from or 'other settings'}, not {source}: making it again", flush=True)
+    say(f"[ddtree] {folder} was made from {made_from or 'other settings'}, not {source}: making it again")
     return False
 
 
@@ -176,7 +188,7 @@ def builtin_gguf(name: str) -> tuple[Path, dict]:
     return gguf, {"package": package, "version": version, "gguf_file": spec.gguf_file, "gguf_bytes": gguf.stat().st_size}
 
 
-def builtin_target_folder(name: str) -> Path:
+def builtin_target_folder(name: str, say: Say = say_on_stderr) -> Path:
     """Return the converted safetensors folder of a built-in target, converting it on first use and again when the
     installed package ships another GGUF file than the one the cached folder was converted from."""
     folder = cache_dir() / "targets" / name
@@ -190,10 +202,10 @@ def builtin_target_folder(name: str) -> Path:
             return folder
         raise
     # A folder converted before records were kept is taken as this package's (which one made it is not known).
-    if made_from_source(folder, source, adopt_unrecorded=True):
+    if made_from_source(folder, source, adopt_unrecorded=True, say=say):
         return folder
     check_cache_writable(folder.parent)
-    print(f"[ddtree] converting {gguf.name} to safetensors in {folder} (once)", flush=True)
+    say(f"[ddtree] converting {gguf.name} to safetensors in {folder} (once)")
     gguf_dir, spec = gguf.parent, BUILTIN_TARGETS[name]
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=spec.gguf_file)
     model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=spec.gguf_file, dtype=torch.float32)
@@ -214,14 +226,15 @@ TINY_TARGET_ARCH = dict(
 TINY_TARGET_SEED = 0
 
 
-def tiny_target_folder() -> Path:
+def tiny_target_folder(say: Say = say_on_stderr) -> Path:
     """Build (once, seeded) the tiny random target beside the converted SmolLM2 and return its folder."""
     folder = cache_dir() / "targets" / TINY_TARGET
     remove_stale_staging(folder)  # at every use (builtin_target_folder says why)
-    tokenizer_source = builtin_target_folder("smollm2-135m")
+    tokenizer_source = builtin_target_folder("smollm2-135m", say)
     source = {"architecture": TINY_TARGET_ARCH, "seed": TINY_TARGET_SEED,
               "tokenizer": read_conversion_record(tokenizer_source)}
-    if made_from_source(folder, source, adopt_unrecorded=tiny_config_matches(folder)):  # built before records, as now
+    # a folder built before records were kept is taken where its architecture is this version's
+    if made_from_source(folder, source, adopt_unrecorded=tiny_config_matches(folder), say=say):
         return folder
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -246,12 +259,13 @@ def tiny_config_matches(folder: Path) -> bool:
     return all(config.get(field) == value for field, value in TINY_TARGET_ARCH.items())
 
 
-def resolve_target(name_or_path: str) -> str:
-    """Map a target name to something `from_pretrained` can load, or raise a DDTreeError."""
+def resolve_target(name_or_path: str, say: Say = say_on_stderr) -> str:
+    """Map a target name to something `from_pretrained` can load, or raise a DDTreeError. `say`: where a conversion's
+    notice goes."""
     if name_or_path in BUILTIN_TARGETS:
-        return str(builtin_target_folder(name_or_path))
+        return str(builtin_target_folder(name_or_path, say))
     if name_or_path == TINY_TARGET:
-        return str(tiny_target_folder())
+        return str(tiny_target_folder(say))
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():
@@ -336,14 +350,15 @@ def load_tokenizer(name_or_path: str, source: str | None = None) -> PreTrainedTo
 
 
 def load_target(
-    name_or_path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    name_or_path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", say: Say = say_on_stderr
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a frozen target in eval mode with SDPA attention, or eager attention for a family transformers has no SDPA
-    for (GPT-J, CodeGen, Gemma-2): both apply the tree's 4-D masks as given (decoding.check_tree_attention)."""
-    source = resolve_target(name_or_path)
+    for (GPT-J, CodeGen, Gemma-2): both apply the tree's 4-D masks as given (decoding.check_tree_attention). `say`:
+    where the notices of a conversion or of eager attention go."""
+    source = resolve_target(name_or_path, say)
     try:
         tokenizer = load_tokenizer(name_or_path, source)
-        model, loading = from_pretrained_masked(source, dtype, name_or_path)
+        model, loading = from_pretrained_masked(source, dtype, name_or_path, say)
     # A folder that is not a whole causal LM: missing or cut-short files (OSError, SafetensorError), an architecture
     # or tokenizer transformers does not know (ValueError), weights of other shapes (RuntimeError).
     except (OSError, ValueError, RuntimeError, SafetensorError) as error:
@@ -363,7 +378,8 @@ def load_target(
 NO_SDPA = "does not support an attention implementation through torch.nn.functional.scaled_dot_product_attention"
 
 
-def from_pretrained_masked(source: str, dtype: torch.dtype, name_or_path: str) -> tuple[PreTrainedModel, dict]:
+def from_pretrained_masked(source: str, dtype: torch.dtype, name_or_path: str,
+                           say: Say) -> tuple[PreTrainedModel, dict]:
     """from_pretrained with SDPA attention, else eager where the family has no SDPA (it was refused outright, with no
     flag to ask for eager). Eager is slower on long contexts (it holds every score) and decodes the same tokens."""
     try:
@@ -372,8 +388,8 @@ def from_pretrained_masked(source: str, dtype: torch.dtype, name_or_path: str) -
     except ValueError as error:
         if NO_SDPA not in str(error):
             raise
-    print(f"[ddtree] target {name_or_path}: transformers has no SDPA attention for its family; loading it with eager "
-          "attention", flush=True)
+    say(f"[ddtree] target {name_or_path}: transformers has no SDPA attention for its family; loading it with eager "
+        "attention")
     return AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="eager", output_loading_info=True)
 
 
@@ -433,9 +449,10 @@ def build_drafter_config(
     block_size: int = 16,
     target_layer_ids: list[int] | None = None,
     mask_token_id: int | None = None,
+    say: Say = say_on_stderr,
 ):
     """A drafter config shaped after the target: same hidden size, attention layout and RoPE. target_layer_ids None:
-    default_layer_ids."""
+    default_layer_ids. `say`: where the notices about its layer ids go."""
     from .configuration_dflash import DFlashDrafterConfig
 
     tc = target.config.get_text_config()
@@ -452,7 +469,7 @@ def build_drafter_config(
         num_target_layers=tc.num_hidden_layers,
         dflash_config={
             "mask_token_id": choose_mask_token_id(name_or_path, tokenizer, embedding_rows, mask_token_id),
-            "target_layer_ids": list(target_layer_ids or default_layer_ids(tc.num_hidden_layers, name_or_path)),
+            "target_layer_ids": list(target_layer_ids or default_layer_ids(tc.num_hidden_layers, name_or_path, say)),
         },
         target_name_or_path=name_or_path,
         vocab_size=embedding_rows,
@@ -471,9 +488,8 @@ def build_drafter_config(
     ids = list(config.target_layer_ids)
     if len(set(ids)) < len(ids):  # a typo, or a run from before 2026-12-03 resumed on the default it then had
         twice = sorted({i for i in ids if ids.count(i) > 1})
-        print(f"[ddtree] target_layer_ids {ids} read layer{'s' if len(twice) > 1 else ''} {twice} more than once: each "
-              "copy widens the drafter's input for nothing; give distinct ids (model.target_layer_ids) for a new run",
-              flush=True)
+        say(f"[ddtree] target_layer_ids {ids} read layer{'s' if len(twice) > 1 else ''} {twice} more than once: each "
+            "copy widens the drafter's input for nothing; give distinct ids (model.target_layer_ids) for a new run")
     return config
 
 
@@ -481,7 +497,7 @@ def build_drafter_config(
 PUBLISHED_SPREAD_MIN_LAYERS = 8
 
 
-def default_layer_ids(num_layers: int, name_or_path: str | None = None) -> list[int]:
+def default_layer_ids(num_layers: int, name_or_path: str | None = None, say: Say = say_on_stderr) -> list[int]:
     """The target layers a new drafter reads when none are given (build_drafter_config, the feature store, the FLOP
     estimate of training/flops.py).
 
@@ -499,9 +515,9 @@ def default_layer_ids(num_layers: int, name_or_path: str | None = None) -> list[
     ids = [0] if count < 2 else sorted({round(i * (num_layers - 2) / (count - 1)) for i in range(count)})
     layers = f"{num_layers} layer{'s' if num_layers != 1 else ''}"
     if name_or_path is not None:
-        print(f"[ddtree] target {name_or_path} has {layers}, too few for the published spread of "
-              f"{DEFAULT_NUM_TARGET_FEATURES} distinct ones: the drafter reads layers {ids}; set model.target_layer_ids "
-              "to choose others", flush=True)
+        say(f"[ddtree] target {name_or_path} has {layers}, too few for the published spread of "
+            f"{DEFAULT_NUM_TARGET_FEATURES} distinct ones: the drafter reads layers {ids}; set model.target_layer_ids "
+            "to choose others")
     return ids
 
 

@@ -177,6 +177,17 @@ def test_a_seed_torch_cannot_take_is_a_usage_error(capsys, command, seed):
                                        f"2**64-1; see ddtree {command[0]} --help\n")
 
 
+def test_generates_stdout_holds_the_reply_alone(capsys):
+    """`ddtree generate ... > reply.txt`: the tiny target's layer notice (a random drafter's config says it) came first
+    on stdout (found in a review); it is said on stderr with the command's other notes."""
+    args = ("generate", "--target", TARGET, "--raw", "--prompt", "hi", "--max-new-tokens", "4", "--no-stream",
+            "--dtype", "float32", "--packed-weights", "off", "--adaptive-size", "off")
+    code, out, err = run_cli(capsys, *args, "--drafter", "random")
+    assert code == 0 and "[ddtree] target tiny-random has 6 layers" in err
+    code, greedy, _ = run_cli(capsys, *args, "--method", "ar")  # the same tokens (decoding is lossless), no drafter
+    assert code == 0 and out == greedy and "[ddtree]" not in greedy
+
+
 @pytest.mark.parametrize("seed", [2**64 - 1, -2**63])
 def test_a_seed_at_either_end_of_torchs_range_is_used(capsys, seed):
     code, out, err = run_cli(capsys, "generate", "--target", TARGET, "--method", "ar", "--prompt", "Hi",

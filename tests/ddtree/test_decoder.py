@@ -207,6 +207,18 @@ def test_a_calibration_learned_with_other_settings_is_noted_once(capsys, tiny_ta
     assert "(temperature 0.0 here 0.5)" in capsys.readouterr().err
 
 
+def test_the_targets_notices_are_said_on_stderr_and_quiet_says_nothing(capsys, tiny_target):
+    """The tiny target's 6 layers are too few for the published layer spread, which the random drafter's config says:
+    it was printed on stdout, also by Decoder(quiet=True) (found in a review)."""
+    capsys.readouterr()
+    Decoder(TARGET, "random", **SETTINGS, quiet=True)
+    out, err = capsys.readouterr()
+    assert out == "" and "[ddtree]" not in err  # (transformers' own progress bar stays: not a note of this project)
+    Decoder(TARGET, "random", **SETTINGS)
+    out, err = capsys.readouterr()
+    assert out == "" and "[ddtree] target tiny-random has 6 layers, too few for the published spread" in err
+
+
 def test_paths_under_home_and_bad_values_found_in_a_review(monkeypatch, tmp_path, tiny_target, drafter_folder):
     """A `~` drafter path loaded the weights but looked for the folder's corpus and calibration under a folder named
     `~`; bad seeds, temperatures, callbacks and float token ids were tracebacks or went through cut."""

@@ -147,7 +147,34 @@ def test_a_conversion_from_another_package_version_is_converted_again(cache, mon
     assert builtin_target_folder("smollm2-135m") == folder
     assert decoded == [source["gguf_file"]]
     assert json.loads((folder / "conversion.json").read_text()) == source
-    assert "0.0.1" in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "0.0.1" in err and out == ""  # stdout is a command's reply (`ddtree generate ... > reply.txt`)
+
+
+class Noisy(Decoded):
+    """A decoded model whose save_pretrained prints to stdout, as DeepSpeed's accelerator warning did (transformers
+    imports it there)."""
+
+    def save_pretrained(self, folder):
+        print("[WARNING] [real_accelerator.py:213:get_accelerator] Setting accelerator to CPU.")
+        super().save_pretrained(folder)
+
+
+def test_a_conversion_says_it_and_its_libraries_noise_on_stderr(cache, monkeypatch, capsys):
+    """On a fresh machine the README's first `ddtree generate` converts the GGUF: the reply on stdout was preceded by
+    the conversion's line and DeepSpeed's warning (found in a review)."""
+    stub_decode(monkeypatch, Noisy())
+    folder = builtin_target_folder("smollm2-135m")
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.splitlines() == [f"[ddtree] converting SmolLM2-135M-Instruct.Q4_1.gguf to safetensors in {folder} (once)",
+                                "[WARNING] [real_accelerator.py:213:get_accelerator] Setting accelerator to CPU."]
+    said = []
+    shutil.rmtree(folder)
+    stub_decode(monkeypatch, Noisy())
+    builtin_target_folder("smollm2-135m", say=said.append)  # the caller's `say` (Decoder(quiet=True): none)
+    assert capsys.readouterr() == ("", "[WARNING] [real_accelerator.py:213:get_accelerator] Setting accelerator to CPU.\n")
+    assert said == [f"[ddtree] converting SmolLM2-135M-Instruct.Q4_1.gguf to safetensors in {folder} (once)"]
 
 
 def test_a_conversion_with_its_record_or_made_before_records_is_kept(cache, monkeypatch):
@@ -602,7 +629,7 @@ def test_a_drafter_of_a_shallow_target_reads_distinct_layers_and_says_which(caps
     target = shallow_target(layers)
     config = build_drafter_config(target, None, "/t/L", num_layers=1, block_size=4, mask_token_id=63)
     assert config.target_layer_ids == ids
-    assert capsys.readouterr().out == (f"[ddtree] target /t/L has {layers} layers, too few for the published spread of "
+    assert capsys.readouterr() == ("", f"[ddtree] target /t/L has {layers} layers, too few for the published spread of "
                                        f"5 distinct ones: the drafter reads layers {ids}; set model.target_layer_ids "
                                        "to choose others\n")
     runner = DrafterRunner(DFlashDraftModel(config).eval(), target)
@@ -619,7 +646,7 @@ def test_layer_ids_given_that_leave_the_target_name_the_setting_and_repeats_are_
     capsys.readouterr()
     assert build_drafter_config(target, None, "/t/L4", num_layers=1, target_layer_ids=[1, 1, 3],
                                 mask_token_id=63).target_layer_ids == [1, 1, 3]
-    assert capsys.readouterr().out == ("[ddtree] target_layer_ids [1, 1, 3] read layer [1] more than once: each copy "
+    assert capsys.readouterr() == ("", "[ddtree] target_layer_ids [1, 1, 3] read layer [1] more than once: each copy "
                                        "widens the drafter's input for nothing; give distinct ids "
                                        "(model.target_layer_ids) for a new run\n")
     # a trained drafter folder that reads one layer twice (the old default) still loads and decodes as it was trained
@@ -712,7 +739,11 @@ def test_a_target_without_sdpa_loads_with_eager_attention_and_decodes_greedys_to
     target, _ = ddtree.targets.load_target(str(folder))
     assert target.config._attn_implementation == "eager"
     assert (f"[ddtree] target {folder}: transformers has no SDPA attention for its family; loading it with eager "
-            "attention\n") in capsys.readouterr().out
+            "attention\n") in capsys.readouterr().err
+    said = []
+    ddtree.targets.load_target(str(folder), say=said.append)  # the caller's `say`, as Decoder(quiet=True) passes it
+    out, err = capsys.readouterr()
+    assert out == "" and "[ddtree]" not in err and len(said) == 1
     prompt, new = [1, 5, 9, 13, 17], 24
     greedy = hf_greedy(target, prompt, new)
     assert len(set(greedy)) > 3

@@ -1486,7 +1486,7 @@ def test_a_target_without_sdpa_trains_and_is_evaluated_with_eager_attention(tmp_
                        "--eval.every_n_train_steps=2", "--eval.limit=1", "--eval.max_new_tokens=8",
                        f"--model.target={folder}", "--model.target_layer_ids=null"]) == 0
     assert (f"[ddtree] target {folder}: transformers has no SDPA attention for its family; loading it with eager "
-            "attention") in capsys.readouterr().out
+            "attention") in capsys.readouterr().err
     logged = logged_rows(tmp_path / "out" / "tiny" / family)
     assert list(logged) == [2] and logged[2][monitor_metric(PRIMARY)] >= 1.0
     drafter = drafter_from_checkpoint(tmp_path / "out" / "tiny" / family / "checkpoints" / "step-2.ckpt")

@@ -350,7 +350,7 @@ def test_a_store_without_layer_ids_holds_the_distinct_ones_a_new_drafter_reads(t
     """The tiny target has 6 layers, too few for the published spread: it stored [1, 2, 2, 2, 3], layer 2 three times."""
     path = build_feature_store(make_datamodule(tmp_path), tmp_path / "store")
     assert FeatureStore(path).layer_ids == [0, 1, 2, 3, 4] == tiny_module(target_layer_ids=None).target_layer_ids
-    assert "set model.target_layer_ids to choose others" in capsys.readouterr().out
+    assert "set model.target_layer_ids to choose others" in capsys.readouterr().err
     with pytest.raises(DDTreeError, match=r"^model.target_layer_ids \[1, 6\] must be within 0..5"):
         build_feature_store(make_datamodule(tmp_path), tmp_path / "outside", layer_ids=[1, 6])
 

@@ -208,11 +208,12 @@ def user_path(value, where: str) -> str:
     return os.path.expanduser(text) if text.startswith("~") else text
 
 
-def check_seed(seed) -> None:
-    """A seed torch.manual_seed takes, as the command's --seed: a whole number from -2**63 to 2**64 - 1."""
+def check_seed(seed, none: str = "") -> None:
+    """A seed torch.manual_seed takes, as the command's --seed: a whole number from -2**63 to 2**64 - 1. `none`: what
+    None means where the caller takes it (generate's), for the error."""
     number = whole_number(seed)
     if number is None or not -2**63 <= number < 2**64:
-        raise DDTreeError(f"seed={seed!r}: give a whole number from -2**63 to 2**64 - 1")
+        raise DDTreeError(f"seed={seed!r}: give a whole number from -2**63 to 2**64 - 1{none}")
 
 
 def _choice(value, choices, where: str) -> str:
@@ -357,7 +358,7 @@ class Decoder:
             raise DDTreeError("online_calibration learns from a drafter's drafts, and this Decoder has none: give "
                               "drafter= when building it, or drop it")
         if seed is not None:
-            check_seed(seed)
+            check_seed(seed, ", or None to draw on from this Decoder's own seed")
         if on_tokens is not None and not callable(on_tokens):
             raise DDTreeError(f"on_tokens={on_tokens!r}: give a function of a list of token ids, or None")
         for name, value in (("temperature", temperature), ("top_p", top_p)):

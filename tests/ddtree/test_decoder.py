@@ -227,7 +227,8 @@ def test_paths_under_home_and_bad_values_found_in_a_review(monkeypatch, tmp_path
     decoder = Decoder(TARGET, "~/drafter", **SETTINGS, quiet=True)
     assert decoder.drafter.default_corpus is not None
     # (seed=None is a call's default now: it draws on from the Decoder's generator)
-    for keywords, named in ((dict(seed=1.5), "seed=1.5: give a whole number"),
+    for keywords, named in ((dict(seed=1.5), "seed=1.5: give a whole number from -2**63 to 2**64 - 1, or None to "
+                                             "draw on from this Decoder's own seed"),
                             (dict(seed=True), "seed=True: give a whole number"),
                             (dict(seed=2**64), "seed=18446744073709551616"),
                             (dict(seed=-2**63 - 1), "seed=-9223372036854775809: give a whole number"),

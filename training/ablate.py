@@ -470,6 +470,18 @@ def main(argv: list[str] | None = None) -> int:
     # no row and no table.)
     sigterm = SigtermRaises(raising=False)  # raising in a variant's launch only
     previous_sigterm = signal.signal(signal.SIGTERM, sigterm)
+    # Ctrl-C between launches likewise: its KeyboardInterrupt escaped (in write_results, say), and the ablation ended on a
+    # bare `interrupted`, with no table printed, no plot and no rerun line (found in a review)
+    interrupted = []
+
+    def ctrl_c_between_launches(signum, frame):
+        if sigterm.raising:  # in a variant's launch: Ctrl-C's own KeyboardInterrupt, which training stops on
+            raise KeyboardInterrupt
+        interrupted.append(signum)
+
+    previous_sigint = signal.getsignal(signal.SIGINT)
+    if previous_sigint is signal.default_int_handler:  # an ignored one (a background job's) stays ignored
+        signal.signal(signal.SIGINT, ctrl_c_between_launches)
     try:
         for name, overrides in variants:
             run = f"{ABLATE_PREFIX}{stamp}-{name}"
@@ -484,6 +496,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 if sigterm.received:  # while the table of the variant before was written
                     raise Terminated
+                if interrupted:
+                    raise KeyboardInterrupt
                 status = train_main(["--recipe", args.recipe, "--run-name", run, "--output-root", args.output_root,
                                      *budget, *schedules[name], *common, *overrides, *packed])
             except KeyboardInterrupt:  # Ctrl-C outside training's loop (its data preparation, say): the same stop
@@ -529,6 +543,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         os.environ.pop(ABLATE_STAMP_ENV, None)  # a later ablation in this process takes its own
         signal.signal(signal.SIGTERM, signal.SIG_DFL if previous_sigterm is None else previous_sigterm)
+        if previous_sigint is signal.default_int_handler:  # (Lightning's fit leaves SIG_IGN after a Ctrl-C)
+            signal.signal(signal.SIGINT, previous_sigint)
 
     if first:
         print(markdown_table(results))

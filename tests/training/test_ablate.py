@@ -698,3 +698,36 @@ def test_the_plot_of_the_ten_default_variants_keeps_names_bars_and_curves_clear(
         assert legend is not None and not any(legend.get_window_extent().overlaps(ax.get_window_extent())
                                               for ax in (bars, depth)), axes.get_ylabel()
     assert len(depth.get_legend().get_texts()) == len(results) + 2  # a colour per variant, a line style per metric
+
+
+def test_a_ctrl_c_between_variants_stops_the_ablation_as_a_sigterm_there_does(tmp_path, monkeypatch, capsys):
+    """A Ctrl-C while the table of a variant was written escaped main: run_cli printed a bare `interrupted`, with no
+    table printed and no rerun line, where a SIGTERM at the same point gave both (found in a review)."""
+    import signal
+
+    import training.ablate
+
+    launched = []
+
+    def fake_train(argv: list[str]) -> int:
+        launched.append(argv)
+        fake_run(argv, {})
+        return 0
+
+    write_results = training.ablate.write_results
+
+    def write_and_interrupt(base, results):
+        if len(results) == 1:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C as the table of a is written
+        write_results(base, results)
+
+    monkeypatch.setattr(training.ablate, "train_main", fake_train)
+    monkeypatch.setattr(training.ablate, "write_results", write_and_interrupt)
+    status = main(["--recipe", "tiny", "--steps", "3", "--output-root", str(tmp_path), "--variant", "a=",
+                   "--variant", "b=--model.lr=1e-3"])
+    assert status == 130 and len(launched) == 1  # b never started
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the process's own again
+    out, err = capsys.readouterr()
+    assert "| a | 3 |" in out and "| b | interrupted (SIGINT) (exit status 130): nothing measured |" in out  # printed
+    assert err.strip().splitlines()[-1].startswith("[ablate] not measured: b; to train only those")
+    assert next(tmp_path.glob("tiny/ablate-*.png")).stat().st_size > 0

@@ -40,7 +40,8 @@ or ends with no evaluation (no step trained), is a row saying so; the others sti
 exit status is not 0. Ctrl-C or SIGTERM (a scheduler's) stops the whole ablation, wherever a variant's launch is (its
 training, or its set-up and export, outside Lightning's fit): the interrupted variant is a row, the table of the variants
 so far is written, the status is 130 or 143, and the last line is the `make ablate` that trains only the variants not
-measured (the interrupted one and those after it), into a table of their own.
+measured (the interrupted one, unless its final evaluation was written before the stop, and those after it), into a
+table of their own.
 
 The table (printed at the end, and written with a plot to <output-root>/<recipe>/ablate-<stamp>.{md,json,png} after
 each variant, so an ablation killed midway keeps the variants it finished):
@@ -235,6 +236,17 @@ def last_evaluation(run_dir: Path) -> dict:
     return json.loads(files[-1].read_text())
 
 
+def evaluated_where_it_ended(run_dir: Path, max_steps: int, every_n_train_steps: int) -> bool:
+    """Whether the run's newest evaluation is where its training ended: at trainer.max_steps, or off the
+    eval.every_n_train_steps schedule, where only a max_time stop evaluates (stops_here; a SIGTERM's stop is saved
+    unmeasured). A SIGTERM during that final evaluation still makes training return 143, with nothing left to train."""
+    try:
+        step = last_evaluation(run_dir)["step"]
+    except (DDTreeError, OSError, ValueError, KeyError):  # none written, or one cut short: not measured
+        return False
+    return step == max_steps or step % every_n_train_steps != 0
+
+
 def read_data_record(run_dir: Path) -> dict:
     """<run>/data.json (training/train.py): how many training sequences the run drew from; {} if it has none."""
     try:
@@ -344,6 +356,10 @@ def markdown_table(results: list[dict]) -> str:
         lines += ["", f"Not every tau is the drafter's alone: {decoders} (eval.lookup, model.corpus, "
                   "eval.redraft or model.redraft_prob): those variants' tau and tree/chain are the decoder's. Lookup and "
                   "corpus nodes go into the trees only; re-drafting runs in the chain too."]
+    cut = [f"{r['variant']} ({r['stopped_after_evaluation']})" for r in results if r.get("stopped_after_evaluation")]
+    if cut:
+        lines += ["", f"Stopped after their final evaluation, so measured, but with no drafter/ exported: {', '.join(cut)}. "
+                  "Each run's `make train RESUME=<run>/checkpoints/last.ckpt` writes it."]
     return "\n".join(lines)
 
 
@@ -441,6 +457,7 @@ def main(argv: list[str] | None = None) -> int:
         check_shared(recipe_path(args.recipe), [*shared, (" ".join(common), common)])
         schedules = {}  # each variant's evaluation and validation steps under --minutes alone: at its stop only
         packing = {}  # each variant's eval.packed_weights and the target it decides by
+        ends = {}  # each variant's trainer.max_steps and eval.every_n_train_steps: whether a stop came after its end
         for name, overrides in variants:  # every variant checked as training will before any trains: a bad one in the
             try:                           # last would otherwise stop the comparison after the others had trained
                 config = check_variant(recipe_path(args.recipe), [*budget, *common, *overrides])
@@ -450,6 +467,7 @@ def main(argv: list[str] | None = None) -> int:
             # its interval counts them (Lightning's val_check_interval is in batches)
             schedules[name] = schedule_at_the_stop(config.trainer.max_steps, config.trainer.accumulate_grad_batches or 1)
             packing[name] = config.eval.packed_weights, decoding_target(config)
+            ends[name] = config.trainer.max_steps, config.eval.every_n_train_steps
 
     # For devices > 1 Lightning starts the other processes by re-running this command: they take the first one's stamp,
     # so each variant is one run folder, and leave the measuring and writing to it
@@ -517,14 +535,22 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             why = why or STOPPED_BY.get(status, "stopped")
             seconds = time.perf_counter() - started
+            # A stop during the variant's final evaluation (minutes on a CPU) came after its training and its
+            # measurement were written: counted, not trained again by the rerun line; only its drafter/ is missing
+            measured = status == 0 or (status in STOPPED_BY and evaluated_where_it_ended(root / run, *ends[name]))
             if status != 0:  # a diverged or failed variant is a result too; the others still compare (unless stopped)
                 then = "the variants after it are not run" if status in STOPPED_BY else "going on with the others"
-                print(f"[ablate] {name}: {why} (exit status {status}); {then}", file=sys.stderr)
-                results.append(stopped_variant(name, root / run, seconds, status, why))
+                after = (" after its final evaluation: measured, but no drafter/ written (its training's resume line "
+                         "writes it)" if measured else "")
+                print(f"[ablate] {name}: {why} (exit status {status}){after}; {then}", file=sys.stderr)
                 failed = status if status in STOPPED_BY else failed or status  # a stop's own status, as Ctrl-C's is 130
+            if not measured:
+                results.append(stopped_variant(name, root / run, seconds, status, why))
             else:
                 try:
                     results.append(summarize_variant(name, root / run, seconds))
+                    if status != 0:
+                        results[-1]["stopped_after_evaluation"] = why
                 except DDTreeError as error:  # exited 0 with nothing measured (no steps to train, say): a hole
                     print(f"[ablate] {name}: {error}; going on with the other variants", file=sys.stderr)
                     results.append(stopped_variant(name, root / run, seconds, status, "no evaluation"))
@@ -549,8 +575,9 @@ def main(argv: list[str] | None = None) -> int:
     if first:
         print(markdown_table(results))
         print(f"[ablate] table, results and plot: {root / f'ablate-{stamp}'}.{{md,json,png}}")
-        if failed in STOPPED_BY:  # the stopped variant and those after it; a new ablation, with a table of its own
-            missing = variants[len(results) - 1:]
+        # the stopped variant (unless measured before the stop) and those after it; a new ablation, with its own table
+        missing = variants[len(results) - (results[-1].get("stopped") is not None):] if failed in STOPPED_BY else []
+        if missing:
             # decoding with the kernels these variants had here, where one choice covers them all
             kept = {decided.get(packing[name][1]) for name, _ in missing if packing[name][0] == "auto"}
             alike = [f"--eval.packed_weights={'on' if kept.pop() else 'off'}"] if kept in ({True}, {False}) else []

@@ -731,3 +731,35 @@ def test_a_ctrl_c_between_variants_stops_the_ablation_as_a_sigterm_there_does(tm
     assert "| a | 3 |" in out and "| b | interrupted (SIGINT) (exit status 130): nothing measured |" in out  # printed
     assert err.strip().splitlines()[-1].startswith("[ablate] not measured: b; to train only those")
     assert next(tmp_path.glob("tiny/ablate-*.png")).stat().st_size > 0
+
+
+@pytest.mark.parametrize("steps, every, measured", [(3, None, True), (6, 3, False)])
+def test_a_sigterm_during_a_variants_final_evaluation_keeps_its_measurement(tmp_path, monkeypatch, capsys, steps,
+                                                                            every, measured):
+    """A SIGTERM noted during the last evaluation makes training return 143 once max_steps is reached, with the
+    evaluation written: ablate called the variant "nothing measured" and its rerun line trained it again (found in a
+    review). An evaluation on a variant's own schedule, before a stop, is still not its end."""
+    import training.ablate
+
+    launched = []
+
+    def fake_train(argv: list[str]) -> int:
+        launched.append(argv)
+        fake_run(argv, {})  # its evaluation at step 3
+        return 143
+
+    monkeypatch.setattr(training.ablate, "train_main", fake_train)
+    schedule = [] if every is None else [f"--eval.every_n_train_steps={every}"]
+    status = main(["--recipe", "tiny", "--steps", str(steps), "--output-root", str(tmp_path),
+                   "--variant", f"a={' '.join(schedule)}", "--variant", "b=--model.lr=1e-3"])
+    assert status == 143 and len(launched) == 1  # b never started
+    out, err = capsys.readouterr()
+    rerun = err.strip().splitlines()[-1]
+    table = next(tmp_path.glob("tiny/ablate-*.md")).read_text()
+    if measured:
+        assert "| a | 3 |" in out and "| a | 3 |" in table and "2.00 (2.10)" in table  # its tau, measured
+        assert "no drafter/ exported: a (stopped by SIGTERM)" in table
+        assert rerun.startswith("[ablate] not measured: b; to train only those") and "--variant a=" not in rerun
+    else:
+        assert "| a | stopped by SIGTERM (exit status 143): nothing measured |" in table
+        assert rerun.startswith("[ablate] not measured: a, b; to train only those")

@@ -48,7 +48,10 @@ class SigtermRaises:
     out. Python's default action ended the process at once, silently, with no `finally`: a staging folder
     (staged_folder's .<name>-xxxxxxxx, a run's .drafter-xxxxxxxx) or a fresh run's folder and lock stayed behind
     (found in a review, 2026-12-04). `raising` False only notes the signal in `received`: training.ablate between two
-    variants' launches, where the next one then stops before it starts.
+    variants' launches, where the next one then stops before it starts. It raises once per command: SLURM signals
+    every process of a step and a launcher forwards the signal too, and a second Terminated, raised as the first one's
+    `finally` blocks ran, left their staging folders (found in a review, 2026-12-04); SIGKILL is a scheduler's way to
+    insist.
 
     Inside Lightning's fit, Lightning's handler takes over and calls this one as the handler it replaced (restoring it
     as fit ends): this one then does nothing, and the stop is Lightning's (training.callbacks.SigtermAtStepBoundary:
@@ -67,6 +70,8 @@ class SigtermRaises:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
             return
+        if self.received and self.raising:  # already stopping: a second SIGTERM (a launcher forwarding the
+            return  # scheduler's, a parent passing its own on) raised again inside the first one's `finally` clean-up
         self.received = True
         if self.raising:
             raise Terminated

@@ -1324,3 +1324,29 @@ def test_a_warm_start_from_a_truncated_drafter_is_one_line(tmp_path, tiny_target
     with pytest.raises(DDTreeError) as error:
         module.configure_model()
     assert len(str(error.value).splitlines()) == 1 and "truncated" in str(error.value)
+
+
+def test_a_second_sigterm_during_the_first_ones_clean_up_does_not_cut_it_short(tmp_path):
+    """Found in a review (2026-12-04): SLURM signals every process of a step and a launcher forwards the signal as well
+    (recipes/launch_torchrun.sh, training's data-regeneration child's parent), so a command gets two SIGTERMs a moment
+    apart. The second raised Terminated again inside the first one's `finally`, and the staging folder it was removing
+    stayed. Now a command raises once; its clean-up runs to the end."""
+    from ddtree.files import staged_folder
+
+    removing = shutil.rmtree
+
+    def signalled_again(path, *args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)  # the forwarded SIGTERM, as the first one's clean-up starts
+        removing(path, *args, **kwargs)
+
+    @command
+    def stages(argv) -> int:
+        with staged_folder(tmp_path / "written") as staging:
+            (staging / "half.bin").write_bytes(b"0" * 1024)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(10)
+        return 0
+
+    with mock.patch("shutil.rmtree", signalled_again):
+        assert stages([]) == 128 + signal.SIGTERM
+    assert list(tmp_path.iterdir()) == []  # neither the folder nor its staging (.written-xxxxxxxx)

@@ -55,8 +55,8 @@ class SigtermRaises:
 
     Inside Lightning's fit, Lightning's handler takes over and calls this one as the handler it replaced (restoring it
     as fit ends): this one then does nothing, and the stop is Lightning's (training.callbacks.SigtermAtStepBoundary:
-    where a step ends, saved, on every rank). A process forked from this one (a DataLoader worker) ends at the signal
-    as it did before."""
+    where a step ends, saved, on every rank). A process forked from this one ends at the signal as it did before,
+    running none of the parent's clean-up; training's DataLoader workers ignore it (training.data.ignore_sigterm)."""
 
     def __init__(self, raising: bool = True):
         self.pid = os.getpid()

@@ -25,6 +25,7 @@ import logging
 import math
 import os
 import pickle
+import signal
 import weakref
 from pathlib import Path
 
@@ -150,6 +151,16 @@ def collate(examples: list[dict[str, torch.Tensor]], pad_id: int) -> dict[str, t
         for name in stored:
             batch[name][row, :n] = example[name]
     return batch
+
+
+def ignore_sigterm(worker_id: int) -> None:
+    """worker_init_fn of both loaders: a worker ignores SIGTERM, whose stop is the main process's (where a step ends,
+    saved: training.callbacks.SigtermAtStepBoundary). torch's worker ended at a SIGTERM sent to the whole process group
+    (`timeout`, SLURM, scancel), and the main process then crashed with "DataLoader worker (pid N) is killed by signal"
+    before it could save the step (found in a review, 2026-12-04). A worker still ends: the main process shuts it down
+    as the loader is done, and torch's watchdog ends it if the main process dies. (Runs after torch's own handler is
+    installed, which it replaces.)"""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 class Collator:
@@ -612,7 +623,7 @@ class DistillDataModule(L.LightningDataModule):
         store_share = (self.feature_store, len(self.train_split)) if self.store is not None else None
         return ResumableDataLoader(self.train_set, sampler, store_share, batch_size=self.batch_size,
                                    num_workers=self.num_workers, collate_fn=Collator(self.pad_id),
-                                   persistent_workers=self.num_workers > 0)
+                                   persistent_workers=self.num_workers > 0, worker_init_fn=ignore_sigterm)
 
     def val_dataloader(self, whole: bool = False) -> DataLoader:
         """This rank's share of the validation split (rank_share); the module sums the statistics over ranks.
@@ -621,4 +632,4 @@ class DistillDataModule(L.LightningDataModule):
         rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer is not None else (0, 1)
         share = self.val_set if whole else Subset(self.val_set, rank_share(len(self.val_set), rank, world))
         return DataLoader(share, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers,
-                          collate_fn=Collator(self.pad_id))
+                          collate_fn=Collator(self.pad_id), worker_init_fn=ignore_sigterm)

@@ -578,7 +578,7 @@ def test_a_sigterm_during_the_final_export_leaves_no_staging_folder_and_the_line
 
 def test_a_process_forked_by_a_command_ends_at_a_sigterm_as_before_and_runs_none_of_its_clean_up():
     """A command's SIGTERM handler (ddtree.errors.SigtermRaises) raises where the command is. A process forked from it
-    (a DataLoader worker outside fit) inherits the handler: raised there, the exception would unwind the parent's
+    (a process a library forks) inherits the handler: raised there, the exception would unwind the parent's
     stack in the child, through the parent's `finally` blocks (a staging folder's removal, a run folder's). It ends at
     the signal instead, as it did under the default action."""
 
@@ -1350,3 +1350,22 @@ def test_a_second_sigterm_during_the_first_ones_clean_up_does_not_cut_it_short(t
     with mock.patch("shutil.rmtree", signalled_again):
         assert stages([]) == 128 + signal.SIGTERM
     assert list(tmp_path.iterdir()) == []  # neither the folder nor its staging (.written-xxxxxxxx)
+
+
+def test_a_sigterm_to_the_process_group_with_dataloader_workers_stops_at_the_step_and_saves_it(tmp_path):
+    """Found in a review (2026-12-04): with data.num_workers > 0 (the SLURM and torchrun recipes'), a SIGTERM sent to
+    the whole process group (`timeout`, SLURM, scancel) ended the DataLoader workers too, and the run crashed with
+    "DataLoader worker (pid N) is killed by signal", status 1 and the step not saved. Now the workers ignore it and
+    the main process stops where the step ends, saved, as with no workers."""
+    marker = tmp_path / "holding"
+    hold = json.dumps({"class_path": "test_reliability.HoldAtStepStart",
+                       "init_args": {"marker": str(marker), "after": 3}})
+    args = [*tiny_args(tmp_path, "workers", max_steps=400, every=100), "--data.num_workers=2",
+            f"--trainer.callbacks+={hold}"]
+    err = train_until_sigterm(args, [Path(f"{marker}0")], settle_s=0.2, timeout_s=120)
+    lines = [line for line in err.splitlines() if line.startswith("[train]")]
+    assert len(lines) == 1 and "stopped by SIGTERM at step 4; no drafter written" in lines[0], err[-3000:]
+    assert "Traceback" not in err and "killed by signal" not in err, err[-3000:]
+    resume = Path(re.search(r"RESUME=(\S+)", lines[0]).group(1))
+    assert resume == tmp_path / "out" / "tiny" / "workers" / "checkpoints" / "last.ckpt"
+    assert check_resumable(resume)["global_step"] == 4

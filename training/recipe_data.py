@@ -21,17 +21,19 @@ A recipe without a regenerate section reads its data_path as before.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
-from ddtree.errors import DDTreeError
+from ddtree.errors import DDTreeError, Terminated
 from ddtree.files import cache_dir, read_yaml_mapping
 
 from .arguments import recipe_path
 
 AUTO_DATA = "auto"  # data.data_path value: <ddtree cache>/data/<recipe>
 REGENERATE_SCRIPT = Path(__file__).resolve().parents[1] / "data" / "regenerate.py"
+REGENERATION_GRACE_S = 30  # how long a stopped training waits for the regeneration child to remove its staging folder
 # data/regenerate.py's options a recipe may set (the target and the output folder come from the recipe itself).
 REGENERATE_FIELDS = ("prompts", "limit", "max_new_tokens", "temperature", "top_p", "seed", "dtype", "device",
                      "batch_size", "chunk_size", "backend", "threads")
@@ -108,9 +110,29 @@ def prepare_recipe_data(datamodule, recipe: str, world_size: int = 1, target_ada
     command = [sys.executable, str(REGENERATE_SCRIPT),
                *regenerate_arguments(datamodule.target, path, datamodule.regenerate, target_adapter)]
     print(f"[data] {path} is missing: the target writes it first ({' '.join(command[1:])})", flush=True)
-    if subprocess.run(command).returncode != 0:
+    if run_regeneration(command) != 0:
         raise DDTreeError(f"generating the training data into {path} failed (its error is above); rerun: "
                           f"`make data RECIPE={recipe}` resumes from the chunks already written")
+
+
+def run_regeneration(command: list[str]) -> int:
+    """data/regenerate.py's exit status. A SIGTERM that stops training (Terminated) is passed on to it, and its own
+    clean-up (the merge's staging folder removed, its stop line) is waited for, REGENERATION_GRACE_S at most: under
+    subprocess.run the child was SIGKILLed at once and its staging folder, the whole merged dataset, stayed for good
+    (found in a review, 2026-12-04). Anything else (Ctrl-C) ends it as subprocess.run does."""
+    with subprocess.Popen(command) as child:
+        try:
+            return child.wait()
+        except Terminated:
+            child.send_signal(signal.SIGTERM)  # one sent to the group is its second, which it ignores (SigtermRaises)
+            try:
+                child.wait(timeout=REGENERATION_GRACE_S)
+            except subprocess.TimeoutExpired:
+                child.kill()
+            raise
+        except BaseException:
+            child.kill()
+            raise
 
 
 def recipe_overrides(datamodule, recipe: str, target_adapter: str | None) -> list[str]:

@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -389,3 +391,46 @@ def test_a_gpu_session_stage_stopped_at_its_cap_leaves_each_threads_stack_in_its
     log = (tmp_path / "logs" / "tests.log").read_text()
     assert re.search(r"== tests: stopped at its cap of 2\ds \(exit 124\); each Python thread's stack then is above", log)
     assert "in stuck_in_the_first_step" in log  # the stack, innermost call named
+
+
+@pytest.mark.parametrize("to_group", [False, True], ids=["to-training", "to-the-group"])
+def test_a_sigterm_while_training_regenerates_its_data_lets_the_child_remove_its_staging_folder(tmp_path, to_group):
+    """Found in a review (2026-12-04): a SIGTERM that stopped training as its data/regenerate.py child merged the data
+    had subprocess.run SIGKILL the child at once, so the child's staging folder (the whole merged dataset) stayed for
+    good and its own stop line was lost. Now the child is passed the SIGTERM (sent to training alone, as `kill` does)
+    and waited for; sent to the group (a scheduler's), the child's own and training's forwarded one stop it once."""
+    data, marker = tmp_path / "data", tmp_path / "staged"
+    child = tmp_path / "held_regenerate.py"  # data/regenerate.py, held once its merged dataset is in the staging folder
+    child.write_text(
+        "import contextlib, pathlib, runpy, sys, time\nimport ddtree.files\nstaged = ddtree.files.staged_folder\n"
+        "@contextlib.contextmanager\ndef held(folder):\n    with staged(folder) as staging:\n        yield staging\n"
+        f"        if pathlib.Path(folder) == pathlib.Path({str(data)!r}):\n"
+        f"            pathlib.Path({str(marker)!r}).write_text(str(staging))\n            time.sleep(60)\n"
+        f"ddtree.files.staged_folder = held\nsys.argv[0] = {str(regenerate.__file__)!r}\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    script = ("import sys, training.recipe_data, training.train\n"
+              f"training.recipe_data.REGENERATE_SCRIPT = {str(child)!r}\nsys.exit(training.train.main(sys.argv[1:]))\n")
+    settings = json.dumps(tiny_settings(prompt_file(tmp_path / "prompts.jsonl", 5)))
+    args = ["--recipe", "tiny", "--output-root", str(tmp_path / "out"), f"--data.data_path={data}",
+            f"--data.regenerate={settings}", f"--data.cache_dir={tmp_path / 'cache'}", "--trainer.max_steps=2",
+            "--trainer.enable_progress_bar=false"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    training = subprocess.Popen([sys.executable, "-c", script, *args], cwd=RECIPES_DIR.parent, env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not marker.exists() and training.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert marker.exists(), "the child did not stage its data" + (training.poll() is not None) * training.stderr.read()
+        if to_group:
+            os.killpg(training.pid, signal.SIGTERM)
+        else:
+            training.send_signal(signal.SIGTERM)
+        _, err = training.communicate(timeout=120)
+    finally:
+        if training.poll() is None:
+            os.killpg(training.pid, signal.SIGKILL)
+            training.communicate()
+    assert training.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "stopped by SIGTERM" in err.splitlines(), err[-3000:]  # the child's own line (run_cli's)
+    assert not data.exists() and not list(tmp_path.glob(".data-*")), sorted(p.name for p in tmp_path.iterdir())

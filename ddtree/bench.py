@@ -354,21 +354,22 @@ def run_benchmark(
                                                          untaught))
 
     per_prompt = []
-    bar = tqdm(total=len(prompts) * len(keys), desc="bench", disable=not progress, unit="run")
-    for prompt in prompts:
-        row = {"id": prompt["id"], "prompt_tokens": len(prompt["prompt_ids"]), "methods": {}}
-        for key, method, budget in keys:
-            result = decode(key, method, budget, prompt["prompt_ids"], calibration, sizers)
-            row["methods"][key] = {
-                "tau": result.tau,
-                "new_tokens": result.new_tokens,
-                "seconds": result.prefill_s + result.decode_s,
-                "rounds": [asdict(r) for r in result.rounds],
-            }
-            bar.set_postfix_str(f"{key} tau={format_tau(result.tau)}")
-            bar.update()
-        per_prompt.append(row)
-    bar.close()
+    # closed however the loop ends: a stop's one line (run_cli's "stopped by SIGTERM", "interrupted") was glued to the
+    # end of the open bar, which was then drawn again after it
+    with tqdm(total=len(prompts) * len(keys), desc="bench", disable=not progress, unit="run") as bar:
+        for prompt in prompts:
+            row = {"id": prompt["id"], "prompt_tokens": len(prompt["prompt_ids"]), "methods": {}}
+            for key, method, budget in keys:
+                result = decode(key, method, budget, prompt["prompt_ids"], calibration, sizers)
+                row["methods"][key] = {
+                    "tau": result.tau,
+                    "new_tokens": result.new_tokens,
+                    "seconds": result.prefill_s + result.decode_s,
+                    "rounds": [asdict(r) for r in result.rounds],
+                }
+                bar.set_postfix_str(f"{key} tau={format_tau(result.tau)}")
+                bar.update()
+            per_prompt.append(row)
 
     summary = {key: summarize(per_prompt, key) for key, _, _ in keys}
     if calibration is not None:

@@ -1676,3 +1676,26 @@ def test_bench_refuses_an_empty_raw_prompt_before_the_target_loads(capsys, tmp_p
     assert str(raised.value) == message
     monkeypatch.setattr(ddtree.cli, "load_target", lambda *args, **kwargs: pytest.fail("loaded the target first"))
     assert _bad(capsys, "bench", "--target", TARGET, "--prompts", str(path), "--methods", "ar") == f"error: {message}"
+
+
+@pytest.mark.parametrize("sent, line", [("SIGTERM", "stopped by SIGTERM"), ("SIGINT", "interrupted")])
+def test_a_bench_stopped_mid_run_says_so_on_a_line_of_its_own_after_its_progress_bar(capsys, prompts_file, monkeypatch,
+                                                                                      sent, line):
+    """Found in a review (2026-12-04): the stop's one line was glued to the end of the open progress bar
+    (`... dflash tau=7.88]stopped by SIGTERM`), and the bar was drawn again after it, as the last line of the log."""
+    import signal
+
+    import ddtree.bench
+
+    format_tau = ddtree.bench.format_tau
+
+    def signalled(*args, **kwargs):  # as the first timed run ends, its tau shown on the bar
+        monkeypatch.setattr(ddtree.bench, "format_tau", format_tau)
+        os.kill(os.getpid(), getattr(signal, sent))
+        return format_tau(*args, **kwargs)
+
+    monkeypatch.setattr(ddtree.bench, "format_tau", signalled)
+    code, _, err = run_cli(capsys, "bench", "--target", TARGET, "--drafter", "random", "--prompts", str(prompts_file),
+                           "--methods", "ar", "--max-new-tokens", "4", "--dtype", "float32")
+    assert code == 128 + getattr(signal, sent)
+    assert "bench:" in err and err.endswith(f"\n{line}\n"), repr(err[-300:])

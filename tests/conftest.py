@@ -60,3 +60,14 @@ def pytest_configure(config):
         from ddtree.targets import resolve_target
 
         resolve_target("tiny-random")  # converts SmolLM2 too, whose tokenizer it uses
+
+
+@pytest.fixture
+def python_sigint():
+    """SIGINT as a Python process at a terminal has it (KeyboardInterrupt), for a test that sends itself one: pytest-xdist
+    starts its workers with SIGINT ignored, where such a test passed alone and failed under `make test`."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)

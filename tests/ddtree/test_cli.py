@@ -1680,7 +1680,7 @@ def test_bench_refuses_an_empty_raw_prompt_before_the_target_loads(capsys, tmp_p
 
 @pytest.mark.parametrize("sent, line", [("SIGTERM", "stopped by SIGTERM"), ("SIGINT", "interrupted")])
 def test_a_bench_stopped_mid_run_says_so_on_a_line_of_its_own_after_its_progress_bar(capsys, prompts_file, monkeypatch,
-                                                                                      sent, line):
+                                                                                      sent, line, python_sigint):
     """Found in a review (2026-12-04): the stop's one line was glued to the end of the open progress bar
     (`... dflash tau=7.88]stopped by SIGTERM`), and the bar was drawn again after it, as the last line of the log."""
     import signal

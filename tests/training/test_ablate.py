@@ -700,7 +700,8 @@ def test_the_plot_of_the_ten_default_variants_keeps_names_bars_and_curves_clear(
     assert len(depth.get_legend().get_texts()) == len(results) + 2  # a colour per variant, a line style per metric
 
 
-def test_a_ctrl_c_between_variants_stops_the_ablation_as_a_sigterm_there_does(tmp_path, monkeypatch, capsys):
+def test_a_ctrl_c_between_variants_stops_the_ablation_as_a_sigterm_there_does(tmp_path, monkeypatch, capsys,
+                                                                            python_sigint):
     """A Ctrl-C while the table of a variant was written escaped main: run_cli printed a bare `interrupted`, with no
     table printed and no rerun line, where a SIGTERM at the same point gave both (found in a review)."""
     import signal

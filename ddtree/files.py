@@ -23,6 +23,7 @@ import re
 import shutil
 import sys
 import tempfile
+import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -376,24 +377,32 @@ def staged_folder(destination: str | Path):
         try:
             yield staging
             follow_umask(staging, recursive=True)
-            displaced = None
-            if destination.exists():
-                displaced = destination.with_name(f".{destination.name}.replaced-{os.getpid()}")
-                shutil.rmtree(displaced, ignore_errors=True)  # this process's own, left by an earlier failed delete
-                destination.rename(displaced)
-            try:
-                staging.rename(destination)
-            except BaseException:
-                if displaced is not None:
-                    displaced.rename(destination)  # the old folder back under its name
-                raise
+            replace_folder(staging, destination)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
+
+
+def replace_folder(new: Path, destination: Path, what: str = "folder") -> None:
+    """Rename the finished folder `new` to `destination`, replacing the `what` there if any: the old one is renamed
+    aside first (a name of its own each time, .<name>.replaced-<8 hex>, so an aside an earlier delete could not clear
+    never blocks this one), put back if the rename fails, and deleted only once the new one is in place. A delete that
+    fails (a file it may not remove, one a server still holds open on NFS) leaves the new one whole and the old one
+    named in a warning. staged_folder's, and the feature store's replacement of a store (training/feature_store.py)."""
+    displaced = None
+    if destination.exists():
+        displaced = destination.with_name(f".{destination.name}.replaced-{uuid.uuid4().hex[:8]}")
+        destination.rename(displaced)
+    try:
+        new.rename(destination)
+    except BaseException:
+        if displaced is not None:
+            displaced.rename(destination)  # the old one back under its name
+        raise
     if displaced is not None:
         try:
             shutil.rmtree(displaced)
         except OSError as error:
-            print(f"warning: {destination} was written; the folder it replaced, moved to {displaced}, could not be "
+            print(f"warning: {destination} was written; the {what} it replaced, moved to {displaced}, could not be "
                   f"deleted ({error_line(error)}): delete it by hand", file=sys.stderr)
 
 

@@ -75,9 +75,9 @@ from transformers import AutoConfig
 from ddtree.calibration import weights_fingerprint
 from ddtree.configuration_dflash import DFlashDrafterConfig
 from ddtree.drafters import read_drafter_config
-from ddtree.errors import DDTreeError, error_line
-from ddtree.files import (WriteFailed, file_in_the_way, follow_umask, format_bytes, free_bytes, unwritable_as_error,
-                          write_failure, write_json_atomic)
+from ddtree.errors import DDTreeError
+from ddtree.files import (WriteFailed, file_in_the_way, follow_umask, format_bytes, free_bytes, replace_folder,
+                          unwritable_as_error, write_failure, write_json_atomic)
 from ddtree.precision import LIGHTNING_PRECISION
 from ddtree.targets import BUILTIN_TARGETS, TINY_TARGET, cache_dir, default_layer_ids, parse_dtype, resolve_target
 
@@ -726,28 +726,13 @@ def build_under_lock(datamodule: DistillDataModule, out: Path, layer_ids: list[i
     (partial / BOX_CLOCK).unlink(missing_ok=True)  # (after: a rerun of a build stopped above resumes on its clock)
     for staging in partial.glob(".shard-*.tmp"):  # a shard whose write was interrupted (Ctrl-C, a kill) and which
         staging.unlink()  # this build's box left out: it would stay in the store for good, up to MAX_SHARD_BYTES
-    if out.exists():  # --force: the old store goes only now that the new one is complete
-        # As ddtree.files.staged_folder replaces a folder: the old store aside, the new one in (the old back if that
-        # fails), then the old deleted. The aside name is new each time: one an earlier delete could not clear (a
-        # shard a reader holds open on NFS) failed the rename after the whole build and stranded it in <out>.partial.
-        # Those earlier ones (a delete refused or killed) are tried again first; the lock keeps other builds out.
-        for earlier in [out.with_name(f".{out.name}.replaced"),  # (the one name before)
+    if out.exists():  # --force: the old store goes only now that the new one is complete (replace_folder)
+        # Asides earlier --force builds could not delete (a shard a reader held open on NFS, a kill mid-delete) are
+        # tried again first; the lock keeps other builds out. (.<out>.replaced: the one name before 2026-12-04.)
+        for earlier in [out.with_name(f".{out.name}.replaced"),
                         *out.parent.glob(f".{glob.escape(out.name)}.replaced-{'[0-9a-f]' * 8}")]:
             shutil.rmtree(earlier, ignore_errors=True)
-        replaced = out.with_name(f".{out.name}.replaced-{uuid.uuid4().hex[:8]}")
-        out.rename(replaced)
-        try:
-            partial.rename(out)
-        except BaseException:
-            replaced.rename(out)
-            raise
-        try:
-            shutil.rmtree(replaced)
-        except OSError as error:  # the new store is in place: a warning, not a failed build (and `make train` after)
-            print(f"warning: {out} was written; the store it replaced, moved to {replaced}, could not be deleted "
-                  f"({error_line(error)}): delete it by hand", file=sys.stderr)
-    else:
-        partial.rename(out)
+    replace_folder(partial, out, "store")
     held_bytes = sum(shard["num_tokens"] for shard in manifest["shards"]) * (row_width * itemsize + teacher_bytes)
     print(f"[features] wrote {out}: {coverage(manifest)}, {format_bytes(held_bytes)}; "
           f"train from it with --data.feature_store {out}", flush=True)

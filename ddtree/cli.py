@@ -90,7 +90,7 @@ def describe_target(args, target: PreTrainedModel) -> str:
 def _sizer(args, target, budgets: list[int], method: str = "ddtree") -> TreeSizer | None:
     """With --adaptive-size on (auto: the dynamic cache), the verify cost measured here (printed to stderr); else None."""
     return measured_sizer(args.adaptive_size, STATIC_CACHE[args.static_cache], target, max(budgets), method,
-                          say_on_stderr)
+                          say_on_stderr, "lower --budget, or pass --adaptive-size off")
 
 
 BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # a byte-fallback tokenizer's byte piece

@@ -154,13 +154,15 @@ def drafter_runner(spec: str, target: PreTrainedModel, tokenizer: PreTrainedToke
 
 
 def measured_sizer(adaptive_size: str, static: bool | None, target: PreTrainedModel, max_budget: int, method: str,
-                   say: Say) -> TreeSizer | None:
-    """Adaptive size on (auto: the dynamic cache, ddtree only): the verify cost measured here and said; else None."""
+                   say: Say, instead: str) -> TreeSizer | None:
+    """Adaptive size on (auto: the dynamic cache, ddtree only): the verify cost measured here and said; else None.
+    `instead`: what to do where the target's context leaves no room to measure, as the caller spells its settings
+    ("lower --budget, or pass --adaptive-size off")."""
     static = static_cache_on(static, target.device)
     if adaptive_size == "off" or (adaptive_size == "auto" and (static or method != "ddtree")):
         return None
     check_sizer(method, True, static)
-    sizer = TreeSizer.measure(target, max_rows=max_budget + 1)
+    sizer = TreeSizer.measure(target, max_rows=max_budget + 1, instead=instead)
     say(f"[adaptive size] {sizer.describe()} (measured up to {max_budget + 1} rows)")
     return sizer
 
@@ -298,7 +300,8 @@ class Decoder:
                                     "calibration=False")
         self.drafter = drafter_runner(drafter, self.target, self.tokenizer, target, seed, corpus in (None, True), loaded,
                                       say, {"corpus": "corpus=False", "calibration": "calibration=False"})
-        self.sizer = measured_sizer(self.adaptive_size, self.static, self.target, self.budget, "ddtree", say)
+        self.sizer = measured_sizer(self.adaptive_size, self.static, self.target, self.budget, "ddtree", say,
+                                    "give a lower budget=, or adaptive_size='off'")
 
     def prompt_ids(self, prompt: str | list[int] | list[dict], chat: bool = True) -> list[int]:
         """A prompt as token ids: text as a user message under the target's chat template (with chat=False, the text

@@ -93,15 +93,17 @@ class TreeSizer:
         self.overhead_ms += (ms - self.overhead_ms) / min(self.rounds, self.OVERHEAD_WINDOW)
 
     @classmethod
-    def measure(cls, target: PreTrainedModel, max_rows: int, context: int = 300, repeats: int = 3) -> TreeSizer:
+    def measure(cls, target: PreTrainedModel, max_rows: int, context: int = 300, repeats: int = 3,
+                instead: str = "lower --budget, or pass --adaptive-size off") -> TreeSizer:
         """Fit the cost line to the verify's median time at PROBE_ROWS up to max_rows (and max_rows itself).
 
         The `context` cached tokens are fewer where the target's context leaves less room beside max_rows: past its
-        positions a learned position table fails and rotary positions are ones decoding never reaches."""
+        positions a learned position table fails and rotary positions are ones decoding never reaches. Where it
+        leaves none, the error says `instead`, what to do as the caller's user spells it (the command's flags)."""
         limit = context_limit(target)
         if limit - max_rows < 1:
             raise DDTreeError(f"the target's context of {limit} positions leaves no room to time verifies of "
-                              f"{max_rows} rows: lower --budget, or pass --adaptive-size off")
+                              f"{max_rows} rows: {instead}")
         context = min(context, limit - max_rows)
         vocab = target.get_output_embeddings().weight.shape[0]
         runner = probe_runner(target, context)

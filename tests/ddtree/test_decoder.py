@@ -130,6 +130,19 @@ def test_bad_generate_keywords_are_one_line(tiny_target):
         drafting.generate(PROMPT, method="ar", online_calibration=True)
 
 
+def test_a_budget_the_adaptive_size_cannot_time_names_the_keywords(capsys, tiny_target):
+    """budget 2047 fits tiny-random's 2048 positions, but timing its 2048-row verifies leaves no room for a cached
+    token: the Decoder's line named the command's flags (--budget, --adaptive-size off), which a Python user has not
+    got."""
+    with pytest.raises(DDTreeError) as raised:
+        Decoder(TARGET, "random", **{**SETTINGS, "adaptive_size": "on", "budget": 2047}, static_cache="off", quiet=True)
+    assert str(raised.value) == ("the target's context of 2048 positions leaves no room to time verifies of 2048 rows: "
+                                 "give a lower budget=, or adaptive_size='off'")
+    code = main(["generate", "--target", TARGET, "--drafter", "random", "--prompt", PROMPT, "--budget", "2047",
+                 "--dtype", "float32", "--packed-weights", "off", "--adaptive-size", "on", "--static-cache", "off"])
+    assert code != 0 and "lower --budget, or pass --adaptive-size off" in capsys.readouterr().err  # the command's
+
+
 def test_importing_ddtree_loads_no_torch():
     """The `ddtree` command answers --help before torch loads; the package's names load it when first named."""
     code = ("import sys, ddtree; assert 'torch' not in sys.modules, 'torch on import'; ddtree.Decoder; "

@@ -27,9 +27,9 @@ How the work is laid out, so it survives interruption:
     whole, cut short all the same, is made again, with a warning naming it);
   - <out>.parts/settings.json records the settings that choose the responses (target, prompts, decoding, dtype);
     a rerun with different settings is refused instead of mixing two kinds of data (until its first chunk is
-    written: a job stopped by bad input takes the corrected settings). Not the machine nor --batch-size, though
-    in bf16 either moves most long greedy replies at their first near tie (data/README.md): the data shipped
-    without them, and a resume may change batch size;
+    written: a job stopped by bad input takes the corrected settings), or with --overwrite starts over, its chunks
+    removed. Not the machine nor --batch-size, though in bf16 either moves most long greedy replies at their first
+    near tie (data/README.md): the data shipped without them, and a resume may change batch size;
   - a dataset already merged at <out> with other settings (another target, other prompts), or answering
     more prompts than this job (a smaller --limit), is replaced only with --overwrite, and then only once
     the new one is complete; where another recipe's data.regenerate makes that folder (data/smollm2-135m,
@@ -116,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (the machine is shared)")
     p.add_argument("--merge-only", action="store_true", help="only build <out> from finished chunks")
     p.add_argument("--overwrite", action="store_true",
-                   help="replace a dataset at --out made with other settings (target, prompts, ...)")
+                   help="replace a dataset at --out made with other settings (target, prompts, ...), and the "
+                   "chunks in <out>.parts made with them")
     p.add_argument("--check", action="store_true",
                    help="only check that --out holds this job's finished dataset (its regeneration.json: these "
                    "settings, these prompts): exit 0 if so, else one line naming what differs; loads no model "
@@ -652,21 +653,26 @@ def check_replaces_only_its_own(out: Path, settings: dict, num_prompts: int, ove
                           f"pass --overwrite to replace it with the {num_prompts}; nothing was written")
 
 
-def check_settings(parts: Path, settings: dict) -> None:
-    """Record the settings on first use; refuse to continue a job made with different ones.
+def check_settings(parts: Path, settings: dict, overwrite: bool = False) -> None:
+    """Record the settings on first use; refuse to continue a job made with different ones, or with `overwrite`
+    remove its chunks (the user asked to replace what the other settings made) and start over.
 
     Until a chunk is written there is nothing to mix with: a job that stopped on bad input before its first chunk
     takes the corrected settings."""
     path = parts / "settings.json"
-    if path.exists() and any(parts.glob("chunk-*.jsonl")):
+    chunks = sorted(parts.glob("chunk-*.jsonl"))
+    if path.exists() and chunks:
         old = read_record(path, f"delete {parts} to start over or choose another --out")
         changed = changed_settings(old, settings)
-        if changed:
-            raise DDTreeError(
-                f"{parts} holds chunks made with other settings ({'; '.join(changed)}); "
-                f"delete {parts} to start over or choose another --out"
-            )
-        return
+        if not changed:
+            return
+        if not overwrite:
+            raise DDTreeError(f"{parts} holds chunks made with other settings ({'; '.join(changed)}); pass "
+                              "--overwrite to make them again (not with --merge-only), or choose another --out")
+        for chunk in chunks:  # only the chunks: the folder may hold what the user put there
+            chunk.unlink(missing_ok=True)  # (a shard started alongside may have removed it first)
+        print(f"[regenerate] --overwrite: removed {len(chunks)} chunk{'s' if len(chunks) > 1 else ''} of {parts} "
+              f"made with other settings ({'; '.join(changed)})", flush=True)
     write_text_atomic(path, json.dumps(settings, indent=2) + "\n")
 
 
@@ -865,7 +871,8 @@ def run(args: argparse.Namespace) -> dict | None:
         return finished
     with unwritable_as_error(parts):
         parts.mkdir(parents=True, exist_ok=True)
-    check_settings(parts, settings)
+    # a merge makes no chunk again: removing those of other settings there would only lose them
+    check_settings(parts, settings, args.overwrite and not args.merge_only)
     reused = reuse_merged(args.out, parts, chunks, settings)
     if reused:
         print(f"[regenerate] {reused} chunks taken from the dataset already at {args.out}", flush=True)

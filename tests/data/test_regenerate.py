@@ -279,8 +279,8 @@ def test_a_larger_limit_on_a_fresh_clone_reuses_the_merged_answers(tmp_path, mon
     assert len(generated) == 1 and summary["num_conversations"] == 5
     assert load_from_disk(str(tmp_path / "out")).to_list()[:4] == shipped
 
-    # Other settings: refused over the dataset unless --overwrite, and then nothing is reused (the work folder
-    # refuses them too, so start a new one).
+    # Other settings: refused over the dataset unless --overwrite, and then nothing is reused (on a fresh clone: no
+    # work folder).
     shutil.rmtree(tmp_path / "out.parts")
     with pytest.raises(DDTreeError, match=r"holds a dataset made with other settings \(max_new_tokens: 6 -> 5\)"):
         regenerate.run(args_for(tmp_path, "--max-new-tokens", "5"))
@@ -521,10 +521,9 @@ def test_a_local_target_saved_over_in_place_is_told_from_the_one_that_wrote_the_
     assert regenerate.main(argv) == 2  # a plain rerun: not "nothing to do"
     captured = capsys.readouterr()
     assert "nothing to do" not in captured.out and f"(target {target}: its weight files changed" in captured.err
-    assert regenerate.main([*argv, "--overwrite"]) == 2  # the chunks of the old weights are not resumed
-    assert f"out.parts holds chunks made with other settings (target {target}: its weight files" in capsys.readouterr().err
-    shutil.rmtree(tmp_path / "out.parts")
-    assert regenerate.main([*argv, "--overwrite"]) == 0
+    assert regenerate.main([*argv, "--overwrite"]) == 0  # the chunks of the old weights are replaced, not resumed
+    assert f"removed 1 chunk of {tmp_path / 'out.parts'} made with other settings (target {target}: its weight " \
+        "files" in capsys.readouterr().out
     assert regenerate.main([*argv, "--check"]) == 0
 
     # Data recorded before the fingerprint was (no target_weights) is taken as it was.
@@ -558,6 +557,32 @@ def test_a_job_stopped_before_its_first_chunk_takes_corrected_settings(tmp_path)
         regenerate.run(args_for(tmp_path, "--target", str(tmp_path / "no-such-target")))
     assert (tmp_path / "out.parts" / "settings.json").is_file() and not list((tmp_path / "out.parts").glob("chunk-*"))
     assert regenerate.run(args_for(tmp_path))["num_conversations"] == 2
+
+
+def test_overwrite_replaces_the_unfinished_chunks_of_other_settings_too(tmp_path, capsys, monkeypatch):
+    """A job stopped before its merge leaves chunks in <out>.parts; a rerun with other settings and --overwrite was
+    still told to delete that folder by hand. --overwrite replaces them too, says so in one line, and deletes nothing
+    else there."""
+    prompt_file(tmp_path / "prompts.jsonl", 4)  # 2 chunks
+    parts = tmp_path / "out.parts"
+    assert regenerate.run(args_for(tmp_path, "--num-shards", "2", "--shard-index", "0")) is None  # chunk 0 only
+    (parts / "notes.txt").write_text("mine")
+    capsys.readouterr()
+    assert regenerate.main(args_for_argv(tmp_path, "--max-new-tokens", "5")) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: {parts} holds chunks made with other settings (max_new_tokens: 6 -> 5); pass --overwrite to make them "
+        "again (not with --merge-only), or choose another --out")
+    # a merge makes none again: they are not removed for it to find none
+    assert regenerate.main(args_for_argv(tmp_path, "--max-new-tokens", "5", "--merge-only", "--overwrite")) == 2
+    assert "holds chunks made with other settings (max_new_tokens: 6 -> 5)" in capsys.readouterr().err
+    assert (parts / "chunk-00000.jsonl").is_file()  # refused: nothing removed
+    generated = count_generated(monkeypatch)
+    summary = regenerate.run(args_for(tmp_path, "--max-new-tokens", "5", "--overwrite"))
+    assert summary["num_conversations"] == 4 and len(generated) == 4  # the old chunk was not resumed
+    assert f"[regenerate] --overwrite: removed 1 chunk of {parts} made with other settings (max_new_tokens: 6 -> 5)" \
+        in capsys.readouterr().out
+    assert json.loads((parts / "settings.json").read_text())["max_new_tokens"] == 5
+    assert (parts / "notes.txt").read_text() == "mine"
 
 
 def test_shards_started_together_with_other_settings_never_mix_their_chunks(tmp_path, monkeypatch):

@@ -15,7 +15,7 @@ committed tokens are the target's own: its greedy tokens at temperature 0, its s
 
 Each keyword is the `ddtree generate` flag of the same name (docs/decoding.md); bad values raise DDTreeError (a
 ValueError) naming the keyword. What was chosen (the dtype, the corpus, the calibration, the tree sizing) is said on
-stderr as the command says it; quiet=True keeps it silent.
+stderr as the command says it; quiet=True keeps it silent, transformers' progress bars too.
 """
 
 from __future__ import annotations
@@ -23,12 +23,15 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
+from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
 
 from .arguments import ADAPTIVE_SIZE, STATIC_CACHE
 from .bench import chat_prompt_ids
@@ -167,6 +170,24 @@ def measured_sizer(adaptive_size: str, static: bool | None, target: PreTrainedMo
     return sizer
 
 
+@contextmanager
+def progress_bars_off(off: bool):
+    """Where `off`, transformers' progress bars off for the block (its "Loading weights" bar, and the Hub's download
+    bars, which it turns off with its own), each set back after as it was found."""
+    if not off:
+        yield
+        return
+    bars, hub_bars = hf_logging.is_progress_bar_enabled(), not are_progress_bars_disabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()  # (the Hub's too: set back below where they were off)
+        if hub_bars == are_progress_bars_disabled():
+            (enable_progress_bars if hub_bars else disable_progress_bars)()
+
+
 def sampling_facts(target_name: str, sampling: Sampling, target: PreTrainedModel) -> dict:
     """What calibration.json records of how it decoded besides the tree (decoded_with), and what decoding compares
     with it: the sampling (its acceptance is another than greedy decoding's), the target and the dtype it ran in. A
@@ -279,7 +300,8 @@ class Decoder:
         chosen, reason = resolve_dtype(dtype, device, "dtype")
         if reason:
             say(reason)
-        self.target, self.tokenizer = load_target(target, chosen, device, say)
+        with progress_bars_off(quiet):  # quiet: transformers' "Loading weights" bar too, not only this project's lines
+            self.target, self.tokenizer = load_target(target, chosen, device, say)
         _, reason = apply_packing(packed_weights, self.target, "packed_weights")
         if reason:
             say(reason)
@@ -298,8 +320,9 @@ class Decoder:
             self.corpus = given_corpus(read, self.tokenizer, f"corpus={corpus}", str(corpus), say)
         loaded = chosen_calibration(False if calibration is False else given_calibration, self.drafter_path, say,
                                     "calibration=False")
-        self.drafter = drafter_runner(drafter, self.target, self.tokenizer, target, seed, corpus in (None, True), loaded,
-                                      say, {"corpus": "corpus=False", "calibration": "calibration=False"})
+        with progress_bars_off(quiet):
+            self.drafter = drafter_runner(drafter, self.target, self.tokenizer, target, seed, corpus in (None, True),
+                                          loaded, say, {"corpus": "corpus=False", "calibration": "calibration=False"})
         self.sizer = measured_sizer(self.adaptive_size, self.static, self.target, self.budget, "ddtree", say,
                                     "give a lower budget=, or adaptive_size='off'")
 

@@ -226,10 +226,30 @@ def test_the_targets_notices_are_said_on_stderr_and_quiet_says_nothing(capsys, t
     capsys.readouterr()
     Decoder(TARGET, "random", **SETTINGS, quiet=True)
     out, err = capsys.readouterr()
-    assert out == "" and "[ddtree]" not in err  # (transformers' own progress bar stays: not a note of this project)
+    assert out == err == ""  # (transformers' own "Loading weights" bar too: test_quiet_silences_...)
     Decoder(TARGET, "random", **SETTINGS)
     out, err = capsys.readouterr()
     assert out == "" and "[ddtree] target tiny-random has 6 layers, too few for the published spread" in err
+
+
+def test_quiet_silences_transformers_loading_bars_and_sets_them_back(capsys, tiny_target, drafter_folder):
+    """Decoder(quiet=True) still drew transformers' "Loading weights" bar on stderr for the target and the drafter
+    folder (left alone in an earlier review). quiet turns it off while they load, and leaves transformers' setting as
+    it found it, on or off."""
+    from transformers.utils import logging as hf_logging
+
+    found = hf_logging.is_progress_bar_enabled()
+    try:
+        for bars in (True, False):
+            (hf_logging.enable_progress_bar if bars else hf_logging.disable_progress_bar)()
+            capsys.readouterr()
+            Decoder(TARGET, drafter_folder, **SETTINGS, quiet=True)
+            assert capsys.readouterr().err == "" and hf_logging.is_progress_bar_enabled() == bars
+        hf_logging.enable_progress_bar()
+        Decoder(TARGET, drafter_folder, **SETTINGS)
+        assert "Loading weights" in capsys.readouterr().err  # not quiet: the bar as transformers draws it
+    finally:
+        (hf_logging.enable_progress_bar if found else hf_logging.disable_progress_bar)()
 
 
 def test_paths_under_home_and_bad_values_found_in_a_review(monkeypatch, tmp_path, tiny_target, drafter_folder):

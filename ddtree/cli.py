@@ -87,10 +87,11 @@ def describe_target(args, target: PreTrainedModel) -> str:
     return f"target {args.target}, {dtype}, {layers}; {machine_line(describe_machine(target.device))}"
 
 
-def _sizer(args, target, budgets: list[int], method: str = "ddtree") -> TreeSizer | None:
-    """With --adaptive-size on (auto: the dynamic cache), the verify cost measured here (printed to stderr); else None."""
+def _sizer(args, target, budgets: list[int], method: str = "ddtree", flag: str = "--budgets") -> TreeSizer | None:
+    """With --adaptive-size on (auto: the dynamic cache), the verify cost measured here (printed to stderr); else None.
+    `flag` is the command's budget flag, which a budget too large to time is told to lower."""
     return measured_sizer(args.adaptive_size, STATIC_CACHE[args.static_cache], target, max(budgets), method,
-                          say_on_stderr, "lower --budget, or pass --adaptive-size off")
+                          say_on_stderr, f"lower {flag}, or pass --adaptive-size off")
 
 
 BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # a byte-fallback tokenizer's byte piece
@@ -153,7 +154,7 @@ def cmd_generate(args) -> None:
     check_calibration_flag(args, [args.method])
     check_flags_for_methods(args, [args.method])
     sampling, target, tokenizer, files = _setup(args, trees=args.method == "ddtree")
-    sizer = _sizer(args, target, [args.budget], args.method)
+    sizer = _sizer(args, target, [args.budget], args.method, "--budget")
     drafter = None
     if uses_drafter(args):
         drafter = _drafter_runner(args, target, tokenizer)

@@ -130,7 +130,7 @@ def test_bad_generate_keywords_are_one_line(tiny_target):
         drafting.generate(PROMPT, method="ar", online_calibration=True)
 
 
-def test_a_budget_the_adaptive_size_cannot_time_names_the_keywords(capsys, tiny_target):
+def test_a_budget_the_adaptive_size_cannot_time_names_the_keywords(capsys, tiny_target, tmp_path):
     """budget 2047 fits tiny-random's 2048 positions, but timing its 2048-row verifies leaves no room for a cached
     token: the Decoder's line named the command's flags (--budget, --adaptive-size off), which a Python user has not
     got."""
@@ -141,6 +141,12 @@ def test_a_budget_the_adaptive_size_cannot_time_names_the_keywords(capsys, tiny_
     code = main(["generate", "--target", TARGET, "--drafter", "random", "--prompt", PROMPT, "--budget", "2047",
                  "--dtype", "float32", "--packed-weights", "off", "--adaptive-size", "on", "--static-cache", "off"])
     assert code != 0 and "lower --budget, or pass --adaptive-size off" in capsys.readouterr().err  # the command's
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": PROMPT}) + "\n")
+    code = main(["bench", "--target", TARGET, "--drafter", "random", "--prompts", str(tmp_path / "prompts.jsonl"),
+                 "--budgets", "2047",
+                 "--methods", "ddtree", "--dtype", "float32", "--packed-weights", "off", "--adaptive-size", "on",
+                 "--static-cache", "off"])
+    assert code != 0 and "lower --budgets, or pass --adaptive-size off" in capsys.readouterr().err  # bench's flag
 
 
 def test_importing_ddtree_loads_no_torch():

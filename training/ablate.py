@@ -41,7 +41,7 @@ exit status is not 0. Ctrl-C or SIGTERM (a scheduler's) stops the whole ablation
 training, or its set-up and export, outside Lightning's fit): the interrupted variant is a row, the table of the variants
 so far is written, the status is 130 or 143, and the last line is the `make ablate` that trains only the variants not
 measured (the interrupted one, unless its final evaluation was written before the stop, and those after it), into a
-table of their own.
+table of their own; a stop after the last variant's launch, with every variant measured, ends on the stop's own line.
 
 The table (printed at the end, and written with a plot to <output-root>/<recipe>/ablate-<stamp>.{md,json,png} after
 each variant, so an ablation killed midway keeps the variants it finished):
@@ -584,6 +584,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[ablate] not measured: {', '.join(name for name, _ in missing)}; to train only those (a new "
                   f"table beside this one): {rerun_command(args, [*common, *alike], missing)}", file=sys.stderr,
                   flush=True)
+    # A stop noted between launches is for the next variant to stop on; after the last one (its table being written)
+    # there is none, and the ablation exited 0 with no stop line, as if not stopped: every variant is measured, so it
+    # ends with the usual stop line and status alone (run_cli), after the table
+    if failed not in STOPPED_BY and interrupted:
+        raise KeyboardInterrupt
+    if failed not in STOPPED_BY and sigterm.received:
+        raise Terminated
     return failed  # 130 or 143 for a stopped ablation, else the first stopped variant's status (1 for one that failed
     # or had no evaluation): a comparison with a hole is not a clean exit
 

@@ -734,6 +734,42 @@ def test_a_ctrl_c_between_variants_stops_the_ablation_as_a_sigterm_there_does(tm
     assert next(tmp_path.glob("tiny/ablate-*.png")).stat().st_size > 0
 
 
+@pytest.mark.parametrize("stop, status, line", [("SIGINT", 130, "interrupted"), ("SIGTERM", 143, "stopped by SIGTERM")])
+def test_a_stop_while_the_last_variants_table_is_written_ends_the_ablation_stopped(tmp_path, monkeypatch, capsys,
+                                                                                  python_sigint, stop, status, line):
+    """A Ctrl-C (or SIGTERM) between launches is only noted, for the next variant to stop on: after the last variant
+    there is none, so the ablation ended with status 0 and no stop line, as if it had not been stopped. Every variant
+    was measured: the table keeps them all, the stop is the usual one line and status, and there is no rerun line."""
+    import signal
+
+    import training.ablate
+
+    launched = []
+
+    def fake_train(argv: list[str]) -> int:
+        launched.append(argv)
+        fake_run(argv, {})
+        return 0
+
+    write_results = training.ablate.write_results
+
+    def write_and_stop(base, results):
+        if len(results) == 2:
+            os.kill(os.getpid(), getattr(signal, stop))  # as the table of b, the last variant, is written
+        write_results(base, results)
+
+    monkeypatch.setattr(training.ablate, "train_main", fake_train)
+    monkeypatch.setattr(training.ablate, "write_results", write_and_stop)
+    assert main(["--recipe", "tiny", "--steps", "3", "--output-root", str(tmp_path), "--variant", "a=",
+                 "--variant", "b=--model.lr=1e-3"]) == status
+    assert len(launched) == 2
+    out, err = capsys.readouterr()
+    assert "| a | 3 |" in out and "| b | 3 |" in out  # both measured, and printed
+    assert err.strip().splitlines()[-1] == line and "not measured" not in err
+    results = json.loads(next(tmp_path.glob("tiny/ablate-*.json")).read_text())
+    assert [r["variant"] for r in results] == ["a", "b"] and not any(r.get("stopped") for r in results)
+
+
 @pytest.mark.parametrize("steps, every, measured", [(3, None, True), (6, 3, False)])
 def test_a_sigterm_during_a_variants_final_evaluation_keeps_its_measurement(tmp_path, monkeypatch, capsys, steps,
                                                                             every, measured):

@@ -237,14 +237,16 @@ def last_evaluation(run_dir: Path) -> dict:
 
 
 def evaluated_where_it_ended(run_dir: Path, max_steps: int, every_n_train_steps: int) -> bool:
-    """Whether the run's newest evaluation is where its training ended: at trainer.max_steps, or off the
+    """Whether the run's newest evaluation is where its training ended: at trainer.max_steps, off the
     eval.every_n_train_steps schedule, where only a max_time stop evaluates (stops_here; a SIGTERM's stop is saved
-    unmeasured). A SIGTERM during that final evaluation still makes training return 143, with nothing left to train."""
+    unmeasured), or on it where max_time was spent as it ended (its file says max_time_stop). A SIGTERM during that
+    final evaluation still makes training return 143, with nothing left to train."""
     try:
-        step = last_evaluation(run_dir)["step"]
+        evaluation = last_evaluation(run_dir)
+        step = evaluation["step"]
     except (DDTreeError, OSError, ValueError, KeyError):  # none written, or one cut short: not measured
         return False
-    return step == max_steps or step % every_n_train_steps != 0
+    return step == max_steps or step % every_n_train_steps != 0 or evaluation.get("max_time_stop") is True
 
 
 def read_data_record(run_dir: Path) -> dict:

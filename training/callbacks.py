@@ -154,6 +154,12 @@ def with_step_timer(callbacks: list) -> list:
             if type(c) is Timer and c._interval == "step" and c._duration is not None else c for c in callbacks]
 
 
+def max_time_spent(trainer: L.Trainer) -> bool:
+    """Whether this rank's clock finds the budget of the Timer that `trainer.max_time` adds spent."""
+    timers = [callback for callback in trainer.callbacks if isinstance(callback, Timer) and callback._interval == "step"]
+    return any(timer.time_remaining() is not None and timer.time_remaining() <= 0 for timer in timers)
+
+
 def stops_here(trainer: L.Trainer) -> bool:
     """Whether the run stops after this optimizer step off schedule, as seen from on_train_batch_end: a callback
     before the caller set should_stop, or the Timer that `trainer.max_time` adds (which Lightning runs after the
@@ -165,8 +171,7 @@ def stops_here(trainer: L.Trainer) -> bool:
     """
     if not getattr(trainer.fit_loop, "_can_stop_early", True) or accumulating(trainer):  # the same on every rank
         return False  # (min_steps not met yet; StepTimer stops at the step's end, measured there)
-    timers = [callback for callback in trainer.callbacks if isinstance(callback, Timer) and callback._interval == "step"]
-    spent = any(timer.time_remaining() is not None and timer.time_remaining() <= 0 for timer in timers)
+    spent = max_time_spent(trainer)
     # SIGTERM reaches each rank at its own moment (training.train's SigtermAtStepBoundary sets the flag on every rank at
     # once; a Trainer without it does not): every rank joins the broadcast, and rank 0's flag decides (a rank that
     # returned before it would leave the others' broadcast to pair with the next collective).
@@ -952,8 +957,14 @@ class AcceptanceEvaluation(L.Callback):
         settings = self.settings(trainer.lightning_module.drafter_config, len(self.prompts))
         val_loss = self.history[-1]["val_loss"]  # known here only where on_train_end evaluates a stop (on_validation_end)
         machine = describe_machine(trainer.lightning_module.device)  # this rank's: its tok/s are measured there
+        # max_time spent as the evaluation ends: training stops after this step, on the evaluation grid as off it. Only
+        # a stop off the grid told a reader so (make ablate, where a SIGTERM during this evaluation makes training
+        # return 143), and a stop on it read as unmeasured, to be trained again. Rank 0's clock, as the Timer's, which
+        # reads it a moment later (min_steps not met holds the run, as in stops_here).
+        max_time_stop = getattr(trainer.fit_loop, "_can_stop_early", True) and max_time_spent(trainer)
         record = {"step": step, "settings": settings, "machine": machine, **result,
-                  **({"val_loss": val_loss} if val_loss is not None else {})}
+                  **({"val_loss": val_loss} if val_loss is not None else {}),
+                  **({"max_time_stop": True} if max_time_stop else {})}
         try:
             write_json_atomic(self.eval_file(run_dir, step), record)
         except WriteFailed as failure:  # (a full disk) its line says how the run goes on, as a checkpoint's does

@@ -800,3 +800,53 @@ def test_a_sigterm_during_a_variants_final_evaluation_keeps_its_measurement(tmp_
     else:
         assert "| a | stopped by SIGTERM (exit status 143): nothing measured |" in table
         assert rerun.startswith("[ablate] not measured: a, b; to train only those")
+
+
+def test_a_max_time_stop_on_the_evaluation_grid_counts_as_measured_after_a_sigterm_in_its_evaluation(tmp_path,
+                                                                                               monkeypatch, capsys):
+    """The tiny recipe under --minutes, evaluated every 2 steps, on a clock of one second per step: max_time (4 s)
+    stops it at step 4, on the grid, and a SIGTERM during that step's evaluation makes training return 143. Only a stop
+    off the grid read as measured: this one was "nothing measured", and the rerun line trained it again."""
+    import signal
+
+    from lightning.pytorch.callbacks import Timer
+
+    from training.callbacks import AcceptanceEvaluation
+
+    data = toy_data.write_conversations(tmp_path / "conversations.jsonl", 24, 30, 60)
+    clock = {}
+    timer_start = Timer.on_train_start
+
+    def start_the_clock(self, trainer, pl_module):
+        clock["trainer"] = trainer
+        timer_start(self, trainer, pl_module)
+
+    monkeypatch.setattr(Timer, "on_train_start", start_the_clock)
+    monkeypatch.setattr(Timer, "time_elapsed", lambda self, stage="train": float(clock["trainer"].global_step)
+                        if "trainer" in clock else 0.0)
+    evaluate = AcceptanceEvaluation._evaluate
+
+    def evaluate_then_sigterm(self, trainer, pl_module, *args, **kwargs):
+        evaluate(self, trainer, pl_module, *args, **kwargs)
+        if trainer.global_step == 4:
+            os.kill(os.getpid(), signal.SIGTERM)  # noted; the Timer stops the run after this step, which is saved
+
+    monkeypatch.setattr(AcceptanceEvaluation, "_evaluate", evaluate_then_sigterm)
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)  # not pytest's end, should one slip through
+    try:
+        status = main(["--recipe", "tiny", "--minutes", str(4 / 60), "--output-root", str(tmp_path / "out"),
+                       "--eval-limit", "1", "--eval-max-new-tokens", "4", "--variant", "a=--eval.every_n_train_steps=2",
+                       "--variant", "b=", f"--data.data_path={data}", f"--data.cache_dir={tmp_path / 'cache'}",
+                       "--data.batch_size=2", "--data.val_fraction=0.1", "--trainer.enable_progress_bar=false",
+                       "--trainer.max_steps=100"])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert status == 143
+    run = next(path for path in (tmp_path / "out" / "tiny").iterdir() if path.is_dir())
+    evaluations = {step: json.loads(AcceptanceEvaluation.eval_file(run, step).read_text()) for step in (2, 4)}
+    assert evaluations[4].get("max_time_stop") is True and "max_time_stop" not in evaluations[2]  # 2: time was left
+    out, err = capsys.readouterr()
+    (row,) = [line for line in out.splitlines() if line.startswith("| a |")]
+    assert row.startswith("| a | 4 |"), row  # its tau, measured at its stop
+    rerun = err.strip().splitlines()[-1]
+    assert rerun.startswith("[ablate] not measured: b; to train only those") and "--variant a=" not in rerun

@@ -118,7 +118,7 @@ class Round:
     verify_s: float = 0.0  # the target forward
     other_s: float = 0.0  # tree build, mask, walk, cache compaction, bookkeeping
     expected: float = 1.0  # the drafter's own predicted acceptance for this tree or chain (1 + sum of path probs)
-    accepted_depth: int = 0  # accepted draft nodes (committed - 1 unless the round was cut)
+    accepted_depth: int = 0  # accepted draft nodes, down to a stop token (committed - 1 unless a stop token ended it)
 
 
 @dataclass
@@ -817,6 +817,10 @@ def generate(
 
         accepted, bonus = walk(tree, sampling.chooser(logits, generator))
         path = [tree.tokens[row - 1] for row in accepted]  # the accepted draft tokens
+        # The reply ends at an accepted stop token: the nodes below it, which the target also accepted, are never
+        # committed, and were counted as accepted (accepted_depth, online calibration). What is committed is the same.
+        cut = next((i + 1 for i, token in enumerate(path) if token in stop), len(path))
+        accepted, path = accepted[:cut], path[:cut]
         if online is not None:
             online.observe_round(shape, tree, expected, grafted, quoted, path)
         committed = (path + [bonus])[:room]

@@ -298,6 +298,39 @@ def test_stop_and_length_limits(smollm2, references):
     assert stopped.stopped and stopped.new_tokens == greedy[: greedy.index(stop_at) + 1]
 
 
+@pytest.mark.parametrize("method, budget", [("dflash", 1), ("ddtree", 16)])
+def test_acceptance_is_counted_down_to_the_stop_token_only(smollm2, references, method, budget):
+    """The rigged drafter drafts the greedy reply past a stop token, and the target accepts those nodes too: they were
+    counted as accepted (accepted_depth, so bench's accepted_depth_counts) and fed to online calibration, though the
+    reply ends at the stop token. What is committed is the same either way."""
+    model, _ = smollm2
+    prompt, greedy = references[1]
+
+    class Observed(OnlineCalibration):
+        def observe_round(self, shape, tree, expected, grafted, quoted, accepted):
+            self.paths.append(list(accepted))
+            super().observe_round(shape, tree, expected, grafted, quoted, accepted)
+
+    cut_in_a_path = 0
+    for end in range(4, 30):  # the reply's token `end - 1` taken as the stop token
+        stop = greedy[end - 1]
+        if stop in greedy[:end - 1]:
+            continue  # the reply would have ended earlier
+        online = Observed()
+        online.paths = []
+        result = generate(model, prompt, method, RiggedDrafter(prompt + greedy, model.config.vocab_size), budget,
+                          MAX_NEW, [stop], online=online)
+        assert result.stopped and result.new_tokens == greedy[:end]  # committed as before
+        last = result.rounds[-1]
+        assert online.paths[-1] == greedy[end - last.committed:end][:last.accepted_depth]  # the same nodes
+        if last.accepted_depth == last.committed:  # the stop token was a draft node: the round ends with it, no bonus
+            assert online.paths[-1][-1] == stop
+            cut_in_a_path += 1
+        else:  # the stop token was the bonus
+            assert last.accepted_depth == last.committed - 1
+    assert cut_in_a_path, "no stop token fell inside an accepted path: the cut was never exercised"
+
+
 @pytest.mark.parametrize("runner_kind", ["dynamic", "static"])
 @pytest.mark.parametrize("rows", [[0], [0, 1, 2], [0, 2, 5], [0, 1, 3], [0, 3, 7]])
 def test_cache_compaction_keeps_exactly_the_prefix_and_the_rows(tiny_target, rows, runner_kind):

@@ -1,0 +1,109 @@
+"""What the lossless tests cannot see: mistakes that keep every committed token the target's own and only cost
+acceptance or speed (the drafter's context, the context lookup, re-drafted rows' temperatures), or that only some
+lengths reach (the static cache's capacity), and sampling held to an independent reference. Each test here failed on
+the mutant of decoding.py that a mutation review (2026-12-05) found the rest of the suite letting through."""
+
+import pytest
+import torch
+
+from ddtree.decoder import load_drafter
+from ddtree.decoding import DrafterRunner, Sampling, generate
+from ddtree.modeling_dflash import DFlashDraftModel
+from ddtree.targets import build_drafter_config
+from rigged import RiggedDrafter, hf_greedy  # tests/rigged.py
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic-cache", "static-cache"])
+def test_the_drafters_context_is_the_target_features_of_the_committed_tokens(tiny_target, static):
+    """After rounds that accept non-first branches, the drafter's incrementally cached context must be what it would
+    be fed in one go from the committed text: decoding gathers the features of the accepted rows, not of the first
+    rows of the verify. (A wrong gather keeps the output lossless and only lowers acceptance, so no lossless test
+    sees it.)"""
+    target, tokenizer = tiny_target
+    drafter = load_drafter("random", target, tokenizer, "tiny-random")
+    prompt = [5, 17, 42, 8, 99, 3, 61]
+    reference = hf_greedy(target, prompt, 40)
+
+    class Tracking(DrafterRunner):  # its context grows for real; its drafts are rigged, so side branches are accepted
+        rigged = RiggedDrafter(prompt + reference, target.config.vocab_size)
+        last = None
+
+        def propose(self, root, start, new_context, depth):
+            self.last = (root, start, super().propose(root, start, new_context, depth).clone())
+            return self.rigged.propose(root, start, new_context, depth)
+
+    runner = Tracking(drafter, target)
+    result = generate(target, prompt, "ddtree", runner, 8, 40, [], static=static)
+    assert result.new_tokens == reference
+    assert sum(runner.rigged.non_first_branch_accepted(s, r.accepted_depth)
+               for (s, _), r in zip(runner.rigged.calls, result.rounds)) > 0  # kept rows were not the first rows
+    root, start, incremental = runner.last
+    with torch.no_grad():
+        hidden = target(torch.tensor([(prompt + result.new_tokens)[:start]]), output_hidden_states=True).hidden_states
+    fresh = DrafterRunner(drafter, target)
+    whole = fresh.propose(root, start, fresh.features(hidden), incremental.shape[0])
+    torch.testing.assert_close(incremental, whole, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("k", [1, 2, 8, 11])
+def test_top_k_keeps_exactly_the_k_likeliest_tokens(k):
+    """test_sampling's exact distribution is computed with Sampling.probabilities itself, so a wrong cut there is its
+    own reference: held here to an independent one."""
+    logits = torch.randn(12, generator=torch.Generator().manual_seed(k)) * 3
+    for temperature in (1.0, 0.7):
+        probs = Sampling(temperature, top_k=k).probabilities(logits)
+        expected = torch.zeros(12)
+        top = logits.topk(k)
+        expected[top.indices] = torch.softmax(top.values.double() / temperature, -1).float()
+        torch.testing.assert_close(probs, expected)
+
+
+def test_a_static_generation_that_fills_its_padded_capacity_exactly_fits_its_last_verify(tiny_target):
+    """prompt + max_new_tokens = 128 slots, one CAPACITY_STEP: the last round's verify (budget + 1 rows) still needs
+    room past the committed tokens, which a capacity of prompt + max_new_tokens alone would not give."""
+    target, tokenizer = tiny_target
+    runner = DrafterRunner(load_drafter("random", target, tokenizer, "tiny-random"), target)
+    prompt = [5 + i % 50 for i in range(100)]
+    result = generate(target, prompt, "ddtree", runner, 8, 28, [], static=True)
+    assert result.new_tokens == hf_greedy(target, prompt, 28)
+
+
+def test_redrafted_rows_are_divided_by_the_temperatures_of_their_own_depths(tiny_target):
+    target, tokenizer = tiny_target
+    torch.manual_seed(0)
+    drafter = DFlashDraftModel(build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4)).eval()
+    prompt = [5, 17, 42, 8, 99]
+    with torch.no_grad():
+        out = target(torch.tensor([prompt]), output_hidden_states=True)
+    root, start = int(out.logits[0, -1].argmax()), len(prompt)
+    rows = {}
+    for temperatures in (None, [2.0, 0.5, 1.5]):  # depths 1, 2, 3
+        drafter.config.draft_temperatures = temperatures
+        runner = DrafterRunner(drafter, target)
+        runner.propose(root, start, runner.features(out.hidden_states), 3)
+        rows[temperatures is None] = runner.redraft(root, start, [5, 9], 3)  # (2 firsts, depths 2..3, V)
+    drafter.config.draft_temperatures = None
+    torch.testing.assert_close(rows[False], rows[True] / torch.tensor([0.5, 1.5])[:, None])
+
+
+@pytest.mark.parametrize("method", ["ar", "ddtree"])
+def test_a_stop_token_as_the_prefills_token_ends_the_reply_there(tiny_target, method):
+    target, tokenizer = tiny_target
+    prompt = [5, 17, 42, 8, 99]
+    first = hf_greedy(target, prompt, 1)[0]
+    drafter = None if method == "ar" else DrafterRunner(load_drafter("random", target, tokenizer, "tiny-random"), target)
+    result = generate(target, prompt, method, drafter, 8, 12, [first])
+    assert result.new_tokens == [first] and result.stopped and result.rounds == []
+
+
+def test_the_context_lookup_copies_from_the_prompt_from_the_first_round(smollm2):
+    """A reply that goes on quoting its prompt is drafted by the lookup from round 1: the prompt is context too.
+    (Looked up in the reply alone, the same reply was lossless with tau 1.92 instead of 5.75.)"""
+    from ddtree.targets import stop_token_ids
+
+    model, tokenizer = smollm2
+    runner = DrafterRunner(load_drafter("random", model, tokenizer, "smollm2-135m"), model)
+    prompt = tokenizer(" ".join(["one two three four five six seven eight nine ten eleven twelve"] * 3),
+                       add_special_tokens=False)["input_ids"]
+    result = generate(model, prompt, "ddtree", runner, 32, 24, stop_token_ids(model, tokenizer), lookup=7)
+    assert result.rounds[0].accepted_depth >= 4, [r.accepted_depth for r in result.rounds]

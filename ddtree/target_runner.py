@@ -206,7 +206,7 @@ class StaticTarget:
         padded[:rows, start : start + rows] = visible
         pad = np.arange(rows, self.max_rows)
         padded[pad, :start] = False
-        padded[pad, start + pad] = True  # a padding row sees itself only: no row of the mask is empty, which kernels need not treat alike
+        padded[pad, start + pad] = True  # a padding row sees itself only: no row of the mask is empty
         self.tokens.copy_(torch.tensor([tokens + [tokens[0]] * (self.max_rows - rows)]), non_blocking=True)
         self.positions.copy_(torch.cat([positions, positions[:1].expand(self.max_rows - rows)])[None], non_blocking=True)
         self.mask.copy_(additive_mask(padded, self.mask.dtype)[None, None], non_blocking=True)

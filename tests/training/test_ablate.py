@@ -700,12 +700,9 @@ def test_the_plot_of_the_ten_default_variants_keeps_names_bars_and_curves_clear(
     assert len(depth.get_legend().get_texts()) == len(results) + 2  # a colour per variant, a line style per metric
 
 
-def test_a_ctrl_c_between_variants_stops_the_ablation_as_a_sigterm_there_does(tmp_path, monkeypatch, capsys,
-                                                                            python_sigint):
-    """A Ctrl-C while the table of a variant was written escaped main: run_cli printed a bare `interrupted`, with no
-    table printed and no rerun line, where a SIGTERM at the same point gave both (found in a review)."""
-    import signal
-
+def stop_while_writing_table(monkeypatch, variants: int, signum) -> list:
+    """Fakes the launches (each a run of 3 steps) and sends `signum` to this process as the table of the
+    `variants`-th variant is written; returns the launches' argv, in order."""
     import training.ablate
 
     launched = []
@@ -717,13 +714,23 @@ def test_a_ctrl_c_between_variants_stops_the_ablation_as_a_sigterm_there_does(tm
 
     write_results = training.ablate.write_results
 
-    def write_and_interrupt(base, results):
-        if len(results) == 1:
-            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C as the table of a is written
+    def write_and_stop(base, results):
+        if len(results) == variants:
+            os.kill(os.getpid(), signum)
         write_results(base, results)
 
     monkeypatch.setattr(training.ablate, "train_main", fake_train)
-    monkeypatch.setattr(training.ablate, "write_results", write_and_interrupt)
+    monkeypatch.setattr(training.ablate, "write_results", write_and_stop)
+    return launched
+
+
+def test_a_ctrl_c_between_variants_stops_the_ablation_as_a_sigterm_there_does(tmp_path, monkeypatch, capsys,
+                                                                            python_sigint):
+    """A Ctrl-C while the table of a variant was written escaped main: run_cli printed a bare `interrupted`, with no
+    table printed and no rerun line, where a SIGTERM at the same point gave both (found in a review)."""
+    import signal
+
+    launched = stop_while_writing_table(monkeypatch, 1, signal.SIGINT)  # Ctrl-C as the table of a is written
     status = main(["--recipe", "tiny", "--steps", "3", "--output-root", str(tmp_path), "--variant", "a=",
                    "--variant", "b=--model.lr=1e-3"])
     assert status == 130 and len(launched) == 1  # b never started
@@ -742,24 +749,7 @@ def test_a_stop_while_the_last_variants_table_is_written_ends_the_ablation_stopp
     was measured: the table keeps them all, the stop is the usual one line and status, and there is no rerun line."""
     import signal
 
-    import training.ablate
-
-    launched = []
-
-    def fake_train(argv: list[str]) -> int:
-        launched.append(argv)
-        fake_run(argv, {})
-        return 0
-
-    write_results = training.ablate.write_results
-
-    def write_and_stop(base, results):
-        if len(results) == 2:
-            os.kill(os.getpid(), getattr(signal, stop))  # as the table of b, the last variant, is written
-        write_results(base, results)
-
-    monkeypatch.setattr(training.ablate, "train_main", fake_train)
-    monkeypatch.setattr(training.ablate, "write_results", write_and_stop)
+    launched = stop_while_writing_table(monkeypatch, 2, getattr(signal, stop))  # as the last table is written
     assert main(["--recipe", "tiny", "--steps", "3", "--output-root", str(tmp_path), "--variant", "a=",
                  "--variant", "b=--model.lr=1e-3"]) == status
     assert len(launched) == 2

@@ -28,7 +28,7 @@ How the work is laid out, so it survives interruption:
   - <out>.parts/settings.json records the settings that choose the responses (target, prompts, decoding, dtype);
     a rerun with different settings is refused instead of mixing two kinds of data (until its first chunk is
     written: a job stopped by bad input takes the corrected settings), or with --overwrite starts over, its chunks
-    removed. Not the machine nor --batch-size, though in bf16 either moves most long greedy replies at their first
+    removed (also where settings.json is damaged: its chunks are then of unknown settings). Not the machine nor --batch-size, though in bf16 either moves most long greedy replies at their first
     near tie (data/README.md): the data shipped without them, and a resume may change batch size;
   - a dataset already merged at <out> with other settings (another target, other prompts), or answering
     more prompts than this job (a smaller --limit), is replaced only with --overwrite, and then only once
@@ -662,8 +662,15 @@ def check_settings(parts: Path, settings: dict, overwrite: bool = False) -> None
     path = parts / "settings.json"
     chunks = sorted(parts.glob("chunk-*.jsonl"))
     if path.exists() and chunks:
-        old = read_record(path, f"delete {parts} to start over or choose another --out")
-        changed = changed_settings(old, settings)
+        try:
+            changed = changed_settings(read_record(path, "pass --overwrite to make its chunks again (not with "
+                                                          f"--merge-only), delete {parts}, or choose another --out"),
+                                       settings)
+        except DDTreeError:
+            if not overwrite:
+                raise
+            # Settings that cannot be read cannot vouch for the chunks: the user asked to replace them, so they go.
+            changed = [f"{path.name} could not be read"]
         if not changed:
             return
         if not overwrite:

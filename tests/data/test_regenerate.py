@@ -841,15 +841,29 @@ def test_a_damaged_regeneration_json_is_one_line_naming_it(tmp_path, capsys, tex
     assert len(err.splitlines()) == 1 and summary.read_text() == text
 
 
-def test_a_damaged_settings_json_beside_finished_chunks_is_one_line_naming_it(tmp_path, capsys):
+def test_a_damaged_settings_json_beside_finished_chunks_is_one_line_naming_it_and_overwrite_replaces_them(
+        tmp_path, capsys, monkeypatch):
+    """Chunks whose settings.json is damaged are of unknown settings: refused in one line that offers --overwrite (it
+    told the user to delete the folder, --overwrite or not), and --overwrite makes them again."""
     prompt_file(tmp_path / "prompts.jsonl", 4)
     regenerate.run(args_for(tmp_path, "--num-shards", "2", "--shard-index", "0"))
-    settings = tmp_path / "out.parts" / "settings.json"
+    parts = tmp_path / "out.parts"
+    settings = parts / "settings.json"
     settings.write_text('{"target": "tiny')
     capsys.readouterr()
     assert regenerate.main(args_for_argv(tmp_path)) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: {settings}: not valid JSON") and len(err.splitlines()) == 1, err
+    assert err.endswith(f"pass --overwrite to make its chunks again (not with --merge-only), delete {parts}, or "
+                        "choose another --out"), err
+    assert regenerate.main(args_for_argv(tmp_path, "--merge-only", "--overwrite")) == 2  # a merge makes none again
+    assert f"{settings}: not valid JSON" in capsys.readouterr().err and (parts / "chunk-00000.jsonl").is_file()
+    generated = count_generated(monkeypatch)
+    summary = regenerate.run(args_for(tmp_path, "--overwrite"))
+    assert summary["num_conversations"] == 4 and len(generated) == 4  # the chunk of unknown settings was not resumed
+    assert f"[regenerate] --overwrite: removed 1 chunk of {parts} made with other settings (settings.json could not " \
+           "be read)" in capsys.readouterr().out
+    assert json.loads(settings.read_text())["target"] == "tiny-random"
 
 
 @pytest.mark.parametrize("damage", ["cut", "no id"])

@@ -806,7 +806,7 @@ def generate(
             quoted = corpus.continuation(prompt + result.new_tokens, depth) if corpus is not None else []
             tree = draft_tree(draft_logits, shape, grafted, sizer, online, branches, getattr(drafter, "draft_vocab", None),
                               quoted)
-            expected = tree.expected_acceptance
+            expected = tree.expected_acceptance_before(stop)
         else:
             t_drafted = t_round
             tree = chain_tree([])
@@ -818,7 +818,7 @@ def generate(
         accepted, bonus = walk(tree, sampling.chooser(logits, generator))
         path = [tree.tokens[row - 1] for row in accepted]  # the accepted draft tokens
         # The reply ends at an accepted stop token: the nodes below it, which the target also accepted, are never
-        # committed, and were counted as accepted (accepted_depth, online calibration). What is committed is the same.
+        # committed, nor counted as accepted (accepted_depth, online calibration), nor expected (above).
         cut = next((i + 1 for i, token in enumerate(path) if token in stop), len(path))
         accepted, path = accepted[:cut], path[:cut]
         if online is not None:

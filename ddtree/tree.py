@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Set
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,6 +39,19 @@ class DraftTree:
     def expected_acceptance(self) -> float:
         """The drafter's own estimate of tau for this tree: 1 + sum of path probabilities (DDTree Prop. 1)."""
         return 1.0 + float(np.exp(np.asarray(self.log_probs, dtype=np.float64)).sum()) if self.tokens else 1.0
+
+    def expected_acceptance_before(self, stop: Set[int]) -> float:
+        """expected_acceptance over the nodes a reply can commit: none below a stop token. The reply ends at an
+        accepted stop token, so the nodes under it are never counted as accepted, and the estimate should not
+        count them either (it ran above the measured tau by their probability in every reply's last round)."""
+        if not stop or stop.isdisjoint(self.tokens):
+            return self.expected_acceptance
+        below = [False] * (len(self.tokens) + 1)  # per row, the root's row 0 included
+        total = 1.0
+        for row, (parent, log_prob) in enumerate(zip(self.parents, self.log_probs), start=1):
+            below[row] = below[parent] or (parent > 0 and self.tokens[parent - 1] in stop)
+            total += 0.0 if below[row] else math.exp(log_prob)
+        return total
 
 
 def _empty_tree() -> DraftTree:

@@ -84,6 +84,7 @@ def replay_reply(
     lookup, corpus, redraft, online: as `generate` takes them (explicit here: no drafter defaults are applied);
     online learns from every round unless frozen."""
     ids = input_ids.tolist()
+    stops = set(stop_ids)
     runner.reset()
     root, new_context, committed = start, features[None, :start], 1
     shape = budget  # OnlineCalibration's key: the ddtree budget, None for the chain
@@ -114,16 +115,19 @@ def replay_reply(
         # The reply's token after a row at depth d is ids[root + 1 + d]; past the reply nothing matches.
         accepted, _ = walk(tree, lambda row: ids[root + 1 + depth_of[row]] if root + 1 + depth_of[row] < end else -1)
         path = ids[root + 1:root + 1 + len(accepted)]
-        if online is not None:
-            online.observe_round(shape, tree, tree.expected_acceptance, grafted, quoted, path)
+        # As decoding: the reply ends at an accepted stop token, the nodes below it neither accepted nor expected.
         stop = next((i for i, token in enumerate(path) if token in stop_ids), None)
-        step = len(accepted) + 1 if stop is None else stop + 1
-        rounds.append(ReplayRound(len(accepted), tree.expected_acceptance, step))
+        path = path if stop is None else path[:stop + 1]
+        expected = tree.expected_acceptance_before(stops)
+        if online is not None:
+            online.observe_round(shape, tree, expected, grafted, quoted, path)
+        step = len(path) + 1 if stop is None else stop + 1
+        rounds.append(ReplayRound(len(path), expected, step))
         if on_round is not None:
             if branches and truth and truth[0] in branches:  # the path's depths 2.. are that block's: (depth, V)
-                on_round(torch.cat([logits[:1], branches[truth[0]]]), truth, len(accepted))
+                on_round(torch.cat([logits[:1], branches[truth[0]]]), truth, len(path))
             else:
-                on_round(logits, truth, len(accepted))
+                on_round(logits, truth, len(path))
         if stop is not None:
             break
         new_context = features[None, root:root + step]  # the root and the accepted rows join the context

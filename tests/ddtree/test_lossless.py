@@ -309,6 +309,7 @@ def test_acceptance_is_counted_down_to_the_stop_token_only(smollm2, references, 
     class Observed(OnlineCalibration):
         def observe_round(self, shape, tree, expected, grafted, quoted, accepted):
             self.paths.append(list(accepted))
+            self.expected.append((expected, tree.expected_acceptance))
             super().observe_round(shape, tree, expected, grafted, quoted, accepted)
 
     cut_in_a_path = 0
@@ -317,7 +318,7 @@ def test_acceptance_is_counted_down_to_the_stop_token_only(smollm2, references, 
         if stop in greedy[:end - 1]:
             continue  # the reply would have ended earlier
         online = Observed()
-        online.paths = []
+        online.paths, online.expected = [], []
         result = generate(model, prompt, method, RiggedDrafter(prompt + greedy, model.config.vocab_size), budget,
                           MAX_NEW, [stop], online=online)
         assert result.stopped and result.new_tokens == greedy[:end]  # committed as before
@@ -325,6 +326,9 @@ def test_acceptance_is_counted_down_to_the_stop_token_only(smollm2, references, 
         assert online.paths[-1] == greedy[end - last.committed:end][:last.accepted_depth]  # the same nodes
         if last.accepted_depth == last.committed:  # the stop token was a draft node: the round ends with it, no bonus
             assert online.paths[-1][-1] == stop
+            # nor expected: the nodes below the stop token leave the drafter's estimate (it counted them too)
+            expected, whole = online.expected[-1]
+            assert result.rounds[-1].expected == expected < whole, online.expected[-1]
             cut_in_a_path += 1
         else:  # the stop token was the bonus
             assert last.accepted_depth == last.committed - 1

@@ -134,6 +134,19 @@ def test_a_graft_longer_than_the_draft_is_kept_whole_and_its_deeper_nodes_add_no
     assert tree.expected_acceptance == pytest.approx(1 + sum(math.exp(score) for score in shallow))
 
 
+def test_the_expectation_before_stop_tokens_leaves_out_the_nodes_below_one():
+    """Rows: 1 (token 5, depth 1), 2 (token 7, depth 1), 3 (token 9 under 5), 4 (token 3 under 9), 5 (token 4 under 7).
+    With 5 a stop token, the reply ends there: nodes 3 and 4 below it can never be committed."""
+    from ddtree.tree import DraftTree
+    log_probs = [math.log(p) for p in (0.5, 0.3, 0.4, 0.2, 0.1)]
+    tree = DraftTree([5, 7, 9, 3, 4], [0, 0, 1, 3, 2], [1, 1, 2, 3, 2], log_probs)
+    assert tree.expected_acceptance == pytest.approx(2.5)
+    assert tree.expected_acceptance_before({5}) == pytest.approx(1 + 0.5 + 0.3 + 0.1)  # the stop node itself counts
+    assert tree.expected_acceptance_before({9}) == pytest.approx(1 + 0.5 + 0.3 + 0.4 + 0.1)
+    assert tree.expected_acceptance_before({5, 9}) == pytest.approx(1.9)
+    assert tree.expected_acceptance_before(set()) == tree.expected_acceptance_before({2}) == tree.expected_acceptance
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_grafted_nodes_below_a_redrafted_token_score_its_redrafted_rows(seed):
     """Re-drafting behind a depth-1 token replaces the rows below it (build_tree scores its nodes so); a lookup or a

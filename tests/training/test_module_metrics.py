@@ -1,0 +1,72 @@
+"""The numbers DistillModule logs, against their formulas: val/loss, val/acc_k, val/recall4_k and the chain estimates
+(val/ and train/), and the anchor draws behind them.
+
+    .venv/bin/pytest -q tests/training/test_module_metrics.py
+
+These values feed report.md, `make ablate`'s table and the progress bar; a wrong divisor in one still trains and
+logs a plausible number, so each is checked against the counts it is made of (a mutation review, 2026-12).
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from training.loss import RECALL_K, chain_acceptance
+from training.module import DistillModule
+from test_module import BLOCK, synthetic_batch, tiny_module  # tests/training is on the path, as for toy_data
+
+# Replies made of six words, of which the drafter proposes the first four: a random drafter over a few words
+# hits some labels (over the whole vocabulary it hits none, sharpened target or not, and every accuracy would
+# read 0 whatever its divisor), and the two words outside its vocabulary count as misses.
+WORDS = [1000, 2000, 3000, 4000, 5000, 6000]
+DRAFT_VOCAB = WORDS[:4]
+
+
+def few_word_batch(seed: int) -> dict:
+    batch = synthetic_batch(length=32, seed=seed)
+    generator = torch.Generator().manual_seed(seed)
+    picks = torch.randint(len(WORDS), batch["input_ids"].shape, generator=generator)
+    batch["input_ids"] = torch.tensor(WORDS)[picks]
+    return batch
+
+
+@pytest.fixture
+def few_word_module(monkeypatch):
+    """Builds tiny modules that draft from DRAFT_VOCAB (chosen from no training split)."""
+    monkeypatch.setattr(DistillModule, "_training_reply_vocabulary", lambda self, vocab_size: DRAFT_VOCAB)
+
+    def build() -> DistillModule:
+        torch.manual_seed(0)
+        return tiny_module(draft_vocab_size=len(DRAFT_VOCAB))
+
+    return build
+
+
+def validate(module: DistillModule, batches: list[dict]) -> dict:
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
+    return trainer.validate(module, dataloaders=DataLoader(batches, batch_size=None), verbose=False)[0]
+
+
+def test_validation_metrics_are_the_formulas_over_the_counts_summed_over_its_batches(few_word_module):
+    """val/loss is sum(w*CE) / sum(w) and val/acc_k is hits_k / tokens_k, each over the sums of every batch. Dividing
+    the loss by the token count (0.5 for 2.5 in a review) or the accuracy at k by the tokens at k - 1 (val/acc_1 read
+    30.0, a hit count, and the chain estimate 52.6) passed every test: none compared them with the counts."""
+    module = few_word_module()
+    batches = [few_word_batch(seed) for seed in range(3)]
+    logged = validate(module, batches)
+    with torch.no_grad():  # the same batches at the same indices draw the same anchors (validation's fixed draw)
+        results = [module.shared_step(batch, index, "val") for index, batch in enumerate(batches)]
+    total = {name: sum(getattr(result, name) for result in results)
+             for name in ("weighted_ce", "weight_total", "hits", "tokens", "top_hits")}
+    hits, tokens = total["hits"][1:], total["tokens"][1:]  # (B-1,): position 0 is the anchor, never counted
+    assert hits.min() > 0 and torch.all(hits < tokens)  # accuracies strictly between 0 and 1
+    assert total["weight_total"] < tokens.sum()  # decayed weights: a per-token mean would read otherwise
+    accuracy = hits / tokens
+    assert logged["val/loss"] == pytest.approx(float(total["weighted_ce"] / total["weight_total"]), rel=1e-5)
+    assert [logged[f"val/acc_{k}"] for k in range(1, BLOCK)] == pytest.approx(accuracy.tolist(), rel=1e-5)
+    assert logged["val/tau_chain_estimate"] == pytest.approx(float(chain_acceptance(accuracy)), rel=1e-5)
+    recall = total["top_hits"][1:] / tokens
+    assert [logged[f"val/recall{RECALL_K}_{k}"] for k in range(1, BLOCK)] == pytest.approx(recall.tolist(), rel=1e-5)

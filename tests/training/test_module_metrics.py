@@ -70,3 +70,21 @@ def test_validation_metrics_are_the_formulas_over_the_counts_summed_over_its_bat
     assert logged["val/tau_chain_estimate"] == pytest.approx(float(chain_acceptance(accuracy)), rel=1e-5)
     recall = total["top_hits"][1:] / tokens
     assert [logged[f"val/recall{RECALL_K}_{k}"] for k in range(1, BLOCK)] == pytest.approx(recall.tolist(), rel=1e-5)
+
+
+def test_a_second_validation_reports_the_weights_it_validates_not_an_average_with_the_first(few_word_module):
+    """Each evaluation starts fresh sums: kept from the one before, val/loss became the average since the run began
+    (10.8177 where the weights validated at 10.8097, a review), and no test validated a module twice."""
+    module = few_word_module()
+    batches = [few_word_batch(seed) for seed in range(3)]
+    first = validate(module, batches)
+    with torch.no_grad():  # what training would do between two evaluations
+        for parameter in module.drafter.parameters():
+            parameter.add_(0.5 * torch.randn_like(parameter))
+    second = validate(module, batches)
+    fresh = few_word_module()
+    fresh.drafter.load_state_dict(module.drafter.state_dict())
+    afresh = validate(fresh, batches)
+    assert second["val/loss"] != pytest.approx(first["val/loss"], rel=1e-4)  # the weights changed it
+    for key in ("val/loss", "val/tau_chain_estimate", "val/acc_1"):
+        assert second[key] == pytest.approx(afresh[key], rel=1e-5), key

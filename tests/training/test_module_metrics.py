@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from training.loss import RECALL_K, chain_acceptance
-from training.module import DistillModule
+from training.module import DistillModule, StepResult
 from test_module import BLOCK, synthetic_batch, tiny_module  # tests/training is on the path, as for toy_data
 
 # Replies made of six words, of which the drafter proposes the first four: a random drafter over a few words
@@ -88,3 +88,23 @@ def test_a_second_validation_reports_the_weights_it_validates_not_an_average_wit
     assert second["val/loss"] != pytest.approx(first["val/loss"], rel=1e-4)  # the weights changed it
     for key in ("val/loss", "val/tau_chain_estimate", "val/acc_1"):
         assert second[key] == pytest.approx(afresh[key], rel=1e-5), key
+
+
+def test_training_logs_each_positions_accuracy_and_their_chain_estimate(monkeypatch):
+    """train/acc_k is hits_k / tokens_k of the step, and train/tau_chain_estimate (on the progress bar) their chain:
+    reading the counts one position early shifted every accuracy and pinned the estimate at 1.0, and the test of
+    training's logs only asked that the keys exist."""
+    module = tiny_module()
+    hits, tokens = torch.tensor([0, 30, 20, 10]), torch.tensor([0, 36, 34, 30])  # (B,) position 0: the anchor
+    step = StepResult(torch.tensor(2.5), torch.tensor(50.0), torch.tensor(20.0), hits, tokens, hits, lambda: 0.0)
+    monkeypatch.setattr(module, "shared_step", lambda batch, batch_idx, stage: step)
+    monkeypatch.setattr(module, "_logs_written", lambda: True)  # this step's details are written
+    logged = {}
+    monkeypatch.setattr(module, "log", lambda name, value, **kwargs: logged.__setitem__(name, float(value)))
+    monkeypatch.setattr(module, "log_dict", lambda values, **kwargs: logged.update(
+        {name: float(value) for name, value in values.items()}))
+    module.training_step(synthetic_batch(), 0)
+    accuracy = hits[1:] / tokens[1:]  # 30/36, 20/34, 10/30
+    assert [logged[f"train/acc_{k}"] for k in range(1, BLOCK)] == pytest.approx(accuracy.tolist())
+    assert logged["train/tau_chain_estimate"] == pytest.approx(float(chain_acceptance(accuracy)))
+    assert logged["train/loss"] == 2.5

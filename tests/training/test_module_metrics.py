@@ -9,12 +9,15 @@ logs a plausible number, so each is checked against the counts it is made of (a 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import lightning as L
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
 from training.loss import RECALL_K, chain_acceptance
+from training.masks import sample_anchors
 from training.module import DistillModule, StepResult
 from test_module import BLOCK, synthetic_batch, tiny_module  # tests/training is on the path, as for toy_data
 
@@ -108,3 +111,20 @@ def test_training_logs_each_positions_accuracy_and_their_chain_estimate(monkeypa
     assert [logged[f"train/acc_{k}"] for k in range(1, BLOCK)] == pytest.approx(accuracy.tolist())
     assert logged["train/tau_chain_estimate"] == pytest.approx(float(chain_acceptance(accuracy)))
     assert logged["train/loss"] == 2.5
+
+
+def test_anchor_draws_follow_epoch_and_rank_for_training_and_not_for_validation():
+    """Validation reuses one draw per batch, so its numbers compare across evaluations; training draws afresh each
+    epoch and on each rank (seeded by seed, epoch, batch and rank). A review found each of the three keys could be
+    lost with every test passing."""
+    module = tiny_module()
+    loss_mask = synthetic_batch()["loss_mask"]
+
+    def anchors(stage: str, epoch: int, rank: int) -> list[list[int]]:
+        module._trainer = SimpleNamespace(current_epoch=epoch, global_rank=rank)  # all _step_seed reads of it
+        drawn, _ = sample_anchors(loss_mask, 6, module._anchor_generator(0, stage))  # (S, 6)
+        return drawn.tolist()
+
+    assert anchors("val", epoch=0, rank=0) == anchors("val", epoch=3, rank=0)
+    assert anchors("train", epoch=0, rank=0) != anchors("train", epoch=1, rank=0)
+    assert anchors("train", epoch=0, rank=0) != anchors("train", epoch=0, rank=1)

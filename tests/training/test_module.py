@@ -1208,10 +1208,17 @@ def test_soft_targets_come_from_the_target_prediction_of_each_label():
     """On the target's own greedy text, the teacher row of every label argmaxes to that label."""
     module = tiny_module(distill_weight=0.5)
     with torch.no_grad():
+        # The random target's greedy text was one token repeated (its tied head scores each token's own embedding
+        # highest), and on it a teacher read one position late argmaxed to every label too (a mutation review). A
+        # sharpened embedding under a head shifted by one row makes the text count up instead: distinct labels.
+        embedding = module.target.get_input_embeddings().weight.mul_(50)
+        shifted = torch.nn.Parameter(embedding.roll(1, dims=0), requires_grad=False)  # row i + 1 holds token i's
+        module.target.get_output_embeddings().weight = shifted
         input_ids = torch.randint(100, 40000, (1, 8), generator=torch.Generator().manual_seed(0))
         for _ in range(24):  # greedy continuation by the target itself
             next_id = module.target(input_ids).logits[:, -1].argmax(-1, keepdim=True)
             input_ids = torch.cat([input_ids, next_id], dim=1)
+        assert input_ids[0, 8:].unique().numel() == 24, input_ids[0, 8:].tolist()
         loss_mask = torch.zeros_like(input_ids, dtype=torch.bool)
         loss_mask[:, 8:] = True
         features, final = target_layer_features(module.target, input_ids, module.target_layer_ids, final_hidden=True)
@@ -1223,6 +1230,31 @@ def test_soft_targets_come_from_the_target_prediction_of_each_label():
     assert counted.sum() > 10 and torch.equal(teacher[counted], labels[counted])
     result = module.shared_step({"input_ids": input_ids, "loss_mask": loss_mask}, 0, "train")
     assert torch.isfinite(result.loss)
+
+
+def test_teacher_states_are_the_targets_logits_before_each_label():
+    """Block token k of anchor a is taught by the target's prediction at a + k - 1, where its forward predicted the
+    label at a + k: online (the LM head of the gathered final states) and from a store (the top k after every
+    position, gathered). Read one position late, both trained each token towards the next one's distribution."""
+    module = tiny_module(distill_weight=0.5)
+    input_ids = synthetic_batch(length=32)["input_ids"]  # random, so no two neighbouring rows predict alike
+    anchors = torch.tensor([[5, 12, 20], [3, 9, 22]])  # (S, n), each block before the padding
+    lm_head = module.target.get_output_embeddings()
+    with torch.no_grad():
+        _, final = target_layer_features(module.target, input_ids, module.target_layer_ids, final_hidden=True)
+        logits = module.target(input_ids).logits  # (S, T, V): row p predicts the token at p + 1
+        online = lm_head(teacher_states(final, anchors, BLOCK))  # (S, n*B, V)
+        store = [teacher_states(t, anchors, BLOCK)
+                 for t in next_token_top_k(final, lm_head, 8, target_config=module.target.config)]  # (S, n*B, 8) each
+    before_label = anchors[:, :, None] + torch.arange(1, BLOCK) - 1  # (S, n, B-1) for block tokens 1..B-1
+    expected = logits[torch.arange(2)[:, None, None], before_label]  # (S, n, B-1, V)
+    # the anchor's own row (block token 0) has no label: left out
+    torch.testing.assert_close(online.view(2, 3, BLOCK, -1)[:, :, 1:], expected, rtol=0, atol=1e-5)
+    ids, top_log_probs = (t.view(2, 3, BLOCK, 8)[:, :, 1:] for t in store)
+    expected = expected.log_softmax(-1)
+    torch.testing.assert_close(top_log_probs.sort(dim=-1).values, expected.topk(8, dim=-1).values.flip(-1),
+                               rtol=0, atol=1e-5)  # the 8 likeliest, as values: a near-tie may swap two ids
+    torch.testing.assert_close(top_log_probs, expected.gather(-1, ids), rtol=0, atol=1e-5)
 
 
 def test_expected_length_weights_are_suffix_sums_of_prefix_products():

@@ -1298,6 +1298,35 @@ def test_a_first_label_outside_the_draft_vocabulary_ends_the_chain_it_is_not_giv
     assert per_position[1, 1] > 0 and torch.equal(per_position[1, 2:], torch.zeros(3))  # block B: at position 2
 
 
+@pytest.mark.parametrize("objective", ["dpace", "tree", "frontier", "intree"])
+def test_a_step_with_a_draft_vocabulary_trains_no_block_whose_first_label_is_outside_it(objective, monkeypatch):
+    """The same rule as the test above, where shared_step wires it (the default recipe: dpace, a draft vocabulary):
+    with the read positions taken from the labels after the vocabulary drops some (read=None), the blocks decoding can
+    never accept past position 1 were trained at positions 2..B-1, and every test passed (a mutation review)."""
+    batch = synthetic_batch()
+    tokens = sorted(set(batch["input_ids"].flatten().tolist()))[::2]  # half the batch's tokens
+    monkeypatch.setattr(DistillModule, "_training_reply_vocabulary", lambda self, vocab_size: tokens)
+    torch.manual_seed(0)
+    # frontier mixes in a share of the decayed weights, which train every label: its tree's weights alone
+    smoothing = 0.0 if objective == "frontier" else 0.5
+    module = tiny_module(draft_vocab_size=len(tokens), objective=objective, objective_smoothing=smoothing)
+    seen = {}
+
+    def block_loss_sums_keeping_its_input(hidden, labels, *args, **kwargs):
+        hidden.retain_grad()  # the drafter's outputs (S, n*B, H), as the loss reads them
+        seen.update(hidden=hidden, labels=labels)
+        return block_loss_sums(hidden, labels, *args, **kwargs)
+
+    monkeypatch.setattr("training.module.block_loss_sums", block_loss_sums_keeping_its_input)
+    module.shared_step(batch, 0, "train").loss.backward()
+    labels = seen["labels"].flatten(0, 1)  # (S*n, B) as the draft vocabulary's rows: IGNORE_INDEX outside it
+    per_position = seen["hidden"].grad.view(labels.shape[0], BLOCK, -1).norm(dim=-1)  # (S*n, B)
+    ended = labels[:, 1] == IGNORE_INDEX  # first label outside the vocabulary (or an empty block: all ignored)
+    assert (ended & (labels[:, 2:] != IGNORE_INDEX).any(dim=1)).sum() >= 2  # blocks a wrong read would train
+    assert torch.equal(per_position[ended], torch.zeros_like(per_position[ended]))
+    assert per_position[~ended].sum() > 0  # while the step trains the others
+
+
 @pytest.mark.parametrize("objective", ["decayed_ce", "dpace", "frontier", "intree"])
 @pytest.mark.parametrize("chunk_size", [None, 2])
 def test_a_batch_whose_blocks_have_no_label_gives_zero_sums_not_an_error(objective, chunk_size):

@@ -391,15 +391,17 @@ def fit(dm, tmp_path, ckpt_path=None, callbacks=()):
     return module.seen
 
 
-def test_train_loader_resumes_exactly_mid_epoch(tmp_path):
-    # 18 train sequences, batch 4 -> 5 batches per epoch; checkpoints after steps 2 and 7.
+def test_train_loader_resumes_exactly_mid_epoch_and_at_its_end(tmp_path):
+    # 18 train sequences, batch 4 -> 5 batches per epoch; checkpoints after every step.
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1,
                                   filename="{step}")
     full = fit(make_datamodule(tmp_path), tmp_path, callbacks=[checkpoints])
     assert len(full) == 10 and full[:5] != full[5:]  # two epochs, reshuffled
-    for step in (2, 7):  # mid-epoch 0 and mid-epoch 1
+    # Step 5 is epoch 0's last batch (a SIGTERM stop or an evaluation can land there): its saved position must not
+    # carry into epoch 1, which would then train nothing.
+    for step in (2, 5, 7):  # mid-epoch 0, the end of epoch 0, mid-epoch 1
         resumed = fit(make_datamodule(tmp_path), tmp_path, ckpt_path=str(tmp_path / "ckpt" / f"step={step}.ckpt"))
         assert resumed == full[step:], f"resume after step {step} did not continue where training stopped"
 

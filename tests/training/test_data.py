@@ -391,7 +391,7 @@ def fit(dm, tmp_path, ckpt_path=None, callbacks=()):
     return module.seen
 
 
-def test_train_loader_resumes_exactly_mid_epoch_and_at_its_end(tmp_path):
+def test_train_loader_resumes_exactly_mid_epoch_at_its_end_and_twice(tmp_path):
     # 18 train sequences, batch 4 -> 5 batches per epoch; checkpoints after every step.
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -404,6 +404,12 @@ def test_train_loader_resumes_exactly_mid_epoch_and_at_its_end(tmp_path):
     for step in (2, 5, 7):  # mid-epoch 0, the end of epoch 0, mid-epoch 1
         resumed = fit(make_datamodule(tmp_path), tmp_path, ckpt_path=str(tmp_path / "ckpt" / f"step={step}.ckpt"))
         assert resumed == full[step:], f"resume after step {step} did not continue where training stopped"
+    # Interrupted twice (SLURM requeues, SIGTERM stops): the resumed run's own checkpoints count the batches it
+    # skipped, so resuming its step 4 trains batch 4 next, not one it already trained.
+    again = ModelCheckpoint(dirpath=tmp_path / "resumed", every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    fit(make_datamodule(tmp_path), tmp_path, ckpt_path=str(tmp_path / "ckpt" / "step=2.ckpt"), callbacks=[again])
+    resumed = fit(make_datamodule(tmp_path), tmp_path, ckpt_path=str(tmp_path / "resumed" / "step=4.ckpt"))
+    assert resumed == full[4:], "a second resume, from the resumed run's step 4, did not continue where it stopped"
 
 
 def test_a_resume_under_another_batch_size_is_refused_and_older_states_still_load():

@@ -1034,6 +1034,20 @@ def test_a_stop_asked_before_min_steps_is_measured_only_where_the_run_does_stop(
     assert torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 5
 
 
+def test_the_last_batch_of_a_max_epochs_run_is_evaluated_checkpointed_and_can_be_best(tmp_path):
+    """max_epochs (the 8B recipes' plan) ends on the last epoch's last batch, off the grid here: that step is measured
+    and competes for best.ckpt like a scheduled one. An earlier epoch's last batch is no end."""
+    evaluation = CannedEvaluation({4: {8: 1.0}, 6: {8: 3.0}}, every_n_train_steps=4, budgets=[8], primary_budget=8)
+    checkpoints = BestCheckpoint(dirpath=tmp_path / "checkpoints", monitor=monitor_metric(8), every_n_train_steps=4)
+    torch.manual_seed(0)
+    trainer = L.Trainer(max_epochs=2, accelerator="cpu", default_root_dir=tmp_path, logger=False,
+                        callbacks=[evaluation, checkpoints], enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(tiny_module(), train_dataloaders=synthetic_loader(3))  # epochs of 3 steps: the run ends at step 6
+    assert trainer.global_step == 6
+    assert [(r["step"], r["checkpointed"]) for r in evaluation.history] == [(4, True), (6, True)]
+    assert (tmp_path / "checkpoints" / "best.ckpt").resolve().name == "step-6.ckpt"
+
+
 def test_an_evaluation_off_the_validation_grid_records_no_validation_loss_as_its_own(tmp_path):
     """Validation at step 2, the run ends at 3: step 3's row must not show step 2's loss as its own."""
     evaluation = AcceptanceEvaluation(prompts=PROMPTS, every_n_train_steps=2, budgets=[4], primary_budget=4,

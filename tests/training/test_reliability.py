@@ -1207,13 +1207,29 @@ def test_no_step_limit_where_only_the_clock_could_end_the_schedule_is_one_line_n
     assert not (tmp_path / "out" / "tiny" / "bad").exists()
 
 
-def test_no_step_limit_under_max_time_with_anneal_by_max_time_warms_up_and_anneals_by_the_clock(tmp_path):
+def test_no_step_limit_under_max_time_with_anneal_by_max_time_warms_up_and_anneals_by_the_clock(tmp_path,
+                                                                                                monkeypatch):
+    """max_time's Timer reads a clock on which each training step takes 0.25 s: the 3 s run takes 12 steps however
+    loaded the machine (on the wall clock, at load 9 on 2 cores, 5 steps ran and the rate never neared its peak)."""
+    steps_run = []
+    original_training_step = DistillModule.training_step
+
+    def training_step(module, *args):
+        steps_run.append(module.global_step)
+        return original_training_step(module, *args)
+
+    monkeypatch.setattr(DistillModule, "training_step", training_step)
+    clock = SimpleNamespace(monotonic=lambda: 0.25 * len(steps_run))
+    monkeypatch.setattr("lightning.pytorch.callbacks.timer.time", clock)  # what the Timer (and StepTimer) reads
     args = [*tiny_args(tmp_path, "clock", max_steps=-1, every=2**62), "--trainer.max_time=00:00:00:03",
             "--model.anneal_by_max_time=true"]
     assert train_main(args) == 0
     rows = list(csv.DictReader(open(tmp_path / "out" / "tiny" / "clock" / "csv" / "version_0" / "metrics.csv")))
     lrs = [float(row["train/lr"]) for row in rows if row.get("train/lr")]
-    assert len(lrs) > 3 and max(lrs) > 0.9 * 3e-3 and lrs[-1] < 0.25 * 3e-3  # tiny's peak reached, then annealed
+    assert len(lrs) == 12  # no step limit: the clock alone ended the run
+    # tiny's warm-up is 10% of max_time (0.3 s): the first step ends 5/6 into it (the steps' warm-up never ends, at
+    # a rate of 0), the next just past it, near the peak; then the rate anneals by the stop
+    assert lrs[0] == pytest.approx(5 / 6 * 3e-3, rel=1e-3) and max(lrs) > 0.9 * 3e-3 and lrs[-1] < 0.25 * 3e-3, lrs
 
 
 def test_a_validation_interval_longer_than_the_epoch_is_one_line(tmp_path, capsys):

@@ -21,6 +21,7 @@ import math
 import os
 import re
 import shutil
+import socket
 import sys
 import tempfile
 import uuid
@@ -353,6 +354,50 @@ def write_results_json(path: str | Path, payload, flag: str = "--out") -> None:
                           f"another {flag}") from None
 
 
+def staging_owner() -> str:
+    """This process as its staging folders' names record it (host.pid-namespace.pid): what lets a later writer on the
+    same host tell a folder whose writer is gone (SIGKILL, the OOM killer, a job's hard time limit, all of which skip
+    the clean-up) from one another process is still writing. The host has no '.' or '-', so names parse one way."""
+    host = re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname().split(".")[0]) or "host"
+    try:  # containers on one host may share a hostname, each with its own PIDs: the namespace tells them apart
+        namespace = re.sub(r"\D", "", os.readlink("/proc/self/ns/pid")) or "0"
+    except OSError:
+        namespace = "0"
+    return f"{host}.{namespace}.{os.getpid()}"
+
+
+def process_gone(pid: int) -> bool:
+    """No process `pid` on this host (in this PID namespace). One of another user's counts as running."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def remove_orphaned_staging(destination: Path) -> None:
+    """Remove the staging folders of `destination` that a killed writer on this host left (its process is gone), each
+    named in a line on stderr. Without it a SIGKILLed export, merge or conversion left a hidden folder of up to the
+    drafter's or the dataset's size beside it for good. A folder of another host, or of a process still running, is
+    left alone: it may be being written now."""
+    host, namespace, _ = staging_owner().split(".")
+    ours = re.compile(rf"\.{re.escape(destination.name)}-{re.escape(host)}\.{namespace}\.(\d+)-[a-z0-9_]{{8}}")
+    try:
+        siblings = list(destination.parent.glob(f".{destination.name}-*"))
+    except OSError:
+        return
+    for path in siblings:
+        match = ours.fullmatch(path.name)
+        if match and int(match[1]) != os.getpid() and process_gone(int(match[1])) and path.is_dir() \
+                and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+            if not path.exists():  # (another writer may have swept it first)
+                print(f"[ddtree] removed {path}: what process {match[1]} left of {destination.name} when it was "
+                      "killed while writing it", file=sys.stderr, flush=True)
+
+
 @contextmanager
 def staged_folder(destination: str | Path):
     """Yield a temporary folder beside `destination`; on success rename it into place.
@@ -372,7 +417,8 @@ def staged_folder(destination: str | Path):
                           f"inside it ({destination / 'name'})")
     with unwritable_as_error(destination):
         destination.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}-", dir=destination.parent))
+        remove_orphaned_staging(destination)
+        staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}-{staging_owner()}-", dir=destination.parent))
     with refused_write_as_error(destination):  # outside the clean-up, as atomic_file's
         try:
             yield staging

@@ -96,11 +96,12 @@ def check_cache_writable(targets: Path) -> None:
 def remove_stale_staging(folder: Path) -> None:
     """Remove what earlier conversions into `folder` left when killed mid-save (SIGKILL, SIGTERM, power loss).
 
-    Only staging folders of this target, named as staged_folder names them (.<name>- and mkdtemp's 8
-    characters), and only those nothing has written to for STALE_STAGING_S: a fresher one may belong to
-    a conversion another process is running now, so it is left alone.
+    Only staging folders of this target, named as staged_folder names them (.<name>-, its writer, and mkdtemp's 8
+    characters; before 2026-12-05 without the writer), and only those nothing has written to for STALE_STAGING_S: a
+    fresher one may belong to a conversion another process is running now, so it is left alone. (staged_folder
+    itself removes those whose writer on this host is gone; this also takes another host's, in a shared cache.)
     """
-    ours = re.compile(rf"\.{re.escape(folder.name)}-[a-z0-9_]{{8}}")
+    ours = re.compile(rf"\.{re.escape(folder.name)}-(?:[A-Za-z0-9_]+\.\d+\.\d+-)?[a-z0-9_]{{8}}")
     for staging in folder.parent.glob(f".{folder.name}-*"):
         if not (ours.fullmatch(staging.name) and staging.is_dir() and not staging.is_symlink()):
             continue

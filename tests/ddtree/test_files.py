@@ -1,0 +1,81 @@
+"""ddtree/files.py's staged folders: what a writer killed outright (SIGKILL, the OOM killer) leaves is removed by the
+next writer of the same folder on the same host, and nothing another writer may still be using.
+
+    .venv/bin/pytest -q tests/ddtree/test_files.py
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ddtree.files import staged_folder, staging_owner
+
+ROOT = Path(__file__).resolve().parents[2]
+
+KILLED_WRITER = """
+import pathlib, sys, time
+from ddtree.files import staged_folder, staging_owner
+with staged_folder(sys.argv[1]) as staging:
+    (staging / "model.safetensors").write_bytes(b"0" * 4096)
+    pathlib.Path(sys.argv[2]).write_text(str(staging))
+    time.sleep(60)
+"""
+
+
+def a_dead_pid() -> int:
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid  # (a PID is reused only after the kernel's counter wraps: not within a test)
+
+
+def test_a_staging_folder_a_sigkilled_writer_left_is_removed_by_the_next_writer(tmp_path, capsys):
+    """SIGKILL skips staged_folder's clean-up: the export's, merge's or conversion's hidden staging folder (up to the
+    drafter's or dataset's size) stayed beside the destination for good. The next write of that folder removes it."""
+    out, marker = tmp_path / "drafter", tmp_path / "staging"
+    writer = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(out), str(marker)],
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    deadline = time.monotonic() + 60
+    while not marker.exists() and writer.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = Path(marker.read_text())
+    writer.send_signal(signal.SIGKILL)
+    writer.wait()
+    assert left.is_dir() and left.parent == tmp_path and left.name.startswith(".drafter-")  # what the kill left
+    with staged_folder(out) as staging:
+        (staging / "config.json").write_text("{}")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["drafter", "staging"]
+    err = capsys.readouterr().err.strip()
+    assert err == (f"[ddtree] removed {left}: what process {writer.pid} left of drafter when it was killed while "
+                   "writing it"), err
+
+
+def test_staging_folders_a_writer_may_still_be_using_are_left_alone(tmp_path, capsys):
+    """Only this host's (and PID namespace's) folders of this destination whose process is gone: a running process's,
+    another host's (a shared file system), another destination's, and a name staged_folder does not make stay."""
+    host, namespace, _ = staging_owner().split(".")
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    dead = a_dead_pid()
+    try:
+        kept = [tmp_path / f".drafter-{host}.{namespace}.{running.pid}-abcd1234",  # its writer still runs
+                tmp_path / f".drafter-{host}x.{namespace}.{dead}-abcd1234",  # another host's
+                tmp_path / f".drafter-{host}.{namespace}1.{dead}-abcd1234",  # another PID namespace's
+                tmp_path / f".drafter-x-{host}.{namespace}.{dead}-abcd1234",  # destination drafter-x's
+                tmp_path / ".drafter-abcd1234",  # named before writers were recorded: the age rule of a cache's
+                tmp_path / f".drafter-{host}.{namespace}.{dead}-notes"]  # not mkdtemp's 8 characters
+        removed = tmp_path / f".drafter-{host}.{namespace}.{dead}-abcd1234"
+        for folder in (*kept, removed):
+            folder.mkdir()
+            (folder / "half").write_bytes(b"0")
+        with staged_folder(tmp_path / "drafter") as staging:
+            (staging / "config.json").write_text("{}")
+    finally:
+        running.kill()
+        running.wait()
+    assert all(folder.is_dir() for folder in kept) and not removed.exists()
+    assert (tmp_path / "drafter" / "config.json").is_file()
+    assert capsys.readouterr().err.count("[ddtree] removed") == 1

@@ -358,7 +358,7 @@ def staging_owner() -> str:
     """This process as its staging folders' names record it (host.pid-namespace.pid): what lets a later writer on the
     same host tell a folder whose writer is gone (SIGKILL, the OOM killer, a job's hard time limit, all of which skip
     the clean-up) from one another process is still writing. The host has no '.' or '-', so names parse one way."""
-    host = re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname().split(".")[0]) or "host"
+    host = re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname().split(".")[0])[:32] or "host"  # (names end at 255)
     try:  # containers on one host may share a hostname, each with its own PIDs: the namespace tells them apart
         namespace = re.sub(r"\D", "", os.readlink("/proc/self/ns/pid")) or "0"
     except OSError:

@@ -881,6 +881,33 @@ def test_a_failure_midway_leaves_nothing_behind(run_dir, tmp_path, monkeypatch):
     assert list((tmp_path / "exports").iterdir()) == []  # no OUT, no staging folder
 
 
+@pytest.mark.parametrize("change", ["one value", "one weight left out"])
+def test_an_export_that_loads_back_with_other_weights_is_one_line_and_leaves_nothing_behind(
+        run_dir, tmp_path, monkeypatch, capsys, change):
+    """check_loads_back is the last check before the folder is moved into place (the README promises it is "loaded
+    back and compared tensor by tensor"), yet no test made it fire: with its value comparison replaced by False every
+    test passed (mutation review, G3 / P1). A transformers version that re-initialises or drops a loaded weight is
+    stood in for by an AutoModel that changes what it loaded."""
+
+    class LoadsOtherwise:  # AutoModel, as check_loads_back calls it
+        @staticmethod
+        def from_pretrained(*args, **kwargs):
+            model = AutoModel.from_pretrained(*args, **kwargs)
+            with torch.no_grad():
+                if change == "one value":
+                    model.fc.weight[0, 0] += 1
+                else:
+                    del model.fc.weight  # the key-set comparison: fc.weight is not in its state_dict
+            return model
+
+    monkeypatch.setattr(publish, "AutoModel", LoadsOtherwise)
+    out = tmp_path / "exports" / "export"
+    assert export(run_dir, out, "--ckpt", "last") == 2
+    assert one_error_line(capsys) == ("error: the export loads with AutoModel but its weights differ from the "
+                                      "checkpoint's")
+    assert list((tmp_path / "exports").iterdir()) == []  # no OUT, no staging folder
+
+
 @pytest.mark.parametrize("command", ["training.publish", "training.export"])
 def test_a_sigterm_midway_is_one_line_with_status_143_and_leaves_nothing_behind(run_dir, tmp_path, command):
     """Found in a review (2026-12-04): a SIGTERM (a scheduler's, `timeout`) during `make export` had its default

@@ -10,14 +10,17 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 
 import lightning as L
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
 from ddtree.decoding import DEFAULT_REDRAFT
+from ddtree.drafters import load_drafter_folder
 from ddtree.modeling_dflash import DFlashDraftModel, fuse_target_features
 from ddtree.errors import DDTreeError
 from ddtree.tree import build_tree
@@ -1026,8 +1029,13 @@ def test_warm_start_with_lora_trains_adapters_only_and_exports_merged(module, tm
         wrapped = lora.block_hidden_states(features, batch["input_ids"], anchors)
         base = module.block_hidden_states(features, batch["input_ids"], anchors)
     assert not torch.allclose(wrapped, base, atol=1e-4)  # the adapters do change the drafter
-    merged = DFlashDraftModel.from_pretrained(export_drafter(lora, tmp_path / "merged"))
-    lora.drafter = merged
+    merged = export_drafter(lora, tmp_path / "merged")
+    # The merged drafter alone. Unmerged, the PeftModel wrote an adapter folder, which from_pretrained loaded on top
+    # of the warm start's folder (adapter_config's base_model_name_or_path): this test passed (mutation review, G4/X4).
+    assert sorted(p.name for p in merged.iterdir()) == ["config.json", "model.safetensors"]
+    assert not any("lora" in key or "base_layer" in key for key in load_file(merged / "model.safetensors"))
+    shutil.rmtree(folder)
+    lora.drafter = load_drafter_folder(merged, torch.float32)
     with torch.no_grad():
         assert torch.allclose(lora.block_hidden_states(features, batch["input_ids"], anchors), wrapped, atol=1e-5)
 

@@ -1885,6 +1885,10 @@ def test_card_names_the_dtype_the_figures_were_measured_in_and_an_export_in_anot
     assert export(run, tmp_path / "bf16", "--ckpt", "last", "--dtype", "bfloat16") == 0
     assert ("These weights are stored in `bfloat16` (the export's `--dtype`), not the `float32` the figures were "
             "measured in") in (tmp_path / "bf16" / "README.md").read_text()
+    # and they are: the card takes the dtype from --dtype, so an export that left the weights fp32 passed the line above
+    # (mutation review, G5 / P3)
+    assert {weight.dtype for weight in load_file(tmp_path / "bf16" / "model.safetensors").values()} == {torch.bfloat16}
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
 
     # The recorded dtype is the card's, whatever the run's settings say now (a resume's, say)
     checkpoint = run / "checkpoints" / "last.ckpt"

@@ -1860,6 +1860,22 @@ def test_a_warm_started_run_is_exported_for_the_target_it_trained_against(run_di
     target, _ = load_target("tiny-random", torch.float32)
     assert load_drafter_folder(alone, torch.float32, target).config.num_target_layers == 6
 
+    # A drafter reading layer 6, which the 12-layer target has and tiny-random (layers 0..5) has not, is refused too.
+    # With the fit check off by one, `python -m training.export` wrote it for decoding to refuse later, blaming the
+    # folder, and `make export` refused it only by vLLM's rule (mutation review, G8 / X1).
+    layer_ids = saved["drafter_config"]["dflash_config"]["target_layer_ids"]
+    saved["drafter_config"]["dflash_config"]["target_layer_ids"] = [*layer_ids[:-1], 6]
+    torch.save(saved, checkpoint)
+    assert export(run, tmp_path / "deeper", "--ckpt", "last") == 2
+    assert one_error_line(capsys) == (
+        f"error: CKPT {checkpoint}: its drafter (hidden size 64, target layers [1, 3, 6], built for '{other}') does "
+        "not fit the run's model.target 'tiny-random' (hidden size 64, 6 layers): give a checkpoint of a run trained "
+        "against 'tiny-random'")
+    with pytest.raises(DDTreeError, match=r"target layers \[1, 3, 6\].* \(hidden size 64, 6 layers\)"):
+        export_drafter(checkpoint, tmp_path / "deeper")
+    assert not (tmp_path / "deeper").exists()
+    saved["drafter_config"]["dflash_config"]["target_layer_ids"] = layer_ids
+
     # A drafter that does not fit the run's target is not that run's: one line, nothing written.
     (other / "config.json").write_text(json.dumps({**tiny_config, "hidden_size": 2 * tiny_config["hidden_size"]}))
     saved["hyper_parameters"]["target"] = str(other)

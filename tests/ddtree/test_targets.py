@@ -256,6 +256,22 @@ def test_a_drafter_folder_given_as_a_str_loads_as_a_path_does(tmp_path, tiny_tar
     assert drafter.block_size == 4 and drafter.dtype == torch.float32
 
 
+@pytest.mark.parametrize("saved, asked", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)],
+                         ids=["bf16 folder in fp32", "fp32 folder in bf16"])
+def test_a_drafter_folder_loads_in_the_dtype_asked_not_the_one_it_was_saved_in(tmp_path, tiny_target, saved, asked):
+    """transformers 5 loads a folder in the dtype it was saved in unless told otherwise: a warm start from a bf16
+    export (make export --dtype bfloat16, the published DFlash drafters) would train bf16 weights under
+    trainer.precision=32, and decoding would run an fp32 drafter beside a bf16 target, without a word."""
+    target, tokenizer = tiny_target
+    folder = tmp_path / "drafter"
+    drafter = DFlashDraftModel(build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4))
+    drafter.to(saved).save_pretrained(folder)
+    loaded = load_drafter_folder(folder, asked, target)
+    assert {p.dtype for p in loaded.parameters()} == {asked}
+    weights = drafter.state_dict()
+    assert all(torch.equal(value, weights[name].to(asked)) for name, value in loaded.state_dict().items())
+
+
 @pytest.mark.parametrize("field, value, named", [
     ("block_size", "4", "block_size is '4', expected an integer"),
     ("target_layer_ids", ["1", "3"], "dflash_config.target_layer_ids is ['1', '3'], expected a list of integers"),

@@ -2,6 +2,7 @@
 
 The measurement is stubbed: one stub where bf16 is fast (an AMX Xeon), one where it is slow (an
 AVX2-only CPU), plus the user overrides, in a recipe and on the command line.
+A warm start trains the fp32 weights every precision keeps, whatever dtype its folder was saved in.
 """
 
 from __future__ import annotations
@@ -17,8 +18,11 @@ import yaml
 import ddtree.precision
 import training.recipe
 from ddtree.errors import DDTreeError
+from ddtree.modeling_dflash import DFlashDraftModel
 from ddtree.precision import BF16_MARGIN, Choice, fast_precision, resolve_dtype
+from ddtree.targets import build_drafter_config
 from training.arguments import RECIPES_DIR
+from training.module import DistillModule
 from training.recipe import config_arg, read_recipe
 
 BF16_FAST = lambda: {torch.float32: 0.010, torch.bfloat16: 0.003}  # noqa: E731 - AMX: bf16 ~3x faster
@@ -199,3 +203,15 @@ def test_the_decoding_cli_dtype_auto_follows_the_same_rule(monkeypatch):
 
 def test_a_choice_names_its_dtype():
     assert Choice(torch.bfloat16, "x").name == "bfloat16" and Choice(torch.float32, "x").lightning == "32-true"
+
+
+def test_a_warm_start_from_a_bf16_folder_trains_fp32_weights(tmp_path, tiny_target):
+    """A bf16 export (make export --dtype bfloat16, the published DFlash drafters) loaded in the dtype it was saved in
+    would train bf16 weights under trainer.precision=32, and under bf16-mixed, whose master weights are fp32."""
+    target, tokenizer = tiny_target
+    folder = tmp_path / "bf16"
+    config = build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4)
+    DFlashDraftModel(config).to(torch.bfloat16).save_pretrained(folder)
+    module = DistillModule(target="tiny-random", init_from=str(folder), target_dtype="float32")
+    module.configure_model()
+    assert {p.dtype for p in module.drafter.parameters()} == {torch.float32}

@@ -100,11 +100,14 @@ def test_a_corpus_of_the_reply_is_accepted_and_a_wrong_one_changes_no_token(tiny
     assert accepted["the reply"] > accepted["none"] + 10, accepted
     with pytest.raises(DDTreeError, match="method 'dflash' has none"):
         generate(model, prompt, "dflash", runner, 16, 4, (), corpus=CorpusLookup([greedy]))
-    # Another tokenizer's replies: an IndexError traceback mid-decode, now one line before it starts
+    # Another tokenizer's replies: an IndexError traceback mid-decode, now one line before it starts; `vocab` itself,
+    # one past the last id, is the boundary a `>` in the check would let through
     vocab = model.get_output_embeddings().weight.shape[0]
-    for foreign in ([5, 6, 7, vocab + 8], [5, 6, 7, -3], [5, 6, 7, 2 ** 40]):  # the last: a corrupt file's
-        with pytest.raises(DDTreeError, match=f"the corpus holds token id {foreign[-1]}, outside the target's vocabulary"):
+    for foreign in ([5, 6, 7, vocab], [5, 6, 7, vocab + 8], [5, 6, 7, -3], [5, 6, 7, 2 ** 40]):  # last: a corrupt file's
+        refused = f"the corpus holds token id {foreign[-1]}, outside the target's vocabulary"
+        with pytest.raises(DDTreeError, match=refused) as error:
             generate(model, prompt, "ddtree", runner, 16, 4, (), corpus=CorpusLookup([prompt + foreign]))
+        assert "\n" not in str(error.value)
 
 
 def test_a_corpus_file_reads_back_its_replies_and_a_broken_one_is_one_line(tmp_path, tiny_target):

@@ -310,6 +310,22 @@ def test_a_drafter_config_without_its_block_size_is_one_line(tmp_path, tiny_targ
         "was trained; every export and the published DFlash drafters write it): restore it, or export the drafter again")
 
 
+def test_a_drafter_config_without_target_layer_ids_reads_the_default_ones(tmp_path, tiny_target):
+    """A dflash_config naming num_target_layers only (as the reference dflash package reads one): the default spread
+    for that depth and the drafter's own, not a folder refused for reading no layer."""
+    from ddtree.configuration_dflash import default_target_layer_ids
+
+    target, tokenizer = tiny_target
+    ids = default_target_layer_ids(6, 2)  # the tiny target's 6 layers, a 2-layer drafter's default: [1, 3]
+    folder = tmp_path / "drafter"
+    config = build_drafter_config(target, tokenizer, "tiny-random", num_layers=2, block_size=4, target_layer_ids=ids)
+    DFlashDraftModel(config).save_pretrained(folder)
+    fields = json.loads((folder / "config.json").read_text())
+    assert fields["num_target_layers"] == 6 and fields["dflash_config"].pop("target_layer_ids") == ids
+    (folder / "config.json").write_text(json.dumps(fields))
+    assert load_drafter_folder(folder, torch.float32, target).target_layer_ids == ids == [1, 3]
+
+
 @pytest.mark.parametrize("field, value, named", [
     ("redraft", -1, "dflash_config.redraft is -1, expected a count (0 or more) in config.json; remove the field"),
     ("lookup", "four", "dflash_config.lookup is 'four', expected a count (0 or more) in config.json; remove the field"),

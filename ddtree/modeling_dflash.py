@@ -16,6 +16,7 @@ This file ships to the Hub as remote code: it imports torch and transformers onl
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 from torch import nn
@@ -221,16 +222,26 @@ class DFlashDraftModel(PreTrainedModel):
         """(config.draft_vocab as a (V',) tensor, those rows of the target's LM head (V', H)), or None without one.
 
         Gathered once per head weight (the head is frozen) and reused; a change in place through the weight (not its
-        `.data`, which no version counter sees) gathers again.
+        `.data`, which no version counter sees) gathers again, and so does another weight, at a freed one's address too.
         """
         if self.config.draft_vocab is None:
             return None
         weight = lm_head.weight
         key = (weight.data_ptr(), weight.device, weight.dtype, weight._version)
-        if getattr(self, "_draft_head_key", None) != key:
+        # The weight gathered from, by identity: a freed head's address and version 0 go to the next tensor allocated,
+        # which the key alone served the freed head's rows. Held weakly, not as packed_linear holds its layer's own
+        # weight: this one is the target's, which a strong hold would keep alive past the target.
+        source = getattr(self, "_draft_head_source", None)
+        if getattr(self, "_draft_head_key", None) != key or source is None or source() is not weight:
             ids = torch.tensor(self.config.draft_vocab, device=weight.device)
             self._draft_head, self._draft_head_key = (ids, weight.detach()[ids]), key
+            self._draft_head_source = weakref.ref(weight)
         return self._draft_head
+
+    def __getstate__(self) -> dict:
+        # draft_head's cache is this process's: its weak reference does not pickle (torch.save of the whole model), and
+        # a copy (copy.deepcopy reads this too) gathers its own rows on first use
+        return {key: value for key, value in super().__getstate__().items() if not key.startswith("_draft_head")}
 
     def compute_logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         """Draft logits through the target's (frozen) LM head: (..., H) -> (..., V).

@@ -3,22 +3,29 @@
     .venv/bin/pytest -q tests/training/test_draft_vocab.py
 
 Its choice from the data, the training loss over its rows of the LM head, decoding's logits (-inf
-elsewhere), the fit that records it in the exported drafter, and lossless decoding with it.
+elsewhere) and the rows gathered again for a changed or another head, the fit that records it in the
+exported drafter, and lossless decoding with it.
 """
 
 from __future__ import annotations
 
+import copy
 import json
+import pickle
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
+from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import Subset
 
 from ddtree.cli import load_drafter
+from ddtree.configuration_dflash import DFlashDrafterConfig
 from ddtree.decoding import DrafterRunner, generate
 from ddtree.errors import DDTreeError
+from ddtree.modeling_dflash import DFlashDraftModel
 from ddtree.targets import stop_token_ids
 from training.data import DistillDataModule, TokenizedConversations, replies, reply_vocabulary
 from training.export import export_drafter
@@ -73,6 +80,49 @@ def test_decoding_logits_are_the_head_rows_of_the_vocabulary_and_minus_inf_elsew
     outside[[2, 17, 40]] = False
     assert torch.isneginf(logits[:, outside]).all()
     assert set(logits.argmax(-1).tolist()) <= {2, 17, 40}
+
+
+def drafter_of_even_tokens() -> DFlashDraftModel:
+    """A 1-layer drafter (H 64) of a 1000-token target, drafting from the even token ids only."""
+    config = DFlashDrafterConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                                 num_key_value_heads=2, head_dim=16, vocab_size=1000, block_size=BLOCK,
+                                 num_target_layers=6, dflash_config={"mask_token_id": 0, "target_layer_ids": [1, 3]})
+    drafter = DFlashDraftModel(config).eval()
+    drafter.config.draft_vocab = list(range(0, 1000, 2))
+    return drafter
+
+
+def test_the_draft_rows_are_gathered_again_after_the_head_changes_in_place():
+    """The rows are gathered once and reused, the head being frozen; a change in place through its weight is seen by
+    the weight's version counter and gathers them again, as draft_head's docstring promises."""
+    drafter, hidden = drafter_of_even_tokens(), torch.randn(3, 64)
+    head = nn.Linear(64, 1000, bias=False)
+    drafter.compute_logits(hidden, head)
+    with torch.no_grad():
+        head.weight.mul_(2)
+    assert torch.allclose(drafter.compute_logits(hidden, head)[:, ::2], head(hidden)[:, ::2])
+
+
+def test_a_new_head_at_a_freed_heads_address_gets_its_own_rows():
+    """The rows were cached by the head's address, device, dtype and version only: a head freed, and another of the same
+    shape allocated where it was (at version 0 as it was), as a drafter reused with a second target or a reloaded one
+    can get, was served the freed head's rows (14 of 20 tries in a review). Two tensors over one numpy array reuse the
+    address here every time."""
+    drafter, hidden = drafter_of_even_tokens(), torch.randn(3, 64)
+    memory = np.random.default_rng(0).standard_normal((1000, 64), dtype=np.float32)
+    head = nn.Linear(64, 1000, bias=False)
+    head.weight = nn.Parameter(torch.from_numpy(memory), requires_grad=False)
+    drafter.compute_logits(hidden, head)
+    address = head.weight.data_ptr()
+    del head
+    memory *= -1  # the next head's values, where the freed one's were: no torch version counter sees the write
+    head = nn.Linear(64, 1000, bias=False)
+    head.weight = nn.Parameter(torch.from_numpy(memory), requires_grad=False)
+    assert head.weight.data_ptr() == address and head.weight._version == 0
+    assert torch.allclose(drafter.compute_logits(hidden, head)[:, ::2], head(hidden)[:, ::2])
+    # the weak reference to the head is left out of a pickle (torch.save of the whole model) and of a copy
+    for copied in (pickle.loads(pickle.dumps(drafter)), copy.deepcopy(drafter)):
+        assert torch.equal(copied.compute_logits(hidden, head), drafter.compute_logits(hidden, head))
 
 
 def test_the_training_loss_is_the_cross_entropy_of_the_decoding_logits_on_labels_in_the_vocabulary():

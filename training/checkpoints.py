@@ -167,7 +167,8 @@ def drafter_from_weights(drafter_config: dict, hyper_parameters: dict, weights: 
     """The drafter as exported (LoRA adapters merged) from its config and its weights.
 
     `weights` are named as the training drafter's state_dict() names them (under a LoRA wrapper
-    when hyper_parameters has lora_rank > 0). Raises RuntimeError if they do not fit the config.
+    when hyper_parameters has lora_rank > 0). Raises RuntimeError if they do not fit the config, naming the first
+    weight missing and the first one it has no place for.
     """
     drafter = DFlashDraftModel(DFlashDrafterConfig.from_dict(drafter_config))
     if hyper_parameters.get("lora_rank", 0) > 0:
@@ -175,7 +176,18 @@ def drafter_from_weights(drafter_config: dict, hyper_parameters: dict, weights: 
             drafter, hyper_parameters["lora_rank"], hyper_parameters["lora_alpha"], hyper_parameters["lora_dropout"],
             hyper_parameters.get("lora_target_modules") or DEFAULT_LORA_MODULES,
         )
-    drafter.load_state_dict(weights, strict=True)
+    # strict=False returns the names that strict=True raises with: its message's first line, the one a user sees,
+    # names none of them ("Error(s) in loading state_dict for DFlashDraftModel:"). A weight of another shape still raises.
+    missing, unexpected = drafter.load_state_dict(weights, strict=False)
+    mismatches = []
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        mismatches.append(f"the config needs weight {missing[0]}{more}, absent from the weights")
+    if unexpected:
+        more = f" and {len(unexpected) - 1} more" if len(unexpected) > 1 else ""
+        mismatches.append(f"the weights hold {unexpected[0]}{more}, which the config has no place for")
+    if mismatches:
+        raise RuntimeError("; ".join(mismatches))
     return merged_drafter(drafter)
 
 
@@ -230,8 +242,9 @@ def load_checkpoint(path: Path) -> Checkpoint:
     weights = {key[len(prefix):]: value for key, value in (saved.get("state_dict") or {}).items() if key.startswith(prefix)}
     try:
         drafter = drafter_from_weights(saved["drafter_config"], hyper_parameters, weights)
-    except RuntimeError as error:  # load_state_dict(strict=True): the weights do not fit the stored config
-        raise DDTreeError(f"CKPT {path}: its weights do not match its drafter_config ({error_line(error)})") from None
+    except RuntimeError as error:  # the weights do not fit the stored config: the file was edited, or another version's
+        raise DDTreeError(f"CKPT {path}: its weights do not match its drafter_config ({error_line(error)}); "
+                          "give a checkpoint as training/train.py wrote it") from None
     non_finite = non_finite_tensors(drafter)
     if non_finite:  # decoding, lossless whatever is proposed, would score it tau 1.0; an export would ship noise
         raise DDTreeError(f"CKPT {path}: {non_finite} of the drafter's parameter tensors hold NaN or inf (training "

@@ -486,6 +486,29 @@ def test_a_checkpoint_with_non_finite_weights_is_refused_not_scored_or_shipped(s
     assert f"CKPT {diverged}: 1 of the drafter's parameter tensors hold NaN or inf" in line and "step-N.ckpt" in line
 
 
+@pytest.mark.parametrize("command", ["eval", "export"])
+@pytest.mark.parametrize("renamed_to", [None, "drafter.fc_proj.weight"])  # dropped, or under another version's name
+def test_a_checkpoint_whose_weights_do_not_match_its_config_is_refused_naming_the_weight(saved, tmp_path, capsys,
+                                                                                        command, renamed_to):
+    """A weight the config needs, missing from the checkpoint, would start from random values: finite, so the NaN
+    check passes it, and the export's load-back compares it with itself. torch's strict error named no weight in the
+    line shown ("Error(s) in loading state_dict for DFlashDraftModel:")."""
+    path, _ = saved
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    edited = run / "checkpoints" / "last.ckpt"
+    checkpoint = torch.load(path, weights_only=False)
+    weight = checkpoint["state_dict"].pop("drafter.fc.weight")
+    if renamed_to:
+        checkpoint["state_dict"][renamed_to] = weight
+    torch.save(checkpoint, edited)
+    line = refused_line(command, run, tmp_path, capsys)
+    assert line.startswith(f"error: CKPT {edited}: its weights do not match its drafter_config (the config needs "
+                           "weight fc.weight, absent from the weights"), line
+    assert ("the weights hold fc_proj.weight, which the config has no place for" in line) == bool(renamed_to), line
+    assert " more" not in line and line.endswith("; give a checkpoint as training/train.py wrote it"), line
+
+
 @pytest.mark.parametrize("limit", ["0", "-3"])
 def test_make_eval_limit_below_one_names_the_flag_not_the_config(saved, capsys, limit):
     path, _ = saved

@@ -51,6 +51,7 @@ from training.export import main as export_main
 from training.hub_config import AUTO_MAP, EXPORT_FILES, REMOTE_CODE, hub_config
 from training.model_card import REPO_MARK, read_evaluation, shown_path
 from training.module import DistillModule
+from training.peft_utils import DEFAULT_LORA_MODULES
 from training.train import main as train_main
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -938,7 +939,10 @@ def test_a_sigterm_midway_is_one_line_with_status_143_and_leaves_nothing_behind(
 # ----------------------------------------------------------------------------- LoRA
 
 
-def test_a_lora_checkpoint_is_exported_merged(tmp_path, tiny_target, monkeypatch):
+@pytest.mark.parametrize("modules", [None, ["q_proj", "v_proj"]])  # model.lora_target_modules: default, or a subset
+def test_a_lora_checkpoint_is_exported_merged(tmp_path, tiny_target, monkeypatch, modules):
+    """The checkpoint is rebuilt with the LoRA modules it was trained with: on the default ones, a subset's adapters
+    have no place and the others no weights."""
     target, tokenizer = tiny_target
     monkeypatch.setattr(training.model_card, "PROJECT_ROOT", tmp_path)  # the warm start's folder inside the project
     settings = dict(target="tiny-random", num_layers=1, block_size=4, target_layer_ids=[0, 2, 4],
@@ -947,7 +951,8 @@ def test_a_lora_checkpoint_is_exported_merged(tmp_path, tiny_target, monkeypatch
     base = DistillModule(**settings)
     base.configure_model()
     folder = export_drafter(base, tmp_path / "base")
-    lora = DistillModule(target="tiny-random", init_from=str(folder), lora_rank=4, target_dtype="float32")
+    lora = DistillModule(target="tiny-random", init_from=str(folder), lora_rank=4, target_dtype="float32",
+                         lora_target_modules=modules)
     lora.configure_model()
     with torch.no_grad():  # move the adapters off zero so merging has something to fold in
         for name, p in lora.drafter.named_parameters():
@@ -962,6 +967,9 @@ def test_a_lora_checkpoint_is_exported_merged(tmp_path, tiny_target, monkeypatch
     assert export(run, tmp_path / "export", "--ckpt", "last") == 0
     weights = load_file(tmp_path / "export" / "model.safetensors")
     assert not any("lora" in key or "base_layer" in key for key in weights)
+    started = base.drafter.state_dict()
+    changed = {key.split(".")[-2] for key in weights if not torch.equal(weights[key], started[key])}
+    assert changed == set(modules or DEFAULT_LORA_MODULES)  # the adapted projections, and only they, merged
     exported = AutoModel.from_pretrained(tmp_path / "export", trust_remote_code=True, local_files_only=True).eval()
     wrapped = lora.drafter.eval()  # the PeftModel, LoRA branches live
     torch.testing.assert_close(block_logits(exported, target, tokenizer), block_logits(wrapped, target, tokenizer),

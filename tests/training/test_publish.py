@@ -1705,6 +1705,9 @@ DEEPSPEED_SAVE = textwrap.dedent("""
 """)
 
 
+# Slow: a second process starts DeepSpeed to write the folder (~10 s). The default run consolidates a real ZeRO-2
+# folder of two ranks and compares it bit for bit with the live fp32 weights: test_deepspeed.py's
+# test_zero_checkpoint_consolidates_to_the_live_fp32_weights. This one adds the export of such a folder.
 @pytest.mark.slow
 def test_a_deepspeed_checkpoint_folder_is_consolidated(run_dir, tmp_path, tiny_target):
     folder = tmp_path / "run" / "checkpoints" / "last.ckpt"

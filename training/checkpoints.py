@@ -177,8 +177,13 @@ def drafter_from_weights(drafter_config: dict, hyper_parameters: dict, weights: 
             hyper_parameters.get("lora_target_modules") or DEFAULT_LORA_MODULES,
         )
     # strict=False returns the names that strict=True raises with: its message's first line, the one a user sees,
-    # names none of them ("Error(s) in loading state_dict for DFlashDraftModel:"). A weight of another shape still raises.
-    missing, unexpected = drafter.load_state_dict(weights, strict=False)
+    # names none of them ("Error(s) in loading state_dict for DFlashDraftModel:"). A weight of another shape still
+    # raises so: its line is the first that names one ("size mismatch for fc.weight: ...").
+    try:
+        missing, unexpected = drafter.load_state_dict(weights, strict=False)
+    except RuntimeError as error:
+        named = [line.strip() for line in str(error).splitlines()[1:] if line.strip()]
+        raise RuntimeError(named[0] if named else str(error)) from None
     mismatches = []
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""

@@ -509,6 +509,23 @@ def test_a_checkpoint_whose_weights_do_not_match_its_config_is_refused_naming_th
     assert " more" not in line and line.endswith("; give a checkpoint as training/train.py wrote it"), line
 
 
+@pytest.mark.parametrize("command", ["eval", "export"])
+def test_a_checkpoint_with_a_weight_of_another_shape_is_refused_naming_it(saved, tmp_path, capsys, command):
+    """torch raises on a shape that differs whatever `strict` is; its first line named no weight either."""
+    path, _ = saved
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    edited = run / "checkpoints" / "last.ckpt"
+    checkpoint = torch.load(path, weights_only=False)
+    weight = checkpoint["state_dict"]["drafter.fc.weight"]
+    checkpoint["state_dict"]["drafter.fc.weight"] = weight[:, :-1].clone()
+    torch.save(checkpoint, edited)
+    line = refused_line(command, run, tmp_path, capsys)
+    assert line.startswith(f"error: CKPT {edited}: its weights do not match its drafter_config (size mismatch for "
+                           f"fc.weight: copying a param with shape torch.Size({list(weight[:, :-1].shape)}) from "
+                           "checkpoint"), line
+
+
 @pytest.mark.parametrize("limit", ["0", "-3"])
 def test_make_eval_limit_below_one_names_the_flag_not_the_config(saved, capsys, limit):
     path, _ = saved

@@ -37,7 +37,7 @@ from training.arguments import features_parser
 from training.features import main
 from training.masks import IGNORE_INDEX
 from training.module import DistillModule
-from training.target import dtype_for_precision, target_layer_features
+from training.target import dtype_for_precision, load_frozen_target, target_layer_features
 from test_module import forward_log_probs, transformed_target_folder  # tests/training is on the path, as for toy_data
 from training.train import main as train_main
 
@@ -797,6 +797,47 @@ def test_a_resumed_build_in_another_dtype_refuses_to_mix_them(tmp_path, monkeypa
     assert FeatureStore(out).dtype == torch.float32 and not partial_path(out).exists()
     size_line = next(line for line in capsys.readouterr().out.splitlines() if "estimated size" in line)
     assert "x 4 bytes, float32)" in size_line
+
+
+@pytest.mark.parametrize("other", [
+    dict(layer_ids=[0, 2, 4]),  # as many layers, the last in neither: the same width
+    dict(target_adapter="adapter"),  # the target with a LoRA adapter folded in
+    # one more hidden size a token (H values in bf16, or 16 ids and log-probabilities): shards of 4 such sequences are
+    # planned as shards of 3 plain ones
+    dict(final_hidden=True, max_shard_bytes=shard_bytes(4)),
+    dict(teacher_top_k=16, max_shard_bytes=shard_bytes(4)),
+], ids=["layer_ids", "adapter", "final_hidden", "teacher_top_k"])
+def test_an_interrupted_build_resumed_with_other_settings_starts_over(tmp_path, monkeypatch, capsys, other):
+    """A resume keeps finished shards of the planned shape: only the manifest's fields tell another build's apart.
+    Only another dtype was tested, so a resume that ignored the layer ids passed every test, and a build rerun under
+    other model.target_layer_ids kept the old layers' features for its first shard's sequences, under a manifest
+    naming the new ones (mutation review, gap 1 / F05)."""
+    if "target_adapter" in other:
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(0)
+        base, _ = load_target("tiny-random")
+        get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False)).save_pretrained(
+            tmp_path / "adapter")
+        other = {**other, "target_adapter": str(tmp_path / "adapter")}
+    dm = make_datamodule(tmp_path)
+    before = dict(layer_ids=LAYER_IDS, max_shard_bytes=shard_bytes(3), sequences_per_batch=1)
+    settings = {**before, **other}
+    out = tmp_path / "store"
+    interrupted_build(monkeypatch, dm, out, **before)
+    interrupted = read_manifest(partial_path(out) / "store.json")
+    capsys.readouterr()
+    store = FeatureStore(build_feature_store(dm, out, **settings))
+    assert "holds an unfinished build of other settings; starting over" in capsys.readouterr().out
+    assert store.shards == interrupted["shards"]  # the finished shard had the planned shape: no other check stops it
+    target, _ = load_frozen_target("tiny-random", torch.bfloat16, settings.get("target_adapter"))
+    data, _, _ = dm.load_tokenized()
+    for i in range(len(data)):
+        online = target_layer_features(target, data[i]["input_ids"][None], settings["layer_ids"])[0]  # (T_i, K*H)
+        assert torch.equal(store[i], online), f"sequence {i}"
+    straight = build_feature_store(dm, tmp_path / "straight", **settings)  # the final states or teacher alike
+    for shard in store.shards:
+        assert same_shard(out / shard["file"], straight / shard["file"]), shard["file"]
 
 
 def test_a_complete_store_in_another_dtype_is_refused_naming_both_and_what_training_does_with_it(tmp_path):

@@ -1549,6 +1549,16 @@ def test_a_store_keyed_by_an_earlier_tokenization_version_serves_where_its_ids_a
     assert datamodule.tokenization_keys() == (current, old_key)  # the features are the same
     assert datamodule.tokenization_keys(teacher=True) == (current,)  # a teacher's rows are not
     make_datamodule(tmp_path, feature_store=str(old_store)).setup("fit")
+    # ...through setup too: a top-k store that version 3 built has teachers only where its masks supervised, and where
+    # today's supervise more the loss took the label as the teacher, silently (mutation review, gap 3 / F17)
+    with monkeypatch.context() as version_3:
+        version_3.setattr(training.data, "TOKENIZATION_VERSION", 3)
+        old_teacher = build_feature_store(make_datamodule(tmp_path), tmp_path / "old-top4", layer_ids=LAYER_IDS,
+                                          dtype=torch.float32, teacher_top_k=4)
+    assert FeatureStore(old_teacher).tokenization_key == old_key
+    with pytest.raises(DDTreeError) as refused:
+        make_datamodule(tmp_path, feature_store=str(old_teacher)).setup("fit")
+    assert "an earlier version's tokenization of it" in one_line(refused.value)
 
     other_ids = cached["input_ids"].clone()
     other_ids[0] += 1

@@ -27,6 +27,7 @@ import torch
 
 import toy_data  # tests/training/toy_data.py
 import training.feature_store
+import training.features
 import training.module
 from ddtree.errors import run_cli
 from ddtree.targets import DDTreeError, load_target
@@ -780,6 +781,28 @@ def test_a_box_that_holds_everything_is_the_whole_data(tmp_path, monkeypatch):
     assert store.covered() is None and len(store.shards) > 2
     with pytest.raises(DDTreeError, match="store_max_minutes=0"):
         make_datamodule(tmp_path, store_max_minutes=0)
+
+
+def test_make_features_boxes_the_build_in_data_store_max_minutes(tmp_path, monkeypatch):
+    """Every box test gave build_feature_store its seconds: store_seconds could have returned the minutes as seconds,
+    and data.store_max_minutes=30 would have built a 30-second share of the store, saying so in one line (mutation
+    review, gap 5 / F13). Here the CLI boxes a build whose clock moves 10 s a shard."""
+    data = write_conversations(tmp_path / "conversations.jsonl")
+    boxes = []
+
+    def on_the_build_clock(datamodule, out, max_seconds=None, **settings):
+        boxes.append(max_seconds)
+        return boxed_build(monkeypatch, datamodule, out, 10.0, max_seconds, **settings,
+                           max_shard_bytes=shard_bytes(3, settings["dtype"]))
+
+    monkeypatch.setattr(training.features, "build_feature_store", on_the_build_clock)
+    out = tmp_path / "store"
+    assert main(["--recipe", "tiny", "--out", str(out), f"--data.data_path={data}", "--data.max_length=128",
+                 f"--data.cache_dir={tmp_path / 'cache'}", "--data.store_max_minutes=0.5"]) == 0
+    store = FeatureStore(out)
+    assert boxes == [30.0]
+    # two shards, the third would end past 30 s; a 0.5-second box holds the first alone
+    assert len(store.shards) == 2 and len(store.manifest["sequence_ids"]) == len(store) > len(store.covered())
 
 
 def test_a_resumed_build_in_another_dtype_refuses_to_mix_them(tmp_path, monkeypatch, capsys):

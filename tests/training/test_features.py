@@ -1189,6 +1189,24 @@ def test_cli_builds_the_recipe_store(tmp_path, target_dtype, dtype):
     recipe_data.setup("fit")  # matches the data it was built from (recipe defaults for the rest)
 
 
+def test_cli_builds_a_warm_starts_store_of_the_layers_its_drafter_reads(tmp_path):
+    """model.init_from without model.target_layer_ids: training reads the layers the drafter folder names, and so must
+    the store. Only init_from's validation was tested: a build that checked the folder, then took the default layers,
+    passed every test, and training refused its store, hours of build on a large target (mutation review, gap 8 /
+    F14b)."""
+    from training.export import export_drafter
+
+    warm = export_drafter(tiny_module(target_layer_ids=[0, 2], block_size=8), tmp_path / "warm")
+    data = write_conversations(tmp_path / "conversations.jsonl")
+    out = tmp_path / "store"
+    assert main(["--recipe", "tiny", "--out", str(out), f"--data.data_path={data}", "--data.max_length=128",
+                 f"--data.cache_dir={tmp_path / 'cache'}", "--model.target_layer_ids=null",
+                 f"--model.init_from={warm}"]) == 0
+    store = FeatureStore(out)
+    assert store.layer_ids == [0, 2]
+    tiny_module(init_from=str(warm), target_layer_ids=None, num_layers=None, block_size=None).check_feature_store(store)
+
+
 def test_a_store_or_cache_under_tilde_is_in_the_home_folder(tmp_path, monkeypatch, capsys):
     """`--data.feature_store=~/x` reaches no shell, nor does a recipe's `feature_store: ~/x`: the build wrote a folder
     named `~` in the working one, where a run from elsewhere did not find it."""

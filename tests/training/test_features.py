@@ -881,6 +881,22 @@ def test_a_complete_store_in_another_dtype_is_refused_naming_both_and_what_train
     assert "differs in target_layer_ids ([1, 3, 4] there, [0, 2] here)" in message and "cast" not in message, message
 
 
+@pytest.mark.parametrize("teacher, differs", [(dict(teacher_top_k=5), "teacher_top_k (0 there, 5 here)"),
+                                              (dict(final_hidden=True), "final_hidden (False there, True here)")])
+def test_a_complete_store_without_what_distillation_reads_is_another_build(tmp_path, monkeypatch, teacher, differs):
+    """`make features --out <a plain store>` for a distilling recipe: the same features, but no teacher or final hidden
+    states, which training refuses to distil from. A build that took it as done ("nothing to do") passed every test
+    (mutation review, gap 9 / F12)."""
+    dm = make_datamodule(tmp_path)
+    out = build_feature_store(dm, tmp_path / "store", layer_ids=LAYER_IDS)
+    monkeypatch.setattr(training.feature_store, "load_frozen_target", lambda *a, **k: pytest.fail("loaded the target"))
+    with pytest.raises(DDTreeError) as refused:
+        build_feature_store(dm, out, layer_ids=LAYER_IDS, **teacher)
+    message = one_line(refused.value)
+    assert f"{out} holds a feature store of another build (differs in {differs})" in message and "--force" in message
+    assert (FeatureStore(out).teacher_top_k, FeatureStore(out).final_hidden) == (0, False)
+
+
 def test_the_same_data_path_spelled_otherwise_is_the_same_build(tmp_path, monkeypatch, capsys):
     """Relative, ./ or absolute: the same file (the tokenization key names it) was refused as another build, and an
     unfinished build was started over, its finished shards deleted."""

@@ -278,6 +278,69 @@ def test_target_logits_are_the_forwards_logits_in_each_family(model_type):
         assert (head - output.logits).abs().max() > 0.05
 
 
+# LOGIT_TRANSFORMS' families that build small only from more than sizes: a layer pattern, the widths of a Mamba or
+# recurrent block, AltUp and LAuReL's, per-layer-type RoPE. Each family's field is set so the logits are about 0.2.
+SMALL_FROM_CONFIG = {
+    "granitemoehybrid": dict(layer_types=["mamba", "attention"], mamba_n_heads=2, mamba_d_head=32, mamba_d_state=8,
+                             mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2, shared_intermediate_size=64,
+                             num_local_experts=2, num_experts_per_tok=1, logits_scaling=4.0),
+    "recurrent_gemma": dict(head_dim=16, block_types=["recurrent", "attention"], lru_width=32, attention_window_size=16,
+                            logits_soft_cap=0.1),
+    "gemma3n_text": dict(head_dim=16, layer_types=["full_attention"] * 2, num_kv_shared_layers=0, laurel_rank=4,
+                         vocab_size_per_layer_input=64, hidden_size_per_layer_input=8, altup_num_inputs=2,
+                         activation_sparsity_pattern=[0.0, 0.0], final_logit_softcapping=0.1),
+    "cohere_compass_text": dict(head_dim=16, layer_types=["sliding_attention", "full_attention"], sliding_window=4,
+                                rope_parameters={kind: {"rope_type": "default", "rope_theta": 10000.0}
+                                                 for kind in ("sliding_attention", "full_attention")},
+                                logit_scale=0.25),
+}
+# Multimodal families not built small here, each with the text family whose transform its forward applies (the same
+# field of get_text_config(): modeling_<family>.py), tested above: Gemma-3n's vision tower needs timm, not installed;
+# Gemma-4's default vision and audio towers take 22 GB and two minutes to build, and Gemma-4-unified's were killed for
+# memory.
+NOT_BUILT_SMALL = {"gemma3n": "gemma3n_text", "gemma4": "gemma4_text", "gemma4_unified": "gemma4_unified_text"}
+
+
+@pytest.mark.parametrize("model_type", SMALL_FROM_CONFIG)
+def test_target_logits_are_the_forwards_logits_in_each_family_built_from_its_config(model_type):
+    """As above, for the families that need more than sizes to build small. The head is fed the decoder's
+    last_hidden_state, as target_layer_features(final_hidden=True) reads it: Gemma-3n's last hidden_states entry is
+    not (AltUp)."""
+    import transformers
+
+    from training.target import logit_transform, target_logits
+
+    config = transformers.AutoConfig.for_model(model_type, vocab_size=64, hidden_size=32, intermediate_size=64,
+                                               num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                                               max_position_embeddings=64, **SMALL_FROM_CONFIG[model_type])
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    input_ids = torch.randint(0, 64, (1, 7))
+    with torch.no_grad():
+        logits = model(input_ids, use_cache=False).logits
+        final_hidden = model.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state
+        head = model.get_output_embeddings()(final_hidden)
+    torch.testing.assert_close(target_logits(head.clone(), model.config), logits)
+    assert logit_transform(model.config) is not None
+    assert (head - logits).abs().max() > 0.05
+
+
+def test_every_family_that_transforms_its_logits_is_tested():
+    """A family added to LOGIT_TRANSFORMS is built small in a test above, or is a multimodal one whose text family is
+    and whose forward transforms as it does: an entry dropped or mistyped teaches the drafter another distribution
+    with no error."""
+    import transformers
+
+    from training.target import LOGIT_TRANSFORMS
+
+    tested = set(SMALL_TRANSFORMING) | set(SMALL_FROM_CONFIG)
+    assert set(LOGIT_TRANSFORMS) - tested - set(NOT_BUILT_SMALL) == set()
+    for family, text_family in NOT_BUILT_SMALL.items():
+        assert text_family in tested
+        assert transformers.AutoConfig.for_model(family).get_text_config().model_type == text_family
+        assert LOGIT_TRANSFORMS[family] == LOGIT_TRANSFORMS[text_family]
+
+
 @pytest.mark.parametrize("family", ["gemma2", "granite"])
 def test_the_teacher_is_the_targets_own_distribution_where_its_forward_transforms_the_head(tmp_path, family):
     """Gemma-2 softcaps its logits (c * tanh(x / c)), Granite divides them by logits_scaling: the teacher was the softmax

@@ -116,6 +116,14 @@ def test_datamodule_caches_tokenization(tmp_path, monkeypatch):
     assert len(dm.train_set) == 18
     with pytest.raises(AssertionError, match="tokenized again"):  # a different max_length is another cache entry
         make_datamodule(tmp_path, max_length=65).prepare_data()
+    stricter = make_datamodule(tmp_path, min_supervised_tokens=20)  # so is another min_supervised_tokens: reusing
+    with pytest.raises(AssertionError, match="tokenized again"):  # the cache would train on what it drops
+        stricter.prepare_data()
+    monkeypatch.undo()
+    data, _, key = stricter.load_tokenized()
+    assert key != dm.load_tokenized()[2]
+    supervised = [int(data[i]["loss_mask"].sum()) for i in range(len(data))]
+    assert len(supervised) == 16 and min(supervised) >= 20  # of 24: the 8 of 17 or 18 supervised tokens dropped
 
 
 

@@ -245,16 +245,20 @@ def test_a_template_whose_prefix_render_is_no_prefix_still_masks_the_assistant_t
 @pytest.mark.parametrize("fixture", ["smol_tokenizer", "llama3_tokenizer"])
 def test_special_token_text_inside_a_reply_is_supervised_as_plain_text(fixture, request):
     """A reply about chat templates that writes "<|im_end|>": the target can only have written it as plain text (its
-    special token would have ended the turn), so that is what the drafter learns; only the real end of turn is one."""
+    special token would have ended the turn), so that is what the drafter learns; only the real end of turn is one.
+    So too in a reply cut short (finish_reason "length"), which has no end of turn."""
     tokenizer = request.getfixturevalue(fixture)
     reply = "ChatML closes a turn with <|im_end|>, and Llama 3 with <|eot_id|>."
-    ids, mask = render_with_loss_mask(tokenizer, [{"role": "user", "content": "How do turns end?"},
-                                                  {"role": "assistant", "content": reply}])
+    messages = [{"role": "user", "content": "How do turns end?"}, {"role": "assistant", "content": reply}]
+    ids, mask = render_with_loss_mask(tokenizer, messages)
     supervised = [i for i, bit in zip(ids, mask) if bit]
     eot = tokenizer.convert_tokens_to_ids([end_of_turn_text(tokenizer)])
     literal = tokenizer(reply, add_special_tokens=False, split_special_tokens=True)["input_ids"]
     assert supervised == literal + eot
     assert not set(literal) & set(tokenizer.all_special_ids) and tokenizer.decode(literal) == reply
+    (cut,), _ = tokenize_conversations(tokenizer, [{"messages": messages, "finish_reason": "length"}],
+                                       max_length=500, min_supervised_tokens=1)
+    assert [i for i, bit in zip(cut["input_ids"], cut["loss_mask"]) if bit] == literal
 
 
 def test_smollm2_with_system_prompt_and_empty_answer(smol_tokenizer):

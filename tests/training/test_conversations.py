@@ -374,12 +374,17 @@ def test_prompt_render_is_a_prefix_of_the_conversation_render(smol_tokenizer, qw
 
 # ----------------------------------------------------------------------------- tokenize
 
-def test_tokenize_conversations_truncates_to_a_prefix_and_rejects_prompts(smol_tokenizer):
+def test_tokenize_conversations_truncates_to_a_prefix_and_rejects_prompts(smol_tokenizer, caplog):
     (full,), _ = tokenize_conversations(smol_tokenizer, [{"messages": CONVERSATION}], 10_000, 1)
     (cut,), counts = tokenize_conversations(smol_tokenizer, [{"messages": CONVERSATION}], 40, 1)
     assert len(full["input_ids"]) > 40 and len(cut["input_ids"]) == 40 == len(cut["loss_mask"])
     assert cut["input_ids"] == full["input_ids"][:40] and cut["loss_mask"] == full["loss_mask"][:40]
     assert counts["truncated"] == 1
+    caplog.clear()  # (the cut above is warned of)
+    with caplog.at_level("WARNING"):  # exactly max_length: nothing cut, so neither counted nor warned of as cut
+        (whole,), counts = tokenize_conversations(smol_tokenizer, [{"messages": CONVERSATION}],
+                                                  len(full["input_ids"]), 1)
+    assert whole == full and counts["truncated"] == 0 and not caplog.records
     with pytest.raises(DDTreeError, match="1 have no assistant tokens.*looks like a prompt file"):
         tokenize_conversations(smol_tokenizer, [{"messages": CONVERSATION[:1]}], 100, 1)
 

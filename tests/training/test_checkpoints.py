@@ -459,6 +459,18 @@ def refused_line(command: str, run: Path, tmp_path: Path, capsys) -> str:
     return one_error_line(capsys)
 
 
+def edited_run(path: Path, tmp_path: Path, edit) -> tuple[Path, Path]:
+    """A run folder whose checkpoints/last.ckpt is the checkpoint at `path` after edit(checkpoint) changed it in place:
+    (the run folder, that file)."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    edited = run / "checkpoints" / "last.ckpt"
+    checkpoint = torch.load(path, weights_only=False)
+    edit(checkpoint)
+    torch.save(checkpoint, edited)
+    return run, edited
+
+
 @pytest.mark.parametrize("command", ["eval", "export"])
 def test_a_truncated_checkpoint_is_one_error_line_and_status_2(saved, tmp_path, capsys, command):
     path, _ = saved
@@ -474,14 +486,11 @@ def test_a_truncated_checkpoint_is_one_error_line_and_status_2(saved, tmp_path, 
 def test_a_checkpoint_with_non_finite_weights_is_refused_not_scored_or_shipped(saved, tmp_path, capsys, command):
     """Lossless decoding scores any drafter at tau >= 1.0: one whose weights diverged would read as measured, and
     an export would ship noise."""
-    path, _ = saved
-    run = tmp_path / "run"
-    (run / "checkpoints").mkdir(parents=True)
-    diverged = run / "checkpoints" / "last.ckpt"
-    checkpoint = torch.load(path, weights_only=False)
-    name = next(key for key in checkpoint["state_dict"] if key.startswith("drafter."))
-    checkpoint["state_dict"][name] = torch.full_like(checkpoint["state_dict"][name], float("nan"))
-    torch.save(checkpoint, diverged)
+    def diverge(checkpoint):
+        name = next(key for key in checkpoint["state_dict"] if key.startswith("drafter."))
+        checkpoint["state_dict"][name] = torch.full_like(checkpoint["state_dict"][name], float("nan"))
+
+    run, diverged = edited_run(saved[0], tmp_path, diverge)
     line = refused_line(command, run, tmp_path, capsys)
     assert f"CKPT {diverged}: 1 of the drafter's parameter tensors hold NaN or inf" in line and "step-N.ckpt" in line
 
@@ -493,15 +502,12 @@ def test_a_checkpoint_whose_weights_do_not_match_its_config_is_refused_naming_th
     """A weight the config needs, missing from the checkpoint, would start from random values: finite, so the NaN
     check passes it, and the export's load-back compares it with itself. torch's strict error named no weight in the
     line shown ("Error(s) in loading state_dict for DFlashDraftModel:")."""
-    path, _ = saved
-    run = tmp_path / "run"
-    (run / "checkpoints").mkdir(parents=True)
-    edited = run / "checkpoints" / "last.ckpt"
-    checkpoint = torch.load(path, weights_only=False)
-    weight = checkpoint["state_dict"].pop("drafter.fc.weight")
-    if renamed_to:
-        checkpoint["state_dict"][renamed_to] = weight
-    torch.save(checkpoint, edited)
+    def drop(checkpoint):
+        weight = checkpoint["state_dict"].pop("drafter.fc.weight")
+        if renamed_to:
+            checkpoint["state_dict"][renamed_to] = weight
+
+    run, edited = edited_run(saved[0], tmp_path, drop)
     line = refused_line(command, run, tmp_path, capsys)
     assert line.startswith(f"error: CKPT {edited}: its weights do not match its drafter_config (the config needs "
                            "weight fc.weight, absent from the weights"), line
@@ -512,17 +518,16 @@ def test_a_checkpoint_whose_weights_do_not_match_its_config_is_refused_naming_th
 @pytest.mark.parametrize("command", ["eval", "export"])
 def test_a_checkpoint_with_a_weight_of_another_shape_is_refused_naming_it(saved, tmp_path, capsys, command):
     """torch raises on a shape that differs whatever `strict` is; its first line named no weight either."""
-    path, _ = saved
-    run = tmp_path / "run"
-    (run / "checkpoints").mkdir(parents=True)
-    edited = run / "checkpoints" / "last.ckpt"
-    checkpoint = torch.load(path, weights_only=False)
-    weight = checkpoint["state_dict"]["drafter.fc.weight"]
-    checkpoint["state_dict"]["drafter.fc.weight"] = weight[:, :-1].clone()
-    torch.save(checkpoint, edited)
+    def narrow(checkpoint):
+        weights = checkpoint["state_dict"]
+        weights["drafter.fc.weight"] = weights["drafter.fc.weight"][:, :-1].clone()
+        shapes.append(list(weights["drafter.fc.weight"].shape))
+
+    shapes = []
+    run, edited = edited_run(saved[0], tmp_path, narrow)
     line = refused_line(command, run, tmp_path, capsys)
     assert line.startswith(f"error: CKPT {edited}: its weights do not match its drafter_config (size mismatch for "
-                           f"fc.weight: copying a param with shape torch.Size({list(weight[:, :-1].shape)}) from "
+                           f"fc.weight: copying a param with shape torch.Size({shapes[0]}) from "
                            "checkpoint"), line
 
 

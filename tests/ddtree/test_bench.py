@@ -240,6 +240,19 @@ def test_a_method_whose_prompts_ran_no_round_has_no_tau(tiny_target):
     assert generate(target, [5, 6, 7, 8], "ar", max_new_tokens=1).tau is None
 
 
+def test_the_table_prints_each_figure_under_its_own_heading():
+    """Tau against expected tau is how a user reads an over-confident drafter: the tests' drafters had the two equal (or
+    both "-"), so tau and exp.tau swapped, or verify ms printed as draft ms, passed."""
+    row = dict(tau=2.5, expected_tau=3.1, new_tokens=64, tokens_per_s=50.0, speedup=1.6, round_ms=8.5, draft_ms=2.0,
+               verify_ms=6.0, other_ms=0.5, tree_nodes=32.0)
+    header, _, line = format_summary({"ddtree@32": row}).splitlines()[:3]
+    headings = ["method", "tau", "exp.tau", "tokens", "tok/s", "speedup", "round ms", "draft", "verify", "other", "nodes"]
+    assert header.split() == " ".join(headings).split()  # the headings checked are the table's
+    assert dict(zip(headings, line.split())) == {
+        "method": "ddtree@32", "tau": "2.50", "exp.tau": "3.10", "tokens": "64", "tok/s": "50.0", "speedup": "1.60x",
+        "round ms": "8.5", "draft": "2.0", "verify": "6.0", "other": "0.50", "nodes": "32.0"}
+
+
 def test_the_line_of_prompts_equal_to_ars_says_what_a_difference_means_at_the_dtype():
     """4/6 in bf16 on an H200 read as a losslessness failure: in bf16 a near tie can flip, in fp32 it is a bug (at
     T > 0 too, where every method draws ar's tokens from a generator seeded alike)."""

@@ -658,6 +658,28 @@ def test_make_eval_shows_a_tau_no_round_measured_as_a_dash(saved, tmp_path, caps
     assert "nan" not in table
 
 
+def test_make_evals_row_prints_tau_logged_expected_and_rounds_each_under_its_heading(saved, tmp_path, capsys,
+                                                                                      monkeypatch):
+    """A random drafter measures an expected tau next to its tau (1.001 to 1.000): the "expected" column printing the
+    tau passed every test, and so did "rounds" printing the tokens, while results.json held the right figures."""
+    from training.callbacks import AcceptanceEvaluation
+
+    path, _ = saved
+    measurement = {"prompts": "data/eval_prompts.jsonl", "limit": 1, "max_new_tokens": 16, "lookup": None,
+                   "redraft": None}  # the tiny recipe's with --limit 1: its logged tau of 1.5 is shown
+    loose = loose_copy(path, tmp_path / "loose", measurement)
+    stats = {"tau": 2.5, "expected_tau": 3.125, "rounds": 12, "tree_nodes": 8.0, "new_tokens": 31,
+             "accepted_depth_counts": {0: 2, 2: 10}}
+    monkeypatch.setattr(AcceptanceEvaluation, "measure",
+                        lambda self, *args, **kwargs: {"summary": {"dflash": stats}, "prompts": []})
+    assert training.evaluate.main(["--recipe", "tiny", "--ckpt", str(loose), "--limit", "1"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    header = next(line for line in printed if line.startswith("method "))
+    row = next(line for line in printed if line.startswith("dflash "))
+    assert header.split()[:5] == ["method", "tau", "logged", "expected", "rounds"]
+    assert row.split() == ["dflash", "2.500", "1.500", "3.125", "12", "0:2", "2:10"]
+
+
 def test_make_eval_of_an_abandoned_branchs_checkpoint_reads_its_run_and_writes_beside_its_branchs_evaluations(
         saved, tmp_path, capsys):
     """A checkpoint a resume moved to checkpoints/abandoned-after-step-N/ read the recipe (another target's by

@@ -16,6 +16,7 @@ import torch
 from ddtree.bench import (CHAIN, acceptance_summary, budget_of, compare_packed_verify_cost, format_summary, iter_json_lines,
                           load_prompts, method_keys, read_prompts, run_benchmark, summarize, tree_key)
 from ddtree import target_runner
+from ddtree.calibration import OnlineCalibration
 from ddtree.decoding import GenerationResult, Round, generate
 from ddtree.errors import DDTreeError
 from ddtree.packed_linear import is_packed, pack_linears, packing_available, unpack_linears
@@ -441,6 +442,36 @@ def decoding_runner(target, tokenizer):
     from ddtree.decoding import DrafterRunner
 
     return DrafterRunner(load_drafter("random", target, tokenizer, "tiny-random"), target)
+
+
+def test_the_warm_up_teaches_the_callers_online_calibration_nothing(tiny_target):
+    """`ddtree calibrate` writes what run_benchmark's rounds taught into the drafter's calibration.json: a warm-up
+    decoding with the caller's calibration, not a copy, taught it the longest prompt twice. Only the sizers' isolation
+    was tested."""
+    target, tokenizer = tiny_target
+    drafter = decoding_runner(target, tokenizer)
+    prompts = [{"id": "a", "prompt_ids": [5, 6, 7, 8]}, {"id": "b", "prompt_ids": [9, 10, 11, 12, 13, 14]}]
+    learned = {}
+    for warm in (False, True):
+        calibration = OnlineCalibration(record=True)
+        run_benchmark(target, drafter, prompts, [CHAIN, "ddtree"], [4], max_new_tokens=16, stop_ids=[], progress=False,
+                      online=calibration, warm=warm)
+        learned[warm] = (calibration.log_temperatures, calibration.trajectory)
+    assert learned[True] == learned[False]
+
+
+def test_each_budgets_online_temperature_is_its_own(tiny_target):
+    """results.json's online_temperature of ddtree@16 was budget 4's (the nearest learned to budget 1) and no test saw
+    it: each had one budget, whose temperature is the nearest to any."""
+    target, tokenizer = tiny_target
+    calibration = OnlineCalibration()
+    summary = run_benchmark(target, decoding_runner(target, tokenizer), [{"id": "a", "prompt_ids": [5, 6, 7, 8]}],
+                            [CHAIN, "ddtree"], [4, 16], max_new_tokens=16, stop_ids=[], progress=False,
+                            online=calibration)["summary"]
+    assert calibration.log_temperatures[4] != calibration.log_temperatures[16]  # else this test tells nothing
+    for budget in (4, 16):
+        assert summary[tree_key(budget)]["online_temperature"] == calibration.temperature(budget)
+    assert summary[CHAIN]["online_temperature"] == calibration.temperature(None)
 
 
 # ------------------------------------------------------------------------------ prompts a library caller builds

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import toy_data  # tests/training/toy_data.py
-from training.ablate import main, markdown_table, parse_variant, plot
+from training.ablate import main, markdown_table, parse_variant, plot, summarize_variant
 from training.arguments import recipe_path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -264,6 +264,40 @@ def test_the_table_shows_every_budget_and_a_dash_where_a_variant_did_not_measure
     unmeasured = {**result("c", {}, None), "tau": {8: None, 32: None}, "expected_tau": {8: None, 32: None}}
     assert markdown_table([unmeasured]).splitlines()[2].endswith("| - | - | - | - |")
     assert plot([unmeasured]) is not None
+
+
+def test_a_variants_row_reads_its_newest_evaluation_and_validation_in_depth_order(tmp_path):
+    """A variant folder as training leaves it: Lightning's CSVLogger for a block-16 drafter (its columns sorted as
+    strings: acc_1, acc_10, .., acc_15, acc_2, ..), two validations and two evaluations, as a variant with its own
+    schedule leaves them. The tiny recipe's depths 1..7 sort alike either way, and its canned chain tau equals its
+    expected tau, so a table in column order (acc@2 under acc@10), with the chain's expected tau as its tau, the first
+    validation or the launch's seconds as its minutes passed every test (mutation review G2: A04, A06, A07, A08)."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    def stats(tau, expected):
+        return {"tau": tau, "expected_tau": expected, "rounds": 10, "accepted_depth_counts": {}}
+
+    run = tmp_path / "ablate-x-v"
+    logger = CSVLogger(run, name="csv")
+    logger.log_metrics({"val/loss": 9.0, **{f"val/acc_{k}": 0.0 for k in range(1, 16)},
+                        **{f"val/recall4_{k}": 0.0 for k in range(1, 16)}}, step=5)
+    logger.log_metrics({"val/loss": 3.25, **{f"val/acc_{k}": k / 100 for k in range(1, 16)},
+                        **{f"val/recall4_{k}": k / 50 for k in range(1, 16)}}, step=10)
+    logger.save()
+    (run / "eval").mkdir(parents=True)
+    settings = {"packed_weights_resolved": False, "lookup": 0, "corpus": False, "redraft": 0}
+    (run / "eval" / "step-000005.json").write_text(json.dumps({"step": 5, "settings": settings, "summary": {
+        "dflash": stats(1.1, 1.1), "ddtree@16": stats(1.1, 1.1), "ddtree@32": stats(1.1, 1.1)}}))
+    (run / "eval" / "step-000010.json").write_text(json.dumps({"step": 10, "settings": settings, "summary": {
+        "dflash": stats(1.6, 2.0), "ddtree@32": stats(2.8, 3.3), "ddtree@16": stats(2.4, 2.9)}}))
+    row = summarize_variant("v", run, seconds=600.0)
+    assert row["accuracy"] == [k / 100 for k in range(1, 16)]  # depth 1..15, not the CSV's column order
+    assert row["val_loss"] == 3.25 and row["step"] == 10
+    acc = " ".join(f"{k / 100:.2f}" for k in range(1, 16))
+    recall = " ".join(f"{k / 50:.2f}" for k in range(1, 16))
+    # 10.0 launch minutes; the chain's measured 1.60 beside its expected 2.00, and tree@32 / chain = 2.80 / 1.60
+    assert markdown_table([row]).splitlines()[2] == (
+        f"| v | 10 | 10.0 | 3.250 | {acc} | {recall} | 2.40 (2.90) | 2.80 (3.30) | 1.60 (2.00) | 1.75x |")
 
 
 def test_a_stopped_variant_is_a_row_the_others_still_compare_and_unequal_data_is_said(tmp_path, monkeypatch, capsys):

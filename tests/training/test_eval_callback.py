@@ -1251,6 +1251,25 @@ def test_trainings_eval_line_shows_a_tau_no_round_measured_as_a_dash(tmp_path, c
     assert said.startswith("[eval] step 2: tau@8 - (drafter expected -), chain 1.00, "), said
 
 
+class Overconfident(CannedEvaluation):
+    """Its drafter expects 0.6 more tokens a round than the trees accept."""
+
+    def measure(self, *args, **kwargs):
+        result = super().measure(*args, **kwargs)
+        for stats in result["summary"].values():
+            stats["expected_tau"] = stats["tau"] + 0.6
+        return result
+
+
+def test_the_eval_line_says_the_drafters_expectation_beside_the_measured_tau(tmp_path, capsys):
+    """The line printed at each evaluation is how a user sees an over-confident drafter during training; every canned
+    or rigged drafter expected exactly its tau, so a line printing the tau twice passed every test (mutation review
+    G3: C09)."""
+    canned_fit(tmp_path, 2, {2: {8: 1.5}}, kind=Overconfident)
+    (said,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[eval] step 2")]
+    assert said.startswith("[eval] step 2: tau@8 1.50 (drafter expected 2.10), chain 1.00, "), said
+
+
 def test_the_evaluation_decodes_through_packed_target_weights_and_unpacks_them_after(monkeypatch, capsys):
     """eval.packed_weights: the CPU recipe's evaluation took 1.3x less time with the fp32 target packed for oneDNN."""
     target, tokenizer = load_target("tiny-random", torch.float32)

@@ -806,6 +806,34 @@ def test_the_plot_shows_an_expected_tau_that_has_no_neighbour():
     assert expected.get_marker() not in ("None", "", " ", None) and expected.get_markersize() > 0
 
 
+def test_the_best_line_the_star_and_accepted_depths_csv_read_each_figure_from_its_own_place():
+    """Two steps whose budgets, chain, expectations and depth counts all differ. The report tests held every budget at
+    one value, never read the star's coordinates and read only accepted_depths.csv's step column, so a best line with
+    tau@32's tau, a star on the chain's and a CSV with depth and count swapped passed every test (mutation review G4:
+    R07, R10, R11)."""
+    def record(step, tau8, tau32, chain):
+        def stats(tau, expected, counts):
+            return {"tau": tau, "expected_tau": expected, "rounds": sum(counts.values()),
+                    "accepted_depth_counts": counts}
+        return {"step": step, "train_loss": 3.0, "val_loss": 3.1, "seconds": 15.0, "checkpointed": True,
+                "summary": {CHAIN: stats(chain, 1.9, {0: 7, 1: 2}), tree_key(8): stats(tau8, 2.4, {0: 5, 1: 3, 2: 1}),
+                            tree_key(32): stats(tau32, 3.3, {0: 4, 3: 6})}}
+
+    history = [record(2, 2.2, 2.5, 1.5), record(4, 2.6, 2.9, 1.7)]
+    settings = dict(prompts=PROMPTS, num_prompts=1, max_new_tokens=4, budgets=[8, 32], primary_budget=8, block_size=BLOCK)
+    assert "**Best checkpoint by tau@8: step 4** (tau 2.600;" in training.report.markdown_report(
+        "run", history, settings, 0.0, 1.0)
+    lines = {line.get_label(): line for line in training.report.plot_tau(history, settings).axes[0].get_lines()}
+    star = lines["best checkpoint (budget 8)"]
+    assert list(star.get_xdata()) == [4] and list(star.get_ydata()) == [2.6]
+    assert list(lines["DFlash chain"].get_ydata()) == [1.5, 1.7]
+    assert list(lines["DDTree, budget 32"].get_ydata()) == [2.5, 2.9]
+    rows = list(csv.DictReader(training.report.depth_counts_csv(history[:1]).splitlines()))
+    assert {(row["method"], int(row["depth"]), int(row["count"])) for row in rows} == {
+        (CHAIN, 0, 7), (CHAIN, 1, 2), (tree_key(8), 0, 5), (tree_key(8), 1, 3), (tree_key(8), 2, 1),
+        (tree_key(32), 0, 4), (tree_key(32), 3, 6)}
+
+
 def test_the_report_says_why_a_tree_with_lookups_measures_above_its_expected_tau():
     """The CPU recipe's report read tau@32 3.08 (expected 2.36) beside "far above the measurement means an
     over-confident drafter": the lookups' nodes count by the drafter's probabilities, which say nothing of them."""

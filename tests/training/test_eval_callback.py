@@ -15,6 +15,7 @@ import math
 import os
 import random
 import re
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -1296,6 +1297,44 @@ def test_the_eval_line_says_the_drafters_expectation_beside_the_measured_tau(tmp
     canned_fit(tmp_path, 2, {2: {8: 1.5}}, kind=Overconfident)
     (said,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[eval] step 2")]
     assert said.startswith("[eval] step 2: tau@8 1.50 (drafter expected 2.10), chain 1.00, "), said
+
+
+class SlowSetup(L.Callback):
+    """Loading and data: before training starts, so not in the launch's time the report divides by."""
+
+    def setup(self, trainer, pl_module, stage):
+        time.sleep(1.0)
+
+
+class SlowEvaluation(CannedEvaluation):
+    """Every evaluation spends 0.3 s in model.calibrate's fit and 0.3 s decoding."""
+
+    def calibrate(self, trainer, pl_module):
+        time.sleep(0.3)
+
+    def measure(self, *args, **kwargs):
+        time.sleep(0.3)
+        return super().measure(*args, **kwargs)
+
+
+def test_the_evaluations_share_is_every_evaluation_of_the_launch_over_its_time_since_training_started(tmp_path, capsys):
+    """The share tells a user whether eval.every_n_train_steps eats the time box, and nothing read it: a share of the
+    last evaluation alone, over training time without the evaluations, with the set-up counted or without calibration's
+    fit passed every test (mutation review G5: R04, C03, C04, C05, C10)."""
+    started = time.perf_counter()
+    evaluation, _ = canned_fit(tmp_path, 6, {2: {8: 1.5}, 4: {8: 1.6}, 6: {8: 1.7}}, before=[SlowSetup()],
+                               kind=SlowEvaluation)
+    wall = time.perf_counter() - started
+    (line,) = [line for line in (tmp_path / "report.md").read_text().splitlines()
+               if line.startswith("This launch so far")]
+    took, of, share = map(float, re.search(r"took ([\d.]+) s of the ([\d.]+) s .*\(([\d.]+)%", line).groups())
+    assert took == pytest.approx(sum(row["seconds"] for row in evaluation.history), abs=0.05)  # printed to 0.1 s
+    assert took >= 0.95 * 3 * 0.6  # calibration's fit and the decoding, of all three evaluations
+    assert took < of <= wall - 1.0 + 0.05  # since training started: the set-up is not counted
+    assert share == pytest.approx(100 * took / of, abs=1.0)
+    (said,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[eval] step 6")]
+    line_share = float(re.search(r"\(([\d.]+)% of this launch so far\)", said).group(1))
+    assert line_share == pytest.approx(share, abs=2.0)  # the same share, a moment before the report's
 
 
 def test_the_evaluation_decodes_through_packed_target_weights_and_unpacks_them_after(monkeypatch, capsys):

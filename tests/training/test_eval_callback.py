@@ -1116,9 +1116,13 @@ def test_a_warm_started_lora_drafter_trains_in_training_mode_before_and_after_ea
     assert modes == {0: True, 1: True, 2: True, 3: True}  # steps 2 and 3 follow validation and an evaluation
 
 
-def test_a_run_stopped_off_schedule_keeps_the_validation_loss_of_its_stop(tmp_path):
+@pytest.mark.parametrize("seen_coming", [True, False])
+def test_a_run_stopped_off_schedule_keeps_the_validation_loss_of_its_stop(tmp_path, seen_coming):
     """max_time at step 3 (validation every 2): Lightning validates at the stop, then the final evaluation runs; its
-    row and its file take that step's loss, not step 2's."""
+    row and its file take that step's loss, not step 2's. A stop the evaluation sees coming is measured before that
+    validation, which adds its loss to the file; one it does not see is measured after it, at on_train_end, and the
+    file is written with the loss. A resume reads the loss from that file, and only test_reliability.py caught it
+    missing there (mutation review, C07)."""
     evaluation = AcceptanceEvaluation(prompts=PROMPTS, every_n_train_steps=2, budgets=[4], primary_budget=4,
                                       max_new_tokens=4, limit=1)
     losses = {}
@@ -1129,7 +1133,8 @@ def test_a_run_stopped_off_schedule_keeps_the_validation_loss_of_its_stop(tmp_pa
 
     torch.manual_seed(0)
     trainer = L.Trainer(max_steps=10, accelerator="cpu", default_root_dir=tmp_path, logger=False,
-                        callbacks=[StopAtStep3(), RecordValidation(), evaluation], enable_checkpointing=False,
+                        callbacks=[StopAtStep3(), RecordValidation(), evaluation] if seen_coming
+                        else [RecordValidation(), evaluation, StopAtStep3()], enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, val_check_interval=2,
                         check_val_every_n_epoch=None, num_sanity_val_steps=0, limit_val_batches=1)
     trainer.fit(tiny_module(), train_dataloaders=synthetic_loader(10), val_dataloaders=synthetic_loader(1))

@@ -20,7 +20,7 @@ from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
 
 from .configuration_dflash import DFlashDrafterConfig
-from .errors import DDTreeError, error_line
+from .errors import DDTreeError, error_line, first_and_count
 from .inputs import check_drafter_path
 from .modeling_dflash import DFlashDraftModel
 from .targets import check_drafter_fits
@@ -75,12 +75,11 @@ def check_weights_match_config(folder: Path, config: DFlashDrafterConfig) -> Non
     found = weight_shapes(folder)
     missing = [name for name in expected if name not in found]
     if missing:
-        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-        raise DDTreeError(f"drafter {folder}: config.json needs weight {missing[0]}{more}, absent from its safetensors; {mismatch}")
+        raise DDTreeError(f"drafter {folder}: config.json needs weight {first_and_count(missing)}, absent from its "
+                          f"safetensors; {mismatch}")
     unused = [name for name in found if name not in expected]
     if unused:
-        more = f" and {len(unused) - 1} more" if len(unused) > 1 else ""
-        raise DDTreeError(f"drafter {folder}: {found[unused[0]][1]} holds weight {unused[0]}{more}, "
+        raise DDTreeError(f"drafter {folder}: {found[unused[0]][1]} holds weight {first_and_count(unused)}, "
                           f"which config.json has no place for; {mismatch}")
     for name, shape in expected.items():
         saved, file = found[name]

@@ -108,6 +108,11 @@ class CommandParser(argparse.ArgumentParser):
         self.exit(USAGE_ERROR, f"error: {message}; see {self.prog} --help\n")
 
 
+def first_and_count(names: list[str]) -> str:
+    """The first of `names` and how many more, for a one-line error: "fc.weight and 2 more"."""
+    return names[0] + (f" and {len(names) - 1} more" if len(names) > 1 else "")
+
+
 def error_line(error: BaseException) -> str:
     """The one line printed for a user error: its message's first line (multi-line messages are cut). An error raised
     in a DataLoader worker comes back as torch re-raises it, its message a heading and the worker's traceback: the line

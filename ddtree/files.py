@@ -377,25 +377,34 @@ def process_gone(pid: int) -> bool:
     return False
 
 
-def remove_orphaned_staging(destination: Path) -> None:
+def staging_pattern(name: str) -> re.Pattern:
+    """The names staged_folder gives the staging folders of a folder called `name`: .<name>-<writer>-<mkdtemp's 8
+    characters>, the writer (staging_owner's host.namespace.pid) absent from those made before 2026-12-05."""
+    return re.compile(rf"\.{re.escape(name)}-(?:(?P<host>[A-Za-z0-9_]+)\.(?P<namespace>\d+)\.(?P<pid>\d+)-)?"
+                      r"[a-z0-9_]{8}")
+
+
+def remove_orphaned_staging(destination: Path, owner: str) -> None:
     """Remove the staging folders of `destination` that a killed writer on this host left (its process is gone), each
-    named in a line on stderr. Without it a SIGKILLed export, merge or conversion left a hidden folder of up to the
-    drafter's or the dataset's size beside it for good. A folder of another host, or of a process still running, is
-    left alone: it may be being written now."""
-    host, namespace, _ = staging_owner().split(".")
-    ours = re.compile(rf"\.{re.escape(destination.name)}-{re.escape(host)}\.{namespace}\.(\d+)-[a-z0-9_]{{8}}")
+    named in a line on stderr; `owner`: this process's staging_owner(). Without it a SIGKILLed export, merge or
+    conversion left a hidden folder of up to the drafter's or the dataset's size beside it for good. A folder of
+    another host, or of a process still running, is left alone: it may be being written now."""
+    host, namespace, _ = owner.split(".")
+    ours = staging_pattern(destination.name)
     try:
         siblings = list(destination.parent.glob(f".{destination.name}-*"))
     except OSError:
         return
     for path in siblings:
         match = ours.fullmatch(path.name)
-        if match and int(match[1]) != os.getpid() and process_gone(int(match[1])) and path.is_dir() \
-                and not path.is_symlink():
+        if not (match and match["pid"] and (match["host"], match["namespace"]) == (host, namespace)):
+            continue
+        pid = int(match["pid"])
+        if pid != os.getpid() and process_gone(pid) and path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
             if not path.exists():  # (another writer may have swept it first)
-                print(f"[ddtree] removed {path}: what process {match[1]} left of {destination.name} when it was "
-                      "killed while writing it", file=sys.stderr, flush=True)
+                print(f"[ddtree] removed {path}: what process {pid} left of {destination.name} when it was killed "
+                      "while writing it", file=sys.stderr, flush=True)
 
 
 @contextmanager
@@ -417,8 +426,9 @@ def staged_folder(destination: str | Path):
                           f"inside it ({destination / 'name'})")
     with unwritable_as_error(destination):
         destination.parent.mkdir(parents=True, exist_ok=True)
-        remove_orphaned_staging(destination)
-        staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}-{staging_owner()}-", dir=destination.parent))
+        owner = staging_owner()
+        remove_orphaned_staging(destination, owner)
+        staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}-{owner}-", dir=destination.parent))
     with refused_write_as_error(destination):  # outside the clean-up, as atomic_file's
         try:
             yield staging

@@ -17,7 +17,6 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-import re
 import shutil
 import socket
 import sys
@@ -34,7 +33,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gener
                           PreTrainedTokenizerBase)
 
 from .errors import DDTreeError
-from .files import WriteFailed, cache_dir, staged_folder, why_unwritable
+from .files import WriteFailed, cache_dir, staged_folder, staging_pattern, why_unwritable
 from .names import DTYPE_NAMES
 
 # The dtypes a user can name on any command line or recipe field of this project.
@@ -101,7 +100,7 @@ def remove_stale_staging(folder: Path) -> None:
     fresher one may belong to a conversion another process is running now, so it is left alone. (staged_folder
     itself removes those whose writer on this host is gone; this also takes another host's, in a shared cache.)
     """
-    ours = re.compile(rf"\.{re.escape(folder.name)}-(?:[A-Za-z0-9_]+\.\d+\.\d+-)?[a-z0-9_]{{8}}")
+    ours = staging_pattern(folder.name)
     for staging in folder.parent.glob(f".{folder.name}-*"):
         if not (ours.fullmatch(staging.name) and staging.is_dir() and not staging.is_symlink()):
             continue

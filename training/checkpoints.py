@@ -27,7 +27,7 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from ddtree.configuration_dflash import DFlashDrafterConfig
-from ddtree.errors import DDTreeError, error_line
+from ddtree.errors import DDTreeError, error_line, first_and_count
 from ddtree.files import WriteFailed, atomic_file, refused_write_as_error
 from ddtree.modeling_dflash import DFlashDraftModel
 
@@ -184,13 +184,9 @@ def drafter_from_weights(drafter_config: dict, hyper_parameters: dict, weights: 
     except RuntimeError as error:
         named = [line.strip() for line in str(error).splitlines()[1:] if line.strip()]
         raise RuntimeError(named[0] if named else str(error)) from None
-    mismatches = []
-    if missing:
-        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-        mismatches.append(f"the config needs weight {missing[0]}{more}, absent from the weights")
+    mismatches = [f"the config needs weight {first_and_count(missing)}, absent from the weights"] if missing else []
     if unexpected:
-        more = f" and {len(unexpected) - 1} more" if len(unexpected) > 1 else ""
-        mismatches.append(f"the weights hold {unexpected[0]}{more}, which the config has no place for")
+        mismatches.append(f"the weights hold {first_and_count(unexpected)}, which the config has no place for")
     if mismatches:
         raise RuntimeError("; ".join(mismatches))
     return merged_drafter(drafter)

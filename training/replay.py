@@ -116,7 +116,7 @@ def replay_reply(
         accepted, _ = walk(tree, lambda row: ids[root + 1 + depth_of[row]] if root + 1 + depth_of[row] < end else -1)
         path = ids[root + 1:root + 1 + len(accepted)]
         # As decoding: the reply ends at an accepted stop token, the nodes below it neither accepted nor expected.
-        stop = next((i for i, token in enumerate(path) if token in stop_ids), None)
+        stop = next((i for i, token in enumerate(path) if token in stops), None)
         path = path if stop is None else path[:stop + 1]
         expected = tree.expected_acceptance_before(stops)
         if online is not None:

@@ -1336,7 +1336,9 @@ def test_the_evaluations_share_is_every_evaluation_of_the_launch_over_its_time_s
     assert took == pytest.approx(sum(row["seconds"] for row in evaluation.history), abs=0.05)  # printed to 0.1 s
     assert took >= 0.95 * 3 * 0.6  # calibration's fit and the decoding, of all three evaluations
     assert took < of <= wall - 1.0 + 0.05  # since training started: the set-up is not counted
-    assert share == pytest.approx(100 * took / of, abs=1.0)
+    # took and of are printed to 0.1 s, the share to 0.1%: the share lies in what the rounded figures allow (a share
+    # of 82.9 printed beside 1.8 s of 2.2 s is right, from 1.849 s of 2.23 s), and a share of anything else does not
+    assert 100 * (took - 0.05) / (of + 0.05) - 0.05 <= share <= 100 * (took + 0.05) / (of - 0.05) + 0.05
     (said,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[eval] step 6")]
     line_share = float(re.search(r"\(([\d.]+)% of this launch so far\)", said).group(1))
     assert line_share == pytest.approx(share, abs=2.0)  # the same share, a moment before the report's

@@ -22,7 +22,9 @@ import pathlib, sys, time
 from ddtree.files import staged_folder, staging_owner
 with staged_folder(sys.argv[1]) as staging:
     (staging / "model.safetensors").write_bytes(b"0" * 4096)
-    pathlib.Path(sys.argv[2]).write_text(str(staging))
+    marker = pathlib.Path(sys.argv[2])
+    marker.with_name("marker.tmp").write_text(str(staging))
+    marker.with_name("marker.tmp").replace(marker)  # whole when it appears: the test reads it as soon as it exists
     time.sleep(60)
 """
 

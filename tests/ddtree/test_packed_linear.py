@@ -146,12 +146,13 @@ def test_measure_packing_times_the_models_layers_both_ways(monkeypatch):
     assert pack_linears(model) == 2
     plain, fast = packed_linear.measure_packing(model)
     assert plain > 0 and fast > 0
-    # Each figure times its own path: plain F.linear made 5 ms slower a call (2 layers x 2 probe shapes) moves the
-    # plain figure by 20 ms and leaves the packed one, which never calls it.
+    # Each figure times its own path: plain F.linear made 5 ms slower a call (2 layers x 2 probe shapes) puts the
+    # plain figure at 20 ms or more and leaves the packed one, which never calls it, at its own. Bounds on the figures
+    # alone: plain + 19 failed under load with 2 threads, where the unslowed plain figure itself grew to ~14 ms.
     linear = packed_linear.F.linear
     monkeypatch.setattr(packed_linear.F, "linear", lambda *args: time.sleep(0.005) or linear(*args))
     slowed, packed = packed_linear.measure_packing(model)
-    assert slowed >= plain + 19 and packed < slowed - 15, (plain, fast, slowed, packed)
+    assert slowed >= 20 and packed < 15, (plain, fast, slowed, packed)
 
 
 @needs_packing

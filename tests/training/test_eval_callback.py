@@ -1341,7 +1341,9 @@ def test_the_evaluations_share_is_every_evaluation_of_the_launch_over_its_time_s
     assert 100 * (took - 0.05) / (of + 0.05) - 0.05 <= share <= 100 * (took + 0.05) / (of - 0.05) + 0.05
     (said,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[eval] step 6")]
     line_share = float(re.search(r"\(([\d.]+)% of this launch so far\)", said).group(1))
-    assert line_share == pytest.approx(share, abs=2.0)  # the same share, a moment before the report's
+    # the same share, a moment before the report's: step 6's checkpoint save (20-44 ms here) lies between the two,
+    # which lowers the report's share by up to ~2 points of a 2.2 s launch; every mutant this test guards is >25 off
+    assert share - 0.1 <= line_share <= share + 15
 
 
 def test_the_evaluation_decodes_through_packed_target_weights_and_unpacks_them_after(monkeypatch, capsys):

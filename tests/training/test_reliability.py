@@ -11,7 +11,6 @@ own process, sent the signal from another thread, as a process of their own woul
 from __future__ import annotations
 
 import csv
-import fcntl
 import json
 import logging
 import os
@@ -824,8 +823,9 @@ def test_a_second_launch_into_a_run_folder_still_training_is_refused(tmp_path, c
     (run_dir / "config.yaml").write_text("the first launch's\n")  # no checkpoint yet
     in_use = (f"error: run folder {run_dir} is in use by another launch that is still running (it holds .train.lock): "
               "stop it or wait for it to end; a new run can take another --run")
-    with open(run_dir / ".train.lock", "a") as first:
-        fcntl.flock(first, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as the first launch's rank 0 holds it while it trains
+    # the first launch's rank 0 holds it while it trains, through the launch's own lock: a lock taken by hand here
+    # would refuse a second launch even if the launches' locks let each other in (a shared one, say)
+    with training.train.hold_run_folder(run_dir):
         assert train_main(tiny_args(tmp_path, "live", max_steps=2)) == 2
         assert error_lines(capsys) == [in_use] and not reached
         assert (run_dir / "config.yaml").read_text() == "the first launch's\n"

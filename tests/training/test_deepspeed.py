@@ -702,6 +702,34 @@ def test_a_recipe_sized_for_other_hardware_stops_at_once_with_one_line(launcher,
     assert time.perf_counter() - started < 30  # before any model, data or process group
 
 
+def test_each_deepspeed_strategy_name_configures_the_stage_and_offload_it_names(monkeypatch):
+    """docs/training.md offers zero2_offload and zero3_offload where the drafter's training does not fit the GPUs: a name
+    that configured no offload would run out of memory (or train a run sized for offload without it), and an offloaded
+    optimizer without zero_force_ds_cpu_optimizer=False stops every such launch at fit's start with DeepSpeed's
+    ZeRORuntimeException about the module's own torch AdamW. Only the zero*_cpu ones train in this suite."""
+    from deepspeed.accelerator import real_accelerator
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from training.strategies import STRATEGIES, CPUDeepSpeed, DrafterDeepSpeed
+
+    # name -> (class, stage, offloads the optimizer state, offloads the parameters), as the name says
+    named = {"zero2": (DrafterDeepSpeed, 2, False, False), "zero2_offload": (DrafterDeepSpeed, 2, True, False),
+             "zero3": (DrafterDeepSpeed, 3, False, False), "zero3_offload": (DrafterDeepSpeed, 3, True, True),
+             "zero2_cpu": (CPUDeepSpeed, 2, False, False), "zero3_cpu": (CPUDeepSpeed, 3, False, False)}
+    assert set(STRATEGIES) == set(named)  # a new name is checked here too
+    # the zero*_cpu ones need DeepSpeed's CPU accelerator, which a GPU machine does not pick by itself
+    monkeypatch.setattr(real_accelerator, "ds_accelerator", CPU_Accelerator())
+    for name, (cls, stage, offload_optimizer, offload_parameters) in named.items():
+        strategy = StrategyRegistry.get(name)
+        zero = strategy.config["zero_optimization"]
+        assert type(strategy) is cls and zero["stage"] == stage, (name, type(strategy), zero)
+        assert (zero.get("offload_optimizer") or {}).get("device") == ("cpu" if offload_optimizer else None), (name, zero)
+        assert (zero.get("offload_param") or {}).get("device") == ("cpu" if offload_parameters else None), (name, zero)
+        if offload_optimizer:
+            assert strategy.config.get("zero_force_ds_cpu_optimizer") is False, (name, strategy.config)
+
+
 def test_launch_check_accepts_matching_counts_and_unlaunched_runs(monkeypatch):
     torchrun_env(monkeypatch, world=16, per_node=8)
     check_launch(8, 2)

@@ -72,8 +72,19 @@ def check_recipe_args(args: argparse.Namespace) -> None:  # features, ablate
 def check_train_args(args: argparse.Namespace) -> None:
     if args.recipe is not None:
         check_recipe_name(args.recipe)
+    check_resume_alone(args)
     if args.resume is not None:  # an empty one too: find_resume refuses it
         find_resume(args.resume, Path(args.output_root) / (args.recipe or DEFAULT_RECIPE))
+
+
+def check_resume_alone(args: argparse.Namespace) -> None:
+    """--resume continues the run in its own folder: a --run-name beside it was ignored without a word, and a branch
+    meant for a new folder continued the run itself (its later checkpoints moved aside, its drafter/ replaced)."""
+    if args.resume is not None and args.run is not None:
+        raise DDTreeError(f"--resume continues a run in its own folder, so --run-name {args.run} would be ignored: drop "
+                          f"--run-name to continue the run; to train a new run {args.run} from one of its checkpoints, "
+                          "export it (python -m training.export <checkpoint> <folder>) and start that run with "
+                          f"--model.init_from=<folder> --run-name {args.run}")
 
 
 def check_evaluate_args(args: argparse.Namespace) -> None:
@@ -145,7 +156,8 @@ def train_parser() -> argparse.ArgumentParser:
                              "run exactly")
     # --run-name too: torchrun rejects any option spelled --run (an abbreviation of its --run-path)
     parser.add_argument("--run", "--run-name", dest="run", default=None,
-                        help="run folder name, the same on every node (default: a timestamp, or slurm-<job id>)")
+                        help="a new run's folder name, the same on every node (default: a timestamp, or slurm-<job id>); "
+                             "not with --resume, which continues its run's own folder")
     parser.add_argument("--output-root", default="outputs", help="runs go to <output-root>/<recipe>/<run>/")
     return parser
 

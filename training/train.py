@@ -17,7 +17,8 @@ Every run writes outputs/<recipe>/<run>/:
     drafter/               the trained drafter as a HF folder, for `ddtree bench --drafter`
 
 `--resume last` continues the newest run of the recipe that has a last.ckpt, in its own folder and
-with its own config.yaml: step, optimizer, scheduler and data position all continue exactly.
+with its own config.yaml: step, optimizer, scheduler and data position all continue exactly (a --run-name beside
+--resume is refused: a new run from a checkpoint is a warm start, --model.init_from its export).
 `--resume <run folder>` continues from its newest readable checkpoint (last.ckpt, or the hpc_ckpt_N.ckpt of a SLURM
 requeue before 2026-12-03; a newer one whose save was cut short is passed over, in one line). Under DeepSpeed every
 checkpoint is a folder of per-rank shards under the same name.
@@ -55,8 +56,8 @@ import time
 import warnings
 from pathlib import Path
 
-from training.arguments import (DEFAULT_RECIPE, answer_early, check_recipe_name, check_train_args, known_recipes, recipe_path,
-                                train_parser)
+from training.arguments import (DEFAULT_RECIPE, answer_early, check_recipe_name, check_resume_alone, check_train_args,
+                                known_recipes, recipe_path, train_parser)
 
 # python -m: --help, a bad --recipe or --resume before Lightning loads
 answer_early(__name__, train_parser, check_train_args, overrides=True)
@@ -499,6 +500,7 @@ def main(argv: list[str] | None = None) -> int:
                                               r"(loss|tau_chain_estimate|acc_\d+|recall\d+_\d+)', \.\.\., sync_dist=True\)`")
     if args.recipe is not None:
         check_recipe_name(args.recipe)
+    check_resume_alone(args)
     held = contextlib.ExitStack()  # the run folder's lock (hold_run_folder), released as main returns
     cli = created = None  # created: set once a fresh run's folder is this launch's, for remove_unstarted_run
     run_dir = checkpoint = None

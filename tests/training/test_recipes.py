@@ -316,6 +316,8 @@ def test_every_training_command_says_a_bad_flag_in_one_line(capsys, module):
     ("training.train", ["--resume", "last", "--output-root", "no-such-outputs"], 2,
      "error: --resume last: no run under no-such-outputs/smollm2-135m has checkpoints/last.ckpt; start one first"),
     ("training.train", ["--resume", ""], 2, "error: --resume is empty (an unset shell variable?)"),
+    ("training.train", ["--resume", "last", "--run-name", "b", "--output-root", "no-such-outputs"], 2,
+     "error: --resume continues a run in its own folder, so --run-name b would be ignored: drop --run-name"),
     ("training.evaluate", ["--output-root", "no-such-outputs"], 2, "error: CKPT=best: no run under no-such-outputs/smollm2-135m "),
     ("training.publish", ["no-such-run", "--out", "no-such-export"], 2, "error: RUN=no-such-run: no such run folder; "),
     ("training.features", ["--recipe", "recipes/tiny.yaml"], 2, "error: --recipe takes a recipe's name: --recipe tiny"),

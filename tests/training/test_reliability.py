@@ -842,6 +842,25 @@ def test_a_second_launch_into_a_run_folder_still_training_is_refused(tmp_path, c
     assert error_lines(capsys) == ["error: stopped at the build"] and reached == [run_dir, run_dir]
 
 
+def test_a_resume_given_a_run_name_is_refused_before_anything_is_written(tmp_path, capsys, monkeypatch):
+    """Found in a review (2026-12-05): --resume continues the run in its own folder, and a --run-name beside it was
+    ignored without a word. Branching into a new folder with `--resume <run>/checkpoints/step-N.ckpt --run-name b`
+    continued the run itself instead: its later checkpoints moved aside, its drafter/ replaced at the end."""
+    reached = stop_at_the_build(monkeypatch)
+    run_dir = tmp_path / "out" / "tiny" / "first"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "config.yaml").write_text("the run's\n")
+    torch.save({key: {} for key in RESUME_KEYS}, run_dir / "checkpoints" / "last.ckpt")
+    before = sorted(tmp_path.rglob("*"))
+    for given in (["--run-name", "branch"], ["--run=branch"]):
+        assert train_main(["--output-root", str(tmp_path / "out"), "--resume", str(run_dir), *given]) == 2
+        assert error_lines(capsys) == [
+            "error: --resume continues a run in its own folder, so --run-name branch would be ignored: drop --run-name "
+            "to continue the run; to train a new run branch from one of its checkpoints, export it (python -m "
+            "training.export <checkpoint> <folder>) and start that run with --model.init_from=<folder> --run-name branch"]
+    assert not reached and sorted(tmp_path.rglob("*")) == before  # no folder `branch`, not even the run's lock file
+
+
 def test_default_run_names_taken_in_the_same_second_are_two_folders(tmp_path, capsys, monkeypatch):
     """A sweep started with `&`: two launches in one second got one timestamp, and trained into one folder."""
     reached = stop_at_the_build(monkeypatch)

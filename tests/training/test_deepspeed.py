@@ -802,6 +802,15 @@ def test_every_process_of_a_launch_gets_the_same_run_folder(monkeypatch):
     slurm_env(monkeypatch, nodes=2, per_node=8, job="777")
     assert training.train.run_name(None) == "slurm-777"  # the job id survives a requeue
     assert training.train.run_name("mine") == "mine"
+    # each task of a job array is a run of its own (one folder would refuse the second task: "in use", then "already
+    # holds a run"), named by the array's job id, which its requeue keeps, and the task's index
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "500")
+    for task, job in (("1", "501"), ("2", "502")):
+        monkeypatch.setenv("SLURM_ARRAY_TASK_ID", task)
+        monkeypatch.setenv("SLURM_JOB_ID", job)  # each task's own
+        assert training.train.run_name(None) == f"slurm-500-{task}"
+    for name in ("SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID"):
+        monkeypatch.delenv(name)
     for name in SLURM_ENV:
         monkeypatch.delenv(name)
     torchrun_env(monkeypatch, world=2, per_node=2)

@@ -139,6 +139,21 @@ def test_a_recipe_with_precision_auto_gets_the_measured_choice_and_says_so(tmp_p
     assert len(printed) == 1 and expected in printed[0]
 
 
+@pytest.mark.parametrize("accelerator, measured", [("auto", "cuda"), ("gpu", "cuda"), ("cpu", "cpu")])
+def test_auto_is_measured_on_the_device_the_run_trains_on(tmp_path, monkeypatch, accelerator, measured):
+    """trainer.accelerator auto on a GPU machine trains on the GPU: the host CPU's measurement would give bf16 to a
+    T4 or V100, which emulates it, or fp32 to an H100 on a CPU without fast bf16."""
+    calls = stub_choice(monkeypatch, BF16_SLOW)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    recipe = tiny_recipe(tmp_path, "auto")
+    text, count = re.subn(r"^  accelerator: cpu$", f"  accelerator: {accelerator}", recipe.read_text(), count=1,
+                          flags=re.MULTILINE)
+    assert count == 1
+    recipe.write_text(text)
+    config_arg(recipe, [])
+    assert calls == [measured]
+
+
 def test_an_explicit_precision_is_never_changed(tmp_path, monkeypatch):
     calls = stub_choice(monkeypatch, BF16_SLOW)
     # in the recipe: bf16-mixed, which an AVX2 machine would not have chosen

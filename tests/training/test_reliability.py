@@ -31,6 +31,7 @@ from unittest import mock
 
 import pytest
 import torch
+import yaml
 from lightning.pytorch import Callback
 from lightning.pytorch.trainer.connectors.logger_connector import result as lightning_result
 
@@ -38,7 +39,7 @@ import toy_data  # tests/training/toy_data.py
 from ddtree.errors import command
 from ddtree.packed_linear import cannot_pack
 from training.callbacks import AcceptanceEvaluation
-from training.checkpoint_paths import is_checkpoint
+from training.checkpoint_paths import is_checkpoint, saved_step
 from training.checkpoints import (RESUME_KEYS, check_resumable, drafter_from_checkpoint, newest_finite_checkpoint,
                                   non_finite_tensors)
 from training.module import DistillModule
@@ -764,16 +765,26 @@ def test_a_moved_run_resumes_into_its_new_folder(tmp_path, caplog, recwarn):
     assert not any("Tip:" in line for line in logged)  # but not its advertisement,
     assert not any("LeafSpec" in str(warning.message) for warning in recwarn)  # nor its deprecated pytree call
     original = tmp_path / "out" / "tiny" / "first"
+    # config.yaml records where the run checkpointed, which the copy's resume must not follow back to the original
+    assert yaml.safe_load((original / "config.yaml").read_text())["checkpoint"]["dirpath"] == str(original / "checkpoints")
     moved_root = tmp_path / "elsewhere"
     shutil.copytree(original, moved_root / "tiny" / "first", symlinks=True)
-    before = sorted(p.relative_to(original) for p in original.rglob("*"))
+    before = files_as_they_are(original)
 
     assert train_main(["--recipe", "tiny", "--resume", str(moved_root / "tiny" / "first"), "--output-root",
                        str(moved_root), "--trainer.max_steps=4", "--trainer.enable_progress_bar=false"]) == 0
     moved = moved_root / "tiny" / "first"
     assert (moved / "csv" / "version_1").is_dir() and (moved / "tensorboard" / "version_1").is_dir()
-    assert sorted(p.relative_to(original) for p in original.rglob("*")) == before  # the original is untouched
-    assert str(moved) in (moved / "config.yaml").read_text()
+    assert files_as_they_are(original) == before  # the original is untouched: no file added, removed or rewritten
+    assert yaml.safe_load((moved / "config.yaml").read_text())["checkpoint"]["dirpath"] == str(moved / "checkpoints")
+    assert saved_step(moved / "checkpoints" / "last.ckpt") == 4
+
+
+def files_as_they_are(folder: Path) -> dict:
+    """Each path under `folder`: its modification time and its bytes (a link: where it points; a folder: nothing)."""
+    return {path.relative_to(folder): (path.lstat().st_mtime_ns, os.readlink(path) if path.is_symlink()
+                                       else path.read_bytes() if path.is_file() else None)
+            for path in folder.rglob("*")}
 
 
 def test_a_run_stopped_before_its_first_checkpoint_starts_again_under_its_name(tmp_path, capsys, monkeypatch):

@@ -722,6 +722,19 @@ def test_a_nan_loss_after_a_checkpoint_of_nan_weights_does_not_call_that_checkpo
     assert is_checkpoint(run_dir / "checkpoints" / "last.ckpt")
 
 
+def test_a_fresh_run_that_fails_after_its_first_step_keeps_its_folder_and_logs(tmp_path, monkeypatch, capsys):
+    """Only a run that failed before any step leaves no folder (remove_unstarted_run): one that trained a step and
+    failed before its first checkpoint (here its first update left NaN weights, and the next loss was NaN; an
+    evaluation out of memory as well) keeps its folder: its logs say what went wrong."""
+    blow_up_update(monkeypatch, step=1)
+    assert train_main(tiny_args(tmp_path, "one-step", max_steps=4, every=4)) == 1
+    (line,) = error_lines(capsys)
+    assert line.startswith("error: training stopped at step 1: the loss is nan; "), line
+    run_dir = tmp_path / "out" / "tiny" / "one-step"
+    assert (run_dir / "config.yaml").is_file() and not (run_dir / "checkpoints").exists()
+    assert (run_dir / "csv" / "version_0").is_dir() and list((run_dir / "tensorboard" / "version_0").glob("events.*"))
+
+
 def test_a_checkpoint_save_that_runs_out_of_disk_keeps_the_last_whole_one_and_says_so(tmp_path, monkeypatch, capsys):
     """Lightning staged a checkpoint in $TMPDIR and moved it: across filesystems a copy, which a full disk left as a
     truncated step-N.ckpt under its final name. The save of step 4 runs out of space half-way: no step-4.ckpt, no

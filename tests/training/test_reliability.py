@@ -550,6 +550,25 @@ def test_a_signal_before_fit_stops_with_one_line_and_leaves_no_run_folder(tmp_pa
     assert not (tmp_path / "out").exists()  # the run folder, its lock and the folders made for it
 
 
+def test_a_signal_before_a_resumes_fit_names_the_step_it_resumes_from(tmp_path):
+    """A resume stopped as its data or feature store is prepared has restored nothing yet: its line names the
+    checkpoint's step (a fresh run's says step 0), and the run folder stays as it was."""
+    assert train_main(tiny_args(tmp_path, "resumed", max_steps=2)) == 0
+    run_dir = tmp_path / "out" / "tiny" / "resumed"
+    config = (run_dir / "config.yaml").read_text()
+    patch = ("def signalled(*args, **kwargs):\n"
+             "    os.kill(os.getpid(), signal.SIGTERM)  # as the missing feature store is built, before fit\n"
+             "train.build_missing_feature_store = signalled")
+    ended = train_signalled(["--resume", str(run_dir), "--output-root", str(tmp_path / "out"), "--trainer.max_steps=4"],
+                            patch)
+    assert ended.returncode == 128 + signal.SIGTERM, (ended.returncode, ended.stderr[-3000:])
+    said = [line for line in ended.stderr.splitlines() if line.startswith("[train]") or line == "stopped by SIGTERM"]
+    last = run_dir / "checkpoints" / "last.ckpt"
+    assert said == [f"[train] stopped by SIGTERM at step 2; no drafter written; resume with: make train RECIPE=tiny "
+                    f"RESUME={last}"], ended.stderr[-3000:]
+    assert (run_dir / "config.yaml").read_text() == config and saved_step(last) == 2
+
+
 def test_a_sigterm_during_the_final_export_leaves_no_staging_folder_and_the_line_says_how_to_write_drafter(tmp_path):
     """Found in a review (2026-12-04): a SIGTERM as drafter/ was exported, after fit, ended the run silently with 143
     and left the export's staging folder (.drafter-xxxxxxxx, the drafter's size) for good. Now the staging folder is

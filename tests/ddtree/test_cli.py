@@ -195,6 +195,30 @@ def test_a_seed_at_either_end_of_torchs_range_is_used(capsys, seed):
     assert code == 0 and "[ar] 2 tokens" in err, err
 
 
+def test_bench_samples_with_the_seed_it_records(capsys, tmp_path, tiny_target):
+    """bench handed its decoding a seed of its own while results.json recorded --seed: a file describing a run that did
+    not happen, and no test compared two seeds (mutation review, C16). Two seeds sample two replies, a seed repeats
+    its reply, and the one recorded draws the tokens recorded."""
+    from ddtree.decoding import Sampling, generate
+    from ddtree.targets import stop_token_ids
+
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": "Hi"}) + "\n")
+    runs = []
+    for number, seed in enumerate((0, 5, 5)):
+        out = tmp_path / f"{number}.json"
+        assert run_cli(capsys, "bench", "--target", TARGET, "--prompts", str(tmp_path / "prompts.jsonl"), "--methods",
+                       "ar", "--max-new-tokens", "8", "--temperature", "1", "--seed", str(seed), "--dtype", "float32",
+                       "--packed-weights", "off", "--out", str(out))[0] == 0
+        runs.append(json.loads(out.read_text()))
+    tokens = [results["prompts"][0]["methods"]["ar"]["new_tokens"] for results in runs]
+    assert tokens[0] != tokens[1] == tokens[2], tokens
+    target, tokenizer = tiny_target
+    recorded = runs[1]["settings"]["seed"]
+    drawn = generate(target, tokenizer("Hi", add_special_tokens=False)["input_ids"], "ar", None, 1, 8,
+                     stop_token_ids(target, tokenizer), Sampling(1.0), torch.Generator().manual_seed(recorded))
+    assert recorded == 5 and drawn.new_tokens == tokens[1]
+
+
 @pytest.mark.parametrize("command, default", [("generate", 256), ("bench", 256), ("calibrate", 64)])
 def test_help_lists_only_the_options_a_command_takes_and_its_max_new_tokens_default(capsys, monkeypatch, command,
                                                                                     default):
@@ -613,6 +637,42 @@ def test_generate_reports_its_tokens(capsys):
     code, _, err = run_cli(capsys, "generate", "--target", TARGET, "--prompt", "Hi", "--max-new-tokens", "5",
                            "--static-cache", "on")
     assert code == 0 and "[adaptive size]" not in err  # ...and not on the static cache, where rows cost the same
+
+
+def test_generate_hands_every_decoding_flag_to_the_decoding(capsys, monkeypatch, tiny_target):
+    """Decoding is lossless, so a flag parsed and then not handed on printed the same reply: --budget 8 decoded at 32,
+    --lookup 3 at the drafter's own, a sizer measured and never used, --top-k dropped from the sampling, another seed;
+    no test saw any of them (mutation review, gaps 2, 3 and 5). What the command hands to decoding is recorded here."""
+    import inspect
+
+    from ddtree.calibration import OnlineCalibration
+    from ddtree.decoding import Sampling
+    from ddtree.sizing import TreeSizer
+    from ddtree.targets import stop_token_ids
+
+    handed, real = [], ddtree.cli.generate
+
+    def spy(*args, **kwargs):
+        handed.append(inspect.signature(real).bind(*args, **kwargs).arguments)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ddtree.cli, "generate", spy)
+    code, _, err = run_cli(capsys, "generate", "--target", TARGET, "--drafter", "random", "--prompt", "Hi", "--no-stream",
+                           "--dtype", "float32", "--packed-weights", "off", "--max-new-tokens", "3", "--budget", "8",
+                           "--lookup", "3", "--redraft", "2", "--adaptive-size", "on", "--static-cache", "off",
+                           "--corpus", "none", "--temperature", "1", "--top-p", "0.9", "--top-k", "5", "--seed", "7",
+                           "--online-calibration")
+    assert code == 0, err
+    (given,) = handed
+    assert (given["method"], given["budget"], given["max_new_tokens"]) == ("ddtree", 8, 3)
+    assert list(given["stop_ids"]) == stop_token_ids(*tiny_target) != []
+    assert given["sampling"] == Sampling(1.0, 0.9, 5)
+    assert given["generator"].initial_seed() == 7
+    assert given["static"] is False
+    assert isinstance(given["online"], OnlineCalibration) and not given["online"].frozen  # learning
+    assert (given["lookup"], given["redraft"], given["corpus"]) == (3, 2, False)
+    assert isinstance(given["sizer"], TreeSizer)  # the one measured and said on stderr
+    assert "[adaptive size] verify cost" in err and given.get("on_tokens") is None  # --no-stream
 
 
 def test_generate_with_a_random_drafter_runs_on_the_built_in_targets_own_folder(capsys):

@@ -344,3 +344,22 @@ def test_sampled_replies_differ_from_call_to_call_unless_seeded(tiny_target):
     after = decoder.generate(PROMPT, max_new_tokens=8, temperature=1.0).token_ids  # the seeded calls drew none of its
     fresh = Decoder(TARGET, **SETTINGS, quiet=True)
     assert after == [fresh.generate(PROMPT, max_new_tokens=8, temperature=1.0).token_ids for _ in range(5)][-1]
+
+
+def test_a_reply_ends_at_a_stop_token_in_the_decoder_and_the_command(capsys, monkeypatch, tiny_target):
+    """The tiny target never says its end-of-turn token, and no test of the Decoder or the command decoded a reply
+    that ends at one: either could drop the stop ids with every test passing, while SmolLM2's replies ran on past the
+    end of the turn, inventing the next ones (mutation review, D01 and C04). A token of the greedy reply stops it here."""
+    greedy = Decoder(TARGET, **SETTINGS, quiet=True).generate(PROMPT, chat=False, max_new_tokens=20).token_ids
+    stop = next(token for token in greedy if token != greedy[0])  # (the tiny target repeats a token, then another)
+    ends = greedy.index(stop) + 1
+    assert 1 < ends < 20, greedy
+    monkeypatch.setattr("ddtree.decoder.stop_token_ids", lambda target, tokenizer: [stop])
+    decoder = Decoder(TARGET, **SETTINGS, quiet=True)
+    reply = decoder.generate(PROMPT, chat=False, max_new_tokens=20)
+    assert decoder.stop_ids == [stop] and reply.ended == "stop" and reply.token_ids == greedy[:ends]
+    monkeypatch.setattr("ddtree.cli.stop_token_ids", lambda target, tokenizer: [stop])
+    code = main(["generate", "--target", TARGET, "--method", "ar", "--raw", "--prompt", PROMPT, "--no-stream",
+                 "--max-new-tokens", "20", "--dtype", "float32", "--packed-weights", "off"])
+    out, err = capsys.readouterr()
+    assert code == 0 and out == reply.text + "\n" and f"[ar] {ends} tokens" in err, err

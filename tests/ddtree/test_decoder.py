@@ -363,3 +363,44 @@ def test_a_reply_ends_at_a_stop_token_in_the_decoder_and_the_command(capsys, mon
                  "--max-new-tokens", "20", "--dtype", "float32", "--packed-weights", "off"])
     out, err = capsys.readouterr()
     assert code == 0 and out == reply.text + "\n" and f"[ar] {ends} tokens" in err, err
+
+
+def test_top_k_and_top_p_cut_what_is_sampled(tiny_target):
+    """At temperature 1, top_k=1 and a tiny top_p leave the likeliest token alone: greedy decoding. No Decoder test
+    passed either, so both could be dropped before decoding, sampling from the uncut distribution (mutation review,
+    D03)."""
+    decoder = Decoder(TARGET, **SETTINGS, quiet=True)
+    greedy = decoder.generate(PROMPT, chat=False, max_new_tokens=12).token_ids
+    sampled = dict(chat=False, max_new_tokens=12, temperature=1.0, seed=3)
+    assert decoder.generate(PROMPT, **sampled).token_ids != greedy  # uncut, this seed samples another reply
+    for cut in (dict(top_k=1), dict(top_p=1e-6)):
+        assert decoder.generate(PROMPT, **sampled, **cut).token_ids == greedy, cut
+
+
+def test_on_tokens_hears_each_rounds_committed_tokens(tiny_target):
+    """Only a non-callable on_tokens was tested, so the callback could be dropped and a streaming caller heard nothing
+    (mutation review, D02)."""
+    decoder = Decoder(TARGET, "random", **SETTINGS, quiet=True)
+    heard = []
+    reply = decoder.generate(PROMPT, max_new_tokens=12, on_tokens=heard.append)
+    assert [token for tokens in heard for token in tokens] == reply.token_ids
+    assert len(heard) == len(reply.result.rounds) + 1  # the prefill's token, then each round's
+
+
+def test_a_default_decoder_on_a_cpu_sizes_budget_32_trees(monkeypatch, tiny_target):
+    """The docs say a Decoder on a CPU verifies trees sized to the verify cost measured at load; its defaults could
+    turn that off, or change the published budget 32, with every test passing (mutation review, D05, D06). The
+    measurement is stubbed: what is checked is that it is asked for, and for which rows."""
+    from ddtree.sizing import TreeSizer
+
+    measured = []
+
+    def measure(cls, target, max_rows, **keywords):
+        measured.append(max_rows)
+        return cls(fixed_ms=10.0, row_ms=1.0)
+
+    monkeypatch.setattr(TreeSizer, "measure", classmethod(measure))
+    decoder = Decoder(TARGET, "random", dtype="float32", device="cpu", packed_weights="off", quiet=True)
+    assert decoder.budget == 32 and isinstance(decoder.sizer, TreeSizer) and measured == [33]  # the root is a row
+    static = Decoder(TARGET, "random", dtype="float32", device="cpu", packed_weights="off", static_cache="on", quiet=True)
+    assert static.sizer is None and measured == [33]  # every verify runs budget + 1 rows: nothing to size

@@ -235,6 +235,36 @@ def test_help_lists_only_the_options_a_command_takes_and_its_max_new_tokens_defa
     assert ("--drafter DRAFTER the drafter folder to calibrate (required)" in out) is (command == "calibrate")
 
 
+@pytest.mark.parametrize("command, required", [("generate", ["--prompt", "x"]), ("bench", ["--prompts", "p.jsonl"]),
+                                               ("calibrate", ["--prompts", "p.jsonl"])])
+def test_each_default_is_the_one_its_help_states(capsys, monkeypatch, command, required):
+    """No test pinned the defaults --help states: any could change with every test passing, and with it every sampled
+    reply (--top-p), the equality of `generate --seed` with Decoder(seed=0) (--seed), or bench's comparison with the
+    published figures (--budgets, --adaptive-size off) (mutation review, A01-A06). Each is read from the help here."""
+    from ddtree.arguments import build_parser
+
+    monkeypatch.setenv("COLUMNS", "1000")  # argparse wraps the help to the terminal's width
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+
+    def stated(pattern: str) -> str:
+        found = re.search(pattern, out)
+        assert found, f"{command} --help no longer states {pattern}"
+        return found.group(1)
+
+    args = build_parser().parse_args([command, *required])
+    assert args.top_p == float(stated(r"--top-p TOP_P .*?\(default: ([\d.]+), no cut\)"))
+    assert args.top_k == int(stated(r"--top-k TOP_K .*?\(default: (\d+), no cut\)"))
+    assert args.seed == int(stated(r"--seed SEED .*?\(default: (\d+)\)"))
+    assert args.adaptive_size == stated(rf"[(;] ?{command}: (\w+)")  # "(generate: auto; calibrate: auto too; ..."
+    if command == "generate":
+        assert args.budget == int(stated(r"--budget BUDGET tree node budget for ddtree \(published: (\d+);"))
+    if command == "bench":
+        budgets = stated(r"--budgets BUDGETS .*?\(default: ([\d,]+)\)")
+        assert args.budgets == [int(budget) for budget in budgets.split(",")]
+
+
 def test_no_budget_at_all_is_a_usage_error(capsys, prompts_file):
     """An empty --budgets ran nothing and wrote an empty summary (or failed with a traceback under --adaptive-size)."""
     with pytest.raises(SystemExit) as exit_:

@@ -1334,17 +1334,28 @@ def test_bench_counts_the_prompts_where_a_method_committed_other_tokens_than_ar(
 
 
 def test_calibrate_writes_the_folders_calibration_which_bench_uses_unless_told_none(capsys, tmp_path, tiny_target,
-                                                                                    prompts_file):
-    from ddtree.calibration import CALIBRATION_FILE, load_calibration
+                                                                                    prompts_file, monkeypatch):
+    from ddtree.calibration import CALIBRATION_FILE, OnlineCalibration, load_calibration
 
     torch.manual_seed(0)  # the weights replaced below are drawn after seed 1: a run whose RNG stood there failed
     folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
     common = ["--target", TARGET, "--drafter", str(folder), "--prompts", str(prompts_file), "--dtype", "float32",
               "--max-new-tokens", "16"]
+    learners = []
+
+    class Kept(OnlineCalibration):  # calibrate's learner, kept to compare what was written with what it learned
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            learners.append(self)
+
+    monkeypatch.setattr(ddtree.cli, "OnlineCalibration", Kept)
     code, stdout, _ = run_cli(capsys, "calibrate", *common, "--budgets", "8")
     assert code == 0 and f"calibration written to {folder / CALIBRATION_FILE}" in stdout
     written = json.loads((folder / CALIBRATION_FILE).read_text())
     assert set(written["temperatures"]) == {"8", "chain"} and written["num_prompts"] == 2
+    # the mean over the last half of its rounds, as it says, not the last step (which passed: mutation review, C18)
+    (learner,) = learners
+    assert written["temperatures"] == learner.settled().state()["temperatures"] != learner.state()["temperatures"]
     # an untrained drafter is sure of tokens the target never takes: warmed, as online calibration warms it
     assert written["temperatures"]["8"] > 1.0 and written["temperatures"]["chain"] > 1.0
     learned = load_calibration(folder / CALIBRATION_FILE)

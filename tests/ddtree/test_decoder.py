@@ -69,6 +69,7 @@ def test_it_decodes_with_the_folders_calibration(capsys, tiny_target, drafter_fo
     save_calibration(drafter_folder / CALIBRATION_FILE, calibration, {})
     decoder = Decoder(TARGET, drafter_folder, **SETTINGS)
     assert f"[calibration] {drafter_folder / CALIBRATION_FILE}: draft temperature" in capsys.readouterr().err
+    shipped = decoder.drafter.default_calibration.state()
     raw = Decoder(TARGET, drafter_folder, **SETTINGS, calibration=False, quiet=True)
     assert raw.drafter.default_calibration is None
     assert Decoder(TARGET, drafter_folder, **SETTINGS, calibration="none", quiet=True).drafter.default_calibration is None
@@ -78,6 +79,8 @@ def test_it_decodes_with_the_folders_calibration(capsys, tiny_target, drafter_fo
         expected = [sum(r.expected for r in reply.result.rounds) / len(reply.result.rounds)
                     for reply in (calibrated, plain)]
         assert expected[0] != pytest.approx(expected[1], abs=1e-6), (method, expected)
+    # frozen: what the file holds, however many rounds it priced (else a prompt's trees hung on the ones before it)
+    assert decoder.drafter.default_calibration.state() == shipped
 
 
 def test_sampled_replies_follow_the_seed(tiny_target, drafter_folder):

@@ -27,6 +27,8 @@ def test_the_rule_maximises_expected_tokens_per_millisecond():
     # 50 more rows whatever n is: n=3 2.1/118 = 0.01780, n=4 2.15/120 = 0.01792, n=5 2.16/122 = 0.01770
     assert TreeSizer(fixed_ms=10.0, row_ms=2.0).size(log_probs, extra_rows=50) == 4
     assert TreeSizer(fixed_ms=10.0, row_ms=2.0).size([]) == 0
+    # a tie goes to the larger tree: free rows (measure's clamped slope) and nodes too unlikely to move the gain
+    assert TreeSizer(fixed_ms=10.0, row_ms=0.0).size([math.log(0.5), math.log(1e-13), math.log(1e-14)]) == 3
 
 
 def test_the_rounds_overhead_is_a_running_mean_and_favours_larger_trees():

@@ -1047,7 +1047,7 @@ def test_speculators_names_a_verifier_that_is_not_readable_here_by_its_hub_id(mo
     """A run trained on another machine: its target a folder there, or a Hub id not cached here (offline)."""
     from training.hub_config import verifier_for
 
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # what the client read at import
     elsewhere = str(tmp_path / "models" / "SmolLM2-135M-Instruct")  # no such folder here
     assert verifier_for(elsewhere, "HuggingFaceTB/SmolLM2-135M-Instruct") == ("HuggingFaceTB/SmolLM2-135M-Instruct", [])
     assert verifier_for("someone/uncached-model", None) == ("someone/uncached-model", [])
@@ -1208,6 +1208,14 @@ class StandInHub(BaseHTTPRequestHandler):
             self._reply(404, {"error": f"not in the stand-in: POST {self.path}"})
 
 
+def hub_client_online(monkeypatch) -> None:
+    """huggingface_hub online, as where neither variable is set: it reads HF_HUB_OFFLINE (else TRANSFORMERS_OFFLINE)
+    once, at import, so the push tests failed wherever the suite ran with HF_HUB_OFFLINE=1, as offline CI runs it."""
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+
+
 @pytest.fixture
 def hub(monkeypatch):
     StandInHub.repos, StandInHub.private, StandInHub.fail_commits, StandInHub.gateway_down = {}, {}, False, False
@@ -1218,7 +1226,7 @@ def hub(monkeypatch):
     endpoint = f"http://127.0.0.1:{server.server_address[1]}"
     monkeypatch.setenv("HF_ENDPOINT", endpoint)
     monkeypatch.setenv("HF_TOKEN", StandInHub.token)
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    hub_client_online(monkeypatch)
     yield endpoint
     server.shutdown()
     server.server_close()
@@ -1610,7 +1618,7 @@ def test_a_gateway_error_page_at_the_card_check_says_to_retry_not_to_change_the_
 def test_push_without_token_or_network_fails_before_doing_anything(run_dir, tmp_path, monkeypatch, capsys):
     out = tmp_path / "export"
     monkeypatch.delenv("HF_TOKEN", raising=False)
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    hub_client_online(monkeypatch)  # the token and the network are what fail here
     monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
     monkeypatch.delenv("HF_OIDC_RESOURCE", raising=False)
     monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no-login"))  # no saved login either
@@ -1648,6 +1656,14 @@ def test_push_without_token_or_network_fails_before_doing_anything(run_dir, tmp_
         monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{ssh.getsockname()[1]}")
         assert export(run_dir, out, "--ckpt", "last", "--repo", "tester/x", "--push") == 2
         assert "cannot use the Hub" in one_error_line(capsys) and not out.exists()
+
+
+def test_the_stand_in_hub_is_reached_where_the_suite_runs_with_the_hub_client_offline(monkeypatch, request):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # as the client read it at import
+    endpoint = request.getfixturevalue("hub")  # after: the push tests' own setting
+    api, pushed_to = training.hub.preflight_hub("tester/x")
+    assert pushed_to == endpoint and api.whoami()["name"] == "tester"
 
 
 @pytest.mark.parametrize("pasted", ["hf_standin\n", "hf_standin\r\n", " hf_standin"],

@@ -167,13 +167,16 @@ def check_hub_answers(endpoint: str) -> None:
                           f"{HUB_TIMEOUT_S:.0f} s for an answer); check the network and HF_ENDPOINT") from None
 
 
-def offline_variable() -> str:
-    """The variable that put huggingface_hub offline: HF_HUB_OFFLINE where it is set (it decides), else
-    TRANSFORMERS_OFFLINE, which clusters often set for transformers alone."""
-    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        if os.environ.get(name):
-            return f"{name}={os.environ[name]}"
-    return "HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE"  # unset since the program started
+OFFLINE_VALUES = {"1", "ON", "YES", "TRUE"}  # what huggingface_hub reads as true, in any case
+
+
+def offline_variable() -> str | None:
+    """The variable that keeps huggingface_hub offline as the environment is now, read by the client's rule:
+    HF_HUB_OFFLINE where it is set (it decides), else TRANSFORMERS_OFFLINE, which clusters often set for transformers
+    alone. None where neither does any more: the client read them once, at import, and stays offline."""
+    name = "HF_HUB_OFFLINE" if os.environ.get("HF_HUB_OFFLINE") else "TRANSFORMERS_OFFLINE"
+    value = os.environ.get(name, "")
+    return f"{name}={value}" if value.upper() in OFFLINE_VALUES else None
 
 
 def preflight_hub(repo: str, private: bool = False, replace: bool = False) -> tuple[HfApi, str]:
@@ -181,8 +184,12 @@ def preflight_hub(repo: str, private: bool = False, replace: bool = False) -> tu
     that the repo is not already public (a push never changes an existing repo's visibility); unless `replace`,
     that an existing repo holds nothing but an earlier export (a push leaves it holding exactly the export's files)."""
     if constants.HF_HUB_OFFLINE:  # what the client obeys: either variable, as set when the program started
-        raise DDTreeError(f"--push: {offline_variable()} is set, which keeps huggingface_hub offline; unset it to push "
-                          "to the Hub")
+        variable = offline_variable()
+        if variable is None:  # unset (or set to 0) since: telling the user to unset it would mislead
+            raise DDTreeError("--push: huggingface_hub is offline: HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE was set when "
+                              "it was imported, and it reads them only then; start again with neither set to push to "
+                              "the Hub")
+        raise DDTreeError(f"--push: {variable} is set, which keeps huggingface_hub offline; unset it to push to the Hub")
     # huggingface_hub's own reading of HF_TOKEN (else the saved login): it strips the stray newline or space a pasted
     # secret or a CRLF .env file leaves, which the client would otherwise send, and quote, in the header
     try:

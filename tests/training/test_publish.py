@@ -1699,6 +1699,23 @@ def test_a_push_with_the_hub_client_offline_names_the_variable_that_set_it(run_d
     assert not out.exists() and "tester/x" not in StandInHub.repos
 
 
+@pytest.mark.parametrize("now", [{}, {"HF_HUB_OFFLINE": "0"}, {"HF_HUB_OFFLINE": "", "TRANSFORMERS_OFFLINE": "no"}],
+                         ids=["unset", "zero", "false"])
+def test_a_hub_client_put_offline_by_a_variable_since_unset_says_so_not_to_unset_it(monkeypatch, now):
+    """In a notebook or a program that imported huggingface_hub with HF_HUB_OFFLINE=1 and then unset it, the push said
+    "HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE is set ...; unset it": neither was, and unsetting changes nothing."""
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in now.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # as the client read it at import
+    with pytest.raises(DDTreeError) as refused:
+        training.hub.preflight_hub("tester/x")
+    assert str(refused.value) == (
+        "--push: huggingface_hub is offline: HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE was set when it was imported, and "
+        "it reads them only then; start again with neither set to push to the Hub")
+
+
 # ----------------------------------------------------------------------------- DeepSpeed
 
 

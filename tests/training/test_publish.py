@@ -2038,21 +2038,30 @@ def test_a_tau_written_as_null_shows_as_a_dash_and_says_why(run_dir, tmp_path):
 
 
 def test_push_only_refuses_a_folder_holding_files_no_export_writes(run_dir, tmp_path, hub, capsys):
-    """They went up as the drafter's, and the next push was refused for the repo holding them."""
+    """They went up as the drafter's, and the next push was refused for the repo holding them. A hidden file is one
+    too: upload_folder sends it, and a .env holds the very token the push uses."""
     out = tmp_path / "export"
     assert export(run_dir, out, "--ckpt", "last", "--repo", "tester/extra") == 0
     (out / "bench-results.json").write_text("{}")
     (out / "scratch").mkdir()
     (out / "scratch" / "notes.txt").write_text("notes")
+    (out / ".env").write_text("HF_TOKEN=hf_secret\n")
+    (out / ".ipynb_checkpoints").mkdir()
+    (out / ".ipynb_checkpoints" / "README-checkpoint.md").write_text("# an edit of the card")
     (out / ".cache" / "huggingface").mkdir(parents=True)  # hf download's own, which upload_folder leaves out
     (out / ".cache" / "huggingface" / "download.lock").write_text("")
     assert publish.main(["--push-only", str(out), "--repo", "tester/extra"]) == 2
     assert one_error_line(capsys) == (
-        f"error: --push-only {out}: holds files no drafter export writes (bench-results.json, scratch/notes.txt), "
-        "which the push would upload as the drafter's; move them out of the folder")
+        f"error: --push-only {out}: holds files no drafter export writes (.env, .ipynb_checkpoints/README-checkpoint.md, "
+        "bench-results.json, scratch/notes.txt), which the push would upload as the drafter's; move them out of the "
+        "folder")
     assert "tester/extra" not in StandInHub.repos  # nothing created, nothing uploaded
     (out / "bench-results.json").unlink()
     shutil.rmtree(out / "scratch")
+    shutil.rmtree(out / ".ipynb_checkpoints")
+    assert publish.main(["--push-only", str(out), "--repo", "tester/extra"]) == 2  # the .env alone
+    assert "(.env)" in one_error_line(capsys) and "tester/extra" not in StandInHub.repos
+    (out / ".env").unlink()
     assert publish.main(["--push-only", str(out), "--repo", "tester/extra"]) == 0
     assert set(StandInHub.repos["tester/extra"]) == {p.name for p in out.iterdir() if p.is_file()}
 

@@ -1089,6 +1089,7 @@ class StandInHub(BaseHTTPRequestHandler):
     token = "hf_standin"
     repos: dict[str, dict[str, bytes]] = {}
     private: dict[str, bool] = {}  # repo -> created private
+    default_private = False  # the owner's default for a new repo whose visibility the request leaves out
     fail_commits = False
     gateway_down = False  # every POST answered as a gateway answers during an outage: a 502 HTML page
     # The Hub takes only license ids of its own list (huggingface_hub issue #4218 quotes it); a few of them here
@@ -1178,7 +1179,10 @@ class StandInHub(BaseHTTPRequestHandler):
             request = json.loads(body)
             repo = f"{request.get('organization') or 'tester'}/{request['name']}"
             if repo not in self.repos:
-                self.repos[repo], self.private[repo] = {}, request.get("visibility") == "private"
+                # create_repo sends visibility "private" for private=True, "public" for False, none for None
+                visibility = request.get("visibility")
+                self.repos[repo] = {}
+                self.private[repo] = self.default_private if visibility is None else visibility == "private"
             self._reply(200, {"url": f"http://{self.headers['Host']}/{repo}"})
         elif parts == ["api", "validate-yaml"]:  # the card's metadata, checked as the Hub checks its license
             metadata = yaml.safe_load(json.loads(body)["content"].split("---")[1]) or {}
@@ -1219,6 +1223,7 @@ def hub_client_online(monkeypatch) -> None:
 @pytest.fixture
 def hub(monkeypatch):
     StandInHub.repos, StandInHub.private, StandInHub.fail_commits, StandInHub.gateway_down = {}, {}, False, False
+    StandInHub.default_private = False
     server = ThreadingHTTPServer(("127.0.0.1", 0), StandInHub)
     # polled every 10 ms: shutdown() below waits for the next poll (0.5 s at serve_forever's default, in 17 tests)
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True)
@@ -1349,6 +1354,14 @@ def test_private_creates_a_private_repo_and_refuses_to_push_into_a_public_one(ru
 
     assert export(run_dir, out, "--ckpt", "last", "--private") == 2  # nothing to make private
     assert "add --push" in one_error_line(capsys) and not out.exists()
+
+
+def test_a_push_without_private_leaves_a_new_repos_visibility_to_its_owners_default(run_dir, tmp_path, hub):
+    """Sent as private=False, it would make the repo public where its owner (an org, say) makes new repos private:
+    the drafter published, and the corpus of training replies with it."""
+    StandInHub.default_private = True
+    assert export(run_dir, tmp_path / "export", "--ckpt", "last", "--repo", "tester/d", "--push") == 0
+    assert StandInHub.private["tester/d"] and CORPUS_FILE in StandInHub.repos["tester/d"]
 
 
 def test_push_only_sends_only_an_export_whose_card_names_that_repo(run_dir, tmp_path, hub, capsys):

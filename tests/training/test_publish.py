@@ -282,6 +282,28 @@ def test_card_numbers_come_from_the_evaluation_of_the_exported_step(run_dir, tmp
         tmp_path / "after-1" / "README.md").read_text()
 
 
+def test_each_row_of_the_cards_tables_shows_its_own_decodings_figures(run_dir, tmp_path):
+    """The tiny run accepts nothing: every tau is 1.000, which any row shows, so a row giving another budget's figures,
+    or the engines' row giving the chain's expected tau as the one they serve, passed every other card test."""
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run, symlinks=True)
+    path = run / "eval" / "step-000002.json"
+    record = json.loads(path.read_text())
+    figures = {"dflash": (1.111, 1.222, 11, 12), "ddtree@2": (2.222, 2.333, 13, 14), "ddtree@4": (3.333, 3.444, 15, 16)}
+    for key, (tau, expected_tau, rounds, new_tokens) in figures.items():
+        record["summary"][key].update(tau=tau, expected_tau=expected_tau, rounds=rounds, new_tokens=new_tokens)
+    path.write_text(json.dumps(record))
+    assert export(run, tmp_path / "export", "--ckpt", "last") == 0
+    card = (tmp_path / "export" / "README.md").read_text()
+    for row in ["| chain (one DFlash block, 7 drafted tokens) | 1.111 | 1.222 | 11 | 12 |",
+                "| DDTree, node budget 2 | 2.222 | 2.333 | 13 | 14 |",
+                "| DDTree, node budget 4 (checkpoints ranked by this) | 3.333 | 3.444 | 15 | 16 |",
+                "| vLLM, SGLang, `ddtree --method dflash` | chain of 7 drafted tokens | 1.111 |",
+                "| `ddtree --method ddtree --budget 2` | draft tree of 2 nodes | 2.222 |",
+                "| `ddtree --method ddtree --budget 4` | draft tree of 4 nodes | 3.333 |"]:
+        assert f"\n{row}\n" in card, row
+
+
 def test_the_card_of_a_run_stopped_before_its_first_evaluation_gives_advice_that_works(run_dir, tmp_path, capsys):
     """A run SIGTERMed before its first evaluation has no best.ckpt: `CKPT=best` blamed runs trained before the
     acceptance evaluation, its card said to export `--ckpt best`, and once `make eval` had measured its last.ckpt the

@@ -1331,6 +1331,20 @@ def test_push_only_refuses_a_folder_whose_card_and_files_disagree_about_the_corp
     assert CORPUS_FILE in StandInHub.repos["tester/c"]
 
 
+def test_an_unevaluated_export_of_a_corpus_run_pushes_with_its_corpus(run_dir, tmp_path, hub):
+    """A checkpoint whose step was not evaluated ships the run's corpus under a card with no figures: nothing was
+    measured without the corpus, so the check for a card whose figures were must let it through."""
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run, symlinks=True)
+    (run / "eval" / "step-000002.json").unlink()  # last.ckpt's step
+    out = tmp_path / "export"
+    assert export(run, out, "--ckpt", "last", "--repo", "tester/u") == 0
+    card = (out / "README.md").read_text()
+    assert (out / CORPUS_FILE).is_file() and training.model_card.MEASURED_TABLE not in card
+    assert publish.main(["--push-only", str(out), "--repo", "tester/u"]) == 0
+    assert StandInHub.repos["tester/u"][CORPUS_FILE] == (out / CORPUS_FILE).read_bytes()
+
+
 def test_a_push_into_a_repo_holding_other_files_than_an_exports_is_refused_unless_asked(run_dir, tmp_path, hub, capsys):
     """A push leaves the repo holding exactly the export's files: REPO naming someone's model (a typo) deleted its
     tokenizer and results and replaced its weights and card in one commit."""

@@ -31,7 +31,7 @@ import huggingface_hub
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModel
 
 import training.hub
@@ -1441,6 +1441,15 @@ def test_push_only_refuses_an_export_missing_any_of_its_files(run_dir, tmp_path,
     assert one_error_line(capsys) == (
         f"error: --push-only {out}: not a finished export (missing {name}); export it first")
     assert "tester/m" not in StandInHub.repos
+
+
+def test_push_only_refuses_a_drafters_config_over_weights_holding_no_tensor(run_dir, tmp_path, hub, capsys):
+    out = tmp_path / "export"
+    assert export(run_dir, out, "--ckpt", "last", "--repo", "tester/w") == 0
+    save_file({}, str(out / "model.safetensors"))  # a header and no tensor: nothing for AutoModel to load
+    assert publish.main(["--push-only", str(out), "--repo", "tester/w"]) == 2
+    assert f"--push-only {out}: not an export of a drafter" in one_error_line(capsys)
+    assert "tester/w" not in StandInHub.repos
 
 
 def test_push_only_sends_only_an_export_whose_card_names_that_repo(run_dir, tmp_path, hub, capsys):

@@ -103,9 +103,12 @@ def check_export_folder(folder: Path, repo: str) -> None:
         raise DDTreeError(f"--push-only {folder}: not an export of a drafter ({error_line(error)}); "
                           "export it again (make export)") from None
     architectures = config.get("architectures") if isinstance(config, dict) else None
-    if not isinstance(architectures, list) or ARCHITECTURE not in architectures or not shapes:
+    if not isinstance(architectures, list) or ARCHITECTURE not in architectures:
         raise DDTreeError(f"--push-only {folder}: not an export of a drafter (config.json's architectures is "
                           f"{architectures!r}, not [{ARCHITECTURE!r}]); export it with make export")
+    if not shapes:
+        raise DDTreeError(f"--push-only {folder}: not an export of a drafter (model.safetensors holds no tensor); "
+                          "export it with make export")
     card = (folder / "README.md").read_text(errors="replace")
     written_for = card_repo(card)
     if written_for != repo:

@@ -1448,7 +1448,8 @@ def test_push_only_refuses_a_drafters_config_over_weights_holding_no_tensor(run_
     assert export(run_dir, out, "--ckpt", "last", "--repo", "tester/w") == 0
     save_file({}, str(out / "model.safetensors"))  # a header and no tensor: nothing for AutoModel to load
     assert publish.main(["--push-only", str(out), "--repo", "tester/w"]) == 2
-    assert f"--push-only {out}: not an export of a drafter" in one_error_line(capsys)
+    assert one_error_line(capsys) == (f"error: --push-only {out}: not an export of a drafter (model.safetensors "
+                                      "holds no tensor); export it with make export")  # not "architectures is [its own]"
     assert "tester/w" not in StandInHub.repos
 
 

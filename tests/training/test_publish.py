@@ -1786,6 +1786,12 @@ def test_a_hub_error_that_quotes_the_token_is_printed_without_it(run_dir, tmp_pa
     assert "secret" not in line and "part" not in line, line
 
 
+def test_a_hub_error_that_quotes_the_token_bare_is_one_line_without_it():
+    """The test above quotes it after "Bearer ", which the header's pattern hides too; a message may quote it alone."""
+    error = ValueError("token hf_abc123 was refused\nfor tester/x")
+    assert training.hub.hub_error_line(error, "hf_abc123") == "token <HF_TOKEN> was refused for tester/x"
+
+
 @pytest.mark.parametrize("variable", ["TRANSFORMERS_OFFLINE", "HF_HUB_OFFLINE"])
 def test_a_push_with_the_hub_client_offline_names_the_variable_that_set_it(run_dir, tmp_path, hub, monkeypatch,
                                                                            capsys, variable):

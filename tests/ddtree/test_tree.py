@@ -8,7 +8,7 @@ import torch
 
 from ddtree.target_runner import DynamicTarget, StaticTarget
 from ddtree.decoding import OnlineCalibration, draft_tree
-from ddtree.tree import ancestor_matrix, build_tree, context_lookup, tree_positions, walk
+from ddtree.tree import DraftTree, ancestor_matrix, build_tree, context_lookup, tree_positions, walk
 
 
 def brute_force_top_prefixes(log_probs: torch.Tensor, budget: int) -> set[tuple[int, ...]]:
@@ -220,6 +220,20 @@ def test_a_settled_calibration_keeps_the_mean_temperature_of_the_last_half_of_it
     assert settled.frozen and online.log_temperature(32) == pytest.approx(steps[-1])
     assert settled.log_temperature(32) == pytest.approx((steps[2] + steps[3]) / 2)
     assert OnlineCalibration().settled().log_temperatures == {}  # nothing recorded, nothing averaged
+
+
+def test_a_drafter_already_calibrated_keeps_its_temperature_round_after_round():
+    """Expected tau counts the bonus token (1 + the path probabilities), so the measured side must count it too: a
+    round read one token short would warm every drafter by RATE a round, up to the e^2 ceiling, and `ddtree
+    calibrate` would write that."""
+    online = OnlineCalibration()
+    certain = DraftTree([7], [0], [1], [0.0], [{7: 1}, {}])  # p 1, accepted: expected 2, measured 2
+    online.observe_round(8, certain, certain.expected_acceptance, [], [], [7])
+    assert online.log_temperature(8) == 0.0  # not moved (first, while a bias has room below the e^2 ceiling)
+    even = DraftTree([7], [0], [1], [math.log(0.5)], [{7: 1}, {}])  # one node of p 1/2: expected tau 1.5
+    for round_ in range(200):  # accepted every other round: measured tau 2, 1, 2, 1, ..., mean 1.5
+        online.observe_round(8, even, even.expected_acceptance, [], [], [7] if round_ % 2 == 0 else [])
+    assert online.temperature(8) == pytest.approx(1.0, abs=0.05)
 
 
 def test_ancestor_matrix_and_walk():

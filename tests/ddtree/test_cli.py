@@ -723,6 +723,28 @@ def test_generate_streams_the_reply_it_prints_whole_with_no_stream(capsys):
     assert code == 0 and streamed == whole and len(whole) > 1  # (the tiny target says newlines)
 
 
+def test_a_reply_ending_at_the_end_of_turn_token_prints_without_it_streamed_or_not(capsys, monkeypatch, tiny_target):
+    """The tiny target never says a special token, so --no-stream could print a chat reply's closing <|im_end|> into
+    `> reply.txt` with every test passing (mutation review, C15). Its replies are made to end at one here."""
+    _, tokenizer = tiny_target
+    real = ddtree.cli.generate
+
+    def ending_at_end_of_turn(*args, on_tokens=None, **kwargs):
+        result = real(*args, on_tokens=on_tokens, **kwargs)
+        result.new_tokens.append(tokenizer.eos_token_id)
+        if on_tokens is not None:
+            on_tokens([tokenizer.eos_token_id])
+        return result
+
+    monkeypatch.setattr(ddtree.cli, "generate", ending_at_end_of_turn)
+    args = ("generate", "--target", TARGET, "--method", "ar", "--prompt", "Hi", "--max-new-tokens", "4")
+    code, streamed, _ = run_cli(capsys, *args)
+    assert code == 0
+    code, whole, err = run_cli(capsys, *args, "--no-stream")
+    assert code == 0 and "[ar] 5 tokens" in err, err  # the end-of-turn token was in the reply
+    assert whole == streamed and tokenizer.eos_token not in whole
+
+
 def test_the_streamed_reply_never_shows_half_a_character_and_adds_up_to_its_decode(tiny_target):
     _, tokenizer = tiny_target
     ids = tokenizer("héllo 😀 wörld, it's fine.", add_special_tokens=False)["input_ids"]

@@ -17,7 +17,7 @@ import ddtree.precision
 from ddtree.cli import TextStream, load_drafter, main
 from ddtree.corpus import CORPUS_FILE, write_replies
 from ddtree.modeling_dflash import DFlashDraftModel
-from ddtree.packed_linear import packing_available
+from ddtree.packed_linear import is_packed, packing_available
 from ddtree.precision import Choice
 from ddtree.errors import DDTreeError, error_line
 from ddtree.targets import build_drafter_config, load_target, resolve_target
@@ -1248,9 +1248,19 @@ def test_unknown_dtype_is_one_line(capsys, command):
 
 
 @pytest.mark.skipif(not packing_available(), reason="this torch has no oneDNN weight packing")
-def test_bench_packed_weights_commit_the_plain_layers_tokens_and_say_which_ran(capsys, tmp_path, prompts_file):
-    """--packed-weights on packs an fp32 CPU target (and its drafter), off does not; both decode the same tokens."""
+def test_bench_packed_weights_commit_the_plain_layers_tokens_and_say_which_ran(capsys, monkeypatch, tmp_path,
+                                                                              prompts_file):
+    """--packed-weights on packs an fp32 CPU target (and its drafter), off does not; both decode the same tokens. Only
+    the target's packing was checked, so the drafter could be left on plain layers (mutation review, D08)."""
+    drafters, real = [], ddtree.cli._drafter_runner
+
+    def kept(*args):
+        drafters.append(real(*args))
+        return drafters[-1]
+
+    monkeypatch.setattr(ddtree.cli, "_drafter_runner", kept)
     runs = bench_off_and_on(capsys, tmp_path, prompts_file, "--packed-weights", "ar,ddtree")
+    assert [is_packed(runner.drafter) for runner in drafters] == [False, True]  # off, then on
     for choice, (results, err, _, stdout) in runs.items():
         assert results["settings"]["packed_weights_resolved"] is (choice == "on")
         assert ("[packed weights] on" in err) is (choice == "on")

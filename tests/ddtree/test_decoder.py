@@ -16,6 +16,7 @@ from ddtree.cli import main
 from ddtree.corpus import CORPUS_FILE, write_replies
 from ddtree.errors import DDTreeError
 from ddtree.modeling_dflash import DFlashDraftModel
+from ddtree.packed_linear import is_packed, packing_available
 from ddtree.targets import build_drafter_config
 
 TARGET = "tiny-random"
@@ -366,6 +367,19 @@ def test_a_reply_ends_at_a_stop_token_in_the_decoder_and_the_command(capsys, mon
                  "--max-new-tokens", "20", "--dtype", "float32", "--packed-weights", "off"])
     out, err = capsys.readouterr()
     assert code == 0 and out == reply.text + "\n" and f"[ar] {ends} tokens" in err, err
+
+
+@pytest.mark.skipif(not packing_available(), reason="this torch has no oneDNN weight packing")
+def test_packed_weights_on_packs_the_target_and_the_drafter(tiny_target):
+    """Every other Decoder test decodes with packed_weights="off", so "on" could be ignored, or the drafter left on
+    plain layers behind a packed target, with every test passing (mutation review, D07, D08). The tokens are the
+    same."""
+    settings = {**SETTINGS, "packed_weights": "on"}
+    packed = Decoder(TARGET, "random", **settings, quiet=True)
+    plain = Decoder(TARGET, "random", **SETTINGS, quiet=True)
+    assert is_packed(packed.target) and is_packed(packed.drafter.drafter)
+    assert not is_packed(plain.target) and not is_packed(plain.drafter.drafter)
+    assert packed.generate(PROMPT, max_new_tokens=8).token_ids == plain.generate(PROMPT, max_new_tokens=8).token_ids
 
 
 def test_top_k_and_top_p_cut_what_is_sampled(tiny_target):

@@ -1191,6 +1191,9 @@ def test_a_results_file_written_by_another_run_meanwhile_is_kept_and_this_runs_r
      "them"),
     ("generate", ["--prompt", "hi", "--method", "dflash", "--drafter", "random", "--lookup", "3", "--adaptive-size", "on"],
      "error: --lookup, --adaptive-size on shape the ddtree method's trees, and --method dflash runs no ddtree"),
+    # untested, so 0 could be let through: the target loaded and prefilled for no token (mutation review, C12)
+    ("generate", ["--prompt", "hi", "--method", "ar", "--max-new-tokens", "0"],
+     "error: --max-new-tokens 0 must be at least 1"),
 ])
 def test_files_named_on_the_command_line_are_checked_before_the_target_loads(capsys, tmp_path, prompts_file, monkeypatch,
                                                                            command, flags, message):

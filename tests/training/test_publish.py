@@ -243,6 +243,11 @@ def test_the_cards_metadata_names_the_targets_hub_id_where_it_has_one_and_the_li
         "library_name": "transformers", "license": "apache-2.0", "tags": tags}
     assert card_metadata((tmp_path / "given" / "README.md").read_text()) == {
         "base_model": "Qwen/Qwen3-8B", "library_name": "transformers", "license": "mit", "tags": tags}
+    # the card's first sentence names the model a reader can fetch, else the run's target (mutation review, M19)
+    for folder, named in [("plain", "tiny-random"), ("given", "Qwen/Qwen3-8B")]:
+        (intro,) = [line for line in (tmp_path / folder / "README.md").read_text().splitlines()
+                    if line.startswith("A block-diffusion (DFlash) drafter")]
+        assert f"speculative decoding with `{named}`" in intro, intro
 
 
 def test_card_numbers_come_from_the_evaluation_of_the_exported_step(run_dir, tmp_path):

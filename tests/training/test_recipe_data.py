@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import training.recipe_data
 import training.train
 from ddtree.errors import DDTreeError
 from training.arguments import RECIPES_DIR, ablate_parser, train_parser
@@ -79,12 +80,18 @@ def test_recipe_data_without_its_record_is_refused(tmp_path):
         prepare_recipe_data(datamodule, "my-recipe")
 
 
-def test_missing_data_with_several_processes_asks_for_make_data(tmp_path, empty_cache):
+def test_missing_data_with_several_processes_asks_for_make_data(tmp_path, empty_cache, monkeypatch):
+    """Every process would regenerate into one cache folder at once: refused before any starts. A failed regeneration's
+    line names `make data` too, so the refusal is told apart by the process count (mutation review, R04: with 2
+    processes let through, regeneration started and failed, and the old match passed)."""
+    started = []
+    monkeypatch.setattr(training.recipe_data, "run_regeneration", lambda command: started.append(command) or 1)
     datamodule = DistillDataModule(target="tiny-random", data_path=AUTO_DATA,
                                    regenerate=tiny_settings(tmp_path / "prompts.jsonl"))
-    with pytest.raises(DDTreeError, match="make data RECIPE=my-recipe"):
+    with pytest.raises(DDTreeError, match=r"this launch runs 2 processes: generate it first with `make data "
+                                          r"RECIPE=my-recipe`"):
         prepare_recipe_data(datamodule, "my-recipe", world_size=2)
-    assert not (tmp_path / "cache" / "data").exists()
+    assert started == [] and not (tmp_path / "cache" / "data").exists()
 
 
 def test_bad_regenerate_settings_are_named(tmp_path):

@@ -98,8 +98,12 @@ def run_location_args(run_dir: Path) -> list[str]:
     Given after --config, these win over config.yaml's own values, so a run that was moved or copied
     and then resumed (under another --output-root too) logs and checkpoints into its new folder.
     """
+    # flush_secs: tensorboard's writer thread sleeps until its next flush unless an event wakes it, and a Ctrl-C that
+    # lands as the main thread queues an event can leave it unwoken; Lightning's shutdown then waits for it, up to
+    # the default 120 s (a SIGINT run printed its line and outlived the test's 120 s, CI 2026-12-05). 5 s bounds it.
     logger = [
-        {"class_path": "lightning.pytorch.loggers.TensorBoardLogger", "init_args": {"save_dir": str(run_dir), "name": "tensorboard"}},
+        {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+         "init_args": {"save_dir": str(run_dir), "name": "tensorboard", "flush_secs": 5}},
         {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(run_dir), "name": "csv"}},
     ]
     return [f"--trainer.default_root_dir={run_dir}", f"--trainer.logger={json.dumps(logger)}",

@@ -11,6 +11,7 @@ own process, sent the signal from another thread, as a process of their own woul
 from __future__ import annotations
 
 import csv
+import importlib
 import json
 import logging
 import os
@@ -113,6 +114,34 @@ def test_a_signal_stops_the_run_with_a_non_zero_status_and_the_command_that_resu
     assert train_main(["--recipe", "tiny", "--resume", resume, "--output-root", str(tmp_path / "out"),
                        "--trainer.max_steps=6", "--trainer.enable_progress_bar=false"]) == 0
     assert (run_dir / "drafter" / "model.safetensors").is_file()
+
+
+def test_a_ctrl_c_that_leaves_tensorboards_writer_asleep_delays_the_stop_by_seconds_only(tmp_path):
+    """A Ctrl-C that lands as the main thread queues a tensorboard event, after the event is queued and before the
+    writer thread is woken (Queue.put's notify), leaves that thread asleep until its next flush, and Lightning's
+    shutdown (TensorBoardLogger.finalize) waits for it: with tensorboard's default flush_secs, 120 s, a SIGINT run
+    printed its interrupted line and did not exit within the test above's 120 s (CI, 2026-12-05)."""
+    specs = json.loads(next(arg for arg in training.train.run_location_args(tmp_path)
+                            if arg.startswith("--trainer.logger=")).split("=", 1)[1])
+    spec = next(spec for spec in specs if spec["class_path"].endswith(".TensorBoardLogger"))
+    module, name = spec["class_path"].rsplit(".", 1)
+    logger = getattr(importlib.import_module(module), name)(**spec["init_args"])
+    logger.log_metrics({"train/loss": 1.0}, step=1)
+    time.sleep(0.5)  # the writer has written the first event and sleeps until its next flush
+    events = logger.experiment.file_writer.event_writer._async_writer._byte_queue
+    wake = events.not_empty.notify
+
+    def interrupted(n: int = 1) -> None:  # the signal lands on entry, as CPython checks for signals there
+        events.not_empty.notify = wake
+        raise KeyboardInterrupt
+
+    events.not_empty.notify = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        logger.log_metrics({"train/loss": 2.0}, step=2)
+    finalizing = threading.Thread(target=logger.finalize, args=("failed",), daemon=True)
+    finalizing.start()
+    finalizing.join(timeout=30)
+    assert not finalizing.is_alive(), "TensorBoardLogger.finalize still waits for its writer thread after 30 s"
 
 
 def hold_until_signalled(trainer, seconds: float) -> None:

@@ -170,16 +170,13 @@ def check_hub_answers(endpoint: str) -> None:
                           f"{HUB_TIMEOUT_S:.0f} s for an answer); check the network and HF_ENDPOINT") from None
 
 
-OFFLINE_VALUES = {"1", "ON", "YES", "TRUE"}  # what huggingface_hub reads as true, in any case
-
-
 def offline_variable() -> str | None:
     """The variable that keeps huggingface_hub offline as the environment is now, read by the client's rule:
     HF_HUB_OFFLINE where it is set (it decides), else TRANSFORMERS_OFFLINE, which clusters often set for transformers
     alone. None where neither does any more: the client read them once, at import, and stays offline."""
     name = "HF_HUB_OFFLINE" if os.environ.get("HF_HUB_OFFLINE") else "TRANSFORMERS_OFFLINE"
     value = os.environ.get(name, "")
-    return f"{name}={value}" if value.upper() in OFFLINE_VALUES else None
+    return f"{name}={value}" if value.upper() in constants.ENV_VARS_TRUE_VALUES else None
 
 
 def preflight_hub(repo: str, private: bool = False, replace: bool = False) -> tuple[HfApi, str]:

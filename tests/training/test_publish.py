@@ -1232,7 +1232,7 @@ class StandInHub(BaseHTTPRequestHandler):
                 self.private[repo] = self.default_private if visibility is None else visibility == "private"
             self._reply(200, {"url": f"http://{self.headers['Host']}/{repo}"})
         elif parts == ["api", "validate-yaml"]:  # the card's metadata, checked as the Hub checks its license
-            metadata = yaml.safe_load(json.loads(body)["content"].split("---")[1]) or {}
+            metadata = card_metadata(json.loads(body)["content"]) or {}
             if metadata.get("license") not in self.licenses:
                 message = f'"license" must be one of [{", ".join(self.licenses)}]'
                 self._reply(400, {"errors": [{"message": message}], "warnings": []})

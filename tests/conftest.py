@@ -53,6 +53,22 @@ def empty_cache(tmp_path, monkeypatch):
     return cache
 
 
+@pytest.fixture
+def sized_rows(monkeypatch):
+    """TreeSizer.measure stubbed (10 ms a verify, 1 ms a row): the list it returns gets the max_rows each measurement
+    was asked for, which is what a test of the adaptive size's wiring checks."""
+    from ddtree.sizing import TreeSizer
+
+    asked = []
+
+    def measure(cls, target, max_rows, **keywords):
+        asked.append(max_rows)
+        return cls(fixed_ms=10.0, row_ms=1.0)
+
+    monkeypatch.setattr(TreeSizer, "measure", classmethod(measure))
+    return asked
+
+
 def pytest_configure(config):
     """Convert the built-in targets once, before pytest-xdist starts its workers (make test): two workers converting
     into the same cache at once would replace the folder under the one already reading it."""

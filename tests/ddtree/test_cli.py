@@ -361,26 +361,17 @@ def test_bench_adaptive_size_records_its_cost_and_sizes_within_the_budget(capsys
     assert [prompt["methods"]["ddtree@16"]["new_tokens"] for prompt in results["prompts"]] == ar
 
 
-def test_bench_with_several_budgets_measures_the_verify_cost_up_to_the_largest(capsys, monkeypatch, tmp_path,
+def test_bench_with_several_budgets_measures_the_verify_cost_up_to_the_largest(capsys, sized_rows, tmp_path,
                                                                               prompts_file):
     """Budget 32 verifies 33 rows: a cost line timed on the smallest budget's 9 would be extrapolated past its knee,
     and the only adaptive-size bench test gave one budget (mutation review, C17). The measurement is stubbed."""
-    from ddtree.sizing import TreeSizer
-
-    measured = []
-
-    def measure(cls, target, max_rows, **keywords):
-        measured.append(max_rows)
-        return cls(fixed_ms=10.0, row_ms=1.0)
-
-    monkeypatch.setattr(TreeSizer, "measure", classmethod(measure))
     code, _, err = run_cli(
         capsys, "bench", "--target", TARGET, "--drafter", "random", "--prompts", str(prompts_file), "--methods",
         "ddtree", "--budgets", "8,32", "--max-new-tokens", "2", "--limit", "1", "--dtype", "float32",
         "--packed-weights", "off", "--adaptive-size", "on", "--out", str(tmp_path / "results.json"),
     )
     assert code == 0, err
-    assert measured == [33] and "(measured up to 33 rows)" in err, err
+    assert sized_rows == [33] and "(measured up to 33 rows)" in err, err
 
 
 def test_prompt_longer_than_context(capsys, tmp_path):

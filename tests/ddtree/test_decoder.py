@@ -404,20 +404,13 @@ def test_on_tokens_hears_each_rounds_committed_tokens(tiny_target):
     assert len(heard) == len(reply.result.rounds) + 1  # the prefill's token, then each round's
 
 
-def test_a_default_decoder_on_a_cpu_sizes_budget_32_trees(monkeypatch, tiny_target):
+def test_a_default_decoder_on_a_cpu_sizes_budget_32_trees(sized_rows, tiny_target):
     """The docs say a Decoder on a CPU verifies trees sized to the verify cost measured at load; its defaults could
     turn that off, or change the published budget 32, with every test passing (mutation review, D05, D06). The
     measurement is stubbed: what is checked is that it is asked for, and for which rows."""
     from ddtree.sizing import TreeSizer
 
-    measured = []
-
-    def measure(cls, target, max_rows, **keywords):
-        measured.append(max_rows)
-        return cls(fixed_ms=10.0, row_ms=1.0)
-
-    monkeypatch.setattr(TreeSizer, "measure", classmethod(measure))
     decoder = Decoder(TARGET, "random", dtype="float32", device="cpu", packed_weights="off", quiet=True)
-    assert decoder.budget == 32 and isinstance(decoder.sizer, TreeSizer) and measured == [33]  # the root is a row
+    assert decoder.budget == 32 and isinstance(decoder.sizer, TreeSizer) and sized_rows == [33]  # the root is a row
     static = Decoder(TARGET, "random", dtype="float32", device="cpu", packed_weights="off", static_cache="on", quiet=True)
-    assert static.sizer is None and measured == [33]  # every verify runs budget + 1 rows: nothing to size
+    assert static.sizer is None and sized_rows == [33]  # every verify runs budget + 1 rows: nothing to size

@@ -15,6 +15,7 @@ that took a decode to measure are not lost with it (write_results_json).
 from __future__ import annotations
 
 import argparse
+import codecs
 import errno
 import json
 import math
@@ -224,10 +225,13 @@ def iter_json_lines(path: Path):
         offset = 0  # bytes before this line
         for number, raw in enumerate(lines, start=1):
             where = f"{path}:{number}"
+            # The mark is cut here, not by the "utf-8-sig" codec, whose error positions count from after it.
+            mark = len(codecs.BOM_UTF8) if number == 1 and raw.startswith(codecs.BOM_UTF8) else 0
             try:
-                line = raw.decode("utf-8-sig" if number == 1 else "utf-8").rstrip("\r\n")
+                line = raw[mark:].decode("utf-8").rstrip("\r\n")
             except UnicodeDecodeError as error:
-                raise DDTreeError(f"{where}: not UTF-8 (byte 0x{raw[error.start]:02x} at byte offset {offset + error.start} "
+                bad = mark + error.start  # in `raw`
+                raise DDTreeError(f"{where}: not UTF-8 (byte 0x{raw[bad]:02x} at byte offset {offset + bad} "
                                   "of the file); save it as UTF-8 JSONL, one JSON object per line") from None
             offset += len(raw)
             if not line.strip():

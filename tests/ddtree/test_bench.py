@@ -281,6 +281,7 @@ def read(path):
 @pytest.mark.parametrize("content, line, offset, byte", [
     ('{"prompt": "ok"}\n{"prompt": "café"}\n'.encode("latin-1"), 2, 17 + 15, "0xe9"),  # latin-1 text
     ('{"prompt": "ok"}\n'.encode("utf-16"), 1, 0, "0xff"),  # UTF-16, byte-order mark first
+    (b'\xef\xbb\xbf{"prompt": "caf\xe9"}\n', 1, 3 + 15, "0xe9"),  # a UTF-8 byte-order mark, then cp1252 text
 ])
 def test_a_file_that_is_not_utf8_names_the_line_and_byte(tmp_path, content, line, offset, byte):
     path = tmp_path / "prompts.jsonl"

@@ -42,8 +42,10 @@ def test_the_cpu_choice_follows_the_measurement(measure, expected):
 def test_a_gpu_gets_bf16_from_its_own_compute_capability(monkeypatch):
     """torch.cuda.is_bf16_supported() counts emulation (a T4 or V100 runs bf16 several times slower) and asks the
     current device: the choice follows the capability of the device asked about. CUDA is mocked: device 0, the
-    current one, is a T4 (7.5), device 1 an H100 (9.0)."""
-    gpus = {0: ("Tesla T4", (7, 5)), 1: ("NVIDIA H100", (9, 0))}
+    current one, is a T4 (7.5), device 1 an H100 (9.0); 2 to 4 sit at the 8.0 boundary: an A100 (8.0) and an A10 (8.6)
+    compute bf16, a V100 (7.0) does not."""
+    gpus = {0: ("Tesla T4", (7, 5)), 1: ("NVIDIA H100", (9, 0)), 2: ("NVIDIA A100", (8, 0)), 3: ("NVIDIA A10", (8, 6)),
+            4: ("Tesla V100", (7, 0))}
     index = lambda device: torch.device(device).index or 0  # noqa: E731 - "cuda" alone is the current device, 0
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)  # the T4 emulates
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gpus[index(device)][0])
@@ -52,6 +54,9 @@ def test_a_gpu_gets_bf16_from_its_own_compute_capability(monkeypatch):
     assert t4.dtype == torch.float32 and "Tesla T4 (compute capability 7.5) has no native bf16" in t4.reason
     assert h100.dtype == torch.bfloat16 and "NVIDIA H100 (compute capability 9.0) computes bf16" in h100.reason
     assert fast_precision(torch.device("cuda", 0)).dtype == torch.float32
+    assert fast_precision("cuda:2").dtype == torch.bfloat16
+    assert fast_precision("cuda:3").dtype == torch.bfloat16
+    assert fast_precision("cuda:4").dtype == torch.float32
 
 
 def test_the_real_measurement_returns_a_usable_choice():

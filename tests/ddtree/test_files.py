@@ -1,11 +1,13 @@
 """ddtree/files.py's staged folders: what a writer killed outright (SIGKILL, the OOM killer) leaves is removed by the
-next writer of the same folder on the same host, and nothing another writer may still be using.
+next writer of the same folder on the same host, and nothing another writer may still be using; and its strict JSON.
 
     .venv/bin/pytest -q tests/ddtree/test_files.py
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import signal
 import subprocess
@@ -13,7 +15,9 @@ import sys
 import time
 from pathlib import Path
 
-from ddtree.files import staged_folder, staging_owner
+import pytest
+
+from ddtree.files import staged_folder, staging_owner, write_results_json
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -81,3 +85,12 @@ def test_staging_folders_a_writer_may_still_be_using_are_left_alone(tmp_path, ca
     assert all(folder.is_dir() for folder in kept) and not removed.exists()
     assert (tmp_path / "drafter" / "config.json").is_file()
     assert capsys.readouterr().err.count("[ddtree] removed") == 1
+
+
+def test_a_nan_or_an_infinity_in_results_is_written_as_null(tmp_path):
+    """A prompt with no verification round has a NaN tau. Left in, json.dump(allow_nan=False) raises a ValueError
+    after the whole decode, one that is no WriteFailed, so not even the stdout fallback keeps the results."""
+    path = tmp_path / "results.json"
+    write_results_json(path, {"tau": math.nan, "per_prompt": (1.0, math.inf), "nested": [{"x": -math.inf}]})
+    written = json.loads(path.read_text(), parse_constant=pytest.fail)  # a bare NaN or Infinity fails here
+    assert written == {"tau": None, "per_prompt": [1.0, None], "nested": [{"x": None}]}

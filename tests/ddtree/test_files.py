@@ -6,6 +6,7 @@ next writer of the same folder on the same host, and nothing another writer may 
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -85,6 +86,26 @@ def test_staging_folders_a_writer_may_still_be_using_are_left_alone(tmp_path, ca
     assert all(folder.is_dir() for folder in kept) and not removed.exists()
     assert (tmp_path / "drafter" / "config.json").is_file()
     assert capsys.readouterr().err.count("[ddtree] removed") == 1
+
+
+def test_a_folder_whose_rename_into_place_fails_puts_the_old_one_back(tmp_path, monkeypatch):
+    """The old folder is renamed aside before the new one's rename, which can still fail (EBUSY, EXDEV, EACCES): the
+    earlier export is then back under its name, not left under a hidden one."""
+    out = tmp_path / "export"
+    out.mkdir()
+    (out / "model.safetensors").write_text("the old export")
+    rename = Path.rename
+
+    def busy(self, target):
+        if self.name.startswith(".export-"):  # the staging folder's (the old one goes aside as .export.replaced-)
+            raise OSError(errno.EBUSY, "Device or resource busy")
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", busy)
+    with pytest.raises(OSError), staged_folder(out) as staging:
+        (staging / "model.safetensors").write_text("the new export")
+    assert (out / "model.safetensors").read_text() == "the old export"
+    assert [path.name for path in tmp_path.iterdir()] == ["export"]
 
 
 def test_a_nan_or_an_infinity_in_results_is_written_as_null(tmp_path):

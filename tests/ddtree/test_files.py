@@ -88,6 +88,27 @@ def test_staging_folders_a_writer_may_still_be_using_are_left_alone(tmp_path, ca
     assert capsys.readouterr().err.count("[ddtree] removed") == 1
 
 
+def test_a_staging_folder_of_another_users_running_writer_is_left_alone(tmp_path, monkeypatch, capsys):
+    """os.kill(pid, 0) on another user's process raises PermissionError, not ProcessLookupError: in a shared cache or
+    output folder that writer is running, and removing its folder would fail it."""
+    host, namespace, _ = staging_owner().split(".")
+    theirs = a_dead_pid()  # answers as another user's live process below; without that answer it would be removed
+    kill = os.kill
+
+    def not_permitted(pid, signal_number):
+        if pid == theirs:
+            raise PermissionError(errno.EPERM, "Operation not permitted")
+        return kill(pid, signal_number)
+
+    monkeypatch.setattr(os, "kill", not_permitted)
+    folder = tmp_path / f".drafter-{host}.{namespace}.{theirs}-abcd1234"
+    folder.mkdir()
+    with staged_folder(tmp_path / "drafter") as staging:
+        (staging / "config.json").write_text("{}")
+    assert folder.is_dir()
+    assert capsys.readouterr().err == ""
+
+
 def test_a_folder_whose_rename_into_place_fails_puts_the_old_one_back(tmp_path, monkeypatch):
     """The old folder is renamed aside before the new one's rename, which can still fail (EBUSY, EXDEV, EACCES): the
     earlier export is then back under its name, not left under a hidden one."""

@@ -425,23 +425,27 @@ def test_a_config_whose_two_sets_of_rope_keys_disagree_is_one_line(tmp_path, tin
 
 def test_a_folders_tokenizer_is_loaded_once_and_again_when_its_files_change(tmp_path):
     """A training launch asked for the target's tokenizer four times; each asks now gets the one loaded object,
-    until a tokenizer file of the folder changes on disk. The weights are no part of it."""
+    until a tokenizer file of the folder changes on disk, even to the same size (a bracket swapped in place). The
+    weights are no part of it."""
     source = Path(resolve_target("tiny-random"))
     folder = tmp_path / "target"
     folder.mkdir()
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         (folder / name).write_bytes((source / name).read_bytes())
+    template = folder / "chat_template.jinja"
+    template.write_text("{% for message in messages %}[{{ message['content'] }}]{% endfor %}")
     first = ddtree.targets.load_tokenizer(str(folder))
     assert ddtree.targets.load_tokenizer(str(folder)) is first
     (folder / "model.safetensors").write_bytes(b"weights written later do not change the tokenizer")
     assert ddtree.targets.load_tokenizer(str(folder)) is first
-    template = folder / "chat_template.jinja"
-    template.write_text("{% for message in messages %}[{{ message['content'] }}]{% endfor %}")
+    written = template.stat().st_mtime_ns
+    template.write_text("{% for message in messages %}<{{ message['content'] }}>{% endfor %}")  # the same size
+    os.utime(template, ns=(written, written + 1_000_000_000))  # a coarse file-system clock could keep the mtime
     changed = ddtree.targets.load_tokenizer(str(folder))
     assert changed is not first
     messages = [{"role": "user", "content": "hi"}]
-    assert changed.apply_chat_template(messages, tokenize=False) == "[hi]"
-    assert first.apply_chat_template(messages, tokenize=False) != "[hi]"
+    assert changed.apply_chat_template(messages, tokenize=False) == "<hi>"
+    assert first.apply_chat_template(messages, tokenize=False) == "[hi]"
 
 
 @pytest.mark.parametrize("damage, named", [

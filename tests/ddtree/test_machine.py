@@ -34,3 +34,14 @@ def test_the_line_names_cpu_features_threads_and_torch():
     assert machine_line(record) == "EPYC 7B13 (AVX2), 2 threads, torch 2.13.0+cpu"
     record.update(gpu="NVIDIA H100 80GB HBM3", cuda="12.8")
     assert machine_line(record) == "NVIDIA H100 80GB HBM3 (CUDA 12.8), host EPYC 7B13 (AVX2), torch 2.13.0+cpu"
+
+
+def test_the_threads_are_the_ones_torch_computes_on():
+    """torch's intra-op threads, what a figure was timed with (OMP_NUM_THREADS, training.throughput's --threads): not
+    its inter-op pool, another count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert describe_machine(torch.device("cpu"))["threads"] == 1
+    finally:
+        torch.set_num_threads(before)

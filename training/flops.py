@@ -310,10 +310,12 @@ def main(argv: list[str] | None = None) -> int:
                 raise DDTreeError(f"{flag} {value}: give at least {least}")
     settings, max_length, _ = recipe_settings(args.recipe)
     length = args.length or max_length
-    if length <= PROMPT_TOKENS + 2:  # no reply to anchor in: the counts would be of blocks that cannot exist
+    # A block anchors on a reply token whose successor is one too (training/masks.py): 2 reply tokens hold one, 1 none,
+    # and the counts would be of blocks that cannot exist
+    if length <= PROMPT_TOKENS + 1:
         given = f"--length {length}" if args.length else f"{args.recipe}'s data.max_length {length}"
-        raise DDTreeError(f"{given} leaves no reply after the {PROMPT_TOKENS}-token prompt the count assumes; give "
-                          f"--length more than {PROMPT_TOKENS + 2}")
+        raise DDTreeError(f"{given} leaves no reply token with a successor to anchor a block on after the "
+                          f"{PROMPT_TOKENS}-token prompt the count assumes; give --length more than {PROMPT_TOKENS + 1}")
     config = target_config_for(settings["target"])
     vocab = config.get_text_config().vocab_size
     head = settings.get("draft_vocab_size") or vocab

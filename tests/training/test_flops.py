@@ -194,6 +194,15 @@ def test_the_cli_names_the_anchors_a_short_reply_holds(capsys):
     assert row.rsplit("|", 2)[1] == nine.rsplit("|", 2)[1]  # the same ratio as 9 anchors asked
 
 
+def test_the_shortest_length_counted_holds_one_anchor_as_training_draws_it(capsys):
+    """A 2-token reply after the 60-token prompt anchors one block on its first token (a recipe keeps such a reply at
+    data.min_supervised_tokens 2): --length 62 was refused as leaving no reply."""
+    _, valid = sample_anchors(batch(62, prompt=60)["loss_mask"], 16, torch.Generator().manual_seed(0))
+    assert valid.sum(dim=1).tolist() == [1, 1]
+    row, = printed_rows(capsys, ["--recipe", "smollm2-135m", "--length", "62"])
+    assert "(16 anchors (1 fit the reply), head 8192 rows)" in row
+
+
 def test_the_mean_key_count_is_the_training_masks():
     """Anchors uniform over the reply: each block query sees its anchor's context and its own block."""
     length, prompt, block_size, anchors = 300, 60, 16, 32
@@ -252,8 +261,8 @@ def test_the_benchmarks_flop_tables_are_the_clis_output(capsys):
 
 @pytest.mark.parametrize("flags, said", [
     (["--length", "0"], "--length 0: give at least 2"),
-    (["--length", "62"], "--length 62 leaves no reply after the 60-token prompt the count assumes; give --length more "
-                         "than 62"),  # at 10 the step was counted at 177 target forwards
+    (["--length", "61"], "--length 61 leaves no reply token with a successor to anchor a block on after the "
+                         "60-token prompt the count assumes; give --length more than 61"),  # at 10: 177 target forwards
     (["--anchors", "-4"], "--anchors -4: give at least 1"),
     (["--draft-vocab", "0"], "--draft-vocab 0: give at least 1"),
     (["--draft-vocab", "200000"], "--draft-vocab 200000: the target's vocabulary holds 151936 tokens; give at most that"),

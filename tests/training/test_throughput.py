@@ -255,6 +255,8 @@ def test_a_gpu_recipe_on_a_machine_without_a_gpu_stops_with_one_line(tmp_path, m
     (["--batch-size", "0"], "--batch-size 0: give at least 1"),  # was the default batch, silently
     (["--repeats", "0"], "--repeats 0: give at least 1"),  # was statistics' error on no data
     (["--threads", "-2"], "--threads -2: give at least 0"),
+    (["--length", "61"], "--length 61 leaves no reply token with a successor to anchor a block on after the 60-token "
+                         "prompt; give more than 61"),  # 62 holds one anchor (as training/flops.py counts it)
 ])
 def test_bad_numbers_are_one_line_before_anything_is_built(capsys, flags, said):
     assert main([*TINY, "--device", "cpu", *flags]) == 2

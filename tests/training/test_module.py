@@ -1120,6 +1120,17 @@ def test_a_warm_started_drafter_trains_in_training_mode_with_its_dropout(module,
     assert any(p.grad is not None for name, p in dropped.drafter.named_parameters() if "lora_" in name)
 
 
+def test_lora_trains_with_the_recipes_alpha_and_dropout(module, tmp_path):
+    """peft scales the adapters' output by lora_alpha / r: with alpha dropped it was 1, not 8 here, and with the dropout
+    dropped they trained without it, while the loss still fell in both."""
+    folder = export_drafter(module, tmp_path / "base")
+    lora = tiny_module(init_from=str(folder), target_layer_ids=None, num_layers=None, block_size=None, lora_rank=4,
+                       lora_alpha=32.0, lora_dropout=0.3, lora_target_modules=["q_proj"])
+    adapted = [m for name, m in lora.drafter.named_modules() if name.endswith("q_proj")]
+    assert adapted and all(m.scaling["default"] == 8.0 for m in adapted)
+    assert all(m.lora_dropout["default"].p == 0.3 for m in adapted)
+
+
 def test_lora_without_a_warm_start_is_refused():
     """Only the adapters train: on a new drafter every other weight stayed random, and the run exported as usual."""
     with pytest.raises(DDTreeError, match=r"^model.lora_rank=4 adapts a trained drafter and model.init_from is unset.*: "

@@ -1144,6 +1144,8 @@ def test_lora_without_a_warm_start_is_refused():
                                         r"up_proj, v_proj, or leave it unset"),  # peft's NoMatchingPeftModuleError
     ({"lora_target_modules": ["norm"]}, r"model.lora_target_modules=\['norm'\]: norm is no Linear module"),  # peft's
     #                                                                             "Target module ... is not supported"
+    # the end of a name, not of a dotted path's part: peft's NoMatchingPeftModuleError again
+    ({"lora_target_modules": ["proj"]}, r"model.lora_target_modules=\['proj'\]: proj is no Linear module"),
     ({"lora_target_modules": []}, r"model.lora_target_modules=\[\] must be at least one module name, or unset"),
     ({"lora_dropout": 1.5}, r"model.lora_dropout=1.5 must be in \[0, 1\)"),  # a traceback from torch's Dropout
     ({"lora_alpha": 0.0}, r"model.lora_alpha=0.0 must be above 0"),  # scale alpha/r 0: every gradient 0, no training

@@ -89,6 +89,20 @@ def test_an_adapter_folder_without_its_weights_says_so(adapters):
         load_frozen_target("tiny-random", torch.float32, adapters["no_weights"])
 
 
+@pytest.mark.parametrize("content, said", [
+    (b"{", "is not valid JSON"),
+    ('{"peft_type": "LORA", "note": "\xe9"}'.encode("latin-1"), "is not valid JSON"),  # a UnicodeDecodeError
+    (b"[1, 2]", "holds a JSON list, not a PEFT adapter's settings"),  # an AttributeError on .get
+])
+def test_an_adapter_config_that_is_no_settings_is_refused_by_the_folder_check(tmp_path, content, said):
+    """Each was a traceback from the folder check itself."""
+    (tmp_path / "adapter_config.json").write_bytes(content)
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"")
+    with pytest.raises(DDTreeError, match=rf"^model.target_adapter={re.escape(str(tmp_path))}: adapter_config.json "
+                                          rf"{said}.*; copy the whole folder `save_pretrained` wrote again$"):
+        check_adapter_folder(str(tmp_path))
+
+
 def test_an_adapter_that_cannot_be_merged_is_refused_by_the_folder_check(adapters, monkeypatch):
     """A prompt-tuning adapter passed the folder check (config and weights are there) and the merge then failed with
     an AttributeError traceback, after the recipe's data had been generated with the base target."""

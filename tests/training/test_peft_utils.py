@@ -14,7 +14,7 @@ import torch
 
 from ddtree.errors import DDTreeError
 from training import peft_utils
-from training.peft_utils import check_adapter_folder
+from training.peft_utils import adapter_fingerprint, check_adapter_folder
 from training.target import load_frozen_target
 
 
@@ -101,6 +101,20 @@ def test_an_adapter_config_that_is_no_settings_is_refused_by_the_folder_check(tm
     with pytest.raises(DDTreeError, match=rf"^model.target_adapter={re.escape(str(tmp_path))}: adapter_config.json "
                                           rf"{said}.*; copy the whole folder `save_pretrained` wrote again$"):
         check_adapter_folder(str(tmp_path))
+
+
+def test_the_adapter_fingerprint_reads_the_adapter_files_alone(adapters, tmp_path):
+    """save_pretrained writes a README.md beside the adapter, and people edit it: hashed, the edit refused the feature
+    store as another target's, and marked make eval's taus and regenerate --check's data as changed since."""
+    folder = shutil.copytree(adapters["fits"], tmp_path / "fits")
+    first = adapter_fingerprint(str(folder))
+    (folder / "README.md").write_text("trained on the support chats\n")
+    (folder / "notes.txt").write_text("lr 1e-4\n")
+    assert adapter_fingerprint(str(folder)) == first
+    weights = folder / "adapter_model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # the last weight changed, as a retraining changes them
+    assert adapter_fingerprint(str(folder)) != first
 
 
 def test_an_adapter_that_cannot_be_merged_is_refused_by_the_folder_check(adapters, monkeypatch):

@@ -200,6 +200,8 @@ BREAKAGES = [
      {(VLLM, "mask_token_id"), (SGLANG, "mask_token_id")}),
     ("a mask id past the target's vocabulary", "default", _config(_dflash(mask_token_id=49152)),
      {(VLLM, "mask_token_id"), (SGLANG, "mask_token_id")}),
+    ("a negative mask id", "default", _config(_dflash(mask_token_id=-1)),  # an index from the end of the embedding
+     {(VLLM, "mask_token_id"), (SGLANG, "mask_token_id")}),
     ("the last layer's output, which neither engine taps", "default", _config(_dflash(target_layer_ids=[1, 3, 5])),
      {(VLLM, "target_layer_ids"), (SGLANG, "target_layer_ids")}),
     ("a layer the target lacks", "default", _config(_dflash(target_layer_ids=[1, 3, 6])),

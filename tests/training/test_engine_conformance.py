@@ -218,6 +218,8 @@ BREAKAGES = [
      {(VLLM, "layer_types"), (SGLANG, "layer_types")}),
     ("a target of another width", "default", _target(hidden_size=128),
      {(VLLM, "hidden_size"), (SGLANG, "hidden_size")}),
+    ("a speculators target_hidden_size that is not the target's", "speculators",
+     _config(_set(target_hidden_size=128)), {(VLLM, "hidden_size"), (VLLM, "weights")}),  # and the fc width it sets
     ("a vocabulary that is not the target's", "default", _config(_set(vocab_size=1000)), {(VLLM, "vocab_size")}),
     ("no block size", "default", _config(_delete("block_size")), {(SGLANG, "block_size")}),
     ("no MLP width", "default", _config(_set(intermediate_size=0)),

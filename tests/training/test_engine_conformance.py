@@ -355,6 +355,19 @@ def test_a_target_that_cannot_be_read_is_stood_in_for_by_the_drafters_record(run
     assert failing(broken) == {(VLLM, "target_layer_ids"), (SGLANG, "target_layer_ids")}
 
 
+def test_a_target_whose_sizes_sit_under_text_config_is_checked_against_them(exports, tmp_path):
+    """A multimodal target (Qwen3-VL, Gemma 3) keeps its text model's sizes under text_config: read at the top level,
+    the drafter's own record stood in and a drafter of the wrong width was exported with a note."""
+    text = {"hidden_size": 128, "num_hidden_layers": 6, "vocab_size": 49152}
+    vision = {"hidden_size": 32}
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_vl", "text_config": text,
+                                                      "vision_config": vision}))
+    export = fresh(exports["default"])
+    facts = target_facts(str(tmp_path), export.config)
+    assert (facts.hidden_size, facts.num_hidden_layers, facts.vocab_size) == (128, 6, 49152)
+    assert failing(Export(export.config, export.weights, facts)) == {(VLLM, "hidden_size"), (SGLANG, "hidden_size")}
+
+
 def test_the_serve_commands_keep_a_folder_with_a_space_or_a_quote_one_argument():
     """The printed commands pasted paths unquoted: `bob's drafter` left the shell waiting for a closing quote, and
     `my drafter` reached SGLang as two arguments."""

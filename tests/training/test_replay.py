@@ -171,6 +171,25 @@ def test_a_round_shows_the_re_drafted_rows_its_tree_ranks_the_reply_by(tiny, bud
     assert any(kinds) and not all(kinds)
 
 
+@pytest.mark.parametrize("budget", [None, 4])
+def test_a_calibrated_temperature_divides_the_re_drafted_rows_as_decoding_divides_them(tiny, budget):
+    """At a temperature away from 1 the re-drafted blocks, divided or not, give another expected acceptance: the
+    quantity model.replay_calibration learns its temperature from. (Learning from T = 1, it hardly moves in a reply.)"""
+    target, tokenizer = tiny
+    prompt = tokenizer("def fibonacci(n):")["input_ids"]
+    sequence, mask = reply_of(target, prompt, 40)
+    calibrated = {"temperatures": {"4": 3.0, "chain": 3.0}, "graft_acceptance": {}}  # frozen: both runs see T = 3
+    decoded = generate(target, prompt, "ddtree" if budget else "dflash",
+                       RedraftRigged(sequence, target.config.vocab_size, block_size=6), budget or 1, 40, lookup=0,
+                       redraft=1, online=OnlineCalibration.from_state(calibrated))
+    assert prompt + decoded.new_tokens == sequence
+    rounds = replay_reply(RedraftRigged(sequence, target.config.vocab_size, block_size=6),
+                          torch.zeros(len(sequence), 3), torch.tensor(sequence), *reply_span(mask), budget, 40,
+                          redraft=1, online=OnlineCalibration.from_state(calibrated))
+    assert [(r.accepted, r.committed) for r in rounds] == [(r.accepted_depth, r.committed) for r in decoded.rounds]
+    assert [r.expected for r in rounds] == pytest.approx([r.expected for r in decoded.rounds], rel=1e-6)
+
+
 @pytest.mark.parametrize("budget, lookup", [(None, None), (8, "context"), (8, "corpus")])
 def test_replay_grafts_redrafts_and_learns_as_decoding_does(tiny, budget, lookup):
     """With a context lookup or a corpus, re-drafting and online calibration (model.replay_calibration), the replayed

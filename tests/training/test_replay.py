@@ -103,6 +103,8 @@ def test_a_reply_that_ends_in_a_stop_token_replays_as_decoding_stops(budget):
                               len(sequence), budget, 64, stop_ids=[stop])
         assert [(s, d) for s, d, _ in replay_runner.calls] == [(s, d) for s, d, _ in decoded_runner.calls]
         assert [(r.accepted, r.committed) for r in rounds] == [(r.accepted_depth, r.committed) for r in decoded.rounds]
+        # nor does the expected acceptance count a node below an accepted stop: online calibration learns from it
+        assert [r.expected for r in rounds] == pytest.approx([r.expected for r in decoded.rounds], rel=1e-6)
         no_bonus += decoded.rounds[-1].committed <= decoded.rounds[-1].accepted_depth
     assert no_bonus > 0, "no reply ended inside an accepted path: the stop was never exercised"
 

@@ -79,8 +79,8 @@ def replay_reply(
     depths 1..depth, accepted nodes) sees each round, e.g. to fit temperatures on exactly these blocks: the rows the
     tree ranks the reply's path by, so past depth 1 the re-drafted block's behind the reply's first token, where
     one was drafted (decoding's temperatures divide both alike).
-    stop_ids: the target's end-of-turn tokens (stop_token_ids); a round that accepts one ends the reply there
-    and commits no bonus token, as decoding does.
+    stop_ids: the target's end-of-turn tokens (stop_token_ids); one ends the reply where decoding commits it, though
+    the supervised reply goes on: a round that accepts one commits no bonus token, as decoding does.
     lookup, corpus, redraft, online: as `generate` takes them (explicit here: no drafter defaults are applied);
     online learns from every round unless frozen."""
     ids = input_ids.tolist()
@@ -90,7 +90,9 @@ def replay_reply(
     shape = budget  # OnlineCalibration's key: the ddtree budget, None for the chain
     vocab = getattr(runner, "draft_vocab", None)
     rounds = []
-    while committed < max_new_tokens and root < end - 1:
+    # As decoding: a root that is a stop token (the prefill's, an accepted one or a bonus) ends the reply there, though
+    # the supervised reply may go on (<|im_end|> then <|endoftext|>).
+    while committed < max_new_tokens and root < end - 1 and ids[root] not in stops:
         # As deep as decoding drafts: it cannot know where the reply ends. A lookup's copy may run past the block.
         graft_depth = max_new_tokens - committed - 1
         depth = min(graft_depth, runner.block_size - 1)
@@ -128,8 +130,6 @@ def replay_reply(
                 on_round(torch.cat([logits[:1], branches[truth[0]]]), truth, len(path))
             else:
                 on_round(logits, truth, len(path))
-        if stop is not None:
-            break
         new_context = features[None, root:root + step]  # the root and the accepted rows join the context
         root, committed = root + step, committed + step
     return rounds

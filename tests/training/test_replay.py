@@ -81,15 +81,16 @@ def test_replay_runs_the_rounds_of_decoding(tiny, budget):
 
 @pytest.mark.parametrize("budget", [None, 4])
 def test_a_reply_that_ends_in_a_stop_token_replays_as_decoding_stops(budget):
-    """Decoding commits no bonus after an accepted end-of-turn token, and drafts as deep as ever near the reply's end
-    (it cannot know where the reply ends); the replay must do the same, round by round."""
+    """Decoding commits no bonus after an accepted end-of-turn token, ends on one that comes as the bonus, and drafts as
+    deep as ever near the reply's end (it cannot know where the reply ends); the replay must do the same, round by
+    round, also where the supervised reply goes on past the stop."""
     torch.manual_seed(0)  # large random weights: a reply that does not repeat one token, so each cut has its own stop
     config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                          num_key_value_heads=1, max_position_embeddings=256, initializer_range=0.5)
     target = LlamaForCausalLM(config).eval()
     prompt = [1, 5, 9, 13]
     reply = generate(target, prompt, "ar", max_new_tokens=40).new_tokens
-    no_bonus = 0
+    no_bonus = tried = 0
     for end in range(8, 40, 3):  # the reply cut after its token `end - 1`, taken as the stop token
         stop = reply[end - 1]
         if stop in reply[:end - 1]:
@@ -105,8 +106,19 @@ def test_a_reply_that_ends_in_a_stop_token_replays_as_decoding_stops(budget):
         assert [(r.accepted, r.committed) for r in rounds] == [(r.accepted_depth, r.committed) for r in decoded.rounds]
         # nor does the expected acceptance count a node below an accepted stop: online calibration learns from it
         assert [r.expected for r in rounds] == pytest.approx([r.expected for r in decoded.rounds], rel=1e-6)
+        # a supervised reply may go on past a stop (<|im_end|> then <|endoftext|>): decoding ends there all the same
+        whole = replay_reply(oracle, torch.zeros(len(prompt + reply), 3), torch.tensor(prompt + reply), len(prompt),
+                             len(prompt + reply), budget, 64, stop_ids=[stop])
+        assert [(r.accepted, r.committed) for r in whole] == [(r.accepted_depth, r.committed) for r in decoded.rounds]
         no_bonus += decoded.rounds[-1].committed <= decoded.rounds[-1].accepted_depth
+        tried += 1
     assert no_bonus > 0, "no reply ended inside an accepted path: the stop was never exercised"
+    assert no_bonus < tried, "no reply ended on a bonus stop token: that stop was never exercised"
+    # the prefill's token a stop: decoding runs no round
+    oracle = RiggedDrafter(prompt + reply, target.config.vocab_size, block_size=6)
+    assert generate(target, prompt, "ddtree" if budget else "dflash", oracle, budget or 1, 64, [reply[0]]).rounds == []
+    assert replay_reply(oracle, torch.zeros(len(prompt + reply), 3), torch.tensor(prompt + reply), len(prompt),
+                        len(prompt + reply), budget, 64, stop_ids=[reply[0]]) == []
 
 
 def test_replay_feeds_the_drafter_the_context_decoding_feeds_it(tiny):

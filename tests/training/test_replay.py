@@ -185,6 +185,21 @@ def test_a_round_shows_the_re_drafted_rows_its_tree_ranks_the_reply_by(tiny, bud
     assert any(kinds) and not all(kinds)
 
 
+def test_a_round_is_shown_the_replys_tokens_not_the_padding_after_it(tiny):
+    """A training row goes on past the reply (padding, the next turn): a truth running past the reply's end gave
+    RoundNLL one depth more, labelled with a pad id, to fit model.calibrate's temperatures on."""
+    target, tokenizer = tiny
+    prompt = tokenizer("def fibonacci(n):")["input_ids"]
+    sequence, mask = reply_of(target, prompt, 37)  # at 40 the last round drafted exactly to the end
+    padded, end = sequence + [0] * 8, len(sequence)
+    oracle = RiggedDrafter(padded, target.config.vocab_size, block_size=6)
+    seen = []
+    replay_reply(oracle, torch.zeros(len(padded), 3), torch.tensor(padded), len(prompt), end, 4, 64,
+                 on_round=lambda logits, truth, accepted: seen.append(truth))
+    assert any(start + 1 + depth > end for start, depth in oracle.calls)  # rounds near the end draft past it
+    assert seen == [sequence[start + 1:min(start + 1 + depth, end)] for start, depth in oracle.calls]
+
+
 @pytest.mark.parametrize("budget", [None, 4])
 def test_a_calibrated_temperature_divides_the_re_drafted_rows_as_decoding_divides_them(tiny, budget):
     """At a temperature away from 1 the re-drafted blocks, divided or not, give another expected acceptance: the

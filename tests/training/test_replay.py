@@ -162,6 +162,24 @@ def test_round_nll_counts_depths_under_an_accepted_prefix_and_finds_the_drawing_
     assert fit.best() == pytest.approx([0.6, 1.0, 2.0], rel=0.12)
 
 
+def test_round_nll_skips_a_label_outside_the_draft_vocabulary():
+    """A drafter trained with model.draft_vocab_size gives -inf logits outside its vocabulary: one such label made the
+    depth's NLL infinite at every temperature, and model.calibrate wrote the first candidate, 0.5, for it."""
+    generator = torch.Generator().manual_seed(0)
+    fit, inside = RoundNLL(block_size=2), RoundNLL(block_size=2)
+    for i in range(200):
+        logits = 3 * torch.randn(1, 50, generator=generator)
+        logits[:, 40:] = -float("inf")  # a draft vocabulary of 40
+        if i % 2:
+            fit(logits, [45], accepted=0)
+        else:
+            label = torch.multinomial(torch.softmax(logits[0] / 2, dim=-1), 1, generator=generator).tolist()
+            fit(logits, label, accepted=0)
+            inside(logits, label, accepted=0)
+    assert torch.isfinite(fit.nll).all() and fit.counts.tolist() == [0, 100]
+    assert fit.best() == inside.best() and fit.best()[0] > 1  # drawn at 2
+
+
 @pytest.mark.parametrize("budget", [None, 4])
 def test_a_round_shows_the_re_drafted_rows_its_tree_ranks_the_reply_by(tiny, budget):
     """Past depth 1 a tree ranks the reply's path by the block re-drafted behind its first token, where one was drafted,

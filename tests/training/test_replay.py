@@ -180,6 +180,17 @@ def test_round_nll_skips_a_label_outside_the_draft_vocabulary():
     assert fit.best() == inside.best() and fit.best()[0] > 1  # drawn at 2
 
 
+def test_round_nll_leaves_a_depth_no_round_reached_at_temperature_1():
+    """As best() and model.calibrate promise: an argmin over no rounds gave the first candidate, 0.5, which would
+    sharpen twofold the depths the drafter never got right."""
+    generator = torch.Generator().manual_seed(0)
+    fit = RoundNLL(block_size=5)
+    for _ in range(20):
+        fit(3 * torch.randn(4, 50, generator=generator), [1, 2, 3, 4], accepted=0)  # every round rejected at depth 1
+    assert fit.counts.tolist() == [0, 20, 0, 0, 0]
+    assert fit.best()[1:] == [1.0, 1.0, 1.0]
+
+
 @pytest.mark.parametrize("budget", [None, 4])
 def test_a_round_shows_the_re_drafted_rows_its_tree_ranks_the_reply_by(tiny, budget):
     """Past depth 1 a tree ranks the reply's path by the block re-drafted behind its first token, where one was drafted,

@@ -102,7 +102,9 @@ def replay_reply(
         logits = runner.propose(ids[root], root, new_context, depth)  # (depth, V)
         branches = None
         if redraft and depth > 1:
-            firsts = logits[0].topk(min(redraft if budget is not None else 1, logits.shape[-1])).indices.tolist()
+            # as decoding: a tree holds at most `budget` depth-1 nodes (the chain one), more blocks would go unused
+            count = min(redraft, budget) if budget is not None else 1
+            firsts = logits[0].topk(min(count, logits.shape[-1])).indices.tolist()
             branches = dict(zip(firsts, runner.redraft(ids[root], root, firsts, depth)))
         if online is not None:
             logits = logits.float() / online.temperature(shape)

@@ -248,6 +248,20 @@ def test_a_calibrated_temperature_divides_the_re_drafted_rows_as_decoding_divide
     assert [r.expected for r in rounds] == pytest.approx([r.expected for r in decoded.rounds], rel=1e-6)
 
 
+def test_replay_re_drafts_the_blocks_decoding_re_drafts(tiny):
+    """A tree holds at most `budget` depth-1 nodes, so decoding re-drafts min(redraft, budget) blocks: the replay
+    re-drafted `redraft` of them, for the same rounds at more drafter calls (model.calibrate's time)."""
+    target, tokenizer = tiny
+    prompt = tokenizer("def fibonacci(n):")["input_ids"]
+    sequence, mask = reply_of(target, prompt, 40)
+    decoding, replaying = (RedraftRigged(sequence, target.config.vocab_size, block_size=6) for _ in range(2))
+    decoded = generate(target, prompt, "ddtree", decoding, 2, 40, lookup=0, redraft=3)
+    rounds = replay_reply(replaying, torch.zeros(len(sequence), 3), torch.tensor(sequence), *reply_span(mask), 2, 40,
+                          redraft=3)
+    assert [(r.accepted, r.committed) for r in rounds] == [(r.accepted_depth, r.committed) for r in decoded.rounds]
+    assert replaying.redrafts == decoding.redrafts and all(len(firsts) == 2 for _, firsts in replaying.redrafts)
+
+
 @pytest.mark.parametrize("budget, lookup", [(None, None), (8, "context"), (8, "corpus")])
 def test_replay_grafts_redrafts_and_learns_as_decoding_does(tiny, budget, lookup):
     """With a context lookup or a corpus, re-drafting and online calibration (model.replay_calibration), the replayed

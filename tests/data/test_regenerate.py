@@ -64,6 +64,23 @@ def test_batched_loop_matches_generate_and_drops_finished_rows(tiny):
     assert regenerate.cut_at_stop(got[0], {stop}) == (expected[0][:-1], "stop")
 
 
+def test_a_left_padded_prompt_counts_its_positions_from_0_and_its_new_tokens_on_from_its_length(tiny):
+    """tiny-random writes the same reply with its positions shifted by one, so the comparison with `generate` above
+    passes positions that start at 1; a real target (SmolLM2) then writes other replies than its own greedy ones."""
+    model, _ = tiny
+    prompts = [[201, 202, 203, 204, 205, 206], [101, 102, 103]]  # one batch, longest first; the second left-padded by 3
+    positions = []
+    hook = model.register_forward_pre_hook(lambda _, args, kwargs: positions.append(kwargs["position_ids"].tolist()),
+                                           with_kwargs=True)
+    try:
+        regenerate.generate_transformers(model, prompts, pad_id=0, stop_ids=[model.config.vocab_size - 1],
+                                         batch_size=2, max_new_tokens=3, temperature=0.0, top_p=1.0)
+    finally:
+        hook.remove()
+    assert [row[-len(prompt):] for row, prompt in zip(positions[0], prompts)] == [[0, 1, 2, 3, 4, 5], [0, 1, 2]]
+    assert positions[1:] == [[[6], [3]], [[7], [4]]]  # each new token at the position after the last one
+
+
 def test_sampling_is_seeded_and_top_p_keeps_the_head():
     logits = torch.tensor([[0.0, 5.0, 1.0, 0.5]])
     assert regenerate.pick_next(logits, 0.0, 1.0).item() == 1

@@ -320,12 +320,13 @@ def test_a_smaller_limit_never_shrinks_a_finished_dataset_unasked(tmp_path, caps
     shipped = load_from_disk(str(tmp_path / "out")).to_list()
     shutil.rmtree(tmp_path / "out.parts")
     capsys.readouterr()
-    for flags in (["--limit", "2"], ["--limit", "2", "--merge-only"]):
+    for flags in (["--limit", "2"], ["--limit", "2", "--merge-only"], ["--limit", "4"]):  # 4: one answer fewer
+        limit = int(flags[1])
         assert regenerate.main([*args_for_argv(tmp_path), *flags]) == 2
         assert capsys.readouterr().err.strip() == (
-            f"error: --out {tmp_path / 'out'} holds a dataset answering 5 prompts and this job writes 2 (--limit): the "
-            "other 3 answers would be lost; give another --out, or pass --overwrite to replace it with the 2; nothing "
-            "was written")
+            f"error: --out {tmp_path / 'out'} holds a dataset answering 5 prompts and this job writes {limit} "
+            f"(--limit): the other {5 - limit} answers would be lost; give another --out, or pass --overwrite to "
+            f"replace it with the {limit}; nothing was written")
         assert load_from_disk(str(tmp_path / "out")).to_list() == shipped and not (tmp_path / "out.parts").exists()
     assert regenerate.run(args_for(tmp_path))["num_conversations"] == 5  # the same count: nothing lost, nothing asked
     assert regenerate.run(args_for(tmp_path, "--limit", "2", "--overwrite"))["num_conversations"] == 2

@@ -213,6 +213,35 @@ def test_shards_merge_resume_and_settings_guard(tmp_path):
     assert load_from_disk(str(tmp_path / "out"))["id"] == ["p0", "p1", "p2"]
 
 
+def test_a_reply_that_stops_is_recorded_without_its_stop_token(tmp_path, monkeypatch):
+    """tiny-random writes no end of turn within a test's few tokens, so every other row of these tests is cut at
+    max_new_tokens: a reply that stopped could keep its stop token (trained as a reply token), be recorded as "length"
+    (its end of turn never supervised), or keep a special token in its text. The target's tokens are scripted here:
+    p0 and p2 stop, p1 runs out."""
+    from datasets import load_from_disk
+
+    from ddtree.targets import load_tokenizer
+
+    tokenizer = load_tokenizer("tiny-random")
+    words = tokenizer("Hello there", add_special_tokens=False)["input_ids"]
+    reply = words[:1] + [tokenizer.convert_tokens_to_ids("<|im_start|>")] + words[1:]  # a stray special token
+
+    def scripted(model, prompts, pad_id, stop_ids, *args, **kwargs):  # the loop ends a reply with its stop token
+        assert reply[1] not in stop_ids
+        return [reply + [stop_ids[0]] if i % 2 == 0 else reply for i in range(len(prompts))]
+
+    monkeypatch.setattr(regenerate, "generate_transformers", scripted)
+    prompt_file(tmp_path / "prompts.jsonl", 3)
+    summary = regenerate.run(args_for(tmp_path, "--chunk-size", "3", "--batch-size", "3"))
+    data = load_from_disk(str(tmp_path / "out"))
+    assert data["finish_reason"] == ["stop", "length", "stop"]
+    assert data["response_ids"] == [reply] * 3 and data["response_tokens"] == [len(reply)] * 3
+    assert [row[-1]["content"] for row in data["messages"]] == ["Hello there"] * 3
+    recorded = json.loads((tmp_path / "out" / "regeneration.json").read_text())
+    assert summary["num_stopped"] == recorded["num_stopped"] == 2
+    assert summary["num_hit_max_new_tokens"] == recorded["num_hit_max_new_tokens"] == 1
+
+
 SAMPLED = ["--temperature", "1", "--max-new-tokens", "8"]
 
 

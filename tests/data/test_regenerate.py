@@ -464,6 +464,14 @@ def test_an_edited_prompt_fails_the_check_every_training_start_runs(tmp_path, ca
     assert regenerate.main(args_for_argv(tmp_path, "--check", "--limit", "4")) == 0
 
 
+def test_a_limit_above_the_prompts_files_length_answers_every_prompt_and_passes_the_check(tmp_path):
+    """A recipe whose data.regenerate.limit is more than its prompts file holds: --check must count the prompts there
+    are, or every training start refuses the data and asks for answers to prompts that do not exist."""
+    prompt_file(tmp_path / "prompts.jsonl", 3)
+    assert regenerate.run(args_for(tmp_path, "--limit", "10"))["num_prompts"] == 3
+    assert regenerate.main(args_for_argv(tmp_path, "--limit", "10", "--check")) == 0
+
+
 def lora_adapter(path, seed: int) -> str:
     """A LoRA adapter on tiny-random, strong enough to change its greedy replies."""
     from peft import LoraConfig, get_peft_model

@@ -242,6 +242,20 @@ def test_a_reply_that_stops_is_recorded_without_its_stop_token(tmp_path, monkeyp
     assert summary["num_hit_max_new_tokens"] == recorded["num_hit_max_new_tokens"] == 1
 
 
+def test_the_counts_of_a_dataset_tell_replies_that_stopped_from_those_cut_at_max_new_tokens(capsys):
+    """data/README.md quotes these counts of the shipped data (1147 hit the 256-token limit); its rows must not split
+    evenly here, or counting one kind for the other passes."""
+    rows = [{"id": f"p{i}", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}],
+             "finish_reason": finish, "prompt_tokens": 9, "response_tokens": count}
+            for i, (finish, count) in enumerate([("stop", 2), ("length", 6), ("stop", 3)])]
+    counts = regenerate.conversation_counts(rows)
+    assert (counts["num_stopped"], counts["num_hit_max_new_tokens"]) == (2, 1)
+    assert (counts["prompt_tokens"], counts["response_tokens"]) == (27, 11)
+    regenerate.report(counts, Path("out"))
+    assert capsys.readouterr().out == ("[regenerate] wrote 3 conversations to out (11 response tokens, 1 hit "
+                                       "max_new_tokens)\n")
+
+
 SAMPLED = ["--temperature", "1", "--max-new-tokens", "8"]
 
 

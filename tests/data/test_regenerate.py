@@ -766,7 +766,12 @@ def test_a_prompt_the_template_refuses_stops_the_job_before_the_target_loads(tin
 @pytest.mark.parametrize("flags,named", [(["--limit", "0"], "--limit 0"), (["--limit", "-1"], "--limit -1"),
                                          (["--threads", "0"], "--threads 0"), (["--temperature", "-1"], "temperature -1"),
                                          (["--temperature", "1", "--top-p", "0"], "top_p 0"),
-                                         (["--num-shards", "0"], "--num-shards 0 must be at least 1")])
+                                         (["--num-shards", "0"], "--num-shards 0 must be at least 1"),
+                                         # no chunk is its own: it exited 0 ("other shards still running") and the
+                                         # shard it was meant to be never ran
+                                         (["--num-shards", "2", "--shard-index", "2"],
+                                          "--shard-index 2 must be in 0..1"),
+                                         (["--shard-index", "-1"], "--shard-index -1 must be in 0..0")])
 def test_bad_settings_are_one_line_before_any_work(tmp_path, capsys, flags, named):
     prompt_file(tmp_path / "prompts.jsonl", 2)
     assert regenerate.main([*args_for_argv(tmp_path), *flags]) == 2

@@ -118,6 +118,23 @@ def test_counts_below_one_prompt_and_one_file_for_both_are_refused(tmp_path, cap
     assert not list(tmp_path.iterdir())
 
 
+def test_an_evaluation_set_one_prompt_short_is_refused(tmp_path, capsys):
+    """The shortfall at its boundary: one chat prompt more than the held-out topics make, every coding prompt paired."""
+    import re
+
+    from ddtree.errors import DDTreeError
+
+    with pytest.raises(DDTreeError) as everything:  # what the held-out sources make, as the refusal counts it
+        make_prompts.build(seed=0, num_coding=10, num_chat=10, num_eval=100_000)
+    coding, chat = map(int, re.search(r"make only (\d+) coding and (\d+) chat", str(everything.value)).groups())
+    assert coding > chat  # so that the coding half of one more pair is there, and only its chat prompt is missing
+    num_eval = 2 * (chat + 1)
+    out = ["--train-out", str(tmp_path / "train.jsonl"), "--eval-out", str(tmp_path / "eval.jsonl")]
+    assert make_prompts.main([*out, "--num-coding", "10", "--num-chat", "10", "--num-eval", str(num_eval)]) == 2
+    assert f"({num_eval - 1} in all); ask for fewer" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
 def test_an_eval_word_problem_that_training_holds_word_for_word_is_drawn_again(tmp_path):
     """Both sets fill the same word-problem templates: seeds 25 and 33 stopped with an AssertionError traceback,
     and under `python -O` (the assert skipped) wrote an evaluation prompt that training also holds."""

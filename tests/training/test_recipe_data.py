@@ -244,10 +244,11 @@ def test_a_recipes_data_path_under_tilde_is_its_own_not_an_override(tmp_path, mo
 
 
 def test_the_check_takes_greedy_data_made_with_another_chunk_size_or_seed(monkeypatch, capsys):
-    """Neither changes a greedy reply: data made with `make data ARGS=--chunk-size 256` was refused at every start."""
+    """Neither changes a greedy reply: data made with `make data ARGS=--chunk-size 256` was refused at every start.
+    Nor does --top-p, which draws nothing at temperature 0 (greedy settings record top_p 1.0)."""
     monkeypatch.chdir(RECIPES_DIR.parent)
     check = lambda *flags: regenerate.main(["--recipe", "smollm2-135m", "--check", *flags])  # noqa: E731
-    assert check("--chunk-size", "256") == 0 and check("--seed", "5") == 0
+    assert check("--chunk-size", "256") == 0 and check("--seed", "5") == 0 and check("--top-p", "0.9") == 0
     capsys.readouterr()
     assert check("--max-new-tokens", "128") == 2  # a setting that does change the replies
     assert "max_new_tokens: 256 -> 128" in capsys.readouterr().err

@@ -217,7 +217,8 @@ def test_a_reply_that_stops_is_recorded_without_its_stop_token(tmp_path, monkeyp
     """tiny-random writes no end of turn within a test's few tokens, so every other row of these tests is cut at
     max_new_tokens: a reply that stopped could keep its stop token (trained as a reply token), be recorded as "length"
     (its end of turn never supervised), or keep a special token in its text. The target's tokens are scripted here:
-    p0 and p2 stop, p1 runs out."""
+    p0 and p2 stop, p1 runs out. A row's prompt_tokens is held to the prompt the target read too: nothing compared
+    them."""
     from datasets import load_from_disk
 
     from ddtree.targets import load_tokenizer
@@ -226,8 +227,11 @@ def test_a_reply_that_stops_is_recorded_without_its_stop_token(tmp_path, monkeyp
     words = tokenizer("Hello there", add_special_tokens=False)["input_ids"]
     reply = words[:1] + [tokenizer.convert_tokens_to_ids("<|im_start|>")] + words[1:]  # a stray special token
 
+    handed = []  # the prompts the target reads
+
     def scripted(model, prompts, pad_id, stop_ids, *args, **kwargs):  # the loop ends a reply with its stop token
         assert reply[1] not in stop_ids
+        handed.extend(prompts)
         return [reply + [stop_ids[0]] if i % 2 == 0 else reply for i in range(len(prompts))]
 
     monkeypatch.setattr(regenerate, "generate_transformers", scripted)
@@ -237,6 +241,7 @@ def test_a_reply_that_stops_is_recorded_without_its_stop_token(tmp_path, monkeyp
     assert data["finish_reason"] == ["stop", "length", "stop"]
     assert data["response_ids"] == [reply] * 3 and data["response_tokens"] == [len(reply)] * 3
     assert [row[-1]["content"] for row in data["messages"]] == ["Hello there"] * 3
+    assert data["prompt_tokens"] == [len(prompt) for prompt in handed]  # regeneration.json's sum, the README's count
     recorded = json.loads((tmp_path / "out" / "regeneration.json").read_text())
     assert summary["num_stopped"] == recorded["num_stopped"] == 2
     assert summary["num_hit_max_new_tokens"] == recorded["num_hit_max_new_tokens"] == 1

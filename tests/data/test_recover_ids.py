@@ -93,6 +93,8 @@ def test_the_command_adds_response_ids_where_they_decode_and_count_right(tiny, t
     assert out[0]["response_ids"] == generated and out[1]["response_ids"] is None
     summary = json.loads((tmp_path / "out" / "regeneration.json").read_text())["response_ids"]
     assert summary["recovered"] == 1 and summary["not_recovered"] == 1
+    assert tokenizer(text, add_special_tokens=False)["input_ids"] != generated  # a's text alone splits otherwise
+    assert summary["split_changed"] == 1  # the README's "282 of them split otherwise" is this count
     assert recover_ids.main([str(source), "--out", str(tmp_path / "out")]) == 2  # never overwritten
     assert "exists" in capsys.readouterr().err
     # and as a script, which checks its command line before torch loads (that check once broke every valid run)

@@ -85,6 +85,16 @@ def test_the_shipped_files_are_not_replaced_by_other_prompts_unasked(tmp_path, c
     assert len((tmp_path / "eval.jsonl").read_text().splitlines()) == 6
 
 
+def test_the_summary_line_counts_the_coding_and_chat_prompts_written(tmp_path, capsys):
+    """The line the user reads to confirm the mix. The other runs ask for as many of each kind, where swapped counts
+    read the same."""
+    out = ["--train-out", str(tmp_path / "train.jsonl"), "--eval-out", str(tmp_path / "eval.jsonl")]
+    assert make_prompts.main([*out, "--num-coding", "30", "--num-chat", "10", "--num-eval", "4"]) == 0
+    ids = [json.loads(line)["id"] for line in (tmp_path / "train.jsonl").read_text().splitlines()]
+    assert sum(name.startswith("code/") for name in ids) == 30 and len(ids) == 40
+    assert f"wrote 40 training prompts (30 coding, 10 chat) to {tmp_path / 'train.jsonl'}\n" in capsys.readouterr().out
+
+
 def test_a_refusal_under_another_python_says_which_python_wrote_the_files(tmp_path, monkeypatch, capsys):
     """Another Python's standard library writes other coding prompts: the shipped files were refused with no reason."""
     out = ["--train-out", str(tmp_path / "train.jsonl"), "--eval-out", str(tmp_path / "eval.jsonl")]

@@ -57,8 +57,18 @@ def parse_dtype(name: str, where: str = "dtype") -> torch.dtype:
 
 
 def has_hub_id_shape(name: str | None) -> bool:
-    """owner/name, not a path spelled from here, the root or home."""
-    return bool(name) and name.count("/") == 1 and not name.startswith((".", "/", "~"))
+    """owner/name, not a path spelled from here, the root or home, and a name the Hub takes: one it refuses (a space,
+    `..`) is a mistyped path, and asking the Hub's cache about it raised HFValidationError, a traceback."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if not (name and name.count("/") == 1 and not name.startswith((".", "/", "~"))):
+        return False
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
 
 
 def is_hub_id(name: str | None) -> bool:

@@ -84,6 +84,17 @@ def test_a_conversion_removes_what_a_killed_one_left_and_nothing_else(cache, mon
     assert running.exists() and other_target.exists() and not_staging.exists()
 
 
+def test_a_staging_folder_whose_weights_are_still_being_written_is_not_stale(cache):
+    """A folder's mtime changes only when an entry is added: a large save made 20 minutes ago and still writing is
+    fresh by its file's mtime, and removing it would fail that conversion mid-save."""
+    targets = cache / "targets"
+    writing = make_staging(targets, ".smollm2-135m-wr1t1ng0", age_s=1200)
+    now = time.time() - 5
+    os.utime(writing / "model.safetensors", (now, now))
+    ddtree.targets.remove_stale_staging(targets / "smollm2-135m")
+    assert writing.exists()
+
+
 @pytest.mark.parametrize("full", [
     OSError(errno.ENOSPC, "No space left on device"),  # Python's writes (config.json, the tokenizer)
     SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"),  # the weights

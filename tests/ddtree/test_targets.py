@@ -248,6 +248,19 @@ def test_a_tiny_target_built_with_other_settings_is_built_again(cache, monkeypat
     assert record["architecture"] == ddtree.targets.TINY_TARGET_ARCH and record["tokenizer"] == source
 
 
+def test_the_tiny_target_has_the_same_weights_whatever_the_process_drew_before(tmp_path, monkeypatch):
+    """Its record says seed 0: every fresh cache (CI, another machine) must build the same tiny-random."""
+    _, source = ddtree.targets.builtin_gguf("smollm2-135m")
+    monkeypatch.setattr(ddtree.targets, "AutoTokenizer", SimpleNamespace(from_pretrained=lambda *a, **k: Tokenizer()))
+    weights = []
+    for drawn in (1, 2):
+        monkeypatch.setenv("DDTREE_CACHE", str(tmp_path / f"cache{drawn}"))
+        converted(tmp_path / f"cache{drawn}" / "targets", "smollm2-135m", source)
+        torch.manual_seed(drawn)
+        weights.append((ddtree.targets.tiny_target_folder() / "model.safetensors").read_bytes())
+    assert weights[0] == weights[1]
+
+
 def test_a_target_path_from_home_is_expanded(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     folder = tmp_path / "models" / "x"

@@ -269,6 +269,15 @@ def test_a_target_path_from_home_is_expanded(tmp_path, monkeypatch):
     assert resolve_target("~/models/x") == str(folder)
 
 
+def test_a_target_folder_without_config_json_is_one_line_that_says_so(tmp_path):
+    """A half-copied folder: loading it would go on and fail blaming the tokenizer, not the missing config.json."""
+    folder = tmp_path / "my-model"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"weights")
+    with pytest.raises(DDTreeError, match=f"^target folder {folder} has no config.json; give a Hugging Face model folder$"):
+        resolve_target(str(folder))
+
+
 @pytest.mark.parametrize("as_given", [str, lambda folder: f"~/{folder.name}"], ids=["str", "from home"])
 def test_a_drafter_folder_given_as_a_str_loads_as_a_path_does(tmp_path, tiny_target, monkeypatch, as_given):
     """load_drafter_folder("exports/x") failed with TypeError str / str; load_target takes a str and a ~ path."""

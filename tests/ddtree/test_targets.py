@@ -278,6 +278,19 @@ def test_a_target_folder_without_config_json_is_one_line_that_says_so(tmp_path):
         resolve_target(str(folder))
 
 
+def test_a_hub_target_in_the_local_cache_is_used_offline(tmp_path, monkeypatch):
+    """A cluster without internet that downloaded its target beforehand (HF_HUB_OFFLINE=1) trains and decodes on it."""
+    snapshot = tmp_path / "hub" / "models--someone--cached" / "snapshots" / ("a" * 40)  # the Hub cache's layout
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(ddtree.targets, "hub_is_reachable", lambda *a, **k: pytest.fail("asked the network"))
+    assert resolve_target("someone/cached") == "someone/cached"
+
+
 @pytest.mark.parametrize("as_given", [str, lambda folder: f"~/{folder.name}"], ids=["str", "from home"])
 def test_a_drafter_folder_given_as_a_str_loads_as_a_path_does(tmp_path, tiny_target, monkeypatch, as_given):
     """load_drafter_folder("exports/x") failed with TypeError str / str; load_target takes a str and a ~ path."""

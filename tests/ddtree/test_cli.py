@@ -133,7 +133,7 @@ def test_unknown_target(capsys, prompts_file):
     assert "unknown target 'no-such-model'" in line and "smollm2-135m" in line
 
 
-@pytest.mark.parametrize("target", ["models/Qwen3 8B", "owner/name..x"])
+@pytest.mark.parametrize("target", ["models/Qwen3 8B", "owner/name..x", "models/qwen/Qwen3-8B"])
 def test_a_target_that_is_neither_a_folder_nor_a_valid_hub_id_is_one_line(capsys, prompts_file, monkeypatch, target):
     # owner/name in shape, but a name the Hub refuses: a mistyped path, not a Hub id to look up
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)

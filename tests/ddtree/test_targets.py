@@ -116,13 +116,15 @@ def test_another_error_during_the_save_is_raised_as_it_is_and_leaves_nothing(cac
     assert list((cache / "targets").iterdir()) == []
 
 
-def test_a_cache_that_is_a_file_is_refused_before_the_decode(tmp_path, monkeypatch):
-    (tmp_path / "cache").write_text("not a folder")
+@pytest.mark.parametrize("file", ["cache", "cache/targets"])  # above the targets folder, or the folder itself
+def test_a_cache_that_is_a_file_is_refused_before_the_decode(tmp_path, monkeypatch, file):
+    (tmp_path / file).parent.mkdir(exist_ok=True)
+    (tmp_path / file).write_text("not a folder")
     monkeypatch.setenv("DDTREE_CACHE", str(tmp_path / "cache"))
     decoded = stub_decode(monkeypatch, Decoded())
     with pytest.raises(DDTreeError) as error:
         builtin_target_folder("smollm2-135m")
-    assert str(error.value) == (f"cannot write the target cache {tmp_path / 'cache' / 'targets'} ({tmp_path / 'cache'} "
+    assert str(error.value) == (f"cannot write the target cache {tmp_path / 'cache' / 'targets'} ({tmp_path / file} "
                                 f"is a file, not a folder): set DDTREE_CACHE to a writable folder (it is {tmp_path / 'cache'})")
     assert decoded == []
 

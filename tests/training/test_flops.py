@@ -104,8 +104,9 @@ def family_config(family: str):
 
     shape = dict(num_hidden_layers=4, num_attention_heads=4, vocab_size=1000, max_position_embeddings=256)
     return {
+        # head_dim apart from hidden / heads (16), as Qwen3-4B's 128 is apart from its 2560 / 32
         "qwen3": lambda: transformers.Qwen3Config(hidden_size=64, intermediate_size=256, num_key_value_heads=2,
-                                                  head_dim=16, **shape),
+                                                  head_dim=32, **shape),
         "llama": lambda: transformers.LlamaConfig(hidden_size=64, intermediate_size=256, num_key_value_heads=2,
                                                   **shape),
         "gpt_neox": lambda: transformers.GPTNeoXConfig(hidden_size=64, intermediate_size=256, **shape),

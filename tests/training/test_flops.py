@@ -77,7 +77,9 @@ def test_the_step_matmuls_are_what_the_model_counts(draft_vocab_size, loss_chunk
 
 
 @pytest.mark.parametrize("distill", [dict(distill_weight=0.5), dict(distill_weight=0.5, loss_chunk_size=8),
-                                     dict(distill_weight=0.5, distill_top_k=8)])
+                                     dict(distill_weight=0.5, distill_top_k=8),
+                                     # the top-k teacher head is the target's, outside the chunked loss: not recomputed
+                                     dict(distill_weight=0.5, distill_top_k=8, loss_chunk_size=8)])
 def test_online_distillation_counts_the_whole_target_and_the_teachers_head(distill):
     """With distill_weight > 0 the step runs every target layer (the final hidden states are the teacher) and the
     teacher's LM head: the model had counted neither (the counter found 1.45x and 1.60x of it)."""

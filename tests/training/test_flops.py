@@ -15,9 +15,9 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from training.flops import (Widths, main, mean_keys_per_query, recipe_settings, recipe_step_flops, step_flops,
-                            target_config_for, target_forward_flops)
-from training.masks import dense_block_mask, sample_anchors
+from training.flops import (Widths, flex_width, main, mean_keys_per_query, recipe_settings, recipe_step_flops,
+                            step_flops, target_config_for, target_forward_flops)
+from training.masks import dense_block_mask, pad_for_flex, sample_anchors
 from training.module import DistillModule
 from training.target import target_layer_features
 
@@ -249,6 +249,13 @@ def test_a_cpu_recipe_is_counted_at_its_own_context_width(capsys):
     row, = printed_rows(capsys, ["--recipe", "tiny"])
     context = float(re.search(r"\((\S+) / ", row).group(1))
     assert context == pytest.approx(on_cpu.context / 1e9, abs=0.006), row
+
+
+@pytest.mark.parametrize("length", [384, 1024, 1025, 4096])
+def test_the_flex_width_is_the_width_training_pads_to(length):
+    """At a power of two (max_length 1024, 2048, 4096) the context is not padded further."""
+    padded, _ = pad_for_flex(torch.zeros(1, length, 1), torch.zeros(1, 1, dtype=torch.long), 1)
+    assert flex_width(length) == padded.shape[1]
 
 
 def test_the_benchmarks_flop_tables_are_the_clis_output(capsys):

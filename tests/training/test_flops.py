@@ -10,13 +10,14 @@ from __future__ import annotations
 import re
 import shlex
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from training.flops import (Widths, flex_width, main, mean_keys_per_query, recipe_settings, recipe_step_flops,
-                            step_flops, target_config_for, target_forward_flops)
+from training.flops import (Widths, flex_width, main, mean_keys_per_query, recipe_on_cuda, recipe_settings,
+                            recipe_step_flops, step_flops, target_config_for, target_forward_flops)
 from training.masks import dense_block_mask, pad_for_flex, sample_anchors
 from training.module import DistillModule
 from training.target import target_layer_features
@@ -256,6 +257,15 @@ def test_the_flex_width_is_the_width_training_pads_to(length):
     """At a power of two (max_length 1024, 2048, 4096) the context is not padded further."""
     padded, _ = pad_for_flex(torch.zeros(1, length, 1), torch.zeros(1, 1, dtype=torch.long), 1)
     assert flex_width(length) == padded.shape[1]
+
+
+@pytest.mark.parametrize("gpu", [True, False])
+def test_a_recipe_on_auto_takes_the_cuda_path_where_torch_sees_a_gpu(monkeypatch, gpu):
+    """Lightning's default accelerator, auto, which no shipped recipe names but a user's own may leave."""
+    auto = SimpleNamespace(trainer=SimpleNamespace(accelerator="auto"))
+    monkeypatch.setattr("training.flops.parsed_recipe", lambda name: auto)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    assert recipe_on_cuda("mine") == gpu
 
 
 def test_the_benchmarks_flop_tables_are_the_clis_output(capsys):

@@ -292,6 +292,15 @@ def test_bad_numbers_are_one_line(capsys, flags, said):
     assert capsys.readouterr().err.strip() == f"error: {said}"
 
 
+def test_the_draft_vocab_flag_sets_its_rows_head_up_to_the_whole_vocabulary(capsys):
+    """smollm2-135m's recipe sets draft_vocab_size 8192: each flag's row counts its own head against it, the target's
+    whole vocabulary (49152) included, which the refusal above invites."""
+    recipe, quarter, whole = printed_rows(capsys, ["--recipe", "smollm2-135m", "--draft-vocab", "2048", "49152"])
+    head = lambda row: float(re.search(r"/ ([\d.]+)\) \|", row).group(1))  # noqa: E731 (drafter forward's last term)
+    assert head(quarter) == pytest.approx(head(recipe) / 4, abs=0.01)  # each printed to 0.01
+    assert head(whole) == pytest.approx(head(recipe) * 6, abs=0.05)
+
+
 def test_a_shallow_target_without_layer_ids_is_counted_with_the_ids_training_picks():
     """Under 8 layers training picks distinct ids (ddtree.targets.default_layer_ids: [0, 1, 2] on 4); the estimate
     used the published spread, [1, 1, 1, 1, 1], counting five layers' features and a target stopped at layer 1."""

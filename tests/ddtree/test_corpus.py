@@ -39,6 +39,9 @@ def test_a_tie_goes_to_the_reply_seen_first_however_the_runs_interleave():
     corpus = CorpusLookup(replies, ngram=2, length=1)
     assert [corpus.continuation([run, run + 1], 1) for run in range(3)] == [[100], [100], [100]]
     assert corpus.continuation([3, 4], 1) == [] and corpus.continuation([-1, 10**6], 1) == []  # ids no reply holds
+    # one that sorts between ids the replies hold takes the rank of the next one up, 30: it must not borrow 30's run
+    between = CorpusLookup([[10, 20, 30, 40, 50]], ngram=3, length=2)
+    assert between.continuation([10, 20, 30], 2) == [40, 50] and between.continuation([10, 20, 25], 2) == []
     assert len(corpus) == 3 and corpus.table == {(0, 1): [100], (1, 2): [100], (2, 3): [100]}
 
 

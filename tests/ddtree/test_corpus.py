@@ -67,6 +67,15 @@ def test_conversations_give_their_assistant_turns(tmp_path, tiny_target):
     assert corpus.table == CorpusLookup([ids]).table and len(corpus) > 0
     with pytest.raises(DDTreeError, match=r"--corpus .*missing.jsonl: no such file"):
         CorpusLookup.from_conversations(tmp_path / "missing.jsonl", tokenizer)
+    # a drafter or `datasets` folder given as --corpus: an IsADirectoryError traceback without the check
+    with pytest.raises(DDTreeError, match=r"a folder, not a file; give a JSONL file of conversations"):
+        CorpusLookup.from_conversations(tmp_path, tokenizer)
+    # a system prompt is not the target's phrasing, and a tool turn's content is whatever the tool returned (a dict)
+    turns = [{"role": "system", "content": "You are a pirate. Always answer in pirate speak."},
+             {"role": "user", "content": question}, {"role": "assistant", "content": reply},
+             {"role": "tool", "content": {"weather": "sunny"}}]
+    (tmp_path / "roles.jsonl").write_text(json.dumps({"messages": turns}) + "\n")
+    assert CorpusLookup.from_conversations(tmp_path / "roles.jsonl", tokenizer).table == CorpusLookup([ids]).table
     (tmp_path / "text.jsonl").write_text(json.dumps({"messages": []}) + "\n" + json.dumps({"text": reply}) + "\n")
     with pytest.raises(DDTreeError, match="text.jsonl:2: not a conversation"):
         CorpusLookup.from_conversations(tmp_path / "text.jsonl", tokenizer)
@@ -129,6 +138,8 @@ def test_a_corpus_file_reads_back_its_replies_and_a_broken_one_is_one_line(tmp_p
         ("2d", {"tokens": torch.ones(2, 5, dtype=torch.int32), "offsets": torch.tensor([0, 10])}, "tokens is 2-D"),
         ("past", {"tokens": torch.ones(4, dtype=torch.int32), "offsets": torch.tensor([0, 9])}, "offsets do not run"),
         ("back", {"tokens": torch.ones(4, dtype=torch.int32), "offsets": torch.tensor([0, 3, 1, 4])}, "offsets do not run"),
+        # offsets from 2: the first two tokens would be dropped without a word
+        ("late", {"tokens": torch.ones(6, dtype=torch.int32), "offsets": torch.tensor([2, 6])}, "offsets do not run"),
     ):
         save_file(tensors, tmp_path / f"{name}.safetensors")
         with pytest.raises(DDTreeError, match=rf"corpus .*{name}.safetensors is unreadable or not a corpus \({problem}"):
@@ -176,12 +187,15 @@ def test_a_corpus_file_records_its_tokenizer_and_another_tokenizers_target_refus
     plain = CorpusLookup.from_file(tmp_path / "plain.safetensors")
     assert plain.written_with is None and len(plain) == 2
     plain.check_tokenizer(Vocabulary("bytes", 256, "b"))
-    # a record that is not write_replies': the file is not one it wrote
-    save_file({"tokens": torch.tensor([5, 6, 7, 8]), "offsets": torch.tensor([0, 4])}, tmp_path / "odd.safetensors",
-              metadata={"tokenizer": "x", "tokenizer_vocab_size": "many", "tokenizer_tokens_sha256": "0"})
-    with pytest.raises(DDTreeError, match=r"odd.safetensors is unreadable or not a corpus \(its metadata's record of "
-                                          r"the tokenizer is not write_replies'"):
-        read_replies(tmp_path / "odd.safetensors")
+    # a record that is not write_replies': the file is not one it wrote (half a record: a KeyError traceback once
+    # check_tokenizer read the hash it lacks)
+    for name, record in (("odd", {"tokenizer": "x", "tokenizer_vocab_size": "many", "tokenizer_tokens_sha256": "0"}),
+                         ("half", {"tokenizer": "x", "tokenizer_vocab_size": "49152"})):
+        save_file({"tokens": torch.tensor([5, 6, 7, 8]), "offsets": torch.tensor([0, 4])},
+                  tmp_path / f"{name}.safetensors", metadata=record)
+        with pytest.raises(DDTreeError, match=rf"{name}.safetensors is unreadable or not a corpus \(its metadata's "
+                                              r"record of the tokenizer is not write_replies'"):
+            read_replies(tmp_path / f"{name}.safetensors")
 
 
 def test_a_corpus_file_of_unsigned_integers_reads_as_its_replies(tmp_path):

@@ -123,6 +123,27 @@ def test_a_bad_variant_or_no_budget_is_one_line(capsys):
     assert "--minutes 1000000000000.0" in err[5] and "at most a year" in err[5]
 
 
+def test_a_budget_or_variant_name_no_launch_could_use_is_one_line_before_any_trains(tmp_path, capsys, monkeypatch):
+    """Without its own guard each of these launched: under 1 second every variant paid its set-up and trained no
+    step; a name with '/' is a run name training refuses, so each was a late "stopped" row; a repeated name trained
+    into the first's run folder, and both rows read the newest evaluation (mutation review m15: A02, A08, A03)."""
+    import training.ablate
+
+    launched = []
+    monkeypatch.setattr(training.ablate, "train_main", lambda argv: launched.append(argv) or 0)
+    refused = [(["--minutes", "0.001", "--variant", "a="], "--minutes 0.001: give a wall time per variant of at least "
+                                                           "one second"),
+               (["--steps", "2", "--variant", "x/y="], "--variant 'x/y=': give name=overrides"),
+               (["--steps", "2", "--variant", "../../escaped="], "--variant '../../escaped=': give name=overrides"),
+               (["--steps", "2", "--variant", "a=", "--variant", "a=--model.lr=1e-3"],
+                "--variant names must differ: ['a', 'a']")]
+    for flags, named in refused:
+        assert main(["--recipe", "tiny", "--output-root", str(tmp_path), *flags]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: {named}"), err
+    assert not launched and not any(tmp_path.iterdir())
+
+
 def test_a_budget_past_a_day_is_lightnings_days_field(tmp_path, monkeypatch):
     import training.ablate
 

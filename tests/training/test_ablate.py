@@ -529,11 +529,14 @@ def test_a_variant_that_raises_is_a_failed_row_and_every_variant_before_it_is_on
     assert [r.get("stopped") for r in results] == [None, 1, None]
 
 
+@pytest.mark.parametrize("a_fails", [False, True])
 @pytest.mark.parametrize("stop", [130, 143, KeyboardInterrupt])
 def test_ctrl_c_or_sigterm_stops_the_whole_ablation_with_the_table_of_the_variants_so_far(tmp_path, monkeypatch, capsys,
-                                                                                         stop):
+                                                                                         stop, a_fails):
     """train turns Ctrl-C into status 130 and SIGTERM into 143: ablate took them for a diverged variant and started the
-    next one, so stopping 10 variants took 10 Ctrl-Cs, and a scheduler's SIGKILL came before any table."""
+    next one, so stopping 10 variants took 10 Ctrl-Cs, and a scheduler's SIGKILL came before any table. A variant that
+    failed before the stop (a CUDA out-of-memory) must not take the stop's status, 1 where a scheduler reads 130/143 as
+    "requeue me", nor its line naming the variants never trained."""
     import training.ablate
 
     launched = []
@@ -544,6 +547,8 @@ def test_ctrl_c_or_sigterm_stops_the_whole_ablation_with_the_table_of_the_varian
             if stop is KeyboardInterrupt:  # Ctrl-C outside Lightning's loop (data preparation, say)
                 raise KeyboardInterrupt
             return stop
+        if a_fails:
+            raise RuntimeError("CUDA out of memory")
         fake_run(argv, {})
         return 0
 
@@ -553,9 +558,12 @@ def test_ctrl_c_or_sigterm_stops_the_whole_ablation_with_the_table_of_the_varian
     assert status == (130 if stop is KeyboardInterrupt else stop)
     assert len(launched) == 2  # c never started
     why = "stopped by SIGTERM" if stop == 143 else "interrupted (SIGINT)"
-    assert f"[ablate] b: {why} (exit status {status}); the variants after it are not run" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"[ablate] b: {why} (exit status {status}); the variants after it are not run" in err
+    assert err.strip().splitlines()[-1].startswith("[ablate] not measured: b, c; to train only those")
     table = next(tmp_path.glob("tiny/ablate-*.md")).read_text()
-    assert "| a | 3 |" in table and f"| b | {why} (exit status {status}): nothing measured |" in table
+    assert ("| a | failed: RuntimeError: CUDA out of memory (exit status 1)" if a_fails else "| a | 3 |") in table
+    assert f"| b | {why} (exit status {status}): nothing measured |" in table
     assert "| c |" not in table
     assert [r["variant"] for r in json.loads(next(tmp_path.glob("tiny/ablate-*.json")).read_text())] == ["a", "b"]
 
@@ -693,6 +701,15 @@ def test_the_processes_lightning_starts_for_several_devices_train_the_same_runs_
     assert trained == ["ablate-20250101-000000-a", "ablate-20250101-000000-b"]  # rank 0's run folders
     assert not (tmp_path / "other").exists()  # no table, json or plot
     assert "[ablate]" not in capsys.readouterr().out
+    # A stop ends it too, with the stop's status: rank 0 starts no later variant, and this one started alone would
+    # wait in its first collective for ranks that never come
+    trained.clear()
+    monkeypatch.setenv(ABLATE_STAMP_ENV, "20250101-000000")  # main took it out of the environment as it ended
+    monkeypatch.setattr(training.ablate, "train_main",
+                        lambda argv: trained.append(argv[argv.index("--run-name") + 1]) or 143)
+    assert main(["--recipe", "tiny", "--steps", "3", "--output-root", str(tmp_path / "other"), "--variant", "a=",
+                 "--variant", "b="]) == 143
+    assert trained == ["ablate-20250101-000000-a"] and not (tmp_path / "other").exists()
 
 
 def test_a_bad_flag_every_variant_shares_is_named_as_given_not_blamed_on_a_variant(tmp_path, capsys, monkeypatch):

@@ -832,12 +832,13 @@ def test_a_stop_while_the_last_variants_table_is_written_ends_the_ablation_stopp
     assert [r["variant"] for r in results] == ["a", "b"] and not any(r.get("stopped") for r in results)
 
 
-@pytest.mark.parametrize("steps, every, measured", [(3, None, True), (6, 3, False)])
+@pytest.mark.parametrize("steps, every, measured", [(3, None, True), (6, None, True), (6, 3, False)])
 def test_a_sigterm_during_a_variants_final_evaluation_keeps_its_measurement(tmp_path, monkeypatch, capsys, steps,
                                                                             every, measured):
     """A SIGTERM noted during the last evaluation makes training return 143 once max_steps is reached, with the
     evaluation written: ablate called the variant "nothing measured" and its rerun line trained it again (found in a
-    review). An evaluation on a variant's own schedule, before a stop, is still not its end."""
+    review). So is one at step 3 of 6, off the schedule of 6 (an epoch limit's stop evaluates there). An evaluation on
+    a variant's own schedule, before a stop, is still not its end."""
     import training.ablate
 
     launched = []

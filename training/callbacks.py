@@ -119,12 +119,22 @@ def accumulating(trainer: L.Trainer) -> bool:
     return trainer.fit_loop.epoch_loop._should_accumulate()
 
 
-def move_aside(paths: list[Path], folder: Path, step: int) -> Path:
-    """Move what a launch saved past `step` into a new folder/abandoned-after-step-<step>/: a resume from `step` trains
-    another branch, whose files of the same steps would mix with these (a step-N.ckpt the new ranking does not know,
-    kept beside the new branch's eval/step-N.json). Moved, not deleted: they may be the better branch."""
+def branch_names(run_dir: Path) -> set[str]:
+    """The abandoned-after-step-* folders checkpoints/ and eval/ hold. Read as a launch starts (on_fit_start), before
+    either callback moves anything aside, so that both name the branch this launch leaves alike (move_aside)."""
+    return {path.name for folder in (run_dir / "checkpoints", run_dir / "eval") if folder.is_dir()
+            for path in folder.glob(f"{ABANDONED_PREFIX}*")}
+
+
+def move_aside(paths: list[Path], folder: Path, step: int, taken: set[str]) -> Path:
+    """Move what a launch saved past `step` into a new folder/abandoned-after-step-<step>[-k]/: a resume from `step`
+    trains another branch, whose files of the same steps would mix with these (a step-N.ckpt the new ranking does not
+    know, kept beside the new branch's eval/step-N.json). Moved, not deleted: they may be the better branch.
+    `taken`: the names either folder held as the launch started (branch_names). The first name free in both: readers
+    pair a branch's checkpoints with its evaluations by that name, and a launch that moved files in one folder only
+    left each folder's own count apart, so a later resume named one branch -2 in checkpoints/ and none in eval/."""
     aside, copy_number = folder / f"{ABANDONED_PREFIX}{step}", 1
-    while aside.exists():  # a second resume from the same step: the first branch's files stay where they were put
+    while aside.name in taken or aside.exists():  # a resume from the same step again: the first branch stays put
         copy_number += 1
         aside = folder / f"{ABANDONED_PREFIX}{step}-{copy_number}"
     aside.mkdir()
@@ -480,6 +490,7 @@ class AcceptanceEvaluation(L.Callback):
         self.unmeasured_stop: tuple[int, float | None] | None = None
         self.launch_started = time.perf_counter()
         self.launch_eval_seconds = 0.0
+        self.branches_taken: set[str] = set()  # branch_names as this launch started (on_fit_start)
 
     @property
     def monitor(self) -> str:
@@ -570,6 +581,9 @@ class AcceptanceEvaluation(L.Callback):
         # as DistillModule.configure_model loads the target, in which decoding runs it (measure)
         self.target_dtype = str(pl_module.frozen_target_dtype()).removeprefix("torch.")
 
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self.branches_taken = branch_names(Path(trainer.default_root_dir))  # before BestCheckpoint moves any
+
     def on_train_start(self, trainer, pl_module) -> None:
         self.launch_started = time.perf_counter()
         self.launch_eval_seconds = 0.0
@@ -598,7 +612,7 @@ class AcceptanceEvaluation(L.Callback):
                        and int(path.stem[len("step-"):]) > step)
         later += sorted(path for path in folder.glob("checkpoint-*.json") if recorded_step(path) > step)
         if later:
-            aside = move_aside(later, folder, step)
+            aside = move_aside(later, folder, step, self.branches_taken)
             print(f"[eval] moved {len(later)} evaluation file(s) past step {step} to {aside}: the launch resumed from "
                   f"step {step} trains another branch", flush=True)
             if self.history:
@@ -1059,6 +1073,7 @@ class BestCheckpoint(Checkpoint):
         self.best_model_path = ""  # the best kept file (Lightning's launchers and loggers read this name)
         self.last_saved_step = -1
         self.saved_this_launch = False
+        self.branches_taken: set[str] = set()  # branch_names as this launch started (on_fit_start)
 
     @staticmethod
     def file_name(filename: str, step: int, epoch: int) -> str:
@@ -1080,6 +1095,9 @@ class BestCheckpoint(Checkpoint):
         if self.dirpath is None:
             self.dirpath = os.path.join(trainer.default_root_dir, "checkpoints")
         self.update_best()
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self.branches_taken = branch_names(Path(trainer.default_root_dir))  # before AcceptanceEvaluation moves any
 
     def on_train_start(self, trainer, pl_module) -> None:
         # A resumed ranking is loaded by now: best.ckpt names its best file even if the last launch stopped
@@ -1128,7 +1146,7 @@ class BestCheckpoint(Checkpoint):
         later = sorted(path for path in Path(self.dirpath).glob("*.ckpt") if not path.is_symlink()
                        and path.name not in self.best_k_models and saved_step(path) > step)
         if later:
-            aside = move_aside(later, Path(self.dirpath), step)
+            aside = move_aside(later, Path(self.dirpath), step, self.branches_taken)
             print(f"[checkpoint] moved {', '.join(path.name for path in later)} to {aside}: saved past step {step}, "
                   f"where this launch resumed a different branch (delete the folder if you do not need them)", flush=True)
 

@@ -42,10 +42,11 @@ from ddtree.errors import Terminated
 from ddtree.targets import DDTreeError, load_target, stop_token_ids
 from training.arguments import recipe_path
 from training.callbacks import AcceptanceEvaluation, BestCheckpoint, in_dtype, measure_acceptance, monitor_metric
-from training.checkpoint_paths import why_no_best
+from training.checkpoint_paths import abandoned_branch, why_no_best
 from training.checkpoints import AtomicCheckpointIO, drafter_from_checkpoint
 from training.data import TokenizedConversations
 from training.export import export_drafter, run_corpus
+from training.model_card import evaluated_steps
 from training.module import DistillModule, NonFiniteError
 from training.train import main as train_main
 
@@ -585,6 +586,49 @@ def test_a_resume_from_an_earlier_checkpoint_moves_the_abandoned_branchs_later_f
     out = capsys.readouterr().out
     assert f"[checkpoint] moved last.ckpt, step-6.ckpt to {aside}: saved past step 2" in out
     assert "[eval] moved 2 evaluation file(s) past step 2" in out
+
+
+@pytest.mark.parametrize("eval_first", [True, False])
+def test_a_second_resume_from_one_step_names_its_branch_alike_in_checkpoints_and_eval(tmp_path, eval_first):
+    """Branch 1 is evaluated at 2 and 4, and a SIGTERM at step 5 saves last.ckpt, unmeasured; a resume from step 4
+    moves that checkpoint aside and no evaluation. Branch 2 is evaluated at 6 and 8; a second resume from step 4 named
+    it abandoned-after-step-4-2 in checkpoints/ and abandoned-after-step-4 in eval/, each folder counting its own, so
+    branch 1's last.ckpt was paired with branch 2's evaluations and branch 2's step-8.ckpt with none (found in a
+    review). Either callback may move first: Lightning runs checkpoint callbacks last, others may not."""
+    run, folder = tmp_path, tmp_path / "checkpoints"
+    folder.mkdir()
+    (run / "eval").mkdir()
+    (run / "config.yaml").write_text("{}\n")  # what abandoned_branch takes for a run folder
+
+    def launch(evaluated: tuple[int, ...], saved: dict[str, int]):
+        for step in evaluated:
+            AcceptanceEvaluation.eval_file(run, step).write_text(json.dumps({"step": step}))
+        for name, step in saved.items():
+            torch.save({"global_step": step}, folder / name)  # what saved_step reads
+
+    def resume_from_4():
+        trainer = SimpleNamespace(global_step=4, ckpt_path=str(folder / "step-4.ckpt"), is_global_zero=True,
+                                  default_root_dir=str(run))
+        checkpoints = BestCheckpoint(dirpath=folder, save_top_k=2)
+        checkpoints.best_k_models = {"step-2.ckpt": 1.0, "step-4.ckpt": 2.0}
+        evaluation = AcceptanceEvaluation(prompts=PROMPTS, budgets=[8], primary_budget=8)
+        for callback in (checkpoints, evaluation):
+            callback.on_fit_start(trainer, None)
+        moves = [lambda: evaluation.move_abandoned_evaluations(trainer), lambda: checkpoints.move_abandoned(trainer)]
+        for move in moves if eval_first else reversed(moves):
+            move()
+
+    launch((2, 4), {"step-2.ckpt": 2, "step-4.ckpt": 4, "last.ckpt": 5})
+    resume_from_4()
+    launch((6, 8), {"step-8.ckpt": 8, "last.ckpt": 8})
+    resume_from_4()
+    branches = {path.name: sorted(p.name for p in path.iterdir()) for path in folder.glob("abandoned-*")}
+    assert branches == {"abandoned-after-step-4": ["last.ckpt"], "abandoned-after-step-4-2": ["last.ckpt", "step-8.ckpt"]}
+    assert not (run / "eval" / "abandoned-after-step-4").exists()  # branch 1 was evaluated at no step past 4
+    _, branch = abandoned_branch(folder / "abandoned-after-step-4-2" / "step-8.ckpt")
+    assert branch == "abandoned-after-step-4-2" and evaluated_steps(run, branch) == [2, 4, 6, 8]
+    assert sorted(p.name for p in (run / "eval" / branch).iterdir()) == ["step-000006.json", "step-000008.json"]
+    assert evaluated_steps(run, "abandoned-after-step-4") == [2, 4]
 
 
 def test_a_resume_from_an_earlier_checkpoint_rewrites_the_report_before_its_first_step(tmp_path):

@@ -1324,6 +1324,30 @@ def test_no_step_limit_under_max_time_with_anneal_by_max_time_warms_up_and_annea
     assert lrs[0] == pytest.approx(5 / 6 * 3e-3, rel=1e-3) and max(lrs) > 0.9 * 3e-3 and lrs[-1] < 0.25 * 3e-3, lrs
 
 
+def test_max_time_under_accumulation_stops_where_a_step_ends_and_measures_only_that_step(tmp_path, monkeypatch):
+    """Each micro-batch takes 0.6 s on max_time's clock: the 3 s are spent after the 5th, the middle of step 3 of
+    accumulate_grad_batches=2. Lightning's Timer stopped there, the half-step's gradients lost and no checkpoint ranked
+    (the closing line blamed a failed save); a stop checked mid-step also measured step 2 again. The run trains step 3
+    whole, saves it, and measures it alone (mutation review m16, K06, K07, K10)."""
+    micro_batches = []
+    original_training_step = DistillModule.training_step
+
+    def training_step(module, *args):
+        micro_batches.append(module.global_step)
+        return original_training_step(module, *args)
+
+    monkeypatch.setattr(DistillModule, "training_step", training_step)
+    clock = SimpleNamespace(monotonic=lambda: 0.6 * len(micro_batches) + 0.6)
+    monkeypatch.setattr("lightning.pytorch.callbacks.timer.time", clock)  # what the Timer (and StepTimer) reads
+    args = [*tiny_args(tmp_path, "accumulated", max_steps=1000, every=2**62), "--trainer.max_time=00:00:00:03",
+            "--trainer.accumulate_grad_batches=2"]
+    assert train_main(args) == 0
+    run = tmp_path / "out" / "tiny" / "accumulated"
+    assert len(micro_batches) == 6 and saved_step(run / "checkpoints" / "last.ckpt") == 3
+    assert sorted(p.name for p in (run / "eval").glob("step-*.json")) == ["step-000003.json"]
+    assert os.readlink(run / "checkpoints" / "best.ckpt") == "step-3.ckpt"
+
+
 def test_a_validation_interval_longer_than_the_epoch_is_one_line(tmp_path, capsys):
     """Lightning's ValueError was a traceback (the 8B recipes' 2000 steps on a smaller dataset, say)."""
     assert train_main([*tiny_args(tmp_path, "long", max_steps=2), "--trainer.val_check_interval=500"]) == 2

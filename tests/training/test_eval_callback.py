@@ -41,7 +41,8 @@ from ddtree.packed_linear import is_packed
 from ddtree.errors import Terminated
 from ddtree.targets import DDTreeError, load_target, stop_token_ids
 from training.arguments import recipe_path
-from training.callbacks import AcceptanceEvaluation, BestCheckpoint, in_dtype, measure_acceptance, monitor_metric
+from training.callbacks import (AcceptanceEvaluation, BestCheckpoint, changed_measurement, in_dtype, measure_acceptance,
+                                monitor_metric, recorded_step)
 from training.checkpoint_paths import abandoned_branch, why_no_best
 from training.checkpoints import AtomicCheckpointIO, drafter_from_checkpoint
 from training.data import TokenizedConversations
@@ -340,6 +341,15 @@ def test_the_latest_of_equal_taus_is_the_best_checkpoint(tmp_path):
     assert "**4** (best)" in (tmp_path / "report.md").read_text()
 
 
+def test_the_latest_of_equal_taus_is_the_best_of_several_kept_checkpoints():
+    """With save_top_k above 1 both of equal taus are kept, and update_best alone picks between them: the test above
+    keeps one, where save()'s >= decides (mutation review m16, K25)."""
+    checkpoints = BestCheckpoint(dirpath="/run/checkpoints", save_top_k=3)
+    checkpoints.best_k_models = {"step-2.ckpt": 1.5, "step-4.ckpt": 1.5, "step-6.ckpt": 1.0}
+    checkpoints.update_best()
+    assert checkpoints.best_model_path == os.path.join("/run/checkpoints", "step-4.ckpt")
+
+
 class Stopped(Exception):
     """A launch killed at that point."""
 
@@ -403,6 +413,25 @@ def test_best_ckpt_moves_before_the_file_it_displaces_goes_and_a_launch_relinks_
     saved.clear()
     only_last.save(trainer, 2, 1.5)  # min() over no kept checkpoints raised here before
     assert saved == ["last.ckpt"] and not (tmp_path / "last-only" / "best.ckpt").exists()
+
+
+def test_a_resume_keeps_the_displaced_file_its_restored_ranking_still_names(tmp_path):
+    """The last launch saved step 6 as a new best and stopped before deleting step-2.ckpt, which it displaced; a resume
+    from step-4.ckpt restores a ranking in which step 2 is still the best. Deleting it, as the marker says, left
+    best.ckpt pointing at nothing (mutation review m16, K30)."""
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    for name in ("step-2.ckpt", "step-4.ckpt", "step-6.ckpt"):
+        (folder / name).write_text("a checkpoint")
+    (folder / BestCheckpoint.DISPLACED_NAME).write_text(json.dumps({"displaced": "step-2.ckpt", "by": "step-6.ckpt"}))
+    checkpoints = BestCheckpoint(dirpath=folder, save_top_k=2)
+    checkpoints.best_k_models = {"step-2.ckpt": 3.0, "step-4.ckpt": 2.0}  # what step-4.ckpt restored
+    checkpoints.update_best()
+    trainer = SimpleNamespace(is_global_zero=True, ckpt_path=str(folder / "step-4.ckpt"),
+                              strategy=SimpleNamespace(remove_checkpoint=os.remove))
+    checkpoints.finish_removal(trainer)
+    assert sorted(p.name for p in folder.glob("*.ckpt")) == ["step-2.ckpt", "step-4.ckpt", "step-6.ckpt"]
+    assert Path(checkpoints.best_model_path).is_file() and not (folder / BestCheckpoint.DISPLACED_NAME).exists()
 
 
 def test_checkpoint_settings_that_cannot_work_are_one_line_errors(tmp_path):
@@ -629,6 +658,31 @@ def test_a_second_resume_from_one_step_names_its_branch_alike_in_checkpoints_and
     assert branch == "abandoned-after-step-4-2" and evaluated_steps(run, branch) == [2, 4, 6, 8]
     assert sorted(p.name for p in (run / "eval" / branch).iterdir()) == ["step-000006.json", "step-000008.json"]
     assert evaluated_steps(run, "abandoned-after-step-4") == [2, 4]
+
+
+def test_a_resume_from_an_unranked_stop_file_keeps_that_file_in_checkpoints(tmp_path, capsys):
+    """With save_last=false a SIGTERM off schedule saves step-5.ckpt, outside the ranking; the resume from it moved the
+    very file it resumed from aside, 'saved past step 5' (mutation review m16, K31)."""
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    torch.save({"global_step": 4}, folder / "step-4.ckpt")
+    torch.save({"global_step": 5}, folder / "step-5.ckpt")
+    checkpoints = BestCheckpoint(dirpath=folder, save_last=False)
+    checkpoints.best_k_models = {"step-4.ckpt": 2.0}
+    checkpoints.move_abandoned(SimpleNamespace(global_step=5, ckpt_path=str(folder / "step-5.ckpt"), is_global_zero=True))
+    assert sorted(p.name for p in folder.iterdir()) == ["step-4.ckpt", "step-5.ckpt"]
+    assert "[checkpoint] moved" not in capsys.readouterr().out
+
+
+def test_an_evaluation_file_whose_step_is_not_a_number_is_left_where_it_is(tmp_path):
+    """A stray eval/checkpoint-*.json with a null or quoted step (a user's, another tool's) made the resume's
+    comparison with its step a TypeError in on_train_start (mutation review m16, K24)."""
+    for recorded in ({"step": None}, {"step": "6"}, [1], {"other": 6}):
+        path = tmp_path / "checkpoint-x.json"
+        path.write_text(json.dumps(recorded))
+        assert recorded_step(path) == -1, recorded
+    path.write_text("{not json")
+    assert recorded_step(path) == -1
 
 
 def test_a_resume_from_an_earlier_checkpoint_rewrites_the_report_before_its_first_step(tmp_path):
@@ -1019,6 +1073,17 @@ def test_a_resume_that_would_measure_tau_otherwise_is_refused_naming_what_change
         assert said in str(error.value)
     older = {key: value for key, value in saved.items() if key != "measurement"}  # checkpoints from before: as they were
     AcceptanceEvaluation(**{**settings, "limit": 4}).load_state_dict(older)
+
+
+def test_a_resume_on_another_prompts_file_names_the_file_not_its_contents():
+    """Other files hold other prompts anyway: the refusal names eval.prompts, and not the contents of a file the user
+    never edited, whose fix (put back what it held) would not apply (mutation review m16, K22)."""
+    saved = {"prompts": "data/eval_prompts.jsonl", "prompts_sha256": "a" * 64, "limit": 8, "max_new_tokens": 64,
+             "lookup": None, "dtype": "float32"}
+    now = {**saved, "prompts": "data/other_prompts.jsonl", "prompts_sha256": "b" * 64}
+    assert changed_measurement(saved, now) == "eval.prompts 'data/eval_prompts.jsonl' -> 'data/other_prompts.jsonl'"
+    assert changed_measurement(saved, {**saved, "prompts_sha256": "b" * 64}) == (
+        "the contents of eval.prompts data/eval_prompts.jsonl: prompts_sha256 aaaaaaaaaaaa... -> bbbbbbbbbbbb...")
 
 
 def test_a_resume_on_a_prompts_file_that_now_holds_other_prompts_is_refused_naming_the_file(tmp_path):

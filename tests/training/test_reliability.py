@@ -308,6 +308,40 @@ def test_sigterm_between_checkpoints_saves_the_step_it_stops_at(tmp_path, capsys
     assert sorted(p.name for p in resume.parent.glob("*.ckpt")) == ["best.ckpt", "last.ckpt", "step-4.ckpt"]
 
 
+def test_a_sigterm_to_one_rank_alone_of_a_run_without_a_run_name_stops_every_rank_at_one_step(tmp_path):
+    """A SIGTERM to rank 1 only (its node's scheduler, an OOM watchdog, `kill <pid>`): every rank stops at the step's
+    end, 143, the step saved. The other signal tests signal the process group, where every rank notes it, so agreeing
+    by the minimum passed, and the run trained on with the signal lost (K14). Without --run, as `make train` launches:
+    the other runs of several processes name theirs, so not passing the default name to the ranks passed too, and
+    every such run failed its rank 1 on the torchrun message and hung (T22) (mutation review m16, G2)."""
+    marker = tmp_path / "holding"
+    hold = json.dumps({"class_path": "test_reliability.HoldAtStepStart",
+                       "init_args": {"marker": str(marker), "after": 5, "seconds": 5.0}})
+    args = [*tiny_args(tmp_path, "unused", max_steps=12, every=4), "--trainer.devices=2", "--trainer.strategy=ddp",
+            f"--trainer.callbacks+={hold}"]
+    del args[args.index("--run"):args.index("--run") + 2]  # the default name, as `make train` gives none
+    process = subprocess.Popen([sys.executable, "-m", "training.train", *args], cwd=REPO, env=process_environment(),
+                               text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        for rank in range(2):
+            wait_for(Path(f"{marker}{rank}"), process, timeout_s=120)
+        children = [int(pid) for task in Path(f"/proc/{process.pid}/task").iterdir()
+                    for pid in (task / "children").read_text().split()]
+        (rank_1,) = [pid for pid in children if b"training.train" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        os.kill(rank_1, signal.SIGTERM)
+        _, err = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+    lines = [line for line in err.splitlines() if line.startswith("[train]")]
+    assert process.returncode == 143 and len(lines) == 1, err[-3000:]
+    assert "stopped by SIGTERM at step 6; no drafter written" in lines[0], lines[0]
+    (run,) = (tmp_path / "out" / "tiny").iterdir()  # one default-named folder for both ranks
+    assert Path(re.search(r"RESUME=(\S+)", lines[0]).group(1)) == run / "checkpoints" / "last.ckpt"
+    assert saved_step(run / "checkpoints" / "last.ckpt") == 6
+
+
 @pytest.mark.parametrize("devices", [1, 2])
 def test_sigterm_at_a_scheduled_evaluation_step_saves_it_at_once_and_the_resume_measures_and_ranks_it(tmp_path, capsys,
                                                                                                      devices):

@@ -428,6 +428,47 @@ def test_sigterm_at_the_last_step_saves_it_at_once_and_the_resume_measures_it_or
     assert "the last, was saved unmeasured" not in said
 
 
+class SigtermAfterStepEnds(Callback):
+    """Added with --trainer.callbacks+=..., so after SigtermAtStepBoundary: this process sends itself SIGTERM as step
+    `step` ends, after that step's agreement (where a signal in the next batch's data loading is noted too)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+class SigtermAsTrainingEnds(Callback):
+    """Added with --trainer.callbacks+=...: this process sends itself SIGTERM in on_train_end, after
+    SigtermAtStepBoundary's (where the final evaluation and the last save run)."""
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_sigterm_noted_after_an_off_schedule_steps_end_trains_and_saves_the_next_step(tmp_path, capsys):
+    """Noted after step 5's agreement (step 4 the last save), the stop waits for step 6's end and saves it: stopping at
+    the next batch's start left step 5 unsaved, and the line resumed from step 4 with step 5 'trained again'; only a
+    step already saved may stop there (mutation review m16, K15)."""
+    sigterm = json.dumps({"class_path": "test_reliability.SigtermAfterStepEnds", "init_args": {"step": 5}})
+    assert train_main([*tiny_args(tmp_path, "late", max_steps=12, every=4), f"--trainer.callbacks+={sigterm}"]) == 143
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[train]")]
+    assert "stopped by SIGTERM at step 6; no drafter written" in line and "trained again" not in line, line
+    assert saved_step(tmp_path / "out" / "tiny" / "late" / "checkpoints" / "last.ckpt") == 6
+
+
+def test_a_sigterm_during_on_train_end_stops_with_143_and_the_line(tmp_path, capsys):
+    """A signal in on_train_end (the final evaluation, the last save) arrives where no loop raises: the run ended 0
+    and went on to export, past the scheduler's grace period, with no line (mutation review m16, K19, T26)."""
+    sigterm = json.dumps({"class_path": "test_reliability.SigtermAsTrainingEnds"})
+    assert train_main([*tiny_args(tmp_path, "end", max_steps=4), f"--trainer.callbacks+={sigterm}"]) == 143
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[train]")]
+    assert "stopped by SIGTERM at step 4; no drafter written" in line, line
+    assert not (tmp_path / "out" / "tiny" / "end" / "drafter").exists()
+
+
 def test_sigterm_with_save_last_false_saves_the_step_to_its_step_file_and_the_resume_ranks_it(tmp_path, capsys):
     """Found in a review (2026-12-03): with checkpoint.save_last false a SIGTERM's stop was saved nowhere (its save
     writes last.ckpt), a scheduled step's too, which the stop no longer measured and ranked: the resume went back to

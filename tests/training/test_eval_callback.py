@@ -434,6 +434,19 @@ def test_a_resume_keeps_the_displaced_file_its_restored_ranking_still_names(tmp_
     assert Path(checkpoints.best_model_path).is_file() and not (folder / BestCheckpoint.DISPLACED_NAME).exists()
 
 
+def test_a_launch_that_saved_nothing_leaves_last_ckpt_only_where_save_last_asks(tmp_path):
+    """A launch stopped before its first save leaves last.ckpt to resume from, unless checkpoint.save_last is false:
+    one written there anyway is never written again, and the run folder's resumes (resume_point takes last.ckpt first)
+    and SLURM's requeues went back to its step for good (mutation review m16, K29)."""
+    saved = []
+    trainer = SimpleNamespace(global_step=3, fast_dev_run=False,
+                              save_checkpoint=lambda path, weights_only: saved.append(Path(path).name))
+    BestCheckpoint(dirpath=tmp_path, save_last=False).on_train_end(trainer, None)
+    assert saved == []
+    BestCheckpoint(dirpath=tmp_path).on_train_end(trainer, None)
+    assert saved == ["last.ckpt"]
+
+
 def test_checkpoint_settings_that_cannot_work_are_one_line_errors(tmp_path):
     with pytest.raises(DDTreeError, match=r"checkpoint.filename='\{val/loss\}'"):
         BestCheckpoint(filename="{val/loss}")

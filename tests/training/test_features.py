@@ -29,6 +29,7 @@ import toy_data  # tests/training/toy_data.py
 import training.feature_store
 import training.features
 import training.module
+import training.train
 from ddtree.errors import run_cli
 from ddtree.targets import DDTreeError, load_target
 from training.data import DistillDataModule
@@ -371,6 +372,20 @@ def test_a_store_of_repeated_layer_ids_holds_the_online_features_of_a_run_traine
     for i in range(len(data)):
         online = target_layer_features(target, data[i]["input_ids"][None], old_default)[0]  # (T_i, 5*H)
         assert torch.equal(store[i], online), f"sequence {i}"
+
+
+def test_a_resume_given_target_layer_ids_is_not_given_the_checkpoints_instead(tmp_path):
+    """run_layer_ids adds the checkpoint's ids to the resume of a run whose config left them to the default; where
+    the command names its own (or init_from), they stand, and the resume's check refuses them if they are not the
+    run's. Replacing them passed every test, and the user's override was dropped without a word (mutation review m16,
+    T20)."""
+    config = tmp_path / "config.yaml"
+    config.write_text("model:\n  target_layer_ids: null\n")  # as a run from before 2026-12-03 wrote it
+    saved = {"drafter_config": {"dflash_config": {"target_layer_ids": [1, 2, 2, 2, 3]}}}
+    assert training.train.run_layer_ids(saved, config, []) == ["--model.target_layer_ids=[1, 2, 2, 2, 3]"]
+    for given in (["--model.target_layer_ids=[0, 1, 2, 3, 4]"], ["--model.target_layer_ids", "[0, 1, 2, 3, 4]"],
+                  ["--model.init_from=drafter"]):
+        assert training.train.run_layer_ids(saved, config, given) == [], given
 
 
 def test_a_store_of_the_last_layer_holds_it_normed_and_an_older_raw_one_is_refused(tmp_path):
@@ -1261,9 +1276,14 @@ def test_train_builds_a_missing_store_in_a_single_process_and_refuses_in_many(tm
         "--trainer.val_check_interval=null", "--eval.every_n_train_steps=2", "--eval.limit=1",
         "--trainer.max_steps=2", "--trainer.enable_progress_bar=false",
     ]
-    assert train_main([*common, "--trainer.devices=2", "--trainer.strategy=ddp", "--run", "two"]) == 2
+    assert train_main([*common, "--trainer.devices=2", "--trainer.strategy=ddp", "--trainer.precision=32-true",
+                       "--run", "two"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "make features RECIPE=tiny" in err and str(store) in err
+    # the store's dtype is the launch's precision: the command builds it so (mutation review m16, T25)
+    make_features = err.split('ARGS="', 1)[1].split('"', 1)[0].split()
+    assert "--trainer.precision=32-true" in make_features and f"--data.feature_store={store}" in make_features
+    assert not [item for item in make_features if item.startswith(("--trainer.devices", "--trainer.max_steps", "--run"))]
     assert not store.exists() and not partial_path(store).exists()
 
     def target_must_not_run(*args, **kwargs):

@@ -1374,20 +1374,27 @@ def test_no_step_limit_where_only_the_clock_could_end_the_schedule_is_one_line_n
     assert not (tmp_path / "out" / "tiny" / "bad").exists()
 
 
+def clock_by_training_steps(monkeypatch, seconds: float, start: float = 0.0) -> list[int]:
+    """max_time's Timer (and StepTimer) reads a clock that moves `seconds` at each training_step call, whatever the
+    machine's load; the calls' global steps are returned as they come."""
+    calls = []
+    original_training_step = DistillModule.training_step
+
+    def training_step(module, *args):
+        calls.append(module.global_step)
+        return original_training_step(module, *args)
+
+    monkeypatch.setattr(DistillModule, "training_step", training_step)
+    clock = SimpleNamespace(monotonic=lambda: start + seconds * len(calls))
+    monkeypatch.setattr("lightning.pytorch.callbacks.timer.time", clock)
+    return calls
+
+
 def test_no_step_limit_under_max_time_with_anneal_by_max_time_warms_up_and_anneals_by_the_clock(tmp_path,
                                                                                                 monkeypatch):
     """max_time's Timer reads a clock on which each training step takes 0.25 s: the 3 s run takes 12 steps however
     loaded the machine (on the wall clock, at load 9 on 2 cores, 5 steps ran and the rate never neared its peak)."""
-    steps_run = []
-    original_training_step = DistillModule.training_step
-
-    def training_step(module, *args):
-        steps_run.append(module.global_step)
-        return original_training_step(module, *args)
-
-    monkeypatch.setattr(DistillModule, "training_step", training_step)
-    clock = SimpleNamespace(monotonic=lambda: 0.25 * len(steps_run))
-    monkeypatch.setattr("lightning.pytorch.callbacks.timer.time", clock)  # what the Timer (and StepTimer) reads
+    clock_by_training_steps(monkeypatch, 0.25)
     args = [*tiny_args(tmp_path, "clock", max_steps=-1, every=2**62), "--trainer.max_time=00:00:00:03",
             "--model.anneal_by_max_time=true"]
     assert train_main(args) == 0
@@ -1404,16 +1411,7 @@ def test_max_time_under_accumulation_stops_where_a_step_ends_and_measures_only_t
     accumulate_grad_batches=2. Lightning's Timer stopped there, the half-step's gradients lost and no checkpoint ranked
     (the closing line blamed a failed save); a stop checked mid-step also measured step 2 again. The run trains step 3
     whole, saves it, and measures it alone (mutation review m16, K06, K07, K10)."""
-    micro_batches = []
-    original_training_step = DistillModule.training_step
-
-    def training_step(module, *args):
-        micro_batches.append(module.global_step)
-        return original_training_step(module, *args)
-
-    monkeypatch.setattr(DistillModule, "training_step", training_step)
-    clock = SimpleNamespace(monotonic=lambda: 0.6 * len(micro_batches) + 0.6)
-    monkeypatch.setattr("lightning.pytorch.callbacks.timer.time", clock)  # what the Timer (and StepTimer) reads
+    micro_batches = clock_by_training_steps(monkeypatch, 0.6, start=0.6)
     args = [*tiny_args(tmp_path, "accumulated", max_steps=1000, every=2**62), "--trainer.max_time=00:00:00:03",
             "--trainer.accumulate_grad_batches=2"]
     assert train_main(args) == 0

@@ -603,6 +603,16 @@ def test_where_a_run_writes_is_the_run_folders_alone(field, tmp_path, monkeypatc
         read_recipe(recipe, [])
 
 
+@pytest.mark.parametrize("key, source", [("every_n_train_steps", "eval.every_n_train_steps"),
+                                         ("monitor", "eval.primary_budget")])
+def test_a_checkpoint_setting_the_eval_section_sets_is_refused_in_the_recipe(key, source, tmp_path):
+    """The eval section's link replaced it: `monitor: train/loss` ranked checkpoints by tau without a word."""
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text((RECIPES_DIR / "tiny.yaml").read_text().replace("\ncheckpoint:\n", f"\ncheckpoint:\n  {key}: 5\n", 1))
+    with pytest.raises(DDTreeError, match=f"mine.yaml: checkpoint.{key} follows {source}; remove it from the checkpoint "):
+        read_recipe(recipe, [])
+
+
 def test_a_target_dtype_that_is_not_a_dtype_is_one_line_before_anything_loads(tmp_path, capsys):
     with pytest.raises(DDTreeError, match="model.target_dtype='fp16': choose one of float32, bfloat16, float16, or auto"):
         training.target.dtype_for_precision("32-true", "fp16")

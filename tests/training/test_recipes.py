@@ -251,6 +251,9 @@ def test_a_recipe_that_is_not_a_yaml_mapping_is_one_line_naming_the_file_and_whe
     ("seed_everything: 1\ntrainer: 32\n", "trainer must be a section of fields (field: value lines under it), not an int"),
     ("model: tiny-random\n", "model must be a section of fields (field: value lines under it), not a str"),
     ("checkpoint: outputs/tiny/r/checkpoints/last.ckpt\n", "checkpoint must be a section of fields"),
+    ("trainer: 0\n", "trainer must be a section of fields (field: value lines under it), not an int"),  # falsy ones too
+    ("trainer: false\n", "trainer must be a section of fields (field: value lines under it), not a bool"),
+    ("trainer: []\n", "trainer must be a section of fields (field: value lines under it), not a list"),
 ])
 @pytest.mark.parametrize("command", ["train", "features", "ablate"])
 def test_a_recipe_section_given_a_value_is_one_line_naming_the_file_and_the_section(tmp_path, monkeypatch, capsys,

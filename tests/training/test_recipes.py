@@ -420,6 +420,16 @@ def test_a_gpu_recipe_with_a_cpu_recipe_of_its_target_points_to_it(tmp_path, mon
     assert "--trainer.accelerator=cpu" not in errors[0]
 
 
+def test_a_gpu_recipe_with_no_cpu_recipe_of_its_target_says_what_to_add(tmp_path, monkeypatch, capsys):
+    """Only a CPU recipe is offered: qwen3-8b, a GPU recipe of its target, was told to train itself instead."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["--recipe", "qwen3-8b", "--output-root", str(tmp_path)]) == 2
+    errors = error_lines(capsys)
+    assert len(errors) == 1 and "recipes/qwen3-8b.yaml: trainer.accelerator=gpu needs a CUDA GPU" in errors[0], errors
+    assert errors[0].endswith("add --trainer.accelerator=cpu --trainer.precision=auto --trainer.devices=1")
+    assert not any(tmp_path.iterdir())
+
+
 def test_a_malformed_recipe_beside_a_gpu_recipe_does_not_replace_its_error(tmp_path, monkeypatch, capsys):
     """Looking for a CPU recipe of the target reads every recipe: a work-in-progress one named its own fault instead."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

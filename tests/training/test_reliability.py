@@ -1342,6 +1342,7 @@ def test_a_finished_distributed_run_closes_its_process_group(tmp_path, recwarn):
     ("--trainer.max_steps=0", "trainer.max_steps=0"),  # it exported an untrained drafter, exit 0
     ("--trainer.max_epochs=0", "trainer.max_epochs=0"),
     ("--model.lr=-1", "model.lr=-1.0"),
+    ("--model.lr=0", "model.lr=0.0"),  # trains nothing and exports the initial drafter
     ("--data.num_workers=-1", "data.num_workers=-1"),
     ("--trainer.val_check_interval=0", "trainer.val_check_interval=0"),
     ("--trainer.accumulate_grad_batches=0", "trainer.accumulate_grad_batches=0"),
@@ -1364,14 +1365,16 @@ def test_a_value_torch_or_lightning_refuses_is_one_line_naming_it(tmp_path, caps
     assert not (tmp_path / "out" / "tiny" / "bad").exists()
 
 
-@pytest.mark.parametrize("limits", [["--trainer.max_time=00:00:01:00"], ["--trainer.max_epochs=-1"]])
+@pytest.mark.parametrize("limits", [["--trainer.max_time=00:00:01:00"], ["--trainer.max_epochs=-1"],
+                                    ["--trainer.max_epochs=-1", "--model.anneal_by_max_time=true"]])  # no clock to anneal by
 def test_no_step_limit_where_only_the_clock_could_end_the_schedule_is_one_line_naming_it(tmp_path, capsys, limits):
     """Found in a review (2026-12-02): trainer.max_steps=-1 with no epoch limit (tiny has none) left the cosine no
     end, an OverflowError traceback as the optimizer was built; ablate --minutes lost every variant's table to it."""
     assert train_main([*tiny_args(tmp_path, "bad", max_steps=-1), *limits]) == 2
     lines = error_lines(capsys)
     assert len(lines) == 1 and "trainer.max_steps=-1" in lines[0] and "model.anneal_by_max_time=true" in lines[0], lines
-    assert not (tmp_path / "out" / "tiny" / "bad").exists()
+    assert "tiny.yaml" in lines[0], lines  # the recipe check's line, not the optimizer's
+    assert not (tmp_path / "out" / "tiny" / "bad").exists() and not (tmp_path / "cache").exists()  # nothing built
 
 
 def clock_by_training_steps(monkeypatch, seconds: float, start: float = 0.0) -> list[int]:

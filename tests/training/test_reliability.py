@@ -1357,6 +1357,7 @@ def test_a_finished_distributed_run_closes_its_process_group(tmp_path, recwarn):
     ("--trainer.gradient_clip_val=0", "trainer.gradient_clip_val=0"),  # no clipping too, to Lightning
     # found in a review (2026-12-02): a batch with no anchor crashed a run of several processes with a traceback
     ("--data.min_supervised_tokens=1", "data.min_supervised_tokens=1"),
+    ("--trainer.precision=bogus", 'key "trainer.precision"; Given value: bogus;'),  # no Union subtype takes it
 ])
 def test_a_value_torch_or_lightning_refuses_is_one_line_naming_it(tmp_path, capsys, override, named):
     assert train_main([*tiny_args(tmp_path, "bad", max_steps=2), override]) == 2

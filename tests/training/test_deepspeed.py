@@ -1149,6 +1149,11 @@ def test_the_launch_reports_the_process_that_failed_not_those_torchrun_stopped()
     assert (rank, exit_status(failure.exitcode)) == (1, 3)
     rank, failure = first_failure(ChildFailedError("training.train", {0: stopped}))  # SIGTERM from outside: all there is
     assert (rank, exit_status(failure.exitcode)) == (0, 143)
+    # two failed on their own: the first to fail is reported, with its own exit status, not the last
+    later = ProcessFailure(local_rank=0, pid=100, exitcode=1, error_file="<none>")
+    failed.timestamp, later.timestamp = 100, 160  # the higher rank first, so that the dict's order decides nothing
+    rank, failure = first_failure(ChildFailedError("training.train", {0: later, 1: failed}))
+    assert (rank, exit_status(failure.exitcode)) == (1, 3)
 
 
 def test_slurm_script_passes_its_task_counts_and_resumes_a_requeued_job(tmp_path):

@@ -1138,6 +1138,22 @@ def test_a_master_port_in_use_is_one_line_naming_it():
     assert "address already in use" in errors[0] and "give another MASTER_PORT" in errors[0]
 
 
+def test_another_node_that_never_joins_is_one_line_naming_the_endpoint(monkeypatch, capsys):
+    """Node 0's rendezvous timed out (DistStoreError, not the port-in-use DistNetworkError above) with a traceback."""
+    import training.launch
+    from torch.distributed import DistStoreError
+
+    def never_joined(args):
+        raise DistStoreError("Timed out after 6 seconds waiting for clients. 1/2 clients joined.")
+
+    monkeypatch.setattr(training.launch, "run", never_joined)
+    assert training.launch.main(["--nnodes", "2", "--nproc-per-node", "1", "--node-rank", "0", "--master-addr",
+                                 "127.0.0.1", "--master-port", "29733", "-m", "training.train", "--recipe", "tiny"]) == 2
+    (error,) = capsys.readouterr().err.strip().splitlines()
+    assert error.startswith("error: torchrun could not meet the other nodes at MASTER_ADDR:MASTER_PORT 127.0.0.1:29733: "
+                            "Timed out after 6 seconds waiting for clients. 1/2 clients joined.; give another MASTER_PORT")
+
+
 def test_the_launch_reports_the_process_that_failed_not_those_torchrun_stopped():
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 

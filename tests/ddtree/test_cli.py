@@ -616,14 +616,15 @@ def run_with_stdout_closed(argv: list[str]) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(argv, proc.returncode, None, stderr)
 
 
-def reraised_from_a_worker(error: Exception) -> Exception:
+def reraised_from_a_worker(error: Exception, handled: Exception | None = None) -> Exception:
     """`error` as a DataLoader re-raises it in the main process: torch's own wrapper, as a worker sends it back."""
     from torch._utils import ExceptionWrapper
 
+    handled = handled or KeyError("shard")
     try:
         try:
-            raise KeyError("shard")  # an error being handled when it was raised: its traceback comes first
-        except KeyError:
+            raise handled  # an error being handled when it was raised: its traceback comes first
+        except type(handled):
             raise error
     except type(error):
         wrapped = ExceptionWrapper(where="in DataLoader worker process 0")
@@ -639,6 +640,10 @@ def test_a_user_error_raised_in_a_data_loader_worker_is_its_own_line_not_torchs_
     assert str(error).startswith("Caught DDTreeError in DataLoader worker process 0.\n")
     assert error_line(error) == "store s: shard-00001 is of another build; start the run again"
     assert error_line(reraised_from_a_worker(DDTreeError("first line\nsecond line"))) == "first line"
+    # a DDTreeError raised while another was handled: the raised one's line, which the traceback names last
+    chained = reraised_from_a_worker(DDTreeError("store s: shard-00001 is of another build; start the run again"),
+                                     handled=DDTreeError("shard-00001: unreadable (a retry reads it again)"))
+    assert error_line(chained) == "store s: shard-00001 is of another build; start the run again"
     # other errors are cut to their first line as before, a heading like torch's included
     assert error_line(DDTreeError("Caught DDTreeError somewhere.\nmore")) == "Caught DDTreeError somewhere."
 

@@ -19,7 +19,7 @@ from ddtree.corpus import CORPUS_FILE, write_replies
 from ddtree.modeling_dflash import DFlashDraftModel
 from ddtree.packed_linear import is_packed, packing_available
 from ddtree.precision import Choice
-from ddtree.errors import DDTreeError, error_line
+from ddtree.errors import DDTreeError, error_line, first_and_count
 from ddtree.targets import build_drafter_config, load_target, resolve_target
 
 TARGET = "tiny-random"
@@ -649,6 +649,13 @@ def test_a_user_error_raised_in_a_data_loader_worker_is_its_own_line_not_torchs_
     assert error_line(chained) == "store s: shard-00001 is of another build; start the run again"
     # other errors are cut to their first line as before, a heading like torch's included
     assert error_line(DDTreeError("Caught DDTreeError somewhere.\nmore")) == "Caught DDTreeError somewhere."
+
+
+def test_a_list_of_names_in_a_one_line_error_is_the_first_and_how_many_more():
+    """The drafter's and the checkpoint's weight checks name a missing or unused weight this way: the count is of the
+    others, so "and 2 more" means three in all (a missing layer is all of its weights, in one line)."""
+    assert first_and_count(["fc.weight"]) == "fc.weight"
+    assert first_and_count(["fc.weight", "norm.weight", "layers.0.mlp.up_proj.weight"]) == "fc.weight and 2 more"
 
 
 @pytest.mark.parametrize("flush, lines", [(True, 100), (False, 100), (False, 1)])

@@ -54,8 +54,8 @@ from .arguments import check_recipe_name, recipe_path
 from .masks import FLEX_MIN_CONTEXT
 from .recipe import GPU_ACCELERATORS, read_recipe
 
-# The recipe's prompt share when no real batch is at hand: throughput's random batches supervise all but
-# the first 60 positions (training/throughput.py, PROMPT_TOKENS).
+# The recipe's prompt share when no real batch is at hand: the positions neither counts nor supervises, here and in
+# throughput's random batches (training/throughput.py), whose timings the counts stand beside.
 PROMPT_TOKENS = 60
 
 # Target families whose MLP has no gate: an up and a down projection (2 matrices, against Llama's and Qwen's 3).

@@ -45,12 +45,11 @@ from ddtree.machine import describe_machine, machine_line
 from ddtree.target_runner import context_limit
 
 from . import target as target_loading
-from .flops import RANDOM_TARGETS, recipe_settings, recipe_step_flops
+from .flops import PROMPT_TOKENS, RANDOM_TARGETS, recipe_settings, recipe_step_flops
 from .loss import next_token_top_k
 from .module import DistillModule
 from .target import target_layer_features
 
-PROMPT_TOKENS = 60
 FIRST_TOKEN = 100  # random batches skip the lowest ids (special tokens)
 LAST_TOKEN = 40000  # and stay below this one, or below the target's vocabulary where it is smaller
 

@@ -36,22 +36,24 @@ def known_recipes() -> list[str]:
 def check_recipe_name(name: str) -> None:
     """--recipe names a file of recipes/: a run goes to outputs/<recipe>/, where a resume and `make eval` find it and
     its recipe by that name. A file given instead (data/regenerate.py takes both) is told where a recipe of one's own
-    goes; the shipped recipe of the same name is offered only where the file holds its text, since following that
-    advice for an edited copy of tiny.yaml trained the shipped recipe, on another target and data."""
+    goes; the shipped recipe of the same name is offered only where no such file is there or the file holds its text,
+    since following that advice for an edited copy of tiny.yaml trained the shipped recipe, on another target and data."""
     known = known_recipes()
     if name in known:
         return
+    if not name:  # `--recipe "$R"` with R unset: an unknown recipe '' that "goes at recipes/.yaml" said neither
+        raise DDTreeError(f"--recipe is empty (an unset shell variable?); known recipes: {', '.join(known)}")
     given = Path(name)
     stem = given.name.removesuffix(".yaml").removesuffix(".yml")  # (Path.stem of llama3.1-8b is llama3)
     if given.name == name and stem == name:
         raise DDTreeError(f"unknown recipe {name!r}; known recipes: {', '.join(known)}; a recipe of your own goes at "
                           f"recipes/{name}.yaml")
     file = given if given.is_file() else given.with_name(f"{stem}.yaml")
-    if stem in known and file.is_file() and file.read_bytes() == recipe_path(stem).read_bytes():
+    if stem in known and (not file.is_file() or file.read_bytes() == recipe_path(stem).read_bytes()):
         raise DDTreeError(f"--recipe takes a recipe's name: --recipe {stem} (reads recipes/{stem}.yaml)")
     if stem in known:
-        where = (f"recipes/{stem}.yaml is a shipped recipe{', not this file' if file.is_file() else ''}: put yours at "
-                 "recipes/<name>.yaml under a name of its own and give --recipe <name>")
+        where = (f"recipes/{stem}.yaml is a shipped recipe, not this file: put yours at recipes/<name>.yaml under a "
+                 "name of its own and give --recipe <name>")
     else:
         where = f"put yours at recipes/{stem}.yaml and give --recipe {stem}"
     raise DDTreeError(f"--recipe {name}: --recipe takes the name of a recipe in recipes/, not a file"

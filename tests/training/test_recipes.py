@@ -229,6 +229,24 @@ def test_a_recipe_file_of_ones_own_is_told_where_it_goes_never_pointed_at_the_sh
     assert "a recipe of your own goes at recipes/byo-qwen3.yaml" in capsys.readouterr().err
 
 
+def test_a_recipe_file_name_with_no_such_file_is_told_the_name_and_an_empty_one_is_named_empty(tmp_path, monkeypatch):
+    """`--recipe tiny.yaml` typed where no such file is (no copy of one's own to protect) was told to put "yours"
+    under a name of its own, never `--recipe tiny`; `--recipe "$R"` with R unset was an unknown recipe '' that
+    "goes at recipes/.yaml"."""
+    monkeypatch.chdir(tmp_path)  # no tiny.yaml nor mine.yaml here
+    with pytest.raises(DDTreeError) as error:
+        training.arguments.check_recipe_name("tiny.yaml")
+    assert str(error.value) == "--recipe takes a recipe's name: --recipe tiny (reads recipes/tiny.yaml)"
+    with pytest.raises(DDTreeError) as error:  # a name of one's own with its suffix: not recipes/mine.yaml.yaml
+        training.arguments.check_recipe_name("mine.yaml")
+    said = str(error.value)
+    assert "put yours at recipes/mine.yaml and give --recipe mine " in said and ".yaml.yaml" not in said, said
+    with pytest.raises(DDTreeError) as error:
+        training.arguments.check_recipe_name("")
+    assert str(error.value).startswith("--recipe is empty (an unset shell variable?); known recipes: "), error.value
+    assert "recipes/.yaml" not in str(error.value)
+
+
 @pytest.mark.parametrize("text, named", [
     ("trainer:\n  max_steps: [\n", "not valid YAML at line 3, column 1"),
     ("model:\n  block_size: 8\n\tnum_layers: 2\n", "not valid YAML at line 3, column 1"),
@@ -315,6 +333,7 @@ def test_every_training_command_says_a_bad_flag_in_one_line(capsys, module):
 @pytest.mark.parametrize("module, argv, status, said", [
     ("training.train", ["--help"], 0, "--output-root OUTPUT_ROOT"),
     ("training.train", ["--recipe", "nope"], 2, "error: unknown recipe 'nope'; known recipes: "),
+    ("training.train", ["--recipe", ""], 2, "error: --recipe is empty (an unset shell variable?); known recipes: "),
     ("training.train", ["--recipe", "tiny", "--resume", "no-such-run"], 2, "error: --resume no-such-run: no such checkpoint; "),
     ("training.train", ["--resume", "last", "--output-root", "no-such-outputs"], 2,
      "error: --resume last: no run under no-such-outputs/smollm2-135m has checkpoints/last.ckpt; start one first"),

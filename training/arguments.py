@@ -110,7 +110,7 @@ def check_throughput_args(args: argparse.Namespace) -> None:
                                ("--threads", args.threads, 0), ("--repeats", args.repeats, 1), ("--warmup", args.warmup, 0)):
         if value is not None and value < least:
             raise DDTreeError(f"{flag} {value}: give at least {least}")
-    if args.recipe:
+    if args.recipe is not None:  # an empty one too (`--recipe "$R"`, R unset): it timed the default target
         check_recipe_name(args.recipe)
         given = [flag for flag, value in (("--target", args.target), ("--settings", args.settings)) if value is not None]
         if given:  # they were ignored without a word, and the figures printed were the recipe's target's and drafter's

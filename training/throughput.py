@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     # A name torch does not know, or a GPU this machine lacks: one line here, not a traceback once the models load
     device = parse_device(args.device) if args.device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if args.recipe:
+    if args.recipe is not None:  # an empty one is refused above, not taken for the default target
         recipe, max_length, recipe_batch = recipe_settings(args.recipe)
         if args.random_target and recipe["target"] not in RANDOM_TARGETS:
             raise DDTreeError(f"--random-target: no configuration for {args.recipe}'s target {recipe['target']!r}; "

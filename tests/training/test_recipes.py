@@ -348,6 +348,7 @@ def test_every_training_command_says_a_bad_flag_in_one_line(capsys, module):
     ("training.publish", ["--dtype", "x"], 2, "error: argument --dtype: invalid choice: 'x'"),
     ("training.throughput", ["--help"], 0, "--random-target"),
     ("training.throughput", ["--recipe", "nope"], 2, "error: unknown recipe 'nope'; known recipes: "),
+    ("training.throughput", ["--recipe", ""], 2, "error: --recipe is empty (an unset shell variable?)"),
     ("training.throughput", ["--settings", "16x5"], 2, "error: --settings '16x5': give ANCHORSxLAYERSxBLOCK"),
     ("data.regenerate", ["--help"], 0, "--merge-only"),
     ("data.regenerate", ["--recipe", "tiny", "--num-shards", "0"], 2, "error: --num-shards 0 must be at least 1"),

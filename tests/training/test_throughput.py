@@ -278,10 +278,13 @@ def test_a_bad_device_is_one_line_before_anything_is_built(device, gpus, said, m
 
 
 def test_an_empty_settings_or_target_is_refused_not_taken_for_the_default(monkeypatch, capsys):
-    """`--settings "$S"` with S unset timed the default 16x5x16 on smollm2-135m without a word."""
+    """`--settings "$S"` or `--recipe "$R"` with the variable unset timed the default 16x5x16 on smollm2-135m without a
+    word."""
     monkeypatch.setattr("training.throughput.build_module", lambda *args: pytest.fail("built with the default"))
     assert main(["--device", "cpu", "--settings", ""]) == 2
     assert "error: --settings '': give ANCHORSxLAYERSxBLOCK" in capsys.readouterr().err
+    assert main(["--device", "cpu", "--recipe", ""]) == 2  # `--recipe "$R"`: it timed the default target too
+    assert capsys.readouterr().err.startswith("error: --recipe is empty")
     built = []
 
     def stop(settings, random_target, device):

@@ -330,6 +330,14 @@ def test_every_training_command_says_a_bad_flag_in_one_line(capsys, module):
         assert "unrecognized arguments on the command line: --no-such-flag; see " in err and ".yaml" not in err, err
 
 
+def test_train_evaluate_and_ablate_default_to_the_outputs_folder_make_clean_removes():
+    """`make train`, `make eval` and `make ablate` pass no --output-root: a train default of its own would write runs
+    where `make eval` and `--resume last` never look ("no run under outputs/...") and `make clean` never removes."""
+    parsers = (training.arguments.train_parser, training.arguments.evaluate_parser, training.arguments.ablate_parser)
+    assert [parser().parse_args([]).output_root for parser in parsers] == ["outputs"] * 3
+    assert re.search(r"^\trm -rf .*\boutputs$", (RECIPES_DIR.parent / "Makefile").read_text(), re.M)
+
+
 @pytest.mark.parametrize("module, argv, status, said", [
     ("training.train", ["--help"], 0, "--output-root OUTPUT_ROOT"),
     ("training.train", ["--recipe", "nope"], 2, "error: unknown recipe 'nope'; known recipes: "),

@@ -338,6 +338,18 @@ def test_train_evaluate_and_ablate_default_to_the_outputs_folder_make_clean_remo
     assert re.search(r"^\trm -rf .*\boutputs$", (RECIPES_DIR.parent / "Makefile").read_text(), re.M)
 
 
+def test_the_early_resume_check_looks_in_the_given_recipes_folder(tmp_path):
+    """The check `python -m training.train --recipe tiny --resume last` makes before torch loads looks for the run
+    under <output-root>/tiny, where main resumes it: under the default recipe's folder it refused a run that is there."""
+    run = tmp_path / "tiny" / "r1"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text("{}\n")
+    torch.save({"global_step": 3}, run / "checkpoints" / "last.ckpt")
+    parser = training.arguments.train_parser()
+    training.arguments.check_train_args(parser.parse_args(["--recipe", "tiny", "--resume", "last",
+                                                            "--output-root", str(tmp_path)]))
+
+
 @pytest.mark.parametrize("module, argv, status, said", [
     ("training.train", ["--help"], 0, "--output-root OUTPUT_ROOT"),
     ("training.train", ["--recipe", "nope"], 2, "error: unknown recipe 'nope'; known recipes: "),

@@ -22,6 +22,7 @@ from ddtree.targets import resolve_target
 
 import training.train
 import training.throughput
+from training.arguments import check_throughput_args, throughput_parser
 from training.throughput import (FIRST_TOKEN, RANDOM_TARGETS, batch_token_ids, build_module, main, recipe_settings,
                                  store_batch, time_call)
 
@@ -261,6 +262,19 @@ def test_a_gpu_recipe_on_a_machine_without_a_gpu_stops_with_one_line(tmp_path, m
 def test_bad_numbers_are_one_line_before_anything_is_built(capsys, flags, said):
     assert main([*TINY, "--device", "cpu", *flags]) == 2
     assert capsys.readouterr().err.strip().startswith(f"error: {said}")
+
+
+def test_no_warmup_and_zero_threads_are_accepted_and_zero_threads_keeps_torchs_own(monkeypatch, capsys):
+    """--warmup 0 times the first call too and --threads 0 is torch's default (its help): only negatives are refused."""
+    check_throughput_args(throughput_parser().parse_args(["--warmup", "0", "--threads", "0"]))
+
+    def stop(settings, random_target, device):
+        raise DDTreeError("stop here")
+
+    monkeypatch.setattr(torch, "set_num_threads", lambda threads: pytest.fail(f"set to {threads} threads"))
+    monkeypatch.setattr("training.throughput.build_module", stop)
+    assert main(["--device", "cpu", "--warmup", "0", "--threads", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "error: stop here"
 
 
 @pytest.mark.parametrize("device, gpus, said", [

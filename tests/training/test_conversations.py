@@ -467,6 +467,17 @@ def test_a_conversation_the_loss_mask_cannot_follow_is_skipped_and_counted_unles
                               "follow (the first, 'rewritten': ") and warning.endswith(")"), warning
     with pytest.raises(DDTreeError, match="colours.jsonl: no conversation could be rendered .* 'rewritten'"):
         tokenize_conversations(tokenizer, [rewritten, rewritten], 500, 1, "colours.jsonl")
+    # One that keeps a reply's first line only: the line is in the render, but only a reply's end may stand for it
+    # (Qwen3 strips an earlier reply's reasoning); kept, the conversation trained without that turn.
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ '<|im_start|>' ~ m['role'] ~ '\\n' ~ (m['content'].split('\\n')[0] if m['role'] "
+        "== 'assistant' else m['content']) ~ '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    cut = {"id": "cut", "messages": [CONVERSATION[0], {"role": "assistant", "content": "Line one.\nLine two."},
+                                     *CONVERSATION[2:]]}
+    kept, counts = tokenize_conversations(tokenizer, [plain, cut], 500, 1, "lines.jsonl")
+    assert len(kept) == 1 and counts["unaligned"] == 1 and counts["kept"] == 1
 
 
 def test_unfinished_answer_does_not_supervise_an_end_of_turn(smol_tokenizer):

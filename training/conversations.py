@@ -116,7 +116,8 @@ def rows_to_records(rows, source: str) -> list[dict]:
             raise DDTreeError(f"{source}: row {i} has no 'messages' column (columns: {', '.join(row)})")
         where = f"{source} row {i}"
         messages = check_messages(row["messages"], where)
-        records.append({"id": str(row.get("id") or f"row-{i}"), "messages": messages, "where": where,
+        given = row.get("id")  # an integer 0 is an id, as in JSONL: only a missing one (None) is not
+        records.append({"id": str(given) if given is not None else f"row-{i}", "messages": messages, "where": where,
                         **finish_reason_of(row), **response_ids_of(row, where)})
     return records
 

@@ -669,6 +669,20 @@ def test_load_conversations_from_jsonl_parquet_and_saved_dataset(tmp_path):
         load_conversations(tmp_path / "nomessages")
 
 
+def test_an_integer_id_0_reads_as_0_in_every_file_reader(tmp_path):
+    """A table's integer id 0 was no id ("row-0", `row.get("id") or ...`) where JSONL kept "0"; only a missing id (or
+    null, a table's missing cell) gets a name of its place."""
+    from datasets import Dataset
+
+    rows = [{"id": i, "messages": CONVERSATION[:2]} for i in (0, 1)] + [{"id": None, "messages": CONVERSATION[:2]}]
+    jsonl = write_lines(tmp_path / "ints.jsonl", [json.dumps(r) for r in rows])
+    Dataset.from_list(rows).to_parquet(str(tmp_path / "ints.parquet"))
+    Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    assert [r["id"] for r in load_conversations(jsonl)] == ["0", "1", "ints-3"]
+    for source in (tmp_path / "ints.parquet", tmp_path / "saved"):
+        assert [r["id"] for r in load_conversations(source)] == ["0", "1", "row-2"], source
+
+
 def test_a_saved_dataset_dict_trains_on_its_train_split_and_one_without_is_refused_naming_its_splits(tmp_path):
     """A DatasetDict of "test" and "validation" trained on its first split, "test", without a word."""
     from datasets import Dataset, DatasetDict

@@ -143,12 +143,17 @@ def newest_run(recipe_root: Path, name: str) -> Path | None:
 
     `make ablate`'s variant runs are left out: 'last' and 'best' mean the newest `make train` run, not a variant
     trained for a comparison (name a variant's folder to take it). A run that keeps no last.ckpt
-    (`checkpoint.save_last: false`) is dated by its newest checkpoint, not taken as the oldest."""
+    (`checkpoint.save_last: false`) is dated by its newest checkpoint, not taken as the oldest. A <name> whose first
+    DeepSpeed save was cut short (its `saving` marker, no `latest` yet) still counts, dated by its marker, for the
+    callers to refuse: passed over, 'last' quietly took an older run."""
     runs = [found.parent.parent for found in recipe_root.glob(f"*/checkpoints/{name}")
-            if is_checkpoint(found) and not found.parent.parent.name.startswith(ABLATE_PREFIX)]
+            if (is_checkpoint(found) or (found / SAVING_MARKER).is_file())
+            and not found.parent.parent.name.startswith(ABLATE_PREFIX)]
 
     def last_saved(run: Path) -> float:
-        return max((saved_at(checkpoint) for checkpoint in run_checkpoints(run)), default=0.0)
+        found = run / "checkpoints" / name
+        begun = [] if is_checkpoint(found) else [(found / SAVING_MARKER).stat().st_mtime]
+        return max([*begun, *(saved_at(checkpoint) for checkpoint in run_checkpoints(run))], default=0.0)
 
     return max(runs, key=last_saved, default=None)
 
@@ -179,7 +184,8 @@ def check_run_folder(run_dir: Path) -> None:
 
 def find_checkpoint(spec: str, recipe_root: Path, run_dir: Path | None = None) -> Path:
     """CKPT for `make eval`: 'best' or 'last' of RUN (a run folder), else of the newest run under recipe_root, or a
-    checkpoint path."""
+    checkpoint path. The newest run's 'best' or 'last' that cannot be read is refused, naming its readable ones: not
+    an older run's taken in its place."""
     if run_dir is not None:
         check_run_folder(run_dir)
         return find_run_checkpoint(run_dir, spec)[0]
@@ -187,7 +193,10 @@ def find_checkpoint(spec: str, recipe_root: Path, run_dir: Path | None = None) -
         run = newest_run(recipe_root, f"{spec}.ckpt")
         if run is None:
             raise DDTreeError(f"CKPT={spec}: {no_run_found(recipe_root, f'{spec}.ckpt')}; train one first, or give RUN")
-        return run / "checkpoints" / f"{spec}.ckpt"
+        checkpoint = run / "checkpoints" / f"{spec}.ckpt"
+        if not is_readable(checkpoint):
+            raise unreadable_checkpoint(f"CKPT={spec}", checkpoint, run, "give an earlier one as CKPT")
+        return checkpoint
     path = Path(spec)
     if (path / "config.yaml").is_file():
         raise DDTreeError(f"CKPT={spec} is a run folder: give RUN={spec} (its best.ckpt, or CKPT=last with it)")
@@ -337,8 +346,13 @@ def find_resume(resume: str, recipe_root: Path) -> tuple[Path, Path]:
         raise DDTreeError(f"--resume {resume}: {checkpoint.resolve().parent.parent}/config.yaml is missing, "
                           "so the run cannot be resumed exactly")
     if not is_readable(checkpoint):
-        others = [str(p) for p in run_checkpoints(run_dir) if p.resolve() != checkpoint.resolve() and is_readable(p)]
-        fix = (f"resume from an earlier one: {', '.join(others)}" if others
-               else f"the run {run_dir} has no other readable checkpoint; start it again")
-        raise DDTreeError(f"--resume {resume}: checkpoint {checkpoint} is unreadable ({why_unreadable(checkpoint)}); {fix}")
+        raise unreadable_checkpoint(f"--resume {resume}", checkpoint, run_dir, "resume from an earlier one")
     return checkpoint, run_dir
+
+
+def unreadable_checkpoint(given: str, checkpoint: Path, run_dir: Path, instead: str) -> DDTreeError:
+    """The refusal of a run's checkpoint that cannot be read, naming the run's readable ones (newest first)."""
+    others = [str(p) for p in run_checkpoints(run_dir) if p.resolve() != checkpoint.resolve() and is_readable(p)]
+    fix = (f"{instead}: {', '.join(others)}" if others
+           else f"the run {run_dir} has no other readable checkpoint; start it again")
+    return DDTreeError(f"{given}: checkpoint {checkpoint} is unreadable ({why_unreadable(checkpoint)}); {fix}")

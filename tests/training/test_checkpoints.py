@@ -292,6 +292,35 @@ def test_a_deepspeed_folder_whose_save_was_cut_short_is_refused_and_the_earlier_
         load_checkpoint(last)  # make eval and make export read it too
 
 
+def test_last_of_a_newer_run_whose_first_deepspeed_last_save_was_cut_short_is_refused_not_an_older_run(tmp_path):
+    """A run's first DeepSpeed last.ckpt/ save, killed midway, left the folder with its `saving` marker and no `latest`
+    yet: 'last' passed the run over, and `--resume last` continued (`make eval CKPT=last` scored) an older run with
+    no message."""
+    root = tmp_path / "tiny"
+    older = make_run(root, "A-older", {"checkpoints/last.ckpt": 100})
+    newer = make_run(root, "B-newer", {"checkpoints/step-2.ckpt/": 200})
+    last = newer / "checkpoints" / "last.ckpt"
+    last.mkdir()
+    (last / SAVING_MARKER).write_text("a save began\n")
+    step = newer.resolve() / "checkpoints" / "step-2.ckpt"
+    with pytest.raises(DDTreeError) as error:
+        find_resume("last", root)
+    assert str(error.value) == (f"--resume last: checkpoint {last} is unreadable (its save was cut short); "
+                                f"resume from an earlier one: {step}")
+    with pytest.raises(DDTreeError) as error:
+        find_checkpoint("last", root)
+    assert str(error.value) == (f"CKPT=last: checkpoint {last} is unreadable (its save was cut short); "
+                                f"give an earlier one as CKPT: {step}")
+    shutil.rmtree(step)  # no whole checkpoint left: the run is still the newest, dated by its marker
+    with pytest.raises(DDTreeError, match=rf"checkpoint {last} is unreadable .* the run .*B-newer has no other "
+                                          "readable checkpoint; start it again"):
+        find_resume("last", root)
+    with pytest.raises(DDTreeError, match=rf"CKPT=last: checkpoint {last} is unreadable"):
+        find_checkpoint("last", root)
+    shutil.rmtree(newer)
+    assert find_resume("last", root) == (older / "checkpoints" / "last.ckpt", older.resolve())
+
+
 def test_a_requeued_job_resumes_its_run_folder_from_the_newest_readable_checkpoint(tmp_path):
     """slurm.sbatch resumes a requeued job with --resume <run folder>: a last.ckpt whose save the kill cut short
     refused that resume, so every requeue failed while a whole step checkpoint was there."""

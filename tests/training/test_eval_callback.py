@@ -1067,6 +1067,21 @@ def test_with_save_top_k_0_the_report_names_no_best_checkpoint(tmp_path):
     assert "best.ckpt" not in (tmp_path / "report.md").read_text()
 
 
+def test_why_no_best_blames_save_top_k_0_only_where_the_config_says_0(tmp_path):
+    """A config.yaml that names no checkpoint.save_top_k, or cannot be read, says nothing about it: a run that evaluated
+    steps and kept no best.ckpt then lost its save, and blaming save_top_k 0 would hide that."""
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "eval" / "step-2.json").write_text("{}")
+    save_failed = ("the run evaluated steps but no checkpoint of them was saved: the save failed or was cut short (a "
+                   "full disk, an interrupt, a crash)")
+    for config, said in (("{}\n", save_failed), (": not yaml [", save_failed),
+                         ("checkpoint: {save_top_k: 1}\n", save_failed),
+                         ("checkpoint: {save_top_k: 0}\n", "the run evaluated steps but kept none as best: "
+                                                            "checkpoint.save_top_k 0 keeps last.ckpt only")):
+        (tmp_path / "config.yaml").write_text(config)
+        assert why_no_best(tmp_path) == said, config
+
+
 def test_a_resume_that_ranks_by_another_budget_is_refused(tmp_path):
     canned_fit(tmp_path, 2, {2: {4: 1.2, 8: 3.0}})
     with pytest.raises(DDTreeError, match="ranked its checkpoints by val/tau_ddtree@8, the resume by val/tau_ddtree@4"):

@@ -14,7 +14,8 @@ with `trainer.devices` processes per node on `trainer.num_nodes` nodes. Jobs of 
 from recipes/launch_torchrun.sh or recipes/slurm.sbatch (`make train RECIPE=qwen3-8b NODES=2`);
 `check_launch` stops a run at once when the recipe and the launcher disagree on the process count, when the
 recipe asks for several nodes and no launcher started it, or when a SLURM job of several tasks runs it without srun
-(each would wait for processes that never join).
+(each would wait for processes that never join); `check_launcher` when LSF's jsrun or mpirun started it (every rank
+would take itself for rank 0).
 
 What ZeRO shards, and what it does not: only the drafter is a submodule of DistillModule, so only
 the drafter is in DeepSpeed's engine, optimizer and checkpoints. The frozen target is a plain
@@ -183,7 +184,7 @@ def launcher_world() -> tuple[str, int, int | None] | None:
     """(launcher, processes, nodes or None if unknown) when a launcher started this process, else None.
 
     SLURM and torchrun are detected as Lightning detects them (SLURM first), so this check and the
-    Trainer agree; any other launcher that sets WORLD_SIZE (mpirun wrappers, the processes Lightning
+    Trainer agree; any other launcher that sets WORLD_SIZE (a script of one's own, the processes Lightning
     itself starts for devices > 1) is checked on WORLD_SIZE alone.
     """
     if SLURMEnvironment.detect():
@@ -213,15 +214,36 @@ NODE_SETTINGS = ("MASTER_ADDR", "NODE_RANK", "GROUP_RANK")
 
 
 def started_on_nodes() -> bool:
-    """Whether this process was started as one node of several: by a launcher (launcher_world, or LSF's jsrun or
-    mpirun, as Lightning detects them) or by hand with Lightning's node settings."""
-    return (launcher_world() is not None or any(os.environ.get(name) for name in NODE_SETTINGS)
-            or LSFEnvironment.detect() or MPIEnvironment.detect())
+    """Whether this process was started as one node of several: by a launcher (launcher_world) or by hand with
+    Lightning's node settings. LSF's jsrun and mpirun are refused before this is asked (check_launcher)."""
+    return launcher_world() is not None or any(os.environ.get(name) for name in NODE_SETTINGS)
+
+
+def check_launcher() -> None:
+    """Stop with one line if LSF's jsrun or mpirun started this process as one of several, as Lightning detects them
+    (after torchrun and SLURM, which it prefers). is_first_process reads none of their rank variables, so every rank
+    took itself for rank 0: each took the run folder's lock, and all but one were refused there. train.py calls it
+    before that lock too, which every rank takes before check_launch runs. One process alone is rank 0: it passes."""
+    if TorchElasticEnvironment.detect() or SLURMEnvironment.detect():
+        return
+    if LSFEnvironment.detect() and os.environ["JSM_NAMESPACE_SIZE"].strip() != "1":
+        launcher = f"LSF's jsrun (JSM_NAMESPACE_SIZE={os.environ['JSM_NAMESPACE_SIZE']})"
+    elif MPIEnvironment.detect():
+        launcher = "mpirun (Lightning's MPIEnvironment)"
+    else:
+        return
+    raise DDTreeError(
+        f"{launcher} started this process, a launcher training does not support (its ranks would all act as rank 0): "
+        "start the run with torchrun (`make train RECIPE=<recipe> NODES=<n>` on each node, recipes/launch_torchrun.sh) "
+        "or SLURM's srun (`sbatch recipes/slurm.sbatch <recipe>`), as docs/training.md, Scaling out, describes"
+    )
 
 
 def check_launch(devices, num_nodes) -> None:
-    """Stop with one line if the recipe's devices x num_nodes is not the number of processes launched, or if it asks
-    for several nodes and nothing started this process as one of them."""
+    """Stop with one line if the recipe's devices x num_nodes is not the number of processes launched, if it asks
+    for several nodes and nothing started this process as one of them, or if a launcher it does not support did
+    (check_launcher)."""
+    check_launcher()
     num_nodes = int(num_nodes or 1)
     if num_nodes > 1 and not started_on_nodes():  # else it waits for the other nodes until the process group times out
         raise DDTreeError(

@@ -81,7 +81,8 @@ from training.feature_store import (build_feature_store, drafter_layer_ids, is_c
 from training.module import DistillModule, NonFiniteError
 from training.recipe import DistillCLI, check_checkpoint_settings, config_arg, parser_overrides, recipe_errors
 from training.recipe_data import prepare_recipe_data
-from training.strategies import drafter_for_export, end_process_group, is_deepspeed, is_first_process, launcher_world
+from training.strategies import (check_launcher, drafter_for_export, end_process_group, is_deepspeed, is_first_process,
+                                 launcher_world)
 from training.target import dtype_for_precision
 
 
@@ -505,6 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.recipe is not None:
         check_recipe_name(args.recipe)
     check_resume_alone(args)
+    check_launcher()  # before the run folder's lock, which every rank of such a launch takes (check_launch: too late)
     held = contextlib.ExitStack()  # the run folder's lock (hold_run_folder), released as main returns
     cli = created = None  # created: set once a fresh run's folder is this launch's, for remove_unstarted_run
     run_dir = checkpoint = None

@@ -27,6 +27,7 @@ NCCL in one process: trained, consolidated, killed and resumed (recipes/gpu_sess
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import importlib.util
 import json
@@ -52,7 +53,7 @@ from ddtree.targets import DDTreeError
 from training.checkpoint_paths import SAVING_MARKER, saved_step
 from training.checkpoints import load_checkpoint
 from training.launch import exit_status, first_failure
-from training.strategies import NODE_SETTINGS, check_launch, count_devices
+from training.strategies import NODE_SETTINGS, check_launch, count_devices, is_first_process
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCHER = REPO / "recipes" / "launch_torchrun.sh"
@@ -746,6 +747,56 @@ def test_launch_check_accepts_matching_counts_and_unlaunched_runs(monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "node0")
     check_launch(8, 4)  # a node started by hand, with Lightning's own node settings
     assert [count_devices(d) for d in (2, "2", [0, 1, 2], "0,1", "auto", -1)] == [2, 2, 3, 2, None, None]
+
+
+def lsf_env(monkeypatch, tmp_path, size: int, rank: int = 0) -> None:
+    """A process's environment under LSF's jsrun, as Lightning's LSFEnvironment detects it (one task per node)."""
+    for name in (*TORCHRUN_ENV, *SLURM_ENV, *NODE_SETTINGS):
+        monkeypatch.delenv(name, raising=False)
+    rankfile = tmp_path / "rankfile"
+    rankfile.write_text("batch\n" + "".join(f"node{i + 1}\n" for i in range(size)))
+    for name, value in dict(LSB_JOBID=1, LSB_DJOB_RANKFILE=rankfile, JSM_NAMESPACE_SIZE=size, JSM_NAMESPACE_RANK=rank,
+                            JSM_NAMESPACE_LOCAL_RANK=0).items():
+        monkeypatch.setenv(name, str(value))
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_launch_by_lsf_or_mpirun_stops_at_once_with_one_line_naming_torchrun_and_srun(rank, tmp_path, monkeypatch,
+                                                                                        capsys):
+    """check_launch took LSF's jsrun and mpirun for launchers that start nodes, but is_first_process reads none of
+    their rank variables: every rank took itself for rank 0, and all but one were refused at the run folder's lock."""
+    from lightning.fabric.plugins.environments import LSFEnvironment, MPIEnvironment
+
+    lsf_env(monkeypatch, tmp_path, size=2, rank=rank)
+    assert LSFEnvironment.detect() and is_first_process()  # what the refusal is for: rank 1 too
+    for devices, num_nodes in ((1, 2), (2, 1)):
+        with pytest.raises(DDTreeError) as refused:
+            check_launch(devices, num_nodes)
+        assert str(refused.value) == (
+            "LSF's jsrun (JSM_NAMESPACE_SIZE=2) started this process, a launcher training does not support (its ranks "
+            "would all act as rank 0): start the run with torchrun (`make train RECIPE=<recipe> NODES=<n>` on each "
+            "node, recipes/launch_torchrun.sh) or SLURM's srun (`sbatch recipes/slurm.sbatch <recipe>`), as "
+            "docs/training.md, Scaling out, describes")
+    assert "\n## Scaling out\n" in (REPO / "docs" / "training.md").read_text()  # the section the line names
+    output = tmp_path / "outputs"
+    with contextlib.ExitStack() as held:
+        if rank == 1:  # rank 0 holds the run folder's lock: rank 1 said it was in use by another launch
+            held.enter_context(training.train.hold_run_folder(output / "tiny" / "r"))
+        assert training.train.main(["--recipe", "tiny", "--run-name", "r", "--output-root", str(output)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: LSF's jsrun (JSM_NAMESPACE_SIZE=2) started this process"), err
+    assert rank == 1 or not output.exists()  # refused before the run folder was taken (or made)
+
+    monkeypatch.setenv("JSM_NAMESPACE_SIZE", "1")
+    check_launch(1, 1)  # one process: its rank is 0, as is_first_process takes it
+    for name in ("LSB_JOBID", "JSM_NAMESPACE_SIZE", "JSM_NAMESPACE_LOCAL_RANK"):
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(MPIEnvironment, "detect", staticmethod(lambda: True))  # mpi4py under mpirun, world size 2
+    with pytest.raises(DDTreeError, match=r"^mpirun \(Lightning's MPIEnvironment\) started this process, a launcher "
+                                          "training does not support .* torchrun .* SLURM's srun"):
+        check_launch(1, 2)
+    torchrun_env(monkeypatch, world=2, per_node=1)  # Lightning takes torchrun first, as check_launcher does
+    check_launch(1, 2)
 
 
 def test_slurm_tasks_that_do_not_divide_across_nodes_are_told_to_change_the_launch(monkeypatch):

@@ -746,7 +746,9 @@ def test_launch_check_accepts_matching_counts_and_unlaunched_runs(monkeypatch):
     monkeypatch.setenv("NODE_RANK", "1")
     monkeypatch.setenv("MASTER_ADDR", "node0")
     check_launch(8, 4)  # a node started by hand, with Lightning's own node settings
-    assert [count_devices(d) for d in (2, "2", [0, 1, 2], "0,1", "auto", -1)] == [2, 2, 3, 2, None, None]
+    # "0," is Lightning's list of one GPU, 0: counted as 2, a correct one-process launch would be refused
+    assert ([count_devices(d) for d in (2, "2", [0, 1, 2], "0,1", "0,", " 1, 2 ", "auto", -1)]
+            == [2, 2, 3, 2, 1, 2, None, None])
 
 
 def lsf_env(monkeypatch, tmp_path, size: int, rank: int = 0) -> None:

@@ -183,15 +183,16 @@ def is_deepspeed(strategy) -> bool:
 def launcher_world() -> tuple[str, int, int | None] | None:
     """(launcher, processes, nodes or None if unknown) when a launcher started this process, else None.
 
-    SLURM and torchrun are detected as Lightning detects them (SLURM first), so this check and the
-    Trainer agree; any other launcher that sets WORLD_SIZE (a script of one's own, the processes Lightning
-    itself starts for devices > 1) is checked on WORLD_SIZE alone.
+    torchrun and SLURM are detected as Lightning detects them, torchrun first (`srun torchrun ...` starts one
+    SLURM task per node and torchrun's processes in each: Lightning runs WORLD_SIZE processes, not SLURM_NTASKS),
+    so this check and the Trainer agree; any other launcher that sets WORLD_SIZE (a script of one's own, the
+    processes Lightning itself starts for devices > 1) is checked on WORLD_SIZE alone.
     """
-    if SLURMEnvironment.detect():
-        return "SLURM", int(os.environ["SLURM_NTASKS"]), int(os.environ.get("SLURM_NNODES", 1))
     if TorchElasticEnvironment.detect():
         world, per_node = int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
         return "torchrun", world, max(1, world // per_node)
+    if SLURMEnvironment.detect():
+        return "SLURM", int(os.environ["SLURM_NTASKS"]), int(os.environ.get("SLURM_NNODES", 1))
     if os.environ.get("WORLD_SIZE", "").isdigit():
         return "the launcher", int(os.environ["WORLD_SIZE"]), None
     return None
@@ -253,7 +254,8 @@ def check_launch(devices, num_nodes) -> None:
             "recipes/slurm.sbatch <recipe>`, or give --trainer.num_nodes=1 for one machine"
         )
     tasks = int(os.environ.get("SLURM_NTASKS") or 1)
-    if SLURMEnvironment.detect() and tasks > 1 and "SLURM_STEP_NUM_TASKS" not in os.environ:
+    slurm = SLURMEnvironment.detect() and not TorchElasticEnvironment.detect()  # torchrun's processes: its world
+    if slurm and tasks > 1 and "SLURM_STEP_NUM_TASKS" not in os.environ:
         # srun sets SLURM_STEP_NUM_TASKS as it starts a step's tasks; a batch script (or a salloc shell) running python
         # itself has SLURM_NTASKS alone, which Lightning takes for the processes started: it waited for the others
         raise DDTreeError(

@@ -62,6 +62,7 @@ from training.arguments import (DEFAULT_RECIPE, answer_early, check_recipe_name,
 # python -m: --help, a bad --recipe or --resume before Lightning loads
 answer_early(__name__, train_parser, check_train_args, overrides=True)
 
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
@@ -319,7 +320,7 @@ def run_name(requested: str | None) -> str | None:
     if os.environ.get(RUN_NAME_ENV):  # a process Lightning started for devices > 1
         return os.environ[RUN_NAME_ENV]
     world = launcher_world()
-    if world and world[0] == "SLURM":  # the job id survives a requeue
+    if SLURMEnvironment.detect():  # the job id survives a requeue (`srun torchrun ...` too: every process has it)
         job, task = os.environ.get("SLURM_ARRAY_JOB_ID", os.environ["SLURM_JOB_ID"]), os.environ.get("SLURM_ARRAY_TASK_ID")
         return f"slurm-{job}" + (f"-{task}" if task else "")
     if world and world[1] > 1:  # torchrun: each process would pick its own timestamp

@@ -751,6 +751,22 @@ def test_launch_check_accepts_matching_counts_and_unlaunched_runs(monkeypatch):
             == [2, 2, 3, 2, 1, 2, None, None])
 
 
+def test_torchrun_under_slurm_is_checked_on_torchrun_s_world_as_lightning_runs_it(monkeypatch):
+    """`srun torchrun ...`: one SLURM task per node, torchrun's processes in each. Lightning takes torchrun's
+    environment before SLURM's and runs WORLD_SIZE processes; the check compared SLURM_NTASKS (the node count) and
+    refused a launch that matched (8 x 2 = 16 processes, "but SLURM started 2")."""
+    slurm_env(monkeypatch, nodes=2, per_node=1, job="900")  # (each helper clears the other launcher's variables)
+    for name, value in dict(TORCHELASTIC_RUN_ID="test", RANK=0, GROUP_RANK=0, LOCAL_RANK=0, LOCAL_WORLD_SIZE=8,
+                            WORLD_SIZE=16).items():
+        monkeypatch.setenv(name, str(value))
+    check_launch(8, 2)
+    with pytest.raises(DDTreeError, match=r"= 8 processes, but torchrun started 16 \(WORLD_SIZE=16\) on 2 node"):
+        check_launch(8, 1)
+    monkeypatch.delenv("SLURM_STEP_NUM_TASKS")  # torchrun run by the batch script itself: its world, not srun's
+    check_launch(8, 2)
+    assert training.train.run_name(None) == "slurm-900"  # every process of the job, on every node, names it so
+
+
 def lsf_env(monkeypatch, tmp_path, size: int, rank: int = 0) -> None:
     """A process's environment under LSF's jsrun, as Lightning's LSFEnvironment detects it (one task per node)."""
     for name in (*TORCHRUN_ENV, *SLURM_ENV, *NODE_SETTINGS):

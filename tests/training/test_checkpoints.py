@@ -648,27 +648,41 @@ def test_make_eval_out_is_no_file_the_run_or_the_recipe_reads(saved, tmp_path, c
         assert json.loads((run / mine).read_text())["step"] == 7
 
 
-def test_make_eval_of_a_loose_checkpoint_writes_beside_it(saved, tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("target_dtype, fast, measured", [
+    ("auto", torch.bfloat16, "bfloat16"),  # the recipes' own: the target runs in the precision
+    ("float32", torch.bfloat16, "float32"),  # the checkpoint's model.target_dtype, as training ran the target
+    ("bfloat16", torch.float32, "bfloat16"),
+])
+def test_make_eval_of_a_loose_checkpoint_writes_beside_it(saved, tmp_path, capsys, monkeypatch, target_dtype, fast,
+                                                         measured):
     """With no run's config.yaml it reads the recipe, whose precision `auto` is resolved as training resolves it
-    (stubbed to bf16 here, which the AVX2 CPU would not pick): it was read as fp32 on every machine before."""
+    (stubbed here, bf16 being what the AVX2 CPU would not pick): it was read as fp32 on every machine before. The
+    checkpoint's model.target_dtype still decides the target's dtype: ignoring it, an fp32-trained run was measured
+    against a bf16 target where `auto` picks bf16, and every test passed (mutation review 19, gap 3 / E05)."""
     from ddtree.precision import Choice
 
     path, _ = saved
     loose = tmp_path / "loose" / "x.ckpt"
     loose.parent.mkdir()
     saved_dict = torch.load(path, map_location="cpu", weights_only=False)
-    saved_dict["hyper_parameters"]["target_dtype"] = "auto"  # the recipes' own: the target runs in the precision
+    saved_dict["hyper_parameters"]["target_dtype"] = target_dtype
     torch.save(saved_dict, loose)
-    stub = lambda device: Choice(torch.bfloat16, "stubbed")  # noqa: E731
+    stub = lambda device: Choice(fast, "stubbed")  # noqa: E731
     monkeypatch.setattr(training.evaluate, "fast_precision", stub, raising=False)
     assert training.evaluate.main(["--recipe", "tiny", "--ckpt", str(loose), "--limit", "1"]) == 0
     printed = capsys.readouterr().out
-    assert "[precision] trainer.precision auto -> bf16-mixed (stubbed)" in printed
-    assert "target tiny-random in bfloat16" in printed
+    assert f"[precision] trainer.precision auto -> {stub('cpu').lightning} (stubbed)" in printed
+    assert f"target tiny-random in {measured}" in printed
     # a --limit measurement is named for it: the checkpoint's own name holds what `make export` reports
-    assert (tmp_path / "loose" / "eval" / "checkpoint-x-limit1.json").is_file()
+    written = tmp_path / "loose" / "eval" / "checkpoint-x-limit1.json"
     assert not (tmp_path / "loose" / "eval" / "checkpoint-x.json").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["loose"]  # nothing above the checkpoint's folder
+    # and it decodes that many prompts, not the recipe's eval.limit of 3: a --limit left unapplied still wrote
+    # checkpoint-x-limit1.json, over 3 prompts (mutation review 19, gap 2 / E03)
+    results = json.loads(written.read_text())
+    assert "1 prompts of data/eval_prompts.jsonl" in printed
+    assert (results["settings"]["limit"], results["settings"]["num_prompts"], len(results["prompts"])) == (1, 1, 1)
+    assert results["settings"]["dtype"] == measured
 
 
 def test_make_eval_shows_a_tau_no_round_measured_as_a_dash(saved, tmp_path, capsys, monkeypatch):

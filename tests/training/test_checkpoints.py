@@ -847,6 +847,44 @@ def test_make_eval_marks_a_target_adapter_retrained_since_as_not_comparable(save
     assert json.loads((tmp_path / "loose" / "eval" / "checkpoint-x-limit1.json").read_text())["logged"] is None
 
 
+def test_make_eval_measures_against_the_target_adapter_the_run_trained_with(saved, tmp_path, monkeypatch):
+    """The checkpoint's model.target_adapter is folded into the target it decodes with, as training folded it in:
+    measured against the base target instead, the taus were another target's while results.json still recorded the
+    adapter, and every test passed (mutation review 19, gap 1 / E10)."""
+    from peft import LoraConfig, get_peft_model
+
+    from ddtree.targets import load_target
+    from training.callbacks import AcceptanceEvaluation
+    from training.peft_utils import adapter_fingerprint
+    from training.target import load_frozen_target
+
+    torch.manual_seed(0)
+    config = LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False)  # (not a no-op: B is not zero)
+    get_peft_model(load_target("tiny-random")[0], config).save_pretrained(tmp_path / "adapter")
+    adapter = str(tmp_path / "adapter")
+    path, _ = saved
+    loose = loose_copy(path, tmp_path / "loose")
+    checkpoint = torch.load(loose, map_location="cpu", weights_only=False)
+    checkpoint["hyper_parameters"].update(target_adapter=adapter, target_adapter_sha256=adapter_fingerprint(adapter))
+    torch.save(checkpoint, loose)
+    measured = []
+
+    def measure(self, target, *args, **kwargs):
+        measured.append(target.get_decoder().layers[0].self_attn.q_proj.weight.detach().clone())
+        return {"summary": {}, "prompts": []}
+
+    monkeypatch.setattr(AcceptanceEvaluation, "measure", measure)
+    assert training.evaluate.main(["--recipe", "tiny", "--ckpt", str(loose), "--limit", "1"]) == 0
+
+    def q_proj(model):
+        return model.get_decoder().layers[0].self_attn.q_proj.weight
+
+    trained = q_proj(load_frozen_target("tiny-random", torch.float32, adapter)[0])  # (the saved run's target_dtype)
+    assert len(measured) == 1 and measured[0].dtype == torch.float32
+    assert torch.equal(measured[0], trained)
+    assert not torch.equal(measured[0], q_proj(load_target("tiny-random", torch.float32)[0]))
+
+
 def test_make_eval_of_a_target_adapter_not_found_from_here_says_so_and_where_to_run(saved, tmp_path, monkeypatch,
                                                                                      capsys):
     """The checkpoint keeps model.target_adapter as its launch gave it, relative to the folder training ran in: make

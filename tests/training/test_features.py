@@ -934,6 +934,30 @@ def test_the_same_data_path_spelled_otherwise_is_the_same_build(tmp_path, monkey
     assert os.stat(resumed / "shard-00000.safetensors").st_ino == first_shard  # kept, not computed again
 
 
+def test_a_store_of_the_data_file_edited_in_place_is_another_build_though_its_lengths_are_the_same(tmp_path,
+                                                                                                   monkeypatch):
+    """`make features` after the data file was edited where it lies (a reply's words reordered: the same lengths)
+    must refuse the old data's store. A rule that took any tokenization key as this data's said "already holds these
+    features; nothing to do", and training then refused the store: no test edited the data but its length (mutation
+    review 19, gap 4 / S03)."""
+    dm = make_datamodule(tmp_path)
+    out = build_feature_store(dm, tmp_path / "store", layer_ids=LAYER_IDS)
+    built = FeatureStore(out).tokenization_key
+    data = tmp_path / "conversations.jsonl"
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    reply = rows[0]["messages"][1]
+    reply["content"] = " ".join(reversed(reply["content"].split()))
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    edited = make_datamodule(tmp_path)
+    assert edited.load_tokenized()[0].lengths() == FeatureStore(out).lengths  # only the key tells the two apart
+    monkeypatch.setattr(training.feature_store, "load_frozen_target", lambda *a, **k: pytest.fail("loaded the target"))
+    with pytest.raises(DDTreeError) as refused:
+        build_feature_store(edited, out, layer_ids=LAYER_IDS)
+    message = one_line(refused.value)
+    assert f"{out} holds a feature store of another build (differs in tokenization_key (" in message, message
+    assert "--force" in message and FeatureStore(out).tokenization_key == built != edited.tokenization_key()
+
+
 def test_a_complete_store_is_replaced_only_with_force_and_only_once_the_new_one_is_complete(tmp_path, monkeypatch, capsys):
     dm = make_datamodule(tmp_path)
     out = build_feature_store(dm, tmp_path / "store", layer_ids=LAYER_IDS)

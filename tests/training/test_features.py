@@ -33,8 +33,8 @@ import training.train
 from ddtree.errors import run_cli
 from ddtree.targets import DDTreeError, load_target
 from training.data import DistillDataModule
-from training.feature_store import (FeatureStore, build_feature_store, lock_path, partial_path, read_manifest,
-                                    store_teacher)
+from training.feature_store import (FeatureStore, build_feature_store, differing_fields, lock_path, partial_path,
+                                    read_manifest, store_teacher)
 from training.arguments import features_parser
 from training.features import main
 from training.masks import IGNORE_INDEX
@@ -1464,6 +1464,33 @@ def test_a_store_built_before_its_local_target_was_saved_over_is_refused(tmp_pat
     (path / "store.json").write_text(json.dumps(manifest))
     module.check_feature_store(FeatureStore(path))
     assert build_feature_store(datamodule, path, layer_ids=LAYER_IDS, dtype=torch.float32) == path
+
+
+def test_a_store_of_another_hub_target_is_another_build(tmp_path, monkeypatch):
+    """A target named by a Hub id has no weights fingerprint: a store of another one with the same tokenizer and
+    hidden size (a base and an instruct checkpoint) was taken as this target's ("nothing to do") under a rule that
+    compared the two missing fingerprints as equal. Every other test uses local targets (mutation review 19, gap 5 /
+    S01)."""
+    dm = make_datamodule(tmp_path)
+    out = build_feature_store(dm, tmp_path / "store", layer_ids=LAYER_IDS)
+    manifest = json.loads((out / "store.json").read_text())
+    manifest.update(target="org/other-model", target_weights=None)  # as a Hub-id target's store records it
+    (out / "store.json").write_text(json.dumps(manifest))
+    monkeypatch.setattr(training.feature_store, "target_fingerprint", lambda target: None)  # this one a Hub id too
+    monkeypatch.setattr(training.feature_store, "load_frozen_target", lambda *a, **k: pytest.fail("loaded the target"))
+    with pytest.raises(DDTreeError) as refused:
+        build_feature_store(dm, out, layer_ids=LAYER_IDS)
+    message = one_line(refused.value)
+    assert "differs in target (org/other-model there, tiny-random here)" in message and "--force" in message, message
+
+
+def test_a_store_whose_adapter_has_no_recorded_sha256_is_not_a_build_without_adapter():
+    """differing_fields, which the finished store's check, the resume and the richer store's choice ask: a store built
+    with an adapter before adapters' sha256s were recorded matched a build without adapter under a rule that compared
+    the two missing sha256s as equal (mutation review 19, gap 8 / S02)."""
+    existing = {"target": "tiny-random", "target_adapter": "/adapters/lora-1"}  # no target_adapter_sha256
+    planned = {"target": "tiny-random", "target_adapter": None, "target_adapter_sha256": None}
+    assert differing_fields(existing, planned, (), ["target", "target_adapter"]) == ["target_adapter"]
 
 
 def test_a_run_without_distillation_takes_a_built_store_that_holds_more(tmp_path, monkeypatch):

@@ -1205,6 +1205,24 @@ def test_size_estimate_is_printed_before_anything_is_written_and_a_full_disk_ref
     assert len(printed_before_first_write) == 1 and expected in printed_before_first_write[0]
 
 
+def test_a_resumed_build_needs_room_only_for_what_is_left(tmp_path, monkeypatch, capsys):
+    """Its finished shards are on that disk already: counting them too refused a resume that had room for the rest,
+    in a line that said it needed less than was free. Only fresh builds were tested (mutation review 19, gap 6 /
+    S23)."""
+    dm = make_datamodule(tmp_path)
+    out = tmp_path / "store"
+    settings = dict(layer_ids=LAYER_IDS, max_shard_bytes=shard_bytes(3))
+    interrupted_build(monkeypatch, dm, out, **settings)
+    manifest = read_manifest(partial_path(out) / "store.json")
+    token_bytes = len(LAYER_IDS) * HIDDEN * torch.bfloat16.itemsize
+    whole = manifest["total_tokens"] * token_bytes
+    left = (manifest["total_tokens"] - manifest["shards"][0]["num_tokens"]) * token_bytes
+    monkeypatch.setattr(training.feature_store, "free_bytes", lambda path: (left + whole) // 2)  # room for the rest
+    capsys.readouterr()
+    assert len(FeatureStore(build_feature_store(dm, out, **settings))) == 12
+    assert "already written" in capsys.readouterr().out
+
+
 # ----------------------------------------------------------------------------- the CLIs
 
 

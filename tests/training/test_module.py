@@ -56,7 +56,7 @@ from training.masks import (
     sample_given,
 )
 from training.module import DistillModule, NonFiniteError
-from training.target import dtype_for_precision, target_layer_features
+from training.target import dtype_for_precision, load_frozen_target, target_layer_features
 
 BLOCK = 4
 
@@ -710,6 +710,23 @@ def test_the_frozen_targets_dtype_is_the_trainers_unless_model_target_dtype_name
     assert dtype_for_precision(precision) == dtype_for_precision(precision, "auto") == expected
     for target_dtype in ("float32", "bfloat16", "float16"):
         assert dtype_for_precision(precision, target_dtype) == getattr(torch, target_dtype)
+
+
+def test_the_frozen_target_needs_no_gradient_whatever_its_loader_leaves(monkeypatch):
+    """The loss sends the drafter's states through the target's LM head: a head left requiring grad would gather a
+    V x H gradient every step that no optimizer clears. load_frozen_target freezes the target itself, which the tests
+    could not see while ddtree's loader froze it as well: here it hands over a trainable model (mutation review 19,
+    gap 10 / T13)."""
+    import training.target
+    from ddtree.targets import load_target
+
+    def trainable(*args, **kwargs):
+        model, tokenizer = load_target(*args, **kwargs)
+        return model.train().requires_grad_(True), tokenizer
+
+    monkeypatch.setattr(training.target, "load_target", trainable)
+    target, _ = load_frozen_target("tiny-random", torch.float32)
+    assert not target.training and not any(p.requires_grad for p in target.parameters())
 
 
 def test_training_steps_lower_the_loss_and_log_metrics(tmp_path):

@@ -471,6 +471,67 @@ def test_a_config_whose_two_sets_of_rope_keys_disagree_is_one_line(tmp_path, tin
     assert "\n" not in line
 
 
+@pytest.mark.parametrize("scaling", [
+    {"type": "linear", "factor": 2.0},  # transformers 4 named the key "type"
+    {"type": "default"},  # ... and wrote a default rope this way: no scaling
+], ids=["linear", "default"])
+def test_a_config_that_transformers_4_wrote_with_agreeing_rope_keys_loads(tmp_path, tiny_target, scaling):
+    """rope_scaling as transformers 4 wrote it says what rope_parameters says, in other words: it must not be taken
+    for the disagreement above, which refuses the folder."""
+    target, tokenizer = tiny_target
+    folder = tmp_path / "drafter"
+    DFlashDraftModel(build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4)).save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    theta = config["rope_parameters"]["rope_theta"]
+    parameters = {("rope_type" if key == "type" else key): value for key, value in scaling.items()}
+    parameters["rope_theta"] = theta  # rope_parameters, as transformers 5 writes the same rope
+    config.update(rope_parameters=parameters, rope_theta=theta, rope_scaling=scaling)
+    (folder / "config.json").write_text(json.dumps(config))
+    rope = load_drafter_folder(folder, torch.float32, target).config.rope_parameters
+    assert {key: rope[key] for key in parameters} == parameters
+
+
+def test_a_sharded_drafter_folder_loads_every_shard(tmp_path, tiny_target):
+    """save_pretrained splits a drafter past max_shard_size into shards named by model.safetensors.index.json: all of
+    them are checked against config.json and loaded, and a shard gone is one line naming it."""
+    target, tokenizer = tiny_target
+    folder = tmp_path / "drafter"
+    drafter = DFlashDraftModel(build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4))
+    drafter.save_pretrained(folder, max_shard_size="200KB")
+    shards = sorted(folder.glob("model-*.safetensors"))
+    assert len(shards) > 1 and not (folder / "model.safetensors").exists()
+    weights = drafter.state_dict()
+    loaded = load_drafter_folder(folder, torch.float32, target).state_dict()
+    assert loaded.keys() == weights.keys() and all(torch.equal(loaded[name], weights[name]) for name in weights)
+    shards[-1].unlink()
+    with pytest.raises(DDTreeError) as error:
+        load_drafter_folder(folder, torch.float32, target)
+    line = str(error.value)
+    assert line.startswith(f"drafter weights {shards[-1]} are unreadable, truncated or not safetensors ("), line
+
+
+@pytest.mark.parametrize("cut", ["rows", "columns"])
+def test_a_weight_of_another_shape_is_one_line_naming_both_shapes_the_right_way_round(tmp_path, tiny_target, cut):
+    """The line says what config.json builds first and what the file holds second: swapped, it pointed the fix at the
+    wrong file. A weight cut in its second dimension only is refused too, not left to transformers' traceback."""
+    from safetensors.torch import load_file, save_file
+
+    target, tokenizer = tiny_target
+    folder = tmp_path / "drafter"
+    DFlashDraftModel(build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4)).save_pretrained(folder)
+    weights, name = load_file(folder / "model.safetensors"), "layers.0.mlp.up_proj.weight"
+    built = list(weights[name].shape)
+    weights[name] = (weights[name][:8] if cut == "rows" else weights[name][:, :8]).contiguous()
+    saved = list(weights[name].shape)
+    assert saved != built and 8 in saved
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(DDTreeError) as error:
+        load_drafter_folder(folder, torch.float32, target)
+    assert str(error.value) == (
+        f"drafter {folder}: config.json makes weight {name} {built} but model.safetensors holds {saved}; config.json "
+        "does not match the weights (was it edited?): restore it, or export the drafter again")
+
+
 def test_a_folders_tokenizer_is_loaded_once_and_again_when_its_files_change(tmp_path):
     """A training launch asked for the target's tokenizer four times; each asks now gets the one loaded object,
     until a tokenizer file of the folder changes on disk, even to the same size (a bracket swapped in place). The

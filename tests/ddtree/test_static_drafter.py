@@ -1,4 +1,5 @@
-"""The drafter's forwards at fixed shapes (ddtree/static_drafter.py) give the growing cache's logits.
+"""The drafter's forwards at fixed shapes (ddtree/static_drafter.py) give the growing cache's logits, and the static
+runners (the drafter's and the target's) handed from one generation to the next stay lossless.
 
     .venv/bin/pytest -q tests/ddtree/test_static_drafter.py
 """
@@ -12,6 +13,9 @@ import torch
 
 from ddtree.cli import load_drafter
 from ddtree.decoding import DrafterRunner
+from ddtree.modeling_dflash import DFlashDraftModel
+from ddtree.static_drafter import redraft_layout
+from ddtree.targets import build_drafter_config
 
 # The context rows each call adds: the prompt (longer than a block: one uncaptured forward), then rounds
 # that keep 1..block rows, as the decoding loop's root and accepted rows do; and the depth drafted.
@@ -51,8 +55,13 @@ def largest_difference(a, b) -> float:
     return max(max((x - y).abs().max().item() for x, y in zip(pair_a, pair_b)) for pair_a, pair_b in zip(a, b))
 
 
-def test_fixed_shapes_give_the_growing_caches_logits(smollm2, drafter):
+@pytest.mark.parametrize("temperatures", [None, [0.5 + 0.1 * depth for depth in range(15)]],
+                         ids=["uncalibrated", "calibrated"])
+def test_fixed_shapes_give_the_growing_caches_logits(smollm2, drafter, monkeypatch, temperatures):
+    """calibrated: each depth's logits divided by its own draft temperature, on both paths (propose's first row is
+    depth 1, redraft's depth 2)."""
     model, _ = smollm2
+    monkeypatch.setattr(drafter.config, "draft_temperatures", temperatures)  # read by DrafterRunner
     growing, fixed = DrafterRunner(drafter, model), DrafterRunner(drafter, model)
     fixed.fix_shapes(CAPACITY)
     assert not fixed.static.cuda_graph  # on the CPU the fixed-shape forwards run uncaptured
@@ -94,6 +103,66 @@ def test_a_runner_cast_to_another_dtype_gets_fixed_shapes_in_it(tiny_target):
         model.to(torch.float32).to(torch.bfloat16)
     generate(target, prompt, "ddtree", runner, budget=4, max_new_tokens=6, static=True)
     assert runner.static is not before and static_target(target, True, 5, 64) is not target_runner
+
+
+def test_a_redraft_block_sits_where_proposes_block_does_and_sees_only_itself(tiny_target):
+    """Both paths share redraft_layout, so comparing them cannot see a wrong one: held here to what training's block
+    mask and propose's positions say. Block i is [root, first i, MASK...] at positions start..start+B-1 (the root at
+    start), seeing the context and its own block only: its logits are those of that block drafted alone."""
+    target, tokenizer = tiny_target
+    torch.manual_seed(0)
+    config = build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4,
+                                  target_layer_ids=[0, target.config.num_hidden_layers - 1])
+    drafter = DFlashDraftModel(config).eval()
+    mask = drafter.mask_token_id
+    blocks, positions, same_block = redraft_layout(7, 5, [3, 9, 4], 4, mask, torch.device("cpu"))
+    assert blocks.tolist() == [[7, 3, mask, mask], [7, 9, mask, mask], [7, 4, mask, mask]]
+    assert positions.tolist() == [[5, 6, 7, 8] * 3]
+    assert torch.equal(same_block, torch.block_diag(*[torch.ones(4, 4, dtype=torch.bool)] * 3))
+
+    prompt = [5, 17, 42, 8, 99, 3, 61]
+    with torch.no_grad():
+        hidden = target(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+    runner, start = DrafterRunner(drafter, target), len(prompt)
+    root = 11
+    firsts = runner.propose(root, start, runner.features(hidden), 3)[0].topk(3).indices.tolist()
+    context = copy.deepcopy(runner.cache)  # the prompt's, before the re-draft
+    redrafted = runner.redraft(root, start, firsts, 3)  # (3 firsts, depths 2..3, V)
+    no_context = drafter.fc.weight.new_zeros(1, 0, drafter.fc.in_features)
+    for row, first in zip(redrafted, firsts):
+        block = torch.tensor([[root, first, mask, mask]])
+        with torch.no_grad():  # one block, as propose drafts it: it sees the context and the whole of itself
+            alone = drafter(noise_embedding=runner.embedding(block), target_hidden=no_context,
+                            position_ids=torch.arange(start, start + 4)[None], past_key_values=copy.deepcopy(context))
+        torch.testing.assert_close(row, runner._logits(alone[0, 2:], first_depth=2), atol=1e-5, rtol=0)
+
+
+def test_static_runners_reused_across_generations_of_other_lengths_and_shapes_stay_greedy(tiny_target):
+    """A generation takes the static target and drafter the last one of its shape left (static_target, fix_shapes):
+    a shorter prompt after a longer one over its stale slots, a dflash verify (a block of rows) after ddtree's (budget
+    + 1 rows) on the same target, and a prompt past the drafter's context slots, which needs larger ones. Each reply
+    is transformers' greedy one, token for token. (The slow test_lossless::test_static_runners_outlive_their_generation
+    covers the first on SmolLM2.)"""
+    from ddtree.decoder import load_drafter
+    from ddtree.decoding import generate
+    from ddtree.target_runner import static_target
+    from rigged import hf_greedy  # tests/rigged.py
+
+    target, tokenizer = tiny_target
+    target = copy.deepcopy(target)  # its own pool of static runners: none left by another test
+    runner = DrafterRunner(load_drafter("random", target, tokenizer, "tiny-random"), target)
+    longer, shorter = [5 + (7 * i) % 90 for i in range(60)], [5, 17, 42, 8, 99, 3, 61]
+    past_the_slots = [5 + i % 50 for i in range(150)]  # past the 128 context slots the generations before it took
+    budget, drafters, verifiers = 8, [], []
+    for prompt, method, new in [(longer, "ddtree", 40), (shorter, "ddtree", 40), (longer, "dflash", 30),
+                                (past_the_slots, "ddtree", 20)]:
+        result = generate(target, prompt, method, runner, budget, new, [], static=True, redraft=2)
+        assert result.new_tokens == hf_greedy(target, prompt, new), (len(prompt), method)
+        drafters.append(runner.static)
+        verifiers.append(static_target(target, True, budget + 1, needed=1))  # ddtree's, as it stands now
+    assert drafters[0] is drafters[1] is drafters[2] and verifiers[0] is verifiers[1] is verifiers[2]  # reused
+    assert drafters[3].capacity >= len(past_the_slots) + 20
+    assert verifiers[3].capacity >= len(past_the_slots) + 20 + budget + 1
 
 
 @pytest.mark.gpu

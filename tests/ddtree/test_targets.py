@@ -374,6 +374,68 @@ def test_a_drafter_config_without_target_layer_ids_reads_the_default_ones(tmp_pa
     assert load_drafter_folder(folder, torch.float32, target).target_layer_ids == ids == [1, 3]
 
 
+def test_a_drafter_config_naming_its_mask_token_at_the_top_level_reads_it_and_dflash_configs_comes_first(
+        tmp_path, tiny_target):
+    """vLLM's speculators format names the MASK id at the top level; a config that names it only there is read, not
+    taken for one without a MASK token. Where both name one, dflash_config's is read, as the reference dflash
+    package reads it."""
+    from ddtree.drafters import read_drafter_config
+
+    target, tokenizer = tiny_target
+    folder = tmp_path / "drafter"
+    build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4).save_pretrained(folder)
+    fields = json.loads((folder / "config.json").read_text())
+    fields["mask_token_id"] = fields["dflash_config"].pop("mask_token_id")
+    assert fields["mask_token_id"] == 16  # the tiny target's <empty_output>
+    (folder / "config.json").write_text(json.dumps(fields))
+    assert read_drafter_config(folder).mask_token_id == 16
+    fields["dflash_config"]["mask_token_id"], fields["mask_token_id"] = 16, 17
+    (folder / "config.json").write_text(json.dumps(fields))
+    assert read_drafter_config(folder).mask_token_id == 16
+
+
+def test_a_saved_drafter_config_holds_its_temperatures_as_floats_and_no_decoding_count_of_0(tmp_path):
+    """Temperatures fitted with numpy (float32) are saved as JSON numbers, where json.dumps refused them; a redraft or
+    lookup of 0 means absent and is left out of dflash_config, as in a config written before the fields were."""
+    import numpy as np
+
+    from ddtree.configuration_dflash import DFlashDrafterConfig
+
+    config = DFlashDrafterConfig(num_target_layers=8, dflash_config={"mask_token_id": 1, "target_layer_ids": [1]})
+    config.redraft, config.lookup = 2, 4
+    config.redraft, config.lookup = 0, 0
+    config.draft_temperatures = np.array([1.1, 1.2], dtype=np.float32)
+    config.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())["dflash_config"]
+    assert saved["draft_temperatures"] == [float(np.float32(1.1)), float(np.float32(1.2))]
+    assert "redraft" not in saved and "lookup" not in saved
+    assert (config.redraft, config.lookup) == (0, 0)
+
+
+def test_a_drafter_folder_saved_with_the_old_model_type_loads_without_transformers_type_warning(
+        tmp_path, tiny_target, caplog, monkeypatch):
+    """Drafters saved before model_type became Qwen3's say "dflash_drafter": the same fields, read as "qwen3", so
+    transformers' "You are using a model of type ... can yield errors" would only alarm the user."""
+    import logging
+
+    from transformers import Qwen3Config
+
+    from ddtree.configuration_dflash import LEGACY_MODEL_TYPE
+
+    target, tokenizer = tiny_target
+    folder = tmp_path / "drafter"
+    DFlashDraftModel(build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4)).save_pretrained(folder)
+    fields = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**fields, "model_type": LEGACY_MODEL_TYPE}))
+    monkeypatch.setattr(logging.getLogger("transformers"), "propagate", True)  # (transformers' own handler only, else)
+    with caplog.at_level("WARNING", logger="transformers"):
+        Qwen3Config.from_pretrained(folder)  # the warning, where nothing maps the old type
+        assert "model of type `dflash_drafter`" in caplog.text
+        caplog.clear()
+        drafter = load_drafter_folder(folder, torch.float32, target)
+    assert drafter.config.model_type == "qwen3" and "model of type" not in caplog.text
+
+
 @pytest.mark.parametrize("field, value, named", [
     ("redraft", -1, "dflash_config.redraft is -1, expected a count (0 or more) in config.json; remove the field"),
     ("lookup", "four", "dflash_config.lookup is 'four', expected a count (0 or more) in config.json; remove the field"),
@@ -635,11 +697,14 @@ def test_a_drafter_of_a_partial_rotary_target_rotates_its_whole_head_and_decodes
     assert drafter_config.rope_parameters["rope_type"] == rope["rope_type"]  # the rest of the target's RoPE, kept
 
 
+@pytest.mark.parametrize("where", ["rope_parameters", "top level"])
 @pytest.mark.parametrize("rope", [{"rope_type": "default"}, {"rope_type": "linear", "factor": 2.0}],
                          ids=lambda rope: rope["rope_type"])
-def test_a_drafter_folder_holding_a_partial_rotary_factor_loads_and_drafts_as_one_without(tmp_path, tiny_target, rope):
-    """A folder written before the drafter's RoPE dropped the target's partial_rotary_factor: under the default RoPE it
-    drafts exactly as before (transformers ignored the field there), under a scaled one it no longer fails."""
+def test_a_drafter_folder_holding_a_partial_rotary_factor_loads_and_drafts_as_one_without(tmp_path, tiny_target, rope,
+                                                                                          where):
+    """A folder written before the drafter's RoPE dropped the target's partial_rotary_factor (in rope_parameters, or at
+    the top level where transformers 4 configs keep it): under the default RoPE it drafts exactly as before
+    (transformers ignored the field there), under a scaled one it no longer fails."""
     target, tokenizer = tiny_target
     config = build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4)
     config.rope_parameters = {**rope, "rope_theta": 10000.0}
@@ -647,7 +712,7 @@ def test_a_drafter_folder_holding_a_partial_rotary_factor_loads_and_drafts_as_on
     DFlashDraftModel(config).save_pretrained(tmp_path / "plain")
     shutil.copytree(tmp_path / "plain", tmp_path / "partial")
     fields = json.loads((tmp_path / "partial" / "config.json").read_text())
-    fields["rope_parameters"]["partial_rotary_factor"] = 0.25
+    (fields["rope_parameters"] if where == "rope_parameters" else fields)["partial_rotary_factor"] = 0.25
     (tmp_path / "partial" / "config.json").write_text(json.dumps(fields))
     plain, partial = (load_drafter_folder(tmp_path / name, torch.float32, target) for name in ("plain", "partial"))
     context, noise = torch.randn(1, 5, 64 * len(config.target_layer_ids)), torch.randn(1, 4, 64)
@@ -754,6 +819,24 @@ def test_default_layer_ids_keep_the_published_spread_from_8_layers_and_repeat_no
     for n in range(8, 200):
         ids = default_layer_ids(n, "t")
         assert ids == default_target_layer_ids(n) and len(set(ids)) == 5 and max(ids) <= n - 3, n
+
+
+def test_default_target_layer_ids_are_the_reference_dflash_ones_where_the_spread_rounds_and_for_one_feature():
+    """A drafter config without target_layer_ids is read by the reference dflash package (build_target_layer_ids) as
+    well as here: other ids would give the two other logits from one folder. Where the spread is not whole the ids
+    round half to even (SmolLM2's 30 layers: 1 + 6.5 i gives 7.5 -> 8 and 20.5 -> 20), and one feature is the
+    middle layer (a one-layer drafter reads one)."""
+    from dflash.model import build_target_layer_ids  # the reference package (make install puts it in the venv)
+
+    from ddtree.configuration_dflash import DFlashDrafterConfig, default_target_layer_ids
+
+    assert default_target_layer_ids(30) == [1, 8, 14, 20, 27]
+    assert default_target_layer_ids(28, 1) == [14]
+    differ = [(n, k) for n in range(6, 81) for k in range(1, 9)
+              if default_target_layer_ids(n, k) != build_target_layer_ids(n, k)]
+    assert differ == []
+    config = DFlashDrafterConfig(num_target_layers=28, num_hidden_layers=1, dflash_config={"mask_token_id": 1})
+    assert config.target_layer_ids == [14]
 
 
 def shallow_target(layers: int):

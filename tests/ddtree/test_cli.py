@@ -1773,14 +1773,42 @@ def test_a_calibration_temperature_too_large_for_a_float_is_one_line(tmp_path):
     # a misspelt lookup was taken, and its table never read: the lookup's nodes scored the prior
     ('{"format_version": 1, "temperatures": {}, "graft_acceptance": {"contxt": {"1": [1, 2]}}}',
      "graft_acceptance 'contxt' is not a lookup: context or corpus"),
+    # another format's fields may mean other things: refused, not used as if they were this one's
+    ('{"format_version": 2, "temperatures": {"8": 1.5}, "graft_acceptance": {}}',
+     "format_version 2, this code reads 1"),
+    # outside the e^-2..e^2 that learning keeps to: a hand-edited file, refused as its other fields are
+    ('{"format_version": 1, "temperatures": {"8": 50.0}, "graft_acceptance": {}}',
+     "temperature 8: 50.0 is not a number within e^-2..e^2"),
+    ('{"format_version": 1, "temperatures": {"chain": 0.1}, "graft_acceptance": {}}',
+     "temperature chain: 0.1 is not a number within e^-2..e^2"),
 ])
 def test_a_calibration_files_bad_field_is_named(tmp_path, content, message):
     from ddtree.calibration import load_calibration
 
     path = tmp_path / "calibration.json"
     path.write_text(content)
-    with pytest.raises(DDTreeError, match=re.escape(f"calibration file {path} cannot be read ({message})")):
+    with pytest.raises(DDTreeError) as error:
         load_calibration(path)
+    assert str(error.value) == (f"calibration file {path} cannot be read ({message}); rerun `ddtree calibrate` with "
+                                "--overwrite, or decode with --calibration none")
+
+
+def test_the_weights_fingerprint_tells_apart_weights_that_differ_past_the_header(tmp_path):
+    """A calibration file learned on other weights is noted by this fingerprint: weights of one size and header
+    (retrained, or another seed) differ past the header's chunk. It reads 16 chunks of 64 KiB spread over each file:
+    the whole of a 1 MiB one, and the end of a larger one."""
+    from ddtree.calibration import weights_fingerprint
+
+    def fingerprint(name: str, data: bytes) -> str:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_bytes(data)
+        return weights_fingerprint(tmp_path / name)
+
+    for size, changed in [(1 << 20, 700_000), (3 << 20, (3 << 20) - 1)]:
+        data = bytearray(random.Random(size).randbytes(size))
+        before = fingerprint(f"{size}-before", bytes(data))
+        data[changed] ^= 0xFF
+        assert fingerprint(f"{size}-after", bytes(data)) != before, (size, changed)
 
 
 @pytest.mark.parametrize("calibration, message", [

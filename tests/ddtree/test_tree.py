@@ -211,6 +211,29 @@ def test_a_calibration_saved_and_loaded_scores_alike_and_learns_nothing_more_whe
     assert going_on.temperature(32) > loaded.temperature(32) and not going_on.frozen
 
 
+def test_a_budget_between_two_calibrated_ones_takes_the_nearest_and_on_a_tie_the_smaller():
+    """The nearest budget's temperature, and on a tie the smaller budget's (the key (distance, budget)): which of two
+    equidistant budgets it takes is fixed, not left to the order of the file's keys."""
+    calibration = OnlineCalibration.from_state({"temperatures": {"16": 0.8, "8": 1.5}, "graft_acceptance": {}})
+    assert calibration.temperature(12) == pytest.approx(1.5)
+    assert calibration.temperature(11) == pytest.approx(1.5) and calibration.temperature(13) == pytest.approx(0.8)
+
+
+@pytest.mark.parametrize("learned, now, noted", [
+    ({"temperature": 0, "top_p": 1.0, "top_k": 0}, {"temperature": 0.7, "top_p": 0.9, "top_k": 20},
+     ["temperature 0 here 0.7", "top_p 1.0 here 0.9", "top_k 0 here 20"]),
+    ({"temperature": 0.7, "top_p": 0.9, "top_k": 20}, {"temperature": 0, "top_p": 1.0, "top_k": 0},
+     ["temperature 0.7 here 0", "top_p 0.9 here 1.0", "top_k 20 here 0"]),
+    ({"temperature": 0, "top_p": 1.0, "top_k": 0}, {"temperature": 0, "top_p": 0.9, "top_k": 20}, []),
+], ids=["learned-greedy", "decoded-greedy", "both-greedy"])
+def test_a_calibration_notes_top_p_and_top_k_unless_both_sides_decode_greedily(learned, now, noted):
+    """Greedy decoding ignores top_p and top_k, so they are left out only where both sides decode greedily: with one
+    side sampling they shape the acceptance the file priced, and running calibrate again with them clears the note."""
+    calibration = OnlineCalibration.from_state({"temperatures": {"8": 1.0}, "graft_acceptance": {},
+                                                "decoded_with": learned})
+    assert calibration.differences(now) == noted
+
+
 def test_a_settled_calibration_keeps_the_mean_temperature_of_the_last_half_of_its_rounds():
     online = OnlineCalibration(record=True)
     for expected, accepted in [(5.0, 1), (5.0, 1), (2.0, 2), (1.0, 3)]:  # warmed twice, held, cooled

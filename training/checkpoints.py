@@ -32,7 +32,7 @@ from ddtree.files import WriteFailed, atomic_file, refused_write_as_error
 from ddtree.modeling_dflash import DFlashDraftModel
 
 from .checkpoint_paths import (SAVING_MARKER, deepspeed_model_states, is_checkpoint, is_deepspeed_checkpoint,
-                               is_readable, run_checkpoints, run_folder_of)
+                               is_readable, run_checkpoints, run_folder_of, saved_at, saved_step)
 from .peft_utils import DEFAULT_LORA_MODULES, add_drafter_lora, merged_drafter
 
 # ----------------------------------------------------------------------------- writing a checkpoint
@@ -130,8 +130,11 @@ def newest_finite_checkpoint(run_dir: Path) -> Path | None:
     """The run's newest checkpoint that loads with finite drafter weights (load_checkpoint refuses the others), or None.
 
     After a divergence: the checkpoint written just before the stop can already hold NaN weights, since an update can
-    blow them up with a finite gradient and only the next step's loss shows it."""
-    for checkpoint in run_checkpoints(run_dir):
+    blow them up with a finite gradient and only the next step's loss shows it. Newest is the highest saved step, file
+    times only between equal steps, as resume_point orders them: a copied folder's times are the order its files were
+    copied in."""
+    newest_first = sorted(run_checkpoints(run_dir), key=lambda path: (saved_step(path), saved_at(path)), reverse=True)
+    for checkpoint in newest_first:
         try:
             load_checkpoint(checkpoint)
         except DDTreeError:

@@ -23,7 +23,7 @@ import training.publish
 from ddtree.errors import DDTreeError
 from training.checkpoint_paths import (SAVING_MARKER, check_run_folder, find_checkpoint, find_resume,
                                        find_run_checkpoint, newest_checkpoint, resume_point, run_folder_of, saved_step)
-from training.checkpoints import deepspeed_client_state, load_checkpoint
+from training.checkpoints import deepspeed_client_state, load_checkpoint, newest_finite_checkpoint
 from training.module import DistillModule
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -475,6 +475,25 @@ def test_make_export_reads_the_checkpoint_once(saved, loads, tmp_path):
     assert training.publish.main([str(path.parent.parent), "--out", str(tmp_path / "export"), "--ckpt", "last"]) == 0
     assert loads.count(path) == 1
     assert (tmp_path / "export" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("file_order", [["step-2", "step-4", "step-6", "last"],  # the order the run saved them in
+                                        ["step-4", "step-2", "step-6", "last"]])  # a copy's (cp -r, scp -r, rsync)
+def test_the_newest_finite_checkpoint_is_the_highest_finite_step_whatever_the_file_times(saved, tmp_path, file_order):
+    """After a divergence the error line says `make train RESUME=<it>`: in a copied run folder, ordered by file time,
+    it named step-2 over step-4 and the user threw two steps away."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text("{}\n")
+    checkpoint = torch.load(saved[0], weights_only=False)
+    for name, step in [("step-2", 2), ("step-4", 4), ("step-6", 6), ("last", 6)]:
+        diverged = step == 6  # the update of step 6 blew the weights up
+        state = {key: torch.full_like(value, float("nan")) if diverged and value.is_floating_point() else value
+                 for key, value in checkpoint["state_dict"].items()}
+        torch.save({**checkpoint, "state_dict": state, "global_step": step}, run / "checkpoints" / f"{name}.ckpt")
+    for when, name in enumerate(file_order):
+        os.utime(run / "checkpoints" / f"{name}.ckpt", (1000 + when, 1000 + when))
+    assert newest_finite_checkpoint(run) == run / "checkpoints" / "step-4.ckpt"
 
 
 def refused_line(command: str, run: Path, tmp_path: Path, capsys) -> str:

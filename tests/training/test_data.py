@@ -320,6 +320,19 @@ def test_validation_shares_are_disjoint_and_equal_across_ranks(tmp_path):
     assert len(dm.val_dataloader(whole=True).dataset) == 6  # model.calibrate: the same replays on every rank
 
 
+def test_two_ranks_train_on_disjoint_halves_of_the_training_split(tmp_path):
+    """Each rank's train loader draws its own share: built as rank 0 everywhere, two GPUs trained every step on the
+    same batches and never saw the other half of the data, with nothing said."""
+    dm = make_datamodule(tmp_path)
+    dm.setup("fit")
+    shares = []
+    for rank in range(2):
+        dm.trainer = SimpleNamespace(global_rank=rank, world_size=2)
+        shares.append(list(dm.train_dataloader().sampler))
+    assert not set(shares[0]) & set(shares[1])
+    assert sorted(shares[0] + shares[1]) == list(range(len(dm.train_set)))
+
+
 class RecordingValidation(DistillModule):
     """Writes each validation sequence's tokens to <prefix>-rank<r>.txt, one line each."""
 

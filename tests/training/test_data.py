@@ -433,7 +433,7 @@ def test_train_loader_resumes_exactly_mid_epoch_at_its_end_and_twice(tmp_path):
     assert resumed == full[4:], "a second resume, from the resumed run's step 4, did not continue where it stopped"
 
 
-def test_a_resume_under_another_batch_size_is_refused_and_older_states_still_load():
+def test_a_resume_under_another_batch_size_or_number_of_ranks_is_refused_and_older_states_still_load():
     data = list(range(20))
     loader = ResumableDataLoader(data, EpochShuffleSampler(20, seed=0), batch_size=2)
     seen = [item for _, batch in zip(range(3), loader) for item in batch.tolist()]
@@ -441,6 +441,9 @@ def test_a_resume_under_another_batch_size_is_refused_and_older_states_still_loa
     # Counted in batches of 2, the position read with batches of 4 would skip 6 items never trained on.
     with pytest.raises(DDTreeError, match=r"data.batch_size=2, this run has 4: resume with data.batch_size=2"):
         ResumableDataLoader(data, EpochShuffleSampler(20, seed=0), batch_size=4).load_state_dict(state)
+    # Counted per rank, the position read on 2 ranks would skip 4 of the 20 items, never trained on.
+    with pytest.raises(DDTreeError, match=r"20 sequences on 1 ranks, this run has 20 on 2: resume with the same data"):
+        ResumableDataLoader(data, EpochShuffleSampler(20, 0, rank=0, world_size=2), batch_size=2).load_state_dict(state)
     older = {key: value for key, value in state.items() if key != "batch_size"}  # saved before the key existed
     for saved in (state, older):
         resumed = ResumableDataLoader(data, EpochShuffleSampler(20, seed=0), batch_size=2)

@@ -294,6 +294,26 @@ def test_a_cache_tokenized_before_the_last_mask_fixes_is_not_reused(tmp_path, mo
     assert torch.equal(data.loss_mask, cached["loss_mask"]) and not data.loss_mask.all()
 
 
+def test_a_resume_over_the_same_tokens_masked_otherwise_is_refused(tmp_path, monkeypatch):
+    """The same conversations supervised otherwise (another version's masks) are other training data: without the
+    masks in the data digest the resume trained on, under a position counted in the run's data."""
+    run = make_datamodule(tmp_path)
+    run.setup("fit")
+    relaunch = make_datamodule(tmp_path)
+    tokenized = relaunch.load_tokenized
+
+    def masked_otherwise():
+        data, pad_id, key = tokenized()
+        data.loss_mask = data.loss_mask.clone()
+        data.loss_mask[int(data.loss_mask.nonzero()[0])] = False  # one reply token no longer supervised
+        return data, pad_id, key
+
+    monkeypatch.setattr(relaunch, "load_tokenized", masked_otherwise)
+    relaunch.setup("fit")
+    with pytest.raises(DDTreeError, match="holds other conversations than the run trained on"):
+        relaunch.load_state_dict(run.state_dict())
+
+
 def test_sampler_shuffles_per_epoch_and_splits_ranks():
     sampler = EpochShuffleSampler(10, seed=3)
     first = list(sampler)

@@ -23,7 +23,8 @@ import training.publish
 from ddtree.errors import DDTreeError
 from training.checkpoint_paths import (SAVING_MARKER, check_run_folder, find_checkpoint, find_resume,
                                        find_run_checkpoint, newest_checkpoint, resume_point, run_folder_of, saved_step)
-from training.checkpoints import deepspeed_client_state, load_checkpoint, newest_finite_checkpoint
+from training.checkpoints import (Checkpoint, deepspeed_client_state, load_checkpoint, newest_finite_checkpoint,
+                                  recorded_evaluation)
 from training.module import DistillModule
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -494,6 +495,15 @@ def test_the_newest_finite_checkpoint_is_the_highest_finite_step_whatever_the_fi
     for when, name in enumerate(file_order):
         os.utime(run / "checkpoints" / f"{name}.ckpt", (1000 + when, 1000 + when))
     assert newest_finite_checkpoint(run) == run / "checkpoints" / "step-4.ckpt"
+
+
+def test_the_recorded_evaluation_is_the_one_of_the_checkpoints_own_step():
+    """`make eval` prints it as the logged tau and publish checks a bench reproduces it: another step's row would be
+    taken for this checkpoint's, and a step never evaluated would get one."""
+    rows = [{"step": 4, "summary": {"tau": 1.9}}, {"step": 8, "summary": {"tau": 2.6}}]
+    callbacks = {"AcceptanceEvaluation": {"history": rows}}
+    assert recorded_evaluation(Checkpoint(Path("step-8.ckpt"), None, 8, {}, callbacks)) == rows[1]
+    assert recorded_evaluation(Checkpoint(Path("step-6.ckpt"), None, 6, {}, callbacks)) is None
 
 
 def refused_line(command: str, run: Path, tmp_path: Path, capsys) -> str:

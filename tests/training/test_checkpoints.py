@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -23,8 +24,8 @@ import training.publish
 from ddtree.errors import DDTreeError
 from training.checkpoint_paths import (SAVING_MARKER, check_run_folder, find_checkpoint, find_resume,
                                        find_run_checkpoint, newest_checkpoint, resume_point, run_folder_of, saved_step)
-from training.checkpoints import (Checkpoint, deepspeed_client_state, load_checkpoint, newest_finite_checkpoint,
-                                  recorded_evaluation)
+from training.checkpoints import (RESUME_KEYS, Checkpoint, check_resumable, deepspeed_client_state, load_checkpoint,
+                                  newest_finite_checkpoint, recorded_evaluation)
 from training.module import DistillModule
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -504,6 +505,19 @@ def test_the_recorded_evaluation_is_the_one_of_the_checkpoints_own_step():
     callbacks = {"AcceptanceEvaluation": {"history": rows}}
     assert recorded_evaluation(Checkpoint(Path("step-8.ckpt"), None, 8, {}, callbacks)) == rows[1]
     assert recorded_evaluation(Checkpoint(Path("step-6.ckpt"), None, 6, {}, callbacks)) is None
+
+
+@pytest.mark.parametrize("lacking", RESUME_KEYS)
+def test_a_checkpoint_lacking_any_one_key_a_resume_needs_is_refused_naming_it(saved, tmp_path, lacking):
+    """Another project's Lightning checkpoint lacks only drafter_config: let through, Lightning's resume stopped on a
+    KeyError traceback."""
+    checkpoint = torch.load(saved[0], weights_only=False)
+    checkpoint.update({"pytorch-lightning_version": "2.4.0", "loops": {}})  # as Lightning's trainer saves them
+    path = tmp_path / "other-project.ckpt"
+    torch.save({key: value for key, value in checkpoint.items() if key != lacking}, path)
+    with pytest.raises(DDTreeError, match=rf"--resume {re.escape(str(path))} is not a training checkpoint of this "
+                                          rf"project \(it has no {lacking}\): give a run's last.ckpt"):
+        check_resumable(path)
 
 
 def refused_line(command: str, run: Path, tmp_path: Path, capsys) -> str:

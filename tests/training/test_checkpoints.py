@@ -555,6 +555,16 @@ def test_a_truncated_checkpoint_is_one_error_line_and_status_2(saved, tmp_path, 
 
 
 @pytest.mark.parametrize("command", ["eval", "export"])
+@pytest.mark.parametrize("lacking", ["drafter_config", "global_step"])  # another project's; a weights-only re-save
+def test_a_checkpoint_lacking_its_config_or_step_is_one_error_line(saved, tmp_path, capsys, command, lacking):
+    """A drafter checkpoint lacking global_step, unless refused first, is read to its end and stops on a KeyError
+    traceback; only the one lacking drafter_config was tried."""
+    run, edited = edited_run(saved[0], tmp_path, lambda checkpoint: checkpoint.pop(lacking))
+    line = refused_line(command, run, tmp_path, capsys)
+    assert f"CKPT {edited} is not a drafter checkpoint of this project (no drafter_config/global_step)" in line
+
+
+@pytest.mark.parametrize("command", ["eval", "export"])
 def test_a_checkpoint_with_non_finite_weights_is_refused_not_scored_or_shipped(saved, tmp_path, capsys, command):
     """Lossless decoding scores any drafter at tau >= 1.0: one whose weights diverged would read as measured, and
     an export would ship noise."""

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ddtree.errors import DDTreeError
-from training.data import DistillDataModule, EpochShuffleSampler, ResumableDataLoader, rank_share
+from training.data import DistillDataModule, EpochShuffleSampler, ResumableDataLoader, rank_share, source_fingerprint
 from training.module import DistillModule
 
 
@@ -271,6 +271,18 @@ def test_the_tokenized_cache_is_named_by_the_data_content_not_its_place(tmp_path
         handle.write(json.dumps({"messages": [{"role": "user", "content": "one more?"},
                                               {"role": "assistant", "content": "yes, one more reply here."}]}) + "\n")
     assert make_datamodule(tmp_path, data_path=copy).tokenization_key() != key
+
+
+@pytest.mark.parametrize("foreign", ["[]", '"digests"', "3"])
+def test_a_digest_memo_holding_json_but_no_mapping_is_an_empty_one(tmp_path, foreign):
+    """digests.json only spares reads: another tool's file or another format there must not stop every launch (read
+    as a mapping, such a file stops it on an AttributeError)."""
+    data = tmp_path / "conv.jsonl"
+    conversation_file(data, 2)
+    memo_path = tmp_path / "digests.json"
+    memo_path.write_text(foreign)
+    assert source_fingerprint(str(data), memo_path) == source_fingerprint(str(data))
+    assert str(data.resolve()) in json.loads(memo_path.read_text())  # written again as this version's memo
 
 
 def test_a_cache_tokenized_before_the_last_mask_fixes_is_not_reused(tmp_path, monkeypatch):

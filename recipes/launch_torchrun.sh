@@ -203,8 +203,9 @@ fi
 
 RUN_ARGS=(--run-name "${RUN_NAME:-$(date +%Y%m%d-%H%M%S)}")
 [ -z "$RESUMING$RUN_GIVEN" ] || RUN_ARGS=()  # a resumed run keeps its folder; a --run-name among the options names it
-# Inside a SLURM allocation (salloc, or this script in an sbatch job) torchrun starts the processes, but Lightning
-# would read SLURM_NTASKS and take them for SLURM's tasks (recipes/slurm.sbatch is the SLURM launch).
+# Inside a SLURM allocation (salloc, or this script in an sbatch job) torchrun starts the processes: without
+# SLURM_NTASKS nothing in them takes them for SLURM's tasks (Lightning and the launch check read torchrun's variables
+# first; recipes/slurm.sbatch is the SLURM launch).
 unset SLURM_NTASKS
 if [ "$NODES" -eq 1 ] && [ -z "${MASTER_ADDR:-}" ]; then
     RENDEZVOUS=(--standalone)  # one node: torchrun picks a free local port

@@ -24,8 +24,8 @@ import training.publish
 from ddtree.errors import DDTreeError
 from training.checkpoint_paths import (SAVING_MARKER, check_run_folder, find_checkpoint, find_resume,
                                        find_run_checkpoint, newest_checkpoint, resume_point, run_folder_of, saved_step)
-from training.checkpoints import (RESUME_KEYS, Checkpoint, check_resumable, deepspeed_client_state, load_checkpoint,
-                                  newest_finite_checkpoint, recorded_evaluation)
+from training.checkpoints import (RESUME_KEYS, AtomicCheckpointIO, Checkpoint, check_resumable, deepspeed_client_state,
+                                  load_checkpoint, newest_finite_checkpoint, recorded_evaluation)
 from training.module import DistillModule
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -364,6 +364,24 @@ def test_the_deepspeed_strategy_marks_a_checkpoint_folder_until_every_rank_has_s
     with pytest.raises(OSError):
         strategy.save_checkpoint({"fail": True}, tmp_path / "step-4.ckpt")
     assert (tmp_path / "step-4.ckpt" / SAVING_MARKER).is_file()  # left: the folder is refused on resume
+
+
+def test_a_save_killed_midway_leaves_a_staging_file_the_next_start_removes(tmp_path, monkeypatch):
+    # A kill (SIGKILL, OOM) mid-save leaves the staging file: its name must be one remove_stale_staging deletes, and
+    # must not hold `hpc_ckpt_`, from which Lightning numbers the next SLURM save.
+    staged, real_save = [], torch.save
+
+    def save_and_look(obj, handle):
+        staged.extend(tmp_path.iterdir())
+        real_save(obj, handle)
+
+    monkeypatch.setattr(torch, "save", save_and_look)
+    AtomicCheckpointIO().save_checkpoint({"global_step": 3}, tmp_path / "hpc_ckpt_3.ckpt")
+    (staging,) = staged
+    assert AtomicCheckpointIO.is_staging(staging) and "hpc_ckpt_" not in staging.name
+    staging.write_bytes(b"half")  # what the kill leaves
+    assert AtomicCheckpointIO.remove_stale_staging(tmp_path) == [staging]
+    assert [path.name for path in tmp_path.iterdir()] == ["hpc_ckpt_3.ckpt"]
 
 
 def test_train_resume_from_a_truncated_last_ckpt_is_one_error_line_and_status_2(tmp_path, capsys):

@@ -24,8 +24,9 @@ import training.publish
 from ddtree.errors import DDTreeError
 from training.checkpoint_paths import (SAVING_MARKER, check_run_folder, find_checkpoint, find_resume,
                                        find_run_checkpoint, newest_checkpoint, resume_point, run_folder_of, saved_step)
-from training.checkpoints import (RESUME_KEYS, AtomicCheckpointIO, Checkpoint, check_resumable, deepspeed_client_state,
-                                  load_checkpoint, newest_finite_checkpoint, recorded_evaluation)
+from training.checkpoints import (RESUME_KEYS, AtomicCheckpointIO, Checkpoint, after_a_refused_save, check_resumable,
+                                  deepspeed_client_state, load_checkpoint, newest_finite_checkpoint,
+                                  recorded_evaluation)
 from training.module import DistillModule
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -382,6 +383,13 @@ def test_a_save_killed_midway_leaves_a_staging_file_the_next_start_removes(tmp_p
     staging.write_bytes(b"half")  # what the kill leaves
     assert AtomicCheckpointIO.remove_stale_staging(tmp_path) == [staging]
     assert [path.name for path in tmp_path.iterdir()] == ["hpc_ckpt_3.ckpt"]
+
+
+def test_a_refused_save_outside_a_run_folder_calls_only_a_readable_neighbour_whole(tmp_path):
+    torch.save({"global_step": 2, "weights": torch.zeros(1000)}, tmp_path / "step-2.ckpt")
+    assert after_a_refused_save(tmp_path / "step-4.ckpt").startswith("the previous checkpoints are whole")
+    truncate(tmp_path / "step-2.ckpt")  # a resume from it would fail
+    assert after_a_refused_save(tmp_path / "step-4.ckpt").startswith("the run holds no checkpoint yet")
 
 
 def test_train_resume_from_a_truncated_last_ckpt_is_one_error_line_and_status_2(tmp_path, capsys):

@@ -392,6 +392,20 @@ def test_a_refused_save_outside_a_run_folder_calls_only_a_readable_neighbour_who
     assert after_a_refused_save(tmp_path / "step-4.ckpt").startswith("the run holds no checkpoint yet")
 
 
+def test_a_remote_checkpoint_path_is_saved_remotely_not_into_a_local_folder(tmp_path, monkeypatch):
+    import fsspec
+
+    monkeypatch.chdir(tmp_path)  # where a local writer would make the folder "memory:"
+    remote = fsspec.filesystem("memory")  # fsspec's in-process store, as s3:// would be a bucket
+    try:
+        AtomicCheckpointIO().save_checkpoint({"global_step": 1}, "memory://bucket/run/last.ckpt")
+        assert remote.exists("/bucket/run/last.ckpt")
+    finally:
+        if remote.exists("/bucket"):  # the store outlives the test
+            remote.rm("/bucket", recursive=True)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_train_resume_from_a_truncated_last_ckpt_is_one_error_line_and_status_2(tmp_path, capsys):
     from test_reliability import tiny_args
 

@@ -50,12 +50,17 @@ def test_datamodule_batches_are_right_padded_and_typed(tmp_path):
     dm.prepare_data()
     dm.setup("fit")
     assert (len(dm.train_set), len(dm.val_set)) == (18, 6)
-    batch = next(iter(dm.train_dataloader()))
+    loader = dm.train_dataloader()
+    batch = next(iter(loader))
     assert set(batch) == {"input_ids", "loss_mask", "attention_mask"}
     assert batch["input_ids"].dtype == torch.long and batch["loss_mask"].dtype == torch.bool
     assert batch["attention_mask"].dtype == torch.bool and batch["input_ids"].shape == batch["loss_mask"].shape
-    lengths = batch["attention_mask"].sum(-1)
-    for row, n in enumerate(lengths.tolist()):
+    # Each row's length from its example, not from the mask under test (an all-True mask would attend the padding)
+    examples = [dm.train_set[i] for i in list(loader.sampler)[:4]]
+    lengths = [len(example["input_ids"]) for example in examples]
+    assert len(set(lengths)) > 1  # some row is padded
+    for row, n in enumerate(lengths):
+        assert torch.equal(batch["input_ids"][row, :n], examples[row]["input_ids"])
         assert batch["attention_mask"][row, :n].all() and not batch["attention_mask"][row, n:].any()  # right padding
         assert (batch["input_ids"][row, n:] == dm.pad_id).all()
     assert not (batch["loss_mask"] & ~batch["attention_mask"]).any()

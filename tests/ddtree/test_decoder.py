@@ -369,6 +369,40 @@ def test_a_reply_ends_at_a_stop_token_in_the_decoder_and_the_command(capsys, mon
     assert code == 0 and out == reply.text + "\n" and f"[ar] {ends} tokens" in err, err
 
 
+def test_a_reply_ending_at_the_end_of_turn_token_leaves_it_out_of_the_text(capsys, monkeypatch, tiny_target):
+    """Every SmolLM2 reply ends at `<|im_end|>`, which the tiny target never says: Reply.text and `--no-stream` could
+    keep it with every test passing (mutation review, E12, C15). The target is rigged to say it where its greedy reply
+    says its second token."""
+    from ddtree.targets import load_target
+
+    tokenizer = tiny_target[1]
+    end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    greedy = Decoder(TARGET, **SETTINGS, quiet=True).generate(PROMPT, chat=False, max_new_tokens=20).token_ids
+    swapped = next(token for token in greedy if token != greedy[0])  # (the tiny target repeats a token, then another)
+
+    def rigged(*args, **kwargs):
+        target, tokenizer = load_target(*args, **kwargs)
+
+        def say_end_of_turn(module, inputs, logits):  # (B, T, V): where `swapped` would win, the end of turn does
+            wins = logits.argmax(-1, keepdim=True) == swapped
+            return logits.scatter(-1, torch.full_like(wins, end_of_turn, dtype=torch.long),
+                                  torch.where(wins, logits.amax(-1, keepdim=True) + 1, logits.amin(-1, keepdim=True)))
+
+        target.get_output_embeddings().register_forward_hook(say_end_of_turn)
+        return target, tokenizer
+
+    monkeypatch.setattr("ddtree.decoder.load_target", rigged)
+    monkeypatch.setattr("ddtree.cli.load_target", rigged)
+    reply = Decoder(TARGET, **SETTINGS, quiet=True).generate(PROMPT, chat=False, max_new_tokens=20)
+    ends = greedy.index(swapped) + 1
+    assert reply.ended == "stop" and reply.token_ids == greedy[:ends - 1] + [end_of_turn], (reply.token_ids, greedy)
+    assert "<|im_end|>" not in reply.text and reply.text == tokenizer.decode(greedy[:ends - 1])
+    code = main(["generate", "--target", TARGET, "--method", "ar", "--raw", "--prompt", PROMPT, "--no-stream",
+                 "--max-new-tokens", "20", "--dtype", "float32", "--packed-weights", "off"])
+    out, err = capsys.readouterr()
+    assert code == 0 and out == reply.text + "\n" and f"[ar] {ends} tokens" in err, err
+
+
 @pytest.mark.skipif(not packing_available(), reason="this torch has no oneDNN weight packing")
 def test_packed_weights_on_packs_the_target_and_the_drafter(tiny_target):
     """Every other Decoder test decodes with packed_weights="off", so "on" could be ignored, or the drafter left on

@@ -1101,6 +1101,9 @@ def test_speculators_names_a_verifier_that_is_not_readable_here_by_its_hub_id(mo
         verifier_for(elsewhere, None)
     name, architectures = verifier_for("tiny-random", None)  # readable here: its architectures are named
     assert architectures and name
+    # readable here and given a Hub id: named by the id another machine loads, not this machine's converted folder
+    # (mutation review, F05: vLLM elsewhere was pointed at ~/.cache/ddtree/targets/...)
+    assert verifier_for("tiny-random", "me/base") == ("me/base", architectures)
 
 
 def test_speculators_export_loads_everywhere_or_is_refused_whole(run_dir, tmp_path, tiny_target, capsys):

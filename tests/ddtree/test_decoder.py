@@ -230,6 +230,25 @@ def test_a_calibration_learned_with_other_settings_is_noted_once(capsys, tiny_ta
     assert "(temperature 0.0 here 0.5)" in capsys.readouterr().err
 
 
+def test_a_calibration_learned_with_the_folders_corpus_draws_no_note(capsys, tiny_target, drafter_folder):
+    """`ddtree calibrate` learns with the folder's corpus by default; a default Decoder (corpus=None) decodes with it
+    too, so no note is due. Compared with the corpus given (None) rather than the one decoded with, every such folder
+    drew a false "expected tau will be off" (mutation review, E14)."""
+    write_replies(drafter_folder / CORPUS_FILE, [tiny_target[1]("one two three four five six")["input_ids"]] * 3,
+                  tiny_target[1])
+    calibration = OnlineCalibration()
+    calibration.log_temperatures = {8: math.log(1.5)}
+    save_calibration(drafter_folder / CALIBRATION_FILE, calibration,
+                     {"decoded_with": {"lookup": 0, "redraft": 0, "corpus": True, "temperature": 0.0}})
+    for corpus, note in ((None, False), (False, True)):
+        decoder = Decoder(TARGET, drafter_folder, **SETTINGS, corpus=corpus)
+        capsys.readouterr()
+        decoder.generate(PROMPT, max_new_tokens=8, lookup=0)
+        err = capsys.readouterr().err
+        assert ("[calibration] note: learned decoding with other settings (corpus True here False)" in err) == note, \
+            (corpus, err)
+
+
 def test_the_targets_notices_are_said_on_stderr_and_quiet_says_nothing(capsys, tiny_target):
     """The tiny target's 6 layers are too few for the published layer spread, which the random drafter's config says:
     it was printed on stdout, also by Decoder(quiet=True) (found in a review)."""

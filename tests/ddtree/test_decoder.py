@@ -45,8 +45,11 @@ def test_it_decodes_with_the_folders_corpus_as_the_command_does(capsys, tiny_tar
     decoder = Decoder(TARGET, drafter_folder, **SETTINGS)
     assert "[corpus] the drafter's corpus.safetensors: " in capsys.readouterr().err
     reply = decoder.generate(PROMPT, max_new_tokens=40, lookup=0)
-    without = Decoder(TARGET, drafter_folder, **SETTINGS, corpus=False, quiet=True).generate(
-        PROMPT, max_new_tokens=40, lookup=0)
+    # corpus=False neither reads the folder's corpus (seconds and memory for a large one) nor says it is in use
+    # (mutation review, E07)
+    without_corpus = Decoder(TARGET, drafter_folder, **SETTINGS, corpus=False)
+    assert "[corpus]" not in capsys.readouterr().err and without_corpus.drafter.default_corpus is None
+    without = without_corpus.generate(PROMPT, max_new_tokens=40, lookup=0)
     # "none", as the command spells it, is none too: it was read as a file name, refused as "--corpus none"
     spelled = Decoder(TARGET, drafter_folder, **SETTINGS, corpus="none", quiet=True).generate(
         PROMPT, max_new_tokens=40, lookup=0)

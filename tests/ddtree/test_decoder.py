@@ -104,6 +104,25 @@ def test_token_ids_and_raw_text_prompts(tiny_target):
     assert decoder.generate("def square(x):", max_new_tokens=8).prompt_ids != ids  # the chat template around it
 
 
+def test_the_keywords_defaults_are_the_commands():
+    """Each keyword is the `ddtree generate` flag of the same name, with its default; every test passed its own
+    max_new_tokens, so generate's default could drift from the command's 256 (mutation review, E13)."""
+    import inspect
+
+    from ddtree.arguments import build_parser
+
+    flags = vars(build_parser().parse_args(["generate", "--prompt", PROMPT]))
+    # told apart on purpose: the command drafts with a random drafter unless told (a Decoder with none decodes plain),
+    # its method is ddtree (a Decoder's follows its drafter), and a call without a seed draws on from the Decoder's
+    apart = {"drafter", "method", "prompt", ("generate", "seed")}
+    shared = [(function.__name__, name, parameter.default)
+              for function in (Decoder.__init__, Decoder.generate)
+              for name, parameter in inspect.signature(function).parameters.items()
+              if name in flags and name not in apart and (function.__name__, name) not in apart]
+    assert {"max_new_tokens", "temperature", "top_p", "top_k", "budget", "seed"} <= {name for _, name, _ in shared}
+    assert [(where, name, default) for where, name, default in shared if default != flags[name]] == []
+
+
 @pytest.mark.parametrize("keywords, named", [
     (dict(budget=0), "budget=0: give a whole number of tree nodes, at least 1"),
     (dict(budget=2.5), "budget=2.5: give a whole number"),

@@ -96,6 +96,14 @@ def test_sampled_replies_follow_the_seed(tiny_target, drafter_folder):
     assert ar.token_ids == first.token_ids  # the same draws of the target's distribution (docs/decoding.md)
 
 
+def test_a_random_drafters_weights_follow_the_seed(tiny_target):
+    """seed= seeds a random drafter's weights too (the docstring's promise); ignored, only tau and timings change,
+    which no test saw (mutation review, E05)."""
+    decoders = (Decoder(TARGET, "random", **SETTINGS, seed=seed, quiet=True) for seed in (1, 1, 2))
+    first, again, other = (next(decoder.drafter.drafter.parameters()) for decoder in decoders)
+    assert torch.equal(first, again) and not torch.equal(first, other)
+
+
 def test_token_ids_and_raw_text_prompts(tiny_target):
     decoder = Decoder(TARGET, **SETTINGS, quiet=True)
     ids = tiny_target[1]("def square(x):", add_special_tokens=False)["input_ids"]

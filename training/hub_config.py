@@ -21,6 +21,8 @@ import json
 import re
 from pathlib import Path
 
+from huggingface_hub import try_to_load_from_cache
+
 from ddtree.configuration_dflash import DFlashDrafterConfig
 from ddtree.drafters import legacy_rope_keys
 from ddtree.errors import DDTreeError
@@ -73,8 +75,9 @@ def verifier_for(target: str, base_model: str | None) -> tuple[str, list[str]]:
     """(name_or_path, architectures) of the target, as vLLM's speculators format names the verifier.
 
     The Hub id when there is one (what another machine can load), else the target's local folder. The architectures
-    come from the target's config.json where it can be read here, else none are named: a run trained elsewhere (its
-    target a folder of another machine, or a Hub id not cached offline) still exports under its Hub id.
+    come from the target's config.json where it can be read here (a folder's, or a Hub id's in the Hub cache), else
+    none are named: a run trained elsewhere (its target a folder of another machine, or a Hub id not cached offline)
+    still exports under its Hub id.
     """
     try:
         local = Path(resolve_target(target))  # a built-in's converted folder, a folder, or (a Hub id) nothing local
@@ -85,6 +88,9 @@ def verifier_for(target: str, base_model: str | None) -> tuple[str, list[str]]:
         raise DDTreeError(f"--speculators names the verifier model, and target {target!r} is neither readable here nor a "
                           "Hub id: give its Hub id with --base-model (BASE_MODEL=owner/name)")
     config = local / "config.json" if local is not None else None
+    if local is not None and not local.is_dir():  # a Hub id, no folder: its config.json is in the Hub cache if here
+        cached = try_to_load_from_cache(target, "config.json")
+        config = Path(cached) if isinstance(cached, str) else None
     architectures = (list(json.loads(config.read_text()).get("architectures") or [])
                      if config is not None and config.is_file() else [])
     return name, architectures

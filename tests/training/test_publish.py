@@ -1106,6 +1106,21 @@ def test_speculators_names_a_verifier_that_is_not_readable_here_by_its_hub_id(mo
     assert verifier_for("tiny-random", "me/base") == ("me/base", architectures)
 
 
+def test_speculators_names_the_architectures_of_a_hub_id_target_in_the_local_cache(monkeypatch, tmp_path):
+    """The usual real target: a Hub id whose config.json the Hub cache holds here. Its id is no folder, so its
+    architectures were looked for under ./owner/name and none were named (mutation review, D-1)."""
+    from training.hub_config import verifier_for
+
+    snapshot = tmp_path / "hub" / "models--someone--cached-model" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    (tmp_path / "hub" / "models--someone--cached-model" / "refs").mkdir()
+    (tmp_path / "hub" / "models--someone--cached-model" / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    assert verifier_for("someone/cached-model", None) == ("someone/cached-model", ["LlamaForCausalLM"])
+
+
 def test_speculators_export_loads_everywhere_or_is_refused_whole(run_dir, tmp_path, tiny_target, capsys):
     """Until ddtree's config accepts the top-level mask_token_id vLLM needs, the export is refused (and
     nothing is written); once it does, the folder loads with AutoModel and the reference package alike."""

@@ -253,9 +253,9 @@ def check_launch(devices, num_nodes) -> None:
             f"NODES={num_nodes}` on each node (recipes/launch_torchrun.sh) or `sbatch --nodes={num_nodes} "
             "recipes/slurm.sbatch <recipe>`, or give --trainer.num_nodes=1 for one machine"
         )
+    world = launcher_world()  # torchrun's processes under SLURM are torchrun's: its world, not SLURM's tasks
     tasks = int(os.environ.get("SLURM_NTASKS") or 1)
-    slurm = SLURMEnvironment.detect() and not TorchElasticEnvironment.detect()  # torchrun's processes: its world
-    if slurm and tasks > 1 and "SLURM_STEP_NUM_TASKS" not in os.environ:
+    if world and world[0] == "SLURM" and tasks > 1 and "SLURM_STEP_NUM_TASKS" not in os.environ:
         # srun sets SLURM_STEP_NUM_TASKS as it starts a step's tasks; a batch script (or a salloc shell) running python
         # itself has SLURM_NTASKS alone, which Lightning takes for the processes started: it waited for the others
         raise DDTreeError(
@@ -263,7 +263,6 @@ def check_launch(devices, num_nodes) -> None:
             f"script or shell), so it would wait for {tasks - 1} other task(s) that never start: start it with `srun "
             "python -m training.train ...` (one task per GPU), or submit `sbatch recipes/slurm.sbatch <recipe>`"
         )
-    world = launcher_world()
     per_node = count_devices(devices)
     if world is None or per_node is None:
         return

@@ -221,10 +221,12 @@ class DFlashDraftModel(PreTrainedModel):
     def draft_head(self, lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(config.draft_vocab as a (V',) tensor, those rows of the target's LM head (V', H)), or None without one.
 
-        Gathered once per head weight (the head is frozen) and reused; a change in place through the weight (not its
-        `.data`, which no version counter sees) gathers again, and so does another weight, at a freed one's address too.
+        Gathered once per head weight and vocabulary (the head is frozen) and reused; a change in place through the
+        weight (not its `.data`, which no version counter sees) gathers again, and so does another weight, at a freed
+        one's address too, and another vocabulary (the config's setter stores a new list, compared by identity).
         """
-        if self.config.draft_vocab is None:
+        vocab = self.config.draft_vocab
+        if vocab is None:
             return None
         weight = lm_head.weight
         key = (weight.data_ptr(), weight.device, weight.dtype, weight._version)
@@ -232,10 +234,11 @@ class DFlashDraftModel(PreTrainedModel):
         # which the key alone served the freed head's rows. Held weakly, not as packed_linear holds its layer's own
         # weight: this one is the target's, which a strong hold would keep alive past the target.
         source = getattr(self, "_draft_head_source", None)
-        if getattr(self, "_draft_head_key", None) != key or source is None or source() is not weight:
-            ids = torch.tensor(self.config.draft_vocab, device=weight.device)
+        if (getattr(self, "_draft_head_key", None) != key or getattr(self, "_draft_head_vocab", None) is not vocab
+                or source is None or source() is not weight):
+            ids = torch.tensor(vocab, device=weight.device)
             self._draft_head, self._draft_head_key = (ids, weight.detach()[ids]), key
-            self._draft_head_source = weakref.ref(weight)
+            self._draft_head_source, self._draft_head_vocab = weakref.ref(weight), vocab
         return self._draft_head
 
     def __getstate__(self) -> dict:

@@ -103,6 +103,18 @@ def test_the_draft_rows_are_gathered_again_after_the_head_changes_in_place():
     assert torch.allclose(drafter.compute_logits(hidden, head)[:, ::2], head(hidden)[:, ::2])
 
 
+def test_a_new_draft_vocabulary_gets_its_own_rows():
+    """The rows were cached by the head alone: a vocabulary set after a first forward (a fit that chooses one for a
+    drafter already run, a test that swaps it) kept the old one's rows and ids, so the new one drafted the old tokens."""
+    drafter, hidden = drafter_of_even_tokens(), torch.randn(3, 64)
+    head = nn.Linear(64, 1000, bias=False)
+    drafter.compute_logits(hidden, head)
+    drafter.config.draft_vocab = list(range(1, 1000, 2))  # the odd tokens now
+    logits = drafter.compute_logits(hidden, head)
+    assert torch.isneginf(logits[:, ::2]).all()
+    assert torch.allclose(logits[:, 1::2], head(hidden)[:, 1::2])
+
+
 def test_a_new_head_at_a_freed_heads_address_gets_its_own_rows():
     """The rows were cached by the head's address, device, dtype and version only: a head freed, and another of the same
     shape allocated where it was (at version 0 as it was), as a drafter reused with a second target or a reloaded one

@@ -41,7 +41,7 @@ from .decoding import (
     METHODS, DrafterRunner, OnlineCalibration, Sampling, check_budget, drafter_defaults, generate,
 )
 from .errors import DDTreeError, check_text, command
-from .files import WriteFailed, check_output_file, saved_elsewhere, write_results_json
+from .files import WriteFailed, check_output_file, not_a_file, saved_elsewhere, write_results_json
 from .inputs import method_list, uses_drafter
 from .machine import describe_machine, machine_line
 from .packed_linear import apply_packing, cannot_pack, is_packed, packing_available
@@ -279,10 +279,9 @@ def check_flags_for_methods(args, methods: list[str]) -> None:
 
 
 def check_calibration_file(given: str) -> Path:
-    if Path(given).exists() and not Path(given).is_file():  # a folder, or a pipe (read twice: at the check and to use)
-        raise DDTreeError(f"--calibration {given}: not a regular file; give a file `ddtree calibrate` wrote, or none")
-    if not Path(given).is_file():
-        raise DDTreeError(f"--calibration {given}: no such file; give a file `ddtree calibrate` wrote, or none")
+    problem = not_a_file(given)  # a pipe is refused: it is read twice (at the check and to use)
+    if problem:
+        raise DDTreeError(f"--calibration {given}: {problem}; give a file `ddtree calibrate` wrote, or none")
     return Path(given)
 
 

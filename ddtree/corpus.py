@@ -29,7 +29,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
 
 from .errors import DDTreeError, check_text, error_line
-from .files import atomic_file, iter_json_lines
+from .files import atomic_file, iter_json_lines, not_a_file
 from .names import CORPUS_FILE  # noqa: F401 (importers read it from here)
 
 NGRAM = 3  # tokens of context matched; 3 is what the context lookup starts from too (ddtree/tree.py)
@@ -122,8 +122,9 @@ def read_corpus(path: str | Path) -> list[str] | CorpusLookup:
 def corpus_path(path: str | Path) -> Path:
     """--corpus as a Path, or one line saying there is no such file; a pipe (`--corpus <(...)`) is one."""
     path = Path(path)
-    if path.is_dir() or not path.exists():
-        raise DDTreeError(f"--corpus {path}: {'a folder, not a file' if path.is_dir() else 'no such file'}; give a JSONL file of "
+    problem = not_a_file(path, pipe_ok=True)
+    if problem:
+        raise DDTreeError(f"--corpus {path}: {problem}; give a JSONL file of "
                           "conversations or a corpus.safetensors (docs/decoding.md, Corpus lookup)")
     return path
 

@@ -42,6 +42,7 @@ from .decoding import (DrafterRunner, GenerationResult, Sampling, check_budget, 
 from .decoding import static_cache as static_cache_on
 from .drafters import load_drafter_folder, read_drafter_config
 from .errors import DDTreeError, check_text
+from .files import not_a_file
 from .inputs import prompt_messages
 from .modeling_dflash import DFlashDraftModel
 from .names import METHODS, PACKED_KERNELS
@@ -287,8 +288,9 @@ class Decoder:
         read = None if corpus in (None, False, True) else read_corpus(str(corpus))
         given_calibration = None
         if calibration not in (None, False, True):
-            if not Path(calibration).is_file():
-                raise DDTreeError(f"calibration={str(calibration)!r}: no such file; give a file `ddtree calibrate` "
+            problem = not_a_file(calibration)
+            if problem:
+                raise DDTreeError(f"calibration={str(calibration)!r}: {problem}; give a file `ddtree calibrate` "
                                   "wrote, None (the drafter folder's) or False")
             given_calibration = Path(calibration)
         device = parse_device(device, "device") if device is not None else torch.device(

@@ -190,6 +190,18 @@ def path_argument(text: str) -> str:
     return os.path.expanduser(text)
 
 
+def not_a_file(path: str | Path, pipe_ok: bool = False) -> str | None:
+    """Why an input file cannot be read, as the words an error puts after its path: "a folder, not a file", "not a
+    regular file" (a device, a socket, or a pipe where pipe_ok is False: one read twice) or "no such file"; None for a
+    file one can read. A folder named where a file was meant got "no such file", which sent users looking for a typo."""
+    path = Path(path)
+    if path.is_file() or (pipe_ok and path.exists() and not path.is_dir()):
+        return None
+    if path.is_dir():
+        return "a folder, not a file"
+    return "not a regular file" if path.exists() else "no such file"
+
+
 def check_output_file(path: str | Path, flag: str = "--out", overwrite: bool | None = None,
                       instead: str = "give a path in a writable folder") -> None:
     """Refuse, before any work, a results file that could not be written at the end: a folder, or a path under a file;

@@ -77,7 +77,7 @@ from ddtree.bench import CHAIN, acceptance_summary, load_prompts, prompts_finger
 from ddtree.corpus import CorpusLookup
 from ddtree.decoding import DrafterRunner, Sampling, check_target_decodable, check_tree_attention
 from ddtree.errors import DDTreeError, Terminated, error_line
-from ddtree.files import WriteFailed, write_json_atomic
+from ddtree.files import WriteFailed, not_a_file, write_json_atomic
 from ddtree.machine import describe_machine
 from ddtree.packed_linear import PACKED_KERNELS, apply_packing, cannot_pack, pack_linears, unpack_linears
 from ddtree.target_runner import context_limit
@@ -499,10 +499,10 @@ class AcceptanceEvaluation(L.Callback):
     # -------------------------------------------------------------- one evaluation, usable without a Trainer
 
     def load_prompts(self, tokenizer) -> list[dict]:
-        path = Path(self.prompts_path)
-        if not path.is_file():
-            raise DDTreeError(f"eval.prompts={self.prompts_path}: no such file; give a JSONL of held-out prompts")
-        return load_prompts(path, tokenizer, self.limit)
+        problem = not_a_file(self.prompts_path)
+        if problem:
+            raise DDTreeError(f"eval.prompts={self.prompts_path}: {problem}; give a JSONL of held-out prompts")
+        return load_prompts(Path(self.prompts_path), tokenizer, self.limit)
 
     def drafter_runner(self, drafter: nn.Module, target: PreTrainedModel) -> DrafterRunner:
         """The runner decoding uses; tests override it with rigged drafters."""

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from ddtree.bench import chat_prompt_ids, check_chat_template, iter_json_lines
 from ddtree.errors import DDTreeError, check_text
+from ddtree.files import not_a_file
 from ddtree.targets import has_hub_id_shape, is_int
 
 log = logging.getLogger(__name__)
@@ -87,8 +88,9 @@ def read_messages_jsonl(path: str | Path) -> list[dict]:
     later finds fault with the record (tokenize_conversations). Errors name the file and line.
     """
     path = Path(path)
-    if not path.is_file():
-        raise DDTreeError(f"{path}: no such file; give a JSONL file of {{\"id\", \"messages\"}} records")
+    problem = not_a_file(path)
+    if problem:
+        raise DDTreeError(f"{path}: {problem}; give a JSONL file of {{\"id\", \"messages\"}} records")
     records, seen_ids = [], set()
     for line_number, where, record in iter_json_lines(path):
         if not isinstance(record, dict) or "messages" not in record:

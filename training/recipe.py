@@ -24,7 +24,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, Strate
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from ddtree.errors import CommandParser, DDTreeError, error_line
-from ddtree.files import read_yaml_mapping
+from ddtree.files import not_a_file, read_yaml_mapping
 from ddtree.precision import AUTO, LIGHTNING_PRECISION, fast_precision
 from ddtree.targets import has_hub_id_shape
 
@@ -356,8 +356,9 @@ def check_input_files(config: Namespace, resuming: bool = False) -> None:
         except DDTreeError as error:
             raise RecipeSettingError(str(error)) from None
     prompts = config.eval.prompts
-    if not Path(prompts).is_file():
-        raise RecipeSettingError(f"eval.prompts={prompts}: no such file; give a JSONL of held-out prompts "
+    problem = not_a_file(prompts)
+    if problem:
+        raise RecipeSettingError(f"eval.prompts={prompts}: {problem}; give a JSONL of held-out prompts "
                                  "(the `ddtree bench --prompts` format)")
     check_replay_data(config)
 

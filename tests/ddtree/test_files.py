@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from ddtree.files import staged_folder, staging_owner, write_results_json
+from ddtree.files import not_a_file, staged_folder, staging_owner, write_results_json
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -136,3 +136,17 @@ def test_a_nan_or_an_infinity_in_results_is_written_as_null(tmp_path):
     write_results_json(path, {"tau": math.nan, "per_prompt": (1.0, math.inf), "nested": [{"x": -math.inf}]})
     written = json.loads(path.read_text(), parse_constant=pytest.fail)  # a bare NaN or Infinity fails here
     assert written == {"tau": None, "per_prompt": [1.0, None], "nested": [{"x": None}]}
+
+
+def test_not_a_file_says_what_was_found_where_an_input_file_was_meant(tmp_path):
+    """Every input check said "no such file" of a folder (eval.prompts=data/, --calibration out/), sending the user to
+    look for a typo in a path that is there."""
+    (tmp_path / "file.jsonl").write_text("{}\n")
+    (tmp_path / "folder").mkdir()
+    os.mkfifo(tmp_path / "pipe")
+    assert not_a_file(tmp_path / "file.jsonl") is None
+    assert not_a_file(tmp_path / "folder") == "a folder, not a file"
+    assert not_a_file(tmp_path / "missing.jsonl") == "no such file"
+    assert not_a_file(tmp_path / "pipe") == "not a regular file"  # read twice where pipes are not asked for
+    assert not_a_file(tmp_path / "pipe", pipe_ok=True) is None
+    assert not_a_file(tmp_path / "folder", pipe_ok=True) == "a folder, not a file"

@@ -1052,15 +1052,17 @@ def test_a_failed_start_in_a_folder_that_was_there_keeps_the_folders_own_files(t
     assert (run_dir / "notes.txt").read_text() == "keep me" and not (run_dir / "config.yaml").exists()
 
 
-@pytest.mark.parametrize("field, given", [("data.data_path", "no/such.jsonl"), ("eval.prompts", "no/such.jsonl"),
-                                          ("eval.prompts", "a-folder")])  # a folder passed, to fail at the first eval
-def test_a_missing_input_file_is_named_as_the_recipe_is_read(tmp_path, capsys, monkeypatch, field, given):
+@pytest.mark.parametrize("field, given, problem", [
+    ("data.data_path", "no/such.jsonl", "no such file"), ("eval.prompts", "no/such.jsonl", "no such file"),
+    ("eval.prompts", "a-folder", "a folder, not a file"),  # passed the check, to fail at the first eval; then "no such file"
+])
+def test_a_missing_input_file_is_named_as_the_recipe_is_read(tmp_path, capsys, monkeypatch, field, given, problem):
     monkeypatch.setattr(training.train, "prepare_recipe_data", lambda *args: pytest.fail("went on to the data"))
     (tmp_path / "a-folder").mkdir()
     args = tiny_args(tmp_path, "missing", max_steps=2) + [f"--{field}={tmp_path / given}"]
     assert train_main(args) == 2
     (line,) = error_lines(capsys)
-    assert f"{field}={tmp_path / given}: no such file" in line, line
+    assert f"{field}={tmp_path / given}: {problem}" in line, line
     assert not (tmp_path / "out").exists()
 
 

@@ -243,6 +243,8 @@ class DistillModule(L.LightningModule):
             ("gamma", gamma, unset_or(gamma, lambda v: v > 0), "above 0, or unset (the published one for the block size)"),
             ("weight_decay", weight_decay, weight_decay >= 0, "at least 0"),
             ("warmup_ratio", warmup_ratio, 0 <= warmup_ratio < 1, "in [0, 1)"),
+            # the cosine's floor, a share of lr: below 0 the lr went negative (AdamW ascended), above 1 past the peak
+            ("min_lr_ratio", min_lr_ratio, 0 <= min_lr_ratio <= 1, "in [0, 1]"),
         ]:
             if not fits:
                 raise DDTreeError(f"model.{name}={value} must be {rule}")

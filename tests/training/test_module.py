@@ -626,10 +626,18 @@ def test_dropout_acts_in_training_mode_only_and_is_not_saved():
     ("lora_rank", -1, "model.lora_rank=-1 must be at least 0"),  # trained without LoRA before
     ("gamma", 0.0, "model.gamma=0.0 must be above 0"),  # model.lr: the recipe checks it (training/recipe.py)
     ("warmup_ratio", 2.0, r"model.warmup_ratio=2.0 must be in \[0, 1\)"),
+    # the cosine's floor: below 0 the lr went negative past the midpoint (AdamW ascended), above 1 rose past the peak
+    ("min_lr_ratio", -1.0, r"model.min_lr_ratio=-1.0 must be in \[0, 1\]"),
+    ("min_lr_ratio", 2.0, r"model.min_lr_ratio=2.0 must be in \[0, 1\]"),
 ])
 def test_a_drafter_setting_no_drafter_can_have_is_refused_by_name(field, value, message):
     with pytest.raises(DDTreeError, match=message):
         DistillModule(target="tiny-random", **{field: value})
+
+
+def test_a_cosine_floor_from_none_to_the_peak_is_accepted():
+    for ratio in (0.0, 0.2, 1.0):  # 1.0: a constant lr after the warm-up
+        assert DistillModule(target="tiny-random", min_lr_ratio=ratio).hparams.min_lr_ratio == ratio
 
 
 # ----------------------------------------------------------------------------- the sparse mask

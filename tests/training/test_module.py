@@ -490,6 +490,15 @@ def plain_and_variant(**overrides) -> tuple[DistillModule, DistillModule]:
     return plain, tiny_module(**overrides)
 
 
+def test_distillation_mixes_into_the_training_loss_and_never_into_val_loss():
+    """val/loss is the label cross-entropy alone, so runs with and without distillation compare on it."""
+    plain, distilled = plain_and_variant(distill_weight=0.5)
+    batch = synthetic_batch()
+    with torch.no_grad():
+        assert not torch.equal(plain.shared_step(batch, 0, "train").loss, distilled.shared_step(batch, 0, "train").loss)
+        assert torch.equal(plain.shared_step(batch, 0, "val").loss, distilled.shared_step(batch, 0, "val").loss)
+
+
 def test_lookup_is_recorded_for_decoders_and_changes_no_loss():
     plain, lookup = plain_and_variant(lookup=7)
     assert lookup.drafter.config.lookup == 7 and plain.drafter.config.lookup == 0

@@ -1686,6 +1686,32 @@ def test_intree_objective_is_dpace_with_the_trees_survival():
     assert torch.allclose(chunked[0], weighted, atol=1e-5)
 
 
+@pytest.mark.parametrize("objective", ["frontier", "intree"])
+def test_the_tree_objectives_pass_through_a_re_draft_blocks_given_token(objective):
+    """A re-draft block's given position 1 is on every path at log 1, as the anchor is: read as all -inf, the block's
+    threshold fell to -inf, and intree held every prefix in the tree while frontier gave the block no tree weight."""
+    hidden, labels, lm_head = block_loss_case()
+    weights = block_position_weights(4, gamma=4.0)
+    labels[0, :, 1] = IGNORE_INDEX  # the first sequence's blocks are re-draft blocks
+    given = given_positions(labels != IGNORE_INDEX).view(-1, 4)  # (N, 4)
+    weighted, *_ = block_loss_sums(hidden, labels, lm_head, weights, objective=objective, smoothing=0.5, budget=8,
+                                   read=given)
+    logits, flat, counted, label_log_probs, top = tree_case_rows(hidden, labels, lm_head, budget=8)
+    top[5, 2:] = float("-inf")  # past the reply, no rows
+    counted_blocks = counted.view(-1, 4)
+    if objective == "frontier":
+        tree = frontier_weights(label_log_probs, top, counted_blocks, 8, given)
+        expected = 0.5 * tree + 0.5 * torch.where(counted_blocks, weights, 0.0)
+        assert (tree[:3].sum(dim=1) > 0).all()  # every re-draft block has tree weights
+    else:
+        survival = tree_survival(label_log_probs, top, counted_blocks, 8, given)
+        expected = expected_length_weights(survival, counted_blocks, 0.5, given)
+        assert 0 < survival[:3][counted_blocks[:3]].mean() < 1  # the re-draft blocks' prefixes: some in, some out
+    token_ce = torch.zeros(flat.shape)
+    token_ce[counted] = F.cross_entropy(logits[counted], flat[counted], reduction="none")
+    assert torch.allclose(weighted, (token_ce * expected.flatten()).sum(), atol=1e-5)
+
+
 def test_an_unknown_objective_is_one_line():
     with pytest.raises(DDTreeError, match="model.objective='nope'"):
         DistillModule(target="tiny-random", objective="nope")

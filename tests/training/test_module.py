@@ -159,6 +159,22 @@ def test_block_loss_runs_the_lm_head_on_counted_rows_and_chunks_change_nothing()
         assert torch.allclose(chunked_grad, grad, atol=1e-6)
 
 
+def test_block_loss_takes_the_log_softmax_in_fp32_under_bf16_autocast():
+    """precision auto picks bf16-mixed on AMX CPUs, where log_softmax keeps its input's bf16: the loss, the hits and the
+    objectives' weights would all come from bf16 log-probabilities, not the fp32 ones of the head's bf16 logits."""
+    hidden, labels, lm_head = block_loss_case(vocab=1000)
+    weights = block_position_weights(4, gamma=4.0)
+    flat = labels.flatten()
+    counted = flat != IGNORE_INDEX
+    with torch.autocast("cpu", torch.bfloat16):
+        weighted, *_ = block_loss_sums(hidden, labels, lm_head, weights)
+        logits = lm_head(hidden.flatten(0, 1)[counted])  # (M, V)
+    assert logits.dtype == torch.bfloat16
+    token_ce = F.cross_entropy(logits.float(), flat[counted], reduction="none")
+    positions = counted.nonzero()[:, 0] % 4
+    assert weighted.item() == pytest.approx((token_ce * weights[positions]).sum().item(), rel=1e-5)
+
+
 def test_a_label_that_only_ties_the_best_token_is_no_hit_as_decoding_takes_the_argmax():
     """bf16 logits tie often; the metric counted a label tying the best as a hit where argmax takes the other token."""
     lm_head = torch.nn.Linear(2, 5, bias=False)

@@ -159,6 +159,25 @@ def test_block_loss_runs_the_lm_head_on_counted_rows_and_chunks_change_nothing()
         assert torch.allclose(chunked_grad, grad, atol=1e-6)
 
 
+def test_a_chunked_block_loss_checkpoints_every_chunk_in_training_only(monkeypatch):
+    """Checkpointed, only one chunk's (m, V) logits live until backward, which model.loss_chunk_size is for (a 150K
+    vocabulary); under no_grad nothing is kept, so recomputing would only cost time."""
+    calls = []
+
+    def counted_checkpoint(function, *args, **kwargs):
+        calls.append(torch.is_grad_enabled())
+        return torch.utils.checkpoint.checkpoint(function, *args, **kwargs)
+
+    monkeypatch.setattr("training.loss.checkpoint", counted_checkpoint)
+    hidden, labels, lm_head = block_loss_case()  # 16 counted rows
+    weights = block_position_weights(4, gamma=4.0)
+    block_loss_sums(hidden, labels, lm_head, weights, chunk_size=5)
+    assert calls == [True] * 4  # ceil(16 / 5) chunks
+    with torch.no_grad():
+        block_loss_sums(hidden, labels, lm_head, weights, chunk_size=5)
+    assert len(calls) == 4
+
+
 def test_block_loss_takes_the_log_softmax_in_fp32_under_bf16_autocast():
     """precision auto picks bf16-mixed on AMX CPUs, where log_softmax keeps its input's bf16: the loss, the hits and the
     objectives' weights would all come from bf16 log-probabilities, not the fp32 ones of the head's bf16 logits."""

@@ -11,6 +11,7 @@ import json
 import math
 import re
 import shutil
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -1546,6 +1547,18 @@ def test_a_batch_whose_every_label_is_given_away_makes_no_optimizer_step():
     (first, after_first), (second, after_second), (_, after_third) = weights
     assert first["loss"] > 0 and not second  # the given-away batch: no loss (Lightning hands on {}), no step
     assert torch.equal(after_first, after_second) and torch.equal(after_second, after_third)
+
+
+def test_only_a_single_process_skips_a_step_whose_labels_were_all_given_away():
+    """Under DDP a rank that skipped its backward would leave the others waiting in the gradient all-reduce: there
+    the zero loss steps."""
+    torch.manual_seed(0)
+    module = tiny_module(redraft_prob=0.99)
+    given_away = reply_batch(10, 2, seed=1)
+    for world_size, skipped in ((1, True), (2, False)):
+        module._trainer = SimpleNamespace(world_size=world_size, current_epoch=0, global_rank=0, precision="32-true")
+        with torch.no_grad():
+            assert (module.block_predictions(given_away, 0, "train") is None) == skipped, world_size
 
 
 @pytest.mark.parametrize("objective", ["dpace", "tree"])

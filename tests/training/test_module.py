@@ -1710,6 +1710,14 @@ def test_tree_survival_is_whether_the_decoders_tree_holds_the_label_prefix(budge
     assert impossible.tolist() == [[0.0, 1.0, 0.0, 0.0]]
 
 
+def test_a_tree_of_exactly_budget_possible_nodes_has_its_smallest_node_as_threshold():
+    """Block size 2 with a budget of at most the vocabulary: -inf there held every label prefix in the tree."""
+    top = torch.log_softmax(torch.randn(1, 2, 3, generator=torch.Generator().manual_seed(0)), dim=-1).topk(3).values
+    top[:, 0] = torch.tensor([0.0, float("-inf"), float("-inf")])  # the anchor is passed through
+    threshold = tree_thresholds(top, torch.tensor([[False, True]]), budget=3)
+    assert threshold.tolist() == [top[0, 1].min().item()]
+
+
 def node_path(tree, row: int) -> tuple[int, ...]:
     """The tokens from the root to node `row` (1-based) of a DraftTree."""
     path = []

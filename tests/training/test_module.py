@@ -488,6 +488,8 @@ def test_anchors_are_distinct_sorted_reply_tokens_redrawn_per_seed():
     # never more anchors than the batch's largest candidate count
     few, _ = sample_anchors(loss_mask, 500, torch.Generator().manual_seed(0))
     assert few.shape[1] == 19  # candidates 10..28 in row 0 (29 is last: no successor)
+    # position 0 has no context: inference never drafts from it, even where it is supervised
+    assert anchor_candidates(torch.ones(2, 12, dtype=torch.bool)).tolist() == [[False] + [True] * 10 + [False]] * 2
 
 
 def test_block_labels_stop_at_the_end_of_the_reply_and_skip_the_anchor():

@@ -497,6 +497,7 @@ def test_block_labels_stop_at_the_end_of_the_reply_and_skip_the_anchor():
     loss_mask = torch.zeros(1, 12, dtype=torch.bool)
     loss_mask[0, 3:8] = True  # reply = positions 3..7, then a user turn
     loss_mask[0, 10:12] = True  # a later reply the first block must not reach across to
+    loss_mask[0, :2] = True  # supervised where the invalid slot's anchor 0 would read it
     anchors, valid = torch.tensor([[6, 10, 0]]), torch.tensor([[True, True, False]])
     labels = block_labels(input_ids, loss_mask, anchors, valid, block_size=5)
     assert labels[0, 0].tolist() == [IGNORE_INDEX, 107, IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX]

@@ -12,7 +12,8 @@ from __future__ import annotations
 import math
 
 from ddtree.bench import CHAIN, tree_key
-from training.report import plot_tau
+from training.model_card import CardFacts, max_time_seconds, planned_length
+from training.report import duration_text, plot_tau, training_end
 
 PROMPTS = "data/eval_prompts.jsonl"
 SETTINGS = dict(prompts=PROMPTS, num_prompts=1, max_new_tokens=4, budgets=[8], primary_budget=8, block_size=8)
@@ -25,8 +26,41 @@ def record(step: int, tau: float, **extra) -> dict:
             "summary": {CHAIN: stats, tree_key(8): stats}, **extra}
 
 
+def card_facts(**fields) -> CardFacts:
+    """The facts of a card of the tiny recipe's drafter at step 40, with `fields` in place of the defaults."""
+    defaults = dict(name="drafter", repo=None, target="tiny-random", base_model=None, license="apache-2.0",
+                    drafter_config={"block_size": 8}, num_parameters=1, dtype="float32", step=40,
+                    checkpoint="last -> last.ckpt", hyper_parameters={}, run_config={}, evaluation=None)
+    return CardFacts(**{**defaults, **fields})
+
+
 def test_tau_png_shows_a_tau_above_2_and_the_floor_of_1():
     """Real runs measure taus of 3 to 6; a plot held at 2 drew them as a flat line along its top edge."""
     axes = plot_tau([record(2, math.nan), record(4, 3.5)], SETTINGS).axes[0]  # NaN: a step no round measured
     bottom, top = axes.get_ylim()
     assert top >= 3.5 and bottom <= 1.0
+
+
+def test_max_time_is_written_and_read_in_days_hours_minutes_and_seconds():
+    """report.md writes trainer.max_time as config.yaml holds it and the card reads it back: every real recipe's limit
+    is an hour or more, where the end-to-end tests' is 2 seconds."""
+    assert duration_text(90061) == "01:01:01:01"
+    assert duration_text(3 * 3600 + 5 * 60) == "00:03:05:00"
+    assert max_time_seconds("01:02:03:04") == 93784.0
+    assert max_time_seconds({"hours": 1}) == 3600.0  # timedelta's fields, as a mapping in config.yaml
+    assert max_time_seconds("soon") is None
+
+
+def test_no_limit_is_said_to_end_training_that_did_not_end_it():
+    """A report written mid-run, and the card of a checkpoint before the end (`--ckpt best` at an early step), said
+    "max_time ended training" where no limit had been reached."""
+    assert training_end(5, 10, False) is None and training_end(5, None, False) is None
+    assert training_end(10, 10, False) == "max_steps ended training at step 10"
+    assert training_end(4, 10, True) == "max_time ended training at step 4, 6 steps short of max_steps"
+    trainer = {"max_steps": 100, "max_epochs": -1, "max_time": "00:00:10:00"}
+    early = planned_length(card_facts(trained_seconds=120.0), trainer)  # 2 of its 10 minutes
+    assert early == "max_steps 100, max_epochs -1, max_time 00:00:10:00"
+    spent = planned_length(card_facts(trained_seconds=600.0), trainer)
+    assert spent == early + "; max_time ended training at step 40, 60 steps short of max_steps, this checkpoint's"
+    an_hour = {**trainer, "max_time": "00:01:00:00"}  # 25 of its 60 minutes
+    assert "ended training" not in planned_length(card_facts(trained_seconds=1500.0), an_hour)

@@ -13,7 +13,7 @@ import math
 
 from ddtree.bench import CHAIN, tree_key
 from training.model_card import CardFacts, max_time_seconds, planned_length
-from training.report import duration_text, plot_tau, training_end
+from training.report import duration_text, markdown_report, plot_tau, training_end
 
 PROMPTS = "data/eval_prompts.jsonl"
 SETTINGS = dict(prompts=PROMPTS, num_prompts=1, max_new_tokens=4, budgets=[8], primary_budget=8, block_size=8)
@@ -64,3 +64,16 @@ def test_no_limit_is_said_to_end_training_that_did_not_end_it():
     assert spent == early + "; max_time ended training at step 40, 60 steps short of max_steps, this checkpoint's"
     an_hour = {**trainer, "max_time": "00:01:00:00"}  # 25 of its 60 minutes
     assert "ended training" not in planned_length(card_facts(trained_seconds=1500.0), an_hour)
+
+
+def test_a_step_whose_save_failed_is_resumed_from_a_saved_best_or_run_again_without_one():
+    """The advice after a failed save depends on whether any checkpoint was saved before it: told the other one, a
+    run with nothing saved would look for a checkpoint to resume from, and one with a best would start over."""
+    unsaved = record(4, 2.0, checkpointed=False, unsaved=True)
+    after_a_best = markdown_report("run", [record(2, 1.5), unsaved], SETTINGS, 0.0, 1.0)
+    assert ("Checkpoint not saved at step 4: the launch stopped while saving it (a full disk, an interrupt or a crash), "
+            "so it ranks for no best; a resume from the last saved checkpoint trains and measures that step again."
+            ) in after_a_best
+    first = markdown_report("run", [unsaved], SETTINGS, 0.0, 1.0)
+    assert ("so it ranks for no best; no checkpoint was saved, so the run starts again (the same command) to train and "
+            "measure it.") in first

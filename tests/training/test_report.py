@@ -13,7 +13,7 @@ import math
 
 from ddtree.bench import CHAIN, tree_key
 from training.model_card import CardFacts, max_time_seconds, planned_length
-from training.report import duration_text, markdown_report, plot_tau, training_end
+from training.report import duration_text, markdown_report, plot_tau, tau_bound, training_end
 
 PROMPTS = "data/eval_prompts.jsonl"
 SETTINGS = dict(prompts=PROMPTS, num_prompts=1, max_new_tokens=4, budgets=[8], primary_budget=8, block_size=8)
@@ -77,3 +77,10 @@ def test_a_step_whose_save_failed_is_resumed_from_a_saved_best_or_run_again_with
     first = markdown_report("run", [unsaved], SETTINGS, 0.0, 1.0)
     assert ("so it ranks for no best; no checkpoint was saved, so the run starts again (the same command) to train and "
             "measure it.") in first
+
+
+def test_a_lookup_as_long_as_the_block_lets_a_tree_commit_one_token_past_it():
+    """A tree grafts the lookup's path past the drafted block, and a round commits that path and the bonus token."""
+    assert tau_bound(8, 8) == ("at most 8 (the block size) for the chain, and up to 9 for a tree, whose 8-token context "
+                               "lookup may run deeper")
+    assert tau_bound(8, 7) == "at most 8 (the block size)"  # 7 lookup tokens and the bonus: the block's 8

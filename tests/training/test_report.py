@@ -13,7 +13,8 @@ import math
 
 from ddtree.bench import CHAIN, tree_key
 from training.model_card import CardFacts, max_time_seconds, planned_length
-from training.report import duration_text, markdown_report, plot_tau, tau_bound, training_end
+from training.report import (duration_text, markdown_report, objective_description, plot_tau, tau_bound,
+                             training_end)
 
 PROMPTS = "data/eval_prompts.jsonl"
 SETTINGS = dict(prompts=PROMPTS, num_prompts=1, max_new_tokens=4, budgets=[8], primary_budget=8, block_size=8)
@@ -84,3 +85,9 @@ def test_a_lookup_as_long_as_the_block_lets_a_tree_commit_one_token_past_it():
     assert tau_bound(8, 8) == ("at most 8 (the block size) for the chain, and up to 9 for a tree, whose 8-token context "
                                "lookup may run deeper")
     assert tau_bound(8, 7) == "at most 8 (the block size)"  # 7 lookup tokens and the bonus: the block's 8
+
+
+def test_the_tree_objective_is_described_with_its_top_k_survival():
+    """The card's training loss row and report.md's train-loss note: the tests covered dpace, decayed_ce and intree."""
+    assert objective_description({"objective": "tree", "objective_top_k": 6}) == (
+        "`model.objective=tree` (smoothing 0.5, top-6 survival)")

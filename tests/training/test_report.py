@@ -91,3 +91,11 @@ def test_the_tree_objective_is_described_with_its_top_k_survival():
     """The card's training loss row and report.md's train-loss note: the tests covered dpace, decayed_ce and intree."""
     assert objective_description({"objective": "tree", "objective_top_k": 6}) == (
         "`model.objective=tree` (smoothing 0.5, top-6 survival)")
+
+
+def test_tau_png_has_no_best_star_in_its_legend_where_the_best_was_not_measured():
+    """A best checkpoint whose weights were not finite has a NaN tau: its star is not drawn, so the legend must not
+    name one."""
+    axes = plot_tau([record(2, math.nan, non_finite_tensors=3)], SETTINGS).axes[0]
+    labels = axes.get_legend_handles_labels()[1]
+    assert "weights not finite (not measured)" in labels and "best checkpoint (budget 8)" not in labels

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from ddtree.bench import CHAIN, tree_key
-from training.model_card import CardFacts, max_time_seconds, planned_length
+from training.model_card import CardFacts, evaluated_steps, max_time_seconds, planned_length
 from training.report import (duration_text, markdown_report, objective_description, plot_tau, tau_bound,
                              training_end)
 
@@ -99,3 +99,13 @@ def test_tau_png_has_no_best_star_in_its_legend_where_the_best_was_not_measured(
     axes = plot_tau([record(2, math.nan, non_finite_tensors=3)], SETTINGS).axes[0]
     labels = axes.get_legend_handles_labels()[1]
     assert "weights not finite (not measured)" in labels and "best checkpoint (budget 8)" not in labels
+
+
+def test_an_abandoned_branch_evaluated_the_steps_it_shares_with_the_run_and_its_own(tmp_path):
+    """A resume from step 2 moved the evaluations past step 2 into eval/abandoned-after-step-2/: the branch's drafter
+    is the run's up to step 2 (step 2 included) and its own after; the run's step 6 is another drafter's."""
+    (tmp_path / "eval" / "abandoned-after-step-2").mkdir(parents=True)
+    for name in ("step-000001.json", "step-000002.json", "step-000006.json", "abandoned-after-step-2/step-000004.json"):
+        (tmp_path / "eval" / name).write_text("{}")
+    assert evaluated_steps(tmp_path, "abandoned-after-step-2") == [1, 2, 4]
+    assert evaluated_steps(tmp_path) == [1, 2, 6]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from ddtree.bench import CHAIN, tree_key
-from training.model_card import CardFacts, evaluated_steps, max_time_seconds, planned_length
+from training.model_card import CardFacts, evaluated_steps, evaluation_section, max_time_seconds, planned_length
 from training.report import (duration_text, markdown_report, objective_description, plot_tau, tau_bound,
                              training_end)
 
@@ -109,3 +109,14 @@ def test_an_abandoned_branch_evaluated_the_steps_it_shares_with_the_run_and_its_
         (tmp_path / "eval" / name).write_text("{}")
     assert evaluated_steps(tmp_path, "abandoned-after-step-2") == [1, 2, 4]
     assert evaluated_steps(tmp_path) == [1, 2, 6]
+
+
+def test_an_evaluation_that_recorded_no_temperature_is_carded_as_greedy():
+    """AcceptanceEvaluation has always decoded greedily; evaluations written before it recorded the temperature have
+    no field for it, and their card must not call them sampled."""
+    stats = {"tau": 1.5, "expected_tau": 1.4, "rounds": 2, "new_tokens": 3}
+    evaluation = {"step": 40, "settings": {"prompts": PROMPTS, "num_prompts": 1, "max_new_tokens": 4},
+                  "summary": {CHAIN: stats, tree_key(8): stats}}
+    section = "\n".join(evaluation_section(card_facts(evaluation=evaluation)))
+    assert f"on the first 1 prompts of `{PROMPTS}` (not compared with the training data), up to 4 new tokens each, " \
+           "temperature 0." in section

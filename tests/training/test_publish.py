@@ -606,6 +606,12 @@ def test_an_abandoned_branchs_checkpoint_exports_with_its_branchs_measurement_an
     card = (tmp_path / "other" / "README.md").read_text()
     assert "| decoding | tau |" not in card and "checkpoints it kept: abandoned-after-step-1/step-2.ckpt." in card
 
+    # Unevaluated, its card lists the steps its branch evaluated: step 1, shared with the run, and not the current
+    # branch's step 2, another drafter's.
+    (branch_eval / "step-000002.json").unlink()
+    assert export(run, tmp_path / "unevaluated", "--ckpt", str(branch / "step-2.ckpt")) == 0
+    assert "Steps the run evaluated: 1; checkpoints it kept:" in (tmp_path / "unevaluated" / "README.md").read_text()
+
 
 # ----------------------------------------------------------------------------- refusals
 

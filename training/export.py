@@ -8,8 +8,8 @@ target. LoRA adapters, if the run trained them, are merged into the weights firs
 written beside its destination and renamed into place, so a failed export leaves nothing behind.
 It replaces an earlier export only when told (--overwrite, overwrite=True), and never a folder
 holding anything else.
-A run whose recipe set model.corpus holds <run>/corpus.safetensors; the export carries it (for a
-run's checkpoints/x.ckpt or hpc_ckpt_N.ckpt, found there).
+A run whose recipe set model.corpus holds <run>/corpus.safetensors; the export of a checkpoint trained with it
+carries it (for a run's checkpoints/x.ckpt or hpc_ckpt_N.ckpt, found there).
 For the Hub (remote code, model card, push) see training/publish.py. Bad input prints one line and
 exits with status 2.
 """
@@ -39,11 +39,17 @@ def run_corpus(run_dir: Path) -> Path | None:
 
 
 def checkpoint_corpus(checkpoint: Path, run_dir: Path | None, trained_with_corpus: bool) -> Path | None:
-    """The corpus an export of `checkpoint` carries: its run's (run_corpus), or None. A checkpoint trained with
-    model.corpus whose run lacks it is refused, and one outside its run folder is noted: its tau was measured grafting
-    from the corpus."""
+    """The corpus an export of `checkpoint` carries: its run's (run_corpus) where it was trained with model.corpus, or
+    None. A resume may set or drop model.corpus, so a run can hold one beside checkpoints trained and measured without
+    it: theirs would decode otherwise, grafting it by default. A checkpoint trained with model.corpus whose run lacks
+    it is refused, and one outside its run folder is noted: its tau was measured grafting from the corpus."""
     corpus = run_corpus(run_dir) if run_dir is not None else None
-    if trained_with_corpus and corpus is None:
+    if not trained_with_corpus:
+        if corpus is not None:
+            print(f"note: {checkpoint} was trained without model.corpus: the export leaves out {corpus}",
+                  file=sys.stderr)
+        return None
+    if corpus is None:
         if run_dir is not None:
             raise DDTreeError(f"{checkpoint} was trained with model.corpus, but {run_dir / CORPUS_FILE} is missing: the "
                               "export would decode differently from what the run measured; put the run's corpus back")

@@ -199,7 +199,8 @@ def export_folder(
         evaluation = None
     data_path = training_data_path(run_dir, run_config)
     training_prompts = evaluated_training_prompts(data_path, evaluation) if evaluation is not None else None
-    corpus = run_corpus(run_dir) if runs_own else None
+    # RUN's corpus where this checkpoint was trained with it: a resume that dropped model.corpus leaves the file
+    corpus = run_corpus(run_dir) if runs_own and checkpoint.hyper_parameters.get("corpus") else None
     if runs_own and checkpoint.hyper_parameters.get("corpus") and corpus is None:  # its tau was measured grafting it
         raise DDTreeError(f"{path} was trained with model.corpus, but {run_dir / CORPUS_FILE} is missing: the export "
                           "would decode differently from what its card reports; put the run's corpus back")

@@ -561,6 +561,32 @@ def test_an_export_from_a_checkpoint_path_carries_its_runs_corpus(run_dir, tmp_p
     assert "the export carries no corpus" in capsys.readouterr().err
 
 
+def test_a_checkpoint_trained_without_the_corpus_its_run_holds_exports_without_it(run_dir, tmp_path, capsys):
+    """A resume may set or drop model.corpus (it is no hyper-parameter a resume keeps), so a run folder can hold a
+    corpus.safetensors beside checkpoints trained and measured without it. Their exports shipped it, and `ddtree`
+    grafted it by default: `python -m training.export` always, and `make export` where config.yaml dropped the corpus,
+    under a card whose figures were measured without it (which --push-only refuses)."""
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run, symlinks=True)
+    last = run / "checkpoints" / "last.ckpt"
+    saved = torch.load(last, map_location="cpu", weights_only=False)
+    saved["hyper_parameters"]["corpus"] = False  # the leg of a resume with --model.corpus=false
+    torch.save(saved, last)
+    capsys.readouterr()
+    assert export_main([str(last), str(tmp_path / "plain")]) == 0
+    out, err = capsys.readouterr()
+    assert not (tmp_path / "plain" / CORPUS_FILE).exists() and "with the run's" not in out
+    assert f"note: {last} was trained without model.corpus: the export leaves out {run / CORPUS_FILE}" in err
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    config["model"]["corpus"] = False
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    evaluation = json.loads((run / "eval" / "step-000002.json").read_text())
+    evaluation["settings"]["corpus"] = False  # that leg's evaluation decoded without it
+    (run / "eval" / "step-000002.json").write_text(json.dumps(evaluation))
+    assert export(run, tmp_path / "out", "--ckpt", "last") == 0
+    assert not (tmp_path / "out" / CORPUS_FILE).exists() and (tmp_path / "out" / "model.safetensors").is_file()
+
+
 def test_an_export_of_a_slurm_requeue_checkpoint_carries_its_runs_corpus(run_dir, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(run_dir, run, symlinks=True)

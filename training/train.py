@@ -13,7 +13,8 @@ Every run writes outputs/<recipe>/<run>/:
                            drafter, optimizer, scheduler, loop and data-loader state; never the target
     report.md, tau.png     measured acceptance at every evaluation (training/callbacks.py), eval/ the details
     tensorboard/, csv/     logs (one version_k per launch: a resumed run appends version_k+1)
-    corpus.safetensors     with model.corpus: the training split's replies, which every export carries
+    corpus.safetensors     with model.corpus: the training split's replies, which every export of a checkpoint
+                           trained with it carries
     drafter/               the trained drafter as a HF folder, for `ddtree bench --drafter`
 
 `--resume last` continues the newest run of the recipe that has a last.ckpt, in its own folder and
@@ -198,8 +199,8 @@ def build_missing_feature_store(cli: DistillCLI, recipe: str, overrides: list[st
 
 
 def write_run_corpus(cli: DistillCLI, run_dir: Path) -> None:
-    """model.corpus: the training split's replies to <run>/corpus.safetensors, which every export of the run ships
-    (ddtree/corpus.py). The split is the seed's, so a resume finds the same file and keeps it."""
+    """model.corpus: the training split's replies to <run>/corpus.safetensors, which every export of a checkpoint trained
+    with it ships (ddtree/corpus.py). The split is the seed's, so a resume finds the same file and keeps it."""
     corpus = run_dir / CORPUS_FILE
     if not cli.model.hparams.corpus or corpus.is_file():
         return
@@ -633,8 +634,10 @@ def main(argv: list[str] | None = None) -> int:
         end_process_group()  # here, where every rank is: under NCCL closing waits for the others, and an export can fail
         if cli.trainer.is_global_zero:
             write_text_atomic(run_dir / DATA_RECORD, json.dumps(cli.datamodule.record(), indent=1) + "\n")
-            # the run's own drafter/: a resume's replaces the one written before (a file no export writes is refused)
-            drafter_dir = export_drafter(drafter, run_dir / "drafter", run_corpus(run_dir), overwrite=True)
+            # the run's own drafter/: a resume's replaces the one written before (a file no export writes is refused);
+            # the run's corpus only where this launch trained with it (a resume may drop model.corpus, and its file stays)
+            corpus = run_corpus(run_dir) if cli.model.hparams.corpus else None
+            drafter_dir = export_drafter(drafter, run_dir / "drafter", corpus, overwrite=True)
             export = "make export takes the best checkpoint by default"
             if not (run_dir / "checkpoints" / "best.ckpt").exists():  # none kept, none saved or none measured
                 export += (f", and this run has none: {why_no_best(run_dir)}; `make export RUN="

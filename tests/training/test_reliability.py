@@ -1582,3 +1582,16 @@ def test_a_sigterm_to_the_process_group_with_dataloader_workers_stops_at_the_ste
     resume = Path(re.search(r"RESUME=(\S+)", lines[0]).group(1))
     assert resume == tmp_path / "out" / "tiny" / "workers" / "checkpoints" / "last.ckpt"
     assert check_resumable(resume)["global_step"] == 4
+
+
+def test_a_resume_that_drops_model_corpus_writes_its_drafter_without_the_runs_corpus(tmp_path):
+    """The first launch's model.corpus left corpus.safetensors in the run folder; a resume with model.corpus false
+    trained and measured its steps without it, but the drafter/ it wrote at the end shipped it, which ddtree then
+    grafted by default: decoding otherwise than the run measured (make export already left it out)."""
+    run_dir = tmp_path / "out" / "tiny" / "corpus"
+    assert train_main([*tiny_args(tmp_path, "corpus", max_steps=2), "--model.corpus=true"]) == 0
+    assert (run_dir / "corpus.safetensors").is_file() and (run_dir / "drafter" / "corpus.safetensors").is_file()
+    assert train_main(["--output-root", str(tmp_path / "out"), "--resume", str(run_dir), "--trainer.max_steps=3",
+                       "--model.corpus=false", "--trainer.enable_progress_bar=false"]) == 0
+    assert (run_dir / "drafter" / "model.safetensors").is_file()
+    assert not (run_dir / "drafter" / "corpus.safetensors").exists()

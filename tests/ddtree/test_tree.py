@@ -8,7 +8,7 @@ import torch
 
 from ddtree.target_runner import DynamicTarget, StaticTarget
 from ddtree.decoding import OnlineCalibration, draft_tree
-from ddtree.tree import DraftTree, ancestor_matrix, build_tree, context_lookup, tree_positions, walk
+from ddtree.tree import DraftTree, ancestor_matrix, build_tree, context_lookup, tree_positions, truncated, walk
 
 
 def brute_force_top_prefixes(log_probs: torch.Tensor, budget: int) -> set[tuple[int, ...]]:
@@ -274,6 +274,24 @@ def test_ancestor_matrix_and_walk():
     target_choice = {0: 6}
     accepted, bonus = walk(tree, lambda row: target_choice.get(row, 99))
     assert [tree.tokens[r - 1] for r in accepted] == [6] and bonus == 99
+
+
+def test_a_tree_cut_to_fewer_nodes_is_the_tree_built_with_that_budget_and_its_last_node_can_be_accepted():
+    """The adaptive sizer (a CPU's default) builds once at the largest budget and cuts. A cut that left the last node
+    out of its parent's children only lowered acceptance (it was verified, never accepted); one that dropped its own
+    children map was an IndexError when the walk reached it."""
+    logits = torch.randn(3, 5, generator=torch.Generator().manual_seed(0)) * 2
+    whole = build_tree(logits, 12)
+    for nodes in range(1, 12):
+        cut, built = truncated(whole, nodes), build_tree(logits, nodes)
+        assert (cut.tokens, cut.parents, cut.children) == (built.tokens, built.parents, built.children), nodes
+        path, row = [], nodes  # the rows from depth 1 down to the last node
+        while row:
+            path.insert(0, row)
+            row = cut.parents[row - 1]
+        target_choice = dict(zip([0] + path, [cut.tokens[r - 1] for r in path]))  # the target picks that path
+        accepted, _ = walk(cut, lambda row: target_choice.get(row, -1))
+        assert accepted == path, nodes
 
 
 @pytest.mark.parametrize("runner_kind", ["dynamic", "static"])

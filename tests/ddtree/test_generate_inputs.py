@@ -130,6 +130,20 @@ def test_a_budget_past_the_targets_context_is_one_error_not_an_out_of_memory(tin
     assert generate(target, PROMPT, "ar", budget=limit, max_new_tokens=NEW).new_tokens == greedy(target, PROMPT)
 
 
+@pytest.mark.parametrize("method", ["ar", "ddtree"])
+def test_a_prompt_that_fills_the_targets_context_is_refused_and_one_a_token_shorter_gets_one_token(tiny_target, method):
+    """The prefill's token takes the position after the prompt: a prompt of the whole context leaves it none (taken,
+    its reply would be empty and say that max_new_tokens had ended it), one a token shorter leaves it the last."""
+    target, _ = tiny_target
+    limit = target.config.max_position_embeddings
+    drafter = BrokenDrafter(target.config.vocab_size, period=10**9)
+    with pytest.raises(DDTreeError, match=f"^prompt of {limit} tokens does not fit the target's context of {limit} "
+                                          "tokens"):
+        generate(target, [5] * limit, method, drafter, max_new_tokens=4)
+    result = generate(target, [5] * (limit - 1), method, drafter, max_new_tokens=4)
+    assert result.new_tokens == greedy(target, [5] * (limit - 1), new=1) and result.ended == "context"
+
+
 @pytest.mark.parametrize("method, stop_at", [("ar", None), ("dflash", None), ("ddtree", None), ("ddtree", 8)])
 def test_on_tokens_hears_each_committed_token_once_in_order_and_its_time_is_not_the_decodings(tiny_target, method,
                                                                                              stop_at, monkeypatch):

@@ -74,11 +74,13 @@ def test_a_batch_of_prompts_is_refused_not_joined_into_one(tiny_target, method):
 
 
 @pytest.mark.parametrize("method", ["ar", "ddtree"])
-@pytest.mark.parametrize("token", [-1, 10**6])
-def test_a_prompt_id_outside_the_targets_embedding_is_one_line(tiny_target, method, token):
+@pytest.mark.parametrize("outside", [lambda rows: -1, lambda rows: rows, lambda rows: 10**6],
+                         ids=["-1", "rows", "10**6"])  # rows: the first id past the last row, a tokenizer's added one
+def test_a_prompt_id_outside_the_targets_embedding_is_one_line(tiny_target, method, outside):
     """An IndexError from inside the embedding before."""
     target, _ = tiny_target
     rows = target.get_input_embeddings().weight.shape[0]
+    token = outside(rows)
     drafter = BrokenDrafter(target.config.vocab_size, period=10**9)
     with pytest.raises(DDTreeError, match=f"prompt token id {token} is outside the target's {rows} embedding rows"):
         generate(target, [5, token, 7], method, drafter, max_new_tokens=NEW)

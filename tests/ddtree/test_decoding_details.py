@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ddtree.decoder import load_drafter
-from ddtree.decoding import DrafterRunner, Sampling, generate
+from ddtree.decoding import DrafterRunner, Sampling, generate, top_p_filter
 from ddtree.modeling_dflash import DFlashDraftModel
 from ddtree.targets import build_drafter_config
 from rigged import RiggedDrafter, hf_greedy  # tests/rigged.py
@@ -56,6 +56,21 @@ def test_top_k_keeps_exactly_the_k_likeliest_tokens(k):
         top = logits.topk(k)
         expected[top.indices] = torch.softmax(top.values.double() / temperature, -1).float()
         torch.testing.assert_close(probs, expected)
+
+
+@pytest.mark.parametrize("top_p, expected", [
+    (0.5, [0, 1, 0, 0]),  # the best token's mass is top_p exactly: it alone is enough
+    (0.75, [0, 2 / 3, 0, 1 / 3]),
+    (0.9375, [0, 8 / 15, 3 / 15, 4 / 15]),
+])
+def test_top_p_keeps_the_smallest_set_whose_mass_reaches_it_when_a_sum_equals_it_exactly(top_p, expected):
+    """A cut at `> top_p` keeps one token more at each such edge. Dyadic probabilities make the sums exact; their
+    order is not the ids', so the cut must follow the sort. (tests/data/test_regenerate.py holds the kept set through
+    both users of this rule; here the rule itself, renormalised values and rows of a batch too.)"""
+    probs = torch.tensor([0.0625, 0.5, 0.1875, 0.25], dtype=torch.float64)
+    cut = top_p_filter(torch.stack([probs, probs.flip(0)]), top_p)  # (2, V): the cut is per row
+    expected = torch.tensor(expected, dtype=torch.float64)
+    torch.testing.assert_close(cut, torch.stack([expected, expected.flip(0)]))
 
 
 def test_a_static_generation_that_fills_its_padded_capacity_exactly_fits_its_last_verify(tiny_target):

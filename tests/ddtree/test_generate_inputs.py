@@ -397,6 +397,15 @@ def test_a_top_k_that_is_not_a_count_is_one_line(top_k):
     assert ddtree.decoding.Sampling(temperature=1.0, top_k=np.int64(8)).top_k == 8  # a count read from an array: taken
 
 
+@pytest.mark.parametrize("top_p", [0.0, -0.5, 1.5, float("nan")])
+def test_a_top_p_outside_zero_to_one_is_one_line(top_p):
+    """top_p 0 cuts every token: its probabilities would be NaN, and the first sampled token torch.multinomial's
+    RuntimeError after the prefill. 1, no cut, is the edge taken."""
+    with pytest.raises(DDTreeError, match=rf"^bad sampling settings: top_p {top_p} must be in \(0, 1\]$"):
+        ddtree.decoding.Sampling(temperature=1.0, top_p=top_p)
+    assert ddtree.decoding.Sampling(temperature=1.0, top_p=1.0).top_p == 1.0
+
+
 class GeneratorOnCuda(torch.Generator):
     """A CPU generator that says it is on CUDA: a CUDA target's caller who built theirs on the CPU, turned around, as
     this machine can build no CUDA generator."""

@@ -606,6 +606,42 @@ def test_a_stopped_ablation_says_the_command_that_trains_only_the_variants_not_m
     assert len(list(out.glob("tiny/ablate-*.md"))) == 2
 
 
+def test_under_steps_and_minutes_every_variant_keeps_the_steps_schedule_and_the_rerun_line_both_budgets(tmp_path,
+                                                                                                       monkeypatch,
+                                                                                                       capsys):
+    """Both flags stop a variant at whichever ends first, as in training, on the steps' learning-rate schedule:
+    annealing by the clock there would change the schedule being compared (mutation review 9: a05). The rerun line
+    after a stop must keep --minutes too, or the variants not measured train under another budget than the ones
+    measured (a36)."""
+    import shlex
+
+    import training.ablate
+
+    launched = []
+
+    def fake_train(argv: list[str]) -> int:
+        launched.append(argv)
+        if len(launched) == 2:
+            return 130  # Ctrl-C in b
+        fake_run(argv, {})
+        return 0
+
+    monkeypatch.setattr(training.ablate, "train_main", fake_train)
+    assert main(["--recipe", "tiny", "--steps", "3", "--minutes", "2", "--output-root", str(tmp_path), "--variant", "a=",
+                 "--variant", "b=--model.lr=1e-3"]) == 130
+    first = launched[0]
+    assert "--trainer.max_steps=3" in first and "--trainer.max_time=00:00:02:00" in first
+    assert "--model.anneal_by_max_time=true" not in first and "--trainer.max_time=null" not in first
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    make = shlex.split(line.split(": ", 2)[2])
+    args = shlex.split(make[3].removeprefix("ARGS=").replace("$$", "$"))
+    stopped = launched[1]
+    launched.clear()
+    assert main(["--recipe", "tiny", *args]) == 0  # as the Makefile runs it
+    without_run = lambda argv: sorted(arg for arg in argv if not arg.startswith("ablate-"))  # noqa: E731
+    assert without_run(launched[0]) == without_run(stopped)  # the same budget as the variant it stands in for
+
+
 @pytest.mark.parametrize("when", ["set-up", "fit", "between"])
 def test_a_sigterm_outside_fit_stops_the_ablation_with_a_row_and_the_table_too(tmp_path, monkeypatch, capsys, when):
     """Lightning's SIGTERM handler exists only inside fit: one in a variant's set-up (its feature stores: minutes each)

@@ -560,7 +560,11 @@ def test_ctrl_c_or_sigterm_stops_the_whole_ablation_with_the_table_of_the_varian
     why = "stopped by SIGTERM" if stop == 143 else "interrupted (SIGINT)"
     err = capsys.readouterr().err
     assert f"[ablate] b: {why} (exit status {status}); the variants after it are not run" in err
-    assert err.strip().splitlines()[-1].startswith("[ablate] not measured: b, c; to train only those")
+    rerun = err.strip().splitlines()[-1]
+    assert rerun.startswith("[ablate] not measured: b, c; to train only those")
+    # a's evaluation recorded no packing (or a failed): nothing was decided, so the rerun's variants decide for
+    # themselves, not decode with a forced --eval.packed_weights=off (mutation review 9: a37)
+    assert "--eval.packed_weights" not in rerun
     table = next(tmp_path.glob("tiny/ablate-*.md")).read_text()
     assert ("| a | failed: RuntimeError: CUDA out of memory (exit status 1)" if a_fails else "| a | 3 |") in table
     assert f"| b | {why} (exit status {status}): nothing measured |" in table

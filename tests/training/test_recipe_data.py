@@ -243,6 +243,44 @@ def test_a_recipes_data_path_under_tilde_is_its_own_not_an_override(tmp_path, mo
         f"data.data_path={tmp_path / 'other'} (the recipe's: ~/replies)"]
 
 
+def test_a_null_regenerate_setting_is_left_to_the_scripts_default():
+    """`limit: null` is documented as every prompt: handed on as `--limit None`, regenerate.py refused it and the
+    data was never made (mutation review 9: r04)."""
+    from training.recipe_data import regenerate_arguments
+
+    assert regenerate_arguments("t", Path("o"), {"limit": None, "max_new_tokens": 4}) == [
+        "--target", "t", "--out", "o", "--max-new-tokens", "4"]
+
+
+def test_a_run_overriding_a_setting_its_recipe_leaves_unset_or_its_target_is_not_checked_as_the_recipes_data(
+        monkeypatch):
+    """An override of a regenerate setting the recipe file does not set (temperature on smollm2-135m), or of
+    model.target, is this run's data, not the recipe's: counted as the recipe's own, it was checked with --for-recipe,
+    and the check's errors told the run to `make data RECIPE=smollm2-135m`, which makes the recipe's data and leaves
+    the run refused again. Only a run on the recipe's own settings is checked for it (mutation review 9: r09, r10,
+    r06)."""
+    from training.recipe_data import check_recipe_data, recipe_overrides
+
+    monkeypatch.chdir(RECIPES_DIR.parent)
+    own = read_recipe(RECIPES_DIR / "smollm2-135m.yaml", []).data.regenerate
+    assert "temperature" not in own
+    hotter = DistillDataModule(target="smollm2-135m", data_path="data/smollm2-135m",
+                               regenerate={**own, "temperature": 0.7})
+    assert recipe_overrides(hotter, "smollm2-135m", None) == ["data.regenerate.temperature=0.7 (the recipe's: null)"]
+    other_target = DistillDataModule(target="tiny-random", data_path="data/smollm2-135m", regenerate=own)
+    assert recipe_overrides(other_target, "smollm2-135m", None) == ["model.target=tiny-random (the recipe's: "
+                                                                    "smollm2-135m)"]
+    checked = []
+    monkeypatch.setattr(subprocess, "run", lambda command, **kwargs: checked.append(command) or
+                        subprocess.CompletedProcess(command, 0, stdout="", stderr=""))
+    for datamodule in (hotter, other_target):
+        check_recipe_data(datamodule, "smollm2-135m", Path("data/smollm2-135m"))
+    own_data = DistillDataModule(target="smollm2-135m", data_path="data/smollm2-135m", regenerate=own)
+    check_recipe_data(own_data, "smollm2-135m", Path("data/smollm2-135m"))
+    assert ["--for-recipe" in command for command in checked] == [False, False, True]
+    assert checked[-1][-3:] == ["--for-recipe", "smollm2-135m", "--check"]
+
+
 def test_the_check_takes_greedy_data_made_with_another_chunk_size_or_seed(monkeypatch, capsys):
     """Neither changes a greedy reply: data made with `make data ARGS=--chunk-size 256` was refused at every start.
     Nor does --top-p, which draws nothing at temperature 0 (greedy settings record top_p 1.0)."""

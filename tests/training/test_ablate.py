@@ -287,6 +287,22 @@ def test_the_table_shows_every_budget_and_a_dash_where_a_variant_did_not_measure
     assert plot([unmeasured]) is not None
 
 
+def measured_row(name: str) -> dict:
+    """A table row as summarize_variant makes it: every variant of a whole store, decoded with packed weights."""
+    return {"variant": name, "run": name, "step": 3, "run_minutes": 1.0, "val_loss": 3.5, "accuracy": [0.5],
+            "recall": [0.6], "tau": {8: 2.0}, "expected_tau": {8: 2.1}, "chain_tau": 1.5, "chain_expected_tau": 1.6,
+            "data": {"train_sequences": 2001, "train_split_sequences": 2001}, "draft_vocab_size": None,
+            "packed_weights": True, "decoded_with": {}}
+
+
+def test_a_table_of_variants_alike_in_data_and_kernels_carries_no_note():
+    """The notes under the table ask the user to build whole stores again or to decode alike: said of variants that
+    read the same data with the same kernels, they sent the user to rebuild stores for nothing (mutation review 9:
+    a20, a21)."""
+    table = markdown_table([measured_row("a"), measured_row("b")])
+    assert len(table.splitlines()) == 4, table  # the head, its rule and the two rows: no note under them
+
+
 def test_a_variants_row_reads_its_newest_evaluation_and_validation_in_depth_order(tmp_path):
     """A variant folder as training leaves it: Lightning's CSVLogger for a block-16 drafter (its columns sorted as
     strings: acc_1, acc_10, .., acc_15, acc_2, ..), two validations and two evaluations, as a variant with its own

@@ -303,6 +303,24 @@ def test_a_table_of_variants_alike_in_data_and_kernels_carries_no_note():
     assert len(table.splitlines()) == 4, table  # the head, its rule and the two rows: no note under them
 
 
+def test_a_nan_in_a_variants_row_is_null_in_the_results_and_the_ablation_goes_on(tmp_path, monkeypatch):
+    """A diverged variant's validation logs val/loss as "nan": written as a bare NaN, json.dumps(allow_nan=False)
+    raised in the loop and the whole ablation ended with no table (mutation review 9: a32)."""
+    import training.ablate
+
+    def fake_train(argv: list[str]) -> int:
+        run = fake_run(argv, {})
+        (run / "csv" / "version_0").mkdir(parents=True)
+        (run / "csv" / "version_0" / "metrics.csv").write_text("step,val/loss\n3,nan\n")
+        return 0
+
+    monkeypatch.setattr(training.ablate, "train_main", fake_train)
+    assert main(["--recipe", "tiny", "--steps", "3", "--output-root", str(tmp_path), "--variant", "a=",
+                 "--variant", "b=--model.lr=1e-3"]) == 0
+    results = json.loads(next(tmp_path.glob("tiny/ablate-*.json")).read_text())
+    assert [(r["variant"], r["val_loss"]) for r in results] == [("a", None), ("b", None)]
+
+
 def test_a_variants_row_reads_its_newest_evaluation_and_validation_in_depth_order(tmp_path):
     """A variant folder as training leaves it: Lightning's CSVLogger for a block-16 drafter (its columns sorted as
     strings: acc_1, acc_10, .., acc_15, acc_2, ..), two validations and two evaluations, as a variant with its own

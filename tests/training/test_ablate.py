@@ -321,6 +321,41 @@ def test_a_nan_in_a_variants_row_is_null_in_the_results_and_the_ablation_goes_on
     assert [(r["variant"], r["val_loss"]) for r in results] == [("a", None), ("b", None)]
 
 
+def test_a_write_of_the_results_that_fails_leaves_the_previous_variants_files_whole(tmp_path, monkeypatch):
+    """The files are written again after each variant, so that a killed ablation keeps the variants before it: a kill in
+    savefig, or a disk that fills as the table is written, must leave the previous plot and table, not a cut one in
+    their place (mutation review 9: a30, a31)."""
+    import errno
+
+    from matplotlib.figure import Figure
+
+    from ddtree.files import WriteFailed
+    from training.ablate import write_results
+
+    base = tmp_path / "ablate-x"
+    write_results(base, [measured_row("a")])
+    before = {suffix: Path(f"{base}.{suffix}").read_bytes() for suffix in ("md", "json", "png")}
+
+    def disk_full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "fsync", disk_full)
+        with pytest.raises(WriteFailed):  # at the table, the first file written
+            write_results(base, [measured_row("a"), measured_row("b")])
+    assert {suffix: Path(f"{base}.{suffix}").read_bytes() for suffix in ("md", "json", "png")} == before
+
+    def killed_in_savefig(self, handle, **kwargs):
+        handle.write(b"part")
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patched:
+        patched.setattr(Figure, "savefig", killed_in_savefig)
+        with pytest.raises(KeyboardInterrupt):  # the table and results are written by then: the plot is the last
+            write_results(base, [measured_row("a"), measured_row("b")])
+    assert Path(f"{base}.png").read_bytes() == before["png"]
+
+
 def test_a_variants_row_reads_its_newest_evaluation_and_validation_in_depth_order(tmp_path):
     """A variant folder as training leaves it: Lightning's CSVLogger for a block-16 drafter (its columns sorted as
     strings: acc_1, acc_10, .., acc_15, acc_2, ..), two validations and two evaluations, as a variant with its own

@@ -480,3 +480,32 @@ def test_a_sigterm_while_training_regenerates_its_data_lets_the_child_remove_its
     assert training.returncode == 128 + signal.SIGTERM, err[-3000:]
     assert "stopped by SIGTERM" in err.splitlines(), err[-3000:]  # the child's own line (run_cli's)
     assert not data.exists() and not list(tmp_path.glob(".data-*")), sorted(p.name for p in tmp_path.iterdir())
+
+
+def test_a_regeneration_child_that_ignores_the_sigterm_is_killed_after_the_grace_period(tmp_path, monkeypatch):
+    """A stopped training passes its SIGTERM to the child and waits REGENERATION_GRACE_S for its clean-up: a child
+    that ignores it (stuck in a C call) must then be killed, or Popen's exit waits for it for good and the scheduler's
+    SIGKILL comes with no stop line (mutation review 9: r17)."""
+    from ddtree.errors import Terminated
+    from training.recipe_data import run_regeneration
+
+    monkeypatch.setattr(training.recipe_data, "REGENERATION_GRACE_S", 1)
+    ready = tmp_path / "ignoring"
+    stubborn = [sys.executable, "-c", "import pathlib, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                f"pathlib.Path({str(ready)!r}).touch(); time.sleep(10)"]
+    wait, stopped = subprocess.Popen.wait, []
+
+    def terminated_while_waiting(child, timeout=None):  # training's SIGTERM, once the child ignores it
+        if timeout is None and not stopped:
+            stopped.append(child)
+            while not ready.exists():
+                time.sleep(0.01)
+            raise Terminated
+        return wait(child, timeout)
+
+    monkeypatch.setattr(subprocess.Popen, "wait", terminated_while_waiting)
+    started = time.monotonic()
+    with pytest.raises(Terminated):
+        run_regeneration(stubborn)
+    assert time.monotonic() - started < 8  # the grace, not the child's 10 s
+    assert stopped[0].returncode == -signal.SIGKILL

@@ -218,9 +218,11 @@ def rerun_command(args, common: list[str], variants: list[tuple[str, list[str]]]
 
 
 def last_validation(run_dir: Path) -> dict[str, float]:
-    """The newest row of the run's CSV logs that has val/loss."""
+    """The newest row of the run's CSV logs that has val/loss. Each launch into the run folder logs to its own
+    csv/version_<N>, ordered by N: as text, version_10 came before version_9."""
     rows = []
-    for metrics in sorted((run_dir / "csv").glob("version_*/metrics.csv")):
+    versions = (run_dir / "csv").glob("version_*/metrics.csv")
+    for metrics in sorted(versions, key=lambda path: int(path.parent.name.removeprefix("version_"))):
         with metrics.open() as f:
             rows += [row for row in csv.DictReader(f) if row.get("val/loss")]
     if not rows:

@@ -356,6 +356,17 @@ def test_a_write_of_the_results_that_fails_leaves_the_previous_variants_files_wh
     assert Path(f"{base}.png").read_bytes() == before["png"]
 
 
+def test_the_newest_validation_is_read_from_the_newest_csv_version_by_number(tmp_path):
+    """Lightning's CSVLogger starts csv/version_<N> for each launch into a run folder: sorted as text, version_10 came
+    before version_9, and a run resumed ten times read the ninth launch's validation (mutation review 9's defect)."""
+    from training.ablate import last_validation
+
+    for version in range(11):
+        (tmp_path / "csv" / f"version_{version}").mkdir(parents=True)
+        (tmp_path / "csv" / f"version_{version}" / "metrics.csv").write_text(f"step,val/loss\n{version},{version}\n")
+    assert last_validation(tmp_path)["val/loss"] == 10.0
+
+
 def test_a_variants_row_reads_its_newest_evaluation_and_validation_in_depth_order(tmp_path):
     """A variant folder as training leaves it: Lightning's CSVLogger for a block-16 drafter (its columns sorted as
     strings: acc_1, acc_10, .., acc_15, acc_2, ..), two validations and two evaluations, as a variant with its own

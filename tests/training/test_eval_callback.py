@@ -1441,6 +1441,25 @@ def test_the_eval_line_says_the_drafters_expectation_beside_the_measured_tau(tmp
     assert said.startswith("[eval] step 2: tau@8 1.50 (drafter expected 2.10), chain 1.00, "), said
 
 
+class ExpectationRanksOtherwise(CannedEvaluation):
+    """Its drafter expects more at step 2 (3.0) than at step 4 (2.6), where the trees accept more (2.0, then 2.5)."""
+
+    def measure(self, *args, **kwargs):
+        result = super().measure(*args, **kwargs)
+        result["summary"][tree_key(8)]["expected_tau"] = {2: 3.0, 4: 2.6}[self.step_now]
+        return result
+
+
+def test_checkpoints_are_ranked_by_the_measured_tau_not_the_drafters_expectation(tmp_path):
+    """The drafter's own expectation is over-confident (the top of training/callbacks.py): ranked by it, best.ckpt
+    would link another step than the one report.md names best. Every canned or rigged drafter ranked alike by both
+    (mutation review 10, m16)."""
+    assert monitor_metric(32) == "val/tau_ddtree@32"
+    canned_fit(tmp_path, 4, {2: {8: 2.0}, 4: {8: 2.5}}, kind=ExpectationRanksOtherwise)
+    assert (tmp_path / "checkpoints" / "best.ckpt").resolve().name == "step-4.ckpt"
+    assert "| **4** (best) |" in (tmp_path / "report.md").read_text()
+
+
 class SlowSetup(L.Callback):
     """Loading and data: before training starts, so not in the launch's time the report divides by."""
 

@@ -1214,6 +1214,16 @@ def test_the_last_batch_of_a_max_epochs_run_is_evaluated_checkpointed_and_can_be
     assert (tmp_path / "checkpoints" / "best.ckpt").resolve().name == "step-6.ckpt"
 
 
+def test_the_planned_last_step_off_the_grid_is_checkpointed_ranked_and_resumed_from(tmp_path):
+    """max_steps 5, every 2: step 5 is measured as steps are, not only at the end where nothing saves it; else the
+    most trained drafter could never be best.ckpt and last.ckpt stayed at step 4 (mutation review 10, m17)."""
+    evaluation, _ = canned_fit(tmp_path, 5, {2: {8: 1.0}, 4: {8: 1.0}, 5: {8: 2.0}})
+    assert [(r["step"], r["checkpointed"]) for r in evaluation.history] == [(2, True), (4, True), (5, True)]
+    folder = tmp_path / "checkpoints"
+    assert (folder / "best.ckpt").resolve().name == "step-5.ckpt"
+    assert torch.load(folder / "last.ckpt", weights_only=False)["global_step"] == 5
+
+
 def test_an_evaluation_off_the_validation_grid_records_no_validation_loss_as_its_own(tmp_path):
     """Validation at step 2, the run ends at 3: step 3's row must not show step 2's loss as its own."""
     evaluation = AcceptanceEvaluation(prompts=PROMPTS, every_n_train_steps=2, budgets=[4], primary_budget=4,

@@ -1224,6 +1224,20 @@ def test_the_planned_last_step_off_the_grid_is_checkpointed_ranked_and_resumed_f
     assert torch.load(folder / "last.ckpt", weights_only=False)["global_step"] == 5
 
 
+def test_under_gradient_accumulation_a_scheduled_step_is_measured_once(tmp_path):
+    """Each micro-batch ends with the hook; those after step 2's optimizer step still read global_step 2, and each
+    measured it again (minutes each on the 8B recipes) with a row of its own (mutation review 10, m20)."""
+    evaluation = CannedEvaluation({2: {8: 1.0}, 4: {8: 2.0}}, every_n_train_steps=2, budgets=[8], primary_budget=8)
+    checkpoints = BestCheckpoint(dirpath=tmp_path / "checkpoints", monitor=monitor_metric(8), every_n_train_steps=2)
+    torch.manual_seed(0)
+    trainer = L.Trainer(max_steps=4, accumulate_grad_batches=2, accelerator="cpu", default_root_dir=tmp_path,
+                        logger=False, callbacks=[evaluation, checkpoints], enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(tiny_module(), train_dataloaders=synthetic_loader(8))  # 8 micro-batches: 4 optimizer steps
+    assert evaluation.decoded == [2, 4]
+    assert [r["step"] for r in evaluation.history] == [2, 4]
+
+
 def test_an_evaluation_off_the_validation_grid_records_no_validation_loss_as_its_own(tmp_path):
     """Validation at step 2, the run ends at 3: step 3's row must not show step 2's loss as its own."""
     evaluation = AcceptanceEvaluation(prompts=PROMPTS, every_n_train_steps=2, budgets=[4], primary_budget=4,

@@ -1459,8 +1459,8 @@ class Overconfident(CannedEvaluation):
 def test_the_eval_line_says_the_drafters_expectation_beside_the_measured_tau(tmp_path, capsys):
     """The line printed at each evaluation is how a user sees an over-confident drafter during training; every canned
     or rigged drafter expected exactly its tau, so a line printing the tau twice passed every test (mutation review
-    G3: C09)."""
-    canned_fit(tmp_path, 2, {2: {8: 1.5}}, kind=Overconfident)
+    G3: C09). It is the primary budget's tau, not the largest's (mutation review 10, m25)."""
+    canned_fit(tmp_path, 2, {2: {8: 1.5, 16: 2.5}}, kind=Overconfident)
     (said,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[eval] step 2")]
     assert said.startswith("[eval] step 2: tau@8 1.50 (drafter expected 2.10), chain 1.00, "), said
 

@@ -1688,8 +1688,9 @@ def test_eval_prompts_are_read_as_bench_reads_them_a_null_id_none_and_an_id_twic
 def test_eval_settings_that_cannot_fit_the_targets_context_stop_the_run_before_training(tmp_path):
     """The tiny target's context is 2048 tokens: a budget or prompt that long failed only at the first evaluation."""
     module = tiny_module()
+    # listed largest first and one twice: the check takes the largest (mutation review 10, m35)
     with pytest.raises(DDTreeError, match=r"^eval.budgets=\[8, 2048\]: a tree of 2048 nodes cannot be verified .* 2048 tokens"):
-        AcceptanceEvaluation(prompts=PROMPTS, budgets=[8, 2048], primary_budget=8).setup(None, module, "fit")
+        AcceptanceEvaluation(prompts=PROMPTS, budgets=[2048, 8, 8], primary_budget=8).setup(None, module, "fit")
     long = tmp_path / "long.jsonl"
     long.write_text(json.dumps({"prompt": "hello " * 2100}) + "\n")
     with pytest.raises(DDTreeError, match=rf"^eval.prompts={re.escape(str(long))}: prompt '1' has \d+ tokens, the "

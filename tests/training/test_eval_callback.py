@@ -733,6 +733,33 @@ def test_a_resume_with_a_lower_save_top_k_keeps_that_many_never_dropping_the_bes
     assert os.readlink(folder / "best.ckpt") == "step-2.ckpt"
 
 
+class FilesAtFirstBatch(L.Callback):
+    """Records (inode, mtime) of each checkpoint file in `folder` as the launch's first training batch starts."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.seen: dict[str, tuple[int, int]] | None = None
+
+    def on_train_batch_start(self, trainer, *args):
+        if self.seen is None:
+            self.seen = {path.name: (path.stat().st_ino, path.stat().st_mtime_ns)
+                         for path in self.folder.glob("*.ckpt") if not path.is_symlink()}
+
+
+def test_a_resume_from_a_ranked_step_does_not_save_it_again_before_training(tmp_path):
+    """on_train_start saves a step the last launch measured but did not save; one it saved is left as it is. Saved
+    again, every resume wrote step-N.ckpt and last.ckpt anew (GBs on the 8B recipes), over the file it resumed from
+    (mutation review 10, m37)."""
+    canned_fit(tmp_path, 4, {2: {8: 1.0}, 4: {8: 2.0}})
+    folder = tmp_path / "checkpoints"
+    written = {path.name: (path.stat().st_ino, path.stat().st_mtime_ns) for path in folder.glob("*.ckpt")
+               if not path.is_symlink()}
+    assert sorted(written) == ["last.ckpt", "step-4.ckpt"]
+    files = FilesAtFirstBatch(folder)
+    canned_fit(tmp_path, 6, {6: {8: 1.5}}, ckpt_path=folder / "last.ckpt", before=[files])
+    assert files.seen == written
+
+
 def test_a_stop_that_ties_a_scheduled_step_is_the_latest_of_equals_whatever_float32_rounds(tmp_path):
     """4/3 logged as float32 rounds up; the stop's measured 4/3 must still tie it, and the later wins, as the report says."""
     assert float(torch.tensor(4 / 3)) > 4 / 3

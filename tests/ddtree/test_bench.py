@@ -335,6 +335,15 @@ def test_an_id_given_twice_is_one_line_naming_both_lines(tmp_path, lines, first,
                                 "has its line number); give each prompt its own id")
 
 
+def test_a_limit_reads_that_many_prompts_from_the_top_of_the_file(tmp_path):
+    """`ddtree bench --limit N` and eval.limit decode the first N prompts; one more was caught only through the
+    training evaluation's rows (mutation review 10, m12)."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": "c"}\n')
+    assert [prompt_id for prompt_id, _, _ in read_prompts(path, limit=2)] == ["1", "2"]
+    assert [prompt_id for prompt_id, _, _ in read_prompts(path, limit=5)] == ["1", "2", "3"]
+
+
 @pytest.mark.parametrize("limit", [0, -2])
 def test_a_limit_below_one_is_refused(tmp_path, limit):
     path = tmp_path / "prompts.jsonl"

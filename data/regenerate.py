@@ -749,11 +749,12 @@ def reuse_merged(out: Path, parts: Path, chunks_of_records: list[list[dict]], se
     """Write back into `parts` the chunks that the merged dataset at `out` already answers; return how many.
 
     `parts` is a work folder and is not shipped, so without this a larger --limit on a fresh clone would
-    generate the shipped answers again. Only a dataset made with exactly these settings is reused, and
-    only chunks whose rows answer exactly their prompts, in order.
+    generate the shipped answers again. Only a dataset whose replies these settings would write (changed_replies:
+    another --chunk-size, or a greedy job's --seed, asked for every answer again) is reused, and only chunks whose
+    rows answer exactly their prompts, in order, sliced as this job chunks them.
     """
     made_with = read_summary(out)
-    if made_with is None or changed_settings(made_with, settings):
+    if made_with is None or changed_replies(made_with, settings):
         return 0
     from datasets import load_from_disk  # heavy import, only needed here
 

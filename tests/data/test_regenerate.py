@@ -356,6 +356,26 @@ def test_a_larger_limit_on_a_fresh_clone_reuses_the_merged_answers(tmp_path, mon
     assert json.loads((tmp_path / "out" / "regeneration.json").read_text())["max_new_tokens"] == 5
 
 
+@pytest.mark.parametrize("flags", [["--chunk-size", "4"], ["--seed", "1"]])
+def test_a_larger_limit_with_settings_that_move_no_reply_reuses_the_merged_answers(tmp_path, monkeypatch, flags):
+    """Another --chunk-size, or a greedy job's other --seed, writes the same replies (--check passes with them), yet
+    extending the shipped data with one generated every answer again: hours on CPU, and the shipped replies replaced."""
+    import shutil
+
+    from datasets import load_from_disk
+
+    prompt_file(tmp_path / "prompts.jsonl", 5)
+    regenerate.run(args_for(tmp_path, "--limit", "4"))
+    shipped = load_from_disk(str(tmp_path / "out")).to_list()
+    shutil.rmtree(tmp_path / "out.parts")  # as shipped
+
+    generated = count_generated(monkeypatch)
+    assert regenerate.run(args_for(tmp_path, *flags))["num_conversations"] == 5
+    assert len(generated) == 1  # p4 only
+    assert load_from_disk(str(tmp_path / "out")).to_list()[:4] == shipped
+    assert regenerate.main([*args_for_argv(tmp_path, *flags), "--check"]) == 0
+
+
 def test_a_smaller_limit_never_shrinks_a_finished_dataset_unasked(tmp_path, capsys):
     """A plain run with --limit 64 over the 2048 shipped answers merged 64 and lost the rest (no .parts folder on a
     fresh clone), with no model loaded and no --overwrite."""

@@ -81,6 +81,25 @@ def test_a_left_padded_prompt_counts_its_positions_from_0_and_its_new_tokens_on_
     assert positions[1:] == [[[6], [3]], [[7], [4]]]  # each new token at the position after the last one
 
 
+def test_a_batch_whose_rows_all_stop_ends_without_a_forward_on_no_rows(tiny):
+    """On a real target nearly every batch ends with all its rows stopped before max_new_tokens; tiny-random never
+    writes its stop token, so no batch here did, and a loop that went on ran the model on 0 rows (a reshape error)."""
+    model, _ = tiny
+    prompts = [[201, 202, 203, 204], [101, 102, 103]]  # one batch, longest first
+    free = regenerate.generate_transformers(model, prompts, pad_id=0, stop_ids=[model.config.vocab_size - 1],
+                                            batch_size=2, max_new_tokens=6, temperature=0.0, top_p=1.0)
+    stops = sorted({free[0][0], free[1][0]})  # each row stops on its first token
+    forwards = []
+    hook = model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    try:
+        got = regenerate.generate_transformers(model, prompts, pad_id=0, stop_ids=stops, batch_size=2,
+                                               max_new_tokens=6, temperature=0.0, top_p=1.0)
+    finally:
+        hook.remove()
+    assert got == [free[0][:1], free[1][:1]]
+    assert len(forwards) == 1  # the prompts' forward only
+
+
 def test_sampling_is_seeded_and_top_p_keeps_the_head():
     logits = torch.tensor([[0.0, 5.0, 1.0, 0.5]])
     assert regenerate.pick_next(logits, 0.0, 1.0).item() == 1

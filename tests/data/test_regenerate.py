@@ -232,6 +232,19 @@ def test_shards_merge_resume_and_settings_guard(tmp_path):
     assert load_from_disk(str(tmp_path / "out"))["id"] == ["p0", "p1", "p2"]
 
 
+def test_a_chunk_cut_short_by_a_smaller_limit_is_not_taken_as_finished_when_the_limit_grows(tmp_path, monkeypatch):
+    """--limit 3 over chunks of 2 leaves chunk 1 holding p2 alone; a run over all 4 prompts with the work folder kept
+    must answer p3 too, not take that chunk's prefix as the whole (the data then silently lacks p3)."""
+    from datasets import load_from_disk
+
+    prompt_file(tmp_path / "prompts.jsonl", 4)
+    regenerate.run(args_for(tmp_path, "--limit", "3"))
+    generated = count_generated(monkeypatch)
+    assert regenerate.run(args_for(tmp_path))["num_conversations"] == 4
+    assert load_from_disk(str(tmp_path / "out"))["id"] == ["p0", "p1", "p2", "p3"]
+    assert len(generated) == 2  # chunk 1 (p2, p3) made again; chunk 0 kept
+
+
 def test_a_reply_that_stops_is_recorded_without_its_stop_token(tmp_path, monkeypatch):
     """tiny-random writes no end of turn within a test's few tokens, so every other row of these tests is cut at
     max_new_tokens: a reply that stopped could keep its stop token (trained as a reply token), be recorded as "length"

@@ -127,6 +127,32 @@ def test_a_sampled_row_draws_from_its_own_generator_whatever_rows_are_beside_it(
     assert len({regenerate.prompt_seed(seed, f"p{i}") for seed in range(3) for i in range(100)}) == 300
 
 
+def sampled(model, prompts, seeds, stop_ids, batch_size):
+    """generate_transformers at temperature 1, each prompt drawing from a fresh generator seeded with its seed."""
+    generators = [torch.Generator().manual_seed(seed) for seed in seeds]
+    return regenerate.generate_transformers(model, prompts, pad_id=0, stop_ids=stop_ids, batch_size=batch_size,
+                                            max_new_tokens=6, temperature=1.0, top_p=1.0, generators=generators)
+
+
+def test_a_sampled_prompt_draws_from_its_own_generator_in_a_batch_sorted_by_length(tiny):
+    """A batch is sorted longest first: a prompt that took the generator of its place in the batch drew another
+    prompt's tokens, so its reply moved with the prompts sharing its chunk."""
+    model, _ = tiny
+    prompts, seeds, never = [[101, 102, 103], [201, 202, 203, 204, 205]], [11, 12], [model.config.vocab_size - 1]
+    alone = [sampled(model, [prompt], [seed], never, 1)[0] for prompt, seed in zip(prompts, seeds)]
+    assert sampled(model, prompts, seeds, never, 2) == alone and alone[0] != alone[1]
+
+
+def test_a_sampled_row_keeps_its_own_generator_after_a_row_beside_it_stops(tiny):
+    """Once a row leaves the batch, the rows still running draw from their own generators, not from the first ones."""
+    model, _ = tiny
+    prompts, seeds, never = [[201, 202, 203], [101, 102, 103]], [21, 22], [model.config.vocab_size - 1]
+    free = sampled(model, prompts, seeds, never, 2)
+    stop = free[0][1]  # row 0 stops at its second token
+    assert stop != free[0][0] and stop not in free[1]
+    assert sampled(model, prompts, seeds, [stop], 2) == [free[0][:2], free[1]]
+
+
 def kept_by_pick_next(monkeypatch, logits, temperature, top_p) -> torch.Tensor:
     """The tokens regeneration may sample, (B, V) bool: the support of what pick_next hands to multinomial (a row at a
     time, each with its own generator)."""

@@ -289,7 +289,8 @@ def test_a_reply_that_stops_is_recorded_without_its_stop_token(tmp_path, monkeyp
     max_new_tokens: a reply that stopped could keep its stop token (trained as a reply token), be recorded as "length"
     (its end of turn never supervised), or keep a special token in its text. The target's tokens are scripted here:
     p0 and p2 stop, p1 runs out. A row's prompt_tokens is held to the prompt the target read too: nothing compared
-    them."""
+    them. The target has two stop ids (<|endoftext|> added, as a generation config listing several eos ids gives),
+    and p2 ends on the second: a reply cut at the first alone kept it as a reply token and was recorded as "length"."""
     from datasets import load_from_disk
 
     from ddtree.targets import load_tokenizer
@@ -301,11 +302,13 @@ def test_a_reply_that_stops_is_recorded_without_its_stop_token(tmp_path, monkeyp
     handed = []  # the prompts the target reads
 
     def scripted(model, prompts, pad_id, stop_ids, *args, **kwargs):  # the loop ends a reply with its stop token
-        assert reply[1] not in stop_ids
+        assert reply[1] not in stop_ids and len(stop_ids) == 2
         handed.extend(prompts)
-        return [reply + [stop_ids[0]] if i % 2 == 0 else reply for i in range(len(prompts))]
+        return [reply + [stop_ids[i // 2]] if i % 2 == 0 else reply for i in range(len(prompts))]
 
     monkeypatch.setattr(regenerate, "generate_transformers", scripted)
+    real_stops = regenerate.stop_token_ids
+    monkeypatch.setattr(regenerate, "stop_token_ids", lambda model, tokenizer: [*real_stops(model, tokenizer), 0])
     prompt_file(tmp_path / "prompts.jsonl", 3)
     summary = regenerate.run(args_for(tmp_path, "--chunk-size", "3", "--batch-size", "3"))
     data = load_from_disk(str(tmp_path / "out"))

@@ -127,6 +127,20 @@ def test_a_sampled_row_draws_from_its_own_generator_whatever_rows_are_beside_it(
     assert len({regenerate.prompt_seed(seed, f"p{i}") for seed in range(3) for i in range(100)}) == 300
 
 
+def test_a_prompt_seed_fits_a_signed_64_bit_seed_and_keeps_seed_and_id_apart():
+    """vLLM takes a signed 64-bit seed; and with --seed and the id run together, seed 1 with id "11" drew the replies
+    of seed 11 with id "1": a prompts file numbering its ids shared replies across seeds."""
+    assert all(0 <= regenerate.prompt_seed(seed, f"p{i}") < 2**63 for seed in range(3) for i in range(200))
+    assert max(regenerate.prompt_seed(0, f"p{i}") for i in range(200)) >= 2**62  # all 63 bits used
+    assert regenerate.prompt_seed(1, "11") != regenerate.prompt_seed(11, "1")
+
+
+def test_sampling_rows_without_a_generator_each_is_refused():
+    """zip would have cut the batch to its generators' count, and the rows beyond them lost their tokens."""
+    with pytest.raises(ValueError, match="sampling needs a generator a row: 2 rows, 1 generators"):
+        regenerate.pick_next(torch.zeros(2, 5), 1.0, 1.0, [torch.Generator()])
+
+
 def sampled(model, prompts, seeds, stop_ids, batch_size):
     """generate_transformers at temperature 1, each prompt drawing from a fresh generator seeded with its seed."""
     generators = [torch.Generator().manual_seed(seed) for seed in seeds]

@@ -81,6 +81,9 @@ def test_the_shipped_files_are_not_replaced_by_other_prompts_unasked(tmp_path, c
                                                "prompts than these settings make; pass --overwrite to replace it, or "
                                                "give another path")
     assert (tmp_path / "eval.jsonl").read_text() == written
+    # Refused for its --eval-out, a job writes no training file either: a refusal changes no file.
+    new_train = ["--train-out", str(tmp_path / "new.jsonl"), *out[2:]]
+    assert make_prompts.main([*new_train, *small[:-1], "6"]) == 2 and not (tmp_path / "new.jsonl").exists()
     assert make_prompts.main([*out, *small[:-1], "6", "--overwrite"]) == 0
     assert len((tmp_path / "eval.jsonl").read_text().splitlines()) == 6
 

@@ -122,6 +122,20 @@ def test_a_grafted_path_stays_within_the_budget_and_keeps_the_drafter_scores(see
     assert tree.grafted == tree.depths[len(drafted):]  # the depths of exactly the nodes the graft added
 
 
+@pytest.mark.parametrize("budget,lookup", [(4, []), (4, [0, 0]), (2, [])])
+def test_a_quoted_path_as_long_as_the_budget_leaves_the_drafter_a_node_too(budget, lookup):
+    """A corpus quote that took the rest of the budget left the drafter no node: a quote wrong at depth 1 then left
+    the round nothing to accept."""
+    logits = torch.randn(5, 4, generator=torch.Generator().manual_seed(0)) * 2
+    quoted = [1, 2, 3, 1, 2]
+    tree = draft_tree(logits, budget, lookup, quoted=quoted)
+    kept = quoted[: budget - len(lookup) - 1]
+    drafted = build_tree(logits, budget - len(lookup) - len(kept))
+    assert len(drafted) >= 1 and len(tree) <= budget
+    assert (tree.tokens[: len(drafted)], tree.parents[: len(drafted)]) == (drafted.tokens, drafted.parents)
+    assert tuple(kept) in node_paths(tree)
+
+
 def test_a_graft_longer_than_the_draft_is_kept_whole_and_its_deeper_nodes_add_nothing_to_the_expectation():
     logits = torch.randn(3, 6, generator=torch.Generator().manual_seed(0)) * 2  # a 3-deep draft
     lookup = [1, 2, 3, 4, 5]  # a copy 5 deep

@@ -86,7 +86,7 @@ def test_a_static_generation_that_fills_its_padded_capacity_exactly_fits_its_las
 def test_a_round_that_max_new_tokens_ends_drafts_no_deeper_than_it_can_commit(tiny_target):
     """A path of depth d commits d + 1 tokens (its bonus too): a deeper draft is verified and never committed, which
     costs verify rows and a deeper lookup graft in the rounds that end a reply. Below the block (16) the room alone sets
-    each round's depth, and a round with room for one token (the bonus) drafts nothing."""
+    each round's depth: a round with room for one token (the bonus) drafts nothing, one with room for two drafts one."""
     target, _ = tiny_target
     prompt = [5, 17, 42, 8, 99, 3, 61]
     reference = hf_greedy(target, prompt, 11)
@@ -94,8 +94,10 @@ def test_a_round_that_max_new_tokens_ends_drafts_no_deeper_than_it_can_commit(ti
         rigged = RiggedDrafter(prompt + reference, target.config.vocab_size)
         result = generate(target, prompt, "ddtree", rigged, 16, max_new_tokens, [])
         assert result.new_tokens == reference[:max_new_tokens]
-        rooms = [max_new_tokens - (start - len(prompt) + 1) for start, _ in rigged.calls]  # (the root is committed)
-        assert [depth for _, depth in rigged.calls] == [room - 1 for room in rooms], (max_new_tokens, rigged.calls)
+        committed = [sum(r.committed for r in result.rounds[:i]) for i in range(len(result.rounds))]
+        rooms = [max_new_tokens - 1 - before for before in committed]  # each round's room (the root is committed)
+        drafted = [room - 1 for room in rooms if room > 1]
+        assert [depth for _, depth in rigged.calls] == drafted, (max_new_tokens, rigged.calls, rooms)
 
 
 def test_redrafted_rows_are_divided_by_the_temperatures_of_their_own_depths(tiny_target):

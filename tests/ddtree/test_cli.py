@@ -1260,6 +1260,7 @@ def test_verify_cost_numbers_out_of_range_are_one_line(capsys, flags, message):
     (["--budgets", "0"], "budget 0 must be at least 1"),
     (["--prompts", "README.md"], "README.md:1: not valid JSON"),
     (["--limit", "0"], "limit 0 must be at least 1"),
+    (["--max-new-tokens", "0"], "--max-new-tokens 0 must be at least 1"),
 ])
 def test_bench_methods_budgets_and_prompts_are_checked_before_the_target_loads(capsys, monkeypatch, flags, message):
     """An unknown method and a prompts file that is no JSONL were said only after the target had loaded (13 s on

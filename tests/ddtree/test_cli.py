@@ -1272,6 +1272,17 @@ def test_bench_methods_budgets_and_prompts_are_checked_before_the_target_loads(c
     assert message in _bad(capsys, "bench", *given)
 
 
+@pytest.mark.parametrize("command", [["generate", "--prompt", "Hi", "--budget", "0"],
+                                     ["calibrate", "--prompts", "data/eval_prompts.jsonl", "--budgets", "4,0"]])
+def test_generate_and_calibrate_budgets_are_checked_before_the_target_loads(capsys, monkeypatch, tmp_path, tiny_target,
+                                                                            command):
+    """bench checks its budgets with its methods; generate's and calibrate's are checked in _setup, which the target's
+    own check (after the load) would otherwise stand in for."""
+    folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
+    monkeypatch.setattr(ddtree.cli, "load_target", lambda *args, **kwargs: pytest.fail("loaded the target first"))
+    assert "budget 0 must be at least 1" in _bad(capsys, *command, "--target", TARGET, "--drafter", str(folder))
+
+
 def test_sampling_settings_name_only_the_rule_broken(capsys):
     line = _bad(capsys, "generate", "--target", TARGET, "--prompt", "Hi", "--top-p", "2")
     assert line == "error: bad sampling settings: top_p 2.0 must be in (0, 1]"

@@ -74,9 +74,10 @@ def test_ddtree_sampling_matches_the_target(tiny_pair, sampling):
     assert chi_square_p(counts, exact_joint(target, hotter)) < ALPHA
 
 
-@pytest.mark.parametrize("temperature", [1e-39, 1e-300])
+@pytest.mark.parametrize("temperature", [1e-39, 1e-300, 1e-310])
 def test_a_tiny_temperature_samples_the_argmax(tiny_pair, temperature):
-    """Logits over a tiny temperature overflow float32; the distribution must still be the argmax's, not NaN."""
+    """Logits over a tiny temperature overflow float32, and below about 1e-307 float64 too (30 / 1e-310 is inf, and a
+    softmax over infs NaN); the distribution must still be the argmax's, not NaN."""
     target, drafter = tiny_pair
     logits = torch.tensor([30.0, 10.0, -5.0, 29.0])
     assert torch.equal(Sampling(temperature).probabilities(logits), torch.tensor([1.0, 0.0, 0.0, 0.0]))

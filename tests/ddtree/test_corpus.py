@@ -42,6 +42,8 @@ def test_a_tie_goes_to_the_reply_seen_first_however_the_runs_interleave():
     # one that sorts between ids the replies hold takes the rank of the next one up, 30: it must not borrow 30's run
     between = CorpusLookup([[10, 20, 30, 40, 50]], ngram=3, length=2)
     assert between.continuation([10, 20, 30], 2) == [40, 50] and between.continuation([10, 20, 25], 2) == []
+    # one above every id the replies hold (a rare token the target emits) ranks past the end: [], not an IndexError
+    assert between.continuation([10, 20, 60], 2) == [] and between.continuation([60, 10, 20], 2) == []
     assert len(corpus) == 3 and corpus.table == {(0, 1): [100], (1, 2): [100], (2, 3): [100]}
 
 

@@ -24,6 +24,9 @@ def test_the_rule_maximises_expected_tokens_per_millisecond():
     assert TreeSizer(fixed_ms=1.0, row_ms=100.0).size(log_probs) == 1  # rows dearer than anything they bring
     # by hand, 10 ms + 2 ms a row (the root is a row): n=1 1.6/14 = 0.1143, n=2 1.9/16 = 0.1188, n=3 2.1/18 = 0.1167
     assert TreeSizer(fixed_ms=10.0, row_ms=2.0).size(log_probs) == 2
+    # where rows weigh more against the fixed cost the root's row decides it: 4 ms + 1 ms a row, n=1 1.6/6 = 0.2667,
+    # n=2 1.9/7 = 0.2714, n=3 2.1/8 = 0.2625 (without the root's row n=1 wins, 1.6/5 = 0.32 against 1.9/6 = 0.317)
+    assert TreeSizer(fixed_ms=4.0, row_ms=1.0).size(log_probs) == 2
     # 50 more rows whatever n is: n=3 2.1/118 = 0.01780, n=4 2.15/120 = 0.01792, n=5 2.16/122 = 0.01770
     assert TreeSizer(fixed_ms=10.0, row_ms=2.0).size(log_probs, extra_rows=50) == 4
     assert TreeSizer(fixed_ms=10.0, row_ms=2.0).size([]) == 0

@@ -42,6 +42,12 @@ def test_the_rounds_overhead_is_a_running_mean_and_favours_larger_trees():
     log_probs = [math.log(p) for p in (0.6, 0.3, 0.2, 0.05, 0.01)]
     # 16 ms fixed in all: n=2 1.9/22 = 0.0864, n=3 2.1/24 = 0.0875, n=4 2.15/26 = 0.0827 (without it, n=2 wins)
     assert sizer.size(log_probs) == 3
+    # past 50 rounds each weighs 1/50: after 100 rounds of 0 ms, 50 of 100 ms bring it to 100 x (1 - (49/50)^50) = 63.6,
+    # where a mean over every round would still say 33.3 (a cold start's first rounds would size every later tree)
+    later = TreeSizer(fixed_ms=10.0, row_ms=2.0)
+    for ms in [0.0] * 100 + [100.0] * 50:
+        later.observe_overhead(ms)
+    assert later.overhead_ms == pytest.approx(100.0 * (1 - (49 / 50) ** 50))
 
 
 def test_measure_fits_a_cost_line_on_the_machine(monkeypatch):

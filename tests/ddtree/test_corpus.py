@@ -13,6 +13,8 @@ from ddtree.cli import load_drafter
 from ddtree.corpus import CORPUS_FILE, CorpusLookup, majority_path, read_replies, write_replies
 from ddtree.decoding import DrafterRunner, OnlineCalibration, draft_tree, generate
 from ddtree.errors import DDTreeError
+from ddtree.sizing import TreeSizer
+from ddtree.tree import build_tree
 from rigged import hf_greedy  # tests/rigged.py
 
 
@@ -56,6 +58,18 @@ def test_the_quoted_path_takes_its_share_of_the_budget_and_leaves_the_drafter_a_
         row = tree.children[row][token]
     assert tree.children[row] == {}
     assert len(draft_tree(logits, 2, lookup=[1, 2], quoted=[3]).tokens) <= 2  # no room left: nothing quoted
+
+
+def test_the_sizer_counts_the_quoted_paths_rows_in_every_trees_cost():
+    """The quoted path is verified whatever size the drafter's part takes: the sizer prices each size with its rows
+    (a corpus is the shipped drafters' default: left out, every --adaptive-size round is sized as if they were free)."""
+    logits = torch.randn(7, 50, generator=torch.Generator().manual_seed(0)) * 3
+    sizer = TreeSizer(fixed_ms=10.0, row_ms=2.0)
+    tree = draft_tree(logits, 16, sizer=sizer, quoted=[1, 2, 3, 4, 5, 6])
+    drafted = build_tree(logits, 16 - 6)  # the drafter's share of the budget
+    kept = sizer.size(drafted.log_probs, extra_rows=6)
+    assert kept == 4 and sizer.size(drafted.log_probs) == 2  # the 6 quoted rows make larger trees pay
+    assert len(tree.quoted) == 6 and tree.tokens[:-6] == drafted.tokens[:kept]
 
 
 def test_conversations_give_their_assistant_turns(tmp_path, tiny_target):

@@ -151,6 +151,8 @@ def test_a_corpus_file_reads_back_its_replies_and_a_broken_one_is_one_line(tmp_p
 
     for name, tensors, problem in (
         ("float", {"tokens": torch.ones(10), "offsets": torch.tensor([0.0, 10.0])}, "tokens is 1-D torch.float32"),
+        # bool ids would read as replies of 0s and 1s
+        ("bool", {"tokens": torch.tensor([True, False]), "offsets": torch.tensor([0, 2])}, "tokens is 1-D torch.bool"),
         ("2d", {"tokens": torch.ones(2, 5, dtype=torch.int32), "offsets": torch.tensor([0, 10])}, "tokens is 2-D"),
         ("past", {"tokens": torch.ones(4, dtype=torch.int32), "offsets": torch.tensor([0, 9])}, "offsets do not run"),
         ("back", {"tokens": torch.ones(4, dtype=torch.int32), "offsets": torch.tensor([0, 3, 1, 4])}, "offsets do not run"),

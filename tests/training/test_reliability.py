@@ -1315,6 +1315,19 @@ def test_the_bench_command_printed_at_the_end_reproduces_the_logged_tau(tmp_path
         assert measured[key]["tau"] == logged[key]["tau"], key
 
 
+def test_the_bench_command_carries_the_target_dtype_and_a_lookup_or_redraft_of_0(tmp_path):
+    """The settings the run above leaves at their defaults: model.target_dtype over the precision's dtype (training ran
+    the target in it), eval.lookup 0 and eval.redraft 2 (0 is not the drafter's default: bench left without --lookup
+    grafts the lookup a corpus drafter's config names), eval.limit null (every prompt, as bench without --limit)."""
+    evaluation = AcceptanceEvaluation(prompts="p.jsonl", budgets=[8], primary_budget=8, limit=None, lookup=0, redraft=2)
+    cli = SimpleNamespace(model=SimpleNamespace(hparams=SimpleNamespace(target="tiny-random", target_dtype="bfloat16")),
+                          trainer=SimpleNamespace(precision="32-true", callbacks=[evaluation]))
+    words = shlex.split(training.train.bench_command(cli, tmp_path / "drafter"))
+    for flag, value in (("--dtype", "bfloat16"), ("--lookup", "0"), ("--redraft", "2"), ("--budgets", "8")):
+        assert words[words.index(flag) + 1] == value, (flag, words)
+    assert "--limit" not in words, words
+
+
 def test_a_finished_distributed_run_closes_its_process_group(tmp_path, recwarn):
     """Left to the interpreter's exit, a finished ZeRO-2 rank once aborted there (exit 134, "terminate called without
     an active exception", in a full `make test`), and NCCL warns on every rank. One process under `ddp` opens a group

@@ -1266,8 +1266,12 @@ def test_a_resumed_run_keeps_its_own_recipe(tmp_path, capsys, monkeypatch):
 
 def test_resuming_a_finished_run_says_so_and_keeps_its_drafter(tmp_path, capsys):
     """Lightning trains nothing past max_steps; the launch rewrote drafter/ and exited 0 without a word."""
-    assert train_main(tiny_args(tmp_path, "done", max_steps=2)) == 0
+    prompts = tmp_path / "prompts.jsonl"  # one prompt: eval.limit null evaluates every prompt of the file
+    prompts.write_text((REPO / "data" / "eval_prompts.jsonl").read_text().splitlines()[0] + "\n")
+    assert train_main([*tiny_args(tmp_path, "done", max_steps=2), f"--eval.prompts={prompts}", "--eval.limit=null"]) == 0
     run_dir = tmp_path / "out" / "tiny" / "done"
+    # config.yaml keeps a null over a non-null default: dropped, every resume would evaluate eval.limit's default 8
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["eval"]["limit"] is None
     drafter = run_dir / "drafter" / "model.safetensors"
     written = drafter.stat().st_mtime_ns
     capsys.readouterr()

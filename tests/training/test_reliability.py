@@ -786,6 +786,26 @@ def test_a_crash_after_a_checkpoint_says_how_to_resume_beside_its_traceback(tmp_
     assert lines[0].endswith(f"RESUME={resume} (it continues from step 2, that checkpoint's: step 3 is trained again)")
 
 
+def test_a_crash_after_the_first_step_before_any_checkpoint_says_so_beside_its_traceback(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """A step trained is a run that started (its folder and logs stay): the line says that it failed and that there
+    is nothing to resume, not a traceback alone."""
+    checked = DistillModule.training_step
+
+    def crashing(self, batch, batch_idx):
+        if self.global_step == 1:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return checked(self, batch, batch_idx)
+
+    monkeypatch.setattr(DistillModule, "training_step", crashing)
+    with pytest.raises(RuntimeError, match="simulated"):
+        train_main(tiny_args(tmp_path, "crashed", max_steps=4, every=4))
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[train]")]
+    assert lines == ["[train] failed (RuntimeError) at step 1; no drafter written; no checkpoint was written yet, so "
+                     "nothing can be resumed; start it again (the same command)"], lines
+    assert (tmp_path / "out" / "tiny" / "crashed" / "config.yaml").is_file()
+
+
 def blow_up_update(monkeypatch, step: int) -> None:
     """The optimizer update that makes step `step` leaves NaN weights, with a finite loss and gradient, as a too-large
     learning rate can: only the next step's loss would show it."""

@@ -1062,14 +1062,25 @@ def test_a_start_that_fails_on_its_data_leaves_no_run_folder(tmp_path, capsys, e
     assert not (tmp_path / "out").exists()  # nor the <output-root>/<recipe>/ folders made for it
 
 
-def test_a_failed_start_in_a_folder_that_was_there_keeps_the_folders_own_files(tmp_path, capsys):
-    """--run names a folder the user made (notes in it): the failure removes what the launch wrote, nothing else."""
+def test_a_failed_start_in_a_folder_that_was_there_keeps_the_folders_own_files(tmp_path, capsys, monkeypatch):
+    """--run names a folder the user made (notes in it): the failure removes what the launch wrote, nothing else. A
+    corpus.safetensors it left would be kept by the next launch there as its own, from whatever data it reads."""
     run_dir = tmp_path / "out" / "tiny" / "mine"
     run_dir.mkdir(parents=True)
     (run_dir / "notes.txt").write_text("keep me")
     args = with_data(tiny_args(tmp_path, "mine", max_steps=2), unreadable_data(tmp_path)) + ["--model.corpus=true"]
     assert train_main(args) == 2
     assert (run_dir / "notes.txt").read_text() == "keep me" and not (run_dir / "config.yaml").exists()
+
+    def crashing(self, batch, batch_idx):  # after the corpus is written, before the first step
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(DistillModule, "training_step", crashing)
+    with pytest.raises(RuntimeError, match="simulated"):
+        train_main([*tiny_args(tmp_path, "mine", max_steps=2), "--model.corpus=true"])
+    assert "training replies written to" in capsys.readouterr().out
+    assert (run_dir / "notes.txt").read_text() == "keep me" and not (run_dir / "corpus.safetensors").exists()
+    assert not (run_dir / "config.yaml").exists()
 
 
 @pytest.mark.parametrize("field, given, problem", [

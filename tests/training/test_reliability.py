@@ -766,16 +766,21 @@ def test_the_ranks_of_an_evaluation_say_their_lines_once_and_pack_as_rank_0_chos
     assert ("[eval] [packed weights]" in said[0]) == (cannot_pack(target) is None)  # auto says what it measured
 
 
-def test_a_crash_after_a_checkpoint_says_how_to_resume_beside_its_traceback(tmp_path, monkeypatch, capsys):
-    """Found in a review (2026-12-02): an evaluation that crashed after an earlier checkpoint left a traceback alone."""
+def crash_training_at(monkeypatch, step: int | None) -> None:
+    """DistillModule.training_step raises a simulated CUDA out-of-memory at `step` (at every step where None)."""
     checked = DistillModule.training_step
 
     def crashing(self, batch, batch_idx):
-        if self.global_step == 3:
+        if step is None or self.global_step == step:
             raise RuntimeError("CUDA out of memory (simulated)")
         return checked(self, batch, batch_idx)
 
     monkeypatch.setattr(DistillModule, "training_step", crashing)
+
+
+def test_a_crash_after_a_checkpoint_says_how_to_resume_beside_its_traceback(tmp_path, monkeypatch, capsys):
+    """Found in a review (2026-12-02): an evaluation that crashed after an earlier checkpoint left a traceback alone."""
+    crash_training_at(monkeypatch, 3)
     with pytest.raises(RuntimeError, match="simulated"):
         train_main(tiny_args(tmp_path, "crashed", max_steps=6))
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[train]")]
@@ -790,14 +795,7 @@ def test_a_crash_after_the_first_step_before_any_checkpoint_says_so_beside_its_t
                                                                                           capsys):
     """A step trained is a run that started (its folder and logs stay): the line says that it failed and that there
     is nothing to resume, not a traceback alone."""
-    checked = DistillModule.training_step
-
-    def crashing(self, batch, batch_idx):
-        if self.global_step == 1:
-            raise RuntimeError("CUDA out of memory (simulated)")
-        return checked(self, batch, batch_idx)
-
-    monkeypatch.setattr(DistillModule, "training_step", crashing)
+    crash_training_at(monkeypatch, 1)
     with pytest.raises(RuntimeError, match="simulated"):
         train_main(tiny_args(tmp_path, "crashed", max_steps=4, every=4))
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[train]")]
@@ -1072,10 +1070,7 @@ def test_a_failed_start_in_a_folder_that_was_there_keeps_the_folders_own_files(t
     assert train_main(args) == 2
     assert (run_dir / "notes.txt").read_text() == "keep me" and not (run_dir / "config.yaml").exists()
 
-    def crashing(self, batch, batch_idx):  # after the corpus is written, before the first step
-        raise RuntimeError("CUDA out of memory (simulated)")
-
-    monkeypatch.setattr(DistillModule, "training_step", crashing)
+    crash_training_at(monkeypatch, None)  # after the corpus is written, before the first step
     with pytest.raises(RuntimeError, match="simulated"):
         train_main([*tiny_args(tmp_path, "mine", max_steps=2), "--model.corpus=true"])
     assert "training replies written to" in capsys.readouterr().out

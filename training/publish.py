@@ -69,7 +69,7 @@ from .checkpoint_paths import (abandoned_branch, check_run_folder, find_run_chec
                                run_folder_of)
 from .checkpoints import Checkpoint, load_checkpoint, recorded_evaluation
 from .engines import Export, engine_problems, refusal, serve_commands, target_facts, weight_shapes
-from .export import record_trained_target, run_corpus
+from .export import checkpoint_corpus, record_trained_target, run_corpus
 from .hub import check_card_fields, check_card_metadata, check_export_folder, check_repo_id, preflight_hub, push
 from .hub_config import LIBRARY_DIR, REMOTE_CODE, hub_config, target_hub_id, verifier_for
 from .model_card import (CardFacts, count_training_prompts, decoding_target, eval_folder, evaluated_steps,
@@ -199,11 +199,9 @@ def export_folder(
         evaluation = None
     data_path = training_data_path(run_dir, run_config)
     training_prompts = evaluated_training_prompts(data_path, evaluation) if evaluation is not None else None
-    # RUN's corpus where this checkpoint was trained with it: a resume that dropped model.corpus leaves the file
-    corpus = run_corpus(run_dir) if runs_own and checkpoint.hyper_parameters.get("corpus") else None
-    if runs_own and checkpoint.hyper_parameters.get("corpus") and corpus is None:  # its tau was measured grafting it
-        raise DDTreeError(f"{path} was trained with model.corpus, but {run_dir / CORPUS_FILE} is missing: the export "
-                          "would decode differently from what its card reports; put the run's corpus back")
+    # RUN's corpus where this checkpoint was trained with it (a resume that dropped model.corpus leaves the file), as
+    # the plain export decides; one trained with it whose run lacks it is refused: its tau was measured grafting it
+    corpus = checkpoint_corpus(path, run_dir, bool(checkpoint.hyper_parameters.get("corpus"))) if runs_own else None
 
     with staged_folder(out) as staging:
         drafter.save_pretrained(staging)  # model.safetensors + config.json

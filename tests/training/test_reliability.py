@@ -1361,6 +1361,21 @@ def test_the_bench_command_carries_the_target_dtype_and_a_lookup_or_redraft_of_0
     assert "--limit" not in words, words
 
 
+def test_the_make_args_of_a_printed_command_reach_the_recipe_as_given(tmp_path):
+    """make_words quotes the overrides that the multi-process refusal prints as `make features ... ARGS="..."`: pasted
+    into a shell, make must hand its recipe the same words. Without `$` doubled for make, a data path under
+    `/data/$USER/...` reached the build as `/data/SER/...` (make expands `$U`)."""
+    words = ["--data.data_path=/tmp/a $USER b", "it's", 'say "hi"', "back\\slash", "`date`", "$(x) ${y}", "100%"]
+    makefile = tmp_path / "Makefile"
+    makefile.write_text("show:\n\t@printf '<%s>\\n' $(ARGS)\n")
+    make_env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
+    shown = subprocess.run(["bash", "-c", f"make -s -f {shlex.quote(str(makefile))} show "
+                                          f"ARGS={training.train.make_words(words)}"],
+                           env=make_env, capture_output=True, text=True)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.splitlines() == [f"<{word}>" for word in words]
+
+
 def test_a_finished_distributed_run_closes_its_process_group(tmp_path, recwarn):
     """Left to the interpreter's exit, a finished ZeRO-2 rank once aborted there (exit 134, "terminate called without
     an active exception", in a full `make test`), and NCCL warns on every rank. One process under `ddp` opens a group

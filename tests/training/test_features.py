@@ -1289,6 +1289,20 @@ def test_cli_builds_a_warm_starts_store_of_the_layers_its_drafter_reads(tmp_path
     tiny_module(init_from=str(warm), target_layer_ids=None, num_layers=None, block_size=None).check_feature_store(store)
 
 
+def test_cli_out_is_where_the_store_is_built_though_the_recipe_names_auto(tmp_path, monkeypatch, capsys):
+    """`make features RECIPE=smollm2-135m OUT=<dir>`: that recipe's data.feature_store is auto, and OUT names the store
+    all the same. A build that took every OUT other than the recipe's own folder for a richer store standing in passed
+    every test (they gave --out without auto, or auto without --out): it printed "already holds these features ...
+    nothing to do", built nothing, and a run from that folder found no store (mutation review 16, m29)."""
+    monkeypatch.setattr(training.feature_store, "cache_dir", lambda: tmp_path / "ddtree-cache")
+    data = write_conversations(tmp_path / "conversations.jsonl")
+    out = tmp_path / "store"
+    assert main(["--recipe", "tiny", "--out", str(out), f"--data.data_path={data}", "--data.max_length=128",
+                 f"--data.cache_dir={tmp_path / 'cache'}", "--data.feature_store=auto"]) == 0
+    assert "nothing to do" not in capsys.readouterr().out
+    assert FeatureStore(out).layer_ids == [1, 3, 4] and not (tmp_path / "ddtree-cache" / "features").exists()
+
+
 def test_a_store_or_cache_under_tilde_is_in_the_home_folder(tmp_path, monkeypatch, capsys):
     """`--data.feature_store=~/x` reaches no shell, nor does a recipe's `feature_store: ~/x`: the build wrote a folder
     named `~` in the working one, where a run from elsewhere did not find it."""

@@ -1303,6 +1303,20 @@ def test_cli_out_is_where_the_store_is_built_though_the_recipe_names_auto(tmp_pa
     assert FeatureStore(out).layer_ids == [1, 3, 4] and not (tmp_path / "ddtree-cache" / "features").exists()
 
 
+def test_cli_builds_a_top_k_recipes_store_with_its_teacher_alone(tmp_path):
+    """A recipe with model.distill_top_k: `make features` keeps the target's top k next tokens its training distils
+    from. store_teacher was tested alone and the CLI only with distill_weight: a build that dropped distill_top_k kept
+    the final hidden states instead (2H bytes a token where 8k do), and the run refused that store for want of its
+    teacher (mutation review 16, m27)."""
+    data = write_conversations(tmp_path / "conversations.jsonl")
+    out = tmp_path / "store"
+    assert main(["--recipe", "tiny", "--out", str(out), f"--data.data_path={data}", "--data.max_length=128",
+                 f"--data.cache_dir={tmp_path / 'cache'}", "--model.distill_weight=0.5", "--model.distill_top_k=4"]) == 0
+    store = FeatureStore(out)
+    assert (store.teacher_top_k, store.final_hidden) == (4, False)
+    tiny_module(distill_weight=0.5, distill_top_k=4).check_feature_store(store)  # what that run reads
+
+
 def test_a_store_or_cache_under_tilde_is_in_the_home_folder(tmp_path, monkeypatch, capsys):
     """`--data.feature_store=~/x` reaches no shell, nor does a recipe's `feature_store: ~/x`: the build wrote a folder
     named `~` in the working one, where a run from elsewhere did not find it."""

@@ -1317,6 +1317,32 @@ def test_cli_builds_a_top_k_recipes_store_with_its_teacher_alone(tmp_path):
     tiny_module(distill_weight=0.5, distill_top_k=4).check_feature_store(store)  # what that run reads
 
 
+def test_cli_builds_the_store_of_a_recipes_target_adapter(tmp_path):
+    """model.target_adapter: the store holds the features of the target with the adapter merged, as training computes
+    them. Through the CLI only its hand-over to the data was tested: a build that dropped it wrote the base target's
+    features, and the run refused that store, which `make features` then took as built (mutation review 16, m26)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    base, _ = load_target("tiny-random")
+    adapter = tmp_path / "adapter"
+    get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False)).save_pretrained(adapter)
+    data = write_conversations(tmp_path / "conversations.jsonl")
+    out = tmp_path / "store"
+    assert main(["--recipe", "tiny", "--out", str(out), f"--data.data_path={data}", "--data.max_length=128",
+                 f"--data.cache_dir={tmp_path / 'cache'}", f"--model.target_adapter={adapter}",
+                 "--trainer.precision=32-true"]) == 0
+    store = FeatureStore(out)
+    assert store.target_adapter == str(adapter) and store.target_adapter_sha256 is not None
+    target, _ = load_frozen_target("tiny-random", torch.float32, str(adapter))
+    tokenized, _, _ = DistillDataModule(target="tiny-random", data_path=str(data), max_length=128,
+                                        cache_dir=str(tmp_path / "cache")).load_tokenized()
+    for i in range(len(tokenized)):  # (the CLI's length-sorted batches pad: the float rounding differs a little)
+        online = target_layer_features(target, tokenized[i]["input_ids"][None], LAYER_IDS)[0]
+        torch.testing.assert_close(store[i], online, rtol=0, atol=1e-6)
+    tiny_module(target_adapter=str(adapter)).check_feature_store(store)  # what that run reads
+
+
 def test_a_store_or_cache_under_tilde_is_in_the_home_folder(tmp_path, monkeypatch, capsys):
     """`--data.feature_store=~/x` reaches no shell, nor does a recipe's `feature_store: ~/x`: the build wrote a folder
     named `~` in the working one, where a run from elsewhere did not find it."""

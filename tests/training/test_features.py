@@ -1255,16 +1255,19 @@ def test_cli_bad_input_exits_2_with_one_line(capsys):
 
 # model.target_dtype float32 under bf16-mixed: training runs the target in fp32, and a bf16 store would be read cast,
 # its features rounded to bf16 where decoding feeds fp32 ones; `make features` ignoring it passed (mutation review,
-# gap 6 / R03)
-@pytest.mark.parametrize("target_dtype, dtype", [("auto", torch.bfloat16), ("float32", torch.float32)])
-def test_cli_builds_the_recipe_store(tmp_path, target_dtype, dtype):
+# gap 6 / R03); and under 32-true (what auto picks on a CPU slow in bf16) the store is fp32: one built for bf16-mixed
+# whatever the precision passed every test, and fp32 training read features rounded to bf16 (mutation review 16, m28)
+@pytest.mark.parametrize("precision, target_dtype, dtype", [("bf16-mixed", "auto", torch.bfloat16),
+                                                            ("bf16-mixed", "float32", torch.float32),
+                                                            ("32-true", "auto", torch.float32)])
+def test_cli_builds_the_recipe_store(tmp_path, precision, target_dtype, dtype):
     data = write_conversations(tmp_path / "conversations.jsonl")
     out = tmp_path / "store"
     assert main(["--recipe", "tiny", "--out", str(out), f"--data.data_path={data}", "--data.max_length=128",
-                 f"--data.cache_dir={tmp_path / 'cache'}", "--trainer.precision=bf16-mixed",
+                 f"--data.cache_dir={tmp_path / 'cache'}", f"--trainer.precision={precision}",
                  f"--model.target_dtype={target_dtype}"]) == 0
     store = FeatureStore(out)  # the recipe's layers and target, in the dtype training runs that target in
-    assert dtype == dtype_for_precision("bf16-mixed", target_dtype)
+    assert dtype == dtype_for_precision(precision, target_dtype)
     assert store.layer_ids == [1, 3, 4] and store.dtype == dtype and store.target == "tiny-random"
     recipe_data = DistillDataModule(target="tiny-random", data_path=str(data), max_length=128,
                                     cache_dir=str(tmp_path / "cache"), feature_store=str(out))

@@ -1771,12 +1771,15 @@ def test_a_store_keyed_by_an_earlier_tokenization_version_serves_where_its_ids_a
     # today's supervise more the loss took the label as the teacher, silently (mutation review, gap 3 / F17)
     with monkeypatch.context() as version_3:
         version_3.setattr(training.data, "TOKENIZATION_VERSION", 3)
-        old_teacher = build_feature_store(make_datamodule(tmp_path), tmp_path / "old-top4", layer_ids=LAYER_IDS,
-                                          dtype=torch.float32, teacher_top_k=4)
+        old_teacher = build_feature_store(make_datamodule(tmp_path), tmp_path / "features" / f"tiny-{old_key}-top4",
+                                          layer_ids=LAYER_IDS, dtype=torch.float32, teacher_top_k=4)
     assert FeatureStore(old_teacher).tokenization_key == old_key
     with pytest.raises(DDTreeError) as refused:
         make_datamodule(tmp_path, feature_store=str(old_teacher)).setup("fit")
     assert "an earlier version's tokenization of it" in one_line(refused.value)
+    # ...nor found by `auto`: a top-k recipe builds its own at today's key. Found by the ids alone, `make features`
+    # refused it as another build and training stopped on it, and no test said so (mutation review 16, m22)
+    assert resolve_store_path("auto", "tiny", datamodule, teacher_top_k=4).name == f"tiny-{current}-top4"
 
     other_ids = cached["input_ids"].clone()
     other_ids[0] += 1

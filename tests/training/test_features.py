@@ -569,6 +569,27 @@ def test_a_damaged_shard_is_computed_again_on_resume_and_named_at_open(tmp_path,
     assert "lacks shard-00000.safetensors" in one_line(refused.value) and "--force" in str(refused.value)
 
 
+def test_a_finished_shard_of_another_build_is_computed_again_on_resume(tmp_path, monkeypatch):
+    """Two builds of one store at once where the filesystem has no locks (take_lock): the one of other settings starts
+    over in the same <out>.partial, and the other's next shard lands there, whole and of the planned shape. A resume
+    that judged finished shards by their shape alone kept it, and the store it finished, its manifest naming another
+    build than that shard, was refused at open as replaced (mutation review 16, m9)."""
+    from safetensors.torch import load_file, save_file
+
+    dm = make_datamodule(tmp_path)
+    settings = dict(layer_ids=LAYER_IDS, max_shard_bytes=shard_bytes(3))
+    straight = build_feature_store(dm, tmp_path / "straight", **settings)
+    out = tmp_path / "resumed"
+    interrupted_build(monkeypatch, dm, out, **settings)
+    shard = partial_path(out) / "shard-00000.safetensors"
+    other = {name: tensor if name == "offsets" else torch.zeros_like(tensor)  # other layers' features: zeros here
+             for name, tensor in load_file(shard).items()}
+    save_file(other, shard, metadata={"build_id": "another build"})
+    store = FeatureStore(build_feature_store(dm, out, **settings))
+    assert same_shard(out / "shard-00000.safetensors", straight / "shard-00000.safetensors")
+    assert store[0].equal(FeatureStore(straight)[0])
+
+
 @pytest.mark.parametrize("full", [
     OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)),
     # what safetensors' save_file raises on a full disk (a 2 MiB tmpfs filled by another job): not an OSError

@@ -899,6 +899,24 @@ def test_make_eval_shows_the_logged_tau_only_where_training_measured_the_same_wa
     assert f"target tiny-random in {now}" in printed.out  # the dtype it ran in, recorded as training records it
 
 
+def test_make_eval_of_a_step_training_did_not_evaluate_shows_no_logged_tau(saved, tmp_path, capsys):
+    """A checkpoint of a step training did not evaluate (a requeue's hpc_ckpt, a stop off the evaluation grid) holds
+    earlier steps' rows and how they were measured, but no row of its own step: nothing to compare with, and read as
+    one, a TypeError traceback after every prompt was decoded (mutation review 15, E03)."""
+    path, _ = saved
+    measurement = {"prompts": "data/eval_prompts.jsonl", "limit": 1, "max_new_tokens": 16, "lookup": None,
+                   "redraft": None}  # the tiny recipe's with --limit 1: the same measurement
+    loose = loose_copy(path, tmp_path / "loose", measurement)
+    checkpoint = torch.load(loose, map_location="cpu", weights_only=False)
+    checkpoint["callbacks"]["AcceptanceEvaluation"]["history"][0]["step"] = 4  # an earlier step's; the file is step 7's
+    torch.save(checkpoint, loose)
+    assert training.evaluate.main(["--recipe", "tiny", "--ckpt", str(loose), "--limit", "1"]) == 0
+    printed = capsys.readouterr()
+    row = next(line for line in printed.out.splitlines() if line.startswith("dflash "))
+    assert row.split()[2] == "-" and "[eval]" not in printed.err
+    assert json.loads((tmp_path / "loose" / "eval" / "checkpoint-x-limit1.json").read_text())["logged"] is None
+
+
 def test_make_eval_marks_a_target_adapter_retrained_since_as_not_comparable(saved, tmp_path, capsys):
     """The checkpoint records the sha256 of its target adapter's files: measured against the adapter retrained in
     place since, the logged tau (training's, against the adapter as it was) was printed beside the new one."""

@@ -899,6 +899,20 @@ def test_make_eval_shows_the_logged_tau_only_where_training_measured_the_same_wa
     assert f"target tiny-random in {now}" in printed.out  # the dtype it ran in, recorded as training records it
 
 
+def test_make_eval_shows_no_logged_tau_where_training_did_not_record_how_it_measured(saved, tmp_path, capsys):
+    """A checkpoint whose evaluation state holds no measurement (written before training recorded it) does not say
+    which prompts, limit or max_new_tokens its logged tau was measured with: shown beside the new one all the same,
+    the two read as a like-for-like comparison (mutation review 15, E02)."""
+    path, _ = saved
+    loose = loose_copy(path, tmp_path / "loose")  # its step's history row, logged tau 1.5, and no measurement
+    assert training.evaluate.main(["--recipe", "tiny", "--ckpt", str(loose), "--limit", "1"]) == 0
+    printed = capsys.readouterr()
+    row = next(line for line in printed.out.splitlines() if line.startswith("dflash "))
+    assert row.split()[2] == "-"
+    assert json.loads((tmp_path / "loose" / "eval" / "checkpoint-x-limit1.json").read_text())["logged"] is None
+    assert "[eval] training did not record how it measured step 7: no logged tau to compare with" in printed.err
+
+
 def test_make_eval_of_a_step_training_did_not_evaluate_shows_no_logged_tau(saved, tmp_path, capsys):
     """A checkpoint of a step training did not evaluate (a requeue's hpc_ckpt, a stop off the evaluation grid) holds
     earlier steps' rows and how they were measured, but no row of its own step: nothing to compare with, and read as

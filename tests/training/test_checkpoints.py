@@ -931,6 +931,26 @@ def test_make_eval_of_a_step_training_did_not_evaluate_shows_no_logged_tau(saved
     assert json.loads((tmp_path / "loose" / "eval" / "checkpoint-x-limit1.json").read_text())["logged"] is None
 
 
+def test_make_eval_of_a_corpus_run_away_from_its_corpus_shows_no_logged_tau(saved, tmp_path, capsys):
+    """A model.corpus checkpoint with no corpus.safetensors of its run beside it is decoded without the training
+    replies grafted into its trees, which training's evaluation grafted: its logged tau, shown beside the new one,
+    measured another decoding (mutation review 15, E16)."""
+    path, _ = saved
+    measurement = {"prompts": "data/eval_prompts.jsonl", "limit": 1, "max_new_tokens": 16, "lookup": None,
+                   "redraft": None}  # the tiny recipe's with --limit 1: all but the corpus measure alike
+    loose = loose_copy(path, tmp_path / "loose", measurement)
+    checkpoint = torch.load(loose, map_location="cpu", weights_only=False)
+    checkpoint["hyper_parameters"]["corpus"] = True
+    torch.save(checkpoint, loose)
+    assert training.evaluate.main(["--recipe", "tiny", "--ckpt", str(loose), "--limit", "1"]) == 0
+    printed = capsys.readouterr()
+    said = f"[eval] {loose} was trained with model.corpus, but no corpus.safetensors of its run is beside it"
+    assert said in printed.err
+    row = next(line for line in printed.out.splitlines() if line.startswith("dflash "))
+    written = json.loads((tmp_path / "loose" / "eval" / "checkpoint-x-limit1.json").read_text())
+    assert row.split()[2] == "-" and written["logged"] is None and written["settings"]["corpus"] is False
+
+
 def test_make_eval_marks_a_target_adapter_retrained_since_as_not_comparable(saved, tmp_path, capsys):
     """The checkpoint records the sha256 of its target adapter's files: measured against the adapter retrained in
     place since, the logged tau (training's, against the adapter as it was) was printed beside the new one."""

@@ -990,6 +990,12 @@ def test_make_eval_marks_a_target_adapter_retrained_since_as_not_comparable(save
     assert column == "-" and f"[eval] {loose} was trained against target adapter {adapter} as its files were then, " \
         "and they have changed since (retrained?)" in err
     assert json.loads((tmp_path / "loose" / "eval" / "checkpoint-x-limit1.json").read_text())["logged"] is None
+    # a checkpoint written before the files' sha256 was recorded: not known, so no change (mutation review 15, E15)
+    checkpoint["hyper_parameters"].pop("target_adapter_sha256")
+    torch.save(checkpoint, loose)
+    assert training.evaluate.main(evaluate) == 0
+    column, err = logged_column()
+    assert column == "1.500" and "[eval]" not in err
 
 
 def test_make_eval_measures_against_the_target_adapter_the_run_trained_with(saved, tmp_path, monkeypatch):

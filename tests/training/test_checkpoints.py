@@ -717,6 +717,9 @@ def test_make_eval_out_is_no_file_the_run_or_the_recipe_reads(saved, tmp_path, c
     assert refused(run / "config.yaml") == (f"error: --out {run / 'config.yaml'} is the file the eval settings are read "
                                             "from: the results would replace it; give another --out")
     assert refused(prompts) == f"error: --out {prompts} is the eval.prompts file: the results would replace it; give another --out"
+    with monkeypatch.context() as here:  # the same file given relative to the working folder (mutation review 15, E07)
+        here.chdir(tmp_path)
+        assert refused(Path("prompts.jsonl")).startswith("error: --out prompts.jsonl is the eval.prompts file: ")
     assert refused(recipes / "tiny.yaml").startswith(f"error: --out {recipes / 'tiny.yaml'} is the recipe: ")
     for inside in ("corpus.safetensors", "eval/step-000007.json", "eval/step-000010.json", "report.md",
                    "drafter/config.json", "data.json", "tau.png", "eval/accepted_depths.csv", "csv/x.json",

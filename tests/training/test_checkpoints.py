@@ -675,11 +675,16 @@ def test_make_eval_refuses_an_out_it_could_not_write_before_evaluating(saved, tm
     other = tmp_path / "other" / "checkpoints" / "step-3.ckpt"  # another run's
     other.parent.mkdir(parents=True)
     shutil.copy(path, other)
-    for out in (path, other, path.parent / "results.json", other.parent / "results.json"):
+    # a shard of a DeepSpeed checkpoint folder copied out of its run: no checkpoints/ above it (mutation review 15, E08)
+    shard = tmp_path / "copied" / "last.ckpt" / "checkpoint" / "mp_rank_00_model_states.pt"
+    shard.parent.mkdir(parents=True)
+    shard.write_bytes(b"shard")
+    for out in (path, other, path.parent / "results.json", other.parent / "results.json", shard):
         assert training.evaluate.main(["--recipe", "tiny", "--ckpt", str(path), "--out", str(out), "--overwrite"]) == 2
         assert f"--out {out} is a checkpoint or lies among a run's checkpoints" in one_error_line(capsys)
     assert (tmp_path / "afile").read_text() == "mine" and path.stat().st_size > 1000
     assert other.stat().st_size == path.stat().st_size and not (path.parent / "results.json").exists()
+    assert shard.read_bytes() == b"shard"
 
 
 def test_make_eval_out_is_no_file_the_run_or_the_recipe_reads(saved, tmp_path, capsys, monkeypatch):

@@ -824,6 +824,17 @@ def test_make_evals_row_prints_tau_logged_expected_and_rounds_each_under_its_hea
     assert row.split() == ["dflash", "2.500", "1.500", "3.125", "12", "0:2", "2:10"]
 
 
+def test_make_evals_results_of_a_checkpoints_folder_outside_a_run_go_beside_that_folder(tmp_path):
+    """A checkpoints/ folder copied without its run's config.yaml: the results go into eval/ beside it, as a run's
+    would. Written into checkpoints/eval/, they lay among the checkpoints, where --out is refused (mutation review 15,
+    E10)."""
+    copied = tmp_path / "copied" / "checkpoints" / "step-4.ckpt"
+    copied.parent.mkdir(parents=True)
+    copied.write_bytes(b"")
+    assert training.evaluate.default_results_file(copied, None) == \
+        (tmp_path / "copied" / "eval" / "checkpoint-step-4.json").resolve()
+
+
 def test_make_eval_of_an_abandoned_branchs_checkpoint_reads_its_run_and_writes_beside_its_branchs_evaluations(
         saved, tmp_path, capsys):
     """A checkpoint a resume moved to checkpoints/abandoned-after-step-N/ read the recipe (another target's by

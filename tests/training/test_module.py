@@ -377,6 +377,22 @@ def test_every_family_that_transforms_its_logits_is_tested():
         assert LOGIT_TRANSFORMS[family] == LOGIT_TRANSFORMS[text_family]
 
 
+@pytest.mark.parametrize("family", NOT_BUILT_SMALL)
+def test_a_multimodal_targets_logit_transform_is_read_from_its_text_config(family):
+    """The multimodal classes of Gemma-3n and Gemma-4 (NOT_BUILT_SMALL) keep final_logit_softcapping in their text
+    config, not at the top level: read from the top level, their transform was none, and distillation taught the
+    drafter the head's raw distribution. The tests above build their text families only, whose top level is their
+    text config (mutation review 15, T05)."""
+    import transformers
+
+    from training.target import logit_transform, target_logits
+
+    config = transformers.AutoConfig.for_model(family, text_config={"final_logit_softcapping": 0.1})
+    assert logit_transform(config) == "final_logit_softcapping=0.1"
+    head = torch.tensor([[0.5, -0.2, 0.05]])
+    torch.testing.assert_close(target_logits(head.clone(), config), 0.1 * torch.tanh(head / 0.1))
+
+
 @pytest.mark.parametrize("family", ["gemma2", "granite"])
 def test_the_teacher_is_the_targets_own_distribution_where_its_forward_transforms_the_head(tmp_path, family):
     """Gemma-2 softcaps its logits (c * tanh(x / c)), Granite divides them by logits_scaling: the teacher was the softmax

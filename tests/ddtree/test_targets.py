@@ -553,6 +553,21 @@ def test_a_config_that_transformers_4_wrote_with_agreeing_rope_keys_loads(tmp_pa
     assert {key: rope[key] for key in parameters} == parameters
 
 
+def test_a_config_that_transformers_4_wrote_without_rope_parameters_loads_with_its_rope_theta(tmp_path, tiny_target):
+    """A config.json transformers 4 wrote (a drafter saved before transformers 5) holds rope_theta and rope_scaling
+    and no rope_parameters: there is no second set to disagree with, and transformers 5 reads the old keys. Compared
+    with an empty set, it stopped on a KeyError traceback (mutation review 15, D01)."""
+    target, tokenizer = tiny_target
+    folder = tmp_path / "drafter"
+    DFlashDraftModel(build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4)).save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    theta = 2 * config.pop("rope_parameters")["rope_theta"]  # not the default: read from the old key, not made up
+    config.update(rope_theta=theta, rope_scaling=None)
+    (folder / "config.json").write_text(json.dumps(config))
+    rope = load_drafter_folder(folder, torch.float32, target).config.rope_parameters
+    assert rope == {"rope_theta": theta, "rope_type": "default"}
+
+
 def test_a_sharded_drafter_folder_loads_every_shard(tmp_path, tiny_target):
     """save_pretrained splits a drafter past max_shard_size into shards named by model.safetensors.index.json: all of
     them are checked against config.json and loaded, and a shard gone is one line naming it."""

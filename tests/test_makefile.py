@@ -47,10 +47,15 @@ def test_a_switch_is_on_for_1_off_when_left_out_and_any_other_value_is_one_error
         assert len(lines) == 1 and f"{variable}={value}: give {variable}=1 to turn it on or leave it out" in lines[0]
 
 
-@pytest.mark.parametrize("target", ["eval", "export"])
-def test_make_eval_and_export_pass_args_through(target):
-    words = planned_words(target, *TARGET_VARIABLES.get(target, []), "ARGS=--limit 40")
-    assert words[-2:] == ["--limit", "40"], words
+@pytest.mark.parametrize("target, variables", [("eval", []), ("export", TARGET_VARIABLES["export"]), ("train", []),
+                                               ("train", ["NODES=2"])])
+def test_make_eval_export_and_train_pass_args_through_a_quoted_word_whole(target, variables):
+    """`make train`'s ARGS are the recipe overrides and the run's name (README's `ARGS="--trainer.max_steps=100
+    --run-name try1"`): the node launch's plan prints them back as ARGS='...', for make to hand the shell as given."""
+    planned = make_plan(target, *variables, "ARGS=--limit 40 --run-name 'try 1'")
+    assert planned.returncode == 0 and not planned.stderr, planned
+    words = shlex.split(planned.stdout.replace("\\\n", " "))  # as the shell reads it
+    assert words[-4:] == ["--limit", "40", "--run-name", "try 1"], words
 
 
 @pytest.mark.parametrize("workers, threads", [("2", lambda cores: max(1, cores // 2)), ("0", lambda cores: cores),

@@ -1175,6 +1175,35 @@ def test_node_settings_that_cannot_make_a_launch_are_one_line(tmp_path):
     assert "RUN_NAME" not in make_line  # (slurm.sbatch's line names the run folder it resumes: RUN_NAME)
 
 
+def argv_printer(path: Path, first_line: str = "") -> Path:
+    """A stand-in for python that prints each argument on a line of its own (after first_line, a shell word): the
+    stand-ins above print them joined by spaces, where an argument split at its spaces reads the same."""
+    path.write_text(f"#!/usr/bin/env bash\n{first_line}\nprintf '%s\\n' \"$@\"\n")
+    path.chmod(0o755)
+    return path
+
+
+def test_a_nodes_launch_hands_torchrun_its_settings_and_each_argument_whole(tmp_path):
+    """A run name or path with a space reached training as two words, the node's MASTER_PORT was not the one torchrun
+    met on, and `--run <name>` (training.train's other spelling of --run-name) did not name the run for the launcher."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "RUN_NAME", "CUDA_VISIBLE_DEVICES", *SLURM_ENV)} | {
+        "PYTHON": str(argv_printer(tmp_path / "python")), "GPUS_PER_NODE": "2"}
+    node = {"MASTER_ADDR": "node0", "MASTER_PORT": "29611", "NODE_RANK": "1"}
+    started = subprocess.run(["bash", str(LAUNCHER), "tiny", "2", "--run", "try 1", "--output-root", "/tmp/my out"],
+                             cwd=REPO, env=env | node, capture_output=True, text=True)
+    assert started.returncode == 0, started
+    assert started.stdout.splitlines() == [
+        "-m", "training.launch", "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", "1", "--master-addr", "node0",
+        "--master-port", "29611", "-m", "training.train", "--recipe", "tiny", "--trainer.num_nodes=2",
+        "--trainer.devices=2", "--run", "try 1", "--output-root", "/tmp/my out"]
+    regenerated = subprocess.run(["bash", str(LAUNCHER), "--regenerate", "1", "--out", "my data/x.jsonl"], cwd=REPO,
+                                 env=env | {"GPUS_PER_NODE": "1"}, capture_output=True, text=True)
+    assert regenerated.returncode == 0, regenerated
+    assert regenerated.stdout.splitlines() == [
+        "data/regenerate.py", "--shard-index", "0", "--num-shards", "1", "--out", "my data/x.jsonl"]
+
+
 def test_a_launch_through_torchrun_ends_with_its_processes_status_not_a_traceback(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "RUN_NAME", *SLURM_ENV)} | {
         "PYTHON": sys.executable, "GPUS_PER_NODE": "1", "OMP_NUM_THREADS": "1"}

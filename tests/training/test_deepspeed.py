@@ -1325,6 +1325,42 @@ def test_slurm_script_passes_its_task_counts_and_resumes_a_requeued_job(tmp_path
     assert '--shard-index "$SLURM_PROCID" --num-shards "$SLURM_NTASKS"' in regenerate
 
 
+def test_slurm_script_trains_in_the_run_folder_its_environment_names_and_passes_each_argument_whole(tmp_path):
+    """A run is resumed under SLURM as `RUN_NAME=<name> OUTPUT_ROOT=<folder> sbatch ...` (the launcher's plan and a
+    stopped run's last line print it): a job that took slurm-<job id> or outputs/ instead started that run over.
+    Here srun runs its one task in place, as task 5 of 8 with local id 1 on a node whose share is GPUs 2 and 3."""
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "srun").write_text('#!/usr/bin/env bash\nwhile [ "${1#--}" != "$1" ]; do shift; done\nexec "$@"\n')
+    (fake_bin / "srun").chmod(0o755)
+    root = tmp_path / "my out"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")} | {
+        "PATH": f"{fake_bin}:{os.environ['PATH']}", "SLURM_SUBMIT_DIR": str(REPO), "SLURM_JOB_ID": "31",
+        "SLURM_NNODES": "2", "SLURM_NTASKS": "8", "SLURM_PROCID": "5", "SLURM_LOCALID": "1",
+        "CUDA_VISIBLE_DEVICES": "2,3", "RUN_NAME": "run 7", "OUTPUT_ROOT": str(root),
+        "PYTHON": str(argv_printer(tmp_path / "python", 'echo "gpu=$CUDA_VISIBLE_DEVICES"'))}
+
+    def task_lines(*args: str) -> list[str]:
+        """What the task's python was given (after the script's own "[slurm] job ..." line, for training)."""
+        result = subprocess.run(["bash", str(SBATCH), *args], cwd=tmp_path, env=env, capture_output=True, text=True)
+        assert result.returncode == 0, result
+        return [line for line in result.stdout.splitlines() if not line.startswith("[slurm]")]
+
+    trained = task_lines("tiny", "--data.data_path", "my data/x.jsonl")  # no SLURM_NTASKS_PER_NODE: 8 tasks / 2 nodes
+    assert trained == ["gpu=2,3", "-m", "training.train", "--recipe", "tiny", "--output-root", str(root),
+                       "--run-name", "run 7", "--trainer.num_nodes=2", "--trainer.devices=4",
+                       "--data.data_path", "my data/x.jsonl"]
+    run = root / "tiny" / "run 7"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text("{}")
+    (run / "checkpoints" / "last.ckpt").write_text("")
+    resumed = task_lines("tiny")
+    assert resumed[resumed.index("--resume") + 1] == str(run) and "--run-name" not in resumed
+    # the task's GPU is the one at its local id in the node's share, not the GPU numbered by it
+    assert task_lines("--regenerate", "--out", "my data/x.jsonl") == [
+        "gpu=3", "data/regenerate.py", "--shard-index", "5", "--num-shards", "8", "--out", "my data/x.jsonl"]
+
+
 def test_regeneration_launch_numbers_shards_across_nodes_and_gpus(tmp_path):
     fake_python = tmp_path / "python"
     fake_python.write_text("#!/usr/bin/env bash\necho \"gpu=$CUDA_VISIBLE_DEVICES $*\"\n")

@@ -1252,6 +1252,21 @@ def test_another_node_that_never_joins_is_one_line_naming_the_endpoint(monkeypat
                             "Timed out after 6 seconds waiting for clients. 1/2 clients joined.; give another MASTER_PORT")
 
 
+def test_a_signal_to_the_launch_ends_it_with_128_plus_its_number_in_one_line(monkeypatch, capsys):
+    """torchrun ended a scheduler's SIGTERM in a SignalException traceback with exit status 1, which a job script
+    could not tell from a crash."""
+    import training.launch
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    def stopped(args):
+        raise SignalException(f"Process {os.getpid()} got signal: {signal.SIGTERM}", sigval=signal.SIGTERM)
+
+    monkeypatch.setattr(training.launch, "run", stopped)
+    assert training.launch.main(["--nnodes", "1", "--nproc-per-node", "1", "--standalone", "-m", "training.train",
+                                 "--recipe", "tiny"]) == 143
+    assert capsys.readouterr().err.strip().splitlines() == ["[launch] stopped by SIGTERM"]
+
+
 def test_the_launch_reports_the_process_that_failed_not_those_torchrun_stopped():
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 

@@ -58,8 +58,10 @@ def test_make_eval_export_and_train_pass_args_through_a_quoted_word_whole(target
     assert words[-4:] == ["--limit", "40", "--run-name", "try 1"], words
 
 
+# 4096 workers, more than the cores: one thread each (OMP_NUM_THREADS=0 had each worker's libgomp print that it is invalid)
 @pytest.mark.parametrize("workers, threads", [("2", lambda cores: max(1, cores // 2)), ("0", lambda cores: cores),
-                                              ("auto", lambda cores: 1), ("logical", lambda cores: 1)])
+                                              ("auto", lambda cores: 1), ("logical", lambda cores: 1),
+                                              ("4096", lambda cores: 1)])
 def test_make_test_runs_pytest_for_each_of_xdists_worker_counts(workers, threads, tmp_path):
     """The suite's command as `make test` runs it, with a stand-in for the venv's python that prints what it got."""
     fake_python = tmp_path / "python"

@@ -339,7 +339,8 @@ def test_acceptance_is_counted_down_to_the_stop_token_only(smollm2, references, 
 @pytest.mark.parametrize("rows", [[0], [0, 1, 2], [0, 2, 5], [0, 1, 3], [0, 3, 7]])
 def test_cache_compaction_keeps_exactly_the_prefix_and_the_rows(tiny_target, rows, runner_kind):
     """Rows already in place (ar, the chain) are kept as they lie, the others are copied: both give the same cache.
-    Row 7 is the static runner's last verify slot, onto which its padded copy pairs write (StaticTarget.keep)."""
+    Row 7 is the static runner's last verify slot, onto which its padded copy pairs write (StaticTarget.keep), and the
+    cache's last slot too (capacity 4 + 8): a scratch slot one past it was an IndexError only there."""
     import numpy as np
 
     from ddtree.target_runner import DynamicTarget, StaticTarget
@@ -348,7 +349,7 @@ def test_cache_compaction_keeps_exactly_the_prefix_and_the_rows(tiny_target, row
     if runner_kind == "dynamic":
         runner = DynamicTarget(model, hidden_states=False)
     else:
-        runner = StaticTarget(model, hidden_states=False, max_rows=8, capacity=16, cuda_graph=False)
+        runner = StaticTarget(model, hidden_states=False, max_rows=8, capacity=12, cuda_graph=False)
     with torch.no_grad():  # a 4-token prefix, then 8 tree rows (a chain) verified after it
         runner.prefill(list(range(10, 14)))
         runner.verify(list(range(14, 22)), torch.arange(4, 12), np.tril(np.ones((8, 8), dtype=bool)), 4)

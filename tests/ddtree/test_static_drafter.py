@@ -176,3 +176,19 @@ def test_cuda_graph_replays_give_the_uncaptured_logits(smollm2, drafter):
     got = runs(graphed)
     assert graphed.static.cuda_graph and set(graphed.static.graphs) == {"propose", 3}  # both forwards replayed
     assert largest_difference(got, runs(uncaptured)) < 1e-4
+
+
+def test_a_generation_that_needs_every_slot_of_the_static_target_reuses_it(tiny_target, monkeypatch):
+    """static_target rebuilds a StaticTarget only for a generation it does not fit: one that needs exactly its slots
+    fits, and a rebuild there would capture the target's CUDA graphs again inside that generation's prefill."""
+    import weakref
+
+    from ddtree import target_runner
+    from ddtree.target_runner import CAPACITY_STEP, static_target
+
+    target, _ = tiny_target
+    monkeypatch.setattr(target_runner, "_STATIC_TARGETS", weakref.WeakKeyDictionary())  # none left by other tests
+    runner = static_target(target, False, 5, needed=CAPACITY_STEP - 3)
+    assert runner.capacity == CAPACITY_STEP  # rounded up to a whole step
+    assert static_target(target, False, 5, needed=CAPACITY_STEP) is runner
+    assert static_target(target, False, 5, needed=CAPACITY_STEP + 1).capacity == 2 * CAPACITY_STEP

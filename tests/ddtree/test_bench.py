@@ -55,6 +55,15 @@ def test_summaries_are_computed_from_the_per_prompt_rows():
     assert list(full)[-1] == "accepted_depth_counts"  # results.json keeps its field order
 
 
+
+def test_tree_nodes_is_the_mean_over_every_round_of_every_prompt():
+    """The table's nodes column: ROWS' rounds all verify 4 nodes, so a maximum or a mean of per-prompt means passed."""
+    rows = [{"id": str(i), "methods": {"ddtree@8": {"new_tokens": [1], "seconds": 0.1,
+                                                    "rounds": [dict(r, tree_size=size) for r, size in zip(
+                                                        rounds(*[(1, 1.0, 0, 0.0, 0.0, 0.0)] * len(sizes)), sizes)]}}}
+            for i, sizes in enumerate([(2, 8), (8,)])]
+    assert acceptance_summary(rows, "ddtree@8")["tree_nodes"] == 6.0  # (2 + 8 + 8) / 3 rounds
+
 def clocked_generate(target, prompt_ids, method, drafter, budget, *args, **kwargs):
     """generate on a clock run_benchmark cannot disturb: 0.5 s of prefill and 4 tokens for every method, ar's in 3
     rounds of 0.3 s, a tree's or chain's in 1 round of 0.4 s."""

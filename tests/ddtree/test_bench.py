@@ -29,6 +29,14 @@ def test_method_keys_are_formatted_and_parsed_one_way():
     assert budget_of(CHAIN) is None and budget_of("ar") is None
 
 
+
+@pytest.mark.parametrize("budget", [0, -4])
+def test_a_budget_below_one_is_refused_by_the_library_too(budget):
+    """The CLI refuses it before run_benchmark is called; run_benchmark (training's evaluation calls it) decoded budget 0
+    as budget 1 (`budget or 1`), under the key "ddtree@0"."""
+    with pytest.raises(DDTreeError, match=f"^budget {budget} must be at least 1$"):
+        method_keys(["ar", "ddtree"], [8, budget])
+
 def rounds(*specs):
     """Round dicts as run_benchmark records them: (committed, expected, accepted_depth, draft_s, verify_s, other_s)."""
     names = ("committed", "expected", "accepted_depth", "draft_s", "verify_s", "other_s")

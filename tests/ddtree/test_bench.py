@@ -37,6 +37,17 @@ def test_a_budget_below_one_is_refused_by_the_library_too(budget):
     with pytest.raises(DDTreeError, match=f"^budget {budget} must be at least 1$"):
         method_keys(["ar", "ddtree"], [8, budget])
 
+
+def test_the_prompts_fingerprint_tells_apart_ids_order_and_tokens():
+    """Two results files are paired row by row through their ids: prompts renamed, reordered or re-split give another
+    fingerprint, not only other token text."""
+    from ddtree.bench import prompts_fingerprint
+
+    prompts = [{"id": "a", "prompt_ids": [1, 2]}, {"id": "b", "prompt_ids": [3]}]
+    variants = [[{"id": "x", "prompt_ids": [1, 2]}, prompts[1]], prompts[::-1],
+                [{"id": "a", "prompt_ids": [1]}, {"id": "b", "prompt_ids": [2, 3]}]]
+    assert len({prompts_fingerprint(p) for p in [prompts, *variants]}) == 4
+
 def rounds(*specs):
     """Round dicts as run_benchmark records them: (committed, expected, accepted_depth, draft_s, verify_s, other_s)."""
     names = ("committed", "expected", "accepted_depth", "draft_s", "verify_s", "other_s")

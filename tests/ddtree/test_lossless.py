@@ -363,6 +363,21 @@ def test_cache_compaction_keeps_exactly_the_prefix_and_the_rows(tiny_target, row
         assert runner.cache.get_seq_length() == 4 + len(rows)
 
 
+
+def test_a_static_verify_whose_padding_runs_past_the_cache_is_refused(tiny_target):
+    """Every static verify writes max_rows rows, its padding too: 3 rows at slot 6 of a 12-slot cache fit as rows but
+    not as a verify of 8, which is refused before its forward writes past the buffers."""
+    import numpy as np
+
+    from ddtree.target_runner import StaticTarget
+
+    model, _ = tiny_target
+    runner = StaticTarget(model, hidden_states=False, max_rows=8, capacity=12, cuda_graph=False)
+    with torch.no_grad():
+        runner.prefill(list(range(10, 14)))
+        with pytest.raises(ValueError, match="^3 rows at slot 6 do not fit 8 rows / 12 slots$"):
+            runner.verify([14, 15, 16], torch.arange(6, 9), np.tril(np.ones((3, 3), dtype=bool)), 6)
+
 @pytest.fixture(scope="module")
 def packed_target(smollm2):
     import copy

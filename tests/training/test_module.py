@@ -1365,6 +1365,19 @@ def test_a_resume_names_what_changed_its_draft_vocabulary_split_or_optimizer(mod
     module.check_resume(saved)
 
 
+@pytest.mark.parametrize("field,other", [("hidden_size", 128), ("num_target_layers", 12)])
+def test_a_resume_against_a_target_of_another_shape_is_refused_naming_model_target(module, field, other):
+    """A resume under another target of the same vocabulary: of another hidden size, the drafter's weights no longer
+    fit and Lightning's load_state_dict stopped with a traceback; of another depth, the layer ids given, they fit and
+    the run trained on against the new target without a word (deleting either field from RESUME_FIXED passed every
+    test)."""
+    config = module.base_drafter().config
+    saved = {"drafter_config": {**config.to_dict(), field: other}, "hyper_parameters": dict(module.hparams)}
+    with pytest.raises(DDTreeError, match=rf"^--resume: the checkpoint's run has {field} {other} \(this launch: "
+                                          rf"{getattr(config, field)}\): .*; drop model.target from the command"):
+        module.check_resume(saved)
+
+
 def test_warm_start_refuses_a_conflicting_setting(module, tmp_path):
     from ddtree.targets import DDTreeError
 

@@ -1378,6 +1378,18 @@ def test_a_resume_against_a_target_of_another_shape_is_refused_naming_model_targ
         module.check_resume(saved)
 
 
+@pytest.mark.parametrize("name,other", [("lora_alpha", 32.0), ("lora_target_modules", ["q_proj"])])
+def test_a_resume_with_other_lora_settings_is_refused_naming_them(module, name, other):
+    """peft scales the adapters by lora_alpha / lora_rank: a resume with another alpha went on at another scale of the
+    same adapters, config.yaml naming it as the whole run's; with other lora_target_modules the checkpoint's adapters
+    no longer fit (a load_state_dict traceback). Deleting either from RESUME_FIXED_HPARAMS passed every test."""
+    saved = {"drafter_config": module.base_drafter().config.to_dict(),
+             "hyper_parameters": {**module.hparams, name: other}}
+    with pytest.raises(DDTreeError, match=rf"^--resume: the checkpoint's run has {name} {re.escape(str(other))} "
+                                          rf"\(this launch: {module.hparams[name]}\): .*; drop model.{name} from"):
+        module.check_resume(saved)
+
+
 def test_warm_start_refuses_a_conflicting_setting(module, tmp_path):
     from ddtree.targets import DDTreeError
 

@@ -907,6 +907,18 @@ def test_bf16_training_fuses_the_optimizer_and_still_clips_gradients(tmp_path):
     assert all(torch.equal(p.grad, torch.full_like(p, 0.5)) for p in parameters)
 
 
+def test_fp16s_grad_scaler_gets_an_unfused_optimizer():
+    """Lightning leaves a fused optimizer's gradients scaled for its step to unscale, and configure_gradient_clipping
+    clips a fused optimizer's gradients as they are: under fp16's GradScaler a fused AdamW would clip the scaled
+    gradients, trainer.gradient_clip_val then a 65536th of itself at the scaler's first scale (fusing whatever the
+    scaler passed every test)."""
+    module = tiny_module()
+    module.trainer, _ = fake_clock_trainer(0.0, 100.0)  # no GradScaler: bf16 and full precision
+    assert module.configure_optimizers()["optimizer"].param_groups[0]["fused"] is True
+    module.trainer.precision_plugin = SimpleNamespace(scaler=torch.amp.GradScaler("cpu"))  # 16-mixed's plugin
+    assert module.configure_optimizers()["optimizer"].param_groups[0]["fused"] is False
+
+
 @pytest.mark.parametrize("distill_weight", [0.0, 0.5])
 def test_a_bf16_target_trains_an_fp32_drafter_under_a_true_precision(distill_weight):
     """model.target_dtype bfloat16 with trainer.precision 32: no autocast meets the target's features, embeddings and

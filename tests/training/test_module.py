@@ -690,6 +690,8 @@ def test_dropout_acts_in_training_mode_only_and_is_not_saved():
     ("lora_rank", -1, "model.lora_rank=-1 must be at least 0"),  # trained without LoRA before
     ("gamma", 0.0, "model.gamma=0.0 must be above 0"),  # model.lr: the recipe checks it (training/recipe.py)
     ("warmup_ratio", 2.0, r"model.warmup_ratio=2.0 must be in \[0, 1\)"),
+    # a whole run of warm-up: it ends at the peak, never annealed, and anneal_by_max_time divides by 1 - warmup_ratio
+    ("warmup_ratio", 1.0, r"model.warmup_ratio=1.0 must be in \[0, 1\)"),
     # the cosine's floor: below 0 the lr went negative past the midpoint (AdamW ascended), above 1 rose past the peak
     ("min_lr_ratio", -1.0, r"model.min_lr_ratio=-1.0 must be in \[0, 1\]"),
     ("min_lr_ratio", 2.0, r"model.min_lr_ratio=2.0 must be in \[0, 1\]"),

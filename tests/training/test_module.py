@@ -1068,6 +1068,12 @@ def test_with_no_step_limit_under_max_time_the_schedule_follows_the_clock_alone(
     no_clock.trainer, _ = fake_clock_trainer(0.0, 100.0, stepping_batches=math.inf)
     with pytest.raises(DDTreeError, match=r"trainer.max_steps=-1: .*model.anneal_by_max_time=true"):
         no_clock.configure_optimizers()
+    # The option without trainer.max_time: no clock either, and a warm-up of infinitely many steps held the rate at 0
+    no_clock = tiny_module(warmup_ratio=0.1, anneal_by_max_time=True)
+    no_clock.trainer, _ = fake_clock_trainer(0.0, 100.0, stepping_batches=math.inf)
+    no_clock.trainer.callbacks = []  # no Timer
+    with pytest.raises(DDTreeError, match=r"trainer.max_steps=-1: .*model.anneal_by_max_time=true"):
+        no_clock.configure_optimizers()
 
 
 @pytest.mark.parametrize("anneal", [True, False])

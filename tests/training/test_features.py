@@ -1589,6 +1589,19 @@ def test_a_store_of_another_hub_target_is_another_build(tmp_path, monkeypatch):
     assert "differs in target (org/other-model there, tiny-random here)" in message and "--force" in message, message
 
 
+def test_a_top_k_store_of_another_k_is_refused_more_tokens_as_fewer(tmp_path):
+    """distill_top_k is the loss's teacher: a store of the target's top 16 next tokens trained a top-8 run against 16,
+    another loss than its recipe's and than online training's (`!=` as `<` passed every test)."""
+    out = build_feature_store(make_datamodule(tmp_path), tmp_path / "store", layer_ids=LAYER_IDS, dtype=torch.float32,
+                              teacher_top_k=16)
+    tiny_module(distill_weight=0.5, distill_top_k=16).check_feature_store(FeatureStore(out))
+    for top_k in (8, 32):
+        with pytest.raises(DDTreeError) as refused:
+            tiny_module(distill_weight=0.5, distill_top_k=top_k).check_feature_store(FeatureStore(out))
+        assert one_line(refused.value).startswith(f"model.distill_top_k={top_k} needs the target's top {top_k} next "
+                                                  f"tokens, and feature store {out} holds its top 16"), top_k
+
+
 def test_a_store_whose_adapter_has_no_recorded_sha256_is_not_a_build_without_adapter():
     """differing_fields, which the finished store's check, the resume and the richer store's choice ask: a store built
     with an adapter before adapters' sha256s were recorded matched a build without adapter under a rule that compared

@@ -1589,6 +1589,26 @@ def test_a_store_of_another_hub_target_is_another_build(tmp_path, monkeypatch):
     assert "differs in target (org/other-model there, tiny-random here)" in message and "--force" in message, message
 
 
+def test_training_refuses_a_store_of_another_hub_target(tmp_path, monkeypatch):
+    """The fit's check, as the build's above: with neither target's weights here to fingerprint, comparing the two
+    missing fingerprints as equal took another Hub model's store (a base for its instruct checkpoint, the same
+    tokenizer and hidden size) for this run's features; dropping `weights is not None` passed every test."""
+    out = build_feature_store(make_datamodule(tmp_path), tmp_path / "store", layer_ids=LAYER_IDS)
+    monkeypatch.setattr(training.module, "target_fingerprint", lambda target: None)  # this run's target a Hub id
+    module = tiny_module()
+
+    def built_from(target):
+        manifest = json.loads((out / "store.json").read_text())
+        manifest.update(target=target, target_weights=None)  # as a Hub-id target's store records it
+        (out / "store.json").write_text(json.dumps(manifest))
+        return FeatureStore(out)
+
+    module.check_feature_store(built_from("tiny-random"))  # its own target's
+    with pytest.raises(DDTreeError) as refused:
+        module.check_feature_store(built_from("org/other-model"))
+    assert one_line(refused.value).startswith(f"feature store {out} holds features of target org/other-model")
+
+
 def test_a_top_k_store_of_another_k_is_refused_more_tokens_as_fewer(tmp_path):
     """distill_top_k is the loss's teacher: a store of the target's top 16 next tokens trained a top-8 run against 16,
     another loss than its recipe's and than online training's (`!=` as `<` passed every test)."""

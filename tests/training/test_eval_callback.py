@@ -1241,6 +1241,22 @@ def test_the_last_batch_of_a_max_epochs_run_is_evaluated_checkpointed_and_can_be
     assert (tmp_path / "checkpoints" / "best.ckpt").resolve().name == "step-6.ckpt"
 
 
+def test_the_last_batch_of_an_epoch_that_max_steps_runs_past_is_no_evaluation_step(tmp_path):
+    """max_steps leaves Lightning's max_epochs at -1, no limit: an epoch's last batch is then no planned end. Read as
+    one, every epoch of the recipes that plan by max_steps ended with an evaluation (minutes on the 8B recipes) and a
+    checkpoint off the grid (mutation review 19, X03)."""
+    evaluation = CannedEvaluation({3: {8: 1.0}, 4: {8: 1.0}, 6: {8: 2.0}}, every_n_train_steps=4, budgets=[8],
+                                  primary_budget=8)
+    checkpoints = BestCheckpoint(dirpath=tmp_path / "checkpoints", monitor=monitor_metric(8), every_n_train_steps=4)
+    torch.manual_seed(0)
+    trainer = L.Trainer(max_steps=6, accelerator="cpu", default_root_dir=tmp_path, logger=False,
+                        callbacks=[evaluation, checkpoints], enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(tiny_module(), train_dataloaders=synthetic_loader(3))  # epochs of 3 steps: step 3 ends the first
+    assert trainer.max_epochs == -1 and trainer.global_step == 6
+    assert evaluation.decoded == [4, 6]
+    assert [r["step"] for r in evaluation.history] == [4, 6]
+
+
 def test_the_planned_last_step_off_the_grid_is_checkpointed_ranked_and_resumed_from(tmp_path):
     """max_steps 5, every 2: step 5 is measured as steps are, not only at the end where nothing saves it; else the
     most trained drafter could never be best.ckpt and last.ckpt stayed at step 4 (mutation review 10, m17)."""

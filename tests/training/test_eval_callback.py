@@ -802,16 +802,21 @@ def sigusr1_at(step: int, where: str, run: Path):
 
 
 @pytest.mark.parametrize("where", ["measure", "written"])
-def test_a_slurm_requeue_during_an_evaluation_measures_and_saves_that_step_at_the_resume(tmp_path, where):
+def test_a_slurm_requeue_during_an_evaluation_measures_and_saves_that_step_at_the_resume(tmp_path, capsys, where):
     """The requeued job resumed from hpc_ckpt_1.ckpt at step 4 and went on: step 4, the best of the run, was never
     measured (SIGUSR1 during its decoding), or measured and never saved while report.md named it the best and
-    best.ckpt pointed at step 2."""
+    best.ckpt pointed at step 2. The resume's line says why it measures the step: this launch was not stopped by a
+    signal before measuring, as a SIGTERM's stop is (a line naming that cause passed, mutation review 19, X09)."""
     taus = {2: {8: 1.5}, 4: {8: 3.0}, 6: {8: 2.0}}
     kind = sigusr1_at(4, where, tmp_path)
     with pytest.raises(Requeued):
         canned_fit(tmp_path, 6, taus, kind=kind)
+    capsys.readouterr()
     evaluation, checkpoints = canned_fit(tmp_path, 6, taus, ckpt_path=tmp_path / "hpc_ckpt_1.ckpt", kind=kind)
     assert evaluation.decoded == ([4, 6] if where == "measure" else [6])
+    said = [line for line in capsys.readouterr().out.splitlines() if "measured at the resume" in line]
+    assert said == (["[eval] step 4: measured at the resume (the launch that trained it stopped during its evaluation)"]
+                    if where == "measure" else [])
     assert [(row["step"], row["checkpointed"]) for row in evaluation.history] == [(2, True), (4, True), (6, True)]
     best = tmp_path / "checkpoints" / "best.ckpt"
     assert best.resolve().name == "step-4.ckpt" and torch.load(best, weights_only=False)["global_step"] == 4

@@ -1092,6 +1092,22 @@ def test_a_run_that_ends_before_any_evaluation_writes_a_report_that_says_why(tmp
     assert "**No evaluation ran**: " + said in report
 
 
+@pytest.mark.parametrize("steps, every, said", [
+    (10, 20, "the run was stopped by SIGTERM at step 3, before its first evaluation at step 10 "
+             "(eval.every_n_train_steps=20)"),  # max_steps ends the run before the grid's first step
+    (3, 3, "the run was stopped by SIGTERM at step 3 (eval.every_n_train_steps=3)"),  # at it: saved unmeasured
+], ids=["max_steps first", "at the first evaluation step"])
+def test_the_report_of_a_run_stopped_before_any_evaluation_names_the_step_that_would_have_run_one(tmp_path, steps, every,
+                                                                                                   said):
+    """The step named is the first one the run would have evaluated: the planned last step where it comes before the
+    grid's first, and none where the stop fell on that step itself (a SIGTERM's stop is saved unmeasured there).
+    Naming step 20 of a 10-step run, or "step 3, before its first evaluation at step 3", passed (mutation review 19,
+    X13, X14)."""
+    with pytest.raises(SIGTERMException):
+        canned_fit(tmp_path, steps, {every: {8: 2.0}}, before=[SigtermAt(3)], every=every)
+    assert "**No evaluation ran**: " + said in (tmp_path / "report.md").read_text()
+
+
 def test_with_save_top_k_0_the_report_names_no_best_checkpoint(tmp_path):
     evaluation, _ = canned_fit(tmp_path, 4, {2: {8: 1.5}, 4: {8: 2.0}}, save_top_k=0)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["last.ckpt"]

@@ -736,6 +736,16 @@ def test_a_resume_with_a_lower_save_top_k_keeps_that_many_never_dropping_the_bes
     assert os.readlink(folder / "best.ckpt") == "step-2.ckpt"
 
 
+def test_a_resume_with_a_lower_save_top_k_drops_the_earliest_of_equals_first(tmp_path):
+    """Cut to save_top_k 2, steps 2 and 4 tie below step 6: step 2 goes, as a save's displaced file would (the later of
+    equals has trained longer). Dropping step 4 passed (mutation review 19, X22)."""
+    canned_fit(tmp_path, 6, {2: {8: 1.0}, 4: {8: 1.0}, 6: {8: 3.0}}, save_top_k=-1)
+    folder = tmp_path / "checkpoints"
+    _, checkpoints = canned_fit(tmp_path, 8, {8: {8: 0.5}}, save_top_k=2, ckpt_path=folder / "last.ckpt")
+    assert list(checkpoints.best_k_models) == ["step-4.ckpt", "step-6.ckpt"]
+    assert sorted(p.name for p in folder.glob("*.ckpt")) == ["best.ckpt", "last.ckpt", "step-4.ckpt", "step-6.ckpt"]
+
+
 class FilesAtFirstBatch(L.Callback):
     """Records (inode, mtime) of each checkpoint file in `folder` as the launch's first training batch starts."""
 

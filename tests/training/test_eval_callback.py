@@ -447,6 +447,19 @@ def test_a_launch_that_saved_nothing_leaves_last_ckpt_only_where_save_last_asks(
     assert saved == ["last.ckpt"]
 
 
+def test_with_save_last_false_the_evaluated_saves_write_no_last_ckpt(tmp_path):
+    """A last.ckpt that save_last false never rewrites would be the folder's resume point (resume_point takes it
+    first) once the run moved on; each evaluated save wrote one anyway and passed (mutation review 19, X25)."""
+    evaluation = CannedEvaluation({2: {8: 1.0}, 4: {8: 2.0}}, every_n_train_steps=2, budgets=[8], primary_budget=8)
+    checkpoints = BestCheckpoint(dirpath=tmp_path / "checkpoints", monitor=monitor_metric(8), every_n_train_steps=2,
+                                 save_last=False)
+    torch.manual_seed(0)
+    trainer = L.Trainer(max_steps=4, accelerator="cpu", default_root_dir=tmp_path, logger=False,
+                        callbacks=[evaluation, checkpoints], enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(tiny_module(), train_dataloaders=synthetic_loader(4))
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("*.ckpt")) == ["best.ckpt", "step-4.ckpt"]
+
+
 def test_checkpoint_settings_that_cannot_work_are_one_line_errors(tmp_path):
     with pytest.raises(DDTreeError, match=r"checkpoint.filename='\{val/loss\}'"):
         BestCheckpoint(filename="{val/loss}")

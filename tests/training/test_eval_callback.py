@@ -749,6 +749,16 @@ def test_a_resume_with_a_lower_save_top_k_keeps_that_many_never_dropping_the_bes
     assert os.readlink(folder / "best.ckpt") == "step-2.ckpt"
 
 
+def test_a_new_best_keeps_the_checkpoint_this_launch_resumed_from(tmp_path):
+    """Resumed from step-2.ckpt, the best then, the new step 4 displaces it from the ranking: the file stays, as the
+    branch this launch left starts there (deleting it passed, mutation review 19, X26)."""
+    canned_fit(tmp_path, 6, {2: {8: 3.0}, 4: {8: 1.0}, 6: {8: 2.0}})
+    folder = tmp_path / "checkpoints"
+    _, checkpoints = canned_fit(tmp_path, 6, {4: {8: 4.0}, 6: {8: 1.0}}, ckpt_path=folder / "step-2.ckpt")
+    assert list(checkpoints.best_k_models) == ["step-4.ckpt"] and os.readlink(folder / "best.ckpt") == "step-4.ckpt"
+    assert torch.load(folder / "step-2.ckpt", weights_only=False)["global_step"] == 2
+
+
 def test_a_resume_with_a_lower_save_top_k_drops_the_earliest_of_equals_first(tmp_path):
     """Cut to save_top_k 2, steps 2 and 4 tie below step 6: step 2 goes, as a save's displaced file would (the later of
     equals has trained longer). Dropping step 4 passed (mutation review 19, X22)."""

@@ -447,6 +447,20 @@ def test_a_launch_that_saved_nothing_leaves_last_ckpt_only_where_save_last_asks(
     assert saved == ["last.ckpt"]
 
 
+def test_last_ckpt_of_a_launch_that_saved_is_its_last_evaluated_save_not_one_at_the_end(tmp_path):
+    """max_steps 4 of an epoch of 8 batches: last.ckpt is step 4's save, where a resume continues with batch 5. Saved
+    again at the end of training, it recorded the epoch as done, and a resume to more steps skipped the epoch's other
+    four batches; that passed (mutation review 19, X27)."""
+    evaluation = CannedEvaluation({2: {8: 1.0}, 4: {8: 2.0}}, every_n_train_steps=2, budgets=[8], primary_budget=8)
+    checkpoints = BestCheckpoint(dirpath=tmp_path / "checkpoints", monitor=monitor_metric(8), every_n_train_steps=2)
+    torch.manual_seed(0)
+    trainer = L.Trainer(max_steps=4, accelerator="cpu", default_root_dir=tmp_path, logger=False,
+                        callbacks=[evaluation, checkpoints], enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(tiny_module(), train_dataloaders=synthetic_loader(8))
+    last, step_4 = (torch.load(tmp_path / "checkpoints" / name, weights_only=False) for name in ("last.ckpt", "step-4.ckpt"))
+    assert last["epoch"] == 0 and last["loops"] == step_4["loops"]
+
+
 def test_with_save_last_false_the_evaluated_saves_write_no_last_ckpt(tmp_path):
     """A last.ckpt that save_last false never rewrites would be the folder's resume point (resume_point takes it
     first) once the run moved on; each evaluated save wrote one anyway and passed (mutation review 19, X25)."""

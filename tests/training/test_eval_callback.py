@@ -1118,6 +1118,17 @@ class TerminatedAt(L.Callback):
             raise Terminated
 
 
+class FailsAt(L.Callback):
+    """An error of two lines at optimizer step `step`, as a data loader's or a kernel's often reads."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step == self.step:
+            raise RuntimeError("the batch held no tokens\n(see the data loader's log)")
+
+
 @pytest.mark.parametrize("before, after, raised, said", [
     ([SigtermAt(3)], [], SIGTERMException, "the run was stopped by SIGTERM at step 3, before its first evaluation at "
                                            "step 10"),
@@ -1126,11 +1137,14 @@ class TerminatedAt(L.Callback):
     ([PoisonWeights(3)], [], NonFiniteError, "the run failed at step 3, before its first evaluation at step 10 "
                                              "(eval.every_n_train_steps=10), with NonFiniteError: training stopped at "
                                              "step 3: the loss is nan"),
+    # its first line, which says what failed (naming the last passed: mutation review 19, X30)
+    ([FailsAt(3)], [], RuntimeError, "the run failed at step 3, before its first evaluation at step 10 "
+                                     "(eval.every_n_train_steps=10), with RuntimeError: the batch held no tokens"),
     # a stop off the grid that the evaluation does not see coming, and a SIGTERM heard at the end, where no loop
     # raises and on_train_end does not evaluate
     ([SigtermAt(3, "on_train_end")], [StopAtStep3()], None, "the run was stopped by SIGTERM at step 3, before its "
                                                             "first evaluation at step 10"),
-], ids=["sigterm", "sigterm outside lightning", "nan loss", "sigterm where no loop raises"])
+], ids=["sigterm", "sigterm outside lightning", "nan loss", "two-line error", "sigterm where no loop raises"])
 def test_a_run_that_ends_before_any_evaluation_writes_a_report_that_says_why(tmp_path, before, after, raised, said):
     if raised is None:
         evaluation, _ = canned_fit(tmp_path, 10, {10: {8: 2.0}}, before=before, extra=after, every=10)

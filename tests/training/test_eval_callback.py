@@ -1312,6 +1312,24 @@ def test_a_stop_asked_before_min_steps_is_measured_only_where_the_run_does_stop(
     assert torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 5
 
 
+def test_max_time_spent_before_min_steps_marks_only_the_evaluation_of_the_step_the_run_stops_at(tmp_path):
+    """The clock is spent at step 3 and min_steps holds the run to 5: step 4's evaluation is no stop, and its file must
+    not say max_time_stop (make ablate reads the flag as where the run stopped); a flag read from the clock alone
+    passed (mutation review 19, X29)."""
+    evaluation = RiggedEvaluation(["bad"] * 3, prompts=PROMPTS, every_n_train_steps=2, budgets=[8], primary_budget=8,
+                                  max_new_tokens=6, limit=1)
+    checkpoints = BestCheckpoint(dirpath=tmp_path / "checkpoints", monitor=monitor_metric(8), every_n_train_steps=2)
+    torch.manual_seed(0)
+    trainer = L.Trainer(max_steps=10, min_steps=5, accelerator="cpu", default_root_dir=tmp_path, logger=False,
+                        callbacks=[evaluation, checkpoints, StepClock()], enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(tiny_module(), train_dataloaders=synthetic_loader(3))  # epochs of 3 steps: min_epochs 1 is met at 3
+    assert trainer.global_step == 5
+    flags = {step: json.loads(AcceptanceEvaluation.eval_file(tmp_path, step).read_text()).get("max_time_stop")
+             for step in (2, 4, 5)}
+    assert flags == {2: None, 4: None, 5: True}
+
+
 def test_the_last_batch_of_a_max_epochs_run_is_evaluated_checkpointed_and_can_be_best(tmp_path):
     """max_epochs (the 8B recipes' plan) ends on the last epoch's last batch, off the grid here: that step is measured
     and competes for best.ckpt like a scheduled one. An earlier epoch's last batch is no end."""

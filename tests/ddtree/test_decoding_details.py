@@ -1,7 +1,8 @@
 """What the lossless tests cannot see: mistakes that keep every committed token the target's own and only cost
 acceptance or speed (the drafter's context, the context lookup, re-drafted rows' temperatures), or that only some
-lengths reach (the static cache's capacity), and sampling held to an independent reference. Each test here failed on
-the mutant of decoding.py that a mutation review (2026-12-05) found the rest of the suite letting through."""
+lengths reach (the static cache's capacity), the figures a reply is measured by (tau, tokens per second, a round's
+times), and sampling held to an independent reference. Each test here failed on the mutant of decoding.py that a
+mutation review (2026-12-05, 2026-12-06) found the rest of the suite letting through."""
 
 import pytest
 import torch
@@ -139,3 +140,15 @@ def test_the_context_lookup_copies_from_the_prompt_from_the_first_round(smollm2)
                        add_special_tokens=False)["input_ids"]
     result = generate(model, prompt, "ddtree", runner, 32, 24, stop_token_ids(model, tokenizer), lookup=7)
     assert result.rounds[0].accepted_depth >= 4, [r.accepted_depth for r in result.rounds]
+
+
+def test_tau_counts_the_tokens_the_rounds_commit_not_the_prefills(tiny_target):
+    """tau, which `ddtree generate` and Decoder report, is tokens per verify: the prefill's token is no round's. Counted
+    in, ar's tau read above 1 and every drafter's read better than it was."""
+    target, _ = tiny_target
+    prompt = [5, 17, 42, 8, 99, 3, 61]
+    reference = hf_greedy(target, prompt, 12)
+    assert generate(target, prompt, "ar", max_new_tokens=12).tau == 1.0  # one token a round
+    rigged = generate(target, prompt, "ddtree", RiggedDrafter(prompt + reference, target.config.vocab_size), 16, 12, [])
+    assert rigged.new_tokens == reference
+    assert rigged.tau == (12 - 1) / len(rigged.rounds) > 1, [r.committed for r in rigged.rounds]

@@ -4,12 +4,16 @@ lengths reach (the static cache's capacity), the figures a reply is measured by 
 times), and sampling held to an independent reference. Each test here failed on the mutant of decoding.py that a
 mutation review (2026-12-05, 2026-12-06) found the rest of the suite letting through."""
 
+import time
+
 import pytest
 import torch
 
+import ddtree.decoding
 from ddtree.decoder import load_drafter
 from ddtree.decoding import DrafterRunner, Sampling, generate, top_p_filter
 from ddtree.modeling_dflash import DFlashDraftModel
+from ddtree.target_runner import DynamicTarget
 from ddtree.targets import build_drafter_config
 from rigged import RiggedDrafter, hf_greedy  # tests/rigged.py
 
@@ -152,3 +156,19 @@ def test_tau_counts_the_tokens_the_rounds_commit_not_the_prefills(tiny_target):
     rigged = generate(target, prompt, "ddtree", RiggedDrafter(prompt + reference, target.config.vocab_size), 16, 12, [])
     assert rigged.new_tokens == reference
     assert rigged.tau == (12 - 1) / len(rigged.rounds) > 1, [r.committed for r in rigged.rounds]
+
+
+def test_tokens_per_second_counts_the_prefills_time_with_its_token(tiny_target, monkeypatch):
+    """The reply's first token is the prefill's, so its rate is over the prefill's time too, as bench's speedup is:
+    over the decoding's alone a slow prefill (a long prompt) read as fast as none in `ddtree generate`'s tok/s."""
+    target, _ = tiny_target
+
+    class SlowPrefill(DynamicTarget):
+        def prefill(self, prompt_ids):
+            time.sleep(0.3)
+            return super().prefill(prompt_ids)
+
+    monkeypatch.setattr(ddtree.decoding, "DynamicTarget", SlowPrefill)
+    result = generate(target, [5, 17, 42, 8], "ar", max_new_tokens=6, static=False)
+    assert result.prefill_s >= 0.3 and len(result.new_tokens) == 6
+    assert result.tokens_per_second <= 6 / 0.3, (result.prefill_s, result.decode_s)

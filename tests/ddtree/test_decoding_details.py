@@ -172,3 +172,20 @@ def test_tokens_per_second_counts_the_prefills_time_with_its_token(tiny_target, 
     result = generate(target, [5, 17, 42, 8], "ar", max_new_tokens=6, static=False)
     assert result.prefill_s >= 0.3 and len(result.new_tokens) == 6
     assert result.tokens_per_second <= 6 / 0.3, (result.prefill_s, result.decode_s)
+
+
+def test_a_rounds_other_time_leaves_out_its_verify(tiny_target, monkeypatch):
+    """Round's split, which bench prints as its draft, verify and other columns: the target's forward is verify_s
+    alone. Counted in other_s too, a round's three parts added up to more than the decoding took."""
+    target, _ = tiny_target
+
+    class SlowVerify(DynamicTarget):
+        def verify(self, *args):
+            time.sleep(0.2)
+            return super().verify(*args)
+
+    monkeypatch.setattr(ddtree.decoding, "DynamicTarget", SlowVerify)
+    result = generate(target, [5, 17, 42, 8], "ar", max_new_tokens=4, static=False)
+    assert len(result.rounds) == 3
+    assert all(r.verify_s >= 0.2 > r.other_s for r in result.rounds), [(r.verify_s, r.other_s) for r in result.rounds]
+    assert sum(r.draft_s + r.verify_s + r.other_s for r in result.rounds) <= result.decode_s + 1e-6

@@ -4,6 +4,7 @@ lengths reach (the static cache's capacity), the figures a reply is measured by 
 times), and sampling held to an independent reference. Each test here failed on the mutant of decoding.py that a
 mutation review (2026-12-05, 2026-12-06) found the rest of the suite letting through."""
 
+import math
 import time
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 
 import ddtree.decoding
 from ddtree.decoder import load_drafter
-from ddtree.decoding import DrafterRunner, Sampling, generate, top_p_filter
+from ddtree.decoding import DrafterRunner, OnlineCalibration, Sampling, generate, top_p_filter
 from ddtree.modeling_dflash import DFlashDraftModel
 from ddtree.target_runner import DynamicTarget
 from ddtree.targets import build_drafter_config
@@ -189,3 +190,34 @@ def test_a_rounds_other_time_leaves_out_its_verify(tiny_target, monkeypatch):
     assert len(result.rounds) == 3
     assert all(r.verify_s >= 0.2 > r.other_s for r in result.rounds), [(r.verify_s, r.other_s) for r in result.rounds]
     assert sum(r.draft_s + r.verify_s + r.other_s for r in result.rounds) <= result.decode_s + 1e-6
+
+
+def test_online_temperature_divides_the_redrafted_rows_as_it_divides_the_block(tiny_target):
+    """A calibration's temperature is the drafter's, at every depth: left off the re-drafted rows, a chain behind its
+    re-drafted first token was scored (and sized, and calibrated) with depth 1 cooled and the rest not, so a redraft
+    drafter decoding with its folder's calibration.json said another expected tau than its own."""
+    target, _ = tiny_target
+    generator = torch.Generator().manual_seed(0)
+    block, branch = (torch.randn(rows, target.config.vocab_size, generator=generator) * 10 for rows in (3, 2))
+
+    class Fixed:  # the block's rows (depths 1-3), and the same re-drafted rows (depths 2-3) behind any first token
+        block_size = 4
+
+        def reset(self):
+            pass
+
+        def features(self, hidden):
+            return hidden[-1]  # (1, T, H): read by nothing here
+
+        def propose(self, root, start, new_context, depth):
+            return block[:depth]
+
+        def redraft(self, root, start, firsts, depth):
+            return branch[: depth - 1].expand(len(firsts), -1, -1)
+
+    online = OnlineCalibration(frozen=True)
+    online.log_temperatures[None] = math.log(2.0)  # the chain's
+    result = generate(target, [5, 17, 42, 8], "dflash", Fixed(), max_new_tokens=8, stop_ids=[], online=online,
+                      redraft=1)
+    path = torch.log_softmax(torch.cat([block[:1], branch]) / 2.0, dim=-1).max(dim=-1).values.cumsum(0)
+    assert result.rounds[0].expected == pytest.approx(1 + path.exp().sum().item(), rel=1e-5)

@@ -1753,6 +1753,9 @@ def test_frontier_objective_mixes_the_tree_slope_with_the_decayed_weights():
     chunked = block_loss_sums(hidden, labels, lm_head, weights, chunk_size=5, objective="frontier", smoothing=0.25,
                               budget=6)
     assert torch.allclose(chunked[0], weighted, atol=1e-5)
+    # a survival top_k above the budget widens the shared top_entries: the tree still takes each position's budget best
+    wide = block_loss_sums(hidden, labels, lm_head, weights, objective="frontier", smoothing=0.25, budget=6, top_k=9)
+    assert torch.allclose(wide[0], weighted, atol=1e-5)
     small = block_loss_sums(hidden, labels, lm_head, weights, objective="frontier", budget=500)  # budget > vocab 13
     assert torch.isfinite(small[0])
 

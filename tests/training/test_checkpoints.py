@@ -810,9 +810,7 @@ def test_make_evals_row_prints_tau_logged_expected_and_rounds_each_under_its_hea
     from training.callbacks import AcceptanceEvaluation
 
     path, _ = saved
-    measurement = {"prompts": "data/eval_prompts.jsonl", "limit": 1, "max_new_tokens": 16, "lookup": None,
-                   "redraft": None}  # the tiny recipe's with --limit 1: its logged tau of 1.5 is shown
-    loose = loose_copy(path, tmp_path / "loose", measurement)
+    loose = loose_copy(path, tmp_path / "loose", TINY_LIMIT_1)  # its logged tau of 1.5 is shown
     stats = {"tau": 2.5, "expected_tau": 3.125, "rounds": 12, "tree_nodes": 8.0, "new_tokens": 31,
              "accepted_depth_counts": {0: 2, 2: 10}}
     monkeypatch.setattr(AcceptanceEvaluation, "measure",
@@ -854,6 +852,11 @@ def test_make_eval_of_an_abandoned_branchs_checkpoint_reads_its_run_and_writes_b
     written = run / "eval" / "abandoned-after-step-3" / "checkpoint-last-limit1.json"
     assert json.loads(written.read_text())["settings"]["max_new_tokens"] == 5
     assert sorted(p.relative_to(run).as_posix() for p in run.rglob("*.json")) == [written.relative_to(run).as_posix()]
+
+
+# How the tiny recipe's evaluation measures with --limit 1 (AcceptanceEvaluation.measurement()): `make eval --limit 1`
+# of a checkpoint that recorded it compares like for like
+TINY_LIMIT_1 = {"prompts": "data/eval_prompts.jsonl", "limit": 1, "max_new_tokens": 16, "lookup": None, "redraft": None}
 
 
 def loose_copy(path: Path, folder: Path, measurement: dict | None = None) -> Path:
@@ -899,8 +902,7 @@ def test_make_eval_shows_the_logged_tau_only_where_training_measured_the_same_wa
     first = prompts_fingerprint(load_prompts(REPO_ROOT / "data" / "eval_prompts.jsonl", load_tokenizer("tiny-random"), 1))
     fingerprint = {None: {}, "the same": {"prompts_sha256": first}, "others": {"prompts_sha256": "0" * 64}}[prompts]
     # the tiny recipe's eval section with --limit 1, but for max_new_tokens; float16: a dtype `auto` never picks
-    measurement = {"prompts": "data/eval_prompts.jsonl", "limit": 1, "max_new_tokens": max_new_tokens,
-                   "lookup": None, "redraft": None, **({"dtype": dtype} if dtype else {}), **fingerprint}
+    measurement = {**TINY_LIMIT_1, "max_new_tokens": max_new_tokens, **({"dtype": dtype} if dtype else {}), **fingerprint}
     loose = loose_copy(path, tmp_path / "loose", measurement)
     assert training.evaluate.main(["--recipe", "tiny", "--ckpt", str(loose), "--limit", "1"]) == 0
     printed = capsys.readouterr()
@@ -938,9 +940,7 @@ def test_make_eval_of_a_step_training_did_not_evaluate_shows_no_logged_tau(saved
     earlier steps' rows and how they were measured, but no row of its own step: nothing to compare with, and read as
     one, a TypeError traceback after every prompt was decoded (mutation review 15, E03)."""
     path, _ = saved
-    measurement = {"prompts": "data/eval_prompts.jsonl", "limit": 1, "max_new_tokens": 16, "lookup": None,
-                   "redraft": None}  # the tiny recipe's with --limit 1: the same measurement
-    loose = loose_copy(path, tmp_path / "loose", measurement)
+    loose = loose_copy(path, tmp_path / "loose", TINY_LIMIT_1)  # the same measurement
     checkpoint = torch.load(loose, map_location="cpu", weights_only=False)
     checkpoint["callbacks"]["AcceptanceEvaluation"]["history"][0]["step"] = 4  # an earlier step's; the file is step 7's
     torch.save(checkpoint, loose)
@@ -956,9 +956,7 @@ def test_make_eval_of_a_corpus_run_away_from_its_corpus_shows_no_logged_tau(save
     replies grafted into its trees, which training's evaluation grafted: its logged tau, shown beside the new one,
     measured another decoding (mutation review 15, E16)."""
     path, _ = saved
-    measurement = {"prompts": "data/eval_prompts.jsonl", "limit": 1, "max_new_tokens": 16, "lookup": None,
-                   "redraft": None}  # the tiny recipe's with --limit 1: all but the corpus measure alike
-    loose = loose_copy(path, tmp_path / "loose", measurement)
+    loose = loose_copy(path, tmp_path / "loose", TINY_LIMIT_1)  # all but the corpus measure alike
     checkpoint = torch.load(loose, map_location="cpu", weights_only=False)
     checkpoint["hyper_parameters"]["corpus"] = True
     torch.save(checkpoint, loose)
@@ -987,9 +985,7 @@ def test_make_eval_marks_a_target_adapter_retrained_since_as_not_comparable(save
     path, _ = saved
     save_adapter(0)
     adapter = str(tmp_path / "adapter")
-    measurement = {"prompts": "data/eval_prompts.jsonl", "limit": 1, "max_new_tokens": 16, "lookup": None,
-                   "redraft": None}
-    loose = loose_copy(path, tmp_path / "loose", measurement)
+    loose = loose_copy(path, tmp_path / "loose", TINY_LIMIT_1)
     checkpoint = torch.load(loose, map_location="cpu", weights_only=False)
     checkpoint["hyper_parameters"].update(target_adapter=adapter, target_adapter_sha256=adapter_fingerprint(adapter))
     torch.save(checkpoint, loose)
@@ -1071,9 +1067,7 @@ def test_make_eval_of_a_target_adapter_not_found_from_here_says_so_and_where_to_
     get_peft_model(load_target("tiny-random")[0], config).save_pretrained(launch / "adapters" / "lora")
     (launch / "data").symlink_to(REPO_ROOT / "data")
     path, _ = saved
-    measurement = {"prompts": "data/eval_prompts.jsonl", "limit": 1, "max_new_tokens": 16, "lookup": None,
-                   "redraft": None}
-    loose = loose_copy(path, tmp_path / "loose", measurement)
+    loose = loose_copy(path, tmp_path / "loose", TINY_LIMIT_1)
     checkpoint = torch.load(loose, map_location="cpu", weights_only=False)
     checkpoint["hyper_parameters"].update(target_adapter="adapters/lora",
                                           target_adapter_sha256=adapter_fingerprint(launch / "adapters" / "lora"))

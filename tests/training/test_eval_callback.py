@@ -451,12 +451,7 @@ def test_last_ckpt_of_a_launch_that_saved_is_its_last_evaluated_save_not_one_at_
     """max_steps 4 of an epoch of 8 batches: last.ckpt is step 4's save, where a resume continues with batch 5. Saved
     again at the end of training, it recorded the epoch as done, and a resume to more steps skipped the epoch's other
     four batches; that passed (mutation review 19, X27)."""
-    evaluation = CannedEvaluation({2: {8: 1.0}, 4: {8: 2.0}}, every_n_train_steps=2, budgets=[8], primary_budget=8)
-    checkpoints = BestCheckpoint(dirpath=tmp_path / "checkpoints", monitor=monitor_metric(8), every_n_train_steps=2)
-    torch.manual_seed(0)
-    trainer = L.Trainer(max_steps=4, accelerator="cpu", default_root_dir=tmp_path, logger=False,
-                        callbacks=[evaluation, checkpoints], enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(tiny_module(), train_dataloaders=synthetic_loader(8))
+    canned_fit(tmp_path, 4, {2: {8: 1.0}, 4: {8: 2.0}}, batches=8)
     last, step_4 = (torch.load(tmp_path / "checkpoints" / name, weights_only=False) for name in ("last.ckpt", "step-4.ckpt"))
     assert last["epoch"] == 0 and last["loops"] == step_4["loops"]
 
@@ -464,13 +459,7 @@ def test_last_ckpt_of_a_launch_that_saved_is_its_last_evaluated_save_not_one_at_
 def test_with_save_last_false_the_evaluated_saves_write_no_last_ckpt(tmp_path):
     """A last.ckpt that save_last false never rewrites would be the folder's resume point (resume_point takes it
     first) once the run moved on; each evaluated save wrote one anyway and passed (mutation review 19, X25)."""
-    evaluation = CannedEvaluation({2: {8: 1.0}, 4: {8: 2.0}}, every_n_train_steps=2, budgets=[8], primary_budget=8)
-    checkpoints = BestCheckpoint(dirpath=tmp_path / "checkpoints", monitor=monitor_metric(8), every_n_train_steps=2,
-                                 save_last=False)
-    torch.manual_seed(0)
-    trainer = L.Trainer(max_steps=4, accelerator="cpu", default_root_dir=tmp_path, logger=False,
-                        callbacks=[evaluation, checkpoints], enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(tiny_module(), train_dataloaders=synthetic_loader(4))
+    canned_fit(tmp_path, 4, {2: {8: 1.0}, 4: {8: 2.0}}, save_last=False)
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("*.ckpt")) == ["best.ckpt", "step-4.ckpt"]
 
 
@@ -577,18 +566,18 @@ class CannedEvaluation(AcceptanceEvaluation):
 
 
 def canned_fit(tmp_path, steps, taus, primary=8, save_top_k=1, extra=(), ckpt_path=None, before=(), every=2, module=None,
-               kind=None, plugins=(), prompts=PROMPTS):
+               kind=None, plugins=(), prompts=PROMPTS, batches=None, save_last=True, accumulate=1):
     """`before`: callbacks that run ahead of the evaluation at each step; `extra`: after it (and before BestCheckpoint,
-    which Lightning runs last); `kind`: a CannedEvaluation subclass."""
+    which Lightning runs last); `kind`: a CannedEvaluation subclass; `batches`: an epoch's micro-batches (`steps`)."""
     evaluation = (kind or CannedEvaluation)(taus, prompts=prompts, every_n_train_steps=every,
                                             budgets=sorted(next(iter(taus.values()))), primary_budget=primary)
     checkpoints = BestCheckpoint(dirpath=tmp_path / "checkpoints", monitor=monitor_metric(primary),
-                                 every_n_train_steps=every, save_top_k=save_top_k)
+                                 every_n_train_steps=every, save_top_k=save_top_k, save_last=save_last)
     torch.manual_seed(0)
     trainer = L.Trainer(max_steps=steps, accelerator="cpu", default_root_dir=tmp_path, logger=False,
                         callbacks=[*before, evaluation, checkpoints, *extra], enable_progress_bar=False,
-                        enable_model_summary=False, plugins=list(plugins))
-    trainer.fit(module or tiny_module(), train_dataloaders=synthetic_loader(steps), ckpt_path=ckpt_path)
+                        enable_model_summary=False, plugins=list(plugins), accumulate_grad_batches=accumulate)
+    trainer.fit(module or tiny_module(), train_dataloaders=synthetic_loader(batches or steps), ckpt_path=ckpt_path)
     return evaluation, checkpoints
 
 
@@ -1373,13 +1362,7 @@ def test_the_planned_last_step_off_the_grid_is_checkpointed_ranked_and_resumed_f
 def test_under_gradient_accumulation_a_scheduled_step_is_measured_once(tmp_path):
     """Each micro-batch ends with the hook; those after step 2's optimizer step still read global_step 2, and each
     measured it again (minutes each on the 8B recipes) with a row of its own (mutation review 10, m20)."""
-    evaluation = CannedEvaluation({2: {8: 1.0}, 4: {8: 2.0}}, every_n_train_steps=2, budgets=[8], primary_budget=8)
-    checkpoints = BestCheckpoint(dirpath=tmp_path / "checkpoints", monitor=monitor_metric(8), every_n_train_steps=2)
-    torch.manual_seed(0)
-    trainer = L.Trainer(max_steps=4, accumulate_grad_batches=2, accelerator="cpu", default_root_dir=tmp_path,
-                        logger=False, callbacks=[evaluation, checkpoints], enable_progress_bar=False,
-                        enable_model_summary=False)
-    trainer.fit(tiny_module(), train_dataloaders=synthetic_loader(8))  # 8 micro-batches: 4 optimizer steps
+    evaluation, _ = canned_fit(tmp_path, 4, {2: {8: 1.0}, 4: {8: 2.0}}, batches=8, accumulate=2)  # 4 optimizer steps
     assert evaluation.decoded == [2, 4]
     assert [r["step"] for r in evaluation.history] == [2, 4]
 

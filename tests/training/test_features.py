@@ -833,8 +833,7 @@ def test_make_features_boxes_the_build_in_data_store_max_minutes(tmp_path, monke
 
     monkeypatch.setattr(training.features, "build_feature_store", on_the_build_clock)
     out = tmp_path / "store"
-    assert main(["--recipe", "tiny", "--out", str(out), f"--data.data_path={data}", "--data.max_length=128",
-                 f"--data.cache_dir={tmp_path / 'cache'}", "--data.store_max_minutes=0.5"]) == 0
+    assert main([*features_args(tmp_path, data, out), "--data.store_max_minutes=0.5"]) == 0
     store = FeatureStore(out)
     assert boxes == [30.0]
     # two shards, the third would end past 30 s; a 0.5-second box holds the first alone
@@ -1256,6 +1255,13 @@ def test_a_resumed_build_needs_room_only_for_what_is_left(tmp_path, monkeypatch,
 # ----------------------------------------------------------------------------- the CLIs
 
 
+def features_args(tmp_path: Path, data: Path, out: Path) -> list[str]:
+    """`python -m training.features` for the tiny recipe over `data` into `out`, at max_length 128, the tokenization
+    cached under tmp_path."""
+    return ["--recipe", "tiny", "--out", str(out), f"--data.data_path={data}", "--data.max_length=128",
+            f"--data.cache_dir={tmp_path / 'cache'}"]
+
+
 def test_cli_bad_input_exits_2_with_one_line(capsys):
     assert main(["--recipe", "nope"]) == 2
     err = capsys.readouterr().err.strip()
@@ -1284,8 +1290,7 @@ def test_cli_bad_input_exits_2_with_one_line(capsys):
 def test_cli_builds_the_recipe_store(tmp_path, precision, target_dtype, dtype):
     data = write_conversations(tmp_path / "conversations.jsonl")
     out = tmp_path / "store"
-    assert main(["--recipe", "tiny", "--out", str(out), f"--data.data_path={data}", "--data.max_length=128",
-                 f"--data.cache_dir={tmp_path / 'cache'}", f"--trainer.precision={precision}",
+    assert main([*features_args(tmp_path, data, out), f"--trainer.precision={precision}",
                  f"--model.target_dtype={target_dtype}"]) == 0
     store = FeatureStore(out)  # the recipe's layers and target, in the dtype training runs that target in
     assert dtype == dtype_for_precision(precision, target_dtype)
@@ -1305,8 +1310,7 @@ def test_cli_builds_a_warm_starts_store_of_the_layers_its_drafter_reads(tmp_path
     warm = export_drafter(tiny_module(target_layer_ids=[0, 2], block_size=8), tmp_path / "warm")
     data = write_conversations(tmp_path / "conversations.jsonl")
     out = tmp_path / "store"
-    assert main(["--recipe", "tiny", "--out", str(out), f"--data.data_path={data}", "--data.max_length=128",
-                 f"--data.cache_dir={tmp_path / 'cache'}", "--model.target_layer_ids=null",
+    assert main([*features_args(tmp_path, data, out), "--model.target_layer_ids=null",
                  f"--model.init_from={warm}"]) == 0
     store = FeatureStore(out)
     assert store.layer_ids == [0, 2]
@@ -1321,8 +1325,7 @@ def test_cli_out_is_where_the_store_is_built_though_the_recipe_names_auto(tmp_pa
     monkeypatch.setattr(training.feature_store, "cache_dir", lambda: tmp_path / "ddtree-cache")
     data = write_conversations(tmp_path / "conversations.jsonl")
     out = tmp_path / "store"
-    assert main(["--recipe", "tiny", "--out", str(out), f"--data.data_path={data}", "--data.max_length=128",
-                 f"--data.cache_dir={tmp_path / 'cache'}", "--data.feature_store=auto"]) == 0
+    assert main([*features_args(tmp_path, data, out), "--data.feature_store=auto"]) == 0
     assert "nothing to do" not in capsys.readouterr().out
     assert FeatureStore(out).layer_ids == [1, 3, 4] and not (tmp_path / "ddtree-cache" / "features").exists()
 
@@ -1334,8 +1337,7 @@ def test_cli_builds_a_top_k_recipes_store_with_its_teacher_alone(tmp_path):
     teacher (mutation review 16, m27)."""
     data = write_conversations(tmp_path / "conversations.jsonl")
     out = tmp_path / "store"
-    assert main(["--recipe", "tiny", "--out", str(out), f"--data.data_path={data}", "--data.max_length=128",
-                 f"--data.cache_dir={tmp_path / 'cache'}", "--model.distill_weight=0.5", "--model.distill_top_k=4"]) == 0
+    assert main([*features_args(tmp_path, data, out), "--model.distill_weight=0.5", "--model.distill_top_k=4"]) == 0
     store = FeatureStore(out)
     assert (store.teacher_top_k, store.final_hidden) == (4, False)
     tiny_module(distill_weight=0.5, distill_top_k=4).check_feature_store(store)  # what that run reads
@@ -1353,8 +1355,7 @@ def test_cli_builds_the_store_of_a_recipes_target_adapter(tmp_path):
     get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False)).save_pretrained(adapter)
     data = write_conversations(tmp_path / "conversations.jsonl")
     out = tmp_path / "store"
-    assert main(["--recipe", "tiny", "--out", str(out), f"--data.data_path={data}", "--data.max_length=128",
-                 f"--data.cache_dir={tmp_path / 'cache'}", f"--model.target_adapter={adapter}",
+    assert main([*features_args(tmp_path, data, out), f"--model.target_adapter={adapter}",
                  "--trainer.precision=32-true"]) == 0
     store = FeatureStore(out)
     assert store.target_adapter == str(adapter) and store.target_adapter_sha256 is not None

@@ -407,6 +407,17 @@ def test_tokenize_conversations_counts_and_skips(smol_tokenizer, caplog):
         tokenize_conversations(smol_tokenizer, [records[1], records[1]], 120, 4)
 
 
+def test_a_conversation_with_exactly_min_supervised_tokens_is_kept(smol_tokenizer):
+    """data.min_supervised_tokens is the fewest kept ("fewer assistant tokens than this: dropped"): a conversation at
+    the bound is trained on, one token short of it is not."""
+    (whole,), _ = tokenize_conversations(smol_tokenizer, [{"messages": CONVERSATION}], 10_000, 1)
+    supervised = sum(whole["loss_mask"])
+    kept, counts = tokenize_conversations(smol_tokenizer, [{"messages": CONVERSATION}] * 2, 10_000, supervised)
+    assert kept == [whole, whole] and counts["too_few_supervised"] == 0
+    with pytest.raises(DDTreeError, match=f"2 fewer than {supervised + 1} supervised tokens"):
+        tokenize_conversations(smol_tokenizer, [{"messages": CONVERSATION}] * 2, 10_000, supervised + 1)
+
+
 def test_what_tokenization_drops_is_one_warning_naming_each_reason_and_the_settings(smol_tokenizer, caplog):
     """A run shows warnings only, and the only one said "1 of 4 conversations were truncated": it reads as kept, but
     right-truncation had cut away the whole reply of a long prompt, and that one, a prompt-only line and a short reply

@@ -418,6 +418,18 @@ def test_a_conversation_with_exactly_min_supervised_tokens_is_kept(smol_tokenize
         tokenize_conversations(smol_tokenizer, [{"messages": CONVERSATION}] * 2, 10_000, supervised + 1)
 
 
+def test_a_short_reply_behind_a_long_prompt_is_not_counted_as_cut_away_by_truncation(smol_tokenizer):
+    """reply_truncated (the warning's "because truncation cut their reply", whose remedy is data.max_length) counts the
+    replies that had enough supervised tokens before the cut: one too short whole is dropped for itself, cut or not."""
+    long_prompt = {"role": "user", "content": "word " * 200}
+    records = [{"messages": [long_prompt, {"role": "assistant", "content": "4."}]},  # too short, and cut
+               {"messages": [long_prompt, {"role": "assistant", "content": "Four, since two and two make four."}]}]
+    kept, counts = tokenize_conversations(smol_tokenizer, records + [{"messages": CONVERSATION}], max_length=120,
+                                          min_supervised_tokens=4)
+    assert len(kept) == 1 and counts["truncated"] == 2
+    assert counts["too_few_supervised"] == 2 and counts["reply_truncated"] == 1
+
+
 def test_what_tokenization_drops_is_one_warning_naming_each_reason_and_the_settings(smol_tokenizer, caplog):
     """A run shows warnings only, and the only one said "1 of 4 conversations were truncated": it reads as kept, but
     right-truncation had cut away the whole reply of a long prompt, and that one, a prompt-only line and a short reply

@@ -107,6 +107,14 @@ def test_a_bad_size_names_its_field(field, value, said):
     assert str(refused.value) == said
 
 
+def test_a_small_val_fraction_still_holds_out_one_sequence(tmp_path):
+    """val_fraction=0.01 of 24 sequences rounds to none: a positive fraction asks for validation, and a run without a
+    validation split has no val/loss to show or select a checkpoint by."""
+    dm = make_datamodule(tmp_path, val_fraction=0.01)
+    dm.setup("fit")
+    assert (len(dm.train_set), len(dm.val_set)) == (23, 1)
+
+
 def test_datamodule_caches_tokenization(tmp_path, monkeypatch):
     make_datamodule(tmp_path).prepare_data()
     import training.data as data_module

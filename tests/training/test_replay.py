@@ -229,6 +229,29 @@ def test_a_round_is_shown_the_replys_tokens_not_the_padding_after_it(tiny):
     assert seen == [sequence[start + 1:min(start + 1 + depth, end)] for start, depth in oracle.calls]
 
 
+def test_a_reply_cut_short_of_max_new_tokens_replays_no_round_from_its_last_token(tiny):
+    """A reply that ends with no stop token (a training row cut at its length) gives no target choice after its last
+    token: a round rooted there has nothing to be judged by, and counted as accepting nothing, it lowered tau. The rounds
+    are decoding's with max_new_tokens the reply's length, which ends where the reply does."""
+    target, tokenizer = tiny
+    prompt = tokenizer("def fibonacci(n):")["input_ids"]
+    reply = generate(target, prompt, "ar", max_new_tokens=40).new_tokens
+    landed = 0
+    for length in range(8, 40):
+        sequence = prompt + reply[:length]
+        oracle = RiggedDrafter(sequence, target.config.vocab_size, block_size=6)
+        rounds = replay_reply(oracle, torch.zeros(len(sequence), 3), torch.tensor(sequence), len(prompt), len(sequence),
+                              None, 64)
+        assert all(start < len(sequence) - 1 for start, _ in oracle.calls), length
+        if 1 + sum(r.committed for r in rounds) == length:  # the last round's bonus was the reply's last token
+            decoded = generate(target, prompt, "dflash", RiggedDrafter(sequence, target.config.vocab_size, block_size=6),
+                               max_new_tokens=length)
+            assert [(r.accepted, r.committed) for r in rounds] == [(r.accepted_depth, r.committed)
+                                                                   for r in decoded.rounds], length
+            landed += 1
+    assert landed > 0, "no replay ended with its root at the reply's last token: that end was never exercised"
+
+
 @pytest.mark.parametrize("budget", [None, 4])
 def test_a_calibrated_temperature_divides_the_re_drafted_rows_as_decoding_divides_them(tiny, budget):
     """At a temperature away from 1 the re-drafted blocks, divided or not, give another expected acceptance: the

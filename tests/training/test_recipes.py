@@ -124,6 +124,13 @@ def test_a_block_size_override_alone_trains_with_the_published_gamma_for_that_bl
     assert published_gamma(10) == 5.0 and published_gamma(8) == 4.0
 
 
+def test_an_eval_override_moves_the_checkpoint_schedule_and_ranking_with_it():
+    """Checkpoints are saved at the evaluated steps and ranked by the primary budget's tau: an override of either eval
+    field that did not reach the checkpoint section saved steps that were never measured, or ranked by another tau."""
+    config = parse_recipe("tiny", "--eval.every_n_train_steps=7", "--eval.budgets=[4, 16]", "--eval.primary_budget=16")
+    assert config.checkpoint.every_n_train_steps == 7 and config.checkpoint.monitor == "val/tau_ddtree@16"
+
+
 def test_a_bad_field_is_rejected_by_the_parser():
     with pytest.raises(DDTreeError, match="no_such_field"):
         parse_recipe("tiny", "--model.no_such_field=3")

@@ -111,6 +111,15 @@ def test_a_recipe_that_does_not_say_leaves_the_rank_split_to_the_data(tmp_path):
     assert read_recipe(silent, []).trainer.use_distributed_sampler is False  # Lightning's default is True
 
 
+def test_a_launch_writes_its_checkpoints_whole_or_not_at_all(tmp_path):
+    """Lightning's own writer staged each checkpoint in $TMPDIR and moved it: across filesystems a full disk or a kill
+    left a truncated step-N.ckpt under its final name (training/checkpoints.py)."""
+    from training.checkpoints import AtomicCheckpointIO
+
+    cli = build_cli(RECIPES_DIR / "tiny.yaml", tmp_path / "run", ["--trainer.precision=32-true"])
+    assert type(cli.trainer.strategy.checkpoint_io) is AtomicCheckpointIO
+
+
 def test_a_block_size_override_alone_trains_with_the_published_gamma_for_that_block():
     """Every recipe pinned model.gamma at its block's published value, so `--model.block_size 10` alone kept the old
     block's decay, though an unset gamma follows the block size (docs/training.md). A given gamma is still kept."""

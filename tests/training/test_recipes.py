@@ -655,6 +655,15 @@ def test_a_target_adapter_that_is_not_there_is_named_before_the_data_is_generate
     assert not (tmp_path / "regen").exists() and not (tmp_path / "out").exists()
 
 
+def test_a_resume_does_not_look_for_the_warm_start_folder_it_no_longer_reads(tmp_path):
+    """A resumed drafter is built from its checkpoint, which holds every weight: a run warm-started from a folder since
+    moved or removed is still resumed, and a new run from it is refused before anything loads."""
+    config = parse_recipe("tiny", f"--model.init_from={tmp_path / 'gone'}", "--trainer.precision=32-true")
+    training.recipe.check_before_building(config, resuming=True)
+    with pytest.raises(DDTreeError, match=f"model.init_from: drafter '{tmp_path / 'gone'}' is not a folder"):
+        training.recipe.check_before_building(config)
+
+
 @pytest.mark.parametrize("field", ["checkpoint.dirpath", "trainer.default_root_dir"])
 def test_where_a_run_writes_is_the_run_folders_alone(field, tmp_path, monkeypatch, capsys):
     """Overriding either split a run: --checkpoint.dirpath put its checkpoints where neither its resume nor make eval

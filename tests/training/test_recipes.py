@@ -627,6 +627,17 @@ def test_a_data_path_under_a_local_folder_is_a_missing_folder_not_a_hub_dataset(
     assert not out.exists()
 
 
+def test_eval_prompts_that_are_not_there_are_one_line_before_anything_loads(tmp_path, capsys):
+    """Else found at the first evaluation, after the feature store, the target, the corpus and the first training steps."""
+    prompts = tmp_path / "prompts.jsonl"
+    assert main(["--recipe", "tiny", f"--eval.prompts={prompts}", "--output-root", str(tmp_path / "out")]) == 2
+    errors = error_lines(capsys)
+    assert len(errors) == 1 and errors[0].endswith(
+        f"recipes/tiny.yaml: eval.prompts={prompts}: no such file; give a JSONL of held-out prompts (the `ddtree bench "
+        "--prompts` format)"), errors
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("adapter, said", [
     ("adaptr", "no adapter_config.json there"),
     ("config_only", "adapter_config.json is there but not the adapter's weights"),

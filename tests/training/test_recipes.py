@@ -680,10 +680,11 @@ def test_where_a_run_writes_is_the_run_folders_alone(field, tmp_path, monkeypatc
     """Overriding either split a run: --checkpoint.dirpath put its checkpoints where neither its resume nor make eval
     looks (and two runs given one overwrote each other's), --trainer.default_root_dir its reports and eval/."""
     elsewhere = tmp_path / "elsewhere"
-    assert main(["--recipe", "tiny", f"--{field}={elsewhere}", "--output-root", str(tmp_path / "out")]) == 2
-    errors = error_lines(capsys)
-    assert len(errors) == 1 and f"tiny.yaml: --{field} is set by the run folder" in errors[0], errors
-    assert "--output-root" in errors[0] and not elsewhere.exists() and not (tmp_path / "out").exists()
+    for given in ([f"--{field}={elsewhere}"], [f"--{field}", str(elsewhere)]):  # in one item or two
+        assert main(["--recipe", "tiny", *given, "--output-root", str(tmp_path / "out")]) == 2
+        errors = error_lines(capsys)
+        assert len(errors) == 1 and f"tiny.yaml: --{field} is set by the run folder" in errors[0], (given, errors)
+        assert "--output-root" in errors[0] and not elsewhere.exists() and not (tmp_path / "out").exists()
     section, key = field.split(".")
     recipe = tmp_path / "mine.yaml"
     text = (RECIPES_DIR / "tiny.yaml").read_text()

@@ -145,6 +145,18 @@ def test_a_bad_field_is_rejected_by_the_parser():
         parse_recipe("tiny", "--model.no_such_field=3")
 
 
+@pytest.mark.parametrize("override, said", [
+    ("--trainer.max_steps=x", 'Parser key "trainer.max_steps"; Expected a <class \'int\'>. Got value: x'),
+    ("--model.block_size=abc", 'Parser key "model.block_size"; Given value: abc; Does not validate against any of'),
+])
+def test_a_bad_value_is_one_line_naming_the_file_the_field_and_the_value(override, said):
+    """jsonargparse's message runs over several lines; a field that takes null too (int | None) gives its value on one
+    of its own, and the line without it named the field but not what was given there."""
+    with pytest.raises(DDTreeError) as error:
+        parse_recipe("tiny", override)
+    assert str(error.value).startswith(f"{RECIPES_DIR / 'tiny.yaml'}: {said}") and "\n" not in str(error.value), error.value
+
+
 @pytest.mark.parametrize("overrides", [["--optimizer=SGD", "--optimizer.lr=0.5"],
                                        ["--lr_scheduler=StepLR", "--lr_scheduler.step_size=1"]])
 def test_lightnings_own_optimizer_options_are_refused_in_one_line(overrides, tmp_path, capsys):

@@ -495,6 +495,9 @@ def test_a_gpu_recipe_with_no_cpu_recipe_of_its_target_says_what_to_add(tmp_path
     errors = error_lines(capsys)
     assert len(errors) == 1 and "recipes/qwen3-8b.yaml: trainer.accelerator=gpu needs a CUDA GPU" in errors[0], errors
     assert errors[0].endswith("add --trainer.accelerator=cpu --trainer.precision=auto --trainer.devices=1")
+    assert main(["--recipe", "qwen3-8b", "--trainer.accelerator=cuda", "--output-root", str(tmp_path)]) == 2  # gpu's alias
+    errors = error_lines(capsys)
+    assert len(errors) == 1 and "recipes/qwen3-8b.yaml: trainer.accelerator=cuda needs a CUDA GPU" in errors[0], errors
     assert not any(tmp_path.iterdir())
 
 

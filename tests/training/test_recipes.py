@@ -389,6 +389,7 @@ def test_the_early_resume_check_looks_in_the_given_recipes_folder(tmp_path):
     ("training.train", ["--resume", "last", "--run-name", "b", "--output-root", "no-such-outputs"], 2,
      "error: --resume continues a run in its own folder, so --run-name b would be ignored: drop --run-name"),
     ("training.evaluate", ["--output-root", "no-such-outputs"], 2, "error: CKPT=best: no run under no-such-outputs/smollm2-135m "),
+    ("training.evaluate", ["--run", "no-such-run"], 2, "error: RUN=no-such-run: no such run folder; "),
     ("training.publish", ["no-such-run", "--out", "no-such-export"], 2, "error: RUN=no-such-run: no such run folder; "),
     ("training.features", ["--recipe", "recipes/tiny.yaml"], 2, "error: --recipe takes a recipe's name: --recipe tiny"),
     ("training.evaluate", ["--limit", "x"], 2, "error: argument --limit: invalid int value: 'x'; see python -m training.evaluate"),

@@ -381,6 +381,8 @@ def test_the_early_resume_check_looks_in_the_given_recipes_folder(tmp_path):
 @pytest.mark.parametrize("module, argv, status, said", [
     ("training.train", ["--help"], 0, "--output-root OUTPUT_ROOT"),
     ("training.train", ["--recipe", "nope"], 2, "error: unknown recipe 'nope'; known recipes: "),
+    # a recipe override is not the command's own flag: the early parse leaves it to the recipe's parser
+    ("training.train", ["--trainer.max_steps=1", "--recipe", "nope"], 2, "error: unknown recipe 'nope'; known recipes: "),
     ("training.train", ["--recipe", ""], 2, "error: --recipe is empty (an unset shell variable?); known recipes: "),
     ("training.train", ["--recipe", "tiny", "--resume", "no-such-run"], 2, "error: --resume no-such-run: no such checkpoint; "),
     ("training.train", ["--resume", "last", "--output-root", "no-such-outputs"], 2,

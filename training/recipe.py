@@ -72,29 +72,29 @@ class RecipeSettingError(DDTreeError):
     """A recipe setting this launch cannot run with; `recipe_errors` puts the recipe's path in front."""
 
 
-def precision_overrides(overrides: list[str]) -> list[tuple[range, str]]:
-    """Each --trainer.precision override: the items it spans, as one (=X) or two (X after it), and its value ("" for
-    one given without a value), in order: the last wins, as in the parser."""
+def field_overrides(overrides: list[str], field: str) -> list[tuple[range, str]]:
+    """Each --<field> override: the items it spans, as one (=X) or two (X after it), and its value ("" for one given
+    without a value), in order: the last wins, as in the parser."""
     found = []
     for i, item in enumerate(overrides):
-        if item.startswith("--trainer.precision="):
+        if item.startswith(f"--{field}="):
             found.append((range(i, i + 1), item.split("=", 1)[1]))
-        elif item == "--trainer.precision":
+        elif item == f"--{field}":
             following = overrides[i + 1] if i + 1 < len(overrides) else "--"
             found.append((range(i, i + 1), "") if following.startswith("--") else (range(i, i + 2), following))
     return found
 
 
-def precision_override(overrides: list[str]) -> str | None:
-    """The value of the --trainer.precision override that wins; None when there is none."""
-    found = precision_overrides(overrides)
+def field_override(overrides: list[str], field: str) -> str | None:
+    """The value of the --<field> override that wins; None when there is none."""
+    found = field_overrides(overrides, field)
     return found[-1][1] if found else None
 
 
 def parser_overrides(overrides: list[str]) -> list[str]:
     """The overrides the parser sees, without a --trainer.precision auto (Lightning has none): where auto wins,
     config_arg resolves it into the config, and no precision override is passed on at all."""
-    found = precision_overrides(overrides)
+    found = field_overrides(overrides, "trainer.precision")
     auto_wins = bool(found) and found[-1][1] == AUTO
     dropped = {i for span, value in found if auto_wins or value == AUTO for i in span}
     return [item for i, item in enumerate(overrides) if i not in dropped]
@@ -114,7 +114,7 @@ def config_arg(config: Path, overrides: list[str]) -> str:
     for key in recorded_null:
         del settings[key]
     trainer = settings.get("trainer") or {}
-    override = precision_override(overrides)
+    override = field_override(overrides, "trainer.precision")
     if override == AUTO:
         settings["trainer"] = trainer = {**trainer, "precision": AUTO}
         override = None
@@ -126,7 +126,9 @@ def config_arg(config: Path, overrides: list[str]) -> str:
     if trainer.get("precision") != AUTO:
         return yaml.safe_dump(settings, sort_keys=False) if recorded_null else str(config)
     if override is None:
-        accelerator = str(trainer.get("accelerator", "auto"))
+        # The device the run trains on: an accelerator override's, else the recipe's (a CPU recipe given
+        # --trainer.accelerator=gpu trains on the GPU, and got the host CPU's choice)
+        accelerator = str(field_override(overrides, "trainer.accelerator") or trainer.get("accelerator", "auto"))
         # A GPU recipe read on a machine without one resolves for the CPU (training stops at check_accelerator).
         device = "cuda" if accelerator in (*GPU_ACCELERATORS, "auto") and torch.cuda.is_available() else "cpu"
         choice = fast_precision(device)

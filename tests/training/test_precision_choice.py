@@ -159,6 +159,18 @@ def test_auto_is_measured_on_the_device_the_run_trains_on(tmp_path, monkeypatch,
     assert calls == [measured]
 
 
+@pytest.mark.parametrize("overrides", [["--trainer.accelerator=gpu"], ["--trainer.accelerator", "cuda"]])
+def test_auto_is_measured_on_the_device_an_accelerator_override_names(tmp_path, monkeypatch, overrides):
+    """The recipe's trainer.accelerator was read, not the override's: a CPU recipe launched on a GPU with
+    --trainer.accelerator=gpu was given the host CPU's choice (fp32 on a CPU without fast bf16), and a GPU recipe with
+    --trainer.accelerator=cpu the GPU's."""
+    calls = stub_choice(monkeypatch, BF16_SLOW)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    config_arg(tiny_recipe(tmp_path, "auto"), overrides)  # tiny says accelerator: cpu
+    config_arg(tiny_recipe(tmp_path, "auto"), [*overrides, "--trainer.accelerator=cpu"])  # the last wins
+    assert calls == ["cuda", "cpu"]
+
+
 def test_an_explicit_precision_is_never_changed(tmp_path, monkeypatch):
     calls = stub_choice(monkeypatch, BF16_SLOW)
     # in the recipe: bf16-mixed, which an AVX2 machine would not have chosen

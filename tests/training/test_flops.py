@@ -311,3 +311,31 @@ def test_a_shallow_target_without_layer_ids_is_counted_with_the_ids_training_pic
     settings = dict(num_layers=1, block_size=4, num_anchors=4)
     assert recipe_step_flops(target, settings, 64, cuda=False) == recipe_step_flops(
         target, {**settings, "target_layer_ids": [0, 1, 2]}, 64, cuda=False)
+
+
+def test_a_small_step_is_counted_as_the_docstring_derives_it_by_hand():
+    """Every term of the module docstring, derived by hand for a Llama of width 8 (2 heads of 4, 1 key/value head,
+    MLP 16, 4 layers, vocabulary 32) at 70 tokens after the 60-token prompt on the CPU path: 1 drafter layer reading
+    target layers 0 and 1, 3 anchors of block 4. A term counted twice or dropped, a wrong layer count or the causal
+    half missed moves one of these."""
+    from transformers import LlamaConfig
+
+    target = LlamaConfig(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=4, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=4)
+    settings = dict(num_layers=1, block_size=4, num_anchors=3, target_layer_ids=[0, 1])
+    f = recipe_step_flops(target, settings, 70, cuda=False)
+    # a target layer per row: q, o 8x8 and k, v 8x4 (192 multiply-adds), gate, up, down 8x16 (384): 2 x 576 FLOPs
+    layer = 70 * 2 * 576 + 2 * 2 * 70 * 35.5 * 8  # attention: Q K^T and P V over (70 + 1) / 2 keys a query, 8 wide
+    assert (f.target, f.full_target) == (2 * layer, 4 * layer)  # layers 0..1 read; all 4 for throughput's forward
+    fc = 2 * 70 * 16 * 8  # 70 context rows of 2 target layers' features (16) into the drafter's width
+    context_kv = 2 * 70 * 2 * 8 * 4
+    assert f.context == fc + context_kv
+    assert f.blocks == 12 * 2 * 576  # 3 anchors x 4 block rows through the drafter's layer (gated, as the target's)
+    assert f.attention == 2 * 2 * 12 * ((60 + 68) / 2 + 4) * 8  # an anchor's context over positions 60..68, its block
+    assert f.head == 2 * 3 * 3 * 8 * 32  # the 3 labelled rows of each block, through the whole vocabulary
+    assert f.teacher == 0
+    assert f.backward == fc + 2 * context_kv + 2 * f.blocks + 2 * f.attention + f.head
+    assert f.total == f.target + f.context + f.blocks + f.attention + f.head + f.backward
+    assert f.ratio == f.total / f.full_target < 1  # at 70 tokens a step is under one target forward
+
+

@@ -313,15 +313,19 @@ def test_a_shallow_target_without_layer_ids_is_counted_with_the_ids_training_pic
         target, {**settings, "target_layer_ids": [0, 1, 2]}, 64, cuda=False)
 
 
-def test_a_small_step_is_counted_as_the_docstring_derives_it_by_hand():
-    """Every term of the module docstring, derived by hand for a Llama of width 8 (2 heads of 4, 1 key/value head,
-    MLP 16, 4 layers, vocabulary 32) at 70 tokens after the 60-token prompt on the CPU path: 1 drafter layer reading
-    target layers 0 and 1, 3 anchors of block 4. A term counted twice or dropped, a wrong layer count or the causal
-    half missed moves one of these."""
+def small_llama():
+    """A Llama of width 8 (2 heads of 4, 1 key/value head), MLP 16, 4 layers, vocabulary 32: FLOPs to derive by hand."""
     from transformers import LlamaConfig
 
-    target = LlamaConfig(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=4, num_attention_heads=2,
-                         num_key_value_heads=1, head_dim=4)
+    return LlamaConfig(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=4, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=4)
+
+
+def test_a_small_step_is_counted_as_the_docstring_derives_it_by_hand():
+    """Every term of the module docstring, derived by hand for small_llama at 70 tokens after the 60-token prompt on
+    the CPU path: 1 drafter layer reading target layers 0 and 1, 3 anchors of block 4. A term counted twice or
+    dropped, a wrong layer count or the causal half missed moves one of these."""
+    target = small_llama()
     settings = dict(num_layers=1, block_size=4, num_anchors=3, target_layer_ids=[0, 1])
     f = recipe_step_flops(target, settings, 70, cuda=False)
     # a target layer per row: q, o 8x8 and k, v 8x4 (192 multiply-adds), gate, up, down 8x16 (384): 2 x 576 FLOPs
@@ -339,3 +343,14 @@ def test_a_small_step_is_counted_as_the_docstring_derives_it_by_hand():
     assert f.ratio == f.total / f.full_target < 1  # at 70 tokens a step is under one target forward
 
 
+@pytest.mark.parametrize("top_k, rows, vocab", [(0, 3, 16), (8, 4, 32)])
+def test_the_teachers_head_is_the_drafters_draft_vocabulary_unless_it_is_the_targets_top_k(top_k, rows, vocab):
+    """Without distill_top_k the teacher's logits come from the drafter's head over the labelled rows, so through its
+    draft vocabulary (16 rows here); with it, the target's own head over every block row and its whole vocabulary."""
+    target = small_llama()
+    settings = dict(num_layers=1, block_size=4, num_anchors=3, target_layer_ids=[0, 1], draft_vocab_size=16,
+                    distill_weight=0.5, distill_top_k=top_k)
+    f = recipe_step_flops(target, settings, 70, cuda=False)
+    assert f.head == 2 * 3 * 3 * 8 * 16
+    assert f.teacher == 2 * 3 * rows * 8 * vocab
+    assert f.target == f.full_target  # the teacher is the final hidden state: every target layer runs

@@ -308,3 +308,14 @@ def test_an_empty_settings_or_target_is_refused_not_taken_for_the_default(monkey
     monkeypatch.setattr("training.throughput.build_module", stop)
     assert main(["--device", "cpu", "--target", "", "--settings", "4x1x4"]) == 2
     assert built == [""]  # the empty name is the user's, refused where the target is resolved
+
+
+def test_time_call_takes_the_median_of_the_timed_calls_after_the_warm_ups(monkeypatch):
+    """The warm-up calls (first allocations, kernel picks, compiles: 100 s each here) are left out of the median."""
+    now, durations = [0.0], iter([100.0, 100.0, 9.0, 2.0, 1.0])
+
+    def call():
+        now[0] += next(durations)
+
+    monkeypatch.setattr(training.throughput.time, "perf_counter", lambda: now[0])
+    assert time_call(call, repeats=3, warmup=2, device=torch.device("cpu")) == (2.0, None)

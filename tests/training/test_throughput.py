@@ -24,7 +24,7 @@ import training.train
 import training.throughput
 from training.arguments import check_throughput_args, throughput_parser
 from training.throughput import (FIRST_TOKEN, RANDOM_TARGETS, batch_token_ids, build_module, main, recipe_settings,
-                                 store_batch, time_call)
+                                 recipe_step_flops, store_batch, time_call)
 
 TINY = ["--target", "tiny-random", "--settings", "4x1x4", "--length", "80", "--repeats", "1", "--threads", "1"]
 
@@ -319,3 +319,17 @@ def test_time_call_takes_the_median_of_the_timed_calls_after_the_warm_ups(monkey
 
     monkeypatch.setattr(training.throughput.time, "perf_counter", lambda: now[0])
     assert time_call(call, repeats=3, warmup=2, device=torch.device("cpu")) == (2.0, None)
+
+
+def test_the_line_derives_its_rates_and_flop_ratio_from_the_times_and_the_batch(monkeypatch, capsys):
+    """Tokens a second count the whole batch (2 x 80), each step its own; the FLOP ratio is the CPU path's (the context
+    unpadded), and a TFLOP/s rate counts every sequence of the batch."""
+    seconds = iter([0.5, 2.0, 1.0])  # target forward, training step, offline step
+    monkeypatch.setattr(training.throughput, "time_call", lambda *args, **kwargs: (next(seconds), None))
+    assert main([*TINY, "--device", "cpu", "--batch-size", "2"]) == 0
+    line = measured_line(capsys.readouterr().out)
+    settings = dict(target="tiny-random", num_anchors=4, num_layers=1, block_size=4)
+    flops = recipe_step_flops(AutoConfig.from_pretrained(resolve_target("tiny-random")), settings, 80, cuda=False)
+    assert "ratio 4.00, 80 target tokens/s; offline step 1.000 s, 160 tokens/s" in line
+    assert line.endswith(f"FLOP ratio {flops.ratio:.2f}, target {2 * flops.full_target / 0.5 / 1e12:.3g} TFLOP/s, "
+                         f"step {2 * flops.total / 2.0 / 1e12:.3g} TFLOP/s")

@@ -225,6 +225,19 @@ def test_a_calibration_saved_and_loaded_scores_alike_and_learns_nothing_more_whe
     assert going_on.temperature(32) > loaded.temperature(32) and not going_on.frozen
 
 
+def test_a_drafter_wrong_round_after_round_stops_at_the_temperature_bounds_a_file_can_hold(tmp_path):
+    """Learning keeps log T within +-LOG_LIMIT: past it, a drafter far over- or under-confident would warm or cool
+    without end, and `ddtree calibrate` would write a temperature its own file check (e^-2..e^2) refuses to load."""
+    from ddtree.calibration import load_calibration, save_calibration
+
+    online = OnlineCalibration()
+    for _ in range(200):  # each round moves log T by RATE x 8: 16 in all, either way
+        online.observe(32, expected=9.0, accepted_length=1)
+        online.observe(None, expected=1.0, accepted_length=9)
+    assert online.log_temperature(32) == OnlineCalibration.LOG_LIMIT == -online.log_temperature(None)
+    save_calibration(tmp_path / "calibration.json", online, {})
+    assert load_calibration(tmp_path / "calibration.json").state() == online.state()
+
 def test_a_budget_between_two_calibrated_ones_takes_the_nearest_and_on_a_tie_the_smaller():
     """The nearest budget's temperature, and on a tie the smaller budget's (the key (distance, budget)): which of two
     equidistant budgets it takes is fixed, not left to the order of the file's keys."""

@@ -78,6 +78,18 @@ def test_autograd_other_dtypes_and_changed_weights_take_the_plain_path():
 
 
 @needs_packing
+def test_a_packed_layer_whose_weight_is_made_trainable_again_passes_gradients_to_it():
+    """A packed model set to train (`requires_grad_(True)`) with inputs that need no gradient, as a first layer's
+    embeddings: the packed op sees only the packed copy, so run packed the weight would get no gradient, silently."""
+    model = two_layers()
+    pack_linears(model)
+    layer, x = model[0], torch.randn(4, 24)
+    layer.requires_grad_(True)
+    layer(x).sum().backward()
+    torch.testing.assert_close(layer.weight.grad, x.sum(0).expand(40, 24))
+    torch.testing.assert_close(layer.bias.grad, torch.full((40,), 4.0))
+
+@needs_packing
 def test_a_weight_whose_storage_was_swapped_is_repacked():
     """`.data = ...` and a dtype round trip give the weight new storage with the same version count."""
     model = two_layers()

@@ -198,6 +198,17 @@ def test_online_calibration_scores_the_nodes_a_graft_adds_by_its_lookups_learned
                      (1, 2): pytest.approx(math.log(2 / 3))}
 
 
+def test_a_verified_round_teaches_each_lookup_from_the_path_it_grafted():
+    """observe_round hands each lookup its own path: the context lookup's (followed here, 2 deep) and the corpus
+    lookup's (not followed). Judged by the other's path, a lookup's table learns another lookup's acceptance."""
+    online = OnlineCalibration()
+    # the drafter's 7; the context lookup's graft 7 -> 8 adds 8 at depth 2; the corpus lookup's 9 at depth 1
+    tree = DraftTree([7, 8, 9], [0, 1, 0], [1, 2, 1], [math.log(0.6), math.log(0.3), math.log(0.2)],
+                     [{7: 1, 9: 3}, {8: 2}, {}, {}], grafted=[2], quoted=[1])
+    online.observe_round(8, tree, tree.expected_acceptance, grafted=[7, 8], quoted=[9], accepted=[7, 8])
+    assert online.graft_accepted == {("context", 2): 1, ("corpus", 1): 0}
+    assert online.graft_rounds == {("context", 2): 1, ("corpus", 1): 1}
+
 def test_a_calibration_saved_and_loaded_scores_alike_and_learns_nothing_more_when_frozen(tmp_path):
     from ddtree.calibration import load_calibration, save_calibration
 

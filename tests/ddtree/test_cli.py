@@ -1785,6 +1785,9 @@ def test_a_calibration_temperature_too_large_for_a_float_is_one_line(tmp_path):
     # a misspelt lookup was taken, and its table never read: the lookup's nodes scored the prior
     ('{"format_version": 1, "temperatures": {}, "graft_acceptance": {"contxt": {"1": [1, 2]}}}',
      "graft_acceptance 'contxt' is not a lookup: context or corpus"),
+    # more accepted than rounds: a grafted node priced above certainty, (5 + 1) / (2 + 2), in every tree it joins
+    ('{"format_version": 1, "temperatures": {}, "graft_acceptance": {"context": {"1": [5, 2]}}}',
+     "graft_acceptance context 1: [5, 2] is not [accepted, rounds]"),
     # another format's fields may mean other things: refused, not used as if they were this one's
     ('{"format_version": 2, "temperatures": {"8": 1.5}, "graft_acceptance": {}}',
      "format_version 2, this code reads 1"),

@@ -1826,6 +1826,16 @@ def test_the_weights_fingerprint_tells_apart_weights_that_differ_past_the_header
         assert fingerprint(f"{size}-after", bytes(data)) != before, (size, changed)
 
 
+def test_the_weights_fingerprint_leaves_out_the_folders_corpus(tmp_path):
+    """The corpus an export ships beside the weights (corpus.safetensors) is no weight: one added or replaced after
+    `ddtree calibrate` must not make the calibration read as learned on other weights (a false note on every decode)."""
+    from ddtree.calibration import weights_fingerprint
+
+    (tmp_path / "model.safetensors").write_bytes(random.Random(0).randbytes(1000))
+    before = weights_fingerprint(tmp_path)
+    (tmp_path / CORPUS_FILE).write_bytes(random.Random(1).randbytes(1000))
+    assert weights_fingerprint(tmp_path) == before is not None
+
 @pytest.mark.parametrize("calibration, message", [
     ({"temperatures": {"8": 1.0}}, "missing field graft_acceptance"),
     ([], "it holds [], not a JSON object"),  # [] and {} were taken as no calibration, without a word

@@ -680,6 +680,26 @@ def test_dropout_acts_in_training_mode_only_and_is_not_saved():
         tiny_module(dropout=1.0)
 
 
+def test_gradient_checkpointing_trains_with_the_block_mask_and_dropout_and_changes_no_loss_or_gradient():
+    """model.gradient_checkpointing calls each layer through torch's checkpoint, a call of its own: it must hand the
+    layer the sparse mask and the dropout as the plain call does (nothing else reaches that call: it runs in training
+    mode only, and decoding and every other test run without it)."""
+    batch = synthetic_batch()
+    losses, gradients = [], []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        module = tiny_module(dropout=0.5, gradient_checkpointing=checkpointing)
+        assert module.drafter.gradient_checkpointing is checkpointing and module.drafter.training
+        loss = module.shared_step(batch, 0, "train").loss
+        loss.backward()
+        losses.append(loss.detach())
+        gradients.append({name: p.grad for name, p in module.drafter.named_parameters() if p.grad is not None})
+    torch.testing.assert_close(losses[1], losses[0], atol=1e-6, rtol=1e-6)
+    assert gradients[1].keys() == gradients[0].keys() and gradients[0]
+    for name, gradient in gradients[0].items():
+        torch.testing.assert_close(gradients[1][name], gradient, atol=1e-6, rtol=1e-5, msg=name)
+
+
 @pytest.mark.parametrize("field,value,message", [
     ("block_size", 0, "model.block_size=0 must be at least 2"),  # read as `or 16` before: silently the default
     ("block_size", 1, "model.block_size=1 must be at least 2"),

@@ -680,6 +680,32 @@ def test_dropout_acts_in_training_mode_only_and_is_not_saved():
         tiny_module(dropout=1.0)
 
 
+def test_dropout_drops_a_share_of_the_fused_context_that_every_layer_reads_in_training_mode_only():
+    """model.dropout zeroes entries of the fused target context too, not only each layer's residual branches
+    (DFlashDraftModel.dropout): without it the loss above still differs from plain's, through the layers' dropout."""
+    drafter = tiny_module(dropout=0.5).drafter
+    contexts = []  # the context each layer's attention reads: its second argument
+    hooks = [layer.self_attn.register_forward_hook(lambda _, args, out: contexts.append(args[1]))
+             for layer in drafter.layers]
+    hidden_size, num_features = drafter.config.hidden_size, len(drafter.target_layer_ids)
+    generator = torch.Generator().manual_seed(0)
+    target_hidden = torch.randn(1, 10, num_features * hidden_size, generator=generator)  # (1, Tc, K*H)
+    noise = torch.randn(1, BLOCK, hidden_size, generator=generator)  # (1, B, H)
+    positions = torch.arange(10 + BLOCK)[None]
+    with torch.no_grad():
+        drafter.train()
+        drafter(noise, target_hidden, positions)
+        drafter.eval()
+        drafter(noise, target_hidden, positions)
+    for hook in hooks:
+        hook.remove()
+    dropped, whole = contexts[0], contexts[len(drafter.layers)]
+    assert all(context is dropped for context in contexts[: len(drafter.layers)])  # one draw, read by every layer
+    assert (whole != 0).all() and 0.3 < (dropped == 0).float().mean() < 0.7
+    kept = dropped != 0
+    torch.testing.assert_close(dropped[kept], whole[kept] * 2)  # the rest scaled by 1 / (1 - 0.5)
+
+
 def test_gradient_checkpointing_trains_with_the_block_mask_and_dropout_and_changes_no_loss_or_gradient():
     """model.gradient_checkpointing calls each layer through torch's checkpoint, a call of its own: it must hand the
     layer the sparse mask and the dropout as the plain call does (nothing else reaches that call: it runs in training

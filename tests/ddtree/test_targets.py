@@ -412,6 +412,21 @@ def test_a_saved_drafter_config_holds_its_temperatures_as_floats_and_no_decoding
     assert (config.redraft, config.lookup) == (0, 0)
 
 
+def test_a_saved_drafter_config_reads_back_every_field_it_was_given(tmp_path):
+    """The DFlash fields go through config.json and come back from it, the target's name too: nothing else stores it,
+    and it is what export compares with the run's target and what a drafter of another depth is refused naming."""
+    from ddtree.configuration_dflash import DFlashDrafterConfig
+
+    given = dict(block_size=10, num_target_layers=8, target_name_or_path="someone/target",
+                 dflash_config={"mask_token_id": 5, "target_layer_ids": [1, 3]})
+    DFlashDrafterConfig(**given).save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    read = DFlashDrafterConfig.from_pretrained(tmp_path)
+    for field, value in given.items():
+        assert saved[field] == value and getattr(read, field) == value, field
+    assert (read.mask_token_id, read.target_layer_ids) == (5, [1, 3])
+
+
 def test_a_drafter_folder_saved_with_the_old_model_type_loads_without_transformers_type_warning(
         tmp_path, tiny_target, caplog, monkeypatch):
     """Drafters saved before model_type became Qwen3's say "dflash_drafter": the same fields, read as "qwen3", so

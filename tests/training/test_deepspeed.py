@@ -848,6 +848,23 @@ def test_several_nodes_without_a_launcher_stop_at_once_with_one_line(tmp_path, m
     assert not any(tmp_path.rglob("*"))  # refused before anything was written
 
 
+def test_only_the_launchs_rank_0_is_the_first_process_whichever_launcher_numbered_it(monkeypatch):
+    """Rank 0 alone makes the run folder, prints the resume line and requeues a SLURM job: a rank that took itself for
+    rank 0 did each again (srun numbers its tasks in SLURM_PROCID alone; Lightning's own processes in LOCAL_RANK and
+    NODE_RANK)."""
+    slurm_env(monkeypatch, nodes=2, per_node=8)
+    assert is_first_process()
+    monkeypatch.setenv("SLURM_PROCID", "9")  # srun's tenth task, on the second node
+    assert not is_first_process()
+    for name in (*SLURM_ENV, *TORCHRUN_ENV, *NODE_SETTINGS):
+        monkeypatch.delenv(name, raising=False)
+    assert is_first_process()  # one process, no launcher
+    for name in ("LOCAL_RANK", "NODE_RANK"):  # devices: 2 (Lightning starts LOCAL_RANK=1), or a node started by hand
+        monkeypatch.setenv(name, "1")
+        assert not is_first_process(), name
+        monkeypatch.delenv(name)
+
+
 def test_several_slurm_tasks_without_srun_stop_at_once_with_one_line(tmp_path, monkeypatch, capsys):
     """Training run by the batch script itself (slurm.sbatch's --ntasks-per-node=8 header, no srun): Lightning took
     SLURM_NTASKS for the processes started, and rank 0 waited for peers no one started until the group timed out."""

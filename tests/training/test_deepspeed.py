@@ -865,6 +865,19 @@ def test_only_the_launchs_rank_0_is_the_first_process_whichever_launcher_numbere
         monkeypatch.delenv(name)
 
 
+def test_a_node_started_by_hand_with_any_one_of_lightnings_node_settings_is_launched(monkeypatch):
+    """Lightning reads each of them alone (node 0 needs no MASTER_ADDR: it is the master, 127.0.0.1 by default), so a
+    node started with NODE_RANK=0 alone is one of several and must not be refused as a run no launcher started."""
+    for name in (*TORCHRUN_ENV, *SLURM_ENV, *NODE_SETTINGS):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in (("NODE_RANK", "0"), ("MASTER_ADDR", "node0"), ("GROUP_RANK", "1")):
+        monkeypatch.setenv(name, value)
+        check_launch(8, 2)
+        monkeypatch.delenv(name)
+    with pytest.raises(DDTreeError, match="no launcher started this process"):
+        check_launch(8, 2)
+
+
 def test_several_slurm_tasks_without_srun_stop_at_once_with_one_line(tmp_path, monkeypatch, capsys):
     """Training run by the batch script itself (slurm.sbatch's --ntasks-per-node=8 header, no srun): Lightning took
     SLURM_NTASKS for the processes started, and rank 0 waited for peers no one started until the group timed out."""

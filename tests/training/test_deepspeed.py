@@ -832,6 +832,10 @@ def test_slurm_tasks_that_do_not_divide_across_nodes_are_told_to_change_the_laun
     with pytest.raises(DDTreeError, match=r"started 12 \(SLURM_NTASKS=12\) on 3 node\(s\): set --trainer.devices=4 "
                                           r"--trainer.num_nodes=3, or launch 3 processes on each of 3 node\(s\)$"):
         check_launch(3, 3)
+    slurm_env(monkeypatch, nodes=2, per_node=5)  # 10 tasks split 5 a node, though not 4 (the recipe's) to a node
+    with pytest.raises(DDTreeError, match=r"started 10 \(SLURM_NTASKS=10\) on 2 node\(s\): set --trainer.devices=5 "
+                                          r"--trainer.num_nodes=2, or launch 4 processes on each of 2 node\(s\)$"):
+        check_launch(4, 2)
 
 
 def test_several_nodes_without_a_launcher_stop_at_once_with_one_line(tmp_path, monkeypatch, capsys):

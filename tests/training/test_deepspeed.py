@@ -737,6 +737,8 @@ def test_launch_check_accepts_matching_counts_and_unlaunched_runs(monkeypatch):
     check_launch("auto", 1)  # Lightning takes every device; nothing to compare
     with pytest.raises(DDTreeError, match="= 8 processes, but torchrun started 16"):
         check_launch(8, 1)
+    with pytest.raises(DDTreeError, match=r"^trainer.devices=0,1 x trainer.num_nodes=1 = 2 processes, but torchrun"):
+        check_launch("0,1", 1)  # the recipe's value as written, not the count it makes: the line says what to change
     monkeypatch.delenv("TORCHELASTIC_RUN_ID")
     with pytest.raises(DDTreeError, match=r"but the launcher started 16 \(WORLD_SIZE=16\): set trainer.devices"):
         check_launch(8, 1)  # another launcher: WORLD_SIZE alone

@@ -847,6 +847,8 @@ def test_several_nodes_without_a_launcher_stop_at_once_with_one_line(tmp_path, m
     with pytest.raises(DDTreeError, match=r"trainer.num_nodes=4 but no launcher started this process .* run `make "
                                           r"train RECIPE=<recipe> NODES=4` on each node .* recipes/slurm.sbatch"):
         check_launch(8, 4)
+    with pytest.raises(DDTreeError, match="trainer.num_nodes=2 but no launcher"):
+        check_launch(8, 2)  # checked here first: let through, the run below waits for its other node for 30 minutes
     argv = ["--recipe", "tiny", "--run-name", "r", "--output-root", str(tmp_path), "--trainer.num_nodes=2"]
     assert training.train.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()

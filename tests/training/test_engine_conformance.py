@@ -221,6 +221,8 @@ BREAKAGES = [
     ("a speculators target_hidden_size that is not the target's", "speculators",
      _config(_set(target_hidden_size=128)), {(VLLM, "hidden_size"), (VLLM, "weights")}),  # and the fc width it sets
     ("a vocabulary that is not the target's", "default", _config(_set(vocab_size=1000)), {(VLLM, "vocab_size")}),
+    ("a speculators draft vocabulary that is not the target's", "speculators", _config(_set(draft_vocab_size=1000)),
+     {(VLLM, "vocab_size")}),  # read before the layer config's vocab_size, which stays the target's
     ("no block size", "default", _config(_delete("block_size")), {(SGLANG, "block_size")}),
     ("no MLP width", "default", _config(_set(intermediate_size=0)),
      {(SGLANG, "intermediate_size"), (VLLM, "weights"), (SGLANG, "weights")}),

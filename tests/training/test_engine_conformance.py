@@ -216,6 +216,8 @@ BREAKAGES = [
     ("gelu", "default", _config(_set(hidden_act="gelu")), {(VLLM, "hidden_act"), (SGLANG, "hidden_act")}),
     ("a sliding-window layer", "default", _config(_set(layer_types=["full_attention", "sliding_attention"])),
      {(VLLM, "layer_types"), (SGLANG, "layer_types")}),
+    ("layer types for fewer layers than the drafter has", "default", _config(_set(layer_types=["full_attention"])),
+     {(VLLM, "layer_types"), (SGLANG, "layer_types")}),
     ("a target of another width", "default", _target(hidden_size=128),
      {(VLLM, "hidden_size"), (SGLANG, "hidden_size")}),
     ("a speculators target_hidden_size that is not the target's", "speculators",

@@ -242,6 +242,15 @@ def test_a_broken_export_fails_exactly_the_rules_it_breaks(exports, name, varian
     assert failing(breaking(fresh(exports[variant]))) == expected
 
 
+def test_a_drafter_shipping_its_own_embedding_and_lm_head_still_serves(exports):
+    """vLLM takes embed_tokens and lm_head as optional (the target's serve when absent) and SGLang drops them: a drafter
+    that ships its own is served by both, and a rule that counted them as unknown names would refuse a good export."""
+    export = fresh(exports["default"])
+    vocab, hidden = export.config["vocab_size"], export.config["hidden_size"]
+    shipped = {**export.weights, "embed_tokens.weight": (vocab, hidden), "lm_head.weight": (vocab, hidden)}
+    assert failing(Export(export.config, shipped, export.target)) == set()
+
+
 def test_every_rule_of_each_engine_can_fail():
     broken = set().union(*(expected for *_, expected in BREAKAGES))
     assert {(rule.engine, rule.field) for rule in RULES} == broken

@@ -1862,6 +1862,19 @@ def test_a_push_with_the_hub_client_offline_names_the_variable_that_set_it(run_d
     assert not out.exists() and "tester/x" not in StandInHub.repos
 
 
+@pytest.mark.parametrize("transformers_offline", ["1", "0"])
+def test_with_both_offline_variables_set_the_push_names_the_one_the_hub_client_obeys(monkeypatch, transformers_offline):
+    """huggingface_hub reads HF_HUB_OFFLINE where it is set, whatever TRANSFORMERS_OFFLINE says: naming
+    TRANSFORMERS_OFFLINE would have the user unset a variable that leaves the client offline."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", transformers_offline)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # as the client read it at import
+    with pytest.raises(DDTreeError) as refused:
+        training.hub.preflight_hub("tester/x")
+    assert str(refused.value) == ("--push: HF_HUB_OFFLINE=1 is set, which keeps huggingface_hub offline; unset it to "
+                                  "push to the Hub")
+
+
 @pytest.mark.parametrize("now", [{}, {"HF_HUB_OFFLINE": "0"}, {"HF_HUB_OFFLINE": "", "TRANSFORMERS_OFFLINE": "no"}],
                          ids=["unset", "zero", "false"])
 def test_a_hub_client_put_offline_by_a_variable_since_unset_says_so_not_to_unset_it(monkeypatch, now):

@@ -1815,6 +1815,28 @@ def test_push_without_token_or_network_fails_before_doing_anything(run_dir, tmp_
         assert "cannot use the Hub" in one_error_line(capsys) and not out.exists()
 
 
+def test_a_hub_that_never_answers_is_given_up_on_at_the_deadline(monkeypatch):
+    """The refusal above names the deadline; this holds the preflight to it: a request that waits longer (or without
+    one, as the Hub client's own first call) would leave a push hanging on a proxy that accepts and never answers."""
+    monkeypatch.setattr(training.hub, "HUB_TIMEOUT_S", 1.0)
+    outcome = []
+
+    def preflight(endpoint):
+        try:
+            training.hub.check_hub_answers(endpoint)
+        except DDTreeError as error:
+            outcome.append(str(error))
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        waiting = threading.Thread(target=preflight, args=(f"http://127.0.0.1:{silent.getsockname()[1]}",), daemon=True)
+        waiting.start()
+        waiting.join(timeout=10)
+        assert not waiting.is_alive(), "the preflight still waits for an answer, 10 times past its deadline"
+    assert len(outcome) == 1 and "waited at most 1 s for an answer" in outcome[0], outcome
+
+
 def test_the_stand_in_hub_is_reached_where_the_suite_runs_with_the_hub_client_offline(monkeypatch, request):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # as the client read it at import

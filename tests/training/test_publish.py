@@ -2260,6 +2260,8 @@ def test_push_only_refuses_a_folder_holding_files_no_export_writes(run_dir, tmp_
     assert publish.main(["--push-only", str(out), "--repo", "tester/extra"]) == 2  # the .env alone
     assert "(.env)" in one_error_line(capsys) and "tester/extra" not in StandInHub.repos
     (out / ".env").unlink()
+    (out / ".git" / "refs").mkdir(parents=True)  # a `git clone` of the repo: upload_folder leaves .git/ out
+    (out / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
     assert publish.main(["--push-only", str(out), "--repo", "tester/extra"]) == 0
     assert set(StandInHub.repos["tester/extra"]) == {p.name for p in out.iterdir() if p.is_file()}
 

@@ -1355,6 +1355,16 @@ def test_push_uploads_the_exported_folder_and_prints_its_url(run_dir, tmp_path, 
                                                         ".gitattributes": b"*.safetensors filter=lfs"}
 
 
+def test_an_hf_endpoint_ending_in_a_slash_pushes_and_prints_the_url_without_a_double_slash(run_dir, tmp_path, hub,
+                                                                                           monkeypatch, capsys):
+    """HF_ENDPOINT is often pasted with a trailing slash (https://huggingface.co/): the URL the push prints must not
+    join it to the repo as host//owner/name."""
+    monkeypatch.setenv("HF_ENDPOINT", f"{hub}/")
+    assert export(run_dir, tmp_path / "export", "--ckpt", "last", "--repo", "tester/slash", "--push") == 0
+    assert f"pushed to {hub}/tester/slash\n" in capsys.readouterr().out
+    assert "model.safetensors" in StandInHub.repos["tester/slash"]
+
+
 def test_push_only_refuses_a_folder_whose_card_and_files_disagree_about_the_corpus(run_dir, tmp_path, hub, capsys):
     """docs/training.md warns that the corpus decodes back to the training replies: an export whose corpus.safetensors
     was removed before publishing went up with a card saying it ships and that its figures grafted it, and `ddtree`

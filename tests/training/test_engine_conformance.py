@@ -251,6 +251,25 @@ def test_a_drafter_shipping_its_own_embedding_and_lm_head_still_serves(exports):
     assert failing(Export(export.config, shipped, export.target)) == set()
 
 
+def test_a_drafter_with_attention_bias_needs_every_projections_bias(exports):
+    """With attention_bias, vLLM's DFlashQwen3Attention builds qkv_proj and o_proj with a bias, as ddtree's drafter
+    does: a drafter that ships the four serves, and one that lacks o_proj's is refused (both engines' weight rules
+    read the same names, expected_weights)."""
+    export = fresh(exports["default"])
+    config = {**export.config, "attention_bias": True}
+    q_width = config["num_attention_heads"] * config["head_dim"]
+    kv_width = config["num_key_value_heads"] * config["head_dim"]
+    biases = {}
+    for i in range(config["num_hidden_layers"]):
+        attention = f"layers.{i}.self_attn."
+        biases |= {f"{attention}q_proj.bias": (q_width,), f"{attention}k_proj.bias": (kv_width,),
+                   f"{attention}v_proj.bias": (kv_width,), f"{attention}o_proj.bias": (config["hidden_size"],)}
+    weights = {**export.weights, **biases}
+    assert failing(Export(config, weights, export.target)) == set()
+    weights.pop("layers.0.self_attn.o_proj.bias")
+    assert failing(Export(config, weights, export.target)) == {(VLLM, "weights"), (SGLANG, "weights")}
+
+
 def test_every_rule_of_each_engine_can_fail():
     broken = set().union(*(expected for *_, expected in BREAKAGES))
     assert {(rule.engine, rule.field) for rule in RULES} == broken

@@ -86,6 +86,22 @@ def test_flex_shapes_are_a_few_fixed_widths_and_the_anchor_count():
                       3072: 4096}
 
 
+def test_flex_block_mask_keeps_the_tiles_of_every_sequence():
+    """Flex attention skips the tiles its BlockMask leaves out and never asks mask_mod about them. A mask built for one
+    sequence and broadcast over the batch would drop the context tiles that only a later sequence reads: its blocks
+    would train without their context on CUDA, while small CPU batches, all in one tile, still agree with SDPA."""
+    anchors, context_len, block = torch.tensor([[3, 9, 100], [300, 301, 450]]), 512, 4  # row 1 reads tiles 1-3
+    flex = flex_block_mask(anchors, context_len, block)
+    dense = dense_block_mask(anchors, context_len, block)  # (S, 1, Q, K)
+    q_tile, kv_tile = flex.BLOCK_SIZE
+    sequences, _, queries, keys = dense.shape
+    dense = F.pad(dense, (0, -keys % kv_tile, 0, -queries % q_tile))  # whole tiles
+    tiles = (sequences, 1, dense.shape[2] // q_tile, q_tile, dense.shape[3] // kv_tile, kv_tile)
+    touched = dense.view(tiles).any(dim=(3, 5))  # (S, 1, query tiles, key tiles)
+    assert touched[0].sum() < touched[1].sum()  # the case under test: the rows read different tiles
+    assert torch.equal(flex.to_dense().bool(), touched)
+
+
 @torch.no_grad()
 def test_compiled_flex_on_cpu_compiles_once_per_width_and_equals_the_dense_mask():
     """The padded flex path of `block_hidden_states`, forward only, against its dense path on the same batch."""

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import yaml
 from torch._dynamo.utils import counters
 from torch.nn import functional as F
 
+from training.arguments import RECIPES_DIR
 from training.masks import (
     FLEX_MIN_CONTEXT, block_input_ids, block_position_ids, dense_block_mask, flex_block_mask, pad_for_flex,
     sample_anchors, sample_given,
@@ -84,6 +86,16 @@ def test_flex_shapes_are_a_few_fixed_widths_and_the_anchor_count():
               for length in (1, FLEX_MIN_CONTEXT, FLEX_MIN_CONTEXT + 1, 3072)}
     assert widths == {1: FLEX_MIN_CONTEXT, FLEX_MIN_CONTEXT: FLEX_MIN_CONTEXT, FLEX_MIN_CONTEXT + 1: 2 * FLEX_MIN_CONTEXT,
                       3072: 4096}
+
+
+def test_the_longest_recipe_pads_to_fewer_widths_than_dynamo_compiles():
+    """Each width compiles a kernel with gradients (training) and one without (validation), and a smaller last batch
+    one more. Past torch._dynamo.config.recompile_limit dynamo stops compiling and flex attention materialises every
+    score: a smaller FLEX_MIN_CONTEXT would cross it at max_length 3072 (512, 1024, 2048, 4096: 8 kernels)."""
+    longest = max(yaml.safe_load(path.read_text())["data"]["max_length"] for path in RECIPES_DIR.glob("*.yaml"))
+    one_anchor = torch.zeros(1, 1, dtype=torch.long)
+    widths = {pad_for_flex(torch.zeros(1, length, 1), one_anchor, 1)[0].shape[1] for length in range(1, longest + 1)}
+    assert 2 * len(widths) < torch._dynamo.config.recompile_limit, sorted(widths)
 
 
 def test_flex_block_mask_keeps_the_tiles_of_every_sequence():

@@ -529,6 +529,8 @@ def test_a_block_given_its_first_draft_token_reads_it_and_is_not_labelled_there(
     blocks = block_input_ids(input_ids, anchors, 4, mask_token_id=7, given=given).view(2, 4)
     assert blocks.tolist() == [[102, 103, 7, 7], [106, 7, 7, 7]]
     assert torch.equal(block_input_ids(input_ids, anchors, 4, 7, torch.zeros_like(given)), block_input_ids(input_ids, anchors, 4, 7))
+    # a reply that runs to the end of the sequence: its last anchor (T-2) is given the sequence's last token
+    assert block_input_ids(input_ids, torch.tensor([[10]]), 4, 7, torch.tensor([[1]])).tolist() == [[110, 111, 7, 7]]
     labels = given_labels(block_labels(input_ids, loss_mask, anchors, valid, 4), given)
     assert labels[0, 0].tolist() == [IGNORE_INDEX, IGNORE_INDEX, 104, 105]  # the given token is read, not predicted
     assert labels[0, 1].tolist() == [IGNORE_INDEX, 107, 108, 109]

@@ -495,6 +495,7 @@ def test_anchors_are_distinct_sorted_reply_tokens_redrawn_per_seed():
     assert anchors.shape == (2, 8)
     assert valid[0].all() and valid[1].tolist() == [True] * 3 + [False] * 5
     assert anchors[1, :3].tolist() == [5, 6, 7]
+    assert anchors[1, 3:].tolist() == [0] * 5  # invalid slots read no context (at T, the whole of it)
     first = anchors[0]
     assert len(set(first.tolist())) == 8 and torch.all(first[1:] > first[:-1])
     assert anchor_candidates(loss_mask)[0, first].all()

@@ -536,8 +536,12 @@ def test_a_block_given_its_first_draft_token_reads_it_and_is_not_labelled_there(
     assert labels[0, 0].tolist() == [IGNORE_INDEX, IGNORE_INDEX, 104, 105]  # the given token is read, not predicted
     assert labels[0, 1].tolist() == [IGNORE_INDEX, 107, 108, 109]
     assert sample_given(anchors, 0.0, torch.Generator()) is None  # 0: no draw, so runs without it are unchanged
-    share = sample_given(torch.zeros(1, 4000, dtype=torch.long), 0.25, torch.Generator().manual_seed(0)).float().mean()
+    many = torch.zeros(1, 4000, dtype=torch.long)
+    share = sample_given(many, 0.25, torch.Generator().manual_seed(0)).float().mean()
     assert 0.22 < share < 0.28
+    # drawn from the step's seeded generator alone, as the anchors are, so a resumed run gives the same blocks
+    again = [sample_given(many, 0.25, torch.Generator().manual_seed(0)) for _ in range(2)]
+    assert torch.equal(*again)
 
 
 def plain_and_variant(**overrides) -> tuple[DistillModule, DistillModule]:

@@ -299,6 +299,19 @@ def test_a_negative_lookup_or_redraft_is_a_usage_error_before_anything_loads(cap
                                        f"see ddtree {command} --help\n")
 
 
+@pytest.mark.parametrize("flag, expected", [("--seed", "an integer"), ("--lookup", "a whole number"),
+                                            ("--redraft", "a whole number")])
+def test_a_count_or_seed_that_is_not_a_number_says_what_was_expected(capsys, flag, expected):
+    """Their type functions catch the int() ValueError to say what a flag takes: argparse's own line for an uncaught
+    one names the function instead ("invalid _non_negative value: '2.5'"), and no test gave them a non-number
+    (mutation review 32, A02, A03)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--target", TARGET, "--prompt", "Hi", flag, "2.5"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == (f"error: argument {flag}: expected {expected}, got '2.5'; "
+                                       "see ddtree generate --help\n")
+
+
 @pytest.mark.parametrize("args, message", [
     (["generate", "--method", "dflash", "--lookup", "4"], "--lookup shape the ddtree method's trees, and --method "
      "dflash runs no ddtree: give --method ddtree, or drop them"),

@@ -248,7 +248,8 @@ def test_help_lists_only_the_options_a_command_takes_and_its_max_new_tokens_defa
 def test_each_default_is_the_one_its_help_states(capsys, monkeypatch, command, required):
     """No test pinned the defaults --help states: any could change with every test passing, and with it every sampled
     reply (--top-p), the equality of `generate --seed` with Decoder(seed=0) (--seed), or bench's comparison with the
-    published figures (--budgets, --adaptive-size off) (mutation review, A01-A06). Each is read from the help here."""
+    published figures (--budgets, --adaptive-size off) (mutation review, A01-A06), or the target every command loads
+    when none is given (--target; mutation review 32, A06). Each is read from the help here."""
     from ddtree.arguments import build_parser
 
     monkeypatch.setenv("COLUMNS", "1000")  # argparse wraps the help to the terminal's width
@@ -262,6 +263,7 @@ def test_each_default_is_the_one_its_help_states(capsys, monkeypatch, command, r
         return found.group(1)
 
     args = build_parser().parse_args([command, *required])
+    assert args.target == stated(r"--target TARGET .*?\(default: ([\w.-]+), built in\)")
     assert args.top_p == float(stated(r"--top-p TOP_P .*?\(default: ([\d.]+), no cut\)"))
     assert args.top_k == int(stated(r"--top-k TOP_K .*?\(default: (\d+), no cut\)"))
     assert args.seed == int(stated(r"--seed SEED .*?\(default: (\d+)\)"))

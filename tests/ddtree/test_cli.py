@@ -1561,6 +1561,16 @@ def test_calibrate_learns_with_the_settings_a_default_generate_decodes_with(caps
     assert code == 0 and "learned decoding with other settings" not in err
 
 
+def test_calibrate_learns_by_default_the_budget_a_default_generate_decodes_at():
+    """A calibration holds a draft temperature per budget learned, and a budget it lacks takes the nearest one's: a
+    default calibrate learned at another budget than generate's default would shape every default generate's trees with
+    a temperature learned on other trees, and nothing pinned the two together (mutation review 32, A13)."""
+    from ddtree.arguments import build_parser
+
+    calibrated = build_parser().parse_args(["calibrate", "--prompts", "p.jsonl"]).budgets
+    assert calibrated == [build_parser().parse_args(["generate", "--prompt", "Hi"]).budget]
+
+
 def test_calibrate_says_in_an_exports_card_that_its_figures_were_measured_without_it(capsys, tmp_path, tiny_target,
                                                                                      prompts_file):
     """The card kept saying its figures were what `ddtree` decodes this drafter to; after `ddtree calibrate` it decodes

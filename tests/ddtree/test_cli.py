@@ -666,6 +666,14 @@ def test_a_user_error_raised_in_a_data_loader_worker_is_its_own_line_not_torchs_
     assert error_line(DDTreeError("Caught DDTreeError somewhere.\nmore")) == "Caught DDTreeError somewhere."
 
 
+def test_a_user_errors_line_is_never_blank():
+    """run_cli prints `error: ` and this line: an error raised without a message is named by its type, and one whose
+    message starts with a line break is its first line with words, where either printed a bare "error: " (mutation
+    review 32, E01, E02)."""
+    assert error_line(DDTreeError()) == "DDTreeError"
+    assert error_line(DDTreeError("\n  prompts file p.jsonl is empty\nline 2")) == "prompts file p.jsonl is empty"
+
+
 def test_a_list_of_names_in_a_one_line_error_is_the_first_and_how_many_more():
     """The drafter's and the checkpoint's weight checks name a missing or unused weight this way: the count is of the
     others, so "and 2 more" means three in all (a missing layer is all of its weights, in one line)."""

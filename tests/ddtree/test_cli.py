@@ -275,6 +275,17 @@ def test_each_default_is_the_one_its_help_states(capsys, monkeypatch, command, r
         assert args.budgets == [int(budget) for budget in budgets.split(",")]
 
 
+@pytest.mark.parametrize("command", [["generate", "--prompt", "Hi"], ["bench", "--prompts", "p.jsonl"],
+                                     ["calibrate", "--prompts", "p.jsonl"]])
+def test_the_static_cache_is_left_to_the_device_by_default(command):
+    """--static-cache left out is auto, as its help says: the static cache (a CUDA graph) on CUDA only. No test read
+    the default, so an `off` one would drop the CUDA graph from every GPU run with every test passing on a CPU
+    (mutation review 32, A08)."""
+    from ddtree.arguments import STATIC_CACHE, build_parser
+
+    assert STATIC_CACHE[build_parser().parse_args(command).static_cache] is None  # generate(static=None): by device
+
+
 def test_no_budget_at_all_is_a_usage_error(capsys, prompts_file):
     """An empty --budgets ran nothing and wrote an empty summary (or failed with a traceback under --adaptive-size)."""
     with pytest.raises(SystemExit) as exit_:

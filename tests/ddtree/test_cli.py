@@ -249,7 +249,8 @@ def test_each_default_is_the_one_its_help_states(capsys, monkeypatch, command, r
     """No test pinned the defaults --help states: any could change with every test passing, and with it every sampled
     reply (--top-p), the equality of `generate --seed` with Decoder(seed=0) (--seed), or bench's comparison with the
     published figures (--budgets, --adaptive-size off) (mutation review, A01-A06), or the target every command loads
-    when none is given (--target; mutation review 32, A06). Each is read from the help here."""
+    when none is given (--target), or bench's comparison of every method (--methods; mutation review 32, A06, A12).
+    Each is read from the help here."""
     from ddtree.arguments import build_parser
 
     monkeypatch.setenv("COLUMNS", "1000")  # argparse wraps the help to the terminal's width
@@ -273,6 +274,8 @@ def test_each_default_is_the_one_its_help_states(capsys, monkeypatch, command, r
     if command == "bench":
         budgets = stated(r"--budgets BUDGETS .*?\(default: ([\d,]+)\)")
         assert args.budgets == [int(budget) for budget in budgets.split(",")]
+        named = stated(r"--methods METHODS comma-separated, from ([\w, ]+) \(default: all three;").split(", ")
+        assert args.methods.split(",") == named == ["ar", "dflash", "ddtree"]
 
 
 @pytest.mark.parametrize("command", [["generate", "--prompt", "Hi"], ["bench", "--prompts", "p.jsonl"],

@@ -688,6 +688,19 @@ def test_a_user_errors_line_is_never_blank():
     assert error_line(DDTreeError("\n  prompts file p.jsonl is empty\nline 2")) == "prompts file p.jsonl is empty"
 
 
+def test_a_user_error_with_a_multi_line_message_is_printed_as_its_first_line(capsys):
+    """run_cli prints error_line's line, not the message: one raised in a DataLoader worker is torch's heading and the
+    worker's whole traceback. No test ran such an error through run_cli, so printing the message itself passed
+    (mutation review 32, E09)."""
+    from ddtree import errors
+
+    def main(argv):
+        raise reraised_from_a_worker(DDTreeError("store s: shard-00001 is of another build; start the run again"))
+
+    assert errors.run_cli(main, []) == 2
+    assert capsys.readouterr().err == "error: store s: shard-00001 is of another build; start the run again\n"
+
+
 def test_a_list_of_names_in_a_one_line_error_is_the_first_and_how_many_more():
     """The drafter's and the checkpoint's weight checks name a missing or unused weight this way: the count is of the
     others, so "and 2 more" means three in all (a missing layer is all of its weights, in one line)."""

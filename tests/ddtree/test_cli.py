@@ -701,6 +701,21 @@ def test_a_user_error_with_a_multi_line_message_is_printed_as_its_first_line(cap
     assert capsys.readouterr().err == "error: store s: shard-00001 is of another build; start the run again\n"
 
 
+@pytest.mark.parametrize("raised, status, said", [(KeyboardInterrupt, 130, "interrupted"),
+                                                  ("Terminated", 143, "stopped by SIGTERM")])
+def test_an_interrupted_or_terminated_command_exits_as_a_shell_reports_the_signal(capsys, raised, status, said):
+    """130 for Ctrl-C and 143 for SIGTERM, the statuses a scheduler or a script reads to tell a stop from a failure
+    (1) or bad input (2). The tests that read them ran training or ablate, which stop their own way, and a run_cli
+    that returned 1 for Ctrl-C passed (mutation review 32, E05)."""
+    from ddtree import errors
+
+    def main(argv):
+        raise getattr(errors, raised) if isinstance(raised, str) else raised
+
+    assert errors.run_cli(main, []) == status
+    assert capsys.readouterr().err == f"{said}\n"
+
+
 def test_a_list_of_names_in_a_one_line_error_is_the_first_and_how_many_more():
     """The drafter's and the checkpoint's weight checks name a missing or unused weight this way: the count is of the
     others, so "and 2 more" means three in all (a missing layer is all of its weights, in one line)."""

@@ -716,6 +716,26 @@ def test_an_interrupted_or_terminated_command_exits_as_a_shell_reports_the_signa
     assert capsys.readouterr().err == f"{said}\n"
 
 
+def test_a_sigterm_passes_a_commands_except_exception_on_its_way_out(capsys):
+    """Commands catch Exception around work whose failure is that work's own (ablate's variant, a Hub upload): the
+    Terminated a SIGTERM raises there must pass them, as KeyboardInterrupt does, or the command would record a failure
+    and go on. No test raised one through such a block (mutation review 32, E07)."""
+    import signal
+    import time
+
+    from ddtree import errors
+
+    def main(argv):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(10)  # the handler raises here at the latest
+        except Exception:
+            return 0
+
+    assert errors.run_cli(main, []) == 143
+    assert capsys.readouterr().err == "stopped by SIGTERM\n"
+
+
 def test_a_list_of_names_in_a_one_line_error_is_the_first_and_how_many_more():
     """The drafter's and the checkpoint's weight checks name a missing or unused weight this way: the count is of the
     others, so "and 2 more" means three in all (a missing layer is all of its weights, in one line)."""

@@ -648,8 +648,8 @@ def run_with_stdout_closed(argv: list[str]) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(argv, proc.returncode, None, stderr)
 
 
-def reraised_from_a_worker(error: Exception, handled: Exception | None = None) -> Exception:
-    """`error` as a DataLoader re-raises it in the main process: torch's own wrapper, as a worker sends it back."""
+def reraised_from_a_worker(error: Exception, handled: Exception | None = None, worker: int = 0) -> Exception:
+    """`error` as a DataLoader re-raises it in the main process: torch's own wrapper, as worker `worker` sends it back."""
     from torch._utils import ExceptionWrapper
 
     handled = handled or KeyError("shard")
@@ -659,7 +659,7 @@ def reraised_from_a_worker(error: Exception, handled: Exception | None = None) -
         except type(handled):
             raise error
     except type(error):
-        wrapped = ExceptionWrapper(where="in DataLoader worker process 0")
+        wrapped = ExceptionWrapper(where=f"in DataLoader worker process {worker}")
     with pytest.raises(type(error)) as reraised:
         wrapped.reraise()
     return reraised.value
@@ -672,6 +672,8 @@ def test_a_user_error_raised_in_a_data_loader_worker_is_its_own_line_not_torchs_
     assert str(error).startswith("Caught DDTreeError in DataLoader worker process 0.\n")
     assert error_line(error) == "store s: shard-00001 is of another build; start the run again"
     assert error_line(reraised_from_a_worker(DDTreeError("first line\nsecond line"))) == "first line"
+    # from any worker, not only the first: the heading's number is the worker's (mutation review 32, E15)
+    assert error_line(reraised_from_a_worker(DDTreeError("store s: unreadable"), worker=11)) == "store s: unreadable"
     # a DDTreeError raised while another was handled: the raised one's line, which the traceback names last
     chained = reraised_from_a_worker(DDTreeError("store s: shard-00001 is of another build; start the run again"),
                                      handled=DDTreeError("shard-00001: unreadable (a retry reads it again)"))

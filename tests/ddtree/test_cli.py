@@ -1460,6 +1460,18 @@ def test_an_explicit_dtype_is_used_as_given(capsys, auto_picks_bf16):
     assert code == 0 and out.startswith(f"target {TARGET}, bfloat16,") and "--dtype auto -> bfloat16" in err
 
 
+@pytest.mark.parametrize("has_gpu, given, used", [(True, [], "cuda"), (False, [], "cpu"),
+                                                  (True, ["--device", "cpu"], "cpu")])
+@pytest.mark.parametrize("command", [["generate", "--prompt", "Hi"], ["verify-cost"]])
+def test_a_device_left_out_is_cuda_where_this_machine_has_a_gpu(monkeypatch, has_gpu, given, used, command):
+    """What --device's help states. Where the tests ran without a GPU, a default that was always cpu passed them all,
+    and every command on a GPU machine would have run on its CPU (mutation review 32, A18)."""
+    from ddtree.arguments import build_parser, default_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: has_gpu)
+    assert default_device(build_parser().parse_args([*command, *given])).device == used
+
+
 @pytest.mark.parametrize("device, message", [
     ("gpu0", "--device 'gpu0' is not a device name; give cpu, cuda or cuda:N"),
     ("cuda:99", "--device cuda:99: this machine has"),

@@ -322,7 +322,9 @@ def test_a_tree_cut_to_fewer_nodes_is_the_tree_built_with_that_budget_and_its_la
     whole = build_tree(logits, 12)
     for nodes in range(1, 12):
         cut, built = truncated(whole, nodes), build_tree(logits, nodes)
-        assert (cut.tokens, cut.parents, cut.children) == (built.tokens, built.parents, built.children), nodes
+        assert (cut.tokens, cut.parents, cut.depths, cut.log_probs, cut.children) == (
+            built.tokens, built.parents, built.depths, built.log_probs, built.children), nodes
+        assert cut.expected_acceptance == built.expected_acceptance, nodes  # what the sizer weighs the cut by
         path, row = [], nodes  # the rows from depth 1 down to the last node
         while row:
             path.insert(0, row)

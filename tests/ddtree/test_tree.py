@@ -97,6 +97,7 @@ def test_heap_with_redrafted_branches_builds_the_top_prefixes_under_each_branchs
     ([4, 4], 5, [4, 4, 4, 4, 4]),  # period 1
     ([1, 2, 3, 4, 1, 2], 5, [3, 4, 1, 2, 3]),  # a shorter match ([1, 2]) overlapping the end: period 4
     ([1, 2, 3, 9, 9, 1, 2, 3, 7, 5, 1, 2, 3], 4, [7, 5, 1, 2]),  # room before the end: no period needed
+    ([1, 2, 9, 2, 5, 1, 2], 2, [9, 2]),  # the 2-token suffix wins over a more recent match of its last token
 ])
 def test_context_lookup_continues_the_latest_recurrence_of_the_longest_suffix(tokens, length, expected):
     assert context_lookup(tokens, length) == expected

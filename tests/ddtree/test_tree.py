@@ -3,12 +3,15 @@
 import itertools
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from ddtree.target_runner import DynamicTarget, StaticTarget
 from ddtree.decoding import OnlineCalibration, draft_tree
-from ddtree.tree import DraftTree, ancestor_matrix, build_tree, context_lookup, tree_positions, truncated, walk
+from ddtree.tree import (
+    DraftTree, ancestor_matrix, build_tree, chain_tree, context_lookup, tree_positions, truncated, walk,
+)
 
 
 def brute_force_top_prefixes(log_probs: torch.Tensor, budget: int) -> set[tuple[int, ...]]:
@@ -313,6 +316,17 @@ def test_ancestor_matrix_and_walk():
     target_choice = {0: 6}
     accepted, bonus = walk(tree, lambda row: target_choice.get(row, 99))
     assert [tree.tokens[r - 1] for r in accepted] == [6] and bonus == 99
+
+
+def test_a_chain_is_verified_causally_and_walked_to_its_first_miss():
+    """DFlash's chain as a tree: each token sees every one before it (a causal mask), at start + its depth; a chain
+    whose nodes all hung from the root let the target verify each token without the ones before it."""
+    tree = chain_tree([5, 6, 7])
+    assert (tree.parents, tree.depths) == ([0, 1, 2], [1, 2, 3])
+    assert (ancestor_matrix(tree) == np.tril(np.ones((4, 4), dtype=bool))).all()
+    assert tree_positions(tree, 10).tolist() == [10, 11, 12, 13]
+    target_choice = {0: 5, 1: 6, 2: 9}  # the target agrees on 5 and 6, then picks 9
+    assert walk(tree, lambda row: target_choice[row]) == ([1, 2], 9)
 
 
 def test_a_tree_cut_to_fewer_nodes_is_the_tree_built_with_that_budget_and_its_last_node_can_be_accepted():

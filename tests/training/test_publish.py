@@ -2293,3 +2293,13 @@ def test_a_modules_cache_that_cannot_be_written_is_named_not_blamed_on_the_expor
         f"its remote code, cannot be written ({tmp_path / 'afile'} is a file, not a folder); set HF_MODULES_CACHE to a "
         "writable folder")
     assert list((tmp_path / "exports").iterdir()) == []  # no OUT, no staging folder
+
+
+def test_the_load_back_check_leaves_no_copy_of_the_remote_code_in_the_modules_cache(run_dir, tmp_path):
+    """The check loads the staging folder with AutoModel, which copies its remote code into the modules cache under
+    the staging folder's random name: kept, every export left a copy there that no later load can reuse."""
+    copies = Path(publish.HF_MODULES_CACHE) / "transformers_modules"
+    before = set(copies.glob("_dot_cachecheck_hyphen_*"))
+    assert export(run_dir, tmp_path / "cachecheck", "--ckpt", "last") == 0
+    assert copies.is_dir()  # the check did load through this cache
+    assert set(copies.glob("_dot_cachecheck_hyphen_*")) - before == set()

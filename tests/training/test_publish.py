@@ -1782,6 +1782,14 @@ def test_a_gateway_error_page_at_the_card_check_says_to_retry_not_to_change_the_
     assert "license: mit" in StandInHub.repos["tester/g"]["README.md"].decode()
 
 
+def test_push_without_a_repo_is_one_line_before_anything(run_dir, tmp_path, capsys):
+    """--push names no destination of its own: without --repo it stops before exporting, not at the Hub."""
+    out = tmp_path / "export"
+    assert export(run_dir, out, "--ckpt", "last", "--push") == 2
+    assert one_error_line(capsys) == "error: --push needs --repo user/name (REPO=user/name)"
+    assert not out.exists()
+
+
 def test_push_without_token_or_network_fails_before_doing_anything(run_dir, tmp_path, monkeypatch, capsys):
     out = tmp_path / "export"
     monkeypatch.delenv("HF_TOKEN", raising=False)

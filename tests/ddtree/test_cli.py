@@ -1945,6 +1945,7 @@ def test_the_weights_fingerprint_leaves_out_the_folders_corpus(tmp_path):
     (tmp_path / CORPUS_FILE).write_bytes(random.Random(1).randbytes(1000))
     assert weights_fingerprint(tmp_path) == before is not None
 
+
 @pytest.mark.parametrize("calibration, message", [
     ({"temperatures": {"8": 1.0}}, "missing field graft_acceptance"),
     ([], "it holds [], not a JSON object"),  # [] and {} were taken as no calibration, without a word

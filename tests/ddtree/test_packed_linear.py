@@ -89,6 +89,7 @@ def test_a_packed_layer_whose_weight_is_made_trainable_again_passes_gradients_to
     torch.testing.assert_close(layer.weight.grad, x.sum(0).expand(40, 24))
     torch.testing.assert_close(layer.bias.grad, torch.full((40,), 4.0))
 
+
 @needs_packing
 def test_a_weight_whose_storage_was_swapped_is_repacked():
     """`.data = ...` and a dtype round trip give the weight new storage with the same version count."""

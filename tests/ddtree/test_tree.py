@@ -213,6 +213,7 @@ def test_a_verified_round_teaches_each_lookup_from_the_path_it_grafted():
     assert online.graft_accepted == {("context", 2): 1, ("corpus", 1): 0}
     assert online.graft_rounds == {("context", 2): 1, ("corpus", 1): 1}
 
+
 def test_a_calibration_saved_and_loaded_scores_alike_and_learns_nothing_more_when_frozen(tmp_path):
     from ddtree.calibration import load_calibration, save_calibration
 
@@ -252,6 +253,7 @@ def test_a_drafter_wrong_round_after_round_stops_at_the_temperature_bounds_a_fil
     assert online.log_temperature(32) == OnlineCalibration.LOG_LIMIT == -online.log_temperature(None)
     save_calibration(tmp_path / "calibration.json", online, {})
     assert load_calibration(tmp_path / "calibration.json").state() == online.state()
+
 
 def test_a_budget_between_two_calibrated_ones_takes_the_nearest_and_on_a_tie_the_smaller():
     """The nearest budget's temperature, and on a tie the smaller budget's (the key (distance, budget)): which of two

@@ -180,7 +180,6 @@ def test_a_folder_the_disk_refuses_names_the_folder_not_its_staging_name(tmp_pat
     assert list(tmp_path.iterdir()) == []
 
 
-
 def test_a_file_the_disk_refuses_inside_a_staged_folder_names_the_folder(tmp_path, full_disk):
     """A writer that fills its staged folder with atomic files: the line names the folder, not the file inside the
     staging folder, a hidden path that is gone by the time the line is read."""

@@ -47,6 +47,9 @@ def test_tokenize_starts_mid_character_with_single_byte_tokens(tiny):
     ids = tokens.tokenize(data[1:])  # the second byte of é first: no text can start there
     assert tokens.join(ids) == data[1:] and tokens.bytes_of[ids[0]] == data[1:2]
     assert tokenizer.decode(tokens.tokenize(data)) == "é and more"
+    # from a whole character on, the tokenizer's own split: é was cut into its two bytes when the lead byte (0xC3,
+    # not a continuation) was skipped as one
+    assert tokens.tokenize(data) == tokenizer("é and more", add_special_tokens=False)["input_ids"]
 
 
 def test_a_greedy_reply_gets_the_ids_its_target_generated_not_the_tokenizers_split(tiny):

@@ -72,6 +72,28 @@ def test_a_reply_the_target_would_not_write_keeps_its_split_and_counts_the_disag
     assert tokenizer.decode(ids) == text and disagreements > 0
 
 
+def test_every_position_is_the_targets_argmax_but_the_counted_disagreements(tiny):
+    """The module's promise, checked by one teacher-forced forward over the result: the ids are the target's argmax
+    wherever its argmax's bytes continue the reply, and disagreements counts the other positions once each. A reply
+    opened by text the target would not write has disagreements before its repairs; rechecking from the start after
+    each repair counted them again (5 for these 3)."""
+    model, tokenizer = tiny
+    prompt = chat_prompt_ids(tokenizer, MESSAGES, "MESSAGES", CHAT_TARGET)
+    opening = tokenizer("Hello\n", add_special_tokens=False)["input_ids"]
+    written = opening + greedy(model, prompt + opening, 24)
+    text = tokenizer.decode(written)
+    assert tokenizer(text, add_special_tokens=False)["input_ids"] != written  # repairs to make
+    tokens = recover_ids.ByteTokens(tokenizer)
+    ids, disagreements = recover_ids.recover(model, tokens, prompt, text)
+    with torch.no_grad():
+        choices = model(input_ids=torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1].argmax(-1).tolist()
+    data = text.encode("utf-8")
+    assert tokens.join(ids) == data
+    other = [j for j, (choice, token) in enumerate(zip(choices, ids)) if choice != token]
+    assert other and disagreements == len(other)
+    assert not any(data.startswith(tokens.bytes_of.get(choices[j], b"\xff"), len(tokens.join(ids[:j]))) for j in other)
+
+
 def write_regenerated(folder: Path, rows: list[dict], temperature: float = 0.0) -> Path:
     from datasets import Dataset
 

@@ -149,6 +149,9 @@ def test_a_limited_recovery_records_the_counts_of_the_rows_it_wrote(tiny, tmp_pa
     assert {key: summary[key] for key in full} == {"num_prompts": 2, "num_conversations": 2, "num_stopped": 1,
                                                    "num_hit_max_new_tokens": 1, "prompt_tokens": 18, "response_tokens": 5}
     assert summary["target"] == "tiny-random" and summary["response_ids"]["rows"] == 2
+    # --limit 1 too: a test of `if args.limit > 1` kept every row
+    assert recover_ids.main([str(source), "--out", str(tmp_path / "one"), "--limit", "1"]) == 0
+    assert json.loads((tmp_path / "one" / "regeneration.json").read_text())["num_prompts"] == 1
 
 
 def test_sampled_data_is_refused(tmp_path):

@@ -154,6 +154,27 @@ def test_a_limited_recovery_records_the_counts_of_the_rows_it_wrote(tiny, tmp_pa
     assert json.loads((tmp_path / "one" / "regeneration.json").read_text())["num_prompts"] == 1
 
 
+def test_only_ids_that_decode_to_the_reply_and_count_its_response_tokens_are_kept(tiny, tmp_path, monkeypatch):
+    """The two checks that stand between a recovery gone wrong and the ids training supervises: ids of other text with
+    the right count, or of the right text with another count, leave the row to training's tokenizer (None); and the
+    summary's disagreements are every row's, not the last one's."""
+    _, tokenizer = tiny
+    split = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    rows = [{"id": "a", "messages": MESSAGES + [{"role": "assistant", "content": "Paris."}], "finish_reason": "stop",
+             "prompt_tokens": 9, "response_tokens": len(split("Lyon."))},
+            {"id": "b", "messages": MESSAGES + [{"role": "assistant", "content": "Paris."}], "finish_reason": "stop",
+             "prompt_tokens": 9, "response_tokens": len(split("Paris.")) - 1}]
+    recovered = iter([(split("Lyon."), 2), (split("Paris."), 3)])  # (ids, disagreements) for rows a and b
+    monkeypatch.setattr(recover_ids, "recover", lambda model, tokens, prompt, reply: next(recovered))
+    source = write_regenerated(tmp_path / "data", rows)
+    assert recover_ids.main([str(source), "--out", str(tmp_path / "out")]) == 0
+    from datasets import load_from_disk
+
+    assert [row["response_ids"] for row in load_from_disk(str(tmp_path / "out")).to_list()] == [None, None]
+    summary = json.loads((tmp_path / "out" / "regeneration.json").read_text())["response_ids"]
+    assert summary["recovered"] == 0 and summary["not_recovered"] == 2 and summary["disagreements"] == 5
+
+
 def test_sampled_data_is_refused(tmp_path):
     source = write_regenerated(tmp_path / "data", [{"id": "a", "messages": MESSAGES}], temperature=0.7)
     with pytest.raises(DDTreeError, match="only greedy replies"):

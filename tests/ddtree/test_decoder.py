@@ -140,6 +140,8 @@ def test_the_keywords_defaults_are_the_commands():
     (dict(drafter="no/such/folder"), "no/such/folder"),
     (dict(drafter="random", calibration="no-such.json"), "calibration='no-such.json': no such file"),
     (dict(device="tpu"), "device 'tpu' is not a device name"),
+    # each found accepted, a traceback once the target had loaded, or a file read for nothing (mutation review, D36)
+    (dict(device="mps"), "device mps: this code runs on a CPU or a CUDA GPU only"),
 ])
 def test_bad_keywords_are_one_line_before_the_target_loads(monkeypatch, keywords, named):
     monkeypatch.setattr("ddtree.decoder.load_target", lambda *args, **kwargs: pytest.fail("loaded the target first"))

@@ -142,9 +142,11 @@ def test_the_keywords_defaults_are_the_commands():
     (dict(device="tpu"), "device 'tpu' is not a device name"),
     # each found accepted, a traceback once the target had loaded, or a file read for nothing (mutation review, D36)
     (dict(device="mps"), "device mps: this code runs on a CPU or a CUDA GPU only"),
+    (dict(device="cuda"), "device cuda: this machine has no CUDA GPU that torch can use"),
 ])
 def test_bad_keywords_are_one_line_before_the_target_loads(monkeypatch, keywords, named):
     monkeypatch.setattr("ddtree.decoder.load_target", lambda *args, **kwargs: pytest.fail("loaded the target first"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # (device="cuda" on a machine with a GPU too)
     with pytest.raises(DDTreeError, match=None) as raised:
         Decoder(TARGET, **{"quiet": True, **keywords})
     assert named in str(raised.value) and "\n" not in str(raised.value), str(raised.value)

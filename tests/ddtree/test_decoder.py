@@ -143,6 +143,7 @@ def test_the_keywords_defaults_are_the_commands():
     # each found accepted, a traceback once the target had loaded, or a file read for nothing (mutation review, D36)
     (dict(device="mps"), "device mps: this code runs on a CPU or a CUDA GPU only"),
     (dict(device="cuda"), "device cuda: this machine has no CUDA GPU that torch can use"),
+    (dict(calibration="calibration.json"), "corpus and calibration shape a drafter's trees, and no drafter was given"),
 ])
 def test_bad_keywords_are_one_line_before_the_target_loads(monkeypatch, keywords, named):
     monkeypatch.setattr("ddtree.decoder.load_target", lambda *args, **kwargs: pytest.fail("loaded the target first"))

@@ -331,6 +331,7 @@ def test_paths_under_home_and_bad_values_found_in_a_review(monkeypatch, tmp_path
                             (dict(seed=2**64), "seed=18446744073709551616"),
                             (dict(seed=-2**63 - 1), "seed=-9223372036854775809: give a whole number"),
                             (dict(temperature=None), "temperature=None: give a number"),
+                            (dict(temperature=True), "temperature=True: give a number"),  # (sampled at 1.0: D36-10)
                             (dict(on_tokens=3), "on_tokens=3: give a function")):
         with pytest.raises(DDTreeError) as raised:
             decoder.generate(PROMPT, **keywords)

@@ -87,6 +87,24 @@ def test_it_decodes_with_the_folders_calibration(capsys, tiny_target, drafter_fo
     assert decoder.drafter.default_calibration.state() == shipped
 
 
+def test_a_corpus_and_a_calibration_given_are_decoded_with(tiny_target, drafter_folder, tmp_path):
+    """A corpus file and a calibration file given in place of the folder's: each could be read, said on stderr and then
+    dropped, decoding with the folder's (none here) with every test passing (mutation review, D36-03, D36-02). The
+    corpus holds the target's greedy reply, so grafting it raises tau; the tokens stay the target's."""
+    greedy = Decoder(TARGET, **SETTINGS, quiet=True).generate(PROMPT, max_new_tokens=40)
+    write_replies(tmp_path / CORPUS_FILE, [greedy.token_ids] * 3, tiny_target[1])
+    calibration = OnlineCalibration()
+    calibration.log_temperatures = {None: math.log(3.0), 8: math.log(3.0)}
+    save_calibration(tmp_path / CALIBRATION_FILE, calibration, {})
+    given = Decoder(TARGET, drafter_folder, **SETTINGS, corpus=tmp_path / CORPUS_FILE,
+                    calibration=tmp_path / CALIBRATION_FILE, quiet=True)
+    assert given.drafter.default_calibration.state() == calibration.state()
+    folders = Decoder(TARGET, drafter_folder, **SETTINGS, quiet=True)
+    reply, without = (decoder.generate(PROMPT, max_new_tokens=40, lookup=0) for decoder in (given, folders))
+    assert reply.token_ids == without.token_ids == greedy.token_ids
+    assert reply.tau > without.tau + 1, (reply.tau, without.tau)
+
+
 def test_sampled_replies_follow_the_seed(tiny_target, drafter_folder):
     decoder = Decoder(TARGET, drafter_folder, **SETTINGS, quiet=True)
     first, again, other = (decoder.generate(PROMPT, max_new_tokens=16, temperature=1.0, seed=seed)

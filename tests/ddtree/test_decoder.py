@@ -105,6 +105,23 @@ def test_a_corpus_and_a_calibration_given_are_decoded_with(tiny_target, drafter_
     assert reply.tau > without.tau + 1, (reply.tau, without.tau)
 
 
+def test_calibration_false_leaves_out_the_calibration_the_config_holds(tiny_target, tmp_path):
+    """A trained drafter's config holds a replayed calibration, used where its folder has no calibration.json; False
+    leaves that out too, as `--calibration none` does. Read as None, it was decoded with anyway, with every test
+    passing: the test folders' configs held none (mutation review, D36-01)."""
+    target, tokenizer = tiny_target
+    calibration = OnlineCalibration()
+    calibration.log_temperatures = {None: math.log(3.0), 8: math.log(3.0)}
+    config = build_drafter_config(target, tokenizer, TARGET, num_layers=1)
+    config.calibration = calibration.state()
+    DFlashDraftModel(config).save_pretrained(tmp_path / "drafter")
+    held = Decoder(TARGET, tmp_path / "drafter", **SETTINGS, quiet=True)
+    assert held.drafter.calibration_from_config and held.drafter.default_calibration is not None
+    for left_out in (False, "none"):
+        assert Decoder(TARGET, tmp_path / "drafter", **SETTINGS, calibration=left_out,
+                       quiet=True).drafter.default_calibration is None, left_out
+
+
 def test_sampled_replies_follow_the_seed(tiny_target, drafter_folder):
     decoder = Decoder(TARGET, drafter_folder, **SETTINGS, quiet=True)
     first, again, other = (decoder.generate(PROMPT, max_new_tokens=16, temperature=1.0, seed=seed)

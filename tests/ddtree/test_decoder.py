@@ -215,6 +215,10 @@ def test_a_budget_the_adaptive_size_cannot_time_names_the_keywords(capsys, tiny_
         Decoder(TARGET, "random", **{**SETTINGS, "adaptive_size": "on", "budget": 2047}, static_cache="off", quiet=True)
     assert str(raised.value) == ("the target's context of 2048 positions leaves no room to time verifies of 2048 rows: "
                                  "give a lower budget=, or adaptive_size='off'")
+    # past the context, refused when built, not at the first prompt's tree (mutation review, D36-07)
+    with pytest.raises(DDTreeError, match="budget 5000: a tree of that many nodes cannot be verified within the "
+                                          "target's context of 2048 tokens"):
+        Decoder(TARGET, "random", **{**SETTINGS, "budget": 5000}, quiet=True)
     code = main(["generate", "--target", TARGET, "--drafter", "random", "--prompt", PROMPT, "--budget", "2047",
                  "--dtype", "float32", "--packed-weights", "off", "--adaptive-size", "on", "--static-cache", "off"])
     assert code != 0 and "lower --budget, or pass --adaptive-size off" in capsys.readouterr().err  # the command's

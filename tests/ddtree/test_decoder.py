@@ -122,6 +122,22 @@ def test_calibration_false_leaves_out_the_calibration_the_config_holds(tiny_targ
                        quiet=True).drafter.default_calibration is None, left_out
 
 
+def test_a_calibration_learned_on_other_weights_is_noted(capsys, tiny_target, drafter_folder):
+    """The folder's calibration.json records the weights it was learned on; retrained weights copied in make its
+    expected tau another drafter's, which is said, and only then. No Decoder test wrote the fingerprint, so the
+    comparison could be turned around with every test passing (mutation review, D36-11)."""
+    from ddtree.calibration import weights_fingerprint
+
+    calibration = OnlineCalibration()
+    calibration.log_temperatures = {8: math.log(1.5)}
+    for weights, noted in ((weights_fingerprint(drafter_folder), False), ("learned on other weights", True)):
+        save_calibration(drafter_folder / CALIBRATION_FILE, calibration, {"weights": weights})
+        capsys.readouterr()
+        Decoder(TARGET, drafter_folder, **SETTINGS)
+        err = capsys.readouterr().err
+        assert (f"was learned on other weights than {drafter_folder} holds now" in err) == noted, (weights, err)
+
+
 def test_sampled_replies_follow_the_seed(tiny_target, drafter_folder):
     decoder = Decoder(TARGET, drafter_folder, **SETTINGS, quiet=True)
     first, again, other = (decoder.generate(PROMPT, max_new_tokens=16, temperature=1.0, seed=seed)

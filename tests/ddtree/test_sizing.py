@@ -127,3 +127,9 @@ def test_measure_keeps_within_a_short_context_and_refuses_one_too_short(tmp_path
     with pytest.raises(DDTreeError, match="the target's context of 128 positions leaves no room to time verifies "
                                           "of 128 rows: lower --budget, or pass --adaptive-size off"):
         TreeSizer.measure(target, max_rows=128, repeats=1)
+
+
+def test_the_cost_line_reads_the_fixed_cost_then_the_cost_of_a_row():
+    """The line `ddtree bench --adaptive-size` prints of what it measured: only "ms per row" was checked, so the
+    fixed cost printed as the per-row one (a 40 ms step read as 40 ms a row, trees that could never pay) passed."""
+    assert TreeSizer(fixed_ms=40.0, row_ms=1.1).describe() == "verify cost 40.0 ms + 1.10 ms per row"

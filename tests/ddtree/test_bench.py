@@ -295,6 +295,7 @@ def test_the_line_of_prompts_equal_to_ars_says_what_a_difference_means_at_the_dt
 
     assert "near tie" in equal_line(torch.bfloat16) and "bfloat16" in equal_line(torch.bfloat16)
     assert "is a bug" in equal_line(torch.float32)
+    assert equal_line(None) == "prompts whose committed tokens equal ar's: ddtree@4 4/6"  # equal ones over all
     summary["ddtree@4"]["same_as_ar"] = 6
     assert equal_line(torch.bfloat16) == "prompts whose committed tokens equal ar's: ddtree@4 6/6"
 

@@ -5,6 +5,7 @@ share), and how it reads a prompts file.
 """
 
 import copy
+import dataclasses
 import inspect
 import json
 import math
@@ -110,6 +111,22 @@ def test_speedup_is_each_methods_tokens_per_second_over_ars_prefill_included(tin
     assert summary["ddtree@4"]["tokens_per_s"] == pytest.approx(4 / 0.9)
     assert summary["ddtree@4"]["speedup"] == pytest.approx((4 / 0.9) / (4 / 1.4))  # faster than ar reads above 1
     assert summary[CHAIN]["speedup"] == summary["ddtree@4"]["speedup"] and summary["ar"]["speedup"] == 1.0
+
+
+def test_speedup_is_over_tokens_per_second_where_a_method_commits_other_tokens_than_ar(tiny_target, monkeypatch):
+    """In bf16 a method can stop at another token than ar (a near tie flipped): its speedup is still tokens per second
+    over ar's, not ar's seconds over its own, which credits it with tokens it never committed."""
+    from ddtree import bench
+
+    def ar_stops_early(target, prompt_ids, method, *args, **kwargs):
+        result = clocked_generate(target, prompt_ids, method, *args, **kwargs)
+        return dataclasses.replace(result, new_tokens=[1, 2]) if method == "ar" else result
+
+    target, _ = tiny_target
+    monkeypatch.setattr(bench, "generate", ar_stops_early)
+    summary = run_benchmark(target, CountingDrafter(target.config.vocab_size), [{"id": "a", "prompt_ids": [5, 6, 7]}],
+                            ["ar", "ddtree"], [4], max_new_tokens=4, stop_ids=[], progress=False)["summary"]
+    assert summary["ddtree@4"]["speedup"] == pytest.approx((4 / 0.9) / (2 / 1.4))
 
 
 # ----------------------------------------------------------------------------- warm-up and the chain's expected tau

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ddtree.bench import (CHAIN, acceptance_summary, budget_of, compare_packed_verify_cost, format_summary, iter_json_lines,
-                          load_prompts, method_keys, read_prompts, run_benchmark, summarize, tree_key)
+                          load_prompts, measure_verify_cost, method_keys, read_prompts, run_benchmark, summarize, tree_key)
 from ddtree import target_runner
 from ddtree.calibration import OnlineCalibration
 from ddtree.decoding import GenerationResult, Round, generate
@@ -589,3 +589,14 @@ def test_comparing_packed_verify_cost_on_an_already_packed_target_is_one_line(ti
     assert is_packed(target)  # left as given
     unpack_linears(target)
     assert [row["nodes"] for row in compare_packed_verify_cost(target, [2], context=8, repeats=1)] == [0, 2]
+
+
+def test_the_verify_cost_ratio_is_the_trees_verify_over_one_ar_step(tiny_target, monkeypatch):
+    """`ddtree verify-cost`'s ratio column: a 5-row verify at 2x a one-token step reads 2.0, not 0.5 (a tree
+    that costs two steps read as half of one)."""
+    import ddtree.sizing as sizing
+
+    monkeypatch.setattr(sizing, "verify_seconds", lambda runner, tree, context, repeats: 0.010 * (1 + len(tree) / 4))
+    rows = measure_verify_cost(tiny_target[0], [4], context=8, repeats=1)
+    assert [(row["nodes"], row["ar_step_ms"], row["verify_ms"]) for row in rows] == [(4, 10.0, 20.0)]
+    assert rows[0]["ratio"] == pytest.approx(2.0)

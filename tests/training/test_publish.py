@@ -202,6 +202,9 @@ def test_card_gives_the_engine_commands_and_the_chain_tau_they_serve_beside_the_
     assert ("python -m sglang.launch_server --model-path tiny-random --speculative-algorithm DFLASH "
             "--speculative-draft-model-path tester/tiny-drafter --speculative-num-draft-tokens 8\n") in serving
     assert "verify the DFlash block as one chain" in serving and "vLLM #42910" in serving
+    # ...and said in words, where a reader copying the numbers into an engine's config reads them
+    assert ("Block size 8: vLLM drafts `num_speculative_tokens` = 7 tokens after the anchor; SGLang counts the anchor, "
+            "`--speculative-num-draft-tokens` = 8.") in serving
     summary = read_evaluation(run_dir, 2)["summary"]
     chain = summary["dflash"]["tau"]
     assert f"| vLLM, SGLang, `ddtree --method dflash` | chain of 7 drafted tokens | {chain:.3f} |" in serving

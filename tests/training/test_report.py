@@ -120,3 +120,18 @@ def test_an_evaluation_that_recorded_no_temperature_is_carded_as_greedy():
     section = "\n".join(evaluation_section(card_facts(evaluation=evaluation)))
     assert f"on the first 1 prompts of `{PROMPTS}` (not compared with the training data), up to 4 new tokens each, " \
            "temperature 0." in section
+
+
+def test_report_ranks_checkpoints_by_the_primary_budget_not_the_first_listed():
+    """eval.budgets lists the primary budget anywhere: ranked by another budget, report.md marked a step best that
+    BestCheckpoint (which ranks by eval.primary_budget) did not link as checkpoints/best.ckpt."""
+    def two_budgets(step: int, tau_at_4: float, tau_at_8: float) -> dict:
+        at = {4: tau_at_4, 8: tau_at_8}
+        summary = {CHAIN: {"tau": 1.5, "expected_tau": 1.5, "rounds": 1, "accepted_depth_counts": {}},
+                   **{tree_key(b): {"tau": tau, "expected_tau": tau, "rounds": 1, "accepted_depth_counts": {}}
+                      for b, tau in at.items()}}
+        return {"step": step, "train_loss": None, "val_loss": None, "seconds": 0.0, "checkpointed": True,
+                "summary": summary}
+    settings = {**SETTINGS, "budgets": [4, 8], "primary_budget": 8}
+    report = markdown_report("run", [two_budgets(2, 2.0, 3.0), two_budgets(4, 2.5, 2.8)], settings, 0.0, 1.0)
+    assert "**Best checkpoint by tau@8: step 2** (tau 3.000;" in report and "| **2** (best) |" in report

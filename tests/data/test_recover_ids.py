@@ -94,6 +94,12 @@ def test_every_position_is_the_targets_argmax_but_the_counted_disagreements(tiny
     assert not any(data.startswith(tokens.bytes_of.get(choices[j], b"\xff"), len(tokens.join(ids[:j]))) for j in other)
 
 
+def regenerated_row(name: str, reply: str, response_tokens: int, finish: str = "stop", **extra) -> dict:
+    """A row of MESSAGES' prompt and `reply` as data/regenerate.py writes it (its 9 prompt tokens)."""
+    return {"id": name, "messages": MESSAGES + [{"role": "assistant", "content": reply}], "finish_reason": finish,
+            "prompt_tokens": 9, "response_tokens": response_tokens, **extra}
+
+
 def write_regenerated(folder: Path, rows: list[dict], temperature: float = 0.0) -> Path:
     from datasets import Dataset
 
@@ -106,10 +112,8 @@ def test_the_command_adds_response_ids_where_they_decode_and_count_right(tiny, t
     model, tokenizer = tiny
     generated = greedy(model, chat_prompt_ids(tokenizer, MESSAGES, "MESSAGES", CHAT_TARGET), 24)
     text = tokenizer.decode(generated, skip_special_tokens=True)
-    rows = [{"id": "a", "messages": MESSAGES + [{"role": "assistant", "content": text}], "finish_reason": "length",
-             "prompt_tokens": 9, "response_tokens": len(generated)},
-            {"id": "b", "messages": MESSAGES + [{"role": "assistant", "content": "Paris."}], "finish_reason": "stop",
-             "prompt_tokens": 9, "response_tokens": 7}]  # a count no split of "Paris." has: not recovered
+    rows = [regenerated_row("a", text, len(generated), "length"),
+            regenerated_row("b", "Paris.", 7)]  # a count no split of "Paris." has: not recovered
     source = write_regenerated(tmp_path / "data", rows)
     assert recover_ids.main([str(source), "--out", str(tmp_path / "out")]) == 0
     from datasets import load_from_disk
@@ -135,10 +139,8 @@ def test_the_command_adds_response_ids_where_they_decode_and_count_right(tiny, t
 def test_a_limited_recovery_records_the_counts_of_the_rows_it_wrote(tiny, tmp_path):
     """--limit 2 over the 2048 shipped rows copied their regeneration.json whole: the folder claimed num_prompts 2048
     and every token, and regenerate.py --check took it for the full dataset."""
-    rows = [{"id": name, "messages": MESSAGES + [{"role": "assistant", "content": reply}], "finish_reason": finish,
-             "prompt_tokens": 9, "response_tokens": count}
-            for name, reply, finish, count in [("a", "Paris.", "stop", 2), ("b", "One, two", "length", 3),
-                                               ("c", "Yes.", "stop", 2)]]
+    rows = [regenerated_row("a", "Paris.", 2), regenerated_row("b", "One, two", 3, "length"),
+            regenerated_row("c", "Yes.", 2)]
     source = write_regenerated(tmp_path / "data", rows)
     recorded = json.loads((source / "regeneration.json").read_text())
     full = {"num_prompts": 3, "num_conversations": 3, "num_stopped": 2, "num_hit_max_new_tokens": 1,
@@ -160,10 +162,8 @@ def test_only_ids_that_decode_to_the_reply_and_count_its_response_tokens_are_kep
     summary's disagreements are every row's, not the last one's."""
     _, tokenizer = tiny
     split = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-    rows = [{"id": "a", "messages": MESSAGES + [{"role": "assistant", "content": "Paris."}], "finish_reason": "stop",
-             "prompt_tokens": 9, "response_tokens": len(split("Lyon."))},
-            {"id": "b", "messages": MESSAGES + [{"role": "assistant", "content": "Paris."}], "finish_reason": "stop",
-             "prompt_tokens": 9, "response_tokens": len(split("Paris.")) - 1}]
+    rows = [regenerated_row("a", "Paris.", len(split("Lyon."))),
+            regenerated_row("b", "Paris.", len(split("Paris.")) - 1)]
     recovered = iter([(split("Lyon."), 2), (split("Paris."), 3)])  # (ids, disagreements) for rows a and b
     monkeypatch.setattr(recover_ids, "recover", lambda model, tokens, prompt, reply: next(recovered))
     source = write_regenerated(tmp_path / "data", rows)
@@ -185,8 +185,7 @@ def test_data_written_with_a_target_adapter_is_refused_in_one_line(tmp_path, cap
     """recover_ids loads the recorded target alone: data of a target with its adapter merged had its exact
     response_ids replaced with ones recovered from the base model, and kept target_adapter in its regeneration.json,
     so training's check took the result for the adapted target's."""
-    row = {"id": "a", "messages": MESSAGES + [{"role": "assistant", "content": "Paris."}], "finish_reason": "stop",
-           "prompt_tokens": 9, "response_tokens": 2, "response_ids": [1, 2]}
+    row = regenerated_row("a", "Paris.", 2, response_ids=[1, 2])
     source = write_regenerated(tmp_path / "data", [row])
     recorded = json.loads((source / "regeneration.json").read_text())
     (source / "regeneration.json").write_text(json.dumps({**recorded, "target_adapter": "adapters/sql"}))
@@ -218,8 +217,7 @@ def test_an_out_that_cannot_be_written_is_one_line_before_the_target_loads(tmp_p
     35 minutes for the shipped 2048, thrown away."""
     import os
 
-    row = {"id": "a", "messages": MESSAGES + [{"role": "assistant", "content": "Paris."}], "finish_reason": "stop",
-           "prompt_tokens": 9, "response_tokens": 2}
+    row = regenerated_row("a", "Paris.", 2)
     source = write_regenerated(tmp_path / "data", [row])
     monkeypatch.setattr(recover_ids, "load_target", lambda *args, **kwargs: pytest.fail("loaded the target"))
     (tmp_path / "afile").write_text("")

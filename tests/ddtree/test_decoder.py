@@ -24,6 +24,13 @@ PROMPT = "Name two prime numbers."
 SETTINGS = dict(dtype="float32", packed_weights="off", adaptive_size="off", budget=8)  # exact, and alike each run
 
 
+def with_temperatures(temperatures: dict) -> OnlineCalibration:
+    """A calibration that divides the draft logits of each budget (None: any budget not named) by its temperature."""
+    calibration = OnlineCalibration()
+    calibration.log_temperatures = {budget: math.log(t) for budget, t in temperatures.items()}
+    return calibration
+
+
 @pytest.fixture
 def drafter_folder(tmp_path, tiny_target):
     target, tokenizer = tiny_target
@@ -68,8 +75,7 @@ def test_it_decodes_with_the_folders_corpus_as_the_command_does(capsys, tiny_tar
 
 def test_it_decodes_with_the_folders_calibration(capsys, tiny_target, drafter_folder):
     """calibration.json in the folder shapes and prices the trees (the expected tau), unless calibration=False."""
-    calibration = OnlineCalibration()
-    calibration.log_temperatures = {None: math.log(3.0), 8: math.log(3.0)}  # much warmer than the raw logits
+    calibration = with_temperatures({None: 3.0, 8: 3.0})  # much warmer than the raw logits
     save_calibration(drafter_folder / CALIBRATION_FILE, calibration, {})
     decoder = Decoder(TARGET, drafter_folder, **SETTINGS)
     assert f"[calibration] {drafter_folder / CALIBRATION_FILE}: draft temperature" in capsys.readouterr().err
@@ -93,8 +99,7 @@ def test_a_corpus_and_a_calibration_given_are_decoded_with(tiny_target, drafter_
     corpus holds the target's greedy reply, so grafting it raises tau; the tokens stay the target's."""
     greedy = Decoder(TARGET, **SETTINGS, quiet=True).generate(PROMPT, max_new_tokens=40)
     write_replies(tmp_path / CORPUS_FILE, [greedy.token_ids] * 3, tiny_target[1])
-    calibration = OnlineCalibration()
-    calibration.log_temperatures = {None: math.log(3.0), 8: math.log(3.0)}
+    calibration = with_temperatures({None: 3.0, 8: 3.0})
     save_calibration(tmp_path / CALIBRATION_FILE, calibration, {})
     given = Decoder(TARGET, drafter_folder, **SETTINGS, corpus=tmp_path / CORPUS_FILE,
                     calibration=tmp_path / CALIBRATION_FILE, quiet=True)
@@ -110,8 +115,7 @@ def test_calibration_false_leaves_out_the_calibration_the_config_holds(tiny_targ
     leaves that out too, as `--calibration none` does. Read as None, it was decoded with anyway, with every test
     passing: the test folders' configs held none (mutation review, D36-01)."""
     target, tokenizer = tiny_target
-    calibration = OnlineCalibration()
-    calibration.log_temperatures = {None: math.log(3.0), 8: math.log(3.0)}
+    calibration = with_temperatures({None: 3.0, 8: 3.0})
     config = build_drafter_config(target, tokenizer, TARGET, num_layers=1)
     config.calibration = calibration.state()
     DFlashDraftModel(config).save_pretrained(tmp_path / "drafter")
@@ -128,8 +132,7 @@ def test_a_calibration_learned_on_other_weights_is_noted(capsys, tiny_target, dr
     comparison could be turned around with every test passing (mutation review, D36-11)."""
     from ddtree.calibration import weights_fingerprint
 
-    calibration = OnlineCalibration()
-    calibration.log_temperatures = {8: math.log(1.5)}
+    calibration = with_temperatures({8: 1.5})
     for weights, noted in ((weights_fingerprint(drafter_folder), False), ("learned on other weights", True)):
         save_calibration(drafter_folder / CALIBRATION_FILE, calibration, {"weights": weights})
         capsys.readouterr()
@@ -307,8 +310,7 @@ def test_messages_with_a_system_prompt(tiny_target):
 def test_a_calibration_learned_with_other_settings_is_noted_once(capsys, tiny_target, drafter_folder):
     """`ddtree generate` notes a calibration learned with other lookups, re-drafting or sampling than it decodes with;
     the Decoder said nothing (found in a review of upgrades: an older `ddtree calibrate` file recorded redraft 4)."""
-    calibration = OnlineCalibration()
-    calibration.log_temperatures = {8: math.log(1.5)}
+    calibration = with_temperatures({8: 1.5})
     save_calibration(drafter_folder / CALIBRATION_FILE, calibration,
                      {"decoded_with": {"lookup": 0, "redraft": 0, "corpus": False, "temperature": 0.0}})
     decoder = Decoder(TARGET, drafter_folder, **SETTINGS)
@@ -329,8 +331,7 @@ def test_a_calibration_learned_with_the_folders_corpus_draws_no_note(capsys, tin
     drew a false "expected tau will be off" (mutation review, E14)."""
     write_replies(drafter_folder / CORPUS_FILE, [tiny_target[1]("one two three four five six")["input_ids"]] * 3,
                   tiny_target[1])
-    calibration = OnlineCalibration()
-    calibration.log_temperatures = {8: math.log(1.5)}
+    calibration = with_temperatures({8: 1.5})
     save_calibration(drafter_folder / CALIBRATION_FILE, calibration,
                      {"decoded_with": {"lookup": 0, "redraft": 0, "corpus": True, "temperature": 0.0}})
     for corpus, note in ((None, False), (False, True)):

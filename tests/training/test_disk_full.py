@@ -190,6 +190,7 @@ def test_a_file_the_disk_refuses_inside_a_staged_folder_names_the_folder(tmp_pat
                         + re.escape("): free some space there, or give another path"), str(error.value)), error.value
     assert list(tmp_path.iterdir()) == []
 
+
 # ----------------------------------------------------------------------------- the target cache and DeepSpeed
 
 

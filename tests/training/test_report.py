@@ -20,11 +20,15 @@ PROMPTS = "data/eval_prompts.jsonl"
 SETTINGS = dict(prompts=PROMPTS, num_prompts=1, max_new_tokens=4, budgets=[8], primary_budget=8, block_size=8)
 
 
-def record(step: int, tau: float, **extra) -> dict:
-    """One evaluation as AcceptanceEvaluation.history holds it, every method at `tau`."""
-    stats = {"tau": tau, "expected_tau": tau, "rounds": 1, "accepted_depth_counts": {}}
+def record(step: int, tau: float, trees: dict[int, float] | None = None, **extra) -> dict:
+    """One evaluation as AcceptanceEvaluation.history holds it, every method at `tau`, or the trees of `trees`' budgets
+    at their taus."""
+    def stats(tau: float) -> dict:
+        return {"tau": tau, "expected_tau": tau, "rounds": 1, "accepted_depth_counts": {}}
+
+    trees = trees or {8: tau}
     return {"step": step, "train_loss": None, "val_loss": None, "seconds": 0.0, "checkpointed": True,
-            "summary": {CHAIN: stats, tree_key(8): stats}, **extra}
+            "summary": {CHAIN: stats(tau), **{tree_key(budget): stats(at) for budget, at in trees.items()}}, **extra}
 
 
 def card_facts(**fields) -> CardFacts:
@@ -125,13 +129,7 @@ def test_an_evaluation_that_recorded_no_temperature_is_carded_as_greedy():
 def test_report_ranks_checkpoints_by_the_primary_budget_not_the_first_listed():
     """eval.budgets lists the primary budget anywhere: ranked by another budget, report.md marked a step best that
     BestCheckpoint (which ranks by eval.primary_budget) did not link as checkpoints/best.ckpt."""
-    def two_budgets(step: int, tau_at_4: float, tau_at_8: float) -> dict:
-        at = {4: tau_at_4, 8: tau_at_8}
-        summary = {CHAIN: {"tau": 1.5, "expected_tau": 1.5, "rounds": 1, "accepted_depth_counts": {}},
-                   **{tree_key(b): {"tau": tau, "expected_tau": tau, "rounds": 1, "accepted_depth_counts": {}}
-                      for b, tau in at.items()}}
-        return {"step": step, "train_loss": None, "val_loss": None, "seconds": 0.0, "checkpointed": True,
-                "summary": summary}
     settings = {**SETTINGS, "budgets": [4, 8], "primary_budget": 8}
-    report = markdown_report("run", [two_budgets(2, 2.0, 3.0), two_budgets(4, 2.5, 2.8)], settings, 0.0, 1.0)
+    evaluations = [record(2, 1.5, trees={4: 2.0, 8: 3.0}), record(4, 1.5, trees={4: 2.5, 8: 2.8})]
+    report = markdown_report("run", evaluations, settings, 0.0, 1.0)
     assert "**Best checkpoint by tau@8: step 2** (tau 3.000;" in report and "| **2** (best) |" in report

@@ -233,6 +233,15 @@ def test_the_decoding_cli_dtype_auto_follows_the_same_rule(monkeypatch):
     assert resolve_dtype("float32", "cpu") == (torch.float32, None)  # explicit: no choice, no line
 
 
+def test_the_decoding_cli_dtype_auto_is_chosen_for_the_device_it_decodes_on(monkeypatch):
+    """`--dtype auto --device cuda` follows the GPU's capability: the host CPU's measurement would give bf16 to a T4
+    on an AMX host, which emulates it, or fp32 to an H100 on a CPU without fast bf16."""
+    calls = stub_choice(monkeypatch, BF16_SLOW)
+    resolve_dtype("auto", "cuda:1")
+    resolve_dtype("auto", torch.device("cpu"))
+    assert calls == ["cuda:1", torch.device("cpu")]
+
+
 def test_a_choice_names_its_dtype():
     assert Choice(torch.bfloat16, "x").name == "bfloat16" and Choice(torch.float32, "x").lightning == "32-true"
 

@@ -59,6 +59,15 @@ def test_a_gpu_gets_bf16_from_its_own_compute_capability(monkeypatch):
     assert fast_precision("cuda:4").dtype == torch.float32
 
 
+@pytest.mark.parametrize("device", ["mps", "xpu:0"])
+def test_a_device_neither_cpu_nor_cuda_gets_fp32_and_is_not_measured(device):
+    """No rule says which precision is fast on an Apple GPU or an Intel one, and the CPU's timing says nothing of it:
+    such a device gets fp32, which computes everywhere, and the line says why."""
+    choice = fast_precision(device, measure=lambda: pytest.fail("measured the CPU for another device"))
+    assert choice.dtype == torch.float32
+    assert choice.reason == f"no measurement for device {torch.device(device).type}; fp32 is always exact"
+
+
 def test_the_real_measurement_returns_a_usable_choice():
     choice = fast_precision("cpu")
     assert choice.dtype in (torch.bfloat16, torch.float32)

@@ -36,6 +36,14 @@ def test_the_line_names_cpu_features_threads_and_torch():
     assert machine_line(record) == "NVIDIA H100 80GB HBM3 (CUDA 12.8), host EPYC 7B13 (AVX2), torch 2.13.0+cpu"
 
 
+def test_the_line_names_the_bf16_features_that_decide_the_precision():
+    """Two machines that differ only in AMX time bf16 several times apart: a line without the flags hides why."""
+    record = describe_machine(torch.device("cpu"))
+    record.update(cpu="Xeon 8480+", cpu_flags=["amx_bf16", "avx512_bf16"], cpu_capability="AVX512", threads=2,
+                  torch="2.13.0+cpu")
+    assert machine_line(record) == "Xeon 8480+ (AVX512, amx_bf16, avx512_bf16), 2 threads, torch 2.13.0+cpu"
+
+
 def test_the_threads_are_the_ones_torch_computes_on():
     """torch's intra-op threads, what a figure was timed with (OMP_NUM_THREADS, training.throughput's --threads): not
     its inter-op pool, another count."""

@@ -53,3 +53,12 @@ def test_the_threads_are_the_ones_torch_computes_on():
         assert describe_machine(torch.device("cpu"))["threads"] == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_gpu_record_names_the_gpu_it_was_measured_on(monkeypatch):
+    """On a machine of several GPUs the figures of `--device cuda:1` were measured there, not on the current device.
+    CUDA is mocked: device 0, the current one, is a T4, device 1 an H100."""
+    names = {0: "Tesla T4", 1: "NVIDIA H100 80GB HBM3"}
+    index = lambda device: torch.device(device or "cuda").index or 0  # noqa: E731 - "cuda" alone is the current device
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: names[index(device)])
+    assert describe_machine(torch.device("cuda", 1))["gpu"] == "NVIDIA H100 80GB HBM3"

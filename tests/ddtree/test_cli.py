@@ -566,6 +566,15 @@ def test_a_prompts_folder_is_named_a_folder(capsys, tmp_path):
     assert line == f"error: prompts file {tmp_path} is a folder; give a .jsonl file with one prompt per line"
 
 
+
+def test_a_drafter_folder_whose_config_json_is_a_folder_is_refused(capsys, tmp_path):
+    """A config.json that is a folder is no config: accepted by the check the console script runs before torch loads,
+    it was refused only once torch and transformers had (about 10 s), as a file that could not be read."""
+    (tmp_path / "config.json").mkdir()
+    line = _bad(capsys, "generate", "--target", TARGET, "--prompt", "Hi", "--method", "ar", "--drafter", str(tmp_path))
+    assert line == f"error: drafter {str(tmp_path)!r} is not a folder with a config.json"
+
+
 @pytest.fixture
 def pipe():
     """pipe(text): a path to a pipe that holds `text` and can be read once, as the shell's `<(...)` and a piped

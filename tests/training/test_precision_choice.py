@@ -255,6 +255,16 @@ def test_a_choice_names_its_dtype():
     assert Choice(torch.bfloat16, "x").name == "bfloat16" and Choice(torch.float32, "x").lightning == "32-true"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_the_lightning_name_of_a_dtype_trains_fp32_weights_against_a_target_in_that_dtype(dtype):
+    """The name a choice, and the feature store's "finish it in" line, give --trainer.precision: the target runs in
+    the dtype named, and the drafter keeps fp32 weights (a half dtype's -true trains half weights)."""
+    from training.target import dtype_for_precision
+
+    name = Choice(dtype, "x").lightning
+    assert dtype_for_precision(name) == dtype and name.endswith("-true" if dtype == torch.float32 else "-mixed")
+
+
 def test_a_warm_start_from_a_bf16_folder_trains_fp32_weights(tmp_path, tiny_target):
     """A bf16 export (make export --dtype bfloat16, the published DFlash drafters) loaded in the dtype it was saved in
     would train bf16 weights under trainer.precision=32, and under bf16-mixed, whose master weights are fp32."""

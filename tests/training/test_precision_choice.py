@@ -122,6 +122,15 @@ def test_the_ranks_a_run_starts_inherit_its_measured_choice(monkeypatch):
     assert fast_precision("cpu").dtype == torch.float32
 
 
+def test_a_replaced_measurement_is_not_kept_for_this_process_or_the_ones_it_starts(monkeypatch):
+    """`measure=` stands in for the timing in one call: kept, every later `auto` in the process, and the processes it
+    starts (through the inherited choice), would follow the stub and not this CPU."""
+    monkeypatch.delenv(ddtree.precision.INHERITED_CHOICE, raising=False)  # restored after the test
+    monkeypatch.setattr(ddtree.precision, "_cpu_choice", None)
+    assert fast_precision("cpu", measure=BF16_FAST).dtype == torch.bfloat16
+    assert ddtree.precision._cpu_choice is None and ddtree.precision.INHERITED_CHOICE not in os.environ
+
+
 def stub_choice(monkeypatch, measure):
     chosen = fast_precision("cpu", measure=measure)
     calls = []

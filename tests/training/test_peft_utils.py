@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -87,6 +88,14 @@ def test_an_adapter_folder_without_its_weights_says_so(adapters):
     with pytest.raises(DDTreeError, match=r"^model.target_adapter=.*no_weights: adapter_config.json is there but not "
                                           r"the adapter's weights \(adapter_model.safetensors or adapter_model.bin\)"):
         load_frozen_target("tiny-random", torch.float32, adapters["no_weights"])
+
+
+def test_an_adapter_folder_without_its_config_says_so(adapters, tmp_path):
+    """A copy holding the weights alone: reading its config was a FileNotFoundError traceback, not a line naming it."""
+    shutil.copy(Path(adapters["fits"]) / "adapter_model.safetensors", tmp_path)
+    with pytest.raises(DDTreeError, match=rf"^model.target_adapter={re.escape(str(tmp_path))}: no adapter_config.json "
+                                          r"there; give a PEFT adapter folder"):
+        check_adapter_folder(str(tmp_path))
 
 
 @pytest.mark.parametrize("content, said", [

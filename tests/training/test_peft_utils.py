@@ -98,6 +98,18 @@ def test_an_adapter_folder_without_its_config_says_so(adapters, tmp_path):
         check_adapter_folder(str(tmp_path))
 
 
+def test_an_adapter_saved_in_torchs_format_merges_as_its_safetensors_copy_does(adapters, tmp_path):
+    """save_pretrained(safe_serialization=False) writes adapter_model.bin: a folder holding it is a whole adapter."""
+    from safetensors.torch import load_file
+
+    shutil.copy(Path(adapters["fits"]) / "adapter_config.json", tmp_path)
+    torch.save(load_file(Path(adapters["fits"]) / "adapter_model.safetensors"), tmp_path / "adapter_model.bin")
+    assert check_adapter_folder(str(tmp_path))["peft_type"] == "LORA"
+    merged, _ = load_frozen_target("tiny-random", torch.float32, str(tmp_path))
+    expected, _ = load_frozen_target("tiny-random", torch.float32, adapters["fits"])
+    assert all(torch.equal(merged.state_dict()[name], value) for name, value in expected.state_dict().items())
+
+
 @pytest.mark.parametrize("content, said", [
     (b"{", "is not valid JSON"),
     ('{"peft_type": "LORA", "note": "\xe9"}'.encode("latin-1"), "is not valid JSON"),  # a UnicodeDecodeError

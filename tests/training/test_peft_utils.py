@@ -138,6 +138,14 @@ def test_the_adapter_fingerprint_reads_the_adapter_files_alone(adapters, tmp_pat
     assert adapter_fingerprint(str(folder)) != first
 
 
+def test_the_adapter_fingerprint_does_not_depend_on_the_order_the_folder_lists_its_files(adapters, monkeypatch):
+    """A copy of the folder (another disk, another file system) lists its files in another order: the same adapter."""
+    first = adapter_fingerprint(adapters["fits"])
+    listed = Path.iterdir
+    monkeypatch.setattr(Path, "iterdir", lambda folder: reversed(list(listed(folder))))
+    assert adapter_fingerprint(adapters["fits"]) == first
+
+
 def test_an_adapter_that_cannot_be_merged_is_refused_by_the_folder_check(adapters, monkeypatch):
     """A prompt-tuning adapter passed the folder check (config and weights are there) and the merge then failed with
     an AttributeError traceback, after the recipe's data had been generated with the base target."""

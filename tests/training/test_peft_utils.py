@@ -146,6 +146,13 @@ def test_the_adapter_fingerprint_does_not_depend_on_the_order_the_folder_lists_i
     assert adapter_fingerprint(adapters["fits"]) == first
 
 
+def test_an_adapter_named_by_a_hub_id_or_none_has_no_fingerprint():
+    """Its files are not here to hash: the records keep the id alone, rather than the hash of reading a folder that is
+    not there (a FileNotFoundError traceback)."""
+    assert adapter_fingerprint("someone/sql-adapter") is None
+    assert adapter_fingerprint(None) is None
+
+
 def test_an_adapter_that_cannot_be_merged_is_refused_by_the_folder_check(adapters, monkeypatch):
     """A prompt-tuning adapter passed the folder check (config and weights are there) and the merge then failed with
     an AttributeError traceback, after the recipe's data had been generated with the base target."""

@@ -14,7 +14,7 @@ import torch
 from ddtree.cli import load_drafter
 from ddtree.decoding import DrafterRunner
 from ddtree.modeling_dflash import DFlashDraftModel
-from ddtree.static_drafter import redraft_layout
+from ddtree.static_drafter import StaticDrafter, redraft_layout
 from ddtree.targets import build_drafter_config
 
 # The context rows each call adds: the prompt (longer than a block: one uncaptured forward), then rounds
@@ -71,6 +71,20 @@ def test_fixed_shapes_give_the_growing_caches_logits(smollm2, drafter, monkeypat
     assert largest_difference(got, expected) < 1e-4
     growing.reset()
     assert largest_difference(runs(growing, zero_row=5), expected) > 100 * 1e-4  # what one lost row does
+
+
+def test_a_fixed_shape_drafter_holds_its_capacity_and_refuses_a_position_past_it(tiny_target):
+    """Its buffers hold `capacity` context slots and one padded block: a round ending on the last slot fits, the next
+    position is refused in a line naming it, rather than written over the padded block's slots or past the buffers."""
+    target, tokenizer = tiny_target
+    config = build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4,
+                                  target_layer_ids=[0, target.config.num_hidden_layers - 1])
+    runner = DrafterRunner(DFlashDraftModel(config).eval(), target)
+    static, width = StaticDrafter(runner, capacity=8), runner.drafter.fc.in_features
+    static.propose(11, 5, torch.randn(1, 5, width), 3)  # the prompt, uncaptured
+    assert static.propose(12, 8, torch.randn(1, 3, width), 3).shape[0] == 3  # the last slot, through the padded block
+    with pytest.raises(ValueError, match=r"^position 9 is past the drafter's 8 context slots$"):
+        static.propose(13, 9, torch.randn(1, 1, width), 3)
 
 
 def test_a_runner_cast_to_another_dtype_gets_fixed_shapes_in_it(tiny_target):

@@ -34,13 +34,15 @@ def drafter(smollm2):
     return drafter
 
 
-def runs(runner: DrafterRunner, zero_row: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def runs(runner: DrafterRunner, rounds: list[tuple[int, int]] = ROUNDS,
+         zero_row: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each round's propose logits, and its redraft logits behind the 3 likeliest first tokens.
+    rounds: each call's (new context rows, depth), as ROUNDS.
     zero_row: that row of the prompt's context is zeros (a lost context row, to size the tolerance against)."""
     generator = torch.Generator().manual_seed(0)
     device, width = runner.lm_head.weight.device, runner.drafter.fc.in_features
     start, out = 0, []
-    for round_, (rows, depth) in enumerate(ROUNDS):
+    for round_, (rows, depth) in enumerate(rounds):
         context = torch.randn(1, rows, width, generator=generator)
         if round_ == 0 and zero_row is not None:
             context[:, zero_row] = 0
@@ -85,6 +87,22 @@ def test_a_fixed_shape_drafter_holds_its_capacity_and_refuses_a_position_past_it
     assert static.propose(12, 8, torch.randn(1, 3, width), 3).shape[0] == 3  # the last slot, through the padded block
     with pytest.raises(ValueError, match=r"^position 9 is past the drafter's 8 context slots$"):
         static.propose(13, 9, torch.randn(1, 1, width), 3)
+
+
+def test_a_fixed_shape_drafter_reused_by_a_shorter_generation_sees_none_of_the_last_ones_context(smollm2, drafter):
+    """The next generation takes the buffers as they are (fix_shapes): the slots past its context still hold the last
+    one's keys, and a mask that kept them (propose's, or a re-draft's) let its queries see them. Decoding stays
+    lossless with a wrong draft, so only the acceptance would have told."""
+    model, _ = smollm2
+    fixed = DrafterRunner(drafter, model)
+    fixed.fix_shapes(CAPACITY)
+    runs(fixed)
+    reused = fixed.static
+    fixed.reset()
+    fixed.fix_shapes(CAPACITY)
+    assert fixed.static is reused
+    shorter = [(5, 7), (2, 7), (1, 3)]
+    assert largest_difference(runs(fixed, shorter), runs(DrafterRunner(drafter, model), shorter)) < 1e-4
 
 
 def test_a_runner_cast_to_another_dtype_gets_fixed_shapes_in_it(tiny_target):

@@ -1777,6 +1777,28 @@ def test_a_calibration_learned_at_another_sampling_or_dtype_is_noted_with_the_fl
     assert note(*generate, "--temperature", "0.7")[0] == "temperature 0.0 here 0.7"
 
 
+@pytest.mark.parametrize("corpus, given, parsed", [
+    (object(), "my replies.jsonl", "my replies.jsonl"),  # a file given here: named, quoted for the shell
+    (object(), None, None),  # the drafter folder's own: calibrate's default too
+    (None, None, "none"),  # decoded without one
+])
+def test_the_flags_a_calibration_note_prints_give_calibrate_every_setting_when_pasted_back(corpus, given, parsed):
+    """The note's `ddtree calibrate --overwrite FLAGS` is pasted into a shell, so each flag must parse back to the
+    value decoded with: --top-p 0.95 printed to one decimal, or a corpus path with a space unquoted, would learn on
+    other trees, and the note would come back (mutation review 42)."""
+    import argparse
+    import shlex
+
+    from ddtree.arguments import build_parser
+    from ddtree.cli import calibrate_flags
+
+    args = argparse.Namespace(corpus=given, temperature=0.75, top_p=0.95, top_k=40)
+    flags = shlex.split(calibrate_flags(args, 3, 2, corpus, None, "bfloat16"))
+    pasted = build_parser().parse_args(["calibrate", "--drafter", "d", "--prompts", "p.jsonl", *flags])
+    assert (pasted.lookup, pasted.redraft, pasted.adaptive_size, pasted.corpus) == (3, 2, "off", parsed)
+    assert (pasted.temperature, pasted.top_p, pasted.top_k, pasted.dtype) == (0.75, 0.95, 40, "bfloat16")
+
+
 @pytest.mark.parametrize("overwrite", [False, True])
 def test_calibrate_leaves_a_file_another_run_wrote_while_it_decoded_unless_told_to_overwrite(
         capsys, tmp_path, tiny_target, prompts_file, monkeypatch, overwrite):

@@ -1188,6 +1188,17 @@ def test_limit_below_one(capsys, prompts_file, limit):
     assert line == f"error: --limit {limit} must be at least 1; omit it to use every prompt"
 
 
+def test_bench_limit_decodes_that_many_prompts_from_the_top(capsys, tmp_path, prompts_file):
+    """--limit was checked but could be dropped on its way to the prompts file with every test passing: bench decoded
+    the whole file, and recorded the --limit it had not kept to (mutation review 42, c16)."""
+    out = tmp_path / "results.json"
+    code, _, err = run_cli(capsys, "bench", "--target", TARGET, "--prompts", str(prompts_file), "--methods", "ar",
+                           "--limit", "1", "--max-new-tokens", "2", "--dtype", "float32", "--out", str(out))
+    assert code == 0, err
+    results = json.loads(out.read_text())
+    assert [prompt["id"] for prompt in results["prompts"]] == ["chat"] and results["settings"]["limit"] == 1
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--methods", " , "], "--methods ' , ' names no method"),
     (["--methods", "ar,ar"], "--methods repeats ar: name each once"),

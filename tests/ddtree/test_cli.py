@@ -1314,6 +1314,9 @@ def test_a_results_file_written_by_another_run_meanwhile_is_kept_and_this_runs_r
      "them"),
     ("generate", ["--prompt", "hi", "--method", "dflash", "--drafter", "random", "--lookup", "3", "--adaptive-size", "on"],
      "error: --lookup, --adaptive-size on shape the ddtree method's trees, and --method dflash runs no ddtree"),
+    # 0 (off) is given too, and as ignored: only a count above 0 was tested (mutation review 42, c12)
+    ("generate", ["--prompt", "hi", "--method", "dflash", "--drafter", "random", "--lookup", "0"],
+     "error: --lookup shape the ddtree method's trees, and --method dflash runs no ddtree"),
     # untested, so 0 could be let through: the target loaded and prefilled for no token (mutation review, C12)
     ("generate", ["--prompt", "hi", "--method", "ar", "--max-new-tokens", "0"],
      "error: --max-new-tokens 0 must be at least 1"),

@@ -271,8 +271,8 @@ def check_flags_for_methods(args, methods: list[str]) -> None:
             raise DDTreeError(f"{', '.join(shaping)} shape the ddtree method's trees, and {chosen} runs no ddtree: "
                               f"{add.format('ddtree')}, or drop them")
     if all(method == "ar" for method in methods):
-        drafting = [flag for flag, given in (("--redraft", args.redraft), ("--online-calibration",
-                                                                           args.online_calibration)) if given]
+        drafting = [flag for flag, given in (("--redraft", args.redraft is not None),  # 0 (off) too, as --lookup 0
+                                             ("--online-calibration", args.online_calibration)) if given]
         if drafting:
             raise DDTreeError(f"{', '.join(drafting)} act on the drafter's drafts, and {chosen} drafts none: "
                               f"{add.format('dflash or ddtree')}, or drop them")

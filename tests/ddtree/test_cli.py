@@ -1301,6 +1301,9 @@ def test_a_results_file_written_by_another_run_meanwhile_is_kept_and_this_runs_r
      "ddtree, or drop them"),
     ("generate", ["--prompt", "hi", "--method", "ar", "--redraft", "2"],
      "error: --redraft act on the drafter's drafts, and --method ar drafts none"),
+    # --redraft 0 went without a word under `ar`, where --lookup 0 with dflash is refused (found in review 42)
+    ("bench", ["--prompts", "{prompts}", "--methods", "ar", "--redraft", "0"],
+     "error: --redraft act on the drafter's drafts, and --methods ar drafts none"),
     # a mistyped drafter path went without a word under `ar`, and showed only on the next dflash or ddtree run
     ("generate", ["--prompt", "hi", "--method", "ar", "--drafter", "/does/not/exist"],
      "error: drafter '/does/not/exist' is not a folder with a config.json"),

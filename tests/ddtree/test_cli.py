@@ -1917,6 +1917,10 @@ def test_calibrate_bad_input_is_one_line_and_writes_nothing(capsys, tmp_path, ti
         assert "method 'ar' drafts none" in _bad(capsys, *command, *calibration)
     assert run_cli(capsys, "calibrate", *common, "--drafter", str(folder), "--overwrite", "--budgets", "4")[0] == 0
     assert json.loads((folder / CALIBRATION_FILE).read_text())["format_version"] == 1
+    # a good file to start from, which calibrate would ignore without a word (mutation review 42, c19)
+    line = _bad(capsys, "calibrate", *common, "--drafter", str(folder), "--overwrite", "--calibration",
+                str(folder / CALIBRATION_FILE))
+    assert "always learns from a fresh start: drop --calibration and --online-calibration" in line
     # One new token a prompt is the target's own: no round is verified, nothing learned. It wrote an empty file
     # (with --overwrite, over a good one), which still displaced the drafter's own calibration.
     learned = (folder / CALIBRATION_FILE).read_text()

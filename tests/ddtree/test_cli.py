@@ -1340,6 +1340,19 @@ def test_files_named_on_the_command_line_are_checked_before_the_target_loads(cap
     assert _bad(capsys, command, "--target", TARGET, *map(fill, flags)).startswith(fill(message))
 
 
+def test_an_out_that_names_an_input_by_another_path_is_refused(capsys, tmp_path, prompts_file, monkeypatch):
+    """The prompts named relative to the working folder, or through a link, and --out by its own path: compared
+    as given, they differ, and --overwrite replaced the prompts with the results (mutation review 42, c17)."""
+    monkeypatch.setattr(ddtree.cli, "load_target", lambda *args, **kwargs: pytest.fail("loaded the target first"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "link.jsonl").symlink_to(prompts_file)
+    for prompts in (prompts_file.name, "link.jsonl"):
+        line = _bad(capsys, "bench", "--target", TARGET, "--prompts", prompts, "--methods", "ar", "--out",
+                    str(prompts_file), "--overwrite")
+        assert line == (f"error: --out {prompts_file} is the --prompts file: the results would replace it; give "
+                        "another --out")
+
+
 def test_an_unwritable_place_for_the_results_is_named_before_the_target_loads(capsys, tmp_path, prompts_file,
                                                                                monkeypatch, tiny_target):
     """A read-only mount (simulated: root may write anywhere else) was found only after every prompt was decoded,

@@ -1353,6 +1353,17 @@ def test_an_out_that_names_an_input_by_another_path_is_refused(capsys, tmp_path,
                         "another --out")
 
 
+def test_a_corpus_or_adaptive_size_turned_off_is_taken_by_methods_without_trees():
+    """`none` and `off` ask for what `ar` and dflash do anyway, as a script that passes them to every method does:
+    refused as if given a corpus, they failed such a script (mutation review 42, c14)."""
+    from ddtree.arguments import build_parser
+    from ddtree.cli import check_flags_for_methods
+
+    args = build_parser().parse_args(["bench", "--prompts", "p.jsonl", "--methods", "ar,dflash", "--corpus", "none",
+                                      "--adaptive-size", "off"])
+    check_flags_for_methods(args, ["ar", "dflash"])  # raises DDTreeError where it refuses them
+
+
 def test_an_unwritable_place_for_the_results_is_named_before_the_target_loads(capsys, tmp_path, prompts_file,
                                                                                monkeypatch, tiny_target):
     """A read-only mount (simulated: root may write anywhere else) was found only after every prompt was decoded,

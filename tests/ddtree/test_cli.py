@@ -1387,8 +1387,11 @@ def test_an_unwritable_place_for_the_results_is_named_before_the_target_loads(ca
     (["--repeats", "0"], "--repeats 0 must be at least 1"), (["--context", "0"], "--context 0 must be at least 1"),
     (["--context", "-5"], "--context -5 must be at least 1"), (["--sizes", "4,-3"], "--sizes -3 must be at least 1"),
     (["--context", "5000", "--sizes", "8"], "--context 5000 with 8 tree nodes and its root runs past target"),
+    # the largest size is the one checked, wherever it stands in the list (mutation review 42, c22)
+    (["--context", "8", "--sizes", "8000,4"], "--context 8 with 8000 tree nodes and its root runs past target"),
 ])
-def test_verify_cost_numbers_out_of_range_are_one_line(capsys, flags, message):
+def test_verify_cost_numbers_out_of_range_are_one_line(capsys, monkeypatch, flags, message):
+    monkeypatch.setattr(ddtree.cli, "measure_verify_cost", lambda *args: pytest.fail("measured past the context"))
     assert message in _bad(capsys, "verify-cost", "--target", TARGET, "--dtype", "float32", *flags)
 
 

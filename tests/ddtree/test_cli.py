@@ -908,7 +908,7 @@ class ByteFallback:
     where any of it is not, as one U+FFFD per byte, so an emoji already whole turns into four of them when the run
     goes on with half of the next."""
 
-    PIECES = ["Hi", " there", "<0xF0>", "<0x9F>", "<0x98>", "<0x80>"]
+    PIECES = ["Hi", " there", "<0xF0>", "<0x9F>", "<0x98>", "<0x80>", "<0x0A>"]
 
     def get_vocab(self):
         return {piece: index for index, piece in enumerate(self.PIECES)}
@@ -941,6 +941,14 @@ def test_a_byte_fallback_tokenizers_byte_run_is_written_once_it_ends():
     for tokens in ([0], emoji, [1]):
         stream(tokens)
     assert out.getvalue() == "Hi😀 there"
+    # a round of one byte token, whole by itself, waits too: the run it starts may end cut (mutation review 42, c01)
+    out = io.StringIO()
+    stream = TextStream(ByteFallback(), out)
+    for tokens in ([0], [6], [2, 3]):
+        stream(tokens)
+    assert out.getvalue() == "Hi"
+    stream.finish()
+    assert out.getvalue() == "Hi" + "\ufffd" * 3 + "\n"
 
 
 def test_a_tokenizer_whose_decode_rewrites_what_was_streamed_gets_its_reply_printed_again(capsys):

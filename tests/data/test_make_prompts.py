@@ -88,6 +88,22 @@ def test_the_shipped_files_are_not_replaced_by_other_prompts_unasked(tmp_path, c
     assert len((tmp_path / "eval.jsonl").read_text().splitlines()) == 6
 
 
+def test_a_training_file_that_holds_other_prompts_is_not_replaced_unasked(tmp_path, capsys):
+    """The refusal above is for --eval-out; the training file is the larger one to lose. Nothing is written: the
+    evaluation file goes to a new path, which must stay absent."""
+    out = ["--train-out", str(tmp_path / "train.jsonl"), "--eval-out", str(tmp_path / "eval.jsonl")]
+    small = ["--num-coding", "20", "--num-chat", "20", "--num-eval", "4"]
+    assert make_prompts.main([*out, *small]) == 0
+    written = (tmp_path / "train.jsonl").read_text()
+    capsys.readouterr()
+    other = ["--train-out", str(tmp_path / "train.jsonl"), "--eval-out", str(tmp_path / "new_eval.jsonl")]
+    assert make_prompts.main([*other, "--num-coding", "21", *small[2:]]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: --train-out {tmp_path / 'train.jsonl'} exists and holds other "
+                                               "prompts than these settings make; pass --overwrite to replace it, or "
+                                               "give another path")
+    assert (tmp_path / "train.jsonl").read_text() == written and not (tmp_path / "new_eval.jsonl").exists()
+
+
 def test_the_summary_line_counts_the_coding_and_chat_prompts_written(tmp_path, capsys):
     """The line the user reads to confirm the mix. The other runs ask for as many of each kind, where swapped counts
     read the same."""

@@ -164,6 +164,15 @@ def test_an_evaluation_set_one_prompt_short_is_refused(tmp_path, capsys):
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("num_eval", [1, 5])
+def test_an_odd_evaluation_count_is_written_exactly_with_the_extra_prompt_chat(num_eval):
+    """Every other test asks for an even count, where rounding either half up or down reads the same: an odd one
+    wrote one prompt too many (a coding half rounded up) or was refused as one short (a chat half rounded down)."""
+    evaluation = make_prompts.build(seed=0, num_coding=20, num_chat=20, num_eval=num_eval)[1]
+    kinds = [record["id"].split("/")[0] for record in evaluation]
+    assert kinds == ["eval-code", "eval-chat"] * (num_eval // 2) + ["eval-chat"]
+
+
 def test_an_eval_word_problem_that_training_holds_word_for_word_is_drawn_again(tmp_path):
     """Both sets fill the same word-problem templates: seeds 25 and 33 stopped with an AssertionError traceback,
     and under `python -O` (the assert skipped) wrote an evaluation prompt that training also holds."""

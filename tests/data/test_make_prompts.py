@@ -133,6 +133,7 @@ def test_a_refusal_under_another_python_says_which_python_wrote_the_files(tmp_pa
 def test_counts_below_one_prompt_and_one_file_for_both_are_refused(tmp_path, capsys):
     out = ["--train-out", str(tmp_path / "train.jsonl"), "--eval-out", str(tmp_path / "eval.jsonl")]
     for extra, said in [(["--num-chat", "-5"], "error: --num-chat -5: give a count of at least 0"),
+                        (["--num-coding", "-1"], "error: --num-coding -1: give a count of at least 0"),
                         (["--num-eval", "0"], "error: --num-eval 0: give a count of at least 1"),
                         (["--num-coding", "0", "--num-chat", "0"], "error: --num-coding 0 --num-chat 0: no training "
                                                                    "prompts to write; give at least one"),

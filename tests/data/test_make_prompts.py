@@ -138,6 +138,9 @@ def test_counts_below_one_prompt_and_one_file_for_both_are_refused(tmp_path, cap
                         (["--num-coding", "0", "--num-chat", "0"], "error: --num-coding 0 --num-chat 0: no training "
                                                                    "prompts to write; give at least one"),
                         (["--eval-out", str(tmp_path / "train.jsonl")], "error: --train-out and --eval-out are both"),
+                        # one file spelled two ways: the evaluation prompts replaced the training prompts
+                        (["--eval-out", str(tmp_path / "sub" / ".." / "train.jsonl")],
+                         "error: --train-out and --eval-out are both"),
                         # more than the held-out modules and topics make: 218 were written without a word
                         (["--num-eval", "300"], "error: --num-eval 300: the held-out modules and topics make only "),
                         # more than the standard library gives: 5018 were written, said only in the summary line

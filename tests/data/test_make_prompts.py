@@ -151,6 +151,17 @@ def test_counts_below_one_prompt_and_one_file_for_both_are_refused(tmp_path, cap
     assert not list(tmp_path.iterdir())
 
 
+def test_an_eval_path_under_a_file_is_refused_before_the_training_file_is_written(tmp_path, capsys):
+    """Found only at its write, after the training file's: the run failed having written half its output."""
+    (tmp_path / "notes").write_text("a file\n")
+    out = ["--train-out", str(tmp_path / "train.jsonl"), "--eval-out", str(tmp_path / "notes" / "eval.jsonl")]
+    assert make_prompts.main([*out, "--num-coding", "20", "--num-chat", "20", "--num-eval", "4"]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: cannot write {tmp_path / 'notes' / 'eval.jsonl'}: "
+                                               f"{tmp_path / 'notes'} is a file, not a folder; give a path in a "
+                                               "writable folder")
+    assert [path.name for path in tmp_path.iterdir()] == ["notes"]
+
+
 def test_an_evaluation_set_one_prompt_short_is_refused(tmp_path, capsys):
     """The shortfall at its boundary: one chat prompt more than the held-out topics make, every coding prompt paired."""
     import re

@@ -203,6 +203,21 @@ def test_an_eval_word_problem_that_training_holds_word_for_word_is_drawn_again(t
     assert len(evaluation) == 40 and not set(contents(train)) & set(contents(evaluation))
 
 
+def test_a_word_problem_whose_every_filling_training_holds_is_refused_by_its_cause():
+    """With every filling taken (a --num-chat in the tens of thousands) the redraws must stop with what to change:
+    without it the taken prompt went on to the last check, which says to try another --seed, to no avail."""
+    import random
+
+    from ddtree.errors import DDTreeError
+
+    template = make_prompts.WORD_PROBLEMS[0]  # fills {a} from 12..480 and {b} from 2..11
+    taken = frozenset(template.format(a=a, b=b) for a in range(12, 481) for b in range(2, 12))
+    with pytest.raises(DDTreeError) as refused:
+        make_prompts.word_problem_candidates(1, random.Random(0), "eval", avoid=taken)
+    assert str(refused.value).startswith("--num-chat: the training prompts hold nearly every filling of word problem 0")
+    assert str(refused.value).endswith("ask for fewer chat prompts")
+
+
 def test_an_eval_prompt_left_in_training_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
     """The last check before writing: a word-problem draw that ignores the training texts must not be written."""
     draw = make_prompts.word_problem_candidates

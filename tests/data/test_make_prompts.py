@@ -130,6 +130,14 @@ def test_a_refusal_under_another_python_says_which_python_wrote_the_files(tmp_pa
             "again); pass --overwrite") in capsys.readouterr().err
 
 
+def test_the_files_named_as_shipped_are_the_ones_the_repository_ships():
+    """The test above stands in its own path for them; a wrong one here left a refusal of the real files under
+    another Python without the reason."""
+    assert make_prompts.SHIPPED_FILES == {(ROOT / "data/eval_prompts.jsonl").resolve(),
+                                          (ROOT / "data/prompts/train_prompts.jsonl").resolve()}
+    assert all(path.is_file() for path in make_prompts.SHIPPED_FILES)
+
+
 def test_counts_below_one_prompt_and_one_file_for_both_are_refused(tmp_path, capsys):
     out = ["--train-out", str(tmp_path / "train.jsonl"), "--eval-out", str(tmp_path / "eval.jsonl")]
     for extra, said in [(["--num-chat", "-5"], "error: --num-chat -5: give a count of at least 0"),

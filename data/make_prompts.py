@@ -500,8 +500,10 @@ def write_jsonl(records: list[dict], path: Path) -> None:
 
 def check_replaceable(path: Path, records: list[dict], flag: str, overwrite: bool) -> None:
     """The defaults are the shipped files: rewriting them with other settings (or another Python's stdlib) would
-    change the repository's prompts without a word. A file that already holds exactly these records is fine."""
-    if overwrite or not path.exists() or (path.is_file() and path.read_text(encoding="utf-8") == jsonl_text(records)):
+    change the repository's prompts without a word. A file that already holds exactly these records is fine; one in
+    another encoding (its undecodable bytes replaced) reads as other prompts, not as a UnicodeDecodeError traceback."""
+    if overwrite or not path.exists() or (path.is_file() and
+                                          path.read_text(encoding="utf-8", errors="replace") == jsonl_text(records)):
         return
     python = ""
     if path.resolve() in SHIPPED_FILES and sys.version_info[:2] != SHIPPED_PYTHON:

@@ -104,6 +104,18 @@ def test_a_training_file_that_holds_other_prompts_is_not_replaced_unasked(tmp_pa
     assert (tmp_path / "train.jsonl").read_text() == written and not (tmp_path / "new_eval.jsonl").exists()
 
 
+def test_an_existing_file_that_is_not_utf8_is_refused_as_other_prompts(tmp_path, capsys):
+    """A UTF-16 file (or any binary one) at the path stopped the comparison with a UnicodeDecodeError traceback."""
+    (tmp_path / "train.jsonl").write_bytes("prompts\n".encode("utf-16"))
+    out = ["--train-out", str(tmp_path / "train.jsonl"), "--eval-out", str(tmp_path / "eval.jsonl")]
+    assert make_prompts.main([*out, "--num-coding", "20", "--num-chat", "20", "--num-eval", "4"]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: --train-out {tmp_path / 'train.jsonl'} exists and holds other "
+                                               "prompts than these settings make; pass --overwrite to replace it, or "
+                                               "give another path")
+    assert (tmp_path / "train.jsonl").read_bytes() == "prompts\n".encode("utf-16")
+    assert not (tmp_path / "eval.jsonl").exists()
+
+
 def test_the_summary_line_counts_the_coding_and_chat_prompts_written(tmp_path, capsys):
     """The line the user reads to confirm the mix. The other runs ask for as many of each kind, where swapped counts
     read the same."""

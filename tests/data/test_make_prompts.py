@@ -43,6 +43,9 @@ def test_first_sentence_drops_signature_lines():
     doc = "getopt(args, options[, long_options]) -> opts, args\n\nParse command line options.  More text."
     assert make_prompts.first_sentence(doc) == "Parse command line options."
     assert make_prompts.first_sentence("make an iterator\nthat groups.\n\nDetails.") == "Make an iterator that groups."
+    # Builtins list one signature per calling form (str, int): none of them is the summary.
+    two = "str(object='') -> str\nstr(bytes_or_buffer[, encoding[, errors]]) -> str\n\nCreate a new string object."
+    assert make_prompts.first_sentence(two) == "Create a new string object."
 
 
 @pytest.mark.skipif(sys.version_info[:2] != make_prompts.SHIPPED_PYTHON,

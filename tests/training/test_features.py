@@ -33,8 +33,8 @@ import training.train
 from ddtree.errors import run_cli
 from ddtree.targets import DDTreeError, load_target
 from training.data import DistillDataModule
-from training.feature_store import (FeatureStore, build_feature_store, differing_fields, lock_path, partial_path,
-                                    read_manifest, store_teacher)
+from training.feature_store import (FeatureStore, build_feature_store, build_lock, differing_fields, lock_path,
+                                    partial_path, read_manifest, store_teacher)
 from training.arguments import features_parser
 from training.features import main
 from training.masks import IGNORE_INDEX
@@ -1155,6 +1155,27 @@ def test_a_second_build_of_one_store_waits_for_the_first_and_takes_its_store(tmp
     assert outcome == [out] and "already holds these features" in capsys.readouterr().out
     assert FeatureStore(out)[0].equal(FeatureStore(built)[0])
     assert not lock_path(out).exists() and not partial_path(out).exists()
+
+
+def test_a_build_holding_the_lock_keeps_a_second_build_waiting(tmp_path, capsys):
+    """The test above holds the lock with its own exclusive flock: a build's lock taken shared (both builds get it and
+    write into one <out>.partial) passed it (mutation review 45, s01). Here the first launch holds build_lock as a
+    build does."""
+    dm = make_datamodule(tmp_path)
+    out = tmp_path / "store"
+    outcome = []
+    with build_lock(out):
+        second = threading.Thread(target=lambda: outcome.append(build_feature_store(dm, out, layer_ids=LAYER_IDS)))
+        second.start()
+        said = ""
+        for _ in range(600):  # until it says it waits (or, unguarded, has ended)
+            said += capsys.readouterr().out
+            if "waiting" in said or not second.is_alive():
+                break
+            time.sleep(0.1)
+        assert "waiting for it to end" in said and second.is_alive() and not partial_path(out).exists()
+    second.join(timeout=120)
+    assert outcome == [out] and FeatureStore(out).layer_ids == LAYER_IDS and not lock_path(out).exists()
 
 
 def test_a_filesystem_without_locks_builds_unlocked_and_leaves_no_lock_file(tmp_path, monkeypatch, capsys):

@@ -1178,6 +1178,35 @@ def test_a_build_holding_the_lock_keeps_a_second_build_waiting(tmp_path, capsys)
     assert outcome == [out] and FeatureStore(out).layer_ids == LAYER_IDS and not lock_path(out).exists()
 
 
+def test_a_build_that_waited_on_a_removed_lock_file_waits_for_the_one_there_now(tmp_path, capsys):
+    """The holder removes <out>.lock before it lets go, and a third launch may lock a new one at once: a waiter that
+    then took the removed file's lock built beside the third, both in one <out>.partial. No test raced the three
+    (mutation review 45, s03)."""
+    lock = lock_path(tmp_path / "store")
+    holder = os.open(lock, os.O_RDONLY | os.O_CREAT)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    taken = []
+    waiter = threading.Thread(target=lambda: taken.append(training.feature_store.take_lock(lock, "a first build")))
+    waiter.start()
+    said = ""
+    for _ in range(600):
+        said += capsys.readouterr().out
+        if "waiting" in said or not waiter.is_alive():
+            break
+        time.sleep(0.1)
+    assert "waiting for it to end" in said
+    lock.unlink()  # the holder's end (build_lock), a third launch's lock on the new file, then the holder lets go
+    third = os.open(lock, os.O_RDONLY | os.O_CREAT | os.O_EXCL)
+    fcntl.flock(third, fcntl.LOCK_EX)
+    os.close(holder)
+    waiter.join(timeout=2)
+    assert waiter.is_alive() and not taken
+    os.close(third)
+    waiter.join(timeout=60)
+    assert len(taken) == 1 and os.path.samestat(os.fstat(taken[0]), os.stat(lock))
+    os.close(taken[0])
+
+
 def test_a_filesystem_without_locks_builds_unlocked_and_leaves_no_lock_file(tmp_path, monkeypatch, capsys):
     """NFS without lockd or Lustre without -o flock: flock fails with ENOLCK after the lock file was made, and every
     build, a complete store's with nothing to do included, left <out>.lock beside the store (found in a review)."""

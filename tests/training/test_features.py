@@ -1302,6 +1302,28 @@ def test_a_resumed_build_needs_room_only_for_what_is_left(tmp_path, monkeypatch,
     assert "already written" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("dtype, kept", [(torch.bfloat16, {}), (torch.float32, {}), (torch.bfloat16, {"final_hidden": True}),
+                                         (torch.float32, {"teacher_top_k": 5})], ids=["bf16", "fp32", "final", "top5"])
+def test_the_disk_check_asks_for_exactly_the_stores_bytes(tmp_path, monkeypatch, dtype, kept):
+    """Per token: K layers (and with final_hidden one more hidden state) in the store's dtype, 8 bytes a teacher token
+    (int32 id, float32 log-probability). The tests above refuse with 1000 bytes free: a check off by a factor (half the
+    free space counted twice, a float32 store sized in bf16, the final hidden state left out) passed them and began
+    hours of writes that end in a full disk (mutation review 45, s15-s17). One byte short refuses; exactly enough
+    builds."""
+    dm = make_datamodule(tmp_path)
+    tokens = len(dm.load_tokenized()[0].input_ids)
+    values = (len(LAYER_IDS) + kept.get("final_hidden", 0)) * HIDDEN
+    needed = tokens * (values * dtype.itemsize + 8 * kept.get("teacher_top_k", 0))
+    out = tmp_path / "store"
+    monkeypatch.setattr(training.feature_store, "free_bytes", lambda path: needed - 1)
+    with pytest.raises(DDTreeError) as error:
+        build_feature_store(dm, out, layer_ids=LAYER_IDS, dtype=dtype, **kept)
+    assert "the feature store needs" in one_line(error.value) and not partial_path(out).exists()
+    monkeypatch.setattr(training.feature_store, "free_bytes", lambda path: needed)
+    build_feature_store(dm, out, layer_ids=LAYER_IDS, dtype=dtype, **kept)
+    assert sum(shard.stat().st_size for shard in out.glob("shard-*.safetensors")) >= needed
+
+
 # ----------------------------------------------------------------------------- the CLIs
 
 

@@ -1729,6 +1729,8 @@ def test_a_run_without_distillation_takes_a_built_store_that_holds_more(tmp_path
     assert resolved(teacher_top_k=64) == f"tiny-{key}-top64" and resolved(teacher_top_k=8) == f"tiny-{key}-top8"
     built(f"tiny-{key}-final")
     assert resolved() == f"tiny-{key}-final" and resolved(final_hidden=True) == f"tiny-{key}-final"
+    # nor does a top-k run take the one with final hidden states: it holds no teacher (mutation review 45, s22)
+    assert resolved(teacher_top_k=8) == f"tiny-{key}-top8"
     built(f"tiny-{key}")
     assert resolved() == f"tiny-{key}"
     assert resolve_store_path(None, "tiny", datamodule) is None

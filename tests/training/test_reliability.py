@@ -746,6 +746,31 @@ def test_a_requeue_scontrol_refuses_is_one_line_with_the_command_that_resumes(tm
     assert signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN  # ignored only while rank 0 requeued
 
 
+def test_a_job_array_tasks_requeue_names_the_task_as_scontrol_and_squeue_do(tmp_path, monkeypatch, capsys):
+    """A task of a job array requeues as <array job>_<task> (slurm_job_id), the id squeue shows and run_name's
+    slurm-<array job>-<task> folder follows; its own SLURM_JOB_ID names neither."""
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "scontrol").write_text(f"#!/usr/bin/env bash\necho \"$@\" >> {tmp_path / 'scontrol.log'}\n")
+    (fake_bin / "scontrol").chmod(0o755)
+    for name in [name for name in os.environ if name.startswith("SLURM_")]:
+        monkeypatch.delenv(name)
+    for name, value in (("SLURM_JOB_ID", "503"), ("SLURM_ARRAY_JOB_ID", "500"), ("SLURM_ARRAY_TASK_ID", "3")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("PATH", f"{fake_bin}{os.pathsep}{os.environ['PATH']}")
+    last = tmp_path / "out" / "tiny" / "slurm-500-3" / "checkpoints" / "last.ckpt"
+    last.parent.mkdir(parents=True)
+    torch.save({"global_step": 3}, last)
+    boundary = training.callbacks.SigtermAtStepBoundary()
+    boundary.requeue = signal.SIGUSR1
+    cli = SimpleNamespace(trainer=SimpleNamespace(global_step=3, callbacks=[boundary]))
+    assert training.train.stopped_by_signal(cli, last.parent.parent, "tiny") == 128 + signal.SIGUSR1
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 500_3\n"
+    assert capsys.readouterr().err.splitlines() == [
+        f"[train] stopped by SLURM's SIGUSR1 (its requeue signal) at step 3; no drafter written; SLURM requeued job "
+        f"500_3, which resumes from {last}"]
+
+
 def test_the_ranks_of_an_evaluation_say_their_lines_once_and_pack_as_rank_0_chose(tiny_target, tmp_path, capsys):
     """Found in a review (2026-12-03): each rank timed the packed weights and printed its own choice, which could differ
     (a loaded machine), and each said it measured the resumed step. Rank 0 says both; every rank packs as it chose."""
@@ -1288,6 +1313,7 @@ def test_a_resumed_run_keeps_its_own_recipe(tmp_path, capsys, monkeypatch):
     lines = error_lines(capsys)
     assert len(lines) == 1 and "--recipe smollm2-135m" in lines[0] and "is a tiny run" in lines[0], lines
     assert prepared == ["tiny"]  # refused before anything was built
+
 
 
 def test_resuming_a_finished_run_says_so_and_keeps_its_drafter(tmp_path, capsys):

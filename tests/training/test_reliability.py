@@ -1315,6 +1315,17 @@ def test_a_resumed_run_keeps_its_own_recipe(tmp_path, capsys, monkeypatch):
     assert prepared == ["tiny"]  # refused before anything was built
 
 
+def test_a_run_moved_out_of_its_recipes_folder_resumes_under_the_recipe_given(tmp_path):
+    """run_recipe: the <recipe>/ folder a run is in names its recipe; a run moved out of that layout takes --recipe's,
+    which then prepares its data and goes into the resume line a stop prints (RECIPE=<the folder it was moved to>
+    would not resume it), and without one it is refused in one line."""
+    moved = tmp_path / "archive" / "first"
+    assert training.train.run_recipe(moved, "tiny") == "tiny"
+    with pytest.raises(training.train.DDTreeError, match=r"is not in a <recipe>/ folder, so its recipe is unknown; "
+                                                         r"give it with --recipe$"):
+        training.train.run_recipe(moved, None)
+    assert training.train.run_recipe(tmp_path / "tiny" / "first", None) == "tiny"
+
 
 def test_resuming_a_finished_run_says_so_and_keeps_its_drafter(tmp_path, capsys):
     """Lightning trains nothing past max_steps; the launch rewrote drafter/ and exited 0 without a word."""

@@ -1137,3 +1137,18 @@ def test_a_run_whose_checkpoints_do_not_record_the_dtype_is_refused_a_resume_in_
         "-> float32): resume with the run's trainer.precision"), errors
     assert read_yaml_mapping(run / "config.yaml")["trainer"]["precision"] == "bf16-mixed"
     assert not (run / "checkpoints" / "step-4.ckpt").exists()
+
+
+def test_the_runs_dtype_a_resume_checks_is_its_target_dtype_over_its_precisions(tmp_path):
+    """run_target_dtype reads config.yaml as DistillModule ran the target: model.target_dtype wins over
+    trainer.precision's. Read from the precision alone, a run trained with target_dtype bfloat16 under 32-true was
+    refused its own plain resume ("the target's dtype float32 -> bfloat16") where its checkpoints do not record
+    the dtype."""
+    from training.train import run_target_dtype
+
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({"model": {"target_dtype": "bfloat16"}, "trainer": {"precision": "32-true"}}))
+    assert run_target_dtype(config) == "bfloat16"
+    config.write_text(yaml.safe_dump({"model": {"target_dtype": None}, "trainer": {"precision": "bf16-mixed"}}))
+    assert run_target_dtype(config) == "bfloat16"
+    assert run_target_dtype(tmp_path / "missing.yaml") is None

@@ -1323,6 +1323,26 @@ def test_the_launch_reports_the_process_that_failed_not_those_torchrun_stopped()
     assert (rank, exit_status(failure.exitcode)) == (1, 3)
 
 
+def test_a_failed_multi_node_launch_says_in_one_line_which_rank_failed_and_exits_with_its_status(monkeypatch, capsys):
+    """The line names the failed process's global rank, not its number on its node (rank 9, process 1 of node 1, read
+    as rank 1, a process of node 0), and the status is the process's as a shell gives it: a job script sees the OOM killer's SIGKILL."""
+    import training.launch
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    # node 1 of 2 nodes of 8: its process 1 is rank 9, killed; torchrun then stopped its process 0, rank 8
+    killed, stopped = (ProcessFailure(local_rank=local, pid=100 + local, exitcode=code, error_file="<none>")
+                       for local, code in ((1, -signal.SIGKILL), (0, -signal.SIGTERM)))
+
+    def failed(args):
+        raise ChildFailedError("training.train", {8: stopped, 9: killed})
+
+    monkeypatch.setattr(training.launch, "run", failed)
+    assert training.launch.main(["--nnodes", "2", "--nproc-per-node", "8", "--node-rank", "1", "--master-addr",
+                                 "127.0.0.1", "--master-port", "29733", "-m", "training.train", "--recipe", "tiny"]) == 137
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "[launch] rank 9 failed first, with exit status 137; its own lines above say why"]
+
+
 def test_slurm_script_passes_its_task_counts_and_resumes_a_requeued_job(tmp_path):
     header = [line.split()[1] for line in SBATCH.read_text().splitlines() if line.startswith("#SBATCH")]
     per_node = next(int(h.split("=")[1]) for h in header if h.startswith("--ntasks-per-node="))

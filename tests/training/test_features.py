@@ -388,6 +388,33 @@ def test_a_resume_given_target_layer_ids_is_not_given_the_checkpoints_instead(tm
         assert training.train.run_layer_ids(saved, config, given) == [], given
 
 
+def test_a_warm_started_runs_resume_keys_its_store_by_the_checkpoints_layers_not_the_gone_init_from(tmp_path,
+                                                                                                    monkeypatch):
+    """A warm start's resume builds its drafter from the checkpoint (DistillModule.configure_model), as its init_from
+    folder may have moved or gone: build_missing_feature_store takes the layers from there too. Read from init_from,
+    such a resume with data.feature_store was refused as the folder is not there, or keyed another folder's layers."""
+    from types import SimpleNamespace
+
+    from ddtree.configuration_dflash import DFlashDrafterConfig
+
+    drafter = DFlashDrafterConfig(num_target_layers=8, dflash_config={"mask_token_id": 1, "target_layer_ids": [2, 5]})
+    hparams = SimpleNamespace(distill_weight=0.0, distill_top_k=0, target_layer_ids=None, init_from=str(tmp_path / "gone"),
+                              target_adapter=None, target_dtype="auto")
+    cli = SimpleNamespace(datamodule=SimpleNamespace(feature_store="auto"), config=SimpleNamespace(
+        trainer=SimpleNamespace(precision="32-true")), trainer=SimpleNamespace(world_size=1, callbacks=[]),
+        model=SimpleNamespace(hparams=hparams, resumed_drafter_config=drafter.to_dict()))
+    keyed = []
+
+    def resolve(store, recipe, datamodule, final_hidden, teacher_top_k, **features):
+        keyed.append(features["layer_ids"])
+        return tmp_path / "store"
+
+    monkeypatch.setattr(training.train, "resolve_store_path", resolve)
+    monkeypatch.setattr(training.train, "is_complete", lambda store: True)
+    training.train.build_missing_feature_store(cli, "tiny", [])
+    assert keyed == [[2, 5]] and cli.datamodule.feature_store == str(tmp_path / "store")
+
+
 def test_a_store_of_the_last_layer_holds_it_normed_and_an_older_raw_one_is_refused(tmp_path):
     """Decoding reads the target's last layer as the decoder's normed output (training/target.py)."""
     layer_ids = [1, 5]  # the tiny target has 6 layers

@@ -746,18 +746,24 @@ def test_a_requeue_scontrol_refuses_is_one_line_with_the_command_that_resumes(tm
     assert signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN  # ignored only while rank 0 requeued
 
 
-def test_a_job_array_tasks_requeue_names_the_task_as_scontrol_and_squeue_do(tmp_path, monkeypatch, capsys):
-    """A task of a job array requeues as <array job>_<task> (slurm_job_id), the id squeue shows and run_name's
-    slurm-<array job>-<task> folder follows; its own SLURM_JOB_ID names neither."""
+def in_slurm_job(tmp_path: Path, monkeypatch, **slurm: str) -> None:
+    """This process as rank 0 of a SLURM job with the `slurm` variables alone, with an `scontrol` on PATH that records
+    its arguments in tmp_path/scontrol.log."""
     fake_bin = tmp_path / "bin"
     fake_bin.mkdir()
     (fake_bin / "scontrol").write_text(f"#!/usr/bin/env bash\necho \"$@\" >> {tmp_path / 'scontrol.log'}\n")
     (fake_bin / "scontrol").chmod(0o755)
     for name in [name for name in os.environ if name.startswith("SLURM_")]:
         monkeypatch.delenv(name)
-    for name, value in (("SLURM_JOB_ID", "503"), ("SLURM_ARRAY_JOB_ID", "500"), ("SLURM_ARRAY_TASK_ID", "3")):
+    for name, value in slurm.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("PATH", f"{fake_bin}{os.pathsep}{os.environ['PATH']}")
+
+
+def test_a_job_array_tasks_requeue_names_the_task_as_scontrol_and_squeue_do(tmp_path, monkeypatch, capsys):
+    """A task of a job array requeues as <array job>_<task> (slurm_job_id), the id squeue shows and run_name's
+    slurm-<array job>-<task> folder follows; its own SLURM_JOB_ID names neither."""
+    in_slurm_job(tmp_path, monkeypatch, SLURM_JOB_ID="503", SLURM_ARRAY_JOB_ID="500", SLURM_ARRAY_TASK_ID="3")
     last = tmp_path / "out" / "tiny" / "slurm-500-3" / "checkpoints" / "last.ckpt"
     last.parent.mkdir(parents=True)
     torch.save({"global_step": 3}, last)
@@ -769,6 +775,23 @@ def test_a_job_array_tasks_requeue_names_the_task_as_scontrol_and_squeue_do(tmp_
     assert capsys.readouterr().err.splitlines() == [
         f"[train] stopped by SLURM's SIGUSR1 (its requeue signal) at step 3; no drafter written; SLURM requeued job "
         f"500_3, which resumes from {last}"]
+
+
+def test_a_requeue_before_any_checkpoint_says_the_requeued_job_starts_the_run_again(tmp_path, monkeypatch, capsys):
+    """SLURM's requeue signal before the first step was saved (SigtermAtStepBoundary saves nothing at step 0): the job
+    is requeued all the same, and the line says that it starts the run again, not to start it again by hand, which
+    would run a second job into the same run folder."""
+    in_slurm_job(tmp_path, monkeypatch, SLURM_JOB_ID="7")
+    run_dir = tmp_path / "out" / "tiny" / "slurm-7"
+    run_dir.mkdir(parents=True)
+    boundary = training.callbacks.SigtermAtStepBoundary()
+    boundary.requeue = signal.SIGUSR1
+    cli = SimpleNamespace(trainer=SimpleNamespace(global_step=0, callbacks=[boundary]))
+    assert training.train.stopped_by_signal(cli, run_dir, "tiny") == 128 + signal.SIGUSR1
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 7\n"
+    assert capsys.readouterr().err.splitlines() == [
+        "[train] stopped by SLURM's SIGUSR1 (its requeue signal) at step 0; no drafter written; SLURM requeued job 7, "
+        "which starts it again"]
 
 
 def test_the_ranks_of_an_evaluation_say_their_lines_once_and_pack_as_rank_0_chose(tiny_target, tmp_path, capsys):
@@ -1083,6 +1106,7 @@ def test_a_start_that_fails_on_its_data_leaves_no_run_folder(tmp_path, capsys, e
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "broken.jsonl" in err[0], err
     assert not (tmp_path / "out").exists()  # nor the <output-root>/<recipe>/ folders made for it
+
 
 
 def test_a_failed_start_in_a_folder_that_was_there_keeps_the_folders_own_files(tmp_path, capsys, monkeypatch):

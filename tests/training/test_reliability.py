@@ -1108,6 +1108,19 @@ def test_a_start_that_fails_on_its_data_leaves_no_run_folder(tmp_path, capsys, e
     assert not (tmp_path / "out").exists()  # nor the <output-root>/<recipe>/ folders made for it
 
 
+def test_a_failed_start_under_a_default_name_leaves_no_run_folder(tmp_path, capsys, monkeypatch):
+    """The stamped folder is this launch's own (stamped_run_folder makes it, so it exists before the launch checks
+    what it made): a start that failed left it behind, empty but for its lock, beside the runs of the recipe."""
+    stop_at_the_build(monkeypatch)
+    recipe_root = tmp_path / "out" / "tiny"
+    launch = ["--recipe", "tiny", "--output-root", str(tmp_path / "out")]
+    assert train_main(launch) == 2
+    assert error_lines(capsys) == ["error: stopped at the build"] and not (tmp_path / "out").exists()
+    (recipe_root / "older").mkdir(parents=True)
+    assert train_main(launch) == 2
+    assert error_lines(capsys) == ["error: stopped at the build"]
+    assert [path.name for path in recipe_root.iterdir()] == ["older"]
+
 
 def test_a_failed_start_in_a_folder_that_was_there_keeps_the_folders_own_files(tmp_path, capsys, monkeypatch):
     """--run names a folder the user made (notes in it): the failure removes what the launch wrote, nothing else. A

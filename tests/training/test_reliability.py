@@ -959,6 +959,28 @@ def test_a_checkpoint_save_that_runs_out_of_disk_keeps_the_last_whole_one_and_sa
     assert torch.load(checkpoints / "last.ckpt", weights_only=False)["global_step"] == 4
 
 
+def test_a_resume_from_a_checkpoint_the_user_names_says_nothing_of_the_newest_readable_one(tmp_path, monkeypatch,
+                                                                                            capsys):
+    """The line that an unreadable newer checkpoint was passed over is a run folder's resume's, or one naming the
+    checkpoint it takes: said of an older checkpoint given by hand, it called that one the run's newest readable,
+    while step-4.ckpt was there whole."""
+    assert train_main([*tiny_args(tmp_path, "r", max_steps=4), "--checkpoint.save_top_k=-1"]) == 0
+    checkpoints = tmp_path / "out" / "tiny" / "r" / "checkpoints"
+    (checkpoints / "last.ckpt").write_bytes((checkpoints / "last.ckpt").read_bytes()[:1000])  # a save cut short
+
+    def stop(cli, run_dir):  # right after the lines a resume starts with
+        raise training.train.DDTreeError("stopped after the start's lines")
+
+    monkeypatch.setattr(training.train, "write_run_corpus", stop)
+    capsys.readouterr()
+    for named, passed_over in ((checkpoints / "step-2.ckpt", False), (checkpoints.parent, True)):
+        assert train_main(["--resume", str(named), "--output-root", str(tmp_path / "out")]) == 2
+        said = capsys.readouterr().out
+        assert ("[train] " + str(checkpoints / "last.ckpt") + " is unreadable" in said) == passed_over, said
+        taken = named if not passed_over else checkpoints / "step-4.ckpt"
+        assert f"[train] recipe tiny -> {checkpoints.parent} (resuming {taken})" in said, said
+
+
 def test_a_moved_run_resumes_into_its_new_folder(tmp_path, caplog, recwarn):
     caplog.set_level(logging.INFO, logger="lightning.pytorch")
     assert train_main(tiny_args(tmp_path, "first", max_steps=2)) == 0

@@ -692,6 +692,43 @@ def test_a_second_resume_from_one_step_names_its_branch_alike_in_checkpoints_and
     assert evaluated_steps(run, "abandoned-after-step-4") == [2, 4]
 
 
+def test_a_branch_moved_aside_from_eval_alone_is_counted_in_checkpoints_too(tmp_path):
+    """Branch 1 (save_last false) is evaluated at 2, 4 and 6, and its step 6 stays out of the top 2: the resume from
+    step 4 moves eval/step-000006.json aside and no checkpoint. A second resume from step 4 must name branch 2 -2 in
+    checkpoints/ as in eval/: with checkpoints/ reading its own folder alone, its step-8.ckpt went to
+    checkpoints/abandoned-after-step-4, the name of branch 1's evaluations (mutation review m47, N01)."""
+    run, folder = tmp_path, tmp_path / "checkpoints"
+    folder.mkdir()
+    (run / "eval").mkdir()
+    (run / "config.yaml").write_text("{}\n")  # what abandoned_branch takes for a run folder
+
+    def launch(evaluated: tuple[int, ...], saved: dict[str, int]):
+        for step in evaluated:
+            AcceptanceEvaluation.eval_file(run, step).write_text(json.dumps({"step": step}))
+        for name, step in saved.items():
+            torch.save({"global_step": step}, folder / name)  # what saved_step reads
+
+    def resume_from_4():
+        trainer = SimpleNamespace(global_step=4, ckpt_path=str(folder / "step-4.ckpt"), is_global_zero=True,
+                                  default_root_dir=str(run))
+        checkpoints = BestCheckpoint(dirpath=folder, save_top_k=2, save_last=False)
+        checkpoints.best_k_models = {"step-2.ckpt": 1.0, "step-4.ckpt": 2.0}
+        evaluation = AcceptanceEvaluation(prompts=PROMPTS, budgets=[8], primary_budget=8)
+        for callback in (checkpoints, evaluation):
+            callback.on_fit_start(trainer, None)
+        checkpoints.move_abandoned(trainer)
+        evaluation.move_abandoned_evaluations(trainer)
+
+    launch((2, 4, 6), {"step-2.ckpt": 2, "step-4.ckpt": 4})
+    resume_from_4()
+    assert not list(folder.glob("abandoned-*")) and (run / "eval" / "abandoned-after-step-4").is_dir()
+    launch((6, 8), {"step-8.ckpt": 8})
+    resume_from_4()
+    assert [path.name for path in folder.glob("abandoned-*")] == ["abandoned-after-step-4-2"]
+    _, branch = abandoned_branch(folder / "abandoned-after-step-4-2" / "step-8.ckpt")
+    assert branch == "abandoned-after-step-4-2" and evaluated_steps(run, branch) == [2, 4, 6, 8]
+
+
 def test_a_resume_from_an_unranked_stop_file_keeps_that_file_in_checkpoints(tmp_path, capsys):
     """With save_last=false a SIGTERM off schedule saves step-5.ckpt, outside the ranking; the resume from it moved the
     very file it resumed from aside, 'saved past step 5' (mutation review m16, K31)."""

@@ -155,7 +155,9 @@ def test_training_logs_what_bench_measures_and_marks_the_best_checkpoint(tmp_pat
 
 
 def test_each_report_row_shows_the_validation_loss_of_its_own_step(tmp_path):
-    """Lightning validates after the evaluation's hook at the same step; the row must not show the previous loss."""
+    """Lightning validates after the evaluation's hook at the same step; the row must not show the previous loss. The
+    train loss beside it is the one logged at the step (a logged_value that read none left the column all dashes:
+    mutation review m47, N12)."""
     data = write_conversations(tmp_path / "conversations.jsonl")
     args = [
         "--recipe", "tiny", "--output-root", str(tmp_path / "out"), "--run", "run",
@@ -172,6 +174,8 @@ def test_each_report_row_shows_the_validation_loss_of_its_own_step(tmp_path):
     cells = [line.split("|") for line in (run_dir / "report.md").read_text().splitlines() if line.startswith("| ")]
     rows = {re.sub(r"\D", "", c[1].replace("(best)", "")): c[3].strip() for c in cells if re.search(r"\d", c[1])}
     assert rows == {"2": f"{validations[0]:.3f}", "4": f"{validations[1]:.3f}"}
+    train_losses = [c[2].strip() for c in cells if re.search(r"\d", c[1])]
+    assert all(re.fullmatch(r"\d+\.\d{3}", loss) for loss in train_losses) and len(set(train_losses)) == 2, train_losses
 
 
 # ----------------------------------------------------------------------------- rigged drafters

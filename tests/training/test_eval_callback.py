@@ -1288,6 +1288,18 @@ def test_a_resume_on_a_prompts_file_that_now_holds_other_prompts_is_refused_nami
     resumed.load_state_dict(saved)
 
 
+def test_a_resume_on_prompts_that_differ_past_the_first_one_is_refused():
+    """eval.limit 2, the file's second prompt edited: the fingerprint covers every prompt read, so the resume's taus,
+    measured on another second prompt, are not ranked against the run's (a fingerprint of the first prompt alone
+    let it through: mutation review m47, N17)."""
+    settings = dict(prompts=PROMPTS, budgets=[8], primary_budget=8, max_new_tokens=6, limit=2)
+    run, resumed = AcceptanceEvaluation(**settings), AcceptanceEvaluation(**settings)
+    run.prompts = [{"id": "a", "prompt_ids": [1, 2]}, {"id": "b", "prompt_ids": [3, 4]}]
+    resumed.prompts = [{"id": "a", "prompt_ids": [1, 2]}, {"id": "b", "prompt_ids": [3, 5]}]
+    with pytest.raises(DDTreeError, match=r"\(the contents of eval.prompts data/eval_prompts.jsonl: prompts_sha256 "):
+        resumed.load_state_dict(run.state_dict())
+
+
 def test_a_resume_that_would_run_the_target_in_another_dtype_is_refused_naming_both(tmp_path):
     """The same drafter decodes to other taus in bfloat16 than in float32: a resume with another trainer.precision
     (on another machine, or with --trainer.precision=auto) or model.target_dtype ranked its taus against the run's

@@ -1560,6 +1560,27 @@ def test_evaluation_restores_modes_rng_and_gradients():
     assert not drafter.training
 
 
+def test_calibration_runs_the_drafter_in_eval_mode_and_gives_its_training_flags_back():
+    """model.calibrate fits the draft temperatures with the drafter in eval mode (no dropout) before each evaluation;
+    training then goes on with every module's flag as it was. Left in eval mode, a dropout drafter trained without
+    its dropout from the first evaluation on (mutation review m47, N21)."""
+    drafter = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.5)).train()
+    modes = []
+
+    def calibrate_draft_temperatures(batches, *settings):
+        modes.append([m.training for m in drafter.modules()])
+        return [1.5]
+
+    module = SimpleNamespace(hparams=AttributeDict(calibrate=True), drafter=drafter,
+                             calibrate_draft_temperatures=calibrate_draft_temperatures)
+    trainer = SimpleNamespace(datamodule=SimpleNamespace(val_dataloader=lambda whole: [{}]), limit_val_batches=1,
+                              is_global_zero=True)
+    evaluation = AcceptanceEvaluation(prompts=PROMPTS, budgets=[8], primary_budget=8)
+    assert evaluation.calibrate(trainer, module) == [1.5]
+    assert modes == [[False, False, False]]
+    assert all(m.training for m in drafter.modules())
+
+
 # ----------------------------------------------------------------------------- distributed
 
 

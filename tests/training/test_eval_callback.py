@@ -1085,6 +1085,23 @@ def test_the_report_bounds_tau_by_the_block_only_where_no_lookup_runs_past_it():
     assert "at most 8 (the block size). In brackets" in training.report.markdown_report("run", history, settings, 0, 1)
 
 
+def test_an_evaluation_left_to_the_drafters_lookup_and_redraft_records_the_drafters_values():
+    """eval.lookup and eval.redraft null decode with the drafter's config (generate): the settings that report.md, the
+    model card and eval/step-N.json read record those values, so a tree with the drafter's lookups is said to carry
+    them and bounded past the block. Recording the null left the report saying "at most the block size" above such
+    taus (mutation review m47, N22)."""
+    config = SimpleNamespace(lookup=6, redraft=2, calibration=None, block_size=BLOCK)
+    settings = AcceptanceEvaluation(prompts=PROMPTS, budgets=[8], primary_budget=8).settings(config, 1)
+    assert (settings["lookup"], settings["redraft"]) == (6, 2)
+    stats = {"tau": 9.5, "expected_tau": 2.4, "rounds": 1, "accepted_depth_counts": {}}
+    history = [{"step": 2, "train_loss": None, "val_loss": None, "seconds": 0.0, "checkpointed": True,
+                "summary": {CHAIN: stats, tree_key(8): stats}}]
+    assert "Every tree carries 6 tokens of context lookup" in training.report.markdown_report(
+        "run", history, settings, 0.0, 1.0)
+    off = AcceptanceEvaluation(prompts=PROMPTS, budgets=[8], primary_budget=8, lookup=0, redraft=0).settings(config, 1)
+    assert (off["lookup"], off["redraft"]) == (0, 0)  # the recipe's 0 turns the drafter's off, as decoding does
+
+
 def test_the_report_says_when_the_train_loss_is_another_loss_than_the_val_loss(tmp_path):
     """The CPU recipe's report read train loss 8.4-8.7 (dpace weights and kl distillation) beside val loss 4.1-4.5
     (decayed cross-entropy alone), the first rising as the second fell, with nothing saying they differ."""

@@ -459,6 +459,17 @@ def test_a_sigterm_noted_after_an_off_schedule_steps_end_trains_and_saves_the_ne
     assert saved_step(tmp_path / "out" / "tiny" / "late" / "checkpoints" / "last.ckpt") == 6
 
 
+def test_a_sigterm_noted_during_a_scheduled_steps_evaluation_stops_before_the_next_step_trains(tmp_path, capsys):
+    """Noted after step 4's agreement, during its evaluation and save (every 4): the saved step is where the run stops,
+    before step 5 trains, as the signal's sender waits for no more. Where the save did not count (saved_step not
+    moved on at on_save_checkpoint), step 5 was trained and saved too (mutation review m47, N09)."""
+    sigterm = json.dumps({"class_path": "test_reliability.SigtermAfterStepEnds", "init_args": {"step": 4}})
+    assert train_main([*tiny_args(tmp_path, "saved", max_steps=12, every=4), f"--trainer.callbacks+={sigterm}"]) == 143
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[train]")]
+    assert "stopped by SIGTERM at step 4; no drafter written" in line, line
+    assert saved_step(tmp_path / "out" / "tiny" / "saved" / "checkpoints" / "last.ckpt") == 4
+
+
 def test_a_sigterm_during_on_train_end_stops_with_143_and_the_line(tmp_path, capsys):
     """A signal in on_train_end (the final evaluation, the last save) arrives where no loop raises: the run ended 0
     and went on to export, past the scheduler's grace period, with no line (mutation review m16, K19, T26)."""

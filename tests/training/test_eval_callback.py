@@ -2126,6 +2126,22 @@ def test_evaluation_decodes_the_drafter_in_the_targets_dtype_as_bench_decodes_it
         assert measured[key]["expected_tau"] == pytest.approx(stats["expected_tau"], rel=1e-9), key
 
 
+def test_the_evaluation_decodes_alike_inside_the_training_precisions_autocast():
+    """Under bf16-mixed, Lightning runs the train-batch hooks inside a bf16 autocast: the evaluation turns it off, so
+    its taus are the target dtype's that eval/step-N.json records, as `ddtree bench` measures them. Decoded inside it,
+    an fp32 target's evaluation measured bf16 matmuls instead (mutation review m47, N28)."""
+    target, tokenizer = load_target("tiny-random", torch.float32)
+    torch.manual_seed(0)
+    drafter = ddtree.cli.load_drafter("random", target, tokenizer, "tiny-random")
+    evaluation = AcceptanceEvaluation(prompts=PROMPTS, budgets=[8], primary_budget=8, max_new_tokens=8, limit=2,
+                                      lookup=0)
+    prompts = evaluation.load_prompts(tokenizer)
+    stop_ids = stop_token_ids(target, tokenizer)
+    measured = evaluation.measure(target, drafter, prompts, stop_ids)["summary"]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert evaluation.measure(target, drafter, prompts, stop_ids)["summary"] == measured
+
+
 def test_evaluation_decodes_a_lora_drafter_merged_as_its_export_is():
     """Cast unmerged to bf16, a LoRA drafter rounded W x and the adapters' s B A x each in bf16: its logits missed the
     export's (merged in fp32, loaded in bf16) by up to 0.045. The evaluation now decodes the merged drafter in bf16."""

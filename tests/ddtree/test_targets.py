@@ -624,6 +624,25 @@ def test_a_weight_of_another_shape_is_one_line_naming_both_shapes_the_right_way_
         "does not match the weights (was it edited?): restore it, or export the drafter again")
 
 
+def test_a_folder_missing_a_weight_its_config_builds_is_one_line_naming_it(tmp_path, tiny_target):
+    """A weight dropped from model.safetensors (a hand-edited or partial export): transformers would start it from
+    random values without a word. No test removed one: a check that let missing weights through passed every test, and
+    the shape check after it stopped with a KeyError traceback (mutation review 44, L01)."""
+    from safetensors.torch import load_file, save_file
+
+    target, tokenizer = tiny_target
+    folder = tmp_path / "drafter"
+    DFlashDraftModel(build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4)).save_pretrained(folder)
+    weights, name = load_file(folder / "model.safetensors"), "layers.0.mlp.up_proj.weight"
+    del weights[name]
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(DDTreeError) as error:
+        load_drafter_folder(folder, torch.float32, target)
+    assert str(error.value) == (
+        f"drafter {folder}: config.json needs weight {name}, absent from its safetensors; config.json does not match "
+        "the weights (was it edited?): restore it, or export the drafter again")
+
+
 def test_a_folders_tokenizer_is_loaded_once_and_again_when_its_files_change(tmp_path):
     """A training launch asked for the target's tokenizer four times; each asks now gets the one loaded object,
     until a tokenizer file of the folder changes on disk, even to the same size (a bracket swapped in place). The

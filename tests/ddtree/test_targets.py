@@ -643,6 +643,26 @@ def test_a_folder_missing_a_weight_its_config_builds_is_one_line_naming_it(tmp_p
         "the weights (was it edited?): restore it, or export the drafter again")
 
 
+def test_a_weight_saved_transposed_is_one_line_though_it_holds_as_many_values(tmp_path, tiny_target):
+    """A (out, in) weight saved as (in, out), as a hand conversion from another framework leaves it: the same sizes in
+    the other order are another shape, refused before transformers' size-mismatch traceback (mutation review 44, L02)."""
+    from safetensors.torch import load_file, save_file
+
+    target, tokenizer = tiny_target
+    folder = tmp_path / "drafter"
+    DFlashDraftModel(build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4)).save_pretrained(folder)
+    weights, name = load_file(folder / "model.safetensors"), "layers.0.mlp.up_proj.weight"
+    built = list(weights[name].shape)
+    weights[name] = weights[name].t().contiguous()
+    assert built[0] != built[1]
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(DDTreeError) as error:
+        load_drafter_folder(folder, torch.float32, target)
+    assert str(error.value) == (
+        f"drafter {folder}: config.json makes weight {name} {built} but model.safetensors holds {built[::-1]}; "
+        "config.json does not match the weights (was it edited?): restore it, or export the drafter again")
+
+
 def test_a_folders_tokenizer_is_loaded_once_and_again_when_its_files_change(tmp_path):
     """A training launch asked for the target's tokenizer four times; each asks now gets the one loaded object,
     until a tokenizer file of the folder changes on disk, even to the same size (a bracket swapped in place). The

@@ -1399,6 +1399,23 @@ def test_cli_builds_the_recipe_store(tmp_path, precision, target_dtype, dtype):
     recipe_data.setup("fit")  # matches the data it was built from (recipe defaults for the rest)
 
 
+def test_cli_force_replaces_a_store_of_another_build_and_without_it_refuses_in_one_line(tmp_path, capsys):
+    """`make features` over a complete store of other settings stops with one line saying to pass --force, and with
+    --force builds the new store in its place. --force was tested on build_feature_store and through the CLI only where
+    no store stood in the way: a CLI that never handed it on passed every test, and `--force` said the same "pass
+    --force" line again (mutation review 44, L22)."""
+    data = write_conversations(tmp_path / "conversations.jsonl")
+    out = tmp_path / "store"
+    assert main(features_args(tmp_path, data, out)) == 0
+    other = [*features_args(tmp_path, data, out), "--model.target_layer_ids=[0, 2]"]
+    capsys.readouterr()
+    assert main(other) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--force" in err and str(out) in err
+    assert FeatureStore(out).layer_ids == [1, 3, 4]  # untouched
+    assert main([*other, "--force"]) == 0
+    assert FeatureStore(out).layer_ids == [0, 2]
+
 def test_cli_builds_a_warm_starts_store_of_the_layers_its_drafter_reads(tmp_path):
     """model.init_from without model.target_layer_ids: training reads the layers the drafter folder names, and so must
     the store. Only init_from's validation was tested: a build that checked the folder, then took the default layers,

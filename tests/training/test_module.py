@@ -842,6 +842,17 @@ def test_the_frozen_targets_dtype_is_the_trainers_unless_model_target_dtype_name
         assert dtype_for_precision(precision, target_dtype) == getattr(torch, target_dtype)
 
 
+def test_a_module_under_a_trainer_loads_its_target_in_the_trainers_precision():
+    """model.target_dtype auto is the precision of the trainer that fits the module (the table itself is tested
+    above): read as no trainer's, a bf16-mixed run loaded its target in fp32, twice the memory, and its features were
+    not the bf16 ones a store of the same recipe holds and decoding reads."""
+    for precision, dtype in (("bf16-mixed", torch.bfloat16), ("32-true", torch.float32)):
+        module = DistillModule(target="tiny-random", num_layers=1, block_size=BLOCK, num_anchors=6)
+        module._trainer = SimpleNamespace(precision=precision)
+        module.configure_model()
+        assert module.frozen_target_dtype() == dtype and module.target.dtype == dtype, precision
+
+
 def test_the_frozen_target_needs_no_gradient_whatever_its_loader_leaves(monkeypatch):
     """The loss sends the drafter's states through the target's LM head: a head left requiring grad would gather a
     V x H gradient every step that no optimizer clears. load_frozen_target freezes the target itself, which the tests

@@ -1692,6 +1692,21 @@ def test_only_a_single_process_skips_a_step_whose_labels_were_all_given_away():
             assert (module.block_predictions(given_away, 0, "train") is None) == skipped, world_size
 
 
+def test_a_single_process_skips_a_step_whose_labels_are_all_outside_the_draft_vocabulary(monkeypatch):
+    """A draft vocabulary's labels are the only ones the loss counts: a batch whose every label lies outside it is a
+    zero loss, which would step AdamW (its momentum moves the weights) as a batch whose labels were all given away
+    would (the test above)."""
+    batch = reply_batch(20, 14, seed=0)
+    replied = sorted(set(batch["input_ids"][batch["loss_mask"]].tolist()))
+    outside = list(range(8))  # reply_batch draws its tokens from 100 up
+    for vocabulary, skipped in ((outside, True), (replied, False)):
+        monkeypatch.setattr(DistillModule, "_training_reply_vocabulary", lambda self, vocab_size: vocabulary)
+        module = tiny_module(draft_vocab_size=len(vocabulary))
+        assert module.drafter_config.draft_vocab == vocabulary
+        with torch.no_grad():
+            assert (module.block_predictions(batch, 0, "train") is None) == skipped, vocabulary
+
+
 @pytest.mark.parametrize("objective", ["dpace", "tree"])
 def test_acceptance_objectives_weight_tokens_by_expected_length_and_normalise_by_blocks(objective):
     hidden, labels, lm_head = block_loss_case()

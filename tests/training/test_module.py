@@ -1252,6 +1252,28 @@ def test_a_non_finite_gradient_stops_before_the_optimizer_moves_a_weight():
         assert torch.equal(weight, poison.weights[name]), name
 
 
+def test_under_deepspeed_a_non_finite_gradient_norm_stops_training_after_the_step(monkeypatch):
+    """DeepSpeed keeps the gradients in its own partitions, so on_before_optimizer_step sees none, and skips a step
+    whose gradient is not finite: the norm it measured is read after its step, and a non-finite one stops training
+    as it does without DeepSpeed, not trained on without a word past the steps DeepSpeed skipped."""
+    module = tiny_module()
+    norms = iter([None, 1.5, float("inf")])  # None: before DeepSpeed's first step
+    engine = SimpleNamespace(get_global_grad_norm=lambda: next(norms))
+    module._trainer = SimpleNamespace(strategy=SimpleNamespace(deepspeed_engine=engine), global_step=3,
+                                      optimizers=[SimpleNamespace(param_groups=[{"lr": 1e-3}])])
+    monkeypatch.setattr("training.module.is_deepspeed", lambda strategy: strategy is module._trainer.strategy)
+    logged = {}
+    monkeypatch.setattr(module, "log", lambda name, value, **kwargs: logged.__setitem__(name, float(value)))
+    batch = synthetic_batch()
+    for expected in (None, 1.5):
+        module.on_train_batch_start(batch, 0)
+        module.on_train_batch_end(None, batch, 0)
+        assert logged.get("train/grad_norm") == expected
+    module.on_train_batch_start(batch, 0)
+    with pytest.raises(NonFiniteError, match="step 3: the gradient norm is inf"):
+        module.on_train_batch_end(None, batch, 0)
+
+
 def test_export_from_module_and_checkpoint_loads_with_from_pretrained(module, tmp_path):
     out = export_drafter(module, tmp_path / "drafter")
     loaded = DFlashDraftModel.from_pretrained(out)

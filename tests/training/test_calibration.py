@@ -75,9 +75,10 @@ def test_model_calibrate_replays_the_rounds_decoding_runs_with_the_drafters_defa
     bare = generate(target, prompt, "ddtree", DrafterRunner(drafter, target, calibrated=False), 8, max_new, lookup=0,
                     redraft=0)
     assert len(bare.rounds) != len(decoded.rounds)  # the defaults change the rounds here
-    replayed = []
+    replayed, settings = [], []
 
     def recorded(*args, **kwargs):
+        settings.append((kwargs["lookup"], kwargs["redraft"]))
         replayed.append(replay_reply(*args, **kwargs))
         return replayed[-1]
 
@@ -86,6 +87,9 @@ def test_model_calibrate_replays_the_rounds_decoding_runs_with_the_drafters_defa
     batch = {"input_ids": torch.tensor([prompt + reply]), "loss_mask": loss_mask}
     temperatures = module.calibrate_draft_temperatures([batch], 8, max_new)
     assert [(r.accepted, r.committed) for r in replayed[0]] == [(r.accepted_depth, r.committed) for r in decoded.rounds]
+    # With decoding's re-drafting too, whose blocks give a round's rows past depth 1 (calibrate_draft_temperatures);
+    # on this random drafter it changes neither the rounds nor the fit, so only the setting shows it
+    assert settings == [(5, drafter.config.redraft)]
     assert len(temperatures) == 3 and drafter.config.draft_temperatures == temperatures
     drafter.config.draft_temperatures = None
 

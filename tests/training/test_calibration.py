@@ -8,6 +8,7 @@ The fit itself (the temperature the labels were drawn with is found) is tested i
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -92,6 +93,28 @@ def test_model_calibrate_replays_the_rounds_decoding_runs_with_the_drafters_defa
     assert settings == [(5, drafter.config.redraft)]
     assert len(temperatures) == 3 and drafter.config.draft_temperatures == temperatures
     drafter.config.draft_temperatures = None
+
+
+def test_model_calibrate_fits_the_rounds_of_every_rank():
+    """Each rank replays its own share of the validation replies, and the temperatures are fitted on all ranks'
+    rounds: the count of rounds that reached each depth is summed as the NLL is, so a depth only another rank's
+    rounds reached is fitted on theirs, not left at 1 on this rank (whose drafter rank 0 then saves)."""
+    module = DistillModule(target="tiny-random", num_layers=1, block_size=4, num_anchors=4, target_dtype="float32")
+    module.configure_model()
+    chosen = 2.0  # the other rank's rounds, at every depth, are likeliest at this temperature
+    other_nll = torch.tensor([abs(t - chosen) for t in CALIBRATION_TEMPERATURES])[:, None].expand(-1, 4).clone()
+    other_nll[:, 0] = 0  # (N, B); depth 0, the root, is never fitted
+    other_counts = torch.tensor([0.0, 3.0, 2.0, 1.0])
+
+    def reduce(value, reduce_op):  # this rank's sums plus the other rank's
+        assert reduce_op == "sum"
+        return value + (other_nll if value.dim() == 2 else other_counts)
+
+    module._trainer = SimpleNamespace(strategy=SimpleNamespace(reduce=reduce))
+    no_reply = {"input_ids": torch.tensor([[1, 5, 9, 13]]), "loss_mask": torch.zeros(1, 4, dtype=torch.long)}
+    temperatures = module.calibrate_draft_temperatures([no_reply], 8, 8)  # this rank replays no round
+    assert temperatures == pytest.approx([chosen] * 3)
+    assert module.base_drafter().config.draft_temperatures == temperatures
 
 
 def test_replayed_calibration_refuses_sampled_replies_and_notes_another_targets(tmp_path, capsys):

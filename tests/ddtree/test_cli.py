@@ -566,7 +566,6 @@ def test_a_prompts_folder_is_named_a_folder(capsys, tmp_path):
     assert line == f"error: prompts file {tmp_path} is a folder; give a .jsonl file with one prompt per line"
 
 
-
 def test_a_drafter_folder_whose_config_json_is_a_folder_is_refused(capsys, tmp_path):
     """A config.json that is a folder is no config: accepted by the check the console script runs before torch loads,
     it was refused only once torch and transformers had (about 10 s), as a file that could not be read."""

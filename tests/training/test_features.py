@@ -1079,7 +1079,6 @@ def test_a_replaced_store_whose_delete_fails_leaves_the_new_one_in_place_and_a_l
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "conversations.jsonl", "store"]
 
 
-
 def test_a_store_replaced_while_a_run_reads_it_stops_that_run_in_one_line(tmp_path):
     """A run opens its store's shards lazily, by path: after a --force build replaced the store (here in bf16), it
     read the new build's shards through the old manifest's offsets, other sequences' features (of the right length
@@ -1113,6 +1112,7 @@ def test_a_store_replaced_while_a_run_reads_it_stops_that_run_in_one_line(tmp_pa
         save_file(load_file(out / shard["file"]), out / shard["file"])
     older = FeatureStore(out)
     assert older.build_id is None and all(older[i].shape[0] == older.lengths[i] for i in range(len(older)))
+
 
 def test_a_store_replaced_while_data_loader_workers_read_it_stops_the_run_in_one_line(tmp_path, capsys):
     """torch re-raises a worker's error with a heading for its message ("Caught DDTreeError in DataLoader worker process
@@ -1150,7 +1150,6 @@ def test_a_folder_or_file_that_is_not_a_store_is_never_replaced(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     assert FeatureStore(build_feature_store(dm, empty, layer_ids=LAYER_IDS)).layer_ids == LAYER_IDS  # an empty folder is used
-
 
 
 def test_a_second_build_of_one_store_waits_for_the_first_and_takes_its_store(tmp_path, monkeypatch, capsys):
@@ -1284,6 +1283,7 @@ def test_a_partial_folder_removed_under_a_build_is_said_so_not_a_full_disk(tmp_p
     assert f"{partial_path(out)} was removed meanwhile (finished or removed by another process" in one_line(error.value)
     assert "free some space" not in str(error.value)
 
+
 def test_size_estimate_is_printed_before_anything_is_written_and_a_full_disk_refuses(tmp_path, monkeypatch, capsys):
     dm = make_datamodule(tmp_path)
     data, _, _ = dm.load_tokenized()
@@ -1415,6 +1415,7 @@ def test_cli_force_replaces_a_store_of_another_build_and_without_it_refuses_in_o
     assert FeatureStore(out).layer_ids == [1, 3, 4]  # untouched
     assert main([*other, "--force"]) == 0
     assert FeatureStore(out).layer_ids == [0, 2]
+
 
 def test_cli_builds_a_warm_starts_store_of_the_layers_its_drafter_reads(tmp_path):
     """model.init_from without model.target_layer_ids: training reads the layers the drafter folder names, and so must

@@ -1152,6 +1152,17 @@ def test_a_folder_or_file_that_is_not_a_store_is_never_replaced(tmp_path):
     assert FeatureStore(build_feature_store(dm, empty, layer_ids=LAYER_IDS)).layer_ids == LAYER_IDS  # an empty folder is used
 
 
+def said_while_waiting(capsys, thread: threading.Thread) -> str:
+    """What a build in `thread` printed until it said it waits for another's lock (or, unguarded, ended): 60 s at most."""
+    said = ""
+    for _ in range(600):
+        said += capsys.readouterr().out
+        if "waiting" in said or not thread.is_alive():
+            break
+        time.sleep(0.1)
+    return said
+
+
 def test_a_second_build_of_one_store_waits_for_the_first_and_takes_its_store(tmp_path, monkeypatch, capsys):
     """Two launches building one store (`make features` while a training run builds it) both wrote into one
     <out>.partial: the later one removed the other's folder, or found it renamed away, and failed saying to free
@@ -1166,12 +1177,7 @@ def test_a_second_build_of_one_store_waits_for_the_first_and_takes_its_store(tmp
     outcome = []
     second = threading.Thread(target=lambda: outcome.append(build_feature_store(dm, out, layer_ids=LAYER_IDS)))
     second.start()
-    said = ""
-    for _ in range(600):  # until it says it waits (or, unguarded, has ended)
-        said += capsys.readouterr().out
-        if "waiting" in said or not second.is_alive():
-            break
-        time.sleep(0.1)
+    said = said_while_waiting(capsys, second)
     assert f"another process is building {out} (it holds {lock_path(out)}); waiting for it to end" in said
     assert second.is_alive() and not partial_path(out).exists()
     shutil.copytree(built, out)  # the first launch's store, finished; it removes its lock file, then ends
@@ -1193,12 +1199,7 @@ def test_a_build_holding_the_lock_keeps_a_second_build_waiting(tmp_path, capsys)
     with build_lock(out):
         second = threading.Thread(target=lambda: outcome.append(build_feature_store(dm, out, layer_ids=LAYER_IDS)))
         second.start()
-        said = ""
-        for _ in range(600):  # until it says it waits (or, unguarded, has ended)
-            said += capsys.readouterr().out
-            if "waiting" in said or not second.is_alive():
-                break
-            time.sleep(0.1)
+        said = said_while_waiting(capsys, second)
         assert "waiting for it to end" in said and second.is_alive() and not partial_path(out).exists()
     second.join(timeout=120)
     assert outcome == [out] and FeatureStore(out).layer_ids == LAYER_IDS and not lock_path(out).exists()
@@ -1214,12 +1215,7 @@ def test_a_build_that_waited_on_a_removed_lock_file_waits_for_the_one_there_now(
     taken = []
     waiter = threading.Thread(target=lambda: taken.append(training.feature_store.take_lock(lock, "a first build")))
     waiter.start()
-    said = ""
-    for _ in range(600):
-        said += capsys.readouterr().out
-        if "waiting" in said or not waiter.is_alive():
-            break
-        time.sleep(0.1)
+    said = said_while_waiting(capsys, waiter)
     assert "waiting for it to end" in said
     lock.unlink()  # the holder's end (build_lock), a third launch's lock on the new file, then the holder lets go
     third = os.open(lock, os.O_RDONLY | os.O_CREAT | os.O_EXCL)

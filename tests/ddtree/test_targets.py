@@ -602,65 +602,51 @@ def test_a_sharded_drafter_folder_loads_every_shard(tmp_path, tiny_target):
     assert line.startswith(f"drafter weights {shards[-1]} are unreadable, truncated or not safetensors ("), line
 
 
-@pytest.mark.parametrize("cut", ["rows", "columns"])
-def test_a_weight_of_another_shape_is_one_line_naming_both_shapes_the_right_way_round(tmp_path, tiny_target, cut):
-    """The line says what config.json builds first and what the file holds second: swapped, it pointed the fix at the
-    wrong file. A weight cut in its second dimension only is refused too, not left to transformers' traceback."""
+UP_PROJ = "layers.0.mlp.up_proj.weight"
+WEIGHTS_EDITED = "config.json does not match the weights (was it edited?): restore it, or export the drafter again"
+
+
+def refusal_of_edited_weights(tmp_path, tiny_target, edit) -> tuple[Path, list[int], str]:
+    """A drafter exported for the tiny target whose model.safetensors then had `edit(weights)` done to it: the
+    folder, the shape config.json builds of UP_PROJ, and the one line loading it is refused with."""
     from safetensors.torch import load_file, save_file
 
     target, tokenizer = tiny_target
     folder = tmp_path / "drafter"
     DFlashDraftModel(build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4)).save_pretrained(folder)
-    weights, name = load_file(folder / "model.safetensors"), "layers.0.mlp.up_proj.weight"
-    built = list(weights[name].shape)
-    weights[name] = (weights[name][:8] if cut == "rows" else weights[name][:, :8]).contiguous()
-    saved = list(weights[name].shape)
-    assert saved != built and 8 in saved
+    weights = load_file(folder / "model.safetensors")
+    built = list(weights[UP_PROJ].shape)
+    edit(weights)
     save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(DDTreeError) as error:
         load_drafter_folder(folder, torch.float32, target)
-    assert str(error.value) == (
-        f"drafter {folder}: config.json makes weight {name} {built} but model.safetensors holds {saved}; config.json "
-        "does not match the weights (was it edited?): restore it, or export the drafter again")
+    return folder, built, str(error.value)
+
+
+@pytest.mark.parametrize("cut", ["rows", "columns", "transposed"])
+def test_a_weight_of_another_shape_is_one_line_naming_both_shapes_the_right_way_round(tmp_path, tiny_target, cut):
+    """The line says what config.json builds first and what the file holds second: swapped, it pointed the fix at the
+    wrong file. A weight cut in its second dimension only is refused too, not left to transformers' traceback, and so
+    is a (out, in) weight saved as (in, out), as a hand conversion from another framework leaves it: the same sizes in
+    the other order are another shape (mutation review 44, L02)."""
+    def reshape(weights):
+        weight = weights[UP_PROJ]
+        weights[UP_PROJ] = {"rows": weight[:8], "columns": weight[:, :8], "transposed": weight.t()}[cut].contiguous()
+        saved.extend(weights[UP_PROJ].shape)
+
+    saved = []
+    folder, built, line = refusal_of_edited_weights(tmp_path, tiny_target, reshape)
+    assert saved != built  # (the tiny drafter's up_proj is not square)
+    assert line == (f"drafter {folder}: config.json makes weight {UP_PROJ} {built} but model.safetensors holds "
+                    f"{saved}; {WEIGHTS_EDITED}")
 
 
 def test_a_folder_missing_a_weight_its_config_builds_is_one_line_naming_it(tmp_path, tiny_target):
     """A weight dropped from model.safetensors (a hand-edited or partial export): transformers would start it from
     random values without a word. No test removed one: a check that let missing weights through passed every test, and
     the shape check after it stopped with a KeyError traceback (mutation review 44, L01)."""
-    from safetensors.torch import load_file, save_file
-
-    target, tokenizer = tiny_target
-    folder = tmp_path / "drafter"
-    DFlashDraftModel(build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4)).save_pretrained(folder)
-    weights, name = load_file(folder / "model.safetensors"), "layers.0.mlp.up_proj.weight"
-    del weights[name]
-    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(DDTreeError) as error:
-        load_drafter_folder(folder, torch.float32, target)
-    assert str(error.value) == (
-        f"drafter {folder}: config.json needs weight {name}, absent from its safetensors; config.json does not match "
-        "the weights (was it edited?): restore it, or export the drafter again")
-
-
-def test_a_weight_saved_transposed_is_one_line_though_it_holds_as_many_values(tmp_path, tiny_target):
-    """A (out, in) weight saved as (in, out), as a hand conversion from another framework leaves it: the same sizes in
-    the other order are another shape, refused before transformers' size-mismatch traceback (mutation review 44, L02)."""
-    from safetensors.torch import load_file, save_file
-
-    target, tokenizer = tiny_target
-    folder = tmp_path / "drafter"
-    DFlashDraftModel(build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4)).save_pretrained(folder)
-    weights, name = load_file(folder / "model.safetensors"), "layers.0.mlp.up_proj.weight"
-    built = list(weights[name].shape)
-    weights[name] = weights[name].t().contiguous()
-    assert built[0] != built[1]
-    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(DDTreeError) as error:
-        load_drafter_folder(folder, torch.float32, target)
-    assert str(error.value) == (
-        f"drafter {folder}: config.json makes weight {name} {built} but model.safetensors holds {built[::-1]}; "
-        "config.json does not match the weights (was it edited?): restore it, or export the drafter again")
+    folder, _, line = refusal_of_edited_weights(tmp_path, tiny_target, lambda weights: weights.pop(UP_PROJ))
+    assert line == f"drafter {folder}: config.json needs weight {UP_PROJ}, absent from its safetensors; " + WEIGHTS_EDITED
 
 
 def test_a_folders_tokenizer_is_loaded_once_and_again_when_its_files_change(tmp_path):

@@ -71,6 +71,12 @@ def test_written_files_follow_the_umask(tmp_path):
     assert (tmp_path / "sub" / "out.jsonl").read_text() == '{"id": "a", "messages": []}\n'
 
 
+def other_prompts_line(flag: str, path) -> str:
+    """The one line a run that would replace a file of other prompts stops with."""
+    return (f"error: {flag} {path} exists and holds other prompts than these settings make; pass --overwrite to "
+            "replace it, or give another path")
+
+
 def test_the_shipped_files_are_not_replaced_by_other_prompts_unasked(tmp_path, capsys):
     """The defaults are the repository's files: `--num-eval 10` rewrote data/eval_prompts.jsonl with 10 prompts."""
     out = ["--train-out", str(tmp_path / "train.jsonl"), "--eval-out", str(tmp_path / "eval.jsonl")]
@@ -80,9 +86,7 @@ def test_the_shipped_files_are_not_replaced_by_other_prompts_unasked(tmp_path, c
     assert make_prompts.main([*out, *small]) == 0  # the same prompts again: nothing to refuse
     capsys.readouterr()
     assert make_prompts.main([*out, *small[:-1], "6"]) == 2
-    assert capsys.readouterr().err.strip() == (f"error: --eval-out {tmp_path / 'eval.jsonl'} exists and holds other "
-                                               "prompts than these settings make; pass --overwrite to replace it, or "
-                                               "give another path")
+    assert capsys.readouterr().err.strip() == other_prompts_line("--eval-out", tmp_path / "eval.jsonl")
     assert (tmp_path / "eval.jsonl").read_text() == written
     # Refused for its --eval-out, a job writes no training file either: a refusal changes no file.
     new_train = ["--train-out", str(tmp_path / "new.jsonl"), *out[2:]]
@@ -101,9 +105,7 @@ def test_a_training_file_that_holds_other_prompts_is_not_replaced_unasked(tmp_pa
     capsys.readouterr()
     other = ["--train-out", str(tmp_path / "train.jsonl"), "--eval-out", str(tmp_path / "new_eval.jsonl")]
     assert make_prompts.main([*other, "--num-coding", "21", *small[2:]]) == 2
-    assert capsys.readouterr().err.strip() == (f"error: --train-out {tmp_path / 'train.jsonl'} exists and holds other "
-                                               "prompts than these settings make; pass --overwrite to replace it, or "
-                                               "give another path")
+    assert capsys.readouterr().err.strip() == other_prompts_line("--train-out", tmp_path / "train.jsonl")
     assert (tmp_path / "train.jsonl").read_text() == written and not (tmp_path / "new_eval.jsonl").exists()
 
 
@@ -112,9 +114,7 @@ def test_an_existing_file_that_is_not_utf8_is_refused_as_other_prompts(tmp_path,
     (tmp_path / "train.jsonl").write_bytes("prompts\n".encode("utf-16"))
     out = ["--train-out", str(tmp_path / "train.jsonl"), "--eval-out", str(tmp_path / "eval.jsonl")]
     assert make_prompts.main([*out, "--num-coding", "20", "--num-chat", "20", "--num-eval", "4"]) == 2
-    assert capsys.readouterr().err.strip() == (f"error: --train-out {tmp_path / 'train.jsonl'} exists and holds other "
-                                               "prompts than these settings make; pass --overwrite to replace it, or "
-                                               "give another path")
+    assert capsys.readouterr().err.strip() == other_prompts_line("--train-out", tmp_path / "train.jsonl")
     assert (tmp_path / "train.jsonl").read_bytes() == "prompts\n".encode("utf-16")
     assert not (tmp_path / "eval.jsonl").exists()
 

@@ -909,6 +909,40 @@ def test_a_backend_or_device_this_machine_lacks_is_one_line(tmp_path, capsys, fl
     assert not (tmp_path / "out.parts").exists()
 
 
+def fake_vllm(monkeypatch) -> dict:
+    """A stand-in vllm module (vLLM is not installed on the CPU box) that records what regenerate asks of it; each
+    reply is the prompt's last token and then 2."""
+    from types import SimpleNamespace
+
+    asked = {}
+
+    class LLM:
+        def __init__(self, **kwargs):
+            asked["llm"] = kwargs
+
+        def generate(self, prompts, params, use_tqdm):
+            asked["params"] = [vars(p) for p in params]
+            return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=(p["prompt_token_ids"][-1], 2))])
+                    for p in prompts]
+
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(LLM=LLM, SamplingParams=SimpleNamespace))
+    return asked
+
+
+def test_the_vllm_backend_asks_for_the_jobs_stop_ids_length_and_per_prompt_seeds(monkeypatch):
+    """The vLLM path runs on GPU machines only, where nothing held its settings: without stop_token_ids every reply
+    runs past its end of turn to max_tokens, without max_tokens vLLM's default (16) cuts every reply, and a greedy
+    job's top_p stays 1.0 as the settings record it."""
+    asked = fake_vllm(monkeypatch)
+    generator = regenerate.VLLMGenerator("tiny-random", "float32", 3)
+    assert generator.generate([[1, 5], [6]], [2, 7], 9, 0.0, 0.5, [11, 12]) == [[5, 2], [6, 2]]
+    assert (asked["llm"]["dtype"], asked["llm"]["seed"]) == ("float32", 3)
+    assert asked["params"] == [{"temperature": 0.0, "top_p": 1.0, "max_tokens": 9, "stop_token_ids": [2, 7],
+                                "seed": seed} for seed in (11, 12)]
+    generator.generate([[1]], [2], 9, 0.8, 0.5, [13])
+    assert (asked["params"][0]["temperature"], asked["params"][0]["top_p"]) == (0.8, 0.5)
+
+
 def test_a_work_folder_path_that_is_a_file_is_one_line(tmp_path, capsys):
     prompt_file(tmp_path / "prompts.jsonl", 2)
     (tmp_path / "out.parts").write_text("mine")

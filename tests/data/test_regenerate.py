@@ -943,6 +943,17 @@ def test_the_vllm_backend_asks_for_the_jobs_stop_ids_length_and_per_prompt_seeds
     assert (asked["params"][0]["temperature"], asked["params"][0]["top_p"]) == (0.8, 0.5)
 
 
+def test_auto_picks_vllm_only_where_it_imports_and_a_gpu_is_present(monkeypatch):
+    """--backend auto on a CPU machine with vLLM installed would hand the job to vLLM, which needs a GPU."""
+    fake_vllm(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not regenerate.vllm_usable()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert regenerate.vllm_usable()
+    monkeypatch.setitem(sys.modules, "vllm", None)  # not installed: its import fails
+    assert not regenerate.vllm_usable()
+
+
 def test_a_work_folder_path_that_is_a_file_is_one_line(tmp_path, capsys):
     prompt_file(tmp_path / "prompts.jsonl", 2)
     (tmp_path / "out.parts").write_text("mine")

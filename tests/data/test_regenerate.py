@@ -954,6 +954,19 @@ def test_auto_picks_vllm_only_where_it_imports_and_a_gpu_is_present(monkeypatch)
     assert not regenerate.vllm_usable()
 
 
+def test_the_vllm_paths_stop_ids_are_every_end_of_turn_the_target_lists(tiny, tmp_path):
+    """vLLM holds the weights, so its stop ids come from the target's config files: a generation config listing two
+    eos ids (an end of turn and <|endoftext|>) must give both, or a reply ending on the other runs past it."""
+    model, tokenizer = tiny
+    folder = Path(local_target(tiny, tmp_path / "target"))
+    ends = regenerate.stop_token_ids(model, tokenizer)
+    ends = sorted({*ends, next(i for i in range(len(ends) + 1) if i not in ends)})  # a second end
+    generation_config = folder / "generation_config.json"
+    config = json.loads(generation_config.read_text()) if generation_config.is_file() else {}
+    generation_config.write_text(json.dumps({**config, "eos_token_id": ends}))
+    assert regenerate.tokenizer_and_stops(str(folder))[1] == ends
+
+
 def test_a_work_folder_path_that_is_a_file_is_one_line(tmp_path, capsys):
     prompt_file(tmp_path / "prompts.jsonl", 2)
     (tmp_path / "out.parts").write_text("mine")

@@ -1043,6 +1043,25 @@ def test_a_recipe_is_named_as_training_names_it_or_given_as_a_file():
         regenerate.parse_args(["--recipe", "smollm2"])
 
 
+def test_a_recipe_file_outside_recipes_is_told_the_command_that_mends_its_data(tmp_path, capsys):
+    """--check of a recipe given as a file elsewhere (no `make data` name) names regenerate.py --recipe <file>: the
+    command must carry --overwrite, or pasted as it is it is refused again for the same data."""
+    prompt_file(tmp_path / "prompts.jsonl", 2)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model:\n  target: tiny-random\ndata:\n  data_path: {tmp_path / 'out'}\n  regenerate:\n"
+                      f"    prompts: {tmp_path / 'prompts.jsonl'}\n    max_new_tokens: 6\n    dtype: float32\n"
+                      "    chunk_size: 2\n")
+    assert regenerate.main(["--recipe", str(recipe)]) == 0
+    recipe.write_text(recipe.read_text().replace("max_new_tokens: 6", "max_new_tokens: 5"))
+    capsys.readouterr()
+    assert regenerate.main(["--recipe", str(recipe), "--check"]) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        f"generate it again with --overwrite (`python data/regenerate.py --recipe {recipe} --overwrite`), or give "
+        "another output folder")
+    assert regenerate.main(["--recipe", str(recipe), "--overwrite"]) == 0  # the command named, pasted
+    assert regenerate.main(["--recipe", str(recipe), "--check"]) == 0
+
+
 def test_one_prompts_file_spelled_two_ways_resumes_and_reuses_the_answers(tmp_path, monkeypatch):
     """data/prompts/train_prompts.jsonl from the project's root, then by its absolute path: the work folder refused the
     resume ("delete <out>.parts to start over": every finished chunk lost), and a dataset extended without its .parts

@@ -577,6 +577,10 @@ def test_an_edited_prompt_fails_the_check_every_training_start_runs(tmp_path, ca
     assert not re.search(r"\|\s+torch$", checked.stderr, re.MULTILINE)
     assert regenerate.main(args_for_argv(tmp_path)) == 0
     assert regenerate.main(args_for_argv(tmp_path, "--check")) == 0
+    # The script's own exit status is what training reads at each start: the data now passes there too.
+    checked = subprocess.run([sys.executable, str(script), *args_for_argv(tmp_path, "--check")], capture_output=True,
+                             text=True, cwd=script.parents[1], env={**os.environ, "PYTHONPATH": str(script.parents[1])})
+    assert checked.returncode == 0 and not checked.stderr, checked.stderr
 
     # A line appended: the count's message, as before; a --limit of the prompts answered compares only those.
     prompts.write_text(prompts.read_text() + json.dumps({"messages": [{"role": "user", "content": "And 4?"}]}) + "\n")

@@ -285,7 +285,7 @@ def test_a_chunk_cut_short_by_a_smaller_limit_is_not_taken_as_finished_when_the_
     assert len(generated) == 2  # chunk 1 (p2, p3) made again; chunk 0 kept
 
 
-def test_prompts_renamed_with_the_same_text_take_their_new_ids_and_pass_the_check(tmp_path):
+def test_prompts_renamed_with_the_same_text_take_their_new_ids_and_pass_the_check(tmp_path, capsys):
     """A chunk counts as finished only for the same ids too: kept under their old ids, the rerun's data failed --check
     ("prompts ... changed") at every training start, and rerunning never mended it."""
     from datasets import load_from_disk
@@ -293,6 +293,8 @@ def test_prompts_renamed_with_the_same_text_take_their_new_ids_and_pass_the_chec
     prompts = prompt_file(tmp_path / "prompts.jsonl", 4)
     regenerate.run(args_for(tmp_path))
     prompts.write_text(prompts.read_text().replace('"id": "p', '"id": "q'))
+    assert regenerate.main([*args_for_argv(tmp_path), "--check"]) == 2  # the data's rows carry the old ids
+    assert "prompts that" in capsys.readouterr().err
     regenerate.run(args_for(tmp_path))  # the work folder kept
     assert load_from_disk(str(tmp_path / "out"))["id"] == ["q0", "q1", "q2", "q3"]
     assert regenerate.main([*args_for_argv(tmp_path), "--check"]) == 0

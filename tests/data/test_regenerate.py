@@ -1092,6 +1092,20 @@ def test_one_prompts_file_spelled_two_ways_resumes_and_reuses_the_answers(tmp_pa
     assert len(generated) == 3  # chunk 2 (p4, now with p5) and chunk 3 (p6): chunks 0 and 1 came from the dataset
 
 
+def test_a_recorded_prompts_path_is_the_projects_whatever_folder_the_job_runs_from(tmp_path, monkeypatch):
+    """A relative prompts path in settings.json or regeneration.json is from the project's root (make runs there): read
+    from the working folder instead, a job run elsewhere with the same file's absolute path was refused as other
+    prompts, its finished chunks and the shipped data's answers with it."""
+    project = tmp_path / "project"
+    monkeypatch.setattr(regenerate, "PROJECT_ROOT", project)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    given = str(project / "data" / "prompts.jsonl")
+    assert regenerate.changed_settings({"prompts": "data/prompts.jsonl"}, {"prompts": given}) == []
+    assert regenerate.changed_settings({"prompts": "data/other.jsonl"}, {"prompts": given}) == [
+        f"prompts: 'data/other.jsonl' -> {given!r}"]
+
+
 @pytest.mark.parametrize("text, said", [('{"target": ', "not valid JSON"), ("[]", "holds a JSON list")])
 @pytest.mark.parametrize("flags", [["--check"], [], ["--merge-only"]])
 def test_a_damaged_regeneration_json_is_one_line_naming_it(tmp_path, capsys, text, said, flags):

@@ -1186,15 +1186,23 @@ def test_a_chunk_is_on_the_disk_before_its_rename(tmp_path, monkeypatch):
         assert events.index(("fsync", name)) < events.index(("replace", name))
 
 
-def test_the_shipped_data_read_by_another_recipe_is_not_offered_to_overwrite(monkeypatch, capsys):
+def test_the_shipped_data_read_by_another_recipe_is_not_offered_to_overwrite(tmp_path, monkeypatch, capsys):
     """`make data RECIPE=tiny` (tiny trains on data/smollm2-135m as it is) was told to pass --overwrite, which would
     put a random target's replies in the place of the 2048 shipped ones and their recovered response_ids."""
-    monkeypatch.chdir(Path(regenerate.__file__).resolve().parents[1])
+    project = Path(regenerate.__file__).resolve().parents[1]
+    monkeypatch.chdir(project)
     assert regenerate.main(["--recipe", "recipes/tiny.yaml", "--check"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: data/smollm2-135m holds recipe smollm2-135m's data (its data.data_path, made as its "
                           "data.regenerate says), made with other settings (target: 'smollm2-135m' -> 'tiny-random'")
     assert "ARGS=--overwrite" not in err and len(err.splitlines()) == 1
+    # From another folder, the folder given by its absolute path: a recipe's relative data_path is the project's.
+    monkeypatch.chdir(tmp_path)
+    shipped = project / "data" / "smollm2-135m"
+    assert regenerate.main(["--recipe", str(project / "recipes" / "tiny.yaml"), "--out", str(shipped), "--prompts",
+                            str(project / "data" / "prompts" / "train_prompts.jsonl"), "--check"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {shipped} holds recipe smollm2-135m's data") and "--overwrite (" not in err, err
 
 
 def test_another_recipes_data_is_not_offered_to_overwrite(tmp_path, monkeypatch, capsys):

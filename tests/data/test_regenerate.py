@@ -1150,7 +1150,7 @@ def test_a_damaged_settings_json_beside_finished_chunks_is_one_line_naming_it_an
     assert json.loads(settings.read_text())["target"] == "tiny-random"
 
 
-@pytest.mark.parametrize("damage", ["cut", "no id"])
+@pytest.mark.parametrize("damage", ["cut", "no id", "no messages"])
 def test_a_damaged_chunk_is_made_again_with_a_warning_naming_it(tmp_path, capsys, damage):
     """A chunk cut short (a machine that stopped before the disk held it) stopped every resume and --merge-only with a
     JSONDecodeError traceback until it was found and deleted by hand."""
@@ -1160,8 +1160,10 @@ def test_a_damaged_chunk_is_made_again_with_a_warning_naming_it(tmp_path, capsys
     whole = chunk.read_text()
     if damage == "cut":
         chunk.write_bytes(whole.encode()[:len(whole.splitlines()[0]) // 2])
-    else:
+    elif damage == "no id":
         chunk.write_text(whole.replace('"id"', '"name"', 1))
+    else:  # a row edited by hand: its messages null, not a list (a TypeError where its prompt was compared)
+        chunk.write_text(whole.replace('"messages": [', '"messages": null, "was": [', 1))
     capsys.readouterr()
     assert regenerate.main([*args_for_argv(tmp_path), "--merge-only"]) == 2  # chunks 0 and 1 are not finished
     err = capsys.readouterr().err

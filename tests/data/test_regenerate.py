@@ -1039,6 +1039,8 @@ def test_recipe_supplies_target_and_output(tmp_path):
     assert args.out == Path("elsewhere")
     with pytest.raises(DDTreeError, match="no output folder"):
         regenerate.apply_recipe(regenerate.parse_args([]))
+    # Neither a flag nor a recipe: the target the shipped data was written by, as --help says.
+    assert regenerate.apply_recipe(regenerate.parse_args(["--out", "elsewhere"])).target == "smollm2-135m"
 
 
 def test_a_recipe_is_named_as_training_names_it_or_given_as_a_file():

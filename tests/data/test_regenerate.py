@@ -773,7 +773,12 @@ def test_overwrite_replaces_the_unfinished_chunks_of_other_settings_too(tmp_path
     assert (parts / "notes.txt").read_text() == "mine"
 
 
-def test_shards_started_together_with_other_settings_never_mix_their_chunks(tmp_path, monkeypatch):
+@pytest.mark.parametrize("other, said", [
+    ({"max_new_tokens": 3}, "max_new_tokens: 3 -> 6"),
+    # the same replies, chunked otherwise: each job writes its chunk 1 over the other's, with other prompts in it
+    ({"chunk_size": 3}, "chunk_size: 3 -> 2"),
+])
+def test_shards_started_together_with_other_settings_never_mix_their_chunks(tmp_path, monkeypatch, other, said):
     """Two shards launched at once: before either wrote a chunk, the second replaced settings.json with its own
     (max_new_tokens 3 over 6), and the merge held replies of both lengths under one regeneration.json."""
     prompt_file(tmp_path / "prompts.jsonl", 4)  # 2 chunks
@@ -783,12 +788,12 @@ def test_shards_started_together_with_other_settings_never_mix_their_chunks(tmp_
     def other_shard_starts_meanwhile(model, prompts, *args, **kwargs):
         if not started:  # while shard 0 decodes its first chunk, shard 1 starts with other settings
             started.append(True)
-            regenerate.check_settings(tmp_path / "out.parts", {**regenerate_settings(tmp_path), "max_new_tokens": 3})
+            regenerate.check_settings(tmp_path / "out.parts", {**regenerate_settings(tmp_path), **other})
         return real(model, prompts, *args, **kwargs)
 
     monkeypatch.setattr(regenerate, "generate_transformers", other_shard_starts_meanwhile)
     with pytest.raises(DDTreeError, match=r"another job started there with other settings while this one ran "
-                                          r"\(max_new_tokens: 3 -> 6\); this job wrote no chunk since"):
+                                          rf"\({re.escape(said)}\); this job wrote no chunk since"):
         regenerate.run(args_for(tmp_path, "--num-shards", "2", "--shard-index", "0"))
     assert not list((tmp_path / "out.parts").glob("chunk-*"))
 

@@ -777,6 +777,8 @@ def test_overwrite_replaces_the_unfinished_chunks_of_other_settings_too(tmp_path
     ({"max_new_tokens": 3}, "max_new_tokens: 3 -> 6"),
     # the same replies, chunked otherwise: each job writes its chunk 1 over the other's, with other prompts in it
     ({"chunk_size": 3}, "chunk_size: 3 -> 2"),
+    # deleted (its folder cleared by hand): the next job would record its own settings over this one's chunks
+    (None, "settings.json is gone"),
 ])
 def test_shards_started_together_with_other_settings_never_mix_their_chunks(tmp_path, monkeypatch, other, said):
     """Two shards launched at once: before either wrote a chunk, the second replaced settings.json with its own
@@ -786,9 +788,12 @@ def test_shards_started_together_with_other_settings_never_mix_their_chunks(tmp_
     started = []
 
     def other_shard_starts_meanwhile(model, prompts, *args, **kwargs):
-        if not started:  # while shard 0 decodes its first chunk, shard 1 starts with other settings
+        if not started:  # while shard 0 decodes its first chunk, settings.json changes under it
             started.append(True)
-            regenerate.check_settings(tmp_path / "out.parts", {**regenerate_settings(tmp_path), **other})
+            if other is None:
+                (tmp_path / "out.parts" / "settings.json").unlink()
+            else:
+                regenerate.check_settings(tmp_path / "out.parts", {**regenerate_settings(tmp_path), **other})
         return real(model, prompts, *args, **kwargs)
 
     monkeypatch.setattr(regenerate, "generate_transformers", other_shard_starts_meanwhile)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import math
 
 from ddtree.bench import CHAIN, tree_key
-from training.model_card import CardFacts, evaluated_steps, evaluation_section, max_time_seconds, planned_length
+from training.model_card import (CardFacts, evaluated_steps, evaluation_section, max_time_seconds, merge_step,
+                                 planned_length)
 from training.report import (duration_text, markdown_report, objective_description, plot_tau, tau_bound,
                              training_end)
 
@@ -133,3 +134,14 @@ def test_report_ranks_checkpoints_by_the_primary_budget_not_the_first_listed():
     evaluations = [record(2, 1.5, trees={4: 2.0, 8: 3.0}), record(4, 1.5, trees={4: 2.5, 8: 2.8})]
     report = markdown_report("run", evaluations, settings, 0.0, 1.0)
     assert "**Best checkpoint by tau@8: step 2** (tau 3.000;" in report and "| **2** (best) |" in report
+
+
+def test_the_merge_step_loads_the_target_in_the_dtype_training_merged_its_adapter_in():
+    """The card's merge step writes the target every command of the card loads: merged in float32 after a bf16 run, it
+    is not the bfloat16 target training merged the adapter into, and that every figure of the card was measured with."""
+    adapter = {"target_adapter": "adapters/sql", "target_adapter_sha256": "a" * 64}
+    bf16 = "\n".join(merge_step(card_facts(hyper_parameters=adapter, run_config={"trainer": {"precision": "bf16-true"}})))
+    assert 'load_target("tiny-random", dtype=torch.bfloat16)' in bf16
+    fp16 = "\n".join(merge_step(card_facts(hyper_parameters={**adapter, "target_dtype": "float16"},
+                                           run_config={"trainer": {"precision": "bf16-mixed"}})))
+    assert 'load_target("tiny-random", dtype=torch.float16)' in fp16  # model.target_dtype over the precision

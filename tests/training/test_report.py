@@ -13,7 +13,7 @@ import math
 
 from ddtree.bench import CHAIN, tree_key
 from training.model_card import (CardFacts, evaluated_steps, evaluation_section, max_time_seconds, merge_step,
-                                 planned_length)
+                                 planned_length, read_data_record)
 from training.report import (duration_text, markdown_report, objective_description, plot_tau, tau_bound,
                              training_end)
 
@@ -145,3 +145,13 @@ def test_the_merge_step_loads_the_target_in_the_dtype_training_merged_its_adapte
     fp16 = "\n".join(merge_step(card_facts(hyper_parameters={**adapter, "target_dtype": "float16"},
                                            run_config={"trainer": {"precision": "bf16-mixed"}})))
     assert 'load_target("tiny-random", dtype=torch.float16)' in fp16  # model.target_dtype over the precision
+
+
+def test_a_damaged_data_record_leaves_the_card_silent_on_it_rather_than_failing_the_export(tmp_path):
+    """data.json cut short, not UTF-8, or not an object: the export went on to a traceback (or to data_notes reading
+    a list), where the card should only say nothing of the share of the split the run drew from."""
+    for damaged in (b'{"sequences": ', b"\xff\xfe", b"[1, 2]"):
+        (tmp_path / "data.json").write_bytes(damaged)
+        assert read_data_record(tmp_path) is None, damaged
+    (tmp_path / "data.json").write_text('{"sequences": 3}')
+    assert read_data_record(tmp_path) == {"sequences": 3}

@@ -13,7 +13,7 @@ import math
 
 from ddtree.bench import CHAIN, tree_key
 from training.model_card import (CardFacts, evaluated_steps, evaluation_section, max_time_seconds, merge_step,
-                                 planned_length, read_data_record)
+                                 planned_length, read_data_record, usage_section)
 from training.report import (duration_text, markdown_report, objective_description, plot_tau, tau_bound,
                              training_end)
 
@@ -155,3 +155,15 @@ def test_a_damaged_data_record_leaves_the_card_silent_on_it_rather_than_failing_
         assert read_data_record(tmp_path) is None, damaged
     (tmp_path / "data.json").write_text('{"sequences": 3}')
     assert read_data_record(tmp_path) == {"sequences": 3}
+
+
+def test_the_usage_of_a_hub_export_loads_the_repo_and_a_local_exports_its_folder():
+    """A card pushed to you/d told transformers users `AutoModel.from_pretrained("path/to/this/folder")`, which no
+    reader of the Hub page has; the ddtree commands decode the folder the card's download line writes."""
+    cfg = {"block_size": 8, "dflash_config": {"target_layer_ids": [1]}}
+    hub = "\n".join(usage_section(card_facts(repo="you/d", drafter_config=cfg)))
+    assert 'AutoModel.from_pretrained("you/d", trust_remote_code=True)' in hub and "path/to/this/folder" not in hub
+    assert "hf download you/d --local-dir drafter\nddtree generate --target tiny-random --drafter drafter " in hub
+    local = "\n".join(usage_section(card_facts(drafter_config=cfg)))
+    assert 'AutoModel.from_pretrained("path/to/this/folder", trust_remote_code=True)' in local
+    assert "hf download" not in local and "--drafter path/to/this/folder " in local

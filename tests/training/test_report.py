@@ -167,3 +167,17 @@ def test_the_usage_of_a_hub_export_loads_the_repo_and_a_local_exports_its_folder
     local = "\n".join(usage_section(card_facts(drafter_config=cfg)))
     assert 'AutoModel.from_pretrained("path/to/this/folder", trust_remote_code=True)' in local
     assert "hf download" not in local and "--drafter path/to/this/folder " in local
+
+
+def test_the_usage_of_an_adapted_built_in_target_never_sends_the_reader_to_the_target_without_its_adapter():
+    """The card of a built-in target measured through its GGUF weights says `--target smollm2-135m` decodes as
+    measured; with an adapter it must not: that target lacks the adapter, and the merge step's folder, which the
+    commands name, is already made from those very GGUF weights."""
+    cfg = {"block_size": 8, "dflash_config": {"target_layer_ids": [1]}}
+    hub_id = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    plain = "\n".join(usage_section(card_facts(target="smollm2-135m", base_model=hub_id, drafter_config=cfg)))
+    assert "`--target smollm2-135m` (`ddtree`'s built-in" in plain  # the note this is about
+    adapter = {"target_adapter": "adapters/sql", "target_adapter_sha256": "a" * 64}
+    adapted = "\n".join(usage_section(card_facts(target="smollm2-135m", base_model=hub_id, drafter_config=cfg,
+                                                  hyper_parameters=adapter)))
+    assert "--target merged-target --drafter" in adapted and "`--target smollm2-135m`" not in adapted

@@ -13,7 +13,7 @@ import math
 
 from ddtree.bench import CHAIN, tree_key
 from training.model_card import (CardFacts, evaluated_steps, evaluation_section, max_time_seconds, merge_step,
-                                 planned_length, read_data_record, usage_section)
+                                 planned_length, read_data_record, read_run_config, usage_section)
 from training.report import (duration_text, markdown_report, objective_description, plot_tau, tau_bound,
                              training_end)
 
@@ -181,3 +181,11 @@ def test_the_usage_of_an_adapted_built_in_target_never_sends_the_reader_to_the_t
     adapted = "\n".join(usage_section(card_facts(target="smollm2-135m", base_model=hub_id, drafter_config=cfg,
                                                   hyper_parameters=adapter)))
     assert "--target merged-target --drafter" in adapted and "`--target smollm2-135m`" not in adapted
+
+
+def test_a_run_folder_without_config_yaml_still_has_a_card_that_says_so(tmp_path):
+    """A run folder with no config.yaml (a checkpoint copied into a bare folder) reads as {}: the card then says the
+    data settings are not known, where reading the missing file failed the export."""
+    assert read_run_config(tmp_path) == {}
+    (tmp_path / "config.yaml").write_text("trainer:\n  precision: bf16-true\n")
+    assert read_run_config(tmp_path) == {"trainer": {"precision": "bf16-true"}}

@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 
 from ddtree.bench import CHAIN, tree_key
-from training.model_card import (CardFacts, evaluated_steps, evaluation_section, max_time_seconds, merge_step,
-                                 planned_length, read_data_record, read_run_config, usage_section)
+from training.model_card import (PROJECT_ROOT, CardFacts, evaluated_steps, evaluation_section, max_time_seconds,
+                                 merge_step, planned_length, read_data_record, read_run_config, usage_section)
 from training.report import (duration_text, markdown_report, objective_description, plot_tau, tau_bound,
                              training_end)
 
@@ -189,3 +189,11 @@ def test_a_run_folder_without_config_yaml_still_has_a_card_that_says_so(tmp_path
     assert read_run_config(tmp_path) == {}
     (tmp_path / "config.yaml").write_text("trainer:\n  precision: bf16-true\n")
     assert read_run_config(tmp_path) == {"trainer": {"precision": "bf16-true"}}
+
+
+def test_the_merge_step_names_an_adapter_inside_the_project_by_its_path_in_the_repository():
+    """The card's merge step, like its adapter row, names the adapter relative to the project, not by the layout of
+    the machine that trained."""
+    inside = str(PROJECT_ROOT / "adapters" / "sql")
+    step = "\n".join(merge_step(card_facts(hyper_parameters={"target_adapter": inside, "target_adapter_sha256": None})))
+    assert 'PeftModel.from_pretrained(base, "adapters/sql")' in step and str(PROJECT_ROOT) not in step

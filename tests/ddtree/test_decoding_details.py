@@ -15,7 +15,7 @@ from ddtree.decoder import load_drafter
 from ddtree.decoding import DrafterRunner, OnlineCalibration, Sampling, generate, top_p_filter
 from ddtree.modeling_dflash import DFlashDraftModel
 from ddtree.target_runner import DynamicTarget
-from ddtree.targets import build_drafter_config
+from ddtree.targets import DDTreeError, build_drafter_config
 from rigged import RiggedDrafter, hf_greedy  # tests/rigged.py
 
 
@@ -221,3 +221,17 @@ def test_online_temperature_divides_the_redrafted_rows_as_it_divides_the_block(t
                       redraft=1)
     path = torch.log_softmax(torch.cat([block[:1], branch]) / 2.0, dim=-1).max(dim=-1).values.cumsum(0)
     assert result.rounds[0].expected == pytest.approx(1 + path.exp().sum().item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("method", ["ar", "ddtree"])
+def test_a_falcon_target_with_alibi_is_refused_before_decoding(method):
+    """Falcon says ALiBi in its config (alibi=True), not in its model_type as MPT and Bloom do: unread, a Falcon-RW
+    style target got past the refusal into a ValueError inside transformers' Falcon, its cache unreadable."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    target = FalconForCausalLM(FalconConfig(vocab_size=40, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                            alibi=True)).eval()
+    drafter = RiggedDrafter(list(range(3, 40)), 40, block_size=8)
+    with pytest.raises(DDTreeError, match=r"^target 'falcon' \(falcon\) uses ALiBi position biases"):
+        generate(target, [1, 2, 3], method, drafter if method != "ar" else None, 8, 10)
+

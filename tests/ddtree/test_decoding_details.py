@@ -235,3 +235,15 @@ def test_a_falcon_target_with_alibi_is_refused_before_decoding(method):
     with pytest.raises(DDTreeError, match=r"^target 'falcon' \(falcon\) uses ALiBi position biases"):
         generate(target, [1, 2, 3], method, drafter if method != "ar" else None, 8, 10)
 
+
+def test_every_id_of_a_stop_list_nested_in_stop_ids_ends_the_reply(tiny_target):
+    """A generation_config's eos_token_id can be a list itself ([eos, end_of_turn]), passed inside stop_ids' own list:
+    read as its first id alone, a reply ran on past its end-of-turn token."""
+    target, _ = tiny_target
+    prompt = [5, 17, 42, 8, 99]
+    reference = hf_greedy(target, prompt, 12)
+    stop = reference[3]
+    other = next(token for token in range(target.config.vocab_size) if token not in reference)
+    result = generate(target, prompt, "ar", max_new_tokens=12, stop_ids=[[other, stop]])
+    assert result.new_tokens == reference[: reference.index(stop) + 1] and result.stopped
+

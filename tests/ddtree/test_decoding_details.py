@@ -247,3 +247,12 @@ def test_every_id_of_a_stop_list_nested_in_stop_ids_ends_the_reply(tiny_target):
     result = generate(target, prompt, "ar", max_new_tokens=12, stop_ids=[[other, stop]])
     assert result.new_tokens == reference[: reference.index(stop) + 1] and result.stopped
 
+
+@pytest.mark.parametrize("setting", ["lookup", "redraft"])
+def test_a_negative_lookup_or_redraft_is_one_line_before_the_prefill(tiny_target, monkeypatch, setting):
+    """redraft -1 passed as a count and was a RuntimeError in the first round's topk, after the prefill."""
+    target, tokenizer = tiny_target
+    runner = DrafterRunner(load_drafter("random", target, tokenizer, "tiny-random"), target)
+    monkeypatch.setattr(DynamicTarget, "prefill", lambda *args: pytest.fail("prefilled before the check"))
+    with pytest.raises(DDTreeError, match=f"^{setting} -1 must be >= 0"):
+        generate(target, [5, 17, 42, 8], "ddtree", runner, 8, 6, [], **{setting: -1})

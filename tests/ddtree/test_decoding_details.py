@@ -256,3 +256,26 @@ def test_a_negative_lookup_or_redraft_is_one_line_before_the_prefill(tiny_target
     monkeypatch.setattr(DynamicTarget, "prefill", lambda *args: pytest.fail("prefilled before the check"))
     with pytest.raises(DDTreeError, match=f"^{setting} -1 must be >= 0"):
         generate(target, [5, 17, 42, 8], "ddtree", runner, 8, 6, [], **{setting: -1})
+
+
+def test_a_runner_reused_for_another_prompt_drafts_as_a_new_one(tiny_target):
+    """Each generation resets the runner to an empty context: a drafter cache kept from the last prompt stayed lossless
+    (every token is the target's) but drafted the next prompt beside the last one's keys, for lower acceptance."""
+    target, tokenizer = tiny_target
+    drafter = load_drafter("random", target, tokenizer, "tiny-random")
+
+    class Recording(DrafterRunner):
+        def propose(self, root, start, new_context, depth):
+            self.drafts.append(super().propose(root, start, new_context, depth))
+            return self.drafts[-1]
+
+    reused, fresh = Recording(drafter, target), Recording(drafter, target)
+    reused.drafts = []
+    generate(target, [9, 33, 7, 61, 20, 4], "ddtree", reused, 8, 10, [])
+    prompt = [5, 17, 42, 8]
+    reused.drafts, fresh.drafts = [], []
+    generate(target, prompt, "ddtree", reused, 8, 10, [])
+    generate(target, prompt, "ddtree", fresh, 8, 10, [])
+    assert len(reused.drafts) == len(fresh.drafts) > 1
+    for again, new in zip(reused.drafts, fresh.drafts):
+        torch.testing.assert_close(again, new, atol=1e-4, rtol=0)

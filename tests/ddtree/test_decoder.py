@@ -126,6 +126,20 @@ def test_calibration_false_leaves_out_the_calibration_the_config_holds(tiny_targ
                        quiet=True).drafter.default_calibration is None, left_out
 
 
+def test_an_uncalibrated_runner_leaves_out_the_calibration_its_config_holds(tiny_target):
+    """calibrated=False drafts the raw logits, to fit new temperatures from: had it kept the config's replayed
+    calibration as its default, generate would have divided them by that calibration's temperatures anyway."""
+    from ddtree.decoding import DrafterRunner
+
+    target, tokenizer = tiny_target
+    config = build_drafter_config(target, tokenizer, TARGET, num_layers=1)
+    config.calibration = with_temperatures({None: 3.0, 8: 3.0}).state()
+    drafter = DFlashDraftModel(config)
+    assert DrafterRunner(drafter, target).default_calibration is not None
+    raw = DrafterRunner(drafter, target, calibrated=False)
+    assert raw.default_calibration is None and not raw.calibration_from_config
+
+
 def test_a_calibration_learned_on_other_weights_is_noted(capsys, tiny_target, drafter_folder):
     """The folder's calibration.json records the weights it was learned on; retrained weights copied in make its
     expected tau another drafter's, which is said, and only then. No Decoder test wrote the fingerprint, so the

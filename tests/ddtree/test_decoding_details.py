@@ -279,3 +279,14 @@ def test_a_runner_reused_for_another_prompt_drafts_as_a_new_one(tiny_target):
     assert len(reused.drafts) == len(fresh.drafts) > 1
     for again, new in zip(reused.drafts, fresh.drafts):
         torch.testing.assert_close(again, new, atol=1e-4, rtol=0)
+
+
+def test_the_drafters_features_are_its_target_layers_outputs_in_its_order(tiny_target):
+    """The drafter was trained on the outputs of its target_layer_ids, concatenated in that order (layer l is
+    hidden_states[l + 1], training/target.py): read in another order, decoding stayed lossless at a lower acceptance."""
+    target, tokenizer = tiny_target
+    config = build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4, target_layer_ids=[0, 3])
+    runner = DrafterRunner(DFlashDraftModel(config).eval(), target)
+    with torch.no_grad():
+        hidden = target(torch.tensor([[5, 17, 42, 8]]), output_hidden_states=True).hidden_states
+    torch.testing.assert_close(runner.features(hidden), torch.cat([hidden[1], hidden[4]], dim=-1), atol=0, rtol=0)

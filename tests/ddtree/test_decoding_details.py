@@ -15,7 +15,8 @@ from ddtree.decoder import load_drafter
 from ddtree.decoding import DrafterRunner, OnlineCalibration, Sampling, generate, top_p_filter
 from ddtree.modeling_dflash import DFlashDraftModel
 from ddtree.target_runner import DynamicTarget
-from ddtree.targets import DDTreeError, build_drafter_config
+from ddtree.errors import DDTreeError
+from ddtree.targets import build_drafter_config
 from rigged import RiggedDrafter, hf_greedy  # tests/rigged.py
 
 

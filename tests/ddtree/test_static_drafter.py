@@ -197,7 +197,6 @@ def test_static_runners_reused_across_generations_of_other_lengths_and_shapes_st
     assert verifiers[3].capacity >= len(past_the_slots) + 20 + budget + 1
 
 
-
 def test_a_dynamic_generation_after_a_static_one_drafts_over_the_growing_cache(tiny_target):
     """reset drops the fixed-shape drafter the last generation's static cache took: kept, a dynamic generation after a
     static one drafted through its fixed slots, and a prompt past them was a ValueError after the prefill."""
@@ -211,6 +210,7 @@ def test_a_dynamic_generation_after_a_static_one_drafts_over_the_growing_cache(t
     past_the_slots = [5 + i % 50 for i in range(150)]
     result = generate(target, past_the_slots, "ddtree", runner, 8, 10, [], static=False)
     assert result.new_tokens == hf_greedy(target, past_the_slots, 10)
+
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -653,14 +653,12 @@ def test_a_resume_from_an_earlier_checkpoint_moves_the_abandoned_branchs_later_f
     assert "[eval] moved 2 evaluation file(s) past step 2" in out
 
 
-@pytest.mark.parametrize("eval_first", [True, False])
-def test_a_second_resume_from_one_step_names_its_branch_alike_in_checkpoints_and_eval(tmp_path, eval_first):
-    """Branch 1 is evaluated at 2 and 4, and a SIGTERM at step 5 saves last.ckpt, unmeasured; a resume from step 4
-    moves that checkpoint aside and no evaluation. Branch 2 is evaluated at 6 and 8; a second resume from step 4 named
-    it abandoned-after-step-4-2 in checkpoints/ and abandoned-after-step-4 in eval/, each folder counting its own, so
-    branch 1's last.ckpt was paired with branch 2's evaluations and branch 2's step-8.ckpt with none (found in a
-    review). Either callback may move first: Lightning runs checkpoint callbacks last, others may not."""
-    run, folder = tmp_path, tmp_path / "checkpoints"
+def branching_run(run: Path, eval_first: bool, save_last: bool = True):
+    """A run folder whose launches branch at step 4: `launch(evaluated, saved)` writes a launch's eval/step-N.json files
+    and its checkpoints ({name: step}); `resume_from_4()` resumes from step-4.ckpt as the two callbacks do when the fit
+    starts (the best 2 are steps 2 and 4), moving what was saved past it aside, evaluations first or checkpoints
+    first. Returns (checkpoints folder, launch, resume_from_4)."""
+    folder = run / "checkpoints"
     folder.mkdir()
     (run / "eval").mkdir()
     (run / "config.yaml").write_text("{}\n")  # what abandoned_branch takes for a run folder
@@ -674,7 +672,7 @@ def test_a_second_resume_from_one_step_names_its_branch_alike_in_checkpoints_and
     def resume_from_4():
         trainer = SimpleNamespace(global_step=4, ckpt_path=str(folder / "step-4.ckpt"), is_global_zero=True,
                                   default_root_dir=str(run))
-        checkpoints = BestCheckpoint(dirpath=folder, save_top_k=2)
+        checkpoints = BestCheckpoint(dirpath=folder, save_top_k=2, save_last=save_last)
         checkpoints.best_k_models = {"step-2.ckpt": 1.0, "step-4.ckpt": 2.0}
         evaluation = AcceptanceEvaluation(prompts=PROMPTS, budgets=[8], primary_budget=8)
         for callback in (checkpoints, evaluation):
@@ -683,6 +681,18 @@ def test_a_second_resume_from_one_step_names_its_branch_alike_in_checkpoints_and
         for move in moves if eval_first else reversed(moves):
             move()
 
+    return folder, launch, resume_from_4
+
+
+@pytest.mark.parametrize("eval_first", [True, False])
+def test_a_second_resume_from_one_step_names_its_branch_alike_in_checkpoints_and_eval(tmp_path, eval_first):
+    """Branch 1 is evaluated at 2 and 4, and a SIGTERM at step 5 saves last.ckpt, unmeasured; a resume from step 4
+    moves that checkpoint aside and no evaluation. Branch 2 is evaluated at 6 and 8; a second resume from step 4 named
+    it abandoned-after-step-4-2 in checkpoints/ and abandoned-after-step-4 in eval/, each folder counting its own, so
+    branch 1's last.ckpt was paired with branch 2's evaluations and branch 2's step-8.ckpt with none (found in a
+    review). Either callback may move first: Lightning runs checkpoint callbacks last, others may not."""
+    run = tmp_path
+    folder, launch, resume_from_4 = branching_run(run, eval_first=eval_first)
     launch((2, 4), {"step-2.ckpt": 2, "step-4.ckpt": 4, "last.ckpt": 5})
     resume_from_4()
     launch((6, 8), {"step-8.ckpt": 8, "last.ckpt": 8})
@@ -701,28 +711,8 @@ def test_a_branch_moved_aside_from_eval_alone_is_counted_in_checkpoints_too(tmp_
     step 4 moves eval/step-000006.json aside and no checkpoint. A second resume from step 4 must name branch 2 -2 in
     checkpoints/ as in eval/: with checkpoints/ reading its own folder alone, its step-8.ckpt went to
     checkpoints/abandoned-after-step-4, the name of branch 1's evaluations (mutation review m47, N01)."""
-    run, folder = tmp_path, tmp_path / "checkpoints"
-    folder.mkdir()
-    (run / "eval").mkdir()
-    (run / "config.yaml").write_text("{}\n")  # what abandoned_branch takes for a run folder
-
-    def launch(evaluated: tuple[int, ...], saved: dict[str, int]):
-        for step in evaluated:
-            AcceptanceEvaluation.eval_file(run, step).write_text(json.dumps({"step": step}))
-        for name, step in saved.items():
-            torch.save({"global_step": step}, folder / name)  # what saved_step reads
-
-    def resume_from_4():
-        trainer = SimpleNamespace(global_step=4, ckpt_path=str(folder / "step-4.ckpt"), is_global_zero=True,
-                                  default_root_dir=str(run))
-        checkpoints = BestCheckpoint(dirpath=folder, save_top_k=2, save_last=False)
-        checkpoints.best_k_models = {"step-2.ckpt": 1.0, "step-4.ckpt": 2.0}
-        evaluation = AcceptanceEvaluation(prompts=PROMPTS, budgets=[8], primary_budget=8)
-        for callback in (checkpoints, evaluation):
-            callback.on_fit_start(trainer, None)
-        checkpoints.move_abandoned(trainer)
-        evaluation.move_abandoned_evaluations(trainer)
-
+    run = tmp_path
+    folder, launch, resume_from_4 = branching_run(run, eval_first=False, save_last=False)
     launch((2, 4, 6), {"step-2.ckpt": 2, "step-4.ckpt": 4})
     resume_from_4()
     assert not list(folder.glob("abandoned-*")) and (run / "eval" / "abandoned-after-step-4").is_dir()

@@ -5,6 +5,7 @@
 
 import json
 import os
+import signal
 import stat
 from pathlib import Path
 from types import SimpleNamespace
@@ -507,3 +508,29 @@ def test_a_resume_under_another_batch_size_or_number_of_ranks_is_refused_and_old
         resumed = ResumableDataLoader(data, EpochShuffleSampler(20, seed=0), batch_size=2)
         resumed.load_state_dict(saved)
         assert sorted(seen + [item for batch in resumed for item in batch.tolist()]) == data
+
+
+class SigtermMidItem(torch.utils.data.Dataset):
+    """Four one-token sequences whose loader worker is sent SIGTERM as it reads each, as `timeout`, SLURM or scancel
+    send it to the whole process group while a batch is being read."""
+
+    def __init__(self):
+        self.main = os.getpid()
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        if os.getpid() != self.main:  # (never the test's own process)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return {"input_ids": torch.tensor([index]), "loss_mask": torch.tensor([True])}
+
+
+def test_a_loader_worker_sent_sigterm_mid_batch_finishes_it(tmp_path):
+    """A worker that ended at the group's SIGTERM crashed the main process ("DataLoader worker (pid N) is killed by
+    signal") before it could save the step; the stop is the main process's, at a step boundary."""
+    dm = make_datamodule(tmp_path, num_workers=1)
+    dm.train_set = dm.val_set = SigtermMidItem()
+    for loader in (dm.train_dataloader(), dm.val_dataloader()):
+        read = [token for batch in loader for token in batch["input_ids"].flatten().tolist()]
+        assert sorted(read) == [0, 1, 2, 3]

@@ -265,6 +265,23 @@ def test_a_target_whose_chat_template_changed_is_tokenized_again(tmp_path, monke
     assert make_datamodule(tmp_path).tokenization_key() == key
 
 
+def test_a_tokenizer_retrained_in_the_same_folder_is_tokenized_again(tmp_path):
+    """The tokenizer is named by its serialized vocabulary, not its folder: one retrained in place, of the same size
+    and chat template, gives the same text other ids, and must not reuse the cache tokenized with the old one."""
+    import shutil
+
+    from ddtree.targets import builtin_target_folder
+
+    target = tmp_path / "target"
+    shutil.copytree(builtin_target_folder("smollm2-135m"), target, ignore=shutil.ignore_patterns("*.safetensors"))
+    key = make_datamodule(tmp_path, target=str(target)).tokenization_key()
+    serialized = json.loads((target / "tokenizer.json").read_text())
+    vocab = serialized["model"]["vocab"]
+    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]  # retrained: the same tokens, numbered otherwise
+    (target / "tokenizer.json").write_text(json.dumps(serialized))
+    assert make_datamodule(tmp_path, target=str(target)).tokenization_key() != key
+
+
 def test_the_tokenized_cache_is_named_by_the_data_content_not_its_place(tmp_path):
     """A copy on a node's disk, a moved folder or a fresh clone (new path, new mtime) was another cache entry, and a
     feature store built from the data refused it; an edit is another entry still. A file's digest is remembered by

@@ -87,7 +87,9 @@ def test_what_tokenization_dropped_is_warned_once_and_recorded_for_data_json(tmp
                        "data.max_length or lower data.min_supervised_tokens to keep more")
     counts = {"conversations": 8, "no_assistant": 1, "unaligned": 0, "too_few_supervised": 1, "reply_truncated": 0,
               "truncated": 2, "kept": 6}
-    assert dm.record()["tokenization"] == counts
+    # the 6 kept, split 4 train / 2 val (val_fraction 0.25): a record naming another split's count misreads the run
+    assert dm.record() == {"train_sequences": 4, "train_split_sequences": 4, "val_sequences": 2, "feature_store": None,
+                           "tokenization": counts}
     caplog.clear()
     with caplog.at_level("WARNING"):  # a launch from the cache: said once already, recorded all the same
         cached = make_datamodule(tmp_path)

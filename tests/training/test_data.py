@@ -189,6 +189,27 @@ def test_a_template_whose_end_of_turn_token_decoding_does_not_stop_at_is_warned_
     assert not [r for r in caplog.records if "decoding stops at" in r.getMessage()]
 
 
+def test_a_target_whose_decoding_stops_at_no_token_is_warned_of_its_end_of_turn(tmp_path, caplog):
+    """No eos anywhere (config, generation config, tokenizer): decoding stops at no token, so the end of turn that
+    training supervises is none of them either, and is warned of as where decoding stops elsewhere."""
+    import shutil
+
+    from ddtree.targets import builtin_target_folder
+
+    target = tmp_path / "no-eos"
+    shutil.copytree(builtin_target_folder("smollm2-135m"), target, ignore=shutil.ignore_patterns("*.safetensors"))
+    for name in ("config.json", "generation_config.json"):
+        config = json.loads((target / name).read_text())
+        (target / name).write_text(json.dumps({**config, "eos_token_id": None}))
+    tokenizer_config = json.loads((target / "tokenizer_config.json").read_text())
+    (target / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "eos_token": None}))
+    with caplog.at_level("WARNING", logger="training.data"):
+        make_datamodule(tmp_path, target=str(target)).prepare_data()
+    warned = [r.getMessage() for r in caplog.records if "decoding stops at" in r.getMessage()]
+    assert len(warned) == 1 and "ends a reply with '<|im_end|>' (id 2)" in warned[0]
+    assert "decoding stops at none:" in warned[0]
+
+
 def test_a_target_without_a_chat_template_is_one_line_naming_it(tmp_path):
     """A base model's folder: `python -m training.train` ended in transformers' ValueError traceback."""
     import shutil

@@ -574,3 +574,13 @@ def test_a_loader_worker_sent_sigterm_mid_batch_finishes_it(tmp_path):
     for loader in (dm.train_dataloader(), dm.val_dataloader()):
         read = [token for batch in loader for token in batch["input_ids"].flatten().tolist()]
         assert sorted(read) == [0, 1, 2, 3]
+
+
+def test_a_loader_state_saved_before_its_first_batch_resumes_at_the_first():
+    """A checkpoint written before the loader yielded anything holds no position: resumed, it trains the whole epoch,
+    skipping none of it."""
+    data = list(range(20))
+    state = ResumableDataLoader(data, EpochShuffleSampler(20, seed=0), batch_size=2).state_dict()
+    resumed = ResumableDataLoader(data, EpochShuffleSampler(20, seed=0), batch_size=2)
+    resumed.load_state_dict(state)
+    assert sorted(item for batch in resumed for item in batch.tolist()) == data

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from ddtree.errors import DDTreeError
-from training.data import DistillDataModule, EpochShuffleSampler, ResumableDataLoader, rank_share, source_fingerprint
+from training.data import (DistillDataModule, EpochShuffleSampler, ResumableDataLoader, TokenizedConversations,
+                           rank_share, source_fingerprint)
 from training.module import DistillModule
 
 
@@ -95,6 +96,14 @@ def test_what_tokenization_dropped_is_warned_once_and_recorded_for_data_json(tmp
         cached = make_datamodule(tmp_path)
         cached.setup("fit")
     assert not caplog.records and cached.record()["tokenization"] == counts
+
+
+def test_tokenized_conversations_keep_each_sequences_tokens_mask_and_length():
+    """The flat layout's offsets are what every item, and the lengths a feature store is planned and checked by, read."""
+    data = TokenizedConversations.from_examples([{"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]},
+                                                 {"input_ids": [4, 5], "loss_mask": [1, 0]}])
+    assert len(data) == 2 and data.lengths() == [3, 2]
+    assert data[1]["input_ids"].tolist() == [4, 5] and data[1]["loss_mask"].tolist() == [True, False]
 
 
 @pytest.mark.parametrize("field, value, said", [

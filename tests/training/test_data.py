@@ -16,7 +16,7 @@ import torch
 
 from ddtree.errors import DDTreeError
 from training.data import (DistillDataModule, EpochShuffleSampler, ResumableDataLoader, TokenizedConversations,
-                           rank_share, source_fingerprint)
+                           legacy_source_fingerprint, rank_share, source_fingerprint)
 from training.module import DistillModule
 
 
@@ -312,6 +312,14 @@ def test_a_tokenizer_retrained_in_the_same_folder_is_tokenized_again(tmp_path):
     vocab["a"], vocab["b"] = vocab["b"], vocab["a"]  # retrained: the same tokens, numbered otherwise
     (target / "tokenizer.json").write_text(json.dumps(serialized))
     assert make_datamodule(tmp_path, target=str(target)).tokenization_key() != key
+
+
+def test_the_legacy_identity_of_data_names_its_resolved_path(tmp_path, monkeypatch):
+    """Stores built before 2026-12-03 recorded the data's resolved path (through the tokenization key), so
+    tokenization_keys finds them only if the path is resolved alike: the default data_path is a relative one."""
+    conversation_file(tmp_path / "conv.jsonl", 2)
+    monkeypatch.chdir(tmp_path)
+    assert legacy_source_fingerprint("conv.jsonl") == legacy_source_fingerprint(str(tmp_path / "conv.jsonl"))
 
 
 def test_the_tokenized_cache_is_named_by_the_data_content_not_its_place(tmp_path):

@@ -322,6 +322,17 @@ def test_the_legacy_identity_of_data_names_its_resolved_path(tmp_path, monkeypat
     assert legacy_source_fingerprint("conv.jsonl") == legacy_source_fingerprint(str(tmp_path / "conv.jsonl"))
 
 
+def test_an_earlier_tokenization_masked_otherwise_is_alike_in_ids_only(tmp_path):
+    """A teacher's top-k rows were computed only where the loss mask supervises: an earlier version's cache with the
+    same ids but other masks still serves plain features, but a teacher store built from it must not be taken."""
+    dm = make_datamodule(tmp_path)
+    data, _, _ = dm.load_tokenized()
+    earlier = tmp_path / "cache" / "earlier.pt"
+    torch.save({"input_ids": data.input_ids, "loss_mask": torch.ones_like(data.loss_mask), "offsets": data.offsets},
+               earlier)
+    assert dm.tokenized_alike(earlier, masks=False) and not dm.tokenized_alike(earlier, masks=True)
+
+
 def test_the_tokenized_cache_is_named_by_the_data_content_not_its_place(tmp_path):
     """A copy on a node's disk, a moved folder or a fresh clone (new path, new mtime) was another cache entry, and a
     feature store built from the data refused it; an edit is another entry still. A file's digest is remembered by

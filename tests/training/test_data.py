@@ -198,15 +198,20 @@ def test_a_template_whose_end_of_turn_token_decoding_does_not_stop_at_is_warned_
     assert not [r for r in caplog.records if "decoding stops at" in r.getMessage()]
 
 
-def test_a_target_whose_decoding_stops_at_no_token_is_warned_of_its_end_of_turn(tmp_path, caplog):
-    """No eos anywhere (config, generation config, tokenizer): decoding stops at no token, so the end of turn that
-    training supervises is none of them either, and is warned of as where decoding stops elsewhere."""
+def tokenizer_copy(folder: Path) -> Path:
+    """The built-in target's folder copied to `folder` without its weights: its configs and tokenizer, to edit."""
     import shutil
 
     from ddtree.targets import builtin_target_folder
 
-    target = tmp_path / "no-eos"
-    shutil.copytree(builtin_target_folder("smollm2-135m"), target, ignore=shutil.ignore_patterns("*.safetensors"))
+    shutil.copytree(builtin_target_folder("smollm2-135m"), folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    return folder
+
+
+def test_a_target_whose_decoding_stops_at_no_token_is_warned_of_its_end_of_turn(tmp_path, caplog):
+    """No eos anywhere (config, generation config, tokenizer): decoding stops at no token, so the end of turn that
+    training supervises is none of them either, and is warned of as where decoding stops elsewhere."""
+    target = tokenizer_copy(tmp_path / "no-eos")
     for name in ("config.json", "generation_config.json"):
         config = json.loads((target / name).read_text())
         (target / name).write_text(json.dumps({**config, "eos_token_id": None}))
@@ -300,12 +305,7 @@ def test_a_target_whose_chat_template_changed_is_tokenized_again(tmp_path, monke
 def test_a_tokenizer_retrained_in_the_same_folder_is_tokenized_again(tmp_path):
     """The tokenizer is named by its serialized vocabulary, not its folder: one retrained in place, of the same size
     and chat template, gives the same text other ids, and must not reuse the cache tokenized with the old one."""
-    import shutil
-
-    from ddtree.targets import builtin_target_folder
-
-    target = tmp_path / "target"
-    shutil.copytree(builtin_target_folder("smollm2-135m"), target, ignore=shutil.ignore_patterns("*.safetensors"))
+    target = tokenizer_copy(tmp_path / "target")
     key = make_datamodule(tmp_path, target=str(target)).tokenization_key()
     serialized = json.loads((target / "tokenizer.json").read_text())
     vocab = serialized["model"]["vocab"]

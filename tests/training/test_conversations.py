@@ -764,6 +764,27 @@ def test_every_file_reader_keeps_the_ids_a_regeneration_wrote(smol_tokenizer, tm
             read_messages_jsonl(write_lines(tmp_path / "bad.jsonl", [line]))
 
 
+def test_every_file_reader_keeps_a_replys_finish_reason_so_one_cut_short_is_not_trained_as_finished(smol_tokenizer,
+                                                                                                   tmp_path):
+    """A reply that hit max_new_tokens (finish_reason "length", which data/regenerate.py writes) ends where the target
+    was stopped: a reader that dropped the field had training supervise the end-of-turn token after it, teaching the
+    drafter to close every reply at the length limit."""
+    from datasets import Dataset
+
+    rows = [{"id": "cut", "messages": CONVERSATION[:2], "finish_reason": "length"},
+            {"id": "done", "messages": CONVERSATION[:2], "finish_reason": "stop"}]
+    jsonl = write_lines(tmp_path / "cut.jsonl", [json.dumps(row) for row in rows])
+    Dataset.from_list(rows).to_parquet(str(tmp_path / "cut.parquet"))
+    Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    im_end = smol_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for source in (jsonl, tmp_path / "cut.parquet", tmp_path / "saved"):
+        records = load_conversations(source)
+        assert [r.get("finish_reason") for r in records] == ["length", "stop"], source
+        (cut, done), _ = tokenize_conversations(smol_tokenizer, records, max_length=500, min_supervised_tokens=1)
+        assert im_end not in [i for i, m in zip(cut["input_ids"], cut["loss_mask"]) if m], source
+        assert im_end in [i for i, m in zip(done["input_ids"], done["loss_mask"]) if m], source
+
+
 def test_response_ids_that_do_not_decode_to_the_reply_are_skipped_and_counted_naming_file_and_line(smol_tokenizer,
                                                                                                   tmp_path, caplog):
     """One hand-edited reply among 2048 stopped the whole preparation, with an error naming neither the file nor the

@@ -516,6 +516,17 @@ def test_unfinished_answer_does_not_supervise_an_end_of_turn(smol_tokenizer):
     assert masked_runs(smol_tokenizer, longer["input_ids"], longer["loss_mask"]) == ["assistant"]
 
 
+def test_a_reply_cut_short_without_an_assistant_turn_last_is_skipped_not_trained_on_the_users_text(smol_tokenizer):
+    """finish_reason "length" says the last message is the target's reply cut short; where the last message is the
+    user's (a hand-edited row), rendering it as that reply would supervise the user's words as the target's."""
+    asked = {"id": "asked", "messages": CONVERSATION[:3], "finish_reason": "length"}
+    kept, counts = tokenize_conversations(smol_tokenizer, [{"messages": CONVERSATION[:2]}, asked], max_length=500,
+                                          min_supervised_tokens=1)
+    assert counts["unaligned"] == 1 and counts["kept"] == 1
+    with pytest.raises(DDTreeError, match="finish_reason is 'length' but it does not end with an assistant turn"):
+        tokenize_conversations(smol_tokenizer, [asked], max_length=500, min_supervised_tokens=1)
+
+
 def test_a_template_that_writes_the_system_prompt_in_the_last_user_turn_trains_the_last_reply_after_decodings_prompt(
         mistral_v3_tokenizer, caplog, monkeypatch):
     """Mistral-7B-Instruct-v0.3 writes the system prompt only into the last user turn: a conversation's render never

@@ -1436,6 +1436,18 @@ def test_a_push_into_a_repo_holding_other_files_than_an_exports_is_refused_unles
     assert publish.main(["--push-only", str(out), "--repo", "tester/mymodel"]) == 0
 
 
+def test_a_refused_repos_files_are_named_five_and_a_count_so_the_error_stays_one_readable_line(run_dir, tmp_path, hub,
+                                                                                              capsys):
+    """REPO naming a big model's repo (a typo) refuses the push naming what it holds: all of a thousand shards would
+    bury the reason, and the command to run instead, at the end of a line no terminal shows whole."""
+    shards = [f"model-{i:05d}-of-00008.safetensors" for i in range(1, 9)]
+    StandInHub.repos["tester/big"] = {"README.md": b"# big", **{name: b"weights" for name in shards}}
+    StandInHub.private["tester/big"] = False
+    assert export(run_dir, tmp_path / "export", "--ckpt", "last", "--repo", "tester/big", "--push") == 2
+    assert (f"already holds files that no drafter export writes ({', '.join(shards[:5])} and 3 more), and a push"
+            in one_error_line(capsys))
+
+
 def test_a_push_into_another_models_repo_holding_only_an_exports_file_names_is_refused_unless_asked(
         run_dir, tmp_path, hub, capsys):
     """README.md, config.json and model.safetensors are an export's file names, and an EAGLE head's or a model's saved

@@ -687,12 +687,15 @@ def test_load_conversations_from_jsonl_parquet_and_saved_dataset(tmp_path):
     jsonl = write_lines(tmp_path / "c.jsonl", [json.dumps(r) for r in rows])
     Dataset.from_list(rows).to_parquet(str(tmp_path / "c.parquet"))
     Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
-    for source, where in ((jsonl, f"{jsonl}:{{}}"), (tmp_path / "c.parquet", f"{tmp_path / 'c.parquet'} row {{}}"),
+    json_named = write_lines(tmp_path / "c.json", [json.dumps(r) for r in rows])  # JSONL as many tools name it
+    for source, where in ((jsonl, f"{jsonl}:{{}}"), (json_named, f"{json_named}:{{}}"),
+                          (tmp_path / "c.parquet", f"{tmp_path / 'c.parquet'} row {{}}"),
                           (tmp_path / "saved", f"{tmp_path / 'saved'} row {{}}")):
         records = load_conversations(source)
         assert [{k: v for k, v in r.items() if k != "where"} for r in records] == rows, source
         # where each record is, for what later finds fault with it (tokenize_conversations): lines from 1, rows from 0
-        assert [r["where"] for r in records] == [where.format(i + (source == jsonl)) for i in range(3)], source
+        lines = source in (jsonl, json_named)
+        assert [r["where"] for r in records] == [where.format(i + lines) for i in range(3)], source
     with pytest.raises(DDTreeError, match="no such file or folder"):
         load_conversations(tmp_path / "nothing-here")
     (tmp_path / "plain").mkdir()

@@ -66,6 +66,13 @@ def test_labels_outside_the_draft_vocabulary_are_ignored():
     assert draft_vocab_labels(labels, torch.tensor([3, 7, 9]), 12).tolist() == [[IGNORE_INDEX, 1, 0, IGNORE_INDEX]]
 
 
+def test_an_ignored_label_stays_ignored_where_the_draft_vocabulary_holds_token_0():
+    """The anchor's and padding's IGNORE_INDEX index no row: looked up as token 0 (an end-of-text token, which replies
+    hold), they would become that row's label, counted in the loss and the token counts."""
+    labels = torch.tensor([[IGNORE_INDEX, 0, 7, IGNORE_INDEX]])
+    assert draft_vocab_labels(labels, torch.tensor([7, 0, 3]), 12).tolist() == [[IGNORE_INDEX, 1, 0, IGNORE_INDEX]]
+
+
 def test_decoding_logits_are_the_head_rows_of_the_vocabulary_and_minus_inf_elsewhere():
     module = tiny_module()
     drafter, lm_head = module.drafter, module.target.get_output_embeddings()

@@ -6,13 +6,15 @@ mutation review (2026-12-05, 2026-12-06) found the rest of the suite letting thr
 
 import math
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig
 
 import ddtree.decoding
 from ddtree.decoder import load_drafter
-from ddtree.decoding import DrafterRunner, OnlineCalibration, Sampling, generate, top_p_filter
+from ddtree.decoding import DrafterRunner, OnlineCalibration, Sampling, check_budget, generate, top_p_filter
 from ddtree.modeling_dflash import DFlashDraftModel
 from ddtree.target_runner import DynamicTarget
 from ddtree.errors import DDTreeError
@@ -291,3 +293,22 @@ def test_the_drafters_features_are_its_target_layers_outputs_in_its_order(tiny_t
     with torch.no_grad():
         hidden = target(torch.tensor([[5, 17, 42, 8]]), output_hidden_states=True).hidden_states
     torch.testing.assert_close(runner.features(hidden), torch.cat([hidden[1], hidden[4]], dim=-1), atol=0, rtol=0)
+
+
+def test_the_context_limit_is_the_targets_positions_exactly_and_none_where_it_names_none():
+    """A prompt one short of max_position_embeddings fits and decodes the one token its context leaves room for, and a
+    tree one node short of it can be verified; a config naming no max_position_embeddings limits nothing. (An
+    off-by-one in context_limit refused a prompt that fits; a finite default refused what a model naming none can do.)"""
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=16,
+    )).eval()
+    prompt = list(range(1, 16))  # positions 0..14 of the 16
+    assert len(generate(target, prompt, "ar", None, max_new_tokens=8, stop_ids=[]).new_tokens) == 1
+    with pytest.raises(DDTreeError, match="prompt of 16 tokens does not fit the target's context of 16 tokens"):
+        generate(target, prompt + [1], "ar", None, max_new_tokens=8, stop_ids=[])
+    check_budget(15, target)
+    with pytest.raises(DDTreeError, match="budget 16: "):
+        check_budget(16, target)
+    check_budget(1 << 20, SimpleNamespace(config=PretrainedConfig()))

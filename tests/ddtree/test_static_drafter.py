@@ -239,3 +239,21 @@ def test_a_generation_that_needs_every_slot_of_the_static_target_reuses_it(tiny_
     assert runner.capacity == CAPACITY_STEP  # rounded up to a whole step
     assert static_target(target, False, 5, needed=CAPACITY_STEP) is runner
     assert static_target(target, False, 5, needed=CAPACITY_STEP + 1).capacity == 2 * CAPACITY_STEP
+
+
+def test_a_static_target_is_not_reused_once_the_targets_buffers_moved(tiny_target, monkeypatch):
+    """A captured graph reads the rotary inv_freq by address like the weights: a target whose buffer was replaced (a
+    dynamic rope's update assigns a new one) gets a new StaticTarget, not one whose graph reads the freed tensor."""
+    import weakref
+
+    from ddtree import target_runner
+    from ddtree.target_runner import static_target
+
+    target, _ = tiny_target
+    monkeypatch.setattr(target_runner, "_STATIC_TARGETS", weakref.WeakKeyDictionary())  # none left by other tests
+    runner = static_target(target, False, 5, needed=64)
+    assert static_target(target, False, 5, needed=64) is runner
+    rotary = target.model.rotary_emb
+    monkeypatch.setattr(rotary, "inv_freq", rotary.inv_freq.clone())  # the same values at another address
+    assert static_target(target, False, 5, needed=64) is not runner
+

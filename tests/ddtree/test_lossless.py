@@ -378,6 +378,26 @@ def test_a_static_verify_whose_padding_runs_past_the_cache_is_refused(tiny_targe
         with pytest.raises(ValueError, match="^3 rows at slot 6 do not fit 8 rows / 12 slots$"):
             runner.verify([14, 15, 16], torch.arange(6, 9), np.tril(np.ones((3, 3), dtype=bool)), 6)
 
+
+@pytest.mark.parametrize("runner_kind", ["dynamic", "static"])
+def test_a_prefill_gives_the_plain_forwards_logits_and_hidden_states_even_after_a_longer_prompt(tiny_target,
+                                                                                               runner_kind):
+    """A prefill is the target's plain causal forward over the prompt: no prompt row sees a later one, and a static
+    runner reused by a shorter prompt sees none of the longer one's keys left in its slots."""
+    from ddtree.target_runner import DynamicTarget, StaticTarget
+
+    model, _ = tiny_target
+    static = StaticTarget(model, hidden_states=True, max_rows=4, capacity=32, cuda_graph=False)
+    with torch.no_grad():
+        for prompt in ([5, 17, 42, 8, 99, 3, 61, 7, 250, 12], [31, 4, 1000, 9]):
+            runner = static if runner_kind == "static" else DynamicTarget(model, hidden_states=True)
+            logits, hidden = runner.prefill(prompt)
+            plain = model(torch.tensor([prompt]), output_hidden_states=True)
+            torch.testing.assert_close(logits, plain.logits[0, -1])
+            for got, want in zip(hidden, plain.hidden_states, strict=True):
+                torch.testing.assert_close(got, want)
+
+
 @pytest.fixture(scope="module")
 def packed_target(smollm2):
     import copy

@@ -353,12 +353,13 @@ def test_cache_compaction_keeps_exactly_the_prefix_and_the_rows(tiny_target, row
     with torch.no_grad():  # a 4-token prefix, then 8 tree rows (a chain) verified after it
         runner.prefill(list(range(10, 14)))
         runner.verify(list(range(14, 22)), torch.arange(4, 12), np.tril(np.ones((8, 8), dtype=bool)), 4)
-    keys = lambda layer: layer.keys[..., : 4 + 8, :]  # noqa: E731 (the static buffer runs past the rows written)
-    expected = [(keys(layer)[..., :4, :].clone(), keys(layer)[..., [4 + r for r in rows], :].clone())
-                for layer in runner.cache.layers]
+    # keys and values alike: stale values under the kept keys change the next verify's logits as surely
+    expected = [[(buffer[..., :4, :].clone(), buffer[..., [4 + r for r in rows], :].clone())
+                 for buffer in (layer.keys, layer.values)] for layer in runner.cache.layers]
     runner.keep(4, rows)
-    for layer, (prefix, kept) in zip(runner.cache.layers, expected):
-        assert torch.equal(layer.keys[..., : 4 + len(rows), :], torch.cat([prefix, kept], dim=-2))
+    for layer, pairs in zip(runner.cache.layers, expected):
+        for buffer, (prefix, kept) in zip((layer.keys, layer.values), pairs):
+            assert torch.equal(buffer[..., : 4 + len(rows), :], torch.cat([prefix, kept], dim=-2))
     if runner_kind == "dynamic":
         assert runner.cache.get_seq_length() == 4 + len(rows)
 

@@ -399,6 +399,33 @@ def test_a_prefill_gives_the_plain_forwards_logits_and_hidden_states_even_after_
                 torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("runner_kind", ["dynamic", "static"])
+def test_a_tree_verify_gives_each_node_the_plain_forwards_logits_over_its_path(tiny_target, runner_kind):
+    """Each node of a verified tree scores as the plain forward over the prompt and its own path does: at its depth's
+    position, seeing its ancestors and no sibling (two nodes share depth 1; the static runner pads to 6 rows)."""
+    import numpy as np
+
+    from ddtree.target_runner import DynamicTarget, StaticTarget
+
+    model, _ = tiny_target
+    if runner_kind == "dynamic":
+        runner = DynamicTarget(model, hidden_states=False)
+    else:
+        runner = StaticTarget(model, hidden_states=False, max_rows=6, capacity=32, cuda_graph=False)
+    prompt, tokens = [5, 17, 42, 8], [99, 3, 61, 250]
+    paths = [[0], [0, 1], [0, 2], [0, 1, 3]]  # each row's path from the root: two children, a grandchild of the first
+    visible = np.zeros((4, 4), dtype=bool)
+    for row, path in enumerate(paths):
+        visible[row, path] = True
+    with torch.no_grad():
+        runner.prefill(prompt)
+        logits, _ = runner.verify(tokens, torch.tensor([len(prompt) + len(path) - 1 for path in paths]), visible,
+                                  len(prompt))
+        for row, path in enumerate(paths):
+            plain = model(torch.tensor([prompt + [tokens[node] for node in path]])).logits[0, -1]
+            torch.testing.assert_close(logits[row], plain)
+
+
 @pytest.fixture(scope="module")
 def packed_target(smollm2):
     import copy

@@ -253,7 +253,10 @@ def test_a_static_target_is_not_reused_once_the_targets_buffers_moved(tiny_targe
     monkeypatch.setattr(target_runner, "_STATIC_TARGETS", weakref.WeakKeyDictionary())  # none left by other tests
     runner = static_target(target, False, 5, needed=64)
     assert static_target(target, False, 5, needed=64) is runner
-    rotary = target.model.rotary_emb
-    monkeypatch.setattr(rotary, "inv_freq", rotary.inv_freq.clone())  # the same values at another address
-    assert static_target(target, False, 5, needed=64) is not runner
+    rotary, saved = target.model.rotary_emb, target.model.rotary_emb.inv_freq
+    rotary.inv_freq = saved.clone()  # the same values at another address (monkeypatch's undo deletes a buffer)
+    try:
+        assert static_target(target, False, 5, needed=64) is not runner
+    finally:
+        rotary.inv_freq = saved
 

@@ -260,3 +260,24 @@ def test_a_static_target_is_not_reused_once_the_targets_buffers_moved(tiny_targe
     finally:
         rotary.inv_freq = saved
 
+
+def test_a_drafter_runner_fixes_shapes_anew_once_the_targets_embedding_and_head_moved(tiny_target):
+    """The drafter reads the target's embedding and lm_head: a target cast there and back (the drafter untouched)
+    moves them, and a captured graph of the drafter reads them by address, so the next generation's drafter runner is
+    made again."""
+    from ddtree.decoding import generate
+    from ddtree.modeling_dflash import DFlashDraftModel
+    from ddtree.targets import build_drafter_config
+
+    target, tokenizer = tiny_target
+    target = copy.deepcopy(target)
+    config = build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4,
+                                  target_layer_ids=[0, target.config.num_hidden_layers - 1])
+    runner = DrafterRunner(DFlashDraftModel(config).eval(), target)
+    generate(target, [5, 6, 7, 8], "ddtree", runner, budget=4, max_new_tokens=6, static=True)
+    before = runner.static
+    generate(target, [5, 6, 7, 8], "ddtree", runner, budget=4, max_new_tokens=6, static=True)
+    assert runner.static is before  # reused while nothing moved
+    target.to(torch.bfloat16).to(torch.float32)
+    generate(target, [5, 6, 7, 8], "ddtree", runner, budget=4, max_new_tokens=6, static=True)
+    assert runner.static is not before

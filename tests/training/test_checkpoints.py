@@ -607,12 +607,13 @@ def test_a_checkpoint_lacking_its_config_or_step_is_one_error_line(saved, tmp_pa
 
 
 @pytest.mark.parametrize("command", ["eval", "export"])
-def test_a_checkpoint_with_non_finite_weights_is_refused_not_scored_or_shipped(saved, tmp_path, capsys, command):
+@pytest.mark.parametrize("value", ["nan", "inf"])  # an overflow diverges to inf, not only to NaN
+def test_a_checkpoint_with_non_finite_weights_is_refused_not_scored_or_shipped(saved, tmp_path, capsys, command, value):
     """Lossless decoding scores any drafter at tau >= 1.0: one whose weights diverged would read as measured, and
     an export would ship noise."""
     def diverge(checkpoint):
         name = next(key for key in checkpoint["state_dict"] if key.startswith("drafter."))
-        checkpoint["state_dict"][name] = torch.full_like(checkpoint["state_dict"][name], float("nan"))
+        checkpoint["state_dict"][name] = torch.full_like(checkpoint["state_dict"][name], float(value))
 
     run, diverged = edited_run(saved[0], tmp_path, diverge)
     line = refused_line(command, run, tmp_path, capsys)

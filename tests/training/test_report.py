@@ -136,13 +136,21 @@ def test_report_ranks_checkpoints_by_the_primary_budget_not_the_first_listed():
     assert "**Best checkpoint by tau@8: step 2** (tau 3.000;" in report and "| **2** (best) |" in report
 
 
+ADAPTER = {"target_adapter": "adapters/sql", "target_adapter_sha256": "a" * 64}  # a run's hyper-parameters
+
+
+def usage(**fields) -> str:
+    """The card's usage section for `fields` (card_facts') of a drafter whose config names its target layers."""
+    config = {"block_size": 8, "dflash_config": {"target_layer_ids": [1]}}
+    return "\n".join(usage_section(card_facts(**{"drafter_config": config, **fields})))
+
+
 def test_the_merge_step_loads_the_target_in_the_dtype_training_merged_its_adapter_in():
     """The card's merge step writes the target every command of the card loads: merged in float32 after a bf16 run, it
     is not the bfloat16 target training merged the adapter into, and that every figure of the card was measured with."""
-    adapter = {"target_adapter": "adapters/sql", "target_adapter_sha256": "a" * 64}
-    bf16 = "\n".join(merge_step(card_facts(hyper_parameters=adapter, run_config={"trainer": {"precision": "bf16-true"}})))
+    bf16 = "\n".join(merge_step(card_facts(hyper_parameters=ADAPTER, run_config={"trainer": {"precision": "bf16-true"}})))
     assert 'load_target("tiny-random", dtype=torch.bfloat16)' in bf16
-    fp16 = "\n".join(merge_step(card_facts(hyper_parameters={**adapter, "target_dtype": "float16"},
+    fp16 = "\n".join(merge_step(card_facts(hyper_parameters={**ADAPTER, "target_dtype": "float16"},
                                            run_config={"trainer": {"precision": "bf16-mixed"}})))
     assert 'load_target("tiny-random", dtype=torch.float16)' in fp16  # model.target_dtype over the precision
 
@@ -160,11 +168,10 @@ def test_a_damaged_data_record_leaves_the_card_silent_on_it_rather_than_failing_
 def test_the_usage_of_a_hub_export_loads_the_repo_and_a_local_exports_its_folder():
     """A card pushed to you/d told transformers users `AutoModel.from_pretrained("path/to/this/folder")`, which no
     reader of the Hub page has; the ddtree commands decode the folder the card's download line writes."""
-    cfg = {"block_size": 8, "dflash_config": {"target_layer_ids": [1]}}
-    hub = "\n".join(usage_section(card_facts(repo="you/d", drafter_config=cfg)))
+    hub = usage(repo="you/d")
     assert 'AutoModel.from_pretrained("you/d", trust_remote_code=True)' in hub and "path/to/this/folder" not in hub
     assert "hf download you/d --local-dir drafter\nddtree generate --target tiny-random --drafter drafter " in hub
-    local = "\n".join(usage_section(card_facts(drafter_config=cfg)))
+    local = usage()
     assert 'AutoModel.from_pretrained("path/to/this/folder", trust_remote_code=True)' in local
     assert "hf download" not in local and "--drafter path/to/this/folder " in local
 
@@ -173,13 +180,10 @@ def test_the_usage_of_an_adapted_built_in_target_never_sends_the_reader_to_the_t
     """The card of a built-in target measured through its GGUF weights says `--target smollm2-135m` decodes as
     measured; with an adapter it must not: that target lacks the adapter, and the merge step's folder, which the
     commands name, is already made from those very GGUF weights."""
-    cfg = {"block_size": 8, "dflash_config": {"target_layer_ids": [1]}}
     hub_id = "HuggingFaceTB/SmolLM2-135M-Instruct"
-    plain = "\n".join(usage_section(card_facts(target="smollm2-135m", base_model=hub_id, drafter_config=cfg)))
+    plain = usage(target="smollm2-135m", base_model=hub_id)
     assert "`--target smollm2-135m` (`ddtree`'s built-in" in plain  # the note this is about
-    adapter = {"target_adapter": "adapters/sql", "target_adapter_sha256": "a" * 64}
-    adapted = "\n".join(usage_section(card_facts(target="smollm2-135m", base_model=hub_id, drafter_config=cfg,
-                                                  hyper_parameters=adapter)))
+    adapted = usage(target="smollm2-135m", base_model=hub_id, hyper_parameters=ADAPTER)
     assert "--target merged-target --drafter" in adapted and "`--target smollm2-135m`" not in adapted
 
 

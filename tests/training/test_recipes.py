@@ -283,6 +283,7 @@ def test_a_recipe_file_name_with_no_such_file_is_told_the_name_and_an_empty_one_
      "not valid YAML at line 3, column 2 (expected <block end>, but found '<block mapping start>'); fix the file"),
     ("- model\n- trainer\n", "the top level is a list, not a mapping of sections"),
     ("model\n", "the top level is a str, not a mapping of sections"),  # a word, not `model:`
+    ("[]\n", "the top level is a list, not a mapping of sections"),  # only an empty file is an empty recipe
 ])
 def test_a_recipe_that_is_not_a_yaml_mapping_is_one_line_naming_the_file_and_where(tmp_path, monkeypatch, capsys, text,
                                                                                   named):

@@ -344,6 +344,13 @@ def test_a_utf8_byte_order_mark_and_windows_line_ends_are_read(tmp_path):
     assert read(path) == [{"prompt": "café"}, {"prompt": "b"}]
 
 
+def test_a_line_of_only_spaces_and_tabs_is_blank_and_later_lines_keep_their_numbers(tmp_path):
+    """An editor's indentation left on an empty line is no prompt to refuse as JSON cut off."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "a"}\n  \t\n{"prompt": "b"}\n')
+    assert list(iter_json_lines(path)) == [(1, f"{path}:1", {"prompt": "a"}), (3, f"{path}:3", {"prompt": "b"})]
+
+
 @pytest.mark.parametrize("bad_line, problem", [
     ('{"prompt" "b"}', "Expecting ':' delimiter at column 11"),
     ('{"prompt": "b"} x', "Extra data at column 17"),

@@ -357,6 +357,7 @@ def test_a_line_of_only_spaces_and_tabs_is_blank_and_later_lines_keep_their_numb
     ('{"prompt": "\x01"}', "Invalid control character at column 13"),  # json's own message ends in "at"
     ('{"prompt": ', "the line ends before the JSON object is complete: was it cut off?"),
     ('{"prompt": "a long answer cut o', "the line ends before the JSON object is complete: was it cut off?"),
+    ('{"prompt": "b"', "the line ends before the JSON object is complete: was it cut off?"),  # cut at the brace
 ])
 def test_invalid_json_says_what_and_where_on_the_line(tmp_path, bad_line, problem):
     path = tmp_path / "prompts.jsonl"

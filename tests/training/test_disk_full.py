@@ -148,6 +148,9 @@ def test_the_os_error_behind_a_failed_write_is_read_from_safetensors_and_torch_t
     short = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 201600 vs 201488")
     short.__context__ = RuntimeError("basic_ios::clear: iostream error")
     assert write_failure(short).errno is None and "unexpected pos 201600 vs 201488" in str(write_failure(short))
+    # safetensors' I/O error without the OS's code: still a failed write (no errno to say which), not a traceback
+    unnumbered = write_failure(SafetensorError("Error while serializing: I/O error: No space left on device"))
+    assert unnumbered.errno is None and str(unnumbered) == "No space left on device"
     assert write_failure(SafetensorError("invalid tensor layout")) is None  # bugs keep their traceback
     assert write_failure(RuntimeError("a bug")) is None
     assert write_failure(OSError("Can't load tokenizer")) is None  # (transformers' OSErrors name no errno)

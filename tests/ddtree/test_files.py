@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from ddtree.errors import DDTreeError
-from ddtree.files import not_a_file, staged_folder, staging_owner, write_results_json
+from ddtree.files import atomic_file, not_a_file, staged_folder, staging_owner, write_results_json
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -151,6 +151,16 @@ def test_not_a_file_says_what_was_found_where_an_input_file_was_meant(tmp_path):
     assert not_a_file(tmp_path / "pipe") == "not a regular file"  # read twice where pipes are not asked for
     assert not_a_file(tmp_path / "pipe", pipe_ok=True) is None
     assert not_a_file(tmp_path / "folder", pipe_ok=True) == "a folder, not a file"
+
+
+def test_a_file_where_a_folder_of_the_path_goes_is_named_not_the_folder_mkdir_could_not_make(tmp_path):
+    """mkdir's error names the deepest folder it could not make ("Not a directory: .../sub"), not the file in the way."""
+    (tmp_path / "results.json").write_text("the user's file")
+    out = tmp_path / "results.json" / "sub" / "step-100.json"
+    with pytest.raises(DDTreeError) as error, atomic_file(out) as handle:
+        handle.write("{}")
+    assert str(error.value) == (f"cannot write {out}: {tmp_path / 'results.json'} is a file, not a folder; give a "
+                                "path in a writable folder")
 
 
 @pytest.mark.parametrize("kind", ["file", "link"])

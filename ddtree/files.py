@@ -58,7 +58,13 @@ def follow_umask(path: Path, recursive: bool = False) -> None:
 
 def file_in_the_way(path: Path) -> Path | None:
     """The file standing where one of `path`'s folders should be, if any (nothing can be written under it)."""
-    return next((parent for parent in Path(path).parents if parent.exists() and not parent.is_dir()), None)
+    for parent in Path(path).parents:
+        try:
+            if parent.exists() and not parent.is_dir():
+                return parent
+        except OSError:  # a name the OS will not look up (ENAMETOOLONG): no file there, and mkdir's error says why
+            continue
+    return None
 
 
 def why_unwritable(folder: Path) -> str | None:

@@ -163,6 +163,16 @@ def test_a_file_where_a_folder_of_the_path_goes_is_named_not_the_folder_mkdir_co
                                 "path in a writable folder")
 
 
+def test_a_folder_that_cannot_be_made_is_named_with_the_oss_reason(tmp_path):
+    """A name too long to make: the OS's reason and the folder it names, one line (its look-up for a file in the way
+    raised ENAMETOOLONG too, a traceback)."""
+    too_long = tmp_path / ("a" * 300)
+    with pytest.raises(DDTreeError) as error, atomic_file(too_long / "results.json") as handle:
+        handle.write("{}")
+    assert str(error.value) == (f"cannot write {too_long / 'results.json'}: {os.strerror(errno.ENAMETOOLONG)} "
+                                f"({too_long}); give a path in a writable folder")
+
+
 @pytest.mark.parametrize("kind", ["file", "link"])
 def test_a_file_or_a_link_where_the_folder_goes_is_refused_before_the_work_and_kept(tmp_path, kind):
     """An export or a conversion into a path a file holds (OUT=results.json), let through, would rename the file aside

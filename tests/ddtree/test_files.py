@@ -6,6 +6,7 @@ next writer of the same folder on the same host, and nothing another writer may 
 
 from __future__ import annotations
 
+import argparse
 import errno
 import json
 import math
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from ddtree.errors import DDTreeError
-from ddtree.files import atomic_file, not_a_file, staged_folder, staging_owner, write_results_json
+from ddtree.files import atomic_file, not_a_file, path_argument, staged_folder, staging_owner, write_results_json
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -171,6 +172,13 @@ def test_a_folder_that_cannot_be_made_is_named_with_the_oss_reason(tmp_path):
         handle.write("{}")
     assert str(error.value) == (f"cannot write {too_long / 'results.json'}: {os.strerror(errno.ENAMETOOLONG)} "
                                 f"({too_long}); give a path in a writable folder")
+
+
+@pytest.mark.parametrize("text", ["", "  ", "\t"])
+def test_a_path_flag_of_nothing_but_blanks_is_refused(text):
+    """A path of blanks only (a variable holding a space) names no file anyone meant: refused as an empty one is."""
+    with pytest.raises(argparse.ArgumentTypeError, match="expected a path, got an empty string"):
+        path_argument(text)
 
 
 @pytest.mark.parametrize("kind", ["file", "link"])

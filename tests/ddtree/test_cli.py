@@ -500,6 +500,25 @@ def test_a_longrope_target_is_refused_before_decoding(method):
         generate(target.eval(), [1, 2, 3], method, drafter if method != "ar" else None, 8, 30)
 
 
+def test_a_longrope_among_a_targets_per_layer_type_rope_parameters_is_refused_too():
+    """transformers 5 gives a model of sliding and full layers one rope_parameters dict per layer type; a longrope in
+    one of them rotates those layers' rows as a single one does."""
+    from types import SimpleNamespace
+
+    from transformers import Gemma3TextConfig
+
+    from ddtree.decoding import check_fixed_rope
+
+    longrope = dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=24,
+                    short_factor=[1.0] * 4, long_factor=[1.0 + 3 * i for i in range(4)])
+    rope = {"sliding_attention": dict(rope_type="default", rope_theta=10000.0), "full_attention": longrope}
+    target = SimpleNamespace(config=Gemma3TextConfig(head_dim=8, rope_parameters=rope),
+                             name_or_path_for_ddtree="per-layer")
+    with pytest.raises(DDTreeError, match=r"^target 'per-layer' has rope_parameters\['rope_type'\] 'longrope': a "
+                                          "forward reaching past position 24 "):
+        check_fixed_rope(target)
+
+
 @pytest.mark.parametrize("method", ["ar", "ddtree"])
 def test_an_alibi_target_is_refused_before_decoding(method):
     """Found by a fuzzer (2026-12-02): ALiBi biases follow a key's cache slot, not its position, so an MPT target's

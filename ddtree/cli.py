@@ -353,6 +353,7 @@ def cmd_bench(args) -> None:
     check_calibration_flag(args, methods)
     check_flags_for_methods(args, methods)
     if args.out:
+        check_output_file(args.out)  # first: a path the OS will not look up (a name over 255 bytes) is one line
         check_out_is_no_input(args)
         check_output_file(args.out, overwrite=args.overwrite)
     sampling, target, tokenizer, files = _setup(args, trees="ddtree" in methods)

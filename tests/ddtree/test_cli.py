@@ -1,5 +1,6 @@
 """The `ddtree` CLI: a bench run end to end, and bad input as one line with a non-zero exit."""
 
+import errno
 import io
 import json
 import os
@@ -1407,6 +1408,19 @@ def test_an_unwritable_place_for_the_results_is_named_before_the_target_loads(ca
                     "writable folder")
     line = _bad(capsys, "calibrate", *common, "--drafter", str(folder))
     assert line.startswith(f"error: cannot write {folder / 'calibration.json'}: {folder} is not writable here")
+
+
+def test_a_results_path_too_long_to_look_up_is_one_line_before_the_target_loads(capsys, tmp_path, prompts_file,
+                                                                               monkeypatch):
+    """bench --out with a name over 255 bytes: the check that it is none of the run's inputs looked it up first and
+    stopped in an ENAMETOOLONG traceback."""
+    import ddtree.cli
+
+    monkeypatch.setattr(ddtree.cli, "load_target", lambda *args, **kwargs: pytest.fail("loaded the target first"))
+    out = tmp_path / ("a" * 300) / "results.json"
+    line = _bad(capsys, "bench", "--target", TARGET, "--prompts", str(prompts_file), "--methods", "ar", "--out",
+                str(out))
+    assert line == f"error: cannot write {out}: {os.strerror(errno.ENAMETOOLONG)}; give a path in a writable folder"
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from ddtree.errors import DDTreeError
-from ddtree.files import atomic_file, not_a_file, path_argument, staged_folder, staging_owner, write_results_json
+from ddtree.files import (atomic_file, check_output_file, not_a_file, path_argument, staged_folder, staging_owner,
+                          write_results_json)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -179,6 +180,16 @@ def test_a_path_flag_of_nothing_but_blanks_is_refused(text):
     """A path of blanks only (a variable holding a space) names no file anyone meant: refused as an empty one is."""
     with pytest.raises(argparse.ArgumentTypeError, match="expected a path, got an empty string"):
         path_argument(text)
+
+
+@pytest.mark.parametrize("name", ["a" * 300 + "/results.json", "a" * 300 + ".json"])
+def test_a_results_path_too_long_to_look_up_is_refused_before_the_work_in_one_line(tmp_path, name):
+    """`--out` with a name over 255 bytes: its look-up before the work (is it a folder?) raised ENAMETOOLONG, a
+    traceback, where the OS's reason belongs in the usual one line."""
+    with pytest.raises(DDTreeError) as error:
+        check_output_file(tmp_path / name)
+    assert str(error.value) == (f"cannot write {tmp_path / name}: {os.strerror(errno.ENAMETOOLONG)}; give a path in "
+                                "a writable folder")
 
 
 @pytest.mark.parametrize("kind", ["file", "link"])

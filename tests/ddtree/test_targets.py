@@ -458,6 +458,9 @@ def test_a_drafter_folder_saved_with_the_old_model_type_loads_without_transforme
     ("draft_vocab", [3, "5"], "dflash_config.draft_vocab is a list holding '5', expected a non-empty list of token ids"),
     ("draft_vocab", [3, 5, 10**6], "dflash_config.draft_vocab holds ids outside the target's embedding (0.."),
     ("draft_vocab", [3, 5, 5, 7], "dflash_config.draft_vocab holds ids more than once: [5]; this drafter was built"),
+    # one past the last row: an IndexError at the first forward, a device assert on CUDA
+    ("draft_vocab", [3, 5, 49152], "dflash_config.draft_vocab holds ids outside the target's embedding (0..49151): "
+     "[49152]"),
     ("draft_temperatures", ["1.0", "1.0", "1.0"], "dflash_config.draft_temperatures is ['1.0', '1.0', '1.0'], expected a "
      "list of numbers"),
     ("draft_temperatures", 1.0, "dflash_config.draft_temperatures is 1.0, expected a list of numbers"),

@@ -466,6 +466,8 @@ def test_a_drafter_folder_saved_with_the_old_model_type_loads_without_transforme
     ("draft_temperatures", 1.0, "dflash_config.draft_temperatures is 1.0, expected a list of numbers"),
     # one past the last row: the block's MASK embedding lookup was an IndexError at the first forward
     ("mask_token_id", 49152, "dflash_config.mask_token_id 49152 is not a row of the target's embedding (0..49151)"),
+    # no layer to read: the drafter's input projection had no features
+    ("target_layer_ids", [], "dflash_config.target_layer_ids [] must be non-empty and within 0..5"),
 ])
 def test_a_drafters_decoding_fields_out_of_range_are_one_line(tmp_path, tiny_target, field, value, named):
     """A hand-edited draft vocabulary indexed past the LM head (a raw IndexError; a device assert on CUDA), an empty one

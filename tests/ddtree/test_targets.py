@@ -324,6 +324,8 @@ def test_a_drafter_folder_loads_in_the_dtype_asked_not_the_one_it_was_saved_in(t
     ("block_size", "4", "block_size is '4', expected an integer"),
     ("target_layer_ids", ["1", "3"], "dflash_config.target_layer_ids is ['1', '3'], expected a list of integers"),
     ("mask_token_id", "16", "dflash_config.mask_token_id is '16', expected an integer"),
+    # JSON's true is a Python int: taken, it masked with token 1
+    ("mask_token_id", True, "dflash_config.mask_token_id is True, expected an integer"),
 ])
 def test_a_drafter_config_field_given_as_a_string_is_one_line(tmp_path, tiny_target, field, value, named):
     target, tokenizer = tiny_target

@@ -487,6 +487,19 @@ def test_a_drafters_decoding_fields_out_of_range_are_one_line(tmp_path, tiny_tar
     assert "\n" not in str(error.value)
 
 
+def test_a_drafter_folder_whose_decoding_counts_are_0_loads(tmp_path, tiny_target):
+    """0 is the decoders' own default (none): a config.json written by hand or by an older version with redraft 0 or
+    lookup 0 is a drafter that fits, not one to refuse."""
+    target, tokenizer = tiny_target
+    folder = tmp_path / "drafter"
+    DFlashDraftModel(build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4)).save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["dflash_config"].update(redraft=0, lookup=0)
+    (folder / "config.json").write_text(json.dumps(config))
+    loaded = load_drafter_folder(folder, torch.float32, target)
+    assert (loaded.config.dflash_config["redraft"], loaded.config.dflash_config["lookup"]) == (0, 0)
+
+
 @pytest.mark.parametrize("field, value, named", [
     ("hidden_act", "relu6x", "config.json's hidden_act 'relu6x' is not an activation transformers knows"),
     ("intermediate_size", -1, "config.json does not build a drafter (RuntimeError: "),

@@ -506,6 +506,7 @@ def test_a_drafter_folder_whose_decoding_counts_are_0_loads(tmp_path, tiny_targe
     ("head_dim", 0, "config.json does not build a drafter (ZeroDivisionError: "),
     ("rope_parameters", {"rope_type": "yarn", "rope_theta": 10000.0}, "/config.json could not be read: "),
     ("dtype", "bfloat", "/config.json could not be read: "),
+    ("block_size", 1, ": block_size 1 must be at least 2"),  # an anchor and no drafted token: nothing to speculate
 ])
 def test_a_drafter_config_edited_past_what_transformers_builds_is_one_line(tmp_path, tiny_target, field, value, named):
     """transformers' own KeyError (an activation, a rope setting), AttributeError (a dtype), RuntimeError (a size) or

@@ -967,6 +967,20 @@ def test_layer_ids_given_that_leave_the_target_name_the_setting_and_repeats_are_
     assert generate(target, [5, 6, 7], "ddtree", DrafterRunner(loaded, target), budget=4, max_new_tokens=8).new_tokens == greedy
 
 
+def test_a_drafter_is_built_with_its_targets_attention_layout():
+    """Qwen3's layout, as the published drafters have it: the target's query and key-value heads and its head_dim,
+    which need not be hidden_size / heads (Qwen3-0.6B: 1024 / 16 = 64, head_dim 128)."""
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      max_position_embeddings=128)
+    target = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    drafter = build_drafter_config(target, None, "/t/gqa", num_layers=1, block_size=4, target_layer_ids=[0],
+                                   mask_token_id=63)
+    assert (drafter.num_attention_heads, drafter.num_key_value_heads) == (4, 2)
+
+
 def test_a_target_whose_embedding_is_narrower_than_its_layers_is_one_line():
     """OPT-350m projects 512-wide embeddings into 1024-wide layers: a drafter reads the embedding and LM head at the
     hidden size, and built for it, it failed with a shape-mismatch traceback at its first forward."""

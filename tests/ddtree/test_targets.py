@@ -978,7 +978,7 @@ def test_a_drafter_is_built_with_its_targets_attention_layout():
     target = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
     drafter = build_drafter_config(target, None, "/t/gqa", num_layers=1, block_size=4, target_layer_ids=[0],
                                    mask_token_id=63)
-    assert (drafter.num_attention_heads, drafter.num_key_value_heads) == (4, 2)
+    assert (drafter.num_attention_heads, drafter.num_key_value_heads, drafter.head_dim) == (4, 2, 16)
 
 
 def test_a_target_whose_embedding_is_narrower_than_its_layers_is_one_line():

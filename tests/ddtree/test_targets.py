@@ -967,6 +967,16 @@ def test_layer_ids_given_that_leave_the_target_name_the_setting_and_repeats_are_
     assert generate(target, [5, 6, 7], "ddtree", DrafterRunner(loaded, target), budget=4, max_new_tokens=8).new_tokens == greedy
 
 
+def test_a_drafter_built_for_a_target_is_refused_by_one_of_the_same_width_and_another_depth(tmp_path):
+    """build_drafter_config records the target's depth (num_target_layers): without it a folder loads on a deeper
+    target, whose layers [0, 1, 2] are not those it learned from."""
+    DFlashDraftModel(build_drafter_config(shallow_target(4), None, "/t/L4", num_layers=1, block_size=4,
+                                          mask_token_id=63)).save_pretrained(tmp_path / "drafter")
+    with pytest.raises(DDTreeError, match=r": num_target_layers 4 != the target's 6 layers; this drafter was built for "
+                                          r"another target \('/t/L4'\)"):
+        load_drafter_folder(tmp_path / "drafter", torch.float32, shallow_target(6))
+
+
 def test_a_drafter_is_built_with_its_targets_attention_layout():
     """Qwen3's layout, as the published drafters have it: the target's query and key-value heads and its head_dim,
     which need not be hidden_size / heads (Qwen3-0.6B: 1024 / 16 = 64, head_dim 128)."""

@@ -293,6 +293,16 @@ def test_a_hub_target_in_the_local_cache_is_used_offline(tmp_path, monkeypatch):
     assert resolve_target("someone/cached") == "someone/cached"
 
 
+def test_a_hub_target_not_in_the_local_cache_is_refused_offline_without_asking_the_network(tmp_path, monkeypatch):
+    """HF_HUB_OFFLINE says why at once; the Hub client would fail later with a traceback about the network."""
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(ddtree.targets, "hub_is_reachable", lambda *a, **k: pytest.fail("asked the network"))
+    with pytest.raises(DDTreeError, match=r"^target 'someone/absent' is a Hub id that is not in the local cache and "
+                                          r"HF_HUB_OFFLINE is set: download it where there is internet"):
+        resolve_target("someone/absent")
+
+
 @pytest.mark.parametrize("as_given", [str, lambda folder: f"~/{folder.name}"], ids=["str", "from home"])
 def test_a_drafter_folder_given_as_a_str_loads_as_a_path_does(tmp_path, tiny_target, monkeypatch, as_given):
     """load_drafter_folder("exports/x") failed with TypeError str / str; load_target takes a str and a ~ path."""

@@ -303,6 +303,17 @@ def test_a_hub_target_not_in_the_local_cache_is_refused_offline_without_asking_t
         resolve_target("someone/absent")
 
 
+def test_a_hub_target_not_in_the_local_cache_is_refused_at_once_where_the_hub_cannot_be_reached(tmp_path, monkeypatch):
+    """The Hub client retries for about a minute, then raises a traceback."""
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_ENDPOINT", raising=False)
+    monkeypatch.setattr(ddtree.targets, "hub_is_reachable", lambda *a, **k: False)
+    with pytest.raises(DDTreeError, match=r"^target 'someone/absent' is a Hub id that is not in the local cache and the "
+                                          r"Hub \(https://huggingface.co\) cannot be reached: give a local folder"):
+        resolve_target("someone/absent")
+
+
 @pytest.mark.parametrize("as_given", [str, lambda folder: f"~/{folder.name}"], ids=["str", "from home"])
 def test_a_drafter_folder_given_as_a_str_loads_as_a_path_does(tmp_path, tiny_target, monkeypatch, as_given):
     """load_drafter_folder("exports/x") failed with TypeError str / str; load_target takes a str and a ~ path."""

@@ -1064,6 +1064,24 @@ def test_a_target_with_recurrent_or_convolutional_layers_is_refused_for_that_rea
                                        "roll back")
 
 
+def test_a_target_refused_for_another_reason_than_sdpa_is_not_loaded_again_with_eager(monkeypatch):
+    """Only transformers' no-SDPA refusal means eager would load it; another ValueError (an architecture it does not
+    know) retried with eager said the family had no SDPA attention, a wrong reason, before failing the same way."""
+    from ddtree.targets import from_pretrained_masked
+
+    asked = []
+
+    def from_pretrained(source, attn_implementation, **kwargs):
+        asked.append(attn_implementation)
+        raise ValueError("Unrecognized configuration class")
+
+    monkeypatch.setattr(ddtree.targets, "AutoModelForCausalLM", SimpleNamespace(from_pretrained=from_pretrained))
+    said = []
+    with pytest.raises(ValueError, match="^Unrecognized configuration class$"):
+        from_pretrained_masked("/t/odd", torch.float32, "/t/odd", said.append)
+    assert (asked, said) == (["sdpa"], [])
+
+
 @pytest.mark.parametrize("family", ["gptj", "codegen", "gemma2"])
 def test_a_target_without_sdpa_loads_with_eager_attention_and_decodes_greedys_tokens(tmp_path, tiny_target, capsys,
                                                                                       family):

@@ -874,6 +874,8 @@ def test_a_target_config_without_a_field_the_drafter_needs_is_one_line():
     with pytest.raises(DDTreeError, match=r"target 'x' \(mamba\) has no max_position_embeddings in its config"):
         target_field(family, "x", ("max_position_embeddings",))
     assert target_field(family, "x", ("intermediate_size", "n_inner"), 256) == 256  # None counts as absent
+    with pytest.raises(DDTreeError, match=r"has no intermediate_size or n_inner in its config"):  # each spelling taken
+        target_field(family, "x", ("intermediate_size", "n_inner"))
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic-cache", "static-cache"])

@@ -293,24 +293,20 @@ def test_a_hub_target_in_the_local_cache_is_used_offline(tmp_path, monkeypatch):
     assert resolve_target("someone/cached") == "someone/cached"
 
 
-def test_a_hub_target_not_in_the_local_cache_is_refused_offline_without_asking_the_network(tmp_path, monkeypatch):
-    """HF_HUB_OFFLINE says why at once; the Hub client would fail later with a traceback about the network."""
+@pytest.mark.parametrize("offline, reason", [
+    # said without asking the network, where the Hub client failed later with a traceback about it
+    (True, r"HF_HUB_OFFLINE is set: download it where there is internet"),
+    # said at once, where the Hub client retried for about a minute, then raised a traceback
+    (False, r"the Hub \(https://huggingface.co\) cannot be reached: give a local folder"),
+], ids=["offline", "unreachable"])
+def test_a_hub_target_not_in_the_local_cache_is_refused_at_once(tmp_path, monkeypatch, offline, reason):
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
-    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(ddtree.targets, "hub_is_reachable", lambda *a, **k: pytest.fail("asked the network"))
-    with pytest.raises(DDTreeError, match=r"^target 'someone/absent' is a Hub id that is not in the local cache and "
-                                          r"HF_HUB_OFFLINE is set: download it where there is internet"):
-        resolve_target("someone/absent")
-
-
-def test_a_hub_target_not_in_the_local_cache_is_refused_at_once_where_the_hub_cannot_be_reached(tmp_path, monkeypatch):
-    """The Hub client retries for about a minute, then raises a traceback."""
-    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
-    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", offline)
     monkeypatch.delenv("HF_ENDPOINT", raising=False)
-    monkeypatch.setattr(ddtree.targets, "hub_is_reachable", lambda *a, **k: False)
-    with pytest.raises(DDTreeError, match=r"^target 'someone/absent' is a Hub id that is not in the local cache and the "
-                                          r"Hub \(https://huggingface.co\) cannot be reached: give a local folder"):
+    monkeypatch.setattr(ddtree.targets, "hub_is_reachable",
+                        (lambda *a, **k: pytest.fail("asked the network")) if offline else (lambda *a, **k: False))
+    with pytest.raises(DDTreeError, match=r"^target 'someone/absent' is a Hub id that is not in the local cache and "
+                                          + reason):
         resolve_target("someone/absent")
 
 

@@ -155,24 +155,28 @@ def test_not_a_file_says_what_was_found_where_an_input_file_was_meant(tmp_path):
     assert not_a_file(tmp_path / "folder", pipe_ok=True) == "a folder, not a file"
 
 
+def write_refusal(path: Path) -> str:
+    """The one line an atomic write to `path` is refused with."""
+    with pytest.raises(DDTreeError) as error, atomic_file(path) as handle:
+        handle.write("{}")
+    return str(error.value)
+
+
 def test_a_file_where_a_folder_of_the_path_goes_is_named_not_the_folder_mkdir_could_not_make(tmp_path):
-    """mkdir's error names the deepest folder it could not make ("Not a directory: .../sub"), not the file in the way."""
+    """mkdir's error names the deepest folder it cannot make ("Not a directory: .../sub"), not the file in the way."""
     (tmp_path / "results.json").write_text("the user's file")
     out = tmp_path / "results.json" / "sub" / "step-100.json"
-    with pytest.raises(DDTreeError) as error, atomic_file(out) as handle:
-        handle.write("{}")
-    assert str(error.value) == (f"cannot write {out}: {tmp_path / 'results.json'} is a file, not a folder; give a "
-                                "path in a writable folder")
+    assert write_refusal(out) == (f"cannot write {out}: {tmp_path / 'results.json'} is a file, not a folder; give a "
+                                  "path in a writable folder")
 
 
 def test_a_folder_that_cannot_be_made_is_named_with_the_oss_reason(tmp_path):
     """A name too long to make: the OS's reason and the folder it names, one line (its look-up for a file in the way
     raised ENAMETOOLONG too, a traceback)."""
     too_long = tmp_path / ("a" * 300)
-    with pytest.raises(DDTreeError) as error, atomic_file(too_long / "results.json") as handle:
-        handle.write("{}")
-    assert str(error.value) == (f"cannot write {too_long / 'results.json'}: {os.strerror(errno.ENAMETOOLONG)} "
-                                f"({too_long}); give a path in a writable folder")
+    assert write_refusal(too_long / "results.json") == (f"cannot write {too_long / 'results.json'}: "
+                                                        f"{os.strerror(errno.ENAMETOOLONG)} ({too_long}); give a path "
+                                                        "in a writable folder")
 
 
 @pytest.mark.parametrize("text", ["", "  ", "\t"])

@@ -46,8 +46,9 @@ def test_the_prompts_fingerprint_tells_apart_ids_order_and_tokens():
 
     prompts = [{"id": "a", "prompt_ids": [1, 2]}, {"id": "b", "prompt_ids": [3]}]
     variants = [[{"id": "x", "prompt_ids": [1, 2]}, prompts[1]], prompts[::-1],
-                [{"id": "a", "prompt_ids": [1]}, {"id": "b", "prompt_ids": [2, 3]}]]
-    assert len({prompts_fingerprint(p) for p in [prompts, *variants]}) == 4
+                [{"id": "a", "prompt_ids": [1]}, {"id": "b", "prompt_ids": [2, 3]}],
+                [prompts[0], {"id": "b", "prompt_ids": [4]}]]  # the files differ past their first prompt only
+    assert len({prompts_fingerprint(p) for p in [prompts, *variants]}) == 5
 
 def rounds(*specs):
     """Round dicts as run_benchmark records them: (committed, expected, accepted_depth, draft_s, verify_s, other_s)."""

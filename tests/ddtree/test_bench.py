@@ -298,6 +298,9 @@ def test_the_table_prints_each_figure_under_its_own_heading():
     assert dict(zip(headings, line.split())) == {
         "method": "ddtree@32", "tau": "2.50", "exp.tau": "3.10", "tokens": "64", "tok/s": "50.0", "speedup": "1.60x",
         "round ms": "8.5", "draft": "2.0", "verify": "6.0", "other": "0.50", "nodes": "32.0"}
+    for heading, value in (("tau", "2.50"), ("exp.tau", "3.10")):  # right-aligned under it, as every figure is
+        end = header.index(f" {heading} ") + 1 + len(heading)
+        assert line[:end].endswith(f" {value}"), heading
 
 
 def test_the_line_of_prompts_equal_to_ars_says_what_a_difference_means_at_the_dtype():

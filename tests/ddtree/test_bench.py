@@ -448,6 +448,16 @@ def test_a_conversation_given_as_prompts_is_decoded_from_the_turn_its_reply_answ
         read_prompts(conversations)
 
 
+def test_a_chat_prompt_ends_with_the_templates_generation_prompt(tmp_path, tiny_target):
+    """The target answers from the assistant header the template opens: without it, it went on with the user's turn.
+    The conversation test above compares two files loaded alike, so a prompt without that header passed it."""
+    _, tokenizer = tiny_target
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "Explain caching."}]}) + "\n")
+    [prompt] = load_prompts(path, tokenizer)
+    assert tokenizer.decode(prompt["prompt_ids"]).endswith("Explain caching.<|im_end|>\n<|im_start|>assistant\n")
+
+
 STRICT_TEMPLATE = ("{% if messages[0]['role'] != 'user' %}{{ raise_exception('Conversation roles must alternate "
                    "user/assistant/user/assistant/...') }}{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}")
 

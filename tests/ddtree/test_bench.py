@@ -448,6 +448,18 @@ def test_a_conversation_given_as_prompts_is_decoded_from_the_turn_its_reply_answ
         read_prompts(conversations)
 
 
+def test_a_raw_prompt_is_tokenized_as_is_without_the_tokenizers_special_tokens():
+    """{"prompt": ...} is the text the target continues from: a tokenizer that adds a BOS (Llama's) added it to every
+    raw prompt. The tiny target's tokenizer adds none, so a stand-in that does."""
+    from ddtree.bench import tokenize_prompts
+
+    def tokenizer(text, add_special_tokens=True):
+        return {"input_ids": [1] * add_special_tokens + [ord(character) for character in text]}
+
+    records = [("a", "p.jsonl:1", {"prompt": "hi"})]
+    assert tokenize_prompts(records, tokenizer) == [{"id": "a", "prompt_ids": [104, 105]}]
+
+
 def test_a_chat_prompt_ends_with_the_templates_generation_prompt(tmp_path, tiny_target):
     """The target answers from the assistant header the template opens: without it, it went on with the user's turn.
     The conversation test above compares two files loaded alike, so a prompt without that header passed it."""

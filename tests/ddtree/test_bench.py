@@ -630,7 +630,14 @@ def test_the_verify_cost_ratio_is_the_trees_verify_over_one_ar_step(tiny_target,
     that costs two steps read as half of one)."""
     import ddtree.sizing as sizing
 
-    monkeypatch.setattr(sizing, "verify_seconds", lambda runner, tree, context, repeats: 0.010 * (1 + len(tree) / 4))
-    rows = measure_verify_cost(tiny_target[0], [4], context=8, repeats=1)
+    asked = []  # the repeats each median was asked for: the step's too, or one noisy run is the baseline
+
+    def verify_seconds(runner, tree, context, repeats):
+        asked.append(repeats)
+        return 0.010 * (1 + len(tree) / 4)
+
+    monkeypatch.setattr(sizing, "verify_seconds", verify_seconds)
+    rows = measure_verify_cost(tiny_target[0], [4], context=8, repeats=3)
     assert [(row["nodes"], row["ar_step_ms"], row["verify_ms"]) for row in rows] == [(4, 10.0, 20.0)]
     assert rows[0]["ratio"] == pytest.approx(2.0)
+    assert asked == [3, 3]

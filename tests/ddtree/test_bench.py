@@ -641,3 +641,23 @@ def test_the_verify_cost_ratio_is_the_trees_verify_over_one_ar_step(tiny_target,
     assert [(row["nodes"], row["ar_step_ms"], row["verify_ms"]) for row in rows] == [(4, 10.0, 20.0)]
     assert rows[0]["ratio"] == pytest.approx(2.0)
     assert asked == [3, 3]
+
+
+def test_the_trees_overhead_is_the_median_of_its_repeats(tiny_target, monkeypatch):
+    """`ddtree verify-cost`'s overhead column, as its verify columns: the median, not the luckiest of the repeats."""
+    import time
+
+    import ddtree.sizing as sizing
+    import ddtree.tree
+
+    monkeypatch.setattr(sizing, "verify_seconds", lambda runner, tree, context, repeats: 0.010)
+    clock, builds, build = [0.0], iter([0.0, 0.0, 0.010, 0.030, 0.020]), ddtree.tree.build_tree
+
+    def timed_build(*args):  # the AR step's and the verified tree's, untimed, then the three timed builds
+        clock[0] += next(builds)
+        return build(*args)
+
+    monkeypatch.setattr(ddtree.tree, "build_tree", timed_build)
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    [row] = measure_verify_cost(tiny_target[0], [4], context=8, repeats=3)
+    assert row["overhead_ms"] == pytest.approx(20.0)

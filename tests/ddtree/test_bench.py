@@ -661,3 +661,24 @@ def test_the_trees_overhead_is_the_median_of_its_repeats(tiny_target, monkeypatc
     monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
     [row] = measure_verify_cost(tiny_target[0], [4], context=8, repeats=3)
     assert row["overhead_ms"] == pytest.approx(20.0)
+
+
+@pytest.mark.skipif(not packing_available(), reason="this torch has no oneDNN packing")
+def test_the_packed_comparison_times_each_model_alike_and_reads_plain_over_packed(tiny_target, monkeypatch):
+    """`ddtree verify-cost --compare-plain`: only the rows' sizes were checked, so plain and packed timed on one model,
+    a probe tree of another size, one repeat or the ratio upside down (a 3x faster packed model read 0.33) passed."""
+    import ddtree.sizing as sizing
+
+    timed = []
+
+    def verify_seconds(runner, tree, context, repeats):
+        packed = is_packed(runner.target)
+        timed.append((packed, len(tree), repeats))
+        return 0.010 if packed else 0.030
+
+    monkeypatch.setattr(sizing, "verify_seconds", verify_seconds)
+    rows = compare_packed_verify_cost(tiny_target[0], [5], context=8, repeats=3)
+    assert [(row["nodes"], row["plain_ms"], row["packed_ms"]) for row in rows] == [(0, 30.0, 10.0), (5, 30.0, 10.0)]
+    assert [row["ratio"] for row in rows] == [pytest.approx(3.0)] * 2
+    # alternately, one run at a time, three of each at each size: the AR step (no node) and the 5-node probe tree
+    assert timed == [(packed, nodes, 1) for nodes in (0, 5) for _ in range(3) for packed in (False, True)]

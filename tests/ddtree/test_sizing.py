@@ -104,6 +104,27 @@ def test_the_cost_line_times_the_targets_forward_without_building_the_mask(monke
     assert skipped[0] > 0  # (the mask was built, outside the timed forwards)
 
 
+def test_a_verify_time_is_the_median_of_its_repeats_after_an_untimed_first_call(monkeypatch):
+    """One noisy forward must not set a machine's cost line: the first call at a shape pays one-off costs, then the
+    median of `repeats` forwards."""
+    from types import SimpleNamespace
+
+    import ddtree.sizing as sizing
+
+    target, _ = load_target("tiny-random")
+    runner = sizing.probe_runner(target, 16)
+    durations, clock = iter([100.0, 5.0, 1.0, 3.0]), [0.0]  # the first call's forward, then three timed ones
+    forward = runner.verify
+
+    def verify(*args):
+        clock[0] += next(durations)
+        return forward(*args)
+
+    monkeypatch.setattr(runner, "verify", verify)
+    monkeypatch.setattr(sizing, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    assert sizing.verify_seconds(runner, sizing.probe_tree(target.config.vocab_size, 4), 16, repeats=3) == 3.0
+
+
 def test_measure_runs_on_a_vocabulary_smaller_than_the_special_tokens_skipped():
     from transformers import LlamaConfig, LlamaForCausalLM
 

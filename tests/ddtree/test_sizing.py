@@ -125,6 +125,15 @@ def test_a_verify_time_is_the_median_of_its_repeats_after_an_untimed_first_call(
     assert sizing.verify_seconds(runner, sizing.probe_tree(target.config.vocab_size, 4), 16, repeats=3) == 3.0
 
 
+def test_the_probe_tree_spans_the_depths_a_drafted_block_does():
+    """The sizer's cost line is fitted to verifies of trees shaped like decoding's: a block of 16 drafts 15 depths, and
+    a tree of one depth (every node a sibling) has another mask and other positions."""
+    from ddtree.sizing import probe_tree
+
+    tree = probe_tree(2, 100)  # two tokens a depth: 100 nodes reach the deepest
+    assert len(tree) == 100 and max(tree.depths) == 15
+
+
 def test_measure_runs_on_a_vocabulary_smaller_than_the_special_tokens_skipped():
     from transformers import LlamaConfig, LlamaForCausalLM
 

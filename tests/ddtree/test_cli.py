@@ -399,6 +399,20 @@ def test_bench_adaptive_size_records_its_cost_and_sizes_within_the_budget(capsys
     assert [prompt["methods"]["ddtree@16"]["new_tokens"] for prompt in results["prompts"]] == ar
 
 
+def test_bench_records_the_verify_cost_it_sized_with_under_its_own_names(capsys, tmp_path, prompts_file, monkeypatch):
+    """Only the keys of settings.verify_cost_ms were checked: the fixed cost recorded as the per-row one (a 40 ms step
+    read as 40 ms a row by whoever compares two machines' results) passed."""
+    from ddtree.sizing import TreeSizer
+
+    monkeypatch.setattr("ddtree.sizing.TreeSizer.measure", lambda *args, **kwargs: TreeSizer(fixed_ms=40.0, row_ms=1.1))
+    out = tmp_path / "results.json"
+    code, _, err = run_cli(capsys, "bench", "--target", TARGET, "--drafter", "random", "--prompts", str(prompts_file),
+                           "--methods", "ddtree", "--budgets", "4", "--adaptive-size", "on", "--max-new-tokens", "2",
+                           "--limit", "1", "--dtype", "float32", "--out", str(out))
+    assert code == 0, err
+    assert json.loads(out.read_text())["settings"]["verify_cost_ms"] == {"fixed": 40.0, "per_row": 1.1}
+
+
 def test_bench_with_several_budgets_measures_the_verify_cost_up_to_the_largest(capsys, sized_rows, tmp_path,
                                                                               prompts_file):
     """Budget 32 verifies 33 rows: a cost line timed on the smallest budget's 9 would be extrapolated past its knee,

@@ -14,7 +14,7 @@ from ddtree.corpus import CorpusLookup
 from ddtree.decoding import DrafterRunner, generate
 from ddtree.modeling_dflash import DFlashDraftModel
 from ddtree.targets import build_drafter_config, load_target
-from training.replay import RoundNLL, replay_reply, reply_span
+from training.replay import RoundNLL, learn_calibration, replay_reply, reply_span
 from training.target import target_layer_features
 from rigged import RedraftRigged, RiggedDrafter  # tests/rigged.py
 
@@ -145,6 +145,21 @@ def test_reply_span_is_the_first_supervised_run():
     assert reply_span(torch.tensor([0, 0, 1, 1, 1])) == (2, 5)
     assert reply_span(torch.tensor([1, 1, 1])) is None  # no prompt before it: decoding never starts there
     assert reply_span(torch.tensor([0, 0, 0])) is None
+
+
+def test_learn_calibration_goes_on_past_a_sequence_without_a_reply(tiny):
+    """A validation sequence with no reply to replay (all prompt) is skipped: the replies after it still teach the
+    calibration, as if it were not there, rather than ending the learning with what the sequences before it taught."""
+    target, tokenizer = tiny
+    prompt = tokenizer("def fibonacci(n):")["input_ids"]
+    sequence, mask = reply_of(target, prompt, 24)
+    oracle = RiggedDrafter(sequence, target.config.vocab_size, block_size=6)
+    ids, features = torch.tensor(sequence), torch.zeros(len(sequence), 3)  # features unused by the oracle
+    reply = (features, ids, mask)
+    no_reply = (features, ids, torch.zeros_like(mask))
+    learned = learn_calibration(oracle, [reply], budget=4, max_new_tokens=24, lookup=0, redraft=0).state()
+    assert learned != OnlineCalibration().settled().state()  # the reply taught it something
+    assert learn_calibration(oracle, [no_reply, reply], budget=4, max_new_tokens=24, lookup=0, redraft=0).state() == learned
 
 
 def test_round_nll_counts_depths_under_an_accepted_prefix_and_finds_the_drawing_temperature():

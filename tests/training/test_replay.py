@@ -162,6 +162,18 @@ def test_learn_calibration_goes_on_past_a_sequence_without_a_reply(tiny):
     assert learn_calibration(oracle, [no_reply, reply], budget=4, max_new_tokens=24, lookup=0, redraft=0).state() == learned
 
 
+def test_learn_calibration_decodes_with_the_lookup_and_redraft_it_is_given(tiny):
+    """lookup and redraft reach the replay as given, each as itself: the context lookup's acceptance is learned where a
+    lookup is asked for, and no block is re-drafted where none is (this drafter cannot re-draft)."""
+    target, tokenizer = tiny
+    prompt = tokenizer("def fibonacci(n):")["input_ids"]
+    sequence, mask = reply_of(target, prompt, 24)
+    oracle = RiggedDrafter(sequence, target.config.vocab_size, block_size=6)
+    sequences = [(torch.zeros(len(sequence), 3), torch.tensor(sequence), mask)]
+    learned = learn_calibration(oracle, sequences, budget=4, max_new_tokens=24, lookup=3, redraft=0).state()
+    assert learned["graft_acceptance"].get("context")  # the replayed trees grafted the context lookup's nodes
+
+
 def test_round_nll_counts_depths_under_an_accepted_prefix_and_finds_the_drawing_temperature():
     """Labels drawn from softmax(z / t_k): the fitted temperature at depth k is t_k; a depth counts only
     when every depth before it was accepted."""

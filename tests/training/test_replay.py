@@ -207,6 +207,16 @@ def test_round_nll_skips_a_label_outside_the_draft_vocabulary():
     assert fit.best() == inside.best() and fit.best()[0] > 1  # drawn at 2
 
 
+def test_round_nll_counts_the_depths_below_an_accepted_label_outside_the_draft_vocabulary():
+    """A lookup's grafted node can be accepted with a token the draft vocabulary lacks: that depth has no NLL, but the
+    depths under it were reached and count, as every round's do."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    logits[0, 45] = -float("inf")  # the depth-1 label, outside the draft vocabulary
+    fit = RoundNLL(block_size=4)
+    fit(logits, [45, 2, 3], accepted=2)
+    assert fit.counts.tolist() == [0, 0, 1, 1] and torch.isfinite(fit.nll).all()
+
+
 def test_round_nll_leaves_a_depth_no_round_reached_at_temperature_1():
     """As best() and model.calibrate promise: an argmin over no rounds gave the first candidate, 0.5, which would
     sharpen twofold the depths the drafter never got right."""

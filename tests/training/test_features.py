@@ -1745,6 +1745,17 @@ def test_a_store_whose_adapter_has_no_recorded_sha256_is_not_a_build_without_ada
     assert differing_fields(existing, planned, (), ["target", "target_adapter"]) == ["target_adapter"]
 
 
+def test_a_store_of_edited_data_at_the_same_path_spelled_otherwise_differs_in_its_tokenization_alone(tmp_path,
+                                                                                                       monkeypatch):
+    """The refusal names what differs: data edited in place and named relative where the store recorded it absolute
+    is another tokenization of the same path, not data from another path too."""
+    monkeypatch.chdir(tmp_path)
+    existing = {"data_path": str(tmp_path / "conversations.jsonl"), "tokenization_key": "before-the-edit"}
+    planned = {"data_path": "conversations.jsonl", "tokenization_key": "after-the-edit"}
+    assert differing_fields(existing, planned, ("after-the-edit",), ["data_path", "tokenization_key"]) == [
+        "tokenization_key"]
+
+
 def test_a_run_without_distillation_takes_a_built_store_that_holds_more(tmp_path, monkeypatch):
     """The plain store missing, `auto` takes the recipe's store with final hidden states, else the smallest top-k
     teacher's: the same features, nothing built twice. A distilling run keeps its own folder."""

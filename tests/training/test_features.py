@@ -1756,6 +1756,14 @@ def test_a_store_of_edited_data_at_the_same_path_spelled_otherwise_differs_in_it
         "tokenization_key"]
 
 
+def test_a_store_that_differs_in_several_fields_names_every_one():
+    """A refusal naming one of them sends the user to fix it and be refused again for the next."""
+    existing = {"dtype": "bfloat16", "target_layer_ids": [1, 2], "hidden_size": 64}
+    planned = {"dtype": "float32", "target_layer_ids": [1, 3], "hidden_size": 64}
+    assert differing_fields(existing, planned, (), ["dtype", "hidden_size", "target_layer_ids"]) == [
+        "dtype", "target_layer_ids"]
+
+
 def test_a_run_without_distillation_takes_a_built_store_that_holds_more(tmp_path, monkeypatch):
     """The plain store missing, `auto` takes the recipe's store with final hidden states, else the smallest top-k
     teacher's: the same features, nothing built twice. A distilling run keeps its own folder."""

@@ -333,6 +333,20 @@ def test_an_earlier_tokenization_masked_otherwise_is_alike_in_ids_only(tmp_path)
     assert dm.tokenized_alike(earlier, masks=False) and not dm.tokenized_alike(earlier, masks=True)
 
 
+def test_every_earlier_tokenization_version_down_to_the_first_is_a_key_of_the_same_ids(tmp_path, monkeypatch):
+    """tokenization_keys looks back to TOKENIZATION_VERSION 1: a feature store keyed by the first version's cache of
+    the same ids serves as one of any later version does, rather than being built again for hours."""
+    import training.data
+
+    with monkeypatch.context() as version_1:
+        version_1.setattr(training.data, "TOKENIZATION_VERSION", 1)
+        first = make_datamodule(tmp_path)
+        first.load_tokenized()  # its cache, which shows the ids are the same
+        first_key = first.tokenization_key()
+    datamodule = make_datamodule(tmp_path)
+    assert datamodule.tokenization_keys() == (datamodule.tokenization_key(), first_key)
+
+
 def test_the_tokenized_cache_is_named_by_the_data_content_not_its_place(tmp_path):
     """A copy on a node's disk, a moved folder or a fresh clone (new path, new mtime) was another cache entry, and a
     feature store built from the data refused it; an edit is another entry still. A file's digest is remembered by

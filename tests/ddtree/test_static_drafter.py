@@ -241,6 +241,27 @@ def test_a_generation_that_needs_every_slot_of_the_static_target_reuses_it(tiny_
     assert static_target(target, False, 5, needed=CAPACITY_STEP + 1).capacity == 2 * CAPACITY_STEP
 
 
+def test_a_dropped_target_is_freed_though_its_static_target_is_pooled(monkeypatch):
+    """static_target pools a StaticTarget under its target, weakly: one holding its target strongly kept every target a
+    process decoded with (a bench over several, a checkpoint evaluation after another) alive in memory."""
+    import gc
+    import weakref
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ddtree import target_runner
+    from ddtree.target_runner import static_target
+
+    monkeypatch.setattr(target_runner, "_STATIC_TARGETS", weakref.WeakKeyDictionary())  # none left by other tests
+    target = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64))
+    static_target(target, False, 5, needed=16)
+    dropped = weakref.ref(target)
+    del target
+    gc.collect()
+    assert dropped() is None and len(target_runner._STATIC_TARGETS) == 0
+
+
 def test_a_static_target_is_not_reused_once_the_targets_buffers_moved(tiny_target, monkeypatch):
     """A captured graph reads the rotary inv_freq by address like the weights: a target whose buffer was replaced (a
     dynamic rope's update assigns a new one) gets a new StaticTarget, not one whose graph reads the freed tensor."""

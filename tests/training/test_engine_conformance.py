@@ -196,6 +196,8 @@ BREAKAGES = [
     ("the old model_type", "default", _config(_set(model_type="dflash_drafter")), {(VLLM, "model_type")}),
     ("a model_type in the speculators format", "speculators", _config(_set(model_type="qwen3")),
      {(VLLM, "model_type")}),
+    ("another speculators algorithm", "speculators", _config(_set(speculators_model_type="eagle3")),
+     {(VLLM, "model_type")}),  # vLLM's speculators reader picks the draft model by this name
     ("no mask id", "default", _config(lambda c: c["dflash_config"].pop("mask_token_id")),
      {(VLLM, "mask_token_id"), (SGLANG, "mask_token_id")}),
     ("a mask id past the target's vocabulary", "default", _config(_dflash(mask_token_id=49152)),

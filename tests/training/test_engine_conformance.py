@@ -198,6 +198,8 @@ BREAKAGES = [
      {(VLLM, "model_type")}),
     ("another speculators algorithm", "speculators", _config(_set(speculators_model_type="eagle3")),
      {(VLLM, "model_type")}),  # vLLM's speculators reader picks the draft model by this name
+    ("a speculators layer config naming no model_type", "speculators",
+     _config(lambda c: c["transformer_layer_config"].pop("model_type")), {(VLLM, "model_type")}),
     ("no mask id", "default", _config(lambda c: c["dflash_config"].pop("mask_token_id")),
      {(VLLM, "mask_token_id"), (SGLANG, "mask_token_id")}),
     ("a mask id past the target's vocabulary", "default", _config(_dflash(mask_token_id=49152)),

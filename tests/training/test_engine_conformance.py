@@ -215,6 +215,8 @@ BREAKAGES = [
     ("no head_dim", "default", _config(_delete("head_dim")), {(VLLM, "Qwen3 fields")}),
     ("no rope theta", "default", _config(_delete("rope_parameters", "rope_theta", "rope_scaling")),
      {(VLLM, "Qwen3 fields")}),
+    ("no head_dim in a speculators layer config", "speculators",  # the one vLLM builds the draft layers from
+     _config(lambda c: c["transformer_layer_config"].pop("head_dim")), {(VLLM, "Qwen3 fields")}),
     ("no layer count", "default", _config(_delete("num_hidden_layers", "layer_types")),
      {(VLLM, "Qwen3 fields"), (SGLANG, "num_hidden_layers")}),
     ("gelu", "default", _config(_set(hidden_act="gelu")), {(VLLM, "hidden_act"), (SGLANG, "hidden_act")}),

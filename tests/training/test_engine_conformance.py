@@ -233,6 +233,8 @@ BREAKAGES = [
      {(VLLM, "vocab_size")}),  # read before the layer config's vocab_size, which stays the target's
     ("no block size", "default", _config(_delete("block_size")), {(SGLANG, "block_size")}),
     ("a block size of 0", "default", _config(_set(block_size=0)), {(SGLANG, "block_size")}),
+    ("a dflash_config block size, which SGLang reads before the top level's", "default",
+     _config(_dflash(block_size=0)), {(SGLANG, "block_size")}),
     ("no MLP width", "default", _config(_set(intermediate_size=0)),
      {(SGLANG, "intermediate_size"), (VLLM, "weights"), (SGLANG, "weights")}),
     ("a prefixed weight name", "default", _weights(lambda w: w.update({"model.norm.weight": w["norm.weight"]})),

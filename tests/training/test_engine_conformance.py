@@ -212,6 +212,8 @@ BREAKAGES = [
      {(VLLM, "target_layer_ids"), (SGLANG, "target_layer_ids")}),
     ("aux ids that disagree with dflash_config", "speculators", _config(_set(aux_hidden_state_layer_ids=[1, 3, 5])),
      {(VLLM, "target_layer_ids")}),
+    ("a dflash_config id SGLang cannot tap, the aux ids fine", "speculators",  # SGLang reads no aux ids
+     _config(_dflash(target_layer_ids=[1, 3, 5])), {(VLLM, "target_layer_ids"), (SGLANG, "target_layer_ids")}),
     ("no head_dim", "default", _config(_delete("head_dim")), {(VLLM, "Qwen3 fields")}),
     ("no rope theta", "default", _config(_delete("rope_parameters", "rope_theta", "rope_scaling")),
      {(VLLM, "Qwen3 fields")}),

@@ -157,6 +157,20 @@ def test_a_bad_value_is_one_line_naming_the_file_the_field_and_the_value(overrid
     assert str(error.value).startswith(f"{RECIPES_DIR / 'tiny.yaml'}: {said}") and "\n" not in str(error.value), error.value
 
 
+def test_the_last_precision_override_wins_as_in_the_parser(monkeypatch, capsys):
+    """A --trainer.precision given twice is the last one, as the parser takes it: auto after a 32-true resolves to what
+    this machine computes fast, and an accelerator given twice is the last one that auto resolves for."""
+    from ddtree.precision import Choice
+
+    monkeypatch.setattr(training.recipe, "fast_precision", lambda device: Choice(torch.bfloat16, f"fast on {device}"))
+    config = parse_recipe("tiny", "--trainer.precision=32-true", "--trainer.precision=auto")
+    assert config.trainer.precision == "bf16-mixed" and "trainer.precision auto -> bf16-mixed" in capsys.readouterr().out
+    assert parse_recipe("tiny", "--trainer.precision=auto", "--trainer.precision=32-true").trainer.precision == "32-true"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    training.recipe.config_arg(RECIPES_DIR / "tiny.yaml", ["--trainer.accelerator=gpu", "--trainer.accelerator=cpu"])
+    assert "(fast on cpu)" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("overrides", [["--optimizer=SGD", "--optimizer.lr=0.5"],
                                        ["--lr_scheduler=StepLR", "--lr_scheduler.step_size=1"]])
 def test_lightnings_own_optimizer_options_are_refused_in_one_line(overrides, tmp_path, capsys):

@@ -1425,7 +1425,7 @@ def test_an_unwritable_place_for_the_results_is_named_before_the_target_loads(ca
 
 
 def test_a_results_path_too_long_to_look_up_is_one_line_before_the_target_loads(capsys, tmp_path, prompts_file,
-                                                                               monkeypatch):
+                                                                                monkeypatch):
     """bench --out with a name over 255 bytes: the check that it is none of the run's inputs looked it up first and
     stopped in an ENAMETOOLONG traceback."""
     import ddtree.cli

@@ -1746,7 +1746,7 @@ def test_a_store_whose_adapter_has_no_recorded_sha256_is_not_a_build_without_ada
 
 
 def test_a_store_of_edited_data_at_the_same_path_spelled_otherwise_differs_in_its_tokenization_alone(tmp_path,
-                                                                                                       monkeypatch):
+                                                                                                     monkeypatch):
     """The refusal names what differs: data edited in place and named relative where the store recorded it absolute
     is another tokenization of the same path, not data from another path too."""
     monkeypatch.chdir(tmp_path)

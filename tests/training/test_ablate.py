@@ -892,6 +892,20 @@ def test_the_plot_of_the_ten_default_variants_keeps_names_bars_and_curves_clear(
     assert len(depth.get_legend().get_texts()) == len(results) + 2  # a colour per variant, a line style per metric
 
 
+def test_the_plot_draws_every_measured_bar_of_every_variant_over_that_variants_name():
+    """Each variant's chain and tree bars stand in its own group, over its name, one bar per budget it measured: a bar
+    drawn at another variant's place, or a budget left out, compares the wrong variants."""
+    curves = {"recall": [0.6, 0.5], "accuracy": [0.4, 0.3]}
+    results = [{"variant": "a", "chain_tau": 1.5, "tau": {16: 2.0, 64: 2.5}, **curves},
+               {"variant": "b", "chain_tau": 1.6, "tau": {16: 2.1}, **curves}]  # b stopped before decoding at 64
+    bars, _ = plot(results).axes
+    assert [bar.get_height() for bar in bars.patches] == [1.5, 2.0, 2.5, 1.6, 2.1]
+    names = [label.get_text() for label in bars.get_xticklabels()]
+    nearest = [names[min(range(len(names)), key=lambda i: abs(bars.get_xticks()[i] - bar.get_center()[0]))]
+               for bar in bars.patches]
+    assert names == ["a", "b"] and nearest == ["a", "a", "a", "b", "b"]
+
+
 def stop_while_writing_table(monkeypatch, variants: int, signum) -> list:
     """Fakes the launches (each a run of 3 steps) and sends `signum` to this process as the table of the
     `variants`-th variant is written; returns the launches' argv, in order."""

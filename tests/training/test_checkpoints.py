@@ -164,6 +164,21 @@ def test_a_checkpoint_given_as_run_or_a_run_folder_given_as_ckpt_is_named_as_suc
         load_checkpoint(other)  # no best.ckpt: its last
 
 
+def test_a_run_folder_with_its_config_yaml_or_its_checkpoints_alone_is_a_run_folder(tmp_path):
+    """A run stopped before its first save holds config.yaml alone, a run's checkpoints/ copied out holds no
+    config.yaml: each is a run folder `make eval` and `make export` take (and then say what it lacks), never "not a
+    training run". A folder with neither is refused."""
+    started = tmp_path / "started"
+    started.mkdir()
+    (started / "config.yaml").write_text("{}\n")
+    copied = make_run(tmp_path, "copied", {"checkpoints/last.ckpt": 100})
+    (copied / "config.yaml").unlink()
+    for run in (started, copied):
+        check_run_folder(run)
+    with pytest.raises(DDTreeError, match=rf"^RUN={tmp_path} is not a training run \(no config.yaml, no checkpoints/\)"):
+        check_run_folder(tmp_path)
+
+
 def test_resume_takes_last_a_run_folder_or_a_path_and_finds_its_run(tmp_path):
     root = tmp_path / "tiny"
     make_run(root, "old", {"checkpoints/last.ckpt": 100})

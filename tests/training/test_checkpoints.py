@@ -577,6 +577,17 @@ def test_a_checkpoint_lacking_any_one_key_a_resume_needs_is_refused_naming_it(sa
         check_resumable(path)
 
 
+def test_a_file_torch_saved_that_is_not_a_dict_is_refused_to_resume_naming_every_key(tmp_path):
+    """A tensor or a list saved with torch.save has none of a checkpoint's keys: let through, Lightning's resume stopped
+    on a traceback."""
+    path = tmp_path / "weights.ckpt"
+    torch.save([torch.zeros(2)], path)
+    with pytest.raises(DDTreeError, match=rf"--resume {re.escape(str(path))} is not a training checkpoint of this "
+                                          r"project \(it has no pytorch-lightning_version, global_step, loops, "
+                                          r"state_dict, drafter_config\)"):
+        check_resumable(path)
+
+
 def refused_line(command: str, run: Path, tmp_path: Path, capsys) -> str:
     """`make eval` or `make export` of <run>/checkpoints/last.ckpt: exit status 2 and nothing written; its error line."""
     if command == "eval":

@@ -198,6 +198,15 @@ def test_the_cli_names_the_anchors_a_short_reply_holds(capsys):
     assert row.rsplit("|", 2)[1] == nine.rsplit("|", 2)[1]  # the same ratio as 9 anchors asked
 
 
+def test_the_header_says_the_rows_a_cuda_recipes_context_is_counted_at(capsys):
+    """smollm2-135m-gpu trains on CUDA: at --length 70 its context is counted at the flex width training pads it to,
+    and the line above the table must name that width, not the sequence's length, or the counts read as of 70 rows."""
+    assert flex_width(70) != 70
+    assert main(["--recipe", "smollm2-135m-gpu", "--length", "70"]) == 0
+    header = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("a sequence of "))
+    assert header.startswith(f"a sequence of 70 tokens, the context padded to {flex_width(70)} rows (CUDA); ")
+
+
 def test_the_shortest_length_counted_holds_one_anchor_as_training_draws_it(capsys):
     """A 2-token reply after the 60-token prompt anchors one block on its first token (a recipe keeps such a reply at
     data.min_supervised_tokens 2): --length 62 was refused as leaving no reply."""

@@ -13,6 +13,8 @@ import json
 import os
 import re
 import shutil
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -585,6 +587,25 @@ def test_a_file_torch_saved_that_is_not_a_dict_is_refused_to_resume_naming_every
     with pytest.raises(DDTreeError, match=rf"--resume {re.escape(str(path))} is not a training checkpoint of this "
                                           r"project \(it has no pytorch-lightning_version, global_step, loops, "
                                           r"state_dict, drafter_config\)"):
+        check_resumable(path)
+
+
+def test_a_checkpoint_pickling_a_class_this_environment_lacks_is_refused_to_resume_in_one_line(tmp_path, monkeypatch):
+    """Another project's checkpoint may pickle its own classes (its hyperparameters' config object, say): torch.load
+    stops on a ModuleNotFoundError, not a RuntimeError, and that must be the one line too, not a traceback."""
+    other_project = types.ModuleType("other_project")
+
+    class Settings:
+        pass
+
+    Settings.__module__, Settings.__qualname__ = "other_project", "Settings"
+    other_project.Settings = Settings
+    monkeypatch.setitem(sys.modules, "other_project", other_project)
+    path = tmp_path / "other-project.ckpt"
+    torch.save({"hyper_parameters": Settings()}, path)
+    monkeypatch.delitem(sys.modules, "other_project")  # the other project is not installed here
+    with pytest.raises(DDTreeError, match=rf"^--resume {re.escape(str(path))} is not a PyTorch checkpoint "
+                                          r"\(ModuleNotFoundError: No module named 'other_project'\); give a run's"):
         check_resumable(path)
 
 

@@ -1010,6 +1010,9 @@ def test_a_moved_run_resumes_into_its_new_folder(tmp_path, caplog, recwarn):
                        str(moved_root), "--trainer.max_steps=4", "--trainer.enable_progress_bar=false"]) == 0
     moved = moved_root / "tiny" / "first"
     assert (moved / "csv" / "version_1").is_dir() and (moved / "tensorboard" / "version_1").is_dir()
+    # Nothing beside either run folder: the evaluations (eval/) follow trainer.default_root_dir, not the loggers
+    assert [path.name for path in (tmp_path / "out" / "tiny").iterdir()] == ["first"]
+    assert [path.name for path in (moved_root / "tiny").iterdir()] == ["first"]
     assert files_as_they_are(original) == before  # the original is untouched: no file added, removed or rewritten
     assert yaml.safe_load((moved / "config.yaml").read_text())["checkpoint"]["dirpath"] == str(moved / "checkpoints")
     assert saved_step(moved / "checkpoints" / "last.ckpt") == 4

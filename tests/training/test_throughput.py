@@ -12,6 +12,7 @@ import contextlib
 import re
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,8 +24,8 @@ from ddtree.targets import resolve_target
 import training.train
 import training.throughput
 from training.arguments import check_throughput_args, throughput_parser
-from training.throughput import (FIRST_TOKEN, RANDOM_TARGETS, batch_token_ids, build_module, main, recipe_settings,
-                                 recipe_step_flops, store_batch, time_call)
+from training.throughput import (FIRST_TOKEN, RANDOM_TARGETS, batch_token_ids, build_module, main, phase_clock,
+                                 recipe_settings, recipe_step_flops, store_batch, time_call)
 
 TINY = ["--target", "tiny-random", "--settings", "4x1x4", "--length", "80", "--repeats", "1", "--threads", "1"]
 
@@ -64,6 +65,18 @@ def test_cpu_run_reports_both_steps_and_their_ratio(capsys, monkeypatch):
     # the first step's phases, each as it ends (where a step that never finishes stalls), then the warm-ups
     phases = [re.sub(r" took [\d.]+ s$", "", x.strip()) for x in out.splitlines() if ": step 1: " in x]
     assert phases == ["4x1x4: step 1: forward", "4x1x4: step 1: backward", "4x1x4: step 1: optimizer step"]
+
+
+def test_each_phase_of_the_first_step_is_timed_from_the_end_of_the_phase_before(monkeypatch, capsys):
+    """The phases' seconds say where a first step that never finishes stalls: each counted from the start of the
+    step, the backward and the optimizer step would carry the forward's compile time."""
+    clock = iter([10.0, 12.0, 15.0, 19.0])
+    monkeypatch.setattr(training.throughput, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    mark = phase_clock("case: step 1", torch.device("cpu"))
+    for phase in ("forward", "backward", "optimizer step"):
+        mark(phase)
+    assert capsys.readouterr().out.splitlines() == ["case: step 1: forward took 2.0 s", "case: step 1: backward took 3.0 s",
+                                                    "case: step 1: optimizer step took 4.0 s"]
 
 
 def test_a_target_with_a_smaller_vocabulary_gets_a_batch_of_ids_it_holds(tmp_path, capsys):

@@ -24,6 +24,7 @@ from ddtree.targets import resolve_target
 import training.train
 import training.throughput
 from training.arguments import check_throughput_args, throughput_parser
+from training.module import DistillModule
 from training.throughput import (FIRST_TOKEN, RANDOM_TARGETS, batch_token_ids, build_module, main, phase_clock,
                                  recipe_settings, recipe_step_flops, store_batch, time_call)
 
@@ -77,6 +78,27 @@ def test_each_phase_of_the_first_step_is_timed_from_the_end_of_the_phase_before(
         mark(phase)
     assert capsys.readouterr().out.splitlines() == ["case: step 1: forward took 2.0 s", "case: step 1: backward took 3.0 s",
                                                     "case: step 1: optimizer step took 4.0 s"]
+
+
+def test_the_offline_step_is_timed_on_the_batch_a_store_serves_and_the_step_on_the_tokens(monkeypatch):
+    """The offline figure is the step that skips the target: timed on the token batch, it is the full step again."""
+    served, timed = [], []
+    shared_step = DistillModule.shared_step
+
+    def recording_step(self, batch, *args, **kwargs):
+        served.append("features" in batch)
+        return shared_step(self, batch, *args, **kwargs)
+
+    def once(fn, repeats, warmup, device, label="", first=None):
+        served.clear()
+        fn()
+        timed.append(list(served))
+        return 1.0, None
+
+    monkeypatch.setattr(DistillModule, "shared_step", recording_step)
+    monkeypatch.setattr(training.throughput, "time_call", once)
+    assert main([*TINY, "--device", "cpu"]) == 0
+    assert timed == [[], [False], [True]]  # target forward, training step, offline step
 
 
 def test_a_target_with_a_smaller_vocabulary_gets_a_batch_of_ids_it_holds(tmp_path, capsys):

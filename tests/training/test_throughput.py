@@ -152,6 +152,16 @@ def test_the_offline_step_of_a_distilling_recipe_reads_the_teacher_a_store_keeps
     assert torch.isfinite(offline_loss) and offline_loss.item() == pytest.approx(online_loss.item(), rel=1e-3)
 
 
+def test_the_offline_batch_of_a_recipe_that_does_not_distill_holds_the_features_alone():
+    """A store built without distillation keeps no teacher: the offline step reads the features a store of that
+    recipe serves, not a distilling store's batch."""
+    settings = dict(target="tiny-random", num_anchors=4, num_layers=1, block_size=4, distill_weight=0.0)
+    module = build_module(settings, random_target=False, device=torch.device("cpu"))
+    input_ids = torch.randint(FIRST_TOKEN, 900, (2, 40), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": input_ids, "loss_mask": torch.ones_like(input_ids, dtype=torch.bool)}
+    assert sorted(store_batch(module, batch)) == ["features", "input_ids", "loss_mask"]
+
+
 def test_case_b_is_qwen3_8b_at_the_recipe_settings():
     config = RANDOM_TARGETS["Qwen/Qwen3-8B"]
     assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads, config.num_key_value_heads,

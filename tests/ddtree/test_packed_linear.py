@@ -1,5 +1,6 @@
 """--packed-weights (ddtree/packed_linear.py): oneDNN's matmul over weights packed once, for decoding on a CPU."""
 
+import io
 from types import SimpleNamespace
 
 import pytest
@@ -207,6 +208,29 @@ def test_auto_leaves_a_packed_copy_that_would_crowd_memory(monkeypatch):
     pack, line = apply_packing("auto", model)
     assert not pack and "over a quarter" in line and "--packed-weights on" in line
     assert apply_packing("on", model)[0]  # on packs even so
+
+
+def test_available_memory_is_counted_in_bytes_and_only_what_is_free(monkeypatch):
+    """apply_packing weighs a packed copy's bytes against it, and no test read it unpatched (mutation review 63):
+    /proc/meminfo counts kB, which taken as bytes refused `auto` packing on any machine; where it cannot be read,
+    the free pages count, not every page the machine has."""
+    meminfo = "MemTotal:    4096 kB\nMemFree:     512 kB\nMemAvailable:    1024 kB\n"
+    monkeypatch.setattr(packed_linear, "open", lambda path: io.StringIO(meminfo), raising=False)
+    assert packed_linear.available_memory_bytes() == 1024 * 1024
+
+    def unreadable(path):
+        raise OSError(f"{path}: no such file")
+
+    monkeypatch.setattr(packed_linear, "open", unreadable, raising=False)
+    pages = {"SC_AVPHYS_PAGES": 10, "SC_PHYS_PAGES": 100, "SC_PAGE_SIZE": 4096}
+    monkeypatch.setattr(packed_linear.os, "sysconf", pages.__getitem__)
+    assert packed_linear.available_memory_bytes() == 10 * 4096
+
+    def unknown(name):
+        raise ValueError(f"unrecognized configuration name {name}")  # as os.sysconf says where it has none
+
+    monkeypatch.setattr(packed_linear.os, "sysconf", unknown)
+    assert packed_linear.available_memory_bytes() is None  # neither source: it cannot say
 
 
 def test_apply_packing_refuses_on_where_it_cannot_pack():

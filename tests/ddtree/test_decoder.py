@@ -576,3 +576,13 @@ def test_a_default_decoder_on_a_cpu_sizes_budget_32_trees(sized_rows, tiny_targe
     assert decoder.budget == 32 and isinstance(decoder.sizer, TreeSizer) and sized_rows == [33]  # the root is a row
     static = Decoder(TARGET, "random", dtype="float32", device="cpu", packed_weights="off", static_cache="on", quiet=True)
     assert static.sizer is None and sized_rows == [33]  # every verify runs budget + 1 rows: nothing to size
+
+
+def test_a_random_drafter_takes_the_targets_dtype(tiny_target):
+    """A random drafter is cast to the target's dtype and device: built in fp32 beside a bf16 target, it drafted
+    from bf16 features in fp32 at twice the memory, which no test saw (every one decoded in fp32; mutation review 63,
+    dec1)."""
+    decoder = Decoder(TARGET, "random", **{**SETTINGS, "dtype": "bfloat16"}, quiet=True)
+    drafter = decoder.drafter.drafter
+    assert decoder.target.dtype == drafter.dtype == torch.bfloat16
+    assert drafter.device == decoder.target.device and not drafter.training

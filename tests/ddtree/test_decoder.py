@@ -586,3 +586,25 @@ def test_a_random_drafter_takes_the_targets_dtype(tiny_target):
     drafter = decoder.drafter.drafter
     assert decoder.target.dtype == drafter.dtype == torch.bfloat16
     assert drafter.device == decoder.target.device and not drafter.training
+
+
+def test_a_quiet_block_sets_transformers_and_the_hubs_bars_back_each_as_found():
+    """progress_bars_off turns both off for its block and sets each back as it was, though transformers' switch flips
+    the Hub's too. A Decoder runs it twice (target, drafter), so a set-back turned around cancelled out in
+    test_quiet_silences_...: called once here, in each of the four states (mutation review 63, dec6, dec7)."""
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+    from transformers.utils import logging as hf_logging
+
+    from ddtree.decoder import progress_bars_off
+
+    found = hf_logging.is_progress_bar_enabled(), not are_progress_bars_disabled()
+    try:
+        for bars, hub_bars in ((True, True), (True, False), (False, True), (False, False)):
+            (hf_logging.enable_progress_bar if bars else hf_logging.disable_progress_bar)()
+            (enable_progress_bars if hub_bars else disable_progress_bars)()
+            with progress_bars_off(True):
+                assert not hf_logging.is_progress_bar_enabled() and are_progress_bars_disabled()
+            assert (hf_logging.is_progress_bar_enabled(), not are_progress_bars_disabled()) == (bars, hub_bars)
+    finally:
+        (hf_logging.enable_progress_bar if found[0] else hf_logging.disable_progress_bar)()
+        (enable_progress_bars if found[1] else disable_progress_bars)()

@@ -608,3 +608,18 @@ def test_a_quiet_block_sets_transformers_and_the_hubs_bars_back_each_as_found():
     finally:
         (hf_logging.enable_progress_bar if found[0] else hf_logging.disable_progress_bar)()
         (enable_progress_bars if found[1] else disable_progress_bars)()
+
+
+def test_adaptive_size_auto_measures_for_ddtree_only(tiny_target):
+    """`auto` sizes ddtree trees over the dynamic cache and leaves every other method unsized; measured for `ar` or
+    dflash, `ddtree generate --method ar --adaptive-size auto` was refused as if sizing had been asked of it
+    (mutation review 63, dec4)."""
+    from ddtree.decoder import measured_sizer
+
+    target, _ = tiny_target
+    lines = []
+    for method in ("ar", "dflash"):
+        assert measured_sizer("auto", False, target, 8, method, lines.append, "pass --adaptive-size off") is None
+    assert lines == []
+    assert measured_sizer("auto", False, target, 8, "ddtree", lines.append, "pass --adaptive-size off") is not None
+    assert len(lines) == 1 and lines[0].startswith("[adaptive size]") and "(measured up to 9 rows)" in lines[0]

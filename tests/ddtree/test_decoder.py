@@ -623,3 +623,24 @@ def test_adaptive_size_auto_measures_for_ddtree_only(tiny_target):
     assert lines == []
     assert measured_sizer("auto", False, target, 8, "ddtree", lines.append, "pass --adaptive-size off") is not None
     assert len(lines) == 1 and lines[0].startswith("[adaptive size]") and "(measured up to 9 rows)" in lines[0]
+
+
+def test_a_calibration_learned_with_adaptive_size_on_and_no_redraft_draws_no_note(capsys, tiny_target, tmp_path):
+    """Sized trees re-draft nothing by default (drafter_defaults), so a drafter whose config re-drafts 2, calibrated
+    with adaptive size on, was learned with redraft 0 as it decodes: the note compared with the config's 2 instead,
+    and said a false "expected tau will be off" (mutation review 63, dec11)."""
+    target, tokenizer = tiny_target
+    torch.manual_seed(0)
+    config = build_drafter_config(target, tokenizer, TARGET, num_layers=1)
+    config.redraft = 2
+    DFlashDraftModel(config).save_pretrained(tmp_path / "drafter")
+    save_calibration(tmp_path / "drafter" / CALIBRATION_FILE, with_temperatures({8: 1.5}),
+                     {"decoded_with": {"lookup": 0, "redraft": 0, "corpus": False, "temperature": 0.0}})
+    for adaptive_size, note in (("on", False), ("off", True)):
+        decoder = Decoder(TARGET, tmp_path / "drafter", **{**SETTINGS, "adaptive_size": adaptive_size},
+                          static_cache="off")
+        capsys.readouterr()
+        decoder.generate(PROMPT, max_new_tokens=8)
+        err = capsys.readouterr().err
+        assert ("[calibration] note: learned decoding with other settings (redraft 0 here 2)" in err) == note, \
+            (adaptive_size, err)

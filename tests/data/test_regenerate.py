@@ -860,10 +860,12 @@ def test_a_target_without_a_chat_template_is_one_line(tiny, tmp_path, capsys, mo
                                             f"apply; {CHAT_TARGET}")
 
 
-def test_a_prompt_the_template_refuses_stops_the_job_before_the_target_loads(tiny, tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("refused", [1, 2])
+def test_a_prompt_the_template_refuses_stops_the_job_before_the_target_loads(tiny, tmp_path, capsys, monkeypatch,
+                                                                              refused):
     """A template without a system role (Gemma's) refuses a system turn: the prompt that had one stopped the job only
     when its chunk came up, after the target had loaded and the chunks before it were generated (hours, on a CPU),
-    and its advice was to give a chat (instruct) model, which the target was."""
+    and its advice was to give a chat (instruct) model, which the target was. One such prompt is enough."""
     model, tokenizer = tiny
     monkeypatch.setattr(tokenizer, "chat_template", "{% for m in messages %}{% if m['role'] == 'system' %}"
                         "{{ raise_exception('System role not supported') }}{% endif %}{{ m['content'] }}{% endfor %}")
@@ -873,14 +875,14 @@ def test_a_prompt_the_template_refuses_stops_the_job_before_the_target_loads(tin
     monkeypatch.setattr(regenerate, "load_frozen_target", lambda *args, **kwargs: pytest.fail("loaded the target"))
     prompts = prompt_file(tmp_path / "prompts.jsonl", 3)
     system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello?"}]
-    prompts.write_text(prompts.read_text() + "".join(json.dumps({"messages": system}) + "\n" for _ in range(2)))
+    prompts.write_text(prompts.read_text() + "".join(json.dumps({"messages": system}) + "\n" for _ in range(refused)))
     argv = args_for_argv(tmp_path)
     argv[argv.index("tiny-random")] = str(tmp_path / "no-system")
     assert regenerate.main(argv) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"error: {prompts}:4: the target's chat template refused the messages (System role not supported); fix "
-        f"them, or {regenerate.TEMPLATE_REFUSED}; the template refuses 2 of the job's 5 prompts, the first named here; "
-        "nothing was generated")
+        f"them, or {regenerate.TEMPLATE_REFUSED}; the template refuses {refused} of the job's {3 + refused} prompts, "
+        "the first named here; nothing was generated")
     assert "chat (instruct) model" not in regenerate.TEMPLATE_REFUSED
     assert not list((tmp_path / "out.parts").glob("chunk-*")) and not (tmp_path / "out").exists()
     # A folder without a tokenizer is the line loading the target gave, now before the weights load.

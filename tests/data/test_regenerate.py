@@ -351,6 +351,12 @@ def test_the_counts_of_a_dataset_tell_replies_that_stopped_from_those_cut_at_max
                                        "max_new_tokens)\n")
 
 
+def test_the_default_flags_are_the_shipped_datas_settings(monkeypatch):
+    """data/smollm2-135m is what the default flags make (the module docstring's command): a default that moved (the
+    reply length, the dtype, greedy decoding, the prompts file) would make a plain run's data other than the shipped
+    data, and training from it other than the recipes measured. --check loads no model."""
+    monkeypatch.chdir(Path(regenerate.__file__).resolve().parents[1])
+    assert regenerate.main(["--out", "data/smollm2-135m", "--limit", "2048", "--check"]) == 0
 SAMPLED = ["--temperature", "1", "--max-new-tokens", "8"]
 
 

@@ -675,6 +675,11 @@ def test_an_export_never_replaces_what_it_was_not_asked_to(run_dir, tmp_path, ca
     monkeypatch.chdir(tmp_path)
     (mine / "notes.txt").unlink()
     assert export_main([last, str(mine)]) == 0  # an empty folder is written into
+    written = (mine / "model.safetensors").stat().st_mtime_ns
+    assert export_main([last, str(mine)]) == 2  # an earlier export is kept unless asked
+    assert one_error_line(capsys) == (f"error: out_dir={mine} exists and is not empty (an earlier export); pick "
+                                      "another folder or pass --overwrite (OVERWRITE=1) to replace it")
+    assert (mine / "model.safetensors").stat().st_mtime_ns == written
     assert export_main([last, str(mine), "--overwrite"]) == 0  # an earlier export is replaced
     assert (mine / "model.safetensors").is_file()
 

@@ -714,6 +714,24 @@ def test_a_folders_tokenizer_is_loaded_once_and_again_when_its_files_change(tmp_
     assert first.apply_chat_template(messages, tokenize=False) == "[hi]"
 
 
+def test_the_stop_ids_read_from_a_folders_configs_are_every_eos_id_each_of_them_names(tmp_path):
+    """A chat target ends a turn with any of several ids (Llama 3's generation config lists <|eot_id|> beside
+    <|end_of_text|>): data/regenerate.py and training read them from the folder's files without its weights. One
+    left out, and a reply runs on past its end of turn; the tokenizer's eos is one even where no config names it."""
+    source = Path(resolve_target("tiny-random"))
+    folder = tmp_path / "target"
+    folder.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((source / name).read_bytes())
+    tokenizer = ddtree.targets.load_tokenizer(str(folder), str(folder))
+    eos = tokenizer.eos_token_id
+    config = json.loads((source / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "eos_token_id": eos + 1}))
+    assert ddtree.targets.config_stop_token_ids(str(folder), tokenizer) == [eos, eos + 1]  # no generation config
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos + 3, eos + 2]}))
+    assert ddtree.targets.config_stop_token_ids(str(folder), tokenizer) == [eos, eos + 1, eos + 2, eos + 3]
+
+
 @pytest.mark.parametrize("damage, named", [
     ("cut", "could not load target"),  # a copy that stopped: SafetensorError
     ("model_type", "could not load target"),  # an architecture transformers does not know: ValueError

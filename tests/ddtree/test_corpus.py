@@ -216,6 +216,26 @@ def test_a_corpus_file_records_its_tokenizer_and_another_tokenizers_target_refus
             read_replies(tmp_path / f"{name}.safetensors")
 
 
+class SharedBytes(Vocabulary):
+    """A byte-level BPE vocabulary: its first 256 tokens the bytes, spelt alike in every such tokenizer, then its own
+    merges."""
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [f"byte{i}" if i < 256 else token for i, token in zip(ids, super().convert_ids_to_tokens(ids))]
+
+
+def test_a_corpus_of_a_tokenizer_of_the_same_size_and_bytes_is_refused_by_its_other_merges(tmp_path):
+    """Two byte-level BPE tokenizers may hold as many tokens (SmolLM2's and StarCoder2's: 49,152) and spell their first
+    ids alike: the size alone, or the first ids alone, would take one's corpus for the other's, and graft tokens the
+    target never accepts without a word. The record's hash samples ids across the whole vocabulary."""
+    write_replies(tmp_path / CORPUS_FILE, [[300, 301, 302, 303]], SharedBytes("smollm2", 49152, "s"))
+    corpus = CorpusLookup.from_file(tmp_path / CORPUS_FILE)
+    corpus.check_tokenizer(SharedBytes("smollm2-instruct", 49152, "s"))  # the same tokens: nothing said
+    with pytest.raises(DDTreeError, match=r"was written with tokenizer smollm2 \(49152 tokens\), whose ids the "
+                                          r"target's tokenizer starcoder2 \(49152 tokens\) gives other tokens"):
+        corpus.check_tokenizer(SharedBytes("starcoder2", 49152, "c"))
+
+
 def test_a_corpus_file_of_unsigned_integers_reads_as_its_replies(tmp_path):
     """Unsigned arrays are what numpy writers often choose: torch orders no uint16/32/64, so such offsets were a
     NotImplementedError traceback (before the target loaded, under --corpus; on loading a drafter that shipped one)."""

@@ -141,6 +141,24 @@ def test_a_nan_or_an_infinity_in_results_is_written_as_null(tmp_path):
     assert written == {"tau": None, "per_prompt": [1.0, None], "nested": [{"x": None}]}
 
 
+def test_files_and_folders_written_in_one_step_take_the_users_umask(tmp_path):
+    """mkstemp and mkdtemp make their files 0600 and folders 0700, whatever the umask: a shared group's results and
+    exports would be readable by their writer alone. Given the mode open() and mkdir() would give, and no more: a
+    umask of 027 keeps them from other users."""
+    umask = os.umask(0o027)
+    try:
+        with atomic_file(tmp_path / "results.json") as handle:
+            handle.write("{}")
+        with staged_folder(tmp_path / "export") as staging:
+            (staging / "weights").mkdir()
+            (staging / "weights" / "model.safetensors").write_text("weights")
+    finally:
+        os.umask(umask)
+    modes = {path.relative_to(tmp_path).as_posix(): path.stat().st_mode & 0o777 for path in tmp_path.rglob("*")}
+    assert modes == {"results.json": 0o640, "export": 0o750, "export/weights": 0o750,
+                     "export/weights/model.safetensors": 0o640}
+
+
 def test_not_a_file_says_what_was_found_where_an_input_file_was_meant(tmp_path):
     """Every input check said "no such file" of a folder (eval.prompts=data/, --calibration out/), sending the user to
     look for a typo in a path that is there."""

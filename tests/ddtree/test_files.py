@@ -159,6 +159,22 @@ def test_files_and_folders_written_in_one_step_take_the_users_umask(tmp_path):
                      "export/weights/model.safetensors": 0o640}
 
 
+def test_a_full_disk_behind_torchs_own_error_is_one_line_with_the_disks_reason(tmp_path):
+    """torch.save into a file object turns the full disk's OSError into a RuntimeError raised while handling it, whose
+    text says only that the write stopped short: the OSError it was raised from names the reason and so the remedy."""
+    path = tmp_path / "weights.pt"
+    with pytest.raises(DDTreeError) as raised:
+        with atomic_file(path, "wb"):
+            try:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            except OSError:
+                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 201600 vs 201488")
+    line = str(raised.value)
+    assert line.startswith(f"cannot write {path} (No space left on device; ") and line.endswith(
+        " free): free some space there, or give another path")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_not_a_file_says_what_was_found_where_an_input_file_was_meant(tmp_path):
     """Every input check said "no such file" of a folder (eval.prompts=data/, --calibration out/), sending the user to
     look for a typo in a path that is there."""

@@ -290,6 +290,18 @@ def test_the_static_cache_is_left_to_the_device_by_default(command):
     assert STATIC_CACHE[build_parser().parse_args(command).static_cache] is None  # generate(static=None): by device
 
 
+@pytest.mark.parametrize("device, auto", [("cpu", False), ("cuda", True)])
+def test_static_cache_off_or_on_is_kept_on_every_device_and_auto_follows_it(device, auto):
+    """--static-cache auto picks the static cache on a GPU only; off must stay off on a GPU too (the dynamic cache,
+    which adaptive sizing needs), and on stay on on a CPU. Resolved from a device object alone: every test runs on a
+    CPU, where an `off` read as auto would pass unseen."""
+    from ddtree.arguments import STATIC_CACHE
+    from ddtree.decoding import static_cache
+
+    resolved = [static_cache(static, torch.device(device)) for static in (*STATIC_CACHE, *STATIC_CACHE.values())]
+    assert resolved == [auto, True, False, auto, True, False]  # "auto", "on", "off", then None, True, False
+
+
 def test_no_budget_at_all_is_a_usage_error(capsys, prompts_file):
     """An empty --budgets ran nothing and wrote an empty summary (or failed with a traceback under --adaptive-size)."""
     with pytest.raises(SystemExit) as exit_:

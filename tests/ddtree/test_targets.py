@@ -310,6 +310,17 @@ def test_a_hub_target_not_in_the_local_cache_is_refused_at_once(tmp_path, monkey
         resolve_target("someone/absent")
 
 
+def test_a_hub_mirror_on_a_port_of_its_own_is_reached_on_that_port(monkeypatch):
+    """HF_ENDPOINT may name a mirror on any port (http://mirror:8080): asked on the scheme's port instead, it was
+    unreachable, and every Hub target not yet cached was refused though the mirror answered."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as mirror:
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{mirror.getsockname()[1]}")
+        assert ddtree.targets.hub_is_reachable(timeout_s=1.0)
+    assert not ddtree.targets.hub_is_reachable(timeout_s=1.0)  # closed: nothing answers on that port now
+
+
 @pytest.mark.parametrize("as_given", [str, lambda folder: f"~/{folder.name}"], ids=["str", "from home"])
 def test_a_drafter_folder_given_as_a_str_loads_as_a_path_does(tmp_path, tiny_target, monkeypatch, as_given):
     """load_drafter_folder("exports/x") failed with TypeError str / str; load_target takes a str and a ~ path."""

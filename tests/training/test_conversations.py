@@ -653,6 +653,9 @@ def test_read_messages_jsonl_errors_name_file_and_line(tmp_path):
         read_messages_jsonl(write_lines(tmp_path / "nomsg.jsonl", ['{"id": 1}']))
     with pytest.raises(DDTreeError, match=r"role\.jsonl:1: messages\[0\]\.role is 'robot'"):
         read_messages_jsonl(write_lines(tmp_path / "role.jsonl", ['{"messages": [{"role": "robot", "content": "x"}]}']))
+    # a conversation of no turns was read, to be dropped later as one "with no assistant turn", not named here
+    with pytest.raises(DDTreeError, match=r"none\.jsonl:2: 'messages' must be a non-empty list"):
+        read_messages_jsonl(write_lines(tmp_path / "none.jsonl", [good, '{"messages": []}']))
     with pytest.raises(DDTreeError, match=r"dup\.jsonl:2: duplicate id 'a'"):
         read_messages_jsonl(write_lines(tmp_path / "dup.jsonl", [good, good]))
     with pytest.raises(DDTreeError, match="empty"):

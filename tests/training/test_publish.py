@@ -934,6 +934,13 @@ def test_a_base_model_may_be_a_bare_hub_name_as_the_oldest_models_are():
     training.hub.check_card_fields("Qwen/Qwen3-8B", "apache-2.0")
 
 
+def test_a_license_id_in_capitals_is_refused_before_the_export_as_the_hub_refuses_it():
+    """The Hub's license ids are lowercase: a card saying "Apache-2.0" was exported, and failed the Hub's check at the
+    push."""
+    with pytest.raises(DDTreeError, match=r"^--license 'Apache-2\.0' is not a Hub license id: give one in lowercase"):
+        training.hub.check_card_fields(None, "Apache-2.0")
+
+
 @pytest.mark.parametrize("flags, named", [
     (["--base-model", "Qwen/Qwen3 8B"], "--base-model 'Qwen/Qwen3 8B' is not a valid Hub repo id"),
     (["--base-model", "./models/qwen"], "--base-model './models/qwen'"),

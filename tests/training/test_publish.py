@@ -1931,16 +1931,19 @@ def test_a_push_with_the_hub_client_offline_names_the_variable_that_set_it(run_d
 
 
 @pytest.mark.parametrize("transformers_offline", ["1", "0"])
-def test_with_both_offline_variables_set_the_push_names_the_one_the_hub_client_obeys(monkeypatch, transformers_offline):
+@pytest.mark.parametrize("hub_offline", ["1", "true"])  # the client reads 1, ON, YES and TRUE in any case
+def test_with_both_offline_variables_set_the_push_names_the_one_the_hub_client_obeys(monkeypatch, transformers_offline,
+                                                                                     hub_offline):
     """huggingface_hub reads HF_HUB_OFFLINE where it is set, whatever TRANSFORMERS_OFFLINE says: naming
-    TRANSFORMERS_OFFLINE would have the user unset a variable that leaves the client offline."""
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    TRANSFORMERS_OFFLINE would have the user unset a variable that leaves the client offline. Read case-sensitively,
+    "true" was taken for unset since import, and the user told to start again with neither set, which they were not."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", hub_offline)
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", transformers_offline)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # as the client read it at import
     with pytest.raises(DDTreeError) as refused:
         training.hub.preflight_hub("tester/x")
-    assert str(refused.value) == ("--push: HF_HUB_OFFLINE=1 is set, which keeps huggingface_hub offline; unset it to "
-                                  "push to the Hub")
+    assert str(refused.value) == (f"--push: HF_HUB_OFFLINE={hub_offline} is set, which keeps huggingface_hub offline; "
+                                  "unset it to push to the Hub")
 
 
 @pytest.mark.parametrize("now", [{}, {"HF_HUB_OFFLINE": "0"}, {"HF_HUB_OFFLINE": "", "TRANSFORMERS_OFFLINE": "no"}],

@@ -461,6 +461,22 @@ def test_validation_shares_are_disjoint_and_equal_across_ranks(tmp_path):
     assert len(dm.val_dataloader(whole=True).dataset) == 6  # model.calibrate: the same replays on every rank
 
 
+def loader_sequences(loader) -> list[tuple[int, ...]]:
+    """Each sequence a loader yields, unpadded, in the order it yields them."""
+    return [tuple(row[mask].tolist()) for batch in loader for row, mask in zip(batch["input_ids"], batch["attention_mask"])]
+
+
+def test_validation_reads_its_split_in_the_same_order_on_every_pass(tmp_path):
+    """Shuffled, each evaluation of one checkpoint drew other batches, so a limit_val_batches share measured other
+    sequences each time and two evaluations of the same weights disagreed."""
+    dm = make_datamodule(tmp_path)
+    dm.prepare_data()
+    dm.setup("fit")
+    in_order = [tuple(dm.val_set[i]["input_ids"].tolist()) for i in range(len(dm.val_set))]
+    assert loader_sequences(dm.val_dataloader()) == in_order
+    assert loader_sequences(dm.val_dataloader()) == in_order  # a second pass alike
+
+
 def test_two_ranks_train_on_disjoint_halves_of_the_training_split(tmp_path):
     """Each rank's train loader draws its own share: built as rank 0 everywhere, two GPUs trained every step on the
     same batches and never saw the other half of the data, with nothing said."""

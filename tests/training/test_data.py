@@ -477,6 +477,16 @@ def test_validation_reads_its_split_in_the_same_order_on_every_pass(tmp_path):
     assert loader_sequences(dm.val_dataloader()) == in_order  # a second pass alike
 
 
+def test_validation_draws_no_sequence_of_the_training_split(tmp_path):
+    """A validation loss over sequences the drafter trained on says nothing of what it does on new ones."""
+    dm = make_datamodule(tmp_path)
+    dm.prepare_data()
+    dm.setup("fit")
+    trained = {tuple(dm.train_split[i]["input_ids"].tolist()) for i in range(len(dm.train_split))}
+    validated = loader_sequences(dm.val_dataloader())
+    assert len(validated) == 6 and not trained & set(validated)
+
+
 def test_two_ranks_train_on_disjoint_halves_of_the_training_split(tmp_path):
     """Each rank's train loader draws its own share: built as rank 0 everywhere, two GPUs trained every step on the
     same batches and never saw the other half of the data, with nothing said."""

@@ -1796,6 +1796,20 @@ def test_a_run_without_distillation_takes_a_built_store_that_holds_more(tmp_path
     assert resolve_store_path(None, "tiny", datamodule) is None
 
 
+def test_a_richer_store_whose_manifest_is_cut_short_does_not_stand_in_for_the_runs_own(tmp_path, monkeypatch):
+    """Its manifest unreadable (a copy that stopped), a -final store holds no features this run can read: taken, the
+    run stopped on it, told to rebuild a store it never asked for, where its own plain store is built instead."""
+    from training.feature_store import MANIFEST, resolve_store_path
+
+    monkeypatch.setattr(training.feature_store, "cache_dir", lambda: tmp_path)
+    datamodule = make_datamodule(tmp_path)
+    plain = tmp_path / "features" / f"tiny-{datamodule.tokenization_key()}"
+    final = plain.with_name(plain.name + "-final")
+    final.mkdir(parents=True)
+    (final / MANIFEST).write_text('{"layer_ids": [1, 3')
+    assert resolve_store_path("auto", "tiny", datamodule, layer_ids=LAYER_IDS) == plain
+
+
 def test_a_richer_store_of_other_features_does_not_stand_in_for_the_runs_own(tmp_path, monkeypatch, capsys):
     """`make features` with `auto` said a built -final store of other layers "already holds these features" and built
     nothing; training then read it and stopped at the fit on its layers. A richer store stands in for the plain one

@@ -31,6 +31,7 @@ import training.features
 import training.module
 import training.train
 from ddtree.errors import run_cli
+from ddtree.modeling_dflash import fuse_target_features
 from ddtree.targets import DDTreeError, load_target
 from training.data import DistillDataModule
 from training.feature_store import (FeatureStore, build_feature_store, build_lock, differing_fields, lock_path,
@@ -1856,6 +1857,9 @@ def test_a_target_whose_layers_are_decoder_h_gives_its_hidden_states_as_features
     features, final = target_layer_features(target, input_ids, [0, 2], final_hidden=True)
     assert torch.allclose(features, torch.cat([hidden[1], hidden[3]], dim=-1), atol=1e-6)  # the last: normed output
     assert torch.allclose(final, hidden[3], atol=1e-6)
+    # in the order the config lists them, as decoding's fuse_target_features reads them, not sorted
+    assert torch.allclose(target_layer_features(target, input_ids, [1, 0]), fuse_target_features(hidden, [1, 0]),
+                          atol=1e-6)
 
 
 def test_a_target_whose_layers_are_neither_decoder_layers_nor_h_is_one_line():

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import toy_data  # tests/training/toy_data.py
-from training.ablate import main, markdown_table, parse_variant, plot, summarize_variant
+from training.ablate import decoder_additions, main, markdown_table, parse_variant, plot, summarize_variant
 from training.arguments import recipe_path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -509,6 +509,13 @@ def fake_run(argv: list[str], settings: dict) -> Path:
     summary = {"ddtree@8": {"tau": 2.0, "expected_tau": 2.1}, "dflash": {"tau": 1.5, "expected_tau": 1.6}}
     (run / "eval" / "step-000003.json").write_text(json.dumps({"step": 3, "summary": summary, "settings": settings}))
     return run
+
+
+def test_a_variant_decoded_with_several_additions_names_each_in_one_phrase():
+    """The table's note reads "decoded with <this> and <that>": each addition whose setting is on, none that is off."""
+    assert decoder_additions({"lookup": 7, "corpus": True, "redraft": 4}) == \
+        "context lookup 7 and the corpus and re-drafting behind 4 depth-1 tokens"
+    assert decoder_additions({"lookup": 0, "corpus": True, "redraft": 0}) == "the corpus"
 
 
 def test_the_table_names_the_variants_decoded_with_re_drafting(tmp_path, monkeypatch):

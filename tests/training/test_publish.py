@@ -1229,9 +1229,10 @@ class StandInHub(BaseHTTPRequestHandler):
         return self.rfile.read(int(self.headers.get("Content-Length", 0)))
 
     def _resolve(self, head: bool) -> bool:
-        """hf_hub_download's HEAD, then GET, of /<owner>/<name>/resolve/<revision>/<path>; False for other paths."""
+        """hf_hub_download's HEAD, then GET, of /<owner>/<name>/resolve/main/<path>; False for other paths. Only main:
+        the push writes there, so a file read from another revision is not what the push would replace."""
         parts = self.path.split("?")[0].strip("/").split("/", 4)
-        if len(parts) < 5 or parts[2] != "resolve":
+        if len(parts) < 5 or parts[2] != "resolve" or parts[3] != "main":
             return False
         data = self.repos.get("/".join(parts[:2]), {}).get(urllib.parse.unquote(parts[4]))
         if data is None:

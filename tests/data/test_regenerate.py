@@ -868,7 +868,7 @@ def test_a_target_without_a_chat_template_is_one_line(tiny, tmp_path, capsys, mo
 
 @pytest.mark.parametrize("refused", [1, 2])
 def test_a_prompt_the_template_refuses_stops_the_job_before_the_target_loads(tiny, tmp_path, capsys, monkeypatch,
-                                                                              refused):
+                                                                             refused):
     """A template without a system role (Gemma's) refuses a system turn: the prompt that had one stopped the job only
     when its chunk came up, after the target had loaded and the chunks before it were generated (hours, on a CPU),
     and its advice was to give a chat (instruct) model, which the target was. One such prompt is enough."""

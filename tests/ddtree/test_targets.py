@@ -1053,7 +1053,7 @@ def test_a_target_whose_embedding_is_narrower_than_its_layers_is_one_line():
     assert str(error.value) == ("target 'opt-350m-like' (opt): its input embedding is 16 wide (word_embed_proj_dim), "
                                 "not its hidden_size 32: a drafter reads the target's embedding and LM head at the hidden size; "
                                 "use a target whose embedding is as wide as its layers")
-    # a drafter of a target as wide and deep given to it (a folder, a runner) is refused the same way, not only one built
+    # a drafter of a target as wide and deep given to it (a folder, a runner) is refused alike, not only one built
     from ddtree.decoding import DrafterRunner
 
     drafter = DFlashDraftModel(build_drafter_config(shallow_target(2), None, "/t/L2", num_layers=1, block_size=4,

@@ -177,7 +177,8 @@ def test_a_run_folder_with_its_config_yaml_or_its_checkpoints_alone_is_a_run_fol
     (copied / "config.yaml").unlink()
     for run in (started, copied):
         check_run_folder(run)
-    with pytest.raises(DDTreeError, match=rf"^RUN={tmp_path} is not a training run \(no config.yaml, no checkpoints/\)"):
+    with pytest.raises(DDTreeError, match=rf"^RUN={tmp_path} is not a training run \(no config.yaml, no "
+                                          r"checkpoints/\)"):
         check_run_folder(tmp_path)
 
 

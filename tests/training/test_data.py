@@ -463,7 +463,8 @@ def test_validation_shares_are_disjoint_and_equal_across_ranks(tmp_path):
 
 def loader_sequences(loader) -> list[tuple[int, ...]]:
     """Each sequence a loader yields, unpadded, in the order it yields them."""
-    return [tuple(row[mask].tolist()) for batch in loader for row, mask in zip(batch["input_ids"], batch["attention_mask"])]
+    return [tuple(row[mask].tolist()) for batch in loader
+            for row, mask in zip(batch["input_ids"], batch["attention_mask"])]
 
 
 def test_validation_reads_its_split_in_the_same_order_on_every_pass(tmp_path):

@@ -219,6 +219,8 @@ BREAKAGES = [
      {(VLLM, "Qwen3 fields")}),
     ("no head_dim in a speculators layer config", "speculators",  # the one vLLM builds the draft layers from
      _config(lambda c: c["transformer_layer_config"].pop("head_dim")), {(VLLM, "Qwen3 fields")}),
+    ("gelu in a speculators layer config", "speculators",  # vLLM builds the draft MLP from it, not the top level
+     _config(lambda c: c["transformer_layer_config"].update(hidden_act="gelu")), {(VLLM, "hidden_act")}),
     ("no layer count", "default", _config(_delete("num_hidden_layers", "layer_types")),
      {(VLLM, "Qwen3 fields"), (SGLANG, "num_hidden_layers")}),
     ("gelu", "default", _config(_set(hidden_act="gelu")), {(VLLM, "hidden_act"), (SGLANG, "hidden_act")}),

@@ -264,6 +264,19 @@ def test_a_drafter_shipping_its_own_embedding_and_lm_head_still_serves(exports):
     assert failing(Export(export.config, shipped, export.target)) == set()
 
 
+# A good config.json in another form the engines read than the one `make export` writes (an older export's, a drafter
+# published elsewhere): a rule that read only the export's own form would refuse a drafter both engines serve.
+SERVED_FORMS = [
+    ("a rope theta at the top level alone, as transformers 4 wrote it", "default",
+     _config(lambda c: c.update(rope_theta=c.pop("rope_parameters")["rope_theta"]))),
+]
+
+
+@pytest.mark.parametrize("name, variant, changing", SERVED_FORMS, ids=[form[0] for form in SERVED_FORMS])
+def test_a_config_in_another_form_the_engines_read_still_serves(exports, name, variant, changing):
+    assert failing(changing(fresh(exports[variant]))) == set()
+
+
 def test_a_drafter_with_attention_bias_needs_every_projections_bias(exports):
     """With attention_bias, vLLM's DFlashQwen3Attention builds qkv_proj and o_proj with a bias, as ddtree's drafter
     does: a drafter that ships the four serves, and one that lacks o_proj's is refused (both engines' weight rules

@@ -269,6 +269,8 @@ def test_a_drafter_shipping_its_own_embedding_and_lm_head_still_serves(exports):
 SERVED_FORMS = [
     ("a rope theta at the top level alone, as transformers 4 wrote it", "default",
      _config(lambda c: c.update(rope_theta=c.pop("rope_parameters")["rope_theta"]))),
+    ("a mask id at the top level alone", "default",  # each engine's fallback when dflash_config names none
+     _config(lambda c: c.update(mask_token_id=c["dflash_config"].pop("mask_token_id")))),
 ]
 
 

@@ -164,8 +164,10 @@ def test_the_last_precision_override_wins_as_in_the_parser(monkeypatch, capsys):
 
     monkeypatch.setattr(training.recipe, "fast_precision", lambda device: Choice(torch.bfloat16, f"fast on {device}"))
     config = parse_recipe("tiny", "--trainer.precision=32-true", "--trainer.precision=auto")
-    assert config.trainer.precision == "bf16-mixed" and "trainer.precision auto -> bf16-mixed" in capsys.readouterr().out
-    assert parse_recipe("tiny", "--trainer.precision=auto", "--trainer.precision=32-true").trainer.precision == "32-true"
+    assert config.trainer.precision == "bf16-mixed"
+    assert "trainer.precision auto -> bf16-mixed" in capsys.readouterr().out
+    config = parse_recipe("tiny", "--trainer.precision=auto", "--trainer.precision=32-true")
+    assert config.trainer.precision == "32-true"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     training.recipe.config_arg(RECIPES_DIR / "tiny.yaml", ["--trainer.accelerator=gpu", "--trainer.accelerator=cpu"])
     assert "(fast on cpu)" in capsys.readouterr().out

@@ -76,8 +76,8 @@ def test_each_phase_of_the_first_step_is_timed_from_the_end_of_the_phase_before(
     mark = phase_clock("case: step 1", torch.device("cpu"))
     for phase in ("forward", "backward", "optimizer step"):
         mark(phase)
-    assert capsys.readouterr().out.splitlines() == ["case: step 1: forward took 2.0 s", "case: step 1: backward took 3.0 s",
-                                                    "case: step 1: optimizer step took 4.0 s"]
+    assert capsys.readouterr().out.splitlines() == [
+        "case: step 1: forward took 2.0 s", "case: step 1: backward took 3.0 s", "case: step 1: optimizer step took 4.0 s"]
 
 
 def test_the_offline_step_is_timed_on_the_batch_a_store_serves_and_the_step_on_the_tokens(monkeypatch):

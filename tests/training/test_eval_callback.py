@@ -723,6 +723,22 @@ def test_a_branch_moved_aside_from_eval_alone_is_counted_in_checkpoints_too(tmp_
     assert branch == "abandoned-after-step-4-2" and evaluated_steps(run, branch) == [2, 4, 6, 8]
 
 
+def test_a_resume_moves_aside_make_evals_files_of_later_steps_and_keeps_those_it_cannot_read(tmp_path):
+    """make eval's eval/checkpoint-*.json of a step past the resume's is the abandoned branch's, moved aside with it;
+    one that cannot be read says no step, and stays where the user left it (mutation review m70, C6: an unreadable
+    one counted as later was moved aside)."""
+    run = tmp_path
+    folder, launch, resume_from_4 = branching_run(run, eval_first=True)
+    launch((2, 4, 6), {"step-2.ckpt": 2, "step-4.ckpt": 4})
+    (run / "eval" / "checkpoint-step-6.json").write_text(json.dumps({"step": 6}))
+    (run / "eval" / "checkpoint-step-2.json").write_text(json.dumps({"step": 2}))
+    (run / "eval" / "checkpoint-cut.json").write_text('{"step": 6')  # cut short: no step to read
+    resume_from_4()
+    assert sorted(p.name for p in (run / "eval" / "abandoned-after-step-4").iterdir()) == [
+        "checkpoint-step-6.json", "step-000006.json"]
+    assert (run / "eval" / "checkpoint-cut.json").exists() and (run / "eval" / "checkpoint-step-2.json").exists()
+
+
 def test_a_resume_from_an_unranked_stop_file_keeps_that_file_in_checkpoints(tmp_path, capsys):
     """With save_last=false a SIGTERM off schedule saves step-5.ckpt, outside the ranking; the resume from it moved the
     very file it resumed from aside, 'saved past step 5' (mutation review m16, K31)."""

@@ -241,3 +241,19 @@ def test_apply_packing_refuses_on_where_it_cannot_pack():
         apply_packing("on", half)
     with pytest.raises(DDTreeError, match="choose one of auto, on, off"):
         apply_packing("yes", half)
+
+
+@needs_packing
+def test_a_subclass_of_linear_keeps_its_own_forward():
+    """Only a plain nn.Linear is packed: a subclass with its own forward (a scaled or adapted layer) given the packed
+    one would compute a plain linear instead of its own, and a packed target's logits would differ from the plain one's."""
+
+    class Doubled(nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    torch.manual_seed(0)
+    layer, x = frozen(Doubled(8, 8)), torch.randn(3, 8)
+    expected = layer(x)
+    assert pack_linears(layer) == 0 and not is_packed(layer)
+    torch.testing.assert_close(layer(x), expected)

@@ -257,3 +257,12 @@ def test_a_subclass_of_linear_keeps_its_own_forward():
     expected = layer(x)
     assert pack_linears(layer) == 0 and not is_packed(layer)
     torch.testing.assert_close(layer(x), expected)
+
+
+@needs_packing
+def test_on_packs_even_where_the_packed_layers_would_measure_slower(monkeypatch):
+    """on insists: it packs without measuring, where auto would have measured packed slower and unpacked."""
+    monkeypatch.setattr(packed_linear, "measure_packing", lambda probe: (5.0, 10.0))
+    model = two_layers()
+    pack, line = apply_packing("on", model)
+    assert pack and is_packed(model) and line.startswith("[packed weights] on: linear layers through oneDNN")

@@ -246,7 +246,8 @@ def test_apply_packing_refuses_on_where_it_cannot_pack():
 @needs_packing
 def test_a_subclass_of_linear_keeps_its_own_forward():
     """Only a plain nn.Linear is packed: a subclass with its own forward (a scaled or adapted layer) given the packed
-    one would compute a plain linear instead of its own, and a packed target's logits would differ from the plain one's."""
+    one would compute a plain linear instead of its own, and a packed target's logits would differ from the plain
+    one's."""
 
     class Doubled(nn.Linear):
         def forward(self, x):

@@ -299,6 +299,10 @@ def test_a_drafter_runner_fixes_shapes_anew_once_the_targets_embedding_and_head_
     before = runner.static
     generate(target, [5, 6, 7, 8], "ddtree", runner, budget=4, max_new_tokens=6, static=True)
     assert runner.static is before  # reused while nothing moved
+    # the old weights held, or the allocator may hand a freed address back to the cast's copy (which a captured graph
+    # would then read rightly, but which would move nothing here)
+    held = [tensor.data for tensor in (*target.parameters(), *target.buffers())]
     target.to(torch.bfloat16).to(torch.float32)
     generate(target, [5, 6, 7, 8], "ddtree", runner, budget=4, max_new_tokens=6, static=True)
     assert runner.static is not before
+    del held  # (kept until the check)

@@ -16,6 +16,7 @@ prints one line, `error: ...`, and exits with status 2 (ddtree/errors.py).
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import sys
@@ -322,7 +323,7 @@ def check_out_is_no_input(args) -> None:
     """bench --out (--overwrite or not) is none of the files the run reads: the prompts, --calibration, --corpus, or a
     file in the drafter's or a local target's folder; else the results replace the run's own input."""
     out = Path(args.out)
-    if not out.exists():
+    if not os.path.exists(out):  # (False for a name the OS will not look up, which check_output_file then refuses)
         return
     out = out.resolve()
     for flag, given in (("--prompts", args.prompts), ("--calibration", args.calibration), ("--corpus", args.corpus)):
@@ -353,7 +354,6 @@ def cmd_bench(args) -> None:
     check_calibration_flag(args, methods)
     check_flags_for_methods(args, methods)
     if args.out:
-        check_output_file(args.out)  # first: a path the OS will not look up (a name over 255 bytes) is one line
         check_out_is_no_input(args)
         check_output_file(args.out, overwrite=args.overwrite)
     sampling, target, tokenizer, files = _setup(args, trees="ddtree" in methods)

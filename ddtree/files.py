@@ -215,10 +215,10 @@ def check_output_file(path: str | Path, flag: str = "--out", overwrite: bool | N
     what to do about a place that cannot be written."""
     path = Path(path)
     try:
-        path.is_dir()
+        is_folder = path.is_dir()
     except OSError as error:  # a name the OS will not look up (ENAMETOOLONG): the write at the end fails the same way
         raise DDTreeError(f"cannot write {path}: {error.strerror}; {instead}") from None
-    if path.is_dir():
+    if is_folder:
         raise DDTreeError(f"{flag} {path} is a folder; give a file path for the results JSON")
     if overwrite is False and path.exists():
         raise DDTreeError(f"{flag} {path} exists; pass --overwrite to replace it, or give another path")

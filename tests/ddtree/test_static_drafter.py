@@ -7,6 +7,7 @@ runners (the drafter's and the target's) handed from one generation to the next 
 from __future__ import annotations
 
 import copy
+import weakref
 
 import pytest
 import torch
@@ -225,53 +226,51 @@ def test_cuda_graph_replays_give_the_uncaptured_logits(smollm2, drafter):
     assert largest_difference(got, runs(uncaptured)) < 1e-4
 
 
-def test_a_generation_that_needs_every_slot_of_the_static_target_reuses_it(tiny_target, monkeypatch):
+@pytest.fixture
+def static_pool(monkeypatch) -> weakref.WeakKeyDictionary:
+    """static_target's pool of StaticTargets, empty of what other tests left in it (put back after)."""
+    from ddtree import target_runner
+
+    monkeypatch.setattr(target_runner, "_STATIC_TARGETS", weakref.WeakKeyDictionary())
+    return target_runner._STATIC_TARGETS
+
+
+def test_a_generation_that_needs_every_slot_of_the_static_target_reuses_it(tiny_target, static_pool):
     """static_target rebuilds a StaticTarget only for a generation it does not fit: one that needs exactly its slots
     fits, and a rebuild there would capture the target's CUDA graphs again inside that generation's prefill."""
-    import weakref
-
-    from ddtree import target_runner
     from ddtree.target_runner import CAPACITY_STEP, static_target
 
     target, _ = tiny_target
-    monkeypatch.setattr(target_runner, "_STATIC_TARGETS", weakref.WeakKeyDictionary())  # none left by other tests
     runner = static_target(target, False, 5, needed=CAPACITY_STEP - 3)
     assert runner.capacity == CAPACITY_STEP  # rounded up to a whole step
     assert static_target(target, False, 5, needed=CAPACITY_STEP) is runner
     assert static_target(target, False, 5, needed=CAPACITY_STEP + 1).capacity == 2 * CAPACITY_STEP
 
 
-def test_a_dropped_target_is_freed_though_its_static_target_is_pooled(monkeypatch):
+def test_a_dropped_target_is_freed_though_its_static_target_is_pooled(static_pool):
     """static_target pools a StaticTarget under its target, weakly: one holding its target strongly kept every target a
     process decoded with (a bench over several, a checkpoint evaluation after another) alive in memory."""
     import gc
-    import weakref
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ddtree import target_runner
     from ddtree.target_runner import static_target
 
-    monkeypatch.setattr(target_runner, "_STATIC_TARGETS", weakref.WeakKeyDictionary())  # none left by other tests
     target = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                           num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64))
     static_target(target, False, 5, needed=16)
     dropped = weakref.ref(target)
     del target
     gc.collect()
-    assert dropped() is None and len(target_runner._STATIC_TARGETS) == 0
+    assert dropped() is None and len(static_pool) == 0
 
 
-def test_a_static_target_is_not_reused_once_the_targets_buffers_moved(tiny_target, monkeypatch):
+def test_a_static_target_is_not_reused_once_the_targets_buffers_moved(tiny_target, static_pool):
     """A captured graph reads the rotary inv_freq by address like the weights: a target whose buffer was replaced (a
     dynamic rope's update assigns a new one) gets a new StaticTarget, not one whose graph reads the freed tensor."""
-    import weakref
-
-    from ddtree import target_runner
     from ddtree.target_runner import static_target
 
     target, _ = tiny_target
-    monkeypatch.setattr(target_runner, "_STATIC_TARGETS", weakref.WeakKeyDictionary())  # none left by other tests
     runner = static_target(target, False, 5, needed=64)
     assert static_target(target, False, 5, needed=64) is runner
     rotary, saved = target.model.rotary_emb, target.model.rotary_emb.inv_freq

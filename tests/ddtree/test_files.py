@@ -112,6 +112,21 @@ def test_a_staging_folder_of_another_users_running_writer_is_left_alone(tmp_path
     assert capsys.readouterr().err == ""
 
 
+def test_a_killed_writers_staging_folder_is_removed_on_a_host_whose_name_has_dashes(tmp_path, monkeypatch, capsys):
+    """Cluster hosts are named gpu-node-7.cluster: the name a staging folder records must parse back (no '-' or '.'
+    in its host), or a SIGKILLed writer's folder there was never recognised as this host's and stayed for good."""
+    monkeypatch.setattr("socket.gethostname", lambda: "gpu-node-7.cluster")
+    host, namespace, _ = staging_owner().split(".")
+    assert host == "gpu_node_7"
+    left = tmp_path / f".drafter-{host}.{namespace}.{a_dead_pid()}-abcd1234"
+    left.mkdir()
+    with staged_folder(tmp_path / "drafter") as staging:
+        (staging / "config.json").write_text("{}")
+    assert not left.exists()
+    assert capsys.readouterr().err.count("[ddtree] removed") == 1
+
+
+
 def test_a_folder_whose_rename_into_place_fails_puts_the_old_one_back(tmp_path, monkeypatch):
     """The old folder is renamed aside before the new one's rename, which can still fail (EBUSY, EXDEV, EACCES): the
     earlier export is then back under its name, not left under a hidden one."""

@@ -126,6 +126,16 @@ def test_a_killed_writers_staging_folder_is_removed_on_a_host_whose_name_has_das
     assert capsys.readouterr().err.count("[ddtree] removed") == 1
 
 
+def test_containers_sharing_a_hostname_name_their_staging_folders_apart(monkeypatch):
+    """Containers on one host may share its name, each with PIDs of its own: the PID namespace in the name keeps one
+    container's writer from taking another's live writer (the same PID, gone in its own namespace) for dead."""
+    def owner_in(namespace: str) -> str:
+        monkeypatch.setattr(os, "readlink", lambda path: f"pid:[{namespace}]")
+        return staging_owner()
+
+    assert owner_in("4026531836") != owner_in("4026532741")
+    assert owner_in("4026531836").split(".")[1] == "4026531836"
+
 
 def test_a_folder_whose_rename_into_place_fails_puts_the_old_one_back(tmp_path, monkeypatch):
     """The old folder is renamed aside before the new one's rename, which can still fail (EBUSY, EXDEV, EACCES): the

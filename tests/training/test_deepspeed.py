@@ -731,6 +731,31 @@ def test_each_deepspeed_strategy_name_configures_the_stage_and_offload_it_names(
             assert strategy.config.get("zero_force_ds_cpu_optimizer") is False, (name, strategy.config)
 
 
+def test_a_cpu_deepspeed_process_lightning_started_itself_joins_the_group_as_its_own_rank(monkeypatch):
+    """Started by Lightning (devices=2, no launcher), a process learns its rank only from the strategy's own ranks:
+    CPUDeepSpeed.setup_distributed replaces DeepSpeed's, and without them both processes joined as rank 0 of 1 and
+    the run hung in init_process_group. (torchrun and SLURM say the rank through the environment instead.)"""
+    from deepspeed.accelerator import real_accelerator
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+    from lightning.fabric.plugins.environments import LightningEnvironment
+    from lightning.pytorch.strategies import StrategyRegistry
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+    from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+
+    for rank_holder in (rank_zero_only, utils_rank_zero_only):  # set_world_ranks sets it: back to 0 for later tests
+        monkeypatch.setattr(rank_holder, "rank", rank_holder.rank)
+    monkeypatch.setattr(real_accelerator, "ds_accelerator", CPU_Accelerator())
+    monkeypatch.setenv("LOCAL_RANK", "1")  # what Lightning gives the process it starts for the second device
+    strategy = StrategyRegistry.get("zero2_cpu")
+    strategy.cluster_environment = LightningEnvironment()
+    strategy.parallel_devices = [torch.device("cpu")] * 2
+    joined = {}
+    monkeypatch.setattr(strategy, "_init_deepspeed_distributed",
+                        lambda: joined.update(rank=strategy.global_rank, world_size=strategy.world_size))
+    strategy.setup_distributed()
+    assert joined == {"rank": 1, "world_size": 2}
+
+
 def test_launch_check_accepts_matching_counts_and_unlaunched_runs(monkeypatch):
     torchrun_env(monkeypatch, world=16, per_node=8)
     check_launch(8, 2)

@@ -80,6 +80,17 @@ def test_each_phase_of_the_first_step_is_timed_from_the_end_of_the_phase_before(
         "case: step 1: forward took 2.0 s", "case: step 1: backward took 3.0 s", "case: step 1: optimizer step took 4.0 s"]
 
 
+def test_a_phase_is_timed_once_the_gpu_has_finished_it(monkeypatch):
+    """CUDA kernels run after their launch returns: read before a synchronise, the forward's seconds were its launches'
+    and the backward's carried the forward's kernels, which misplaced where a first step that never finishes stalls."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device: calls.append(f"synchronize {device}"))
+    monkeypatch.setattr(training.throughput, "time", SimpleNamespace(perf_counter=lambda: calls.append("clock") or 0.0))
+    mark = phase_clock("case: step 1", torch.device("cuda:1"))
+    mark("forward")
+    assert calls == ["clock", "synchronize cuda:1", "clock"]
+
+
 def test_the_offline_step_is_timed_on_the_batch_a_store_serves_and_the_step_on_the_tokens(monkeypatch):
     """The offline figure is the step that skips the target: timed on the token batch, it is the full step again."""
     served, timed = [], []

@@ -91,6 +91,16 @@ def test_a_phase_is_timed_once_the_gpu_has_finished_it(monkeypatch):
     assert calls == ["clock", "synchronize cuda:1", "clock"]
 
 
+def test_the_timed_steps_without_a_label_print_no_phase_and_never_wait_for_the_gpu(monkeypatch, capsys):
+    """Only the first, compiling call prints its phases: the timed calls' lines would bury the result line, and a
+    synchronise in each phase of a timed step would add three waits to the time the events measure."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device: pytest.fail("synchronised without a label"))
+    mark = phase_clock("", torch.device("cuda"))
+    for phase in ("forward", "backward", "optimizer step"):
+        mark(phase)
+    assert capsys.readouterr().out == ""
+
+
 def test_the_offline_step_is_timed_on_the_batch_a_store_serves_and_the_step_on_the_tokens(monkeypatch):
     """The offline figure is the step that skips the target: timed on the token batch, it is the full step again."""
     served, timed = [], []

@@ -101,6 +101,29 @@ def test_the_timed_steps_without_a_label_print_no_phase_and_never_wait_for_the_g
     assert capsys.readouterr().out == ""
 
 
+def test_each_timed_training_step_trains_the_drafter_and_leaves_no_gradient(monkeypatch):
+    """The figure is a training step's: a step that skipped the backward or the optimizer step would time a forward
+    alone and print a ratio and tokens a second no training run reaches."""
+    built, changed = [], []
+
+    def keeping(*args, **kwargs):
+        built.append(build_module(*args, **kwargs))
+        return built[-1]
+
+    def once(fn, repeats, warmup, device, label="", first=None):
+        before = [p.detach().clone() for p in built[0].drafter.parameters()]
+        fn()
+        after = list(built[0].drafter.parameters())
+        changed.append(sum(not torch.equal(b, a) for b, a in zip(before, after)) / len(before))
+        assert all(p.grad is None for p in after)  # zeroed, not carried into the next timed step
+        return 1.0, None
+
+    monkeypatch.setattr(training.throughput, "build_module", keeping)
+    monkeypatch.setattr(training.throughput, "time_call", once)
+    assert main([*TINY, "--device", "cpu"]) == 0
+    assert changed[0] == 0 and changed[1] > 0.5 and changed[2] > 0.5  # target forward, training step, offline step
+
+
 def test_the_offline_step_is_timed_on_the_batch_a_store_serves_and_the_step_on_the_tokens(monkeypatch):
     """The offline figure is the step that skips the target: timed on the token batch, it is the full step again."""
     served, timed = [], []

@@ -26,7 +26,7 @@ import training.throughput
 from training.arguments import check_throughput_args, throughput_parser
 from training.module import DistillModule
 from training.throughput import (FIRST_TOKEN, RANDOM_TARGETS, batch_token_ids, build_module, main, phase_clock,
-                                 recipe_settings, recipe_step_flops, store_batch, time_call)
+                                 random_target_loader, recipe_settings, recipe_step_flops, store_batch, time_call)
 
 TINY = ["--target", "tiny-random", "--settings", "4x1x4", "--length", "80", "--repeats", "1", "--threads", "1"]
 
@@ -122,6 +122,16 @@ def test_each_timed_training_step_trains_the_drafter_and_leaves_no_gradient(monk
     monkeypatch.setattr(training.throughput, "time_call", once)
     assert main([*TINY, "--device", "cpu"]) == 0
     assert changed[0] == 0 and changed[1] > 0.5 and changed[2] > 0.5  # target forward, training step, offline step
+
+
+def test_a_random_target_is_built_in_the_dtype_training_loads_it_in_frozen(monkeypatch):
+    """--random-target stands in for load_target: a float32 target where training loads bfloat16 timed a forward of
+    twice the bytes (and ran an 8B target out of a GPU's memory)."""
+    config = AutoConfig.from_pretrained(resolve_target("tiny-random"))
+    monkeypatch.setitem(RANDOM_TARGETS, "tiny-random", config)
+    model, tokenizer = random_target_loader("tiny-random", torch.device("cpu"))("tiny-random", dtype=torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert not model.training and not any(p.requires_grad for p in model.parameters()) and tokenizer is None
 
 
 def test_the_offline_step_is_timed_on_the_batch_a_store_serves_and_the_step_on_the_tokens(monkeypatch):

@@ -409,6 +409,21 @@ def test_an_empty_settings_or_target_is_refused_not_taken_for_the_default(monkey
     assert built == [""]  # the empty name is the user's, refused where the target is resolved
 
 
+def test_by_default_each_figure_is_the_median_of_three_calls_after_one_warm_up_on_torchs_threads(monkeypatch):
+    """A bare run's protocol (the module docstring's): one call timed alone is no median, none warmed up
+    times the first call's allocations and compiles, and a fixed thread count is not torch's own on another machine."""
+    timed = []
+
+    def recording(fn, repeats, warmup, device, label="", first=None):
+        timed.append((repeats, warmup))
+        return 1.0, None
+
+    monkeypatch.setattr(torch, "set_num_threads", lambda threads: pytest.fail(f"set to {threads} threads"))
+    monkeypatch.setattr(training.throughput, "time_call", recording)
+    assert main(["--target", "tiny-random", "--settings", "4x1x4", "--length", "80", "--device", "cpu"]) == 0
+    assert timed == [(3, 1)] * 3  # target forward, training step, offline step
+
+
 def test_time_call_takes_the_median_of_the_timed_calls_after_the_warm_ups(monkeypatch):
     """The warm-up calls (first allocations, kernel picks, compiles: 100 s each here) are left out of the median."""
     now, durations = [0.0], iter([100.0, 100.0, 9.0, 2.0, 1.0])

@@ -1431,6 +1431,15 @@ def test_cli_builds_a_warm_starts_store_of_the_layers_its_drafter_reads(tmp_path
     tiny_module(init_from=str(warm), target_layer_ids=None, num_layers=None, block_size=None).check_feature_store(store)
 
 
+def test_cli_out_refuses_an_empty_folder_and_takes_a_tilde_for_the_home_folder(capsys):
+    """`--out "$STORE"` with STORE unset would read as no --out (main's `args.out or ...`): the store built in the
+    recipe's default folder, not where it was asked for; `--out=~/store` (no shell expansion) built a folder named ~."""
+    with pytest.raises(SystemExit) as exited:
+        features_parser().parse_args(["--recipe", "tiny", "--out", ""])
+    assert exited.value.code == 2 and "--out: expected a path, got an empty string" in capsys.readouterr().err
+    assert features_parser().parse_args(["--out=~/store"]).out == str(Path.home() / "store")
+
+
 def test_cli_out_is_where_the_store_is_built_though_the_recipe_names_auto(tmp_path, monkeypatch, capsys):
     """`make features RECIPE=smollm2-135m OUT=<dir>`: that recipe's data.feature_store is auto, and OUT names the store
     all the same. A build that took every OUT other than the recipe's own folder for a richer store standing in passed

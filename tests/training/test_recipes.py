@@ -387,6 +387,15 @@ def test_train_evaluate_and_ablate_default_to_the_outputs_folder_make_clean_remo
     assert re.search(r"^\trm -rf .*\boutputs$", (RECIPES_DIR.parent / "Makefile").read_text(), re.M)
 
 
+def test_features_evaluate_and_ablate_without_recipe_take_the_recipe_train_does():
+    """`python -m training.features` then `python -m training.train`, neither given --recipe, must build the store of
+    the recipe that then trains, and evaluate and ablate measure it: a default of its own would build another recipe's
+    store, and evaluate would look for runs under another recipe's folder ("no run under outputs/<other>")."""
+    parsers = (training.arguments.features_parser, training.arguments.evaluate_parser, training.arguments.ablate_parser)
+    assert [parser().parse_args([]).recipe for parser in parsers] == [training.arguments.DEFAULT_RECIPE] * 3
+    assert training.arguments.train_parser().parse_args([]).recipe is None  # train resolves it to DEFAULT_RECIPE
+
+
 def test_the_early_resume_check_looks_in_the_given_recipes_folder(tmp_path):
     """The check `python -m training.train --recipe tiny --resume last` makes before torch loads looks for the run
     under <output-root>/tiny, where main resumes it: under the default recipe's folder it refused a run that is there."""

@@ -173,6 +173,14 @@ def test_a_length_past_the_targets_position_table_is_one_line(tmp_path, capsys):
                       "give --length at most 128"]
 
 
+def test_the_module_is_built_on_the_device_the_step_runs_on():
+    """The batch is put on --device: a module left where configure_model loaded it (the CPU) would stop the first step
+    on a GPU in a device mismatch. The meta device stands in for a GPU here: every weight and buffer must move to it."""
+    settings = dict(target="tiny-random", num_anchors=4, num_layers=1, block_size=4)
+    module = build_module(settings, random_target=False, device=torch.device("meta"))
+    assert {t.device.type for t in (*module.parameters(), *module.buffers())} == {"meta"}
+
+
 def test_a_draft_vocabulary_is_timed_at_its_size_without_training_data():
     """The CPU default drafts from 8192 reply tokens, which training picks from its data (`--recipe smollm2-135m`
     stopped with that error): the tool builds a vocabulary of that size and draws its batch from it."""

@@ -270,6 +270,25 @@ def test_the_first_variant_measured_decides_packed_weights_for_every_variant_of_
     assert "different kernels (eval.packed_weights: a on, b on, off off, bf16 on, c on)" in table
 
 
+def test_a_variant_with_another_adapter_dtype_or_device_decides_packed_weights_for_itself():
+    """The target a variant decodes against is its target, the adapter merged into it, its dtype, accelerator and
+    precision: a variant that merged an adapter decodes another model, and must not take the plain target's auto."""
+    from types import SimpleNamespace
+
+    from training.ablate import decoding_target
+
+    def config(**changed):
+        trainer = {"accelerator": changed.pop("accelerator", "cpu"), "precision": changed.pop("precision", "32-true")}
+        model = {"target": "tiny", "target_adapter": None, "target_dtype": "auto", **changed}
+        return SimpleNamespace(model=SimpleNamespace(**model), trainer=SimpleNamespace(**trainer))
+
+    base = decoding_target(config())
+    assert decoding_target(config()) == base
+    for changed in ({"target": "other"}, {"target_adapter": "adapters/chat"}, {"target_dtype": "bfloat16"},
+                    {"accelerator": "gpu"}, {"precision": "bf16-mixed"}):
+        assert decoding_target(config(**changed)) != base, changed
+
+
 def test_the_table_shows_every_budget_and_a_dash_where_a_variant_did_not_measure_it():
     def result(name, taus, chain_tau):
         return {"variant": name, "step": 3, "run_minutes": 1.0, "val_loss": None, "accuracy": [0.5], "recall": [None],

@@ -1252,12 +1252,14 @@ def test_a_non_finite_gradient_stops_before_the_optimizer_moves_a_weight():
         assert torch.equal(weight, poison.weights[name]), name
 
 
-def test_under_deepspeed_a_non_finite_gradient_norm_stops_training_after_the_step(monkeypatch):
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_under_deepspeed_a_non_finite_gradient_norm_stops_training_after_the_step(monkeypatch, bad):
     """DeepSpeed keeps the gradients in its own partitions, so on_before_optimizer_step sees none, and skips a step
     whose gradient is not finite: the norm it measured is read after its step, and a non-finite one stops training
-    as it does without DeepSpeed, not trained on without a word past the steps DeepSpeed skipped."""
+    as it does without DeepSpeed, not trained on without a word past the steps DeepSpeed skipped. NaN too: it
+    compares unequal to itself, so a check written as a comparison lets it through."""
     module = tiny_module()
-    norms = iter([None, 1.5, float("inf")])  # None: before DeepSpeed's first step
+    norms = iter([None, 1.5, bad])  # None: before DeepSpeed's first step
     engine = SimpleNamespace(get_global_grad_norm=lambda: next(norms))
     module._trainer = SimpleNamespace(strategy=SimpleNamespace(deepspeed_engine=engine), global_step=3,
                                       optimizers=[SimpleNamespace(param_groups=[{"lr": 1e-3}])])
@@ -1270,7 +1272,7 @@ def test_under_deepspeed_a_non_finite_gradient_norm_stops_training_after_the_ste
         module.on_train_batch_end(None, batch, 0)
         assert logged.get("train/grad_norm") == expected
     module.on_train_batch_start(batch, 0)
-    with pytest.raises(NonFiniteError, match="step 3: the gradient norm is inf"):
+    with pytest.raises(NonFiniteError, match=f"step 3: the gradient norm is {bad}"):
         module.on_train_batch_end(None, batch, 0)
 
 

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from unittest import mock
 
 import pytest
@@ -221,10 +222,6 @@ def test_a_bare_variant_name_is_that_default_variant_or_refused(tmp_path, capsys
 def test_an_evaluation_records_the_packed_weights_it_decoded_with():
     """eval.packed_weights auto is measured per launch (a second's timing), so variants of one ablation decoded with
     different kernels and nothing recorded which: ablate reads the choice from each variant's evaluation."""
-    from types import SimpleNamespace
-
-    import torch
-
     from training.callbacks import AcceptanceEvaluation
 
     drafter_config = SimpleNamespace(lookup=0, redraft=0, calibration=None, block_size=8)
@@ -273,8 +270,6 @@ def test_the_first_variant_measured_decides_packed_weights_for_every_variant_of_
 def test_a_variant_with_another_adapter_dtype_or_device_decides_packed_weights_for_itself():
     """The target a variant decodes against is its target, the adapter merged into it, its dtype, accelerator and
     precision: a variant that merged an adapter decodes another model, and must not take the plain target's auto."""
-    from types import SimpleNamespace
-
     from training.ablate import decoding_target
 
     def config(**changed):

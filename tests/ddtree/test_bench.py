@@ -10,12 +10,14 @@ import inspect
 import json
 import math
 import weakref
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from ddtree.bench import (CHAIN, acceptance_summary, budget_of, compare_packed_verify_cost, format_summary, iter_json_lines,
-                          load_prompts, measure_verify_cost, method_keys, read_prompts, run_benchmark, summarize, tree_key)
+                          load_prompts, measure_verify_cost, method_keys, read_prompts, resolved_options, run_benchmark,
+                          summarize, tree_key)
 from ddtree import target_runner
 from ddtree.calibration import OnlineCalibration
 from ddtree.decoding import GenerationResult, Round, generate
@@ -682,3 +684,12 @@ def test_the_packed_comparison_times_each_model_alike_and_reads_plain_over_packe
     assert [row["ratio"] for row in rows] == [pytest.approx(3.0)] * 2
     # alternately, one run at a time, three of each at each size: the AR step (no node) and the 5-node probe tree
     assert timed == [(packed, nodes, 1) for nodes in (0, 5) for _ in range(3) for packed in (False, True)]
+
+
+def test_the_chain_decodes_with_the_redraft_it_was_given():
+    """--redraft (or the drafter's own) acts on dflash's chain as on ddtree's trees: bench handing the chain 0 ran its
+    dflash row without the re-drafts that `generate --method dflash` makes, and recorded it as run with them."""
+    drafter = SimpleNamespace(default_lookup=0, default_redraft=2, default_corpus=None)
+    assert resolved_options("dflash", drafter, None, 3, False, None)[1] == 3
+    assert resolved_options("dflash", drafter, None, None, False, None)[1] == 2  # the drafter's own
+    assert resolved_options("ar", drafter, None, 3, False, None)[1] == 0  # ar drafts nothing to re-draft

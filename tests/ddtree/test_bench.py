@@ -693,3 +693,11 @@ def test_the_chain_decodes_with_the_redraft_it_was_given():
     assert resolved_options("dflash", drafter, None, 3, False, None)[1] == 3
     assert resolved_options("dflash", drafter, None, None, False, None)[1] == 2  # the drafter's own
     assert resolved_options("ar", drafter, None, 3, False, None)[1] == 0  # ar drafts nothing to re-draft
+
+
+def test_sizing_leaves_re_drafts_off_for_ddtrees_trees_only():
+    """--adaptive-size sizes ddtree's trees, which then leave re-drafting off (it cost more than it gained on a CPU);
+    the chain, which is not sized, keeps the drafter's re-drafts."""
+    drafter = SimpleNamespace(default_lookup=0, default_redraft=2, default_corpus=None)
+    assert resolved_options("dflash", drafter, None, None, True, None)[1] == 2
+    assert resolved_options("ddtree", drafter, None, None, True, None)[1] == 0

@@ -267,3 +267,15 @@ def test_on_packs_even_where_the_packed_layers_would_measure_slower(monkeypatch)
     model = two_layers()
     pack, line = apply_packing("on", model)
     assert pack and is_packed(model) and line.startswith("[packed weights] on: linear layers through oneDNN")
+
+
+@needs_packing
+def test_a_layer_is_packed_once_not_again_at_every_forward():
+    """The packed copy is made when packing and kept while the weight is unchanged: repacking at each call (a weight
+    always taken for changed) cost the reorder of every layer's weight at every decoding step."""
+    model = two_layers()
+    pack_linears(model)
+    packed = [model[0]._ddtree_packed, model[2]._ddtree_packed]
+    model(torch.randn(2, 24))
+    model(torch.randn(2, 24))
+    assert model[0]._ddtree_packed is packed[0] and model[2]._ddtree_packed is packed[1]

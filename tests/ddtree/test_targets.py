@@ -1200,3 +1200,15 @@ def test_a_dtype_is_read_with_or_without_torchs_prefix_and_another_name_is_one_l
     assert ddtree.targets.parse_dtype("bfloat16") is ddtree.targets.parse_dtype("torch.bfloat16") is torch.bfloat16
     with pytest.raises(DDTreeError, match=r"^model\.target_dtype='bf16': choose one of float32, bfloat16, float16$"):
         ddtree.targets.parse_dtype("bf16", "model.target_dtype")
+
+
+@pytest.mark.parametrize("record", [b'{"version": "0.1', b"\xff\xfe not utf-8"])
+def test_a_conversion_whose_record_is_unreadable_is_kept_as_one_made_before_records(cache, monkeypatch, record):
+    """A record cut short (a full disk) or garbled reads as no record, as a folder converted before records were kept:
+    the folder is used and given its record, not a JSON traceback at every start."""
+    _, source = ddtree.targets.builtin_gguf("smollm2-135m")
+    folder = converted(cache / "targets", "smollm2-135m")
+    (folder / "conversion.json").write_bytes(record)
+    decoded = stub_decode(monkeypatch, Decoded())
+    assert builtin_target_folder("smollm2-135m") == folder
+    assert decoded == [] and json.loads((folder / "conversion.json").read_text()) == source

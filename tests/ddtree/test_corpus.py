@@ -299,3 +299,14 @@ def test_online_calibration_learns_each_lookups_acceptance_by_depth(tiny_target)
         learned[name] = [math.exp(online.graft_log_prob("corpus", depth)) for depth in (1, 3)]
         assert online.graft_rounds.get(("context", 1), 0) == 0  # lookup 0: the context lookup grafted nothing
     assert min(learned["right"]) > 0.75 and max(learned["wrong"]) < 0.25, learned
+
+
+def test_a_corpus_of_conversations_is_named_by_its_file_in_its_errors(tmp_path, tiny_target):
+    """The Python way to a corpus (CorpusLookup.from_conversations): a refusal names the file it was read from, not an
+    anonymous "the corpus"."""
+    _, tokenizer = tiny_target
+    Dataset.from_dict({"messages": [[{"role": "user", "content": "hi"},
+                                     {"role": "assistant", "content": "ok"}]]}).to_json(tmp_path / "short.jsonl")
+    corpus = CorpusLookup.from_conversations(tmp_path / "short.jsonl", tokenizer)
+    with pytest.raises(DDTreeError, match=rf"^the corpus {re.escape(str(tmp_path / 'short.jsonl'))}: no reply in it"):
+        corpus.check_runs()

@@ -16,12 +16,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from ddtree.errors import DDTreeError
-from ddtree.files import (atomic_file, check_output_file, not_a_file, path_argument, staged_folder, staging_owner,
-                          write_results_json)
+from ddtree.files import (atomic_file, check_output_file, free_bytes, not_a_file, path_argument, staged_folder,
+                          staging_owner, write_results_json)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -164,6 +165,17 @@ def test_a_nan_or_an_infinity_in_results_is_written_as_null(tmp_path):
     write_results_json(path, {"tau": math.nan, "per_prompt": (1.0, math.inf), "nested": [{"x": -math.inf}]})
     written = json.loads(path.read_text(), parse_constant=pytest.fail)  # a bare NaN or Infinity fails here
     assert written == {"tau": None, "per_prompt": [1.0, None], "nested": [{"x": None}]}
+
+
+def test_free_space_is_the_disk_the_path_would_be_made_on(tmp_path, monkeypatch):
+    """Feature extraction checks its disk before writing, and a full disk's error says how much is free: measured
+    elsewhere (the working folder, another mount), a full disk passes the check and the figures mislead."""
+    measured = []
+    monkeypatch.setattr("shutil.disk_usage", lambda path: measured.append(Path(path)) or SimpleNamespace(free=0))
+    monkeypatch.chdir(tmp_path.parent)
+    (tmp_path / "out").mkdir()
+    free_bytes(tmp_path / "out" / "features" / "shard-0")
+    assert measured == [tmp_path / "out"]
 
 
 def test_files_and_folders_written_in_one_step_take_the_users_umask(tmp_path):

@@ -301,6 +301,18 @@ def test_online_calibration_goes_on_learning_across_prompts(tiny_target, drafter
     assert second.token_ids == decoder.generate("def square(x):", chat=False, method="ar", max_new_tokens=24).token_ids
 
 
+def test_a_calibrations_copy_learns_apart_from_the_one_it_copies():
+    """--online-calibration learns from a copy of the drafter's calibration file: a copy that shared its tables would
+    move the shipped temperatures too, and every later reply would start from this one's learning."""
+    shipped = with_temperatures({8: 1.2})
+    shipped.graft_rounds[("context", 1)], shipped.graft_accepted[("context", 1)] = 4, 3
+    learner = shipped.copy()
+    learner.log_temperatures[8] = 0.0
+    learner.graft_rounds[("context", 1)] = learner.graft_accepted[("context", 1)] = 9
+    assert shipped.log_temperatures == {8: math.log(1.2)}
+    assert (shipped.graft_rounds, shipped.graft_accepted) == ({("context", 1): 4}, {("context", 1): 3})
+
+
 def test_messages_with_a_system_prompt(tiny_target):
     """A list of messages (a system prompt, earlier turns) is rendered by the chat template, as bench renders a
     prompts file's {"messages"}; it was taken for token ids, and the error named prompt_ids (found in a review)."""

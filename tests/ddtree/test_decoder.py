@@ -313,6 +313,12 @@ def test_a_calibrations_copy_learns_apart_from_the_one_it_copies():
     assert (shipped.graft_rounds, shipped.graft_accepted) == ({("context", 1): 4}, {("context", 1): 3})
 
 
+def test_a_calibration_describes_its_temperatures_not_their_logarithms():
+    """The line on stderr that names the calibration a decode uses: a log temperature would read 0.18 for 1.20."""
+    assert with_temperatures({32: 1.2, None: 0.9}).describe() == "ddtree@32 1.20, chain 0.90"
+    assert OnlineCalibration().describe() == "none"
+
+
 def test_messages_with_a_system_prompt(tiny_target):
     """A list of messages (a system prompt, earlier turns) is rendered by the chat template, as bench renders a
     prompts file's {"messages"}; it was taken for token ids, and the error named prompt_ids (found in a review)."""

@@ -204,6 +204,7 @@ def test_the_keywords_defaults_are_the_commands():
     (dict(budget=2.5), "budget=2.5: give a whole number"),
     (dict(adaptive_size="yes"), "adaptive_size='yes': choose one of 'auto', 'on', 'off'"),
     (dict(static_cache=True), "static_cache=True: choose one of 'auto', 'on', 'off'"),
+    (dict(static_cache=None), "static_cache=None: choose one of 'auto', 'on', 'off'"),  # not a KeyError traceback
     (dict(corpus="replies.jsonl"), "corpus and calibration shape a drafter's trees, and no drafter was given"),
     (dict(drafter="no/such/folder"), "no/such/folder"),
     (dict(drafter="random", calibration="no-such.json"), "calibration='no-such.json': no such file"),

@@ -1948,6 +1948,7 @@ def test_calibrate_leaves_a_file_another_run_wrote_while_it_decoded_unless_told_
     '{"format_version": 1, "temperatures": {"8": true}, "graft_acceptance": {}}',
     '{"format_version": 1, "temperatures": {"8": 1e-300}, "graft_acceptance": {}}',
     '{"format_version": 1, "temperatures": {"-8": 1.1}, "graft_acceptance": {}}',
+    '{"format_version": 1, "temperatures": {"0": 1.1}, "graft_acceptance": {}}',  # no budget is 0
     '{"format_version": 1, "temperatures": {}, "graft_acceptance": {"context": {"1": "12"}}}',
     "[" * 100000 + "]" * 100000,
     # a TypeError traceback when generate compared the settings (found in a review)

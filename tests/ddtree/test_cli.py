@@ -690,6 +690,16 @@ def test_the_console_script_answers_help_a_bad_flag_and_a_wrong_path_before_torc
         assert said in proc.stdout + proc.stderr, proc.stdout + proc.stderr
 
 
+def test_the_console_script_exits_2_on_an_error_the_command_reports(capsys, tmp_path):
+    """`ddtree` and `python -m ddtree` return what the command returns: an error found once torch has loaded (past the
+    console script's own checks) exiting 0 would pass a script's `&& next step` and a CI step with no results."""
+    from ddtree.__main__ import main as console_script
+
+    missing = tmp_path / "none.json"
+    assert console_script(["generate", "--target", TARGET, "--prompt", "Hi", "--calibration", str(missing)]) == 2
+    assert f"error: --calibration {missing}: no such file" in capsys.readouterr().err
+
+
 def run_with_stdout_closed(argv: list[str]) -> subprocess.CompletedProcess:
     """Run `argv` with its stdout a pipe whose reader has gone away (`... | head -c 5` once head has its bytes)."""
     # buffered as a user's stdout is: PYTHONUNBUFFERED (set by some CI and IDEs) writes each print at once, and

@@ -223,6 +223,8 @@ BREAKAGES = [
      _config(lambda c: c["transformer_layer_config"].update(hidden_act="gelu")), {(VLLM, "hidden_act")}),
     ("no layer count", "default", _config(_delete("num_hidden_layers", "layer_types")),
      {(VLLM, "Qwen3 fields"), (SGLANG, "num_hidden_layers")}),
+    ("a layer count of 0", "default", _config(_set(num_hidden_layers=0, layer_types=[])),  # SGLang wants 1 or more
+     {(SGLANG, "num_hidden_layers"), (VLLM, "weights")}),  # and vLLM finds the layers' weights unclaimed
     ("gelu", "default", _config(_set(hidden_act="gelu")), {(VLLM, "hidden_act"), (SGLANG, "hidden_act")}),
     ("a sliding-window layer", "default", _config(_set(layer_types=["full_attention", "sliding_attention"])),
      {(VLLM, "layer_types"), (SGLANG, "layer_types")}),

@@ -1126,6 +1126,16 @@ def test_a_recorded_prompts_path_is_the_projects_whatever_folder_the_job_runs_fr
         f"prompts: 'data/other.jsonl' -> {given!r}"]
 
 
+def test_greedy_data_recorded_without_sampling_is_never_read_as_sampled_per_chunk():
+    """Only sampled data that records no `sampling` was made per chunk (recorded_settings): a greedy dataset asked to
+    be sampled must be told it was greedy, not that it was sampled the old way."""
+    greedy, sampled = {"temperature": 0}, {"temperature": 0.7, "sampling": regenerate.SAMPLING}
+    assert regenerate.changed_settings(greedy, sampled) == [
+        "temperature: 0 -> 0.7", f"sampling: None -> {regenerate.SAMPLING!r}"]
+    assert regenerate.changed_settings({"temperature": 0.7}, sampled) == [
+        f"sampling: 'per-chunk' -> {regenerate.SAMPLING!r}"]
+
+
 @pytest.mark.parametrize("text, said", [('{"target": ', "not valid JSON"), ("[]", "holds a JSON list")])
 @pytest.mark.parametrize("flags", [["--check"], [], ["--merge-only"]])
 def test_a_damaged_regeneration_json_is_one_line_naming_it(tmp_path, capsys, text, said, flags):

@@ -2189,3 +2189,11 @@ def test_the_tokenizations_drops_read_as_one_sentence_naming_each_reason_and_non
     assert [note.split(":")[0] for note in training.report.data_notes(both)] == [
         "kept 60 of the 120 conversations of its data in the tokenization",
         "trained on 40 of the 54 sequences of the training split"]
+
+
+def test_a_stops_validation_loss_is_kept_under_the_stopped_steps_name(tmp_path):
+    """The file a stop leaves for its resume (docs/training.md: eval/stopped-at-step-N.json) is named by the step the
+    run stopped at: a resume reads it by that name, also one of a run that an earlier version stopped."""
+    stopped = AcceptanceEvaluation.stop_val_loss_file(tmp_path, 8)
+    assert stopped == tmp_path / "eval" / "stopped-at-step-000008.json"
+    assert stopped != AcceptanceEvaluation.eval_file(tmp_path, 8)  # not an evaluation the card or `make ablate` reads

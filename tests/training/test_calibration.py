@@ -117,6 +117,28 @@ def test_model_calibrate_fits_the_rounds_of_every_rank():
     assert module.base_drafter().config.draft_temperatures == temperatures
 
 
+def test_replayed_calibration_replays_each_row_with_its_own_reply(monkeypatch):
+    """model.replay_calibration replays every validation row, each with its own loss mask: rows of one batch hold
+    replies of their own lengths, and another row's mask would replay prompt tokens as reply, or cut the reply short."""
+    module = DistillModule(target="tiny-random", num_layers=1, block_size=4, num_anchors=4, target_dtype="float32")
+    module.configure_model()
+    replayed = []
+
+    class Replayed(Exception):
+        pass
+
+    def recorded(runner, sequences, *args):
+        replayed.extend((ids.tolist(), mask.tolist()) for _, ids, mask in sequences)
+        raise Replayed  # what is replayed is all this test reads
+
+    monkeypatch.setattr(training.module, "learn_calibration", recorded)
+    input_ids = torch.tensor([[1, 5, 9, 13, 17], [2, 6, 10, 14, 18]])
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1], [0, 0, 0, 0, 1]])
+    with pytest.raises(Replayed):
+        module.fit_replayed_calibration([{"input_ids": input_ids, "loss_mask": loss_mask}], 8, 8)
+    assert replayed == [(input_ids[row].tolist(), loss_mask[row].tolist()) for row in range(2)]
+
+
 def test_replayed_calibration_refuses_sampled_replies_and_notes_another_targets(tmp_path, capsys):
     """The replay takes every reply token for the target's greedy choice, and nothing read the data's record: a T=0.8
     copy of the shipped data trained with model.replay_calibration without a word, and the calibration written into

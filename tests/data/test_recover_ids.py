@@ -175,6 +175,22 @@ def test_only_ids_that_decode_to_the_reply_and_count_its_response_tokens_are_kep
     assert summary["recovered"] == 0 and summary["not_recovered"] == 2 and summary["disagreements"] == 5
 
 
+def test_each_reply_is_recovered_behind_its_whole_prompt(tiny, tmp_path, monkeypatch):
+    """A prompt of several messages (earlier turns, as data/regenerate.py reads a conversation) is every message but the
+    reply: behind its first message alone, the target's choices are those of another conversation."""
+    _, tokenizer = tiny
+    turns = [*MESSAGES, {"role": "assistant", "content": "1. one"}, {"role": "user", "content": "And another."}]
+    rows = [{**regenerated_row("a", "Paris.", 2), "messages": [*turns, {"role": "assistant", "content": "Paris."}]},
+            regenerated_row("b", "Yes.", 2)]
+    prompts = []
+    monkeypatch.setattr(recover_ids, "recover",
+                        lambda model, tokens, prompt, reply: prompts.append(prompt) or ([], 0))
+    source = write_regenerated(tmp_path / "data", rows)
+    assert recover_ids.main([str(source), "--out", str(tmp_path / "out")]) == 0
+    assert prompts == [chat_prompt_ids(tokenizer, turns, "turns", CHAT_TARGET),
+                       chat_prompt_ids(tokenizer, MESSAGES, "MESSAGES", CHAT_TARGET)]
+
+
 def test_sampled_data_is_refused(tmp_path):
     source = write_regenerated(tmp_path / "data", [{"id": "a", "messages": MESSAGES}], temperature=0.7)
     with pytest.raises(DDTreeError, match="only greedy replies"):

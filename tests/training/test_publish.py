@@ -253,6 +253,15 @@ def test_the_cards_metadata_names_the_targets_hub_id_where_it_has_one_and_the_li
         assert f"speculative decoding with `{named}`" in intro, intro
 
 
+def test_the_cards_title_is_the_repos_model_name_or_else_the_folders(run_dir, tmp_path):
+    """The Hub shows the card's first heading over the model: the repo's name, not its owner; OUT's name without one."""
+    assert export(run_dir, tmp_path / "export", "--ckpt", "last", "--repo", "tester/tiny-drafter") == 0
+    assert export(run_dir, tmp_path / "plain", "--ckpt", "last") == 0
+    for folder, title in [("export", "# tiny-drafter"), ("plain", "# plain")]:
+        headings = [line for line in (tmp_path / folder / "README.md").read_text().splitlines() if line.startswith("# ")]
+        assert headings[0] == title, headings
+
+
 def test_card_numbers_come_from_the_evaluation_of_the_exported_step(run_dir, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(run_dir, run, symlinks=True)

@@ -209,13 +209,17 @@ def test_a_precision_override_in_two_items_is_an_override_too(tmp_path, monkeypa
 
 @pytest.mark.parametrize("overrides", [["--trainer.precision=auto"], ["--trainer.precision", "auto", "--model.lr=0.002"]])
 def test_an_override_of_auto_measures_on_any_recipe(tmp_path, monkeypatch, capsys, overrides):
-    """auto is this project's value: passed on to the parser, Lightning refused it on every recipe."""
+    """auto is this project's value: passed on to the parser, Lightning refused it on every recipe. It replaces the
+    recipe's precision alone: the rest of its trainer section (its step count, its accelerator) is kept."""
     calls = stub_choice(monkeypatch, BF16_SLOW)
     recipe = tiny_recipe(tmp_path, "bf16-mixed")
     config = read_recipe(recipe, overrides)
     assert config.trainer.precision == "32-true" and calls == ["cpu"]
     assert "[precision] trainer.precision auto -> 32-true" in capsys.readouterr().out
-    assert config.model.lr == (0.002 if "--model.lr=0.002" in overrides else read_recipe(recipe, []).model.lr)
+    as_written = read_recipe(recipe, [])
+    assert config.model.lr == (0.002 if "--model.lr=0.002" in overrides else as_written.model.lr)
+    assert (config.trainer.max_steps, config.trainer.accelerator) == (as_written.trainer.max_steps,
+                                                                       as_written.trainer.accelerator)
 
 
 def test_the_last_precision_override_wins_with_auto_among_them(tmp_path, monkeypatch):

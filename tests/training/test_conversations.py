@@ -490,6 +490,11 @@ def test_a_conversation_the_loss_mask_cannot_follow_is_skipped_and_counted_unles
                               "follow (the first, 'rewritten': ") and warning.endswith(")"), warning
     with pytest.raises(DDTreeError, match="colours.jsonl: no conversation could be rendered .* 'rewritten'"):
         tokenize_conversations(tokenizer, [rewritten, rewritten], 500, 1, "colours.jsonl")
+    # Beside a prompt without a reply, the render is one reason of two: each is counted, not the first one's error
+    prompt = {"id": "prompt", "messages": CONVERSATION[:1]}
+    with pytest.raises(DDTreeError, match="colours.jsonl: none of 2 conversations is usable: 1 have no assistant "
+                                          "tokens, 1 a render the loss mask cannot follow"):
+        tokenize_conversations(tokenizer, [rewritten, prompt], 500, 1, "colours.jsonl")
     # One that keeps a reply's first line only: the line is in the render, but only a reply's end may stand for it
     # (Qwen3 strips an earlier reply's reasoning); kept, the conversation trained without that turn.
     tokenizer.chat_template = (

@@ -405,6 +405,9 @@ def test_tokenize_conversations_counts_and_skips(smol_tokenizer, caplog):
     assert "'truncated': 1" in caplog.text
     with pytest.raises(DDTreeError, match="looks like a prompt file"):
         tokenize_conversations(smol_tokenizer, [records[1], records[1]], 120, 4)
+    with pytest.raises(DDTreeError) as mixed:  # a prompt-only line among short replies: no prompt file
+        tokenize_conversations(smol_tokenizer, [records[1], records[3]], 120, 4)
+    assert "1 have no assistant tokens" in str(mixed.value) and "prompt file" not in str(mixed.value), mixed.value
 
 
 def test_a_conversation_with_exactly_min_supervised_tokens_is_kept(smol_tokenizer):

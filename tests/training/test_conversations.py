@@ -458,6 +458,11 @@ def test_what_tokenization_drops_is_one_warning_naming_each_reason_and_the_setti
     with caplog.at_level("WARNING"):  # nothing dropped nor cut: nothing to say
         tokenize_conversations(smol_tokenizer, records[:1], max_length=120, min_supervised_tokens=4)
     assert not caplog.records
+    with caplog.at_level("WARNING"):  # each setting named for what it would keep: only a reply cut, only one short
+        tokenize_conversations(smol_tokenizer, [records[0], records[4]], max_length=120, min_supervised_tokens=4)
+        tokenize_conversations(smol_tokenizer, [records[0], records[2]], max_length=120, min_supervised_tokens=4)
+    assert [r.getMessage().split("; ")[-1] for r in caplog.records] == [
+        "raise data.max_length to keep more", "lower data.min_supervised_tokens to keep more"]
 
 
 def test_a_target_without_a_chat_template_is_one_line_naming_it(smol_folder):

@@ -494,8 +494,9 @@ def saved(tmp_path_factory):
                            target_dtype="float32")
     module.configure_model()
     history = [{"step": 7, "summary": {}, "seconds": 1.0}]
+    # epoch as Lightning writes it beside global_step: a step read from it would be another number
     checkpoint = {"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams), "global_step": 7,
-                  "callbacks": {"AcceptanceEvaluation": {"history": history}}}
+                  "epoch": 0, "callbacks": {"AcceptanceEvaluation": {"history": history}}}
     module.on_save_checkpoint(checkpoint)
     run = tmp_path_factory.mktemp("run")
     (run / "checkpoints").mkdir()

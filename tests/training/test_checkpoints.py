@@ -138,8 +138,8 @@ def test_make_export_takes_best_last_or_a_path_of_one_run_and_says_which(tmp_pat
 def test_a_checkpoint_given_as_run_or_a_run_folder_given_as_ckpt_is_named_as_such(tmp_path):
     """Each was refused as what it is not: a checkpoint as "no such run folder", a run folder as "a folder but not a
     DeepSpeed checkpoint (no 'latest' file in it)"."""
-    run = make_run(tmp_path, "r", {"checkpoints/step-2.ckpt": 100, "checkpoints/deepspeed.ckpt/": 200},
-                   best="step-2.ckpt")
+    run = make_run(tmp_path, "r", {"checkpoints/step-2.ckpt": 100, "checkpoints/deepspeed.ckpt/": 200,
+                                   "checkpoints/last.ckpt": 300}, best="step-2.ckpt")  # named: best over last
     other = make_run(tmp_path, "other", {"checkpoints/last.ckpt": 100})
     best = run / "checkpoints" / "best.ckpt"
     with pytest.raises(DDTreeError, match=rf"^RUN={best} is a checkpoint file, not a run folder; give its run folder "

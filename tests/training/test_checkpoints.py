@@ -28,7 +28,7 @@ from training.checkpoint_paths import (SAVING_MARKER, check_run_folder, find_che
                                        find_run_checkpoint, newest_checkpoint, resume_point, run_folder_of, saved_step)
 from training.checkpoints import (AtomicCheckpointIO, Checkpoint, after_a_refused_save, check_resumable,
                                   deepspeed_client_state, load_checkpoint, newest_finite_checkpoint,
-                                  recorded_evaluation)
+                                  non_finite_tensors, recorded_evaluation)
 from training.module import DistillModule
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -555,6 +555,15 @@ def test_the_newest_finite_checkpoint_is_the_highest_finite_step_whatever_the_fi
     for when, name in enumerate(file_order):
         os.utime(run / "checkpoints" / f"{name}.ckpt", (1000 + when, 1000 + when))
     assert newest_finite_checkpoint(run) == run / "checkpoints" / "step-4.ckpt"
+
+
+def test_a_half_precision_drafter_of_large_finite_weights_is_not_taken_for_diverged():
+    """Summed in float16, 90,000 weights of 1.0 overflow to inf: a float16 checkpoint would be refused as diverged."""
+    layer = torch.nn.Linear(300, 300, bias=False).half()
+    torch.nn.init.ones_(layer.weight)
+    assert non_finite_tensors(layer) == 0
+    layer.weight.data[0, 0] = float("nan")
+    assert non_finite_tensors(layer) == 1
 
 
 def test_the_recorded_evaluation_is_the_one_of_the_checkpoints_own_step():

@@ -566,6 +566,14 @@ def test_a_half_precision_drafter_of_large_finite_weights_is_not_taken_for_diver
     assert non_finite_tensors(layer) == 1
 
 
+def test_a_folder_that_is_no_deepspeed_checkpoint_is_named_as_such_before_any_consolidation(tmp_path):
+    """Consolidating it would fail on its missing shards with DeepSpeed's message, which names no 'latest' file."""
+    folder = tmp_path / "copied.ckpt"
+    (folder / "checkpoint").mkdir(parents=True)  # a DeepSpeed folder copied without its `latest` tag
+    with pytest.raises(DDTreeError, match=rf"^CKPT {folder} is a folder but not a DeepSpeed checkpoint \(no 'latest'"):
+        load_checkpoint(folder)
+
+
 def test_the_recorded_evaluation_is_the_one_of_the_checkpoints_own_step():
     """`make eval` prints it as the logged tau and publish checks a bench reproduces it: another step's row would be
     taken for this checkpoint's, and a step never evaluated would get one."""

@@ -263,6 +263,14 @@ def test_the_tiny_target_has_the_same_weights_whatever_the_process_drew_before(t
     assert weights[0] == weights[1]
 
 
+def test_a_loaded_target_is_frozen_in_eval_mode(tiny_target):
+    """load_target's target is frozen: a caller's forward outside no_grad (the model card's example) otherwise built
+    a graph through every layer and held its activations, which no decoding or distillation needs."""
+    model, _ = tiny_target
+    assert not model.training and not any(p.requires_grad for p in model.parameters())
+    assert not model(torch.tensor([[1, 2, 3]])).logits.requires_grad
+
+
 def test_a_target_path_from_home_is_expanded(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     folder = tmp_path / "models" / "x"

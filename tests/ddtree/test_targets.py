@@ -900,6 +900,18 @@ def test_a_target_without_a_spare_row_or_a_mask_token_names_the_flags_that_help(
         choose_mask_token_id("/t/cut", VocabularyOnly(100, {"<empty_output>": 99}), 99)
 
 
+def test_a_configured_mask_token_id_one_past_the_last_embedding_row_is_refused_naming_the_rows():
+    """The last row is the highest id the embedding takes: one past it was let through to a later check that names
+    dflash_config.mask_token_id, a field the user never set (they gave --model.mask_token_id)."""
+    from ddtree.targets import choose_mask_token_id
+
+    tokenizer = VocabularyOnly(100, {})
+    assert choose_mask_token_id("/t/llama", tokenizer, 100, configured=99) == 99
+    for outside in (100, -1):
+        with pytest.raises(DDTreeError, match=rf"^mask_token_id {outside} is outside the target's embedding \(0\.\.99\)$"):
+            choose_mask_token_id("/t/llama", tokenizer, 100, configured=outside)
+
+
 def test_a_target_config_without_a_field_the_drafter_needs_is_one_line():
     from ddtree.targets import target_field
 

@@ -127,6 +127,14 @@ def test_a_small_val_fraction_still_holds_out_one_sequence(tmp_path):
     assert (len(dm.train_set), len(dm.val_set)) == (23, 1)
 
 
+def test_a_zero_val_fraction_holds_out_nothing(tmp_path):
+    """data.val_fraction=0 asks for no validation split: every sequence is one to train on, none held out for a
+    val/loss that no evaluation then reads."""
+    dm = make_datamodule(tmp_path, val_fraction=0)
+    dm.setup("fit")
+    assert (len(dm.train_set), len(dm.val_set)) == (24, 0)
+
+
 def test_datamodule_caches_tokenization(tmp_path, monkeypatch):
     make_datamodule(tmp_path).prepare_data()
     import training.data as data_module

@@ -509,6 +509,18 @@ def test_two_ranks_train_on_disjoint_halves_of_the_training_split(tmp_path):
     assert sorted(shares[0] + shares[1]) == list(range(len(dm.train_set)))
 
 
+def test_the_training_order_follows_data_seed(tmp_path):
+    """data.seed seeds the training loader's per-epoch shuffle as well as the split: two seeds draw the training split
+    in two orders, one seed in the same order on every launch."""
+    orders = {}
+    for seed in (1, 2, 1):
+        dm = make_datamodule(tmp_path, seed=seed)
+        dm.setup("fit")
+        order = list(dm.train_dataloader().sampler)  # positions in the training split
+        assert orders.setdefault(seed, order) == order
+    assert orders[1] != orders[2]
+
+
 class RecordingValidation(DistillModule):
     """Writes each validation sequence's tokens to <prefix>-rank<r>.txt, one line each."""
 

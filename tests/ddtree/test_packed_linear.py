@@ -282,7 +282,8 @@ def test_a_layer_is_packed_once_not_again_at_every_forward():
 
 
 def test_refusing_on_names_the_setting_as_its_caller_gives_it():
-    """Training's evaluation packs with eval.packed_weights: its refusal told the user to change a flag they never gave."""
+    """Training's evaluation packs with eval.packed_weights: its refusal told the user to change a flag they never
+    gave."""
     half = frozen(nn.Linear(8, 8)).to(torch.bfloat16)
     with pytest.raises(DDTreeError, match=r"^eval\.packed_weights on: .*; use eval\.packed_weights off \(or auto\)$"):
         apply_packing("on", half, "eval.packed_weights")

@@ -908,7 +908,8 @@ def test_a_configured_mask_token_id_one_past_the_last_embedding_row_is_refused_n
     tokenizer = VocabularyOnly(100, {})
     assert choose_mask_token_id("/t/llama", tokenizer, 100, configured=99) == 99
     for outside in (100, -1):
-        with pytest.raises(DDTreeError, match=rf"^mask_token_id {outside} is outside the target's embedding \(0\.\.99\)$"):
+        with pytest.raises(DDTreeError,
+                           match=rf"^mask_token_id {outside} is outside the target's embedding \(0\.\.99\)$"):
             choose_mask_token_id("/t/llama", tokenizer, 100, configured=outside)
 
 

@@ -218,8 +218,8 @@ def test_an_override_of_auto_measures_on_any_recipe(tmp_path, monkeypatch, capsy
     assert "[precision] trainer.precision auto -> 32-true" in capsys.readouterr().out
     as_written = read_recipe(recipe, [])
     assert config.model.lr == (0.002 if "--model.lr=0.002" in overrides else as_written.model.lr)
-    assert (config.trainer.max_steps, config.trainer.accelerator) == (as_written.trainer.max_steps,
-                                                                       as_written.trainer.accelerator)
+    kept = (as_written.trainer.max_steps, as_written.trainer.accelerator)
+    assert (config.trainer.max_steps, config.trainer.accelerator) == kept
 
 
 def test_the_last_precision_override_wins_with_auto_among_them(tmp_path, monkeypatch):

@@ -258,7 +258,8 @@ def test_the_cards_title_is_the_repos_model_name_or_else_the_folders(run_dir, tm
     assert export(run_dir, tmp_path / "export", "--ckpt", "last", "--repo", "tester/tiny-drafter") == 0
     assert export(run_dir, tmp_path / "plain", "--ckpt", "last") == 0
     for folder, title in [("export", "# tiny-drafter"), ("plain", "# plain")]:
-        headings = [line for line in (tmp_path / folder / "README.md").read_text().splitlines() if line.startswith("# ")]
+        card = (tmp_path / folder / "README.md").read_text()
+        headings = [line for line in card.splitlines() if line.startswith("# ")]
         assert headings[0] == title, headings
 
 

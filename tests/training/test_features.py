@@ -349,6 +349,17 @@ def test_store_of_other_layers_or_with_soft_targets_stops_the_fit(tmp_path):
     assert "distill_top_k=8" in one_line(error.value) and "top 0" in one_line(error.value)
 
 
+def test_a_store_of_the_drafters_layers_in_another_order_is_refused(tmp_path):
+    """The store concatenates its layers' features in its own order, and the drafter's fusion reads them in its own:
+    layers [4, 1, 3] stored for a drafter of [1, 3, 4] would feed each slot another layer's features (mutation
+    review 83, M13)."""
+    store = FeatureStore(build_feature_store(make_datamodule(tmp_path), tmp_path / "store", layer_ids=[4, 1, 3],
+                                             dtype=torch.float32))
+    with pytest.raises(DDTreeError) as error:
+        tiny_module().check_feature_store(store)
+    assert "[4, 1, 3]" in one_line(error.value) and f"reads layers {LAYER_IDS}" in one_line(error.value)
+
+
 def test_a_store_without_layer_ids_holds_the_distinct_ones_a_new_drafter_reads(tmp_path, capsys):
     """The tiny target has 6 layers, too few for the published spread: it stored [1, 2, 2, 2, 3], layer 2 three times."""
     path = build_feature_store(make_datamodule(tmp_path), tmp_path / "store")

@@ -360,6 +360,20 @@ def test_a_store_of_the_drafters_layers_in_another_order_is_refused(tmp_path):
     assert "[4, 1, 3]" in one_line(error.value) and f"reads layers {LAYER_IDS}" in one_line(error.value)
 
 
+def test_a_store_built_with_an_adapter_before_its_sha256_was_recorded_is_refused_to_a_run_without_one(tmp_path):
+    """Training's side of differing_fields' rule: with no adapter here and no sha256 recorded there, the two missing
+    sha256s are no proof of the same target, and the store's features are of the adapted one (mutation review 83,
+    M12)."""
+    store = FeatureStore(build_feature_store(make_datamodule(tmp_path), tmp_path / "store", layer_ids=LAYER_IDS,
+                                             dtype=torch.float32))
+    module = tiny_module()
+    module.check_feature_store(store)  # the store of this very target: taken
+    store.target_adapter, store.target_adapter_sha256 = "/adapters/lora-1", None  # as an older store's manifest reads
+    with pytest.raises(DDTreeError) as error:
+        module.check_feature_store(store)
+    assert "(adapter /adapters/lora-1)" in one_line(error.value) and "(adapter None)" in one_line(error.value)
+
+
 def test_a_store_without_layer_ids_holds_the_distinct_ones_a_new_drafter_reads(tmp_path, capsys):
     """The tiny target has 6 layers, too few for the published spread: it stored [1, 2, 2, 2, 3], layer 2 three times."""
     path = build_feature_store(make_datamodule(tmp_path), tmp_path / "store")

@@ -120,6 +120,14 @@ def test_an_unset_gamma_is_the_published_one_for_the_block_size_the_drafter_has(
         DistillModule(target="tiny-random", gamma=0)
 
 
+def test_an_unset_drafter_shape_is_the_published_one():
+    """model.num_layers and model.block_size left unset build DFlash's published drafter, 5 layers drafting blocks of
+    16 (the 8B recipes' shape), not whatever a smaller default would train (mutation review 83, M20)."""
+    module = tiny_module(num_layers=None, block_size=None, gamma=None)
+    assert module.drafter_config.num_hidden_layers == 5 and len(module.base_drafter().layers) == 5
+    assert module.block_size == 16 and module.hparams.gamma == 7.0
+
+
 def block_loss_case(seed: int = 0, block: int = 4, hidden_size: int = 8, vocab: int = 13):
     """hidden (2, 3*B, H) with gradients, labels (2, 3, B) with the anchors and a few more tokens ignored, an LM head."""
     generator = torch.Generator().manual_seed(seed)

@@ -270,6 +270,7 @@ class DistillModule(L.LightningModule):
         self._step_loss: torch.Tensor | None = None  # the last training step's loss, checked before the optimizer
         self._target_seconds: Callable[[], float] | None = None  # its target forward's time
         self._batch_tokens = 0
+        self._step_lr = 0.0  # the learning rate this batch's optimizer step takes, from on_train_batch_start
         self._val_sums: dict[str, torch.Tensor] = {}
         # anneal_by_max_time: how far along trainer.max_time's warm-up share and its cosine are (update_time_progress)
         self._time_warmup = self._time_progress = 0.0
@@ -715,6 +716,9 @@ class DistillModule(L.LightningModule):
         self._step_loss = self._target_seconds = None  # set by training_step (not when a batch has no block)
         mask = batch.get("attention_mask")
         self._batch_tokens = int(mask.sum()) if mask is not None else batch["input_ids"].numel()
+        # Read here, not where it is logged: Lightning steps the scheduler before on_train_batch_end, where the rate
+        # is the next step's (train/lr put the warm-up's second rate at step 0, and the floor at the last step).
+        self._step_lr = self.trainer.optimizers[0].param_groups[0]["lr"]
 
     def training_step(self, batch: dict, batch_idx: int):
         result = self.shared_step(batch, batch_idx, "train")
@@ -757,7 +761,7 @@ class DistillModule(L.LightningModule):
                 self.log("perf/target_forward_s", self._target_seconds())
             self.log("perf/step_s", seconds)
         self.log("perf/target_tok_s", self._batch_tokens / seconds, prog_bar=True)
-        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], prog_bar=True)
+        self.log("train/lr", self._step_lr, prog_bar=True)
         if is_deepspeed(self.trainer.strategy):
             self._check_deepspeed_grad_norm()
 

@@ -1029,6 +1029,29 @@ def test_cosine_schedule_with_warmup(floor):
     assert seen[55] == pytest.approx(floor + (1 - floor) / 2, abs=0.02) and seen[-1] == pytest.approx(floor, abs=0.01)
 
 
+def test_train_lr_is_the_rate_each_step_trained_at(tmp_path):
+    """Lightning steps the scheduler before on_train_batch_end, so a rate read there is the next step's: the log put
+    the warm-up's second rate at step 0 and the floor at a last step that trained above it (mutation review 83)."""
+    import csv
+
+    used = []
+
+    class RecordRate(L.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            used.append(optimizer.param_groups[0]["lr"])
+
+    trainer = L.Trainer(
+        max_steps=4, logger=L.pytorch.loggers.CSVLogger(tmp_path), enable_checkpointing=False, callbacks=[RecordRate()],
+        enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
+    )
+    trainer.fit(tiny_module(lr=1e-2, warmup_ratio=0.5), train_dataloaders=DataLoader([synthetic_batch()] * 4, batch_size=None))
+    rows = list(csv.DictReader(open(tmp_path / "lightning_logs" / "version_0" / "metrics.csv")))
+    logged = [float(row["train/lr"]) for row in rows if row.get("train/lr")]
+    # 2 warm-up steps at 1/2 and 2/2 of the peak, then the cosine from the peak to half of it at the 2nd of its 2 steps
+    assert used == pytest.approx([5e-3, 1e-2, 1e-2, 5e-3])
+    assert logged == pytest.approx(used)
+
+
 def test_anneal_by_max_time_follows_the_clock_where_it_is_ahead_of_the_steps():
     module = tiny_module(warmup_ratio=0.1, lr=1.0, anneal_by_max_time=True)
     module.trainer = type("T", (), {"estimated_stepping_batches": 100, "strategy": None, "precision_plugin": None})()

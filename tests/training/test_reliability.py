@@ -1580,9 +1580,11 @@ def test_no_step_limit_under_max_time_with_anneal_by_max_time_warms_up_and_annea
     rows = list(csv.DictReader(open(tmp_path / "out" / "tiny" / "clock" / "csv" / "version_0" / "metrics.csv")))
     lrs = [float(row["train/lr"]) for row in rows if row.get("train/lr")]
     assert len(lrs) == 12  # no step limit: the clock alone ended the run
-    # tiny's warm-up is 10% of max_time (0.3 s): the first step ends 5/6 into it (the steps' warm-up never ends, at
-    # a rate of 0), the next just past it, near the peak; then the rate anneals by the stop
-    assert lrs[0] == pytest.approx(5 / 6 * 3e-3, rel=1e-3) and max(lrs) > 0.9 * 3e-3 and lrs[-1] < 0.25 * 3e-3, lrs
+    # tiny's warm-up is 10% of max_time (0.3 s): the first step trains at the clock's start, at a rate of 0 (the
+    # steps' warm-up never ends), and ends 5/6 into it, the second step's rate; the third's is just past it, near the
+    # peak; then the rate anneals by the stop (train/lr: the rate each step trained at)
+    assert lrs[0] == 0 and lrs[1] == pytest.approx(5 / 6 * 3e-3, rel=1e-3), lrs
+    assert max(lrs) > 0.9 * 3e-3 and lrs[-1] < 0.25 * 3e-3, lrs
 
 
 def test_max_time_under_accumulation_stops_where_a_step_ends_and_measures_only_that_step(tmp_path, monkeypatch):

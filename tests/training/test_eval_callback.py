@@ -1763,6 +1763,9 @@ def test_the_evaluations_share_is_every_evaluation_of_the_launch_over_its_time_s
     # took and of are printed to 0.1 s, the share to 0.1%: the share lies in what the rounded figures allow (a share
     # of 82.9 printed beside 1.8 s of 2.2 s is right, from 1.849 s of 2.23 s), and a share of anything else does not
     assert 100 * (took - 0.05) / (of + 0.05) - 0.05 <= share <= 100 * (took + 0.05) / (of - 0.05) + 0.05
+    # val/eval_seconds, as logged (progress bar, loggers): the last evaluation's own time, calibration included
+    assert evaluation.measured[1]["val/eval_seconds"] == evaluation.history[-1]["seconds"]
+    assert evaluation.history[-1]["seconds"] >= 0.95 * 0.6
     (said,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[eval] step 6")]
     line_share = float(re.search(r"\(([\d.]+)% of this launch so far\)", said).group(1))
     # the same share, a moment before the report's: step 6's checkpoint save (20-44 ms here) lies between the two,

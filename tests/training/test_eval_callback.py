@@ -1902,6 +1902,9 @@ def test_bad_settings_are_one_line_errors(tmp_path, capsys):
     with pytest.raises(DDTreeError, match=r"eval.max_new_tokens=2: must be at least 3 \(the first comes from prefill"):
         AcceptanceEvaluation(max_new_tokens=2)
     assert AcceptanceEvaluation(max_new_tokens=3).max_new_tokens == 3  # one round that can accept one drafted token
+    # a budget of 0 nodes drafts nothing: every checkpoint would measure tau 1.0
+    with pytest.raises(DDTreeError, match=r"eval.budgets=\[0, 8\]: give one or more node budgets, each at least 1"):
+        AcceptanceEvaluation(budgets=[0, 8], primary_budget=8)
 
     data = write_conversations(tmp_path / "conversations.jsonl")
     common = ["--recipe", "tiny", "--output-root", str(tmp_path / "out"), f"--data.data_path={data}",

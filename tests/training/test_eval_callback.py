@@ -1946,6 +1946,13 @@ def test_eval_settings_that_cannot_fit_the_targets_context_stop_the_run_before_t
     with pytest.raises(DDTreeError, match=rf"^eval.prompts={re.escape(str(long))}: prompt '1' has \d+ tokens, the "
                                           r"target's context 2048"):
         AcceptanceEvaluation(prompts=str(long), budgets=[8], primary_budget=8).setup(None, module, "fit")
+    # a prompt as long as the context leaves no position for the first new token; one token shorter fits
+    edge = AcceptanceEvaluation(prompts=PROMPTS, budgets=[8], primary_budget=8)
+    edge.prompts = [{"id": "full", "prompt_ids": [0] * 2048}]
+    with pytest.raises(DDTreeError, match=r"prompt 'full' has 2048 tokens, the target's context 2048"):
+        edge.check_target(module.hparams.target)
+    edge.prompts = [{"id": "fits", "prompt_ids": [0] * 2047}]
+    edge.check_target(module.hparams.target)
     fits = AcceptanceEvaluation(prompts=PROMPTS, budgets=[8, 2047], primary_budget=8, limit=2)
     fits.setup(None, module, "fit")
     assert len(fits.prompts) == 2

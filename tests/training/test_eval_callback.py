@@ -1604,22 +1604,23 @@ def test_calibration_runs_the_drafter_in_eval_mode_and_gives_its_training_flags_
     assert all(m.training for m in drafter.modules())
 
 
-def test_calibration_fits_on_the_primary_budget():
+def test_calibration_fits_on_the_primary_budget_and_at_least_one_validation_batch():
     """model.calibrate and model.replay_calibration fit the rounds the ranked tau decodes: eval.primary_budget's
-    trees, not another budget's (the largest fitted temperatures to trees the checkpoint is not ranked by)."""
-    budgets_seen = []
+    trees, not another budget's (the largest fitted temperatures to trees the checkpoint is not ranked by); on
+    trainer.limit_val_batches of the batches, a fraction rounded up, so that a small one still fits on one batch."""
+    seen = []
 
     def fit(batches, budget, *settings):
-        budgets_seen.append(budget)
+        seen.append((len(list(batches)), budget))
         return SimpleNamespace(describe=lambda: "1.0")
 
     module = SimpleNamespace(hparams=AttributeDict(calibrate=True, replay_calibration=True),
                              drafter=torch.nn.Linear(2, 2), calibrate_draft_temperatures=fit,
                              fit_replayed_calibration=fit)
     trainer = SimpleNamespace(datamodule=SimpleNamespace(val_dataloader=lambda whole: [{}, {}, {}]),
-                              limit_val_batches=1.0, is_global_zero=False)
+                              limit_val_batches=0.1, is_global_zero=False)
     AcceptanceEvaluation(prompts=PROMPTS, budgets=[4, 8, 16], primary_budget=8).calibrate(trainer, module)
-    assert budgets_seen == [8, 8]
+    assert seen == [(1, 8), (1, 8)]  # 0.1 of 3 batches: one
 
 
 # ----------------------------------------------------------------------------- distributed

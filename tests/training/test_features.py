@@ -351,8 +351,7 @@ def test_store_of_other_layers_or_with_soft_targets_stops_the_fit(tmp_path):
 
 def test_a_store_of_the_drafters_layers_in_another_order_is_refused(tmp_path):
     """The store concatenates its layers' features in its own order, and the drafter's fusion reads them in its own:
-    layers [4, 1, 3] stored for a drafter of [1, 3, 4] would feed each slot another layer's features (mutation
-    review 83, M13)."""
+    layers [4, 1, 3] stored for a drafter of [1, 3, 4] would feed each slot another layer's features."""
     store = FeatureStore(build_feature_store(make_datamodule(tmp_path), tmp_path / "store", layer_ids=[4, 1, 3],
                                              dtype=torch.float32))
     with pytest.raises(DDTreeError) as error:
@@ -362,8 +361,7 @@ def test_a_store_of_the_drafters_layers_in_another_order_is_refused(tmp_path):
 
 def test_a_store_built_with_an_adapter_before_its_sha256_was_recorded_is_refused_to_a_run_without_one(tmp_path):
     """Training's side of differing_fields' rule: with no adapter here and no sha256 recorded there, the two missing
-    sha256s are no proof of the same target, and the store's features are of the adapted one (mutation review 83,
-    M12)."""
+    sha256s are no proof of the same target, and the store's features are of the adapted one."""
     store = FeatureStore(build_feature_store(make_datamodule(tmp_path), tmp_path / "store", layer_ids=LAYER_IDS,
                                              dtype=torch.float32))
     module = tiny_module()

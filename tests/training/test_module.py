@@ -7,6 +7,7 @@ Everything runs on the tiny random target (6 layers, hidden 64) on CPU in fp32.
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import re
@@ -122,7 +123,7 @@ def test_an_unset_gamma_is_the_published_one_for_the_block_size_the_drafter_has(
 
 def test_an_unset_drafter_shape_is_the_published_one():
     """model.num_layers and model.block_size left unset build DFlash's published drafter, 5 layers drafting blocks of
-    16 (the 8B recipes' shape), not whatever a smaller default would train (mutation review 83, M20)."""
+    16 (the 8B recipes' shape), not whatever a smaller default would train."""
     module = tiny_module(num_layers=None, block_size=None, gamma=None)
     assert module.drafter_config.num_hidden_layers == 5 and len(module.base_drafter().layers) == 5
     assert module.block_size == 16 and module.hparams.gamma == 7.0
@@ -1031,9 +1032,7 @@ def test_cosine_schedule_with_warmup(floor):
 
 def test_train_lr_is_the_rate_each_step_trained_at(tmp_path):
     """Lightning steps the scheduler before on_train_batch_end, so a rate read there is the next step's: the log put
-    the warm-up's second rate at step 0 and the floor at a last step that trained above it (mutation review 83)."""
-    import csv
-
+    the warm-up's second rate at step 0 and the floor at a last step that trained above it."""
     used = []
 
     class RecordRate(L.Callback):
@@ -1044,9 +1043,10 @@ def test_train_lr_is_the_rate_each_step_trained_at(tmp_path):
         max_steps=4, logger=L.pytorch.loggers.CSVLogger(tmp_path), enable_checkpointing=False, callbacks=[RecordRate()],
         enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
     )
-    trainer.fit(tiny_module(lr=1e-2, warmup_ratio=0.5), train_dataloaders=DataLoader([synthetic_batch()] * 4, batch_size=None))
-    rows = list(csv.DictReader(open(tmp_path / "lightning_logs" / "version_0" / "metrics.csv")))
-    logged = [float(row["train/lr"]) for row in rows if row.get("train/lr")]
+    batches = DataLoader([synthetic_batch()] * 4, batch_size=None)
+    trainer.fit(tiny_module(lr=1e-2, warmup_ratio=0.5), train_dataloaders=batches)
+    metrics = (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text().splitlines()
+    logged = [float(row["train/lr"]) for row in csv.DictReader(metrics) if row.get("train/lr")]
     # 2 warm-up steps at 1/2 and 2/2 of the peak, then the cosine from the peak to half of it at the 2nd of its 2 steps
     assert used == pytest.approx([5e-3, 1e-2, 1e-2, 5e-3])
     assert logged == pytest.approx(used)

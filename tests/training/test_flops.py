@@ -110,6 +110,8 @@ def family_config(family: str):
         # head_dim apart from hidden / heads (16), as Qwen3-4B's 128 is apart from its 2560 / 32
         "qwen3": lambda: transformers.Qwen3Config(hidden_size=64, intermediate_size=256, num_key_value_heads=2,
                                                   head_dim=32, **shape),
+        # no head_dim in its config: hidden / heads (16), though its key/value heads are fewer
+        "qwen2": lambda: transformers.Qwen2Config(hidden_size=64, intermediate_size=256, num_key_value_heads=2, **shape),
         "llama": lambda: transformers.LlamaConfig(hidden_size=64, intermediate_size=256, num_key_value_heads=2,
                                                   **shape),
         "gpt_neox": lambda: transformers.GPTNeoXConfig(hidden_size=64, intermediate_size=256, **shape),
@@ -118,10 +120,12 @@ def family_config(family: str):
     }[family]()
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama", "gpt_neox", "phi", "gpt2"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama", "gpt_neox", "phi", "gpt2"])
 def test_a_targets_forward_is_what_the_counter_counts_in_every_family(family):
     """Qwen3 and Llama gate their MLP (3 matrices); GPT-NeoX, Phi and GPT-2 do not (2): every target's MLP was
-    counted gated, 1.26x the counter for GPT-NeoX and Phi, and GPT-2's config (n_inner) was an AttributeError."""
+    counted gated, 1.26x the counter for GPT-NeoX and Phi, and GPT-2's config (n_inner) was an AttributeError. Qwen2
+    records no head_dim and fewer key/value heads than query heads: its heads are hidden / heads wide, whatever the
+    key/value heads."""
     import transformers
 
     config = family_config(family)

@@ -120,6 +120,17 @@ def family_config(family: str):
     }[family]()
 
 
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_the_teachers_head_on_cuda_runs_over_the_blocks_drawn_not_the_padding(top_k):
+    """The CUDA path pads the drafter's blocks to num_anchors for flex attention, but the teacher's LM head, like the
+    drafter's, reads the drawn blocks alone: 80 tokens after a 60-token prompt draw 19 of 32, and a teacher counted
+    over the 32 counted its head 32/19 of what the step computes."""
+    settings = dict(target="tiny-random", num_layers=2, block_size=4, target_layer_ids=[0, 2], num_anchors=32,
+                    distill_weight=1.0, distill_top_k=top_k)
+    padded, drawn = (recipe_step_flops(family_config("qwen3"), settings, 80, cuda=True, anchors=anchors)
+                     for anchors in (32, 19))
+    assert padded.teacher == drawn.teacher > 0 and padded.blocks == pytest.approx(32 / 19 * drawn.blocks)
+
 @pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama", "gpt_neox", "phi", "gpt2"])
 def test_a_targets_forward_is_what_the_counter_counts_in_every_family(family):
     """Qwen3 and Llama gate their MLP (3 matrices); GPT-NeoX, Phi and GPT-2 do not (2): every target's MLP was

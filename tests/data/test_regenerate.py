@@ -1136,7 +1136,6 @@ def test_greedy_data_recorded_without_sampling_is_never_read_as_sampled_per_chun
         f"sampling: 'per-chunk' -> {regenerate.SAMPLING!r}"]
 
 
-
 def test_sampled_data_made_with_another_seed_is_not_this_jobs_though_greedy_data_is():
     """A sampled reply draws from a generator seeded from --seed, so data sampled with another seed holds other
     replies: --check and a resume must not take it for this job's. A greedy reply is the same whatever the seed."""
@@ -1144,6 +1143,7 @@ def test_sampled_data_made_with_another_seed_is_not_this_jobs_though_greedy_data
     assert regenerate.changed_replies(sampled, {**sampled, "seed": 1}) == ["seed: 0 -> 1"]
     greedy = {"temperature": 0, "seed": 0}
     assert regenerate.changed_replies(greedy, {**greedy, "seed": 1}) == []
+
 
 @pytest.mark.parametrize("text, said", [('{"target": ', "not valid JSON"), ("[]", "holds a JSON list")])
 @pytest.mark.parametrize("flags", [["--check"], [], ["--merge-only"]])

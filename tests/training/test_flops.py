@@ -111,7 +111,8 @@ def family_config(family: str):
         "qwen3": lambda: transformers.Qwen3Config(hidden_size=64, intermediate_size=256, num_key_value_heads=2,
                                                   head_dim=32, **shape),
         # no head_dim in its config: hidden / heads (16), though its key/value heads are fewer
-        "qwen2": lambda: transformers.Qwen2Config(hidden_size=64, intermediate_size=256, num_key_value_heads=2, **shape),
+        "qwen2": lambda: transformers.Qwen2Config(hidden_size=64, intermediate_size=256, num_key_value_heads=2,
+                                                  **shape),
         "llama": lambda: transformers.LlamaConfig(hidden_size=64, intermediate_size=256, num_key_value_heads=2,
                                                   **shape),
         "gpt_neox": lambda: transformers.GPTNeoXConfig(hidden_size=64, intermediate_size=256, **shape),
@@ -130,6 +131,7 @@ def test_the_teachers_head_on_cuda_runs_over_the_blocks_drawn_not_the_padding(to
     padded, drawn = (recipe_step_flops(family_config("qwen3"), settings, 80, cuda=True, anchors=anchors)
                      for anchors in (32, 19))
     assert padded.teacher == drawn.teacher > 0 and padded.blocks == pytest.approx(32 / 19 * drawn.blocks)
+
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama", "gpt_neox", "phi", "gpt2"])
 def test_a_targets_forward_is_what_the_counter_counts_in_every_family(family):

@@ -432,6 +432,9 @@ def test_card_reads_the_drafters_decoding_defaults_and_its_draft_vocabulary_from
     evaluation["settings"].update(lookup=0, redraft=0)
     plain = "\n".join(serving_section(dataclasses.replace(facts, evaluation=evaluation)))
     assert "| vLLM, SGLang, `ddtree --method dflash` |" in plain and "draft vocabulary" not in plain
+    evaluation["settings"].update(lookup=7)  # lookup grafts into the trees only: the chain is the engines' own
+    looked_up = "\n".join(serving_section(dataclasses.replace(facts, evaluation=evaluation)))
+    assert "| vLLM, SGLang, `ddtree --method dflash` |" in looked_up and "re-drafted" not in looked_up
     config["dflash_config"]["draft_vocab"] = [1, 2, 3]  # the engines draft over the whole vocabulary: another chain
     narrowed = "\n".join(serving_section(dataclasses.replace(facts, drafter_config=config, evaluation=evaluation)))
     assert "vLLM, SGLang, `ddtree" not in narrowed and "its tau was not measured" in narrowed

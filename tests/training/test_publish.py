@@ -195,6 +195,9 @@ def test_card_gives_the_engine_commands_and_the_chain_tau_they_serve_beside_the_
     out = tmp_path / "export"
     assert export(run_dir, out, "--ckpt", "last", "--repo", "tester/tiny-drafter") == 0
     card = (out / "README.md").read_text()
+    # the transformers snippet loads from the Hub by itself: ./drafter exists only after the bash block's download
+    usage = card[card.index("## Usage"):card.index("## Serving with vLLM and SGLang")]
+    assert 'AutoModel.from_pretrained("tester/tiny-drafter", trust_remote_code=True)' in usage
     serving = card[card.index("## Serving with vLLM and SGLang"):]
     # the block size (8) filled in: vLLM drafts B - 1 tokens after the anchor, SGLang counts the anchor
     assert ("vllm serve tiny-random --speculative-config "

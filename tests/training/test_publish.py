@@ -214,6 +214,8 @@ def test_card_gives_the_engine_commands_and_the_chain_tau_they_serve_beside_the_
     for budget in EVAL_BUDGETS:
         tau = summary[f"ddtree@{budget}"]["tau"]
         assert f"| `ddtree --method ddtree --budget {budget}` | draft tree of {budget} nodes | {tau:.3f} |" in serving
+    # smallest budget first, in the acceptance table's order
+    assert serving.index("--budget 2`") < serving.index("--budget 4`")
 
 
 def test_drafters_saved_before_model_type_qwen3_still_load_and_export(run_dir, tmp_path, tiny_target, capfd):

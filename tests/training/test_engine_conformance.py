@@ -226,6 +226,8 @@ BREAKAGES = [
     ("a layer count of 0", "default", _config(_set(num_hidden_layers=0, layer_types=[])),  # SGLang wants 1 or more
      {(SGLANG, "num_hidden_layers"), (VLLM, "weights")}),  # and vLLM finds the layers' weights unclaimed
     ("gelu", "default", _config(_set(hidden_act="gelu")), {(VLLM, "hidden_act"), (SGLANG, "hidden_act")}),
+    ("no hidden_act", "default", _config(_delete("hidden_act")),  # SGLang's DFlashMLP takes it as silu: served there
+     {(VLLM, "Qwen3 fields"), (VLLM, "hidden_act")}),
     ("a sliding-window layer", "default", _config(_set(layer_types=["full_attention", "sliding_attention"])),
      {(VLLM, "layer_types"), (SGLANG, "layer_types")}),
     ("layer types for fewer layers than the drafter has", "default", _config(_set(layer_types=["full_attention"])),

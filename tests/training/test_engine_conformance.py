@@ -208,6 +208,8 @@ BREAKAGES = [
      {(VLLM, "mask_token_id"), (SGLANG, "mask_token_id")}),
     ("the last layer's output, which neither engine taps", "default", _config(_dflash(target_layer_ids=[1, 3, 5])),
      {(VLLM, "target_layer_ids"), (SGLANG, "target_layer_ids")}),
+    ("no target layer ids", "default", _config(_dflash(target_layer_ids=[])),  # not an fc of width 0 to blame
+     {(VLLM, "target_layer_ids"), (SGLANG, "target_layer_ids")}),
     ("a layer the target lacks", "default", _config(_dflash(target_layer_ids=[1, 3, 6])),
      {(VLLM, "target_layer_ids"), (SGLANG, "target_layer_ids")}),
     ("aux ids that disagree with dflash_config", "speculators", _config(_set(aux_hidden_state_layer_ids=[1, 3, 5])),

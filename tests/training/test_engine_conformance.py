@@ -277,6 +277,8 @@ SERVED_FORMS = [
      _config(lambda c: c.update(rope_theta=c.pop("rope_parameters")["rope_theta"]))),
     ("a mask id at the top level alone", "default",  # each engine's fallback when dflash_config names none
      _config(lambda c: c.update(mask_token_id=c["dflash_config"].pop("mask_token_id")))),
+    ("speculators layer ids for SGLang at the top level alone", "speculators",  # vLLM reads the aux ids
+     _config(lambda c: c.update(target_layer_ids=c["dflash_config"].pop("target_layer_ids")))),
 ]
 
 

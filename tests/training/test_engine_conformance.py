@@ -22,7 +22,7 @@ from transformers import AutoConfig, Qwen3Config
 
 import training.publish as publish
 from training.engines import (
-    RULES, SGLANG, VLLM, Export, TargetFacts, engine_problems, expected_weights, sglang_value,
+    RULES, SGLANG, VLLM, Export, TargetFacts, engine_problems, expected_weights, refusal, sglang_value,
     serve_commands, target_facts, vllm_layer_config, vllm_mask_token_id, vllm_target_layer_ids, weight_shapes,
 )
 from training.module import DistillModule
@@ -310,6 +310,17 @@ def test_every_rule_of_each_engine_can_fail():
     broken = set().union(*(expected for *_, expected in BREAKAGES))
     assert {(rule.engine, rule.field) for rule in RULES} == broken
     assert all(rule.source.startswith(("vllm/", "python/sglang/")) for rule in RULES)  # each names its engine file
+
+
+def test_a_refusal_for_one_broken_rule_counts_no_others(exports):
+    """`make export`'s line counts the problems after the first; with none, a "; 0 more ()" would read as a
+    truncated list of further problems the user must go and find."""
+    gelu = _config(lambda c: c["transformer_layer_config"].update(hidden_act="gelu"))  # breaks vLLM's one rule
+    export = gelu(fresh(exports["speculators"]))
+    assert refusal(engine_problems(export)) == (
+        "vLLM would reject this drafter: hidden_act is 'gelu'; vLLM's Qwen3 MLP supports only 'silu' "
+        "(vllm/model_executor/models/qwen2.py (Qwen2MLP)); fix the drafter, or pass --allow-engine-mismatch "
+        "(ALLOW_ENGINE_MISMATCH=1) to export it anyway")
 
 
 # ----------------------------------------------------------------------------- make export refuses what an engine would

@@ -239,6 +239,8 @@ BREAKAGES = [
     ("a speculators target_hidden_size that is not the target's", "speculators",
      _config(_set(target_hidden_size=128)), {(VLLM, "hidden_size"), (VLLM, "weights")}),  # and the fc width it sets
     ("a vocabulary that is not the target's", "default", _config(_set(vocab_size=1000)), {(VLLM, "vocab_size")}),
+    ("no vocabulary size", "default", _config(_delete("vocab_size")),  # absent is no match for the target's either
+     {(VLLM, "Qwen3 fields"), (VLLM, "vocab_size")}),
     ("a speculators draft vocabulary that is not the target's", "speculators", _config(_set(draft_vocab_size=1000)),
      {(VLLM, "vocab_size")}),  # read before the layer config's vocab_size, which stays the target's
     ("no block size", "default", _config(_delete("block_size")), {(SGLANG, "block_size")}),

@@ -1544,6 +1544,21 @@ def test_packed_weights_on_in_bf16_is_one_line(capsys, command):
     assert "--packed-weights on:" in line and "fp32" in line
 
 
+def test_verify_cost_prints_each_measured_column_under_its_own_header(capsys, monkeypatch):
+    """The table is what a user reads to size trees: each row's ratio to an AR step and its tree overhead, as
+    measured, under the header that names them (the values differ here, so a column printed twice is seen)."""
+    rows = [{"nodes": 0, "verify_ms": 2.0, "ar_step_ms": 2.0, "ratio": 1.0, "overhead_ms": 0.0},
+            {"nodes": 8, "verify_ms": 5.0, "ar_step_ms": 2.0, "ratio": 2.5, "overhead_ms": 0.75}]
+    monkeypatch.setattr(ddtree.cli, "measure_verify_cost", lambda *args: rows)
+    code, out, err = run_cli(capsys, "verify-cost", "--target", TARGET, "--dtype", "float32", "--sizes", "8",
+                             "--repeats", "1")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].endswith("one AR step 2.0 ms") and lines[1].split() == ["nodes", "verify", "ms", "x", "AR",
+                                                                            "step", "tree", "overhead", "ms"]
+    assert [line.split() for line in lines[2:]] == [["0", "2.0", "1.00", "0.00"], ["8", "5.0", "2.50", "0.75"]]
+
+
 @pytest.mark.skipif(not packing_available(), reason="this torch has no oneDNN weight packing")
 def test_verify_cost_compares_plain_and_packed_layers(capsys):
     code, out, _ = run_cli(capsys, "verify-cost", "--target", TARGET, "--dtype", "float32", "--sizes", "2,5",

@@ -1262,6 +1262,17 @@ def test_bench_limit_decodes_that_many_prompts_from_the_top(capsys, tmp_path, pr
     assert [prompt["id"] for prompt in results["prompts"]] == ["chat"] and results["settings"]["limit"] == 1
 
 
+def test_bench_says_where_it_wrote_the_results_as_out_was_given(capsys, tmp_path, prompts_file):
+    """The last line points the user at the results: the path given to --out, not a bare name that reads as a file
+    in the current folder when --out named another."""
+    out = tmp_path / "runs" / "results.json"
+    out.parent.mkdir()
+    code, printed, err = run_cli(capsys, "bench", "--target", TARGET, "--prompts", str(prompts_file), "--methods", "ar",
+                                 "--limit", "1", "--max-new-tokens", "2", "--dtype", "float32", "--out", str(out))
+    assert code == 0, err
+    assert printed.splitlines()[-1] == f"results written to {out}" and json.loads(out.read_text())["prompts"]
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--methods", " , "], "--methods ' , ' names no method"),
     (["--methods", "ar,ar"], "--methods repeats ar: name each once"),

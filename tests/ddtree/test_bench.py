@@ -686,18 +686,19 @@ def test_the_packed_comparison_times_each_model_alike_and_reads_plain_over_packe
     assert timed == [(packed, nodes, 1) for nodes in (0, 5) for _ in range(3) for packed in (False, True)]
 
 
+REDRAFTING = SimpleNamespace(default_lookup=0, default_redraft=2, default_corpus=None)  # a drafter's defaults
+
+
 def test_the_chain_decodes_with_the_redraft_it_was_given():
     """--redraft (or the drafter's own) acts on dflash's chain as on ddtree's trees: bench handing the chain 0 ran its
     dflash row without the re-drafts that `generate --method dflash` makes, and recorded it as run with them."""
-    drafter = SimpleNamespace(default_lookup=0, default_redraft=2, default_corpus=None)
-    assert resolved_options("dflash", drafter, None, 3, False, None)[1] == 3
-    assert resolved_options("dflash", drafter, None, None, False, None)[1] == 2  # the drafter's own
-    assert resolved_options("ar", drafter, None, 3, False, None)[1] == 0  # ar drafts nothing to re-draft
+    assert resolved_options("dflash", REDRAFTING, None, 3, False, None)[1] == 3
+    assert resolved_options("dflash", REDRAFTING, None, None, False, None)[1] == 2  # the drafter's own
+    assert resolved_options("ar", REDRAFTING, None, 3, False, None)[1] == 0  # ar drafts nothing to re-draft
 
 
 def test_sizing_leaves_re_drafts_off_for_ddtrees_trees_only():
     """--adaptive-size sizes ddtree's trees, which then leave re-drafting off (it cost more than it gained on a CPU);
     the chain, which is not sized, keeps the drafter's re-drafts."""
-    drafter = SimpleNamespace(default_lookup=0, default_redraft=2, default_corpus=None)
-    assert resolved_options("dflash", drafter, None, None, True, None)[1] == 2
-    assert resolved_options("ddtree", drafter, None, None, True, None)[1] == 0
+    assert resolved_options("dflash", REDRAFTING, None, None, True, None)[1] == 2
+    assert resolved_options("ddtree", REDRAFTING, None, None, True, None)[1] == 0

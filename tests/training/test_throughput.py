@@ -455,3 +455,14 @@ def test_the_line_derives_its_rates_and_flop_ratio_from_the_times_and_the_batch(
     assert "ratio 4.00, 80 target tokens/s; offline step 1.000 s, 160 tokens/s" in line
     assert line.endswith(f"FLOP ratio {flops.ratio:.2f}, target {2 * flops.full_target / 0.5 / 1e12:.3g} TFLOP/s, "
                          f"step {2 * flops.total / 2.0 / 1e12:.3g} TFLOP/s")
+
+
+def test_batch_size_sets_the_batch_timed_and_the_tokens_a_second_count(monkeypatch, capsys):
+    """--batch-size without a recipe must size the batch: kept at the default 2, the line printed the tokens a second of
+    a batch the user did not ask for."""
+    seconds = iter([0.5, 2.0, 1.0])  # target forward, training step, offline step
+    monkeypatch.setattr(training.throughput, "time_call", lambda *args, **kwargs: (next(seconds), None))
+    assert main([*TINY, "--device", "cpu", "--batch-size", "3"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("batch 3 x 80, ")
+    assert "120 target tokens/s; offline step 1.000 s, 240 tokens/s" in measured_line(out)

@@ -466,3 +466,11 @@ def test_batch_size_sets_the_batch_timed_and_the_tokens_a_second_count(monkeypat
     out = capsys.readouterr().out
     assert out.startswith("batch 3 x 80, ")
     assert "120 target tokens/s; offline step 1.000 s, 240 tokens/s" in measured_line(out)
+
+
+def test_a_length_at_the_targets_position_table_runs(tmp_path, capsys):
+    """The table holds positions 0..n-1: a batch of exactly n tokens fits, and refusing it would cap a GPT-2 run one
+    token short of its context."""
+    target = local_target(tmp_path / "gpt2", GPT2Config(n_positions=128, n_embd=64, n_layer=2, n_head=4))
+    assert main([*TINY, "--device", "cpu", "--target", target, "--length", "128"]) == 0
+    assert measured_line(capsys.readouterr().out).lstrip().startswith(f"4x1x4 on {target}: target forward ")

@@ -474,3 +474,9 @@ def test_a_length_at_the_targets_position_table_runs(tmp_path, capsys):
     target = local_target(tmp_path / "gpt2", GPT2Config(n_positions=128, n_embd=64, n_layer=2, n_head=4))
     assert main([*TINY, "--device", "cpu", "--target", target, "--length", "128"]) == 0
     assert measured_line(capsys.readouterr().out).lstrip().startswith(f"4x1x4 on {target}: target forward ")
+
+
+def test_peak_memory_is_printed_in_gibibytes_as_labelled():
+    """The label says GiB (2**30 bytes): divided by 1e9, a 3 GiB peak read as 3.2 GiB."""
+    assert training.throughput.gigabytes(3 * 2**30) == ", peak 3.0 GiB"
+    assert training.throughput.gigabytes(None) == ""  # a CPU run has no peak to print

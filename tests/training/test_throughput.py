@@ -480,3 +480,35 @@ def test_peak_memory_is_printed_in_gibibytes_as_labelled():
     """The label says GiB (2**30 bytes): divided by 1e9, a 3 GiB peak read as 3.2 GiB."""
     assert training.throughput.gigabytes(3 * 2**30) == ", peak 3.0 GiB"
     assert training.throughput.gigabytes(None) == ""  # a CPU run has no peak to print
+
+
+def fake_cuda(monkeypatch, calls: list) -> None:
+    """torch.cuda as time_call uses it, each call noted in `calls` (no GPU needed); events time 5 ms."""
+
+    class Event:
+        def __init__(self, enable_timing):
+            pass
+
+        def record(self):
+            pass
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return 5.0
+
+    for name, fake in (("device", lambda device: contextlib.nullcontext()), ("Event", Event),
+                       ("synchronize", lambda device=None: calls.append(f"synchronize {device}")),
+                       ("reset_peak_memory_stats", lambda device=None: calls.append("reset peak")),
+                       ("max_memory_allocated", lambda device=None: 1)):
+        monkeypatch.setattr(torch.cuda, name, fake)
+
+
+def test_the_peak_memory_is_the_timed_calls_not_the_warm_ups(monkeypatch):
+    """The first call compiles and picks kernels, with workspaces a training step never holds again: the peak counted
+    from before it overstated the step's memory."""
+    calls = []
+    fake_cuda(monkeypatch, calls)
+    time_call(lambda: calls.append("call"), repeats=1, warmup=1, device=torch.device("cuda:1"))
+    assert calls == ["call", "synchronize cuda:1", "reset peak", "call"]

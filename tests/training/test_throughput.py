@@ -512,3 +512,14 @@ def test_the_peak_memory_is_the_timed_calls_not_the_warm_ups(monkeypatch):
     fake_cuda(monkeypatch, calls)
     time_call(lambda: calls.append("call"), repeats=1, warmup=1, device=torch.device("cuda:1"))
     assert calls == ["call", "synchronize cuda:1", "reset peak", "call"]
+
+
+def test_a_warm_up_is_timed_once_the_gpu_has_finished_it(monkeypatch, capsys):
+    """Read before a synchronise, a warm-up's seconds were its launches': a first call stalled in its kernels printed a
+    short warm-up and the wait landed in the next line."""
+    calls = []
+    fake_cuda(monkeypatch, calls)
+    monkeypatch.setattr(training.throughput, "time", SimpleNamespace(perf_counter=lambda: calls.append("clock") or 0.0))
+    time_call(lambda: calls.append("call"), repeats=1, warmup=1, device=torch.device("cuda:1"), label="case: step")
+    assert calls[:4] == ["clock", "call", "synchronize cuda:1", "clock"]
+    assert capsys.readouterr().out == "case: step: warm-up 1/1 took 0.0 s\n"

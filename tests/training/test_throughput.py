@@ -523,3 +523,12 @@ def test_a_warm_up_is_timed_once_the_gpu_has_finished_it(monkeypatch, capsys):
     time_call(lambda: calls.append("call"), repeats=1, warmup=1, device=torch.device("cuda:1"), label="case: step")
     assert calls[:4] == ["clock", "call", "synchronize cuda:1", "clock"]
     assert capsys.readouterr().out == "case: step: warm-up 1/1 took 0.0 s\n"
+
+
+def test_the_first_warm_up_is_the_call_that_prints_its_phases(monkeypatch):
+    """The phases are printed to say where the first, compiling call stalls: given to a later warm-up, they timed a
+    call already compiled and the first stalled without a word."""
+    calls = []
+    time_call(lambda: calls.append("step"), repeats=1, warmup=2, device=torch.device("cpu"),
+              first=lambda: calls.append("step with phases"))
+    assert calls == ["step with phases", "step", "step"]

@@ -26,6 +26,7 @@ import threading
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from types import SimpleNamespace
 
 import huggingface_hub
 import pytest
@@ -2198,6 +2199,20 @@ def test_a_warm_started_run_is_exported_for_the_target_it_trained_against(run_di
     assert line.startswith(f"error: CKPT {checkpoint}: its drafter (hidden size 64,") and (
         f"does not fit the run's model.target '{other}' (hidden size 128, 6 layers)") in line, line
     assert not (tmp_path / "refused").exists()
+
+
+def test_a_drafter_whose_run_target_cannot_be_read_takes_its_name_unchecked(monkeypatch):
+    """A run's target out of reach (a local folder since moved, a Hub name offline) gives no hidden size to compare:
+    the export still names the target the run trained against, and keeps the drafter's depth, not refuses a drafter
+    that fitted it in training."""
+    import training.export
+    from training.engines import TargetFacts
+
+    monkeypatch.setattr(training.export, "target_facts", lambda target, config: TargetFacts(None, 6, 100, "the drafter"))
+    config = SimpleNamespace(target_name_or_path="tiny-random", hidden_size=64, target_layer_ids=[1, 3, 5],
+                             num_target_layers=6, to_dict=dict)
+    training.export.record_trained_target(SimpleNamespace(config=config), "/moved/target", Path("last.ckpt"))
+    assert (config.target_name_or_path, config.num_target_layers) == ("/moved/target", 6)
 
 
 def test_card_names_the_dtype_the_figures_were_measured_in_and_an_export_in_another(run_dir, tmp_path):

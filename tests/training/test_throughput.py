@@ -532,3 +532,15 @@ def test_the_first_warm_up_is_the_call_that_prints_its_phases(monkeypatch):
     time_call(lambda: calls.append("step"), repeats=1, warmup=2, device=torch.device("cpu"),
               first=lambda: calls.append("step with phases"))
     assert calls == ["step with phases", "step", "step"]
+
+
+def test_the_batch_marks_its_first_positions_as_prompt_as_training_data_does(monkeypatch):
+    """The step's cost follows where blocks may anchor, on reply tokens only: a batch all reply anchored over the prompt
+    too, a step no training batch runs."""
+    served = []
+    monkeypatch.setattr(training.throughput, "store_batch", lambda module, batch: served.append(batch) or batch)
+    monkeypatch.setattr(training.throughput, "time_call", lambda *args, **kwargs: (1.0, None))
+    assert main([*TINY, "--device", "cpu"]) == 0
+    (loss_mask,) = (batch["loss_mask"] for batch in served)
+    prompt = training.throughput.PROMPT_TOKENS  # 60, as the module docstring says
+    assert loss_mask.shape == (2, 80) and not loss_mask[:, :prompt].any() and loss_mask[:, prompt:].all()

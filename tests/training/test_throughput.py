@@ -544,3 +544,13 @@ def test_the_batch_marks_its_first_positions_as_prompt_as_training_data_does(mon
     (loss_mask,) = (batch["loss_mask"] for batch in served)
     prompt = training.throughput.PROMPT_TOKENS  # 60, as the module docstring says
     assert loss_mask.shape == (2, 80) and not loss_mask[:, :prompt].any() and loss_mask[:, prompt:].all()
+
+
+def test_the_step_is_timed_with_the_fused_optimizer_training_uses(monkeypatch):
+    """configure_optimizers fuses AdamW outside DeepSpeed and fp16 (one kernel, not a dozen foreach launches): timed
+    unfused, a GPU step read slower than the training it stands for."""
+    adamw, made = torch.optim.AdamW, []
+    monkeypatch.setattr(torch.optim, "AdamW", lambda params, **kwargs: made.append(kwargs) or adamw(params, **kwargs))
+    monkeypatch.setattr(training.throughput, "time_call", lambda *args, **kwargs: (1.0, None))
+    assert main([*TINY, "--device", "cpu"]) == 0
+    assert [kwargs.get("fused") for kwargs in made] == [True]

@@ -554,3 +554,26 @@ def test_the_step_is_timed_with_the_fused_optimizer_training_uses(monkeypatch):
     monkeypatch.setattr(training.throughput, "time_call", lambda *args, **kwargs: (1.0, None))
     assert main([*TINY, "--device", "cpu"]) == 0
     assert [kwargs.get("fused") for kwargs in made] == [True]
+
+
+def test_the_target_forward_is_timed_without_a_kv_cache(monkeypatch):
+    """Training reads the target's features in one pass and keeps no cache: a forward that filled one timed the
+    cache's allocations and copies too, and the ratio read lower than a training step's."""
+    seen, timed = [], []
+
+    def hooked(*args, **kwargs):
+        module = build_module(*args, **kwargs)
+        module.target.get_decoder().register_forward_pre_hook(
+            lambda decoder, inputs, kwargs: seen.append(kwargs.get("use_cache")), with_kwargs=True)
+        return module
+
+    def once(fn, *args, **kwargs):
+        seen.clear()
+        fn()
+        timed.append(list(seen))
+        return 1.0, None
+
+    monkeypatch.setattr(training.throughput, "build_module", hooked)
+    monkeypatch.setattr(training.throughput, "time_call", once)
+    assert main([*TINY, "--device", "cpu"]) == 0
+    assert timed[0] == [False]  # the target forward's one call

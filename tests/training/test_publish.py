@@ -35,6 +35,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 from transformers import AutoModel
 
+import training.export
 import training.hub
 import training.model_card
 import training.publish as publish
@@ -47,6 +48,7 @@ from ddtree.names import CALIBRATION_FILE
 from ddtree.modeling_dflash import DFlashDraftModel, fuse_target_features
 from ddtree.targets import DDTreeError
 from training.checkpoints import drafter_from_checkpoint
+from training.engines import TargetFacts
 from training.export import export_drafter
 from training.export import main as export_main
 from training.hub_config import AUTO_MAP, EXPORT_FILES, REMOTE_CODE, hub_config
@@ -2205,9 +2207,6 @@ def test_a_drafter_whose_run_target_cannot_be_read_takes_its_name_unchecked(monk
     """A run's target out of reach (a local folder since moved, a Hub name offline) gives no hidden size to compare:
     the export still names the target the run trained against, and keeps the drafter's depth, not refuses a drafter
     that fitted it in training."""
-    import training.export
-    from training.engines import TargetFacts
-
     monkeypatch.setattr(training.export, "target_facts", lambda target, config: TargetFacts(None, 6, 100, "the drafter"))
     config = SimpleNamespace(target_name_or_path="tiny-random", hidden_size=64, target_layer_ids=[1, 3, 5],
                              num_target_layers=6, to_dict=dict)

@@ -835,6 +835,20 @@ def test_cli_reports_bad_prompt_file_with_line(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_record_of_assistant_turns_alone_is_one_line_naming_it_before_the_target_loads(tmp_path, capsys, monkeypatch):
+    """A record with no prompt turn (a response file given as --prompts, say) leaves nothing for the target to
+    answer. The tiny target's template refuses the empty conversation, but one that adds a default system turn
+    renders it, and the job would then write a reply to nothing under the record's id: the cause is named first."""
+    monkeypatch.setattr(regenerate, "load_frozen_target", lambda *args, **kwargs: pytest.fail("loaded the target"))
+    prompts = prompt_file(tmp_path / "prompts.jsonl", 2)
+    prompts.write_text(prompts.read_text()
+                       + '{"id": "answer-only", "messages": [{"role": "assistant", "content": "Hello."}]}\n')
+    assert regenerate.main(args_for_argv(tmp_path)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: {prompts}: record 'answer-only' has only assistant turns; it needs a prompt"
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.parts").exists()
+
+
 def test_a_lone_surrogate_in_a_prompt_is_one_line_naming_file_line_and_field_before_the_target_loads(
         tmp_path, capsys, monkeypatch):
     """JSON's "\\ud83d" (UTF-16 text cut mid-pair) is valid JSON and reads as a lone surrogate: the tokenizer's

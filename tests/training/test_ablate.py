@@ -927,6 +927,18 @@ def test_the_plot_draws_every_measured_bar_of_every_variant_over_that_variants_n
     assert names == ["a", "b"] and nearest == ["a", "a", "a", "b", "b"]
 
 
+def test_the_depth_panel_draws_each_variants_recall_and_accuracy_in_its_colour_and_their_line_styles():
+    """The legend names recall as the solid line with dots and top-1 as the dashed line with crosses, one colour per
+    variant: a curve drawn from the other metric's values, or in another variant's colour, reads as the wrong one."""
+    results = [{"variant": "a", "chain_tau": 1.5, "tau": {16: 2.0}, "recall": [0.6, 0.5], "accuracy": [0.4, 0.3]},
+               {"variant": "b", "chain_tau": 1.6, "tau": {16: 2.1}, "recall": [0.7, 0.6], "accuracy": [0.5, 0.2]}]
+    _, depth = plot(results).axes
+    curves = [(line.get_color(), line.get_marker(), line.get_linestyle(), list(line.get_ydata()))
+              for line in depth.lines if len(line.get_ydata())]  # the legend's empty style-only entries left out
+    assert curves == [("C0", "o", "-", [0.6, 0.5]), ("C0", "x", "--", [0.4, 0.3]),
+                      ("C1", "o", "-", [0.7, 0.6]), ("C1", "x", "--", [0.5, 0.2])]
+
+
 def stop_while_writing_table(monkeypatch, variants: int, signum) -> list:
     """Fakes the launches (each a run of 3 steps) and sends `signum` to this process as the table of the
     `variants`-th variant is written; returns the launches' argv, in order."""

@@ -927,6 +927,22 @@ def test_the_plot_draws_every_measured_bar_of_every_variant_over_that_variants_n
     assert names == ["a", "b"] and nearest == ["a", "a", "a", "b", "b"]
 
 
+def test_every_bar_has_the_colour_of_its_legend_entry_chain_or_tree_budget():
+    """The bars' legend names a colour per decoder (chain, tree@b), the same in every variant's group: a bar coloured
+    by its variant instead would be read as another budget's tau."""
+    from matplotlib.colors import to_hex
+
+    curves = {"recall": [0.6], "accuracy": [0.4]}
+    results = [{"variant": "a", "chain_tau": 1.5, "tau": {16: 2.0, 64: 2.5}, **curves},
+               {"variant": "b", "chain_tau": 1.6, "tau": {16: 2.1, 64: 2.6}, **curves}]
+    bars, _ = plot(results).axes
+    legend = {text.get_text(): to_hex(handle.get_facecolor())
+              for text, handle in zip(bars.get_legend().get_texts(), bars.get_legend().legend_handles)}
+    assert list(legend) == ["chain", "tree@16", "tree@64"] and len(set(legend.values())) == 3
+    colours = [to_hex(bar.get_facecolor()) for bar in bars.patches]
+    assert colours == [legend["chain"], legend["tree@16"], legend["tree@64"]] * 2
+
+
 def test_the_depth_panel_draws_each_variants_recall_and_accuracy_in_its_colour_and_their_line_styles():
     """The legend names recall as the solid line with dots and top-1 as the dashed line with crosses, one colour per
     variant: a curve drawn from the other metric's values, or in another variant's colour, reads as the wrong one."""

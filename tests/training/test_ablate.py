@@ -14,6 +14,7 @@ from unittest import mock
 
 import pytest
 import torch
+from matplotlib.colors import to_hex
 
 import toy_data  # tests/training/toy_data.py
 from training.ablate import decoder_additions, main, markdown_table, parse_variant, plot, summarize_variant
@@ -930,8 +931,6 @@ def test_the_plot_draws_every_measured_bar_of_every_variant_over_that_variants_n
 def test_every_bar_has_the_colour_of_its_legend_entry_chain_or_tree_budget():
     """The bars' legend names a colour per decoder (chain, tree@b), the same in every variant's group: a bar coloured
     by its variant instead would be read as another budget's tau."""
-    from matplotlib.colors import to_hex
-
     curves = {"recall": [0.6], "accuracy": [0.4]}
     results = [{"variant": "a", "chain_tau": 1.5, "tau": {16: 2.0, 64: 2.5}, **curves},
                {"variant": "b", "chain_tau": 1.6, "tau": {16: 2.1, 64: 2.6}, **curves}]

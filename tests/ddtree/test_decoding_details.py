@@ -82,6 +82,13 @@ def test_top_p_keeps_the_smallest_set_whose_mass_reaches_it_when_a_sum_equals_it
     torch.testing.assert_close(cut, torch.stack([expected, expected.flip(0)]))
 
 
+def test_top_p_one_cuts_nothing_where_the_likeliest_tokens_mass_rounds_to_one():
+    """top_p 1.0 is no cut. Run through the cut at 1.0, a float32 distribution (as data regeneration passes) whose
+    likeliest tokens' mass rounds to 1 lost every token after them: the target's unlikely tokens were never sampled."""
+    probs = torch.tensor([0.5, 0.5, 1e-9, 1e-9], dtype=torch.float32)  # 0.5 + 0.5 is exactly 1 in float32
+    assert torch.equal(top_p_filter(probs, 1.0), probs)
+
+
 def test_a_static_generation_that_fills_its_padded_capacity_exactly_fits_its_last_verify(tiny_target):
     """prompt + max_new_tokens = 128 slots, one CAPACITY_STEP: the last round's verify (budget + 1 rows) still needs
     room past the committed tokens, which a capacity of prompt + max_new_tokens alone would not give."""

@@ -121,6 +121,27 @@ def test_draft_temperatures_that_cannot_divide_the_logits_are_one_line(tiny_targ
     DrafterRunner(drafter, target, calibrated=False)  # the raw logits, to fit new ones from: the field is not read
 
 
+def test_an_uncalibrated_runner_drafts_the_raw_logits_though_its_config_holds_draft_temperatures(tiny_target):
+    """calibrated=False is what temperatures are fitted from (training's evaluation): had it divided by the config's
+    draft_temperatures, a new fit would have learned on top of the old one. Its drafts, and so the acceptance the
+    drafter predicts each round, are those of the same weights with no temperatures at all."""
+    from ddtree.modeling_dflash import DFlashDraftModel
+    from ddtree.targets import build_drafter_config
+
+    target, tokenizer = tiny_target
+    config = build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4,
+                                  target_layer_ids=[0, target.config.num_hidden_layers - 1])
+    config.draft_temperatures = [4.0, 4.0, 4.0]
+    drafter = DFlashDraftModel(config)
+    calibrated, raw = DrafterRunner(drafter, target), DrafterRunner(drafter, target, calibrated=False)
+    config.draft_temperatures = None
+    plain = DrafterRunner(drafter, target)
+
+    def expected(runner):
+        return [r.expected for r in generate(target, PROMPT, "ddtree", runner, budget=6, max_new_tokens=NEW).rounds]
+
+    assert expected(raw) == expected(plain) != expected(calibrated)
+
 def test_a_budget_past_the_targets_context_is_one_error_not_an_out_of_memory(tiny_target):
     """`--budget 100000000` built a heap and a mask that size before the machine ran out of memory."""
     target, _ = tiny_target

@@ -361,8 +361,9 @@ def test_stop_ids_stop_whether_a_set_dict_keys_or_a_nested_list(tiny_target, as_
     ([True], "stop_ids holds True, not a token id"),
     ("2", "stop_ids is text ('2'): give token ids"),
     (torch.tensor([2.0]), "stop_ids holds torch.float32 values: give integer token ids"),
+    (torch.tensor([False, True]), "stop_ids holds torch.bool values: give integer token ids"),  # a mask, ids == eos
     (np.array([None]), "stop_ids is not integer token ids (can't convert np.ndarray of type numpy.object_"),
-], ids=["None", "float", "bool", "text", "float tensor", "array of objects"])
+], ids=["None", "float", "bool", "text", "float tensor", "bool tensor", "array of objects"])
 def test_a_stop_id_that_is_not_a_token_id_is_one_line(tiny_target, stop_ids, problem):
     """[tokenizer.eos_token_id] of a tokenizer without one ([None]) was a TypeError."""
     target, _ = tiny_target

@@ -11,6 +11,7 @@ import errno
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -156,6 +157,26 @@ def test_a_folder_whose_rename_into_place_fails_puts_the_old_one_back(tmp_path, 
         (staging / "model.safetensors").write_text("the new export")
     assert (out / "model.safetensors").read_text() == "the old export"
     assert [path.name for path in tmp_path.iterdir()] == ["export"]
+
+
+def test_an_aside_an_earlier_delete_left_does_not_block_the_next_replacement(tmp_path, monkeypatch):
+    """Each replaced folder goes aside under a name of its own: one name for all, the aside a failed delete left (a
+    file held open on NFS) made every later export of that folder fail at its last rename, after all the work."""
+    out = tmp_path / "export"
+    rmtree = shutil.rmtree
+
+    def refusing(path, *args, **kwargs):
+        if ".replaced-" in Path(path).name and not kwargs.get("ignore_errors"):
+            raise PermissionError(errno.EPERM, "Operation not permitted", str(Path(path) / "held"))
+        return rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", refusing)
+    for version in ("first", "second", "third"):
+        with staged_folder(out) as staging:
+            (staging / "model.safetensors").write_text(version)
+    assert (out / "model.safetensors").read_text() == "third"
+    asides = sorted((path / "model.safetensors").read_text() for path in tmp_path.glob(".export.replaced-*"))
+    assert asides == ["first", "second"]
 
 
 def test_a_nan_or_an_infinity_in_results_is_written_as_null(tmp_path):

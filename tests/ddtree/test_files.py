@@ -179,6 +179,16 @@ def test_an_aside_an_earlier_delete_left_does_not_block_the_next_replacement(tmp
     assert asides == ["first", "second"]
 
 
+def test_an_output_file_in_a_folder_that_can_be_read_but_not_written_is_refused_before_the_work(tmp_path, monkeypatch):
+    """A read-only mount still lets a process read and enter its folders: the check asks for write access, or the
+    results were refused only after the decode. (Simulated per access mode: root may write anywhere.)"""
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: not (Path(path) == tmp_path and mode & os.W_OK)
+                        and access(path, mode))
+    with pytest.raises(DDTreeError, match=rf"^cannot write {tmp_path / 'results.json'}: {tmp_path} is not writable here"):
+        check_output_file(tmp_path / "results.json")
+
+
 def test_a_nan_or_an_infinity_in_results_is_written_as_null(tmp_path):
     """A prompt with no verification round has a NaN tau. Left in, json.dump(allow_nan=False) raises a ValueError
     after the whole decode, one that is no WriteFailed, so not even the stdout fallback keeps the results."""

@@ -185,8 +185,9 @@ def test_an_output_file_in_a_folder_that_can_be_read_but_not_written_is_refused_
     access = os.access
     monkeypatch.setattr(os, "access", lambda path, mode: not (Path(path) == tmp_path and mode & os.W_OK)
                         and access(path, mode))
-    with pytest.raises(DDTreeError, match=rf"^cannot write {tmp_path / 'results.json'}: {tmp_path} is not writable here"):
-        check_output_file(tmp_path / "results.json")
+    out = tmp_path / "results.json"
+    with pytest.raises(DDTreeError, match=rf"^cannot write {out}: {tmp_path} is not writable here"):
+        check_output_file(out)
 
 
 def test_a_nan_or_an_infinity_in_results_is_written_as_null(tmp_path):

@@ -17,7 +17,9 @@ import torch
 import ddtree.decoding
 from ddtree.decoding import DrafterRunner, generate
 from ddtree.errors import DDTreeError
+from ddtree.modeling_dflash import DFlashDraftModel
 from ddtree.sizing import TreeSizer
+from ddtree.targets import build_drafter_config
 from rigged import RiggedDrafter
 
 PROMPT = [5, 6, 7, 8]
@@ -103,17 +105,19 @@ def test_stop_ids_none_is_no_stop_ids(tiny_target):
     assert result.new_tokens == greedy(target, PROMPT) and not result.stopped
 
 
-@pytest.mark.parametrize("temperatures", [[0.0, 1.0, 1.0], [1.0, float("nan"), 1.0], [-1.0, 1.0, 1.0], [1.0, 1.0],
-                                          [1e-39, 1.0, 1.0], [1.0, 1.0, float("inf")]])
-def test_draft_temperatures_that_cannot_divide_the_logits_are_one_line(tiny_target, temperatures):
-    from ddtree.modeling_dflash import DFlashDraftModel
-    from ddtree.targets import build_drafter_config
-
-    target, tokenizer = tiny_target
+def drafter_with_temperatures(target, tokenizer, temperatures):
+    """A one-layer drafter for tiny-random whose config holds `temperatures` as its draft_temperatures."""
     config = build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4,
                                   target_layer_ids=[0, target.config.num_hidden_layers - 1])
     config.draft_temperatures = temperatures
-    drafter = DFlashDraftModel(config)
+    return DFlashDraftModel(config)
+
+
+@pytest.mark.parametrize("temperatures", [[0.0, 1.0, 1.0], [1.0, float("nan"), 1.0], [-1.0, 1.0, 1.0], [1.0, 1.0],
+                                          [1e-39, 1.0, 1.0], [1.0, 1.0, float("inf")]])
+def test_draft_temperatures_that_cannot_divide_the_logits_are_one_line(tiny_target, temperatures):
+    target, _ = tiny_target
+    drafter = drafter_with_temperatures(*tiny_target, temperatures)
     # 1e-39 passed as positive, and its division overflowed fp32 logits to inf: every tree came out empty.
     with pytest.raises(DDTreeError, match=r"draft_temperatures .*: give one positive number per drafted position \(3\), "
                                           r"each within 0.01..100"):
@@ -125,22 +129,17 @@ def test_an_uncalibrated_runner_drafts_the_raw_logits_though_its_config_holds_dr
     """calibrated=False is what temperatures are fitted from (training's evaluation): had it divided by the config's
     draft_temperatures, a new fit would have learned on top of the old one. Its drafts, and so the acceptance the
     drafter predicts each round, are those of the same weights with no temperatures at all."""
-    from ddtree.modeling_dflash import DFlashDraftModel
-    from ddtree.targets import build_drafter_config
-
-    target, tokenizer = tiny_target
-    config = build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4,
-                                  target_layer_ids=[0, target.config.num_hidden_layers - 1])
-    config.draft_temperatures = [4.0, 4.0, 4.0]
-    drafter = DFlashDraftModel(config)
+    target, _ = tiny_target
+    drafter = drafter_with_temperatures(*tiny_target, [4.0, 4.0, 4.0])
     calibrated, raw = DrafterRunner(drafter, target), DrafterRunner(drafter, target, calibrated=False)
-    config.draft_temperatures = None
+    drafter.config.draft_temperatures = None
     plain = DrafterRunner(drafter, target)
 
     def expected(runner):
         return [r.expected for r in generate(target, PROMPT, "ddtree", runner, budget=6, max_new_tokens=NEW).rounds]
 
     assert expected(raw) == expected(plain) != expected(calibrated)
+
 
 def test_a_budget_past_the_targets_context_is_one_error_not_an_out_of_memory(tiny_target):
     """`--budget 100000000` built a heap and a mask that size before the machine ran out of memory."""
@@ -206,9 +205,6 @@ def small_target(seed=0, hidden=64, layers=4, vocab=256):
 
 
 def drafter_for(target):
-    from ddtree.modeling_dflash import DFlashDraftModel
-    from ddtree.targets import build_drafter_config
-
     config = build_drafter_config(target, None, "small", num_layers=1, block_size=4,
                                   target_layer_ids=[0, target.config.num_hidden_layers - 1], mask_token_id=3)
     return DFlashDraftModel(config)

@@ -250,8 +250,9 @@ def test_each_default_is_the_one_its_help_states(capsys, monkeypatch, command, r
     """No test pinned the defaults --help states: any could change with every test passing, and with it every sampled
     reply (--top-p), the equality of `generate --seed` with Decoder(seed=0) (--seed), or bench's comparison with the
     published figures (--budgets, --adaptive-size off) (mutation review, A01-A06), or the target every command loads
-    when none is given (--target), or bench's comparison of every method (--methods; mutation review 32, A06, A12).
-    Each is read from the help here."""
+    when none is given (--target), or bench's comparison of every method (--methods; mutation review 32, A06, A12),
+    or the drafter's own context lookup and re-drafting that --lookup and --redraft left out keep. Each is read from
+    the help here."""
     from ddtree.arguments import build_parser
 
     monkeypatch.setenv("COLUMNS", "1000")  # argparse wraps the help to the terminal's width
@@ -270,6 +271,9 @@ def test_each_default_is_the_one_its_help_states(capsys, monkeypatch, command, r
     assert args.top_k == int(stated(r"--top-k TOP_K .*?\(default: (\d+), no cut\)"))
     assert args.seed == int(stated(r"--seed SEED .*?\(default: (\d+)\)"))
     assert args.adaptive_size == stated(rf"[(;] ?{command}: (\w+)")  # "(generate: auto; calibrate: auto too; ..."
+    # None: the drafter's own (drafter_defaults), 7 for the smollm2-135m recipe's: a 0 decoded it without lookup
+    assert stated(r"--lookup N .*?default: (the drafter's own) \(") and args.lookup is None
+    assert stated(r"--redraft K .*?default: (the drafter's own) \(") and args.redraft is None
     if command == "generate":
         assert args.budget == int(stated(r"--budget BUDGET tree node budget for ddtree \(published: (\d+);"))
     if command == "bench":

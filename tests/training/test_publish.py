@@ -1545,6 +1545,16 @@ def test_a_push_without_private_leaves_a_new_repos_visibility_to_its_owners_defa
     assert StandInHub.private["tester/d"] and CORPUS_FILE in StandInHub.repos["tester/d"]
 
 
+def test_push_only_private_creates_a_new_repo_private(run_dir, tmp_path, hub):
+    """--push-only --private of an export never pushed (exported without --push, or a push that failed before the
+    repo was made) must create the repo private as --push --private does: else the drafter and its corpus of training
+    replies went up public, exit status 0, and only a look at the Hub showed it."""
+    out = tmp_path / "export"
+    assert export(run_dir, out, "--ckpt", "last", "--repo", "tester/fresh") == 0
+    assert publish.main(["--push-only", str(out), "--repo", "tester/fresh", "--private"]) == 0
+    assert StandInHub.private["tester/fresh"] is True and CORPUS_FILE in StandInHub.repos["tester/fresh"]
+
+
 @pytest.mark.parametrize("name", EXPORT_FILES)
 def test_push_only_refuses_an_export_missing_any_of_its_files(run_dir, tmp_path, hub, capsys, name):
     """Without its remote code, say, the pushed repo fails the card's own `AutoModel.from_pretrained(repo,

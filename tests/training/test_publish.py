@@ -1734,6 +1734,18 @@ def test_push_only_refuses_the_flags_that_shape_an_export(run_dir, tmp_path, hub
     assert StandInHub.repos["tester/d"]["config.json"] == (out / "config.json").read_bytes()
 
 
+@pytest.mark.parametrize("given", [["RUN"], ["--out"], ["RUN", "--out"]])
+def test_push_only_refuses_a_run_or_an_out_and_pushes_nothing(run_dir, tmp_path, hub, capsys, given):
+    """RUN or --out beside --push-only asks for an export that --push-only never makes: taken silently, the folder
+    exported earlier went up as if RUN's checkpoint had been exported and pushed."""
+    out = tmp_path / "export"
+    assert export(run_dir, out, "--ckpt", "last", "--repo", "tester/d") == 0
+    extra = ([str(run_dir)] if "RUN" in given else []) + (["--out", str(tmp_path / "new")] if "--out" in given else [])
+    assert publish.main([*extra, "--push-only", str(out), "--repo", "tester/d"]) == 2
+    assert one_error_line(capsys) == "error: --push-only takes the export folder only; drop RUN and --out"
+    assert "tester/d" not in StandInHub.repos and not (tmp_path / "new").exists()
+
+
 def test_a_card_names_project_files_relative_even_through_a_link_that_leads_out(tmp_path):
     outside = tmp_path / "prompts"
     outside.mkdir()

@@ -892,6 +892,25 @@ def test_make_evals_row_prints_tau_logged_expected_and_rounds_each_under_its_hea
     assert row.split() == ["dflash", "2.500", "1.500", "3.125", "12", "0:2", "2:10"]
 
 
+def test_make_evals_logged_column_shows_each_budgets_own_logged_tau(saved, tmp_path, capsys, monkeypatch):
+    """Each ddtree@N row is compared with the tau training logged at that budget: one read at another budget (or the
+    chain's) puts a figure beside it that measures another tree, and reads as a gain or a loss that never happened."""
+    from training.callbacks import AcceptanceEvaluation
+
+    path, _ = saved
+    logged = {key: {"tau": tau, "expected_tau": tau} for key, tau in
+              (("dflash", 1.5), ("ddtree@4", 2.25), ("ddtree@8", 2.75))}
+    loose = loose_copy(path, tmp_path / "loose", TINY_LIMIT_1, logged)
+    stats = {"tau": 2.5, "expected_tau": 2.5, "rounds": 1, "tree_nodes": 8.0, "new_tokens": 3,
+             "accepted_depth_counts": {2: 1}}
+    monkeypatch.setattr(AcceptanceEvaluation, "measure",
+                        lambda self, *args, **kwargs: {"summary": dict.fromkeys(logged, stats), "prompts": []})
+    assert training.evaluate.main(["--recipe", "tiny", "--ckpt", str(loose), "--limit", "1"]) == 0
+    rows = {line.split()[0]: line.split()[2] for line in capsys.readouterr().out.splitlines()
+            if line.split() and line.split()[0] in logged}
+    assert rows == {"dflash": "1.500", "ddtree@4": "2.250", "ddtree@8": "2.750"}
+
+
 def test_make_evals_results_of_a_checkpoints_folder_outside_a_run_go_beside_that_folder(tmp_path):
     """A checkpoints/ folder copied without its run's config.yaml: the results go into eval/ beside it, as a run's
     would. Written into checkpoints/eval/, they lay among the checkpoints, where --out is refused (mutation review 15,
@@ -928,13 +947,13 @@ def test_make_eval_of_an_abandoned_branchs_checkpoint_reads_its_run_and_writes_b
 TINY_LIMIT_1 = {"prompts": "data/eval_prompts.jsonl", "limit": 1, "max_new_tokens": 16, "lookup": None, "redraft": None}
 
 
-def loose_copy(path: Path, folder: Path, measurement: dict | None = None) -> Path:
-    """The checkpoint copied outside any run folder as <folder>/x.ckpt, its step's history row holding a logged tau
-    of 1.5, measured with `measurement` (AcceptanceEvaluation.measurement())."""
+def loose_copy(path: Path, folder: Path, measurement: dict | None = None, summary: dict | None = None) -> Path:
+    """The checkpoint copied outside any run folder as <folder>/x.ckpt, its step's history row holding `summary`
+    (default: a logged dflash tau of 1.5), measured with `measurement` (AcceptanceEvaluation.measurement())."""
     loose = folder / "x.ckpt"
     loose.parent.mkdir()
     saved_dict = torch.load(path, map_location="cpu", weights_only=False)
-    summary = {"dflash": {"tau": 1.5, "expected_tau": 1.25}}
+    summary = summary or {"dflash": {"tau": 1.5, "expected_tau": 1.25}}
     state = {"history": [{"step": 7, "summary": summary, "seconds": 1.0}]}
     if measurement is not None:
         state["measurement"] = measurement

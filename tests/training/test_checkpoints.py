@@ -24,6 +24,7 @@ import yaml
 import training.evaluate
 import training.publish
 from ddtree.errors import DDTreeError
+from training.callbacks import AcceptanceEvaluation
 from training.checkpoint_paths import (SAVING_MARKER, check_run_folder, find_checkpoint, find_resume,
                                        find_run_checkpoint, newest_checkpoint, resume_point, run_folder_of, saved_step)
 from training.checkpoints import (AtomicCheckpointIO, Checkpoint, after_a_refused_save, check_resumable,
@@ -876,8 +877,6 @@ def test_make_evals_row_prints_tau_logged_expected_and_rounds_each_under_its_hea
                                                                                       monkeypatch):
     """A random drafter measures an expected tau next to its tau (1.001 to 1.000): the "expected" column printing the
     tau passed every test, and so did "rounds" printing the tokens, while results.json held the right figures."""
-    from training.callbacks import AcceptanceEvaluation
-
     path, _ = saved
     loose = loose_copy(path, tmp_path / "loose", TINY_LIMIT_1)  # its logged tau of 1.5 is shown
     stats = {"tau": 2.5, "expected_tau": 3.125, "rounds": 12, "tree_nodes": 8.0, "new_tokens": 31,
@@ -895,8 +894,6 @@ def test_make_evals_row_prints_tau_logged_expected_and_rounds_each_under_its_hea
 def test_make_evals_logged_column_shows_each_budgets_own_logged_tau(saved, tmp_path, capsys, monkeypatch):
     """Each ddtree@N row is compared with the tau training logged at that budget: one read at another budget (or the
     chain's) puts a figure beside it that measures another tree, and reads as a gain or a loss that never happened."""
-    from training.callbacks import AcceptanceEvaluation
-
     path, _ = saved
     logged = {key: {"tau": tau, "expected_tau": tau} for key, tau in
               (("dflash", 1.5), ("ddtree@4", 2.25), ("ddtree@8", 2.75))}

@@ -1185,6 +1185,22 @@ def test_a_target_without_sdpa_loads_with_eager_attention_and_decodes_greedys_to
         assert generate(target, prompt, method, runner, budget, new).new_tokens == greedy, method
 
 
+def test_a_target_without_sdpa_loads_in_the_dtype_asked(tmp_path, tiny_target):
+    """Eager attention changes how the target attends, not its precision: a Gemma-2 asked for in bfloat16 loaded in
+    fp32 would hold twice the memory and verify in another precision than the one asked for."""
+    import transformers
+
+    _, tokenizer = tiny_target
+    config = transformers.CodeGenConfig(vocab_size=len(tokenizer) + 8, n_embd=64, n_layer=2, n_head=4, rotary_dim=4,
+                                        n_positions=256, n_ctx=256)
+    folder = tmp_path / "codegen"
+    transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    target, _ = ddtree.targets.load_target(str(folder), torch.bfloat16, say=lambda line: None)
+    assert target.config._attn_implementation == "eager"
+    assert {p.dtype for p in target.parameters()} == {torch.bfloat16}
+
+
 def test_a_read_only_cache_converted_before_records_is_used_as_it_is(cache, monkeypatch):
     """A shared cache mounted read-only: the record the first use adds cannot be written, and the folder is used
     without it rather than a traceback."""

@@ -250,6 +250,20 @@ def test_a_tiny_target_built_with_other_settings_is_built_again(cache, monkeypat
     assert record["architecture"] == ddtree.targets.TINY_TARGET_ARCH and record["tokenizer"] == source
 
 
+def test_a_tiny_target_built_from_another_seed_is_built_again(cache, monkeypatch):
+    """Its record names the seed it was drawn with: one drawn from another (an older version's) has other weights,
+    and a drafter trained against the tiny target of a fresh cache would meet other features in it."""
+    _, source = ddtree.targets.builtin_gguf("smollm2-135m")
+    converted(cache / "targets", "smollm2-135m", source)
+    monkeypatch.setattr(ddtree.targets, "AutoTokenizer", SimpleNamespace(from_pretrained=lambda *a, **k: Tokenizer()))
+    other_seed = {"architecture": ddtree.targets.TINY_TARGET_ARCH, "seed": ddtree.targets.TINY_TARGET_SEED + 1,
+                  "tokenizer": source}
+    folder = converted(cache / "targets", "tiny-random", other_seed, config=ddtree.targets.TINY_TARGET_ARCH)
+    assert ddtree.targets.tiny_target_folder() == folder
+    assert (folder / "model.safetensors").read_bytes() != b"weights"
+    assert json.loads((folder / "conversion.json").read_text())["seed"] == ddtree.targets.TINY_TARGET_SEED
+
+
 def test_the_tiny_target_has_the_same_weights_whatever_the_process_drew_before(tmp_path, monkeypatch):
     """Its record says seed 0: every fresh cache (CI, another machine) must build the same tiny-random."""
     _, source = ddtree.targets.builtin_gguf("smollm2-135m")

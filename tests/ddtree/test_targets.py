@@ -285,6 +285,13 @@ def test_a_loaded_target_is_frozen_in_eval_mode(tiny_target):
     assert not model(torch.tensor([[1, 2, 3]])).logits.requires_grad
 
 
+def test_a_loaded_built_in_target_is_named_as_the_user_named_it(tiny_target):
+    """Errors about a loaded target (decoding's refusals of its attention, training's of its layers) name it as
+    given on the command line, "tiny-random", not the cache folder it was converted into."""
+    model, _ = tiny_target
+    assert model.name_or_path_for_ddtree == "tiny-random"
+
+
 def test_a_target_path_from_home_is_expanded(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     folder = tmp_path / "models" / "x"

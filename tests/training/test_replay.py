@@ -309,6 +309,22 @@ def test_a_calibrated_temperature_divides_the_re_drafted_rows_as_decoding_divide
     assert [r.expected for r in rounds] == pytest.approx([r.expected for r in decoded.rounds], rel=1e-6)
 
 
+def test_a_tree_replay_divides_its_block_by_the_trees_temperature_not_the_chains(tiny):
+    """A calibration holds one temperature per shape (the chain's and each budget's): the tree replayed at budget 4
+    drafts at ddtree@4's, as decoding does, so where the two differ the expected acceptance is decoding's."""
+    target, tokenizer = tiny
+    prompt = tokenizer("def fibonacci(n):")["input_ids"]
+    sequence, mask = reply_of(target, prompt, 40)
+    calibrated = {"temperatures": {"4": 3.0, "chain": 0.5}, "graft_acceptance": {}}  # frozen
+    decoded = generate(target, prompt, "ddtree", RiggedDrafter(sequence, target.config.vocab_size, block_size=6), 4,
+                       40, lookup=0, redraft=0, online=OnlineCalibration.from_state(calibrated))
+    assert prompt + decoded.new_tokens == sequence
+    rounds = replay_reply(RiggedDrafter(sequence, target.config.vocab_size, block_size=6),
+                          torch.zeros(len(sequence), 3), torch.tensor(sequence), *reply_span(mask), 4, 40,
+                          online=OnlineCalibration.from_state(calibrated))
+    assert [r.expected for r in rounds] == pytest.approx([r.expected for r in decoded.rounds], rel=1e-6)
+
+
 def test_replay_re_drafts_the_blocks_decoding_re_drafts(tiny):
     """A tree holds at most `budget` depth-1 nodes, so decoding re-drafts min(redraft, budget) blocks: the replay
     re-drafted `redraft` of them, for the same rounds at more drafter calls (model.calibrate's time)."""

@@ -175,6 +175,25 @@ def test_learn_calibration_decodes_with_the_lookup_and_redraft_it_is_given(tiny)
     assert learned["graft_acceptance"].get("context")  # the replayed trees grafted the context lookup's nodes
 
 
+def test_learn_calibration_keeps_the_mean_of_the_path_its_temperatures_settled_on(tiny, monkeypatch):
+    """The last round's temperature is noisy (OnlineCalibration.settled says by how much): what is kept is the mean
+    over the recorded path of each shape, which only a calibration that records its path can give."""
+    target, tokenizer = tiny
+    prompt = tokenizer("def fibonacci(n):")["input_ids"]
+    sequence, mask = reply_of(target, prompt, 24)
+    oracle = RiggedDrafter(sequence, target.config.vocab_size, block_size=6)
+    settled_from, settled = [], OnlineCalibration.settled
+
+    def recorded(self):
+        settled_from.append(self.trajectory)
+        return settled(self)
+
+    monkeypatch.setattr(OnlineCalibration, "settled", recorded)
+    learn_calibration(oracle, [(torch.zeros(len(sequence), 3), torch.tensor(sequence), mask)], budget=4,
+                      max_new_tokens=24, lookup=0, redraft=0)
+    assert len(settled_from) == 1 and set(settled_from[0] or {}) == {None, 4}  # the chain's path and the tree's
+
+
 def test_round_nll_counts_depths_under_an_accepted_prefix_and_finds_the_drawing_temperature():
     """Labels drawn from softmax(z / t_k): the fitted temperature at depth k is t_k; a depth counts only
     when every depth before it was accepted."""

@@ -175,6 +175,28 @@ def test_learn_calibration_decodes_with_the_lookup_and_redraft_it_is_given(tiny)
     assert learned["graft_acceptance"].get("context")  # the replayed trees grafted the context lookup's nodes
 
 
+def test_learn_calibration_ends_each_reply_at_a_stop_token_as_decoding_does(tiny, monkeypatch):
+    """Decoding ends a reply at the target's end-of-turn token though the supervised reply goes on (<|im_end|> then
+    <|endoftext|>): every replay that teaches the calibration is given the stop ids, or it learns from rounds past the
+    end that decoding never runs."""
+    import training.replay
+
+    target, tokenizer = tiny
+    prompt = tokenizer("def fibonacci(n):")["input_ids"]
+    sequence, mask = reply_of(target, prompt, 24)
+    oracle = RiggedDrafter(sequence, target.config.vocab_size, block_size=6)
+    replayed, replay = [], training.replay.replay_reply
+
+    def recorded(*args, **kwargs):
+        replayed.append(kwargs.get("stop_ids", ()))
+        return replay(*args, **kwargs)
+
+    monkeypatch.setattr(training.replay, "replay_reply", recorded)
+    learn_calibration(oracle, [(torch.zeros(len(sequence), 3), torch.tensor(sequence), mask)], budget=4,
+                      max_new_tokens=24, stop_ids=[2], lookup=0, redraft=0)
+    assert replayed == [[2], [2]]  # the chain and the tree
+
+
 def test_learn_calibration_keeps_the_mean_of_the_path_its_temperatures_settled_on(tiny, monkeypatch):
     """The last round's temperature is noisy (OnlineCalibration.settled says by how much): what is kept is the mean
     over the recorded path of each shape, which only a calibration that records its path can give."""

@@ -14,6 +14,7 @@ from ddtree.corpus import CorpusLookup
 from ddtree.decoding import DrafterRunner, generate
 from ddtree.modeling_dflash import DFlashDraftModel
 from ddtree.targets import build_drafter_config, load_target
+import training.replay
 from training.replay import RoundNLL, learn_calibration, replay_reply, reply_span
 from training.target import target_layer_features
 from rigged import RedraftRigged, RiggedDrafter  # tests/rigged.py
@@ -179,8 +180,6 @@ def test_learn_calibration_ends_each_reply_at_a_stop_token_as_decoding_does(tiny
     """Decoding ends a reply at the target's end-of-turn token though the supervised reply goes on (<|im_end|> then
     <|endoftext|>): every replay that teaches the calibration is given the stop ids, or it learns from rounds past the
     end that decoding never runs."""
-    import training.replay
-
     target, tokenizer = tiny
     prompt = tokenizer("def fibonacci(n):")["input_ids"]
     sequence, mask = reply_of(target, prompt, 24)
@@ -334,11 +333,12 @@ def test_a_reply_cut_short_of_max_new_tokens_replays_no_round_from_its_last_toke
 @pytest.mark.parametrize("budget", [None, 4])
 def test_a_calibrated_temperature_divides_the_re_drafted_rows_as_decoding_divides_them(tiny, budget):
     """At a temperature away from 1 the re-drafted blocks, divided or not, give another expected acceptance: the
-    quantity model.replay_calibration learns its temperature from. (Learning from T = 1, it hardly moves in a reply.)"""
+    quantity model.replay_calibration learns its temperature from. (Learning from T = 1, it hardly moves in a reply.)
+    The chain's and the tree's temperatures differ, so a tree drafted at the chain's would read another acceptance."""
     target, tokenizer = tiny
     prompt = tokenizer("def fibonacci(n):")["input_ids"]
     sequence, mask = reply_of(target, prompt, 40)
-    calibrated = {"temperatures": {"4": 3.0, "chain": 3.0}, "graft_acceptance": {}}  # frozen: both runs see T = 3
+    calibrated = {"temperatures": {"4": 3.0, "chain": 0.5}, "graft_acceptance": {}}  # frozen: both runs see these
     decoded = generate(target, prompt, "ddtree" if budget else "dflash",
                        RedraftRigged(sequence, target.config.vocab_size, block_size=6), budget or 1, 40, lookup=0,
                        redraft=1, online=OnlineCalibration.from_state(calibrated))
@@ -347,22 +347,6 @@ def test_a_calibrated_temperature_divides_the_re_drafted_rows_as_decoding_divide
                           torch.zeros(len(sequence), 3), torch.tensor(sequence), *reply_span(mask), budget, 40,
                           redraft=1, online=OnlineCalibration.from_state(calibrated))
     assert [(r.accepted, r.committed) for r in rounds] == [(r.accepted_depth, r.committed) for r in decoded.rounds]
-    assert [r.expected for r in rounds] == pytest.approx([r.expected for r in decoded.rounds], rel=1e-6)
-
-
-def test_a_tree_replay_divides_its_block_by_the_trees_temperature_not_the_chains(tiny):
-    """A calibration holds one temperature per shape (the chain's and each budget's): the tree replayed at budget 4
-    drafts at ddtree@4's, as decoding does, so where the two differ the expected acceptance is decoding's."""
-    target, tokenizer = tiny
-    prompt = tokenizer("def fibonacci(n):")["input_ids"]
-    sequence, mask = reply_of(target, prompt, 40)
-    calibrated = {"temperatures": {"4": 3.0, "chain": 0.5}, "graft_acceptance": {}}  # frozen
-    decoded = generate(target, prompt, "ddtree", RiggedDrafter(sequence, target.config.vocab_size, block_size=6), 4,
-                       40, lookup=0, redraft=0, online=OnlineCalibration.from_state(calibrated))
-    assert prompt + decoded.new_tokens == sequence
-    rounds = replay_reply(RiggedDrafter(sequence, target.config.vocab_size, block_size=6),
-                          torch.zeros(len(sequence), 3), torch.tensor(sequence), *reply_span(mask), 4, 40,
-                          online=OnlineCalibration.from_state(calibrated))
     assert [r.expected for r in rounds] == pytest.approx([r.expected for r in decoded.rounds], rel=1e-6)
 
 

@@ -36,8 +36,11 @@ from .names import CALIBRATION_FILE, CORPUS_FILE
 
 
 def cache_dir() -> Path:
-    """Where converted targets, regenerated data and feature stores live: $DDTREE_CACHE, else ~/.cache/ddtree."""
-    return Path(os.environ.get("DDTREE_CACHE", Path.home() / ".cache" / "ddtree"))
+    """Where converted targets, regenerated data and feature stores live: $DDTREE_CACHE (a leading ~ expanded), else
+    ~/.cache/ddtree. An empty value counts as unset, as an empty XDG_CACHE_HOME does: as a path it was the working
+    folder, and the cache landed in the checkout."""
+    given = os.environ.get("DDTREE_CACHE", "").strip()
+    return Path(given).expanduser() if given else Path.home() / ".cache" / "ddtree"
 
 
 def current_umask() -> int:

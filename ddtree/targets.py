@@ -99,7 +99,7 @@ def check_cache_writable(targets: Path) -> None:
     why = why_unwritable(targets)
     if why is not None:
         raise DDTreeError(f"cannot write the target cache {targets} ({why}): set DDTREE_CACHE to a writable folder "
-                          f"(it is {os.environ.get('DDTREE_CACHE', 'unset, so ~/.cache/ddtree')})")
+                          f"(it is {os.environ.get('DDTREE_CACHE', '').strip() or 'unset, so ~/.cache/ddtree'})")
 
 
 def remove_stale_staging(folder: Path) -> None:

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import pytest
 
 from ddtree.errors import DDTreeError
-from ddtree.files import (atomic_file, check_output_file, free_bytes, not_a_file, path_argument, staged_folder,
+from ddtree.files import (atomic_file, cache_dir, check_output_file, free_bytes, not_a_file, path_argument, staged_folder,
                           staging_owner, write_results_json)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -317,3 +317,21 @@ def test_a_file_or_a_link_where_the_folder_goes_is_refused_before_the_work_and_k
     assert worked == []
     assert [path.name for path in tmp_path.iterdir()] == ["results.json"]
     assert out.is_symlink() if kind == "link" else out.read_text() == "the user's file"
+
+
+@pytest.mark.parametrize("value", ["", "  "])
+def test_an_empty_ddtree_cache_is_the_default_cache_not_the_working_folder(tmp_path, monkeypatch, value):
+    """`DDTREE_CACHE= make train` (or an `export DDTREE_CACHE=` left in a profile) reads as unset, as an empty
+    XDG_CACHE_HOME does: taken as a path, "" is the working folder, and converted targets and feature stores (gigabytes
+    at recipe scale) were written into the checkout without a word."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("DDTREE_CACHE", value)
+    assert cache_dir() == tmp_path / ".cache" / "ddtree"
+
+
+def test_a_ddtree_cache_under_home_is_expanded(tmp_path, monkeypatch):
+    """A quoted `DDTREE_CACHE="~/scratch/ddtree"` reaches the process with its tilde: taken as it is, the cache was a
+    folder named "~" in the working folder."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("DDTREE_CACHE", "~/scratch/ddtree")
+    assert cache_dir() == tmp_path / "scratch" / "ddtree"

@@ -141,6 +141,22 @@ def test_a_read_only_cache_is_refused_before_the_decode(cache, monkeypatch):
     assert decoded == []
 
 
+def test_a_read_only_default_cache_under_an_empty_ddtree_cache_says_it_is_unset(tmp_path, monkeypatch):
+    """An empty DDTREE_CACHE is the default cache, and the refusal says so: "(it is )" named nothing to change."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("DDTREE_CACHE", "")
+    targets = tmp_path / ".cache" / "ddtree" / "targets"
+    targets.mkdir(parents=True)
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: Path(path) != targets and real_access(path, mode, **kw))
+    decoded = stub_decode(monkeypatch, Decoded())
+    with pytest.raises(DDTreeError) as error:
+        builtin_target_folder("smollm2-135m")
+    assert str(error.value) == (f"cannot write the target cache {targets} (the folder is not writable): set DDTREE_CACHE "
+                                "to a writable folder (it is unset, so ~/.cache/ddtree)")
+    assert decoded == []
+
+
 def converted(targets: Path, name: str, record: dict | None = None, config: dict | None = None) -> Path:
     """A finished conversion in the cache, with the record of what it was made from (None: made before records)."""
     folder = targets / name

@@ -201,3 +201,9 @@ def test_the_merge_step_names_an_adapter_inside_the_project_by_its_path_in_the_r
     inside = str(PROJECT_ROOT / "adapters" / "sql")
     step = "\n".join(merge_step(card_facts(hyper_parameters={"target_adapter": inside, "target_adapter_sha256": None})))
     assert 'PeftModel.from_pretrained(base, "adapters/sql")' in step and str(PROJECT_ROOT) not in step
+
+
+def test_tau_png_plots_tau_against_the_training_step():
+    """Axes labelled the other way round read a run's steps as its taus."""
+    axes = plot_tau([record(2, 2.0), record(4, 3.0)], SETTINGS).axes[0]
+    assert (axes.get_xlabel(), axes.get_ylabel()) == ("training step", "tau (tokens per verification)")

@@ -122,6 +122,19 @@ def test_the_ranks_a_run_starts_inherit_its_measured_choice(monkeypatch):
     assert fast_precision("cpu").dtype == torch.float32
 
 
+def test_a_rank_inherits_fp32_where_its_launcher_measured_bf16_slow(monkeypatch):
+    """fp32 is inherited as fp32, not only bf16 as bf16: on a CPU that emulates bf16, a rank taking bf16 in its place
+    trained several times slower than its launcher, and in another precision."""
+    monkeypatch.delenv(ddtree.precision.INHERITED_CHOICE, raising=False)  # restored after the test
+    monkeypatch.setattr(ddtree.precision, "_cpu_choice", None)
+    monkeypatch.setattr(ddtree.precision, "time_linear", BF16_SLOW)
+    assert fast_precision("cpu").dtype == torch.float32
+    monkeypatch.setattr(ddtree.precision, "_cpu_choice", None)  # a rank it starts...
+    monkeypatch.setattr(ddtree.precision, "time_linear", BF16_FAST)  # ...whose own measurement would read otherwise
+    rank = fast_precision("cpu")
+    assert rank.dtype == torch.float32 and rank.reason.endswith("(measured by the process that started this one)")
+
+
 def test_a_replaced_measurement_is_not_kept_for_this_process_or_the_ones_it_starts(monkeypatch):
     """`measure=` stands in for the timing in one call: kept, every later `auto` in the process, and the processes it
     starts (through the inherited choice), would follow the stub and not this CPU."""

@@ -799,6 +799,17 @@ def test_a_resume_with_a_lower_save_top_k_keeps_that_many_never_dropping_the_bes
     assert os.readlink(folder / "best.ckpt") == "step-2.ckpt"
 
 
+def test_a_resume_with_save_top_k_0_keeps_the_first_launchs_best_and_its_link(tmp_path):
+    """save_top_k 0 saves no new ranked file, yet the best of the launch before is still the run's best: cutting the
+    ranking to 0 deleted it and left best.ckpt naming a removed file, so `make export CKPT=best` had nothing to read."""
+    canned_fit(tmp_path, 6, {2: {8: 3.0}, 4: {8: 1.0}, 6: {8: 2.0}}, save_top_k=-1)
+    folder = tmp_path / "checkpoints"
+    _, checkpoints = canned_fit(tmp_path, 8, {8: {8: 4.0}}, save_top_k=0, ckpt_path=folder / "last.ckpt")
+    assert list(checkpoints.best_k_models) == ["step-2.ckpt"]
+    assert sorted(p.name for p in folder.glob("*.ckpt")) == ["best.ckpt", "last.ckpt", "step-2.ckpt"]
+    assert os.readlink(folder / "best.ckpt") == "step-2.ckpt" and (folder / "best.ckpt").is_file()
+
+
 def test_a_new_best_keeps_the_checkpoint_this_launch_resumed_from(tmp_path):
     """Resumed from step-2.ckpt, the best then, the new step 4 displaces it from the ranking: the file stays, as the
     branch this launch left starts there (deleting it passed, mutation review 19, X26)."""

@@ -1936,6 +1936,17 @@ def test_bad_settings_are_one_line_errors(tmp_path, capsys):
         training.train.build_cli(recipe, tmp_path / "run", [])
 
 
+def test_eval_lookup_and_redraft_take_0_and_refuse_a_negative_count():
+    """0 is a setting of its own: it turns the drafter's lookups or re-drafts off (the recipe's way to measure the trees
+    alone), so only a negative count is refused, in one line naming the field."""
+    evaluation = AcceptanceEvaluation(lookup=0, redraft=0)
+    assert (evaluation.lookup, evaluation.redraft) == (0, 0)
+    with pytest.raises(DDTreeError, match=r"eval.lookup=-1: must be at least 0"):
+        AcceptanceEvaluation(lookup=-1)
+    with pytest.raises(DDTreeError, match=r"eval.redraft=-1: must be at least 0"):
+        AcceptanceEvaluation(redraft=-1)
+
+
 def test_eval_prompts_are_read_as_bench_reads_them_a_null_id_none_and_an_id_twice_refused(tmp_path):
     """The evaluation's rows are paired with bench's by id: it reads its prompts with bench's reader (read_prompts)."""
     _, tokenizer = load_target("tiny-random")

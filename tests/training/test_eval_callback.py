@@ -1290,6 +1290,14 @@ def test_a_resume_on_another_prompts_file_names_the_file_not_its_contents():
         "the contents of eval.prompts data/eval_prompts.jsonl: prompts_sha256 aaaaaaaaaaaa... -> bbbbbbbbbbbb...")
 
 
+def test_a_resume_with_another_eval_limit_names_the_limit_not_the_files_contents():
+    """Another eval.limit reads another share of the same file, so its fingerprint differs though nobody edited it:
+    the refusal names the limit alone, not contents whose fix (put back what the file held) would not apply."""
+    saved = {"prompts": "data/eval_prompts.jsonl", "prompts_sha256": "a" * 64, "limit": 8, "max_new_tokens": 64,
+             "lookup": None, "dtype": "float32"}
+    assert changed_measurement(saved, {**saved, "limit": 4, "prompts_sha256": "b" * 64}) == "eval.limit 8 -> 4"
+
+
 def test_a_resume_on_a_prompts_file_that_now_holds_other_prompts_is_refused_naming_the_file(tmp_path):
     """The prompts were compared by path alone: a file regenerated or edited under its name ranked the resume's taus,
     measured on other prompts, against the run's, and best.ckpt kept a step for its prompts, not its drafter (found in

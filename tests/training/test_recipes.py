@@ -629,6 +629,14 @@ def test_a_block_longer_than_the_sequences_is_one_line_before_anything_loads(tmp
     training.recipe.check_values(parse_recipe("tiny", "--model.block_size=256"))  # as long as the sequences: fine
 
 
+def test_a_step_limit_beside_max_time_has_an_end_and_is_accepted():
+    """The cosine ends at max_steps: a finite one ends the schedule whatever the clock, so only max_steps -1 with no
+    other end is refused (NO_SCHEDULE_END); a finite one beside max_time, without annealing by it, is a plain run."""
+    config = parse_recipe("tiny", "--trainer.max_time=00:01:00:00")
+    assert config.trainer.max_steps == 30 and not config.model.anneal_by_max_time
+    training.recipe.check_values(config)
+
+
 def test_fsdp_is_one_line_before_anything_loads(tmp_path, monkeypatch, capsys):
     """Nothing here gathers FSDP's shards: the evaluation during training and the export gather DeepSpeed's only, so on
     GPUs (where Lightning takes FSDP) they would have read each rank's shard of the drafter."""

@@ -637,6 +637,14 @@ def test_a_step_limit_beside_max_time_has_an_end_and_is_accepted():
     training.recipe.check_values(config)
 
 
+def test_max_epochs_minus_1_is_no_limit_and_accepted():
+    """-1 is Lightning's spelling of no epoch limit, as null is: a run bounded by max_steps alone gives it."""
+    config = parse_recipe("tiny", "--trainer.max_epochs=-1")
+    training.recipe.check_values(config)
+    with pytest.raises(DDTreeError, match=r"trainer.max_epochs=0 is not a valid value: give -1 or null \(no limit\)"):
+        training.recipe.check_values(parse_recipe("tiny", "--trainer.max_epochs=0"))
+
+
 def test_fsdp_is_one_line_before_anything_loads(tmp_path, monkeypatch, capsys):
     """Nothing here gathers FSDP's shards: the evaluation during training and the export gather DeepSpeed's only, so on
     GPUs (where Lightning takes FSDP) they would have read each rank's shard of the drafter."""

@@ -645,6 +645,15 @@ def test_max_epochs_minus_1_is_no_limit_and_accepted():
         training.recipe.check_values(parse_recipe("tiny", "--trainer.max_epochs=0"))
 
 
+def test_deepspeed_refuses_clipping_by_value_however_it_is_capitalised():
+    """Lightning lower-cases trainer.gradient_clip_algorithm, so VALUE clips by value as value does, which DeepSpeed
+    cannot: it is refused alike, and norm in any case is not."""
+    for algorithm in ("value", "VALUE", "Value"):
+        with pytest.raises(DDTreeError, match=f"trainer.gradient_clip_algorithm={algorithm}: DeepSpeed"):
+            training.recipe.check_strategy("zero2_cpu", "cpu", algorithm)
+    training.recipe.check_strategy("zero2_cpu", "cpu", "NORM")
+
+
 def test_fsdp_is_one_line_before_anything_loads(tmp_path, monkeypatch, capsys):
     """Nothing here gathers FSDP's shards: the evaluation during training and the export gather DeepSpeed's only, so on
     GPUs (where Lightning takes FSDP) they would have read each rank's shard of the drafter."""

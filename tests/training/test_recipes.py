@@ -534,6 +534,16 @@ def test_a_gpu_recipe_with_no_cpu_recipe_of_its_target_says_what_to_add(tmp_path
     assert not any(tmp_path.iterdir())
 
 
+def test_the_cpu_fix_adds_trainer_devices_only_where_the_recipe_asks_for_several(monkeypatch):
+    """devices auto is one CPU process already: adding --trainer.devices=1 to it is a flag the user need not type."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for devices, fix in (("auto", "--trainer.precision=auto"), (1, "--trainer.precision=auto"),
+                         (8, "--trainer.precision=auto --trainer.devices=1")):
+        with pytest.raises(DDTreeError) as error:
+            training.recipe.check_accelerator("gpu", devices)
+        assert str(error.value).endswith(f"add --trainer.accelerator=cpu {fix}"), (devices, error.value)
+
+
 def test_a_malformed_recipe_beside_a_gpu_recipe_does_not_replace_its_error(tmp_path, monkeypatch, capsys):
     """Looking for a CPU recipe of the target reads every recipe: a work-in-progress one named its own fault instead."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -1236,6 +1236,15 @@ def test_the_report_of_a_run_stopped_before_any_evaluation_names_the_step_that_w
     assert "**No evaluation ran**: " + said in (tmp_path / "report.md").read_text()
 
 
+def test_the_report_of_a_run_with_no_step_limit_stopped_before_any_evaluation_names_the_grids_first_step(tmp_path):
+    """max_steps -1 (a run bounded by epochs or the clock) plans no last step: the first evaluation is the grid's, and
+    -1 taken for a planned last step left the report without it."""
+    with pytest.raises(SIGTERMException):
+        canned_fit(tmp_path, -1, {10: {8: 2.0}}, before=[SigtermAt(3)], every=10, batches=12)
+    assert ("**No evaluation ran**: the run was stopped by SIGTERM at step 3, before its first evaluation at step 10 "
+            "(eval.every_n_train_steps=10)") in (tmp_path / "report.md").read_text()
+
+
 def test_with_save_top_k_0_the_report_names_no_best_checkpoint(tmp_path):
     evaluation, _ = canned_fit(tmp_path, 4, {2: {8: 1.5}, 4: {8: 2.0}}, save_top_k=0)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["last.ckpt"]

@@ -841,3 +841,14 @@ def test_response_ids_that_do_not_decode_to_the_reply_are_skipped_and_counted_na
                                                     f"the first, 'b' ({jsonl}:3): it has response_ids but does not end "
                                                     "with an assistant turn")):
         tokenize_conversations(smol_tokenizer, load_conversations(jsonl)[2:], 500, 1, str(jsonl))
+
+
+def test_a_reply_with_exactly_min_supervised_tokens_cut_by_max_length_is_counted_as_cut_away_by_truncation(
+        smol_tokenizer):
+    """A reply at the data.min_supervised_tokens bound is kept whole (the bound is the fewest kept), so where
+    max_length cuts it below the bound, truncation dropped it: reply_truncated counts it, and the warning's remedy
+    is data.max_length, not data.min_supervised_tokens."""
+    (whole,), _ = tokenize_conversations(smol_tokenizer, [{"messages": CONVERSATION}], 10_000, 1)
+    supervised, last_supervised = sum(whole["loss_mask"]), max(i for i, bit in enumerate(whole["loss_mask"]) if bit)
+    with pytest.raises(DDTreeError, match=r"\(1 of them because truncation cut their reply\)"):
+        tokenize_conversations(smol_tokenizer, [{"messages": CONVERSATION}], last_supervised, supervised)

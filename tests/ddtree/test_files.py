@@ -22,8 +22,8 @@ from types import SimpleNamespace
 import pytest
 
 from ddtree.errors import DDTreeError
-from ddtree.files import (atomic_file, cache_dir, check_output_file, free_bytes, not_a_file, path_argument, staged_folder,
-                          staging_owner, write_results_json)
+from ddtree.files import (atomic_file, cache_dir, check_output_file, free_bytes, not_a_file, path_argument,
+                          staged_folder, staging_owner, write_results_json)
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -152,8 +152,8 @@ def test_a_read_only_default_cache_under_an_empty_ddtree_cache_says_it_is_unset(
     decoded = stub_decode(monkeypatch, Decoded())
     with pytest.raises(DDTreeError) as error:
         builtin_target_folder("smollm2-135m")
-    assert str(error.value) == (f"cannot write the target cache {targets} (the folder is not writable): set DDTREE_CACHE "
-                                "to a writable folder (it is unset, so ~/.cache/ddtree)")
+    assert str(error.value) == (f"cannot write the target cache {targets} (the folder is not writable): set "
+                                "DDTREE_CACHE to a writable folder (it is unset, so ~/.cache/ddtree)")
     assert decoded == []
 
 

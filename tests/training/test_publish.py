@@ -2229,7 +2229,8 @@ def test_a_drafter_whose_run_target_cannot_be_read_takes_its_name_unchecked(monk
     """A run's target out of reach (a local folder since moved, a Hub name offline) gives no hidden size to compare:
     the export still names the target the run trained against, and keeps the drafter's depth, not refuses a drafter
     that fitted it in training."""
-    monkeypatch.setattr(training.export, "target_facts", lambda target, config: TargetFacts(None, 6, 100, "the drafter"))
+    facts = TargetFacts(None, 6, 100, "the drafter")  # no hidden size: the target could not be read
+    monkeypatch.setattr(training.export, "target_facts", lambda target, config: facts)
     config = SimpleNamespace(target_name_or_path="tiny-random", hidden_size=64, target_layer_ids=[1, 3, 5],
                              num_target_layers=6, to_dict=dict)
     training.export.record_trained_target(SimpleNamespace(config=config), "/moved/target", Path("last.ckpt"))

@@ -1426,6 +1426,12 @@ def test_resuming_a_finished_run_says_so_and_keeps_its_drafter(tmp_path, capsys)
     assert train_main(timed) == 0
     assert (f"[train] {run_dir} stopped at step {step} of max_steps 10000 by its time or epoch limit: nothing trained, "
             "its drafter/ kept; raise --trainer.max_time (or --trainer.max_epochs)") in capsys.readouterr().out
+    # With no step limit (max_steps -1, the schedule ending with max_epochs) every step is at or past it: only the time
+    # budget can have stopped the run, and the line must not send the user to raise a step limit there is none of
+    unlimited = [*timed[:-2], "--trainer.max_steps=-1", "--trainer.max_epochs=1000", "--trainer.max_time=00:00:00:01"]
+    assert train_main(unlimited) == 0
+    assert (f"[train] {run_dir} stopped at step {step} of max_steps -1 by its time or epoch limit: nothing trained, "
+            "its drafter/ kept; raise --trainer.max_time (or --trainer.max_epochs)") in capsys.readouterr().out
 
 
 def test_the_bench_command_printed_at_the_end_reproduces_the_logged_tau(tmp_path, capsys):

@@ -1510,6 +1510,19 @@ def test_a_push_into_another_models_repo_holding_only_an_exports_file_names_is_r
     assert publish.main(["--push-only", str(out), "--repo", "tester/eagle-head"]) == 0
 
 
+def test_a_push_into_a_repo_made_empty_on_the_hub_takes_the_export_unasked(run_dir, tmp_path, hub, capsys):
+    """A repo made on the Hub's page (to set its organisation or visibility first) holds the .gitattributes the Hub
+    writes into every new repo, and nothing a push would replace: refused as another model's, the user would be told
+    to --replace-repo a repo that holds nothing of theirs."""
+    gitattributes = {".gitattributes": b"*.safetensors filter=lfs"}
+    StandInHub.repos["tester/made-on-the-hub"], StandInHub.private["tester/made-on-the-hub"] = dict(gitattributes), False
+    out = tmp_path / "export"
+    assert export(run_dir, out, "--ckpt", "last", "--repo", "tester/made-on-the-hub", "--push") == 0
+    assert f"pushed to {hub}/tester/made-on-the-hub" in capsys.readouterr().out
+    assert StandInHub.repos["tester/made-on-the-hub"] == {**{p.name: p.read_bytes() for p in out.iterdir()},
+                                                         **gitattributes}
+
+
 def test_private_creates_a_private_repo_and_refuses_to_push_into_a_public_one(run_dir, tmp_path, hub, capsys):
     assert export(run_dir, tmp_path / "a", "--ckpt", "last", "--repo", "tester/secret", "--push", "--private") == 0
     assert StandInHub.private["tester/secret"] and "model.safetensors" in StandInHub.repos["tester/secret"]

@@ -132,6 +132,25 @@ def test_speedup_is_over_tokens_per_second_where_a_method_commits_other_tokens_t
     assert summary["ddtree@4"]["speedup"] == pytest.approx((4 / 0.9) / (2 / 1.4))
 
 
+def test_each_method_but_ar_counts_the_prompts_whose_tokens_equal_ars(tiny_target, monkeypatch):
+    """The losslessness line: every drafting method, the chain too, is compared with ar prompt by prompt, and ar,
+    the reference, is not compared with itself (a count on ar and none on the chain hid a lossy chain)."""
+    from ddtree import bench
+
+    def chain_differs_on_b(target, prompt_ids, method, *args, **kwargs):
+        result = clocked_generate(target, prompt_ids, method, *args, **kwargs)
+        return dataclasses.replace(result, new_tokens=[9, 9]) if method == CHAIN and prompt_ids == [8, 9] else result
+
+    target, _ = tiny_target
+    monkeypatch.setattr(bench, "generate", chain_differs_on_b)
+    prompts = [{"id": "a", "prompt_ids": [5, 6, 7]}, {"id": "b", "prompt_ids": [8, 9]}]
+    summary = run_benchmark(target, CountingDrafter(target.config.vocab_size), prompts, ["ar", CHAIN, "ddtree"], [4],
+                            max_new_tokens=4, stop_ids=[], progress=False)["summary"]
+    assert "same_as_ar" not in summary["ar"]
+    assert (summary[CHAIN]["same_as_ar"], summary[CHAIN]["prompts"]) == (1, 2)
+    assert (summary["ddtree@4"]["same_as_ar"], summary["ddtree@4"]["prompts"]) == (2, 2)
+
+
 # ----------------------------------------------------------------------------- warm-up and the chain's expected tau
 
 

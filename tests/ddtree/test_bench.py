@@ -18,7 +18,7 @@ import torch
 from ddtree.bench import (CHAIN, acceptance_summary, budget_of, compare_packed_verify_cost, format_summary, iter_json_lines,
                           load_prompts, measure_verify_cost, method_keys, read_prompts, resolved_options, run_benchmark,
                           summarize, tree_key)
-from ddtree import target_runner
+from ddtree import bench, target_runner
 from ddtree.calibration import OnlineCalibration
 from ddtree.decoding import GenerationResult, Round, generate
 from ddtree.errors import DDTreeError
@@ -103,8 +103,6 @@ def test_speedup_is_each_methods_tokens_per_second_over_ars_prefill_included(tin
     """The README's headline figure. Only ar's own 1.00x was checked (real timings allow no more): a speedup inverted
     (a tree 1.56x faster than ar read 0.64x), one over the first method listed (`--methods ddtree,ar` read ddtree 1.00x)
     or a run's seconds without the prefill whose token it counts (every tok/s up, the tree's speedup 2.25x) passed."""
-    from ddtree import bench
-
     target, _ = tiny_target
     monkeypatch.setattr(bench, "generate", clocked_generate)
     summary = run_benchmark(target, CountingDrafter(target.config.vocab_size), [{"id": "a", "prompt_ids": [5, 6, 7]}],
@@ -119,8 +117,6 @@ def test_speedup_is_each_methods_tokens_per_second_over_ars_prefill_included(tin
 def test_speedup_is_over_tokens_per_second_where_a_method_commits_other_tokens_than_ar(tiny_target, monkeypatch):
     """In bf16 a method can stop at another token than ar (a near tie flipped): its speedup is still tokens per second
     over ar's, not ar's seconds over its own, which credits it with tokens it never committed."""
-    from ddtree import bench
-
     def ar_stops_early(target, prompt_ids, method, *args, **kwargs):
         result = clocked_generate(target, prompt_ids, method, *args, **kwargs)
         return dataclasses.replace(result, new_tokens=[1, 2]) if method == "ar" else result
@@ -135,8 +131,6 @@ def test_speedup_is_over_tokens_per_second_where_a_method_commits_other_tokens_t
 def test_each_method_but_ar_counts_the_prompts_whose_tokens_equal_ars(tiny_target, monkeypatch):
     """The losslessness line: every drafting method, the chain too, is compared with ar prompt by prompt, and ar,
     the reference, is not compared with itself (a count on ar and none on the chain hid a lossy chain)."""
-    from ddtree import bench
-
     def chain_differs_on_b(target, prompt_ids, method, *args, **kwargs):
         result = clocked_generate(target, prompt_ids, method, *args, **kwargs)
         return dataclasses.replace(result, new_tokens=[9, 9]) if method == CHAIN and prompt_ids == [8, 9] else result
@@ -538,8 +532,6 @@ def test_a_runner_built_for_another_target_is_refused_before_the_warm_up_decodes
     """generate refused it too, but only after the warm-up had decoded every method at full length."""
     import copy
 
-    from ddtree import bench
-
     target, tokenizer = tiny_target
     other = copy.deepcopy(target)  # the same shapes, another model
     drafter = decoding_runner(target, tokenizer)
@@ -598,8 +590,6 @@ def test_each_budgets_online_temperature_is_its_own(tiny_target):
 def test_prompts_that_cannot_be_benchmarked_are_one_line_before_anything_decodes(tiny_target, monkeypatch, prompts,
                                                                                  problem):
     """No prompt was a ValueError from max(); a prompt without "id" a KeyError after the warm-up had decoded."""
-    from ddtree import bench
-
     target, _ = tiny_target
     monkeypatch.setattr(bench, "generate", lambda *args, **kwargs: pytest.fail("decoded before the check"))
     with pytest.raises(DDTreeError, match=problem):
@@ -609,8 +599,6 @@ def test_prompts_that_cannot_be_benchmarked_are_one_line_before_anything_decodes
 def test_a_prompt_given_as_a_batch_of_one_counts_its_tokens_not_its_rows(tiny_target, monkeypatch):
     """A (1, T) tensor, which generate takes, was measured with len(): 1 token recorded, the warm-up's longest prompt
     picked wrong, and a prompt past the context not caught up front."""
-    from ddtree import bench
-
     target, _ = tiny_target
     long, short = list(range(5, 12)), [5, 6, 7]
     decoded = []

@@ -252,6 +252,16 @@ def test_a_null_regenerate_setting_is_left_to_the_scripts_default():
         "--target", "t", "--out", "o", "--max-new-tokens", "4"]
 
 
+def test_a_zero_regenerate_setting_is_handed_on_not_left_to_the_scripts_default():
+    """Only null means the script's default: `limit: 0` must reach regenerate.py, which refuses it in one line. Read
+    as unset it became every prompt, hours of generation the recipe never asked for; 0 for temperature or seed is
+    likewise the recipe's own value, whatever the script's default is."""
+    from training.recipe_data import regenerate_arguments
+
+    assert regenerate_arguments("t", Path("o"), {"limit": 0, "temperature": 0.0, "seed": 0}) == [
+        "--target", "t", "--out", "o", "--limit", "0", "--temperature", "0.0", "--seed", "0"]
+
+
 def test_a_run_overriding_a_setting_its_recipe_leaves_unset_or_its_target_is_not_checked_as_the_recipes_data(
         monkeypatch):
     """An override of a regenerate setting the recipe file does not set (temperature on smollm2-135m), or of

@@ -23,7 +23,8 @@ from ddtree.errors import DDTreeError
 from training.arguments import RECIPES_DIR, ablate_parser, train_parser
 from training.data import DistillDataModule
 from training.recipe import read_recipe
-from training.recipe_data import AUTO_DATA, REGENERATE_FIELDS, default_data_path, prepare_recipe_data
+from training.recipe_data import (AUTO_DATA, REGENERATE_FIELDS, default_data_path, prepare_recipe_data,
+                                  regenerate_arguments)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "data"))
 import regenerate  # noqa: E402  (data/regenerate.py)
@@ -246,8 +247,6 @@ def test_a_recipes_data_path_under_tilde_is_its_own_not_an_override(tmp_path, mo
 def test_a_null_regenerate_setting_is_left_to_the_scripts_default():
     """`limit: null` is documented as every prompt: handed on as `--limit None`, regenerate.py refused it and the
     data was never made (mutation review 9: r04)."""
-    from training.recipe_data import regenerate_arguments
-
     assert regenerate_arguments("t", Path("o"), {"limit": None, "max_new_tokens": 4}) == [
         "--target", "t", "--out", "o", "--max-new-tokens", "4"]
 
@@ -256,8 +255,6 @@ def test_a_zero_regenerate_setting_is_handed_on_not_left_to_the_scripts_default(
     """Only null means the script's default: `limit: 0` must reach regenerate.py, which refuses it in one line. Read
     as unset it became every prompt, hours of generation the recipe never asked for; 0 for temperature or seed is
     likewise the recipe's own value, whatever the script's default is."""
-    from training.recipe_data import regenerate_arguments
-
     assert regenerate_arguments("t", Path("o"), {"limit": 0, "temperature": 0.0, "seed": 0}) == [
         "--target", "t", "--out", "o", "--limit", "0", "--temperature", "0.0", "--seed", "0"]
 

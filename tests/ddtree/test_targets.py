@@ -866,14 +866,15 @@ def test_a_drafter_of_a_partial_rotary_target_rotates_its_whole_head_and_decodes
     assert drafter_config.rope_parameters["rope_type"] == rope["rope_type"]  # the rest of the target's RoPE, kept
 
 
-@pytest.mark.parametrize("where", ["rope_parameters", "top level"])
+@pytest.mark.parametrize("where", ["rope_parameters", "rope_scaling", "top level"])
 @pytest.mark.parametrize("rope", [{"rope_type": "default"}, {"rope_type": "linear", "factor": 2.0}],
                          ids=lambda rope: rope["rope_type"])
 def test_a_drafter_folder_holding_a_partial_rotary_factor_loads_and_drafts_as_one_without(tmp_path, tiny_target, rope,
                                                                                           where):
     """A folder written before the drafter's RoPE dropped the target's partial_rotary_factor (in rope_parameters, or at
-    the top level where transformers 4 configs keep it): under the default RoPE it drafts exactly as before
-    (transformers ignored the field there), under a scaled one it no longer fails."""
+    the top level where transformers 4 configs keep it, or in the rope_scaling they named rope_parameters, which
+    transformers still reads into it): under the default RoPE it drafts exactly as before (transformers ignored the
+    field there), under a scaled one it no longer fails."""
     target, tokenizer = tiny_target
     config = build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4)
     config.rope_parameters = {**rope, "rope_theta": 10000.0}
@@ -881,7 +882,10 @@ def test_a_drafter_folder_holding_a_partial_rotary_factor_loads_and_drafts_as_on
     DFlashDraftModel(config).save_pretrained(tmp_path / "plain")
     shutil.copytree(tmp_path / "plain", tmp_path / "partial")
     fields = json.loads((tmp_path / "partial" / "config.json").read_text())
-    (fields["rope_parameters"] if where == "rope_parameters" else fields)["partial_rotary_factor"] = 0.25
+    if where == "rope_scaling":
+        fields["rope_scaling"] = {**fields.pop("rope_parameters"), "partial_rotary_factor": 0.25}
+    else:
+        (fields["rope_parameters"] if where == "rope_parameters" else fields)["partial_rotary_factor"] = 0.25
     (tmp_path / "partial" / "config.json").write_text(json.dumps(fields))
     plain, partial = (load_drafter_folder(tmp_path / name, torch.float32, target) for name in ("plain", "partial"))
     context, noise = torch.randn(1, 5, 64 * len(config.target_layer_ids)), torch.randn(1, 4, 64)

@@ -87,6 +87,9 @@ def test_decoding_logits_are_the_head_rows_of_the_vocabulary_and_minus_inf_elsew
     outside[[2, 17, 40]] = False
     assert torch.isneginf(logits[:, outside]).all()
     assert set(logits.argmax(-1).tolist()) <= {2, 17, 40}
+    drafter.config.draft_vocab = None  # cleared: the config no longer names one, and the whole head decodes again
+    assert "draft_vocab" not in drafter.config.dflash_config
+    assert torch.equal(drafter.compute_logits(hidden, lm_head), lm_head(hidden))
 
 
 def drafter_of_even_tokens() -> DFlashDraftModel:

@@ -47,6 +47,7 @@ from ddtree.files import staged_folder
 from ddtree.names import CALIBRATION_FILE
 from ddtree.modeling_dflash import DFlashDraftModel, fuse_target_features
 from ddtree.targets import DDTreeError
+from training.arguments import publish_parser
 from training.checkpoints import drafter_from_checkpoint
 from training.engines import TargetFacts
 from training.export import export_drafter
@@ -953,6 +954,12 @@ def test_an_invalid_repo_name_is_refused_before_anything(run_dir, tmp_path, caps
 def test_a_base_model_may_be_a_bare_hub_name_as_the_oldest_models_are():
     training.hub.check_card_fields("gpt2", "mit")  # no error
     training.hub.check_card_fields("Qwen/Qwen3-8B", "apache-2.0")
+
+
+def test_an_export_without_ckpt_publishes_the_best_evaluated_checkpoint():
+    """`--ckpt` defaults to best, as its help says: last is wherever training stopped, often past the step whose
+    acceptance ranked it best, and a card of it would publish the weaker drafter without a word."""
+    assert publish_parser().parse_args(["outputs/tiny/run", "--out", "export"]).ckpt == "best"
 
 
 def test_a_license_id_in_capitals_is_refused_before_the_export_as_the_hub_refuses_it():

@@ -39,3 +39,19 @@ def test_reference_dflash_loads_our_folder_and_matches(tmp_path, tiny_target):
         )
     torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(mine, again, atol=0, rtol=0)
+
+
+def test_a_loaded_drafter_in_training_mode_drops_nothing_unasked(tmp_path, tiny_target):
+    """Dropout is model.dropout's, which the training module sets: a drafter loaded to fine-tune in one's own loop
+    computes in training mode what it does in eval mode."""
+    target, tokenizer = tiny_target
+    load_drafter("random", target, tokenizer, "tiny-random", seed=3).save_pretrained(tmp_path)
+    drafter = DFlashDraftModel.from_pretrained(tmp_path)
+    torch.manual_seed(0)
+    context = torch.randn(1, 12, len(drafter.target_layer_ids) * drafter.config.hidden_size)
+    noise = torch.randn(1, drafter.block_size, drafter.config.hidden_size)
+    positions = torch.arange(12 + drafter.block_size)[None]
+    with torch.no_grad():
+        trained = drafter.train()(noise, context, positions)
+        evaluated = drafter.eval()(noise, context, positions)
+    torch.testing.assert_close(trained, evaluated, atol=0, rtol=0)

@@ -291,6 +291,17 @@ def test_a_recipe_file_name_with_no_such_file_is_told_the_name_and_an_empty_one_
     assert "recipes/.yaml" not in str(error.value)
 
 
+def test_a_dotted_recipe_name_of_ones_own_is_an_unknown_recipe_named_whole():
+    """Recipe names carry dots (llama3.1-8b): `--recipe llama3.1-70b`, a name with no file yet, is an unknown recipe
+    that goes at recipes/llama3.1-70b.yaml, not a file whose name ends at the last dot ("put yours at
+    recipes/llama3.yaml and give --recipe llama3")."""
+    with pytest.raises(DDTreeError) as error:
+        training.arguments.check_recipe_name("llama3.1-70b")
+    said = str(error.value)
+    assert said.startswith("unknown recipe 'llama3.1-70b'; known recipes: "), said
+    assert said.endswith("a recipe of your own goes at recipes/llama3.1-70b.yaml"), said
+
+
 @pytest.mark.parametrize("text, named", [
     ("trainer:\n  max_steps: [\n", "not valid YAML at line 3, column 1"),
     ("model:\n  block_size: 8\n\tnum_layers: 2\n", "not valid YAML at line 3, column 1"),

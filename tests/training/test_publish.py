@@ -287,6 +287,9 @@ def test_card_numbers_come_from_the_evaluation_of_the_exported_step(run_dir, tmp
     assert "| 3.579 |" in card and "2.468" not in card and "temperature 1." in card
     assert card.startswith("---\n") and "library_name: transformers" in card and "license: apache-2.0" in card
     assert "One forward pass drafts a block of 7 tokens after an anchor" in card  # block size 8 counts the anchor
+    # The recipe table's block size is the one config.json ships, anchor included: a reader sizing a drafter of their
+    # own from the table builds that one.
+    assert json.loads((tmp_path / "last" / "config.json").read_text())["block_size"] == 8 and "| block size | 8 |" in card
     assert "lr 0.003" in card and "max length 256 tokens" in card and "ddtree bench --target tiny-random" in card
     chain = json.loads((run / "eval" / "step-000002.json").read_text())["summary"]["dflash"]  # its expected tau too
     assert f"| chain (one DFlash block, 7 drafted tokens) | {chain['tau']:.3f} | {chain['expected_tau']:.3f} |" in card

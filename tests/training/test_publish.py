@@ -289,7 +289,8 @@ def test_card_numbers_come_from_the_evaluation_of_the_exported_step(run_dir, tmp
     assert "One forward pass drafts a block of 7 tokens after an anchor" in card  # block size 8 counts the anchor
     # The recipe table's block size is the one config.json ships, anchor included: a reader sizing a drafter of their
     # own from the table builds that one.
-    assert json.loads((tmp_path / "last" / "config.json").read_text())["block_size"] == 8 and "| block size | 8 |" in card
+    assert json.loads((tmp_path / "last" / "config.json").read_text())["block_size"] == 8
+    assert "| block size | 8 |" in card
     assert "lr 0.003" in card and "max length 256 tokens" in card and "ddtree bench --target tiny-random" in card
     chain = json.loads((run / "eval" / "step-000002.json").read_text())["summary"]["dflash"]  # its expected tau too
     assert f"| chain (one DFlash block, 7 drafted tokens) | {chain['tau']:.3f} | {chain['expected_tau']:.3f} |" in card
@@ -1524,13 +1525,12 @@ def test_a_push_into_a_repo_made_empty_on_the_hub_takes_the_export_unasked(run_d
     """A repo made on the Hub's page (to set its organisation or visibility first) holds the .gitattributes the Hub
     writes into every new repo, and nothing a push would replace: refused as another model's, the user would be told
     to --replace-repo a repo that holds nothing of theirs."""
-    gitattributes = {".gitattributes": b"*.safetensors filter=lfs"}
-    StandInHub.repos["tester/made-on-the-hub"], StandInHub.private["tester/made-on-the-hub"] = dict(gitattributes), False
+    repo, gitattributes = "tester/made-on-the-hub", {".gitattributes": b"*.safetensors filter=lfs"}
+    StandInHub.repos[repo], StandInHub.private[repo] = dict(gitattributes), False
     out = tmp_path / "export"
-    assert export(run_dir, out, "--ckpt", "last", "--repo", "tester/made-on-the-hub", "--push") == 0
-    assert f"pushed to {hub}/tester/made-on-the-hub" in capsys.readouterr().out
-    assert StandInHub.repos["tester/made-on-the-hub"] == {**{p.name: p.read_bytes() for p in out.iterdir()},
-                                                         **gitattributes}
+    assert export(run_dir, out, "--ckpt", "last", "--repo", repo, "--push") == 0
+    assert f"pushed to {hub}/{repo}" in capsys.readouterr().out
+    assert StandInHub.repos[repo] == {**{p.name: p.read_bytes() for p in out.iterdir()}, **gitattributes}
 
 
 def test_private_creates_a_private_repo_and_refuses_to_push_into_a_public_one(run_dir, tmp_path, hub, capsys):

@@ -201,9 +201,11 @@ def test_an_abbreviated_option_is_refused_as_unknown(abbreviated, tmp_path, monk
 
 
 @pytest.mark.parametrize("given", ["optimizer:\n  class_path: torch.optim.SGD\n  init_args:\n    lr: 0.5\n",
-                                   "optimizer: torch.optim.SGD\n", "lr_scheduler: CosineAnnealingLR\n"])
+                                   "optimizer: torch.optim.SGD\n", "lr_scheduler: CosineAnnealingLR\n",
+                                   "lr_scheduler: {}\n"])
 def test_an_optimizer_section_is_refused_and_a_null_one_from_an_older_run_is_dropped(given, tmp_path):
-    """LightningCLI's shorthand (`optimizer: torch.optim.SGD`) was told to become a section, which was then refused."""
+    """LightningCLI's shorthand (`optimizer: torch.optim.SGD`) was told to become a section, which was then refused.
+    Only null is dropped: an empty section is one the user started to fill, and dropping it in silence hid that."""
     text = (RECIPES_DIR / "tiny.yaml").read_text()
     key = given.split(":")[0]
     (tmp_path / "sgd.yaml").write_text(text + given)

@@ -180,6 +180,22 @@ def test_a_conversion_from_another_package_version_is_converted_again(cache, mon
     assert "0.0.1" in err and out == ""  # stdout is a command's reply (`ddtree generate ... > reply.txt`)
 
 
+
+def test_a_conversion_dequantizes_in_float32_and_saves_no_gguf_marker(cache, monkeypatch):
+    """The converted folder is decoded once and read from then on: decoded in bf16, every later load in fp32 would
+    still get the bf16-rounded weights. The GGUF marker dropped, the weights save as plain safetensors."""
+    decoded, model = [], Decoded()
+
+    def from_pretrained(*args, **kwargs):
+        decoded.append(kwargs["dtype"])
+        return model
+
+    monkeypatch.setattr(ddtree.targets, "AutoModelForCausalLM", SimpleNamespace(from_pretrained=from_pretrained))
+    monkeypatch.setattr(ddtree.targets, "AutoTokenizer", SimpleNamespace(from_pretrained=lambda *a, **k: Decoded()))
+    builtin_target_folder("smollm2-135m", say=lambda line: None)
+    assert decoded == [torch.float32]
+    assert not hasattr(model.config, "quantization_config") and model.hf_quantizer is None
+
 class Noisy(Decoded):
     """A decoded model whose save_pretrained prints to stdout, as DeepSpeed's accelerator warning did (transformers
     imports it there)."""

@@ -180,7 +180,6 @@ def test_a_conversion_from_another_package_version_is_converted_again(cache, mon
     assert "0.0.1" in err and out == ""  # stdout is a command's reply (`ddtree generate ... > reply.txt`)
 
 
-
 def test_a_conversion_dequantizes_in_float32_and_saves_no_gguf_marker(cache, monkeypatch):
     """The converted folder is decoded once and read from then on: decoded in bf16, every later load in fp32 would
     still get the bf16-rounded weights. The GGUF marker dropped, the weights save as plain safetensors."""

@@ -1237,3 +1237,15 @@ def test_the_runs_dtype_a_resume_checks_is_its_target_dtype_over_its_precisions(
     config.write_text(yaml.safe_dump({"model": {"target_dtype": None}, "trainer": {"precision": "bf16-mixed"}}))
     assert run_target_dtype(config) == "bfloat16"
     assert run_target_dtype(tmp_path / "missing.yaml") is None
+
+
+def test_make_eval_out_is_refused_over_a_run_file_of_the_checkpoints_run_though_it_has_no_checkpoints_folder(tmp_path):
+    """The run of an hpc_ckpt_N.ckpt (SLURM's requeue save, in the run folder itself) holds no checkpoints/ folder, so
+    only the checkpoint's own run names it a run: an --out of its report.md would overwrite what training wrote."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("model: {}\n")
+    (run / "report.md").write_text("the run's report\n")
+    with pytest.raises(DDTreeError, match="report.md of the run"):
+        training.evaluate.check_out_is_no_input(run / "report.md", run, {})
+

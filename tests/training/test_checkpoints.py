@@ -1249,3 +1249,13 @@ def test_make_eval_out_is_refused_over_a_run_file_of_the_checkpoints_run_though_
     with pytest.raises(DDTreeError, match="report.md of the run"):
         training.evaluate.check_out_is_no_input(run / "report.md", run, {})
 
+
+def test_make_eval_out_beside_a_checkpoints_folder_outside_a_run_is_the_users(tmp_path):
+    """A checkpoints/ folder copied without its config.yaml is no run: a report.md beside it is the user's to write,
+    while a folder holding a config.yaml and checkpoints/ keeps its report.md (training writes it)."""
+    copied = tmp_path / "copied"
+    (copied / "checkpoints").mkdir(parents=True)
+    training.evaluate.check_out_is_no_input(copied / "report.md", None, {})
+    (copied / "config.yaml").write_text("model: {}\n")
+    with pytest.raises(DDTreeError, match="report.md of the run"):
+        training.evaluate.check_out_is_no_input(copied / "report.md", None, {})

@@ -2421,3 +2421,15 @@ def test_the_load_back_check_leaves_no_copy_of_the_remote_code_in_the_modules_ca
     assert export(run_dir, tmp_path / "cachecheck", "--ckpt", "last") == 0
     assert copies.is_dir()  # the check did load through this cache
     assert set(copies.glob("_dot_cachecheck_hyphen_*")) - before == set()
+
+
+def test_the_cards_kept_checkpoints_are_listed_by_name_whatever_their_file_times(run_dir, tmp_path):
+    """A run copied without its file times (cp, rsync without -t) saves nothing anew: its card names the same files in
+    the same order as the original's, so that two exports of one run differ only where the drafter does."""
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run, symlinks=True)
+    (run / "eval" / "step-000002.json").unlink()  # an unevaluated step's card lists the files there are
+    for age, name in enumerate(["last.ckpt", "step-2.ckpt"]):  # last.ckpt written first, as a copy may leave it
+        os.utime(run / "checkpoints" / name, (1_000_000 + age, 1_000_000 + age))
+    assert export(run, tmp_path / "out", "--ckpt", "last") == 0
+    assert "checkpoints it kept: last.ckpt, step-2.ckpt." in (tmp_path / "out" / "README.md").read_text()

@@ -673,3 +673,18 @@ def test_a_loader_state_saved_before_its_first_batch_resumes_at_the_first():
     resumed = ResumableDataLoader(data, EpochShuffleSampler(20, seed=0), batch_size=2)
     resumed.load_state_dict(state)
     assert sorted(item for batch in resumed for item in batch.tolist()) == data
+
+
+def test_a_resumed_loader_saved_again_before_its_first_batch_keeps_the_position():
+    """The loader's state can be saved after a resume and before it draws a batch (a checkpoint written at the
+    resumed step): it must still hold the position it resumed from, not the epoch's start, or the next resume would
+    train the epoch's first batches again."""
+    data = list(range(20))
+    loader = ResumableDataLoader(data, EpochShuffleSampler(20, seed=0), batch_size=2)
+    batches = iter(loader)
+    for _ in range(3):
+        next(batches)
+    state = loader.state_dict()
+    resumed = ResumableDataLoader(data, EpochShuffleSampler(20, seed=0), batch_size=2)
+    resumed.load_state_dict(state)
+    assert resumed.state_dict()["batches_yielded"] == 3

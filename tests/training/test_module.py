@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 from safetensors.torch import load_file
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
@@ -983,6 +984,22 @@ def test_bf16_training_fuses_the_optimizer_and_still_clips_gradients(tmp_path):
         parameter.grad = torch.full_like(parameter, 5.0)
     module.configure_gradient_clipping(optimizer, 0.5, "value")
     assert all(torch.equal(p.grad, torch.full_like(p, 0.5)) for p in parameters)
+
+
+def test_an_unfused_optimizers_clipping_is_left_to_the_precision_plugin(monkeypatch):
+    """Only a fused optimizer bypasses the trainer's precision plugin to clip: every other one clips through it, as
+    Lightning does, since a plugin may clip its own way (DeepSpeed's leaves it to its engine, which holds the
+    gradients)."""
+    module = tiny_module()
+    trainer = L.Trainer(gradient_clip_val=1.0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    module.trainer = trainer
+    clipped = []
+    monkeypatch.setattr(trainer.precision_plugin, "clip_gradients",
+                        lambda optimizer, clip_val, algorithm: clipped.append((clip_val, algorithm)))
+    optimizer = torch.optim.AdamW(module.drafter.parameters(), fused=False)
+    module.configure_gradient_clipping(optimizer, 1.0, "norm")
+    assert clipped == [(1.0, GradClipAlgorithmType.NORM)]
 
 
 def test_fp16s_grad_scaler_gets_an_unfused_optimizer():

@@ -246,7 +246,7 @@ def test_the_last_precision_override_wins_with_auto_among_them(tmp_path, monkeyp
 @pytest.mark.parametrize("overrides", [["--trainer.precision="], ["--trainer.precision", "--model.lr=0.001"],
                                        ["--model.lr=0.001", "--trainer.precision"]])
 def test_a_precision_override_without_a_value_is_one_line(tmp_path, monkeypatch, overrides):
-    """A bare --trainer.precision is one line naming it, whether another flag follows it or nothing does (given last)."""
+    """A bare --trainer.precision is one line naming it, whether another flag follows it or nothing (given last)."""
     stub_choice(monkeypatch, BF16_SLOW)
     for recipe, kept in ((tiny_recipe(tmp_path, "auto"), "auto"), (tiny_recipe(tmp_path, "bf16-mixed"), "bf16-mixed")):
         with pytest.raises(DDTreeError) as error:

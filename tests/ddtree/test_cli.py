@@ -314,6 +314,17 @@ def test_no_budget_at_all_is_a_usage_error(capsys, prompts_file):
     assert "argument --budgets: expected at least one integer" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["bench", "calibrate"])
+def test_a_command_that_reads_prompts_refuses_to_run_without_them(capsys, command):
+    """bench and calibrate have nothing to decode without --prompts: argparse says so in one line, before the target
+    loads (left optional, calibrate loaded the target and then failed with a traceback)."""
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--target", TARGET, "--drafter", "some/folder"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == (f"error: the following arguments are required: --prompts; see ddtree {command} "
+                                       "--help\n")
+
+
 @pytest.mark.parametrize("flag", ["--lookup", "--redraft"])
 @pytest.mark.parametrize("command", ["generate", "bench", "calibrate"])
 def test_a_negative_lookup_or_redraft_is_a_usage_error_before_anything_loads(capsys, monkeypatch, prompts_file,

@@ -57,6 +57,14 @@ def test_max_time_is_written_and_read_in_days_hours_minutes_and_seconds():
     assert max_time_seconds("soon") is None
 
 
+def test_max_time_keeps_the_seconds_past_a_half_minute():
+    """The seconds field is what is left of the minute: a limit of 59 s written as 29 s would stop a resumed run's
+    clock at half its planned time, and the card would read back a budget the run never had."""
+    assert duration_text(59) == "00:00:00:59"
+    assert duration_text(3 * 3600 + 45) == "00:03:00:45"
+    assert max_time_seconds(duration_text(3 * 3600 + 45)) == 3 * 3600 + 45
+
+
 def test_no_limit_is_said_to_end_training_that_did_not_end_it():
     """A report written mid-run, and the card of a checkpoint before the end (`--ckpt best` at an early step), said
     "max_time ended training" where no limit had been reached."""

@@ -80,6 +80,13 @@ def test_no_limit_is_said_to_end_training_that_did_not_end_it():
     assert "ended training" not in planned_length(card_facts(trained_seconds=1500.0), an_hour)
 
 
+def test_max_steps_0_is_a_limit_and_only_minus_1_is_none():
+    """Lightning reads trainer.max_steps=-1 as no limit and 0 as a limit of no step: a launch at 0 (one that only
+    evaluates) ended by max_steps, not by a max_time it never spent."""
+    assert training_end(0, 0, False) == "max_steps ended training at step 0"
+    assert training_end(0, -1, True) == "max_time ended training at step 0"
+
+
 def test_a_step_whose_save_failed_is_resumed_from_a_saved_best_or_run_again_without_one():
     """The advice after a failed save depends on whether any checkpoint was saved before it: told the other one, a
     run with nothing saved would look for a checkpoint to resume from, and one with a best would start over."""

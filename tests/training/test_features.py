@@ -334,6 +334,16 @@ def test_store_of_other_data_is_refused_in_one_line(tmp_path):
     assert str(store) in message and "make features" in message and "tokenization key" in message
 
 
+def test_a_store_of_fewer_sequences_names_the_first_the_data_has_more_of(tmp_path):
+    """Data that only added sequences after the store's differs in no shared length: the line points at the first
+    sequence the store lacks, not at sequence 0, which it holds as the data does."""
+    store = FeatureStore(build_feature_store(make_datamodule(tmp_path), tmp_path / "store", layer_ids=LAYER_IDS))
+    with pytest.raises(DDTreeError) as error:
+        store.check_matches((store.tokenization_key,), [*store.lengths, 7])
+    assert f"{len(store)} sequences vs {len(store) + 1}, first different length at sequence {len(store)}:" in (
+        one_line(error.value))
+
+
 def test_store_of_other_layers_or_with_soft_targets_stops_the_fit(tmp_path):
     store = build_feature_store(make_datamodule(tmp_path), tmp_path / "store", layer_ids=[0, 2])
     with pytest.raises(DDTreeError) as error:

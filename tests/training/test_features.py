@@ -124,6 +124,8 @@ def test_store_holds_exactly_the_online_features_of_every_sequence(tmp_path, dty
         assert store[i].dtype == dtype and torch.equal(store[i], online), f"sequence {i}"
     with pytest.raises(IndexError):
         store[len(data)]
+    with pytest.raises(IndexError, match="outside feature store"):  # not read from the end: offsets give other rows
+        store[-1]
 
 
 def test_final_hidden_states_are_the_targets_and_older_manifests_still_read(tmp_path):

@@ -312,33 +312,8 @@ def test_cuda_events_record_on_the_timed_gpus_stream(monkeypatch):
     """torch.cuda.Event.record() takes the current device's stream, GPU 0's unless set: with --device cuda:1 both events
     completed on an idle GPU 0 and the step's kernels went untimed. Faked here (no GPU): each event must be recorded
     while the timed device is the current one."""
-    current, recorded = [None], []
-
-    @contextlib.contextmanager
-    def cuda_device(device):
-        previous, current[0] = current[0], torch.device(device)
-        try:
-            yield
-        finally:
-            current[0] = previous
-
-    class Event:
-        def __init__(self, enable_timing):
-            pass
-
-        def record(self):
-            recorded.append(current[0])
-
-        def synchronize(self):
-            pass
-
-        def elapsed_time(self, end):
-            return 5.0
-
-    for name, fake in (("device", cuda_device), ("Event", Event), ("synchronize", lambda device=None: None),
-                       ("reset_peak_memory_stats", lambda device=None: None),
-                       ("max_memory_allocated", lambda device=None: 1)):
-        monkeypatch.setattr(torch.cuda, name, fake)
+    recorded = []
+    fake_cuda(monkeypatch, [], recorded)
     assert time_call(lambda: None, repeats=2, warmup=0, device=torch.device("cuda:1")) == (0.005, 1)
     assert recorded == [torch.device("cuda:1")] * 4
 
@@ -482,15 +457,26 @@ def test_peak_memory_is_printed_in_gibibytes_as_labelled():
     assert training.throughput.gigabytes(None) == ""  # a CPU run has no peak to print
 
 
-def fake_cuda(monkeypatch, calls: list) -> None:
-    """torch.cuda as time_call uses it, each call noted in `calls` (no GPU needed); events time 5 ms."""
+def fake_cuda(monkeypatch, calls: list, recorded: list | None = None) -> None:
+    """torch.cuda as time_call uses it, each call noted in `calls` (no GPU needed); events time 5 ms, and each is noted
+    in `recorded` with the device current when it was recorded."""
+    current = [None]
+
+    @contextlib.contextmanager
+    def cuda_device(device):
+        previous, current[0] = current[0], torch.device(device)
+        try:
+            yield
+        finally:
+            current[0] = previous
 
     class Event:
         def __init__(self, enable_timing):
             pass
 
         def record(self):
-            pass
+            if recorded is not None:
+                recorded.append(current[0])
 
         def synchronize(self):
             pass
@@ -498,7 +484,7 @@ def fake_cuda(monkeypatch, calls: list) -> None:
         def elapsed_time(self, end):
             return 5.0
 
-    for name, fake in (("device", lambda device: contextlib.nullcontext()), ("Event", Event),
+    for name, fake in (("device", cuda_device), ("Event", Event),
                        ("synchronize", lambda device=None: calls.append(f"synchronize {device}")),
                        ("reset_peak_memory_stats", lambda device=None: calls.append("reset peak")),
                        ("max_memory_allocated", lambda device=None: 1)):

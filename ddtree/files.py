@@ -35,11 +35,16 @@ from .errors import DDTreeError, error_line
 from .names import CALIBRATION_FILE, CORPUS_FILE
 
 
+def cache_setting() -> str | None:
+    """$DDTREE_CACHE as given, or None where it is unset or empty: an empty value counts as unset, as an empty
+    XDG_CACHE_HOME does (as a path it was the working folder, and the cache landed in the checkout)."""
+    return os.environ.get("DDTREE_CACHE", "").strip() or None
+
+
 def cache_dir() -> Path:
     """Where converted targets, regenerated data and feature stores live: $DDTREE_CACHE (a leading ~ expanded), else
-    ~/.cache/ddtree. An empty value counts as unset, as an empty XDG_CACHE_HOME does: as a path it was the working
-    folder, and the cache landed in the checkout."""
-    given = os.environ.get("DDTREE_CACHE", "").strip()
+    ~/.cache/ddtree."""
+    given = cache_setting()
     return Path(given).expanduser() if given else Path.home() / ".cache" / "ddtree"
 
 

@@ -33,7 +33,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gener
                           PreTrainedTokenizerBase)
 
 from .errors import DDTreeError
-from .files import WriteFailed, cache_dir, staged_folder, staging_pattern, why_unwritable
+from .files import WriteFailed, cache_dir, cache_setting, staged_folder, staging_pattern, why_unwritable
 from .names import DTYPE_NAMES
 
 # The dtypes a user can name on any command line or recipe field of this project.
@@ -99,7 +99,7 @@ def check_cache_writable(targets: Path) -> None:
     why = why_unwritable(targets)
     if why is not None:
         raise DDTreeError(f"cannot write the target cache {targets} ({why}): set DDTREE_CACHE to a writable folder "
-                          f"(it is {os.environ.get('DDTREE_CACHE', '').strip() or 'unset, so ~/.cache/ddtree'})")
+                          f"(it is {cache_setting() or 'unset, so ~/.cache/ddtree'})")
 
 
 def remove_stale_staging(folder: Path) -> None:

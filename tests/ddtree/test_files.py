@@ -22,8 +22,8 @@ from types import SimpleNamespace
 import pytest
 
 from ddtree.errors import DDTreeError
-from ddtree.files import (atomic_file, cache_dir, check_output_file, free_bytes, not_a_file, path_argument,
-                          staged_folder, staging_owner, write_results_json)
+from ddtree.files import (atomic_file, cache_dir, check_output_file, check_output_folder, files_an_export_would_lose,
+                          free_bytes, not_a_file, path_argument, staged_folder, staging_owner, write_results_json)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -335,3 +335,12 @@ def test_a_ddtree_cache_under_home_is_expanded(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("DDTREE_CACHE", "~/scratch/ddtree")
     assert cache_dir() == tmp_path / "scratch" / "ddtree"
+
+
+def test_a_users_file_named_like_a_download_extra_counts_as_what_an_export_would_lose(tmp_path):
+    """Only .cache/huggingface itself (what a Hub download leaves) may go with an earlier export: a user's
+    .cache/huggingface-notes.txt beside it is theirs, and --overwrite must refuse rather than delete it."""
+    (tmp_path / "config.json").write_text(json.dumps({"dflash_config": {}}))
+    (tmp_path / ".cache").mkdir()
+    (tmp_path / ".cache" / "huggingface-notes.txt").write_text("mine")
+    assert files_an_export_would_lose(tmp_path) == [".cache/"]

@@ -344,3 +344,11 @@ def test_a_users_file_named_like_a_download_extra_counts_as_what_an_export_would
     (tmp_path / ".cache").mkdir()
     (tmp_path / ".cache" / "huggingface-notes.txt").write_text("mine")
     assert files_an_export_would_lose(tmp_path) == [".cache/"]
+
+
+def test_a_config_with_block_size_alone_is_an_earlier_export(tmp_path):
+    """A drafter config is told by either field: one saved before dflash_config existed holds block_size alone, and
+    its folder is an earlier export that --overwrite may replace, not a folder of the user's files."""
+    (tmp_path / "config.json").write_text(json.dumps({"block_size": 16}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert files_an_export_would_lose(tmp_path) == []

@@ -352,3 +352,12 @@ def test_a_config_with_block_size_alone_is_an_earlier_export(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"block_size": 16}))
     (tmp_path / "model.safetensors").write_bytes(b"")
     assert files_an_export_would_lose(tmp_path) == []
+
+
+def test_the_refusal_counts_the_files_it_does_not_name(tmp_path):
+    """The error names five of the files replacing the folder would delete and counts the rest, so that count must
+    be of those left unnamed: seven files are five named and 2 more."""
+    for n in range(7):
+        (tmp_path / f"notes-{n}.txt").write_text("mine")
+    with pytest.raises(DDTreeError, match=r"notes-4\.txt and 2 more;"):
+        check_output_folder(tmp_path, overwrite=True)

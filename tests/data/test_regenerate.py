@@ -1332,3 +1332,11 @@ def test_the_readme_names_what_settings_json_records_and_what_moves_a_reply_besi
     listed = set(re.findall(r"`(\w+)`", paragraph[:paragraph.index(");")]))
     assert listed == set(regenerate.response_settings(args_for(tmp_path, "--temperature", "1")))  # sampled: all of them
     assert "batch_size" not in listed and "`--batch-size`" in paragraph and "the machine" in paragraph
+
+
+def test_another_target_is_one_change_not_also_its_weight_files():
+    """Another target's weight files differ as a matter of course: the change is the target, said once, and not also
+    'its weight files changed since the data was generated', which would send the user looking for a retrained model."""
+    old = {"target": "/models/a", "target_weights": "aaaa"}
+    assert regenerate.changed_settings(old, {"target": "/models/b", "target_weights": "bbbb"}) == [
+        "target: '/models/a' -> '/models/b'"]

@@ -1303,8 +1303,11 @@ def test_another_recipes_data_is_not_offered_to_overwrite(tmp_path, monkeypatch,
     owner = ["--target", "tiny-random", "--out", str(data), "--prompts", str(tmp_path / "prompts.jsonl"),
              "--max-new-tokens", "6", "--dtype", "float32", "--for-recipe", "owner", "--check"]
     assert regenerate.main(owner) == 0
-    for flags, advice in ((["--max-new-tokens", "5"], "generate it again with --overwrite (`make data RECIPE=owner "
-                                                      "ARGS=--overwrite`), or give another output folder"),
+    regenerate_advice = ("generate it again with --overwrite (`make data RECIPE=owner ARGS=--overwrite`), or give "
+                         "another output folder")
+    # Fewer prompts beside another setting: the kept replies are the old setting's, so no --limit change can use them.
+    for flags, advice in ((["--max-new-tokens", "5"], regenerate_advice),
+                          (["--max-new-tokens", "5", "--limit", "2"], regenerate_advice),
                           (["--limit", "2"], "raise the recipe's data.regenerate.limit "
                                              f"({recipes / 'owner.yaml'}) to 4 to use all 4, or cut the data to 2 "
                                              "with --overwrite (`make data RECIPE=owner ARGS=--overwrite`)")):

@@ -13,6 +13,7 @@ import torch
 from ddtree import Decoder, Reply
 from ddtree.calibration import CALIBRATION_FILE, OnlineCalibration, save_calibration
 from ddtree.cli import main
+from ddtree.decoder import measured_sizer, parse_device, progress_bars_off
 from ddtree.corpus import CORPUS_FILE, write_replies
 from ddtree.errors import DDTreeError
 from ddtree.modeling_dflash import DFlashDraftModel
@@ -221,6 +222,16 @@ def test_bad_keywords_are_one_line_before_the_target_loads(monkeypatch, keywords
     with pytest.raises(DDTreeError, match=None) as raised:
         Decoder(TARGET, **{"quiet": True, **keywords})
     assert named in str(raised.value) and "\n" not in str(raised.value), str(raised.value)
+
+
+def test_a_gpu_index_is_checked_against_the_count_numbered_from_0(monkeypatch):
+    """On a machine with 2 GPUs, cuda:2 is the first one it lacks: one line naming the count, not a torch error once
+    the target had loaded; cuda:1, its last GPU, is taken."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert parse_device("cuda:1") == torch.device("cuda", 1)
+    with pytest.raises(DDTreeError, match=r"^--device cuda:2: this machine has 2 CUDA GPU\(s\), numbered from 0$"):
+        parse_device("cuda:2")
 
 
 def test_bad_generate_keywords_are_one_line(tiny_target):
@@ -614,8 +625,6 @@ def test_a_quiet_block_sets_transformers_and_the_hubs_bars_back_each_as_found():
     from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
     from transformers.utils import logging as hf_logging
 
-    from ddtree.decoder import progress_bars_off
-
     found = hf_logging.is_progress_bar_enabled(), not are_progress_bars_disabled()
     try:
         for bars, hub_bars in ((True, True), (True, False), (False, True), (False, False)):
@@ -633,8 +642,6 @@ def test_adaptive_size_auto_measures_for_ddtree_only(tiny_target):
     """`auto` sizes ddtree trees over the dynamic cache and leaves every other method unsized; measured for `ar` or
     dflash, `ddtree generate --method ar --adaptive-size auto` was refused as if sizing had been asked of it
     (mutation review 63, dec4)."""
-    from ddtree.decoder import measured_sizer
-
     target, _ = tiny_target
     lines = []
     for method in ("ar", "dflash"):

@@ -98,6 +98,13 @@ def test_stop_ids_stop_whether_a_list_a_tensor_or_one_id(tiny_target, as_given):
     assert result.new_tokens == reference and result.stopped
 
 
+@pytest.mark.parametrize("as_given", [torch.tensor, np.array], ids=["tensor", "numpy"])
+def test_every_id_of_a_stop_ids_array_stops(as_given):
+    """A tokenizer's eos ids often come as an array of several (a chat model's end-of-turn and end-of-text):
+    each must stop the reply, not only the first."""
+    assert ddtree.decoding.stop_id_set(as_given([[3, 7], [9, 11]])) == {3, 7, 9, 11}
+
+
 def test_stop_ids_none_is_no_stop_ids(tiny_target):
     """A TypeError before."""
     target, _ = tiny_target

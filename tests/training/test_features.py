@@ -34,8 +34,8 @@ from ddtree.errors import run_cli
 from ddtree.modeling_dflash import fuse_target_features
 from ddtree.targets import DDTreeError, load_target
 from training.data import DistillDataModule
-from training.feature_store import (FeatureStore, build_feature_store, build_lock, differing_fields, lock_path,
-                                    partial_path, read_manifest, store_teacher)
+from training.feature_store import (FeatureStore, build_feature_store, build_lock, coverage, differing_fields,
+                                    lock_path, partial_path, read_manifest, store_teacher)
 from training.arguments import features_parser
 from training.features import main
 from training.masks import IGNORE_INDEX
@@ -2081,3 +2081,11 @@ def test_a_store_keyed_as_before_content_keys_still_serves(tmp_path, monkeypatch
     build_feature_store(datamodule, old, layer_ids=LAYER_IDS, dtype=torch.float32)
     assert {path.name: path.stat().st_mtime_ns for path in old.glob("shard-*")} == shards
     make_datamodule(tmp_path, feature_store=str(old)).setup("fit")
+
+
+def test_a_time_boxed_stores_coverage_counts_its_sequences_not_their_tokens():
+    """The line a build ends with says how much of the data a boxed store holds: counted in tokens it would read
+    "60 of 5 sequences", and a boxed store holding every token-sum's worth as whole."""
+    shards = [{"num_sequences": 2, "num_tokens": 30}, {"num_sequences": 1, "num_tokens": 30}]
+    assert coverage({"shards": shards, "lengths": [10] * 5}) == "3 of 5 sequences (time-boxed)"
+    assert coverage({"shards": shards, "lengths": [20] * 3}) == "3 sequences"

@@ -2085,7 +2085,7 @@ def test_a_store_keyed_as_before_content_keys_still_serves(tmp_path, monkeypatch
 
 def test_a_time_boxed_stores_coverage_counts_its_sequences_not_their_tokens():
     """The line a build ends with says how much of the data a boxed store holds: counted in tokens it would read
-    "60 of 5 sequences", and a boxed store holding every token-sum's worth as whole."""
+    "60 of 5 sequences", and a whole store whose tokens differ from its sequence count would read as time-boxed."""
     shards = [{"num_sequences": 2, "num_tokens": 30}, {"num_sequences": 1, "num_tokens": 30}]
     assert coverage({"shards": shards, "lengths": [10] * 5}) == "3 of 5 sequences (time-boxed)"
     assert coverage({"shards": shards, "lengths": [20] * 3}) == "3 sequences"

@@ -52,6 +52,33 @@ def test_tokenize_starts_mid_character_with_single_byte_tokens(tiny):
     assert tokens.tokenize(data) == tokenizer("é and more", add_special_tokens=False)["input_ids"]
 
 
+class OneTokenPerByte:
+    """A byte-level tokenizer with a token per byte and nothing merged, and a BOS it adds when asked (as Llama 3's
+    does): small enough to hold exactly the vocabulary a test needs."""
+
+    name_or_path = "one-token-per-byte"
+    all_special_ids = [256]
+
+    def __init__(self, without: set[int] = frozenset()):
+        self.vocab = {char: byte for char, byte in recover_ids.byte_alphabet().items() if byte not in without}
+
+    def get_vocab(self):
+        return {**self.vocab, "<bos>": 256}
+
+    def get_added_vocab(self):
+        return {"<bos>": 256}
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [256] * add_special_tokens + list(text.encode("utf-8"))}
+
+
+def test_a_tokenizer_without_a_single_byte_token_for_every_continuation_byte_is_refused():
+    # 0xBF is the last continuation byte: without its token, a reply cut after a character's lead byte could not be
+    # tokenized again
+    with pytest.raises(DDTreeError, match="one-token-per-byte: not a byte-level BPE tokenizer .*1 UTF-8"):
+        recover_ids.ByteTokens(OneTokenPerByte(without={0xBF}))
+
+
 def test_a_greedy_reply_gets_the_ids_its_target_generated_not_the_tokenizers_split(tiny):
     """The tiny random target writes 40 single newlines; its tokenizer reads their text as 10 tokens of four. Every
     repair cuts the cache back and the next forward runs over the rest alone."""

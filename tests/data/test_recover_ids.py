@@ -79,6 +79,13 @@ def test_a_tokenizer_without_a_single_byte_token_for_every_continuation_byte_is_
         recover_ids.ByteTokens(OneTokenPerByte(without={0xBF}))
 
 
+def test_tokenize_adds_no_special_tokens_inside_a_reply():
+    # a tokenizer that opens text with a BOS would otherwise put one mid-reply at every repair
+    tokens = recover_ids.ByteTokens(OneTokenPerByte())
+    data = "é!".encode("utf-8")
+    assert tokens.tokenize(data) == list(data) and tokens.tokenize(data[1:]) == list(data[1:])
+
+
 def test_a_greedy_reply_gets_the_ids_its_target_generated_not_the_tokenizers_split(tiny):
     """The tiny random target writes 40 single newlines; its tokenizer reads their text as 10 tokens of four. Every
     repair cuts the cache back and the next forward runs over the rest alone."""

@@ -117,6 +117,11 @@ def test_last_and_best_leave_out_ablate_variants_and_run_names_the_folder(tmp_pa
     with pytest.raises(DDTreeError, match=rf"has checkpoints/last.ckpt \(1 `make ablate` variant run there is not "
                                           rf"counted; name one, e.g. {variant}\)"):
         find_resume("last", root)
+    # of several, the newest variant is the example: the one a user who just ran `make ablate` most likely wants
+    newer = make_run(root, "ablate-20261130-090000-bar", {"checkpoints/last.ckpt": 100})
+    with pytest.raises(DDTreeError, match=rf"\(2 `make ablate` variant runs there are not counted; name one, e.g. "
+                                          rf"{newer}\)"):
+        find_resume("last", root)
 
 
 def test_make_export_takes_best_last_or_a_path_of_one_run_and_says_which(tmp_path, monkeypatch):

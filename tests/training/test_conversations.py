@@ -682,6 +682,15 @@ def test_read_messages_jsonl_errors_name_file_and_line(tmp_path):
     assert [r["id"] for r in read_messages_jsonl(write_lines(tmp_path / "null.jsonl", nulls))] == ["null-1", "null-2"]
 
 
+def test_a_conversation_with_a_tool_turn_is_read_with_its_roles_in_order(tmp_path):
+    """Agentic data carries tool results between the user and assistant turns, and chat templates render them: the
+    reader must keep a "tool" turn, not refuse the whole file at its first such line."""
+    turns = [{"role": "user", "content": "Weather in Oslo?"}, {"role": "assistant", "content": "Calling get_weather."},
+             {"role": "tool", "content": "{\"temp_c\": 3}"}, {"role": "assistant", "content": "It is 3 C."}]
+    (record,) = read_messages_jsonl(write_lines(tmp_path / "tools.jsonl", [json.dumps({"messages": turns})]))
+    assert record["messages"] == turns
+
+
 def test_a_lone_surrogate_in_a_conversation_is_one_line_naming_file_line_and_field(tmp_path):
     """JSON's "\\ud83d" (UTF-16 text cut mid-pair, common in scraped chats) is valid JSON and reads as a lone
     surrogate: the tokenizer refused it with a TypeError naming neither the file nor the line, and the whole data

@@ -1925,6 +1925,9 @@ def test_zero3_sharded_drafter_is_consolidated_into_a_full_copy(tmp_path):
 def test_bad_settings_are_one_line_errors(tmp_path, capsys):
     with pytest.raises(DDTreeError, match=r"eval.primary_budget=32 is not one of eval.budgets=\[4, 8\]"):
         AcceptanceEvaluation(budgets=[4, 8], primary_budget=32)
+    # one between the budgets is no budget decoded either: best.ckpt would be ranked by a tau never logged
+    with pytest.raises(DDTreeError, match=r"eval.primary_budget=6 is not one of eval.budgets=\[4, 8\]"):
+        AcceptanceEvaluation(budgets=[4, 8], primary_budget=6)
     with pytest.raises(DDTreeError, match="eval.every_n_train_steps=0"):
         AcceptanceEvaluation(every_n_train_steps=0)
     # 2 tokens: the prefill's and one round's, with no room to draft: every checkpoint measured tau 1.0

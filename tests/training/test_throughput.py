@@ -173,6 +173,16 @@ def test_a_length_past_the_targets_position_table_is_one_line(tmp_path, capsys):
                       "give --length at most 128"]
 
 
+def test_a_recipes_length_past_the_targets_position_table_names_the_recipes_max_length(monkeypatch, capsys):
+    """Without --length the length is the recipe's data.max_length: the error must send the user to that setting,
+    not to a --length flag the command line never held."""
+    monkeypatch.setattr("training.throughput.context_limit", lambda target: 128)
+    assert main(["--recipe", "tiny", "--device", "cpu", "--batch-size", "1", "--threads", "1"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
+    assert errors == ["error: tiny's data.max_length 256 is past the 128 positions of target 'tiny-random' "
+                      "(max_position_embeddings): give --length at most 128"]
+
+
 def test_the_module_is_built_on_the_device_the_step_runs_on():
     """The batch is put on --device: a module left where configure_model loaded it (the CPU) would stop the first step
     on a GPU in a device mismatch. The meta device stands in for a GPU here: every weight and buffer must move to it."""

@@ -306,7 +306,7 @@ def test_a_random_target_without_a_configuration_is_one_line(capsys):
     assert main(["--recipe", "tiny", "--random-target"]) == 2
     errors = capsys.readouterr().err.strip().splitlines()
     assert errors[0].startswith("error: --random-target needs --recipe")
-    assert errors[1].startswith("error: --random-target: no configuration for tiny's target")
+    assert errors[1].startswith("error: --random-target: no configuration for tiny's target 'tiny-random'; known: ")
 
 
 @pytest.mark.parametrize("device, gpus", [("cuda", 1), ("cuda:1", 2)])  # cuda:1: events on the timed GPU's stream

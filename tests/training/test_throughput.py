@@ -183,6 +183,19 @@ def test_a_recipes_length_past_the_targets_position_table_names_the_recipes_max_
                       "(max_position_embeddings): give --length at most 128"]
 
 
+def test_the_header_line_says_the_target_has_random_weights(monkeypatch, capsys):
+    """A random-weight target times as the real one does but decodes nothing: the printed figures must say which
+    they are, or a pasted line reads as the downloaded model's."""
+    def stop(settings, random_target, device):
+        raise DDTreeError("stop here")
+
+    monkeypatch.setattr("training.throughput.build_module", stop)
+    assert main(["--recipe", "qwen3-8b", "--device", "cpu", "--length", "80", "--random-target"]) == 2
+    assert main(["--recipe", "qwen3-8b", "--device", "cpu", "--length", "80"]) == 2
+    random_header, real_header = [line for line in capsys.readouterr().out.splitlines() if line.startswith("batch ")]
+    assert random_header == real_header + ", random-weight target"
+
+
 def test_the_module_is_built_on_the_device_the_step_runs_on():
     """The batch is put on --device: a module left where configure_model loaded it (the CPU) would stop the first step
     on a GPU in a device mismatch. The meta device stands in for a GPU here: every weight and buffer must move to it."""

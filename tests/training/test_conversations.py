@@ -731,6 +731,23 @@ def test_load_conversations_from_jsonl_parquet_and_saved_dataset(tmp_path):
         load_conversations(tmp_path / "nomessages")
 
 
+def test_a_hub_dataset_that_cannot_be_loaded_is_one_line_with_the_first_line_of_the_cause(tmp_path, monkeypatch):
+    """datasets' errors put the cause first and a long hint (or a chained traceback's text) after it: the one line
+    must keep the cause, which says whether it was the network, the name or the format."""
+    import datasets
+
+    def offline(name, split):
+        raise ConnectionError(f"Couldn't reach '{name}' on the Hub (LocalEntryNotFoundError)\n"
+                              "Check the name and your internet connection, then retry.")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    monkeypatch.chdir(tmp_path)  # "someone/chats" is no local folder here
+    with pytest.raises(DDTreeError) as raised:
+        load_conversations("someone/chats")
+    assert str(raised.value) == ("could not load Hub dataset 'someone/chats': Couldn't reach 'someone/chats' on the Hub "
+                                 "(LocalEntryNotFoundError); without internet give a local file")
+
+
 def test_an_integer_id_0_reads_as_0_in_every_file_reader(tmp_path):
     """A table's integer id 0 was no id ("row-0", `row.get("id") or ...`) where JSONL kept "0"; only a missing id (or
     null, a table's missing cell) gets a name of its place."""

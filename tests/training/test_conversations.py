@@ -242,6 +242,27 @@ def test_a_template_whose_prefix_render_is_no_prefix_still_masks_the_assistant_t
     assert mask.index(1) == len(prompt)
 
 
+def test_a_reply_rendered_only_in_part_after_a_header_found_by_search_is_context_not_a_refused_conversation(smol_folder):
+    """Where no shorter render is a prefix the turn is found after the assistant header, and a reply the template
+    renders only the end of (its reasoning stripped, as Qwen3 does) is context: the turn's text begins after that
+    header, so its kept end is the reply's. With the header counted in it, the reply would match nothing and the whole
+    conversation be refused, its later replies untrained."""
+    tokenizer = AutoTokenizer.from_pretrained(smol_folder)
+    tokenizer.chat_template = (  # the turn count first (no prefix renders), earlier replies without their reasoning
+        "{{ '<|im_start|>system\\n' ~ messages | length ~ ' turns<|im_end|>\\n' }}"
+        "{% for m in messages %}{% set content = m['content'] %}"
+        "{% if m['role'] == 'assistant' and not loop.last %}{% set content = content.split('</think>')[-1] | trim %}"
+        "{% endif %}{{ '<|im_start|>' ~ m['role'] ~ '\\n' ~ content ~ '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    messages = [{"role": "user", "content": "Say no."}, {"role": "assistant", "content": "<think>Easy.</think>\n\nNo."},
+                {"role": "user", "content": "Now say yes."}, {"role": "assistant", "content": "Yes."},
+                {"role": "user", "content": "Thanks."}]
+    ids, mask = render_with_loss_mask(tokenizer, messages)
+    assert masked_runs(tokenizer, ids, mask) == ["Yes.<|im_end|>"]
+    assert tokenizer.decode(ids[:mask.index(1)]).endswith("Now say yes.<|im_end|>\n<|im_start|>assistant\n")
+
+
 @pytest.mark.parametrize("fixture", ["smol_tokenizer", "llama3_tokenizer"])
 def test_special_token_text_inside_a_reply_is_supervised_as_plain_text(fixture, request):
     """A reply about chat templates that writes "<|im_end|>": the target can only have written it as plain text (its

@@ -304,6 +304,14 @@ def common_ending(text: str, end: int, prompt: str) -> int:
     return n
 
 
+def prompt_end(text: str, prompt: str, turn_start: int, reply_at: int) -> int | None:
+    """Where, between a turn's start and its reply, the render ends as decoding's prompt ends ("...[/INST]"), found
+    by the longest common ending (the last such place on a tie); None where no place ends alike. What follows it is
+    what the target writes after that prompt (Llama-2's space before the reply, Qwen3's think block)."""
+    end = max(range(reply_at, turn_start - 1, -1), key=lambda j: common_ending(text, j, prompt))
+    return end if common_ending(text, end, prompt) else None
+
+
 def render_with_loss_mask(tokenizer, messages: list[dict], eot: str | None = None,
                           last_only: bool = False) -> tuple[list[int], list[int]]:
     """Chat-template token ids of a whole conversation and the 0/1 mask of assistant tokens (untruncated); with
@@ -315,10 +323,11 @@ def render_with_loss_mask(tokenizer, messages: list[dict], eot: str | None = Non
     what the target writes, and is supervised (Qwen3's "<think>\n\n</think>\n\n" before the reply as well), and
     find_reply places that token. Where that render is refused or is no prefix (a template that writes something
     of the whole conversation first), the turn starts after the next assistant header instead, and is supervised
-    from its content on. Where it is no prefix for the last reply (Mistral-7B-Instruct-v0.3 writes the system prompt
-    into the last user turn only, so a render ending with the reply has none), the sequence is decoding's prompt and
-    what the target writes after it (as render_generated's), the earlier replies context only, with one warning a
-    template. A turn the template renders only the end of (Qwen3 drops an earlier reply's reasoning) is not
+    from its content on, or from where the render ends as that prompt does if only whitespace follows (the space
+    Mistral-v0.3's target writes before a reply, which its header " " does not place). Where it is no prefix for the
+    last reply (Mistral-7B-Instruct-v0.3 writes the system prompt into the last user turn only, so a render ending
+    with the reply has none), the sequence is decoding's prompt and what the target writes after it (as
+    render_generated's), the earlier replies context only, with one warning a template. A turn the template renders only the end of (Qwen3 drops an earlier reply's reasoning) is not
     supervised at all: after decoding's prompt the target wrote its "<think>", not the answer that follows.
     """
     check_chat_template(tokenizer, tokenizer.name_or_path, CHAT_TARGET)
@@ -359,19 +368,24 @@ def render_with_loss_mask(tokenizer, messages: list[dict], eot: str | None = Non
         # Past the prompt decoding feeds, the template's text is the target's (it writes it after that prompt), and
         # so is whitespace (Llama-2-chat's ' ' after [/INST], written with the reply's first token).
         start = turn_from if decoding_prompt or not text[turn_from:reply_at].strip() else reply_at
+        if not decoding_prompt and prefix is not None:  # a header found by search (Mistral-v0.3's " ") can be the
+            # first of its text anywhere: where the render ends as decoding's prompt does, with only whitespace after
+            # it, the turn starts there, and the target's space is supervised with the reply's first word
+            end = prompt_end(text, prefix, turn_start, reply_at)
+            if end is not None and not text[end:reply_at].strip():
+                start = end
         spans.append((start, reply_at, eot_at, eot_at + len(eot)))
         if prefix is not None and not decoding_prompt and i == len(messages) - 1:
             last_turn = (prefix, turn_start)
         cursor = eot_at + len(eot)
     if last_turn is not None:
-        # The render's text before the reply ends as decoding's prompt does from some point on ("...[/INST]"): the
-        # target writes what follows it (Llama-2's space, Qwen3's think block), after the prompt itself.
+        # The reply is trained after decoding's prompt itself, from where the render ends as that prompt does.
         prompt, turn_start = last_turn
         _, reply_at, eot_at, end = spans[-1]
-        prompt_end = max(range(reply_at, turn_start - 1, -1), key=lambda j: common_ending(text, j, prompt))
-        if common_ending(text, prompt_end, prompt):
-            shift = len(prompt) - prompt_end
-            text = prompt + text[prompt_end:end]
+        ends_as_prompt = prompt_end(text, prompt, turn_start, reply_at)
+        if ends_as_prompt is not None:
+            shift = len(prompt) - ends_as_prompt
+            text = prompt + text[ends_as_prompt:end]
             spans = [(len(prompt), reply_at + shift, eot_at + shift, end + shift)]
             if str(tokenizer.chat_template) not in OTHER_CONTEXT_WARNED:
                 OTHER_CONTEXT_WARNED.add(str(tokenizer.chat_template))

@@ -589,6 +589,19 @@ def test_a_template_that_writes_the_system_prompt_in_the_last_user_turn_trains_t
     assert "renders the turns before a conversation's last reply otherwise than the prompt decoding feeds" in warning
 
 
+def test_a_reply_before_a_closing_user_turn_keeps_its_space_where_the_system_prompt_moves(mistral_v3_tokenizer):
+    """A conversation that ends with a user turn has no last reply to train after decoding's prompt: its reply is
+    placed in the render itself, where the assistant header (" ") first matched the space after the first "[INST]".
+    The reply was then supervised from "Apple" after an unsupervised "Ġ", a split the target never writes after
+    decoding's prompt ("...[/INST]"): it writes "ĠApple"."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a fruit."},
+                {"role": "assistant", "content": "Apple, because it is sweet."}, {"role": "user", "content": "Thanks."}]
+    ids, mask = render_with_loss_mask(mistral_v3_tokenizer, messages)
+    reply = mistral_v3_tokenizer(" Apple, because it is sweet.</s>", add_special_tokens=False)["input_ids"]
+    assert ids[mask.index(1):mask.index(1) + len(reply)] == reply
+    assert masked_runs(mistral_v3_tokenizer, ids, mask) == [" Apple, because it is sweet.</s>"]
+
+
 @pytest.mark.parametrize("finish_reason", ["stop", "length"])
 def test_a_regenerated_conversation_supervises_the_targets_last_reply_only_with_or_without_its_ids(smol_tokenizer,
                                                                                                  finish_reason):

@@ -416,6 +416,13 @@ def test_a_refused_save_outside_a_run_folder_calls_only_a_readable_neighbour_who
     assert after_a_refused_save(tmp_path / "step-4.ckpt").startswith("the run holds no checkpoint yet")
 
 
+def test_a_refused_evaluation_write_in_a_run_with_a_checkpoint_says_resume_not_start_again(tmp_path):
+    """An evaluation (<run>/eval/step-N.json) lies beside no checkpoint: only its run folder's checkpoints tell whether
+    the run can resume. Looking beside the file alone told a run with a whole last.ckpt to start again from nothing."""
+    run = make_run(tmp_path, "r", {"checkpoints/last.ckpt": 100}, steps={"checkpoints/last.ckpt": 4})
+    assert after_a_refused_save(run / "eval" / "step-000006.json").startswith("the previous checkpoints are whole")
+
+
 def test_a_remote_checkpoint_path_is_saved_remotely_not_into_a_local_folder(tmp_path, monkeypatch):
     import fsspec
 

@@ -292,6 +292,7 @@ def test_card_numbers_come_from_the_evaluation_of_the_exported_step(run_dir, tmp
     assert json.loads((tmp_path / "last" / "config.json").read_text())["block_size"] == 8
     assert "| block size | 8 |" in card
     assert "lr 0.003" in card and "max length 256 tokens" in card and "ddtree bench --target tiny-random" in card
+    assert "0.1 held out for validation" in card  # the run's data.val_fraction, not a default
     # The anchors and the batch are the run's own: a reader reproducing the recipe sizes memory and steps from them.
     recipe = yaml.safe_load((run / "config.yaml").read_text())
     assert f"| anchors per sequence | {recipe['model']['num_anchors']} |" in card

@@ -17,7 +17,7 @@ import torch
 from safetensors import SafetensorError
 
 import ddtree.targets
-from ddtree.drafters import load_drafter_folder
+from ddtree.drafters import load_drafter_folder, read_drafter_config
 from ddtree.errors import DDTreeError
 from ddtree.modeling_dflash import DFlashDraftModel
 from ddtree.targets import build_drafter_config, builtin_target_folder, resolve_target
@@ -390,6 +390,8 @@ def test_a_drafter_folder_given_as_a_str_loads_as_a_path_does(tmp_path, tiny_tar
     DFlashDraftModel(build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4)).save_pretrained(folder)
     drafter = load_drafter_folder(as_given(folder), torch.float32, target)
     assert drafter.block_size == 4 and drafter.dtype == torch.float32
+    # model.init_from's recipe check and the CLI's read the config alone, before any weights: the same path serves
+    assert read_drafter_config(as_given(folder)).block_size == 4
 
 
 @pytest.mark.parametrize("saved, asked", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)],
@@ -469,8 +471,6 @@ def test_a_drafter_config_naming_its_mask_token_at_the_top_level_reads_it_and_df
     """vLLM's speculators format names the MASK id at the top level; a config that names it only there is read, not
     taken for one without a MASK token. Where both name one, dflash_config's is read, as the reference dflash
     package reads it."""
-    from ddtree.drafters import read_drafter_config
-
     target, tokenizer = tiny_target
     folder = tmp_path / "drafter"
     build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4).save_pretrained(folder)

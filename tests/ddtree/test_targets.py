@@ -713,6 +713,23 @@ def test_a_sharded_drafter_folder_loads_every_shard(tmp_path, tiny_target):
     assert line.startswith(f"drafter weights {shards[-1]} are unreadable, truncated or not safetensors ("), line
 
 
+def test_a_shard_holding_a_weight_config_json_has_no_place_for_is_the_one_named(tmp_path, tiny_target):
+    """The refusal names one stray weight and the shard that holds it, so a user finds it in that file: with strays in
+    two shards, the file named is the first stray's own, not another's."""
+    from safetensors.torch import load_file, save_file
+
+    target, tokenizer = tiny_target
+    folder = tmp_path / "drafter"
+    DFlashDraftModel(build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4)).save_pretrained(
+        folder, max_shard_size="200KB")
+    shards = sorted(folder.glob("model-*.safetensors"))
+    for stray, shard in (("stray_a.weight", shards[0]), ("stray_b.weight", shards[-1])):
+        save_file({**load_file(shard), stray: torch.zeros(2)}, shard, metadata={"format": "pt"})
+    with pytest.raises(DDTreeError) as error:
+        load_drafter_folder(folder, torch.float32, target)
+    assert f"{shards[0].name} holds weight stray_a.weight" in str(error.value), str(error.value)
+
+
 UP_PROJ = "layers.0.mlp.up_proj.weight"
 WEIGHTS_EDITED = "config.json does not match the weights (was it edited?): restore it, or export the drafter again"
 

@@ -1047,6 +1047,21 @@ def test_cosine_schedule_with_warmup(floor):
     assert seen[55] == pytest.approx(floor + (1 - floor) / 2, abs=0.02) and seen[-1] == pytest.approx(floor, abs=0.01)
 
 
+def test_a_warmup_of_a_fraction_of_a_step_over_one_still_warms_the_first_step():
+    """A short run's warm-up rounds up: 15% of 10 steps is two warm-up steps, so the first trains at half the peak.
+    Rounded down, it was one step, taken at the full rate the warm-up is there to keep the first steps from."""
+    module = tiny_module(warmup_ratio=0.15, lr=1.0)
+    module.trainer = type("T", (), {"estimated_stepping_batches": 10, "strategy": None, "precision_plugin": None})()
+    config = module.configure_optimizers()
+    optimizer, scheduler = config["optimizer"], config["lr_scheduler"]["scheduler"]
+    seen = []
+    for _ in range(3):
+        seen.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert seen == pytest.approx([0.5, 1.0, 1.0])
+
+
 def test_train_lr_is_the_rate_each_step_trained_at(tmp_path):
     """Lightning steps the scheduler before on_train_batch_end, so a rate read there is the next step's: the log put
     the warm-up's second rate at step 0 and the floor at a last step that trained above it."""

@@ -676,6 +676,9 @@ def test_acceptance_objectives_train_re_draft_blocks(objective):
     assert all(torch.isfinite(g).all() for g in grads) and sum(g.abs().sum() for g in grads) > 0
     with pytest.raises(DDTreeError, match="model.objective_budget=0"):
         tiny_module(objective=objective, objective_budget=0)
+    # a top k of 0 would keep no label's path alive at any depth: refused when built, before a run trains with it
+    with pytest.raises(DDTreeError, match="model.objective_top_k=0 "):
+        tiny_module(objective=objective, objective_top_k=0)
 
 
 def test_dropout_acts_in_training_mode_only_and_is_not_saved():

@@ -2178,6 +2178,16 @@ def test_the_card_calls_the_evaluated_prompts_held_out_only_when_none_is_a_train
     assert count_training_prompts("data/eval_prompts.jsonl", 40, "data/smollm2-135m") == 0
 
 
+def test_an_evaluation_with_no_training_prompt_exports_without_a_note(capsys):
+    """The note that some evaluated prompts are training prompts is for a count above zero: held-out prompts got
+    "0 of the 40 evaluated prompts are prompts of the training data; the card says so", which it does not."""
+    from training.publish import evaluated_training_prompts
+
+    evaluation = {"settings": {"prompts": "data/eval_prompts.jsonl", "num_prompts": 40}}
+    assert evaluated_training_prompts("data/smollm2-135m", evaluation) == 0
+    assert capsys.readouterr().err == ""
+
+
 def test_held_out_conversations_evaluated_as_prompts_are_compared_by_the_prompt_they_decode(tmp_path):
     """Evaluated prompts read from a conversation file (its replies kept) are the turns before the reply, as bench
     decodes them: compared whole, a trained prompt with its reply never matched, and the card called it held out."""

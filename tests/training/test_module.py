@@ -1035,17 +1035,23 @@ def test_a_bf16_target_trains_an_fp32_drafter_under_a_true_precision(distill_wei
     assert math.isfinite(trainer.callback_metrics["train/loss"]) and math.isfinite(trainer.callback_metrics["val/loss"])
 
 
-@pytest.mark.parametrize("floor", [0.0, 0.2])  # a floor scales the cosine between it and the peak, not atop the peak
-def test_cosine_schedule_with_warmup(floor):
-    module = tiny_module(warmup_ratio=0.1, lr=1.0, min_lr_ratio=floor)
-    module.trainer = type("T", (), {"estimated_stepping_batches": 100, "strategy": None, "precision_plugin": None})()
+def scheduled_rates(module, stepping_batches: int, steps: int) -> list[float]:
+    """The learning rate of each of a module's first `steps` optimizer steps, in a run of `stepping_batches`."""
+    module.trainer = type("T", (), {"estimated_stepping_batches": stepping_batches, "strategy": None,
+                                    "precision_plugin": None})()
     config = module.configure_optimizers()
     optimizer, scheduler = config["optimizer"], config["lr_scheduler"]["scheduler"]
     seen = []
-    for _ in range(100):
+    for _ in range(steps):
         seen.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
         scheduler.step()
+    return seen
+
+
+@pytest.mark.parametrize("floor", [0.0, 0.2])  # a floor scales the cosine between it and the peak, not atop the peak
+def test_cosine_schedule_with_warmup(floor):
+    seen = scheduled_rates(tiny_module(warmup_ratio=0.1, lr=1.0, min_lr_ratio=floor), 100, 100)
     assert seen[0] == pytest.approx(0.1) and seen[9] == pytest.approx(1.0)
     assert seen[55] == pytest.approx(floor + (1 - floor) / 2, abs=0.02) and seen[-1] == pytest.approx(floor, abs=0.01)
 
@@ -1053,16 +1059,7 @@ def test_cosine_schedule_with_warmup(floor):
 def test_a_warmup_of_a_fraction_of_a_step_over_one_still_warms_the_first_step():
     """A short run's warm-up rounds up: 15% of 10 steps is two warm-up steps, so the first trains at half the peak.
     Rounded down, it was one step, taken at the full rate the warm-up is there to keep the first steps from."""
-    module = tiny_module(warmup_ratio=0.15, lr=1.0)
-    module.trainer = type("T", (), {"estimated_stepping_batches": 10, "strategy": None, "precision_plugin": None})()
-    config = module.configure_optimizers()
-    optimizer, scheduler = config["optimizer"], config["lr_scheduler"]["scheduler"]
-    seen = []
-    for _ in range(3):
-        seen.append(optimizer.param_groups[0]["lr"])
-        optimizer.step()
-        scheduler.step()
-    assert seen == pytest.approx([0.5, 1.0, 1.0])
+    assert scheduled_rates(tiny_module(warmup_ratio=0.15, lr=1.0), 10, 3) == pytest.approx([0.5, 1.0, 1.0])
 
 
 def test_train_lr_is_the_rate_each_step_trained_at(tmp_path):

@@ -116,6 +116,21 @@ def test_a_round_that_max_new_tokens_ends_drafts_no_deeper_than_it_can_commit(ti
         assert [depth for _, depth in rigged.calls] == drafted, (max_new_tokens, rigged.calls, rooms)
 
 
+def test_draft_temperatures_at_the_bounds_the_error_names_are_decoded_and_just_outside_refused(tiny_target):
+    """The refusal says each temperature may lie within low..high: a config holding a bound itself decodes with it,
+    rather than being refused by a message that names that value as allowed."""
+    target, tokenizer = tiny_target
+    drafter = DFlashDraftModel(build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4)).eval()
+    low, high = ddtree.decoding.DRAFT_TEMPERATURE_RANGE
+    drafter.config.draft_temperatures = [low, high, 1.0]
+    runner = DrafterRunner(drafter, target)
+    assert runner.temperatures[:, 0].tolist() == pytest.approx([low, high, 1.0])
+    for outside in ([low / 2, 1.0, 1.0], [1.0, high * 2, 1.0]):
+        drafter.config.draft_temperatures = outside
+        with pytest.raises(DDTreeError, match=f"within {low:g}..{high:g}"):
+            DrafterRunner(drafter, target)
+
+
 def test_redrafted_rows_are_divided_by_the_temperatures_of_their_own_depths(tiny_target):
     target, tokenizer = tiny_target
     torch.manual_seed(0)

@@ -318,6 +318,14 @@ def test_a_table_of_variants_alike_in_data_and_kernels_carries_no_note():
     assert len(table.splitlines()) == 4, table  # the head, its rule and the two rows: no note under them
 
 
+def test_the_unequal_data_note_names_the_split_a_record_gives_where_another_lacks_it():
+    """The note tells the user what share of the training split each variant saw: a data.json without the split's
+    size (one written before it was recorded) is no split of 0 sequences, so the note names the size another gives."""
+    older = {**measured_row("a"), "data": {"train_sequences": 570}}
+    table = markdown_table([older, measured_row("b")])
+    assert "a 570, b 2001 of the 2001 training sequences" in table, table
+
+
 def test_a_nan_in_a_variants_row_is_null_in_the_results_and_the_ablation_goes_on(tmp_path, monkeypatch):
     """A diverged variant's validation logs val/loss as "nan": written as a bare NaN, json.dumps(allow_nan=False)
     raised in the loop and the whole ablation ended with no table (mutation review 9: a32)."""

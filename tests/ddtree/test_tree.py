@@ -9,6 +9,7 @@ import torch
 
 from ddtree.target_runner import DynamicTarget, StaticTarget
 from ddtree.decoding import OnlineCalibration, draft_tree
+from ddtree.errors import DDTreeError
 from ddtree.tree import (
     DraftTree, ancestor_matrix, build_tree, chain_tree, context_lookup, tree_positions, truncated, walk,
 )
@@ -253,6 +254,21 @@ def test_a_drafter_wrong_round_after_round_stops_at_the_temperature_bounds_a_fil
     assert online.log_temperature(32) == OnlineCalibration.LOG_LIMIT == -online.log_temperature(None)
     save_calibration(tmp_path / "calibration.json", online, {})
     assert load_calibration(tmp_path / "calibration.json").state() == online.state()
+
+
+def test_the_temperature_bound_is_the_e2_that_files_and_their_refusal_name(tmp_path):
+    """Learning and the file check share one bound, and it is the e^-2..e^2 the refusal names: a wider one would load
+    a hand-edited temperature of 10, outside the range that line states, and learn files an older `ddtree` refuses."""
+    from ddtree.calibration import load_calibration
+
+    online = OnlineCalibration()
+    for _ in range(200):
+        online.observe(32, expected=9.0, accepted_length=1)
+    assert online.temperature(32) == pytest.approx(math.exp(2))
+    path = tmp_path / "calibration.json"
+    path.write_text('{"format_version": 1, "temperatures": {"8": 10.0}, "graft_acceptance": {}}')
+    with pytest.raises(DDTreeError, match=r"temperature 8: 10.0 is not a number within e\^-2..e\^2"):
+        load_calibration(path)
 
 
 def test_a_budget_between_two_calibrated_ones_takes_the_nearest_and_on_a_tie_the_smaller():

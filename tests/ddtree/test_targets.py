@@ -1322,3 +1322,15 @@ def test_a_conversion_whose_record_is_unreadable_is_kept_as_one_made_before_reco
     decoded = stub_decode(monkeypatch, Decoded())
     assert builtin_target_folder("smollm2-135m") == folder
     assert decoded == [] and json.loads((folder / "conversion.json").read_text()) == source
+
+
+def test_an_existing_path_shaped_like_a_hub_id_is_not_one(tmp_path, monkeypatch):
+    """models/qwen3 that exists here is the user's path: taken for a Hub id, a target file there was looked up on the
+    Hub (an offline or unreachable-Hub error, not `not a local folder`), and a model card named it as base_model."""
+    monkeypatch.chdir(tmp_path)
+    assert ddtree.targets.is_hub_id("models/qwen3")
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "qwen3").write_text("")
+    assert not ddtree.targets.is_hub_id("models/qwen3")
+    with pytest.raises(DDTreeError, match="^unknown target 'models/qwen3': .*not a local folder"):
+        resolve_target("models/qwen3")

@@ -1334,3 +1334,15 @@ def test_an_existing_path_shaped_like_a_hub_id_is_not_one(tmp_path, monkeypatch)
     assert not ddtree.targets.is_hub_id("models/qwen3")
     with pytest.raises(DDTreeError, match="^unknown target 'models/qwen3': .*not a local folder"):
         resolve_target("models/qwen3")
+
+
+def test_a_folder_without_a_record_made_otherwise_says_other_settings(tmp_path):
+    """A folder from before records were kept, not adopted (a tiny target of another architecture), is made again with
+    a line that names what it was made from as not known, not as None."""
+    folder = tmp_path / "tiny-random"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_text("")
+    said = []
+    assert not ddtree.targets.made_from_source(folder, {"seed": 0}, adopt_unrecorded=False, say=said.append)
+    assert said == [f"[ddtree] {folder} was made from other settings, not {{'seed': 0}}: making it again"]

@@ -1346,3 +1346,18 @@ def test_a_folder_without_a_record_made_otherwise_says_other_settings(tmp_path):
     said = []
     assert not ddtree.targets.made_from_source(folder, {"seed": 0}, adopt_unrecorded=False, say=said.append)
     assert said == [f"[ddtree] {folder} was made from other settings, not {{'seed': 0}}: making it again"]
+
+
+@pytest.mark.parametrize("count, more", [(5, False), (6, True)])
+def test_a_draft_vocab_shows_five_bad_ids_and_says_and_more_only_past_them(tmp_path, tiny_target, count, more):
+    """The line shows the first five bad ids; ' and more' says some were left out, so five of five get none."""
+    target, tokenizer = tiny_target
+    folder = tmp_path / "drafter"
+    DFlashDraftModel(build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4)).save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["dflash_config"]["draft_vocab"] = [3, *range(10**6, 10**6 + count)]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DDTreeError) as error:
+        load_drafter_folder(folder, torch.float32, target)
+    shown = list(range(10**6, 10**6 + 5))
+    assert (f"{shown} and more;" if more else f"{shown}; this drafter") in str(error.value), str(error.value)

@@ -1271,3 +1271,11 @@ def test_make_eval_out_beside_a_checkpoints_folder_outside_a_run_is_the_users(tm
     (copied / "config.yaml").write_text("model: {}\n")
     with pytest.raises(DDTreeError, match="report.md of the run"):
         training.evaluate.check_out_is_no_input(copied / "report.md", None, {})
+
+
+def test_an_out_in_a_folder_of_the_users_under_eval_is_not_a_run_file():
+    """Training's records are in eval/ and in a resume's eval/abandoned-after-step-N/ only: a step-N.json in a folder
+    of the user's own under eval/ (eval/bf16/) is a new file, which make eval may write."""
+    assert training.evaluate.is_run_file(Path("eval/abandoned-after-step-4/step-3.json"))
+    assert training.evaluate.is_run_file(Path("eval/step-3.json"))
+    assert not training.evaluate.is_run_file(Path("eval/bf16/step-3.json"))

@@ -61,6 +61,11 @@ def stub_decode(monkeypatch, model) -> list[str]:
     return decoded
 
 
+def tiny_drafter(target, tokenizer) -> DFlashDraftModel:
+    """A random one-layer drafter of block size 4 for the tiny target, as most drafter-folder tests save one."""
+    return DFlashDraftModel(build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4))
+
+
 def make_staging(targets: Path, name: str, age_s: float) -> Path:
     staging = targets / name
     staging.mkdir(parents=True)
@@ -387,7 +392,7 @@ def test_a_drafter_folder_given_as_a_str_loads_as_a_path_does(tmp_path, tiny_tar
     monkeypatch.setenv("HOME", str(tmp_path))
     target, tokenizer = tiny_target
     folder = tmp_path / "drafter"
-    DFlashDraftModel(build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4)).save_pretrained(folder)
+    tiny_drafter(target, tokenizer).save_pretrained(folder)
     drafter = load_drafter_folder(as_given(folder), torch.float32, target)
     assert drafter.block_size == 4 and drafter.dtype == torch.float32
     # model.init_from's recipe check and the CLI's read the config alone, before any weights: the same path serves
@@ -402,7 +407,7 @@ def test_a_drafter_folder_loads_in_the_dtype_asked_not_the_one_it_was_saved_in(t
     trainer.precision=32, and decoding would run an fp32 drafter beside a bf16 target, without a word."""
     target, tokenizer = tiny_target
     folder = tmp_path / "drafter"
-    drafter = DFlashDraftModel(build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4))
+    drafter = tiny_drafter(target, tokenizer)
     drafter.to(saved).save_pretrained(folder)
     loaded = load_drafter_folder(folder, asked, target)
     assert {p.dtype for p in loaded.parameters()} == {asked}
@@ -420,7 +425,7 @@ def test_a_drafter_folder_loads_in_the_dtype_asked_not_the_one_it_was_saved_in(t
 def test_a_drafter_config_field_given_as_a_string_is_one_line(tmp_path, tiny_target, field, value, named):
     target, tokenizer = tiny_target
     folder = tmp_path / "drafter"
-    DFlashDraftModel(build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4)).save_pretrained(folder)
+    tiny_drafter(target, tokenizer).save_pretrained(folder)
     config = json.loads((folder / "config.json").read_text())
     if field == "block_size":
         config[field] = value
@@ -438,7 +443,7 @@ def test_a_drafter_config_without_its_block_size_is_one_line(tmp_path, tiny_targ
     training write, and the published DFlash drafters, hold it."""
     target, tokenizer = tiny_target
     folder = tmp_path / "drafter"
-    DFlashDraftModel(build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4)).save_pretrained(folder)
+    tiny_drafter(target, tokenizer).save_pretrained(folder)
     config = json.loads((folder / "config.json").read_text())
     assert config["block_size"] == 4
     del config["block_size"]
@@ -529,7 +534,7 @@ def test_a_drafter_folder_saved_with_the_old_model_type_loads_without_transforme
 
     target, tokenizer = tiny_target
     folder = tmp_path / "drafter"
-    DFlashDraftModel(build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4)).save_pretrained(folder)
+    tiny_drafter(target, tokenizer).save_pretrained(folder)
     fields = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**fields, "model_type": LEGACY_MODEL_TYPE}))
     monkeypatch.setattr(logging.getLogger("transformers"), "propagate", True)  # (transformers' own handler only, else)
@@ -565,7 +570,7 @@ def test_a_drafters_decoding_fields_out_of_range_are_one_line(tmp_path, tiny_tar
     or lookup was blamed on an argument the caller never gave."""
     target, tokenizer = tiny_target
     folder = tmp_path / "drafter"
-    DFlashDraftModel(build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4)).save_pretrained(folder)
+    tiny_drafter(target, tokenizer).save_pretrained(folder)
     config = json.loads((folder / "config.json").read_text())
     config["dflash_config"][field] = value
     (folder / "config.json").write_text(json.dumps(config))
@@ -580,7 +585,7 @@ def test_a_drafter_folder_whose_decoding_counts_are_0_loads(tmp_path, tiny_targe
     lookup 0 is a drafter that fits, not one to refuse."""
     target, tokenizer = tiny_target
     folder = tmp_path / "drafter"
-    DFlashDraftModel(build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4)).save_pretrained(folder)
+    tiny_drafter(target, tokenizer).save_pretrained(folder)
     config = json.loads((folder / "config.json").read_text())
     config["dflash_config"].update(redraft=0, lookup=0)
     (folder / "config.json").write_text(json.dumps(config))
@@ -601,7 +606,7 @@ def test_a_drafter_config_edited_past_what_transformers_builds_is_one_line(tmp_p
     ZeroDivisionError (head_dim 0) came out of `ddtree generate` as a traceback with status 1."""
     target, tokenizer = tiny_target
     folder = tmp_path / "drafter"
-    DFlashDraftModel(build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4)).save_pretrained(folder)
+    tiny_drafter(target, tokenizer).save_pretrained(folder)
     config = json.loads((folder / "config.json").read_text())
     config[field] = value
     (folder / "config.json").write_text(json.dumps(config))
@@ -620,7 +625,7 @@ def test_a_drafter_folder_built_for_a_target_of_another_depth_is_one_line(tmp_pa
 
     target, tokenizer = tiny_target
     folder = tmp_path / "drafter"
-    DFlashDraftModel(build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4)).save_pretrained(folder)
+    tiny_drafter(target, tokenizer).save_pretrained(folder)
     config = json.loads((folder / "config.json").read_text())
     config.update(num_target_layers=layers, target_name_or_path="someone/other-target")
     (folder / "config.json").write_text(json.dumps(config))
@@ -643,7 +648,7 @@ def test_a_config_whose_two_sets_of_rope_keys_disagree_is_one_line(tmp_path, tin
     transformers 5 reads first too. An edit to one set only built the drafter from the other, silently."""
     target, tokenizer = tiny_target
     folder = tmp_path / "drafter"
-    DFlashDraftModel(build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4)).save_pretrained(folder)
+    tiny_drafter(target, tokenizer).save_pretrained(folder)
     config = json.loads((folder / "config.json").read_text())
     theta = config["rope_parameters"]["rope_theta"]
     config.update(rope_theta=theta, rope_scaling=None)  # as training/hub_config.py writes them: they agree
@@ -668,7 +673,7 @@ def test_a_config_that_transformers_4_wrote_with_agreeing_rope_keys_loads(tmp_pa
     for the disagreement above, which refuses the folder."""
     target, tokenizer = tiny_target
     folder = tmp_path / "drafter"
-    DFlashDraftModel(build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4)).save_pretrained(folder)
+    tiny_drafter(target, tokenizer).save_pretrained(folder)
     config = json.loads((folder / "config.json").read_text())
     theta = config["rope_parameters"]["rope_theta"]
     parameters = {("rope_type" if key == "type" else key): value for key, value in scaling.items()}
@@ -685,7 +690,7 @@ def test_a_config_that_transformers_4_wrote_without_rope_parameters_loads_with_i
     with an empty set, it stopped on a KeyError traceback (mutation review 15, D01)."""
     target, tokenizer = tiny_target
     folder = tmp_path / "drafter"
-    DFlashDraftModel(build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4)).save_pretrained(folder)
+    tiny_drafter(target, tokenizer).save_pretrained(folder)
     config = json.loads((folder / "config.json").read_text())
     theta = 2 * config.pop("rope_parameters")["rope_theta"]  # not the default: read from the old key, not made up
     config.update(rope_theta=theta, rope_scaling=None)
@@ -699,7 +704,7 @@ def test_a_sharded_drafter_folder_loads_every_shard(tmp_path, tiny_target):
     them are checked against config.json and loaded, and a shard gone is one line naming it."""
     target, tokenizer = tiny_target
     folder = tmp_path / "drafter"
-    drafter = DFlashDraftModel(build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4))
+    drafter = tiny_drafter(target, tokenizer)
     drafter.save_pretrained(folder, max_shard_size="200KB")
     shards = sorted(folder.glob("model-*.safetensors"))
     assert len(shards) > 1 and not (folder / "model.safetensors").exists()
@@ -720,8 +725,7 @@ def test_a_shard_holding_a_weight_config_json_has_no_place_for_is_the_one_named(
 
     target, tokenizer = tiny_target
     folder = tmp_path / "drafter"
-    DFlashDraftModel(build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4)).save_pretrained(
-        folder, max_shard_size="200KB")
+    tiny_drafter(target, tokenizer).save_pretrained(folder, max_shard_size="200KB")
     shards = sorted(folder.glob("model-*.safetensors"))
     for stray, shard in (("stray_a.weight", shards[0]), ("stray_b.weight", shards[-1])):
         save_file({**load_file(shard), stray: torch.zeros(2)}, shard, metadata={"format": "pt"})
@@ -741,7 +745,7 @@ def refusal_of_edited_weights(tmp_path, tiny_target, edit) -> tuple[Path, list[i
 
     target, tokenizer = tiny_target
     folder = tmp_path / "drafter"
-    DFlashDraftModel(build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4)).save_pretrained(folder)
+    tiny_drafter(target, tokenizer).save_pretrained(folder)
     weights = load_file(folder / "model.safetensors")
     built = list(weights[UP_PROJ].shape)
     edit(weights)
@@ -830,7 +834,7 @@ def test_a_target_folder_that_is_not_a_whole_causal_lm_is_one_line(tmp_path, tin
     target, tokenizer = tiny_target
     folder = tmp_path / "target"
     if damage == "drafter":
-        DFlashDraftModel(build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4)).save_pretrained(folder)
+        tiny_drafter(target, tokenizer).save_pretrained(folder)
         tokenizer.save_pretrained(folder)
     else:
         shutil.copytree(resolve_target("tiny-random"), folder)
@@ -1353,7 +1357,7 @@ def test_a_draft_vocab_shows_five_bad_ids_and_says_and_more_only_past_them(tmp_p
     """The line shows the first five bad ids; ' and more' says some were left out, so five of five get none."""
     target, tokenizer = tiny_target
     folder = tmp_path / "drafter"
-    DFlashDraftModel(build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4)).save_pretrained(folder)
+    tiny_drafter(target, tokenizer).save_pretrained(folder)
     config = json.loads((folder / "config.json").read_text())
     config["dflash_config"]["draft_vocab"] = [3, *range(10**6, 10**6 + count)]
     (folder / "config.json").write_text(json.dumps(config))

@@ -338,6 +338,16 @@ def test_the_line_of_prompts_equal_to_ars_says_what_a_difference_means_at_the_dt
     assert equal_line(torch.bfloat16) == "prompts whose committed tokens equal ar's: dflash 6/6, ddtree@4 6/6"
 
 
+def test_the_online_temperatures_line_gives_each_methods_to_two_places():
+    """The draft temperature online calibration ended at, per method: it is what a user copies into a drafter's
+    default calibration, and temperatures a few hundredths apart (0.87 and 0.91) are different calibrations."""
+    row = dict(tau=1.5, expected_tau=1.6, new_tokens=60, tokens_per_s=10.0, round_ms=1.0, draft_ms=0.1, verify_ms=0.8,
+               other_ms=0.1, tree_nodes=4.0)
+    summary = {"ar": dict(row, tau=1.0), CHAIN: dict(row, online_temperature=0.8712),
+               "ddtree@4": dict(row, online_temperature=0.9149)}
+    assert format_summary(summary).splitlines()[-1] == (
+        "online calibration's draft temperature at the end: dflash 0.87, ddtree@4 0.91")
+
 
 # ----------------------------------------------------------------------------- reading a prompts file
 

@@ -20,7 +20,7 @@ from ddtree.bench import (CHAIN, acceptance_summary, budget_of, compare_packed_v
                           summarize, tree_key)
 from ddtree import bench, target_runner
 from ddtree.calibration import OnlineCalibration
-from ddtree.decoding import GenerationResult, Round, generate
+from ddtree.decoding import GenerationResult, Round, Sampling, generate
 from ddtree.errors import DDTreeError
 from ddtree.packed_linear import is_packed, pack_linears, packing_available, unpack_linears
 from ddtree.sizing import TreeSizer
@@ -588,6 +588,25 @@ def test_each_budgets_online_temperature_is_its_own(tiny_target):
     for budget in (4, 16):
         assert summary[tree_key(budget)]["online_temperature"] == calibration.temperature(budget)
     assert summary[CHAIN]["online_temperature"] == calibration.temperature(None)
+
+
+def test_at_a_temperature_every_method_samples_ars_tokens_from_a_generator_seeded_alike(tiny_target):
+    """At T > 0 the losslessness line compares each method with ar prompt by prompt: fp32 decoding draws the same
+    tokens only from generators seeded alike, so a method seeded otherwise read as lossy (or compared another sample's
+    speed). The seed is the caller's: another seed samples other tokens."""
+    target, tokenizer = tiny_target
+    drafter = decoding_runner(target, tokenizer)
+    prompts = [{"id": "a", "prompt_ids": [5, 6, 7, 8]}, {"id": "b", "prompt_ids": [9, 10, 11]}]
+
+    def sampled(seed):
+        return run_benchmark(target, drafter, prompts, ["ar", CHAIN, "ddtree"], [4], max_new_tokens=12, stop_ids=[],
+                             sampling=Sampling(temperature=1.0), seed=seed, progress=False, warm=False)
+
+    results = sampled(0)
+    for key in (CHAIN, "ddtree@4"):
+        assert (results["summary"][key]["same_as_ar"], results["summary"][key]["prompts"]) == (2, 2), key
+    ar_tokens = [row["methods"]["ar"]["new_tokens"] for row in results["prompts"]]
+    assert ar_tokens != [row["methods"]["ar"]["new_tokens"] for row in sampled(1)["prompts"]]  # else it tells nothing
 
 
 # ------------------------------------------------------------------------------ prompts a library caller builds

@@ -628,6 +628,16 @@ def test_prompts_that_cannot_be_benchmarked_are_one_line_before_anything_decodes
         run_benchmark(target, None, prompts, ["ar"], [4], 4, [], progress=False)
 
 
+@pytest.mark.parametrize("methods", [[CHAIN], ["ar", "ddtree"]])
+def test_a_drafting_method_without_a_drafter_is_one_line_before_anything_decodes(tiny_target, monkeypatch, methods):
+    """ar beside a drafting method is the usual comparison, so the check looks for any drafting method, not only lists
+    of nothing else: with ar listed first, ar decoded before the drafting method found it had no drafter."""
+    target, _ = tiny_target
+    monkeypatch.setattr(bench, "generate", lambda *args, **kwargs: pytest.fail("decoded before the check"))
+    with pytest.raises(DDTreeError, match="^methods dflash and ddtree need a drafter$"):
+        run_benchmark(target, None, [{"id": "a", "prompt_ids": [5, 6]}], methods, [4], 4, [], progress=False)
+
+
 def test_a_prompt_given_as_a_batch_of_one_counts_its_tokens_not_its_rows(tiny_target, monkeypatch):
     """A (1, T) tensor, which generate takes, was measured with len(): 1 token recorded, the warm-up's longest prompt
     picked wrong, and a prompt past the context not caught up front."""

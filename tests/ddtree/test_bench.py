@@ -318,13 +318,16 @@ def test_the_table_prints_each_figure_under_its_own_heading():
         assert line[:end].endswith(f" {value}"), heading
 
 
+# A summary row's figures, for the tests of the lines printed under the table.
+SUMMARY_ROW = dict(tau=1.5, expected_tau=1.6, new_tokens=60, tokens_per_s=10.0, round_ms=1.0, draft_ms=0.1,
+                   verify_ms=0.8, other_ms=0.1, tree_nodes=4.0)
+
+
 def test_the_line_of_prompts_equal_to_ars_says_what_a_difference_means_at_the_dtype():
     """4/6 in bf16 on an H200 read as a losslessness failure: in bf16 a near tie can flip, in fp32 it is a bug (at
     T > 0 too, where every method draws ar's tokens from a generator seeded alike)."""
-    row = dict(tau=1.5, expected_tau=1.6, new_tokens=60, tokens_per_s=10.0, round_ms=1.0, draft_ms=0.1, verify_ms=0.8,
-               other_ms=0.1, tree_nodes=4.0)
-    summary = {"ar": dict(row, tau=1.0), CHAIN: dict(row, same_as_ar=6, prompts=6),
-               "ddtree@4": dict(row, same_as_ar=4, prompts=6)}
+    summary = {"ar": dict(SUMMARY_ROW, tau=1.0), CHAIN: dict(SUMMARY_ROW, same_as_ar=6, prompts=6),
+               "ddtree@4": dict(SUMMARY_ROW, same_as_ar=4, prompts=6)}
 
     def equal_line(dtype):
         lines = [x for x in format_summary(summary, dtype).splitlines() if "equal ar's" in x]
@@ -341,10 +344,8 @@ def test_the_line_of_prompts_equal_to_ars_says_what_a_difference_means_at_the_dt
 def test_the_online_temperatures_line_gives_each_methods_to_two_places():
     """The draft temperature online calibration ended at, per method: it is what a user copies into a drafter's
     default calibration, and temperatures a few hundredths apart (0.87 and 0.91) are different calibrations."""
-    row = dict(tau=1.5, expected_tau=1.6, new_tokens=60, tokens_per_s=10.0, round_ms=1.0, draft_ms=0.1, verify_ms=0.8,
-               other_ms=0.1, tree_nodes=4.0)
-    summary = {"ar": dict(row, tau=1.0), CHAIN: dict(row, online_temperature=0.8712),
-               "ddtree@4": dict(row, online_temperature=0.9149)}
+    summary = {"ar": dict(SUMMARY_ROW, tau=1.0), CHAIN: dict(SUMMARY_ROW, online_temperature=0.8712),
+               "ddtree@4": dict(SUMMARY_ROW, online_temperature=0.9149)}
     assert format_summary(summary).splitlines()[-1] == (
         "online calibration's draft temperature at the end: dflash 0.87, ddtree@4 0.91")
 

@@ -611,6 +611,18 @@ def test_a_limit_above_the_prompts_files_length_answers_every_prompt_and_passes_
     assert regenerate.main(args_for_argv(tmp_path, "--limit", "10", "--check")) == 0
 
 
+def test_a_smaller_limit_over_data_answering_the_whole_prompts_file_is_told_to_raise_the_limit(tmp_path, capsys):
+    """Data that answers every prompt of its file, checked with a smaller --limit: the replies are this job's, so the
+    remedy is the limit, not --overwrite, which would throw the answers away to make them again."""
+    prompt_file(tmp_path / "prompts.jsonl", 3)
+    regenerate.run(args_for(tmp_path))
+    capsys.readouterr()
+    assert regenerate.main(args_for_argv(tmp_path, "--limit", "2", "--check")) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("raise --limit to 3 to use all 3, or cut the data to 2 with --overwrite "
+                        "(this command without --check)") and "\n" not in err, err
+
+
 def lora_adapter(path, seed: int) -> str:
     """A LoRA adapter on tiny-random, strong enough to change its greedy replies."""
     from peft import LoraConfig, get_peft_model

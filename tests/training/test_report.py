@@ -54,6 +54,7 @@ def test_max_time_is_written_and_read_in_days_hours_minutes_and_seconds():
     assert duration_text(3 * 3600 + 5 * 60) == "00:03:05:00"
     assert max_time_seconds("01:02:03:04") == 93784.0
     assert max_time_seconds({"hours": 1}) == 3600.0  # timedelta's fields, as a mapping in config.yaml
+    assert max_time_seconds({"days": 1, "hours": 2}) == 93600.0  # whole days counted, not only the day's rest
     assert max_time_seconds("soon") is None
 
 

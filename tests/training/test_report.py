@@ -132,6 +132,15 @@ def test_an_abandoned_branch_evaluated_the_steps_it_shares_with_the_run_and_its_
     assert evaluated_steps(tmp_path) == [1, 2, 6]
 
 
+def test_a_copy_of_an_evaluation_beside_it_is_not_taken_for_a_step(tmp_path):
+    """A file the glob matches whose name is no step (a copy a file manager made, step-000002 copy.json) is left
+    out: read as a step number it stopped the card and report with a ValueError."""
+    (tmp_path / "eval").mkdir()
+    for name in ("step-000002.json", "step-000002 copy.json", "step-best.json"):
+        (tmp_path / "eval" / name).write_text("{}")
+    assert evaluated_steps(tmp_path) == [2]
+
+
 def test_an_evaluation_that_recorded_no_temperature_is_carded_as_greedy():
     """AcceptanceEvaluation has always decoded greedily; evaluations written before it recorded the temperature have
     no field for it, and their card must not call them sampled."""

@@ -252,6 +252,15 @@ def test_bad_generate_keywords_are_one_line(tiny_target):
         drafting.generate(PROMPT, method="ar", online_calibration=True)
 
 
+def test_a_budget_of_one_node_decodes_the_greedy_reply(tiny_target):
+    """budget=1, the least the keyword takes (its error says "at least 1"), is a tree of one drafted node a round:
+    the smallest tree, and the reply is still the target's greedy one."""
+    plain = Decoder(TARGET, None, **SETTINGS, quiet=True)
+    decoder = Decoder(TARGET, "random", **{**SETTINGS, "budget": 1}, quiet=True)
+    assert decoder.budget == 1
+    assert decoder.generate(PROMPT, max_new_tokens=12).text == plain.generate(PROMPT, max_new_tokens=12).text
+
+
 def test_a_budget_the_adaptive_size_cannot_time_names_the_keywords(capsys, tiny_target, tmp_path):
     """budget 2047 fits tiny-random's 2048 positions, but timing its 2048-row verifies leaves no room for a cached
     token: the Decoder's line named the command's flags (--budget, --adaptive-size off), which a Python user has not

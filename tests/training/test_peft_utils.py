@@ -90,6 +90,13 @@ def test_an_adapter_folder_without_its_weights_says_so(adapters):
         load_frozen_target("tiny-random", torch.float32, adapters["no_weights"])
 
 
+def test_an_adapter_folder_refused_at_load_names_the_option_it_was_given_by(adapters):
+    """data/regenerate.py gives the adapter as --target-adapter and training.evaluate takes it from a checkpoint's
+    record: an error saying model.target_adapter sent the user to a recipe field they never set."""
+    with pytest.raises(DDTreeError, match=r"^--target-adapter=.*no_weights: adapter_config.json is there but not "):
+        load_frozen_target("tiny-random", torch.float32, adapters["no_weights"], adapter_field="--target-adapter")
+
+
 def test_an_adapter_folder_without_its_config_says_so(adapters, tmp_path):
     """A copy holding the weights alone: reading its config was a FileNotFoundError traceback, not a line naming it."""
     shutil.copy(Path(adapters["fits"]) / "adapter_model.safetensors", tmp_path)

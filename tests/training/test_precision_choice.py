@@ -270,6 +270,15 @@ def test_the_decoding_cli_dtype_auto_follows_the_same_rule(monkeypatch):
     assert resolve_dtype("float32", "cpu") == (torch.float32, None)  # explicit: no choice, no line
 
 
+def test_the_dtype_auto_line_and_refusal_name_where_the_dtype_was_given(monkeypatch):
+    """DDTreeDecoder(dtype=...) in Python says `dtype`, not the CLI's --dtype: its user has no flag to look for. A bad
+    name is refused offering auto among the choices, as the CLI's --help does."""
+    stub_choice(monkeypatch, BF16_SLOW)
+    assert resolve_dtype("auto", "cpu", "dtype")[1].startswith("dtype auto -> float32: ")
+    with pytest.raises(DDTreeError, match=r"^dtype='fp17': choose auto or one of float32, "):
+        resolve_dtype("fp17", "cpu", "dtype")
+
+
 def test_the_decoding_cli_dtype_auto_is_chosen_for_the_device_it_decodes_on(monkeypatch):
     """`--dtype auto --device cuda` follows the GPU's capability: the host CPU's measurement would give bf16 to a T4
     on an AMX host, which emulates it, or fp32 to an H100 on a CPU without fast bf16."""

@@ -782,6 +782,15 @@ def test_a_user_error_with_a_multi_line_message_is_printed_as_its_first_line(cap
     assert capsys.readouterr().err == "error: store s: shard-00001 is of another build; start the run again\n"
 
 
+@pytest.mark.parametrize("returned, status", [(None, 0), (0, 0), (3, 3)])
+def test_a_command_that_returns_nothing_exits_0_and_a_status_it_returns_is_kept(returned, status):
+    """A main that ends without `return` has succeeded: a run_cli that read None as a failure failed every such
+    command's `&& next step`, and one that dropped a returned status passed a failure on as success."""
+    from ddtree import errors
+
+    assert errors.run_cli(lambda argv: returned, []) == status
+
+
 @pytest.mark.parametrize("raised, status, said", [(KeyboardInterrupt, 130, "interrupted"),
                                                   ("Terminated", 143, "stopped by SIGTERM")])
 def test_an_interrupted_or_terminated_command_exits_as_a_shell_reports_the_signal(capsys, raised, status, said):

@@ -139,6 +139,12 @@ def test_make_export_takes_best_last_or_a_path_of_one_run_and_says_which(tmp_pat
         find_run_checkpoint(run, "best")
     with pytest.raises(DDTreeError, match="CKPT=nope.ckpt: no such checkpoint"):
         find_run_checkpoint(run, "nope.ckpt")
+    # why a run lacks best.ckpt says nothing of a missing last.ckpt (checkpoint.save_last false): it sent the user
+    # looking for an acceptance evaluation, with the path that would serve left unsaid
+    (run / "checkpoints" / "last.ckpt").unlink()
+    with pytest.raises(DDTreeError) as error:
+        find_run_checkpoint(run, "last")
+    assert str(error.value) == f"CKPT=last: {run / 'checkpoints' / 'last.ckpt'} does not exist; use a path to a checkpoint"
 
 
 def test_a_checkpoint_given_as_run_or_a_run_folder_given_as_ckpt_is_named_as_such(tmp_path):

@@ -270,6 +270,8 @@ def test_an_empty_resume_or_a_file_that_is_no_checkpoint_is_named_as_such(tmp_pa
     run = make_run(root, "r", {"checkpoints/last.ckpt": 100})
     with pytest.raises(DDTreeError, match=r"^--resume is empty \(an unset shell variable\?\); give 'last', a run folder"):
         find_resume("", root)
+    with pytest.raises(DDTreeError, match=r"^--resume is empty"):  # `--resume " $CKPT"`, quoted with a space
+        find_resume("  ", root)
     with pytest.raises(DDTreeError) as error:
         find_resume(str(run / "config.yaml"), root)
     assert str(error.value) == (f"--resume {run / 'config.yaml'} is not a checkpoint (not a file torch.save wrote); "

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import ddtree.cli
+import ddtree.errors
 import ddtree.precision
 from ddtree.cli import TextStream, load_drafter, main
 from ddtree.corpus import CORPUS_FILE, write_replies
@@ -786,9 +787,7 @@ def test_a_user_error_with_a_multi_line_message_is_printed_as_its_first_line(cap
 def test_a_command_that_returns_nothing_exits_0_and_a_status_it_returns_is_kept(returned, status):
     """A main that ends without `return` has succeeded: a run_cli that read None as a failure failed every such
     command's `&& next step`, and one that dropped a returned status passed a failure on as success."""
-    from ddtree import errors
-
-    assert errors.run_cli(lambda argv: returned, []) == status
+    assert ddtree.errors.run_cli(lambda argv: returned, []) == status
 
 
 @pytest.mark.parametrize("raised, status, said", [(KeyboardInterrupt, 130, "interrupted"),

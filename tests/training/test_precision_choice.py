@@ -271,7 +271,7 @@ def test_the_decoding_cli_dtype_auto_follows_the_same_rule(monkeypatch):
 
 
 def test_the_dtype_auto_line_and_refusal_name_where_the_dtype_was_given(monkeypatch):
-    """DDTreeDecoder(dtype=...) in Python says `dtype`, not the CLI's --dtype: its user has no flag to look for. A bad
+    """ddtree.Decoder(dtype=...) in Python says `dtype`, not the CLI's --dtype: its user has no flag to look for. A bad
     name is refused offering auto among the choices, as the CLI's --help does."""
     stub_choice(monkeypatch, BF16_SLOW)
     assert resolve_dtype("auto", "cpu", "dtype")[1].startswith("dtype auto -> float32: ")

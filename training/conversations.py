@@ -327,8 +327,9 @@ def render_with_loss_mask(tokenizer, messages: list[dict], eot: str | None = Non
     Mistral-v0.3's target writes before a reply, which its header " " does not place). Where it is no prefix for the
     last reply (Mistral-7B-Instruct-v0.3 writes the system prompt into the last user turn only, so a render ending
     with the reply has none), the sequence is decoding's prompt and what the target writes after it (as
-    render_generated's), the earlier replies context only, with one warning a template. A turn the template renders only the end of (Qwen3 drops an earlier reply's reasoning) is not
-    supervised at all: after decoding's prompt the target wrote its "<think>", not the answer that follows.
+    render_generated's), the earlier replies context only, with one warning a template. A turn the template renders
+    only the end of (Qwen3 drops an earlier reply's reasoning) is not supervised at all: after decoding's prompt the
+    target wrote its "<think>", not the answer that follows.
     """
     check_chat_template(tokenizer, tokenizer.name_or_path, CHAT_TARGET)
     eot = eot or end_of_turn_text(tokenizer)

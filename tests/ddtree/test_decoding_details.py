@@ -120,7 +120,8 @@ def test_draft_temperatures_at_the_bounds_the_error_names_are_decoded_and_just_o
     """The refusal says each temperature may lie within low..high: a config holding a bound itself decodes with it,
     rather than being refused by a message that names that value as allowed."""
     target, tokenizer = tiny_target
-    drafter = DFlashDraftModel(build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4)).eval()
+    config = build_drafter_config(target, tokenizer, "tiny-random", num_layers=1, block_size=4)
+    drafter = DFlashDraftModel(config).eval()
     low, high = ddtree.decoding.DRAFT_TEMPERATURE_RANGE
     drafter.config.draft_temperatures = [low, high, 1.0]
     runner = DrafterRunner(drafter, target)

@@ -144,7 +144,8 @@ def test_make_export_takes_best_last_or_a_path_of_one_run_and_says_which(tmp_pat
     (run / "checkpoints" / "last.ckpt").unlink()
     with pytest.raises(DDTreeError) as error:
         find_run_checkpoint(run, "last")
-    assert str(error.value) == f"CKPT=last: {run / 'checkpoints' / 'last.ckpt'} does not exist; use a path to a checkpoint"
+    assert str(error.value) == (f"CKPT=last: {run / 'checkpoints' / 'last.ckpt'} does not exist; use a path to a "
+                                "checkpoint")
 
 
 def test_a_checkpoint_given_as_run_or_a_run_folder_given_as_ckpt_is_named_as_such(tmp_path):

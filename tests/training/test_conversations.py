@@ -242,7 +242,7 @@ def test_a_template_whose_prefix_render_is_no_prefix_still_masks_the_assistant_t
     assert mask.index(1) == len(prompt)
 
 
-def test_a_reply_rendered_only_in_part_after_a_header_found_by_search_is_context_not_a_refused_conversation(smol_folder):
+def test_a_reply_rendered_only_in_part_after_a_header_found_by_search_is_context_not_refused(smol_folder):
     """Where no shorter render is a prefix the turn is found after the assistant header, and a reply the template
     renders only the end of (its reasoning stripped, as Qwen3 does) is context: the turn's text begins after that
     header, so its kept end is the reply's. With the header counted in it, the reply would match nothing and the whole
@@ -778,8 +778,8 @@ def test_a_hub_dataset_that_cannot_be_loaded_is_one_line_with_the_first_line_of_
     monkeypatch.chdir(tmp_path)  # "someone/chats" is no local folder here
     with pytest.raises(DDTreeError) as raised:
         load_conversations("someone/chats")
-    assert str(raised.value) == ("could not load Hub dataset 'someone/chats': Couldn't reach 'someone/chats' on the Hub "
-                                 "(LocalEntryNotFoundError); without internet give a local file")
+    assert str(raised.value) == ("could not load Hub dataset 'someone/chats': Couldn't reach 'someone/chats' on the "
+                                 "Hub (LocalEntryNotFoundError); without internet give a local file")
 
 
 def test_an_integer_id_0_reads_as_0_in_every_file_reader(tmp_path):

@@ -297,7 +297,8 @@ def test_card_numbers_come_from_the_evaluation_of_the_exported_step(run_dir, tmp
     recipe = yaml.safe_load((run / "config.yaml").read_text())
     assert f"| anchors per sequence | {recipe['model']['num_anchors']} |" in card
     accumulation = recipe["trainer"].get("accumulate_grad_batches") or 1
-    assert f"| batch | {recipe['data']['batch_size']} sequences x {accumulation} accumulation steps per device |" in card
+    batch = recipe["data"]["batch_size"]
+    assert f"| batch | {batch} sequences x {accumulation} accumulation steps per device |" in card
     chain = json.loads((run / "eval" / "step-000002.json").read_text())["summary"]["dflash"]  # its expected tau too
     assert f"| chain (one DFlash block, 7 drafted tokens) | {chain['tau']:.3f} | {chain['expected_tau']:.3f} |" in card
     assert "| training loss | `model.objective=decayed_ce` |" in card and "re-drafting in training" not in card

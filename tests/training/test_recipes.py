@@ -910,6 +910,7 @@ def test_tiny_recipe_runs_and_resumes_exactly(straight_run, tmp_path, monkeypatc
 def test_a_learning_rate_that_is_not_positive_is_refused_before_anything_loads(lr):
     """AdamW takes lr=0 without a word, and the schedule scales it: the run would train for hours and export the
     drafter it started with."""
-    with pytest.raises(DDTreeError, match=rf"^model.lr={float(lr)} is not a valid value: give a positive learning rate$"):
+    with pytest.raises(DDTreeError, match=rf"^model.lr={float(lr)} is not a valid value: give a positive learning "
+                                          "rate$"):
         training.recipe.check_values(parse_recipe("tiny", f"--model.lr={lr}"))
     training.recipe.check_values(parse_recipe("tiny", "--model.lr=1e-6"))  # however small, positive trains

@@ -232,3 +232,12 @@ def test_tau_png_plots_tau_against_the_training_step():
     """Axes labelled the other way round read a run's steps as its taus."""
     axes = plot_tau([record(2, 2.0), record(4, 3.0)], SETTINGS).axes[0]
     assert (axes.get_xlabel(), axes.get_ylabel()) == ("training step", "tau (tokens per verification)")
+
+
+def test_tau_png_stars_the_best_checkpoint_at_its_own_step_and_tau():
+    """The star is the checkpoint `checkpoints/best.ckpt` links to: one drawn at the latest evaluation instead marked a
+    worse, later step best on the plot while report.md named the earlier one."""
+    axes = plot_tau([record(2, 1.5), record(4, 3.0), record(6, 2.0)], SETTINGS).axes[0]
+    handles, labels = axes.get_legend_handles_labels()
+    star = handles[labels.index("best checkpoint (budget 8)")]
+    assert (list(star.get_xdata()), list(star.get_ydata())) == ([4], [3.0])

@@ -318,6 +318,13 @@ def test_bad_numbers_are_one_line(capsys, flags, said):
     assert capsys.readouterr().err.strip() == f"error: {said}"
 
 
+def test_the_least_count_each_flag_names_is_counted_not_refused(capsys):
+    """The refusals above say "give at least 1": one anchor and a one-row head are the smallest counts a user can ask
+    for, and each gets its own row."""
+    recipe, one_anchor, one_row = printed_rows(capsys, ["--recipe", "qwen3-8b", "--anchors", "1", "--draft-vocab", "1"])
+    assert one_anchor.startswith("| 1 anchors |") and one_row.startswith("| draft vocabulary 1 |")
+
+
 def test_the_draft_vocab_flag_sets_its_rows_head_up_to_the_whole_vocabulary(capsys):
     """smollm2-135m's recipe sets draft_vocab_size 8192: each flag's row counts its own head against it, the target's
     whole vocabulary (49152) included, which the refusal above invites."""

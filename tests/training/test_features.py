@@ -34,8 +34,8 @@ from ddtree.errors import run_cli
 from ddtree.modeling_dflash import fuse_target_features
 from ddtree.targets import DDTreeError, load_target
 from training.data import DistillDataModule
-from training.feature_store import (FeatureStore, build_feature_store, build_lock, coverage, differing_fields,
-                                    lock_path, partial_path, read_manifest, store_teacher)
+from training.feature_store import (FORMAT_VERSION, FeatureStore, build_feature_store, build_lock, coverage,
+                                    differing_fields, lock_path, partial_path, read_manifest, store_teacher)
 from training.arguments import features_parser
 from training.features import main
 from training.masks import IGNORE_INDEX
@@ -153,6 +153,24 @@ def test_final_hidden_states_are_the_targets_and_older_manifests_still_read(tmp_
     with pytest.raises(DDTreeError) as error:
         FeatureStore(plain).teacher(0)
     assert "distill_top_k" in one_line(error.value)
+
+
+def test_a_store_of_another_or_no_format_version_is_refused_not_misread(tmp_path):
+    """The layout's offsets and tensor names are those of FORMAT_VERSION: a manifest of another version, or one written
+    before the field existed, is refused with the rebuild to run rather than read as this layout."""
+    dm = make_datamodule(tmp_path)
+    out = build_feature_store(dm, tmp_path / "store", layer_ids=LAYER_IDS)
+    manifest = json.loads((out / "store.json").read_text())
+    for version in (FORMAT_VERSION + 1, None):
+        if version is None:
+            del manifest["format_version"]
+        else:
+            manifest["format_version"] = version
+        (out / "store.json").write_text(json.dumps(manifest))
+        with pytest.raises(DDTreeError) as error:
+            FeatureStore(out)
+        assert f"has format version {version}, this code reads {FORMAT_VERSION}" in one_line(error.value)
+        assert "--force" in one_line(error.value)
 
 
 def test_a_top_k_teacher_store_holds_the_targets_likeliest_next_tokens(tmp_path):

@@ -1471,6 +1471,22 @@ def test_under_gradient_accumulation_a_scheduled_step_is_measured_once(tmp_path)
     assert [r["step"] for r in evaluation.history] == [2, 4]
 
 
+def test_under_gradient_accumulation_a_scheduled_step_is_saved_once(tmp_path, monkeypatch):
+    """The micro-batches after step 2's optimizer step still read global_step 2: each saving it again would rewrite
+    step-2.ckpt and last.ckpt half-way into step 3 (a save per micro-batch, seconds to minutes each on the big
+    recipes), and a resume from them would skip the micro-batches already run, whose gradients no checkpoint holds."""
+    saves = []
+    save_checkpoint = L.Trainer.save_checkpoint
+
+    def recorded(trainer, filepath, *args, **kwargs):
+        saves.append((trainer.global_step, Path(filepath).name))
+        return save_checkpoint(trainer, filepath, *args, **kwargs)
+
+    monkeypatch.setattr(L.Trainer, "save_checkpoint", recorded)
+    canned_fit(tmp_path, 4, {2: {8: 1.0}, 4: {8: 2.0}}, batches=8, accumulate=2, save_top_k=2)  # 4 optimizer steps
+    assert saves == [(2, "step-2.ckpt"), (2, "last.ckpt"), (4, "step-4.ckpt"), (4, "last.ckpt")]
+
+
 def test_an_evaluation_off_the_validation_grid_records_no_validation_loss_as_its_own(tmp_path):
     """Validation at step 2, the run ends at 3: step 3's row must not show step 2's loss as its own."""
     evaluation = AcceptanceEvaluation(prompts=PROMPTS, every_n_train_steps=2, budgets=[4], primary_budget=4,

@@ -380,6 +380,19 @@ def test_a_static_verify_whose_padding_runs_past_the_cache_is_refused(tiny_targe
             runner.verify([14, 15, 16], torch.arange(6, 9), np.tril(np.ones((3, 3), dtype=bool)), 6)
 
 
+def test_a_static_prefill_whose_prompt_and_verify_overrun_the_cache_names_both(tiny_target):
+    """A prompt refused for the cache names its own length and the verify's rows apart: the user shortens the one
+    or sizes the budget down by the other."""
+    from ddtree.target_runner import StaticTarget
+
+    model, _ = tiny_target
+    runner = StaticTarget(model, hidden_states=False, max_rows=8, capacity=12, cuda_graph=False)
+    with torch.no_grad(), pytest.raises(
+        ValueError, match="^a 5-token prompt and 8 verify rows exceed the cache's 12 slots$"
+    ):
+        runner.prefill(list(range(10, 15)))
+
+
 @pytest.mark.parametrize("runner_kind", ["dynamic", "static"])
 def test_a_prefill_gives_the_plain_forwards_logits_and_hidden_states_even_after_a_longer_prompt(tiny_target,
                                                                                                runner_kind):

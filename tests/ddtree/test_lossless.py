@@ -13,6 +13,7 @@ from ddtree.decoding import DrafterRunner, OnlineCalibration, generate
 from ddtree.errors import DDTreeError
 from ddtree.packed_linear import pack_linears, packing_available
 from ddtree.sizing import TreeSizer
+from ddtree.target_runner import StaticTarget
 from ddtree.targets import stop_token_ids
 from rigged import RedraftRigged, RiggedDrafter, hf_greedy  # tests/rigged.py
 
@@ -370,8 +371,6 @@ def test_a_static_verify_whose_padding_runs_past_the_cache_is_refused(tiny_targe
     not as a verify of 8, which is refused before its forward writes past the buffers."""
     import numpy as np
 
-    from ddtree.target_runner import StaticTarget
-
     model, _ = tiny_target
     runner = StaticTarget(model, hidden_states=False, max_rows=8, capacity=12, cuda_graph=False)
     with torch.no_grad():
@@ -383,8 +382,6 @@ def test_a_static_verify_whose_padding_runs_past_the_cache_is_refused(tiny_targe
 def test_a_static_prefill_whose_prompt_and_verify_overrun_the_cache_names_both(tiny_target):
     """A prompt refused for the cache names its own length and the verify's rows apart: the user shortens the one
     or sizes the budget down by the other."""
-    from ddtree.target_runner import StaticTarget
-
     model, _ = tiny_target
     runner = StaticTarget(model, hidden_states=False, max_rows=8, capacity=12, cuda_graph=False)
     with torch.no_grad(), pytest.raises(

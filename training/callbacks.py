@@ -1283,6 +1283,10 @@ class BestCheckpoint(Checkpoint):
             return False
         if not os.path.lexists(path):
             return False
+        if os.path.islink(path):  # the strategy's remove follows the link and skips one that dangles
+            if trainer.is_global_zero:
+                os.unlink(path)
+            return True
         trainer.strategy.remove_checkpoint(path)
         return True
 

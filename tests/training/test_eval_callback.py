@@ -2287,3 +2287,15 @@ def test_a_stops_validation_loss_is_kept_under_the_stopped_steps_name(tmp_path):
     stopped = AcceptanceEvaluation.stop_val_loss_file(tmp_path, 8)
     assert stopped == tmp_path / "eval" / "stopped-at-step-000008.json"
     assert stopped != AcceptanceEvaluation.eval_file(tmp_path, 8)  # not an evaluation the card or `make ablate` reads
+
+
+def test_a_displaced_checkpoint_left_as_a_dangling_link_is_deleted(tmp_path):
+    """A run folder whose checkpoints were links into storage since moved away holds dangling links: the
+    displaced one is deleted all the same (and counted as deleted), not left behind as clutter the next
+    listing of the folder trips over."""
+    displaced = tmp_path / "step-2.ckpt"
+    displaced.symlink_to(tmp_path / "moved-away" / "step-2.ckpt")
+    trainer = L.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path)
+    assert BestCheckpoint.remove(trainer, str(displaced))
+    assert not os.path.lexists(displaced)

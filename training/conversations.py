@@ -336,7 +336,7 @@ def render_with_loss_mask(tokenizer, messages: list[dict], eot: str | None = Non
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     header = None  # the assistant header, found only where a prefix render cannot place the turn
     spans, cursor = [], 0  # (supervised from, reply text from, end-of-turn token from, turn end) in characters
-    last_turn = None  # (its decoding prompt, where its turn starts) for a last reply rendered after other text
+    last_turn = None  # (its decoding prompt, where the render ends as it does) for a last reply after other text
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
@@ -369,32 +369,29 @@ def render_with_loss_mask(tokenizer, messages: list[dict], eot: str | None = Non
         # Past the prompt decoding feeds, the template's text is the target's (it writes it after that prompt), and
         # so is whitespace (Llama-2-chat's ' ' after [/INST], written with the reply's first token).
         start = turn_from if decoding_prompt or not text[turn_from:reply_at].strip() else reply_at
-        if not decoding_prompt and prefix is not None:  # a header found by search (Mistral-v0.3's " ") can be the
-            # first of its text anywhere: where the render ends as decoding's prompt does, with only whitespace after
-            # it, the turn starts there, and the target's space is supervised with the reply's first word
-            end = prompt_end(text, prefix, turn_start, reply_at)
-            if end is not None and not text[end:reply_at].strip():
-                start = end
+        ends_as_prompt = None if decoding_prompt or prefix is None else prompt_end(text, prefix, turn_start, reply_at)
+        if ends_as_prompt is not None and not text[ends_as_prompt:reply_at].strip():  # a header found by search
+            # (Mistral-v0.3's " ") can be the first of its text anywhere: where the render ends as decoding's prompt
+            # does, with only whitespace after it, the turn starts there, and the target's space trains with the reply
+            start = ends_as_prompt
         spans.append((start, reply_at, eot_at, eot_at + len(eot)))
-        if prefix is not None and not decoding_prompt and i == len(messages) - 1:
-            last_turn = (prefix, turn_start)
+        if ends_as_prompt is not None and i == len(messages) - 1:
+            last_turn = (prefix, ends_as_prompt)
         cursor = eot_at + len(eot)
     if last_turn is not None:
         # The reply is trained after decoding's prompt itself, from where the render ends as that prompt does.
-        prompt, turn_start = last_turn
+        prompt, ends_as_prompt = last_turn
         _, reply_at, eot_at, end = spans[-1]
-        ends_as_prompt = prompt_end(text, prompt, turn_start, reply_at)
-        if ends_as_prompt is not None:
-            shift = len(prompt) - ends_as_prompt
-            text = prompt + text[ends_as_prompt:end]
-            spans = [(len(prompt), reply_at + shift, eot_at + shift, end + shift)]
-            if str(tokenizer.chat_template) not in OTHER_CONTEXT_WARNED:
-                OTHER_CONTEXT_WARNED.add(str(tokenizer.chat_template))
-                log.warning("the chat template of %r renders the turns before a conversation's last reply otherwise "
-                            "than the prompt decoding feeds the target (a system prompt written into the last user "
-                            "turn only, as Mistral-7B-Instruct-v0.3's is): that reply is trained after decoding's "
-                            "prompt, and the replies before it as context only; for each reply to train, give it a "
-                            "conversation of its own, ending with it", tokenizer.name_or_path)
+        shift = len(prompt) - ends_as_prompt
+        text = prompt + text[ends_as_prompt:end]
+        spans = [(len(prompt), reply_at + shift, eot_at + shift, end + shift)]
+        if str(tokenizer.chat_template) not in OTHER_CONTEXT_WARNED:
+            OTHER_CONTEXT_WARNED.add(str(tokenizer.chat_template))
+            log.warning("the chat template of %r renders the turns before a conversation's last reply otherwise "
+                        "than the prompt decoding feeds the target (a system prompt written into the last user "
+                        "turn only, as Mistral-7B-Instruct-v0.3's is): that reply is trained after decoding's "
+                        "prompt, and the replies before it as context only; for each reply to train, give it a "
+                        "conversation of its own, ending with it", tokenizer.name_or_path)
     # Tokenize piece by piece (unsupervised text, supervised reply, its end-of-turn token, ...): the prompt part then
     # has exactly the ids decoding feeds the target, and the answer the ids of its own text, with no BPE merge across
     # the boundary (which tokenizing the whole render at once can produce). In the reply, text that reads like a

@@ -2327,13 +2327,15 @@ def test_card_names_the_dtype_the_figures_were_measured_in_and_an_export_in_anot
     # a tree of no nodes is no decoding: the card would print a row for it
     (lambda record: record["summary"].update({"ddtree@0": {"tau": 2.0}}),
      "summary.ddtree@0 is not a decoding the card knows (dflash or ddtree@<node budget>)"),
+    # no chain row: the card's table opens with it, and would fail on its absence past this check
+    (lambda record: record["summary"].pop("dflash"), "summary.dflash (the chain's acceptance) is missing"),
     (lambda record: record["settings"].update(lookup="2"), "settings.lookup is '2', not a number"),
     (lambda record: record["settings"].update(prompts=None), "settings.prompts is None, not a file name"),
     (lambda record: record["summary"]["ddtree@4"].update(rounds="many"), "summary.ddtree@4.rounds is 'many', not a number"),
     (lambda record: record.update(settings=["prompts", "num_prompts"]), "settings.prompts is missing"),
     # a record copied over from another step: the card would print that step's figures as this one's
     (lambda record: record.update(step=1), 'expected an object with "step": 2'),
-], ids=["not-utf8", "budget-key", "budget-zero", "lookup-text", "prompts-null", "rounds-text", "settings-list", "other-step"])
+], ids=["not-utf8", "budget-key", "budget-zero", "chain-missing", "lookup-text", "prompts-null", "rounds-text", "settings-list", "other-step"])
 def test_a_damaged_evaluation_record_is_one_line_naming_its_file_and_field(run_dir, tmp_path, damage, expected):
     """A hand-edited or damaged eval/step-N.json was a traceback (UnicodeDecodeError, ValueError, TypeError) at export."""
     record = json.loads((run_dir / "eval" / "step-000002.json").read_text())

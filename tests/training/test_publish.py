@@ -1786,6 +1786,7 @@ def test_a_card_names_project_files_relative_even_through_a_link_that_leads_out(
         assert shown_path(str(REPO_ROOT / "data" / "eval_prompts.jsonl")) == "data/eval_prompts.jsonl"
         assert shown_path(str(outside / "p.jsonl")) == str(outside / "p.jsonl")  # outside the project: as it is
         assert shown_path("data/x.jsonl") == "data/x.jsonl"
+        assert shown_path(None) is None  # no warm start (init_from): the card says "no", not a traceback
     finally:
         link.unlink()
 

@@ -250,6 +250,9 @@ def test_bad_generate_keywords_are_one_line(tiny_target):
     drafting = Decoder(TARGET, "random", **SETTINGS, quiet=True)
     with pytest.raises(DDTreeError, match="online_calibration learns from a drafter's drafts"):
         drafting.generate(PROMPT, method="ar", online_calibration=True)
+    # dflash drafts too, and the error above names it as one online_calibration works with: it is taken
+    learned = drafting.generate(PROMPT, method="dflash", max_new_tokens=4, online_calibration=True)
+    assert learned.token_ids == drafting.generate(PROMPT, method="ar", max_new_tokens=4).token_ids
 
 
 def test_a_budget_of_one_node_decodes_the_greedy_reply(tiny_target):

@@ -74,6 +74,15 @@ def test_it_decodes_with_the_folders_corpus_as_the_command_does(capsys, tiny_tar
     assert f"tau {reply.tau:.2f}" in err, err  # the same rounds
 
 
+def test_corpus_true_is_the_folders_corpus(capsys, tiny_target, drafter_folder):
+    """corpus=True asks for the corpus the folder ships, as None does: it is neither a file to read (a missing file
+    named "True") nor a way to decode without it."""
+    write_replies(drafter_folder / CORPUS_FILE, [[5, 6, 7, 8, 9, 10]] * 3, tiny_target[1])
+    decoder = Decoder(TARGET, drafter_folder, **SETTINGS, corpus=True)
+    assert "[corpus] the drafter's corpus.safetensors: " in capsys.readouterr().err
+    assert decoder.drafter.default_corpus is not None
+
+
 def test_it_decodes_with_the_folders_calibration(capsys, tiny_target, drafter_folder):
     """calibration.json in the folder shapes and prices the trees (the expected tau), unless calibration=False."""
     calibration = with_temperatures({None: 3.0, 8: 3.0})  # much warmer than the raw logits

@@ -190,6 +190,14 @@ def test_token_ids_and_raw_text_prompts(tiny_target):
     assert decoder.generate("def square(x):", max_new_tokens=8).prompt_ids != ids  # the chat template around it
 
 
+def test_an_empty_raw_text_prompt_is_one_line():
+    """With chat=False no template adds a token to the text: an empty prompt leaves the target nothing to continue
+    from, and is refused naming chat=False rather than decoded from no tokens at all."""
+    decoder = Decoder(TARGET, **SETTINGS, quiet=True)
+    with pytest.raises(DDTreeError, match="prompt is empty, and with chat=False no chat template adds tokens to it"):
+        decoder.generate("", chat=False, max_new_tokens=4)
+
+
 def test_the_keywords_defaults_are_the_commands():
     """Each keyword is the `ddtree generate` flag of the same name, with its default; every test passed its own
     max_new_tokens, so generate's default could drift from the command's 256 (mutation review, E13)."""

@@ -198,6 +198,15 @@ def test_an_empty_raw_text_prompt_is_one_line():
         decoder.generate("", chat=False, max_new_tokens=4)
 
 
+def test_a_sized_decoder_decodes_ar_and_dflash_unsized(tiny_target):
+    """The tree sizer measured for ddtree is handed to ddtree only: ar and dflash draw no tree, and a sizer handed to
+    them is refused, so a Decoder with adaptive sizing could only decode ddtree."""
+    decoder = Decoder(TARGET, "random", **{**SETTINGS, "adaptive_size": "on"}, static_cache="off", quiet=True)
+    assert decoder.sizer is not None
+    replies = [decoder.generate(PROMPT, method=method, max_new_tokens=8).token_ids for method in ("ar", "dflash")]
+    assert replies[0] == replies[1] == decoder.generate(PROMPT, max_new_tokens=8).token_ids
+
+
 def test_the_keywords_defaults_are_the_commands():
     """Each keyword is the `ddtree generate` flag of the same name, with its default; every test passed its own
     max_new_tokens, so generate's default could drift from the command's 256 (mutation review, E13)."""

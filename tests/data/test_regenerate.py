@@ -127,6 +127,20 @@ def test_a_sampled_row_draws_from_its_own_generator_whatever_rows_are_beside_it(
     assert len({regenerate.prompt_seed(seed, f"p{i}") for seed in range(3) for i in range(100)}) == 300
 
 
+def test_check_reads_the_ids_the_generator_gives_prompts_without_one(tmp_path):
+    """--check digests the prompts without torch's imports; a prompt without an id must get there the id the generator
+    gave it (<file stem>-<line>, the id its reply is recorded and seeded under), else the data of any prompts file
+    without ids failed its check as edited."""
+    from training.conversations import read_messages_jsonl
+
+    prompts = tmp_path / "prompts.jsonl"
+    lines = [{"messages": [{"role": "user", "content": text}]} for text in ("Hi", "Name a prime.")]
+    prompts.write_text("\n".join([json.dumps(lines[0]), "", json.dumps({**lines[1], "id": None})]) + "\n")
+    generated = [{"id": r["id"], "messages": r["messages"]} for r in read_messages_jsonl(prompts)]
+    assert [r["id"] for r in generated] == ["prompts-1", "prompts-3"]
+    assert regenerate.read_prompts_torch_free(prompts, 2) == generated
+
+
 def test_a_prompt_seed_fits_a_signed_64_bit_seed_and_keeps_seed_and_id_apart():
     """vLLM takes a signed 64-bit seed; and with --seed and the id run together, seed 1 with id "11" drew the replies
     of seed 11 with id "1": a prompts file numbering its ids shared replies across seeds."""

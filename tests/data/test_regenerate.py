@@ -19,6 +19,7 @@ import regenerate  # noqa: E402
 
 from ddtree.decoding import Sampling  # noqa: E402
 from ddtree.errors import DDTreeError  # noqa: E402
+from training.conversations import read_messages_jsonl  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -131,8 +132,6 @@ def test_check_reads_the_ids_the_generator_gives_prompts_without_one(tmp_path):
     """--check digests the prompts without torch's imports; a prompt without an id must get there the id the generator
     gave it (<file stem>-<line>, the id its reply is recorded and seeded under), else the data of any prompts file
     without ids failed its check as edited."""
-    from training.conversations import read_messages_jsonl
-
     prompts = tmp_path / "prompts.jsonl"
     lines = [{"messages": [{"role": "user", "content": text}]} for text in ("Hi", "Name a prime.")]
     prompts.write_text("\n".join([json.dumps(lines[0]), "", json.dumps({**lines[1], "id": None})]) + "\n")

@@ -364,6 +364,17 @@ def test_a_store_of_fewer_sequences_names_the_first_the_data_has_more_of(tmp_pat
         one_line(error.value))
 
 
+def test_a_store_of_as_many_sequences_of_other_lengths_is_refused_at_the_first_that_differs(tmp_path):
+    """A store whose sequence count still matches the data's but whose lengths do not holds other tokens' features:
+    reused, it would hand each sequence rows of another length. The line names the first sequence that differs."""
+    store = FeatureStore(build_feature_store(make_datamodule(tmp_path), tmp_path / "store", layer_ids=LAYER_IDS))
+    lengths = [*store.lengths]
+    lengths[1] += 1
+    with pytest.raises(DDTreeError) as error:
+        store.check_matches((store.tokenization_key,), lengths)
+    assert f"{len(store)} sequences vs {len(store)}, first different length at sequence 1:" in one_line(error.value)
+
+
 def test_store_of_other_layers_or_with_soft_targets_stops_the_fit(tmp_path):
     store = build_feature_store(make_datamodule(tmp_path), tmp_path / "store", layer_ids=[0, 2])
     with pytest.raises(DDTreeError) as error:

@@ -201,6 +201,18 @@ def test_a_top_k_teacher_store_holds_the_targets_likeliest_next_tokens(tmp_path)
     assert "teacher_logits" not in json.loads((out / "store.json").read_text()) and store.teacher_logits is None
 
 
+def test_a_top_1_teacher_stores_items_carry_their_teacher(tmp_path):
+    """model.distill_top_k=1 is a teacher too (the target's argmax and its log-probability): the data's items read it
+    from the store as they do any k's, or a run distilling from it would find no teacher in its batches."""
+    out = build_feature_store(make_datamodule(tmp_path), tmp_path / "store", layer_ids=LAYER_IDS, teacher_top_k=1)
+    dm = make_datamodule(tmp_path, feature_store=str(out))
+    dm.setup("fit")
+    item, store = dm.train_set[0], FeatureStore(out)
+    ids, log_probs = store.teacher(dm.train_set.indices[0])
+    assert ids.shape == (len(item["input_ids"]), 1)
+    assert torch.equal(item["teacher_ids"], ids) and torch.equal(item["teacher_log_probs"], log_probs)
+
+
 @pytest.mark.parametrize("family, transform", [("gemma2", "final_logit_softcapping=30"), ("granite", "logits_scaling=16")])
 def test_a_top_k_store_of_a_target_that_transforms_its_logits_holds_its_forwards_distribution(tmp_path, family,
                                                                                               transform):

@@ -639,6 +639,16 @@ def test_a_resume_under_another_batch_size_or_number_of_ranks_is_refused_and_old
         assert sorted(seen + [item for batch in resumed for item in batch.tolist()]) == data
 
 
+def test_a_resume_from_another_store_share_on_another_number_of_ranks_names_the_devices():
+    """A loader of a time-boxed store's share resumed on other ranks with another share: the rank count alone already
+    moves every position, so the line names the data and devices, not a store to put back that would not suffice."""
+    saved = ResumableDataLoader(list(range(20)), EpochShuffleSampler(20, seed=0), ("store", 30), batch_size=2)
+    resumed = ResumableDataLoader(list(range(16)), EpochShuffleSampler(16, 0, rank=0, world_size=2), ("store", 30),
+                                  batch_size=2)
+    with pytest.raises(DDTreeError, match=r"20 sequences on 1 ranks, this run has 16 on 2: resume with the same data"):
+        resumed.load_state_dict(saved.state_dict())
+
+
 class SigtermMidItem(torch.utils.data.Dataset):
     """Four one-token sequences whose loader worker is sent SIGTERM as it reads each, as `timeout`, SLURM or scancel
     send it to the whole process group while a batch is being read."""

@@ -22,8 +22,9 @@ from types import SimpleNamespace
 import pytest
 
 from ddtree.errors import DDTreeError
-from ddtree.files import (atomic_file, cache_dir, check_output_file, check_output_folder, files_an_export_would_lose,
-                          free_bytes, not_a_file, path_argument, staged_folder, staging_owner, write_results_json)
+from ddtree.files import (WriteFailed, atomic_file, cache_dir, check_output_file, check_output_folder,
+                          files_an_export_would_lose, format_bytes, free_bytes, not_a_file, path_argument,
+                          refused_write_as_error, staged_folder, staging_owner, write_results_json)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -361,3 +362,10 @@ def test_the_refusal_counts_the_files_it_does_not_name(tmp_path):
         (tmp_path / f"notes-{n}.txt").write_text("mine")
     with pytest.raises(DDTreeError, match=r"notes-4\.txt and 2 more;"):
         check_output_folder(tmp_path, overwrite=True)
+
+
+def test_free_space_under_a_gigabyte_is_given_in_megabytes():
+    """A full disk's line says how much is free: a few megabytes read as "0.0 MB" said the disk had nothing left
+    when it had room for a smaller file."""
+    assert format_bytes(5_300_000) == "5.3 MB"
+    assert format_bytes(2_500_000_000) == "2.50 GB"

@@ -369,3 +369,13 @@ def test_free_space_under_a_gigabyte_is_given_in_megabytes():
     when it had room for a smaller file."""
     assert format_bytes(5_300_000) == "5.3 MB"
     assert format_bytes(2_500_000_000) == "2.50 GB"
+
+
+def test_a_write_to_a_read_only_filesystem_is_one_line_saying_to_make_it_writable(tmp_path):
+    """A read-only mount (a finished job's scratch, a squashfs) refuses a write as a full disk does: the user's to
+    fix, so one line with what to do, not a traceback that reads as a bug."""
+    with pytest.raises(WriteFailed) as failure:
+        with refused_write_as_error(tmp_path / "results.json"):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(tmp_path / "results.json"))
+    assert failure.value.remedy == "make its filesystem writable"
+    assert str(failure.value).startswith(f"cannot write {tmp_path / 'results.json'} (Read-only file system")

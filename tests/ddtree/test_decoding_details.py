@@ -201,6 +201,13 @@ def test_tokens_per_second_counts_the_prefills_time_with_its_token(tiny_target, 
     assert result.tokens_per_second <= 6 / 0.3, (result.prefill_s, result.decode_s)
 
 
+def test_tokens_per_second_of_a_reply_under_a_second_is_its_rate_not_zero():
+    """A short reply on a fast GPU takes well under a second: its tok/s is the tokens over that time, not 0 (which
+    read as a decoder that produced nothing)."""
+    result = ddtree.decoding.GenerationResult(prompt_ids=[1], new_tokens=[2, 3, 4, 5], prefill_s=0.1, decode_s=0.4)
+    assert result.tokens_per_second == pytest.approx(4 / 0.5)
+
+
 def test_a_rounds_other_time_leaves_out_its_verify(tiny_target, monkeypatch):
     """Round's split, which bench prints as its draft, verify and other columns: the target's forward is verify_s
     alone. Counted in other_s too, a round's three parts added up to more than the decoding took."""

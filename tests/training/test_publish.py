@@ -2478,3 +2478,12 @@ def test_the_cards_recipe_rows_state_the_runs_own_settings():
     assert "| loss decay gamma | 7.0 |" in rows
     assert "| hardware | 8 x gpu, 2 node(s), strategy ddp |" in rows
     assert "| LoRA | rank 16 (merged into these weights) |" in rows
+
+
+@pytest.mark.parametrize("given", ["RUN", "--out"])
+def test_a_run_or_an_out_alone_is_one_line_asking_for_both(tmp_path, capsys, given):
+    """With only one of RUN and --out the export has nowhere to read or write: one line naming both, exit status 2,
+    rather than a traceback from the missing path."""
+    argv = [str(tmp_path / "run")] if given == "RUN" else ["--out", str(tmp_path / "out")]
+    assert publish.main(argv) == 2
+    assert one_error_line(capsys) == "error: give the run folder and --out (make export RUN=... OUT=...)"

@@ -2487,3 +2487,12 @@ def test_a_run_or_an_out_alone_is_one_line_asking_for_both(tmp_path, capsys, giv
     argv = [str(tmp_path / "run")] if given == "RUN" else ["--out", str(tmp_path / "out")]
     assert publish.main(argv) == 2
     assert one_error_line(capsys) == "error: give the run folder and --out (make export RUN=... OUT=...)"
+
+
+def test_the_printed_serve_commands_name_the_repo_the_drafter_is_pushed_to(run_dir, tmp_path, capsys):
+    """With --repo the printed `vllm serve`/SGLang lines are what a user pastes on another machine: they name the Hub
+    repo, not this machine's export folder (which the card's own commands do not name either)."""
+    out = tmp_path / "export"
+    assert export(run_dir, out, "--ckpt", "last", "--repo", "tester/d") == 0
+    serve_lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[export] serve with")]
+    assert serve_lines and all("tester/d" in line and str(out) not in line for line in serve_lines)

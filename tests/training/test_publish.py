@@ -2496,3 +2496,9 @@ def test_the_printed_serve_commands_name_the_repo_the_drafter_is_pushed_to(run_d
     assert export(run_dir, out, "--ckpt", "last", "--repo", "tester/d") == 0
     serve_lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[export] serve with")]
     assert serve_lines and all("tester/d" in line and str(out) not in line for line in serve_lines)
+
+
+def test_push_only_without_a_repo_is_one_line_asking_for_one(tmp_path, capsys):
+    """--push-only has no repo to push to without --repo: said in one line before the folder is read or the Hub asked."""
+    assert publish.main(["--push-only", str(tmp_path)]) == 2
+    assert one_error_line(capsys) == "error: --push-only needs --repo user/name"

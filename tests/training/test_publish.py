@@ -2502,3 +2502,9 @@ def test_push_only_without_a_repo_is_one_line_asking_for_one(tmp_path, capsys):
     """--push-only has no repo to push to without --repo: said in one line before the folder is read or the Hub asked."""
     assert publish.main(["--push-only", str(tmp_path)]) == 2
     assert one_error_line(capsys) == "error: --push-only needs --repo user/name"
+
+
+def test_an_export_for_a_target_without_a_hub_id_says_to_give_base_model(run_dir, tmp_path, capsys):
+    """tiny-random has no Hub id, so the card cannot link the target: the export says which flag links it."""
+    assert export(run_dir, tmp_path / "export", "--ckpt", "last") == 0
+    assert "note: target 'tiny-random' has no Hub id; give --base-model owner/name" in capsys.readouterr().err

@@ -2499,7 +2499,8 @@ def test_the_printed_serve_commands_name_the_repo_the_drafter_is_pushed_to(run_d
 
 
 def test_push_only_without_a_repo_is_one_line_asking_for_one(tmp_path, capsys):
-    """--push-only has no repo to push to without --repo: said in one line before the folder is read or the Hub asked."""
+    """--push-only has no repo to push to without --repo: said in one line, before the folder is read or the Hub
+    asked."""
     assert publish.main(["--push-only", str(tmp_path)]) == 2
     assert one_error_line(capsys) == "error: --push-only needs --repo user/name"
 

@@ -511,6 +511,19 @@ def test_more_gpus_than_the_machine_has_is_one_line_naming_the_override(tmp_path
     assert not any(tmp_path.iterdir())
 
 
+def test_accelerator_auto_on_a_gpu_machine_is_held_to_its_gpus_too(monkeypatch):
+    """Lightning's auto picks the GPUs when torch sees one, so auto asking for more GPUs than the machine has is the
+    same mistake as gpu asking for them: one line naming the override, not Lightning's refusal as it builds."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(training.recipe.RecipeSettingError, match="trainer.devices=8 asks for 8 GPUs and this machine "
+                                                                  "has 1: add --trainer.devices=1"):
+        training.recipe.check_accelerator("auto", 8)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(training.recipe.RecipeSettingError, match="names GPU 3, and this machine has GPUs 0-1"):
+        training.recipe.check_accelerator("auto", [0, 3])
+
+
 @pytest.mark.parametrize("devices, missing", [("[0,3]", 3), ("0,3", 3), ("[0,2]", 2), ("0,2", 2)])  # 2: GPUs count from 0
 def test_a_devices_list_naming_a_gpu_the_machine_lacks_is_one_line(devices, missing, tmp_path, monkeypatch, capsys):
     """Two GPUs asked for on a two-GPU machine, but GPU 3 is not one of them: Lightning's own refusal names no fix."""

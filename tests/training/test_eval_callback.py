@@ -1267,6 +1267,16 @@ def test_why_no_best_blames_save_top_k_0_only_where_the_config_says_0(tmp_path):
         assert why_no_best(tmp_path) == said, config
 
 
+def test_why_no_best_counts_only_training_steps_not_a_later_make_eval(tmp_path):
+    """`make eval` writes eval/checkpoint-<name>.json into the same folder: a run that stopped before its first
+    evaluation and was then measured by hand evaluated no step, and blaming a failed save would send its user
+    looking for a disk fault."""
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "eval" / "checkpoint-last.json").write_text("{}")
+    (tmp_path / "report.md").write_text("stopped at step 1\n")
+    assert why_no_best(tmp_path).startswith("the run evaluated no step, so it ranked no checkpoint")
+
+
 def test_a_resume_that_ranks_by_another_budget_is_refused(tmp_path):
     canned_fit(tmp_path, 2, {2: {4: 1.2, 8: 3.0}})
     with pytest.raises(DDTreeError, match="ranked its checkpoints by val/tau_ddtree@8, the resume by val/tau_ddtree@4"):

@@ -1288,3 +1288,14 @@ def test_an_out_in_a_folder_of_the_users_under_eval_is_not_a_run_file():
     assert training.evaluate.is_run_file(Path("eval/abandoned-after-step-4/step-3.json"))
     assert training.evaluate.is_run_file(Path("eval/step-3.json"))
     assert not training.evaluate.is_run_file(Path("eval/bf16/step-3.json"))
+
+
+def test_a_run_whose_only_save_a_cut_short_deepspeed_last_ckpt_is_named_not_called_empty(tmp_path):
+    """checkpoint.save_top_k 0 keeps last.ckpt only: when its first DeepSpeed save is killed, the run folder holds a
+    last.ckpt/ with its `saving` marker and no `latest`. The refusal names it, so the user knows a save began and the
+    run folder cannot be resumed; "no checkpoint yet" sent them looking for a save that never ran."""
+    cut = make_run(tmp_path / "outputs", "cut", {})
+    (cut / "checkpoints" / "last.ckpt").mkdir()
+    (cut / "checkpoints" / "last.ckpt" / SAVING_MARKER).write_text("")
+    with pytest.raises(DDTreeError, match=r"no whole checkpoint: last.ckpt in checkpoints/ is a save cut short"):
+        find_resume(str(cut), tmp_path / "outputs")

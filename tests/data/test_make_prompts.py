@@ -286,3 +286,16 @@ def test_an_output_path_that_is_a_folder_is_one_line_before_any_work(tmp_path, c
     assert err == (f"error: {flag} {tmp_path / 'adir'} is a folder; give the path of the JSONL file to write "
                    f"({tmp_path / 'adir' / 'prompts.jsonl'}, say)")
     assert [path.name for path in tmp_path.iterdir()] == ["adir"] and not any((tmp_path / "adir").iterdir())
+
+
+def test_a_module_in_both_lists_is_named_alone(monkeypatch):
+    """A maintainer who adds a module to EVAL_MODULES that TRAIN_MODULES holds is told that module, the one to move,
+    not every module of both lists."""
+    from ddtree.errors import DDTreeError
+
+    shared = make_prompts.TRAIN_MODULES[0]
+    monkeypatch.setattr(make_prompts, "EVAL_MODULES", [*make_prompts.EVAL_MODULES, shared])
+    with pytest.raises(DDTreeError) as error:
+        make_prompts.build(0, 8, 8, 8)
+    assert str(error.value) == (f"make_prompts.py: [{shared!r}] are in both TRAIN_MODULES and EVAL_MODULES; keep each "
+                                "module in one list")

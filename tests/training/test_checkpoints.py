@@ -1299,3 +1299,18 @@ def test_a_run_whose_only_save_a_cut_short_deepspeed_last_ckpt_is_named_not_call
     (cut / "checkpoints" / "last.ckpt" / SAVING_MARKER).write_text("")
     with pytest.raises(DDTreeError, match=r"no whole checkpoint: last.ckpt in checkpoints/ is a save cut short"):
         find_resume(str(cut), tmp_path / "outputs")
+
+
+def test_a_linked_checkpoint_outside_a_run_names_the_folder_its_config_is_missing_from(tmp_path):
+    """A checkpoint reached through a link is read from where the link points, so the missing config.yaml is the one
+    beside that run's checkpoints/, not beside the link: the user is sent to the folder that needs it."""
+    real = tmp_path / "copied" / "checkpoints" / "step-2.ckpt"
+    real.parent.mkdir(parents=True)
+    torch.save({"global_step": 2}, real)
+    link = tmp_path / "links" / "a" / "step-2.ckpt"
+    link.parent.mkdir(parents=True)
+    link.symlink_to(real)
+    with pytest.raises(DDTreeError) as error:
+        find_resume(str(link), tmp_path / "outputs")
+    assert str(error.value) == (f"--resume {link}: {(tmp_path / 'copied').resolve()}/config.yaml is missing, so the run "
+                                "cannot be resumed exactly")

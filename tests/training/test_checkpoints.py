@@ -1314,3 +1314,18 @@ def test_a_linked_checkpoint_outside_a_run_names_the_folder_its_config_is_missin
         find_resume(str(link), tmp_path / "outputs")
     assert str(error.value) == (f"--resume {link}: {(tmp_path / 'copied').resolve()}/config.yaml is missing, so the run "
                                 "cannot be resumed exactly")
+
+
+def test_a_last_ckpt_that_is_an_empty_zip_is_refused_as_unreadable(tmp_path):
+    """A zip archive with no entries (a copy that wrote only the directory) holds no state: its directory reads, but
+    a Lightning resume or an evaluation of it would fail after the model loaded. It is refused up front, naming the
+    run's readable checkpoint instead."""
+    import zipfile
+
+    run = make_run(tmp_path / "outputs", "run", {"checkpoints/step-2.ckpt": 100, "checkpoints/last.ckpt": 200})
+    last = run / "checkpoints" / "last.ckpt"
+    zipfile.ZipFile(last, "w").close()
+    with pytest.raises(DDTreeError) as error:
+        find_checkpoint("last", tmp_path / "outputs")
+    assert str(error.value) == (f"CKPT=last: checkpoint {last} is unreadable (truncated?); give an earlier one as CKPT: "
+                                f"{run / 'checkpoints' / 'step-2.ckpt'}")

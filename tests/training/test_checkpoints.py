@@ -1329,3 +1329,12 @@ def test_a_last_ckpt_that_is_an_empty_zip_is_refused_as_unreadable(tmp_path):
         find_checkpoint("last", tmp_path / "outputs")
     assert str(error.value) == (f"CKPT=last: checkpoint {last} is unreadable (truncated?); give an earlier one as CKPT: "
                                 f"{run / 'checkpoints' / 'step-2.ckpt'}")
+
+
+def test_make_export_takes_best_and_last_that_are_deepspeed_folders(tmp_path):
+    """Under a DeepSpeed strategy last.ckpt and the step best.ckpt links to are folders of shards: CKPT=best and
+    CKPT=last take them as they take a .ckpt file, not report that they do not exist."""
+    run = make_run(tmp_path, "run", {"checkpoints/step-2.ckpt/": 100, "checkpoints/last.ckpt/": 200},
+                   best="step-2.ckpt")
+    assert find_run_checkpoint(run, "last") == ((run / "checkpoints" / "last.ckpt").resolve(), "last")
+    assert find_run_checkpoint(run, "best") == ((run / "checkpoints" / "step-2.ckpt").resolve(), "best -> step-2.ckpt")

@@ -16,6 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "data"))
 import make_prompts  # noqa: E402
 
+from ddtree.errors import DDTreeError  # noqa: E402
+
 
 def contents(records):
     return [r["messages"][0]["content"] for r in records]
@@ -291,8 +293,6 @@ def test_an_output_path_that_is_a_folder_is_one_line_before_any_work(tmp_path, c
 def test_a_module_in_both_lists_is_named_alone(monkeypatch):
     """A maintainer who adds a module to EVAL_MODULES that TRAIN_MODULES holds is told that module, the one to move,
     not every module of both lists."""
-    from ddtree.errors import DDTreeError
-
     shared = make_prompts.TRAIN_MODULES[0]
     monkeypatch.setattr(make_prompts, "EVAL_MODULES", [*make_prompts.EVAL_MODULES, shared])
     with pytest.raises(DDTreeError) as error:

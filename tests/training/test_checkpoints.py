@@ -15,6 +15,7 @@ import re
 import shutil
 import sys
 import types
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -1320,8 +1321,6 @@ def test_a_last_ckpt_that_is_an_empty_zip_is_refused_as_unreadable(tmp_path):
     """A zip archive with no entries (a copy that wrote only the directory) holds no state: its directory reads, but
     a Lightning resume or an evaluation of it would fail after the model loaded. It is refused up front, naming the
     run's readable checkpoint instead."""
-    import zipfile
-
     run = make_run(tmp_path / "outputs", "run", {"checkpoints/step-2.ckpt": 100, "checkpoints/last.ckpt": 200})
     last = run / "checkpoints" / "last.ckpt"
     zipfile.ZipFile(last, "w").close()

@@ -290,7 +290,13 @@ def test_a_calibration_files_chain_temperature_scales_the_chain_and_its_budgets_
     assert calibration.temperature(OnlineCalibration.shape("chain", 32)) == pytest.approx(0.5)
 
 
-
+def test_a_frozen_calibration_prices_a_depth_it_never_saw_by_the_same_lookups_deepest_depth():
+    """The context and corpus lookups are accepted at their own rates (a corpus reply copied in is followed far less
+    often than the prompt's own text), so an unseen depth takes its own lookup's deepest chance, not another's."""
+    calibration = OnlineCalibration.from_state({"temperatures": {}, "graft_acceptance": {
+        "context": {"1": [9, 10]}, "corpus": {"2": [0, 10]}}})
+    assert calibration.graft_log_prob("context", 3) == pytest.approx(math.log(10 / 12))
+    assert calibration.graft_log_prob("corpus", 3) == pytest.approx(math.log(1 / 12))
 @pytest.mark.parametrize("learned, now, noted", [
     ({"temperature": 0, "top_p": 1.0, "top_k": 0}, {"temperature": 0.7, "top_p": 0.9, "top_k": 20},
      ["temperature 0 here 0.7", "top_p 1.0 here 0.9", "top_k 0 here 20"]),

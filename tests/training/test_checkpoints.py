@@ -433,6 +433,14 @@ def test_a_refused_evaluation_write_in_a_run_with_a_checkpoint_says_resume_not_s
     assert after_a_refused_save(run / "eval" / "step-000006.json").startswith("the previous checkpoints are whole")
 
 
+def test_a_refused_save_in_a_run_with_a_whole_checkpoint_says_to_resume_it_not_to_start_again(tmp_path):
+    """The remedy is what the user runs next: "start it again" there would train from step 0 and drop the steps the
+    whole checkpoint holds, so the line must name --resume of the run folder."""
+    run = make_run(tmp_path, "r", {"checkpoints/last.ckpt": 100}, steps={"checkpoints/last.ckpt": 4})
+    line = after_a_refused_save(run / "checkpoints" / "step-000006.ckpt")
+    assert line.endswith("make room and resume the run (--resume <run folder>)") and "start it again" not in line
+
+
 def test_a_remote_checkpoint_path_is_saved_remotely_not_into_a_local_folder(tmp_path, monkeypatch):
     import fsspec
 

@@ -465,6 +465,15 @@ def test_a_resume_given_target_layer_ids_is_not_given_the_checkpoints_instead(tm
         assert training.train.run_layer_ids(saved, config, given) == [], given
 
 
+def test_a_warm_started_runs_config_naming_init_from_gets_no_layer_ids_added_on_resume(tmp_path):
+    """A warm start's layers are its init_from drafter's: the resume adds no --model.target_layer_ids beside the
+    init_from its config.yaml names, as it adds none beside one the command gives."""
+    config = tmp_path / "config.yaml"
+    config.write_text("model:\n  target_layer_ids: null\n  init_from: outputs/tiny/a/drafter\n")
+    saved = {"drafter_config": {"dflash_config": {"target_layer_ids": [1, 2, 2, 2, 3]}}}
+    assert training.train.run_layer_ids(saved, config, []) == []
+
+
 def test_a_warm_started_runs_resume_keys_its_store_by_the_checkpoints_layers_not_the_gone_init_from(tmp_path,
                                                                                                     monkeypatch):
     """A warm start's resume builds its drafter from the checkpoint (DistillModule.configure_model), as its init_from

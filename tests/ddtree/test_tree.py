@@ -279,8 +279,6 @@ def test_a_budget_between_two_calibrated_ones_takes_the_nearest_and_on_a_tie_the
     assert calibration.temperature(11) == pytest.approx(1.5) and calibration.temperature(13) == pytest.approx(0.8)
 
 
-
-
 def test_a_calibration_files_chain_temperature_scales_the_chain_and_its_budgets_the_ddtree_trees():
     """The file keeps the chain's temperature under "chain" and a ddtree tree's under its budget: the decoding loop
     looks one up by OnlineCalibration.shape(method, budget), so a mix-up there cools the trees by the chain's
@@ -297,6 +295,8 @@ def test_a_frozen_calibration_prices_a_depth_it_never_saw_by_the_same_lookups_de
         "context": {"1": [9, 10]}, "corpus": {"2": [0, 10]}}})
     assert calibration.graft_log_prob("context", 3) == pytest.approx(math.log(10 / 12))
     assert calibration.graft_log_prob("corpus", 3) == pytest.approx(math.log(1 / 12))
+
+
 @pytest.mark.parametrize("learned, now, noted", [
     ({"temperature": 0, "top_p": 1.0, "top_k": 0}, {"temperature": 0.7, "top_p": 0.9, "top_k": 20},
      ["temperature 0 here 0.7", "top_p 1.0 here 0.9", "top_k 0 here 20"]),

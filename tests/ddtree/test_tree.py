@@ -271,6 +271,19 @@ def test_the_temperature_bound_is_the_e2_that_files_and_their_refusal_name(tmp_p
         load_calibration(path)
 
 
+def test_a_calibration_file_written_before_decoded_with_keeps_the_sampling_and_dtype_recorded_beside_it(tmp_path):
+    """Files from before decoded_with record the temperature and dtype at the top level: dropping either would decode
+    a float32-learned file in bfloat16 (or a sampled one greedily) without the note that the expected tau is off."""
+    from ddtree.calibration import load_calibration
+
+    path = tmp_path / "calibration.json"
+    path.write_text('{"format_version": 1, "temperatures": {"8": 1.0}, "graft_acceptance": {}, "temperature": 0.7, '
+                    '"dtype": "float32", "decoded_with": {"lookup": 0}}')
+    calibration = load_calibration(path)
+    assert calibration.decoded_with == {"temperature": 0.7, "dtype": "float32", "lookup": 0}
+    assert calibration.differences({"dtype": "bfloat16"}) == ["dtype float32 here bfloat16"]
+
+
 def test_a_budget_between_two_calibrated_ones_takes_the_nearest_and_on_a_tie_the_smaller():
     """The nearest budget's temperature, and on a tie the smaller budget's (the key (distance, budget)): which of two
     equidistant budgets it takes is fixed, not left to the order of the file's keys."""

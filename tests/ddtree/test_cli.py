@@ -2142,6 +2142,17 @@ def test_the_weights_fingerprint_tells_apart_weights_that_differ_past_the_header
         assert fingerprint(f"{size}-after", bytes(data)) != before, (size, changed)
 
 
+def test_the_weights_fingerprint_reads_a_drafter_saved_as_pytorch_bin(tmp_path):
+    """A drafter saved without safetensors holds pytorch_model.bin: read as no weights (None), retrained .bin weights
+    would keep the old calibration file with no note that it was learned on other weights."""
+    from ddtree.calibration import weights_fingerprint
+
+    (tmp_path / "pytorch_model.bin").write_bytes(random.Random(0).randbytes(1000))
+    before = weights_fingerprint(tmp_path)
+    (tmp_path / "pytorch_model.bin").write_bytes(random.Random(1).randbytes(1000))
+    assert before is not None and weights_fingerprint(tmp_path) != before
+
+
 def test_the_weights_fingerprint_leaves_out_the_folders_corpus(tmp_path):
     """The corpus an export ships beside the weights (corpus.safetensors) is no weight: one added or replaced after
     `ddtree calibrate` must not make the calibration read as learned on other weights (a false note on every decode)."""

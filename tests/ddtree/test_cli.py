@@ -2168,6 +2168,9 @@ def test_the_weights_fingerprint_leaves_out_the_folders_corpus(tmp_path):
     ({"temperatures": {"8": 1.0}}, "missing field graft_acceptance"),
     ([], "it holds [], not a JSON object"),  # [] and {} were taken as no calibration, without a word
     ({}, "missing field temperatures"),
+    # read as given, it failed later with a traceback where decoding compared the settings it was learned with
+    ({"temperatures": {"8": 1.0}, "graft_acceptance": {}, "decoded_with": ["lookup"]},
+     "decoded_with ['lookup'] is not an object of the lookup, redraft and corpus it was learned with"),
 ])
 def test_a_broken_calibration_in_the_drafters_config_names_the_folder_and_field(capsys, tmp_path, tiny_target,
                                                                                  calibration, message):

@@ -16,6 +16,8 @@ import torch
 import ddtree.cli
 import ddtree.errors
 import ddtree.precision
+from ddtree.calibration import (CALIBRATION_FILE, CARD_NOTE, FORMAT_VERSION, OnlineCalibration, load_calibration,
+                                save_calibration, weights_fingerprint)
 from ddtree.cli import TextStream, load_drafter, main
 from ddtree.corpus import CORPUS_FILE, write_replies
 from ddtree.modeling_dflash import DFlashDraftModel
@@ -887,7 +889,6 @@ def test_generate_hands_every_decoding_flag_to_the_decoding(capsys, monkeypatch,
     no test saw any of them (mutation review, gaps 2, 3 and 5). What the command hands to decoding is recorded here."""
     import inspect
 
-    from ddtree.calibration import OnlineCalibration
     from ddtree.decoding import Sampling
     from ddtree.sizing import TreeSizer
     from ddtree.targets import stop_token_ids
@@ -1106,8 +1107,6 @@ def test_bench_records_which_prompts_and_drafter_weights_its_paths_held(capsys, 
     """results.json held the --prompts and --drafter paths alone: a prompts file edited in place (or another fed through
     the same pipe) and a drafter folder retrained in place gave settings that differed in --out alone."""
     from ddtree.bench import load_prompts, prompts_fingerprint
-    from ddtree.calibration import weights_fingerprint
-
     torch.manual_seed(0)
     folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
 
@@ -1699,8 +1698,6 @@ def test_bench_counts_the_prompts_where_a_method_committed_other_tokens_than_ar(
 
 def test_calibrate_writes_the_folders_calibration_which_bench_uses_unless_told_none(capsys, tmp_path, tiny_target,
                                                                                     prompts_file, monkeypatch):
-    from ddtree.calibration import CALIBRATION_FILE, OnlineCalibration, load_calibration
-
     torch.manual_seed(0)  # the weights replaced below are drawn after seed 1: a run whose RNG stood there failed
     folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
     common = ["--target", TARGET, "--drafter", str(folder), "--prompts", str(prompts_file), "--dtype", "float32",
@@ -1807,8 +1804,6 @@ def test_calibrate_learns_with_the_settings_a_default_generate_decodes_with(caps
     """calibrate defaulted to --adaptive-size off and generate to auto, which on a CPU sizes the trees and so leaves
     re-drafting off: a drafter trained to re-draft was calibrated on re-drafted trees, and every default generate after
     it printed the mismatch note (found in a review). Explicit flags still choose."""
-    from ddtree.calibration import CALIBRATION_FILE
-
     folder, common, calibrate = redrafting_drafter(tmp_path, tiny_target, prompts_file)
     generate = ["generate", *common, "--prompt", "Hi", "--budget", "8", "--max-new-tokens", "4"]
     learned = lambda: json.loads((folder / CALIBRATION_FILE).read_text())["decoded_with"]  # noqa: E731
@@ -1840,7 +1835,6 @@ def test_calibrate_says_in_an_exports_card_that_its_figures_were_measured_withou
     """The card kept saying its figures were what `ddtree` decodes this drafter to; after `ddtree calibrate` it decodes
     calibrated by default, at another tau (found in a review: 2.938 against the card's 2.984). The card says so, once
     however often it is calibrated; a README.md that is not an export's card is left as it is."""
-    from ddtree.calibration import CARD_NOTE
     from ddtree.names import REPO_MARK
 
     folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
@@ -1870,8 +1864,6 @@ def test_the_calibration_note_names_the_flags_that_clear_it(capsys, tmp_path, ti
     """The note said `run ddtree calibrate --overwrite with these settings`: after a default calibrate (generate's
     sized trees, no re-drafting) a default bench re-drafts, and the bare command it seemed to ask for learned redraft 0
     again, so the note came back (found in a review). It names the flags; run as it says, the note is gone."""
-    from ddtree.calibration import CALIBRATION_FILE
-
     folder, common, calibrate = redrafting_drafter(tmp_path, tiny_target, prompts_file)
     bench = ["bench", *common, "--prompts", str(prompts_file), "--limit", "1", "--methods", "ddtree", "--budgets", "8",
              "--max-new-tokens", "4"]
@@ -1903,8 +1895,6 @@ def test_a_calibration_learned_at_another_sampling_or_dtype_is_noted_with_the_fl
     graft tables priced a sampled acceptance (expected tau 4.12 where 7.23 was measured; found in a review). The file
     records the sampling, target and dtype, and decoding with others is noted as other lookups are. Sampled calibration
     is kept (it prices a server that samples); the replayed calibration of a drafter's config is greedy decoding's."""
-    from ddtree.calibration import CALIBRATION_FILE
-
     folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
     common = ["--target", TARGET, "--drafter", str(folder), "--dtype", "float32", "--adaptive-size", "off"]
     calibrate = ["calibrate", *common, "--prompts", str(prompts_file), "--budgets", "8", "--max-new-tokens", "8",
@@ -1978,8 +1968,6 @@ def test_calibrate_leaves_a_file_another_run_wrote_while_it_decoded_unless_told_
     replaced, as docs/decoding.md says and bench --out does; it was refused, asking for the --overwrite already given,
     and what the run learned was lost (found in a later review)."""
     import ddtree.cli
-    from ddtree.calibration import CALIBRATION_FILE
-
     folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
     theirs = '{"format_version": 1, "temperatures": {"8": 1.5}, "graft_acceptance": {}}'
     decode = ddtree.cli.run_benchmark
@@ -2015,8 +2003,6 @@ def test_calibrate_leaves_a_file_another_run_wrote_while_it_decoded_unless_told_
     '{"format_version": 1, "temperatures": {"8": 1.0}, "graft_acceptance": {}, "decoded_with": ["lookup"]}',
 ])
 def test_a_broken_calibration_file_is_one_line(capsys, tmp_path, tiny_target, prompts_file, content):
-    from ddtree.calibration import CALIBRATION_FILE
-
     folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
     (folder / CALIBRATION_FILE).write_text(content)
     line = _bad(capsys, "generate", "--target", TARGET, "--drafter", str(folder), "--prompt", "Hi", "--max-new-tokens", "2")
@@ -2025,8 +2011,6 @@ def test_a_broken_calibration_file_is_one_line(capsys, tmp_path, tiny_target, pr
 
 def test_generate_online_calibration_starts_from_the_folders_calibration(capsys, tmp_path, tiny_target, monkeypatch):
     import ddtree.cli
-    from ddtree.calibration import CALIBRATION_FILE, OnlineCalibration, save_calibration
-
     folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
     shipped = OnlineCalibration()
     shipped.log_temperatures[32] = 0.5
@@ -2048,8 +2032,6 @@ def test_generate_online_calibration_starts_from_the_folders_calibration(capsys,
 
 
 def test_calibrate_bad_input_is_one_line_and_writes_nothing(capsys, tmp_path, tiny_target, prompts_file):
-    from ddtree.calibration import CALIBRATION_FILE
-
     folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
     common = ["--target", TARGET, "--prompts", str(prompts_file), "--dtype", "float32", "--max-new-tokens", "4"]
     assert "give --drafter FOLDER, not random" in _bad(capsys, "calibrate", *common)
@@ -2085,8 +2067,6 @@ def test_calibrate_bad_input_is_one_line_and_writes_nothing(capsys, tmp_path, ti
 
 def test_a_calibration_temperature_too_large_for_a_float_is_one_line(tmp_path):
     """An OverflowError from math.isfinite before."""
-    from ddtree.calibration import FORMAT_VERSION, load_calibration
-
     path = tmp_path / "calibration.json"
     path.write_text(json.dumps({"format_version": FORMAT_VERSION, "temperatures": {"32": 10 ** 400}, "graft_acceptance": {}}))
     with pytest.raises(DDTreeError, match=f"calibration file {path} cannot be read"):
@@ -2114,8 +2094,6 @@ def test_a_calibration_temperature_too_large_for_a_float_is_one_line(tmp_path):
      "temperature chain: 0.1 is not a number within e^-2..e^2"),
 ])
 def test_a_calibration_files_bad_field_is_named(tmp_path, content, message):
-    from ddtree.calibration import load_calibration
-
     path = tmp_path / "calibration.json"
     path.write_text(content)
     with pytest.raises(DDTreeError) as error:
@@ -2128,8 +2106,6 @@ def test_the_weights_fingerprint_tells_apart_weights_that_differ_past_the_header
     """A calibration file learned on other weights is noted by this fingerprint: weights of one size and header
     (retrained, or another seed) differ past the header's chunk. It reads 16 chunks of 64 KiB spread over each file:
     the whole of a 1 MiB one, and the end of a larger one."""
-    from ddtree.calibration import weights_fingerprint
-
     def fingerprint(name: str, data: bytes) -> str:
         (tmp_path / name).mkdir()
         (tmp_path / name / "model.safetensors").write_bytes(data)
@@ -2145,8 +2121,6 @@ def test_the_weights_fingerprint_tells_apart_weights_that_differ_past_the_header
 def test_the_weights_fingerprint_reads_a_drafter_saved_as_pytorch_bin(tmp_path):
     """A drafter saved without safetensors holds pytorch_model.bin: read as no weights (None), retrained .bin weights
     would keep the old calibration file with no note that it was learned on other weights."""
-    from ddtree.calibration import weights_fingerprint
-
     (tmp_path / "pytorch_model.bin").write_bytes(random.Random(0).randbytes(1000))
     before = weights_fingerprint(tmp_path)
     (tmp_path / "pytorch_model.bin").write_bytes(random.Random(1).randbytes(1000))
@@ -2156,8 +2130,6 @@ def test_the_weights_fingerprint_reads_a_drafter_saved_as_pytorch_bin(tmp_path):
 def test_the_weights_fingerprint_leaves_out_the_folders_corpus(tmp_path):
     """The corpus an export ships beside the weights (corpus.safetensors) is no weight: one added or replaced after
     `ddtree calibrate` must not make the calibration read as learned on other weights (a false note on every decode)."""
-    from ddtree.calibration import weights_fingerprint
-
     (tmp_path / "model.safetensors").write_bytes(random.Random(0).randbytes(1000))
     before = weights_fingerprint(tmp_path)
     (tmp_path / CORPUS_FILE).write_bytes(random.Random(1).randbytes(1000))

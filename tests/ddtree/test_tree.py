@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from ddtree.calibration import load_calibration, save_calibration
 from ddtree.target_runner import DynamicTarget, StaticTarget
 from ddtree.decoding import OnlineCalibration, draft_tree
 from ddtree.errors import DDTreeError
@@ -216,8 +217,6 @@ def test_a_verified_round_teaches_each_lookup_from_the_path_it_grafted():
 
 
 def test_a_calibration_saved_and_loaded_scores_alike_and_learns_nothing_more_when_frozen(tmp_path):
-    from ddtree.calibration import load_calibration, save_calibration
-
     online = OnlineCalibration()
     online.observe(32, expected=3.0, accepted_length=1)  # over-confident: warmed
     online.observe(None, expected=1.0, accepted_length=2)  # under-confident: cooled
@@ -245,8 +244,6 @@ def test_a_calibration_saved_and_loaded_scores_alike_and_learns_nothing_more_whe
 def test_a_drafter_wrong_round_after_round_stops_at_the_temperature_bounds_a_file_can_hold(tmp_path):
     """Learning keeps log T within +-LOG_LIMIT: past it, a drafter far over- or under-confident would warm or cool
     without end, and `ddtree calibrate` would write a temperature its own file check (e^-2..e^2) refuses to load."""
-    from ddtree.calibration import load_calibration, save_calibration
-
     online = OnlineCalibration()
     for _ in range(200):  # each round moves log T by RATE x 8: 16 in all, either way
         online.observe(32, expected=9.0, accepted_length=1)
@@ -259,8 +256,6 @@ def test_a_drafter_wrong_round_after_round_stops_at_the_temperature_bounds_a_fil
 def test_the_temperature_bound_is_the_e2_that_files_and_their_refusal_name(tmp_path):
     """Learning and the file check share one bound, and it is the e^-2..e^2 the refusal names: a wider one would load
     a hand-edited temperature of 10, outside the range that line states, and learn files an older `ddtree` refuses."""
-    from ddtree.calibration import load_calibration
-
     online = OnlineCalibration()
     for _ in range(200):
         online.observe(32, expected=9.0, accepted_length=1)
@@ -274,8 +269,6 @@ def test_the_temperature_bound_is_the_e2_that_files_and_their_refusal_name(tmp_p
 def test_a_calibration_file_written_before_decoded_with_keeps_the_sampling_and_dtype_recorded_beside_it(tmp_path):
     """Files from before decoded_with record the temperature and dtype at the top level: dropping either would decode
     a float32-learned file in bfloat16 (or a sampled one greedily) without the note that the expected tau is off."""
-    from ddtree.calibration import load_calibration
-
     path = tmp_path / "calibration.json"
     path.write_text('{"format_version": 1, "temperatures": {"8": 1.0}, "graft_acceptance": {}, "temperature": 0.7, '
                     '"dtype": "float32", "decoded_with": {"lookup": 0}}')

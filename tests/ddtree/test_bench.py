@@ -715,6 +715,33 @@ def test_the_trees_overhead_is_the_median_of_its_repeats(tiny_target, monkeypatc
     assert row["overhead_ms"] == pytest.approx(20.0)
 
 
+def test_the_trees_overhead_counts_the_cache_compaction_after_the_walk(tiny_target, monkeypatch):
+    """Every round compacts the cache to the accepted path (runner.keep), so `ddtree verify-cost`'s overhead column
+    holds that time too: the build alone understates what each round costs beside its verify."""
+    import time
+
+    import ddtree.sizing as sizing
+
+    monkeypatch.setattr(sizing, "verify_seconds", lambda runner, tree, context, repeats: 0.010)
+    clock, probe_runner = [0.0], sizing.probe_runner
+
+    def slow_compaction_runner(*args):
+        runner = probe_runner(*args)
+        keep = runner.keep
+
+        def timed_keep(*keep_args):
+            clock[0] += 0.005
+            return keep(*keep_args)
+
+        runner.keep = timed_keep
+        return runner
+
+    monkeypatch.setattr(sizing, "probe_runner", slow_compaction_runner)
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    [row] = measure_verify_cost(tiny_target[0], [4], context=8, repeats=3)
+    assert row["overhead_ms"] == pytest.approx(5.0)
+
+
 @pytest.mark.skipif(not packing_available(), reason="this torch has no oneDNN packing")
 def test_the_packed_comparison_times_each_model_alike_and_reads_plain_over_packed(tiny_target, monkeypatch):
     """`ddtree verify-cost --compare-plain`: only the rows' sizes were checked, so plain and packed timed on one model,

@@ -23,6 +23,7 @@ from training.conversations import (
     load_conversations,
     read_messages_jsonl,
     render_with_loss_mask,
+    rows_to_records,
     tokenize_conversations,
 )
 
@@ -912,3 +913,14 @@ def test_a_reply_with_exactly_min_supervised_tokens_cut_by_max_length_is_counted
     supervised, last_supervised = sum(whole["loss_mask"]), max(i for i, bit in enumerate(whole["loss_mask"]) if bit)
     with pytest.raises(DDTreeError, match=r"\(1 of them because truncation cut their reply\)"):
         tokenize_conversations(smol_tokenizer, [{"messages": CONVERSATION}], last_supervised, supervised)
+
+
+@pytest.mark.parametrize("ids", ["12 13", b"\x0c\x0d"])
+def test_response_ids_held_as_text_or_bytes_are_one_line_naming_the_row(ids):
+    """A table whose response_ids column was written as a string or a binary column iterates to characters or byte
+    values, which read as token ids would train the drafter on tokens the target never generated."""
+    rows = [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}],
+             "response_ids": ids}]
+    with pytest.raises(DDTreeError, match=rf"data.parquet row 0: 'response_ids' must be a list of token ids, "
+                                          rf"got {type(ids).__name__}"):
+        rows_to_records(rows, "data.parquet")

@@ -9,6 +9,7 @@ import dataclasses
 import inspect
 import json
 import math
+import time
 import weakref
 from types import SimpleNamespace
 
@@ -18,7 +19,7 @@ import torch
 from ddtree.bench import (CHAIN, acceptance_summary, budget_of, compare_packed_verify_cost, format_summary, iter_json_lines,
                           load_prompts, measure_verify_cost, method_keys, read_prompts, resolved_options, run_benchmark,
                           summarize, tree_key)
-from ddtree import bench, target_runner
+from ddtree import bench, sizing, target_runner
 from ddtree.calibration import OnlineCalibration
 from ddtree.decoding import GenerationResult, Round, Sampling, generate
 from ddtree.errors import DDTreeError
@@ -190,8 +191,6 @@ def test_the_warm_up_decodes_as_the_timed_runs_do_and_each_budget_sizes_with_its
     """The warm-up passed no lookup, corpus or sizer (it decoded the drafter's defaults at full-budget trees), and one
     sizer learned every budget's round overhead: budget 8's first round was sized with budget 4's rounds."""
     import ddtree.bench
-    from ddtree.sizing import TreeSizer
-
     target, _ = tiny_target
     calls = []
 
@@ -523,8 +522,6 @@ def test_a_chat_template_that_cannot_apply_is_one_line_naming_the_line(tmp_path,
 def test_a_rounds_verify_time_is_the_targets_forward_and_the_trees_mask_is_overhead(tiny_target, monkeypatch):
     """results.json's split: building the tree's mask and positions counts in `other`, as Round says, not in
     `verify` (the target's forward), which the tree sizer fits its cost line to."""
-    import time
-
     import ddtree.decoding as decoding
     from ddtree.cli import load_drafter
 
@@ -680,8 +677,6 @@ def test_comparing_packed_verify_cost_on_an_already_packed_target_is_one_line(ti
 def test_the_verify_cost_ratio_is_the_trees_verify_over_one_ar_step(tiny_target, monkeypatch):
     """`ddtree verify-cost`'s ratio column: a 5-row verify at 2x a one-token step reads 2.0, not 0.5 (a tree
     that costs two steps read as half of one)."""
-    import ddtree.sizing as sizing
-
     asked = []  # the repeats each median was asked for: the step's too, or one noisy run is the baseline
 
     def verify_seconds(runner, tree, context, repeats):
@@ -697,9 +692,6 @@ def test_the_verify_cost_ratio_is_the_trees_verify_over_one_ar_step(tiny_target,
 
 def test_the_trees_overhead_is_the_median_of_its_repeats(tiny_target, monkeypatch):
     """`ddtree verify-cost`'s overhead column, as its verify columns: the median, not the luckiest of the repeats."""
-    import time
-
-    import ddtree.sizing as sizing
     import ddtree.tree
 
     monkeypatch.setattr(sizing, "verify_seconds", lambda runner, tree, context, repeats: 0.010)
@@ -718,10 +710,6 @@ def test_the_trees_overhead_is_the_median_of_its_repeats(tiny_target, monkeypatc
 def test_the_trees_overhead_counts_the_cache_compaction_after_the_walk(tiny_target, monkeypatch):
     """Every round compacts the cache to the accepted path (runner.keep), so `ddtree verify-cost`'s overhead column
     holds that time too: the build alone understates what each round costs beside its verify."""
-    import time
-
-    import ddtree.sizing as sizing
-
     monkeypatch.setattr(sizing, "verify_seconds", lambda runner, tree, context, repeats: 0.010)
     clock, probe_runner = [0.0], sizing.probe_runner
 
@@ -746,8 +734,6 @@ def test_the_trees_overhead_counts_the_cache_compaction_after_the_walk(tiny_targ
 def test_the_packed_comparison_times_each_model_alike_and_reads_plain_over_packed(tiny_target, monkeypatch):
     """`ddtree verify-cost --compare-plain`: only the rows' sizes were checked, so plain and packed timed on one model,
     a probe tree of another size, one repeat or the ratio upside down (a 3x faster packed model read 0.33) passed."""
-    import ddtree.sizing as sizing
-
     timed = []
 
     def verify_seconds(runner, tree, context, repeats):

@@ -302,6 +302,15 @@ def test_the_table_shows_every_budget_and_a_dash_where_a_variant_did_not_measure
     assert plot([unmeasured]) is not None
 
 
+def test_the_tables_budget_columns_run_from_the_smallest_budget_whatever_order_a_variant_measured_them_in():
+    """A variant's eval.budgets may list them in any order: the columns still read smallest to largest, as tau grows
+    with the budget, so a column out of place is not read as a budget's tau."""
+    row = {"variant": "a", "step": 3, "run_minutes": 1.0, "val_loss": None, "accuracy": [0.5], "recall": [None],
+           "tau": {1024: 3.0, 64: 2.0}, "expected_tau": {1024: 3.1, 64: 2.1}, "chain_tau": 1.5, "chain_expected_tau": None}
+    head = markdown_table([row]).splitlines()[0]
+    assert head.index("tau@64 (expected)") < head.index("tau@1024 (expected)")
+
+
 def measured_row(name: str) -> dict:
     """A table row as summarize_variant makes it: every variant of a whole store, decoded with packed weights."""
     return {"variant": name, "run": name, "step": 3, "run_minutes": 1.0, "val_loss": 3.5, "accuracy": [0.5],

@@ -971,6 +971,14 @@ def test_the_depth_panel_draws_each_variants_recall_and_accuracy_in_its_colour_a
                       ("C1", "o", "-", [0.7, 0.6]), ("C1", "x", "--", [0.5, 0.2])]
 
 
+def test_the_depth_panel_draws_each_curve_from_depth_1():
+    """Acceptance and recall are per draft depth, the first drafted token at depth 1, as the table's acc@1.. reads:
+    a curve from depth 0 shifts every figure to the depth before it."""
+    results = [{"variant": "a", "chain_tau": 1.5, "tau": {16: 2.0}, "recall": [0.6, 0.5, 0.4], "accuracy": [0.4, 0.3, 0.2]}]
+    _, depth = plot(results).axes
+    assert [list(line.get_xdata()) for line in depth.lines if len(line.get_ydata())] == [[1, 2, 3], [1, 2, 3]]
+
+
 def stop_while_writing_table(monkeypatch, variants: int, signum) -> list:
     """Fakes the launches (each a run of 3 steps) and sends `signum` to this process as the table of the
     `variants`-th variant is written; returns the launches' argv, in order."""

@@ -979,6 +979,16 @@ def test_the_depth_panel_draws_each_curve_from_depth_1():
     assert [list(line.get_xdata()) for line in depth.lines if len(line.get_ydata())] == [[1, 2, 3], [1, 2, 3]]
 
 
+def test_a_variants_bars_stand_side_by_side_chain_then_each_budget():
+    """Each of a variant's bars has its own place in its group, the chain first then the budgets smallest to largest:
+    bars drawn over one another hide every tau but the last one drawn."""
+    results = [{"variant": "a", "chain_tau": 1.5, "tau": {16: 2.0, 64: 2.5}, "recall": [0.6], "accuracy": [0.4]}]
+    bars, _ = plot(results).axes
+    centres = [bar.get_center()[0] for bar in bars.patches]
+    assert centres == sorted(centres) and len(set(centres)) == 3
+    assert all(right.get_x() >= left.get_x() + left.get_width() - 1e-9 for left, right in zip(bars.patches, bars.patches[1:]))
+
+
 def stop_while_writing_table(monkeypatch, variants: int, signum) -> list:
     """Fakes the launches (each a run of 3 steps) and sends `signum` to this process as the table of the
     `variants`-th variant is written; returns the launches' argv, in order."""

@@ -306,7 +306,8 @@ def test_the_tables_budget_columns_run_from_the_smallest_budget_whatever_order_a
     """A variant's eval.budgets may list them in any order: the columns still read smallest to largest, as tau grows
     with the budget, so a column out of place is not read as a budget's tau."""
     row = {"variant": "a", "step": 3, "run_minutes": 1.0, "val_loss": None, "accuracy": [0.5], "recall": [None],
-           "tau": {1024: 3.0, 64: 2.0}, "expected_tau": {1024: 3.1, 64: 2.1}, "chain_tau": 1.5, "chain_expected_tau": None}
+           "tau": {1024: 3.0, 64: 2.0}, "expected_tau": {1024: 3.1, 64: 2.1}, "chain_tau": 1.5,
+           "chain_expected_tau": None}
     head = markdown_table([row]).splitlines()[0]
     assert head.index("tau@64 (expected)") < head.index("tau@1024 (expected)")
 
@@ -974,7 +975,8 @@ def test_the_depth_panel_draws_each_variants_recall_and_accuracy_in_its_colour_a
 def test_the_depth_panel_draws_each_curve_from_depth_1():
     """Acceptance and recall are per draft depth, the first drafted token at depth 1, as the table's acc@1.. reads:
     a curve from depth 0 shifts every figure to the depth before it."""
-    results = [{"variant": "a", "chain_tau": 1.5, "tau": {16: 2.0}, "recall": [0.6, 0.5, 0.4], "accuracy": [0.4, 0.3, 0.2]}]
+    results = [{"variant": "a", "chain_tau": 1.5, "tau": {16: 2.0}, "recall": [0.6, 0.5, 0.4],
+                "accuracy": [0.4, 0.3, 0.2]}]
     _, depth = plot(results).axes
     assert [list(line.get_xdata()) for line in depth.lines if len(line.get_ydata())] == [[1, 2, 3], [1, 2, 3]]
 
@@ -984,9 +986,10 @@ def test_a_variants_bars_stand_side_by_side_chain_then_each_budget():
     bars drawn over one another hide every tau but the last one drawn."""
     results = [{"variant": "a", "chain_tau": 1.5, "tau": {16: 2.0, 64: 2.5}, "recall": [0.6], "accuracy": [0.4]}]
     bars, _ = plot(results).axes
-    centres = [bar.get_center()[0] for bar in bars.patches]
+    patches = bars.patches
+    centres = [bar.get_center()[0] for bar in patches]
     assert centres == sorted(centres) and len(set(centres)) == 3
-    assert all(right.get_x() >= left.get_x() + left.get_width() - 1e-9 for left, right in zip(bars.patches, bars.patches[1:]))
+    assert all(right.get_x() >= left.get_x() + left.get_width() - 1e-9 for left, right in zip(patches, patches[1:]))
 
 
 def stop_while_writing_table(monkeypatch, variants: int, signum) -> list:

@@ -686,6 +686,22 @@ def test_a_regenerated_reply_supervises_the_ids_its_target_generated(smol_tokeni
         tokenize_conversations(smol_tokenizer, [dict(record, response_ids=generated[:-1])], 500, 1)
 
 
+def test_a_regenerated_reply_holding_a_special_token_is_kept_as_its_ids(smol_tokenizer):
+    """data/regenerate.py writes a reply's text decoded without special tokens, while its response_ids keep every
+    id the target chose (one such as <|im_start|> that is not a stop): the check that the ids are the reply's must
+    decode them the same way, or each such row would be skipped as an edited reply and its ids never trained on."""
+    messages = [{"role": "user", "content": "Say hi."}]
+    im_start = smol_tokenizer.convert_tokens_to_ids("<|im_start|>")
+    generated = smol_tokenizer("Hi", add_special_tokens=False)["input_ids"] + [im_start] + \
+        smol_tokenizer(" there", add_special_tokens=False)["input_ids"]
+    text = smol_tokenizer.decode(generated, skip_special_tokens=True)  # as data/regenerate.py writes it
+    record = {"id": "r", "messages": messages + [{"role": "assistant", "content": text}], "response_ids": generated}
+    (example,), counts = tokenize_conversations(smol_tokenizer, [record], max_length=500, min_supervised_tokens=1)
+    im_end = smol_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert counts["unaligned"] == 0
+    assert example["input_ids"] == decoding_prompt(smol_tokenizer, messages) + generated + [im_end]
+
+
 # ----------------------------------------------------------------------------- files
 
 def write_lines(path, lines):

@@ -692,8 +692,8 @@ def test_a_regenerated_reply_holding_a_special_token_is_kept_as_its_ids(smol_tok
     decode them the same way, or each such row would be skipped as an edited reply and its ids never trained on."""
     messages = [{"role": "user", "content": "Say hi."}]
     im_start = smol_tokenizer.convert_tokens_to_ids("<|im_start|>")
-    generated = smol_tokenizer("Hi", add_special_tokens=False)["input_ids"] + [im_start] + \
-        smol_tokenizer(" there", add_special_tokens=False)["input_ids"]
+    words = [smol_tokenizer(text, add_special_tokens=False)["input_ids"] for text in ("Hi", " there")]
+    generated = words[0] + [im_start] + words[1]
     text = smol_tokenizer.decode(generated, skip_special_tokens=True)  # as data/regenerate.py writes it
     record = {"id": "r", "messages": messages + [{"role": "assistant", "content": text}], "response_ids": generated}
     (example,), counts = tokenize_conversations(smol_tokenizer, [record], max_length=500, min_supervised_tokens=1)

@@ -1368,3 +1368,29 @@ def test_another_target_is_one_change_not_also_its_weight_files():
     old = {"target": "/models/a", "target_weights": "aaaa"}
     assert regenerate.changed_settings(old, {"target": "/models/b", "target_weights": "bbbb"}) == [
         "target: '/models/a' -> '/models/b'"]
+
+
+def test_the_target_reads_every_turn_of_a_conversation_and_its_reply_follows_them(tmp_path, monkeypatch):
+    """A prompt of several turns is answered as the conversation it is: a target shown its last turn alone writes
+    a reply to another conversation, which the drafter then learns as this one's."""
+    from datasets import load_from_disk
+
+    from ddtree.targets import load_tokenizer
+
+    tokenizer = load_tokenizer("tiny-random")
+    turns = [{"role": "system", "content": "You answer in French."},
+             {"role": "user", "content": "Name a colour."},
+             {"role": "assistant", "content": "Rouge."},
+             {"role": "user", "content": "Another one?"}]
+    handed = []
+
+    def scripted(model, prompts, *args, **kwargs):
+        handed.extend(prompts)
+        return [tokenizer("Bleu.", add_special_tokens=False)["input_ids"] for _ in prompts]
+
+    monkeypatch.setattr(regenerate, "generate_transformers", scripted)
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"id": "p0", "messages": turns}) + "\n")
+    regenerate.run(args_for(tmp_path))
+    read = tokenizer.decode(handed[0])
+    assert all(turn["content"] in read for turn in turns), read
+    assert load_from_disk(str(tmp_path / "out"))["messages"][0] == turns + [{"role": "assistant", "content": "Bleu."}]

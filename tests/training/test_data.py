@@ -390,6 +390,23 @@ def test_the_tokenized_cache_is_named_by_the_data_content_not_its_place(tmp_path
     assert make_datamodule(tmp_path, data_path=copy).tokenization_key() != key
 
 
+def test_a_saved_dataset_dict_is_identified_by_the_files_in_its_split_folders(tmp_path):
+    """save_to_disk of a DatasetDict keeps each split's rows in a subfolder (train/data-00000-of-00001.arrow): a
+    fingerprint of the top-level files alone would give an edited split the key of the old one, and the tokenized
+    cache and the feature store built from the old rows would serve the new."""
+    saved = tmp_path / "saved"
+    (saved / "train").mkdir(parents=True)
+    (saved / "dataset_dict.json").write_text('{"splits": ["train"]}')
+    rows = saved / "train" / "data-00000-of-00001.arrow"
+    rows.write_bytes(b"rows before the edit")
+    before = source_fingerprint(str(saved))
+    rows.write_bytes(b"rows after the edit")
+    assert source_fingerprint(str(saved)) != before
+    edited = source_fingerprint(str(saved))
+    (saved / "train").rename(saved / "test")  # the same rows under another split: another source
+    assert source_fingerprint(str(saved)) != edited
+
+
 @pytest.mark.parametrize("foreign", ["[]", '"digests"', "3"])
 def test_a_digest_memo_holding_json_but_no_mapping_is_an_empty_one(tmp_path, foreign):
     """digests.json only spares reads: another tool's file or another format there must not stop every launch (read

@@ -321,7 +321,8 @@ def _calibration(args) -> OnlineCalibration | None | bool:
 
 def check_out_is_no_input(args) -> None:
     """bench --out (--overwrite or not) is none of the files the run reads: the prompts, --calibration, --corpus, or a
-    file in the drafter's or a local target's folder; else the results replace the run's own input."""
+    file in the drafter's (its config.json is read and checked under `ar` alone too) or a local target's folder; else
+    the results replace the run's own input."""
     out = Path(args.out)
     if not os.path.exists(out):  # (False for a name the OS will not look up, which check_output_file then refuses)
         return
@@ -329,7 +330,7 @@ def check_out_is_no_input(args) -> None:
     for flag, given in (("--prompts", args.prompts), ("--calibration", args.calibration), ("--corpus", args.corpus)):
         if given not in (None, "none") and out == Path(given).resolve():
             raise DDTreeError(f"--out {args.out} is the {flag} file: the results would replace it; give another --out")
-    drafter = args.drafter if uses_drafter(args) and args.drafter != "random" else None
+    drafter = args.drafter if args.drafter != "random" else None
     for flag, folder in (("--drafter", drafter), ("--target", args.target)):
         if folder is not None and Path(folder).is_dir() and out.is_relative_to(Path(folder).resolve()):
             raise DDTreeError(f"--out {args.out} is in the {flag} folder {folder}: the results would replace its "

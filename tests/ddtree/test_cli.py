@@ -1380,6 +1380,11 @@ def test_a_results_file_written_by_another_run_meanwhile_is_kept_and_this_runs_r
                "--out", "{run}/drafter/config.json", "--overwrite"],
      "error: --out {run}/drafter/config.json is in the --drafter folder {run}/drafter: the results would replace its "
      "config.json; give another --out"),
+    # under `ar` too: the drafter's config.json is read and checked there, and --overwrite replaced it with results
+    ("bench", ["--prompts", "{prompts}", "--methods", "ar", "--drafter", "{run}/drafter",
+               "--out", "{run}/drafter/config.json", "--overwrite"],
+     "error: --out {run}/drafter/config.json is in the --drafter folder {run}/drafter: the results would replace its "
+     "config.json; give another --out"),
     ("bench", ["--prompts", "{prompts}", "--methods", "ar", "--target", "{target}", "--out", "{target}/config.json",
                "--overwrite"],
      "error: --out {target}/config.json is in the --target folder {target}: the results would replace its config.json"),

@@ -234,6 +234,15 @@ def test_tau_png_plots_tau_against_the_training_step():
     assert (axes.get_xlabel(), axes.get_ylabel()) == ("training step", "tau (tokens per verification)")
 
 
+def test_tau_png_places_each_evaluation_at_its_training_step():
+    """Evaluations run every eval.every steps and a resume may skip some: points placed by their order in the history
+    (0, 1, 2) would show a run's tau reached at the wrong step, and the star off every curve."""
+    axes = plot_tau([record(2, 1.5), record(4, 3.0), record(10, 2.0)], SETTINGS).axes[0]
+    handles, labels = axes.get_legend_handles_labels()
+    for label in ("DDTree, budget 8", "DFlash chain"):
+        assert list(handles[labels.index(label)].get_xdata()) == [2, 4, 10], label
+
+
 def test_tau_png_stars_the_best_checkpoint_at_its_own_step_and_tau():
     """The star is the checkpoint `checkpoints/best.ckpt` links to: one drawn at the latest evaluation instead marked a
     worse, later step best on the plot while report.md named the earlier one."""

@@ -2334,10 +2334,12 @@ def test_card_names_the_dtype_the_figures_were_measured_in_and_an_export_in_anot
     (lambda record: record["settings"].update(prompts=None), "settings.prompts is None, not a file name"),
     (lambda record: record["summary"]["ddtree@4"].update(rounds="many"), "summary.ddtree@4.rounds is 'many', not a number"),
     (lambda record: record.update(settings=["prompts", "num_prompts"]), "settings.prompts is missing"),
+    # the card states how many new tokens each prompt decoded: a record without it is refused, as one without prompts
+    (lambda record: record["settings"].pop("max_new_tokens"), "settings.max_new_tokens is missing"),
     # a record copied over from another step: the card would print that step's figures as this one's
     (lambda record: record.update(step=1), 'expected an object with "step": 2'),
 ], ids=["not-utf8", "budget-key", "budget-zero", "chain-missing", "lookup-text", "prompts-null", "rounds-text",
-        "settings-list", "other-step"])
+        "settings-list", "new-tokens-missing", "other-step"])
 def test_a_damaged_evaluation_record_is_one_line_naming_its_file_and_field(run_dir, tmp_path, damage, expected):
     """A hand-edited or damaged eval/step-N.json was a traceback (UnicodeDecodeError, ValueError, TypeError) at export."""
     record = json.loads((run_dir / "eval" / "step-000002.json").read_text())

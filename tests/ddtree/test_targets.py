@@ -773,6 +773,25 @@ def test_a_weight_of_another_shape_is_one_line_naming_both_shapes_the_right_way_
                     f"{saved}; {WEIGHTS_EDITED}")
 
 
+def test_a_target_folder_missing_one_weight_and_holding_nothing_extra_is_one_line_naming_it(tmp_path):
+    """A target's model.safetensors with one layer's weight dropped (a partial copy) and no tensor of its own: the
+    drafter folder given as a target (test_a_target_folder_that_is_not_a_whole_causal_lm_is_one_line) also holds
+    tensors the target does not take, so only this tells the weights it lacks from those it does not take. Loaded,
+    the dropped one would be random."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "target"
+    shutil.copytree(resolve_target("tiny-random"), folder)
+    weights = load_file(folder / "model.safetensors")
+    dropped = "model.layers.2.mlp.up_proj.weight"
+    del weights[dropped]
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(DDTreeError) as error:
+        ddtree.targets.load_target(str(folder))
+    assert str(error.value) == (f"could not load target '{folder}': its weights lack {dropped}, which would be random: "
+                                "give a whole causal language model's folder")
+
+
 def test_a_folder_missing_a_weight_its_config_builds_is_one_line_naming_it(tmp_path, tiny_target):
     """A weight dropped from model.safetensors (a hand-edited or partial export): transformers would start it from
     random values without a word. No test removed one: a check that let missing weights through passed every test, and

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 
 import ddtree.targets
 from ddtree.drafters import load_drafter_folder, read_drafter_config
@@ -721,8 +722,6 @@ def test_a_sharded_drafter_folder_loads_every_shard(tmp_path, tiny_target):
 def test_a_shard_holding_a_weight_config_json_has_no_place_for_is_the_one_named(tmp_path, tiny_target):
     """The refusal names one stray weight and the shard that holds it, so a user finds it in that file: with strays in
     two shards, the file named is the first stray's own, not another's."""
-    from safetensors.torch import load_file, save_file
-
     target, tokenizer = tiny_target
     folder = tmp_path / "drafter"
     tiny_drafter(target, tokenizer).save_pretrained(folder, max_shard_size="200KB")
@@ -741,8 +740,6 @@ WEIGHTS_EDITED = "config.json does not match the weights (was it edited?): resto
 def refusal_of_edited_weights(tmp_path, tiny_target, edit) -> tuple[Path, list[int], str]:
     """A drafter exported for the tiny target whose model.safetensors then had `edit(weights)` done to it: the
     folder, the shape config.json builds of UP_PROJ, and the one line loading it is refused with."""
-    from safetensors.torch import load_file, save_file
-
     target, tokenizer = tiny_target
     folder = tmp_path / "drafter"
     tiny_drafter(target, tokenizer).save_pretrained(folder)
@@ -778,8 +775,6 @@ def test_a_target_folder_missing_one_weight_and_holding_nothing_extra_is_one_lin
     drafter folder given as a target (test_a_target_folder_that_is_not_a_whole_causal_lm_is_one_line) also holds
     tensors the target does not take, so only this tells the weights it lacks from those it does not take. Loaded,
     the dropped one would be random."""
-    from safetensors.torch import load_file, save_file
-
     folder = tmp_path / "target"
     shutil.copytree(resolve_target("tiny-random"), folder)
     weights = load_file(folder / "model.safetensors")

@@ -1321,8 +1321,8 @@ def test_a_linked_checkpoint_outside_a_run_names_the_folder_its_config_is_missin
     link.symlink_to(real)
     with pytest.raises(DDTreeError) as error:
         find_resume(str(link), tmp_path / "outputs")
-    assert str(error.value) == (f"--resume {link}: {(tmp_path / 'copied').resolve()}/config.yaml is missing, so the run "
-                                "cannot be resumed exactly")
+    assert str(error.value) == (f"--resume {link}: {(tmp_path / 'copied').resolve()}/config.yaml is missing, so the "
+                                "run cannot be resumed exactly")
 
 
 def test_a_last_ckpt_that_is_an_empty_zip_is_refused_as_unreadable(tmp_path):
@@ -1334,8 +1334,8 @@ def test_a_last_ckpt_that_is_an_empty_zip_is_refused_as_unreadable(tmp_path):
     zipfile.ZipFile(last, "w").close()
     with pytest.raises(DDTreeError) as error:
         find_checkpoint("last", tmp_path / "outputs")
-    assert str(error.value) == (f"CKPT=last: checkpoint {last} is unreadable (truncated?); give an earlier one as CKPT: "
-                                f"{run / 'checkpoints' / 'step-2.ckpt'}")
+    assert str(error.value) == (f"CKPT=last: checkpoint {last} is unreadable (truncated?); give an earlier one as "
+                                f"CKPT: {run / 'checkpoints' / 'step-2.ckpt'}")
 
 
 def test_make_export_takes_best_and_last_that_are_deepspeed_folders(tmp_path):

@@ -516,8 +516,8 @@ def test_accelerator_auto_on_a_gpu_machine_is_held_to_its_gpus_too(monkeypatch):
     same mistake as gpu asking for them: one line naming the override, not Lightning's refusal as it builds."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    with pytest.raises(training.recipe.RecipeSettingError, match="trainer.devices=8 asks for 8 GPUs and this machine "
-                                                                  "has 1: add --trainer.devices=1"):
+    too_many = "trainer.devices=8 asks for 8 GPUs and this machine has 1: add --trainer.devices=1"
+    with pytest.raises(training.recipe.RecipeSettingError, match=too_many):
         training.recipe.check_accelerator("auto", 8)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(training.recipe.RecipeSettingError, match="names GPU 3, and this machine has GPUs 0-1"):

@@ -229,6 +229,19 @@ def test_files_and_folders_written_in_one_step_take_the_users_umask(tmp_path):
                      "export/weights/model.safetensors": 0o640}
 
 
+def test_an_atomic_file_reaches_the_disk_before_it_takes_the_name(tmp_path, monkeypatch):
+    """Renamed before an fsync, a machine that stops (a crash, a preemption) can leave results.json naming a file
+    cut short, where the old one was whole: the bytes written are synced, then renamed."""
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.fstat(fd).st_size)), real_fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda src, dst: (events.append(("replace", Path(dst).name)),
+                                                         real_replace(src, dst))[1])
+    with atomic_file(tmp_path / "results.json") as handle:
+        handle.write("{}")
+    assert events == [("fsync", 2), ("replace", "results.json")]
+
+
 def test_a_full_disk_behind_torchs_own_error_is_one_line_with_the_disks_reason(tmp_path):
     """torch.save into a file object turns the full disk's OSError into a RuntimeError raised while handling it, whose
     text says only that the write stopped short: the OSError it was raised from names the reason and so the remedy."""

@@ -928,6 +928,24 @@ def test_a_slurm_requeue_during_an_evaluation_measures_and_saves_that_step_at_th
         torch.testing.assert_close(weights[key], value, rtol=0, atol=0, msg=key)
 
 
+def test_a_step_measured_at_a_resume_that_saves_no_checkpoints_is_not_named_a_checkpoint(tmp_path, capsys):
+    """A resume whose trainer has no BestCheckpoint (a debugging launch, enable_checkpointing=False) measures the
+    step its requeue cut short, and nothing saves it: report.md must not name it the best checkpoint, nor best.ckpt."""
+    taus = {2: {8: 1.5}, 4: {8: 3.0}, 6: {8: 2.0}}
+    kind = sigusr1_at(4, "measure", tmp_path)
+    with pytest.raises(Requeued):
+        canned_fit(tmp_path, 6, taus, kind=kind)
+    evaluation = kind(taus, prompts=PROMPTS, every_n_train_steps=2, budgets=[8], primary_budget=8)
+    trainer = L.Trainer(max_steps=6, accelerator="cpu", default_root_dir=tmp_path, logger=False,
+                        callbacks=[evaluation], enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(tiny_module(), train_dataloaders=synthetic_loader(6), ckpt_path=tmp_path / "hpc_ckpt_1.ckpt")
+    assert evaluation.decoded == [4, 6]
+    assert [(row["step"], row["checkpointed"]) for row in evaluation.history if row["step"] == 4] == [(4, False)]
+    report = (tmp_path / "report.md").read_text()
+    assert "| 4 (no checkpoint) |" in report and "**4** (best)" not in report
+
+
 class PoisonWeights(L.Callback):
     """After optimizer step `step`, a NaN in the drafter's first weight and an inf in its second, as a blown-up update
     leaves them. The next step's loss is NaN (training stops there: NonFiniteError)."""

@@ -1238,6 +1238,19 @@ def test_a_run_that_ends_before_any_evaluation_writes_a_report_that_says_why(tmp
     assert "**No evaluation ran**: " + said in report
 
 
+class FailsBeforeTheFirstStep(L.Callback):
+    def on_train_start(self, trainer, pl_module):
+        raise RuntimeError("CUDA out of memory")
+
+
+def test_a_run_that_fails_before_its_first_step_writes_no_report(tmp_path):
+    """A launch that trained nothing leaves nothing (training/train.py removes a run folder it started): a report.md
+    saying the run failed at step 0 would be left in a folder the user gave, read as a run that was there."""
+    with pytest.raises(RuntimeError):
+        canned_fit(tmp_path, 10, {10: {8: 2.0}}, before=[FailsBeforeTheFirstStep()], every=10)
+    assert not (tmp_path / "report.md").exists()
+
+
 @pytest.mark.parametrize("steps, every, said", [
     (10, 20, "the run was stopped by SIGTERM at step 3, before its first evaluation at step 10 "
              "(eval.every_n_train_steps=20)"),  # max_steps ends the run before the grid's first step

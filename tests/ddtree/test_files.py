@@ -234,9 +234,17 @@ def test_an_atomic_file_reaches_the_disk_before_it_takes_the_name(tmp_path, monk
     cut short, where the old one was whole: the bytes written are synced, then renamed."""
     events = []
     real_fsync, real_replace = os.fsync, os.replace
-    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.fstat(fd).st_size)), real_fsync(fd))[1])
-    monkeypatch.setattr(os, "replace", lambda src, dst: (events.append(("replace", Path(dst).name)),
-                                                         real_replace(src, dst))[1])
+
+    def fsync(fd):
+        events.append(("fsync", os.fstat(fd).st_size))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", Path(dst).name))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
     with atomic_file(tmp_path / "results.json") as handle:
         handle.write("{}")
     assert events == [("fsync", 2), ("replace", "results.json")]

@@ -293,6 +293,15 @@ def test_a_recipe_file_name_with_no_such_file_is_told_the_name_and_an_empty_one_
     assert "recipes/.yaml" not in str(error.value)
 
 
+def test_a_recipe_name_typed_with_yml_is_told_the_name_not_called_unknown(tmp_path, monkeypatch):
+    """`--recipe tiny.yml` (YAML's other suffix) where no such file is means the shipped tiny as surely as tiny.yaml:
+    read as a name of its own it was an unknown recipe 'tiny.yml' that "goes at recipes/tiny.yml.yaml"."""
+    monkeypatch.chdir(tmp_path)  # no tiny.yml here
+    with pytest.raises(DDTreeError) as error:
+        training.arguments.check_recipe_name("tiny.yml")
+    assert str(error.value) == "--recipe takes a recipe's name: --recipe tiny (reads recipes/tiny.yaml)"
+
+
 def test_a_dotted_recipe_name_of_ones_own_is_an_unknown_recipe_named_whole():
     """Recipe names carry dots (llama3.1-8b): `--recipe llama3.1-70b`, a name with no file yet, is an unknown recipe
     that goes at recipes/llama3.1-70b.yaml, not a file whose name ends at the last dot ("put yours at

@@ -302,6 +302,17 @@ def test_a_recipe_name_typed_with_yml_is_told_the_name_not_called_unknown(tmp_pa
     assert str(error.value) == "--recipe takes a recipe's name: --recipe tiny (reads recipes/tiny.yaml)"
 
 
+def test_a_recipe_file_of_ones_own_named_yml_is_judged_by_its_own_text(tmp_path):
+    """The file given is the one compared with the shipped recipe: judged by <stem>.yaml beside it instead, an edited
+    /my/tiny.yml (no tiny.yaml there) was told `--recipe tiny`, which trains the shipped recipe on another target."""
+    shipped = (RECIPES_DIR / "tiny.yaml").read_text()
+    (tmp_path / "tiny.yml").write_text(shipped.replace("target: tiny-random", "target: /my/target"))
+    with pytest.raises(DDTreeError) as error:
+        training.arguments.check_recipe_name(str(tmp_path / "tiny.yml"))
+    said = str(error.value)
+    assert "--recipe tiny " not in said and "is a shipped recipe, not this file" in said, said
+
+
 def test_a_dotted_recipe_name_of_ones_own_is_an_unknown_recipe_named_whole():
     """Recipe names carry dots (llama3.1-8b): `--recipe llama3.1-70b`, a name with no file yet, is an unknown recipe
     that goes at recipes/llama3.1-70b.yaml, not a file whose name ends at the last dot ("put yours at

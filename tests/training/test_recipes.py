@@ -567,6 +567,16 @@ def test_a_gpu_recipe_with_a_cpu_recipe_of_its_target_points_to_it(tmp_path, mon
     assert "--trainer.accelerator=cpu" not in errors[0]
 
 
+def test_the_cpu_recipe_pointed_to_is_named_by_its_recipe_name_not_its_target(monkeypatch):
+    """A CPU recipe is found by its target, and launched by its own name: the tiny recipe trains tiny-random, and
+    `--recipe tiny-random` names no recipe (smollm2-135m's recipe shares its target's name, which hides the two)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(DDTreeError) as error:
+        training.recipe.check_accelerator("gpu", 1, "tiny-random")
+    assert str(error.value).endswith("train the CPU recipe of tiny-random instead: make train RECIPE=tiny "
+                                     "(--recipe tiny)"), error.value
+
+
 def test_a_gpu_recipe_with_no_cpu_recipe_of_its_target_says_what_to_add(tmp_path, monkeypatch, capsys):
     """Only a CPU recipe is offered: qwen3-8b, a GPU recipe of its target, was told to train itself instead."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -1206,6 +1206,9 @@ def test_speculators_names_the_architectures_of_a_hub_id_target_in_the_local_cac
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     assert verifier_for("someone/cached-model", None) == ("someone/cached-model", ["LlamaForCausalLM"])
+    # named by --base-model, and described by the target the run trained against, the one whose config is here
+    assert verifier_for("someone/cached-model", "someone/published-model") == ("someone/published-model",
+                                                                               ["LlamaForCausalLM"])
 
 
 def test_speculators_export_loads_everywhere_or_is_refused_whole(run_dir, tmp_path, tiny_target, capsys):

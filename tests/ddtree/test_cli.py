@@ -1576,6 +1576,22 @@ def test_bench_packed_weights_commit_the_plain_layers_tokens_and_say_which_ran(c
     assert runs["on"][2] == runs["off"][2] and len(runs["off"][2]) == 4
 
 
+@pytest.mark.skipif(not packing_available(), reason="this torch has no oneDNN weight packing")
+def test_bench_records_what_packed_weights_auto_resolved_to(capsys, monkeypatch, tmp_path, prompts_file):
+    """auto packs only where its probe measures packed layers faster, so results.json's packed_weights_resolved is
+    the only record of which layers the figures came from: read back from the target, not from the flag given. auto is
+    made to pack here, which the probe would not promise on this machine."""
+    real = ddtree.cli.apply_packing
+    monkeypatch.setattr(ddtree.cli, "apply_packing",
+                        lambda choice, model, *rest: real("on" if choice == "auto" else choice, model, *rest))
+    out = tmp_path / "results.json"
+    assert run_cli(capsys, "bench", "--target", TARGET, "--drafter", "random", "--prompts", str(prompts_file),
+                   "--methods", "ar", "--budgets", "4", "--max-new-tokens", "2", "--dtype", "float32",
+                   "--packed-weights", "auto", "--out", str(out))[0] == 0
+    settings = json.loads(out.read_text())["settings"]
+    assert settings["packed_weights"] == "auto" and settings["packed_weights_resolved"] is True
+
+
 @pytest.mark.parametrize("command", [["generate", "--prompt", "Hi"], ["verify-cost"]])
 def test_packed_weights_on_in_bf16_is_one_line(capsys, command):
     line = _bad(capsys, command[0], "--target", TARGET, "--dtype", "bfloat16", "--packed-weights", "on", *command[1:])

@@ -1539,6 +1539,20 @@ def test_a_resume_names_what_changed_its_draft_vocabulary_split_or_optimizer(mod
     module.check_resume(saved)
 
 
+def test_a_resume_with_another_block_names_a_given_gamma_too(module):
+    """An unset gamma follows the block size, so its change is the block's and only model.block_size is named; a gamma
+    given on the command is the user's own setting, and a refusal leaving it out sent them back a second time."""
+    config = module.base_drafter().config
+    saved = {"drafter_config": {**config.to_dict(), "block_size": config.block_size + 2},
+             "hyper_parameters": {**module.hparams, "gamma": module.hparams.gamma + 1}}
+    with pytest.raises(DDTreeError, match=r"; drop model.block_size, model.gamma from the command"):
+        module.check_resume(saved)
+    unset = tiny_module(gamma=None)
+    saved["hyper_parameters"] = {**unset.hparams, "gamma": unset.hparams.gamma + 1}
+    with pytest.raises(DDTreeError, match=r"; drop model.block_size from the command"):
+        unset.check_resume(saved)
+
+
 @pytest.mark.parametrize("field,other", [("hidden_size", 128), ("num_target_layers", 12)])
 def test_a_resume_against_a_target_of_another_shape_is_refused_naming_model_target(module, field, other):
     """A resume under another target of the same vocabulary: of another hidden size, the drafter's weights no longer

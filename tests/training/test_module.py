@@ -1586,6 +1586,16 @@ def test_warm_start_refuses_a_conflicting_setting(module, tmp_path):
         tiny_module(init_from=str(folder), target_layer_ids=None, num_layers=None, block_size=8)
 
 
+def test_warm_start_refuses_another_mask_token_naming_the_folders_as_the_fix(module, tmp_path):
+    """A drafter learned its mask token's embedding as the blank it fills: another mask_token_id from the recipe
+    trained it on a token it never saw as a blank. The remedy names the folder's value, the one that fits."""
+    folder = export_drafter(module, tmp_path / "base")
+    found = module.drafter_config.mask_token_id
+    with pytest.raises(DDTreeError, match=rf"^model.mask_token_id={found + 1} but init_from .* has {found}; "
+                                          rf"drop model.mask_token_id or set it to {found}$"):
+        tiny_module(init_from=str(folder), target_layer_ids=None, num_layers=None, mask_token_id=found + 1)
+
+
 def test_target_adapter_is_merged_at_load(tmp_path):
     from peft import LoraConfig, get_peft_model
 

@@ -1758,6 +1758,8 @@ def test_calibrate_writes_the_folders_calibration_which_bench_uses_unless_told_n
     for key in ("ddtree@8", "dflash"):
         assert shipped["summary"][key]["expected_tau"] < none["summary"][key]["expected_tau"], key
     given = bench("--calibration", str(folder / CALIBRATION_FILE))
+    # the file it was told, not the drafter's: a copy elsewhere may be another run's temperatures
+    assert given["settings"]["calibration_resolved"] == str(folder / CALIBRATION_FILE)
     assert given["summary"]["ddtree@8"]["expected_tau"] == shipped["summary"]["ddtree@8"]["expected_tau"]
     assert (folder / CALIBRATION_FILE).read_text() == json.dumps(written, indent=1)  # decoding never writes it
     # Learned without a context lookup: decoding with one prices the grafted nodes by a table it never filled

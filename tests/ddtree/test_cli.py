@@ -1822,6 +1822,17 @@ def test_bench_records_what_the_chain_decoded_with_beside_what_ddtree_did(capsys
     assert "ddtree_resolved" not in settings and settings["dflash_resolved"]["redraft"] == 4
 
 
+def test_bench_hands_the_context_lookup_to_the_trees_alone(capsys, tmp_path, prompts_file):
+    """--lookup grafts prompt runs into ddtree's trees; the chain beside them decodes without it (generate refuses a
+    lookup for dflash), so `--methods dflash,ddtree --lookup 7` runs both and records the chain's lookup as 0."""
+    out = tmp_path / "results.json"
+    code, _, err = run_cli(capsys, "bench", "--target", TARGET, "--prompts", str(prompts_file), "--methods",
+                           "dflash,ddtree", "--budgets", "4", "--lookup", "7", "--max-new-tokens", "2", "--out", str(out))
+    assert code == 0, err
+    settings = json.loads(out.read_text())["settings"]
+    assert (settings["dflash_resolved"]["lookup"], settings["ddtree_resolved"]["lookup"]) == (0, 7)
+
+
 def test_calibrate_learns_with_the_settings_a_default_generate_decodes_with(capsys, tmp_path, tiny_target,
                                                                             prompts_file):
     """calibrate defaulted to --adaptive-size off and generate to auto, which on a CPU sizes the trees and so leaves

@@ -1827,7 +1827,8 @@ def test_bench_hands_the_context_lookup_to_the_trees_alone(capsys, tmp_path, pro
     lookup for dflash), so `--methods dflash,ddtree --lookup 7` runs both and records the chain's lookup as 0."""
     out = tmp_path / "results.json"
     code, _, err = run_cli(capsys, "bench", "--target", TARGET, "--prompts", str(prompts_file), "--methods",
-                           "dflash,ddtree", "--budgets", "4", "--lookup", "7", "--max-new-tokens", "2", "--out", str(out))
+                           "dflash,ddtree", "--budgets", "4", "--lookup", "7", "--max-new-tokens", "2",
+                           "--out", str(out))
     assert code == 0, err
     settings = json.loads(out.read_text())["settings"]
     assert (settings["dflash_resolved"]["lookup"], settings["ddtree_resolved"]["lookup"]) == (0, 7)

@@ -1815,7 +1815,10 @@ def test_training_refuses_a_store_of_another_hub_target(tmp_path, monkeypatch):
     module.check_feature_store(built_from("tiny-random"))  # its own target's
     with pytest.raises(DDTreeError) as refused:
         module.check_feature_store(built_from("org/other-model"))
-    assert one_line(refused.value).startswith(f"feature store {out} holds features of target org/other-model")
+    # Both targets named, each as its own: a message naming the store's twice left the user nothing to compare
+    assert one_line(refused.value) == (f"feature store {out} holds features of target org/other-model (adapter None), "
+                                       "this run's is tiny-random (adapter None): rebuild it with `make features "
+                                       "RECIPE=<recipe>` and --force (FORCE=1)")
 
 
 def test_a_top_k_store_of_another_k_is_refused_more_tokens_as_fewer(tmp_path):

@@ -177,6 +177,19 @@ def test_replayed_calibration_refuses_sampled_replies_and_notes_another_targets(
     assert checked("--model.target=smollm2-135m", "--model.replay_calibration=true") == []  # the target's own
 
 
+def test_replayed_calibration_of_auto_data_reads_data_regenerate_not_a_folder_named_auto(tmp_path, monkeypatch):
+    """data.data_path "auto" names <ddtree cache>/data/<recipe>, which data.regenerate writes: an ./auto folder of
+    sampled replies where the run is launched is another data set, and refusing the run for it named the wrong data."""
+    (tmp_path / "auto").mkdir()
+    (tmp_path / "auto" / "regeneration.json").write_text(json.dumps({"target": "tiny-random", "temperature": 0.8}))
+    prompts = RECIPES_DIR.parent / "data" / "eval_prompts.jsonl"  # the recipe's, which it names from the repository
+    monkeypatch.chdir(tmp_path)
+    config = read_recipe(RECIPES_DIR / "tiny.yaml", ["--trainer.precision=32-true", "--data.data_path=auto",
+                                                     '--data.regenerate={"temperature": 0}',
+                                                     "--model.replay_calibration=true", f"--eval.prompts={prompts}"])
+    check_before_building(config)  # greedy replies, as data.regenerate says: not refused
+
+
 def calibrated_tiny_run(tmp_path, conversations: int, *settings: str) -> list[str]:
     """train.main arguments of a `tiny` run on toy conversations that calibrates before its evaluation every 2 steps."""
     data = toy_data.write_conversations(tmp_path / "conversations.jsonl", conversations, 30, 50, 0, with_ids=False)

@@ -280,3 +280,13 @@ def test_an_out_that_cannot_be_written_is_one_line_before_the_target_loads(tmp_p
         capsys.readouterr()
         assert recover_ids.main([str(source), "--out", str(out)]) == 2
         assert capsys.readouterr().err.strip() == f"error: cannot write {out}: {why}; give a path in a writable folder"
+
+
+def test_a_folder_without_regeneration_json_is_one_line_naming_the_folder(tmp_path, capsys):
+    """The data argument is the one thing the user can mend here: an error that leaves it out does not say which
+    folder to point at data/regenerate.py's output instead."""
+    (tmp_path / "data").mkdir()
+    assert recover_ids.main([str(tmp_path / "data"), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: {tmp_path / 'data'}: no regeneration.json; recover_ids reads a folder written by "
+                   "data/regenerate.py")

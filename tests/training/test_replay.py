@@ -270,13 +270,17 @@ def test_round_nll_leaves_a_depth_no_round_reached_at_temperature_1():
 
 
 @pytest.mark.parametrize("budget", [None, 4])
-def test_a_round_shows_the_re_drafted_rows_its_tree_ranks_the_reply_by(tiny, budget):
+@pytest.mark.parametrize("reply", ["greedy", "varied"])
+def test_a_round_shows_the_re_drafted_rows_its_tree_ranks_the_reply_by(tiny, budget, reply):
     """Past depth 1 a tree ranks the reply's path by the block re-drafted behind its first token, where one was drafted,
     and decoding divides those rows by the drafter's temperatures as it does the block's: model.calibrate fitted them
-    on the block's rows alone, which no node of that path came from."""
+    on the block's rows alone, which no node of that path came from. The random target's greedy reply repeats one
+    token, so the varied reply tells the path's first token from its later ones."""
     target, tokenizer = tiny
     prompt = tokenizer("def fibonacci(n):")["input_ids"]
     sequence, mask = reply_of(target, prompt, 40)
+    if reply == "varied":
+        sequence = prompt + [(7 * i + 3) % target.config.vocab_size for i in range(len(sequence) - len(prompt))]
     oracle = RedraftRigged(sequence, target.config.vocab_size, block_size=6)  # its block misses past depth 1
     seen = []
     replay_reply(oracle, torch.zeros(len(sequence), 3), torch.tensor(sequence), *reply_span(mask), budget, 40,

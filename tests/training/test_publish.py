@@ -2466,25 +2466,6 @@ def test_the_cards_kept_checkpoints_are_listed_by_name_whatever_their_file_times
     assert "checkpoints it kept: last.ckpt, step-2.ckpt." in (tmp_path / "out" / "README.md").read_text()
 
 
-def test_the_cards_recipe_rows_state_the_runs_own_settings():
-    """The recipe table is what a reader copies to train the next drafter: each row must carry the run's own value
-    (its gamma, not another hyper-parameter; its node count, not its devices per node; its LoRA rank), since a wrong
-    figure there reproduces another run without a word."""
-    facts = training.model_card.CardFacts(
-        name="d", repo=None, target="tiny-random", base_model=None, license="mit",
-        drafter_config={"num_hidden_layers": 1, "hidden_size": 8, "block_size": 4,
-                        "dflash_config": {"target_layer_ids": [1], "mask_token_id": 0}},
-        num_parameters=10, dtype="float32", step=5, checkpoint="last",
-        hyper_parameters={"gamma": 7.0, "lr": 0.003, "lora_rank": 16, "lora_alpha": 32},
-        run_config={"trainer": {"devices": 8, "accelerator": "gpu", "num_nodes": 2, "strategy": "ddp"},
-                    "data": {"batch_size": 4}},
-        evaluation=None)
-    rows = "\n".join(training.model_card.recipe_section(facts))
-    assert "| loss decay gamma | 7.0 |" in rows
-    assert "| hardware | 8 x gpu, 2 node(s), strategy ddp |" in rows
-    assert "| LoRA | rank 16 (merged into these weights) |" in rows
-
-
 @pytest.mark.parametrize("given", ["RUN", "--out"])
 def test_a_run_or_an_out_alone_is_one_line_asking_for_both(tmp_path, capsys, given):
     """With only one of RUN and --out the export has nowhere to read or write: one line naming both, exit status 2,

@@ -13,7 +13,8 @@ import math
 
 from ddtree.bench import CHAIN, tree_key
 from training.model_card import (PROJECT_ROOT, CardFacts, evaluated_steps, evaluation_section, max_time_seconds,
-                                 merge_step, planned_length, read_data_record, read_run_config, usage_section)
+                                 merge_step, planned_length, read_data_record, read_run_config, recipe_section,
+                                 usage_section)
 from training.report import (duration_text, markdown_report, objective_description, plot_tau, tau_bound,
                              training_end)
 
@@ -250,3 +251,19 @@ def test_tau_png_stars_the_best_checkpoint_at_its_own_step_and_tau():
     handles, labels = axes.get_legend_handles_labels()
     star = handles[labels.index("best checkpoint (budget 8)")]
     assert (list(star.get_xdata()), list(star.get_ydata())) == ([4], [3.0])
+
+
+def test_the_cards_recipe_rows_state_the_runs_own_settings():
+    """The recipe table is what a reader copies to train the next drafter: each row must carry the run's own value
+    (its gamma, not another hyper-parameter; its node count, not its devices per node; its LoRA rank), since a wrong
+    figure there reproduces another run without a word."""
+    facts = card_facts(
+        drafter_config={"num_hidden_layers": 1, "hidden_size": 8, "block_size": 4,
+                        "dflash_config": {"target_layer_ids": [1], "mask_token_id": 0}},
+        hyper_parameters={"gamma": 7.0, "lr": 0.003, "lora_rank": 16, "lora_alpha": 32},
+        run_config={"trainer": {"devices": 8, "accelerator": "gpu", "num_nodes": 2, "strategy": "ddp"},
+                    "data": {"batch_size": 4}})
+    rows = "\n".join(recipe_section(facts))
+    assert "| loss decay gamma | 7.0 |" in rows
+    assert "| hardware | 8 x gpu, 2 node(s), strategy ddp |" in rows
+    assert "| LoRA | rank 16 (merged into these weights) |" in rows

@@ -111,13 +111,13 @@ def test_the_ranks_a_run_starts_inherit_its_measured_choice(monkeypatch):
     monkeypatch.setattr(ddtree.precision, "_cpu_choice", None)
     inherited[ddtree.precision.INHERITED_CHOICE] = "float16 made up"  # not a value this project writes: measured
     assert fast_precision("cpu").dtype == torch.float32
-    # measured on another host or with other kernels (a child held to AVX2): measured afresh
+    # measured on another host or with other kernels (a child held to torch's default kernels): measured afresh
     monkeypatch.setattr(ddtree.precision, "_cpu_choice", None)
     name, cpu, reason = launcher.name, ddtree.precision.cpu_key(), launcher.reason
     inherited[ddtree.precision.INHERITED_CHOICE] = f"{name}\tother-host {cpu}\t{reason}"
     assert fast_precision("cpu").dtype == torch.float32
     monkeypatch.setattr(ddtree.precision, "_cpu_choice", None)
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")  # not this machine's AVX2/AVX512
     inherited[ddtree.precision.INHERITED_CHOICE] = f"{name}\t{cpu}\t{reason}"
     assert fast_precision("cpu").dtype == torch.float32
 

@@ -438,6 +438,94 @@ def test_a_resume_keeps_the_displaced_file_its_restored_ranking_still_names(tmp_
     assert Path(checkpoints.best_model_path).is_file() and not (folder / BestCheckpoint.DISPLACED_NAME).exists()
 
 
+def saving_trainer(tmp_path: Path, **settings) -> SimpleNamespace:
+    """A trainer stand-in for BestCheckpoint's hooks: save_checkpoint writes a file, one rank, no resume."""
+    def save_checkpoint(path, weights_only):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text("a checkpoint")
+
+    trainer = SimpleNamespace(current_epoch=0, global_step=0, is_global_zero=True, ckpt_path=None, fast_dev_run=False,
+                              received_sigterm=False, max_steps=100, max_epochs=None, is_last_batch=False,
+                              callback_metrics={}, callbacks=[], save_checkpoint=save_checkpoint,
+                              default_root_dir=str(tmp_path),
+                              strategy=SimpleNamespace(broadcast=lambda value: value, remove_checkpoint=os.remove),
+                              fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(_should_accumulate=lambda: False)))
+    for name, value in settings.items():
+        setattr(trainer, name, value)
+    return trainer
+
+
+def test_an_unreadable_displaced_marker_deletes_nothing_and_goes(tmp_path, capsys):
+    """A marker cut short or edited names no file a launch may trust: nothing is deleted on its word, and it goes."""
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    for name in ("step-2.ckpt", "step-4.ckpt"):
+        (folder / name).write_text("a checkpoint")
+    (folder / BestCheckpoint.DISPLACED_NAME).write_text('{"displaced": "step-2.ck')
+    checkpoints = BestCheckpoint(dirpath=folder)
+    checkpoints.best_k_models = {"step-4.ckpt": 2.0}
+    checkpoints.finish_removal(saving_trainer(tmp_path))
+    assert sorted(p.name for p in folder.iterdir()) == ["step-2.ckpt", "step-4.ckpt"]
+    assert "removed" not in capsys.readouterr().out
+
+
+def test_a_file_a_lower_save_top_k_drops_that_is_gone_already_is_not_said_removed(tmp_path, capsys):
+    """A resume with a lower save_top_k drops the lowest ranked files; one deleted by hand is not said removed."""
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    (folder / "step-4.ckpt").write_text("a checkpoint")  # step-2.ckpt is gone already
+    checkpoints = BestCheckpoint(dirpath=folder, save_top_k=1)
+    checkpoints.best_k_models = {"step-2.ckpt": 1.0, "step-4.ckpt": 3.0, "step-6.ckpt": 2.0}
+    (folder / "step-6.ckpt").write_text("a checkpoint")
+    checkpoints.save(saving_trainer(tmp_path), 8, 0.5)
+    assert sorted(p.name for p in folder.glob("*.ckpt")) == ["best.ckpt", "last.ckpt", "step-4.ckpt"]
+    assert [line for line in capsys.readouterr().out.splitlines() if "removed" in line] == [
+        "[checkpoint] removed step-6.ckpt: checkpoint.save_top_k=1 keeps fewer"]
+
+
+def test_without_a_dirpath_checkpoints_are_saved_in_the_run_folders_checkpoints(tmp_path):
+    trainer = saving_trainer(tmp_path)
+    checkpoints = BestCheckpoint()
+    checkpoints.setup(trainer, None, "fit")
+    checkpoints.save(trainer, 2, 1.5)
+    assert os.readlink(tmp_path / "checkpoints" / "best.ckpt") == "step-2.ckpt"
+
+
+def test_a_step_no_evaluation_measured_is_ranked_by_the_monitor_the_module_logged(tmp_path):
+    """BestCheckpoint without AcceptanceEvaluation ranks a scheduled step by the monitor in callback_metrics."""
+    checkpoints = BestCheckpoint(dirpath=tmp_path / "checkpoints", monitor="val/score", every_n_train_steps=2)
+    for step, score in ((2, 1.5), (4, 1.0)):
+        trainer = saving_trainer(tmp_path, global_step=step, callback_metrics={"val/score": torch.tensor(score)})
+        checkpoints.on_train_batch_end(trainer, None, None, None, 0)
+    assert os.readlink(tmp_path / "checkpoints" / "best.ckpt") == "step-2.ckpt"  # the higher score stays the best
+
+
+def test_a_resume_at_a_step_nothing_measured_saves_nothing_before_training(tmp_path):
+    """A resume from a SIGTERM's stop off the schedule (saved unmeasured): no evaluation measured the step, so it is not
+    saved again, ranked, as it would be had the resume measured it."""
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    (folder / "last.ckpt").write_text("the stop's checkpoint")
+    evaluation = AcceptanceEvaluation(every_n_train_steps=4, budgets=[8], primary_budget=8)
+    checkpoints = BestCheckpoint(dirpath=folder, monitor=monitor_metric(8), every_n_train_steps=4)
+    checkpoints.last_saved_step = 4
+    checkpoints.on_train_start(saving_trainer(tmp_path, global_step=5, callbacks=[evaluation, checkpoints]), None)
+    assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt"]
+    assert (folder / "last.ckpt").read_text() == "the stop's checkpoint"
+
+
+def test_a_sigterm_seen_between_two_micro_batches_of_a_step_saves_nothing_there(tmp_path):
+    """Lightning's own SIGTERM flag (a Trainer without SigtermAtStepBoundary) can be up between micro-batches: a
+    checkpoint there would lack the gradients summed so far, so the stop is saved where the step ends."""
+    checkpoints = BestCheckpoint(dirpath=tmp_path / "checkpoints", every_n_train_steps=4)
+    accumulating = SimpleNamespace(epoch_loop=SimpleNamespace(_should_accumulate=lambda: True))
+    checkpoints.on_train_batch_end(saving_trainer(tmp_path, global_step=3, received_sigterm=True,
+                                                  fit_loop=accumulating), None, None, None, 0)
+    assert not (tmp_path / "checkpoints").exists()
+    checkpoints.on_train_batch_end(saving_trainer(tmp_path, global_step=3, received_sigterm=True), None, None, None, 1)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["last.ckpt"]
+
+
 def test_a_launch_that_saved_nothing_leaves_last_ckpt_only_where_save_last_asks(tmp_path):
     """A launch stopped before its first save leaves last.ckpt to resume from, unless checkpoint.save_last is false:
     one written there anyway is never written again, and the run folder's resumes (resume_point takes last.ckpt first)
@@ -476,6 +564,8 @@ def test_checkpoint_settings_that_cannot_work_are_one_line_errors(tmp_path):
         BestCheckpoint(filename="ep{epoch}/step-{step}")  # best.ckpt was linked in ep0/, where CKPT=best did not look
     with pytest.raises(DDTreeError, match="checkpoint.save_top_k=-2"):
         BestCheckpoint(save_top_k=-2)
+    with pytest.raises(DDTreeError, match="checkpoint.every_n_train_steps=0: must be at least 1"):
+        BestCheckpoint(every_n_train_steps=0)
     with pytest.raises(DDTreeError, match="checkpoint.mode='min': checkpoints are ranked by measured tau"):
         BestCheckpoint(mode="min")  # report.md and the card mark the highest tau as the best
     assert BestCheckpoint.file_name("step-{step}", step=200, epoch=3) == "step-200.ckpt"  # the names runs hold

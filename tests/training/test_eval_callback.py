@@ -10,6 +10,7 @@ that read the target's own greedy continuation (perfect) or avoid every token it
 from __future__ import annotations
 
 import csv
+import errno
 import json
 import math
 import os
@@ -31,6 +32,7 @@ from torch.utils.data import DataLoader, Subset
 import toy_data  # tests/training/toy_data.py
 from test_disk_full import fill_disk  # tests/training/test_disk_full.py: a disk with a few KB free
 import ddtree.cli
+import training.callbacks
 import training.evaluate
 import training.report
 import training.train
@@ -39,10 +41,11 @@ from ddtree.corpus import CorpusLookup
 from ddtree.decoding import DrafterRunner, generate
 from ddtree.packed_linear import is_packed
 from ddtree.errors import Terminated
+from ddtree.files import WriteFailed
 from ddtree.targets import DDTreeError, load_target, stop_token_ids
 from training.arguments import recipe_path
-from training.callbacks import (AcceptanceEvaluation, BestCheckpoint, changed_measurement, in_dtype, measure_acceptance,
-                                monitor_metric, recorded_step)
+from training.callbacks import (AcceptanceEvaluation, BestCheckpoint, SigtermAtStepBoundary, changed_measurement,
+                                in_dtype, measure_acceptance, metrics_of, monitor_metric, recorded_step)
 from training.checkpoint_paths import abandoned_branch, why_no_best
 from training.checkpoints import AtomicCheckpointIO, drafter_from_checkpoint
 from training.data import TokenizedConversations
@@ -1396,6 +1399,75 @@ def test_why_no_best_counts_only_training_steps_not_a_later_make_eval(tmp_path):
     (tmp_path / "eval" / "checkpoint-last.json").write_text("{}")
     (tmp_path / "report.md").write_text("stopped at step 1\n")
     assert why_no_best(tmp_path).startswith("the run evaluated no step, so it ranked no checkpoint")
+
+
+def test_a_missing_prompts_file_is_one_line_naming_it_and_what_to_give(tmp_path):
+    with pytest.raises(DDTreeError, match=r"eval.prompts=.*none.jsonl: no such file; give a JSONL of held-out prompts"):
+        AcceptanceEvaluation(prompts=str(tmp_path / "none.jsonl")).load_prompts(None)
+
+
+def test_only_fit_reads_the_prompts_writes_a_report_or_takes_the_signal_handlers(tmp_path):
+    """`trainer.validate` with the recipe's callbacks: no eval.prompts read (a missing file is fit's error), no
+    report.md of a run that 'ended before its first evaluation', Lightning's signal handlers left as they are; a second
+    fit reads the prompts read once."""
+    evaluation = AcceptanceEvaluation(prompts=str(tmp_path / "none.jsonl"))
+    evaluation.setup(None, None, "validate")  # None for the module: nothing of it is read
+    trainer = SimpleNamespace(is_global_zero=True, global_step=0, max_steps=10, default_root_dir=str(tmp_path),
+                              received_sigterm=False)
+    evaluation.teardown(trainer, None, "validate")
+    assert not (tmp_path / "report.md").exists()
+    evaluation.prompts = [{"id": "0", "prompt_ids": [1, 2]}]
+    evaluation.setup(None, None, "fit")
+    handlers = SimpleNamespace(_sigterm_notifier_fn=None, _slurm_sigusr_handler_fn=None)
+    boundary = SigtermAtStepBoundary()
+    boundary.setup(SimpleNamespace(_signal_connector=handlers), None, "validate")
+    assert handlers._sigterm_notifier_fn is None and handlers._slurm_sigusr_handler_fn is None and not boundary.active
+
+
+def test_a_sanity_check_or_a_validation_without_a_loss_leaves_the_measured_steps_val_loss(tmp_path):
+    """A resume's sanity check runs at the measured step it resumed at, on a few batches: its loss is not that
+    step's."""
+    evaluation = AcceptanceEvaluation()
+    evaluation.history = [{"step": 4, "val_loss": 2.0}]
+    path = AcceptanceEvaluation.eval_file(tmp_path, 4)
+    path.parent.mkdir()
+    path.write_text(json.dumps({"step": 4, "val_loss": 2.0}))
+    trainer = SimpleNamespace(sanity_checking=True, callback_metrics={"val/loss": torch.tensor(9.0)}, global_step=4,
+                              is_global_zero=True, default_root_dir=str(tmp_path))
+    evaluation.on_validation_end(trainer, None)
+    trainer.sanity_checking, trainer.callback_metrics = False, {}
+    evaluation.on_validation_end(trainer, None)
+    assert evaluation.history[-1]["val_loss"] == 2.0 and json.loads(path.read_text())["val_loss"] == 2.0
+
+
+def test_a_resumed_rows_validation_loss_is_kept_and_only_a_missing_one_read_from_its_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(training.callbacks, "check_tree_attention", lambda target, method: None)
+    evaluation = AcceptanceEvaluation(every_n_train_steps=4)
+    evaluation.pack_target = False
+    evaluation.history = [{"step": 4, "val_loss": 2.0}, {"step": 8, "val_loss": None}]
+    path = AcceptanceEvaluation.eval_file(tmp_path, 8)
+    path.parent.mkdir()
+    path.write_text(json.dumps({"step": 8, "val_loss": 1.5}))  # step 4's file is gone (moved, or another node's)
+    trainer = SimpleNamespace(world_size=1, is_global_zero=True, default_root_dir=str(tmp_path), global_step=0,
+                              ckpt_path=None)
+    evaluation.on_train_start(trainer, SimpleNamespace(target=None))
+    assert [row["val_loss"] for row in evaluation.history] == [2.0, 1.5]
+
+
+def test_a_record_made_before_the_chain_had_an_expected_tau_logs_none_for_it():
+    """finish_interrupted_evaluation logs the metrics of a resumed history's record, which may predate
+    expected_tau."""
+    metrics = metrics_of({CHAIN: {"tau": 1.5}, tree_key(8): {"tau": 2.0, "expected_tau": 2.5}}, 3.0)
+    assert metrics == {f"val/tau_{CHAIN}": 1.5, f"val/tau_{tree_key(8)}": 2.0,
+                       f"val/expected_tau_{tree_key(8)}": 2.5, "val/eval_seconds": 3.0}
+
+
+def test_an_evaluation_file_the_disk_refuses_is_one_line_saying_how_the_run_goes_on(tmp_path, monkeypatch):
+    def refused(path, record):
+        raise WriteFailed(path, OSError(errno.ENOSPC, "No space left on device"))
+    monkeypatch.setattr(training.callbacks, "write_json_atomic", refused)
+    with pytest.raises(DDTreeError, match=r"cannot write the evaluation .*step-000002.json \(No space left on device"):
+        canned_fit(tmp_path, 2, {2: {8: 1.0}})
 
 
 def test_a_resume_that_ranks_by_another_budget_is_refused(tmp_path):

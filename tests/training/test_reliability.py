@@ -11,6 +11,7 @@ own process, sent the signal from another thread, as a process of their own woul
 from __future__ import annotations
 
 import csv
+import errno
 import importlib
 import json
 import logging
@@ -757,6 +758,26 @@ def test_a_requeue_scontrol_refuses_is_one_line_with_the_command_that_resumes(tm
     assert signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN  # ignored only while rank 0 requeued
 
 
+def test_a_requeue_on_a_node_without_scontrol_is_one_line_with_the_command_that_resumes(tmp_path, monkeypatch, capsys):
+    """scontrol not on the PATH of rank 0's node: the requeue's failure is said, not a FileNotFoundError traceback."""
+    empty_bin = tmp_path / "bin"
+    empty_bin.mkdir()
+    for name in [name for name in os.environ if name.startswith("SLURM_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("PATH", str(empty_bin))
+    last = tmp_path / "out" / "tiny" / "r" / "checkpoints" / "last.ckpt"
+    last.parent.mkdir(parents=True)
+    torch.save({"global_step": 3}, last)
+    boundary = training.callbacks.SigtermAtStepBoundary()
+    boundary.requeue = signal.SIGUSR1
+    cli = SimpleNamespace(trainer=SimpleNamespace(global_step=3, callbacks=[boundary]))
+    assert training.train.stopped_by_signal(cli, last.parent.parent, "tiny") == 128 + signal.SIGUSR1
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("[train] stopped by SLURM's SIGUSR1, but `scontrol requeue 7` failed (") and "scontrol" in \
+        line.split("failed (", 1)[1] and line.endswith(f"resume with: make train RECIPE=tiny RESUME={last}"), line
+
+
 def in_slurm_job(tmp_path: Path, monkeypatch, **slurm: str) -> None:
     """This process as rank 0 of a SLURM job with the `slurm` variables alone, with an `scontrol` on PATH that records
     its arguments in tmp_path/scontrol.log."""
@@ -1475,6 +1496,42 @@ def test_the_bench_command_carries_the_target_dtype_and_a_lookup_or_redraft_of_0
     for flag, value in (("--dtype", "bfloat16"), ("--lookup", "0"), ("--redraft", "2"), ("--budgets", "8")):
         assert words[words.index(flag) + 1] == value, (flag, words)
     assert "--limit" not in words, words
+
+
+def test_a_run_folder_on_a_filesystem_without_locks_trains_unguarded_and_says_so(tmp_path, monkeypatch, capsys):
+    def no_locks(handle, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+    monkeypatch.setattr(training.train.fcntl, "flock", no_locks)
+    with training.train.hold_run_folder(tmp_path / "run"):
+        pass
+    assert capsys.readouterr().err == (f"[train] cannot lock {tmp_path / 'run' / '.train.lock'} (No locks available): "
+                                       f"a second launch into {tmp_path / 'run'} would not be refused\n")
+
+
+def test_a_failed_start_keeps_a_folder_holding_a_checkpoint_and_folders_above_that_hold_another_run(tmp_path):
+    """remove_unstarted_run: a folder that holds a checkpoint keeps its config.yaml (a resume reads it); of the folders
+    a launch made, one another run has written into since stays, and so do those above it."""
+    run_dir = tmp_path / "out" / "tiny" / "mine"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "checkpoints" / "last.ckpt").write_text("a checkpoint")
+    (run_dir / "config.yaml").write_text("model: {}\n")
+    training.train.remove_unstarted_run(run_dir, 0, [])
+    assert (run_dir / "config.yaml").is_file()
+
+    fresh = tmp_path / "out" / "tiny" / "fresh"
+    fresh.mkdir()
+    (fresh / "config.yaml").write_text("model: {}\n")
+    training.train.remove_unstarted_run(fresh, 0, [fresh, fresh.parent, fresh.parent.parent])
+    assert not fresh.exists() and (run_dir / "config.yaml").is_file()
+
+
+def test_the_bench_command_of_a_run_started_outside_the_checkout_names_the_console_script_whole(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cli = SimpleNamespace(model=SimpleNamespace(hparams=SimpleNamespace(target="tiny-random", target_dtype="float32")),
+                          trainer=SimpleNamespace(precision="32-true", callbacks=[]))
+    script = Path(sys.executable).parent / "ddtree"
+    words = shlex.split(training.train.bench_command(cli, tmp_path / "drafter"))
+    assert words[0] == (str(script.absolute()) if script.is_file() else "ddtree")
 
 
 def test_the_make_args_of_a_printed_command_reach_the_recipe_as_given(tmp_path):

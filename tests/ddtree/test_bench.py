@@ -18,7 +18,7 @@ import torch
 
 from ddtree.bench import (CHAIN, acceptance_summary, budget_of, compare_packed_verify_cost, format_summary, iter_json_lines,
                           load_prompts, measure_verify_cost, method_keys, read_prompts, resolved_options, run_benchmark,
-                          summarize, tree_key)
+                          summarize, tokenize_prompts, tree_key)
 from ddtree import bench, sizing, target_runner
 from ddtree.calibration import OnlineCalibration
 from ddtree.decoding import GenerationResult, Round, Sampling, generate
@@ -438,6 +438,22 @@ def test_a_limit_below_one_is_refused(tmp_path, limit):
         load_prompts(path, tokenizer=None, limit=limit)
 
 
+@pytest.mark.parametrize("content, message", [
+    ('{"prompt": "a"}\n{"prompt": 5}\n', ':2: "prompt" must be a string'),
+    ('{"prompt": "a"}\n{"prompt": ["a"]}\n', ':2: "prompt" must be a string'),
+    ("", " holds no prompts"),
+    ("\n  \n", " holds no prompts"),  # blank lines alone
+])
+def test_a_prompts_file_whose_prompt_is_not_text_or_that_holds_none_is_one_line(tmp_path, content, message):
+    """Read before the target loads: a number as "prompt" was the tokenizer's error once it had, and an empty file
+    decoded nothing and summarized no prompts."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(content)
+    with pytest.raises(DDTreeError) as error:
+        read_prompts(path)
+    assert str(error.value) == (f'{path}{message}' if message.startswith(":") else f"prompts file {path}{message}")
+
+
 @pytest.mark.parametrize("content", ["5", "null", '[{"type": "text", "text": "hi"}]'])
 def test_a_message_whose_content_is_not_a_string_is_one_line(tmp_path, tiny_target, content):
     """A TypeError or a jinja2 UndefinedError from the chat template before."""
@@ -486,6 +502,13 @@ def test_a_raw_prompt_is_tokenized_as_is_without_the_tokenizers_special_tokens()
 
     records = [("a", "p.jsonl:1", {"prompt": "hi"})]
     assert tokenize_prompts(records, tokenizer) == [{"id": "a", "prompt_ids": [104, 105]}]
+
+
+def test_a_raw_prompt_the_tokenizer_turns_into_no_token_is_one_line_naming_the_line():
+    """Text a tokenizer drops whole (a stand-in's here) leaves the target nothing to continue from."""
+    records = [("a", "p.jsonl:1", {"prompt": "hi"}), ("b", "p.jsonl:2", {"prompt": "\u200b"})]
+    with pytest.raises(DDTreeError, match="^p.jsonl:2: the prompt is empty$"):
+        tokenize_prompts(records, lambda text, add_special_tokens: {"input_ids": [1] if text == "hi" else []})
 
 
 def test_a_chat_prompt_ends_with_the_templates_generation_prompt(tmp_path, tiny_target):

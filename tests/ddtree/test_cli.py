@@ -2116,6 +2116,9 @@ def test_a_calibration_temperature_too_large_for_a_float_is_one_line(tmp_path):
     # a misspelt lookup was taken, and its table never read: the lookup's nodes scored the prior
     ('{"format_version": 1, "temperatures": {}, "graft_acceptance": {"contxt": {"1": [1, 2]}}}',
      "graft_acceptance 'contxt' is not a lookup: context or corpus"),
+    # a lookup's table that is not one (an AttributeError's "'list' object has no attribute 'items'" else)
+    ('{"format_version": 1, "temperatures": {}, "graft_acceptance": {"context": [1, 2]}}',
+     "graft_acceptance context [1, 2] is not an object of depths"),
     # more accepted than rounds: a grafted node priced above certainty, (5 + 1) / (2 + 2), in every tree it joins
     ('{"format_version": 1, "temperatures": {}, "graft_acceptance": {"context": {"1": [5, 2]}}}',
      "graft_acceptance context 1: [5, 2] is not [accepted, rounds]"),

@@ -17,7 +17,7 @@ import ddtree.cli
 import ddtree.errors
 import ddtree.precision
 from ddtree.calibration import (CALIBRATION_FILE, CARD_NOTE, FORMAT_VERSION, OnlineCalibration, load_calibration,
-                                save_calibration, weights_fingerprint)
+                                note_in_card, save_calibration, weights_fingerprint)
 from ddtree.cli import TextStream, load_drafter, main
 from ddtree.corpus import CORPUS_FILE, write_replies
 from ddtree.modeling_dflash import DFlashDraftModel
@@ -1893,6 +1893,19 @@ def test_calibrate_says_in_an_exports_card_that_its_figures_were_measured_withou
     (folder / "README.md").write_text(own)
     code, stdout, _ = run_cli(capsys, *calibrate, "--overwrite")
     assert code == 0 and "card" not in stdout and (folder / "README.md").read_text() == own
+
+
+def test_an_exports_card_without_its_section_of_figures_gets_the_calibration_note_before_its_mark(tmp_path):
+    """A card whose "## Measured acceptance" was edited away still says it was calibrated after: the note goes last,
+    before the export's mark."""
+    from ddtree.names import REPO_MARK
+
+    card = ["# drafter", "", "## Training recipe", "", "| setting | value |", "", f"{REPO_MARK}none -->"]
+    (tmp_path / "README.md").write_text("\n".join(card) + "\n")
+    assert note_in_card(tmp_path, "2026-01-02") is True
+    lines = (tmp_path / "README.md").read_text().splitlines()
+    assert lines[:6] == card[:6] and lines[6].startswith(CARD_NOTE) and "2026-01-02" in lines[6]
+    assert lines[7:] == ["", card[6]]
 
 
 def test_the_calibration_note_names_the_flags_that_clear_it(capsys, tmp_path, tiny_target, prompts_file):

@@ -1361,6 +1361,9 @@ def test_a_results_file_written_by_another_run_meanwhile_is_kept_and_this_runs_r
     ("generate", ["--drafter", "{listed}", "--prompt", "hi"],
      "error: drafter {listed}/config.json holds a JSON list, not an object of fields"),
     ("calibrate", ["--drafter", "{tmp}", "--prompts", "{prompts}"], "error: drafter '{tmp}' is not a folder with a config.json"),
+    # the drafter's config.json given for its folder: the drafter is wrong, not where calibration.json would go
+    ("calibrate", ["--drafter", "{run}/drafter/config.json", "--prompts", "{prompts}"],
+     "error: drafter '{run}/drafter/config.json' is not a folder with a config.json"),
     ("calibrate", ["--drafter", "{run}/drafter", "--prompts", "{prompts}", "--budgets", "8,8"],  # decoded 8 twice
      "error: --budgets repeats 8: name each once"),
     ("bench", ["--prompts", "{tmp}/none.jsonl"], "error: prompts file {tmp}/none.jsonl does not exist"),

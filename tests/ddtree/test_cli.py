@@ -1634,6 +1634,15 @@ def test_verify_cost_compares_plain_and_packed_layers(capsys):
         assert line == f"error: --compare-plain times both plain and packed linear layers: drop --packed-weights {kind}"
 
 
+def test_verify_cost_compare_plain_under_a_torch_without_packing_is_one_line_before_the_target_loads(capsys,
+                                                                                                  monkeypatch):
+    monkeypatch.setattr(ddtree.cli, "packing_available", lambda: False)
+    monkeypatch.setattr(ddtree.cli, "load_target", lambda *args, **kwargs: pytest.fail("loaded the target first"))
+    line = _bad(capsys, "verify-cost", "--target", TARGET, "--dtype", "float32", "--compare-plain")
+    assert line == ("error: --compare-plain times packed linear layers, and this torch has no oneDNN weight packing: "
+                    "drop --compare-plain")
+
+
 @pytest.fixture
 def auto_picks_bf16(monkeypatch):
     """`--dtype auto` resolves to bf16 whatever this machine measures."""

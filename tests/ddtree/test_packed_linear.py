@@ -243,6 +243,18 @@ def test_apply_packing_refuses_on_where_it_cannot_pack():
         apply_packing("yes", half)
 
 
+def test_a_torch_without_onednn_packing_packs_nothing_and_says_so(monkeypatch):
+    """auto leaves such a build's layers plain and says why; on refuses in one line naming what works."""
+    monkeypatch.setattr(packed_linear, "packing_available", lambda: False)
+    model = two_layers()
+    assert apply_packing("auto", model) == (False, "[packed weights] off: this torch has no oneDNN weight packing")
+    with pytest.raises(DDTreeError) as error:
+        apply_packing("on", model)
+    assert str(error.value) == ("--packed-weights on: this torch has no oneDNN weight packing; use --packed-weights "
+                                "off (or auto)")
+    assert not is_packed(model)
+
+
 @needs_packing
 def test_a_subclass_of_linear_keeps_its_own_forward():
     """Only a plain nn.Linear is packed: a subclass with its own forward (a scaled or adapted layer) given the packed

@@ -225,6 +225,9 @@ def test_available_memory_is_counted_in_bytes_and_only_what_is_free(monkeypatch)
     pages = {"SC_AVPHYS_PAGES": 10, "SC_PHYS_PAGES": 100, "SC_PAGE_SIZE": 4096}
     monkeypatch.setattr(packed_linear.os, "sysconf", pages.__getitem__)
     assert packed_linear.available_memory_bytes() == 10 * 4096
+    without = "MemTotal:    4096 kB\nMemFree:     512 kB\n"  # a kernel before 3.14 has no MemAvailable line
+    monkeypatch.setattr(packed_linear, "open", lambda path: io.StringIO(without), raising=False)
+    assert packed_linear.available_memory_bytes() == 10 * 4096  # the free pages, as where it cannot be read
 
     def unknown(name):
         raise ValueError(f"unrecognized configuration name {name}")  # as os.sysconf says where it has none

@@ -323,7 +323,11 @@ def test_a_padded_encoding_decodes_as_its_unpadded_prompt(tiny_target, side):
     ({"input_ids": [5, 6, 7], "attention_mask": [1, 1]},
      "prompt_ids's attention_mask has 2 positions for 3 input_ids"),
     ({"input_ids": [0, 0], "attention_mask": [0, 0]}, "prompt_ids has padding (attention_mask holds 0s)"),
-], ids=["hole", "both ends", "padded batch", "mask too short", "all padding"])
+    ({"input_ids": [5, 6], "attention_mask": [[1], [1, 1]]},
+     "prompt_ids's attention_mask is not 0s and 1s (expected sequence of length 1 at dim 1 (got 2)): give the "
+     "encoding as the tokenizer returned it"),
+    ({"input_ids": [5, 6], "attention_mask": [None, 1]}, "prompt_ids's attention_mask is not 0s and 1s ("),
+], ids=["hole", "both ends", "padded batch", "mask too short", "all padding", "ragged mask", "mask of None"])
 def test_padding_that_is_not_one_run_at_an_end_is_one_line(tiny_target, encoding, problem):
     target, _ = tiny_target
     with pytest.raises(DDTreeError) as error:
@@ -336,11 +340,14 @@ def test_padding_that_is_not_one_run_at_an_end_is_one_line(tiny_target, encoding
     ({"attention_mask": [1, 1]}, r"prompt_ids is a mapping without \"input_ids\" \(keys \['attention_mask'\]\)"),
     (["hi", "there"], r"prompt_ids must be token ids \(a list of ints, or a 1-D or \(1, length\) tensor\), got a list"),
     ([5, None], r"prompt_ids must be token ids .*, got a list"),
-], ids=["text", "mapping without input_ids", "list of text", "None"])
+    ([], r"the prompt is empty \(prompt_ids holds no token\): give at least one"),
+    (torch.zeros(1, 0, dtype=torch.long), r"the prompt is empty \(prompt_ids holds no token\)"),
+], ids=["text", "mapping without input_ids", "list of text", "None", "empty", "empty batch of one"])
 def test_a_prompt_that_is_not_token_ids_is_one_line(tiny_target, prompt, problem):
     target, _ = tiny_target
     with pytest.raises(DDTreeError, match=f"^{problem}"):
         generate(target, prompt, "ar", max_new_tokens=4)
+
 
 
 # ------------------------------------------------------------------------------ stop_ids and max_new_tokens

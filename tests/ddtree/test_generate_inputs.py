@@ -349,6 +349,17 @@ def test_a_prompt_that_is_not_token_ids_is_one_line(tiny_target, prompt, problem
         generate(target, prompt, "ar", max_new_tokens=4)
 
 
+@pytest.mark.parametrize("method, problem", [
+    ("beam", "unknown method 'beam': choose from ar, dflash, ddtree"),
+    ("dflash", "method 'dflash' needs a drafter"),
+    ("ddtree", "method 'ddtree' needs a drafter"),
+])
+def test_an_unknown_method_or_a_drafting_one_without_a_drafter_is_one_line(tiny_target, method, problem):
+    target, _ = tiny_target
+    with pytest.raises(DDTreeError) as error:
+        generate(target, PROMPT, method, None, max_new_tokens=4)
+    assert str(error.value) == problem
+
 
 # ------------------------------------------------------------------------------ stop_ids and max_new_tokens
 

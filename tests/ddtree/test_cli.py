@@ -1103,6 +1103,27 @@ def test_a_drafter_folder_without_weights(capsys, tmp_path, tiny_target, prompts
                    "copy the weights in beside it, or export the drafter again"
 
 
+@pytest.mark.parametrize("file, content, problem", [
+    ("config.json", '{"block_size": 4,', "config.json could not be read: "),
+    ("config.json", b'{"name": "caf\xe9"}', "config.json could not be read: "),  # latin-1, not UTF-8
+    ("model.safetensors.index.json", '{"weight_map": ', "model.safetensors.index.json could not be read ("),
+    ("model.safetensors.index.json", '{"weight_map": [1]}', "model.safetensors.index.json could not be read ("),
+    ("model.safetensors.index.json", '{"metadata": {}}', "model.safetensors.index.json could not be read ("),
+])
+def test_a_drafter_file_that_cannot_be_read_is_one_line(capsys, tmp_path, tiny_target, prompts_file, file, content,
+                                                         problem):
+    """A config.json cut off or not UTF-8, or a shard index (weights too large for one file) that is not one."""
+    folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
+    if file != "config.json":
+        (folder / "model.safetensors").unlink()  # the shards the index names are read instead
+    (folder / file).write_bytes(content if isinstance(content, bytes) else content.encode())
+    line = _bad(capsys, "bench", "--target", TARGET, "--drafter", str(folder), "--prompts", str(prompts_file),
+                "--methods", "dflash", "--dtype", "float32")
+    assert line.startswith(f"error: drafter {folder}/{problem}")
+    if file != "config.json":
+        assert line.endswith("; export the drafter again")
+
+
 def test_bench_records_which_prompts_and_drafter_weights_its_paths_held(capsys, tmp_path, tiny_target, prompts_file):
     """results.json held the --prompts and --drafter paths alone: a prompts file edited in place (or another fed through
     the same pipe) and a drafter folder retrained in place gave settings that differed in --out alone."""

@@ -858,6 +858,17 @@ def test_a_broken_pipe_that_is_not_stdout_keeps_its_traceback(tmp_path):
     assert proc.returncode == 1 and "BrokenPipeError" in proc.stderr, (proc.returncode, proc.stderr)
 
 
+def test_a_broken_pipe_under_a_stdout_without_a_file_descriptor_keeps_its_traceback(capsys):
+    """A captured stdout (a test's, an embedding program's StringIO) cannot be a pipe whose reader left: the error is
+    another pipe's, raised as it was."""
+    def main(argv):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    with pytest.raises(BrokenPipeError):
+        ddtree.errors.run_cli(main, [])
+    assert capsys.readouterr().err == ""
+
+
 def test_generate_piped_into_a_reader_that_stops_early_exits_141_without_a_traceback(tmp_path):
     proc = run_with_stdout_closed([sys.executable, "-m", "ddtree", "generate", "--target", TARGET, "--method", "ar",
                                    "--packed-weights", "off", "--raw", "--prompt", "The quick brown fox",

@@ -24,7 +24,8 @@ import pytest
 from ddtree.errors import DDTreeError
 from ddtree.files import (WriteFailed, atomic_file, cache_dir, check_output_file, check_output_folder,
                           files_an_export_would_lose, format_bytes, free_bytes, not_a_file, path_argument,
-                          refused_write_as_error, staged_folder, staging_owner, write_results_json)
+                          read_yaml_mapping, refused_write_as_error, staged_folder, staging_owner,
+                          write_results_json)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -189,6 +190,14 @@ def test_an_output_file_in_a_folder_that_can_be_read_but_not_written_is_refused_
     out = tmp_path / "results.json"
     with pytest.raises(DDTreeError, match=rf"^cannot write {out}: {tmp_path} is not writable here"):
         check_output_file(out)
+
+
+@pytest.mark.parametrize("text", ["", "# a recipe of comments alone\n", "\n\n"])
+def test_a_yaml_file_of_nothing_but_comments_or_blanks_is_no_settings(tmp_path, text):
+    """An empty recipe (or config.yaml) sets nothing: every setting keeps its default."""
+    path = tmp_path / "mine.yaml"
+    path.write_text(text)
+    assert read_yaml_mapping(path) == {}
 
 
 def test_a_nan_or_an_infinity_in_results_is_written_as_null(tmp_path):

@@ -333,6 +333,9 @@ def test_a_dotted_recipe_name_of_ones_own_is_an_unknown_recipe_named_whole():
     ("- model\n- trainer\n", "the top level is a list, not a mapping of sections"),
     ("model\n", "the top level is a str, not a mapping of sections"),  # a word, not `model:`
     ("[]\n", "the top level is a list, not a mapping of sections"),  # only an empty file is an empty recipe
+    # a control character (a paste from a terminal): yaml's ReaderError, which has no line and column to give
+    ("model:\n  block_size: 8\x07\n",
+     "not valid YAML (unacceptable character #x0007: special characters are not allowed); fix the file"),
 ])
 def test_a_recipe_that_is_not_a_yaml_mapping_is_one_line_naming_the_file_and_where(tmp_path, monkeypatch, capsys, text,
                                                                                   named):

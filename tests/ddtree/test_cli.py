@@ -21,6 +21,7 @@ from ddtree.calibration import (CALIBRATION_FILE, CARD_NOTE, FORMAT_VERSION, Onl
 from ddtree.cli import TextStream, load_drafter, main
 from ddtree.corpus import CORPUS_FILE, write_replies
 from ddtree.modeling_dflash import DFlashDraftModel
+from ddtree.names import REPO_MARK
 from ddtree.packed_linear import is_packed, packing_available
 from ddtree.precision import Choice
 from ddtree.errors import DDTreeError, error_line, first_and_count
@@ -1914,8 +1915,6 @@ def test_calibrate_says_in_an_exports_card_that_its_figures_were_measured_withou
     """The card kept saying its figures were what `ddtree` decodes this drafter to; after `ddtree calibrate` it decodes
     calibrated by default, at another tau (found in a review: 2.938 against the card's 2.984). The card says so, once
     however often it is calibrated; a README.md that is not an export's card is left as it is."""
-    from ddtree.names import REPO_MARK
-
     folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
     card = ["# drafter", "", "## Measured acceptance", "", "| decoding | tau |", "|---|---:|", "| chain | 1.500 |", "",
             "Decoded as `ddtree` decodes this drafter unless told otherwise (its config and files).", "",
@@ -1942,8 +1941,6 @@ def test_calibrate_says_in_an_exports_card_that_its_figures_were_measured_withou
 def test_an_exports_card_without_its_section_of_figures_gets_the_calibration_note_before_its_mark(tmp_path):
     """A card whose "## Measured acceptance" was edited away still says it was calibrated after: the note goes last,
     before the export's mark."""
-    from ddtree.names import REPO_MARK
-
     card = ["# drafter", "", "## Training recipe", "", "| setting | value |", "", f"{REPO_MARK}none -->"]
     (tmp_path / "README.md").write_text("\n".join(card) + "\n")
     assert note_in_card(tmp_path, "2026-01-02") is True

@@ -98,6 +98,20 @@ def test_a_greedy_reply_gets_the_ids_its_target_generated_not_the_tokenizers_spl
     assert ids == generated and disagreements == 0
 
 
+def test_a_reply_past_its_repair_budget_keeps_the_tokenizers_split_for_the_rest(tiny):
+    """max_repairs bounds the forwards one reply costs: past it, the ids are the repairs made and then the tokenizer's
+    split of the rest, still the reply's bytes (the command counts such a reply not_recovered by its length)."""
+    model, tokenizer = tiny
+    prompt = chat_prompt_ids(tokenizer, MESSAGES, "MESSAGES", CHAT_TARGET)
+    generated = greedy(model, prompt, 40)
+    text = tokenizer.decode(generated, skip_special_tokens=True)
+    tokens = recover_ids.ByteTokens(tokenizer)
+    ids, disagreements = recover_ids.recover(model, tokens, prompt, text, max_repairs=2)
+    assert tokens.join(ids) == text.encode("utf-8") and disagreements == 0
+    assert ids[:2] == generated[:2] and ids[2:] == tokens.tokenize(tokens.join(generated[2:]))  # two repairs
+    assert ids != generated
+
+
 def test_a_reply_the_target_would_not_write_keeps_its_split_and_counts_the_disagreements(tiny):
     model, tokenizer = tiny
     prompt = chat_prompt_ids(tokenizer, MESSAGES, "MESSAGES", CHAT_TARGET)

@@ -947,7 +947,9 @@ def test_a_prompt_the_template_refuses_stops_the_job_before_the_target_loads(tin
                                          # shard it was meant to be never ran
                                          (["--num-shards", "2", "--shard-index", "2"],
                                           "--shard-index 2 must be in 0..1"),
-                                         (["--shard-index", "-1"], "--shard-index -1 must be in 0..0")])
+                                         (["--shard-index", "-1"], "--shard-index -1 must be in 0..0"),
+                                         (["--chunk-size", "0"],
+                                          "--chunk-size, --batch-size and --max-new-tokens must be positive")])
 def test_bad_settings_are_one_line_before_any_work(tmp_path, capsys, flags, named):
     prompt_file(tmp_path / "prompts.jsonl", 2)
     assert regenerate.main([*args_for_argv(tmp_path), *flags]) == 2

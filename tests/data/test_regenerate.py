@@ -1086,7 +1086,7 @@ def test_a_recipes_null_limit_means_every_prompt(tmp_path):
     assert args.limit is None and args.max_new_tokens == 5
 
 
-def test_recipe_supplies_target_and_output(tmp_path):
+def test_recipe_supplies_target_and_output(tmp_path, capsys):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("model:\n  target: tiny-random\ndata:\n  data_path: %s\n" % (tmp_path / "from-recipe"))
     args = regenerate.apply_recipe(regenerate.parse_args(["--recipe", str(recipe)]))
@@ -1098,6 +1098,9 @@ def test_recipe_supplies_target_and_output(tmp_path):
     assert args.out == Path("elsewhere")
     with pytest.raises(DDTreeError, match="no output folder"):
         regenerate.apply_recipe(regenerate.parse_args([]))
+    recipe.write_text("model:\n  target: tiny-random\ndata:\n  regenerate:\n    max_new_tokens: 5\n")  # no data_path
+    assert regenerate.main(["--recipe", str(recipe)]) == 2
+    assert capsys.readouterr().err.strip() == "error: no output folder: give --out, or --recipe with a data.data_path"
     # Neither a flag nor a recipe: the target the shipped data was written by, as --help says.
     assert regenerate.apply_recipe(regenerate.parse_args(["--out", "elsewhere"])).target == "smollm2-135m"
 

@@ -1354,6 +1354,24 @@ def test_another_recipes_data_is_not_offered_to_overwrite(tmp_path, monkeypatch,
     assert load_from_disk(str(data)).to_list() == made
 
 
+def test_a_broken_recipe_beside_the_owner_of_the_data_hides_no_owner(tmp_path, monkeypatch, capsys):
+    """Finding which recipe's data --out is reads every recipe: one that does not parse owns nothing (training names
+    its fault when it is used), and neither stops the search nor fails this job."""
+    prompt_file(tmp_path / "prompts.jsonl", 2)
+    recipes = tmp_path / "recipes"
+    recipes.mkdir()
+    (recipes / "a-broken.yaml").write_text("data: [\n")
+    (recipes / "owner.yaml").write_text(f"model:\n  target: tiny-random\ndata:\n  data_path: {tmp_path / 'out'}\n"
+                                        "  regenerate:\n    max_new_tokens: 6\n")
+    monkeypatch.setattr(regenerate, "RECIPES_DIR", recipes)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "regeneration.json").write_text(json.dumps({"target": "smollm2-135m", "num_prompts": 2}))
+    assert regenerate.main(args_for_argv(tmp_path, "--check")) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {tmp_path / 'out'} holds recipe owner's data (its data.data_path, made as its "
+                          "data.regenerate says), made with other settings (") and len(err.splitlines()) == 1, err
+
+
 def test_the_readme_names_what_settings_json_records_and_what_moves_a_reply_besides(tmp_path):
     """data/README.md said settings.json "holds what changes an answer" and that a rerun on another CPU "can differ in
     a few answers": the batch size, which it does not hold, changes bf16 greedy replies too, and a rerun of the

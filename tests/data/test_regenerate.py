@@ -616,6 +616,19 @@ def test_an_edited_prompt_fails_the_check_every_training_start_runs(tmp_path, ca
     assert regenerate.main(args_for_argv(tmp_path, "--check", "--limit", "4")) == 0
 
 
+def test_a_check_of_data_or_prompts_not_there_is_one_line_naming_the_remedy(tmp_path, capsys):
+    prompt_file(tmp_path / "prompts.jsonl", 2)
+    assert regenerate.main(args_for_argv(tmp_path, "--check")) == 2
+    assert capsys.readouterr().err.strip() == (f"error: {tmp_path / 'out'} does not exist yet: generate it (this "
+                                               "command without --check)")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "regeneration.json").write_text(json.dumps({"target": "tiny-random", "num_prompts": 2}))
+    missing = tmp_path / "moved.jsonl"
+    assert regenerate.main([*args_for_argv(tmp_path), "--prompts", str(missing), "--check"]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: --prompts {missing} does not exist; give the prompts file the "
+                                               "data was made from")
+
+
 def test_a_limit_above_the_prompts_files_length_answers_every_prompt_and_passes_the_check(tmp_path):
     """A recipe whose data.regenerate.limit is more than its prompts file holds: --check must count the prompts there
     are, or every training start refuses the data and asks for answers to prompts that do not exist."""

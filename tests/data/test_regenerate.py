@@ -629,6 +629,21 @@ def test_a_check_of_data_or_prompts_not_there_is_one_line_naming_the_remedy(tmp_
                                                "data was made from")
 
 
+def test_a_prompt_the_generator_would_refuse_fails_the_check_in_one_line(tmp_path, capsys):
+    """--check reads the prompts without torch: a line edited into no conversation (no messages, or not an object)
+    is read as it is, so its digest matches none recorded, rather than a KeyError traceback at every training start."""
+    prompts = prompt_file(tmp_path / "prompts.jsonl", 2)
+    assert regenerate.main(args_for_argv(tmp_path)) == 0
+    first = prompts.read_text().splitlines()[0]
+    for edited in ({"id": "p1", "text": "Say something about 1."}, ["Say something about 1."]):
+        prompts.write_text(f"{first}\n{json.dumps(edited)}\n")
+        capsys.readouterr()
+        assert regenerate.main(args_for_argv(tmp_path, "--check")) == 2
+        assert capsys.readouterr().err.strip() == (
+            f"error: {prompts}: prompts that {tmp_path / 'out'} answers changed since it was generated (the same 2, "
+            "other text or ids): this command without --check regenerates the chunks that hold them")
+
+
 def test_a_limit_above_the_prompts_files_length_answers_every_prompt_and_passes_the_check(tmp_path):
     """A recipe whose data.regenerate.limit is more than its prompts file holds: --check must count the prompts there
     are, or every training start refuses the data and asks for answers to prompts that do not exist."""

@@ -1060,6 +1060,28 @@ def test_the_vllm_paths_stop_ids_are_every_end_of_turn_the_target_lists(tiny, tm
     assert regenerate.tokenizer_and_stops(str(folder))[1] == ends
 
 
+def test_a_vllm_job_writes_vllms_replies_cut_at_the_targets_stop_ids_without_loading_the_weights(tmp_path, monkeypatch,
+                                                                                                  capsys):
+    """The job's vLLM path, run here with a stand-in vllm: the tokenizer and stop ids from the target's files (vLLM
+    holds the weights), every chunk's replies cut at the stop and written, and the progress bar counting them."""
+    from datasets import load_from_disk
+
+    asked = fake_vllm(monkeypatch)
+    sys.modules["vllm"].__spec__ = importlib.util.spec_from_loader("vllm", None)  # what find_spec reads
+    monkeypatch.setattr(regenerate, "load_frozen_target", lambda *args, **kwargs: pytest.fail("loaded the weights"))
+    prompt_file(tmp_path / "prompts.jsonl", 3)  # 2 chunks
+    assert regenerate.run(args_for(tmp_path, "--backend", "vllm"))["num_conversations"] == 3
+    tokenizer, stops = regenerate.tokenizer_and_stops("tiny-random")
+    assert asked["llm"]["dtype"] == "float32"
+    assert [(p["stop_token_ids"], p["max_tokens"]) for p in asked["params"]] == [(stops, 6)]  # the last chunk's one
+    rows = load_from_disk(str(tmp_path / "out")).to_list()
+    assert [row["id"] for row in rows] == ["p0", "p1", "p2"]
+    for row in rows:  # each reply: the prompt's last token, then the stop (2, <|im_end|>), cut off
+        assert (row["finish_reason"], row["response_tokens"]) == ("stop", 1) and stops == [2]
+        assert row["messages"][-1]["content"] == tokenizer.decode(row["response_ids"]) == "\n"
+    assert "3/3" in capsys.readouterr().out
+
+
 def test_a_work_folder_path_that_is_a_file_is_one_line(tmp_path, capsys):
     prompt_file(tmp_path / "prompts.jsonl", 2)
     (tmp_path / "out.parts").write_text("mine")

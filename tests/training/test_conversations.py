@@ -500,6 +500,15 @@ def test_a_target_without_a_chat_template_is_one_line_naming_it(smol_folder):
         assert str(refused.value) == said
 
 
+def test_a_template_that_ends_a_reply_without_a_special_token_is_one_line_naming_what_it_writes(smol_folder):
+    tokenizer = AutoTokenizer.from_pretrained(str(smol_folder))
+    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] ~ ': ' ~ m['content'] ~ '\\n\\n' }}{% endfor %}"
+    with pytest.raises(DDTreeError) as refused:
+        end_of_turn_text(tokenizer)
+    assert str(refused.value) == (f"the chat template of '{smol_folder}' ends an assistant turn with '\\n\\n', "
+                                  "not with a special token; the loss mask needs an end-of-turn token")
+
+
 def test_a_conversation_the_loss_mask_cannot_follow_is_skipped_and_counted_unless_all_are(smol_folder, caplog):
     """One reply the template rewrote stopped the preparation of the whole data set, with an error that named no
     conversation; now it is skipped and counted, with one warning naming it. A template that rewrites them all is

@@ -724,6 +724,12 @@ def test_read_messages_jsonl_errors_name_file_and_line(tmp_path):
         read_messages_jsonl(write_lines(tmp_path / "bad.jsonl", [good, "{oops"]))
     with pytest.raises(DDTreeError, match=r"nomsg\.jsonl:1: .*'messages'"):
         read_messages_jsonl(write_lines(tmp_path / "nomsg.jsonl", ['{"id": 1}']))
+    with pytest.raises(DDTreeError, match=r"shape\.jsonl:1: messages\[1\] must be an object with 'role' and 'content'"):
+        read_messages_jsonl(write_lines(tmp_path / "shape.jsonl", ['{"messages": [{"role": "user", "content": "x"}, '
+                                                                   '{"role": "assistant", "text": "y"}]}']))
+    with pytest.raises(DDTreeError, match=r"text\.jsonl:1: messages\[0\]\.content must be a string, got list$"):
+        read_messages_jsonl(write_lines(tmp_path / "text.jsonl",
+                                        ['{"messages": [{"role": "user", "content": ["x"]}]}']))
     with pytest.raises(DDTreeError, match=r"role\.jsonl:1: messages\[0\]\.role is 'robot'"):
         read_messages_jsonl(write_lines(tmp_path / "role.jsonl", ['{"messages": [{"role": "robot", "content": "x"}]}']))
     # a conversation of no turns was read, to be dropped later as one "with no assistant turn", not named here

@@ -789,6 +789,11 @@ def test_load_conversations_from_jsonl_parquet_and_saved_dataset(tmp_path):
         assert [r["where"] for r in records] == [where.format(i + lines) for i in range(3)], source
     with pytest.raises(DDTreeError, match="no such file or folder"):
         load_conversations(tmp_path / "nothing-here")
+    csv = write_lines(tmp_path / "c.csv", ["id,messages"])
+    with pytest.raises(DDTreeError) as refused:
+        load_conversations(csv)
+    assert str(refused.value) == (f"{csv}: unknown file type '.csv'; give a .jsonl or .parquet file or a saved "
+                                  "datasets folder")
     (tmp_path / "plain").mkdir()
     with pytest.raises(DDTreeError, match="not a saved `datasets` folder"):
         load_conversations(tmp_path / "plain")

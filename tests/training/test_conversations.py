@@ -819,6 +819,23 @@ def test_a_hub_dataset_that_cannot_be_loaded_is_one_line_with_the_first_line_of_
                                  "Hub (LocalEntryNotFoundError); without internet give a local file")
 
 
+def test_a_hub_dataset_without_messages_or_rows_is_one_line_naming_what_it_lacks_not_a_failed_load(tmp_path,
+                                                                                                   monkeypatch):
+    """A Hub dataset that loads but holds no conversations: its own fault, not "could not load" and "without internet
+    give a local file", which would send the user looking at their network."""
+    import datasets
+
+    tables = {"someone/texts": datasets.Dataset.from_list([{"text": "x"}]),
+              "someone/empty": datasets.Dataset.from_dict({"messages": []})}
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, split: tables[name])
+    monkeypatch.chdir(tmp_path)  # no local folders of those names here
+    for name, said in (("someone/texts", "someone/texts: row 0 has no 'messages' column (columns: text)"),
+                       ("someone/empty", "someone/empty: no conversations in it")):
+        with pytest.raises(DDTreeError) as refused:
+            load_conversations(name)
+        assert str(refused.value) == said
+
+
 def test_an_integer_id_0_reads_as_0_in_every_file_reader(tmp_path):
     """A table's integer id 0 was no id ("row-0", `row.get("id") or ...`) where JSONL kept "0"; only a missing id (or
     null, a table's missing cell) gets a name of its place."""

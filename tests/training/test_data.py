@@ -341,6 +341,16 @@ def test_an_earlier_tokenization_masked_otherwise_is_alike_in_ids_only(tmp_path)
     assert dm.tokenized_alike(earlier, masks=False) and not dm.tokenized_alike(earlier, masks=True)
 
 
+@pytest.mark.parametrize("damage", [b"", b"not a torch file"])
+def test_an_earlier_tokenization_that_cannot_be_read_is_alike_in_nothing(tmp_path, damage):
+    """An earlier version's cache cut off or damaged is no key of a feature store, not a crash of every launch."""
+    dm = make_datamodule(tmp_path)
+    earlier = tmp_path / "cache" / "earlier.pt"
+    earlier.parent.mkdir(parents=True, exist_ok=True)
+    earlier.write_bytes(damage)
+    assert not dm.tokenized_alike(earlier, masks=False) and not dm.tokenized_alike(earlier, masks=True)
+
+
 def test_every_earlier_tokenization_version_down_to_the_first_is_a_key_of_the_same_ids(tmp_path, monkeypatch):
     """tokenization_keys looks back to TOKENIZATION_VERSION 1: a feature store keyed by the first version's cache of
     the same ids serves as one of any later version does, rather than being built again for hours."""

@@ -351,6 +351,16 @@ def test_an_earlier_tokenization_that_cannot_be_read_is_alike_in_nothing(tmp_pat
     assert not dm.tokenized_alike(earlier, masks=False) and not dm.tokenized_alike(earlier, masks=True)
 
 
+def test_data_path_auto_outside_training_is_one_line_naming_what_to_do(tmp_path):
+    """"auto" is resolved by training.train from the recipe's name: a datamodule built from it elsewhere (a script,
+    a notebook) cannot know the folder, and says so rather than read a file called auto."""
+    dm = make_datamodule(tmp_path, data_path="auto")
+    with pytest.raises(DDTreeError) as refused:
+        dm.load_tokenized()
+    assert str(refused.value) == ('data.data_path "auto" names the recipe\'s generated data: train through '
+                                  "training.train, or give the data's folder")
+
+
 def test_every_earlier_tokenization_version_down_to_the_first_is_a_key_of_the_same_ids(tmp_path, monkeypatch):
     """tokenization_keys looks back to TOKENIZATION_VERSION 1: a feature store keyed by the first version's cache of
     the same ids serves as one of any later version does, rather than being built again for hours."""

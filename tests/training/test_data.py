@@ -439,6 +439,17 @@ def test_a_digest_memo_holding_json_but_no_mapping_is_an_empty_one(tmp_path, for
     assert str(data.resolve()) in json.loads(memo_path.read_text())  # written again as this version's memo
 
 
+def test_a_digest_memo_that_cannot_be_written_still_identifies_the_data(tmp_path):
+    """digests.json only spares reads: a memo place that cannot be written (a read-only cache folder) must not stop
+    the launch; the data is identified as it is without a memo, and read again next time."""
+    data = tmp_path / "conv.jsonl"
+    conversation_file(data, 2)
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")
+    assert source_fingerprint(str(data), blocked / "digests.json") == source_fingerprint(str(data))
+    assert blocked.read_text() == "not a folder"
+
+
 def test_a_cache_tokenized_before_the_last_mask_fixes_is_not_reused(tmp_path, monkeypatch):
     """Four loss-mask fixes (an opening assistant turn, a Llama-3 trimmed reply, Qwen3's think block, an unfinished
     Llama-2 reply) left TOKENIZATION_VERSION at 3: data tokenized before them kept its wrong mask in a cache every

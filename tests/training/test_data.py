@@ -16,7 +16,7 @@ import torch
 
 from ddtree.errors import DDTreeError
 from training.data import (DistillDataModule, EpochShuffleSampler, ResumableDataLoader, TokenizedConversations,
-                           legacy_source_fingerprint, rank_share, source_fingerprint)
+                           legacy_source_fingerprint, rank_share, source_fingerprint, tokenizer_fingerprint)
 from training.module import DistillModule
 
 
@@ -448,6 +448,13 @@ def test_a_digest_memo_that_cannot_be_written_still_identifies_the_data(tmp_path
     blocked.write_text("not a folder")
     assert source_fingerprint(str(data), blocked / "digests.json") == source_fingerprint(str(data))
     assert blocked.read_text() == "not a folder"
+
+
+def test_a_hub_name_and_a_tokenizer_without_a_serialized_form_are_identified_by_their_names(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no local folder of that name here
+    assert source_fingerprint("someone/chats") == legacy_source_fingerprint("someone/chats") == "someone/chats"
+    slow = SimpleNamespace(name_or_path="someone/slow-tokenizer")  # a slow tokenizer: no backend_tokenizer
+    assert tokenizer_fingerprint(slow) == "someone/slow-tokenizer"
 
 
 def test_a_cache_tokenized_before_the_last_mask_fixes_is_not_reused(tmp_path, monkeypatch):

@@ -7,25 +7,32 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import stat
+import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from datasets import Dataset, load_from_disk
+from peft import LoraConfig, get_peft_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "data"))
 import regenerate  # noqa: E402
 
+from ddtree.calibration import weights_fingerprint  # noqa: E402
 from ddtree.decoding import Sampling  # noqa: E402
 from ddtree.errors import DDTreeError  # noqa: E402
-from training.conversations import read_messages_jsonl  # noqa: E402
+from ddtree.targets import load_target, load_tokenizer  # noqa: E402
+from training.conversations import CHAT_TARGET, read_messages_jsonl  # noqa: E402
+from training.peft_utils import adapter_fingerprint  # noqa: E402
+from training.target import load_frozen_target  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    from ddtree.targets import load_target
-
     return load_target("tiny-random", torch.float32)
 
 
@@ -251,8 +258,6 @@ def args_for(tmp_path, *extra):
 
 
 def test_shards_merge_resume_and_settings_guard(tmp_path):
-    from datasets import load_from_disk
-
     prompt_file(tmp_path / "prompts.jsonl", 5)  # 3 chunks: 2 + 2 + 1
     assert regenerate.run(args_for(tmp_path, "--num-shards", "2", "--shard-index", "0")) is None  # chunk 1 missing
     summary = regenerate.run(args_for(tmp_path, "--num-shards", "2", "--shard-index", "1"))
@@ -267,8 +272,6 @@ def test_shards_merge_resume_and_settings_guard(tmp_path):
 
     # Resume (a job stopped before its merge): only the missing chunk is generated again, and it comes out the same
     # (greedy).
-    import shutil
-
     parts = tmp_path / "out.parts"
     chunk0_mtime = (parts / "chunk-00000.jsonl").stat().st_mtime_ns
     chunk1 = (parts / "chunk-00001.jsonl").read_text()
@@ -288,8 +291,6 @@ def test_shards_merge_resume_and_settings_guard(tmp_path):
 def test_a_chunk_cut_short_by_a_smaller_limit_is_not_taken_as_finished_when_the_limit_grows(tmp_path, monkeypatch):
     """--limit 3 over chunks of 2 leaves chunk 1 holding p2 alone; a run over all 4 prompts with the work folder kept
     must answer p3 too, not take that chunk's prefix as the whole (the data then silently lacks p3)."""
-    from datasets import load_from_disk
-
     prompt_file(tmp_path / "prompts.jsonl", 4)
     regenerate.run(args_for(tmp_path, "--limit", "3"))
     generated = count_generated(monkeypatch)
@@ -301,8 +302,6 @@ def test_a_chunk_cut_short_by_a_smaller_limit_is_not_taken_as_finished_when_the_
 def test_prompts_renamed_with_the_same_text_take_their_new_ids_and_pass_the_check(tmp_path, capsys):
     """A chunk counts as finished only for the same ids too: kept under their old ids, the rerun's data failed --check
     ("prompts ... changed") at every training start, and rerunning never mended it."""
-    from datasets import load_from_disk
-
     prompts = prompt_file(tmp_path / "prompts.jsonl", 4)
     regenerate.run(args_for(tmp_path))
     prompts.write_text(prompts.read_text().replace('"id": "p', '"id": "q'))
@@ -320,10 +319,6 @@ def test_a_reply_that_stops_is_recorded_without_its_stop_token(tmp_path, monkeyp
     p0 and p2 stop, p1 runs out. A row's prompt_tokens is held to the prompt the target read too: nothing compared
     them. The target has two stop ids (<|endoftext|> added, as a generation config listing several eos ids gives),
     and p2 ends on the second: a reply cut at the first alone kept it as a reply token and was recorded as "length"."""
-    from datasets import load_from_disk
-
-    from ddtree.targets import load_tokenizer
-
     tokenizer = load_tokenizer("tiny-random")
     words = tokenizer("Hello there", add_special_tokens=False)["input_ids"]
     reply = words[:1] + [tokenizer.convert_tokens_to_ids("<|im_start|>")] + words[1:]  # a stray special token
@@ -370,6 +365,8 @@ def test_the_default_flags_are_the_shipped_datas_settings(monkeypatch):
     data, and training from it other than the recipes measured. --check loads no model."""
     monkeypatch.chdir(Path(regenerate.__file__).resolve().parents[1])
     assert regenerate.main(["--out", "data/smollm2-135m", "--limit", "2048", "--check"]) == 0
+
+
 SAMPLED = ["--temperature", "1", "--max-new-tokens", "8"]
 
 
@@ -377,8 +374,6 @@ def test_a_sampled_reply_is_the_same_whatever_the_batch_chunk_or_shard(tmp_path)
     """At T > 0 a chunk's replies drew together from one generator, seeded per chunk: --batch-size 1 against 2, or
     --chunk-size 4 against 2, gave every reply other tokens (fp32 too), though the settings check took the data as
     the job's and data/README.md said a resume with another batch size goes on."""
-    from datasets import load_from_disk
-
     prompt_file(tmp_path / "prompts.jsonl", 5)
 
     def replies(out: str, *flags: str) -> list[list[int]]:
@@ -402,10 +397,6 @@ def test_a_sampled_reply_is_the_same_whatever_the_batch_chunk_or_shard(tmp_path)
 def test_sampled_data_made_per_chunk_is_refused_rather_than_taken_or_extended(tmp_path, capsys):
     """Sampled data written before each prompt had its own generator (its settings hold no `sampling`) is not what a
     rerun would write: --check, a rerun and a resume said nothing and took it, or mixed new chunks with its own."""
-    import shutil
-
-    from datasets import load_from_disk
-
     prompt_file(tmp_path / "prompts.jsonl", 4)  # 2 chunks
     regenerate.run(args_for(tmp_path, *SAMPLED))
     made = load_from_disk(str(tmp_path / "out")).to_list()
@@ -439,10 +430,6 @@ def test_sampled_data_made_per_chunk_is_refused_rather_than_taken_or_extended(tm
 
 def test_a_larger_limit_on_a_fresh_clone_reuses_the_merged_answers(tmp_path, monkeypatch):
     """The shipped dataset comes without its .parts folder: extending it generates only the new prompts."""
-    import shutil
-
-    from datasets import load_from_disk
-
     prompt_file(tmp_path / "prompts.jsonl", 5)  # 3 chunks: 2 + 2 + 1
     regenerate.run(args_for(tmp_path, "--limit", "4"))
     shipped = load_from_disk(str(tmp_path / "out")).to_list()
@@ -469,10 +456,6 @@ def test_a_larger_limit_on_a_fresh_clone_reuses_the_merged_answers(tmp_path, mon
 def test_a_larger_limit_with_settings_that_move_no_reply_reuses_the_merged_answers(tmp_path, monkeypatch, flags):
     """Another --chunk-size, or a greedy job's other --seed, writes the same replies (--check passes with them), yet
     extending the shipped data with one generated every answer again: hours on CPU, and the shipped replies replaced."""
-    import shutil
-
-    from datasets import load_from_disk
-
     prompt_file(tmp_path / "prompts.jsonl", 5)
     regenerate.run(args_for(tmp_path, "--limit", "4"))
     shipped = load_from_disk(str(tmp_path / "out")).to_list()
@@ -488,10 +471,6 @@ def test_a_larger_limit_with_settings_that_move_no_reply_reuses_the_merged_answe
 def test_a_smaller_limit_never_shrinks_a_finished_dataset_unasked(tmp_path, capsys):
     """A plain run with --limit 64 over the 2048 shipped answers merged 64 and lost the rest (no .parts folder on a
     fresh clone), with no model loaded and no --overwrite."""
-    import shutil
-
-    from datasets import load_from_disk
-
     prompt_file(tmp_path / "prompts.jsonl", 5)
     regenerate.run(args_for(tmp_path))
     shipped = load_from_disk(str(tmp_path / "out")).to_list()
@@ -513,10 +492,6 @@ def test_a_smaller_limit_never_shrinks_a_finished_dataset_unasked(tmp_path, caps
 def test_data_made_before_response_ids_keeps_the_new_chunks_ids_when_extended(tmp_path):
     """The shipped data was made before regenerate.py kept response_ids: extended with a larger --limit, its reused
     first chunk has no such key, and Dataset.from_list (columns from the first row) dropped the new chunk's ids."""
-    import shutil
-
-    from datasets import Dataset, load_from_disk
-
     prompt_file(tmp_path / "prompts.jsonl", 4)  # 2 chunks
     regenerate.run(args_for(tmp_path, "--limit", "2"))
     summary = (tmp_path / "out" / "regeneration.json").read_text()
@@ -537,8 +512,6 @@ def test_a_dataset_that_already_answers_the_job_is_left_as_it_is(tmp_path, monke
     """Rerunning a finished job (`make data` on the default recipe, whose data ships) merged the dataset again from
     its own chunks: the shipped data/smollm2-135m was rewritten, its int32 response_ids widened and recover_ids.py's
     record dropped from regeneration.json, with nothing it answers changed."""
-    import shutil
-
     prompt_file(tmp_path / "prompts.jsonl", 4)
     regenerate.run(args_for(tmp_path))
     shutil.rmtree(tmp_path / "out.parts")  # as shipped
@@ -558,7 +531,6 @@ def test_a_dataset_that_already_answers_the_job_is_left_as_it_is(tmp_path, monke
     (tmp_path / "prompts.jsonl").write_text("\n".join([*lines[:3], lines[3].replace("about 3", "about three")]) + "\n")
     monkeypatch.undo()
     assert regenerate.run(args_for(tmp_path))["num_conversations"] == 4
-    from datasets import load_from_disk
 
     assert load_from_disk(str(tmp_path / "out"))[3]["messages"][0]["content"] == "Say something about three."
 
@@ -588,8 +560,8 @@ def test_an_edited_prompt_fails_the_check_every_training_start_runs(tmp_path, ca
     assert capsys.readouterr().err.strip() == (
         f"error: {prompts}: prompts that {tmp_path / 'out'} answers changed since it was generated (the same 4, other "
         "text or ids): this command without --check regenerates the chunks that hold them")
-    import subprocess  # as a script, the check still answers before torch loads
 
+    # as a script, the check still answers before torch loads
     script = Path(regenerate.__file__).resolve()
     checked = subprocess.run([sys.executable, "-X", "importtime", str(script), *args_for_argv(tmp_path, "--check")],
                              capture_output=True, text=True, cwd=script.parents[1],
@@ -666,10 +638,6 @@ def test_a_smaller_limit_over_data_answering_the_whole_prompts_file_is_told_to_r
 
 def lora_adapter(path, seed: int) -> str:
     """A LoRA adapter on tiny-random, strong enough to change its greedy replies."""
-    from peft import LoraConfig, get_peft_model
-
-    from ddtree.targets import load_target
-
     torch.manual_seed(seed)
     config = LoraConfig(r=4, lora_alpha=64, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"],
                         init_lora_weights=False)
@@ -686,13 +654,6 @@ def test_a_target_adapter_writes_the_replies_and_only_its_data_passes_the_check(
     """--target-adapter (a recipe's model.target_adapter): the replies are the target's with the adapter merged, as
     training merges it, and regeneration.json records the adapter, so that --check tells its data from the base
     model's. Before, there was no such option: a run with an adapter trained on the base model's replies."""
-    import shutil
-
-    from datasets import load_from_disk
-
-    from training.peft_utils import adapter_fingerprint
-    from training.target import load_frozen_target
-
     prompt_file(tmp_path / "prompts.jsonl", 3)
     adapter = lora_adapter(tmp_path / "adapter", 0)
     summary = regenerate.run(args_for(tmp_path, "--target-adapter", adapter))
@@ -743,10 +704,6 @@ def test_a_local_target_saved_over_in_place_is_told_from_the_one_that_wrote_the_
     `make data` said "nothing to do", so training learned replies the target no longer gives. The weight files'
     fingerprint (weights_fingerprint, a feature store's target_weights) is recorded and compared; data recorded
     without it is taken as before."""
-    import shutil
-
-    from ddtree.calibration import weights_fingerprint
-
     prompt_file(tmp_path / "prompts.jsonl", 2)
     target = local_target(tiny, tmp_path / "target")
     argv = args_for_argv(tmp_path)
@@ -917,8 +874,6 @@ def test_a_lone_surrogate_in_a_prompt_is_one_line_naming_file_line_and_field_bef
 
 def test_a_target_without_a_chat_template_is_one_line(tiny, tmp_path, capsys, monkeypatch):
     """A base model's folder: rendering the first prompt raised transformers' ValueError, a 30-line traceback."""
-    from training.conversations import CHAT_TARGET
-
     model, tokenizer = tiny
     monkeypatch.setattr(tokenizer, "chat_template", None)
     model.save_pretrained(tmp_path / "base")
@@ -1005,8 +960,6 @@ def test_a_backend_or_device_this_machine_lacks_is_one_line(tmp_path, capsys, fl
 def fake_vllm(monkeypatch) -> dict:
     """A stand-in vllm module (vLLM is not installed on the CPU box) that records what regenerate asks of it; each
     reply is the prompt's last token and then 2."""
-    from types import SimpleNamespace
-
     asked = {}
 
     class LLM:
@@ -1064,8 +1017,6 @@ def test_a_vllm_job_writes_vllms_replies_cut_at_the_targets_stop_ids_without_loa
                                                                                                   capsys):
     """The job's vLLM path, run here with a stand-in vllm: the tokenizer and stop ids from the target's files (vLLM
     holds the weights), every chunk's replies cut at the stop and written, and the progress bar counting them."""
-    from datasets import load_from_disk
-
     asked = fake_vllm(monkeypatch)
     sys.modules["vllm"].__spec__ = importlib.util.spec_from_loader("vllm", None)  # what find_spec reads
     monkeypatch.setattr(regenerate, "load_frozen_target", lambda *args, **kwargs: pytest.fail("loaded the weights"))
@@ -1186,8 +1137,6 @@ def test_one_prompts_file_spelled_two_ways_resumes_and_reuses_the_answers(tmp_pa
     """data/prompts/train_prompts.jsonl from the project's root, then by its absolute path: the work folder refused the
     resume ("delete <out>.parts to start over": every finished chunk lost), and a dataset extended without its .parts
     folder (the shipped one) reused nothing and generated every answer again."""
-    import shutil
-
     monkeypatch.setattr(regenerate, "PROJECT_ROOT", tmp_path)  # tmp_path plays the project: prompts.jsonl is its file
     monkeypatch.chdir(tmp_path)
     prompt_file(tmp_path / "prompts.jsonl", 5)  # 3 chunks: 2 + 2 + 1
@@ -1244,8 +1193,6 @@ def test_sampled_data_made_with_another_seed_is_not_this_jobs_though_greedy_data
 def test_a_damaged_regeneration_json_is_one_line_naming_it(tmp_path, capsys, text, said, flags):
     """A record cut short by a copy, or edited by hand, was a JSONDecodeError (or, for a list, an AttributeError)
     traceback at every --check, run and merge, and so at every training start of its recipe."""
-    import shutil
-
     prompt_file(tmp_path / "prompts.jsonl", 2)
     regenerate.run(args_for(tmp_path))
     shutil.rmtree(tmp_path / "out.parts")
@@ -1341,10 +1288,6 @@ def test_the_shipped_data_read_by_another_recipe_is_not_offered_to_overwrite(tmp
 
 
 def test_another_recipes_data_is_not_offered_to_overwrite(tmp_path, monkeypatch, capsys):
-    import shutil
-
-    from datasets import load_from_disk
-
     prompt_file(tmp_path / "prompts.jsonl", 4)
     recipes = tmp_path / "recipes"
     recipes.mkdir()
@@ -1446,10 +1389,6 @@ def test_another_target_is_one_change_not_also_its_weight_files():
 def test_the_target_reads_every_turn_of_a_conversation_and_its_reply_follows_them(tmp_path, monkeypatch):
     """A prompt of several turns is answered as the conversation it is: a target shown its last turn alone writes
     a reply to another conversation, which the drafter then learns as this one's."""
-    from datasets import load_from_disk
-
-    from ddtree.targets import load_tokenizer
-
     tokenizer = load_tokenizer("tiny-random")
     turns = [{"role": "system", "content": "You answer in French."},
              {"role": "user", "content": "Name a colour."},

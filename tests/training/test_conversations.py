@@ -11,9 +11,12 @@ decoding meets (no enable_thinking), and Llama-2-chat's.
 import json
 import re
 
+import datasets
 import pytest
+from datasets import Dataset, DatasetDict
 from transformers import AutoTokenizer
 
+import training.conversations
 from ddtree.bench import chat_prompt_ids
 from ddtree.errors import DDTreeError
 from ddtree.targets import builtin_target_folder
@@ -577,8 +580,6 @@ def test_a_template_that_writes_the_system_prompt_in_the_last_user_turn_trains_t
     held it, the mask fell back to the assistant header (" ") without a word, and the reply's first token was split
     off its space ("Ġ" + "Une", which the target never writes). The last reply is now trained after decoding's
     prompt, its earlier replies as context, with one warning."""
-    import training.conversations
-
     monkeypatch.setattr(training.conversations, "OTHER_CONTEXT_WARNED", set())
     tokenizer = mistral_v3_tokenizer
     single = [{"role": "system", "content": "Always answer in French."},
@@ -772,8 +773,6 @@ def test_a_lone_surrogate_in_a_conversation_is_one_line_naming_file_line_and_fie
 
 
 def test_load_conversations_from_jsonl_parquet_and_saved_dataset(tmp_path):
-    from datasets import Dataset
-
     rows = [{"id": f"c{i}", "messages": [CONVERSATION[0], {"role": "assistant", "content": f"answer {i}"}]} for i in range(3)]
     jsonl = write_lines(tmp_path / "c.jsonl", [json.dumps(r) for r in rows])
     Dataset.from_list(rows).to_parquet(str(tmp_path / "c.parquet"))
@@ -805,8 +804,6 @@ def test_load_conversations_from_jsonl_parquet_and_saved_dataset(tmp_path):
 def test_a_hub_dataset_that_cannot_be_loaded_is_one_line_with_the_first_line_of_the_cause(tmp_path, monkeypatch):
     """datasets' errors put the cause first and a long hint (or a chained traceback's text) after it: the one line
     must keep the cause, which says whether it was the network, the name or the format."""
-    import datasets
-
     def offline(name, split):
         raise ConnectionError(f"Couldn't reach '{name}' on the Hub (LocalEntryNotFoundError)\n"
                               "Check the name and your internet connection, then retry.")
@@ -823,8 +820,6 @@ def test_a_hub_dataset_without_messages_or_rows_is_one_line_naming_what_it_lacks
                                                                                                    monkeypatch):
     """A Hub dataset that loads but holds no conversations: its own fault, not "could not load" and "without internet
     give a local file", which would send the user looking at their network."""
-    import datasets
-
     tables = {"someone/texts": datasets.Dataset.from_list([{"text": "x"}]),
               "someone/empty": datasets.Dataset.from_dict({"messages": []})}
     monkeypatch.setattr(datasets, "load_dataset", lambda name, split: tables[name])
@@ -839,8 +834,6 @@ def test_a_hub_dataset_without_messages_or_rows_is_one_line_naming_what_it_lacks
 def test_an_integer_id_0_reads_as_0_in_every_file_reader(tmp_path):
     """A table's integer id 0 was no id ("row-0", `row.get("id") or ...`) where JSONL kept "0"; only a missing id (or
     null, a table's missing cell) gets a name of its place."""
-    from datasets import Dataset
-
     rows = [{"id": i, "messages": CONVERSATION[:2]} for i in (0, 1)] + [{"id": None, "messages": CONVERSATION[:2]}]
     jsonl = write_lines(tmp_path / "ints.jsonl", [json.dumps(r) for r in rows])
     Dataset.from_list(rows).to_parquet(str(tmp_path / "ints.parquet"))
@@ -852,8 +845,6 @@ def test_an_integer_id_0_reads_as_0_in_every_file_reader(tmp_path):
 
 def test_a_saved_dataset_dict_trains_on_its_train_split_and_one_without_is_refused_naming_its_splits(tmp_path):
     """A DatasetDict of "test" and "validation" trained on its first split, "test", without a word."""
-    from datasets import Dataset, DatasetDict
-
     def split(name, count):
         return Dataset.from_list([{"id": f"{name}{i}", "messages": CONVERSATION} for i in range(count)])
 
@@ -869,8 +860,6 @@ def test_a_saved_dataset_dict_trains_on_its_train_split_and_one_without_is_refus
 
 def test_an_empty_parquet_file_or_saved_dataset_has_no_conversations_in_it(tmp_path):
     """As an empty JSONL says: `datasets` gave a DatasetGenerationError or an IndexError traceback for them."""
-    from datasets import Dataset
-
     rows = [{"id": "c0", "messages": CONVERSATION}]
     Dataset.from_list(rows).select([]).to_parquet(str(tmp_path / "empty.parquet"))
     Dataset.from_list(rows).select([]).save_to_disk(str(tmp_path / "empty"))
@@ -883,8 +872,6 @@ def test_an_empty_parquet_file_or_saved_dataset_has_no_conversations_in_it(tmp_p
 def test_every_file_reader_keeps_the_ids_a_regeneration_wrote(smol_tokenizer, tmp_path):
     """data/regenerate.py writes response_ids beside the reply's text; the readers used to drop them, so training
     tokenized the text again and supervised the tokenizer's split instead of the ids the target generated."""
-    from datasets import Dataset
-
     generated = smol_tokenizer("f.read", add_special_tokens=False)["input_ids"] + \
         smol_tokenizer("line()", add_special_tokens=False)["input_ids"]
     text = smol_tokenizer.decode(generated)
@@ -913,8 +900,6 @@ def test_every_file_reader_keeps_a_replys_finish_reason_so_one_cut_short_is_not_
     """A reply that hit max_new_tokens (finish_reason "length", which data/regenerate.py writes) ends where the target
     was stopped: a reader that dropped the field had training supervise the end-of-turn token after it, teaching the
     drafter to close every reply at the length limit."""
-    from datasets import Dataset
-
     rows = [{"id": "cut", "messages": CONVERSATION[:2], "finish_reason": "length"},
             {"id": "done", "messages": CONVERSATION[:2], "finish_reason": "stop"}]
     jsonl = write_lines(tmp_path / "cut.jsonl", [json.dumps(row) for row in rows])
@@ -933,8 +918,6 @@ def test_response_ids_that_do_not_decode_to_the_reply_are_skipped_and_counted_na
                                                                                                   tmp_path, caplog):
     """One hand-edited reply among 2048 stopped the whole preparation, with an error naming neither the file nor the
     line; a reply from text that the loss mask cannot follow was skipped and counted. Both are now."""
-    from datasets import Dataset
-
     ok = {"id": "ok", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "fine answer"}]}
     edited = {"id": "a", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"}],
               "response_ids": [88]}  # 88 decodes to another text than "x"

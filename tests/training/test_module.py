@@ -640,6 +640,17 @@ def test_validation_counts_labels_outside_the_draft_vocabulary_as_misses(monkeyp
     assert val.weight_total < every.weight_total  # the loss is over the draft vocabulary's labels only
 
 
+def test_a_validation_with_no_reply_token_to_draft_from_logs_no_validation_metrics(tmp_path):
+    """A validation split whose batches hold no reply token with a successor has no block to count: it logs nothing,
+    rather than a val/loss of 0 and a tau from zero tokens (which a checkpoint monitor would take as the best)."""
+    batch = synthetic_batch()
+    batch["loss_mask"] = torch.zeros_like(batch["loss_mask"])  # every token a prompt's
+    trainer = L.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.validate(tiny_module(), dataloaders=DataLoader([batch] * 2, batch_size=None), verbose=False)
+    assert not [name for name in trainer.callback_metrics if name.startswith("val/")], trainer.callback_metrics
+
+
 def test_validation_weighs_by_the_published_gamma_whatever_the_run_trains_with():
     """val/loss is "the published decayed cross-entropy, so runs compare by it", yet it weighed the block positions by
     the run's own model.gamma: on the same weights gamma 2 read 4.31 and gamma 7 read 4.77 (a review), more than the

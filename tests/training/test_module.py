@@ -1565,6 +1565,24 @@ def test_a_resume_with_another_block_names_a_given_gamma_too(module):
         unset.check_resume(saved)
 
 
+def test_a_resume_names_another_target_adapter_by_its_path_and_leaves_older_checkpoints_unchecked():
+    """The whole launch is tests/training/test_reliability.py's; these are the cases it does not reach. An adapter at
+    another path whose files differ too is another adapter, named as the other settings are (not "retrained", which
+    would send the user to put back files at a path the run never read); a checkpoint written before the run recorded
+    its adapter, or one with no drafter config, has nothing to compare and resumes."""
+    module = tiny_module()
+    saved = {"drafter_config": module.base_drafter().config.to_dict(),
+             "hyper_parameters": {**module.hparams, "target_adapter": "/adapters/old", "target_adapter_sha256": "aa"}}
+    module.hparams.update(target_adapter="/adapters/new", target_adapter_sha256="bb")
+    with pytest.raises(DDTreeError, match=r"^--resume: the checkpoint's run has target_adapter /adapters/old \(this "
+                                          r"launch: /adapters/new\): .*; drop model.target_adapter from the command"):
+        module.check_resume(saved)
+    for name in ("target_adapter", "target_adapter_sha256"):  # as a checkpoint older than the option reads
+        del saved["hyper_parameters"][name]
+    module.check_resume(saved)
+    module.check_resume({"hyper_parameters": {**module.hparams, "lr": 1.0}})  # no drafter config: nothing to compare
+
+
 @pytest.mark.parametrize("field,other", [("hidden_size", 128), ("num_target_layers", 12)])
 def test_a_resume_against_a_target_of_another_shape_is_refused_naming_model_target(module, field, other):
     """A resume under another target of the same vocabulary: of another hidden size, the drafter's weights no longer

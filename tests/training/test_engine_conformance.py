@@ -16,6 +16,7 @@ import json
 import shlex
 from pathlib import Path
 
+import huggingface_hub
 import pytest
 import torch
 from transformers import AutoConfig, Qwen3Config
@@ -447,6 +448,25 @@ def test_a_target_whose_sizes_sit_under_text_config_is_checked_against_them(expo
     facts = target_facts(str(tmp_path), export.config)
     assert (facts.hidden_size, facts.num_hidden_layers, facts.vocab_size) == (128, 6, 49152)
     assert failing(Export(export.config, export.weights, facts)) == {(VLLM, "hidden_size"), (SGLANG, "hidden_size")}
+
+
+def test_a_hub_id_target_in_the_local_cache_is_read_and_none_is_stood_in_for(exports, tmp_path, monkeypatch):
+    """The usual real target is a Hub id whose config.json the Hub cache holds: its sizes are read from there, offline,
+    not stood in for. A checkpoint that names no target gets the drafter's record, saying why."""
+    snapshot = tmp_path / "hub" / "models--someone--cached-model" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps({"hidden_size": 128, "num_hidden_layers": 6, "vocab_size": 49152}))
+    (tmp_path / "hub" / "models--someone--cached-model" / "refs").mkdir()
+    (tmp_path / "hub" / "models--someone--cached-model" / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    export = fresh(exports["default"])
+    facts = target_facts("someone/cached-model", export.config)
+    assert (facts.hidden_size, facts.num_hidden_layers, facts.vocab_size) == (128, 6, 49152)
+    assert facts.source == "someone/cached-model's config.json"
+    facts = target_facts(None, export.config)
+    assert (facts.hidden_size, facts.vocab_size) == (None, export.config["vocab_size"])
+    assert "as None could not be read (the checkpoint names no target)" in facts.source, facts.source
 
 
 def test_the_serve_commands_keep_a_folder_with_a_space_or_a_quote_one_argument():

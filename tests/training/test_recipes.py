@@ -630,6 +630,21 @@ def test_devices_the_cpu_cannot_take_are_one_line_before_anything_loads(devices,
     assert not any(tmp_path.iterdir())
 
 
+def test_a_cpu_deepspeed_strategy_under_a_gpu_accelerator_says_to_set_ds_accelerator(tmp_path, monkeypatch, capsys):
+    """zero2_cpu on a GPU machine, where DeepSpeed picks its CUDA accelerator: the strategy's own one line with its
+    remedy, not wrapped as a refused trainer section."""
+    import deepspeed.accelerator
+
+    gpu = type("Accelerator", (), {"device_name": lambda self, *args: "cuda"})()
+    monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: gpu)
+    assert main(["--recipe", "tiny", "--run-name", "r", "--output-root", str(tmp_path),
+                 "--trainer.strategy=zero2_cpu"]) == 2
+    errors = error_lines(capsys)
+    assert len(errors) == 1 and errors[0] == ("error: the zero*_cpu strategies need DeepSpeed's CPU accelerator: run "
+                                              "with DS_ACCELERATOR=cpu"), errors
+    assert not any(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("overrides, said", [
     (["--trainer.strategy=zero2"], "trainer.strategy=zero2 is DeepSpeed, which Lightning runs on CUDA GPUs only, and "
                                    "trainer.accelerator=cpu: run it on a GPU machine, or give --trainer.strategy=ddp"),

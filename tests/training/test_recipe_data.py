@@ -516,3 +516,22 @@ def test_a_regeneration_child_that_ignores_the_sigterm_is_killed_after_the_grace
         run_regeneration(stubborn)
     assert time.monotonic() - started < 8  # the grace, not the child's 10 s
     assert stopped[0].returncode == -signal.SIGKILL
+
+
+def test_a_regeneration_interrupted_otherwise_than_by_sigterm_kills_its_child(monkeypatch):
+    """Ctrl-C (or any other exception) while training waits for its regeneration child ends the child at once, as
+    subprocess.run does: Popen's exit alone leaves it running after training has stopped."""
+    from training.recipe_data import run_regeneration
+
+    wait, children = subprocess.Popen.wait, []
+
+    def interrupted_while_waiting(child, timeout=None):
+        if not children:
+            children.append(child)
+            raise KeyboardInterrupt
+        return wait(child, timeout)
+
+    monkeypatch.setattr(subprocess.Popen, "wait", interrupted_while_waiting)
+    with pytest.raises(KeyboardInterrupt):
+        run_regeneration([sys.executable, "-c", "import time; time.sleep(10)"])
+    assert wait(children[0], timeout=5) == -signal.SIGKILL

@@ -24,7 +24,7 @@ from training.arguments import RECIPES_DIR, ablate_parser, train_parser
 from training.data import DistillDataModule
 from training.recipe import read_recipe
 from training.recipe_data import (AUTO_DATA, REGENERATE_FIELDS, default_data_path, prepare_recipe_data,
-                                  regenerate_arguments)
+                                  regenerate_arguments, run_regeneration)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "data"))
 import regenerate  # noqa: E402  (data/regenerate.py)
@@ -521,8 +521,6 @@ def test_a_regeneration_child_that_ignores_the_sigterm_is_killed_after_the_grace
 def test_a_regeneration_interrupted_otherwise_than_by_sigterm_kills_its_child(monkeypatch):
     """Ctrl-C (or any other exception) while training waits for its regeneration child ends the child at once, as
     subprocess.run does: Popen's exit alone leaves it running after training has stopped."""
-    from training.recipe_data import run_regeneration
-
     wait, children = subprocess.Popen.wait, []
 
     def interrupted_while_waiting(child, timeout=None):

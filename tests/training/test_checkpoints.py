@@ -1167,6 +1167,44 @@ def test_make_eval_measures_against_the_target_adapter_the_run_trained_with(save
     assert not torch.equal(measured[0], q_proj(load_target("tiny-random", torch.float32)[0]))
 
 
+def test_make_eval_of_a_checkpoint_naming_no_target_or_an_absolute_adapter_no_folder_now_is_one_line(saved, tmp_path,
+                                                                                                    capsys):
+    """A checkpoint another module wrote (no model.target) is named as such, not a KeyError; one trained against an
+    adapter at an absolute path that is gone says to put it back, not to evaluate from another folder."""
+    run, edited = edited_run(saved[0], tmp_path, lambda checkpoint: checkpoint["hyper_parameters"].pop("target"))
+    assert refused_line("eval", run, tmp_path, capsys) == (
+        f"error: CKPT {edited} names no target: it was not written by training.module.DistillModule")
+    gone = tmp_path / "gone" / "adapter"
+    shutil.rmtree(run)
+    run, edited = edited_run(saved[0], tmp_path,
+                             lambda checkpoint: checkpoint["hyper_parameters"].update(target_adapter=str(gone)))
+    assert refused_line("eval", run, tmp_path, capsys) == (
+        f"error: {edited} was trained against target adapter {gone} (its model.target_adapter), which is no folder "
+        "now: put the adapter it trained against back there")
+
+
+def test_make_eval_of_a_run_whose_eval_section_has_an_unknown_field_names_the_file(saved, tmp_path, capsys):
+    path, _ = saved
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copyfile(path, run / "checkpoints" / "last.ckpt")
+    config = yaml.safe_load(training.evaluate.recipe_path("tiny").read_text())
+    config["eval"]["budgetz"] = [8]
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    line = refused_line("eval", run, tmp_path, capsys)
+    assert line.startswith(f"error: {run / 'config.yaml'}: bad eval section (") and "budgetz" in line, line
+
+
+def test_make_eval_out_outside_the_checkpoints_run_is_the_users_file(saved, tmp_path):
+    """--out beside the run, not in it, is no run file: taken (it was compared with the run's paths as if inside)."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text("{}")
+    training.evaluate.check_out_is_no_input(tmp_path / "results" / "config.yaml", run, {})
+    with pytest.raises(DDTreeError, match="is config.yaml of the run"):
+        training.evaluate.check_out_is_no_input(run / "config.yaml", run, {})
+
+
 def test_make_eval_of_a_target_adapter_not_found_from_here_says_so_and_where_to_run(saved, tmp_path, monkeypatch,
                                                                                      capsys):
     """The checkpoint keeps model.target_adapter as its launch gave it, relative to the folder training ran in: make

@@ -605,6 +605,14 @@ def test_a_folder_that_is_no_deepspeed_checkpoint_is_named_as_such_before_any_co
         load_checkpoint(folder)
 
 
+def test_a_checkpoint_path_that_does_not_exist_says_where_checkpoints_are(tmp_path):
+    """`python -m training.export <mistyped>.ckpt OUT`: one line: no such checkpoint, and where to look."""
+    missing = tmp_path / "run" / "checkpoints" / "bset.ckpt"
+    with pytest.raises(DDTreeError, match=rf"^CKPT {re.escape(str(missing))}: no such checkpoint; give a .ckpt file "
+                                          r"from outputs/<recipe>/<run>/checkpoints"):
+        load_checkpoint(missing)
+
+
 def test_the_recorded_evaluation_is_the_one_of_the_checkpoints_own_step():
     """`make eval` prints it as the logged tau and publish checks a bench reproduces it: another step's row would be
     taken for this checkpoint's, and a step never evaluated would get one."""

@@ -472,6 +472,9 @@ def test_lk_distillation_is_minus_the_log_acceptance_rate_and_its_gradient_raise
     assert acceptance(stepped).mean() > acceptance(hidden).mean()
     with pytest.raises(ValueError, match="distill_loss"):
         block_loss_sums(hidden, labels, lm_head, weights, teacher_hidden=teacher, distill_weight=0.5, distill_loss="js")
+    # a library caller's objective (a recipe's is checked as DistillModule is built)
+    with pytest.raises(ValueError, match=r"objective 'chain': choose one of decayed_ce, dpace, tree, frontier, intree"):
+        block_loss_sums(hidden, labels, lm_head, weights, objective="chain")
 
 
 @pytest.mark.parametrize("width", [8192, 1000, 96, 5])

@@ -1116,6 +1116,9 @@ def test_the_report_prints_as_many_decimals_as_tell_the_best_tau_from_a_near_tie
     plain = training.report.markdown_report("run", [record(2, 2.0), record(4, 2.8501), record(6, 2.8501)], settings,
                                             0.0, 1.0)
     assert "step 6** (tau 2.850;" in plain and "| 4 | - | - | 2.850 (2.50) |" in plain  # a true tie: the latest
+    # closer than 6 decimals tell: 7, the most it prints
+    close = training.report.markdown_report("run", [record(2, 2.8500004), record(4, 2.8500001)], settings, 0.0, 1.0)
+    assert "step 2** (tau 2.8500004;" in close and "| 4 | - | - | 2.8500001 (2.50) |" in close
 
 
 def test_a_budget_added_on_a_resume_is_a_dash_and_a_gap_in_the_rows_before_it(tmp_path):

@@ -57,6 +57,7 @@ def test_max_time_is_written_and_read_in_days_hours_minutes_and_seconds():
     assert max_time_seconds({"hours": 1}) == 3600.0  # timedelta's fields, as a mapping in config.yaml
     assert max_time_seconds({"days": 1, "hours": 2}) == 93600.0  # whole days counted, not only the day's rest
     assert max_time_seconds("soon") is None
+    assert max_time_seconds({"hour": 1}) is None  # a field timedelta lacks (a typo): not read, and no traceback
 
 
 def test_max_time_keeps_the_seconds_past_a_half_minute():

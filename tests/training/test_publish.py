@@ -2354,8 +2354,9 @@ def test_card_names_the_dtype_the_figures_were_measured_in_and_an_export_in_anot
     (lambda record: record["settings"].pop("max_new_tokens"), "settings.max_new_tokens is missing"),
     # a record copied over from another step: the card would print that step's figures as this one's
     (lambda record: record.update(step=1), 'expected an object with "step": 2'),
+    (lambda record: record["settings"].update(dtype=16), "settings.dtype is 16, not a dtype's name"),
 ], ids=["not-utf8", "budget-key", "budget-zero", "chain-missing", "lookup-text", "prompts-null", "rounds-text",
-        "settings-list", "new-tokens-missing", "other-step"])
+        "settings-list", "new-tokens-missing", "other-step", "dtype-number"])
 def test_a_damaged_evaluation_record_is_one_line_naming_its_file_and_field(run_dir, tmp_path, damage, expected):
     """A hand-edited or damaged eval/step-N.json was a traceback (UnicodeDecodeError, ValueError, TypeError) at export."""
     record = json.loads((run_dir / "eval" / "step-000002.json").read_text())

@@ -1908,6 +1908,15 @@ def test_a_richer_store_whose_manifest_is_cut_short_does_not_stand_in_for_the_ru
     assert resolve_store_path("auto", "tiny", datamodule, layer_ids=LAYER_IDS) == plain
 
 
+def test_a_manifest_that_is_json_but_no_object_is_one_line_saying_to_rebuild(tmp_path):
+    manifest = tmp_path / "store.json"
+    manifest.write_text("[1, 3]")  # a hand edit, or another tool's file
+    with pytest.raises(DDTreeError) as error:
+        read_manifest(manifest)
+    assert str(error.value) == (f"feature store manifest {manifest} is not a JSON object: rebuild the store with "
+                                "`make features RECIPE=<recipe>` and --force (FORCE=1)")
+
+
 def test_a_richer_store_of_other_features_does_not_stand_in_for_the_runs_own(tmp_path, monkeypatch, capsys):
     """`make features` with `auto` said a built -final store of other layers "already holds these features" and built
     nothing; training then read it and stopped at the fit on its layers. A richer store stands in for the plain one

@@ -1917,6 +1917,16 @@ def test_a_manifest_that_is_json_but_no_object_is_one_line_saying_to_rebuild(tmp
                                 "`make features RECIPE=<recipe>` and --force (FORCE=1)")
 
 
+def test_a_target_named_by_a_hub_id_has_no_fingerprint_and_a_local_one_has(tmp_path):
+    """A store records the weights' fingerprint of a target here (built-in or a folder); a Hub id's files are not
+    here to read, so its store records none, rather than failing on a path that does not exist."""
+    from training.feature_store import target_fingerprint
+
+    assert target_fingerprint("some-org/some-model") is None
+    assert target_fingerprint(str(tmp_path / "missing")) is None
+    assert isinstance(target_fingerprint("tiny-random"), str)
+
+
 def test_a_richer_store_of_other_features_does_not_stand_in_for_the_runs_own(tmp_path, monkeypatch, capsys):
     """`make features` with `auto` said a built -final store of other layers "already holds these features" and built
     nothing; training then read it and stopped at the fit on its layers. A richer store stands in for the plain one

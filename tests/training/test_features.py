@@ -35,7 +35,8 @@ from ddtree.modeling_dflash import fuse_target_features
 from ddtree.targets import DDTreeError, load_target
 from training.data import DistillDataModule
 from training.feature_store import (FORMAT_VERSION, FeatureStore, build_feature_store, build_lock, coverage,
-                                    differing_fields, lock_path, partial_path, read_manifest, store_teacher)
+                                    differing_fields, lock_path, partial_path, read_manifest, store_teacher,
+                                    target_fingerprint)
 from training.arguments import features_parser
 from training.features import main
 from training.masks import IGNORE_INDEX
@@ -1920,8 +1921,6 @@ def test_a_manifest_that_is_json_but_no_object_is_one_line_saying_to_rebuild(tmp
 def test_a_target_named_by_a_hub_id_has_no_fingerprint_and_a_local_one_has(tmp_path):
     """A store records the weights' fingerprint of a target here (built-in or a folder); a Hub id's files are not
     here to read, so its store records none, rather than failing on a path that does not exist."""
-    from training.feature_store import target_fingerprint
-
     assert target_fingerprint("some-org/some-model") is None
     assert target_fingerprint(str(tmp_path / "missing")) is None
     assert isinstance(target_fingerprint("tiny-random"), str)

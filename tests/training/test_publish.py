@@ -2210,12 +2210,10 @@ def test_held_out_conversations_evaluated_as_prompts_are_compared_by_the_prompt_
 
 def test_raw_text_evaluated_prompts_are_not_compared_with_the_training_data_and_a_note_says_why(tmp_path, capsys):
     """A raw prompt has no messages to compare with a conversation's: the card claims nothing, and the note says so."""
-    from training.publish import evaluated_training_prompts
-
     prompts = tmp_path / "raw.jsonl"
     prompts.write_text(json.dumps({"prompt": "Once upon a time"}) + "\n")
     evaluation = {"settings": {"prompts": str(prompts), "num_prompts": 1}}
-    assert evaluated_training_prompts("data/smollm2-135m", evaluation) is None
+    assert publish.evaluated_training_prompts("data/smollm2-135m", evaluation) is None
     assert (f"[export] note: the evaluated prompts were not compared with the training data ({prompts}:1: a raw-text "
             "prompt, which no conversation's messages can be compared with); the card does not call them held out"
             ) in capsys.readouterr().err

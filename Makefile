@@ -21,11 +21,11 @@ RESUMED_RECIPE = $(shell r=$(call quote,$(RESUME)); r=$${r%/}; case "$$r" in (*.
 	[ -f "$$r/config.yaml" ] && basename "$$(dirname "$$(cd "$$r" && pwd)")")
 LAUNCH_RECIPE = $(if $(RECIPE_FLAG),$(RECIPE),$(or $(RESUMED_RECIPE),$(RECIPE)))
 
-.PHONY: help setup data features train ablate eval export test test-all clean
+.PHONY: help setup data features train ablate eval export test test-all coverage clean
 
 # make help: the targets and their variables (the "# make ..." lines of this file)
 help:
-	@echo "make setup | train | data | features | ablate | eval | export | test | test-all | clean   (README.md)"
+	@echo "make setup | train | data | features | ablate | eval | export | test | test-all | coverage | clean   (README.md)"
 	@sed -n '/^# make [a-z]/,/^[^#]/{/^#/s/^# \{0,1\}//p;}' $(firstword $(MAKEFILE_LIST))
 
 setup: $(STAMP)
@@ -109,6 +109,16 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(TEST_ENV) $(PY) -m pytest $(TEST_ARGS) -m ""
+
+# make coverage [TEST_WORKERS=2]: the default suite as `make test` runs it, under line and branch coverage with the
+# commands it starts followed (coverage.py and pytest-cov, installed into .venv on first use; settings in
+# pyproject.toml); prints each file's lines and branches no test ran, and writes outputs/coverage/coverage.json
+COVERAGE_PINS := coverage==7.18.0 pytest-cov==7.1.0
+coverage: $(STAMP)
+	$(PY) -m pip install -q $(COVERAGE_PINS)
+	rm -rf outputs/coverage && mkdir -p outputs/coverage
+	$(TEST_ENV) $(PY) -m pytest $(TEST_ARGS) --cov --cov-report=term-missing:skip-covered \
+		--cov-report=json:outputs/coverage/coverage.json
 
 # make clean: removes .venv and outputs/ (not exports/, nor the converted targets under $DDTREE_CACHE)
 clean:

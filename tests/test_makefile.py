@@ -8,6 +8,7 @@ Hub and OVERWRITE=0 replaced an export; `make eval` and `make export` dropped AR
 import os
 import shlex
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -93,3 +94,17 @@ def test_make_export_passes_the_cards_values_as_one_word_each(variable, flag):
     assert planned.returncode == 0 and not planned.stderr, planned
     words = shlex.split(planned.stdout.replace("\\\n", " "))  # as the shell reads it
     assert words[words.index(flag) + 1] == "not a/hub id", words
+
+
+def test_make_coverage_runs_make_tests_suite_under_coverage_with_its_pins():
+    """The suite as `make test` runs it (same workers, same threads), with branch coverage of the project's own packages
+    and the commands the tests start followed: a run that leaves out data/ or the CLI's subprocesses calls their
+    lines untested."""
+    plan = make_plan("coverage", "TEST_WORKERS=2").stdout.replace("\\\n", " ").splitlines()
+    test_plan = make_plan("test", "TEST_WORKERS=2").stdout.strip()
+    assert plan[0].split()[-4:] == ["install", "-q", "coverage==7.18.0", "pytest-cov==7.1.0"], plan
+    assert plan[-1].startswith(test_plan + " --cov "), (plan, test_plan)
+    assert "--cov-report=json:outputs/coverage/coverage.json" in plan[-1].split()
+    settings = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["coverage"]["run"]
+    assert (settings["source"], settings["branch"], settings["patch"]) == (["ddtree", "training", "data"], True,
+                                                                          ["subprocess"])

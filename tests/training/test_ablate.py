@@ -1052,6 +1052,32 @@ def test_a_stop_while_the_last_variants_table_is_written_ends_the_ablation_stopp
     assert [r["variant"] for r in results] == ["a", "b"] and not any(r.get("stopped") for r in results)
 
 
+def test_a_ctrl_c_during_a_variants_launch_stops_that_variant_where_it_is(tmp_path, monkeypatch, capsys, python_sigint):
+    """In a launch, ablate's SIGINT handler raises Ctrl-C's KeyboardInterrupt, which training stops on: only noted, as
+    between launches, the variant would train on to its end and the stop come one variant late."""
+    import signal
+
+    import training.ablate
+
+    launched, went_on = [], []
+
+    def fake_train(argv: list[str]) -> int:
+        launched.append(argv)
+        if len(launched) == 2:  # Ctrl-C in b's launch
+            os.kill(os.getpid(), signal.SIGINT)
+            went_on.append(argv)
+        fake_run(argv, {})
+        return 0
+
+    monkeypatch.setattr(training.ablate, "train_main", fake_train)
+    assert main(["--recipe", "tiny", "--steps", "3", "--output-root", str(tmp_path), "--variant", "a=",
+                 "--variant", "b=--model.lr=1e-3", "--variant", "c="]) == 130
+    assert len(launched) == 2 and not went_on  # b stopped where the Ctrl-C came; c never started
+    out, err = capsys.readouterr()
+    assert "| a | 3 |" in out and "| b | interrupted (SIGINT) (exit status 130): nothing measured |" in out
+    assert err.strip().splitlines()[-1].startswith("[ablate] not measured: b, c; to train only those")
+
+
 @pytest.mark.parametrize("steps, every, measured", [(3, None, True), (6, None, True), (6, 3, False)])
 def test_a_sigterm_during_a_variants_final_evaluation_keeps_its_measurement(tmp_path, monkeypatch, capsys, steps,
                                                                             every, measured):

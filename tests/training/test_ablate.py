@@ -1078,6 +1078,24 @@ def test_a_ctrl_c_during_a_variants_launch_stops_that_variant_where_it_is(tmp_pa
     assert err.strip().splitlines()[-1].startswith("[ablate] not measured: b, c; to train only those")
 
 
+def test_an_ablation_started_with_sigint_ignored_as_a_background_job_is_not_stopped_by_it(tmp_path, monkeypatch):
+    """A background job (`make ablate &`) starts with SIGINT ignored, so that a Ctrl-C at its terminal is not for it:
+    the ablation keeps it ignored while it runs, trains every variant through one, and leaves it ignored."""
+    import signal
+
+    launched = stop_while_writing_table(monkeypatch, 1, signal.SIGINT)  # a Ctrl-C as the table of a is written
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        status = main(["--recipe", "tiny", "--steps", "3", "--output-root", str(tmp_path), "--variant", "a=",
+                       "--variant", "b=--model.lr=1e-3"])
+        after = signal.getsignal(signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert status == 0 and len(launched) == 2 and after is signal.SIG_IGN
+    results = json.loads(next(tmp_path.glob("tiny/ablate-*.json")).read_text())
+    assert [r["variant"] for r in results] == ["a", "b"] and not any(r.get("stopped") for r in results)
+
+
 @pytest.mark.parametrize("steps, every, measured", [(3, None, True), (6, None, True), (6, 3, False)])
 def test_a_sigterm_during_a_variants_final_evaluation_keeps_its_measurement(tmp_path, monkeypatch, capsys, steps,
                                                                             every, measured):

@@ -1993,6 +1993,29 @@ def test_a_hub_error_that_quotes_the_token_bare_is_one_line_without_it():
     assert training.hub.hub_error_line(error, "hf_abc123") == "token <HF_TOKEN> was refused for tester/x"
 
 
+@pytest.mark.parametrize("failing, said", [
+    ("get_token", "--push: cannot get a Hugging Face token"),
+    ("repo_info", "--private: cannot read tester/x on the Hub at {endpoint}"),
+    ("list_repo_files", "--push: cannot list the files of tester/x on the Hub at {endpoint}"),
+])
+def test_a_hub_call_that_fails_in_the_preflight_is_one_line_naming_the_repo_and_the_hub(hub, monkeypatch,
+                                                                                        failing, said):
+    """The token's exchange (HF_OIDC_RESOURCE), the repo's visibility, its file list and its config.json are each a
+    Hub call the preflight makes before any work: a failed one is one line naming what it read and where, with every
+    line of the client's message and the token hidden, not a traceback."""
+    def fails(*args, **kwargs):
+        raise OSError(f"503 Service Unavailable\nfor url {hub}/api, sent with Bearer {StandInHub.token}")
+
+    if failing == "get_token":
+        monkeypatch.setattr(training.hub, "get_token", fails)
+    else:
+        monkeypatch.setattr(huggingface_hub.HfApi, failing, fails)
+    with pytest.raises(DDTreeError) as refused:
+        training.hub.preflight_hub("tester/x", private=failing == "repo_info")
+    assert str(refused.value) == (f"{said.format(endpoint=hub)} (503 Service Unavailable for url {hub}/api, sent with "
+                                  "Bearer <HF_TOKEN>)")
+
+
 @pytest.mark.parametrize("variable", ["TRANSFORMERS_OFFLINE", "HF_HUB_OFFLINE"])
 def test_a_push_with_the_hub_client_offline_names_the_variable_that_set_it(run_dir, tmp_path, hub, monkeypatch,
                                                                            capsys, variable):

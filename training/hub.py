@@ -251,8 +251,9 @@ def check_repo_holds_an_export(api: HfApi, endpoint: str, repo: str) -> None:
         return
     architectures = None
     if "config.json" in held:
+        text = read_repo_file(api, endpoint, repo, "config.json")  # a failed read is its own one line, not "no export"
         try:
-            config = json.loads(read_repo_file(api, endpoint, repo, "config.json"))
+            config = json.loads(text)
         except ValueError:
             config = None
         architectures = config.get("architectures") if isinstance(config, dict) else None

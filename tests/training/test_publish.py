@@ -1997,6 +1997,7 @@ def test_a_hub_error_that_quotes_the_token_bare_is_one_line_without_it():
     ("get_token", "--push: cannot get a Hugging Face token"),
     ("repo_info", "--private: cannot read tester/x on the Hub at {endpoint}"),
     ("list_repo_files", "--push: cannot list the files of tester/x on the Hub at {endpoint}"),
+    ("hf_hub_download", "--push: cannot read config.json of tester/x on the Hub at {endpoint}"),
 ])
 def test_a_hub_call_that_fails_in_the_preflight_is_one_line_naming_the_repo_and_the_hub(hub, monkeypatch,
                                                                                         failing, said):
@@ -2010,6 +2011,9 @@ def test_a_hub_call_that_fails_in_the_preflight_is_one_line_naming_the_repo_and_
         monkeypatch.setattr(training.hub, "get_token", fails)
     else:
         monkeypatch.setattr(huggingface_hub.HfApi, failing, fails)
+    if failing == "hf_hub_download":  # a repo holding a config.json, which says whether an export filled it: its
+        # failed download was taken for a config of no drafter, and --replace-repo was the remedy given
+        monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", lambda self, repo: ["config.json"])
     with pytest.raises(DDTreeError) as refused:
         training.hub.preflight_hub("tester/x", private=failing == "repo_info")
     assert str(refused.value) == (f"{said.format(endpoint=hub)} (503 Service Unavailable for url {hub}/api, sent with "

@@ -1042,6 +1042,24 @@ def test_an_export_that_loads_back_with_other_weights_is_one_line_and_leaves_not
     assert list((tmp_path / "exports").iterdir()) == []  # no OUT, no staging folder
 
 
+def test_an_export_that_does_not_load_back_with_automodel_is_one_line_and_leaves_nothing_behind(run_dir, tmp_path,
+                                                                                                monkeypatch, capsys):
+    """The remote code failing to import under the transformers installed (stood in for here) is the export's
+    failure, said in one line with the client's reason, not a traceback, and nothing is moved into place."""
+
+    class FailsToLoad:  # AutoModel, as check_loads_back calls it
+        @staticmethod
+        def from_pretrained(*args, **kwargs):
+            raise ImportError("cannot import name 'DynamicCache'")
+
+    monkeypatch.setattr(publish, "AutoModel", FailsToLoad)
+    out = tmp_path / "exports" / "export"
+    assert export(run_dir, out, "--ckpt", "last") == 2
+    assert one_error_line(capsys) == ("error: the export does not load with AutoModel(trust_remote_code=True): "
+                                      "cannot import name 'DynamicCache'")
+    assert list((tmp_path / "exports").iterdir()) == []  # no OUT, no staging folder
+
+
 @pytest.mark.parametrize("command", ["training.publish", "training.export"])
 def test_a_sigterm_midway_is_one_line_with_status_143_and_leaves_nothing_behind(run_dir, tmp_path, command):
     """Found in a review (2026-12-04): a SIGTERM (a scheduler's, `timeout`) during `make export` had its default

@@ -238,6 +238,22 @@ def test_files_and_folders_written_in_one_step_take_the_users_umask(tmp_path):
                      "export/weights/model.safetensors": 0o640}
 
 
+def test_a_link_in_a_staged_folder_leaves_the_mode_of_the_file_it_points_to(tmp_path):
+    """The umask is given to what the folder holds, not through a link it holds to a file elsewhere: chmod follows
+    links, and a private file outside (0600, a token say) would have been made readable to the group."""
+    private = tmp_path / "elsewhere" / "secret"
+    private.parent.mkdir()
+    private.write_text("hf_secret")
+    private.chmod(0o600)
+    umask = os.umask(0o022)
+    try:
+        with staged_folder(tmp_path / "export") as staging:
+            (staging / "secret").symlink_to(private)
+    finally:
+        os.umask(umask)
+    assert (tmp_path / "export" / "secret").is_symlink() and private.stat().st_mode & 0o777 == 0o600
+
+
 def test_an_atomic_file_reaches_the_disk_before_it_takes_the_name(tmp_path, monkeypatch):
     """Renamed before an fsync, a machine that stops (a crash, a preemption) can leave results.json naming a file
     cut short, where the old one was whole: the bytes written are synced, then renamed."""

@@ -146,7 +146,8 @@ def hub_error_line(error: BaseException, token: str | None) -> str:
     line = " ".join(part.strip() for part in str(error).splitlines() if part.strip()) or error_line(error)
     if token:
         line = line.replace(token, "<HF_TOKEN>")
-    return re.sub(r"Bearer [^\s'\"]+", "Bearer <HF_TOKEN>", line)  # the token as the message escaped it
+    # the token as the message escaped it; a bracket or comma after it is the message's ("(Bearer hf_x)")
+    return re.sub(r"Bearer [^\s'\"(),;]+", "Bearer <HF_TOKEN>", line)
 
 
 def hub_endpoint() -> str:

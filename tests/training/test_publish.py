@@ -2009,6 +2009,9 @@ def test_a_hub_error_that_quotes_the_token_bare_is_one_line_without_it():
     """The test above quotes it after "Bearer ", which the header's pattern hides too; a message may quote it alone."""
     error = ValueError("token hf_abc123 was refused\nfor tester/x")
     assert training.hub.hub_error_line(error, "hf_abc123") == "token <HF_TOKEN> was refused for tester/x"
+    # a header quoted in brackets, escaped otherwise than the token given: hidden, and the bracket kept
+    error = ValueError("refused (Authorization: Bearer hf_A%2Fb), for tester/x")
+    assert training.hub.hub_error_line(error, None) == "refused (Authorization: Bearer <HF_TOKEN>), for tester/x"
 
 
 @pytest.mark.parametrize("failing, said", [

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -14,11 +17,19 @@ from unittest import mock
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import Timer
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.trainer.connectors.signal_connector import _HandlersCompose
 from matplotlib.colors import to_hex
+from matplotlib.figure import Figure
 
 import toy_data  # tests/training/toy_data.py
-from training.ablate import decoder_additions, main, markdown_table, parse_variant, plot, summarize_variant
+import training.ablate
+from ddtree.files import WriteFailed
+from training.ablate import (ABLATE_STAMP_ENV, DEFAULT_VARIANTS, decoder_additions, decoding_target, last_validation,
+                             main, markdown_table, parse_variant, plot, summarize_variant, write_results)
 from training.arguments import recipe_path
+from training.callbacks import AcceptanceEvaluation
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -129,8 +140,6 @@ def test_a_budget_or_variant_name_no_launch_could_use_is_one_line_before_any_tra
     """Without its own guard each of these launched: under 1 second every variant paid its set-up and trained no
     step; a name with '/' is a run name training refuses, so each was a late "stopped" row; a repeated name trained
     into the first's run folder, and both rows read the newest evaluation (mutation review m15: A02, A08, A03)."""
-    import training.ablate
-
     launched = []
     monkeypatch.setattr(training.ablate, "train_main", lambda argv: launched.append(argv) or 0)
     refused = [(["--minutes", "0.001", "--variant", "a="], "--minutes 0.001: give a wall time per variant of at least "
@@ -147,8 +156,6 @@ def test_a_budget_or_variant_name_no_launch_could_use_is_one_line_before_any_tra
 
 
 def test_a_budget_past_a_day_is_lightnings_days_field(tmp_path, monkeypatch):
-    import training.ablate
-
     launched = []
     monkeypatch.setattr(training.ablate, "train_main", lambda argv: launched.append(argv) or 2)
     main(["--recipe", "tiny", "--minutes", "1501", "--output-root", str(tmp_path), "--variant", "a="])
@@ -156,8 +163,6 @@ def test_a_budget_past_a_day_is_lightnings_days_field(tmp_path, monkeypatch):
 
 
 def test_every_variant_is_read_before_any_trains(tmp_path, capsys, monkeypatch):
-    import training.ablate
-
     monkeypatch.setattr(training.ablate, "train_main", lambda argv: pytest.fail("a variant trained before all were read"))
     assert main(["--recipe", "tiny", "--steps", "2", "--output-root", str(tmp_path), "--variant", "a=--model.lr=0.003",
                  "--variant", "b=--model.lrr=0.001"]) == 2
@@ -178,8 +183,6 @@ def test_every_variant_is_read_before_any_trains(tmp_path, capsys, monkeypatch):
 def test_a_variant_training_could_not_launch_is_refused_before_any_trains(tmp_path, capsys, monkeypatch):
     """The check read only the values: a missing data path or prompts file, or a GPU asked of a CPU machine, in the last
     variant was found by its launch, after every variant before it had trained (hours at GPU scale)."""
-    import training.ablate
-
     monkeypatch.setattr(training.ablate, "train_main", lambda argv: pytest.fail("a variant trained before all were checked"))
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     refused = [(f"--data.data_path={tmp_path / 'typo.jsonl'}", "data.data_path="),
@@ -203,8 +206,6 @@ def test_variants_parse(text, expected):
 def test_a_bare_variant_name_is_that_default_variant_or_refused(tmp_path, capsys, monkeypatch):
     """`--variant tree --variant intree` read as tree= and intree=: the recipe as it is (smollm2-135m's dpace + kl32),
     trained twice and tabulated as two other objectives."""
-    import training.ablate
-
     assert parse_variant("tree") == ("tree", ["--model.objective=tree", "--model.distill_weight=0",
                                               "--model.distill_top_k=0"])
     launched = []
@@ -223,8 +224,6 @@ def test_a_bare_variant_name_is_that_default_variant_or_refused(tmp_path, capsys
 def test_an_evaluation_records_the_packed_weights_it_decoded_with():
     """eval.packed_weights auto is measured per launch (a second's timing), so variants of one ablation decoded with
     different kernels and nothing recorded which: ablate reads the choice from each variant's evaluation."""
-    from training.callbacks import AcceptanceEvaluation
-
     drafter_config = SimpleNamespace(lookup=0, redraft=0, calibration=None, block_size=8)
     for choice, packed in (("off", False), ("auto", False)):
         evaluation = AcceptanceEvaluation(packed_weights=choice)
@@ -238,8 +237,6 @@ def test_the_first_variant_measured_decides_packed_weights_for_every_variant_of_
                                                                                             capsys):
     """eval.packed_weights auto was timed by each launch (a second, on a machine the ablation keeps busy): the review's
     three smollm2 variants decoded on, on, off, 1.7x apart in evaluation time, and nothing said so."""
-    import training.ablate
-
     launched = []
 
     def fake_train(argv: list[str]) -> int:
@@ -271,8 +268,6 @@ def test_the_first_variant_measured_decides_packed_weights_for_every_variant_of_
 def test_a_variant_with_another_adapter_dtype_or_device_decides_packed_weights_for_itself():
     """The target a variant decodes against is its target, the adapter merged into it, its dtype, accelerator and
     precision: a variant that merged an adapter decodes another model, and must not take the plain target's auto."""
-    from training.ablate import decoding_target
-
     def config(**changed):
         trainer = {"accelerator": changed.pop("accelerator", "cpu"), "precision": changed.pop("precision", "32-true")}
         model = {"target": "tiny", "target_adapter": None, "target_dtype": "auto", **changed}
@@ -339,8 +334,6 @@ def test_the_unequal_data_note_names_the_split_a_record_gives_where_another_lack
 def test_a_nan_in_a_variants_row_is_null_in_the_results_and_the_ablation_goes_on(tmp_path, monkeypatch):
     """A diverged variant's validation logs val/loss as "nan": written as a bare NaN, json.dumps(allow_nan=False)
     raised in the loop and the whole ablation ended with no table (mutation review 9: a32)."""
-    import training.ablate
-
     def fake_train(argv: list[str]) -> int:
         run = fake_run(argv, {})
         (run / "csv" / "version_0").mkdir(parents=True)
@@ -358,13 +351,6 @@ def test_a_write_of_the_results_that_fails_leaves_the_previous_variants_files_wh
     """The files are written again after each variant, so that a killed ablation keeps the variants before it: a kill in
     savefig, or a disk that fills as the table is written, must leave the previous plot and table, not a cut one in
     their place (mutation review 9: a30, a31)."""
-    import errno
-
-    from matplotlib.figure import Figure
-
-    from ddtree.files import WriteFailed
-    from training.ablate import write_results
-
     base = tmp_path / "ablate-x"
     write_results(base, [measured_row("a")])
     before = {suffix: Path(f"{base}.{suffix}").read_bytes() for suffix in ("md", "json", "png")}
@@ -392,8 +378,6 @@ def test_a_write_of_the_results_that_fails_leaves_the_previous_variants_files_wh
 def test_the_newest_validation_is_read_from_the_newest_csv_version_by_number(tmp_path):
     """Lightning's CSVLogger starts csv/version_<N> for each launch into a run folder: sorted as text, version_10 came
     before version_9, and a run resumed ten times read the ninth launch's validation (mutation review 9's defect)."""
-    from training.ablate import last_validation
-
     for version in range(11):
         (tmp_path / "csv" / f"version_{version}").mkdir(parents=True)
         (tmp_path / "csv" / f"version_{version}" / "metrics.csv").write_text(f"step,val/loss\n{version},{version}\n")
@@ -406,8 +390,6 @@ def test_a_variants_row_reads_its_newest_evaluation_and_validation_in_depth_orde
     schedule leaves them. The tiny recipe's depths 1..7 sort alike either way, and its canned chain tau equals its
     expected tau, so a table in column order (acc@2 under acc@10), with the chain's expected tau as its tau, the first
     validation or the launch's seconds as its minutes passed every test (mutation review G2: A04, A06, A07, A08)."""
-    from lightning.pytorch.loggers import CSVLogger
-
     def stats(tau, expected):
         return {"tau": tau, "expected_tau": expected, "rounds": 10, "accepted_depth_counts": {}}
 
@@ -435,8 +417,6 @@ def test_a_variants_row_reads_its_newest_evaluation_and_validation_in_depth_orde
 
 
 def test_a_stopped_variant_is_a_row_the_others_still_compare_and_unequal_data_is_said(tmp_path, monkeypatch, capsys):
-    import training.ablate
-
     launched = []
 
     def fake_train(argv: list[str]) -> int:  # what a finished run leaves that the table reads
@@ -473,8 +453,6 @@ def test_a_stopped_variant_is_a_row_the_others_still_compare_and_unequal_data_is
 def test_two_ablations_started_in_the_same_second_keep_their_own_tables_and_run_folders(tmp_path, monkeypatch):
     """Both took the stamp of that second (two started with `&`): the second's table replaced the first's, and a
     variant name they shared trained both into one run folder (the second refused as in use, or its eval/ taken)."""
-    import training.ablate
-
     monkeypatch.setattr("time.strftime", lambda fmt: "20261203-162910")
     monkeypatch.setattr(training.ablate, "train_main", lambda argv: fake_run(argv, {}) and 0)
     for _ in range(2):
@@ -493,8 +471,6 @@ def test_two_ablations_started_in_the_same_second_keep_their_own_tables_and_run_
 def test_under_minutes_alone_a_variant_evaluates_and_validates_only_where_it_stops(tmp_path, monkeypatch):
     """The recipe's schedule (tiny: evaluate every 10 steps, validate every 15) would spend each variant's wall time on
     evaluations, more of it for a slower variant; only its stop (max_steps or the clock) is measured."""
-    import training.ablate
-
     launched = []
     monkeypatch.setattr(training.ablate, "train_main", lambda argv: launched.append(argv) or 2)
     main(["--recipe", "tiny", "--minutes", "2", "--output-root", str(tmp_path), "--variant", "a=",
@@ -508,8 +484,6 @@ def test_under_minutes_alone_a_variant_evaluates_and_validates_only_where_it_sto
 def test_a_variant_that_accumulates_batches_validates_at_its_last_step_only(tmp_path, monkeypatch):
     """Lightning counts val_check_interval in batches: --steps 4 set it to 4, so a variant accumulating 2 batches a
     step validated at step 2 too, between evaluations, on its training time."""
-    import training.ablate
-
     launched = []
     monkeypatch.setattr(training.ablate, "train_main", lambda argv: launched.append(argv) or 2)
     main(["--recipe", "tiny", "--steps", "4", "--output-root", str(tmp_path), "--variant", "a=",
@@ -521,8 +495,6 @@ def test_a_variant_that_accumulates_batches_validates_at_its_last_step_only(tmp_
 def test_default_variants_set_every_objective_and_distillation_knob():
     """A recipe's own objective or distillation (smollm2-135m trains dpace + kl32) must not leak into a variant
     named for another: each default variant sets all four knobs itself."""
-    from training.ablate import DEFAULT_VARIANTS
-
     names = set()
     for text in DEFAULT_VARIANTS:
         name, overrides = parse_variant(text)
@@ -554,8 +526,6 @@ def test_a_variant_decoded_with_several_additions_names_each_in_one_phrase():
 def test_the_table_names_the_variants_decoded_with_re_drafting(tmp_path, monkeypatch):
     """model.redraft_prob > 0 sets the drafter's redraft, so that variant alone is evaluated re-drafting: its tau is
     another decoder's, and the table must say whose."""
-    import training.ablate
-
     def fake_train(argv: list[str]) -> int:
         fake_run(argv, {"lookup": 0, "corpus": False, "redraft": 4 if argv[-1].startswith("--model.redraft") else 0})
         return 0
@@ -572,8 +542,6 @@ def test_the_table_names_the_variants_decoded_with_re_drafting(tmp_path, monkeyp
 def test_the_table_says_val_loss_does_not_compare_across_draft_vocabularies(tmp_path, monkeypatch):
     """With model.draft_vocab_size the val loss leaves out the labels outside the draft vocabulary (probability 0), so
     a variant with a small one read as the lower loss."""
-    import training.ablate
-
     def fake_train(argv: list[str]) -> int:
         run = fake_run(argv, {})
         size = int(argv[-1].split("=")[1]) if argv[-1].startswith("--model.draft_vocab_size") else None
@@ -599,8 +567,6 @@ def test_a_variant_that_exits_0_with_no_evaluation_is_a_row_and_the_others_are_s
                                                                                                capsys):
     """--trainer.limit_train_batches=0 trains no step and writes no evaluation, yet exits 0: the variants trained
     before it used to get no table, json or plot."""
-    import training.ablate
-
     def fake_train(argv: list[str]) -> int:
         if not argv[-1].startswith("--trainer.limit_train_batches"):
             fake_run(argv, {})
@@ -622,8 +588,6 @@ def test_a_variant_that_raises_is_a_failed_row_and_every_variant_before_it_is_on
                                                                                               capsys):
     """A CUDA out-of-memory (a RuntimeError) in one variant used to escape ablate: the variants already trained got no
     table, json or plot, which were written only at the end."""
-    import training.ablate
-
     seen = []
 
     def fake_train(argv: list[str]) -> int:
@@ -657,8 +621,6 @@ def test_ctrl_c_or_sigterm_stops_the_whole_ablation_with_the_table_of_the_varian
     next one, so stopping 10 variants took 10 Ctrl-Cs, and a scheduler's SIGKILL came before any table. A variant that
     failed before the stop (a CUDA out-of-memory) must not take the stop's status, 1 where a scheduler reads 130/143 as
     "requeue me", nor its line naming the variants never trained."""
-    import training.ablate
-
     launched = []
 
     def fake_train(argv: list[str]) -> int:
@@ -695,10 +657,6 @@ def test_ctrl_c_or_sigterm_stops_the_whole_ablation_with_the_table_of_the_varian
 def test_a_stopped_ablation_says_the_command_that_trains_only_the_variants_not_measured(tmp_path, monkeypatch, capsys):
     """After a Ctrl-C training's own line said to start the same command again, which takes a new stamp and trains
     the variants already measured again; nothing said how to train only the missing ones."""
-    import shlex
-
-    import training.ablate
-
     launched = []
 
     def fake_train(argv: list[str]) -> int:
@@ -737,10 +695,6 @@ def test_under_steps_and_minutes_every_variant_keeps_the_steps_schedule_and_the_
     annealing by the clock there would change the schedule being compared (mutation review 9: a05). The rerun line
     after a stop must keep --minutes too, or the variants not measured train under another budget than the ones
     measured (a36)."""
-    import shlex
-
-    import training.ablate
-
     launched = []
 
     def fake_train(argv: list[str]) -> int:
@@ -772,11 +726,6 @@ def test_a_sigterm_outside_fit_stops_the_ablation_with_a_row_and_the_table_too(t
     or while the table was written took the default action, so the ablation died with no row for the variant, no
     table printed, and no status of its own. In fit, Lightning's handler calls the one it replaced: that one must
     leave the stop to it (a stop where a step ends, saved), not raise in the middle of the step."""
-    import signal
-
-    import training.ablate
-    from lightning.pytorch.trainer.connectors.signal_connector import _HandlersCompose
-
     received = []
 
     def own_handler(signum, frame):  # stands in for the process's own (the default one would end pytest)
@@ -834,9 +783,6 @@ def test_the_processes_lightning_starts_for_several_devices_train_the_same_runs_
                                                                                                    capsys):
     """With trainer.devices > 1 Lightning re-runs this command in each other process: each took its own stamp, so
     trained in a run folder of its own, and wrote a second table of the newest stamp, every row 'no evaluation'."""
-    import training.ablate
-    from training.ablate import ABLATE_STAMP_ENV
-
     for name in ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", ABLATE_STAMP_ENV):
         monkeypatch.delenv(name, raising=False)
     handed = []
@@ -875,8 +821,6 @@ def test_the_processes_lightning_starts_for_several_devices_train_the_same_runs_
 def test_a_bad_flag_every_variant_shares_is_named_as_given_not_blamed_on_a_variant(tmp_path, capsys, monkeypatch):
     """--eval-limit 0 was reported as `--variant decayed_ce: eval.limit=0: ...`, naming a variant the user may never
     have typed (the first default one)."""
-    import training.ablate
-
     monkeypatch.setattr(training.ablate, "train_main", lambda argv: pytest.fail("a variant trained"))
     refused = [(["--eval-limit", "0"], "--eval-limit 0: eval.limit=0: must be at least 1"),
                (["--eval-max-new-tokens", "2"], "--eval-max-new-tokens 2: eval.max_new_tokens=2: must be at least 3"),
@@ -896,8 +840,6 @@ def test_a_bad_flag_every_variant_shares_is_named_as_given_not_blamed_on_a_varia
 def test_a_flag_every_variant_shares_may_fix_what_an_earlier_one_could_not_launch(tmp_path, monkeypatch):
     """The machine and the files are checked once every shared flag is applied: --steps alone on top of a GPU recipe is
     no launch on a CPU machine, and blaming it would refuse the --trainer.accelerator=cpu given after it."""
-    import training.ablate
-
     gpu_recipe = tmp_path / "tiny-gpu.yaml"
     gpu_recipe.write_text(recipe_path("tiny").read_text().replace("accelerator: cpu", "accelerator: gpu"))
     assert "accelerator: gpu" in gpu_recipe.read_text()
@@ -913,8 +855,6 @@ def test_a_flag_every_variant_shares_may_fix_what_an_earlier_one_could_not_launc
 def test_the_plot_of_the_ten_default_variants_keeps_names_bars_and_curves_clear():
     """The 10 default variants' names ran into each other under the bars, the bars' legend covered the last variant's
     tree bar, and the 20-entry legend of the depth panel covered its curves."""
-    from training.ablate import DEFAULT_VARIANTS
-
     results = [{"variant": parse_variant(text)[0], "chain_tau": 1.6, "tau": {32: 2.2}, "recall": [0.6, 0.5, 0.4],
                 "accuracy": [0.4, 0.3, 0.2]} for text in DEFAULT_VARIANTS]
     figure = plot(results)
@@ -995,8 +935,6 @@ def test_a_variants_bars_stand_side_by_side_chain_then_each_budget():
 def stop_while_writing_table(monkeypatch, variants: int, signum) -> list:
     """Fakes the launches (each a run of 3 steps) and sends `signum` to this process as the table of the
     `variants`-th variant is written; returns the launches' argv, in order."""
-    import training.ablate
-
     launched = []
 
     def fake_train(argv: list[str]) -> int:
@@ -1020,8 +958,6 @@ def test_a_ctrl_c_between_variants_stops_the_ablation_as_a_sigterm_there_does(tm
                                                                             python_sigint):
     """A Ctrl-C while the table of a variant was written escaped main: run_cli printed a bare `interrupted`, with no
     table printed and no rerun line, where a SIGTERM at the same point gave both (found in a review)."""
-    import signal
-
     launched = stop_while_writing_table(monkeypatch, 1, signal.SIGINT)  # Ctrl-C as the table of a is written
     status = main(["--recipe", "tiny", "--steps", "3", "--output-root", str(tmp_path), "--variant", "a=",
                    "--variant", "b=--model.lr=1e-3"])
@@ -1039,8 +975,6 @@ def test_a_stop_while_the_last_variants_table_is_written_ends_the_ablation_stopp
     """A Ctrl-C (or SIGTERM) between launches is only noted, for the next variant to stop on: after the last variant
     there is none, so the ablation ended with status 0 and no stop line, as if it had not been stopped. Every variant
     was measured: the table keeps them all, the stop is the usual one line and status, and there is no rerun line."""
-    import signal
-
     launched = stop_while_writing_table(monkeypatch, 2, getattr(signal, stop))  # as the last table is written
     assert main(["--recipe", "tiny", "--steps", "3", "--output-root", str(tmp_path), "--variant", "a=",
                  "--variant", "b=--model.lr=1e-3"]) == status
@@ -1055,10 +989,6 @@ def test_a_stop_while_the_last_variants_table_is_written_ends_the_ablation_stopp
 def test_a_ctrl_c_during_a_variants_launch_stops_that_variant_where_it_is(tmp_path, monkeypatch, capsys, python_sigint):
     """In a launch, ablate's SIGINT handler raises Ctrl-C's KeyboardInterrupt, which training stops on: only noted, as
     between launches, the variant would train on to its end and the stop come one variant late."""
-    import signal
-
-    import training.ablate
-
     launched, went_on = [], []
 
     def fake_train(argv: list[str]) -> int:
@@ -1081,8 +1011,6 @@ def test_a_ctrl_c_during_a_variants_launch_stops_that_variant_where_it_is(tmp_pa
 def test_an_ablation_started_with_sigint_ignored_as_a_background_job_is_not_stopped_by_it(tmp_path, monkeypatch):
     """A background job (`make ablate &`) starts with SIGINT ignored, so that a Ctrl-C at its terminal is not for it:
     the ablation keeps it ignored while it runs, trains every variant through one, and leaves it ignored."""
-    import signal
-
     launched = stop_while_writing_table(monkeypatch, 1, signal.SIGINT)  # a Ctrl-C as the table of a is written
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
@@ -1103,8 +1031,6 @@ def test_a_sigterm_during_a_variants_final_evaluation_keeps_its_measurement(tmp_
     evaluation written: ablate called the variant "nothing measured" and its rerun line trained it again (found in a
     review). So is one at step 3 of 6, off the schedule of 6 (an epoch limit's stop evaluates there). An evaluation on
     a variant's own schedule, before a stop, is still not its end."""
-    import training.ablate
-
     launched = []
 
     def fake_train(argv: list[str]) -> int:
@@ -1134,12 +1060,6 @@ def test_a_max_time_stop_on_the_evaluation_grid_counts_as_measured_after_a_sigte
     """The tiny recipe under --minutes, evaluated every 2 steps, on a clock of one second per step: max_time (4 s)
     stops it at step 4, on the grid, and a SIGTERM during that step's evaluation makes training return 143. Only a stop
     off the grid read as measured: this one was "nothing measured", and the rerun line trained it again."""
-    import signal
-
-    from lightning.pytorch.callbacks import Timer
-
-    from training.callbacks import AcceptanceEvaluation
-
     data = toy_data.write_conversations(tmp_path / "conversations.jsonl", 24, 30, 60)
     clock = {}
     timer_start = Timer.on_train_start

@@ -9,6 +9,8 @@ by hand. The reading tests save one real checkpoint of a tiny DistillModule, as 
 
 from __future__ import annotations
 
+import builtins
+import io
 import json
 import os
 import re
@@ -283,6 +285,27 @@ def test_an_empty_resume_or_a_file_that_is_no_checkpoint_is_named_as_such(tmp_pa
     assert train_main(["--recipe", "tiny", "--output-root", str(tmp_path / "out"), "--resume", ""]) == 2
     assert one_error_line(capsys).startswith("error: --resume is empty")
     assert not (tmp_path / "out").exists()  # no new run
+
+
+def test_a_checkpoint_this_user_cannot_read_is_called_unreadable_not_a_file_of_another_kind(tmp_path, monkeypatch):
+    """A .ckpt whose permissions keep this user out (simulated: root reads anything): is_other_file cannot look
+    inside, so it is not called "not a file torch.save wrote", which it may well be; the readability check names it."""
+    stray = tmp_path / "elsewhere" / "x.ckpt"
+    stray.parent.mkdir()
+    torch.save({"state_dict": {}}, stray)
+    real_open = builtins.open
+
+    def permission_denied(file, *args, **kwargs):
+        if isinstance(file, (str, os.PathLike)) and Path(file) == stray:
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", permission_denied)
+    monkeypatch.setattr(io, "open", permission_denied)  # zipfile's
+    with pytest.raises(DDTreeError) as error:
+        find_resume(str(stray), tmp_path / "tiny")
+    assert str(error.value) == (f"--resume {stray}: {stray} is not a readable checkpoint; give a .ckpt from a run's "
+                                "checkpoints/ folder, a run folder or 'last'")
 
 
 def truncate(path: Path) -> None:

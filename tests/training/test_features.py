@@ -22,7 +22,8 @@ from pathlib import Path
 
 import lightning as L
 import pytest
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
 import torch
 
 import toy_data  # tests/training/toy_data.py
@@ -681,6 +682,19 @@ def test_a_damaged_shard_is_computed_again_on_resume_and_named_at_open(tmp_path,
     with pytest.raises(DDTreeError) as refused:
         FeatureStore(out)
     assert "lacks shard-00000.safetensors" in one_line(refused.value) and "--force" in str(refused.value)
+    # one of the build's own shards, whole, but of another shape than the manifest plans (a shard of another store
+    # copied over it, say): named at open too, not read as rows of other sequences
+    with safe_open(str(cut), framework="pt") as handle:
+        metadata = handle.metadata()  # this build's id
+    save_file(load_file(straight / "shard-00000.safetensors"), out / "shard-00000.safetensors", metadata=metadata)
+    tensors = load_file(cut)
+    planned = list(tensors["features"].shape)
+    save_file({**tensors, "features": tensors["features"][:-1]}, cut, metadata=metadata)
+    with pytest.raises(DDTreeError) as refused:
+        FeatureStore(out)
+    assert one_line(refused.value) == (
+        f"feature store {out}: shard-00001.safetensors holds features of shape {[planned[0] - 1, planned[1]]}, its "
+        f"manifest plans {planned}: rebuild it with `make features RECIPE=<recipe>` and --force (FORCE=1)")
 
 
 def test_a_finished_shard_of_another_build_is_computed_again_on_resume(tmp_path, monkeypatch):

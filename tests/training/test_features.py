@@ -1026,6 +1026,20 @@ def test_an_interrupted_build_resumed_with_other_settings_starts_over(tmp_path, 
         assert same_shard(out / shard["file"], straight / shard["file"]), shard["file"]
 
 
+def test_an_interrupted_build_whose_manifest_is_unreadable_starts_over(tmp_path, monkeypatch, capsys):
+    """<out>.partial/store.json cut short (a power cut as it was written): an unfinished build of unknown settings,
+    whose shards cannot be trusted, so the build starts over and ends complete, not refused asking for --force."""
+    dm = make_datamodule(tmp_path)
+    out = tmp_path / "store"
+    interrupted_build(monkeypatch, dm, out, layer_ids=LAYER_IDS, max_shard_bytes=shard_bytes(3))
+    manifest = partial_path(out) / "store.json"
+    manifest.write_text(manifest.read_text()[:40])
+    capsys.readouterr()
+    store = FeatureStore(build_feature_store(dm, out, layer_ids=LAYER_IDS, max_shard_bytes=shard_bytes(3)))
+    assert "holds an unfinished build of other settings; starting over" in capsys.readouterr().out
+    assert len(store) == 12 and store.layer_ids == LAYER_IDS and not partial_path(out).exists()
+
+
 def test_a_complete_store_in_another_dtype_is_refused_naming_both_and_what_training_does_with_it(tmp_path):
     """`make features` on a machine whose auto precision differs from the one that built the recipe's store said only
     "differs in dtype", where training reads that store as it is (cast, with a note): the user could not tell which

@@ -1363,6 +1363,24 @@ def test_a_filesystem_without_locks_builds_unlocked_and_leaves_no_lock_file(tmp_
     assert lock_path(out).exists()
 
 
+def test_a_complete_store_on_a_read_only_place_says_there_is_nothing_to_do(tmp_path, monkeypatch, capsys):
+    """A store on a read-only mount (simulated: root may write anywhere): no <out>.lock can be made beside it, and a
+    build of the same features, with nothing to do, says so rather than stopping on the lock's OSError."""
+    dm = make_datamodule(tmp_path)
+    out = build_feature_store(dm, tmp_path / "store", layer_ids=LAYER_IDS)
+    real_open = os.open
+
+    def read_only(path, flags, *args, **kwargs):
+        if flags & os.O_CREAT:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(training.feature_store.os, "open", read_only)
+    capsys.readouterr()
+    assert build_feature_store(dm, out, layer_ids=LAYER_IDS) == out
+    assert "already holds these features" in capsys.readouterr().out and not lock_path(out).exists()
+
+
 def test_a_build_killed_while_it_holds_the_lock_holds_up_no_later_build(tmp_path, capsys):
     out = tmp_path / "store"
     hold = ("import fcntl, os, sys, time; lock = os.open(sys.argv[1], os.O_RDONLY | os.O_CREAT); "

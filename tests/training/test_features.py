@@ -1563,6 +1563,17 @@ def test_cli_builds_a_warm_starts_store_of_the_layers_its_drafter_reads(tmp_path
     tiny_module(init_from=str(warm), target_layer_ids=None, num_layers=None, block_size=None).check_feature_store(store)
 
 
+def test_cli_builds_the_default_layers_store_where_the_recipe_names_neither_layers_nor_a_warm_start(tmp_path):
+    """model.target_layer_ids unset and no model.init_from: the store holds the layers a new drafter of the target
+    reads by default (build_drafter_config), which training then takes."""
+    data = write_conversations(tmp_path / "conversations.jsonl")
+    out = tmp_path / "store"
+    assert main([*features_args(tmp_path, data, out), "--model.target_layer_ids=null"]) == 0
+    store = FeatureStore(out)
+    assert store.layer_ids == [0, 1, 2, 3, 4] == tiny_module(target_layer_ids=None).target_layer_ids
+    tiny_module(target_layer_ids=None).check_feature_store(store)
+
+
 def test_cli_out_refuses_an_empty_folder_and_takes_a_tilde_for_the_home_folder(capsys):
     """`--out "$STORE"` with STORE unset would read as no --out (main's `args.out or ...`): the store built in the
     recipe's default folder, not where it was asked for; `--out=~/store` (no shell expansion) built a folder named ~."""

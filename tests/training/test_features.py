@@ -1574,6 +1574,15 @@ def test_cli_builds_the_default_layers_store_where_the_recipe_names_neither_laye
     tiny_module(target_layer_ids=None).check_feature_store(store)
 
 
+def test_cli_dtype_given_builds_the_store_in_it_whatever_the_recipes_precision(tmp_path):
+    """--dtype names the store's dtype (to finish a build begun on a machine whose auto precision was the other one,
+    as the refusal of a resume in another dtype says): the recipe's trainer.precision does not override it."""
+    data = write_conversations(tmp_path / "conversations.jsonl")
+    out = tmp_path / "store"
+    assert main([*features_args(tmp_path, data, out), "--trainer.precision=32-true", "--dtype", "bfloat16"]) == 0
+    assert FeatureStore(out).dtype == torch.bfloat16
+
+
 def test_cli_out_refuses_an_empty_folder_and_takes_a_tilde_for_the_home_folder(capsys):
     """`--out "$STORE"` with STORE unset would read as no --out (main's `args.out or ...`): the store built in the
     recipe's default folder, not where it was asked for; `--out=~/store` (no shell expansion) built a folder named ~."""

@@ -2383,6 +2383,24 @@ def test_card_names_the_dtype_the_figures_were_measured_in_and_an_export_in_anot
     assert "not the `float16` the figures were measured in" in card
 
 
+def test_a_card_whose_run_names_a_precision_it_cannot_read_leaves_the_evaluations_dtype_unsaid(run_dir, tmp_path):
+    """An evaluation recorded before its dtype was, of a run whose config.yaml names a precision the drafter does not
+    train in (edited by hand: 64): the export still writes its card, and leaves the dtype unsaid rather than guess."""
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run, symlinks=True)
+    path = run / "eval" / "step-000002.json"
+    record = json.loads(path.read_text())
+    path.write_text(json.dumps({**record, "settings": {k: v for k, v in record["settings"].items() if k != "dtype"}}))
+    config = run / "config.yaml"
+    recorded = yaml.safe_load(config.read_text())
+    recorded["trainer"]["precision"] = "64"
+    config.write_text(yaml.safe_dump(recorded))
+    assert export(run, tmp_path / "out", "--ckpt", "last") == 0
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "| decoding | tau | expected tau | rounds | new tokens |" in card  # the evaluation, reported
+    assert "during this evaluation." not in card
+
+
 @pytest.mark.parametrize("damage, expected", [
     (lambda record: b"\xff\xfe{garbage", "not valid JSON ('utf-8' codec can't decode byte 0xff"),
     (lambda record: record["summary"].update({"ddtree@best": {"tau": 2.0}}),

@@ -16,11 +16,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config
+from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, Qwen3Config
 
 from ddtree.errors import DDTreeError
 from ddtree.targets import resolve_target
 
+import training.target
 import training.train
 import training.throughput
 from training.arguments import check_throughput_args, throughput_parser
@@ -132,6 +133,21 @@ def test_a_random_target_is_built_in_the_dtype_training_loads_it_in_frozen(monke
     model, tokenizer = random_target_loader("tiny-random", torch.device("cpu"))("tiny-random", dtype=torch.bfloat16)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert not model.training and not any(p.requires_grad for p in model.parameters()) and tokenizer is None
+
+
+def test_a_random_target_is_built_from_its_configuration_never_loaded(monkeypatch):
+    """--random-target: the recipe's target is built from its configuration, never downloaded or read from disk (an
+    8B target the machine may not hold), and the drafter is wired to it as training wires it. Qwen3-8B's layout here,
+    its widths and vocabulary shrunk (main over the qwen3-8b recipe takes 20 s, its logits over 151936 ids)."""
+    shrunken = Qwen3Config(vocab_size=1024, num_hidden_layers=36, hidden_size=32, intermediate_size=64,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=False)
+    monkeypatch.setitem(RANDOM_TARGETS, "Qwen/Qwen3-8B", shrunken)
+    monkeypatch.setattr(training.target, "load_target", lambda *a, **k: pytest.fail("loaded the real target"))
+    settings = dict(target="Qwen/Qwen3-8B", num_anchors=4, num_layers=1, block_size=4, mask_token_id=1000)
+    module = build_module(settings, random_target=True, device=torch.device("cpu"))
+    assert (module.target.config.hidden_size, module.target.config.num_hidden_layers) == (32, 36)
+    assert module.drafter.config.hidden_size == 32 and module.drafter.config.num_target_layers == 36
+    assert module.target.dtype == torch.bfloat16 and not module.target.training  # as training loads it, frozen
 
 
 def test_the_offline_step_is_timed_on_the_batch_a_store_serves_and_the_step_on_the_tokens(monkeypatch):

@@ -782,6 +782,10 @@ def test_a_data_path_under_a_local_folder_is_a_missing_folder_not_a_hub_dataset(
     assert len(errors) == 1 and "data.data_path=data/qwen3-8b: no such folder (data/ is a folder here" in errors[0]
     assert "generate it first with data/regenerate.py (make data RECIPE=<recipe>" in errors[0], errors
     assert not out.exists()
+    # owner/name whose owner/ is no folder here: a Hub dataset, left for the data to load from the Hub, not refused
+    config = parse_recipe("tiny", "--data.data_path=someone/chats", f"--eval.prompts={prompts}",
+                          "--trainer.precision=32-true")
+    training.recipe.check_before_building(config)
 
 
 def test_eval_prompts_that_are_not_there_are_one_line_before_anything_loads(tmp_path, capsys):

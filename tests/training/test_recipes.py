@@ -18,6 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 import lightning as L
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
 import toy_data  # tests/training/toy_data.py
 import training.arguments
@@ -118,6 +119,10 @@ def test_a_launch_writes_its_checkpoints_whole_or_not_at_all(tmp_path):
 
     cli = build_cli(RECIPES_DIR / "tiny.yaml", tmp_path / "run", ["--trainer.precision=32-true"])
     assert type(cli.trainer.strategy.checkpoint_io) is AtomicCheckpointIO
+    # a writer the recipe names in trainer.plugins is its own choice: kept, not replaced
+    cli = build_cli(RECIPES_DIR / "tiny.yaml", tmp_path / "async", [
+        "--trainer.precision=32-true", "--trainer.plugins=lightning.pytorch.plugins.io.AsyncCheckpointIO"])
+    assert type(cli.trainer.strategy.checkpoint_io) is AsyncCheckpointIO
 
 
 def test_a_block_size_override_alone_trains_with_the_published_gamma_for_that_block():

@@ -350,13 +350,19 @@ def test_a_hub_target_in_the_local_cache_is_used_offline(tmp_path, monkeypatch):
     """A cluster without internet that downloaded its target beforehand (HF_HUB_OFFLINE=1) trains and decodes on it."""
     snapshot = tmp_path / "hub" / "models--someone--cached" / "snapshots" / ("a" * 40)  # the Hub cache's layout
     snapshot.mkdir(parents=True)
-    (snapshot / "config.json").write_text("{}")
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):  # tiny-random's, SmolLM2's tokenizer
+        shutil.copy(Path(resolve_target("tiny-random")) / name, snapshot)
     (snapshot.parents[1] / "refs").mkdir()
     (snapshot.parents[1] / "refs" / "main").write_text("a" * 40)
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
     monkeypatch.setattr(ddtree.targets, "hub_is_reachable", lambda *a, **k: pytest.fail("asked the network"))
     assert resolve_target("someone/cached") == "someone/cached"
+    # its tokenizer too (keyed by the Hub id alone: no folder of its own to watch), read once and then shared
+    tokenizer = ddtree.targets.load_tokenizer("someone/cached")
+    text = "a drafter proposes"
+    assert tokenizer(text).input_ids == ddtree.targets.load_tokenizer("tiny-random")(text).input_ids
+    assert ddtree.targets.load_tokenizer("someone/cached") is tokenizer
 
 
 @pytest.mark.parametrize("offline, reason", [

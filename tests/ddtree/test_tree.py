@@ -93,6 +93,13 @@ def test_heap_with_redrafted_branches_builds_the_top_prefixes_under_each_branchs
     assert draft_tree(logits, None, branches={first: rows}).tokens == [first] + rows.argmax(-1).tolist()
 
 
+def test_no_budget_or_no_depth_gives_the_empty_tree():
+    logits = torch.randn(3, 5, generator=torch.Generator().manual_seed(0))
+    empty = DraftTree([], [], [], [], [{}])
+    assert build_tree(logits, 0) == empty and build_tree(logits[:0], 4) == empty
+    assert empty.expected_acceptance == 1.0
+
+
 @pytest.mark.parametrize("tokens,length,expected", [
     ([1, 2, 3, 4, 9, 2, 3], 3, [4, 9, 2]),  # the last 2 tokens recur: what followed them
     ([2, 3, 5, 2, 3, 6, 3], 2, [6, 3]),  # only the last token recurs: its most recent occurrence wins

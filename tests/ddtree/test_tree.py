@@ -100,6 +100,15 @@ def test_no_budget_or_no_depth_gives_the_empty_tree():
     assert empty.expected_acceptance == 1.0
 
 
+def test_a_two_row_block_scores_depth_two_below_a_redrafted_token_by_its_branch():
+    """--redraft on a block of 2 rows: the depth-2 node under the re-drafted token is the branch's, not the block's."""
+    logits, branch = torch.tensor([[3.0, 0.0, 0.0], [0.0, 5.0, 0.0]]), torch.tensor([[0.0, 0.0, 5.0]])
+    tree = build_tree(logits, 2, {0: branch})
+    expected = torch.log_softmax(logits[0], -1)[0] + torch.log_softmax(branch[0], -1)[2]
+    assert tree.tokens == [0, 2] and tree.parents == [0, 1]
+    assert math.isclose(tree.log_probs[1], expected.item(), abs_tol=1e-5)
+
+
 @pytest.mark.parametrize("tokens,length,expected", [
     ([1, 2, 3, 4, 9, 2, 3], 3, [4, 9, 2]),  # the last 2 tokens recur: what followed them
     ([2, 3, 5, 2, 3, 6, 3], 2, [6, 3]),  # only the last token recurs: its most recent occurrence wins

@@ -119,6 +119,7 @@ def test_a_two_row_block_scores_depth_two_below_a_redrafted_token_by_its_branch(
     ([1, 2, 3, 4, 1, 2], 5, [3, 4, 1, 2, 3]),  # a shorter match ([1, 2]) overlapping the end: period 4
     ([1, 2, 3, 9, 9, 1, 2, 3, 7, 5, 1, 2, 3], 4, [7, 5, 1, 2]),  # room before the end: no period needed
     ([1, 2, 9, 2, 5, 1, 2], 2, [9, 2]),  # the 2-token suffix wins over a more recent match of its last token
+    ([1, 2, 3, 9, 5, 2, 3, 7, 1, 2, 3], 2, [9, 5]),  # by default 3 tokens: over a more recent match of the last 2
 ])
 def test_context_lookup_continues_the_latest_recurrence_of_the_longest_suffix(tokens, length, expected):
     assert context_lookup(tokens, length) == expected

@@ -79,6 +79,11 @@ def test_measure_fits_a_cost_line_on_the_machine(monkeypatch):
     line.update(fixed_ms=-1.0, row_ms=2.0)
     steep = TreeSizer.measure(target, max_rows=17, context=32, repeats=2)
     assert steep.fixed_ms == 1e-3 and steep.row_ms == pytest.approx(2.0)
+    # One row (the root alone, no tree to size) is one verify shape: no line through it, its time is the fixed cost
+    timed.clear()
+    line.update(fixed_ms=40.0, row_ms=1.1)
+    single = TreeSizer.measure(target, max_rows=1, context=32, repeats=2)
+    assert timed == [1] and single.fixed_ms == pytest.approx(41.1) and single.row_ms == 0.0
 
 
 def test_the_cost_line_times_the_targets_forward_without_building_the_mask(monkeypatch):

@@ -2210,6 +2210,13 @@ def test_the_weights_fingerprint_tells_apart_weights_that_differ_past_the_header
         assert fingerprint(f"{size}-after", bytes(data)) != before, (size, changed)
 
 
+def test_the_weights_fingerprint_of_the_same_weights_stays_what_calibration_files_recorded(tmp_path):
+    """calibration.json keeps the fingerprint it was learned on: the same bytes must hash as they did (16 chunks of
+    64 KiB), or every file written before reads as learned on other weights."""
+    (tmp_path / "model.safetensors").write_bytes(bytes(i * 7 % 251 for i in range(300_000)))
+    assert weights_fingerprint(tmp_path) == "569ea53849ad7919"
+
+
 def test_the_weights_fingerprint_reads_a_drafter_saved_as_pytorch_bin(tmp_path):
     """A drafter saved without safetensors holds pytorch_model.bin: read as no weights (None), retrained .bin weights
     would keep the old calibration file with no note that it was learned on other weights."""

@@ -732,6 +732,19 @@ def test_a_process_forked_by_a_command_ends_at_a_sigterm_as_before_and_runs_none
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the command's handler was its own only while it ran
 
 
+def requeue_stop(run_dir: Path) -> Path:
+    """SLURM's requeue signal (SIGUSR1, what the ranks agreed on) at step 3 of the run in run_dir, which every rank
+    saved: the stop's status is 128 + the signal. Its last.ckpt is returned."""
+    last = run_dir / "checkpoints" / "last.ckpt"
+    last.parent.mkdir(parents=True)
+    torch.save({"global_step": 3}, last)
+    boundary = training.callbacks.SigtermAtStepBoundary()
+    boundary.requeue = signal.SIGUSR1
+    cli = SimpleNamespace(trainer=SimpleNamespace(global_step=3, callbacks=[boundary]))
+    assert training.train.stopped_by_signal(cli, run_dir, "tiny") == 128 + signal.SIGUSR1
+    return last
+
+
 def test_a_requeue_scontrol_refuses_is_one_line_with_the_command_that_resumes(tmp_path, monkeypatch, capsys):
     """Every rank saved the step; rank 0's `scontrol requeue` failed (a job not requeueable, say): the line says so,
     with the command that resumes, and the status is still 128 + the signal."""
@@ -744,13 +757,7 @@ def test_a_requeue_scontrol_refuses_is_one_line_with_the_command_that_resumes(tm
         monkeypatch.delenv(name)
     monkeypatch.setenv("SLURM_JOB_ID", "7")
     monkeypatch.setenv("PATH", f"{fake_bin}{os.pathsep}{os.environ['PATH']}")
-    last = tmp_path / "out" / "tiny" / "r" / "checkpoints" / "last.ckpt"
-    last.parent.mkdir(parents=True)
-    torch.save({"global_step": 3}, last)
-    boundary = training.callbacks.SigtermAtStepBoundary()
-    boundary.requeue = signal.SIGUSR1  # what the ranks agreed on
-    cli = SimpleNamespace(trainer=SimpleNamespace(global_step=3, callbacks=[boundary]))
-    assert training.train.stopped_by_signal(cli, last.parent.parent, "tiny") == 128 + signal.SIGUSR1
+    last = requeue_stop(tmp_path / "out" / "tiny" / "r")
     assert capsys.readouterr().err.splitlines() == [
         "[train] stopped by SLURM's SIGUSR1, but `scontrol requeue 7` failed (exit status 1: scontrol: error: Requested "
         f"operation is presently disabled for job 7) at step 3; no drafter written; resume with: make train RECIPE=tiny "
@@ -766,13 +773,7 @@ def test_a_requeue_on_a_node_without_scontrol_is_one_line_with_the_command_that_
         monkeypatch.delenv(name)
     monkeypatch.setenv("SLURM_JOB_ID", "7")
     monkeypatch.setenv("PATH", str(empty_bin))
-    last = tmp_path / "out" / "tiny" / "r" / "checkpoints" / "last.ckpt"
-    last.parent.mkdir(parents=True)
-    torch.save({"global_step": 3}, last)
-    boundary = training.callbacks.SigtermAtStepBoundary()
-    boundary.requeue = signal.SIGUSR1
-    cli = SimpleNamespace(trainer=SimpleNamespace(global_step=3, callbacks=[boundary]))
-    assert training.train.stopped_by_signal(cli, last.parent.parent, "tiny") == 128 + signal.SIGUSR1
+    last = requeue_stop(tmp_path / "out" / "tiny" / "r")
     [line] = capsys.readouterr().err.splitlines()
     assert line.startswith("[train] stopped by SLURM's SIGUSR1, but `scontrol requeue 7` failed (") and "scontrol" in \
         line.split("failed (", 1)[1] and line.endswith(f"resume with: make train RECIPE=tiny RESUME={last}"), line
@@ -796,13 +797,7 @@ def test_a_job_array_tasks_requeue_names_the_task_as_scontrol_and_squeue_do(tmp_
     """A task of a job array requeues as <array job>_<task> (slurm_job_id), the id squeue shows and run_name's
     slurm-<array job>-<task> folder follows; its own SLURM_JOB_ID names neither."""
     in_slurm_job(tmp_path, monkeypatch, SLURM_JOB_ID="503", SLURM_ARRAY_JOB_ID="500", SLURM_ARRAY_TASK_ID="3")
-    last = tmp_path / "out" / "tiny" / "slurm-500-3" / "checkpoints" / "last.ckpt"
-    last.parent.mkdir(parents=True)
-    torch.save({"global_step": 3}, last)
-    boundary = training.callbacks.SigtermAtStepBoundary()
-    boundary.requeue = signal.SIGUSR1
-    cli = SimpleNamespace(trainer=SimpleNamespace(global_step=3, callbacks=[boundary]))
-    assert training.train.stopped_by_signal(cli, last.parent.parent, "tiny") == 128 + signal.SIGUSR1
+    last = requeue_stop(tmp_path / "out" / "tiny" / "slurm-500-3")
     assert (tmp_path / "scontrol.log").read_text() == "requeue 500_3\n"
     assert capsys.readouterr().err.splitlines() == [
         f"[train] stopped by SLURM's SIGUSR1 (its requeue signal) at step 3; no drafter written; SLURM requeued job "

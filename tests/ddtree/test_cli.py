@@ -25,6 +25,7 @@ from ddtree.names import REPO_MARK
 from ddtree.packed_linear import is_packed, packing_available
 from ddtree.precision import Choice
 from ddtree.errors import DDTreeError, error_line, first_and_count
+from ddtree.files import cache_dir
 from ddtree.targets import build_drafter_config, load_target, resolve_target
 
 TARGET = "tiny-random"
@@ -1281,6 +1282,7 @@ def test_bench_reads_and_writes_the_paths_a_tilde_names(capsys, tmp_path, tiny_t
     (home / "prompts.jsonl").write_text(prompts_file.read_text())
     (home / "replies.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"},
                                                                  {"role": "assistant", "content": "Hello there, how are you today?"}]}))
+    monkeypatch.setenv("DDTREE_CACHE", str(cache_dir()))  # the converted targets stay where they are
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.chdir(elsewhere)
     code, _, err = run_cli(capsys, "bench", "--target", TARGET, "--drafter=~/drafter", "--prompts=~/prompts.jsonl",

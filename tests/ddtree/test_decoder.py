@@ -16,6 +16,7 @@ from ddtree.cli import main
 from ddtree.decoder import measured_sizer, parse_device, progress_bars_off
 from ddtree.corpus import CORPUS_FILE, write_replies
 from ddtree.errors import DDTreeError
+from ddtree.files import cache_dir
 from ddtree.modeling_dflash import DFlashDraftModel
 from ddtree.packed_linear import is_packed, packing_available
 from ddtree.targets import build_drafter_config
@@ -460,6 +461,7 @@ def test_quiet_silences_transformers_loading_bars_and_sets_them_back(capsys, tin
 def test_paths_under_home_and_bad_values_found_in_a_review(monkeypatch, tmp_path, tiny_target, drafter_folder):
     """A `~` drafter path loaded the weights but looked for the folder's corpus and calibration under a folder named
     `~`; bad seeds, temperatures, callbacks and float token ids were tracebacks or went through cut."""
+    monkeypatch.setenv("DDTREE_CACHE", str(cache_dir()))  # the converted targets stay where they are
     monkeypatch.setenv("HOME", str(drafter_folder.parent))
     write_replies(drafter_folder / CORPUS_FILE, [[5, 6, 7, 8]], tiny_target[1])
     decoder = Decoder(TARGET, "~/drafter", **SETTINGS, quiet=True)

@@ -361,6 +361,23 @@ class Stopped(Exception):
     """A launch killed at that point."""
 
 
+def saving_trainer(tmp_path: Path, **settings) -> SimpleNamespace:
+    """A trainer stand-in for BestCheckpoint's hooks: save_checkpoint writes a file, one rank, no resume."""
+    def save_checkpoint(path, weights_only):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text("a checkpoint")
+
+    trainer = SimpleNamespace(current_epoch=0, global_step=0, is_global_zero=True, ckpt_path=None, fast_dev_run=False,
+                              received_sigterm=False, max_steps=100, max_epochs=None, is_last_batch=False,
+                              callback_metrics={}, callbacks=[], save_checkpoint=save_checkpoint,
+                              default_root_dir=str(tmp_path),
+                              strategy=SimpleNamespace(broadcast=lambda value: value, remove_checkpoint=os.remove),
+                              fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(_should_accumulate=lambda: False)))
+    for name, value in settings.items():
+        setattr(trainer, name, value)
+    return trainer
+
+
 def test_best_ckpt_moves_before_the_file_it_displaces_goes_and_a_launch_relinks_it(tmp_path, monkeypatch, capsys):
     folder = tmp_path / "checkpoints"
     saved = []
@@ -370,9 +387,7 @@ def test_best_ckpt_moves_before_the_file_it_displaces_goes_and_a_launch_relinks_
         Path(path).write_text("a checkpoint")
         saved.append(Path(path).name)
 
-    trainer = SimpleNamespace(current_epoch=0, global_step=0, is_global_zero=True, ckpt_path=None,
-                              save_checkpoint=save_checkpoint, default_root_dir=str(tmp_path), callbacks=[],
-                              strategy=SimpleNamespace(broadcast=lambda value: value, remove_checkpoint=os.remove))
+    trainer = saving_trainer(tmp_path, save_checkpoint=save_checkpoint)
     checkpoints = BestCheckpoint(dirpath=folder, monitor=monitor_metric(8), save_top_k=1)
     folder.mkdir()
     checkpoints.save(trainer, 2, 1.5)
@@ -439,23 +454,6 @@ def test_a_resume_keeps_the_displaced_file_its_restored_ranking_still_names(tmp_
     checkpoints.finish_removal(trainer)
     assert sorted(p.name for p in folder.glob("*.ckpt")) == ["step-2.ckpt", "step-4.ckpt", "step-6.ckpt"]
     assert Path(checkpoints.best_model_path).is_file() and not (folder / BestCheckpoint.DISPLACED_NAME).exists()
-
-
-def saving_trainer(tmp_path: Path, **settings) -> SimpleNamespace:
-    """A trainer stand-in for BestCheckpoint's hooks: save_checkpoint writes a file, one rank, no resume."""
-    def save_checkpoint(path, weights_only):
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text("a checkpoint")
-
-    trainer = SimpleNamespace(current_epoch=0, global_step=0, is_global_zero=True, ckpt_path=None, fast_dev_run=False,
-                              received_sigterm=False, max_steps=100, max_epochs=None, is_last_batch=False,
-                              callback_metrics={}, callbacks=[], save_checkpoint=save_checkpoint,
-                              default_root_dir=str(tmp_path),
-                              strategy=SimpleNamespace(broadcast=lambda value: value, remove_checkpoint=os.remove),
-                              fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(_should_accumulate=lambda: False)))
-    for name, value in settings.items():
-        setattr(trainer, name, value)
-    return trainer
 
 
 def test_an_unreadable_displaced_marker_deletes_nothing_and_goes(tmp_path, capsys):

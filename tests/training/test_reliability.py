@@ -10,6 +10,7 @@ own process, sent the signal from another thread, as a process of their own woul
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import errno
 import importlib
@@ -46,6 +47,7 @@ from training.checkpoints import (RESUME_KEYS, check_resumable, drafter_from_che
                                   non_finite_tensors)
 from training.module import DistillModule
 import training.callbacks
+import training.export
 import training.train
 from training.train import main as train_main
 
@@ -637,73 +639,79 @@ def test_slurms_requeue_signal_after_training_ended_is_one_line_and_the_job_fini
             "finished the run") in ended.stdout.splitlines(), ended.stdout[-3000:]
 
 
-def train_signalled(args: list[str], patch: str) -> subprocess.CompletedProcess:
-    """training.train with `args` in a process of its own, after `patch` (Python run first, with training.train as
-    `train`) has made the run send itself a signal somewhere outside Lightning's fit; its exit status and output."""
-    script = (f"import contextlib, os, signal, sys, training.export, training.train as train\n{patch}\n"
-              "sys.exit(train.main(sys.argv[1:]))\n")
-    return subprocess.run([sys.executable, "-c", script, *args], cwd=REPO, env=process_environment(),
-                          capture_output=True, text=True, timeout=600,
-                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as train_process
+def signal_as_the_feature_store_is_built(monkeypatch, sent: int) -> None:
+    """The run sends itself `sent` as its missing feature store is built, before fit, outside Lightning's handlers. In
+    this process, as a process of its own adds only its start-up (~10 s of imports on a 2-core AVX2 EPYC): the signal
+    is the run's own (os.kill), handled where the run is, as in a process of its own (SIGINT with python_sigint, as
+    a terminal gives it; SIGTERM under the command's handler, run_cli), and train_main returns the exit status."""
+
+    def signalled(*args, **kwargs):
+        os.kill(os.getpid(), sent)  # as the missing feature store is built, before fit
+
+    monkeypatch.setattr(training.train, "build_missing_feature_store", signalled)
 
 
 @pytest.mark.parametrize("sent, why", [(signal.SIGTERM, "stopped by SIGTERM"), (signal.SIGINT, "interrupted (SIGINT)")])
-def test_a_signal_before_fit_stops_with_one_line_and_leaves_no_run_folder(tmp_path, sent, why):
+def test_a_signal_before_fit_stops_with_one_line_and_leaves_no_run_folder(tmp_path, capsys, monkeypatch, python_sigint,
+                                                                          sent, why):
     """Found in a review (2026-12-04): outside Lightning's fit a SIGTERM had its default action. A run stopped as its
     feature store was built (minutes for the CPU recipe, before fit) ended silently with 143 and left its new run
     folder with its lock, as nothing ran its clean-up. Now it stops as Ctrl-C does, and both say it in the line a stop
     in fit gives: 128 + the signal, no folder left."""
-    patch = ("def signalled(*args, **kwargs):\n"
-             f"    os.kill(os.getpid(), signal.{sent.name})  # as the missing feature store is built, before fit\n"
-             "train.build_missing_feature_store = signalled")
-    ended = train_signalled(tiny_args(tmp_path, "early", max_steps=2), patch)
-    assert ended.returncode == 128 + sent, (ended.returncode, ended.stderr[-3000:])
-    said = [line for line in ended.stderr.splitlines()  # and not run_cli's own line for a stop as well
+    signal_as_the_feature_store_is_built(monkeypatch, sent)
+    assert train_main(tiny_args(tmp_path, "early", max_steps=2)) == 128 + sent
+    err = capsys.readouterr().err
+    said = [line for line in err.splitlines()  # and not run_cli's own line for a stop as well
             if line.startswith("[train]") or line in ("interrupted", "stopped by SIGTERM")]
     assert said == [f"[train] {why} at step 0; no drafter written; no checkpoint was written yet, so nothing can be "
-                    "resumed; start it again (the same command)"], ended.stderr[-3000:]
-    assert "Traceback" not in ended.stderr
+                    "resumed; start it again (the same command)"], err[-3000:]
+    assert "Traceback" not in err
     assert not (tmp_path / "out").exists()  # the run folder, its lock and the folders made for it
 
 
-def test_a_signal_before_a_resumes_fit_names_the_step_it_resumes_from(tmp_path):
+def test_a_signal_before_a_resumes_fit_names_the_step_it_resumes_from(tmp_path, capsys, monkeypatch):
     """A resume stopped as its data or feature store is prepared has restored nothing yet: its line names the
     checkpoint's step (a fresh run's says step 0), and the run folder stays as it was."""
     assert train_main(tiny_args(tmp_path, "resumed", max_steps=2)) == 0
     run_dir = tmp_path / "out" / "tiny" / "resumed"
     config = (run_dir / "config.yaml").read_text()
-    patch = ("def signalled(*args, **kwargs):\n"
-             "    os.kill(os.getpid(), signal.SIGTERM)  # as the missing feature store is built, before fit\n"
-             "train.build_missing_feature_store = signalled")
-    ended = train_signalled(["--resume", str(run_dir), "--output-root", str(tmp_path / "out"), "--trainer.max_steps=4"],
-                            patch)
-    assert ended.returncode == 128 + signal.SIGTERM, (ended.returncode, ended.stderr[-3000:])
-    said = [line for line in ended.stderr.splitlines() if line.startswith("[train]") or line == "stopped by SIGTERM"]
+    capsys.readouterr()
+    signal_as_the_feature_store_is_built(monkeypatch, signal.SIGTERM)
+    assert train_main(["--resume", str(run_dir), "--output-root", str(tmp_path / "out"), "--trainer.max_steps=4"]) == (
+        128 + signal.SIGTERM)
+    err = capsys.readouterr().err
+    said = [line for line in err.splitlines() if line.startswith("[train]") or line == "stopped by SIGTERM"]
     last = run_dir / "checkpoints" / "last.ckpt"
     assert said == [f"[train] stopped by SIGTERM at step 2; no drafter written; resume with: make train RECIPE=tiny "
-                    f"RESUME={last}"], ended.stderr[-3000:]
+                    f"RESUME={last}"], err[-3000:]
     assert (run_dir / "config.yaml").read_text() == config and saved_step(last) == 2
 
 
-def test_a_sigterm_during_the_final_export_leaves_no_staging_folder_and_the_line_says_how_to_write_drafter(tmp_path):
+def test_a_sigterm_during_the_final_export_leaves_no_staging_folder_and_the_line_says_how_to_write_drafter(tmp_path,
+                                                                                                           capsys,
+                                                                                                           monkeypatch):
     """Found in a review (2026-12-04): a SIGTERM as drafter/ was exported, after fit, ended the run silently with 143
     and left the export's staging folder (.drafter-xxxxxxxx, the drafter's size) for good. Now the staging folder is
-    removed and the one line says that training finished and which command writes drafter/."""
+    removed and the one line says that training finished and which command writes drafter/. In this process, as
+    signal_as_the_feature_store_is_built's runs, for the same reason."""
     run_dir = tmp_path / "out" / "tiny" / "late"
-    patch = ("staged = training.export.staged_folder\n"
-             "@contextlib.contextmanager\n"
-             "def signalled(folder):\n"
-             "    with staged(folder) as staging:\n"
-             "        yield staging\n"
-             "        os.kill(os.getpid(), signal.SIGTERM)  # drafter/'s files written, not yet renamed into place\n"
-             "training.export.staged_folder = signalled")
-    ended = train_signalled(tiny_args(tmp_path, "late", max_steps=2), patch)
-    assert ended.returncode == 128 + signal.SIGTERM, (ended.returncode, ended.stderr[-3000:])
-    said = [line for line in ended.stderr.splitlines() if line.startswith("[train]") or "SIGTERM" in line]
+    staged = training.export.staged_folder
+
+    @contextlib.contextmanager
+    def signalled(folder):
+        with staged(folder) as staging:
+            yield staging
+            os.kill(os.getpid(), signal.SIGTERM)  # drafter/'s files written, not yet renamed into place
+
+    with monkeypatch.context() as patched:
+        patched.setattr(training.export, "staged_folder", signalled)
+        assert train_main(tiny_args(tmp_path, "late", max_steps=2)) == 128 + signal.SIGTERM
+    err = capsys.readouterr().err
+    said = [line for line in err.splitlines() if line.startswith("[train]") or "SIGTERM" in line]
     last = run_dir / "checkpoints" / "last.ckpt"
     assert said == ["[train] stopped by SIGTERM during the export of drafter/, after training finished at step 2; no "
-                    f"drafter written; `make train RECIPE=tiny RESUME={last}` writes it"], ended.stderr[-3000:]
-    assert "Traceback" not in ended.stderr
+                    f"drafter written; `make train RECIPE=tiny RESUME={last}` writes it"], err[-3000:]
+    assert "Traceback" not in err
     assert not (run_dir / "drafter").exists() and not list(run_dir.glob(".drafter-*"))
     # The printed command writes drafter/, training nothing more
     assert train_main(["--recipe", "tiny", "--resume", str(last), "--output-root", str(tmp_path / "out"),

@@ -286,7 +286,13 @@ class HoldAtStepStart(Callback):
             hold_until_signalled(trainer, self.seconds)
 
 
-@pytest.mark.parametrize("devices, accumulate", [(1, 1), (2, 1), (2, 2)])
+@pytest.mark.parametrize("devices, accumulate", [
+    (1, 1),
+    # slow (~27 s of two process starts on a 2-core AVX2 EPYC): two ranks that agree on the held step off the
+    # schedule and save it stay in the default run in (2, 2), whose accumulation only adds micro-batches to agree past
+    pytest.param(2, 1, marks=pytest.mark.slow),
+    (2, 2),
+])
 def test_sigterm_between_checkpoints_saves_the_step_it_stops_at(tmp_path, capsys, devices, accumulate):
     """Found in a review (2026-12-03): a SIGTERM stopped at step N while the newest checkpoint was the last scheduled
     save, and the stop line named it as the resume: the steps since (up to 999 of an 8B recipe's) were trained again

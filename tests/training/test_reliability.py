@@ -317,17 +317,20 @@ def test_sigterm_between_checkpoints_saves_the_step_it_stops_at(tmp_path, capsys
     assert sorted(p.name for p in resume.parent.glob("*.ckpt")) == ["best.ckpt", "last.ckpt", "step-4.ckpt"]
 
 
-def test_a_sigterm_to_one_rank_alone_of_a_run_without_a_run_name_stops_every_rank_at_one_step(tmp_path):
-    """A SIGTERM to rank 1 only (its node's scheduler, an OOM watchdog, `kill <pid>`): every rank stops at the step's
-    end, 143, the step saved. The other signal tests signal the process group, where every rank notes it, so agreeing
-    by the minimum passed, and the run trained on with the signal lost (K14). Without --run, as `make train` launches:
-    the other runs of several processes name theirs, so not passing the default name to the ranks passed too, and
-    every such run failed its rank 1 on the torchrun message and hung (T22) (mutation review m16, G2)."""
+@pytest.fixture(scope="module")
+def two_ranks_stopped_by_a_sigterm_to_rank_1(tmp_path_factory) -> SimpleNamespace:
+    """A run of two ranks launched as `make train` launches it (no --run), sent a SIGTERM to rank 1 alone as step 4
+    starts (every 4: a scheduled evaluation step), and what it left as it stopped: its exit status and stderr, its run
+    folder and output root, last.ckpt's step, the checkpoints and whether step 4 was measured. It serves the one-rank
+    SIGTERM test and the scheduled-evaluation test's two-rank case, which resumes it (so the stop's files are noted
+    here, before any resume): one launch of two processes where each test started its own (~25 s of process starts
+    on a 2-core AVX2 EPYC)."""
+    tmp_path = tmp_path_factory.mktemp("sigterm-to-rank-1")
     marker = tmp_path / "holding"
     hold = json.dumps({"class_path": "test_reliability.HoldAtStepStart",
-                       "init_args": {"marker": str(marker), "after": 5, "seconds": 5.0}})
+                       "init_args": {"marker": str(marker), "after": 3, "seconds": 5.0}})  # the signal as step 4 trains
     args = [*tiny_args(tmp_path, "unused", max_steps=12, every=4), "--trainer.devices=2", "--trainer.strategy=ddp",
-            f"--trainer.callbacks+={hold}"]
+            "--checkpoint.save_top_k=-1", f"--trainer.callbacks+={hold}"]
     del args[args.index("--run"):args.index("--run") + 2]  # the default name, as `make train` gives none
     process = subprocess.Popen([sys.executable, "-m", "training.train", *args], cwd=REPO, env=process_environment(),
                                text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
@@ -343,38 +346,67 @@ def test_a_sigterm_to_one_rank_alone_of_a_run_without_a_run_name_stops_every_ran
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.communicate()
-    lines = [line for line in err.splitlines() if line.startswith("[train]")]
-    assert process.returncode == 143 and len(lines) == 1, err[-3000:]
-    assert "stopped by SIGTERM at step 6; no drafter written" in lines[0], lines[0]
-    (run,) = (tmp_path / "out" / "tiny").iterdir()  # one default-named folder for both ranks
+    runs = list((tmp_path / "out" / "tiny").iterdir())
+    stop = as_stopped_at_step_4(runs[0]) if len(runs) == 1 else None
+    return SimpleNamespace(status=process.returncode, err=err, out=tmp_path / "out", runs=runs, stop=stop)
+
+
+def as_stopped_at_step_4(run_dir: Path) -> SimpleNamespace:
+    """What a run stopped at step 4 holds: last.ckpt's step (check_resumable), its checkpoints' names, and whether
+    step 4 was measured (its eval/step-N.json)."""
+    last = run_dir / "checkpoints" / "last.ckpt"
+    return SimpleNamespace(saved=check_resumable(last)["global_step"] if last.is_file() else None,
+                           checkpoints=sorted(p.name for p in last.parent.glob("*.ckpt")),
+                           measured=AcceptanceEvaluation.eval_file(run_dir, 4).exists())
+
+
+def test_a_sigterm_to_one_rank_alone_of_a_run_without_a_run_name_stops_every_rank_at_one_step(
+        two_ranks_stopped_by_a_sigterm_to_rank_1):
+    """A SIGTERM to rank 1 only (its node's scheduler, an OOM watchdog, `kill <pid>`): every rank stops at the step's
+    end, 143, the step saved. The other signal tests signal the process group, where every rank notes it, so agreeing
+    by the minimum passed, and the run trained on with the signal lost (K14). Without --run, as `make train` launches:
+    the other runs of several processes name theirs, so not passing the default name to the ranks passed too, and
+    every such run failed its rank 1 on the torchrun message and hung (T22) (mutation review m16, G2). The launch is
+    two_ranks_stopped_by_a_sigterm_to_rank_1's, which the scheduled-evaluation test's two-rank case resumes."""
+    launched = two_ranks_stopped_by_a_sigterm_to_rank_1
+    lines = [line for line in launched.err.splitlines() if line.startswith("[train]")]
+    assert launched.status == 143 and len(lines) == 1, launched.err[-3000:]
+    assert "stopped by SIGTERM at step 4; no drafter written" in lines[0], lines[0]
+    (run,) = launched.runs  # one default-named folder for both ranks
     assert Path(re.search(r"RESUME=(\S+)", lines[0]).group(1)) == run / "checkpoints" / "last.ckpt"
-    assert saved_step(run / "checkpoints" / "last.ckpt") == 6
+    assert launched.stop.saved == 4
 
 
 @pytest.mark.parametrize("devices", [1, 2])
-def test_sigterm_at_a_scheduled_evaluation_step_saves_it_at_once_and_the_resume_measures_and_ranks_it(tmp_path, capsys,
-                                                                                                     devices):
+def test_sigterm_at_a_scheduled_evaluation_step_saves_it_at_once_and_the_resume_measures_and_ranks_it(
+        tmp_path, capsys, request, devices):
     """Found in a review (2026-12-03): a SIGTERM agreed at a step of eval.every_n_train_steps still ran that step's
     evaluation before saving it, a few minutes on the 8B recipes, past a scheduler's grace before SIGKILL (SLURM's
     30 s): the step was lost. Now it is saved to last.ckpt at once, unmeasured and unranked, and the resume measures
     it before training on (on every rank, under ddp too), saves it as step-N.ckpt and ranks it, its report row with
-    the train loss the stopped launch logged."""
-    marker = tmp_path / "holding"
-    hold = json.dumps({"class_path": "test_reliability.HoldAtStepStart",
-                       "init_args": {"marker": str(marker), "after": 3}})  # the signal lands as step 4 trains
-    args = [*tiny_args(tmp_path, "scheduled", max_steps=400, every=4), f"--trainer.devices={devices}",
-            "--checkpoint.save_top_k=-1", f"--trainer.callbacks+={hold}"]
-    args += ["--trainer.strategy=ddp"] if devices > 1 else []
-    err = run_until_sigterm(args, devices, [Path(f"{marker}{rank}") for rank in range(devices)], capsys)
+    the train loss the stopped launch logged. Two ranks: the launch is two_ranks_stopped_by_a_sigterm_to_rank_1's (its
+    SIGTERM to rank 1 alone, agreed by both ranks as the group's would be), resumed here."""
+    if devices == 1:
+        marker = tmp_path / "holding"
+        hold = json.dumps({"class_path": "test_reliability.HoldAtStepStart",
+                           "init_args": {"marker": str(marker), "after": 3}})  # the signal lands as step 4 trains
+        args = [*tiny_args(tmp_path, "scheduled", max_steps=400, every=4), "--trainer.devices=1",
+                "--checkpoint.save_top_k=-1", f"--trainer.callbacks+={hold}"]
+        err = run_until_sigterm(args, devices, [Path(f"{marker}0")], capsys)
+        out, run_dir = tmp_path / "out", tmp_path / "out" / "tiny" / "scheduled"
+        stop = as_stopped_at_step_4(run_dir)
+    else:  # as the launch stopped, before any resume
+        launched = request.getfixturevalue("two_ranks_stopped_by_a_sigterm_to_rank_1")
+        assert launched.status == 143, launched.err[-3000:]
+        err, out, (run_dir,), stop = launched.err, launched.out, launched.runs, launched.stop
     lines = [line for line in err.splitlines() if line.startswith("[train]")]
     assert len(lines) == 1 and "stopped by SIGTERM at step 4; no drafter written" in lines[0], err[-3000:]
-    run_dir = tmp_path / "out" / "tiny" / "scheduled"
     resume = Path(re.search(r"RESUME=(\S+)", lines[0]).group(1))
-    assert resume == run_dir / "checkpoints" / "last.ckpt" and check_resumable(resume)["global_step"] == 4
-    assert sorted(p.name for p in resume.parent.glob("*.ckpt")) == ["last.ckpt"]  # saved, not ranked
-    assert not AcceptanceEvaluation.eval_file(run_dir, 4).exists()  # nor measured
+    assert resume == run_dir / "checkpoints" / "last.ckpt" and stop.saved == 4
+    assert stop.checkpoints == ["last.ckpt"]  # saved, not ranked
+    assert not stop.measured  # nor measured
 
-    resume_args = ["--output-root", str(tmp_path / "out"), "--resume", str(resume), "--trainer.max_steps=5"]
+    resume_args = ["--output-root", str(out), "--resume", str(resume), "--trainer.max_steps=5"]
     if devices == 1:  # in this process, as the launch was
         assert train_main(resume_args) == 0
         said = capsys.readouterr().out

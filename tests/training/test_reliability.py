@@ -660,7 +660,7 @@ def test_slurms_requeue_signal_saves_the_step_on_every_rank_requeues_once_and_th
 
 
 def test_slurms_requeue_signal_after_training_ended_is_one_line_and_the_job_finishes(tmp_path, capsys, monkeypatch):
-    """Found in a review (2026-12-04): Lightning gives SIGUSR1 back its default action as fit ends, so SLURM's requeue
+    """Found in a review (2026-12-03): Lightning gives SIGUSR1 back its default action as fit ends, so SLURM's requeue
     signal arriving during the export killed the process silently with 138, the status of a requeue, no drafter
     written and nothing requeued. Now it is noted, and the run finishes with its drafter and status 0. In this process,
     as a process of its own adds only its start-up (~10 s of imports on a 2-core AVX2 EPYC): SIGUSR1 has its default

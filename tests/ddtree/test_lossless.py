@@ -590,15 +590,15 @@ def test_static_runners_outlive_their_generation(smollm2, references, random_dra
     stop = stop_token_ids(model, tokenizer)
     longer, shorter = sorted(references[:2], key=lambda reference: -len(reference[0]))  # stale slots past the 2nd
     budget = 8
+    new = 8  # every round of the second generation runs over the first one's stale slots: 8 tokens show it as 24 do
     results, runners = [], []
     for prompt, _ in (longer, shorter):
-        results.append(generate(model, prompt, "ddtree", random_drafter, budget, RANDOM_NEW, stop, static=True,
-                                redraft=2))
+        results.append(generate(model, prompt, "ddtree", random_drafter, budget, new, stop, static=True, redraft=2))
         runners.append((static_target(model, True, budget + 1, needed=1), random_drafter.static))
-    assert [result.new_tokens for result in results] == [longer[1][:RANDOM_NEW], shorter[1][:RANDOM_NEW]]
+    assert [result.new_tokens for result in results] == [longer[1][:new], shorter[1][:new]]
     assert runners[0][0] is runners[1][0] and runners[0][1] is runners[1][1]
     target_runner = runners[1][0]
-    assert target_runner.capacity == padded_capacity(len(longer[0]) + RANDOM_NEW + budget + 1)
+    assert target_runner.capacity == padded_capacity(len(longer[0]) + new + budget + 1)
     bigger = static_target(model, True, budget + 1, needed=target_runner.capacity + 1)
     assert bigger is not target_runner and bigger.capacity > target_runner.capacity
     assert static_target(model, True, budget + 1, needed=1) is bigger  # it replaced the smaller one

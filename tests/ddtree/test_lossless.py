@@ -135,7 +135,8 @@ def test_redrafted_branches_are_lossless_and_carry_the_paths_the_block_misses(sm
     model, tokenizer = smollm2
     deepest = {}
     non_first = 0
-    for k, prompts in ((0, references[:1]), (redraft, references)):  # one prompt shows the block alone stop at depth 1
+    # one prompt shows the block alone stop at depth 1; two hold the re-drafted paths to greedy decoding
+    for k, prompts in ((0, references[:1]), (redraft, references[:2])):
         deepest[k] = 0
         for prompt, greedy in prompts:
             rigged = RedraftRigged(prompt + greedy, model.config.vocab_size)

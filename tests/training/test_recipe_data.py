@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -42,11 +43,30 @@ def tiny_settings(prompts: Path) -> dict:
             "chunk_size": 2}
 
 
-def test_auto_data_is_generated_once_into_the_cache(tmp_path, empty_cache):
-    settings = tiny_settings(prompt_file(tmp_path / "prompts.jsonl", 5))
-    datamodule = DistillDataModule(target="tiny-random", data_path=AUTO_DATA, regenerate=settings)
-    prepare_recipe_data(datamodule, "my-recipe")
-    out = tmp_path / "cache" / "data" / "my-recipe"
+@pytest.fixture(scope="module")
+def auto_data(tmp_path_factory):
+    """The tiny settings' data, written once for the module by the base target (no adapter) into my-recipe's auto
+    folder of a cache of its own (as empty_cache makes one): a regenerate.py child costs about 18 s on a 2-core AVX2
+    EPYC (torch's and transformers' imports), and the two tests that read this data write nothing into it."""
+    from ddtree.targets import cache_dir, resolve_target
+
+    root = tmp_path_factory.mktemp("auto-data")
+    settings = tiny_settings(prompt_file(root / "prompts.jsonl", 5))
+    resolve_target("tiny-random")
+    cache = root / "cache"
+    cache.mkdir()
+    (cache / "targets").symlink_to(cache_dir() / "targets", target_is_directory=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DDTREE_CACHE", str(cache))
+        datamodule = DistillDataModule(target="tiny-random", data_path=AUTO_DATA, regenerate=settings)
+        prepare_recipe_data(datamodule, "my-recipe")
+    return SimpleNamespace(cache=cache, settings=settings, datamodule=datamodule)
+
+
+def test_auto_data_is_generated_once_into_the_cache(tmp_path, auto_data, monkeypatch):
+    monkeypatch.setenv("DDTREE_CACHE", str(auto_data.cache))
+    settings, datamodule = auto_data.settings, auto_data.datamodule
+    out = auto_data.cache / "data" / "my-recipe"
     assert datamodule.data_path == str(out) == str(default_data_path("my-recipe"))
     from datasets import load_from_disk
 
@@ -380,15 +400,16 @@ def test_a_check_that_fails_without_its_line_says_what_it_was_checking(tmp_path,
         prepare_recipe_data(datamodule, "my-recipe")
 
 
-def test_a_recipe_with_a_target_adapter_has_its_data_written_by_the_adapted_target(tmp_path, empty_cache):
+def test_a_recipe_with_a_target_adapter_has_its_data_written_by_the_adapted_target(tmp_path, empty_cache, auto_data):
     """model.target_adapter: the recipe's data is generated with the adapter merged, and data generated without it
     (the base model's replies) is refused for it, and the other way round. Before, regenerate.py was given the
-    target alone and the data check accepted the base model's replies for a run that set an adapter."""
+    target alone and the data check accepted the base model's replies for a run that set an adapter. The base
+    model's data, on the same settings, is auto_data's."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "data"))
     from test_regenerate import lora_adapter  # noqa: E402  (tests/data/test_regenerate.py)
 
     adapter = lora_adapter(tmp_path / "adapter", 0)
-    settings = tiny_settings(prompt_file(tmp_path / "prompts.jsonl", 5))
+    settings = auto_data.settings
     datamodule = DistillDataModule(target="tiny-random", data_path=AUTO_DATA, regenerate=settings)
     prepare_recipe_data(datamodule, "my-recipe", target_adapter=adapter)
     made_with = json.loads((Path(datamodule.data_path) / "regeneration.json").read_text())
@@ -398,8 +419,8 @@ def test_a_recipe_with_a_target_adapter_has_its_data_written_by_the_adapted_targ
     with pytest.raises(DDTreeError, match=rf"recipe my-recipe: .*\(target_adapter: '{re.escape(adapter)}' -> None\)"):
         prepare_recipe_data(DistillDataModule(target="tiny-random", data_path=AUTO_DATA, regenerate=settings),
                             "my-recipe")
-    base = DistillDataModule(target="tiny-random", data_path=str(tmp_path / "base"), regenerate=settings)
-    prepare_recipe_data(base, "my-recipe")
+    base = DistillDataModule(target="tiny-random", data_path=auto_data.datamodule.data_path, regenerate=settings)
+    prepare_recipe_data(base, "my-recipe")  # the base model's data, written without the adapter: taken without it
     with pytest.raises(DDTreeError, match=rf"recipe my-recipe: .*\(target_adapter: None -> '{re.escape(adapter)}'\)"):
         prepare_recipe_data(base, "my-recipe", target_adapter=adapter)
 

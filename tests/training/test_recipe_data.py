@@ -472,7 +472,11 @@ def test_a_sigterm_while_training_regenerates_its_data_lets_the_child_remove_its
     """Found in a review (2026-12-04): a SIGTERM that stopped training as its data/regenerate.py child merged the data
     had subprocess.run SIGKILL the child at once, so the child's staging folder (the whole merged dataset) stayed for
     good and its own stop line was lost. Now the child is passed the SIGTERM (sent to training alone, as `kill` does)
-    and waited for; sent to the group (a scheduler's), the child's own and training's forwarded one stop it once."""
+    and waited for; sent to the group (a scheduler's), the child's own and training's forwarded one stop it once.
+    The group's variant starts its child from a parent that runs only training's data step (prepare_recipe_data under
+    run_cli, as training.train.main runs it) with a datamodule's three fields: what it adds is the child's second
+    SIGTERM, and training's own handling of its one SIGTERM is the variant to-training's (training.train's imports
+    cost 14 s on a 2-core AVX2 EPYC, these 0.3 s)."""
     data, marker = tmp_path / "data", tmp_path / "staged"
     child = tmp_path / "held_regenerate.py"  # data/regenerate.py, held once its merged dataset is in the staging folder
     child.write_text(
@@ -482,9 +486,17 @@ def test_a_sigterm_while_training_regenerates_its_data_lets_the_child_remove_its
         f"            pathlib.Path({str(marker)!r}).write_text(str(staging))\n            time.sleep(60)\n"
         f"ddtree.files.staged_folder = held\nsys.argv[0] = {str(regenerate.__file__)!r}\n"
         "runpy.run_path(sys.argv[0], run_name='__main__')\n")
-    script = ("import sys, training.recipe_data, training.train\n"
-              f"training.recipe_data.REGENERATE_SCRIPT = {str(child)!r}\nsys.exit(training.train.main(sys.argv[1:]))\n")
     settings = json.dumps(tiny_settings(prompt_file(tmp_path / "prompts.jsonl", 5)))
+    if to_group:
+        script = ("import json, sys, types, training.recipe_data\nfrom ddtree.errors import run_cli\n"
+                  f"training.recipe_data.REGENERATE_SCRIPT = {str(child)!r}\n"
+                  f"data = types.SimpleNamespace(target='tiny-random', data_path={str(data)!r}, "
+                  f"regenerate=json.loads({settings!r}))\n"
+                  "sys.exit(run_cli(lambda argv: training.recipe_data.prepare_recipe_data(data, 'tiny')))\n")
+    else:
+        script = ("import sys, training.recipe_data, training.train\n"
+                  f"training.recipe_data.REGENERATE_SCRIPT = {str(child)!r}\n"
+                  "sys.exit(training.train.main(sys.argv[1:]))\n")
     args = ["--recipe", "tiny", "--output-root", str(tmp_path / "out"), f"--data.data_path={data}",
             f"--data.regenerate={settings}", f"--data.cache_dir={tmp_path / 'cache'}", "--trainer.max_steps=2",
             "--trainer.enable_progress_bar=false"]

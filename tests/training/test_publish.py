@@ -1049,31 +1049,63 @@ def test_an_export_that_loads_back_otherwise_or_not_at_all_is_one_line_and_leave
     assert list((tmp_path / "exports").iterdir()) == []  # no OUT, no staging folder
 
 
-@pytest.mark.parametrize("command", ["training.publish", "training.export"])
-def test_a_sigterm_midway_is_one_line_with_status_143_and_leaves_nothing_behind(run_dir, tmp_path, command):
+SIGTERMED = ["training.publish", "training.export"]
+
+
+@pytest.fixture(scope="module")
+def sigterm_midway(run_dir, tmp_path_factory) -> dict:
+    """Each of SIGTERMED's main SIGTERMed once its staging folder is written, not yet renamed into place: {command:
+    (exit status, stderr, its exports folder)}. Each runs in a process of its own, forked from one that imported both
+    (a process's imports cost 10-12 s on a 2-core AVX2 EPYC), and ends as that process would (os._exit(main's
+    status)): its status is what waitpid says, -15 where the signal's default action ended it."""
+    root = tmp_path_factory.mktemp("sigterm")
+    argv = {"training.publish": [str(run_dir), "--out", str(root / "publish" / "export"), "--ckpt", "last"],
+            "training.export": [str(run_dir / "checkpoints" / "last.ckpt"), str(root / "export" / "export")]}
+    for command in SIGTERMED:
+        (root / command.split(".")[1]).mkdir()
+    script = textwrap.dedent(f"""\
+        import contextlib, importlib, json, os, signal, sys
+        commands = {{name: importlib.import_module(name) for name in {SIGTERMED!r}}}
+        ended = {{}}
+        for name, argv in json.loads(sys.argv[1]).items():
+            command = commands[name]
+            staged = command.staged_folder
+            @contextlib.contextmanager
+            def signalled(folder):
+                with staged(folder) as staging:
+                    yield staging
+                    os.kill(os.getpid(), signal.SIGTERM)  # the folder written, not yet renamed into place
+            command.staged_folder = signalled
+            err = os.path.join(sys.argv[2], name + ".err")
+            pid = os.fork()
+            if pid == 0:  # the command's own process
+                os.dup2(os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+                status = 1
+                try:
+                    status = command.main(argv)
+                finally:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    os._exit(status)
+            ended[name] = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), open(err).read()]
+        print(json.dumps(ended))
+        """)
+    done = subprocess.run([sys.executable, "-c", script, json.dumps(argv), str(root)], cwd=REPO_ROOT,
+                          capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ended = json.loads(done.stdout.splitlines()[-1])
+    return {name: (*ended[name], root / name.split(".")[1]) for name in SIGTERMED}
+
+
+@pytest.mark.parametrize("command", SIGTERMED)
+def test_a_sigterm_midway_is_one_line_with_status_143_and_leaves_nothing_behind(sigterm_midway, command):
     """Found in a review (2026-12-04): a SIGTERM (a scheduler's, `timeout`) during `make export` had its default
     action: the process ended silently with 143 and left the staging folder beside OUT (.<name>-xxxxxxxx, holding
     the weights) for good. Now it stops as Ctrl-C does: one line, status 143, no OUT and no staging folder."""
-    out = tmp_path / "exports" / "export"
-    argv = ([str(run_dir), "--out", str(out), "--ckpt", "last"] if command == "training.publish"
-            else [str(run_dir / "checkpoints" / "last.ckpt"), str(out)])
-    script = textwrap.dedent(f"""\
-        import contextlib, os, signal, sys
-        import {command} as command
-        staged = command.staged_folder
-        @contextlib.contextmanager
-        def signalled(folder):
-            with staged(folder) as staging:
-                yield staging
-                os.kill(os.getpid(), signal.SIGTERM)  # the folder written, not yet renamed into place
-        command.staged_folder = signalled
-        sys.exit(command.main(sys.argv[1:]))
-        """)
-    ended = subprocess.run([sys.executable, "-c", script, *argv], cwd=REPO_ROOT, capture_output=True, text=True,
-                           env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
-    assert ended.returncode == 143, (ended.returncode, ended.stderr[-3000:])
-    assert ended.stderr.splitlines()[-1:] == ["stopped by SIGTERM"] and "Traceback" not in ended.stderr, ended.stderr
-    assert list((tmp_path / "exports").iterdir()) == []  # no OUT, no staging folder
+    status, err, exports = sigterm_midway[command]
+    assert status == 143, (status, err[-3000:])
+    assert err.splitlines()[-1:] == ["stopped by SIGTERM"] and "Traceback" not in err, err
+    assert list(exports.iterdir()) == []  # no OUT, no staging folder
 
 
 # ----------------------------------------------------------------------------- LoRA

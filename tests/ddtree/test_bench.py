@@ -223,8 +223,13 @@ def test_the_warm_up_decodes_as_the_timed_runs_do_and_each_budget_sizes_with_its
 
 def test_the_warm_up_builds_static_runners_every_timed_generation_fits(tiny_target, monkeypatch):
     """Warmed up on the longest prompt at the full length, no static runner is rebuilt inside the timed runs (on a
-    GPU that would capture its CUDA graphs again inside a timed prefill)."""
+    GPU that would capture its CUDA graphs again inside a timed prefill).
+
+    Sized to the 128-slot padding (CAPACITY_STEP) so that each wrong warm-up builds too small a cache: the short prompt
+    at 64 tokens needs 128 slots and the long one 269 (trees) and 280 (the chain), past both the short prompt's 128
+    and the 256 of a 32-token warm-up on the long one (300 and 160 tokens decoded 2.5x the rounds)."""
     target, _ = tiny_target
+    assert target_runner.CAPACITY_STEP == 128  # the prompt and reply lengths below are chosen for it
     built = []
 
     class CountedStaticTarget(target_runner.StaticTarget):
@@ -234,11 +239,11 @@ def test_the_warm_up_builds_static_runners_every_timed_generation_fits(tiny_targ
 
     monkeypatch.setattr(target_runner, "StaticTarget", CountedStaticTarget)
     monkeypatch.setattr(target_runner, "_STATIC_TARGETS", weakref.WeakKeyDictionary())  # none left by other tests
-    prompts = [{"id": "short", "prompt_ids": [5, 6, 7, 8]}, {"id": "long", "prompt_ids": list(range(5, 305))}]
+    prompts = [{"id": "short", "prompt_ids": [5, 6, 7, 8]}, {"id": "long", "prompt_ids": list(range(5, 205))}]
     run_benchmark(target, CountingDrafter(target.config.vocab_size), prompts, [CHAIN, "ddtree"], [4],
-                  max_new_tokens=160, stop_ids=[], progress=False, static=True)
+                  max_new_tokens=64, stop_ids=[], progress=False, static=True)
     assert len(built) == 2, built  # one per verify shape (the chain's block, the tree's 5 rows), each built once
-    assert all(capacity >= 300 + 160 for _, capacity in built)
+    assert all(capacity >= 200 + 64 for _, capacity in built)
 
 
 def test_static_off_runs_the_dynamic_cache_and_a_bad_static_is_one_line_before_the_warm_up(tiny_target, monkeypatch):

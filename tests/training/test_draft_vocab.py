@@ -210,15 +210,16 @@ def test_a_draft_vocabulary_of_the_whole_vocabulary_or_more_is_refused():
 
 
 def test_decoding_with_a_draft_vocabulary_is_lossless(smollm2):
-    """A random drafter limited to 300 tokens proposes only those, and the committed tokens are the target's greedy ones.
-    12 tokens (each a SmolLM2 forward for each of the three decodings) are rounds enough for both checks."""
+    """A random drafter limited to 300 tokens proposes only those, and the committed tokens are the target's greedy
+    ones. 12 tokens (each a SmolLM2 forward for each of the three decodings) are rounds enough for both checks."""
     model, tokenizer = smollm2
     torch.manual_seed(0)
     drafter = load_drafter("random", model, tokenizer, "smollm2-135m")
     prompt = list(tokenizer.apply_chat_template([{"role": "user", "content": "Name three prime numbers."}],
                                                 add_generation_prompt=True, return_dict=True)["input_ids"])
     stops = stop_token_ids(model, tokenizer)
-    greedy = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=stops)[0, len(prompt):]
+    greedy = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                            eos_token_id=stops)[0, len(prompt):]
     # the reply's own tokens are in the vocabulary, so some drafts can be accepted
     drafter.config.draft_vocab = sorted(set(greedy.tolist()) | set(range(1000, 1300)))
     runner = DrafterRunner(drafter, model)

@@ -223,6 +223,16 @@ def assert_twins(a: dict, b: dict, earlier: dict, what: str) -> None:
     assert gap.max() <= TWIN_MAX_ATOL, stats
 
 
+@pytest.fixture
+def ds_cpu_accelerator(monkeypatch):
+    """DeepSpeed's CPU accelerator for this test: the zero*_cpu strategies need it, and a GPU machine does not pick it
+    by itself."""
+    from deepspeed.accelerator import real_accelerator
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    monkeypatch.setattr(real_accelerator, "ds_accelerator", CPU_Accelerator())
+
+
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("deepspeed")
@@ -347,13 +357,12 @@ def test_deepspeed_takes_the_same_gradient_as_every_strategy_when_it_accumulates
     torch.testing.assert_close(accumulated, plain, rtol=1e-5, atol=1e-6)
 
 
-def test_a_single_file_checkpoint_resumed_under_deepspeed_is_one_line(workspace, tmp_path, monkeypatch, capsys):
+def test_a_single_file_checkpoint_resumed_under_deepspeed_is_one_line(workspace, tmp_path, monkeypatch, capsys,
+                                                                       ds_cpu_accelerator):
     """A ddp or one-device run resumed under zero2/zero3 (the step after it ran out of memory): DeepSpeed's engine
     looked for its shard folder inside last.ckpt, a FileNotFoundError traceback. The reverse was one line already.
     The resume runs in this process, under DeepSpeed's CPU accelerator as the unit tests below set it (a process of
     its own cost 14 s of imports on a 2-core AVX2 EPYC): the refusal comes before any process group or engine."""
-    from deepspeed.accelerator import real_accelerator
-    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
     out = tmp_path / "out"
     run = ["--output-root", str(out), f"--data.data_path={workspace / 'conversations.jsonl'}",
@@ -368,19 +377,18 @@ def test_a_single_file_checkpoint_resumed_under_deepspeed_is_one_line(workspace,
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "torch_extensions"))
-    monkeypatch.setattr(real_accelerator, "ds_accelerator", CPU_Accelerator())
     capsys.readouterr()
     status = training.train.main(["--output-root", str(out), "--resume", str(run_dir), "--trainer.max_steps=2",
                                   "--trainer.strategy=zero2_cpu"])
-    result = SimpleNamespace(returncode=status, stderr=capsys.readouterr().err)
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert status == 2 and len(errors) == 1, err[-3000:]
     assert errors[0].startswith("error: --resume: ") and errors[0].endswith(
         "checkpoints/last.ckpt is a single-file checkpoint (a ddp or one-device run's) and this launch's strategy is "
         "DeepSpeed (CPUDeepSpeed), which resumes only its own folders of per-rank shards: resume it under the run's "
         "strategy (drop the trainer.strategy override), or export it (make export) and start a new run from the "
         "drafter with model.init_from"), errors
-    assert "Traceback" not in result.stderr
+    assert "Traceback" not in err
     assert (run_dir / "config.yaml").read_text() == before  # a plain resume still works
 
 
@@ -710,13 +718,11 @@ def test_a_recipe_sized_for_other_hardware_stops_at_once_with_one_line(launcher,
     assert time.perf_counter() - started < 30  # before any model, data or process group
 
 
-def test_each_deepspeed_strategy_name_configures_the_stage_and_offload_it_names(monkeypatch):
+def test_each_deepspeed_strategy_name_configures_the_stage_and_offload_it_names(ds_cpu_accelerator):
     """docs/training.md offers zero2_offload and zero3_offload where the drafter's training does not fit the GPUs: a name
     that configured no offload would run out of memory (or train a run sized for offload without it), and an offloaded
     optimizer without zero_force_ds_cpu_optimizer=False stops every such launch at fit's start with DeepSpeed's
     ZeRORuntimeException about the module's own torch AdamW. Only the zero*_cpu ones train in this suite."""
-    from deepspeed.accelerator import real_accelerator
-    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
     from lightning.pytorch.strategies import StrategyRegistry
 
     from training.strategies import STRATEGIES, CPUDeepSpeed, DrafterDeepSpeed
@@ -726,8 +732,6 @@ def test_each_deepspeed_strategy_name_configures_the_stage_and_offload_it_names(
              "zero3": (DrafterDeepSpeed, 3, False, False), "zero3_offload": (DrafterDeepSpeed, 3, True, True),
              "zero2_cpu": (CPUDeepSpeed, 2, False, False), "zero3_cpu": (CPUDeepSpeed, 3, False, False)}
     assert set(STRATEGIES) == set(named)  # a new name is checked here too
-    # the zero*_cpu ones need DeepSpeed's CPU accelerator, which a GPU machine does not pick by itself
-    monkeypatch.setattr(real_accelerator, "ds_accelerator", CPU_Accelerator())
     for name, (cls, stage, offload_optimizer, offload_parameters) in named.items():
         strategy = StrategyRegistry.get(name)
         zero = strategy.config["zero_optimization"]
@@ -738,12 +742,11 @@ def test_each_deepspeed_strategy_name_configures_the_stage_and_offload_it_names(
             assert strategy.config.get("zero_force_ds_cpu_optimizer") is False, (name, strategy.config)
 
 
-def test_a_cpu_deepspeed_process_lightning_started_itself_joins_the_group_as_its_own_rank(monkeypatch):
+def test_a_cpu_deepspeed_process_lightning_started_itself_joins_the_group_as_its_own_rank(monkeypatch,
+                                                                                         ds_cpu_accelerator):
     """Started by Lightning (devices=2, no launcher), a process learns its rank only from the strategy's own ranks:
     CPUDeepSpeed.setup_distributed replaces DeepSpeed's, and without them both processes joined as rank 0 of 1 and
     the run hung in init_process_group. (torchrun and SLURM say the rank through the environment instead.)"""
-    from deepspeed.accelerator import real_accelerator
-    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
     from lightning.fabric.plugins.environments import LightningEnvironment
     from lightning.pytorch.strategies import StrategyRegistry
     from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -751,7 +754,6 @@ def test_a_cpu_deepspeed_process_lightning_started_itself_joins_the_group_as_its
 
     for rank_holder in (rank_zero_only, utils_rank_zero_only):  # set_world_ranks sets it: back to 0 for later tests
         monkeypatch.setattr(rank_holder, "rank", rank_holder.rank)
-    monkeypatch.setattr(real_accelerator, "ds_accelerator", CPU_Accelerator())
     monkeypatch.setenv("LOCAL_RANK", "1")  # what Lightning gives the process it starts for the second device
     strategy = StrategyRegistry.get("zero2_cpu")
     strategy.cluster_environment = LightningEnvironment()

@@ -21,6 +21,7 @@ import torch
 import training.recipe_data
 import training.train
 from ddtree.errors import DDTreeError
+from ddtree.targets import cache_dir, resolve_target
 from training.arguments import RECIPES_DIR, ablate_parser, train_parser
 from training.data import DistillDataModule
 from training.recipe import read_recipe
@@ -48,8 +49,6 @@ def auto_data(tmp_path_factory):
     """The tiny settings' data, written once for the module by the base target (no adapter) into my-recipe's auto
     folder of a cache of its own (as empty_cache makes one): a regenerate.py child costs about 18 s on a 2-core AVX2
     EPYC (torch's and transformers' imports), and the two tests that read this data write nothing into it."""
-    from ddtree.targets import cache_dir, resolve_target
-
     root = tmp_path_factory.mktemp("auto-data")
     settings = tiny_settings(prompt_file(root / "prompts.jsonl", 5))
     resolve_target("tiny-random")

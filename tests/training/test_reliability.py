@@ -276,16 +276,18 @@ def test_sigterm_while_a_rank_waits_in_the_evaluations_gather_stops_every_rank_a
 
 class HoldAtStepStart(Callback):
     """Added with --trainer.callbacks+=...: as the step after `after` starts (off the evaluation schedule), every rank
-    writes `marker`<rank> and waits for the test's signal (`seconds` at most); the step then trains."""
+    writes `marker`<rank> and the ranks in `ranks` (every rank if None) wait for the test's signal (`seconds` at most);
+    the step then trains (a rank that does not wait waits in the step's gradient all-reduce)."""
 
-    def __init__(self, marker: str, after: int, seconds: float = 30.0):
-        self.marker, self.after, self.seconds, self.held = marker, after, seconds, False
+    def __init__(self, marker: str, after: int, seconds: float = 30.0, ranks: list[int] | None = None):
+        self.marker, self.after, self.seconds, self.ranks, self.held = marker, after, seconds, ranks, False
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if trainer.global_step == self.after and not self.held:
             self.held = True
             Path(f"{self.marker}{trainer.global_rank}").write_text("holding")
-            hold_until_signalled(trainer, self.seconds)
+            if self.ranks is None or trainer.global_rank in self.ranks:
+                hold_until_signalled(trainer, self.seconds)
 
 
 @pytest.mark.parametrize("devices, accumulate", [
@@ -326,11 +328,12 @@ def two_ranks_stopped_by_a_sigterm_to_rank_1(tmp_path_factory) -> SimpleNamespac
     folder and output root, last.ckpt's step, the checkpoints and whether step 4 was measured. It serves the one-rank
     SIGTERM test and the scheduled-evaluation test's two-rank case, which resumes it (so the stop's files are noted
     here, before any resume): one launch of two processes where each test started its own (~25 s of process starts
-    on a 2-core AVX2 EPYC)."""
+    on a 2-core AVX2 EPYC). Rank 1 alone waits for the signal: rank 0, which never notes it, waited out its whole hold
+    (5 s) before."""
     tmp_path = tmp_path_factory.mktemp("sigterm-to-rank-1")
     marker = tmp_path / "holding"
     hold = json.dumps({"class_path": "test_reliability.HoldAtStepStart",
-                       "init_args": {"marker": str(marker), "after": 3, "seconds": 5.0}})  # the signal as step 4 trains
+                       "init_args": {"marker": str(marker), "after": 3, "ranks": [1]}})  # the signal as step 4 trains
     args = [*tiny_args(tmp_path, "unused", max_steps=12, every=4), "--trainer.devices=2", "--trainer.strategy=ddp",
             "--checkpoint.save_top_k=-1", f"--trainer.callbacks+={hold}"]
     del args[args.index("--run"):args.index("--run") + 2]  # the default name, as `make train` gives none

@@ -72,11 +72,13 @@ def random_runs(smollm2, references, random_drafter):
 
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic-cache", "static-cache"])
 def test_ar_matches_greedy(smollm2, references, static):
+    """ar's every round verifies the root alone and keeps it: RANDOM_NEW tokens after each prompt are rounds enough
+    (40 were 120 target forwards a cache, 12 s on a 2-core AVX2 EPYC)."""
     model, tokenizer = smollm2
     for prompt, greedy in references:
-        result = generate(model, prompt, "ar", max_new_tokens=MAX_NEW, stop_ids=stop_token_ids(model, tokenizer),
+        result = generate(model, prompt, "ar", max_new_tokens=RANDOM_NEW, stop_ids=stop_token_ids(model, tokenizer),
                           static=static)
-        assert result.new_tokens == greedy
+        assert result.new_tokens == greedy[:RANDOM_NEW]
 
 
 # Budget 64 is held to greedy decoding by the rigged drafter below (both caches); here it would add 40 s of rejections.

@@ -225,6 +225,9 @@ class RiggedEvaluation(AcceptanceEvaluation):
     """Evaluates with a rigged drafter; `schedule` says which one at each successive evaluation."""
 
     def __init__(self, schedule: list[str], **settings):
+        # A rigged drafter's taus are exact whatever kernels the target runs: eval.packed_weights auto would time them
+        # at every launch for nothing (~0.6 s on a 2-core AVX2 EPYC)
+        settings.setdefault("packed_weights", "off")
         super().__init__(**settings)
         self.schedule = list(schedule)
         self.continuations = None
@@ -645,6 +648,9 @@ class CannedEvaluation(AcceptanceEvaluation):
     """Measures the tau given for each step (step -> {budget: tau}) instead of decoding."""
 
     def __init__(self, taus: dict[int, dict[int, float]], prompts: str | Path = PROMPTS, **settings):
+        # It decodes nothing, so the target's packed weights would serve no evaluation: eval.packed_weights auto timed
+        # them at every launch (~0.6 s on a 2-core AVX2 EPYC, the tests' launches ~40 s in all)
+        settings.setdefault("packed_weights", "off")
         super().__init__(prompts=str(prompts), max_new_tokens=4, limit=1, **settings)
         self.taus = taus
         self.decoded: list[int] = []  # the steps measure() ran at

@@ -34,7 +34,23 @@ from training.callbacks import AcceptanceEvaluation
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_two_variants_of_the_tiny_recipe_are_trained_measured_and_compared(tmp_path, capsys):
+@pytest.fixture
+def drawn_plots():
+    """ablate-*.png (and a run's tau.png) drawn as an ablation draws them, for a test that reads the file
+    (undrawn_plots stands aside)."""
+
+
+@pytest.fixture(autouse=True)
+def undrawn_plots(request, monkeypatch):
+    """The plot is written again after every variant, and drawing it takes ~0.3 s of CPU on a 2-core AVX2 EPYC, a
+    third of a test whose launches are faked. A test that does not read the file still has plot() build the figure
+    from its rows, undrawn: the file holds a marker, not a PNG, so a test reading it without drawn_plots fails."""
+    if "drawn_plots" in request.fixturenames:
+        return
+    monkeypatch.setattr(Figure, "savefig", lambda self, file, **kwargs: file.write(b"not drawn (undrawn_plots)"))
+
+
+def test_two_variants_of_the_tiny_recipe_are_trained_measured_and_compared(tmp_path, capsys, drawn_plots):
     data = toy_data.write_conversations(tmp_path / "conversations.jsonl", 24, 30, 60)
     status = main([
         "--recipe", "tiny", "--steps", "12", "--eval-limit", "1", "--eval-max-new-tokens", "4",  # 12: past one epoch
@@ -347,7 +363,7 @@ def test_a_nan_in_a_variants_row_is_null_in_the_results_and_the_ablation_goes_on
     assert [(r["variant"], r["val_loss"]) for r in results] == [("a", None), ("b", None)]
 
 
-def test_a_write_of_the_results_that_fails_leaves_the_previous_variants_files_whole(tmp_path, monkeypatch):
+def test_a_write_of_the_results_that_fails_leaves_the_previous_variants_files_whole(tmp_path, monkeypatch, drawn_plots):
     """The files are written again after each variant, so that a killed ablation keeps the variants before it: a kill in
     savefig, or a disk that fills as the table is written, must leave the previous plot and table, not a cut one in
     their place (mutation review 9: a30, a31)."""
@@ -564,7 +580,7 @@ def test_the_table_says_val_loss_does_not_compare_across_draft_vocabularies(tmp_
 
 
 def test_a_variant_that_exits_0_with_no_evaluation_is_a_row_and_the_others_are_still_tabulated(tmp_path, monkeypatch,
-                                                                                               capsys):
+                                                                                               capsys, drawn_plots):
     """--trainer.limit_train_batches=0 trains no step and writes no evaluation, yet exits 0: the variants trained
     before it used to get no table, json or plot."""
     def fake_train(argv: list[str]) -> int:
@@ -955,7 +971,7 @@ def stop_while_writing_table(monkeypatch, variants: int, signum) -> list:
 
 
 def test_a_ctrl_c_between_variants_stops_the_ablation_as_a_sigterm_there_does(tmp_path, monkeypatch, capsys,
-                                                                            python_sigint):
+                                                                            python_sigint, drawn_plots):
     """A Ctrl-C while the table of a variant was written escaped main: run_cli printed a bare `interrupted`, with no
     table printed and no rerun line, where a SIGTERM at the same point gave both (found in a review)."""
     launched = stop_while_writing_table(monkeypatch, 1, signal.SIGINT)  # Ctrl-C as the table of a is written

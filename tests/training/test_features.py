@@ -48,6 +48,9 @@ from training.train import main as train_main
 
 LAYER_IDS = [1, 3, 4]
 HIDDEN = 64  # the tiny target's hidden size
+# A launch whose evaluation is not under test: the primary budget alone (it ranks the checkpoints), one prompt of 4
+# tokens (the recipe's 3 budgets of 16 tokens were a quarter of a tiny launch on a 2-core AVX2 EPYC)
+SMALL_EVAL = ["--eval.budgets=[8]", "--eval.max_new_tokens=4"]
 
 
 def write_conversations(path, count=12, seed=0):
@@ -1679,7 +1682,7 @@ def test_train_builds_a_missing_store_in_a_single_process_and_refuses_in_many(tm
         "--recipe", "tiny", "--output-root", str(tmp_path / "out"), f"--data.data_path={data}",
         f"--data.cache_dir={tmp_path / 'cache'}", f"--data.feature_store={store}", "--data.batch_size=2",
         "--trainer.val_check_interval=null", "--eval.every_n_train_steps=2", "--eval.limit=1",
-        "--trainer.max_steps=2", "--trainer.enable_progress_bar=false",
+        *SMALL_EVAL, "--trainer.max_steps=2", "--trainer.enable_progress_bar=false",
     ]
     assert train_main([*common, "--trainer.devices=2", "--trainer.strategy=ddp", "--trainer.precision=32-true",
                        "--run", "two"]) == 2
@@ -1735,7 +1738,7 @@ def test_auto_store_is_the_recipes_cache_folder_built_on_first_use(tmp_path, mon
         "--recipe", "tiny", "--output-root", str(tmp_path / "out"), f"--data.data_path={data}",
         f"--data.cache_dir={tmp_path / 'cache'}", "--data.feature_store=auto", "--data.batch_size=2",
         "--trainer.val_check_interval=null", "--eval.every_n_train_steps=2", "--eval.limit=1",
-        "--trainer.max_steps=2", "--trainer.enable_progress_bar=false",
+        *SMALL_EVAL, "--trainer.max_steps=2", "--trainer.enable_progress_bar=false",
     ]
     assert train_main([*args, "--run", "one"]) == 0
     datamodule = DistillDataModule(target="tiny-random", data_path=str(data), max_length=256, cache_dir=str(tmp_path / "cache"))

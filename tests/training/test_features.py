@@ -48,7 +48,7 @@ from training.train import main as train_main
 
 LAYER_IDS = [1, 3, 4]
 HIDDEN = 64  # the tiny target's hidden size
-# A launch whose evaluation is not under test: the primary budget alone (it ranks the checkpoints), one prompt of 4
+# A launch whose evaluation is not under test: the primary budget alone (it ranks the checkpoints), replies of 4
 # tokens (the recipe's 3 budgets of 16 tokens were a quarter of a tiny launch on a 2-core AVX2 EPYC)
 SMALL_EVAL = ["--eval.budgets=[8]", "--eval.max_new_tokens=4"]
 

@@ -10,7 +10,7 @@ import torch
 from datasets import Dataset
 
 from ddtree.cli import load_drafter
-from ddtree.corpus import CORPUS_FILE, CorpusLookup, majority_path, read_replies, write_replies
+from ddtree.corpus import CORPUS_FILE, CorpusLookup, majority_path, read_replies, sorted_unique, write_replies
 from ddtree.decoding import DrafterRunner, OnlineCalibration, draft_tree, generate
 from ddtree.errors import DDTreeError
 from ddtree.sizing import TreeSizer
@@ -24,6 +24,13 @@ def test_the_majority_continuation_of_the_last_tokens_is_looked_up():
     assert corpus.continuation([0, 1, 2, 3], 1) == [9]
     assert corpus.continuation([2, 3, 9], 7) == [8, 7]  # both took 8; one reply ended there, the other went on to 7
     assert corpus.continuation([5, 5, 5], 7) == [] and corpus.continuation([2, 3], 7) == []
+
+
+@pytest.mark.parametrize("values", [[], [7], [5, 5, 5], [3, -1, 3, 0, -1, 2 ** 40, 0], list(range(50, 0, -3)) * 3])
+def test_the_corpus_ids_are_the_distinct_tokens_ascending_as_np_unique_gives_them(values):
+    """CorpusLookup's ids (the ranks its run keys pack) come from a sort, not np.unique's hash table: the same ids."""
+    values = np.asarray(values, dtype=np.int64)
+    assert sorted_unique(values).tolist() == np.unique(values).tolist()
 
 
 def test_each_depth_takes_the_majority_of_the_continuations_that_agree_so_far():

@@ -624,11 +624,15 @@ def test_slurms_requeue_signal_saves_the_step_on_every_rank_requeues_once_and_th
     (128 + SIGUSR1) and one line, and the requeued job (slurm.sbatch: --resume <run folder>) trains to its end."""
     marker = tmp_path / "holding"
     if tasks == 2:  # the hang: rank 0 decodes step 2's prompt, rank 1 waits in the gather
+        # max_steps 4: the requeued job trains on past the stop (steps 3 and 4) and measures step 4, as 6 steps did
         hold = {"class_path": "test_reliability.HoldRankZeroInEvaluation", "init_args": {"marker": str(marker)}}
-        args, markers, step = tiny_args(tmp_path, "slurm-99", max_steps=6), [Path(f"{marker}0"), Path(f"{marker}1")], 2
-    else:  # as step 4, scheduled for evaluation, trains: saved unmeasured, measured by the requeued job
+        end, markers, step = 4, [Path(f"{marker}0"), Path(f"{marker}1")], 2
+        args = tiny_args(tmp_path, "slurm-99", max_steps=end)
+    else:  # as step 4, scheduled for evaluation, trains: saved unmeasured, measured by the requeued job (to step 6:
+        # the stop is not the run's last step)
         hold = {"class_path": "test_reliability.HoldAtStepStart", "init_args": {"marker": str(marker), "after": 3}}
-        args, markers, step = tiny_args(tmp_path, "slurm-99", max_steps=6, every=4), [Path(f"{marker}0")], 4
+        end, markers, step = 6, [Path(f"{marker}0")], 4
+        args = tiny_args(tmp_path, "slurm-99", max_steps=end, every=4)
     options = [f"--trainer.devices={tasks}", "--trainer.num_nodes=1", f"--trainer.callbacks+={json.dumps(hold)}"]
     if tasks == 1:  # in this process, as the job's one task (train_here_until_signal)
         job_task = slurm_environment(tmp_path, 1, SLURM_PROCID="0", SLURM_LOCALID="0")
@@ -659,7 +663,7 @@ def test_slurms_requeue_signal_saves_the_step_on_every_rank_requeues_once_and_th
     else:
         resumed = finish(slurm_tasks(requeued, tmp_path, tasks, SLURM_RESTART_COUNT="1"), timeout_s=600)
         assert [status for status, _, _ in resumed] == [0] * tasks, resumed[0][2][-3000:]
-    assert check_resumable(last)["global_step"] == 6 and (run_dir / "drafter" / "model.safetensors").is_file()
+    assert check_resumable(last)["global_step"] == end and (run_dir / "drafter" / "model.safetensors").is_file()
     assert (tmp_path / "scontrol.log").read_text() == "requeue 99\n"
 
 

@@ -34,20 +34,7 @@ from training.callbacks import AcceptanceEvaluation
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture
-def drawn_plots():
-    """ablate-*.png (and a run's tau.png) drawn as an ablation draws them, for a test that reads the file
-    (undrawn_plots stands aside)."""
-
-
-@pytest.fixture(autouse=True)
-def undrawn_plots(request, monkeypatch):
-    """The plot is written again after every variant, and drawing it takes ~0.3 s of CPU on a 2-core AVX2 EPYC, a
-    third of a test whose launches are faked. A test that does not read the file still has plot() build the figure
-    from its rows, undrawn: the file holds a marker, not a PNG, so a test reading it without drawn_plots fails."""
-    if "drawn_plots" in request.fixturenames:
-        return
-    monkeypatch.setattr(Figure, "savefig", lambda self, file, **kwargs: file.write(b"not drawn (undrawn_plots)"))
+pytestmark = pytest.mark.usefixtures("undrawn_plots")  # ablate-*.png drawn only where a test asks (drawn_plots)
 
 
 def test_two_variants_of_the_tiny_recipe_are_trained_measured_and_compared(tmp_path, capsys, drawn_plots):

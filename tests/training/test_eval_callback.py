@@ -24,7 +24,6 @@ import lightning as L
 from lightning.pytorch.callbacks import Timer
 from lightning.pytorch.utilities import AttributeDict
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from matplotlib.figure import Figure
 import numpy as np
 import pytest
 import torch
@@ -61,21 +60,7 @@ BUDGETS = [4, 8, 16]  # the tiny recipe's budgets; 4 < BLOCK - 1 caps a round at
 PRIMARY = 8
 
 
-@pytest.fixture
-def rendered_plot():
-    """tau.png drawn as a run draws it, for a test that reads the file (unrendered_plot stands aside)."""
-
-
-@pytest.fixture(autouse=True)
-def unrendered_plot(request, monkeypatch):
-    """Every save writes tau.png again, and laying it out and drawing it takes ~0.25 s of CPU a figure on a 2-core AVX2
-    EPYC, a third of a test of a few launches. A test that does not read the file still has plot_tau build the figure
-    from its history (what could fail on an odd history fails there), undrawn: tau.png holds a marker, not a PNG, so a
-    test reading it without asking for rendered_plot fails."""
-    if "rendered_plot" in request.fixturenames:
-        return
-    monkeypatch.setattr(Figure, "tight_layout", lambda self, *args, **kwargs: None)
-    monkeypatch.setattr(Figure, "savefig", lambda self, file, **kwargs: file.write(b"not drawn (unrendered_plot)"))
+pytestmark = pytest.mark.usefixtures("undrawn_plots")  # tau.png drawn only where a test asks (drawn_plots)
 
 
 def write_conversations(path: Path, count: int = 16, seed: int = 0) -> Path:
@@ -95,7 +80,7 @@ def logged_rows(run_dir: Path) -> dict[int, dict]:
 # ----------------------------------------------------------------------------- end to end: the tiny recipe
 
 
-def test_training_logs_what_bench_measures_and_marks_the_best_checkpoint(tmp_path, rendered_plot):
+def test_training_logs_what_bench_measures_and_marks_the_best_checkpoint(tmp_path, drawn_plots):
     """Evaluations at 2, 4 and the last step 5; each logged tau equals run_benchmark, `ddtree bench` and `make eval`,
     all of them grafting the training replies (model.corpus) as the export ships them."""
     data = write_conversations(tmp_path / "conversations.jsonl")
@@ -714,7 +699,7 @@ class DiskFillsAt(L.Callback):
 
 @pytest.mark.parametrize("full_at", [2, 4])
 def test_a_save_that_fails_leaves_report_and_plot_naming_only_saved_checkpoints(tmp_path, monkeypatch, capsys,
-                                                                                full_at, rendered_plot):
+                                                                                full_at, drawn_plots):
     """report.md and tau.png were written at the evaluation, before the save: a save that then failed (a full disk,
     Ctrl-C, a kill) left them naming as best a step whose checkpoint did not exist (found in a review). The first save
     failing, the checkpoint writer said to resume a run that had no checkpoint, and CKPT=best blamed save_top_k 0."""
@@ -1078,7 +1063,7 @@ class PoisonWeights(L.Callback):
 
 
 def test_a_drafter_with_non_finite_weights_gets_no_tau_and_ranks_last(tmp_path, capsys, monkeypatch,
-                                                                      rendered_plot):
+                                                                      drawn_plots):
     """Such a drafter still decodes losslessly at tau 1.0 (the target verifies): before, that tied step 2's 1.0 and,
     the later of equals, took best.ckpt. Now it is not decoded: NaN taus, one line, a marked row, step 2 stays best.
     Nor calibrated (temperatures fitted to NaN probabilities), and its eval JSON is strict: null, not a bare NaN."""
@@ -1145,7 +1130,7 @@ def test_the_report_prints_as_many_decimals_as_tell_the_best_tau_from_a_near_tie
     assert "step 2** (tau 2.8500004;" in close and "| 4 | - | - | 2.8500001 (2.50) |" in close
 
 
-def test_a_budget_added_on_a_resume_is_a_dash_and_a_gap_in_the_rows_before_it(tmp_path, rendered_plot):
+def test_a_budget_added_on_a_resume_is_a_dash_and_a_gap_in_the_rows_before_it(tmp_path, drawn_plots):
     """--eval.budgets=[4,8,32] on a resume crashed the first evaluation with KeyError 'ddtree@32' (losing the steps
     since the last checkpoint), and config.yaml kept the budgets, so every later plain --resume crashed too."""
     stats = {"tau": 2.0, "expected_tau": 1.9, "rounds": 1, "accepted_depth_counts": {}}

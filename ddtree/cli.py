@@ -155,7 +155,6 @@ def cmd_generate(args) -> None:
     check_calibration_flag(args, [args.method])
     check_flags_for_methods(args, [args.method])
     sampling, target, tokenizer, files = _setup(args, trees=args.method == "ddtree")
-    sizer = _sizer(args, target, [args.budget], args.method, "--budget")
     drafter = None
     if uses_drafter(args):
         drafter = _drafter_runner(args, target, tokenizer)
@@ -166,6 +165,7 @@ def cmd_generate(args) -> None:
                                      "give --raw to use the prompt as raw text")
     generator = torch.Generator(device=target.device).manual_seed(args.seed)
     corpus = _corpus(args, tokenizer, files.corpus)
+    sizer = _sizer(args, target, [args.budget], args.method, "--budget")  # measured last: bad input is refused first
     if args.method == "ddtree":
         note_calibration_settings(drafter, args, target, sizer, corpus)
     stream = None if args.no_stream else TextStream(tokenizer)
@@ -365,8 +365,8 @@ def cmd_bench(args) -> None:
         # the weights as loaded: a folder retrained in place keeps its path, so the path alone does not say which
         weights = (f"random, seed {args.seed}" if args.drafter == "random"
                    else weights_fingerprint(Path(args.drafter)))
-    sizer = _sizer(args, target, args.budgets) if "ddtree" in methods else None  # it sizes ddtree's trees only
     corpus = _corpus(args, tokenizer, files.corpus)
+    sizer = _sizer(args, target, args.budgets) if "ddtree" in methods else None  # it sizes ddtree's trees only
     if drafter is not None and "ddtree" in methods:
         note_calibration_settings(drafter, args, target, sizer, corpus)
     results = run_benchmark(
@@ -428,8 +428,8 @@ def cmd_calibrate(args) -> None:
     sampling, target, tokenizer, files = _setup(args)
     prompts = tokenize_prompts(files.prompts, tokenizer)
     drafter = _drafter_runner(args, target, tokenizer)
-    sizer = _sizer(args, target, args.budgets)
     corpus = _corpus(args, tokenizer, files.corpus)
+    sizer = _sizer(args, target, args.budgets)
     calibration = OnlineCalibration(record=True)
     results = run_benchmark(
         target, drafter, prompts, ["dflash", "ddtree"], args.budgets, args.max_new_tokens,

@@ -41,8 +41,8 @@ def run_cli(capsys, *args) -> tuple[int, str, str]:
 
 @pytest.fixture
 def unsized(sized_rows):
-    """For a test of generate or calibrate that is not about sizing trees: the verify cost they measure before anything
-    else (about 1.5 s a run on a 2-core AVX2 EPYC) is stubbed (sized_rows)."""
+    """For a test of generate or calibrate that is not about sizing trees: the verify cost they measure once their
+    inputs are checked (about 1.5 s a run on a 2-core AVX2 EPYC) is stubbed (sized_rows)."""
     return sized_rows
 
 
@@ -1268,9 +1268,11 @@ def test_a_corpus_with_no_run_to_look_up_is_one_line(capsys, tmp_path, tiny_targ
     assert code == 0 and "[corpus] the drafter's corpus.safetensors: 1 runs of 3 tokens" in err, err
 
 
-def test_a_corpus_another_tokenizer_wrote_is_one_line(capsys, tmp_path, tiny_target, unsized):
+def test_a_corpus_another_tokenizer_wrote_is_one_line(capsys, tmp_path, tiny_target, prompts_file, unsized):
     """A corpus of byte ids (all below the target's vocabulary) was grafted as the target's tokens without a word, while
-    docs/decoding.md said another tokenizer's are one line (found in a review): the file records its tokenizer."""
+    docs/decoding.md said another tokenizer's are one line (found in a review): the file records its tokenizer. Each
+    command refuses it before it measures the verify cost for --adaptive-size (1.6 s on a 2-core AVX2 EPYC, which
+    generate, bench and calibrate spent before the corpus was checked)."""
     from types import SimpleNamespace
 
     tokenizer = tiny_target[1]
@@ -1288,6 +1290,11 @@ def test_a_corpus_another_tokenizer_wrote_is_one_line(capsys, tmp_path, tiny_tar
         assert line == (f"error: {named} was written with tokenizer bytes (256 tokens), whose ids the target's tokenizer "
                         f"{tokenizer.name_or_path} (49152 tokens) gives other tokens: give a corpus of this target's "
                         "replies, or decode without it (ddtree: --corpus none)"), line
+    decoding = ["--target", TARGET, "--prompts", str(prompts_file), "--budgets", "4", "--adaptive-size", "on"]
+    for command in (["bench", "--methods", "ddtree", "--drafter", "random"], ["calibrate", "--drafter", str(folder)]):
+        line = _bad(capsys, *command, *decoding, "--corpus", str(tmp_path / "bytes.safetensors"))
+        assert "was written with tokenizer bytes (256 tokens)" in line, line
+    assert unsized == []  # no verify cost measured for a run refused
     write_replies(folder / CORPUS_FILE, replies, tokenizer)  # the target's own: grafted
     code, _, err = run_cli(capsys, *generate, "--drafter", str(folder))
     assert code == 0 and "[corpus] the drafter's corpus.safetensors: " in err, err

@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -467,7 +468,8 @@ def test_a_gpu_session_stage_stopped_at_its_cap_leaves_each_threads_stack_in_its
 
 
 @pytest.mark.parametrize("to_group", [False, True], ids=["to-training", "to-the-group"])
-def test_a_sigterm_while_training_regenerates_its_data_lets_the_child_remove_its_staging_folder(tmp_path, to_group):
+def test_a_sigterm_while_training_regenerates_its_data_lets_the_child_remove_its_staging_folder(
+        tmp_path, capfd, monkeypatch, to_group):
     """Found in a review (2026-12-04): a SIGTERM that stopped training as its data/regenerate.py child merged the data
     had subprocess.run SIGKILL the child at once, so the child's staging folder (the whole merged dataset) stayed for
     good and its own stop line was lost. Now the child is passed the SIGTERM (sent to training alone, as `kill` does)
@@ -475,7 +477,9 @@ def test_a_sigterm_while_training_regenerates_its_data_lets_the_child_remove_its
     The group's variant starts its child from a parent that runs only training's data step (prepare_recipe_data under
     run_cli, as training.train.main runs it) with a datamodule's three fields: what it adds is the child's second
     SIGTERM, and training's own handling of its one SIGTERM is the variant to-training's (training.train's imports
-    cost 14 s on a 2-core AVX2 EPYC, these 0.3 s)."""
+    cost 14 s on a 2-core AVX2 EPYC, these 0.3 s). The variant to-training runs training.train.main in this process,
+    sent the SIGTERM from another thread (to this process alone, as `kill` sends it to training's): a process of its
+    own added only those 14 s; the child is a process of its own in both."""
     data, marker = tmp_path / "data", tmp_path / "staged"
     child = tmp_path / "held_regenerate.py"  # data/regenerate.py, held once its merged dataset is in the staging folder
     child.write_text(
@@ -486,37 +490,51 @@ def test_a_sigterm_while_training_regenerates_its_data_lets_the_child_remove_its
         f"ddtree.files.staged_folder = held\nsys.argv[0] = {str(regenerate.__file__)!r}\n"
         "runpy.run_path(sys.argv[0], run_name='__main__')\n")
     settings = json.dumps(tiny_settings(prompt_file(tmp_path / "prompts.jsonl", 5)))
+    args = ["--recipe", "tiny", "--output-root", str(tmp_path / "out"), f"--data.data_path={data}",
+            f"--data.regenerate={settings}", f"--data.cache_dir={tmp_path / 'cache'}", "--trainer.max_steps=2",
+            "--trainer.enable_progress_bar=false"]
     if to_group:
         script = ("import json, sys, types, training.recipe_data\nfrom ddtree.errors import run_cli\n"
                   f"training.recipe_data.REGENERATE_SCRIPT = {str(child)!r}\n"
                   f"data = types.SimpleNamespace(target='tiny-random', data_path={str(data)!r}, "
                   f"regenerate=json.loads({settings!r}))\n"
                   "sys.exit(run_cli(lambda argv: training.recipe_data.prepare_recipe_data(data, 'tiny')))\n")
-    else:
-        script = ("import sys, training.recipe_data, training.train\n"
-                  f"training.recipe_data.REGENERATE_SCRIPT = {str(child)!r}\n"
-                  "sys.exit(training.train.main(sys.argv[1:]))\n")
-    args = ["--recipe", "tiny", "--output-root", str(tmp_path / "out"), f"--data.data_path={data}",
-            f"--data.regenerate={settings}", f"--data.cache_dir={tmp_path / 'cache'}", "--trainer.max_steps=2",
-            "--trainer.enable_progress_bar=false"]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    training = subprocess.Popen([sys.executable, "-c", script, *args], cwd=RECIPES_DIR.parent, env=env, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 300
-        while not marker.exists() and training.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert marker.exists(), "the child did not stage its data" + (training.poll() is not None) * training.stderr.read()
-        if to_group:
-            os.killpg(training.pid, signal.SIGTERM)
-        else:
-            training.send_signal(signal.SIGTERM)
-        _, err = training.communicate(timeout=120)
-    finally:
-        if training.poll() is None:
-            os.killpg(training.pid, signal.SIGKILL)
-            training.communicate()
-    assert training.returncode == 128 + signal.SIGTERM, err[-3000:]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        process = subprocess.Popen([sys.executable, "-c", script, *args], cwd=RECIPES_DIR.parent, env=env, text=True,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 300
+            while not marker.exists() and process.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            ended = process.poll() is not None
+            assert marker.exists(), "the child did not stage its data" + ended * process.stderr.read()
+            os.killpg(process.pid, signal.SIGTERM)
+            _, err = process.communicate(timeout=120)
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.communicate()
+        status = process.returncode
+    else:  # training.train.main here, sent the SIGTERM from another thread once the child holds its staged data
+        monkeypatch.setattr(training.recipe_data, "REGENERATE_SCRIPT", child)
+        ended = threading.Event()
+
+        def send() -> None:
+            while not marker.exists():
+                if ended.wait(0.05):
+                    return  # training ended first: the assertions below say how
+            os.kill(os.getpid(), signal.SIGTERM)  # to this process alone, as `kill` sends it
+
+        sender = threading.Thread(target=send, daemon=True)
+        sender.start()
+        try:
+            status = training.train.main(args)
+        finally:
+            ended.set()
+            sender.join()
+        err = capfd.readouterr().err  # training's and its child's (which writes to this process's stderr)
+        assert marker.exists(), "the child did not stage its data:\n" + err[-3000:]
+    assert status == 128 + signal.SIGTERM, err[-3000:]
     assert "stopped by SIGTERM" in err.splitlines(), err[-3000:]  # the child's own line (run_cli's)
     assert not data.exists() and not list(tmp_path.glob(".data-*")), sorted(p.name for p in tmp_path.iterdir())
 

@@ -45,11 +45,27 @@ def tiny_settings(prompts: Path) -> dict:
             "chunk_size": 2}
 
 
+def regenerate_here(monkeypatch) -> None:
+    """prepare_recipe_data's data/regenerate.py command run in this process (its main), not as a child: a child
+    costs about 10 s of torch's and transformers' imports on a 2-core AVX2 EPYC, and the tests that use this read
+    the data and the record it wrote, not its process (the SIGTERM tests below keep the child)."""
+
+    def here(command: list[str]) -> int:
+        assert command[:2] == [sys.executable, str(training.recipe_data.REGENERATE_SCRIPT)], command
+        threads = torch.get_num_threads()
+        try:
+            return regenerate.main(command[2:])
+        finally:
+            torch.set_num_threads(threads)  # regenerate.py sets its --threads
+
+    monkeypatch.setattr(training.recipe_data, "run_regeneration", here)
+
+
 @pytest.fixture(scope="module")
 def auto_data(tmp_path_factory):
     """The tiny settings' data, written once for the module by the base target (no adapter) into my-recipe's auto
-    folder of a cache of its own (as empty_cache makes one): a regenerate.py child costs about 18 s on a 2-core AVX2
-    EPYC (torch's and transformers' imports), and the two tests that read this data write nothing into it."""
+    folder of a cache of its own (as empty_cache makes one), by regenerate.py in this process (regenerate_here): the
+    two tests that read this data write nothing into it."""
     root = tmp_path_factory.mktemp("auto-data")
     settings = tiny_settings(prompt_file(root / "prompts.jsonl", 5))
     resolve_target("tiny-random")
@@ -58,6 +74,7 @@ def auto_data(tmp_path_factory):
     (cache / "targets").symlink_to(cache_dir() / "targets", target_is_directory=True)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("DDTREE_CACHE", str(cache))
+        regenerate_here(patch)
         datamodule = DistillDataModule(target="tiny-random", data_path=AUTO_DATA, regenerate=settings)
         prepare_recipe_data(datamodule, "my-recipe")
     return SimpleNamespace(cache=cache, settings=settings, datamodule=datamodule)
@@ -400,15 +417,17 @@ def test_a_check_that_fails_without_its_line_says_what_it_was_checking(tmp_path,
         prepare_recipe_data(datamodule, "my-recipe")
 
 
-def test_a_recipe_with_a_target_adapter_has_its_data_written_by_the_adapted_target(tmp_path, empty_cache, auto_data):
+def test_a_recipe_with_a_target_adapter_has_its_data_written_by_the_adapted_target(
+        tmp_path, empty_cache, auto_data, monkeypatch):
     """model.target_adapter: the recipe's data is generated with the adapter merged, and data generated without it
     (the base model's replies) is refused for it, and the other way round. Before, regenerate.py was given the
     target alone and the data check accepted the base model's replies for a run that set an adapter. The base
-    model's data, on the same settings, is auto_data's."""
+    model's data, on the same settings, is auto_data's; regenerate.py runs in this process (regenerate_here)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "data"))
     from test_regenerate import lora_adapter  # noqa: E402  (tests/data/test_regenerate.py)
 
     adapter = lora_adapter(tmp_path / "adapter", 0)
+    regenerate_here(monkeypatch)
     settings = auto_data.settings
     datamodule = DistillDataModule(target="tiny-random", data_path=AUTO_DATA, regenerate=settings)
     prepare_recipe_data(datamodule, "my-recipe", target_adapter=adapter)

@@ -248,7 +248,10 @@ def test_context_lookup_is_lossless_and_accepts_what_the_drafter_misses(referenc
     assert grafted > drafted + 5, f"lookup accepted {grafted} nodes against the drafter's {drafted}"
 
 
-@pytest.mark.parametrize("static", [False, True], ids=["dynamic-cache", "static-cache"])
+# The dynamic cache (7 s) runs with the slow tests only: the static one verifies the same copy past the block, and
+# takes its rows into the fixed-shape drafter too.
+@pytest.mark.parametrize("static", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["dynamic-cache", "static-cache"])
 def test_a_lookup_longer_than_the_block_is_verified_whole_and_stays_lossless(smollm2, random_drafter, static):
     """The target verifies any depth: a copy from the context may run past the drafter's block, and a round then
     commits more than a block (the static drafter takes those rows in one forward at their own shape)."""

@@ -598,6 +598,9 @@ def test_adaptive_tree_size_is_lossless_and_cuts_the_unlikely_nodes(smollm2, ref
         generate(model, references[0][0], "dflash", random_drafter, 8, 4, sizer=sizer)
 
 
+# Slow only (6 s): test_static_drafter.py's tiny reuse test holds the same reuse over stale slots to greedy decoding,
+# and its pool tests the capacity and the replacement.
+@pytest.mark.slow
 def test_static_runners_outlive_their_generation(smollm2, references, random_drafter):
     """A generation reuses the static target and drafter the one before it used (their graphs captured once), over
     slots that one left stale, and stays lossless; a generation that needs more slots gets larger ones."""

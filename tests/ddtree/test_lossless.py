@@ -138,7 +138,10 @@ def test_rigged_drafter_is_lossless_and_exercises_the_walk(smollm2, references, 
         assert non_first == 0
 
 
-@pytest.mark.parametrize("method,budget,redraft", [("dflash", 0, 1), ("ddtree", 8, 3)])
+# The chain (14 s) runs with the slow tests only: ddtree holds re-drafted paths to greedy decoding here, and the
+# chain behind its re-drafted first token is held by test_tree.py and test_decoding_details.py on tiny drafts.
+@pytest.mark.parametrize("method,budget,redraft", [pytest.param("dflash", 0, 1, marks=pytest.mark.slow),
+                                                   ("ddtree", 8, 3)])
 def test_redrafted_branches_are_lossless_and_carry_the_paths_the_block_misses(smollm2, references, method, budget,
                                                                               redraft):
     """The rigged block misses every token past depth 1; re-drafted behind the true depth-1 token it drafts the

@@ -215,7 +215,9 @@ def test_redraft_behind_more_tokens_than_the_budget_holds_re_drafts_behind_the_b
     assert result.new_tokens == hf_greedy(model, prompt, 6) and counts and set(counts) == {4}
 
 
-@pytest.mark.parametrize("method,budget", [("dflash", 0), ("ddtree", 8)])
+# The chain (10 s) runs with the slow tests only: ddtree is held here, and the chain's online calibration by
+# test_replay.py (decoding learns what the replay learns) and test_decoding_details.py (its warmed expectation).
+@pytest.mark.parametrize("method,budget", [pytest.param("dflash", 0, marks=pytest.mark.slow), ("ddtree", 8)])
 def test_online_calibration_learns_a_temperature_and_stays_lossless(smollm2, references, method, budget):
     """The rigged drafter is sure of a wrong token every 7th position: online calibration warms it, and
     the warmer trees of the later prompts still commit exactly the greedy tokens."""

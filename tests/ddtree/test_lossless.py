@@ -287,8 +287,8 @@ def test_lookup_follows_the_drafters_default_and_a_given_length_overrides_it(tin
     model, tokenizer = tiny_target
     prompt = [5, 6, 7, 8, 9, 5, 6, 7]  # a tiny random target soon repeats itself, which the lookup drafts
 
-    def decode(runner, method="ddtree", **kwargs):
-        result = generate(model, prompt, method, runner, 16, 40, (), **kwargs)
+    def decode(runner, method="ddtree", **kwargs):  # 16 tokens: the graft takes 11 nodes of them, as 32 of 40
+        result = generate(model, prompt, method, runner, 16, 16, (), **kwargs)
         return result.new_tokens, [(r.tree_size, r.accepted_depth) for r in result.rounds]
 
     drafter = load_drafter("random", model, tokenizer, "tiny-random")

@@ -2326,8 +2326,9 @@ def test_lookup_grafts_into_the_trees_and_commits_the_same_tokens():
     _, tokenizer = load_target("tiny-random")
     results = {}
     for lookup in (0, 4):
+        # packed weights off: the two decodings compare lookups, and auto would time the packing for each (~0.6 s)
         evaluation = AcceptanceEvaluation(prompts=PROMPTS, budgets=[8], primary_budget=8, max_new_tokens=24, limit=2,
-                                          lookup=lookup)
+                                          lookup=lookup, packed_weights="off")
         prompts = evaluation.load_prompts(tokenizer)
         results[lookup] = evaluation.measure(module.target, module.drafter, prompts, stop_token_ids(module.target, tokenizer))
     tokens = {lookup: [row["methods"]["ddtree@8"]["new_tokens"] for row in result["prompts"]]
@@ -2361,8 +2362,9 @@ def test_redraft_decodes_the_same_tokens_and_re_drafts_every_round():
     results = {}
     for redraft in (0, 3):
         # 12 tokens a prompt: 11 drafted rounds each, whose re-drafts a redraft left off or run once show as 23 did
+        # (packed weights off: auto would time the packing for each evaluation, ~0.6 s, and redraft is what differs)
         evaluation = Counting(prompts=PROMPTS, budgets=[8], primary_budget=8, max_new_tokens=12, limit=2,
-                              redraft=redraft)
+                              redraft=redraft, packed_weights="off")
         evaluation.redrafted = []
         prompts = evaluation.load_prompts(tokenizer)
         results[redraft] = evaluation.measure(module.target, module.drafter, prompts, stop_token_ids(module.target, tokenizer))
@@ -2387,8 +2389,9 @@ def test_model_corpus_grafts_the_training_replies_as_the_export_decodes_them():
     module = tiny_module(corpus=True)
     module.configure_model()
     _, tokenizer = load_target("tiny-random")
+    # packed weights off: the corpus is what the two decodings compare, and auto would time the packing (~0.6 s)
     evaluation = AcceptanceEvaluation(prompts=PROMPTS, budgets=[8], primary_budget=8, max_new_tokens=24, limit=2,
-                                      lookup=0)
+                                      lookup=0, packed_weights="off")
     prompts = evaluation.load_prompts(tokenizer)
     stop_ids = stop_token_ids(module.target, tokenizer)
     plain = evaluation.measure(module.target, module.drafter, prompts, stop_ids)

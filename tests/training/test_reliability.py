@@ -1869,7 +1869,7 @@ def test_a_second_sigterm_during_the_first_ones_clean_up_does_not_cut_it_short(t
     assert list(tmp_path.iterdir()) == []  # neither the folder nor its staging (.written-xxxxxxxx)
 
 
-# slow (~16 s, a process of its own on a 2-core AVX2 EPYC): test_sigterm_while_a_rank_waits_in_the_evaluations_gather_...
+# slow (~16 s, a process of its own on a 2-core AVX2 EPYC): test_sigterm_while_a_rank_waits_in_the_evaluations_...
 # sends its SIGTERM to the group of a two-rank run with two DataLoader workers on each rank, and checks the same
 @pytest.mark.slow
 def test_a_sigterm_to_the_process_group_with_dataloader_workers_stops_at_the_step_and_saves_it(tmp_path):

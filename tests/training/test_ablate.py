@@ -38,9 +38,11 @@ pytestmark = pytest.mark.usefixtures("undrawn_plots")  # ablate-*.png drawn only
 
 
 def test_two_variants_of_the_tiny_recipe_are_trained_measured_and_compared(tmp_path, capsys, drawn_plots):
-    data = toy_data.write_conversations(tmp_path / "conversations.jsonl", 24, 30, 60)
+    # 12 conversations: 10 train sequences, 5 batches an epoch; --steps 6 trains past one epoch (a step budget past
+    # the first epoch once stopped at Lightning's val_check_interval check), at half the steps 24 and 12 took
+    data = toy_data.write_conversations(tmp_path / "conversations.jsonl", 12, 30, 60)
     status = main([
-        "--recipe", "tiny", "--steps", "12", "--eval-limit", "1", "--eval-max-new-tokens", "4",  # 12: past one epoch
+        "--recipe", "tiny", "--steps", "6", "--eval-limit", "1", "--eval-max-new-tokens", "4",
         "--output-root", str(tmp_path / "out"), "--variant", "plain=", "--variant",
         "frontier=--model.objective=frontier --model.redraft_prob=0.5",
         f"--data.data_path={data}", f"--data.cache_dir={tmp_path / 'cache'}", "--data.batch_size=2",
@@ -56,7 +58,7 @@ def test_two_variants_of_the_tiny_recipe_are_trained_measured_and_compared(tmp_p
     results = json.loads(next((tmp_path / "out" / "tiny").glob("ablate-*.json")).read_text())
     assert [r["variant"] for r in results] == ["plain", "frontier"]
     for r in results:
-        assert r["step"] == 12 and r["val_loss"] is not None and len(r["recall"]) == 7  # block 8: depths 1..7
+        assert r["step"] == 6 and r["val_loss"] is not None and len(r["recall"]) == 7  # block 8: depths 1..7
         assert set(r["tau"]) == {"4", "8", "16"} and all(tau >= 1 for tau in r["tau"].values())
         assert r["data"]["train_sequences"] == r["data"]["train_split_sequences"] > 0  # online features: all of it
     runs = {p.name.rsplit("-", 1)[1]: p for p in (tmp_path / "out" / "tiny").iterdir() if p.is_dir()}

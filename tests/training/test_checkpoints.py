@@ -889,8 +889,8 @@ def test_make_eval_out_is_no_file_the_run_or_the_recipe_reads(saved, tmp_path, c
     ("float32", torch.bfloat16, "float32"),  # the checkpoint's model.target_dtype, as training ran the target
     ("bfloat16", torch.float32, "bfloat16"),
 ])
-def test_make_eval_of_a_loose_checkpoint_writes_beside_it(saved, tmp_path, capsys, monkeypatch, target_dtype, fast,
-                                                         measured):
+def test_make_eval_of_a_loose_checkpoint_writes_beside_it(saved, short_tiny, tmp_path, capsys, monkeypatch,
+                                                         target_dtype, fast, measured):
     """With no run's config.yaml it reads the recipe, whose precision `auto` is resolved as training resolves it
     (stubbed here, bf16 being what the AVX2 CPU would not pick): it was read as fp32 on every machine before. The
     checkpoint's model.target_dtype still decides the target's dtype: ignoring it, an fp32-trained run was measured
@@ -937,8 +937,8 @@ def test_make_eval_shows_a_tau_no_round_measured_as_a_dash(saved, tmp_path, caps
     assert "nan" not in table
 
 
-def test_make_evals_row_prints_tau_logged_expected_and_rounds_each_under_its_heading(saved, tmp_path, capsys,
-                                                                                      monkeypatch):
+def test_make_evals_row_prints_tau_logged_expected_and_rounds_each_under_its_heading(saved, short_tiny, tmp_path,
+                                                                                      capsys, monkeypatch):
     """A random drafter measures an expected tau next to its tau (1.001 to 1.000): the "expected" column printing the
     tau passed every test, and so did "rounds" printing the tokens, while results.json held the right figures."""
     path, _ = saved
@@ -955,7 +955,7 @@ def test_make_evals_row_prints_tau_logged_expected_and_rounds_each_under_its_hea
     assert row.split() == ["dflash", "2.500", "1.500", "3.125", "12", "0:2", "2:10"]
 
 
-def test_make_evals_logged_column_shows_each_budgets_own_logged_tau(saved, tmp_path, capsys, monkeypatch):
+def test_make_evals_logged_column_shows_each_budgets_own_logged_tau(saved, short_tiny, tmp_path, capsys, monkeypatch):
     """Each ddtree@N row is compared with the tau training logged at that budget: one read at another budget (or the
     chain's) puts a figure beside it that measures another tree, and reads as a gain or a loss that never happened."""
     path, _ = saved
@@ -1003,9 +1003,29 @@ def test_make_eval_of_an_abandoned_branchs_checkpoint_reads_its_run_and_writes_b
     assert sorted(p.relative_to(run).as_posix() for p in run.rglob("*.json")) == [written.relative_to(run).as_posix()]
 
 
-# How the tiny recipe's evaluation measures with --limit 1 (AcceptanceEvaluation.measurement()): `make eval --limit 1`
-# of a checkpoint that recorded it compares like for like
-TINY_LIMIT_1 = {"prompts": "data/eval_prompts.jsonl", "limit": 1, "max_new_tokens": 16, "lookup": None, "redraft": None}
+# How the `short_tiny` recipe's evaluation measures with --limit 1 (AcceptanceEvaluation.measurement()): `make eval
+# --limit 1` of a checkpoint that recorded it compares like for like
+TINY_LIMIT_1 = {"prompts": "data/eval_prompts.jsonl", "limit": 1, "max_new_tokens": 4, "lookup": None, "redraft": None}
+
+
+@pytest.fixture(scope="module")
+def short_tiny_recipe(tmp_path_factory) -> Path:
+    """The tiny recipe with its evaluation at the primary budget alone, 4 tokens (TINY_LIMIT_1's)."""
+    config = yaml.safe_load(training.evaluate.recipe_path("tiny").read_text())
+    config["eval"].update(budgets=[config["eval"]["primary_budget"]], max_new_tokens=TINY_LIMIT_1["max_new_tokens"])
+    path = tmp_path_factory.mktemp("recipes") / "tiny.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.fixture
+def short_tiny(short_tiny_recipe, monkeypatch):
+    """`--recipe tiny` reads short_tiny_recipe: the make eval tests that take it check what is printed, written and
+    compared with the logged tau, not what the recipe's 3 budgets of 16 tokens measure (those were ~1.3 s of each
+    evaluation on a 2-core AVX2 EPYC)."""
+    recipe_path = training.evaluate.recipe_path
+    monkeypatch.setattr(training.evaluate, "recipe_path",
+                        lambda name: short_tiny_recipe if name == "tiny" else recipe_path(name))
 
 
 def loose_copy(path: Path, folder: Path, measurement: dict | None = None, summary: dict | None = None) -> Path:
@@ -1035,10 +1055,10 @@ def test_make_eval_refuses_a_recipe_for_another_target_than_the_loose_checkpoint
     assert not (tmp_path / "loose" / "eval").exists()
 
 
-@pytest.mark.parametrize("max_new_tokens, dtype, prompts", [
-    (16, None, None), (8, None, None), (16, "float16", None), (16, None, "the same"), (16, None, "others"),
+@pytest.mark.parametrize("max_new_tokens, dtype, prompts", [  # 4: short_tiny's
+    (4, None, None), (8, None, None), (4, "float16", None), (4, None, "the same"), (4, None, "others"),
 ])
-def test_make_eval_shows_the_logged_tau_only_where_training_measured_the_same_way(saved, tmp_path, capsys,
+def test_make_eval_shows_the_logged_tau_only_where_training_measured_the_same_way(saved, short_tiny, tmp_path, capsys,
                                                                                    max_new_tokens, dtype, prompts):
     """A tau logged with other prompts, limit, max_new_tokens, lookup, redraft or target dtype measures something
     else: it was printed and stored as "logged" beside the new one all the same, and so was one measured on other
@@ -1059,18 +1079,19 @@ def test_make_eval_shows_the_logged_tau_only_where_training_measured_the_same_wa
     written = json.loads((tmp_path / "loose" / "eval" / "checkpoint-x-limit1.json").read_text())
     stored, now = written["logged"], written["settings"]["dtype"]
     assert written["settings"]["prompts_sha256"] == first  # what it measured on, as `ddtree bench` records it
-    if max_new_tokens == 16 and dtype is None and prompts != "others":  # the recipe's: the same measurement
+    if max_new_tokens == 4 and dtype is None and prompts != "others":  # the recipe's: the same measurement
         assert row.split()[2] == "1.500" and stored["val/tau_dflash"] == 1.5
     else:
         assert row.split()[2] == "-" and stored is None
-        changed = ("eval.max_new_tokens 8 -> 16" if max_new_tokens == 8 else f"the target's dtype float16 -> {now}"
+        changed = ("eval.max_new_tokens 8 -> 4" if max_new_tokens == 8 else f"the target's dtype float16 -> {now}"
                    if dtype else f"the contents of eval.prompts data/eval_prompts.jsonl: prompts_sha256 000000000000... "
                    f"-> {first[:12]}...")
         assert f"[eval] training measured step 7 otherwise ({changed}): no logged tau to compare with" in printed.err
     assert f"target tiny-random in {now}" in printed.out  # the dtype it ran in, recorded as training records it
 
 
-def test_make_eval_shows_no_logged_tau_where_training_did_not_record_how_it_measured(saved, tmp_path, capsys):
+def test_make_eval_shows_no_logged_tau_where_training_did_not_record_how_it_measured(saved, short_tiny, tmp_path,
+                                                                                     capsys):
     """A checkpoint whose evaluation state holds no measurement (written before training recorded it) does not say
     which prompts, limit or max_new_tokens its logged tau was measured with: shown beside the new one all the same,
     the two read as a like-for-like comparison (mutation review 15, E02)."""
@@ -1084,7 +1105,7 @@ def test_make_eval_shows_no_logged_tau_where_training_did_not_record_how_it_meas
     assert "[eval] training did not record how it measured step 7: no logged tau to compare with" in printed.err
 
 
-def test_make_eval_of_a_step_training_did_not_evaluate_shows_no_logged_tau(saved, tmp_path, capsys):
+def test_make_eval_of_a_step_training_did_not_evaluate_shows_no_logged_tau(saved, short_tiny, tmp_path, capsys):
     """A checkpoint of a step training did not evaluate (a requeue's hpc_ckpt, a stop off the evaluation grid) holds
     earlier steps' rows and how they were measured, but no row of its own step: nothing to compare with, and read as
     one, a TypeError traceback after every prompt was decoded (mutation review 15, E03)."""
@@ -1100,7 +1121,7 @@ def test_make_eval_of_a_step_training_did_not_evaluate_shows_no_logged_tau(saved
     assert json.loads((tmp_path / "loose" / "eval" / "checkpoint-x-limit1.json").read_text())["logged"] is None
 
 
-def test_make_eval_of_a_corpus_run_away_from_its_corpus_shows_no_logged_tau(saved, tmp_path, capsys):
+def test_make_eval_of_a_corpus_run_away_from_its_corpus_shows_no_logged_tau(saved, short_tiny, tmp_path, capsys):
     """A model.corpus checkpoint with no corpus.safetensors of its run beside it is decoded without the training
     replies grafted into its trees, which training's evaluation grafted: its logged tau, shown beside the new one,
     measured another decoding (mutation review 15, E16)."""
@@ -1118,7 +1139,7 @@ def test_make_eval_of_a_corpus_run_away_from_its_corpus_shows_no_logged_tau(save
     assert row.split()[2] == "-" and written["logged"] is None and written["settings"]["corpus"] is False
 
 
-def test_make_eval_marks_a_target_adapter_retrained_since_as_not_comparable(saved, tmp_path, capsys):
+def test_make_eval_marks_a_target_adapter_retrained_since_as_not_comparable(saved, short_tiny, tmp_path, capsys):
     """The checkpoint records the sha256 of its target adapter's files: measured against the adapter retrained in
     place since, the logged tau (training's, against the adapter as it was) was printed beside the new one."""
     from peft import LoraConfig, get_peft_model
@@ -1239,8 +1260,8 @@ def test_make_eval_out_outside_the_checkpoints_run_is_the_users_file(saved, tmp_
         training.evaluate.check_out_is_no_input(run / "config.yaml", run, {})
 
 
-def test_make_eval_of_a_target_adapter_not_found_from_here_says_so_and_where_to_run(saved, tmp_path, monkeypatch,
-                                                                                     capsys):
+def test_make_eval_of_a_target_adapter_not_found_from_here_says_so_and_where_to_run(saved, short_tiny, tmp_path,
+                                                                                     monkeypatch, capsys):
     """The checkpoint keeps model.target_adapter as its launch gave it, relative to the folder training ran in: make
     eval from another folder said the adapter's files "have changed since (retrained?)", and then failed on a
     model.target_adapter the user had not given."""

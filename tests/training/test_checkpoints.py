@@ -890,7 +890,7 @@ def test_make_eval_out_is_no_file_the_run_or_the_recipe_reads(saved, tmp_path, c
     ("bfloat16", torch.float32, "bfloat16"),
 ])
 def test_make_eval_of_a_loose_checkpoint_writes_beside_it(saved, short_tiny, tmp_path, capsys, monkeypatch,
-                                                         target_dtype, fast, measured):
+                                                          target_dtype, fast, measured):
     """With no run's config.yaml it reads the recipe, whose precision `auto` is resolved as training resolves it
     (stubbed here, bf16 being what the AVX2 CPU would not pick): it was read as fp32 on every machine before. The
     checkpoint's model.target_dtype still decides the target's dtype: ignoring it, an fp32-trained run was measured
@@ -938,7 +938,7 @@ def test_make_eval_shows_a_tau_no_round_measured_as_a_dash(saved, tmp_path, caps
 
 
 def test_make_evals_row_prints_tau_logged_expected_and_rounds_each_under_its_heading(saved, short_tiny, tmp_path,
-                                                                                      capsys, monkeypatch):
+                                                                                     capsys, monkeypatch):
     """A random drafter measures an expected tau next to its tau (1.001 to 1.000): the "expected" column printing the
     tau passed every test, and so did "rounds" printing the tokens, while results.json held the right figures."""
     path, _ = saved
@@ -1261,7 +1261,7 @@ def test_make_eval_out_outside_the_checkpoints_run_is_the_users_file(saved, tmp_
 
 
 def test_make_eval_of_a_target_adapter_not_found_from_here_says_so_and_where_to_run(saved, short_tiny, tmp_path,
-                                                                                     monkeypatch, capsys):
+                                                                                    monkeypatch, capsys):
     """The checkpoint keeps model.target_adapter as its launch gave it, relative to the folder training ran in: make
     eval from another folder said the adapter's files "have changed since (retrained?)", and then failed on a
     model.target_adapter the user had not given."""

@@ -43,7 +43,7 @@ from training.features import main
 from training.masks import IGNORE_INDEX
 from training.module import DistillModule
 from training.target import dtype_for_precision, load_frozen_target, target_layer_features
-from test_module import forward_log_probs, transformed_target_folder  # tests/training is on the path, as for toy_data
+from test_module import transformed_target_folder  # tests/training is on the path, as for toy_data
 from training.train import main as train_main
 
 LAYER_IDS = [1, 3, 4]
@@ -230,10 +230,13 @@ def test_a_top_k_store_of_a_target_that_transforms_its_logits_holds_its_forwards
     store = FeatureStore(out)
     assert store.teacher_logits == transform
     data, _, _ = dm.load_tokenized()
+    # test_module's forward_log_probs, from a target loaded once: it loads the target per call, half of this test
+    target, _ = load_target(str(folder), torch.float32)
     for i in range(len(data)):
         needed = torch.cat([data[i]["loss_mask"][1:], torch.zeros(1, dtype=torch.bool)])
         ids, stored = (t[needed] for t in store.teacher(i))
-        true = forward_log_probs(folder, data[i]["input_ids"][None])[0][needed]  # (rows, V)
+        with torch.no_grad():
+            true = target(data[i]["input_ids"][None]).logits.float().log_softmax(-1)[0][needed]  # (rows, V)
         torch.testing.assert_close(stored, true.gather(1, ids), rtol=0, atol=1e-5)
         assert torch.equal(ids.sort(dim=1).values, true.topk(5, dim=1).indices.sort(dim=1).values)
     module = tiny_module(target=str(folder), target_layer_ids=[0, 1], distill_weight=0.5, distill_top_k=5)

@@ -179,7 +179,9 @@ def test_every_method_is_warmed_up_at_full_depth_before_anything_is_timed(tiny_t
     target, _ = tiny_target
     drafter = CountingDrafter(target.config.vocab_size)
     prompts = [{"id": "a", "prompt_ids": [5, 6, 7, 8]}, {"id": "b", "prompt_ids": [9, 10, 11]}]
-    run_benchmark(target, drafter, prompts, [CHAIN, "ddtree"], [4], max_new_tokens=40, stop_ids=[], progress=False)
+    # 17 tokens: the prefill commits the root, so the first round drafts max_new_tokens - 2, a full block (15) at 17
+    # and under it at a 4-token warm-up's (40 decoded 2.4x the rounds: about 3 s more on a 2-core AVX2 EPYC)
+    run_benchmark(target, drafter, prompts, [CHAIN, "ddtree"], [4], max_new_tokens=17, stop_ids=[], progress=False)
     # two untimed runs (chain, tree) on the longest prompt, then the timed runs: 2 prompts x 2 methods
     assert len(drafter.generations) == 2 + 4
     full_depth = drafter.block_size - 1

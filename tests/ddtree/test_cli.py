@@ -1810,8 +1810,7 @@ def test_calibrate_writes_the_folders_calibration_which_bench_uses_unless_told_n
     # calibrate's verify cost is stubbed (sized_rows): what it learns is checked here, not the figures it sized with
     torch.manual_seed(0)  # the weights replaced below are drawn after seed 1: a run whose RNG stood there failed
     folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
-    common = ["--target", TARGET, "--drafter", str(folder), "--prompts", str(prompts_file), "--dtype", "float32",
-              "--max-new-tokens", "16"]
+    common = ["--target", TARGET, "--drafter", str(folder), "--prompts", str(prompts_file), "--dtype", "float32"]
     learners = []
 
     class Kept(OnlineCalibration):  # calibrate's learner, kept to compare what was written with what it learned
@@ -1820,7 +1819,7 @@ def test_calibrate_writes_the_folders_calibration_which_bench_uses_unless_told_n
             learners.append(self)
 
     monkeypatch.setattr(ddtree.cli, "OnlineCalibration", Kept)
-    code, stdout, _ = run_cli(capsys, "calibrate", *common, "--budgets", "8")
+    code, stdout, _ = run_cli(capsys, "calibrate", *common, "--max-new-tokens", "16", "--budgets", "8")
     assert code == 0 and f"calibration written to {folder / CALIBRATION_FILE}" in stdout
     written = json.loads((folder / CALIBRATION_FILE).read_text())
     assert set(written["temperatures"]) == {"8", "chain"} and written["num_prompts"] == 2
@@ -1834,9 +1833,11 @@ def test_calibrate_writes_the_folders_calibration_which_bench_uses_unless_told_n
 
     def bench(*extra, methods="ar,dflash,ddtree"):
         # packing pinned: on a loaded machine one run's probe could pack and the other's not (the target's packed sums
-        # differ at 1e-12: the expected taus compared below did)
+        # differ at 1e-12: the expected taus compared below did); 8 tokens, half calibrate's: the figures read are
+        # the taus the calibration shapes, not what it learned from
         out = tmp_path / "results.json"
-        assert run_cli(capsys, "bench", *common, "--methods", methods, "--budgets", "8", "--out", str(out),
+        assert run_cli(capsys, "bench", *common, "--max-new-tokens", "8", "--methods", methods, "--budgets", "8",
+                       "--out", str(out),
                        "--overwrite", "--packed-weights", "off", *extra)[0] == 0
         return json.loads(out.read_text())
 
@@ -1854,7 +1855,7 @@ def test_calibrate_writes_the_folders_calibration_which_bench_uses_unless_told_n
     assert given["summary"]["ddtree@8"]["expected_tau"] == shipped["summary"]["ddtree@8"]["expected_tau"]
     assert (folder / CALIBRATION_FILE).read_text() == json.dumps(written, indent=1)  # decoding never writes it
     # Learned without a context lookup: decoding with one prices the grafted nodes by a table it never filled
-    quick = [*common[:-1], "4", "--methods", "ddtree", "--budgets", "8"]
+    quick = [*common, "--max-new-tokens", "4", "--methods", "ddtree", "--budgets", "8"]
     assert "learned decoding with other settings" not in run_cli(capsys, "bench", *quick)[2]
     code, _, err = run_cli(capsys, "bench", *quick, "--lookup", "7")
     assert code == 0 and "[calibration] note: learned decoding with other settings (lookup 0 here 7)" in err

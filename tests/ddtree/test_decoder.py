@@ -353,17 +353,18 @@ def test_the_docs_example_runs(tiny_target, drafter_folder, monkeypatch):
 
 
 def test_online_calibration_goes_on_learning_across_prompts(tiny_target, drafter_folder):
-    """`ddtree generate --online-calibration` learns within one reply; a Decoder keeps its learner for the next."""
+    """`ddtree generate --online-calibration` learns within one reply; a Decoder keeps its learner for the next.
+    12-token replies: each prompt's rounds teach the learner something, which is all that is compared."""
     decoder = Decoder(TARGET, drafter_folder, **SETTINGS, quiet=True)
-    first = decoder.generate(PROMPT, max_new_tokens=24, online_calibration=True)
+    first = decoder.generate(PROMPT, max_new_tokens=12, online_calibration=True)
     learned = dict(decoder._online.log_temperatures)
     assert learned  # it learned from the first reply's rounds
-    second = decoder.generate("def square(x):", chat=False, max_new_tokens=24, online_calibration=True)
+    second = decoder.generate("def square(x):", chat=False, max_new_tokens=12, online_calibration=True)
     alone = Decoder(TARGET, drafter_folder, **SETTINGS, quiet=True)  # the second prompt alone, from a fresh start
-    alone.generate("def square(x):", chat=False, max_new_tokens=24, online_calibration=True)
+    alone.generate("def square(x):", chat=False, max_new_tokens=12, online_calibration=True)
     assert decoder._online.log_temperatures not in (learned, alone._online.log_temperatures)  # went on from there
-    assert first.token_ids == decoder.generate(PROMPT, method="ar", max_new_tokens=24).token_ids
-    assert second.token_ids == decoder.generate("def square(x):", chat=False, method="ar", max_new_tokens=24).token_ids
+    assert first.token_ids == decoder.generate(PROMPT, method="ar", max_new_tokens=12).token_ids
+    assert second.token_ids == decoder.generate("def square(x):", chat=False, method="ar", max_new_tokens=12).token_ids
 
 
 def test_a_calibrations_copy_learns_apart_from_the_one_it_copies():

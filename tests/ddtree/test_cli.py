@@ -1870,11 +1870,13 @@ def test_calibrate_writes_the_folders_calibration_which_bench_uses_unless_told_n
 
 def redrafting_drafter(tmp_path, tiny_target, prompts_file) -> tuple[Path, list[str], list[str]]:
     """A tiny drafter folder that re-drafts by default (redraft 4, as model.redraft_prob's drafters ship), the flags
-    every command decodes it with, and a calibrate command over it."""
+    every command decodes it with, and a calibrate command over it. Weight packing off: no test of it reads packing,
+    whose probe at start (about 0.1 s a command on a 2-core AVX2 EPYC) the auto default would time in every command."""
     folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
     config = json.loads((folder / "config.json").read_text())
     edit_config(folder, dflash_config={**config["dflash_config"], "redraft": 4})
-    common = ["--target", TARGET, "--drafter", str(folder), "--dtype", "float32", "--device", "cpu"]
+    common = ["--target", TARGET, "--drafter", str(folder), "--dtype", "float32", "--device", "cpu",
+              "--packed-weights", "off"]
     calibrate = ["calibrate", *common, "--prompts", str(prompts_file), "--budgets", "8", "--max-new-tokens", "8",
                  "--overwrite"]
     return folder, common, calibrate
@@ -1972,7 +1974,7 @@ def test_calibrate_says_in_an_exports_card_that_its_figures_were_measured_withou
             "## Training recipe", "", "| setting | value |", "", f"{REPO_MARK}none -->", ""]
     (folder / "README.md").write_text("\n".join(card))
     calibrate = ["calibrate", "--target", TARGET, "--drafter", str(folder), "--prompts", str(prompts_file),
-                 "--dtype", "float32", "--budgets", "8", "--max-new-tokens", "8"]
+                 "--dtype", "float32", "--budgets", "8", "--max-new-tokens", "8", "--packed-weights", "off"]
     code, stdout, _ = run_cli(capsys, *calibrate)
     assert code == 0 and f"the folder's card ({folder / 'README.md'}) now says its figures were measured" in stdout
     lines = (folder / "README.md").read_text().splitlines()
@@ -2038,7 +2040,9 @@ def test_a_calibration_learned_at_another_sampling_or_dtype_is_noted_with_the_fl
     records the sampling, target and dtype, and decoding with others is noted as other lookups are. Sampled calibration
     is kept (it prices a server that samples); the replayed calibration of a drafter's config is greedy decoding's."""
     folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
-    common = ["--target", TARGET, "--drafter", str(folder), "--dtype", "float32", "--adaptive-size", "off"]
+    # packing off: its probe (about 0.1 s a command on a 2-core AVX2 EPYC) is nothing the file or the note records
+    common = ["--target", TARGET, "--drafter", str(folder), "--dtype", "float32", "--adaptive-size", "off",
+              "--packed-weights", "off"]
     # one prompt a calibration (--limit 1): what is checked is what the file records, not what was learned
     calibrate = ["calibrate", *common, "--prompts", str(prompts_file), "--limit", "1", "--budgets", "8",
                  "--max-new-tokens", "8", "--lookup", "0", "--overwrite"]

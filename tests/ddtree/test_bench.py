@@ -206,8 +206,10 @@ def test_the_warm_up_decodes_as_the_timed_runs_do_and_each_budget_sizes_with_its
     monkeypatch.setattr(ddtree.bench, "generate", spy)
     sizer = TreeSizer(fixed_ms=10.0, row_ms=1.0)
     prompts = [{"id": "a", "prompt_ids": [5, 6, 7, 8]}, {"id": "b", "prompt_ids": [9, 10, 11]}]
+    # 8 tokens: a few rounds a run, enough for a warm-up that taught the timed sizers to show (24 took 2.3 s more on a
+    # 2-core AVX2 EPYC)
     run_benchmark(target, CountingDrafter(target.config.vocab_size), prompts, [CHAIN, "ddtree"], [4, 8],
-                  max_new_tokens=24, stop_ids=[], progress=False, lookup=2, sizer=sizer, corpus=False)
+                  max_new_tokens=8, stop_ids=[], progress=False, lookup=2, sizer=sizer, corpus=False)
     warm, timed = calls[:3], calls[3:]
     assert [c["method"] for c in warm] == [CHAIN, "ddtree", "ddtree"] and len(timed) == 6
     for warm_call, timed_call in zip(warm, timed):  # the same options, prompt after prompt

@@ -1812,7 +1812,10 @@ def test_calibrate_writes_the_folders_calibration_which_bench_uses_unless_told_n
     # calibrate's verify cost is stubbed (sized_rows): what it learns is checked here, not the figures it sized with
     torch.manual_seed(0)  # the weights replaced below are drawn after seed 1: a run whose RNG stood there failed
     folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
-    common = ["--target", TARGET, "--drafter", str(folder), "--prompts", str(prompts_file), "--dtype", "float32"]
+    # packing pinned off in every command: on a loaded machine one bench's probe could pack and another's not (the
+    # target's packed sums differ at 1e-12: the expected taus compared below did), and nothing here reads it
+    common = ["--target", TARGET, "--drafter", str(folder), "--prompts", str(prompts_file), "--dtype", "float32",
+              "--packed-weights", "off"]
     learners = []
 
     class Kept(OnlineCalibration):  # calibrate's learner, kept to compare what was written with what it learned
@@ -1834,13 +1837,10 @@ def test_calibrate_writes_the_folders_calibration_which_bench_uses_unless_told_n
     assert learned.frozen and learned.temperature(16) == learned.temperature(8)  # another budget: the nearest one's
 
     def bench(*extra, methods="ar,dflash,ddtree"):
-        # packing pinned: on a loaded machine one run's probe could pack and the other's not (the target's packed sums
-        # differ at 1e-12: the expected taus compared below did); 8 tokens, half calibrate's: the figures read are
-        # the taus the calibration shapes, not what it learned from
+        # 8 tokens, half calibrate's: the figures read are the taus the calibration shapes, not what it learned from
         out = tmp_path / "results.json"
         assert run_cli(capsys, "bench", *common, "--max-new-tokens", "8", "--methods", methods, "--budgets", "8",
-                       "--out", str(out),
-                       "--overwrite", "--packed-weights", "off", *extra)[0] == 0
+                       "--out", str(out), "--overwrite", *extra)[0] == 0
         return json.loads(out.read_text())
 
     shipped, none = bench(), bench("--calibration", "none")

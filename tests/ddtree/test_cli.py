@@ -1879,7 +1879,8 @@ def redrafting_drafter(tmp_path, tiny_target, prompts_file) -> tuple[Path, list[
     edit_config(folder, dflash_config={**config["dflash_config"], "redraft": 4})
     common = ["--target", TARGET, "--drafter", str(folder), "--dtype", "float32", "--device", "cpu",
               "--packed-weights", "off"]
-    calibrate = ["calibrate", *common, "--prompts", str(prompts_file), "--budgets", "8", "--max-new-tokens", "8",
+    # 4 tokens a prompt: its callers read what a calibration file records it was decoded with, not what it learned
+    calibrate = ["calibrate", *common, "--prompts", str(prompts_file), "--budgets", "8", "--max-new-tokens", "4",
                  "--overwrite"]
     return folder, common, calibrate
 
@@ -2045,9 +2046,9 @@ def test_a_calibration_learned_at_another_sampling_or_dtype_is_noted_with_the_fl
     # packing off: its probe (about 0.1 s a command on a 2-core AVX2 EPYC) is nothing the file or the note records
     common = ["--target", TARGET, "--drafter", str(folder), "--dtype", "float32", "--adaptive-size", "off",
               "--packed-weights", "off"]
-    # one prompt a calibration (--limit 1): what is checked is what the file records, not what was learned
+    # one prompt of 4 tokens a calibration: what is checked is what the file records, not what was learned
     calibrate = ["calibrate", *common, "--prompts", str(prompts_file), "--limit", "1", "--budgets", "8",
-                 "--max-new-tokens", "8", "--lookup", "0", "--overwrite"]
+                 "--max-new-tokens", "4", "--lookup", "0", "--overwrite"]
     generate = ["generate", *common, "--prompt", "Hi", "--budget", "8", "--max-new-tokens", "4", "--lookup", "0"]
 
     def note(*command) -> tuple[str, list[str]] | None:

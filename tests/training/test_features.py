@@ -43,14 +43,11 @@ from training.features import main
 from training.masks import IGNORE_INDEX
 from training.module import DistillModule
 from training.target import dtype_for_precision, load_frozen_target, target_layer_features
-from test_module import transformed_target_folder  # tests/training is on the path, as for toy_data
+from test_module import forward_log_probs, fp32_target, transformed_target_folder  # tests/training: on the path
 from training.train import main as train_main
 
 LAYER_IDS = [1, 3, 4]
 HIDDEN = 64  # the tiny target's hidden size
-# A launch whose evaluation is not under test: the primary budget alone (it ranks the checkpoints), replies of 4
-# tokens (the recipe's 3 budgets of 16 tokens were a quarter of a tiny launch on a 2-core AVX2 EPYC)
-SMALL_EVAL = ["--eval.budgets=[8]", "--eval.max_new_tokens=4"]
 
 
 def write_conversations(path, count=12, seed=0):
@@ -230,13 +227,11 @@ def test_a_top_k_store_of_a_target_that_transforms_its_logits_holds_its_forwards
     store = FeatureStore(out)
     assert store.teacher_logits == transform
     data, _, _ = dm.load_tokenized()
-    # test_module's forward_log_probs, from a target loaded once: it loads the target per call, half of this test
-    target, _ = load_target(str(folder), torch.float32)
+    target = fp32_target(folder)  # once, not per sequence (it was half of this test)
     for i in range(len(data)):
         needed = torch.cat([data[i]["loss_mask"][1:], torch.zeros(1, dtype=torch.bool)])
         ids, stored = (t[needed] for t in store.teacher(i))
-        with torch.no_grad():
-            true = target(data[i]["input_ids"][None]).logits.float().log_softmax(-1)[0][needed]  # (rows, V)
+        true = forward_log_probs(target, data[i]["input_ids"][None])[0][needed]  # (rows, V)
         torch.testing.assert_close(stored, true.gather(1, ids), rtol=0, atol=1e-5)
         assert torch.equal(ids.sort(dim=1).values, true.topk(5, dim=1).indices.sort(dim=1).values)
     module = tiny_module(target=str(folder), target_layer_ids=[0, 1], distill_weight=0.5, distill_top_k=5)
@@ -1685,7 +1680,7 @@ def test_train_builds_a_missing_store_in_a_single_process_and_refuses_in_many(tm
         "--recipe", "tiny", "--output-root", str(tmp_path / "out"), f"--data.data_path={data}",
         f"--data.cache_dir={tmp_path / 'cache'}", f"--data.feature_store={store}", "--data.batch_size=2",
         "--trainer.val_check_interval=null", "--eval.every_n_train_steps=2", "--eval.limit=1",
-        *SMALL_EVAL, "--trainer.max_steps=2", "--trainer.enable_progress_bar=false",
+        *toy_data.SMALL_EVAL, "--trainer.max_steps=2", "--trainer.enable_progress_bar=false",
     ]
     assert train_main([*common, "--trainer.devices=2", "--trainer.strategy=ddp", "--trainer.precision=32-true",
                        "--run", "two"]) == 2
@@ -1741,7 +1736,7 @@ def test_auto_store_is_the_recipes_cache_folder_built_on_first_use(tmp_path, mon
         "--recipe", "tiny", "--output-root", str(tmp_path / "out"), f"--data.data_path={data}",
         f"--data.cache_dir={tmp_path / 'cache'}", "--data.feature_store=auto", "--data.batch_size=2",
         "--trainer.val_check_interval=null", "--eval.every_n_train_steps=2", "--eval.limit=1",
-        *SMALL_EVAL, "--trainer.max_steps=2", "--trainer.enable_progress_bar=false",
+        *toy_data.SMALL_EVAL, "--trainer.max_steps=2", "--trainer.enable_progress_bar=false",
     ]
     assert train_main([*args, "--run", "one"]) == 0
     datamodule = DistillDataModule(target="tiny-random", data_path=str(data), max_length=256, cache_dir=str(tmp_path / "cache"))

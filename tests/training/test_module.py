@@ -284,11 +284,15 @@ def transformed_target_folder(folder, family: str):
     return folder
 
 
-def forward_log_probs(folder, input_ids: torch.Tensor) -> torch.Tensor:
-    """(S, T, V) log_softmax of the target's own forward logits, in fp32: the distribution decoding verifies against."""
+def fp32_target(folder):
     from ddtree.targets import load_target
 
-    target, _ = load_target(str(folder), torch.float32)
+    return load_target(str(folder), torch.float32)[0]
+
+
+def forward_log_probs(target, input_ids: torch.Tensor) -> torch.Tensor:
+    """(S, T, V) log_softmax of the target's own forward logits, in fp32 (fp32_target): the distribution decoding
+    verifies against."""
     with torch.no_grad():
         return target(input_ids).logits.float().log_softmax(-1)
 
@@ -416,7 +420,7 @@ def test_the_teacher_is_the_targets_own_distribution_where_its_forward_transform
     vocab = module.target.get_output_embeddings().weight.shape[0]
     batch = synthetic_batch()
     batch["input_ids"] %= vocab
-    true = forward_log_probs(folder, batch["input_ids"])  # (S, T, V)
+    true = forward_log_probs(fp32_target(folder), batch["input_ids"])  # (S, T, V)
     _, _, (ids, log_probs), _ = module.block_predictions(batch, 0, "train", distill=True)  # (S, n*B, 8) each
     anchors, _ = sample_anchors(batch["loss_mask"].bool(), 6, module._anchor_generator(0, "train"))  # as drawn there
     expected = teacher_states(true, anchors, BLOCK).gather(-1, ids)  # each block token's label position

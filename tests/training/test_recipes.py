@@ -903,14 +903,13 @@ def drafter_weights(run_dir):
 
 
 def resume_args(tmp_path, out):
-    """The tiny recipe for 6 steps, evaluated at steps 3 and 6 (one prompt, 4 tokens, the primary budget alone, which
-    ranks the checkpoints: the evaluation is not under test, and the recipe's 3 budgets of 16 tokens were a quarter of
-    a launch on a 2-core AVX2 EPYC), with dropout, whose masks a resumed run must draw as the uninterrupted one does."""
+    """The tiny recipe for 6 steps, evaluated at steps 3 and 6 (one prompt, toy_data.SMALL_EVAL: the evaluation is not
+    under test), with dropout, whose masks a resumed run must draw as the uninterrupted one does."""
     return [
         "--recipe", "tiny", "--output-root", str(out),
         f"--data.data_path={tmp_path / 'conversations.jsonl'}", f"--data.cache_dir={tmp_path / 'cache'}",
         "--data.batch_size=2", "--data.val_fraction=0.1", "--trainer.val_check_interval=null",
-        "--eval.every_n_train_steps=3", "--eval.limit=1", "--eval.budgets=[8]", "--eval.max_new_tokens=4",
+        "--eval.every_n_train_steps=3", "--eval.limit=1", *toy_data.SMALL_EVAL,
         "--trainer.max_steps=6", "--trainer.enable_progress_bar=false",
         "--trainer.log_every_n_steps=1", "--model.dropout=0.1",
     ]

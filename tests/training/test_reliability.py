@@ -62,11 +62,9 @@ def tiny_args(tmp_path: Path, run: str, max_steps: int, every: int = 2) -> list[
         "--recipe", "tiny", "--output-root", str(tmp_path / "out"), "--run", run,
         f"--data.data_path={data}", f"--data.cache_dir={tmp_path / 'cache'}", "--data.batch_size=2",
         "--data.val_fraction=0.1", "--trainer.val_check_interval=null", f"--eval.every_n_train_steps={every}",
-        "--eval.limit=1", "--eval.max_new_tokens=4", f"--trainer.max_steps={max_steps}",
-        "--trainer.enable_progress_bar=false", "--trainer.log_every_n_steps=1",
-        # the primary budget alone (it ranks the checkpoints): the recipe's three decoded each evaluation three times
-        # over; the bench command's test, which reads two budgets, gives them after these
-        "--eval.budgets=[8]",
+        "--eval.limit=1", f"--trainer.max_steps={max_steps}", "--trainer.enable_progress_bar=false",
+        "--trainer.log_every_n_steps=1",
+        *toy_data.SMALL_EVAL,  # the bench command's test, which reads two budgets, gives them after these
     ]
 
 

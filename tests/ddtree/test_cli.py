@@ -39,13 +39,6 @@ def run_cli(capsys, *args) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
-@pytest.fixture
-def unsized(sized_rows):
-    """For a test of generate or calibrate that is not about sizing trees: the verify cost they measure once their
-    inputs are checked (about 1.5 s a run on a 2-core AVX2 EPYC) is stubbed (sized_rows)."""
-    return sized_rows
-
-
 def write_prompts(path: Path) -> Path:
     lines = [
         {"id": "chat", "messages": [{"role": "user", "content": "Name two prime numbers."}]},
@@ -975,7 +968,7 @@ def test_generate_with_a_random_drafter_runs_on_the_built_in_targets_own_folder(
     assert re.search(r"^\[ddtree\] 4 tokens, tau \d", err, re.M), err
 
 
-def test_generate_streams_the_reply_it_prints_whole_with_no_stream(capsys, unsized):
+def test_generate_streams_the_reply_it_prints_whole_with_no_stream(capsys, sized_rows):
     code, streamed, _ = run_cli(capsys, "generate", "--target", TARGET, "--prompt", "Hi", "--max-new-tokens", "24")
     assert code == 0
     code, whole, _ = run_cli(capsys, "generate", "--target", TARGET, "--prompt", "Hi", "--max-new-tokens", "24",
@@ -1225,7 +1218,7 @@ def test_bench_grafts_the_corpus_a_drafter_folder_ships_unless_told_none(capsys,
                                                    str(tmp_path / "cut.safetensors"))
 
 
-def test_a_corpus_of_more_ids_than_a_vocabulary_is_one_line_naming_it(capsys, tmp_path, tiny_target, unsized):
+def test_a_corpus_of_more_ids_than_a_vocabulary_is_one_line_naming_it(capsys, tmp_path, tiny_target, sized_rows):
     """Past 2^21 distinct ids a run of 3 no longer packs into one int64 key: a ValueError traceback, from --corpus and
     from a drafter folder's own file alike (found in a review). One line naming the file and the way out."""
     from safetensors.torch import save_file
@@ -1245,7 +1238,7 @@ def test_a_corpus_of_more_ids_than_a_vocabulary_is_one_line_naming_it(capsys, tm
     assert run_cli(capsys, *generate, "--drafter", str(folder), "--corpus", "none")[0] == 0  # the way out it names
 
 
-def test_a_corpus_with_no_run_to_look_up_is_one_line(capsys, tmp_path, tiny_target, unsized):
+def test_a_corpus_with_no_run_to_look_up_is_one_line(capsys, tmp_path, tiny_target, sized_rows):
     """Only a JSONL without an assistant turn was refused: empty turns, a corpus.safetensors written from no replies or
     from replies of 3 tokens or fewer decoded with "[corpus] 0 runs", and bench recorded the file as the corpus it ran
     with (found in a review)."""
@@ -1270,7 +1263,7 @@ def test_a_corpus_with_no_run_to_look_up_is_one_line(capsys, tmp_path, tiny_targ
     assert code == 0 and "[corpus] the drafter's corpus.safetensors: 1 runs of 3 tokens" in err, err
 
 
-def test_a_corpus_another_tokenizer_wrote_is_one_line(capsys, tmp_path, tiny_target, prompts_file, unsized):
+def test_a_corpus_another_tokenizer_wrote_is_one_line(capsys, tmp_path, tiny_target, prompts_file, sized_rows):
     """A corpus of byte ids (all below the target's vocabulary) was grafted as the target's tokens without a word, while
     docs/decoding.md said another tokenizer's are one line (found in a review): the file records its tokenizer. Each
     command refuses it before it measures the verify cost for --adaptive-size (1.6 s on a 2-core AVX2 EPYC, which
@@ -1296,7 +1289,7 @@ def test_a_corpus_another_tokenizer_wrote_is_one_line(capsys, tmp_path, tiny_tar
     for command in (["bench", "--methods", "ddtree", "--drafter", "random"], ["calibrate", "--drafter", str(folder)]):
         line = _bad(capsys, *command, *decoding, "--corpus", str(tmp_path / "bytes.safetensors"))
         assert "was written with tokenizer bytes (256 tokens)" in line, line
-    assert unsized == []  # no verify cost measured for a run refused
+    assert sized_rows == []  # no verify cost measured for a run refused
     write_replies(folder / CORPUS_FILE, replies, tokenizer)  # the target's own: grafted
     code, _, err = run_cli(capsys, *generate, "--drafter", str(folder))
     assert code == 0 and "[corpus] the drafter's corpus.safetensors: " in err, err
@@ -1337,7 +1330,7 @@ def test_bench_reads_and_writes_the_paths_a_tilde_names(capsys, tmp_path, tiny_t
     assert list(elsewhere.iterdir()) == []  # no folder named `~`
 
 
-def test_truncated_drafter_weights(capsys, tmp_path, tiny_target, unsized):
+def test_truncated_drafter_weights(capsys, tmp_path, tiny_target, sized_rows):
     folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
     weights = folder / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # a copy cut off mid-way
@@ -1886,11 +1879,11 @@ def redrafting_drafter(tmp_path, tiny_target, prompts_file) -> tuple[Path, list[
 
 
 def test_bench_records_what_the_chain_decoded_with_beside_what_ddtree_did(capsys, tmp_path, tiny_target, prompts_file,
-                                                                         monkeypatch, unsized):
+                                                                         monkeypatch, sized_rows):
     """Only ddtree_resolved was written: under --adaptive-size the chain re-drafted as its drafter says (two drafter
     forwards a round) while sized trees did not, and the file's one redraft, 0, said otherwise (found in a review).
     Each record is what generate itself resolved. Whether trees are sized is what matters, not the figures: the
-    verify cost is stubbed (unsized)."""
+    verify cost is stubbed (sized_rows)."""
     import ddtree.decoding
 
     folder, common, _ = redrafting_drafter(tmp_path, tiny_target, prompts_file)
@@ -2115,7 +2108,7 @@ def test_the_flags_a_calibration_note_prints_give_calibrate_every_setting_when_p
 
 @pytest.mark.parametrize("overwrite", [False, True])
 def test_calibrate_leaves_a_file_another_run_wrote_while_it_decoded_unless_told_to_overwrite(
-        capsys, tmp_path, tiny_target, prompts_file, monkeypatch, overwrite, unsized):
+        capsys, tmp_path, tiny_target, prompts_file, monkeypatch, overwrite, sized_rows):
     """Two calibrate runs started together on one folder both passed the check at the start, and the second to finish
     replaced the first's file (found in a review): without --overwrite, nothing is replaced. With it, the file is
     replaced, as docs/decoding.md says and bench --out does; it was refused, asking for the --overwrite already given,
@@ -2163,7 +2156,7 @@ def test_a_broken_calibration_file_is_one_line(capsys, tmp_path, tiny_target, pr
 
 
 def test_generate_online_calibration_starts_from_the_folders_calibration(capsys, tmp_path, tiny_target, monkeypatch,
-                                                                         unsized):
+                                                                         sized_rows):
     import ddtree.cli
     folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
     shipped = OnlineCalibration()
@@ -2185,7 +2178,7 @@ def test_generate_online_calibration_starts_from_the_folders_calibration(capsys,
     assert json.loads((folder / CALIBRATION_FILE).read_text())["temperatures"]["32"] == pytest.approx(1.648721)
 
 
-def test_calibrate_bad_input_is_one_line_and_writes_nothing(capsys, tmp_path, tiny_target, prompts_file, unsized):
+def test_calibrate_bad_input_is_one_line_and_writes_nothing(capsys, tmp_path, tiny_target, prompts_file, sized_rows):
     folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
     common = ["--target", TARGET, "--prompts", str(prompts_file), "--dtype", "float32", "--max-new-tokens", "4"]
     assert "give --drafter FOLDER, not random" in _bad(capsys, "calibrate", *common)
@@ -2309,7 +2302,7 @@ def test_the_weights_fingerprint_leaves_out_the_folders_corpus(tmp_path):
      "decoded_with ['lookup'] is not an object of the lookup, redraft and corpus it was learned with"),
 ])
 def test_a_broken_calibration_in_the_drafters_config_names_the_folder_and_field(capsys, tmp_path, tiny_target,
-                                                                                 calibration, message, unsized):
+                                                                                 calibration, message, sized_rows):
     """It said only "the drafter's config.json has a calibration that cannot be read ('graft_acceptance')"."""
     folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
     config = json.loads((folder / "config.json").read_text())

@@ -87,11 +87,14 @@ eval: $(STAMP)
 export: $(STAMP)
 	$(if $(RUN),,$(error make export needs RUN=outputs/<recipe>/<run> (a training run folder) and OUT=exports/<name>))
 	$(if $(OUT),,$(error make export needs OUT=exports/<name> (the folder to write); RUN=$(RUN) is the run))
-	$(PY) -m training.publish $(call quote,$(RUN)) --out $(call quote,$(OUT)) $(if $(CKPT),--ckpt $(call quote,$(CKPT))) \
-		$(call switch,SPECULATORS,--speculators) $(call switch,OVERWRITE,--overwrite) \
-		$(call switch,ALLOW_ENGINE_MISMATCH,--allow-engine-mismatch) $(if $(REPO),--repo $(call quote,$(REPO))) \
-		$(call switch,PUSH,--push) $(call switch,PRIVATE,--private) $(call switch,REPLACE_REPO,--replace-repo) \
-		$(if $(BASE_MODEL),--base-model $(call quote,$(BASE_MODEL))) $(if $(LICENSE),--license $(call quote,$(LICENSE))) $(ARGS)
+	$(PY) -m training.publish $(call quote,$(RUN)) --out $(call quote,$(OUT)) $(EXPORT_OPTIONS) $(ARGS)
+
+# (a variable, not continued lines in the recipe: make echoed each unset option as a line of its own, a backslash alone)
+EXPORT_OPTIONS = $(if $(CKPT),--ckpt $(call quote,$(CKPT))) \
+	$(call switch,SPECULATORS,--speculators) $(call switch,OVERWRITE,--overwrite) \
+	$(call switch,ALLOW_ENGINE_MISMATCH,--allow-engine-mismatch) $(if $(REPO),--repo $(call quote,$(REPO))) \
+	$(call switch,PUSH,--push) $(call switch,PRIVATE,--private) $(call switch,REPLACE_REPO,--replace-repo) \
+	$(if $(BASE_MODEL),--base-model $(call quote,$(BASE_MODEL))) $(if $(LICENSE),--license $(call quote,$(LICENSE)))
 
 # Two worker processes (pytest-xdist), each test file on one of them, each with half the cores' threads: most
 # tests are bound by Python and process start-up, not by matmuls, so on 2 cores this took 7.6 minutes against

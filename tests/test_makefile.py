@@ -96,6 +96,17 @@ def test_make_export_passes_the_cards_values_as_one_word_each(variable, flag):
     assert words[words.index(flag) + 1] == "not a/hub id", words
 
 
+@pytest.mark.parametrize("target, variables", [("export", ["RUN=outputs/tiny/r", "OUT=exports/x"]), ("train", []),
+                                               ("eval", []), ("features", []), ("data", []), ("ablate", [])])
+def test_make_echoes_each_command_as_one_line(target, variables):
+    """`make export` with no options echoed its command over five lines, four of them a lone backslash (one for each
+    line of unset options); what make shows is what a user copies to run again."""
+    planned = make_plan(target, *variables)
+    assert planned.returncode == 0 and not planned.stderr, planned
+    lines = planned.stdout.splitlines()
+    assert len(lines) == 1 and "\\" not in lines[0], lines
+
+
 def test_make_coverage_runs_make_tests_suite_under_coverage_with_its_pins():
     """The suite as `make test` runs it (same workers, same threads), with branch coverage of the project's own packages
     and the commands the tests start followed: a run that leaves out data/ or the CLI's subprocesses calls their

@@ -243,8 +243,9 @@ def save_calibration(path: Path, calibration: OnlineCalibration, facts: dict) ->
     write_json_atomic(path, {"format_version": FORMAT_VERSION, **calibration.state(), **facts})
 
 
-def load_calibration(path: Path) -> OnlineCalibration:
-    """A calibration file, frozen; a broken one is one DDTreeError line naming it."""
+def load_calibration(path: Path, leave_out: str = "--calibration none") -> OnlineCalibration:
+    """A calibration file, frozen; a broken one is one DDTreeError line naming it. `leave_out` says how the caller
+    decodes without it (a Decoder's calibration=False)."""
     try:
         state = json.loads(Path(path).read_text())
         if isinstance(state, dict) and state.get("format_version") != FORMAT_VERSION:  # (anything else: from_state)
@@ -257,7 +258,7 @@ def load_calibration(path: Path) -> OnlineCalibration:
         return calibration
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError, OverflowError) as error:
         raise DDTreeError(f"calibration file {path} cannot be read ({error}); rerun `ddtree calibrate` with "
-                          "--overwrite, or decode with --calibration none") from None
+                          f"--overwrite, or decode with {leave_out}") from None
 
 
 def note_in_card(folder: Path, created: str) -> bool:

@@ -99,7 +99,7 @@ def read_calibration(path: Path, drafter: str | None, say: Say, leave_out: str, 
     """A calibration file, said on stderr, with a note where it was learned on other weights than the drafter folder
     holds now. `leave_out` says how the caller decodes without it (`--calibration none`); `own`: the folder's file,
     not one given."""
-    calibration = load_calibration(path)
+    calibration = load_calibration(path, leave_out)
     say(f"[calibration] {path}: draft temperature {calibration.describe()}{f' ({leave_out} leaves it out)' if own else ''}")
     if (drafter is not None and calibration.weights is not None  # (a file written before it kept them: no read)
             and calibration.weights != weights_fingerprint(Path(drafter))):
@@ -293,6 +293,7 @@ class Decoder:
                 raise DDTreeError(f"calibration={str(calibration)!r}: {problem}; give a file `ddtree calibrate` "
                                   "wrote, None (the drafter folder's) or False")
             given_calibration = Path(calibration)
+            load_calibration(given_calibration, "calibration=False")  # its contents too, as the command reads them
         device = parse_device(device, "device") if device is not None else torch.device(
             "cuda" if torch.cuda.is_available() else "cpu")
         if self.adaptive_size == "on" and static_cache_on(self.static, device):

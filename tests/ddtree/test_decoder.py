@@ -157,6 +157,23 @@ def test_an_uncalibrated_runner_leaves_out_the_calibration_its_config_holds(tiny
     assert raw.default_calibration is None and not raw.calibration_from_config
 
 
+def test_a_broken_calibration_file_is_one_line_before_the_target_loads(monkeypatch, tmp_path, drafter_folder):
+    """A calibration file given that cannot be read was read only once the target had loaded (the command reads it
+    before); and the line, for a given file and the folder's own alike, told a Python caller to decode with
+    `--calibration none`, a flag of the command, where a Decoder takes calibration=False."""
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps({"format_version": 1, "temperatures": {"8": -1.0}, "graft_acceptance": {}}))
+    (drafter_folder / CALIBRATION_FILE).write_text(broken.read_text())
+    with pytest.raises(DDTreeError) as raised:
+        Decoder(TARGET, drafter_folder, **SETTINGS, quiet=True)
+    assert str(raised.value).endswith("or decode with calibration=False"), str(raised.value)
+    monkeypatch.setattr("ddtree.decoder.load_target", lambda *args, **kwargs: pytest.fail("loaded the target first"))
+    with pytest.raises(DDTreeError) as raised:
+        Decoder(TARGET, drafter_folder, **SETTINGS, calibration=broken, quiet=True)
+    assert str(raised.value).startswith(f"calibration file {broken} cannot be read"), str(raised.value)
+    assert str(raised.value).endswith("or decode with calibration=False"), str(raised.value)
+
+
 def test_a_calibration_learned_on_other_weights_is_noted(capsys, tiny_target, drafter_folder):
     """The folder's calibration.json records the weights it was learned on; retrained weights copied in make its
     expected tau another drafter's, which is said, and only then. No Decoder test wrote the fingerprint, so the

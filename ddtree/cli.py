@@ -396,9 +396,8 @@ def cmd_bench(args) -> None:
     if sizer is not None:
         settings["verify_cost_ms"] = {"fixed": sizer.fixed_ms, "per_row": sizer.row_ms}  # what --adaptive-size used
     results = {"settings": settings, "machine": describe_machine(target.device), **results}
-    print(describe_target(args, target))
-    print(format_summary(results["summary"], target.dtype))
-    if args.out:
+
+    def save() -> None:  # --out, or beside it where another run wrote it meanwhile
         out = Path(args.out)
         if out.exists() and not args.overwrite:  # absent at the start: another run, started beside this one, wrote it
             kept = next(path for number in range(1, 10**6)
@@ -407,6 +406,16 @@ def cmd_bench(args) -> None:
             raise DDTreeError(f"--out {out} was written by another run while this one decoded, so it is left as it is; "
                               f"this run's results are in {kept}")
         write_results_json(out, results)
+
+    try:  # the table first: where the disk refuses --out, the results are printed below it (write_results_json)
+        print(describe_target(args, target))
+        print(format_summary(results["summary"], target.dtype))
+    except BrokenPipeError:  # stdout's reader has gone (`| head -1`, unbuffered): the results of every prompt decoded
+        if args.out:  # were lost with it
+            save()
+        raise
+    if args.out:
+        save()
         print(f"results written to {args.out}")
 
 
@@ -437,13 +446,17 @@ def cmd_calibrate(args) -> None:
         online=calibration, lookup=args.lookup, sizer=sizer, redraft=args.redraft, corpus=corpus,
     )
     lookup, redraft, resolved = drafter_defaults("ddtree", drafter, args.lookup, args.redraft, sizer is not None, corpus)
-    print(format_summary(results["summary"]))
+    # printed before an error's line, and otherwise once the file is written: a write to a pipe whose reader has gone
+    # (`| head -1`, unbuffered) ends the command, which lost what every prompt decoded had taught
+    table = format_summary(results["summary"])
     settled = calibration.settled()  # its temperatures averaged over the last half of the rounds
     if not settled.log_temperatures:  # an empty file would still displace the drafter's own calibration
+        print(table)
         raise DDTreeError(f"ddtree calibrate: no round was verified (--max-new-tokens {args.max_new_tokens} over "
                           f"{len(prompts)} prompts), so nothing was learned and {out} is left as it was; give more "
                           "--max-new-tokens or prompts")
     if out.exists() and not existed and not args.overwrite:  # another calibrate run on this folder finished first
+        print(table)
         raise DDTreeError(f"ddtree calibrate: {out} was written by another run while this one decoded, so it is left as "
                           f"it is (learned here: draft temperature {settled.describe()}); rerun with --overwrite to "
                           "replace it")
@@ -468,7 +481,9 @@ def cmd_calibrate(args) -> None:
                 f"(generate and bench take it meanwhile with --calibration {copy})" if copy else
                 f"nothing could be saved (learned here: draft temperature {settled.describe()}): {failure.remedy} "
                 "and run it again")
+        print(table)
         raise DDTreeError(f"ddtree calibrate: cannot write {out} ({failure.why}); {kept}") from None
+    print(table)
     print(f"calibration written to {out} (draft temperature {settled.describe()}, the mean over the last half of "
           "the rounds): generate and bench use it by default (--calibration none leaves it out)")
     if note_in_card(Path(args.drafter), created):  # an export's figures are of the drafter without it

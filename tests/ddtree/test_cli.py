@@ -1355,6 +1355,32 @@ def test_bench_limit_decodes_that_many_prompts_from_the_top(capsys, tmp_path, pr
     assert [prompt["id"] for prompt in results["prompts"]] == ["chat"] and results["settings"]["limit"] == 1
 
 
+class ReaderGone(io.StringIO):
+    """stdout once its reader has gone (`ddtree bench ... | head -1`) with Python's output unbuffered
+    (PYTHONUNBUFFERED=1, as Docker images and batch scripts set it): every write raises at once."""
+
+    def write(self, text):
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_bench_and_calibrate_write_their_file_before_the_table_a_gone_reader_stops(capsys, monkeypatch, tmp_path,
+                                                                                    tiny_target, prompts_file):
+    """Found in a review: each printed its table first, and a write to a pipe whose reader had gone (unbuffered)
+    ended the command there, after every prompt was decoded: --out, or the drafter's calibration.json, was never
+    written (buffered, the same command wrote it: the table waited in the buffer)."""
+    out = tmp_path / "results.json"
+    folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
+    common = ["--target", TARGET, "--prompts", str(prompts_file), "--limit", "1", "--max-new-tokens", "4", "--dtype",
+              "float32", "--budgets", "4"]
+    monkeypatch.setattr(sys, "stdout", ReaderGone())
+    with pytest.raises(BrokenPipeError):  # (run_cli's status 141 is for a real pipe, which this is not)
+        main(["bench", *common, "--methods", "ar,ddtree", "--out", str(out)])
+    assert json.loads(out.read_text())["summary"]["ddtree@4"]["new_tokens"] == 4
+    with pytest.raises(BrokenPipeError):
+        main(["calibrate", *common, "--drafter", str(folder), "--adaptive-size", "off"])
+    assert json.loads((folder / CALIBRATION_FILE).read_text())["num_prompts"] == 1
+
+
 def test_bench_says_where_it_wrote_the_results_as_out_was_given(capsys, tmp_path, prompts_file):
     """The last line points the user at the results: the path given to --out, not a bare name that reads as a file
     in the current folder when --out named another."""

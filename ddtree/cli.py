@@ -41,7 +41,7 @@ from .decoder import (chosen_calibration, drafter_runner, given_corpus, load_dra
 from .decoding import (
     METHODS, DrafterRunner, OnlineCalibration, Sampling, check_budget, drafter_defaults, generate,
 )
-from .errors import DDTreeError, check_text, command
+from .errors import DDTreeError, Terminated, check_text, command
 from .files import WriteFailed, check_output_file, not_a_file, saved_elsewhere, write_results_json
 from .inputs import method_list, uses_drafter
 from .machine import describe_machine, machine_line
@@ -138,6 +138,11 @@ class TextStream:
                   "come; --no-stream prints it once whole); the reply as decoded:", file=sys.stderr)
             self._write(whole)
 
+    def end_line(self) -> None:
+        """A reply cut short (Ctrl-C): its last line ended, so that what is said next has a line of its own."""
+        if self.written and not self.written[-1].endswith("\n"):
+            self._write("\n")
+
     def _decode(self, start: int, end: int) -> str:
         return self.tokenizer.decode(self.ids[start:end], skip_special_tokens=True)
 
@@ -169,12 +174,17 @@ def cmd_generate(args) -> None:
     if args.method == "ddtree":
         note_calibration_settings(drafter, args, target, sizer, corpus)
     stream = None if args.no_stream else TextStream(tokenizer)
-    result = generate(
-        target, prompt_ids, args.method, drafter, args.budget, args.max_new_tokens,
-        stop_token_ids(target, tokenizer), sampling, generator, STATIC_CACHE[args.static_cache],
-        learning_from(getattr(drafter, "default_calibration", None)) if args.online_calibration else None, args.lookup,
-        sizer, args.redraft, corpus, on_tokens=stream,
-    )
+    try:
+        result = generate(
+            target, prompt_ids, args.method, drafter, args.budget, args.max_new_tokens,
+            stop_token_ids(target, tokenizer), sampling, generator, STATIC_CACHE[args.static_cache],
+            learning_from(getattr(drafter, "default_calibration", None)) if args.online_calibration else None,
+            args.lookup, sizer, args.redraft, corpus, on_tokens=stream,
+        )
+    except (KeyboardInterrupt, Terminated):  # the stop's one line (run_cli's) was glued to the reply streamed so far
+        if stream is not None:
+            stream.end_line()
+        raise
     if stream is None:
         print(tokenizer.decode(result.new_tokens, skip_special_tokens=True))
     else:

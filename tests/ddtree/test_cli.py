@@ -1022,6 +1022,27 @@ def test_the_streamed_reply_never_shows_half_a_character_and_adds_up_to_its_deco
     assert out.getvalue() == tokenizer.decode(ids, skip_special_tokens=True) + "\n"
 
 
+@pytest.mark.parametrize("sent, line", [("SIGINT", "interrupted"), ("SIGTERM", "stopped by SIGTERM")])
+def test_a_reply_stopped_mid_stream_ends_its_line_before_the_stops_line(capsys, monkeypatch, sent, line,
+                                                                        python_sigint):
+    """Found in a review: Ctrl-C during `ddtree generate` glued the stop's one line to the reply streamed so far, on a
+    terminal that shows both (`... falsely falsely^Cinterrupted`), as it once was to bench's open progress bar."""
+    import signal
+
+    streamed = TextStream.__call__
+
+    def signalled(self, tokens):  # a few tokens into the reply
+        streamed(self, tokens)
+        if len(self.ids) == 3:
+            os.kill(os.getpid(), getattr(signal, sent))
+
+    monkeypatch.setattr(TextStream, "__call__", signalled)
+    code, out, err = run_cli(capsys, "generate", "--target", TARGET, "--method", "ar", "--raw", "--prompt", "Hi",
+                             "--max-new-tokens", "40", "--dtype", "float32")
+    assert code == 128 + getattr(signal, sent) and err.endswith(f"\n{line}\n"), err[-300:]
+    assert out.strip() and out.endswith("\n") and out.count("\n") == 1, repr(out)
+
+
 class ByteFallback:
     """A byte-fallback tokenizer's decode (Llama 2, Mistral, Gemma): a run of <0xXX> byte pieces decodes as UTF-8, or,
     where any of it is not, as one U+FFFD per byte, so an emoji already whole turns into four of them when the run
@@ -1364,7 +1385,7 @@ class ReaderGone(io.StringIO):
 
 
 def test_bench_and_calibrate_write_their_file_before_the_table_a_gone_reader_stops(capsys, monkeypatch, tmp_path,
-                                                                                    tiny_target, prompts_file):
+                                                                                   tiny_target, prompts_file):
     """Found in a review: each printed its table first, and a write to a pipe whose reader had gone (unbuffered)
     ended the command there, after every prompt was decoded: --out, or the drafter's calibration.json, was never
     written (buffered, the same command wrote it: the table waited in the buffer)."""

@@ -364,6 +364,9 @@ def cmd_bench(args) -> None:
     method_keys(methods, args.budgets)  # an unknown method or a budget below 1: said before the target loads
     check_calibration_flag(args, methods)
     check_flags_for_methods(args, methods)
+    if args.overwrite and not args.out:  # else taken without a word, and the results went to no file
+        raise DDTreeError("--overwrite replaces an existing --out, and no --out was given: give --out FILE for the "
+                          "results JSON, or drop --overwrite")
     if args.out:
         check_out_is_no_input(args)
         check_output_file(args.out, overwrite=args.overwrite)

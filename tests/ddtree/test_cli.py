@@ -1636,6 +1636,8 @@ def test_verify_cost_numbers_out_of_range_are_one_line(capsys, monkeypatch, flag
     (["--prompts", "README.md"], "README.md:1: not valid JSON"),
     (["--limit", "0"], "limit 0 must be at least 1"),
     (["--max-new-tokens", "0"], "--max-new-tokens 0 must be at least 1"),
+    # found in a review: taken without a word, and the run's results went to no file
+    (["--overwrite"], "--overwrite replaces an existing --out, and no --out was given: give --out FILE"),
 ])
 def test_bench_methods_budgets_and_prompts_are_checked_before_the_target_loads(capsys, monkeypatch, flags, message):
     """An unknown method and a prompts file that is no JSONL were said only after the target had loaded (13 s on

@@ -39,7 +39,8 @@ from .drafters import read_drafter_config
 from .decoder import (chosen_calibration, drafter_runner, given_corpus, load_drafter,  # noqa: F401
                       measured_sizer, parse_device, sampling_facts, say_on_stderr)  # (load_drafter, parse_device: importers read them from here too)
 from .decoding import (
-    METHODS, DrafterRunner, OnlineCalibration, Sampling, check_budget, drafter_defaults, generate,
+    METHODS, DrafterRunner, OnlineCalibration, Sampling, check_budget, check_sizer, drafter_defaults, generate,
+    static_cache,
 )
 from .errors import DDTreeError, Terminated, check_text, command
 from .files import WriteFailed, check_output_file, not_a_file, saved_elsewhere, write_results_json
@@ -74,6 +75,8 @@ def _setup(args, trees: bool = True):
             raise DDTreeError(f"budget {budget} must be at least 1")
     if getattr(args, "limit", None) is not None and args.limit < 1:
         raise DDTreeError(f"--limit {args.limit} must be at least 1; omit it to use every prompt")
+    if args.adaptive_size == "on":  # said now, not once the target, the drafter and its corpus had loaded
+        check_sizer("ddtree", True, static_cache(STATIC_CACHE[args.static_cache], torch.device(args.device)))
     files = check_input_files(args)
     target, tokenizer = _load_target(args)
     for budget in budgets if trees else []:

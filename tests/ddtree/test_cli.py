@@ -1660,6 +1660,19 @@ def test_generate_and_calibrate_budgets_are_checked_before_the_target_loads(caps
     assert "budget 0 must be at least 1" in _bad(capsys, *command, "--target", TARGET, "--drafter", str(folder))
 
 
+@pytest.mark.parametrize("command", [["generate", "--prompt", "Hi"], ["bench", "--prompts", "data/eval_prompts.jsonl"],
+                                     ["calibrate", "--prompts", "data/eval_prompts.jsonl"]])
+def test_adaptive_size_on_with_the_static_cache_is_one_line_before_the_target_loads(capsys, monkeypatch, tmp_path,
+                                                                                   tiny_target, command):
+    """Found in a review: said only once the target had loaded and its packed weights were timed (generate and
+    calibrate: the drafter and its corpus too), where a Decoder given the same says it before."""
+    folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
+    monkeypatch.setattr(ddtree.cli, "load_target", lambda *args, **kwargs: pytest.fail("loaded the target first"))
+    line = _bad(capsys, *command, "--target", TARGET, "--drafter", str(folder), "--adaptive-size", "on",
+                "--static-cache", "on")
+    assert "adaptive tree size saves nothing with the static cache" in line
+
+
 def test_sampling_settings_name_only_the_rule_broken(capsys):
     line = _bad(capsys, "generate", "--target", TARGET, "--prompt", "Hi", "--top-p", "2")
     assert line == "error: bad sampling settings: top_p 2.0 must be in (0, 1]"

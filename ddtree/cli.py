@@ -46,7 +46,7 @@ from .errors import DDTreeError, Terminated, check_text, command
 from .files import WriteFailed, check_output_file, not_a_file, saved_elsewhere, write_results_json
 from .inputs import method_list, uses_drafter
 from .machine import describe_machine, machine_line
-from .packed_linear import apply_packing, cannot_pack, is_packed, packing_available
+from .packed_linear import apply_packing, cannot_pack, check_packing_choice, is_packed, packing_available
 from .precision import resolve_dtype
 from .sizing import TreeSizer
 from .targets import load_target, stop_token_ids
@@ -57,6 +57,7 @@ def _load_target(args):
     dtype, reason = resolve_dtype(args.dtype, args.device, "--dtype")
     if reason:
         print(reason, file=sys.stderr)
+    check_packing_choice(args.packed_weights, dtype, args.device)
     target, tokenizer = load_target(args.target, dtype, args.device)
     _, reason = apply_packing(args.packed_weights, target)
     if reason:

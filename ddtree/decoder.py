@@ -46,7 +46,7 @@ from .files import not_a_file
 from .inputs import prompt_messages
 from .modeling_dflash import DFlashDraftModel
 from .names import METHODS, PACKED_KERNELS
-from .packed_linear import apply_packing, is_packed, pack_linears
+from .packed_linear import apply_packing, check_packing_choice, is_packed, pack_linears
 from .precision import resolve_dtype
 from .sizing import TreeSizer
 from .targets import Say, build_drafter_config, load_target, say_on_stderr, stop_token_ids
@@ -303,6 +303,7 @@ class Decoder:
         chosen, reason = resolve_dtype(dtype, device, "dtype")
         if reason:
             say(reason)
+        check_packing_choice(packed_weights, chosen, device, "packed_weights")
         with progress_bars_off(quiet):  # quiet: transformers' "Loading weights" bar too, not only this project's lines
             self.target, self.tokenizer = load_target(target, chosen, device, say)
         _, reason = apply_packing(packed_weights, self.target, "packed_weights")

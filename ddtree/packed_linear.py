@@ -155,6 +155,16 @@ def require_packing(model: nn.Module, option: str = "--packed-weights") -> None:
         raise DDTreeError(f"{option} on: {reason}; use {option} off (or auto)")
 
 
+def check_packing_choice(choice: str, dtype: torch.dtype, device: torch.device | str,
+                         option: str = "--packed-weights") -> None:
+    """`on` for a model that will run in bf16 or fp16, or on a GPU: one line before it loads (require_packing said it
+    only once the model had loaded: seconds, minutes for a large target)."""
+    device = torch.device(device)
+    if choice == "on" and (dtype != torch.float32 or device.type != "cpu"):
+        raise DDTreeError(f"{option} on: packing is for fp32 on a CPU, and the target would run in "
+                          f"{str(dtype).removeprefix('torch.')} on {device}; use {option} off (or auto)")
+
+
 def apply_packing(choice: str, model: nn.Module, option: str = "--packed-weights") -> tuple[bool, str]:
     """--packed-weights auto|on|off applied to `model`: whether it ended packed, and a line saying why (the CLI prints it).
     option: the setting's name as the caller's user gives it (training's evaluation: eval.packed_weights).

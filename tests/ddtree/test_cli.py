@@ -1673,6 +1673,15 @@ def test_adaptive_size_on_with_the_static_cache_is_one_line_before_the_target_lo
     assert "adaptive tree size saves nothing with the static cache" in line
 
 
+@pytest.mark.parametrize("command", [["generate", "--prompt", "Hi"], ["verify-cost"]])
+def test_packed_weights_on_for_a_bf16_target_is_one_line_before_the_target_loads(capsys, monkeypatch, command):
+    """Found in a review: `--packed-weights on --dtype bfloat16` loaded the target, then said it cannot be packed."""
+    monkeypatch.setattr(ddtree.cli, "load_target", lambda *args, **kwargs: pytest.fail("loaded the target first"))
+    line = _bad(capsys, *command, "--target", TARGET, "--dtype", "bfloat16", "--packed-weights", "on")
+    assert line == ("error: --packed-weights on: packing is for fp32 on a CPU, and the target would run in bfloat16 "
+                    "on cpu; use --packed-weights off (or auto)")
+
+
 def test_sampling_settings_name_only_the_rule_broken(capsys):
     line = _bad(capsys, "generate", "--target", TARGET, "--prompt", "Hi", "--top-p", "2")
     assert line == "error: bad sampling settings: top_p 2.0 must be in (0, 1]"

@@ -266,6 +266,9 @@ def test_the_keywords_defaults_are_the_commands():
     (dict(device="cuda"), "device cuda: this machine has no CUDA GPU that torch can use"),
     (dict(calibration="calibration.json"), "corpus and calibration shape a drafter's trees, and no drafter was given"),
     (dict(seed=1.5), "seed=1.5: give a whole number from -2**63 to 2**64 - 1"),
+    # said once the target had loaded (found in a review)
+    (dict(dtype="bfloat16", packed_weights="on"), "packed_weights on: packing is for fp32 on a CPU, and the target "
+                                                  "would run in bfloat16 on cpu"),
 ])
 def test_bad_keywords_are_one_line_before_the_target_loads(monkeypatch, keywords, named):
     monkeypatch.setattr("ddtree.decoder.load_target", lambda *args, **kwargs: pytest.fail("loaded the target first"))

@@ -16,6 +16,7 @@ last.ckpt against its hpc_ckpt_N.ckpt (saved_step) loads torch, when it comes to
 
 from __future__ import annotations
 
+import os
 import zipfile
 from pathlib import Path
 
@@ -145,14 +146,17 @@ def newest_run(recipe_root: Path, name: str) -> Path | None:
     trained for a comparison (name a variant's folder to take it). A run that keeps no last.ckpt
     (`checkpoint.save_last: false`) is dated by its newest checkpoint, not taken as the oldest. A <name> whose first
     DeepSpeed save was cut short (its `saving` marker, no `latest` yet) still counts, dated by its marker, for the
-    callers to refuse: passed over, 'last' quietly took an older run."""
-    runs = [found.parent.parent for found in recipe_root.glob(f"*/checkpoints/{name}")
-            if (is_checkpoint(found) or (found / SAVING_MARKER).is_file())
+    callers to refuse: passed over, 'last' quietly took an older run. So does a best.ckpt linking to a step file since
+    deleted, dated by the link: passed over, `make eval CKPT=best` scored an older run's."""
+    # (glob("*/checkpoints/<name>") leaves such a link out: it follows it)
+    runs = [found.parent.parent for found in (folder / name for folder in recipe_root.glob("*/checkpoints"))
+            if (is_checkpoint(found) or (found / SAVING_MARKER).is_file() or found.is_symlink())
             and not found.parent.parent.name.startswith(ABLATE_PREFIX)]
 
     def last_saved(run: Path) -> float:
         found = run / "checkpoints" / name
-        begun = [] if is_checkpoint(found) else [(found / SAVING_MARKER).stat().st_mtime]
+        begun = ([] if is_checkpoint(found) else
+                 [found.lstat().st_mtime] if found.is_symlink() else [(found / SAVING_MARKER).stat().st_mtime])
         return max([*begun, *(saved_at(checkpoint) for checkpoint in run_checkpoints(run))], default=0.0)
 
     return max(runs, key=last_saved, default=None)
@@ -298,6 +302,8 @@ def resume_point(run_dir: Path) -> tuple[Path, Path | None]:
 
 
 def why_unreadable(checkpoint: Path) -> str:
+    if checkpoint.is_symlink() and not checkpoint.exists():  # best.ckpt, its step file deleted
+        return f"it links to {os.readlink(checkpoint)}, which is gone"
     return "its save was cut short" if checkpoint.is_dir() else "truncated?"
 
 

@@ -99,6 +99,21 @@ def test_best_of_the_newest_run_when_runs_keep_no_last_checkpoint(tmp_path):
     assert find_checkpoint("best", root) == newer / "checkpoints" / "best.ckpt"
 
 
+def test_best_of_the_newest_run_linking_to_a_deleted_step_is_refused_not_an_older_runs_taken(tmp_path):
+    """The newest run's best.ckpt links to a step file since deleted (disk cleaned up): `make eval CKPT=best` passed
+    the run over and scored an older run's best.ckpt with no message."""
+    root = tmp_path / "tiny"
+    make_run(root, "old", {"checkpoints/step-step=2.ckpt": 100, "checkpoints/last.ckpt": 100}, best="step-step=2.ckpt")
+    new = make_run(root, "new", {"checkpoints/step-step=4.ckpt": 200, "checkpoints/last.ckpt": 200},
+                   best="step-step=4.ckpt")
+    (new / "checkpoints" / "step-step=4.ckpt").unlink()
+    best = new / "checkpoints" / "best.ckpt"
+    with pytest.raises(DDTreeError) as error:
+        find_checkpoint("best", root)
+    assert str(error.value) == (f"CKPT=best: checkpoint {best} is unreadable (it links to step-step=4.ckpt, which is "
+                                f"gone); give an earlier one as CKPT: {new / 'checkpoints' / 'last.ckpt'}")
+
+
 def test_last_and_best_leave_out_ablate_variants_and_run_names_the_folder(tmp_path):
     """`make ablate` writes ordinary runs named ablate-<stamp>-<variant>; 'last' and 'best' took the newest variant."""
     root = tmp_path / "tiny"

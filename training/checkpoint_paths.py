@@ -245,7 +245,11 @@ def find_run_checkpoint(run_dir: Path, spec: str) -> tuple[Path, str]:
 def why_no_best(run_dir: Path) -> str:
     """Why a run has no checkpoints/best.ckpt, from what its acceptance evaluation (training/callbacks.py) wrote: an
     eval/step-N.json for each step it measured, and report.md once it measured one or the run ended before its first;
-    and from its config.yaml's checkpoint.save_top_k."""
+    and from its config.yaml's checkpoint.save_top_k. A best.ckpt that is there, linking to a step file gone since, says
+    so: it was ranked and saved, and a failed save sent the user looking for a full disk."""
+    best = run_dir / "checkpoints" / "best.ckpt"
+    if best.is_symlink() and not best.exists():
+        return f"it links to {os.readlink(best)}, which is gone: deleted or moved since the run ranked it"
     if any((run_dir / "eval").glob("step-*.json")):
         if configured_top_k(run_dir) == 0:
             return "the run evaluated steps but kept none as best: checkpoint.save_top_k 0 keeps last.ckpt only"

@@ -166,6 +166,20 @@ def test_make_export_takes_best_last_or_a_path_of_one_run_and_says_which(tmp_pat
                                 "checkpoint")
 
 
+def test_make_export_of_a_best_ckpt_linking_to_a_deleted_step_says_so_not_that_the_save_failed(tmp_path):
+    """best.ckpt left linking to a step file the user deleted was explained as a save that failed or was cut short."""
+    run = make_run(tmp_path, "r", {"checkpoints/step-step=4.ckpt": 100, "checkpoints/last.ckpt": 200},
+                   best="step-step=4.ckpt")
+    (run / "eval").mkdir()
+    (run / "eval" / "step-000004.json").write_text("{}\n")
+    (run / "checkpoints" / "step-step=4.ckpt").unlink()
+    with pytest.raises(DDTreeError) as error:
+        find_run_checkpoint(run, "best")
+    assert str(error.value) == (f"CKPT=best: {run / 'checkpoints' / 'best.ckpt'} does not exist (it links to "
+                                "step-step=4.ckpt, which is gone: deleted or moved since the run ranked it); use "
+                                "CKPT=last or a path")
+
+
 def test_a_checkpoint_given_as_run_or_a_run_folder_given_as_ckpt_is_named_as_such(tmp_path):
     """Each was refused as what it is not: a checkpoint as "no such run folder", a run folder as "a folder but not a
     DeepSpeed checkpoint (no 'latest' file in it)"."""

@@ -43,7 +43,7 @@ from ddtree.arguments import default_device
 from ddtree.cli import parse_device
 from ddtree.corpus import CORPUS_FILE, CorpusLookup
 from ddtree.errors import DDTreeError, command
-from ddtree.files import check_output_file, read_yaml_mapping, write_results_json
+from ddtree.files import check_output_file, not_a_file, read_yaml_mapping, write_results_json
 from ddtree.machine import describe_machine
 from ddtree.precision import AUTO, fast_precision
 from ddtree.targets import stop_token_ids
@@ -223,6 +223,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[eval] {path} was trained against target adapter {adapter} as its files were then, and they have "
               "changed since (retrained?): measuring against the adapter as it is now, so the result differs from "
               "training's", file=sys.stderr)
+    # Before the target loads (minutes for a large one), not after; and no option here gives other prompts: a run's
+    # relative path leads to them from the folder training was launched in only
+    prompts_file = Path(evaluation.prompts_path)
+    problem = not_a_file(prompts_file)
+    if problem:
+        where = ("; put back the file the run measured on" if prompts_file.is_absolute() else f" in {Path.cwd()}; a "
+                 "relative path is read from the folder training was launched in: evaluate from there")
+        raise DDTreeError(f"eval.prompts={prompts_file} (from {source}): {problem}{where}")
     target, tokenizer = load_frozen_target(hp["target"], dtype, adapter, device=args.device,
                                            adapter_field=adapter_field)
     drafter = checkpoint.drafter.to(args.device)

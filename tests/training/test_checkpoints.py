@@ -1032,6 +1032,25 @@ def test_make_eval_of_an_abandoned_branchs_checkpoint_reads_its_run_and_writes_b
     assert sorted(p.relative_to(run).as_posix() for p in run.rglob("*.json")) == [written.relative_to(run).as_posix()]
 
 
+def test_make_eval_of_a_run_whose_relative_eval_prompts_are_not_found_from_here_says_where_before_loading(
+        saved, tmp_path, capsys, monkeypatch):
+    """Run from another folder than training's, the run's relative eval.prompts was found missing only once the
+    target had loaded (minutes for a large one), and the line said "give a JSONL of held-out
+    prompts", which no option of make eval takes."""
+    path, _ = saved
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copy(path, run / "checkpoints" / "last.ckpt")
+    config = yaml.safe_load((REPO_ROOT / "recipes" / "tiny.yaml").read_text())  # eval.prompts: data/eval_prompts.jsonl
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(training.evaluate, "load_frozen_target", lambda *args, **kwargs: pytest.fail("loaded the target"))
+    assert training.evaluate.main(["--run", str(run), "--ckpt", "last"]) == 2
+    assert one_error_line(capsys) == (
+        f"error: eval.prompts=data/eval_prompts.jsonl (from {run / 'config.yaml'}): no such file in {tmp_path}; a "
+        "relative path is read from the folder training was launched in: evaluate from there")
+
+
 # How the `short_tiny` recipe's evaluation measures with --limit 1 (AcceptanceEvaluation.measurement()): `make eval
 # --limit 1` of a checkpoint that recorded it compares like for like
 TINY_LIMIT_1 = {"prompts": "data/eval_prompts.jsonl", "limit": 1, "max_new_tokens": 4, "lookup": None, "redraft": None}

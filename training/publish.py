@@ -115,6 +115,10 @@ def check_trained_as_run(checkpoint: Checkpoint, run_dir: Path, run_config: dict
     if trained.get("target") is not None and str(trained["target"]) != str(model.get("target")):
         raise DDTreeError(f"CKPT {path} was trained against target {trained['target']!r}, but RUN={run_dir} against "
                           f"{model.get('target')!r} (model.target in its config.yaml): {fix}")
+    # One of RUN's own checkpoints may have been trained otherwise than its config.yaml says: a resume may set or drop
+    # model.corpus, and checkpoint_corpus ships RUN's corpus with those trained with it.
+    if run_folder_of(path) is not None:  # (find_run_checkpoint refused another run's)
+        return
     with_corpus, run_with_corpus = bool(trained.get("corpus")), bool(model.get("corpus"))
     if with_corpus != run_with_corpus:
         raise DDTreeError(f"CKPT {path} was trained {'with' if with_corpus else 'without'} model.corpus, but "

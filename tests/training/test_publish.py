@@ -624,6 +624,20 @@ def test_a_checkpoint_trained_without_the_corpus_its_run_holds_exports_without_i
     assert not (tmp_path / "out" / CORPUS_FILE).exists() and (tmp_path / "out" / "model.safetensors").is_file()
 
 
+def test_a_checkpoint_trained_with_the_corpus_before_a_resume_dropped_it_exports_with_it(run_dir, tmp_path, capsys):
+    """After a resume with --model.corpus=false, the run's config.yaml says no corpus: `make export` of a checkpoint of
+    the run's earlier leg, trained and measured grafting the corpus, was refused as another run's ("give as RUN the run
+    folder it was trained in", which RUN was)."""
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run, symlinks=True)
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    config["model"]["corpus"] = False  # the resume's leg: its config.yaml replaced the run's
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    capsys.readouterr()
+    assert export(run, tmp_path / "out", "--ckpt", "last") == 0, capsys.readouterr().err
+    assert (tmp_path / "out" / CORPUS_FILE).read_bytes() == (run / CORPUS_FILE).read_bytes()
+
+
 def test_an_export_of_a_slurm_requeue_checkpoint_carries_its_runs_corpus(run_dir, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(run_dir, run, symlinks=True)

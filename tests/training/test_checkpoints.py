@@ -1044,7 +1044,8 @@ def test_make_eval_of_a_run_whose_relative_eval_prompts_are_not_found_from_here_
     config = yaml.safe_load((REPO_ROOT / "recipes" / "tiny.yaml").read_text())  # eval.prompts: data/eval_prompts.jsonl
     (run / "config.yaml").write_text(yaml.safe_dump(config))
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(training.evaluate, "load_frozen_target", lambda *args, **kwargs: pytest.fail("loaded the target"))
+    monkeypatch.setattr(training.evaluate, "load_frozen_target",
+                        lambda *args, **kwargs: pytest.fail("loaded the target"))
     assert training.evaluate.main(["--run", str(run), "--ckpt", "last"]) == 2
     assert one_error_line(capsys) == (
         f"error: eval.prompts=data/eval_prompts.jsonl (from {run / 'config.yaml'}): no such file in {tmp_path}; a "

@@ -32,6 +32,11 @@ def is_deepspeed_checkpoint(path: Path) -> bool:
     return path.is_dir() and (path / "latest").is_file()
 
 
+def is_drafter_folder(path: Path) -> bool:
+    """A folder `ddtree` decodes with (a run's drafter/, an export): its config.json, and no DeepSpeed `latest`."""
+    return path.is_dir() and (path / "config.json").is_file() and not is_deepspeed_checkpoint(path)
+
+
 def is_checkpoint(path: Path) -> bool:
     """A .ckpt file or a DeepSpeed checkpoint folder (through a best.ckpt link too)."""
     return path.is_file() or is_deepspeed_checkpoint(path)
@@ -204,6 +209,9 @@ def find_checkpoint(spec: str, recipe_root: Path, run_dir: Path | None = None) -
     path = Path(spec)
     if (path / "config.yaml").is_file():
         raise DDTreeError(f"CKPT={spec} is a run folder: give RUN={spec} (its best.ckpt, or CKPT=last with it)")
+    if is_drafter_folder(path):  # a run's drafter/ or an export: there, so not "no such checkpoint"
+        raise DDTreeError(f"CKPT={spec} is an exported drafter folder, not a training checkpoint; give a .ckpt of its "
+                          "run, 'best' or 'last' (`ddtree bench --drafter` measures a drafter folder)")
     if not is_checkpoint(path):
         raise DDTreeError(f"CKPT={spec}: no such checkpoint file; give a .ckpt path (or DeepSpeed folder), 'best' or "
                           "'last' (of RUN=<run folder>, else of the recipe's newest run)")
@@ -335,6 +343,9 @@ def find_resume(resume: str, recipe_root: Path) -> tuple[Path, Path]:
         checkpoint = newest_checkpoint(Path(resume))
     else:
         checkpoint = Path(resume)
+        if is_drafter_folder(checkpoint):
+            raise DDTreeError(f"--resume {resume} is an exported drafter folder, not a training checkpoint; give a "
+                              ".ckpt of its run, its run folder or 'last'")
         if not is_checkpoint(checkpoint):
             raise missing_checkpoint(resume)
         if checkpoint.is_file() and is_other_file(checkpoint):  # not "unreadable (truncated?)": it never was one

@@ -180,6 +180,24 @@ def test_make_export_of_a_best_ckpt_linking_to_a_deleted_step_says_so_not_that_t
                                 "CKPT=last or a path")
 
 
+def test_a_drafter_folder_given_as_ckpt_or_resume_is_named_as_such_not_missing(tmp_path):
+    """A run's drafter/ (what `ddtree` decodes with) given to make eval CKPT= or --resume was "no such checkpoint":
+    the folder is there, and the user went looking for a typo."""
+    run = make_run(tmp_path, "r", {"checkpoints/last.ckpt": 100})
+    drafter = run / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text("{}\n")
+    with pytest.raises(DDTreeError) as error:
+        find_checkpoint(str(drafter), tmp_path)
+    assert str(error.value) == (f"CKPT={drafter} is an exported drafter folder, not a training checkpoint; give a "
+                                ".ckpt of its run, 'best' or 'last' (`ddtree bench --drafter` measures a drafter "
+                                "folder)")
+    with pytest.raises(DDTreeError) as error:
+        find_resume(str(drafter), tmp_path)
+    assert str(error.value) == (f"--resume {drafter} is an exported drafter folder, not a training checkpoint; give a "
+                                ".ckpt of its run, its run folder or 'last'")
+
+
 def test_a_checkpoint_given_as_run_or_a_run_folder_given_as_ckpt_is_named_as_such(tmp_path):
     """Each was refused as what it is not: a checkpoint as "no such run folder", a run folder as "a folder but not a
     DeepSpeed checkpoint (no 'latest' file in it)"."""

@@ -26,7 +26,8 @@ The output folder (one flat folder, as the Hub serves it):
 
 Checkpoints: `best` is checkpoints/best.ckpt (the step with the highest measured tau), `last` is
 checkpoints/last.ckpt, anything else a path (a .ckpt file or a DeepSpeed checkpoint folder, which is
-consolidated to fp32 first). It must have been trained as RUN's config.yaml says (model.target, model.corpus);
+consolidated to fp32 first). It must have been trained as RUN's config.yaml says (model.target; model.corpus too
+outside RUN, as a resume may set or drop it);
 one kept outside any run folder carries RUN's measurement and corpus only if it recorded that measurement itself.
 Bad input (an earlier export as OUT without --overwrite, an OUT that holds anything but an earlier export, a
 checkpoint that is not a drafter of this project, an invalid repo name, no token or no network for --push, a card
@@ -106,7 +107,8 @@ def check_loads_back(folder: Path, drafter: DFlashDraftModel) -> None:
 
 def check_trained_as_run(checkpoint: Checkpoint, run_dir: Path, run_config: dict) -> None:
     """A checkpoint exported with RUN's card and corpus was trained as RUN's config.yaml says: against its
-    model.target, with (or without) its model.corpus. Where RUN has no config.yaml, nothing is compared."""
+    model.target, and, kept outside RUN, with (or without) its model.corpus. Where RUN has no config.yaml, nothing is
+    compared."""
     if "model" not in run_config:
         return
     model, trained, path = run_config["model"] or {}, checkpoint.hyper_parameters, checkpoint.path

@@ -513,6 +513,11 @@ def tokenize_conversations(tokenizer, records: list[dict], max_length: int, min_
     if not kept:
         hint = (" (no assistant turns at all: this looks like a prompt file; generate responses with "
                 "data/regenerate.py first)") if counts["no_assistant"] == len(records) else ""
+        # what would keep some, as the warning says it when some are kept: the error named neither setting
+        settings = [name for name, count in (("raise data.max_length", counts["reply_truncated"]),
+                                             ("lower data.min_supervised_tokens", counts["too_few_supervised"]))
+                    if count]
+        hint += f"; {' or '.join(settings)} to keep them" if settings else ""
         raise DDTreeError(
             f"{source}: none of {len(records)} conversations is usable: {counts['no_assistant']} have no assistant "
             f"tokens, {counts['unaligned']} a render the loss mask cannot follow, {counts['too_few_supervised']} "

@@ -490,6 +490,22 @@ def test_what_tokenization_drops_is_one_warning_naming_each_reason_and_the_setti
         "raise data.max_length to keep more", "lower data.min_supervised_tokens to keep more"]
 
 
+def test_none_usable_for_too_few_supervised_tokens_names_the_settings_that_keep_them(smol_tokenizer):
+    """Every conversation dropped for too few supervised tokens: the error named the counts but neither setting (a
+    user with short replies read "fewer than 16 supervised tokens" and no data.min_supervised_tokens), which the
+    warning names when some are kept."""
+    short = {"messages": [CONVERSATION[0], {"role": "assistant", "content": "Red."}]}
+    with pytest.raises(DDTreeError) as refused:
+        tokenize_conversations(smol_tokenizer, [short], max_length=120, min_supervised_tokens=16, source="mine.jsonl")
+    assert str(refused.value) == ("mine.jsonl: none of 1 conversations is usable: 0 have no assistant tokens, 0 a "
+                                  "render the loss mask cannot follow, 1 fewer than 16 supervised tokens within "
+                                  "max_length 120; lower data.min_supervised_tokens to keep them")
+    long_prompt = {"messages": [{"role": "user", "content": "word " * 200}, CONVERSATION[1]]}
+    with pytest.raises(DDTreeError, match=r"because truncation cut their reply\); raise data.max_length or lower "
+                                          "data.min_supervised_tokens to keep them$"):
+        tokenize_conversations(smol_tokenizer, [long_prompt], max_length=120, min_supervised_tokens=4)
+
+
 def test_a_target_without_a_chat_template_is_one_line_naming_it(smol_folder):
     """A base model's tokenizer: finding the end-of-turn token and rendering a conversation raised transformers'
     ValueError, a traceback through `python -m training.train`, where decoding's prompt render said one line."""

@@ -21,6 +21,7 @@ A recipe without a regenerate section reads its data_path as before.
 from __future__ import annotations
 
 import json
+import shlex
 import signal
 import subprocess
 import sys
@@ -179,4 +180,7 @@ def check_recipe_data(datamodule, recipe: str, path: Path, target_adapter: str |
             said = (f"{path} does not hold the data of this run, which overrides {'; '.join(overrides)}: give the run "
                     "a data folder of its own, --data.data_path=<a new folder> (training writes the data there "
                     f"first), or drop {'the override' if len(overrides) == 1 else 'those overrides'}")
+        elif overrides:  # (checked without --for-recipe) its advice named "this command without --check", which the
+            # user never typed: training's own check is the command that says it, so its job is written out in full
+            said = said.replace("this command without --check", f"`{shlex.join(command[:-1])}`")
         raise DDTreeError(f"recipe {recipe}: {said.removeprefix('error: ')}")

@@ -281,6 +281,31 @@ def test_a_recipes_data_path_under_tilde_is_its_own_not_an_override(tmp_path, mo
         f"data.data_path={tmp_path / 'other'} (the recipe's: ~/replies)"]
 
 
+def test_a_run_whose_own_data_answers_edited_prompts_is_given_the_command_that_regenerates_them(tmp_path, monkeypatch):
+    """A run overriding its recipe's data (a folder of its own) whose prompts file was edited after the data was made
+    was told "this command without --check regenerates the chunks that hold them": training's check, a command the
+    user never typed. The command is written out in full."""
+    prompts = prompt_file(tmp_path / "prompts.jsonl", 3)
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text(f"model:\n  target: tiny-random\ndata:\n  data_path: {tmp_path / 'recipes-own'}\n  regenerate:\n"
+                      f"    prompts: {prompts}\n    limit: 3\n")
+    monkeypatch.setattr(training.recipe_data, "recipe_path", lambda name: recipe)
+    mine = tmp_path / "mine"  # what regenerate.py wrote for these settings (its record), before a prompt was edited
+    mine.mkdir()
+    settings = regenerate.response_settings(regenerate.parse_args(
+        ["--target", "tiny-random", "--out", str(mine), "--prompts", str(prompts), "--limit", "3"]))
+    (mine / "regeneration.json").write_text(json.dumps({**settings, "num_prompts": 3, "prompts_sha256": "0" * 64}))
+    datamodule = DistillDataModule(target="tiny-random", data_path=str(mine),
+                                   regenerate={"prompts": str(prompts), "limit": 3})
+    with pytest.raises(DDTreeError) as refused:
+        prepare_recipe_data(datamodule, "mine")
+    command = [sys.executable, str(training.recipe_data.REGENERATE_SCRIPT), "--target", "tiny-random", "--out",
+               str(mine), "--prompts", str(prompts), "--limit", "3"]
+    assert str(refused.value) == (f"recipe mine: {prompts}: prompts that {mine} answers changed since it was generated "
+                                  f"(the same 3, other text or ids): `{' '.join(command)}` regenerates the chunks "
+                                  "that hold them")
+
+
 def test_a_null_regenerate_setting_is_left_to_the_scripts_default():
     """`limit: null` is documented as every prompt: handed on as `--limit None`, regenerate.py refused it and the
     data was never made (mutation review 9: r04)."""

@@ -91,7 +91,7 @@ def read_messages_jsonl(path: str | Path) -> list[dict]:
     problem = not_a_file(path)
     if problem:
         raise DDTreeError(f"{path}: {problem}; give a JSONL file of {{\"id\", \"messages\"}} records")
-    records, seen_ids = [], set()
+    records, seen_ids = [], {}  # id -> where it was first
     for line_number, where, record in iter_json_lines(path):
         if not isinstance(record, dict) or "messages" not in record:
             raise DDTreeError(f"{where}: each line must be an object with a 'messages' list")
@@ -100,9 +100,11 @@ def read_messages_jsonl(path: str | Path) -> list[dict]:
         # regenerate.py hashes the id into the prompt's seed and writes it into its dataset
         given = record.get("id")
         record_id = check_text(str(given) if given is not None else f"{path.stem}-{line_number}", f"{where}: id")
-        if record_id in seen_ids:
-            raise DDTreeError(f"{where}: duplicate id {record_id!r}; ids must be unique")
-        seen_ids.add(record_id)
+        if record_id in seen_ids:  # (one of the two may be a line without an id, named after its file and line)
+            unnamed = "" if given is not None else " (its line has no id)"
+            raise DDTreeError(f"{where}: duplicate id {record_id!r}{unnamed}, as at {seen_ids[record_id]}; ids must be "
+                              "unique: give the line an id of its own")
+        seen_ids[record_id] = where if given is not None else f"{where} (a line without an id, named so)"
         records.append({"id": record_id, "messages": messages, "where": where, **finish_reason_of(record),
                         **response_ids_of(record, where)})
     if not records:

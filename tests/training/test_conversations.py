@@ -765,6 +765,21 @@ def test_read_messages_jsonl_errors_name_file_and_line(tmp_path):
     assert [r["id"] for r in read_messages_jsonl(write_lines(tmp_path / "null.jsonl", nulls))] == ["null-1", "null-2"]
 
 
+def test_a_duplicate_id_that_a_line_without_an_id_was_named_says_so(tmp_path):
+    """A line without an id is named "<file stem>-<line>": a file whose line 1 has none and line 2 the id "mine-1" was
+    refused as "mine.jsonl:2: duplicate id 'mine-1'", an id the file holds once; the error now names both lines."""
+    prompt = {"messages": [{"role": "user", "content": "x"}]}
+    lines = [json.dumps(prompt), json.dumps({"id": "mine-1", **prompt})]
+    with pytest.raises(DDTreeError) as refused:
+        read_messages_jsonl(write_lines(tmp_path / "mine.jsonl", lines))
+    assert str(refused.value) == (f"{tmp_path}/mine.jsonl:2: duplicate id 'mine-1', as at {tmp_path}/mine.jsonl:1 (a "
+                                  "line without an id, named so); ids must be unique: give the line an id of its own")
+    with pytest.raises(DDTreeError) as refused:  # the other way round: the line without an id comes second
+        read_messages_jsonl(write_lines(tmp_path / "mine.jsonl", [json.dumps({"id": "mine-2", **prompt}), lines[0]]))
+    assert str(refused.value) == (f"{tmp_path}/mine.jsonl:2: duplicate id 'mine-2' (its line has no id), as at "
+                                  f"{tmp_path}/mine.jsonl:1; ids must be unique: give the line an id of its own")
+
+
 def test_a_conversation_with_a_tool_turn_is_read_with_its_roles_in_order(tmp_path):
     """Agentic data carries tool results between the user and assistant turns, and chat templates render them: the
     reader must keep a "tool" turn, not refuse the whole file at its first such line."""

@@ -157,7 +157,10 @@ def load_conversations(source: str | Path, messages_only: bool = False) -> list[
         from datasets import DatasetDict, load_from_disk
 
         if not ((path / "state.json").exists() or (path / "dataset_dict.json").exists()):
-            raise DDTreeError(f"{path}: not a saved `datasets` folder (no state.json or dataset_dict.json)")
+            # (a folder of JSONL or Parquet files was told only what it is not)
+            raise DDTreeError(f"{path}: not a saved `datasets` folder (no state.json or dataset_dict.json); give one "
+                              ".jsonl or .parquet file (the files of a folder joined into one) or a folder saved "
+                              "with datasets' save_to_disk")
         state = path / "state.json"
         if state.exists() and not json.loads(state.read_text()).get("_data_files"):
             raise DDTreeError(f"{source}: no conversations in it")  # a dataset of no rows: load_from_disk's IndexError

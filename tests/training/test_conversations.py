@@ -832,6 +832,20 @@ def test_load_conversations_from_jsonl_parquet_and_saved_dataset(tmp_path):
         load_conversations(tmp_path / "nomessages")
 
 
+def test_a_folder_of_jsonl_files_is_refused_with_what_to_give_instead(tmp_path):
+    """A user's data as a folder of several JSONL files was refused with only what it is not ("not a saved `datasets`
+    folder"): the error now says what the data path takes."""
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    for name in ("a.jsonl", "b.jsonl"):
+        write_lines(folder / name, [json.dumps({"messages": CONVERSATION[:2]})])
+    with pytest.raises(DDTreeError) as refused:
+        load_conversations(folder)
+    assert str(refused.value) == (f"{folder}: not a saved `datasets` folder (no state.json or dataset_dict.json); "
+                                  "give one .jsonl or .parquet file (the files of a folder joined into one) or a "
+                                  "folder saved with datasets' save_to_disk")
+
+
 def test_a_hub_dataset_that_cannot_be_loaded_is_one_line_with_the_first_line_of_the_cause(tmp_path, monkeypatch):
     """datasets' errors put the cause first and a long hint (or a chained traceback's text) after it: the one line
     must keep the cause, which says whether it was the network, the name or the format."""

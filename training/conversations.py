@@ -212,7 +212,9 @@ def load_conversations(source: str | Path, messages_only: bool = False) -> list[
 # 7: a last reply that a template renders after other text than decoding's prompt (Mistral-7B-Instruct-v0.3's system
 # prompt, in the last user turn only) is trained after that prompt, its space joined to its first token, the earlier
 # replies context only (it was the render, without the system prompt, and "Ġ" + "Une"); the shipped data is the same.
-TOKENIZATION_VERSION = 7
+# 8: response_ids past the tokenizer's vocabulary (another tokenizer's) are refused as unaligned: they decoded to the
+# reply's text all the same (decode drops them), and a cache holding them stopped every training at the embedding.
+TOKENIZATION_VERSION = 8
 
 
 # What to give instead of a target whose tokenizer has no chat template (a base model's) or whose template refuses a
@@ -427,6 +429,12 @@ def render_generated(tokenizer, record: dict, eot: str) -> tuple[list[int], list
     if not messages or messages[-1]["role"] != "assistant":
         raise DDTreeError("it has response_ids but does not end with an assistant turn for them to answer; drop the "
                           "field, or regenerate the data")
+    past = [i for i in reply if i >= len(tokenizer)]  # decode drops them without a word: the reply's text matched,
+    # and the target's embedding lookup stopped training with an IndexError traceback
+    if past:
+        raise DDTreeError(f"its response_ids hold id {past[0]}, past the {len(tokenizer)} tokens of the target's "
+                          "tokenizer (ids another tokenizer wrote?); drop the response_ids field or regenerate the "
+                          "data with this target")
     if tokenizer.decode(reply, skip_special_tokens=True) != messages[-1]["content"]:
         raise DDTreeError("its response_ids do not decode to its last assistant turn (edited text?); drop the "
                           "response_ids field or regenerate it")

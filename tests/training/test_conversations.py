@@ -985,6 +985,24 @@ def test_response_ids_that_do_not_decode_to_the_reply_are_skipped_and_counted_na
         tokenize_conversations(smol_tokenizer, load_conversations(jsonl)[2:], 500, 1, str(jsonl))
 
 
+def test_response_ids_past_the_tokenizers_vocabulary_are_skipped_and_counted(smol_tokenizer, tmp_path):
+    """An id past the tokenizer's vocabulary (another tokenizer's added token) decodes to nothing, so the reply's
+    text matched and the conversation was kept: training then stopped at the target's embedding with an IndexError
+    traceback. Such a conversation is now one the loss mask cannot follow."""
+    text = "Rivers flow to the sea."
+    ids = smol_tokenizer(text, add_special_tokens=False)["input_ids"]
+    foreign = {"id": "f", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": text}],
+               "response_ids": ids[:2] + [len(smol_tokenizer) + 8] + ids[2:]}
+    assert smol_tokenizer.decode(foreign["response_ids"], skip_special_tokens=True) == text  # what let it through
+    jsonl = write_lines(tmp_path / "foreign.jsonl", [json.dumps(foreign)])
+    with pytest.raises(DDTreeError) as refused:
+        tokenize_conversations(smol_tokenizer, load_conversations(jsonl), 500, 1, str(jsonl))
+    assert str(refused.value) == (
+        f"{jsonl}: no conversation could be rendered with its loss mask; the first, 'f' ({jsonl}:1): its response_ids "
+        f"hold id {len(smol_tokenizer) + 8}, past the {len(smol_tokenizer)} tokens of the target's tokenizer (ids "
+        "another tokenizer wrote?); drop the response_ids field or regenerate the data with this target")
+
+
 def test_a_reply_with_exactly_min_supervised_tokens_cut_by_max_length_is_counted_as_cut_away_by_truncation(
         smol_tokenizer):
     """A reply at the data.min_supervised_tokens bound is kept whole (the bound is the fewest kept), so where

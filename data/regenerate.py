@@ -70,7 +70,7 @@ from pathlib import Path
 
 from ddtree.arguments import DEVICE_HELP
 from ddtree.calibration import weights_fingerprint
-from ddtree.errors import CommandParser, DDTreeError, command, error_line
+from ddtree.errors import CommandParser, DDTreeError, command
 from ddtree.files import (atomic_file, iter_json_lines, path_argument, read_yaml_mapping, staged_folder,
                           unwritable_as_error, write_text_atomic)
 from ddtree.inputs import prompt_messages  # the prompt readers' rule, one for all (free of torch: --check uses it)
@@ -593,10 +593,7 @@ def check_prompts_render(target: str, records: list[dict]) -> None:
     """Every prompt of the job rendered with the target's tokenizer alone, before its weights load: a prompt its chat
     template refuses stopped the job only when its chunk came up, after the target had loaded and the chunks before
     it were generated (hours, on a CPU). One line: the first refusal (file:line), and how many of the prompts."""
-    try:
-        tokenizer = load_tokenizer(target)
-    except (OSError, ValueError) as error:  # a folder without a tokenizer transformers reads, as load_target says it
-        raise DDTreeError(f"could not load target {target!r}: {error_line(error)}") from error
+    tokenizer = load_tokenizer(target)  # a folder without a tokenizer transformers reads: one line, as load_target's
     check_chat_template(tokenizer, records[0]["where"], CHAT_TARGET)
     refusals = []
     for record in records:

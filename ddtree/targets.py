@@ -32,7 +32,7 @@ from safetensors import SafetensorError
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel,
                           PreTrainedTokenizerBase)
 
-from .errors import DDTreeError
+from .errors import DDTreeError, error_line
 from .files import WriteFailed, cache_dir, cache_setting, staged_folder, staging_pattern, why_unwritable
 from .names import DTYPE_NAMES
 
@@ -356,7 +356,17 @@ def load_tokenizer(name_or_path: str, source: str | None = None) -> PreTrainedTo
     0.3-0.6 s each on the 2-core EPYC; a folder whose tokenizer files change on disk is read again.
     `source` is resolve_target(name_or_path) where the caller has it already."""
     source = resolve_target(name_or_path) if source is None else source
-    return _tokenizer_for(source, _folder_state(source))
+    try:
+        return _tokenizer_for(source, _folder_state(source))
+    # A folder without its tokenizer's files: transformers' first line ends mid-sentence ("Couldn't instantiate the
+    # backend tokenizer from one of:"), naming neither the tokenizer's files nor what to do.
+    except (OSError, ValueError) as error:
+        remedy = ("copy them in from the model it was saved from" if Path(source).is_dir() else
+                  "download the whole model where there is internet (a Hub id cached in part)")
+        raise DDTreeError(f"could not load target {name_or_path!r}: its tokenizer could not be read "
+                          f"({error_line(error).rstrip(' :')}): a target needs its tokenizer's files beside its "
+                          "config.json (tokenizer.json, or tokenizer_config.json and the vocabulary files it names); "
+                          f"{remedy}") from error
 
 
 def load_target(
@@ -369,6 +379,8 @@ def load_target(
     try:
         tokenizer = load_tokenizer(name_or_path, source)
         model, loading = from_pretrained_masked(source, dtype, name_or_path, say)
+    except DDTreeError:  # a line already (load_tokenizer's)
+        raise
     # A folder that is not a whole causal LM: missing or cut-short files (OSError, SafetensorError), an architecture
     # or tokenizer transformers does not know (ValueError), weights of other shapes (RuntimeError).
     except (OSError, ValueError, RuntimeError, SafetensorError) as error:

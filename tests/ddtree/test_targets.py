@@ -346,6 +346,25 @@ def test_a_target_folder_without_config_json_is_one_line_that_says_so(tmp_path):
         resolve_target(str(folder))
 
 
+def test_a_target_folder_without_its_tokenizer_is_one_line_naming_the_tokenizer(tmp_path):
+    """A folder saved with model.save_pretrained alone: transformers' first line stopped mid-sentence ("Couldn't
+    instantiate the backend tokenizer from one of:"), naming neither the tokenizer's files nor what to do."""
+    folder = tmp_path / "no-tokenizer"
+    shutil.copytree(resolve_target("tiny-random"), folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).unlink()
+    with pytest.raises(DDTreeError) as error:
+        ddtree.targets.load_target(str(folder))
+    assert str(error.value).startswith(f"could not load target '{folder}': its tokenizer could not be read (")
+    assert str(error.value).endswith("a target needs its tokenizer's files beside its config.json (tokenizer.json, "
+                                     "or tokenizer_config.json and the vocabulary files it names); copy them in from "
+                                     "the model it was saved from")
+    assert "\n" not in str(error.value) and ": )" not in str(error.value)
+    # training reads the tokenizer first, through load_tokenizer alone: it stopped with ValueError's traceback
+    with pytest.raises(DDTreeError, match="its tokenizer could not be read"):
+        ddtree.targets.load_tokenizer(str(folder))
+
+
 def test_a_hub_target_in_the_local_cache_is_used_offline(tmp_path, monkeypatch):
     """A cluster without internet that downloaded its target beforehand (HF_HUB_OFFLINE=1) trains and decodes on it."""
     snapshot = tmp_path / "hub" / "models--someone--cached" / "snapshots" / ("a" * 40)  # the Hub cache's layout

@@ -345,6 +345,15 @@ def _folder_state(source: str) -> tuple:
     return tuple(sorted((entry.name, stat.st_size, stat.st_mtime_ns) for entry in files for stat in [entry.stat()]))
 
 
+def damaged_conversion_remedy(name_or_path: str, source: str) -> str | None:
+    """What to do where a built-in target's folder in the cache does not load (a copy of the cache cut short, a file
+    of it removed): the error named neither that folder nor that the cache makes it again once deleted. None for a
+    user's own target."""
+    if name_or_path not in BUILTIN_TARGETS and name_or_path != TINY_TARGET:
+        return None
+    return f"its folder in the cache, {source}, is damaged: delete that folder and run again to make it anew"
+
+
 @functools.lru_cache(maxsize=8)
 def _tokenizer_for(source: str, folder_state: tuple) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(source)
@@ -361,8 +370,9 @@ def load_tokenizer(name_or_path: str, source: str | None = None) -> PreTrainedTo
     # A folder without its tokenizer's files: transformers' first line ends mid-sentence ("Couldn't instantiate the
     # backend tokenizer from one of:"), naming neither the tokenizer's files nor what to do.
     except (OSError, ValueError) as error:
-        remedy = ("copy them in from the model it was saved from" if Path(source).is_dir() else
-                  "download the whole model where there is internet (a Hub id cached in part)")
+        remedy = (damaged_conversion_remedy(name_or_path, source) or
+                  ("copy them in from the model it was saved from" if Path(source).is_dir() else
+                   "download the whole model where there is internet (a Hub id cached in part)"))
         raise DDTreeError(f"could not load target {name_or_path!r}: its tokenizer could not be read "
                           f"({error_line(error).rstrip(' :')}): a target needs its tokenizer's files beside its "
                           "config.json (tokenizer.json, or tokenizer_config.json and the vocabulary files it names); "
@@ -385,7 +395,9 @@ def load_target(
     # or tokenizer transformers does not know (ValueError), weights of other shapes (RuntimeError).
     except (OSError, ValueError, RuntimeError, SafetensorError) as error:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise DDTreeError(f"could not load target {name_or_path!r}: {first_line}") from error
+        remedy = damaged_conversion_remedy(name_or_path, source)
+        raise DDTreeError(f"could not load target {name_or_path!r}: {first_line}"
+                          f"{'; ' + remedy if remedy else ''}") from error
     missing = sorted(loading["missing_keys"])
     if missing:  # transformers fills them with random values and goes on (a drafter folder given as the target)
         shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")

@@ -365,6 +365,23 @@ def test_a_target_folder_without_its_tokenizer_is_one_line_naming_the_tokenizer(
         ddtree.targets.load_tokenizer(str(folder))
 
 
+@pytest.mark.parametrize("damaged", ["model.safetensors", "tokenizer.json"])
+def test_a_built_in_targets_damaged_folder_in_the_cache_names_it_and_says_to_delete_it(tmp_path, monkeypatch,
+                                                                                         damaged):
+    """A copy of the cache cut short: the line gave safetensors' or transformers' words alone, naming neither the
+    cache folder nor that deleting it makes it again (the tokenizer's advised copying files in from a model)."""
+    folder = tmp_path / "cache" / "targets" / "tiny-random"
+    shutil.copytree(resolve_target("tiny-random"), folder)
+    (folder / damaged).write_bytes((folder / damaged).read_bytes()[:1000])
+    monkeypatch.setattr(ddtree.targets, "resolve_target", lambda name, say=None: str(folder))
+    with pytest.raises(DDTreeError) as error:
+        ddtree.targets.load_target("tiny-random")
+    assert str(error.value).startswith("could not load target 'tiny-random': ")
+    assert str(error.value).endswith(f"its folder in the cache, {folder}, is damaged: delete that folder and run "
+                                     "again to make it anew")
+    assert "\n" not in str(error.value)
+
+
 def test_a_hub_target_in_the_local_cache_is_used_offline(tmp_path, monkeypatch):
     """A cluster without internet that downloaded its target beforehand (HF_HUB_OFFLINE=1) trains and decodes on it."""
     snapshot = tmp_path / "hub" / "models--someone--cached" / "snapshots" / ("a" * 40)  # the Hub cache's layout

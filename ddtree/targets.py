@@ -366,17 +366,26 @@ def load_tokenizer(name_or_path: str, source: str | None = None) -> PreTrainedTo
     `source` is resolve_target(name_or_path) where the caller has it already."""
     source = resolve_target(name_or_path) if source is None else source
     try:
-        return _tokenizer_for(source, _folder_state(source))
+        tokenizer = _tokenizer_for(source, _folder_state(source))
     # A folder without its tokenizer's files: transformers' first line ends mid-sentence ("Couldn't instantiate the
     # backend tokenizer from one of:"), naming neither the tokenizer's files nor what to do.
     except (OSError, ValueError) as error:
-        remedy = (damaged_conversion_remedy(name_or_path, source) or
-                  ("copy them in from the model it was saved from" if Path(source).is_dir() else
-                   "download the whole model where there is internet (a Hub id cached in part)"))
-        raise DDTreeError(f"could not load target {name_or_path!r}: its tokenizer could not be read "
-                          f"({error_line(error).rstrip(' :')}): a target needs its tokenizer's files beside its "
-                          "config.json (tokenizer.json, or tokenizer_config.json and the vocabulary files it names); "
-                          f"{remedy}") from error
+        raise DDTreeError(tokenizer_unreadable(name_or_path, source, error_line(error).rstrip(" :"))) from error
+    # Or, for some families (Qwen's), a tokenizer of its special tokens alone, made from no files: every prompt and
+    # reply read as no tokens at all ("the prompt is empty", for a prompt given).
+    if len(tokenizer) <= len(tokenizer.all_special_ids):
+        raise DDTreeError(tokenizer_unreadable(
+            name_or_path, source, f"transformers made one that holds special tokens alone, {len(tokenizer)} in all"))
+    return tokenizer
+
+
+def tokenizer_unreadable(name_or_path: str, source: str, why: str) -> str:
+    remedy = (damaged_conversion_remedy(name_or_path, source) or
+              ("copy them in from the model it was saved from" if Path(source).is_dir() else
+               "download the whole model where there is internet (a Hub id cached in part)"))
+    return (f"could not load target {name_or_path!r}: its tokenizer could not be read ({why}): a target needs its "
+            "tokenizer's files beside its config.json (tokenizer.json, or tokenizer_config.json and the vocabulary "
+            f"files it names); {remedy}")
 
 
 def load_target(

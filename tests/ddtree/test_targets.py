@@ -365,6 +365,20 @@ def test_a_target_folder_without_its_tokenizer_is_one_line_naming_the_tokenizer(
         ddtree.targets.load_tokenizer(str(folder))
 
 
+def test_a_qwen_target_folder_without_its_tokenizer_is_refused_not_read_as_no_tokens(tmp_path):
+    """For Qwen's families transformers makes a tokenizer of one special token from no files at all: every prompt
+    was no tokens ("the prompt is empty", for a prompt given), and a training set's replies empty."""
+    folder = tmp_path / "qwen"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    with pytest.raises(DDTreeError) as error:
+        ddtree.targets.load_tokenizer(str(folder))
+    assert str(error.value) == (
+        f"could not load target '{folder}': its tokenizer could not be read (transformers made one that holds special "
+        "tokens alone, 1 in all): a target needs its tokenizer's files beside its config.json (tokenizer.json, or "
+        "tokenizer_config.json and the vocabulary files it names); copy them in from the model it was saved from")
+
+
 @pytest.mark.parametrize("damaged", ["model.safetensors", "tokenizer.json"])
 def test_a_built_in_targets_damaged_folder_in_the_cache_names_it_and_says_to_delete_it(tmp_path, monkeypatch,
                                                                                          damaged):

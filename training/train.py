@@ -313,7 +313,10 @@ RUN_NAME_ENV = "DDTREE_RUN_NAME"  # the run folder name, handed to the processes
 def run_name(requested: str | None) -> str | None:
     """The run folder's name, the same in every process of a launch; None for a new timestamped folder
     (stamped_run_folder), which a single process makes."""
-    if requested is not None and (Path(requested).name != requested or requested in ("", "..")):  # "a/b", ".", ".."
+    if requested is not None and (not requested or requested.strip() != requested):  # '' and ' ' (a folder ' ')
+        raise DDTreeError(f"--run {requested!r}: a run's name is empty or starts or ends with a space; give a name "
+                          "such as try1, or leave --run out for a timestamped folder")
+    if requested is not None and (Path(requested).name != requested or requested == ".."):  # "a/b", ".", ".."
         raise DDTreeError(f"--run {requested!r}: a run's name is one folder name, made under <output-root>/<recipe>/; "
                           "give a name without '/' (--output-root puts runs elsewhere)")
     if requested:

@@ -113,6 +113,11 @@ def config_arg(config: Path, overrides: list[str]) -> str:
     recorded_null = [key for key in LIGHTNING_OPTIMIZER_SECTIONS if key in settings]
     for key in recorded_null:
         del settings[key]
+    # A section left with no fields (`data:` alone) is YAML's null, which jsonargparse took as the group with no
+    # values at all, not its defaults: a traceback (data), a missing key (model, eval), no save_last (checkpoint)
+    emptied = [section for section in RECIPE_SECTIONS if section in settings and settings[section] is None]
+    for section in emptied:
+        settings[section] = {}
     trainer = settings.get("trainer") or {}
     override = field_override(overrides, "trainer.precision")
     if override == AUTO:
@@ -124,7 +129,7 @@ def config_arg(config: Path, overrides: list[str]) -> str:
                                  f"{', '.join(LIGHTNING_PRECISION.values())} (or another of Lightning's precisions), "
                                  f"or drop the override{keep}")
     if trainer.get("precision") != AUTO:
-        return yaml.safe_dump(settings, sort_keys=False) if recorded_null else str(config)
+        return yaml.safe_dump(settings, sort_keys=False) if recorded_null or emptied else str(config)
     if override is None:
         # The device the run trains on: an accelerator override's, else the recipe's (a CPU recipe given
         # --trainer.accelerator=gpu trains on the GPU, and got the host CPU's choice)

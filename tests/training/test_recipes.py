@@ -384,6 +384,17 @@ def test_a_recipe_section_given_a_value_is_one_line_naming_the_file_and_the_sect
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.yaml"]
 
 
+@pytest.mark.parametrize("section", training.recipe.RECIPE_SECTIONS)
+def test_a_section_left_without_fields_takes_the_defaults_as_an_empty_mapping_does(tmp_path, section):
+    """A copy of tiny.yaml with a section's fields removed (`data:` alone, YAML's null) lost the group's defaults: an
+    AttributeError's traceback for data.num_workers, `Key "model.target" not found in namespace`, no save_last."""
+    text = (RECIPES_DIR / "tiny.yaml").read_text().replace("precision: auto", "precision: 32-true")
+    for name, value in (("emptied", ""), ("mapping", " {}")):
+        (tmp_path / f"{name}.yaml").write_text(re.sub(rf"\n{section}:.*\n(  .*\n)+", f"\n{section}:{value}\n", text))
+    emptied, mapping = read_recipe(tmp_path / "emptied.yaml", []), read_recipe(tmp_path / "mapping.yaml", [])
+    assert vars(mapping)[section] is not None and vars(emptied)[section] == vars(mapping)[section]
+
+
 def test_a_section_added_again_to_a_copy_of_a_recipe_is_refused_not_swapped_for_the_first(tmp_path):
     """The copy's second `model:` replaced the first whole: target smollm2-135m, default layers and anchors."""
     recipe = tmp_path / "mine.yaml"

@@ -129,7 +129,9 @@ def config_arg(config: Path, overrides: list[str]) -> str:
                                  f"{', '.join(LIGHTNING_PRECISION.values())} (or another of Lightning's precisions), "
                                  f"or drop the override{keep}")
     if trainer.get("precision") != AUTO:
-        return yaml.safe_dump(settings, sort_keys=False) if recorded_null or emptied else str(config)
+        # an empty file (or comments alone) is the empty recipe read_yaml_mapping reads; jsonargparse read the file
+        # itself as no config at all ("Unexpected config")
+        return yaml.safe_dump(settings, sort_keys=False) if recorded_null or emptied or not settings else str(config)
     if override is None:
         # The device the run trains on: an accelerator override's, else the recipe's (a CPU recipe given
         # --trainer.accelerator=gpu trains on the GPU, and got the host CPU's choice)

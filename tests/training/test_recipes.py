@@ -395,6 +395,15 @@ def test_a_section_left_without_fields_takes_the_defaults_as_an_empty_mapping_do
     assert vars(mapping)[section] is not None and vars(emptied)[section] == vars(mapping)[section]
 
 
+@pytest.mark.parametrize("text", ["", "# model:\n#   target: tiny-random\n"])
+def test_an_empty_recipe_file_reads_as_the_empty_mapping_does(tmp_path, text):
+    """An emptied file, or one of comments alone, was `mine.yaml: Unexpected config` (jsonargparse read it as no config)
+    while `{}` read as every default."""
+    (tmp_path / "mine.yaml").write_text(text)
+    (tmp_path / "mapping.yaml").write_text("{}\n")
+    assert read_recipe(tmp_path / "mine.yaml", []) == read_recipe(tmp_path / "mapping.yaml", [])
+
+
 def test_a_section_added_again_to_a_copy_of_a_recipe_is_refused_not_swapped_for_the_first(tmp_path):
     """The copy's second `model:` replaced the first whole: target smollm2-135m, default layers and anchors."""
     recipe = tmp_path / "mine.yaml"

@@ -45,3 +45,19 @@ def test_an_empty_out_is_one_usage_line(capsys, name, argv):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "argument --out: expected a path, got an empty string" in err, err
+
+
+@pytest.mark.parametrize("name", ["training.train", "training.ablate"])
+def test_an_output_root_is_a_path_flag_empty_refused_and_its_tilde_expanded(capsys, monkeypatch, tmp_path, name):
+    """`--output-root=~/runs` (a ~ no shell expands) split a run between ./~/runs (checkpoints, config, drafter) and
+    Lightning's ~/runs (eval, report, logs); an empty one (`--output-root "$UNSET"`) trained into the working folder."""
+    from training.arguments import ablate_parser, train_parser
+
+    with pytest.raises(SystemExit) as exit_:
+        command_main(name)(["--recipe", "no-such-recipe", "--output-root", ""])  # (so nothing trains if it is taken)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "argument --output-root: expected a path, got an empty string" in err, err
+    monkeypatch.setenv("HOME", str(tmp_path))
+    parser = {"training.train": train_parser, "training.ablate": ablate_parser}[name]()
+    assert parser.parse_known_args(["--output-root=~/runs"])[0].output_root == str(tmp_path / "runs")

@@ -160,7 +160,10 @@ def train_parser() -> argparse.ArgumentParser:
     parser.add_argument("--run", "--run-name", dest="run", default=None,
                         help="a new run's folder name, the same on every node (default: a timestamp, or slurm-<job id>); "
                              "not with --resume, which continues its run's own folder")
-    parser.add_argument("--output-root", default="outputs", help="runs go to <output-root>/<recipe>/<run>/")
+    # path_argument: `--output-root=~/runs` (no shell expands that ~) split the run between ./~/runs (checkpoints,
+    # config, drafter) and Lightning's ~/runs (eval, report, logs); an empty one trained into the working folder
+    parser.add_argument("--output-root", type=path_argument, default="outputs",
+                        help="runs go to <output-root>/<recipe>/<run>/")
     return parser
 
 
@@ -209,7 +212,7 @@ def ablate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--minutes", type=float, default=None, help="wall-time budget per variant (trainer.max_time)")
     parser.add_argument("--eval-limit", type=int, default=None, help="held-out prompts in the final evaluation")
     parser.add_argument("--eval-max-new-tokens", type=int, default=None)
-    parser.add_argument("--output-root", default="outputs")
+    parser.add_argument("--output-root", type=path_argument, default="outputs")  # as training.train's
     return parser
 
 

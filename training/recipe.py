@@ -510,5 +510,5 @@ def read_recipe(config: Path, overrides: list[str]) -> Namespace:
     with recipe_errors(config), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
         return RecipeReader(DistillModule, DistillDataModule, save_config_callback=None,
-                            parser_kwargs={"exit_on_error": False}, run=False,
+                            parser_kwargs={"exit_on_error": False, "allow_abbrev": False}, run=False,  # as build_cli's
                             args=["--config", config_arg(config, overrides), *parser_overrides(overrides)]).config

@@ -126,7 +126,9 @@ def build_cli(config: Path, run_dir: Path, overrides: list[str], checkpoint: Pat
             DistillDataModule,
             save_config_callback=None,  # written by hand below, to the run folder, atomically
             seed_everything_default=0,
-            parser_kwargs={"exit_on_error": False},
+            # allow_abbrev: `--checkpoint.dirpat=x` was taken as checkpoint.dirpath, past check_checkpoint_settings,
+            # and the run's checkpoints went to x (its resume found none); the recipe's own typos are refused
+            parser_kwargs={"exit_on_error": False, "allow_abbrev": False},
             args=["--config", config_arg(config, overrides), *run_location_args(run_dir), *parser_overrides(overrides)],
             run=False,
             resuming=checkpoint is not None,

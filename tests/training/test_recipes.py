@@ -190,6 +190,21 @@ def test_lightnings_own_optimizer_options_are_refused_in_one_line(overrides, tmp
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("abbreviated", ["--checkpoint.dirpat={}", "--model.num_layer=2"])
+def test_an_abbreviated_recipe_override_is_refused_as_unknown(abbreviated, tmp_path, capsys):
+    """jsonargparse took `--checkpoint.dirpat=x` for checkpoint.dirpath, past the refusal of that field, and the run's
+    checkpoints went to x (its resume found none there); a recipe's own `num_layer:` was refused, an override taken."""
+    override = abbreviated.format(tmp_path / "elsewhere")
+    assert main(["--recipe", "tiny", override, "--trainer.max_steps=1", "--eval.limit=1",
+                 "--output-root", str(tmp_path / "out")]) == 2
+    errors = error_lines(capsys)
+    assert errors == [f"error: unrecognized arguments on the command line: {override}; see {CommandParser().prog} "
+                      "--help"], errors
+    assert not any(tmp_path.iterdir())
+    with pytest.raises(DDTreeError, match=f"unrecognized arguments on the command line: {override};"):
+        read_recipe(RECIPES_DIR / "tiny.yaml", [override])
+
+
 @pytest.mark.parametrize("abbreviated", [["--output", "mine"], ["--run-n", "mine"], ["--resu", "last"]])
 def test_an_abbreviated_option_is_refused_as_unknown(abbreviated, tmp_path, monkeypatch, capsys):
     """argparse took --output for --output-root and --run-n for --run-name: recipes/slurm.sbatch refuses the run-folder

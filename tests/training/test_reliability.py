@@ -1750,23 +1750,20 @@ def test_an_output_root_that_is_a_file_is_one_line(tmp_path, capsys):
     assert afile.read_text() == "mine"
 
 
-@pytest.mark.parametrize("name", ["../../escaped", "a/b", ".."])
-def test_a_run_name_that_is_not_one_folder_name_is_one_line(tmp_path, capsys, name):
-    """`--run ../../escaped` wrote the run two folders above <output-root>/<recipe>/, beside the user's own files."""
-    assert train_main(tiny_args(tmp_path, name, max_steps=2)) == 2
-    (line,) = error_lines(capsys)
-    assert line == (f"error: --run {name!r}: a run's name is one folder name, made under <output-root>/<recipe>/; "
-                    "give a name without '/' (--output-root puts runs elsewhere)")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["conversations.jsonl"]
+NOT_ONE_FOLDER = ("a run's name is one folder name, made under <output-root>/<recipe>/; give a name without '/' "
+                  "(--output-root puts runs elsewhere)")
+BLANK = "a run's name is empty or starts or ends with a space; give a name such as try1, or leave --run out for a " \
+        "timestamped folder"
 
 
-@pytest.mark.parametrize("name", ["", " ", "try1 "])
-def test_an_empty_or_blank_run_name_is_one_line(tmp_path, capsys, name):
-    """`--run ' '` trained into a folder named with a single space; `--run ''` was told to give a name without '/'."""
+@pytest.mark.parametrize("name, said", [("../../escaped", NOT_ONE_FOLDER), ("a/b", NOT_ONE_FOLDER),
+                                        ("..", NOT_ONE_FOLDER), ("", BLANK), (" ", BLANK), ("try1 ", BLANK)])
+def test_a_run_name_that_is_not_one_folder_name_or_is_blank_is_one_line(tmp_path, capsys, name, said):
+    """`--run ../../escaped` wrote the run two folders above <output-root>/<recipe>/, beside the user's own files;
+    `--run ' '` trained into a folder named with a single space, and `--run ''` was told to give a name without '/'."""
     assert train_main(tiny_args(tmp_path, name, max_steps=2)) == 2
     (line,) = error_lines(capsys)
-    assert line == (f"error: --run {name!r}: a run's name is empty or starts or ends with a space; give a name such "
-                    "as try1, or leave --run out for a timestamped folder")
+    assert line == f"error: --run {name!r}: {said}"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["conversations.jsonl"]
 
 

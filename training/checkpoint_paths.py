@@ -257,7 +257,7 @@ def why_no_best(run_dir: Path) -> str:
     so: it was ranked and saved, and a failed save sent the user looking for a full disk."""
     best = run_dir / "checkpoints" / "best.ckpt"
     if best.is_symlink() and not best.exists():
-        return f"it links to {os.readlink(best)}, which is gone: deleted or moved since the run ranked it"
+        return f"{why_unreadable(best)}: deleted or moved since the run ranked it"
     if any((run_dir / "eval").glob("step-*.json")):
         if configured_top_k(run_dir) == 0:
             return "the run evaluated steps but kept none as best: checkpoint.save_top_k 0 keeps last.ckpt only"

@@ -36,7 +36,7 @@ import sys
 from pathlib import Path
 
 from ddtree.errors import CommandParser, DDTreeError, command
-from ddtree.files import atomic_file, check_output_file
+from ddtree.files import atomic_file, check_output_file, path_type
 
 SHIPPED_PYTHON = (3, 11)  # the Python whose standard library wrote the shipped files (3.11.7, data/README.md)
 SHIPPED_FILES = {Path(__file__).resolve().parent / "eval_prompts.jsonl",
@@ -521,8 +521,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-coding", type=int, default=2400, help="training coding prompts")
     parser.add_argument("--num-chat", type=int, default=1600, help="training chat prompts")
     parser.add_argument("--num-eval", type=int, default=40, help="evaluation prompts (half coding, half chat)")
-    parser.add_argument("--train-out", type=Path, default=Path("data/prompts/train_prompts.jsonl"))
-    parser.add_argument("--eval-out", type=Path, default=Path("data/eval_prompts.jsonl"))
+    parser.add_argument("--train-out", type=path_type, default=Path("data/prompts/train_prompts.jsonl"))
+    parser.add_argument("--eval-out", type=path_type, default=Path("data/eval_prompts.jsonl"))
     parser.add_argument("--overwrite", action="store_true", help="replace output files that hold other prompts")
     args = parser.parse_args(argv)
     for flag, count, least in (("--num-coding", args.num_coding, 0), ("--num-chat", args.num_chat, 0),

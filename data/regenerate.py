@@ -71,7 +71,7 @@ from pathlib import Path
 from ddtree.arguments import DEVICE_HELP
 from ddtree.calibration import weights_fingerprint
 from ddtree.errors import CommandParser, DDTreeError, command
-from ddtree.files import (atomic_file, iter_json_lines, path_argument, read_yaml_mapping, staged_folder,
+from ddtree.files import (atomic_file, iter_json_lines, path_type, read_yaml_mapping, staged_folder,
                           unwritable_as_error, write_text_atomic)
 from ddtree.inputs import prompt_messages  # the prompt readers' rule, one for all (free of torch: --check uses it)
 from ddtree.names import DTYPE_NAMES
@@ -85,11 +85,11 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 def build_parser() -> argparse.ArgumentParser:
     p = CommandParser(description=__doc__.splitlines()[0])
-    p.add_argument("--recipe", type=Path, default=None,
+    p.add_argument("--recipe", type=path_type, default=None,
                    help="a training recipe (its name, or a YAML file): --target and --target-adapter default to its "
                    "model.target and model.target_adapter, --out to its data.data_path, the other options to its "
                    "data.regenerate section")
-    p.add_argument("--for-recipe", type=Path, default=None, metavar="RECIPE",
+    p.add_argument("--for-recipe", type=path_type, default=None, metavar="RECIPE",
                    help="the recipe (its name, or a YAML file) this job writes for, without taking its settings "
                    "as --recipe does (training's --check gives them all as flags, and names it only where they are "
                    "the recipe file's own): its own data.data_path is not refused as another recipe's, and a refusal "
@@ -98,8 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-adapter", default=None,
                    help="PEFT adapter folder merged into --target before it writes (a recipe's model.target_adapter); "
                    "the data records its path and sha256, and the transformers backend writes")
-    p.add_argument("--prompts", type=Path, default=Path("data/prompts/train_prompts.jsonl"))
-    p.add_argument("--out", type=lambda text: Path(path_argument(text)), default=None, help="output `datasets` folder (chunks go to <out>.parts)")
+    p.add_argument("--prompts", type=path_type, default=Path("data/prompts/train_prompts.jsonl"))
+    p.add_argument("--out", type=path_type, default=None, help="output `datasets` folder (chunks go to <out>.parts)")
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (evaluation decodes at T=0)")

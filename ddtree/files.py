@@ -204,6 +204,17 @@ def path_argument(text: str) -> str:
     return os.path.expanduser(text)
 
 
+def path_type(text: str) -> Path:
+    """path_argument as a Path, for the flags whose command reads a Path."""
+    return Path(path_argument(text))
+
+
+def home_expanded(text: str) -> str:
+    """argparse type of a flag that takes a path or a word ('last', 'best'): a leading `~` is the home folder, as
+    path_argument makes it, where an empty value is left to the command's own error (it names the words to give)."""
+    return os.path.expanduser(text)
+
+
 def not_a_file(path: str | Path, pipe_ok: bool = False) -> str | None:
     """Why an input file cannot be read, as the words an error puts after its path: "a folder, not a file", "not a
     regular file" (a device, a socket, or a pipe where pipe_ok is False: one read twice) or "no such file"; None for a

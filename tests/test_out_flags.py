@@ -14,7 +14,7 @@ import pytest
 DATA = Path(__file__).resolve().parents[1] / "data"
 
 
-def data_script(name: str):
+def data_module(name: str):
     spec = importlib.util.spec_from_file_location(f"out_flag_{name}", DATA / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.path.insert(0, str(DATA))
@@ -22,7 +22,11 @@ def data_script(name: str):
         spec.loader.exec_module(module)
     finally:
         sys.path.remove(str(DATA))
-    return module.main
+    return module
+
+
+def data_script(name: str):
+    return data_module(name).main
 
 
 def command_main(name: str):
@@ -61,3 +65,35 @@ def test_an_output_root_is_a_path_flag_empty_refused_and_its_tilde_expanded(caps
     monkeypatch.setenv("HOME", str(tmp_path))
     parser = {"training.train": train_parser, "training.ablate": ablate_parser}[name]()
     assert parser.parse_known_args(["--output-root=~/runs"])[0].output_root == str(tmp_path / "runs")
+
+
+@pytest.mark.parametrize("parser, flag", [
+    ("training.arguments:train_parser", "--resume"),
+    ("training.arguments:evaluate_parser", "--ckpt"),
+    ("training.arguments:evaluate_parser", "--run"),
+    ("training.arguments:evaluate_parser", "--output-root"),
+    ("training.arguments:publish_parser", "--ckpt"),
+    ("training.arguments:publish_parser", "--push-only"),
+    ("regenerate", "--prompts"),
+    ("regenerate", "--recipe"),
+    ("regenerate", "--for-recipe"),
+])
+def test_a_path_flags_tilde_is_the_home_folder(monkeypatch, tmp_path, parser, flag):
+    """`--run=~/runs/x` reaches the command with its ~ unexpanded (no shell expands it after `=`): evaluate said "no
+    such run folder" of a folder that was there, regenerate --prompts=~/p.jsonl "no such file"."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    if ":" in parser:
+        module, name = parser.split(":")
+        build = getattr(importlib.import_module(module), name)
+    else:
+        build = data_module(parser).build_parser
+    args = build().parse_known_args([f"{flag}=~/x"])[0]
+    assert str(getattr(args, flag.lstrip("-").replace("-", "_"))) == str(tmp_path / "x")
+
+
+def test_make_prompts_writes_to_the_home_folder_of_a_tilde(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)  # a ~ taken as a folder name would write under ./~/
+    assert data_script("make_prompts")(["--num-coding", "1", "--num-chat", "1", "--num-eval", "2",
+                                        "--train-out=~/train.jsonl", "--eval-out=~/eval.jsonl"]) == 0
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["eval.jsonl", "train.jsonl"]

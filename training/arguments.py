@@ -18,7 +18,7 @@ from typing import Callable
 
 from ddtree.arguments import DEVICE_HELP
 from ddtree.errors import CommandParser, DDTreeError, run_cli
-from ddtree.files import path_argument
+from ddtree.files import home_expanded, path_argument, path_type
 from ddtree.names import DTYPE_NAMES
 
 from .checkpoint_paths import check_run_folder, find_checkpoint, find_resume, find_run_checkpoint
@@ -153,7 +153,8 @@ def train_parser() -> argparse.ArgumentParser:
                                   "--model.num_layers=2, --data.batch_size=4): docs/training.md.")
     parser.add_argument("--recipe", default=None,
                         help=f"one of recipes/*.yaml (default: {DEFAULT_RECIPE}; a resumed run keeps its own)")
-    parser.add_argument("--resume", default=None,
+    # home_expanded and path_argument below: no shell expands the ~ of `--resume=~/runs/x` (it read "no such checkpoint")
+    parser.add_argument("--resume", type=home_expanded, default=None,
                         help="'last', a run folder (its newest readable checkpoint) or a checkpoint path: continue that "
                              "run exactly")
     # --run-name too: torchrun rejects any option spelled --run (an abbreviation of its --run-path)
@@ -188,10 +189,12 @@ def features_parser() -> argparse.ArgumentParser:
 def evaluate_parser() -> argparse.ArgumentParser:
     parser = CommandParser(description="Measure a saved checkpoint's DDTree acceptance exactly as training measured it.")
     parser.add_argument("--recipe", default=DEFAULT_RECIPE, help="one of recipes/*.yaml")
-    parser.add_argument("--ckpt", default="best",
+    parser.add_argument("--ckpt", type=home_expanded, default="best",
                         help="'best', 'last' (of --run, else of the recipe's newest run) or a .ckpt path")
-    parser.add_argument("--run", default=None, type=Path, help="the run folder whose --ckpt to measure (make eval RUN=)")
-    parser.add_argument("--output-root", default="outputs", help="where the recipe's runs are: <output-root>/<recipe>/")
+    parser.add_argument("--run", default=None, type=path_type,
+                        help="the run folder whose --ckpt to measure (make eval RUN=)")
+    parser.add_argument("--output-root", type=path_argument, default="outputs",
+                        help="where the recipe's runs are: <output-root>/<recipe>/")
     parser.add_argument("--limit", type=int, default=None, help="override eval.limit (the result then differs from training's)")
     parser.add_argument("--device", default=None, help=DEVICE_HELP)
     parser.add_argument("--out", type=path_argument, default=None,
@@ -222,7 +225,7 @@ def publish_parser() -> argparse.ArgumentParser:
     parser.add_argument("run", nargs="?", help="the run folder, outputs/<recipe>/<run>")
     parser.add_argument("--out", type=path_argument, help="the folder to write (an earlier export in it only with "
                         "--overwrite; refused if it holds anything else)")
-    parser.add_argument("--ckpt", default="best", help="best (default), last, or a checkpoint path")
+    parser.add_argument("--ckpt", type=home_expanded, default="best", help="best (default), last, or a checkpoint path")
     parser.add_argument("--speculators", action="store_true", help="add vLLM's speculators fields to config.json")
     parser.add_argument("--base-model", help="the target's Hub id, if the run named it otherwise (a folder)")
     parser.add_argument("--license", default="apache-2.0", help="card license; match the target's (e.g. llama3.1)")
@@ -236,7 +239,8 @@ def publish_parser() -> argparse.ArgumentParser:
                         help="create the Hub repo private (an existing public repo is refused, not changed)")
     parser.add_argument("--replace-repo", action="store_true",
                         help="push into an existing repo that holds files no export writes (they are deleted from it)")
-    parser.add_argument("--push-only", metavar="FOLDER", help="upload a finished export without exporting again")
+    parser.add_argument("--push-only", type=path_argument, metavar="FOLDER",
+                        help="upload a finished export without exporting again")
     return parser
 
 

@@ -142,9 +142,10 @@ def load_conversations(source: str | Path, messages_only: bool = False) -> list[
         return rows_to_records(table, where)
 
     if path.is_file():
-        if path.suffix in (".jsonl", ".json"):
+        suffix = path.suffix.lower()  # DATA.JSONL is a JSONL file (it was "unknown file type '.JSONL'")
+        if suffix in (".jsonl", ".json"):
             records = read_messages_jsonl(path)
-        elif path.suffix == ".parquet":
+        elif suffix == ".parquet":
             import pyarrow.parquet as pq
             from datasets import Dataset
 

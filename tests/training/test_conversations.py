@@ -809,13 +809,16 @@ def test_load_conversations_from_jsonl_parquet_and_saved_dataset(tmp_path):
     Dataset.from_list(rows).to_parquet(str(tmp_path / "c.parquet"))
     Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
     json_named = write_lines(tmp_path / "c.json", [json.dumps(r) for r in rows])  # JSONL as many tools name it
-    for source, where in ((jsonl, f"{jsonl}:{{}}"), (json_named, f"{json_named}:{{}}"),
+    upper = write_lines(tmp_path / "C.JSONL", [json.dumps(r) for r in rows])  # was "unknown file type '.JSONL'"
+    Dataset.from_list(rows).to_parquet(str(tmp_path / "C.PARQUET"))
+    for source, where in ((jsonl, f"{jsonl}:{{}}"), (json_named, f"{json_named}:{{}}"), (upper, f"{upper}:{{}}"),
                           (tmp_path / "c.parquet", f"{tmp_path / 'c.parquet'} row {{}}"),
+                          (tmp_path / "C.PARQUET", f"{tmp_path / 'C.PARQUET'} row {{}}"),
                           (tmp_path / "saved", f"{tmp_path / 'saved'} row {{}}")):
         records = load_conversations(source)
         assert [{k: v for k, v in r.items() if k != "where"} for r in records] == rows, source
         # where each record is, for what later finds fault with it (tokenize_conversations): lines from 1, rows from 0
-        lines = source in (jsonl, json_named)
+        lines = source in (jsonl, json_named, upper)
         assert [r["where"] for r in records] == [where.format(i + lines) for i in range(3)], source
     with pytest.raises(DDTreeError, match="no such file or folder"):
         load_conversations(tmp_path / "nothing-here")

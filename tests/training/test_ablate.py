@@ -160,6 +160,18 @@ def test_a_budget_or_variant_name_no_launch_could_use_is_one_line_before_any_tra
     assert not launched and not any(tmp_path.iterdir())
 
 
+def test_a_variant_name_with_odd_characters_is_refused_naming_them_and_a_name_that_works(tmp_path, capsys):
+    """`lr.high=--model.lr=1e-3` was refused with "give name=overrides, e.g. dpace=...": the user had given
+    name=overrides, and the line did not say the name's '.' was what it refused."""
+    assert main(["--recipe", "tiny", "--steps", "2", "--output-root", str(tmp_path),
+                 "--variant", "lr.high=--model.lr=1e-3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'lr.high' has '.'" in err[0] and "letters, digits, - and _" in err[0], err
+    assert err[0].endswith("e.g. lr_high=--model.lr=1e-3"), err
+    assert parse_variant("lr_high=--model.lr=1e-3") == ("lr_high", ["--model.lr=1e-3"])  # the suggestion is taken
+    assert not any(tmp_path.iterdir())
+
+
 def test_a_budget_past_a_day_is_lightnings_days_field(tmp_path, monkeypatch):
     launched = []
     monkeypatch.setattr(training.ablate, "train_main", lambda argv: launched.append(argv) or 2)

@@ -230,8 +230,13 @@ def find_run_checkpoint(run_dir: Path, spec: str) -> tuple[Path, str]:
     if spec in ("best", "last"):
         named = checkpoints / f"{spec}.ckpt"
         if not named.exists():
-            hint = "CKPT=last or a path" if spec == "best" else "a path to a checkpoint"
             why = f" ({why_no_best(run_dir)})" if spec == "best" else ""
+            if not run_checkpoints(run_dir):  # a run stopped before its first save (a loss gone NaN at step 1): "use
+                # CKPT=last or a path" sent the user to a last.ckpt that was not there either
+                raise DDTreeError(f"CKPT={spec}: {named} does not exist{why}, and the run saved no checkpoint at all: "
+                                  "there is none to measure or export; train it again")
+            last = spec == "best" and (checkpoints / "last.ckpt").exists()
+            hint = "CKPT=last or a path" if last else "a path to a checkpoint"
             raise DDTreeError(f"CKPT={spec}: {named} does not exist{why}; use {hint}")
         resolved = named.resolve()  # best.ckpt is a symlink to the chosen step-N checkpoint
         return resolved, spec if resolved.name == named.name else f"{spec} -> {resolved.name}"

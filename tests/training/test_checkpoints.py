@@ -166,6 +166,23 @@ def test_make_export_takes_best_last_or_a_path_of_one_run_and_says_which(tmp_pat
                                 "checkpoint")
 
 
+def test_make_eval_of_a_run_that_saved_no_checkpoint_does_not_send_the_user_to_a_missing_last_ckpt(tmp_path):
+    """A run whose loss went NaN at step 1 (a `make ablate` variant with a bad lr) saved no checkpoint: `make eval
+    RUN=` said "use CKPT=last or a path", and CKPT=last was "last.ckpt does not exist" in turn."""
+    run = make_run(tmp_path, "r", {})
+    (run / "report.md").write_text("# Acceptance during training: r\n\n**No evaluation ran**: failed at step 1\n")
+    for spec in ("best", "last"):
+        with pytest.raises(DDTreeError) as error:
+            find_run_checkpoint(run, spec)
+        assert "CKPT=last" not in str(error.value).split("does not exist")[1], error.value
+        assert str(error.value).endswith("the run saved no checkpoint at all: there is none to measure or export; "
+                                         "train it again"), error.value
+    # step checkpoints but no last.ckpt (checkpoint.save_last false): a path, not CKPT=last
+    torch.save({"global_step": 2}, run / "checkpoints" / "step-step=2.ckpt")
+    with pytest.raises(DDTreeError, match=r"does not exist \(.*\); use a path to a checkpoint$"):
+        find_run_checkpoint(run, "best")
+
+
 def test_make_export_of_a_best_ckpt_linking_to_a_deleted_step_says_so_not_that_the_save_failed(tmp_path):
     """best.ckpt left linking to a step file the user deleted was explained as a save that failed or was cut short."""
     run = make_run(tmp_path, "r", {"checkpoints/step-step=4.ckpt": 100, "checkpoints/last.ckpt": 200},

@@ -439,6 +439,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.minutes is not None and not (math.isfinite(args.minutes) and 1 <= args.minutes * 60 <= YEAR_SECONDS):
         raise DDTreeError(f"--minutes {args.minutes}: give a wall time per variant of at least one second (1/60 of a "
                           f"minute) and at most a year ({YEAR_SECONDS // 60} minutes)")
+    if args.eval_limit is not None and args.eval_limit < 1:  # eval.limit's own line said "or null for every prompt",
+        # which --eval-limit (an int) refuses
+        raise DDTreeError(f"--eval-limit {args.eval_limit}: eval.limit={args.eval_limit}: must be at least 1; leave "
+                          "--eval-limit out for the recipe's eval.limit, or give --eval.limit=null for every prompt")
     variants = [parse_variant(v) for v in (args.variant or DEFAULT_VARIANTS)]
     if len({name for name, _ in variants}) != len(variants):
         raise DDTreeError(f"--variant names must differ: {[name for name, _ in variants]}")

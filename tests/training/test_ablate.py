@@ -172,6 +172,21 @@ def test_a_variant_name_with_odd_characters_is_refused_naming_them_and_a_name_th
     assert not any(tmp_path.iterdir())
 
 
+def test_an_eval_limit_below_1_is_refused_with_advice_that_works(tmp_path, capsys, monkeypatch):
+    """`--eval-limit 0` answered eval.limit's own line, "must be at least 1, or null for every prompt", and
+    `--eval-limit null` was then argparse's "invalid int value"; eval.limit=null as a recipe flag is what works."""
+    monkeypatch.setattr(training.ablate, "train_main", lambda argv: pytest.fail("trained past a bad --eval-limit"))
+    assert main(["--recipe", "tiny", "--steps", "2", "--output-root", str(tmp_path), "--variant", "a=",
+                 "--eval-limit", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --eval-limit 0: eval.limit=0: must be at least 1"), err
+    assert "--eval.limit=null" in err[0] and "or null" not in err[0], err
+    launched = []
+    monkeypatch.setattr(training.ablate, "train_main", lambda argv: launched.append(argv) or 2)
+    main(["--recipe", "tiny", "--steps", "2", "--output-root", str(tmp_path), "--variant", "a=", "--eval.limit=null"])
+    assert launched and "--eval.limit=null" in launched[0]  # the advice it gives is taken
+
+
 def test_a_budget_past_a_day_is_lightnings_days_field(tmp_path, monkeypatch):
     launched = []
     monkeypatch.setattr(training.ablate, "train_main", lambda argv: launched.append(argv) or 2)

@@ -60,6 +60,7 @@ import csv
 import io
 import itertools
 import json
+import logging
 import math
 import os
 import shlex
@@ -127,6 +128,19 @@ def check_variant(recipe: Path, overrides: list[str], launch: bool = True):
     DistillModule(**config.model.as_dict())
     AcceptanceEvaluation(**config.eval.as_dict())
     return config
+
+
+@contextlib.contextmanager
+def quiet_seed_lines():
+    """Lightning's "Seed set to 0", which each read of the recipe logs to stderr: out of the way of the checks as their
+    printed lines are (10 variants printed it 12 times before the first trained; each launch says it again)."""
+    seed_log = logging.getLogger("lightning.fabric.utilities.seed")
+    level = seed_log.level
+    seed_log.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        seed_log.setLevel(level)
 
 
 def check_shared(recipe: Path, shared: list[tuple[str, list[str]]]) -> None:
@@ -467,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     budget = [override for _, overrides in shared for override in overrides]
     # The checks read the recipe once per flag and variant: what each read prints ("[precision] ... auto -> 32-true")
     # is said again by the variant's own launch, so it is kept out of the way (2 variants printed it 6 times).
-    with contextlib.redirect_stdout(io.StringIO()):
+    with contextlib.redirect_stdout(io.StringIO()), quiet_seed_lines():
         check_shared(recipe_path(args.recipe), [*shared, (" ".join(common), common)])
         schedules = {}  # each variant's evaluation and validation steps under --minutes alone: at its stop only
         packing = {}  # each variant's eval.packed_weights and the target it decides by

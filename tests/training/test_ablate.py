@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import shlex
 import shutil
@@ -185,6 +186,19 @@ def test_an_eval_limit_below_1_is_refused_with_advice_that_works(tmp_path, capsy
     monkeypatch.setattr(training.ablate, "train_main", lambda argv: launched.append(argv) or 2)
     main(["--recipe", "tiny", "--steps", "2", "--output-root", str(tmp_path), "--variant", "a=", "--eval.limit=null"])
     assert launched and "--eval.limit=null" in launched[0]  # the advice it gives is taken
+
+
+def test_the_checks_reads_of_the_recipe_log_no_seed_line_each(tmp_path, monkeypatch, caplog):
+    """Each read of the recipe logged Lightning's "Seed set to 0" to stderr: the checks' printed lines were kept out
+    of the way, and 10 variants still put 12 seed lines before the first launch (which says it again itself)."""
+    seed_logger = "lightning.fabric.utilities.seed"
+    caplog.set_level(logging.INFO, logger=seed_logger)
+    launched = []
+    monkeypatch.setattr(training.ablate, "train_main", lambda argv: launched.append(argv) or 2)
+    main(["--recipe", "tiny", "--steps", "2", "--output-root", str(tmp_path), "--variant", "a=", "--variant", "b="])
+    assert len(launched) == 2
+    assert not [record for record in caplog.records if "Seed set" in record.getMessage()]
+    assert logging.getLogger(seed_logger).level == logging.INFO  # as it was: a launch's own line is said
 
 
 def test_a_budget_past_a_day_is_lightnings_days_field(tmp_path, monkeypatch):

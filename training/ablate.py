@@ -338,7 +338,8 @@ def markdown_table(results: list[dict]) -> str:
             *[f"tau@{b} (expected)" for b in budgets], "chain tau (expected)",
             f"tree@{top} / chain" if top is not None else "tree / chain"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    fmt = lambda values: " ".join("-" if v is None else f"{v:.2f}" for v in values)  # noqa: E731
+    # a variant that validated nothing (trainer.limit_val_batches=0) has no depths: a dash, as its val loss, not a blank
+    fmt = lambda values: " ".join("-" if v is None else f"{v:.2f}" for v in values) or "-"  # noqa: E731
     for r in results:
         if r.get("stopped") is not None:
             cells = [r["variant"], f"{r.get('why', 'stopped')} (exit status {r['stopped']}): nothing measured",

@@ -361,6 +361,13 @@ def measured_row(name: str) -> dict:
             "packed_weights": True, "decoded_with": {}}
 
 
+def test_a_variant_that_validated_nothing_has_dashes_not_blank_cells():
+    """Under --trainer.limit_val_batches=0 a variant's val loss was `-` and its acc@ and recall@ cells were empty."""
+    row = {**measured_row("noval"), "val_loss": None, "accuracy": [], "recall": []}
+    line = markdown_table([row]).splitlines()[2]
+    assert line.startswith("| noval | 3 | 1.0 | - | - | - | 2.00 (2.10) |"), line
+
+
 def test_a_table_of_variants_alike_in_data_and_kernels_carries_no_note():
     """The notes under the table ask the user to build whole stores again or to decode alike: said of variants that
     read the same data with the same kernels, they sent the user to rebuild stores for nothing (mutation review 9:

@@ -72,10 +72,11 @@ def random_runs(smollm2, references, random_drafter):
 
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic-cache", "static-cache"])
 def test_ar_matches_greedy(smollm2, references, static):
-    """ar's every round verifies the root alone and keeps it: RANDOM_NEW tokens after each prompt are rounds enough
-    (40 were 120 target forwards a cache, 12 s on a 2-core AVX2 EPYC)."""
+    """ar's every round verifies the root alone and keeps it: RANDOM_NEW tokens after one prompt are rounds enough
+    (the same one-row verify and keep each round, whatever the prompt; three prompts cost 18 s in both caches on a
+    2-core AVX2 EPYC, and the pooled static target's reuse over stale slots is held by the static tests below)."""
     model, tokenizer = smollm2
-    for prompt, greedy in references:
+    for prompt, greedy in references[:1]:
         result = generate(model, prompt, "ar", max_new_tokens=RANDOM_NEW, stop_ids=stop_token_ids(model, tokenizer),
                           static=static)
         assert result.new_tokens == greedy[:RANDOM_NEW]

@@ -221,12 +221,13 @@ def test_redraft_behind_more_tokens_than_the_budget_holds_re_drafts_behind_the_b
 @pytest.mark.parametrize("method,budget", [pytest.param("dflash", 0, marks=pytest.mark.slow), ("ddtree", 8)])
 def test_online_calibration_learns_a_temperature_and_stays_lossless(smollm2, references, method, budget):
     """The rigged drafter is sure of a wrong token every 7th position: online calibration warms it, and
-    the warmer trees of the later prompts still commit exactly the greedy tokens."""
+    the warmer trees of the later prompt still commit exactly the greedy tokens. (Two prompts: the first warms,
+    the second decodes warmer and warms further, as the third did; 3 s a prompt on a 2-core AVX2 EPYC.)"""
     model, tokenizer = smollm2
     online = OnlineCalibration()
     shape = OnlineCalibration.shape(method, budget)
     temperatures = []
-    for prompt, greedy in references:  # the 2nd and 3rd prompts are decoded warmer
+    for prompt, greedy in references[:2]:  # the 2nd prompt is decoded warmer
         rigged = RiggedDrafter(prompt + greedy, model.config.vocab_size)
         result = generate(model, prompt, method, rigged, budget, MAX_NEW, stop_token_ids(model, tokenizer), online=online)
         assert result.new_tokens == greedy

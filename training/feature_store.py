@@ -528,8 +528,9 @@ def write_failure_as_error(path: Path, staging: Path | None = None):
                               "another process building the same store): run the build again; it takes a finished "
                               "store as it is") from None
         failure = WriteFailed(path, cause)
-        raise DDTreeError(f"writing {path} failed ({failure.why}): {failure.remedy} or give another --out, then run the "
-                          "build again: it resumes after the finished shards") from None
+        raise DDTreeError(f"writing {path} failed ({failure.why}): {failure.remedy} or give another --out (or "
+                          "data.feature_store), then run the build again: it resumes after the finished "
+                          "shards") from None
 
 
 def build_feature_store(
@@ -664,7 +665,8 @@ def build_under_lock(datamodule: DistillDataModule, out: Path, layer_ids: list[i
           + f"; {format_bytes(free)} free under {partial.parent}", flush=True)
     if remaining > free:
         raise DDTreeError(f"the feature store needs {format_bytes(remaining)} more but only {format_bytes(free)} is free "
-                          f"under {partial.parent}: free some space or give another --out")
+                          f"under {partial.parent}: free some space or give another --out (or "
+                          "data.feature_store)")
 
     with unwritable_as_error(out):  # a read-only mount: said before the target loads, not as mkdir's traceback
         partial.mkdir(parents=True, exist_ok=True)

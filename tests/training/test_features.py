@@ -747,6 +747,7 @@ def test_a_disk_that_fills_during_the_build_is_one_line_and_leaves_no_stray_file
                        else errno.ENOSPC)
     assert f"store.partial/shard-00001.safetensors failed ({said};" in one_line(refused.value)
     assert "resumes" in str(refused.value)
+    assert "data.feature_store" in str(refused.value)  # where `make train` builds the store: it has no --out
     assert ("within your disk quota" in str(refused.value)) == (said == os.strerror(errno.EDQUOT))
     assert sorted(p.name for p in partial_path(out).iterdir()) == ["shard-00000.safetensors", "store.json"]
 
@@ -1699,6 +1700,20 @@ def test_train_builds_a_missing_store_in_a_single_process_and_refuses_in_many(tm
     assert train_main([*common, "--run", "one"]) == 0
     assert FeatureStore(store).layer_ids == [1, 3, 4]
     assert (tmp_path / "out" / "tiny" / "one" / "drafter" / "config.json").exists()
+
+
+def test_a_store_that_does_not_fit_tells_a_training_launch_what_it_can_change(tmp_path, monkeypatch, capsys):
+    """`make train` builds a missing store itself, and training.train has no --out: "free some space or give another
+    --out" named a flag it refuses ("unrecognized arguments"). The launch's own way is data.feature_store."""
+    data = write_conversations(tmp_path / "conversations.jsonl")
+    store = tmp_path / "store"
+    monkeypatch.setattr(training.feature_store, "free_bytes", lambda path: 1000)
+    assert train_main(["--recipe", "tiny", "--output-root", str(tmp_path / "out"), f"--data.data_path={data}",
+                       f"--data.cache_dir={tmp_path / 'cache'}", f"--data.feature_store={store}",
+                       "--data.max_length=128", "--trainer.max_steps=1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "free some space" in err and "data.feature_store" in err, err
+    assert not partial_path(store).exists()
 
 
 def test_the_command_a_multi_process_launch_gives_builds_the_store_it_reads(tmp_path, capsys):

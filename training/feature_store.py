@@ -649,8 +649,8 @@ def build_under_lock(datamodule: DistillDataModule, out: Path, layer_ids: list[i
             raise DDTreeError(f"{partial} holds an unfinished build in {previous_manifest['dtype']}, this build is in "
                               f"{manifest['dtype']}: finish it in {previous_manifest['dtype']} (make features: --dtype "
                               f"{previous_manifest['dtype']}; training: --trainer.precision="
-                              f"{LIGHTNING_PRECISION[parse_dtype(previous_manifest['dtype'])]}), or pass --force (FORCE=1) "
-                              f"to start over in {manifest['dtype']}")
+                              f"{LIGHTNING_PRECISION[parse_dtype(previous_manifest['dtype'])]}), or start over in "
+                              f"{manifest['dtype']}: make features with --force (FORCE=1)")  # training has no --force
         else:
             print(f"[features] {partial} holds an unfinished build of other settings; starting over", flush=True)
             shutil.rmtree(partial)

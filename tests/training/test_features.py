@@ -987,6 +987,23 @@ def test_a_resumed_build_in_another_dtype_refuses_to_mix_them(tmp_path, monkeypa
     assert "x 4 bytes, float32)" in size_line
 
 
+def test_a_launch_told_of_an_unfinished_build_in_another_dtype_is_given_a_force_it_can_pass(tmp_path, monkeypatch,
+                                                                                            capsys):
+    """`make train` builds a missing store itself, and its refusal said "or pass --force (FORCE=1) to start over":
+    training.train has no --force (unrecognized arguments). Starting over is make features' --force."""
+    dm = make_datamodule(tmp_path)
+    store = tmp_path / "store"
+    interrupted_build(monkeypatch, dm, store, dtype=torch.bfloat16, layer_ids=LAYER_IDS, max_shard_bytes=shard_bytes(3))
+    capsys.readouterr()
+    assert train_main(["--recipe", "tiny", "--output-root", str(tmp_path / "out"), f"--data.data_path={dm.data_path}",
+                       f"--data.cache_dir={tmp_path / 'cache'}", f"--data.feature_store={store}",
+                       "--data.max_length=128", "--trainer.precision=32-true", "--trainer.max_steps=1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "bfloat16" in err and "float32" in err, err
+    assert "make features with --force (FORCE=1)" in err, err
+    assert (partial_path(store) / "shard-00000.safetensors").is_file()  # nothing was dropped
+
+
 @pytest.mark.parametrize("other", [
     dict(layer_ids=[0, 2, 4]),  # as many layers, the last in neither: the same width
     dict(target_adapter="adapter"),  # the target with a LoRA adapter folded in

@@ -613,9 +613,13 @@ def build_under_lock(datamodule: DistillDataModule, out: Path, layer_ids: list[i
         # The same build whatever share of the data it holds (the tokenization key names the data and its lengths).
         fields = [key for key in manifest if key not in (*COVERAGE_FIELDS, BUILD_ID)]
         differing = differing_fields(existing, manifest, same_data, fields)
-        if not differing:
+        if not differing and not lacks_validation_split(existing, datamodule):
             print(f"[features] {out} already holds these features ({coverage(existing)}); nothing to do", flush=True)
             return out
+        if not differing:
+            raise DDTreeError(f"{out} holds a feature store of {coverage(existing)} without this data's "
+                              "validation split: it was built under another data.seed or data.val_fraction, and "
+                              "training refuses it; pass --force (FORCE=1) to replace it, or give another --out")
         def shown(field: str) -> str:  # a value short enough to read in one line, beside the field's name
             values = existing.get(field), manifest.get(field)
             return f"{field} ({values[0]} there, {values[1]} here)" if len(str(values)) <= 60 else field
@@ -805,14 +809,28 @@ def resolve_store_path(feature_store: str | None, recipe: str, datamodule: Disti
     # stop on it (check_feature_store), and `make features` would take it as this build done.
     identity = build_identity(datamodule, target_text_config(datamodule.target), layer_ids, target_adapter, dtype)
     return next((path for path, teacher in built
-                 if holds_features(path, identity, datamodule.tokenization_keys(teacher))), store)
+                 if holds_features(path, identity, datamodule.tokenization_keys(teacher), datamodule)), store)
 
 
-def holds_features(store: Path, identity: dict, same_data: tuple[str, ...]) -> bool:
-    """Whether a finished store holds the features of a build of this identity (build_identity); an unreadable
-    manifest holds none."""
+def holds_features(store: Path, identity: dict, same_data: tuple[str, ...], datamodule: DistillDataModule) -> bool:
+    """Whether a finished store holds the features of a build of this identity (build_identity), and the
+    datamodule's validation split where it is time-boxed; an unreadable manifest holds none."""
     try:
         manifest = read_manifest(store / MANIFEST)
     except DDTreeError:
         return False
-    return not differing_fields(manifest, identity, same_data, identity.keys())
+    return (not differing_fields(manifest, identity, same_data, identity.keys())
+            and not lacks_validation_split(manifest, datamodule))
+
+
+def lacks_validation_split(manifest: dict, datamodule: DistillDataModule) -> bool:
+    """Whether a time-boxed store lacks some of the datamodule's validation split, which its build stores first: it
+    was built under another data.seed or data.val_fraction, and training refuses it (DistillDataModule.setup). Its
+    coverage is no field of the build (COVERAGE_FIELDS), so this is judged apart."""
+    ids = manifest["sequence_ids"]
+    if ids is None:  # a store in the data's own order holds every sequence
+        return False
+    held = {ids[p] for shard in manifest["shards"]
+            for p in range(shard["first_sequence"], shard["first_sequence"] + shard["num_sequences"])}
+    order, num_val = datamodule.split_order(len(manifest["lengths"]))
+    return not held.issuperset(order[:num_val])

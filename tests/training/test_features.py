@@ -883,6 +883,35 @@ def test_a_box_that_ends_at_the_validation_split_still_builds_training_sequences
     assert "none of the 9 training sequences" in one_line(refused.value)
 
 
+def test_a_time_boxed_store_of_another_split_is_not_taken_as_this_build_done(tmp_path, monkeypatch, capsys):
+    """Its share is no field of the build, so `make features --data.seed=2` over a boxed store of seed 1 said "already
+    holds these features ... nothing to do", and training with seed 2 then refused it: its validation split (built
+    first) is another. A richer store of that kind does not stand in for a plain one either."""
+    from training.feature_store import build_identity, holds_features, target_text_config
+
+    dm, other_seed = make_datamodule(tmp_path), make_datamodule(tmp_path, seed=2)
+    settings = dict(layer_ids=LAYER_IDS, max_shard_bytes=shard_bytes(3))
+    store = FeatureStore(boxed_build(monkeypatch, dm, tmp_path / "store", 10.0, 25.0, **settings))
+    order, num_val = other_seed.split_order(12)
+    assert store.covered() is not None and not store.covered().issuperset(order[:num_val])  # the case at hand
+    with pytest.raises(DDTreeError) as refused:
+        make_datamodule(tmp_path, seed=2, feature_store=str(store.path)).setup("fit")  # what training says of it
+    assert "validation split" in one_line(refused.value)
+
+    capsys.readouterr()
+    with pytest.raises(DDTreeError) as refused:
+        build_feature_store(other_seed, store.path, **settings)
+    message = one_line(refused.value)
+    assert "data.seed" in message and "--force" in message and str(store.path) in message
+    assert "nothing to do" not in capsys.readouterr().out
+    assert FeatureStore(store.path).build_id == store.build_id  # untouched
+    build_feature_store(dm, store.path, **settings)  # its own seed: the same build, done
+    assert "nothing to do" in capsys.readouterr().out
+    identity = build_identity(dm, target_text_config(dm.target), LAYER_IDS, None, torch.bfloat16)
+    keys = dm.tokenization_keys()
+    assert holds_features(store.path, identity, keys, dm) and not holds_features(store.path, identity, keys, other_seed)
+
+
 def test_store_files_follow_the_umask(tmp_path):
     """safetensors creates its files 0600: the store sets what open() would have, as every other cache does."""
     old = os.umask(0o022)

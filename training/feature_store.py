@@ -557,6 +557,11 @@ def build_feature_store(
         # Not a store (a store is complete before it has its name): the user's own file or folder, never replaced.
         raise DDTreeError(f"{out} exists and is not a feature store: give another --out (or data.feature_store), or move "
                           "it away; nothing was written")
+    if os.path.ismount(out) and (force or not is_complete(out)):
+        # The store is built beside it (<out>.partial, on the parent's disk, whose free space is what the size check
+        # reads) and renamed into its place at the end, which a mount point refuses (EBUSY): a traceback once built.
+        raise DDTreeError(f"{out} is a mount point, which a finished store cannot replace: give a folder inside it "
+                          f"({out / 'features'}); nothing was written")
     blocker = file_in_the_way(out)
     if blocker is not None:  # else found only once the target has loaded and the first shard is computed
         raise DDTreeError(f"cannot write the feature store {out}: {blocker} is a file, not a folder; give --out "

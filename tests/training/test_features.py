@@ -1315,6 +1315,18 @@ def test_a_folder_or_file_that_is_not_a_store_is_never_replaced(tmp_path):
     assert FeatureStore(build_feature_store(dm, empty, layer_ids=LAYER_IDS)).layer_ids == LAYER_IDS  # an empty folder is used
 
 
+def test_a_mount_point_is_refused_as_the_store_folder_before_anything_is_built(tmp_path, monkeypatch):
+    """`--out /mnt/disk` (an empty disk mounted there): the store was built beside it, on the parent's disk (the free
+    space printed was that disk's), and the rename into its place at the end failed with EBUSY, a traceback."""
+    out = tmp_path / "disk"
+    out.mkdir()
+    monkeypatch.setattr(os.path, "ismount", lambda path: Path(path) == out)
+    with pytest.raises(DDTreeError) as refused:
+        build_feature_store(make_datamodule(tmp_path), out, layer_ids=LAYER_IDS)
+    assert "mount point" in one_line(refused.value) and str(out / "features") in str(refused.value)
+    assert not partial_path(out).exists() and not lock_path(out).exists() and not any(out.iterdir())
+
+
 def said_while_waiting(capsys, thread: threading.Thread) -> str:
     """What a build in `thread` printed until it said it waits for another's lock (or, unguarded, ended): 60 s at most."""
     said = ""

@@ -562,6 +562,11 @@ def build_feature_store(
         # reads) and renamed into its place at the end, which a mount point refuses (EBUSY): a traceback once built.
         raise DDTreeError(f"{out} is a mount point, which a finished store cannot replace: give a folder inside it "
                           f"({out / 'features'}); nothing was written")
+    if out.is_symlink() and (force or not is_complete(out)):
+        # Built beside the link and renamed over it, as over a mount point: nothing went where it points, and the link
+        # renamed aside was named as a replaced store that could not be deleted.
+        raise DDTreeError(f"{out} is a link to {out.resolve()}: give that folder as --out (or data.feature_store); "
+                          "nothing was written")
     blocker = file_in_the_way(out)
     if blocker is not None:  # else found only once the target has loaded and the first shard is computed
         raise DDTreeError(f"cannot write the feature store {out}: {blocker} is a file, not a folder; give --out "

@@ -1327,6 +1327,20 @@ def test_a_mount_point_is_refused_as_the_store_folder_before_anything_is_built(t
     assert not partial_path(out).exists() and not lock_path(out).exists() and not any(out.iterdir())
 
 
+def test_a_link_to_a_folder_elsewhere_is_refused_as_the_store_folder_naming_that_folder(tmp_path, capsys):
+    """`--out store` where store is a link to a folder on a bigger disk: the store was built beside the link (the free
+    space printed was the link's disk's) and renamed over it, and the link renamed aside could not be deleted (a
+    warning); nothing went where the link points."""
+    elsewhere = tmp_path / "big-disk" / "store"
+    elsewhere.mkdir(parents=True)
+    out = tmp_path / "store"
+    out.symlink_to(elsewhere)
+    with pytest.raises(DDTreeError) as refused:
+        build_feature_store(make_datamodule(tmp_path), out, layer_ids=LAYER_IDS)
+    assert "link" in one_line(refused.value) and str(elsewhere) in str(refused.value)
+    assert out.is_symlink() and not partial_path(out).exists() and not any(elsewhere.iterdir())
+
+
 def said_while_waiting(capsys, thread: threading.Thread) -> str:
     """What a build in `thread` printed until it said it waits for another's lock (or, unguarded, ended): 60 s at most."""
     said = ""

@@ -175,7 +175,9 @@ def features_parser() -> argparse.ArgumentParser:
     parser.add_argument("--recipe", default=DEFAULT_RECIPE,
                         help="one of recipes/*.yaml; its model.* and data.* define the store")
     parser.add_argument("--out", type=path_argument, default=None, help="store folder (default: the recipe's data.feature_store; "
-                        "when that is auto or unset, <ddtree cache>/features/<recipe>-<tokenization key>)")
+                        "when that is auto or unset, <ddtree cache>/features/<recipe>-<tokenization key>, with "
+                        "-final appended where the recipe distils, model.distill_weight > 0, or -top<k> with "
+                        "model.distill_top_k k)")
     parser.add_argument("--force", action="store_true",
                         help="build the store even where a complete one is there, of this build or another (the old "
                              "one is replaced once the new one is complete; an unfinished build of the same settings "

@@ -1666,6 +1666,18 @@ def test_cli_out_refuses_an_empty_folder_and_takes_a_tilde_for_the_home_folder(c
     assert features_parser().parse_args(["--out=~/store"]).out == str(Path.home() / "store")
 
 
+def test_cli_out_help_names_the_folder_the_default_recipe_builds():
+    """--help said the default folder is <recipe>-<tokenization key>; the default recipe distils from a top-32 teacher,
+    and its store is <recipe>-<tokenization key>-top32 (default_store_path)."""
+    from training.arguments import DEFAULT_RECIPE, recipe_path
+    from training.recipe import read_recipe
+
+    model = read_recipe(recipe_path(DEFAULT_RECIPE), []).model
+    assert store_teacher(model.distill_weight, model.distill_top_k) == (False, 32)
+    out_help = next(action.help for action in features_parser()._actions if "--out" in action.option_strings)
+    assert "-top<k>" in out_help and "-final" in out_help
+
+
 def test_cli_out_is_where_the_store_is_built_though_the_recipe_names_auto(tmp_path, monkeypatch, capsys):
     """`make features RECIPE=smollm2-135m OUT=<dir>`: that recipe's data.feature_store is auto, and OUT names the store
     all the same. A build that took every OUT other than the recipe's own folder for a richer store standing in passed

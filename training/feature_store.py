@@ -545,6 +545,7 @@ def build_feature_store(
     sequences_per_batch: int = 8,
     max_shard_bytes: int = MAX_SHARD_BYTES,
     max_seconds: float | None = None,  # a time box: end before the shard that would overrun it (module docstring)
+    take_finished: bool = False,  # a store found complete once the lock is held is returned unjudged (training's)
 ) -> Path:
     """Run the datamodule's target over all its tokenized sequences and write their layer features to `out`.
 
@@ -572,6 +573,10 @@ def build_feature_store(
         raise DDTreeError(f"cannot write the feature store {out}: {blocker} is a file, not a folder; give --out "
                           "(data.feature_store) in a writable folder")
     with build_lock(out):  # another launch building this store: waited for, then its store is taken
+        if take_finished and is_complete(out) and not force:
+            # Training, which builds a store it found missing: another launch finished it meanwhile, and it is checked
+            # as a store found at launch is (DistillModule.check_feature_store), not refused as another build here.
+            return out
         return build_under_lock(datamodule, out, layer_ids, target_adapter, dtype, force, final_hidden, teacher_top_k,
                                 sequences_per_batch, max_shard_bytes, max_seconds)
 

@@ -197,7 +197,7 @@ def build_missing_feature_store(cli: DistillCLI, recipe: str, overrides: list[st
         if isinstance(callback, AcceptanceEvaluation):
             callback.check_target(hp.target)
     build_feature_store(cli.datamodule, Path(store), **features, final_hidden=final_hidden,
-                        teacher_top_k=teacher_top_k, max_seconds=store_seconds(cli.datamodule))
+                        teacher_top_k=teacher_top_k, max_seconds=store_seconds(cli.datamodule), take_finished=True)
 
 
 def write_run_corpus(cli: DistillCLI, run_dir: Path) -> None:

@@ -36,8 +36,8 @@ from ddtree.modeling_dflash import fuse_target_features
 from ddtree.targets import DDTreeError, load_target
 from training.data import DistillDataModule
 from training.feature_store import (FORMAT_VERSION, FeatureStore, build_feature_store, build_lock, coverage,
-                                    differing_fields, lock_path, partial_path, read_manifest, store_teacher,
-                                    target_fingerprint)
+                                    differing_fields, is_complete, lock_path, partial_path, read_manifest,
+                                    store_teacher, target_fingerprint)
 from training.arguments import features_parser
 from training.features import main
 from training.masks import IGNORE_INDEX
@@ -1798,6 +1798,31 @@ def test_a_store_that_does_not_fit_tells_a_training_launch_what_it_can_change(tm
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "free some space" in err and "data.feature_store" in err, err
     assert not partial_path(store).exists()
+
+
+def test_a_launch_that_waited_for_another_launchs_build_takes_its_store_as_it_takes_a_finished_one(tmp_path,
+                                                                                                   monkeypatch, capsys):
+    """Two launches of one recipe at once, the first building the store in bf16 and the second training in fp32: the
+    second waited for the first's lock, then stopped on "a feature store of another build ... pass --force (FORCE=1)
+    ... or give another --out", flags training.train does not take, though started a minute later it reads that store
+    (cast, as it says). A store another launch finished meanwhile is taken, and checked as training checks any."""
+    dm = make_datamodule(tmp_path, seed=0, val_fraction=0.02, min_supervised_tokens=16)  # the tiny recipe's
+    store = tmp_path / "store"
+    build_feature_store(dm, store, layer_ids=LAYER_IDS, dtype=torch.bfloat16)  # the first launch's, done while waiting
+    seen = []
+
+    def not_yet_at_launch(path):  # the second launch looked before the first had finished
+        seen.append(path)
+        return len(seen) > 1 and is_complete(path)
+
+    monkeypatch.setattr(training.train, "is_complete", not_yet_at_launch)
+    capsys.readouterr()
+    assert train_main(["--recipe", "tiny", "--output-root", str(tmp_path / "out"), f"--data.data_path={dm.data_path}",
+                       f"--data.cache_dir={tmp_path / 'cache'}", f"--data.feature_store={store}",
+                       "--data.max_length=128", "--trainer.precision=32-true", "--trainer.max_steps=1",
+                       "--trainer.val_check_interval=null", "--eval.every_n_train_steps=2", "--eval.limit=1",
+                       *toy_data.SMALL_EVAL, "--trainer.enable_progress_bar=false"]) == 0, capsys.readouterr().err
+    assert "cast" in capsys.readouterr().out  # check_feature_store's word on a store in another dtype
 
 
 def test_the_command_a_multi_process_launch_gives_builds_the_store_it_reads(tmp_path, capsys):

@@ -237,8 +237,10 @@ def calibrate_flags(args, lookup: int, redraft: int, corpus: CorpusLookup | None
     elif args.corpus is not None:  # a file given here; the drafter's own is calibrate's default too
         flags.append(f"--corpus {shlex.quote(args.corpus)}")
     if args.temperature > 0:
-        flags.append(f"--temperature {args.temperature:g}")
-        flags += [f"--top-p {args.top_p:g}"] if args.top_p != 1 else []
+        # as given (Python's shortest round-trip form, 1.0 as 1): :g kept 6 digits, so --temperature 0.1234567 asked
+        # calibrate to learn at 0.123457, and the note came back after it had
+        flags.append(f"--temperature {str(args.temperature).removesuffix('.0')}")
+        flags += [f"--top-p {str(args.top_p).removesuffix('.0')}"] if args.top_p != 1 else []
         flags += [f"--top-k {args.top_k}"] if args.top_k else []
     if dtype is not None:
         flags.append(f"--dtype {dtype}")

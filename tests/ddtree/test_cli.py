@@ -2177,6 +2177,22 @@ def test_the_flags_a_calibration_note_prints_give_calibrate_every_setting_when_p
     assert (pasted.temperature, pasted.top_p, pasted.top_k, pasted.dtype) == (0.75, 0.95, 40, "bfloat16")
 
 
+def test_the_sampling_a_calibration_note_asks_calibrate_for_is_the_one_decoded_with_to_every_digit():
+    """The flags were printed with :g, 6 significant digits: `--temperature 0.1234567` asked for `calibrate
+    --temperature 0.123457`, which learned at another temperature, and the note came back after it had run (found
+    in a review); a top-p of 0.9999999 was printed as `--top-p 1`, no cut at all."""
+    import argparse
+    import shlex
+
+    from ddtree.arguments import build_parser
+    from ddtree.cli import calibrate_flags
+
+    args = argparse.Namespace(corpus=None, temperature=0.1234567, top_p=0.9999999, top_k=0)
+    flags = shlex.split(calibrate_flags(args, 0, 0, None, None))
+    pasted = build_parser().parse_args(["calibrate", "--drafter", "d", "--prompts", "p.jsonl", *flags])
+    assert (pasted.temperature, pasted.top_p) == (0.1234567, 0.9999999)
+
+
 @pytest.mark.parametrize("overwrite", [False, True])
 def test_calibrate_leaves_a_file_another_run_wrote_while_it_decoded_unless_told_to_overwrite(
         capsys, tmp_path, tiny_target, prompts_file, monkeypatch, overwrite, sized_rows):

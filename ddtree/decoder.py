@@ -232,12 +232,14 @@ def user_path(value, where: str) -> str:
     return os.path.expanduser(text) if text.startswith("~") else text
 
 
-def check_seed(seed, none: str = "") -> None:
-    """A seed torch.manual_seed takes, as the command's --seed: a whole number from -2**63 to 2**64 - 1. `none`: what
-    None means where the caller takes it (generate's), for the error."""
+def check_seed(seed, none: str = "") -> int:
+    """A seed torch.manual_seed takes, as the command's --seed: a whole number from -2**63 to 2**64 - 1, returned as
+    an int (a numpy int or a 0-d tensor, which whole_number takes, was a TypeError in manual_seed once the target had
+    loaded). `none`: what None means where the caller takes it (generate's), for the error."""
     number = whole_number(seed)
     if number is None or not -2**63 <= number < 2**64:
         raise DDTreeError(f"seed={seed!r}: give a whole number from -2**63 to 2**64 - 1{none}")
+    return number
 
 
 def _choice(value, choices, where: str) -> str:
@@ -270,7 +272,7 @@ class Decoder:
         target, drafter = user_path(target, "target"), None if drafter is None else user_path(drafter, "drafter")
         # "none" as `--corpus none` and `--calibration none` spell it: it was read as a file of that name, and refused
         corpus, calibration = (False if value == "none" else value for value in (corpus, calibration))
-        check_seed(seed)
+        seed = check_seed(seed)
         _choice(packed_weights, PACKED_KERNELS, "packed_weights")
         self.target_name = target
         self._noted: set[tuple[str, ...]] = set()  # calibration notes said already (each once a Decoder)
@@ -388,7 +390,7 @@ class Decoder:
             raise DDTreeError("online_calibration learns from a drafter's drafts, and this Decoder has none: give "
                               "drafter= when building it, or drop it")
         if seed is not None:
-            check_seed(seed, ", or None to draw on from this Decoder's own seed")
+            seed = check_seed(seed, ", or None to draw on from this Decoder's own seed")
         if on_tokens is not None and not callable(on_tokens):
             raise DDTreeError(f"on_tokens={on_tokens!r}: give a function of a list of token ids, or None")
         for name, value in (("temperature", temperature), ("top_p", top_p)):

@@ -199,6 +199,19 @@ def test_sampled_replies_follow_the_seed(tiny_target, drafter_folder):
     assert ar.token_ids == first.token_ids  # the same draws of the target's distribution (docs/decoding.md)
 
 
+def test_a_numpy_or_tensor_seed_samples_as_its_int_does(tiny_target):
+    """check_seed takes a numpy int or a 0-d tensor as whole_number does, and torch's manual_seed then refused them: a
+    TypeError (a RuntimeError for the tensor) once the target had loaded, in the Decoder and in its generate."""
+    import numpy
+
+    decoder, plain = (Decoder(TARGET, "random", **SETTINGS, seed=seed, quiet=True) for seed in (numpy.int64(2), 2))
+    assert (decoder.generate(PROMPT, max_new_tokens=8, temperature=1.0).token_ids
+            == plain.generate(PROMPT, max_new_tokens=8, temperature=1.0).token_ids)
+    replies = [decoder.generate(PROMPT, max_new_tokens=8, temperature=1.0, seed=seed).token_ids
+               for seed in (numpy.int64(3), torch.tensor(3), 3)]
+    assert replies[0] == replies[1] == replies[2]
+
+
 def test_a_random_drafters_weights_follow_the_seed(tiny_target):
     """seed= seeds a random drafter's weights too (the docstring's promise); ignored, only tau and timings change,
     which no test saw (mutation review, E05)."""

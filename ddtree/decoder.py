@@ -20,6 +20,7 @@ stderr as the command says it; quiet=True keeps it silent, transformers' progres
 
 from __future__ import annotations
 
+import numbers
 import os
 import time
 from collections.abc import Mapping
@@ -394,7 +395,9 @@ class Decoder:
         if on_tokens is not None and not callable(on_tokens):
             raise DDTreeError(f"on_tokens={on_tokens!r}: give a function of a list of token ids, or None")
         for name, value in (("temperature", temperature), ("top_p", top_p)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+            # numbers.Real: a numpy float too (np.float32(0.7) was refused as no number, where top_k and seed take
+            # numpy ints)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise DDTreeError(f"{name}={value!r}: give a number")
         if online_calibration and method == "ar":
             raise DDTreeError("online_calibration learns from a drafter's drafts, and method 'ar' drafts none: give "

@@ -212,6 +212,16 @@ def test_a_numpy_or_tensor_seed_samples_as_its_int_does(tiny_target):
     assert replies[0] == replies[1] == replies[2]
 
 
+def test_a_numpy_float_temperature_and_top_p_are_numbers():
+    """`temperature=np.float32(0.5)` was refused as "give a number", where top_k and seed take numpy ints."""
+    import numpy
+
+    decoder = Decoder(TARGET, **SETTINGS, quiet=True)
+    sampled = [decoder.generate(PROMPT, max_new_tokens=8, temperature=temperature, top_p=top_p, seed=3).token_ids
+               for temperature, top_p in ((numpy.float32(0.5), numpy.float32(0.75)), (0.5, 0.75))]
+    assert sampled[0] == sampled[1]
+
+
 def test_a_random_drafters_weights_follow_the_seed(tiny_target):
     """seed= seeds a random drafter's weights too (the docstring's promise); ignored, only tau and timings change,
     which no test saw (mutation review, E05)."""

@@ -462,9 +462,26 @@ class DistillModule(L.LightningModule):
         self.update_time_progress(every_rank_now=True)  # a resumed run's clock, before its first step
 
     def on_fit_start(self) -> None:
+        self.check_ranks_precision()
         store = getattr(self.trainer.datamodule, "store", None)
         if store is not None:
             self.check_feature_store(store)
+
+    def check_ranks_precision(self) -> None:
+        """Every rank trains in one precision, its target in one dtype. Under trainer.precision auto on CPUs, a rank
+        that srun or torchrun starts times its own matmuls (the ranks Lightning starts inherit rank 0's choice), and on
+        a machine near the margin two ranks chose bf16-mixed and 32-true: each trained, decoded and measured tau
+        otherwise, with no error. Refused in one line on every rank, before the first step."""
+        if self.trainer.world_size <= 1 or not torch.distributed.is_initialized():
+            return
+        mine = f"{self.trainer.precision}, target in {str(self.frozen_target_dtype()).removeprefix('torch.')}"
+        every = [None] * self.trainer.world_size
+        torch.distributed.all_gather_object(every, mine)
+        if len(set(every)) > 1:
+            ranks = "; ".join(f"rank {rank} {value}" for rank, value in enumerate(every))
+            raise DDTreeError(f"the ranks would train in different precisions ({ranks}): trainer.precision auto "
+                              "measured each rank's CPU on its own; give every rank one, --trainer.precision=32-true "
+                              "(or bf16-mixed)")
 
     def check_feature_store(self, store) -> None:
         """Offline features must be what this drafter reads online; a mismatch would train on the wrong layers."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -120,6 +121,31 @@ def test_the_ranks_a_run_starts_inherit_its_measured_choice(monkeypatch):
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")  # not this machine's AVX2/AVX512
     inherited[ddtree.precision.INHERITED_CHOICE] = f"{name}\t{cpu}\t{reason}"
     assert fast_precision("cpu").dtype == torch.float32
+
+
+def ranks_choosing(monkeypatch, *chosen: str) -> SimpleNamespace:
+    """A DistillModule's view of a launch whose ranks resolved trainer.precision to `chosen` (rank 0 first)."""
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "all_gather_object",
+                        lambda out, mine: out.__setitem__(slice(None), [f"{name}, target in {dtype}" for name, dtype in
+                                                                       (c.split(":") for c in chosen)]))
+    module = SimpleNamespace(trainer=SimpleNamespace(world_size=len(chosen), precision=chosen[0].split(":")[0]),
+                             frozen_target_dtype=lambda: getattr(torch, chosen[0].split(":")[1]))
+    return module
+
+
+def test_ranks_that_resolved_auto_to_other_precisions_are_refused_before_the_first_step(monkeypatch):
+    """srun and torchrun start each rank on its own: under trainer.precision auto each timed its CPU, and near the
+    margin two ranks trained in bf16-mixed and 32-true without a word."""
+    with pytest.raises(DDTreeError) as refused:
+        DistillModule.check_ranks_precision(ranks_choosing(monkeypatch, "bf16-mixed:bfloat16", "32-true:float32"))
+    assert str(refused.value) == (
+        "the ranks would train in different precisions (rank 0 bf16-mixed, target in bfloat16; rank 1 32-true, target "
+        "in float32): trainer.precision auto measured each rank's CPU on its own; give every rank one, "
+        "--trainer.precision=32-true (or bf16-mixed)")
+    DistillModule.check_ranks_precision(ranks_choosing(monkeypatch, "32-true:float32", "32-true:float32"))  # agreed
+    with pytest.raises(DDTreeError, match="rank 1 32-true, target in bfloat16"):  # model.target_dtype set otherwise
+        DistillModule.check_ranks_precision(ranks_choosing(monkeypatch, "32-true:float32", "32-true:bfloat16"))
 
 
 def test_a_rank_inherits_fp32_where_its_launcher_measured_bf16_slow(monkeypatch):

@@ -31,7 +31,7 @@ import time
 from unittest import mock
 
 from training.arguments import (THROUGHPUT_SETTINGS, THROUGHPUT_TARGET, answer_early, check_throughput_args,
-                                parse_setting, throughput_parser)
+                                known_recipes, parse_setting, recipe_path, throughput_parser)
 
 # python -m: --help and a bad flag or recipe before torch and transformers load (14 s on the 2-core EPYC)
 answer_early(__name__, throughput_parser, check_throughput_args)
@@ -41,6 +41,7 @@ from transformers import AutoModelForCausalLM
 
 from ddtree.cli import parse_device
 from ddtree.errors import DDTreeError, command
+from ddtree.files import read_yaml_mapping
 from ddtree.machine import describe_machine, machine_line
 from ddtree.target_runner import context_limit
 
@@ -206,7 +207,14 @@ def main(argv: list[str] | None = None) -> int:
         except DDTreeError as error:  # a Hub target out of reach, say: its architecture alone is all the timing needs
             if args.random_target or settings["target"] not in RANDOM_TARGETS:
                 raise
-            raise DDTreeError(f"{error}; or add --random-target to build its published architecture with random "
+            how = "add --random-target"
+            if args.recipe is None:  # --random-target is refused without one (a random target has no MASK id)
+                recipes = [name for name in known_recipes() if settings["target"]
+                           == (read_yaml_mapping(recipe_path(name)).get("model") or {}).get("target")]
+                if not recipes:
+                    raise
+                how = "time its recipe with " + " or ".join(f"--recipe {name} --random-target" for name in recipes)
+            raise DDTreeError(f"{error}; or {how} to build its published architecture with random "
                               "weights, all its speed depends on") from None
         print(f"{label:>10}: target and drafter built in {time.perf_counter() - started:.0f} s", flush=True)
         limit = context_limit(module.target)

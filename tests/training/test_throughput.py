@@ -297,6 +297,21 @@ def test_a_target_out_of_reach_names_random_target(monkeypatch, capsys):
                       "to build its published architecture with random weights, all its speed depends on"]
 
 
+def test_a_target_out_of_reach_without_a_recipe_names_advice_that_runs(monkeypatch, capsys):
+    """Without --recipe the line said to add --random-target, which is refused there (it needs a recipe's MASK id):
+    the advice names the target's recipe, and following it gets past the check."""
+    def unreachable(settings, random_target, device):
+        raise DDTreeError(f"target {settings['target']!r} is a Hub id that is not in the local cache")
+
+    monkeypatch.setattr("training.throughput.build_module", unreachable)
+    assert main(["--target", "Qwen/Qwen3-8B", "--settings", "4x1x4", "--device", "cpu", "--length", "80"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
+    assert errors == ["error: target 'Qwen/Qwen3-8B' is a Hub id that is not in the local cache; or time its recipe "
+                      "with --recipe qwen3-8b --random-target to build its published architecture with random weights, "
+                      "all its speed depends on"]
+    check_throughput_args(throughput_parser().parse_args(["--recipe", "qwen3-8b", "--random-target"]))
+
+
 @pytest.mark.parametrize("flags, given", [
     (["--target", "smollm2-135m"], "--target would be ignored: drop it"),
     (["--settings", "4x1x4"], "--settings would be ignored: drop it"),

@@ -190,8 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     batch_size = args.batch_size if args.batch_size is not None else recipe_batch
     length = args.length if args.length is not None else max_length
     if length <= PROMPT_TOKENS + 1:  # a block anchors on a reply token whose successor is one too (training/masks.py)
-        raise DDTreeError(f"--length {length} leaves no reply token with a successor to anchor a block on after the "
-                          f"{PROMPT_TOKENS}-token prompt; give more than {PROMPT_TOKENS + 1}")
+        given = f"--length {length}" if args.length is not None else f"{args.recipe}'s data.max_length {length}"
+        raise DDTreeError(f"{given} leaves no reply token with a successor to anchor a block on after the "
+                          f"{PROMPT_TOKENS}-token prompt; give --length more than {PROMPT_TOKENS + 1}")
 
     tokens = batch_size * length
     where = machine_line(describe_machine(device))  # the figures below depend on it: the CPU's model and bf16 features

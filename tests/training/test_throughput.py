@@ -199,6 +199,19 @@ def test_a_recipes_length_past_the_targets_position_table_names_the_recipes_max_
                       "(max_position_embeddings): give --length at most 128"]
 
 
+def test_a_recipes_length_too_short_to_anchor_a_block_names_the_recipes_max_length(monkeypatch, capsys):
+    """A recipe of one's own may train on a data.max_length of 48: the line named a --length never given."""
+    def short(name):
+        return recipe_settings(name)[0], 48, 1
+
+    monkeypatch.setattr("training.throughput.recipe_settings", short)
+    monkeypatch.setattr("training.throughput.build_module", lambda *args: pytest.fail("built before the check"))
+    assert main(["--recipe", "tiny", "--device", "cpu"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
+    assert errors == ["error: tiny's data.max_length 48 leaves no reply token with a successor to anchor a block on "
+                      "after the 60-token prompt; give --length more than 61"]
+
+
 def test_the_header_line_says_the_target_has_random_weights(monkeypatch, capsys):
     """A random-weight target times as the real one does but decodes nothing: the printed figures must say which
     they are, or a pasted line reads as the downloaded model's."""
@@ -393,7 +406,7 @@ def test_a_gpu_recipe_on_a_machine_without_a_gpu_stops_with_one_line(tmp_path, m
     (["--repeats", "0"], "--repeats 0: give at least 1"),  # was statistics' error on no data
     (["--threads", "-2"], "--threads -2: give at least 0"),
     (["--length", "61"], "--length 61 leaves no reply token with a successor to anchor a block on after the 60-token "
-                         "prompt; give more than 61"),  # 62 holds one anchor (as training/flops.py counts it)
+                         "prompt; give --length more than 61"),  # 62 holds one anchor (as training/flops.py counts it)
 ])
 def test_bad_numbers_are_one_line_before_anything_is_built(capsys, flags, said):
     assert main([*TINY, "--device", "cpu", *flags]) == 2

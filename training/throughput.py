@@ -16,8 +16,8 @@ positions of each sequence marked as prompt, the rest as reply; --length may not
 max_position_embeddings.
 
 Each result line names the target it timed. --recipe takes the target and the drafter settings (anchors, layers,
-block, target layers, MASK id, loss chunk), max_length (the batch length) and the per-GPU batch size from a recipe;
---target and --settings beside it are refused (--batch-size and --length override the recipe's). With
+block, target layers, MASK id, loss chunk, compile), max_length (the batch length) and the per-GPU batch size from a
+recipe; --target and --settings beside it are refused (--batch-size and --length override the recipe's). With
 --random-target the target is not downloaded: it is built with random weights from its published configuration
 (RANDOM_TARGETS), which is all its speed depends on.
 """
@@ -195,16 +195,18 @@ def main(argv: list[str] | None = None) -> int:
                           f"{PROMPT_TOKENS}-token prompt; give --length more than {PROMPT_TOKENS + 1}")
 
     tokens = batch_size * length
+    # --compile, or a recipe's model.compile: the step timed is the one its training runs
+    compiled = args.compile or any(settings.get("compile") for _, settings in cases)
     where = machine_line(describe_machine(device))  # the figures below depend on it: the CPU's model and bf16 features
     # Reading a recipe resolved and printed its trainer.precision; this tool measures bf16 (the GPU recipes') anyway.
     print(f"batch {batch_size} x {length}, {where}, bf16"
           + (" autocast, whatever the recipe's trainer.precision" if args.recipe else "")
           + (", random-weight target" if args.random_target else "")
-          + (", compiled drafter forward" if args.compile else ""))
+          + (", compiled drafter forward" if compiled else ""))
     for label, settings in cases:
         started = time.perf_counter()  # progress lines: where a slow or stopped run spent its time
         try:
-            module = build_module({**settings, "compile": args.compile}, args.random_target, device)
+            module = build_module({**settings, "compile": compiled}, args.random_target, device)
         except DDTreeError as error:  # a Hub target out of reach, say: its architecture alone is all the timing needs
             if args.random_target or settings["target"] not in RANDOM_TARGETS:
                 raise

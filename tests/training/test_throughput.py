@@ -212,6 +212,27 @@ def test_a_recipes_length_too_short_to_anchor_a_block_names_the_recipes_max_leng
                       "after the 60-token prompt; give --length more than 61"]
 
 
+def test_a_recipes_model_compile_is_timed_compiled_and_said_so(monkeypatch, capsys):
+    """`--recipe` takes the drafter's settings from the recipe: its model.compile was overridden by the absent
+    --compile, and the step timed was the plain one its training never runs, under a header that said nothing."""
+    def compiling(name):
+        settings, max_length, batch_size = recipe_settings(name)
+        return {**settings, "compile": True}, max_length, batch_size
+
+    built = []
+
+    def stop(settings, random_target, device):
+        built.append(settings["compile"])
+        raise DDTreeError("stop here")
+
+    monkeypatch.setattr("training.throughput.recipe_settings", compiling)
+    monkeypatch.setattr("training.throughput.build_module", stop)
+    assert main(["--recipe", "tiny", "--device", "cpu", "--length", "80"]) == 2
+    assert built == [True]
+    header = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("batch "))
+    assert header.endswith(", compiled drafter forward")
+
+
 def test_the_header_line_says_the_target_has_random_weights(monkeypatch, capsys):
     """A random-weight target times as the real one does but decodes nothing: the printed figures must say which
     they are, or a pasted line reads as the downloaded model's."""

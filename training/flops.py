@@ -250,7 +250,8 @@ def recipe_step_flops(target_config, settings: dict, length: int, cuda: bool = T
     # target's widths, with a gated MLP
     drafter = replace(widths, gated=True)
     layer_ids = settings.get("target_layer_ids") or default_layer_ids(text.num_hidden_layers)
-    block_size = settings.get("block_size", 16)
+    # Unset (None) in a recipe, they are DistillModule.configure_model's defaults (a warm start's are its folder's)
+    block_size, num_layers = settings.get("block_size") or 16, settings.get("num_layers") or 5
     head_rows = draft_vocab or settings.get("draft_vocab_size") or text.vocab_size
     loss_chunked = bool(settings.get("loss_chunk_size"))
     # Online distillation runs the whole target (its final hidden states are the teacher) and the teacher's LM head:
@@ -264,7 +265,7 @@ def recipe_step_flops(target_config, settings: dict, length: int, cuda: bool = T
     return step_flops(
         widths, drafter, length=length, width=flex_width(length) if cuda else length,
         blocks=anchors if cuda else drawn, drawn=drawn, block_size=block_size,
-        drafter_layers=settings["num_layers"], feature_layers=len(layer_ids),
+        drafter_layers=num_layers, feature_layers=len(layer_ids),
         read_depth=text.num_hidden_layers if distill else max(layer_ids) + 1,
         target_layers=text.num_hidden_layers, head_rows=head_rows,
         keys_per_query=mean_keys_per_query(length, block_size, prompt), loss_chunked=loss_chunked,

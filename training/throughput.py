@@ -262,8 +262,10 @@ def main(argv: list[str] | None = None) -> int:
                                                   f"{label:>10}: step from features")
         # What each side computes (training/flops.py): the ratio a step would have at equal efficiency, and the
         # rate each side reached, which tells a launch-bound side from a compute-bound one.
-        flops = recipe_step_flops(module.target.config, {**settings, "target_layer_ids": module.target_layer_ids},
-                                  length, cuda=device.type == "cuda")
+        # the drafter as built: a recipe may leave its layers, block and target layers to the module (or init_from)
+        built = {"target_layer_ids": module.target_layer_ids, "block_size": module.block_size,
+                 "num_layers": module.drafter_config.num_hidden_layers}
+        flops = recipe_step_flops(module.target.config, {**settings, **built}, length, cuda=device.type == "cuda")
         print(  # the target named: a line copied out alone still says whose forward it timed
             f"{label:>10} on {settings['target']}: target forward {target_seconds:.3f} s, training step "
             f"{step_seconds:.3f} s{gigabytes(step_peak)}, ratio {step_seconds / target_seconds:.2f}, {tokens / step_seconds:.0f} target "

@@ -346,6 +346,18 @@ def test_a_shallow_target_without_layer_ids_is_counted_with_the_ids_training_pic
         target, {**settings, "target_layer_ids": [0, 1, 2]}, 64, cuda=False)
 
 
+def test_a_recipe_that_leaves_the_drafters_shape_unset_is_counted_at_the_modules_defaults():
+    """model.num_layers and model.block_size may be left unset (None): the module builds 5 layers of block 16. The
+    count stopped in a TypeError traceback (None + a float), in training.flops and after throughput's timings."""
+    from transformers import LlamaConfig
+
+    target = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                         num_attention_heads=2, num_key_value_heads=1)
+    unset = dict(num_layers=None, block_size=None, num_anchors=4, target_layer_ids=[0, 1, 2])
+    assert recipe_step_flops(target, unset, 96, cuda=False) == recipe_step_flops(
+        target, {**unset, "num_layers": 5, "block_size": 16}, 96, cuda=False)
+
+
 def small_llama():
     """A Llama of width 8 (2 heads of 4, 1 key/value head), MLP 16, 4 layers, vocabulary 32: FLOPs to derive by hand."""
     from transformers import LlamaConfig

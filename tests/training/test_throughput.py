@@ -233,6 +233,27 @@ def test_a_recipes_model_compile_is_timed_compiled_and_said_so(monkeypatch, caps
     assert header.endswith(", compiled drafter forward")
 
 
+def test_a_recipe_that_leaves_the_drafters_shape_to_its_warm_start_is_counted_as_built(tmp_path, monkeypatch, capsys):
+    """model.num_layers and model.block_size unset (None) beside model.init_from: the module takes the folder's (here 1
+    layer of block 4), and the FLOP count must be of that drafter; it stopped in a TypeError traceback once every step
+    had been timed."""
+    folder = DistillModule(target="tiny-random", num_layers=1, block_size=4, target_layer_ids=[1, 3, 4], num_anchors=8)
+    folder.configure_model()
+    folder.drafter.save_pretrained(tmp_path / "drafter")
+
+    def warm_start(name):
+        settings, max_length, batch_size = recipe_settings(name)
+        return ({**settings, "num_layers": None, "block_size": None, "init_from": str(tmp_path / "drafter")},
+                max_length, batch_size)
+
+    monkeypatch.setattr("training.throughput.recipe_settings", warm_start)
+    monkeypatch.setattr(training.throughput, "time_call", lambda *args, **kwargs: (1.0, None))
+    assert main(["--recipe", "tiny", "--device", "cpu", "--length", "80", "--batch-size", "1"]) == 0
+    settings = {**recipe_settings("tiny")[0], "num_layers": 1, "block_size": 4}
+    flops = recipe_step_flops(AutoConfig.from_pretrained(resolve_target("tiny-random")), settings, 80, cuda=False)
+    assert f"FLOP ratio {flops.ratio:.2f}, " in measured_line(capsys.readouterr().out)
+
+
 def test_the_header_line_says_the_target_has_random_weights(monkeypatch, capsys):
     """A random-weight target times as the real one does but decodes nothing: the printed figures must say which
     they are, or a pasted line reads as the downloaded model's."""

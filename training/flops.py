@@ -51,6 +51,7 @@ from ddtree.errors import CommandParser, DDTreeError, command
 from ddtree.targets import default_layer_ids, resolve_target, target_field
 
 from .arguments import check_recipe_name, recipe_path
+from .feature_store import init_from_config
 from .masks import FLEX_MIN_CONTEXT
 from .recipe import GPU_ACCELERATORS, read_recipe
 
@@ -95,6 +96,11 @@ def recipe_settings(name: str) -> tuple[dict, int, int]:
     config = parsed_recipe(name)
     model = config.model.as_dict()
     model.pop("target_dtype", None)
+    if model.get("init_from"):  # a warm start's drafter is its folder's shape where the recipe leaves it unset
+        folder = init_from_config(model["init_from"])
+        for field, value in (("num_layers", folder.num_hidden_layers), ("block_size", folder.block_size),
+                             ("target_layer_ids", list(folder.target_layer_ids))):
+            model[field] = value if model.get(field) is None else model[field]
     return model, config.data.max_length, config.data.batch_size
 
 

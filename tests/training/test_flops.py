@@ -358,6 +358,19 @@ def test_a_recipe_that_leaves_the_drafters_shape_unset_is_counted_at_the_modules
         target, {**unset, "num_layers": 5, "block_size": 16}, 96, cuda=False)
 
 
+def test_a_recipe_that_leaves_the_drafters_shape_to_its_warm_start_is_counted_at_the_folders(tmp_path, monkeypatch):
+    """model.init_from with model.num_layers, block_size and target_layer_ids unset: the module builds the folder's
+    drafter (1 layer of block 4 reading layers 0, 2, 4), and the count must be of it, not of 5 layers of block 16."""
+    tiny_module(num_layers=1).drafter.save_pretrained(tmp_path / "drafter")
+    model = dict(target="tiny-random", num_layers=None, block_size=None, target_layer_ids=None, num_anchors=8,
+                 init_from=str(tmp_path / "drafter"))
+    recipe = SimpleNamespace(model=SimpleNamespace(as_dict=lambda: dict(model)),
+                             data=SimpleNamespace(max_length=96, batch_size=2))
+    monkeypatch.setattr("training.flops.parsed_recipe", lambda name: recipe)
+    settings, _, _ = recipe_settings("mine")
+    assert (settings["num_layers"], settings["block_size"], settings["target_layer_ids"]) == (1, 4, LAYER_IDS)
+
+
 def small_llama():
     """A Llama of width 8 (2 heads of 4, 1 key/value head), MLP 16, 4 layers, vocabulary 32: FLOPs to derive by hand."""
     from transformers import LlamaConfig

@@ -182,11 +182,12 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
     if not name:
         raise DDTreeError(f"--variant {text!r}: give name=overrides, e.g. dpace=--model.objective=dpace")
     if not name.replace("-", "").replace("_", "").isalnum():
-        # said as such: "give name=overrides, e.g. dpace=..." alone left `lr.high=--model.lr=1e-3` to guess what was wrong
+        # said as such: "give name=overrides, e.g. dpace=..." alone left `lr.high=--model.lr=1e-3` to guess the fault
         odd = "".join(dict.fromkeys(c for c in name if not (c.isalnum() or c in "-_")))
         fixed = "".join(c if c.isalnum() or c in "-_" else "_" for c in name)
-        raise DDTreeError(f"--variant {text!r}: give name=overrides, the name of letters, digits, - and _ only (it names "
-                          f"the variant's run folder; {name!r} has {odd!r}), e.g. {fixed}={overrides if equals else ''}")
+        raise DDTreeError(f"--variant {text!r}: give name=overrides, the name of letters, digits, - and _ only (it "
+                          f"names the variant's run folder; {name!r} has {odd!r}), e.g. "
+                          f"{fixed}={overrides if equals else ''}")
     if not equals:
         defaults = dict(default.split("=", 1) for default in DEFAULT_VARIANTS)
         if name not in defaults:

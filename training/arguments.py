@@ -153,7 +153,7 @@ def train_parser() -> argparse.ArgumentParser:
                                   "--model.num_layers=2, --data.batch_size=4): docs/training.md.")
     parser.add_argument("--recipe", default=None,
                         help=f"one of recipes/*.yaml (default: {DEFAULT_RECIPE}; a resumed run keeps its own)")
-    # home_expanded and path_argument below: no shell expands the ~ of `--resume=~/runs/x` (it read "no such checkpoint")
+    # home_expanded and path_argument below: no shell expands the ~ of `--resume=~/runs/x` ("no such checkpoint")
     parser.add_argument("--resume", type=home_expanded, default=None,
                         help="'last', a run folder (its newest readable checkpoint) or a checkpoint path: continue that "
                              "run exactly")

@@ -116,10 +116,12 @@ test-all: $(STAMP)
 # make coverage [TEST_WORKERS=2]: the default suite as `make test` runs it, under line and branch coverage with the
 # commands it starts followed (coverage.py and pytest-cov, installed into .venv on first use; settings in
 # pyproject.toml); prints each file's lines and branches no test ran, and writes outputs/coverage/coverage.json
+# (replacing its own files there alone: a recipe named coverage keeps its runs in outputs/coverage/<run>/)
 COVERAGE_PINS := coverage==7.18.0 pytest-cov==7.1.0
 coverage: $(STAMP)
 	$(PY) -m pip install -q $(COVERAGE_PINS)
-	rm -rf outputs/coverage && mkdir -p outputs/coverage
+	rm -f outputs/coverage/.coverage outputs/coverage/.coverage.* outputs/coverage/coverage.json
+	mkdir -p outputs/coverage
 	$(TEST_ENV) $(PY) -m pytest $(TEST_ARGS) --cov --cov-report=term-missing:skip-covered \
 		--cov-report=json:outputs/coverage/coverage.json
 

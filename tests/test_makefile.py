@@ -116,6 +116,8 @@ def test_make_coverage_runs_make_tests_suite_under_coverage_with_its_pins():
     assert plan[0].split()[-4:] == ["install", "-q", "coverage==7.18.0", "pytest-cov==7.1.0"], plan
     assert plan[-1].startswith(test_plan + " --cov "), (plan, test_plan)
     assert "--cov-report=json:outputs/coverage/coverage.json" in plan[-1].split()
+    # the earlier run's files alone go: `rm -rf outputs/coverage` took a recipe named coverage's runs with them
+    assert plan[1] == "rm -f outputs/coverage/.coverage outputs/coverage/.coverage.* outputs/coverage/coverage.json"
     settings = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["coverage"]["run"]
     assert settings["source"] == ["ddtree", "training", "data"]
     assert settings["branch"] is True and settings["patch"] == ["subprocess"]

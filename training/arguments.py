@@ -18,7 +18,7 @@ from typing import Callable
 
 from ddtree.arguments import DEVICE_HELP
 from ddtree.errors import CommandParser, DDTreeError, run_cli
-from ddtree.files import home_expanded, path_argument, path_type
+from ddtree.files import home_expanded, path_argument, path_type, read_yaml_mapping
 from ddtree.names import DTYPE_NAMES
 
 from .checkpoint_paths import check_run_folder, find_checkpoint, find_resume, find_run_checkpoint
@@ -31,6 +31,12 @@ THROUGHPUT_TARGET, THROUGHPUT_SETTINGS = "smollm2-135m", "16x5x16"  # training.t
 
 def known_recipes() -> list[str]:
     return sorted(path.stem for path in RECIPES_DIR.glob("*.yaml"))
+
+
+def recipes_for_target(target: str) -> list[str]:
+    """The recipes whose model.target is `target`, for an error's hint."""
+    return [name for name in known_recipes()
+            if (read_yaml_mapping(recipe_path(name)).get("model") or {}).get("target") == target]
 
 
 def check_recipe_name(name: str) -> None:

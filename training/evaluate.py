@@ -34,7 +34,8 @@ import sys
 from fnmatch import fnmatch
 from pathlib import Path
 
-from .arguments import answer_early, check_evaluate_args, check_recipe_name, evaluate_parser, known_recipes, recipe_path
+from .arguments import (answer_early, check_evaluate_args, check_recipe_name, evaluate_parser, recipe_path,
+                        recipes_for_target)
 
 # python -m: --help, a bad flag, --recipe, --run or --ckpt before torch loads
 answer_early(__name__, evaluate_parser, check_evaluate_args)
@@ -71,8 +72,7 @@ def check_same_target(config: dict, source: Path, checkpoint: Checkpoint) -> Non
     target, trained = (config.get("model") or {}).get("target"), checkpoint.hyper_parameters["target"]
     if target is None or target == trained:
         return
-    fitting = [name for name in known_recipes()
-               if (read_yaml_mapping(recipe_path(name)).get("model") or {}).get("target") == trained]
+    fitting = recipes_for_target(trained)
     hint = f" (recipes for {trained!r}: {', '.join(fitting)})" if fitting else ""
     raise DDTreeError(f"{source}: model.target {target!r} is not CKPT {checkpoint.path}'s target {trained!r}, so its eval "
                       f"settings are not the run's: give the run's recipe, RECIPE=<name> (--recipe <name>){hint}")

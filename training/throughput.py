@@ -31,7 +31,7 @@ import time
 from unittest import mock
 
 from training.arguments import (THROUGHPUT_SETTINGS, THROUGHPUT_TARGET, answer_early, check_throughput_args,
-                                known_recipes, parse_setting, recipe_path, throughput_parser)
+                                parse_setting, recipes_for_target, throughput_parser)
 
 # python -m: --help and a bad flag or recipe before torch and transformers load (14 s on the 2-core EPYC)
 answer_early(__name__, throughput_parser, check_throughput_args)
@@ -41,7 +41,6 @@ from transformers import AutoModelForCausalLM
 
 from ddtree.cli import parse_device
 from ddtree.errors import DDTreeError, command
-from ddtree.files import read_yaml_mapping
 from ddtree.machine import describe_machine, machine_line
 from ddtree.target_runner import context_limit
 
@@ -212,8 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise
             how = "add --random-target"
             if args.recipe is None:  # --random-target is refused without one (a random target has no MASK id)
-                recipes = [name for name in known_recipes() if settings["target"]
-                           == (read_yaml_mapping(recipe_path(name)).get("model") or {}).get("target")]
+                recipes = recipes_for_target(settings["target"])
                 if not recipes:
                     raise
                 how = "time its recipe with " + " or ".join(f"--recipe {name} --random-target" for name in recipes)

@@ -452,7 +452,7 @@ from transformers import DynamicCache
 
 from ddtree.bench import chat_prompt_ids, check_chat_template
 from ddtree.cli import parse_device
-from ddtree.decoding import Sampling, top_p_filter
+from ddtree.decoding import SAMPLING_FLAGS, Sampling, top_p_filter
 from ddtree.targets import DTYPES, config_stop_token_ids, load_tokenizer, resolve_target, stop_token_ids
 from training.conversations import CHAT_TARGET, read_messages_jsonl
 from training.target import load_frozen_target
@@ -841,7 +841,8 @@ def run(args: argparse.Namespace) -> dict | None:
         return None
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    Sampling(args.temperature, args.top_p)  # serving's checks of --temperature and --top-p, before any work
+    # serving's checks of --temperature and --top-p, before any work, naming the flags
+    Sampling(args.temperature, args.top_p, names=SAMPLING_FLAGS)
     parse_device(args.device)  # a GPU this machine lacks is one line here, not an assertion once the target loads
     if args.backend == "vllm" and args.target_adapter:
         raise DDTreeError(f"--backend vllm loads --target {args.target} from its files and merges no --target-adapter: "

@@ -39,8 +39,8 @@ from .drafters import read_drafter_config
 from .decoder import (chosen_calibration, drafter_runner, given_corpus, load_drafter,  # noqa: F401
                       measured_sizer, parse_device, sampling_facts, say_on_stderr)  # (load_drafter, parse_device: importers read them from here too)
 from .decoding import (
-    METHODS, DrafterRunner, OnlineCalibration, Sampling, check_budget, check_sizer, drafter_defaults, generate,
-    static_cache,
+    METHODS, SAMPLING_FLAGS, DrafterRunner, OnlineCalibration, Sampling, check_budget, check_sizer, drafter_defaults,
+    generate, static_cache,
 )
 from .errors import DDTreeError, Terminated, check_text, command
 from .files import WriteFailed, check_output_file, not_a_file, saved_elsewhere, write_results_json
@@ -67,7 +67,7 @@ def _load_target(args):
 
 def _setup(args, trees: bool = True):
     """The settings checked, the files named read (InputFiles), then the target loaded."""
-    sampling = Sampling(args.temperature, args.top_p, args.top_k)
+    sampling = Sampling(args.temperature, args.top_p, args.top_k, SAMPLING_FLAGS)
     if args.max_new_tokens < 1:
         raise DDTreeError(f"--max-new-tokens {args.max_new_tokens} must be at least 1")
     budgets = getattr(args, "budgets", None) or [getattr(args, "budget", 1)]

@@ -22,7 +22,7 @@ import math
 import operator
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Callable, Iterable
 
 import torch
@@ -63,19 +63,26 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
+# The three settings as a command's flags name them, for its errors (Sampling(..., names=SAMPLING_FLAGS)).
+SAMPLING_FLAGS = ("--temperature", "--top-p", "--top-k")
+
+
 @dataclass(frozen=True)
 class Sampling:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = no top-k cut
+    # how an error names the three: the keywords by default, a command's flags (SAMPLING_FLAGS); not stored
+    names: InitVar[tuple[str, str, str]] = ("temperature", "top_p", "top_k")
 
-    def __post_init__(self):
+    def __post_init__(self, names: tuple[str, str, str]):
+        temperature, top_p, top_k = names
         # written so that NaN fails every test (NaN compares False with everything)
         broken = [rule for rule, holds in (
-            (f"temperature {self.temperature} must be a finite number >= 0", 0 <= self.temperature < math.inf),
-            (f"top_p {self.top_p} must be in (0, 1]", 0 < self.top_p <= 1),
+            (f"{temperature} {self.temperature} must be a finite number >= 0", 0 <= self.temperature < math.inf),
+            (f"{top_p} {self.top_p} must be in (0, 1]", 0 < self.top_p <= 1),
             # a float (a config's 2.5) was a TypeError in the first token's topk, after the prefill
-            (f"top_k {self.top_k!r} must be a whole number >= 0",
+            (f"{top_k} {self.top_k!r} must be a whole number >= 0",
              whole_number(self.top_k) is not None and self.top_k >= 0),
         ) if not holds]
         if broken:

@@ -923,8 +923,9 @@ def test_a_prompt_the_template_refuses_stops_the_job_before_the_target_loads(tin
 
 
 @pytest.mark.parametrize("flags,named", [(["--limit", "0"], "--limit 0"), (["--limit", "-1"], "--limit -1"),
-                                         (["--threads", "0"], "--threads 0"), (["--temperature", "-1"], "temperature -1"),
-                                         (["--temperature", "1", "--top-p", "0"], "top_p 0"),
+                                         (["--threads", "0"], "--threads 0"),
+                                         (["--temperature", "-1"], "--temperature -1"),
+                                         (["--temperature", "1", "--top-p", "0"], "--top-p 0"),
                                          (["--num-shards", "0"], "--num-shards 0 must be at least 1"),
                                          # no chunk is its own: it exited 0 ("other shards still running") and the
                                          # shard it was meant to be never ran

@@ -1682,15 +1682,18 @@ def test_packed_weights_on_for_a_bf16_target_is_one_line_before_the_target_loads
                     "on cpu; use --packed-weights off (or auto)")
 
 
-def test_sampling_settings_name_only_the_rule_broken(capsys):
+def test_sampling_settings_name_only_the_rule_broken_by_its_flag(capsys, prompts_file):
+    """The command's line names the flag given (it named the Python keyword top_p, which the command has not)."""
     line = _bad(capsys, "generate", "--target", TARGET, "--prompt", "Hi", "--top-p", "2")
-    assert line == "error: bad sampling settings: top_p 2.0 must be in (0, 1]"
+    assert line == "error: bad sampling settings: --top-p 2.0 must be in (0, 1]"
+    line = _bad(capsys, "bench", "--target", TARGET, "--prompts", str(prompts_file), "--temperature", "1", "--top-k=-3")
+    assert line == "error: bad sampling settings: --top-k -3 must be a whole number >= 0"
 
 
 @pytest.mark.parametrize("temperature", ["nan", "inf", "-1.0"])
 def test_temperature_not_a_finite_number_at_least_zero(capsys, temperature):
     line = _bad(capsys, "generate", "--target", TARGET, "--prompt", "Hi", "--temperature", temperature)
-    assert f"temperature {temperature} must be a finite number >= 0" in line
+    assert f"bad sampling settings: --temperature {temperature} must be a finite number >= 0" in line
 
 
 @pytest.mark.parametrize("command", [["generate", "--prompt", "Hi"], ["verify-cost"]])

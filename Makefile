@@ -61,7 +61,7 @@ train: $(STAMP)
 ifeq ($(NODES),)
 	$(PY) -m training.train $(RECIPE_FLAG) $(if $(RESUME),--resume $(call quote,$(RESUME))) $(ARGS)
 else
-	PYTHON=$(PY) recipes/launch_torchrun.sh $(call quote,$(LAUNCH_RECIPE)) $(NODES) $(if $(RESUME),--resume $(call quote,$(RESUME))) $(ARGS)
+	PYTHON=$(PY) recipes/launch_torchrun.sh $(call quote,$(LAUNCH_RECIPE)) $(call quote,$(NODES)) $(if $(RESUME),--resume $(call quote,$(RESUME))) $(ARGS)
 endif
 
 # make ablate [RECIPE=smollm2-135m] ARGS="--steps 800 [--variant name=overrides ...]"

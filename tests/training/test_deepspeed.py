@@ -1011,7 +1011,7 @@ def test_make_train_nodes_prints_each_nodes_launch(tmp_path):
     make_env = {k: v for k, v in env.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
     planned = subprocess.run(["make", "-n", "--no-print-directory", "train", "RECIPE=qwen3-8b", "NODES=2"], cwd=REPO, env=make_env,
                              capture_output=True, text=True)
-    assert "recipes/launch_torchrun.sh 'qwen3-8b' 2" in planned.stdout.splitlines()[-1]
+    assert "recipes/launch_torchrun.sh 'qwen3-8b' '2'" in planned.stdout.splitlines()[-1]
     printed = subprocess.run(["bash", str(LAUNCHER), "qwen3-8b", "2"], cwd=REPO, env=env, capture_output=True, text=True)
     assert printed.returncode == 0, printed.stderr
     assert "2 nodes x 8 processes = 16 processes" in printed.stdout  # qwen3-8b's trainer.devices: 8
@@ -1053,6 +1053,8 @@ def test_make_resumes_a_run_of_any_recipe_and_keeps_paths_with_spaces_whole():
     assert "--recipe 'smollm2-135m'" in make_plan("train")  # a new run: the default recipe
     assert "--ckpt 'best' --run 'outputs/tiny/my run'" in make_plan("eval", "RUN=outputs/tiny/my run")
     assert "--out '/tmp/a b'" in make_plan("features", "OUT=/tmp/a b")
+    # NODES one word too: `NODES="2 --x"` gave the launcher NODES=2 and passed --x to training
+    assert "launch_torchrun.sh 'smollm2-135m' '2 --x'" in make_plan("train", "NODES=2 --x")
 
 
 def test_make_keeps_values_with_an_apostrophe_whole():
@@ -1087,14 +1089,14 @@ def test_a_multi_node_resume_launches_the_runs_own_recipe(tmp_path):
     (run / "checkpoints").mkdir(parents=True)
     (run / "config.yaml").write_text("model: {}\n")
     launched = lambda *variables: make_plan("train", "NODES=2", *variables)  # noqa: E731
-    assert f"launch_torchrun.sh 'qwen3-8b' 2 --resume '{run}'" in launched(f"RESUME={run}")
-    assert "launch_torchrun.sh 'qwen3-8b' 2" in launched(f"RESUME={run}/")
-    assert "launch_torchrun.sh 'qwen3-8b' 2" in launched(f"RESUME={run / 'checkpoints' / 'last.ckpt'}")
-    assert "launch_torchrun.sh 'qwen3-8b' 2" in launched(f"RESUME={run / 'checkpoints' / 'last.ckpt'}/")  # DeepSpeed's
-    assert "launch_torchrun.sh 'qwen3-8b' 2" in launched(f"RESUME={run / 'hpc_ckpt_3.ckpt'}")
-    assert "launch_torchrun.sh 'tiny' 2" in launched("RECIPE=tiny", f"RESUME={run}")  # given: as given
-    assert "launch_torchrun.sh 'smollm2-135m' 2 --resume 'last'" in launched("RESUME=last")  # the default's newest run
-    assert "launch_torchrun.sh 'smollm2-135m' 2" in launched()
+    assert f"launch_torchrun.sh 'qwen3-8b' '2' --resume '{run}'" in launched(f"RESUME={run}")
+    assert "launch_torchrun.sh 'qwen3-8b' '2'" in launched(f"RESUME={run}/")
+    assert "launch_torchrun.sh 'qwen3-8b' '2'" in launched(f"RESUME={run / 'checkpoints' / 'last.ckpt'}")
+    assert "launch_torchrun.sh 'qwen3-8b' '2'" in launched(f"RESUME={run / 'checkpoints' / 'last.ckpt'}/")  # DeepSpeed's
+    assert "launch_torchrun.sh 'qwen3-8b' '2'" in launched(f"RESUME={run / 'hpc_ckpt_3.ckpt'}")
+    assert "launch_torchrun.sh 'tiny' '2'" in launched("RECIPE=tiny", f"RESUME={run}")  # given: as given
+    assert "launch_torchrun.sh 'smollm2-135m' '2' --resume 'last'" in launched("RESUME=last")  # the default's newest run
+    assert "launch_torchrun.sh 'smollm2-135m' '2'" in launched()
 
 
 def test_make_help_prints_every_line_of_each_targets_comment():

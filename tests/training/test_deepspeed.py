@@ -1092,10 +1092,12 @@ def test_a_multi_node_resume_launches_the_runs_own_recipe(tmp_path):
     assert f"launch_torchrun.sh 'qwen3-8b' '2' --resume '{run}'" in launched(f"RESUME={run}")
     assert "launch_torchrun.sh 'qwen3-8b' '2'" in launched(f"RESUME={run}/")
     assert "launch_torchrun.sh 'qwen3-8b' '2'" in launched(f"RESUME={run / 'checkpoints' / 'last.ckpt'}")
-    assert "launch_torchrun.sh 'qwen3-8b' '2'" in launched(f"RESUME={run / 'checkpoints' / 'last.ckpt'}/")  # DeepSpeed's
+    # a DeepSpeed checkpoint, a folder
+    assert "launch_torchrun.sh 'qwen3-8b' '2'" in launched(f"RESUME={run / 'checkpoints' / 'last.ckpt'}/")
     assert "launch_torchrun.sh 'qwen3-8b' '2'" in launched(f"RESUME={run / 'hpc_ckpt_3.ckpt'}")
     assert "launch_torchrun.sh 'tiny' '2'" in launched("RECIPE=tiny", f"RESUME={run}")  # given: as given
-    assert "launch_torchrun.sh 'smollm2-135m' '2' --resume 'last'" in launched("RESUME=last")  # the default's newest run
+    # the default recipe's newest run
+    assert "launch_torchrun.sh 'smollm2-135m' '2' --resume 'last'" in launched("RESUME=last")
     assert "launch_torchrun.sh 'smollm2-135m' '2'" in launched()
 
 

@@ -594,19 +594,19 @@ def test_adaptive_tree_size_is_lossless_and_cuts_the_unlikely_nodes(smollm2, ref
     branches and lose some of the improbable tail, rounds differ in size, and the tokens stay greedy decoding's."""
     model, tokenizer = smollm2
     sizer = TreeSizer(fixed_ms=40.0, row_ms=1.1)
-    sizes = []
-    for prompt, greedy in references:
-        rigged = RiggedDrafter(prompt + greedy, model.config.vocab_size)
-        result = generate(model, prompt, "ddtree", rigged, 32, MAX_NEW, stop_token_ids(model, tokenizer), sizer=sizer)
-        assert result.new_tokens == greedy
-        sizes += [r.tree_size for r in result.rounds if r.tree_size]
-        if prompt == references[0][0]:  # one reply that repeats itself: the random drafter's rounds are slow
-            # 28 tokens hold the rounds (at tokens 19 and 23) whose grafted copy is taken, the random drafter taking
-            # none of its own: 40 were 33 rounds, 8 s on a 2-core AVX2 EPYC
-            with_lookup = generate(model, prompt, "ddtree", random_drafter, 32, 28, stop_token_ids(model, tokenizer),
-                                   sizer=sizer, lookup=7)
-            assert with_lookup.new_tokens == greedy[:28]
-            assert sum(r.accepted_depth for r in with_lookup.rounds) > 0  # the sized trees kept the graft
+    # One reply: its 7 sized rounds take 6 sizes from 17 to 29 nodes (the other two replies' 13 rounds sized alike cost
+    # 4 s more on a 2-core AVX2 EPYC), and it repeats itself, which the lookup below needs
+    prompt, greedy = references[0]
+    rigged = RiggedDrafter(prompt + greedy, model.config.vocab_size)
+    result = generate(model, prompt, "ddtree", rigged, 32, MAX_NEW, stop_token_ids(model, tokenizer), sizer=sizer)
+    assert result.new_tokens == greedy
+    sizes = [r.tree_size for r in result.rounds if r.tree_size]
+    # 28 tokens hold the rounds (at tokens 19 and 23) whose grafted copy is taken, the random drafter taking none of
+    # its own: 40 were 33 rounds, 8 s on a 2-core AVX2 EPYC
+    with_lookup = generate(model, prompt, "ddtree", random_drafter, 32, 28, stop_token_ids(model, tokenizer),
+                           sizer=sizer, lookup=7)
+    assert with_lookup.new_tokens == greedy[:28]
+    assert sum(r.accepted_depth for r in with_lookup.rounds) > 0  # the sized trees kept the graft
     assert min(sizes) < 32 and len(set(sizes)) > 2, sizes  # (the slow rigged drafter's overhead favours large trees)
     assert sizer.rounds > 0 and sizer.overhead_ms > 0  # the rounds' drafting and bookkeeping were counted
     with pytest.raises(DDTreeError, match="static cache"):

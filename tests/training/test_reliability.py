@@ -41,6 +41,7 @@ from lightning.pytorch.trainer.connectors.logger_connector import result as ligh
 import toy_data  # tests/training/toy_data.py
 from ddtree.errors import command
 from ddtree.packed_linear import cannot_pack
+from ddtree.precision import fast_precision
 from training.callbacks import AcceptanceEvaluation
 from training.checkpoint_paths import is_checkpoint, saved_step
 from training.checkpoints import (RESUME_KEYS, check_resumable, drafter_from_checkpoint, newest_finite_checkpoint,
@@ -68,10 +69,19 @@ def tiny_args(tmp_path: Path, run: str, max_steps: int, every: int = 2) -> list[
     ]
 
 
+def inherited_precision() -> dict:
+    """This process's environment, holding the CPU precision choice measured here once (fast_precision sets
+    DDTREE_CPU_PRECISION), for a run started from here: it inherits the choice, as Lightning's rank 1 inherits rank
+    0's, where timing its own matmuls took each such process ~1.7 s on a 2-core AVX2 EPYC (test_precision_choice
+    holds the measurement)."""
+    fast_precision("cpu")
+    return dict(os.environ)
+
+
 def train_process(args: list[str]) -> subprocess.Popen:
     # faulthandler: a run that aborts (a SIGINT run once did at exit, "terminate called after throwing ... pybind11",
     # docs/tests.md) prints every thread's Python stack into the failure message.
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
+    env = dict(inherited_precision(), PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
     # A shell starts background jobs with SIGINT ignored, and a child inherits that: restore the default, so the
     # run hears the test's SIGINT however the suite was launched (`make test &` ran it to its end before).
     return subprocess.Popen([sys.executable, "-m", "training.train", *args], cwd=REPO, env=env,
@@ -193,7 +203,7 @@ class HoldRankZeroInEvaluation(Callback):
 
 def process_environment() -> dict:
     """For training.train in a process of its own, which finds this file's callbacks (--trainer.callbacks+=...)."""
-    return dict(os.environ, PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1", OMP_NUM_THREADS="1",
+    return dict(inherited_precision(), PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1", OMP_NUM_THREADS="1",
                 PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
 
 

@@ -26,6 +26,7 @@ from matplotlib.figure import Figure
 
 import toy_data  # tests/training/toy_data.py
 import training.ablate
+import training.report
 from ddtree.files import WriteFailed
 from training.ablate import (ABLATE_STAMP_ENV, DEFAULT_VARIANTS, decoder_additions, decoding_target, last_validation,
                              main, markdown_table, parse_variant, plot, summarize_variant, write_results)
@@ -38,7 +39,23 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.usefixtures("undrawn_plots")  # ablate-*.png drawn only where a test asks (drawn_plots)
 
 
-def test_two_variants_of_the_tiny_recipe_are_trained_measured_and_compared(tmp_path, capsys, drawn_plots):
+@pytest.fixture
+def undrawn_tau(monkeypatch):
+    """Each run's tau.png built from its rows but undrawn (as undrawn_plots does), where a test asks for drawn_plots
+    for ablate-*.png alone: four tau plots of two launches were ~2 s of a 12 s test on a 2-core AVX2 EPYC, and tau.png
+    is drawn where it is read (test_eval_callback)."""
+    plot_tau = training.report.plot_tau
+
+    def built_undrawn(*args, **kwargs):
+        with mock.patch.object(Figure, "tight_layout", lambda self, *a, **k: None):
+            figure = plot_tau(*args, **kwargs)
+        figure.savefig = lambda file, **kw: file.write(b"not drawn (undrawn_tau)")
+        return figure
+
+    monkeypatch.setattr(training.report, "plot_tau", built_undrawn)
+
+
+def test_two_variants_of_the_tiny_recipe_are_trained_measured_and_compared(tmp_path, capsys, drawn_plots, undrawn_tau):
     # 12 conversations: 10 train sequences, 5 batches an epoch; --steps 6 trains past one epoch (a step budget past
     # the first epoch once stopped at Lightning's val_check_interval check), at half the steps 24 and 12 took
     data = toy_data.write_conversations(tmp_path / "conversations.jsonl", 12, 30, 60)

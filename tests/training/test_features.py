@@ -49,6 +49,8 @@ from training.train import main as train_main
 LAYER_IDS = [1, 3, 4]
 HIDDEN = 64  # the tiny target's hidden size
 
+pytestmark = pytest.mark.usefixtures("undrawn_plots")  # the launches' tau.png, read by none of these tests: undrawn
+
 
 def write_conversations(path, count=12, seed=0):
     """Replies of 10 to 40 words, so the sequences have many different lengths."""

@@ -1056,6 +1056,9 @@ def test_an_interrupted_build_resumed_with_other_settings_starts_over(tmp_path, 
         get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False)).save_pretrained(
             tmp_path / "adapter")
         other = {**other, "target_adapter": str(tmp_path / "adapter")}
+    # 6 conversations, not make_datamodule's 12: still a finished first shard and more after it (the assertion on
+    # len(store.shards) below), at half the build and forward work of its four builds (~-0.7 s a case, 2-core AVX2 EPYC)
+    write_conversations(tmp_path / "conversations.jsonl", count=6)
     dm = make_datamodule(tmp_path)
     before = dict(layer_ids=LAYER_IDS, max_shard_bytes=shard_bytes(3), sequences_per_batch=1)
     settings = {**before, **other}
@@ -1066,6 +1069,7 @@ def test_an_interrupted_build_resumed_with_other_settings_starts_over(tmp_path, 
     store = FeatureStore(build_feature_store(dm, out, **settings))
     assert "holds an unfinished build of other settings; starting over" in capsys.readouterr().out
     assert store.shards == interrupted["shards"]  # the finished shard had the planned shape: no other check stops it
+    assert len(store.shards) > 1, store.shards  # the build was cut after its first shard, with more to go
     target, _ = load_frozen_target("tiny-random", torch.bfloat16, settings.get("target_adapter"))
     data, _, _ = dm.load_tokenized()
     for i in range(len(data)):

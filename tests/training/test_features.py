@@ -224,6 +224,9 @@ def test_a_top_k_store_of_a_target_that_transforms_its_logits_holds_its_forwards
     it by logits_scaling. Now it is the forward's, the manifest says which transform it took, and a store without it
     (built before) is another build for `make features` and one line for a run that would train from it."""
     folder = transformed_target_folder(tmp_path / family, family)
+    # 6 conversations, not make_datamodule's 12: every sequence's teacher is compared with the forward's, and half of
+    # them is half of its two builds and forwards (~-0.8 s a case on a 2-core AVX2 EPYC)
+    write_conversations(tmp_path / "conversations.jsonl", count=6)
     dm = make_datamodule(tmp_path, target=str(folder))
     out = build_feature_store(dm, tmp_path / "store", layer_ids=[0, 1], dtype=torch.float32, teacher_top_k=5)
     store = FeatureStore(out)

@@ -1309,6 +1309,7 @@ def test_a_store_replaced_while_data_loader_workers_read_it_stops_the_run_in_one
 
 
 def test_a_folder_or_file_that_is_not_a_store_is_never_replaced(tmp_path):
+    write_conversations(tmp_path / "conversations.jsonl", count=4)  # the store in the empty folder: any store will do
     dm = make_datamodule(tmp_path)
     notes = tmp_path / "mine" / "notes.txt"
     notes.parent.mkdir()

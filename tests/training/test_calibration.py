@@ -32,6 +32,9 @@ from training.train import main as train_main
 from rigged import hf_greedy  # tests/rigged.py
 
 
+pytestmark = pytest.mark.usefixtures("undrawn_plots")  # tau.png drawn only where a test asks (drawn_plots)
+
+
 def test_decoding_divides_the_draft_logits_by_the_temperatures_and_stays_lossless():
     target, tokenizer = load_target("tiny-random", torch.float32)
     torch.manual_seed(0)

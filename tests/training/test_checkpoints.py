@@ -35,6 +35,9 @@ from training.checkpoints import (AtomicCheckpointIO, Checkpoint, after_a_refuse
                                   non_finite_tensors, recorded_evaluation)
 from training.module import DistillModule
 
+
+pytestmark = pytest.mark.usefixtures("undrawn_plots")  # tau.png drawn only where a test asks (drawn_plots)
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 

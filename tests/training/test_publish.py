@@ -58,6 +58,9 @@ from training.module import DistillModule
 from training.peft_utils import DEFAULT_LORA_MODULES
 from training.train import main as train_main
 
+
+pytestmark = pytest.mark.usefixtures("undrawn_plots")  # tau.png drawn only where a test asks (drawn_plots)
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EVAL_BUDGETS = [2, 4]
 EVAL_NEW_TOKENS = 8

@@ -33,6 +33,9 @@ from training.module import DistillModule
 from ddtree.errors import CommandParser, DDTreeError
 from ddtree.files import read_yaml_mapping
 
+
+pytestmark = pytest.mark.usefixtures("undrawn_plots")  # tau.png drawn only where a test asks (drawn_plots)
+
 TINY_WIDTHS = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=16)
 
 # The real targets' layout (from their published config.json files), widths shrunk.

@@ -52,6 +52,9 @@ import training.export
 import training.train
 from training.train import main as train_main
 
+
+pytestmark = pytest.mark.usefixtures("undrawn_plots")  # tau.png drawn only where a test asks (drawn_plots)
+
 REPO = Path(__file__).resolve().parents[2]
 
 

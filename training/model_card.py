@@ -304,6 +304,15 @@ def evaluation_section(facts: CardFacts) -> list[str]:
             "Export it from the run it was trained in, or measure it with `make eval CKPT=<the checkpoint>`.",
             "",
         ]
+    if record is None and facts.best_kept and not facts.other_evaluated_steps:
+        # best.ckpt is ranked by the evaluations eval/ no longer holds: not a run stopped before its first one
+        return lines + [
+            f"No evaluation of this checkpoint (step {facts.step}) is in its run folder, so no acceptance is reported "
+            "here: the run's eval/ holds none, though it ranked its checkpoints by them (its checkpoints/best.ckpt), "
+            "so they were moved or deleted since. Put the run's eval/ back, or measure this checkpoint with `make "
+            "eval`, and export it again.",
+            "",
+        ]
     if record is None:
         # Only the best evaluated checkpoints are kept (checkpoint.save_top_k), so an evaluated step may have none.
         kept = ", ".join(facts.kept_checkpoints) or "none"

@@ -391,6 +391,21 @@ def test_the_card_of_a_run_stopped_before_its_first_evaluation_gives_advice_that
     assert "ranked" not in card
 
 
+def test_the_card_of_a_run_whose_eval_folder_is_gone_does_not_say_it_stopped_before_its_first_evaluation(
+        run_dir, tmp_path):
+    """A run that evaluated and ranked its best.ckpt, whose eval/ was moved or deleted since: the card of its best
+    checkpoint said the run evaluated no step and ranked no checkpoint, beside a best.ckpt and a report.md saying
+    otherwise, and told readers to export the `--ckpt best` it was."""
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run, symlinks=True)
+    shutil.rmtree(run / "eval")
+    assert export(run, tmp_path / "out", "--ckpt", "best") == 0
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "evaluated no step" not in card and "ranked no checkpoint" not in card and "--ckpt best" not in card
+    assert ("No evaluation of this checkpoint (step 2) is in its run folder, so no acceptance is reported here: the "
+            "run's eval/ holds none, though it ranked its checkpoints by them (its checkpoints/best.ckpt)") in card
+
+
 def test_card_bounds_tau_by_the_context_lookup_where_it_runs_past_the_block(run_dir, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(run_dir, run, symlinks=True)

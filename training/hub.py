@@ -28,6 +28,7 @@ from huggingface_hub.utils import validate_repo_id
 
 from ddtree.calibration import CARD_NOTE
 from ddtree.corpus import CORPUS_FILE
+from ddtree.drafters import check_weights_match_config, read_drafter_config
 from ddtree.errors import DDTreeError, error_line
 from ddtree.files import is_download_extra
 from ddtree.names import CALIBRATION_FILE
@@ -109,6 +110,11 @@ def check_export_folder(folder: Path, repo: str) -> None:
     if not shapes:
         raise DDTreeError(f"--push-only {folder}: not an export of a drafter (model.safetensors holds no tensor); "
                           "export it with make export")
+    try:  # a config.json edited over the exported weights: `ddtree` refuses the folder, AutoModel starts what is
+        # missing from random values, and the push would replace what the repo served with it
+        check_weights_match_config(folder, read_drafter_config(folder))
+    except DDTreeError as error:
+        raise DDTreeError(f"--push-only {folder}: {error}") from None
     card = (folder / "README.md").read_text(errors="replace")
     written_for = card_repo(card)
     if written_for != repo:

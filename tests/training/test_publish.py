@@ -1682,6 +1682,24 @@ def test_push_only_refuses_a_drafters_config_over_weights_holding_no_tensor(run_
     assert "tester/w" not in StandInHub.repos
 
 
+def test_push_only_refuses_an_export_whose_config_no_longer_matches_its_weights(run_dir, tmp_path, hub, capsys):
+    """A config.json edited by hand (a layer added) over the exported weights went up: `ddtree` refuses that folder,
+    and AutoModel starts the missing layer from random values, so the push replaced a working drafter with one that
+    does not decode."""
+    out = tmp_path / "export"
+    assert export(run_dir, out, "--ckpt", "last", "--repo", "tester/w") == 0
+    config = json.loads((out / "config.json").read_text())
+    config.update(num_hidden_layers=config["num_hidden_layers"] + 1,
+                  layer_types=config["layer_types"] + config["layer_types"][-1:])
+    (out / "config.json").write_text(json.dumps(config))
+    assert publish.main(["--push-only", str(out), "--repo", "tester/w"]) == 2
+    line = one_error_line(capsys)
+    assert line.startswith(f"error: --push-only {out}: drafter {out}: config.json needs weight layers.1."), line
+    assert line.endswith("config.json does not match the weights (was it edited?): restore it, or export the drafter "
+                         "again"), line
+    assert "tester/w" not in StandInHub.repos
+
+
 def test_push_only_sends_only_an_export_whose_card_names_that_repo(run_dir, tmp_path, hub, capsys):
     StandInHub.repos["tester/b"] = {"keep.txt": b"served"}  # what the repo serves must survive every refusal
     junk = tmp_path / "junk"

@@ -268,6 +268,7 @@ class CardFacts:
     outside_run: bool = False
     kept_checkpoints: list[str] = field(default_factory=list)  # the run's checkpoint files, by name
     best_kept: bool = False  # the run has a checkpoints/best.ckpt (`--ckpt best` exports it)
+    exported_best: bool = False  # the checkpoint is the one best.ckpt is: the run evaluated it and ranked it best
     speculators: bool = False  # the config also carries vLLM's speculators fields
     engine_problems: list[str] = field(default_factory=list)  # engine rules it breaks (--allow-engine-mismatch)
     rejected_by: list[str] = field(default_factory=list)  # the engines (VLLM, SGLANG) whose rules those are
@@ -311,6 +312,14 @@ def evaluation_section(facts: CardFacts) -> list[str]:
             "here: the run's eval/ holds none, though it ranked its checkpoints by them (its checkpoints/best.ckpt), "
             "so they were moved or deleted since. Put the run's eval/ back, or measure this checkpoint with `make "
             "eval`, and export it again.",
+            "",
+        ]
+    if record is None and facts.exported_best:  # its record was moved or deleted: the run ranked it best by it
+        return lines + [
+            f"No evaluation of this checkpoint (step {facts.step}) is in its run folder, so no acceptance is reported "
+            "here: the run ranked it best (its checkpoints/best.ckpt) by an evaluation whose record, "
+            f"eval/step-{facts.step:06d}.json, was moved or deleted since. Put that record back, or measure this "
+            "checkpoint with `make eval`, and export it again.",
             "",
         ]
     if record is None:

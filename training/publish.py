@@ -209,6 +209,7 @@ def export_folder(
     # the plain export decides; one trained with it whose run lacks it is refused: its tau was measured grafting it
     corpus = checkpoint_corpus(path, run_dir, bool(checkpoint.hyper_parameters.get("corpus"))) if runs_own else None
 
+    best = run_dir / "checkpoints" / "best.ckpt"
     with staged_folder(out) as staging:
         drafter.save_pretrained(staging)  # model.safetensors + config.json
         saved = json.loads((staging / "config.json").read_text())
@@ -232,7 +233,7 @@ def export_folder(
             trained_seconds=timer_seconds(checkpoint.callbacks),
             kept_checkpoints=branch_checkpoints(path) if branch else
             [path.name for path in sorted(run_checkpoints(run_dir), key=lambda p: p.name)],
-            best_kept=(run_dir / "checkpoints" / "best.ckpt").exists(),
+            best_kept=best.exists(), exported_best=best.exists() and best.resolve() == path.resolve(),
             speculators=speculators, engine_problems=[problem.line() for problem in problems],
             rejected_by=list(dict.fromkeys(problem.rule.engine for problem in problems)),
             engine_target=served_target.source,

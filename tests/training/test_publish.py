@@ -406,6 +406,22 @@ def test_the_card_of_a_run_whose_eval_folder_is_gone_does_not_say_it_stopped_bef
             "run's eval/ holds none, though it ranked its checkpoints by them (its checkpoints/best.ckpt)") in card
 
 
+def test_the_card_of_the_best_checkpoint_whose_record_is_gone_does_not_say_it_was_not_evaluated(run_dir, tmp_path):
+    """best.ckpt is the step the run ranked best by its evaluation: with that step's record moved or deleted from
+    eval/, its card said the checkpoint "was not evaluated during training" and told readers to export the `--ckpt
+    best` it was."""
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run, symlinks=True)
+    step = int((run / "checkpoints" / "best.ckpt").resolve().stem.removeprefix("step-"))
+    (run / "eval" / f"step-{step:06d}.json").unlink()  # the run's other evaluated steps stay
+    assert export(run, tmp_path / "out", "--ckpt", "best") == 0
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "was not evaluated during training" not in card and "--ckpt best" not in card
+    assert (f"No evaluation of this checkpoint (step {step}) is in its run folder, so no acceptance is reported here: "
+            "the run ranked it best (its checkpoints/best.ckpt) by an evaluation whose record, "
+            f"eval/step-{step:06d}.json, was moved or deleted since.") in card
+
+
 def test_card_bounds_tau_by_the_context_lookup_where_it_runs_past_the_block(run_dir, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(run_dir, run, symlinks=True)

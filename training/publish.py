@@ -115,6 +115,10 @@ def check_trained_as_run(checkpoint: Checkpoint, run_dir: Path, run_config: dict
     fix = "give as RUN the run folder it was trained in (or export it alone: python -m training.export CKPT OUT)"
     # A checkpoint saved before the target was a hyper-parameter is left to record_trained_target's fit check.
     if trained.get("target") is not None and str(trained["target"]) != str(model.get("target")):
+        if run_folder_of(path) is not None:  # RUN's own (find_run_checkpoint refused another run's): RUN is the one
+            # it was trained in, so its config.yaml was edited since
+            fix = ("it is one of RUN's own checkpoints, so its config.yaml was edited since training: restore its "
+                   "model.target (--base-model owner/name names the target's Hub id on the card)")
         raise DDTreeError(f"CKPT {path} was trained against target {trained['target']!r}, but RUN={run_dir} against "
                           f"{model.get('target')!r} (model.target in its config.yaml): {fix}")
     # One of RUN's own checkpoints may have been trained otherwise than its config.yaml says: a resume may set or drop

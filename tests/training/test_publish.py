@@ -964,6 +964,23 @@ def test_a_loose_checkpoint_trained_otherwise_than_run_is_refused(run_dir, tmp_p
         assert not (tmp_path / "out").exists()
 
 
+def test_a_runs_own_checkpoint_against_its_edited_config_is_not_sent_to_another_run(run_dir, tmp_path, capsys):
+    """RUN's config.yaml edited to another model.target (the target's Hub id, say): the refusal of RUN's own
+    checkpoint told the user to give as RUN the run folder it was trained in, which RUN is."""
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run, symlinks=True)
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    config["model"]["target"] = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    assert export(run, tmp_path / "out", "--ckpt", "last") == 2
+    line = one_error_line(capsys)
+    assert "give as RUN the run folder it was trained in" not in line, line
+    assert line.endswith("(model.target in its config.yaml): it is one of RUN's own checkpoints, so its config.yaml "
+                         "was edited since training: restore its model.target (--base-model owner/name names the "
+                         "target's Hub id on the card)"), line
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_corpus_run_without_its_corpus_is_refused(run_dir, tmp_path, capsys):
     run = tmp_path / "run"
     shutil.copytree(run_dir, run, symlinks=True)

@@ -150,7 +150,9 @@ def training_data_path(run_dir: Path, run_config: dict) -> str | None:
     data_path = (run_config.get("data") or {}).get("data_path")
     if not data_path:
         return None
-    return str(default_data_path(run_dir.parent.name) if data_path == AUTO_DATA else project_path(data_path))
+    # resolved: RUN given from inside its recipe's folder (`.`, or the run's name) has no parent name of its own
+    recipe = run_dir.resolve().parent.name
+    return str(default_data_path(recipe) if data_path == AUTO_DATA else project_path(data_path))
 
 
 def evaluated_training_prompts(data_path: str | None, evaluation: dict) -> int | None:

@@ -2300,6 +2300,33 @@ def test_the_card_reads_the_provenance_of_the_data_the_run_trained_on(run_dir, t
         tmp_path / "relative" / "README.md").read_text()
 
 
+def test_a_run_given_from_inside_its_recipes_folder_reads_the_recipes_regenerated_data(run_dir, tmp_path, empty_cache,
+                                                                                      monkeypatch):
+    """`cd outputs/<recipe> && python -m training.publish <run> ...` of a data.data_path `auto` run: the recipe was
+    read from the name of RUN's parent as given (none), so the card named `<ddtree cache>/data/data`, said no
+    regeneration.json names the target, and did not call the evaluated prompts held out."""
+    run = tmp_path / "tiny" / "run"
+    shutil.copytree(run_dir, run, symlinks=True)
+    config = run / "config.yaml"
+    data_line = next(line for line in config.read_text().splitlines() if line.strip().startswith("data_path:"))
+    config.write_text(config.read_text().replace(data_line, "  data_path: auto"))
+    regenerated = empty_cache / "data" / "tiny"
+    regenerated.mkdir(parents=True)
+    for name in ("data-00000-of-00001.arrow", "dataset_info.json", "state.json"):
+        (regenerated / name).symlink_to(REPO_ROOT / "data" / "smollm2-135m" / name)
+    (regenerated / "regeneration.json").write_text(json.dumps({"target": "tiny-random"}))
+    monkeypatch.chdir(tmp_path / "tiny")
+    for given in ("run", "."):
+        if given == ".":
+            monkeypatch.chdir(run)
+        out = tmp_path / f"out-{len(given)}"
+        assert publish.main([given, "--out", str(out), "--ckpt", "last"]) == 0
+        card = (out / "README.md").read_text()
+        assert "- conversations: `auto` (`<ddtree cache>/data/tiny`, written by data/regenerate.py); responses " \
+               "written by the target itself" in card, given
+        assert "held-out prompts, not in the training data" in card, given
+
+
 def test_the_card_calls_the_evaluated_prompts_held_out_only_when_none_is_a_training_prompt(run_dir, tmp_path, capsys):
     from training.model_card import count_training_prompts
 

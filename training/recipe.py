@@ -497,6 +497,17 @@ class DistillCLI(LightningCLI):
 class RecipeReader(DistillCLI):
     """Parses and type-checks a recipe, links applied, and builds nothing (for tools that only read it)."""
 
+    # Its parser, built by the process's first read and reused: every read makes it of the same classes and settings
+    # (read_recipe's), and building it took 0.12-0.15 s of a warm read's 0.19-0.23 s on a 2-core AVX2 EPYC, where
+    # `make ablate` reads the recipe once for each variant and shared flag.
+    built_parser = None
+
+    def setup_parser(self, add_subcommands: bool, main_kwargs: dict, subparser_kwargs: dict) -> None:
+        if RecipeReader.built_parser is None:
+            super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
+            RecipeReader.built_parser = self.parser
+        self.parser = RecipeReader.built_parser
+
     def before_instantiate_classes(self) -> None:
         pass  # no launch to check: nothing will train
 

@@ -26,7 +26,7 @@ import training.recipe
 import training.target
 import training.train
 from training.arguments import RECIPES_DIR, known_recipes
-from training.recipe import read_recipe
+from training.recipe import RecipeReader, read_recipe
 from training.train import build_cli, main
 from training.loss import published_gamma
 from training.module import DistillModule
@@ -105,6 +105,22 @@ def test_validation_across_epochs_falls_on_an_evaluated_optimizer_step():
             f"{steps} optimizer steps, not a multiple of eval.every_n_train_steps {config.eval.every_n_train_steps}")
         checked.append((name, steps))
     assert {"qwen3-8b": 2000, "qwen3-4b": 2000, "llama3.1-8b": 2000}.items() <= dict(checked).items()
+
+
+def test_a_read_with_the_parser_an_earlier_read_built_is_what_a_parser_of_its_own_reads(monkeypatch):
+    """read_recipe builds LightningCLI's parser once a process (RecipeReader.built_parser) and parses each read with
+    it: a read after another recipe's, or after overrides of the same recipe, must be what a fresh parser reads."""
+    reads = [("tiny", ["--model.num_layers=3", "--eval.budgets=[4,8]", "--eval.primary_budget=4"]),
+             ("smollm2-135m", []), ("tiny", [])]
+    fresh = []
+    for name, overrides in reads:
+        monkeypatch.setattr(RecipeReader, "built_parser", None)
+        fresh.append(parse_recipe(name, *overrides))
+    reused = [parse_recipe(name, *overrides) for name, overrides in reads]
+    assert RecipeReader.built_parser is not None and reused == fresh
+    assert (reused[0].model.num_layers, reused[0].checkpoint.monitor) == (3, "val/tau_ddtree@4")  # a link applied
+    assert reused[2].model.num_layers != 3 and reused[2].model.target == "tiny-random"
+    assert reused[1].model.target == "smollm2-135m"
 
 
 def test_a_recipe_that_does_not_say_leaves_the_rank_split_to_the_data(tmp_path):

@@ -105,15 +105,19 @@ def prepare_recipe_data(datamodule, recipe: str, world_size: int = 1, target_ada
     if path.exists():
         check_recipe_data(datamodule, recipe, path, target_adapter)
         return
-    if world_size > 1:
-        raise DDTreeError(f"data {path} does not exist yet and this launch runs {world_size} processes: "
-                          f"generate it first with `make data RECIPE={recipe}`")
     command = [sys.executable, str(REGENERATE_SCRIPT),
                *regenerate_arguments(datamodule.target, path, datamodule.regenerate, target_adapter)]
+    # `make data` writes the recipe file's data: for a run that overrides its data settings it generated other data (or
+    # found the recipe's done) and this run's stayed missing, so that run is told its own command, written out
+    by_hand = f"`{shlex.join(command)}`" if recipe_overrides(datamodule, recipe, target_adapter) else \
+        f"`make data RECIPE={recipe}`"
+    if world_size > 1:
+        raise DDTreeError(f"data {path} does not exist yet and this launch runs {world_size} processes: "
+                          f"generate it first with {by_hand}")
     print(f"[data] {path} is missing: the target writes it first ({' '.join(command[1:])})", flush=True)
     if run_regeneration(command) != 0:
         raise DDTreeError(f"generating the training data into {path} failed (its error is above); rerun: "
-                          f"`make data RECIPE={recipe}` resumes from the chunks already written")
+                          f"{by_hand} resumes from the chunks already written")
 
 
 def run_regeneration(command: list[str]) -> int:

@@ -132,6 +132,21 @@ def test_missing_data_with_several_processes_asks_for_make_data(tmp_path, empty_
     assert started == [] and not (tmp_path / "cache" / "data").exists()
 
 
+def test_a_run_overriding_its_recipes_data_is_told_its_own_command_when_its_generation_fails(tmp_path, monkeypatch):
+    """`--recipe tiny --data.data_path=D --data.regenerate=...` whose generation stopped was told that `make data
+    RECIPE=tiny` resumes it: that writes the recipe file's data (tiny's, a folder it does not generate), never D. Its
+    own regenerate.py command, written out, resumes from D's chunks; the same for a launch of several processes."""
+    monkeypatch.setattr(training.recipe_data, "run_regeneration", lambda command: 1)
+    datamodule = DistillDataModule(target="tiny-random", data_path=str(tmp_path / "data"),
+                                   regenerate=tiny_settings(tmp_path / "prompts.jsonl"))
+    own_command = r"`\S*python\S* \S*data/regenerate\.py --target tiny-random --out \S*data --prompts .* " \
+        r"--chunk-size 2`"
+    for world_size, said in ((1, "failed .*; rerun: "), (2, "this launch runs 2 processes: generate it first with ")):
+        with pytest.raises(DDTreeError, match=said + own_command) as refusal:
+            prepare_recipe_data(datamodule, "tiny", world_size=world_size)
+        assert "make data" not in str(refusal.value)
+
+
 def test_bad_regenerate_settings_are_named(tmp_path):
     with pytest.raises(DDTreeError, match=r"data\.regenerate\.max_tokens is not an option"):
         DistillDataModule(target="tiny-random", data_path=AUTO_DATA, regenerate={"max_tokens": 10})

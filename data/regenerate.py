@@ -378,8 +378,10 @@ def check_dataset(args: argparse.Namespace) -> None:
     changed = changed_replies(made_with, response_settings(args))
     if not args.prompts.is_file():
         raise DDTreeError(f"--prompts {args.prompts} does not exist; give the prompts file the data was made from")
-    with args.prompts.open() as f:
-        available = sum(1 for line in f if line.strip())  # a prompt a line: read_messages_jsonl needs torch's imports
+    # A prompt a line (read_messages_jsonl needs torch's imports), counted as iter_json_lines reads them: a file that
+    # is not UTF-8, opened as text, stopped --check (each training start) with a UnicodeDecodeError traceback
+    with args.prompts.open("rb") as f:
+        available = sum(1 for line in f if line.decode("utf-8", "replace").removeprefix("\ufeff").strip())
     count = available if args.limit is None else min(available, args.limit)
     answered = made_with.get("num_prompts")
     if answered != count:

@@ -616,6 +616,17 @@ def test_a_prompt_the_generator_would_refuse_fails_the_check_in_one_line(tmp_pat
             "other text or ids): this command without --check regenerates the chunks that hold them")
 
 
+def test_a_prompts_file_that_is_not_utf8_fails_the_check_in_the_generators_line(tmp_path, capsys):
+    """--check counted the prompts in a file opened as text: a byte that is not UTF-8 (a prompt saved as latin-1)
+    stopped it, and so every training start, with a UnicodeDecodeError traceback; the generator's line names it."""
+    prompts = prompt_file(tmp_path / "prompts.jsonl", 2)
+    assert regenerate.main(args_for_argv(tmp_path)) == 0
+    prompts.write_bytes(prompts.read_bytes().replace(b"about 1", b"about caf\xe9"))
+    capsys.readouterr()
+    assert regenerate.main(args_for_argv(tmp_path, "--check")) == 2
+    assert capsys.readouterr().err.strip().startswith(f"error: {prompts}:2: not UTF-8 (byte 0xe9 ")
+
+
 def test_a_limit_above_the_prompts_files_length_answers_every_prompt_and_passes_the_check(tmp_path):
     """A recipe whose data.regenerate.limit is more than its prompts file holds: --check must count the prompts there
     are, or every training start refuses the data and asks for answers to prompts that do not exist."""

@@ -291,7 +291,10 @@ def response_settings(args: argparse.Namespace) -> dict:
         "target_weights": target_weights(args.target),
         "target_adapter": args.target_adapter,
         "target_adapter_sha256": adapter_fingerprint(args.target_adapter),
-        "prompts": str(args.prompts),
+        # as the project spells it (same_file_spelling), which is how a recorded path is read back: a relative path
+        # given in another folder was recorded as given and read as the project's, so the same file by its absolute
+        # path was refused as other prompts
+        "prompts": same_file_spelling(args.prompts),
         "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature,
         "top_p": args.top_p if args.temperature > 0 else 1.0,
@@ -343,7 +346,11 @@ def changed_settings(old: dict, settings: dict) -> list[str]:
 
 
 def same_prompts_file(recorded, given: str) -> bool:
-    return isinstance(recorded, str) and same_file_spelling(recorded, recorded=True) == same_file_spelling(given)
+    """A recorded relative path is the project's; one recorded as given in another folder (before response_settings
+    recorded the project's spelling) is that folder's too, so such a job still resumes from there."""
+    readings = (same_file_spelling(recorded, recorded=True), same_file_spelling(recorded)) \
+        if isinstance(recorded, str) else ()
+    return same_file_spelling(given) in readings
 
 
 def same_file_spelling(path, recorded: bool = False) -> str:

@@ -1181,6 +1181,25 @@ def test_a_recorded_prompts_path_is_the_projects_whatever_folder_the_job_runs_fr
         f"prompts: 'data/other.jsonl' -> {given!r}"]
 
 
+def test_a_job_run_outside_the_project_records_its_prompts_so_that_their_absolute_path_resumes_it(
+        tmp_path, monkeypatch):
+    """`--prompts prompts.jsonl` in a folder of one's own was recorded as given and read back as the project's
+    prompts.jsonl: the same job by the file's absolute path, or from another folder, was refused as other prompts (and
+    offered --overwrite, which makes every answer again). Work recorded so before still resumes from its folder."""
+    assert not tmp_path.is_relative_to(regenerate.PROJECT_ROOT)
+    monkeypatch.chdir(tmp_path)
+    prompt_file(tmp_path / "prompts.jsonl", 3)
+    relative = ["--prompts", "prompts.jsonl"]
+    assert regenerate.run(args_for(tmp_path, *relative, "--num-shards", "2", "--shard-index", "0")) is None
+    recorded = json.loads((tmp_path / "out.parts" / "settings.json").read_text())["prompts"]
+    assert recorded == str(tmp_path / "prompts.jsonl")
+    elsewhere = tmp_path / "out.parts"
+    monkeypatch.chdir(elsewhere)  # another folder, the file by its absolute path: the same job
+    assert regenerate.run(args_for(tmp_path))["num_conversations"] == 3
+    given_here = {"prompts": str(elsewhere / "prompts.jsonl")}
+    assert regenerate.changed_settings({"prompts": "prompts.jsonl"}, given_here) == []
+
+
 def test_greedy_data_recorded_without_sampling_is_never_read_as_sampled_per_chunk():
     """Only sampled data that records no `sampling` was made per chunk (recorded_settings): a greedy dataset asked to
     be sampled must be told it was greedy, not that it was sampled the old way."""

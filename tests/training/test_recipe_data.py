@@ -385,7 +385,8 @@ def test_the_check_takes_the_same_prompts_file_however_its_path_is_spelled(monke
     assert check("--prompts", "./prompts/../prompts/train_prompts.jsonl") == 0
     capsys.readouterr()
     assert check("--prompts", "eval_prompts.jsonl") == 2  # another file is other prompts
-    assert "prompts: 'data/prompts/train_prompts.jsonl' -> 'eval_prompts.jsonl'" in capsys.readouterr().err
+    # (named as the project spells it, as the record will: from the root)
+    assert "prompts: 'data/prompts/train_prompts.jsonl' -> 'data/eval_prompts.jsonl'" in capsys.readouterr().err
 
 
 def test_every_training_command_of_the_gpu_session_passes_the_data_check(tmp_path, monkeypatch):

@@ -16,8 +16,9 @@ tokenized again behind it, and the next forward checks the new candidate. Where 
 reply does not continue with, the regeneration's precision (bf16) and this one's (fp32) disagree on a
 near tie; the candidate's token stays, and the position is counted. A reply is recovered when its ids
 decode to its text and their count equals its response_tokens; otherwise it keeps no response_ids and
-training tokenizes its text, as before. Data written with a target adapter (its regeneration.json names one) is
-refused: regenerate.py wrote its response_ids already.
+training tokenizes its text, as before. Data written with a target adapter (its regeneration.json names one), and data
+whose rows hold the response_ids regenerate.py recorded (no recovery in its regeneration.json), are refused: those are
+the ids the target generated already.
 """
 
 from __future__ import annotations
@@ -168,6 +169,11 @@ def run(args: argparse.Namespace) -> dict:
     source, out = Path(args.data), Path(args.out)
     settings = regeneration_settings(source)
     rows = load_from_disk(str(source)).to_list()
+    if "response_ids" not in settings and any(row.get("response_ids") is not None for row in rows):
+        # ids data/regenerate.py recorded as it generated them (no recovery recorded in its regeneration.json): found
+        # again here in fp32, a reply whose near tie this precision decides otherwise lost its exact ids for None
+        raise DDTreeError(f"{source}: its rows already hold the ids the target generated (response_ids, recorded by "
+                          f"data/regenerate.py): there is nothing to recover; train on {source} as it is")
     if args.limit:
         rows = rows[:args.limit]
     # The counts of the rows written, not the source's: a 2-row --limit claimed all 2048 prompts, and

@@ -262,6 +262,25 @@ def test_data_written_with_a_target_adapter_is_refused_in_one_line(tmp_path, cap
     assert not (tmp_path / "out").exists()
 
 
+def test_data_whose_rows_hold_the_ids_regenerate_recorded_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    """regenerate.py records the ids it generates: recovering them again in fp32 wrote a folder where a bf16 reply's
+    near tie, decided otherwise, had its exact ids replaced with None (1 of 8 SmolLM2 replies, 96 new tokens), without
+    a word. Data whose regeneration.json records a recovery (the shipped data) is recovered again, as data/README.md
+    runs it."""
+    monkeypatch.setattr(recover_ids, "recover", lambda model, tokens, prompt, reply: ([], 0))
+    rows = [regenerated_row("a", "Paris.", 2, response_ids=[1, 2]), regenerated_row("b", "Yes.", 2, response_ids=None)]
+    source = write_regenerated(tmp_path / "data", rows)
+    capsys.readouterr()
+    assert recover_ids.main([str(source), "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: {source}: its rows already hold the ids the target generated (response_ids, recorded by "
+        f"data/regenerate.py): there is nothing to recover; train on {source} as it is")
+    assert not (tmp_path / "out").exists()
+    recorded = json.loads((source / "regeneration.json").read_text())
+    (source / "regeneration.json").write_text(json.dumps({**recorded, "response_ids": {"recovered": 1}}))
+    assert recover_ids.main([str(source), "--out", str(tmp_path / "out")]) == 0
+
+
 def test_a_negative_limit_is_one_line(tmp_path, capsys):
     assert recover_ids.main([str(tmp_path), "--out", str(tmp_path / "out"), "--limit", "-1"]) == 2
     assert "--limit -1: give a row count, or 0 for all rows" in capsys.readouterr().err

@@ -343,7 +343,9 @@ def check_input_files(config: Namespace, resuming: bool = False) -> None:
     data_path = str(config.data.data_path)
     generated = data_path == AUTO_DATA or config.data.regenerate  # written on first use (training/recipe_data.py)
     if not (generated or Path(data_path).exists()):
-        if not has_hub_id_shape(data_path):
+        # mydata/convs.jsonl has the shape owner/name too, but names a file: taken for a Hub dataset, a mistyped path
+        # failed at fit, 40 s later, with "could not load Hub dataset" and never said the file was not there
+        if not has_hub_id_shape(data_path) or Path(data_path).suffix.lower() in (".jsonl", ".json", ".parquet"):
             raise RecipeSettingError(f"data.data_path={data_path}: no such file or folder (and not a Hub dataset name "
                                      "owner/name); give a .jsonl or .parquet file or a saved datasets folder")
         # data/qwen3-8b has the shape owner/name: before its replies were generated it was taken for a Hub dataset,

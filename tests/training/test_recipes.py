@@ -847,6 +847,18 @@ def test_a_data_path_under_a_local_folder_is_a_missing_folder_not_a_hub_dataset(
     training.recipe.check_before_building(config)
 
 
+def test_a_missing_data_file_of_the_shape_owner_name_is_a_missing_file_not_a_hub_dataset(tmp_path, monkeypatch):
+    """mydata/convs.jsonl (mistyped, or not copied yet) passed the check as a Hub dataset and failed at fit, 40 s later,
+    with "could not load Hub dataset 'mydata/convs.jsonl'", never saying the file was not there."""
+    monkeypatch.chdir(tmp_path)  # no mydata/ here
+    prompts = RECIPES_DIR.parent / "data" / "eval_prompts.jsonl"
+    for data_path in ("mydata/convs.jsonl", "mydata/convs.JSON", "mydata/convs.parquet"):
+        config = parse_recipe("tiny", f"--data.data_path={data_path}", f"--eval.prompts={prompts}",
+                              "--trainer.precision=32-true")
+        with pytest.raises(DDTreeError, match=f"data.data_path={data_path}: no such file or folder"):
+            training.recipe.check_before_building(config)
+
+
 def test_eval_prompts_that_are_not_there_are_one_line_before_anything_loads(tmp_path, capsys):
     """Else found at the first evaluation, after the feature store, the target, the corpus and the first training steps."""
     prompts = tmp_path / "prompts.jsonl"

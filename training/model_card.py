@@ -305,23 +305,19 @@ def evaluation_section(facts: CardFacts) -> list[str]:
             "Export it from the run it was trained in, or measure it with `make eval CKPT=<the checkpoint>`.",
             "",
         ]
+    # Records moved or deleted since the run ranked its checkpoints by them (its best.ckpt): not a run stopped before
+    # its first evaluation, nor a step it never evaluated
+    gone = None
     if record is None and facts.best_kept and not facts.other_evaluated_steps:
-        # best.ckpt is ranked by the evaluations eval/ no longer holds: not a run stopped before its first one
-        return lines + [
-            f"No evaluation of this checkpoint (step {facts.step}) is in its run folder, so no acceptance is reported "
-            "here: the run's eval/ holds none, though it ranked its checkpoints by them (its checkpoints/best.ckpt), "
-            "so they were moved or deleted since. Put the run's eval/ back, or measure this checkpoint with `make "
-            "eval`, and export it again.",
-            "",
-        ]
-    if record is None and facts.exported_best:  # its record was moved or deleted: the run ranked it best by it
-        return lines + [
-            f"No evaluation of this checkpoint (step {facts.step}) is in its run folder, so no acceptance is reported "
-            "here: the run ranked it best (its checkpoints/best.ckpt) by an evaluation whose record, "
-            f"eval/step-{facts.step:06d}.json, was moved or deleted since. Put that record back, or measure this "
-            "checkpoint with `make eval`, and export it again.",
-            "",
-        ]
+        gone = ("the run's eval/ holds none, though it ranked its checkpoints by them (its checkpoints/best.ckpt), so "
+                "they were moved or deleted since. Put the run's eval/ back")
+    elif record is None and facts.exported_best:
+        gone = (f"the run ranked it best (its checkpoints/best.ckpt) by an evaluation whose record, eval/step-"
+                f"{facts.step:06d}.json, was moved or deleted since. Put that record back")
+    if gone is not None:
+        return lines + [f"No evaluation of this checkpoint (step {facts.step}) is in its run folder, so no acceptance "
+                        f"is reported here: {gone}, or measure this checkpoint with `make eval`, and export it again.",
+                        ""]
     if record is None:
         # Only the best evaluated checkpoints are kept (checkpoint.save_top_k), so an evaluated step may have none.
         kept = ", ".join(facts.kept_checkpoints) or "none"

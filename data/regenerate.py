@@ -385,10 +385,10 @@ def check_dataset(args: argparse.Namespace) -> None:
     changed = changed_replies(made_with, response_settings(args))
     if not args.prompts.is_file():
         raise DDTreeError(f"--prompts {args.prompts} does not exist; give the prompts file the data was made from")
-    # A prompt a line (read_messages_jsonl needs torch's imports), counted as iter_json_lines reads them: a file that
-    # is not UTF-8, opened as text, stopped --check (each training start) with a UnicodeDecodeError traceback
-    with args.prompts.open("rb") as f:
-        available = sum(1 for line in f if line.decode("utf-8", "replace").removeprefix("\ufeff").strip())
+    # A prompt a line, read as the generator reads them (read_messages_jsonl needs torch's imports; iter_json_lines,
+    # under it, does not): a file that is not UTF-8, opened as text, stopped --check (each training start) with a
+    # UnicodeDecodeError traceback, where the reader's one line names its line and byte
+    available = sum(1 for _ in iter_json_lines(args.prompts))
     count = available if args.limit is None else min(available, args.limit)
     answered = made_with.get("num_prompts")
     if answered != count:

@@ -39,6 +39,9 @@ from ddtree.targets import has_hub_id_shape, is_int
 log = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant", "tool")
+# The files of conversations training reads by their suffix (any case): JSONL (a .json of JSON lines too), Parquet
+JSONL_SUFFIXES = (".jsonl", ".json")
+DATA_FILE_SUFFIXES = (*JSONL_SUFFIXES, ".parquet")
 
 
 # ----------------------------------------------------------------------------- reading files
@@ -143,7 +146,7 @@ def load_conversations(source: str | Path, messages_only: bool = False) -> list[
 
     if path.is_file():
         suffix = path.suffix.lower()  # DATA.JSONL is a JSONL file (it was "unknown file type '.JSONL'")
-        if suffix in (".jsonl", ".json"):
+        if suffix in JSONL_SUFFIXES:
             records = read_messages_jsonl(path)
         elif suffix == ".parquet":
             import pyarrow.parquet as pq

@@ -31,6 +31,7 @@ from ddtree.targets import has_hub_id_shape
 from .arguments import known_recipes, recipe_path
 from .callbacks import AcceptanceEvaluation, BestCheckpoint, monitor_metric, with_step_timer
 from .checkpoints import AtomicCheckpointIO
+from .conversations import DATA_FILE_SUFFIXES
 from .data import DistillDataModule
 from .feature_store import init_from_config
 from .module import NO_SCHEDULE_END, DistillModule
@@ -345,7 +346,7 @@ def check_input_files(config: Namespace, resuming: bool = False) -> None:
     if not (generated or Path(data_path).exists()):
         # mydata/convs.jsonl has the shape owner/name too, but names a file: taken for a Hub dataset, a mistyped path
         # failed at fit, 40 s later, with "could not load Hub dataset" and never said the file was not there
-        if not has_hub_id_shape(data_path) or Path(data_path).suffix.lower() in (".jsonl", ".json", ".parquet"):
+        if not has_hub_id_shape(data_path) or Path(data_path).suffix.lower() in DATA_FILE_SUFFIXES:
             raise RecipeSettingError(f"data.data_path={data_path}: no such file or folder (and not a Hub dataset name "
                                      "owner/name); give a .jsonl or .parquet file or a saved datasets folder")
         # data/qwen3-8b has the shape owner/name: before its replies were generated it was taken for a Hub dataset,

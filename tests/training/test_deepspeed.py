@@ -1483,6 +1483,19 @@ def test_slurm_script_trains_in_the_run_folder_its_environment_names_and_passes_
         "gpu=3", "data/regenerate.py", "--shard-index", "5", "--num-shards", "8", "--out", "my data/x.jsonl"]
 
 
+def test_slurm_script_run_outside_a_slurm_job_says_to_submit_it_in_one_line(tmp_path):
+    """`bash recipes/slurm.sbatch tiny` by hand, or under an salloc without tasks, ended in bash's "SLURM_NTASKS:
+    unbound variable" (exit status 1), which said neither what was wrong nor how to submit."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    for args in (["tiny"], ["--regenerate", "--out", "x"]):
+        result = subprocess.run(["bash", str(SBATCH), *args], cwd=tmp_path, env=env, capture_output=True, text=True)
+        assert result.returncode == 2 and not result.stdout, result
+        assert result.stderr.splitlines() == [
+            "error: recipes/slurm.sbatch runs as a SLURM job (SLURM_NNODES and SLURM_NTASKS are not set here): submit "
+            f"it with sbatch --nodes=<n> recipes/slurm.sbatch {args[0]} ...; without SLURM, recipes/launch_torchrun.sh "
+            "starts each node"]
+
+
 def test_regeneration_launch_numbers_shards_across_nodes_and_gpus(tmp_path):
     fake_python = tmp_path / "python"
     fake_python.write_text("#!/usr/bin/env bash\necho \"gpu=$CUDA_VISIBLE_DEVICES $*\"\n")

@@ -12,6 +12,7 @@ Python, a test, starts there) and checks everything else, these again among them
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 from typing import Callable
@@ -64,6 +65,16 @@ def check_recipe_name(name: str) -> None:
         where = f"put yours at recipes/{stem}.yaml and give --recipe {stem}"
     raise DDTreeError(f"--recipe {name}: --recipe takes the name of a recipe in recipes/, not a file"
                       f"{', and ' if stem in known else ': '}{where} (docs/training.md, Your own target and data)")
+
+
+def check_recipe_argument(name: str) -> None:
+    """check_recipe_name for recipes/launch_torchrun.sh and slurm.sbatch, which take the recipe as their first argument,
+    not a --recipe flag: the name to give is said bare (`--recipe tiny` given there is a recipe named '--recipe')."""
+    try:
+        check_recipe_name(name)
+    except DDTreeError as error:
+        said = re.sub(r"--recipe (takes|is) ", r"the recipe \1 ", str(error))
+        raise DDTreeError(said.replace("--recipe ", "")) from None
 
 
 def recipe_path(name: str) -> Path:

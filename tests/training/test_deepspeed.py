@@ -1496,6 +1496,28 @@ def test_slurm_script_run_outside_a_slurm_job_says_to_submit_it_in_one_line(tmp_
             "starts each node"]
 
 
+def test_a_recipe_file_given_to_the_launch_scripts_is_told_the_recipes_name_as_training_tells_it(tmp_path):
+    """`make train RECIPE=recipes/tiny.yaml NODES=2` was "unknown recipe 'recipes/tiny.yaml'" (a shipped recipe), and
+    slurm.sbatch's "no recipes/recipes/tiny.yaml.yaml" named a file nobody gave: training.train's check says the name,
+    given bare here, where the recipe is the scripts' first argument (`--recipe tiny` there is a recipe '--recipe')."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")} | {"PYTHON": sys.executable}
+    slurm = {"SLURM_SUBMIT_DIR": str(REPO), "SLURM_JOB_ID": "31", "SLURM_NNODES": "2", "SLURM_NTASKS": "16"}
+    for command, extra in (([str(LAUNCHER), "recipes/tiny.yaml", "2"], {}), ([str(SBATCH), "recipes/tiny.yaml"], slurm),
+                           ([str(LAUNCHER), "tiny.yml", "1"], {})):
+        result = subprocess.run(["bash", *command], cwd=tmp_path, env=env | extra, capture_output=True, text=True)
+        assert result.returncode == 2 and not result.stdout, result
+        assert result.stderr.splitlines() == ["error: the recipe takes a recipe's name: tiny (reads recipes/tiny.yaml)"]
+    mine = tmp_path / "mine.yaml"
+    mine.write_text((REPO / "recipes" / "tiny.yaml").read_text())
+    result = subprocess.run(["bash", str(LAUNCHER), str(mine), "1"], cwd=tmp_path, env=env, capture_output=True,
+                            text=True)
+    assert result.returncode == 2 and len(result.stderr.splitlines()) == 1, result
+    assert "put yours at recipes/mine.yaml and give mine (" in result.stderr and "--recipe" not in result.stderr
+    unknown = subprocess.run(["bash", str(LAUNCHER), "nope", "1"], cwd=tmp_path, env=env, capture_output=True,
+                             text=True)
+    assert unknown.returncode == 2 and unknown.stderr.startswith("error: unknown recipe 'nope'; known recipes: ")
+
+
 def test_regeneration_launch_numbers_shards_across_nodes_and_gpus(tmp_path):
     fake_python = tmp_path / "python"
     fake_python.write_text("#!/usr/bin/env bash\necho \"gpu=$CUDA_VISIBLE_DEVICES $*\"\n")

@@ -16,7 +16,8 @@
 #                  the config.yaml of the run --resume names, else in the recipe; for --regenerate, the GPUs
 #                  CUDA_VISIBLE_DEVICES names, else those nvidia-smi lists, else 1; at most the former)
 #   PYTHON         default .venv/bin/python
-# A RUN_NAME or GPUS_PER_NODE that says otherwise than a --run-name or --trainer.devices among the options is refused.
+# A RUN_NAME or GPUS_PER_NODE that says otherwise than a --run-name or --trainer.devices among the options is refused,
+# and so is a --recipe among training's options (the recipe is the first argument).
 # Without the settings a multi-node launch needs, the script prints what to run on each node (with
 # this command's arguments and GPUS_PER_NODE, shell-quoted) and starts nothing; with only some of them,
 # it names the missing ones and stops (exit status 2).
@@ -81,6 +82,14 @@ for arg in "$@"; do
                --output-root=*) ROOT_GIVEN=${arg#*=} ;;
                --trainer.devices=*) DEVICES_GIVEN=${arg#*=} SBATCH_PASSED+=("$(shell_word "$arg")") ;;
                --run|--run-name|--output-root) ;;
+               --recipe|--recipe=*)  # training took it over the launcher's, with the other recipe's processes per node
+                   if [ "$MODE" = train ]; then
+                       echo "error: --recipe among the training options would train that recipe with recipe $RECIPE's" \
+                           "processes per node: give the recipe as the first argument, recipes/launch_torchrun.sh" \
+                           "RECIPE NODES [options] (make train RECIPE=<name> NODES=<n>)" >&2
+                       exit 2
+                   fi
+                   SBATCH_PASSED+=("$(shell_word "$arg")") ;;
                *) SBATCH_PASSED+=("$(shell_word "$arg")") ;;
            esac ;;
     esac

@@ -1518,6 +1518,25 @@ def test_a_recipe_file_given_to_the_launch_scripts_is_told_the_recipes_name_as_t
     assert unknown.returncode == 2 and unknown.stderr.startswith("error: unknown recipe 'nope'; known recipes: ")
 
 
+def test_a_recipe_option_beside_the_launch_scripts_recipe_is_refused_not_trained_with_the_others_settings(tmp_path):
+    """`make train RECIPE=tiny NODES=1 ARGS="--recipe qwen3-8b"` trained qwen3-8b (training takes the last --recipe) on
+    tiny's one process per node, which the launcher told it with --trainer.devices; under slurm.sbatch a requeued job
+    looked for the run in the first recipe's folder. data/regenerate.py's own --recipe is passed on."""
+    python = argv_printer(tmp_path / "python", 'case "$1" in -c) exec "$REAL_PYTHON" "$@";; esac')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")} | {
+        "PYTHON": str(python), "REAL_PYTHON": sys.executable}
+    slurm = {"SLURM_SUBMIT_DIR": str(REPO), "SLURM_JOB_ID": "31", "SLURM_NNODES": "1", "SLURM_NTASKS": "1"}
+    for command, extra in (([str(LAUNCHER), "tiny", "1", "--recipe", "qwen3-8b"], {}),
+                           ([str(LAUNCHER), "tiny", "2", "--recipe=qwen3-8b"], {}),
+                           ([str(SBATCH), "tiny", "--trainer.max_steps=3", "--recipe", "qwen3-8b"], slurm)):
+        result = subprocess.run(["bash", *command], cwd=tmp_path, env=env | extra, capture_output=True, text=True)
+        assert result.returncode == 2 and not result.stdout, result
+        assert len(result.stderr.splitlines()) == 1 and "give the recipe as the first argument" in result.stderr
+    regenerated = subprocess.run(["bash", str(LAUNCHER), "--regenerate", "1", "--recipe", "tiny", "--out", "x"],
+                                 cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert regenerated.returncode == 0 and regenerated.stdout.splitlines()[-4:] == ["--recipe", "tiny", "--out", "x"]
+
+
 def test_regeneration_launch_numbers_shards_across_nodes_and_gpus(tmp_path):
     fake_python = tmp_path / "python"
     fake_python.write_text("#!/usr/bin/env bash\necho \"gpu=$CUDA_VISIBLE_DEVICES $*\"\n")

@@ -124,7 +124,14 @@ sys.exit(run_cli(lambda argv: check_recipe_argument(*argv), sys.argv[1:]))' "$RE
     DEVICES_FROM=recipes/$RECIPE.yaml
     if [ -n "$RESUMING" ] && [ -f "$(run_of "$RESUMING")/config.yaml" ]; then DEVICES_FROM=$(run_of "$RESUMING")/config.yaml; fi
     GPUS_PER_NODE=${GPUS_PER_NODE:-$DEVICES_GIVEN}
-    GPUS_PER_NODE=${GPUS_PER_NODE:-$("$PYTHON" -c "import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))['trainer'].get('devices', 1))" "$DEVICES_FROM")}
+    # A recipe with no trainer: section (or an empty one) takes the default, 1; a file that is not YAML is training's
+    # one line (read_yaml_mapping), not a traceback
+    GPUS_PER_NODE=${GPUS_PER_NODE:-$("$PYTHON" -c 'import sys; from ddtree.errors import run_cli
+from ddtree.files import read_yaml_mapping
+def devices(argv):
+    trainer = read_yaml_mapping(argv[0]).get("trainer") or {}
+    print(trainer.get("devices", 1) if isinstance(trainer, dict) else 1)  # another value: training.train says it
+sys.exit(run_cli(devices, sys.argv[1:]))' "$DEVICES_FROM")}
 else
     # A scheduler's share of the node is CUDA_VISIBLE_DEVICES: nvidia-smi lists every GPU of the node regardless.
     IFS=, read -ra VISIBLE <<< "${CUDA_VISIBLE_DEVICES:-}"

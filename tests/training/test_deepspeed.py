@@ -1537,6 +1537,31 @@ def test_a_recipe_option_beside_the_launch_scripts_recipe_is_refused_not_trained
     assert regenerated.returncode == 0 and regenerated.stdout.splitlines()[-4:] == ["--recipe", "tiny", "--out", "x"]
 
 
+@pytest.mark.parametrize("text, said", [
+    ("model:\n  target: tiny-random\n", None), ("trainer:\n", None), ("", None), ("trainer:\n  devices: 2\n", "2"),
+    ("trainer: [\n", "error: recipes/mine.yaml: not valid YAML at line 2"),
+])
+def test_a_recipe_of_ones_own_without_a_trainer_section_launches_on_the_default_one_process(tmp_path, text, said):
+    """The launcher read trainer.devices with yaml.safe_load(...)['trainer']: a recipe of one's own that leaves the
+    section out or empty (training takes its defaults) ended in a Python traceback (exit status 1), and so did one that
+    is not YAML, which training says in one line. The launcher is copied beside such a recipe (recipes/ is shared)."""
+    (tmp_path / "recipes").mkdir()
+    shutil.copy(LAUNCHER, tmp_path / "recipes" / LAUNCHER.name)
+    (tmp_path / "recipes" / "mine.yaml").write_text(text)
+    python = argv_printer(tmp_path / "python", 'case "$1" in -c) exec "$REAL_PYTHON" "$@";; esac')
+    env = {k: v for k, v in os.environ.items() if k not in ("GPUS_PER_NODE", "MASTER_ADDR", "NODE_RANK", *SLURM_ENV)}
+    env |= {"PYTHON": str(python), "REAL_PYTHON": sys.executable, "PYTHONPATH": str(REPO)}
+    result = subprocess.run(["bash", str(tmp_path / "recipes" / LAUNCHER.name), "mine", "1"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True)
+    if said is not None and said.startswith("error: "):
+        assert result.returncode == 2 and result.stderr.startswith(said) and "Traceback" not in result.stderr, result
+        return
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result
+    started = result.stdout.splitlines()
+    assert started[started.index("--nproc-per-node") + 1] == (said or "1")
+    assert f"--trainer.devices={said or 1}" in started
+
+
 def test_regeneration_launch_numbers_shards_across_nodes_and_gpus(tmp_path):
     fake_python = tmp_path / "python"
     fake_python.write_text("#!/usr/bin/env bash\necho \"gpu=$CUDA_VISIBLE_DEVICES $*\"\n")

@@ -68,15 +68,21 @@ run_of() {
 # run folder's options too, which slurm.sbatch takes from RUN_NAME and OUTPUT_ROOT (where its requeue looks).
 # DEVICES_GIVEN, a --trainer.devices among them: the processes per node, as RUN_GIVEN is the run's name.
 RESUMING="" RUN_GIVEN="" ROOT_GIVEN="" DEVICES_GIVEN="" previous="" PASSED=() SBATCH_PASSED=()
+# An empty --resume ("$RUN" unset) read as no resume: the launch's own --run-name went with it, and training's error
+# said to drop that --run-name, which the user never gave
+empty_resume() {
+    echo "error: --resume is empty (an unset shell variable?); give 'last', a run folder or a checkpoint path" >&2
+    exit 2
+}
 for arg in "$@"; do
     option=$previous previous=$arg
     case "$option" in
-        --resume) RESUMING=$arg previous=""; continue ;;
+        --resume) RESUMING=$arg previous=""; [ -n "$arg" ] || empty_resume; continue ;;
         --run|--run-name) RUN_GIVEN=$arg previous="" ;;
         --output-root) ROOT_GIVEN=$arg previous="" ;;
         --trainer.devices) DEVICES_GIVEN=$arg previous="" SBATCH_PASSED+=("$(shell_word "$arg")") ;;
         *) case "$arg" in
-               --resume=*) RESUMING=${arg#--resume=}; continue ;;
+               --resume=*) RESUMING=${arg#--resume=}; [ -n "$RESUMING" ] || empty_resume; continue ;;
                --resume) continue ;;
                --run=*|--run-name=*) RUN_GIVEN=${arg#*=} ;;
                --output-root=*) ROOT_GIVEN=${arg#*=} ;;

@@ -1562,6 +1562,21 @@ def test_a_recipe_of_ones_own_without_a_trainer_section_launches_on_the_default_
     assert f"--trainer.devices={said or 1}" in started
 
 
+@pytest.mark.parametrize("resume", [["--resume", ""], ["--resume="], ["--trainer.max_steps=3", "--resume="]])
+def test_an_empty_resume_through_the_launcher_is_said_as_training_says_it_not_as_a_run_name_to_drop(tmp_path, resume):
+    """`recipes/launch_torchrun.sh tiny 1 --resume "$RUN"` with RUN unset launched a new run: the launcher read no
+    resume and added its own --run-name, and training's error said to drop that --run-name, never given."""
+    python = argv_printer(tmp_path / "python", 'case "$1" in -c) exec "$REAL_PYTHON" "$@";; esac')
+    env = {k: v for k, v in os.environ.items() if k not in ("GPUS_PER_NODE", "MASTER_ADDR", "NODE_RANK", "RUN_NAME")}
+    for nodes in ("1", "2"):
+        result = subprocess.run(["bash", str(LAUNCHER), "tiny", nodes, *resume], cwd=tmp_path,
+                                env=env | {"PYTHON": str(python), "REAL_PYTHON": sys.executable}, capture_output=True,
+                                text=True)
+        assert result.returncode == 2 and not result.stdout, result
+        assert result.stderr.splitlines() == [
+            "error: --resume is empty (an unset shell variable?); give 'last', a run folder or a checkpoint path"]
+
+
 def test_regeneration_launch_numbers_shards_across_nodes_and_gpus(tmp_path):
     fake_python = tmp_path / "python"
     fake_python.write_text("#!/usr/bin/env bash\necho \"gpu=$CUDA_VISIBLE_DEVICES $*\"\n")

@@ -108,8 +108,8 @@ if [ "$MODE" = train ]; then
         # training.train's own check of --recipe: a recipe's file given for its name (recipes/tiny.yaml, tiny.yaml) is
         # told the name, and a file of one's own where it goes ("unknown recipe 'recipes/tiny.yaml'" said neither)
         "$PYTHON" -c 'import sys; from ddtree.errors import run_cli
-from training.arguments import check_recipe_argument
-sys.exit(run_cli(lambda argv: check_recipe_argument(*argv), sys.argv[1:]))' "$RECIPE" || exit 2
+from training.arguments import check_recipe_name
+sys.exit(run_cli(lambda argv: check_recipe_name(argv[0], flag=""), sys.argv[1:]))' "$RECIPE" || exit 2
         echo "error: unknown recipe '$RECIPE'; known: $(ls recipes/*.yaml | xargs -n1 basename | sed 's/.yaml$//' | xargs)" >&2
         exit 2
     fi

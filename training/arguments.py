@@ -12,7 +12,6 @@ Python, a test, starts there) and checks everything else, these again among them
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from pathlib import Path
 from typing import Callable
@@ -40,41 +39,37 @@ def recipes_for_target(target: str) -> list[str]:
             if (read_yaml_mapping(recipe_path(name)).get("model") or {}).get("target") == target]
 
 
-def check_recipe_name(name: str) -> None:
+def check_recipe_name(name: str, flag: str = "--recipe") -> None:
     """--recipe names a file of recipes/: a run goes to outputs/<recipe>/, where a resume and `make eval` find it and
     its recipe by that name. A file given instead (data/regenerate.py takes both) is told where a recipe of one's own
     goes; the shipped recipe of the same name is offered only where no such file is there or the file holds its text,
-    since following that advice for an edited copy of tiny.yaml trained the shipped recipe, on another target and data."""
+    since following that advice for an edited copy of tiny.yaml trained the shipped recipe, on another target and data.
+    flag "": the recipe is a script's first argument (recipes/launch_torchrun.sh, slurm.sbatch), said bare."""
     known = known_recipes()
     if name in known:
         return
+    subject = flag or "the first argument"
+
+    def given(recipe: str) -> str:
+        return f"{flag} {recipe}" if flag else recipe
+
     if not name:  # `--recipe "$R"` with R unset: an unknown recipe '' that "goes at recipes/.yaml" said neither
-        raise DDTreeError(f"--recipe is empty (an unset shell variable?); known recipes: {', '.join(known)}")
-    given = Path(name)
-    stem = given.name.removesuffix(".yaml").removesuffix(".yml")  # (Path.stem of llama3.1-8b is llama3)
-    if given.name == name and stem == name:
+        raise DDTreeError(f"{subject} is empty (an unset shell variable?); known recipes: {', '.join(known)}")
+    path = Path(name)
+    stem = path.name.removesuffix(".yaml").removesuffix(".yml")  # (Path.stem of llama3.1-8b is llama3)
+    if path.name == name and stem == name:
         raise DDTreeError(f"unknown recipe {name!r}; known recipes: {', '.join(known)}; a recipe of your own goes at "
                           f"recipes/{name}.yaml")
-    file = given if given.is_file() else given.with_name(f"{stem}.yaml")
+    file = path if path.is_file() else path.with_name(f"{stem}.yaml")
     if stem in known and (not file.is_file() or file.read_bytes() == recipe_path(stem).read_bytes()):
-        raise DDTreeError(f"--recipe takes a recipe's name: --recipe {stem} (reads recipes/{stem}.yaml)")
+        raise DDTreeError(f"{subject} takes a recipe's name: {given(stem)} (reads recipes/{stem}.yaml)")
     if stem in known:
         where = (f"recipes/{stem}.yaml is a shipped recipe, not this file: put yours at recipes/<name>.yaml under a "
-                 "name of its own and give --recipe <name>")
+                 f"name of its own and give {given('<name>')}")
     else:
-        where = f"put yours at recipes/{stem}.yaml and give --recipe {stem}"
-    raise DDTreeError(f"--recipe {name}: --recipe takes the name of a recipe in recipes/, not a file"
+        where = f"put yours at recipes/{stem}.yaml and give {given(stem)}"
+    raise DDTreeError(f"{given(name)}: {subject} takes the name of a recipe in recipes/, not a file"
                       f"{', and ' if stem in known else ': '}{where} (docs/training.md, Your own target and data)")
-
-
-def check_recipe_argument(name: str) -> None:
-    """check_recipe_name for recipes/launch_torchrun.sh and slurm.sbatch, which take the recipe as their first argument,
-    not a --recipe flag: the name to give is said bare (`--recipe tiny` given there is a recipe named '--recipe')."""
-    try:
-        check_recipe_name(name)
-    except DDTreeError as error:
-        said = re.sub(r"--recipe (takes|is) ", r"the recipe \1 ", str(error))
-        raise DDTreeError(said.replace("--recipe ", "")) from None
 
 
 def recipe_path(name: str) -> Path:

@@ -12,12 +12,14 @@ for whoami, create_repo and upload_folder), through HF_ENDPOINT.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import os
 import random
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -1120,46 +1122,40 @@ SIGTERMED = ["training.publish", "training.export"]
 @pytest.fixture(scope="module")
 def sigterm_midway(run_dir, tmp_path_factory) -> dict:
     """Each of SIGTERMED's main SIGTERMed once its staging folder is written, not yet renamed into place: {command:
-    (exit status, stderr, its exports folder)}. Each runs in a process of its own, forked from one that imported both
-    (a process's imports cost 10-12 s on a 2-core AVX2 EPYC), and ends as that process would (os._exit(main's
-    status)): its status is what waitpid says, -15 where the signal's default action ended it."""
+    (exit status, stderr, its exports folder)}. Each runs in a process of its own, forked from this one (which has
+    imported both: a fresh process's imports cost 10-12 s on a 2-core AVX2 EPYC), and ends as that process would
+    (os._exit(main's status)): its status is what waitpid says, -15 where the signal's default action ended it."""
     root = tmp_path_factory.mktemp("sigterm")
     argv = {"training.publish": [str(run_dir), "--out", str(root / "publish" / "export"), "--ckpt", "last"],
             "training.export": [str(run_dir / "checkpoints" / "last.ckpt"), str(root / "export" / "export")]}
-    for command in SIGTERMED:
-        (root / command.split(".")[1]).mkdir()
-    script = textwrap.dedent(f"""\
-        import contextlib, importlib, json, os, signal, sys
-        commands = {{name: importlib.import_module(name) for name in {SIGTERMED!r}}}
-        ended = {{}}
-        for name, argv in json.loads(sys.argv[1]).items():
-            command = commands[name]
-            staged = command.staged_folder
-            @contextlib.contextmanager
-            def signalled(folder):
-                with staged(folder) as staging:
-                    yield staging
-                    os.kill(os.getpid(), signal.SIGTERM)  # the folder written, not yet renamed into place
-            command.staged_folder = signalled
-            err = os.path.join(sys.argv[2], name + ".err")
-            pid = os.fork()
-            if pid == 0:  # the command's own process
+    commands = {"training.publish": publish, "training.export": training.export}
+    ended = {}
+    for name in SIGTERMED:
+        exports, err = root / name.split(".")[1], root / f"{name}.err"
+        exports.mkdir()
+        pid = os.fork()
+        if pid == 0:  # the command's own process: the staging patched there only, and nothing of pytest's run after
+            status = 1
+            try:
+                command = commands[name]
+                staged = command.staged_folder
+
+                @contextlib.contextmanager
+                def signalled(folder):
+                    with staged(folder) as staging:
+                        yield staging
+                        os.kill(os.getpid(), signal.SIGTERM)  # the folder written, not yet renamed into place
+
+                command.staged_folder = signalled
                 os.dup2(os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
-                status = 1
-                try:
-                    status = command.main(argv)
-                finally:
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                    os._exit(status)
-            ended[name] = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), open(err).read()]
-        print(json.dumps(ended))
-        """)
-    done = subprocess.run([sys.executable, "-c", script, json.dumps(argv), str(root)], cwd=REPO_ROOT,
-                          capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    ended = json.loads(done.stdout.splitlines()[-1])
-    return {name: (*ended[name], root / name.split(".")[1]) for name in SIGTERMED}
+                sys.stdout = open(os.devnull, "w")
+                sys.stderr = open(2, "w", closefd=False)
+                status = command.main(argv[name])
+            finally:
+                sys.stderr.flush()
+                os._exit(status)
+        ended[name] = (os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), err.read_text(), exports)
+    return ended
 
 
 @pytest.mark.parametrize("command", SIGTERMED)

@@ -1833,7 +1833,7 @@ def test_the_card_and_report_say_a_run_drew_from_part_of_its_split_and_which_lim
               "--trainer.val_check_interval=null", "--trainer.limit_val_batches=0", "--trainer.precision=32",
               "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false", "--eval.limit=1",
               "--eval.budgets=[4]", "--eval.primary_budget=4", "--eval.max_new_tokens=4"]
-    assert train_main([*common, "--run", "timed", "--trainer.max_steps=100000", "--trainer.max_time=00:00:00:02",
+    assert train_main([*common, "--run", "timed", "--trainer.max_steps=100000", "--trainer.max_time=00:00:00:01",
                        "--eval.every_n_train_steps=100000"]) == 0
     timed = tmp_path / "out" / "tiny" / "timed"
     step = max(int(path.stem.removeprefix("step-")) for path in (timed / "eval").glob("step-*.json"))  # the stop's
@@ -1843,7 +1843,7 @@ def test_the_card_and_report_say_a_run_drew_from_part_of_its_split_and_which_lim
     # the tokenization's drops too: only the log's warning said them (found in a review, 2026-12-04)
     assert ("This run kept 12 of the 14 conversations of its data in the tokenization: it dropped 2 with no assistant "
             "turn.") in report
-    assert (f"Planned length: max_steps 100000, max_time 00:00:00:02; max_time ended training at step {step}, "
+    assert (f"Planned length: max_steps 100000, max_time 00:00:00:01; max_time ended training at step {step}, "
             f"{100000 - step} steps short of max_steps.") in report
     assert export(timed, tmp_path / "timed-export", "--ckpt", "best") == 0
     card = (tmp_path / "timed-export" / "README.md").read_text()
@@ -1851,7 +1851,7 @@ def test_the_card_and_report_say_a_run_drew_from_part_of_its_split_and_which_lim
             "(`data.store_max_minutes`) and holds only those (the run's data.json)") in card
     assert ("- kept 12 of the 14 conversations of its data in the tokenization: it dropped 2 with no assistant turn "
             "(the run's data.json)") in card
-    assert (f"| planned length | max_steps 100000, max_epochs None, max_time 00:00:00:02; max_time ended training at "
+    assert (f"| planned length | max_steps 100000, max_epochs None, max_time 00:00:00:01; max_time ended training at "
             f"step {step}, {100000 - step} steps short of max_steps, this checkpoint's |") in card
 
     monkeypatch.setattr(training.data.DistillDataModule, "record", record)  # the whole split, to max_steps

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import ddtree.bench
 import ddtree.cli
 import ddtree.errors
 import ddtree.precision
@@ -53,6 +54,15 @@ def prompts_file(tmp_path):
     return write_prompts(tmp_path / "prompts.jsonl")
 
 
+@pytest.fixture
+def unwarmed(monkeypatch):
+    """bench's and calibrate's untimed warm-up (one generation per method before the timed ones) left out: it keeps
+    one-off costs out of the timed figures, which a test that reads tokens, taus, temperatures, settings or notes does
+    not read, and it teaches the timed runs nothing (test_bench holds what it decodes and that it teaches nothing).
+    About a quarter of a 2-prompt bench's decoding on a 2-core AVX2 EPYC."""
+    monkeypatch.setattr(ddtree.bench, "warm_up", lambda keys, decode: None)
+
+
 GREEDY_BENCH = ["--methods", "ar,dflash,ddtree", "--budgets", "4", "--max-new-tokens", "12", "--dtype", "float32"]
 
 
@@ -73,7 +83,7 @@ def committed(results: dict) -> list[list[int]]:
     return [run["new_tokens"] for prompt in results["prompts"] for run in prompt["methods"].values()]
 
 
-def test_bench_writes_results(capsys, tmp_path, prompts_file):
+def test_bench_writes_results(capsys, tmp_path, prompts_file, unwarmed):
     out = tmp_path / "results.json"
     code, stdout, _ = run_cli(
         capsys, "bench", "--target", TARGET, "--drafter", "random", "--prompts", str(prompts_file),
@@ -1211,7 +1221,8 @@ def test_bench_records_which_prompts_and_drafter_weights_its_paths_held(capsys, 
     assert bench("random")["drafter_weights"] == "random, seed 0"  # built from the seed, not read from a folder
 
 
-def test_bench_grafts_the_corpus_a_drafter_folder_ships_unless_told_none(capsys, tmp_path, tiny_target, prompts_file):
+def test_bench_grafts_the_corpus_a_drafter_folder_ships_unless_told_none(capsys, tmp_path, tiny_target, prompts_file,
+                                                                          unwarmed):
     folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
     # 12 tokens: the grafted replies still lift tau by more than 1 over the untrained drafter's (24 decoded its
     # one-token rounds twice as often: about 1 s more on a 2-core AVX2 EPYC); packing, which none of it reads, off
@@ -1704,7 +1715,7 @@ def test_unknown_dtype_is_one_line(capsys, command):
 
 @pytest.mark.skipif(not packing_available(), reason="this torch has no oneDNN weight packing")
 def test_bench_packed_weights_commit_the_plain_layers_tokens_and_say_which_ran(capsys, monkeypatch, tmp_path,
-                                                                              prompts_file):
+                                                                              prompts_file, unwarmed):
     """--packed-weights on packs an fp32 CPU target (and its drafter), off does not; both decode the same tokens. Only
     the target's packing was checked, so the drafter could be left on plain layers (mutation review, D08)."""
     drafters, real = [], ddtree.cli._drafter_runner
@@ -1875,7 +1886,7 @@ def test_bench_counts_the_prompts_where_a_method_committed_other_tokens_than_ar(
 
 
 def test_calibrate_writes_the_folders_calibration_which_bench_uses_unless_told_none(
-        capsys, tmp_path, tiny_target, prompts_file, monkeypatch, sized_rows):
+        capsys, tmp_path, tiny_target, prompts_file, monkeypatch, sized_rows, unwarmed):
     # calibrate's verify cost is stubbed (sized_rows): what it learns is checked here, not the figures it sized with
     torch.manual_seed(0)  # the weights replaced below are drawn after seed 1: a run whose RNG stood there failed
     folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
@@ -2000,7 +2011,7 @@ def test_bench_hands_the_context_lookup_to_the_trees_alone(capsys, tmp_path, pro
 
 
 def test_calibrate_learns_with_the_settings_a_default_generate_decodes_with(capsys, tmp_path, tiny_target,
-                                                                            prompts_file, sized_rows):
+                                                                            prompts_file, sized_rows, unwarmed):
     """calibrate defaulted to --adaptive-size off and generate to auto, which on a CPU sizes the trees and so leaves
     re-drafting off: a drafter trained to re-draft was calibrated on re-drafted trees, and every default generate after
     it printed the mismatch note (found in a review). Explicit flags still choose.
@@ -2075,7 +2086,8 @@ def test_an_exports_card_without_its_section_of_figures_gets_the_calibration_not
     assert lines[7:] == ["", card[6]]
 
 
-def test_the_calibration_note_names_the_flags_that_clear_it(capsys, tmp_path, tiny_target, prompts_file, sized_rows):
+def test_the_calibration_note_names_the_flags_that_clear_it(capsys, tmp_path, tiny_target, prompts_file, sized_rows,
+                                                             unwarmed):
     """The note said `run ddtree calibrate --overwrite with these settings`: after a default calibrate (generate's
     sized trees, no re-drafting) a default bench re-drafts, and the bare command it seemed to ask for learned redraft 0
     again, so the note came back (found in a review). It names the flags; run as it says, the note is gone.
@@ -2107,7 +2119,7 @@ def test_the_calibration_note_names_the_flags_that_clear_it(capsys, tmp_path, ti
 
 
 def test_a_calibration_learned_at_another_sampling_or_dtype_is_noted_with_the_flags_that_clear_it(
-        capsys, tmp_path, tiny_target, prompts_file):
+        capsys, tmp_path, tiny_target, prompts_file, unwarmed):
     """calibrate --temperature 1 wrote a file that greedy decoding then used without a word: its temperatures and
     graft tables priced a sampled acceptance (expected tau 4.12 where 7.23 was measured; found in a review). The file
     records the sampling, target and dtype, and decoding with others is noted as other lookups are. Sampled calibration
@@ -2198,7 +2210,7 @@ def test_the_sampling_a_calibration_note_asks_calibrate_for_is_the_one_decoded_w
 
 @pytest.mark.parametrize("overwrite", [False, True])
 def test_calibrate_leaves_a_file_another_run_wrote_while_it_decoded_unless_told_to_overwrite(
-        capsys, tmp_path, tiny_target, prompts_file, monkeypatch, overwrite, sized_rows):
+        capsys, tmp_path, tiny_target, prompts_file, monkeypatch, overwrite, sized_rows, unwarmed):
     """Two calibrate runs started together on one folder both passed the check at the start, and the second to finish
     replaced the first's file (found in a review): without --overwrite, nothing is replaced. With it, the file is
     replaced, as docs/decoding.md says and bench --out does; it was refused, asking for the --overwrite already given,

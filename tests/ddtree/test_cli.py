@@ -143,7 +143,7 @@ def test_bench_static_cache_commits_the_dynamic_caches_tokens(capsys, tmp_path, 
 
 
 def test_bench_online_calibration_learns_a_temperature_per_method_and_commits_the_same_tokens(
-        capsys, tmp_path, prompts_file, greedy_bench):
+        capsys, tmp_path, prompts_file, greedy_bench, unwarmed):
     """Without online calibration: greedy_bench's run (GREEDY_BENCH, --static-cache off); with it, the same settings."""
     out = tmp_path / "online.json"
     code, stdout, _ = run_cli(capsys, "bench", "--target", TARGET, "--drafter", "random", "--prompts",
@@ -1964,7 +1964,7 @@ def redrafting_drafter(tmp_path, tiny_target, prompts_file) -> tuple[Path, list[
 
 
 def test_bench_records_what_the_chain_decoded_with_beside_what_ddtree_did(capsys, tmp_path, tiny_target, prompts_file,
-                                                                         monkeypatch, sized_rows):
+                                                                         monkeypatch, sized_rows, unwarmed):
     """Only ddtree_resolved was written: under --adaptive-size the chain re-drafted as its drafter says (two drafter
     forwards a round) while sized trees did not, and the file's one redraft, 0, said otherwise (found in a review).
     Each record is what generate itself resolved. Whether trees are sized is what matters, not the figures: the
@@ -2044,7 +2044,7 @@ def test_calibrate_learns_by_default_the_budget_a_default_generate_decodes_at():
 
 
 def test_calibrate_says_in_an_exports_card_that_its_figures_were_measured_without_it(capsys, tmp_path, tiny_target,
-                                                                                     prompts_file, sized_rows):
+                                                                                     prompts_file, sized_rows, unwarmed):
     """The card kept saying its figures were what `ddtree` decodes this drafter to; after `ddtree calibrate` it decodes
     calibrated by default, at another tau (found in a review: 2.938 against the card's 2.984). The card says so, once
     however often it is calibrated; a README.md that is not an export's card is left as it is.
@@ -2280,7 +2280,8 @@ def test_generate_online_calibration_starts_from_the_folders_calibration(capsys,
     assert json.loads((folder / CALIBRATION_FILE).read_text())["temperatures"]["32"] == pytest.approx(1.648721)
 
 
-def test_calibrate_bad_input_is_one_line_and_writes_nothing(capsys, tmp_path, tiny_target, prompts_file, sized_rows):
+def test_calibrate_bad_input_is_one_line_and_writes_nothing(capsys, tmp_path, tiny_target, prompts_file, sized_rows,
+                                                             unwarmed):
     folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
     common = ["--target", TARGET, "--prompts", str(prompts_file), "--dtype", "float32", "--max-new-tokens", "4"]
     assert "give --drafter FOLDER, not random" in _bad(capsys, "calibrate", *common)

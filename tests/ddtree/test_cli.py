@@ -1221,8 +1221,8 @@ def test_bench_records_which_prompts_and_drafter_weights_its_paths_held(capsys, 
     assert bench("random")["drafter_weights"] == "random, seed 0"  # built from the seed, not read from a folder
 
 
-def test_bench_grafts_the_corpus_a_drafter_folder_ships_unless_told_none(capsys, tmp_path, tiny_target, prompts_file,
-                                                                          unwarmed):
+def test_bench_grafts_the_corpus_a_drafter_folder_ships_unless_told_none(
+        capsys, tmp_path, tiny_target, prompts_file, unwarmed):
     folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
     # 12 tokens: the grafted replies still lift tau by more than 1 over the untrained drafter's (24 decoded its
     # one-token rounds twice as often: about 1 s more on a 2-core AVX2 EPYC); packing, which none of it reads, off
@@ -2043,8 +2043,8 @@ def test_calibrate_learns_by_default_the_budget_a_default_generate_decodes_at():
     assert calibrated == [build_parser().parse_args(["generate", "--prompt", "Hi"]).budget]
 
 
-def test_calibrate_says_in_an_exports_card_that_its_figures_were_measured_without_it(capsys, tmp_path, tiny_target,
-                                                                                     prompts_file, sized_rows, unwarmed):
+def test_calibrate_says_in_an_exports_card_that_its_figures_were_measured_without_it(
+        capsys, tmp_path, tiny_target, prompts_file, sized_rows, unwarmed):
     """The card kept saying its figures were what `ddtree` decodes this drafter to; after `ddtree calibrate` it decodes
     calibrated by default, at another tau (found in a review: 2.938 against the card's 2.984). The card says so, once
     however often it is calibrated; a README.md that is not an export's card is left as it is.
@@ -2086,8 +2086,8 @@ def test_an_exports_card_without_its_section_of_figures_gets_the_calibration_not
     assert lines[7:] == ["", card[6]]
 
 
-def test_the_calibration_note_names_the_flags_that_clear_it(capsys, tmp_path, tiny_target, prompts_file, sized_rows,
-                                                             unwarmed):
+def test_the_calibration_note_names_the_flags_that_clear_it(
+        capsys, tmp_path, tiny_target, prompts_file, sized_rows, unwarmed):
     """The note said `run ddtree calibrate --overwrite with these settings`: after a default calibrate (generate's
     sized trees, no re-drafting) a default bench re-drafts, and the bare command it seemed to ask for learned redraft 0
     again, so the note came back (found in a review). It names the flags; run as it says, the note is gone.
@@ -2281,7 +2281,7 @@ def test_generate_online_calibration_starts_from_the_folders_calibration(capsys,
 
 
 def test_calibrate_bad_input_is_one_line_and_writes_nothing(capsys, tmp_path, tiny_target, prompts_file, sized_rows,
-                                                             unwarmed):
+                                                            unwarmed):
     folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
     common = ["--target", TARGET, "--prompts", str(prompts_file), "--dtype", "float32", "--max-new-tokens", "4"]
     assert "give --drafter FOLDER, not random" in _bad(capsys, "calibrate", *common)

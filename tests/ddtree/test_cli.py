@@ -448,7 +448,7 @@ def test_bench_without_ddtree_neither_measures_a_verify_cost_nor_checks_budgets(
     assert code == 0, err
 
 
-def test_bench_adaptive_size_records_its_cost_and_sizes_within_the_budget(capsys, tmp_path, prompts_file):
+def test_bench_adaptive_size_records_its_cost_and_sizes_within_the_budget(capsys, tmp_path, prompts_file, unwarmed):
     out = tmp_path / "adaptive.json"
     code, _, err = run_cli(
         capsys, "bench", "--target", TARGET, "--drafter", "random", "--prompts", str(prompts_file), "--methods",

@@ -107,47 +107,48 @@ def read_corpus_file(path: str | Path) -> tuple[list[list[int]], dict[str, str] 
     return [tokens[start:end] for start, end in zip(offsets, offsets[1:])], record
 
 
-def read_corpus(path: str | Path) -> list[str] | CorpusLookup:
+def read_corpus(path: str | Path, flag: str = "--corpus ") -> list[str] | CorpusLookup:
     """--corpus, or one line saying why it cannot be read (read before a target loads, whole: a few MB, and kept, as a
     pipe can be read only once): the assistant turns of a JSONL file of conversations as text (for
     CorpusLookup.from_text), or the index of a corpus.safetensors of token ids as a drafter folder ships it (its
-    check_tokenizer is for once the target's tokenizer has loaded)."""
-    source = f"--corpus {path}"  # as given
-    path = corpus_path(path)
+    check_tokenizer is for once the target's tokenizer has loaded). `flag`: how the caller's user gave the file, before
+    its path in the errors (ddtree.Decoder's "corpus=")."""
+    source = f"{flag}{path}"  # as given
+    path = corpus_path(path, flag)
     if path.suffix == ".safetensors":
         return CorpusLookup.from_file(path, source=source).check_runs()
-    return read_conversations(path)
+    return read_conversations(path, flag)
 
 
-def corpus_path(path: str | Path) -> Path:
+def corpus_path(path: str | Path, flag: str = "--corpus ") -> Path:
     """--corpus as a Path, or one line saying there is no such file; a pipe (`--corpus <(...)`) is one."""
     path = Path(path)
     problem = not_a_file(path, pipe_ok=True)
     if problem:
-        raise DDTreeError(f"--corpus {path}: {problem}; give a JSONL file of "
+        raise DDTreeError(f"{flag}{path}: {problem}; give a JSONL file of "
                           "conversations or a corpus.safetensors (docs/decoding.md, Corpus lookup)")
     return path
 
 
-def read_conversations(path: str | Path) -> list[str]:
+def read_conversations(path: str | Path, flag: str = "--corpus ") -> list[str]:
     """The assistant turns of a JSONL file of conversations, one {"messages": [...]} object a line, as text; bad JSON,
-    UTF-8 or Unicode is one line naming the line."""
-    path = corpus_path(path)
+    UTF-8 or Unicode is one line naming the line. `flag` as read_corpus'."""
+    path = corpus_path(path, flag)
     replies = []
     for _, where, record in iter_json_lines(path):
         try:
             turns = [turn["content"] for turn in record["messages"] if turn["role"] == "assistant"]
         except (KeyError, TypeError):
-            raise DDTreeError(f"--corpus {where}: not a conversation; each line must be "
+            raise DDTreeError(f"{flag}{where}: not a conversation; each line must be "
                               '{"messages": [{"role": ..., "content": ...}, ...]}') from None
         if not all(isinstance(turn, str) for turn in turns):
-            raise DDTreeError(f"--corpus {where}: an assistant turn's content is not a string (a tool call, or a "
+            raise DDTreeError(f"{flag}{where}: an assistant turn's content is not a string (a tool call, or a "
                               "list of parts): give the replies as text")
         for turn in turns:
-            check_text(turn, f"--corpus {where}: an assistant turn")
+            check_text(turn, f"{flag}{where}: an assistant turn")
         replies += turns
     if not replies:
-        raise DDTreeError(f"--corpus {path}: no assistant turn in it, so there is nothing to look up")
+        raise DDTreeError(f"{flag}{path}: no assistant turn in it, so there is nothing to look up")
     return replies
 
 

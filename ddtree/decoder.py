@@ -288,7 +288,7 @@ class Decoder:
             read_drafter_config(Path(self.drafter_path))
         if drafter is None and (corpus not in (None, False) or calibration not in (None, False)):
             raise DDTreeError("corpus and calibration shape a drafter's trees, and no drafter was given: give drafter=")
-        read = None if corpus in (None, False, True) else read_corpus(str(corpus))
+        read = None if corpus in (None, False, True) else read_corpus(str(corpus), "corpus=")
         given_calibration = None
         if calibration not in (None, False, True):
             problem = not_a_file(calibration)

@@ -283,6 +283,8 @@ def test_the_keywords_defaults_are_the_commands():
     (dict(corpus="replies.jsonl"), "corpus and calibration shape a drafter's trees, and no drafter was given"),
     (dict(drafter="no/such/folder"), "no/such/folder"),
     (dict(drafter="random", calibration="no-such.json"), "calibration='no-such.json': no such file"),
+    # named as the command's flag, --corpus, where calibration= was named as the keyword (found in a review)
+    (dict(drafter="random", corpus="no-such.jsonl"), "corpus=no-such.jsonl: no such file"),
     (dict(device="tpu"), "device 'tpu' is not a device name"),
     # each found accepted, a traceback once the target had loaded, or a file read for nothing (mutation review, D36)
     (dict(device="mps"), "device mps: this code runs on a CPU or a CUDA GPU only"),

@@ -252,7 +252,11 @@ def find_run_checkpoint(run_dir: Path, spec: str) -> tuple[Path, str]:
                 raise DDTreeError(f"CKPT={spec} is a checkpoint of the run {owner}, not of RUN={run_dir}; "
                                   f"export it with RUN={owner}")
             return candidate.resolve(), candidate.name
-    raise DDTreeError(f"CKPT={spec}: no such checkpoint (looked in . and {checkpoints}); give best, last or a path")
+    # the run's checkpoints named: a step never saved, or pruned since, left the user to list the folder for one
+    saved = [str(p.relative_to(checkpoints)) if p.parent == checkpoints else str(p) for p in run_checkpoints(run_dir)]
+    held = f"the run's checkpoints, newest first: {', '.join(saved)}" if saved else "the run saved no checkpoint"
+    raise DDTreeError(f"CKPT={spec}: no such checkpoint (looked in . and {checkpoints}); give best, last or a path "
+                      f"({held})")
 
 
 def why_no_best(run_dir: Path) -> str:

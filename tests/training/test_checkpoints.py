@@ -160,6 +160,12 @@ def test_make_export_takes_best_last_or_a_path_of_one_run_and_says_which(tmp_pat
         find_run_checkpoint(run, "best")
     with pytest.raises(DDTreeError, match="CKPT=nope.ckpt: no such checkpoint"):
         find_run_checkpoint(run, "nope.ckpt")
+    # a step never saved (or pruned since) names the ones there are: "give best, last or a path" left the user to list
+    # the folder for one
+    with pytest.raises(DDTreeError, match=r"CKPT=step-step=7.ckpt: no such checkpoint \(looked in \. and .*\); give "
+                                          r"best, last or a path \(the run's checkpoints, newest first: last.ckpt, "
+                                          r"step-step=2.ckpt\)$"):
+        find_run_checkpoint(run, "step-step=7.ckpt")
     # why a run lacks best.ckpt says nothing of a missing last.ckpt (checkpoint.save_last false): it sent the user
     # looking for an acceptance evaluation, with the path that would serve left unsaid
     (run / "checkpoints" / "last.ckpt").unlink()

@@ -236,7 +236,7 @@ def find_run_checkpoint(run_dir: Path, spec: str) -> tuple[Path, str]:
                 raise DDTreeError(f"CKPT={spec}: {named} does not exist{why}, and the run saved no checkpoint at all: "
                                   "there is none to measure or export; train it again")
             last = spec == "best" and (checkpoints / "last.ckpt").exists()
-            hint = "CKPT=last or a path" if last else "a path to a checkpoint"
+            hint = "CKPT=last or a path" if last else f"a path to a checkpoint ({saved_checkpoints(run_dir)})"
             raise DDTreeError(f"CKPT={spec}: {named} does not exist{why}; use {hint}")
         resolved = named.resolve()  # best.ckpt is a symlink to the chosen step-N checkpoint
         return resolved, spec if resolved.name == named.name else f"{spec} -> {resolved.name}"
@@ -252,11 +252,16 @@ def find_run_checkpoint(run_dir: Path, spec: str) -> tuple[Path, str]:
                 raise DDTreeError(f"CKPT={spec} is a checkpoint of the run {owner}, not of RUN={run_dir}; "
                                   f"export it with RUN={owner}")
             return candidate.resolve(), candidate.name
-    # the run's checkpoints named: a step never saved, or pruned since, left the user to list the folder for one
-    saved = [str(p.relative_to(checkpoints)) if p.parent == checkpoints else str(p) for p in run_checkpoints(run_dir)]
-    held = f"the run's checkpoints, newest first: {', '.join(saved)}" if saved else "the run saved no checkpoint"
     raise DDTreeError(f"CKPT={spec}: no such checkpoint (looked in . and {checkpoints}); give best, last or a path "
-                      f"({held})")
+                      f"({saved_checkpoints(run_dir)})")
+
+
+def saved_checkpoints(run_dir: Path) -> str:
+    """The run's checkpoints, as CKPT= names them, for an error that asks for a path: a step never saved, or pruned
+    since, left the user to list the folder for one."""
+    checkpoints = run_dir / "checkpoints"
+    saved = [str(p.relative_to(checkpoints)) if p.parent == checkpoints else str(p) for p in run_checkpoints(run_dir)]
+    return f"the run's checkpoints, newest first: {', '.join(saved)}" if saved else "the run saved no checkpoint"
 
 
 def why_no_best(run_dir: Path) -> str:

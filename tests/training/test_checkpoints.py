@@ -172,7 +172,7 @@ def test_make_export_takes_best_last_or_a_path_of_one_run_and_says_which(tmp_pat
     with pytest.raises(DDTreeError) as error:
         find_run_checkpoint(run, "last")
     assert str(error.value) == (f"CKPT=last: {run / 'checkpoints' / 'last.ckpt'} does not exist; use a path to a "
-                                "checkpoint")
+                                "checkpoint (the run's checkpoints, newest first: step-step=2.ckpt)")
 
 
 def test_make_eval_of_a_run_that_saved_no_checkpoint_does_not_send_the_user_to_a_missing_last_ckpt(tmp_path):
@@ -188,7 +188,8 @@ def test_make_eval_of_a_run_that_saved_no_checkpoint_does_not_send_the_user_to_a
                                          "train it again"), error.value
     # step checkpoints but no last.ckpt (checkpoint.save_last false): a path, not CKPT=last
     torch.save({"global_step": 2}, run / "checkpoints" / "step-step=2.ckpt")
-    with pytest.raises(DDTreeError, match=r"does not exist \(.*\); use a path to a checkpoint$"):
+    with pytest.raises(DDTreeError, match=r"does not exist \(.*\); use a path to a checkpoint \(the run's checkpoints, "
+                                          r"newest first: step-step=2.ckpt\)$"):
         find_run_checkpoint(run, "best")
 
 

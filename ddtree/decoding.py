@@ -490,6 +490,11 @@ def prompt_token_ids(prompt_ids, where: str = "prompt_ids") -> list[int]:
     if given.numel() and (given.is_floating_point() or given.is_complex()):  # 1.5 was cut to token 1 without a word
         raise DDTreeError(f"{where} must be token ids, whole numbers; got {given.dtype} values such as "
                           f"{given.reshape(-1)[0].item()!r}")
+    if given.dtype == torch.bool:  # True decoded as token 1, a mask's [True, False] as the prompt [1, 0]
+        raise DDTreeError(f"{where} must be token ids, whole numbers; got booleans: give the ids, not a mask")
+    if given.dim() == 0:  # a bare 5 decoded as the one-token prompt [5], a slip for a list the message did not name
+        raise DDTreeError(f"{where} must be token ids (a list of ints, or a 1-D or (1, length) tensor), got the single "
+                          f"number {given.item()!r}: give [{given.item()!r}] for a one-token prompt")
     prompt = given.to(torch.long)
     if prompt.dim() > 2 or (prompt.dim() == 2 and prompt.shape[0] != 1):
         raise DDTreeError(f"generate decodes one prompt at a time: {where} has shape {tuple(prompt.shape)}; give "

@@ -342,7 +342,13 @@ def test_padding_that_is_not_one_run_at_an_end_is_one_line(tiny_target, encoding
     ([5, None], r"prompt_ids must be token ids .*, got a list"),
     ([], r"the prompt is empty \(prompt_ids holds no token\): give at least one"),
     (torch.zeros(1, 0, dtype=torch.long), r"the prompt is empty \(prompt_ids holds no token\)"),
-], ids=["text", "mapping without input_ids", "list of text", "None", "empty", "empty batch of one"])
+    # a bare number and booleans decoded as prompts before: [5], and True or a mask's [True, False] as [1] and [1, 0]
+    (5, r"prompt_ids must be token ids .*, got the single number 5: give \[5\] for a one-token prompt"),
+    (torch.tensor(7), r"prompt_ids must be token ids .*, got the single number 7: give \[7\]"),
+    (True, r"prompt_ids must be token ids, whole numbers; got booleans: give the ids, not a mask"),
+    ([True, False], r"prompt_ids must be token ids, whole numbers; got booleans"),
+], ids=["text", "mapping without input_ids", "list of text", "None", "empty", "empty batch of one", "one number",
+        "0-D tensor", "True", "booleans"])
 def test_a_prompt_that_is_not_token_ids_is_one_line(tiny_target, prompt, problem):
     target, _ = tiny_target
     with pytest.raises(DDTreeError, match=f"^{problem}"):

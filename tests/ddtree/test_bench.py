@@ -25,6 +25,7 @@ from ddtree.decoding import GenerationResult, Round, Sampling, generate
 from ddtree.errors import DDTreeError
 from ddtree.packed_linear import is_packed, pack_linears, packing_available, unpack_linears
 from ddtree.sizing import TreeSizer
+from rigged import RiggedDrafter, hf_greedy  # tests/rigged.py
 
 
 def test_method_keys_are_formatted_and_parsed_one_way():
@@ -225,13 +226,28 @@ def test_the_warm_up_decodes_as_the_timed_runs_do_and_each_budget_sizes_with_its
     assert all(c["sizer"] is not timed_c["sizer"] for c in warm if c["sizer"] for timed_c in trees)
 
 
+class ReplyDrafter(RiggedDrafter):
+    """Drafts the reference's token at every position, the confident first choice (none missing, no decoy)."""
+
+    def rows(self, start, depth, miss_from=None):
+        logits = torch.zeros(depth, self.vocab)
+        for d in range(1, depth + 1):
+            logits[d - 1, self.reference[start + d] if start + d < len(self.reference) else 0] = 16.0
+        return logits
+
+
 def test_the_warm_up_builds_static_runners_every_timed_generation_fits(tiny_target, monkeypatch):
     """Warmed up on the longest prompt at the full length, no static runner is rebuilt inside the timed runs (on a
     GPU that would capture its CUDA graphs again inside a timed prefill).
 
     Sized to the 128-slot padding (CAPACITY_STEP) so that each wrong warm-up builds too small a cache: the short prompt
     at 64 tokens needs 128 slots and the long one 269 (trees) and 280 (the chain), past both the short prompt's 128
-    and the 256 of a 32-token warm-up on the long one (300 and 160 tokens decoded 2.5x the rounds)."""
+    and the 256 of a 32-token warm-up on the long one (300 and 160 tokens decoded 2.5x the rounds).
+
+    The drafter drafts both prompts' greedy replies (ReplyDrafter; their positions apart: the short prompt drafts at
+    4-82, the long one from 200 on), so each round commits a full block or path: the runners' sizes depend on the
+    lengths alone, and a stub that missed every token took a round per token (8 s against 2.5 s on a 2-core AVX2
+    EPYC)."""
     target, _ = tiny_target
     assert target_runner.CAPACITY_STEP == 128  # the prompt and reply lengths below are chosen for it
     built = []
@@ -244,8 +260,10 @@ def test_the_warm_up_builds_static_runners_every_timed_generation_fits(tiny_targ
     monkeypatch.setattr(target_runner, "StaticTarget", CountedStaticTarget)
     monkeypatch.setattr(target_runner, "_STATIC_TARGETS", weakref.WeakKeyDictionary())  # none left by other tests
     prompts = [{"id": "short", "prompt_ids": [5, 6, 7, 8]}, {"id": "long", "prompt_ids": list(range(5, 205))}]
-    run_benchmark(target, CountingDrafter(target.config.vocab_size), prompts, [CHAIN, "ddtree"], [4],
-                  max_new_tokens=64, stop_ids=[], progress=False, static=True)
+    short, long = (prompt["prompt_ids"] + hf_greedy(target, prompt["prompt_ids"], 64) for prompt in prompts)
+    drafter = ReplyDrafter(short + long[len(short):], target.config.vocab_size)
+    run_benchmark(target, drafter, prompts, [CHAIN, "ddtree"], [4], max_new_tokens=64, stop_ids=[], progress=False,
+                  static=True)
     assert len(built) == 2, built  # one per verify shape (the chain's block, the tree's 5 rows), each built once
     assert all(capacity >= 200 + 64 for _, capacity in built)
 

@@ -110,14 +110,17 @@ def test_more_redrafts_than_the_vocabulary_has_tokens(tiny_pair):
 def test_with_the_same_seed_every_method_commits_ars_tokens(tiny_pair, sampling):
     """Each committed token is one draw from the target's own row, in the order ar draws it, and a walk draws on the
     rows it visits only: with the same generator seed every method commits exactly ar's tokens at T > 0 (fp32), not
-    just tokens of the same distribution. bench's same_as_ar counts on it (docs/decoding.md)."""
+    just tokens of the same distribution. bench's same_as_ar counts on it (docs/decoding.md).
+
+    6 tokens a reply, not 10: the 20 replies still differ (20 and 19 of 20 at T1 and at the cuts) and the drafting
+    methods accept 73 and 71 draft nodes (2026-12-07), in 2.4 s a case instead of 3.6 s on a 2-core AVX2 EPYC."""
     target, drafter = tiny_pair
     replies, accepted = set(), 0
     for seed in range(20):
-        ar = generate(target, PROMPT, "ar", None, 8, 10, [], sampling, torch.Generator().manual_seed(seed)).new_tokens
+        ar = generate(target, PROMPT, "ar", None, 8, 6, [], sampling, torch.Generator().manual_seed(seed)).new_tokens
         replies.add(tuple(ar))
         for method, options in (("dflash", {}), ("ddtree", {}), ("ddtree", {"lookup": 3, "redraft": 2})):
-            result = generate(target, PROMPT, method, drafter, 8, 10, [], sampling, torch.Generator().manual_seed(seed),
+            result = generate(target, PROMPT, method, drafter, 8, 6, [], sampling, torch.Generator().manual_seed(seed),
                               **options)
             assert result.new_tokens == ar, (seed, method, options)
             accepted += sum(r.accepted_depth for r in result.rounds)

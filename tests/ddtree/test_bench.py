@@ -25,7 +25,7 @@ from ddtree.decoding import GenerationResult, Round, Sampling, generate
 from ddtree.errors import DDTreeError
 from ddtree.packed_linear import is_packed, pack_linears, packing_available, unpack_linears
 from ddtree.sizing import TreeSizer
-from rigged import RiggedDrafter, hf_greedy  # tests/rigged.py
+from rigged import hf_greedy  # tests/rigged.py
 
 
 def test_method_keys_are_formatted_and_parsed_one_way():
@@ -176,10 +176,30 @@ class CountingDrafter:
         return logits
 
 
+class ReplyDrafter(CountingDrafter):
+    """A CountingDrafter that drafts the token at each position of `reference` (a sequence's tokens by position,
+    from its start), the confident first choice: every round commits a full block or path, where the stub's token 7
+    took a round per token."""
+
+    def __init__(self, reference: list[int], vocab: int):
+        super().__init__(vocab)
+        self.reference = reference
+
+    def propose(self, root_token, start, new_context, depth):
+        self.generations[-1].append(depth)
+        logits = torch.zeros(depth, self.vocab)
+        for d in range(1, depth + 1):
+            logits[d - 1, self.reference[start + d] if start + d < len(self.reference) else 0] = 16.0
+        return logits
+
+
 def test_every_method_is_warmed_up_at_full_depth_before_anything_is_timed(tiny_target):
     target, _ = tiny_target
-    drafter = CountingDrafter(target.config.vocab_size)
-    prompts = [{"id": "a", "prompt_ids": [5, 6, 7, 8]}, {"id": "b", "prompt_ids": [9, 10, 11]}]
+    # b the longest, its positions past a's (drafted at 4-35): the drafter drafts both greedy replies, so a run takes
+    # a round or four, not 17 (1.7 s against 0.6 s on a 2-core AVX2 EPYC)
+    prompts = [{"id": "a", "prompt_ids": [5, 6, 7, 8]}, {"id": "b", "prompt_ids": list(range(9, 49))}]
+    a, b = (prompt["prompt_ids"] + hf_greedy(target, prompt["prompt_ids"], 17) for prompt in prompts)
+    drafter = ReplyDrafter(a + b[len(a):], target.config.vocab_size)
     # 17 tokens: the prefill commits the root, so the first round drafts max_new_tokens - 2, a full block (15) at 17
     # and under it at a 4-token warm-up's (40 decoded 2.4x the rounds: about 3 s more on a 2-core AVX2 EPYC)
     run_benchmark(target, drafter, prompts, [CHAIN, "ddtree"], [4], max_new_tokens=17, stop_ids=[], progress=False)
@@ -224,16 +244,6 @@ def test_the_warm_up_decodes_as_the_timed_runs_do_and_each_budget_sizes_with_its
     first_timed = {budget: next(c for c in trees if c["budget"] == budget) for budget in (4, 8)}
     assert [first_timed[b]["rounds_seen"] for b in (4, 8)] == [0, 0]  # neither the warm-up nor budget 4 taught 8's
     assert all(c["sizer"] is not timed_c["sizer"] for c in warm if c["sizer"] for timed_c in trees)
-
-
-class ReplyDrafter(RiggedDrafter):
-    """Drafts the reference's token at every position, the confident first choice (none missing, no decoy)."""
-
-    def rows(self, start, depth, miss_from=None):
-        logits = torch.zeros(depth, self.vocab)
-        for d in range(1, depth + 1):
-            logits[d - 1, self.reference[start + d] if start + d < len(self.reference) else 0] = 16.0
-        return logits
 
 
 def test_the_warm_up_builds_static_runners_every_timed_generation_fits(tiny_target, monkeypatch):

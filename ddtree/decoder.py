@@ -60,8 +60,11 @@ def load_drafter(
     """`random` (an untrained drafter shaped for the target, its layer notices said to `say`) or a drafter folder,
     checked against the target."""
     if spec == "random":
-        torch.manual_seed(seed)
-        drafter = DFlashDraftModel(build_drafter_config(target, tokenizer, target_name, say=say))
+        # its weights drawn from a generator of their own: torch's global one, reseeded here, changed what the
+        # caller's program drew after a Decoder(drafter="random") was built
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            drafter = DFlashDraftModel(build_drafter_config(target, tokenizer, target_name, say=say))
         return drafter.to(device=target.device, dtype=target.dtype).eval()
     drafter = load_drafter_folder(Path(spec), target.dtype, target=target)
     return drafter.to(target.device).eval()

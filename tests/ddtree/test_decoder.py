@@ -230,6 +230,16 @@ def test_a_random_drafters_weights_follow_the_seed(tiny_target):
     assert torch.equal(first, again) and not torch.equal(first, other)
 
 
+def test_a_random_drafter_leaves_the_callers_random_numbers_as_they_were(tiny_target):
+    """Its weights were drawn after torch.manual_seed(seed) on torch's global generator: a program's own draws after
+    a Decoder(drafter="random") was built were seed 0's, whatever it had seeded or drawn before."""
+    torch.manual_seed(123)
+    expected = torch.rand(4)
+    torch.manual_seed(123)
+    Decoder(TARGET, "random", **SETTINGS, quiet=True)
+    assert torch.equal(torch.rand(4), expected)
+
+
 def test_token_ids_and_raw_text_prompts(tiny_target):
     decoder = Decoder(TARGET, **SETTINGS, quiet=True)
     ids = tiny_target[1]("def square(x):", add_special_tokens=False)["input_ids"]

@@ -759,7 +759,8 @@ def generate(
                           "give ids from the target's own tokenizer")
     limit = context_limit(target)
     if len(prompt) >= limit:
-        raise DDTreeError(f"prompt of {len(prompt)} tokens does not fit the target's context of {limit} tokens")
+        raise DDTreeError(f"prompt of {len(prompt)} tokens does not fit the target's context of {limit} tokens: "
+                          f"give one of at most {limit - 1}, which leaves the position of one new token")
     if method == "ddtree":
         check_budget(budget, target)
     asked, max_new_tokens = max_new_tokens, min(max_new_tokens, limit - len(prompt))

@@ -167,7 +167,8 @@ def test_a_prompt_that_fills_the_targets_context_is_refused_and_one_a_token_shor
     limit = target.config.max_position_embeddings
     drafter = BrokenDrafter(target.config.vocab_size, period=10**9)
     with pytest.raises(DDTreeError, match=f"^prompt of {limit} tokens does not fit the target's context of {limit} "
-                                          "tokens"):
+                                          f"tokens: give one of at most {limit - 1}, which leaves the position of one "
+                                          "new token$"):
         generate(target, [5] * limit, method, drafter, max_new_tokens=4)
     result = generate(target, [5] * (limit - 1), method, drafter, max_new_tokens=4)
     assert result.new_tokens == greedy(target, [5] * (limit - 1), new=1) and result.ended == "context"

@@ -207,9 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     comparable = True  # where training measured with these settings too (logged_metrics)
     adapter = hp.get("target_adapter")
     adapter_field = f"{path}'s model.target_adapter"  # the checkpoint's record, not an option of this command
-    if adapter and not Path(adapter).is_dir():
+    if adapter and not Path(adapter).expanduser().is_dir():  # ~: the home folder, as training took it
         # kept as its launch gave it, and no option here gives it anew: not found is no sign of a retrained adapter
-        if Path(adapter).is_absolute():
+        if Path(adapter).expanduser().is_absolute():
             raise DDTreeError(f"{path} was trained against target adapter {adapter} (its model.target_adapter), which "
                               "is no folder now: put the adapter it trained against back there")
         raise DDTreeError(f"{path} was trained against target adapter {adapter} (its model.target_adapter, a path "

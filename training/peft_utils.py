@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -44,11 +45,13 @@ def check_adapter_folder(adapter: str, field: str = "model.target_adapter") -> d
     """The adapter folder's adapter_config.json, once its weights file is known to be beside it; else a DDTreeError
     naming `field` (where the folder was given). Without the weights peft went on to ask the Hub for the folder's path
     as a repo id, and failed with a message about repo names."""
-    config_path = Path(adapter) / "adapter_config.json"
+    # a recipe's `target_adapter: ~/x`, or `--model.target_adapter=~/x`, reaches no shell: the home folder, as
+    # model.target's and model.init_from's ~ are
+    config_path = Path(adapter).expanduser() / "adapter_config.json"
     if not config_path.is_file():
         raise DDTreeError(f"{field}={adapter}: no adapter_config.json there; give a PEFT adapter folder "
                           "(the one `save_pretrained` of a PeftModel writes)")
-    if not any((Path(adapter) / name).is_file() for name in ADAPTER_WEIGHTS):
+    if not any((config_path.parent / name).is_file() for name in ADAPTER_WEIGHTS):
         raise DDTreeError(f"{field}={adapter}: adapter_config.json is there but not the adapter's weights "
                           f"({' or '.join(ADAPTER_WEIGHTS)}): copy the whole folder `save_pretrained` wrote")
     try:
@@ -69,10 +72,10 @@ def adapter_fingerprint(adapter: str | None) -> str | None:
     """sha256 of a local PEFT adapter folder's adapter_* files (config and weights): what was trained against, the
     feature store built from, or the data generated with, once the adapter was retrained at the same path, is another
     target's. None without an adapter, or for one named by a Hub id (its files are not here)."""
-    if not adapter or not Path(adapter).is_dir():
+    if not adapter or not Path(adapter).expanduser().is_dir():
         return None
     digest = hashlib.sha256()
-    for path in sorted(Path(adapter).iterdir()):
+    for path in sorted(Path(adapter).expanduser().iterdir()):
         if path.is_file() and path.name.startswith("adapter_"):
             digest.update(path.name.encode() + b"\0")
             with path.open("rb") as f:
@@ -89,16 +92,17 @@ def merge_target_adapter(target: PreTrainedModel, adapter: str, target_name: str
     from peft import PeftConfig, PeftModel
 
     settings = check_adapter_folder(adapter, field)
+    folder = os.path.expanduser(adapter)  # peft takes a path it cannot find for a Hub id
     made_for = settings.get("base_model_name_or_path")
     try:
         # PeftModel.from_pretrained, keeping the load result it drops: it loads with strict=False, so the weights of
         # layers the target lacks (an adapter made for a deeper model of its width) went without a word, and layers
         # the adapter has no weights for (a shallower one's) stayed unadapted after a warning
-        config = PeftConfig.from_pretrained(adapter)
+        config = PeftConfig.from_pretrained(folder)
         config.inference_mode = True
         adapted = PeftModel(target, config)
         merge = adapted.merge_and_unload  # before the weights load: a prompt tuner's load result names them unused
-        loaded = adapted.load_adapter(adapter, "default")
+        loaded = adapted.load_adapter(folder, "default")
     except AttributeError:  # no merge_and_unload: a type UNMERGEABLE_PEFT_TYPES does not list yet
         raise DDTreeError(f"{field}={adapter}: a {settings.get('peft_type')} adapter, which cannot be merged into the "
                           f"target's weights; {MERGEABLE}") from None

@@ -1391,6 +1391,29 @@ def test_make_eval_of_a_target_adapter_not_found_from_here_says_so_and_where_to_
     assert next(line for line in printed.out.splitlines() if line.startswith("dflash ")).split()[2] == "1.500"
 
 
+def test_make_eval_of_a_target_adapter_under_tilde_finds_it_in_the_home_folder(saved, short_tiny, tmp_path,
+                                                                               monkeypatch, capsys):
+    """Training took `model.target_adapter: ~/lora` as the home folder's (training/peft_utils.py); make eval of its
+    checkpoint said the adapter was "a path relative to the folder training was launched in" and no folder from here."""
+    from peft import LoraConfig, get_peft_model
+
+    from ddtree.targets import load_target
+    from training.peft_utils import adapter_fingerprint
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    config = LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False)
+    get_peft_model(load_target("tiny-random")[0], config).save_pretrained(tmp_path / "lora")
+    path, _ = saved
+    loose = loose_copy(path, tmp_path / "loose", TINY_LIMIT_1)
+    checkpoint = torch.load(loose, map_location="cpu", weights_only=False)
+    checkpoint["hyper_parameters"].update(target_adapter="~/lora",
+                                          target_adapter_sha256=adapter_fingerprint(tmp_path / "lora"))
+    torch.save(checkpoint, loose)
+    assert training.evaluate.main(["--recipe", "tiny", "--ckpt", str(loose), "--limit", "1"]) == 0
+    printed = capsys.readouterr()
+    assert "error" not in printed.err and "[eval]" not in printed.err  # the same adapter: training's tau beside
+
+
 def test_a_run_that_left_its_layer_ids_to_an_older_default_resumes_on_its_checkpoints_ids(tmp_path, capsys):
     """Before 2026-12-03 a target under 8 layers defaulted to the published spread with repeats ([1, 2, 2, 2, 3] on
     tiny's 6); such a run's config.yaml says null, today's default differs, and its resume was refused with advice

@@ -178,3 +178,16 @@ def test_an_adapter_that_cannot_be_merged_is_refused_by_the_folder_check(adapter
 def test_a_fitting_adapter_still_merges(adapters):
     merged, _ = load_frozen_target("tiny-random", torch.float32, adapters["fits"])
     assert not any("lora" in name for name, _ in merged.named_parameters())
+
+
+def test_an_adapter_under_tilde_is_in_the_home_folder(adapters, tmp_path, monkeypatch):
+    """A recipe's `target_adapter: ~/lora` (or `--model.target_adapter=~/lora`) reaches no shell: the folder check
+    said "no adapter_config.json there" for an adapter that was there, where model.target's and model.init_from's ~
+    are the home folder; its fingerprint was None, as for a Hub id."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    shutil.copytree(adapters["fits"], tmp_path / "lora")
+    assert check_adapter_folder("~/lora")["peft_type"] == "LORA"
+    assert adapter_fingerprint("~/lora") == adapter_fingerprint(adapters["fits"])
+    merged, _ = load_frozen_target("tiny-random", torch.float32, "~/lora")
+    expected, _ = load_frozen_target("tiny-random", torch.float32, adapters["fits"])
+    assert all(torch.equal(merged.state_dict()[name], value) for name, value in expected.state_dict().items())

@@ -355,6 +355,11 @@ class DistillModule(L.LightningModule):
         if hp.draft_vocab_size and not config.draft_vocab:
             raise DDTreeError(f"model.draft_vocab_size={hp.draft_vocab_size} but init_from {hp.init_from} drafts from the "
                               "whole vocabulary (its own vocabulary is kept when it has one): drop model.draft_vocab_size")
+        # kept, so another size went unused, while config.yaml (read by make ablate, the step estimates) recorded it
+        if hp.draft_vocab_size and config.draft_vocab and hp.draft_vocab_size != len(config.draft_vocab):
+            raise DDTreeError(f"model.draft_vocab_size={hp.draft_vocab_size} but init_from {hp.init_from} drafts from "
+                              f"its own {len(config.draft_vocab)} tokens, which a warm start keeps; drop "
+                              f"model.draft_vocab_size or set it to {len(config.draft_vocab)}")
 
     def _training_reply_vocabulary(self, vocab_size: int) -> list[int]:
         """model.draft_vocab_size's vocabulary, from the training split (the same on every rank and on resume)."""

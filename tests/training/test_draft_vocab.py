@@ -246,3 +246,9 @@ def test_a_warm_start_keeps_the_folder_vocabulary_and_refuses_one_it_cannot_have
     module.drafter.config.draft_vocab = [5, 6, 7]
     limited = export_drafter(module, tmp_path / "limited")
     assert tiny_module(init_from=str(limited)).drafter.config.draft_vocab == [5, 6, 7]
+    # another size was unused without a word (the folder's 3 kept), while config.yaml recorded 100
+    said = (r"^model.draft_vocab_size=100 but init_from .*limited drafts from its own 3 tokens, which a warm start "
+            r"keeps; drop model.draft_vocab_size or set it to 3")
+    with pytest.raises(DDTreeError, match=said):
+        tiny_module(init_from=str(limited), draft_vocab_size=100)
+    assert tiny_module(init_from=str(limited), draft_vocab_size=3).drafter.config.draft_vocab == [5, 6, 7]

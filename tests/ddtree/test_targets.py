@@ -346,6 +346,16 @@ def test_a_target_folder_without_config_json_is_one_line_that_says_so(tmp_path):
         resolve_target(str(folder))
 
 
+def test_a_peft_adapter_folder_as_the_target_says_to_merge_it_first(tmp_path):
+    """`--target path/to/adapter` (what transformers loads as base + adapter where peft is installed) was told to
+    "give a Hugging Face model folder": ddtree merges no adapter, and the user needs the merge step."""
+    (tmp_path / "adapter_config.json").write_text('{"peft_type": "LORA"}')
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"weights")
+    with pytest.raises(DDTreeError, match=rf"^target folder {tmp_path} is a PEFT adapter \(adapter_config.json\), and "
+                                          r"ddtree merges no adapter: merge it into the model it was made for"):
+        resolve_target(str(tmp_path))
+
+
 def test_a_target_folder_without_its_tokenizer_is_one_line_naming_the_tokenizer(tmp_path):
     """A folder saved with model.save_pretrained alone: transformers' first line stopped mid-sentence ("Couldn't
     instantiate the backend tokenizer from one of:"), naming neither the tokenizer's files nor what to do."""

@@ -62,6 +62,9 @@ def check_adapter_folder(adapter: str, field: str = "model.target_adapter") -> d
     if not isinstance(config, dict):
         raise DDTreeError(f"{field}={adapter}: {config_path.name} holds a JSON {type(config).__name__}, not a PEFT "
                           "adapter's settings; copy the whole folder `save_pretrained` wrote again")
+    if not isinstance(config.get("peft_type"), str):  # else peft's TypeError traceback, at the merge
+        raise DDTreeError(f"{field}={adapter}: {config_path.name} names no peft_type, so it is no PEFT adapter's "
+                          "settings; copy the whole folder `save_pretrained` of a PeftModel wrote")
     if config.get("peft_type") in UNMERGEABLE_PEFT_TYPES:  # else an AttributeError traceback once the data was written
         raise DDTreeError(f"{field}={adapter}: a {config['peft_type']} adapter, which cannot be merged into the "
                           f"target's weights (it adds virtual tokens, not weight updates); {MERGEABLE}")
@@ -89,9 +92,13 @@ def merge_target_adapter(target: PreTrainedModel, adapter: str, target_name: str
     """Load a PEFT adapter onto the frozen target (named `target_name` where it was given) and fold it into the
     weights. An adapter made for another model (other shapes, modules the target lacks, another depth) is a DDTreeError
     naming both: peft raised a RuntimeError of a dozen size-mismatch lines, or its own error class."""
-    from peft import PeftConfig, PeftModel
+    import peft
+    from peft import PeftConfig, PeftModel, PeftType
 
     settings = check_adapter_folder(adapter, field)
+    if settings["peft_type"] not in {kind.value for kind in PeftType}:  # peft's KeyError said the type's name alone
+        raise DDTreeError(f"{field}={adapter}: peft_type {settings['peft_type']} is none that peft {peft.__version__} "
+                          "knows (an adapter saved by a newer peft?): upgrade peft (pip install -U peft)")
     folder = os.path.expanduser(adapter)  # peft takes a path it cannot find for a Hub id
     made_for = settings.get("base_model_name_or_path")
     try:

@@ -191,3 +191,19 @@ def test_an_adapter_under_tilde_is_in_the_home_folder(adapters, tmp_path, monkey
     merged, _ = load_frozen_target("tiny-random", torch.float32, "~/lora")
     expected, _ = load_frozen_target("tiny-random", torch.float32, adapters["fits"])
     assert all(torch.equal(merged.state_dict()[name], value) for name, value in expected.state_dict().items())
+
+
+def test_an_adapter_config_without_a_peft_type_or_with_one_peft_does_not_know_is_one_line(adapters, tmp_path):
+    """No peft_type (a config not written by peft) was peft's TypeError traceback at the merge, after the folder
+    check had passed it; one a newer peft saved said "does not fit target tiny-random (...): 'NEWTHING'; give an
+    adapter trained on tiny-random", of an adapter that was."""
+    folder = shutil.copytree(adapters["fits"], tmp_path / "adapter")
+    settings = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({k: v for k, v in settings.items() if k != "peft_type"}))
+    with pytest.raises(DDTreeError, match=r"^model.target_adapter=.*adapter: adapter_config.json names no peft_type, "
+                                          r"so it is no PEFT adapter's settings"):
+        check_adapter_folder(str(folder))
+    (folder / "adapter_config.json").write_text(json.dumps({**settings, "peft_type": "NEWTHING"}))
+    with pytest.raises(DDTreeError, match=r"^model.target_adapter=.*adapter: peft_type NEWTHING is none that peft "
+                                          r"\S+ knows \(an adapter saved by a newer peft\?\): upgrade peft"):
+        load_frozen_target("tiny-random", torch.float32, str(folder))

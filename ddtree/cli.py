@@ -514,6 +514,7 @@ def cmd_verify_cost(args) -> None:
     for flag, value in (("--sizes", min(args.sizes)), ("--context", args.context), ("--repeats", args.repeats)):
         if value < 1:
             raise DDTreeError(f"{flag} {value} must be at least 1")
+    check_named_once("--sizes", args.sizes)  # else timed again and printed twice, each row with its own figures
     if args.compare_plain:
         if args.packed_weights != "auto":  # it would be ignored: both kinds of layer are timed
             raise DDTreeError(f"--compare-plain times both plain and packed linear layers: drop --packed-weights "

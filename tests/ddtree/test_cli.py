@@ -1635,6 +1635,8 @@ def test_a_results_path_too_long_to_look_up_is_one_line_before_the_target_loads(
     (["--context", "5000", "--sizes", "8"], "--context 5000 with 8 tree nodes and its root runs past target"),
     # the largest size is the one checked, wherever it stands in the list (mutation review 42, c22)
     (["--context", "8", "--sizes", "8000,4"], "--context 8 with 8000 tree nodes and its root runs past target"),
+    # timed again and printed as a second row of other figures for the same size
+    (["--sizes", "8,4,8"], "--sizes repeats 8: name each once"),
 ])
 def test_verify_cost_numbers_out_of_range_are_one_line(capsys, monkeypatch, flags, message):
     monkeypatch.setattr(ddtree.cli, "measure_verify_cost", lambda *args: pytest.fail("measured past the context"))

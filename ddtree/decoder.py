@@ -384,6 +384,10 @@ class Decoder:
         (and a script's runs repeat); a number = this call's draws from that seed alone, the same reply each time.
         online_calibration: learn the draft temperature from the verified rounds, starting from the drafter's
         calibration, and go on learning over this Decoder's later prompts that ask for it too."""
+        for name, value in (("chat", chat), ("online_calibration", online_calibration)):
+            # a string is true whatever it says: chat="false" applied the chat template without a word
+            if isinstance(value, str) or value not in (True, False):
+                raise DDTreeError(f"{name}={value!r}: give True or False")
         method = method or ("ar" if self.drafter is None else "ddtree")
         if method not in METHODS:
             raise DDTreeError(f"unknown method {method!r}: choose from {', '.join(METHODS)}")

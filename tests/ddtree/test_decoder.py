@@ -330,6 +330,9 @@ def test_bad_generate_keywords_are_one_line(tiny_target):
                             (dict(temperature=-1), "temperature -1 must be a finite number >= 0"),
                             (dict(max_new_tokens=-1), "max_new_tokens -1 must be a whole number >= 0"),
                             (dict(chat=False, prompt=""), "prompt is empty, and with chat=False"),
+                            # a string was true whatever it said: "false" applied the chat template
+                            (dict(chat="false"), "chat='false': give True or False"),
+                            (dict(online_calibration="no"), "online_calibration='no': give True or False"),
                             # the tokenizer's TypeError named neither the prompt nor the character (D36-13)
                             (dict(prompt="caf\udce9"), "prompt: not valid UTF-8 text (a lone surrogate, U+DCE9")):
         prompt = keywords.pop("prompt", PROMPT)

@@ -79,7 +79,9 @@ def _add_common(parser: argparse.ArgumentParser, learns: bool = False) -> None:
     parser.add_argument("--target", type=path_argument, default="smollm2-135m",
                         help="built-in name, local HF folder or Hub id (default: smollm2-135m, built in)")
     parser.add_argument("--drafter", type=path_argument, default="random",
-                        help="the drafter folder to calibrate (required)" if learns else "'random' or a drafter folder")
+                        # the default said: left out, generate and bench decoded with an untrained drafter unasked
+                        help="the drafter folder to calibrate (required)" if learns
+                        else "a drafter folder, or 'random': an untrained drafter, for smoke tests (default: random)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0,
                         help="at T > 0, sample from the smallest set of likeliest tokens whose probability reaches "
@@ -157,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--prompts", type=path_argument, required=True,
                            help="JSONL of {prompt} or {messages} objects: prompts like the ones it will serve")
     calibrate.add_argument("--budgets", type=_int_list, default=[32], help="the ddtree budgets to calibrate (the chain "
-                           "always is; another budget takes the nearest one's temperature)")
+                           "always is; another budget takes the nearest one's temperature; default: 32)")
     calibrate.add_argument("--limit", type=int, default=None, help="use the first N prompts (default: all)")
     calibrate.add_argument("--overwrite", action="store_true", help=f"replace the folder's {CALIBRATION_FILE}")
     # generate's sizing, and so its re-drafting (off where it sizes, unless given): else a default generate decoded

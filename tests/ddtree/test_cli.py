@@ -311,6 +311,10 @@ def test_each_default_is_the_one_its_help_states(capsys, monkeypatch, command, r
     # None: the drafter's own (drafter_defaults), 7 for the smollm2-135m recipe's: a 0 decoded it without lookup
     assert stated(r"--lookup N .*?default: (the drafter's own) \(") and args.lookup is None
     assert stated(r"--redraft K .*?default: (the drafter's own) \(") and args.redraft is None
+    if command != "calibrate":  # left out, an untrained drafter decoded, and --help did not say so
+        assert args.drafter == stated(r"--drafter DRAFTER .*?\(default: (\w+)\)") == "random"
+    else:
+        assert args.budgets == [int(stated(r"--budgets BUDGETS .*?; default: (\d+)\)"))]
     if command == "generate":
         assert args.budget == int(stated(r"--budget BUDGET tree node budget for ddtree \(published: (\d+);"))
     if command == "bench":

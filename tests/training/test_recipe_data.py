@@ -267,7 +267,7 @@ def test_a_run_that_overrides_its_recipes_data_settings_is_told_to_give_it_a_fol
     refused again. Read-only on the shipped data."""
     adapter = tmp_path / "adapter"  # a folder check_adapter_folder takes; nothing loads it
     adapter.mkdir()
-    (adapter / "adapter_config.json").write_text("{}")
+    (adapter / "adapter_config.json").write_text('{"peft_type": "LORA"}')
     (adapter / "adapter_model.safetensors").write_bytes(b"")
     override, named = override.format(adapter=adapter), named.format(adapter=adapter)
     monkeypatch.chdir(RECIPES_DIR.parent)
@@ -491,7 +491,7 @@ def test_training_and_the_feature_store_hand_the_adapter_to_the_data(tmp_path, m
     import training.features
 
     (tmp_path / "adapter").mkdir()
-    (tmp_path / "adapter" / "adapter_config.json").write_text("{}")
+    (tmp_path / "adapter" / "adapter_config.json").write_text('{"peft_type": "LORA"}')
     (tmp_path / "adapter" / "adapter_model.safetensors").write_bytes(b"")
     handed = []
 

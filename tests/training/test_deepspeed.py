@@ -1506,7 +1506,8 @@ def test_a_recipe_file_given_to_the_launch_scripts_is_told_the_recipes_name_as_t
                            ([str(LAUNCHER), "tiny.yml", "1"], {})):
         result = subprocess.run(["bash", *command], cwd=tmp_path, env=env | extra, capture_output=True, text=True)
         assert result.returncode == 2 and not result.stdout, result
-        assert result.stderr.splitlines() == ["error: the first argument takes a recipe's name: tiny (reads recipes/tiny.yaml)"]
+        said = "error: the first argument takes a recipe's name: tiny (reads recipes/tiny.yaml)"
+        assert result.stderr.splitlines() == [said]
     mine = tmp_path / "mine.yaml"
     mine.write_text((REPO / "recipes" / "tiny.yaml").read_text())
     result = subprocess.run(["bash", str(LAUNCHER), str(mine), "1"], cwd=tmp_path, env=env, capture_output=True,

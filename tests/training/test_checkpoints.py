@@ -1397,9 +1397,12 @@ def test_make_eval_of_a_target_adapter_under_tilde_finds_it_in_the_home_folder(s
     checkpoint said the adapter was "a path relative to the folder training was launched in" and no folder from here."""
     from peft import LoraConfig, get_peft_model
 
+    from ddtree.files import cache_dir
     from ddtree.targets import load_target
     from training.peft_utils import adapter_fingerprint
 
+    # the converted targets stay where they are (under the moved home, tiny-random was converted again: ~50 s)
+    monkeypatch.setenv("DDTREE_CACHE", str(cache_dir()))
     monkeypatch.setenv("HOME", str(tmp_path))
     config = LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False)
     get_peft_model(load_target("tiny-random")[0], config).save_pretrained(tmp_path / "lora")

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from ddtree.errors import DDTreeError
+from ddtree.files import cache_dir
 from training import peft_utils
 from training.peft_utils import adapter_fingerprint, check_adapter_folder
 from training.target import load_frozen_target
@@ -184,6 +185,8 @@ def test_an_adapter_under_tilde_is_in_the_home_folder(adapters, tmp_path, monkey
     """A recipe's `target_adapter: ~/lora` (or `--model.target_adapter=~/lora`) reaches no shell: the folder check
     said "no adapter_config.json there" for an adapter that was there, where model.target's and model.init_from's ~
     are the home folder; its fingerprint was None, as for a Hub id."""
+    # the converted targets stay where they are (under the moved home, tiny-random was converted again: ~50 s)
+    monkeypatch.setenv("DDTREE_CACHE", str(cache_dir()))
     monkeypatch.setenv("HOME", str(tmp_path))
     shutil.copytree(adapters["fits"], tmp_path / "lora")
     assert check_adapter_folder("~/lora")["peft_type"] == "LORA"

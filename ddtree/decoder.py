@@ -386,7 +386,7 @@ class Decoder:
         calibration, and go on learning over this Decoder's later prompts that ask for it too."""
         for name, value in (("chat", chat), ("online_calibration", online_calibration)):
             # a string is true whatever it says: chat="false" applied the chat template without a word
-            if isinstance(value, str) or value not in (True, False):
+            if value not in (True, False):
                 raise DDTreeError(f"{name}={value!r}: give True or False")
         method = method or ("ar" if self.drafter is None else "ddtree")
         if method not in METHODS:

@@ -278,13 +278,13 @@ def resolve_target(name_or_path: str, say: Say = say_on_stderr) -> str:
         return str(tiny_target_folder(say))
     path = Path(name_or_path).expanduser()
     if path.is_dir():
-        if not (path / "config.json").exists() and (path / "adapter_config.json").is_file():
-            # transformers would load base + adapter from it (with peft): "give a Hugging Face model folder" misled
-            raise DDTreeError(f"target folder {path} is a PEFT adapter (adapter_config.json), and ddtree merges no "
-                              "adapter: merge it into the model it was made for (its base_model_name_or_path) and give "
-                              "that folder, or, to train, give that model as model.target and this folder as "
-                              "model.target_adapter (docs/training.md, A target with a PEFT adapter)")
         if not (path / "config.json").exists():
+            if (path / "adapter_config.json").is_file():
+                # transformers would load base + adapter from it (with peft): "give a Hugging Face model folder" misled
+                raise DDTreeError(f"target folder {path} is a PEFT adapter (adapter_config.json), and ddtree merges no "
+                                  "adapter: merge it into the model it was made for (its base_model_name_or_path) and "
+                                  "give that folder, or, to train, give that model as model.target and this folder as "
+                                  "model.target_adapter (docs/training.md, A target with a PEFT adapter)")
             raise DDTreeError(f"target folder {path} has no config.json; give a Hugging Face model folder")
         return str(path)
     if not is_hub_id(name_or_path):

@@ -54,7 +54,7 @@ from .checkpoint_paths import ABANDONED_PREFIX, abandoned_branch, find_checkpoin
 from .checkpoints import Checkpoint, evaluation_state, load_checkpoint, recorded_evaluation
 from .data import DATA_RECORD
 from .export import run_corpus
-from .peft_utils import adapter_fingerprint, check_adapter_folder
+from .peft_utils import adapter_fingerprint, adapter_folder, check_adapter_folder
 from .report import tau_text
 from .target import dtype_for_precision, load_frozen_target
 
@@ -207,9 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     comparable = True  # where training measured with these settings too (logged_metrics)
     adapter = hp.get("target_adapter")
     adapter_field = f"{path}'s model.target_adapter"  # the checkpoint's record, not an option of this command
-    if adapter and not Path(adapter).expanduser().is_dir():  # ~: the home folder, as training took it
+    if adapter and not adapter_folder(adapter).is_dir():  # ~: the home folder, as training took it
         # kept as its launch gave it, and no option here gives it anew: not found is no sign of a retrained adapter
-        if Path(adapter).expanduser().is_absolute():
+        if adapter_folder(adapter).is_absolute():
             raise DDTreeError(f"{path} was trained against target adapter {adapter} (its model.target_adapter), which "
                               "is no folder now: put the adapter it trained against back there")
         raise DDTreeError(f"{path} was trained against target adapter {adapter} (its model.target_adapter, a path "

@@ -19,7 +19,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -41,13 +40,18 @@ UNMERGEABLE_PEFT_TYPES = {"PROMPT_TUNING", "MULTITASK_PROMPT_TUNING", "P_TUNING"
 MERGEABLE = "give a weight adapter (LoRA, LoHa, LoKr, IA3, ...) trained on the target, or the adapted model saved whole"
 
 
+def adapter_folder(adapter: str) -> Path:
+    """The folder a model.target_adapter (or --target-adapter) names: a recipe's `target_adapter: ~/x`, or
+    `--model.target_adapter=~/x`, reaches no shell, and its ~ is the home folder, as model.target's and
+    model.init_from's are."""
+    return Path(adapter).expanduser()
+
+
 def check_adapter_folder(adapter: str, field: str = "model.target_adapter") -> dict:
     """The adapter folder's adapter_config.json, once its weights file is known to be beside it; else a DDTreeError
     naming `field` (where the folder was given). Without the weights peft went on to ask the Hub for the folder's path
     as a repo id, and failed with a message about repo names."""
-    # a recipe's `target_adapter: ~/x`, or `--model.target_adapter=~/x`, reaches no shell: the home folder, as
-    # model.target's and model.init_from's ~ are
-    config_path = Path(adapter).expanduser() / "adapter_config.json"
+    config_path = adapter_folder(adapter) / "adapter_config.json"
     if not config_path.is_file():
         raise DDTreeError(f"{field}={adapter}: no adapter_config.json there; give a PEFT adapter folder "
                           "(the one `save_pretrained` of a PeftModel writes)")
@@ -75,10 +79,10 @@ def adapter_fingerprint(adapter: str | None) -> str | None:
     """sha256 of a local PEFT adapter folder's adapter_* files (config and weights): what was trained against, the
     feature store built from, or the data generated with, once the adapter was retrained at the same path, is another
     target's. None without an adapter, or for one named by a Hub id (its files are not here)."""
-    if not adapter or not Path(adapter).expanduser().is_dir():
+    if not adapter or not adapter_folder(adapter).is_dir():
         return None
     digest = hashlib.sha256()
-    for path in sorted(Path(adapter).expanduser().iterdir()):
+    for path in sorted(adapter_folder(adapter).iterdir()):
         if path.is_file() and path.name.startswith("adapter_"):
             digest.update(path.name.encode() + b"\0")
             with path.open("rb") as f:
@@ -99,7 +103,7 @@ def merge_target_adapter(target: PreTrainedModel, adapter: str, target_name: str
     if settings["peft_type"] not in {kind.value for kind in PeftType}:  # peft's KeyError said the type's name alone
         raise DDTreeError(f"{field}={adapter}: peft_type {settings['peft_type']} is none that peft {peft.__version__} "
                           "knows (an adapter saved by a newer peft?): upgrade peft (pip install -U peft)")
-    folder = os.path.expanduser(adapter)  # peft takes a path it cannot find for a Hub id
+    folder = str(adapter_folder(adapter))  # peft takes a path it cannot find for a Hub id
     made_for = settings.get("base_model_name_or_path")
     try:
         # PeftModel.from_pretrained, keeping the load result it drops: it loads with strict=False, so the weights of

@@ -343,7 +343,8 @@ def check_input_files(config: Namespace, resuming: bool = False) -> None:
     is built from the checkpoint (DistillModule.configure_model)."""
     data_path = str(config.data.data_path)
     generated = data_path == AUTO_DATA or config.data.regenerate  # written on first use (training/recipe_data.py)
-    if not (generated or Path(data_path).exists()):
+    # ~ expanded, as the data module reads it: a recipe's `data_path: ~/mydata` (no shell expands YAML) was refused
+    if not (generated or Path(data_path).expanduser().exists()):
         # mydata/convs.jsonl has the shape owner/name too, but names a file: taken for a Hub dataset, a mistyped path
         # failed at fit, 40 s later, with "could not load Hub dataset" and never said the file was not there
         if not has_hub_id_shape(data_path) or Path(data_path).suffix.lower() in DATA_FILE_SUFFIXES:
@@ -387,7 +388,7 @@ def check_replay_data(config: Namespace) -> None:
     options = [f"model.{name}" for name in ("calibrate", "replay_calibration") if getattr(model, name, False)]
     if not options:
         return
-    folder = Path(str(data.data_path))
+    folder = Path(str(data.data_path)).expanduser()  # as the data module reads it: else ~/data was never checked
     if str(data.data_path) != AUTO_DATA and (folder / "regeneration.json").is_file():
         record, source = read_summary(folder), folder / "regeneration.json"
     elif data.regenerate:

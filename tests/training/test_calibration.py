@@ -193,6 +193,21 @@ def test_replayed_calibration_of_auto_data_reads_data_regenerate_not_a_folder_na
     check_before_building(config)  # greedy replies, as data.regenerate says: not refused
 
 
+def test_replayed_calibration_reads_the_record_of_data_under_a_home_path(tmp_path, monkeypatch):
+    """data.data_path ~/<folder> is read by the data module with ~ expanded; the launch checks took it literally, so
+    a recipe's `data_path: ~/sampled` was refused as missing, and with that passed, its sampled replies never checked."""
+    from ddtree.targets import cache_dir
+    monkeypatch.setenv("DDTREE_CACHE", str(cache_dir()))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "sampled").mkdir()
+    (tmp_path / "sampled" / "regeneration.json").write_text(json.dumps({"target": "tiny-random", "temperature": 0.8}))
+    config = read_recipe(RECIPES_DIR / "tiny.yaml", ["--trainer.precision=32-true", "--data.data_path=~/sampled",
+                                                     "--model.calibrate=true"])
+    with pytest.raises(RecipeSettingError, match=rf"^model.calibrate replays .* and {tmp_path}/sampled/regeneration.json "
+                                                 r"says they were sampled at temperature 0.8: "):
+        check_before_building(config)
+
+
 def calibrated_tiny_run(tmp_path, conversations: int, *settings: str) -> list[str]:
     """train.main arguments of a `tiny` run on toy conversations that calibrates before its evaluation every 2 steps."""
     data = toy_data.write_conversations(tmp_path / "conversations.jsonl", conversations, 30, 50, 0, with_ids=False)
@@ -202,6 +217,7 @@ def calibrated_tiny_run(tmp_path, conversations: int, *settings: str) -> list[st
         "--data.val_fraction=0.25", "--trainer.val_check_interval=null", "--trainer.enable_progress_bar=false",
         "--model.calibrate=true", "--eval.every_n_train_steps=2", *settings,
     ]
+
 
 
 def test_a_calibrated_run_evaluates_saves_and_exports_its_temperatures(tmp_path):

@@ -11,6 +11,7 @@ the recipe and the field; so does a launch this machine cannot run (a GPU recipe
 
 from __future__ import annotations
 
+import math
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -397,8 +398,17 @@ def check_replay_data(config: Namespace) -> None:
     else:
         return
     named = " and ".join(options) + (" replay" if len(options) > 1 else " replays")
-    temperature, written_by = record.get("temperature") or 0, record.get("target")
-    if isinstance(temperature, (int, float)) and temperature > 0:  # another value: regenerate.py's own check says
+    given, written_by = record.get("temperature"), record.get("target")
+    try:  # as regenerate.py's --temperature reads it: a quoted "0.8" samples too (null: its default, 0)
+        temperature = float(given or 0)
+    except (TypeError, ValueError):
+        temperature = math.nan
+    if not math.isfinite(temperature):  # read as greedy, a record no one could read went on to be replayed
+        raise RecipeSettingError(f"{named} the validation replies as the target's greedy decoding, and {source} gives "
+                                 f"temperature {given!r}, not a number: give data whose record says temperature 0 "
+                                 "(data/regenerate.py's default), or set "
+                                 f"{' and '.join(f'{option}=false' for option in options)}")
+    if temperature > 0:
         raise RecipeSettingError(f"{named} the validation replies as the target's greedy decoding, and {source} says "
                                  f"they were sampled at temperature {temperature}: give data the target wrote at "
                                  "temperature 0 (data/regenerate.py's default), or set "

@@ -193,6 +193,27 @@ def test_replayed_calibration_of_auto_data_reads_data_regenerate_not_a_folder_na
     check_before_building(config)  # greedy replies, as data.regenerate says: not refused
 
 
+def test_replayed_calibration_reads_a_quoted_temperature_as_regenerate_does_and_refuses_one_that_is_no_number(tmp_path):
+    """A temperature given as text ("0.8": regenerate.py's --temperature samples at 0.8) or one no one can read ("hot")
+    was taken for greedy replies, and the replay calibrated on them without a word."""
+    def check(*overrides):
+        check_before_building(read_recipe(RECIPES_DIR / "tiny.yaml", ["--trainer.precision=32-true",
+                                                                      "--model.calibrate=true", *overrides]))
+
+    with pytest.raises(RecipeSettingError, match=r"data.regenerate says they were sampled at temperature 0.8: "):
+        check("--data.data_path=auto", '--data.regenerate={"temperature": "0.8"}')
+    for temperature, said in (("0.8", "says they were sampled at temperature 0.8: "),
+                              ("hot", "gives temperature 'hot', not a number: ")):
+        data = tmp_path / temperature
+        data.mkdir()
+        (data / "regeneration.json").write_text(json.dumps({"target": "tiny-random", "temperature": temperature}))
+        with pytest.raises(RecipeSettingError, match=rf"^model.calibrate replays .* {data}/regeneration.json {said}"):
+            check(f"--data.data_path={data}")
+    (tmp_path / "greedy").mkdir()
+    (tmp_path / "greedy" / "regeneration.json").write_text(json.dumps({"target": "tiny-random", "temperature": "0"}))
+    check(f"--data.data_path={tmp_path / 'greedy'}")  # greedy, quoted: not refused
+
+
 def test_replayed_calibration_reads_the_record_of_data_under_a_home_path(tmp_path, monkeypatch):
     """data.data_path ~/<folder> is read by the data module with ~ expanded; the launch checks took it literally, so
     a recipe's `data_path: ~/sampled` was refused as missing, and with that passed, its sampled replies never checked."""

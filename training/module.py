@@ -134,9 +134,12 @@ def check_store_fields(target_layer_ids: list[int] | None, distill_weight: float
                        distill_top_k: int) -> None:
     """The model fields that shape a feature store (its layers, its teacher), checked as DistillModule checks them:
     `make features` reads a recipe without building the module, and built stores for values training then refused."""
-    if distill_loss not in DISTILL_LOSSES or not 0 <= distill_weight <= 1:
-        raise DDTreeError(f"model.distill_loss={distill_loss!r} must be one of {', '.join(DISTILL_LOSSES)} and "
-                          f"model.distill_weight={distill_weight} in [0, 1]")
+    # each named alone: one line for both once told a user of distill_weight 1.5 that distill_loss='kl' was wrong
+    if distill_loss not in DISTILL_LOSSES:
+        raise DDTreeError(f"model.distill_loss={distill_loss!r} must be one of {', '.join(DISTILL_LOSSES)}")
+    if not 0 <= distill_weight <= 1:
+        raise DDTreeError(f"model.distill_weight={distill_weight} must be in [0, 1]: the share of the loss against the "
+                          "target's distribution (0 = none; the label's cross-entropy has the rest)")
     if target_layer_ids is not None and not target_layer_ids:  # `x or default` once took [] for the default layers
         raise DDTreeError(f"model.target_layer_ids={target_layer_ids} must be at least one layer, or unset")
     if distill_top_k < 0:
@@ -245,6 +248,10 @@ class DistillModule(L.LightningModule):
             ("warmup_ratio", warmup_ratio, 0 <= warmup_ratio < 1, "in [0, 1)"),
             # the cosine's floor, a share of lr: below 0 the lr went negative (AdamW ascended), above 1 past the peak
             ("min_lr_ratio", min_lr_ratio, 0 <= min_lr_ratio <= 1, "in [0, 1]"),
+            # each named alone: one line for the three named the two that were fine as if they were not
+            ("objective_smoothing", objective_smoothing, 0 <= objective_smoothing <= 1, "in [0, 1]"),
+            ("objective_top_k", objective_top_k, objective_top_k >= 1, "at least 1"),
+            ("objective_budget", objective_budget, objective_budget >= 1, "at least 1"),
         ]:
             if not fits:
                 raise DDTreeError(f"model.{name}={value} must be {rule}")
@@ -254,10 +261,6 @@ class DistillModule(L.LightningModule):
             raise DDTreeError(f"model.lora_rank={lora_rank} adapts a trained drafter and model.init_from is unset, so "
                               "the rest of a new, random drafter would never train: give model.init_from=<drafter "
                               "folder>, or set model.lora_rank=0")
-        if not 0 <= objective_smoothing <= 1 or objective_top_k < 1 or objective_budget < 1:
-            raise DDTreeError(f"model.objective_smoothing={objective_smoothing} must be in [0, 1], and "
-                              f"model.objective_top_k={objective_top_k} and model.objective_budget={objective_budget} "
-                              "at least 1")
         self._gamma_given = gamma is not None  # else configure_model sets the published one for the block size
         self.drafter: nn.Module | None = None  # built in configure_model
         # A warm start's --resume: the checkpoint's drafter config (training/train.py sets it), built from instead of

@@ -1903,7 +1903,7 @@ def test_auto_store_is_the_recipes_cache_folder_built_on_first_use(tmp_path, mon
     # values training refuses: a store was built for them (the recipe's default layers for [], a top-4 teacher)
     (["--model.target_layer_ids=[]"], "model.target_layer_ids=[] must be at least one layer, or unset",
      dict(target_layer_ids=[])),
-    (["--model.distill_weight=2", "--model.distill_top_k=4"], "model.distill_weight=2.0 in [0, 1]",
+    (["--model.distill_weight=2", "--model.distill_top_k=4"], "model.distill_weight=2.0 must be in [0, 1]",
      dict(distill_weight=2.0, distill_top_k=4)),
     (["--model.target_layer_ids=null", "--model.init_from={tmp}/none"], "model.init_from: drafter '{tmp}/none' is not",
      None),

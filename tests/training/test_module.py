@@ -781,8 +781,13 @@ def test_gradient_checkpointing_trains_with_the_block_mask_and_dropout_and_chang
     ("min_lr_ratio", -1.0, r"model.min_lr_ratio=-1.0 must be in \[0, 1\]"),
     ("min_lr_ratio", 2.0, r"model.min_lr_ratio=2.0 must be in \[0, 1\]"),
     # the label cross-entropy's weight is 1 - distill_weight: above 1 the drafter was trained away from the labels
-    ("distill_weight", 1.5, r"model.distill_weight=1.5 in \[0, 1\]"),
-    ("distill_weight", -0.5, r"model.distill_weight=-0.5 in \[0, 1\]"),
+    ("distill_weight", 1.5, r"^model.distill_weight=1.5 must be in \[0, 1\]"),
+    ("distill_weight", -0.5, r"^model.distill_weight=-0.5 must be in \[0, 1\]"),
+    # each field named alone: the fields checked together were once named together, the valid ones as if wrong
+    ("distill_loss", "kld", r"^model.distill_loss='kld' must be one of kl, lk$"),
+    ("objective_smoothing", 1.5, r"^model.objective_smoothing=1.5 must be in \[0, 1\]$"),
+    ("objective_top_k", 0, r"^model.objective_top_k=0 must be at least 1$"),
+    ("objective_budget", 0, r"^model.objective_budget=0 must be at least 1$"),
 ])
 def test_a_drafter_setting_no_drafter_can_have_is_refused_by_name(field, value, message):
     with pytest.raises(DDTreeError, match=message):

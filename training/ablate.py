@@ -195,9 +195,17 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
                               f"{name}=overrides (e.g. {name}=--model.lr=1e-3), or {name}= for the recipe as it is")
         overrides = defaults[name]
     try:
-        return name, shlex.split(overrides)
+        items = shlex.split(overrides)
     except ValueError as error:  # an unclosed quote
         raise DDTreeError(f"--variant {text!r}: {error} in its overrides; close the quote") from None
+    for i, item in enumerate(items):
+        # an override, or the value after one given as two words (--model.lr 1e-3); `model.lr=1e-3` was refused by
+        # the recipe's parser as "unrecognized arguments on the command line" and sent the user to this command's --help
+        if not item.startswith("--") and not (i and items[i - 1].startswith("--") and "=" not in items[i - 1]):
+            fix = f", here --{item}" if "=" in item and not item.startswith("-") else " (a value with spaces quoted)"
+            raise DDTreeError(f"--variant {text!r}: {item!r} is not a recipe override: give each as "
+                              f"--section.field=value{fix}")
+    return name, items
 
 
 def claim_stamp(root: Path, names: list[str]) -> str:

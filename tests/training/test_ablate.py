@@ -27,6 +27,7 @@ from matplotlib.figure import Figure
 import toy_data  # tests/training/toy_data.py
 import training.ablate
 import training.report
+from ddtree.errors import DDTreeError
 from ddtree.files import WriteFailed
 from training.ablate import (ABLATE_STAMP_ENV, DEFAULT_VARIANTS, decoder_additions, decoding_target, last_validation,
                              main, markdown_table, parse_variant, plot, summarize_variant, write_results)
@@ -268,6 +269,20 @@ def test_a_variant_training_could_not_launch_is_refused_before_any_trains(tmp_pa
                                              ("dp", ["--model.objective=dpace", "--model.lr=1e-3"]))])
 def test_variants_parse(text, expected):
     assert parse_variant(text) == expected
+
+
+def test_a_variant_override_without_its_dashes_is_refused_naming_it_and_the_override_meant():
+    """`lr=model.lr=1e-3` reached the recipe's parser, whose line said "unrecognized arguments on the command line" and
+    pointed to `python -m training.ablate --help`, which knows no recipe field; the variant's words are the fault."""
+    with pytest.raises(DDTreeError, match=r"^--variant 'lr=model.lr=1e-3': 'model.lr=1e-3' is not a recipe override: "
+                                          r"give each as --section.field=value, here --model.lr=1e-3$"):
+        parse_variant("lr=model.lr=1e-3")
+    with pytest.raises(DDTreeError, match=r"^--variant 'ids=--model.target_layer_ids=\[1, 3\]': '3\]' is not a "
+                                          r"recipe override: give each as --section.field=value \(a value with "
+                                          r"spaces quoted\)$"):
+        parse_variant("ids=--model.target_layer_ids=[1, 3]")
+    assert parse_variant("lr=--model.lr 1e-3 --trainer.max_steps -1") == (  # a flag and its value as two words
+        "lr", ["--model.lr", "1e-3", "--trainer.max_steps", "-1"])
 
 
 def test_a_bare_variant_name_is_that_default_variant_or_refused(tmp_path, capsys, monkeypatch):

@@ -389,6 +389,15 @@ def check_replay_data(config: Namespace) -> None:
     options = [f"model.{name}" for name in ("calibrate", "replay_calibration") if getattr(model, name, False)]
     if not options:
         return
+    named = " and ".join(options) + (" replay" if len(options) > 1 else " replays")
+    turned_off = " and ".join(f"{option}=false" for option in options)
+    # No validation reply to replay: the evaluation replayed none and still wrote a calibration learned from nothing
+    # into the drafter (temperatures all 1, and `calibrated` in its evaluation files), without a word.
+    for field, value in (("trainer.limit_val_batches", config.trainer.limit_val_batches),
+                         ("data.val_fraction", data.val_fraction)):
+        if value is not None and float(value) == 0:
+            raise RecipeSettingError(f"{named} the validation replies, and {field}={value} leaves none to replay: give "
+                                     f"{field} above 0, or set {turned_off}")
     folder = Path(str(data.data_path)).expanduser()  # as the data module reads it: else ~/data was never checked
     if str(data.data_path) != AUTO_DATA and (folder / "regeneration.json").is_file():
         record, source = read_summary(folder), folder / "regeneration.json"
@@ -397,7 +406,6 @@ def check_replay_data(config: Namespace) -> None:
         source = "data.regenerate"
     else:
         return
-    named = " and ".join(options) + (" replay" if len(options) > 1 else " replays")
     given, written_by = record.get("temperature"), record.get("target")
     try:  # as regenerate.py's --temperature reads it: a quoted "0.8" samples too (null: its default, 0)
         temperature = float(given or 0)
@@ -406,13 +414,11 @@ def check_replay_data(config: Namespace) -> None:
     if not math.isfinite(temperature):  # read as greedy, a record no one could read went on to be replayed
         raise RecipeSettingError(f"{named} the validation replies as the target's greedy decoding, and {source} gives "
                                  f"temperature {given!r}, not a number: give data whose record says temperature 0 "
-                                 "(data/regenerate.py's default), or set "
-                                 f"{' and '.join(f'{option}=false' for option in options)}")
+                                 f"(data/regenerate.py's default), or set {turned_off}")
     if temperature > 0:
         raise RecipeSettingError(f"{named} the validation replies as the target's greedy decoding, and {source} says "
                                  f"they were sampled at temperature {temperature}: give data the target wrote at "
-                                 "temperature 0 (data/regenerate.py's default), or set "
-                                 f"{' and '.join(f'{option}=false' for option in options)}")
+                                 f"temperature 0 (data/regenerate.py's default), or set {turned_off}")
     if written_by and written_by != model.target:
         print(f"[calibration] {named} the validation replies as {model.target}'s greedy decoding, and {source} says "
               f"{written_by} wrote them: what it fits is measured on another model's text", flush=True)

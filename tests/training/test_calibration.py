@@ -214,6 +214,23 @@ def test_replayed_calibration_reads_a_quoted_temperature_as_regenerate_does_and_
     check(f"--data.data_path={tmp_path / 'greedy'}")  # greedy, quoted: not refused
 
 
+def test_calibration_with_no_validation_reply_to_replay_is_refused_before_the_run():
+    """trainer.limit_val_batches 0 (or data.val_fraction 0) left the replay nothing: every evaluation printed "replayed
+    on 0 validation batches", and the drafter exported with a calibration learned from nothing, recorded as
+    calibrated."""
+    for overrides, field in ((["--trainer.limit_val_batches=0", "--model.calibrate=true"],
+                              "trainer.limit_val_batches=0"),
+                             (["--data.val_fraction=0", "--model.replay_calibration=true"], "data.val_fraction=0.0")):
+        config = read_recipe(RECIPES_DIR / "tiny.yaml", ["--trainer.precision=32-true", *overrides])
+        option = overrides[1].removeprefix("--").removesuffix("=true")
+        with pytest.raises(RecipeSettingError, match=rf"^{option} replays the validation replies, and {field} leaves "
+                                                     rf"none to replay: give {field.split('=')[0]} above 0, or set "
+                                                     rf"{option}=false$"):
+            check_before_building(config)
+    config = read_recipe(RECIPES_DIR / "tiny.yaml", ["--trainer.precision=32-true", "--trainer.limit_val_batches=0"])
+    check_before_building(config)  # nothing replayed: validating nothing is the run's own choice
+
+
 def test_replayed_calibration_reads_the_record_of_data_under_a_home_path(tmp_path, monkeypatch):
     """data.data_path ~/<folder> is read by the data module with ~ expanded; the launch checks took it literally, so
     a recipe's `data_path: ~/sampled` was refused as missing, and with that passed, its sampled replies never checked."""

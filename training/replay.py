@@ -128,6 +128,8 @@ def replay_reply(
         step = len(path) + 1 if stop is None else stop + 1
         rounds.append(ReplayRound(len(path), expected, step))
         if on_round is not None:
+            if stop is not None:  # as the expected acceptance: below an accepted stop decoding's tree ranks nothing
+                truth = truth[:stop + 1]
             if branches and truth and truth[0] in branches:  # the path's depths 2.. are that block's: (depth, V)
                 on_round(torch.cat([logits[:1], branches[truth[0]]]), truth, len(path))
             else:

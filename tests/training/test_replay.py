@@ -122,6 +122,27 @@ def test_a_reply_that_ends_in_a_stop_token_replays_as_decoding_stops(budget):
                         len(prompt + reply), budget, 64, stop_ids=[reply[0]]) == []
 
 
+@pytest.mark.parametrize("budget", [None, 4])
+def test_a_round_that_accepts_a_stop_token_is_shown_no_reply_token_below_it(budget):
+    """Decoding ends the reply at an accepted end-of-turn token: no depth below it is ranked or accepted, so
+    model.calibrate (RoundNLL) must not fit one. The supervised reply goes on past it (<|im_end|> then <|endoftext|>),
+    and the round was shown those tokens too: RoundNLL counted the depth after the stop, a label decoding never
+    drafts there."""
+    prompt, reply = [1, 5, 9, 13], list(range(20, 70))
+    sequence = prompt + reply
+    oracle = RiggedDrafter(sequence, 97, block_size=6)
+    cut = 0
+    for stop in reply[:30]:
+        seen = []
+        replay_reply(oracle, torch.zeros(len(sequence), 3), torch.tensor(sequence), len(prompt), len(sequence), budget,
+                     64, lambda logits, truth, accepted: seen.append((list(truth), accepted)), stop_ids=[stop])
+        for truth, accepted in seen:
+            if stop in truth[:accepted]:  # the round that commits the stop: its truth ends there
+                assert truth[-1] == stop, (stop, truth, accepted)
+                cut += len(truth) < 5  # the stop inside the block, not at its last depth
+    assert cut > 0, "no stop was accepted inside a block: the cut was never exercised"
+
+
 def test_replay_feeds_the_drafter_the_context_decoding_feeds_it(tiny):
     """A real DFlash drafter: each replayed round's draft logits equal decoding's (features of the committed rows)."""
     target, tokenizer = tiny

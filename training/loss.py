@@ -167,6 +167,10 @@ def draft_vocab_labels(labels: torch.Tensor, token_ids: torch.Tensor, vocab_size
 
 
 OBJECTIVES = ("decayed_ce", "dpace", "tree", "frontier", "intree")
+# The objectives that read each loss setting of the model (block_loss_sums); the others leave it unused
+OBJECTIVE_SETTINGS = {"gamma": ("decayed_ce", "frontier"),
+                      "objective_smoothing": ("dpace", "tree", "frontier", "intree"),
+                      "objective_top_k": ("tree",), "objective_budget": ("frontier", "intree")}
 DISTILL_LOSSES = ("kl", "lk")
 RECALL_K = 4  # the k of the top-k recall metric (and the default tree survival width)
 

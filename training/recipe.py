@@ -11,6 +11,7 @@ the recipe and the field; so does a launch this machine cannot run (a GPU recipe
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 from contextlib import contextmanager
@@ -35,6 +36,7 @@ from .checkpoints import AtomicCheckpointIO
 from .conversations import DATA_FILE_SUFFIXES
 from .data import DistillDataModule
 from .feature_store import init_from_config
+from .loss import OBJECTIVE_SETTINGS
 from .module import NO_SCHEDULE_END, DistillModule
 from .peft_utils import check_adapter_folder
 from .recipe_data import AUTO_DATA, read_summary
@@ -424,6 +426,22 @@ def check_replay_data(config: Namespace) -> None:
               f"{written_by} wrote them: what it fits is measured on another model's text", flush=True)
 
 
+def note_unused_loss_settings(model: Namespace) -> None:
+    """One line naming the loss settings given another value than their default that this run's loss never reads:
+    `--model.objective_budget=64` on the dpace recipe trained as if not given, without a word, and a `make ablate`
+    variant of it tabulated the recipe's own loss under another name."""
+    defaults = inspect.signature(DistillModule.__init__).parameters
+    changed = lambda name: getattr(model, name) != defaults[name].default  # noqa: E731
+    unused = [f"model.{name}={getattr(model, name)} (read by objective {' and '.join(objectives)} only)"
+              for name, objectives in OBJECTIVE_SETTINGS.items() if model.objective not in objectives and changed(name)]
+    if not model.distill_weight > 0:
+        unused += [f"model.{name}={getattr(model, name)} (read with model.distill_weight > 0 only)"
+                   for name in ("distill_loss", "distill_top_k") if changed(name)]
+    if unused:
+        print(f"[loss] unused by this run's loss, model.objective={model.objective} with model.distill_weight="
+              f"{model.distill_weight}: {'; '.join(unused)}", flush=True)
+
+
 def check_before_building(config: Namespace, resuming: bool = False) -> None:
     """Everything a launch checks before it builds anything: training (DistillCLI), and make ablate for every variant
     before the first one trains, so that a variant's bad path is not found after the others trained for hours.
@@ -431,6 +449,7 @@ def check_before_building(config: Namespace, resuming: bool = False) -> None:
     machine says so first, not that its data is yet to be generated). `resuming`: a --resume's launch."""
     trainer = config.trainer
     check_values(config)
+    note_unused_loss_settings(config.model)
     check_accelerator(trainer.accelerator, trainer.devices, config.model.target)
     check_strategy(trainer.strategy, trainer.accelerator, trainer.gradient_clip_algorithm)
     check_lora_strategy(trainer.strategy, config.model.lora_rank)

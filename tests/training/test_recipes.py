@@ -197,6 +197,25 @@ def test_the_last_precision_override_wins_as_in_the_parser(monkeypatch, capsys):
     assert "(fast on cpu)" in capsys.readouterr().out
 
 
+def test_a_loss_setting_the_runs_objective_never_reads_is_named_in_one_line(capsys):
+    """--model.objective_budget=64 on a dpace run (or model.distill_top_k without distillation) trained as if not
+    given, without a word: a `make ablate` variant of it tabulated the recipe's own loss under another name."""
+    def noted(*overrides):
+        config = parse_recipe("tiny", "--trainer.precision=32-true", *overrides)
+        capsys.readouterr()
+        training.recipe.check_before_building(config)
+        return [line for line in capsys.readouterr().out.splitlines() if line.startswith("[loss]")]
+
+    assert noted("--model.objective=dpace", "--model.objective_budget=64", "--model.gamma=3",
+                 "--model.distill_top_k=8") == [
+        "[loss] unused by this run's loss, model.objective=dpace with model.distill_weight=0.0: model.gamma=3.0 (read "
+        "by objective decayed_ce and frontier only); model.objective_budget=64 (read by objective frontier and intree "
+        "only); model.distill_top_k=8 (read with model.distill_weight > 0 only)"]
+    assert noted("--model.objective=intree", "--model.objective_budget=64", "--model.distill_weight=0.5",
+                 "--model.distill_top_k=8", "--model.distill_loss=lk") == []  # each read
+    assert noted("--model.objective=tree", "--model.objective_budget=32") == []  # the default, given or not
+
+
 @pytest.mark.parametrize("overrides", [["--optimizer=SGD", "--optimizer.lr=0.5"],
                                        ["--lr_scheduler=StepLR", "--lr_scheduler.step_size=1"]])
 def test_lightnings_own_optimizer_options_are_refused_in_one_line(overrides, tmp_path, capsys):

@@ -87,7 +87,7 @@ from .checkpoint_paths import ABLATE_PREFIX
 from .loss import RECALL_K
 from .module import DistillModule
 from .data import DATA_RECORD
-from .recipe import check_before_building, check_values, read_recipe, recipe_errors
+from .recipe import check_before_building, check_values, field_overrides, read_recipe, recipe_errors
 from .strategies import is_first_process
 from .train import main as train_main
 
@@ -206,6 +206,21 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
             raise DDTreeError(f"--variant {text!r}: {item!r} is not a recipe override: give each as "
                               f"--section.field=value{fix}")
     return name, items
+
+
+def check_shared_flags_reach_a_variant(common: list[str], variants: list[tuple[str, list[str]]]) -> None:
+    """A recipe override every variant shares, which every variant sets again itself, changes none of them (theirs
+    come after it): `make ablate ARGS="--steps 800 --model.distill_top_k=16"` trained the default variants each with
+    its own distill_top_k, and the table never said the flag had been dropped."""
+    for item in common:
+        if not item.startswith("--"):
+            continue
+        field = item[2:].split("=", 1)[0]
+        if all(field_overrides(overrides, field) for _, overrides in variants):
+            names = ", ".join(name for name, _ in variants)
+            raise DDTreeError(f"{item}: every variant sets {field} itself ({names}), after the flags they share, so "
+                              f"it changes none of them: drop it, or give it in the variants' overrides "
+                              f"(--variant name=... {item})")
 
 
 def claim_stamp(root: Path, names: list[str]) -> str:
@@ -470,6 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     variants = [parse_variant(v) for v in (args.variant or DEFAULT_VARIANTS)]
     if len({name for name, _ in variants}) != len(variants):
         raise DDTreeError(f"--variant names must differ: {[name for name, _ in variants]}")
+    check_shared_flags_reach_a_variant(common, variants)
     budget = []
     if args.steps is not None and args.minutes is None:
         budget.append("--trainer.max_time=null")  # the steps alone, not the recipe's time safety net

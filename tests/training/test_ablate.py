@@ -907,6 +907,19 @@ def test_the_processes_lightning_starts_for_several_devices_train_the_same_runs_
     assert trained == ["ablate-20250101-000000-a"] and not (tmp_path / "other").exists()
 
 
+def test_a_shared_flag_that_every_variant_sets_again_is_refused_before_any_trains(tmp_path, capsys, monkeypatch):
+    """Each variant's overrides come after the flags they share: `--model.distill_top_k=16` beside the default
+    variants, which each name their distill_top_k, trained every one without it and the table never said so."""
+    monkeypatch.setattr(training.ablate, "train_main", lambda argv: pytest.fail("a variant trained"))
+    assert main(["--recipe", "tiny", "--steps", "2", "--output-root", str(tmp_path), "--variant", "a=--model.lr=1e-3",
+                 "--variant", "b=--model.lr 2e-3", "--model.lr=5e-4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --model.lr=5e-4: every variant sets model.lr itself (a, b), after the flags they share, so "
+                   "it changes none of them: drop it, or give it in the variants' overrides (--variant name=... "
+                   "--model.lr=5e-4)"], err
+    assert not any(tmp_path.iterdir())
+
+
 def test_a_bad_flag_every_variant_shares_is_named_as_given_not_blamed_on_a_variant(tmp_path, capsys, monkeypatch):
     """--eval-limit 0 was reported as `--variant decayed_ce: eval.limit=0: ...`, naming a variant the user may never
     have typed (the first default one)."""

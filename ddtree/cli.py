@@ -166,7 +166,7 @@ def cmd_generate(args) -> None:
     sampling, target, tokenizer, files = _setup(args, trees=args.method == "ddtree")
     drafter = None
     if uses_drafter(args):
-        drafter = _drafter_runner(args, target, tokenizer)
+        drafter = _drafter_runner(args, target, tokenizer, args.method == "ddtree")
     if args.raw:
         prompt_ids = tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
     else:
@@ -259,10 +259,13 @@ def _corpus(args, tokenizer, read: list[str] | CorpusLookup | None) -> CorpusLoo
 LEAVE_OUT = {"corpus": "--corpus none", "calibration": "--calibration none"}  # how the command decodes without them
 
 
-def _drafter_runner(args, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> DrafterRunner:
-    """The --drafter, with the corpus its folder ships (if any, and no --corpus given) as its default corpus lookup,
-    and the calibration it holds (if any, or --calibration FILE) as its default calibration."""
-    return drafter_runner(args.drafter, target, tokenizer, args.target, args.seed, args.corpus is None,
+def _drafter_runner(args, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                    trees: bool = True) -> DrafterRunner:
+    """The --drafter, with the corpus its folder ships (if any, no --corpus given, and `trees`: ddtree among the
+    methods) as its default corpus lookup, and the calibration it holds (if any, or --calibration FILE) as its default
+    calibration. The chain grafts no corpus: a dflash-only run indexed the folder's, said it decoded with it, and
+    refused a corrupt one it never read."""
+    return drafter_runner(args.drafter, target, tokenizer, args.target, args.seed, trees and args.corpus is None,
                           _calibration(args), say_on_stderr, LEAVE_OUT)
 
 
@@ -380,7 +383,7 @@ def cmd_bench(args) -> None:
     prompts = tokenize_prompts(files.prompts, tokenizer)
     drafter = weights = None
     if uses_drafter(args):
-        drafter = _drafter_runner(args, target, tokenizer)
+        drafter = _drafter_runner(args, target, tokenizer, "ddtree" in methods)
         # the weights as loaded: a folder retrained in place keeps its path, so the path alone does not say which
         weights = (f"random, seed {args.seed}" if args.drafter == "random"
                    else weights_fingerprint(Path(args.drafter)))

@@ -1299,6 +1299,19 @@ def test_a_corpus_with_no_run_to_look_up_is_one_line(capsys, tmp_path, tiny_targ
     assert code == 0 and "[corpus] the drafter's corpus.safetensors: 1 runs of 3 tokens" in err, err
 
 
+def test_a_chain_alone_leaves_the_drafters_corpus_unread(capsys, tmp_path, tiny_target, prompts_file, unwarmed):
+    """The chain grafts no corpus, yet `generate --method dflash` and `bench --methods dflash` indexed the drafter's
+    corpus.safetensors, said "[corpus] the drafter's corpus.safetensors: N runs" as if they decoded with it, and refused
+    a corrupt one they never read (found in a review). ddtree still reads it (test_a_corpus_with_no_run_to_look_up)."""
+    folder = tiny_drafter_folder(tiny_target, tmp_path / "drafter")
+    (folder / CORPUS_FILE).write_bytes(b"not a safetensors file")
+    for command in (["generate", "--prompt", "Hi", "--method", "dflash"],
+                    ["bench", "--prompts", str(prompts_file), "--methods", "ar,dflash"]):
+        code, _, err = run_cli(capsys, *command, "--target", TARGET, "--drafter", str(folder), "--max-new-tokens", "2",
+                               "--dtype", "float32", "--packed-weights", "off")
+        assert code == 0 and "corpus" not in err, err
+
+
 def test_a_corpus_another_tokenizer_wrote_is_one_line(capsys, tmp_path, tiny_target, prompts_file, sized_rows):
     """A corpus of byte ids (all below the target's vocabulary) was grafted as the target's tokens without a word, while
     docs/decoding.md said another tokenizer's are one line (found in a review): the file records its tokenizer. Each

@@ -276,6 +276,13 @@ class Decoder:
         target, drafter = user_path(target, "target"), None if drafter is None else user_path(drafter, "drafter")
         # "none" as `--corpus none` and `--calibration none` spell it: it was read as a file of that name, and refused
         corpus, calibration = (False if value == "none" else value for value in (corpus, calibration))
+        if corpus not in (None, False, True):
+            # a path as --corpus takes it, its `~` the home folder: it was looked for under a folder named `~`; a
+            # number was "no such file", and "" the working folder ("corpus=.: a folder")
+            if not isinstance(corpus, (str, os.PathLike)) or not os.fspath(corpus).strip():
+                raise DDTreeError(f"corpus={corpus!r}: give a JSONL file of conversations or a corpus.safetensors, as "
+                                  "text or a path; None (the drafter folder's) or False (none)")
+            corpus = user_path(corpus, "corpus")
         seed = check_seed(seed)
         _choice(packed_weights, PACKED_KERNELS, "packed_weights")
         self.target_name = target

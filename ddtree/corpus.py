@@ -19,6 +19,7 @@ decides how much one target forward confirms; what is committed stays the target
 from __future__ import annotations
 
 import hashlib
+import numbers
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
@@ -195,6 +196,13 @@ class CorpusLookup:
                  source: str = "the corpus", written_with: dict[str, str] | None = None):
         # source: how its lines name it ("--corpus replies.jsonl", the drafter's file); written_with: the record of the
         # tokenizer its ids came from, where its file holds one (tokenizer_record; check_tokenizer)
+        for name, value, default in (("ngram", ngram, NGRAM), ("length", length, LENGTH)):
+            # ngram 0 or less built an index its own lookups never matched (a key of the whole context), length 0 or
+            # less one that grafted nothing, without a word
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise DDTreeError(f"CorpusLookup {name}={value!r}: give a whole number of tokens, at least 1 "
+                                  f"(default {default})")
+        ngram, length = int(ngram), int(length)
         sequences = [np.asarray(tokens, dtype=np.int64).reshape(-1) for tokens in sequences]
         self.ngram, self.length, self.source, self.written_with = ngram, length, source, written_with
         self.tokens = np.concatenate(sequences) if sequences else np.zeros(0, dtype=np.int64)  # every reply, end to end

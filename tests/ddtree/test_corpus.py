@@ -26,6 +26,18 @@ def test_the_majority_continuation_of_the_last_tokens_is_looked_up():
     assert corpus.continuation([5, 5, 5], 7) == [] and corpus.continuation([2, 3], 7) == []
 
 
+@pytest.mark.parametrize("settings, named", [
+    (dict(ngram=0), "ngram=0"), (dict(ngram=-1), "ngram=-1"), (dict(ngram=2.5), "ngram=2.5"),
+    (dict(ngram=True), "ngram=True"), (dict(length=0), "length=0"), (dict(length=-2), "length=-2"),
+])
+def test_an_ngram_or_length_below_one_token_is_one_line_naming_it(settings, named):
+    """ngram 0 keyed a run of no tokens that lookups, keyed by the whole context, never matched; length 0 grafted
+    nothing: both were built without a word."""
+    with pytest.raises(DDTreeError, match=rf"^CorpusLookup {named}: give a whole number of tokens, at least 1"):
+        CorpusLookup([[1, 2, 3, 4, 5, 6, 1, 2, 3, 4]], **settings)
+    assert CorpusLookup([[1, 2, 3, 4, 5, 6, 1, 2, 3, 4]], ngram=1, length=1).continuation([9, 3], 7) == [4]
+
+
 @pytest.mark.parametrize("values", [[], [7], [5, 5, 5], [3, -1, 3, 0, -1, 2 ** 40, 0], list(range(50, 0, -3)) * 3])
 def test_the_corpus_ids_are_the_distinct_tokens_ascending_as_np_unique_gives_them(values):
     """CorpusLookup's ids (the ranks its run keys pack) come from a sort, not np.unique's hash table: the same ids."""

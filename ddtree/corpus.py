@@ -212,6 +212,11 @@ class CorpusLookup:
         self.ids = sorted_unique(self.tokens)  # (U,)
         self.lowest = min(0, int(self.ids[0])) if len(self.ids) else 0  # the ids it holds (check_vocabulary)
         self.highest = int(self.ids[-1]) if len(self.ids) else -1
+        if len(self.ids) ** ngram >= 2 ** 63 > len(self.ids) ** NGRAM:  # the ids would do, the runs are too long
+            longest = next(n for n in range(ngram - 1, 0, -1) if len(self.ids) ** n < 2 ** 63)
+            raise DDTreeError(f"CorpusLookup ngram={ngram}: runs of {ngram} tokens over the {len(self.ids)} distinct "
+                              f"token ids {source} holds do not pack into the index's int64 keys; give ngram at most "
+                              f"{longest} (default {NGRAM})")
         if len(self.ids) ** ngram >= 2 ** 63:  # runs of 3: 2^21 ids, 8x the largest vocabulary
             raise DDTreeError(f"{source} holds {len(self.ids)} distinct token ids ({int(self.ids[0])} to {self.highest}), "
                               f"too many to index its runs of {ngram} tokens and more than a target's vocabulary: "

@@ -38,6 +38,16 @@ def test_an_ngram_or_length_below_one_token_is_one_line_naming_it(settings, name
     assert CorpusLookup([[1, 2, 3, 4, 5, 6, 1, 2, 3, 4]], ngram=1, length=1).continuation([9, 3], 7) == [4]
 
 
+def test_an_ngram_too_long_to_pack_names_the_longest_that_fits():
+    """600 distinct ids pack runs of 6 tokens into an int64 key, not of 7: the refusal blamed the ids, "more than a
+    target's vocabulary ... not token ids of a target's replies", for the keyword's length."""
+    replies = [list(range(600)) * 2]
+    with pytest.raises(DDTreeError, match=r"^CorpusLookup ngram=7: runs of 7 tokens over the 600 distinct token ids "
+                                          r"the corpus holds do not pack .*; give ngram at most 6 \(default 3\)$"):
+        CorpusLookup(replies, ngram=7)
+    assert CorpusLookup(replies, ngram=6).continuation(list(range(6)), 2) == [6, 7]
+
+
 @pytest.mark.parametrize("values", [[], [7], [5, 5, 5], [3, -1, 3, 0, -1, 2 ** 40, 0], list(range(50, 0, -3)) * 3])
 def test_the_corpus_ids_are_the_distinct_tokens_ascending_as_np_unique_gives_them(values):
     """CorpusLookup's ids (the ranks its run keys pack) come from a sort, not np.unique's hash table: the same ids."""

@@ -116,9 +116,23 @@ def read_corpus(path: str | Path, flag: str = "--corpus ") -> list[str] | Corpus
     its path in the errors (ddtree.Decoder's "corpus=")."""
     source = f"{flag}{path}"  # as given
     path = corpus_path(path, flag)
-    if path.suffix == ".safetensors":
+    if is_safetensors(path):
         return CorpusLookup.from_file(path, source=source).check_runs()
     return read_conversations(path, flag)
+
+
+def is_safetensors(path: Path) -> bool:
+    """Whether a --corpus file is token ids (a corpus.safetensors) rather than JSONL: by its name, or for a file by
+    how it begins, an 8-byte little-endian header length (under 100 MB; 8 bytes of text read as one pass 2^61) and
+    the header's `{`. A copy named otherwise (corpus.bin, CORPUS.SAFETENSORS) was read as JSONL, and refused as "not
+    UTF-8 ... save it as UTF-8 JSONL". A pipe, which can be read only once, goes by its name."""
+    if path.suffix.lower() == ".safetensors":
+        return True
+    if not path.is_file():
+        return False
+    with path.open("rb") as handle:
+        head = handle.read(9)
+    return len(head) == 9 and head[8:] == b"{" and int.from_bytes(head[:8], "little") < 100_000_000
 
 
 def corpus_path(path: str | Path, flag: str = "--corpus ") -> Path:

@@ -10,7 +10,8 @@ import torch
 from datasets import Dataset
 
 from ddtree.cli import load_drafter
-from ddtree.corpus import CORPUS_FILE, CorpusLookup, majority_path, read_replies, sorted_unique, write_replies
+from ddtree.corpus import (CORPUS_FILE, CorpusLookup, majority_path, read_corpus, read_replies, sorted_unique,
+                           write_replies)
 from ddtree.decoding import DrafterRunner, OnlineCalibration, draft_tree, generate
 from ddtree.errors import DDTreeError
 from ddtree.sizing import TreeSizer
@@ -191,6 +192,20 @@ def test_a_corpus_file_reads_back_its_replies_and_a_broken_one_is_one_line(tmp_p
         save_file(tensors, tmp_path / f"{name}.safetensors")
         with pytest.raises(DDTreeError, match=rf"corpus .*{name}.safetensors is unreadable or not a corpus \({problem}"):
             read_replies(tmp_path / f"{name}.safetensors")
+
+
+def test_a_corpus_file_of_token_ids_is_read_as_one_whatever_its_name(tmp_path, tiny_target):
+    """--corpus took a file for token ids by its exact suffix: a corpus.safetensors copied as replies.bin or
+    CORPUS.SAFETENSORS was read as JSONL and refused as "not UTF-8 ... save it as UTF-8 JSONL"."""
+    replies = [[5, 6, 7, 8, 9], [5, 6, 7, 10]]
+    for name in ("replies.bin", "CORPUS.SAFETENSORS"):
+        write_replies(tmp_path / name, replies, tiny_target[1])
+        read = read_corpus(tmp_path / name)
+        assert isinstance(read, CorpusLookup) and read.table == CorpusLookup(replies).table, name
+    # JSONL stays JSONL, whatever it is named
+    turns = [{"role": "assistant", "content": "a b c d"}]
+    (tmp_path / "replies.txt").write_text(json.dumps({"messages": turns}) + "\n")
+    assert read_corpus(tmp_path / "replies.txt") == ["a b c d"]
 
 
 class Vocabulary:

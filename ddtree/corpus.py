@@ -75,9 +75,10 @@ def read_replies(path: str | Path) -> list[list[int]]:
     return read_corpus_file(path)[0]
 
 
-def read_corpus_file(path: str | Path) -> tuple[list[list[int]], dict[str, str] | None]:
+def read_corpus_file(path: str | Path, source: str | None = None) -> tuple[list[list[int]], dict[str, str] | None]:
     """read_replies' sequences, and the record of the tokenizer they came from (tokenizer_record) where the file holds
-    one (files written before write_replies recorded it, and other writers', hold none)."""
+    one (files written before write_replies recorded it, and other writers', hold none). `source`: how the user gave
+    the file (`--corpus FILE`, `corpus=FILE`), None for a drafter folder's or a run's own."""
     try:
         with safe_open(str(path), framework="pt") as saved:
             tokens, offsets = saved.get_tensor("tokens"), saved.get_tensor("offsets")
@@ -102,8 +103,12 @@ def read_corpus_file(path: str | Path) -> tuple[list[list[int]], dict[str, str] 
         if problem is not None:
             raise ValueError(problem)
     except (OSError, SafetensorError, KeyError, ValueError) as error:
-        raise DDTreeError(f"corpus {path} is unreadable or not a corpus ({error_line(error)}); export the drafter "
-                          f"again, or decode without it (ddtree: --corpus none)") from None
+        if source is None:  # a drafter folder's or a run's own
+            named, remedy = f"corpus {path}", "export the drafter again, or decode without it (ddtree: --corpus none)"
+        else:  # a file the user named, which re-exporting the drafter (as the line said) leaves as it is
+            named, remedy = source, ("give a corpus.safetensors a run with model.corpus wrote (its drafter folder "
+                                     "ships one), or a JSONL file of conversations")
+        raise DDTreeError(f"{named} is unreadable or not a corpus ({error_line(error)}); {remedy}") from None
     tokens, offsets = tokens.tolist(), offsets.tolist()
     return [tokens[start:end] for start, end in zip(offsets, offsets[1:])], record
 
@@ -309,7 +314,7 @@ class CorpusLookup:
     @classmethod
     def from_file(cls, path: str | Path, **settings) -> CorpusLookup:
         """The index of the replies in a file `write_replies` wrote (<run>/corpus.safetensors, a drafter's export)."""
-        replies, record = read_corpus_file(path)
+        replies, record = read_corpus_file(path, settings.get("source"))
         return cls(replies, **{"source": f"the corpus {path}", "written_with": record, **settings})
 
     @classmethod

@@ -208,6 +208,23 @@ def test_a_corpus_file_of_token_ids_is_read_as_one_whatever_its_name(tmp_path, t
     assert read_corpus(tmp_path / "replies.txt") == ["a b c d"]
 
 
+def test_a_broken_corpus_file_given_is_named_as_given_with_a_way_out_that_fits(tmp_path, tiny_target):
+    """`--corpus cut.safetensors` was refused as "corpus cut.safetensors is unreadable ...; export the drafter again":
+    advice for a drafter folder's own file, which leaves a file the user named as it is."""
+    write_replies(tmp_path / CORPUS_FILE, [[5, 6, 7, 8]], tiny_target[1])
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes((tmp_path / CORPUS_FILE).read_bytes()[:-3])
+    for flag in ("--corpus ", "corpus="):
+        with pytest.raises(DDTreeError) as raised:
+            read_corpus(cut, flag)
+        assert str(raised.value).startswith(f"{flag}{cut} is unreadable or not a corpus ("), str(raised.value)
+        assert str(raised.value).endswith("; give a corpus.safetensors a run with model.corpus wrote (its drafter "
+                                          "folder ships one), or a JSONL file of conversations"), str(raised.value)
+    with pytest.raises(DDTreeError, match=r"^corpus .*cut.safetensors is unreadable or not a corpus .*; export the "
+                                          r"drafter again, or decode without it \(ddtree: --corpus none\)$"):
+        CorpusLookup.from_file(cut)  # a drafter folder's own file (ddtree.decoder.folder_corpus)
+
+
 class Vocabulary:
     """A stand-in tokenizer of `size` tokens, token i spelt f"{spelling}{i}": what the corpus record reads of one."""
 

@@ -168,7 +168,10 @@ def read_conversations(path: str | Path, flag: str = "--corpus ") -> list[str]:
             check_text(turn, f"{flag}{where}: an assistant turn")
         replies += turns
     if not replies:
-        raise DDTreeError(f"{flag}{path}: no assistant turn in it, so there is nothing to look up")
+        # (a prompts file, the likeliest mix-up, holds user turns only)
+        raise DDTreeError(f"{flag}{path}: no assistant turn in it, so there is nothing to look up; give conversations "
+                          "holding the target's replies (docs/decoding.md, Corpus lookup), or decode without it "
+                          "(ddtree: --corpus none)")
     return replies
 
 

@@ -139,7 +139,9 @@ def test_conversations_give_their_assistant_turns(tmp_path, tiny_target):
     with pytest.raises(DDTreeError, match="cut.jsonl:1: an assistant turn: not valid UTF-8 text"):  # a TypeError once
         CorpusLookup.from_conversations(tmp_path / "cut.jsonl", tokenizer)
     (tmp_path / "questions.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": question}]}))
-    with pytest.raises(DDTreeError, match="no assistant turn"):
+    # a prompts file given as the corpus: said, and what to give instead (the line stopped at the problem)
+    with pytest.raises(DDTreeError, match=r"questions.jsonl: no assistant turn in it, so there is nothing to look up; "
+                                          r"give conversations holding the target's replies \(docs/decoding.md"):
         CorpusLookup.from_conversations(tmp_path / "questions.jsonl", tokenizer)
 
 

@@ -135,8 +135,11 @@ def is_safetensors(path: Path) -> bool:
         return True
     if not path.is_file():
         return False
-    with path.open("rb") as handle:
-        head = handle.read(9)
+    try:
+        with path.open("rb") as handle:
+            head = handle.read(9)
+    except OSError:  # unreadable: iter_json_lines names the file and why
+        return False
     return len(head) == 9 and head[8:] == b"{" and int.from_bytes(head[:8], "little") < 100_000_000
 
 

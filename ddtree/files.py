@@ -262,7 +262,12 @@ def iter_json_lines(path: Path):
     Lines are decoded one by one, so a file in another encoding (latin-1, UTF-16) is reported at
     the line and byte where it stops being UTF-8. A leading UTF-8 byte-order mark is allowed.
     """
-    with Path(path).open("rb") as lines:
+    try:
+        handle = Path(path).open("rb")
+    except OSError as error:  # another user's file, say: a PermissionError traceback, from --prompts and --corpus
+        raise DDTreeError(f"{path}: cannot be read ({error.strerror or error}); give a file this user can "
+                          "read") from None
+    with handle as lines:
         offset = 0  # bytes before this line
         for number, raw in enumerate(lines, start=1):
             where = f"{path}:{number}"

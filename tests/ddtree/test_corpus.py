@@ -1,8 +1,10 @@
 """Corpus lookup (ddtree/corpus.py): the index, its graft into the tree within the budget, and losslessness."""
 
+import errno
 import json
 import math
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -225,6 +227,24 @@ def test_a_broken_corpus_file_given_is_named_as_given_with_a_way_out_that_fits(t
     with pytest.raises(DDTreeError, match=r"^corpus .*cut.safetensors is unreadable or not a corpus .*; export the "
                                           r"drafter again, or decode without it \(ddtree: --corpus none\)$"):
         CorpusLookup.from_file(cut)  # a drafter folder's own file (ddtree.decoder.folder_corpus)
+
+
+def test_a_corpus_this_user_cannot_read_is_one_line(tmp_path, monkeypatch):
+    """An unreadable --corpus (another user's file, mode 600) was a PermissionError traceback; --prompts, read by the
+    same iter_json_lines, too. Tests may run as root, which reads any file: the OS's refusal is stood in for."""
+    path = tmp_path / "theirs.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "assistant", "content": "a b c d e"}]}) + "\n")
+    opened = Path.open
+
+    def refused(self, *args, **kwargs):
+        if self == path:
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return opened(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", refused)
+    line = rf"^{re.escape(str(path))}: cannot be read \(Permission denied\); give a file this user can read$"
+    with pytest.raises(DDTreeError, match=line):
+        read_corpus(path)
 
 
 class Vocabulary:

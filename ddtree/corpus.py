@@ -228,7 +228,11 @@ class CorpusLookup:
                 raise DDTreeError(f"CorpusLookup {name}={value!r}: give a whole number of tokens, at least 1 "
                                   f"(default {default})")
         ngram, length = int(ngram), int(length)
-        sequences = [np.asarray(tokens, dtype=np.int64).reshape(-1) for tokens in sequences]
+        sequences = [np.asarray(tokens, dtype=np.int64) for tokens in sequences]
+        if any(sequence.ndim == 0 for sequence in sequences):  # each id was a reply of one token: nothing to look up
+            raise DDTreeError("CorpusLookup takes replies, each a list of token ids, and was given token ids: give "
+                              "one reply as [ids]")
+        sequences = [sequence.reshape(-1) for sequence in sequences]
         self.ngram, self.length, self.source, self.written_with = ngram, length, source, written_with
         self.tokens = np.concatenate(sequences) if sequences else np.zeros(0, dtype=np.int64)  # every reply, end to end
         # A run's key packs its tokens' ranks among the ids the replies hold, not the ids themselves: a corpus of
@@ -335,4 +339,7 @@ class CorpusLookup:
     @classmethod
     def from_text(cls, replies: Iterable[str], tokenizer, **settings) -> CorpusLookup:
         """The index of replies given as text (read_conversations), tokenized by the target's tokenizer."""
+        if isinstance(replies, str):  # each character was a reply of its own: nothing to look up
+            raise DDTreeError("CorpusLookup.from_text takes replies, a list of texts, and was given one text: give "
+                              "one reply as [text]")
         return cls((tokenizer(reply, add_special_tokens=False)["input_ids"] for reply in replies), **settings)

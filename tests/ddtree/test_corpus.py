@@ -41,6 +41,18 @@ def test_an_ngram_or_length_below_one_token_is_one_line_naming_it(settings, name
     assert CorpusLookup([[1, 2, 3, 4, 5, 6, 1, 2, 3, 4]], ngram=1, length=1).continuation([9, 3], 7) == [4]
 
 
+def test_one_reply_given_where_replies_are_meant_is_one_line(tiny_target):
+    """One reply given bare, its ids or its text, was indexed as replies of one token (or character) each: no run to
+    look up, and nothing said."""
+    with pytest.raises(DDTreeError, match=r"^CorpusLookup takes replies, each a list of token ids, and was given token "
+                                          r"ids: give one reply as \[ids\]$"):
+        CorpusLookup([5, 6, 7, 8, 9])
+    with pytest.raises(DDTreeError, match=r"^CorpusLookup.from_text takes replies, a list of texts, and was given one "
+                                          r"text: give one reply as \[text\]$"):
+        CorpusLookup.from_text("the cat sat on the mat", tiny_target[1])
+    assert len(CorpusLookup([[5, 6, 7, 8, 9]])) == 2 and len(CorpusLookup(torch.tensor([[5, 6, 7, 8, 9]]))) == 2
+
+
 def test_an_ngram_too_long_to_pack_names_the_longest_that_fits():
     """600 distinct ids pack runs of 6 tokens into an int64 key, not of 7: the refusal blamed the ids, "more than a
     target's vocabulary ... not token ids of a target's replies", for the keyword's length."""

@@ -236,6 +236,18 @@ def user_path(value, where: str) -> str:
     return os.path.expanduser(text) if text.startswith("~") else text
 
 
+def user_file(value, where: str, what: str):
+    """A file keyword (corpus=, calibration=) as the command's flag takes it, its `~` the home folder: each was looked
+    for under a folder named `~`; a number was "no such file", and "" the working folder ("corpus=.: a folder").
+    None, False and True (the drafter folder's own, none) pass as they are."""
+    if value is None or isinstance(value, bool):
+        return value
+    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value).strip():
+        raise DDTreeError(f"{where}={value!r}: give {what}, as text or a path; None (the drafter folder's) or False "
+                          "(none)")
+    return user_path(value, where)
+
+
 def check_seed(seed, none: str = "") -> int:
     """A seed torch.manual_seed takes, as the command's --seed: a whole number from -2**63 to 2**64 - 1, returned as
     an int (a numpy int or a 0-d tensor, which whole_number takes, was a TypeError in manual_seed once the target had
@@ -276,13 +288,8 @@ class Decoder:
         target, drafter = user_path(target, "target"), None if drafter is None else user_path(drafter, "drafter")
         # "none" as `--corpus none` and `--calibration none` spell it: it was read as a file of that name, and refused
         corpus, calibration = (False if value == "none" else value for value in (corpus, calibration))
-        if corpus not in (None, False, True):
-            # a path as --corpus takes it, its `~` the home folder: it was looked for under a folder named `~`; a
-            # number was "no such file", and "" the working folder ("corpus=.: a folder")
-            if not isinstance(corpus, (str, os.PathLike)) or not os.fspath(corpus).strip():
-                raise DDTreeError(f"corpus={corpus!r}: give a JSONL file of conversations or a corpus.safetensors, as "
-                                  "text or a path; None (the drafter folder's) or False (none)")
-            corpus = user_path(corpus, "corpus")
+        corpus = user_file(corpus, "corpus", "a JSONL file of conversations or a corpus.safetensors")
+        calibration = user_file(calibration, "calibration", "a file `ddtree calibrate` wrote")
         seed = check_seed(seed)
         _choice(packed_weights, PACKED_KERNELS, "packed_weights")
         self.target_name = target

@@ -298,6 +298,8 @@ def test_the_keywords_defaults_are_the_commands():
     # "no such file" for a number, "corpus=.: a folder" for "" (the working folder)
     (dict(drafter="random", corpus=5), "corpus=5: give a JSONL file of conversations or a corpus.safetensors, as text"),
     (dict(drafter="random", corpus=""), "corpus='': give a JSONL file of conversations"),
+    (dict(drafter="random", calibration=5), "calibration=5: give a file `ddtree calibrate` wrote, as text"),
+    (dict(drafter="random", calibration=" "), "calibration=' ': give a file `ddtree calibrate` wrote"),
     (dict(device="tpu"), "device 'tpu' is not a device name"),
     # each found accepted, a traceback once the target had loaded, or a file read for nothing (mutation review, D36)
     (dict(device="mps"), "device mps: this code runs on a CPU or a CUDA GPU only"),
@@ -316,12 +318,13 @@ def test_bad_keywords_are_one_line_before_the_target_loads(monkeypatch, keywords
     assert named in str(raised.value) and "\n" not in str(raised.value), str(raised.value)
 
 
-def test_a_corpus_under_home_is_read_as_the_command_reads_it(monkeypatch, tmp_path):
-    """corpus="~/replies.jsonl" was looked for under a folder named `~` ("no such file"), where `--corpus ~/...`, and
-    the drafter= and target= keywords, take the home folder."""
+def test_a_corpus_and_a_calibration_under_home_are_read_as_the_command_reads_them(monkeypatch, tmp_path):
+    """corpus="~/replies.jsonl" and calibration="~/calibration.json" were looked for under a folder named `~` ("no
+    such file"), where `--corpus ~/...`, and the drafter= and target= keywords, take the home folder."""
     monkeypatch.setenv("DDTREE_CACHE", str(cache_dir()))  # the converted targets stay where they are
     monkeypatch.setenv("HOME", str(tmp_path))
     (tmp_path / "replies.jsonl").write_text(json.dumps({"messages": [{"role": "assistant", "content": "ok"}]}) + "\n")
+    save_calibration(tmp_path / CALIBRATION_FILE, with_temperatures({8: 1.5}), {})
 
     class Loaded(Exception):
         pass
@@ -331,7 +334,7 @@ def test_a_corpus_under_home_is_read_as_the_command_reads_it(monkeypatch, tmp_pa
 
     monkeypatch.setattr("ddtree.decoder.load_target", load_target)
     with pytest.raises(Loaded):
-        Decoder(TARGET, "random", corpus="~/replies.jsonl", quiet=True)
+        Decoder(TARGET, "random", corpus="~/replies.jsonl", calibration=f"~/{CALIBRATION_FILE}", quiet=True)
 
 
 def test_a_gpu_index_is_checked_against_the_count_numbered_from_0(monkeypatch):

@@ -94,8 +94,8 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[tuple[str, 
     if not prompts:
         raise DDTreeError(f"prompts file {path} holds no prompts")
     if answered:
-        print(f"{path}: {answered} prompts ended with an assistant turn: decoded from the turn before it",
-              file=sys.stderr)
+        print(f"{path}: {answered} prompt{'s' if answered != 1 else ''} ended with an assistant turn: decoded from the "
+              "turn before it", file=sys.stderr)
     return prompts
 
 

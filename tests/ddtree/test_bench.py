@@ -523,6 +523,9 @@ def test_a_conversation_given_as_prompts_is_decoded_from_the_turn_its_reply_answ
     assert decoded == load_prompts(prompts, tokenizer)
     assert prompts_fingerprint(decoded) == prompts_fingerprint(load_prompts(prompts, tokenizer))
     assert capsys.readouterr().err == ""  # a file of prompts alone: nothing to say
+    conversations.write_text(json.dumps({"id": "a", "messages": [user, reply]}) + "\n")
+    load_prompts(conversations, tokenizer)
+    assert capsys.readouterr().err.strip().startswith(f"{conversations}: 1 prompt ended with an assistant turn:")
 
     conversations.write_text(json.dumps({"messages": [user]}) + "\n" + json.dumps({"messages": [reply]}) + "\n")
     with pytest.raises(DDTreeError, match=f"^{conversations}:2: only assistant turns: "):

@@ -38,9 +38,19 @@ if [ "$1" = "--regenerate" ]; then
 else
     MODE=train RECIPE=$1 JOB="recipe $1"
 fi
+PYTHON=${PYTHON:-.venv/bin/python}
+# The recipe before the other arguments: `--recipe tiny 2` was refused as NODES 'tiny', no number
+if [ "$MODE" = train ] && [ ! -f "recipes/$RECIPE.yaml" ]; then
+    # training.train's own check of --recipe: a recipe's file given for its name (recipes/tiny.yaml, tiny.yaml) is
+    # told the name, and a file of one's own where it goes ("unknown recipe 'recipes/tiny.yaml'" said neither)
+    "$PYTHON" -c 'import sys; from ddtree.errors import run_cli
+from training.arguments import check_recipe_name
+sys.exit(run_cli(lambda argv: check_recipe_name(argv[0], flag=""), sys.argv[1:]))' "$RECIPE" || exit 2
+    echo "error: unknown recipe '$RECIPE'; known: $(ls recipes/*.yaml | xargs -n1 basename | sed 's/.yaml$//' | xargs)" >&2
+    exit 2
+fi
 NODES=$2
 shift 2
-PYTHON=${PYTHON:-.venv/bin/python}
 MASTER_PORT=${MASTER_PORT:-29500}
 # Plain decimal only: bash's arithmetic reads a leading 0 as octal (08 is an error, 010 is 8).
 # At most 6 digits: past the shell's integers a comparison would print its own error first.
@@ -104,15 +114,6 @@ done
 [ "$previous" != --resume ] || RESUMING=last  # a bare --resume at the end: training.train's own error says what it needs
 
 if [ "$MODE" = train ]; then
-    if [ ! -f "recipes/$RECIPE.yaml" ]; then
-        # training.train's own check of --recipe: a recipe's file given for its name (recipes/tiny.yaml, tiny.yaml) is
-        # told the name, and a file of one's own where it goes ("unknown recipe 'recipes/tiny.yaml'" said neither)
-        "$PYTHON" -c 'import sys; from ddtree.errors import run_cli
-from training.arguments import check_recipe_name
-sys.exit(run_cli(lambda argv: check_recipe_name(argv[0], flag=""), sys.argv[1:]))' "$RECIPE" || exit 2
-        echo "error: unknown recipe '$RECIPE'; known: $(ls recipes/*.yaml | xargs -n1 basename | sed 's/.yaml$//' | xargs)" >&2
-        exit 2
-    fi
     # The training options come after the launcher's own --trainer.devices and --run-name, so theirs are the ones
     # training takes: the plan and torchrun's process count follow them, and an environment variable that says
     # otherwise is refused (torchrun started one count and training expected the other).

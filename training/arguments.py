@@ -55,6 +55,9 @@ def check_recipe_name(name: str, flag: str = "--recipe") -> None:
 
     if not name:  # `--recipe "$R"` with R unset: an unknown recipe '' that "goes at recipes/.yaml" said neither
         raise DDTreeError(f"{subject} is empty (an unset shell variable?); known recipes: {', '.join(known)}")
+    if not flag and name.startswith("-"):  # `launch_torchrun.sh --recipe tiny 2` said NODES 'tiny' was no number
+        raise DDTreeError(f"the first argument is a recipe's name, and {name} is an option: give the recipe first, "
+                          f"then the options; known recipes: {', '.join(known)}")
     path = Path(name)
     stem = path.name.removesuffix(".yaml").removesuffix(".yml")  # (Path.stem of llama3.1-8b is llama3)
     if path.name == name and stem == name:

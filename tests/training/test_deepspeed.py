@@ -1517,6 +1517,14 @@ def test_a_recipe_file_given_to_the_launch_scripts_is_told_the_recipes_name_as_t
     unknown = subprocess.run(["bash", str(LAUNCHER), "nope", "1"], cwd=tmp_path, env=env, capture_output=True,
                              text=True)
     assert unknown.returncode == 2 and unknown.stderr.startswith("error: unknown recipe 'nope'; known recipes: ")
+    # the recipe given as training's option: "NODES must be a positive integer, got 'tiny'", and slurm.sbatch's
+    # "unknown recipe '--recipe'", each beside the point
+    for command, extra in (([str(LAUNCHER), "--recipe", "tiny", "2"], {}), ([str(SBATCH), "--recipe=tiny"], slurm)):
+        result = subprocess.run(["bash", *command], cwd=tmp_path, env=env | extra, capture_output=True, text=True)
+        assert result.returncode == 2 and not result.stdout, result
+        assert result.stderr.splitlines() == [f"error: the first argument is a recipe's name, and {command[1]} is an "
+                                              "option: give the recipe first, then the options; known recipes: "
+                                              + ", ".join(sorted(p.stem for p in (REPO / "recipes").glob("*.yaml")))]
 
 
 def test_a_recipe_option_beside_the_launch_scripts_recipe_is_refused_not_trained_with_the_others_settings(tmp_path):

@@ -121,3 +121,15 @@ def test_make_coverage_runs_make_tests_suite_under_coverage_with_its_pins():
     settings = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["coverage"]["run"]
     assert settings["source"] == ["ddtree", "training", "data"]
     assert settings["branch"] is True and settings["patch"] == ["subprocess"]
+
+
+@pytest.mark.parametrize("target", ["test", "test-all", "coverage"])
+@pytest.mark.parametrize("workers", ["abc", "", "-1", "2 3"])
+def test_make_test_refuses_a_worker_count_xdist_cannot_take_in_one_line(target, workers):
+    """pytest-xdist's -n takes a count, auto or logical: TEST_WORKERS=abc (or empty) stopped in pytest's usage lines
+    about `-n/--numprocesses`, which the user never typed, and TEST_WORKERS=-1 ran the suite in one process on one
+    thread, as no value README names does."""
+    refused = make_plan(target, f"TEST_WORKERS={workers}")
+    assert refused.returncode != 0 and "pytest" not in refused.stdout, refused
+    lines = refused.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"TEST_WORKERS={workers}: give the number of worker processes" in lines[0], lines

@@ -28,6 +28,8 @@ help:
 	@echo "make setup | train | data | features | ablate | eval | export | test | test-all | coverage | clean   (README.md)"
 	@sed -n '/^# make [a-z]/,/^[^#]/{/^#/s/^# \{0,1\}//p;}' $(firstword $(MAKEFILE_LIST))
 
+# make setup [PYTHON=python3] [VENV=.venv]: the venv (made with PYTHON), the pinned dependencies and the `ddtree`
+# command, nothing else; every target below runs VENV's python and makes VENV so on first use
 setup: $(STAMP)
 
 $(STAMP): requirements.txt pyproject.toml
@@ -52,6 +54,8 @@ data: $(STAMP)
 # make features [RECIPE=smollm2-135m] [OUT=dir] [FORCE=1]: the frozen target's layer features of the recipe's
 # data, written once (in the dtype training runs the target in: bf16, or fp32 where `auto` picks it; sharded; size printed first; resumable) for `--data.feature_store <dir>`
 # (training/features.py). OUT defaults to the recipe's data.feature_store, else a folder under $DDTREE_CACHE.
+# ARGS passes training.features' other options through: --dtype, and recipe overrides as make train takes them
+# (ARGS="--dtype float32 --data.store_max_minutes=null").
 features: $(STAMP)
 	$(PY) -m training.features --recipe $(call quote,$(RECIPE)) $(if $(OUT),--out $(call quote,$(OUT))) $(call switch,FORCE,--force) $(ARGS)
 
@@ -76,7 +80,8 @@ ablate: $(STAMP)
 # make eval [RECIPE=smollm2-135m] [RUN=outputs/<recipe>/<run>] [CKPT=best|last|path/to/x.ckpt] [ARGS="--limit 40 ..."]
 # (default: best.ckpt of RUN, else of the recipe's newest run; `make ablate`'s variant runs are not counted)
 # Measures a saved checkpoint's DDTree acceptance exactly as training's evaluation did (recipe's eval: section).
-# ARGS passes training.evaluate's other options through (--limit, --device, --out, --overwrite).
+# ARGS passes training.evaluate's other options through (--limit, --device, --out, --overwrite, and --output-root
+# where the recipe's runs are not under outputs/).
 eval: $(STAMP)
 	$(PY) -m training.evaluate --recipe $(call quote,$(RECIPE)) --ckpt $(call quote,$(or $(CKPT),best)) $(if $(RUN),--run $(call quote,$(RUN))) $(ARGS)
 

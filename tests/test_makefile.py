@@ -6,6 +6,7 @@ Hub and OVERWRITE=0 replaced an export; `make eval` and `make export` dropped AR
 """
 
 import os
+import re
 import shlex
 import subprocess
 import tomllib
@@ -133,3 +134,38 @@ def test_make_test_refuses_a_worker_count_xdist_cannot_take_in_one_line(target, 
     assert refused.returncode != 0 and "pytest" not in refused.stdout, refused
     lines = refused.stderr.strip().splitlines()
     assert len(lines) == 1 and f"TEST_WORKERS={workers}: give the number of worker processes" in lines[0], lines
+
+
+def help_paragraphs() -> dict[str, str]:
+    """`make help`'s text, one paragraph per "make <target>" line that starts one, keyed by that target."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
+    shown = subprocess.run(["make", "-s", "--no-print-directory", "help"], cwd=REPO, env=env, capture_output=True,
+                           text=True, check=True).stdout
+    return {paragraph.split()[0].rstrip(":"): paragraph
+            for paragraph in re.split(r"^make ", shown.split("\n", 1)[1], flags=re.MULTILINE) if paragraph}
+
+
+def test_make_help_names_each_variable_under_each_target_that_reads_it():
+    """`make help` said nothing of `make setup` or of PYTHON and VENV, which make the venv every target runs in, and
+    `make features` passed ARGS (its --dtype, the recipe overrides) that its line did not name. A variable the
+    Makefile reads and never sets itself (or sets with ?=) is the user's: each shows as VAR= in the paragraph of
+    every target whose command it reaches."""
+    makefile = (REPO / "Makefile").read_text()
+    switches = set(re.findall(r"\$\(call switch,([A-Z_]+),", makefile))
+    assert switches == set(SWITCHES)  # each one's target is known
+    read = set(re.findall(r"\$\(([A-Z][A-Z0-9_]*)\)", makefile)) - {"MAKEFILE_LIST"}
+    set_here = {name for name, how in re.findall(r"^([A-Z][A-Z0-9_]*)\s*([:?]?=)", makefile, re.MULTILINE)
+                if how != "?="}
+    users = read - set_here - switches
+    paragraphs = help_paragraphs()
+    for name in ("PYTHON", "VENV"):  # every target's (make setup's venv)
+        assert name in users and f"{name}=" in paragraphs.get("setup", ""), (name, paragraphs.get("setup"))
+    markers = {name: "913" if name == "TEST_WORKERS" else f"zq{name}" for name in users - {"PYTHON", "VENV"}}
+    for target in re.search(r"^\.PHONY: (.*)$", makefile, re.MULTILINE).group(1).split():
+        paragraph = paragraphs.get(target) or next(text for text in paragraphs.values() if f"make {target} " in text)
+        plan = make_plan(target, *(f"{name}={marker}" for name, marker in markers.items()))
+        assert plan.returncode == 0 and not plan.stderr, (target, plan)
+        for name, marker in markers.items():
+            assert marker not in plan.stdout or f"{name}=" in paragraph, (target, name, paragraph)
+        for name in switches:
+            assert SWITCHES[name][0] != target or f"{name}=1" in paragraph, (target, name, paragraph)

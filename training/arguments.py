@@ -239,7 +239,7 @@ def ablate_parser() -> argparse.ArgumentParser:
 def publish_parser() -> argparse.ArgumentParser:
     parser = CommandParser(prog="python -m training.publish", description="Export a trained drafter as a Hugging Face "
                            "Hub folder, ready for the serving engines, and push it.")
-    parser.add_argument("run", nargs="?", help="the run folder, outputs/<recipe>/<run>")
+    parser.add_argument("run", nargs="?", type=path_argument, help="the run folder, outputs/<recipe>/<run>")
     parser.add_argument("--out", type=path_argument, help="the folder to write (an earlier export in it only with "
                         "--overwrite; refused if it holds anything else)")
     parser.add_argument("--ckpt", type=home_expanded, default="best", help="best (default), last, or a checkpoint path")

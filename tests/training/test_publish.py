@@ -48,7 +48,7 @@ from ddtree.corpus import CORPUS_FILE
 from ddtree.files import staged_folder
 from ddtree.names import CALIBRATION_FILE
 from ddtree.modeling_dflash import DFlashDraftModel, fuse_target_features
-from ddtree.targets import DDTreeError
+from ddtree.targets import DDTreeError, cache_dir
 from training.arguments import publish_parser
 from training.checkpoints import drafter_from_checkpoint
 from training.engines import TargetFacts
@@ -1038,6 +1038,17 @@ def test_an_export_without_ckpt_publishes_the_best_evaluated_checkpoint():
     """`--ckpt` defaults to best, as its help says: last is wherever training stopped, often past the step whose
     acceptance ranked it best, and a card of it would publish the weaker drafter without a word."""
     assert publish_parser().parse_args(["outputs/tiny/run", "--out", "export"]).ckpt == "best"
+
+
+def test_a_run_folder_given_from_the_home_folder_is_found_as_out_and_ckpt_are(tmp_path, monkeypatch):
+    """`make export` hands RUN to the shell quoted, so a `~` the user's shell left as it is (zsh, dash, RUN="~/...")
+    reached publish: --out and --ckpt took it as the home folder, RUN alone was refused as
+    `RUN=~/outputs/tiny/run: no such run folder` beside the folder it names."""
+    monkeypatch.setenv("DDTREE_CACHE", str(cache_dir()))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    args = publish_parser().parse_args(["~/outputs/tiny/run", "--out", "~/export", "--ckpt", "~/x.ckpt"])
+    assert (args.run, args.out, args.ckpt) == (str(tmp_path / "outputs/tiny/run"), str(tmp_path / "export"),
+                                              str(tmp_path / "x.ckpt"))
 
 
 def test_a_license_id_in_capitals_is_refused_before_the_export_as_the_hub_refuses_it():

@@ -15,11 +15,17 @@ switch = $(if $(filter-out 1,$($(1))),$(error $(1)=$($(1)): give $(1)=1 to turn 
 RECIPE_FLAG = $(if $(and $(RESUME),$(filter file,$(origin RECIPE))),,--recipe $(call quote,$(RECIPE)))
 # The recipe a multi-node resume launches (the launcher takes the run's processes per node from its config.yaml):
 # RECIPE where given, else the <recipe>/ folder above the run RESUME names (a run folder or a checkpoint in it), else
-# the default (RESUME=last). A trailing / (a DeepSpeed checkpoint is a folder) is dropped first, as the launcher does.
-RESUMED_RECIPE = $(shell r=$(call quote,$(RESUME)); r=$${r%/}; case "$$r" in (*.ckpt) r=$$(dirname "$$r"); \
-	[ "$$(basename "$$r")" != checkpoints ] || r=$$(dirname "$$r");; esac; \
+# the default (RESUME=last). A trailing / (a DeepSpeed checkpoint is a folder) is dropped first, as the launcher does,
+# and a leading ~ is the home folder, as training reads it (quoted, the shell leaves it: the default recipe launched).
+RESUMED_RECIPE = $(shell r=$(call quote,$(RESUME)); r=$${r%/}; case "$$r" in ("~" | "~/"*) r=$$HOME$${r#\~};; esac; \
+	case "$$r" in (*.ckpt) r=$$(dirname "$$r"); [ "$$(basename "$$r")" != checkpoints ] || r=$$(dirname "$$r");; esac; \
 	[ -f "$$r/config.yaml" ] && basename "$$(dirname "$$(cd "$$r" && pwd)")")
-LAUNCH_RECIPE = $(if $(RECIPE_FLAG),$(RECIPE),$(or $(RESUMED_RECIPE),$(RECIPE)))
+# A run moved out of outputs/<recipe>/ names no recipe (the folder above it went to the launcher as one), as
+# training.train says of it: RECIPE gives it.
+LAUNCH_RECIPE = $(if $(RECIPE_FLAG),$(RECIPE),$(or $(call known_recipe,$(RESUMED_RECIPE)),$(RECIPE)))
+known_recipe = $(if $(1),$(if $(wildcard recipes/$(1).yaml),$(1),$(error $(unknown_run_recipe))))
+unknown_run_recipe = RESUME=$(RESUME): the run is not in a <recipe>/ folder ($(1)/ is no recipe's) so its recipe is \
+	unknown; give its recipe as RECIPE=<name>
 
 .PHONY: help setup data features train ablate eval export test test-all coverage clean
 

@@ -50,7 +50,7 @@ import torch
 from safetensors.torch import load_file
 
 import training.train
-from ddtree.targets import DDTreeError
+from ddtree.targets import DDTreeError, cache_dir
 from training.checkpoint_paths import SAVING_MARKER, saved_step
 from training.checkpoints import load_checkpoint
 from training.launch import exit_status, first_failure
@@ -1103,6 +1103,28 @@ def test_a_multi_node_resume_launches_the_runs_own_recipe(tmp_path):
     # the default recipe's newest run
     assert "launch_torchrun.sh 'smollm2-135m' '2' --resume 'last'" in launched("RESUME=last")
     assert "launch_torchrun.sh 'smollm2-135m' '2'" in launched()
+
+
+def test_a_multi_node_resume_from_home_or_outside_a_recipe_folder_is_the_runs_recipe_or_asks_for_it(tmp_path):
+    """The recipe make read off the run's folder: a RESUME=~/... the shell left as it is was not found, so the default
+    recipe launched another recipe's run; and a run moved out of outputs/<recipe>/ launched the folder above it as a
+    recipe ("unknown recipe 'runs'") where training itself asks for --recipe."""
+    home = {"HOME": str(tmp_path), "DDTREE_CACHE": str(cache_dir())}
+    run = tmp_path / "outputs" / "qwen3-8b" / "run 1"
+    moved = tmp_path / "runs" / "run 2"
+    for folder in (run, moved):
+        (folder / "checkpoints").mkdir(parents=True)
+        (folder / "config.yaml").write_text("model: {}\n")
+    assert "launch_torchrun.sh 'qwen3-8b' '2'" in make_plan("train", "NODES=2", "RESUME=~/outputs/qwen3-8b/run 1/",
+                                                            env=home)
+    assert "launch_torchrun.sh 'tiny' '2'" in make_plan("train", "NODES=2", "RECIPE=tiny", f"RESUME={moved}")
+    make_env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS", "RECIPE")}
+    refused = subprocess.run(["make", "-n", "--no-print-directory", "train", "NODES=2", f"RESUME={moved}"], cwd=REPO,
+                             env=make_env, capture_output=True, text=True)
+    assert refused.returncode != 0 and "launch_torchrun" not in refused.stdout, refused
+    lines = refused.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"RESUME={moved}: the run is not in a <recipe>/ folder" in lines[0], lines
+    assert "give its recipe as RECIPE=<name>" in lines[0]
 
 
 def test_make_help_prints_every_line_of_each_targets_comment():

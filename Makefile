@@ -26,6 +26,11 @@ LAUNCH_RECIPE = $(if $(RECIPE_FLAG),$(RECIPE),$(or $(call known_recipe,$(RESUMED
 known_recipe = $(if $(1),$(if $(wildcard recipes/$(1).yaml),$(1),$(error $(unknown_run_recipe))))
 unknown_run_recipe = RESUME=$(RESUME): the run is not in a <recipe>/ folder ($(1)/ is no recipe's) so its recipe is \
 	unknown; give its recipe as RECIPE=<name>
+# RESUME given empty (RESUME="$$RUN", RUN unset) is refused: dropped, it trained a new run from step 0
+RESUME_FLAG = $(if $(RESUME),--resume $(call quote,$(RESUME)),$(if $(filter command line,$(origin RESUME)),\
+	$(error $(empty_resume))))
+empty_resume = RESUME is empty (an unset shell variable?): give last, a run folder or a checkpoint, or leave out RESUME \
+	to train a new run
 
 .PHONY: help setup data features train ablate eval export test test-all coverage clean
 
@@ -74,9 +79,9 @@ features: $(STAMP)
 # run on each node when MASTER_ADDR, NODE_RANK or RUN_NAME is unset). SLURM: recipes/slurm.sbatch.
 train: $(STAMP)
 ifeq ($(NODES),)
-	$(PY) -m training.train $(RECIPE_FLAG) $(if $(RESUME),--resume $(call quote,$(RESUME))) $(ARGS)
+	$(PY) -m training.train $(RECIPE_FLAG) $(RESUME_FLAG) $(ARGS)
 else
-	PYTHON=$(PY) recipes/launch_torchrun.sh $(call quote,$(LAUNCH_RECIPE)) $(call quote,$(NODES)) $(if $(RESUME),--resume $(call quote,$(RESUME))) $(ARGS)
+	PYTHON=$(PY) recipes/launch_torchrun.sh $(call quote,$(LAUNCH_RECIPE)) $(call quote,$(NODES)) $(RESUME_FLAG) $(ARGS)
 endif
 
 # make ablate [RECIPE=smollm2-135m] ARGS="--steps 800 [--variant name=overrides ...]"

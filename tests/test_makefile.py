@@ -190,3 +190,14 @@ def test_make_setup_makes_the_venv_again_where_an_earlier_one_has_no_pip(has_pip
     assert ran.returncode == 0 and (venv / ".installed").exists(), ran
     made = f"python -m venv {venv}" in log.read_text().splitlines()
     assert made is not has_pip, log.read_text()
+
+
+@pytest.mark.parametrize("nodes", [[], ["NODES=2"]])
+def test_make_train_refuses_an_empty_resume_where_it_started_a_new_run(nodes):
+    """`make train RECIPE=x RESUME="$RUN"` with RUN unset dropped the empty RESUME and trained a new run from step 0
+    in a new folder (the CPU recipe's half hour), where the run meant to go on was never named."""
+    refused = make_plan("train", "RECIPE=tiny", "RESUME=", *nodes)
+    assert refused.returncode != 0 and not refused.stdout, refused
+    lines = refused.stderr.strip().splitlines()
+    assert len(lines) == 1 and "RESUME is empty (an unset shell variable?)" in lines[0], lines
+    assert "--resume" not in planned_words("train", "RECIPE=tiny", *nodes)  # left out: a new run

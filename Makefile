@@ -128,8 +128,8 @@ digitless = $(subst 0,,$(subst 1,,$(subst 2,,$(subst 3,,$(subst 4,,\
 	$(subst 5,,$(subst 6,,$(subst 7,,$(subst 8,,$(subst 9,,$(1)))))))))))
 checked_workers = $(if $(and $(filter 1,$(words $(TEST_WORKERS))),$(or $(filter auto logical,$(TEST_WORKERS)),\
 	$(if $(strip $(call digitless,$(TEST_WORKERS))),,count))),$(TEST_WORKERS),$(error $(workers_refused)))
-workers_refused = TEST_WORKERS=$(TEST_WORKERS): give the number of worker processes (0 runs the tests in this process), \
-	auto or logical (one per core), or leave it out for 2
+workers_refused = TEST_WORKERS=$(TEST_WORKERS): give the number of worker processes (0 runs the tests in this \
+	process), auto or logical (one per core), or leave it out for 2
 # TEST_WORKERS=0 runs the tests in this process (all the cores' threads); auto, or any other of pytest-xdist's words,
 # starts as many workers as cores (one thread each).
 TEST_ENV := OMP_NUM_THREADS=$$(w=$(call quote,$(TEST_WORKERS)); case "$$w" in ('' | *[!0-9]*) echo 1;; \

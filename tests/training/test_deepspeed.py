@@ -1203,6 +1203,8 @@ def test_a_resume_through_the_launcher_keeps_the_runs_processes_per_node(tmp_pat
     assert "--nproc-per-node 1 " in launched("1", "--resume", str(run), GPUS_PER_NODE="1")  # given: as given
     assert "--nproc-per-node 1 " in launched("1")  # a new run: the recipe's
     assert "--nproc-per-node 1 " in launched("1", "--resume", "last")  # only training.train finds that run
+    # under the home folder, ~ unexpanded (quoted, or in make's RESUME): the recipe's count was taken
+    assert "--nproc-per-node 2 " in launched("1", "--resume", "~/outputs/tiny/run 2", HOME=str(tmp_path))
 
 
 def test_the_launcher_takes_the_processes_per_node_and_run_name_the_training_options_give(tmp_path):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -571,6 +572,9 @@ def usage_section(facts: CardFacts) -> list[str]:
     cfg = facts.drafter_config
     target = decoding_target(facts)
     where = facts.repo or "path/to/this/folder"
+    drafter = "drafter" if facts.repo else where  # the folder the download line writes
+    # a target folder of the training machine may hold a space: quoted for a POSIX shell, as the serve commands are
+    quoted = shlex.quote(target)
     merge = [] if not target_adapter(facts) else [
         f"The target is `{facts.target}` with {adapter_named(facts)} merged into its weights. The adapter is not "
         f"in this folder and neither `ddtree` nor the engines merge one: merge it first, once, into `{MERGED_TARGET}` "
@@ -591,9 +595,9 @@ def usage_section(facts: CardFacts) -> list[str]:
         "",
         "```bash",
         *([f"hf download {facts.repo} --local-dir drafter"] if facts.repo else []),
-        f"ddtree generate --target {target} --drafter {'drafter' if facts.repo else where} --method ddtree "
-        "--budget 32 --prompt \"Hello\"",
-        f"ddtree bench --target {target} --drafter {'drafter' if facts.repo else where} --prompts prompts.jsonl "
+        f"ddtree generate --target {quoted} --drafter {drafter} --method ddtree --budget 32 "
+        "--prompt \"Hello\"",
+        f"ddtree bench --target {quoted} --drafter {drafter} --prompts prompts.jsonl "
         "--methods ar,dflash,ddtree --budgets 16,32,64",
         "```",
         "",

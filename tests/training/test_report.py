@@ -10,6 +10,7 @@ are too small for: taus above 2, limits of hours, checkpoints short of max_steps
 from __future__ import annotations
 
 import math
+import shlex
 
 from ddtree.bench import CHAIN, tree_key
 from training.model_card import (PROJECT_ROOT, CardFacts, evaluated_steps, evaluation_section, max_time_seconds,
@@ -201,6 +202,20 @@ def test_the_usage_of_a_hub_export_loads_the_repo_and_a_local_exports_its_folder
     local = usage()
     assert 'AutoModel.from_pretrained("path/to/this/folder", trust_remote_code=True)' in local
     assert "hf download" not in local and "--drafter path/to/this/folder " in local
+
+
+def test_the_usage_commands_keep_a_target_folder_with_a_space_one_argument():
+    """A run whose model.target is a local folder with a space in its name (no Hub id) got a card whose ddtree commands
+    split it in two (`--target /data/my models/llama`), where its vLLM and SGLang commands quote it."""
+    target = "/data/my models/llama's"
+    text = usage(target=target)
+    lines = [line for line in text.splitlines() if line.startswith("ddtree ")]
+    assert len(lines) == 2
+    for line in lines:
+        words = shlex.split(line)
+        assert words[words.index("--target") + 1] == target, line
+        assert words[words.index("--drafter") + 1] == "path/to/this/folder", line
+    assert shlex.split(lines[0])[-2:] == ["--prompt", "Hello"]
 
 
 def test_the_usage_of_an_adapted_built_in_target_never_sends_the_reader_to_the_target_without_its_adapter():

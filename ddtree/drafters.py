@@ -23,7 +23,7 @@ from .configuration_dflash import DFlashDrafterConfig
 from .errors import DDTreeError, error_line, first_and_count
 from .inputs import check_drafter_path
 from .modeling_dflash import DFlashDraftModel
-from .targets import check_drafter_fits
+from .targets import check_drafter_fits, is_number
 
 
 def weight_shapes(folder: Path) -> dict[str, tuple[list[int], str]]:
@@ -111,6 +111,14 @@ def read_drafter_config(folder: str | Path) -> DFlashDrafterConfig:
     except StrictDataclassError as error:  # a field fails transformers' validation; its first line only names the validator
         raise DDTreeError(f"drafter {folder}/config.json could not be read: {error_line(error.__cause__ or error)}") from None
     check_rope_keys_agree(folder, fields)
+    # transformers takes any value here; a quoted or null base failed in the rotary embedding's build as a TypeError
+    # naming no field, and a negative one rotated every position by a NaN angle
+    rope = getattr(config, "rope_parameters", None)
+    theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+    if isinstance(rope, dict) and "rope_theta" in rope and not (is_number(theta) and theta > 0):
+        raise DDTreeError(f"drafter {folder}/config.json: rope_parameters.rope_theta is {theta!r}, expected a positive "
+                          "number (the RoPE base the drafter was trained with); write it as a JSON number, without "
+                          "quotes, in rope_parameters and rope_theta alike: restore it, or export the drafter again")
     return config
 
 

@@ -731,6 +731,26 @@ def test_a_config_whose_two_sets_of_rope_keys_disagree_is_one_line(tmp_path, tin
     assert "\n" not in line
 
 
+@pytest.mark.parametrize("theta", ["1000000", None, -5.0, 0, True])
+def test_a_rope_theta_that_is_no_positive_number_is_one_line_naming_it(tmp_path, tiny_target, theta):
+    """A hand edit of the RoPE base, in both sets of keys alike: quoted or null it stopped with "config.json does not
+    build a drafter (TypeError: unsupported operand type(s) for ** or pow(): 'str' and 'Tensor')", naming no field; a
+    negative one loaded and rotated every position by a NaN angle."""
+    target, tokenizer = tiny_target
+    folder = tmp_path / "drafter"
+    tiny_drafter(target, tokenizer).save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_parameters"]["rope_theta"] = theta
+    config.update(rope_theta=theta, rope_scaling=None)  # as an export holds them: the two sets agree
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DDTreeError) as error:
+        load_drafter_folder(folder, torch.float32, target)
+    assert str(error.value) == (
+        f"drafter {folder}/config.json: rope_parameters.rope_theta is {theta!r}, expected a positive number (the RoPE "
+        "base the drafter was trained with); write it as a JSON number, without quotes, in rope_parameters and "
+        "rope_theta alike: restore it, or export the drafter again")
+
+
 @pytest.mark.parametrize("scaling", [
     {"type": "linear", "factor": 2.0},  # transformers 4 named the key "type"
     {"type": "default"},  # ... and wrote a default rope this way: no scaling

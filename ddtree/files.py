@@ -578,5 +578,6 @@ def check_output_folder(out: Path, overwrite: bool, keep: tuple[Path, ...] = (),
         raise DDTreeError(f"{name}={out} exists and is not an earlier export: replacing it would delete {shown}; give "
                           "a new folder for the export (or move those files out), even with --overwrite")
     if not overwrite:
+        switch = " (OVERWRITE=1)" if name == "OUT" else ""  # make export's; no make target runs training.export
         raise DDTreeError(f"{name}={out} exists and is not empty (an earlier export); pick another folder or pass "
-                          "--overwrite (OVERWRITE=1) to replace it")
+                          f"--overwrite{switch} to replace it")

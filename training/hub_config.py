@@ -91,8 +91,11 @@ def verifier_for(target: str, base_model: str | None) -> tuple[str, list[str]]:
     if local is not None and not local.is_dir():  # a Hub id, no folder: its config.json is in the Hub cache if here
         cached = try_to_load_from_cache(target, "config.json")
         config = Path(cached) if isinstance(cached, str) else None
-    architectures = (list(json.loads(config.read_text()).get("architectures") or [])
-                     if config is not None and config.is_file() else [])
+    try:
+        fields = json.loads(config.read_text()) if config is not None and config.is_file() else {}
+    except (OSError, ValueError):  # cut off mid-copy, or not UTF-8: not readable here (the engine check stands in too)
+        fields = {}
+    architectures = list(fields.get("architectures") or []) if isinstance(fields, dict) else []
     return name, architectures
 
 

@@ -54,7 +54,7 @@ from training.checkpoints import drafter_from_checkpoint
 from training.engines import TargetFacts
 from training.export import export_drafter
 from training.export import main as export_main
-from training.hub_config import AUTO_MAP, EXPORT_FILES, REMOTE_CODE, hub_config
+from training.hub_config import AUTO_MAP, EXPORT_FILES, REMOTE_CODE, hub_config, verifier_for
 from training.model_card import REPO_MARK, read_evaluation, shown_path
 from training.module import DistillModule
 from training.peft_utils import DEFAULT_LORA_MODULES
@@ -1247,6 +1247,17 @@ def test_rope_settings_are_written_for_transformers_4_readers_too():
     config = hub_config(saved)
     assert config["rope_theta"] == 500000.0 and config["rope_scaling"] == {"rope_type": "llama3", "factor": 8.0}
     assert hub_config({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}})["rope_scaling"] is None
+
+
+def test_the_verifier_of_a_target_whose_config_json_cannot_be_read_names_no_architectures(tmp_path):
+    """--speculators on a run whose target folder's config.json is cut off mid-copy, not UTF-8 or not an object: the
+    export stopped with a JSONDecodeError traceback (status 1), where the engine check beside it stands in for what it
+    cannot read and verifier_for names no architectures for a target it cannot read."""
+    for damaged in (b'{"architectures": ["LlamaFor', b"\xff\xfe", b"[1, 2]"):
+        (tmp_path / "config.json").write_bytes(damaged)
+        assert verifier_for(str(tmp_path), "someone/target") == ("someone/target", []), damaged
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    assert verifier_for(str(tmp_path), "someone/target") == ("someone/target", ["LlamaForCausalLM"])
 
 
 def test_speculators_fields_follow_vllms_dflash_layout(run_dir):

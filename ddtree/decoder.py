@@ -323,7 +323,7 @@ class Decoder:
         chosen, reason = resolve_dtype(dtype, device, "dtype")
         if reason:
             say(reason)
-        check_packing_choice(packed_weights, chosen, device, "packed_weights")
+        check_packing_choice(packed_weights, chosen, device, "packed_weights", "dtype='float32'")
         with progress_bars_off(quiet):  # quiet: transformers' "Loading weights" bar too, not only this project's lines
             self.target, self.tokenizer = load_target(target, chosen, device, say)
         _, reason = apply_packing(packed_weights, self.target, "packed_weights")

@@ -156,13 +156,17 @@ def require_packing(model: nn.Module, option: str = "--packed-weights") -> None:
 
 
 def check_packing_choice(choice: str, dtype: torch.dtype, device: torch.device | str,
-                         option: str = "--packed-weights") -> None:
+                         option: str = "--packed-weights", float32: str = "--dtype float32") -> None:
     """`on` for a model that will run in bf16 or fp16, or on a GPU: one line before it loads (require_packing said it
-    only once the model had loaded: seconds, minutes for a large target)."""
+    only once the model had loaded: seconds, minutes for a large target). `float32`: how the caller's user asks for
+    fp32, which on a CPU is the way to get the packing asked for."""
     device = torch.device(device)
     if choice == "on" and (dtype != torch.float32 or device.type != "cpu"):
+        # on a CPU the dtype alone stands in the way, often one `auto` chose (bf16 on an AMX Xeon): the line only
+        # said to give packing up
+        keep = f"give {float32} to pack, or " if device.type == "cpu" else ""
         raise DDTreeError(f"{option} on: packing is for fp32 on a CPU, and the target would run in "
-                          f"{str(dtype).removeprefix('torch.')} on {device}; use {option} off (or auto)")
+                          f"{str(dtype).removeprefix('torch.')} on {device}; {keep}use {option} off (or auto)")
 
 
 def apply_packing(choice: str, model: nn.Module, option: str = "--packed-weights") -> tuple[bool, str]:

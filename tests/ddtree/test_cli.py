@@ -1709,7 +1709,7 @@ def test_packed_weights_on_for_a_bf16_target_is_one_line_before_the_target_loads
     monkeypatch.setattr(ddtree.cli, "load_target", lambda *args, **kwargs: pytest.fail("loaded the target first"))
     line = _bad(capsys, *command, "--target", TARGET, "--dtype", "bfloat16", "--packed-weights", "on")
     assert line == ("error: --packed-weights on: packing is for fp32 on a CPU, and the target would run in bfloat16 "
-                    "on cpu; use --packed-weights off (or auto)")
+                    "on cpu; give --dtype float32 to pack, or use --packed-weights off (or auto)")
 
 
 def test_sampling_settings_name_only_the_rule_broken_by_its_flag(capsys, prompts_file):

@@ -9,7 +9,7 @@ from torch import nn
 
 import ddtree.packed_linear as packed_linear
 from ddtree.errors import DDTreeError
-from ddtree.packed_linear import apply_packing, is_packed, pack_linears, unpack_linears
+from ddtree.packed_linear import apply_packing, check_packing_choice, is_packed, pack_linears, unpack_linears
 
 needs_packing = pytest.mark.skipif(not packed_linear.packing_available(), reason="this torch has no oneDNN packing")
 
@@ -302,3 +302,18 @@ def test_refusing_on_names_the_setting_as_its_caller_gives_it():
     half = frozen(nn.Linear(8, 8)).to(torch.bfloat16)
     with pytest.raises(DDTreeError, match=r"^eval\.packed_weights on: .*; use eval\.packed_weights off \(or auto\)$"):
         apply_packing("on", half, "eval.packed_weights")
+
+
+def test_on_for_a_bf16_model_on_a_cpu_names_the_fp32_that_packs():
+    """`--packed-weights on` with the default `--dtype auto`, which picks bf16 where the CPU computes it fast: the line
+    told the user to give packing up, not that fp32 (as each caller spells it) packs. On a GPU fp32 does not pack."""
+    with pytest.raises(DDTreeError) as error:
+        check_packing_choice("on", torch.bfloat16, "cpu")
+    assert str(error.value) == ("--packed-weights on: packing is for fp32 on a CPU, and the target would run in "
+                                "bfloat16 on cpu; give --dtype float32 to pack, or use --packed-weights off (or auto)")
+    with pytest.raises(DDTreeError, match=r"; give dtype='float32' to pack, or use packed_weights off \(or auto\)$"):
+        check_packing_choice("on", torch.float16, "cpu", "packed_weights", "dtype='float32'")
+    with pytest.raises(DDTreeError) as error:
+        check_packing_choice("on", torch.float32, "cuda")
+    assert "to pack" not in str(error.value) and str(error.value).endswith("use --packed-weights off (or auto)")
+    check_packing_choice("on", torch.float32, "cpu")  # fp32 on a CPU packs: nothing to say

@@ -41,7 +41,7 @@ from .module import NO_SCHEDULE_END, DistillModule
 from .peft_utils import check_adapter_folder
 from .recipe_data import AUTO_DATA, read_summary
 from .strategies import CPUDeepSpeed, DrafterDeepSpeed, check_launch, count_devices
-from .target import dtype_for_precision
+from .target import PRECISION_CHOICES, dtype_for_precision
 
 GPU_ACCELERATORS = ("gpu", "cuda")  # the trainer.accelerator values that need a CUDA GPU
 # LightningCLI's own optimizer sections, which DistillCLI does not take: every config.yaml written before it stopped
@@ -163,6 +163,8 @@ def recipe_errors(config: Path):
         line = argument_error_line(error)
         if any(f"--{key}" in line for key in LIGHTNING_OPTIMIZER_SECTIONS):
             line += f" ({OPTIMIZER_FIELDS})"
+        if line.startswith('Parser key "trainer.precision"'):  # (fp32, bf16-true's typos, AUTO): jsonargparse's line
+            line += f"; {PRECISION_CHOICES}"  # said only that no type of the field took it, not what would
         if line.startswith(UNRECOGNIZED):  # pointing to --help as the command's own parser does (CommandParser.error)
             raise DDTreeError(f"unrecognized arguments on the command line: {line.removeprefix(UNRECOGNIZED)}; see "
                               f"{CommandParser().prog} --help") from None

@@ -30,6 +30,8 @@ TRAINING_PRECISIONS = {
     "bf16": torch.bfloat16, "bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16,
     "16": torch.float16, "16-mixed": torch.float16, "16-true": torch.float16,
 }
+# What a trainer.precision the drafter does not train in is told to be
+PRECISION_CHOICES = f"give one of {', '.join(sorted(TRAINING_PRECISIONS))}, or auto (the fastest on this machine)"
 
 
 def dtype_for_precision(precision: str | None, target_dtype: str = "auto") -> torch.dtype:
@@ -40,8 +42,7 @@ def dtype_for_precision(precision: str | None, target_dtype: str = "auto") -> to
     """
     precision = str(precision or "32")
     if precision not in TRAINING_PRECISIONS:  # 64 trained the drafter in fp64 against an fp32 target: a traceback
-        raise DDTreeError(f"trainer.precision={precision} is not one the drafter trains in: give one of "
-                          f"{', '.join(sorted(TRAINING_PRECISIONS))}, or auto (the fastest on this machine)")
+        raise DDTreeError(f"trainer.precision={precision} is not one the drafter trains in: {PRECISION_CHOICES}")
     if target_dtype and target_dtype != "auto":
         try:
             return parse_dtype(target_dtype, "model.target_dtype")

@@ -282,6 +282,20 @@ def test_a_precision_override_without_a_value_is_one_line(tmp_path, monkeypatch,
         assert "32-true" in line and line.endswith(f"drop the override to keep the recipe's {kept}")
 
 
+@pytest.mark.parametrize("precision, overrides", [("auto", ["--trainer.precision=fp32"]), ("AUTO", []),
+                                                  ("bf16_mixed", [])])
+def test_a_precision_lightning_does_not_know_is_told_which_it_does(tmp_path, monkeypatch, precision, overrides):
+    """jsonargparse's line said only that no type of trainer.precision took fp32 (on the command line or in the
+    recipe), not what to write instead."""
+    stub_choice(monkeypatch, BF16_SLOW)
+    with pytest.raises(DDTreeError) as error:
+        read_recipe(tiny_recipe(tmp_path, precision), overrides)
+    line = str(error.value)
+    assert "\n" not in line and 'Parser key "trainer.precision"' in line
+    assert line.endswith("; give one of 16, 16-mixed, 16-true, 32, 32-true, bf16, bf16-mixed, bf16-true, or auto (the "
+                         "fastest on this machine)")
+
+
 def test_the_default_recipe_chooses_its_precision():
     text = (RECIPES_DIR / "smollm2-135m.yaml").read_text()
     assert "\n  precision: auto" in text

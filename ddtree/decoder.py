@@ -78,6 +78,9 @@ def parse_device(name: str, where: str = "--device") -> torch.device:
         raise DDTreeError(f"{where} {name!r} is not a device name; give cpu, cuda or cuda:N") from None
     if device.type not in ("cpu", "cuda"):  # mps, xpu, meta...: else a torch error once the target had loaded
         raise DDTreeError(f"{where} {name}: this code runs on a CPU or a CUDA GPU only; give {where} cpu, cuda or cuda:N")
+    if device.type == "cpu" and device.index not in (None, 0):  # torch took cpu:1 and ran on every core, unsaid
+        raise DDTreeError(f"{where} {name}: torch has one CPU device, whose threads use every core (OMP_NUM_THREADS "
+                          f"sets how many); give {where} cpu")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise DDTreeError(f"{where} {name}: this machine has no CUDA GPU that torch can use; give {where} cpu")
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():

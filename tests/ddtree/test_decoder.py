@@ -347,6 +347,16 @@ def test_a_gpu_index_is_checked_against_the_count_numbered_from_0(monkeypatch):
         parse_device("cuda:2")
 
 
+def test_a_cpu_index_other_than_0_is_refused():
+    """torch takes cpu:1 as the one CPU device, so --device cpu:1 ran on every core as plain cpu, and bench recorded
+    cpu:1 as if it had picked a CPU; cpu:0 is that same device, and is taken."""
+    with pytest.raises(DDTreeError, match=r"^--device cpu:1: torch has one CPU device, .*; give --device cpu$"):
+        parse_device("cpu:1")
+    with pytest.raises(DDTreeError, match=r"^device cpu:3: .*; give device cpu$"):
+        parse_device("cpu:3", "device")
+    assert parse_device("cpu:0").type == parse_device("cpu").type == "cpu"
+
+
 def test_bad_generate_keywords_are_one_line(tiny_target):
     plain = Decoder(TARGET, **SETTINGS, quiet=True)
     for keywords, named in ((dict(method="ddtree"), "method='ddtree' drafts with a drafter, and this Decoder has none"),

@@ -27,6 +27,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from ddtree.errors import CommandParser, DDTreeError, error_line
 from ddtree.files import not_a_file, read_yaml_mapping
+from ddtree.packed_linear import check_packing_choice
 from ddtree.precision import AUTO, LIGHTNING_PRECISION, fast_precision
 from ddtree.targets import has_hub_id_shape
 
@@ -336,7 +337,16 @@ def check_values(config: Namespace) -> None:
         if not valid:
             raise RecipeSettingError(f"{field}={value} is not a valid value: {fix}")
     try:  # else refused as the target loads, mid-setup, with a traceback
-        dtype_for_precision(trainer.precision, model.target_dtype)
+        dtype = dtype_for_precision(trainer.precision, model.target_dtype)
+        # eval.packed_weights on where the evaluation's target runs in bf16 (precision auto's choice where the CPU
+        # computes it fast) or on a GPU: refused at the start of training, once the feature store and the target were
+        # built (minutes on the CPU recipe)
+        accelerator = str(trainer.accelerator)
+        on_gpu = accelerator in GPU_ACCELERATORS or (accelerator == "auto" and torch.cuda.is_available())
+        float32 = ("model.target_dtype=float32" if model.target_dtype not in (None, "", AUTO)
+                   else "trainer.precision=32-true")
+        check_packing_choice(config.eval.packed_weights, dtype, "cuda" if on_gpu else "cpu", "eval.packed_weights",
+                             float32)
     except DDTreeError as error:
         raise RecipeSettingError(str(error)) from None
 

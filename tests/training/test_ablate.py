@@ -757,7 +757,9 @@ def test_a_stopped_ablation_says_the_command_that_trains_only_the_variants_not_m
 
     monkeypatch.setattr(training.ablate, "train_main", fake_train)
     out = tmp_path / "out dir"  # one shell word only where quoted
+    # fp32 given: packing, which the fake evaluation says it decided, is refused where precision auto picks bf16
     given = ["--recipe", "tiny", "--steps", "3", "--eval-limit", "1", "--output-root", str(out), "--model.lr=0.002",
+             "--trainer.precision=32-true",
              "--variant", "a=", "--variant", "tree", "--variant", "q=--model.objective=dpace --model.gamma=5"]
     assert main(given) == 130
     line = capsys.readouterr().err.strip().splitlines()[-1]

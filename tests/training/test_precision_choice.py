@@ -24,7 +24,7 @@ from ddtree.precision import BF16_MARGIN, Choice, fast_precision, resolve_dtype
 from ddtree.targets import build_drafter_config
 from training.arguments import RECIPES_DIR
 from training.module import DistillModule
-from training.recipe import config_arg, read_recipe
+from training.recipe import check_values, config_arg, read_recipe
 
 BF16_FAST = lambda: {torch.float32: 0.010, torch.bfloat16: 0.003}  # noqa: E731 - AMX: bf16 ~3x faster
 BF16_SLOW = lambda: {torch.float32: 0.010, torch.bfloat16: 0.067}  # noqa: E731 - AVX2: bf16 6.7x slower
@@ -294,6 +294,25 @@ def test_a_precision_lightning_does_not_know_is_told_which_it_does(tmp_path, mon
     assert "\n" not in line and 'Parser key "trainer.precision"' in line
     assert line.endswith("; give one of 16, 16-mixed, 16-true, 32, 32-true, bf16, bf16-mixed, bf16-true, or auto (the "
                          "fastest on this machine)")
+
+
+def test_eval_packed_weights_on_over_a_bf16_target_is_refused_before_anything_is_built(tmp_path, monkeypatch):
+    """--eval.packed_weights=on where precision auto picks bf16 (or bf16-mixed is given) was refused by the evaluation
+    callback at the start of training, after the feature store was built and the target loaded; fp32 packs."""
+    stub_choice(monkeypatch, BF16_FAST)
+    config = read_recipe(tiny_recipe(tmp_path, "auto"), ["--eval.packed_weights=on"])
+    with pytest.raises(DDTreeError) as error:
+        check_values(config)
+    assert str(error.value) == ("eval.packed_weights on: packing is for fp32 on a CPU, and the target would run in "
+                                "bfloat16 on cpu; give trainer.precision=32-true to pack, or use eval.packed_weights "
+                                "off (or auto)")
+    with pytest.raises(DDTreeError, match="; give model.target_dtype=float32 to pack, or use eval.packed_weights off"):
+        check_values(read_recipe(tiny_recipe(tmp_path, "32-true"), ["--eval.packed_weights=on",
+                                                                    "--model.target_dtype=bfloat16"]))
+    check_values(read_recipe(tiny_recipe(tmp_path, "bf16-mixed"), ["--eval.packed_weights=on",
+                                                                    "--model.target_dtype=float32"]))
+    check_values(read_recipe(tiny_recipe(tmp_path, "32-true"), ["--eval.packed_weights=on"]))
+    check_values(read_recipe(tiny_recipe(tmp_path, "bf16-mixed"), []))  # auto: decides at the start, says nothing here
 
 
 def test_the_default_recipe_chooses_its_precision():

@@ -21,8 +21,8 @@ from .arguments import answer_early, check_recipe_args, check_recipe_name, featu
 # python -m: --help and a bad --recipe before torch loads
 answer_early(__name__, features_parser, check_recipe_args, overrides=True)
 
-from ddtree.errors import command
-from ddtree.targets import parse_dtype
+from ddtree.errors import DDTreeError, command
+from ddtree.targets import DTYPES, parse_dtype
 
 from .data import DistillDataModule
 from .feature_store import (AUTO_STORE, build_feature_store, default_store_path, drafter_layer_ids, resolve_store_path,
@@ -37,7 +37,10 @@ from .target import dtype_for_precision
 def main(argv: list[str] | None = None) -> int:
     parser = features_parser()
     args, overrides = parser.parse_known_args(argv)  # the rest overrides recipe fields, as in training.train
-    dtype = parse_dtype(args.dtype, "--dtype") if args.dtype != "auto" else None
+    try:
+        dtype = parse_dtype(args.dtype, "--dtype") if args.dtype != "auto" else None
+    except DDTreeError:  # the same refusal, naming auto too: the default, and the value that follows the recipe
+        raise DDTreeError(f"--dtype={args.dtype!r}: choose auto or one of {', '.join(DTYPES)}") from None
     check_recipe_name(args.recipe)
     config = read_recipe(recipe_path(args.recipe), overrides)
     # as training checks them: a store for values it refuses took minutes to hours to build

@@ -1592,6 +1592,12 @@ def test_cli_bad_input_exits_2_with_one_line(capsys):
     assert len(err.splitlines()) == 1 and "val_fraction" in err
 
 
+def test_a_bad_dtype_names_auto_among_the_choices(capsys):
+    """The line listed float32, bfloat16 and float16, not auto: the default, the recipe's own training dtype."""
+    assert main(["--recipe", "tiny", "--dtype", "fp32"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --dtype='fp32': choose auto or one of float32, bfloat16, float16"
+
+
 # model.target_dtype float32 under bf16-mixed: training runs the target in fp32, and a bf16 store would be read cast,
 # its features rounded to bf16 where decoding feeds fp32 ones; `make features` ignoring it passed (mutation review,
 # gap 6 / R03); and under 32-true (what auto picks on a CPU slow in bf16) the store is fp32: one built for bf16-mixed

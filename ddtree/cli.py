@@ -46,7 +46,7 @@ from .errors import DDTreeError, Terminated, check_text, command
 from .files import WriteFailed, check_output_file, not_a_file, saved_elsewhere, write_results_json
 from .inputs import method_list, uses_drafter
 from .machine import describe_machine, machine_line
-from .packed_linear import apply_packing, cannot_pack, check_packing_choice, is_packed, packing_available
+from .packed_linear import apply_packing, check_packing_choice, is_packed, packing_available
 from .precision import resolve_dtype
 from .sizing import TreeSizer
 from .targets import load_target, stop_token_ids
@@ -58,6 +58,12 @@ def _load_target(args):
     if reason:
         print(reason, file=sys.stderr)
     check_packing_choice(args.packed_weights, dtype, args.device)
+    device = torch.device(args.device)
+    if getattr(args, "compare_plain", False) and (dtype != torch.float32 or device.type != "cpu"):
+        # said before the target loads (it was said after: seconds, minutes for a large target)
+        raise DDTreeError(f"--compare-plain needs fp32 on a CPU, and the target runs in "
+                          f"{str(dtype).removeprefix('torch.')} on {device.type}: drop --compare-plain, or use "
+                          f"--dtype float32{' --device cpu' if device.type != 'cpu' else ''}")
     target, tokenizer = load_target(args.target, dtype, args.device)
     _, reason = apply_packing(args.packed_weights, target)
     if reason:
@@ -532,10 +538,6 @@ def cmd_verify_cost(args) -> None:
         raise DDTreeError(f"--context {args.context} with {max(args.sizes)} tree nodes and its root runs past target "
                           f"{args.target}'s {longest} positions: give a smaller --context or --sizes")
     if args.compare_plain:
-        if cannot_pack(target):  # bf16, fp16 or a GPU (--packed-weights is not the user's: set off above)
-            dtype, device = str(target.dtype).removeprefix("torch."), target.device.type
-            raise DDTreeError(f"--compare-plain needs fp32 on a CPU, and the target runs in {dtype} on {device}: drop "
-                              f"--compare-plain, or use --dtype float32{' --device cpu' if device != 'cpu' else ''}")
         rows = compare_packed_verify_cost(target, args.sizes, args.context, args.repeats)
         print(f"target {args.target}, {str(target.dtype).removeprefix('torch.')}, {args.context}-token cache; "
               "plain and packed linear layers measured alternately (nodes 0: one AR step); "

@@ -1809,6 +1809,18 @@ def test_verify_cost_compares_plain_and_packed_layers(capsys):
         assert line == f"error: --compare-plain times both plain and packed linear layers: drop --packed-weights {kind}"
 
 
+@pytest.mark.skipif(not packing_available(), reason="this torch has no oneDNN weight packing")
+@pytest.mark.parametrize("dtype", ["bfloat16", "auto"])
+def test_verify_cost_compare_plain_over_a_bf16_target_is_one_line_before_the_target_loads(capsys, monkeypatch, dtype):
+    """Said once the target had loaded (seconds, minutes for a large target), where the dtype it loads in was known
+    before: --dtype bfloat16, or auto where it picks bf16 (an AMX Xeon, an AVX512-BF16 EPYC)."""
+    monkeypatch.setattr(ddtree.precision, "fast_precision", lambda device: Choice(torch.bfloat16, "stub measurement"))
+    monkeypatch.setattr(ddtree.cli, "load_target", lambda *args, **kwargs: pytest.fail("loaded the target first"))
+    line = _bad(capsys, "verify-cost", "--target", TARGET, "--dtype", dtype, "--compare-plain")
+    assert line == ("error: --compare-plain needs fp32 on a CPU, and the target runs in bfloat16 on cpu: drop "
+                    "--compare-plain, or use --dtype float32")
+
+
 def test_verify_cost_compare_plain_under_a_torch_without_packing_is_one_line_before_the_target_loads(capsys,
                                                                                                   monkeypatch):
     monkeypatch.setattr(ddtree.cli, "packing_available", lambda: False)

@@ -60,5 +60,6 @@ def describe_machine(device: torch.device) -> dict:
 def machine_line(record: dict) -> str:
     """The record in one line, for a printed table's header."""
     cpu = f"{record['cpu']} ({', '.join([record['cpu_capability'], *record['cpu_flags']])})"
-    where = f"{record['gpu']} (CUDA {record['cuda']}), host {cpu}" if "gpu" in record else f"{cpu}, {record['threads']} threads"
+    threads = f"{record['threads']} thread{'' if record['threads'] == 1 else 's'}"  # (OMP_NUM_THREADS=1: "1 threads")
+    where = f"{record['gpu']} (CUDA {record['cuda']}), host {cpu}" if "gpu" in record else f"{cpu}, {threads}"
     return f"{where}, torch {record['torch']}"

@@ -100,7 +100,7 @@ def test_bench_writes_results(capsys, tmp_path, prompts_file, unwarmed):
     assert machine["threads"] == torch.get_num_threads() and machine["torch"] == torch.__version__
     assert machine["cpu"] and machine["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert "gpu" not in machine and re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", machine["utc"])
-    assert f"{machine['cpu']} ({machine['cpu_capability']}" in stdout and f"{machine['threads']} threads" in stdout
+    assert f"{machine['cpu']} ({machine['cpu_capability']}" in stdout and f"{machine['threads']} thread" in stdout
     ar = results["prompts"][0]["methods"]["ar"]["new_tokens"]
     for prompt in results["prompts"]:
         assert prompt["id"] in {"chat", "2"}

@@ -36,6 +36,13 @@ def test_the_line_names_cpu_features_threads_and_torch():
     assert machine_line(record) == "NVIDIA H100 80GB HBM3 (CUDA 12.8), host EPYC 7B13 (AVX2), torch 2.13.0+cpu"
 
 
+def test_one_thread_is_one_thread():
+    """Under OMP_NUM_THREADS=1 every bench and verify-cost table opened with "..., 1 threads, torch ..."."""
+    record = describe_machine(torch.device("cpu"))
+    record.update(cpu="EPYC 7B13", cpu_flags=[], cpu_capability="AVX2", threads=1, torch="2.13.0+cpu")
+    assert machine_line(record) == "EPYC 7B13 (AVX2), 1 thread, torch 2.13.0+cpu"
+
+
 def test_the_line_names_the_bf16_features_that_decide_the_precision():
     """Two machines that differ only in AMX time bf16 several times apart: a line without the flags hides why."""
     record = describe_machine(torch.device("cpu"))

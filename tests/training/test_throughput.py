@@ -57,7 +57,8 @@ def test_cpu_run_reports_both_steps_and_their_ratio(capsys, monkeypatch):
     out = capsys.readouterr().out
     line = measured_line(out)
     assert line.lstrip().startswith("4x1x4 on tiny-random: target forward ")  # the target timed, named in its line
-    assert f"{torch.get_num_threads()} threads, torch {torch.__version__}" in out.splitlines()[0]  # the machine's line
+    threads = torch.get_num_threads()
+    assert f"{threads} thread{'s' * (threads != 1)}, torch {torch.__version__}" in out.splitlines()[0]  # machine's line
     target, step = (float(x) for x in re.search(r"target forward ([\d.]+) s, training step ([\d.]+) s", line).groups())
     ratio = float(re.search(r"ratio ([\d.]+)", line).group(1))
     exact_target, exact_step, _ = timed  # target forward, training step, offline step

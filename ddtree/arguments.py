@@ -10,7 +10,7 @@ import argparse
 
 from .errors import CommandParser
 from .files import path_argument
-from .names import AUTO, CALIBRATION_FILE, METHODS, PACKED_KERNELS
+from .names import AUTO, CALIBRATION_FILE, DTYPE_NAMES, METHODS, PACKED_KERNELS
 
 DESCRIPTION = "generate text or benchmark decoding methods with a target and a drafter"
 DEVICE_HELP = "cpu, cuda or cuda:N (default: cuda where this machine has a GPU, else cpu)"
@@ -24,6 +24,14 @@ CALIBRATION_HELP = ("a calibration file (`ddtree calibrate`): its draft temperat
                     "they are the drafter's, as its weights are)")
 DTYPE_HELP = ("auto (bf16 on a GPU of compute capability 8.0 on, or where a quick matmul timing takes under 0.9x "
               "float32's time on this CPU; else float32), float32, bfloat16 or float16")
+
+
+def _dtype(text: str) -> str:
+    """--dtype: auto or a dtype's name (as ddtree.targets.parse_dtype reads it, torch.float32 too), checked here: a
+    misspelt one (fp32, bf16) was refused only once torch had loaded, 4 s on."""
+    if text != AUTO and text.removeprefix("torch.") not in DTYPE_NAMES:
+        raise argparse.ArgumentTypeError(f"choose auto or one of {', '.join(DTYPE_NAMES)}, got {text!r}")
+    return text
 
 
 def _int_list(text: str) -> list[int]:
@@ -89,7 +97,7 @@ def _add_common(parser: argparse.ArgumentParser, learns: bool = False) -> None:
     parser.add_argument("--top-k", type=int, default=0,
                         help="at T > 0, sample from the k likeliest tokens and any tied with the k-th, before --top-p "
                         "(default: 0, no cut)")
-    parser.add_argument("--dtype", default=AUTO, help=DTYPE_HELP)
+    parser.add_argument("--dtype", type=_dtype, default=AUTO, help=DTYPE_HELP)
     parser.add_argument("--device", default=None, help=DEVICE_HELP)
     _add_packed_weights(parser)
     parser.add_argument("--max-new-tokens", type=int, default=256,
@@ -169,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     cost = commands.add_parser("verify-cost", help="time tree verification vs one AR step (a benchmark)")
     cost.add_argument("--target", type=path_argument, default="smollm2-135m",
                       help="as for generate (default: smollm2-135m)")
-    cost.add_argument("--dtype", default=AUTO, help=DTYPE_HELP)
+    cost.add_argument("--dtype", type=_dtype, default=AUTO, help=DTYPE_HELP)
     cost.add_argument("--device", default=None, help=DEVICE_HELP)
     _add_packed_weights(cost)
     cost.add_argument("--compare-plain", action="store_true",

@@ -1728,8 +1728,28 @@ def test_temperature_not_a_finite_number_at_least_zero(capsys, temperature):
 
 @pytest.mark.parametrize("command", [["generate", "--prompt", "Hi"], ["verify-cost"]])
 def test_unknown_dtype_is_one_line(capsys, command):
-    line = _bad(capsys, command[0], "--target", TARGET, "--dtype", "fp16", *command[1:])
-    assert "--dtype='fp16'" in line and "bfloat16" in line
+    with pytest.raises(SystemExit) as exited:  # the parser's refusal (argparse exits)
+        main([command[0], "--target", TARGET, "--dtype", "fp16", *command[1:]])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert "--dtype" in err and "'fp16'" in err and "bfloat16" in err
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "Hi"], ["bench", "--prompts", "p.jsonl"],
+                                     ["calibrate", "--prompts", "p.jsonl"], ["verify-cost"]])
+def test_a_misspelt_dtype_is_refused_by_the_parser_before_torch_loads(capsys, command):
+    """--dtype fp32 (or bf16, AUTO) was refused by resolve_dtype, once torch had loaded: 4 s on, where every other
+    bad flag value answers at once (ddtree/__main__.py parses with ddtree/arguments.py first)."""
+    from ddtree.arguments import build_parser
+
+    for given in ("fp32", "bf16", "AUTO"):
+        with pytest.raises(SystemExit) as exited:
+            build_parser().parse_args([*command, "--dtype", given])
+        assert exited.value.code == 2
+        assert capsys.readouterr().err == (f"error: argument --dtype: choose auto or one of float32, bfloat16, "
+                                           f"float16, got {given!r}; see ddtree {command[0]} --help\n")
+    for given in ("auto", "bfloat16", "torch.float32"):  # parse_dtype's spellings pass on as given
+        assert build_parser().parse_args([*command, "--dtype", given]).dtype == given
 
 
 @pytest.mark.skipif(not packing_available(), reason="this torch has no oneDNN weight packing")

@@ -30,6 +30,8 @@ from ddtree.tree import build_tree
 from training.checkpoints import drafter_from_checkpoint
 from training.export import export_drafter
 from training.loss import (
+    OBJECTIVES,
+    OBJECTIVE_SETTINGS,
     RECALL_K,
     block_loss_sums,
     block_position_weights,
@@ -2075,6 +2077,32 @@ def test_the_tree_objectives_pass_through_a_re_draft_blocks_given_token(objectiv
     token_ce = torch.zeros(flat.shape)
     token_ce[counted] = F.cross_entropy(logits[counted], flat[counted], reduction="none")
     assert torch.allclose(weighted, (token_ce * expected.flatten()).sum(), atol=1e-5)
+
+
+def test_each_loss_setting_changes_the_training_loss_of_exactly_the_objectives_objective_settings_names(monkeypatch):
+    """OBJECTIVE_SETTINGS says which objectives read each loss setting, and the launch's `[loss]` line names a changed
+    setting the run's objective does not read as unused (recipe.note_unused_loss_settings). Listing `tree` for
+    objective_top_k alone, or dropping `dpace` from objective_smoothing, passed every test (a mutation review): a
+    setting that changed the loss was called unused, or one that changed nothing trained without a word."""
+    batch = synthetic_batch()
+    words = [1000, 2000, 3000, 4000, 5000, 6000]  # a drafter of these ranks labels within its top k and budget, or not
+    batch["input_ids"] = torch.tensor(words)[batch["input_ids"] % len(words)]
+    monkeypatch.setattr(DistillModule, "_training_reply_vocabulary", lambda self, vocab_size: words)
+    torch.manual_seed(0)
+    module = tiny_module(draft_vocab_size=len(words))
+    changes = {"gamma": 1.0, "objective_smoothing": 0.1, "objective_top_k": 1, "objective_budget": 2}
+    defaults = {name: module.hparams[name] for name in changes}
+    assert defaults == {"gamma": 4.0, "objective_smoothing": 0.5, "objective_top_k": 4, "objective_budget": 32}
+    readers = {name: set() for name in changes}
+    with torch.no_grad():
+        for objective in OBJECTIVES:
+            module.hparams.update(defaults, objective=objective)
+            loss = module.shared_step(batch, 0, "train").loss
+            for name, value in changes.items():
+                module.hparams.update(defaults, objective=objective, **{name: value})
+                if module.shared_step(batch, 0, "train").loss != loss:
+                    readers[name].add(objective)
+    assert readers == {name: set(objectives) for name, objectives in OBJECTIVE_SETTINGS.items()}
 
 
 def test_an_unknown_objective_is_one_line():

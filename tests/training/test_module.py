@@ -438,19 +438,25 @@ def test_the_teacher_is_the_targets_own_distribution_where_its_forward_transform
     torch.testing.assert_close(losses[0], losses[vocab], rtol=1e-5, atol=1e-5)
 
 
-def test_a_top_k_teacher_is_renormalised_over_the_tokens_the_head_has():
+@pytest.mark.parametrize("distill_loss", ["kl", "lk"])
+def test_a_top_k_teacher_is_renormalised_over_the_tokens_the_head_has(distill_loss):
     hidden, labels, lm_head = block_loss_case()
     weights = block_position_weights(4, gamma=4.0)
     ids = torch.tensor([3, 0, 5])[None, None].expand(*hidden.shape[:2], 3).clone()  # (S, n*B, 3)
     log_probs = torch.tensor([0.5, 0.2, 0.1]).log()[None, None].expand_as(ids).clone()
     ids[..., 1] = IGNORE_INDEX  # token 0 has no row of the head: p = 0.5, 0.1 -> 5/6, 1/6
     ids[0, :, :] = IGNORE_INDEX  # sequence 0: no teacher token has a row: the label is its teacher
-    mixed = block_loss_sums(hidden, labels, lm_head, weights, distill_weight=0.25, teacher_top=(ids, log_probs))
+    mixed = block_loss_sums(hidden, labels, lm_head, weights, distill_weight=0.25, teacher_top=(ids, log_probs),
+                            distill_loss=distill_loss)
     counted = labels.flatten() != IGNORE_INDEX
     positions = (torch.arange(labels.numel()) % 4)[counted]
     log_q = lm_head(hidden.flatten(0, 1)[counted]).log_softmax(-1)
     label_ce = -log_q.gather(1, labels.flatten()[counted][:, None])[:, 0]
-    soft = -(5 / 6 * log_q[:, 3] + 1 / 6 * log_q[:, 5])
+    if distill_loss == "kl":
+        soft = -(5 / 6 * log_q[:, 3] + 1 / 6 * log_q[:, 5])
+    else:  # minus the log of sum_v min(p, q); a row with no teacher token: q(label), its acceptance under p = label
+        soft = -(torch.minimum(torch.tensor(5 / 6), log_q[:, 3].exp()) + torch.minimum(torch.tensor(1 / 6),
+                                                                                        log_q[:, 5].exp())).log()
     soft = torch.where(torch.arange(labels.numel())[counted] < labels[0].numel(), label_ce, soft)
     torch.testing.assert_close(mixed[0], ((0.75 * label_ce + 0.25 * soft) * weights[positions]).sum())
 
@@ -481,6 +487,30 @@ def test_lk_distillation_is_minus_the_log_acceptance_rate_and_its_gradient_raise
     # a library caller's objective (a recipe's is checked as DistillModule is built)
     with pytest.raises(ValueError, match=r"objective 'chain': choose one of decayed_ce, dpace, tree, frontier, intree"):
         block_loss_sums(hidden, labels, lm_head, weights, objective="chain")
+
+
+@pytest.mark.parametrize("top", [False, True])
+def test_lk_is_minus_the_log_acceptance_rate_however_far_the_drafter_is_from_the_target(top):
+    """At the start of training a drafter puts ~1/V on the target's token, so the acceptance rate is ~1e-6 over a 150K
+    vocabulary: the clamp that guards log(0) must stay far below it (one at 1e-3 flattened lk's value and gradient
+    there, and every test passed, their rates being near 1: a mutation review)."""
+    lm_head = torch.nn.Linear(5, 5, bias=False)
+    with torch.no_grad():
+        lm_head.weight.copy_(torch.eye(5) * 20)
+    hidden = torch.zeros(1, 2, 5)
+    hidden[0, 1, 1] = 1.0  # the drafter: token 1, all but e^-20 of it
+    hidden.requires_grad_()
+    teacher = torch.zeros(1, 2, 5)
+    teacher[0, 1, 0] = 1.0  # the target: token 0
+    labels = torch.tensor([[[IGNORE_INDEX, 0]]])
+    teacher_top = next_token_top_k(teacher, lm_head, 5, target_config=None) if top else None
+    weighted, *_ = block_loss_sums(hidden, labels, lm_head, block_position_weights(2, 4.0), distill_weight=1.0,
+                                   distill_loss="lk", teacher_hidden=None if top else teacher, teacher_top=teacher_top)
+    logits = torch.eye(5, dtype=torch.float64) * 20
+    acceptance = torch.minimum(logits[0].softmax(-1), logits[1].softmax(-1)).sum()  # about 5e-9
+    assert weighted.item() == pytest.approx(-acceptance.log().item(), rel=1e-4)
+    (grad,) = torch.autograd.grad(weighted, hidden)
+    assert grad[0, 1, 0] < 0  # descending raises the target's token
 
 
 @pytest.mark.parametrize("width", [8192, 1000, 96, 5])

@@ -29,8 +29,8 @@ unknown_run_recipe = RESUME=$(RESUME): the run is not in a <recipe>/ folder ($(1
 # RESUME given empty (RESUME="$$RUN", RUN unset) is refused: dropped, it trained a new run from step 0
 RESUME_FLAG = $(if $(RESUME),--resume $(call quote,$(RESUME)),$(if $(filter command line,$(origin RESUME)),\
 	$(error $(empty_resume))))
-empty_resume = RESUME is empty (an unset shell variable?): give last, a run folder or a checkpoint, or leave out RESUME \
-	to train a new run
+empty_resume = RESUME is empty (an unset shell variable?): give last, a run folder or a checkpoint, or leave out \
+	RESUME to train a new run
 
 .PHONY: help setup data features train ablate eval export test test-all coverage clean
 

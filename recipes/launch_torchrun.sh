@@ -68,7 +68,8 @@ fi
 shell_word() { case "$1" in ''|*[!A-Za-z0-9_./=:,+@%-]*) printf "'%s'" "${1//\'/\'\\\'\'}" ;; *) printf '%s' "$1" ;; esac; }
 GIVEN_GPUS=${GPUS_PER_NODE:-}  # the user's, printed in the plan's commands
 # The run folder a --resume value names: the folder itself, or a checkpoint in it (checkpoints/x.ckpt, hpc_ckpt_N.ckpt).
-# A leading ~ is the home folder, as training reads --resume (quoted, the shell leaves it: the recipe's count was taken).
+# A leading ~ is the home folder, as training reads --resume (quoted, the shell leaves it: the recipe's count was
+# taken).
 run_of() {
     local run=${1%/}
     case "$run" in "~" | "~/"*) run=$HOME${run#\~} ;; esac

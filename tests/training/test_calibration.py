@@ -233,7 +233,8 @@ def test_calibration_with_no_validation_reply_to_replay_is_refused_before_the_ru
 
 def test_replayed_calibration_reads_the_record_of_data_under_a_home_path(tmp_path, monkeypatch):
     """data.data_path ~/<folder> is read by the data module with ~ expanded; the launch checks took it literally, so
-    a recipe's `data_path: ~/sampled` was refused as missing, and with that passed, its sampled replies never checked."""
+    a recipe's `data_path: ~/sampled` was refused as missing, and with that passed, its sampled replies never
+    checked."""
     from ddtree.targets import cache_dir
     monkeypatch.setenv("DDTREE_CACHE", str(cache_dir()))
     monkeypatch.setenv("HOME", str(tmp_path))
@@ -241,8 +242,9 @@ def test_replayed_calibration_reads_the_record_of_data_under_a_home_path(tmp_pat
     (tmp_path / "sampled" / "regeneration.json").write_text(json.dumps({"target": "tiny-random", "temperature": 0.8}))
     config = read_recipe(RECIPES_DIR / "tiny.yaml", ["--trainer.precision=32-true", "--data.data_path=~/sampled",
                                                      "--model.calibrate=true"])
-    with pytest.raises(RecipeSettingError, match=rf"^model.calibrate replays .* and {tmp_path}/sampled/regeneration.json "
-                                                 r"says they were sampled at temperature 0.8: "):
+    record = f"{tmp_path}/sampled/regeneration.json"
+    with pytest.raises(RecipeSettingError,
+                       match=rf"^model.calibrate replays .* and {record} says they were sampled at temperature 0.8: "):
         check_before_building(config)
 
 

@@ -11,6 +11,7 @@ from ddtree.calibration import load_calibration, save_calibration
 from ddtree.target_runner import DynamicTarget, StaticTarget
 from ddtree.decoding import OnlineCalibration, draft_tree
 from ddtree.errors import DDTreeError
+from ddtree.sizing import TreeSizer
 from ddtree.tree import (
     DraftTree, ancestor_matrix, build_tree, chain_tree, context_lookup, tree_positions, truncated, walk,
 )
@@ -113,6 +114,7 @@ def test_a_two_row_block_scores_depth_two_below_a_redrafted_token_by_its_branch(
     ([1, 2, 3, 4, 9, 2, 3], 3, [4, 9, 2]),  # the last 2 tokens recur: what followed them
     ([2, 3, 5, 2, 3, 6, 3], 2, [6, 3]),  # only the last token recurs: its most recent occurrence wins
     ([1, 2, 3, 1, 2, 3, 1, 2, 3], 5, [1, 2, 3, 1, 2]),  # the match runs into the end: it goes on with period 3
+    ([3, 5, 3], 1, [5]),  # a lookup of one token (the last round's room, --lookup 1)
     ([1, 2, 3], 4, []),  # nothing recurs
     ([7], 4, []),
     ([4, 4], 5, [4, 4, 4, 4, 4]),  # period 1
@@ -159,6 +161,18 @@ def test_a_quoted_path_as_long_as_the_budget_leaves_the_drafter_a_node_too(budge
     assert tuple(kept) in node_paths(tree)
 
 
+
+@pytest.mark.parametrize("graft", ["lookup", "quoted"])
+def test_the_sizer_counts_a_grafted_paths_rows_as_verified_whatever_it_keeps_of_the_drafters_tree(graft):
+    """A graft's rows are verified whatever the sizer keeps, so they weigh in its cut. Drafter nodes of p 0.5, 0.4,
+    then 0.05 (depths 2-3 uniform over 10 tokens); by hand at 0 ms + 1 ms a row (the root is a row), with the graft's
+    3 rows: n=1 1.5/5 = 0.300, n=2 1.9/6 = 0.317, n=3 1.95/7 = 0.279, so 2 nodes; priced without them n=1 1.5/2 =
+    0.75 beats n=2 1.9/3 = 0.63, and the drafter would keep 1."""
+    first = torch.tensor([0.5, 0.4] + [0.0125] * 8).log()
+    logits = torch.stack([first, torch.zeros(10), torch.zeros(10)])
+    tree = draft_tree(logits, 8, sizer=TreeSizer(fixed_ms=0.0, row_ms=1.0), **{graft: [5, 6, 7]})
+    assert (tree.tokens, tree.parents, tree.depths) == ([0, 1, 5, 6, 7], [0, 0, 0, 3, 4], [1, 1, 1, 2, 3])
+
 def test_a_graft_longer_than_the_draft_is_kept_whole_and_its_deeper_nodes_add_nothing_to_the_expectation():
     logits = torch.randn(3, 6, generator=torch.Generator().manual_seed(0)) * 2  # a 3-deep draft
     lookup = [1, 2, 3, 4, 5]  # a copy 5 deep
@@ -181,6 +195,8 @@ def test_the_expectation_before_stop_tokens_leaves_out_the_nodes_below_one():
     assert tree.expected_acceptance_before({5}) == pytest.approx(1 + 0.5 + 0.3 + 0.1)  # the stop node itself counts
     assert tree.expected_acceptance_before({9}) == pytest.approx(1 + 0.5 + 0.3 + 0.4 + 0.1)
     assert tree.expected_acceptance_before({5, 9}) == pytest.approx(1.9)
+    # a stop token at a leaf, the last row: nothing lies below it (a depth-1 node's parent is the root, not a row)
+    assert tree.expected_acceptance_before({4}) == pytest.approx(2.5)
     assert tree.expected_acceptance_before(set()) == tree.expected_acceptance_before({2}) == tree.expected_acceptance
 
 

@@ -19,7 +19,7 @@ from ddtree.modeling_dflash import DFlashDraftModel
 from ddtree.target_runner import DynamicTarget
 from ddtree.errors import DDTreeError
 from ddtree.targets import build_drafter_config
-from rigged import RiggedDrafter, hf_greedy  # tests/rigged.py
+from rigged import RedraftRigged, RiggedDrafter, hf_greedy  # tests/rigged.py
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic-cache", "static-cache"])
@@ -149,6 +149,19 @@ def test_redrafted_rows_are_divided_by_the_temperatures_of_their_own_depths(tiny
     drafter.config.draft_temperatures = None
     torch.testing.assert_close(rows[False], rows[True] / torch.tensor([0.5, 1.5])[:, None])
 
+
+
+def test_a_round_drafting_two_depths_re_drafts_its_second_behind_the_first(tiny_target):
+    """Re-drafting needs a depth below depth 1, so a round of depth 2 (the last round before max_new_tokens) has one.
+    The rigged block misses every depth past 1: depth 2 is accepted only through the re-drafted branch."""
+    model, _ = tiny_target
+    prompt = [5, 17, 42, 8, 99]  # the root at position 5: depths 1 and 2 (positions 6, 7) are rigged first choices
+    greedy = hf_greedy(model, prompt, 4)
+    rigged = RedraftRigged(prompt + greedy, model.config.vocab_size)
+    result = generate(model, prompt, "ddtree", rigged, 4, 4, redraft=1)  # after the prefill's token: depth 4 - 2
+    assert result.new_tokens == greedy
+    assert rigged.redrafts == [(5, [greedy[1]])]
+    assert [r.accepted_depth for r in result.rounds] == [2]
 
 @pytest.mark.parametrize("method", ["ar", "ddtree"])
 def test_a_stop_token_as_the_prefills_token_ends_the_reply_there(tiny_target, method):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from ddtree.calibration import load_calibration, save_calibration
+from ddtree.calibration import learning_from, load_calibration, save_calibration
 from ddtree.target_runner import DynamicTarget, StaticTarget
 from ddtree.decoding import OnlineCalibration, draft_tree
 from ddtree.errors import DDTreeError
@@ -200,6 +200,14 @@ def test_the_expectation_before_stop_tokens_leaves_out_the_nodes_below_one():
     assert tree.expected_acceptance_before(set()) == tree.expected_acceptance_before({2}) == tree.expected_acceptance
 
 
+def test_the_expectation_before_a_stop_token_on_the_last_row_still_counts_every_depth_1_node():
+    """Depth-1 nodes hang from the root (row 0), which is no draft token: reading it as tokens[-1] would put every
+    node under the last row's stop token. Rows: 5 and 7 at depth 1, 4 under 7; with 4 a stop token, nothing is below
+    it, so all three count: 1 + 0.5 + 0.3 + 0.1."""
+    tree = DraftTree([5, 7, 4], [0, 0, 2], [1, 1, 2], [math.log(p) for p in (0.5, 0.3, 0.1)])
+    assert tree.expected_acceptance_before({4}) == pytest.approx(1.9) == tree.expected_acceptance
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_grafted_nodes_below_a_redrafted_token_score_its_redrafted_rows(seed):
     """Re-drafting behind a depth-1 token replaces the rows below it (build_tree scores its nodes so); a lookup or a
@@ -235,6 +243,17 @@ def test_online_calibration_scores_the_nodes_a_graft_adds_by_its_lookups_learned
     added = {(tree.depths[row], tree.tokens[row]): tree.log_probs[row] for row in range(len(tree) - 3, len(tree))}
     assert added == {(2, 3): pytest.approx(math.log(2 / 4)), (3, 3): pytest.approx(math.log(1 / 4)),
                      (1, 2): pytest.approx(math.log(2 / 3))}
+
+
+def test_the_corpus_lookups_nodes_score_the_corpus_table_not_the_context_lookups():
+    online = OnlineCalibration()
+    online.observe_graft("context", [1], path=[3], accepted=[3])  # context at depth 1: (1 + 1) / (1 + 2)
+    for _ in range(2):
+        online.observe_graft("corpus", [1], path=[3], accepted=[])  # corpus at depth 1: (0 + 1) / (2 + 2)
+    logits = torch.tensor([[4.0, 0, 0, 0], [0, 4.0, 0, 0]])  # the drafter's own path: 0, 1
+    tree = draft_tree(logits, 4, online=online, quoted=[3])
+    assert tree.quoted == [1] and tree.tokens[-1] == 3
+    assert tree.log_probs[-1] == pytest.approx(math.log(1 / 4))
 
 
 def test_a_verified_round_teaches_each_lookup_from_the_path_it_grafted():
@@ -336,6 +355,36 @@ def test_a_frozen_calibration_prices_a_depth_it_never_saw_by_the_same_lookups_de
     assert calibration.graft_log_prob("corpus", 3) == pytest.approx(math.log(1 / 12))
 
 
+def test_a_frozen_calibration_prices_a_depth_it_skipped_by_the_deepest_one_above_it_not_one_below():
+    """Acceptance only falls with depth, so a depth a file never saw takes the deepest seen depth shallower than it:
+    with depths 1 and 3 seen, depth 2 scores depth 1's (9 + 1) / (10 + 2), not depth 3's (1 + 1) / (10 + 2)."""
+    calibration = OnlineCalibration.from_state({"temperatures": {}, "graft_acceptance": {
+        "context": {"1": [9, 10], "3": [1, 10]}}})
+    assert calibration.graft_log_prob("context", 2) == pytest.approx(math.log(10 / 12))
+    assert calibration.graft_log_prob("context", 4) == pytest.approx(math.log(2 / 12))
+
+
+def test_a_calibration_describes_each_budgets_temperature_and_the_chains_as_stderr_prints_them():
+    assert OnlineCalibration().describe() == "none"
+    calibration = OnlineCalibration.from_state({"temperatures": {"32": 1.14, "chain": 0.5}, "graft_acceptance": {}})
+    assert calibration.describe() == "ddtree@32 1.14, chain 0.50"
+
+
+def test_online_calibration_from_a_shipped_file_learns_on_from_its_temperature_and_leaves_the_file_frozen():
+    """--online-calibration starts from the drafter's file where it has one: a copy that learns (a frozen copy would
+    silently learn nothing), while the file's own calibration stays as loaded."""
+    shipped = OnlineCalibration.from_state({"temperatures": {"8": 1.5}, "graft_acceptance": {"context": {"1": [3, 4]}}})
+    online = learning_from(shipped)
+    assert not online.frozen and online.temperature(8) == pytest.approx(1.5)
+    online.observe(8, expected=3.0, accepted_length=1)  # log T moves by RATE x 2
+    online.observe_graft("context", [1], path=[5], accepted=[5])
+    assert online.log_temperature(8) == pytest.approx(math.log(1.5) + 0.02)
+    assert online.graft_log_prob("context", 1) == pytest.approx(math.log(5 / 7))  # (3 + 1 + 1) / (4 + 1 + 2)
+    assert shipped.temperature(8) == pytest.approx(1.5) and shipped.graft_rounds == {("context", 1): 4}
+    fresh = learning_from(None)
+    assert not fresh.frozen and fresh.log_temperatures == {} and fresh.graft_rounds == {}
+
+
 @pytest.mark.parametrize("learned, now, noted", [
     ({"temperature": 0, "top_p": 1.0, "top_k": 0}, {"temperature": 0.7, "top_p": 0.9, "top_k": 20},
      ["temperature 0 here 0.7", "top_p 1.0 here 0.9", "top_k 0 here 20"]),
@@ -360,6 +409,18 @@ def test_a_settled_calibration_keeps_the_mean_temperature_of_the_last_half_of_it
     assert settled.frozen and online.log_temperature(32) == pytest.approx(steps[-1])
     assert settled.log_temperature(32) == pytest.approx((steps[2] + steps[3]) / 2)
     assert OnlineCalibration().settled().log_temperatures == {}  # nothing recorded, nothing averaged
+
+
+def test_a_settled_calibration_averages_the_clamped_temperatures_so_its_file_loads(tmp_path):
+    """`ddtree calibrate` saves the settled mean: it must average the log temperatures as held (within +-LOG_LIMIT),
+    not the unclamped steps, or a drafter pinned at the ceiling would settle above e^2 and its file be refused."""
+    online = OnlineCalibration(record=True)
+    for _ in range(300):  # log T would reach RATE x 8 x 300 = 24 unclamped
+        online.observe(32, expected=9.0, accepted_length=1)
+    settled = online.settled()
+    assert settled.log_temperature(32) == pytest.approx(OnlineCalibration.LOG_LIMIT)
+    save_calibration(tmp_path / "calibration.json", settled, {})
+    assert load_calibration(tmp_path / "calibration.json").temperature(32) == pytest.approx(math.exp(2), rel=1e-5)
 
 
 def test_a_drafter_already_calibrated_keeps_its_temperature_round_after_round():

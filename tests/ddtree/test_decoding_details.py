@@ -186,6 +186,25 @@ def test_the_context_lookup_copies_from_the_prompt_from_the_first_round(smollm2)
     assert result.rounds[0].accepted_depth >= 4, [r.accepted_depth for r in result.rounds]
 
 
+def test_a_rounds_expected_tau_leaves_out_the_nodes_below_a_stop_token(tiny_target):
+    """A drafter sure of the stop token x at every depth drafts the chain x x x x (budget 4, each p ~ 1): the reply
+    ends at the first x, so the round expects 1 + p(x) ~ 2, not the 5 that counting the nodes below it gives."""
+    target, _ = tiny_target
+    prompt = [5, 17, 42, 8, 99]
+    vocab = target.config.vocab_size
+    stop = (hf_greedy(target, prompt, 1)[0] + 1) % vocab  # not the prefill's token: a round runs
+
+    class SureOfStop(RiggedDrafter):
+        def propose(self, root_token, start, new_context, depth):
+            logits = torch.zeros(depth, vocab)
+            logits[:, stop] = 30.0  # p(x) = 1 - (V - 1) e^-30 at every depth
+            return logits
+
+    result = generate(target, prompt, "ddtree", SureOfStop([], vocab), 4, 8, [stop])
+    assert result.rounds[0].tree_size == 4
+    assert result.rounds[0].expected == pytest.approx(2.0, abs=1e-6)
+
+
 def test_tau_counts_the_tokens_the_rounds_commit_not_the_prefills(tiny_target):
     """tau, which `ddtree generate` and Decoder report, is tokens per verify: the prefill's token is no round's. Counted
     in, ar's tau read above 1 and every drafter's read better than it was."""

@@ -80,7 +80,8 @@ class OnlineCalibration:
     def graft_log_prob(self, lookup: str, depth: int) -> float:
         """Log of the chance that a node `lookup` ("context" or "corpus") grafted at `depth` is accepted, learned so
         far ((hits + 1) / (rounds + 2)). Frozen, a depth it never saw (a file calibrated with lookup 7, decoding
-        with 12) takes the deepest seen depth's chance, not the prior's 1/2: acceptance only falls with depth."""
+        with 12) takes the chance of the deepest depth it saw above that one, not the prior's 1/2: acceptance only
+        falls with depth (a depth above every seen one keeps the prior)."""
         key = (lookup, depth)
         if self.frozen and not self.graft_rounds.get(key):
             seen = [d for (name, d), rounds in self.graft_rounds.items() if name == lookup and d < depth and rounds]

@@ -205,6 +205,33 @@ def test_a_rounds_expected_tau_leaves_out_the_nodes_below_a_stop_token(tiny_targ
     assert result.rounds[0].expected == pytest.approx(2.0, abs=1e-6)
 
 
+def test_a_stop_token_accepted_mid_path_ends_the_rounds_accepted_depth_and_what_calibration_observes(tiny_target):
+    """The target's greedy reply here turns from 199 to 20163 at its 5th token, taken as the stop token: round 2's
+    rigged path runs through it to depth 4 and the target accepts the node below it too, but the reply ends at the stop
+    token, so the round accepted 3 nodes (no bonus), and online calibration is told a length of 1 + 3, not 1 + 4.
+    (tiny-random repeats one token from the start for most prompts: this one changes early, at a clean position.)"""
+    target, _ = tiny_target
+    prompt = [22450, 31596, 26371, 18207, 47881, 11658, 28187, 29101, 199]
+    greedy = hf_greedy(target, prompt, 12)
+    stop = greedy[4]
+    assert stop not in greedy[:4] and greedy[5] == stop  # a node below the stop token that the target accepts too
+
+    class Observed(OnlineCalibration):
+        def observe(self, shape, expected, accepted_length):
+            self.lengths.append(accepted_length)
+            super().observe(shape, expected, accepted_length)
+
+    online = Observed()
+    online.lengths = []
+    rigged = RiggedDrafter(prompt + greedy, target.config.vocab_size)
+    result = generate(target, prompt, "ddtree", rigged, 8, 12, [stop], online=online)
+    assert result.stopped and result.new_tokens == greedy[:5]
+    # round 1 is rejected at depth 1 (position 10: the true token is the 2nd choice behind a decoy's subtree);
+    # round 2, rooted at position 10, accepts positions 11, 12 and 13, the stop token
+    assert [(r.accepted_depth, r.committed) for r in result.rounds] == [(0, 1), (3, 3)]
+    assert online.lengths == [1, 4]
+
+
 def test_tau_counts_the_tokens_the_rounds_commit_not_the_prefills(tiny_target):
     """tau, which `ddtree generate` and Decoder report, is tokens per verify: the prefill's token is no round's. Counted
     in, ar's tau read above 1 and every drafter's read better than it was."""

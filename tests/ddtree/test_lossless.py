@@ -13,7 +13,7 @@ from ddtree.decoding import DrafterRunner, OnlineCalibration, generate
 from ddtree.errors import DDTreeError
 from ddtree.packed_linear import pack_linears, packing_available
 from ddtree.sizing import TreeSizer
-from ddtree.target_runner import StaticTarget
+from ddtree.target_runner import StaticTarget, static_target
 from ddtree.targets import stop_token_ids
 from rigged import RedraftRigged, RiggedDrafter, hf_greedy  # tests/rigged.py
 
@@ -394,11 +394,12 @@ def test_acceptance_is_counted_down_to_the_stop_token_only(smollm2, references, 
 
 
 @pytest.mark.parametrize("runner_kind", ["dynamic", "static"])
-@pytest.mark.parametrize("rows", [[0], [0, 1, 2], [0, 2, 5], [0, 1, 3], [0, 3, 7]])
+@pytest.mark.parametrize("rows", [[0], [0, 1, 2], [0, 2, 5], [0, 1, 3], [0, 3, 7], [0, 1, 2, 3, 4, 5, 7]])
 def test_cache_compaction_keeps_exactly_the_prefix_and_the_rows(tiny_target, rows, runner_kind):
     """Rows already in place (ar, the chain) are kept as they lie, the others are copied: both give the same cache.
     Row 7 is the static runner's last verify slot, onto which its padded copy pairs write (StaticTarget.keep), and the
-    cache's last slot too (capacity 4 + 8): a scratch slot one past it was an IndexError only there."""
+    cache's last slot too (capacity 4 + 8): a scratch slot one past it was an IndexError only there. Seven rows leave
+    one padding pair, whose scratch slot must not be the last kept row's target (row 7 to slot 4 + 6)."""
     import numpy as np
 
     from ddtree.target_runner import DynamicTarget, StaticTarget
@@ -421,6 +422,29 @@ def test_cache_compaction_keeps_exactly_the_prefix_and_the_rows(tiny_target, row
     if runner_kind == "dynamic":
         assert runner.cache.get_seq_length() == 4 + len(rows)
 
+
+
+def test_a_static_round_keeping_all_rows_but_one_keeps_its_last_row_and_stays_lossless(tiny_target):
+    """Budget 4 over a 3-deep block: the rigged drafter is sure at depths 1 and 2 and puts a decoy before the true
+    token at depth 3 (position 15, p % 5 == 0), so the tree is the chain, the decoy, then the true token in the last
+    verify row, and the round keeps rows [0, 1, 2, 4] of 5: one padding pair, whose scratch slot is the one past the
+    kept rows (StaticTarget.keep). On the kept row's slot, its copy was overwritten by the decoy's keys."""
+    target, _ = tiny_target
+    prompt = [5, 17, 42, 8, 99, 3, 61, 7, 250, 12, 31, 4]  # the root at position 12: depths 1..3 at 13..15
+    greedy = hf_greedy(target, prompt, 12)
+    rigged = RiggedDrafter(prompt + greedy, target.config.vocab_size, block_size=4)
+    result = generate(target, prompt, "ddtree", rigged, 4, 12, [], static="on")
+    assert result.new_tokens == greedy
+    assert result.rounds[0].accepted_depth == 3 and result.rounds[0].tree_size == 4
+    # what the static cache holds before the last round's verify: every committed token but the last round's
+    last = result.rounds[-1]
+    kept = len(prompt) + len(greedy) - last.committed - 1
+    runner = static_target(target, True, 4 + 1, needed=len(prompt) + 12 + 4 + 1)  # generate's, from the pool
+    with torch.no_grad():
+        plain = target(torch.tensor([(prompt + greedy)[:kept]]), use_cache=True).past_key_values
+    for layer, reference in zip(runner.cache.layers, plain.layers, strict=True):
+        torch.testing.assert_close(layer.keys[..., :kept, :], reference.keys)
+        torch.testing.assert_close(layer.values[..., :kept, :], reference.values)
 
 
 def test_a_static_verify_whose_padding_runs_past_the_cache_is_refused(tiny_target):

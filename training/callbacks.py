@@ -60,6 +60,8 @@ import json
 import math
 import os
 import random
+import re
+import string
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -919,6 +921,16 @@ class AcceptanceEvaluation(L.Callback):
         if trainer.is_global_zero:
             self._write_report(trainer)
 
+    def checkpoints_gone(self, trainer, kept: set[int | None], saved_up_to: int) -> None:
+        """BestCheckpoint found ranked files gone as this launch resumed: the steps saved up to `saved_up_to` whose file
+        is not among those `kept` rank for no best in report.md, which names best.ckpt's step again (a step measured
+        since, not saved yet, still competes)."""
+        for record in self.history:
+            if record["checkpointed"] and record["step"] <= saved_up_to and record["step"] not in kept:
+                record["checkpointed"] = False
+        if trainer.is_global_zero and self.history:
+            self._write_report(trainer)
+
     def _report_unsaved(self, trainer) -> None:
         """report.md and tau.png of a launch that stopped while saving the step it had just measured: its row says the
         checkpoint was not saved, and it competes for no best (best.ckpt links an earlier step, or none)."""
@@ -1100,6 +1112,7 @@ class BestCheckpoint(Checkpoint):
         self.branches_taken = branch_names(Path(trainer.default_root_dir))  # before AcceptanceEvaluation moves any
 
     def on_train_start(self, trainer, pl_module) -> None:
+        self.forget_gone(trainer)
         # A resumed ranking is loaded by now: best.ckpt names its best file even if the last launch stopped
         # between saving a new best and linking it.
         if trainer.is_global_zero and self.best_model_path and os.path.exists(self.best_model_path):
@@ -1118,6 +1131,40 @@ class BestCheckpoint(Checkpoint):
             score = self.measured_score(trainer, step)
             if score is not None:
                 self.save(trainer, step, report.ranking_score(score))
+
+    def forget_gone(self, trainer) -> None:
+        """Drop from a resumed ranking the files that are gone (deleted by hand to free disk, say). Ranked still, a gone
+        best kept out every later step that scored below it, so the best step left was never saved, and best.ckpt and
+        report.md went on naming the gone file. The evaluations of steps with no file left rank for no best in
+        report.md either (checkpoints_gone)."""
+        gone = [name for name in self.best_k_models if not os.path.exists(os.path.join(self.dirpath, name))]
+        gone = trainer.strategy.broadcast(gone)  # rank 0's look: the same ranking on every rank
+        if not gone:
+            return
+        for name in gone:
+            self.best_k_models.pop(name, None)
+        self.update_best()
+        kept = {self.named_step(name) for name in self.best_k_models}
+        for callback in trainer.callbacks:
+            if isinstance(callback, AcceptanceEvaluation):
+                callback.checkpoints_gone(trainer, kept, self.last_saved_step)
+        if trainer.is_global_zero:
+            now = (f"best.ckpt links {Path(self.best_model_path).name}" if self.best_model_path
+                   else "no kept checkpoint is left to link best.ckpt to")
+            print(f"[checkpoint] {', '.join(gone)}, ranked by this run, {'is' if len(gone) == 1 else 'are'} gone "
+                  f"(deleted or moved): no longer ranked; {now}, and later steps compete without it", flush=True)
+
+    def named_step(self, name: str) -> int | None:
+        """The step in a file name that `filename` made ("step-200.ckpt" -> 200); None for another name."""
+        pattern = ""
+        for text, field, _, _ in string.Formatter().parse(self.filename):
+            pattern += re.escape(text)
+            if field == "step":
+                pattern += "(?P=step)" if "(?P<step>" in pattern else r"(?P<step>\d+)"
+            elif field is not None:
+                pattern += r"\d+"
+        match = re.fullmatch(pattern + re.escape(".ckpt"), name)
+        return int(match["step"]) if match and "(?P<step>" in pattern else None
 
     def finish_removal(self, trainer) -> None:
         """Delete the file a new best displaced where the last launch stopped before deleting it: the marker

@@ -925,6 +925,22 @@ def test_a_new_best_keeps_the_checkpoint_this_launch_resumed_from(tmp_path):
     assert torch.load(folder / "step-2.ckpt", weights_only=False)["global_step"] == 2
 
 
+def test_a_resume_after_the_best_checkpoint_was_deleted_by_hand_ranks_the_checkpoints_left(tmp_path, capsys):
+    """The best file deleted by hand (to free disk) stayed in the restored ranking: step 6, below it, was then not
+    saved, best.ckpt went on linking to nothing and report.md named step 2 best, with step 4 unsaved as its runner-up."""
+    canned_fit(tmp_path, 4, {2: {8: 3.0}, 4: {8: 2.5}})
+    folder = tmp_path / "checkpoints"
+    (folder / "step-2.ckpt").unlink()
+    capsys.readouterr()
+    _, checkpoints = canned_fit(tmp_path, 6, {6: {8: 2.0}}, ckpt_path=folder / "last.ckpt")
+    assert "[checkpoint] step-2.ckpt, ranked by this run, is gone" in capsys.readouterr().out
+    assert list(checkpoints.best_k_models) == ["step-6.ckpt"]
+    assert os.readlink(folder / "best.ckpt") == "step-6.ckpt" and (folder / "best.ckpt").is_file()
+    report = (tmp_path / "report.md").read_text()
+    assert "**Best checkpoint by tau@8: step 6**" in report
+    assert "| 2 (no checkpoint) |" in report and "| 4 (no checkpoint) |" in report
+
+
 def test_a_resume_with_a_lower_save_top_k_drops_the_earliest_of_equals_first(tmp_path):
     """Cut to save_top_k 2, steps 2 and 4 tie below step 6: step 2 goes, as a save's displaced file would (the later of
     equals has trained longer). Dropping step 4 passed (mutation review 19, X22)."""

@@ -504,7 +504,11 @@ class AcceptanceEvaluation(L.Callback):
         problem = not_a_file(self.prompts_path)
         if problem:
             raise DDTreeError(f"eval.prompts={self.prompts_path}: {problem}; give a JSONL of held-out prompts")
-        return load_prompts(Path(self.prompts_path), tokenizer, self.limit)
+        try:
+            return load_prompts(Path(self.prompts_path), tokenizer, self.limit)
+        except DDTreeError as error:  # it names the file and line, not the setting that gave it, nor what to give
+            raise DDTreeError(f"eval.prompts: {error}; fix the file (held-out prompts in the `ddtree bench --prompts` "
+                              "format)") from None
 
     def drafter_runner(self, drafter: nn.Module, target: PreTrainedModel) -> DrafterRunner:
         """The runner decoding uses; tests override it with rigged drafters."""

@@ -1438,6 +1438,16 @@ def test_a_missing_prompts_file_is_one_line_naming_it_and_what_to_give(tmp_path)
         AcceptanceEvaluation(prompts=str(tmp_path / "none.jsonl")).load_prompts(None)
 
 
+def test_a_prompts_file_the_reader_refuses_is_one_line_naming_the_eval_setting(tmp_path):
+    """An empty eval.prompts file stopped the launch with `prompts file X holds no prompts`: not which setting named
+    it, nor what to give."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(DDTreeError, match=rf"^eval.prompts: prompts file {re.escape(str(empty))} holds no prompts; fix "
+                                          r"the file \(held-out prompts in the `ddtree bench --prompts` format\)$"):
+        AcceptanceEvaluation(prompts=str(empty)).load_prompts(None)
+
+
 def test_only_fit_reads_the_prompts_writes_a_report_or_takes_the_signal_handlers(tmp_path):
     """`trainer.validate` with the recipe's callbacks: no eval.prompts read (a missing file is fit's error), no
     report.md of a run that 'ended before its first evaluation', Lightning's signal handlers left as they are; a second
@@ -2225,7 +2235,7 @@ def test_eval_prompts_are_read_as_bench_reads_them_a_null_id_none_and_an_id_twic
     path.write_text('{"id": null, "prompt": "a b"}\n{"id": "x", "prompt": "c d"}\n')
     assert [prompt["id"] for prompt in AcceptanceEvaluation(prompts=str(path)).load_prompts(tokenizer)] == ["1", "x"]
     path.write_text('{"id": "x", "prompt": "a b"}\n{"id": "x", "prompt": "c d"}\n')
-    with pytest.raises(DDTreeError, match=f"^{re.escape(str(path))}: lines 1 and 2 both have id 'x'"):
+    with pytest.raises(DDTreeError, match=f"^eval.prompts: {re.escape(str(path))}: lines 1 and 2 both have id 'x'"):
         AcceptanceEvaluation(prompts=str(path)).load_prompts(tokenizer)
 
 

@@ -958,12 +958,15 @@ class AcceptanceEvaluation(L.Callback):
         drawn = datamodule.record() if getattr(datamodule, "train_set", None) is not None else None
         timers = [callback for callback in trainer.callbacks if isinstance(callback, Timer) and callback._duration]
         max_steps = trainer.max_steps
+        # the limits the run was planned by: max_steps unset (-1) is none, where max_epochs plans it (the 8B recipes)
+        limits = ([f"max_steps {max_steps}"] if max_steps is not None and max_steps >= 0
+                  else [f"max_epochs {trainer.max_epochs}"] if trainer.max_epochs not in (None, -1) else [])
+        limits += [f"max_time {report.duration_text(timer._duration)}" for timer in timers[:1]]
         settings = {**self.settings(module.drafter_config, len(self.prompts)),
                     "train_loss_note": report.training_loss_note(dict(module.hparams), module.block_size),
                     "target_note": report.target_note(dict(module.hparams)),
                     "data_notes": report.data_notes(drawn),
-                    "planned_length": f"max_steps {max_steps}" + "".join(
-                        f", max_time {report.duration_text(timer._duration)}" for timer in timers[:1]),
+                    "planned_length": ", ".join(limits),
                     "ended": report.training_end(trainer.global_step, max_steps,
                                                  any(timer.time_remaining() <= 0 for timer in timers))}
         report.write_all(Path(trainer.default_root_dir), self.history, settings, self.launch_eval_seconds, launch_seconds)

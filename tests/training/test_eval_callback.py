@@ -1682,6 +1682,20 @@ def test_the_last_batch_of_a_max_epochs_run_is_evaluated_checkpointed_and_can_be
     assert (tmp_path / "checkpoints" / "best.ckpt").resolve().name == "step-6.ckpt"
 
 
+def test_the_report_of_a_max_epochs_run_that_max_time_stopped_plans_its_epochs_not_max_steps_minus_1(tmp_path):
+    """The 8B recipes plan by max_epochs, max_steps unset: a max_time stop's report read "Planned length: max_steps -1,
+    max_time ...", a limit no one set, and left out the epochs that were the plan."""
+    evaluation = CannedEvaluation({2: {8: 1.0}, 3: {8: 2.0}}, every_n_train_steps=2, budgets=[8], primary_budget=8)
+    checkpoints = BestCheckpoint(dirpath=tmp_path / "checkpoints", monitor=monitor_metric(8), every_n_train_steps=2)
+    trainer = L.Trainer(max_epochs=2, accelerator="cpu", default_root_dir=tmp_path, logger=False,
+                        callbacks=[evaluation, checkpoints, StepClock()], enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(tiny_module(), train_dataloaders=synthetic_loader(5))
+    assert trainer.global_step == 3
+    assert ("Planned length: max_epochs 2, max_time 00:00:00:03; max_time ended training at step 3."
+            in (tmp_path / "report.md").read_text())
+
+
 def test_the_last_batch_of_an_epoch_that_max_steps_runs_past_is_no_evaluation_step(tmp_path):
     """max_steps leaves Lightning's max_epochs at -1, no limit: an epoch's last batch is then no planned end. Read as
     one, every epoch of the recipes that plan by max_steps ended with an evaluation (minutes on the 8B recipes) and a

@@ -417,3 +417,62 @@ def test_replay_grafts_redrafts_and_learns_as_decoding_does(tiny, budget, lookup
     if lookup:  # the lookup grafted nodes, and the target took some of them
         counts = learned["graft_acceptance"][lookup].values()
         assert sum(rounds for _, rounds in counts) > 0 and sum(hits for hits, _ in counts) > 0, learned
+
+
+@pytest.mark.parametrize("budget", [None, 4])
+def test_a_reply_longer_than_max_new_tokens_replays_the_rounds_decoding_runs_up_to_it(tiny, budget):
+    """Decoding stops at max_new_tokens, mid-reply: no round once that many tokens are committed, and a round that may
+    commit only one more token commits its bonus alone. The replay must stop there too, or it proposes a block with no
+    depth left (mutant: `committed <= max_new_tokens`)."""
+    target, tokenizer = tiny
+    prompt = tokenizer("def fibonacci(n):")["input_ids"]
+    sequence, mask = reply_of(target, prompt, 40)
+    exact = 0
+    for max_new in range(6, 30, 2):
+        decoded = generate(target, prompt, "ddtree" if budget else "dflash",
+                           RiggedDrafter(sequence, target.config.vocab_size, block_size=6), budget or 1, max_new)
+        assert prompt + decoded.new_tokens == sequence[:len(prompt) + max_new]
+        rounds = replay_reply(RiggedDrafter(sequence, target.config.vocab_size, block_size=6),
+                              torch.zeros(len(sequence), 3), torch.tensor(sequence), *reply_span(mask), budget, max_new)
+        assert [(r.accepted, r.committed) for r in rounds] == [(r.accepted_depth, r.committed)
+                                                               for r in decoded.rounds], max_new
+        assert 1 + sum(r.committed for r in rounds) == max_new  # the reply goes on: max_new_tokens ends it
+        exact += rounds[-1].committed > 1  # the last round reached max_new_tokens itself, not by a bonus-only round
+    assert exact > 0, "no replay reached max_new_tokens with a drafted round: the bound was never exercised"
+
+
+@pytest.mark.parametrize("budget", [None, 2])
+def test_replay_re_drafts_as_many_blocks_as_decoding_for_the_chain_and_the_tree(tiny, budget):
+    """The chain holds one depth-1 node, so decoding re-drafts one block behind it however many `redraft` asks for
+    (mutant: the chain re-drafting `redraft` blocks, the same rounds at three times the re-drafting)."""
+    target, tokenizer = tiny
+    prompt = tokenizer("def fibonacci(n):")["input_ids"]
+    sequence, mask = reply_of(target, prompt, 40)
+    decoding, replaying = (RedraftRigged(sequence, target.config.vocab_size, block_size=6) for _ in range(2))
+    decoded = generate(target, prompt, "ddtree" if budget else "dflash", decoding, budget or 1, 40, lookup=0, redraft=3)
+    rounds = replay_reply(replaying, torch.zeros(len(sequence), 3), torch.tensor(sequence), *reply_span(mask), budget,
+                          40, redraft=3)
+    assert [(r.accepted, r.committed) for r in rounds] == [(r.accepted_depth, r.committed) for r in decoded.rounds]
+    assert replaying.redrafts == decoding.redrafts
+    assert all(len(firsts) == (budget or 1) for _, firsts in replaying.redrafts)
+
+
+@pytest.mark.parametrize("budget", [None, 4])
+def test_a_round_that_accepts_a_stop_token_counts_no_node_below_it_as_accepted(budget):
+    """Decoding ends the reply at an accepted end-of-turn token: that round's accepted nodes end with it and it commits
+    no bonus, so the replay commits the reply up to the stop and no further. The drafter here drafts past the stop as
+    well as before it, so the walk accepts nodes below it (mutant: ReplayRound.accepted = the walk's whole path)."""
+    prompt, reply = [1, 5, 9, 13], list(range(20, 70))
+    sequence = prompt + reply
+    below = 0
+    for stop in reply[1:30]:  # reply[0], the prefill's token, runs no round
+        oracle = RiggedDrafter(sequence, 97, block_size=6)
+        walked = []
+        rounds = replay_reply(oracle, torch.zeros(len(sequence), 3), torch.tensor(sequence), len(prompt), len(sequence),
+                              budget, 64, lambda logits, truth, accepted: walked.append(accepted), stop_ids=[stop])
+        assert 1 + sum(r.committed for r in rounds) == reply.index(stop) + 1, stop  # the reply ends at the stop
+        last = rounds[-1]
+        assert last.accepted in (last.committed - 1, last.committed) and walked[-1] == last.accepted, (stop, last)
+        if last.accepted == last.committed:  # the stop accepted, not the round's bonus: a round with depths below it
+            below += last.accepted < 5 and (len(prompt) + reply.index(stop) + 1) % 7 != 3
+    assert below > 0, "no stop was accepted above a drafted, matching node: nothing below it to leave out"

@@ -927,7 +927,8 @@ def test_a_new_best_keeps_the_checkpoint_this_launch_resumed_from(tmp_path):
 
 def test_a_resume_after_the_best_checkpoint_was_deleted_by_hand_ranks_the_checkpoints_left(tmp_path, capsys):
     """The best file deleted by hand (to free disk) stayed in the restored ranking: step 6, below it, was then not
-    saved, best.ckpt went on linking to nothing and report.md named step 2 best, with step 4 unsaved as its runner-up."""
+    saved, best.ckpt went on linking to nothing and report.md named step 2 best, with step 4 unsaved as its
+    runner-up."""
     canned_fit(tmp_path, 4, {2: {8: 3.0}, 4: {8: 2.5}})
     folder = tmp_path / "checkpoints"
     (folder / "step-2.ckpt").unlink()

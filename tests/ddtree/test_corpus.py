@@ -405,3 +405,53 @@ def test_a_corpus_of_conversations_is_named_by_its_file_in_its_errors(tmp_path, 
     corpus = CorpusLookup.from_conversations(tmp_path / "short.jsonl", tokenizer)
     with pytest.raises(DDTreeError, match=rf"^the corpus {re.escape(str(tmp_path / 'short.jsonl'))}: no reply in it"):
         corpus.check_runs()
+
+
+def test_runs_whose_ranks_would_collide_under_a_smaller_base_keep_their_own_continuations():
+    """Keys pack ranks in base len(ids): ids 0, 1, 2, 5, 6 rank 0..4, so runs (0, 6) and (1, 0) pack to 0*5+4 = 4 and
+    1*5+0 = 5; packed in base 4 both were 4, one run, and (1, 0) would take (0, 6)'s continuation."""
+    corpus = CorpusLookup([[0, 6, 5], [1, 0, 2]], ngram=2, length=1)
+    assert len(corpus) == 2 and corpus.table == {(0, 6): [5], (1, 0): [2]}
+    assert corpus.continuation([1, 0], 1) == [2]
+
+
+def test_an_ngram_whose_keys_reach_two_to_the_63_blames_the_ngram_at_the_boundary():
+    """2 distinct ids in runs of 63 make 2^63 keys, one past what the check allows (`>= 2 ** 63`): the refusal is the
+    ngram's, naming 62 (2^62 keys), not the ids' "too many ... not token ids" (which 2 ids never are)."""
+    with pytest.raises(DDTreeError, match=r"^CorpusLookup ngram=63: runs of 63 tokens over the 2 distinct token ids "
+                                          r"the corpus holds do not pack .*; give ngram at most 62 \(default 3\)$"):
+        CorpusLookup([[0, 1] * 40], ngram=63)
+    assert CorpusLookup([[0, 1] * 40], ngram=62).continuation([0, 1] * 31, 2) == [0, 1]
+
+
+def test_two_to_the_21_distinct_ids_are_refused_in_runs_of_three():
+    """Runs of 3 over 2^21 ids make 2^63 keys: refused, as the check's comment says (2^21 - 1 ids pass it)."""
+    with pytest.raises(DDTreeError, match=r"^the corpus holds 2097152 distinct token ids \(0 to 2097151\), too many"):
+        CorpusLookup([np.arange(2 ** 21)])
+
+
+class SharedHead(Vocabulary):
+    """A vocabulary whose first 2048 tokens are spelt as every such tokenizer's, then its own."""
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [f"shared{i}" if i < 2048 else token for i, token in zip(ids, super().convert_ids_to_tokens(ids))]
+
+
+def test_the_tokenizer_record_samples_ids_across_the_whole_vocabulary_not_its_first_ones(tmp_path):
+    """vocabulary_hash takes 1024 ids spread evenly below the size (every 48th of 49,152): two tokenizers that spell
+    their first 2048 ids alike differ at the 980 sampled above them, where a hash of ids 0..1023 saw the same."""
+    write_replies(tmp_path / CORPUS_FILE, [[300, 301, 302, 303]], SharedHead("one", 49152, "a"))
+    corpus = CorpusLookup.from_file(tmp_path / CORPUS_FILE)
+    corpus.check_tokenizer(SharedHead("one-chat", 49152, "a"))
+    with pytest.raises(DDTreeError, match=r"was written with tokenizer one \(49152 tokens\), whose ids the target's "
+                                          r"tokenizer other \(49152 tokens\) gives other tokens"):
+        corpus.check_tokenizer(SharedHead("other", 49152, "b"))
+
+
+def test_a_corpus_file_given_as_a_flag_is_named_as_given_when_it_holds_no_run(tmp_path, tiny_target):
+    """read_corpus hands from_file the flag and path as given: its refusals name them, not "the corpus <path>"."""
+    path = tmp_path / "short.safetensors"
+    write_replies(path, [[5, 6, 7], []], tiny_target[1])
+    with pytest.raises(DDTreeError, match=rf"^--corpus {re.escape(str(path))}: no reply in it holds more than 3 "
+                                          "tokens"):
+        read_corpus(path)

@@ -559,6 +559,14 @@ def test_anchors_are_distinct_sorted_reply_tokens_redrawn_per_seed():
     assert anchor_candidates(torch.ones(2, 12, dtype=torch.bool)).tolist() == [[False] + [True] * 10 + [False]] * 2
 
 
+def test_a_candidate_drawn_a_score_of_exactly_zero_is_still_an_anchor(monkeypatch):
+    """torch.rand draws 0.0 once in 2**24 values, a few hundred times over a training run's anchor draws: a zero
+    score must count as a candidate's (non-candidates are pushed to -1), not drop the anchor as an invalid slot."""
+    monkeypatch.setattr(torch, "rand", lambda *shape, generator=None: torch.zeros(*shape))
+    loss_mask = torch.ones(1, 4, dtype=torch.bool)  # candidates 1 and 2: 0 has no context, 3 no successor
+    anchors, valid = sample_anchors(loss_mask, 5, torch.Generator())
+    assert anchors.tolist() == [[1, 2]] and valid.tolist() == [[True, True]]
+
 def test_block_labels_stop_at_the_end_of_the_reply_and_skip_the_anchor():
     input_ids = torch.arange(100, 112)[None]  # token at position p is 100 + p
     loss_mask = torch.zeros(1, 12, dtype=torch.bool)

@@ -60,8 +60,6 @@ import json
 import math
 import os
 import random
-import re
-import string
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -925,7 +923,7 @@ class AcceptanceEvaluation(L.Callback):
         if trainer.is_global_zero:
             self._write_report(trainer)
 
-    def checkpoints_gone(self, trainer, kept: set[int | None], saved_up_to: int) -> None:
+    def checkpoints_gone(self, trainer, kept: set[int], saved_up_to: int) -> None:
         """BestCheckpoint found ranked files gone as this launch resumed: the steps saved up to `saved_up_to` whose file
         is not among those `kept` rank for no best in report.md, which names best.ckpt's step again (a step measured
         since, not saved yet, still competes)."""
@@ -1151,7 +1149,8 @@ class BestCheckpoint(Checkpoint):
         for name in gone:
             self.best_k_models.pop(name, None)
         self.update_best()
-        kept = {self.named_step(name) for name in self.best_k_models}
+        # the steps the files left were saved at, as each records it (rank 0's read, as the look above)
+        kept = trainer.strategy.broadcast({saved_step(Path(self.dirpath) / name) for name in self.best_k_models})
         for callback in trainer.callbacks:
             if isinstance(callback, AcceptanceEvaluation):
                 callback.checkpoints_gone(trainer, kept, self.last_saved_step)
@@ -1160,18 +1159,6 @@ class BestCheckpoint(Checkpoint):
                    else "no kept checkpoint is left to link best.ckpt to")
             print(f"[checkpoint] {', '.join(gone)}, ranked by this run, {'is' if len(gone) == 1 else 'are'} gone "
                   f"(deleted or moved): no longer ranked; {now}, and later steps compete without it", flush=True)
-
-    def named_step(self, name: str) -> int | None:
-        """The step in a file name that `filename` made ("step-200.ckpt" -> 200); None for another name."""
-        pattern = ""
-        for text, field, _, _ in string.Formatter().parse(self.filename):
-            pattern += re.escape(text)
-            if field == "step":
-                pattern += "(?P=step)" if "(?P<step>" in pattern else r"(?P<step>\d+)"
-            elif field is not None:
-                pattern += r"\d+"
-        match = re.fullmatch(pattern + re.escape(".ckpt"), name)
-        return int(match["step"]) if match and "(?P<step>" in pattern else None
 
     def finish_removal(self, trainer) -> None:
         """Delete the file a new best displaced where the last launch stopped before deleting it: the marker

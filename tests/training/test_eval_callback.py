@@ -942,6 +942,19 @@ def test_a_resume_after_the_best_checkpoint_was_deleted_by_hand_ranks_the_checkp
     assert "| 2 (no checkpoint) |" in report and "| 4 (no checkpoint) |" in report
 
 
+def test_a_checkpoint_left_beside_a_deleted_best_stays_ranked_and_named_best(tmp_path):
+    """With save_top_k 2 and step 2's file deleted, step 4's file is left: it is the best now, in the ranking, for
+    best.ckpt and in report.md (its step read from the file; a ranking that kept no step left named step 6 best)."""
+    canned_fit(tmp_path, 4, {2: {8: 3.0}, 4: {8: 2.5}}, save_top_k=2)
+    folder = tmp_path / "checkpoints"
+    (folder / "step-2.ckpt").unlink()
+    _, checkpoints = canned_fit(tmp_path, 6, {6: {8: 1.0}}, save_top_k=2, ckpt_path=folder / "last.ckpt")
+    assert sorted(checkpoints.best_k_models) == ["step-4.ckpt", "step-6.ckpt"]
+    assert os.readlink(folder / "best.ckpt") == "step-4.ckpt"
+    report = (tmp_path / "report.md").read_text()
+    assert "**Best checkpoint by tau@8: step 4**" in report and "| 2 (no checkpoint) |" in report
+
+
 def test_a_resume_with_a_lower_save_top_k_drops_the_earliest_of_equals_first(tmp_path):
     """Cut to save_top_k 2, steps 2 and 4 tie below step 6: step 2 goes, as a save's displaced file would (the later of
     equals has trained longer). Dropping step 4 passed (mutation review 19, X22)."""

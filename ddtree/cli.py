@@ -46,7 +46,7 @@ from .errors import DDTreeError, Terminated, check_text, command
 from .files import WriteFailed, check_output_file, not_a_file, saved_elsewhere, write_results_json
 from .inputs import method_list, uses_drafter
 from .machine import describe_machine, machine_line
-from .packed_linear import apply_packing, check_packing_choice, is_packed, packing_available
+from .packed_linear import apply_packing, check_packing_choice, is_packed, packing_available, packs_as
 from .precision import resolve_dtype
 from .sizing import TreeSizer
 from .targets import load_target, stop_token_ids
@@ -59,7 +59,7 @@ def _load_target(args):
         print(reason, file=sys.stderr)
     check_packing_choice(args.packed_weights, dtype, args.device)
     device = torch.device(args.device)
-    if getattr(args, "compare_plain", False) and (dtype != torch.float32 or device.type != "cpu"):
+    if getattr(args, "compare_plain", False) and not packs_as(dtype, device):
         # said before the target loads (it was said after: seconds, minutes for a large target)
         raise DDTreeError(f"--compare-plain needs fp32 on a CPU, and the target runs in "
                           f"{str(dtype).removeprefix('torch.')} on {device.type}: drop --compare-plain, or use "

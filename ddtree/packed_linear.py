@@ -155,13 +155,18 @@ def require_packing(model: nn.Module, option: str = "--packed-weights") -> None:
         raise DDTreeError(f"{option} on: {reason}; use {option} off (or auto)")
 
 
+def packs_as(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether a model that will run in `dtype` on `device` is one packing is for: fp32 on a CPU."""
+    return dtype == torch.float32 and torch.device(device).type == "cpu"
+
+
 def check_packing_choice(choice: str, dtype: torch.dtype, device: torch.device | str,
                          option: str = "--packed-weights", float32: str = "--dtype float32") -> None:
     """`on` for a model that will run in bf16 or fp16, or on a GPU: one line before it loads (require_packing said it
     only once the model had loaded: seconds, minutes for a large target). `float32`: how the caller's user asks for
     fp32, which on a CPU is the way to get the packing asked for."""
     device = torch.device(device)
-    if choice == "on" and (dtype != torch.float32 or device.type != "cpu"):
+    if choice == "on" and not packs_as(dtype, device):
         # on a CPU the dtype alone stands in the way, often one `auto` chose (bf16 on an AMX Xeon): the line only
         # said to give packing up
         keep = f"give {float32} to pack, or " if device.type == "cpu" else ""

@@ -32,7 +32,7 @@ from matplotlib.figure import Figure
 from ddtree.bench import CHAIN, tree_key
 from ddtree.files import atomic_file, write_text_atomic
 
-from .loss import published_gamma
+from .loss import OBJECTIVE_SETTINGS, published_gamma
 
 
 def ranking_score(tau: float) -> float:
@@ -67,12 +67,13 @@ def objective_description(hyper_parameters: dict) -> str:
     """The training loss a run's hyper-parameters name, in words: its objective and any distillation."""
     objective = hyper_parameters.get("objective", "decayed_ce")
     text = f"`model.objective={objective}`"
-    if objective != "decayed_ce":
-        details = [f"smoothing {hyper_parameters.get('objective_smoothing', 0.5):g}"]
-        if objective == "tree":
-            details.append(f"top-{hyper_parameters.get('objective_top_k', 4)} survival")
-        if objective in ("frontier", "intree"):
-            details.append(f"the drafter's own tree of {hyper_parameters.get('objective_budget', 32)} nodes")
+    settings = {  # what each setting the objective reads says of it, as OBJECTIVE_SETTINGS lists them (gamma: elsewhere)
+        "objective_smoothing": f"smoothing {hyper_parameters.get('objective_smoothing', 0.5):g}",
+        "objective_top_k": f"top-{hyper_parameters.get('objective_top_k', 4)} survival",
+        "objective_budget": f"the drafter's own tree of {hyper_parameters.get('objective_budget', 32)} nodes",
+    }
+    details = [said for name, said in settings.items() if objective in OBJECTIVE_SETTINGS[name]]
+    if details:
         text += f" ({', '.join(details)})"
     distill = float(hyper_parameters.get("distill_weight") or 0.0)
     if distill:

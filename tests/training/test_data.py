@@ -753,3 +753,53 @@ def test_a_resumed_loader_saved_again_before_its_first_batch_keeps_the_position(
     resumed = ResumableDataLoader(data, EpochShuffleSampler(20, seed=0), batch_size=2)
     resumed.load_state_dict(state)
     assert resumed.state_dict()["batches_yielded"] == 3
+
+
+def test_ranks_take_every_world_th_position_of_the_one_process_order_wrapped_to_equal_shares():
+    """Rank r of w takes positions r, r + w, ... of the epoch's permutation, the permutation wrapped round so every
+    rank has as many: 10 items on 3 ranks are positions 0..11, positions 10 and 11 the permutation's first two."""
+    order = list(EpochShuffleSampler(10, seed=3))  # one process: the whole permutation
+    wrapped = order + order[:2]
+    ranks = [list(EpochShuffleSampler(10, seed=3, rank=r, world_size=3)) for r in range(3)]
+    assert ranks == [[wrapped[0], wrapped[3], wrapped[6], wrapped[9]], [wrapped[1], wrapped[4], wrapped[7], order[0]],
+                     [wrapped[2], wrapped[5], wrapped[8], order[1]]]
+
+
+def test_a_samplers_start_skips_its_items_on_the_next_pass_only():
+    """A resume's position is for the pass it resumes: a second pass over the same epoch draws everything again."""
+    sampler = EpochShuffleSampler(10, seed=3)
+    whole = list(sampler)
+    sampler.start = 4
+    assert list(sampler) == whole[4:]
+    assert list(sampler) == whole
+
+
+def test_seed_and_epoch_do_not_trade_places_in_the_shuffle():
+    """Seed 1's first epoch is not seed 0's second (nor seed 0's first seed 1's second): two runs of neighbouring
+    seeds would otherwise draw the same batches one epoch apart."""
+    def order(seed, epoch):
+        sampler = EpochShuffleSampler(10, seed=seed)
+        sampler.set_epoch(epoch)
+        return list(sampler)
+
+    assert order(1, 0) != order(0, 1) and order(0, 0) != order(1, 1)
+
+
+def test_validation_shares_of_fewer_than_two_items_a_rank_are_one_item_each():
+    """With at least as many items as ranks every rank validates its own: 4 items on 3 ranks are one each (item 3
+    left out), not all 4 on every rank, which counts each item three times."""
+    assert [rank_share(4, r, 3) for r in range(3)] == [[0], [1], [2]]
+    assert [rank_share(3, r, 3) for r in range(3)] == [[0], [1], [2]]
+
+
+def test_a_single_data_file_is_identified_by_its_content_not_its_name(tmp_path):
+    """A file renamed (or copied under another name) holds the same conversations: its tokenized cache and feature
+    store serve it still; inside a folder, a file's name is part of the folder's content."""
+    first = conversation_file(tmp_path / "conv.jsonl", 2)
+    renamed = tmp_path / "renamed.jsonl"
+    renamed.write_bytes(first.read_bytes())
+    assert source_fingerprint(str(renamed)) == source_fingerprint(str(first))
+    for name, folder in (("conv.jsonl", "a"), ("renamed.jsonl", "b")):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / name).write_bytes(first.read_bytes())
+    assert source_fingerprint(str(tmp_path / "a")) != source_fingerprint(str(tmp_path / "b"))

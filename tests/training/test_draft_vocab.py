@@ -52,6 +52,14 @@ def test_reply_vocabulary_counts_reply_tokens_of_the_split_only():
     assert reply_vocabulary(split, 20, vocab_size=12) == list(range(12))  # at most the whole vocabulary
 
 
+def test_reply_vocabulary_breaks_ties_by_the_lower_id_in_a_vocabulary_of_many_ids():
+    """The tie rule holds past a handful of ids (an unstable sort keeps it below 17 ids only): ids 19, 11, 7 and 2
+    are seen once each and 5 twice, so three ids are 5 and the two lowest of the ties, 2 and 7."""
+    data = TokenizedConversations.from_examples([{"input_ids": [1, 19, 2, 11, 7, 5, 5], "loss_mask": [0] + [1] * 6}])
+    assert reply_vocabulary(Subset(data, [0]), 3, vocab_size=20) == [2, 5, 7]
+    assert reply_vocabulary(Subset(data, [0]), 4, vocab_size=40) == [2, 5, 7, 11]
+
+
 def test_replies_are_the_supervised_runs_of_the_split_one_per_assistant_turn():
     data = TokenizedConversations.from_examples([
         {"input_ids": [9, 5, 5, 9, 9, 7, 3], "loss_mask": [0, 1, 1, 0, 0, 1, 1]},  # two turns

@@ -22,8 +22,11 @@ from ddtree.errors import DDTreeError
 from ddtree.targets import builtin_target_folder
 from training.conversations import (
     CHAT_TARGET,
+    assistant_header,
+    common_ending,
     end_of_turn_text,
     load_conversations,
+    prompt_end,
     read_messages_jsonl,
     render_with_loss_mask,
     rows_to_records,
@@ -1026,3 +1029,140 @@ def test_response_ids_held_as_text_or_bytes_are_one_line_naming_the_row(ids):
     with pytest.raises(DDTreeError, match=rf"data.parquet row 0: 'response_ids' must be a list of token ids, "
                                           rf"got {type(ids).__name__}"):
         rows_to_records(rows, "data.parquet")
+
+
+# ----------------------------------------------------------------------------- small pieces and edges
+
+def test_a_message_is_read_as_its_role_and_content_alone(tmp_path):
+    """Other keys a message carries (a "name", a "weight") are not passed on to the chat template, which might write
+    them into the render that training and decoding must share."""
+    line = json.dumps({"messages": [{"role": "user", "content": "Hi", "name": "Ann", "weight": 0}]})
+    (record,) = read_messages_jsonl(write_lines(tmp_path / "extra.jsonl", [line]))
+    assert record["messages"] == [{"role": "user", "content": "Hi"}]
+
+
+def test_response_ids_holding_token_id_0_are_kept_and_a_negative_id_is_not():
+    """Id 0 is a token like any other (SmolLM2's <|endoftext|>); a negative one is no token at all."""
+    rows = [{"messages": [{"role": "user", "content": "Hi"}], "response_ids": [0, 12]}]
+    assert rows_to_records(rows, "t.parquet")[0]["response_ids"] == [0, 12]
+    with pytest.raises(DDTreeError, match=r"t.parquet row 0: 'response_ids' must hold non-negative integer token ids"):
+        rows_to_records([dict(rows[0], response_ids=[3, -1])], "t.parquet")
+
+
+def test_an_empty_reply_generated_as_no_ids_trains_its_end_of_turn_alone(smol_tokenizer, tmp_path):
+    """A target that ended its reply at once wrote response_ids []: still regenerated data, whose last reply alone is
+    the target's; read as a row without ids, its earlier reply (the user's text) was supervised as well."""
+    history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+               {"role": "user", "content": "Say nothing."}]
+    row = {"id": "e", "messages": history + [{"role": "assistant", "content": ""}], "response_ids": []}
+    (record,) = read_messages_jsonl(write_lines(tmp_path / "empty.jsonl", [json.dumps(row)]))
+    assert record["response_ids"] == []
+    (example,), _ = tokenize_conversations(smol_tokenizer, [record], max_length=500, min_supervised_tokens=1)
+    prompt = decoding_prompt(smol_tokenizer, history)
+    assert example["input_ids"] == prompt + [smol_tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    assert example["loss_mask"] == [0] * len(prompt) + [1]
+
+
+def test_a_response_id_equal_to_the_tokenizers_length_is_past_its_vocabulary(smol_tokenizer):
+    """Ids run from 0 to len(tokenizer) - 1: the first id past them is refused as any later one is."""
+    text = "Rivers flow."
+    ids = smol_tokenizer(text, add_special_tokens=False)["input_ids"]
+    record = {"id": "f", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": text}],
+              "response_ids": ids + [len(smol_tokenizer)]}
+    with pytest.raises(DDTreeError, match=f"hold id {len(smol_tokenizer)}, past the {len(smol_tokenizer)} tokens"):
+        tokenize_conversations(smol_tokenizer, [record], 500, 1)
+
+
+def test_a_replys_leading_space_after_the_think_block_the_target_writes_is_tokenized_with_the_reply(
+        qwen3_thinking_tokenizer):
+    """The think block is the template's text, tokenized as such; the reply's own leading space belongs to its first
+    word ("ĠHello", as the target writes it), not to the end of the think block."""
+    tokenizer = qwen3_thinking_tokenizer
+    messages = [{"role": "user", "content": "Greet me."}, {"role": "assistant", "content": " Hello there."}]
+    ids, mask = render_with_loss_mask(tokenizer, messages)
+    expected = (tokenizer("<think>\n\n</think>\n\n", add_special_tokens=False)["input_ids"]
+                + tokenizer(" Hello there.", add_special_tokens=False)["input_ids"]
+                + tokenizer.convert_tokens_to_ids(["<|im_end|>"]))
+    assert [i for i, bit in zip(ids, mask) if bit] == expected
+
+
+def test_an_earlier_reply_rendered_after_a_space_with_its_reasoning_stripped_is_context(smol_folder):
+    """A template that writes a space before each reply and drops an earlier reply's reasoning: that reply's kept end
+    is found after the space, so it is context, and the conversation is not refused."""
+    tokenizer = AutoTokenizer.from_pretrained(smol_folder)
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.chat_template = QWEN3_THINKING_TEMPLATE.replace("'<|im_start|>assistant\\n' + content",
+                                                              "'<|im_start|>assistant\\n ' + content")
+    messages = [{"role": "user", "content": "What is 2+2?"},
+                {"role": "assistant", "content": "<think>\nAdd them.\n</think>\n\n2+2 is 4."},
+                {"role": "user", "content": "And 3+3?"}, {"role": "assistant", "content": "6."}]
+    ids, mask = render_with_loss_mask(tokenizer, messages)
+    assert "<|im_start|>assistant\n 2+2 is 4.<|im_end|>" in tokenizer.decode(ids)
+    assert masked_runs(tokenizer, ids, mask) == ["<think>\n\n</think>\n\n6.<|im_end|>"]
+
+
+def test_common_ending_counts_the_characters_alike_at_the_end():
+    """common_ending(text, end, prompt): how many characters text[:end] and prompt end alike, at most the shorter."""
+    assert common_ending("xx[/INST] a", 9, "y [/INST]") == 7  # "[/INST]"; then "x" against " "
+    assert common_ending("[/INST]", 7, "[/INST]") == 7  # the whole prompt
+    assert common_ending("ST]", 3, "[INST]") == 3  # all of text[:end], shorter than the prompt
+    assert common_ending("ab]", 3, "ab]c") == 0
+
+
+def test_prompt_end_is_the_last_place_ending_most_alike_from_the_turns_start_and_none_where_none_does():
+    # "]" ends the text at 3 and at 6, alike with the prompt's one "]" each: the last of them, up to the reply's start
+    assert prompt_end("ab]  ]R", "x]", 0, 6) == 6
+    assert prompt_end("ab]  ]R", "x]", 0, 5) == 3
+    assert prompt_end("Q]R", "Q]", 2, 2) == 2  # the turn's start itself is a place
+    assert prompt_end("abc", "xyz", 0, 3) is None
+
+
+def test_assistant_header_is_what_the_template_writes_before_a_reply_in_the_history(smol_tokenizer,
+                                                                                     qwen3_thinking_tokenizer,
+                                                                                     smol_folder):
+    assert assistant_header(smol_tokenizer) == "<|im_start|>assistant\n"
+    assert assistant_header(qwen3_thinking_tokenizer) == "<|im_start|>assistant\n"  # no think block in the history
+    tokenizer = AutoTokenizer.from_pretrained(smol_folder)
+    # a template that closes the conversation with a count: a one-turn render's ending is nowhere in a longer one
+    tokenizer.chat_template = ("{% for m in messages %}{{ '<|im_start|>' ~ m['role'] ~ '\\n' ~ m['content'] ~ "
+                               "'<|im_end|>\\n' }}{% endfor %}{{ messages | length ~ ' turns' }}")
+    assert assistant_header(tokenizer) == ""
+
+
+def test_the_end_of_turn_token_is_the_longest_special_token_the_template_closes_a_turn_with(smol_folder):
+    """A shorter special token that the end-of-turn token starts with ("<|im") is not the end of turn."""
+    tokenizer = AutoTokenizer.from_pretrained(smol_folder)
+    tokenizer.add_tokens(["<|im"], special_tokens=True)
+    assert end_of_turn_text(tokenizer) == "<|im_end|>"
+
+
+def test_an_earlier_reply_found_after_a_header_is_supervised_from_its_content_on(smol_folder):
+    """Where no shorter render is a prefix, a reply's turn is placed by the assistant header, and the template's text
+    between it and the reply (a think block) is not supervised: only whitespace there joins the reply."""
+    tokenizer = AutoTokenizer.from_pretrained(smol_folder)
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.chat_template = "{{ '<|im_start|>system\\n' ~ messages | length ~ ' turns<|im_end|>\\n' }}" + \
+        QWEN3_THINKING_TEMPLATE
+    messages = [{"role": "user", "content": "Look it up."}, {"role": "assistant", "content": "Looking."},
+                {"role": "tool", "content": "42"}]
+    ids, mask = render_with_loss_mask(tokenizer, messages)
+    assert "<|im_start|>assistant\n<think>\n\n</think>\n\nLooking.<|im_end|>" in tokenizer.decode(ids)
+    assert masked_runs(tokenizer, ids, mask) == ["Looking.<|im_end|>"]
+
+
+def test_special_tokens_the_template_writes_after_decodings_prompt_are_supervised_as_special_tokens(smol_folder):
+    """A template whose target opens its reply with special tokens (a channel, as gpt-oss's harmony format does):
+    the target writes them as tokens, so they are supervised as those tokens, not spelled out as text."""
+    tokenizer = AutoTokenizer.from_pretrained(smol_folder)
+    tokenizer.add_tokens(["<|channel|>", "<|message|>"], special_tokens=True)
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'assistant' %}"
+        "{{ '<|im_start|>assistant<|channel|>final<|message|>' ~ m['content'] ~ '<|im_end|>\\n' }}"
+        "{% else %}{{ '<|im_start|>' ~ m['role'] ~ '\\n' ~ m['content'] ~ '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant' }}{% endif %}")
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
+    ids, mask = render_with_loss_mask(tokenizer, messages)
+    channel, message, im_end = tokenizer.convert_tokens_to_ids(["<|channel|>", "<|message|>", "<|im_end|>"])
+    final = tokenizer("final", add_special_tokens=False)["input_ids"]
+    reply = tokenizer("Hello.", add_special_tokens=False)["input_ids"]
+    assert [i for i, bit in zip(ids, mask) if bit] == [channel, *final, message, *reply, im_end]

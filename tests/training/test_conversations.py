@@ -1166,3 +1166,21 @@ def test_special_tokens_the_template_writes_after_decodings_prompt_are_supervise
     final = tokenizer("final", add_special_tokens=False)["input_ids"]
     reply = tokenizer("Hello.", add_special_tokens=False)["input_ids"]
     assert [i for i, bit in zip(ids, mask) if bit] == [channel, *final, message, *reply, im_end]
+
+
+def test_a_tokenizer_that_adds_a_bos_itself_adds_none_to_the_pieces_of_a_render(smol_folder):
+    """Llama-2's and Mistral's tokenizers put <s> in front of what they tokenize, and their templates write it into
+    the text too: each piece of the render (prompt, reply, end of turn) is tokenized without one of its own."""
+    from tokenizers.processors import TemplateProcessing
+
+    tokenizer = s_tokens_tokenizer(smol_folder, LLAMA2_TEMPLATE)
+    bos = tokenizer.convert_tokens_to_ids("<s>")
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    assert tokenizer("Hi")["input_ids"][0] == bos
+    text = "<s>[INST] What is 2+2? [/INST] 2+2 is 4. </s><s>[INST] And the assistant says? [/INST] assistant </s>"
+    ids, mask = render_with_loss_mask(tokenizer, CONVERSATION)
+    assert ids == tokenizer(text, add_special_tokens=False)["input_ids"] and ids.count(bos) == 2
+    (cut,), _ = tokenize_conversations(tokenizer, [{"messages": CONVERSATION[:2], "finish_reason": "length"}],
+                                       max_length=500, min_supervised_tokens=1)  # the reply's own text, as well
+    assert [i for i, bit in zip(cut["input_ids"], cut["loss_mask"]) if bit] == \
+        tokenizer("2+2 is 4.", add_special_tokens=False)["input_ids"]

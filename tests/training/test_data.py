@@ -16,7 +16,7 @@ import torch
 
 from ddtree.errors import DDTreeError
 from training.data import (DistillDataModule, EpochShuffleSampler, ResumableDataLoader, TokenizedConversations,
-                           legacy_source_fingerprint, rank_share, source_fingerprint, tokenizer_fingerprint)
+                           collate, legacy_source_fingerprint, rank_share, source_fingerprint, tokenizer_fingerprint)
 from training.module import DistillModule
 
 
@@ -803,3 +803,17 @@ def test_a_single_data_file_is_identified_by_its_content_not_its_name(tmp_path):
         (tmp_path / folder).mkdir()
         (tmp_path / folder / name).write_bytes(first.read_bytes())
     assert source_fingerprint(str(tmp_path / "a")) != source_fingerprint(str(tmp_path / "b"))
+
+
+def test_collate_keeps_each_rows_tokens_mask_and_features_in_place_and_pads_after_them():
+    """Row by row, position by position: a mask one place off would train every reply token as the one before it."""
+    features = torch.arange(6, dtype=torch.bfloat16).reshape(3, 2)  # (T, K*H) in the store's dtype
+    examples = [{"input_ids": torch.tensor([5, 6, 7]), "loss_mask": torch.tensor([False, True, True]),
+                 "features": features},
+                {"input_ids": torch.tensor([8]), "loss_mask": torch.tensor([True]), "features": features[:1]}]
+    batch = collate(examples, pad_id=2)
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 2, 2]]
+    assert batch["loss_mask"].tolist() == [[False, True, True], [True, False, False]]
+    assert batch["attention_mask"].tolist() == [[True, True, True], [True, False, False]]
+    assert batch["features"].dtype == torch.bfloat16
+    assert batch["features"].tolist() == [[[0, 1], [2, 3], [4, 5]], [[0, 1], [0, 0], [0, 0]]]

@@ -1184,3 +1184,11 @@ def test_a_tokenizer_that_adds_a_bos_itself_adds_none_to_the_pieces_of_a_render(
                                        max_length=500, min_supervised_tokens=1)  # the reply's own text, as well
     assert [i for i, bit in zip(cut["input_ids"], cut["loss_mask"]) if bit] == \
         tokenizer("2+2 is 4.", add_special_tokens=False)["input_ids"]
+
+
+def test_response_ids_holding_one_number_are_one_line_naming_the_line(tmp_path):
+    """A single id where a list belongs ("response_ids": 12) was a TypeError traceback naming neither file nor line."""
+    line = json.dumps({"messages": [{"role": "user", "content": "Hi"}], "response_ids": 12})
+    path = write_lines(tmp_path / "one.jsonl", [line])
+    with pytest.raises(DDTreeError, match=r"one\.jsonl:1: 'response_ids' must be a list of token ids, got int$"):
+        read_messages_jsonl(path)

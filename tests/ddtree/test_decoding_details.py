@@ -89,6 +89,55 @@ def test_top_p_one_cuts_nothing_where_the_likeliest_tokens_mass_rounds_to_one():
     assert torch.equal(top_p_filter(probs, 1.0), probs)
 
 
+def test_top_k_keeps_every_token_tied_with_the_kth():
+    """--top-k's help and docs/decoding.md: every token tied with the k-th likeliest stays. A cut to exactly k tokens
+    (topk's indices) dropped one of two tied at the k-th by its id. By hand at T1, top-k 2 of logits (1, 2, 1, 0):
+    tokens 1, 0 and 2 stay, in proportion e^2 : e : e, so 1 / (e + 2), e / (e + 2), 1 / (e + 2) and 0."""
+    probs = Sampling(1.0, top_k=2).probabilities(torch.tensor([1.0, 2.0, 1.0, 0.0]))
+    e = math.e
+    torch.testing.assert_close(probs, torch.tensor([1 / (e + 2), e / (e + 2), 1 / (e + 2), 0.0]))
+
+
+def test_top_p_cuts_what_top_k_left():
+    """docs/decoding.md: the temperature, then --top-k, then --top-p of what top-k kept. Probabilities (0.2, 0.4, 0.1,
+    0.3), top-k 2 then top-p 0.5: top-k leaves 0.4 and 0.3, renormalised 4/7 and 3/7; 4/7 alone reaches 0.5, so only
+    token 1 stays. Cut in the other order, top-p 0.5 of the whole row keeps 0.4 and 0.3 (0.4 alone is short of it)."""
+    logits = torch.tensor([0.2, 0.4, 0.1, 0.3]).log()
+    torch.testing.assert_close(Sampling(1.0, top_p=0.5, top_k=2).probabilities(logits), torch.tensor([0.0, 1, 0, 0]))
+
+
+@pytest.mark.parametrize("temperature", [0.05, 0.5, 1.0])
+def test_any_temperature_above_zero_samples(temperature):
+    """Only temperature 0 is greedy: at every T > 0, two tokens tied on top are drawn alike (1/2 each), and a token far
+    below them never at T 0.05 (e^-160 of them). An argmax always picks the first of the two."""
+    generator = torch.Generator().manual_seed(0)
+    sampling = Sampling(temperature)
+    logits = torch.tensor([3.0, 3.0, -5.0])
+    assert {sampling.choose(logits, generator) for _ in range(40)} == {0, 1}
+    choose = sampling.chooser(torch.stack([logits, logits.flip(0)]), generator)  # (2, V): rows as a walk reads them
+    assert {choose(1) for _ in range(40)} == {1, 2}
+
+
+class LooksLikeCuda(torch.Tensor):
+    """A CPU tensor that says it is on CUDA, to take chooser's CUDA branch on a machine without one."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+def test_the_one_kernel_argmax_of_cuda_rows_is_for_greedy_decoding_only():
+    """On CUDA, chooser reads every row's argmax in one kernel, for T 0 only: taken at T > 0 too, a verify's rows were
+    walked greedily while the prefill's token was sampled. (Here a CPU tensor says it is on CUDA.)"""
+    logits = torch.tensor([[3.0, 3.0, -5.0], [-5.0, 3.0, 3.0]]).as_subclass(LooksLikeCuda)
+    assert logits.is_cuda
+    greedy = Sampling().chooser(logits, None)
+    assert [greedy(0), greedy(1)] == [0, 1]
+    generator = torch.Generator().manual_seed(0)
+    sampled = Sampling(1.0).chooser(logits, generator)
+    assert {sampled(1) for _ in range(40)} == {1, 2}
+
+
 def test_a_static_generation_that_fills_its_padded_capacity_exactly_fits_its_last_verify(tiny_target):
     """prompt + max_new_tokens = 128 slots, one CAPACITY_STEP: the last round's verify (budget + 1 rows) still needs
     room past the committed tokens, which a capacity of prompt + max_new_tokens alone would not give."""

@@ -456,6 +456,13 @@ def test_a_top_p_outside_zero_to_one_is_one_line(top_p):
     assert ddtree.decoding.Sampling(temperature=1.0, top_p=1.0).top_p == 1.0
 
 
+def test_sampling_settings_broken_together_are_named_together_in_order():
+    """Every broken setting is named, in the order of the keywords, each with its rule: a user fixes them in one go."""
+    with pytest.raises(DDTreeError, match=r"^bad sampling settings: temperature -1.0 must be a finite number >= 0; "
+                                          r"top_p 2.0 must be in \(0, 1\]; top_k -1 must be a whole number >= 0$"):
+        ddtree.decoding.Sampling(temperature=-1.0, top_p=2.0, top_k=-1)
+
+
 class GeneratorOnCuda(torch.Generator):
     """A CPU generator that says it is on CUDA: a CUDA target's caller who built theirs on the CPU, turned around, as
     this machine can build no CUDA generator."""

@@ -460,6 +460,39 @@ def test_a_static_verify_whose_padding_runs_past_the_cache_is_refused(tiny_targe
             runner.verify([14, 15, 16], torch.arange(6, 9), np.tril(np.ones((3, 3), dtype=bool)), 6)
 
 
+def test_a_static_verify_of_more_rows_than_its_shape_is_refused_by_name(tiny_target):
+    """A StaticTarget verifies at most max_rows rows: 9 rows at slot 4 of an 8-row, 12-slot runner fit the slots
+    (4 + 8 = 12) but not the shape, refused in one line that names both, not numpy's broadcast error."""
+    import numpy as np
+
+    model, _ = tiny_target
+    runner = StaticTarget(model, hidden_states=False, max_rows=8, capacity=12, cuda_graph=False)
+    with torch.no_grad():
+        runner.prefill(list(range(10, 14)))
+        with pytest.raises(ValueError, match="^9 rows at slot 4 do not fit 8 rows / 12 slots$"):
+            runner.verify(list(range(14, 23)), torch.arange(4, 13), np.tril(np.ones((9, 9), dtype=bool)), 4)
+
+
+def test_a_static_verify_gives_the_hidden_states_of_its_real_rows_only(tiny_target):
+    """As DynamicTarget.verify: every layer's hidden states of the 4 rows verified, as the growing cache gives them, not
+    of the 6 rows the static runner's padded forward ran."""
+    import numpy as np
+
+    from ddtree.target_runner import DynamicTarget
+
+    model, _ = tiny_target
+    hidden = {}
+    for runner in (StaticTarget(model, hidden_states=True, max_rows=6, capacity=32, cuda_graph=False),
+                   DynamicTarget(model, hidden_states=True)):
+        with torch.no_grad():
+            runner.prefill([5, 17, 42, 8])
+            _, hidden[type(runner).__name__] = runner.verify([99, 3, 61, 250], torch.arange(4, 8),
+                                                             np.tril(np.ones((4, 4), dtype=bool)), 4)
+    for static, dynamic in zip(hidden["StaticTarget"], hidden["DynamicTarget"], strict=True):
+        assert static.shape[:2] == (1, 4)
+        torch.testing.assert_close(static, dynamic)
+
+
 def test_a_static_prefill_whose_prompt_and_verify_overrun_the_cache_names_both(tiny_target):
     """A prompt refused for the cache names its own length and the verify's rows apart: the user shortens the one
     or sizes the budget down by the other."""

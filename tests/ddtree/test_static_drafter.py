@@ -248,6 +248,28 @@ def test_a_generation_that_needs_every_slot_of_the_static_target_reuses_it(tiny_
     assert static_target(target, False, 5, needed=CAPACITY_STEP + 1).capacity == 2 * CAPACITY_STEP
 
 
+def test_a_capacity_is_the_least_whole_number_of_steps_holding_what_is_needed():
+    """padded_capacity by hand: 1 and 127 slots need one 128-slot step, 128 exactly one too (not two, twice the cache's
+    memory), 129 two, 384 three. static_target's reuse test above reached only needs short of or past a step."""
+    from ddtree.target_runner import CAPACITY_STEP, padded_capacity
+
+    assert CAPACITY_STEP == 128
+    assert [padded_capacity(n) for n in (1, 127, 128, 129, 384)] == [128, 128, 128, 256, 384]
+
+
+def test_a_static_target_with_hidden_states_is_pooled_apart_from_one_without(tiny_target, static_pool):
+    """static_target keys its pool by every setting a StaticTarget is built with: one without hidden states handed to a
+    caller asking for them (the drafter reads them) returned None for them. (generate asks for them exactly when its
+    verify has more than one row, so only a direct caller could meet this.)"""
+    from ddtree.target_runner import static_target
+
+    target, _ = tiny_target
+    plain = static_target(target, False, 5, needed=64)
+    featured = static_target(target, True, 5, needed=64)
+    assert featured is not plain and featured.hidden_states and not plain.hidden_states
+    assert static_target(target, False, 5, needed=64) is plain  # both pooled, one per setting
+
+
 def test_a_dropped_target_is_freed_though_its_static_target_is_pooled(static_pool):
     """static_target pools a StaticTarget under its target, weakly: one holding its target strongly kept every target a
     process decoded with (a bench over several, a checkpoint evaluation after another) alive in memory."""

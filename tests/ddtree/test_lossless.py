@@ -493,6 +493,20 @@ def test_a_static_verify_gives_the_hidden_states_of_its_real_rows_only(tiny_targ
         torch.testing.assert_close(static, dynamic)
 
 
+def test_a_static_target_on_a_cpu_captures_no_graph_and_warns_nothing(tiny_target):
+    """cuda_graph None means a CUDA graph on a GPU only: on a CPU a StaticTarget runs its forwards uncaptured from the
+    start, rather than trying a capture at its first prefill and warning that it failed, in every static generation."""
+    import warnings
+
+    model, _ = tiny_target
+    runner = StaticTarget(model, hidden_states=False, max_rows=4, capacity=32)
+    assert runner.cuda_graph is False
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("error")
+        runner.prefill([5, 17, 42, 8])
+    assert runner.graph is None
+
+
 def test_a_static_prefill_whose_prompt_and_verify_overrun_the_cache_names_both(tiny_target):
     """A prompt refused for the cache names its own length and the verify's rows apart: the user shortens the one
     or sizes the budget down by the other."""

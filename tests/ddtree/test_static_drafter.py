@@ -227,6 +227,24 @@ def test_cuda_graph_replays_give_the_uncaptured_logits(smollm2, drafter):
     assert largest_difference(got, runs(uncaptured)) < 1e-4
 
 
+def test_replays_of_the_first_forward_of_each_kind_give_the_growing_caches_logits(tiny_target, monkeypatch):
+    """A CUDA graph replays the forward it captured, over the tensors that forward read: every later call of its kind
+    (propose, a re-draft of so many blocks) must write its inputs into those. Replay emulated on the CPU: the first
+    forward of each kind kept and called again in place of every later one."""
+    monkeypatch.setattr(StaticDrafter, "_replay", lambda self, key, forward: self.graphs.setdefault(key, forward)())
+    target, tokenizer = tiny_target
+    drafter = load_drafter("random", target, tokenizer, "tiny-random", seed=3)
+    with torch.no_grad():  # scaled up as the smollm2 drafter's, so that a stale input moves the logits far
+        for parameter in drafter.parameters():
+            if parameter.dim() == 2:
+                parameter.normal_(0, 0.2)
+    replayed = DrafterRunner(drafter, target)
+    replayed.fix_shapes(CAPACITY, cuda_graph=False)
+    got = runs(replayed)
+    assert set(replayed.static.graphs) == {"propose", 3}  # both kinds kept, once each
+    assert largest_difference(got, runs(DrafterRunner(drafter, target))) < 1e-4
+
+
 @pytest.fixture
 def static_pool(monkeypatch) -> weakref.WeakKeyDictionary:
     """static_target's pool of StaticTargets, empty of what other tests left in it (put back after)."""

@@ -121,6 +121,18 @@ def test_the_draft_rows_are_gathered_again_after_the_head_changes_in_place():
     assert torch.allclose(drafter.compute_logits(hidden, head)[:, ::2], head(hidden)[:, ::2])
 
 
+def test_the_draft_rows_are_gathered_again_after_the_heads_data_is_replaced():
+    """`weight.data = ...` (a weight loaded by assignment; Module.to through another dtype and back) keeps the Parameter
+    and its version counter: only the address it now points at says the cached rows are another tensor's."""
+    drafter, hidden = drafter_of_even_tokens(), torch.randn(3, 64)
+    head = nn.Linear(64, 1000, bias=False)
+    drafter.compute_logits(hidden, head)
+    version = head.weight._version
+    head.weight.data = -head.weight.data
+    assert head.weight._version == version
+    assert torch.allclose(drafter.compute_logits(hidden, head)[:, ::2], hidden @ head.weight[::2].T, atol=1e-6)
+
+
 def test_a_new_draft_vocabulary_gets_its_own_rows():
     """The rows were cached by the head alone: a vocabulary set after a first forward (a fit that chooses one for a
     drafter already run, a test that swaps it) kept the old one's rows and ids, so the new one drafted the old tokens."""

@@ -60,7 +60,7 @@ from training.masks import (
     sample_anchors,
     sample_given,
 )
-from training.module import DistillModule, NonFiniteError
+from training.module import DistillModule, NonFiniteError, check_store_fields
 from training.target import dtype_for_precision, load_frozen_target, target_layer_features
 
 BLOCK = 4
@@ -723,6 +723,57 @@ def test_redraft_training_changes_the_train_loss_only_and_validates_plain_blocks
         tiny_module(redraft_prob=1.0)
 
 
+def test_the_training_loss_is_the_decayed_cross_entropy_of_the_counted_labels():
+    """loss = sum_k w_k CE_k / sum_k w_k over the labelled block positions k >= 1, w_k = exp(-(k-1)/gamma), computed
+    here from the LM head's logits. Divided by the label count instead (a review), it still trained and passed every
+    test: the tests of training's logs stub the step, and the step's own tests compare one loss with another."""
+    module = tiny_module()  # gamma 4, block 4
+    batch = synthetic_batch()
+    with torch.no_grad():
+        result = module.shared_step(batch, 0, "train")
+        hidden, labels, _, _ = module.block_predictions(batch, 0, "train")  # the step's draw again
+        logits = module.target.get_output_embeddings()(hidden).view(*labels.shape, -1)  # (S, n, B, V)
+    counted = labels != IGNORE_INDEX
+    assert not counted[..., 0].any() and counted.sum() > 10  # the anchor is never a label
+    position = torch.arange(BLOCK).expand_as(labels)[counted]
+    weight = torch.exp(-(position - 1) / 4.0)
+    cross_entropy = F.cross_entropy(logits[counted], labels[counted], reduction="none")
+    assert weight.sum() < counted.sum()  # decayed: a per-label mean would read otherwise
+    torch.testing.assert_close(result.loss, (weight * cross_entropy).sum() / weight.sum())
+    torch.testing.assert_close(result.weight_total, weight.sum())
+
+
+def test_a_training_block_given_its_first_draft_token_reads_it():
+    """model.redraft_prob gives some blocks the token after their anchor, and takes its label away (given_labels):
+    the drafter's input must hold it too. Left out of the forward (a review), the re-draft blocks trained on a
+    position's label removed and nothing in its place, and every test passed: they compared the losses only."""
+    module = tiny_module(redraft_prob=0.5)
+    batch = synthetic_batch()
+    input_ids = batch["input_ids"]
+    with torch.no_grad():
+        hidden, _, _, _ = module.block_predictions(batch, 0, "train")  # (S, n*B, H)
+        generator = module._anchor_generator(0, "train")  # the step's draws, in the step's order
+        anchors, _ = sample_anchors(batch["loss_mask"], module.hparams.num_anchors, generator)
+        given = sample_given(anchors, 0.5, generator)  # (S, n)
+        features = target_layer_features(module.target, input_ids, module.target_layer_ids)
+        expected = module.block_hidden_states(features, input_ids, anchors, given)
+        plain = module.block_hidden_states(features, input_ids, anchors)
+    assert given.any() and not given.all()
+    torch.testing.assert_close(hidden, expected)
+    assert not torch.allclose(hidden, plain)
+
+
+def test_offline_features_reach_the_drafter_in_the_dtype_the_targets_forward_gives():
+    """A store in another dtype than this run's target is used, cast to the target's (check_feature_store says so),
+    so the drafter trains on the roundings it reads at inference. Not cast (a review), a float32 store beside a
+    bfloat16 target under a "true" precision trained on finer features than decoding gives, and every test passed."""
+    module = tiny_module(target_dtype="bfloat16")
+    stored = torch.randn(2, 5, 3 * 64)  # (S, T, K*H) float32, as a store built at another precision holds them
+    features, teacher, seconds = module.sequence_features({"features": stored, "input_ids": torch.zeros(2, 5)})
+    assert features.dtype == torch.bfloat16 and torch.equal(features, stored.to(torch.bfloat16))
+    assert teacher is None and seconds() == 0.0
+
+
 @pytest.mark.parametrize("objective", ["dpace", "tree", "frontier", "intree"])
 def test_acceptance_objectives_train_re_draft_blocks(objective):
     # At 0.99 every block of this batch is given its first draft token (the anchor draw is seeded); dpace and tree
@@ -837,6 +888,13 @@ def test_a_drafter_setting_no_drafter_can_have_is_refused_by_name(field, value, 
 def test_a_cosine_floor_from_none_to_the_peak_is_accepted():
     for ratio in (0.0, 0.2, 1.0):  # 1.0: a constant lr after the warm-up
         assert DistillModule(target="tiny-random", min_lr_ratio=ratio).hparams.min_lr_ratio == ratio
+
+
+def test_a_distill_weight_of_one_is_accepted():
+    """model.distill_weight is a share in [0, 1]: 1 leaves the label's cross-entropy nothing. Refused at 1 (a review),
+    every test passed."""
+    check_store_fields(None, 1.0, "kl", 0)
+    assert DistillModule(target="tiny-random", distill_weight=1.0).hparams.distill_weight == 1.0
 
 
 # ----------------------------------------------------------------------------- the sparse mask
@@ -1125,6 +1183,25 @@ def test_a_warmup_of_a_fraction_of_a_step_over_one_still_warms_the_first_step():
     """A short run's warm-up rounds up: 15% of 10 steps is two warm-up steps, so the first trains at half the peak.
     Rounded down, it was one step, taken at the full rate the warm-up is there to keep the first steps from."""
     assert scheduled_rates(tiny_module(warmup_ratio=0.15, lr=1.0), 10, 3) == pytest.approx([0.5, 1.0, 1.0])
+
+
+def test_steps_past_the_estimated_total_stay_at_the_cosine_floor():
+    """A run that takes more optimizer steps than Lightning estimated keeps the floor: unclamped, the cosine rose again
+    past its end (0.12 at the 2nd step over, for a floor of 0.1, in a review) with every test passing."""
+    seen = scheduled_rates(tiny_module(lr=1.0, min_lr_ratio=0.1), 10, 14)  # no warm-up: step 10 ends the cosine
+    assert seen[9] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 9 / 10)))
+    assert seen[10:] == pytest.approx([0.1] * 4)
+
+
+def test_the_optimizer_is_adamw_with_the_models_lr_betas_and_weight_decay():
+    """model.betas and model.weight_decay reach AdamW as given: reversed betas (0.95, 0.9) or a weight decay of 0
+    trained otherwise than config.yaml and the model card said, with every test passing (a review)."""
+    module = tiny_module(lr=2e-3, betas=(0.8, 0.97), weight_decay=0.1)
+    module.trainer = type("T", (), {"estimated_stepping_batches": 10, "strategy": None, "precision_plugin": None})()
+    optimizer = module.configure_optimizers()["optimizer"]
+    assert isinstance(optimizer, torch.optim.AdamW) and len(optimizer.param_groups) == 1
+    group = optimizer.param_groups[0]
+    assert (group["initial_lr"], group["betas"], group["weight_decay"]) == (2e-3, (0.8, 0.97), 0.1)
 
 
 def test_train_lr_is_the_rate_each_step_trained_at(tmp_path):
@@ -1647,6 +1724,31 @@ def test_a_resume_against_a_target_of_another_shape_is_refused_naming_model_targ
     with pytest.raises(DDTreeError, match=rf"^--resume: the checkpoint's run has {field} {other} \(this launch: "
                                           rf"{getattr(config, field)}\): .*; drop model.target from the command"):
         module.check_resume(saved)
+
+
+def test_a_resume_whose_drafter_reads_other_target_layers_is_refused_naming_them(module):
+    """As many layers, other ones: the checkpoint's weights fit the drafter this launch builds, and the run went on
+    reading other layers' features than its steps had learned from, without a word, with target_layer_ids out of
+    RESUME_FIXED (a review)."""
+    config = module.base_drafter().config
+    saved_config = config.to_dict()
+    saved_config["dflash_config"] = {**saved_config["dflash_config"], "target_layer_ids": [1, 3, 5]}
+    saved = {"drafter_config": saved_config, "hyper_parameters": dict(module.hparams)}
+    with pytest.raises(DDTreeError, match=r"^--resume: the checkpoint's run has target_layer_ids \[1, 3, 5\] \(this "
+                                          r"launch: \[0, 2, 4\]\): .*; drop model.target_layer_ids from the command"):
+        module.check_resume(saved)
+
+
+def test_a_resume_that_leaves_gamma_unset_is_refused_where_the_runs_gamma_was_another():
+    """Unset, gamma is the published one for the block size; a run that gave another trained on it, so a resume of
+    the same block that leaves it unset would train the rest on the published one. Skipped whenever this launch left
+    gamma unset, not only where the block size changed too (a review), it resumed without a word."""
+    unset = tiny_module(gamma=None)  # block 4: gamma 2
+    saved = {"drafter_config": unset.base_drafter().config.to_dict(),
+             "hyper_parameters": {**unset.hparams, "gamma": 3.0}}
+    with pytest.raises(DDTreeError, match=r"^--resume: the checkpoint's run has gamma 3.0 \(this launch: 2.0\): .*; "
+                                          r"drop model.gamma from the command"):
+        unset.check_resume(saved)
 
 
 @pytest.mark.parametrize("name,other", [("lora_alpha", 32.0), ("lora_target_modules", ["q_proj"])])

@@ -128,3 +128,52 @@ def test_anchor_draws_follow_epoch_and_rank_for_training_and_not_for_validation(
     assert anchors("val", epoch=0, rank=0) == anchors("val", epoch=3, rank=0)
     assert anchors("train", epoch=0, rank=0) != anchors("train", epoch=1, rank=0)
     assert anchors("train", epoch=0, rank=0) != anchors("train", epoch=0, rank=1)
+
+
+def test_anchor_draws_follow_the_batch_and_the_seed_and_dropout_draws_apart_from_them():
+    """Each micro-batch of an epoch draws its own anchors, model.seed redraws them all, and dropout's generator (stream
+    1) is not the anchors'. A review dropped the batch index from the seed's key (every batch of an epoch drew the same
+    random scores, so batches of one shape trained the same anchor positions), the seed (a new model.seed redrew
+    nothing) and the stream (dropout replayed the anchors' sequence), each with every test passing."""
+    module = tiny_module()
+    module._trainer = SimpleNamespace(current_epoch=0, global_rank=0)  # all _step_seed reads of it
+    loss_mask = synthetic_batch()["loss_mask"]
+
+    def anchors(batch_idx: int, seed: int) -> list[list[int]]:
+        module.hparams.seed = seed
+        drawn, _ = sample_anchors(loss_mask, 6, module._anchor_generator(batch_idx, "train"))  # (S, 6)
+        return drawn.tolist()
+
+    assert anchors(0, seed=0) == anchors(0, seed=0)  # one micro-batch draws alike, in a run and in its resume
+    assert anchors(0, seed=0) != anchors(1, seed=0)
+    assert anchors(0, seed=0) != anchors(0, seed=1)
+    module.hparams.seed = 0
+    assert module._step_seed(0, "train", stream=1) != module._step_seed(0, "train")
+
+
+def test_a_validation_batch_whose_every_label_is_outside_the_draft_vocabulary_counts_each_as_a_miss(few_word_module):
+    """Decoding misses every such label, so validation counts them (a training step skips such a batch: nothing to
+    learn). Skipped in validation too, in a review, with every test passing, they vanished from val/acc_k's counts."""
+    module = few_word_module()
+    batch = few_word_batch(0)
+    outside = batch | {"input_ids": torch.where(batch["input_ids"] > DRAFT_VOCAB[-1], batch["input_ids"], WORDS[-1])}
+    with torch.no_grad():  # the same loss mask at the same index draws the same anchors, so the same labels count
+        inside, missed = module.shared_step(batch, 0, "val"), module.shared_step(outside, 0, "val")
+    assert missed is not None and inside.tokens[1:].min() > 0
+    assert torch.equal(missed.tokens, inside.tokens)
+    assert missed.hits.sum() == missed.top_hits.sum() == 0
+
+
+def test_recall_over_a_draft_vocabulary_of_recall_k_words_is_the_share_of_labels_in_it(few_word_module):
+    """With RECALL_K draft words every label among them is in the drafter's top RECALL_K, whatever its weights: the
+    top-RECALL_K hits at each position are the labels there in the vocabulary. StepResult carrying the top-1 hits in
+    their place (val/recall4_k then read val/acc_k) passed every test."""
+    assert len(DRAFT_VOCAB) == RECALL_K
+    module = few_word_module()
+    batch = few_word_batch(1)
+    with torch.no_grad():
+        result = module.shared_step(batch, 0, "val")
+        _, labels, _, _ = module.block_predictions(batch, 0, "val")  # (S, n, B)
+    in_vocabulary = torch.isin(labels, torch.tensor(DRAFT_VOCAB)).sum(dim=(0, 1))  # (B,)
+    assert torch.equal(result.top_hits, in_vocabulary)
+    assert torch.all(result.hits <= result.top_hits) and (result.hits < result.top_hits).any()

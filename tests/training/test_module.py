@@ -769,9 +769,12 @@ def test_offline_features_reach_the_drafter_in_the_dtype_the_targets_forward_giv
     bfloat16 target under a "true" precision trained on finer features than decoding gives, and every test passed."""
     module = tiny_module(target_dtype="bfloat16")
     stored = torch.randn(2, 5, 3 * 64)  # (S, T, K*H) float32, as a store built at another precision holds them
-    features, teacher, seconds = module.sequence_features({"features": stored, "input_ids": torch.zeros(2, 5)})
+    features, teacher, seconds = module.sequence_features({"features": stored})
     assert features.dtype == torch.bfloat16 and torch.equal(features, stored.to(torch.bfloat16))
     assert teacher is None and seconds() == 0.0
+    final = torch.randn(2, 5, 64)  # (S, T, H) the store's final hidden states, for distillation
+    _, teacher, _ = module.sequence_features({"features": stored, "final_hidden": final}, teacher=True)
+    assert teacher.dtype == torch.bfloat16 and torch.equal(teacher, final.to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("objective", ["dpace", "tree", "frontier", "intree"])
@@ -1183,6 +1186,13 @@ def test_a_warmup_of_a_fraction_of_a_step_over_one_still_warms_the_first_step():
     """A short run's warm-up rounds up: 15% of 10 steps is two warm-up steps, so the first trains at half the peak.
     Rounded down, it was one step, taken at the full rate the warm-up is there to keep the first steps from."""
     assert scheduled_rates(tiny_module(warmup_ratio=0.15, lr=1.0), 10, 3) == pytest.approx([0.5, 1.0, 1.0])
+
+
+def test_the_warm_up_is_the_ratio_of_the_whole_runs_steps_rounded_up():
+    """30% of 4 steps is 1.2: two warm-up steps (1/2 and 2/2 of the peak), then the cosine over the other two (the
+    peak, then half of it). Taken of one step fewer (0.9: one warm-up step, a review), every test passed: their
+    ratios times their step counts were whole or rounded up alike."""
+    assert scheduled_rates(tiny_module(warmup_ratio=0.3, lr=1.0), 4, 4) == pytest.approx([0.5, 1.0, 1.0, 0.5])
 
 
 def test_steps_past_the_estimated_total_stay_at_the_cosine_floor():
@@ -1711,6 +1721,10 @@ def test_a_resume_names_another_target_adapter_by_its_path_and_leaves_older_chec
         del saved["hyper_parameters"][name]
     module.check_resume(saved)
     module.check_resume({"hyper_parameters": {**module.hparams, "lr": 1.0}})  # no drafter config: nothing to compare
+    # a checkpoint that recorded the adapter's path but not its files (the option before its sha256): by the path
+    saved["hyper_parameters"]["target_adapter"] = "/adapters/old"
+    with pytest.raises(DDTreeError, match=r"target_adapter /adapters/old \(this launch: /adapters/new\)"):
+        module.check_resume(saved)
 
 
 @pytest.mark.parametrize("field,other", [("hidden_size", 128), ("num_target_layers", 12)])
@@ -1726,16 +1740,27 @@ def test_a_resume_against_a_target_of_another_shape_is_refused_naming_model_targ
         module.check_resume(saved)
 
 
-def test_a_resume_whose_drafter_reads_other_target_layers_is_refused_naming_them(module):
-    """As many layers, other ones: the checkpoint's weights fit the drafter this launch builds, and the run went on
-    reading other layers' features than its steps had learned from, without a word, with target_layer_ids out of
-    RESUME_FIXED (a review)."""
+@pytest.mark.parametrize("field,other,setting", [
+    ("target_layer_ids", [1, 3, 5], "model.target_layer_ids"), ("mask_token_id", 5, "model.mask_token_id"),
+    ("num_hidden_layers", 3, "model.num_layers"), ("vocab_size", 1000, "model.target"),
+])
+def test_a_resume_whose_drafter_reads_other_layers_or_tokens_is_refused_by_name(module, field, other, setting):
+    """Other layers as many as the run's, or another MASK token: the checkpoint's weights fit the drafter this launch
+    builds, and the run went on reading other features or another block input than its steps had learned from,
+    without a word; another layer count or vocabulary stops only DeepSpeed's strict load (with a traceback). Each
+    taken out of RESUME_FIXED (a review), every test passed."""
     config = module.base_drafter().config
     saved_config = config.to_dict()
-    saved_config["dflash_config"] = {**saved_config["dflash_config"], "target_layer_ids": [1, 3, 5]}
+    if field in saved_config["dflash_config"]:
+        saved_config["dflash_config"] = {**saved_config["dflash_config"], field: other}
+    else:
+        saved_config[field] = other
+    if field == "num_hidden_layers":  # a config of that depth has a layer type per layer
+        saved_config["layer_types"] = saved_config["layer_types"][:1] * other
     saved = {"drafter_config": saved_config, "hyper_parameters": dict(module.hparams)}
-    with pytest.raises(DDTreeError, match=r"^--resume: the checkpoint's run has target_layer_ids \[1, 3, 5\] \(this "
-                                          r"launch: \[0, 2, 4\]\): .*; drop model.target_layer_ids from the command"):
+    was, now = (re.escape(str(value)) for value in (other, getattr(config, field)))
+    with pytest.raises(DDTreeError, match=rf"^--resume: the checkpoint's run has {field} {was} \(this launch: {now}\): "
+                                          rf".*; drop {setting} from the command"):
         module.check_resume(saved)
 
 

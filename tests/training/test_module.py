@@ -743,6 +743,22 @@ def test_the_training_loss_is_the_decayed_cross_entropy_of_the_counted_labels():
     torch.testing.assert_close(result.weight_total, weight.sum())
 
 
+def test_the_step_labels_each_block_with_the_reply_tokens_after_its_anchor_up_to_the_replys_end():
+    """A reply at positions 4..7 (token 100 + p at p) before a next turn: the anchors are the reply tokens whose next
+    token is the reply's (4, 5, 6), and each block's position k is labelled with the token at anchor + k while the
+    reply lasts. Labelled from every token (a review), the blocks learned the next turn the target never wrote, and
+    every test passed: they built the labels with block_labels themselves, not through the step. Anchors drawn from
+    the attention mask would open blocks in the prompt."""
+    input_ids = torch.arange(100, 110)[None]  # (1, 10)
+    loss_mask = torch.zeros(1, 10, dtype=torch.bool)
+    loss_mask[0, 4:8] = True
+    batch = {"input_ids": input_ids, "loss_mask": loss_mask, "attention_mask": torch.ones_like(loss_mask)}
+    with torch.no_grad():
+        _, labels, _, _ = tiny_module().block_predictions(batch, 0, "train")  # num_anchors 6: every candidate
+    i = IGNORE_INDEX
+    assert labels.tolist() == [[[i, 105, 106, 107], [i, 106, 107, i], [i, 107, i, i]]]
+
+
 def test_a_training_block_given_its_first_draft_token_reads_it():
     """model.redraft_prob gives some blocks the token after their anchor, and takes its label away (given_labels):
     the drafter's input must hold it too. Left out of the forward (a review), the re-draft blocks trained on a

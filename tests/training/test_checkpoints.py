@@ -28,8 +28,9 @@ import training.evaluate
 import training.publish
 from ddtree.errors import DDTreeError
 from training.callbacks import AcceptanceEvaluation
-from training.checkpoint_paths import (SAVING_MARKER, check_run_folder, find_checkpoint, find_resume,
-                                       find_run_checkpoint, newest_checkpoint, resume_point, run_folder_of, saved_step)
+from training.checkpoint_paths import (SAVING_MARKER, abandoned_branch, check_run_folder, configured_top_k,
+                                       find_checkpoint, find_resume, find_run_checkpoint, newest_checkpoint,
+                                       resume_point, run_folder_of, saved_step)
 from training.checkpoints import (AtomicCheckpointIO, Checkpoint, after_a_refused_save, check_resumable,
                                   deepspeed_client_state, load_checkpoint, newest_finite_checkpoint,
                                   non_finite_tensors, recorded_evaluation)
@@ -1558,3 +1559,77 @@ def test_make_export_takes_best_and_last_that_are_deepspeed_folders(tmp_path):
                    best="step-2.ckpt")
     assert find_run_checkpoint(run, "last") == ((run / "checkpoints" / "last.ckpt").resolve(), "last")
     assert find_run_checkpoint(run, "best") == ((run / "checkpoints" / "step-2.ckpt").resolve(), "best -> step-2.ckpt")
+
+
+# ----------------------------------------------------------------------------- pinned by a mutation review
+
+
+def test_the_newest_run_is_dated_by_its_newest_save_not_its_oldest(tmp_path):
+    """A run that saved step-1 long ago and last.ckpt since is newer than a run whose only save came between: dated by
+    its oldest file, 'last' took the other run's."""
+    root = tmp_path / "tiny"
+    long = make_run(root, "long", {"checkpoints/step-1.ckpt": 100, "checkpoints/last.ckpt": 500})
+    make_run(root, "short", {"checkpoints/last.ckpt": 300})
+    assert find_checkpoint("last", root) == long / "checkpoints" / "last.ckpt"
+    assert find_resume("last", root) == (long / "checkpoints" / "last.ckpt", long.resolve())
+
+
+def test_only_a_folder_named_abandoned_after_step_under_checkpoints_is_an_abandoned_branch(tmp_path):
+    """A user's checkpoints/kept/ is no branch a resume left, nor is an abandoned-after-step-N/ outside checkpoints/:
+    taken for one, their checkpoints were refused a resume and evaluated against another branch's eval/ folder."""
+    run = make_run(tmp_path, "r", {"checkpoints/abandoned-after-step-2/step-6.ckpt": 50,
+                                   "checkpoints/kept/step-4.ckpt": 60,
+                                   "exports/abandoned-after-step-2/step-6.ckpt": 70})
+    branch = run / "checkpoints" / "abandoned-after-step-2" / "step-6.ckpt"
+    assert abandoned_branch(branch) == (run.resolve(), "abandoned-after-step-2")
+    assert abandoned_branch(run / "checkpoints" / "kept" / "step-4.ckpt") is None
+    assert abandoned_branch(run / "exports" / "abandoned-after-step-2" / "step-6.ckpt") is None
+
+
+def test_a_run_folder_that_holds_a_file_named_latest_is_still_a_run_folder(tmp_path):
+    """A folder with a `latest` file looks like a DeepSpeed checkpoint; its config.yaml says it is a run."""
+    run = make_run(tmp_path, "r", {"checkpoints/last.ckpt": 100})
+    (run / "latest").write_text("notes\n")
+    check_run_folder(run)
+    assert find_checkpoint("last", tmp_path, run) == (run / "checkpoints" / "last.ckpt").resolve()
+
+
+@pytest.mark.parametrize("config, top_k", [("checkpoint: {save_top_k: 3}\n", 3),
+                                           ("checkpoint: {save_top_k: -1}\n", -1),
+                                           ("checkpoint: {save_top_k: '0'}\n", None),
+                                           ("checkpoint: {save_last: true}\n", None),
+                                           ("seed_everything: 0\n", None)])
+def test_configured_top_k_is_the_configs_integer_or_none(tmp_path, config, top_k):
+    (tmp_path / "config.yaml").write_text(config)
+    assert configured_top_k(tmp_path) == top_k
+
+
+def test_a_run_whose_checkpoints_are_all_truncated_resumes_to_a_refusal_naming_its_newest(tmp_path):
+    """With nothing readable resume_point returns the newest file, so the refusal names the save cut short last."""
+    run = make_run(tmp_path / "tiny", "r", {"checkpoints/step-2.ckpt": 100, "checkpoints/last.ckpt": 200})
+    last = run / "checkpoints" / "last.ckpt"
+    truncate(run / "checkpoints" / "step-2.ckpt")
+    truncate(last)
+    assert resume_point(run) == (last, None)
+    with pytest.raises(DDTreeError, match=r"has no other readable checkpoint") as error:
+        find_resume(str(run), tmp_path / "tiny")
+    assert f"checkpoint {last} is unreadable (truncated?)" in str(error.value)
+
+
+def test_removing_stale_staging_leaves_a_folder_of_that_name_alone(tmp_path):
+    (tmp_path / f"{AtomicCheckpointIO.STAGING_PREFIX}kept").mkdir()
+    (tmp_path / f"{AtomicCheckpointIO.STAGING_PREFIX}kept" / "note").write_text("x")
+    staging = tmp_path / f"{AtomicCheckpointIO.STAGING_PREFIX}abc123"
+    staging.write_bytes(b"half")
+    assert AtomicCheckpointIO.remove_stale_staging(tmp_path) == [staging]
+    assert [path.name for path in tmp_path.iterdir()] == [f"{AtomicCheckpointIO.STAGING_PREFIX}kept"]
+
+
+def test_non_finite_tensors_counts_each_broken_tensor_once_and_none_of_a_module_without_parameters():
+    assert non_finite_tensors(torch.nn.Module()) == 0
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))  # 4 tensors: 2 weights, 2 biases
+    with torch.no_grad():
+        model[0].weight[0, 0] = float("nan")
+        model[0].weight[1, 1] = float("inf")  # the same tensor: still one
+        model[1].bias[0] = float("-inf")
+    assert non_finite_tensors(model) == 2

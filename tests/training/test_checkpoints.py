@@ -1633,3 +1633,47 @@ def test_non_finite_tensors_counts_each_broken_tensor_once_and_none_of_a_module_
         model[0].weight[1, 1] = float("inf")  # the same tensor: still one
         model[1].bias[0] = float("-inf")
     assert non_finite_tensors(model) == 2
+
+
+def test_a_deepspeed_folder_holding_a_config_json_is_a_checkpoint_not_an_exported_drafter(tmp_path):
+    run = make_run(tmp_path / "tiny", "r", {"checkpoints/step-2.ckpt/": 100})
+    folder = run / "checkpoints" / "step-2.ckpt"
+    (folder / "config.json").write_text("{}\n")  # written beside the shards by some savers: its `latest` decides
+    assert find_checkpoint(str(folder), tmp_path / "tiny") == folder
+
+
+def test_make_export_takes_a_deepspeed_folder_named_by_its_path(tmp_path):
+    run = make_run(tmp_path, "run", {"checkpoints/step-2.ckpt/": 100, "checkpoints/last.ckpt/": 200})
+    assert find_run_checkpoint(run, "step-2.ckpt") == ((run / "checkpoints" / "step-2.ckpt").resolve(), "step-2.ckpt")
+
+
+def test_a_best_ckpt_linking_to_a_truncated_step_is_called_truncated_not_gone(tmp_path):
+    run = make_run(tmp_path / "tiny", "r", {"checkpoints/step-2.ckpt": 100, "checkpoints/last.ckpt": 200},
+                   best="step-2.ckpt")
+    truncate(run / "checkpoints" / "step-2.ckpt")
+    with pytest.raises(DDTreeError) as error:
+        find_checkpoint("best", tmp_path / "tiny")
+    best, last = run / "checkpoints" / "best.ckpt", run / "checkpoints" / "last.ckpt"
+    assert str(error.value) == (f"CKPT=best: checkpoint {best} is unreadable (truncated?); give an earlier one as "
+                                f"CKPT: {last}")
+
+
+def test_a_refused_save_outside_a_run_folder_counts_only_ckpt_neighbours(tmp_path):
+    torch.save({"global_step": 2}, tmp_path / "weights.pt")  # a zip archive, but no checkpoint a resume takes
+    assert after_a_refused_save(tmp_path / "step-4.ckpt").startswith("the run holds no checkpoint yet")
+
+
+def test_an_exported_drafter_folder_is_refused_by_load_checkpoint_as_such(tmp_path):
+    (tmp_path / "export").mkdir()
+    (tmp_path / "export" / "config.json").write_text("{}\n")
+    with pytest.raises(DDTreeError, match=r"is an exported drafter folder, not a training checkpoint"):
+        load_checkpoint(tmp_path / "export")
+
+
+def test_weights_outside_the_drafter_in_a_checkpoints_state_dict_are_left_out(saved, tmp_path):
+    path, module = saved
+    checkpoint = torch.load(path, weights_only=False)
+    state = {**checkpoint["state_dict"], "target_norm.weight": torch.ones(3)}  # not the drafter's: never loaded
+    torch.save({**checkpoint, "state_dict": state}, tmp_path / "extra.ckpt")
+    found = load_checkpoint(tmp_path / "extra.ckpt").drafter.state_dict()
+    assert all(torch.equal(found[key], value) for key, value in module.drafter.state_dict().items())

@@ -1677,3 +1677,23 @@ def test_weights_outside_the_drafter_in_a_checkpoints_state_dict_are_left_out(sa
     torch.save({**checkpoint, "state_dict": state}, tmp_path / "extra.ckpt")
     found = load_checkpoint(tmp_path / "extra.ckpt").drafter.state_dict()
     assert all(torch.equal(found[key], value) for key, value in module.drafter.state_dict().items())
+
+
+def test_a_lora_checkpoint_that_left_its_target_modules_unset_merges_its_adapters_on_the_default_modules(saved):
+    """lora_target_modules None (unset) in a checkpoint's hyper_parameters means the default modules, as in training:
+    merged, each adapted weight is W + (alpha / rank) * B @ A."""
+    from ddtree.configuration_dflash import DFlashDrafterConfig
+    from ddtree.modeling_dflash import DFlashDraftModel
+    from training.checkpoints import drafter_from_weights
+    from training.peft_utils import DEFAULT_LORA_MODULES, add_drafter_lora
+
+    config = torch.load(saved[0], weights_only=False)["drafter_config"]
+    torch.manual_seed(0)
+    lora = add_drafter_lora(DFlashDraftModel(DFlashDrafterConfig.from_dict(config)), 2, 4.0, 0.0, DEFAULT_LORA_MODULES)
+    weights = {key: torch.randn_like(value) if "lora_B" in key else value for key, value in lora.state_dict().items()}
+    hyper_parameters = {"lora_rank": 2, "lora_alpha": 4.0, "lora_dropout": 0.0, "lora_target_modules": None}
+    drafter = drafter_from_weights(config, hyper_parameters, weights)
+    (base,) = [key for key in weights if key.endswith("layers.0.self_attn.q_proj.base_layer.weight")]
+    a, b = weights[base.replace("base_layer", "lora_A.default")], weights[base.replace("base_layer", "lora_B.default")]
+    expected = weights[base] + (4.0 / 2) * b @ a
+    assert torch.allclose(drafter.state_dict()["layers.0.self_attn.q_proj.weight"], expected, atol=1e-5)
